@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 if cargo nextest --version >/dev/null 2>&1; then
+  # nextest does not run doctests; run them first so the suite summary is the last line.
+  cargo test --workspace --doc --quiet
   cargo nextest run --workspace --no-fail-fast "$@"
-  # nextest does not run doctests
-  cargo test --workspace --doc
 else
   cargo test --workspace --no-fail-fast "$@"
 fi
