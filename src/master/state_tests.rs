@@ -1,0 +1,585 @@
+//! Unit tests of the metadata core, driven by a fake clock.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::master::clock::FakeClock;
+
+const MIB: u64 = 1 << 20;
+
+fn key(i: u64) -> ObjectKey {
+    ObjectKey::from_bytes(&i.to_le_bytes())
+}
+
+fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: name.into(),
+        tier,
+        capacity_bytes: capacity,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://{node}:1")],
+    }
+}
+
+fn master(config: MasterConfig) -> (MasterState, FakeClock) {
+    let clock = FakeClock::new(1_000);
+    (MasterState::new(config, Arc::new(clock.clone())), clock)
+}
+
+fn opts(replicas: u8) -> PutOptions {
+    PutOptions {
+        replicas,
+        ..PutOptions::default()
+    }
+}
+
+fn put(m: &mut MasterState, k: ObjectKey, size: u64, o: &PutOptions) -> Vec<ReplicaInfo> {
+    match m.put_start(k, size, o).expect("put_start") {
+        PutStarted::Allocated { put_id, replicas } => {
+            m.put_end(k, put_id).expect("put_end");
+            replicas
+        }
+        PutStarted::AlreadyCommitted { .. } => panic!("unexpected duplicate"),
+    }
+}
+
+fn start(m: &mut MasterState, k: ObjectKey, size: u64, o: &PutOptions) -> (u64, Vec<ReplicaInfo>) {
+    match m.put_start(k, size, o).expect("put_start") {
+        PutStarted::Allocated { put_id, replicas } => (put_id, replicas),
+        PutStarted::AlreadyCommitted { .. } => panic!("unexpected duplicate"),
+    }
+}
+
+#[test]
+fn entry_stays_compact() {
+    assert!(
+        std::mem::size_of::<Entry>() <= 56,
+        "{}",
+        std::mem::size_of::<Entry>()
+    );
+}
+
+#[test]
+fn put_get_exists_prefix_roundtrip() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    m.mount(spec("a", "dram0", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    let k: Vec<ObjectKey> = (0..4).map(key).collect();
+    let (id, reps) = start(&mut m, k[0], 5000, &opts(1));
+    assert_eq!(reps.len(), 1);
+    assert_eq!(reps[0].length, 5000);
+    assert_eq!(reps[0].offset % PAGE_BYTES, 0);
+    // Pending objects are invisible to readers.
+    assert_eq!(m.exists(&k[..1]), vec![false]);
+    assert!(matches!(m.get(k[0]), Err(MasterError::UnknownKey(_))));
+    m.put_end(k[0], id).expect("end");
+    m.put_end(k[0], id).expect("ending twice is idempotent");
+    put(&mut m, k[1], 100, &opts(1));
+    put(&mut m, k[3], 100, &opts(1));
+    assert_eq!(m.exists(&k), vec![true, true, false, true]);
+    assert_eq!(m.longest_prefix(&k), 2);
+    let got = m.get(k[0]).expect("get");
+    assert_eq!(got.size, 5000);
+    assert_eq!(got.replicas, reps);
+    assert_eq!(m.stats().objects, 3);
+    assert_eq!(
+        m.stats().used_bytes[0],
+        4 * PAGE_BYTES,
+        "5000 B takes 2 pages, 100 B one"
+    );
+}
+
+#[test]
+fn placement_prefers_writer_then_numa_then_free_space_on_distinct_nodes() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    m.mount(spec("a", "s0", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    let mut numa1 = spec("a", "s1", Tier::Dram, 32 * MIB);
+    numa1.numa_node = 1;
+    m.mount(numa1).expect("mount");
+    m.mount(spec("b", "s0", Tier::Dram, 128 * MIB))
+        .expect("mount");
+    m.mount(spec("c", "s0", Tier::Dram, 16 * MIB))
+        .expect("mount");
+    let o = PutOptions {
+        replicas: 2,
+        writer_node: Some("a".into()),
+        numa_hint: Some(1),
+        ..PutOptions::default()
+    };
+    let reps = put(&mut m, key(1), MIB, &o);
+    assert_eq!(reps.len(), 2);
+    assert_eq!(
+        (reps[0].node.as_str(), reps[0].segment.as_str()),
+        ("a", "s1")
+    );
+    assert_eq!(
+        reps[1].node, "b",
+        "second replica: most free space elsewhere"
+    );
+    // No writer: the emptiest segment first.
+    let reps = put(&mut m, key(2), MIB, &opts(3));
+    let nodes: Vec<&str> = reps.iter().map(|r| r.node.as_str()).collect();
+    assert_eq!(nodes, vec!["b", "a", "c"]);
+    // More replicas than nodes: as many as possible, then repaired later.
+    let reps = put(&mut m, key(3), MIB, &opts(4));
+    assert_eq!(reps.len(), 3);
+    assert_eq!(m.stats().under_replicated, 1);
+}
+
+#[test]
+fn failure_domain_spread_uses_distinct_domains() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    for (node, zone) in [("a", "z1"), ("b", "z1"), ("c", "z2")] {
+        let mut s = spec(node, "s", Tier::Dram, 64 * MIB);
+        s.failure_domain = zone.into();
+        m.mount(s).expect("mount");
+    }
+    let o = PutOptions {
+        replicas: 2,
+        writer_node: Some("a".into()),
+        spread: Spread::FailureDomain,
+        ..PutOptions::default()
+    };
+    let reps = put(&mut m, key(1), MIB, &o);
+    let nodes: Vec<&str> = reps.iter().map(|r| r.node.as_str()).collect();
+    assert_eq!(nodes, vec!["a", "c"]);
+}
+
+#[test]
+fn bad_puts_get_clear_errors_and_change_nothing() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    assert_eq!(
+        m.put_start(key(1), 10, &opts(1)),
+        Err(MasterError::NoSpace { size: 10 })
+    );
+    m.mount(spec("a", "s", Tier::Dram, 4 * MIB)).expect("mount");
+    let before = m.stats();
+    assert!(matches!(
+        m.put_start(key(1), 5 * MIB, &opts(1)),
+        Err(MasterError::TooLarge { size, largest }) if size == 5 * MIB && largest == 4 * MIB
+    ));
+    assert!(matches!(
+        m.put_start(key(1), 0, &opts(1)),
+        Err(MasterError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.put_start(key(1), 1, &opts(0)),
+        Err(MasterError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.put_start(key(1), 1, &opts(200)),
+        Err(MasterError::InvalidArgument(_))
+    ));
+    assert_eq!(m.stats(), before);
+
+    let (id, _) = start(&mut m, key(1), 100, &opts(1));
+    let mid = m.stats();
+    assert!(matches!(
+        m.put_start(key(1), 100, &opts(1)),
+        Err(MasterError::PutInProgress(_))
+    ));
+    assert!(matches!(
+        m.put_end(key(2), id),
+        Err(MasterError::StalePut { .. })
+    ));
+    assert!(matches!(
+        m.put_end(key(1), id ^ (1 << 40)),
+        Err(MasterError::StalePut { .. })
+    ));
+    assert!(matches!(
+        m.put_end(key(1), u64::MAX),
+        Err(MasterError::StalePut { .. })
+    ));
+    assert!(matches!(
+        m.remove(key(1)),
+        Err(MasterError::PutInProgress(_))
+    ));
+    assert_eq!(m.stats(), mid);
+    m.put_end(key(1), id).expect("end");
+    // Duplicate put of the same size: idempotent, nothing allocated.
+    let done = m.stats();
+    assert_eq!(
+        m.put_start(key(1), 100, &opts(1)),
+        Ok(PutStarted::AlreadyCommitted { size: 100 })
+    );
+    assert!(matches!(
+        m.put_start(key(1), 200, &opts(1)),
+        Err(MasterError::SizeConflict {
+            existing: 100,
+            requested: 200,
+            ..
+        })
+    ));
+    assert!(matches!(
+        m.put_revoke(key(1), id),
+        Err(MasterError::StalePut { .. })
+    ));
+    assert!(matches!(m.remove(key(9)), Err(MasterError::UnknownKey(_))));
+    assert!(matches!(m.get(key(9)), Err(MasterError::UnknownKey(_))));
+    assert!(matches!(
+        m.pin(key(9), true, 0),
+        Err(MasterError::UnknownKey(_))
+    ));
+    assert!(matches!(
+        m.release_lease(77),
+        Err(MasterError::StaleLease(77))
+    ));
+    assert_eq!(m.stats(), done);
+}
+
+#[test]
+fn revoke_and_put_timeout_free_space() {
+    let (mut m, clock) = master(MasterConfig::default());
+    m.mount(spec("a", "s", Tier::Dram, 4 * MIB)).expect("mount");
+    let (id, _) = start(&mut m, key(1), MIB, &opts(1));
+    assert_eq!(m.stats().used_bytes[0], MIB);
+    m.put_revoke(key(1), id).expect("revoke");
+    assert_eq!(m.stats().used_bytes[0], 0);
+    assert!(matches!(
+        m.put_end(key(1), id),
+        Err(MasterError::StalePut { .. })
+    ));
+    let (id, _) = start(&mut m, key(1), MIB, &opts(1));
+    clock.advance_ms(m.config().put_timeout_ms + 1);
+    m.tick();
+    assert_eq!(m.stats().used_bytes[0], 0);
+    assert_eq!(m.stats().pending_puts, 0);
+    assert!(matches!(
+        m.put_end(key(1), id),
+        Err(MasterError::StalePut { .. })
+    ));
+    assert_eq!(m.counters().puts_expired, 1);
+}
+
+fn small_pool(policy: PolicyKind) -> (MasterState, FakeClock) {
+    let config = MasterConfig {
+        policy,
+        watermarks: [Watermarks {
+            high: 0.9,
+            low: 0.7,
+        }; 2],
+        ..MasterConfig::default()
+    };
+    let (mut m, clock) = master(config);
+    // 10 objects of 1 MiB fill it.
+    m.mount(spec("a", "s", Tier::Dram, 10 * MIB))
+        .expect("mount");
+    (m, clock)
+}
+
+#[test]
+fn eviction_at_high_watermark_follows_lru_and_respects_leases_and_pins() {
+    let (mut m, _clock) = small_pool(PolicyKind::Lru);
+    for i in 0..9 {
+        put(&mut m, key(i), MIB, &opts(1));
+    }
+    assert_eq!(m.stats().objects, 9, "90% is not above the high watermark");
+    // Object 0: leased. 1: hard pinned. 2: soft pinned. 3: touched recently.
+    let lease = m.get(key(0)).expect("get").lease;
+    m.pin(key(1), true, 0).expect("hard pin");
+    m.pin(key(2), false, 60_000).expect("soft pin");
+    m.get(key(3)).expect("touch");
+    // Crossing 90% evicts down to 70%: 10 -> 7 objects, oldest unprotected first: 4, 5, 6.
+    put(&mut m, key(9), MIB, &opts(1));
+    assert_eq!(m.stats().objects, 7);
+    let alive = m.exists(&(0..10).map(key).collect::<Vec<_>>());
+    assert_eq!(
+        alive,
+        vec![
+            true, true, true, true, false, false, false, true, true, true
+        ]
+    );
+    assert_eq!(m.counters().evicted_dropped[0], 3);
+    assert!(matches!(
+        m.remove(key(0)),
+        Err(MasterError::Leased { leases: 1, .. })
+    ));
+    m.release_lease(lease.id).expect("release");
+    assert!(matches!(
+        m.release_lease(lease.id),
+        Err(MasterError::StaleLease(_))
+    ));
+}
+
+#[test]
+fn soft_pins_go_last_and_hard_pins_never() {
+    let (mut m, clock) = small_pool(PolicyKind::Lru);
+    for i in 0..9 {
+        put(&mut m, key(i), MIB, &opts(1));
+        m.pin(key(i), i < 4, 60_000).expect("pin");
+    }
+    // 0..4 hard, 4..9 soft, the newcomer is still pending while eviction runs: eviction has
+    // to take soft-pinned objects, oldest first, and never a hard-pinned one.
+    put(&mut m, key(9), MIB, &opts(1));
+    let all: Vec<ObjectKey> = (0..10).map(key).collect();
+    assert_eq!(
+        m.exists(&all),
+        vec![
+            true, true, true, true, false, false, false, true, true, true
+        ]
+    );
+    // Once soft pins expire, an unpinned object is no longer protected and the old soft-pinned
+    // ones (now plain) go in LRU order: 10 -> 7 MiB takes 7, 8 and 9 before the newer puts.
+    clock.advance_ms(60_001);
+    m.heartbeat("a").expect("hb");
+    m.tick();
+    assert_eq!(m.stats().soft_pins, 0);
+    for i in 10..13 {
+        put(&mut m, key(i), MIB, &opts(1));
+    }
+    let all: Vec<ObjectKey> = (0..13).map(key).collect();
+    let alive = m.exists(&all);
+    assert!(alive[..4].iter().all(|a| *a), "hard pins stay: {alive:?}");
+    assert_eq!(
+        &alive[7..],
+        &[false, false, false, true, true, true],
+        "{alive:?}"
+    );
+}
+
+#[test]
+fn leased_objects_survive_space_pressure() {
+    let (mut m, clock) = small_pool(PolicyKind::S3fifo);
+    for i in 0..10 {
+        put(&mut m, key(i), MIB, &opts(1));
+    }
+    let leases: Vec<Lease> = m
+        .exists(&(0..10).map(key).collect::<Vec<_>>())
+        .iter()
+        .enumerate()
+        .filter(|(_, alive)| **alive)
+        .map(|(i, _)| m.get(key(i as u64)).expect("get").lease)
+        .collect();
+    let leased_count = leases.len();
+    // Every resident object is leased: a new put finds no space and nothing changes.
+    let before = m.stats();
+    if before.used_bytes[0] + MIB > before.capacity_bytes[0] {
+        assert_eq!(
+            m.put_start(key(100), MIB, &opts(1)),
+            Err(MasterError::NoSpace { size: MIB })
+        );
+        assert_eq!(m.stats(), before);
+    }
+    // Leases expire; then space can be reclaimed.
+    clock.advance_ms(m.config().lease_ttl_ms + 1);
+    m.tick();
+    assert_eq!(m.stats().leases, 0);
+    assert_eq!(m.counters().leases_expired, leased_count as u64);
+    put(&mut m, key(100), MIB, &opts(1));
+}
+
+#[test]
+fn agent_death_drops_its_replicas_and_schedules_repair() {
+    let (mut m, clock) = master(MasterConfig::default());
+    for n in ["a", "b", "c"] {
+        m.mount(spec(n, "s", Tier::Dram, 64 * MIB)).expect("mount");
+    }
+    let o = PutOptions {
+        replicas: 2,
+        writer_node: Some("a".into()),
+        ..PutOptions::default()
+    };
+    let mut keys = Vec::new();
+    for i in 0..20 {
+        put(&mut m, key(i), MIB, &o);
+        keys.push(key(i));
+    }
+    let one = PutOptions {
+        replicas: 1,
+        writer_node: Some("a".into()),
+        ..PutOptions::default()
+    };
+    put(&mut m, key(100), MIB, &one);
+    // b and c keep heartbeating, a goes silent.
+    let timeout = m.config().heartbeat_timeout_ms;
+    clock.advance_ms(timeout / 2);
+    m.heartbeat("b").expect("hb");
+    m.heartbeat("c").expect("hb");
+    clock.advance_ms(timeout / 2 + 1);
+    m.heartbeat("b").expect("hb");
+    m.heartbeat("c").expect("hb");
+    let report = m.tick();
+    assert_eq!(report.dead_nodes, vec!["a".to_string()]);
+    assert_eq!(
+        report.objects_lost, 1,
+        "only the single-replica object is lost"
+    );
+    assert!(matches!(m.heartbeat("a"), Err(MasterError::UnknownNode(_))));
+    assert_eq!(m.exists(&keys), vec![true; 20]);
+    for k in &keys {
+        let got = m.get(*k).expect("readable");
+        assert_eq!(got.replicas.len(), 1);
+        assert_ne!(got.replicas[0].node, "a");
+    }
+    assert_eq!(report.repairs_scheduled, 20);
+    assert_eq!(m.stats().under_replicated, 20);
+    // Tasks go to the target node with the heartbeat; target differs from the source node.
+    let mut tasks = m.heartbeat("b").expect("hb");
+    tasks.extend(m.heartbeat("c").expect("hb"));
+    assert_eq!(tasks.len(), 20);
+    for t in &tasks {
+        assert_eq!(t.kind, TaskKind::Repair);
+        assert_ne!(t.source.node, t.target.node);
+        m.complete_task(&t.target.node, t.id, true)
+            .expect("complete");
+    }
+    assert!(matches!(
+        m.complete_task("b", tasks[0].id, true),
+        Err(MasterError::UnknownTask(_))
+    ));
+    assert_eq!(m.stats().under_replicated, 0);
+    for k in &keys {
+        assert_eq!(m.get(*k).expect("get").replicas.len(), 2);
+    }
+    assert_eq!(m.counters().repairs_done, 20);
+}
+
+#[test]
+fn failed_or_expired_repairs_free_their_target_and_retry() {
+    let (mut m, clock) = master(MasterConfig::default());
+    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    let b = m
+        .mount(spec("b", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    put(&mut m, key(1), MIB, &opts(2));
+    m.mount(spec("c", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    m.unmount("b", b).expect("unmount");
+    assert!(matches!(
+        m.unmount("b", b),
+        Err(MasterError::UnknownSegment { .. })
+    ));
+    m.tick();
+    let tasks = m.heartbeat("c").expect("hb");
+    assert_eq!(tasks.len(), 1);
+    assert_eq!(m.stats().used_bytes[0], 2 * MIB, "source + reserved target");
+    m.complete_task("c", tasks[0].id, false).expect("fail");
+    assert_eq!(m.stats().used_bytes[0], MIB);
+    m.tick();
+    let tasks = m.heartbeat("c").expect("hb");
+    assert_eq!(tasks.len(), 1, "rescheduled");
+    clock.advance_ms(m.config().task_timeout_ms + 1);
+    m.heartbeat("a").expect("hb");
+    m.heartbeat("c").expect("hb");
+    m.tick();
+    assert_eq!(m.counters().repairs_failed, 2);
+}
+
+#[test]
+fn put_racing_agent_death_never_commits_dead_memory() {
+    let (mut m, clock) = master(MasterConfig::default());
+    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    m.mount(spec("b", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    let (id1, reps) = start(&mut m, key(1), MIB, &opts(2));
+    assert_eq!(reps.len(), 2);
+    let (id2, _) = start(&mut m, key(2), MIB, &opts(1));
+    clock.advance_ms(m.config().heartbeat_timeout_ms / 2);
+    m.heartbeat("b").expect("hb");
+    clock.advance_ms(m.config().heartbeat_timeout_ms / 2 + 1);
+    m.heartbeat("b").expect("hb");
+    m.tick();
+    // key 1 commits on b only, and is queued for repair.
+    m.put_end(key(1), id1).expect("commit on survivor");
+    let got = m.get(key(1)).expect("get");
+    assert_eq!(got.replicas.len(), 1);
+    assert_eq!(got.replicas[0].node, "b");
+    assert_eq!(m.stats().under_replicated, 1);
+    // key 2 lived on the emptier node; if that was a, the put fails cleanly.
+    match m.put_end(key(2), id2) {
+        Ok(()) => assert_eq!(m.get(key(2)).expect("get").replicas[0].node, "b"),
+        Err(e) => {
+            assert!(matches!(e, MasterError::ReplicasLost(_)));
+            assert_eq!(m.exists(&[key(2)]), vec![false]);
+        }
+    }
+    // Now b dies too, while a put is pending there.
+    let (id4, _) = start(&mut m, key(4), MIB, &opts(1));
+    clock.advance_ms(m.config().heartbeat_timeout_ms + 1);
+    m.tick();
+    assert_eq!(
+        m.put_end(key(4), id4),
+        Err(MasterError::ReplicasLost(key(4).to_hex()))
+    );
+    assert_eq!(m.exists(&[key(1), key(4)]), vec![false, false]);
+    assert_eq!(m.stats().objects, 0);
+}
+
+#[test]
+fn dram_eviction_demotes_to_ssd_on_the_same_node() {
+    let config = MasterConfig {
+        watermarks: [Watermarks {
+            high: 0.9,
+            low: 0.5,
+        }; 2],
+        ..MasterConfig::default()
+    };
+    let (mut m, _clock) = master(config);
+    m.mount(spec("a", "dram", Tier::Dram, 10 * MIB))
+        .expect("mount");
+    m.mount(spec("a", "ssd", Tier::Ssd, 100 * MIB))
+        .expect("mount");
+    for i in 0..10 {
+        put(&mut m, key(i), MIB, &opts(1));
+    }
+    // Crossing 90% of DRAM: 10 -> 5 MiB by demoting the 5 oldest objects.
+    let tasks = m.heartbeat("a").expect("hb");
+    assert_eq!(tasks.len(), 5);
+    assert!(tasks.iter().all(|t| t.kind == TaskKind::Demote
+        && t.source.tier == Tier::Dram
+        && t.target.tier == Tier::Ssd));
+    // While demotions run, the objects stay readable from DRAM.
+    let leased = m.get(tasks[0].key).expect("get");
+    assert_eq!(leased.replicas.len(), 1);
+    assert_eq!(leased.replicas[0].tier, Tier::Dram);
+    for t in &tasks {
+        m.complete_task("a", t.id, true).expect("done");
+    }
+    // Leased object keeps its DRAM copy as well; others moved.
+    assert_eq!(
+        m.replica_tiers(&tasks[0].key).expect("tiers"),
+        vec![Tier::Dram, Tier::Ssd]
+    );
+    for t in &tasks[1..] {
+        assert_eq!(m.replica_tiers(&t.key).expect("tiers"), vec![Tier::Ssd]);
+    }
+    assert_eq!(m.stats().objects, 10, "nothing dropped");
+    assert_eq!(m.counters().demoted, 5);
+    assert_eq!(m.stats().used_bytes[1], 5 * MIB);
+    m.release_lease(leased.lease.id).expect("release");
+}
+
+#[test]
+fn snapshot_restore_roundtrip() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    m.mount(spec("b", "s", Tier::Ssd, 64 * MIB)).expect("mount");
+    for i in 0..10 {
+        put(&mut m, key(i), 3 * PAGE_BYTES + i, &opts(2));
+    }
+    m.pin(key(3), true, 0).expect("pin");
+    let segs = m.segment_records();
+    let objs = m.object_records();
+    let (mut n, _c) = master(MasterConfig::default());
+    assert_eq!(n.restore(segs.clone(), objs.clone()), 0);
+    assert_eq!(n.stats().objects, 10);
+    assert_eq!(n.stats().used_bytes, m.stats().used_bytes);
+    assert_eq!(n.segment_records(), segs);
+    let mut a = n.object_records();
+    let mut b = objs;
+    a.sort_by_key(|r| r.key);
+    b.sort_by_key(|r| r.key);
+    assert_eq!(a, b);
+    // New allocations never overlap restored ones.
+    let (_, reps) = start(&mut n, key(99), MIB, &opts(1));
+    for r in n.object_records().iter().flat_map(|o| o.replicas.clone()) {
+        let seg_same = r.0 == reps[0].segment_id;
+        assert!(!seg_same || r.1 + 4 * PAGE_BYTES <= reps[0].offset || reps[0].offset + MIB <= r.1);
+    }
+}
