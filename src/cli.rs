@@ -32,12 +32,18 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and exit.
     Version,
+    /// Replay a Mooncake trace against a global block cache and report hit ratios per
+    /// eviction policy and capacity.
+    SimulateCache(crate::master::simulate::SimulateCacheArgs),
 }
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
+        Command::SimulateCache(args) => {
+            crate::master::simulate::run(&args)?;
+        }
     }
     Ok(())
 }
