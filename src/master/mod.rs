@@ -4,8 +4,10 @@
 //! `ha` talks to etcd, `simulate` reads trace files, `cmd` wires the `kvpool master` process.
 
 pub mod alloc;
+pub mod auth;
 pub mod clock;
 pub mod policy;
+pub mod proto;
 pub mod simulate;
 pub mod state;
 pub mod types;

@@ -241,6 +241,26 @@ pub struct ObjectRecord {
     pub replicas: Vec<(u32, u64)>,
 }
 
+/// One change to persist (HA write-through). Produced only when the journal is enabled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JournalOp {
+    PutSegment(u32, SegmentSpec),
+    DelSegment(u32),
+    PutObject(ObjectRecord),
+    DelObject(ObjectKey),
+    /// Space handed to a writer (pending put or task target) that no committed object owns
+    /// yet: a new leader must not reuse it before the writer is done.
+    Reserve {
+        seg: u32,
+        offset: u64,
+        length: u64,
+    },
+    Unreserve {
+        seg: u32,
+        offset: u64,
+    },
+}
+
 /// The pool's metadata. Not thread safe by itself: the service wraps it in a mutex.
 #[derive(Debug)]
 pub struct MasterState {
@@ -267,6 +287,11 @@ pub struct MasterState {
     tasks: HashMap<u64, TaskRec>,
     next_task: u64,
     counters: Counters,
+    journal: Option<Vec<JournalOp>>,
+    /// Restored reservations: (segment, page, pages, release time).
+    quarantine: Vec<(u32, u32, u32, u64)>,
+    /// No eviction before this time (readers' leases died with the previous leader).
+    evict_not_before_ms: u64,
 }
 
 /// Placement preference, compared lexicographically: on the writer's node, on its NUMA node,
@@ -304,7 +329,60 @@ impl MasterState {
             tasks: HashMap::new(),
             next_task: 1,
             counters: Counters::default(),
+            journal: None,
+            quarantine: Vec::new(),
+            evict_not_before_ms: 0,
         }
+    }
+
+    /// Record changes for persistence from now on; drain them with [`Self::take_journal`].
+    pub fn enable_journal(&mut self) {
+        self.journal.get_or_insert_with(Vec::new);
+    }
+
+    /// Changes since the last call (empty when the journal is disabled).
+    pub fn take_journal(&mut self) -> Vec<JournalOp> {
+        self.journal
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    fn log(&mut self, op: JournalOp) {
+        if let Some(j) = self.journal.as_mut() {
+            j.push(op);
+        }
+    }
+
+    fn log_object(&mut self, slot: u32) {
+        if self.journal.is_none() {
+            return;
+        }
+        let Some(e) = self.entries.get(slot as usize) else {
+            return;
+        };
+        if !e.has(LIVE) || e.has(PENDING) {
+            return;
+        }
+        let key = e.key;
+        if let Some(rec) = self.object_record(&key) {
+            self.log(JournalOp::PutObject(rec));
+        }
+    }
+
+    fn log_reserve(&mut self, r: Rep, pages: u32) {
+        self.log(JournalOp::Reserve {
+            seg: r.seg,
+            offset: u64::from(r.page) * PAGE_BYTES,
+            length: u64::from(pages) * PAGE_BYTES,
+        });
+    }
+
+    fn log_unreserve(&mut self, r: Rep) {
+        self.log(JournalOp::Unreserve {
+            seg: r.seg,
+            offset: u64::from(r.page) * PAGE_BYTES,
+        });
     }
 
     pub fn config(&self) -> &MasterConfig {
@@ -394,6 +472,7 @@ impl MasterState {
         ns.last_heartbeat_ms = now;
         ns.failure_domain = spec.failure_domain.clone();
         ns.segments.push(id);
+        self.log(JournalOp::PutSegment(id, spec.clone()));
         self.segments.insert(id, Segment { spec, node, alloc });
         Ok(id)
     }
@@ -465,6 +544,8 @@ impl MasterState {
         let t = seg.spec.tier.index();
         self.capacity_pages[t] -= seg.alloc.capacity_bytes() / PAGE_BYTES;
         self.used_pages[t] -= seg.alloc.used_bytes() / PAGE_BYTES;
+        self.log(JournalOp::DelSegment(id));
+        self.quarantine.retain(|q| q.0 != id);
         if let Some(ns) = self.nodes.get_mut(seg.node as usize) {
             ns.segments.retain(|s| *s != id);
         }
@@ -483,6 +564,8 @@ impl MasterState {
             if !e.has(LIVE) || !e.replicas.iter().any(|r| r.seg == id) {
                 continue;
             }
+            let lost: SmallVec<[Rep; 2]> =
+                e.replicas.iter().copied().filter(|r| r.seg == id).collect();
             e.replicas.retain(|r| r.seg != id);
             let (pending, empty, short) = (
                 e.has(PENDING),
@@ -491,6 +574,9 @@ impl MasterState {
             );
             if pending {
                 // put_end will see the loss and fail or commit on the survivors.
+                for r in lost {
+                    self.log_unreserve(r);
+                }
                 continue;
             }
             if empty {
@@ -502,6 +588,7 @@ impl MasterState {
                 self.under.insert(slot);
             }
             self.sync_policy(slot);
+            self.log_object(slot);
         }
     }
 
@@ -575,12 +662,19 @@ impl MasterState {
         }
         let key = e.key;
         let pages = e.pages();
+        let was_pending = e.has(PENDING);
         let reps = std::mem::take(&mut e.replicas);
         e.flags = 0;
         e.leases = 0;
         e.generation = e.generation.wrapping_add(1);
         for r in reps {
+            if was_pending {
+                self.log_unreserve(r);
+            }
             self.free_rep(r, pages);
+        }
+        if !was_pending {
+            self.log(JournalOp::DelObject(key));
         }
         for t in Tier::ALL {
             self.policies[t.index()].remove(slot);
@@ -778,6 +872,9 @@ impl MasterState {
             if reps.is_empty() {
                 continue;
             }
+            for r in &reps {
+                self.log_reserve(*r, pages);
+            }
             let slot = self.new_object(key, size, opts.replicas, reps);
             self.entries[slot as usize].flags |= PENDING;
             let deadline = self.clock.now_ms() + self.config.put_timeout_ms;
@@ -830,8 +927,13 @@ impl MasterState {
         if e.replicas.len() < usize::from(e.desired) {
             self.under.insert(slot);
         }
+        let reps = e.replicas.clone();
         self.pending.remove(&slot);
         self.sync_policy(slot);
+        for r in reps {
+            self.log_unreserve(r);
+        }
+        self.log_object(slot);
         Ok(())
     }
 
@@ -939,6 +1041,7 @@ impl MasterState {
         let slot = self.committed_slot(&key)?;
         if hard {
             self.entries[slot as usize].flags |= HARD_PIN;
+            self.log_object(slot);
         } else {
             if ttl_ms == 0 {
                 return Err(MasterError::InvalidArgument(
@@ -955,8 +1058,12 @@ impl MasterState {
     /// Drop both kinds of pin.
     pub fn unpin(&mut self, key: ObjectKey) -> Result<(), MasterError> {
         let slot = self.committed_slot(&key)?;
+        let was_hard = self.entries[slot as usize].has(HARD_PIN);
         self.entries[slot as usize].flags &= !(HARD_PIN | SOFT_PIN);
         self.soft_pins.remove(&slot);
+        if was_hard {
+            self.log_object(slot);
+        }
         Ok(())
     }
 
@@ -992,6 +1099,9 @@ impl MasterState {
     /// objects; soft-pinned ones only when nothing else can go. Returns false when nothing
     /// could be evicted.
     fn evict_one(&mut self, tier: Tier) -> bool {
+        if self.clock.now_ms() < self.evict_not_before_ms {
+            return false;
+        }
         let t = tier.index();
         let entries = &self.entries;
         let mut victim = None;
@@ -1032,6 +1142,7 @@ impl MasterState {
             self.drop_object(slot);
         } else {
             self.sync_policy(slot);
+            self.log_object(slot);
         }
         true
     }
@@ -1055,6 +1166,7 @@ impl MasterState {
                 seg.alloc.allocate(pages).map(|page| Rep { seg: sid, page })
             });
         let Some(target) = target else { return false };
+        self.log_reserve(target, pages);
         self.used_pages[Tier::Ssd.index()] += u64::from(pages);
         self.releasing_pages[Tier::Dram.index()] += u64::from(pages);
         let generation = self.entries[slot as usize].generation;
@@ -1103,6 +1215,7 @@ impl MasterState {
             self.releasing_pages[Tier::Dram.index()] -= u64::from(t.releasing_pages);
         }
         let target_alive = self.segments.contains_key(&t.target.seg);
+        self.log_unreserve(t.target);
         let object_ok = self
             .entries
             .get(t.slot as usize)
@@ -1161,6 +1274,7 @@ impl MasterState {
             self.drop_object(slot);
         } else {
             self.sync_policy(slot);
+            self.log_object(slot);
         }
     }
 
@@ -1200,6 +1314,7 @@ impl MasterState {
             let Some(node) = self.segments.get(&target.seg).map(|s| s.node) else {
                 continue;
             };
+            self.log_reserve(target, pages);
             self.entries[slot as usize].flags |= BUSY;
             self.add_task(TaskRec {
                 kind: TaskKind::Repair,
@@ -1259,6 +1374,17 @@ impl MasterState {
             .collect();
         for id in expired_tasks {
             self.finish_task(id, false);
+        }
+        let released: Vec<(u32, u32, u32, u64)> = self
+            .quarantine
+            .iter()
+            .copied()
+            .filter(|q| q.3 <= now)
+            .collect();
+        self.quarantine.retain(|q| q.3 > now);
+        for (seg, page, pages, _) in released {
+            self.free_rep(Rep { seg, page }, pages);
+            self.log_unreserve(Rep { seg, page });
         }
         let lost_before = self.counters.objects_lost;
         for n in 0..self.nodes.len() as u32 {
@@ -1325,8 +1451,10 @@ impl MasterState {
         &mut self,
         segments: Vec<(u32, SegmentSpec)>,
         objects: Vec<ObjectRecord>,
+        reservations: Vec<(u32, u64, u64)>,
     ) -> usize {
         let now = self.clock.now_ms();
+        self.evict_not_before_ms = now + self.config.lease_ttl_ms;
         let mut skipped = 0;
         for (id, spec) in segments {
             let node = match self.node_ids.get(&spec.node) {
@@ -1384,6 +1512,26 @@ impl MasterState {
                 self.under.insert(slot);
             }
             self.sync_policy(slot);
+        }
+        let until = now + self.config.put_timeout_ms.max(self.config.task_timeout_ms);
+        for (seg, offset, length) in reservations {
+            let page = u32::try_from(offset / PAGE_BYTES).unwrap_or(u32::MAX);
+            let Some(pages) = pages_for(length) else {
+                skipped += 1;
+                continue;
+            };
+            let claimed = self
+                .segments
+                .get_mut(&seg)
+                .filter(|s| s.alloc.free_bytes() > 0)
+                .and_then(|s| s.alloc.claim(page, pages).then_some(s.spec.tier));
+            match claimed {
+                Some(tier) => {
+                    self.used_pages[tier.index()] += u64::from(pages);
+                    self.quarantine.push((seg, page, pages, until));
+                }
+                None => skipped += 1,
+            }
         }
         skipped
     }

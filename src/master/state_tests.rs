@@ -567,7 +567,7 @@ fn snapshot_restore_roundtrip() {
     let segs = m.segment_records();
     let objs = m.object_records();
     let (mut n, _c) = master(MasterConfig::default());
-    assert_eq!(n.restore(segs.clone(), objs.clone()), 0);
+    assert_eq!(n.restore(segs.clone(), objs.clone(), Vec::new()), 0);
     assert_eq!(n.stats().objects, 10);
     assert_eq!(n.stats().used_bytes, m.stats().used_bytes);
     assert_eq!(n.segment_records(), segs);
@@ -582,4 +582,89 @@ fn snapshot_restore_roundtrip() {
         let seg_same = r.0 == reps[0].segment_id;
         assert!(!seg_same || r.1 + 4 * PAGE_BYTES <= reps[0].offset || reps[0].offset + MIB <= r.1);
     }
+}
+
+#[test]
+fn journal_replays_into_an_equal_state() {
+    use std::collections::BTreeMap;
+    let (mut m, clock) = master(MasterConfig::default());
+    m.enable_journal();
+    m.mount(spec("a", "s", Tier::Dram, 16 * MIB))
+        .expect("mount");
+    let b = m
+        .mount(spec("b", "s", Tier::Dram, 16 * MIB))
+        .expect("mount");
+    m.mount(spec("c", "s", Tier::Dram, 16 * MIB))
+        .expect("mount");
+    for i in 0..30 {
+        put(&mut m, key(i), MIB / 2, &opts(2));
+    }
+    m.pin(key(1), true, 0).expect("pin");
+    m.remove(key(2)).expect("remove");
+    let (pending_id, _) = start(&mut m, key(100), MIB, &opts(1));
+    m.unmount("b", b).expect("unmount");
+    m.tick();
+    // Replay the journal into a key-value map, as etcd would hold it.
+    let mut segs: BTreeMap<u32, SegmentSpec> = BTreeMap::new();
+    let mut objs: BTreeMap<ObjectKey, ObjectRecord> = BTreeMap::new();
+    let mut rsv: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+    for op in m.take_journal() {
+        match op {
+            JournalOp::PutSegment(id, s) => {
+                segs.insert(id, s);
+            }
+            JournalOp::DelSegment(id) => {
+                segs.remove(&id);
+            }
+            JournalOp::PutObject(r) => {
+                objs.insert(r.key, r);
+            }
+            JournalOp::DelObject(k) => {
+                objs.remove(&k);
+            }
+            JournalOp::Reserve {
+                seg,
+                offset,
+                length,
+            } => {
+                rsv.insert((seg, offset), length);
+            }
+            JournalOp::Unreserve { seg, offset } => {
+                rsv.remove(&(seg, offset));
+            }
+        }
+    }
+    assert!(m.take_journal().is_empty());
+    let mut want = m.object_records();
+    want.sort_by_key(|r| r.key);
+    assert_eq!(objs.values().cloned().collect::<Vec<_>>(), want);
+    assert_eq!(segs.into_iter().collect::<Vec<_>>(), m.segment_records());
+    // The pending put and the repair targets are reserved.
+    assert!(!rsv.is_empty());
+    let (mut n, nclock) = master(MasterConfig::default());
+    let reserved: Vec<(u32, u64, u64)> = rsv.iter().map(|((s, o), l)| (*s, *o, *l)).collect();
+    assert_eq!(n.restore(m.segment_records(), want, reserved), 0);
+    assert_eq!(n.stats().used_bytes, m.stats().used_bytes);
+    // The old put id means nothing to the new leader; the key can be put again at once.
+    assert!(matches!(
+        n.put_end(key(100), pending_id),
+        Err(MasterError::StalePut { .. })
+    ));
+    put(&mut n, key(100), MIB, &opts(1));
+    // Quarantined space comes back after the put timeout.
+    let used = n.stats().used_bytes[0];
+    nclock.advance_ms(n.config().task_timeout_ms + 1);
+    for node in ["a", "c"] {
+        n.heartbeat(node).expect("hb");
+    }
+    let tasks_before = n.stats().tasks;
+    n.tick();
+    let reserved_bytes: u64 = rsv.values().sum();
+    let new_repairs = n.stats().tasks - tasks_before;
+    assert_eq!(
+        n.stats().used_bytes[0],
+        used - reserved_bytes + new_repairs * (MIB / 2),
+        "reservations released, new repair targets allocated"
+    );
+    let _ = clock;
 }
