@@ -35,6 +35,8 @@ pub enum Command {
     /// Replay a Mooncake trace against a global block cache and report hit ratios per
     /// eviction policy and capacity.
     SimulateCache(crate::master::simulate::SimulateCacheArgs),
+    /// Run the pool's metadata master (gRPC API, eviction, repair, optional etcd HA).
+    Master(Box<crate::master::cmd::MasterArgs>),
 }
 
 /// Run the parsed command line.
@@ -43,6 +45,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
         Command::SimulateCache(args) => {
             crate::master::simulate::run(&args)?;
+        }
+        Command::Master(args) => {
+            tokio::runtime::Runtime::new()?.block_on(crate::master::cmd::run(*args))?;
         }
     }
     Ok(())

@@ -48,8 +48,11 @@ impl MasterMetrics {
         let m = Self {
             objects: g("kvpool_master_objects", "Committed objects")
                 .map_err(MetricsError::Register)?,
-            pending_puts: g("kvpool_master_pending_puts", "Puts started and not yet ended")
-                .map_err(MetricsError::Register)?,
+            pending_puts: g(
+                "kvpool_master_pending_puts",
+                "Puts started and not yet ended",
+            )
+            .map_err(MetricsError::Register)?,
             used_bytes: IntGaugeVec::new(
                 Opts::new("kvpool_master_used_bytes", "Allocated bytes per tier"),
                 &["tier"],
@@ -60,7 +63,8 @@ impl MasterMetrics {
                 &["tier"],
             )
             .map_err(MetricsError::Register)?,
-            leases: g("kvpool_master_leases", "Active read leases").map_err(MetricsError::Register)?,
+            leases: g("kvpool_master_leases", "Active read leases")
+                .map_err(MetricsError::Register)?,
             under_replicated: g(
                 "kvpool_master_under_replicated_objects",
                 "Objects with fewer replicas than asked",
@@ -86,7 +90,10 @@ impl MasterMetrics {
             )
             .map_err(MetricsError::Register)?,
             requests: IntCounterVec::new(
-                Opts::new("kvpool_master_requests_total", "gRPC calls by method and result"),
+                Opts::new(
+                    "kvpool_master_requests_total",
+                    "gRPC calls by method and result",
+                ),
                 &["method", "result"],
             )
             .map_err(MetricsError::Register)?,
@@ -180,16 +187,30 @@ impl MasterMetrics {
             .with_label_values(&[self.policy, "dram", "demoted"])
             .inc_by(d(counters.demoted, last.demoted));
         let events = [
-            ("demotion_failed", counters.demotions_failed, last.demotions_failed),
+            (
+                "demotion_failed",
+                counters.demotions_failed,
+                last.demotions_failed,
+            ),
             ("repair_done", counters.repairs_done, last.repairs_done),
-            ("repair_failed", counters.repairs_failed, last.repairs_failed),
+            (
+                "repair_failed",
+                counters.repairs_failed,
+                last.repairs_failed,
+            ),
             ("object_lost", counters.objects_lost, last.objects_lost),
             ("node_died", counters.nodes_died, last.nodes_died),
-            ("lease_expired", counters.leases_expired, last.leases_expired),
+            (
+                "lease_expired",
+                counters.leases_expired,
+                last.leases_expired,
+            ),
             ("put_expired", counters.puts_expired, last.puts_expired),
         ];
         for (name, now, before) in events {
-            self.events.with_label_values(&[name]).inc_by(d(now, before));
+            self.events
+                .with_label_values(&[name])
+                .inc_by(d(now, before));
         }
         *last = counters.clone();
     }

@@ -5,9 +5,14 @@
 
 pub mod alloc;
 pub mod auth;
+pub mod client;
 pub mod clock;
+pub mod cmd;
+pub mod ha;
+pub mod metrics;
 pub mod policy;
 pub mod proto;
+pub mod service;
 pub mod simulate;
 pub mod state;
 pub mod types;

@@ -335,6 +335,11 @@ impl MasterState {
         }
     }
 
+    /// An empty state with the same configuration and clock (a new leader's starting point).
+    pub fn fresh(&self) -> Self {
+        Self::new(self.config.clone(), self.clock.clone())
+    }
+
     /// Record changes for persistence from now on; drain them with [`Self::take_journal`].
     pub fn enable_journal(&mut self) {
         self.journal.get_or_insert_with(Vec::new);
@@ -383,6 +388,11 @@ impl MasterState {
             seg: r.seg,
             offset: u64::from(r.page) * PAGE_BYTES,
         });
+    }
+
+    /// The injected clock's current time.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
     }
 
     pub fn config(&self) -> &MasterConfig {
