@@ -15,6 +15,7 @@ pub mod proto;
 pub mod service;
 pub mod simulate;
 pub mod state;
+pub mod testing;
 pub mod types;
 
 pub use clock::{Clock, FakeClock, SystemClock};

@@ -1,0 +1,395 @@
+//! The master's gRPC service over loopback: the client library against an in-process master,
+//! authentication, error codes, admin endpoints, agent death, and the real binary's SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvpool::master::auth::AuthKey;
+use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
+use kvpool::master::cmd::{MasterArgs, RunningMaster, start};
+use kvpool::master::proto::ErrorCode;
+use kvpool::master::{PolicyKind, PutOptions, PutStarted, SegmentSpec, Tier};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
+const MIB: u64 = 1 << 20;
+
+fn args(key_file: PathBuf) -> MasterArgs {
+    MasterArgs {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        admin_addr: "127.0.0.1:0".parse().expect("addr"),
+        auth_key_file: key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(600),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 4,
+    }
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    master: RunningMaster,
+    shutdown: CancellationToken,
+    client: MasterClient,
+}
+
+async fn fixture(tweak: impl FnOnce(&mut MasterArgs)) -> Fixture {
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, KEY).expect("key");
+    let mut a = args(key_file);
+    tweak(&mut a);
+    let shutdown = CancellationToken::new();
+    let master = start(a.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("start");
+    let client = MasterClient::new(
+        vec![master.grpc_addr.to_string()],
+        AuthKey::from_bytes(KEY).expect("key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    Fixture {
+        _dir: dir,
+        master,
+        shutdown,
+        client,
+    }
+}
+
+fn seg(node: &str, tier: Tier, cap: u64) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: format!("{}0", tier.as_str()),
+        tier,
+        capacity_bytes: cap,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://{node}:7000")],
+    }
+}
+
+fn code(e: &ClientError) -> Option<ErrorCode> {
+    e.code()
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out
+}
+
+#[tokio::test]
+async fn put_get_batch_and_error_codes_over_grpc() {
+    let f = fixture(|_| {}).await;
+    let c = &f.client;
+    for n in ["a", "b", "c"] {
+        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
+            .await
+            .expect("mount");
+    }
+    let opts = PutOptions {
+        replicas: 2,
+        writer_node: Some("a".into()),
+        ..PutOptions::default()
+    };
+    // Batch put of a 4-block chain.
+    let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("chain/{i}").into_bytes()).collect();
+    let items: Vec<(&[u8], u64)> = keys.iter().map(|k| (k.as_slice(), 100_000)).collect();
+    let started = c.put_start_batch(&items, &opts).await.expect("put_start");
+    let mut ends = Vec::new();
+    for (k, r) in keys.iter().zip(started) {
+        match r.expect("allocated") {
+            PutStarted::Allocated { put_id, replicas } => {
+                assert_eq!(replicas.len(), 2);
+                assert_eq!(replicas[0].node, "a", "writer's node first");
+                assert_ne!(replicas[0].node, replicas[1].node);
+                ends.push((k.as_slice(), put_id));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // Only the first three are committed.
+    let committed = c.put_end_batch(&ends[..3]).await.expect("put_end");
+    assert!(committed.iter().all(Result::is_ok));
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    assert_eq!(
+        c.exists(&refs).await.expect("exists"),
+        vec![true, true, true, false]
+    );
+    assert_eq!(c.longest_prefix(&refs).await.expect("prefix"), 3);
+    c.put_revoke(ends[3].0, ends[3].1).await.expect("revoke");
+
+    let got = c.get(&keys[0]).await.expect("get");
+    assert_eq!(got.size, 100_000);
+    assert_eq!(got.replicas.len(), 2);
+    assert!(got.lease_ttl > Duration::ZERO);
+    let gets = c
+        .get_batch(&[&keys[1], b"missing"])
+        .await
+        .expect("get batch");
+    assert!(gets[0].is_ok());
+    assert_eq!(
+        gets[1].as_ref().err().and_then(code),
+        Some(ErrorCode::UnknownKey)
+    );
+
+    // Bad input: clear codes, no state change.
+    let before = c.stats().await.expect("stats");
+    let dup = c.put_start(&keys[0], 100_000, &opts).await.expect("dup");
+    assert_eq!(dup, PutStarted::AlreadyCommitted { size: 100_000 });
+    let conflict = c.put_start(&keys[0], 5, &opts).await.expect_err("conflict");
+    assert_eq!(code(&conflict), Some(ErrorCode::SizeConflict));
+    let big = c
+        .put_start(b"big", 65 * MIB, &opts)
+        .await
+        .expect_err("too large");
+    assert_eq!(code(&big), Some(ErrorCode::TooLarge));
+    let stale = c.put_end(&keys[0], 12345).await.expect_err("stale put");
+    assert_eq!(code(&stale), Some(ErrorCode::StalePut));
+    let leased = c.remove(&keys[0]).await.expect_err("leased");
+    assert_eq!(code(&leased), Some(ErrorCode::Leased));
+    c.release_lease(got.lease_id).await.expect("release");
+    let stale = c
+        .release_lease(got.lease_id)
+        .await
+        .expect_err("stale lease");
+    assert_eq!(code(&stale), Some(ErrorCode::StaleLease));
+    let unknown = c.remove(b"missing").await.expect_err("unknown");
+    assert_eq!(code(&unknown), Some(ErrorCode::UnknownKey));
+    let empty_key = c.exists(&[b""]).await.expect_err("empty key");
+    assert!(
+        matches!(empty_key, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::InvalidArgument)
+    );
+    let bad_hb = c.heartbeat("nobody").await.expect_err("unknown node");
+    assert!(
+        matches!(bad_hb, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::NotFound)
+    );
+    let mut after = c.stats().await.expect("stats");
+    // The only difference: the lease was released.
+    after.leases += 1;
+    assert_eq!(after, before);
+
+    // Pins and remove.
+    assert!(c.pin(&[&keys[1]], true, Duration::ZERO).await.expect("pin")[0].is_ok());
+    assert!(c.unpin(&[&keys[1]]).await.expect("unpin")[0].is_ok());
+    let leases: Vec<u64> = gets
+        .into_iter()
+        .filter_map(|g| g.ok())
+        .map(|g| g.lease_id)
+        .collect();
+    c.release_leases(&leases).await.expect("release");
+    let removed = c.remove_batch(&[&keys[0], &keys[1]]).await.expect("remove");
+    assert!(removed.iter().all(Result::is_ok), "{removed:?}");
+    assert_eq!(c.longest_prefix(&refs).await.expect("prefix"), 0);
+
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
+
+#[tokio::test]
+async fn unauthenticated_requests_are_refused_and_change_nothing() {
+    let f = fixture(|_| {}).await;
+    f.client
+        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
+        .await
+        .expect("mount");
+    let before = f.client.stats().await.expect("stats");
+    let intruder = MasterClient::new(
+        vec![f.master.grpc_addr.to_string()],
+        AuthKey::from_bytes(b"not-the-pool-key-at-all").expect("key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    let e = intruder
+        .mount_segment(&seg("evil", Tier::Dram, 64 * MIB))
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::Unauthenticated),
+        "{e:?}"
+    );
+    let e = intruder
+        .put_start(b"k", 10, &PutOptions::default())
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::Unauthenticated)
+    );
+    assert_eq!(f.client.stats().await.expect("stats"), before);
+    // The refusals are counted.
+    let metrics = http_get(f.master.admin_addr, "/metrics").await;
+    assert!(
+        metrics.contains("kvpool_master_requests_total{method=\"mount_segment\",result=\"ok\"} 1"),
+        "{metrics}"
+    );
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
+
+#[tokio::test]
+async fn admin_endpoints_and_metrics() {
+    let f = fixture(|_| {}).await;
+    assert!(
+        http_get(f.master.admin_addr, "/livez")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    assert!(
+        http_get(f.master.admin_addr, "/readyz")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    f.client
+        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
+        .await
+        .expect("mount");
+    match f
+        .client
+        .put_start(b"k", MIB, &PutOptions::default())
+        .await
+        .expect("put")
+    {
+        PutStarted::Allocated { put_id, .. } => f.client.put_end(b"k", put_id).await.expect("end"),
+        other => panic!("{other:?}"),
+    }
+    // Gauges are refreshed by the tick loop; poll until they show the object.
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = http_get(f.master.admin_addr, "/metrics").await;
+        if metrics.contains("kvpool_master_objects 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for needle in [
+        "kvpool_master_objects 1",
+        "kvpool_master_used_bytes{tier=\"dram\"} 1048576",
+        "kvpool_master_capacity_bytes{tier=\"dram\"} 67108864",
+        "kvpool_master_requests_total{method=\"put_end\",result=\"ok\"} 1",
+        "kvpool_master_request_duration_seconds_bucket{method=\"put_start\"",
+        "kvpool_master_leader 1",
+        "kvpool_master_leases 0",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+    let ready = f.master.readiness.clone();
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+    assert!(!ready.is_ready(), "not ready once stopped");
+}
+
+#[tokio::test]
+async fn silent_agents_die_and_two_replica_objects_stay_readable() {
+    let f = fixture(|a| a.heartbeat_timeout = Duration::from_millis(300)).await;
+    let c = &f.client;
+    for n in ["a", "b"] {
+        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
+            .await
+            .expect("mount");
+    }
+    let opts = PutOptions {
+        replicas: 2,
+        ..PutOptions::default()
+    };
+    let keys: Vec<Vec<u8>> = (0..50).map(|i| format!("obj/{i}").into_bytes()).collect();
+    for k in &keys {
+        c.heartbeat("a").await.expect("hb a");
+        c.heartbeat("b").await.expect("hb b");
+        match c.put_start(k, 4096, &opts).await.expect("put") {
+            PutStarted::Allocated { put_id, .. } => c.put_end(k, put_id).await.expect("end"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // Only b keeps heartbeating; a is declared dead.
+    let mut alive = 2;
+    for _ in 0..400 {
+        c.heartbeat("b").await.expect("hb b");
+        alive = c.stats().await.expect("stats").nodes_alive;
+        if alive == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(alive, 1, "agent a was never declared dead");
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    assert_eq!(c.exists(&refs).await.expect("exists"), vec![true; 50]);
+    for k in &refs {
+        let got = c.get(k).await.expect("readable");
+        assert_eq!(got.replicas.len(), 1);
+        assert_eq!(got.replicas[0].node, "b");
+    }
+    let e = c.heartbeat("a").await.expect_err("dead");
+    assert!(
+        matches!(e, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::NotFound)
+    );
+    assert_eq!(c.stats().await.expect("stats").under_replicated, 50);
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
+
+#[test]
+fn binary_serves_and_stops_cleanly_on_sigterm() {
+    use kvpool::master::testing::{free_port, wait_for_port};
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, KEY).expect("key");
+    let grpc = free_port().expect("port");
+    let admin = free_port().expect("port");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["master", "--listen"])
+        .arg(format!("127.0.0.1:{grpc}"))
+        .arg("--admin-addr")
+        .arg(format!("127.0.0.1:{admin}"))
+        .env("KVPOOL_AUTH_KEY_FILE", &key_file)
+        .spawn()
+        .expect("spawn");
+    let up = wait_for_port(
+        SocketAddr::from(([127, 0, 0, 1], admin)),
+        Duration::from_secs(30),
+    );
+    if !up {
+        let _ = child.kill();
+        panic!("master did not start");
+    }
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "exit status {status:?}");
+
+    // A bad flag exits non-zero naming the field.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args([
+            "master",
+            "--dram-high-watermark",
+            "0.5",
+            "--dram-low-watermark",
+            "0.9",
+        ])
+        .env("KVPOOL_AUTH_KEY_FILE", &key_file)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("dram-low-watermark"), "{stderr}");
+}
