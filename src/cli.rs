@@ -37,6 +37,8 @@ pub enum Command {
     SimulateCache(crate::master::simulate::SimulateCacheArgs),
     /// Run the pool's metadata master (gRPC API, eviction, repair, optional etcd HA).
     Master(Box<crate::master::cmd::MasterArgs>),
+    /// Benchmark the master's metadata path (lookups/s, puts/s, RSS per object).
+    MasterBench(crate::master::bench::MasterBenchArgs),
 }
 
 /// Run the parsed command line.
@@ -48,6 +50,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Master(args) => {
             tokio::runtime::Runtime::new()?.block_on(crate::master::cmd::run(*args))?;
+        }
+        Command::MasterBench(args) => {
+            tokio::runtime::Runtime::new()?.block_on(crate::master::bench::run(args))?;
         }
     }
     Ok(())

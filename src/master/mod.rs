@@ -5,6 +5,7 @@
 
 pub mod alloc;
 pub mod auth;
+pub mod bench;
 pub mod client;
 pub mod clock;
 pub mod cmd;
