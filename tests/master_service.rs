@@ -298,12 +298,24 @@ async fn admin_endpoints_and_metrics() {
 
 #[tokio::test]
 async fn silent_agents_die_and_two_replica_objects_stay_readable() {
-    let f = fixture(|a| a.heartbeat_timeout = Duration::from_millis(300)).await;
+    let f = fixture(|a| a.heartbeat_timeout = Duration::from_secs(2)).await;
     let c = &f.client;
     for n in ["a", "b"] {
         c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
             .await
             .expect("mount");
+    }
+    // b heartbeats for the whole test; a only while the objects are written.
+    let a_beats = CancellationToken::new();
+    let beats = CancellationToken::new();
+    for (node, stop) in [("a", a_beats.clone()), ("b", beats.clone())] {
+        let (c, stop) = (c.clone(), stop);
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let _ = c.heartbeat(node).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
     }
     let opts = PutOptions {
         replicas: 2,
@@ -311,17 +323,14 @@ async fn silent_agents_die_and_two_replica_objects_stay_readable() {
     };
     let keys: Vec<Vec<u8>> = (0..50).map(|i| format!("obj/{i}").into_bytes()).collect();
     for k in &keys {
-        c.heartbeat("a").await.expect("hb a");
-        c.heartbeat("b").await.expect("hb b");
         match c.put_start(k, 4096, &opts).await.expect("put") {
             PutStarted::Allocated { put_id, .. } => c.put_end(k, put_id).await.expect("end"),
             other => panic!("{other:?}"),
         }
     }
-    // Only b keeps heartbeating; a is declared dead.
+    a_beats.cancel();
     let mut alive = 2;
-    for _ in 0..400 {
-        c.heartbeat("b").await.expect("hb b");
+    for _ in 0..600 {
         alive = c.stats().await.expect("stats").nodes_alive;
         if alive == 1 {
             break;
@@ -341,6 +350,7 @@ async fn silent_agents_die_and_two_replica_objects_stay_readable() {
         matches!(e, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::NotFound)
     );
     assert_eq!(c.stats().await.expect("stats").under_replicated, 50);
+    beats.cancel();
     f.shutdown.cancel();
     f.master.join().await.expect("clean stop");
 }
@@ -392,4 +402,217 @@ fn binary_serves_and_stops_cleanly_on_sigterm() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("dram-low-watermark"), "{stderr}");
+}
+
+/// Stand-in for the transfer engine and the agents' memory until those land (issues 3 and 4):
+/// each mounted segment is a byte buffer; a killed agent's buffers disappear.
+#[derive(Clone, Default)]
+struct Fabric(std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<u32, Vec<u8>>>>);
+
+impl Fabric {
+    fn add(&self, seg: u32, cap: u64) {
+        self.0.lock().insert(seg, vec![0; cap as usize]);
+    }
+    fn drop_segment(&self, seg: u32) {
+        self.0.lock().remove(&seg);
+    }
+    fn write(&self, r: &kvpool::master::ReplicaInfo, data: &[u8]) -> bool {
+        let mut m = self.0.lock();
+        let Some(buf) = m.get_mut(&r.segment_id) else {
+            return false;
+        };
+        let off = r.offset as usize;
+        buf[off..off + data.len()].copy_from_slice(data);
+        true
+    }
+    fn read(&self, r: &kvpool::master::ReplicaInfo) -> Option<Vec<u8>> {
+        let m = self.0.lock();
+        let buf = m.get(&r.segment_id)?;
+        let off = r.offset as usize;
+        Some(buf[off..off + r.length as usize].to_vec())
+    }
+}
+
+fn value_for(i: u64) -> Vec<u8> {
+    let len = 1000 + (i * 7919 % 60_000) as usize;
+    (0..len).map(|j| (i as usize * 31 + j * 17) as u8).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_under_load_loses_nothing_and_reads_verify() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    // Live agents heartbeat every 50 ms; the timeout is generous for a loaded 2-core box.
+    let f = fixture(|a| a.heartbeat_timeout = Duration::from_secs(3)).await;
+    let fabric = Fabric::default();
+    let mut agents = Vec::new();
+    for n in ["a", "b", "c"] {
+        let id = f
+            .client
+            .mount_segment(&seg(n, Tier::Dram, 32 * MIB))
+            .await
+            .expect("mount");
+        fabric.add(id, 32 * MIB);
+        let alive = std::sync::Arc::new(AtomicBool::new(true));
+        // Agent loop: heartbeat, execute repair copies through the fabric.
+        let (c, fab, al, node) = (
+            f.client.clone(),
+            fabric.clone(),
+            alive.clone(),
+            n.to_owned(),
+        );
+        agents.push((
+            id,
+            alive,
+            tokio::spawn(async move {
+                while al.load(Ordering::SeqCst) {
+                    if let Ok(tasks) = c.heartbeat(&node).await {
+                        for t in tasks {
+                            let ok = match fab.read(&t.source) {
+                                Some(bytes) => fab.write(&t.target, &bytes),
+                                None => false,
+                            };
+                            let _ = c.complete_task(&node, t.id, ok).await;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }),
+        ));
+    }
+    let opts = PutOptions {
+        replicas: 2,
+        ..PutOptions::default()
+    };
+    let committed: std::sync::Arc<parking_lot::Mutex<Vec<u64>>> = Default::default();
+    let next = std::sync::Arc::new(AtomicU64::new(0));
+    let bad_reads = std::sync::Arc::new(AtomicU64::new(0));
+    let stop_readers = CancellationToken::new();
+    // Two writers.
+    let mut writers = Vec::new();
+    for _ in 0..2 {
+        let (c, fab, done, next, opts) = (
+            f.client.clone(),
+            fabric.clone(),
+            committed.clone(),
+            next.clone(),
+            opts.clone(),
+        );
+        writers.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= 300 {
+                    break;
+                }
+                let key = format!("obj/{i}").into_bytes();
+                let value = value_for(i);
+                let PutStarted::Allocated { put_id, replicas } = c
+                    .put_start(&key, value.len() as u64, &opts)
+                    .await
+                    .expect("put_start")
+                else {
+                    panic!("fresh key")
+                };
+                for r in &replicas {
+                    fab.write(r, &value); // a dead target just fails, like a transfer would
+                }
+                match c.put_end(&key, put_id).await {
+                    Ok(()) => done.lock().push(i),
+                    Err(e) => assert_eq!(code(&e), Some(ErrorCode::ReplicasLost), "{e}"),
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }));
+    }
+    // A reader verifying every byte it reads, through the kill.
+    let reader = {
+        let (c, fab, done, bad, stop) = (
+            f.client.clone(),
+            fabric.clone(),
+            committed.clone(),
+            bad_reads.clone(),
+            stop_readers.clone(),
+        );
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.is_cancelled() {
+                let keys: Vec<u64> = done.lock().clone();
+                for i in keys.iter().rev().take(20) {
+                    let got = c
+                        .get(format!("obj/{i}").as_bytes())
+                        .await
+                        .expect("committed object readable");
+                    let ok = got
+                        .replicas
+                        .iter()
+                        .filter_map(|r| fab.read(r))
+                        .any(|b| b == value_for(*i));
+                    if !ok {
+                        bad.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let _ = c.release_lease(got.lease_id).await;
+                    n += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            n
+        })
+    };
+    // Kill agent b once a third of the objects are in.
+    while committed.lock().len() < 100 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (b_seg, b_alive, b_task) = &agents[1];
+    b_alive.store(false, Ordering::SeqCst);
+    fabric.drop_segment(*b_seg);
+    b_task.abort();
+    for w in writers {
+        w.await.expect("writer");
+    }
+    // Wait for death detection and repairs to restore two replicas everywhere.
+    let mut stats = f.client.stats().await.expect("stats");
+    for _ in 0..1200 {
+        stats = f.client.stats().await.expect("stats");
+        if stats.nodes_alive == 2 && stats.under_replicated == 0 && stats.tasks == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_readers.cancel();
+    let reads = reader.await.expect("reader");
+    assert!(reads > 0);
+    assert_eq!(
+        bad_reads.load(Ordering::SeqCst),
+        0,
+        "every read returned the bytes written"
+    );
+    assert_eq!(
+        (stats.nodes_alive, stats.under_replicated),
+        (2, 0),
+        "{stats:?}"
+    );
+    let done = committed.lock().clone();
+    assert!(done.len() >= 250, "most puts committed: {}", done.len());
+    assert_eq!(stats.objects, done.len() as u64, "zero lost objects");
+    for i in done {
+        let got = f
+            .client
+            .get(format!("obj/{i}").as_bytes())
+            .await
+            .expect("get");
+        assert_eq!(got.replicas.len(), 2, "repaired to two replicas");
+        for r in &got.replicas {
+            assert_ne!(r.node, "b");
+            assert_eq!(
+                fabric.read(r).expect("replica memory"),
+                value_for(i),
+                "object {i}"
+            );
+        }
+    }
+    for (_, alive, task) in agents {
+        alive.store(false, Ordering::SeqCst);
+        task.abort();
+    }
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
 }

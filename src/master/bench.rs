@@ -153,9 +153,16 @@ async fn lookup_phase(
             let mut next = (ci * args.depth + d) as u64 * 7919;
             tasks.push(tokio::spawn(async move {
                 while !stop.is_cancelled() {
-                    // A chain of `batch` consecutive keys; a fifth of the chains run past the
-                    // loaded range so that prefixes end early and misses are exercised.
-                    let start = next % (objects + objects / 5).max(1);
+                    // A chain of `batch` consecutive keys. For `exists`, a fifth of the chains
+                    // run past the loaded range so that misses are exercised too; for
+                    // `longest_prefix` every chain is fully cached, so each call really looks
+                    // up all `batch` keys.
+                    let range = if prefix {
+                        objects.saturating_sub(batch).max(1)
+                    } else {
+                        (objects + objects / 5).max(1)
+                    };
+                    let start = next % range;
                     next = next.wrapping_add(104_729);
                     let keys: Vec<Vec<u8>> = (start..start + batch).map(bench_key).collect();
                     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
