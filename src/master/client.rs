@@ -225,7 +225,7 @@ impl MasterClient {
             let attempt: Result<(), ClientError> = match self.connection().await {
                 Ok((addr, client)) => match f(client).await {
                     Ok(r) => return Ok(r.into_inner()),
-                    Err(s) if matches!(s.code(), Code::Unavailable | Code::Cancelled) => {
+                    Err(s) if retryable(&s) => {
                         let hint = s
                             .metadata()
                             .get(LEADER_HEADER)
@@ -588,6 +588,20 @@ impl MasterClient {
             |mut c| async move { c.stats(proto::Empty {}).await },
         )
         .await
+    }
+}
+
+/// Calls worth retrying on another connection: the master is a standby or going away, or the
+/// connection broke (a crashed leader). A retried mutating call may find its first attempt
+/// applied (`put_start` then answers PUT_IN_PROGRESS, `remove` UNKNOWN_KEY).
+fn retryable(s: &tonic::Status) -> bool {
+    use std::error::Error as _;
+    match s.code() {
+        Code::Unavailable | Code::Cancelled => true,
+        Code::Unknown => s
+            .source()
+            .is_some_and(|e| e.is::<tonic::transport::Error>()),
+        _ => false,
     }
 }
 
