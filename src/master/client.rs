@@ -626,14 +626,15 @@ fn first<T>(mut v: Vec<Result<T, ClientError>>) -> Result<T, ClientError> {
         .unwrap_or_else(|| Err(ClientError::Malformed("empty answer".into())))
 }
 
-/// The replica to read: on `node` and `numa_node`, else on `node`, else DRAM before SSD, else
-/// the first.
+/// The replica to read: on `node` and `numa_node`, else on `node`, else the first DRAM one,
+/// else the first.
 pub fn pick_nearest<'a>(
     replicas: &'a [ReplicaInfo],
     node: &str,
     numa_node: Option<u32>,
 ) -> Option<&'a ReplicaInfo> {
-    replicas.iter().max_by_key(|r| {
+    // `max_by_key` keeps the last of equal candidates; reversing keeps the master's order.
+    replicas.iter().rev().max_by_key(|r| {
         let same_node = r.node == node;
         (
             same_node,
