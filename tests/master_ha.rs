@@ -215,7 +215,39 @@ async fn standby_takes_over_with_every_committed_object() {
             );
         }
     }
-    drop(masters.remove(leader));
+
+    // A third master joins as standby; the current leader is stopped cleanly (SIGTERM: it
+    // resigns), and the newcomer takes over with the same state again.
+    let third = spawn_master(dir.path(), &etcd.client_url);
+    assert!(
+        wait_for_port(third.admin, Duration::from_secs(30)),
+        "third master up"
+    );
+    let stats_before = client.stats().await.expect("stats");
+    let term = Command::new("kill")
+        .args(["-TERM", &masters[standby].child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let exit = masters[standby].child.wait().expect("wait");
+    assert!(exit.success(), "leader exits 0 after SIGTERM: {exit:?}");
+    let client3 = MasterClient::new(
+        vec![third.grpc.clone()],
+        AuthKey::from_bytes(KEY).expect("key"),
+        ClientConfig {
+            failover_budget: Duration::from_secs(30),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("client");
+    let stats_after = client3.stats().await.expect("third master leads");
+    assert_eq!(stats_after.objects, stats_before.objects);
+    assert_eq!(stats_after.used_bytes, stats_before.used_bytes);
+    assert_eq!(
+        client3.exists(&refs[10..]).await.expect("exists"),
+        vec![true; 110]
+    );
+    drop(third);
     drop(masters);
     drop(etcd);
 }
