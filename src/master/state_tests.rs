@@ -668,3 +668,229 @@ fn journal_replays_into_an_equal_state() {
     );
     let _ = clock;
 }
+
+/// Structural invariants of the core, checked after every operation of the property test.
+fn check_invariants(m: &MasterState) {
+    use std::collections::HashMap as Map;
+    // Every extent in use, per segment: replicas, task targets, quarantine.
+    let mut extents: Map<u32, Vec<(u32, u32)>> = Map::new();
+    let mut live = 0u64;
+    let mut tracked = [0usize; 2];
+    for (slot, e) in m.entries.iter().enumerate() {
+        if !e.has(LIVE) {
+            continue;
+        }
+        live += 1;
+        assert_eq!(m.find(&e.key), Some(slot as u32), "indexed");
+        for r in &e.replicas {
+            assert!(
+                m.segments.contains_key(&r.seg),
+                "replica on a removed segment"
+            );
+            extents.entry(r.seg).or_default().push((r.page, e.pages()));
+        }
+        if !e.has(PENDING) {
+            assert!(!e.replicas.is_empty(), "committed object without replicas");
+        }
+        for t in Tier::ALL {
+            let has = !e.has(PENDING) && e.replicas.iter().any(|r| m.tier_of(*r) == Some(t));
+            assert_eq!(
+                e.has(IN_POLICY[t.index()]),
+                has,
+                "policy membership of slot {slot}"
+            );
+            tracked[t.index()] += usize::from(has);
+        }
+        let leases = m
+            .leases
+            .values()
+            .filter(|l| l.slot == slot as u32 && l.generation == e.generation)
+            .count();
+        assert_eq!(usize::from(e.leases), leases, "lease count of slot {slot}");
+    }
+    assert_eq!(live, m.live_objects);
+    assert_eq!(m.index.len() as u64, live);
+    for t in Tier::ALL {
+        assert_eq!(
+            m.policies[t.index()].len(),
+            tracked[t.index()],
+            "policy size"
+        );
+    }
+    for t in m.tasks.values() {
+        if m.segments.contains_key(&t.target.seg) {
+            let pages = m.entries[t.slot as usize].pages().max(t.releasing_pages);
+            extents
+                .entry(t.target.seg)
+                .or_default()
+                .push((t.target.page, pages));
+        }
+    }
+    for (seg, page, pages, _) in &m.quarantine {
+        extents.entry(*seg).or_default().push((*page, *pages));
+    }
+    let mut used = [0u64; 2];
+    for (id, seg) in &m.segments {
+        let mut v = extents.remove(id).unwrap_or_default();
+        v.sort_unstable();
+        for w in v.windows(2) {
+            assert!(
+                w[0].0 + w[0].1 <= w[1].0,
+                "overlapping extents on segment {id}: {w:?}"
+            );
+        }
+        let pages: u64 = v.iter().map(|(_, n)| u64::from(*n)).sum();
+        assert_eq!(
+            seg.alloc.used_bytes(),
+            pages * PAGE_BYTES,
+            "segment {id} accounting"
+        );
+        used[seg.spec.tier.index()] += pages;
+    }
+    assert_eq!(used, m.used_pages, "tier accounting");
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Put(u8, u8, u8),
+    Start(u8, u8),
+    End(u8),
+    Revoke(u8),
+    Get(u8),
+    Release(u8),
+    Remove(u8),
+    Pin(u8, bool),
+    Beat(u8),
+    Advance(u16),
+    Complete(u8, bool),
+    Remount(u8),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => (0u8..40, 1u8..4, 1u8..3).prop_map(|(k, s, r)| Op::Put(k, s, r)),
+        2 => (0u8..40, 1u8..4).prop_map(|(k, s)| Op::Start(k, s)),
+        2 => any::<u8>().prop_map(Op::End),
+        1 => any::<u8>().prop_map(Op::Revoke),
+        3 => (0u8..40).prop_map(Op::Get),
+        2 => any::<u8>().prop_map(Op::Release),
+        1 => (0u8..40).prop_map(Op::Remove),
+        1 => (0u8..40, any::<bool>()).prop_map(|(k, h)| Op::Pin(k, h)),
+        3 => (0u8..3).prop_map(Op::Beat),
+        2 => (0u16..4000).prop_map(Op::Advance),
+        2 => (any::<u8>(), any::<bool>()).prop_map(|(t, ok)| Op::Complete(t, ok)),
+        1 => (0u8..3).prop_map(Op::Remount),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(96))]
+    #[test]
+    fn random_operations_keep_the_core_consistent(
+        ops in proptest::collection::vec(op(), 1..120),
+        policy in proptest::prop_oneof![
+            proptest::strategy::Just(PolicyKind::Lru),
+            proptest::strategy::Just(PolicyKind::S3fifo),
+        ],
+    ) {
+        let config = MasterConfig {
+            policy,
+            heartbeat_timeout_ms: 5_000,
+            lease_ttl_ms: 3_000,
+            put_timeout_ms: 6_000,
+            task_timeout_ms: 4_000,
+            watermarks: [Watermarks { high: 0.8, low: 0.6 }; 2],
+            ..MasterConfig::default()
+        };
+        let (mut m, clock) = master(config);
+        m.enable_journal();
+        let nodes = ["a", "b", "c"];
+        for n in nodes {
+            m.mount(spec(n, "dram", Tier::Dram, 8 * MIB)).expect("mount");
+        }
+        m.mount(spec("a", "ssd", Tier::Ssd, 16 * MIB)).expect("mount");
+        let mut puts: Vec<(ObjectKey, u64)> = Vec::new();
+        let mut leases: Vec<(u64, ObjectKey, Vec<ReplicaInfo>)> = Vec::new();
+        let mut tasks: Vec<(String, u64)> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Put(k, s, r) => {
+                    let size = u64::from(s) * MIB - 100;
+                    if let Ok(PutStarted::Allocated { put_id, .. }) =
+                        m.put_start(key(u64::from(k)), size, &opts(r))
+                    {
+                        let _ = m.put_end(key(u64::from(k)), put_id);
+                    }
+                }
+                Op::Start(k, s) => {
+                    let size = u64::from(s) * MIB - 100;
+                    if let Ok(PutStarted::Allocated { put_id, .. }) =
+                        m.put_start(key(u64::from(k)), size, &opts(1))
+                    {
+                        puts.push((key(u64::from(k)), put_id));
+                    }
+                }
+                Op::End(i) if !puts.is_empty() => {
+                    let (k, id) = puts.swap_remove(usize::from(i) % puts.len());
+                    let _ = m.put_end(k, id);
+                }
+                Op::Revoke(i) if !puts.is_empty() => {
+                    let (k, id) = puts.swap_remove(usize::from(i) % puts.len());
+                    let _ = m.put_revoke(k, id);
+                }
+                Op::Get(k) => {
+                    if let Ok(g) = m.get(key(u64::from(k))) {
+                        leases.push((g.lease.id, key(u64::from(k)), g.replicas));
+                    }
+                }
+                Op::Release(i) if !leases.is_empty() => {
+                    let (id, _, _) = leases.swap_remove(usize::from(i) % leases.len());
+                    let _ = m.release_lease(id);
+                }
+                Op::Remove(k) => {
+                    let _ = m.remove(key(u64::from(k)));
+                }
+                Op::Pin(k, hard) => {
+                    let _ = m.pin(key(u64::from(k)), hard, 2_000);
+                }
+                Op::Beat(n) => {
+                    if let Ok(t) = m.heartbeat(nodes[usize::from(n)]) {
+                        tasks.extend(t.into_iter().map(|t| (t.target.node.clone(), t.id)));
+                    }
+                }
+                Op::Advance(ms) => {
+                    clock.advance_ms(u64::from(ms));
+                    m.tick();
+                }
+                Op::Complete(i, ok) if !tasks.is_empty() => {
+                    let (node, id) = tasks.swap_remove(usize::from(i) % tasks.len());
+                    let _ = m.complete_task(&node, id, ok);
+                }
+                Op::Remount(n) => {
+                    let _ = m.mount(spec(nodes[usize::from(n)], "dram", Tier::Dram, 8 * MIB));
+                }
+                _ => {}
+            }
+            check_invariants(&m);
+            // A replica handed out under a lease stays allocated to that object while the
+            // lease is active (unless its agent died or was remounted: that memory is gone).
+            let now = m.now_ms();
+            for (id, k, reps) in &leases {
+                let Some(rec) = m.leases.get(id) else { continue };
+                if rec.expires_ms <= now {
+                    continue;
+                }
+                let current = m.object_record(k).map(|r| r.replicas).unwrap_or_default();
+                for r in reps {
+                    if m.segments.contains_key(&r.segment_id) {
+                        proptest::prop_assert!(
+                            current.contains(&(r.segment_id, r.offset)),
+                            "leased replica {r:?} of {k:?} was freed"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
