@@ -185,6 +185,8 @@ struct TaskRec {
     target: Rep,
     node: u32,
     deadline_ms: u64,
+    /// Size of the target extent (the slot may hold another object by the time the task ends).
+    pages: u32,
     /// Pages taken out of the source tier's usage while the demotion runs.
     releasing_pages: u32,
 }
@@ -1189,6 +1191,7 @@ impl MasterState {
             target,
             node,
             deadline_ms: self.clock.now_ms() + self.config.task_timeout_ms,
+            pages,
             releasing_pages: pages,
         });
         true
@@ -1219,7 +1222,6 @@ impl MasterState {
         let Some(t) = self.tasks.remove(&id) else {
             return;
         };
-        let pages_total = self.entries.get(t.slot as usize).map_or(0, |e| e.pages());
         let src_tier = self.tier_of(t.source);
         if t.kind == TaskKind::Demote {
             self.releasing_pages[Tier::Dram.index()] -= u64::from(t.releasing_pages);
@@ -1232,12 +1234,12 @@ impl MasterState {
             .is_some_and(|e| e.has(LIVE) && e.generation == t.generation);
         if !object_ok {
             if target_alive {
-                self.free_rep(t.target, t.releasing_pages.max(pages_total));
+                self.free_rep(t.target, t.pages);
             }
             return;
         }
         let slot = t.slot;
-        let pages = pages_total;
+        let pages = t.pages;
         self.entries[slot as usize].flags &= !BUSY;
         let success = ok && target_alive;
         if !success && target_alive {
@@ -1334,6 +1336,7 @@ impl MasterState {
                 target,
                 node,
                 deadline_ms: self.clock.now_ms() + self.config.task_timeout_ms,
+                pages,
                 releasing_pages: 0,
             });
             scheduled += 1;
