@@ -479,6 +479,7 @@ mod tests {
             size: 10,
             desired: 2,
             hard_pinned: true,
+            spread_failure_domain: false,
             replicas: vec![(7, 4096)],
         };
         let ops = [

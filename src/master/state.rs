@@ -131,6 +131,8 @@ const SOFT_PIN: u8 = 1 << 3;
 const BUSY: u8 = 1 << 4;
 /// Tracked by the DRAM / SSD policy.
 const IN_POLICY: [u8; 2] = [1 << 5, 1 << 6];
+/// Replicas go to distinct failure domains (repairs keep to it).
+const SPREAD_DOMAINS: u8 = 1 << 7;
 
 #[derive(Clone, Debug)]
 struct Entry {
@@ -239,6 +241,9 @@ pub struct ObjectRecord {
     pub size: u64,
     pub desired: u8,
     pub hard_pinned: bool,
+    /// Replicas are spread over failure domains rather than nodes.
+    #[serde(default)]
+    pub spread_failure_domain: bool,
     /// (segment id, byte offset)
     pub replicas: Vec<(u32, u64)>,
 }
@@ -888,6 +893,9 @@ impl MasterState {
                 self.log_reserve(*r, pages);
             }
             let slot = self.new_object(key, size, opts.replicas, reps);
+            if opts.spread == Spread::FailureDomain {
+                self.entries[slot as usize].flags |= SPREAD_DOMAINS;
+            }
             self.entries[slot as usize].flags |= PENDING;
             let deadline = self.clock.now_ms() + self.config.put_timeout_ms;
             self.pending.insert(slot, deadline);
@@ -1315,7 +1323,14 @@ impl MasterState {
             let Some(tier) = self.tier_of(source) else {
                 continue;
             };
-            let opts = PutOptions::default();
+            let opts = PutOptions {
+                spread: if self.entries[slot as usize].has(SPREAD_DOMAINS) {
+                    Spread::FailureDomain
+                } else {
+                    Spread::Node
+                },
+                ..PutOptions::default()
+            };
             let mut target = self.place(pages, 1, tier, &opts, &existing);
             if target.is_empty() && tier == Tier::Dram {
                 target = self.place(pages, 1, Tier::Ssd, &opts, &existing);
@@ -1440,6 +1455,7 @@ impl MasterState {
             size: e.size,
             desired: e.desired,
             hard_pinned: e.has(HARD_PIN),
+            spread_failure_domain: e.has(SPREAD_DOMAINS),
             replicas: e
                 .replicas
                 .iter()
@@ -1518,6 +1534,9 @@ impl MasterState {
             }
             let short = reps.len() < usize::from(rec.desired);
             let slot = self.new_object(rec.key, rec.size, rec.desired.max(1), reps);
+            if rec.spread_failure_domain {
+                self.entries[slot as usize].flags |= SPREAD_DOMAINS;
+            }
             if rec.hard_pinned {
                 self.entries[slot as usize].flags |= HARD_PIN;
             }

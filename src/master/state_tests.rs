@@ -146,6 +146,26 @@ fn failure_domain_spread_uses_distinct_domains() {
     let reps = put(&mut m, key(1), MIB, &o);
     let nodes: Vec<&str> = reps.iter().map(|r| r.node.as_str()).collect();
     assert_eq!(nodes, vec!["a", "c"]);
+    // Repairs keep to the spread: with c gone, b (same zone as a) is not a valid target; a
+    // new zone is.
+    let c = m
+        .segment_records()
+        .into_iter()
+        .find(|(_, s)| s.node == "c")
+        .map(|(id, _)| id);
+    m.unmount("c", c.expect("c mounted")).expect("unmount");
+    m.tick();
+    assert!(
+        m.heartbeat("b").expect("hb").is_empty(),
+        "no repair into the same zone"
+    );
+    let mut d = spec("d", "s", Tier::Dram, 64 * MIB);
+    d.failure_domain = "z3".into();
+    m.mount(d).expect("mount");
+    m.tick();
+    let tasks = m.heartbeat("d").expect("hb");
+    assert_eq!(tasks.len(), 1);
+    assert_eq!(tasks[0].target.node, "d");
 }
 
 #[test]
