@@ -204,6 +204,16 @@ impl MasterArgs {
                     reason: "must start with '/' and not end with '/'".into(),
                 });
             }
+            if self.advertise_addr.is_none() && self.listen.ip().is_unspecified() {
+                return Err(CmdError::Config {
+                    field: "advertise-addr",
+                    reason: format!(
+                        "needed with --etcd-endpoints when --listen is a wildcard ({}): \
+                         standbys send clients to this address",
+                        self.listen
+                    ),
+                });
+            }
             Some(HaConfig {
                 endpoints: self.etcd_endpoints.clone(),
                 prefix: self.etcd_prefix.clone(),
@@ -378,4 +388,75 @@ pub async fn run(args: MasterArgs) -> Result<(), CmdError> {
     let result = running.join().await;
     tracing::info!("master stopped");
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: MasterArgs,
+    }
+
+    fn parse(extra: &[&str], key_file: &std::path::Path) -> MasterArgs {
+        let mut argv = vec!["master", "--auth-key-file", key_file.to_str().unwrap_or("")];
+        argv.extend_from_slice(extra);
+        Wrapper::try_parse_from(argv).expect("parse").args
+    }
+
+    #[test]
+    fn flags_are_validated_with_the_field_named() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let key = dir.path().join("key");
+        std::fs::write(&key, "0123456789abcdef0123").expect("key");
+        let ok = parse(&[], &key).validate().expect("defaults are valid");
+        assert!(ok.ha.is_none());
+        assert_eq!(ok.core.heartbeat_timeout_ms, 10_000);
+        let field = |extra: &[&str]| match parse(extra, &key).validate() {
+            Err(CmdError::Config { field, .. }) => field,
+            other => panic!("{extra:?}: {other:?}"),
+        };
+        assert_eq!(
+            field(&["--dram-high-watermark", "0.5"]),
+            "dram-low-watermark"
+        );
+        assert_eq!(field(&["--ssd-low-watermark", "0"]), "ssd-low-watermark");
+        assert_eq!(field(&["--heartbeat-timeout", "0s"]), "heartbeat-timeout");
+        assert_eq!(field(&["--max-replicas", "0"]), "max-replicas");
+        assert_eq!(
+            field(&["--etcd-endpoints", "http://e:2379"]),
+            "advertise-addr"
+        );
+        assert_eq!(
+            field(&[
+                "--etcd-endpoints",
+                "http://e:2379",
+                "--advertise-addr",
+                "m:1",
+                "--etcd-prefix",
+                "x"
+            ]),
+            "etcd-prefix"
+        );
+        let ha = parse(
+            &[
+                "--etcd-endpoints",
+                "http://e:2379",
+                "--advertise-addr",
+                "m:1",
+            ],
+            &key,
+        )
+        .validate()
+        .expect("valid");
+        assert_eq!(ha.ha.map(|h| h.advertise), Some("m:1".to_owned()));
+        std::fs::write(&key, "short").expect("key");
+        assert!(matches!(
+            parse(&[], &key).validate(),
+            Err(CmdError::Auth(_))
+        ));
+    }
 }
