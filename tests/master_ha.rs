@@ -224,8 +224,9 @@ async fn standby_takes_over_with_every_committed_object() {
         "third master up"
     );
     let stats_before = client.stats().await.expect("stats");
-    let term = Command::new("kill")
-        .args(["-TERM", &masters[standby].child.id().to_string()])
+    let term = Command::new("sh")
+        // the shell builtin: no procps needed
+        .args(["-c", &format!("kill -TERM {}", masters[standby].child.id())])
         .status()
         .expect("kill");
     assert!(term.success());

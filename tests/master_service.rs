@@ -379,8 +379,9 @@ fn binary_serves_and_stops_cleanly_on_sigterm() {
         let _ = child.kill();
         panic!("master did not start");
     }
-    let term = std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
+    let term = std::process::Command::new("sh")
+        // the shell builtin: no procps needed
+        .args(["-c", &format!("kill -TERM {}", child.id())])
         .status()
         .expect("kill");
     assert!(term.success());
