@@ -301,6 +301,9 @@ pub struct MasterState {
     evict_not_before_ms: u64,
 }
 
+/// Victims one put may evict to make room before it gives up with `NO_SPACE`.
+const MAX_EVICTIONS_PER_PUT: usize = 4096;
+
 /// Placement preference, compared lexicographically: on the writer's node, on its NUMA node,
 /// free bytes, then the lower segment id (determinism).
 type PlacementScore = (bool, bool, u64, std::cmp::Reverse<u32>);
@@ -877,14 +880,15 @@ impl MasterState {
             });
         };
         for &tier in tiers {
+            // Evict for room, one victim at a time, bounded so that one put on a fragmented
+            // tier cannot empty it.
+            let mut budget = MAX_EVICTIONS_PER_PUT;
             let reps = loop {
                 let reps = self.place(pages, opts.replicas, tier, opts, &[]);
-                if !reps.is_empty() {
+                if !reps.is_empty() || budget == 0 || !self.evict_one(tier) {
                     break reps;
                 }
-                if !self.evict_one(tier) {
-                    break reps;
-                }
+                budget -= 1;
             };
             if reps.is_empty() {
                 continue;
