@@ -103,6 +103,10 @@ pub fn journal_write(prefix: &str, op: &JournalOp) -> (String, Option<Vec<u8>>) 
             Some(length.to_string().into_bytes()),
         ),
         JournalOp::Unreserve { seg, offset } => (rsv_key(prefix, *seg, *offset), None),
+        JournalOp::SegmentIdsUsed(n) => (
+            format!("{prefix}/meta/segment-ids-used"),
+            Some(n.to_string().into_bytes()),
+        ),
     }
 }
 
@@ -112,6 +116,8 @@ pub struct Persisted {
     pub segments: Vec<(u32, SegmentSpec)>,
     pub objects: Vec<ObjectRecord>,
     pub reservations: Vec<(u32, u64, u64)>,
+    /// Segment ids below this were handed out by earlier leaders.
+    pub segment_ids_used: u32,
 }
 
 /// Parse the records under `prefix` (key, value pairs as etcd returns them).
@@ -148,6 +154,11 @@ pub fn parse_records(
                 .and_then(|v| v.parse().ok())
                 .ok_or_else(|| corrupt("reservation length".into()))?;
             out.reservations.push((seg, offset, length));
+        } else if rest == "/meta/segment-ids-used" {
+            out.segment_ids_used = std::str::from_utf8(&value)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| corrupt("segment id high-water mark".into()))?;
         }
     }
     Ok(out)
@@ -323,6 +334,7 @@ async fn lead(
     {
         let mut st = core.state.lock();
         let mut fresh = st.fresh();
+        fresh.reserve_segment_ids(persisted.segment_ids_used);
         let skipped = fresh.restore(
             persisted.segments,
             persisted.objects,
@@ -490,6 +502,7 @@ mod tests {
                 offset: 8192,
                 length: 4096,
             },
+            JournalOp::SegmentIdsUsed(9),
         ];
         let kvs: Vec<(String, Vec<u8>)> = ops
             .iter()
@@ -500,6 +513,7 @@ mod tests {
         assert_eq!(p.segments, vec![(7, spec)]);
         assert_eq!(p.objects, vec![rec.clone()]);
         assert_eq!(p.reservations, vec![(7, 8192, 4096)]);
+        assert_eq!(p.segment_ids_used, 9);
         assert_eq!(journal_write("/p", &JournalOp::DelObject(rec.key)).1, None);
         let bad = parse_records("/p", vec![("/p/obj/x".to_owned(), b"{".to_vec())]);
         assert!(matches!(bad, Err(HaError::Corrupt { .. })));

@@ -266,6 +266,8 @@ pub enum JournalOp {
         seg: u32,
         offset: u64,
     },
+    /// Segment ids below this value were handed out (ids are never reused, across leaders too).
+    SegmentIdsUsed(u32),
 }
 
 /// The pool's metadata. Not thread safe by itself: the service wraps it in a mutex.
@@ -484,6 +486,7 @@ impl MasterState {
         }
         let id = self.next_segment;
         self.next_segment += 1;
+        self.log(JournalOp::SegmentIdsUsed(self.next_segment));
         let alloc = ExtentAllocator::new(spec.capacity_bytes);
         let t = spec.tier.index();
         self.capacity_pages[t] += alloc.capacity_bytes() / PAGE_BYTES;
@@ -1435,6 +1438,16 @@ impl MasterState {
     }
 
     // ----- persistence (HA) ------------------------------------------------------------------
+
+    /// Never hand out segment ids below `n` (a new leader, from the persisted high-water mark).
+    pub fn reserve_segment_ids(&mut self, n: u32) {
+        self.next_segment = self.next_segment.max(n);
+    }
+
+    /// Next segment id to be handed out.
+    pub fn next_segment_id(&self) -> u32 {
+        self.next_segment
+    }
 
     /// Mounted segments with their ids.
     pub fn segment_records(&self) -> Vec<(u32, SegmentSpec)> {

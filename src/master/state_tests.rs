@@ -652,6 +652,7 @@ fn journal_replays_into_an_equal_state() {
             JournalOp::Unreserve { seg, offset } => {
                 rsv.remove(&(seg, offset));
             }
+            JournalOp::SegmentIdsUsed(n) => assert!(n > 1),
         }
     }
     assert!(m.take_journal().is_empty());
@@ -913,9 +914,11 @@ proptest::proptest! {
             }
         }
         // What the journal persisted rebuilds the same objects and allocation (HA takeover).
-        let (segs, objs, rsv) = replay(m.take_journal());
+        let (segs, objs, rsv, ids_used) = replay(m.take_journal());
         let (mut n, _c) = master(m.config().clone());
+        n.reserve_segment_ids(ids_used);
         proptest::prop_assert_eq!(n.restore(segs, objs, rsv), 0);
+        proptest::prop_assert_eq!(n.next_segment_id(), m.next_segment_id(), "segment ids never reused");
         check_invariants(&n);
         let mut a = n.object_records();
         let mut b = m.object_records();
@@ -938,6 +941,7 @@ type Replayed = (
     Vec<(u32, SegmentSpec)>,
     Vec<ObjectRecord>,
     Vec<(u32, u64, u64)>,
+    u32,
 );
 
 /// Apply journal entries to key-value maps, as etcd would hold them.
@@ -946,6 +950,7 @@ fn replay(ops: Vec<JournalOp>) -> Replayed {
     let mut segs: BTreeMap<u32, SegmentSpec> = BTreeMap::new();
     let mut objs: BTreeMap<ObjectKey, ObjectRecord> = BTreeMap::new();
     let mut rsv: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+    let mut ids_used = 0;
     for op in ops {
         match op {
             JournalOp::PutSegment(id, s) => {
@@ -970,12 +975,14 @@ fn replay(ops: Vec<JournalOp>) -> Replayed {
             JournalOp::Unreserve { seg, offset } => {
                 rsv.remove(&(seg, offset));
             }
+            JournalOp::SegmentIdsUsed(n) => ids_used = ids_used.max(n),
         }
     }
     (
         segs.into_iter().collect(),
         objs.into_values().collect(),
         rsv.into_iter().map(|((s, o), l)| (s, o, l)).collect(),
+        ids_used,
     )
 }
 
