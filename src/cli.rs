@@ -32,12 +32,28 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and exit.
     Version,
+    /// Replay a Mooncake trace against a global block cache and report hit ratios per
+    /// eviction policy and capacity.
+    SimulateCache(crate::master::simulate::SimulateCacheArgs),
+    /// Run the pool's metadata master (gRPC API, eviction, repair, optional etcd HA).
+    Master(Box<crate::master::cmd::MasterArgs>),
+    /// Benchmark the master's metadata path (lookups/s, puts/s, RSS per object).
+    MasterBench(crate::master::bench::MasterBenchArgs),
 }
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
+        Command::SimulateCache(args) => {
+            crate::master::simulate::run(&args)?;
+        }
+        Command::Master(args) => {
+            tokio::runtime::Runtime::new()?.block_on(crate::master::cmd::run(*args))?;
+        }
+        Command::MasterBench(args) => {
+            tokio::runtime::Runtime::new()?.block_on(crate::master::bench::run(args))?;
+        }
     }
     Ok(())
 }

@@ -1,0 +1,196 @@
+//! Public value types of the master's metadata: keys, tiers, segment specs, replica locations,
+//! put options, tasks. Pure data; shared by the core, the gRPC service and the client.
+
+use serde::{Deserialize, Serialize};
+
+/// Storage tier of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    Dram = 0,
+    Ssd = 1,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 2] = [Tier::Dram, Tier::Ssd];
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Dram => "dram",
+            Tier::Ssd => "ssd",
+        }
+    }
+}
+
+/// Object identity: the 128-bit xxh3 digest of the caller's key bytes. The master keeps only
+/// the digest (16 bytes per object); a collision needs ~2^64 keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ObjectKey {
+    pub hi: u64,
+    pub lo: u64,
+}
+
+impl ObjectKey {
+    pub fn from_bytes(key: &[u8]) -> Self {
+        let h = xxhash_rust::xxh3::xxh3_128(key);
+        Self {
+            hi: (h >> 64) as u64,
+            lo: h as u64,
+        }
+    }
+
+    pub fn to_hex(self) -> String {
+        format!("{:016x}{:016x}", self.hi, self.lo)
+    }
+
+    pub fn from_hex(s: &str) -> Option<Self> {
+        if s.len() != 32 {
+            return None;
+        }
+        let hi = u64::from_str_radix(s.get(..16)?, 16).ok()?;
+        let lo = u64::from_str_radix(s.get(16..)?, 16).ok()?;
+        Some(Self { hi, lo })
+    }
+}
+
+/// What an agent announces when it mounts a segment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentSpec {
+    /// Node (agent) name, unique in the pool.
+    pub node: String,
+    /// Segment name, unique on its node.
+    pub name: String,
+    pub tier: Tier,
+    pub capacity_bytes: u64,
+    pub numa_node: u32,
+    /// Value of the failure-domain label of the node (rack, zone...); empty when unknown.
+    pub failure_domain: String,
+    /// Transport endpoints of the segment (`tcp://host:port`, `rdma://dev/port/gid`...).
+    pub endpoints: Vec<String>,
+}
+
+/// How the replicas of one object are spread.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Spread {
+    /// Each replica on a distinct node.
+    #[default]
+    Node,
+    /// Each replica in a distinct failure domain.
+    FailureDomain,
+}
+
+/// Options of one put.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutOptions {
+    pub replicas: u8,
+    /// Node of the writer: its segments are preferred for the first replica.
+    pub writer_node: Option<String>,
+    /// NUMA node of the writer's buffer (or NIC): preferred on the writer's node.
+    pub numa_hint: Option<u32>,
+    pub spread: Spread,
+    /// Tier to place the object in; `None` means DRAM, falling back to SSD when DRAM is full.
+    pub tier: Option<Tier>,
+}
+
+impl Default for PutOptions {
+    fn default() -> Self {
+        Self {
+            replicas: 1,
+            writer_node: None,
+            numa_hint: None,
+            spread: Spread::Node,
+            tier: None,
+        }
+    }
+}
+
+/// Where one replica lives, as clients and agents see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaInfo {
+    pub node: String,
+    pub segment_id: u32,
+    pub segment: String,
+    pub tier: Tier,
+    pub numa_node: u32,
+    pub endpoints: Vec<String>,
+    /// Byte offset inside the segment (4 KiB aligned).
+    pub offset: u64,
+    /// Bytes of the value (the object size).
+    pub length: u64,
+}
+
+/// Result of `put_start`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PutStarted {
+    /// Write the value to every replica, then `put_end(put_id)`.
+    Allocated {
+        put_id: u64,
+        replicas: Vec<ReplicaInfo>,
+    },
+    /// The key is already committed with the same size: nothing to write (keys name content,
+    /// so a duplicate put is an idempotent success).
+    AlreadyCommitted { size: u64 },
+}
+
+/// A read lease: until it expires or is released, no replica returned with it is freed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub id: u64,
+    pub expires_ms: u64,
+}
+
+/// Result of `get`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GetResult {
+    pub size: u64,
+    pub replicas: Vec<ReplicaInfo>,
+    pub lease: Lease,
+}
+
+/// Kind of background copy the master asks an agent to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TaskKind {
+    /// Copy a surviving replica to a new location to restore the replica count.
+    Repair,
+    /// Copy a DRAM replica to the SSD tier of the same node; the DRAM copy is then freed.
+    Demote,
+}
+
+impl TaskKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskKind::Repair => "repair",
+            TaskKind::Demote => "demote",
+        }
+    }
+}
+
+/// A copy for the agent of `target.node` to execute, then report with `complete_task`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Task {
+    pub id: u64,
+    pub kind: TaskKind,
+    pub key: ObjectKey,
+    pub source: ReplicaInfo,
+    pub target: ReplicaInfo,
+}
+
+/// Eviction watermarks of one tier, as fractions of its capacity.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Watermarks {
+    pub high: f64,
+    pub low: f64,
+}
+
+impl Default for Watermarks {
+    fn default() -> Self {
+        Self {
+            high: 0.95,
+            low: 0.85,
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! Master HA against a real etcd (Debian etcd-server) on 127.0.0.1: two `kvpool master`
+//! processes elect a leader; the leader is SIGKILLed; the standby takes over with every
+//! committed object, the same replica locations and the same allocation state, and clients
+//! follow it.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use kvpool::master::auth::AuthKey;
+use kvpool::master::client::{ClientConfig, MasterClient};
+use kvpool::master::testing::{EtcdServer, free_port, wait_for_port};
+use kvpool::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+
+const KEY: &[u8] = b"kvpool-ha-test-pool-key-0123456789";
+const MIB: u64 = 1 << 20;
+
+struct Master {
+    child: Child,
+    grpc: String,
+    admin: SocketAddr,
+}
+
+impl Drop for Master {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_master(dir: &Path, etcd: &str) -> Master {
+    let grpc = free_port().expect("port");
+    let admin = free_port().expect("port");
+    let grpc_addr = format!("127.0.0.1:{grpc}");
+    let child = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args([
+            "master",
+            "--listen",
+            &grpc_addr,
+            "--advertise-addr",
+            &grpc_addr,
+        ])
+        .arg("--admin-addr")
+        .arg(format!("127.0.0.1:{admin}"))
+        .args(["--etcd-endpoints", etcd, "--etcd-prefix", "/kvpool/ha-test"])
+        .args(["--election-ttl", "2s", "--heartbeat-timeout", "120s"])
+        .env("KVPOOL_AUTH_KEY_FILE", dir.join("key"))
+        .env("RUST_LOG", "warn")
+        .spawn()
+        .expect("spawn master");
+    Master {
+        child,
+        grpc: grpc_addr,
+        admin: SocketAddr::from(([127, 0, 0, 1], admin)),
+    }
+}
+
+fn readyz(addr: SocketAddr) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    out.get(9..12)?.parse().ok()
+}
+
+fn seg(node: &str) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: "dram0".into(),
+        tier: Tier::Dram,
+        capacity_bytes: 256 * MIB,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://{node}:7000")],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_takes_over_with_every_committed_object() {
+    if !EtcdServer::available() {
+        println!("SKIP: etcd binary not installed (Debian package etcd-server)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    std::fs::write(dir.path().join("key"), KEY).expect("key");
+    let etcd = EtcdServer::start(dir.path()).expect("etcd");
+    let mut masters = vec![
+        spawn_master(dir.path(), &etcd.client_url),
+        spawn_master(dir.path(), &etcd.client_url),
+    ];
+    for m in &masters {
+        assert!(wait_for_port(m.admin, Duration::from_secs(30)), "master up");
+    }
+    let client = MasterClient::new(
+        masters.iter().map(|m| m.grpc.clone()).collect(),
+        AuthKey::from_bytes(KEY).expect("key"),
+        ClientConfig {
+            failover_budget: Duration::from_secs(30),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("client");
+    // Whichever answered is the leader (the client followed the standby's hint).
+    for n in ["a", "b", "c"] {
+        client.mount_segment(&seg(n)).await.expect("mount");
+    }
+    let leader_addr = client.current_endpoint().expect("connected");
+    let leader = masters
+        .iter()
+        .position(|m| m.grpc == leader_addr)
+        .expect("leader is one of ours");
+    let standby = 1 - leader;
+    assert_eq!(readyz(masters[leader].admin), Some(200));
+    assert_eq!(
+        readyz(masters[standby].admin),
+        Some(503),
+        "standby is not ready"
+    );
+
+    let opts = PutOptions {
+        replicas: 2,
+        writer_node: Some("a".into()),
+        ..PutOptions::default()
+    };
+    let keys: Vec<Vec<u8>> = (0..120)
+        .map(|i| format!("block/{i}").into_bytes())
+        .collect();
+    for chunk in keys.chunks(40) {
+        let items: Vec<(&[u8], u64)> = chunk.iter().map(|k| (k.as_slice(), 64 * 1024)).collect();
+        let started = client
+            .put_start_batch(&items, &opts)
+            .await
+            .expect("put_start");
+        let ends: Vec<(&[u8], u64)> = chunk
+            .iter()
+            .zip(started)
+            .map(|(k, r)| match r.expect("allocated") {
+                PutStarted::Allocated { put_id, .. } => (k.as_slice(), put_id),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        for r in client.put_end_batch(&ends).await.expect("put_end") {
+            r.expect("committed");
+        }
+    }
+    let removed: Vec<&[u8]> = keys[..10].iter().map(Vec::as_slice).collect();
+    for r in client.remove_batch(&removed).await.expect("remove") {
+        r.expect("removed");
+    }
+    // A put left pending across the failover: its space must not be handed out again.
+    let pending = match client.put_start(b"pending", MIB, &opts).await.expect("put") {
+        PutStarted::Allocated { put_id, replicas } => (put_id, replicas),
+        other => panic!("{other:?}"),
+    };
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    let mut before = Vec::new();
+    for r in client.get_batch(&refs[10..]).await.expect("get") {
+        before.push(r.expect("found").replicas);
+    }
+    let stats_before = client.stats().await.expect("stats");
+
+    // Crash the leader.
+    let killed = Instant::now();
+    let _ = masters[leader].child.kill();
+    let _ = masters[leader].child.wait();
+    let stats_after = client.stats().await.expect("standby answers");
+    let takeover = killed.elapsed();
+    println!("takeover after leader SIGKILL: {takeover:?}");
+    assert_eq!(
+        client.current_endpoint().as_deref(),
+        Some(masters[standby].grpc.as_str())
+    );
+    assert_eq!(readyz(masters[standby].admin), Some(200));
+
+    // Nothing committed was lost, nothing removed came back, locations are identical.
+    let exists = client.exists(&refs).await.expect("exists");
+    assert_eq!(&exists[..10], &[false; 10]);
+    assert_eq!(&exists[10..], &[true; 110][..]);
+    let mut after = Vec::new();
+    for r in client.get_batch(&refs[10..]).await.expect("get") {
+        after.push(r.expect("found").replicas);
+    }
+    assert_eq!(after, before);
+    assert_eq!(stats_after.objects, stats_before.objects);
+    assert_eq!(
+        stats_after.used_bytes, stats_before.used_bytes,
+        "reservations kept"
+    );
+    assert_eq!(stats_after.segments, 3);
+
+    // The old put id means nothing now; the writer retries and gets fresh space.
+    assert!(client.put_end(b"pending", pending.0).await.is_err());
+    let retried = match client
+        .put_start(b"pending", MIB, &opts)
+        .await
+        .expect("retry")
+    {
+        PutStarted::Allocated { put_id, replicas } => {
+            client.put_end(b"pending", put_id).await.expect("commit");
+            replicas
+        }
+        other => panic!("{other:?}"),
+    };
+    for old in &pending.1 {
+        for new in &retried {
+            let same_segment = old.segment_id == new.segment_id;
+            let overlap =
+                new.offset < old.offset + old.length && old.offset < new.offset + new.length;
+            assert!(
+                !(same_segment && overlap),
+                "reserved space reused: {old:?} {new:?}"
+            );
+        }
+    }
+
+    // A third master joins as standby; the current leader is stopped cleanly (SIGTERM: it
+    // resigns), and the newcomer takes over with the same state again.
+    let third = spawn_master(dir.path(), &etcd.client_url);
+    assert!(
+        wait_for_port(third.admin, Duration::from_secs(30)),
+        "third master up"
+    );
+    let stats_before = client.stats().await.expect("stats");
+    let term = Command::new("sh")
+        // the shell builtin: no procps needed
+        .args(["-c", &format!("kill -TERM {}", masters[standby].child.id())])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let exit = masters[standby].child.wait().expect("wait");
+    assert!(exit.success(), "leader exits 0 after SIGTERM: {exit:?}");
+    let client3 = MasterClient::new(
+        vec![third.grpc.clone()],
+        AuthKey::from_bytes(KEY).expect("key"),
+        ClientConfig {
+            failover_budget: Duration::from_secs(30),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("client");
+    let stats_after = client3.stats().await.expect("third master leads");
+    assert_eq!(stats_after.objects, stats_before.objects);
+    assert_eq!(stats_after.used_bytes, stats_before.used_bytes);
+    assert_eq!(
+        client3.exists(&refs[10..]).await.expect("exists"),
+        vec![true; 110]
+    );
+    drop(third);
+    drop(masters);
+    drop(etcd);
+}

@@ -1,0 +1,619 @@
+//! The master's gRPC service over loopback: the client library against an in-process master,
+//! authentication, error codes, admin endpoints, agent death, and the real binary's SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kvpool::master::auth::AuthKey;
+use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
+use kvpool::master::cmd::{MasterArgs, RunningMaster, start};
+use kvpool::master::proto::ErrorCode;
+use kvpool::master::{PolicyKind, PutOptions, PutStarted, SegmentSpec, Tier};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
+const MIB: u64 = 1 << 20;
+
+fn args(key_file: PathBuf) -> MasterArgs {
+    MasterArgs {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        admin_addr: "127.0.0.1:0".parse().expect("addr"),
+        auth_key_file: key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(600),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 4,
+    }
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    master: RunningMaster,
+    shutdown: CancellationToken,
+    client: MasterClient,
+}
+
+async fn fixture(tweak: impl FnOnce(&mut MasterArgs)) -> Fixture {
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, KEY).expect("key");
+    let mut a = args(key_file);
+    tweak(&mut a);
+    let shutdown = CancellationToken::new();
+    let master = start(a.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("start");
+    let client = MasterClient::new(
+        vec![master.grpc_addr.to_string()],
+        AuthKey::from_bytes(KEY).expect("key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    Fixture {
+        _dir: dir,
+        master,
+        shutdown,
+        client,
+    }
+}
+
+fn seg(node: &str, tier: Tier, cap: u64) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: format!("{}0", tier.as_str()),
+        tier,
+        capacity_bytes: cap,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://{node}:7000")],
+    }
+}
+
+fn code(e: &ClientError) -> Option<ErrorCode> {
+    e.code()
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out
+}
+
+#[tokio::test]
+async fn put_get_batch_and_error_codes_over_grpc() {
+    let f = fixture(|_| {}).await;
+    let c = &f.client;
+    for n in ["a", "b", "c"] {
+        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
+            .await
+            .expect("mount");
+    }
+    let opts = PutOptions {
+        replicas: 2,
+        writer_node: Some("a".into()),
+        ..PutOptions::default()
+    };
+    // Batch put of a 4-block chain.
+    let keys: Vec<Vec<u8>> = (0..4).map(|i| format!("chain/{i}").into_bytes()).collect();
+    let items: Vec<(&[u8], u64)> = keys.iter().map(|k| (k.as_slice(), 100_000)).collect();
+    let started = c.put_start_batch(&items, &opts).await.expect("put_start");
+    let mut ends = Vec::new();
+    for (k, r) in keys.iter().zip(started) {
+        match r.expect("allocated") {
+            PutStarted::Allocated { put_id, replicas } => {
+                assert_eq!(replicas.len(), 2);
+                assert_eq!(replicas[0].node, "a", "writer's node first");
+                assert_ne!(replicas[0].node, replicas[1].node);
+                ends.push((k.as_slice(), put_id));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    // Only the first three are committed.
+    let committed = c.put_end_batch(&ends[..3]).await.expect("put_end");
+    assert!(committed.iter().all(Result::is_ok));
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    assert_eq!(
+        c.exists(&refs).await.expect("exists"),
+        vec![true, true, true, false]
+    );
+    assert_eq!(c.longest_prefix(&refs).await.expect("prefix"), 3);
+    c.put_revoke(ends[3].0, ends[3].1).await.expect("revoke");
+
+    let got = c.get(&keys[0]).await.expect("get");
+    assert_eq!(got.size, 100_000);
+    assert_eq!(got.replicas.len(), 2);
+    assert!(got.lease_ttl > Duration::ZERO);
+    let gets = c
+        .get_batch(&[&keys[1], b"missing"])
+        .await
+        .expect("get batch");
+    assert!(gets[0].is_ok());
+    assert_eq!(
+        gets[1].as_ref().err().and_then(code),
+        Some(ErrorCode::UnknownKey)
+    );
+
+    // Bad input: clear codes, no state change.
+    let before = c.stats().await.expect("stats");
+    let dup = c.put_start(&keys[0], 100_000, &opts).await.expect("dup");
+    assert_eq!(dup, PutStarted::AlreadyCommitted { size: 100_000 });
+    let conflict = c.put_start(&keys[0], 5, &opts).await.expect_err("conflict");
+    assert_eq!(code(&conflict), Some(ErrorCode::SizeConflict));
+    let big = c
+        .put_start(b"big", 65 * MIB, &opts)
+        .await
+        .expect_err("too large");
+    assert_eq!(code(&big), Some(ErrorCode::TooLarge));
+    let stale = c.put_end(&keys[0], 12345).await.expect_err("stale put");
+    assert_eq!(code(&stale), Some(ErrorCode::StalePut));
+    let leased = c.remove(&keys[0]).await.expect_err("leased");
+    assert_eq!(code(&leased), Some(ErrorCode::Leased));
+    c.release_lease(got.lease_id).await.expect("release");
+    let stale = c
+        .release_lease(got.lease_id)
+        .await
+        .expect_err("stale lease");
+    assert_eq!(code(&stale), Some(ErrorCode::StaleLease));
+    let unknown = c.remove(b"missing").await.expect_err("unknown");
+    assert_eq!(code(&unknown), Some(ErrorCode::UnknownKey));
+    let empty_key = c.exists(&[b""]).await.expect_err("empty key");
+    assert!(
+        matches!(empty_key, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::InvalidArgument)
+    );
+    let bad_hb = c.heartbeat("nobody").await.expect_err("unknown node");
+    assert!(
+        matches!(bad_hb, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::NotFound)
+    );
+    let mut after = c.stats().await.expect("stats");
+    // The only difference: the lease was released.
+    after.leases += 1;
+    assert_eq!(after, before);
+
+    // Pins and remove.
+    assert!(c.pin(&[&keys[1]], true, Duration::ZERO).await.expect("pin")[0].is_ok());
+    assert!(c.unpin(&[&keys[1]]).await.expect("unpin")[0].is_ok());
+    let leases: Vec<u64> = gets
+        .into_iter()
+        .filter_map(|g| g.ok())
+        .map(|g| g.lease_id)
+        .collect();
+    c.release_leases(&leases).await.expect("release");
+    let removed = c.remove_batch(&[&keys[0], &keys[1]]).await.expect("remove");
+    assert!(removed.iter().all(Result::is_ok), "{removed:?}");
+    assert_eq!(c.longest_prefix(&refs).await.expect("prefix"), 0);
+
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
+
+#[tokio::test]
+async fn unauthenticated_requests_are_refused_and_change_nothing() {
+    let f = fixture(|_| {}).await;
+    f.client
+        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
+        .await
+        .expect("mount");
+    let before = f.client.stats().await.expect("stats");
+    let intruder = MasterClient::new(
+        vec![f.master.grpc_addr.to_string()],
+        AuthKey::from_bytes(b"not-the-pool-key-at-all").expect("key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    let e = intruder
+        .mount_segment(&seg("evil", Tier::Dram, 64 * MIB))
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::Unauthenticated),
+        "{e:?}"
+    );
+    let e = intruder
+        .put_start(b"k", 10, &PutOptions::default())
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(e, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::Unauthenticated)
+    );
+    assert_eq!(f.client.stats().await.expect("stats"), before);
+    // The refusals are counted.
+    let metrics = http_get(f.master.admin_addr, "/metrics").await;
+    assert!(
+        metrics.contains("kvpool_master_requests_total{method=\"mount_segment\",result=\"ok\"} 1"),
+        "{metrics}"
+    );
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
+
+#[tokio::test]
+async fn admin_endpoints_and_metrics() {
+    let f = fixture(|_| {}).await;
+    assert!(
+        http_get(f.master.admin_addr, "/livez")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    assert!(
+        http_get(f.master.admin_addr, "/readyz")
+            .await
+            .starts_with("HTTP/1.1 200")
+    );
+    f.client
+        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
+        .await
+        .expect("mount");
+    match f
+        .client
+        .put_start(b"k", MIB, &PutOptions::default())
+        .await
+        .expect("put")
+    {
+        PutStarted::Allocated { put_id, .. } => f.client.put_end(b"k", put_id).await.expect("end"),
+        other => panic!("{other:?}"),
+    }
+    // Gauges are refreshed by the tick loop; poll until they show the object.
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = http_get(f.master.admin_addr, "/metrics").await;
+        if metrics.contains("kvpool_master_objects 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for needle in [
+        "kvpool_master_objects 1",
+        "kvpool_master_used_bytes{tier=\"dram\"} 1048576",
+        "kvpool_master_capacity_bytes{tier=\"dram\"} 67108864",
+        "kvpool_master_requests_total{method=\"put_end\",result=\"ok\"} 1",
+        "kvpool_master_request_duration_seconds_bucket{method=\"put_start\"",
+        "kvpool_master_leader 1",
+        "kvpool_master_leases 0",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+    let ready = f.master.readiness.clone();
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+    assert!(!ready.is_ready(), "not ready once stopped");
+}
+
+#[tokio::test]
+async fn silent_agents_die_and_two_replica_objects_stay_readable() {
+    let f = fixture(|a| a.heartbeat_timeout = Duration::from_secs(2)).await;
+    let c = &f.client;
+    for n in ["a", "b"] {
+        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
+            .await
+            .expect("mount");
+    }
+    // b heartbeats for the whole test; a only while the objects are written.
+    let a_beats = CancellationToken::new();
+    let beats = CancellationToken::new();
+    for (node, stop) in [("a", a_beats.clone()), ("b", beats.clone())] {
+        let (c, stop) = (c.clone(), stop);
+        tokio::spawn(async move {
+            while !stop.is_cancelled() {
+                let _ = c.heartbeat(node).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+    }
+    let opts = PutOptions {
+        replicas: 2,
+        ..PutOptions::default()
+    };
+    let keys: Vec<Vec<u8>> = (0..50).map(|i| format!("obj/{i}").into_bytes()).collect();
+    for k in &keys {
+        match c.put_start(k, 4096, &opts).await.expect("put") {
+            PutStarted::Allocated { put_id, .. } => c.put_end(k, put_id).await.expect("end"),
+            other => panic!("{other:?}"),
+        }
+    }
+    a_beats.cancel();
+    let mut alive = 2;
+    for _ in 0..600 {
+        alive = c.stats().await.expect("stats").nodes_alive;
+        if alive == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(alive, 1, "agent a was never declared dead");
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    assert_eq!(c.exists(&refs).await.expect("exists"), vec![true; 50]);
+    for k in &refs {
+        let got = c.get(k).await.expect("readable");
+        assert_eq!(got.replicas.len(), 1);
+        assert_eq!(got.replicas[0].node, "b");
+    }
+    let e = c.heartbeat("a").await.expect_err("dead");
+    assert!(
+        matches!(e, ClientError::Rpc { ref source, .. } if source.code() == tonic::Code::NotFound)
+    );
+    assert_eq!(c.stats().await.expect("stats").under_replicated, 50);
+    beats.cancel();
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
+
+#[test]
+fn binary_serves_and_stops_cleanly_on_sigterm() {
+    use kvpool::master::testing::{free_port, wait_for_port};
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, KEY).expect("key");
+    let grpc = free_port().expect("port");
+    let admin = free_port().expect("port");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["master", "--listen"])
+        .arg(format!("127.0.0.1:{grpc}"))
+        .arg("--admin-addr")
+        .arg(format!("127.0.0.1:{admin}"))
+        .env("KVPOOL_AUTH_KEY_FILE", &key_file)
+        .spawn()
+        .expect("spawn");
+    let up = wait_for_port(
+        SocketAddr::from(([127, 0, 0, 1], admin)),
+        Duration::from_secs(30),
+    );
+    if !up {
+        let _ = child.kill();
+        panic!("master did not start");
+    }
+    let term = std::process::Command::new("sh")
+        // the shell builtin: no procps needed
+        .args(["-c", &format!("kill -TERM {}", child.id())])
+        .status()
+        .expect("kill");
+    assert!(term.success());
+    let status = child.wait().expect("wait");
+    assert!(status.success(), "exit status {status:?}");
+
+    // A bad flag exits non-zero naming the field.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args([
+            "master",
+            "--dram-high-watermark",
+            "0.5",
+            "--dram-low-watermark",
+            "0.9",
+        ])
+        .env("KVPOOL_AUTH_KEY_FILE", &key_file)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("dram-low-watermark"), "{stderr}");
+}
+
+/// Stand-in for the transfer engine and the agents' memory until those land (issues 3 and 4):
+/// each mounted segment is a byte buffer; a killed agent's buffers disappear.
+#[derive(Clone, Default)]
+struct Fabric(std::sync::Arc<parking_lot::Mutex<std::collections::HashMap<u32, Vec<u8>>>>);
+
+impl Fabric {
+    fn add(&self, seg: u32, cap: u64) {
+        self.0.lock().insert(seg, vec![0; cap as usize]);
+    }
+    fn drop_segment(&self, seg: u32) {
+        self.0.lock().remove(&seg);
+    }
+    fn write(&self, r: &kvpool::master::ReplicaInfo, data: &[u8]) -> bool {
+        let mut m = self.0.lock();
+        let Some(buf) = m.get_mut(&r.segment_id) else {
+            return false;
+        };
+        let off = r.offset as usize;
+        buf[off..off + data.len()].copy_from_slice(data);
+        true
+    }
+    fn read(&self, r: &kvpool::master::ReplicaInfo) -> Option<Vec<u8>> {
+        let m = self.0.lock();
+        let buf = m.get(&r.segment_id)?;
+        let off = r.offset as usize;
+        Some(buf[off..off + r.length as usize].to_vec())
+    }
+}
+
+fn value_for(i: u64) -> Vec<u8> {
+    let len = 1000 + (i * 7919 % 60_000) as usize;
+    (0..len).map(|j| (i as usize * 31 + j * 17) as u8).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_under_load_loses_nothing_and_reads_verify() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    // Live agents heartbeat every 50 ms; the timeout is generous for a loaded 2-core box.
+    let f = fixture(|a| a.heartbeat_timeout = Duration::from_secs(3)).await;
+    let fabric = Fabric::default();
+    let mut agents = Vec::new();
+    for n in ["a", "b", "c"] {
+        let id = f
+            .client
+            .mount_segment(&seg(n, Tier::Dram, 32 * MIB))
+            .await
+            .expect("mount");
+        fabric.add(id, 32 * MIB);
+        let alive = std::sync::Arc::new(AtomicBool::new(true));
+        // Agent loop: heartbeat, execute repair copies through the fabric.
+        let (c, fab, al, node) = (
+            f.client.clone(),
+            fabric.clone(),
+            alive.clone(),
+            n.to_owned(),
+        );
+        agents.push((
+            id,
+            alive,
+            tokio::spawn(async move {
+                while al.load(Ordering::SeqCst) {
+                    if let Ok(tasks) = c.heartbeat(&node).await {
+                        for t in tasks {
+                            let ok = match fab.read(&t.source) {
+                                Some(bytes) => fab.write(&t.target, &bytes),
+                                None => false,
+                            };
+                            let _ = c.complete_task(&node, t.id, ok).await;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }),
+        ));
+    }
+    let opts = PutOptions {
+        replicas: 2,
+        ..PutOptions::default()
+    };
+    let committed: std::sync::Arc<parking_lot::Mutex<Vec<u64>>> = Default::default();
+    let next = std::sync::Arc::new(AtomicU64::new(0));
+    let bad_reads = std::sync::Arc::new(AtomicU64::new(0));
+    let stop_readers = CancellationToken::new();
+    // Two writers.
+    let mut writers = Vec::new();
+    for _ in 0..2 {
+        let (c, fab, done, next, opts) = (
+            f.client.clone(),
+            fabric.clone(),
+            committed.clone(),
+            next.clone(),
+            opts.clone(),
+        );
+        writers.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= 300 {
+                    break;
+                }
+                let key = format!("obj/{i}").into_bytes();
+                let value = value_for(i);
+                let PutStarted::Allocated { put_id, replicas } = c
+                    .put_start(&key, value.len() as u64, &opts)
+                    .await
+                    .expect("put_start")
+                else {
+                    panic!("fresh key")
+                };
+                for r in &replicas {
+                    fab.write(r, &value); // a dead target just fails, like a transfer would
+                }
+                match c.put_end(&key, put_id).await {
+                    Ok(()) => done.lock().push(i),
+                    Err(e) => assert_eq!(code(&e), Some(ErrorCode::ReplicasLost), "{e}"),
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }));
+    }
+    // A reader verifying every byte it reads, through the kill.
+    let reader = {
+        let (c, fab, done, bad, stop) = (
+            f.client.clone(),
+            fabric.clone(),
+            committed.clone(),
+            bad_reads.clone(),
+            stop_readers.clone(),
+        );
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.is_cancelled() {
+                let keys: Vec<u64> = done.lock().clone();
+                for i in keys.iter().rev().take(20) {
+                    let got = c
+                        .get(format!("obj/{i}").as_bytes())
+                        .await
+                        .expect("committed object readable");
+                    let ok = got
+                        .replicas
+                        .iter()
+                        .filter_map(|r| fab.read(r))
+                        .any(|b| b == value_for(*i));
+                    if !ok {
+                        bad.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let _ = c.release_lease(got.lease_id).await;
+                    n += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            n
+        })
+    };
+    // Kill agent b once a third of the objects are in.
+    while committed.lock().len() < 100 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (b_seg, b_alive, b_task) = &agents[1];
+    b_alive.store(false, Ordering::SeqCst);
+    fabric.drop_segment(*b_seg);
+    b_task.abort();
+    for w in writers {
+        w.await.expect("writer");
+    }
+    // Wait for death detection and repairs to restore two replicas everywhere.
+    let mut stats = f.client.stats().await.expect("stats");
+    for _ in 0..1200 {
+        stats = f.client.stats().await.expect("stats");
+        if stats.nodes_alive == 2 && stats.under_replicated == 0 && stats.tasks == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_readers.cancel();
+    let reads = reader.await.expect("reader");
+    assert!(reads > 0);
+    assert_eq!(
+        bad_reads.load(Ordering::SeqCst),
+        0,
+        "every read returned the bytes written"
+    );
+    assert_eq!(
+        (stats.nodes_alive, stats.under_replicated),
+        (2, 0),
+        "{stats:?}"
+    );
+    let done = committed.lock().clone();
+    assert!(done.len() >= 250, "most puts committed: {}", done.len());
+    assert_eq!(stats.objects, done.len() as u64, "zero lost objects");
+    for i in done {
+        let got = f
+            .client
+            .get(format!("obj/{i}").as_bytes())
+            .await
+            .expect("get");
+        assert_eq!(got.replicas.len(), 2, "repaired to two replicas");
+        for r in &got.replicas {
+            assert_ne!(r.node, "b");
+            assert_eq!(
+                fabric.read(r).expect("replica memory"),
+                value_for(i),
+                "object {i}"
+            );
+        }
+    }
+    for (_, alive, task) in agents {
+        alive.store(false, Ordering::SeqCst);
+        task.abort();
+    }
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
