@@ -1,0 +1,15 @@
+//! kvpool node agent library: topology discovery, NUMA-aware DRAM tier, persistent SSD tier,
+//! the engine API over a Unix socket, and the runtime that wires them with the admin server.
+//! Each module names its own I/O boundary in its header.
+
+pub mod discovery;
+pub mod dram;
+pub mod memory;
+pub mod placement;
+pub mod topology;
+
+/// Code generated from `proto/kvpool/agent/v1/engine.proto`.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod proto {
+    tonic::include_proto!("kvpool.agent.v1");
+}
