@@ -4,8 +4,10 @@
 
 pub mod discovery;
 pub mod dram;
+pub mod extent;
 pub mod memory;
 pub mod placement;
+pub mod ssd;
 pub mod topology;
 
 /// Code generated from `proto/kvpool/agent/v1/engine.proto`.
