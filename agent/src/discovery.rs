@@ -143,7 +143,7 @@ impl Reader<'_> {
                     .filter_map(Result::ok)
                     .filter_map(|e| e.file_name().into_string().ok())
                     .collect();
-                names.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+                names.sort_by_key(|n| natural_key(n));
                 names
             }
             Err(e) => {
@@ -558,7 +558,7 @@ mod tests {
     #[test]
     fn natural_order() {
         let mut v = vec!["node10", "node2", "node1"];
-        v.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+        v.sort_by_key(|n| natural_key(n));
         assert_eq!(v, vec!["node1", "node2", "node10"]);
     }
 

@@ -87,12 +87,12 @@ impl ExtentAllocator {
         }
         let mut new_start = start;
         let mut new_len = len;
-        if let Some((&ps, &pl)) = self.free.range(..start).next_back() {
-            if ps + pl == start {
-                self.free.remove(&ps);
-                new_start = ps;
-                new_len += pl;
-            }
+        if let Some((&ps, &pl)) = self.free.range(..start).next_back()
+            && ps + pl == start
+        {
+            self.free.remove(&ps);
+            new_start = ps;
+            new_len += pl;
         }
         if let Some(&nl) = self.free.get(&(start + len)) {
             self.free.remove(&(start + len));

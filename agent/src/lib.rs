@@ -6,8 +6,11 @@ pub mod discovery;
 pub mod dram;
 pub mod extent;
 pub mod memory;
+pub mod metrics;
 pub mod placement;
+pub mod registrar;
 pub mod ssd;
+pub mod store;
 pub mod topology;
 
 /// Code generated from `proto/kvpool/agent/v1/engine.proto`.

@@ -284,7 +284,7 @@ impl SsdTier {
         let mut sorted: Vec<(Vec<u8>, Entry)> = entries.into_iter().collect();
         sorted.sort_by_key(|(_, e)| e.offset);
         for (key, e) in sorted {
-            if e.offset % ALIGN != 0 || !space.reserve(e.offset, padded(e.len)) {
+            if !e.offset.is_multiple_of(ALIGN) || !space.reserve(e.offset, padded(e.len)) {
                 recovery.warnings.push(format!(
                     "index entry at offset {} ({} bytes) lies outside the capacity or overlaps \
                      another; dropped",
@@ -393,7 +393,7 @@ impl SsdTier {
         };
         // Aligned direct I/O needs an aligned source address; copy when it is not.
         let bounce;
-        let buf = if self.direct && (buf.as_ptr() as u64) % ALIGN != 0 {
+        let buf = if self.direct && !(buf.as_ptr() as u64).is_multiple_of(ALIGN) {
             let mut b = AlignedBuf::new(buf.len());
             b.copy_from_slice(buf);
             bounce = b;
