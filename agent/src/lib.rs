@@ -2,6 +2,8 @@
 //! the engine API over a Unix socket, and the runtime that wires them with the admin server.
 //! Each module names its own I/O boundary in its header.
 
+pub mod api;
+pub mod config;
 pub mod discovery;
 pub mod dram;
 pub mod extent;
