@@ -1,8 +1,11 @@
 //! kvpool node agent library: topology discovery, NUMA-aware DRAM tier, persistent SSD tier,
 //! the engine API over a Unix socket, and the runtime that wires them with the admin server.
-//! Each module names its own I/O boundary in its header.
+//! Each module names its own I/O boundary in its header; `unsafe` lives only in `memory`
+//! (mmap/mbind/mlock), `ssd` (aligned buffers) and `api::shm` (shared staging copies).
 
 pub mod api;
+pub mod bench;
+pub mod cli;
 pub mod config;
 pub mod discovery;
 pub mod dram;
@@ -11,6 +14,7 @@ pub mod memory;
 pub mod metrics;
 pub mod placement;
 pub mod registrar;
+pub mod runtime;
 pub mod ssd;
 pub mod store;
 pub mod topology;
