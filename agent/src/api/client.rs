@@ -58,6 +58,22 @@ fn status_of(code: i32) -> Status {
     Status::try_from(code).unwrap_or(Status::Unspecified)
 }
 
+/// A gRPC channel to the agent's Unix socket (for callers that want the raw generated client).
+pub async fn connect_channel(socket: &Path) -> Result<Channel, ClientError> {
+    let path = socket.to_owned();
+    // The URI is ignored: the connector always dials the Unix socket.
+    Endpoint::from_static("http://agent.local")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+        }))
+        .await
+        .map_err(|source| ClientError::Connect {
+            path: socket.to_owned(),
+            source,
+        })
+}
+
 /// A connected client with an open session.
 #[derive(Debug)]
 pub struct EngineClient {
@@ -73,22 +89,7 @@ impl EngineClient {
         staging_bytes: u64,
         client_name: &str,
     ) -> Result<Self, ClientError> {
-        let path = socket.to_owned();
-        let connect_err = |source| ClientError::Connect {
-            path: socket.to_owned(),
-            source,
-        };
-        // The URI is ignored: the connector always dials the Unix socket.
-        let channel =
-            Endpoint::from_static("http://agent.local")
-                .connect_with_connector(tower::service_fn(move |_: Uri| {
-                    let path = path.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?))
-                    }
-                }))
-                .await
-                .map_err(connect_err)?;
+        let channel = connect_channel(socket).await?;
         let mut rpc = EngineApiClient::new(channel)
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
