@@ -156,6 +156,14 @@ impl AlignedBuf {
     }
 }
 
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
 impl std::ops::Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -422,7 +430,18 @@ impl SsdTier {
         self.data_len = self.data_len.max(offset + size);
         let crc = crc32c::crc32c(buf.get(..usize::try_from(len).unwrap_or(0)).unwrap_or(&[]));
         let entry = Entry { offset, len, crc };
-        self.append(&encode_put(key, &entry))?;
+        if let Err(e) = self.append(&encode_put(key, &entry)) {
+            self.space.free(offset, size);
+            if let SsdError::WriteIndex { source, .. } = &e
+                && source.raw_os_error() == Some(libc::ENOSPC)
+            {
+                self.fs_full = true;
+                return Err(SsdError::NoSpace(std::io::Error::from_raw_os_error(
+                    libc::ENOSPC,
+                )));
+            }
+            return Err(e);
+        }
         self.entries.insert(key.to_vec(), entry);
         Ok(())
     }
