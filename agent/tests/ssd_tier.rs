@@ -307,7 +307,7 @@ fn full_filesystem_stops_demotion_with_a_condition() {
     let m = store.metrics();
     assert_eq!(m.ssd_full.get(), 1, "ENOSPC raised the condition");
     let demoted = m.demotions.get();
-    assert!(demoted >= 1 && demoted < 14, "demoted {demoted}");
+    assert!((1..14).contains(&demoted), "demoted {demoted}");
     assert!(m.dropped.with_label_values(&["ssd_full"]).get() >= 1);
     // Everything demoted before the disk filled is still readable and intact.
     let (bytes, served) = store
