@@ -63,6 +63,7 @@ const MPOL_BIND: libc::c_long = 2;
 const MPOL_MF_STRICT: libc::c_ulong = 1;
 const MPOL_MF_MOVE: libc::c_ulong = 2;
 const MAP_HUGE_SHIFT: u32 = 26;
+const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 fn mmap_anon(len: usize, extra_flags: libc::c_int) -> std::io::Result<NonNull<u8>> {
     // SAFETY: an anonymous private mapping at a kernel-chosen address touches no existing
@@ -134,6 +135,15 @@ impl MappedRegion {
                     "cannot lock {} bytes ({e}); memory may be swapped",
                     region.len
                 ));
+            }
+        }
+        if !outcome.locked {
+            // mlock faults the pages in; without it, populate them now (after mbind, so they
+            // land on the bound node) instead of on the first put. Best effort: kernels
+            // before 5.14 lack MADV_POPULATE_WRITE and the pages then fault lazily.
+            // SAFETY: advice on exactly this live mapping; it changes no contents.
+            unsafe {
+                libc::madvise(region.ptr.as_ptr().cast(), region.len, MADV_POPULATE_WRITE);
             }
         }
         Ok((region, outcome))
