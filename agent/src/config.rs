@@ -102,6 +102,8 @@ pub struct ApiSection {
     pub shm_dir: Option<PathBuf>,
     pub max_sessions: Option<usize>,
     pub max_staging_bytes: Option<ByteSize>,
+    /// Sessions unused this long are closed (`10m`).
+    pub session_idle_timeout: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -134,6 +136,7 @@ pub struct ApiConfig {
     pub socket_dir: PathBuf,
     pub shm_dir: PathBuf,
     pub limits: ApiLimits,
+    pub session_idle_timeout: Duration,
 }
 
 /// The effective, validated configuration.
@@ -326,6 +329,17 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
             "must be at least 4 KiB",
         ));
     }
+    let session_idle_timeout = match &file.engine_api.session_idle_timeout {
+        None => Duration::from_secs(600),
+        Some(text) => humantime::parse_duration(text)
+            .map_err(|e| invalid("engine_api.session_idle_timeout", format!("{text:?}: {e}")))?,
+    };
+    if session_idle_timeout < Duration::from_secs(1) {
+        return Err(invalid(
+            "engine_api.session_idle_timeout",
+            "must be at least 1s",
+        ));
+    }
     let listen = file.admin.listen.as_deref().unwrap_or("0.0.0.0:9464");
     let admin_listen: SocketAddr = listen
         .parse()
@@ -343,6 +357,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
                 max_sessions,
                 max_staging_bytes,
             },
+            session_idle_timeout,
         },
         admin_listen,
     })
@@ -425,6 +440,10 @@ admin:
                 "engine_api.socket_dir",
             ),
             ("admin: {listen: 'nonsense'}", "admin.listen"),
+            (
+                "engine_api: {session_idle_timeout: 10ms}",
+                "engine_api.session_idle_timeout",
+            ),
             ("node_name: ''", "node_name"),
         ];
         for (yaml, field) in cases {

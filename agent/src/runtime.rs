@@ -281,6 +281,22 @@ async fn serve_data_plane(
         })
     });
 
+    // Close sessions of engines that went away without closing them.
+    let reaper = {
+        let service = service.clone();
+        let stop = sync_stop.clone();
+        let idle = cfg.api.session_idle_timeout;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval((idle / 4).max(std::time::Duration::from_secs(1)));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tick.tick() => { service.reap_idle(idle); }
+                }
+            }
+        })
+    };
+
     readiness.set_ready(true);
     tracing::info!("agent ready");
     let served = api_server::serve(listener, service.clone(), shutdown.clone()).await;
@@ -292,6 +308,7 @@ async fn serve_data_plane(
     if let Some(t) = sync_task {
         let _ = t.await;
     }
+    let _ = reaper.await;
     service.close_all();
     let persist_dram = cfg.ssd.as_ref().is_some_and(|s| s.persist_dram_on_shutdown);
     let store_for_persist = Arc::clone(&store);

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 struct Agent {
     _dir: tempfile::TempDir,
+    service: EngineService,
     socket: std::path::PathBuf,
     shm_dir: std::path::PathBuf,
     store: Arc<TieredStore>,
@@ -55,9 +56,10 @@ async fn start(dram_bytes: u64, ssd: bool) -> Agent {
     );
     let (listener, socket) = server::bind(&dir.path().join("run")).expect("bind");
     let stop = CancellationToken::new();
-    let task = tokio::spawn(server::serve(listener, service, stop.clone()));
+    let task = tokio::spawn(server::serve(listener, service.clone(), stop.clone()));
     Agent {
         _dir: dir,
+        service,
         socket,
         shm_dir,
         store,
@@ -268,5 +270,27 @@ async fn unknown_or_closed_session_is_rejected() {
         assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
     }
     assert_eq!(staging_files(&agent.shm_dir), 0);
+    agent.stop().await;
+}
+
+#[tokio::test]
+async fn idle_sessions_are_reaped() {
+    let agent = start(64 << 10, false).await;
+    let mut c = EngineClient::connect(&agent.socket, 4096, "forgetful")
+        .await
+        .expect("connect");
+    assert_eq!(c.put(b"k", b"v").await.expect("put"), Status::Ok);
+    assert_eq!(
+        agent
+            .service
+            .reap_idle(std::time::Duration::from_secs(3600)),
+        0
+    );
+    assert_eq!(staging_files(&agent.shm_dir), 1);
+    assert_eq!(agent.service.reap_idle(std::time::Duration::ZERO), 1);
+    assert_eq!(staging_files(&agent.shm_dir), 0, "staging file removed");
+    let err = c.put(b"k", b"v").await.expect_err("session gone");
+    assert!(format!("{err:?}").contains("NotFound"), "{err:?}");
+    assert_eq!(agent.store.metrics().sessions.get(), 0);
     agent.stop().await;
 }

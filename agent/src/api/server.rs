@@ -67,6 +67,7 @@ pub struct ApiLimits {
 
 struct Session {
     staging: Arc<Staging>,
+    last_used: Instant,
 }
 
 /// The gRPC service.
@@ -110,11 +111,28 @@ impl EngineService {
     }
 
     fn staging(&self, id: u64) -> Result<Arc<Staging>, RpcStatus> {
-        self.sessions
-            .lock()
-            .get(&id)
-            .map(|s| Arc::clone(&s.staging))
-            .ok_or_else(|| RpcStatus::not_found(format!("no session {id}")))
+        let mut sessions = self.sessions.lock();
+        let session = sessions
+            .get_mut(&id)
+            .ok_or_else(|| RpcStatus::not_found(format!("no session {id}")))?;
+        session.last_used = Instant::now();
+        Ok(Arc::clone(&session.staging))
+    }
+
+    /// Close sessions unused for at least `max_idle` (engines that died without closing);
+    /// returns how many. A call in flight keeps its staging mapping alive until it finishes.
+    pub fn reap_idle(&self, max_idle: std::time::Duration) -> usize {
+        let mut sessions = self.sessions.lock();
+        let before = sessions.len();
+        sessions.retain(|id, s| {
+            let keep = s.last_used.elapsed() < max_idle;
+            if !keep {
+                tracing::info!(session = id, "idle session closed");
+            }
+            keep
+        });
+        self.refresh_session_gauges(&sessions);
+        before - sessions.len()
     }
 
     fn refresh_session_gauges(&self, sessions: &HashMap<u64, Session>) {
@@ -187,6 +205,7 @@ impl EngineApi for EngineService {
             id,
             Session {
                 staging: Arc::new(staging),
+                last_used: Instant::now(),
             },
         );
         self.refresh_session_gauges(&sessions);
