@@ -205,7 +205,16 @@ fn serves_persists_on_sigterm_and_recovers_after_restart() {
         assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
     }
 
+    // An engine that stays connected (session open, channel idle) must not hold up shutdown.
+    let lingering = rt.block_on(async {
+        let mut c = EngineClient::connect(&agent.socket, 4096, "lingering")
+            .await
+            .expect("connect");
+        assert_eq!(c.exists(&[b"b\x00"]).await.expect("exists"), vec![true]);
+        c
+    });
     terminate(agent);
+    drop(lingering);
 
     // Restart: the blocks were demoted on shutdown and come back from SSD.
     let agent = start(&config, dir.path());
