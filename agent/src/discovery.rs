@@ -246,6 +246,7 @@ pub fn discover(roots: &Roots, env: &BTreeMap<String, String>) -> Result<Topolog
             class,
             numa_node,
             pci_path,
+            cuda: None,
         });
     }
 

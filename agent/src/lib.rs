@@ -10,6 +10,8 @@ pub mod config;
 pub mod discovery;
 pub mod dram;
 pub mod extent;
+#[cfg(feature = "cuda")]
+pub mod gpu_cuda;
 pub mod memory;
 pub mod metrics;
 pub mod placement;

@@ -46,7 +46,10 @@ fn main() -> anyhow::Result<()> {
                 procfs: args.procfs_root,
             };
             let env: BTreeMap<String, String> = std::env::vars().collect();
-            let topo = discovery::discover(&roots, &env)?;
+            #[allow(unused_mut)]
+            let mut topo = discovery::discover(&roots, &env)?;
+            #[cfg(feature = "cuda")]
+            kvpool_agent::gpu_cuda::enrich(&mut topo);
             let out = if args.summary {
                 serde_json::to_string_pretty(&kvpool_agent::topology::summarize(&topo))?
             } else {

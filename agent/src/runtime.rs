@@ -159,9 +159,18 @@ async fn serve_data_plane(
     let env: BTreeMap<String, String> = std::env::vars()
         .filter(|(k, _)| k.starts_with(discovery::DEVICE_PLUGIN_ENV_PREFIX))
         .collect();
-    let topo = blocking(move || discovery::discover(&roots, &env))
+    #[allow(unused_mut)]
+    let mut topo = blocking(move || discovery::discover(&roots, &env))
         .await?
         .map_err(RunError::Discovery)?;
+    #[cfg(feature = "cuda")]
+    {
+        topo = blocking(move || {
+            crate::gpu_cuda::enrich(&mut topo);
+            topo
+        })
+        .await?;
+    }
     for w in &topo.warnings {
         tracing::warn!(path = %w.path, "discovery: {}", w.message);
     }

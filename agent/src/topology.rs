@@ -76,6 +76,17 @@ pub struct Gpu {
     pub numa_node: Option<u32>,
     /// Resolved PCI path below /sys/devices, root complex first.
     pub pci_path: Vec<String>,
+    /// What the CUDA driver says about it (feature `cuda`, when a driver exists).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<CudaDetails>,
+}
+
+/// GPU details from the CUDA driver.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaDetails {
+    pub ordinal: u32,
+    pub name: String,
+    pub memory_bytes: u64,
 }
 
 /// An RDMA device from /sys/class/infiniband.
