@@ -114,6 +114,8 @@ pub struct SsdResult {
 /// The whole report.
 #[derive(Debug, Serialize)]
 pub struct TierReport {
+    /// Where the staging files (and socket) were.
+    pub staging_dir: String,
     pub memcpy_gib_s: f64,
     pub dram: Vec<DramResult>,
     pub ssd: SsdResult,
@@ -172,10 +174,20 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
         .map_err(|e| BenchError::Args(e.to_string()))?;
 
     // An in-process agent: DRAM tier, engine API on a Unix socket.
-    let sock_dir = tempfile::Builder::new()
-        .prefix("kvpool-bench")
-        .tempdir()
-        .map_err(BenchError::TempDir)?;
+    // Staging files belong on tmpfs (as engine_api.shm_dir should be in production): a
+    // disk-backed shared mapping would write every get back to the disk.
+    let shm = Path::new("/dev/shm");
+    let builder = {
+        let mut b = tempfile::Builder::new();
+        b.prefix("kvpool-bench");
+        b
+    };
+    let sock_dir = if shm.is_dir() {
+        builder.tempdir_in(shm)
+    } else {
+        builder.tempdir()
+    }
+    .map_err(BenchError::TempDir)?;
     let plans = [SegmentPlan {
         numa_node: 0,
         bytes: dram_total + (64 << 20),
@@ -264,6 +276,11 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
         });
     }
     let _ = client.close().await;
+    let staging_dir = sock_dir
+        .path()
+        .parent()
+        .unwrap_or(Path::new("/"))
+        .to_owned();
     stop.cancel();
     let _ = server_task.await;
 
@@ -274,6 +291,7 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
         .map_err(|e| BenchError::Args(e.to_string()))??;
 
     Ok(TierReport {
+        staging_dir: staging_dir.display().to_string(),
         memcpy_gib_s: memcpy,
         get_target_met: dram_results.iter().all(|r| r.get_vs_memcpy >= 0.5),
         ssd_write_target_met: ssd.write_vs_dd >= 0.7,

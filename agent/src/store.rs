@@ -159,11 +159,11 @@ impl TieredStore {
         check_key(key)?;
         let mut inner = self.inner.lock();
         if let Some(res) = inner.resident.get(key).copied() {
-            // Touch for LRU.
-            inner.lru.remove(&res.tick);
+            // Touch for LRU (moving the key, no allocation).
             inner.tick += 1;
             let tick = inner.tick;
-            inner.lru.insert(tick, key.to_vec());
+            let lru_key = inner.lru.remove(&res.tick).unwrap_or_else(|| key.to_vec());
+            inner.lru.insert(tick, lru_key);
             if let Some(r) = inner.resident.get_mut(key) {
                 r.tick = tick;
             }
