@@ -252,6 +252,16 @@ impl DramTier {
         seg.region.as_slice().get(start..start.checked_add(len)?)
     }
 
+    /// The block's bytes including the padding, writable (page aligned, for direct I/O).
+    pub fn padded_mut(&mut self, block: &DramBlock) -> Option<&mut [u8]> {
+        let seg = self.segments.get_mut(block.segment as usize)?;
+        let start = usize::try_from(block.offset()).ok()?;
+        let len = usize::try_from(block.len.div_ceil(UNIT).max(1) * UNIT).ok()?;
+        seg.region
+            .as_mut_slice()
+            .get_mut(start..start.checked_add(len)?)
+    }
+
     /// The block's bytes, writable.
     pub fn bytes_mut(&mut self, block: &DramBlock) -> &mut [u8] {
         let Some(seg) = self.segments.get_mut(block.segment as usize) else {

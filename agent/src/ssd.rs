@@ -462,18 +462,44 @@ impl SsdTier {
     /// Read a block into a fresh aligned buffer; returns it with the block's length.
     /// Corrupt or truncated blocks are dropped from the tier and reported as `Corrupt`.
     pub fn get(&mut self, key: &[u8]) -> Result<Option<(AlignedBuf, u64)>, SsdError> {
+        let Some(len) = self.len_of(key) else {
+            return Ok(None);
+        };
+        let size =
+            usize::try_from(padded(len)).map_err(|_| SsdError::Corrupt { reason: "length" })?;
+        let mut buf = AlignedBuf::new(size);
+        match self.read_into(key, &mut buf)? {
+            Some(len) => Ok(Some((buf, len))),
+            None => Ok(None),
+        }
+    }
+
+    /// Read a block into `dst`, which must hold the block padded to [`ALIGN`] and, for direct
+    /// I/O, start [`ALIGN`]-aligned (DRAM tier blocks and [`AlignedBuf`]s do). Returns the
+    /// block's length. Corrupt or truncated blocks are dropped and reported as `Corrupt`.
+    pub fn read_into(&mut self, key: &[u8], dst: &mut [u8]) -> Result<Option<u64>, SsdError> {
         let Some(entry) = self.entries.get(key).copied() else {
             return Ok(None);
         };
         let size = usize::try_from(padded(entry.len))
             .map_err(|_| SsdError::Corrupt { reason: "length" })?;
-        let mut buf = AlignedBuf::new(size);
+        let Some(dst) = dst.get_mut(..size) else {
+            return Err(SsdError::ReadData(std::io::Error::other(
+                "destination shorter than the padded block",
+            )));
+        };
+        if self.direct && !(dst.as_ptr() as u64).is_multiple_of(ALIGN) {
+            let mut bounce = AlignedBuf::new(size);
+            let got = self.read_into(key, &mut bounce)?;
+            dst.copy_from_slice(&bounce[..size]);
+            return Ok(got);
+        }
         let mut read = 0usize;
         while read < size {
-            let Some(dst) = buf.get_mut(read..) else {
+            let Some(rest) = dst.get_mut(read..) else {
                 break;
             };
-            match self.data.read_at(dst, entry.offset + read as u64) {
+            match self.data.read_at(rest, entry.offset + read as u64) {
                 Ok(0) => break,
                 Ok(n) => read += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -483,7 +509,7 @@ impl SsdTier {
         let len = usize::try_from(entry.len).unwrap_or(usize::MAX);
         let reason = if read < len {
             Some("truncated")
-        } else if buf.get(..len).map(crc32c::crc32c) != Some(entry.crc) {
+        } else if dst.get(..len).map(crc32c::crc32c) != Some(entry.crc) {
             Some("checksum mismatch")
         } else {
             None
@@ -492,7 +518,7 @@ impl SsdTier {
             self.remove(key)?;
             return Err(SsdError::Corrupt { reason });
         }
-        Ok(Some((buf, entry.len)))
+        Ok(Some(entry.len))
     }
 
     /// Drop a block; true when it was stored.

@@ -175,41 +175,67 @@ impl TieredStore {
                 .inc_by(res.block.len);
             return Ok(Some((out, Served::Dram)));
         }
-        let Some(ssd) = inner.ssd.as_mut() else {
+        let Some(len) = inner.ssd.as_ref().and_then(|s| s.len_of(key)) else {
             self.metrics.misses.inc();
             return Ok(None);
         };
-        let (buf, len) = match ssd.get(key) {
-            Ok(Some(found)) => found,
+        // Promote: read straight into a fresh DRAM block (page aligned, so direct I/O needs
+        // no bounce buffer). The SSD copy stays, so a later eviction needs no write.
+        let promoted = self.allocate_evicting(&mut inner, len, None).ok();
+        let outcome = {
+            let Inner { dram, ssd, .. } = &mut *inner;
+            let Some(ssd) = ssd.as_mut() else {
+                self.metrics.misses.inc();
+                return Ok(None);
+            };
+            match promoted.as_ref().and_then(|b| dram.padded_mut(b)) {
+                Some(dst) => ssd.read_into(key, dst).map(|found| found.map(|_| None)),
+                // No DRAM room: serve from a temporary buffer without promoting.
+                None => ssd.get(key).map(|found| found.map(|(buf, _)| Some(buf))),
+            }
+        };
+        let served = match outcome {
+            Ok(Some(buf)) => buf,
             Ok(None) => {
+                if let Some(b) = promoted {
+                    inner.dram.free(b);
+                }
                 self.metrics.misses.inc();
                 return Ok(None);
             }
-            Err(SsdError::Corrupt { reason }) => {
-                tracing::warn!(key = %hex(key), reason, "corrupt SSD block dropped");
-                self.metrics.ssd_corrupt.inc();
-                self.metrics.misses.inc();
-                self.refresh_gauges(&inner);
-                return Ok(None);
+            Err(e) => {
+                if let Some(b) = promoted {
+                    inner.dram.free(b);
+                }
+                if let SsdError::Corrupt { reason } = e {
+                    tracing::warn!(key = %hex(key), reason, "corrupt SSD block dropped");
+                    self.metrics.ssd_corrupt.inc();
+                    self.metrics.misses.inc();
+                    self.refresh_gauges(&inner);
+                    return Ok(None);
+                }
+                return Err(StoreError::Ssd(e));
             }
-            Err(e) => return Err(StoreError::Ssd(e)),
         };
         self.metrics.hits.with_label_values(&["ssd"]).inc();
         self.metrics
             .bytes_read
             .with_label_values(&["ssd"])
             .inc_by(len);
-        let bytes = buf.get(..usize::try_from(len).unwrap_or(0)).unwrap_or(&[]);
-        // Promote: the SSD copy stays, so a later eviction needs no write.
-        match self.allocate_evicting(&mut inner, len, None) {
-            Ok(block) => {
-                inner.dram.bytes_mut(&block).copy_from_slice(bytes);
+        let out = match (served, promoted) {
+            (Some(buf), unused) => {
+                if let Some(b) = unused {
+                    inner.dram.free(b);
+                }
+                read(buf.get(..usize::try_from(len).unwrap_or(0)).unwrap_or(&[]))
+            }
+            (None, Some(block)) => {
                 self.insert_resident(&mut inner, key.to_vec(), block);
                 self.metrics.promotions.inc();
+                read(inner.dram.bytes(&block))
             }
-            Err(e) => tracing::debug!(error = %e, "promotion skipped"),
-        }
-        let out = read(bytes);
+            (None, None) => read(&[]),
+        };
         self.refresh_gauges(&inner);
         Ok(Some((out, Served::Ssd)))
     }

@@ -246,6 +246,7 @@ fn corrupt_ssd_block_is_a_miss_in_the_store() {
         .expect("open data");
     data.write_all_at(&[0xee; 16], 100).expect("corrupt");
     drop(data);
+    let dram_before = store.stats().dram_used;
     assert!(
         store
             .get_with(b"k0", <[u8]>::to_vec)
@@ -253,6 +254,9 @@ fn corrupt_ssd_block_is_a_miss_in_the_store() {
             .is_none()
     );
     assert_eq!(store.metrics().ssd_corrupt.get(), 1);
+    // The DRAM block taken for the failed promotion was given back; one block was evicted
+    // (demoted) to make room for it.
+    assert_eq!(store.stats().dram_used, dram_before - (32 << 10));
     assert!(!store.exists(b"k0"));
     let (bytes, served) = store
         .get_with(b"k2", <[u8]>::to_vec)
@@ -319,4 +323,24 @@ fn full_filesystem_stops_demotion_with_a_condition() {
     // The index still persists (it has room: records are small, or it reports an error
     // without crashing).
     let _ = store.persist(false);
+}
+
+#[test]
+fn ssd_block_larger_than_dram_is_served_without_promotion() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        // Written by an agent that had more DRAM.
+        let (mut t, _) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("open");
+        t.put(b"huge", &block(7, 100_000), 100_000).expect("put");
+        t.snapshot().expect("snapshot");
+    }
+    let store = store_with_ssd(dir.path(), 1 << 20);
+    let (bytes, served) = store
+        .get_with(b"huge", <[u8]>::to_vec)
+        .expect("get")
+        .expect("present");
+    assert_eq!(served, Served::Ssd);
+    assert_eq!(bytes, block(7, 100_000)[..100_000].to_vec());
+    assert_eq!(store.metrics().promotions.get(), 0);
+    assert_eq!(store.stats().dram_used, 0);
 }
