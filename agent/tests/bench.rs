@@ -14,6 +14,7 @@ async fn bench_tier_runs_small() {
         dram_total: ByteSize::mib(8),
         ssd_total: ByteSize::mib(8),
         batch: ByteSize::mib(4),
+        repeat: 1,
     };
     let report = run_tier(&args).await.expect("bench");
     let sizes: Vec<u64> = report.dram.iter().map(|d| d.block_bytes).collect();
