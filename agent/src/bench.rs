@@ -385,14 +385,23 @@ fn ssd_bench(dir: &Path, total: u64, repeat: u32) -> Result<SsdResult, BenchErro
     let mut dd_write: Option<f64> = None;
     let mut dd_read: Option<f64> = None;
     for _ in 0..repeat {
+        // conv=notrunc: like the tier's later passes, dd's later passes overwrite blocks the
+        // file already has instead of allocating them again.
         let mut w = if dd_direct {
-            time_dd(&["if=/dev/zero", &of, &bs_arg, &count_arg, "oflag=direct"])?
+            time_dd(&[
+                "if=/dev/zero",
+                &of,
+                &bs_arg,
+                &count_arg,
+                "oflag=direct",
+                "conv=notrunc",
+            ])?
         } else {
             None
         };
         if w.is_none() {
             dd_direct = false;
-            w = time_dd(&["if=/dev/zero", &of, &bs_arg, &count_arg])?;
+            w = time_dd(&["if=/dev/zero", &of, &bs_arg, &count_arg, "conv=notrunc"])?;
         }
         let r = if dd_direct {
             time_dd(&[&iff, "of=/dev/null", &bs_arg, "iflag=direct"])?
