@@ -344,8 +344,17 @@ fn ssd_bench(dir: &Path, total: u64, repeat: u32) -> Result<SsdResult, BenchErro
         *b = (i % 253) as u8;
     }
     let mut dst = AlignedBuf::new(SSD_BLOCK as usize);
+    let dd_file = work.path().join("dd.bin");
+    let of = format!("of={}", dd_file.display());
+    let iff = format!("if={}", dd_file.display());
+    let bs_arg = format!("bs={}K", SSD_BLOCK / 1024);
+    let count_arg = format!("count={blocks}");
+    let mut dd_direct = true;
     let mut write_secs = f64::MAX;
     let mut read_secs = f64::MAX;
+    let mut dd_write: Option<f64> = None;
+    let mut dd_read: Option<f64> = None;
+    // Tier and dd take turns inside each pass, so both see the same background load.
     for _ in 0..repeat {
         // Rewriting a key frees its old extent first: every pass writes all bytes again.
         let started = Instant::now();
@@ -354,37 +363,7 @@ fn ssd_bench(dir: &Path, total: u64, repeat: u32) -> Result<SsdResult, BenchErro
                 .map_err(BenchError::Ssd)?;
         }
         write_secs = write_secs.min(started.elapsed().as_secs_f64());
-        // Reads go into one reused aligned buffer, as promotions go into DRAM blocks.
-        let started = Instant::now();
-        for i in 0..blocks {
-            let key = format!("ssd-{i}");
-            match tier
-                .read_into(key.as_bytes(), &mut dst)
-                .map_err(BenchError::Ssd)?
-            {
-                Some(len) if len == SSD_BLOCK => {}
-                _ => return Err(BenchError::BadData(key)),
-            }
-        }
-        read_secs = read_secs.min(started.elapsed().as_secs_f64());
-    }
-    if dst[..] != buf[..] {
-        return Err(BenchError::BadData("ssd".to_owned()));
-    }
-    let direct_io = tier.direct_io();
-    drop(tier);
 
-    let dd_file = work.path().join("dd.bin");
-    let count = blocks.to_string();
-    let bs = format!("{}K", SSD_BLOCK / 1024);
-    let of = format!("of={}", dd_file.display());
-    let iff = format!("if={}", dd_file.display());
-    let bs_arg = format!("bs={bs}");
-    let count_arg = format!("count={count}");
-    let mut dd_direct = true;
-    let mut dd_write: Option<f64> = None;
-    let mut dd_read: Option<f64> = None;
-    for _ in 0..repeat {
         // conv=notrunc: like the tier's later passes, dd's later passes overwrite blocks the
         // file already has instead of allocating them again.
         let mut w = if dd_direct {
@@ -403,14 +382,34 @@ fn ssd_bench(dir: &Path, total: u64, repeat: u32) -> Result<SsdResult, BenchErro
             dd_direct = false;
             w = time_dd(&["if=/dev/zero", &of, &bs_arg, &count_arg, "conv=notrunc"])?;
         }
+        dd_write = min_opt(dd_write, w);
+
+        // Reads go into one reused aligned buffer, as promotions go into DRAM blocks.
+        let started = Instant::now();
+        for i in 0..blocks {
+            let key = format!("ssd-{i}");
+            match tier
+                .read_into(key.as_bytes(), &mut dst)
+                .map_err(BenchError::Ssd)?
+            {
+                Some(len) if len == SSD_BLOCK => {}
+                _ => return Err(BenchError::BadData(key)),
+            }
+        }
+        read_secs = read_secs.min(started.elapsed().as_secs_f64());
+
         let r = if dd_direct {
             time_dd(&[&iff, "of=/dev/null", &bs_arg, "iflag=direct"])?
         } else {
             time_dd(&[&iff, "of=/dev/null", &bs_arg])?
         };
-        dd_write = min_opt(dd_write, w);
         dd_read = min_opt(dd_read, r);
     }
+    if dst[..] != buf[..] {
+        return Err(BenchError::BadData("ssd".to_owned()));
+    }
+    let direct_io = tier.direct_io();
+    drop(tier);
     let dd_write_gib_s = dd_write.map_or(0.0, |s| gib_s(bytes, s));
     let dd_read_gib_s = dd_read.map_or(0.0, |s| gib_s(bytes, s));
     let write = gib_s(bytes, write_secs);
