@@ -1,6 +1,70 @@
-//! `kvpool-agent`: the node agent run by the KVCachePool DaemonSet.
+//! `kvpool-agent`: the node agent run by the KVCachePool DaemonSet. Thin: parse, set up logging,
+//! dispatch into the library.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use kvpool_agent::cli::{BenchCommand, Cli, Command, RunArgs};
+use kvpool_agent::config::{self, AgentConfig, FileConfig};
+use kvpool_agent::discovery::{self, Roots};
+use kvpool_agent::registrar::LocalRegistrar;
+use tokio_util::sync::CancellationToken;
+
+fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
+    let file = match &args.config {
+        Some(path) => config::load_file(path)?,
+        None => FileConfig::default(),
+    };
+    Ok(config::validate(&args.overlay(file))?)
+}
 
 fn main() -> anyhow::Result<()> {
-    println!("kvpool-agent {}", env!("CARGO_PKG_VERSION"));
+    let cli = Cli::parse();
+    kvpool::telemetry::init(cli.log_format);
+    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+    match cli.command {
+        Command::Run(args) => {
+            let cfg = load(&args)?;
+            runtime.block_on(async move {
+                let shutdown = CancellationToken::new();
+                kvpool::shutdown::cancel_on_signal(shutdown.clone())
+                    .context("installing signal handlers")?;
+                let registrar = Arc::new(LocalRegistrar::new());
+                kvpool_agent::runtime::run(cfg, registrar, shutdown, |_| {}).await?;
+                anyhow::Ok(())
+            })?;
+        }
+        Command::CheckConfig(args) => {
+            let cfg = load(&args)?;
+            println!("{cfg:#?}");
+        }
+        Command::Discover(args) => {
+            let roots = Roots {
+                sysfs: args.sysfs_root,
+                procfs: args.procfs_root,
+            };
+            let env: BTreeMap<String, String> = std::env::vars().collect();
+            #[allow(unused_mut)]
+            let mut topo = discovery::discover(&roots, &env)?;
+            #[cfg(feature = "cuda")]
+            kvpool_agent::gpu_cuda::enrich(&mut topo);
+            let out = if args.summary {
+                serde_json::to_string_pretty(&kvpool_agent::topology::summarize(&topo))?
+            } else {
+                serde_json::to_string_pretty(&topo)?
+            };
+            println!("{out}");
+        }
+        Command::Bench(BenchCommand::Tier(args)) => {
+            let report = runtime.block_on(kvpool_agent::bench::run_tier(&args))?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", kvpool_agent::bench::render_text(&report));
+            }
+        }
+    }
     Ok(())
 }

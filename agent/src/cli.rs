@@ -1,0 +1,153 @@
+//! The `kvpool-agent` command line (clap). Public so that packaging tests can parse container
+//! args with the same parser as the binary. I/O boundary: none; `run` dispatches.
+
+use std::path::PathBuf;
+
+use bytesize::ByteSize;
+use clap::{Args, Parser, Subcommand};
+use kvpool::telemetry::LogFormat;
+
+use crate::config::FileConfig;
+
+/// `kvpool-agent`: the kvpool node agent.
+#[derive(Debug, Parser)]
+#[command(name = "kvpool-agent", version, about = "kvpool node agent")]
+pub struct Cli {
+    /// Log format.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        env = "KVPOOL_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent (the DaemonSet's command).
+    Run(RunArgs),
+    /// Print the discovered topology as JSON and exit.
+    Discover(DiscoverArgs),
+    /// Validate a configuration and print the effective settings.
+    CheckConfig(RunArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// Flags of `run`; each overrides the config file's field of the same name.
+#[derive(Debug, Args, Default)]
+pub struct RunArgs {
+    /// YAML configuration file.
+    #[arg(long, env = "KVPOOL_AGENT_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Kubernetes node name (node_name).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// sysfs root (discovery.sysfs_root).
+    #[arg(long)]
+    pub sysfs_root: Option<PathBuf>,
+    /// procfs root (discovery.procfs_root).
+    #[arg(long)]
+    pub procfs_root: Option<PathBuf>,
+    /// DRAM tier size (dram.capacity), e.g. 64GiB.
+    #[arg(long)]
+    pub dram_capacity: Option<ByteSize>,
+    /// Huge page size for the DRAM tier (dram.hugepages): none, 2MiB or 1GiB.
+    #[arg(long)]
+    pub hugepages: Option<String>,
+    /// SSD tier directory (ssd.path).
+    #[arg(long)]
+    pub ssd_path: Option<PathBuf>,
+    /// SSD tier size (ssd.capacity).
+    #[arg(long)]
+    pub ssd_capacity: Option<ByteSize>,
+    /// Engine API socket directory (engine_api.socket_dir).
+    #[arg(long)]
+    pub socket_dir: Option<PathBuf>,
+    /// Staging file directory (engine_api.shm_dir).
+    #[arg(long)]
+    pub shm_dir: Option<PathBuf>,
+    /// Admin listen address (admin.listen).
+    #[arg(long)]
+    pub admin_listen: Option<String>,
+}
+
+impl RunArgs {
+    /// Overlay the flags on a file config.
+    pub fn overlay(&self, mut file: FileConfig) -> FileConfig {
+        fn set<T: Clone>(dst: &mut Option<T>, src: &Option<T>) {
+            if let Some(v) = src {
+                *dst = Some(v.clone());
+            }
+        }
+        set(&mut file.node_name, &self.node_name);
+        set(&mut file.discovery.sysfs_root, &self.sysfs_root);
+        set(&mut file.discovery.procfs_root, &self.procfs_root);
+        set(&mut file.dram.capacity, &self.dram_capacity);
+        set(&mut file.dram.hugepages, &self.hugepages);
+        set(&mut file.ssd.path, &self.ssd_path);
+        set(&mut file.ssd.capacity, &self.ssd_capacity);
+        set(&mut file.engine_api.socket_dir, &self.socket_dir);
+        set(&mut file.engine_api.shm_dir, &self.shm_dir);
+        set(&mut file.admin.listen, &self.admin_listen);
+        file
+    }
+}
+
+/// Flags of `discover`.
+#[derive(Debug, Args)]
+pub struct DiscoverArgs {
+    #[arg(long, default_value = "/sys")]
+    pub sysfs_root: PathBuf,
+    #[arg(long, default_value = "/proc")]
+    pub procfs_root: PathBuf,
+    /// Print only the node label/annotation summary.
+    #[arg(long)]
+    pub summary: bool,
+}
+
+/// Benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// DRAM put/get through the engine API and SSD tier sequential I/O, against memcpy and dd.
+    Tier(crate::bench::TierArgs),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn container_args_parse_and_overlay() {
+        let cli = Cli::try_parse_from([
+            "kvpool-agent",
+            "run",
+            "--config",
+            "/etc/kvpool/agent.yaml",
+            "--dram-capacity",
+            "8GiB",
+            "--ssd-path",
+            "/var/lib/kvpool",
+        ])
+        .expect("parse");
+        let Command::Run(args) = cli.command else {
+            panic!("run expected");
+        };
+        let file = args.overlay(FileConfig::default());
+        assert_eq!(file.dram.capacity, Some(ByteSize::gib(8)));
+        assert_eq!(file.ssd.path, Some(PathBuf::from("/var/lib/kvpool")));
+        assert!(Cli::try_parse_from(["kvpool-agent", "run", "--dram-capacity", "lots"]).is_err());
+    }
+}

@@ -1,0 +1,365 @@
+//! DRAM tier: NUMA-placed memory segments with variable-size blocks carved out by
+//! `offset-allocator`, in 4 KiB units (so every block is page aligned and can feed direct I/O).
+//! I/O boundary: the mappings come from `memory`; everything here is in-process bookkeeping and
+//! memcpy.
+
+use offset_allocator::{Allocation, Allocator};
+use serde::Serialize;
+
+use crate::memory::{MappedRegion, MemoryError, RegionRequest};
+use crate::placement::SegmentPlan;
+
+/// Allocation unit inside a segment.
+pub const UNIT: u64 = 4096;
+/// Most blocks one segment tracks.
+const MAX_ALLOCS_PER_SEGMENT: u32 = 1 << 20;
+
+/// Errors of the DRAM tier.
+#[derive(Debug, thiserror::Error)]
+pub enum DramError {
+    #[error("mapping segment {index} ({bytes} bytes on NUMA node {numa_node}) failed")]
+    MapSegment {
+        index: usize,
+        bytes: u64,
+        numa_node: u32,
+        #[source]
+        source: MemoryError,
+    },
+    #[error("segment of {0} bytes exceeds what one allocator can address")]
+    SegmentTooLarge(u64),
+}
+
+impl DramError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            DramError::MapSegment { .. } => "map_segment",
+            DramError::SegmentTooLarge(_) => "segment_too_large",
+        }
+    }
+}
+
+/// Where a block lives in DRAM.
+#[derive(Clone, Copy)]
+pub struct DramBlock {
+    pub segment: u32,
+    alloc: Allocation,
+    pub len: u64,
+}
+
+impl std::fmt::Debug for DramBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DramBlock")
+            .field("segment", &self.segment)
+            .field("offset", &self.offset())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl DramBlock {
+    /// Byte offset inside the segment.
+    pub fn offset(&self) -> u64 {
+        u64::from(self.alloc.offset) * UNIT
+    }
+}
+
+struct Segment {
+    numa_node: u32,
+    region: MappedRegion,
+    allocator: Allocator,
+    used_bytes: u64,
+    blocks: u64,
+}
+
+/// Description of a segment for registration with the transfer engine and for metrics.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SegmentInfo {
+    pub index: u32,
+    pub numa_node: u32,
+    pub addr: usize,
+    pub bytes: u64,
+    pub hugepage_size: Option<u64>,
+    pub numa_bound: bool,
+    pub locked: bool,
+}
+
+/// Usage of one segment.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct SegmentUsage {
+    pub numa_node: u32,
+    pub capacity: u64,
+    /// Bytes handed out (rounded up to units).
+    pub used: u64,
+    pub free: u64,
+    pub largest_free: u64,
+    pub blocks: u64,
+}
+
+impl SegmentUsage {
+    /// 1 - largest free region / free space: 0 when free space is one piece.
+    pub fn fragmentation(&self) -> f64 {
+        if self.free == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free as f64 / self.free as f64
+        }
+    }
+}
+
+/// The DRAM tier.
+pub struct DramTier {
+    segments: Vec<Segment>,
+    infos: Vec<SegmentInfo>,
+}
+
+impl std::fmt::Debug for DramTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DramTier")
+            .field("segments", &self.infos)
+            .finish()
+    }
+}
+
+impl DramTier {
+    /// Map every planned segment. Returns the tier and the warnings of degraded mappings.
+    pub fn new(plans: &[SegmentPlan], lock: bool) -> Result<(Self, Vec<String>), DramError> {
+        let mut segments = Vec::new();
+        let mut infos = Vec::new();
+        let mut warnings = Vec::new();
+        for (index, plan) in plans.iter().enumerate() {
+            let units = u32::try_from(plan.bytes / UNIT)
+                .map_err(|_| DramError::SegmentTooLarge(plan.bytes))?;
+            let bytes =
+                usize::try_from(plan.bytes).map_err(|_| DramError::SegmentTooLarge(plan.bytes))?;
+            let req = RegionRequest {
+                bytes,
+                numa_node: Some(plan.numa_node),
+                hugepage_size: plan.hugepage_size,
+                lock,
+            };
+            let (region, outcome) =
+                MappedRegion::map(&req).map_err(|source| DramError::MapSegment {
+                    index,
+                    bytes: plan.bytes,
+                    numa_node: plan.numa_node,
+                    source,
+                })?;
+            warnings.extend(
+                outcome
+                    .warnings
+                    .iter()
+                    .map(|w| format!("segment {index}: {w}")),
+            );
+            let index_u32 = u32::try_from(index).unwrap_or(u32::MAX);
+            infos.push(SegmentInfo {
+                index: index_u32,
+                numa_node: plan.numa_node,
+                addr: region.addr(),
+                bytes: u64::from(units) * UNIT,
+                hugepage_size: outcome.hugepage_size,
+                numa_bound: outcome.numa_bound,
+                locked: outcome.locked,
+            });
+            segments.push(Segment {
+                numa_node: plan.numa_node,
+                region,
+                allocator: Allocator::with_max_allocs(
+                    units,
+                    units
+                        .saturating_mul(2)
+                        .saturating_add(16)
+                        .min(MAX_ALLOCS_PER_SEGMENT),
+                ),
+                used_bytes: 0,
+                blocks: 0,
+            });
+        }
+        Ok((Self { segments, infos }, warnings))
+    }
+
+    /// Segments as mapped.
+    pub fn segments(&self) -> &[SegmentInfo] {
+        &self.infos
+    }
+
+    /// Total mapped bytes.
+    pub fn capacity(&self) -> u64 {
+        self.infos.iter().map(|i| i.bytes).sum()
+    }
+
+    /// Largest block that fits in an empty segment.
+    pub fn max_block(&self) -> u64 {
+        self.infos.iter().map(|i| i.bytes).max().unwrap_or(0)
+    }
+
+    /// Allocate room for `len` bytes, on `prefer_numa` first, then on the other nodes (the
+    /// segment with the most free space first).
+    pub fn allocate(&mut self, len: u64, prefer_numa: Option<u32>) -> Option<DramBlock> {
+        let units = u32::try_from(len.div_ceil(UNIT).max(1)).ok()?;
+        let mut order: Vec<usize> = (0..self.segments.len()).collect();
+        order.sort_by_key(|&i| {
+            let s = &self.segments[i];
+            let remote = prefer_numa.is_some_and(|n| n != s.numa_node);
+            let free = s.allocator.storage_report().total_free_space;
+            (remote, u32::MAX - free)
+        });
+        for i in order {
+            let seg = &mut self.segments[i];
+            if let Some(alloc) = seg.allocator.allocate(units) {
+                seg.used_bytes += u64::from(units) * UNIT;
+                seg.blocks += 1;
+                return Some(DramBlock {
+                    segment: u32::try_from(i).ok()?,
+                    alloc,
+                    len,
+                });
+            }
+        }
+        None
+    }
+
+    /// Return a block's room.
+    pub fn free(&mut self, block: DramBlock) {
+        if let Some(seg) = self.segments.get_mut(block.segment as usize) {
+            let size = u64::from(seg.allocator.allocation_size(block.alloc)) * UNIT;
+            seg.allocator.free(block.alloc);
+            seg.used_bytes = seg.used_bytes.saturating_sub(size);
+            seg.blocks = seg.blocks.saturating_sub(1);
+        }
+    }
+
+    /// NUMA node of a block.
+    pub fn numa_of(&self, block: &DramBlock) -> Option<u32> {
+        self.segments
+            .get(block.segment as usize)
+            .map(|s| s.numa_node)
+    }
+
+    /// The block's bytes.
+    pub fn bytes(&self, block: &DramBlock) -> &[u8] {
+        self.padded(block)
+            .and_then(|s| s.get(..usize::try_from(block.len).ok()?))
+            .unwrap_or(&[])
+    }
+
+    /// The block's bytes including the padding up to the next unit (page aligned, for direct
+    /// I/O).
+    pub fn padded(&self, block: &DramBlock) -> Option<&[u8]> {
+        let seg = self.segments.get(block.segment as usize)?;
+        let start = usize::try_from(block.offset()).ok()?;
+        let len = usize::try_from(block.len.div_ceil(UNIT).max(1) * UNIT).ok()?;
+        seg.region.as_slice().get(start..start.checked_add(len)?)
+    }
+
+    /// The block's bytes including the padding, writable (page aligned, for direct I/O).
+    pub fn padded_mut(&mut self, block: &DramBlock) -> Option<&mut [u8]> {
+        let seg = self.segments.get_mut(block.segment as usize)?;
+        let start = usize::try_from(block.offset()).ok()?;
+        let len = usize::try_from(block.len.div_ceil(UNIT).max(1) * UNIT).ok()?;
+        seg.region
+            .as_mut_slice()
+            .get_mut(start..start.checked_add(len)?)
+    }
+
+    /// The block's bytes, writable.
+    pub fn bytes_mut(&mut self, block: &DramBlock) -> &mut [u8] {
+        let Some(seg) = self.segments.get_mut(block.segment as usize) else {
+            return &mut [];
+        };
+        let (Ok(start), Ok(len)) = (usize::try_from(block.offset()), usize::try_from(block.len))
+        else {
+            return &mut [];
+        };
+        let end = start.saturating_add(len);
+        seg.region
+            .as_mut_slice()
+            .get_mut(start..end)
+            .unwrap_or(&mut [])
+    }
+
+    /// Usage per segment.
+    pub fn usage(&self) -> Vec<SegmentUsage> {
+        self.segments
+            .iter()
+            .zip(&self.infos)
+            .map(|(s, info)| {
+                let report = s.allocator.storage_report();
+                SegmentUsage {
+                    numa_node: s.numa_node,
+                    capacity: info.bytes,
+                    used: s.used_bytes,
+                    free: u64::from(report.total_free_space) * UNIT,
+                    largest_free: u64::from(report.largest_free_region) * UNIT,
+                    blocks: s.blocks,
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tier(sizes: &[(u32, u64)]) -> DramTier {
+        let plans: Vec<SegmentPlan> = sizes
+            .iter()
+            .map(|&(numa_node, bytes)| SegmentPlan {
+                numa_node,
+                bytes,
+                hugepage_size: None,
+            })
+            .collect();
+        DramTier::new(&plans, false).expect("tier").0
+    }
+
+    #[test]
+    fn allocates_on_preferred_node_then_spills() {
+        // Node 1 does not exist here, so binding warns, but bookkeeping is what is tested.
+        let mut t = tier(&[(0, 64 * 1024), (1, 64 * 1024)]);
+        let a = t.allocate(40 * 1024, Some(1)).expect("a");
+        assert_eq!(t.numa_of(&a), Some(1));
+        let b = t.allocate(40 * 1024, Some(1)).expect("b");
+        assert_eq!(t.numa_of(&b), Some(0), "node 1 is full, spills to node 0");
+        assert!(t.allocate(40 * 1024, None).is_none());
+        t.free(a);
+        assert!(t.allocate(40 * 1024, None).is_some());
+    }
+
+    #[test]
+    fn bytes_round_trip_and_usage_counts_units() {
+        let mut t = tier(&[(0, 1 << 20)]);
+        let blk = t.allocate(5000, None).expect("alloc");
+        assert_eq!(blk.offset() % UNIT, 0);
+        t.bytes_mut(&blk).copy_from_slice(&[9u8; 5000]);
+        assert_eq!(t.bytes(&blk), &[9u8; 5000][..]);
+        assert_eq!(t.padded(&blk).map(<[u8]>::len), Some(8192));
+        let u = &t.usage()[0];
+        assert_eq!(u.used, 8192);
+        assert_eq!(u.blocks, 1);
+        assert_eq!(u.free, (1 << 20) - 8192);
+        t.free(blk);
+        assert_eq!(t.usage()[0].used, 0);
+    }
+
+    #[test]
+    fn fragmentation_grows_with_holes() {
+        let mut t = tier(&[(0, 16 * UNIT)]);
+        let blocks: Vec<DramBlock> = (0..16)
+            .map(|_| t.allocate(UNIT, None).expect("a"))
+            .collect();
+        assert_eq!(t.usage()[0].fragmentation(), 0.0);
+        for b in blocks.into_iter().step_by(2) {
+            t.free(b);
+        }
+        let u = &t.usage()[0];
+        assert_eq!(u.free, 8 * UNIT);
+        assert_eq!(u.largest_free, UNIT);
+        assert!((u.fragmentation() - 0.875).abs() < 1e-9);
+        assert!(
+            t.allocate(2 * UNIT, None).is_none(),
+            "no two adjacent free units"
+        );
+    }
+}

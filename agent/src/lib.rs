@@ -1,0 +1,28 @@
+//! kvpool node agent library: topology discovery, NUMA-aware DRAM tier, persistent SSD tier,
+//! the engine API over a Unix socket, and the runtime that wires them with the admin server.
+//! Each module names its own I/O boundary in its header; `unsafe` lives only in `memory`
+//! (mmap/mbind/mlock), `ssd` (aligned buffers) and `api::shm` (shared staging copies).
+
+pub mod api;
+pub mod bench;
+pub mod cli;
+pub mod config;
+pub mod discovery;
+pub mod dram;
+pub mod extent;
+#[cfg(feature = "cuda")]
+pub mod gpu_cuda;
+pub mod memory;
+pub mod metrics;
+pub mod placement;
+pub mod registrar;
+pub mod runtime;
+pub mod ssd;
+pub mod store;
+pub mod topology;
+
+/// Code generated from `proto/kvpool/agent/v1/engine.proto`.
+#[allow(clippy::all, clippy::pedantic, missing_docs)]
+pub mod proto {
+    tonic::include_proto!("kvpool.agent.v1");
+}

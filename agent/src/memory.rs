@@ -1,0 +1,272 @@
+//! Anonymous memory regions for the DRAM tier: mmap (huge pages when asked), mbind to a NUMA
+//! node, mlock. I/O boundary: the mmap/mbind/mlock/munmap system calls. This is one of the two
+//! modules of the agent with `unsafe` (the other is `ssd::AlignedBuf`); failures to get huge
+//! pages, a NUMA binding or a lock degrade to warnings, only a failed plain mmap is an error.
+
+use std::ptr::NonNull;
+
+/// Errors of region mapping.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("mmap of {bytes} bytes failed")]
+    Map {
+        bytes: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("region size must be non-zero")]
+    Empty,
+}
+
+impl MemoryError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            MemoryError::Map { .. } => "mmap",
+            MemoryError::Empty => "empty",
+        }
+    }
+}
+
+/// What to map.
+#[derive(Clone, Debug)]
+pub struct RegionRequest {
+    pub bytes: usize,
+    pub numa_node: Option<u32>,
+    pub hugepage_size: Option<u64>,
+    pub lock: bool,
+}
+
+/// How the mapping actually came out.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegionOutcome {
+    pub hugepage_size: Option<u64>,
+    pub numa_bound: bool,
+    pub locked: bool,
+    pub warnings: Vec<String>,
+}
+
+/// An owned anonymous mapping, unmapped on drop.
+#[derive(Debug)]
+pub struct MappedRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the region is plain memory owned by this value; access to its bytes is synchronised
+// by the owner (the DRAM tier holds it behind a lock).
+unsafe impl Send for MappedRegion {}
+// SAFETY: as above; shared references only expose the address and length.
+unsafe impl Sync for MappedRegion {}
+
+const MPOL_BIND: libc::c_long = 2;
+const MPOL_MF_STRICT: libc::c_ulong = 1;
+const MPOL_MF_MOVE: libc::c_ulong = 2;
+const MAP_HUGE_SHIFT: u32 = 26;
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+
+fn mmap_anon(len: usize, extra_flags: libc::c_int) -> std::io::Result<NonNull<u8>> {
+    // SAFETY: an anonymous private mapping at a kernel-chosen address touches no existing
+    // memory; the result is checked against MAP_FAILED before use.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    NonNull::new(ptr.cast::<u8>()).ok_or_else(|| std::io::Error::other("mmap returned null"))
+}
+
+impl MappedRegion {
+    /// Map a region as requested, degrading (with warnings) where the system refuses.
+    pub fn map(req: &RegionRequest) -> Result<(Self, RegionOutcome), MemoryError> {
+        if req.bytes == 0 {
+            return Err(MemoryError::Empty);
+        }
+        let mut outcome = RegionOutcome::default();
+        let mut mapped = None;
+        if let Some(page) = req.hugepage_size {
+            let shift = page.trailing_zeros();
+            let len = round_up(req.bytes, page);
+            let flags = libc::MAP_HUGETLB | ((shift as libc::c_int) << MAP_HUGE_SHIFT);
+            match mmap_anon(len, flags) {
+                Ok(ptr) => {
+                    outcome.hugepage_size = Some(page);
+                    mapped = Some((ptr, len));
+                }
+                Err(e) => outcome.warnings.push(format!(
+                    "huge pages of {page} bytes unavailable ({e}); using normal pages"
+                )),
+            }
+        }
+        let (ptr, len) = match mapped {
+            Some(m) => m,
+            None => {
+                let len = round_up(req.bytes, 4096);
+                let ptr =
+                    mmap_anon(len, 0).map_err(|source| MemoryError::Map { bytes: len, source })?;
+                (ptr, len)
+            }
+        };
+        let region = Self { ptr, len };
+        if let Some(node) = req.numa_node {
+            match region.bind(node) {
+                Ok(()) => outcome.numa_bound = true,
+                Err(e) => outcome
+                    .warnings
+                    .push(format!("cannot bind memory to NUMA node {node} ({e})")),
+            }
+        }
+        if req.lock {
+            // SAFETY: the range is exactly this live mapping.
+            let rc = unsafe { libc::mlock(region.ptr.as_ptr().cast(), region.len) };
+            if rc == 0 {
+                outcome.locked = true;
+            } else {
+                let e = std::io::Error::last_os_error();
+                outcome.warnings.push(format!(
+                    "cannot lock {} bytes ({e}); memory may be swapped",
+                    region.len
+                ));
+            }
+        }
+        if !outcome.locked {
+            // mlock faults the pages in; without it, populate them now (after mbind, so they
+            // land on the bound node) instead of on the first put. Best effort: kernels
+            // before 5.14 lack MADV_POPULATE_WRITE and the pages then fault lazily.
+            // SAFETY: advice on exactly this live mapping; it changes no contents.
+            unsafe {
+                libc::madvise(region.ptr.as_ptr().cast(), region.len, MADV_POPULATE_WRITE);
+            }
+        }
+        Ok((region, outcome))
+    }
+
+    fn bind(&self, node: u32) -> std::io::Result<()> {
+        let bits = libc::c_ulong::BITS;
+        let words = usize::try_from(node / bits + 1).map_err(std::io::Error::other)?;
+        let mut mask: Vec<libc::c_ulong> = vec![0; words];
+        if let Some(w) = mask.last_mut() {
+            *w = 1 << (node % bits);
+        }
+        let maxnode = libc::c_ulong::try_from(words).map_err(std::io::Error::other)?
+            * libc::c_ulong::from(bits)
+            + 1;
+        // SAFETY: mbind only changes the NUMA policy of this live mapping; the mask buffer holds
+        // `words` words, which covers `maxnode - 1` bits.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.ptr.as_ptr(),
+                self.len,
+                MPOL_BIND,
+                mask.as_ptr(),
+                maxnode,
+                MPOL_MF_STRICT | MPOL_MF_MOVE,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Base address (for registration with the transfer engine).
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// The whole region as bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is live, readable, `len` bytes long and initialised (anonymous
+        // memory is zero-filled); writes need `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The whole region as mutable bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only live reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for MappedRegion {
+    fn drop(&mut self) {
+        // SAFETY: the region was mapped by `map` with this exact length and is unmapped once.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+fn round_up(n: usize, to: u64) -> usize {
+    let to = usize::try_from(to).unwrap_or(4096).max(1);
+    n.div_ceil(to).saturating_mul(to)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_writes_and_degrades_with_warnings() {
+        let req = RegionRequest {
+            bytes: 10_000,
+            numa_node: Some(0),
+            hugepage_size: None,
+            lock: true,
+        };
+        let (mut region, outcome) = MappedRegion::map(&req).expect("map");
+        assert_eq!(region.len(), 12_288);
+        region.as_mut_slice()[12_287] = 7;
+        assert_eq!(region.as_slice()[12_287], 7);
+        // Either the lock worked or there is a warning saying why not.
+        assert!(outcome.locked || outcome.warnings.iter().any(|w| w.contains("lock")));
+    }
+
+    #[test]
+    fn impossible_numa_node_and_hugepages_fall_back() {
+        let req = RegionRequest {
+            bytes: 4096,
+            numa_node: Some(1000),
+            // 16 GiB pages exist on no machine this runs on.
+            hugepage_size: Some(16 << 30),
+            lock: false,
+        };
+        let (region, outcome) = MappedRegion::map(&req).expect("map");
+        assert_eq!(region.len(), 4096);
+        assert_eq!(outcome.hugepage_size, None);
+        assert!(!outcome.numa_bound);
+        assert_eq!(outcome.warnings.len(), 2, "{:?}", outcome.warnings);
+    }
+
+    #[test]
+    fn zero_size_is_rejected() {
+        let req = RegionRequest {
+            bytes: 0,
+            numa_node: None,
+            hugepage_size: None,
+            lock: false,
+        };
+        assert_eq!(
+            MappedRegion::map(&req).expect_err("empty").category(),
+            "empty"
+        );
+    }
+}
