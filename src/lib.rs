@@ -6,5 +6,7 @@
 
 pub mod admin;
 pub mod cli;
+pub mod sched;
 pub mod shutdown;
+pub mod sim;
 pub mod telemetry;
