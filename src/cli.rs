@@ -32,12 +32,16 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and exit.
     Version,
+    /// Replay a Mooncake request trace through the scheduling policies (or, with
+    /// --bench-decision, time one scheduling decision).
+    Simulate(Box<crate::sim::cli::SimulateArgs>),
 }
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
+        Command::Simulate(args) => crate::sim::cli::run(&args)?,
     }
     Ok(())
 }

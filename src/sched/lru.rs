@@ -221,7 +221,7 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let key = (x >> 33) % 12;
-            if (x >> 20) % 5 == 0 {
+            if (x >> 20).is_multiple_of(5) {
                 let was = model.iter().position(|&k| k == key);
                 assert_eq!(l.remove(key), was.is_some());
                 if let Some(p) = was {

@@ -518,7 +518,7 @@ impl Scheduler {
         let mut deepest = None;
         for (j, &key) in keys.iter().enumerate().take(matched) {
             let hits = index.record_hit(key);
-            if threshold > 0 && hits > 0 && hits % threshold == 0 {
+            if threshold > 0 && hits > 0 && hits.is_multiple_of(threshold) {
                 deepest = Some(j);
             }
         }
