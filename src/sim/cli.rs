@@ -405,13 +405,13 @@ mod tests {
             (vec!["--prefill", "200"], "--prefill"),
             (vec!["--decode", "0"], "--decode"),
             (vec!["--time-scale", "0"], "--time-scale"),
-            (vec!["--ttft-slo-s", "-1"], "--ttft-slo-s"),
+            (vec!["--ttft-slo-s=-1"], "--ttft-slo-s"),
             (
                 vec!["--pool-bandwidth-gbps", "NaN"],
                 "--pool-bandwidth-gbps",
             ),
             (vec!["--block-size", "0"], "--block-size"),
-            (vec!["--prefill-linear-s", "-0.1"], "--prefill-linear-s"),
+            (vec!["--prefill-linear-s=-0.1"], "--prefill-linear-s"),
         ] {
             let err = sim_config(&args(&extra)).unwrap_err();
             assert!(err.to_string().starts_with(want), "{err}");
