@@ -16,7 +16,7 @@ fn config(policy: Policy, costs: Vec<PrefillCost>) -> SchedulerConfig {
             ttft_s: 5.0,
             tpot_s: 0.1,
         },
-        block_size: NonZeroU32::new(16).unwrap(),
+        block_size: NonZeroU32::new(16).expect("16 is not zero"),
         bytes_per_token: 1_000,
         pool_bandwidth_bps: 1e6,
         kv_bandwidth_bps: 1e9,

@@ -25,7 +25,7 @@ fn config(
                 ttft_s: 30.0,
                 tpot_s: 0.1,
             },
-            block_size: NonZeroU32::new(BLOCK as u32).unwrap(),
+            block_size: NonZeroU32::new(BLOCK as u32).expect("512 is not zero"),
             bytes_per_token: 327_680,
             pool_bandwidth_bps: 25e9,
             kv_bandwidth_bps: 25e9,

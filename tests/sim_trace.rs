@@ -25,7 +25,8 @@ fn cli_config(extra: &[&str]) -> SimConfig {
     }
     let mut argv = vec!["t", "--trace", "unused"];
     argv.extend_from_slice(extra);
-    sim_config(&T::try_parse_from(argv).unwrap().a).unwrap()
+    let args = T::try_parse_from(argv).expect("flags parse");
+    sim_config(&args.a).expect("flags validate")
 }
 
 fn seen_before_ratio(records: &[TraceRecord]) -> f64 {

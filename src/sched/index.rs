@@ -180,9 +180,19 @@ impl PrefixIndex {
         self.map.is_empty()
     }
 
-    /// Bytes the table holds: every bucket (key, entry, one control byte), used or not.
+    /// Bytes the table holds: every bucket (key and entry, 32 bytes, plus one control byte),
+    /// used or not. The table keeps between 7/16 and 7/8 of its power-of-two buckets full.
     pub fn memory_bytes(&self) -> usize {
-        self.map.capacity() * (std::mem::size_of::<(BlockKey, Entry)>() + 1)
+        let cap = self.map.capacity();
+        // hashbrown reports capacity as buckets - 1 below 8 buckets, else 7/8 of the buckets.
+        let buckets = if cap == 0 {
+            0
+        } else if cap < 7 {
+            cap + 1
+        } else {
+            cap / 7 * 8
+        };
+        buckets * (std::mem::size_of::<(BlockKey, Entry)>() + 1)
     }
 
     /// Instance `instance` now holds `key` locally. Out-of-range instances are ignored.
@@ -406,6 +416,7 @@ mod tests {
         // Out-of-range instances are ignored rather than corrupting other bits.
         idx.add_local(7, 5);
         assert!(idx.holders(7).is_empty());
+        assert_eq!(std::mem::size_of::<(BlockKey, Entry)>(), 32);
         assert!(idx.memory_bytes() >= 33);
     }
 }

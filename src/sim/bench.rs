@@ -36,7 +36,7 @@ impl Default for BenchConfig {
             prefill_instances: 64,
             decode_instances: 64,
             blocks: 1_000_000,
-            chain_blocks: 256,
+            chain_blocks: 250,
             holders_per_chain: 4,
             running_per_decode: 32,
             decisions: 100_000,
