@@ -7,7 +7,8 @@
 //! The decode instance is the one with the lowest step time after adding the request, among
 //! those whose KV memory can take it. With prediction, decode load is projected to the time the
 //! request will reach decode: running requests predicted to finish by then leave the batch and
-//! requests still in prefill that will arrive by then join it (request-level prediction).
+//! requests still in prefill that will arrive by then join it (request-level prediction); the
+//! request is admitted only if KV memory will have room for it on arrival.
 
 use std::num::NonZeroU32;
 
@@ -186,32 +187,136 @@ impl DecodeLoad {
         v
     }
 
-    /// The load predicted at `at_s`: running requests leave when their remaining tokens are
-    /// done at the current step time; assigned requests join when they arrive.
-    pub fn predicted(&self, now_s: f64, at_s: f64, cost: &DecodeCost) -> DecodeView {
-        let mut running = DecodeView::default();
+    /// The requests predicted to be on the instance at `at_s`, as `(predicted finish, context
+    /// tokens at at_s)`: running requests leave when their remaining tokens are done at the
+    /// current step time; assigned requests join when they arrive.
+    fn predicted_members(
+        &self,
+        now_s: f64,
+        at_s: f64,
+        cost: &DecodeCost,
+        out: &mut Vec<(f64, u64)>,
+    ) {
+        out.clear();
+        let mut batch = 0u64;
+        let mut ctx = 0u64;
         for m in &self.running {
-            running.batch += 1;
-            running.context_tokens += m.context_tokens;
+            batch += 1;
+            ctx += m.context_tokens;
         }
-        let step = cost.step_seconds(running.batch, running.context_tokens);
+        let step = cost.step_seconds(batch, ctx);
         let steps_ahead = if step > 0.0 {
             ((at_s - now_s).max(0.0) / step).floor()
         } else {
             f64::INFINITY
         };
-        let mut v = DecodeView::default();
         for m in &self.running {
-            if f64::from(m.remaining_tokens) > steps_ahead {
-                v.batch += 1;
-                v.context_tokens += m.context_tokens + steps_ahead as u64;
+            let remaining = f64::from(m.remaining_tokens);
+            if remaining > steps_ahead {
+                out.push((
+                    now_s + remaining * step,
+                    m.context_tokens + steps_ahead as u64,
+                ));
             }
         }
         for m in self.pending.iter().filter(|m| m.joins_at_s <= at_s) {
-            v.batch += 1;
-            v.context_tokens += m.context_tokens;
+            let finish = m.joins_at_s.max(now_s) + f64::from(m.remaining_tokens) * step;
+            out.push((finish, m.context_tokens));
         }
-        v
+    }
+
+    /// The load predicted at `at_s` (see `predicted_members`).
+    pub fn predicted(&self, now_s: f64, at_s: f64, cost: &DecodeCost) -> DecodeView {
+        let mut members = Vec::new();
+        self.predicted_members(now_s, at_s, cost, &mut members);
+        DecodeView {
+            batch: members.len() as u64,
+            context_tokens: members.iter().map(|m| m.1).sum(),
+        }
+    }
+
+    /// Predicts admitting a request of `tokens` context that arrives at `at_s` on an instance
+    /// holding `capacity` KV tokens. Replays the instance's admission queue forward in time:
+    /// running requests finish after their remaining tokens at the current step time; assigned
+    /// requests arriving before this one are admitted first, in arrival order, each as soon as
+    /// enough earlier ones have finished; the step time is that of the batch with the queue
+    /// joined. Returns the load the request would join and how long
+    /// it would wait for memory; `None` when it cannot fit even alone. `scratch` holds
+    /// `(finish, tokens)` of admitted requests and is reused between calls.
+    pub fn predicted_admission(
+        &self,
+        now_s: f64,
+        at_s: f64,
+        cost: &DecodeCost,
+        capacity: u64,
+        tokens: u64,
+        scratch: &mut Vec<(f64, u64)>,
+    ) -> Option<(DecodeView, f64)> {
+        if tokens > capacity {
+            return None;
+        }
+        let admitted = scratch;
+        admitted.clear();
+        let mut queue: Vec<&DecodeMember> = self
+            .pending
+            .iter()
+            .filter(|m| m.joins_at_s <= at_s)
+            .collect();
+        queue.sort_by(|a, b| {
+            a.joins_at_s
+                .total_cmp(&b.joins_at_s)
+                .then(a.request.cmp(&b.request))
+        });
+        // One step time for the whole horizon: the batch once the queue has joined.
+        let mut memory = 0u64;
+        for m in &self.running {
+            memory += m.context_tokens;
+        }
+        let queued: u64 = queue.iter().map(|m| m.context_tokens).sum();
+        let step = cost.step_seconds((self.running.len() + queue.len()) as u64, memory + queued);
+        for m in &self.running {
+            admitted.push((
+                now_s + f64::from(m.remaining_tokens) * step,
+                m.context_tokens,
+            ));
+        }
+        // Earliest finish last, so that departures pop from the end.
+        admitted.sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+        let mut t = now_s;
+        let mut admit = |ctx: u64, joins: f64, admitted: &mut Vec<(f64, u64)>| -> f64 {
+            t = t.max(joins);
+            while memory + ctx > capacity {
+                match admitted.pop() {
+                    Some((finish, c)) => {
+                        memory -= c;
+                        t = t.max(finish);
+                    }
+                    None => break,
+                }
+            }
+            memory += ctx;
+            t
+        };
+        for m in queue {
+            let start = admit(m.context_tokens, m.joins_at_s, admitted);
+            let finish = start + f64::from(m.remaining_tokens) * step;
+            let pos = admitted.partition_point(|a| a.0 > finish);
+            admitted.insert(pos, (finish, m.context_tokens));
+        }
+        let start = admit(tokens, at_s, admitted);
+        // Requests finished by the time this one starts are gone.
+        while let Some(&(finish, c)) = admitted.last() {
+            if finish > start {
+                break;
+            }
+            admitted.pop();
+            memory -= c;
+        }
+        let view = DecodeView {
+            batch: admitted.len() as u64,
+            context_tokens: memory - tokens,
+        };
+        Some((view, start - at_s))
     }
 }
 
@@ -304,6 +409,7 @@ pub struct Scheduler {
     next_prefill: usize,
     next_decode: usize,
     matches: Vec<PrefixMatch>,
+    finish_scratch: Vec<(f64, u64)>,
 }
 
 fn positive(field: &'static str, value: f64) -> Result<(), ConfigError> {
@@ -342,6 +448,7 @@ impl Scheduler {
             next_prefill: 0,
             next_decode: 0,
             matches: Vec::with_capacity(n),
+            finish_scratch: Vec::new(),
         })
     }
 
@@ -449,14 +556,31 @@ impl Scheduler {
         let cost = self.config.decode_cost;
         let cap = self.config.decode_kv_capacity_tokens;
         let predict = self.config.rejection == Rejection::Predicted;
-        let option = |j: usize| -> (f64, bool) {
-            let v = if predict {
-                decode[j].predicted(now_s, reaches_decode_s, &cost)
+        let mut scratch = std::mem::take(&mut self.finish_scratch);
+        // (expected TPOT, whether KV memory takes the request)
+        let mut option = |j: usize| -> (f64, bool) {
+            if predict {
+                // Room must be there when the request arrives: a predicted wait for memory
+                // counts as no room (admitting into a queue lets it grow to the SLO's edge).
+                match decode[j].predicted_admission(
+                    now_s,
+                    reaches_decode_s,
+                    &cost,
+                    cap,
+                    req.input_tokens,
+                    &mut scratch,
+                ) {
+                    Some((v, wait_s)) => (
+                        cost.step_seconds(v.batch + 1, v.context_tokens + req.input_tokens),
+                        wait_s <= 0.0,
+                    ),
+                    None => (f64::INFINITY, false),
+                }
             } else {
-                decode[j].current(now_s)
-            };
-            let ctx = v.context_tokens + req.input_tokens;
-            (cost.step_seconds(v.batch + 1, ctx), ctx <= cap)
+                let v = decode[j].current(now_s);
+                let ctx = v.context_tokens + req.input_tokens;
+                (cost.step_seconds(v.batch + 1, ctx), ctx <= cap)
+            }
         };
         let (dj, (tpot_s, fits)) = match self.config.policy {
             Policy::Random => {
@@ -476,6 +600,7 @@ impl Scheduler {
                 })
                 .unwrap_or((0, (f64::INFINITY, false))),
         };
+        self.finish_scratch = scratch;
 
         if self.config.rejection != Rejection::None {
             if ttft.total_s() > self.config.slo.ttft_s {
@@ -840,6 +965,58 @@ mod tests {
     }
 
     #[test]
+    fn predicted_admission_waits_for_enough_departures() {
+        let cost = DecodeCost {
+            fixed_s: 0.01,
+            per_seq_s: 0.01,
+            per_ctx_token_s: 0.0,
+        };
+        let m = |ctx: u64, remaining: u32, joins: f64| DecodeMember {
+            request: 0,
+            context_tokens: ctx,
+            remaining_tokens: remaining,
+            joins_at_s: joins,
+        };
+        // Step with C joined (3 sequences) = 0.04 s. A finishes at 100 x 0.04 = 4.0 s, B at
+        // 2.0 s; C joins at 0.5 s and finishes at 0.5 + 10 x 0.04 = 0.9 s.
+        let load = DecodeLoad {
+            running: vec![m(4000, 100, 0.0), m(3000, 50, 0.0)],
+            pending: vec![m(2000, 10, 0.5)],
+        };
+        let mut scratch = Vec::new();
+        // Memory 9_500. C joins at 0.5 s next to A and B (9000 tokens). The request (3000)
+        // arrives at 0.75 s: C leaving at 0.9 s is not enough (10_000), B leaving at 2.0 s is
+        // (7000): it starts at 2.0 s, next to A alone, after waiting 1.25 s.
+        let (v, wait) = load
+            .predicted_admission(0.0, 0.75, &cost, 9_500, 3000, &mut scratch)
+            .unwrap();
+        assert_eq!(
+            v,
+            DecodeView {
+                batch: 1,
+                context_tokens: 4000
+            }
+        );
+        assert!((wait - 1.25).abs() < 1e-9, "{wait}");
+        // With 10_000 tokens C's departure at 0.9 s is enough: a 0.15 s wait next to A and B.
+        let (v, wait) = load
+            .predicted_admission(0.0, 0.75, &cost, 10_000, 3000, &mut scratch)
+            .unwrap();
+        assert_eq!(v.batch, 2);
+        assert!((wait - 0.15).abs() < 1e-9, "{wait}");
+        // Room right away: no wait, everyone still there.
+        let (v, wait) = load
+            .predicted_admission(0.0, 0.75, &cost, 20_000, 3000, &mut scratch)
+            .unwrap();
+        assert_eq!((v.batch, wait), (3, 0.0));
+        // Larger than the whole instance: never.
+        assert_eq!(
+            load.predicted_admission(0.0, 0.75, &cost, 2_000, 3000, &mut scratch),
+            None
+        );
+    }
+
+    #[test]
     fn predicted_rejection_admits_what_current_load_rejects() {
         // Decode is full now (9 sequences), but all of them finish within 1 s, before the
         // request reaches decode (prefill of 5000 tokens takes 5 s).
@@ -868,6 +1045,38 @@ mod tests {
         let p = accept(pred.decide(0.0, &r, &idx, &pl, std::slice::from_ref(&busy)));
         // Alone at decode: 0.01 + 0.01 + 5000e-6
         assert!((p.tpot_s - 0.025).abs() < 1e-12);
+    }
+
+    #[test]
+    fn prediction_rejects_a_burst_that_current_load_does_not_see() {
+        // Decode is idle now, but nine requests of 1000 tokens already sent to prefill arrive
+        // at 0.5 s, before this one (prefill of 1500 tokens: 1.5 s), and run for 100 tokens.
+        let idx = PrefixIndex::new(1).unwrap();
+        let burst = DecodeLoad {
+            running: vec![],
+            pending: vec![
+                DecodeMember {
+                    request: 0,
+                    context_tokens: 1000,
+                    remaining_tokens: 100,
+                    joins_at_s: 0.5,
+                };
+                9
+            ],
+        };
+        let r = req(&[], 1500);
+        let pl = [PrefillLoad::default()];
+        let mut early = Scheduler::new(config(Policy::Conductor, Rejection::Early, 1), 1).unwrap();
+        let p = accept(early.decide(0.0, &r, &idx, &pl, std::slice::from_ref(&burst)));
+        // Alone, as it looks now: 0.01 + 0.01 + 1500e-6.
+        assert!((p.tpot_s - 0.0215).abs() < 1e-12);
+        let mut pred =
+            Scheduler::new(config(Policy::Conductor, Rejection::Predicted, 1), 1).unwrap();
+        // 9000 + 1500 tokens exceed the 10_000-token memory when it arrives.
+        assert_eq!(
+            pred.decide(0.0, &r, &idx, &pl, std::slice::from_ref(&burst)),
+            Decision::Reject(RejectReason::DecodeMemory)
+        );
     }
 
     #[test]
