@@ -255,25 +255,43 @@ impl DecodeLoad {
         if tokens > capacity {
             return None;
         }
-        let admitted = scratch;
-        admitted.clear();
-        let mut queue: Vec<&DecodeMember> = self
-            .pending
-            .iter()
-            .filter(|m| m.joins_at_s <= at_s)
-            .collect();
-        queue.sort_by(|a, b| {
-            a.joins_at_s
-                .total_cmp(&b.joins_at_s)
-                .then(a.request.cmp(&b.request))
-        });
+        let arrived = |m: &&DecodeMember| m.joins_at_s <= at_s;
         // One step time for the whole horizon: the batch once the queue has joined.
         let mut memory = 0u64;
         for m in &self.running {
             memory += m.context_tokens;
         }
-        let queued: u64 = queue.iter().map(|m| m.context_tokens).sum();
-        let step = cost.step_seconds((self.running.len() + queue.len()) as u64, memory + queued);
+        let (mut queued, mut queued_tokens) = (0u64, 0u64);
+        for m in self.pending.iter().filter(arrived) {
+            queued += 1;
+            queued_tokens += m.context_tokens;
+        }
+        let step = cost.step_seconds(self.running.len() as u64 + queued, memory + queued_tokens);
+        if memory + queued_tokens + tokens <= capacity {
+            // Everyone fits at once: no waiting; count who is still there at `at_s`.
+            let mut v = DecodeView::default();
+            let running = self.running.iter().map(|m| (now_s, m));
+            let joined = self
+                .pending
+                .iter()
+                .filter(arrived)
+                .map(|m| (m.joins_at_s, m));
+            for (start, m) in running.chain(joined) {
+                if start.max(now_s) + f64::from(m.remaining_tokens) * step > at_s {
+                    v.batch += 1;
+                    v.context_tokens += m.context_tokens;
+                }
+            }
+            return Some((v, 0.0));
+        }
+        let mut queue: Vec<&DecodeMember> = self.pending.iter().filter(arrived).collect();
+        queue.sort_by(|a, b| {
+            a.joins_at_s
+                .total_cmp(&b.joins_at_s)
+                .then(a.request.cmp(&b.request))
+        });
+        let admitted = scratch;
+        admitted.clear();
         for m in &self.running {
             admitted.push((
                 now_s + f64::from(m.remaining_tokens) * step,

@@ -148,7 +148,7 @@ pub fn run(cfg: BenchConfig) -> Result<BenchReport, BenchError> {
         kv_bandwidth_bps: 25e9,
         prefill_costs: vec![PrefillCost::default(); cfg.prefill_instances],
         decode_cost: DecodeCost::default(),
-        decode_kv_capacity_tokens: u64::MAX,
+        decode_kv_capacity_tokens: 1_500_000,
         hot: HotConfig {
             threshold: 0,
             fanout: 0,
