@@ -35,6 +35,8 @@ pub enum Command {
     /// Replay a Mooncake request trace through the scheduling policies (or, with
     /// --bench-decision, time one scheduling decision).
     Simulate(Box<crate::sim::cli::SimulateArgs>),
+    /// Run an inference engine; `--synthetic` takes its timing from the cost model (no GPU).
+    Engine(Box<crate::synthetic::cli::EngineArgs>),
 }
 
 /// Run the parsed command line.
@@ -42,6 +44,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
         Command::Simulate(args) => crate::sim::cli::run(&args)?,
+        Command::Engine(args) => crate::synthetic::cli::run(&args)?,
     }
     Ok(())
 }

@@ -9,4 +9,5 @@ pub mod cli;
 pub mod sched;
 pub mod shutdown;
 pub mod sim;
+pub mod synthetic;
 pub mod telemetry;

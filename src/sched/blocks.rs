@@ -38,6 +38,17 @@ pub fn block_keys(tokens: &[u32], block_size: NonZeroU32) -> Vec<BlockKey> {
     keys
 }
 
+/// Stand-in token ids for text when no tokenizer is configured: the UTF-8 bytes cut into
+/// `chunk_bytes`-byte chunks, each hashed to a `u32`. Equal text prefixes give equal ids, so
+/// block keys and prefix caching behave as with a real tokenizer; the count approximates one
+/// token per `chunk_bytes` bytes (4 is typical of English text).
+pub fn text_tokens(text: &str, chunk_bytes: usize) -> Vec<u32> {
+    text.as_bytes()
+        .chunks(chunk_bytes.max(1))
+        .map(|c| xxh3_64_with_seed(c, 0) as u32)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,6 +83,18 @@ mod tests {
         c[0] = 7;
         let kc = block_keys(&c, bs(8));
         assert_ne!(ka[4], kc[4]);
+    }
+
+    #[test]
+    fn text_tokens_chunk_and_share_prefixes() {
+        let a = text_tokens("hello world!", 4);
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[0], xxh3_64_with_seed(b"hell", 0) as u32);
+        let b = text_tokens("hello there", 4);
+        assert_eq!(a[..1], b[..1]);
+        assert_ne!(a[1], b[1]);
+        assert_eq!(text_tokens("abcde", 4).len(), 2);
+        assert!(text_tokens("", 4).is_empty());
     }
 
     #[test]
