@@ -175,3 +175,68 @@ fn engine_command_requires_synthetic_mode() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--synthetic: is required"), "{err}");
 }
+
+/// Kills the child if the test fails before it exits on its own.
+struct Reap(std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+#[tokio::test]
+async fn engine_process_serves_and_stops_on_sigterm() {
+    let (api, admin) = (free_port(), free_port());
+    let mut child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_kvpool"))
+            .args(["engine", "--synthetic", "--time-scale", "0.001"])
+            .args(["--listen", &format!("127.0.0.1:{api}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .spawn()
+            .expect("spawn kvpool engine"),
+    );
+    let admin_addr: SocketAddr = format!("127.0.0.1:{admin}").parse().expect("addr");
+    let api_addr: SocketAddr = format!("127.0.0.1:{api}").parse().expect("addr");
+    // Wait (bounded) until the engine reports ready.
+    let mut ready = false;
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(admin_addr).await.is_ok()
+            && http(admin_addr, "GET", "/readyz", "").await.0 == 200
+        {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(ready, "engine never became ready");
+    let (status, text) = http(
+        api_addr,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"kvpool-synthetic","prompt":"hi","max_tokens":2}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let (status, metrics) = http(admin_addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("kvpool_engine_generated_tokens_total 2"),
+        "{metrics}"
+    );
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let status = child.0.wait().expect("wait");
+    assert!(status.success(), "{status:?}");
+}

@@ -43,16 +43,22 @@ pub struct EngineArgs {
     /// Multiply every modelled duration by this (0.001 runs 1000x faster).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// Prefill cost: fixed seconds per request.
     #[arg(long, default_value_t = PrefillCost::default().fixed_s)]
     pub prefill_fixed_s: f64,
+    /// Prefill cost: seconds per prompt token.
     #[arg(long, default_value_t = PrefillCost::default().linear_s)]
     pub prefill_linear_s: f64,
+    /// Prefill cost: seconds per squared prompt token.
     #[arg(long, default_value_t = PrefillCost::default().quadratic_s)]
     pub prefill_quadratic_s: f64,
+    /// Decode step cost: fixed seconds.
     #[arg(long, default_value_t = DecodeCost::default().fixed_s)]
     pub decode_fixed_s: f64,
+    /// Decode step cost: seconds per running sequence.
     #[arg(long, default_value_t = DecodeCost::default().per_seq_s)]
     pub decode_per_seq_s: f64,
+    /// Decode step cost: seconds per context token in the batch.
     #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
     pub decode_per_ctx_token_s: f64,
 }
