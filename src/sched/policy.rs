@@ -74,6 +74,16 @@ pub enum Rejection {
     Predicted,
 }
 
+impl Rejection {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rejection::None => "none",
+            Rejection::Early => "early",
+            Rejection::Predicted => "predicted",
+        }
+    }
+}
+
 /// Service level objectives.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct Slo {

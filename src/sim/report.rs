@@ -177,9 +177,9 @@ impl Report {
         let pct = |x: f64| x * 100.0;
         let _ = writeln!(
             s,
-            "policy {} rejection {:?} ({} prefill, {} decode instances)",
+            "policy {} rejection {} ({} prefill, {} decode instances)",
             self.policy.name(),
-            self.rejection,
+            self.rejection.name(),
             self.prefill_instances,
             self.decode_instances
         );
