@@ -37,6 +37,8 @@ pub enum Command {
     Simulate(Box<crate::sim::cli::SimulateArgs>),
     /// Run an inference engine; `--synthetic` takes its timing from the cost model (no GPU).
     Engine(Box<crate::synthetic::cli::EngineArgs>),
+    /// Serve the OpenAI-compatible API and route each request to a prefill and a decode engine.
+    Conductor(Box<crate::conductor::cli::ConductorArgs>),
 }
 
 /// Run the parsed command line.
@@ -45,6 +47,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
         Command::Simulate(args) => crate::sim::cli::run(&args)?,
         Command::Engine(args) => crate::synthetic::cli::run(&args)?,
+        Command::Conductor(args) => crate::conductor::cli::run(&args)?,
     }
     Ok(())
 }

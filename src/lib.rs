@@ -6,6 +6,7 @@
 
 pub mod admin;
 pub mod cli;
+pub mod conductor;
 pub mod sched;
 pub mod shutdown;
 pub mod sim;
