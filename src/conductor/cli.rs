@@ -222,3 +222,56 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ConductorArgs,
+    }
+
+    #[test]
+    fn flags_validate_and_name_the_bad_one() {
+        let ok = T::try_parse_from([
+            "t",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--prefill",
+            "http://127.0.0.1:2",
+            "--decode",
+            "http://127.0.0.1:3",
+        ])
+        .unwrap();
+        let c = conductor_config(&ok.a).unwrap();
+        assert_eq!(c.scheduler.prefill_costs.len(), 2);
+        assert_eq!(c.scheduler.rejection, Rejection::Predicted);
+        let bad =
+            T::try_parse_from(["t", "--prefill", "127.0.0.1:1", "--decode", "http://x"]).unwrap();
+        let err = conductor_config(&bad.a).unwrap_err();
+        assert!(
+            err.to_string().starts_with("--prefill: `127.0.0.1:1`"),
+            "{err}"
+        );
+        let bad = T::try_parse_from([
+            "t",
+            "--prefill",
+            "http://a",
+            "--decode",
+            "http://b",
+            "--ttft-slo-s",
+            "0",
+        ])
+        .unwrap();
+        assert!(
+            conductor_config(&bad.a)
+                .unwrap_err()
+                .to_string()
+                .starts_with("--ttft-slo-s")
+        );
+        assert!(T::try_parse_from(["t", "--decode", "http://b"]).is_err());
+    }
+}
