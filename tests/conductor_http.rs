@@ -53,6 +53,10 @@ struct Cluster {
 }
 
 async fn cluster(rejection: Rejection, ttft_slo_s: f64) -> Cluster {
+    cluster_with(rejection, ttft_slo_s, None).await
+}
+
+async fn cluster_with(rejection: Rejection, ttft_slo_s: f64, decode: Option<String>) -> Cluster {
     let shutdown = CancellationToken::new();
     let (p0, r0) = engine(&shutdown).await;
     let (p1, r1) = engine(&shutdown).await;
@@ -60,7 +64,7 @@ async fn cluster(rejection: Rejection, ttft_slo_s: f64) -> Cluster {
     let config = ConductorConfig {
         model: MODEL.into(),
         prefill: vec![format!("http://{p0}"), format!("http://{p1}")],
-        decode: vec![format!("http://{d0}/")],
+        decode: vec![decode.unwrap_or_else(|| format!("http://{d0}/"))],
         scheduler: SchedulerConfig {
             policy: Policy::Conductor,
             rejection,
@@ -237,5 +241,29 @@ async fn rejects_with_429_and_retry_after_when_the_slo_cannot_be_met() {
     .await;
     assert_eq!(status, 400, "{text}");
     assert!(text.contains(r#""param":"stream""#), "{text}");
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn unreachable_decode_engine_gives_502_naming_it() {
+    // Port 1 on loopback: nothing listens there.
+    let c = cluster_with(Rejection::None, 30.0, Some("http://127.0.0.1:1".into())).await;
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2}}"#);
+    let (status, _, text) = post(c.conductor, "/v1/completions", &body).await;
+    assert_eq!(status, 502, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["type"], "upstream_error");
+    assert!(text.contains("127.0.0.1:1"), "{text}");
+    // The prefill engine did its part; the conductor counted the failure.
+    let served: f64 = c
+        .prefill
+        .iter()
+        .map(|r| counter(r, "kvpool_engine_generated_tokens_total"))
+        .sum();
+    assert_eq!(served, 1.0);
+    assert_eq!(
+        counter(&c.conductor_metrics, "kvpool_conductor_requests_total"),
+        1.0
+    );
     c.shutdown.cancel();
 }

@@ -168,8 +168,8 @@ fn rejected(shared: &Shared, reason: RejectReason) -> Response {
     resp
 }
 
-fn upstream_failed(shared: &Arc<Shared>, ticket: &Ticket, err: &UpstreamError) -> Response {
-    shared.state.lock().finished(ticket);
+/// Answers 502; the caller drops its `Finish`, which releases the request's bookings.
+fn upstream_failed(shared: &Shared, err: &UpstreamError) -> Response {
     shared.requests.with_label_values(&["upstream"]).inc();
     tracing::warn!(error = %err, source = ?std::error::Error::source(err), "upstream call failed");
     (
@@ -200,6 +200,11 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
         }
     };
     tracing::debug!(?ticket, "placed");
+    // Releases the bookings however this request ends: error, client gone, or body done.
+    let finish = Finish {
+        shared: shared.clone(),
+        ticket,
+    };
 
     // Prefill: one token, no streaming, and ask for the KV cache to be kept for decode.
     let mut prefill_req = original.clone();
@@ -219,19 +224,19 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
     let url = format!("{}{path}", prefill_url.trim_end_matches('/'));
     let resp = match shared.post(url.clone(), &prefill_req).await {
         Ok(r) => r,
-        Err(e) => return upstream_failed(&shared, &ticket, &e),
+        Err(e) => return upstream_failed(&shared, &e),
     };
     let status = resp.status();
     let bytes = match axum::body::to_bytes(resp.into_body(), MAX_PREFILL_RESPONSE).await {
         Ok(b) => b,
         Err(source) => {
-            return upstream_failed(&shared, &ticket, &UpstreamError::Read { url, source });
+            return upstream_failed(&shared, &UpstreamError::Read { url, source });
         }
     };
     shared.state.lock().prefilled(&ticket, shared.now_s());
     if !status.is_success() {
         // The engine's own error (e.g. 400) goes back as it is.
-        shared.state.lock().finished(&ticket);
+        drop(finish);
         shared.requests.with_label_values(&["prefill_error"]).inc();
         return (status, bytes).into_response();
     }
@@ -251,15 +256,11 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
     let url = format!("{}{path}", decode_url.trim_end_matches('/'));
     let resp = match shared.post(url, &decode_req).await {
         Ok(r) => r,
-        Err(e) => return upstream_failed(&shared, &ticket, &e),
+        Err(e) => return upstream_failed(&shared, &e),
     };
     shared.state.lock().decoding(&ticket, shared.now_s());
     shared.requests.with_label_values(&["ok"]).inc();
     let (parts, body) = resp.into_parts();
-    let finish = Finish {
-        shared: shared.clone(),
-        ticket,
-    };
     let stream = body.into_data_stream().map(move |chunk| {
         let _ = &finish;
         chunk
