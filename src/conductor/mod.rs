@@ -63,6 +63,8 @@ pub struct State {
     /// their estimated work in seconds.
     booked: Vec<VecDeque<(u64, f64)>>,
     decode: Vec<DecodeLoad>,
+    /// Per running request: when it started decoding, its prompt and its output length.
+    started: std::collections::HashMap<u64, (f64, u64, u32)>,
     block_size: NonZeroU32,
     next_request: u64,
 }
@@ -90,6 +92,7 @@ impl State {
             prefill: vec![PrefillLoad::default(); n],
             booked: vec![VecDeque::new(); n],
             decode: vec![DecodeLoad::default(); config.decode.len()],
+            started: Default::default(),
             block_size: config.scheduler.block_size,
             next_request: 1,
             scheduler,
@@ -111,6 +114,7 @@ impl State {
             input_tokens,
             output_tokens,
         };
+        self.advance_decode(now_s);
         let p = match self
             .scheduler
             .decide(now_s, &req, &self.index, &self.prefill, &self.decode)
@@ -172,7 +176,34 @@ impl State {
         {
             let mut m = d.pending.swap_remove(pos);
             m.joins_at_s = now_s;
+            self.started
+                .insert(m.request, (now_s, m.context_tokens, m.remaining_tokens));
             d.running.push(m);
+        }
+    }
+
+    /// Estimates how far every running request has got since it started decoding, at the
+    /// instance's current step time (the engines do not report progress), so the prediction
+    /// sees shrinking remaining work and growing context. Never reaches zero: a request stays
+    /// until its response ends.
+    fn advance_decode(&mut self, now_s: f64) {
+        let cost = self.scheduler.config().decode_cost;
+        for d in &mut self.decode {
+            let batch = d.running.len() as u64;
+            let ctx: u64 = d.running.iter().map(|m| m.context_tokens).sum();
+            let step = cost.step_seconds(batch, ctx);
+            for m in &mut d.running {
+                if let Some(&(start, prompt, total)) = self.started.get(&m.request) {
+                    let steps = if step > 0.0 {
+                        ((now_s - start).max(0.0) / step).floor() as u64
+                    } else {
+                        0
+                    };
+                    let done = steps.min(u64::from(total.saturating_sub(1))) as u32;
+                    m.remaining_tokens = total - done;
+                    m.context_tokens = prompt + u64::from(done);
+                }
+            }
         }
     }
 
@@ -191,6 +222,7 @@ impl State {
             d.pending.retain(|m| m.request != ticket.request);
             d.running.retain(|m| m.request != ticket.request);
         }
+        self.started.remove(&ticket.request);
     }
 
     pub fn block_size(&self) -> NonZeroU32 {
@@ -275,7 +307,16 @@ mod tests {
         st.prefilled(&a, 0.1);
         assert!((st.prefill_free_at()[0] - 0.1).abs() < 1e-12);
         st.decoding(&a, 0.1);
+        // Decode step alone with 30 tokens: 0.015 + 0.0002 + 30 x 2e-8 = 0.0152006 s; by 0.13 s
+        // a has made 1 step (0.03 / 0.0152 = 1.97): 4 tokens left, 31 tokens of context.
+        st.advance_decode(0.13);
+        let m = st.decode[0].running[0];
+        assert_eq!((m.remaining_tokens, m.context_tokens), (4, 31));
+        // Much later it is capped at one token left.
+        st.advance_decode(100.0);
+        assert_eq!(st.decode[0].running[0].remaining_tokens, 1);
         st.finished(&a);
+        assert!(st.started.is_empty());
         // c is abandoned before its prefill: instance 1's booking goes away.
         st.finished(&c);
         assert!(st.prefill_free_at()[1].abs() < 1e-12);
