@@ -379,3 +379,118 @@ impl State {
         self.start_step(instance, now);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, Slo};
+
+    fn config(decode_capacity: u64) -> SimConfig {
+        SimConfig {
+            scheduler: SchedulerConfig {
+                policy: Policy::Conductor,
+                rejection: Rejection::None,
+                slo: Slo {
+                    ttft_s: 10.0,
+                    tpot_s: 1.0,
+                },
+                block_size: NonZeroU32::new(10).unwrap(),
+                bytes_per_token: 1,
+                // Transfers take no time (1e-307 s).
+                pool_bandwidth_bps: f64::MAX,
+                kv_bandwidth_bps: f64::MAX,
+                // 0.1 s per token, nothing else
+                prefill_costs: vec![
+                    PrefillCost {
+                        fixed_s: 0.0,
+                        linear_s: 0.1,
+                        quadratic_s: 0.0,
+                    };
+                    1
+                ],
+                // 1 s per step
+                decode_cost: DecodeCost {
+                    fixed_s: 1.0,
+                    per_seq_s: 0.0,
+                    per_ctx_token_s: 0.0,
+                },
+                decode_kv_capacity_tokens: decode_capacity,
+                hot: HotConfig {
+                    threshold: 0,
+                    fanout: 0,
+                },
+                seed: 1,
+            },
+            decode_instances: 1,
+            local_cache_blocks: UNLIMITED,
+            pool_blocks: UNLIMITED,
+            time_scale: 1.0,
+        }
+    }
+
+    fn close(a: f64, b: f64) {
+        assert!((a - b).abs() < 1e-6, "{a} != {b}");
+    }
+
+    fn rec(ts: u64, input: u64, output: u32, ids: &[u64]) -> TraceRecord {
+        TraceRecord {
+            timestamp_ms: ts,
+            input_length: input,
+            output_length: output,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn hand_computed_timeline() {
+        // A: 20 tokens at 0 s -> prefill 2 s (TTFT 2), decode 3 tokens at 1 s/step: 2..5 s.
+        // B: same prefix + 10 more at 1 s -> waits for A's prefill until 2 s, prefills only
+        //    its 10 new tokens (1 s): TTFT 2 s, decodes 1 token 3..4 s alongside A.
+        let records = [rec(0, 20, 4, &[1, 2]), rec(1000, 30, 2, &[1, 2, 3])];
+        let (o, totals) = run(&records, &config(1000)).unwrap();
+        assert_eq!(
+            (o[0].ttft_s, o[0].decode_arrival_s, o[0].finish_s),
+            (2.0, 2.0, 5.0)
+        );
+        assert_eq!(o[0].tpot_s(), 1.0);
+        assert_eq!((o[1].matched_blocks, o[1].cached_tokens), (2, 20));
+        // B reaches decode at 3 s, just as A's step ends, and joins the next step.
+        assert_eq!((o[1].ttft_s, o[1].finish_s), (2.0, 4.0));
+        assert_eq!(totals.prefill_busy_s, 3.0);
+    }
+
+    #[test]
+    fn decode_memory_makes_requests_wait_in_order() {
+        // Memory for 25 tokens: B (20 tokens) must wait until A (20 tokens) has finished.
+        let records = [rec(0, 20, 3, &[1, 2]), rec(0, 20, 3, &[5, 6])];
+        let (o, _) = run(&records, &config(25)).unwrap();
+        // A: prefill 0..2 s, decode 2 tokens 2..4 s. B: prefill 2..4 s, joins at 4 s, 4..6 s.
+        close(o[0].finish_s, 4.0);
+        close(o[1].decode_arrival_s, 4.0);
+        close(o[1].finish_s, 6.0);
+        // Here prefill serialises them anyway; now let B arrive while A decodes.
+        let records = [rec(0, 20, 5, &[1, 2]), rec(0, 1, 3, &[9])];
+        let (o, _) = run(&records, &config(20)).unwrap();
+        // A decodes 4 tokens 2..6 s holding all 20 tokens (+ growth); B (prefill 0.1 s) arrives
+        // at 2.1 s and waits for A to leave at 6 s, then takes 2 steps: 6..8 s.
+        close(o[0].finish_s, 6.0);
+        close(o[1].finish_s, 8.0);
+        close(o[1].tpot_s(), (8.0 - 2.1) / 2.0);
+    }
+
+    #[test]
+    fn empty_prompts_and_single_token_outputs_are_served() {
+        let records = [rec(0, 0, 0, &[]), rec(0, 5, 1, &[4])];
+        let (o, _) = run(&records, &config(100)).unwrap();
+        assert!(
+            o.iter()
+                .all(|x| x.rejected.is_none() && x.finish_s > x.arrival_s)
+        );
+        assert_eq!(o[0].decode_tokens, 1);
+        let mut bad = config(100);
+        bad.time_scale = 0.0;
+        assert_eq!(run(&records, &bad).unwrap_err().category(), "time_scale");
+    }
+}
