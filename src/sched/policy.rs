@@ -1108,6 +1108,44 @@ mod tests {
     }
 
     #[test]
+    fn prediction_favours_prompts_that_reach_decode_later() {
+        // Why prediction rejects more on memory-bound traces: decode memory (10_000 tokens) is
+        // nearly full now and frees at 1.74 s (one request of 9_000 tokens with 60 steps left
+        // at 0.01 + 0.01 + 0.009 = 0.029 s). A shorter prompt (1_500 tokens: prefill 1.5 s +
+        // transfer 0.15 s) would arrive at 1.65 s, before the memory frees: prediction rejects
+        // it. A long prompt (3_000 tokens) arrives at 3.3 s, after: prediction admits it. Judging on the load now treats both alike (both rejected), so
+        // prediction turns the admitted mix toward long prompts, which hold more memory each.
+        let idx = PrefixIndex::new(1).unwrap();
+        let full = DecodeLoad {
+            running: vec![DecodeMember {
+                request: 0,
+                context_tokens: 9_000,
+                remaining_tokens: 60,
+                joins_at_s: 0.0,
+            }],
+            pending: vec![],
+        };
+        let pl = [PrefillLoad::default()];
+        let (short, long) = (req(&[], 1_500), req(&[], 3_000));
+        let mut pred =
+            Scheduler::new(config(Policy::Conductor, Rejection::Predicted, 1), 1).unwrap();
+        assert_eq!(
+            pred.decide(0.0, &short, &idx, &pl, std::slice::from_ref(&full)),
+            Decision::Reject(RejectReason::DecodeMemory)
+        );
+        let p = accept(pred.decide(0.0, &long, &idx, &pl, std::slice::from_ref(&full)));
+        // Alone at decode once the running request has left: 0.01 + 0.01 + 3000e-6.
+        assert!((p.tpot_s - 0.023).abs() < 1e-12, "{}", p.tpot_s);
+        let mut early = Scheduler::new(config(Policy::Conductor, Rejection::Early, 1), 1).unwrap();
+        for r in [&short, &long] {
+            assert_eq!(
+                early.decide(0.0, r, &idx, &pl, std::slice::from_ref(&full)),
+                Decision::Reject(RejectReason::DecodeMemory)
+            );
+        }
+    }
+
+    #[test]
     fn hot_prefix_is_replicated_to_least_loaded_non_holders() {
         let mut cfg = config(Policy::Conductor, Rejection::None, 4);
         cfg.hot = HotConfig {
