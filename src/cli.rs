@@ -39,6 +39,13 @@ pub enum Command {
     Master(Box<crate::master::cmd::MasterArgs>),
     /// Benchmark the master's metadata path (lookups/s, puts/s, RSS per object).
     MasterBench(crate::master::bench::MasterBenchArgs),
+    /// Replay a Mooncake request trace through the scheduling policies (or, with
+    /// --bench-decision, time one scheduling decision).
+    Simulate(Box<crate::sim::cli::SimulateArgs>),
+    /// Run an inference engine; `--synthetic` takes its timing from the cost model (no GPU).
+    Engine(Box<crate::synthetic::cli::EngineArgs>),
+    /// Serve the OpenAI-compatible API and route each request to a prefill and a decode engine.
+    Conductor(Box<crate::conductor::cli::ConductorArgs>),
 }
 
 /// Run the parsed command line.
@@ -54,6 +61,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::MasterBench(args) => {
             tokio::runtime::Runtime::new()?.block_on(crate::master::bench::run(args))?;
         }
+        Command::Simulate(args) => crate::sim::cli::run(&args)?,
+        Command::Engine(args) => crate::synthetic::cli::run(&args)?,
+        Command::Conductor(args) => crate::conductor::cli::run(&args)?,
     }
     Ok(())
 }

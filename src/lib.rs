@@ -6,6 +6,10 @@
 
 pub mod admin;
 pub mod cli;
+pub mod conductor;
 pub mod master;
+pub mod sched;
 pub mod shutdown;
+pub mod sim;
+pub mod synthetic;
 pub mod telemetry;

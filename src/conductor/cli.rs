@@ -1,0 +1,277 @@
+//! `kvpool conductor`: flags, validation and process wiring (runtime, signals, listeners).
+//! I/O boundary: sockets and signals.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+
+use prometheus::Registry;
+use tokio_util::sync::CancellationToken;
+
+use super::ConductorConfig;
+use super::server::{self, ServerError};
+use crate::admin::{self, AdminError, Readiness};
+use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
+
+/// Flags of `kvpool conductor`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConductorArgs {
+    /// Address of the OpenAI-compatible API.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:8080",
+        env = "KVPOOL_CONDUCTOR_LISTEN"
+    )]
+    pub listen: SocketAddr,
+    /// Address of /livez, /readyz and /metrics.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:9101",
+        env = "KVPOOL_CONDUCTOR_ADMIN_LISTEN"
+    )]
+    pub admin_listen: SocketAddr,
+    /// Model name served (and expected by the engines).
+    #[arg(long, default_value = "kvpool-synthetic")]
+    pub model: String,
+    /// Base URL of a prefill engine (repeat the flag for each).
+    #[arg(long = "prefill", required = true)]
+    pub prefill: Vec<String>,
+    /// Base URL of a decode engine (repeat the flag for each).
+    #[arg(long = "decode", required = true)]
+    pub decode: Vec<String>,
+    /// Prefill placement policy.
+    #[arg(long, value_enum, default_value_t = Policy::Conductor)]
+    pub policy: Policy,
+    /// Early rejection mode.
+    #[arg(long, value_enum, default_value_t = Rejection::Predicted)]
+    pub rejection: Rejection,
+    /// TTFT SLO, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub ttft_slo_s: f64,
+    /// TPOT SLO, seconds.
+    #[arg(long, default_value_t = 0.1)]
+    pub tpot_slo_s: f64,
+    /// Tokens per KV block (must match the engines').
+    #[arg(long, default_value_t = 256)]
+    pub block_size: u32,
+    /// Prefix cache capacity of each prefill engine, blocks.
+    #[arg(long, default_value_t = 11_718)]
+    pub engine_cache_blocks: usize,
+    /// Bytes of prompt text per stand-in token (must match the engines').
+    #[arg(long, default_value_t = 4)]
+    pub chunk_bytes: usize,
+    /// KV bytes per token.
+    #[arg(long, default_value_t = 327_680)]
+    pub bytes_per_token: u64,
+    /// Prefill -> decode KV transfer bandwidth, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_bandwidth_gbps: f64,
+    /// KV tokens one decode instance holds.
+    #[arg(long, default_value_t = 1_500_000)]
+    pub decode_kv_capacity_tokens: u64,
+}
+
+/// Errors of `kvpool conductor`.
+#[derive(Debug, thiserror::Error)]
+pub enum ConductorError {
+    #[error("--{flag}: {problem}")]
+    Flag { flag: &'static str, problem: String },
+    #[error("cannot start the Tokio runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("cannot bind the conductor listener on {addr}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("admin server")]
+    Admin(#[source] AdminError),
+    #[error("conductor server")]
+    Server(#[source] ServerError),
+}
+
+impl ConductorError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ConductorError::Flag { .. } => "flag",
+            ConductorError::Runtime(_) => "runtime",
+            ConductorError::Signals(_) => "signals",
+            ConductorError::Bind { .. } => "bind",
+            ConductorError::Admin(_) => "admin",
+            ConductorError::Server(_) => "server",
+        }
+    }
+}
+
+fn flag(flag: &'static str, problem: impl Into<String>) -> ConductorError {
+    ConductorError::Flag {
+        flag,
+        problem: problem.into(),
+    }
+}
+
+fn positive(name: &'static str, v: f64) -> Result<f64, ConductorError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(flag(name, format!("must be a finite number > 0, got {v}")))
+    }
+}
+
+/// Validates the flags.
+pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, ConductorError> {
+    for (name, urls) in [("prefill", &args.prefill), ("decode", &args.decode)] {
+        for url in urls {
+            if !url.starts_with("http://") {
+                return Err(flag(
+                    if name == "prefill" {
+                        "prefill"
+                    } else {
+                        "decode"
+                    },
+                    format!("`{url}` must be an http:// base URL"),
+                ));
+            }
+        }
+    }
+    if args.prefill.len() > crate::sched::index::MAX_PREFILL_INSTANCES {
+        return Err(flag(
+            "prefill",
+            format!(
+                "at most {} instances",
+                crate::sched::index::MAX_PREFILL_INSTANCES
+            ),
+        ));
+    }
+    if args.chunk_bytes == 0 {
+        return Err(flag("chunk-bytes", "must be at least 1"));
+    }
+    Ok(ConductorConfig {
+        model: args.model.clone(),
+        prefill: args.prefill.clone(),
+        decode: args.decode.clone(),
+        scheduler: SchedulerConfig {
+            policy: args.policy,
+            rejection: args.rejection,
+            slo: Slo {
+                ttft_s: positive("ttft-slo-s", args.ttft_slo_s)?,
+                tpot_s: positive("tpot-slo-s", args.tpot_slo_s)?,
+            },
+            block_size: NonZeroU32::new(args.block_size)
+                .ok_or_else(|| flag("block-size", "must be at least 1"))?,
+            bytes_per_token: args.bytes_per_token.max(1),
+            // No pool yet: fetches never happen, but the value must be valid.
+            pool_bandwidth_bps: 25e9,
+            kv_bandwidth_bps: positive("kv-bandwidth-gbps", args.kv_bandwidth_gbps)? * 1e9,
+            prefill_costs: vec![PrefillCost::default(); args.prefill.len()],
+            decode_cost: DecodeCost::default(),
+            decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
+            hot: HotConfig {
+                threshold: 0,
+                fanout: 0,
+            },
+            seed: 1,
+        },
+        engine_cache_blocks: args.engine_cache_blocks,
+        chunk_bytes: args.chunk_bytes,
+    })
+}
+
+/// Entry point of `kvpool conductor`: serves until SIGTERM or SIGINT.
+pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
+    let config = conductor_config(args)?;
+    tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting conductor");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(ConductorError::Runtime)?;
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(ConductorError::Signals)?;
+        let registry = Registry::new();
+        let readiness = Readiness::new();
+        let router = server::router(config, &registry).map_err(ConductorError::Server)?;
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(|source| ConductorError::Bind {
+                addr: args.listen,
+                source,
+            })?;
+        let admin_listener = admin::bind(args.admin_listen)
+            .await
+            .map_err(ConductorError::Admin)?;
+        let admin_shutdown = CancellationToken::new();
+        let admin_task = tokio::spawn(admin::serve(
+            admin_listener,
+            admin::router(registry, readiness.clone()),
+            admin_shutdown.clone(),
+        ));
+        readiness.set_ready(true);
+        let served = server::serve(listener, router, shutdown.clone()).await;
+        readiness.set_ready(false);
+        admin_shutdown.cancel();
+        let admin_result = admin_task.await;
+        served.map_err(ConductorError::Server)?;
+        match admin_result {
+            Ok(r) => r.map_err(ConductorError::Admin),
+            Err(join) => Err(ConductorError::Admin(AdminError::Serve(
+                std::io::Error::other(join),
+            ))),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ConductorArgs,
+    }
+
+    #[test]
+    fn flags_validate_and_name_the_bad_one() {
+        let ok = T::try_parse_from([
+            "t",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--prefill",
+            "http://127.0.0.1:2",
+            "--decode",
+            "http://127.0.0.1:3",
+        ])
+        .unwrap();
+        let c = conductor_config(&ok.a).unwrap();
+        assert_eq!(c.scheduler.prefill_costs.len(), 2);
+        assert_eq!(c.scheduler.rejection, Rejection::Predicted);
+        let bad =
+            T::try_parse_from(["t", "--prefill", "127.0.0.1:1", "--decode", "http://x"]).unwrap();
+        let err = conductor_config(&bad.a).unwrap_err();
+        assert!(
+            err.to_string().starts_with("--prefill: `127.0.0.1:1`"),
+            "{err}"
+        );
+        let bad = T::try_parse_from([
+            "t",
+            "--prefill",
+            "http://a",
+            "--decode",
+            "http://b",
+            "--ttft-slo-s",
+            "0",
+        ])
+        .unwrap();
+        assert!(
+            conductor_config(&bad.a)
+                .unwrap_err()
+                .to_string()
+                .starts_with("--ttft-slo-s")
+        );
+        assert!(T::try_parse_from(["t", "--decode", "http://b"]).is_err());
+    }
+}

@@ -1,0 +1,325 @@
+//! The conductor's front door: an OpenAI-compatible HTTP server that places every request with
+//! the scheduling policy core (`crate::sched`) and routes it to the chosen prefill instance and
+//! then to the chosen decode instance, following vLLM's disaggregated-serving proxy convention.
+//! I/O boundary: `server` (listener, HTTP client to the engines, the clock) and `cli`;
+//! `State` here is the pure bookkeeping between the policy and the engines.
+
+pub mod cli;
+pub mod server;
+
+use std::collections::VecDeque;
+use std::num::NonZeroU32;
+
+use crate::sched::{
+    BlockKey, Decision, DecodeLoad, DecodeMember, Inserted, LruSet, PrefillLoad, PrefixIndex,
+    Request, Scheduler, SchedulerConfig,
+};
+
+/// Settings of the conductor.
+#[derive(Clone, Debug)]
+pub struct ConductorConfig {
+    /// Model name served.
+    pub model: String,
+    /// Base URLs (`http://host:port`) of the prefill engines.
+    pub prefill: Vec<String>,
+    /// Base URLs of the decode engines.
+    pub decode: Vec<String>,
+    /// Policy, SLOs and cost models (one prefill cost per prefill URL).
+    pub scheduler: SchedulerConfig,
+    /// Prefix cache capacity of each prefill engine, in blocks (mirrored here).
+    pub engine_cache_blocks: usize,
+    /// Bytes of prompt text per stand-in token (must match the engines').
+    pub chunk_bytes: usize,
+}
+
+/// Errors of building the conductor's state.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("invalid scheduler configuration")]
+    Config(#[source] crate::sched::ConfigError),
+    #[error("invalid prefix index configuration")]
+    Index(#[source] crate::sched::IndexError),
+}
+
+impl StateError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            StateError::Config(_) => "config",
+            StateError::Index(_) => "index",
+        }
+    }
+}
+
+/// The conductor's view of the cluster: the policy, the prefix index, a mirror of every prefill
+/// engine's LRU cache, and the loads the policy reads. Time is passed in (seconds since start).
+#[derive(Debug)]
+pub struct State {
+    scheduler: Scheduler,
+    index: PrefixIndex,
+    caches: Vec<LruSet>,
+    prefill: Vec<PrefillLoad>,
+    /// Per prefill instance, the requests sent to it and not yet prefilled, in order, with
+    /// their estimated work in seconds.
+    booked: Vec<VecDeque<(u64, f64)>>,
+    decode: Vec<DecodeLoad>,
+    /// Per running request: when it started decoding, its prompt and its output length.
+    started: std::collections::HashMap<u64, (f64, u64, u32)>,
+    block_size: NonZeroU32,
+    next_request: u64,
+}
+
+/// A request placed on instances; hand it back to `State` as it progresses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Ticket {
+    pub request: u64,
+    pub prefill: usize,
+    pub decode: usize,
+    /// Estimated TTFT, seconds.
+    pub ttft_s: f64,
+}
+
+impl State {
+    pub fn new(config: &ConductorConfig) -> Result<Self, StateError> {
+        let scheduler = Scheduler::new(config.scheduler.clone(), config.decode.len())
+            .map_err(StateError::Config)?;
+        let n = scheduler.prefill_instances();
+        Ok(Self {
+            index: PrefixIndex::new(n).map_err(StateError::Index)?,
+            caches: (0..n)
+                .map(|_| LruSet::new(config.engine_cache_blocks))
+                .collect(),
+            prefill: vec![PrefillLoad::default(); n],
+            booked: vec![VecDeque::new(); n],
+            decode: vec![DecodeLoad::default(); config.decode.len()],
+            started: Default::default(),
+            block_size: config.scheduler.block_size,
+            next_request: 1,
+            scheduler,
+        })
+    }
+
+    /// Decides where a request goes (or rejects it) and books it: the prefill instance's queue
+    /// grows by the estimated work, its cache (and the index) gets the prompt's blocks, and the
+    /// decode instance expects the request when prefill and transfer are done.
+    pub fn place(
+        &mut self,
+        now_s: f64,
+        keys: &[BlockKey],
+        input_tokens: u64,
+        output_tokens: u32,
+    ) -> Result<Ticket, crate::sched::RejectReason> {
+        let req = Request {
+            keys,
+            input_tokens,
+            output_tokens,
+        };
+        self.advance_decode(now_s);
+        let p = match self
+            .scheduler
+            .decide(now_s, &req, &self.index, &self.prefill, &self.decode)
+        {
+            Decision::Accept(p) => p,
+            Decision::Reject(r) => return Err(r),
+        };
+        let work = p.ttft.fetch_s + p.ttft.prefill_s;
+        let load = &mut self.prefill[p.prefill];
+        load.free_at_s = load.free_at_s.max(now_s) + work;
+        if let Some(cache) = self.caches.get_mut(p.prefill) {
+            for &k in keys.iter().rev() {
+                if let Inserted::Added { evicted } = cache.insert(k) {
+                    self.index.add_local(k, p.prefill);
+                    if let Some(e) = evicted {
+                        self.index.remove_local(e, p.prefill);
+                    }
+                }
+            }
+        }
+        let request = self.next_request;
+        self.next_request += 1;
+        if let Some(q) = self.booked.get_mut(p.prefill) {
+            q.push_back((request, work));
+        }
+        self.decode[p.decode].pending.push(DecodeMember {
+            request,
+            context_tokens: input_tokens,
+            remaining_tokens: output_tokens,
+            joins_at_s: now_s + p.ttft.total_s() + p.kv_transfer_s,
+        });
+        Ok(Ticket {
+            request,
+            prefill: p.prefill,
+            decode: p.decode,
+            ttft_s: p.ttft.total_s(),
+        })
+    }
+
+    /// The request's prefill finished at `now_s`: it and everything booked before it on the
+    /// instance are done; the instance is busy for the work booked after it.
+    pub fn prefilled(&mut self, ticket: &Ticket, now_s: f64) {
+        let (Some(q), Some(load)) = (
+            self.booked.get_mut(ticket.prefill),
+            self.prefill.get_mut(ticket.prefill),
+        ) else {
+            return;
+        };
+        if let Some(pos) = q.iter().position(|&(r, _)| r == ticket.request) {
+            q.drain(..=pos);
+        }
+        load.free_at_s = now_s + q.iter().map(|&(_, w)| w).sum::<f64>();
+    }
+
+    /// The request started decoding.
+    pub fn decoding(&mut self, ticket: &Ticket, now_s: f64) {
+        if let Some(d) = self.decode.get_mut(ticket.decode)
+            && let Some(pos) = d.pending.iter().position(|m| m.request == ticket.request)
+        {
+            let mut m = d.pending.swap_remove(pos);
+            m.joins_at_s = now_s;
+            self.started
+                .insert(m.request, (now_s, m.context_tokens, m.remaining_tokens));
+            d.running.push(m);
+        }
+    }
+
+    /// Estimates how far every running request has got since it started decoding, at the
+    /// instance's current step time (the engines do not report progress), so the prediction
+    /// sees shrinking remaining work and growing context. Never reaches zero: a request stays
+    /// until its response ends.
+    fn advance_decode(&mut self, now_s: f64) {
+        let cost = self.scheduler.config().decode_cost;
+        for d in &mut self.decode {
+            let batch = d.running.len() as u64;
+            let ctx: u64 = d.running.iter().map(|m| m.context_tokens).sum();
+            let step = cost.step_seconds(batch, ctx);
+            for m in &mut d.running {
+                if let Some(&(start, prompt, total)) = self.started.get(&m.request) {
+                    let steps = if step > 0.0 {
+                        ((now_s - start).max(0.0) / step).floor() as u64
+                    } else {
+                        0
+                    };
+                    let done = steps.min(u64::from(total.saturating_sub(1))) as u32;
+                    m.remaining_tokens = total - done;
+                    m.context_tokens = prompt + u64::from(done);
+                }
+            }
+        }
+    }
+
+    /// The request is finished (or abandoned): it leaves decode, and its prefill booking if it
+    /// never got there.
+    pub fn finished(&mut self, ticket: &Ticket) {
+        if let (Some(q), Some(load)) = (
+            self.booked.get_mut(ticket.prefill),
+            self.prefill.get_mut(ticket.prefill),
+        ) && let Some(pos) = q.iter().position(|&(r, _)| r == ticket.request)
+            && let Some((_, work)) = q.remove(pos)
+        {
+            load.free_at_s -= work;
+        }
+        if let Some(d) = self.decode.get_mut(ticket.decode) {
+            d.pending.retain(|m| m.request != ticket.request);
+            d.running.retain(|m| m.request != ticket.request);
+        }
+        self.started.remove(&ticket.request);
+    }
+
+    pub fn block_size(&self) -> NonZeroU32 {
+        self.block_size
+    }
+
+    /// When each prefill instance is expected to be free, seconds.
+    pub fn prefill_free_at(&self) -> Vec<f64> {
+        self.prefill.iter().map(|l| l.free_at_s).collect()
+    }
+
+    /// Requests booked on each decode instance (running plus expected).
+    pub fn decode_counts(&self) -> Vec<usize> {
+        self.decode
+            .iter()
+            .map(|d| d.running.len() + d.pending.len())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sched::{HotConfig, Policy, Rejection, Slo};
+
+    fn config() -> ConductorConfig {
+        ConductorConfig {
+            model: "m".into(),
+            prefill: vec!["http://a".into(), "http://b".into()],
+            decode: vec!["http://c".into()],
+            scheduler: SchedulerConfig {
+                policy: Policy::Conductor,
+                rejection: Rejection::None,
+                slo: Slo {
+                    ttft_s: 30.0,
+                    tpot_s: 0.1,
+                },
+                block_size: NonZeroU32::new(10).unwrap(),
+                bytes_per_token: 1,
+                pool_bandwidth_bps: 1e9,
+                kv_bandwidth_bps: 1e9,
+                // 10 ms per token
+                prefill_costs: vec![
+                    crate::sched::PrefillCost {
+                        fixed_s: 0.0,
+                        linear_s: 0.01,
+                        quadratic_s: 0.0,
+                    };
+                    2
+                ],
+                decode_cost: crate::sched::DecodeCost::default(),
+                decode_kv_capacity_tokens: 1_000_000,
+                hot: HotConfig {
+                    threshold: 0,
+                    fanout: 0,
+                },
+                seed: 1,
+            },
+            engine_cache_blocks: 100,
+            chunk_bytes: 4,
+        }
+    }
+
+    #[test]
+    fn bookings_follow_placement_completion_and_abandonment() {
+        let mut st = State::new(&config()).unwrap();
+        let keys = [1, 2, 3];
+        // 30 tokens, nothing cached: 0.3 s on instance 0 (ties go to the first).
+        let a = st.place(0.0, &keys, 30, 5).unwrap();
+        assert_eq!(a.prefill, 0);
+        assert!((a.ttft_s - 0.3).abs() < 1e-12);
+        // The same prompt again: instance 0 has it cached (0 s of prefill) but is busy 0.3 s;
+        // instance 1 would take 0.3 s. Tie -> instance 0, with nothing more to do.
+        let b = st.place(0.0, &keys, 30, 5).unwrap();
+        assert_eq!(b.prefill, 0);
+        assert!((b.ttft_s - 0.3).abs() < 1e-12);
+        // A different prompt goes to the idle instance 1.
+        let c = st.place(0.0, &[7, 8], 20, 5).unwrap();
+        assert_eq!(c.prefill, 1);
+        assert_eq!(st.decode_counts(), vec![3]);
+        // a finishes prefill early, at 0.1 s: instance 0 is then only busy with b (0 s).
+        st.prefilled(&a, 0.1);
+        assert!((st.prefill_free_at()[0] - 0.1).abs() < 1e-12);
+        st.decoding(&a, 0.1);
+        // Decode step alone with 30 tokens: 0.015 + 0.0002 + 30 x 2e-8 = 0.0152006 s; by 0.13 s
+        // a has made 1 step (0.03 / 0.0152 = 1.97): 4 tokens left, 31 tokens of context.
+        st.advance_decode(0.13);
+        let m = st.decode[0].running[0];
+        assert_eq!((m.remaining_tokens, m.context_tokens), (4, 31));
+        // Much later it is capped at one token left.
+        st.advance_decode(100.0);
+        assert_eq!(st.decode[0].running[0].remaining_tokens, 1);
+        st.finished(&a);
+        assert!(st.started.is_empty());
+        // c is abandoned before its prefill: instance 1's booking goes away.
+        st.finished(&c);
+        assert!(st.prefill_free_at()[1].abs() < 1e-12);
+        assert_eq!(st.decode_counts(), vec![1]);
+    }
+}

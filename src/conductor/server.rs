@@ -1,0 +1,352 @@
+//! HTTP side of the conductor: OpenAI-compatible endpoints, the placement decision, and the
+//! two upstream calls. Prefill gets the request with `max_tokens: 1`, `stream: false` and
+//! `kv_transfer_params: {"do_remote_decode": true}`; decode gets the original request plus the
+//! `kv_transfer_params` that prefill returned (vLLM's disaggregated proxy convention), and its
+//! response, streamed or not, goes back to the client unchanged.
+//! I/O boundary: the listener, the HTTP client, the monotonic clock.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State as AxumState;
+use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use prometheus::{IntCounterVec, Opts, Registry};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use super::{ConductorConfig, State, StateError, Ticket};
+use crate::sched::{RejectReason, block_keys, text_tokens};
+use crate::synthetic::api::{self, ApiError, Endpoint};
+
+/// Largest upstream prefill response read, bytes.
+const MAX_PREFILL_RESPONSE: usize = 1 << 20;
+
+/// Errors of the conductor server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot register conductor metrics")]
+    Metrics(#[source] prometheus::Error),
+    #[error("cannot build the conductor state")]
+    State(#[source] StateError),
+    #[error("conductor server failed")]
+    Serve(#[source] std::io::Error),
+}
+
+impl ServerError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ServerError::Metrics(_) => "metrics",
+            ServerError::State(_) => "state",
+            ServerError::Serve(_) => "serve",
+        }
+    }
+}
+
+/// A failed upstream call.
+#[derive(Debug, thiserror::Error)]
+enum UpstreamError {
+    #[error("cannot build the request to {url}")]
+    Build {
+        url: String,
+        #[source]
+        source: axum::http::Error,
+    },
+    #[error("cannot reach {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: hyper_util::client::legacy::Error,
+    },
+    #[error("cannot read the response of {url}")]
+    Read {
+        url: String,
+        #[source]
+        source: axum::Error,
+    },
+}
+
+struct Shared {
+    config: ConductorConfig,
+    state: parking_lot::Mutex<State>,
+    client: Client<HttpConnector, Body>,
+    started: Instant,
+    requests: IntCounterVec,
+    rejections: IntCounterVec,
+}
+
+impl Shared {
+    fn now_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    async fn post(&self, url: String, body: &Value) -> Result<Response<Body>, UpstreamError> {
+        let req = Request::post(&url)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .map_err(|source| UpstreamError::Build {
+                url: url.clone(),
+                source,
+            })?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|source| UpstreamError::Connect { url, source })?;
+        Ok(resp.map(Body::new))
+    }
+}
+
+/// Leaves the decode bookkeeping when the response body is done or dropped.
+struct Finish {
+    shared: Arc<Shared>,
+    ticket: Ticket,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        self.shared.state.lock().finished(&self.ticket);
+    }
+}
+
+fn error_body(message: String, kind: &str, code: &str) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+}
+
+fn api_error(shared: &Shared, err: &ApiError) -> Response {
+    shared.requests.with_label_values(&[err.category()]).inc();
+    let status = StatusCode::from_u16(err.status()).unwrap_or(StatusCode::BAD_REQUEST);
+    (status, Json(err.body())).into_response()
+}
+
+fn rejected(shared: &Shared, reason: RejectReason) -> Response {
+    shared.requests.with_label_values(&["rejected"]).inc();
+    shared
+        .rejections
+        .with_label_values(&[reason.category()])
+        .inc();
+    let slo = shared.config.scheduler.slo;
+    let (message, retry_s) = match reason {
+        RejectReason::Ttft { estimate_s } => (
+            format!(
+                "estimated time to first token {estimate_s:.1} s exceeds the {:.1} s objective",
+                slo.ttft_s
+            ),
+            (estimate_s - slo.ttft_s).ceil().max(1.0),
+        ),
+        RejectReason::Tpot { estimate_s } => (
+            format!(
+                "estimated time per output token {estimate_s:.3} s exceeds the {:.3} s objective",
+                slo.tpot_s
+            ),
+            1.0,
+        ),
+        RejectReason::DecodeMemory => ("decode instances have no KV memory left".into(), 1.0),
+        RejectReason::NoInstance => ("no serving instance available".into(), 5.0),
+    };
+    let mut resp = (
+        StatusCode::TOO_MANY_REQUESTS,
+        Json(error_body(
+            format!("request rejected: {message}"),
+            "rate_limit_exceeded",
+            reason.category(),
+        )),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&format!("{}", retry_s.min(3600.0) as u64)) {
+        resp.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    resp
+}
+
+/// Answers 502; the caller drops its `Finish`, which releases the request's bookings.
+fn upstream_failed(shared: &Shared, err: &UpstreamError) -> Response {
+    shared.requests.with_label_values(&["upstream"]).inc();
+    tracing::warn!(error = %err, source = ?std::error::Error::source(err), "upstream call failed");
+    (
+        StatusCode::BAD_GATEWAY,
+        Json(error_body(err.to_string(), "upstream_error", "upstream")),
+    )
+        .into_response()
+}
+
+async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
+    let req = match api::parse_request(endpoint, &body, &shared.config.model) {
+        Ok(r) => r,
+        Err(e) => return api_error(&shared, &e),
+    };
+    // parse_request accepted it, so it is a JSON object.
+    let original: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let tokens = text_tokens(&req.prompt, shared.config.chunk_bytes);
+    let ticket = {
+        let mut state = shared.state.lock();
+        let keys = block_keys(&tokens, state.block_size());
+        let now = shared.now_s();
+        match state.place(now, &keys, tokens.len() as u64, req.max_tokens) {
+            Ok(t) => t,
+            Err(reason) => {
+                drop(state);
+                return rejected(&shared, reason);
+            }
+        }
+    };
+    tracing::debug!(?ticket, "placed");
+    // Releases the bookings however this request ends: error, client gone, or body done.
+    let finish = Finish {
+        shared: shared.clone(),
+        ticket,
+    };
+
+    // Prefill: one token, no streaming, and ask for the KV cache to be kept for decode.
+    let mut prefill_req = original.clone();
+    if let Some(obj) = prefill_req.as_object_mut() {
+        obj.insert("max_tokens".into(), json!(1));
+        obj.remove("max_completion_tokens");
+        obj.insert("stream".into(), json!(false));
+        obj.remove("stream_options");
+        obj.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_decode": true, "do_remote_prefill": false}),
+        );
+    }
+    let Some(prefill_url) = shared.config.prefill.get(ticket.prefill) else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let url = format!("{}{path}", prefill_url.trim_end_matches('/'));
+    let resp = match shared.post(url.clone(), &prefill_req).await {
+        Ok(r) => r,
+        Err(e) => return upstream_failed(&shared, &e),
+    };
+    let status = resp.status();
+    let bytes = match axum::body::to_bytes(resp.into_body(), MAX_PREFILL_RESPONSE).await {
+        Ok(b) => b,
+        Err(source) => {
+            return upstream_failed(&shared, &UpstreamError::Read { url, source });
+        }
+    };
+    shared.state.lock().prefilled(&ticket, shared.now_s());
+    if !status.is_success() {
+        // The engine's own error (e.g. 400) goes back as it is.
+        drop(finish);
+        shared.requests.with_label_values(&["prefill_error"]).inc();
+        return (status, bytes).into_response();
+    }
+    let kv_params = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("kv_transfer_params").cloned())
+        .filter(|v| !v.is_null());
+
+    // Decode: the original request, told where the KV cache is.
+    let mut decode_req = original;
+    if let (Some(obj), Some(kv)) = (decode_req.as_object_mut(), kv_params) {
+        obj.insert("kv_transfer_params".into(), kv);
+    }
+    let Some(decode_url) = shared.config.decode.get(ticket.decode) else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let url = format!("{}{path}", decode_url.trim_end_matches('/'));
+    let resp = match shared.post(url, &decode_req).await {
+        Ok(r) => r,
+        Err(e) => return upstream_failed(&shared, &e),
+    };
+    shared.state.lock().decoding(&ticket, shared.now_s());
+    shared.requests.with_label_values(&["ok"]).inc();
+    let (parts, body) = resp.into_parts();
+    let stream = body.into_data_stream().map(move |chunk| {
+        let _ = &finish;
+        chunk
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = parts.status;
+    // The body passes through unchanged, so its length (when known) still holds.
+    for name in [
+        header::CONTENT_TYPE,
+        header::CONTENT_LENGTH,
+        header::CACHE_CONTROL,
+    ] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.headers_mut().insert(name, v.clone());
+        }
+    }
+    out
+}
+
+/// Router of the conductor API.
+pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, ServerError> {
+    let requests = IntCounterVec::new(
+        Opts::new(
+            "kvpool_conductor_requests_total",
+            "Requests by outcome (ok, rejected, or the error category)",
+        ),
+        &["outcome"],
+    )
+    .map_err(ServerError::Metrics)?;
+    let rejections = IntCounterVec::new(
+        Opts::new(
+            "kvpool_conductor_rejections_total",
+            "Requests rejected at arrival, by reason",
+        ),
+        &["reason"],
+    )
+    .map_err(ServerError::Metrics)?;
+    registry
+        .register(Box::new(requests.clone()))
+        .map_err(ServerError::Metrics)?;
+    registry
+        .register(Box::new(rejections.clone()))
+        .map_err(ServerError::Metrics)?;
+    let state = State::new(&config).map_err(ServerError::State)?;
+    let shared = Arc::new(Shared {
+        config,
+        state: parking_lot::Mutex::new(state),
+        client: Client::builder(TokioExecutor::new()).build_http(),
+        started: Instant::now(),
+        requests,
+        rejections,
+    });
+    Ok(Router::new()
+        .route(
+            "/v1/completions",
+            post(
+                |AxumState(s): AxumState<Arc<Shared>>, body: Bytes| async move {
+                    handle(s, Endpoint::Completions, "/v1/completions", body).await
+                },
+            ),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(
+                |AxumState(s): AxumState<Arc<Shared>>, body: Bytes| async move {
+                    handle(s, Endpoint::ChatCompletions, "/v1/chat/completions", body).await
+                },
+            ),
+        )
+        .route(
+            "/v1/models",
+            get(|AxumState(s): AxumState<Arc<Shared>>| async move {
+                Json(api::models_body(&s.config.model, 0))
+            }),
+        )
+        .with_state(shared))
+}
+
+/// Serves `router` on `listener` until `shutdown` is cancelled.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    shutdown: CancellationToken,
+) -> Result<(), ServerError> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+        .map_err(ServerError::Serve)
+}

@@ -1,0 +1,20 @@
+//! KVCache-centric scheduling policy core (Mooncake's conductor): block keys, the global prefix
+//! index, cost models, prefill/decode choice, early rejection with and without prediction,
+//! hot-block replication and the baseline policies. Pure code: no I/O and no clock reads; time
+//! is passed in by the caller (the trace simulator or the front door).
+
+pub mod blocks;
+pub mod cost;
+pub mod index;
+pub mod lru;
+pub mod policy;
+
+pub use blocks::{BlockKey, block_count, block_keys, text_tokens};
+pub use cost::{DecodeCost, FitError, PrefillCost};
+pub use index::{IndexError, InstanceMask, PrefixIndex, PrefixMatch};
+pub use lru::{Inserted, LruSet};
+pub use policy::{
+    ConfigError, Decision, DecodeLoad, DecodeMember, DecodeView, HotConfig, Placement, Policy,
+    PrefillLoad, RejectReason, Rejection, Replication, Request, Scheduler, SchedulerConfig, Slo,
+    TtftEstimate,
+};

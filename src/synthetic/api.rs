@@ -1,0 +1,339 @@
+//! OpenAI-compatible request parsing and response bodies (`/v1/completions`,
+//! `/v1/chat/completions`, `/v1/models`, errors). Pure: JSON values in, JSON values out; the
+//! HTTP server owns the I/O. Validation errors name the offending field.
+
+use serde_json::{Value, json};
+
+/// Largest `max_tokens` accepted.
+pub const MAX_TOKENS_LIMIT: u64 = 1 << 20;
+/// `max_tokens` when the request does not say (the OpenAI completions default).
+pub const DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+}
+
+/// A validated generation request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GenerateRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    /// The prompt text (chat messages rendered as `role: content` lines).
+    pub prompt: String,
+    pub max_tokens: u32,
+    pub stream: bool,
+}
+
+/// A request the server refuses, with the OpenAI-style error fields.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ApiError {
+    #[error("request body is not valid JSON: {0}")]
+    Json(String),
+    #[error("{field}: {problem}")]
+    Invalid {
+        field: &'static str,
+        problem: String,
+    },
+    #[error("The model `{0}` does not exist.")]
+    UnknownModel(String),
+}
+
+impl ApiError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ApiError::Json(_) => "json",
+            ApiError::Invalid { .. } => "invalid",
+            ApiError::UnknownModel(_) => "unknown_model",
+        }
+    }
+
+    /// HTTP status code.
+    pub fn status(&self) -> u16 {
+        match self {
+            ApiError::Json(_) | ApiError::Invalid { .. } => 400,
+            ApiError::UnknownModel(_) => 404,
+        }
+    }
+
+    /// OpenAI-style error body.
+    pub fn body(&self) -> Value {
+        let (kind, param, code) = match self {
+            ApiError::Json(_) => ("invalid_request_error", Value::Null, Value::Null),
+            ApiError::Invalid { field, .. } => ("invalid_request_error", json!(field), Value::Null),
+            ApiError::UnknownModel(_) => (
+                "invalid_request_error",
+                json!("model"),
+                json!("model_not_found"),
+            ),
+        };
+        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+    }
+}
+
+fn invalid(field: &'static str, problem: impl Into<String>) -> ApiError {
+    ApiError::Invalid {
+        field,
+        problem: problem.into(),
+    }
+}
+
+/// Parses and validates a request body for `endpoint`; `model` is the served model's name.
+pub fn parse_request(
+    endpoint: Endpoint,
+    body: &[u8],
+    model: &str,
+) -> Result<GenerateRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| ApiError::Json(e.to_string()))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| invalid("body", "must be a JSON object"))?;
+    let requested = match obj.get("model") {
+        Some(Value::String(m)) => m.clone(),
+        Some(_) => return Err(invalid("model", "must be a string")),
+        None => return Err(invalid("model", "is required")),
+    };
+    if requested != model {
+        return Err(ApiError::UnknownModel(requested));
+    }
+    let prompt = match endpoint {
+        Endpoint::Completions => match obj.get("prompt") {
+            Some(Value::String(p)) => p.clone(),
+            Some(Value::Array(items)) => match items.as_slice() {
+                [Value::String(p)] => p.clone(),
+                [_] => return Err(invalid("prompt", "must be a string")),
+                _ => {
+                    return Err(invalid(
+                        "prompt",
+                        "must be a string or an array of exactly one string (batched prompts are not supported)",
+                    ));
+                }
+            },
+            Some(_) => return Err(invalid("prompt", "must be a string")),
+            None => return Err(invalid("prompt", "is required")),
+        },
+        Endpoint::ChatCompletions => {
+            let messages = match obj.get("messages") {
+                Some(Value::Array(m)) if !m.is_empty() => m,
+                Some(Value::Array(_)) => return Err(invalid("messages", "must not be empty")),
+                Some(_) => return Err(invalid("messages", "must be an array")),
+                None => return Err(invalid("messages", "is required")),
+            };
+            let mut text = String::new();
+            for (i, m) in messages.iter().enumerate() {
+                let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+                    invalid("messages", format!("message {i} needs a string `role`"))
+                })?;
+                let content = m.get("content").and_then(Value::as_str).ok_or_else(|| {
+                    invalid("messages", format!("message {i} needs a string `content`"))
+                })?;
+                text.push_str(role);
+                text.push_str(": ");
+                text.push_str(content);
+                text.push('\n');
+            }
+            text
+        }
+    };
+    let max_tokens = match obj
+        .get("max_tokens")
+        .or_else(|| obj.get("max_completion_tokens"))
+    {
+        None | Some(Value::Null) => DEFAULT_MAX_TOKENS,
+        Some(v) => match v.as_u64() {
+            Some(n) if (1..=MAX_TOKENS_LIMIT).contains(&n) => n as u32,
+            _ => {
+                return Err(invalid(
+                    "max_tokens",
+                    format!("must be an integer between 1 and {MAX_TOKENS_LIMIT}, got {v}"),
+                ));
+            }
+        },
+    };
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("stream", "must be a boolean")),
+    };
+    Ok(GenerateRequest {
+        endpoint,
+        model: requested,
+        prompt,
+        max_tokens,
+        stream,
+    })
+}
+
+/// Identity and timing fields shared by a response and its chunks.
+#[derive(Clone, Debug)]
+pub struct ResponseMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub endpoint: Endpoint,
+}
+
+/// Non-streaming response body.
+pub fn response_body(
+    meta: &ResponseMeta,
+    text: &str,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+) -> Value {
+    let usage = json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    });
+    match meta.endpoint {
+        Endpoint::Completions => json!({
+            "id": meta.id, "object": "text_completion", "created": meta.created,
+            "model": meta.model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
+            "usage": usage,
+        }),
+        Endpoint::ChatCompletions => json!({
+            "id": meta.id, "object": "chat.completion", "created": meta.created,
+            "model": meta.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "length"}],
+            "usage": usage,
+        }),
+    }
+}
+
+/// One streamed chunk carrying `text`; `last` sets the finish reason.
+pub fn chunk_body(meta: &ResponseMeta, text: &str, first: bool, last: bool) -> Value {
+    let finish = if last { json!("length") } else { Value::Null };
+    match meta.endpoint {
+        Endpoint::Completions => json!({
+            "id": meta.id, "object": "text_completion", "created": meta.created,
+            "model": meta.model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+        }),
+        Endpoint::ChatCompletions => {
+            let delta = if first {
+                json!({"role": "assistant", "content": text})
+            } else {
+                json!({"content": text})
+            };
+            json!({
+                "id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
+                "model": meta.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            })
+        }
+    }
+}
+
+/// `/v1/models` body.
+pub fn models_body(model: &str, created: u64) -> Value {
+    json!({"object": "list", "data": [
+        {"id": model, "object": "model", "created": created, "owned_by": "kvpool"}
+    ]})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(endpoint: Endpoint, body: &str) -> Result<GenerateRequest, ApiError> {
+        parse_request(endpoint, body.as_bytes(), "m")
+    }
+
+    #[test]
+    fn parses_completions_and_chat() {
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#,
+        )
+        .unwrap();
+        assert_eq!((r.prompt.as_str(), r.max_tokens, r.stream), ("hi", 3, true));
+        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":["x"]}"#).unwrap();
+        assert_eq!(
+            (r.prompt.as_str(), r.max_tokens, r.stream),
+            ("x", 16, false)
+        );
+        let r = parse(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, "system: be brief\nuser: hi\n");
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (Endpoint::Completions, "{", "json"),
+            (Endpoint::Completions, "[]", "body"),
+            (Endpoint::Completions, r#"{"prompt":"x"}"#, "model"),
+            (Endpoint::Completions, r#"{"model":"m"}"#, "prompt"),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":["a","b"]}"#,
+                "prompt",
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"a","max_tokens":0}"#,
+                "max_tokens",
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"a","max_tokens":-1}"#,
+                "max_tokens",
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"a","stream":"yes"}"#,
+                "stream",
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[]}"#,
+                "messages",
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"user"}]}"#,
+                "messages",
+            ),
+        ];
+        for (endpoint, body, field) in cases {
+            let err = parse(endpoint, body).unwrap_err();
+            assert_eq!(err.status(), 400, "{body}");
+            match &err {
+                ApiError::Json(_) => assert_eq!(field, "json"),
+                ApiError::Invalid { field: f, .. } => assert_eq!(*f, field, "{body}"),
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(err.body()["error"]["type"], "invalid_request_error");
+        }
+        let err = parse(Endpoint::Completions, r#"{"model":"other","prompt":"a"}"#).unwrap_err();
+        assert_eq!(err.status(), 404);
+        assert_eq!(err.body()["error"]["code"], "model_not_found");
+    }
+
+    #[test]
+    fn bodies_have_openai_shape() {
+        let meta = ResponseMeta {
+            id: "cmpl-1".into(),
+            created: 5,
+            model: "m".into(),
+            endpoint: Endpoint::ChatCompletions,
+        };
+        let b = response_body(&meta, "ok", 3, 2);
+        assert_eq!(b["choices"][0]["message"]["content"], "ok");
+        assert_eq!(b["usage"]["total_tokens"], 5);
+        let c = chunk_body(&meta, "a", true, false);
+        assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
+        assert!(c["choices"][0]["finish_reason"].is_null());
+        let c = chunk_body(&meta, "b", false, true);
+        assert_eq!(c["choices"][0]["finish_reason"], "length");
+        assert_eq!(models_body("m", 1)["data"][0]["id"], "m");
+    }
+}

@@ -1,0 +1,194 @@
+//! `kvpool engine --synthetic`: flags of the synthetic engine and its process wiring (Tokio
+//! runtime, signals, engine and admin listeners). I/O boundary: sockets and signals.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+
+use prometheus::Registry;
+use tokio_util::sync::CancellationToken;
+
+use super::EngineConfig;
+use super::server::{self, ServerError};
+use crate::admin::{self, AdminError, Readiness};
+use crate::sched::{DecodeCost, PrefillCost};
+
+/// Flags of `kvpool engine`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Run the synthetic engine (timing from the cost model, no GPU). The only mode so far.
+    #[arg(long)]
+    pub synthetic: bool,
+    /// Address of the OpenAI-compatible API.
+    #[arg(long, default_value = "127.0.0.1:8000", env = "KVPOOL_ENGINE_LISTEN")]
+    pub listen: SocketAddr,
+    /// Address of /livez, /readyz and /metrics.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:9100",
+        env = "KVPOOL_ENGINE_ADMIN_LISTEN"
+    )]
+    pub admin_listen: SocketAddr,
+    /// Model name served.
+    #[arg(long, default_value = "kvpool-synthetic")]
+    pub model: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 256)]
+    pub block_size: u32,
+    /// Prefix cache capacity, blocks.
+    #[arg(long, default_value_t = 11_718)]
+    pub cache_blocks: usize,
+    /// Bytes of prompt text per stand-in token (no tokenizer configured).
+    #[arg(long, default_value_t = 4)]
+    pub chunk_bytes: usize,
+    /// Multiply every modelled duration by this (0.001 runs 1000x faster).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Prefill cost: fixed seconds per request.
+    #[arg(long, default_value_t = PrefillCost::default().fixed_s)]
+    pub prefill_fixed_s: f64,
+    /// Prefill cost: seconds per prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().linear_s)]
+    pub prefill_linear_s: f64,
+    /// Prefill cost: seconds per squared prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().quadratic_s)]
+    pub prefill_quadratic_s: f64,
+    /// Decode step cost: fixed seconds.
+    #[arg(long, default_value_t = DecodeCost::default().fixed_s)]
+    pub decode_fixed_s: f64,
+    /// Decode step cost: seconds per running sequence.
+    #[arg(long, default_value_t = DecodeCost::default().per_seq_s)]
+    pub decode_per_seq_s: f64,
+    /// Decode step cost: seconds per context token in the batch.
+    #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
+    pub decode_per_ctx_token_s: f64,
+}
+
+/// Errors of `kvpool engine`.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("--{flag}: {problem}")]
+    Flag { flag: &'static str, problem: String },
+    #[error("cannot start the Tokio runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("cannot bind the engine listener on {addr}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("admin server")]
+    Admin(#[source] AdminError),
+    #[error("engine server")]
+    Server(#[source] ServerError),
+}
+
+impl EngineError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            EngineError::Flag { .. } => "flag",
+            EngineError::Runtime(_) => "runtime",
+            EngineError::Signals(_) => "signals",
+            EngineError::Bind { .. } => "bind",
+            EngineError::Admin(_) => "admin",
+            EngineError::Server(_) => "server",
+        }
+    }
+}
+
+fn flag(flag: &'static str, problem: impl Into<String>) -> EngineError {
+    EngineError::Flag {
+        flag,
+        problem: problem.into(),
+    }
+}
+
+fn non_negative(name: &'static str, v: f64) -> Result<f64, EngineError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(flag(name, format!("must be a finite number >= 0, got {v}")))
+    }
+}
+
+/// Validates the flags.
+pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
+    if !args.synthetic {
+        return Err(flag(
+            "synthetic",
+            "is required: only the synthetic engine is implemented",
+        ));
+    }
+    if args.model.is_empty() {
+        return Err(flag("model", "must not be empty"));
+    }
+    if args.chunk_bytes == 0 {
+        return Err(flag("chunk-bytes", "must be at least 1"));
+    }
+    let time_scale = non_negative("time-scale", args.time_scale)?;
+    Ok(EngineConfig {
+        model: args.model.clone(),
+        prefill_cost: PrefillCost {
+            fixed_s: non_negative("prefill-fixed-s", args.prefill_fixed_s)?,
+            linear_s: non_negative("prefill-linear-s", args.prefill_linear_s)?,
+            quadratic_s: non_negative("prefill-quadratic-s", args.prefill_quadratic_s)?,
+        },
+        decode_cost: DecodeCost {
+            fixed_s: non_negative("decode-fixed-s", args.decode_fixed_s)?,
+            per_seq_s: non_negative("decode-per-seq-s", args.decode_per_seq_s)?,
+            per_ctx_token_s: non_negative("decode-per-ctx-token-s", args.decode_per_ctx_token_s)?,
+        },
+        block_size: NonZeroU32::new(args.block_size)
+            .ok_or_else(|| flag("block-size", "must be at least 1"))?,
+        cache_blocks: args.cache_blocks,
+        chunk_bytes: args.chunk_bytes,
+        time_scale,
+    })
+}
+
+/// Entry point of `kvpool engine`: serves until SIGTERM or SIGINT.
+pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
+    let config = engine_config(args)?;
+    tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting synthetic engine");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(EngineError::Runtime)?;
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(EngineError::Signals)?;
+        let registry = Registry::new();
+        let readiness = Readiness::new();
+        let router = server::router(config, &registry).map_err(EngineError::Server)?;
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(|source| EngineError::Bind {
+                addr: args.listen,
+                source,
+            })?;
+        let admin_listener = admin::bind(args.admin_listen)
+            .await
+            .map_err(EngineError::Admin)?;
+        let admin_shutdown = CancellationToken::new();
+        let admin_task = tokio::spawn(admin::serve(
+            admin_listener,
+            admin::router(registry, readiness.clone()),
+            admin_shutdown.clone(),
+        ));
+        readiness.set_ready(true);
+        let served = server::serve(listener, router, shutdown.clone()).await;
+        readiness.set_ready(false);
+        // The admin server goes last.
+        admin_shutdown.cancel();
+        let admin_result = admin_task.await;
+        served.map_err(EngineError::Server)?;
+        match admin_result {
+            Ok(r) => r.map_err(EngineError::Admin),
+            Err(join) => Err(EngineError::Admin(AdminError::Serve(
+                std::io::Error::other(join),
+            ))),
+        }
+    })
+}

@@ -1,0 +1,242 @@
+//! The synthetic engine's OpenAI-compatible API over real loopback sockets.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::process::Command;
+
+use kvpool::sched::{DecodeCost, PrefillCost};
+use kvpool::synthetic::EngineConfig;
+use kvpool::synthetic::server;
+use prometheus::Registry;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+struct Engine {
+    addr: SocketAddr,
+    registry: Registry,
+    shutdown: CancellationToken,
+}
+
+async fn start() -> Engine {
+    let config = EngineConfig {
+        model: "synthetic-70b".into(),
+        prefill_cost: PrefillCost::default(),
+        decode_cost: DecodeCost::default(),
+        block_size: NonZeroU32::new(16).expect("nonzero"),
+        cache_blocks: 1000,
+        chunk_bytes: 4,
+        time_scale: 0.001,
+    };
+    let registry = Registry::new();
+    let router = server::router(config, &registry).expect("router");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let shutdown = CancellationToken::new();
+    tokio::spawn(server::serve(listener, router, shutdown.clone()));
+    Engine {
+        addr,
+        registry,
+        shutdown,
+    }
+}
+
+/// One HTTP/1.1 exchange; returns (status, raw body).
+async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    let status = out[9..12].parse().expect("status");
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_owned();
+    (status, body)
+}
+
+fn metric(registry: &Registry, name: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .find(|f| f.name() == name)
+        .map(|f| {
+            f.get_metric()
+                .iter()
+                .map(|m| m.get_counter().get_value())
+                .sum()
+        })
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn completion_returns_tokens_usage_and_caches_the_prefix() {
+    let e = start().await;
+    let prompt = "a".repeat(200); // 50 stand-in tokens, 3 full blocks of 16
+    let body = format!(r#"{{"model":"synthetic-70b","prompt":"{prompt}","max_tokens":5}}"#);
+    let (status, text) = http(e.addr, "POST", "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 tok3 tok4 ");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["prompt_tokens"], 50);
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(
+        metric(&e.registry, "kvpool_engine_cached_prompt_tokens_total"),
+        0.0
+    );
+    // The same prompt again: all 50 tokens come from the prefix cache.
+    let (status, _) = http(e.addr, "POST", "/v1/completions", &body).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        metric(&e.registry, "kvpool_engine_cached_prompt_tokens_total"),
+        50.0
+    );
+    assert_eq!(
+        metric(&e.registry, "kvpool_engine_generated_tokens_total"),
+        10.0
+    );
+    e.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn chat_streams_server_sent_events() {
+    let e = start().await;
+    let body = r#"{"model":"synthetic-70b","stream":true,"max_tokens":4,
+        "messages":[{"role":"user","content":"hello there"}]}"#;
+    let (status, text) = http(e.addr, "POST", "/v1/chat/completions", body).await;
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(events.len(), 5, "{text}");
+    assert_eq!(events[4], "[DONE]");
+    let chunks: Vec<Value> = events[..4]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk json"))
+        .collect();
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["content"], "tok0 ");
+    assert!(chunks[2]["choices"][0]["finish_reason"].is_null());
+    assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
+    assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]));
+    e.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors_naming_the_field() {
+    let e = start().await;
+    let (status, text) = http(
+        e.addr,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"synthetic-70b","prompt":"x","max_tokens":0}"#,
+    )
+    .await;
+    assert_eq!(status, 400);
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["param"], "max_tokens");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    let (status, text) = http(e.addr, "POST", "/v1/chat/completions", "{not json").await;
+    assert_eq!(status, 400, "{text}");
+    let (status, text) = http(
+        e.addr,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"gpt-4","prompt":"x"}"#,
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert!(text.contains("model_not_found"), "{text}");
+    let (status, text) = http(e.addr, "GET", "/v1/models", "").await;
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["data"][0]["id"], "synthetic-70b");
+    e.shutdown.cancel();
+}
+
+#[test]
+fn engine_command_requires_synthetic_mode() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["engine", "--listen", "127.0.0.1:0"])
+        .output()
+        .expect("run kvpool");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--synthetic: is required"), "{err}");
+}
+
+/// Kills the child if the test fails before it exits on its own.
+struct Reap(std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+#[tokio::test]
+async fn engine_process_serves_and_stops_on_sigterm() {
+    let (api, admin) = (free_port(), free_port());
+    let mut child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_kvpool"))
+            .args(["engine", "--synthetic", "--time-scale", "0.001"])
+            .args(["--listen", &format!("127.0.0.1:{api}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .spawn()
+            .expect("spawn kvpool engine"),
+    );
+    let admin_addr: SocketAddr = format!("127.0.0.1:{admin}").parse().expect("addr");
+    let api_addr: SocketAddr = format!("127.0.0.1:{api}").parse().expect("addr");
+    // Wait (bounded) until the engine reports ready.
+    let mut ready = false;
+    for _ in 0..300 {
+        if tokio::net::TcpStream::connect(admin_addr).await.is_ok()
+            && http(admin_addr, "GET", "/readyz", "").await.0 == 200
+        {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(ready, "engine never became ready");
+    let (status, text) = http(
+        api_addr,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"kvpool-synthetic","prompt":"hi","max_tokens":2}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let (status, metrics) = http(admin_addr, "GET", "/metrics", "").await;
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("kvpool_engine_generated_tokens_total 2"),
+        "{metrics}"
+    );
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.0.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let status = child.0.wait().expect("wait");
+    assert!(status.success(), "{status:?}");
+}
