@@ -8,3 +8,4 @@ pub mod admin;
 pub mod cli;
 pub mod shutdown;
 pub mod telemetry;
+pub mod transfer;

@@ -1,0 +1,417 @@
+//! Target side: the table of registered segments, the per-connection protocol session (generic
+//! over the stream so that property tests drive it from memory), the notification queue, and the
+//! TCP listener with one blocking thread per connection.
+//! I/O boundary: the TCP listener and accepted sockets.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use super::auth::AuthKey;
+use super::error::TransferError;
+use super::frame::{ErrorCode, Header, Opcode};
+use super::memory::{self, Segment};
+use super::metrics::TransferMetrics;
+use super::wire::{self, WireError};
+
+/// Registered local segments, by handle and by name.
+#[derive(Default)]
+pub(crate) struct Registry {
+    by_handle: RwLock<HashMap<u32, (String, Arc<Segment>)>>,
+    by_name: RwLock<HashMap<String, u32>>,
+    next: AtomicU32,
+}
+
+impl Registry {
+    pub(crate) fn insert(&self, name: &str, seg: Arc<Segment>) -> Option<u32> {
+        let mut names = self.by_name.write();
+        if names.contains_key(name) {
+            return None;
+        }
+        let handle = self.next.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        names.insert(name.to_owned(), handle);
+        self.by_handle
+            .write()
+            .insert(handle, (name.to_owned(), seg));
+        Some(handle)
+    }
+
+    pub(crate) fn remove(&self, handle: u32) {
+        let mut names = self.by_name.write();
+        if let Some((name, _)) = self.by_handle.write().remove(&handle) {
+            names.remove(&name);
+        }
+    }
+
+    pub(crate) fn get(&self, handle: u32) -> Option<Arc<Segment>> {
+        self.by_handle.read().get(&handle).map(|(_, s)| s.clone())
+    }
+
+    pub(crate) fn find(&self, name: &str) -> Option<(u32, Arc<Segment>)> {
+        let handle = *self.by_name.read().get(name)?;
+        self.get(handle).map(|s| (handle, s))
+    }
+}
+
+/// A small message received from a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// Address of the sending connection.
+    pub from: String,
+    pub payload: Vec<u8>,
+}
+
+/// Bounded queue of received notifications; when full the oldest is dropped and counted.
+pub(crate) struct NotificationQueue {
+    queue: Mutex<VecDeque<Notification>>,
+    cv: Condvar,
+    capacity: usize,
+}
+
+impl NotificationQueue {
+    pub(crate) fn new(capacity: usize) -> Self {
+        NotificationQueue {
+            queue: Mutex::new(VecDeque::new()),
+            cv: Condvar::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    fn push(&self, n: Notification, metrics: &TransferMetrics) {
+        let mut q = self.queue.lock();
+        if q.len() >= self.capacity {
+            q.pop_front();
+            metrics.notifications_dropped.inc();
+        }
+        q.push_back(n);
+        self.cv.notify_one();
+    }
+
+    pub(crate) fn pop(&self, timeout: Duration) -> Option<Notification> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.queue.lock();
+        loop {
+            if let Some(n) = q.pop_front() {
+                return Some(n);
+            }
+            if self.cv.wait_until(&mut q, deadline).timed_out() {
+                return q.pop_front();
+            }
+        }
+    }
+}
+
+/// What the session needs from the engine.
+pub(crate) struct ServerCtx {
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) key: AuthKey,
+    pub(crate) max_slice: u64,
+    pub(crate) timeout: Duration,
+    pub(crate) notifications: Arc<NotificationQueue>,
+    pub(crate) metrics: TransferMetrics,
+}
+
+/// A byte stream that can also move payloads straight between itself and segment memory.
+pub(crate) trait DataStream: Read + Write {
+    fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
+    fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
+}
+
+impl DataStream for TcpStream {
+    fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
+        memory::recv_into(self.as_fd(), seg, offset, len, &mut wire::fail_on_timeout)
+    }
+    fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
+        memory::send_from(self.as_fd(), seg, offset, len, &mut wire::fail_on_timeout)
+    }
+}
+
+/// Read and throw away `len` payload bytes, keeping the stream in step after a rejected WRITE.
+fn discard<S: Read + ?Sized>(s: &mut S, mut len: u64) -> Result<(), WireError> {
+    let mut scratch = vec![0u8; 64 * 1024];
+    while len > 0 {
+        let n = len.min(scratch.len() as u64) as usize;
+        wire::read_full(s, &mut scratch[..n], &mut wire::fail_on_timeout)?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
+/// Run one connection: handshake, then requests until the peer closes, sends something
+/// invalid (answered with an ERROR frame, then the connection is closed), or `on_idle` stops it.
+/// Bad offsets, lengths and handles get an ERROR reply and the connection carries on.
+pub(crate) fn serve_session<S: DataStream>(
+    s: &mut S,
+    ctx: &ServerCtx,
+    peer: &str,
+    on_idle: &mut dyn FnMut(Duration) -> io::Result<()>,
+) -> Result<(), WireError> {
+    wire::server_handshake(s, &ctx.key)?;
+    loop {
+        let idle_since = Instant::now();
+        let mut idle = || on_idle(idle_since.elapsed());
+        let h = match wire::read_header(s, ctx.max_slice, &mut idle) {
+            Ok(h) => h,
+            Err(WireError::Closed) => return Ok(()),
+            Err(e @ WireError::Frame(_)) => {
+                let _ = wire::write_error(s, 0, ErrorCode::Malformed, &e.to_string());
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        let id = h.request_id;
+        match h.opcode {
+            Opcode::Open => {
+                let name = wire::read_control_payload(s, &h)?;
+                let name = String::from_utf8_lossy(&name);
+                match ctx.registry.find(&name) {
+                    Some((handle, seg)) => {
+                        let mut r = Header::new(Opcode::OpenOk, id);
+                        r.handle = handle;
+                        r.length = seg.len() as u64;
+                        // OPEN_OK carries no payload; `length` is the segment size.
+                        s.write_all(&r.encode()).map_err(WireError::Io)?;
+                    }
+                    None => wire::write_error(
+                        s,
+                        id,
+                        ErrorCode::UnknownSegment,
+                        &format!("no segment named {name:?} is registered here"),
+                    )?,
+                }
+            }
+            Opcode::Write => {
+                let target = lookup(ctx, &h);
+                match target {
+                    Ok(seg) => {
+                        s.recv_into(&seg, h.offset, h.length as usize)
+                            .map_err(WireError::Io)?;
+                        s.write_all(&Header::new(Opcode::WriteAck, id).encode())
+                            .map_err(WireError::Io)?;
+                    }
+                    Err((code, reason)) => {
+                        discard(s, h.length)?;
+                        wire::write_error(s, id, code, &reason)?;
+                    }
+                }
+            }
+            Opcode::Read => match lookup(ctx, &h) {
+                Ok(seg) => {
+                    let mut r = Header::new(Opcode::ReadData, id);
+                    r.length = h.length;
+                    s.write_all(&r.encode()).map_err(WireError::Io)?;
+                    s.send_from(&seg, h.offset, h.length as usize)
+                        .map_err(WireError::Io)?;
+                }
+                Err((code, reason)) => wire::write_error(s, id, code, &reason)?,
+            },
+            Opcode::Notify => {
+                let payload = wire::read_control_payload(s, &h)?;
+                ctx.notifications.push(
+                    Notification {
+                        from: peer.to_owned(),
+                        payload,
+                    },
+                    &ctx.metrics,
+                );
+                s.write_all(&Header::new(Opcode::NotifyAck, id).encode())
+                    .map_err(WireError::Io)?;
+            }
+            other => {
+                let _ = wire::write_error(
+                    s,
+                    id,
+                    ErrorCode::Unsupported,
+                    &format!("{other:?} is not a request"),
+                );
+                return Err(WireError::Unexpected {
+                    got: other,
+                    expected: "a request (OPEN, READ, WRITE, NOTIFY)",
+                });
+            }
+        }
+    }
+}
+
+fn lookup(ctx: &ServerCtx, h: &Header) -> Result<Arc<Segment>, (ErrorCode, String)> {
+    let seg = ctx.registry.get(h.handle).ok_or_else(|| {
+        (
+            ErrorCode::UnknownSegment,
+            format!("segment handle {} is not registered", h.handle),
+        )
+    })?;
+    seg.check_range(h.offset, h.length)
+        .map_err(|e| (ErrorCode::OutOfBounds, e.to_string()))?;
+    Ok(seg)
+}
+
+struct ServerShared {
+    stop: AtomicBool,
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    next_conn: AtomicU64,
+}
+
+/// A running TCP target. Dropping it closes the listener and every connection and joins all
+/// threads: peers see their connections reset.
+pub struct TcpServer {
+    addr: SocketAddr,
+    shared: Arc<ServerShared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TcpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpServer")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl TcpServer {
+    pub(crate) fn start(addr: SocketAddr, ctx: Arc<ServerCtx>) -> Result<Self, TransferError> {
+        let listener = TcpListener::bind(addr).map_err(|source| TransferError::Bind {
+            what: format!("TCP listener on {addr}"),
+            source,
+        })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| TransferError::Bind {
+                what: "TCP listener address".into(),
+                source,
+            })?;
+        let shared = Arc::new(ServerShared {
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            workers: Mutex::new(Vec::new()),
+            next_conn: AtomicU64::new(0),
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("kvpool-xfer-accept".into())
+            .spawn(move || accept_loop(listener, sh, ctx))
+            .map_err(|source| TransferError::Bind {
+                what: "accept thread".into(),
+                source,
+            })?;
+        Ok(TcpServer {
+            addr,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The bound address (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Connections currently open on the target side.
+    pub fn connection_count(&self) -> usize {
+        self.shared.conns.lock().len()
+    }
+}
+
+impl Drop for TcpServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        for (_, c) in self.shared.conns.lock().drain() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        // Wake the blocking accept.
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        let workers: Vec<_> = self.shared.workers.lock().drain(..).collect();
+        for w in workers {
+            let _ = w.join();
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>, ctx: Arc<ServerCtx>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a transfer connection failed");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        let Ok(clone) = stream.try_clone() else {
+            continue;
+        };
+        shared.conns.lock().insert(id, clone);
+        if shared.stop.load(Ordering::SeqCst) {
+            // Raced with Drop, which may already have drained `conns`.
+            let _ = stream.shutdown(Shutdown::Both);
+            break;
+        }
+        let sh = shared.clone();
+        let cx = ctx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvpool-xfer-conn".into())
+            .spawn(move || {
+                serve_tcp_conn(stream, &cx, &sh);
+                sh.conns.lock().remove(&id);
+            });
+        let mut workers = shared.workers.lock();
+        workers.retain(|w| !w.is_finished());
+        match spawned {
+            Ok(h) => workers.push(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot spawn a connection thread");
+                shared.conns.lock().remove(&id);
+            }
+        }
+    }
+}
+
+/// Connections idle (between frames) longer than this are closed by the target.
+const IDLE_LIMIT: Duration = Duration::from_secs(600);
+
+fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared) {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    let _ = stream.set_nodelay(true);
+    // The handshake and every payload use the full timeout; idle waits between frames are
+    // allowed up to IDLE_LIMIT (connection reuse). Shutdown closes the socket to wake us.
+    if stream.set_read_timeout(Some(ctx.timeout)).is_err()
+        || stream.set_write_timeout(Some(ctx.timeout)).is_err()
+    {
+        return;
+    }
+    let mut on_idle = |idle: Duration| {
+        if shared.stop.load(Ordering::SeqCst) {
+            return Err(io::Error::other("target shutting down"));
+        }
+        if idle > IDLE_LIMIT {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "idle connection"));
+        }
+        Ok(())
+    };
+    match serve_session(&mut stream, ctx, &peer, &mut on_idle) {
+        Ok(()) => tracing::debug!(%peer, "transfer connection closed by peer"),
+        Err(e) => tracing::debug!(%peer, error = %e, "transfer connection ended"),
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+}
