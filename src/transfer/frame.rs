@@ -11,7 +11,8 @@
 //! 16     4    handle      segment handle (from OPEN_OK)
 //! 20     4    status      error code in ERROR replies, else 0
 //! 24     8    offset      byte offset in the remote segment
-//! 32     8    length      payload length, or requested length for READ
+//! 32     8    length      payload length; for READ the requested length, for OPEN_OK the
+//!                         segment size (neither carries a payload)
 //! ```
 //! All integers are little endian.
 
@@ -187,7 +188,7 @@ impl Header {
     /// `length` is the amount requested).
     pub fn payload_len(&self) -> u64 {
         match self.opcode {
-            Opcode::Read => 0,
+            Opcode::Read | Opcode::OpenOk => 0,
             _ => self.length,
         }
     }
@@ -238,10 +239,11 @@ impl Header {
             offset: u64_at(24),
             length: u64_at(32),
         };
-        let limit = if opcode.carries_data() || opcode == Opcode::Read {
-            max_data
-        } else {
-            MAX_CONTROL_PAYLOAD
+        let limit = match opcode {
+            Opcode::OpenOk => super::memory::MAX_SEGMENT_SIZE as u64,
+            Opcode::Read => max_data,
+            op if op.carries_data() => max_data,
+            _ => MAX_CONTROL_PAYLOAD,
         };
         if header.length > limit {
             return Err(FrameError::TooLong {
@@ -293,10 +295,10 @@ mod tests {
         #[test]
         fn oversized_lengths_are_rejected(op in any_opcode(), extra in 1u64..u64::MAX / 2) {
             let mut h = Header::new(op, 1);
-            let limit = if matches!(op, Opcode::Write | Opcode::ReadData | Opcode::Read) {
-                DEFAULT_MAX_SLICE
-            } else {
-                MAX_CONTROL_PAYLOAD
+            let limit = match op {
+                Opcode::Write | Opcode::ReadData | Opcode::Read => DEFAULT_MAX_SLICE,
+                Opcode::OpenOk => crate::transfer::memory::MAX_SEGMENT_SIZE as u64,
+                _ => MAX_CONTROL_PAYLOAD,
             };
             h.length = limit + extra;
             let rejected = matches!(

@@ -116,7 +116,7 @@ pub fn write_frame<W: Write + ?Sized>(
     payload: &[u8],
 ) -> Result<(), WireError> {
     let mut h = *header;
-    if h.opcode != Opcode::Read {
+    if !matches!(h.opcode, Opcode::Read | Opcode::OpenOk) {
         h.length = payload.len() as u64;
     }
     let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
