@@ -32,12 +32,15 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and exit.
     Version,
+    /// Run a benchmark (`kvpool bench transfer ...`).
+    Bench(crate::bench::BenchArgs),
 }
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
+        Command::Bench(args) => crate::bench::run(args)?,
     }
     Ok(())
 }

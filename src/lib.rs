@@ -5,6 +5,7 @@
 //! simulation) do no I/O at all; runtime modules (admin server, shutdown) own sockets and signals.
 
 pub mod admin;
+pub mod bench;
 pub mod cli;
 pub mod shutdown;
 pub mod telemetry;

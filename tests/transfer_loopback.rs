@@ -1,6 +1,8 @@
 //! In-process transfer engine tests over real loopback sockets: data integrity across lanes and
 //! slices, bounds checks on both sides, authentication, notify, peer loss and shared memory.
 
+#![allow(clippy::unwrap_used)] // test crate: helpers outside #[test] fns unwrap too
+
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -103,10 +103,18 @@ struct LaneShared {
 impl LaneShared {
     /// Mark the lane dead (once), close the socket and fail everything in flight.
     fn fail(&self, failure: Failure) {
+        self.close(failure, true);
+    }
+
+    fn close(&self, failure: Failure, is_error: bool) {
         if self.dead.swap(true, Ordering::SeqCst) {
             return;
         }
-        tracing::warn!(peer = %self.peer, reason = %failure, "transfer lane failed");
+        if is_error {
+            tracing::warn!(peer = %self.peer, reason = %failure, "transfer lane failed");
+        } else {
+            tracing::debug!(peer = %self.peer, "transfer lane closed");
+        }
         *self.reason.lock() = Some(failure.clone());
         self.cfg.metrics.connections.dec();
         let _ = self.stream.shutdown(Shutdown::Both);
