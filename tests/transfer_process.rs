@@ -152,14 +152,13 @@ fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
     target.signal(Signal::SIGSTOP);
     let failed = assert_settled_with_failures(&batch, &["timeout", "lane_closed"]);
     assert!(failed > 0);
-    assert_eq!(
+    assert!(
         engine
             .metrics()
             .failures
             .with_label_values(&["timeout"])
             .get()
-            > 0,
-        true
+            > 0
     );
     target.signal(Signal::SIGCONT);
     // After the peer recovers, the engine reconnects and works again.
