@@ -495,7 +495,13 @@ pub(crate) struct Peer {
     lanes: Vec<Mutex<Option<Lane>>>,
     next: AtomicUsize,
     cfg: LaneConfig,
+    /// The last failed connect attempt: while it is recent, slices fail at once instead of
+    /// each waiting for its own connect timeout.
+    last_connect_failure: Mutex<Option<(Instant, Failure)>>,
 }
+
+/// How long a failed connect attempt makes further attempts to the same peer fail fast.
+const CONNECT_HOLDOFF: Duration = Duration::from_millis(500);
 
 impl Peer {
     pub(crate) fn new(addr: SocketAddr, lanes: usize, cfg: LaneConfig) -> Self {
@@ -504,6 +510,7 @@ impl Peer {
             lanes: (0..lanes.max(1)).map(|_| Mutex::new(None)).collect(),
             next: AtomicUsize::new(0),
             cfg,
+            last_connect_failure: Mutex::new(None),
         }
     }
 
@@ -525,10 +532,20 @@ impl Peer {
         if slot.as_ref().is_none_or(Lane::is_dead) {
             // Drop (and join) a dead lane before replacing it.
             *slot = None;
+            if let Some((at, f)) = &*self.last_connect_failure.lock()
+                && at.elapsed() < CONNECT_HOLDOFF
+            {
+                slice.settle(Err(f.clone()));
+                return;
+            }
             match Lane::connect(self.addr, &self.cfg) {
-                Ok(l) => *slot = Some(l),
+                Ok(l) => {
+                    *self.last_connect_failure.lock() = None;
+                    *slot = Some(l);
+                }
                 Err(e) => {
                     let f = Failure::new(e.category(), error_chain(&e));
+                    *self.last_connect_failure.lock() = Some((Instant::now(), f.clone()));
                     slice.settle(Err(f));
                     return;
                 }
