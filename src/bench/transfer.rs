@@ -59,7 +59,7 @@ pub struct TransferBenchArgs {
     #[arg(long, default_value_t = 2)]
     pub lanes: usize,
     /// Requests are cut into slices of this size, spread over the lanes.
-    #[arg(long = "slice_size", alias = "slice-size", default_value = "1MiB", value_parser = parse_size)]
+    #[arg(long = "slice_size", alias = "slice-size", default_value = "4MiB", value_parser = parse_size)]
     pub slice_size: u64,
     /// Slices in flight per lane.
     #[arg(long, default_value_t = 8)]

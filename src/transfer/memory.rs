@@ -1,7 +1,8 @@
 //! Registered memory: the RAII owner of a byte region that the transfer engine shares with remote
 //! peers, and the raw copy/socket primitives that move bytes in and out of it.
-//! I/O boundary: `mmap`/`mlock`/`memfd_create` and `recv`/`send` on borrowed socket fds. This is
-//! the only module of the transfer engine that contains `unsafe`.
+//! I/O boundary: `mmap`/`mlock`/`memfd_create`, `recv`/`send` on borrowed socket fds, and
+//! adopting descriptors received with SCM_RIGHTS. Apart from the FFI modules (`rdma::verbs`,
+//! `cuda`), this is the only module of the transfer engine that contains `unsafe`.
 //!
 //! # Memory model
 //! A [`Segment`] is memory shared with other parties: remote peers write into it and read from it
@@ -474,6 +475,22 @@ pub(crate) fn send_from(
         }
     }
     Ok(())
+}
+
+/// Take ownership of descriptors that `recvmsg` installed from an SCM_RIGHTS message.
+///
+/// Only pass descriptors straight out of a `ControlMessageOwned::ScmRights` of a message this
+/// process just received: the kernel created them for us and nothing else owns them.
+pub(crate) fn adopt_received_fds(raw: Vec<std::os::fd::RawFd>) -> Vec<OwnedFd> {
+    raw.into_iter()
+        .filter(|fd| *fd >= 0)
+        .map(|fd| {
+            use std::os::fd::FromRawFd;
+            // SAFETY: per the contract above, `fd` is a fresh descriptor installed by the kernel
+            // for this process and owned by nobody else; it is wrapped exactly once.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        })
+        .collect()
 }
 
 #[cfg(test)]

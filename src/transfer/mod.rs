@@ -3,7 +3,7 @@
 //! serves its DRAM-tier segments; the master hands out [`SegmentDescriptor`]s through a
 //! [`Directory`]; clients open remote segments and submit batches of READ/WRITE requests.
 //! I/O boundary: the transports' sockets (see `tcp`, `server`, `shm`) and memory mapping
-//! (`memory`, the only module with `unsafe`). Framing, auth proofs, batching and the RDMA
+//! (`memory`; with `rdma::verbs` and `cuda` the only modules with `unsafe`). Framing, auth proofs, batching and the RDMA
 //! planning logic are pure and unit-tested.
 //!
 //! See docs/transfer.md for the API contract, the wire protocol and the threading model.
@@ -82,7 +82,7 @@ impl Default for EngineConfig {
                 .or_else(|_| std::env::var("HOSTNAME"))
                 .unwrap_or_else(|_| "localhost".into()),
             lanes: 4,
-            slice_size: 1024 * 1024,
+            slice_size: 4 * 1024 * 1024,
             max_slice: frame::DEFAULT_MAX_SLICE,
             window: 8,
             timeout: Duration::from_secs(5),

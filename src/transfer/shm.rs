@@ -4,7 +4,7 @@
 //! I/O boundary: the Unix listener/stream and `sendmsg`/`recvmsg`.
 
 use std::io::{self, IoSlice, IoSliceMut, Read};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 use super::auth::AuthKey;
 use super::error::TransferError;
 use super::frame::{ErrorCode, HEADER_LEN, Header, Opcode};
-use super::memory::Segment;
+use super::memory::{self, Segment};
 use super::server::Registry;
 use super::wire::{self, WireError};
 
@@ -204,24 +204,20 @@ pub(crate) fn open_shared(
             MsgFlags::empty(),
         )
         .map_err(|e| open_err(format!("recvmsg: {e}")))?;
-        let mut fd = None;
-        let mut extra = Vec::new();
+        let mut received = Vec::new();
         if let Ok(cmsgs) = msg.cmsgs() {
             for c in cmsgs {
                 if let ControlMessageOwned::ScmRights(fds) = c {
-                    for raw in fds {
-                        // SAFETY: SCM_RIGHTS installed `raw` as a new descriptor in this
-                        // process; we are its only owner.
-                        let owned = unsafe { OwnedFd::from_raw_fd(raw) };
-                        if fd.is_none() {
-                            fd = Some(owned);
-                        } else {
-                            extra.push(owned);
-                        }
-                    }
+                    received.extend(memory::adopt_received_fds(fds));
                 }
             }
         }
+        // Extra descriptors (there should be none) are closed when `received` drops.
+        let fd = if received.is_empty() {
+            None
+        } else {
+            Some(received.swap_remove(0))
+        };
         (msg.bytes, fd)
     };
     if got == 0 {

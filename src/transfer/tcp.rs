@@ -401,7 +401,9 @@ fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
             return;
         };
         sh.cv.notify_all();
-        if inflight.id != header.request_id && header.opcode != Opcode::Error {
+        // Replies come in order; only a connection-level ERROR (request id 0) may name no request.
+        let connection_error = header.opcode == Opcode::Error && header.request_id == 0;
+        if inflight.id != header.request_id && !connection_error {
             sh.fail(Failure::new(
                 "protocol",
                 format!(
