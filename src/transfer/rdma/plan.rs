@@ -102,6 +102,76 @@ impl Failover {
     }
 }
 
+/// Something that moves one slice over one NIC: the verbs queue pairs in production, a fake in
+/// tests. Errors are reasons (they end up in the request's `Failure`).
+pub trait SliceExecutor {
+    fn execute(&mut self, nic: usize, slice: &PlannedSlice) -> Result<(), String>;
+}
+
+/// How one request went through [`drive`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DriveOutcome {
+    /// Bytes that moved over RDMA.
+    pub rdma_bytes: u64,
+    /// Slices handed to TCP because no RDMA path was left (each one is a fallback: warn,
+    /// count `kvpool_transfer_fallback_total`, raise the flag).
+    pub tcp_slices: Vec<PlannedSlice>,
+    /// Set when a slice could go nowhere: the request fails with this reason.
+    pub failed: Option<String>,
+    /// Retries on another NIC.
+    pub retries: u32,
+}
+
+/// Run a planned request through the failover state machine, one slice at a time: each slice
+/// goes to its NIC (or the next healthy one); a failure marks the NIC down and retries the
+/// slice elsewhere; when no NIC is left the slice goes to TCP or the request fails.
+pub fn drive(
+    plan: &[PlannedSlice],
+    failover: &mut Failover,
+    exec: &mut dyn SliceExecutor,
+) -> DriveOutcome {
+    let mut out = DriveOutcome::default();
+    for planned in plan {
+        let Some(nic) = failover.route(planned.nic) else {
+            match failover.on_failure(PlannedSlice {
+                attempt: failover.max_attempts,
+                ..*planned
+            }) {
+                Next::FallbackTcp(s) => out.tcp_slices.push(s),
+                Next::Fail | Next::Retry(_) => {
+                    out.failed = Some("no healthy RDMA NIC and TCP fallback disabled".into());
+                    return out;
+                }
+            }
+            continue;
+        };
+        let mut slice = PlannedSlice { nic, ..*planned };
+        loop {
+            match exec.execute(slice.nic, &slice) {
+                Ok(()) => {
+                    out.rdma_bytes += slice.len;
+                    break;
+                }
+                Err(reason) => match failover.on_failure(slice) {
+                    Next::Retry(next) => {
+                        out.retries += 1;
+                        slice = next;
+                    }
+                    Next::FallbackTcp(s) => {
+                        out.tcp_slices.push(s);
+                        break;
+                    }
+                    Next::Fail => {
+                        out.failed = Some(reason);
+                        return out;
+                    }
+                },
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +220,67 @@ mod tests {
         assert_eq!(f.healthy_count(), 0);
         f.mark_healthy(1);
         assert_eq!(f.route(0), Some(1));
+    }
+
+    /// A fake NIC set: NICs listed in `broken` fail every slice; records what ran where.
+    struct FakeNics {
+        broken: Vec<usize>,
+        ran: Vec<(usize, u64)>,
+    }
+
+    impl SliceExecutor for FakeNics {
+        fn execute(&mut self, nic: usize, s: &PlannedSlice) -> Result<(), String> {
+            if self.broken.contains(&nic) {
+                return Err(format!("nic {nic}: completion error"));
+            }
+            self.ran.push((nic, s.offset));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn drive_stripes_over_healthy_nics_and_reroutes_around_a_broken_one() {
+        let plan = stripe(6 << 20, 1 << 20, 3, 0);
+        let mut f = Failover::new(3, 3, true);
+        let mut nics = FakeNics {
+            broken: vec![1],
+            ran: vec![],
+        };
+        let out = drive(&plan, &mut f, &mut nics);
+        assert_eq!(out.rdma_bytes, 6 << 20);
+        assert!(out.tcp_slices.is_empty() && out.failed.is_none());
+        assert_eq!(
+            out.retries, 1,
+            "only the first slice on the broken NIC is retried"
+        );
+        assert!(nics.ran.iter().all(|(nic, _)| *nic != 1));
+        let mut offsets: Vec<_> = nics.ran.iter().map(|(_, o)| *o).collect();
+        offsets.sort();
+        assert_eq!(offsets, (0..6).map(|i| i << 20).collect::<Vec<u64>>());
+    }
+
+    #[test]
+    fn drive_falls_back_to_tcp_only_when_every_nic_failed() {
+        let plan = stripe(4 << 20, 1 << 20, 2, 0);
+        let mut f = Failover::new(2, 3, true);
+        let mut nics = FakeNics {
+            broken: vec![0, 1],
+            ran: vec![],
+        };
+        let out = drive(&plan, &mut f, &mut nics);
+        assert_eq!(out.rdma_bytes, 0);
+        assert_eq!(out.tcp_slices.len(), 4, "every slice ends up on TCP");
+        assert_eq!(out.retries, 1);
+        let mut f = Failover::new(2, 3, false);
+        let out = drive(
+            &plan,
+            &mut f,
+            &mut FakeNics {
+                broken: vec![0, 1],
+                ran: vec![],
+            },
+        );
+        assert!(out.failed.is_some_and(|r| r.contains("completion error")));
     }
 
     #[test]
