@@ -26,6 +26,15 @@ pub struct TargetProcess {
 impl TargetProcess {
     /// Start `[prefix..] kvpool bench transfer --mode target ...` and read its address line.
     pub fn spawn(prefix: &[&str], listen: &str, shm: &std::path::Path) -> TargetProcess {
+        Self::try_spawn(prefix, listen, shm).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`TargetProcess::spawn`], but reports a target that did not come up as an error.
+    pub fn try_spawn(
+        prefix: &[&str],
+        listen: &str,
+        shm: &std::path::Path,
+    ) -> Result<TargetProcess, String> {
         let exe = env!("CARGO_BIN_EXE_kvpool");
         let mut cmd = if let Some((first, rest)) = prefix.split_first() {
             let mut c = Command::new(first);
@@ -49,24 +58,43 @@ impl TargetProcess {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
-        let mut child = cmd.spawn().expect("spawn target");
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot spawn the target: {e}"))?;
         let stdout = child.stdout.take().expect("stdout");
         let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("read target line");
+        let _ = BufReader::new(stdout).read_line(&mut line);
         let field = |k: &str| {
             line.split_whitespace()
                 .find_map(|f| f.strip_prefix(&format!("{k}=")))
-                .unwrap_or_else(|| panic!("no {k}= in target line {line:?}"))
-                .to_owned()
+                .map(str::to_owned)
+                .ok_or_else(|| format!("target did not start: no {k}= in its first line {line:?}"))
         };
-        TargetProcess {
-            tcp: field("tcp").parse().unwrap(),
-            shm: field("shm").into(),
-            segment: field("segment"),
-            size: field("size").parse().unwrap(),
-            child,
+        let parsed = (|| {
+            Ok::<_, String>((
+                field("tcp")?
+                    .parse()
+                    .map_err(|e| format!("bad tcp address: {e}"))?,
+                PathBuf::from(field("shm")?),
+                field("segment")?,
+                field("size")?
+                    .parse()
+                    .map_err(|e| format!("bad size: {e}"))?,
+            ))
+        })();
+        match parsed {
+            Ok((tcp, shm, segment, size)) => Ok(TargetProcess {
+                tcp,
+                shm,
+                segment,
+                size,
+                child,
+            }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
         }
     }
 
