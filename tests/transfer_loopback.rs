@@ -277,7 +277,7 @@ fn transfer_fails_pending_requests_when_the_target_goes_away() {
     let st = batch.wait(Duration::from_secs(30)).unwrap();
     match &st[0] {
         RequestStatus::Failed(f) => assert!(
-            ["connect", "peer_closed", "io", "lane_closed"].contains(&f.category),
+            ["connect", "handshake", "peer_closed", "io", "lane_closed"].contains(&f.category),
             "{f}"
         ),
         other => panic!("expected a failure, got {other:?}"),
@@ -420,4 +420,101 @@ fn transfer_rdma_request_falls_back_loudly_or_is_refused() {
     };
     assert!(text.contains("kvpool_transfer_fallback_total 1"), "{text}");
     let _ = &p.target;
+}
+
+#[test]
+fn transfer_concurrent_submitters_keep_their_bytes_apart() {
+    let p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let region = MIB as u64;
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (p, remote) = (&p, remote.clone());
+            s.spawn(move || {
+                let data = pattern(region as usize, t as u8 * 40 + 1);
+                p.local_mem.segment().write_at(t * region, &data).unwrap();
+                for round in 0..3u64 {
+                    // Write this thread's region in 64 KiB requests, read it back elsewhere.
+                    let reqs: Vec<_> = (0..16)
+                        .map(|i| {
+                            req(
+                                p,
+                                &remote,
+                                TransferOp::Write,
+                                t * region + i * 65536,
+                                t * region + i * 65536,
+                                65536,
+                            )
+                        })
+                        .collect();
+                    p.initiator.transfer(reqs).unwrap();
+                    let back = 4 * region + t * region;
+                    p.initiator
+                        .transfer(vec![req(
+                            p,
+                            &remote,
+                            TransferOp::Read,
+                            back,
+                            t * region,
+                            region,
+                        )])
+                        .unwrap();
+                    let mut got = vec![0u8; region as usize];
+                    p.local_mem.segment().read_at(back, &mut got).unwrap();
+                    assert!(got == data, "thread {t} round {round}: bytes mixed up");
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn transfer_config_is_validated() {
+    let dir: Arc<dyn Directory> = Arc::new(StaticDirectory::new());
+    let bad = [
+        EngineConfig {
+            lanes: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            slice_size: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            slice_size: 64 << 20,
+            max_slice: 16 << 20,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            window: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            timeout: Duration::ZERO,
+            ..EngineConfig::default()
+        },
+    ];
+    for cfg in bad {
+        let err = TransferEngine::new(
+            cfg,
+            key(),
+            dir.clone(),
+            TransferMetrics::unregistered().unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(err.category(), "config", "{err}");
+    }
+    let registry = prometheus::Registry::new();
+    let m = TransferMetrics::new(&registry).unwrap();
+    assert!(
+        TransferMetrics::new(&registry).is_err(),
+        "double registration is reported"
+    );
+    let engine = TransferEngine::new(EngineConfig::default(), key(), dir, m).unwrap();
+    let seg = Arc::new(Segment::host(4096, HostOptions::default()).unwrap());
+    let _a = engine.register("same", seg.clone()).unwrap();
+    assert_eq!(
+        engine.register("same", seg).unwrap_err().category(),
+        "duplicate"
+    );
 }

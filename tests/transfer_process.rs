@@ -33,6 +33,14 @@ fn assert_settled_with_failures(batch: &Batch, allowed: &[&str]) -> usize {
     failed
 }
 
+fn submit_in_background(
+    engine: &TransferEngine,
+    reqs: Vec<TransferRequest>,
+) -> std::thread::JoinHandle<Batch> {
+    let engine = engine.clone();
+    std::thread::spawn(move || engine.submit(reqs).unwrap())
+}
+
 #[test]
 fn transfer_two_processes_over_tcp_and_shared_memory() {
     let dir = tempfile::tempdir().unwrap();
@@ -92,10 +100,12 @@ fn transfer_peer_killed_mid_transfer_fails_pending_requests() {
         .open_descriptor(&target.descriptor("x"), Some(Protocol::Tcp))
         .unwrap();
     let baseline = Arc::strong_count(local.segment());
-    // 256 x 1 MiB reads: far more than socket buffers hold, so the kill lands mid-batch.
-    let batch = engine
-        .submit(requests(&local, &remote, TransferOp::Read, 256, MIB))
-        .unwrap();
+    // 256 x 1 MiB reads submitted from another thread: `submit` is still queueing (the lanes
+    // apply backpressure) when the first request completes, so the signal lands mid-batch.
+    let submitter = submit_in_background(
+        &engine,
+        requests(&local, &remote, TransferOp::Read, 256, MIB),
+    );
     eventually("first completed request", || {
         engine
             .metrics()
@@ -103,13 +113,20 @@ fn transfer_peer_killed_mid_transfer_fails_pending_requests() {
             .with_label_values(&["tcp", "read"])
             .get()
             > 0
-            || batch.is_finished()
     });
     target.signal(Signal::SIGKILL);
+    let batch = submitter.join().unwrap();
     let t0 = Instant::now();
     let failed = assert_settled_with_failures(
         &batch,
-        &["peer_closed", "io", "lane_closed", "timeout", "connect"],
+        &[
+            "peer_closed",
+            "io",
+            "lane_closed",
+            "timeout",
+            "connect",
+            "handshake",
+        ],
     );
     eprintln!(
         "settled {failed} failures {:?} after the kill",
@@ -125,7 +142,10 @@ fn transfer_peer_killed_mid_transfer_fails_pending_requests() {
     let batch = engine
         .submit(requests(&local, &remote, TransferOp::Write, 2, 4096))
         .unwrap();
-    assert_eq!(assert_settled_with_failures(&batch, &["connect"]), 2);
+    assert_eq!(
+        assert_settled_with_failures(&batch, &["connect", "handshake"]),
+        2
+    );
 }
 
 #[test]
@@ -136,9 +156,12 @@ fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
     let remote = engine
         .open_descriptor(&target.descriptor("x"), Some(Protocol::Tcp))
         .unwrap();
-    let batch = engine
-        .submit(requests(&local, &remote, TransferOp::Read, 256, MIB))
-        .unwrap();
+    // 256 x 1 MiB reads submitted from another thread: `submit` is still queueing (the lanes
+    // apply backpressure) when the first request completes, so the signal lands mid-batch.
+    let submitter = submit_in_background(
+        &engine,
+        requests(&local, &remote, TransferOp::Read, 256, MIB),
+    );
     eventually("first completed request", || {
         engine
             .metrics()
@@ -146,11 +169,11 @@ fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
             .with_label_values(&["tcp", "read"])
             .get()
             > 0
-            || batch.is_finished()
     });
     // A frozen process keeps its sockets open but never answers: only the timeout can help.
     target.signal(Signal::SIGSTOP);
-    let failed = assert_settled_with_failures(&batch, &["timeout", "lane_closed"]);
+    let batch = submitter.join().unwrap();
+    let failed = assert_settled_with_failures(&batch, &["timeout", "lane_closed", "handshake"]);
     assert!(failed > 0);
     assert!(
         engine
@@ -162,5 +185,71 @@ fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
     );
     target.signal(Signal::SIGCONT);
     // After the peer recovers, the engine reconnects and works again.
-    round_trip(&engine, &local, &remote, 3);
+    recover(&engine, &local, &remote, 3);
+}
+
+#[test]
+fn transfer_bench_initiator_cli_drives_a_target_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
+    for (protocol, extra) in [("tcp", "--target_addr"), ("shm", "--shm_path")] {
+        let endpoint = if protocol == "tcp" {
+            target.tcp.to_string()
+        } else {
+            target.shm.display().to_string()
+        };
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+            .args([
+                "bench",
+                "transfer",
+                "--mode",
+                "initiator",
+                "--protocol",
+                protocol,
+            ])
+            .args([extra, &endpoint, "--segment_id", &target.segment])
+            .args([
+                "--operation",
+                "write",
+                "--block_size",
+                "1MiB",
+                "--batch_size",
+                "4",
+            ])
+            .args([
+                "--buffer_size",
+                "64MiB",
+                "--threads",
+                "1",
+                "--duration",
+                "0.3",
+                "--json",
+            ])
+            .env("KVPOOL_AUTH_KEY", KEY)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["transfer"]["protocol"], protocol);
+        assert!(v["transfer"]["requests_done"].as_u64().unwrap() > 0, "{v}");
+        assert_eq!(v["transfer"]["requests_failed"], 0);
+    }
+    // A wrong key is refused with a clear, non-zero exit.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["bench", "transfer", "--mode", "initiator", "--target_addr"])
+        .arg(target.tcp.to_string())
+        .args(["--duration", "0.1", "--buffer_size", "64MiB"])
+        .env("KVPOOL_AUTH_KEY", "not-the-pool-key-at-all")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("handshake") || err.contains("Handshake"),
+        "{err}"
+    );
 }

@@ -201,3 +201,20 @@ pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     }
     panic!("timed out waiting for {what}");
 }
+
+/// After a fault: retry a small read until the engine has reconnected (failed connects are held
+/// off for a moment, and a resumed peer first drains its backlog), then check a full round trip.
+pub fn recover(engine: &TransferEngine, local: &LocalSegment, remote: &RemoteSegment, seed: u8) {
+    let mut last = None;
+    for _ in 0..100 {
+        match engine.transfer(requests(local, remote, TransferOp::Read, 1, 4096)) {
+            Ok(()) => {
+                round_trip(engine, local, remote, seed);
+                return;
+            }
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("transfers did not recover: {last:?}");
+}
