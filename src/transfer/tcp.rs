@@ -107,15 +107,21 @@ impl LaneShared {
     }
 
     fn close(&self, failure: Failure, is_error: bool) {
-        if self.dead.swap(true, Ordering::SeqCst) {
-            return;
+        {
+            // The reason is recorded before `dead` is raised, so whoever sees `dead` also sees
+            // why; the first caller wins.
+            let mut reason = self.reason.lock();
+            if reason.is_some() {
+                return;
+            }
+            *reason = Some(failure.clone());
         }
+        self.dead.store(true, Ordering::SeqCst);
         if is_error {
             tracing::warn!(peer = %self.peer, reason = %failure, "transfer lane failed");
         } else {
             tracing::debug!(peer = %self.peer, "transfer lane closed");
         }
-        *self.reason.lock() = Some(failure.clone());
         self.cfg.metrics.connections.dec();
         let _ = self.stream.shutdown(Shutdown::Both);
         let drained: Vec<InFlight> = self.outstanding.lock().drain(..).collect();
@@ -323,11 +329,21 @@ fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiver<Slice>) 
         }
         header.handle = slice.handle;
         header.offset = slice.remote_offset;
-        sh.outstanding.lock().push_back(InFlight {
-            slice,
-            id,
-            sent_at: Instant::now(),
-        });
+        {
+            // Check `dead` under the queue lock: `fail` sets it before draining under the same
+            // lock, so a slice is either drained by `fail` or never queued on a dead lane.
+            let mut q = sh.outstanding.lock();
+            if sh.is_dead() {
+                drop(q);
+                slice.settle(Err(sh.failure()));
+                continue;
+            }
+            q.push_back(InFlight {
+                slice,
+                id,
+                sent_at: Instant::now(),
+            });
+        }
         let result = send_frame(&mut stream, &header, &control, payload);
         if let Err(e) = result {
             sh.fail(Failure::new(
