@@ -19,6 +19,9 @@ use crate::transfer::{
     TransferError, TransferMetrics, TransferOp, TransferRequest,
 };
 
+/// Default initiator run time, seconds (Mooncake's default too).
+const DEFAULT_DURATION_S: f64 = 10.0;
+
 /// Which side(s) this process runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -49,9 +52,10 @@ pub struct TransferBenchArgs {
     /// Submitting threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// Seconds to run the initiator (the target, if > 0 in target mode, exits after it).
-    #[arg(long, default_value_t = 10.0)]
-    pub duration: f64,
+    /// Seconds to run the initiator (default 10). In target mode the target serves until
+    /// SIGINT/SIGTERM, or for this many seconds when given (0 = until a signal).
+    #[arg(long)]
+    pub duration: Option<f64>,
     /// Size of the registered segment on each side.
     #[arg(long = "buffer_size", alias = "buffer-size", default_value = "256MiB", value_parser = parse_size)]
     pub buffer_size: u64,
@@ -367,10 +371,9 @@ fn run_target(args: &TransferBenchArgs) -> Result<(), TransferBenchError> {
         .enable_all()
         .build()
         .map_err(TransferBenchError::Signal)?;
-    let limit = if args.duration > 0.0 {
-        Some(secs(args.duration, "duration")?)
-    } else {
-        None
+    let limit = match args.duration {
+        Some(d) if d > 0.0 => Some(secs(d, "duration")?),
+        _ => None,
     };
     rt.block_on(async {
         let token = tokio_util::sync::CancellationToken::new();
@@ -420,7 +423,7 @@ fn run_initiator(
     let remote_size = remote.len().min(args.buffer_size);
     let slots = (remote_size / args.block_size).max(1);
     let op: TransferOp = args.operation.into();
-    let duration = secs(args.duration, "duration")?;
+    let duration = secs(args.duration.unwrap_or(DEFAULT_DURATION_S), "duration")?;
     let wait_limit = secs(args.timeout, "timeout")? * 4;
 
     let template = new_histogram()?;

@@ -51,7 +51,7 @@ impl TargetProcess {
             "--buffer_size",
             "64MiB",
         ])
-        .args(["--duration", "0", "--listen", listen, "--shm_path"])
+        .args(["--listen", listen, "--shm_path"])
         .arg(shm)
         .env("KVPOOL_AUTH_KEY", KEY)
         .env_remove("KVPOOL_AUTH_KEY_FILE")
