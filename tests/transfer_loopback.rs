@@ -162,6 +162,17 @@ fn transfer_writes_and_reads_back_across_lanes_and_slices() {
         data.len() as u64
     );
     assert!(m.connections.get() >= 1 && m.connections.get() <= 3);
+    // The target counts what it served.
+    let t = p.target.metrics();
+    assert_eq!(
+        t.served_bytes.with_label_values(&["read"]).get(),
+        data.len() as u64
+    );
+    assert_eq!(
+        t.served_bytes.with_label_values(&["write"]).get(),
+        data.len() as u64 + 80
+    );
+    assert!(t.target_connections.get() >= 1);
 }
 
 #[test]

@@ -20,6 +20,10 @@ pub struct TransferMetrics {
     pub connections: IntGauge,
     /// `kvpool_transfer_notifications_dropped_total`
     pub notifications_dropped: IntCounter,
+    /// `kvpool_transfer_served_bytes_total{op}`: bytes this process served as a target.
+    pub served_bytes: IntCounterVec,
+    /// `kvpool_transfer_target_connections`: open target-side connections.
+    pub target_connections: IntGauge,
 }
 
 impl TransferMetrics {
@@ -61,6 +65,17 @@ impl TransferMetrics {
                 "kvpool_transfer_notifications_dropped_total",
                 "Notify messages dropped because the queue was full.",
             )?,
+            served_bytes: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_served_bytes_total",
+                    "Bytes read from or written into local segments by remote peers.",
+                ),
+                &["op"],
+            )?,
+            target_connections: IntGauge::new(
+                "kvpool_transfer_target_connections",
+                "Open target-side transfer connections.",
+            )?,
         })
     }
 
@@ -73,6 +88,8 @@ impl TransferMetrics {
         registry.register(Box::new(m.fallback.clone()))?;
         registry.register(Box::new(m.connections.clone()))?;
         registry.register(Box::new(m.notifications_dropped.clone()))?;
+        registry.register(Box::new(m.served_bytes.clone()))?;
+        registry.register(Box::new(m.target_connections.clone()))?;
         Ok(m)
     }
 

@@ -203,6 +203,11 @@ pub(crate) fn serve_requests<S: DataStream>(
                     Ok(seg) => {
                         s.recv_into(&seg, h.offset, h.length as usize)
                             .map_err(WireError::Io)?;
+                        // Counted before the ack, so an initiator that saw the ack sees the count.
+                        ctx.metrics
+                            .served_bytes
+                            .with_label_values(&["write"])
+                            .inc_by(h.length);
                         s.write_all(&Header::new(Opcode::WriteAck, id).encode())
                             .map_err(WireError::Io)?;
                     }
@@ -217,6 +222,11 @@ pub(crate) fn serve_requests<S: DataStream>(
                     let mut r = Header::new(Opcode::ReadData, id);
                     r.length = h.length;
                     s.write_all(&r.encode()).map_err(WireError::Io)?;
+                    // Counted when sending starts (a send that then fails is still counted).
+                    ctx.metrics
+                        .served_bytes
+                        .with_label_values(&["read"])
+                        .inc_by(h.length);
                     s.send_from(&seg, h.offset, h.length as usize)
                         .map_err(WireError::Io)?;
                 }
@@ -379,8 +389,10 @@ fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>, ctx: Arc<Server
         let spawned = std::thread::Builder::new()
             .name("kvpool-xfer-conn".into())
             .spawn(move || {
+                cx.metrics.target_connections.inc();
                 serve_tcp_conn(stream, &cx, &sh);
                 sh.conns.lock().remove(&id);
+                cx.metrics.target_connections.dec();
             });
         let mut workers = shared.workers.lock();
         workers.retain(|w| !w.is_finished());
