@@ -24,12 +24,16 @@ struct Target {
 }
 
 fn target() -> Target {
+    target_with(EngineConfig::default())
+}
+
+fn target_with(cfg: EngineConfig) -> Target {
     let dir = Arc::new(StaticDirectory::new());
     let engine = TransferEngine::new(
         EngineConfig {
             node: "t".into(),
             timeout: Duration::from_secs(5),
-            ..EngineConfig::default()
+            ..cfg
         },
         key(),
         dir.clone(),
@@ -212,4 +216,43 @@ fn transfer_authenticated_invalid_frames_are_answered_with_errors() {
     assert_only_errors(&read_to_close(&mut s));
     honest_peer_still_works(&t);
     drop(t.engine);
+}
+
+#[test]
+fn transfer_target_bounds_its_connections() {
+    let t = target_with(EngineConfig {
+        max_connections: 2,
+        ..EngineConfig::default()
+    });
+    // Two idle, unauthenticated connections take the two slots...
+    let a = raw(&t);
+    let b = raw(&t);
+    for _ in 0..600 {
+        if t.server.connection_count() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(t.server.connection_count(), 2);
+    // ...so a third is closed without a byte.
+    let mut c = raw(&t);
+    let _ = c.write_all(&Header::new(Opcode::Hello, 0).encode());
+    assert!(read_to_close(&mut c).is_empty());
+    assert_eq!(
+        t.engine
+            .metrics()
+            .failures
+            .with_label_values(&["too_many_connections"])
+            .get(),
+        1
+    );
+    // Once they go away, honest peers get in again.
+    drop((a, b));
+    for _ in 0..600 {
+        if t.server.connection_count() == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    honest_peer_still_works(&t);
 }

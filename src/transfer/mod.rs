@@ -73,6 +73,8 @@ pub struct EngineConfig {
     pub want_rdma: bool,
     /// Notifications kept until read.
     pub notification_capacity: usize,
+    /// Target side: connections served at once; more are accepted and closed at once.
+    pub max_connections: usize,
 }
 
 impl Default for EngineConfig {
@@ -90,6 +92,7 @@ impl Default for EngineConfig {
             prefer_shm: true,
             want_rdma: false,
             notification_capacity: 4096,
+            max_connections: 1024,
         }
     }
 }
@@ -108,6 +111,9 @@ impl EngineConfig {
         }
         if self.window == 0 || self.window > 1024 {
             return bad("window must be between 1 and 1024");
+        }
+        if self.max_connections == 0 {
+            return bad("max_connections must be > 0");
         }
         if self.timeout.is_zero() || self.connect_timeout.is_zero() {
             return bad("timeouts must be > 0");
@@ -317,6 +323,7 @@ impl TransferEngine {
             key: self.inner.key.clone(),
             max_slice: self.inner.config.max_slice,
             timeout: self.inner.config.timeout,
+            max_connections: self.inner.config.max_connections,
             notifications: self.inner.notifications.clone(),
             metrics: self.inner.metrics.clone(),
         })

@@ -114,6 +114,7 @@ pub(crate) struct ServerCtx {
     pub(crate) key: AuthKey,
     pub(crate) max_slice: u64,
     pub(crate) timeout: Duration,
+    pub(crate) max_connections: usize,
     pub(crate) notifications: Arc<NotificationQueue>,
     pub(crate) metrics: TransferMetrics,
 }
@@ -374,6 +375,20 @@ fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>, ctx: Arc<Server
                 continue;
             }
         };
+        if shared.conns.lock().len() >= ctx.max_connections {
+            // Bounded: refuse instead of spawning without limit (unauthenticated peers could
+            // otherwise hold a thread each until their handshake times out).
+            ctx.metrics
+                .failures
+                .with_label_values(&["too_many_connections"])
+                .inc();
+            tracing::warn!(
+                limit = ctx.max_connections,
+                "refusing a transfer connection"
+            );
+            let _ = stream.shutdown(Shutdown::Both);
+            continue;
+        }
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         let Ok(clone) = stream.try_clone() else {
             continue;
@@ -496,6 +511,7 @@ mod tests {
             key: AuthKey::new(*b"0123456789abcdef").unwrap(),
             max_slice: MAX,
             timeout: Duration::from_secs(1),
+            max_connections: 4,
             notifications: Arc::new(NotificationQueue::new(4)),
             metrics: TransferMetrics::unregistered().unwrap(),
         };
