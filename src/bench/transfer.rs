@@ -277,15 +277,21 @@ pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
                     .or_else(|_| AuthKey::random())
                     .map_err(TransferBenchError::Auth)?,
             };
+            // Baselines run right before and right after the transfers and are averaged, so a
+            // change of background load during the run biases neither side.
+            let before = if args.no_baselines {
+                None
+            } else {
+                Some(measure_baselines(&args)?)
+            };
             let target = Target::start(&args, key.clone())?;
             let engine = new_engine(&args, key)?;
             let report = run_initiator(&args, &engine, &target.descriptor)?;
             drop(engine);
             drop(target);
-            let baselines = if args.no_baselines {
-                None
-            } else {
-                Some(measure_baselines(&args)?)
+            let baselines = match before {
+                Some(b) => Some(b.merge(measure_baselines(&args)?)),
+                None => None,
             };
             print_report(&args, &report, baselines.as_ref());
             Ok(())
@@ -585,11 +591,30 @@ fn drive(
 /// Baseline figures measured in the same run.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Baselines {
-    /// Single-stream loopback iperf3 throughput, GB/s (None if iperf3 could not run).
+    /// Single-stream loopback iperf3 throughput, GB/s: mean of `iperf3_runs` (None if iperf3
+    /// could not run).
     pub iperf3_gb_per_s: Option<f64>,
+    pub iperf3_runs: Vec<f64>,
     pub iperf3_error: Option<String>,
-    /// Single-thread memcpy bandwidth, GB/s.
+    /// Single-thread memcpy bandwidth, GB/s: mean of `memcpy_runs`.
     pub memcpy_gb_per_s: f64,
+    pub memcpy_runs: Vec<f64>,
+}
+
+fn mean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+impl Baselines {
+    /// Combine two measurements (before and after the transfers).
+    pub fn merge(mut self, other: Baselines) -> Baselines {
+        self.iperf3_runs.extend(other.iperf3_runs);
+        self.memcpy_runs.extend(other.memcpy_runs);
+        self.iperf3_gb_per_s = mean(&self.iperf3_runs);
+        self.memcpy_gb_per_s = mean(&self.memcpy_runs).unwrap_or(0.0);
+        self.iperf3_error = self.iperf3_error.or(other.iperf3_error);
+        self
+    }
 }
 
 fn measure_baselines(args: &TransferBenchArgs) -> Result<Baselines, TransferBenchError> {
@@ -598,10 +623,13 @@ fn measure_baselines(args: &TransferBenchArgs) -> Result<Baselines, TransferBenc
         Ok(v) => (Some(v), None),
         Err(e) => (None, Some(e)),
     };
+    let memcpy = memcpy_bandwidth(args.block_size, d);
     Ok(Baselines {
         iperf3_gb_per_s,
+        iperf3_runs: iperf3_gb_per_s.into_iter().collect(),
         iperf3_error,
-        memcpy_gb_per_s: memcpy_bandwidth(args.block_size, d),
+        memcpy_gb_per_s: memcpy,
+        memcpy_runs: vec![memcpy],
     })
 }
 
@@ -719,7 +747,10 @@ fn print_report(args: &TransferBenchArgs, r: &InitiatorReport, b: Option<&Baseli
     }
     if let Some(b) = b {
         match (b.iperf3_gb_per_s, &b.iperf3_error) {
-            (Some(v), _) => println!("baseline iperf3 single-stream loopback: {v:.3} GB/s"),
+            (Some(v), _) => println!(
+                "baseline iperf3 single-stream loopback: {v:.3} GB/s (mean of {:.3?}, before and after)",
+                b.iperf3_runs
+            ),
             (None, Some(e)) => println!("baseline iperf3: unavailable ({e})"),
             (None, None) => {}
         }
@@ -807,6 +838,28 @@ mod tests {
                 .contains("unable to connect")
         );
         assert!(parse_iperf3_json("not json").is_err());
+    }
+
+    #[test]
+    fn baselines_before_and_after_are_averaged() {
+        let a = Baselines {
+            iperf3_gb_per_s: Some(1.0),
+            iperf3_runs: vec![1.0],
+            iperf3_error: None,
+            memcpy_gb_per_s: 4.0,
+            memcpy_runs: vec![4.0],
+        };
+        let b = Baselines {
+            iperf3_gb_per_s: Some(3.0),
+            iperf3_runs: vec![3.0],
+            iperf3_error: None,
+            memcpy_gb_per_s: 2.0,
+            memcpy_runs: vec![2.0],
+        };
+        let m = a.merge(b);
+        assert_eq!(m.iperf3_gb_per_s, Some(2.0));
+        assert_eq!(m.memcpy_gb_per_s, 3.0);
+        assert_eq!(m.iperf3_runs.len(), 2);
     }
 
     #[test]

@@ -440,6 +440,46 @@ pub(crate) fn recv_into(
     Ok(())
 }
 
+/// Send `prefix` (a frame header) and then `seg[offset..offset+len]` to `fd`. The prefix goes
+/// with MSG_MORE so that the kernel coalesces it with the payload instead of pushing a tiny
+/// packet (and waking the receiver) on its own.
+pub(crate) fn send_prefixed(
+    fd: BorrowedFd<'_>,
+    prefix: &[u8],
+    seg: &Segment,
+    offset: u64,
+    len: usize,
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
+    seg.check_range(offset, len as u64)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut done = 0usize;
+    let more = if len > 0 { libc::MSG_MORE } else { 0 };
+    while done < prefix.len() {
+        let rest = &prefix[done..];
+        // SAFETY: `rest` is a live Rust slice; the kernel only reads it.
+        let n = unsafe {
+            libc::send(
+                fd.as_raw_fd(),
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_NOSIGNAL | more,
+            )
+        };
+        if n >= 0 {
+            done += n as usize;
+            continue;
+        }
+        let err = io::Error::last_os_error();
+        match err.kind() {
+            io::ErrorKind::Interrupted => {}
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
+            _ => return Err(err),
+        }
+    }
+    send_from(fd, seg, offset, len, on_timeout)
+}
+
 /// Send exactly `len` bytes from `seg[offset..offset+len]` to `fd`.
 pub(crate) fn send_from(
     fd: BorrowedFd<'_>,

@@ -123,6 +123,17 @@ pub(crate) struct ServerCtx {
 pub(crate) trait DataStream: Read + Write {
     fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
     fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
+    /// A header followed by a payload from segment memory (sockets coalesce the two).
+    fn send_with_header(
+        &mut self,
+        header: &[u8],
+        seg: &Segment,
+        offset: u64,
+        len: usize,
+    ) -> io::Result<()> {
+        self.write_all(header)?;
+        self.send_from(seg, offset, len)
+    }
 }
 
 impl DataStream for TcpStream {
@@ -131,6 +142,22 @@ impl DataStream for TcpStream {
     }
     fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
         memory::send_from(self.as_fd(), seg, offset, len, &mut wire::fail_on_timeout)
+    }
+    fn send_with_header(
+        &mut self,
+        header: &[u8],
+        seg: &Segment,
+        offset: u64,
+        len: usize,
+    ) -> io::Result<()> {
+        memory::send_prefixed(
+            self.as_fd(),
+            header,
+            seg,
+            offset,
+            len,
+            &mut wire::fail_on_timeout,
+        )
     }
 }
 
@@ -222,13 +249,12 @@ pub(crate) fn serve_requests<S: DataStream>(
                 Ok(seg) => {
                     let mut r = Header::new(Opcode::ReadData, id);
                     r.length = h.length;
-                    s.write_all(&r.encode()).map_err(WireError::Io)?;
                     // Counted when sending starts (a send that then fails is still counted).
                     ctx.metrics
                         .served_bytes
                         .with_label_values(&["read"])
                         .inc_by(h.length);
-                    s.send_from(&seg, h.offset, h.length as usize)
+                    s.send_with_header(&r.encode(), &seg, h.offset, h.length as usize)
                         .map_err(WireError::Io)?;
                 }
                 Err((code, reason)) => wire::write_error(s, id, code, &reason)?,

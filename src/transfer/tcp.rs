@@ -369,14 +369,20 @@ fn send_frame(
     payload: Option<(Arc<Segment>, u64, usize)>,
 ) -> io::Result<()> {
     use std::io::Write;
+    if let Some((seg, off, len)) = payload {
+        return memory::send_prefixed(
+            stream.as_fd(),
+            &header.encode(),
+            &seg,
+            off,
+            len,
+            &mut wire::fail_on_timeout,
+        );
+    }
     let mut buf = Vec::with_capacity(super::frame::HEADER_LEN + control.len());
     buf.extend_from_slice(&header.encode());
     buf.extend_from_slice(control);
-    stream.write_all(&buf)?;
-    if let Some((seg, off, len)) = payload {
-        memory::send_from(stream.as_fd(), &seg, off, len, &mut wire::fail_on_timeout)?;
-    }
-    Ok(())
+    stream.write_all(&buf)
 }
 
 fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
