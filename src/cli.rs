@@ -46,6 +46,8 @@ pub enum Command {
     Engine(Box<crate::synthetic::cli::EngineArgs>),
     /// Serve the OpenAI-compatible API and route each request to a prefill and a decode engine.
     Conductor(Box<crate::conductor::cli::ConductorArgs>),
+    /// Run a benchmark (`kvpool bench transfer ...`).
+    Bench(crate::bench::BenchArgs),
 }
 
 /// Run the parsed command line.
@@ -64,6 +66,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Simulate(args) => crate::sim::cli::run(&args)?,
         Command::Engine(args) => crate::synthetic::cli::run(&args)?,
         Command::Conductor(args) => crate::conductor::cli::run(&args)?,
+        Command::Bench(args) => crate::bench::run(args)?,
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! simulation) do no I/O at all; runtime modules (admin server, shutdown) own sockets and signals.
 
 pub mod admin;
+pub mod bench;
 pub mod cli;
 pub mod conductor;
 pub mod master;
@@ -13,3 +14,4 @@ pub mod shutdown;
 pub mod sim;
 pub mod synthetic;
 pub mod telemetry;
+pub mod transfer;

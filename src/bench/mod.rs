@@ -1,0 +1,44 @@
+//! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
+//! module here (`transfer` today; `tier`, `store` later).
+//! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
+
+pub mod transfer;
+
+use clap::{Args, Subcommand};
+
+/// `kvpool bench`
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// Benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Transfer engine throughput and latency (flags mirror Mooncake's transfer_engine_bench).
+    Transfer(Box<transfer::TransferBenchArgs>),
+}
+
+/// Errors of the benchmark commands.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("transfer benchmark failed")]
+    Transfer(#[source] transfer::TransferBenchError),
+}
+
+impl BenchError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            BenchError::Transfer(e) => e.category(),
+        }
+    }
+}
+
+/// Run a benchmark subcommand.
+pub fn run(args: BenchArgs) -> Result<(), BenchError> {
+    match args.command {
+        BenchCommand::Transfer(a) => transfer::run(*a).map_err(BenchError::Transfer),
+    }
+}

@@ -1,0 +1,117 @@
+//! Errors of the transfer engine's public API and the per-request failure record.
+//! Pure: no I/O.
+
+use super::descriptor::{DirectoryError, Protocol};
+use super::memory::MemoryError;
+use super::wire::WireError;
+
+/// Errors returned by [`super::TransferEngine`] calls.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    #[error("invalid engine configuration: {0}")]
+    Config(String),
+    #[error("segment name {0:?} is already registered")]
+    Duplicate(String),
+    #[error("looking up segment {name:?} failed")]
+    Lookup {
+        name: String,
+        #[source]
+        source: DirectoryError,
+    },
+    #[error("segment {name:?} has no {protocol:?} endpoint")]
+    NoEndpoint { name: String, protocol: Protocol },
+    #[error("binding {what} failed")]
+    Bind {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("connecting to {peer} failed")]
+    Connect {
+        peer: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("handshake with {peer} failed")]
+    Handshake {
+        peer: String,
+        #[source]
+        source: WireError,
+    },
+    #[error("opening remote segment {name:?} failed: {reason}")]
+    Open { name: String, reason: String },
+    #[error("invalid request #{index}: {source}")]
+    InvalidRequest {
+        index: usize,
+        #[source]
+        source: MemoryError,
+    },
+    #[error("mapping shared segment {name:?} failed")]
+    Map {
+        name: String,
+        #[source]
+        source: MemoryError,
+    },
+    #[error("notify to {peer} failed: {reason}")]
+    Notify { peer: String, reason: String },
+    #[error("batch did not complete within {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("protocol {0:?} is not available in this build or on this host")]
+    Unsupported(Protocol),
+}
+
+impl TransferError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            TransferError::Config(_) => "config",
+            TransferError::Duplicate(_) => "duplicate",
+            TransferError::Lookup { .. } => "lookup",
+            TransferError::NoEndpoint { .. } => "no_endpoint",
+            TransferError::Bind { .. } => "bind",
+            TransferError::Connect { .. } => "connect",
+            TransferError::Handshake { .. } => "handshake",
+            TransferError::Open { .. } => "open",
+            TransferError::InvalidRequest { .. } => "invalid_request",
+            TransferError::Map { .. } => "map",
+            TransferError::Notify { .. } => "notify",
+            TransferError::Timeout(_) => "timeout",
+            TransferError::Unsupported(_) => "unsupported",
+        }
+    }
+}
+
+/// Why one request failed: a metric category and a human-readable reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub category: &'static str,
+    pub reason: String,
+}
+
+impl Failure {
+    pub fn new(category: &'static str, reason: impl Into<String>) -> Self {
+        Failure {
+            category,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.category, self.reason)
+    }
+}
+
+impl From<&WireError> for Failure {
+    fn from(e: &WireError) -> Self {
+        let mut reason = e.to_string();
+        let mut src = std::error::Error::source(e);
+        while let Some(s) = src {
+            reason.push_str(": ");
+            reason.push_str(&s.to_string());
+            src = s.source();
+        }
+        Failure::new(e.category(), reason)
+    }
+}

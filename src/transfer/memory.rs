@@ -1,0 +1,586 @@
+//! Registered memory: the RAII owner of a byte region that the transfer engine shares with remote
+//! peers, and the raw copy/socket primitives that move bytes in and out of it.
+//! I/O boundary: `mmap`/`mlock`/`memfd_create`, `recv`/`send` on borrowed socket fds, and
+//! adopting descriptors received with SCM_RIGHTS. Apart from the FFI modules (`rdma::verbs`,
+//! `cuda`), this is the only module of the transfer engine that contains `unsafe`.
+//!
+//! # Memory model
+//! A [`Segment`] is memory shared with other parties: remote peers write into it and read from it
+//! at any time while it is registered, exactly like a `MAP_SHARED` mapping shared with another
+//! process. The engine therefore never hands out Rust references (`&[u8]` / `&mut [u8]`) to
+//! segment bytes: every access is a bounds-checked raw copy (`ptr::copy`, `recv` into a raw
+//! pointer, `send` from a raw pointer). Overlapping concurrent transfers on the same range give
+//! unspecified *bytes* (the last writer wins per byte), never memory unsafety on the Rust side;
+//! callers that need a consistent view coordinate at a higher level (the master's leases).
+//! The memory itself stays valid while anyone holds the `Arc<Segment>`: in-flight transfers hold
+//! a clone, so unregistering or dropping the owner's handle mid-transfer cannot free it.
+
+use std::alloc::Layout;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use nix::libc;
+
+/// Alignment of engine-allocated buffers: a page, which also suits O_DIRECT and RDMA.
+pub const SEGMENT_ALIGN: usize = 4096;
+
+/// Errors of segment allocation and access.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    #[error("segment size must be > 0 and at most {max} bytes, got {size}")]
+    InvalidSize { size: usize, max: usize },
+    #[error("allocating {size} bytes of aligned memory failed")]
+    Allocate { size: usize },
+    #[error("mlock of {size} bytes failed (check RLIMIT_MEMLOCK / CAP_IPC_LOCK)")]
+    Lock {
+        size: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("creating memfd segment {name:?} of {size} bytes failed")]
+    Memfd {
+        name: String,
+        size: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("mapping {size} bytes failed")]
+    Map {
+        size: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("shared file descriptor holds {actual} bytes, fewer than the {expected} announced")]
+    ShortFd { expected: usize, actual: u64 },
+    #[error("range offset {offset} + length {len} is outside the segment of {size} bytes")]
+    OutOfBounds { offset: u64, len: u64, size: usize },
+}
+
+impl MemoryError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            MemoryError::InvalidSize { .. } => "invalid_size",
+            MemoryError::Allocate { .. } => "allocate",
+            MemoryError::Lock { .. } => "mlock",
+            MemoryError::Memfd { .. } => "memfd",
+            MemoryError::Map { .. } => "mmap",
+            MemoryError::ShortFd { .. } => "short_fd",
+            MemoryError::OutOfBounds { .. } => "out_of_bounds",
+        }
+    }
+}
+
+/// Largest single segment: 1 TiB, far above any node's DRAM tier, small enough that
+/// `offset + len` arithmetic on `u64` can never overflow after validation.
+pub const MAX_SEGMENT_SIZE: usize = 1 << 40;
+
+/// Options for engine-allocated host memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostOptions {
+    /// Pin the pages in RAM (`mlock`) so they are never swapped out under a transfer.
+    pub lock: bool,
+}
+
+enum Backing {
+    /// `std::alloc` allocation with this layout, freed on drop.
+    Heap(Layout),
+    /// A memory mapping (anonymous, caller-provided, or a memfd), unmapped on drop.
+    Mmap {
+        _map: memmap2::MmapMut,
+        /// The memfd behind the mapping, when there is one: it can be shared with a process on
+        /// the same node.
+        fd: Option<OwnedFd>,
+    },
+    /// Memory owned elsewhere; `release` runs on drop.
+    Foreign {
+        release: Option<Box<dyn FnOnce() + Send + Sync>>,
+    },
+}
+
+/// A contiguous byte region that can be registered with the transfer engine.
+pub struct Segment {
+    ptr: NonNull<u8>,
+    len: usize,
+    locked: bool,
+    backing: Backing,
+}
+
+// SAFETY: a Segment is a pointer to memory it owns (or that its creator promised stays valid
+// until `release`); no thread-affine state is involved. All byte access goes through raw copies
+// (see the module's memory model), so sharing `&Segment` across threads creates no Rust
+// references that could alias mutably.
+unsafe impl Send for Segment {}
+// SAFETY: see `Send` above; `&Segment` only permits bounds-checked raw copies.
+unsafe impl Sync for Segment {}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.backing {
+            Backing::Heap(_) => "heap",
+            Backing::Mmap { fd: Some(_), .. } => "memfd",
+            Backing::Mmap { fd: None, .. } => "mmap",
+            Backing::Foreign { .. } => "foreign",
+        };
+        f.debug_struct("Segment")
+            .field("len", &self.len)
+            .field("kind", &kind)
+            .field("locked", &self.locked)
+            .finish()
+    }
+}
+
+fn check_size(size: usize) -> Result<(), MemoryError> {
+    if size == 0 || size > MAX_SEGMENT_SIZE {
+        return Err(MemoryError::InvalidSize {
+            size,
+            max: MAX_SEGMENT_SIZE,
+        });
+    }
+    Ok(())
+}
+
+impl Segment {
+    /// Zeroed, page-aligned host memory from the global allocator.
+    pub fn host(size: usize, options: HostOptions) -> Result<Self, MemoryError> {
+        check_size(size)?;
+        let layout = Layout::from_size_align(size, SEGMENT_ALIGN)
+            .map_err(|_| MemoryError::Allocate { size })?;
+        // SAFETY: the layout has a non-zero size (checked above).
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or(MemoryError::Allocate { size })?;
+        let mut seg = Segment {
+            ptr,
+            len: size,
+            locked: false,
+            backing: Backing::Heap(layout),
+        };
+        if options.lock {
+            seg.lock()?;
+        }
+        Ok(seg)
+    }
+
+    /// Wrap a mapping the caller made and placed (for example an anonymous mapping bound to a
+    /// NUMA node with `mbind`, or a hugetlbfs file). The mapping is unmapped when the segment
+    /// drops.
+    pub fn from_mmap(mut map: memmap2::MmapMut, options: HostOptions) -> Result<Self, MemoryError> {
+        let len = map.len();
+        check_size(len)?;
+        let ptr = NonNull::new(map.as_mut_ptr()).ok_or(MemoryError::Allocate { size: len })?;
+        let mut seg = Segment {
+            ptr,
+            len,
+            locked: false,
+            backing: Backing::Mmap {
+                _map: map,
+                fd: None,
+            },
+        };
+        if options.lock {
+            seg.lock()?;
+        }
+        Ok(seg)
+    }
+
+    /// Host memory backed by an anonymous memory file (memfd), so that a process on the same
+    /// node can map the very same pages (the shared-memory transport passes the fd).
+    pub fn memfd(name: &str, size: usize, options: HostOptions) -> Result<Self, MemoryError> {
+        check_size(size)?;
+        let memfd_err = |source: io::Error| MemoryError::Memfd {
+            name: name.to_owned(),
+            size,
+            source,
+        };
+        let fd = nix::sys::memfd::memfd_create(
+            name.replace('\0', "_").as_str(),
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+        )
+        .map_err(|e| memfd_err(e.into()))?;
+        let off = libc::off_t::try_from(size).map_err(|_| MemoryError::InvalidSize {
+            size,
+            max: MAX_SEGMENT_SIZE,
+        })?;
+        nix::unistd::ftruncate(&fd, off).map_err(|e| memfd_err(e.into()))?;
+        let mut seg = Self::map_fd(fd, size)?;
+        if options.lock {
+            seg.lock()?;
+        }
+        Ok(seg)
+    }
+
+    /// Map a memfd received from a peer on the same node. The fd's size is checked first: a
+    /// peer announcing more bytes than the file holds would otherwise make accesses fault.
+    pub fn map_fd(fd: OwnedFd, size: usize) -> Result<Self, MemoryError> {
+        check_size(size)?;
+        let file = File::from(fd);
+        let actual = file
+            .metadata()
+            .map_err(|source| MemoryError::Map { size, source })?
+            .len();
+        if actual < size as u64 {
+            return Err(MemoryError::ShortFd {
+                expected: size,
+                actual,
+            });
+        }
+        // SAFETY: the file is a memfd (or shm file) whose size we just checked covers `size`;
+        // the mapping is MAP_SHARED on purpose and is only accessed through raw copies, so
+        // concurrent modification by the other process cannot invalidate Rust references.
+        let mut map = unsafe { memmap2::MmapOptions::new().len(size).map_mut(&file) }
+            .map_err(|source| MemoryError::Map { size, source })?;
+        let ptr = NonNull::new(map.as_mut_ptr()).ok_or(MemoryError::Allocate { size })?;
+        Ok(Segment {
+            ptr,
+            len: size,
+            locked: false,
+            backing: Backing::Mmap {
+                _map: map,
+                fd: Some(OwnedFd::from(file)),
+            },
+        })
+    }
+
+    /// Wrap memory owned elsewhere (a GPU-pinned host buffer, a region inside a larger arena).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes, not be accessed through Rust
+    /// references while the segment exists, and stay valid until `release` runs (called once,
+    /// when the last `Arc<Segment>` drops).
+    pub unsafe fn from_raw_parts(
+        ptr: NonNull<u8>,
+        len: usize,
+        release: Option<Box<dyn FnOnce() + Send + Sync>>,
+    ) -> Result<Self, MemoryError> {
+        check_size(len)?;
+        Ok(Segment {
+            ptr,
+            len,
+            locked: false,
+            backing: Backing::Foreign { release },
+        })
+    }
+
+    fn lock(&mut self) -> Result<(), MemoryError> {
+        // SAFETY: ptr..ptr+len is a live allocation owned by self.
+        let rc = unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) };
+        if rc != 0 {
+            return Err(MemoryError::Lock {
+                size: self.len,
+                source: io::Error::last_os_error(),
+            });
+        }
+        self.locked = true;
+        Ok(())
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: zero-sized segments are rejected at creation.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Whether the pages are pinned with `mlock`.
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// Start address, for registering the region with a NIC (RDMA memory registration).
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// The memfd behind this segment, if it has one (shareable with a same-node process).
+    pub fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.backing {
+            Backing::Mmap { fd: Some(fd), .. } => Some(fd.as_fd()),
+            _ => None,
+        }
+    }
+
+    /// Check that `offset..offset+len` lies inside the segment.
+    pub fn check_range(&self, offset: u64, len: u64) -> Result<(), MemoryError> {
+        let end = offset.checked_add(len);
+        match end {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(MemoryError::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    /// Raw pointer to `offset` after checking `offset..offset+len`.
+    fn ptr_at(&self, offset: u64, len: usize) -> Result<*mut u8, MemoryError> {
+        self.check_range(offset, len as u64)?;
+        // SAFETY: offset + len <= self.len was checked, so the result stays inside (or one past
+        // the end of) the allocation; offset fits in usize because it is <= self.len.
+        Ok(unsafe { self.ptr.as_ptr().add(offset as usize) })
+    }
+
+    /// Copy `data` into the segment at `offset` (owner-side access).
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemoryError> {
+        let dst = self.ptr_at(offset, data.len())?;
+        // SAFETY: dst..dst+len is inside the segment (checked); `data` is a separate Rust
+        // slice, so the ranges cannot overlap unless the caller built `data` from segment bytes
+        // through unsafe code, which the memory model forbids.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Copy bytes at `offset` out of the segment into `out` (owner-side access).
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        let src = self.ptr_at(offset, out.len())?;
+        // SAFETY: src..src+len is inside the segment (checked); `out` is a distinct Rust slice.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Fill `offset..offset+len` with `byte`.
+    pub fn fill(&self, offset: u64, len: usize, byte: u8) -> Result<(), MemoryError> {
+        let dst = self.ptr_at(offset, len)?;
+        // SAFETY: dst..dst+len is inside the segment (checked).
+        unsafe { std::ptr::write_bytes(dst, byte, len) };
+        Ok(())
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.locked {
+            // SAFETY: the region is still live; unlocking cannot fail in a way we could handle.
+            unsafe { libc::munlock(self.ptr.as_ptr().cast(), self.len) };
+        }
+        match &mut self.backing {
+            Backing::Heap(layout) => {
+                // SAFETY: ptr was returned by alloc_zeroed with exactly this layout, and no
+                // transfer can still use it: transfers hold an Arc<Segment>, and we are in the
+                // drop of the last one.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) }
+            }
+            Backing::Mmap { .. } => {} // MmapMut unmaps itself.
+            Backing::Foreign { release } => {
+                if let Some(release) = release.take() {
+                    release();
+                }
+            }
+        }
+    }
+}
+
+/// Copy `len` bytes between two segments (the same-node shared-memory data path).
+pub fn copy_between(
+    src: &Segment,
+    src_offset: u64,
+    dst: &Segment,
+    dst_offset: u64,
+    len: usize,
+) -> Result<(), MemoryError> {
+    let s = src.ptr_at(src_offset, len)?;
+    let d = dst.ptr_at(dst_offset, len)?;
+    // SAFETY: both ranges are inside their segments (checked). They may overlap when both name
+    // the same memory (a process reading from its own segment through the shm path), so use
+    // `copy` (memmove) rather than `copy_nonoverlapping`.
+    unsafe { std::ptr::copy(s, d, len) };
+    Ok(())
+}
+
+/// What a blocking socket call that hit its `SO_RCVTIMEO`/`SO_SNDTIMEO` should do next.
+pub(crate) type OnTimeout<'a> = &'a mut dyn FnMut() -> io::Result<()>;
+
+/// Receive exactly `len` bytes from `fd` straight into `seg[offset..offset+len]`.
+/// On a socket timeout `on_timeout` decides whether to keep waiting (Ok) or give up (Err).
+pub(crate) fn recv_into(
+    fd: BorrowedFd<'_>,
+    seg: &Segment,
+    offset: u64,
+    len: usize,
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
+    let base = seg
+        .ptr_at(offset, len)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut done = 0usize;
+    while done < len {
+        // SAFETY: base+done..base+len is inside the segment (checked above); the kernel writes
+        // at most `len - done` bytes there; no Rust reference to these bytes exists.
+        let n = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                base.add(done).cast(),
+                len - done,
+                libc::MSG_WAITALL,
+            )
+        };
+        match n {
+            0 => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection mid-payload",
+                ));
+            }
+            n if n > 0 => done += n as usize,
+            _ => {
+                let err = io::Error::last_os_error();
+                match err.kind() {
+                    io::ErrorKind::Interrupted => {}
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
+                    _ => return Err(err),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Send `prefix` (a frame header) and then `seg[offset..offset+len]` to `fd`. The prefix goes
+/// with MSG_MORE so that the kernel coalesces it with the payload instead of pushing a tiny
+/// packet (and waking the receiver) on its own.
+pub(crate) fn send_prefixed(
+    fd: BorrowedFd<'_>,
+    prefix: &[u8],
+    seg: &Segment,
+    offset: u64,
+    len: usize,
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
+    seg.check_range(offset, len as u64)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut done = 0usize;
+    let more = if len > 0 { libc::MSG_MORE } else { 0 };
+    while done < prefix.len() {
+        let rest = &prefix[done..];
+        // SAFETY: `rest` is a live Rust slice; the kernel only reads it.
+        let n = unsafe {
+            libc::send(
+                fd.as_raw_fd(),
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_NOSIGNAL | more,
+            )
+        };
+        if n >= 0 {
+            done += n as usize;
+            continue;
+        }
+        let err = io::Error::last_os_error();
+        match err.kind() {
+            io::ErrorKind::Interrupted => {}
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
+            _ => return Err(err),
+        }
+    }
+    send_from(fd, seg, offset, len, on_timeout)
+}
+
+/// Send exactly `len` bytes from `seg[offset..offset+len]` to `fd`.
+pub(crate) fn send_from(
+    fd: BorrowedFd<'_>,
+    seg: &Segment,
+    offset: u64,
+    len: usize,
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
+    let base = seg
+        .ptr_at(offset, len)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let mut done = 0usize;
+    while done < len {
+        // SAFETY: base+done..base+len is inside the segment (checked above); the kernel only
+        // reads from it.
+        let n = unsafe {
+            libc::send(
+                fd.as_raw_fd(),
+                base.add(done).cast(),
+                len - done,
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            done += n as usize;
+            continue;
+        }
+        let err = io::Error::last_os_error();
+        match err.kind() {
+            io::ErrorKind::Interrupted => {}
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
+            _ => return Err(err),
+        }
+    }
+    Ok(())
+}
+
+/// Take ownership of descriptors that `recvmsg` installed from an SCM_RIGHTS message.
+///
+/// Only pass descriptors straight out of a `ControlMessageOwned::ScmRights` of a message this
+/// process just received: the kernel created them for us and nothing else owns them.
+pub(crate) fn adopt_received_fds(raw: Vec<std::os::fd::RawFd>) -> Vec<OwnedFd> {
+    raw.into_iter()
+        .filter(|fd| *fd >= 0)
+        .map(|fd| {
+            use std::os::fd::FromRawFd;
+            // SAFETY: per the contract above, `fd` is a fresh descriptor installed by the kernel
+            // for this process and owned by nobody else; it is wrapped exactly once.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_segment_is_aligned_zeroed_and_bounds_checked() {
+        let seg = Segment::host(10_000, HostOptions::default()).unwrap();
+        assert_eq!(seg.addr() % SEGMENT_ALIGN, 0);
+        let mut out = vec![1u8; 100];
+        seg.read_at(9_900, &mut out).unwrap();
+        assert!(out.iter().all(|&b| b == 0));
+        seg.write_at(5, b"hello").unwrap();
+        let mut got = [0u8; 5];
+        seg.read_at(5, &mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        assert!(matches!(
+            seg.write_at(9_999, b"ab"),
+            Err(MemoryError::OutOfBounds { .. })
+        ));
+        assert!(seg.check_range(u64::MAX, 2).is_err());
+        assert!(seg.check_range(10_000, 0).is_ok());
+        assert!(Segment::host(0, HostOptions::default()).is_err());
+    }
+
+    #[test]
+    fn memfd_segments_share_pages_through_the_fd() {
+        let a = Segment::memfd("t", 8192, HostOptions::default()).unwrap();
+        let fd = a.shared_fd().unwrap().try_clone_to_owned().unwrap();
+        let b = Segment::map_fd(fd, 8192).unwrap();
+        a.write_at(4000, b"shared").unwrap();
+        let mut got = [0u8; 6];
+        b.read_at(4000, &mut got).unwrap();
+        assert_eq!(&got, b"shared");
+        copy_between(&b, 4000, &a, 0, 6).unwrap();
+        a.read_at(0, &mut got).unwrap();
+        assert_eq!(&got, b"shared");
+        let fd = a.shared_fd().unwrap().try_clone_to_owned().unwrap();
+        assert!(matches!(
+            Segment::map_fd(fd, 16384),
+            Err(MemoryError::ShortFd { .. })
+        ));
+    }
+
+    #[test]
+    fn locked_segment_reports_lock_or_a_clear_error() {
+        match Segment::host(4096, HostOptions { lock: true }) {
+            Ok(seg) => assert!(seg.is_locked()),
+            Err(e) => assert_eq!(e.category(), "mlock"),
+        }
+    }
+}

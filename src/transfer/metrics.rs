@@ -1,0 +1,99 @@
+//! Prometheus metrics of the transfer engine, registered into an injected registry.
+//! I/O boundary: none (the admin server exposes the registry).
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
+
+/// The engine's metrics. Cloning shares the underlying series.
+#[derive(Clone, Debug)]
+pub struct TransferMetrics {
+    /// `kvpool_transfer_bytes_total{protocol, op}`
+    pub bytes: IntCounterVec,
+    /// `kvpool_transfer_request_duration_seconds{protocol, op}`
+    pub latency: HistogramVec,
+    /// `kvpool_transfer_failures_total{category}`
+    pub failures: IntCounterVec,
+    /// `kvpool_transfer_fallback_total`: RDMA wanted, TCP used.
+    pub fallback: IntCounter,
+    /// `kvpool_transfer_active_connections`
+    pub connections: IntGauge,
+    /// `kvpool_transfer_notifications_dropped_total`
+    pub notifications_dropped: IntCounter,
+    /// `kvpool_transfer_served_bytes_total{op}`: bytes this process served as a target.
+    pub served_bytes: IntCounterVec,
+    /// `kvpool_transfer_target_connections`: open target-side connections.
+    pub target_connections: IntGauge,
+}
+
+impl TransferMetrics {
+    /// Create the metrics without registering them (tests, or callers that do not export).
+    pub fn unregistered() -> Result<Self, prometheus::Error> {
+        let buckets = prometheus::exponential_buckets(10e-6, 2.0, 22)?;
+        Ok(TransferMetrics {
+            bytes: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_bytes_total",
+                    "Bytes moved by completed transfer requests.",
+                ),
+                &["protocol", "op"],
+            )?,
+            latency: HistogramVec::new(
+                HistogramOpts::new(
+                    "kvpool_transfer_request_duration_seconds",
+                    "Time from submit to completion of a transfer request.",
+                )
+                .buckets(buckets),
+                &["protocol", "op"],
+            )?,
+            failures: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_failures_total",
+                    "Failed transfer requests by error category.",
+                ),
+                &["category"],
+            )?,
+            fallback: IntCounter::new(
+                "kvpool_transfer_fallback_total",
+                "Times a peer was reached over TCP because no RDMA path worked.",
+            )?,
+            connections: IntGauge::new(
+                "kvpool_transfer_active_connections",
+                "Open initiator-side transfer connections (lanes).",
+            )?,
+            notifications_dropped: IntCounter::new(
+                "kvpool_transfer_notifications_dropped_total",
+                "Notify messages dropped because the queue was full.",
+            )?,
+            served_bytes: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_served_bytes_total",
+                    "Bytes read from or written into local segments by remote peers.",
+                ),
+                &["op"],
+            )?,
+            target_connections: IntGauge::new(
+                "kvpool_transfer_target_connections",
+                "Open target-side transfer connections.",
+            )?,
+        })
+    }
+
+    /// Create the metrics and register them into `registry`.
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let m = Self::unregistered()?;
+        registry.register(Box::new(m.bytes.clone()))?;
+        registry.register(Box::new(m.latency.clone()))?;
+        registry.register(Box::new(m.failures.clone()))?;
+        registry.register(Box::new(m.fallback.clone()))?;
+        registry.register(Box::new(m.connections.clone()))?;
+        registry.register(Box::new(m.notifications_dropped.clone()))?;
+        registry.register(Box::new(m.served_bytes.clone()))?;
+        registry.register(Box::new(m.target_connections.clone()))?;
+        Ok(m)
+    }
+
+    pub(crate) fn latency_for(&self, protocol: &str, op: &str) -> Histogram {
+        self.latency.with_label_values(&[protocol, op])
+    }
+}

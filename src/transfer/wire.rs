@@ -1,0 +1,248 @@
+//! Blocking frame I/O over any byte stream (TCP or Unix socket): reading a header without losing
+//! partial bytes across socket timeouts, writing header + small payloads, and the HMAC
+//! challenge-response handshake. I/O boundary: the `Read`/`Write` stream passed in.
+
+use std::io::{self, Read, Write};
+
+use super::auth::{AuthKey, NONCE_LEN, PROOF_LEN};
+use super::frame::{ErrorCode, FrameError, HEADER_LEN, Header, MAX_CONTROL_PAYLOAD, Opcode};
+
+/// Errors of frame I/O and the handshake.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("connection I/O failed")]
+    Io(#[source] io::Error),
+    #[error("peer closed the connection")]
+    Closed,
+    #[error("invalid frame from peer")]
+    Frame(#[source] FrameError),
+    #[error("unexpected {got:?} frame, expected {expected}")]
+    Unexpected { got: Opcode, expected: &'static str },
+    #[error("authentication failed: {0}")]
+    Auth(String),
+    #[error("peer answered with error {code}: {reason}")]
+    Remote { code: &'static str, reason: String },
+}
+
+impl WireError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            WireError::Io(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                "timeout"
+            }
+            WireError::Io(_) => "io",
+            WireError::Closed => "peer_closed",
+            WireError::Frame(_) => "malformed",
+            WireError::Unexpected { .. } => "protocol",
+            WireError::Auth(_) => "auth",
+            WireError::Remote { .. } => "remote",
+        }
+    }
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// Fill `buf` completely. A socket timeout calls `on_timeout`, which either lets the read
+/// continue (Ok) or aborts it (Err). A clean EOF before the first byte is [`WireError::Closed`].
+pub fn read_full<R: Read + ?Sized>(
+    r: &mut R,
+    buf: &mut [u8],
+    on_timeout: &mut dyn FnMut() -> io::Result<()>,
+) -> Result<(), WireError> {
+    let mut done = 0;
+    while done < buf.len() {
+        match r.read(&mut buf[done..]) {
+            Ok(0) if done == 0 => return Err(WireError::Closed),
+            Ok(0) => {
+                return Err(WireError::Io(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection mid-frame",
+                )));
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if is_timeout(&e) => on_timeout().map_err(WireError::Io)?,
+            Err(e) => return Err(WireError::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Give up at the first timeout.
+pub fn fail_on_timeout() -> io::Result<()> {
+    Err(io::Error::new(
+        io::ErrorKind::TimedOut,
+        "timed out waiting for the peer",
+    ))
+}
+
+/// Read and validate one header.
+pub fn read_header<R: Read + ?Sized>(
+    r: &mut R,
+    max_data: u64,
+    on_timeout: &mut dyn FnMut() -> io::Result<()>,
+) -> Result<Header, WireError> {
+    let mut buf = [0u8; HEADER_LEN];
+    read_full(r, &mut buf, on_timeout)?;
+    Header::decode(&buf, max_data).map_err(WireError::Frame)
+}
+
+/// Read a control payload (at most [`MAX_CONTROL_PAYLOAD`], enforced by the decoder).
+pub fn read_control_payload<R: Read + ?Sized>(
+    r: &mut R,
+    header: &Header,
+) -> Result<Vec<u8>, WireError> {
+    let len = header.payload_len().min(MAX_CONTROL_PAYLOAD) as usize;
+    let mut buf = vec![0u8; len];
+    read_full(r, &mut buf, &mut fail_on_timeout)?;
+    Ok(buf)
+}
+
+/// Write a header and an in-memory payload in one buffer (one syscall for small frames).
+pub fn write_frame<W: Write + ?Sized>(
+    w: &mut W,
+    header: &Header,
+    payload: &[u8],
+) -> Result<(), WireError> {
+    let mut h = *header;
+    if !matches!(h.opcode, Opcode::Read | Opcode::OpenOk) {
+        h.length = payload.len() as u64;
+    }
+    let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
+    buf.extend_from_slice(&h.encode());
+    buf.extend_from_slice(payload);
+    w.write_all(&buf).map_err(WireError::Io)
+}
+
+/// Write an ERROR reply.
+pub fn write_error<W: Write + ?Sized>(
+    w: &mut W,
+    request_id: u64,
+    code: ErrorCode,
+    reason: &str,
+) -> Result<(), WireError> {
+    let mut h = Header::new(Opcode::Error, request_id);
+    h.status = code as u32;
+    let reason = reason.as_bytes();
+    let reason = &reason[..reason.len().min(MAX_CONTROL_PAYLOAD as usize)];
+    write_frame(w, &h, reason)
+}
+
+/// Turn an ERROR frame into a [`WireError::Remote`] (reads its payload).
+pub fn remote_error<R: Read + ?Sized>(r: &mut R, header: &Header) -> WireError {
+    match read_control_payload(r, header) {
+        Ok(reason) => WireError::Remote {
+            code: ErrorCode::from_u32(header.status).as_str(),
+            reason: String::from_utf8_lossy(&reason).into_owned(),
+        },
+        Err(e) => e,
+    }
+}
+
+/// Initiator side of the handshake: prove knowledge of the key and check that the target knows
+/// it too (so data is never written to an impostor).
+pub fn client_handshake<S: Read + Write + ?Sized>(
+    s: &mut S,
+    key: &AuthKey,
+) -> Result<(), WireError> {
+    let client_nonce: [u8; NONCE_LEN] = rand::random();
+    write_frame(s, &Header::new(Opcode::Hello, 0), &client_nonce)?;
+    let h = read_header(s, 0, &mut fail_on_timeout)?;
+    match h.opcode {
+        Opcode::Challenge => {}
+        Opcode::Error => return Err(remote_error(s, &h)),
+        got => {
+            return Err(WireError::Unexpected {
+                got,
+                expected: "CHALLENGE",
+            });
+        }
+    }
+    let payload = read_control_payload(s, &h)?;
+    if payload.len() != NONCE_LEN + PROOF_LEN {
+        return Err(WireError::Auth(format!(
+            "challenge of {} bytes, expected {}",
+            payload.len(),
+            NONCE_LEN + PROOF_LEN
+        )));
+    }
+    let (server_nonce, server_proof) = payload.split_at(NONCE_LEN);
+    if !key.verify(b"server", &client_nonce, server_nonce, server_proof) {
+        return Err(WireError::Auth(
+            "the target does not hold the pool's key".into(),
+        ));
+    }
+    let proof = key.prove(b"client", &client_nonce, server_nonce);
+    write_frame(s, &Header::new(Opcode::Auth, 0), &proof)?;
+    let h = read_header(s, 0, &mut fail_on_timeout)?;
+    match h.opcode {
+        Opcode::AuthOk => Ok(()),
+        Opcode::Error => Err(remote_error(s, &h)),
+        got => Err(WireError::Unexpected {
+            got,
+            expected: "AUTH_OK",
+        }),
+    }
+}
+
+/// Target side of the handshake. On failure an ERROR frame is sent (best effort) and the caller
+/// must close the connection.
+pub fn server_handshake<S: Read + Write + ?Sized>(
+    s: &mut S,
+    key: &AuthKey,
+) -> Result<(), WireError> {
+    let result = server_handshake_inner(s, key);
+    if let Err(e) = &result
+        && !matches!(e, WireError::Io(_) | WireError::Closed)
+    {
+        let _ = write_error(s, 0, ErrorCode::Unauthenticated, &e.to_string());
+    }
+    result
+}
+
+fn server_handshake_inner<S: Read + Write + ?Sized>(
+    s: &mut S,
+    key: &AuthKey,
+) -> Result<(), WireError> {
+    let h = read_header(s, 0, &mut fail_on_timeout)?;
+    if h.opcode != Opcode::Hello {
+        return Err(WireError::Unexpected {
+            got: h.opcode,
+            expected: "HELLO",
+        });
+    }
+    let client_nonce = read_control_payload(s, &h)?;
+    if client_nonce.len() != NONCE_LEN {
+        return Err(WireError::Auth(format!(
+            "hello nonce of {} bytes, expected {NONCE_LEN}",
+            client_nonce.len()
+        )));
+    }
+    let server_nonce: [u8; NONCE_LEN] = rand::random();
+    let mut challenge = server_nonce.to_vec();
+    challenge.extend_from_slice(&key.prove(b"server", &client_nonce, &server_nonce));
+    write_frame(s, &Header::new(Opcode::Challenge, 0), &challenge)?;
+    let h = read_header(s, 0, &mut fail_on_timeout)?;
+    if h.opcode != Opcode::Auth {
+        return Err(WireError::Unexpected {
+            got: h.opcode,
+            expected: "AUTH",
+        });
+    }
+    let proof = read_control_payload(s, &h)?;
+    if !key.verify(b"client", &client_nonce, &server_nonce, &proof) {
+        return Err(WireError::Auth("wrong key".into()));
+    }
+    write_frame(s, &Header::new(Opcode::AuthOk, 0), &[])
+}

@@ -1,0 +1,258 @@
+//! Hostile clients against a real TCP target on 127.0.0.1: garbage bytes, unauthenticated
+//! requests, and authenticated but invalid frames. Each gets an ERROR reply or a closed
+//! connection; the target keeps serving honest peers.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpool::transfer::frame::{ErrorCode, HEADER_LEN, Header, Opcode};
+use kvpool::transfer::*;
+
+fn key() -> AuthKey {
+    AuthKey::new(*b"bad-input-test-key-0123").unwrap()
+}
+
+struct Target {
+    engine: TransferEngine,
+    _seg: LocalSegment,
+    server: TcpServer,
+    dir: Arc<StaticDirectory>,
+}
+
+fn target() -> Target {
+    target_with(EngineConfig::default())
+}
+
+fn target_with(cfg: EngineConfig) -> Target {
+    let dir = Arc::new(StaticDirectory::new());
+    let engine = TransferEngine::new(
+        EngineConfig {
+            node: "t".into(),
+            timeout: Duration::from_secs(5),
+            ..cfg
+        },
+        key(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let seg = engine
+        .register(
+            "seg",
+            Arc::new(Segment::host(65536, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    seg.segment().write_at(0, b"private bytes").unwrap();
+    let server = engine.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+    dir.insert(engine.describe(&seg, vec![Endpoint::Tcp(server.local_addr())]));
+    Target {
+        engine,
+        _seg: seg,
+        server,
+        dir,
+    }
+}
+
+fn raw(t: &Target) -> TcpStream {
+    let s = TcpStream::connect(t.server.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s
+}
+
+/// Read everything until the target closes; returns the bytes.
+fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    out
+}
+
+fn assert_only_errors(bytes: &[u8]) {
+    let mut rest = bytes;
+    while rest.len() >= HEADER_LEN {
+        let h = Header::decode(rest, 0).unwrap();
+        assert_eq!(h.opcode, Opcode::Error, "target answered {h:?}");
+        rest = &rest[HEADER_LEN + h.length as usize..];
+    }
+    assert!(rest.is_empty());
+}
+
+fn honest_peer_still_works(t: &Target) {
+    let client = TransferEngine::new(
+        EngineConfig {
+            node: "c".into(),
+            ..EngineConfig::default()
+        },
+        key(),
+        t.dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let local = client
+        .register(
+            "buf",
+            Arc::new(Segment::host(4096, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let remote = client.open("seg").unwrap();
+    client
+        .transfer(vec![TransferRequest {
+            op: TransferOp::Read,
+            local: local.clone(),
+            local_offset: 0,
+            remote,
+            remote_offset: 0,
+            len: 13,
+        }])
+        .unwrap();
+    let mut got = [0u8; 13];
+    local.segment().read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"private bytes");
+}
+
+#[test]
+fn transfer_garbage_bytes_get_an_error_and_a_close() {
+    let t = target();
+    for seed in 0..8u8 {
+        let mut s = raw(&t);
+        let garbage: Vec<u8> = (0..200u32)
+            .map(|i| (i as u8).wrapping_mul(97) ^ seed)
+            .collect();
+        let _ = s.write_all(&garbage);
+        let reply = read_to_close(&mut s);
+        assert_only_errors(&reply);
+    }
+    honest_peer_still_works(&t);
+}
+
+#[test]
+fn transfer_unauthenticated_reads_and_writes_are_refused() {
+    let t = target();
+    // READ straight away, no handshake.
+    let mut s = raw(&t);
+    let mut h = Header::new(Opcode::Read, 1);
+    h.handle = 1;
+    h.length = 13;
+    s.write_all(&h.encode()).unwrap();
+    let reply = read_to_close(&mut s);
+    assert_only_errors(&reply);
+    assert!(!reply.windows(7).any(|w| w == b"private"));
+    let status = Header::decode(&reply, 0).unwrap().status;
+    assert_eq!(status, ErrorCode::Unauthenticated as u32);
+    // A forged AUTH after a HELLO with a made-up proof.
+    let mut s = raw(&t);
+    wire::write_frame(&mut s, &Header::new(Opcode::Hello, 0), &[7u8; 32]).unwrap();
+    let ch = wire::read_header(&mut s, 0, &mut wire::fail_on_timeout).unwrap();
+    assert_eq!(ch.opcode, Opcode::Challenge);
+    let _ = wire::read_control_payload(&mut s, &ch).unwrap();
+    wire::write_frame(&mut s, &Header::new(Opcode::Auth, 0), &[0u8; 32]).unwrap();
+    let mut h = Header::new(Opcode::Write, 2);
+    h.handle = 1;
+    h.length = 4;
+    let _ = s.write_all(&h.encode());
+    let _ = s.write_all(b"evil");
+    let reply = read_to_close(&mut s);
+    assert_only_errors(&reply);
+    honest_peer_still_works(&t);
+}
+
+#[test]
+fn transfer_authenticated_invalid_frames_are_answered_with_errors() {
+    let t = target();
+    let mut s = raw(&t);
+    wire::client_handshake(&mut s, &key()).unwrap();
+    // Open to learn the handle.
+    wire::write_frame(&mut s, &Header::new(Opcode::Open, 1), b"seg").unwrap();
+    let open = wire::read_header(&mut s, 0, &mut wire::fail_on_timeout).unwrap();
+    assert_eq!(open.opcode, Opcode::OpenOk);
+    assert_eq!(open.length, 65536);
+    // Out-of-bounds read and write: error replies, connection stays usable.
+    let mut h = Header::new(Opcode::Read, 2);
+    h.handle = open.handle;
+    h.offset = 65530;
+    h.length = 100;
+    s.write_all(&h.encode()).unwrap();
+    let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
+    assert_eq!(
+        (r.opcode, r.request_id, r.status),
+        (Opcode::Error, 2, ErrorCode::OutOfBounds as u32)
+    );
+    let _ = wire::read_control_payload(&mut s, &r).unwrap();
+    let mut h = Header::new(Opcode::Write, 3);
+    h.handle = open.handle;
+    h.offset = u64::MAX - 2;
+    h.length = 8;
+    s.write_all(&h.encode()).unwrap();
+    s.write_all(b"12345678").unwrap();
+    let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
+    assert_eq!((r.opcode, r.request_id), (Opcode::Error, 3));
+    let _ = wire::read_control_payload(&mut s, &r).unwrap();
+    // A valid read still works on the same connection.
+    let mut h = Header::new(Opcode::Read, 4);
+    h.handle = open.handle;
+    h.length = 13;
+    s.write_all(&h.encode()).unwrap();
+    let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
+    assert_eq!(r.opcode, Opcode::ReadData);
+    let mut data = [0u8; 13];
+    s.read_exact(&mut data).unwrap();
+    assert_eq!(&data, b"private bytes");
+    // A length over the limit: error, then the target closes.
+    let mut h = Header::new(Opcode::Write, 5);
+    h.handle = open.handle;
+    h.length = 1 << 40;
+    s.write_all(&h.encode()).unwrap();
+    let reply = read_to_close(&mut s);
+    assert_only_errors(&reply);
+    // An unknown opcode: error, then close.
+    let mut s = raw(&t);
+    wire::client_handshake(&mut s, &key()).unwrap();
+    let mut b = Header::new(Opcode::Read, 6).encode();
+    b[5] = 200;
+    s.write_all(&b).unwrap();
+    assert_only_errors(&read_to_close(&mut s));
+    honest_peer_still_works(&t);
+    drop(t.engine);
+}
+
+#[test]
+fn transfer_target_bounds_its_connections() {
+    let t = target_with(EngineConfig {
+        max_connections: 2,
+        ..EngineConfig::default()
+    });
+    // Two idle, unauthenticated connections take the two slots...
+    let a = raw(&t);
+    let b = raw(&t);
+    for _ in 0..600 {
+        if t.server.connection_count() == 2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(t.server.connection_count(), 2);
+    // ...so a third is closed without a byte.
+    let mut c = raw(&t);
+    let _ = c.write_all(&Header::new(Opcode::Hello, 0).encode());
+    assert!(read_to_close(&mut c).is_empty());
+    assert_eq!(
+        t.engine
+            .metrics()
+            .failures
+            .with_label_values(&["too_many_connections"])
+            .get(),
+        1
+    );
+    // Once they go away, honest peers get in again.
+    drop((a, b));
+    for _ in 0..600 {
+        if t.server.connection_count() == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    honest_peer_still_works(&t);
+}

@@ -1,0 +1,531 @@
+//! In-process transfer engine tests over real loopback sockets: data integrity across lanes and
+//! slices, bounds checks on both sides, authentication, notify, peer loss and shared memory.
+
+#![allow(clippy::unwrap_used)] // test crate: helpers outside #[test] fns unwrap too
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvpool::transfer::*;
+
+const MIB: usize = 1024 * 1024;
+
+fn key() -> AuthKey {
+    AuthKey::new(*b"test-key-0123456789abcdef").unwrap()
+}
+
+fn config(node: &str) -> EngineConfig {
+    EngineConfig {
+        node: node.into(),
+        lanes: 3,
+        slice_size: 256 * 1024,
+        window: 4,
+        timeout: Duration::from_secs(5),
+        ..EngineConfig::default()
+    }
+}
+
+struct Pair {
+    target: TransferEngine,
+    initiator: TransferEngine,
+    dir: Arc<StaticDirectory>,
+    server: Option<TcpServer>,
+    remote_mem: LocalSegment,
+    local_mem: LocalSegment,
+}
+
+fn pair_with(initiator_key: AuthKey) -> Pair {
+    let dir = Arc::new(StaticDirectory::new());
+    let target = TransferEngine::new(
+        config("node-t"),
+        key(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let initiator = TransferEngine::new(
+        config("node-i"),
+        initiator_key,
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let remote_mem = target
+        .register(
+            "t/dram0",
+            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let server = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+    dir.insert(target.describe(&remote_mem, vec![Endpoint::Tcp(server.local_addr())]));
+    let local_mem = initiator
+        .register(
+            "i/buf",
+            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    Pair {
+        target,
+        initiator,
+        dir,
+        server: Some(server),
+        remote_mem,
+        local_mem,
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8)
+        .collect()
+}
+
+fn req(
+    p: &Pair,
+    remote: &RemoteSegment,
+    op: TransferOp,
+    lo: u64,
+    ro: u64,
+    len: u64,
+) -> TransferRequest {
+    TransferRequest {
+        op,
+        local: p.local_mem.clone(),
+        local_offset: lo,
+        remote: remote.clone(),
+        remote_offset: ro,
+        len,
+    }
+}
+
+#[test]
+fn transfer_writes_and_reads_back_across_lanes_and_slices() {
+    let p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    assert_eq!(remote.len(), 8 * MIB as u64);
+    assert_eq!(remote.protocol(), Protocol::Tcp);
+    let data = pattern(3 * MIB + 12345, 7);
+    p.local_mem.segment().write_at(100, &data).unwrap();
+    // One large request (many slices over 3 lanes) plus several small ones in one batch.
+    let mut reqs = vec![req(
+        &p,
+        &remote,
+        TransferOp::Write,
+        100,
+        4096,
+        data.len() as u64,
+    )];
+    for i in 0..8u64 {
+        reqs.push(req(
+            &p,
+            &remote,
+            TransferOp::Write,
+            100 + i * 10,
+            7 * MIB as u64 + i * 1000,
+            10,
+        ));
+    }
+    let batch = p.initiator.submit(reqs).unwrap();
+    let st = batch.wait(Duration::from_secs(30)).unwrap();
+    assert!(st.iter().all(|s| *s == RequestStatus::Done), "{st:?}");
+    // The write completed, so the target's memory holds the bytes now.
+    let mut got = vec![0u8; data.len()];
+    p.remote_mem.segment().read_at(4096, &mut got).unwrap();
+    assert!(got == data, "remote bytes differ after write");
+    let mut small = [0u8; 10];
+    p.remote_mem
+        .segment()
+        .read_at(7 * MIB as u64 + 3000, &mut small)
+        .unwrap();
+    assert_eq!(&small[..], &data[30..40]);
+
+    // Read it back into another place of the local segment.
+    p.initiator
+        .transfer(vec![req(
+            &p,
+            &remote,
+            TransferOp::Read,
+            4 * MIB as u64,
+            4096,
+            data.len() as u64,
+        )])
+        .unwrap();
+    let mut back = vec![0u8; data.len()];
+    p.local_mem
+        .segment()
+        .read_at(4 * MIB as u64, &mut back)
+        .unwrap();
+    assert!(back == data, "bytes read back differ");
+    let m = p.initiator.metrics();
+    assert_eq!(
+        m.bytes.with_label_values(&["tcp", "read"]).get(),
+        data.len() as u64
+    );
+    assert!(m.connections.get() >= 1 && m.connections.get() <= 3);
+    // The target counts what it served.
+    let t = p.target.metrics();
+    assert_eq!(
+        t.served_bytes.with_label_values(&["read"]).get(),
+        data.len() as u64
+    );
+    assert_eq!(
+        t.served_bytes.with_label_values(&["write"]).get(),
+        data.len() as u64 + 80
+    );
+    assert!(t.target_connections.get() >= 1);
+}
+
+#[test]
+fn transfer_rejects_out_of_bounds_requests_before_sending() {
+    let p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let size = 8 * MIB as u64;
+    for (lo, ro, len) in [(0, size - 10, 11), (size - 1, 0, 2), (0, u64::MAX, 2)] {
+        let err = p
+            .initiator
+            .submit(vec![req(&p, &remote, TransferOp::Write, lo, ro, len)])
+            .unwrap_err();
+        assert_eq!(err.category(), "invalid_request", "{err}");
+    }
+    // Exactly at the end is fine.
+    p.initiator
+        .transfer(vec![req(&p, &remote, TransferOp::Read, 0, size - 10, 10)])
+        .unwrap();
+}
+
+#[test]
+fn transfer_with_a_wrong_key_can_do_nothing() {
+    let p = pair_with(AuthKey::new(*b"some-other-key-0123456789").unwrap());
+    p.remote_mem.segment().write_at(0, b"secret").unwrap();
+    let err = p.initiator.open("t/dram0").unwrap_err();
+    assert_eq!(err.category(), "handshake", "{err}");
+    let msg = format!("{:?}", err);
+    assert!(msg.contains("Auth"), "{msg}");
+}
+
+#[test]
+fn transfer_notify_reaches_the_target_queue() {
+    let p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    p.initiator.notify(&remote, b"block 42 ready").unwrap();
+    let n = p.target.recv_notification(Duration::from_secs(10)).unwrap();
+    assert_eq!(n.payload, b"block 42 ready");
+    assert!(
+        p.target
+            .recv_notification(Duration::from_millis(10))
+            .is_none()
+    );
+    let big = vec![0u8; 70 * 1024];
+    assert_eq!(
+        p.initiator.notify(&remote, &big).unwrap_err().category(),
+        "notify"
+    );
+}
+
+#[test]
+fn transfer_unregistered_segment_cannot_be_opened_or_addressed() {
+    let mut p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let name = p.remote_mem.name().to_owned();
+    let seg = p.remote_mem.segment().clone();
+    // Drop the only registration handle: the name and handle disappear from the target.
+    let placeholder = p
+        .target
+        .register(
+            "t/other",
+            Arc::new(Segment::host(4096, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    p.remote_mem = placeholder;
+    let batch = p
+        .initiator
+        .submit(vec![req(&p, &remote, TransferOp::Read, 0, 0, 4096)])
+        .unwrap();
+    let st = batch.wait(Duration::from_secs(30)).unwrap();
+    assert!(
+        matches!(&st[0], RequestStatus::Failed(f) if f.category == "unknown_segment"),
+        "{st:?}"
+    );
+    let err = p.initiator.open(&name).unwrap_err();
+    assert!(
+        err.to_string().contains("unknown_segment")
+            || format!("{err:?}").contains("UnknownSegment")
+            || format!("{err}").contains("no segment"),
+        "{err}"
+    );
+    // The connection survived the error replies and the memory is still ours.
+    assert_eq!(Arc::strong_count(&seg), 1);
+    drop(p.dir);
+}
+
+#[test]
+fn transfer_fails_pending_requests_when_the_target_goes_away() {
+    let mut p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let local = p.local_mem.segment().clone();
+    let reqs: Vec<_> = (0..64)
+        .map(|i| {
+            req(
+                &p,
+                &remote,
+                TransferOp::Write,
+                0,
+                (i % 8) * MIB as u64,
+                MIB as u64,
+            )
+        })
+        .collect();
+    let batch = p.initiator.submit(reqs).unwrap();
+    // Drop the server while the batch is in flight: every connection is reset.
+    drop(p.server.take());
+    let st = batch.wait(Duration::from_secs(30)).unwrap();
+    assert!(st.iter().all(|s| !s.is_pending()));
+    // Later requests fail fast with a connection error and never hang.
+    let batch = p
+        .initiator
+        .submit(vec![req(&p, &remote, TransferOp::Read, 0, 0, 4096)])
+        .unwrap();
+    let st = batch.wait(Duration::from_secs(30)).unwrap();
+    match &st[0] {
+        RequestStatus::Failed(f) => assert!(
+            ["connect", "handshake", "peer_closed", "io", "lane_closed"].contains(&f.category),
+            "{f}"
+        ),
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    // No connection and no reference to our memory is left behind.
+    assert_eq!(p.initiator.metrics().connections.get(), 0);
+    assert_eq!(
+        Arc::strong_count(&local),
+        3,
+        "registry + registration + this test only"
+    );
+}
+
+#[test]
+fn transfer_same_node_uses_shared_memory() {
+    let dir_path = tempfile::tempdir().unwrap();
+    let sock = dir_path.path().join("xfer.sock");
+    let dir = Arc::new(StaticDirectory::new());
+    let target = TransferEngine::new(
+        config("node-a"),
+        key(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let initiator = TransferEngine::new(
+        config("node-a"),
+        key(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let shared = target
+        .register(
+            "a/dram0",
+            Arc::new(Segment::memfd("a-dram0", 2 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let heap_only = target
+        .register(
+            "a/heap",
+            Arc::new(Segment::host(MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let server = target.listen_shm(&sock).unwrap();
+    let tcp = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+    let eps = vec![Endpoint::Shm(sock.clone()), Endpoint::Tcp(tcp.local_addr())];
+    dir.insert(target.describe(&shared, eps.clone()));
+    dir.insert(target.describe(&heap_only, eps));
+    let local = initiator
+        .register(
+            "b/buf",
+            Arc::new(Segment::host(2 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let remote = initiator.open("a/dram0").unwrap();
+    assert_eq!(remote.protocol(), Protocol::Shm);
+    let data = pattern(MIB + 3, 9);
+    local.segment().write_at(0, &data).unwrap();
+    let mk = |op, lo, ro, len| TransferRequest {
+        op,
+        local: local.clone(),
+        local_offset: lo,
+        remote: remote.clone(),
+        remote_offset: ro,
+        len,
+    };
+    initiator
+        .transfer(vec![mk(TransferOp::Write, 0, 500, data.len() as u64)])
+        .unwrap();
+    let mut got = vec![0u8; data.len()];
+    shared.segment().read_at(500, &mut got).unwrap();
+    assert!(got == data);
+    initiator
+        .transfer(vec![mk(TransferOp::Read, MIB as u64 / 2, 500, 1000)])
+        .unwrap();
+    let mut back = vec![0u8; 1000];
+    local.segment().read_at(MIB as u64 / 2, &mut back).unwrap();
+    assert_eq!(back, data[..1000]);
+    // A heap segment cannot be shared: the engine falls back to TCP.
+    let heap_remote = initiator.open("a/heap").unwrap();
+    assert_eq!(heap_remote.protocol(), Protocol::Tcp);
+    // A wrong key cannot map anything.
+    let other = TransferEngine::new(
+        config("node-a"),
+        AuthKey::new(*b"another-key-0123456789").unwrap(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let desc = dir.lookup("a/dram0").unwrap();
+    assert_eq!(
+        other
+            .open_descriptor(&desc, Some(Protocol::Shm))
+            .unwrap_err()
+            .category(),
+        "handshake"
+    );
+    drop(server);
+    assert!(!sock.exists());
+}
+
+#[test]
+fn transfer_rdma_request_falls_back_loudly_or_is_refused() {
+    let p = pair_with(key());
+    let desc = p.dir.lookup("t/dram0").unwrap();
+    if kvpool::transfer::rdma::transport_available() {
+        eprintln!("SKIP: an RDMA device is present; this test covers hosts without one");
+        return;
+    }
+    assert_eq!(
+        p.initiator
+            .open_descriptor(&desc, Some(Protocol::Rdma))
+            .unwrap_err()
+            .category(),
+        "unsupported"
+    );
+    let registry = prometheus::Registry::new();
+    let wants = TransferEngine::new(
+        EngineConfig {
+            want_rdma: true,
+            ..config("node-x")
+        },
+        key(),
+        p.dir.clone(),
+        TransferMetrics::new(&registry).unwrap(),
+    )
+    .unwrap();
+    assert!(!wants.fallback_active());
+    let remote = wants.open("t/dram0").unwrap();
+    assert_eq!(remote.protocol(), Protocol::Tcp);
+    assert!(wants.fallback_active());
+    let text = {
+        use prometheus::Encoder;
+        let mut buf = Vec::new();
+        prometheus::TextEncoder::new()
+            .encode(&registry.gather(), &mut buf)
+            .unwrap();
+        String::from_utf8(buf).unwrap()
+    };
+    assert!(text.contains("kvpool_transfer_fallback_total 1"), "{text}");
+    let _ = &p.target;
+}
+
+#[test]
+fn transfer_concurrent_submitters_keep_their_bytes_apart() {
+    let p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let region = MIB as u64;
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (p, remote) = (&p, remote.clone());
+            s.spawn(move || {
+                let data = pattern(region as usize, t as u8 * 40 + 1);
+                p.local_mem.segment().write_at(t * region, &data).unwrap();
+                for round in 0..3u64 {
+                    // Write this thread's region in 64 KiB requests, read it back elsewhere.
+                    let reqs: Vec<_> = (0..16)
+                        .map(|i| {
+                            req(
+                                p,
+                                &remote,
+                                TransferOp::Write,
+                                t * region + i * 65536,
+                                t * region + i * 65536,
+                                65536,
+                            )
+                        })
+                        .collect();
+                    p.initiator.transfer(reqs).unwrap();
+                    let back = 4 * region + t * region;
+                    p.initiator
+                        .transfer(vec![req(
+                            p,
+                            &remote,
+                            TransferOp::Read,
+                            back,
+                            t * region,
+                            region,
+                        )])
+                        .unwrap();
+                    let mut got = vec![0u8; region as usize];
+                    p.local_mem.segment().read_at(back, &mut got).unwrap();
+                    assert!(got == data, "thread {t} round {round}: bytes mixed up");
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn transfer_config_is_validated() {
+    let dir: Arc<dyn Directory> = Arc::new(StaticDirectory::new());
+    let bad = [
+        EngineConfig {
+            lanes: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            slice_size: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            slice_size: 64 << 20,
+            max_slice: 16 << 20,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            window: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            timeout: Duration::ZERO,
+            ..EngineConfig::default()
+        },
+    ];
+    for cfg in bad {
+        let err = TransferEngine::new(
+            cfg,
+            key(),
+            dir.clone(),
+            TransferMetrics::unregistered().unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(err.category(), "config", "{err}");
+    }
+    let registry = prometheus::Registry::new();
+    let m = TransferMetrics::new(&registry).unwrap();
+    assert!(
+        TransferMetrics::new(&registry).is_err(),
+        "double registration is reported"
+    );
+    let engine = TransferEngine::new(EngineConfig::default(), key(), dir, m).unwrap();
+    let seg = Arc::new(Segment::host(4096, HostOptions::default()).unwrap());
+    let _a = engine.register("same", seg.clone()).unwrap();
+    assert_eq!(
+        engine.register("same", seg).unwrap_err().category(),
+        "duplicate"
+    );
+}
