@@ -86,7 +86,7 @@ async fn cluster_with(rejection: Rejection, ttft_slo_s: f64, decode: Option<Stri
             seed: 1,
         },
         engine_cache_blocks: 1000,
-        chunk_bytes: 4,
+        tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
     };
     let registry = Registry::new();
     let router = kvpool::conductor::server::router(config, &registry).expect("router");

@@ -6,6 +6,7 @@
 
 pub mod cli;
 pub mod server;
+pub mod tokenize;
 
 use std::collections::VecDeque;
 use std::num::NonZeroU32;
@@ -28,8 +29,9 @@ pub struct ConductorConfig {
     pub scheduler: SchedulerConfig,
     /// Prefix cache capacity of each prefill engine, in blocks (mirrored here).
     pub engine_cache_blocks: usize,
-    /// Bytes of prompt text per stand-in token (must match the engines').
-    pub chunk_bytes: usize,
+    /// How prompts become token ids: a Hugging Face tokenizer, or stand-in text chunks (whose
+    /// size must match the engines').
+    pub tokenizer: tokenize::PromptTokenizer,
 }
 
 /// Errors of building the conductor's state.
@@ -282,7 +284,7 @@ mod tests {
                 seed: 1,
             },
             engine_cache_blocks: 100,
-            chunk_bytes: 4,
+            tokenizer: tokenize::PromptTokenizer::Chunks { bytes: 4 },
         }
     }
 

@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use super::{ConductorConfig, State, StateError, Ticket};
-use crate::sched::{RejectReason, block_keys, text_tokens};
+use crate::sched::{RejectReason, block_keys};
 use crate::synthetic::api::{self, ApiError, Endpoint};
 
 /// Largest upstream prefill response read, bytes.
@@ -186,7 +186,22 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
     };
     // parse_request accepted it, so it is a JSON object.
     let original: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let tokens = text_tokens(&req.prompt, shared.config.chunk_bytes);
+    let tokens = match shared.config.tokenizer.tokens(&req.prompt) {
+        Ok(t) => t,
+        Err(e) => {
+            shared.requests.with_label_values(&["tokenizer"]).inc();
+            tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "tokenising failed");
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(error_body(
+                    format!("{e}"),
+                    "invalid_request_error",
+                    "prompt",
+                )),
+            )
+                .into_response();
+        }
+    };
     let ticket = {
         let mut state = shared.state.lock();
         let keys = block_keys(&tokens, state.block_size());
