@@ -64,6 +64,13 @@ pub struct ConductorArgs {
     /// tokens); without it, prompts are cut into --chunk-bytes stand-in tokens.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<std::path::PathBuf>,
+    /// Plan copying a hot prefix to more prefill engines every this many hits on one of its
+    /// blocks (0: off). Plans are counted and logged; nothing copies them yet.
+    #[arg(long, default_value_t = 32)]
+    pub hot_threshold: u32,
+    /// Prefill engines a hot prefix is planned for each time.
+    #[arg(long, default_value_t = 2)]
+    pub hot_fanout: usize,
     /// KV bytes per token.
     #[arg(long, default_value_t = 327_680)]
     pub bytes_per_token: u64,
@@ -174,8 +181,8 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             decode_cost: DecodeCost::default(),
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
             hot: HotConfig {
-                threshold: 0,
-                fanout: 0,
+                threshold: args.hot_threshold,
+                fanout: args.hot_fanout,
             },
             seed: 1,
         },
