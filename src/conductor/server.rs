@@ -23,6 +23,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use super::tokenize::TokenizeError;
 use super::{ConductorConfig, ReplicationTask, State, StateError, Ticket};
 use crate::sched::{RejectReason, block_keys};
 use crate::synthetic::api::{self, ApiError, Endpoint};
@@ -216,20 +217,22 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
     };
     // parse_request accepted it, so it is a JSON object.
     let original: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let tokens = match shared.config.tokenizer.tokens(&req.prompt) {
+    let tokens = match shared
+        .config
+        .tokenizer
+        .tokens_off_runtime(req.prompt.clone())
+        .await
+    {
         Ok(t) => t,
         Err(e) => {
             shared.requests.with_label_values(&["tokenizer"]).inc();
             tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "tokenising failed");
-            return (
-                StatusCode::BAD_REQUEST,
-                Json(error_body(
-                    format!("{e}"),
-                    "invalid_request_error",
-                    "prompt",
-                )),
-            )
-                .into_response();
+            // A prompt the tokenizer refuses is the client's; a failed task is ours.
+            let (status, kind) = match e {
+                TokenizeError::Task(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+                _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            };
+            return (status, Json(error_body(format!("{e}"), kind, "prompt"))).into_response();
         }
     };
     let ticket = {

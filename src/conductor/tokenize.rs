@@ -28,6 +28,8 @@ pub enum TokenizeError {
     },
     #[error("cannot tokenise the prompt")]
     Encode(#[source] tokenizers::Error),
+    #[error("the tokenising task failed")]
+    Task(#[source] tokio::task::JoinError),
 }
 
 impl TokenizeError {
@@ -36,6 +38,7 @@ impl TokenizeError {
         match self {
             TokenizeError::Load { .. } => "load",
             TokenizeError::Encode(_) => "encode",
+            TokenizeError::Task(_) => "task",
         }
     }
 }
@@ -59,6 +62,20 @@ impl PromptTokenizer {
                 .encode(text, false)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(TokenizeError::Encode),
+        }
+    }
+
+    /// `tokens` for async callers: a Hugging Face tokenizer runs on the blocking pool (a long
+    /// prompt takes milliseconds), text chunks run inline.
+    pub async fn tokens_off_runtime(&self, text: String) -> Result<Vec<u32>, TokenizeError> {
+        match self {
+            PromptTokenizer::Chunks { .. } => self.tokens(&text),
+            PromptTokenizer::HuggingFace(_) => {
+                let this = self.clone();
+                tokio::task::spawn_blocking(move || this.tokens(&text))
+                    .await
+                    .map_err(TokenizeError::Task)?
+            }
         }
     }
 
@@ -136,6 +153,18 @@ mod tests {
             .tokens("the  cat   sat on the mat and then a dog ran far")
             .unwrap();
         assert_eq!(block_keys(&c, bs), ka);
+    }
+
+    #[tokio::test]
+    async fn off_runtime_tokens_equal_inline_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = PromptTokenizer::from_file(&tiny_tokenizer(dir.path())).unwrap();
+        let text = "a dog ran far and then stopped";
+        assert_eq!(
+            t.tokens_off_runtime(text.into()).await.unwrap(),
+            t.tokens(text).unwrap()
+        );
+        assert_eq!(t.tokens(text).unwrap(), vec![6, 7, 8, 9, 10, 11, 12]);
     }
 
     #[test]
