@@ -157,6 +157,12 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             ),
         ));
     }
+    if args.rejection == Rejection::AtDecode {
+        return Err(flag(
+            "rejection",
+            "at-decode is a simulator baseline; the conductor rejects at arrival (none, early or predicted)",
+        ));
+    }
     if args.chunk_bytes == 0 {
         return Err(flag("chunk-bytes", "must be at least 1"));
     }
