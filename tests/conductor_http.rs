@@ -53,10 +53,15 @@ struct Cluster {
 }
 
 async fn cluster(rejection: Rejection, ttft_slo_s: f64) -> Cluster {
-    cluster_with(rejection, ttft_slo_s, None).await
+    cluster_with(rejection, ttft_slo_s, None, 0).await
 }
 
-async fn cluster_with(rejection: Rejection, ttft_slo_s: f64, decode: Option<String>) -> Cluster {
+async fn cluster_with(
+    rejection: Rejection,
+    ttft_slo_s: f64,
+    decode: Option<String>,
+    hot_threshold: u32,
+) -> Cluster {
     let shutdown = CancellationToken::new();
     let (p0, r0) = engine(&shutdown).await;
     let (p1, r1) = engine(&shutdown).await;
@@ -80,13 +85,13 @@ async fn cluster_with(rejection: Rejection, ttft_slo_s: f64, decode: Option<Stri
             decode_cost: DecodeCost::default(),
             decode_kv_capacity_tokens: 1_500_000,
             hot: HotConfig {
-                threshold: 0,
-                fanout: 0,
+                threshold: hot_threshold,
+                fanout: 1,
             },
             seed: 1,
         },
         engine_cache_blocks: 1000,
-        chunk_bytes: 4,
+        tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
     };
     let registry = Registry::new();
     let router = kvpool::conductor::server::router(config, &registry).expect("router");
@@ -180,6 +185,35 @@ async fn routes_prefill_then_decode_and_keeps_prefix_affinity() {
 }
 
 #[tokio::test]
+async fn hot_prefix_is_reported_as_a_replication_task() {
+    let c = cluster_with(Rejection::None, 30.0, None, 2).await;
+    let system = "s".repeat(400);
+    let ask = format!(r#"{{"model":"{MODEL}","prompt":"{system}","max_tokens":2}}"#);
+    let tasks = |c: &Cluster| {
+        counter(
+            &c.conductor_metrics,
+            "kvpool_conductor_replication_tasks_total",
+        )
+    };
+    // Hits count from the second request on (the first finds nothing cached); the third brings
+    // the shared blocks to 2 hits, the threshold: one task, copying them to the other engine.
+    for expected in [0.0, 0.0, 1.0] {
+        let (status, _, body) = post(c.conductor, "/v1/completions", &ask).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(tasks(&c), expected);
+    }
+    // 100 stand-in tokens = 7 blocks of 16 (the last partial), all to the one other engine.
+    assert_eq!(
+        counter(
+            &c.conductor_metrics,
+            "kvpool_conductor_replication_blocks_total"
+        ),
+        7.0
+    );
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
 async fn streams_chat_through_the_decode_engine() {
     let c = cluster(Rejection::Predicted, 30.0).await;
     let body = format!(
@@ -247,7 +281,7 @@ async fn rejects_with_429_and_retry_after_when_the_slo_cannot_be_met() {
 #[tokio::test]
 async fn unreachable_decode_engine_gives_502_naming_it() {
     // Port 1 on loopback: nothing listens there.
-    let c = cluster_with(Rejection::None, 30.0, Some("http://127.0.0.1:1".into())).await;
+    let c = cluster_with(Rejection::None, 30.0, Some("http://127.0.0.1:1".into()), 0).await;
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2}}"#);
     let (status, _, text) = post(c.conductor, "/v1/completions", &body).await;
     assert_eq!(status, 502, "{text}");

@@ -152,7 +152,7 @@ proptest! {
     #[test]
     fn requests_are_conserved_and_causal(
         trace in trace_strategy(),
-        rejection in prop::sample::select(vec![Rejection::None, Rejection::Early, Rejection::Predicted]),
+        rejection in prop::sample::select(vec![Rejection::None, Rejection::Early, Rejection::Predicted, Rejection::AtDecode]),
         scale in prop::sample::select(vec![1.0f64, 50.0]),
     ) {
         let mut cfg = config(Policy::Conductor, rejection, 2, 8, 50);

@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::ConductorConfig;
 use super::server::{self, ServerError};
+use super::tokenize::PromptTokenizer;
 use crate::admin::{self, AdminError, Readiness};
 use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
 
@@ -59,6 +60,17 @@ pub struct ConductorArgs {
     /// Bytes of prompt text per stand-in token (must match the engines').
     #[arg(long, default_value_t = 4)]
     pub chunk_bytes: usize,
+    /// Hugging Face tokenizer.json to tokenise prompts with (block keys then follow the model's
+    /// tokens); without it, prompts are cut into --chunk-bytes stand-in tokens.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Plan copying a hot prefix to more prefill engines every this many hits on one of its
+    /// blocks (0: off). Plans are counted and logged; nothing copies them yet.
+    #[arg(long, default_value_t = 32)]
+    pub hot_threshold: u32,
+    /// Prefill engines a hot prefix is planned for each time.
+    #[arg(long, default_value_t = 2)]
+    pub hot_fanout: usize,
     /// KV bytes per token.
     #[arg(long, default_value_t = 327_680)]
     pub bytes_per_token: u64,
@@ -145,6 +157,12 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             ),
         ));
     }
+    if args.rejection == Rejection::AtDecode {
+        return Err(flag(
+            "rejection",
+            "at-decode is a simulator baseline; the conductor rejects at arrival (none, early or predicted)",
+        ));
+    }
     if args.chunk_bytes == 0 {
         return Err(flag("chunk-bytes", "must be at least 1"));
     }
@@ -169,14 +187,31 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             decode_cost: DecodeCost::default(),
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
             hot: HotConfig {
-                threshold: 0,
-                fanout: 0,
+                threshold: args.hot_threshold,
+                fanout: args.hot_fanout,
             },
             seed: 1,
         },
         engine_cache_blocks: args.engine_cache_blocks,
-        chunk_bytes: args.chunk_bytes,
+        tokenizer: match &args.tokenizer {
+            Some(path) => PromptTokenizer::from_file(path)
+                .map_err(|e| flag("tokenizer", format!("{e}: {}", source_chain(&e))))?,
+            None => PromptTokenizer::Chunks {
+                bytes: args.chunk_bytes,
+            },
+        },
     })
+}
+
+/// The messages of `err`'s sources, outermost first.
+fn source_chain(err: &dyn std::error::Error) -> String {
+    let mut parts = Vec::new();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        parts.push(e.to_string());
+        cur = e.source();
+    }
+    parts.join(": ")
 }
 
 /// Entry point of `kvpool conductor`: serves until SIGTERM or SIGINT.
@@ -273,5 +308,34 @@ mod tests {
                 .starts_with("--ttft-slo-s")
         );
         assert!(T::try_parse_from(["t", "--decode", "http://b"]).is_err());
+    }
+
+    #[test]
+    fn tokenizer_flag_loads_the_file_or_names_it() {
+        let base = ["t", "--prefill", "http://a", "--decode", "http://b"];
+        let c = conductor_config(&T::try_parse_from(base).unwrap().a).unwrap();
+        assert_eq!(c.tokenizer.kind(), "chunks");
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing-tokenizer.json");
+        let mut args = base.map(String::from).to_vec();
+        args.extend(["--tokenizer".into(), missing.display().to_string()]);
+        let err = conductor_config(&T::try_parse_from(&args).unwrap().a).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("--tokenizer: "), "{msg}");
+        assert!(msg.contains("missing-tokenizer.json"), "{msg}");
+        let file = dir.path().join("tokenizer.json");
+        std::fs::write(
+            &file,
+            br#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"[UNK]":0,"hi":1},"unk_token":"[UNK]"}}"#,
+        )
+        .unwrap();
+        let args: Vec<String> = base
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["--tokenizer".into(), file.display().to_string()])
+            .collect();
+        let c = conductor_config(&T::try_parse_from(&args).unwrap().a).unwrap();
+        assert_eq!(c.tokenizer.kind(), "huggingface");
+        assert_eq!(c.tokenizer.tokens("hi there hi").unwrap(), vec![1, 0, 1]);
     }
 }

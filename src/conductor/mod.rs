@@ -6,6 +6,7 @@
 
 pub mod cli;
 pub mod server;
+pub mod tokenize;
 
 use std::collections::VecDeque;
 use std::num::NonZeroU32;
@@ -28,8 +29,9 @@ pub struct ConductorConfig {
     pub scheduler: SchedulerConfig,
     /// Prefix cache capacity of each prefill engine, in blocks (mirrored here).
     pub engine_cache_blocks: usize,
-    /// Bytes of prompt text per stand-in token (must match the engines').
-    pub chunk_bytes: usize,
+    /// How prompts become token ids: a Hugging Face tokenizer, or stand-in text chunks (whose
+    /// size must match the engines').
+    pub tokenizer: tokenize::PromptTokenizer,
 }
 
 /// Errors of building the conductor's state.
@@ -67,6 +69,19 @@ pub struct State {
     started: std::collections::HashMap<u64, (f64, u64, u32)>,
     block_size: NonZeroU32,
     next_request: u64,
+    /// The replication planned by the last `place`, until `take_replication` collects it.
+    replication: Option<ReplicationTask>,
+}
+
+/// A hot prefix to copy into more prefill engines' caches. The conductor only decides and
+/// reports these (metrics and logs) until the master can execute them, so its cache mirror does
+/// not assume the copies exist.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicationTask {
+    /// Keys of the prefix blocks to copy, first block first.
+    pub keys: Vec<BlockKey>,
+    /// Prefill instances that should receive them (indices into the prefill URLs).
+    pub targets: Vec<usize>,
 }
 
 /// A request placed on instances; hand it back to `State` as it progresses.
@@ -95,6 +110,7 @@ impl State {
             started: Default::default(),
             block_size: config.scheduler.block_size,
             next_request: 1,
+            replication: None,
             scheduler,
         })
     }
@@ -122,6 +138,15 @@ impl State {
             Decision::Accept(p) => p,
             Decision::Reject(r) => return Err(r),
         };
+        // Hit counters of the matched blocks; a block reaching a multiple of the hot threshold
+        // plans a copy of its prefix to the least loaded instances that lack it.
+        self.replication = self
+            .scheduler
+            .record_hits(&mut self.index, keys, &p, &self.prefill, now_s)
+            .map(|r| ReplicationTask {
+                keys: keys.get(..r.blocks).unwrap_or(keys).to_vec(),
+                targets: r.targets,
+            });
         let work = p.ttft.fetch_s + p.ttft.prefill_s;
         let load = &mut self.prefill[p.prefill];
         load.free_at_s = load.free_at_s.max(now_s) + work;
@@ -152,6 +177,11 @@ impl State {
             decode: p.decode,
             ttft_s: p.ttft.total_s(),
         })
+    }
+
+    /// The replication planned by the last accepted `place`, if any (taken once).
+    pub fn take_replication(&mut self) -> Option<ReplicationTask> {
+        self.replication.take()
     }
 
     /// The request's prefill finished at `now_s`: it and everything booked before it on the
@@ -282,8 +312,48 @@ mod tests {
                 seed: 1,
             },
             engine_cache_blocks: 100,
-            chunk_bytes: 4,
+            tokenizer: tokenize::PromptTokenizer::Chunks { bytes: 4 },
         }
+    }
+
+    #[test]
+    fn hot_prefixes_become_replication_tasks() {
+        let mut cfg = config();
+        cfg.prefill.push("http://d".into());
+        cfg.scheduler
+            .prefill_costs
+            .push(cfg.scheduler.prefill_costs[0]);
+        cfg.scheduler.hot = HotConfig {
+            threshold: 2,
+            fanout: 1,
+        };
+        let mut st = State::new(&cfg).unwrap();
+        let keys = [1, 2, 3];
+        // First request: nothing cached, no hits, no task. It lands on instance 0 (0.3 s).
+        let a = st.place(0.0, &keys, 30, 5).unwrap();
+        assert_eq!(a.prefill, 0);
+        assert_eq!(st.take_replication(), None);
+        // Second, same prompt: instance 0 matches all 3 blocks (hit 1 each), still no task.
+        let b = st.place(0.0, &keys, 30, 5).unwrap();
+        assert_eq!(b.prefill, 0);
+        assert_eq!(st.take_replication(), None);
+        // Third: the blocks reach 2 hits, the threshold. The whole 3-block prefix is planned for
+        // the least loaded instance that lacks it: 1 and 2 are both idle, ties by index -> 1.
+        let c = st.place(0.0, &keys, 30, 5).unwrap();
+        assert_eq!(c.prefill, 0);
+        assert_eq!(
+            st.take_replication(),
+            Some(ReplicationTask {
+                keys: vec![1, 2, 3],
+                targets: vec![1],
+            })
+        );
+        // Taken once; the mirror does not pretend instance 1 got the copy.
+        assert_eq!(st.take_replication(), None);
+        assert!(!st.index.holders(1).contains(1));
+        // A rejected or unrelated request plans nothing.
+        st.place(0.0, &[9], 10, 5).unwrap();
+        assert_eq!(st.take_replication(), None);
     }
 
     #[test]

@@ -18,13 +18,14 @@ use futures::StreamExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::{ConductorConfig, State, StateError, Ticket};
-use crate::sched::{RejectReason, block_keys, text_tokens};
+use super::tokenize::TokenizeError;
+use super::{ConductorConfig, ReplicationTask, State, StateError, Ticket};
+use crate::sched::{RejectReason, block_keys};
 use crate::synthetic::api::{self, ApiError, Endpoint};
 
 /// Largest upstream prefill response read, bytes.
@@ -82,6 +83,8 @@ struct Shared {
     started: Instant,
     requests: IntCounterVec,
     rejections: IntCounterVec,
+    replication_tasks: IntCounter,
+    replication_blocks: IntCounterVec,
 }
 
 impl Shared {
@@ -179,6 +182,34 @@ fn upstream_failed(shared: &Shared, err: &UpstreamError) -> Response {
         .into_response()
 }
 
+/// Counts and logs a replication task; the master does not execute them yet.
+fn report_replication(shared: &Shared, task: &ReplicationTask) {
+    shared.replication_tasks.inc();
+    for &t in &task.targets {
+        let url = shared
+            .config
+            .prefill
+            .get(t)
+            .map_or("unknown", String::as_str);
+        shared
+            .replication_blocks
+            .with_label_values(&[url])
+            .inc_by(task.keys.len() as u64);
+    }
+    let targets: Vec<&str> = task
+        .targets
+        .iter()
+        .filter_map(|&t| shared.config.prefill.get(t).map(String::as_str))
+        .collect();
+    tracing::info!(
+        blocks = task.keys.len(),
+        first_key = task.keys.first().copied().unwrap_or(0),
+        last_key = task.keys.last().copied().unwrap_or(0),
+        ?targets,
+        "hot prefix: replication task planned (not executed until the master supports it)"
+    );
+}
+
 async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
     let req = match api::parse_request(endpoint, &body, &shared.config.model) {
         Ok(r) => r,
@@ -186,17 +217,37 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
     };
     // parse_request accepted it, so it is a JSON object.
     let original: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let tokens = text_tokens(&req.prompt, shared.config.chunk_bytes);
+    let tokens = match shared
+        .config
+        .tokenizer
+        .tokens_off_runtime(req.prompt.clone())
+        .await
+    {
+        Ok(t) => t,
+        Err(e) => {
+            shared.requests.with_label_values(&["tokenizer"]).inc();
+            tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "tokenising failed");
+            // A prompt the tokenizer refuses is the client's; a failed task is ours.
+            let (status, kind) = match e {
+                TokenizeError::Task(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
+                _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            };
+            return (status, Json(error_body(format!("{e}"), kind, "prompt"))).into_response();
+        }
+    };
     let ticket = {
         let mut state = shared.state.lock();
         let keys = block_keys(&tokens, state.block_size());
         let now = shared.now_s();
-        match state.place(now, &keys, tokens.len() as u64, req.max_tokens) {
+        let placed = state.place(now, &keys, tokens.len() as u64, req.max_tokens);
+        let replication = state.take_replication();
+        drop(state);
+        if let Some(task) = replication {
+            report_replication(&shared, &task);
+        }
+        match placed {
             Ok(t) => t,
-            Err(reason) => {
-                drop(state);
-                return rejected(&shared, reason);
-            }
+            Err(reason) => return rejected(&shared, reason),
         }
     };
     tracing::debug!(?ticket, "placed");
@@ -301,9 +352,26 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
     registry
         .register(Box::new(requests.clone()))
         .map_err(ServerError::Metrics)?;
-    registry
-        .register(Box::new(rejections.clone()))
-        .map_err(ServerError::Metrics)?;
+    let replication_tasks = IntCounter::new(
+        "kvpool_conductor_replication_tasks_total",
+        "Hot-prefix replication tasks planned (reported only: nothing executes them yet)",
+    )
+    .map_err(ServerError::Metrics)?;
+    let replication_blocks = IntCounterVec::new(
+        Opts::new(
+            "kvpool_conductor_replication_blocks_total",
+            "Blocks that hot-prefix replication tasks would copy, by target prefill engine URL",
+        ),
+        &["target"],
+    )
+    .map_err(ServerError::Metrics)?;
+    for c in [
+        Box::new(rejections.clone()) as Box<dyn prometheus::core::Collector>,
+        Box::new(replication_tasks.clone()),
+        Box::new(replication_blocks.clone()),
+    ] {
+        registry.register(c).map_err(ServerError::Metrics)?;
+    }
     let state = State::new(&config).map_err(ServerError::State)?;
     let shared = Arc::new(Shared {
         config,
@@ -312,6 +380,8 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
         started: Instant::now(),
         requests,
         rejections,
+        replication_tasks,
+        replication_blocks,
     });
     Ok(Router::new()
         .route(

@@ -72,6 +72,9 @@ pub enum Rejection {
     Early,
     /// On the estimated TTFT and the decode load predicted for when the request reaches decode.
     Predicted,
+    /// Not at arrival: the decode instance refuses the request when it arrives there after its
+    /// prefill, on its load then (the paper's baseline; the prefill is wasted). Simulator only.
+    AtDecode,
 }
 
 impl Rejection {
@@ -80,6 +83,7 @@ impl Rejection {
             Rejection::None => "none",
             Rejection::Early => "early",
             Rejection::Predicted => "predicted",
+            Rejection::AtDecode => "at-decode",
         }
     }
 }
@@ -630,7 +634,10 @@ impl Scheduler {
         };
         self.finish_scratch = scratch;
 
-        if self.config.rejection != Rejection::None {
+        if matches!(
+            self.config.rejection,
+            Rejection::Early | Rejection::Predicted
+        ) {
             if ttft.total_s() > self.config.slo.ttft_s {
                 return Decision::Reject(RejectReason::Ttft {
                     estimate_s: ttft.total_s(),

@@ -12,7 +12,7 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use crate::sched::{
     Decision, DecodeLoad, DecodeMember, Inserted, LruSet, PrefillLoad, PrefixIndex, RejectReason,
-    Request, Scheduler, SchedulerConfig,
+    Rejection, Request, Scheduler, SchedulerConfig,
 };
 
 use super::report::{Report, summarize};
@@ -210,6 +210,17 @@ impl State {
         };
         match ev.kind {
             Kind::DecodeArrive { instance, request } => {
+                if self.sched.config().rejection == Rejection::AtDecode
+                    && let Some(reason) = self.refused_at_decode(instance, ev.at_s)
+                {
+                    self.decode[instance]
+                        .pending
+                        .retain(|m| m.request != request);
+                    if let Some(o) = self.outcomes.get_mut(request as usize) {
+                        o.rejected = Some(reason);
+                    }
+                    return;
+                }
                 self.waiting[instance].push_back(request);
                 if !self.stepping[instance] {
                     self.admit(instance);
@@ -320,6 +331,28 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Whether decode instance `instance` refuses `request` arriving at `now` (only with
+    /// `Rejection::AtDecode`): judged on the instance's load at that moment, running requests
+    /// plus those waiting there, as early rejection judges it at arrival. An idle instance takes
+    /// anything.
+    fn refused_at_decode(&self, instance: usize, now: f64) -> Option<RejectReason> {
+        let d = self.decode.get(instance)?;
+        // `current` counts this request too: it is pending with `joins_at_s == now`.
+        let v = d.current(now);
+        if v.batch <= 1 {
+            return None;
+        }
+        if v.context_tokens > self.kv_capacity {
+            return Some(RejectReason::DecodeMemory);
+        }
+        let step = self
+            .sched
+            .config()
+            .decode_cost
+            .step_seconds(v.batch, v.context_tokens);
+        (step > self.sched.config().slo.tpot_s).then_some(RejectReason::Tpot { estimate_s: step })
     }
 
     /// Moves requests that have arrived from `pending` into the running batch, in arrival
@@ -478,6 +511,31 @@ mod tests {
         close(o[0].finish_s, 6.0);
         close(o[1].finish_s, 8.0);
         close(o[1].tpot_s(), (8.0 - 2.1) / 2.0);
+    }
+
+    #[test]
+    fn at_decode_rejection_refuses_after_the_prefill_was_spent() {
+        // As in the second case above, B arrives at decode at 2.1 s while A holds all memory:
+        // with at-decode rejection the decode instance refuses B then, after its 0.1 s of
+        // prefill; A is served as before. Early rejection would have refused B at arrival (0 s)
+        // only if decode looked full then, which it did not (A was still in prefill).
+        let records = [rec(0, 20, 5, &[1, 2]), rec(0, 1, 3, &[9])];
+        let mut cfg = config(20);
+        cfg.scheduler.rejection = Rejection::AtDecode;
+        let (o, totals) = run(&records, &cfg).unwrap();
+        close(o[0].finish_s, 6.0);
+        assert_eq!(o[0].rejected, None);
+        assert_eq!(o[1].rejected, Some(RejectReason::DecodeMemory));
+        close(o[1].decode_arrival_s, 2.1);
+        // Both prefills were spent: 2 s + 0.1 s.
+        close(totals.prefill_busy_s, 2.1);
+        let mut early = config(20);
+        early.scheduler.rejection = Rejection::Early;
+        let (o, _) = run(&records, &early).unwrap();
+        assert_eq!(o[1].rejected, None);
+        // An idle decode instance takes anything, even at-decode.
+        let (o, _) = run(&[rec(0, 30, 3, &[1, 2, 3])], &cfg).unwrap();
+        assert_eq!(o[0].rejected, None);
     }
 
     #[test]
