@@ -6,5 +6,6 @@
 
 pub mod admin;
 pub mod cli;
+pub mod crd;
 pub mod shutdown;
 pub mod telemetry;
