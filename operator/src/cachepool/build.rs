@@ -1,0 +1,630 @@
+//! Pure construction of a `KVCachePool`'s children from a [`ValidCachePool`]: the effective
+//! config (ConfigMap), the auth Secret, the agent DaemonSet, the master Deployment and Service,
+//! and the conductor Deployment and Service when enabled. No client, no clock, no randomness:
+//! the auth key is passed in. I/O boundary: none.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec, Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, ObjectFieldSelector, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, Secret, SecretVolumeSource, SecurityContext,
+    Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kvpool::crd::{EvictionPolicy, Hugepages, NumaPolicy, Protocol};
+use serde::Serialize;
+
+use super::validate::{DramCapacity, ValidCachePool};
+use crate::contract;
+use crate::error::{Error, Result};
+use crate::labels::{self, Component};
+
+/// Kind label value of children owned by a KVCachePool.
+pub const OWNER_KIND: &str = "KVCachePool";
+
+/// Everything a KVCachePool owns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CachePoolChildren {
+    pub config: ConfigMap,
+    pub auth: Secret,
+    pub agent: DaemonSet,
+    pub master: Deployment,
+    pub master_service: Service,
+    /// Absent when the conductor is disabled.
+    pub conductor: Option<(Deployment, Service)>,
+}
+
+/// The effective configuration written to `config.yaml`, read by the agent and the master.
+/// Field names are the contract documented in docs/engine-contract.md.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EffectiveConfig {
+    pub pool: String,
+    pub namespace: String,
+    pub block_size_tokens: i32,
+    pub master_addr: String,
+    pub auth_key_file: String,
+    pub dram: DramConfig,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<SsdConfig>,
+    pub transport: TransportConfig,
+    pub replication: ReplicationConfig,
+    pub eviction: EvictionConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DramConfig {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_memory_percent: Option<i32>,
+    pub hugepages: &'static str,
+    pub numa_policy: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SsdConfig {
+    pub path: String,
+    pub capacity_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TransportConfig {
+    pub protocol: &'static str,
+    pub devices: Vec<String>,
+    pub port: i32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicationConfig {
+    pub replicas: i32,
+    pub spread_label_key: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EvictionConfig {
+    pub high_watermark_percent: i32,
+    pub low_watermark_percent: i32,
+    pub policy: &'static str,
+}
+
+fn protocol_str(p: Protocol) -> &'static str {
+    match p {
+        Protocol::Auto => "auto",
+        Protocol::Rdma => "rdma",
+        Protocol::Tcp => "tcp",
+    }
+}
+
+fn hugepages_str(h: Hugepages) -> &'static str {
+    match h {
+        Hugepages::None => "none",
+        Hugepages::Size2Mi => "2Mi",
+        Hugepages::Size1Gi => "1Gi",
+    }
+}
+
+fn saturating_u64(v: u128) -> u64 {
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+/// The pool's effective configuration.
+pub fn effective_config(pool: &ValidCachePool) -> EffectiveConfig {
+    let spec = &pool.spec;
+    let (capacity_bytes, node_memory_percent) = match pool.dram {
+        DramCapacity::Bytes(b) => (Some(saturating_u64(b)), None),
+        DramCapacity::NodePercent(p) => (None, Some(p)),
+    };
+    EffectiveConfig {
+        pool: pool.name.clone(),
+        namespace: pool.namespace.clone(),
+        block_size_tokens: spec.block_size_tokens,
+        master_addr: pool.master_addr(),
+        auth_key_file: contract::auth_key_path(),
+        dram: DramConfig {
+            capacity_bytes,
+            node_memory_percent,
+            hugepages: hugepages_str(spec.dram.hugepages),
+            numa_policy: match spec.dram.numa_policy {
+                NumaPolicy::Local => "local",
+                NumaPolicy::Interleave => "interleave",
+                NumaPolicy::None => "none",
+            },
+        },
+        ssd: pool.ssd_bytes.map(|b| SsdConfig {
+            path: contract::SSD_MOUNT.to_owned(),
+            capacity_bytes: saturating_u64(b),
+        }),
+        transport: TransportConfig {
+            protocol: protocol_str(spec.transport.protocol),
+            devices: spec.transport.devices.clone(),
+            port: spec.transport.port,
+        },
+        replication: ReplicationConfig {
+            replicas: spec.replication.replicas,
+            spread_label_key: spec.replication.spread_label_key.clone(),
+        },
+        eviction: EvictionConfig {
+            high_watermark_percent: spec.eviction.high_watermark_percent,
+            low_watermark_percent: spec.eviction.low_watermark_percent,
+            policy: match spec.eviction.policy {
+                EvictionPolicy::Lru => "lru",
+                EvictionPolicy::Lfu => "lfu",
+            },
+        },
+    }
+}
+
+/// The engine-facing JSON config (`engine.json`): what a KV connector inside vLLM or SGLang
+/// needs to reach the pool. Keys follow the Mooncake store connector's config file where they
+/// overlap, so that connector can read it as it is.
+pub fn engine_config(pool: &ValidCachePool) -> serde_json::Value {
+    let spec = &pool.spec;
+    serde_json::json!({
+        "pool": pool.name,
+        "master_server_address": pool.master_addr(),
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": match spec.transport.protocol {
+            Protocol::Tcp => "tcp",
+            Protocol::Rdma | Protocol::Auto => "rdma",
+        },
+        "kvpool_protocol": protocol_str(spec.transport.protocol),
+        "device_name": spec.transport.devices.join(","),
+        "agent_socket": contract::agent_socket_path(),
+        "block_size_tokens": spec.block_size_tokens,
+        "auth_key_file": contract::auth_key_path(),
+    })
+}
+
+/// Render the ConfigMap data: `config.yaml` and `engine.json`.
+pub fn config_data(pool: &ValidCachePool) -> Result<BTreeMap<String, String>> {
+    let yaml = serde_saphyr::to_string(&effective_config(pool))
+        .map_err(|e| Error::RenderConfig(e.to_string()))?;
+    let json =
+        serde_json::to_string_pretty(&engine_config(pool)).map_err(|source| Error::Serialize {
+            what: "engine config",
+            source,
+        })?;
+    Ok(BTreeMap::from([
+        (contract::CONFIG_FILE_KEY.to_owned(), yaml),
+        (contract::ENGINE_CONFIG_KEY.to_owned(), json),
+    ]))
+}
+
+/// Hash of the ConfigMap data, for the pod-template annotation that rolls pods on change.
+pub fn config_hash(data: &BTreeMap<String, String>) -> String {
+    let mut buf = Vec::new();
+    for (k, v) in data {
+        buf.extend_from_slice(k.as_bytes());
+        buf.push(0);
+        buf.extend_from_slice(v.as_bytes());
+        buf.push(0);
+    }
+    labels::content_hash(&buf)
+}
+
+fn meta(pool: &ValidCachePool, component: Component) -> ObjectMeta {
+    labels::child_meta(
+        labels::child_name(&pool.name, component),
+        &pool.namespace,
+        labels::child_labels(OWNER_KIND, &pool.name, &pool.name, component),
+        &pool.owner,
+    )
+}
+
+fn port(name: &str, port: u16) -> ContainerPort {
+    ContainerPort {
+        name: Some(name.to_owned()),
+        container_port: i32::from(port),
+        protocol: Some("TCP".to_owned()),
+        ..ContainerPort::default()
+    }
+}
+
+fn http_probe(path: &str, initial_delay: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_owned()),
+            port: IntOrString::String("admin".to_owned()),
+            ..HTTPGetAction::default()
+        }),
+        initial_delay_seconds: Some(initial_delay),
+        period_seconds: Some(10),
+        ..Probe::default()
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_owned(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.to_owned(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.to_owned(),
+        mount_path: path.to_owned(),
+        read_only: read_only.then_some(true),
+        ..VolumeMount::default()
+    }
+}
+
+/// Volume with the pool's ConfigMap.
+pub fn config_volume(pool_name: &str) -> Volume {
+    Volume {
+        name: "config".to_owned(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: labels::child_name(pool_name, Component::Config),
+            ..ConfigMapVolumeSource::default()
+        }),
+        ..Volume::default()
+    }
+}
+
+/// Volume with the pool's auth Secret, readable by the owner only.
+pub fn auth_volume(pool_name: &str) -> Volume {
+    Volume {
+        name: "auth".to_owned(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(labels::child_name(pool_name, Component::Auth)),
+            default_mode: Some(0o400),
+            ..SecretVolumeSource::default()
+        }),
+        ..Volume::default()
+    }
+}
+
+/// hostPath volume of the agent socket directory.
+pub fn socket_volume() -> Volume {
+    Volume {
+        name: "socket".to_owned(),
+        host_path: Some(HostPathVolumeSource {
+            path: contract::HOST_SOCKET_DIR.to_owned(),
+            type_: Some("DirectoryOrCreate".to_owned()),
+        }),
+        ..Volume::default()
+    }
+}
+
+/// Mounts of the config, auth and socket volumes.
+pub fn common_mounts() -> Vec<VolumeMount> {
+    vec![
+        mount("config", contract::CONFIG_DIR, true),
+        mount("auth", contract::AUTH_DIR, true),
+    ]
+}
+
+fn selector(pool: &ValidCachePool, component: Component) -> LabelSelector {
+    LabelSelector {
+        match_labels: Some(labels::selector_labels(&pool.name, component)),
+        ..LabelSelector::default()
+    }
+}
+
+fn pod_labels(pool: &ValidCachePool, component: Component) -> BTreeMap<String, String> {
+    labels::child_labels(OWNER_KIND, &pool.name, &pool.name, component)
+}
+
+fn hugepages_resource(h: Hugepages) -> Option<&'static str> {
+    match h {
+        Hugepages::None => None,
+        Hugepages::Size2Mi => Some("hugepages-2Mi"),
+        Hugepages::Size1Gi => Some("hugepages-1Gi"),
+    }
+}
+
+/// Agent resources: the user's, plus hugepages (requests = limits, as Kubernetes requires) and
+/// SR-IOV virtual functions.
+fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
+    let spec = &pool.spec;
+    let mut res = spec.agent.resources.clone().unwrap_or_default();
+    let mut extra: BTreeMap<String, Quantity> = BTreeMap::new();
+    if let (Some(name), DramCapacity::Bytes(bytes)) =
+        (hugepages_resource(spec.dram.hugepages), &pool.dram)
+    {
+        extra.insert(name.to_owned(), crate::quantity::format_bytes(*bytes));
+    }
+    if let Some(sriov) = &spec.transport.sriov {
+        extra.insert(
+            sriov.resource_name.clone(),
+            Quantity(sriov.count.to_string()),
+        );
+    }
+    if !extra.is_empty() {
+        let requests = res.requests.get_or_insert_with(BTreeMap::new);
+        let limits = res.limits.get_or_insert_with(BTreeMap::new);
+        for (k, v) in extra {
+            requests.insert(k.clone(), v.clone());
+            limits.insert(k, v);
+        }
+        // Hugepage requests need a cpu or memory request next to them.
+        if hugepages_resource(spec.dram.hugepages).is_some() && !requests.contains_key("memory") {
+            requests.insert("memory".to_owned(), Quantity("256Mi".to_owned()));
+        }
+    }
+    (res != ResourceRequirements::default()).then_some(res)
+}
+
+/// The node agent DaemonSet.
+pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
+    let spec = &pool.spec;
+    let mut annotations =
+        BTreeMap::from([(labels::CONFIG_HASH.to_owned(), config_hash.to_owned())]);
+    if !spec.transport.networks.is_empty() {
+        annotations.insert(
+            labels::MULTUS_NETWORKS.to_owned(),
+            spec.transport.networks.join(","),
+        );
+    }
+    let mut volumes = vec![
+        config_volume(&pool.name),
+        auth_volume(&pool.name),
+        socket_volume(),
+    ];
+    let mut mounts = common_mounts();
+    mounts.push(mount("socket", contract::SOCKET_DIR, false));
+    if let Some(ssd) = &spec.ssd {
+        volumes.push(Volume {
+            name: "ssd".to_owned(),
+            host_path: Some(HostPathVolumeSource {
+                path: ssd.host_path.clone(),
+                type_: Some("DirectoryOrCreate".to_owned()),
+            }),
+            ..Volume::default()
+        });
+        mounts.push(mount("ssd", contract::SSD_MOUNT, false));
+    }
+    if let Some(size) = hugepages_resource(spec.dram.hugepages) {
+        let medium = size.trim_start_matches("hugepages-");
+        volumes.push(Volume {
+            name: "hugepages".to_owned(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some(format!("HugePages-{medium}")),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+        mounts.push(mount("hugepages", "/dev/hugepages", false));
+    }
+    let container = Container {
+        name: "agent".to_owned(),
+        image: Some(pool.agent_image.clone()),
+        command: Some(contract::agent_command()),
+        args: Some(contract::agent_args()),
+        env: Some(vec![
+            field_env("KVPOOL_NODE_NAME", "spec.nodeName"),
+            field_env("KVPOOL_POD_IP", "status.podIP"),
+        ]),
+        ports: Some(vec![
+            port("admin", contract::ADMIN_PORT),
+            port(
+                "transfer",
+                u16::try_from(spec.transport.port).unwrap_or(contract::AGENT_TRANSFER_PORT),
+            ),
+        ]),
+        resources: agent_resources(pool),
+        security_context: Some(SecurityContext {
+            capabilities: Some(Capabilities {
+                add: Some(vec!["IPC_LOCK".to_owned()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        readiness_probe: Some(http_probe("/readyz", 2)),
+        liveness_probe: Some(http_probe("/livez", 10)),
+        volume_mounts: Some(mounts),
+        ..Container::default()
+    };
+    DaemonSet {
+        metadata: meta(pool, Component::Agent),
+        spec: Some(DaemonSetSpec {
+            selector: selector(pool, Component::Agent),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels(pool, Component::Agent)),
+                    annotations: Some(annotations),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    node_selector: (!spec.node_selector.is_empty())
+                        .then(|| spec.node_selector.clone()),
+                    tolerations: (!spec.tolerations.is_empty()).then(|| spec.tolerations.clone()),
+                    priority_class_name: spec.agent.priority_class_name.clone(),
+                    automount_service_account_token: Some(false),
+                    containers: vec![container],
+                    volumes: Some(volumes),
+                    ..PodSpec::default()
+                }),
+            },
+            ..DaemonSetSpec::default()
+        }),
+        status: None,
+    }
+}
+
+fn deployment(
+    pool: &ValidCachePool,
+    component: Component,
+    replicas: i32,
+    container: Container,
+    config_hash: &str,
+) -> Deployment {
+    Deployment {
+        metadata: meta(pool, component),
+        spec: Some(DeploymentSpec {
+            replicas: Some(replicas),
+            selector: selector(pool, component),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels(pool, component)),
+                    annotations: Some(BTreeMap::from([(
+                        labels::CONFIG_HASH.to_owned(),
+                        config_hash.to_owned(),
+                    )])),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    automount_service_account_token: Some(false),
+                    containers: vec![container],
+                    volumes: Some(vec![config_volume(&pool.name), auth_volume(&pool.name)]),
+                    ..PodSpec::default()
+                }),
+            },
+            ..DeploymentSpec::default()
+        }),
+        status: None,
+    }
+}
+
+fn service(pool: &ValidCachePool, component: Component, ports: &[(&str, u16)]) -> Service {
+    Service {
+        metadata: meta(pool, component),
+        spec: Some(ServiceSpec {
+            selector: Some(labels::selector_labels(&pool.name, component)),
+            ports: Some(
+                ports
+                    .iter()
+                    .map(|(name, p)| ServicePort {
+                        name: Some((*name).to_owned()),
+                        port: i32::from(*p),
+                        target_port: Some(IntOrString::String((*name).to_owned())),
+                        protocol: Some("TCP".to_owned()),
+                        ..ServicePort::default()
+                    })
+                    .collect(),
+            ),
+            ..ServiceSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The master Deployment.
+pub fn master_deployment(pool: &ValidCachePool, config_hash: &str) -> Deployment {
+    let master = &pool.spec.master;
+    let container = Container {
+        name: "master".to_owned(),
+        image: Some(pool.master_image.clone()),
+        command: Some(contract::kvpool_command()),
+        args: Some(contract::master_args(&master.etcd_endpoints)),
+        ports: Some(vec![
+            port("grpc", contract::MASTER_PORT),
+            port("admin", contract::ADMIN_PORT),
+        ]),
+        resources: master.resources.clone(),
+        readiness_probe: Some(http_probe("/readyz", 2)),
+        liveness_probe: Some(http_probe("/livez", 10)),
+        volume_mounts: Some(common_mounts()),
+        ..Container::default()
+    };
+    deployment(
+        pool,
+        Component::Master,
+        master.replicas,
+        container,
+        config_hash,
+    )
+}
+
+/// The master Service.
+pub fn master_service(pool: &ValidCachePool) -> Service {
+    service(
+        pool,
+        Component::Master,
+        &[
+            ("grpc", contract::MASTER_PORT),
+            ("admin", contract::ADMIN_PORT),
+        ],
+    )
+}
+
+/// The conductor Deployment and Service.
+pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Service) {
+    let c = &pool.spec.conductor;
+    let container = Container {
+        name: "conductor".to_owned(),
+        image: Some(pool.conductor_image.clone()),
+        command: Some(contract::kvpool_command()),
+        args: Some(contract::conductor_args(
+            &pool.master_addr(),
+            u64::try_from(c.slo.ttft_millis).unwrap_or(1),
+            u64::try_from(c.slo.tpot_millis).unwrap_or(1),
+        )),
+        ports: Some(vec![
+            port("http", contract::CONDUCTOR_PORT),
+            port("admin", contract::ADMIN_PORT),
+        ]),
+        resources: c.resources.clone(),
+        readiness_probe: Some(http_probe("/readyz", 2)),
+        liveness_probe: Some(http_probe("/livez", 10)),
+        volume_mounts: Some(common_mounts()),
+        ..Container::default()
+    };
+    (
+        deployment(
+            pool,
+            Component::Conductor,
+            c.replicas,
+            container,
+            config_hash,
+        ),
+        service(
+            pool,
+            Component::Conductor,
+            &[
+                ("http", contract::CONDUCTOR_PORT),
+                ("admin", contract::ADMIN_PORT),
+            ],
+        ),
+    )
+}
+
+/// The auth Secret holding `key` (hex). Created once; see `apply::create_if_absent`.
+pub fn auth_secret(pool: &ValidCachePool, key_hex: &str) -> Secret {
+    Secret {
+        metadata: meta(pool, Component::Auth),
+        type_: Some("Opaque".to_owned()),
+        data: Some(BTreeMap::from([(
+            contract::AUTH_KEY_KEY.to_owned(),
+            ByteString(key_hex.as_bytes().to_vec()),
+        )])),
+        ..Secret::default()
+    }
+}
+
+/// Every child of `pool`. `key_hex` is the auth key used only if the Secret does not exist yet.
+pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> {
+    let data = config_data(pool)?;
+    let hash = config_hash(&data);
+    let config = ConfigMap {
+        metadata: meta(pool, Component::Config),
+        data: Some(data),
+        ..ConfigMap::default()
+    };
+    Ok(CachePoolChildren {
+        config,
+        auth: auth_secret(pool, key_hex),
+        agent: agent_daemonset(pool, &hash),
+        master: master_deployment(pool, &hash),
+        master_service: master_service(pool),
+        conductor: pool.spec.conductor.enabled.then(|| conductor(pool, &hash)),
+    })
+}
