@@ -905,7 +905,7 @@ fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
     let panels = dashboard["panels"].as_array().context("no panels")?;
     let mut ids = BTreeSet::new();
     for panel in panels {
-        ensure!(ids.insert(panel["id"].clone()), "duplicate panel id {}", panel["id"]);
+        ensure!(ids.insert(panel["id"].to_string()), "duplicate panel id {}", panel["id"]);
         let targets = panel["targets"].as_array().context("panel without targets")?;
         for target in targets {
             let expr = str_at(target, "/expr");
@@ -1060,5 +1060,66 @@ fn chart_version_follows_the_workspace_version() -> Result<()> {
     assert_eq!(str_at(&chart, "/appVersion"), version, "Chart.yaml appVersion");
     assert_eq!(str_at(&chart, "/version"), version, "Chart.yaml version");
     assert_eq!(kvpool_operator::cli::DEFAULT_IMAGE_TAG, version);
+    Ok(())
+}
+
+fn labels_match(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
+    !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+#[test]
+fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Result<()> {
+    let render = Render {
+        values: Some("charts/kvpool/ci/production-values.yaml"),
+        sets: &[],
+    };
+    let (_, objects) = render_objects(&render)?;
+    let deployment = deployments(&objects)[0];
+    let template = &deployment.spec.as_ref().context("no spec")?.template;
+    let pod_labels = template.metadata.as_ref().and_then(|m| m.labels.clone()).unwrap_or_default();
+    let pod = template.spec.as_ref().context("no pod spec")?;
+
+    let Some(account) = objects.iter().find_map(|o| match o {
+        Object::ServiceAccount(a) => Some(a),
+        _ => None,
+    }) else {
+        bail!("no ServiceAccount rendered");
+    };
+    assert_eq!(account.metadata.name, pod.service_account_name);
+    // Only the operator's pod mounts the token, not every pod that might reuse the account.
+    assert_eq!(account.automount_service_account_token, Some(false));
+    assert_eq!(pod.automount_service_account_token, Some(true));
+
+    let Some(service) = objects.iter().find_map(|o| match o {
+        Object::Service(s) => Some(s),
+        _ => None,
+    }) else {
+        bail!("no metrics Service rendered");
+    };
+    let spec = service.spec.as_ref().context("Service without spec")?;
+    let selector = spec.selector.clone().unwrap_or_default();
+    ensure!(labels_match(&selector, &pod_labels), "Service selects {selector:?}, pod has {pod_labels:?}");
+    let port = spec.ports.iter().flatten().next().context("Service without ports")?;
+    assert_eq!(
+        port.target_port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("admin".into()))
+    );
+
+    let Some(monitor) = objects.iter().find_map(|o| match o {
+        Object::ServiceMonitor(m) => Some(m),
+        _ => None,
+    }) else {
+        bail!("no ServiceMonitor rendered");
+    };
+    let service_labels = service.metadata.labels.clone().unwrap_or_default();
+    let wanted = monitor.spec.selector.match_labels.clone().unwrap_or_default();
+    ensure!(labels_match(&wanted, &service_labels), "ServiceMonitor selects {wanted:?}");
+    assert_eq!(monitor.spec.namespace_selector.match_names, vec![DEPLOY_NAMESPACE.to_owned()]);
+    for endpoint in &monitor.spec.endpoints {
+        assert_eq!(Some(&endpoint.port), port.name.as_ref());
+        assert_eq!(endpoint.path, "/metrics");
+    }
+    let extra = monitor.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(extra.get("release").map(String::as_str), Some("prometheus"));
     Ok(())
 }
