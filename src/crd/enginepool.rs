@@ -14,6 +14,8 @@ use super::defaults;
 
 /// Desired state of the prefill engines: they compute the KV cache of prompts (reusing cached
 /// prefixes from the pool) and hand it to decode engines through the pool.
+// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "kvpool.dev",
@@ -115,6 +117,8 @@ pub struct PrefillPoolSpec {
 
 /// Desired state of the decode engines: they take prefilled KV cache from the pool and generate
 /// tokens.
+// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "kvpool.dev",

@@ -16,6 +16,8 @@ use super::defaults;
 ///
 /// Every field has a default except none: `spec: {}` is a valid pool that uses a quarter of each
 /// matching node's memory, TCP or RDMA as available, and one master and one conductor.
+// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "kvpool.dev",

@@ -3,9 +3,13 @@
 //! condition types and reasons) and the pure resolution of defaulted settings. No I/O: callers
 //! write the rendered YAML wherever they like.
 
+pub mod conditions;
 pub mod defaults;
 mod enginepool;
 mod kvcachepool;
+pub mod labels;
+pub mod quantity;
+mod validated;
 
 pub use enginepool::{
     AutoscalingSignal, AutoscalingSpec, DecodePool, DecodePoolSpec, DecodeSlo, EngineKind,
@@ -18,6 +22,12 @@ pub use kvcachepool::{
     ReplicationSpec, SriovSpec, SsdTierSpec, TierStatus, TransportSpec,
 };
 
+pub use validated::{
+    AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MasterConfig,
+    ReplicationConfig, Role, SpecError, SriovConfig, SsdConfig, TransportConfig,
+    ValidatedEnginePool, ValidatedKVCachePool,
+};
+
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 
@@ -26,9 +36,76 @@ pub const GROUP: &str = "kvpool.dev";
 /// API version of the resources in this module.
 pub const VERSION: &str = "v1alpha1";
 
+/// Failures of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum CrdError {
+    /// A CustomResourceDefinition could not be rendered as YAML.
+    #[error("rendering CustomResourceDefinition {name} as YAML")]
+    RenderYaml {
+        /// `metadata.name` of the definition.
+        name: String,
+        /// What the serializer reported.
+        #[source]
+        source: serde_saphyr::ser::Error,
+    },
+}
+
+impl CrdError {
+    /// Short stable label for metrics and Events.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Self::RenderYaml { .. } => "render_yaml",
+        }
+    }
+}
+
 /// The three CustomResourceDefinitions, in a fixed order: KVCachePool, PrefillPool, DecodePool.
 pub fn crds() -> Vec<CustomResourceDefinition> {
     vec![KVCachePool::crd(), PrefillPool::crd(), DecodePool::crd()]
+}
+
+/// One CRD rendered for `crds/`: the file name (`<plural>.<group>.yaml`) and its YAML document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedCrd {
+    /// File name inside `crds/`, e.g. `kvcachepools.kvpool.dev.yaml`.
+    pub file_name: String,
+    /// The YAML document, starting with a comment that says it is generated.
+    pub yaml: String,
+}
+
+/// Header written at the top of every generated CRD file.
+pub const GENERATED_HEADER: &str = "# Generated from the Rust types in src/crd/ by `kvpool-operator crd`.\n\
+     # Do not edit: change the types and regenerate (see docs/crds.md).\n";
+
+/// Renders one CustomResourceDefinition as a YAML document with the generated-file header.
+pub fn crd_to_yaml(crd: &CustomResourceDefinition) -> Result<String, CrdError> {
+    let body = serde_saphyr::to_string(crd).map_err(|source| CrdError::RenderYaml {
+        name: crd.metadata.name.clone().unwrap_or_default(),
+        source,
+    })?;
+    Ok(format!("{GENERATED_HEADER}---\n{body}"))
+}
+
+/// Renders the three CRDs for `crds/`, in the order of [`crds`].
+pub fn render_crds() -> Result<Vec<RenderedCrd>, CrdError> {
+    crds()
+        .iter()
+        .map(|crd| {
+            Ok(RenderedCrd {
+                file_name: format!("{}.yaml", crd.metadata.name.as_deref().unwrap_or("unnamed")),
+                yaml: crd_to_yaml(crd)?,
+            })
+        })
+        .collect()
+}
+
+/// The three CRDs as one multi-document YAML stream (what `kubectl apply -f -` takes).
+pub fn crds_yaml() -> Result<String, CrdError> {
+    Ok(render_crds()?
+        .into_iter()
+        .map(|r| r.yaml)
+        .collect::<Vec<_>>()
+        .join(""))
 }
 
 #[cfg(test)]
@@ -46,5 +123,14 @@ mod tests {
                 "decodepools.kvpool.dev"
             ]
         );
+    }
+
+    #[test]
+    fn dump_yaml_for_review() {
+        if let Ok(dir) = std::env::var("KVPOOL_DUMP_CRDS") {
+            for r in render_crds().unwrap() {
+                std::fs::write(format!("{dir}/{}", r.file_name), r.yaml).unwrap();
+            }
+        }
     }
 }
