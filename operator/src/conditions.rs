@@ -1,29 +1,23 @@
 //! Kubernetes-style conditions computed deterministically: the desired set of
-//! (type, status, reason, message) is merged with the previous conditions so that
-//! `lastTransitionTime` changes only when a condition's status flips. With the same inputs the
-//! output is byte-for-byte the same, which is what lets the controllers skip unchanged status
-//! writes. I/O boundary: none; the current time is passed in.
+//! (type, status, reason, message) is merged into the previous conditions with
+//! `kvpool::crd::conditions::set_condition`, so `lastTransitionTime` changes only when a
+//! condition's status flips and the list stays sorted by type. With the same inputs the output
+//! is identical, which is what lets the controllers skip unchanged status writes.
+//! I/O boundary: none; the current time is passed in.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+pub use kvpool::crd::conditions::{DEGRADED, PROGRESSING, READY};
+use kvpool::crd::conditions::{condition, set_condition};
 
-/// Condition type: the resource does its job.
-pub const READY: &str = "Ready";
-/// Condition type: children are being created or rolled out.
-pub const PROGRESSING: &str = "Progressing";
-/// Condition type: something is wrong that needs attention.
-pub const DEGRADED: &str = "Degraded";
-
-/// Reasons used in conditions and Events.
+/// Reasons used in conditions and Events (shared ones come from `kvpool::crd::conditions`).
 pub mod reason {
-    pub const AVAILABLE: &str = "Available";
-    pub const ROLLING_OUT: &str = "RollingOut";
-    pub const RECONCILED: &str = "Reconciled";
-    pub const INVALID_SPEC: &str = "InvalidSpec";
-    pub const KVCACHEPOOL_NOT_FOUND: &str = "KVCachePoolNotFound";
+    pub use kvpool::crd::conditions::reasons::{
+        AVAILABLE, INVALID_SPEC, KV_CACHE_POOL_NOT_FOUND as KVCACHEPOOL_NOT_FOUND, NO_NODES,
+        REPLICAS_UNAVAILABLE as NOT_ALL_READY, ROLLING_OUT, UP_TO_DATE as RECONCILED,
+    };
+    /// Degraded=False: nothing is wrong.
     pub const AS_EXPECTED: &str = "AsExpected";
-    pub const NOT_ALL_READY: &str = "NotAllReady";
-    pub const NO_NODES: &str = "NoMatchingNodes";
 }
 
 /// A condition as the controllers decide it, before timestamps.
@@ -51,40 +45,37 @@ impl Desired {
     }
 }
 
-fn status_str(status: bool) -> &'static str {
-    if status { "True" } else { "False" }
-}
-
-/// Merge `desired` with `previous`: keep each previous `lastTransitionTime` whose status did not
-/// change, stamp `now` otherwise. The order of `desired` is the order of the output.
+/// Merge `desired` into `previous`: each previous `lastTransitionTime` whose status did not
+/// change is kept, `now` is stamped otherwise; conditions of other types are dropped.
 pub fn merge(
     previous: &[Condition],
     desired: &[Desired],
     generation: Option<i64>,
     now: Timestamp,
 ) -> Vec<Condition> {
-    desired
+    let mut out: Vec<Condition> = previous
         .iter()
-        .map(|d| {
-            let status = status_str(d.status);
-            let last_transition_time = previous
-                .iter()
-                .find(|p| p.type_ == d.type_ && p.status == status)
-                .map(|p| p.last_transition_time.clone())
-                .unwrap_or(Time(now));
-            Condition {
-                last_transition_time,
-                message: d.message.clone(),
-                observed_generation: generation,
-                reason: d.reason.to_owned(),
-                status: status.to_owned(),
-                type_: d.type_.to_owned(),
-            }
-        })
-        .collect()
+        .filter(|c| desired.iter().any(|d| d.type_ == c.type_))
+        .cloned()
+        .collect();
+    out.sort_by(|a, b| a.type_.cmp(&b.type_));
+    for d in desired {
+        set_condition(
+            &mut out,
+            condition(
+                d.type_,
+                d.status,
+                d.reason,
+                d.message.clone(),
+                generation,
+                Time(now),
+            ),
+        );
+    }
+    out
 }
 
-/// The standard trio for a resource that is invalid: not ready, not progressing, degraded.
+/// The trio for a resource that cannot be reconciled: not ready, not progressing, degraded.
 pub fn invalid(reason: &'static str, message: &str) -> Vec<Desired> {
     vec![
         Desired::new(READY, false, reason, message),
@@ -93,30 +84,36 @@ pub fn invalid(reason: &'static str, message: &str) -> Vec<Desired> {
     ]
 }
 
-/// The trio from ready/desired counts of the children.
+/// The trio from ready/desired counts (`what` names the counted things).
 pub fn from_counts(what: &str, ready: i32, desired: i32) -> Vec<Desired> {
-    if desired > 0 && ready >= desired {
-        let msg = format!("{ready}/{desired} {what} ready");
-        vec![
-            Desired::new(READY, true, reason::AVAILABLE, msg.clone()),
-            Desired::new(PROGRESSING, false, reason::RECONCILED, msg.clone()),
-            Desired::new(DEGRADED, false, reason::AS_EXPECTED, msg),
-        ]
-    } else if desired == 0 {
-        let msg = format!("no {what} scheduled: no node matches the pool's node selector");
+    let msg = format!("{ready}/{desired} {what} ready");
+    if desired == 0 {
+        let msg = format!(
+            "no {what} scheduled: no node matches the pool's node selector and tolerations"
+        );
         vec![
             Desired::new(READY, false, reason::NO_NODES, msg.clone()),
             Desired::new(PROGRESSING, false, reason::NO_NODES, msg.clone()),
             Desired::new(DEGRADED, true, reason::NO_NODES, msg),
         ]
+    } else if ready >= desired {
+        vec![
+            Desired::new(READY, true, reason::AVAILABLE, msg.clone()),
+            Desired::new(PROGRESSING, false, reason::RECONCILED, msg.clone()),
+            Desired::new(DEGRADED, false, reason::AS_EXPECTED, msg),
+        ]
     } else {
-        let msg = format!("{ready}/{desired} {what} ready");
         vec![
             Desired::new(READY, false, reason::NOT_ALL_READY, msg.clone()),
             Desired::new(PROGRESSING, true, reason::ROLLING_OUT, msg.clone()),
             Desired::new(DEGRADED, false, reason::AS_EXPECTED, msg),
         ]
     }
+}
+
+/// The condition of `type_` in `conditions` (tests and status readers).
+pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    kvpool::crd::conditions::find(conditions, type_)
 }
 
 #[cfg(test)]
@@ -127,22 +124,28 @@ mod tests {
         Timestamp::from_second(secs).expect("timestamp")
     }
 
+    fn get<'a>(c: &'a [Condition], type_: &str) -> &'a Condition {
+        find(c, type_).expect("condition present")
+    }
+
     #[test]
     fn transition_time_moves_only_when_status_flips() {
         let first = merge(&[], &from_counts("agents", 0, 2), Some(1), t(100));
         assert!(first.iter().all(|c| c.last_transition_time.0 == t(100)));
+        let types: Vec<&str> = first.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, [DEGRADED, PROGRESSING, READY], "sorted by type");
 
         // Same statuses later (counts changed, message too): times are kept.
         let again = merge(&first, &from_counts("agents", 1, 2), Some(1), t(200));
         assert!(again.iter().all(|c| c.last_transition_time.0 == t(100)));
-        assert_eq!(again[0].message, "1/2 agents ready");
+        assert_eq!(get(&again, READY).message, "1/2 agents ready");
 
         // Ready flips to True and Progressing to False; Degraded stays False.
         let ready = merge(&again, &from_counts("agents", 2, 2), Some(2), t(300));
-        assert_eq!(ready[0].status, "True");
-        assert_eq!(ready[0].last_transition_time.0, t(300));
-        assert_eq!(ready[1].last_transition_time.0, t(300));
-        assert_eq!(ready[2].last_transition_time.0, t(100));
+        assert_eq!(get(&ready, READY).status, "True");
+        assert_eq!(get(&ready, READY).last_transition_time.0, t(300));
+        assert_eq!(get(&ready, PROGRESSING).last_transition_time.0, t(300));
+        assert_eq!(get(&ready, DEGRADED).last_transition_time.0, t(100));
         assert!(ready.iter().all(|c| c.observed_generation == Some(2)));
     }
 
@@ -161,8 +164,7 @@ mod tests {
             t(9),
         );
         assert_eq!(a, b);
-        assert_eq!(a[2].type_, DEGRADED);
-        assert_eq!(a[2].status, "True");
+        assert_eq!(get(&a, DEGRADED).status, "True");
     }
 
     #[test]
@@ -171,5 +173,14 @@ mod tests {
         assert!(!c[0].status);
         assert_eq!(c[0].reason, reason::NO_NODES);
         assert!(c[2].status);
+    }
+
+    #[test]
+    fn conditions_of_other_types_are_dropped() {
+        let mut foreign = merge(&[], &invalid(reason::INVALID_SPEC, "x"), None, t(1));
+        foreign[0].type_ = "Foreign".to_owned();
+        let out = merge(&foreign, &from_counts("agents", 1, 1), None, t(2));
+        assert!(find(&out, "Foreign").is_none());
+        assert_eq!(out.len(), 3);
     }
 }

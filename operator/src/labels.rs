@@ -9,21 +9,18 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 /// Field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "kvpool-operator";
 
-pub const APP_NAME: &str = "app.kubernetes.io/name";
-pub const APP_INSTANCE: &str = "app.kubernetes.io/instance";
-pub const APP_COMPONENT: &str = "app.kubernetes.io/component";
-pub const APP_PART_OF: &str = "app.kubernetes.io/part-of";
-pub const APP_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub use kvpool::crd::labels::{
+    APP_COMPONENT, APP_INSTANCE, APP_MANAGED_BY, APP_NAME, APP_NAME_VALUE, APP_PART_OF, COMPONENT,
+    MANAGED_BY_VALUE, POOL,
+};
 /// Kind of the kvpool resource that owns a child.
 pub const OWNER_KIND: &str = "kvpool.dev/owner-kind";
 /// Name of the kvpool resource that owns a child.
 pub const OWNER_NAME: &str = "kvpool.dev/owner-name";
-/// Name of the KVCachePool a child belongs to (also set on engine pods).
-pub const POOL: &str = "kvpool.dev/pool";
 /// Pod-template annotation with a hash of the mounted config, so pods roll when it changes.
 pub const CONFIG_HASH: &str = "kvpool.dev/config-hash";
 /// Multus annotation naming the secondary networks of a pod.
-pub const MULTUS_NETWORKS: &str = "k8s.v1.cni.cncf.io/networks";
+pub const MULTUS_NETWORKS: &str = kvpool::crd::labels::MULTUS_NETWORKS_ANNOTATION;
 
 /// The longest name of a resource whose children get the longest suffix (`-conductor`), so that
 /// every child name is a valid DNS-1035 label (63 characters).
@@ -61,38 +58,41 @@ pub fn child_name(owner: &str, component: Component) -> String {
 }
 
 /// Labels that select the pods of one component of one owner (stable: used in selectors).
-pub fn selector_labels(owner: &str, component: Component) -> BTreeMap<String, String> {
+/// Same shape as `kvpool::crd::labels::selector_labels`: name, instance, pool, component.
+pub fn selector_labels(pool: &str, owner: &str, component: Component) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (APP_NAME.to_owned(), "kvpool".to_owned()),
+        (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
         (APP_INSTANCE.to_owned(), owner.to_owned()),
-        (APP_COMPONENT.to_owned(), component.as_str().to_owned()),
+        (POOL.to_owned(), pool.to_owned()),
+        (COMPONENT.to_owned(), component.as_str().to_owned()),
     ])
 }
 
-/// All labels of a child: the selector labels plus ownership labels.
+/// All labels of a child: the selector labels, the common `app.kubernetes.io` labels and the
+/// ownership labels by which orphans are found.
 pub fn child_labels(
     owner_kind: &str,
     owner: &str,
     pool: &str,
     component: Component,
 ) -> BTreeMap<String, String> {
-    let mut labels = selector_labels(owner, component);
-    labels.insert(APP_PART_OF.to_owned(), "kvpool".to_owned());
-    labels.insert(APP_MANAGED_BY.to_owned(), FIELD_MANAGER.to_owned());
+    let mut labels = selector_labels(pool, owner, component);
+    labels.insert(APP_COMPONENT.to_owned(), component.as_str().to_owned());
+    labels.insert(APP_PART_OF.to_owned(), APP_NAME_VALUE.to_owned());
+    labels.insert(APP_MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned());
     labels.insert(OWNER_KIND.to_owned(), owner_kind.to_owned());
     labels.insert(OWNER_NAME.to_owned(), owner.to_owned());
-    labels.insert(POOL.to_owned(), pool.to_owned());
     labels
 }
 
 /// Label selector matching every child of one owner (used to find orphans).
 pub fn owner_selector(owner_kind: &str, owner: &str) -> String {
-    format!("{APP_MANAGED_BY}={FIELD_MANAGER},{OWNER_KIND}={owner_kind},{OWNER_NAME}={owner}")
+    format!("{APP_MANAGED_BY}={MANAGED_BY_VALUE},{OWNER_KIND}={owner_kind},{OWNER_NAME}={owner}")
 }
 
 /// Label selector for the owned-object watches: everything this operator manages.
 pub fn managed_selector() -> String {
-    format!("{APP_MANAGED_BY}={FIELD_MANAGER}")
+    format!("{APP_MANAGED_BY}={MANAGED_BY_VALUE}")
 }
 
 /// Metadata of a child: name, namespace, labels and the controller owner reference.
@@ -126,7 +126,7 @@ mod tests {
         let labels = child_labels("KVCachePool", "pool-a", "pool-a", Component::Agent);
         assert_eq!(labels[APP_COMPONENT], "agent");
         assert_eq!(labels[OWNER_KIND], "KVCachePool");
-        for (k, v) in selector_labels("pool-a", Component::Agent) {
+        for (k, v) in selector_labels("pool-a", "pool-a", Component::Agent) {
             assert_eq!(
                 labels[&k], v,
                 "selector label {k} missing from child labels"
@@ -137,6 +137,24 @@ mod tests {
             "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=PrefillPool,kvpool.dev/owner-name=p"
         );
         assert_eq!(MAX_OWNER_NAME_LEN, 53);
+        // The workload labels match the shared definitions in kvpool::crd::labels.
+        use kvpool::crd::labels as shared;
+        for (mine, theirs) in [
+            (Component::Agent, shared::Component::Agent),
+            (Component::Master, shared::Component::Master),
+            (Component::Conductor, shared::Component::Conductor),
+            (Component::Prefill, shared::Component::Prefill),
+            (Component::Decode, shared::Component::Decode),
+        ] {
+            assert_eq!(
+                selector_labels("cache", "inst", mine),
+                shared::selector_labels("cache", "inst", theirs)
+            );
+            let mut common = shared::common_labels("cache", "inst", theirs);
+            common.insert(OWNER_KIND.to_owned(), "K".to_owned());
+            common.insert(OWNER_NAME.to_owned(), "inst".to_owned());
+            assert_eq!(child_labels("K", "inst", "cache", mine), common);
+        }
         assert_eq!(content_hash(b"abc"), content_hash(b"abc"));
         assert_ne!(content_hash(b"abc"), content_hash(b"abd"));
     }

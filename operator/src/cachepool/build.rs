@@ -114,15 +114,11 @@ fn hugepages_str(h: Hugepages) -> &'static str {
     }
 }
 
-fn saturating_u64(v: u128) -> u64 {
-    u64::try_from(v).unwrap_or(u64::MAX)
-}
-
 /// The pool's effective configuration.
 pub fn effective_config(pool: &ValidCachePool) -> EffectiveConfig {
     let spec = &pool.spec;
     let (capacity_bytes, node_memory_percent) = match pool.dram {
-        DramCapacity::Bytes(b) => (Some(saturating_u64(b)), None),
+        DramCapacity::Bytes(b) => (Some(b), None),
         DramCapacity::NodePercent(p) => (None, Some(p)),
     };
     EffectiveConfig {
@@ -143,7 +139,7 @@ pub fn effective_config(pool: &ValidCachePool) -> EffectiveConfig {
         },
         ssd: pool.ssd_bytes.map(|b| SsdConfig {
             path: contract::SSD_MOUNT.to_owned(),
-            capacity_bytes: saturating_u64(b),
+            capacity_bytes: b,
         }),
         transport: TransportConfig {
             protocol: protocol_str(spec.transport.protocol),
@@ -314,7 +310,7 @@ pub fn common_mounts() -> Vec<VolumeMount> {
 
 fn selector(pool: &ValidCachePool, component: Component) -> LabelSelector {
     LabelSelector {
-        match_labels: Some(labels::selector_labels(&pool.name, component)),
+        match_labels: Some(labels::selector_labels(&pool.name, &pool.name, component)),
         ..LabelSelector::default()
     }
 }
@@ -340,7 +336,7 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
     if let (Some(name), DramCapacity::Bytes(bytes)) =
         (hugepages_resource(spec.dram.hugepages), &pool.dram)
     {
-        extra.insert(name.to_owned(), crate::quantity::format_bytes(*bytes));
+        extra.insert(name.to_owned(), kvpool::crd::quantity::format_bytes(*bytes));
     }
     if let Some(sriov) = &spec.transport.sriov {
         extra.insert(
@@ -498,7 +494,7 @@ fn service(pool: &ValidCachePool, component: Component, ports: &[(&str, u16)]) -
     Service {
         metadata: meta(pool, component),
         spec: Some(ServiceSpec {
-            selector: Some(labels::selector_labels(&pool.name, component)),
+            selector: Some(labels::selector_labels(&pool.name, &pool.name, component)),
             ports: Some(
                 ports
                     .iter()

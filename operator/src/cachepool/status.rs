@@ -10,7 +10,7 @@ use super::validate::{DramCapacity, ValidCachePool};
 use crate::conditions::{self, Desired};
 use crate::contract;
 use crate::labels::{self, Component};
-use crate::quantity::format_bytes;
+use kvpool::crd::quantity::format_bytes;
 
 /// The children as the API server returned them from the apply.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -111,7 +111,7 @@ pub fn status(
 ) -> KVCachePoolStatus {
     let (nodes_ready, nodes_desired) = daemonset_counts(&applied.agent);
     let previous_conditions = previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]);
-    let ready_nodes = u128::try_from(nodes_ready).unwrap_or(0);
+    let ready_nodes = u64::try_from(nodes_ready).unwrap_or(0);
     // Capacity is known when it is an explicit amount per node; usage is reported by the master
     // (not by the operator), so the operator keeps whatever value is there.
     let dram = match pool.dram {

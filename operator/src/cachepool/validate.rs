@@ -10,13 +10,13 @@ use kvpool::crd::{Hugepages, KVCachePool, KVCachePoolSpec, Protocol};
 use crate::context::Settings;
 use crate::error::{Error, Result};
 use crate::labels::MAX_OWNER_NAME_LEN;
-use crate::quantity;
+use kvpool::crd::quantity;
 
 /// How much DRAM each node lends.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DramCapacity {
     /// An explicit byte count per node.
-    Bytes(u128),
+    Bytes(u64),
     /// A share of the node's memory, in percent.
     NodePercent(i32),
 }
@@ -30,7 +30,7 @@ pub struct ValidCachePool {
     pub owner: OwnerReference,
     pub spec: KVCachePoolSpec,
     pub dram: DramCapacity,
-    pub ssd_bytes: Option<u128>,
+    pub ssd_bytes: Option<u64>,
     pub agent_image: String,
     pub master_image: String,
     pub conductor_image: String,
@@ -86,7 +86,7 @@ pub fn validate(pool: &KVCachePool, settings: &Settings) -> Result<ValidCachePoo
             ));
         }
         (Some(q), None) => {
-            let bytes = quantity::bytes(q)
+            let bytes = quantity::parse_bytes(q)
                 .map_err(|e| invalid(format!("spec.dram.capacityPerNode: {e}")))?;
             if bytes == 0 {
                 return Err(invalid("spec.dram.capacityPerNode must be positive"));
@@ -116,7 +116,7 @@ pub fn validate(pool: &KVCachePool, settings: &Settings) -> Result<ValidCachePoo
                     ssd.host_path
                 )));
             }
-            let bytes = quantity::bytes(&ssd.capacity_per_node)
+            let bytes = quantity::parse_bytes(&ssd.capacity_per_node)
                 .map_err(|e| invalid(format!("spec.ssd.capacityPerNode: {e}")))?;
             if bytes == 0 {
                 return Err(invalid("spec.ssd.capacityPerNode must be positive"));
