@@ -1,0 +1,642 @@
+//! Admission rules of the kvpool CRDs, checked the way an API server checks them: every CEL rule
+//! taken from the generated CRD is evaluated against objects that must pass and objects that
+//! must fail with that rule's message, and the OpenAPI constraints (ranges, enums, patterns,
+//! unknown fields) are checked with a JSON-schema validator on the same schema. The Rust-side
+//! `Validated*` checks must reject the same invalid specs. No I/O besides the fixtures.
+
+mod crd_support;
+
+use crd_support::{Kind, admission_errors, all_rules, cel_errors, openapi_errors};
+use kvpool::crd::{
+    DecodePool, KVCachePool, PrefillPool, ValidatedEnginePool, ValidatedKVCachePool,
+};
+use serde_json::{Value, json};
+
+/// RFC 7386 merge patch: objects merge, `null` deletes, anything else replaces.
+fn merge(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
+fn base(kind: Kind) -> Value {
+    match kind {
+        Kind::KVCachePool => json!({
+            "apiVersion": "kvpool.dev/v1alpha1",
+            "kind": "KVCachePool",
+            "metadata": {"name": "cache", "namespace": "llm"},
+            "spec": {}
+        }),
+        Kind::PrefillPool | Kind::DecodePool => json!({
+            "apiVersion": "kvpool.dev/v1alpha1",
+            "kind": kind.name(),
+            "metadata": {"name": "engines", "namespace": "llm"},
+            "spec": {
+                "kvCachePoolRef": {"name": "cache"},
+                "engine": {"kind": "vllm", "image": "vllm/vllm-openai:v0.11.0", "model": "Qwen/Qwen3-8B"}
+            }
+        }),
+    }
+}
+
+fn with_spec(kind: Kind, spec_patch: &Value) -> Value {
+    let mut obj = base(kind);
+    merge(&mut obj, &json!({ "spec": spec_patch }));
+    obj
+}
+
+#[derive(Debug)]
+enum Expect {
+    /// Accepted.
+    Valid,
+    /// Rejected by the CEL rule with this exact message (other rules may fail too).
+    Cel(&'static str),
+    /// Rejected by an OpenAPI keyword; an error mentions this text.
+    OpenApi(&'static str),
+}
+
+struct Case {
+    name: &'static str,
+    kinds: &'static [Kind],
+    spec: Value,
+    /// For transition rules: the spec of the stored object.
+    old_spec: Option<Value>,
+    expect: Expect,
+}
+
+const POOL: &[Kind] = &[Kind::KVCachePool];
+const ENGINES: &[Kind] = &[Kind::PrefillPool, Kind::DecodePool];
+
+const DRAM_EXCLUSIVE: &str = "dram: set at most one of capacityPerNode and nodeMemoryPercent";
+const DRAM_HUGEPAGES: &str = "dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount";
+const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
+const SSD_POSITIVE: &str = "ssd.capacityPerNode must be a positive quantity such as 3Ti";
+const SRIOV_TCP: &str = "transport.sriov requires transport.protocol rdma or auto";
+const NETWORKS_TCP: &str = "transport.networks (Multus) requires transport.protocol rdma or auto";
+const DEVICES_TCP: &str =
+    "transport.devices lists RDMA devices and requires transport.protocol rdma or auto";
+const WATERMARKS: &str = "eviction.lowWatermarkPercent must be below eviction.highWatermarkPercent";
+const MASTER_HA: &str =
+    "master.replicas above 1 requires master.etcdEndpoints (HA state lives in etcd)";
+const GPUS_TP: &str = "resources.gpus must be a multiple of tensorParallelSize";
+const REPLICAS_BOUNDS: &str =
+    "replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas";
+const REF_IMMUTABLE: &str = "kvCachePoolRef is immutable; create a new pool instead";
+const MODEL_REQUIRED: &str = "engine.model is required for engine.kind vllm and sglang";
+const AUTOSCALING_BOUNDS: &str = "autoscaling.minReplicas must not exceed autoscaling.maxReplicas";
+
+fn cases() -> Vec<Case> {
+    use Expect::*;
+    let c = |name, kinds, spec, expect| Case {
+        name,
+        kinds,
+        spec,
+        old_spec: None,
+        expect,
+    };
+    vec![
+        // ---- KVCachePool: DRAM
+        c("minimal pool", POOL, json!({}), Valid),
+        c(
+            "dram by quantity",
+            POOL,
+            json!({"dram": {"capacityPerNode": "512Gi"}}),
+            Valid,
+        ),
+        c(
+            "dram by integer bytes",
+            POOL,
+            json!({"dram": {"capacityPerNode": 68719476736u64}}),
+            Valid,
+        ),
+        c(
+            "dram by percent",
+            POOL,
+            json!({"dram": {"nodeMemoryPercent": 40}}),
+            Valid,
+        ),
+        c(
+            "dram both sizes",
+            POOL,
+            json!({"dram": {"capacityPerNode": "64Gi", "nodeMemoryPercent": 40}}),
+            Cel(DRAM_EXCLUSIVE),
+        ),
+        c(
+            "hugepages with quantity",
+            POOL,
+            json!({"dram": {"capacityPerNode": "64Gi", "hugepages": "1Gi"}}),
+            Valid,
+        ),
+        c(
+            "hugepages without quantity",
+            POOL,
+            json!({"dram": {"hugepages": "2Mi"}}),
+            Cel(DRAM_HUGEPAGES),
+        ),
+        c(
+            "hugepages with percent",
+            POOL,
+            json!({"dram": {"nodeMemoryPercent": 40, "hugepages": "2Mi"}}),
+            Cel(DRAM_HUGEPAGES),
+        ),
+        c(
+            "dram zero",
+            POOL,
+            json!({"dram": {"capacityPerNode": "0"}}),
+            Cel(DRAM_POSITIVE),
+        ),
+        c(
+            "dram zero integer",
+            POOL,
+            json!({"dram": {"capacityPerNode": 0}}),
+            Cel(DRAM_POSITIVE),
+        ),
+        c(
+            "dram negative",
+            POOL,
+            json!({"dram": {"capacityPerNode": "-1Gi"}}),
+            Cel(DRAM_POSITIVE),
+        ),
+        c(
+            "dram not a quantity",
+            POOL,
+            json!({"dram": {"capacityPerNode": "lots"}}),
+            Cel(DRAM_POSITIVE),
+        ),
+        c(
+            "dram percent 0",
+            POOL,
+            json!({"dram": {"nodeMemoryPercent": 0}}),
+            OpenApi("nodeMemoryPercent"),
+        ),
+        c(
+            "dram percent 101",
+            POOL,
+            json!({"dram": {"nodeMemoryPercent": 101}}),
+            OpenApi("nodeMemoryPercent"),
+        ),
+        c(
+            "hugepages 4Mi",
+            POOL,
+            json!({"dram": {"capacityPerNode": "64Gi", "hugepages": "4Mi"}}),
+            OpenApi("hugepages"),
+        ),
+        c(
+            "numa policy unknown",
+            POOL,
+            json!({"dram": {"numaPolicy": "spread"}}),
+            OpenApi("numaPolicy"),
+        ),
+        // ---- SSD
+        c(
+            "ssd",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/nvme/kvpool", "capacityPerNode": "3Ti"}}),
+            Valid,
+        ),
+        c(
+            "ssd zero",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/nvme", "capacityPerNode": "0Ti"}}),
+            Cel(SSD_POSITIVE),
+        ),
+        c(
+            "ssd relative path",
+            POOL,
+            json!({"ssd": {"hostPath": "mnt/nvme", "capacityPerNode": "3Ti"}}),
+            OpenApi("hostPath"),
+        ),
+        c(
+            "ssd root path",
+            POOL,
+            json!({"ssd": {"hostPath": "/", "capacityPerNode": "3Ti"}}),
+            OpenApi("hostPath"),
+        ),
+        c(
+            "ssd without capacity",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/nvme"}}),
+            OpenApi("capacityPerNode"),
+        ),
+        // ---- transport
+        c(
+            "rdma with sriov and networks",
+            POOL,
+            json!({"transport": {"protocol": "rdma", "devices": ["mlx5_0"], "sriov": {"resourceName": "nvidia.com/rdma_vf", "count": 8}, "networks": ["kvpool/roce"]}}),
+            Valid,
+        ),
+        c(
+            "auto with sriov",
+            POOL,
+            json!({"transport": {"sriov": {"resourceName": "nvidia.com/rdma_vf"}}}),
+            Valid,
+        ),
+        c(
+            "tcp with sriov",
+            POOL,
+            json!({"transport": {"protocol": "tcp", "sriov": {"resourceName": "nvidia.com/rdma_vf"}}}),
+            Cel(SRIOV_TCP),
+        ),
+        c(
+            "tcp with networks",
+            POOL,
+            json!({"transport": {"protocol": "tcp", "networks": ["roce"]}}),
+            Cel(NETWORKS_TCP),
+        ),
+        c(
+            "tcp with devices",
+            POOL,
+            json!({"transport": {"protocol": "tcp", "devices": ["mlx5_0"]}}),
+            Cel(DEVICES_TCP),
+        ),
+        c(
+            "tcp plain",
+            POOL,
+            json!({"transport": {"protocol": "tcp", "port": 20000}}),
+            Valid,
+        ),
+        c(
+            "protocol udp",
+            POOL,
+            json!({"transport": {"protocol": "udp"}}),
+            OpenApi("protocol"),
+        ),
+        c(
+            "privileged port",
+            POOL,
+            json!({"transport": {"port": 80}}),
+            OpenApi("port"),
+        ),
+        c(
+            "sriov bad resource name",
+            POOL,
+            json!({"transport": {"sriov": {"resourceName": "nvidia.com/rdma vf"}}}),
+            OpenApi("resourceName"),
+        ),
+        c(
+            "sriov zero count",
+            POOL,
+            json!({"transport": {"sriov": {"resourceName": "nvidia.com/rdma_vf", "count": 0}}}),
+            OpenApi("count"),
+        ),
+        // ---- block size, replication
+        c(
+            "block size 0",
+            POOL,
+            json!({"blockSizeTokens": 0}),
+            OpenApi("blockSizeTokens"),
+        ),
+        c(
+            "replicas 8",
+            POOL,
+            json!({"replication": {"replicas": 8}}),
+            Valid,
+        ),
+        c(
+            "replicas 9",
+            POOL,
+            json!({"replication": {"replicas": 9}}),
+            OpenApi("replicas"),
+        ),
+        c(
+            "replicas 0",
+            POOL,
+            json!({"replication": {"replicas": 0}}),
+            OpenApi("replicas"),
+        ),
+        // ---- eviction
+        c(
+            "watermarks equal",
+            POOL,
+            json!({"eviction": {"highWatermarkPercent": 85, "lowWatermarkPercent": 85}}),
+            Cel(WATERMARKS),
+        ),
+        c(
+            "watermarks inverted",
+            POOL,
+            json!({"eviction": {"highWatermarkPercent": 70, "lowWatermarkPercent": 80}}),
+            Cel(WATERMARKS),
+        ),
+        c(
+            "low above default high",
+            POOL,
+            json!({"eviction": {"lowWatermarkPercent": 95}}),
+            Cel(WATERMARKS),
+        ),
+        c(
+            "watermarks ok",
+            POOL,
+            json!({"eviction": {"highWatermarkPercent": 95, "lowWatermarkPercent": 60, "policy": "lfu"}}),
+            Valid,
+        ),
+        c(
+            "eviction policy unknown",
+            POOL,
+            json!({"eviction": {"policy": "random"}}),
+            OpenApi("policy"),
+        ),
+        // ---- master, conductor
+        c(
+            "master ha",
+            POOL,
+            json!({"master": {"replicas": 3, "etcdEndpoints": ["http://etcd-0.etcd:2379"]}}),
+            Valid,
+        ),
+        c(
+            "master replicas without etcd",
+            POOL,
+            json!({"master": {"replicas": 3}}),
+            Cel(MASTER_HA),
+        ),
+        c(
+            "etcd endpoint without scheme",
+            POOL,
+            json!({"master": {"etcdEndpoints": ["etcd:2379"]}}),
+            OpenApi("etcdEndpoints"),
+        ),
+        c(
+            "conductor off",
+            POOL,
+            json!({"conductor": {"enabled": false}}),
+            Valid,
+        ),
+        c(
+            "conductor slo zero",
+            POOL,
+            json!({"conductor": {"slo": {"ttftMillis": 0}}}),
+            OpenApi("ttftMillis"),
+        ),
+        c(
+            "unknown field",
+            POOL,
+            json!({"dram": {"capacity": "64Gi"}}),
+            OpenApi("capacity"),
+        ),
+        // ---- engine pools
+        c("minimal engines", ENGINES, json!({}), Valid),
+        c(
+            "tp 4 on 8 gpus",
+            ENGINES,
+            json!({"tensorParallelSize": 4, "resources": {"gpus": 8}}),
+            Valid,
+        ),
+        c(
+            "tp 4 on 2 gpus",
+            ENGINES,
+            json!({"tensorParallelSize": 4, "resources": {"gpus": 2}}),
+            Cel(GPUS_TP),
+        ),
+        c(
+            "tp 3 on 8 gpus",
+            ENGINES,
+            json!({"tensorParallelSize": 3, "resources": {"gpus": 8}}),
+            Cel(GPUS_TP),
+        ),
+        c(
+            "cpu-only custom engine",
+            ENGINES,
+            json!({"resources": {"gpus": 0}, "engine": {"kind": "custom", "model": null}}),
+            Valid,
+        ),
+        c(
+            "vllm without model",
+            ENGINES,
+            json!({"engine": {"model": null}}),
+            Cel(MODEL_REQUIRED),
+        ),
+        c(
+            "sglang without model",
+            ENGINES,
+            json!({"engine": {"kind": "sglang", "model": null}}),
+            Cel(MODEL_REQUIRED),
+        ),
+        c(
+            "engine kind unknown",
+            ENGINES,
+            json!({"engine": {"kind": "trtllm"}}),
+            OpenApi("kind"),
+        ),
+        c(
+            "engine without image",
+            ENGINES,
+            json!({"engine": {"image": null}}),
+            OpenApi("image"),
+        ),
+        c(
+            "autoscaling ok",
+            ENGINES,
+            json!({"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}),
+            Valid,
+        ),
+        c(
+            "replicas above max",
+            ENGINES,
+            json!({"replicas": 6, "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}),
+            Cel(REPLICAS_BOUNDS),
+        ),
+        c(
+            "replicas below min",
+            ENGINES,
+            json!({"replicas": 1, "autoscaling": {"minReplicas": 2, "maxReplicas": 4}}),
+            Cel(REPLICAS_BOUNDS),
+        ),
+        c(
+            "min above max",
+            ENGINES,
+            json!({"replicas": 3, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
+            Cel(AUTOSCALING_BOUNDS),
+        ),
+        c(
+            "autoscaling signal unknown",
+            ENGINES,
+            json!({"autoscaling": {"maxReplicas": 2, "signal": "cpu"}}),
+            OpenApi("signal"),
+        ),
+        c(
+            "pool ref bad name",
+            ENGINES,
+            json!({"kvCachePoolRef": {"name": "Cache_1"}}),
+            OpenApi("name"),
+        ),
+        c(
+            "pool ref missing",
+            ENGINES,
+            json!({"kvCachePoolRef": null}),
+            OpenApi("kvCachePoolRef"),
+        ),
+        c(
+            "tp 0",
+            ENGINES,
+            json!({"tensorParallelSize": 0}),
+            OpenApi("tensorParallelSize"),
+        ),
+        Case {
+            name: "pool ref unchanged on update",
+            kinds: ENGINES,
+            spec: json!({"replicas": 3}),
+            old_spec: Some(json!({})),
+            expect: Valid,
+        },
+        Case {
+            name: "pool ref changed on update",
+            kinds: ENGINES,
+            spec: json!({"kvCachePoolRef": {"name": "other"}}),
+            old_spec: Some(json!({})),
+            expect: Cel(REF_IMMUTABLE),
+        },
+    ]
+}
+
+#[test]
+fn every_case_is_accepted_or_rejected_as_expected() {
+    let mut failures = Vec::new();
+    for case in cases() {
+        for &kind in case.kinds {
+            let obj = with_spec(kind, &case.spec);
+            let old = case.old_spec.as_ref().map(|s| with_spec(kind, s));
+            let label = format!("{} / {}", kind.name(), case.name);
+            match &case.expect {
+                Expect::Valid => {
+                    let errors = admission_errors(kind, &obj, old.as_ref());
+                    if !errors.is_empty() {
+                        failures.push(format!("{label}: expected valid, got {errors:?}"));
+                    }
+                }
+                Expect::Cel(message) => {
+                    let openapi = openapi_errors(kind, &obj);
+                    if !openapi.is_empty() {
+                        failures.push(format!(
+                            "{label}: expected only CEL failures, OpenAPI says {openapi:?}"
+                        ));
+                    }
+                    let errors = cel_errors(kind, &obj, old.as_ref());
+                    if !errors.iter().any(|e| e == message) {
+                        failures.push(format!(
+                            "{label}: expected CEL message {message:?}, got {errors:?}"
+                        ));
+                    }
+                }
+                Expect::OpenApi(fragment) => {
+                    let errors = openapi_errors(kind, &obj);
+                    if !errors.iter().any(|e| e.contains(fragment)) {
+                        failures.push(format!(
+                            "{label}: expected an OpenAPI error about {fragment:?}, got {errors:?}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "\n{}", failures.join("\n"));
+}
+
+#[test]
+fn every_generated_rule_has_a_failing_case() {
+    let cases = cases();
+    let mut missing = Vec::new();
+    for (kind, rule) in all_rules() {
+        let covered = cases.iter().any(|c| {
+            c.kinds.contains(&kind) && matches!(c.expect, Expect::Cel(m) if m == rule.message)
+        });
+        if !covered {
+            missing.push(format!(
+                "{} {} `{}`: {:?}",
+                kind.name(),
+                rule.path,
+                rule.rule,
+                rule.message
+            ));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "CEL rules without a failing case:\n{}",
+        missing.join("\n")
+    );
+    // and no case expects a message that no rule produces
+    let messages: Vec<String> = all_rules().into_iter().map(|(_, r)| r.message).collect();
+    for c in &cases {
+        if let Expect::Cel(m) = c.expect {
+            assert!(
+                messages.iter().any(|x| x == m),
+                "case {:?} expects unknown message {m:?}",
+                c.name
+            );
+        }
+    }
+}
+
+#[test]
+fn rule_messages_name_a_field() {
+    for (kind, rule) in all_rules() {
+        let first_word = rule.message.split([' ', ':']).next().unwrap_or_default();
+        let named = first_word.split('.').next().is_some_and(|root| {
+            rule.message.contains(root)
+                && !root.is_empty()
+                && root.chars().next().is_some_and(char::is_lowercase)
+        });
+        assert!(
+            named,
+            "{} rule at {} has a message that does not start with a field: {:?}",
+            kind.name(),
+            rule.path,
+            rule.message
+        );
+    }
+}
+
+/// The operator's Rust checks reject what the API server rejects (for specs that parse).
+#[test]
+fn rust_validation_agrees_with_cel() {
+    let mut disagreements = Vec::new();
+    for case in cases() {
+        if case.old_spec.is_some() || matches!(case.expect, Expect::OpenApi(_)) {
+            continue;
+        }
+        for &kind in case.kinds {
+            let obj = with_spec(kind, &case.spec);
+            let rust = match kind {
+                Kind::KVCachePool => serde_json::from_value::<KVCachePool>(obj)
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| {
+                        ValidatedKVCachePool::validate(&p.spec)
+                            .map(drop)
+                            .map_err(|e| e.to_string())
+                    }),
+                Kind::PrefillPool => serde_json::from_value::<PrefillPool>(obj)
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| {
+                        ValidatedEnginePool::from_prefill(&p.spec)
+                            .map(drop)
+                            .map_err(|e| e.to_string())
+                    }),
+                Kind::DecodePool => serde_json::from_value::<DecodePool>(obj)
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| {
+                        ValidatedEnginePool::from_decode(&p.spec)
+                            .map(drop)
+                            .map_err(|e| e.to_string())
+                    }),
+            };
+            let expected_ok = matches!(case.expect, Expect::Valid);
+            if rust.is_ok() != expected_ok {
+                disagreements.push(format!(
+                    "{} / {}: Rust says {rust:?}, expected {:?}",
+                    kind.name(),
+                    case.name,
+                    case.expect
+                ));
+            }
+        }
+    }
+    assert!(disagreements.is_empty(), "\n{}", disagreements.join("\n"));
+}

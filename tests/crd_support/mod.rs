@@ -1,0 +1,213 @@
+//! Test helpers for the kvpool custom resources: what an API server would check on a create or
+//! update, run in-process. The OpenAPI half uses `jsonschema` on the CRD's openAPIV3Schema
+//! (strict: unknown fields are errors, as `kubectl apply --validate=strict` reports them); the
+//! CEL half uses `kube-cel` on the same schema's `x-kubernetes-validations`, after applying the
+//! schema's defaults like the API server. The rule texts always come from the generated CRD.
+#![allow(dead_code)]
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+use kvpool::crd::{self, DecodePool, KVCachePool, PrefillPool};
+use serde_json::{Map, Value, json};
+
+/// The three kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    KVCachePool,
+    PrefillPool,
+    DecodePool,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::KVCachePool, Kind::PrefillPool, Kind::DecodePool];
+
+    pub fn crd(self) -> CustomResourceDefinition {
+        match self {
+            Kind::KVCachePool => KVCachePool::crd(),
+            Kind::PrefillPool => PrefillPool::crd(),
+            Kind::DecodePool => DecodePool::crd(),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::KVCachePool => "KVCachePool",
+            Kind::PrefillPool => "PrefillPool",
+            Kind::DecodePool => "DecodePool",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+/// The openAPIV3Schema of the (only) version of a CRD, as JSON.
+pub fn schema(kind: Kind) -> Value {
+    let crd = kind.crd();
+    assert_eq!(crd.spec.versions.len(), 1, "one version per CRD");
+    let schema = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .expect("generated CRD has an openAPIV3Schema");
+    serde_json::to_value(schema).expect("schema serializes")
+}
+
+/// One `x-kubernetes-validations` entry and where it sits.
+#[derive(Debug, Clone)]
+pub struct RuleAt {
+    /// Property path from the object root, e.g. `spec.dram`.
+    pub path: String,
+    pub rule: String,
+    pub message: String,
+}
+
+/// Every CEL rule in a schema, depth first.
+pub fn rules(schema: &Value) -> Vec<RuleAt> {
+    fn walk(s: &Value, path: &str, out: &mut Vec<RuleAt>) {
+        if let Some(list) = s.get("x-kubernetes-validations").and_then(Value::as_array) {
+            for r in list {
+                out.push(RuleAt {
+                    path: path.to_owned(),
+                    rule: r["rule"].as_str().expect("rule is a string").to_owned(),
+                    message: r["message"]
+                        .as_str()
+                        .expect("every rule has a message")
+                        .to_owned(),
+                });
+            }
+        }
+        if let Some(props) = s.get("properties").and_then(Value::as_object) {
+            for (name, sub) in props {
+                let p = if path.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{path}.{name}")
+                };
+                walk(sub, &p, out);
+            }
+        }
+        if let Some(items) = s.get("items") {
+            walk(items, &format!("{path}[]"), out);
+        }
+        if let Some(extra) = s.get("additionalProperties").filter(|a| a.is_object()) {
+            walk(extra, &format!("{path}{{}}"), out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(schema, "", &mut out);
+    out
+}
+
+/// Messages of the CEL rules that `object` fails (as an update of `old` when given).
+pub fn cel_errors(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<String> {
+    let schema = schema(kind);
+    match kube_cel::Validator::new().validate(&schema, object, old) {
+        Ok(()) => Vec::new(),
+        Err(errors) => errors.into_vec().into_iter().map(|e| e.message).collect(),
+    }
+}
+
+/// The schema in the form a JSON-schema validator understands, made strict the way the API
+/// server's strict field validation is: OpenAPI `nullable` becomes a `null` type,
+/// `x-kubernetes-int-or-string` becomes integer-or-string, and objects with declared properties
+/// reject unknown ones. The implicit root fields (apiVersion, kind, metadata) are declared.
+pub fn strict_json_schema(kind: Kind) -> Value {
+    fn convert(s: &Value) -> Value {
+        let Some(map) = s.as_object() else {
+            return s.clone();
+        };
+        let mut out = Map::new();
+        for (k, v) in map {
+            let converted = match k.as_str() {
+                "properties" => Value::Object(
+                    v.as_object()
+                        .expect("properties is an object")
+                        .iter()
+                        .map(|(name, sub)| (name.clone(), convert(sub)))
+                        .collect(),
+                ),
+                "items" | "additionalProperties" | "not" => convert(v),
+                "allOf" | "anyOf" | "oneOf" => {
+                    Value::Array(v.as_array().expect("array").iter().map(convert).collect())
+                }
+                _ => v.clone(),
+            };
+            out.insert(k.clone(), converted);
+        }
+        if map.get("x-kubernetes-int-or-string") == Some(&Value::Bool(true))
+            && !map.contains_key("type")
+        {
+            out.insert("type".into(), json!(["integer", "string"]));
+        }
+        if map.get("nullable") == Some(&Value::Bool(true)) {
+            match out.get("type").cloned() {
+                Some(Value::String(t)) => {
+                    out.insert("type".into(), json!([t, "null"]));
+                }
+                Some(Value::Array(mut ts)) => {
+                    ts.push(json!("null"));
+                    out.insert("type".into(), Value::Array(ts));
+                }
+                _ => {}
+            }
+        }
+        let preserve = map.get("x-kubernetes-preserve-unknown-fields") == Some(&Value::Bool(true));
+        if map.contains_key("properties") && !map.contains_key("additionalProperties") && !preserve
+        {
+            out.insert("additionalProperties".into(), Value::Bool(false));
+        }
+        Value::Object(out)
+    }
+    let mut root = convert(&schema(kind));
+    let props = root["properties"]
+        .as_object_mut()
+        .expect("root has properties");
+    props.insert(
+        "apiVersion".into(),
+        json!({"type": "string", "enum": ["kvpool.dev/v1alpha1"]}),
+    );
+    props.insert(
+        "kind".into(),
+        json!({"type": "string", "enum": [kind.name()]}),
+    );
+    props.insert("metadata".into(), json!({"type": "object"}));
+    root
+}
+
+/// OpenAPI (non-CEL) violations of `object`, each as `path: message`.
+pub fn openapi_errors(kind: Kind, object: &Value) -> Vec<String> {
+    let schema = strict_json_schema(kind);
+    let validator = jsonschema::draft4::new(&schema).expect("CRD schema compiles as JSON schema");
+    validator
+        .iter_errors(object)
+        .map(|e| format!("{}: {e}", e.instance_path()))
+        .collect()
+}
+
+/// Everything an API server would reject on create (or on update from `old`): OpenAPI errors
+/// first, then failing CEL rules.
+pub fn admission_errors(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<String> {
+    let mut errors = openapi_errors(kind, object);
+    errors.extend(cel_errors(kind, object, old));
+    errors
+}
+
+/// Parses a YAML document into JSON.
+pub fn yaml_to_json(text: &str) -> Value {
+    serde_saphyr::from_str(text).expect("fixture is valid YAML")
+}
+
+/// All CRDs' rule messages per kind.
+pub fn all_rules() -> Vec<(Kind, RuleAt)> {
+    Kind::ALL
+        .into_iter()
+        .flat_map(|k| rules(&schema(k)).into_iter().map(move |r| (k, r)))
+        .collect()
+}
+
+/// Kept so that a helper module that only some test binaries use does not warn.
+pub fn _crds() -> Vec<CustomResourceDefinition> {
+    crd::crds()
+}
