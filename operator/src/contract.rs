@@ -3,6 +3,8 @@
 //! the CLIs (`kvpool-agent`, `kvpool master`, `kvpool conductor`) and the engines can be checked
 //! against one list. Documented in docs/engine-contract.md. I/O boundary: none (pure data).
 
+use kvpool::crd::Role;
+
 /// Directory the pool ConfigMap is mounted at in every container.
 pub const CONFIG_DIR: &str = "/etc/kvpool";
 /// Key of the effective pool configuration in the ConfigMap (and file name under [`CONFIG_DIR`]).
@@ -21,8 +23,6 @@ pub const HOST_SOCKET_DIR: &str = "/run/kvpool";
 pub const SOCKET_DIR: &str = "/run/kvpool";
 /// File name of the agent's Unix socket inside [`SOCKET_DIR`].
 pub const AGENT_SOCKET_FILE: &str = "agent.sock";
-/// Mount point of the SSD tier inside the agent container.
-pub const SSD_MOUNT: &str = "/var/lib/kvpool/ssd";
 
 /// Port of the admin server (/livez, /readyz, /metrics) in every kvpool container.
 pub const ADMIN_PORT: u16 = 9090;
@@ -147,27 +147,10 @@ pub fn conductor_args(master_addr: &str, ttft_slo_ms: u64, tpot_slo_ms: u64) -> 
     ]
 }
 
-/// Role of an engine pool in disaggregated serving.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineRole {
-    Prefill,
-    Decode,
-}
-
-impl EngineRole {
-    /// Lower-case name used in labels, env vars and engine flags.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EngineRole::Prefill => "prefill",
-            EngineRole::Decode => "decode",
-        }
-    }
-}
-
 /// What the engine needs to know to be started with sensible disaggregation defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineLaunch<'a> {
-    pub role: EngineRole,
+    pub role: Role,
     pub model: &'a str,
     pub tensor_parallel_size: u32,
     pub user_args: &'a [String],
@@ -178,8 +161,8 @@ pub struct EngineLaunch<'a> {
 /// from `MOONCAKE_CONFIG_PATH`. User args come last so they override the defaults.
 pub fn vllm_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>) {
     let kv_role = match launch.role {
-        EngineRole::Prefill => "kv_producer",
-        EngineRole::Decode => "kv_consumer",
+        Role::Prefill => "kv_producer",
+        Role::Decode => "kv_consumer",
     };
     let transfer = format!(r#"{{"kv_connector":"MooncakeStoreConnector","kv_role":"{kv_role}"}}"#);
     let mut args = vec![
@@ -258,7 +241,7 @@ mod tests {
     fn engine_defaults_follow_role_and_keep_user_args_last() {
         let user = vec!["--max-model-len".to_owned(), "8192".to_owned()];
         let launch = EngineLaunch {
-            role: EngineRole::Decode,
+            role: Role::Decode,
             model: "Qwen/Qwen3-8B",
             tensor_parallel_size: 2,
             user_args: &user,
@@ -273,7 +256,7 @@ mod tests {
         assert_eq!(&args[args.len() - 2..], user.as_slice());
 
         let (cmd, args) = sglang_command_args(&EngineLaunch {
-            role: EngineRole::Prefill,
+            role: Role::Prefill,
             ..launch
         });
         assert_eq!(cmd, ["python3"]);

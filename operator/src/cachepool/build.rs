@@ -16,10 +16,10 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kvpool::crd::{EvictionPolicy, Hugepages, NumaPolicy, Protocol};
+use kvpool::crd::{DramCapacity, Hugepages, Protocol, ValidatedKVCachePool};
 use serde::Serialize;
 
-use super::validate::{DramCapacity, ValidCachePool};
+use super::validate::ValidCachePool;
 use crate::contract;
 use crate::error::{Error, Result};
 use crate::labels::{self, Component};
@@ -39,63 +39,31 @@ pub struct CachePoolChildren {
     pub conductor: Option<(Deployment, Service)>,
 }
 
-/// The effective configuration written to `config.yaml`, read by the agent and the master.
-/// Field names are the contract documented in docs/engine-contract.md.
+/// The document written to `config.yaml`, read by the agent, master and conductor: the pool's
+/// identity and addresses, followed by the effective settings (`kvpool::crd::ValidatedKVCachePool`,
+/// flattened, so a reader that only knows that type can read the file as it is).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct EffectiveConfig {
-    pub pool: String,
-    pub namespace: String,
-    pub block_size_tokens: i32,
+pub struct PoolConfig<'a> {
+    pub pool: &'a str,
+    pub namespace: &'a str,
     pub master_addr: String,
     pub auth_key_file: String,
-    pub dram: DramConfig,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ssd: Option<SsdConfig>,
-    pub transport: TransportConfig,
-    pub replication: ReplicationConfig,
-    pub eviction: EvictionConfig,
+    pub agent_socket: String,
+    #[serde(flatten)]
+    pub effective: &'a ValidatedKVCachePool,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DramConfig {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub capacity_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub node_memory_percent: Option<i32>,
-    pub hugepages: &'static str,
-    pub numa_policy: &'static str,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SsdConfig {
-    pub path: String,
-    pub capacity_bytes: u64,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct TransportConfig {
-    pub protocol: &'static str,
-    pub devices: Vec<String>,
-    pub port: i32,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ReplicationConfig {
-    pub replicas: i32,
-    pub spread_label_key: String,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct EvictionConfig {
-    pub high_watermark_percent: i32,
-    pub low_watermark_percent: i32,
-    pub policy: &'static str,
+/// The pool's config document.
+pub fn pool_config(pool: &ValidCachePool) -> PoolConfig<'_> {
+    PoolConfig {
+        pool: &pool.name,
+        namespace: &pool.namespace,
+        master_addr: pool.master_addr(),
+        auth_key_file: contract::auth_key_path(),
+        agent_socket: contract::agent_socket_path(),
+        effective: &pool.effective,
+    }
 }
 
 fn protocol_str(p: Protocol) -> &'static str {
@@ -106,85 +74,30 @@ fn protocol_str(p: Protocol) -> &'static str {
     }
 }
 
-fn hugepages_str(h: Hugepages) -> &'static str {
-    match h {
-        Hugepages::None => "none",
-        Hugepages::Size2Mi => "2Mi",
-        Hugepages::Size1Gi => "1Gi",
-    }
-}
-
-/// The pool's effective configuration.
-pub fn effective_config(pool: &ValidCachePool) -> EffectiveConfig {
-    let spec = &pool.spec;
-    let (capacity_bytes, node_memory_percent) = match pool.dram {
-        DramCapacity::Bytes(b) => (Some(b), None),
-        DramCapacity::NodePercent(p) => (None, Some(p)),
-    };
-    EffectiveConfig {
-        pool: pool.name.clone(),
-        namespace: pool.namespace.clone(),
-        block_size_tokens: spec.block_size_tokens,
-        master_addr: pool.master_addr(),
-        auth_key_file: contract::auth_key_path(),
-        dram: DramConfig {
-            capacity_bytes,
-            node_memory_percent,
-            hugepages: hugepages_str(spec.dram.hugepages),
-            numa_policy: match spec.dram.numa_policy {
-                NumaPolicy::Local => "local",
-                NumaPolicy::Interleave => "interleave",
-                NumaPolicy::None => "none",
-            },
-        },
-        ssd: pool.ssd_bytes.map(|b| SsdConfig {
-            path: contract::SSD_MOUNT.to_owned(),
-            capacity_bytes: b,
-        }),
-        transport: TransportConfig {
-            protocol: protocol_str(spec.transport.protocol),
-            devices: spec.transport.devices.clone(),
-            port: spec.transport.port,
-        },
-        replication: ReplicationConfig {
-            replicas: spec.replication.replicas,
-            spread_label_key: spec.replication.spread_label_key.clone(),
-        },
-        eviction: EvictionConfig {
-            high_watermark_percent: spec.eviction.high_watermark_percent,
-            low_watermark_percent: spec.eviction.low_watermark_percent,
-            policy: match spec.eviction.policy {
-                EvictionPolicy::Lru => "lru",
-                EvictionPolicy::Lfu => "lfu",
-            },
-        },
-    }
-}
-
 /// The engine-facing JSON config (`engine.json`): what a KV connector inside vLLM or SGLang
 /// needs to reach the pool. Keys follow the Mooncake store connector's config file where they
 /// overlap, so that connector can read it as it is.
 pub fn engine_config(pool: &ValidCachePool) -> serde_json::Value {
-    let spec = &pool.spec;
+    let transport = &pool.effective.transport;
     serde_json::json!({
         "pool": pool.name,
         "master_server_address": pool.master_addr(),
         "metadata_server": "P2PHANDSHAKE",
-        "protocol": match spec.transport.protocol {
+        "protocol": match transport.protocol {
             Protocol::Tcp => "tcp",
             Protocol::Rdma | Protocol::Auto => "rdma",
         },
-        "kvpool_protocol": protocol_str(spec.transport.protocol),
-        "device_name": spec.transport.devices.join(","),
+        "kvpool_protocol": protocol_str(transport.protocol),
+        "device_name": transport.devices.join(","),
         "agent_socket": contract::agent_socket_path(),
-        "block_size_tokens": spec.block_size_tokens,
+        "block_size_tokens": pool.effective.block_size_tokens,
         "auth_key_file": contract::auth_key_path(),
     })
 }
 
 /// Render the ConfigMap data: `config.yaml` and `engine.json`.
 pub fn config_data(pool: &ValidCachePool) -> Result<BTreeMap<String, String>> {
-    let yaml = serde_saphyr::to_string(&effective_config(pool))
+    let yaml = serde_saphyr::to_string(&pool_config(pool))
         .map_err(|e| Error::RenderConfig(e.to_string()))?;
     let json =
         serde_json::to_string_pretty(&engine_config(pool)).map_err(|source| Error::Serialize {
@@ -333,12 +246,11 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
     let spec = &pool.spec;
     let mut res = spec.agent.resources.clone().unwrap_or_default();
     let mut extra: BTreeMap<String, Quantity> = BTreeMap::new();
-    if let (Some(name), DramCapacity::Bytes(bytes)) =
-        (hugepages_resource(spec.dram.hugepages), &pool.dram)
-    {
-        extra.insert(name.to_owned(), kvpool::crd::quantity::format_bytes(*bytes));
+    let hugepages = hugepages_resource(pool.effective.dram.hugepages);
+    if let (Some(name), DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
+        extra.insert(name.to_owned(), kvpool::crd::quantity::format_bytes(bytes));
     }
-    if let Some(sriov) = &spec.transport.sriov {
+    if let Some(sriov) = &pool.effective.transport.sriov {
         extra.insert(
             sriov.resource_name.clone(),
             Quantity(sriov.count.to_string()),
@@ -352,7 +264,7 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
             limits.insert(k, v);
         }
         // Hugepage requests need a cpu or memory request next to them.
-        if hugepages_resource(spec.dram.hugepages).is_some() && !requests.contains_key("memory") {
+        if hugepages.is_some() && !requests.contains_key("memory") {
             requests.insert("memory".to_owned(), Quantity("256Mi".to_owned()));
         }
     }
@@ -364,10 +276,10 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
     let spec = &pool.spec;
     let mut annotations =
         BTreeMap::from([(labels::CONFIG_HASH.to_owned(), config_hash.to_owned())]);
-    if !spec.transport.networks.is_empty() {
+    if !pool.effective.transport.networks.is_empty() {
         annotations.insert(
             labels::MULTUS_NETWORKS.to_owned(),
-            spec.transport.networks.join(","),
+            pool.effective.transport.networks.join(","),
         );
     }
     let mut volumes = vec![
@@ -377,7 +289,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
     ];
     let mut mounts = common_mounts();
     mounts.push(mount("socket", contract::SOCKET_DIR, false));
-    if let Some(ssd) = &spec.ssd {
+    if let Some(ssd) = &pool.effective.ssd {
         volumes.push(Volume {
             name: "ssd".to_owned(),
             host_path: Some(HostPathVolumeSource {
@@ -386,9 +298,11 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
             }),
             ..Volume::default()
         });
-        mounts.push(mount("ssd", contract::SSD_MOUNT, false));
+        // Same path inside the container as on the node, so the config's hostPath is valid in
+        // both places.
+        mounts.push(mount("ssd", &ssd.host_path, false));
     }
-    if let Some(size) = hugepages_resource(spec.dram.hugepages) {
+    if let Some(size) = hugepages_resource(pool.effective.dram.hugepages) {
         let medium = size.trim_start_matches("hugepages-");
         volumes.push(Volume {
             name: "hugepages".to_owned(),
@@ -411,10 +325,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
         ]),
         ports: Some(vec![
             port("admin", contract::ADMIN_PORT),
-            port(
-                "transfer",
-                u16::try_from(spec.transport.port).unwrap_or(contract::AGENT_TRANSFER_PORT),
-            ),
+            port("transfer", pool.effective.transport.port),
         ]),
         resources: agent_resources(pool),
         security_context: Some(SecurityContext {
@@ -555,14 +466,21 @@ pub fn master_service(pool: &ValidCachePool) -> Service {
 /// The conductor Deployment and Service.
 pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Service) {
     let c = &pool.spec.conductor;
+    let slo = pool.effective.conductor.as_ref();
     let container = Container {
         name: "conductor".to_owned(),
         image: Some(pool.conductor_image.clone()),
         command: Some(contract::kvpool_command()),
         args: Some(contract::conductor_args(
             &pool.master_addr(),
-            u64::try_from(c.slo.ttft_millis).unwrap_or(1),
-            u64::try_from(c.slo.tpot_millis).unwrap_or(1),
+            slo.map_or(
+                u64::from(kvpool::crd::defaults::TTFT_MILLIS.unsigned_abs()),
+                |s| u64::from(s.ttft_millis),
+            ),
+            slo.map_or(
+                u64::from(kvpool::crd::defaults::TPOT_MILLIS.unsigned_abs()),
+                |s| u64::from(s.tpot_millis),
+            ),
         )),
         ports: Some(vec![
             port("http", contract::CONDUCTOR_PORT),
@@ -621,6 +539,10 @@ pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> 
         agent: agent_daemonset(pool, &hash),
         master: master_deployment(pool, &hash),
         master_service: master_service(pool),
-        conductor: pool.spec.conductor.enabled.then(|| conductor(pool, &hash)),
+        conductor: pool
+            .effective
+            .conductor
+            .is_some()
+            .then(|| conductor(pool, &hash)),
     })
 }

@@ -6,10 +6,11 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::jiff::Timestamp;
 use kvpool::crd::{KVCachePoolStatus, TierStatus};
 
-use super::validate::{DramCapacity, ValidCachePool};
+use super::validate::ValidCachePool;
 use crate::conditions::{self, Desired};
 use crate::contract;
 use crate::labels::{self, Component};
+use kvpool::crd::DramCapacity;
 use kvpool::crd::quantity::format_bytes;
 
 /// The children as the API server returned them from the apply.
@@ -114,7 +115,7 @@ pub fn status(
     let ready_nodes = u64::try_from(nodes_ready).unwrap_or(0);
     // Capacity is known when it is an explicit amount per node; usage is reported by the master
     // (not by the operator), so the operator keeps whatever value is there.
-    let dram = match pool.dram {
+    let dram = match pool.effective.dram.capacity {
         DramCapacity::Bytes(b) => Some(TierStatus {
             capacity: format_bytes(b.saturating_mul(ready_nodes)),
             used: previous
@@ -122,10 +123,10 @@ pub fn status(
                 .map(|t| t.used.clone())
                 .unwrap_or_else(|| format_bytes(0)),
         }),
-        DramCapacity::NodePercent(_) => previous.and_then(|p| p.dram.clone()),
+        DramCapacity::NodeMemoryPercent(_) => previous.and_then(|p| p.dram.clone()),
     };
-    let ssd = pool.ssd_bytes.map(|b| TierStatus {
-        capacity: format_bytes(b.saturating_mul(ready_nodes)),
+    let ssd = pool.effective.ssd.as_ref().map(|s| TierStatus {
+        capacity: format_bytes(s.capacity_bytes.saturating_mul(ready_nodes)),
         used: previous
             .and_then(|p| p.ssd.as_ref())
             .map(|t| t.used.clone())

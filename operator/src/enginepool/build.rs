@@ -52,11 +52,11 @@ pub fn selector_string(p: &ValidEnginePool) -> String {
 
 /// `command` and `args` of the engine container.
 pub fn command_args(p: &ValidEnginePool) -> (Option<Vec<String>>, Option<Vec<String>>) {
-    let engine = &p.engine;
+    let engine = &p.effective;
     let launch = EngineLaunch {
-        role: p.role,
+        role: engine.role,
         model: engine.model.as_deref().unwrap_or_default(),
-        tensor_parallel_size: u32::try_from(p.tensor_parallel_size).unwrap_or(1),
+        tensor_parallel_size: engine.tensor_parallel_size,
         user_args: &engine.args,
     };
     let (default_command, args) = match engine.kind {
@@ -103,10 +103,10 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
     let mut vars = vec![
         plain_env(env::MASTER_ADDR, p.pool.master_addr()),
         plain_env(env::AGENT_SOCKET, contract::agent_socket_path()),
-        plain_env(env::ROLE, p.role.as_str()),
+        plain_env(env::ROLE, p.effective.role.as_str()),
         plain_env(
             env::BLOCK_SIZE_TOKENS,
-            p.pool.spec.block_size_tokens.to_string(),
+            p.pool.effective.block_size_tokens.to_string(),
         ),
         plain_env(env::AUTH_KEY_FILE, contract::auth_key_path()),
         plain_env(env::CONFIG_FILE, contract::engine_config_path()),
@@ -115,13 +115,13 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
         field_env(env::NODE_NAME, "spec.nodeName"),
         field_env(env::POD_IP, "status.podIP"),
     ];
-    if p.engine.kind == EngineKind::Vllm {
+    if p.effective.kind == EngineKind::Vllm {
         vars.push(plain_env(
             env::MOONCAKE_CONFIG_PATH,
             contract::engine_config_path(),
         ));
     }
-    for user in &p.engine.env {
+    for user in &p.effective.env {
         match vars.iter_mut().find(|v| v.name == user.name) {
             Some(existing) => *existing = user.clone(),
             None => vars.push(user.clone()),
@@ -133,7 +133,7 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
 /// Container resources: the user's, plus GPUs and RDMA resources (requests equal limits, as
 /// extended resources require).
 pub fn engine_resources(p: &ValidEnginePool) -> Option<ResourceRequirements> {
-    let r = &p.resources;
+    let r = &p.effective;
     let mut res = r.container.clone().unwrap_or_default();
     let mut extended: BTreeMap<String, Quantity> = r.rdma.clone();
     if r.gpus > 0 {
@@ -164,7 +164,7 @@ fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
 pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
     let selector = labels::selector_labels(&p.pool.name, &p.name, p.component);
     let (command, args) = command_args(p);
-    let probe = (p.engine.kind != EngineKind::Custom).then(|| Probe {
+    let probe = (p.effective.kind != EngineKind::Custom).then(|| Probe {
         http_get: Some(HTTPGetAction {
             path: Some("/health".to_owned()),
             port: IntOrString::String("http".to_owned()),
@@ -176,7 +176,7 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
     });
     let container = Container {
         name: "engine".to_owned(),
-        image: Some(p.engine.image.clone()),
+        image: Some(p.effective.image.clone()),
         command,
         args,
         env: Some(engine_env(p)),
@@ -200,7 +200,7 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
     let deployment = Deployment {
         metadata: meta(p),
         spec: Some(DeploymentSpec {
-            replicas: Some(p.replicas),
+            replicas: Some(i32::try_from(p.effective.replicas).unwrap_or(i32::MAX)),
             selector: LabelSelector {
                 match_labels: Some(selector.clone()),
                 ..LabelSelector::default()

@@ -28,7 +28,7 @@ use crate::conditions::reason;
 use crate::context::{Context, RESYNC};
 use crate::error::{Error, Result};
 use crate::labels;
-pub use kind::{EnginePool, EngineView};
+pub use kind::EnginePool;
 
 /// What a reconcile did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,7 +107,7 @@ pub fn referencing<K: EnginePool>(store: &Store<K>, pool: &KVCachePool) -> Vec<O
     let mut refs: Vec<ObjectRef<K>> = store
         .state()
         .iter()
-        .filter(|o| o.namespace().as_deref() == Some(ns.as_str()) && o.view().pool_ref == name)
+        .filter(|o| o.namespace().as_deref() == Some(ns.as_str()) && o.pool_ref() == name)
         .map(|o| ObjectRef::from_obj(o.as_ref()))
         .collect();
     refs.sort_by_key(|r| r.name.clone());
@@ -174,7 +174,7 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace);
 
     // Dereference.
-    let pool_name = obj.view().pool_ref.to_owned();
+    let pool_name = obj.pool_ref().to_owned();
     let pools: Api<KVCachePool> = Api::namespaced(ctx.client.clone(), &namespace);
     let pool = pools
         .get_opt(&pool_name)

@@ -58,11 +58,7 @@ pub fn status(
     previous: Option<&EnginePoolStatus>,
     now: Timestamp,
 ) -> EnginePoolStatus {
-    let desired = applied
-        .spec
-        .as_ref()
-        .and_then(|s| s.replicas)
-        .unwrap_or(p.replicas);
+    let desired = applied.spec.as_ref().and_then(|s| s.replicas).unwrap_or(0);
     let st = applied.status.as_ref();
     let replicas = st.and_then(|s| s.replicas).unwrap_or(0);
     let ready = st.and_then(|s| s.ready_replicas).unwrap_or(0);
