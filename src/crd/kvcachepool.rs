@@ -14,8 +14,8 @@ use super::defaults;
 
 /// Desired state of a shared KV cache pool spread over a set of GPU nodes.
 ///
-/// Every field has a default except none: `spec: {}` is a valid pool that uses a quarter of each
-/// matching node's memory, TCP or RDMA as available, and one master and one conductor.
+/// Every field has a default, so `spec: {}` is a valid pool: a quarter of each node's memory,
+/// RDMA where available and TCP elsewhere, one master and one conductor.
 // kube repeats keys (type_, priority) across printcolumn(...) groups by design.
 #[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]

@@ -5,6 +5,8 @@
 //! schema's defaults like the API server. The rule texts always come from the generated CRD.
 #![allow(dead_code)]
 
+pub mod reference;
+
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 use kvpool::crd::{self, DecodePool, KVCachePool, PrefillPool};
