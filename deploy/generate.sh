@@ -16,8 +16,11 @@ fi
 
 shopt -s nullglob
 rm -f charts/kvpool/files/crds/*.yaml
-for crd in crds/*.yaml; do
-  cp "$crd" charts/kvpool/files/crds/
+# Only the CRD files: crds/ also holds a kustomization.yaml.
+for file in crds/*.yaml; do
+  if grep -qx 'kind: CustomResourceDefinition' "$file"; then
+    cp "$file" charts/kvpool/files/crds/
+  fi
 done
 
 # Keep these arguments in step with DEPLOY_RELEASE/DEPLOY_NAMESPACE in operator/tests/packaging.rs.

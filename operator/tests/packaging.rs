@@ -132,8 +132,9 @@ fn read(rel: &str) -> Result<String> {
     std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
 }
 
-/// The YAML files directly inside `rel`, by file name.
-fn yaml_files(rel: &str) -> Result<BTreeMap<String, String>> {
+/// The CustomResourceDefinition files directly inside `rel` (other YAML, such as a
+/// kustomization.yaml, is skipped), by file name.
+fn crd_files(rel: &str) -> Result<BTreeMap<String, String>> {
     let dir = repo_root().join(rel);
     let mut files = BTreeMap::new();
     if !dir.exists() {
@@ -148,7 +149,9 @@ fn yaml_files(rel: &str) -> Result<BTreeMap<String, String>> {
                 .unwrap_or_default();
             let text = std::fs::read_to_string(&path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            files.insert(name, text);
+            if text.lines().any(|l| l == "kind: CustomResourceDefinition") {
+                files.insert(name, text);
+            }
         }
     }
     Ok(files)
@@ -231,28 +234,32 @@ fn describe(doc: &Value) -> String {
     )
 }
 
-/// First place where two JSON values differ, as a JSON pointer with both sides.
+/// First place where two JSON values differ, as a JSON pointer with both sides. Numbers compare
+/// by value (a schema's `maximum: 1024` comes back from its f64 field as `1024.0`).
 fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
     match (a, b) {
         (Value::Object(x), Value::Object(y)) => {
-            for key in x.keys().chain(y.keys()) {
+            for (key, l) in x {
                 let here = format!("{path}/{key}");
-                match (x.get(key), y.get(key)) {
-                    (Some(l), Some(r)) => {
+                match y.get(key) {
+                    Some(r) => {
                         if let Some(d) = first_difference(l, r, &here) {
                             return Some(d);
                         }
                     }
-                    (l, r) => return Some(format!("{here}: {l:?} vs {r:?}")),
+                    None => return Some(format!("{here}: {l} is lost")),
                 }
             }
-            None
+            y.iter()
+                .find(|(key, _)| !x.contains_key(*key))
+                .map(|(key, r)| format!("{path}/{key}: {r} appears"))
         }
         (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
             .iter()
             .zip(y)
             .enumerate()
             .find_map(|(i, (l, r))| first_difference(l, r, &format!("{path}/{i}"))),
+        (Value::Number(x), Value::Number(y)) if x.as_f64() == y.as_f64() => None,
         _ if a == b => None,
         _ => Some(format!("{path}: {a} vs {b}")),
     }
@@ -434,7 +441,13 @@ fn deployments(objects: &[Object]) -> Vec<&Deployment> {
 fn helm_lint_passes_with_default_and_example_values() -> Result<()> {
     run_ok(
         "helm",
-        &["lint", "--strict", "charts/kvpool", "--kube-version", KUBE_VERSION],
+        &[
+            "lint",
+            "--strict",
+            "charts/kvpool",
+            "--kube-version",
+            KUBE_VERSION,
+        ],
     )?;
     for values in EXAMPLE_VALUES {
         run_ok(
@@ -494,7 +507,7 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
         };
         *kinds.entry(kind).or_default() += 1;
     }
-    let crds = yaml_files("crds")?.len();
+    let crds = crd_files("crds")?.len();
     let mut expected = BTreeMap::from([
         ("ServiceAccount", 1),
         ("Service", 1),
@@ -515,10 +528,16 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
         .as_ref()
         .and_then(|s| s.template.spec.as_ref())
         .context("deployment without a pod spec")?;
-    let pod_security = pod.security_context.as_ref().context("no pod securityContext")?;
+    let pod_security = pod
+        .security_context
+        .as_ref()
+        .context("no pod securityContext")?;
     assert_eq!(pod_security.run_as_non_root, Some(true));
     let container = &pod.containers[0];
-    let security = container.security_context.as_ref().context("no securityContext")?;
+    let security = container
+        .security_context
+        .as_ref()
+        .context("no securityContext")?;
     assert_eq!(security.allow_privilege_escalation, Some(false));
     assert_eq!(security.read_only_root_filesystem, Some(true));
     let dropped = security
@@ -533,18 +552,34 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
             .and_then(|p| p.http_get.as_ref())
             .and_then(|h| h.path.clone())
     };
-    assert_eq!(probe_path(&container.liveness_probe).as_deref(), Some("/livez"));
-    assert_eq!(probe_path(&container.readiness_probe).as_deref(), Some("/readyz"));
+    assert_eq!(
+        probe_path(&container.liveness_probe).as_deref(),
+        Some("/livez")
+    );
+    assert_eq!(
+        probe_path(&container.readiness_probe).as_deref(),
+        Some("/readyz")
+    );
     let resources = container.resources.as_ref().context("no resources")?;
-    assert!(resources.requests.as_ref().is_some_and(|r| r.contains_key("memory")));
-    assert!(resources.limits.as_ref().is_some_and(|r| r.contains_key("memory")));
+    assert!(
+        resources
+            .requests
+            .as_ref()
+            .is_some_and(|r| r.contains_key("memory"))
+    );
+    assert!(
+        resources
+            .limits
+            .as_ref()
+            .is_some_and(|r| r.contains_key("memory"))
+    );
     Ok(())
 }
 
 #[test]
 fn chart_crds_are_copies_of_the_generated_crds() -> Result<()> {
-    let generated = yaml_files("crds")?;
-    let in_chart = yaml_files("charts/kvpool/files/crds")?;
+    let generated = crd_files("crds")?;
+    let in_chart = crd_files("charts/kvpool/files/crds")?;
     ensure!(
         generated == in_chart,
         "charts/kvpool/files/crds/ differs from crds/ ({:?} vs {:?}): run deploy/generate.sh",
@@ -564,7 +599,10 @@ fn chart_crds_are_copies_of_the_generated_crds() -> Result<()> {
             _ => None,
         })
         .collect();
-    let names: BTreeSet<&str> = crds.iter().filter_map(|c| c.metadata.name.as_deref()).collect();
+    let names: BTreeSet<&str> = crds
+        .iter()
+        .filter_map(|c| c.metadata.name.as_deref())
+        .collect();
     assert_eq!(names, CRD_NAMES.iter().copied().collect::<BTreeSet<_>>());
     for crd in &crds {
         let keep = crd
@@ -572,7 +610,12 @@ fn chart_crds_are_copies_of_the_generated_crds() -> Result<()> {
             .annotations
             .as_ref()
             .and_then(|a| a.get("helm.sh/resource-policy"));
-        assert_eq!(keep.map(String::as_str), Some("keep"), "{:?}", crd.metadata.name);
+        assert_eq!(
+            keep.map(String::as_str),
+            Some("keep"),
+            "{:?}",
+            crd.metadata.name
+        );
     }
     let (_, objects) = render_objects(&Render {
         values: None,
@@ -592,7 +635,9 @@ fn deploy_manifests_equal_the_chart_rendered_with_defaults() -> Result<()> {
             .zip(committed.lines())
             .position(|(a, b)| a != b)
             .map_or_else(|| "length".to_owned(), |i| format!("line {}", i + 1));
-        bail!("deploy/kvpool.yaml differs from the chart's defaults ({line}): run deploy/generate.sh");
+        bail!(
+            "deploy/kvpool.yaml differs from the chart's defaults ({line}): run deploy/generate.sh"
+        );
     }
     Ok(())
 }
@@ -604,14 +649,28 @@ fn kustomize_installs_namespace_crds_and_operator() -> Result<()> {
     for doc in &docs {
         typed(doc)?;
     }
-    kubernetes_validate("kustomize_installs_namespace_crds_and_operator", "kustomize", &yaml)?;
+    kubernetes_validate(
+        "kustomize_installs_namespace_crds_and_operator",
+        "kustomize",
+        &yaml,
+    )?;
     let got: BTreeSet<(String, String)> = docs
         .iter()
-        .map(|d| (str_at(d, "/kind").to_owned(), str_at(d, "/metadata/name").to_owned()))
+        .map(|d| {
+            (
+                str_at(d, "/kind").to_owned(),
+                str_at(d, "/metadata/name").to_owned(),
+            )
+        })
         .collect();
     let mut expected: BTreeSet<(String, String)> = parse_docs(&helm_template(&DEFAULTS)?)?
         .iter()
-        .map(|d| (str_at(d, "/kind").to_owned(), str_at(d, "/metadata/name").to_owned()))
+        .map(|d| {
+            (
+                str_at(d, "/kind").to_owned(),
+                str_at(d, "/metadata/name").to_owned(),
+            )
+        })
         .collect();
     expected.insert(("Namespace".to_owned(), DEPLOY_NAMESPACE.to_owned()));
     assert_eq!(got, expected);
@@ -666,7 +725,14 @@ fn container_args_parse_with_the_operator_cli() -> Result<()> {
         );
         // Leader election is on exactly when the Lease Role is rendered, for the same Lease.
         let lease_role = objects.iter().find_map(|o| match o {
-            Object::Role(r) if r.metadata.name.as_deref().is_some_and(|n| n.ends_with("-leader-election")) => Some(r),
+            Object::Role(r)
+                if r.metadata
+                    .name
+                    .as_deref()
+                    .is_some_and(|n| n.ends_with("-leader-election")) =>
+            {
+                Some(r)
+            }
             _ => None,
         });
         assert_eq!(run.leader_elect, lease_role.is_some(), "{render:?}");
@@ -685,11 +751,17 @@ fn container_args_parse_with_the_operator_cli() -> Result<()> {
             _ => None,
         });
         match operator_role {
-            Some(role) => assert_eq!(Some(run.namespace.as_str()), role.metadata.namespace.as_deref()),
+            Some(role) => assert_eq!(
+                Some(run.namespace.as_str()),
+                role.metadata.namespace.as_deref()
+            ),
             None => assert_eq!(run.namespace, "", "{render:?}: cluster scope watches all"),
         }
         for image in [&run.agent_image, &run.master_image, &run.conductor_image] {
-            ensure!(image.contains(':') || image.contains('@'), "untagged image {image}");
+            ensure!(
+                image.contains(':') || image.contains('@'),
+                "untagged image {image}"
+            );
         }
     }
     // With default values the workload images equal the operator's own defaults, so the chart
@@ -714,7 +786,10 @@ type Triple = (String, String, String);
 fn triples(rules: &[PolicyRule]) -> Result<BTreeSet<Triple>> {
     let mut out = BTreeSet::new();
     for rule in rules {
-        ensure!(rule.non_resource_urls.is_none(), "non-resource URL rule: {rule:?}");
+        ensure!(
+            rule.non_resource_urls.is_none(),
+            "non-resource URL rule: {rule:?}"
+        );
         for group in rule.api_groups.iter().flatten() {
             for resource in rule.resources.iter().flatten() {
                 for verb in &rule.verbs {
@@ -780,7 +855,10 @@ fn rbac_grants_exactly_what_the_operator_uses() -> Result<()> {
             assert_eq!(subjects[0].namespace.as_deref(), Some(DEPLOY_NAMESPACE));
             bound.insert(role_ref.name.clone());
         }
-        assert_eq!(bound, role_names, "{render:?}: every role bound, no dangling binding");
+        assert_eq!(
+            bound, role_names,
+            "{render:?}: every role bound, no dangling binding"
+        );
     }
     Ok(())
 }
@@ -867,13 +945,20 @@ fn alert_rules_pass_promtool_and_fire_as_intended() -> Result<()> {
         let used = metrics_in(&alert.expr);
         ensure!(!used.is_empty(), "{} uses no operator metric", alert.alert);
         for name in used {
-            ensure!(known.contains(&name), "{} uses unknown metric {name}", alert.alert);
+            ensure!(
+                known.contains(&name),
+                "{} uses unknown metric {name}",
+                alert.alert
+            );
         }
     }
     let dir = scratch_dir("alert_rules_pass_promtool_and_fire_as_intended")?;
     let rules = dir.join("rules.yaml");
     std::fs::write(&rules, serde_json::to_string_pretty(&rule.spec)?)?;
-    std::fs::write(dir.join("alerts-test.yaml"), read("charts/kvpool/ci/alerts-test.yaml")?)?;
+    std::fs::write(
+        dir.join("alerts-test.yaml"),
+        read("charts/kvpool/ci/alerts-test.yaml")?,
+    )?;
     run_ok("promtool", &["check", "rules", &rules.to_string_lossy()])?;
     let test = dir.join("alerts-test.yaml");
     run_ok("promtool", &["test", "rules", &test.to_string_lossy()])?;
@@ -894,7 +979,10 @@ fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
     };
     assert_eq!(config_map.metadata.namespace.as_deref(), Some("monitoring"));
     let labels = config_map.metadata.labels.clone().unwrap_or_default();
-    assert_eq!(labels.get("grafana_dashboard").map(String::as_str), Some("1"));
+    assert_eq!(
+        labels.get("grafana_dashboard").map(String::as_str),
+        Some("1")
+    );
     let data = config_map.data.clone().unwrap_or_default();
     let json = data
         .get("kvpool-operator.json")
@@ -905,14 +993,28 @@ fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
     let panels = dashboard["panels"].as_array().context("no panels")?;
     let mut ids = BTreeSet::new();
     for panel in panels {
-        ensure!(ids.insert(panel["id"].to_string()), "duplicate panel id {}", panel["id"]);
-        let targets = panel["targets"].as_array().context("panel without targets")?;
+        ensure!(
+            ids.insert(panel["id"].to_string()),
+            "duplicate panel id {}",
+            panel["id"]
+        );
+        let targets = panel["targets"]
+            .as_array()
+            .context("panel without targets")?;
         for target in targets {
             let expr = str_at(target, "/expr");
             let used = metrics_in(expr);
-            ensure!(!used.is_empty(), "panel {} queries no metric", panel["title"]);
+            ensure!(
+                !used.is_empty(),
+                "panel {} queries no metric",
+                panel["title"]
+            );
             for name in used {
-                ensure!(known.contains(&name), "panel {} uses unknown {name}", panel["title"]);
+                ensure!(
+                    known.contains(&name),
+                    "panel {} uses unknown {name}",
+                    panel["title"]
+                );
             }
         }
     }
@@ -996,7 +1098,11 @@ fn dockerfiles_build_and_ship_the_binaries_the_chart_runs() -> Result<()> {
             "cargo build --release --locked -p {} --bin {}",
             image.package, image.binary
         );
-        ensure!(build.contains(&build_cmd), "{}: no `{build_cmd}`", image.dockerfile);
+        ensure!(
+            build.contains(&build_cmd),
+            "{}: no `{build_cmd}`",
+            image.dockerfile
+        );
         for flag in image.build_flags {
             ensure!(
                 build.contains(&format!("{build_cmd} {flag}")),
@@ -1007,12 +1113,14 @@ fn dockerfiles_build_and_ship_the_binaries_the_chart_runs() -> Result<()> {
         let last = &stages[stages.len() - 1];
         let binary_path = format!("/usr/local/bin/{}", image.binary);
         ensure!(
-            last.iter().any(|i| i.starts_with("COPY --from=build") && i.ends_with(&binary_path)),
+            last.iter()
+                .any(|i| i.starts_with("COPY --from=build") && i.ends_with(&binary_path)),
             "{}: the final stage does not copy the binary to {binary_path}",
             image.dockerfile
         );
         ensure!(
-            last.iter().any(|i| i == &format!("ENTRYPOINT [\"{binary_path}\"]")),
+            last.iter()
+                .any(|i| i == &format!("ENTRYPOINT [\"{binary_path}\"]")),
             "{}: entrypoint is not {binary_path}",
             image.dockerfile
         );
@@ -1021,7 +1129,12 @@ fn dockerfiles_build_and_ship_the_binaries_the_chart_runs() -> Result<()> {
             .rev()
             .find_map(|i| i.strip_prefix("USER "))
             .with_context(|| format!("{}: final stage sets no USER", image.dockerfile))?;
-        assert_eq!(user.starts_with("0"), image.root, "{}: USER {user}", image.dockerfile);
+        assert_eq!(
+            user.starts_with("0"),
+            image.root,
+            "{}: USER {user}",
+            image.dockerfile
+        );
         let runtime = last.join("\n");
         for package in image.runtime_packages {
             ensure!(
@@ -1031,10 +1144,16 @@ fn dockerfiles_build_and_ship_the_binaries_the_chart_runs() -> Result<()> {
             );
         }
         let ignore = format!("{}.dockerignore", image.dockerfile);
-        ensure!(read(&ignore)?.lines().any(|l| l == "target/"), "{ignore} must skip target/");
+        ensure!(
+            read(&ignore)?.lines().any(|l| l == "target/"),
+            "{ignore} must skip target/"
+        );
     }
     // The chart starts the operator image at the path that image puts the binary.
-    assert_eq!(OPERATOR_BINARY_PATH, format!("/usr/local/bin/{}", IMAGES[0].binary));
+    assert_eq!(
+        OPERATOR_BINARY_PATH,
+        format!("/usr/local/bin/{}", IMAGES[0].binary)
+    );
     Ok(())
 }
 
@@ -1046,7 +1165,9 @@ fn agent_crate_has_the_rdma_feature_its_image_is_built_with() -> Result<()> {
         .find(|section| section.starts_with("features]"))
         .unwrap_or("");
     ensure!(
-        features.lines().any(|l| l.trim_start().starts_with("rdma ")),
+        features
+            .lines()
+            .any(|l| l.trim_start().starts_with("rdma ")),
         "docker/agent.Dockerfile builds kvpool-agent with --features rdma, but agent/Cargo.toml \
          declares no rdma feature"
     );
@@ -1057,7 +1178,11 @@ fn agent_crate_has_the_rdma_feature_its_image_is_built_with() -> Result<()> {
 fn chart_version_follows_the_workspace_version() -> Result<()> {
     let chart: Value = serde_saphyr::from_str(&read("charts/kvpool/Chart.yaml")?)?;
     let version = env!("CARGO_PKG_VERSION");
-    assert_eq!(str_at(&chart, "/appVersion"), version, "Chart.yaml appVersion");
+    assert_eq!(
+        str_at(&chart, "/appVersion"),
+        version,
+        "Chart.yaml appVersion"
+    );
     assert_eq!(str_at(&chart, "/version"), version, "Chart.yaml version");
     assert_eq!(kvpool_operator::cli::DEFAULT_IMAGE_TAG, version);
     Ok(())
@@ -1076,7 +1201,11 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
     let (_, objects) = render_objects(&render)?;
     let deployment = deployments(&objects)[0];
     let template = &deployment.spec.as_ref().context("no spec")?.template;
-    let pod_labels = template.metadata.as_ref().and_then(|m| m.labels.clone()).unwrap_or_default();
+    let pod_labels = template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
     let pod = template.spec.as_ref().context("no pod spec")?;
 
     let Some(account) = objects.iter().find_map(|o| match o {
@@ -1098,8 +1227,16 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
     };
     let spec = service.spec.as_ref().context("Service without spec")?;
     let selector = spec.selector.clone().unwrap_or_default();
-    ensure!(labels_match(&selector, &pod_labels), "Service selects {selector:?}, pod has {pod_labels:?}");
-    let port = spec.ports.iter().flatten().next().context("Service without ports")?;
+    ensure!(
+        labels_match(&selector, &pod_labels),
+        "Service selects {selector:?}, pod has {pod_labels:?}"
+    );
+    let port = spec
+        .ports
+        .iter()
+        .flatten()
+        .next()
+        .context("Service without ports")?;
     assert_eq!(
         port.target_port,
         Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("admin".into()))
@@ -1112,9 +1249,20 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
         bail!("no ServiceMonitor rendered");
     };
     let service_labels = service.metadata.labels.clone().unwrap_or_default();
-    let wanted = monitor.spec.selector.match_labels.clone().unwrap_or_default();
-    ensure!(labels_match(&wanted, &service_labels), "ServiceMonitor selects {wanted:?}");
-    assert_eq!(monitor.spec.namespace_selector.match_names, vec![DEPLOY_NAMESPACE.to_owned()]);
+    let wanted = monitor
+        .spec
+        .selector
+        .match_labels
+        .clone()
+        .unwrap_or_default();
+    ensure!(
+        labels_match(&wanted, &service_labels),
+        "ServiceMonitor selects {wanted:?}"
+    );
+    assert_eq!(
+        monitor.spec.namespace_selector.match_names,
+        vec![DEPLOY_NAMESPACE.to_owned()]
+    );
     for endpoint in &monitor.spec.endpoints {
         assert_eq!(Some(&endpoint.port), port.name.as_ref());
         assert_eq!(endpoint.path, "/metrics");
