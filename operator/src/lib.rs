@@ -17,3 +17,5 @@ pub mod labels;
 pub mod metrics;
 pub mod rbac;
 pub mod run;
+#[cfg(test)]
+mod test_fixtures;

@@ -173,3 +173,98 @@ pub fn invalid_status(
     status.observed_generation = generation;
     status
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conditions::find;
+    use crate::test_fixtures::{roce, tcp, valid};
+    use k8s_openapi::api::apps::v1::{DaemonSetStatus, DeploymentSpec, DeploymentStatus};
+
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(s).expect("ts")
+    }
+
+    fn applied(
+        ready: i32,
+        desired: i32,
+        masters_ready: i32,
+        conductor: Option<i32>,
+    ) -> AppliedCachePool {
+        let deployment = |ready: i32| Deployment {
+            spec: Some(DeploymentSpec {
+                replicas: Some(1),
+                ..DeploymentSpec::default()
+            }),
+            status: Some(DeploymentStatus {
+                ready_replicas: Some(ready),
+                ..DeploymentStatus::default()
+            }),
+            ..Deployment::default()
+        };
+        AppliedCachePool {
+            agent: DaemonSet {
+                status: Some(DaemonSetStatus {
+                    number_ready: ready,
+                    desired_number_scheduled: desired,
+                    ..DaemonSetStatus::default()
+                }),
+                ..DaemonSet::default()
+            },
+            master: deployment(masters_ready),
+            conductor: conductor.map(deployment),
+        }
+    }
+
+    #[test]
+    fn counts_capacity_and_endpoints_come_from_the_children() {
+        let pool = valid(&roce());
+        let s = status(&pool, &applied(2, 4, 1, Some(1)), None, t(10));
+        assert_eq!((s.nodes_ready, s.nodes_desired), (2, 4));
+        assert_eq!(s.observed_generation, Some(3));
+        assert_eq!(s.dram.as_ref().map(|d| d.capacity.0.as_str()), Some("1Ti"));
+        assert_eq!(s.ssd.as_ref().map(|d| d.capacity.0.as_str()), Some("6Ti"));
+        assert_eq!(
+            s.master_endpoint.as_deref(),
+            Some("roce-master.llm.svc:50051")
+        );
+        assert_eq!(
+            s.conductor_endpoint.as_deref(),
+            Some("roce-conductor.llm.svc:8000")
+        );
+        let ready = find(&s.conditions, "Ready").expect("ready");
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "ReplicasUnavailable")
+        );
+        assert_eq!(
+            ready.message,
+            "2/4 agents, 1/1 masters, 1/1 conductors ready"
+        );
+    }
+
+    #[test]
+    fn unchanged_inputs_give_an_equal_status_later() {
+        let pool = valid(&tcp());
+        let first = status(&pool, &applied(1, 1, 1, None), None, t(10));
+        let again = status(&pool, &applied(1, 1, 1, None), Some(&first), t(99));
+        assert_eq!(first, again, "no timestamps that change every pass");
+        assert!(kvpool::crd::conditions::is_true(&first.conditions, "Ready"));
+        assert!(
+            first.dram.is_none(),
+            "percent-of-node capacity is not known to the operator"
+        );
+        assert!(first.conductor_endpoint.is_none());
+    }
+
+    #[test]
+    fn no_matching_nodes_is_degraded() {
+        let pool = valid(&tcp());
+        let s = status(&pool, &applied(0, 0, 1, None), None, t(1));
+        let degraded = find(&s.conditions, "Degraded").expect("degraded");
+        assert_eq!(
+            (degraded.status.as_str(), degraded.reason.as_str()),
+            ("True", "NoMatchingNodes")
+        );
+    }
+}

@@ -101,3 +101,47 @@ pub fn validate_name(name: &str) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_fixtures::{roce, tcp};
+
+    #[test]
+    fn resolves_images_from_settings_unless_the_spec_names_one() {
+        let mut pool = tcp();
+        let v = validate(&pool, &Settings::for_tests()).expect("valid");
+        assert_eq!(v.agent_image, Settings::for_tests().agent_image);
+        pool.spec.agent.image = Some("registry.local/agent:dev".into());
+        let v = validate(&pool, &Settings::for_tests()).expect("valid");
+        assert_eq!(v.agent_image, "registry.local/agent:dev");
+        assert_eq!(v.master_addr(), "tcp-master.default.svc:50051");
+    }
+
+    #[test]
+    fn invalid_specs_are_reported_with_the_field() {
+        let mut pool = roce();
+        pool.spec.eviction.low_watermark_percent = 99;
+        let err = validate(&pool, &Settings::for_tests()).expect_err("low >= high");
+        assert!(err.is_invalid_spec());
+        assert!(
+            err.to_string().contains("eviction.lowWatermarkPercent"),
+            "{err}"
+        );
+
+        let mut pool = tcp();
+        pool.spec.transport.networks = vec!["net".into()];
+        let err = validate(&pool, &Settings::for_tests()).expect_err("multus with tcp");
+        assert!(err.to_string().contains("transport.networks"), "{err}");
+
+        let mut pool = tcp();
+        pool.metadata.uid = None;
+        let err = validate(&pool, &Settings::for_tests()).expect_err("no uid");
+        assert_eq!(err.category(), "missing_object_key");
+
+        let mut pool = tcp();
+        pool.metadata.name = Some("a.b".into());
+        let err = validate(&pool, &Settings::for_tests()).expect_err("dot");
+        assert!(err.to_string().contains("metadata.name"), "{err}");
+    }
+}
