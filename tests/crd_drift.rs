@@ -113,3 +113,14 @@ fn reference_docs_match_the_rust_types() {
         );
     }
 }
+
+#[test]
+fn docs_explain_every_condition_reason() {
+    let doc = std::fs::read_to_string(repo().join("docs/crds.md")).expect("docs/crds.md exists");
+    for reason in kvpool::crd::conditions::reasons::ALL {
+        assert!(
+            doc.contains(&format!("| `{reason}` |")),
+            "docs/crds.md does not explain reason {reason}"
+        );
+    }
+}

@@ -39,6 +39,23 @@ pub mod reasons {
     pub const APPLY_FAILED: &str = "ApplyFailed";
     /// Nothing observed yet.
     pub const PENDING: &str = "Pending";
+    /// `Degraded=False`: nothing is wrong.
+    pub const AS_EXPECTED: &str = "AsExpected";
+
+    /// Every reason above (docs/crds.md documents each).
+    pub const ALL: &[&str] = &[
+        AVAILABLE,
+        ROLLING_OUT,
+        UP_TO_DATE,
+        REPLICAS_UNAVAILABLE,
+        NO_NODES,
+        INVALID_SPEC,
+        KV_CACHE_POOL_NOT_FOUND,
+        KV_CACHE_POOL_NOT_READY,
+        APPLY_FAILED,
+        PENDING,
+        AS_EXPECTED,
+    ];
 }
 
 /// Sets the condition of `new.type_` in `conditions`, keeping its `lastTransitionTime` when its
