@@ -640,3 +640,109 @@ fn rust_validation_agrees_with_cel() {
     }
     assert!(disagreements.is_empty(), "\n{}", disagreements.join("\n"));
 }
+
+/// Walks a compiled schema along a `rules()` path (`spec.dram`, `spec.tolerations[]`).
+fn compiled_at<'a>(root: &'a kube_cel::CompiledSchema, path: &str) -> &'a kube_cel::CompiledSchema {
+    let mut node = root;
+    for seg in path.split('.').filter(|s| !s.is_empty()) {
+        let (name, items) = match seg.strip_suffix("[]") {
+            Some(n) => (n, true),
+            None => (seg, false),
+        };
+        node = node
+            .properties
+            .get(name)
+            .unwrap_or_else(|| panic!("no property {name} in {path}"));
+        if items {
+            node = node.items.as_deref().expect("array items");
+        }
+    }
+    node
+}
+
+#[test]
+fn every_rule_compiles_and_stays_within_the_api_servers_cost_budget() {
+    for kind in Kind::ALL {
+        let schema = crd_support::schema(kind);
+        let compiled = kube_cel::compile_schema(&schema);
+        for r in crd_support::rules(&schema) {
+            let node = compiled_at(&compiled, &r.path);
+            assert!(
+                !node.has_errors(),
+                "{} {}: {:?}",
+                kind.name(),
+                r.path,
+                node.compilation_errors()
+            );
+            let warnings =
+                kube_cel::analyze_rule(&r.rule, node, kube_cel::ScopeContext::CrdValidation);
+            assert!(
+                warnings.is_empty(),
+                "{} {} `{}`: {warnings:?}",
+                kind.name(),
+                r.path,
+                r.rule
+            );
+        }
+    }
+}
+
+/// What Rust fills in for an absent field (serde defaults) is what the API server fills in
+/// (schema defaults), so the operator and `kubectl get -o yaml` agree on the effective spec.
+#[test]
+fn serde_defaults_equal_schema_defaults() {
+    for kind in Kind::ALL {
+        let minimal = base(kind);
+        let defaulted = kube_cel::apply_defaults(&crd_support::schema(kind), &minimal);
+        assert_ne!(
+            defaulted,
+            minimal,
+            "{}: the schema declares defaults",
+            kind.name()
+        );
+        let (from_minimal, from_defaulted) = match kind {
+            Kind::KVCachePool => (
+                serde_json::to_value(
+                    serde_json::from_value::<KVCachePool>(minimal)
+                        .expect("parses")
+                        .spec,
+                ),
+                serde_json::to_value(
+                    serde_json::from_value::<KVCachePool>(defaulted)
+                        .expect("parses")
+                        .spec,
+                ),
+            ),
+            Kind::PrefillPool => (
+                serde_json::to_value(
+                    serde_json::from_value::<PrefillPool>(minimal)
+                        .expect("parses")
+                        .spec,
+                ),
+                serde_json::to_value(
+                    serde_json::from_value::<PrefillPool>(defaulted)
+                        .expect("parses")
+                        .spec,
+                ),
+            ),
+            Kind::DecodePool => (
+                serde_json::to_value(
+                    serde_json::from_value::<DecodePool>(minimal)
+                        .expect("parses")
+                        .spec,
+                ),
+                serde_json::to_value(
+                    serde_json::from_value::<DecodePool>(defaulted)
+                        .expect("parses")
+                        .spec,
+                ),
+            ),
+        };
+        assert_eq!(
+            from_minimal.expect("serializes"),
+            from_defaulted.expect("serializes"),
+            "{}",
+            kind.name()
+        );
+    }
+}
