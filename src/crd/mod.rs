@@ -126,11 +126,63 @@ mod tests {
     }
 
     #[test]
-    fn dump_yaml_for_review() {
-        if let Ok(dir) = std::env::var("KVPOOL_DUMP_CRDS") {
-            for r in render_crds().unwrap() {
-                std::fs::write(format!("{dir}/{}", r.file_name), r.yaml).unwrap();
-            }
+    fn rendered_files_are_named_after_the_crds_and_marked_generated() {
+        let rendered = render_crds().expect("renders");
+        let names: Vec<_> = rendered.iter().map(|r| r.file_name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "kvcachepools.kvpool.dev.yaml",
+                "prefillpools.kvpool.dev.yaml",
+                "decodepools.kvpool.dev.yaml"
+            ]
+        );
+        for r in &rendered {
+            assert!(r.yaml.starts_with(GENERATED_HEADER), "{}", r.file_name);
+            assert!(
+                r.yaml.contains("kind: CustomResourceDefinition"),
+                "{}",
+                r.file_name
+            );
+        }
+        let stream = crds_yaml().expect("renders");
+        assert_eq!(stream.matches("\n---\n").count(), 3);
+    }
+
+    #[test]
+    fn every_crd_has_status_short_name_and_category() {
+        for crd in crds() {
+            let names = &crd.spec.names;
+            assert_eq!(crd.spec.group, GROUP);
+            assert_eq!(crd.spec.scope, "Namespaced");
+            assert_eq!(
+                names.categories.as_deref(),
+                Some(&["kvpool".to_owned()][..])
+            );
+            assert_eq!(names.short_names.as_ref().map(Vec::len), Some(1));
+            let version = &crd.spec.versions[0];
+            assert_eq!(version.name, VERSION);
+            assert!(version.served && version.storage);
+            assert!(
+                version
+                    .subresources
+                    .as_ref()
+                    .is_some_and(|s| s.status.is_some())
+            );
+            let columns = version
+                .additional_printer_columns
+                .as_deref()
+                .unwrap_or_default();
+            assert!(
+                columns.iter().any(|c| c.name == "Age"),
+                "{:?}",
+                crd.metadata.name
+            );
+            assert!(
+                columns.iter().any(|c| c.name == "Ready"),
+                "{:?}",
+                crd.metadata.name
+            );
         }
     }
 }

@@ -627,3 +627,253 @@ impl ValidatedEnginePool {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{DecodePool, KVCachePool, PrefillPool};
+
+    fn pool(spec_yaml: &str) -> KVCachePoolSpec {
+        let text = format!(
+            "apiVersion: kvpool.dev/v1alpha1\nkind: KVCachePool\nmetadata:\n  name: p\nspec:\n{spec_yaml}"
+        );
+        let pool: KVCachePool = serde_saphyr::from_str(&text).expect("fixture parses");
+        pool.spec
+    }
+
+    fn prefill(spec_yaml: &str) -> PrefillPoolSpec {
+        let text = format!(
+            "apiVersion: kvpool.dev/v1alpha1\nkind: PrefillPool\nmetadata:\n  name: p\nspec:\n  kvCachePoolRef: {{name: cache}}\n{spec_yaml}"
+        );
+        let p: PrefillPool = serde_saphyr::from_str(&text).expect("fixture parses");
+        p.spec
+    }
+
+    #[test]
+    fn empty_spec_resolves_to_documented_defaults() {
+        let v = ValidatedKVCachePool::validate(&pool("  {}")).expect("valid");
+        assert_eq!(v.block_size_tokens, 512);
+        assert_eq!(v.dram.capacity, DramCapacity::NodeMemoryPercent(25));
+        assert_eq!(v.dram.hugepages, Hugepages::None);
+        assert_eq!(v.dram.numa_policy, NumaPolicy::Local);
+        assert_eq!(v.ssd, None);
+        assert_eq!(v.transport.protocol, Protocol::Auto);
+        assert_eq!(v.transport.port, 15500);
+        assert_eq!(v.replication.replicas, 1);
+        assert_eq!(v.replication.spread_label_key, "kubernetes.io/hostname");
+        assert_eq!(
+            (
+                v.eviction.high_watermark_percent,
+                v.eviction.low_watermark_percent
+            ),
+            (90, 80)
+        );
+        assert_eq!(v.eviction.policy, EvictionPolicy::Lru);
+        assert_eq!(v.master.replicas, 1);
+        assert!(!v.master.is_ha());
+        let c = v.conductor.expect("conductor on by default");
+        assert_eq!(
+            (c.replicas, c.ttft(), c.tpot()),
+            (1, Duration::from_secs(2), Duration::from_millis(100))
+        );
+    }
+
+    #[test]
+    fn quantities_resolve_to_bytes() {
+        let v = ValidatedKVCachePool::validate(&pool(
+            "  dram: {capacityPerNode: 512Gi, hugepages: 1Gi}\n  ssd: {hostPath: /mnt/nvme, capacityPerNode: 3Ti}\n  conductor: {enabled: false}",
+        ))
+        .expect("valid");
+        assert_eq!(v.dram.capacity, DramCapacity::Bytes(512 << 30));
+        assert_eq!(v.dram.hugepages, Hugepages::Size1Gi);
+        assert_eq!(
+            v.ssd,
+            Some(SsdConfig {
+                host_path: "/mnt/nvme".into(),
+                capacity_bytes: 3 << 40
+            })
+        );
+        assert_eq!(v.conductor, None);
+        assert_eq!(v.block_bytes(160 * 1024), Some(512 * 160 * 1024));
+        assert_eq!(v.block_bytes(u64::MAX), None);
+    }
+
+    #[test]
+    fn dram_share_of_node_memory() {
+        assert_eq!(
+            DramCapacity::NodeMemoryPercent(25).bytes_for_node(1 << 40),
+            1 << 38
+        );
+        assert_eq!(
+            DramCapacity::NodeMemoryPercent(100).bytes_for_node(u64::MAX),
+            u64::MAX
+        );
+        assert_eq!(DramCapacity::NodeMemoryPercent(33).bytes_for_node(100), 33);
+        assert_eq!(DramCapacity::Bytes(7).bytes_for_node(1 << 40), 7);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_category() {
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "  dram: {capacityPerNode: 1Gi, nodeMemoryPercent: 5}",
+                "dram",
+                "conflicting_fields",
+            ),
+            (
+                "  dram: {hugepages: 2Mi}",
+                "dram.capacityPerNode",
+                "missing_field",
+            ),
+            (
+                "  dram: {capacityPerNode: '0'}",
+                "dram.capacityPerNode",
+                "out_of_range",
+            ),
+            (
+                "  dram: {capacityPerNode: 1GB}",
+                "dram.capacityPerNode",
+                "invalid_quantity",
+            ),
+            (
+                "  dram: {nodeMemoryPercent: 0}",
+                "dram.nodeMemoryPercent",
+                "out_of_range",
+            ),
+            (
+                "  ssd: {hostPath: rel, capacityPerNode: 1Ti}",
+                "ssd.hostPath",
+                "conflicting_fields",
+            ),
+            (
+                "  ssd: {hostPath: /x, capacityPerNode: -1}",
+                "ssd.capacityPerNode",
+                "invalid_quantity",
+            ),
+            (
+                "  transport: {protocol: tcp, networks: [a]}",
+                "transport.networks",
+                "conflicting_fields",
+            ),
+            ("  transport: {port: 80}", "transport.port", "out_of_range"),
+            ("  blockSizeTokens: 0", "blockSizeTokens", "out_of_range"),
+            (
+                "  replication: {replicas: 9}",
+                "replication.replicas",
+                "out_of_range",
+            ),
+            (
+                "  eviction: {highWatermarkPercent: 50}",
+                "eviction.lowWatermarkPercent",
+                "conflicting_fields",
+            ),
+            (
+                "  master: {replicas: 2}",
+                "master.etcdEndpoints",
+                "missing_field",
+            ),
+            (
+                "  conductor: {replicas: 0}",
+                "conductor.replicas",
+                "out_of_range",
+            ),
+        ];
+        for (yaml, field, category) in cases {
+            let err = ValidatedKVCachePool::validate(&pool(yaml)).expect_err(yaml);
+            assert_eq!(
+                (err.field(), err.category()),
+                (*field, *category),
+                "{yaml}: {err}"
+            );
+            assert!(
+                err.to_string().starts_with(&format!("spec.{field}: ")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn engine_pools_share_one_validated_shape() {
+        let p = ValidatedEnginePool::from_prefill(&prefill(
+            "  replicas: 2\n  engine: {kind: vllm, image: vllm/vllm-openai, model: m}\n  tensorParallelSize: 4\n  resources: {gpus: 8}\n  autoscaling: {minReplicas: 1, maxReplicas: 4}",
+        ))
+        .expect("valid");
+        assert_eq!(p.role, Role::Prefill);
+        assert_eq!(p.role.as_str(), "prefill");
+        assert_eq!(p.kv_cache_pool, "cache");
+        assert_eq!((p.replicas, p.gpus, p.tensor_parallel_size), (2, 8, 4));
+        assert_eq!(p.gpu_resource_name, "nvidia.com/gpu");
+        assert_eq!(p.slo(), Duration::from_secs(2));
+        assert_eq!(
+            p.autoscaling,
+            Some(AutoscalingConfig {
+                min_replicas: 1,
+                max_replicas: 4,
+                signal: AutoscalingSignal::SloAttainment
+            })
+        );
+
+        let text = "apiVersion: kvpool.dev/v1alpha1\nkind: DecodePool\nmetadata: {name: d}\nspec:\n  kvCachePoolRef: {name: cache}\n  engine: {kind: custom, image: my/engine}\n  resources: {gpus: 0}\n  slo: {tpotMillis: 40}";
+        let d: DecodePool = serde_saphyr::from_str(text).expect("parses");
+        let d = ValidatedEnginePool::from_decode(&d.spec).expect("custom needs no model");
+        assert_eq!(
+            (d.role, d.gpus, d.model.as_deref()),
+            (Role::Decode, 0, None)
+        );
+        assert_eq!(d.slo(), Duration::from_millis(40));
+        assert_eq!(d.role.component(), Component::Decode);
+    }
+
+    #[test]
+    fn engine_pool_errors_name_the_field() {
+        let cases: &[(&str, &str)] = &[
+            ("  engine: {kind: vllm, image: i}", "engine.model"),
+            ("  engine: {kind: custom, image: ''}", "engine.image"),
+            (
+                "  engine: {kind: custom, image: i}\n  tensorParallelSize: 2\n  resources: {gpus: 3}",
+                "resources.gpus",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  replicas: 5\n  autoscaling: {maxReplicas: 4}",
+                "replicas",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  autoscaling: {minReplicas: 3, maxReplicas: 2}",
+                "autoscaling.minReplicas",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  slo: {ttftMillis: 0}",
+                "slo.ttftMillis",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  replicas: -1",
+                "replicas",
+            ),
+        ];
+        for (yaml, field) in cases {
+            let err = ValidatedEnginePool::from_prefill(&prefill(yaml)).expect_err(yaml);
+            assert_eq!(err.field(), *field, "{yaml}: {err}");
+        }
+    }
+
+    #[test]
+    fn configmap_form_is_camel_case_and_round_trips() {
+        let v = ValidatedKVCachePool::validate(&pool(
+            "  transport: {sriov: {resourceName: nvidia.com/roce_vf, count: 8}}\n  dram: {capacityPerNode: 1Ti}",
+        ))
+        .expect("valid");
+        let json = serde_json::to_value(&v).expect("serializes");
+        assert_eq!(json["blockSizeTokens"], 512);
+        assert_eq!(
+            json["dram"]["capacity"],
+            serde_json::json!({"bytes": 1u64 << 40})
+        );
+        assert_eq!(
+            json["transport"]["sriov"]["resourceName"],
+            "nvidia.com/roce_vf"
+        );
+        assert_eq!(json["eviction"]["highWatermarkPercent"], 90);
+        let back: ValidatedKVCachePool = serde_json::from_value(json).expect("parses back");
+        assert_eq!(back, v);
+    }
+}

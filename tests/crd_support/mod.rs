@@ -12,7 +12,8 @@ use kube::CustomResourceExt;
 use kvpool::crd::{self, DecodePool, KVCachePool, PrefillPool};
 use serde_json::{Map, Value, json};
 
-/// The three kinds.
+/// The three kinds (named as the API names them).
+#[allow(clippy::enum_variant_names)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     KVCachePool,

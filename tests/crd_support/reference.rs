@@ -83,11 +83,8 @@ fn constraints(s: &Value, required: bool) -> String {
         out.push(format!("≤ {} items", number(n)));
     }
     if let Some(items) = s.get("items") {
-        match (items.get("minLength"), items.get("maxLength")) {
-            (Some(lo), Some(hi)) => {
-                out.push(format!("items: length {}–{}", number(lo), number(hi)))
-            }
-            _ => {}
+        if let (Some(lo), Some(hi)) = (items.get("minLength"), items.get("maxLength")) {
+            out.push(format!("items: length {}–{}", number(lo), number(hi)));
         }
         if let Some(p) = items.get("pattern").and_then(Value::as_str) {
             out.push(format!("items: pattern `{p}`"));
