@@ -350,8 +350,10 @@ struct AlertRule {
     annotations: BTreeMap<String, String>,
 }
 
-/// Every object a render may contain, typed.
+/// Every object a render may contain, typed. Short-lived test values, so variant sizes do not
+/// matter.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 enum Object {
     Namespace,
     ServiceAccount(ServiceAccount),
@@ -477,10 +479,28 @@ fn every_rendered_object_is_a_valid_kubernetes_object() -> Result<()> {
             &yaml,
         )
         .with_context(|| format!("{render:?}"))?;
-        // Every namespaced object lands in the release namespace, except what the values
-        // explicitly place elsewhere (the watched namespace's Role, the dashboard).
-        for deployment in deployments(&objects) {
-            ensure!(deployment.metadata.namespace.as_deref() == Some(DEPLOY_NAMESPACE));
+        // Cluster-scoped kinds carry no namespace; namespaced ones land in the release
+        // namespace, except what the values place elsewhere on purpose: the operator's Role
+        // and RoleBinding in the watched namespace, the dashboard in Grafana's namespace.
+        for doc in parse_docs(&yaml)? {
+            let kind = str_at(&doc, "/kind");
+            let name = str_at(&doc, "/metadata/name");
+            let namespace = str_at(&doc, "/metadata/namespace");
+            let expected = match kind {
+                "ClusterRole" | "ClusterRoleBinding" | "CustomResourceDefinition" => "",
+                "Role" | "RoleBinding" if name == "kvpool-operator" => "ml-serving",
+                "ConfigMap"
+                    if name.ends_with("-dashboard")
+                        && render.values == Some("charts/kvpool/ci/production-values.yaml") =>
+                {
+                    "monitoring"
+                }
+                _ => DEPLOY_NAMESPACE,
+            };
+            ensure!(
+                namespace == expected,
+                "{render:?}: {kind} {name} is in namespace {namespace:?}, expected {expected:?}"
+            );
         }
     }
     Ok(())
