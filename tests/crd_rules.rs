@@ -86,7 +86,7 @@ const DEVICES_TCP: &str =
     "transport.devices lists RDMA devices and requires transport.protocol rdma or auto";
 const WATERMARKS: &str = "eviction.lowWatermarkPercent must be below eviction.highWatermarkPercent";
 const MASTER_HA: &str =
-    "master.replicas above 1 requires master.etcdEndpoints (HA state lives in etcd)";
+    "master.etcdEndpoints is required when master.replicas is above 1 (HA state lives in etcd)";
 const GPUS_TP: &str = "resources.gpus must be a multiple of tensorParallelSize";
 const REPLICAS_BOUNDS: &str =
     "replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas";
@@ -575,23 +575,31 @@ fn every_generated_rule_has_a_failing_case() {
     }
 }
 
+/// Every failure is reported on the field it is about, and its message starts with that field
+/// (the path below `spec`), so `kubectl apply` points at what to fix.
 #[test]
-fn rule_messages_name_a_field() {
-    for (kind, rule) in all_rules() {
-        let first_word = rule.message.split([' ', ':']).next().unwrap_or_default();
-        let named = first_word.split('.').next().is_some_and(|root| {
-            rule.message.contains(root)
-                && !root.is_empty()
-                && root.chars().next().is_some_and(char::is_lowercase)
-        });
-        assert!(
-            named,
-            "{} rule at {} has a message that does not start with a field: {:?}",
-            kind.name(),
-            rule.path,
-            rule.message
-        );
+fn failures_are_reported_on_the_field_their_message_names() {
+    let mut problems = Vec::new();
+    for case in cases() {
+        if !matches!(case.expect, Expect::Cel(_)) {
+            continue;
+        }
+        for &kind in case.kinds {
+            let obj = with_spec(kind, &case.spec);
+            let old = case.old_spec.as_ref().map(|s| with_spec(kind, s));
+            for f in crd_support::cel_failures(kind, &obj, old.as_ref()) {
+                let field = f.path.strip_prefix("spec.").unwrap_or(&f.path);
+                let named = f
+                    .message
+                    .strip_prefix(field)
+                    .is_some_and(|rest| rest.starts_with([' ', ':']));
+                if !f.path.starts_with("spec.") || !named {
+                    problems.push(format!("{} / {}: {f}", kind.name(), case.name));
+                }
+            }
+        }
     }
+    assert!(problems.is_empty(), "\n{}", problems.join("\n"));
 }
 
 /// The operator's Rust checks reject what the API server rejects (for specs that parse).

@@ -80,8 +80,8 @@ use super::defaults;
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").reason(Reason::FieldValueInvalid),
-    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").reason(Reason::FieldValueInvalid)
+    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").field_path(".resources.gpus").reason(Reason::FieldValueInvalid),
+    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").field_path(".replicas").reason(Reason::FieldValueInvalid)
 )]
 pub struct PrefillPoolSpec {
     /// The KVCachePool (same namespace) the engines read and write. Immutable.
@@ -183,8 +183,8 @@ pub struct PrefillPoolSpec {
 )]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").reason(Reason::FieldValueInvalid),
-    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").reason(Reason::FieldValueInvalid)
+    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").field_path(".resources.gpus").reason(Reason::FieldValueInvalid),
+    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").field_path(".replicas").reason(Reason::FieldValueInvalid)
 )]
 pub struct DecodePoolSpec {
     /// The KVCachePool (same namespace) the engines read. Immutable.
@@ -233,7 +233,7 @@ pub struct KVCachePoolRef {
 /// The inference engine of each instance.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.kind == 'custom' || has(self.model)").message("engine.model is required for engine.kind vllm and sglang").reason(Reason::FieldValueRequired))]
+#[x_kube(validation = Rule::new("self.kind == 'custom' || has(self.model)").message("engine.model is required for engine.kind vllm and sglang").field_path(".model").reason(Reason::FieldValueRequired))]
 pub struct EngineSpec {
     /// `vllm` and `sglang` get default arguments for disaggregated serving; `custom` runs exactly
     /// `command` and `args`.
@@ -348,7 +348,7 @@ impl Default for DecodeSlo {
 /// Replica bounds for autoscaling.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("autoscaling.minReplicas must not exceed autoscaling.maxReplicas").reason(Reason::FieldValueInvalid))]
+#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("autoscaling.minReplicas must not exceed autoscaling.maxReplicas").field_path(".minReplicas").reason(Reason::FieldValueInvalid))]
 pub struct AutoscalingSpec {
     /// Fewest instances.
     #[serde(default = "defaults::one")]

@@ -154,7 +154,7 @@ pub struct AgentSpec {
 #[serde(rename_all = "camelCase")]
 #[x_kube(
     validation = Rule::new("!(has(self.capacityPerNode) && has(self.nodeMemoryPercent))").message("dram: set at most one of capacityPerNode and nodeMemoryPercent").reason(Reason::FieldValueInvalid),
-    validation = Rule::new("self.hugepages == 'none' || has(self.capacityPerNode)").message("dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount").reason(Reason::FieldValueRequired)
+    validation = Rule::new("self.hugepages == 'none' || has(self.capacityPerNode)").message("dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount").field_path(".hugepages").reason(Reason::FieldValueRequired)
 )]
 pub struct DramTierSpec {
     /// Bytes per node as a Kubernetes quantity (e.g. `512Gi`). Exclusive with
@@ -223,9 +223,9 @@ pub struct SsdTierSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("self.protocol != 'tcp' || !has(self.sriov)").message("transport.sriov requires transport.protocol rdma or auto").reason(Reason::FieldValueForbidden),
-    validation = Rule::new("self.protocol != 'tcp' || size(self.networks) == 0").message("transport.networks (Multus) requires transport.protocol rdma or auto").reason(Reason::FieldValueForbidden),
-    validation = Rule::new("self.protocol != 'tcp' || size(self.devices) == 0").message("transport.devices lists RDMA devices and requires transport.protocol rdma or auto").reason(Reason::FieldValueForbidden)
+    validation = Rule::new("self.protocol != 'tcp' || !has(self.sriov)").message("transport.sriov requires transport.protocol rdma or auto").field_path(".sriov").reason(Reason::FieldValueForbidden),
+    validation = Rule::new("self.protocol != 'tcp' || size(self.networks) == 0").message("transport.networks (Multus) requires transport.protocol rdma or auto").field_path(".networks").reason(Reason::FieldValueForbidden),
+    validation = Rule::new("self.protocol != 'tcp' || size(self.devices) == 0").message("transport.devices lists RDMA devices and requires transport.protocol rdma or auto").field_path(".devices").reason(Reason::FieldValueForbidden)
 )]
 pub struct TransportSpec {
     /// `rdma` requires RDMA devices on every node, `tcp` never uses them, `auto` uses RDMA where
@@ -324,7 +324,7 @@ impl Default for ReplicationSpec {
 /// When and which blocks leave the DRAM tier.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.lowWatermarkPercent < self.highWatermarkPercent").message("eviction.lowWatermarkPercent must be below eviction.highWatermarkPercent").reason(Reason::FieldValueInvalid))]
+#[x_kube(validation = Rule::new("self.lowWatermarkPercent < self.highWatermarkPercent").message("eviction.lowWatermarkPercent must be below eviction.highWatermarkPercent").field_path(".lowWatermarkPercent").reason(Reason::FieldValueInvalid))]
 pub struct EvictionSpec {
     /// Usage (percent of the tier) at which eviction starts.
     #[serde(default = "defaults::high_watermark_percent")]
@@ -365,7 +365,7 @@ pub enum EvictionPolicy {
 /// The pool's metadata service.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("self.replicas == 1 || size(self.etcdEndpoints) > 0").message("master.replicas above 1 requires master.etcdEndpoints (HA state lives in etcd)").reason(Reason::FieldValueRequired))]
+#[x_kube(validation = Rule::new("self.replicas == 1 || size(self.etcdEndpoints) > 0").message("master.etcdEndpoints is required when master.replicas is above 1 (HA state lives in etcd)").field_path(".etcdEndpoints").reason(Reason::FieldValueRequired))]
 pub struct MasterSpec {
     /// Master replicas; more than one elects a leader through etcd.
     #[serde(default = "defaults::one")]

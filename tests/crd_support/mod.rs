@@ -103,13 +103,42 @@ pub fn rules(schema: &Value) -> Vec<RuleAt> {
     out
 }
 
-/// Messages of the CEL rules that `object` fails (as an update of `old` when given).
-pub fn cel_errors(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<String> {
+/// A failed CEL rule: where the API server reports it and its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CelFailure {
+    /// Field path from the object root, e.g. `spec.transport.sriov`.
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for CelFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// The CEL rules that `object` fails (as an update of `old` when given).
+pub fn cel_failures(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<CelFailure> {
     let schema = schema(kind);
     match kube_cel::Validator::new().validate(&schema, object, old) {
         Ok(()) => Vec::new(),
-        Err(errors) => errors.into_vec().into_iter().map(|e| e.message).collect(),
+        Err(errors) => errors
+            .into_vec()
+            .into_iter()
+            .map(|e| CelFailure {
+                path: e.field_path,
+                message: e.message,
+            })
+            .collect(),
     }
+}
+
+/// Messages of the CEL rules that `object` fails.
+pub fn cel_errors(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<String> {
+    cel_failures(kind, object, old)
+        .into_iter()
+        .map(|f| f.message)
+        .collect()
 }
 
 /// The schema in the form a JSON-schema validator understands, made strict the way the API
@@ -193,7 +222,11 @@ pub fn openapi_errors(kind: Kind, object: &Value) -> Vec<String> {
 /// first, then failing CEL rules.
 pub fn admission_errors(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<String> {
     let mut errors = openapi_errors(kind, object);
-    errors.extend(cel_errors(kind, object, old));
+    errors.extend(
+        cel_failures(kind, object, old)
+            .iter()
+            .map(ToString::to_string),
+    );
     errors
 }
 
