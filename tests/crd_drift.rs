@@ -124,3 +124,54 @@ fn docs_explain_every_condition_reason() {
         );
     }
 }
+
+/// The API server only accepts structural schemas: every node says its type (or is an
+/// int-or-string / preserve-unknown-fields node), there are no `$ref`s, and a node has either
+/// `properties` or `additionalProperties`, never both.
+#[test]
+fn schemas_are_structural() {
+    fn walk(s: &serde_json::Value, path: &str, problems: &mut Vec<String>) {
+        let Some(map) = s.as_object() else { return };
+        let flag = |k: &str| map.get(k) == Some(&serde_json::Value::Bool(true));
+        if map.contains_key("$ref") {
+            problems.push(format!("{path}: $ref"));
+        }
+        if !map.contains_key("type")
+            && !flag("x-kubernetes-int-or-string")
+            && !flag("x-kubernetes-preserve-unknown-fields")
+        {
+            problems.push(format!("{path}: no type"));
+        }
+        if map.contains_key("properties")
+            && map
+                .get("additionalProperties")
+                .is_some_and(serde_json::Value::is_object)
+        {
+            problems.push(format!("{path}: both properties and additionalProperties"));
+        }
+        if let Some(props) = map.get("properties").and_then(serde_json::Value::as_object) {
+            for (k, v) in props {
+                walk(v, &format!("{path}.{k}"), problems);
+            }
+        }
+        for key in ["items", "additionalProperties"] {
+            if let Some(sub) = map.get(key).filter(|v| v.is_object()) {
+                walk(sub, &format!("{path}[{key}]"), problems);
+            }
+        }
+    }
+    for kind in crd_support::Kind::ALL {
+        let mut problems = Vec::new();
+        walk(&crd_support::schema(kind), kind.name(), &mut problems);
+        assert!(problems.is_empty(), "{problems:#?}");
+    }
+}
+
+/// Client-side `kubectl apply` stores the object in an annotation limited to 256 KiB.
+#[test]
+fn crds_fit_client_side_apply() {
+    for crd in crds() {
+        let size = serde_json::to_vec(&crd).expect("serializes").len();
+        assert!(size < 200 * 1024, "{:?} is {size} bytes", crd.metadata.name);
+    }
+}
