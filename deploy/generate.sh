@@ -2,7 +2,8 @@
 # Regenerates the packaging files derived from other sources, so that they can be committed:
 #   charts/kvpool/files/crds/*.yaml  copies of crds/*.yaml (which `kvpool-operator crd` writes)
 #   deploy/kvpool.yaml               the chart rendered with its default values
-# operator/tests/packaging.rs fails when either is stale. Needs helm (scripts/tools.sh).
+# operator/tests/packaging.rs fails when either is stale; with KVPOOL_BLESS=1 it rewrites them
+# itself, like the other drift tests. Needs helm (scripts/tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
