@@ -754,3 +754,232 @@ fn serde_defaults_equal_schema_defaults() {
         );
     }
 }
+
+mod agreement {
+    //! Random KVCachePool and engine pool specs, mostly near the edges of what is allowed: the API
+    //! server's checks (OpenAPI + CEL) and the operator's Rust checks must agree on every one.
+
+    use super::*;
+    use proptest::prelude::*;
+    use proptest::sample::select;
+
+    fn opt<T: Clone + std::fmt::Debug + 'static>(
+        values: Vec<T>,
+    ) -> impl Strategy<Value = Option<T>> {
+        proptest::option::of(select(values))
+    }
+
+    fn pool_spec() -> impl Strategy<Value = Value> {
+        let dram = (
+            opt(vec![
+                json!("0"),
+                json!("1Gi"),
+                json!("512Gi"),
+                json!("-1Gi"),
+                json!("lots"),
+                json!(0),
+                json!(1u64 << 30),
+            ]),
+            opt(vec![0, 1, 25, 100, 101]),
+            opt(vec!["none", "2Mi", "1Gi"]),
+        )
+            .prop_map(|(cap, pct, huge)| {
+                let mut d = json!({});
+                if let Some(c) = cap {
+                    d["capacityPerNode"] = c;
+                }
+                if let Some(p) = pct {
+                    d["nodeMemoryPercent"] = json!(p);
+                }
+                if let Some(h) = huge {
+                    d["hugepages"] = json!(h);
+                }
+                d
+            });
+        let ssd = opt(vec![
+            json!({"hostPath": "/mnt/nvme", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/mnt/nvme", "capacityPerNode": "0"}),
+            json!({"hostPath": "relative", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/", "capacityPerNode": "3Ti"}),
+        ]);
+        let transport = (
+            opt(vec!["auto", "rdma", "tcp"]),
+            any::<bool>(),
+            0usize..3,
+            0usize..2,
+            opt(vec![80, 1024, 15500, 65535, 70000]),
+        )
+            .prop_map(|(proto, sriov, nets, devs, port)| {
+                let mut t = json!({});
+                if let Some(p) = proto {
+                    t["protocol"] = json!(p);
+                }
+                if sriov {
+                    t["sriov"] = json!({"resourceName": "nvidia.com/roce_vf"});
+                }
+                t["networks"] = json!((0..nets).map(|i| format!("rail-{i}")).collect::<Vec<_>>());
+                t["devices"] = json!((0..devs).map(|i| format!("mlx5_{i}")).collect::<Vec<_>>());
+                if let Some(p) = port {
+                    t["port"] = json!(p);
+                }
+                t
+            });
+        let rest = (
+            opt(vec![0, 1, 512, 65536, 65537]),
+            opt(vec![0, 1, 8, 9]),
+            (
+                opt(vec![0, 1, 50, 80, 90, 99, 100, 101]),
+                opt(vec![0, 1, 50, 80, 90, 99, 100]),
+            ),
+            (opt(vec![0, 1, 3, 6]), 0usize..3, any::<bool>()),
+            (
+                any::<bool>(),
+                opt(vec![0, 1, 16, 17]),
+                opt(vec![0, 1, 2000]),
+                opt(vec![0, 100, 60001]),
+            ),
+        );
+        (dram, ssd, transport, rest).prop_map(
+            |(dram, ssd, transport, (block, repl, (high, low), master, conductor))| {
+                let mut spec = json!({"dram": dram, "transport": transport});
+                if let Some(s) = ssd {
+                    spec["ssd"] = s;
+                }
+                if let Some(b) = block {
+                    spec["blockSizeTokens"] = json!(b);
+                }
+                if let Some(r) = repl {
+                    spec["replication"] = json!({"replicas": r});
+                }
+                let mut eviction = json!({});
+                if let Some(h) = high {
+                    eviction["highWatermarkPercent"] = json!(h);
+                }
+                if let Some(l) = low {
+                    eviction["lowWatermarkPercent"] = json!(l);
+                }
+                spec["eviction"] = eviction;
+                let (replicas, endpoints, bad_scheme) = master;
+                let mut m = json!({});
+                if let Some(r) = replicas {
+                    m["replicas"] = json!(r);
+                }
+                let scheme = if bad_scheme { "" } else { "http://" };
+                m["etcdEndpoints"] = json!(
+                    (0..endpoints)
+                        .map(|i| format!("{scheme}etcd-{i}:2379"))
+                        .collect::<Vec<_>>()
+                );
+                spec["master"] = m;
+                let (enabled, creplicas, ttft, tpot) = conductor;
+                let mut c = json!({"enabled": enabled, "slo": {}});
+                if let Some(r) = creplicas {
+                    c["replicas"] = json!(r);
+                }
+                if let Some(t) = ttft {
+                    c["slo"]["ttftMillis"] = json!(t);
+                }
+                if let Some(t) = tpot {
+                    c["slo"]["tpotMillis"] = json!(t);
+                }
+                spec["conductor"] = c;
+                spec
+            },
+        )
+    }
+
+    /// An engine pool spec without `slo`, and the SLO milliseconds to put under the kind's key.
+    fn engine_spec() -> impl Strategy<Value = (Value, Option<i32>)> {
+        (
+            select(vec!["vllm", "sglang", "custom"]),
+            any::<bool>(),
+            opt(vec![-1, 0, 1, 4, 1024, 1025]),
+            opt(vec![0, 1, 2, 3, 8, 65]),
+            opt(vec![0, 1, 2, 4, 65]),
+            opt(vec![(0, 1), (1, 4), (2, 2), (5, 2), (1, 1025)]),
+            opt(vec![0, 1, 2000]),
+        )
+            .prop_map(|(kind, model, replicas, gpus, tp, autoscaling, slo)| {
+                let mut engine = json!({"kind": kind, "image": "registry.example/engine:1"});
+                if model {
+                    engine["model"] = json!("org/model");
+                }
+                let mut spec = json!({"kvCachePoolRef": {"name": "cache"}, "engine": engine});
+                if let Some(r) = replicas {
+                    spec["replicas"] = json!(r);
+                }
+                if let Some(g) = gpus {
+                    spec["resources"] = json!({"gpus": g});
+                }
+                if let Some(t) = tp {
+                    spec["tensorParallelSize"] = json!(t);
+                }
+                if let Some((min, max)) = autoscaling {
+                    spec["autoscaling"] = json!({"minReplicas": min, "maxReplicas": max});
+                }
+                (spec, slo)
+            })
+    }
+
+    fn rust_accepts(kind: Kind, obj: &Value) -> Result<(), String> {
+        match kind {
+            Kind::KVCachePool => serde_json::from_value::<KVCachePool>(obj.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|p| {
+                    ValidatedKVCachePool::validate(&p.spec)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                }),
+            Kind::PrefillPool => serde_json::from_value::<PrefillPool>(obj.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|p| {
+                    ValidatedEnginePool::from_prefill(&p.spec)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                }),
+            Kind::DecodePool => serde_json::from_value::<DecodePool>(obj.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|p| {
+                    ValidatedEnginePool::from_decode(&p.spec)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                }),
+        }
+    }
+
+    fn agree(kind: Kind, spec: &Value) -> Result<(), TestCaseError> {
+        let mut obj = base(kind);
+        obj["spec"] = spec.clone();
+        let api = admission_errors(kind, &obj, None);
+        let rust = rust_accepts(kind, &obj);
+        prop_assert_eq!(
+            api.is_empty(),
+            rust.is_ok(),
+            "API server: {:?}\nRust: {:?}\nspec: {}",
+            api,
+            rust,
+            spec
+        );
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+        #[test]
+        fn api_server_and_operator_agree_on_kvcachepools(spec in pool_spec()) {
+            agree(Kind::KVCachePool, &spec)?;
+        }
+
+        #[test]
+        fn api_server_and_operator_agree_on_engine_pools((spec, slo) in engine_spec()) {
+            for (kind, key) in [(Kind::PrefillPool, "ttftMillis"), (Kind::DecodePool, "tpotMillis")] {
+                let mut spec = spec.clone();
+                if let Some(ms) = slo {
+                    spec["slo"] = json!({ key: ms });
+                }
+                agree(kind, &spec)?;
+            }
+        }
+    }
+}

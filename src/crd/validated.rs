@@ -384,6 +384,17 @@ impl ValidatedKVCachePool {
             policy: e.policy,
         };
 
+        if spec
+            .master
+            .etcd_endpoints
+            .iter()
+            .any(|e| !(e.starts_with("http://") || e.starts_with("https://")))
+        {
+            return Err(SpecError::Conflict {
+                field: "master.etcdEndpoints",
+                message: "every endpoint is a URL starting with http:// or https://",
+            });
+        }
         let master = MasterConfig {
             replicas: ranged("master.replicas", spec.master.replicas, 1, 5)?,
             etcd_endpoints: spec.master.etcd_endpoints.clone(),
@@ -395,16 +406,14 @@ impl ValidatedKVCachePool {
             });
         }
 
+        // Checked even when disabled: the API server rejects bad values either way.
         let c = &spec.conductor;
-        let conductor = if c.enabled {
-            Some(ConductorConfig {
-                replicas: ranged("conductor.replicas", c.replicas, 1, 16)?,
-                ttft_millis: ranged("conductor.slo.ttftMillis", c.slo.ttft_millis, 1, 3_600_000)?,
-                tpot_millis: ranged("conductor.slo.tpotMillis", c.slo.tpot_millis, 1, 60_000)?,
-            })
-        } else {
-            None
+        let conductor_config = ConductorConfig {
+            replicas: ranged("conductor.replicas", c.replicas, 1, 16)?,
+            ttft_millis: ranged("conductor.slo.ttftMillis", c.slo.ttft_millis, 1, 3_600_000)?,
+            tpot_millis: ranged("conductor.slo.tpotMillis", c.slo.tpot_millis, 1, 60_000)?,
         };
+        let conductor = c.enabled.then_some(conductor_config);
 
         Ok(Self {
             block_size_tokens,

@@ -45,8 +45,7 @@ impl Kind {
     }
 }
 
-/// The openAPIV3Schema of the (only) version of a CRD, as JSON.
-pub fn schema(kind: Kind) -> Value {
+fn generate_schema(kind: Kind) -> Value {
     let crd = kind.crd();
     assert_eq!(crd.spec.versions.len(), 1, "one version per CRD");
     let schema = crd.spec.versions[0]
@@ -55,6 +54,26 @@ pub fn schema(kind: Kind) -> Value {
         .and_then(|s| s.open_api_v3_schema.as_ref())
         .expect("generated CRD has an openAPIV3Schema");
     serde_json::to_value(schema).expect("schema serializes")
+}
+
+fn index(kind: Kind) -> usize {
+    match kind {
+        Kind::KVCachePool => 0,
+        Kind::PrefillPool => 1,
+        Kind::DecodePool => 2,
+    }
+}
+
+/// The openAPIV3Schema of the (only) version of a CRD, as JSON (generated once per process).
+pub fn schema(kind: Kind) -> Value {
+    static SCHEMAS: std::sync::OnceLock<[Value; 3]> = std::sync::OnceLock::new();
+    SCHEMAS.get_or_init(|| Kind::ALL.map(generate_schema))[index(kind)].clone()
+}
+
+thread_local! {
+    /// Compiled CEL rules of each kind, compiled once per test thread.
+    static COMPILED: [kube_cel::CompiledSchema; 3] =
+        Kind::ALL.map(|k| kube_cel::compile_schema(&schema(k)));
 }
 
 /// One `x-kubernetes-validations` entry and where it sits.
@@ -119,8 +138,8 @@ impl std::fmt::Display for CelFailure {
 
 /// The CEL rules that `object` fails (as an update of `old` when given).
 pub fn cel_failures(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<CelFailure> {
-    let schema = schema(kind);
-    match kube_cel::Validator::new().validate(&schema, object, old) {
+    let result = COMPILED.with(|c| kube_cel::validate_compiled(&c[index(kind)], object, old));
+    match result {
         Ok(()) => Vec::new(),
         Err(errors) => errors
             .into_vec()
@@ -210,9 +229,16 @@ pub fn strict_json_schema(kind: Kind) -> Value {
 
 /// OpenAPI (non-CEL) violations of `object`, each as `path: message`.
 pub fn openapi_errors(kind: Kind, object: &Value) -> Vec<String> {
-    let schema = strict_json_schema(kind);
-    let validator = jsonschema::draft4::new(&schema).expect("CRD schema compiles as JSON schema");
-    validator
+    static VALIDATORS: std::sync::OnceLock<Vec<jsonschema::Validator>> = std::sync::OnceLock::new();
+    let validators = VALIDATORS.get_or_init(|| {
+        Kind::ALL
+            .map(|k| {
+                jsonschema::draft4::new(&strict_json_schema(k))
+                    .expect("CRD schema compiles as JSON schema")
+            })
+            .into()
+    });
+    validators[index(kind)]
         .iter_errors(object)
         .map(|e| format!("{}: {e}", e.instance_path()))
         .collect()
