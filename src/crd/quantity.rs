@@ -189,6 +189,10 @@ mod tests {
             ("0.1", 1),
             ("-0", 0),
             ("12e-1", 2),
+            // 20 significant digits: the largest byte counts
+            ("10000000000000000001", 10_000_000_000_000_000_001),
+            ("18446744073709551615", u64::MAX),
+            ("15Ei", 15 << 60),
         ];
         for (text, bytes) in cases {
             assert_eq!(parse_bytes_str(text), Ok(*bytes), "{text}");
@@ -207,7 +211,13 @@ mod tests {
             parse_bytes_str("-1Gi"),
             Err(QuantityError::Negative { .. })
         ));
-        for text in ["16Ei", "1e19", "1e40", "123456789012345678901"] {
+        for text in [
+            "16Ei",
+            "1e19",
+            "1e40",
+            "123456789012345678901",
+            "18446744073709551616",
+        ] {
             assert!(
                 matches!(parse_bytes_str(text), Err(QuantityError::TooLarge { .. })),
                 "{text:?}"
