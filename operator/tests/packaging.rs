@@ -1420,3 +1420,61 @@ fn several_replicas_get_a_disruption_budget_and_rolling_updates() -> Result<()> 
     );
     Ok(())
 }
+
+/// Ports an image's final stage declares with EXPOSE.
+fn exposed_ports(rel: &str) -> Result<BTreeSet<u16>> {
+    let stages = dockerfile_stages(rel)?;
+    let mut ports = BTreeSet::new();
+    for instruction in stages.last().into_iter().flatten() {
+        if let Some(list) = instruction.strip_prefix("EXPOSE ") {
+            for port in list.split_whitespace() {
+                let number = port.split('/').next().unwrap_or(port);
+                ports.insert(
+                    number
+                        .parse()
+                        .with_context(|| format!("{rel}: bad port {port}"))?,
+                );
+            }
+        }
+    }
+    Ok(ports)
+}
+
+#[test]
+fn images_hold_the_binaries_and_ports_the_operator_generates() -> Result<()> {
+    use kvpool_operator::contract;
+    // The operator starts agents and masters/conductors by bare binary name (found on PATH,
+    // which includes /usr/local/bin in both base images).
+    assert_eq!(contract::agent_command(), vec![IMAGES[1].binary.to_owned()]);
+    assert_eq!(contract::AGENT_BINARY, IMAGES[1].binary);
+    assert_eq!(
+        contract::kvpool_command(),
+        vec![IMAGES[2].binary.to_owned()]
+    );
+    assert_eq!(contract::KVPOOL_BINARY, IMAGES[2].binary);
+    assert_eq!(
+        exposed_ports(IMAGES[0].dockerfile)?,
+        BTreeSet::from([contract::ADMIN_PORT])
+    );
+    assert_eq!(
+        exposed_ports(IMAGES[1].dockerfile)?,
+        BTreeSet::from([contract::ADMIN_PORT, contract::AGENT_TRANSFER_PORT])
+    );
+    assert_eq!(
+        exposed_ports(IMAGES[2].dockerfile)?,
+        BTreeSet::from([
+            contract::ADMIN_PORT,
+            contract::MASTER_PORT,
+            contract::CONDUCTOR_PORT
+        ])
+    );
+    // The chart's admin port is the one every kvpool container uses.
+    let values: Value = serde_saphyr::from_str(&read("charts/kvpool/values.yaml")?)?;
+    assert_eq!(
+        values
+            .pointer("/operator/adminPort")
+            .and_then(Value::as_u64),
+        Some(u64::from(contract::ADMIN_PORT))
+    );
+    Ok(())
+}
