@@ -1478,3 +1478,28 @@ fn images_hold_the_binaries_and_ports_the_operator_generates() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn packaged_chart_renders_like_the_source_tree() -> Result<()> {
+    // .helmignore must not drop anything the templates read (CRD copies, the dashboard).
+    let dir = scratch_dir("packaged_chart_renders_like_the_source_tree")?;
+    let dest = dir.to_string_lossy().into_owned();
+    run_ok(
+        "helm",
+        &["package", "charts/kvpool", "--destination", &dest],
+    )?;
+    let version = env!("CARGO_PKG_VERSION");
+    let archive = dir.join(format!("kvpool-{version}.tgz"));
+    let archive = archive.to_string_lossy().into_owned();
+    for render in renders() {
+        let source = helm_template(&render)?;
+        let mut args = helm_args(&render);
+        args[2] = &archive;
+        let packaged = run_ok("helm", &args)?;
+        ensure!(
+            source == packaged,
+            "{render:?}: the packaged chart renders differently"
+        );
+    }
+    Ok(())
+}
