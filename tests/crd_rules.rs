@@ -259,6 +259,18 @@ fn cases() -> Vec<Case> {
             Cel(DEVICES_TCP),
         ),
         c(
+            "duplicate networks",
+            POOL,
+            json!({"transport": {"networks": ["rail-0", "rail-0"]}}),
+            OpenApi("networks"),
+        ),
+        c(
+            "duplicate etcd endpoints",
+            POOL,
+            json!({"master": {"replicas": 3, "etcdEndpoints": ["http://e:2379", "http://e:2379"]}}),
+            OpenApi("etcdEndpoints"),
+        ),
+        c(
             "tcp plain",
             POOL,
             json!({"transport": {"protocol": "tcp", "port": 20000}}),

@@ -257,8 +257,9 @@ pub struct EngineSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub args: Vec<String>,
 
-    /// Extra environment of the engine container.
+    /// Extra environment of the engine container (names unique, as in a pod).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
     pub env: Vec<EnvVar>,
 }
 
@@ -376,11 +377,12 @@ pub enum AutoscalingSignal {
 }
 
 /// Observed state of a prefill or decode pool, written by the operator only.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct EnginePoolStatus {
     /// `Ready`, `Progressing` and `Degraded` (see `kvpool::crd::conditions`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
 
     /// The `metadata.generation` this status describes.

@@ -235,6 +235,7 @@ pub struct TransportSpec {
 
     /// RDMA devices the agent may use (e.g. `mlx5_0`). Empty: all it finds.
     #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Set)]
     #[schemars(length(max = 64), inner(length(min = 1, max = 64)))]
     pub devices: Vec<String>,
 
@@ -244,6 +245,7 @@ pub struct TransportSpec {
 
     /// Multus NetworkAttachmentDefinitions attached to agent pods (`name` or `namespace/name`).
     #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Set)]
     #[schemars(length(max = 16), inner(length(min = 1, max = 253)))]
     pub networks: Vec<String>,
 
@@ -374,6 +376,7 @@ pub struct MasterSpec {
 
     /// etcd client URLs (`http://host:2379`). Empty: state in memory, one replica.
     #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Set)]
     #[schemars(
         length(max = 9),
         inner(length(min = 1, max = 512), regex(pattern = r"^https?://"))
@@ -464,11 +467,12 @@ impl Default for ConductorSlo {
 }
 
 /// Observed state of a KV cache pool, written by the operator only.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct KVCachePoolStatus {
     /// `Ready`, `Progressing` and `Degraded` (see `kvpool::crd::conditions`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
     pub conditions: Vec<Condition>,
 
     /// The `metadata.generation` this status describes.

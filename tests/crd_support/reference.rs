@@ -79,6 +79,23 @@ fn constraints(s: &Value, required: bool) -> String {
     if let Some(p) = s.get("pattern").and_then(Value::as_str) {
         out.push(format!("pattern `{}`", p.replace('|', "\\|")));
     }
+    match s.get("x-kubernetes-list-type").and_then(Value::as_str) {
+        Some("set") => out.push("unique items".to_owned()),
+        Some("map") => {
+            let keys: Vec<String> = s
+                .get("x-kubernetes-list-map-keys")
+                .and_then(Value::as_array)
+                .map(|k| {
+                    k.iter()
+                        .filter_map(Value::as_str)
+                        .map(|k| format!("`{k}`"))
+                        .collect()
+                })
+                .unwrap_or_default();
+            out.push(format!("unique by {}", keys.join(", ")));
+        }
+        _ => {}
+    }
     if let Some(n) = s.get("maxItems") {
         out.push(format!("≤ {} items", number(n)));
     }
