@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use kube::api::Api;
@@ -214,9 +214,15 @@ async fn run_with_admin(
     Ok(())
 }
 
-/// A generation-filtered trigger stream for `K` and the store behind it.
+/// A generation-filtered trigger stream for `K` and the store behind it. `synced` is cancelled
+/// once the first full list has reached the store.
+///
+/// Readiness is signalled from the stream rather than with `Store::wait_until_ready`: that
+/// future keeps only the most recently registered waker (kube-runtime 5's `DelayedInit` wraps a
+/// oneshot channel), so a second waiter would silently steal the controller's own wake-up.
 fn filtered<K>(
     api: Api<K>,
+    synced: CancellationToken,
 ) -> (
     Store<K>,
     impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
@@ -233,6 +239,11 @@ where
     let (reader, writer) = reflector::store();
     let stream = watcher(api, watcher::Config::default().any_semantic())
         .default_backoff()
+        .inspect_ok(move |event| {
+            if matches!(event, watcher::Event::InitDone) {
+                synced.cancel();
+            }
+        })
         .reflect(writer)
         .applied_objects()
         .predicate_filter(predicates::generation, Default::default());
@@ -268,26 +279,28 @@ fn engine_controller<K>(
     client: &Client,
     args: &RunArgs,
     stop: CancellationToken,
-) -> (Controller<K>, Store<K>)
+    synced: CancellationToken,
+) -> Controller<K>
 where
     K: EnginePool,
 {
-    let (reader, stream) = filtered(api::<K>(client, &args.namespace));
+    let (reader, stream) = filtered(api::<K>(client, &args.namespace), synced);
     let owned = watcher::Config::default()
         .labels(&managed_selector())
         .any_semantic();
     let store = reader.clone();
-    let (_, pools) = filtered(api::<KVCachePool>(client, &args.namespace));
-    let controller = Controller::for_stream(stream, reader)
+    let (_, pools) = filtered(
+        api::<KVCachePool>(client, &args.namespace),
+        CancellationToken::new(),
+    );
+    Controller::for_stream(stream, reader)
         .owns(api::<Deployment>(client, &args.namespace), owned.clone())
         .owns(api::<Service>(client, &args.namespace), owned)
         .watches_stream(pools, move |pool: KVCachePool| {
             enginepool::referencing(&store, &pool)
         })
         .with_config(controller_config(args))
-        .graceful_shutdown_on(stop.cancelled_owned());
-    let store = controller.store();
-    (controller, store)
+        .graceful_shutdown_on(stop.cancelled_owned())
 }
 
 async fn run_controllers(
@@ -300,8 +313,13 @@ async fn run_controllers(
     let owned = watcher::Config::default()
         .labels(&managed_selector())
         .any_semantic();
-    let (pool_reader, pool_stream) = filtered(api::<KVCachePool>(client, &args.namespace));
-    let pool_store = pool_reader.clone();
+    let pools_synced = CancellationToken::new();
+    let prefill_synced = CancellationToken::new();
+    let decode_synced = CancellationToken::new();
+    let (pool_reader, pool_stream) = filtered(
+        api::<KVCachePool>(client, &args.namespace),
+        pools_synced.clone(),
+    );
     let pools = Controller::for_stream(pool_stream, pool_reader)
         .owns(api::<DaemonSet>(client, &args.namespace), owned.clone())
         .owns(api::<Deployment>(client, &args.namespace), owned.clone())
@@ -309,19 +327,20 @@ async fn run_controllers(
         .owns(api::<ConfigMap>(client, &args.namespace), owned)
         .with_config(controller_config(args))
         .graceful_shutdown_on(stop.clone().cancelled_owned());
-    let (prefill, prefill_store) = engine_controller::<PrefillPool>(client, args, stop.clone());
-    let (decode, decode_store) = engine_controller::<DecodePool>(client, args, stop.clone());
+    let prefill =
+        engine_controller::<PrefillPool>(client, args, stop.clone(), prefill_synced.clone());
+    let decode = engine_controller::<DecodePool>(client, args, stop.clone(), decode_synced.clone());
 
     // Ready once every controller's store has its initial list.
     let ready_flag = readiness.clone();
     let sync = tokio::spawn(async move {
-        let synced = pool_store.wait_until_ready().await.is_ok()
-            && prefill_store.wait_until_ready().await.is_ok()
-            && decode_store.wait_until_ready().await.is_ok();
-        if synced {
-            info!("initial sync done, ready");
-            ready_flag.set_ready(true);
-        }
+        tokio::join!(
+            pools_synced.cancelled(),
+            prefill_synced.cancelled(),
+            decode_synced.cancelled()
+        );
+        info!("initial sync done, ready");
+        ready_flag.set_ready(true);
     });
 
     let pools = pools

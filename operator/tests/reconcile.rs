@@ -52,6 +52,39 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8(out).expect("utf8")
 }
 
+/// The RBAC (group, resource, verb) a namespaced request needs.
+fn permission(method: &Method, path: &str) -> (&'static str, &'static str, &'static str) {
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (group, rest) = match parts.as_slice() {
+        ["api", "v1", rest @ ..] => ("", rest),
+        ["apis", group, _version, rest @ ..] => (*group, rest),
+        _ => panic!("unexpected path {path}"),
+    };
+    let (resource, name, sub) = match rest {
+        ["namespaces", _, resource] => (*resource, None, None),
+        ["namespaces", _, resource, name] => (*resource, Some(*name), None),
+        ["namespaces", _, resource, name, sub] => (*resource, Some(*name), Some(*sub)),
+        _ => panic!("unexpected path {path}"),
+    };
+    let resource = match sub {
+        Some(sub) => format!("{resource}/{sub}"),
+        None => resource.to_owned(),
+    };
+    let verb = match (method.as_str(), name) {
+        ("GET", Some(_)) => "get",
+        ("GET", None) => "list",
+        ("POST", _) => "create",
+        ("PATCH", _) => "patch",
+        ("PUT", _) => "update",
+        ("DELETE", _) => "delete",
+        other => panic!("unexpected method {other:?}"),
+    };
+    // Leak to 'static: a handful of short strings per test process.
+    let group: &'static str = Box::leak(group.to_owned().into_boxed_str());
+    let resource: &'static str = Box::leak(resource.into_boxed_str());
+    (group, resource, verb)
+}
+
 /// One request as the double saw it.
 #[derive(Debug)]
 struct Seen {
@@ -107,6 +140,13 @@ impl ApiServer {
             (&seen.method, seen.path.as_str()),
             (&method, path),
             "unexpected request {seen:?}"
+        );
+        let needed = permission(&seen.method, &seen.path);
+        assert!(
+            kvpool_operator::rbac::permissions().contains(&needed),
+            "{} {} needs {needed:?}, which kvpool_operator::rbac::PERMISSIONS lacks",
+            seen.method,
+            seen.path
         );
         (seen, send)
     }
