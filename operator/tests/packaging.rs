@@ -1064,6 +1064,19 @@ fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
     let dashboard: Value = serde_json::from_str(json).context("dashboard is not JSON")?;
     assert_eq!(str_at(&dashboard, "/uid"), "kvpool-operator");
     let known = operator_metric_names()?;
+    for variable in dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        for name in metrics_in(str_at(variable, "/query/query")) {
+            ensure!(
+                known.contains(&name),
+                "variable {} uses unknown {name}",
+                variable["name"]
+            );
+        }
+    }
     let panels = dashboard["panels"].as_array().context("no panels")?;
     let mut ids = BTreeSet::new();
     for panel in panels {
@@ -1530,5 +1543,80 @@ fn packaged_chart_holds_what_a_user_needs_and_renders_like_the_source() -> Resul
             "{render:?}: the packaged chart renders differently"
         );
     }
+    Ok(())
+}
+
+/// Paths of every object key in a JSON value, as JSON pointers ("/operator/replicas").
+fn value_paths(value: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    if let Value::Object(map) = value {
+        for (key, child) in map {
+            let path = format!("{prefix}/{key}");
+            value_paths(child, &path, out);
+            out.insert(path);
+        }
+    }
+}
+
+/// Paths of the options a JSON schema declares through nested `properties` (free-form maps
+/// such as `podAnnotations` stop the walk).
+fn schema_paths(schema: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    if let Some(Value::Object(properties)) = schema.get("properties") {
+        for (key, child) in properties {
+            let path = format!("{prefix}/{key}");
+            schema_paths(child, &path, out);
+            out.insert(path);
+        }
+    }
+}
+
+#[test]
+fn values_file_and_schema_describe_the_same_options() -> Result<()> {
+    let values: Value = serde_saphyr::from_str(&read("charts/kvpool/values.yaml")?)?;
+    let schema: Value = serde_json::from_str(&read("charts/kvpool/values.schema.json")?)?;
+    let mut declared = BTreeSet::new();
+    schema_paths(&schema, "", &mut declared);
+    let mut defaults = BTreeSet::new();
+    value_paths(&values, "", &mut defaults);
+    // Keys below a free-form map in the schema (resources.requests.cpu, ...) are not options.
+    let free_form = |path: &String| {
+        declared
+            .iter()
+            .any(|d| path.starts_with(&format!("{d}/")) && !declared.contains(path))
+    };
+    let undeclared: Vec<&String> = defaults
+        .iter()
+        .filter(|p| !declared.contains(*p) && !free_form(p))
+        .collect();
+    ensure!(
+        undeclared.is_empty(),
+        "values.yaml keys missing from the schema: {undeclared:?}"
+    );
+    let undocumented: Vec<&String> = declared.difference(&defaults).collect();
+    // resources.claims is accepted for completeness but has no default.
+    ensure!(
+        undocumented
+            .iter()
+            .all(|p| p.as_str() == "/resources/claims"),
+        "schema options without a default in values.yaml: {undocumented:?}"
+    );
+    // Every object in the schema is closed, except the free-form maps and the pass-through
+    // Kubernetes structures (security contexts, affinity...), which kubernetes-validate checks
+    // once rendered.
+    fn closed(schema: &Value, path: &str, open: &mut Vec<String>) {
+        if let Some(Value::Object(properties)) = schema.get("properties") {
+            if schema.get("additionalProperties") != Some(&Value::Bool(false)) {
+                open.push(path.to_owned());
+            }
+            for (key, child) in properties {
+                closed(child, &format!("{path}/{key}"), open);
+            }
+        }
+    }
+    let mut open = Vec::new();
+    closed(&schema, "", &mut open);
+    ensure!(
+        open.is_empty(),
+        "schema objects accepting unknown keys: {open:?}"
+    );
     Ok(())
 }
