@@ -175,3 +175,28 @@ fn crds_fit_client_side_apply() {
         assert!(size < 200 * 1024, "{:?} is {size} bytes", crd.metadata.name);
     }
 }
+
+/// Selectable fields must be simple paths to scalar fields of the schema.
+#[test]
+fn selectable_fields_point_at_scalar_fields() {
+    for kind in crd_support::Kind::ALL {
+        let crd = kind.crd();
+        let schema = crd_support::schema(kind);
+        for field in crd.spec.versions[0].selectable_fields.iter().flatten() {
+            let path = field
+                .json_path
+                .strip_prefix('.')
+                .expect("path starts with a dot");
+            let mut node = &schema;
+            for seg in path.split('.') {
+                node = &node["properties"][seg];
+            }
+            let ty = node["type"].as_str();
+            assert!(
+                matches!(ty, Some("string" | "integer" | "boolean")),
+                "{}: {path} has type {ty:?}",
+                kind.name()
+            );
+        }
+    }
+}

@@ -29,6 +29,7 @@ use super::defaults;
     status = "EnginePoolStatus",
     derive = "PartialEq",
     doc = "A group of prefill engine instances that reads and writes a KVCachePool.",
+    selectable = ".spec.kvCachePoolRef.name",
     scale(
         spec_replicas_path = ".spec.replicas",
         status_replicas_path = ".status.replicas",
@@ -132,6 +133,7 @@ pub struct PrefillPoolSpec {
     status = "EnginePoolStatus",
     derive = "PartialEq",
     doc = "A group of decode engine instances that reads a KVCachePool.",
+    selectable = ".spec.kvCachePoolRef.name",
     scale(
         spec_replicas_path = ".spec.replicas",
         status_replicas_path = ".status.replicas",

@@ -231,6 +231,17 @@ fn kind_section(kind: Kind, out: &mut String) {
             );
         }
     }
+    if let Some(fields) = version.selectable_fields.as_ref().filter(|f| !f.is_empty()) {
+        let paths: Vec<String> = fields
+            .iter()
+            .map(|f| format!("`{}`", f.json_path))
+            .collect();
+        let _ = writeln!(
+            out,
+            "\nField selectors (`kubectl get --field-selector`): {}.",
+            paths.join(", ")
+        );
+    }
     let _ = writeln!(
         out,
         "\nPrinter columns (`kubectl get`; `-o wide` adds the priority-1 ones):\n"
