@@ -9,9 +9,10 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec, Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, ObjectFieldSelector, PodSpec,
-    PodTemplateSpec, Probe, ResourceRequirements, Secret, SecretVolumeSource, SecurityContext,
-    Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, ObjectFieldSelector,
+    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
+    Secret, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -188,13 +189,14 @@ pub fn config_volume(pool_name: &str) -> Volume {
     }
 }
 
-/// Volume with the pool's auth Secret, readable by the owner only.
+/// Volume with the pool's auth Secret: owner and group may read it; pods that run as non-root set
+/// `fsGroup` ([`KEY_READER_GROUP`]) so that their processes are in that group.
 pub fn auth_volume(pool_name: &str) -> Volume {
     Volume {
         name: "auth".to_owned(),
         secret: Some(SecretVolumeSource {
             secret_name: Some(labels::child_name(pool_name, Component::Auth)),
-            default_mode: Some(0o400),
+            default_mode: Some(0o440),
             ..SecretVolumeSource::default()
         }),
         ..Volume::default()
@@ -367,6 +369,38 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
     }
 }
 
+/// Group that may read the mounted auth key (the kvpool images' non-root user and group).
+pub const KEY_READER_GROUP: i64 = 65532;
+
+/// Pod security context of the master and conductor: the `kvpool` image's non-root user, and
+/// `fsGroup` so the auth key is readable.
+fn nonroot_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(KEY_READER_GROUP),
+        run_as_group: Some(KEY_READER_GROUP),
+        fs_group: Some(KEY_READER_GROUP),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// Container security context of the master and conductor: nothing beyond what they need.
+fn restricted_container_security() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".to_owned()]),
+            ..Capabilities::default()
+        }),
+        ..SecurityContext::default()
+    }
+}
+
 fn deployment(
     pool: &ValidCachePool,
     component: Component,
@@ -390,7 +424,11 @@ fn deployment(
                 }),
                 spec: Some(PodSpec {
                     automount_service_account_token: Some(false),
-                    containers: vec![container],
+                    security_context: Some(nonroot_pod_security()),
+                    containers: vec![Container {
+                        security_context: Some(restricted_container_security()),
+                        ..container
+                    }],
                     volumes: Some(vec![config_volume(&pool.name), auth_volume(&pool.name)]),
                     ..PodSpec::default()
                 }),
@@ -758,6 +796,27 @@ mod tests {
                 "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379"
             ]
         );
+        let pod = spec.template.spec.as_ref().expect("pod");
+        let psc = pod.security_context.as_ref().expect("pod security context");
+        assert_eq!(psc.run_as_non_root, Some(true));
+        assert_eq!(
+            psc.fs_group,
+            Some(KEY_READER_GROUP),
+            "auth key readable by the group"
+        );
+        let csc = c
+            .security_context
+            .as_ref()
+            .expect("container security context");
+        assert_eq!(csc.allow_privilege_escalation, Some(false));
+        assert_eq!(csc.read_only_root_filesystem, Some(true));
+        let auth = pod
+            .volumes
+            .as_ref()
+            .and_then(|v| v.iter().find(|v| v.name == "auth"))
+            .and_then(|v| v.secret.as_ref())
+            .expect("auth volume");
+        assert_eq!(auth.default_mode, Some(0o440));
         let svc = children.master_service.spec.as_ref().expect("svc");
         let ports: Vec<(Option<&str>, i32)> = svc
             .ports

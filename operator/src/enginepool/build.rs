@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
-    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, Service,
-    ServicePort, ServiceSpec, Volume, VolumeMount,
+    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
+    Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvpool::crd::EngineKind;
 
 use super::validate::ValidEnginePool;
-use crate::cachepool::build::{auth_volume, config_volume, socket_volume};
+use crate::cachepool::build::{KEY_READER_GROUP, auth_volume, config_volume, socket_volume};
 use crate::contract::{self, EngineLaunch, env};
 use crate::labels;
 
@@ -227,6 +227,12 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
                     tolerations: (!pool_spec.tolerations.is_empty())
                         .then(|| pool_spec.tolerations.clone()),
                     automount_service_account_token: Some(false),
+                    // Puts the engine's processes in the group that may read the auth key,
+                    // whatever user the engine image runs as.
+                    security_context: Some(PodSecurityContext {
+                        fs_group: Some(KEY_READER_GROUP),
+                        ..PodSecurityContext::default()
+                    }),
                     containers: vec![container],
                     volumes: Some(vec![
                         config_volume(&p.pool.name),
@@ -312,6 +318,11 @@ mod tests {
             "H100-SXM"
         );
         assert_eq!(pod.tolerations.as_ref().map(Vec::len), Some(1));
+        assert_eq!(
+            pod.security_context.as_ref().and_then(|s| s.fs_group),
+            Some(crate::cachepool::build::KEY_READER_GROUP),
+            "engines of any user can read the auth key"
+        );
 
         let c = container(d);
         assert_eq!(c.image.as_deref(), Some("vllm/vllm-openai:v0.11.0"));
