@@ -948,6 +948,14 @@ fn values_schema_and_guards_reject_bad_values() -> Result<()> {
             "metrics.service.enabled=false,metrics.serviceMonitor.enabled=true",
             "metrics.service.enabled=true",
         ),
+        (
+            "serviceAccount.create=false",
+            "serviceAccount.name is required",
+        ),
+        (
+            "workloadImages.agent.tag=bad tag",
+            "workloadImages.agent.tag",
+        ),
     ];
     for (set, needle) in cases {
         let sets = [*set];
