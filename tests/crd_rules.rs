@@ -78,6 +78,8 @@ const ENGINES: &[Kind] = &[Kind::PrefillPool, Kind::DecodePool];
 
 const DRAM_EXCLUSIVE: &str = "dram: set at most one of capacityPerNode and nodeMemoryPercent";
 const DRAM_HUGEPAGES: &str = "dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount";
+const DRAM_WHOLE_PAGES: &str =
+    "dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)";
 const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
 const SSD_POSITIVE: &str = "ssd.capacityPerNode must be a positive quantity such as 3Ti";
 const SRIOV_TCP: &str = "transport.sriov requires transport.protocol rdma or auto";
@@ -135,6 +137,36 @@ fn cases() -> Vec<Case> {
             POOL,
             json!({"dram": {"capacityPerNode": "64Gi", "hugepages": "1Gi"}}),
             Valid,
+        ),
+        c(
+            "2Mi pages, 3Mi",
+            POOL,
+            json!({"dram": {"capacityPerNode": "3Mi", "hugepages": "2Mi"}}),
+            Cel(DRAM_WHOLE_PAGES),
+        ),
+        c(
+            "1Gi pages, 1536Mi",
+            POOL,
+            json!({"dram": {"capacityPerNode": "1536Mi", "hugepages": "1Gi"}}),
+            Cel(DRAM_WHOLE_PAGES),
+        ),
+        c(
+            "1Gi pages, 1.5Gi",
+            POOL,
+            json!({"dram": {"capacityPerNode": "1.5Gi", "hugepages": "1Gi"}}),
+            Cel(DRAM_WHOLE_PAGES),
+        ),
+        c(
+            "2Mi pages, 1Gi in bytes",
+            POOL,
+            json!({"dram": {"capacityPerNode": 1073741824, "hugepages": "2Mi"}}),
+            Valid,
+        ),
+        c(
+            "2Mi pages, 4M decimal",
+            POOL,
+            json!({"dram": {"capacityPerNode": "4M", "hugepages": "2Mi"}}),
+            Cel(DRAM_WHOLE_PAGES),
         ),
         c(
             "hugepages without quantity",
@@ -789,6 +821,8 @@ mod agreement {
                 json!("512Gi"),
                 json!("-1Gi"),
                 json!("lots"),
+                json!("3Mi"),
+                json!("1536Mi"),
                 json!(0),
                 json!(1u64 << 30),
             ]),

@@ -154,7 +154,8 @@ pub struct AgentSpec {
 #[serde(rename_all = "camelCase")]
 #[x_kube(
     validation = Rule::new("!(has(self.capacityPerNode) && has(self.nodeMemoryPercent))").message("dram: set at most one of capacityPerNode and nodeMemoryPercent").reason(Reason::FieldValueInvalid),
-    validation = Rule::new("self.hugepages == 'none' || has(self.capacityPerNode)").message("dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount").field_path(".hugepages").reason(Reason::FieldValueRequired)
+    validation = Rule::new("self.hugepages == 'none' || has(self.capacityPerNode)").message("dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount").field_path(".hugepages").reason(Reason::FieldValueRequired),
+    validation = Rule::new("self.hugepages == 'none' || !has(self.capacityPerNode) || !isQuantity(string(self.capacityPerNode)) || (quantity(string(self.capacityPerNode)).isInteger() && quantity(string(self.capacityPerNode)).asInteger() % (self.hugepages == '1Gi' ? 1073741824 : 2097152) == 0)").message("dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)").field_path(".capacityPerNode").reason(Reason::FieldValueInvalid)
 )]
 pub struct DramTierSpec {
     /// Bytes per node as a Kubernetes quantity (e.g. `512Gi`). Exclusive with

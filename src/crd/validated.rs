@@ -295,11 +295,25 @@ impl ValidatedKVCachePool {
                 100,
             )?),
         };
-        if dram.hugepages != Hugepages::None && !matches!(capacity, DramCapacity::Bytes(_)) {
-            return Err(SpecError::Missing {
-                field: "dram.capacityPerNode",
-                message: "hugepages require an explicit capacityPerNode",
-            });
+        let page_bytes: u64 = match dram.hugepages {
+            Hugepages::None => 1,
+            Hugepages::Size2Mi => 2 << 20,
+            Hugepages::Size1Gi => 1 << 30,
+        };
+        match capacity {
+            DramCapacity::NodeMemoryPercent(_) if page_bytes > 1 => {
+                return Err(SpecError::Missing {
+                    field: "dram.capacityPerNode",
+                    message: "hugepages require an explicit capacityPerNode",
+                });
+            }
+            DramCapacity::Bytes(bytes) if !bytes.is_multiple_of(page_bytes) => {
+                return Err(SpecError::Conflict {
+                    field: "dram.capacityPerNode",
+                    message: "must be a whole number of hugepages (a multiple of dram.hugepages)",
+                });
+            }
+            _ => {}
         }
 
         let ssd = match &spec.ssd {
