@@ -1029,3 +1029,32 @@ mod agreement {
         }
     }
 }
+
+/// A rule's `fieldPath` must name a field below the rule's node, or the API server rejects the
+/// CRD.
+#[test]
+fn field_paths_name_existing_fields() {
+    let mut checked = 0;
+    for kind in Kind::ALL {
+        let schema = crd_support::schema(kind);
+        for r in crd_support::rules(&schema) {
+            let Some(fp) = &r.field_path else { continue };
+            let mut node = &schema;
+            for seg in r.path.split('.').filter(|s| !s.is_empty()) {
+                node = &node["properties"][seg];
+            }
+            let rel = fp.strip_prefix('.').expect("fieldPath starts with a dot");
+            for seg in rel.split('.') {
+                node = &node["properties"][seg];
+            }
+            assert!(
+                node.is_object(),
+                "{} {}: fieldPath {fp} names no field",
+                kind.name(),
+                r.path
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "only {checked} rules have a fieldPath");
+}

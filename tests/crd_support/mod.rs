@@ -83,6 +83,8 @@ pub struct RuleAt {
     pub path: String,
     pub rule: String,
     pub message: String,
+    /// The rule's `fieldPath`, relative to `path`, if it has one.
+    pub field_path: Option<String>,
 }
 
 /// Every CEL rule in a schema, depth first.
@@ -97,6 +99,7 @@ pub fn rules(schema: &Value) -> Vec<RuleAt> {
                         .as_str()
                         .expect("every rule has a message")
                         .to_owned(),
+                    field_path: r["fieldPath"].as_str().map(str::to_owned),
                 });
             }
         }
