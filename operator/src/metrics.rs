@@ -50,7 +50,7 @@ impl Metrics {
         )?;
         let leader = IntGauge::new(
             "kvpool_operator_leader",
-            "1 while this replica holds the leader lease (always 1 without leader election)",
+            "Whether this replica runs the controllers: 1 while it holds the leader lease (always 1 without leader election), else 0",
         )?;
         registry.register(Box::new(reconciles.clone()))?;
         registry.register(Box::new(failures.clone()))?;
