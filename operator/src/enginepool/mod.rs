@@ -20,7 +20,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kvpool::crd::KVCachePool;
-use tracing::{info, warn};
+use tracing::{info, instrument, warn};
 
 use crate::apply;
 use crate::cachepool;
@@ -159,6 +159,7 @@ async fn write_blocked<K: EnginePool>(
 }
 
 /// One pass of the pipeline. Public so that tests drive it directly.
+#[instrument(skip_all, fields(kind = K::KIND_NAME, name = %obj.name_any(), namespace = obj.namespace().unwrap_or_default(), pool = obj.pool_ref()))]
 pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Result<Outcome> {
     if obj.meta().deletion_timestamp.is_some() {
         return Ok(Outcome::Deleting);
