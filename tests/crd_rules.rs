@@ -851,7 +851,7 @@ mod agreement {
         let transport = (
             opt(vec!["auto", "rdma", "tcp"]),
             any::<bool>(),
-            0usize..3,
+            0usize..4,
             0usize..2,
             opt(vec![80, 1024, 15500, 65535, 70000]),
         )
@@ -863,7 +863,12 @@ mod agreement {
                 if sriov {
                     t["sriov"] = json!({"resourceName": "nvidia.com/roce_vf"});
                 }
-                t["networks"] = json!((0..nets).map(|i| format!("rail-{i}")).collect::<Vec<_>>());
+                // three networks repeat one name, which the API server rejects (a set)
+                t["networks"] = json!(
+                    (0..nets)
+                        .map(|i| format!("rail-{}", i % 2))
+                        .collect::<Vec<_>>()
+                );
                 t["devices"] = json!((0..devs).map(|i| format!("mlx5_{i}")).collect::<Vec<_>>());
                 if let Some(p) = port {
                     t["port"] = json!(p);

@@ -102,6 +102,19 @@ fn ranged<T: TryFrom<i32>>(
     T::try_from(value).map_err(|_| err())
 }
 
+/// The API server treats these lists as sets: an entry may appear once.
+fn unique(field: &'static str, items: &[String]) -> Result<(), SpecError> {
+    let mut seen = std::collections::BTreeSet::new();
+    if items.iter().all(|i| seen.insert(i)) {
+        Ok(())
+    } else {
+        Err(SpecError::Conflict {
+            field,
+            message: "lists an entry more than once",
+        })
+    }
+}
+
 fn positive_bytes(field: &'static str, q: &Quantity) -> Result<u64, SpecError> {
     match quantity::parse_bytes(q) {
         Ok(0) => Err(SpecError::OutOfRange {
@@ -353,6 +366,8 @@ impl ValidatedKVCachePool {
                 });
             }
         }
+        unique("transport.devices", &t.devices)?;
+        unique("transport.networks", &t.networks)?;
         let sriov = match &t.sriov {
             None => None,
             Some(s) => Some(SriovConfig {
@@ -398,6 +413,7 @@ impl ValidatedKVCachePool {
             policy: e.policy,
         };
 
+        unique("master.etcdEndpoints", &spec.master.etcd_endpoints)?;
         if spec
             .master
             .etcd_endpoints
@@ -779,6 +795,11 @@ mod tests {
                 "conflicting_fields",
             ),
             ("  transport: {port: 80}", "transport.port", "out_of_range"),
+            (
+                "  transport: {devices: [mlx5_0, mlx5_0]}",
+                "transport.devices",
+                "conflicting_fields",
+            ),
             ("  blockSizeTokens: 0", "blockSizeTokens", "out_of_range"),
             (
                 "  replication: {replicas: 9}",
