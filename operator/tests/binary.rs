@@ -4,6 +4,7 @@
 //! keeping one Lease in memory) becomes ready after the initial sync, takes and releases the
 //! leader Lease when asked to, serves metrics, and exits 0 on SIGTERM.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -14,7 +15,7 @@ use axum::body::Body;
 use axum::extract::{RawQuery, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kvpool-operator");
@@ -82,13 +83,12 @@ fn api_version(path: &str) -> String {
     }
 }
 
-/// The one Lease the fake keeps (leader election), as JSON.
-type LeaseStore = Arc<Mutex<Option<serde_json::Value>>>;
+/// Objects the fake API server holds, keyed by their path (`/apis/<g>/<v>/namespaces/<ns>/<plural>/<name>`).
+type Objects = Arc<Mutex<BTreeMap<String, Value>>>;
 
-/// The Lease collection (POST) and the Lease itself (GET, PATCH).
-const LEASES_PATH: &str = "/apis/coordination.k8s.io/v1/namespaces/kvpool-system/leases";
+const LEASE: &str = "/apis/coordination.k8s.io/v1/namespaces/kvpool-system/leases/kvpool-operator";
 
-fn json_response(code: StatusCode, body: &serde_json::Value) -> Response {
+fn json_response(code: StatusCode, body: &Value) -> Response {
     (
         code,
         [(header::CONTENT_TYPE, "application/json")],
@@ -97,74 +97,59 @@ fn json_response(code: StatusCode, body: &serde_json::Value) -> Response {
         .into_response()
 }
 
-/// GET, create and PATCH (apply or strategic merge: spec keys merged, nulls removed) of the Lease.
-async fn fake_lease(lease: LeaseStore, request: Request) -> Response {
-    let method = request.method().clone();
-    let bytes = axum::body::to_bytes(request.into_body(), 1 << 20)
-        .await
-        .unwrap_or_default();
-    let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(json!({}));
-    let mut stored = lease.lock().expect("lease lock");
-    let not_found = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-        "reason": "NotFound", "code": 404, "message": "leases \"kvpool-operator\" not found"});
-    match method.as_str() {
-        "GET" => match stored.as_ref() {
-            Some(obj) => json_response(StatusCode::OK, obj),
-            None => json_response(StatusCode::NOT_FOUND, &not_found),
-        },
-        "POST" => {
-            let mut obj = body;
-            obj["metadata"]["resourceVersion"] = json!("1");
-            obj["metadata"]["namespace"] = json!("kvpool-system");
-            if obj.get("spec").is_none() {
-                obj["spec"] = json!({});
-            }
-            *stored = Some(obj.clone());
-            json_response(StatusCode::CREATED, &obj)
-        }
-        "PATCH" => {
-            let obj = stored.get_or_insert_with(|| {
-                json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": "kvpool-operator", "namespace": "kvpool-system"},
-                    "spec": {}})
-            });
-            if let Some(spec) = body.get("spec").and_then(|s| s.as_object()) {
-                for (k, v) in spec {
-                    if v.is_null() {
-                        if let Some(m) = obj["spec"].as_object_mut() {
-                            m.remove(k);
-                        }
-                    } else {
-                        obj["spec"][k] = v.clone();
-                    }
+fn status(code: u16, reason: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason,
+        "code": code, "message": reason})
+}
+
+/// Merge `patch` into `target` (objects recursively, anything else replaced, null removes), the
+/// way a merge patch works; good enough for apply patches from a single field manager.
+fn merge(target: &mut Value, patch: &Value) {
+    match (target.as_object_mut(), patch.as_object()) {
+        (Some(t), Some(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
                 }
             }
-            let version = obj["metadata"]["resourceVersion"]
-                .as_str()
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(1);
-            obj["metadata"]["resourceVersion"] = json!((version + 1).to_string());
-            json_response(StatusCode::OK, obj)
         }
-        _ => json_response(StatusCode::METHOD_NOT_ALLOWED, &json!({})),
+        _ => *target = patch.clone(),
     }
 }
 
+/// Whether `obj`'s labels match an equality-only selector (`k=v,k2=v2`).
+fn selected(obj: &Value, selector: Option<&str>) -> bool {
+    selector.is_none_or(|sel| {
+        sel.split(',').filter(|t| !t.is_empty()).all(|term| {
+            let (k, v) = term.split_once('=').unwrap_or((term, ""));
+            obj["metadata"]["labels"][k].as_str() == Some(v)
+        })
+    })
+}
+
+fn decode(s: &str) -> String {
+    s.replace("%2F", "/")
+        .replace("%3D", "=")
+        .replace("%2C", ",")
+}
+
+/// A small in-memory API server: list (with label selectors), get, create (409 when present),
+/// patch (merge; the status subresource replaces `status`), delete; watches stay open without
+/// events, so the operator sees exactly the initial lists.
 async fn fake_api(
-    State(lease): State<LeaseStore>,
+    State(objects): State<Objects>,
     RawQuery(query): RawQuery,
     request: Request,
 ) -> Response {
     let path = request.uri().path().to_owned();
-    if path == LEASES_PATH || path == format!("{LEASES_PATH}/kvpool-operator") {
-        return fake_lease(lease, request).await;
-    }
-    let query = query.unwrap_or_default();
-    if query
+    let query: BTreeMap<String, String> = query
+        .unwrap_or_default()
         .split('&')
-        .any(|kv| kv == "watch=true" || kv == "watch=1")
-    {
-        // Hold the watch open with no events.
+        .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k.to_owned(), decode(v))))
+        .collect();
+    if query.get("watch").is_some_and(|v| v == "true" || v == "1") {
         let body = Body::from_stream(futures::stream::pending::<Result<String, std::io::Error>>());
         return (
             StatusCode::OK,
@@ -173,21 +158,74 @@ async fn fake_api(
         )
             .into_response();
     }
-    if request.method() != axum::http::Method::GET {
-        return (StatusCode::METHOD_NOT_ALLOWED, "read-only fake").into_response();
+    let method = request.method().clone();
+    let bytes = axum::body::to_bytes(request.into_body(), 1 << 22)
+        .await
+        .unwrap_or_default();
+    let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let Some(ns_at) = segments.iter().position(|s| *s == "namespaces") else {
+        return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound"));
+    };
+    let depth = segments.len() - ns_at;
+    let mut objects = objects.lock().expect("objects");
+    match (method.as_str(), depth) {
+        ("GET", 3) => {
+            let prefix = format!("{path}/");
+            let items: Vec<Value> = objects
+                .iter()
+                .filter(|(k, _)| k.starts_with(&prefix) && !k[prefix.len()..].contains('/'))
+                .map(|(_, v)| v.clone())
+                .filter(|v| selected(v, query.get("labelSelector").map(String::as_str)))
+                .collect();
+            json_response(
+                StatusCode::OK,
+                &json!({"apiVersion": api_version(&path), "kind": "List",
+                    "metadata": {"resourceVersion": "1"}, "items": items}),
+            )
+        }
+        ("POST", 3) => {
+            let name = body["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let key = format!("{path}/{name}");
+            if objects.contains_key(&key) {
+                return json_response(StatusCode::CONFLICT, &status(409, "AlreadyExists"));
+            }
+            let mut obj = body;
+            obj["metadata"]["resourceVersion"] = json!("1");
+            objects.insert(key, obj.clone());
+            json_response(StatusCode::CREATED, &obj)
+        }
+        ("GET", 4) => match objects.get(&path) {
+            Some(obj) => json_response(StatusCode::OK, obj),
+            None => json_response(StatusCode::NOT_FOUND, &status(404, "NotFound")),
+        },
+        ("PATCH", 4) => {
+            let obj = objects.entry(path).or_insert_with(|| json!({}));
+            merge(obj, &body);
+            json_response(StatusCode::OK, obj)
+        }
+        ("PATCH", 5) if segments.last() == Some(&"status") => {
+            let key = format!("/{}", segments[..segments.len() - 1].join("/"));
+            match objects.get_mut(&key) {
+                Some(obj) => {
+                    obj["status"] = body["status"].clone();
+                    json_response(StatusCode::OK, obj)
+                }
+                None => json_response(StatusCode::NOT_FOUND, &status(404, "NotFound")),
+            }
+        }
+        ("DELETE", 4) => match objects.remove(&path) {
+            Some(obj) => json_response(StatusCode::OK, &obj),
+            None => json_response(StatusCode::NOT_FOUND, &status(404, "NotFound")),
+        },
+        _ => json_response(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &status(405, "MethodNotAllowed"),
+        ),
     }
-    let list = json!({
-        "apiVersion": api_version(&path),
-        "kind": "List",
-        "metadata": {"resourceVersion": "1"},
-        "items": [],
-    });
-    (
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "application/json")],
-        list.to_string(),
-    )
-        .into_response()
 }
 
 async fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
@@ -213,19 +251,19 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// Start the fake API server; returns its address and the Lease it keeps.
-async fn start_fake_api() -> (SocketAddr, LeaseStore) {
+/// Start the fake API server holding `seed` (path, object); returns its address and objects.
+async fn start_fake_api(seed: Vec<(String, Value)>) -> (SocketAddr, Objects) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let api_addr = listener.local_addr().expect("addr");
-    let lease: LeaseStore = Arc::new(Mutex::new(None));
-    let state = lease.clone();
+    let objects: Objects = Arc::new(Mutex::new(seed.into_iter().collect()));
+    let state = objects.clone();
     tokio::spawn(async move {
         let app = Router::new().fallback(fake_api).with_state(state);
         let _ = axum::serve(listener, app).await;
     });
-    (api_addr, lease)
+    (api_addr, objects)
 }
 
 fn kubeconfig(dir: &std::path::Path, api_addr: SocketAddr) -> std::path::PathBuf {
@@ -252,11 +290,18 @@ fn read_stderr(child: &mut Child) -> String {
 /// Run the operator against the fake until `path` on the admin server answers with a body that
 /// contains `want`, then SIGTERM it; returns its log after it exited 0.
 async fn run_until(extra_args: &[&str], path: &str, want: &str) -> String {
-    let (api_addr, _lease) = start_fake_api().await;
-    run_against(api_addr, extra_args, path, want).await
+    let (api_addr, _) = start_fake_api(Vec::new()).await;
+    run_against(api_addr, extra_args, path, want, || true).await
 }
 
-async fn run_against(api_addr: SocketAddr, extra_args: &[&str], path: &str, want: &str) -> String {
+/// Like [`run_until`] against a given fake, also waiting for `until()` to hold.
+async fn run_against(
+    api_addr: SocketAddr,
+    extra_args: &[&str],
+    path: &str,
+    want: &str,
+    until: impl Fn() -> bool,
+) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
     let kubeconfig = kubeconfig(dir.path(), api_addr);
     let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
@@ -287,7 +332,7 @@ async fn run_against(api_addr: SocketAddr, extra_args: &[&str], path: &str, want
     let mut last = String::new();
     loop {
         if let Some(resp) = http_get(admin, path).await {
-            if resp.starts_with("HTTP/1.1 200") && resp.contains(want) {
+            if resp.starts_with("HTTP/1.1 200") && resp.contains(want) && until() {
                 break;
             }
             last = resp;
@@ -336,7 +381,7 @@ async fn run_becomes_ready_after_the_initial_sync_and_stops_cleanly_on_sigterm()
 
 #[tokio::test]
 async fn leader_election_takes_the_lease_and_releases_it_on_sigterm() {
-    let (api_addr, lease) = start_fake_api().await;
+    let (api_addr, objects) = start_fake_api(Vec::new()).await;
     let log = run_against(
         api_addr,
         &[
@@ -348,11 +393,17 @@ async fn leader_election_takes_the_lease_and_releases_it_on_sigterm() {
         ],
         "/metrics",
         "\nkvpool_operator_leader 1",
+        || true,
     )
     .await;
     assert!(log.contains("acquired the leader lease"), "{log}");
     assert!(log.contains("released the leader lease"), "{log}");
-    let lease = lease.lock().expect("lock").clone().expect("lease created");
+    let lease = objects
+        .lock()
+        .expect("lock")
+        .get(LEASE)
+        .cloned()
+        .expect("lease created");
     assert!(
         lease["spec"].get("holderIdentity").is_none(),
         "released lease has no holder: {lease}"
@@ -360,5 +411,77 @@ async fn leader_election_takes_the_lease_and_releases_it_on_sigterm() {
     assert!(
         lease["spec"]["leaseTransitions"].as_i64().unwrap_or(0) >= 1,
         "lease was taken: {lease}"
+    );
+}
+
+fn fixture_json<T: serde::de::DeserializeOwned + serde::Serialize>(name: &str) -> Value {
+    let path = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(path).expect("fixture");
+    let typed: T = serde_saphyr::from_str(&text).expect("parse fixture");
+    serde_json::to_value(typed).expect("json")
+}
+
+/// The whole binary over HTTP: the initial lists hand a KVCachePool and a PrefillPool to the
+/// controllers, which create every child with server-side apply and write both statuses.
+#[tokio::test]
+async fn run_reconciles_listed_objects_into_children_and_status() {
+    const G: &str = "/apis/kvpool.dev/v1alpha1/namespaces/default";
+    let seed = vec![
+        (
+            format!("{G}/kvcachepools/tcp"),
+            fixture_json::<kvpool::crd::KVCachePool>("kvcachepool-tcp.yaml"),
+        ),
+        (
+            format!("{G}/prefillpools/synthetic"),
+            fixture_json::<kvpool::crd::PrefillPool>("prefillpool-custom.yaml"),
+        ),
+    ];
+    let (api_addr, objects) = start_fake_api(seed).await;
+    let watched = objects.clone();
+    let has_status = move |key: &str| {
+        watched
+            .lock()
+            .expect("lock")
+            .get(key)
+            .is_some_and(|o| o["status"]["conditions"].is_array())
+    };
+    let pool_key = format!("{G}/kvcachepools/tcp");
+    let engine_key = format!("{G}/prefillpools/synthetic");
+    run_against(api_addr, &[], "/readyz", "ready", || {
+        has_status(&pool_key) && has_status(&engine_key)
+    })
+    .await;
+
+    let objects = objects.lock().expect("lock");
+    for key in [
+        "/apis/apps/v1/namespaces/default/daemonsets/tcp-agent",
+        "/apis/apps/v1/namespaces/default/deployments/tcp-master",
+        "/api/v1/namespaces/default/services/tcp-master",
+        "/api/v1/namespaces/default/configmaps/tcp-config",
+        "/api/v1/namespaces/default/secrets/tcp-auth",
+        "/apis/apps/v1/namespaces/default/deployments/synthetic-prefill",
+        "/api/v1/namespaces/default/services/synthetic-prefill",
+    ] {
+        let obj = objects
+            .get(key)
+            .unwrap_or_else(|| panic!("{key} was not created"));
+        assert_eq!(
+            obj["metadata"]["labels"]["app.kubernetes.io/managed-by"], "kvpool-operator",
+            "{key}"
+        );
+    }
+    assert!(
+        !objects.contains_key("/apis/apps/v1/namespaces/default/deployments/tcp-conductor"),
+        "conductor disabled in the fixture"
+    );
+    let pool = &objects[&format!("{G}/kvcachepools/tcp")];
+    assert_eq!(
+        pool["status"]["masterEndpoint"],
+        "tcp-master.default.svc:50051"
+    );
+    let engine = &objects[&format!("{G}/prefillpools/synthetic")];
+    assert_eq!(
+        engine["status"]["endpoints"][0],
+        "synthetic-prefill.default.svc:8000"
     );
 }
