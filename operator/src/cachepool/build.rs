@@ -427,9 +427,27 @@ fn deployment(
                     security_context: Some(nonroot_pod_security()),
                     containers: vec![Container {
                         security_context: Some(restricted_container_security()),
+                        volume_mounts: Some(
+                            container
+                                .volume_mounts
+                                .clone()
+                                .unwrap_or_default()
+                                .into_iter()
+                                .chain([mount("tmp", "/tmp", false)])
+                                .collect(),
+                        ),
                         ..container
                     }],
-                    volumes: Some(vec![config_volume(&pool.name), auth_volume(&pool.name)]),
+                    // The root filesystem is read-only; /tmp is the one writable place.
+                    volumes: Some(vec![
+                        config_volume(&pool.name),
+                        auth_volume(&pool.name),
+                        Volume {
+                            name: "tmp".to_owned(),
+                            empty_dir: Some(EmptyDirVolumeSource::default()),
+                            ..Volume::default()
+                        },
+                    ]),
                     ..PodSpec::default()
                 }),
             },
@@ -817,6 +835,12 @@ mod tests {
             .and_then(|v| v.secret.as_ref())
             .expect("auth volume");
         assert_eq!(auth.default_mode, Some(0o440));
+        assert!(
+            c.volume_mounts
+                .as_ref()
+                .is_some_and(|m| m.iter().any(|m| m.name == "tmp" && m.mount_path == "/tmp")),
+            "writable /tmp next to the read-only root filesystem"
+        );
         let svc = children.master_service.spec.as_ref().expect("svc");
         let ports: Vec<(Option<&str>, i32)> = svc
             .ports
