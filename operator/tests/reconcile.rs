@@ -843,3 +843,74 @@ async fn invalid_engine_spec_gets_an_event_and_a_condition() {
     .expect("reconcile");
     assert_eq!(outcome, enginepool::Outcome::Invalid);
 }
+
+/// The engine-pool controller also writes status only when it changes: a second pass over the
+/// object carrying the status of the first, with the same Deployment status, writes nothing.
+#[tokio::test]
+async fn engine_pool_status_is_not_rewritten_when_unchanged() {
+    let pool_json =
+        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
+    async fn children(server: &mut ApiServer, pool_json: &Value, selector: &str) {
+        let (_, send) = server
+            .expect(Method::GET, &format!("{POOLS}/kvcachepools/roce"))
+            .await;
+        reply(send, StatusCode::OK, pool_json);
+        server
+            .expect_apply(&format!("{NS}/services/qwen-decode"), None)
+            .await;
+        let deploy = server
+            .expect_apply(
+                &format!("{APPS}/deployments/qwen-decode"),
+                Some(json!({"replicas": 3, "readyReplicas": 2})),
+            )
+            .await;
+        let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2");
+        server
+            .expect_list(
+                &format!("{APPS}/deployments"),
+                selector,
+                "DeploymentList",
+                vec![],
+            )
+            .await;
+        server
+            .expect_list(&format!("{NS}/services"), selector, "ServiceList", vec![])
+            .await;
+    }
+
+    let first: DecodePool = fixture("decodepool-sglang.yaml");
+    let engine_json = serde_json::to_value(&first).expect("json");
+    let written = Arc::new(std::sync::Mutex::new(Value::Null));
+    let out = written.clone();
+    let pool = pool_json.clone();
+    drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&first, &ctx).await,
+        async move |server: &mut ApiServer| {
+            children(server, &pool, selector).await;
+            let body = server
+                .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
+                .await;
+            *out.lock().expect("lock") = body["status"].clone();
+        },
+    )
+    .await
+    .expect("first pass");
+    let status: kvpool::crd::EnginePoolStatus =
+        serde_json::from_value(written.lock().expect("lock").clone()).expect("status");
+    assert_eq!((status.replicas, status.ready_replicas), (3, 2));
+    let progressing =
+        kvpool::crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
+    assert_eq!(progressing.status, "True");
+
+    let mut second: DecodePool = fixture("decodepool-sglang.yaml");
+    second.status = Some(status);
+    let outcome = drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&second, &ctx).await,
+        async move |server: &mut ApiServer| children(server, &pool_json, selector).await,
+    )
+    .await
+    .expect("second pass");
+    assert_eq!(outcome, enginepool::Outcome::Reconciled);
+}
