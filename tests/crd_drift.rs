@@ -200,3 +200,45 @@ fn selectable_fields_point_at_scalar_fields() {
         }
     }
 }
+
+/// The generated CRDs are valid `apiextensions.k8s.io/v1` objects for Kubernetes 1.33, checked
+/// offline by `kubernetes-validate --strict` (installed by scripts/tools.sh into .tools/venv, or
+/// found on PATH). Runs a child process.
+#[test]
+fn crds_pass_kubernetes_validate() {
+    let local = repo().join(".tools/venv/bin/kubernetes-validate");
+    let program = if local.is_file() {
+        local
+    } else if std::process::Command::new("kubernetes-validate")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        PathBuf::from("kubernetes-validate")
+    } else {
+        println!("SKIP: kubernetes-validate not installed (run scripts/tools.sh)");
+        return;
+    };
+    let files: Vec<PathBuf> = render_crds()
+        .expect("render")
+        .into_iter()
+        .map(|r| repo().join("crds").join(r.file_name))
+        .collect();
+    let out = std::process::Command::new(&program)
+        .args(["--strict", "-k", "1.33.0"])
+        .args(&files)
+        .output()
+        .expect("kubernetes-validate runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "kubernetes-validate failed:\n{text}");
+    assert_eq!(
+        text.matches(" passed for resource customresourcedefinition/")
+            .count(),
+        3,
+        "{text}"
+    );
+}
