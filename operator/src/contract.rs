@@ -32,8 +32,6 @@ pub const MASTER_PORT: u16 = 50051;
 pub const CONDUCTOR_PORT: u16 = 8000;
 /// HTTP port the engines serve on (OpenAI-compatible).
 pub const ENGINE_PORT: u16 = 8000;
-/// Transfer-engine port of the agent (host network is not used; the pod port carries it).
-pub const AGENT_TRANSFER_PORT: u16 = 15000;
 
 /// Binary of the node agent.
 pub const AGENT_BINARY: &str = "kvpool-agent";

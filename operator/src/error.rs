@@ -85,8 +85,8 @@ pub enum Error {
     },
 
     /// Rendering the pool's effective config as YAML failed.
-    #[error("cannot render the effective config as YAML: {0}")]
-    RenderConfig(String),
+    #[error("cannot render the effective config as YAML")]
+    RenderConfig(#[source] serde_saphyr::ser::Error),
 }
 
 impl Error {

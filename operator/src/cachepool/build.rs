@@ -98,8 +98,7 @@ pub fn engine_config(pool: &ValidCachePool) -> serde_json::Value {
 
 /// Render the ConfigMap data: `config.yaml` and `engine.json`.
 pub fn config_data(pool: &ValidCachePool) -> Result<BTreeMap<String, String>> {
-    let yaml = serde_saphyr::to_string(&pool_config(pool))
-        .map_err(|e| Error::RenderConfig(e.to_string()))?;
+    let yaml = serde_saphyr::to_string(&pool_config(pool)).map_err(Error::RenderConfig)?;
     let json =
         serde_json::to_string_pretty(&engine_config(pool)).map_err(|source| Error::Serialize {
             what: "engine config",
