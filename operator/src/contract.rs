@@ -30,6 +30,9 @@ pub const ADMIN_PORT: u16 = 9090;
 pub const MASTER_PORT: u16 = 50051;
 /// HTTP port of the conductor (OpenAI-compatible front door).
 pub const CONDUCTOR_PORT: u16 = 8000;
+/// Default transfer-engine port of the agent (`spec.transport.port` when absent); the
+/// DaemonSet's `transfer` container port is the pool's actual `spec.transport.port`.
+pub const AGENT_TRANSFER_PORT: u16 = 15500;
 /// HTTP port the engines serve on (OpenAI-compatible).
 pub const ENGINE_PORT: u16 = 8000;
 
@@ -205,6 +208,14 @@ pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<Strin
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn default_transfer_port_is_the_crd_default() {
+        assert_eq!(
+            i32::from(AGENT_TRANSFER_PORT),
+            kvpool::crd::defaults::TRANSPORT_PORT
+        );
+    }
 
     #[test]
     fn master_args_add_etcd_only_for_ha() {
