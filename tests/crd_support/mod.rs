@@ -9,7 +9,7 @@ pub mod reference;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
-use kvpool::crd::{self, DecodePool, KVCachePool, PrefillPool};
+use kvpool::crd::{DecodePool, KVCachePool, PrefillPool};
 use serde_json::{Map, Value, json};
 
 /// The three kinds (named as the API names them).
@@ -273,9 +273,4 @@ pub fn all_rules() -> Vec<(Kind, RuleAt)> {
         .into_iter()
         .flat_map(|k| rules(&schema(k)).into_iter().map(move |r| (k, r)))
         .collect()
-}
-
-/// Kept so that a helper module that only some test binaries use does not warn.
-pub fn _crds() -> Vec<CustomResourceDefinition> {
-    crd::crds()
 }
