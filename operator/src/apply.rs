@@ -1,6 +1,7 @@
 //! Writes to the API server, the only place the controllers change cluster state: server-side
 //! apply of children (one field manager, forced), create-if-absent for objects that must never
-//! be overwritten, deletion of orphans by label, and status patches.
+//! be overwritten, deletion of orphans by label, and status patches. The field manager is the
+//! operator's (`--field-manager`, default `kvpool-operator`), passed in by the caller.
 //! I/O boundary: the kube client.
 
 use std::collections::BTreeSet;
@@ -12,20 +13,19 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::{Error, Result};
-use crate::labels::FIELD_MANAGER;
 
-fn apply_params() -> PatchParams {
-    PatchParams::apply(FIELD_MANAGER).force()
+fn apply_params(field_manager: &str) -> PatchParams {
+    PatchParams::apply(field_manager).force()
 }
 
 /// Server-side apply `obj` (which must carry name, apiVersion and kind) and return the object
 /// as the server stored it.
-pub async fn apply<K>(api: &Api<K>, obj: &K) -> Result<K>
+pub async fn apply<K>(field_manager: &str, api: &Api<K>, obj: &K) -> Result<K>
 where
     K: Resource<DynamicType = ()> + Clone + Debug + Serialize + DeserializeOwned,
 {
     let name = obj.name_any();
-    api.patch(&name, &apply_params(), &Patch::Apply(obj))
+    api.patch(&name, &apply_params(field_manager), &Patch::Apply(obj))
         .await
         .map_err(|source| Error::Apply {
             kind: K::kind(&()).into_owned(),
@@ -36,12 +36,12 @@ where
 
 /// Create `obj` unless an object of that name exists; an existing one is left untouched.
 /// Returns true when this call created it.
-pub async fn create_if_absent<K>(api: &Api<K>, obj: &K) -> Result<bool>
+pub async fn create_if_absent<K>(field_manager: &str, api: &Api<K>, obj: &K) -> Result<bool>
 where
     K: Resource<DynamicType = ()> + Clone + Debug + Serialize + DeserializeOwned,
 {
     let params = PostParams {
-        field_manager: Some(FIELD_MANAGER.to_owned()),
+        field_manager: Some(field_manager.to_owned()),
         ..PostParams::default()
     };
     match api.create(&params, obj).await {
@@ -98,7 +98,12 @@ where
 }
 
 /// Apply the status subresource of `name` with `status` (the whole status object).
-pub async fn patch_status<K, S>(api: &Api<K>, name: &str, status: &S) -> Result<K>
+pub async fn patch_status<K, S>(
+    field_manager: &str,
+    api: &Api<K>,
+    name: &str,
+    status: &S,
+) -> Result<K>
 where
     K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned,
     S: Serialize,
@@ -108,7 +113,7 @@ where
         "kind": K::kind(&()),
         "status": status,
     });
-    api.patch_status(name, &apply_params(), &Patch::Apply(&body))
+    api.patch_status(name, &apply_params(field_manager), &Patch::Apply(&body))
         .await
         .map_err(|source| Error::PatchStatus {
             kind: K::kind(&()).into_owned(),

@@ -33,6 +33,8 @@ pub struct Cli {
 }
 
 /// Subcommands of `kvpool-operator`.
+// Parsed once at start-up; boxing `RunArgs` would only make matching on it clumsier.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the controllers until SIGTERM/SIGINT.
@@ -71,6 +73,10 @@ pub struct RunArgs {
     /// Identity in the Lease; defaults to the pod name (POD_NAME) or the host name.
     #[arg(long, env = "POD_NAME")]
     pub identity: Option<String>,
+    /// Field manager of every server-side apply and create (one per binary, so that ownership
+    /// of fields is clear in `managedFields`).
+    #[arg(long, env = "KVPOOL_FIELD_MANAGER", default_value = crate::labels::FIELD_MANAGER)]
+    pub field_manager: String,
     /// Default image of the node agent DaemonSet (a KVCachePool may override it).
     #[arg(long, env = "KVPOOL_AGENT_IMAGE", default_value_t = default_image("kvpool-agent"))]
     pub agent_image: String,
@@ -118,6 +124,7 @@ mod tests {
         assert!(!args.leader_elect);
         assert_eq!(args.admin_addr.port(), 9090);
         assert!(args.agent_image.starts_with("ghcr.io/kvpool/kvpool-agent:"));
+        assert_eq!(args.field_manager, "kvpool-operator");
     }
 
     #[test]

@@ -14,9 +14,10 @@ use kube::runtime::events::{Recorder, Reporter};
 use crate::labels::FIELD_MANAGER;
 use crate::metrics::Metrics;
 
-/// Settings that apply to every pool: default images.
+/// Settings that apply to every pool: the field manager of every write, default images.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
+    pub field_manager: String,
     pub agent_image: String,
     pub master_image: String,
     pub conductor_image: String,
@@ -26,6 +27,7 @@ impl Settings {
     /// Images tagged `test`, for unit tests and fixtures.
     pub fn for_tests() -> Self {
         Self {
+            field_manager: FIELD_MANAGER.to_owned(),
             agent_image: "ghcr.io/kvpool/kvpool-agent:test".to_owned(),
             master_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
             conductor_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
@@ -69,7 +71,7 @@ impl Context {
         instance: Option<String>,
     ) -> Self {
         let reporter = Reporter {
-            controller: FIELD_MANAGER.to_owned(),
+            controller: settings.field_manager.clone(),
             instance,
         };
         Self {

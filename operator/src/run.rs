@@ -29,7 +29,7 @@ use crate::cachepool;
 use crate::cli::RunArgs;
 use crate::context::{Context, Settings};
 use crate::enginepool::{self, EnginePool};
-use crate::labels::{FIELD_MANAGER, managed_selector};
+use crate::labels::managed_selector;
 use crate::metrics::Metrics;
 
 /// Lease duration and renewal grace of leader election, seconds.
@@ -132,7 +132,7 @@ async fn run_with_admin(
         let manager = LeaseManagerBuilder::new(client.clone(), &args.leader_election_lease)
             .with_namespace(&args.leader_election_namespace)
             .with_identity(&identity)
-            .with_field_manager(FIELD_MANAGER)
+            .with_field_manager(&args.field_manager)
             .with_duration(LEASE_DURATION_S)
             .with_grace(LEASE_GRACE_S)
             .build()
@@ -179,6 +179,7 @@ async fn run_with_admin(
         client.clone(),
         metrics.clone(),
         Settings {
+            field_manager: args.field_manager.clone(),
             agent_image: args.agent_image.clone(),
             master_image: args.master_image.clone(),
             conductor_image: args.conductor_image.clone(),

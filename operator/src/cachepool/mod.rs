@@ -129,7 +129,7 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
                 ctx.now(),
             );
             if pool.status.as_ref() != Some(&status) {
-                apply::patch_status(&pools, &name, &status).await?;
+                apply::patch_status(&ctx.settings.field_manager, &pools, &name, &status).await?;
             }
             return Ok(Outcome::Invalid);
         }
@@ -141,7 +141,7 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
 
     let new_status = status::status(&valid, &applied, pool.status.as_ref(), ctx.now());
     if pool.status.as_ref() != Some(&new_status) {
-        apply::patch_status(&pools, &name, &new_status).await?;
+        apply::patch_status(&ctx.settings.field_manager, &pools, &name, &new_status).await?;
         info!(
             ready = new_status.nodes_ready,
             desired = new_status.nodes_desired,
@@ -184,22 +184,27 @@ async fn apply_children(
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
     let daemonsets: Api<DaemonSet> = Api::namespaced(client, namespace);
 
-    if apply::create_if_absent(&secrets, &children.auth).await? {
+    if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
         info!(secret = %children.auth.name_any(), "created peer-authentication key");
     }
-    apply::apply(&config_maps, &children.config).await?;
-    apply::apply(&services, &children.master_service).await?;
-    let master = apply::apply(&deployments, &children.master).await?;
-    let agent = apply::apply(&daemonsets, &children.agent).await?;
+    apply::apply(&ctx.settings.field_manager, &config_maps, &children.config).await?;
+    apply::apply(
+        &ctx.settings.field_manager,
+        &services,
+        &children.master_service,
+    )
+    .await?;
+    let master = apply::apply(&ctx.settings.field_manager, &deployments, &children.master).await?;
+    let agent = apply::apply(&ctx.settings.field_manager, &daemonsets, &children.agent).await?;
 
     let mut keep_deployments = BTreeSet::from([children.master.name_any()]);
     let mut keep_services = BTreeSet::from([children.master_service.name_any()]);
     let conductor = match &children.conductor {
         Some((deployment, service)) => {
-            apply::apply(&services, service).await?;
+            apply::apply(&ctx.settings.field_manager, &services, service).await?;
             keep_services.insert(service.name_any());
             keep_deployments.insert(deployment.name_any());
-            Some(apply::apply(&deployments, deployment).await?)
+            Some(apply::apply(&ctx.settings.field_manager, &deployments, deployment).await?)
         }
         None => None,
     };

@@ -153,7 +153,7 @@ async fn write_blocked<K: EnginePool>(
         ctx.now(),
     );
     if obj.engine_status() != Some(&status) {
-        apply::patch_status(api, &obj.name_any(), &status).await?;
+        apply::patch_status(&ctx.settings.field_manager, api, &obj.name_any(), &status).await?;
     }
     Ok(())
 }
@@ -221,8 +221,13 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     // Apply.
     let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
-    apply::apply(&services, &children.service).await?;
-    let applied = apply::apply(&deployments, &children.deployment).await?;
+    apply::apply(&ctx.settings.field_manager, &services, &children.service).await?;
+    let applied = apply::apply(
+        &ctx.settings.field_manager,
+        &deployments,
+        &children.deployment,
+    )
+    .await?;
     let selector = labels::owner_selector(K::KIND_NAME, &name);
     let keep = BTreeSet::from([build::child_name(&valid)]);
     apply::delete_orphans(&deployments, &selector, &keep).await?;
@@ -231,7 +236,7 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     // Status.
     let new_status = status::status(&valid, &applied, obj.engine_status(), ctx.now());
     if obj.engine_status() != Some(&new_status) {
-        apply::patch_status(&api, &name, &new_status).await?;
+        apply::patch_status(&ctx.settings.field_manager, &api, &name, &new_status).await?;
     }
     Ok(Outcome::Reconciled)
 }
