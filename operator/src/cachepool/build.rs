@@ -242,7 +242,9 @@ fn hugepages_resource(h: Hugepages) -> Option<&'static str> {
 }
 
 /// Agent resources: the user's, plus hugepages (requests = limits, as Kubernetes requires) and
-/// SR-IOV virtual functions.
+/// SR-IOV virtual functions. A DRAM tier of an explicit size in ordinary pages is requested as
+/// memory (unless the user set a memory request), so the scheduler reserves what the agent pins
+/// and the pod is not the first to be evicted under memory pressure.
 fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
     let spec = &pool.spec;
     let mut res = spec.agent.resources.clone().unwrap_or_default();
@@ -256,6 +258,12 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
             sriov.resource_name.clone(),
             Quantity(sriov.count.to_string()),
         );
+    }
+    if let (None, DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
+        let requests = res.requests.get_or_insert_with(BTreeMap::new);
+        requests
+            .entry("memory".to_owned())
+            .or_insert_with(|| kvpool::crd::quantity::format_bytes(bytes));
     }
     if !extra.is_empty() {
         let requests = res.requests.get_or_insert_with(BTreeMap::new);
@@ -321,8 +329,8 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
         command: Some(contract::agent_command()),
         args: Some(contract::agent_args()),
         env: Some(vec![
-            field_env("KVPOOL_NODE_NAME", "spec.nodeName"),
-            field_env("KVPOOL_POD_IP", "status.podIP"),
+            field_env(contract::env::NODE_NAME, "spec.nodeName"),
+            field_env(contract::env::POD_IP, "status.podIP"),
         ]),
         ports: Some(vec![
             port("admin", contract::ADMIN_PORT),
@@ -787,6 +795,35 @@ mod tests {
             .collect();
         assert_eq!(volumes, ["config", "auth", "socket"]);
         assert!(children.conductor.is_none());
+    }
+
+    #[test]
+    fn explicit_dram_in_ordinary_pages_is_requested_as_memory() {
+        let mut pool = tcp();
+        pool.spec.dram.node_memory_percent = None;
+        pool.spec.dram.capacity_per_node = Some(q("64Gi"));
+        let children = build(&valid(&pool), "00ff").expect("build");
+        let c = &pod(&children.agent).containers[0];
+        let res = c.resources.as_ref().expect("resources");
+        assert_eq!(
+            res.requests.as_ref().expect("requests")["memory"],
+            q("64Gi")
+        );
+        assert!(res.limits.is_none(), "no limit imposed: {res:?}");
+
+        // A user's own memory request wins.
+        pool.spec.agent.resources = Some(ResourceRequirements {
+            requests: Some(BTreeMap::from([("memory".to_owned(), q("80Gi"))])),
+            ..ResourceRequirements::default()
+        });
+        let children = build(&valid(&pool), "00ff").expect("build");
+        let c = &pod(&children.agent).containers[0];
+        let requests = c
+            .resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .expect("requests");
+        assert_eq!(requests["memory"], q("80Gi"));
     }
 
     #[test]
