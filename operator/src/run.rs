@@ -89,6 +89,9 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     let listener = admin::bind(args.admin_addr)
         .await
         .map_err(RunError::Admin)?;
+    if let Ok(bound) = listener.local_addr() {
+        info!(addr = %bound, "admin server listening");
+    }
     let admin_stop = CancellationToken::new();
     let admin_task = tokio::spawn(admin::serve(
         listener,

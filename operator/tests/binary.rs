@@ -237,9 +237,47 @@ async fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
     Some(out)
 }
 
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    l.local_addr().expect("addr").port()
+/// The child's stderr, collected line by line by a reader thread.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<String>>);
+
+impl Log {
+    fn collect(child: &mut Child) -> Self {
+        let log = Log::default();
+        if let Some(stderr) = child.stderr.take() {
+            let sink = log.clone();
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(stderr)
+                    .lines()
+                    .map_while(Result::ok)
+                {
+                    let mut text = sink.0.lock().expect("log");
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+            });
+        }
+        log
+    }
+
+    fn text(&self) -> String {
+        self.0.lock().expect("log").clone()
+    }
+
+    /// The admin address the operator bound (it is started with port 0).
+    fn admin_addr(&self) -> Option<SocketAddr> {
+        let text = self.text();
+        let line = text
+            .lines()
+            .find(|l| l.contains("admin server listening"))?;
+        let rest = &line[line.find("addr=")? + "addr=".len()..];
+        let addr: String = rest
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+            .collect();
+        addr.parse().ok()
+    }
 }
 
 struct KillOnDrop(Child);
@@ -278,15 +316,6 @@ fn kubeconfig(dir: &std::path::Path, api_addr: SocketAddr) -> std::path::PathBuf
     path
 }
 
-fn read_stderr(child: &mut Child) -> String {
-    let mut stderr = String::new();
-    if let Some(mut e) = child.stderr.take() {
-        use std::io::Read;
-        let _ = e.read_to_string(&mut stderr);
-    }
-    stderr
-}
-
 /// Run the operator against the fake until `path` on the admin server answers with a body that
 /// contains `want`, then SIGTERM it; returns its log after it exited 0.
 async fn run_until(extra_args: &[&str], path: &str, want: &str) -> String {
@@ -304,12 +333,11 @@ async fn run_against(
 ) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
     let kubeconfig = kubeconfig(dir.path(), api_addr);
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-    let child = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .args([
             "run",
             "--admin-addr",
-            &admin.to_string(),
+            "127.0.0.1:0",
             "--namespace",
             "default",
         ])
@@ -321,37 +349,43 @@ async fn run_against(
             "RUST_LOG",
             std::env::var("OP_LOG").unwrap_or_else(|_| "info".into()),
         )
+        .env("NO_COLOR", "1")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
+    let log = Log::collect(&mut child);
     let mut child = KillOnDrop(child);
 
     // Wait (bounded, generously for a loaded machine) for the admin server to say `want`.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = String::new();
+    let mut admin = None;
     loop {
-        if let Some(resp) = http_get(admin, path).await {
+        admin = admin.or_else(|| log.admin_addr());
+        let response = match admin {
+            Some(addr) => http_get(addr, path).await,
+            None => None,
+        };
+        if let Some(resp) = response {
             if resp.starts_with("HTTP/1.1 200") && resp.contains(want) && until() {
                 break;
             }
             last = resp;
         }
         if let Ok(Some(status)) = child.0.try_wait() {
-            panic!(
-                "operator exited early with {status}: {}",
-                read_stderr(&mut child.0)
-            );
+            panic!("operator exited early with {status}: {}", log.text());
         }
         if Instant::now() >= deadline {
             let _ = child.0.kill();
             panic!(
                 "{path} never showed {want:?}; last: {last}\noperator log:\n{}",
-                read_stderr(&mut child.0)
+                log.text()
             );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let admin = admin.expect("admin address known once it answered");
     let livez = http_get(admin, "/livez").await.expect("livez");
     assert!(livez.starts_with("HTTP/1.1 200"), "{livez}");
 
@@ -361,12 +395,16 @@ async fn run_against(
         .status()
         .expect("kill");
     assert!(killed.success());
-    let (status, log) = tokio::task::spawn_blocking(move || {
-        let status = child.0.wait().expect("wait");
-        (status, read_stderr(&mut child.0))
-    })
-    .await
-    .expect("join");
+    let status = tokio::task::spawn_blocking(move || child.0.wait().expect("wait"))
+        .await
+        .expect("join");
+    // The reader thread sees end-of-file once the process is gone; wait (bounded) for the
+    // last lines.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !log.text().contains("kvpool-operator stopped") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = log.text();
     assert!(status.success(), "exit {status}: {log}");
     assert!(log.contains("SIGTERM received"), "{log}");
     log
