@@ -63,6 +63,10 @@ pub mod env {
     pub const NODE_NAME: &str = "KVPOOL_NODE_NAME";
     /// Pod IP (downward API): the address peers use to reach the engine.
     pub const POD_IP: &str = "KVPOOL_POD_IP";
+    /// The pool's latency objective in milliseconds: TTFT for prefill, TPOT for decode.
+    pub const SLO_MILLIS: &str = "KVPOOL_SLO_MILLIS";
+    /// Tensor-parallel size of one engine instance.
+    pub const TENSOR_PARALLEL_SIZE: &str = "KVPOOL_TENSOR_PARALLEL_SIZE";
     /// Config file path read by vLLM's Mooncake store connector.
     pub const MOONCAKE_CONFIG_PATH: &str = "MOONCAKE_CONFIG_PATH";
 }

@@ -110,6 +110,11 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
         ),
         plain_env(env::AUTH_KEY_FILE, contract::auth_key_path()),
         plain_env(env::CONFIG_FILE, contract::engine_config_path()),
+        plain_env(env::SLO_MILLIS, p.effective.slo_millis.to_string()),
+        plain_env(
+            env::TENSOR_PARALLEL_SIZE,
+            p.effective.tensor_parallel_size.to_string(),
+        ),
         plain_env(env::POOL, p.pool.name.clone()),
         plain_env(env::ENGINE_POOL, p.name.clone()),
         field_env(env::NODE_NAME, "spec.nodeName"),
@@ -352,6 +357,12 @@ mod tests {
         );
         assert_eq!(env_value(c, "KVPOOL_ROLE"), Some("prefill"));
         assert_eq!(
+            env_value(c, "KVPOOL_SLO_MILLIS"),
+            Some("1000"),
+            "the TTFT objective"
+        );
+        assert_eq!(env_value(c, "KVPOOL_TENSOR_PARALLEL_SIZE"), Some("4"));
+        assert_eq!(
             env_value(c, "KVPOOL_AUTH_KEY_FILE"),
             Some("/etc/kvpool/auth/key")
         );
@@ -435,6 +446,11 @@ mod tests {
         );
         assert!(args.windows(2).any(|w| w == ["--tp-size", "2"]));
         assert_eq!(env_value(c, "KVPOOL_ROLE"), Some("decode"));
+        assert_eq!(
+            env_value(c, "KVPOOL_SLO_MILLIS"),
+            Some("30"),
+            "the TPOT objective"
+        );
         assert_eq!(env_value(c, "MOONCAKE_CONFIG_PATH"), None, "vLLM only");
     }
 
