@@ -35,5 +35,5 @@ LABEL org.opencontainers.image.title="kvpool-agent" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /out/kvpool-agent /usr/local/bin/kvpool-agent
 USER 0:0
-EXPOSE 9090 15000
+EXPOSE 9090 15500
 ENTRYPOINT ["/usr/local/bin/kvpool-agent"]
