@@ -914,3 +914,46 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
     .expect("second pass");
     assert_eq!(outcome, enginepool::Outcome::Reconciled);
 }
+
+/// An update (a new generation with a changed setting) re-applies the children with the new
+/// values: the agent pods' config hash changes, so they roll, and status reports the new
+/// generation.
+#[tokio::test]
+async fn update_reapplies_children_and_reports_the_new_generation() {
+    async fn pass(pool: KVCachePool) -> (Value, Value) {
+        let pool_json = serde_json::to_value(&pool).expect("json");
+        let out = Arc::new(std::sync::Mutex::new((Value::Null, Value::Null)));
+        let sink = out.clone();
+        drive(
+            async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+            async move |server: &mut ApiServer| {
+                let (agent, _) = pool_children(server, 4, true).await;
+                let body = server
+                    .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                    .await;
+                *sink.lock().expect("lock") = (agent, body["status"].clone());
+            },
+        )
+        .await
+        .expect("reconcile");
+        let guard = out.lock().expect("lock");
+        guard.clone()
+    }
+    let before: KVCachePool = fixture("kvcachepool-roce.yaml");
+    let mut after = before.clone();
+    after.spec.block_size_tokens = 1024;
+    after.metadata.generation = Some(4);
+    let (agent_before, status_before) = pass(before).await;
+    let (agent_after, status_after) = pass(after).await;
+    let hash = |ds: &Value| {
+        ds["spec"]["template"]["metadata"]["annotations"]["kvpool.dev/config-hash"].clone()
+    };
+    assert_ne!(hash(&agent_before), hash(&agent_after), "agent pods roll");
+    assert_eq!(status_before["observedGeneration"], 3);
+    assert_eq!(status_after["observedGeneration"], 4);
+    let ready = status_after["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Ready"))
+        .expect("Ready");
+    assert_eq!(ready["observedGeneration"], 4);
+}
