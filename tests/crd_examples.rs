@@ -9,9 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crd_support::{Kind, admission_errors, yaml_to_json};
-use kvpool::crd::{
-    DecodePool, KVCachePool, PrefillPool, Protocol, ValidatedEnginePool, ValidatedKVCachePool,
-};
+use kvpool::crd::{KVCachePool, Protocol, ValidatedKVCachePool};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -52,29 +50,7 @@ fn check(doc: &Doc) -> Vec<String> {
         .into_iter()
         .map(|e| format!("{label}: {e}"))
         .collect();
-    let typed = match doc.kind {
-        Kind::KVCachePool => serde_json::from_value::<KVCachePool>(doc.value.clone())
-            .map_err(|e| e.to_string())
-            .and_then(|p| {
-                ValidatedKVCachePool::validate(&p.spec)
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            }),
-        Kind::PrefillPool => serde_json::from_value::<PrefillPool>(doc.value.clone())
-            .map_err(|e| e.to_string())
-            .and_then(|p| {
-                ValidatedEnginePool::from_prefill(&p.spec)
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            }),
-        Kind::DecodePool => serde_json::from_value::<DecodePool>(doc.value.clone())
-            .map_err(|e| e.to_string())
-            .and_then(|p| {
-                ValidatedEnginePool::from_decode(&p.spec)
-                    .map(drop)
-                    .map_err(|e| e.to_string())
-            }),
-    };
+    let typed = crd_support::rust_validation(doc.kind, &doc.value);
     if let Err(e) = typed {
         problems.push(format!("{label}: {e}"));
     }

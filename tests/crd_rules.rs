@@ -7,9 +7,7 @@
 mod crd_support;
 
 use crd_support::{Kind, admission_errors, all_rules, cel_errors, openapi_errors};
-use kvpool::crd::{
-    DecodePool, KVCachePool, PrefillPool, ValidatedEnginePool, ValidatedKVCachePool,
-};
+use kvpool::crd::{DecodePool, KVCachePool, PrefillPool};
 use serde_json::{Value, json};
 
 /// RFC 7386 merge patch: objects merge, `null` deletes, anything else replaces.
@@ -70,14 +68,18 @@ struct Case {
     spec: Value,
     /// For transition rules: the spec of the stored object.
     old_spec: Option<Value>,
+    /// Replaces the object's `metadata` (for rules on the name).
+    metadata: Option<Value>,
     expect: Expect,
 }
 
 const POOL: &[Kind] = &[Kind::KVCachePool];
+const ALL: &[Kind] = &Kind::ALL;
 const ENGINES: &[Kind] = &[Kind::PrefillPool, Kind::DecodePool];
 
 const DRAM_EXCLUSIVE: &str = "dram: set at most one of capacityPerNode and nodeMemoryPercent";
 const DRAM_HUGEPAGES: &str = "dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount";
+const NAME: &str = "metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services";
 const DRAM_WHOLE_PAGES: &str =
     "dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)";
 const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
@@ -96,6 +98,16 @@ const REF_IMMUTABLE: &str = "kvCachePoolRef is immutable; create a new pool inst
 const MODEL_REQUIRED: &str = "engine.model is required for engine.kind vllm and sglang";
 const AUTOSCALING_BOUNDS: &str = "autoscaling.minReplicas must not exceed autoscaling.maxReplicas";
 
+impl Case {
+    fn object(&self, kind: Kind) -> Value {
+        let mut obj = with_spec(kind, &self.spec);
+        if let Some(m) = &self.metadata {
+            obj["metadata"] = m.clone();
+        }
+        obj
+    }
+}
+
 fn cases() -> Vec<Case> {
     use Expect::*;
     let c = |name, kinds, spec, expect| Case {
@@ -103,6 +115,7 @@ fn cases() -> Vec<Case> {
         kinds,
         spec,
         old_spec: None,
+        metadata: None,
         expect,
     };
     vec![
@@ -524,10 +537,35 @@ fn cases() -> Vec<Case> {
             OpenApi("tensorParallelSize"),
         ),
         Case {
+            name: "53-character name",
+            kinds: ALL,
+            spec: json!({}),
+            old_spec: None,
+            metadata: Some(json!({"name": "a".repeat(53), "namespace": "llm"})),
+            expect: Valid,
+        },
+        Case {
+            name: "54-character name",
+            kinds: ALL,
+            spec: json!({}),
+            old_spec: None,
+            metadata: Some(json!({"name": "a".repeat(54), "namespace": "llm"})),
+            expect: Cel(NAME),
+        },
+        Case {
+            name: "dotted name",
+            kinds: ALL,
+            spec: json!({}),
+            old_spec: None,
+            metadata: Some(json!({"name": "cache.v2", "namespace": "llm"})),
+            expect: Cel(NAME),
+        },
+        Case {
             name: "pool ref unchanged on update",
             kinds: ENGINES,
             spec: json!({"replicas": 3}),
             old_spec: Some(json!({})),
+            metadata: None,
             expect: Valid,
         },
         Case {
@@ -535,6 +573,7 @@ fn cases() -> Vec<Case> {
             kinds: ENGINES,
             spec: json!({"kvCachePoolRef": {"name": "other"}}),
             old_spec: Some(json!({})),
+            metadata: None,
             expect: Cel(REF_IMMUTABLE),
         },
     ]
@@ -545,7 +584,7 @@ fn every_case_is_accepted_or_rejected_as_expected() {
     let mut failures = Vec::new();
     for case in cases() {
         for &kind in case.kinds {
-            let obj = with_spec(kind, &case.spec);
+            let obj = case.object(kind);
             let old = case.old_spec.as_ref().map(|s| with_spec(kind, s));
             let label = format!("{} / {}", kind.name(), case.name);
             match &case.expect {
@@ -629,15 +668,20 @@ fn failures_are_reported_on_the_field_their_message_names() {
             continue;
         }
         for &kind in case.kinds {
-            let obj = with_spec(kind, &case.spec);
+            let obj = case.object(kind);
             let old = case.old_spec.as_ref().map(|s| with_spec(kind, s));
             for f in crd_support::cel_failures(kind, &obj, old.as_ref()) {
-                let field = f.path.strip_prefix("spec.").unwrap_or(&f.path);
+                // root rules (on the name) report at the root and name `metadata.name`
+                let field = if f.path.is_empty() {
+                    "metadata.name"
+                } else {
+                    f.path.strip_prefix("spec.").unwrap_or(&f.path)
+                };
                 let named = f
                     .message
                     .strip_prefix(field)
                     .is_some_and(|rest| rest.starts_with([' ', ':']));
-                if !f.path.starts_with("spec.") || !named {
+                if !(f.path.is_empty() || f.path.starts_with("spec.")) || !named {
                     problems.push(format!("{} / {}: {f}", kind.name(), case.name));
                 }
             }
@@ -655,30 +699,8 @@ fn rust_validation_agrees_with_cel() {
             continue;
         }
         for &kind in case.kinds {
-            let obj = with_spec(kind, &case.spec);
-            let rust = match kind {
-                Kind::KVCachePool => serde_json::from_value::<KVCachePool>(obj)
-                    .map_err(|e| e.to_string())
-                    .and_then(|p| {
-                        ValidatedKVCachePool::validate(&p.spec)
-                            .map(drop)
-                            .map_err(|e| e.to_string())
-                    }),
-                Kind::PrefillPool => serde_json::from_value::<PrefillPool>(obj)
-                    .map_err(|e| e.to_string())
-                    .and_then(|p| {
-                        ValidatedEnginePool::from_prefill(&p.spec)
-                            .map(drop)
-                            .map_err(|e| e.to_string())
-                    }),
-                Kind::DecodePool => serde_json::from_value::<DecodePool>(obj)
-                    .map_err(|e| e.to_string())
-                    .and_then(|p| {
-                        ValidatedEnginePool::from_decode(&p.spec)
-                            .map(drop)
-                            .map_err(|e| e.to_string())
-                    }),
-            };
+            let obj = case.object(kind);
+            let rust = crd_support::rust_validation(kind, &obj);
             let expected_ok = matches!(case.expect, Expect::Valid);
             if rust.is_ok() != expected_ok {
                 disagreements.push(format!(
@@ -973,37 +995,11 @@ mod agreement {
             })
     }
 
-    fn rust_accepts(kind: Kind, obj: &Value) -> Result<(), String> {
-        match kind {
-            Kind::KVCachePool => serde_json::from_value::<KVCachePool>(obj.clone())
-                .map_err(|e| e.to_string())
-                .and_then(|p| {
-                    ValidatedKVCachePool::validate(&p.spec)
-                        .map(drop)
-                        .map_err(|e| e.to_string())
-                }),
-            Kind::PrefillPool => serde_json::from_value::<PrefillPool>(obj.clone())
-                .map_err(|e| e.to_string())
-                .and_then(|p| {
-                    ValidatedEnginePool::from_prefill(&p.spec)
-                        .map(drop)
-                        .map_err(|e| e.to_string())
-                }),
-            Kind::DecodePool => serde_json::from_value::<DecodePool>(obj.clone())
-                .map_err(|e| e.to_string())
-                .and_then(|p| {
-                    ValidatedEnginePool::from_decode(&p.spec)
-                        .map(drop)
-                        .map_err(|e| e.to_string())
-                }),
-        }
-    }
-
     fn agree(kind: Kind, spec: &Value) -> Result<(), TestCaseError> {
         let mut obj = base(kind);
         obj["spec"] = spec.clone();
         let api = admission_errors(kind, &obj, None);
-        let rust = rust_accepts(kind, &obj);
+        let rust = crd_support::rust_validation(kind, &obj);
         prop_assert_eq!(
             api.is_empty(),
             rust.is_ok(),

@@ -28,6 +28,7 @@ use super::defaults;
     namespaced,
     status = "EnginePoolStatus",
     derive = "PartialEq",
+    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
     doc = "A group of prefill engine instances that reads and writes a KVCachePool.",
     selectable = ".spec.kvCachePoolRef.name",
     scale(
@@ -132,6 +133,7 @@ pub struct PrefillPoolSpec {
     namespaced,
     status = "EnginePoolStatus",
     derive = "PartialEq",
+    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
     doc = "A group of decode engine instances that reads a KVCachePool.",
     selectable = ".spec.kvCachePoolRef.name",
     scale(

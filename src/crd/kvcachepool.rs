@@ -30,6 +30,7 @@ use super::defaults;
     namespaced,
     status = "KVCachePoolStatus",
     derive = "PartialEq",
+    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
     doc = "A cluster-wide pool of KV cache blocks held in the DRAM and SSDs of a set of GPU nodes.",
     printcolumn(
         name = "Ready",

@@ -23,9 +23,9 @@ pub use kvcachepool::{
 };
 
 pub use validated::{
-    AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MasterConfig,
-    ReplicationConfig, Role, SpecError, SriovConfig, SsdConfig, TransportConfig,
-    ValidatedEnginePool, ValidatedKVCachePool,
+    AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,
+    MasterConfig, ReplicationConfig, Role, SpecError, SriovConfig, SsdConfig, TransportConfig,
+    ValidatedEnginePool, ValidatedKVCachePool, validate_name,
 };
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

@@ -52,6 +52,14 @@ pub enum SpecError {
         /// What conflicts with what.
         message: &'static str,
     },
+    /// The resource's name cannot prefix its children's names.
+    #[error("metadata.name {name:?}: {message}")]
+    InvalidName {
+        /// The name found.
+        name: String,
+        /// What is wrong with it.
+        message: &'static str,
+    },
     /// A field that the other fields make necessary is absent.
     #[error("spec.{field}: {message}")]
     Missing {
@@ -70,18 +78,36 @@ impl SpecError {
             Self::OutOfRange { .. } => "out_of_range",
             Self::Conflict { .. } => "conflicting_fields",
             Self::Missing { .. } => "missing_field",
+            Self::InvalidName { .. } => "invalid_name",
         }
     }
 
-    /// Path of the offending field below `spec`.
+    /// Path of the offending field below `spec`, or `metadata.name`.
     pub fn field(&self) -> &'static str {
         match self {
+            Self::InvalidName { .. } => "metadata.name",
             Self::Quantity { field, .. }
             | Self::OutOfRange { field, .. }
             | Self::Conflict { field, .. }
             | Self::Missing { field, .. } => field,
         }
     }
+}
+
+/// Longest name of a kvpool resource: children append up to 10 characters (`-conductor`) and
+/// Service names are DNS labels of at most 63.
+pub const MAX_NAME_LEN: usize = 53;
+
+/// Checks a resource name the way the CRDs' root rule does: at most [`MAX_NAME_LEN`] characters
+/// and no dots, so that `<name>-<component>` is a valid Service name.
+pub fn validate_name(name: &str) -> Result<(), SpecError> {
+    if name.len() > MAX_NAME_LEN || name.contains('.') {
+        return Err(SpecError::InvalidName {
+            name: name.to_owned(),
+            message: "must be at most 53 characters and contain no dots: it prefixes the names of Services",
+        });
+    }
+    Ok(())
 }
 
 fn ranged<T: TryFrom<i32>>(
@@ -834,6 +860,19 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn names_leave_room_for_child_suffixes() {
+        assert_eq!(validate_name(&"a".repeat(53)), Ok(()));
+        let long = validate_name(&"a".repeat(54)).expect_err("too long");
+        assert_eq!(
+            (long.field(), long.category()),
+            ("metadata.name", "invalid_name")
+        );
+        assert!(long.to_string().starts_with("metadata.name \""), "{long}");
+        assert!(validate_name("cache.v2").is_err());
+        assert_eq!(format!("{}-conductor", "a".repeat(MAX_NAME_LEN)).len(), 63);
     }
 
     #[test]

@@ -9,7 +9,9 @@ pub mod reference;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
-use kvpool::crd::{DecodePool, KVCachePool, PrefillPool};
+use kvpool::crd::{
+    DecodePool, KVCachePool, PrefillPool, ValidatedEnginePool, ValidatedKVCachePool, validate_name,
+};
 use serde_json::{Map, Value, json};
 
 /// The three kinds (named as the API names them).
@@ -273,4 +275,26 @@ pub fn all_rules() -> Vec<(Kind, RuleAt)> {
         .into_iter()
         .flat_map(|k| rules(&schema(k)).into_iter().map(move |r| (k, r)))
         .collect()
+}
+
+/// What the operator's own checks say about an object: it parses into its Rust type, its name
+/// fits, and its spec validates.
+pub fn rust_validation(kind: Kind, object: &Value) -> Result<(), String> {
+    fn parse<T: serde::de::DeserializeOwned>(object: &Value) -> Result<T, String> {
+        serde_json::from_value(object.clone()).map_err(|e| format!("does not parse: {e}"))
+    }
+    let name = object["metadata"]["name"].as_str().unwrap_or_default();
+    validate_name(name).map_err(|e| e.to_string())?;
+    let checked = match kind {
+        Kind::KVCachePool => {
+            ValidatedKVCachePool::validate(&parse::<KVCachePool>(object)?.spec).map(drop)
+        }
+        Kind::PrefillPool => {
+            ValidatedEnginePool::from_prefill(&parse::<PrefillPool>(object)?.spec).map(drop)
+        }
+        Kind::DecodePool => {
+            ValidatedEnginePool::from_decode(&parse::<DecodePool>(object)?.spec).map(drop)
+        }
+    };
+    checked.map_err(|e| e.to_string())
 }

@@ -225,7 +225,11 @@ fn kind_section(kind: Kind, out: &mut String) {
             let _ = writeln!(
                 out,
                 "| `{}` | `{}` | {} |",
-                r.path,
+                if r.path.is_empty() {
+                    "(object)"
+                } else {
+                    r.path.as_str()
+                },
                 r.rule.replace('|', "\\|"),
                 r.message
             );
