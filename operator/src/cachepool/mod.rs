@@ -1,0 +1,224 @@
+//! The `KVCachePool` controller: dereference (nothing to resolve) -> validate -> build -> apply ->
+//! status. Children are owned through controller references, so the garbage collector removes
+//! them when the pool is deleted and no finalizer is needed (docs/operator.md explains why).
+//! I/O boundary: the apply step and the status write, both through [`crate::apply`].
+
+pub mod build;
+pub mod status;
+pub mod validate;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use kube::api::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+use kvpool::crd::KVCachePool;
+use rand::RngCore;
+use tracing::{info, instrument, warn};
+
+use crate::apply;
+use crate::conditions::reason;
+use crate::context::{Context, RESYNC};
+use crate::contract;
+use crate::error::{Error, Result};
+use crate::labels;
+use build::OWNER_KIND;
+use status::AppliedCachePool;
+
+/// Metric label of this controller.
+pub const KIND: &str = "KVCachePool";
+
+/// What a reconcile did, for metrics and tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Children applied and status up to date.
+    Reconciled,
+    /// The spec is invalid: Event and condition written, waiting for a change.
+    Invalid,
+    /// The pool is being deleted: nothing to do (the garbage collector removes the children).
+    Deleting,
+}
+
+impl Outcome {
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Reconciled => "ok",
+            Outcome::Invalid => "invalid",
+            Outcome::Deleting => "deleting",
+        }
+    }
+}
+
+/// Generate a fresh peer-authentication key (hex), from the thread CSPRNG (ChaCha seeded by the
+/// OS). Used only when the Secret does not exist yet.
+pub fn generate_auth_key() -> String {
+    let mut key = [0u8; contract::AUTH_KEY_BYTES];
+    rand::rng().fill_bytes(&mut key);
+    key.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Entry point for the kube runtime controller.
+pub async fn reconcile(pool: Arc<KVCachePool>, ctx: Arc<Context>) -> Result<Action> {
+    let _timer = ctx.metrics.start(KIND);
+    let key = format!(
+        "{}/{}",
+        pool.namespace().unwrap_or_default(),
+        pool.name_any()
+    );
+    match reconcile_pool(&pool, &ctx).await {
+        Ok(outcome) => {
+            ctx.metrics.finished(KIND, outcome.label());
+            ctx.reset_backoff(&key);
+            Ok(match outcome {
+                Outcome::Reconciled => Action::requeue(RESYNC),
+                Outcome::Invalid | Outcome::Deleting => Action::await_change(),
+            })
+        }
+        Err(err) => {
+            ctx.metrics.finished(KIND, "error");
+            ctx.metrics.failed(KIND, err.category());
+            Err(err)
+        }
+    }
+}
+
+/// Retry policy: per-object exponential backoff for transient failures; an invalid object
+/// waits for a change.
+pub fn error_policy(pool: Arc<KVCachePool>, err: &Error, ctx: Arc<Context>) -> Action {
+    if err.is_invalid_spec() {
+        return Action::await_change();
+    }
+    let key = format!(
+        "{}/{}",
+        pool.namespace().unwrap_or_default(),
+        pool.name_any()
+    );
+    let delay = ctx.backoff(&key);
+    warn!(pool = %key, error = %err, category = err.category(), retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+/// One pass of the pipeline. Public so that tests drive it directly.
+#[instrument(skip_all, fields(pool = %pool.name_any(), namespace = pool.namespace().unwrap_or_default()))]
+pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome> {
+    if pool.meta().deletion_timestamp.is_some() {
+        return Ok(Outcome::Deleting);
+    }
+    let namespace = pool
+        .namespace()
+        .ok_or(Error::MissingObjectKey("namespace"))?;
+    let name = pool
+        .metadata
+        .name
+        .clone()
+        .ok_or(Error::MissingObjectKey("name"))?;
+    let pools: Api<KVCachePool> = Api::namespaced(ctx.client.clone(), &namespace);
+
+    let valid = match validate::validate(pool, &ctx.settings) {
+        Ok(v) => v,
+        Err(Error::InvalidSpec(message)) => {
+            report_invalid(pool, ctx, &message).await?;
+            let status = status::invalid_status(
+                pool.status.as_ref(),
+                pool.metadata.generation,
+                &message,
+                ctx.now(),
+            );
+            if pool.status.as_ref() != Some(&status) {
+                apply::patch_status(&ctx.settings.field_manager, &pools, &name, &status).await?;
+            }
+            return Ok(Outcome::Invalid);
+        }
+        Err(other) => return Err(other),
+    };
+
+    let children = build::build(&valid, &generate_auth_key())?;
+    let applied = apply_children(ctx, &namespace, &name, children).await?;
+
+    let new_status = status::status(&valid, &applied, pool.status.as_ref(), ctx.now());
+    if pool.status.as_ref() != Some(&new_status) {
+        apply::patch_status(&ctx.settings.field_manager, &pools, &name, &new_status).await?;
+        info!(
+            ready = new_status.nodes_ready,
+            desired = new_status.nodes_desired,
+            "status updated"
+        );
+    }
+    Ok(Outcome::Reconciled)
+}
+
+async fn report_invalid(pool: &KVCachePool, ctx: &Context, message: &str) -> Result<()> {
+    warn!(%message, "invalid spec");
+    ctx.recorder
+        .publish(
+            &Event {
+                type_: EventType::Warning,
+                reason: reason::INVALID_SPEC.to_owned(),
+                note: Some(message.chars().take(1000).collect()),
+                action: "Validate".to_owned(),
+                secondary: None,
+            },
+            &pool.object_ref(&()),
+        )
+        .await
+        .map_err(|source| Error::PublishEvent {
+            reason: reason::INVALID_SPEC,
+            source,
+        })
+}
+
+async fn apply_children(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+    children: build::CachePoolChildren,
+) -> Result<AppliedCachePool> {
+    let client = ctx.client.clone();
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    let services: Api<Service> = Api::namespaced(client.clone(), namespace);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
+    let daemonsets: Api<DaemonSet> = Api::namespaced(client, namespace);
+
+    if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
+        info!(secret = %children.auth.name_any(), "created peer-authentication key");
+    }
+    apply::apply(&ctx.settings.field_manager, &config_maps, &children.config).await?;
+    apply::apply(
+        &ctx.settings.field_manager,
+        &services,
+        &children.master_service,
+    )
+    .await?;
+    let master = apply::apply(&ctx.settings.field_manager, &deployments, &children.master).await?;
+    let agent = apply::apply(&ctx.settings.field_manager, &daemonsets, &children.agent).await?;
+
+    let mut keep_deployments = BTreeSet::from([children.master.name_any()]);
+    let mut keep_services = BTreeSet::from([children.master_service.name_any()]);
+    let conductor = match &children.conductor {
+        Some((deployment, service)) => {
+            apply::apply(&ctx.settings.field_manager, &services, service).await?;
+            keep_services.insert(service.name_any());
+            keep_deployments.insert(deployment.name_any());
+            Some(apply::apply(&ctx.settings.field_manager, &deployments, deployment).await?)
+        }
+        None => None,
+    };
+
+    let selector = labels::owner_selector(OWNER_KIND, name);
+    for gone in apply::delete_orphans(&deployments, &selector, &keep_deployments).await? {
+        info!(deployment = %gone, "deleted child of a feature turned off");
+    }
+    for gone in apply::delete_orphans(&services, &selector, &keep_services).await? {
+        info!(service = %gone, "deleted child of a feature turned off");
+    }
+    Ok(AppliedCachePool {
+        agent,
+        master,
+        conductor,
+    })
+}

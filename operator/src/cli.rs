@@ -1,0 +1,145 @@
+//! The `kvpool-operator` command line (clap derive, every flag also read from the environment).
+//! I/O boundary: none; parsing only. Public so that packaging tests parse the chart's container
+//! args with exactly the parser the binary uses.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use kvpool::telemetry::LogFormat;
+
+/// Default image tag: the operator's own version, so one chart release pins one set of images.
+pub const DEFAULT_IMAGE_TAG: &str = env!("CARGO_PKG_VERSION");
+
+/// Top-level command line of `kvpool-operator`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvpool-operator",
+    version,
+    about = "Kubernetes operator for KVCachePool, PrefillPool and DecodePool"
+)]
+pub struct Cli {
+    /// Log format.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        env = "KVPOOL_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands of `kvpool-operator`.
+// Parsed once at start-up; boxing `RunArgs` would only make matching on it clumsier.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the controllers until SIGTERM/SIGINT.
+    Run(RunArgs),
+    /// Write the CustomResourceDefinition YAML files (one per kind) and exit.
+    Crd(CrdArgs),
+}
+
+/// Flags of `kvpool-operator run`.
+#[derive(Clone, Debug, Args)]
+pub struct RunArgs {
+    /// Namespace to watch; empty or absent means all namespaces.
+    #[arg(long, env = "KVPOOL_WATCH_NAMESPACE", default_value = "")]
+    pub namespace: String,
+    /// Address of the admin server (/livez, /readyz, /metrics).
+    #[arg(long, env = "KVPOOL_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
+    pub admin_addr: SocketAddr,
+    /// Take part in leader election through a coordination.k8s.io Lease; only the holder
+    /// reconciles. Needed when the operator runs with more than one replica.
+    #[arg(long, env = "KVPOOL_LEADER_ELECT", default_value_t = false)]
+    pub leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(
+        long,
+        env = "KVPOOL_LEADER_ELECTION_LEASE",
+        default_value = "kvpool-operator"
+    )]
+    pub leader_election_lease: String,
+    /// Namespace of the leader-election Lease (normally the operator's own namespace).
+    #[arg(
+        long,
+        env = "KVPOOL_LEADER_ELECTION_NAMESPACE",
+        default_value = "kvpool-system"
+    )]
+    pub leader_election_namespace: String,
+    /// Identity in the Lease; defaults to the pod name (POD_NAME) or the host name.
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Field manager of every server-side apply and create (one per binary, so that ownership
+    /// of fields is clear in `managedFields`).
+    #[arg(long, env = "KVPOOL_FIELD_MANAGER", default_value = crate::labels::FIELD_MANAGER)]
+    pub field_manager: String,
+    /// Default image of the node agent DaemonSet (a KVCachePool may override it).
+    #[arg(long, env = "KVPOOL_AGENT_IMAGE", default_value_t = default_image("kvpool-agent"))]
+    pub agent_image: String,
+    /// Default image of the master (the `kvpool` CLI image).
+    #[arg(long, env = "KVPOOL_MASTER_IMAGE", default_value_t = default_image("kvpool"))]
+    pub master_image: String,
+    /// Default image of the conductor (the `kvpool` CLI image).
+    #[arg(long, env = "KVPOOL_CONDUCTOR_IMAGE", default_value_t = default_image("kvpool"))]
+    pub conductor_image: String,
+    /// Most reconciles running at once per controller (0 = unbounded is refused).
+    #[arg(long, env = "KVPOOL_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
+    pub concurrency: u16,
+}
+
+/// Flags of `kvpool-operator crd`.
+#[derive(Clone, Debug, Args)]
+pub struct CrdArgs {
+    /// Directory to write one `<plural>.kvpool.dev.yaml` file per kind into; without it the
+    /// documents go to stdout separated by `---`.
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+}
+
+fn default_image(name: &str) -> String {
+    format!("ghcr.io/kvpool/{name}:{DEFAULT_IMAGE_TAG}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_defaults_watch_all_namespaces_without_leader_election() {
+        let cli = Cli::try_parse_from(["kvpool-operator", "run"]).expect("parse");
+        let Command::Run(args) = cli.command else {
+            panic!("expected run");
+        };
+        assert_eq!(args.namespace, "");
+        assert!(!args.leader_elect);
+        assert_eq!(args.admin_addr.port(), 9090);
+        assert!(args.agent_image.starts_with("ghcr.io/kvpool/kvpool-agent:"));
+        assert_eq!(args.field_manager, "kvpool-operator");
+    }
+
+    #[test]
+    fn run_rejects_zero_concurrency_and_bad_addresses() {
+        assert!(Cli::try_parse_from(["kvpool-operator", "run", "--concurrency", "0"]).is_err());
+        assert!(Cli::try_parse_from(["kvpool-operator", "run", "--admin-addr", "nope"]).is_err());
+    }
+
+    #[test]
+    fn crd_takes_an_output_directory() {
+        let cli =
+            Cli::try_parse_from(["kvpool-operator", "crd", "--out-dir", "crds/"]).expect("parse");
+        let Command::Crd(args) = cli.command else {
+            panic!("expected crd");
+        };
+        assert_eq!(args.out_dir, Some(PathBuf::from("crds/")));
+    }
+}

@@ -1,0 +1,186 @@
+//! Kubernetes-style conditions computed deterministically: the desired set of
+//! (type, status, reason, message) is merged into the previous conditions with
+//! `kvpool::crd::conditions::set_condition`, so `lastTransitionTime` changes only when a
+//! condition's status flips and the list stays sorted by type. With the same inputs the output
+//! is identical, which is what lets the controllers skip unchanged status writes.
+//! I/O boundary: none; the current time is passed in.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+pub use kvpool::crd::conditions::{DEGRADED, PROGRESSING, READY};
+use kvpool::crd::conditions::{condition, set_condition};
+
+/// Reasons used in conditions and Events (shared ones come from `kvpool::crd::conditions`).
+pub mod reason {
+    pub use kvpool::crd::conditions::reasons::{
+        AVAILABLE, INVALID_SPEC, KV_CACHE_POOL_NOT_FOUND as KVCACHEPOOL_NOT_FOUND, NO_NODES,
+        REPLICAS_UNAVAILABLE as NOT_ALL_READY, ROLLING_OUT, UP_TO_DATE as RECONCILED,
+    };
+    /// Degraded=False: nothing is wrong.
+    pub const AS_EXPECTED: &str = "AsExpected";
+}
+
+/// A condition as the controllers decide it, before timestamps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Desired {
+    pub type_: &'static str,
+    pub status: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Desired {
+    pub fn new(
+        type_: &'static str,
+        status: bool,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            type_,
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// Merge `desired` into `previous`: each previous `lastTransitionTime` whose status did not
+/// change is kept, `now` is stamped otherwise; conditions of other types are dropped.
+pub fn merge(
+    previous: &[Condition],
+    desired: &[Desired],
+    generation: Option<i64>,
+    now: Timestamp,
+) -> Vec<Condition> {
+    let mut out: Vec<Condition> = previous
+        .iter()
+        .filter(|c| desired.iter().any(|d| d.type_ == c.type_))
+        .cloned()
+        .collect();
+    out.sort_by(|a, b| a.type_.cmp(&b.type_));
+    for d in desired {
+        set_condition(
+            &mut out,
+            condition(
+                d.type_,
+                d.status,
+                d.reason,
+                d.message.clone(),
+                generation,
+                Time(now),
+            ),
+        );
+    }
+    out
+}
+
+/// The trio for a resource that cannot be reconciled: not ready, not progressing, degraded.
+pub fn invalid(reason: &'static str, message: &str) -> Vec<Desired> {
+    vec![
+        Desired::new(READY, false, reason, message),
+        Desired::new(PROGRESSING, false, reason, message),
+        Desired::new(DEGRADED, true, reason, message),
+    ]
+}
+
+/// The trio from ready/desired counts (`what` names the counted things).
+pub fn from_counts(what: &str, ready: i32, desired: i32) -> Vec<Desired> {
+    let msg = format!("{ready}/{desired} {what} ready");
+    if desired == 0 {
+        let msg = format!(
+            "no {what} scheduled: no node matches the pool's node selector and tolerations"
+        );
+        vec![
+            Desired::new(READY, false, reason::NO_NODES, msg.clone()),
+            Desired::new(PROGRESSING, false, reason::NO_NODES, msg.clone()),
+            Desired::new(DEGRADED, true, reason::NO_NODES, msg),
+        ]
+    } else if ready >= desired {
+        vec![
+            Desired::new(READY, true, reason::AVAILABLE, msg.clone()),
+            Desired::new(PROGRESSING, false, reason::RECONCILED, msg.clone()),
+            Desired::new(DEGRADED, false, reason::AS_EXPECTED, msg),
+        ]
+    } else {
+        vec![
+            Desired::new(READY, false, reason::NOT_ALL_READY, msg.clone()),
+            Desired::new(PROGRESSING, true, reason::ROLLING_OUT, msg.clone()),
+            Desired::new(DEGRADED, false, reason::AS_EXPECTED, msg),
+        ]
+    }
+}
+
+/// The condition of `type_` in `conditions` (tests and status readers).
+pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    kvpool::crd::conditions::find(conditions, type_)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(secs).expect("timestamp")
+    }
+
+    fn get<'a>(c: &'a [Condition], type_: &str) -> &'a Condition {
+        find(c, type_).expect("condition present")
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_status_flips() {
+        let first = merge(&[], &from_counts("agents", 0, 2), Some(1), t(100));
+        assert!(first.iter().all(|c| c.last_transition_time.0 == t(100)));
+        let types: Vec<&str> = first.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, [DEGRADED, PROGRESSING, READY], "sorted by type");
+
+        // Same statuses later (counts changed, message too): times are kept.
+        let again = merge(&first, &from_counts("agents", 1, 2), Some(1), t(200));
+        assert!(again.iter().all(|c| c.last_transition_time.0 == t(100)));
+        assert_eq!(get(&again, READY).message, "1/2 agents ready");
+
+        // Ready flips to True and Progressing to False; Degraded stays False.
+        let ready = merge(&again, &from_counts("agents", 2, 2), Some(2), t(300));
+        assert_eq!(get(&ready, READY).status, "True");
+        assert_eq!(get(&ready, READY).last_transition_time.0, t(300));
+        assert_eq!(get(&ready, PROGRESSING).last_transition_time.0, t(300));
+        assert_eq!(get(&ready, DEGRADED).last_transition_time.0, t(100));
+        assert!(ready.iter().all(|c| c.observed_generation == Some(2)));
+    }
+
+    #[test]
+    fn same_inputs_give_identical_output() {
+        let a = merge(
+            &[],
+            &invalid(reason::INVALID_SPEC, "spec.x: bad"),
+            Some(3),
+            t(5),
+        );
+        let b = merge(
+            &a,
+            &invalid(reason::INVALID_SPEC, "spec.x: bad"),
+            Some(3),
+            t(9),
+        );
+        assert_eq!(a, b);
+        assert_eq!(get(&a, DEGRADED).status, "True");
+    }
+
+    #[test]
+    fn zero_desired_is_degraded_not_ready() {
+        let c = from_counts("agents", 0, 0);
+        assert!(!c[0].status);
+        assert_eq!(c[0].reason, reason::NO_NODES);
+        assert!(c[2].status);
+    }
+
+    #[test]
+    fn conditions_of_other_types_are_dropped() {
+        let mut foreign = merge(&[], &invalid(reason::INVALID_SPEC, "x"), None, t(1));
+        foreign[0].type_ = "Foreign".to_owned();
+        let out = merge(&foreign, &from_counts("agents", 1, 1), None, t(2));
+        assert!(find(&out, "Foreign").is_none());
+        assert_eq!(out.len(), 3);
+    }
+}

@@ -1,0 +1,150 @@
+//! The controllers' shared state, the only dependency injection: the kube client, the Event
+//! recorder, metrics, the operator settings, a clock, and per-object failure counts for
+//! exponential backoff. [`Context::for_tests`] is its test twin (fixed clock, fresh registry).
+//! I/O boundary: the client and recorder it carries; the type itself does no I/O.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::runtime::events::{Recorder, Reporter};
+
+use crate::labels::FIELD_MANAGER;
+use crate::metrics::Metrics;
+
+/// Settings that apply to every pool: the field manager of every write, default images.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    pub field_manager: String,
+    pub agent_image: String,
+    pub master_image: String,
+    pub conductor_image: String,
+}
+
+impl Settings {
+    /// Images tagged `test`, for unit tests and fixtures.
+    pub fn for_tests() -> Self {
+        Self {
+            field_manager: FIELD_MANAGER.to_owned(),
+            agent_image: "ghcr.io/kvpool/kvpool-agent:test".to_owned(),
+            master_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
+            conductor_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
+        }
+    }
+}
+
+/// Smallest retry delay after a transient failure.
+pub const BACKOFF_MIN: Duration = Duration::from_secs(5);
+/// Largest retry delay after repeated transient failures.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// Periodic resync of a healthy object (picks up child status and drift).
+pub const RESYNC: Duration = Duration::from_secs(300);
+/// Requeue while children roll out, so status follows without a watch on every pod.
+pub const PROGRESS_REQUEUE: Duration = Duration::from_secs(30);
+
+/// State shared by the reconcilers of all three kinds.
+pub struct Context {
+    pub client: Client,
+    pub recorder: Recorder,
+    pub metrics: Metrics,
+    pub settings: Settings,
+    clock: fn() -> Timestamp,
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Context {
+    /// Context of the running operator. `instance` names this replica in Events.
+    pub fn new(
+        client: Client,
+        metrics: Metrics,
+        settings: Settings,
+        instance: Option<String>,
+    ) -> Self {
+        let reporter = Reporter {
+            controller: settings.field_manager.clone(),
+            instance,
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+            settings,
+            clock: Timestamp::now,
+            failures: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Test twin: a fixed clock ([`Context::TEST_TIME`]), a fresh registry, test images.
+    pub fn for_tests(client: Client) -> Self {
+        let registry = prometheus::Registry::new();
+        // A fresh registry cannot hold these names already.
+        #[allow(clippy::expect_used)]
+        let metrics = Metrics::register(&registry).expect("fresh registry");
+        let mut ctx = Self::new(
+            client,
+            metrics,
+            Settings::for_tests(),
+            Some("kvpool-operator-test".to_owned()),
+        );
+        ctx.clock = test_clock;
+        ctx
+    }
+
+    /// Seconds since the epoch of the test clock: 2026-01-01T00:00:00Z.
+    pub const TEST_TIME: i64 = 1_767_225_600;
+
+    /// The current time (fixed in tests).
+    pub fn now(&self) -> Timestamp {
+        (self.clock)()
+    }
+
+    /// Record a transient failure of `key` and return how long to wait before the retry:
+    /// 5 s doubling per consecutive failure, at most 5 min.
+    pub fn backoff(&self, key: &str) -> Duration {
+        let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        let count = failures.entry(key.to_owned()).or_insert(0);
+        let delay = backoff_delay(*count);
+        *count = count.saturating_add(1);
+        delay
+    }
+
+    /// Forget the failures of `key` after a successful reconcile.
+    pub fn reset_backoff(&self, key: &str) {
+        let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        failures.remove(key);
+    }
+}
+
+fn test_clock() -> Timestamp {
+    Timestamp::from_second(Context::TEST_TIME).unwrap_or(Timestamp::UNIX_EPOCH)
+}
+
+/// Delay after `failures` consecutive earlier failures.
+pub fn backoff_delay(failures: u32) -> Duration {
+    let factor = 1u32.checked_shl(failures.min(16)).unwrap_or(u32::MAX);
+    BACKOFF_MIN.saturating_mul(factor).min(BACKOFF_MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        assert_eq!(backoff_delay(0), Duration::from_secs(5));
+        assert_eq!(backoff_delay(1), Duration::from_secs(10));
+        assert_eq!(backoff_delay(3), Duration::from_secs(40));
+        assert_eq!(backoff_delay(6), BACKOFF_MAX);
+        assert_eq!(backoff_delay(u32::MAX), BACKOFF_MAX);
+    }
+}

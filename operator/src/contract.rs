@@ -1,0 +1,283 @@
+//! The contract between the operator and the processes it starts: every binary name, flag, port,
+//! path and environment variable that appears in a generated container spec lives here, so that
+//! the CLIs (`kvpool-agent`, `kvpool master`, `kvpool conductor`) and the engines can be checked
+//! against one list. Documented in docs/engine-contract.md. I/O boundary: none (pure data).
+
+use kvpool::crd::Role;
+
+/// Directory the pool ConfigMap is mounted at in every container.
+pub const CONFIG_DIR: &str = "/etc/kvpool";
+/// Key of the effective pool configuration in the ConfigMap (and file name under [`CONFIG_DIR`]).
+pub const CONFIG_FILE_KEY: &str = "config.yaml";
+/// Key of the engine-facing configuration (JSON) in the ConfigMap.
+pub const ENGINE_CONFIG_KEY: &str = "engine.json";
+/// Directory the pool's peer-authentication Secret is mounted at.
+pub const AUTH_DIR: &str = "/etc/kvpool/auth";
+/// Key of the shared peer-authentication key in the Secret (and file name under [`AUTH_DIR`]).
+pub const AUTH_KEY_KEY: &str = "key";
+/// Length in bytes of a generated peer-authentication key (before hex encoding).
+pub const AUTH_KEY_BYTES: usize = 32;
+/// Host directory (hostPath) where the agent puts its Unix socket for the engines on the node.
+pub const HOST_SOCKET_DIR: &str = "/run/kvpool";
+/// Where that directory is mounted inside the agent and engine containers.
+pub const SOCKET_DIR: &str = "/run/kvpool";
+/// File name of the agent's Unix socket inside [`SOCKET_DIR`].
+pub const AGENT_SOCKET_FILE: &str = "agent.sock";
+
+/// Port of the admin server (/livez, /readyz, /metrics) in every kvpool container.
+pub const ADMIN_PORT: u16 = 9090;
+/// gRPC port of the master.
+pub const MASTER_PORT: u16 = 50051;
+/// HTTP port of the conductor (OpenAI-compatible front door).
+pub const CONDUCTOR_PORT: u16 = 8000;
+/// Default transfer-engine port of the agent (`spec.transport.port` when absent); the
+/// DaemonSet's `transfer` container port is the pool's actual `spec.transport.port`.
+pub const AGENT_TRANSFER_PORT: u16 = 15500;
+/// HTTP port the engines serve on (OpenAI-compatible).
+pub const ENGINE_PORT: u16 = 8000;
+
+/// Binary of the node agent.
+pub const AGENT_BINARY: &str = "kvpool-agent";
+/// Binary of the master and the conductor (`kvpool master`, `kvpool conductor`).
+pub const KVPOOL_BINARY: &str = "kvpool";
+
+/// Environment variables set on every engine container.
+pub mod env {
+    /// `host:port` of the pool's master Service.
+    pub const MASTER_ADDR: &str = "KVPOOL_MASTER_ADDR";
+    /// Path of the node agent's Unix socket.
+    pub const AGENT_SOCKET: &str = "KVPOOL_AGENT_SOCKET";
+    /// `prefill` or `decode`.
+    pub const ROLE: &str = "KVPOOL_ROLE";
+    /// Tokens per KV cache block.
+    pub const BLOCK_SIZE_TOKENS: &str = "KVPOOL_BLOCK_SIZE_TOKENS";
+    /// Path of the peer-authentication key file.
+    pub const AUTH_KEY_FILE: &str = "KVPOOL_AUTH_KEY_FILE";
+    /// Path of the engine-facing JSON config.
+    pub const CONFIG_FILE: &str = "KVPOOL_CONFIG";
+    /// Name of the KVCachePool.
+    pub const POOL: &str = "KVPOOL_POOL";
+    /// Name of the Prefill/DecodePool the pod belongs to.
+    pub const ENGINE_POOL: &str = "KVPOOL_ENGINE_POOL";
+    /// Name of the node the pod runs on (downward API), for locality reporting.
+    pub const NODE_NAME: &str = "KVPOOL_NODE_NAME";
+    /// Pod IP (downward API): the address peers use to reach the engine.
+    pub const POD_IP: &str = "KVPOOL_POD_IP";
+    /// The pool's latency objective in milliseconds: TTFT for prefill, TPOT for decode.
+    pub const SLO_MILLIS: &str = "KVPOOL_SLO_MILLIS";
+    /// Tensor-parallel size of one engine instance.
+    pub const TENSOR_PARALLEL_SIZE: &str = "KVPOOL_TENSOR_PARALLEL_SIZE";
+    /// Config file path read by vLLM's Mooncake store connector.
+    pub const MOONCAKE_CONFIG_PATH: &str = "MOONCAKE_CONFIG_PATH";
+}
+
+/// Path of the agent socket inside containers.
+pub fn agent_socket_path() -> String {
+    format!("{SOCKET_DIR}/{AGENT_SOCKET_FILE}")
+}
+
+/// Path of the pool config file inside containers.
+pub fn config_path() -> String {
+    format!("{CONFIG_DIR}/{CONFIG_FILE_KEY}")
+}
+
+/// Path of the engine config file inside containers.
+pub fn engine_config_path() -> String {
+    format!("{CONFIG_DIR}/{ENGINE_CONFIG_KEY}")
+}
+
+/// Path of the peer-authentication key inside containers.
+pub fn auth_key_path() -> String {
+    format!("{AUTH_DIR}/{AUTH_KEY_KEY}")
+}
+
+fn any_addr(port: u16) -> String {
+    format!("0.0.0.0:{port}")
+}
+
+/// Command (`command`) of the agent container.
+pub fn agent_command() -> Vec<String> {
+    vec![AGENT_BINARY.to_owned()]
+}
+
+/// Arguments (`args`) of the agent container.
+pub fn agent_args() -> Vec<String> {
+    vec![
+        "--config".to_owned(),
+        config_path(),
+        "--admin-addr".to_owned(),
+        any_addr(ADMIN_PORT),
+        "--socket-dir".to_owned(),
+        SOCKET_DIR.to_owned(),
+    ]
+}
+
+/// Command of the master and conductor containers.
+pub fn kvpool_command() -> Vec<String> {
+    vec![KVPOOL_BINARY.to_owned()]
+}
+
+/// Arguments of the master container; `--etcd-endpoints` (comma-separated) only for HA.
+pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
+    let mut args = vec![
+        "master".to_owned(),
+        "--listen".to_owned(),
+        any_addr(MASTER_PORT),
+        "--admin-addr".to_owned(),
+        any_addr(ADMIN_PORT),
+        "--auth-key-file".to_owned(),
+        auth_key_path(),
+    ];
+    if !etcd_endpoints.is_empty() {
+        args.push("--etcd-endpoints".to_owned());
+        args.push(etcd_endpoints.join(","));
+    }
+    args
+}
+
+/// Arguments of the conductor container.
+pub fn conductor_args(master_addr: &str, ttft_slo_ms: u64, tpot_slo_ms: u64) -> Vec<String> {
+    vec![
+        "conductor".to_owned(),
+        "--listen".to_owned(),
+        any_addr(CONDUCTOR_PORT),
+        "--admin-addr".to_owned(),
+        any_addr(ADMIN_PORT),
+        "--master".to_owned(),
+        master_addr.to_owned(),
+        "--ttft-slo-ms".to_owned(),
+        ttft_slo_ms.to_string(),
+        "--tpot-slo-ms".to_owned(),
+        tpot_slo_ms.to_string(),
+    ]
+}
+
+/// What the engine needs to know to be started with sensible disaggregation defaults.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineLaunch<'a> {
+    pub role: Role,
+    pub model: &'a str,
+    pub tensor_parallel_size: u32,
+    pub user_args: &'a [String],
+}
+
+/// `command` and `args` of a vLLM engine: `vllm serve` with the Mooncake store connector as
+/// KV producer (prefill) or consumer (decode); the connector reads the pool's engine config
+/// from `MOONCAKE_CONFIG_PATH`. User args come last so they override the defaults.
+pub fn vllm_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>) {
+    let kv_role = match launch.role {
+        Role::Prefill => "kv_producer",
+        Role::Decode => "kv_consumer",
+    };
+    let transfer = format!(r#"{{"kv_connector":"MooncakeStoreConnector","kv_role":"{kv_role}"}}"#);
+    let mut args = vec![
+        "serve".to_owned(),
+        launch.model.to_owned(),
+        "--host".to_owned(),
+        "0.0.0.0".to_owned(),
+        "--port".to_owned(),
+        ENGINE_PORT.to_string(),
+        "--tensor-parallel-size".to_owned(),
+        launch.tensor_parallel_size.to_string(),
+        "--kv-transfer-config".to_owned(),
+        transfer,
+    ];
+    args.extend(launch.user_args.iter().cloned());
+    (vec!["vllm".to_owned()], args)
+}
+
+/// `command` and `args` of an SGLang engine: `sglang.launch_server` in PD-disaggregation mode
+/// with the Mooncake transfer backend. User args come last.
+pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>) {
+    let mut args = vec![
+        "-m".to_owned(),
+        "sglang.launch_server".to_owned(),
+        "--model-path".to_owned(),
+        launch.model.to_owned(),
+        "--host".to_owned(),
+        "0.0.0.0".to_owned(),
+        "--port".to_owned(),
+        ENGINE_PORT.to_string(),
+        "--tp-size".to_owned(),
+        launch.tensor_parallel_size.to_string(),
+        "--disaggregation-mode".to_owned(),
+        launch.role.as_str().to_owned(),
+        "--disaggregation-transfer-backend".to_owned(),
+        "mooncake".to_owned(),
+    ];
+    args.extend(launch.user_args.iter().cloned());
+    (vec!["python3".to_owned()], args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_transfer_port_is_the_crd_default() {
+        assert_eq!(
+            i32::from(AGENT_TRANSFER_PORT),
+            kvpool::crd::defaults::TRANSPORT_PORT
+        );
+    }
+
+    #[test]
+    fn master_args_add_etcd_only_for_ha() {
+        let plain = master_args(&[]);
+        assert!(!plain.iter().any(|a| a == "--etcd-endpoints"));
+        assert_eq!(plain[0], "master");
+        assert!(
+            plain
+                .windows(2)
+                .any(|w| w == ["--auth-key-file", "/etc/kvpool/auth/key"])
+        );
+        let ha = master_args(&["http://a:2379".to_owned(), "http://b:2379".to_owned()]);
+        assert!(
+            ha.windows(2)
+                .any(|w| w == ["--etcd-endpoints", "http://a:2379,http://b:2379"])
+        );
+    }
+
+    #[test]
+    fn conductor_args_carry_master_and_slos() {
+        let args = conductor_args("pool-master.ns.svc:50051", 2000, 50);
+        assert_eq!(args[0], "conductor");
+        assert!(
+            args.windows(2)
+                .any(|w| w == ["--master", "pool-master.ns.svc:50051"])
+        );
+        assert!(args.windows(2).any(|w| w == ["--ttft-slo-ms", "2000"]));
+        assert!(args.windows(2).any(|w| w == ["--tpot-slo-ms", "50"]));
+    }
+
+    #[test]
+    fn engine_defaults_follow_role_and_keep_user_args_last() {
+        let user = vec!["--max-model-len".to_owned(), "8192".to_owned()];
+        let launch = EngineLaunch {
+            role: Role::Decode,
+            model: "Qwen/Qwen3-8B",
+            tensor_parallel_size: 2,
+            user_args: &user,
+        };
+        let (cmd, args) = vllm_command_args(&launch);
+        assert_eq!(cmd, ["vllm"]);
+        assert_eq!(&args[..2], ["serve", "Qwen/Qwen3-8B"]);
+        assert!(
+            args.iter()
+                .any(|a| a.contains(r#""kv_role":"kv_consumer""#))
+        );
+        assert_eq!(&args[args.len() - 2..], user.as_slice());
+
+        let (cmd, args) = sglang_command_args(&EngineLaunch {
+            role: Role::Prefill,
+            ..launch
+        });
+        assert_eq!(cmd, ["python3"]);
+        assert!(
+            args.windows(2)
+                .any(|w| w == ["--disaggregation-mode", "prefill"])
+        );
+        assert!(args.windows(2).any(|w| w == ["--tp-size", "2"]));
+        assert_eq!(&args[args.len() - 2..], user.as_slice());
+    }
+}

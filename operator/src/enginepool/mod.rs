@@ -1,0 +1,242 @@
+//! The `PrefillPool` and `DecodePool` controllers (one generic implementation): dereference the
+//! KVCachePool -> validate -> build -> apply -> status. A missing KVCachePool is reported as
+//! Ready=False/KVCachePoolNotFound; the controller's watch on KVCachePools maps a pool that
+//! appears (or changes) back to the engine pools that reference it.
+//! I/O boundary: the GET of the KVCachePool, the applies and the status write.
+
+pub mod build;
+pub mod kind;
+pub mod status;
+pub mod validate;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Service;
+use kube::ResourceExt;
+use kube::api::Api;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kvpool::crd::KVCachePool;
+use tracing::{info, instrument, warn};
+
+use crate::apply;
+use crate::cachepool;
+use crate::conditions::reason;
+use crate::context::{Context, RESYNC};
+use crate::error::{Error, Result};
+use crate::labels;
+pub use kind::EnginePool;
+
+/// What a reconcile did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Reconciled,
+    /// The referenced KVCachePool does not exist (yet).
+    PoolNotFound,
+    /// The referenced KVCachePool is invalid.
+    PoolInvalid,
+    /// This object's spec is invalid.
+    Invalid,
+    Deleting,
+}
+
+impl Outcome {
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Reconciled => "ok",
+            Outcome::PoolNotFound => "pool_not_found",
+            Outcome::PoolInvalid => "pool_invalid",
+            Outcome::Invalid => "invalid",
+            Outcome::Deleting => "deleting",
+        }
+    }
+}
+
+fn key<K: EnginePool>(obj: &K) -> String {
+    format!(
+        "{}/{}/{}",
+        K::KIND_NAME,
+        obj.namespace().unwrap_or_default(),
+        obj.name_any()
+    )
+}
+
+/// Entry point for the kube runtime controller.
+pub async fn reconcile<K: EnginePool>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action> {
+    let _timer = ctx.metrics.start(K::KIND_NAME);
+    match reconcile_engine_pool(obj.as_ref(), &ctx).await {
+        Ok(outcome) => {
+            ctx.metrics.finished(K::KIND_NAME, outcome.label());
+            ctx.reset_backoff(&key(obj.as_ref()));
+            Ok(match outcome {
+                Outcome::Reconciled => Action::requeue(RESYNC),
+                // The KVCachePool watch brings these back when the pool appears or changes.
+                Outcome::PoolNotFound
+                | Outcome::PoolInvalid
+                | Outcome::Invalid
+                | Outcome::Deleting => Action::await_change(),
+            })
+        }
+        Err(err) => {
+            ctx.metrics.finished(K::KIND_NAME, "error");
+            ctx.metrics.failed(K::KIND_NAME, err.category());
+            Err(err)
+        }
+    }
+}
+
+/// Retry policy: invalid objects wait for a change; transient failures back off per object.
+pub fn error_policy<K: EnginePool>(obj: Arc<K>, err: &Error, ctx: Arc<Context>) -> Action {
+    if err.is_invalid_spec() {
+        return Action::await_change();
+    }
+    let key = key(obj.as_ref());
+    let delay = ctx.backoff(&key);
+    warn!(object = %key, error = %err, category = err.category(), retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+/// The engine pools in `store` that reference `pool` (the watch mapping).
+pub fn referencing<K: EnginePool>(store: &Store<K>, pool: &KVCachePool) -> Vec<ObjectRef<K>> {
+    let (Some(ns), name) = (pool.namespace(), pool.name_any()) else {
+        return Vec::new();
+    };
+    let mut refs: Vec<ObjectRef<K>> = store
+        .state()
+        .iter()
+        .filter(|o| o.namespace().as_deref() == Some(ns.as_str()) && o.pool_ref() == name)
+        .map(|o| ObjectRef::from_obj(o.as_ref()))
+        .collect();
+    refs.sort_by_key(|r| r.name.clone());
+    refs
+}
+
+async fn publish_warning<K: EnginePool>(
+    ctx: &Context,
+    obj: &K,
+    why: &'static str,
+    message: &str,
+) -> Result<()> {
+    ctx.recorder
+        .publish(
+            &Event {
+                type_: EventType::Warning,
+                reason: why.to_owned(),
+                note: Some(message.chars().take(1000).collect()),
+                action: "Reconcile".to_owned(),
+                secondary: None,
+            },
+            &obj.object_ref(&()),
+        )
+        .await
+        .map_err(|source| Error::PublishEvent {
+            reason: why,
+            source,
+        })
+}
+
+async fn write_blocked<K: EnginePool>(
+    ctx: &Context,
+    api: &Api<K>,
+    obj: &K,
+    why: &'static str,
+    message: &str,
+) -> Result<()> {
+    let status = status::blocked_status(
+        obj.engine_status(),
+        obj.meta().generation,
+        why,
+        message,
+        ctx.now(),
+    );
+    if obj.engine_status() != Some(&status) {
+        apply::patch_status(&ctx.settings.field_manager, api, &obj.name_any(), &status).await?;
+    }
+    Ok(())
+}
+
+/// One pass of the pipeline. Public so that tests drive it directly.
+#[instrument(skip_all, fields(kind = K::KIND_NAME, name = %obj.name_any(), namespace = obj.namespace().unwrap_or_default(), pool = obj.pool_ref()))]
+pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Result<Outcome> {
+    if obj.meta().deletion_timestamp.is_some() {
+        return Ok(Outcome::Deleting);
+    }
+    let namespace = obj
+        .namespace()
+        .ok_or(Error::MissingObjectKey("namespace"))?;
+    let name = obj
+        .meta()
+        .name
+        .clone()
+        .ok_or(Error::MissingObjectKey("name"))?;
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), &namespace);
+
+    // Dereference.
+    let pool_name = obj.pool_ref().to_owned();
+    let pools: Api<KVCachePool> = Api::namespaced(ctx.client.clone(), &namespace);
+    let pool = pools
+        .get_opt(&pool_name)
+        .await
+        .map_err(|source| Error::Get {
+            kind: "KVCachePool",
+            name: pool_name.clone(),
+            source,
+        })?;
+    let Some(pool) = pool else {
+        let message =
+            format!("KVCachePool {namespace}/{pool_name} (spec.kvCachePoolRef) does not exist");
+        info!(engine_pool = %name, %message, "waiting for the KVCachePool");
+        write_blocked(ctx, &api, obj, reason::KVCACHEPOOL_NOT_FOUND, &message).await?;
+        return Ok(Outcome::PoolNotFound);
+    };
+    let valid_pool = match cachepool::validate::validate(&pool, &ctx.settings) {
+        Ok(v) => v,
+        Err(Error::InvalidSpec(why)) => {
+            let message = format!("KVCachePool {pool_name} is invalid: {why}");
+            write_blocked(ctx, &api, obj, status::KVCACHEPOOL_INVALID, &message).await?;
+            return Ok(Outcome::PoolInvalid);
+        }
+        Err(other) => return Err(other),
+    };
+
+    // Validate.
+    let valid = match validate::validate(obj, valid_pool) {
+        Ok(v) => v,
+        Err(Error::InvalidSpec(message)) => {
+            warn!(engine_pool = %name, %message, "invalid spec");
+            publish_warning(ctx, obj, reason::INVALID_SPEC, &message).await?;
+            write_blocked(ctx, &api, obj, reason::INVALID_SPEC, &message).await?;
+            return Ok(Outcome::Invalid);
+        }
+        Err(other) => return Err(other),
+    };
+
+    // Build.
+    let config_hash = cachepool::build::config_hash(&cachepool::build::config_data(&valid.pool)?);
+    let children = build::build(&valid, &config_hash);
+
+    // Apply.
+    let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
+    apply::apply(&ctx.settings.field_manager, &services, &children.service).await?;
+    let applied = apply::apply(
+        &ctx.settings.field_manager,
+        &deployments,
+        &children.deployment,
+    )
+    .await?;
+    let selector = labels::owner_selector(K::KIND_NAME, &name);
+    let keep = BTreeSet::from([build::child_name(&valid)]);
+    apply::delete_orphans(&deployments, &selector, &keep).await?;
+    apply::delete_orphans(&services, &selector, &keep).await?;
+
+    // Status.
+    let new_status = status::status(&valid, &applied, obj.engine_status(), ctx.now());
+    if obj.engine_status() != Some(&new_status) {
+        apply::patch_status(&ctx.settings.field_manager, &api, &name, &new_status).await?;
+    }
+    Ok(Outcome::Reconciled)
+}

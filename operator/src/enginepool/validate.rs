@@ -1,0 +1,72 @@
+//! Validation of a Prefill/DecodePool together with the KVCachePool it references (already
+//! fetched and validated by the dereference step). Spec rules live in
+//! `kvpool::crd::ValidatedEnginePool`; this step adds object identity, child-name length and
+//! what server-side apply would reject (duplicate env names). I/O boundary: none.
+
+use std::collections::BTreeSet;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::ResourceExt;
+use kvpool::crd::ValidatedEnginePool;
+
+use super::kind::EnginePool;
+use crate::cachepool::validate::{ValidCachePool, validate_name};
+use crate::error::{Error, Result};
+use crate::labels::Component;
+
+/// An engine pool that passed validation, with its KVCachePool resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidEnginePool {
+    pub kind: &'static str,
+    pub name: String,
+    pub namespace: String,
+    pub generation: Option<i64>,
+    pub owner: OwnerReference,
+    pub component: Component,
+    pub effective: ValidatedEnginePool,
+    pub pool: ValidCachePool,
+}
+
+/// Validate `obj` against the already validated KVCachePool `pool`.
+pub fn validate<K: EnginePool>(obj: &K, pool: ValidCachePool) -> Result<ValidEnginePool> {
+    let name = obj
+        .meta()
+        .name
+        .clone()
+        .ok_or(Error::MissingObjectKey("name"))?;
+    let namespace = obj
+        .namespace()
+        .ok_or(Error::MissingObjectKey("namespace"))?;
+    let owner = obj
+        .controller_owner_ref(&())
+        .ok_or(Error::MissingObjectKey("uid"))?;
+    validate_name(&name)?;
+    let effective = obj
+        .validated()
+        .map_err(|e| Error::InvalidSpec(e.to_string()))?;
+    let mut seen = BTreeSet::new();
+    for env in &effective.env {
+        if !seen.insert(env.name.as_str()) {
+            return Err(Error::InvalidSpec(format!(
+                "spec.engine.env: {:?} is listed twice",
+                env.name
+            )));
+        }
+    }
+    if effective.rdma.contains_key(&effective.gpu_resource_name) {
+        return Err(Error::InvalidSpec(format!(
+            "spec.resources.rdma: must not name the GPU resource {:?}",
+            effective.gpu_resource_name
+        )));
+    }
+    Ok(ValidEnginePool {
+        kind: K::KIND_NAME,
+        name,
+        namespace,
+        generation: obj.meta().generation,
+        owner,
+        component: K::COMPONENT,
+        effective,
+        pool,
+    })
+}

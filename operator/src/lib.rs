@@ -1,0 +1,21 @@
+//! `kvpool-operator`: reconciles `KVCachePool`, `PrefillPool` and `DecodePool` resources into
+//! owned Kubernetes objects. Each controller is a pipeline dereference -> validate -> build
+//! (pure) -> apply (server-side apply) -> status. The I/O boundary is the kube client inside
+//! [`context::Context`] (used by [`apply`] and the dereference step) and the admin listener
+//! started by [`run`]; every other module is pure.
+
+pub mod apply;
+pub mod cachepool;
+pub mod cli;
+pub mod conditions;
+pub mod context;
+pub mod contract;
+pub mod crd;
+pub mod enginepool;
+pub mod error;
+pub mod labels;
+pub mod metrics;
+pub mod rbac;
+pub mod run;
+#[cfg(test)]
+mod test_fixtures;

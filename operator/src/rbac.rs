@@ -1,0 +1,94 @@
+//! Every (API group, resource, verb) the operator uses, in one list, so that the chart's
+//! ClusterRole can be tested to grant exactly these and nothing more. Keep it in step with the
+//! code: each entry names the call that needs it. I/O boundary: none (pure data).
+
+/// One permission: API group ("" for core), resource (with `/subresource`), verb.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Permission {
+    pub group: &'static str,
+    pub resource: &'static str,
+    pub verb: &'static str,
+}
+
+const fn p(group: &'static str, resource: &'static str, verb: &'static str) -> Permission {
+    Permission {
+        group,
+        resource,
+        verb,
+    }
+}
+
+/// The full list, grouped by what needs it.
+pub const PERMISSIONS: &[Permission] = &[
+    // The event recorder creates Events and patches them to bump a series.
+    p("events.k8s.io", "events", "create"),
+    p("events.k8s.io", "events", "patch"),
+    // Children: server-side apply (patch; create when absent), owned watches (list, watch),
+    // orphan removal (list by label, delete).
+    p("", "configmaps", "create"),
+    p("", "configmaps", "delete"),
+    p("", "configmaps", "list"),
+    p("", "configmaps", "patch"),
+    p("", "configmaps", "watch"),
+    // The auth Secret is created once and never read, patched or watched by the operator.
+    p("", "secrets", "create"),
+    p("", "services", "create"),
+    p("", "services", "delete"),
+    p("", "services", "list"),
+    p("", "services", "patch"),
+    p("", "services", "watch"),
+    p("apps", "daemonsets", "create"),
+    p("apps", "daemonsets", "delete"),
+    p("apps", "daemonsets", "list"),
+    p("apps", "daemonsets", "patch"),
+    p("apps", "daemonsets", "watch"),
+    p("apps", "deployments", "create"),
+    p("apps", "deployments", "delete"),
+    p("apps", "deployments", "list"),
+    p("apps", "deployments", "patch"),
+    p("apps", "deployments", "watch"),
+    // Leader election (kube-lease-manager): read, create when absent, take/renew by apply.
+    p("coordination.k8s.io", "leases", "create"),
+    p("coordination.k8s.io", "leases", "get"),
+    p("coordination.k8s.io", "leases", "patch"),
+    // The three kinds: watched by the controllers, a KVCachePool is read when a Prefill or
+    // DecodePool is reconciled, and status is written through the status subresource.
+    p("kvpool.dev", "decodepools", "get"),
+    p("kvpool.dev", "decodepools", "list"),
+    p("kvpool.dev", "decodepools", "watch"),
+    p("kvpool.dev", "decodepools/status", "patch"),
+    p("kvpool.dev", "kvcachepools", "get"),
+    p("kvpool.dev", "kvcachepools", "list"),
+    p("kvpool.dev", "kvcachepools", "watch"),
+    p("kvpool.dev", "kvcachepools/status", "patch"),
+    p("kvpool.dev", "prefillpools", "get"),
+    p("kvpool.dev", "prefillpools", "list"),
+    p("kvpool.dev", "prefillpools", "watch"),
+    p("kvpool.dev", "prefillpools/status", "patch"),
+];
+
+/// The permissions as `(group, resource, verb)` tuples, for tests outside this crate.
+pub fn permissions() -> Vec<(&'static str, &'static str, &'static str)> {
+    PERMISSIONS
+        .iter()
+        .map(|p| (p.group, p.resource, p.verb))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_is_sorted_and_free_of_duplicates_and_wildcards() {
+        let mut sorted = PERMISSIONS.to_vec();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), PERMISSIONS.len(), "duplicates in PERMISSIONS");
+        assert!(
+            PERMISSIONS
+                .iter()
+                .all(|p| p.verb != "*" && p.resource != "*")
+        );
+    }
+}

@@ -1,0 +1,369 @@
+//! `kvpool-operator run`: wires the three controllers, the admin server, leader election and
+//! shutdown together. I/O boundary: the kube client (watches), the Lease, the admin listener and
+//! the signal handlers; the controllers' logic lives in [`crate::cachepool`] and
+//! [`crate::enginepool`].
+//!
+//! Shutdown order on SIGTERM: stop the controllers (in-flight reconciles finish), release the
+//! Lease, then stop the admin server last so probes answer until the end.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use kube::api::Api;
+use kube::runtime::controller::{self, Controller};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, predicates, watcher};
+use kube::{Client, Resource};
+use kube_lease_manager::{LeaseManagerBuilder, LeaseManagerError};
+use kvpool::admin::{self, AdminError, Readiness};
+use kvpool::crd::{DecodePool, KVCachePool, PrefillPool};
+use prometheus::Registry;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::cachepool;
+use crate::cli::RunArgs;
+use crate::context::{Context, Settings};
+use crate::enginepool::{self, EnginePool};
+use crate::labels::managed_selector;
+use crate::metrics::Metrics;
+
+/// Lease duration and renewal grace of leader election, seconds.
+const LEASE_DURATION_S: u64 = 15;
+const LEASE_GRACE_S: u64 = 5;
+
+/// Failures that stop the operator.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("cannot register metrics")]
+    Metrics(#[source] prometheus::Error),
+    #[error("admin server")]
+    Admin(#[source] AdminError),
+    #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG)")]
+    Client(#[source] kube::Error),
+    #[error("leader election")]
+    Leader(#[source] LeaseManagerError),
+    #[error("lost the leader lease; exiting so that another replica takes over")]
+    LeadershipLost,
+}
+
+impl RunError {
+    /// Short label for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            RunError::Signals(_) => "signals",
+            RunError::Metrics(_) => "metrics",
+            RunError::Admin(_) => "admin",
+            RunError::Client(_) => "client",
+            RunError::Leader(_) => "leader",
+            RunError::LeadershipLost => "leadership_lost",
+        }
+    }
+}
+
+fn api<K>(client: &Client, namespace: &str) -> Api<K>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+{
+    if namespace.is_empty() {
+        Api::all(client.clone())
+    } else {
+        Api::namespaced(client.clone(), namespace)
+    }
+}
+
+/// Run until SIGTERM/SIGINT (Ok) or a fatal error.
+pub async fn run(args: RunArgs) -> Result<(), RunError> {
+    let shutdown = CancellationToken::new();
+    kvpool::shutdown::cancel_on_signal(shutdown.clone()).map_err(RunError::Signals)?;
+
+    let registry = Registry::new();
+    let metrics = Metrics::register(&registry).map_err(RunError::Metrics)?;
+    let readiness = Readiness::new();
+    let listener = admin::bind(args.admin_addr)
+        .await
+        .map_err(RunError::Admin)?;
+    if let Ok(bound) = listener.local_addr() {
+        info!(addr = %bound, "admin server listening");
+    }
+    let admin_stop = CancellationToken::new();
+    let admin_task = tokio::spawn(admin::serve(
+        listener,
+        admin::router(registry, readiness.clone()),
+        admin_stop.clone(),
+    ));
+    info!(admin_addr = %args.admin_addr, namespace = %args.namespace, leader_elect = args.leader_elect,
+        agent_image = %args.agent_image, master_image = %args.master_image,
+        conductor_image = %args.conductor_image, "kvpool-operator starting");
+
+    let result = run_with_admin(&args, shutdown, metrics, readiness).await;
+
+    admin_stop.cancel();
+    match admin_task.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "admin server stopped with an error"),
+        Err(e) => warn!(error = %e, "admin server task failed"),
+    }
+    result
+}
+
+async fn run_with_admin(
+    args: &RunArgs,
+    shutdown: CancellationToken,
+    metrics: Metrics,
+    readiness: Readiness,
+) -> Result<(), RunError> {
+    let client = Client::try_default().await.map_err(RunError::Client)?;
+    let identity = args
+        .identity
+        .clone()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| format!("kvpool-operator-{}", std::process::id()));
+
+    // Leader election: wait for the lease (standing by counts as ready), then reconcile until
+    // shutdown or until the lease is lost.
+    let controllers_stop = shutdown.child_token();
+    let lost = CancellationToken::new();
+    let mut lease = None;
+    if args.leader_elect {
+        let manager = LeaseManagerBuilder::new(client.clone(), &args.leader_election_lease)
+            .with_namespace(&args.leader_election_namespace)
+            .with_identity(&identity)
+            .with_field_manager(&args.field_manager)
+            .with_duration(LEASE_DURATION_S)
+            .with_grace(LEASE_GRACE_S)
+            .build()
+            .await
+            .map_err(RunError::Leader)?;
+        let (mut rx, task) = manager.watch().await;
+        readiness.set_ready(true);
+        info!(%identity, lease = %args.leader_election_lease, "waiting for the leader lease");
+        loop {
+            if *rx.borrow_and_update() {
+                break;
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => {
+                    drop(rx);
+                    let _ = task.await;
+                    return Ok(());
+                }
+                changed = rx.changed() => if changed.is_err() {
+                    return Err(RunError::LeadershipLost);
+                }
+            }
+        }
+        info!(%identity, "acquired the leader lease");
+        readiness.set_ready(false);
+        let stop = controllers_stop.clone();
+        let lost_flag = lost.clone();
+        let watch_loss = tokio::spawn(async move {
+            while rx.changed().await.is_ok() {
+                if !*rx.borrow_and_update() {
+                    error!("lost the leader lease, stopping the controllers");
+                    lost_flag.cancel();
+                    stop.cancel();
+                    break;
+                }
+            }
+            // Dropping the receiver makes the lease manager release the lease.
+        });
+        lease = Some((watch_loss, task));
+    }
+    metrics.set_leader(true);
+
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        metrics.clone(),
+        Settings {
+            field_manager: args.field_manager.clone(),
+            agent_image: args.agent_image.clone(),
+            master_image: args.master_image.clone(),
+            conductor_image: args.conductor_image.clone(),
+        },
+        Some(identity),
+    ));
+    run_controllers(
+        &client,
+        args,
+        ctx,
+        controllers_stop.clone(),
+        readiness.clone(),
+    )
+    .await;
+    readiness.set_ready(false);
+    metrics.set_leader(false);
+
+    if let Some((watch_loss, task)) = lease {
+        watch_loss.abort();
+        let _ = watch_loss.await;
+        // The lease manager releases the lease once its channel closes.
+        match tokio::time::timeout(Duration::from_secs(5), task).await {
+            Ok(Ok(Ok(_))) => info!("released the leader lease"),
+            Ok(Ok(Err(e))) => warn!(error = %e, "releasing the leader lease failed"),
+            Ok(Err(e)) => warn!(error = %e, "lease task failed"),
+            Err(_) => warn!("timed out releasing the leader lease"),
+        }
+    }
+    if lost.is_cancelled() && !shutdown.is_cancelled() {
+        return Err(RunError::LeadershipLost);
+    }
+    info!("kvpool-operator stopped");
+    Ok(())
+}
+
+/// A generation-filtered trigger stream for `K` and the store behind it. `synced` is cancelled
+/// once the first full list has reached the store.
+///
+/// Readiness is signalled from the stream rather than with `Store::wait_until_ready`: that
+/// future keeps only the most recently registered waker (kube-runtime 5's `DelayedInit` wraps a
+/// oneshot channel), so a second waiter would silently steal the controller's own wake-up.
+fn filtered<K>(
+    api: Api<K>,
+    synced: CancellationToken,
+) -> (
+    Store<K>,
+    impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .inspect_ok(move |event| {
+            if matches!(event, watcher::Event::InitDone) {
+                synced.cancel();
+            }
+        })
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+    (reader, stream)
+}
+
+fn controller_config(args: &RunArgs) -> controller::Config {
+    controller::Config::default()
+        .concurrency(args.concurrency)
+        .debounce(Duration::from_millis(500))
+}
+
+async fn log_results<K, E>(
+    kind: &'static str,
+    result: Result<
+        (kube::runtime::reflector::ObjectRef<K>, controller::Action),
+        controller::Error<E, watcher::Error>,
+    >,
+) where
+    K: Resource,
+    E: std::error::Error,
+{
+    match result {
+        Ok((obj, _)) => tracing::debug!(kind, object = %obj.name, "reconciled"),
+        Err(controller::Error::ReconcilerFailed(err, obj)) => {
+            warn!(kind, object = %obj.name, error = %err, "reconcile failed")
+        }
+        Err(err) => warn!(kind, error = %err, "controller error"),
+    }
+}
+
+fn engine_controller<K>(
+    client: &Client,
+    args: &RunArgs,
+    stop: CancellationToken,
+    synced: CancellationToken,
+) -> Controller<K>
+where
+    K: EnginePool,
+{
+    let (reader, stream) = filtered(api::<K>(client, &args.namespace), synced);
+    let owned = watcher::Config::default()
+        .labels(&managed_selector())
+        .any_semantic();
+    let store = reader.clone();
+    let (_, pools) = filtered(
+        api::<KVCachePool>(client, &args.namespace),
+        CancellationToken::new(),
+    );
+    Controller::for_stream(stream, reader)
+        .owns(api::<Deployment>(client, &args.namespace), owned.clone())
+        .owns(api::<Service>(client, &args.namespace), owned)
+        .watches_stream(pools, move |pool: KVCachePool| {
+            enginepool::referencing(&store, &pool)
+        })
+        .with_config(controller_config(args))
+        .graceful_shutdown_on(stop.cancelled_owned())
+}
+
+async fn run_controllers(
+    client: &Client,
+    args: &RunArgs,
+    ctx: Arc<Context>,
+    stop: CancellationToken,
+    readiness: Readiness,
+) {
+    let owned = watcher::Config::default()
+        .labels(&managed_selector())
+        .any_semantic();
+    let pools_synced = CancellationToken::new();
+    let prefill_synced = CancellationToken::new();
+    let decode_synced = CancellationToken::new();
+    let (pool_reader, pool_stream) = filtered(
+        api::<KVCachePool>(client, &args.namespace),
+        pools_synced.clone(),
+    );
+    let pools = Controller::for_stream(pool_stream, pool_reader)
+        .owns(api::<DaemonSet>(client, &args.namespace), owned.clone())
+        .owns(api::<Deployment>(client, &args.namespace), owned.clone())
+        .owns(api::<Service>(client, &args.namespace), owned.clone())
+        .owns(api::<ConfigMap>(client, &args.namespace), owned)
+        .with_config(controller_config(args))
+        .graceful_shutdown_on(stop.clone().cancelled_owned());
+    let prefill =
+        engine_controller::<PrefillPool>(client, args, stop.clone(), prefill_synced.clone());
+    let decode = engine_controller::<DecodePool>(client, args, stop.clone(), decode_synced.clone());
+
+    // Ready once every controller's store has its initial list.
+    let ready_flag = readiness.clone();
+    let sync = tokio::spawn(async move {
+        tokio::join!(
+            pools_synced.cancelled(),
+            prefill_synced.cancelled(),
+            decode_synced.cancelled()
+        );
+        info!("initial sync done, ready");
+        ready_flag.set_ready(true);
+    });
+
+    let pools = pools
+        .run(cachepool::reconcile, cachepool::error_policy, ctx.clone())
+        .for_each(|r| log_results("KVCachePool", r));
+    let prefill = prefill
+        .run(
+            enginepool::reconcile::<PrefillPool>,
+            enginepool::error_policy::<PrefillPool>,
+            ctx.clone(),
+        )
+        .for_each(|r| log_results("PrefillPool", r));
+    let decode = decode
+        .run(
+            enginepool::reconcile::<DecodePool>,
+            enginepool::error_policy::<DecodePool>,
+            ctx,
+        )
+        .for_each(|r| log_results("DecodePool", r));
+    tokio::join!(pools, prefill, decode);
+    sync.abort();
+}

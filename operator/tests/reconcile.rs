@@ -1,0 +1,959 @@
+//! Reconcile scenarios driven through kube's real `Client` against an in-process API double
+//! (`tower_test::mock::pair`): every request the operator makes is checked for method, path,
+//! query (fieldManager, force, labelSelector) and body, and answered the way the Kubernetes API
+//! server answers (echo of the applied object with server-set fields, 201 on create, 409
+//! AlreadyExists, 404 NotFound as a `Status`, lists). When the reconcile returns, the client is
+//! dropped and the double checks that no request is left over, so "no status write" is proven
+//! rather than assumed.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use http::{Method, Request, Response, StatusCode};
+use kube::Client;
+use kube::client::Body;
+use kube::runtime::reflector;
+use kube::runtime::watcher;
+use kvpool::crd::{DecodePool, KVCachePool, KVCachePoolStatus, PrefillPool};
+use kvpool_operator::cachepool::{self, Outcome};
+use kvpool_operator::context::Context;
+use kvpool_operator::enginepool;
+use serde_json::{Value, json};
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+fn fixture<T: serde::de::DeserializeOwned>(name: &str) -> T {
+    let path = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("read fixture");
+    serde_saphyr::from_str(&text).expect("parse fixture")
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).expect("utf8");
+                out.push(u8::from_str_radix(hex, 16).expect("hex"));
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).expect("utf8")
+}
+
+/// The RBAC (group, resource, verb) a namespaced request needs.
+fn permission(method: &Method, path: &str) -> (&'static str, &'static str, &'static str) {
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let (group, rest) = match parts.as_slice() {
+        ["api", "v1", rest @ ..] => ("", rest),
+        ["apis", group, _version, rest @ ..] => (*group, rest),
+        _ => panic!("unexpected path {path}"),
+    };
+    let (resource, name, sub) = match rest {
+        ["namespaces", _, resource] => (*resource, None, None),
+        ["namespaces", _, resource, name] => (*resource, Some(*name), None),
+        ["namespaces", _, resource, name, sub] => (*resource, Some(*name), Some(*sub)),
+        _ => panic!("unexpected path {path}"),
+    };
+    let resource = match sub {
+        Some(sub) => format!("{resource}/{sub}"),
+        None => resource.to_owned(),
+    };
+    let verb = match (method.as_str(), name) {
+        ("GET", Some(_)) => "get",
+        ("GET", None) => "list",
+        ("POST", _) => "create",
+        ("PATCH", _) => "patch",
+        ("PUT", _) => "update",
+        ("DELETE", _) => "delete",
+        other => panic!("unexpected method {other:?}"),
+    };
+    // Leak to 'static: a handful of short strings per test process.
+    let group: &'static str = Box::leak(group.to_owned().into_boxed_str());
+    let resource: &'static str = Box::leak(resource.into_boxed_str());
+    (group, resource, verb)
+}
+
+/// One request as the double saw it.
+#[derive(Debug)]
+struct Seen {
+    method: Method,
+    path: String,
+    query: BTreeMap<String, String>,
+    body: Value,
+}
+
+/// The API-server side of the mock pair.
+struct ApiServer {
+    handle: Handle,
+}
+
+impl ApiServer {
+    /// Take the next request, check method and path, and hand it to the caller with the
+    /// responder.
+    async fn expect(
+        &mut self,
+        method: Method,
+        path: &str,
+    ) -> (Seen, tower_test::mock::SendResponse<Response<Body>>) {
+        let (request, send) = self
+            .handle
+            .next_request()
+            .await
+            .unwrap_or_else(|| panic!("expected {method} {path}, but the client hung up"));
+        let (parts, body) = request.into_parts();
+        let bytes = body.collect_bytes().await.expect("request body");
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).expect("request body is JSON")
+        };
+        let query = parts
+            .uri
+            .query()
+            .unwrap_or_default()
+            .split('&')
+            .filter(|kv| !kv.is_empty())
+            .map(|kv| {
+                let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+                (percent_decode(k), percent_decode(v))
+            })
+            .collect();
+        let seen = Seen {
+            method: parts.method,
+            path: parts.uri.path().to_owned(),
+            query,
+            body,
+        };
+        assert_eq!(
+            (&seen.method, seen.path.as_str()),
+            (&method, path),
+            "unexpected request {seen:?}"
+        );
+        let needed = permission(&seen.method, &seen.path);
+        assert!(
+            kvpool_operator::rbac::permissions().contains(&needed),
+            "{} {} needs {needed:?}, which kvpool_operator::rbac::PERMISSIONS lacks",
+            seen.method,
+            seen.path
+        );
+        (seen, send)
+    }
+
+    /// Expect a server-side apply (PATCH, fieldManager=kvpool-operator, force=true) of `path`
+    /// and answer with the applied object plus server-set fields and `status`.
+    async fn expect_apply(&mut self, path: &str, status: Option<Value>) -> Value {
+        let (seen, send) = self.expect(Method::PATCH, path).await;
+        assert_eq!(
+            seen.query.get("fieldManager").map(String::as_str),
+            Some("kvpool-operator")
+        );
+        assert_eq!(
+            seen.query.get("force").map(String::as_str),
+            Some("true"),
+            "{path}"
+        );
+        let mut object = seen.body.clone();
+        object["metadata"]["resourceVersion"] = json!("1001");
+        object["metadata"]["uid"] = json!("00000000-0000-4000-8000-00000000beef");
+        if let Some(status) = status {
+            object["status"] = status;
+        }
+        reply(send, StatusCode::OK, &object);
+        seen.body
+    }
+
+    /// Expect a server-side apply of the status subresource of `object` and answer with the
+    /// whole object carrying the applied status (as the API server does).
+    async fn expect_status(&mut self, path: &str, object: &Value) -> Value {
+        let (seen, send) = self.expect(Method::PATCH, path).await;
+        assert!(path.ends_with("/status"), "{path}");
+        assert_eq!(
+            seen.query.get("fieldManager").map(String::as_str),
+            Some("kvpool-operator")
+        );
+        assert_eq!(seen.query.get("force").map(String::as_str), Some("true"));
+        assert!(
+            seen.body.get("spec").is_none(),
+            "a status write carries no spec: {}",
+            seen.body
+        );
+        let mut reply_obj = object.clone();
+        reply_obj["status"] = seen.body["status"].clone();
+        reply_obj["metadata"]["resourceVersion"] = json!("1003");
+        reply(send, StatusCode::OK, &reply_obj);
+        seen.body
+    }
+
+    /// Expect a label-selected list and answer with `items`.
+    async fn expect_list(&mut self, path: &str, selector: &str, kind: &str, items: Vec<Value>) {
+        let api_version = if path.starts_with("/apis/apps/") {
+            "apps/v1"
+        } else {
+            "v1"
+        };
+        let (seen, send) = self.expect(Method::GET, path).await;
+        assert_eq!(
+            seen.query.get("labelSelector").map(String::as_str),
+            Some(selector)
+        );
+        reply(
+            send,
+            StatusCode::OK,
+            &json!({"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": "1002"}, "items": items}),
+        );
+    }
+
+    /// After the reconcile returned and every client was dropped: nothing else was sent.
+    async fn expect_done(mut self) {
+        if let Some((request, _)) = self.handle.next_request().await {
+            panic!(
+                "unexpected extra request {} {}",
+                request.method(),
+                request.uri()
+            );
+        }
+    }
+}
+
+fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: StatusCode, body: &Value) {
+    let bytes = serde_json::to_vec(body).expect("json");
+    send.send_response(
+        Response::builder()
+            .status(code)
+            .header("content-type", "application/json")
+            .body(Body::from(bytes))
+            .expect("response"),
+    );
+}
+
+fn status_error(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+}
+
+fn double() -> (Context, ApiServer) {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = Client::new(service, "default");
+    (Context::for_tests(client), ApiServer { handle })
+}
+
+/// Run `scenario` as the API server while `work` runs against the context (both polled on this
+/// task); then, with the context dropped, check that no request was left over. The timeout only
+/// turns a missing reply into a failure instead of a hang.
+async fn drive<T, W, S>(work: W, scenario: S) -> T
+where
+    W: AsyncFnOnce(Arc<Context>) -> T,
+    S: AsyncFnOnce(&mut ApiServer),
+{
+    let (ctx, mut server) = double();
+    let ctx = Arc::new(ctx);
+    let (out, ()) = tokio::join!(
+        async move {
+            tokio::time::timeout(std::time::Duration::from_secs(30), work(ctx))
+                .await
+                .expect("reconcile finished (a request left unanswered would hang it)")
+        },
+        scenario(&mut server)
+    );
+    server.expect_done().await;
+    out
+}
+
+const NS: &str = "/api/v1/namespaces/llm";
+const APPS: &str = "/apis/apps/v1/namespaces/llm";
+const POOLS: &str = "/apis/kvpool.dev/v1alpha1/namespaces/llm";
+const OWNED_BY_ROCE: &str = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=KVCachePool,kvpool.dev/owner-name=roce";
+
+fn ds_status(ready: i32, desired: i32) -> Value {
+    json!({"desiredNumberScheduled": desired, "numberReady": ready, "currentNumberScheduled": desired,
+           "numberMisscheduled": 0})
+}
+
+fn deploy_status(ready: i32) -> Value {
+    json!({"replicas": ready, "readyReplicas": ready})
+}
+
+/// The requests of a successful KVCachePool pass up to (not including) the status write.
+/// Returns the bodies of the applied DaemonSet and of the secret create.
+async fn pool_children(
+    server: &mut ApiServer,
+    agents_ready: i32,
+    secret_exists: bool,
+) -> (Value, Value) {
+    let (seen, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
+    assert_eq!(
+        seen.query.get("fieldManager").map(String::as_str),
+        Some("kvpool-operator")
+    );
+    let secret = seen.body.clone();
+    if secret_exists {
+        reply(
+            send,
+            StatusCode::CONFLICT,
+            &status_error(409, "AlreadyExists", "secrets \"roce-auth\" already exists"),
+        );
+    } else {
+        reply(send, StatusCode::CREATED, &seen.body);
+    }
+    server
+        .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
+        .await;
+    server
+        .expect_apply(&format!("{NS}/services/roce-master"), None)
+        .await;
+    server
+        .expect_apply(
+            &format!("{APPS}/deployments/roce-master"),
+            Some(deploy_status(3)),
+        )
+        .await;
+    let agent = server
+        .expect_apply(
+            &format!("{APPS}/daemonsets/roce-agent"),
+            Some(ds_status(agents_ready, 4)),
+        )
+        .await;
+    server
+        .expect_apply(&format!("{NS}/services/roce-conductor"), None)
+        .await;
+    server
+        .expect_apply(
+            &format!("{APPS}/deployments/roce-conductor"),
+            Some(deploy_status(2)),
+        )
+        .await;
+    server
+        .expect_list(
+            &format!("{APPS}/deployments"),
+            OWNED_BY_ROCE,
+            "DeploymentList",
+            vec![],
+        )
+        .await;
+    server
+        .expect_list(
+            &format!("{NS}/services"),
+            OWNED_BY_ROCE,
+            "ServiceList",
+            vec![],
+        )
+        .await;
+    (agent, secret)
+}
+
+#[tokio::test]
+async fn create_applies_every_child_and_writes_status() {
+    let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    let status = Arc::new(std::sync::Mutex::new(Value::Null));
+    let status_out = status.clone();
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    let outcome = drive(
+        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+        async move |server: &mut ApiServer| {
+            let (agent, secret) = pool_children(server, 2, false).await;
+            // The key: 32 bytes from the CSPRNG, hex-encoded, base64 in the Secret's data.
+            let key = secret["data"]["key"].as_str().expect("key");
+            assert_eq!(key.len(), 88, "base64 of 64 hex characters: {key}");
+            assert_eq!(secret["metadata"]["ownerReferences"][0]["kind"], "KVCachePool");
+            // The applied DaemonSet is the built one, apiVersion and kind included (SSA needs them).
+            assert_eq!(agent["apiVersion"], "apps/v1");
+            assert_eq!(agent["kind"], "DaemonSet");
+            assert_eq!(
+                agent["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"][0],
+                "IPC_LOCK"
+            );
+            let body = server.expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json).await;
+            assert_eq!(body["apiVersion"], "kvpool.dev/v1alpha1");
+            assert_eq!(body["kind"], "KVCachePool");
+            *status_out.lock().expect("lock") = body["status"].clone();
+        },
+    )
+    .await
+    .expect("reconcile");
+    assert_eq!(outcome, Outcome::Reconciled);
+    let status: KVCachePoolStatus =
+        serde_json::from_value(status.lock().expect("lock").clone()).expect("status parses");
+    assert_eq!((status.nodes_ready, status.nodes_desired), (2, 4));
+    assert_eq!(status.observed_generation, Some(3));
+    let ready = kvpool::crd::conditions::find(&status.conditions, "Ready").expect("Ready");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "ReplicasUnavailable")
+    );
+    let progressing =
+        kvpool::crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
+    assert_eq!(progressing.status, "True");
+}
+
+/// First pass writes status; a second pass over the object carrying that status, with the same
+/// children, writes nothing; a third, with all agents ready, writes Ready=True.
+#[tokio::test]
+async fn status_is_written_only_when_it_changes() {
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    let first = {
+        let pool = pool.clone();
+        let out = Arc::new(std::sync::Mutex::new(Value::Null));
+        let out2 = out.clone();
+        let pool_json = serde_json::to_value(&pool).expect("json");
+        drive(
+            async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+            async move |server: &mut ApiServer| {
+                pool_children(server, 2, false).await;
+                let body = server
+                    .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                    .await;
+                *out2.lock().expect("lock") = body["status"].clone();
+            },
+        )
+        .await
+        .expect("first pass");
+        let v = out.lock().expect("lock").clone();
+        serde_json::from_value::<KVCachePoolStatus>(v).expect("status")
+    };
+    pool.status = Some(first.clone());
+
+    // Same children, secret already there (409): no status write.
+    let again = pool.clone();
+    drive(
+        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&again, &ctx).await,
+        async move |server: &mut ApiServer| {
+            pool_children(server, 2, true).await;
+        },
+    )
+    .await
+    .expect("second pass");
+
+    // All agents ready: Ready flips, and only the flipped conditions get a new time.
+    let ready_pool = pool.clone();
+    let out = Arc::new(std::sync::Mutex::new(Value::Null));
+    let out2 = out.clone();
+    let pool_json = serde_json::to_value(&ready_pool).expect("json");
+    drive(
+        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&ready_pool, &ctx).await,
+        async move |server: &mut ApiServer| {
+            pool_children(server, 4, true).await;
+            let body = server
+                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                .await;
+            *out2.lock().expect("lock") = body["status"].clone();
+        },
+    )
+    .await
+    .expect("third pass");
+    let third: KVCachePoolStatus =
+        serde_json::from_value(out.lock().expect("lock").clone()).expect("status");
+    assert!(kvpool::crd::conditions::is_true(&third.conditions, "Ready"));
+    let degraded_before = kvpool::crd::conditions::find(&first.conditions, "Degraded").expect("d");
+    let degraded_after = kvpool::crd::conditions::find(&third.conditions, "Degraded").expect("d");
+    assert_eq!(
+        (
+            &degraded_before.status,
+            &degraded_before.last_transition_time
+        ),
+        (&degraded_after.status, &degraded_after.last_transition_time),
+        "Degraded did not flip: status and transition time kept"
+    );
+}
+
+#[tokio::test]
+async fn children_of_a_feature_turned_off_are_deleted_by_label() {
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.spec.conductor.enabled = false;
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    drive(
+        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+        async move |server: &mut ApiServer| {
+            let (_, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
+            reply(
+                send,
+                StatusCode::CONFLICT,
+                &status_error(409, "AlreadyExists", "exists"),
+            );
+            server
+                .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
+                .await;
+            server
+                .expect_apply(&format!("{NS}/services/roce-master"), None)
+                .await;
+            server
+                .expect_apply(
+                    &format!("{APPS}/deployments/roce-master"),
+                    Some(deploy_status(3)),
+                )
+                .await;
+            server
+                .expect_apply(
+                    &format!("{APPS}/daemonsets/roce-agent"),
+                    Some(ds_status(4, 4)),
+                )
+                .await;
+            // No conductor applies; the leftover conductor is listed and deleted.
+            let item = |kind: &str, name: &str| {
+                let api_version = if kind == "Deployment" {
+                    "apps/v1"
+                } else {
+                    "v1"
+                };
+                json!({"apiVersion": api_version, "kind": kind,
+                    "metadata": {"name": name, "namespace": "llm"}})
+            };
+            server
+                .expect_list(
+                    &format!("{APPS}/deployments"),
+                    OWNED_BY_ROCE,
+                    "DeploymentList",
+                    vec![
+                        item("Deployment", "roce-master"),
+                        item("Deployment", "roce-conductor"),
+                    ],
+                )
+                .await;
+            let (seen, send) = server
+                .expect(
+                    Method::DELETE,
+                    &format!("{APPS}/deployments/roce-conductor"),
+                )
+                .await;
+            assert_eq!(seen.body["propagationPolicy"], "Background");
+            reply(send, StatusCode::OK, &item("Deployment", "roce-conductor"));
+            server
+                .expect_list(
+                    &format!("{NS}/services"),
+                    OWNED_BY_ROCE,
+                    "ServiceList",
+                    vec![
+                        item("Service", "roce-master"),
+                        item("Service", "roce-conductor"),
+                    ],
+                )
+                .await;
+            let (_, send) = server
+                .expect(Method::DELETE, &format!("{NS}/services/roce-conductor"))
+                .await;
+            // Already gone by the time we delete it: fine.
+            reply(
+                send,
+                StatusCode::NOT_FOUND,
+                &status_error(404, "NotFound", "gone"),
+            );
+            let body = server
+                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                .await;
+            assert!(body["status"].get("conductorEndpoint").is_none(), "{body}");
+        },
+    )
+    .await
+    .expect("reconcile");
+}
+
+#[tokio::test]
+async fn invalid_spec_gets_an_event_and_a_condition_and_no_children() {
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.spec.eviction.low_watermark_percent = 96;
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    let outcome = drive(
+        async move |ctx: Arc<Context>| {
+            let out = cachepool::reconcile_pool(&pool, &ctx).await;
+            assert_eq!(
+                ctx.metrics.reconciles("KVCachePool", "invalid"),
+                0,
+                "counted by reconcile()"
+            );
+            out
+        },
+        async move |server: &mut ApiServer| {
+            let (seen, send) = server
+                .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
+                .await;
+            assert_eq!(seen.body["type"], "Warning");
+            assert_eq!(seen.body["reason"], "InvalidSpec");
+            assert_eq!(seen.body["regarding"]["kind"], "KVCachePool");
+            assert_eq!(seen.body["regarding"]["name"], "roce");
+            let note = seen.body["note"].as_str().expect("note");
+            assert!(note.contains("eviction.lowWatermarkPercent"), "{note}");
+            assert_eq!(seen.body["reportingController"], "kvpool-operator");
+            reply(send, StatusCode::CREATED, &seen.body);
+            let body = server
+                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                .await;
+            let conditions = body["status"]["conditions"].as_array().expect("conditions");
+            let ready = conditions
+                .iter()
+                .find(|c| c["type"] == "Ready")
+                .expect("Ready");
+            assert_eq!(ready["status"], "False");
+            assert_eq!(ready["reason"], "InvalidSpec");
+            let degraded = conditions
+                .iter()
+                .find(|c| c["type"] == "Degraded")
+                .expect("Degraded");
+            assert_eq!(degraded["status"], "True");
+        },
+    )
+    .await
+    .expect("reconcile");
+    assert_eq!(outcome, Outcome::Invalid);
+}
+
+#[tokio::test]
+async fn an_object_being_deleted_is_left_to_the_garbage_collector() {
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::from_second(Context::TEST_TIME).expect("ts"),
+    ));
+    let outcome = drive(
+        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+        async move |_server: &mut ApiServer| {},
+    )
+    .await
+    .expect("reconcile");
+    assert_eq!(outcome, Outcome::Deleting);
+}
+
+#[tokio::test]
+async fn transient_failures_back_off_per_object_and_are_counted() {
+    let pool = Arc::new(fixture::<KVCachePool>("kvcachepool-tcp.yaml"));
+    drive(
+        async move |ctx: Arc<Context>| {
+            let err = cachepool::reconcile(pool.clone(), ctx.clone())
+                .await
+                .expect_err("server error");
+            assert_eq!(err.category(), "create");
+            assert_eq!(ctx.metrics.failures("KVCachePool", "create"), 1);
+            assert_eq!(ctx.metrics.reconciles("KVCachePool", "error"), 1);
+            let first = cachepool::error_policy(pool.clone(), &err, ctx.clone());
+            let second = cachepool::error_policy(pool.clone(), &err, ctx.clone());
+            assert_eq!(
+                first,
+                kube::runtime::controller::Action::requeue(std::time::Duration::from_secs(5))
+            );
+            assert_eq!(
+                second,
+                kube::runtime::controller::Action::requeue(std::time::Duration::from_secs(10))
+            );
+            let invalid = kvpool_operator::error::Error::InvalidSpec("x".into());
+            assert_eq!(
+                cachepool::error_policy(pool, &invalid, ctx),
+                kube::runtime::controller::Action::await_change()
+            );
+        },
+        async move |server: &mut ApiServer| {
+            let (_, send) = server
+                .expect(Method::POST, "/api/v1/namespaces/default/secrets")
+                .await;
+            reply(
+                send,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &status_error(500, "InternalError", "etcd timeout"),
+            );
+        },
+    )
+    .await;
+}
+
+const DEFAULT_NS: &str = "/api/v1/namespaces/default";
+
+#[tokio::test]
+async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appears() {
+    let prefill: PrefillPool = fixture("prefillpool-custom.yaml");
+    let pool: KVCachePool = fixture("kvcachepool-tcp.yaml");
+
+    // 1. The KVCachePool does not exist: Ready=False/KVCachePoolNotFound, nothing applied.
+    let first = prefill.clone();
+    let status_seen = Arc::new(std::sync::Mutex::new(Value::Null));
+    let status_out = status_seen.clone();
+    let engine_json = serde_json::to_value(&first).expect("json");
+    let outcome = drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&first, &ctx).await,
+        async move |server: &mut ApiServer| {
+            let (_, send) = server
+                .expect(
+                    Method::GET,
+                    "/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp",
+                )
+                .await;
+            reply(
+                send,
+                StatusCode::NOT_FOUND,
+                &status_error(404, "NotFound", "kvcachepools.kvpool.dev \"tcp\" not found"),
+            );
+            let body = server
+                .expect_status(
+                    "/apis/kvpool.dev/v1alpha1/namespaces/default/prefillpools/synthetic/status",
+                    &engine_json,
+                )
+                .await;
+            *status_out.lock().expect("lock") = body["status"].clone();
+        },
+    )
+    .await
+    .expect("reconcile");
+    assert_eq!(outcome, enginepool::Outcome::PoolNotFound);
+    let status: kvpool::crd::EnginePoolStatus =
+        serde_json::from_value(status_seen.lock().expect("lock").clone()).expect("status");
+    let ready = kvpool::crd::conditions::find(&status.conditions, "Ready").expect("Ready");
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "KVCachePoolNotFound")
+    );
+
+    // 2. The watch mapping: a KVCachePool event maps to the engine pools that reference it.
+    let (reader, mut writer) = reflector::store::<PrefillPool>();
+    let mut other = prefill.clone();
+    other.metadata.name = Some("elsewhere".into());
+    other.spec.kv_cache_pool_ref.name = "another-pool".into();
+    writer.apply_watcher_event(&watcher::Event::Apply(prefill.clone()));
+    writer.apply_watcher_event(&watcher::Event::Apply(other));
+    let mapped = enginepool::referencing(&reader, &pool);
+    assert_eq!(mapped.len(), 1);
+    assert_eq!(mapped[0].name, "synthetic");
+    assert_eq!(mapped[0].namespace.as_deref(), Some("default"));
+
+    // 3. The pool exists now: engine children applied, status says so.
+    let mut second = prefill.clone();
+    second.status = Some(status);
+    let pool_json = serde_json::to_value(&pool).expect("pool json");
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=PrefillPool,kvpool.dev/owner-name=synthetic";
+    let engine_json = serde_json::to_value(&second).expect("json");
+    let outcome = drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&second, &ctx).await,
+        async move |server: &mut ApiServer| {
+            let (_, send) = server
+                .expect(Method::GET, "/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp")
+                .await;
+            reply(send, StatusCode::OK, &pool_json);
+            let svc = server.expect_apply(&format!("{DEFAULT_NS}/services/synthetic-prefill"), None).await;
+            assert_eq!(svc["spec"]["ports"][0]["port"], 8000);
+            let deploy = server
+                .expect_apply("/apis/apps/v1/namespaces/default/deployments/synthetic-prefill",
+                    Some(json!({"replicas": 1, "readyReplicas": 1})))
+                .await;
+            let container = &deploy["spec"]["template"]["spec"]["containers"][0];
+            assert_eq!(container["command"], json!(["kvpool"]));
+            assert_eq!(container["args"], json!(["engine", "--role", "prefill"]));
+            let env = container["env"].as_array().expect("env");
+            assert!(env.iter().any(|e| e["name"] == "KVPOOL_MASTER_ADDR"
+                && e["value"] == "tcp-master.default.svc:50051"));
+            assert_eq!(deploy["metadata"]["ownerReferences"][0]["kind"], "PrefillPool");
+            server.expect_list("/apis/apps/v1/namespaces/default/deployments", selector, "DeploymentList", vec![]).await;
+            server.expect_list(&format!("{DEFAULT_NS}/services"), selector, "ServiceList", vec![]).await;
+            let body = server.expect_status("/apis/kvpool.dev/v1alpha1/namespaces/default/prefillpools/synthetic/status", &engine_json).await;
+            let conditions = body["status"]["conditions"].as_array().expect("conditions");
+            let ready = conditions.iter().find(|c| c["type"] == "Ready").expect("Ready");
+            assert_eq!(ready["status"], "True");
+            assert_eq!(body["status"]["readyReplicas"], 1);
+            assert_eq!(body["status"]["endpoints"][0], "synthetic-prefill.default.svc:8000");
+            assert_eq!(
+                body["status"]["selector"],
+                "app.kubernetes.io/instance=synthetic,app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill,kvpool.dev/pool=tcp"
+            );
+        },
+    )
+    .await
+    .expect("reconcile");
+    assert_eq!(outcome, enginepool::Outcome::Reconciled);
+}
+
+#[tokio::test]
+async fn engine_pool_of_an_invalid_kvcachepool_waits_without_children() {
+    let decode: DecodePool = fixture("decodepool-sglang.yaml");
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.spec.master.etcd_endpoints.clear(); // 3 replicas without etcd
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    let engine_json = serde_json::to_value(&decode).expect("json");
+    let outcome = drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
+        async move |server: &mut ApiServer| {
+            let (_, send) = server
+                .expect(Method::GET, &format!("{POOLS}/kvcachepools/roce"))
+                .await;
+            reply(send, StatusCode::OK, &pool_json);
+            let body = server
+                .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
+                .await;
+            let conditions = body["status"]["conditions"].as_array().expect("conditions");
+            let ready = conditions
+                .iter()
+                .find(|c| c["type"] == "Ready")
+                .expect("Ready");
+            assert_eq!(ready["reason"], "KVCachePoolInvalid");
+            assert!(
+                ready["message"]
+                    .as_str()
+                    .expect("msg")
+                    .contains("master.etcdEndpoints")
+            );
+        },
+    )
+    .await
+    .expect("reconcile");
+    assert_eq!(outcome, enginepool::Outcome::PoolInvalid);
+}
+
+#[tokio::test]
+async fn invalid_engine_spec_gets_an_event_and_a_condition() {
+    let mut decode: DecodePool = fixture("decodepool-sglang.yaml");
+    decode.spec.resources.gpus = 3; // not a multiple of TP 2
+    let pool_json =
+        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
+    let engine_json = serde_json::to_value(&decode).expect("json");
+    let outcome = drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
+        async move |server: &mut ApiServer| {
+            let (_, send) = server
+                .expect(Method::GET, &format!("{POOLS}/kvcachepools/roce"))
+                .await;
+            reply(send, StatusCode::OK, &pool_json);
+            let (seen, send) = server
+                .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
+                .await;
+            assert_eq!(seen.body["reason"], "InvalidSpec");
+            assert_eq!(seen.body["regarding"]["kind"], "DecodePool");
+            reply(send, StatusCode::CREATED, &seen.body);
+            let body = server
+                .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
+                .await;
+            let conditions = body["status"]["conditions"].as_array().expect("conditions");
+            let ready = conditions
+                .iter()
+                .find(|c| c["type"] == "Ready")
+                .expect("Ready");
+            assert_eq!(ready["reason"], "InvalidSpec");
+            assert!(
+                ready["message"]
+                    .as_str()
+                    .expect("msg")
+                    .contains("resources.gpus")
+            );
+        },
+    )
+    .await
+    .expect("reconcile");
+    assert_eq!(outcome, enginepool::Outcome::Invalid);
+}
+
+/// The engine-pool controller also writes status only when it changes: a second pass over the
+/// object carrying the status of the first, with the same Deployment status, writes nothing.
+#[tokio::test]
+async fn engine_pool_status_is_not_rewritten_when_unchanged() {
+    let pool_json =
+        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
+    async fn children(server: &mut ApiServer, pool_json: &Value, selector: &str) {
+        let (_, send) = server
+            .expect(Method::GET, &format!("{POOLS}/kvcachepools/roce"))
+            .await;
+        reply(send, StatusCode::OK, pool_json);
+        server
+            .expect_apply(&format!("{NS}/services/qwen-decode"), None)
+            .await;
+        let deploy = server
+            .expect_apply(
+                &format!("{APPS}/deployments/qwen-decode"),
+                Some(json!({"replicas": 3, "readyReplicas": 2})),
+            )
+            .await;
+        let c = &deploy["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2");
+        server
+            .expect_list(
+                &format!("{APPS}/deployments"),
+                selector,
+                "DeploymentList",
+                vec![],
+            )
+            .await;
+        server
+            .expect_list(&format!("{NS}/services"), selector, "ServiceList", vec![])
+            .await;
+    }
+
+    let first: DecodePool = fixture("decodepool-sglang.yaml");
+    let engine_json = serde_json::to_value(&first).expect("json");
+    let written = Arc::new(std::sync::Mutex::new(Value::Null));
+    let out = written.clone();
+    let pool = pool_json.clone();
+    drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&first, &ctx).await,
+        async move |server: &mut ApiServer| {
+            children(server, &pool, selector).await;
+            let body = server
+                .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
+                .await;
+            *out.lock().expect("lock") = body["status"].clone();
+        },
+    )
+    .await
+    .expect("first pass");
+    let status: kvpool::crd::EnginePoolStatus =
+        serde_json::from_value(written.lock().expect("lock").clone()).expect("status");
+    assert_eq!((status.replicas, status.ready_replicas), (3, 2));
+    let progressing =
+        kvpool::crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
+    assert_eq!(progressing.status, "True");
+
+    let mut second: DecodePool = fixture("decodepool-sglang.yaml");
+    second.status = Some(status);
+    let outcome = drive(
+        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&second, &ctx).await,
+        async move |server: &mut ApiServer| children(server, &pool_json, selector).await,
+    )
+    .await
+    .expect("second pass");
+    assert_eq!(outcome, enginepool::Outcome::Reconciled);
+}
+
+/// An update (a new generation with a changed setting) re-applies the children with the new
+/// values: the agent pods' config hash changes, so they roll, and status reports the new
+/// generation.
+#[tokio::test]
+async fn update_reapplies_children_and_reports_the_new_generation() {
+    async fn pass(pool: KVCachePool) -> (Value, Value) {
+        let pool_json = serde_json::to_value(&pool).expect("json");
+        let out = Arc::new(std::sync::Mutex::new((Value::Null, Value::Null)));
+        let sink = out.clone();
+        drive(
+            async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+            async move |server: &mut ApiServer| {
+                let (agent, _) = pool_children(server, 4, true).await;
+                let body = server
+                    .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                    .await;
+                *sink.lock().expect("lock") = (agent, body["status"].clone());
+            },
+        )
+        .await
+        .expect("reconcile");
+        let guard = out.lock().expect("lock");
+        guard.clone()
+    }
+    let before: KVCachePool = fixture("kvcachepool-roce.yaml");
+    let mut after = before.clone();
+    after.spec.block_size_tokens = 1024;
+    after.metadata.generation = Some(4);
+    let (agent_before, status_before) = pass(before).await;
+    let (agent_after, status_after) = pass(after).await;
+    let hash = |ds: &Value| {
+        ds["spec"]["template"]["metadata"]["annotations"]["kvpool.dev/config-hash"].clone()
+    };
+    assert_ne!(hash(&agent_before), hash(&agent_after), "agent pods roll");
+    assert_eq!(status_before["observedGeneration"], 3);
+    assert_eq!(status_after["observedGeneration"], 4);
+    let ready = status_after["conditions"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["type"] == "Ready"))
+        .expect("Ready");
+    assert_eq!(ready["observedGeneration"], 4);
+}

@@ -1,0 +1,172 @@
+//! Condition types and reasons of the kvpool resources' status, and a pure helper that updates a
+//! condition list the way Kubernetes expects (transition time kept while the status holds). No I/O.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+/// The resource does its job: the pool serves blocks / the engines serve requests.
+pub const READY: &str = "Ready";
+/// The operator is moving children towards the spec (rollout, scaling, first start).
+pub const PROGRESSING: &str = "Progressing";
+/// Something that worked is now failing, or part of the pool is unavailable.
+pub const DEGRADED: &str = "Degraded";
+
+/// Condition statuses.
+pub const TRUE: &str = "True";
+/// Condition statuses.
+pub const FALSE: &str = "False";
+/// Condition statuses.
+pub const UNKNOWN: &str = "Unknown";
+
+/// Reasons (CamelCase, as Kubernetes requires).
+pub mod reasons {
+    /// All children exist and report ready.
+    pub const AVAILABLE: &str = "Available";
+    /// Children are being created or rolled out.
+    pub const ROLLING_OUT: &str = "RollingOut";
+    /// Children match the spec; nothing left to do.
+    pub const UP_TO_DATE: &str = "UpToDate";
+    /// Fewer ready replicas or nodes than desired.
+    pub const REPLICAS_UNAVAILABLE: &str = "ReplicasUnavailable";
+    /// No node matches the pool's node selector and tolerations.
+    pub const NO_NODES: &str = "NoMatchingNodes";
+    /// The spec fails a check the schema cannot express; the message names the field.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The `kvCachePoolRef` names a KVCachePool that does not exist in the namespace.
+    pub const KV_CACHE_POOL_NOT_FOUND: &str = "KVCachePoolNotFound";
+    /// The referenced KVCachePool exists but is not ready.
+    pub const KV_CACHE_POOL_NOT_READY: &str = "KVCachePoolNotReady";
+    /// Applying children to the API server failed (transient; retried with backoff).
+    pub const APPLY_FAILED: &str = "ApplyFailed";
+    /// Nothing observed yet.
+    pub const PENDING: &str = "Pending";
+    /// `Degraded=False`: nothing is wrong.
+    pub const AS_EXPECTED: &str = "AsExpected";
+
+    /// Every reason above (docs/crds.md documents each).
+    pub const ALL: &[&str] = &[
+        AVAILABLE,
+        ROLLING_OUT,
+        UP_TO_DATE,
+        REPLICAS_UNAVAILABLE,
+        NO_NODES,
+        INVALID_SPEC,
+        KV_CACHE_POOL_NOT_FOUND,
+        KV_CACHE_POOL_NOT_READY,
+        APPLY_FAILED,
+        PENDING,
+        AS_EXPECTED,
+    ];
+}
+
+/// Sets the condition of `new.type_` in `conditions`, keeping its `lastTransitionTime` when its
+/// status did not change, and returns whether anything changed. The list stays sorted by type
+/// so that the status is deterministic.
+pub fn set_condition(conditions: &mut Vec<Condition>, new: Condition) -> bool {
+    match conditions.iter_mut().find(|c| c.type_ == new.type_) {
+        Some(existing) => {
+            let transition = if existing.status == new.status {
+                existing.last_transition_time.clone()
+            } else {
+                new.last_transition_time.clone()
+            };
+            let updated = Condition {
+                last_transition_time: transition,
+                ..new
+            };
+            if *existing == updated {
+                false
+            } else {
+                *existing = updated;
+                true
+            }
+        }
+        None => {
+            conditions.push(new);
+            conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
+            true
+        }
+    }
+}
+
+/// Builds a condition.
+pub fn condition(
+    type_: &str,
+    status: bool,
+    reason: &str,
+    message: impl Into<String>,
+    observed_generation: Option<i64>,
+    now: Time,
+) -> Condition {
+    Condition {
+        type_: type_.to_owned(),
+        status: if status { TRUE } else { FALSE }.to_owned(),
+        reason: reason.to_owned(),
+        message: message.into(),
+        observed_generation,
+        last_transition_time: now,
+    }
+}
+
+/// The condition of the given type, if present.
+pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// Whether the condition of the given type is present with status `True`.
+pub fn is_true(conditions: &[Condition], type_: &str) -> bool {
+    find(conditions, type_).is_some_and(|c| c.status == TRUE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn at(secs: i64) -> Time {
+        Time(Timestamp::from_second(secs).expect("valid timestamp"))
+    }
+
+    #[test]
+    fn same_status_keeps_transition_time_and_reports_message_changes() {
+        let mut list = Vec::new();
+        assert!(set_condition(
+            &mut list,
+            condition(READY, false, reasons::ROLLING_OUT, "0/2", Some(1), at(10))
+        ));
+        // same everything but the clock: no change
+        assert!(!set_condition(
+            &mut list,
+            condition(READY, false, reasons::ROLLING_OUT, "0/2", Some(1), at(20))
+        ));
+        assert_eq!(list[0].last_transition_time, at(10));
+        // new message, same status: change, time kept
+        assert!(set_condition(
+            &mut list,
+            condition(READY, false, reasons::ROLLING_OUT, "1/2", Some(1), at(30))
+        ));
+        assert_eq!(list[0].last_transition_time, at(10));
+        assert_eq!(list[0].message, "1/2");
+        // status flips: time moves
+        assert!(set_condition(
+            &mut list,
+            condition(READY, true, reasons::AVAILABLE, "2/2", Some(1), at(40))
+        ));
+        assert_eq!(list[0].last_transition_time, at(40));
+        assert!(is_true(&list, READY));
+    }
+
+    #[test]
+    fn list_is_sorted_by_type() {
+        let mut list = Vec::new();
+        for t in [READY, DEGRADED, PROGRESSING] {
+            set_condition(
+                &mut list,
+                condition(t, false, reasons::PENDING, "", None, at(0)),
+            );
+        }
+        let types: Vec<_> = list.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, [DEGRADED, PROGRESSING, READY]);
+        assert!(!is_true(&list, READY));
+        assert!(find(&list, "Other").is_none());
+    }
+}
