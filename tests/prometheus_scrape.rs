@@ -203,6 +203,8 @@ fn prometheus_binary() -> PathBuf {
 struct Target {
     job: &'static str,
     admin: SocketAddr,
+    /// A series its /metrics must export before any request.
+    series: &'static str,
 }
 
 #[test]
@@ -273,18 +275,21 @@ fn prometheus_scrapes_master_engine_and_conductor() {
         Target {
             job: "kvpool-master",
             admin: master_admin,
+            series: "kvpool_master_objects",
         },
         Target {
             job: "kvpool-engine",
             admin: engine_admin,
+            series: "kvpool_engine_generated_tokens_total",
         },
         Target {
             job: "kvpool-conductor",
             admin: conductor_admin,
+            series: r#"kvpool_conductor_requests_total{outcome="ok"} 0"#,
         },
     ];
 
-    // /livez and /readyz answer 200 once each process is ready; /metrics is text.
+    // /livez and /readyz answer 200 once each process is ready; /metrics has its series.
     for (p, t) in procs.iter_mut().zip(&targets) {
         let ready = wait_until(|| {
             http(t.admin, "GET", "/readyz", "").is_some_and(|(s, _)| s == 200)
@@ -303,9 +308,10 @@ fn prometheus_scrapes_master_engine_and_conductor() {
         let (status, body) = http(t.admin, "GET", "/metrics", "").expect("metrics answers");
         assert_eq!(status, 200, "{}: /metrics", p.name);
         assert!(
-            body.contains("kvpool_"),
-            "{}: /metrics has no kvpool_ series:\n{body}",
-            p.name
+            body.contains(t.series),
+            "{}: /metrics lacks `{}`:\n{body}",
+            p.name,
+            t.series
         );
     }
 
