@@ -372,6 +372,11 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
     ] {
         registry.register(c).map_err(ServerError::Metrics)?;
     }
+    // Export the main outcomes at 0 from the start, so rate() and alert rules see the series
+    // before the first request instead of an absent one.
+    for outcome in ["ok", "rejected"] {
+        requests.with_label_values(&[outcome]);
+    }
     let state = State::new(&config).map_err(ServerError::State)?;
     let shared = Arc::new(Shared {
         config,
