@@ -61,6 +61,23 @@ pub struct FileConfig {
     pub ssd: SsdSection,
     pub engine_api: ApiSection,
     pub admin: AdminSection,
+    pub pool: PoolSection,
+}
+
+/// `pool:` joining a pool's master. Without `master` the agent runs local-only.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolSection {
+    /// Master addresses (`host:port` or URLs).
+    pub master: Vec<String>,
+    /// File with the pool's shared key (masters, agents and clients use the same).
+    pub auth_key_file: Option<PathBuf>,
+    /// Listen address of the transfer-engine TCP target.
+    pub transport_listen: Option<String>,
+    /// Host announced to peers when `transport_listen` is a wildcard address.
+    pub advertise_host: Option<String>,
+    /// Heartbeat period, e.g. `1s`.
+    pub heartbeat_interval: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -148,6 +165,66 @@ pub struct AgentConfig {
     pub ssd: Option<SsdSettings>,
     pub api: ApiConfig,
     pub admin_listen: SocketAddr,
+    /// Pool membership; `None` is local-only mode.
+    pub pool: Option<PoolConfig>,
+}
+
+/// Validated pool membership.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    pub masters: Vec<String>,
+    pub auth_key_file: PathBuf,
+    pub transport_listen: SocketAddr,
+    /// Address put in the announced `tcp://ip:port` endpoints.
+    pub advertise_host: std::net::IpAddr,
+    pub heartbeat_interval: Duration,
+}
+
+fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
+    if p.master.is_empty() {
+        return Ok(None);
+    }
+    if p.master.iter().any(|m| m.trim().is_empty()) {
+        return Err(invalid("pool.master", "empty address"));
+    }
+    let auth_key_file = p
+        .auth_key_file
+        .clone()
+        .ok_or_else(|| invalid("pool.auth_key_file", "required when pool.master is set"))?;
+    let listen = p.transport_listen.as_deref().unwrap_or("0.0.0.0:12345");
+    let transport_listen: SocketAddr = listen
+        .parse()
+        .map_err(|e| invalid("pool.transport_listen", format!("{listen:?}: {e}")))?;
+    let advertise_host = match &p.advertise_host {
+        Some(h) => h.trim().parse().map_err(|e| {
+            invalid(
+                "pool.advertise_host",
+                format!("{h:?} is not an IP address: {e}"),
+            )
+        })?,
+        None if transport_listen.ip().is_unspecified() => {
+            return Err(invalid(
+                "pool.advertise_host",
+                "required when pool.transport_listen is a wildcard address",
+            ));
+        }
+        None => transport_listen.ip(),
+    };
+    let heartbeat_interval = match &p.heartbeat_interval {
+        None => Duration::from_secs(1),
+        Some(text) => humantime::parse_duration(text)
+            .map_err(|e| invalid("pool.heartbeat_interval", format!("{text:?}: {e}")))?,
+    };
+    if heartbeat_interval < Duration::from_millis(10) {
+        return Err(invalid("pool.heartbeat_interval", "must be at least 10ms"));
+    }
+    Ok(Some(PoolConfig {
+        masters: p.master.clone(),
+        auth_key_file,
+        transport_listen,
+        advertise_host,
+        heartbeat_interval,
+    }))
 }
 
 /// Read and parse a config file.
@@ -344,6 +421,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
     let admin_listen: SocketAddr = listen
         .parse()
         .map_err(|e| invalid("admin.listen", format!("{listen:?}: {e}")))?;
+    let pool = validate_pool(&file.pool)?;
 
     Ok(AgentConfig {
         node_name,
@@ -360,6 +438,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
             session_idle_timeout,
         },
         admin_listen,
+        pool,
     })
 }
 
