@@ -501,6 +501,56 @@ admin:
     }
 
     #[test]
+    fn pool_section_is_optional_and_validated() {
+        assert!(
+            validate_yaml("").expect("valid").pool.is_none(),
+            "local-only by default"
+        );
+        let cfg = validate_yaml(
+            "pool:\n  master: [10.0.0.1:50051]\n  auth_key_file: /etc/kvpool/key\n  transport_listen: 0.0.0.0:7000\n  advertise_host: 10.0.0.9\n  heartbeat_interval: 500ms\n",
+        )
+        .expect("valid");
+        let pool = cfg.pool.expect("pool mode");
+        assert_eq!(pool.masters, vec!["10.0.0.1:50051".to_owned()]);
+        assert_eq!(pool.transport_listen.port(), 7000);
+        assert_eq!(pool.advertise_host.to_string(), "10.0.0.9");
+        assert_eq!(pool.heartbeat_interval, Duration::from_millis(500));
+        // A concrete listen address is announced as is.
+        let pool = validate_yaml(
+            "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0}",
+        )
+        .expect("valid")
+        .pool
+        .expect("pool mode");
+        assert_eq!(pool.advertise_host.to_string(), "127.0.0.1");
+        assert_eq!(pool.heartbeat_interval, Duration::from_secs(1));
+        let cases = [
+            ("pool: {master: [m:1]}", "pool.auth_key_file"),
+            ("pool: {master: [''], auth_key_file: /k}", "pool.master"),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, transport_listen: x}",
+                "pool.transport_listen",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, transport_listen: 0.0.0.0:1}",
+                "pool.advertise_host",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: node-7}",
+                "pool.advertise_host",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, heartbeat_interval: 1ms}",
+                "pool.heartbeat_interval",
+            ),
+        ];
+        for (text, field) in cases {
+            let err = validate_yaml(text).expect_err(text);
+            assert_eq!(field_of(err), field, "{text}");
+        }
+    }
+
+    #[test]
     fn bad_values_name_their_field() {
         let cases = [
             ("dram: {capacity: 1KiB}", "dram.capacity"),
