@@ -345,6 +345,130 @@ mod tests {
         }
     }
 
+    const KEY: &[u8] = b"data-module-test-key-0123456789";
+
+    fn engine(node: &str) -> TransferEngine {
+        TransferEngine::new(
+            transfer::EngineConfig {
+                node: node.into(),
+                lanes: 2,
+                ..transfer::EngineConfig::default()
+            },
+            transfer::AuthKey::new(KEY.to_vec()).expect("key"),
+            Arc::new(transfer::StaticDirectory::new()),
+            transfer::TransferMetrics::unregistered().expect("metrics"),
+        )
+        .expect("engine")
+    }
+
+    /// An in-process "agent": an engine with segment `<node>/dram0` served over TCP.
+    fn target(node: &str) -> (TransferEngine, transfer::LocalSegment, transfer::TcpServer) {
+        let e = engine(node);
+        let seg = Segment::host(1 << 20, HostOptions::default()).expect("segment");
+        let local = e
+            .register(&transfer_name(node, "dram0"), Arc::new(seg))
+            .expect("register");
+        let server = e
+            .listen_tcp("127.0.0.1:0".parse().expect("addr"))
+            .expect("listen");
+        (e, local, server)
+    }
+
+    fn located(node: &str, server: &transfer::TcpServer, offset: u64, len: u64) -> ReplicaInfo {
+        ReplicaInfo {
+            node: node.into(),
+            segment_id: 1,
+            segment: "dram0".into(),
+            tier: Tier::Dram,
+            numa_node: 0,
+            endpoints: vec![tcp_endpoint(server.local_addr())],
+            offset,
+            length: len,
+        }
+    }
+
+    fn pool_client() -> PoolClient {
+        // The master is never called by the data-path helpers tested here.
+        let master = MasterClient::new(
+            vec!["127.0.0.1:1".into()],
+            crate::master::auth::AuthKey::from_bytes(KEY).expect("master key"),
+            crate::master::client::ClientConfig::default(),
+        )
+        .expect("client");
+        PoolClient::new(master, engine("reader"), "reader".into(), None)
+    }
+
+    #[test]
+    fn writes_reach_every_replica_and_reads_fall_back() {
+        let (_ea, seg_a, server_a) = target("a");
+        let (_eb, seg_b, server_b) = target("b");
+        let value: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let len = value.len() as u64;
+        let ra = located("a", &server_a, 8192, len);
+        let rb = located("b", &server_b, 4096, len);
+        let pool = pool_client();
+        pool.write_replicas(&value, &[ra.clone(), rb.clone()])
+            .expect("write");
+        for (seg, off) in [(&seg_a, 8192), (&seg_b, 4096)] {
+            let mut got = vec![0u8; value.len()];
+            seg.segment().read_at(off, &mut got).expect("read back");
+            assert!(got == value, "replica at {off} holds the value");
+        }
+        // A replica whose owner is gone: the read moves on to the next one.
+        let dead_addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr")
+        };
+        let mut dead = ra.clone();
+        dead.endpoints = vec![tcp_endpoint(dead_addr)];
+        let got = pool
+            .read_any(len, &[dead.clone(), rb])
+            .expect("fallback read");
+        assert!(got == value);
+        // Nothing readable: the last failure is reported.
+        let err = pool.read_any(len, &[dead]).expect_err("no replica left");
+        assert_eq!(err.category(), "open");
+        assert_eq!(
+            pool.read_any(len, &[]).expect_err("empty").category(),
+            "no_replica"
+        );
+    }
+
+    #[test]
+    fn bad_locations_are_refused_before_any_transfer() {
+        let (_e, seg, server) = target("a");
+        let pool = pool_client();
+        let value = vec![7u8; 4096];
+        // Length differing from the value: refused, nothing written.
+        let short = located("a", &server, 0, 100);
+        assert_eq!(
+            pool.write_replicas(&value, &[short.clone()])
+                .expect_err("size mismatch")
+                .category(),
+            "size_mismatch"
+        );
+        let mut got = vec![1u8; 4096];
+        seg.segment().read_at(0, &mut got).expect("read");
+        assert!(got.iter().all(|b| *b == 0), "nothing was written");
+        // Past the end of the remote segment: the engine refuses the request.
+        let beyond = located("a", &server, (1 << 20) - 1024, 4096);
+        assert_eq!(
+            pool.write_replicas(&value, &[beyond])
+                .expect_err("out of bounds")
+                .category(),
+            "transfer"
+        );
+        // Wrong segment name on the right endpoint.
+        let mut wrong = located("a", &server, 0, 4096);
+        wrong.segment = "dram9".into();
+        assert_eq!(
+            pool.read_any(4096, &[wrong])
+                .expect_err("unknown")
+                .category(),
+            "open"
+        );
+    }
+
     #[test]
     fn endpoints_parse_and_unknown_schemes_are_skipped() {
         let eps = parse_endpoints(&[
