@@ -442,7 +442,7 @@ mod tests {
         // Length differing from the value: refused, nothing written.
         let short = located("a", &server, 0, 100);
         assert_eq!(
-            pool.write_replicas(&value, &[short.clone()])
+            pool.write_replicas(&value, &[short])
                 .expect_err("size mismatch")
                 .category(),
             "size_mismatch"
