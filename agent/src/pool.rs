@@ -228,6 +228,9 @@ pub fn is_unknown_node(e: &ClientError) -> bool {
     }
 }
 
+/// Longest time shutdown spends unmounting (the pod's grace period is typically 30 s).
+const UNMOUNT_BUDGET: Duration = Duration::from_secs(10);
+
 /// Mounts, heartbeats and unmounts on behalf of a [`PoolRegistrar`].
 #[derive(Clone, Debug)]
 pub struct PoolLink {
@@ -253,10 +256,23 @@ impl PoolLink {
         loop {
             tokio::select! {
                 _ = stop.cancelled() => break,
-                _ = tick.tick() => self.step().await,
+                _ = tick.tick() => {}
+            }
+            // A pass can wait on an unreachable master for the client's failover budget:
+            // shutdown must not wait for it.
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                () = self.step() => {}
             }
         }
-        self.unmount_all().await;
+        if tokio::time::timeout(UNMOUNT_BUDGET, self.unmount_all())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "master unreachable while unmounting; it will declare this node dead instead"
+            );
+        }
     }
 
     /// One pass: mount, then heartbeat.

@@ -94,7 +94,7 @@ fn start_master(dir: &Path, key_file: &Path) -> (Proc, SocketAddr) {
         .arg(key_file)
         // Short enough to keep the test quick, long enough for a loaded box: agents beat every
         // 200 ms.
-        .args(["--heartbeat-timeout", "3s", "--tick-interval", "100ms"])
+        .args(["--heartbeat-timeout", "5s", "--tick-interval", "100ms"])
         .stdout(Stdio::null())
         .stderr(log_file(dir, "master"))
         .spawn()
