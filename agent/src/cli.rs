@@ -76,6 +76,21 @@ pub struct RunArgs {
     /// Admin listen address (admin.listen).
     #[arg(long)]
     pub admin_listen: Option<String>,
+    /// Master address, repeatable (pool.master); without it the agent runs local-only.
+    #[arg(long, env = "KVPOOL_MASTER", value_delimiter = ',')]
+    pub master: Vec<String>,
+    /// Pool key file (pool.auth_key_file).
+    #[arg(long, env = "KVPOOL_AUTH_KEY_FILE")]
+    pub auth_key_file: Option<PathBuf>,
+    /// Transfer-engine TCP listen address (pool.transport_listen).
+    #[arg(long)]
+    pub transport_listen: Option<String>,
+    /// Host announced in transfer endpoints (pool.advertise_host).
+    #[arg(long, env = "POD_IP")]
+    pub advertise_host: Option<String>,
+    /// Heartbeat period (pool.heartbeat_interval), e.g. 1s.
+    #[arg(long)]
+    pub heartbeat_interval: Option<String>,
 }
 
 impl RunArgs {
@@ -96,6 +111,13 @@ impl RunArgs {
         set(&mut file.engine_api.socket_dir, &self.socket_dir);
         set(&mut file.engine_api.shm_dir, &self.shm_dir);
         set(&mut file.admin.listen, &self.admin_listen);
+        if !self.master.is_empty() {
+            file.pool.master = self.master.clone();
+        }
+        set(&mut file.pool.auth_key_file, &self.auth_key_file);
+        set(&mut file.pool.transport_listen, &self.transport_listen);
+        set(&mut file.pool.advertise_host, &self.advertise_host);
+        set(&mut file.pool.heartbeat_interval, &self.heartbeat_interval);
         file
     }
 }

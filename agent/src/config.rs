@@ -61,6 +61,23 @@ pub struct FileConfig {
     pub ssd: SsdSection,
     pub engine_api: ApiSection,
     pub admin: AdminSection,
+    pub pool: PoolSection,
+}
+
+/// `pool:` joining a pool's master. Without `master` the agent runs local-only.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolSection {
+    /// Master addresses (`host:port` or URLs).
+    pub master: Vec<String>,
+    /// File with the pool's shared key (masters, agents and clients use the same).
+    pub auth_key_file: Option<PathBuf>,
+    /// Listen address of the transfer-engine TCP target.
+    pub transport_listen: Option<String>,
+    /// Host announced to peers when `transport_listen` is a wildcard address.
+    pub advertise_host: Option<String>,
+    /// Heartbeat period, e.g. `1s`.
+    pub heartbeat_interval: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -148,6 +165,66 @@ pub struct AgentConfig {
     pub ssd: Option<SsdSettings>,
     pub api: ApiConfig,
     pub admin_listen: SocketAddr,
+    /// Pool membership; `None` is local-only mode.
+    pub pool: Option<PoolConfig>,
+}
+
+/// Validated pool membership.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    pub masters: Vec<String>,
+    pub auth_key_file: PathBuf,
+    pub transport_listen: SocketAddr,
+    /// Address put in the announced `tcp://ip:port` endpoints.
+    pub advertise_host: std::net::IpAddr,
+    pub heartbeat_interval: Duration,
+}
+
+fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
+    if p.master.is_empty() {
+        return Ok(None);
+    }
+    if p.master.iter().any(|m| m.trim().is_empty()) {
+        return Err(invalid("pool.master", "empty address"));
+    }
+    let auth_key_file = p
+        .auth_key_file
+        .clone()
+        .ok_or_else(|| invalid("pool.auth_key_file", "required when pool.master is set"))?;
+    let listen = p.transport_listen.as_deref().unwrap_or("0.0.0.0:12345");
+    let transport_listen: SocketAddr = listen
+        .parse()
+        .map_err(|e| invalid("pool.transport_listen", format!("{listen:?}: {e}")))?;
+    let advertise_host = match &p.advertise_host {
+        Some(h) => h.trim().parse().map_err(|e| {
+            invalid(
+                "pool.advertise_host",
+                format!("{h:?} is not an IP address: {e}"),
+            )
+        })?,
+        None if transport_listen.ip().is_unspecified() => {
+            return Err(invalid(
+                "pool.advertise_host",
+                "required when pool.transport_listen is a wildcard address",
+            ));
+        }
+        None => transport_listen.ip(),
+    };
+    let heartbeat_interval = match &p.heartbeat_interval {
+        None => Duration::from_secs(1),
+        Some(text) => humantime::parse_duration(text)
+            .map_err(|e| invalid("pool.heartbeat_interval", format!("{text:?}: {e}")))?,
+    };
+    if heartbeat_interval < Duration::from_millis(10) {
+        return Err(invalid("pool.heartbeat_interval", "must be at least 10ms"));
+    }
+    Ok(Some(PoolConfig {
+        masters: p.master.clone(),
+        auth_key_file,
+        transport_listen,
+        advertise_host,
+        heartbeat_interval,
+    }))
 }
 
 /// Read and parse a config file.
@@ -344,6 +421,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
     let admin_listen: SocketAddr = listen
         .parse()
         .map_err(|e| invalid("admin.listen", format!("{listen:?}: {e}")))?;
+    let pool = validate_pool(&file.pool)?;
 
     Ok(AgentConfig {
         node_name,
@@ -360,6 +438,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
             session_idle_timeout,
         },
         admin_listen,
+        pool,
     })
 }
 
@@ -419,6 +498,56 @@ admin:
         assert_eq!(cfg.api.shm_dir, PathBuf::from("/run/kvpool"));
         assert_eq!(cfg.api.limits.max_staging_bytes, 256 << 20);
         assert_eq!(cfg.admin_listen.port(), 9000);
+    }
+
+    #[test]
+    fn pool_section_is_optional_and_validated() {
+        assert!(
+            validate_yaml("").expect("valid").pool.is_none(),
+            "local-only by default"
+        );
+        let cfg = validate_yaml(
+            "pool:\n  master: [10.0.0.1:50051]\n  auth_key_file: /etc/kvpool/key\n  transport_listen: 0.0.0.0:7000\n  advertise_host: 10.0.0.9\n  heartbeat_interval: 500ms\n",
+        )
+        .expect("valid");
+        let pool = cfg.pool.expect("pool mode");
+        assert_eq!(pool.masters, vec!["10.0.0.1:50051".to_owned()]);
+        assert_eq!(pool.transport_listen.port(), 7000);
+        assert_eq!(pool.advertise_host.to_string(), "10.0.0.9");
+        assert_eq!(pool.heartbeat_interval, Duration::from_millis(500));
+        // A concrete listen address is announced as is.
+        let pool = validate_yaml(
+            "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0}",
+        )
+        .expect("valid")
+        .pool
+        .expect("pool mode");
+        assert_eq!(pool.advertise_host.to_string(), "127.0.0.1");
+        assert_eq!(pool.heartbeat_interval, Duration::from_secs(1));
+        let cases = [
+            ("pool: {master: [m:1]}", "pool.auth_key_file"),
+            ("pool: {master: [''], auth_key_file: /k}", "pool.master"),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, transport_listen: x}",
+                "pool.transport_listen",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, transport_listen: 0.0.0.0:1}",
+                "pool.advertise_host",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: node-7}",
+                "pool.advertise_host",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, heartbeat_interval: 1ms}",
+                "pool.heartbeat_interval",
+            ),
+        ];
+        for (text, field) in cases {
+            let err = validate_yaml(text).expect_err(text);
+            assert_eq!(field_of(err), field, "{text}");
+        }
     }
 
     #[test]

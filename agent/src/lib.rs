@@ -15,6 +15,7 @@ pub mod gpu_cuda;
 pub mod memory;
 pub mod metrics;
 pub mod placement;
+pub mod pool;
 pub mod registrar;
 pub mod runtime;
 pub mod ssd;

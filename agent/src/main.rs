@@ -9,6 +9,7 @@ use clap::Parser;
 use kvpool_agent::cli::{BenchCommand, Cli, Command, RunArgs};
 use kvpool_agent::config::{self, AgentConfig, FileConfig};
 use kvpool_agent::discovery::{self, Roots};
+use kvpool_agent::pool::Member;
 use kvpool_agent::registrar::LocalRegistrar;
 use tokio_util::sync::CancellationToken;
 
@@ -31,8 +32,26 @@ fn main() -> anyhow::Result<()> {
                 let shutdown = CancellationToken::new();
                 kvpool::shutdown::cancel_on_signal(shutdown.clone())
                     .context("installing signal handlers")?;
-                let registrar = Arc::new(LocalRegistrar::new());
-                kvpool_agent::runtime::run(cfg, registrar, shutdown, |_| {}).await?;
+                match cfg.pool.clone() {
+                    None => {
+                        let registrar = Arc::new(LocalRegistrar::new());
+                        kvpool_agent::runtime::run(cfg, registrar, shutdown, |_| {}).await?;
+                    }
+                    Some(pool) => {
+                        let member =
+                            Member::start(&pool, &cfg.node_name).context("joining the pool")?;
+                        // The link stops (and unmounts) on the same signal as the agent.
+                        let link = tokio::spawn(member.link.clone().run(shutdown.clone()));
+                        let registrar = Arc::clone(&member.registrar);
+                        let ran =
+                            kvpool_agent::runtime::run(cfg, registrar, shutdown.clone(), |_| {})
+                                .await;
+                        shutdown.cancel();
+                        let _ = link.await;
+                        drop(member);
+                        ran?;
+                    }
+                }
                 anyhow::Ok(())
             })?;
         }

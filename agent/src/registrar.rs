@@ -1,7 +1,7 @@
 //! Where the agent announces what it holds: DRAM segments to the transfer engine (so remote
 //! nodes can read them) and block keys to the pool's master. Both are behind
-//! [`SegmentRegistrar`] so the real transfer engine and master client plug in later; the
-//! in-process [`LocalRegistrar`] serves local-only mode. I/O boundary: none in this module.
+//! [`SegmentRegistrar`]: the in-process [`LocalRegistrar`] serves local-only mode,
+//! `crate::pool::PoolRegistrar` the pool mode (transfer engine + master). I/O boundary: none in this module.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +17,18 @@ pub enum RegistrarError {
     Duplicate(u32),
     #[error("segment {0} is not registered")]
     Unknown(u32),
+    #[error("pool memory for segment {index}")]
+    Memory {
+        index: u32,
+        #[source]
+        source: kvpool::transfer::MemoryError,
+    },
+    #[error("registering segment {index} with the transfer engine")]
+    Transfer {
+        index: u32,
+        #[source]
+        source: kvpool::transfer::TransferError,
+    },
 }
 
 impl RegistrarError {
@@ -25,6 +37,8 @@ impl RegistrarError {
         match self {
             RegistrarError::Duplicate(_) => "duplicate",
             RegistrarError::Unknown(_) => "unknown",
+            RegistrarError::Memory { .. } => "memory",
+            RegistrarError::Transfer { .. } => "transfer",
         }
     }
 }

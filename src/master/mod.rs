@@ -9,6 +9,7 @@ pub mod bench;
 pub mod client;
 pub mod clock;
 pub mod cmd;
+pub mod data;
 pub mod ha;
 pub mod metrics;
 pub mod policy;
