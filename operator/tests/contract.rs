@@ -35,7 +35,9 @@ fn example_pools() -> Result<Vec<(String, KVCachePool)>> {
         let mut pool: KVCachePool =
             serde_saphyr::from_str(&text).with_context(|| format!("{rel} parses"))?;
         // Examples have no namespace/uid; the API server would add them.
-        pool.metadata.namespace.get_or_insert_with(|| "default".into());
+        pool.metadata
+            .namespace
+            .get_or_insert_with(|| "default".into());
         pool.metadata
             .uid
             .get_or_insert_with(|| "6f1d2c3b-0000-4000-8000-0000000000aa".into());
@@ -99,6 +101,17 @@ fn write_files(dir: &Path, children: &CachePoolChildren) -> Result<BTreeMap<Stri
     Ok(files)
 }
 
+fn ssd_bytes(children: &CachePoolChildren) -> Result<Option<u64>> {
+    let text = children
+        .config
+        .data
+        .as_ref()
+        .and_then(|d| d.get("config.yaml"))
+        .context("config.yaml")?;
+    let eff: kvpool::crd::ValidatedKVCachePool = serde_saphyr::from_str(text)?;
+    Ok(eff.ssd.map(|s| s.capacity_bytes))
+}
+
 #[test]
 fn agent_container_parses_with_the_agent_cli() -> Result<()> {
     for (rel, pool) in example_pools()? {
@@ -115,9 +128,61 @@ fn agent_container_parses_with_the_agent_cli() -> Result<()> {
         let argv = argv(c, &files)?;
         let cli = kvpool_agent::cli::Cli::try_parse_from(&argv)
             .with_context(|| format!("{rel}: agent args {argv:?}"))?;
-        let kvpool_agent::cli::Command::Run(_) = cli.command else {
+        let kvpool_agent::cli::Command::Run(args) = cli.command else {
             bail!("{rel}: the agent container must run `run`, got {argv:?}");
         };
+        // The ConfigMap loads in the agent's own loader and validates, as at pod start.
+        let path = args
+            .pool_config
+            .as_deref()
+            .with_context(|| format!("{rel}: the agent must be given --pool-config"))?;
+        let file = kvpool_agent::config::load_pool_document(path, Path::new("/proc"))
+            .map_err(|e| anyhow::anyhow!("{rel}: agent loads config.yaml: {e}"))?;
+        let file = args.overlay(file);
+        let cfg = kvpool_agent::config::validate(&file)
+            .map_err(|e| anyhow::anyhow!("{rel}: agent config validates: {e}"))?;
+        let pool_cfg = cfg
+            .pool
+            .as_ref()
+            .with_context(|| format!("{rel}: the agent must run in pool mode"))?;
+        let ns = pool.metadata.namespace.as_deref().unwrap_or_default();
+        let name = pool.metadata.name.as_deref().unwrap_or_default();
+        ensure!(
+            pool_cfg.masters == [format!("{name}-master.{ns}.svc:50051")],
+            "{rel}: master address {:?}",
+            pool_cfg.masters
+        );
+        ensure!(pool_cfg.auth_key_file == Path::new("/etc/kvpool/auth/key"));
+        ensure!(cfg.api.socket_dir == Path::new("/run/kvpool"));
+        ensure!(
+            cfg.ssd.as_ref().map(|s| s.tier.capacity) == ssd_bytes(&children)?,
+            "{rel}: SSD tier carried over"
+        );
+        // Golden copy for the agent crate's child-process `check-config` test.
+        let golden = repo_root()
+            .join("agent/tests/fixtures/operator")
+            .join(rel.replace('/', "_"));
+        let text = children
+            .config
+            .data
+            .as_ref()
+            .and_then(|d| d.get("config.yaml"))
+            .context("config.yaml")?;
+        if std::env::var_os("KVPOOL_UPDATE_GOLDEN").is_some() {
+            std::fs::create_dir_all(golden.parent().context("parent")?)?;
+            std::fs::write(&golden, text)?;
+        }
+        let want = std::fs::read_to_string(&golden).with_context(|| {
+            format!(
+                "{}: missing; regenerate with KVPOOL_UPDATE_GOLDEN=1 cargo nextest run -p kvpool-operator --test contract",
+                golden.display()
+            )
+        })?;
+        ensure!(
+            &want == text,
+            "{} is stale; regenerate with KVPOOL_UPDATE_GOLDEN=1 cargo nextest run -p kvpool-operator --test contract",
+            golden.display()
+        );
     }
     Ok(())
 }

@@ -495,6 +495,7 @@ pub fn master_deployment(pool: &ValidCachePool, config_hash: &str) -> Deployment
         image: Some(pool.master_image.clone()),
         command: Some(contract::kvpool_command()),
         args: Some(contract::master_args(&master.etcd_endpoints)),
+        env: Some(vec![field_env(contract::env::POD_IP, "status.podIP")]),
         ports: Some(vec![
             port("grpc", contract::MASTER_PORT),
             port("admin", contract::ADMIN_PORT),
@@ -535,7 +536,6 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
         image: Some(pool.conductor_image.clone()),
         command: Some(contract::kvpool_command()),
         args: Some(contract::conductor_args(
-            &pool.master_addr(),
             slo.map_or(
                 u64::from(kvpool::crd::defaults::TTFT_MILLIS.unsigned_abs()),
                 |s| u64::from(s.ttft_millis),
@@ -694,12 +694,17 @@ mod tests {
         assert_eq!(
             c.args.as_deref().expect("args"),
             [
-                "--config",
+                "run",
+                "--pool-config",
                 "/etc/kvpool/config.yaml",
-                "--admin-addr",
+                "--admin-listen",
                 "0.0.0.0:9090",
                 "--socket-dir",
-                "/run/kvpool"
+                "/run/kvpool",
+                "--node-name",
+                "$(KVPOOL_NODE_NAME)",
+                "--advertise-host",
+                "$(KVPOOL_POD_IP)"
             ]
         );
         let caps = c
