@@ -852,8 +852,19 @@ mod tests {
                 "--auth-key-file",
                 "/etc/kvpool/auth/key",
                 "--etcd-endpoints",
-                "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379"
+                "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379",
+                "--advertise-addr",
+                "$(KVPOOL_POD_IP):50051"
             ]
+        );
+        let env = c.env.as_deref().expect("env");
+        assert!(
+            env.iter().any(|e| e.name == "KVPOOL_POD_IP"
+                && e.value_from
+                    .as_ref()
+                    .and_then(|v| v.field_ref.as_ref())
+                    .is_some_and(|f| f.field_path == "status.podIP")),
+            "the pod IP the advertise address expands: {env:?}"
         );
         let pod = spec.template.spec.as_ref().expect("pod");
         let psc = pod.security_context.as_ref().expect("pod security context");
@@ -907,14 +918,12 @@ mod tests {
                 "conductor",
                 "--listen",
                 "0.0.0.0:8000",
-                "--admin-addr",
+                "--admin-listen",
                 "0.0.0.0:9090",
-                "--master",
-                "roce-master.llm.svc:50051",
-                "--ttft-slo-ms",
-                "1500",
-                "--tpot-slo-ms",
-                "40"
+                "--ttft-slo-s",
+                "1.5",
+                "--tpot-slo-s",
+                "0.04"
             ]
         );
         assert_eq!(
