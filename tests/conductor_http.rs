@@ -301,3 +301,78 @@ async fn unreachable_decode_engine_gives_502_naming_it() {
     );
     c.shutdown.cancel();
 }
+
+/// One HTTP/1.1 GET; returns the status, or None while nothing accepts connections.
+async fn get_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    out.get(9..12)?.parse().ok()
+}
+
+/// Kills the child process on drop, so a failed assertion does not leak it.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
+    // The operator starts `kvpool conductor` with no --prefill/--decode (it does not know the
+    // engines yet): the process must start, stay not ready and explain the 503.
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+    };
+    let (api, admin) = (free(), free());
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args([
+            "conductor",
+            "--listen",
+            &api.to_string(),
+            "--admin-listen",
+            &admin.to_string(),
+            "--ttft-slo-s",
+            "2",
+            "--tpot-slo-s",
+            "0.05",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kvpool conductor");
+    let mut child = Child(child);
+    // Wait (generously) for both listeners; the conductor binds the API before the admin server.
+    let mut ready = None;
+    for _ in 0..600 {
+        if let Some(status) = child.0.try_wait().expect("try_wait") {
+            panic!("kvpool conductor exited early: {status}");
+        }
+        ready = get_status(admin, "/readyz").await;
+        if ready.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready, Some(503), "/readyz without engines");
+    assert_eq!(get_status(admin, "/livez").await, Some(200));
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2}}"#);
+    let (status, _, text) = post(api, "/v1/completions", &body).await;
+    assert_eq!(status, 503, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["code"], "no_engines", "{text}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("--prefill")),
+        "{text}"
+    );
+    let (status, _, _) = post(api, "/v1/chat/completions", "{}").await;
+    assert_eq!(status, 503);
+}

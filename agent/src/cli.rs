@@ -44,8 +44,12 @@ pub enum Command {
 #[derive(Debug, Args, Default)]
 pub struct RunArgs {
     /// YAML configuration file.
-    #[arg(long, env = "KVPOOL_AGENT_CONFIG")]
+    #[arg(long, env = "KVPOOL_AGENT_CONFIG", conflicts_with = "pool_config")]
     pub config: Option<PathBuf>,
+    /// The operator's pool document (the KVCachePool ConfigMap's config.yaml) instead of
+    /// --config; flags still override what it sets.
+    #[arg(long, value_name = "FILE")]
+    pub pool_config: Option<PathBuf>,
     /// Kubernetes node name (node_name).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,

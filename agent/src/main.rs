@@ -14,9 +14,13 @@ use kvpool_agent::registrar::LocalRegistrar;
 use tokio_util::sync::CancellationToken;
 
 fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
-    let file = match &args.config {
-        Some(path) => config::load_file(path)?,
-        None => FileConfig::default(),
+    let file = match (&args.config, &args.pool_config) {
+        (Some(path), _) => config::load_file(path)?,
+        (None, Some(path)) => {
+            let procfs = args.procfs_root.clone().unwrap_or(Roots::default().procfs);
+            config::load_pool_document(path, &procfs)?
+        }
+        (None, None) => FileConfig::default(),
     };
     Ok(config::validate(&args.overlay(file))?)
 }

@@ -100,15 +100,20 @@ pub fn agent_command() -> Vec<String> {
     vec![AGENT_BINARY.to_owned()]
 }
 
-/// Arguments (`args`) of the agent container.
+/// Arguments (`args`) of the agent container: `run` reading the pool ConfigMap's document.
 pub fn agent_args() -> Vec<String> {
     vec![
-        "--config".to_owned(),
+        "run".to_owned(),
+        "--pool-config".to_owned(),
         config_path(),
-        "--admin-addr".to_owned(),
+        "--admin-listen".to_owned(),
         any_addr(ADMIN_PORT),
         "--socket-dir".to_owned(),
         SOCKET_DIR.to_owned(),
+        "--node-name".to_owned(),
+        format!("$({})", env::NODE_NAME),
+        "--advertise-host".to_owned(),
+        format!("$({})", env::POD_IP),
     ]
 }
 
@@ -117,7 +122,9 @@ pub fn kvpool_command() -> Vec<String> {
     vec![KVPOOL_BINARY.to_owned()]
 }
 
-/// Arguments of the master container; `--etcd-endpoints` (comma-separated) only for HA.
+/// Arguments of the master container; `--etcd-endpoints` (comma-separated) only for HA, and
+/// then `--advertise-addr $(KVPOOL_POD_IP):50051` (the kubelet substitutes the pod IP from the
+/// container's downward-API env var [`env::POD_IP`]) since standbys redirect clients to it.
 pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
     let mut args = vec![
         "master".to_owned(),
@@ -131,25 +138,37 @@ pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
     if !etcd_endpoints.is_empty() {
         args.push("--etcd-endpoints".to_owned());
         args.push(etcd_endpoints.join(","));
+        args.push("--advertise-addr".to_owned());
+        args.push(format!("$({}):{MASTER_PORT}", env::POD_IP));
     }
     args
 }
 
-/// Arguments of the conductor container.
-pub fn conductor_args(master_addr: &str, ttft_slo_ms: u64, tpot_slo_ms: u64) -> Vec<String> {
+/// Arguments of the conductor container: the objectives in seconds (the conductor's own flag
+/// unit). No engine URLs: the KVCachePool controller does not know the engine instances, so
+/// the conductor starts without them, reports not ready and answers 503 until it has some.
+pub fn conductor_args(ttft_slo_ms: u64, tpot_slo_ms: u64) -> Vec<String> {
     vec![
         "conductor".to_owned(),
         "--listen".to_owned(),
         any_addr(CONDUCTOR_PORT),
-        "--admin-addr".to_owned(),
+        "--admin-listen".to_owned(),
         any_addr(ADMIN_PORT),
-        "--master".to_owned(),
-        master_addr.to_owned(),
-        "--ttft-slo-ms".to_owned(),
-        ttft_slo_ms.to_string(),
-        "--tpot-slo-ms".to_owned(),
-        tpot_slo_ms.to_string(),
+        "--ttft-slo-s".to_owned(),
+        millis_as_secs(ttft_slo_ms),
+        "--tpot-slo-s".to_owned(),
+        millis_as_secs(tpot_slo_ms),
     ]
+}
+
+/// `1500` -> `"1.5"`, exact for whole milliseconds.
+fn millis_as_secs(ms: u64) -> String {
+    let (s, frac) = (ms / 1000, ms % 1000);
+    if frac == 0 {
+        s.to_string()
+    } else {
+        format!("{s}.{frac:03}").trim_end_matches('0').to_owned()
+    }
 }
 
 /// What the engine needs to know to be started with sensible disaggregation defaults.
@@ -236,18 +255,22 @@ mod tests {
             ha.windows(2)
                 .any(|w| w == ["--etcd-endpoints", "http://a:2379,http://b:2379"])
         );
+        assert!(
+            ha.windows(2)
+                .any(|w| w == ["--advertise-addr", "$(KVPOOL_POD_IP):50051"])
+        );
+        assert!(!plain.iter().any(|a| a == "--advertise-addr"));
     }
 
     #[test]
-    fn conductor_args_carry_master_and_slos() {
-        let args = conductor_args("pool-master.ns.svc:50051", 2000, 50);
+    fn conductor_args_carry_slos_in_seconds() {
+        let args = conductor_args(2000, 50);
         assert_eq!(args[0], "conductor");
-        assert!(
-            args.windows(2)
-                .any(|w| w == ["--master", "pool-master.ns.svc:50051"])
-        );
-        assert!(args.windows(2).any(|w| w == ["--ttft-slo-ms", "2000"]));
-        assert!(args.windows(2).any(|w| w == ["--tpot-slo-ms", "50"]));
+        assert!(args.windows(2).any(|w| w == ["--ttft-slo-s", "2"]));
+        assert!(args.windows(2).any(|w| w == ["--tpot-slo-s", "0.05"]));
+        assert_eq!(millis_as_secs(1500), "1.5");
+        assert_eq!(millis_as_secs(1), "0.001");
+        assert_eq!(millis_as_secs(0), "0");
     }
 
     #[test]

@@ -33,11 +33,12 @@ pub struct ConductorArgs {
     /// Model name served (and expected by the engines).
     #[arg(long, default_value = "kvpool-synthetic")]
     pub model: String,
-    /// Base URL of a prefill engine (repeat the flag for each).
-    #[arg(long = "prefill", required = true)]
+    /// Base URL of a prefill engine (repeat the flag for each). Without prefill and decode
+    /// engines the conductor starts, answers 503 and reports not ready.
+    #[arg(long = "prefill")]
     pub prefill: Vec<String>,
     /// Base URL of a decode engine (repeat the flag for each).
-    #[arg(long = "decode", required = true)]
+    #[arg(long = "decode")]
     pub decode: Vec<String>,
     /// Prefill placement policy.
     #[arg(long, value_enum, default_value_t = Policy::Conductor)]
@@ -227,6 +228,7 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(ConductorError::Signals)?;
         let registry = Registry::new();
         let readiness = Readiness::new();
+        let has_engines = config.has_engines();
         let router = server::router(config, &registry).map_err(ConductorError::Server)?;
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
@@ -243,7 +245,14 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
             admin::router(registry, readiness.clone()),
             admin_shutdown.clone(),
         ));
-        readiness.set_ready(true);
+        if has_engines {
+            readiness.set_ready(true);
+        } else {
+            tracing::warn!(
+                "no --prefill/--decode engines: answering 503 and staying not ready until \
+                 restarted with engines"
+            );
+        }
         let served = server::serve(listener, router, shutdown.clone()).await;
         readiness.set_ready(false);
         admin_shutdown.cancel();
@@ -307,7 +316,12 @@ mod tests {
                 .to_string()
                 .starts_with("--ttft-slo-s")
         );
-        assert!(T::try_parse_from(["t", "--decode", "http://b"]).is_err());
+        let none = conductor_config(&T::try_parse_from(["t"]).unwrap().a).unwrap();
+        assert!(!none.has_engines());
+        let half =
+            conductor_config(&T::try_parse_from(["t", "--decode", "http://b"]).unwrap().a).unwrap();
+        assert!(!half.has_engines());
+        assert!(c.has_engines());
     }
 
     #[test]

@@ -34,6 +34,14 @@ pub struct ConductorConfig {
     pub tokenizer: tokenize::PromptTokenizer,
 }
 
+impl ConductorConfig {
+    /// Whether at least one prefill and one decode engine are configured; without them the
+    /// conductor serves 503s and is not ready.
+    pub fn has_engines(&self) -> bool {
+        !self.prefill.is_empty() && !self.decode.is_empty()
+    }
+}
+
 /// Errors of building the conductor's state.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {

@@ -377,6 +377,9 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
     for outcome in ["ok", "rejected"] {
         requests.with_label_values(&[outcome]);
     }
+    if !config.has_engines() {
+        return Ok(no_engines_router(config.model, requests));
+    }
     let state = State::new(&config).map_err(ServerError::State)?;
     let shared = Arc::new(Shared {
         config,
@@ -412,6 +415,36 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
             }),
         )
         .with_state(shared))
+}
+
+/// The API of a conductor started without prefill or decode engines (the operator starts it
+/// that way until engine discovery exists): completions answer 503 with an OpenAI-style error
+/// saying so, /v1/models still answers, and the admin server reports not ready.
+fn no_engines_router(model: String, requests: IntCounterVec) -> Router {
+    let unavailable = move || {
+        let requests = requests.clone();
+        async move {
+            requests.with_label_values(&["no_engines"]).inc();
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(error_body(
+                    "the conductor has no prefill or decode engines configured yet \
+                     (start it with --prefill and --decode)"
+                        .to_owned(),
+                    "service_unavailable",
+                    "no_engines",
+                )),
+            )
+                .into_response()
+        }
+    };
+    Router::new()
+        .route("/v1/completions", post(unavailable.clone()))
+        .route("/v1/chat/completions", post(unavailable))
+        .route(
+            "/v1/models",
+            get(move || async move { Json(api::models_body(&model, 0)) }),
+        )
 }
 
 /// Serves `router` on `listener` until `shutdown` is cancelled.

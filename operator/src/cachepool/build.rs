@@ -495,6 +495,7 @@ pub fn master_deployment(pool: &ValidCachePool, config_hash: &str) -> Deployment
         image: Some(pool.master_image.clone()),
         command: Some(contract::kvpool_command()),
         args: Some(contract::master_args(&master.etcd_endpoints)),
+        env: Some(vec![field_env(contract::env::POD_IP, "status.podIP")]),
         ports: Some(vec![
             port("grpc", contract::MASTER_PORT),
             port("admin", contract::ADMIN_PORT),
@@ -535,7 +536,6 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
         image: Some(pool.conductor_image.clone()),
         command: Some(contract::kvpool_command()),
         args: Some(contract::conductor_args(
-            &pool.master_addr(),
             slo.map_or(
                 u64::from(kvpool::crd::defaults::TTFT_MILLIS.unsigned_abs()),
                 |s| u64::from(s.ttft_millis),
@@ -694,12 +694,17 @@ mod tests {
         assert_eq!(
             c.args.as_deref().expect("args"),
             [
-                "--config",
+                "run",
+                "--pool-config",
                 "/etc/kvpool/config.yaml",
-                "--admin-addr",
+                "--admin-listen",
                 "0.0.0.0:9090",
                 "--socket-dir",
-                "/run/kvpool"
+                "/run/kvpool",
+                "--node-name",
+                "$(KVPOOL_NODE_NAME)",
+                "--advertise-host",
+                "$(KVPOOL_POD_IP)"
             ]
         );
         let caps = c
@@ -847,8 +852,19 @@ mod tests {
                 "--auth-key-file",
                 "/etc/kvpool/auth/key",
                 "--etcd-endpoints",
-                "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379"
+                "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379",
+                "--advertise-addr",
+                "$(KVPOOL_POD_IP):50051"
             ]
+        );
+        let env = c.env.as_deref().expect("env");
+        assert!(
+            env.iter().any(|e| e.name == "KVPOOL_POD_IP"
+                && e.value_from
+                    .as_ref()
+                    .and_then(|v| v.field_ref.as_ref())
+                    .is_some_and(|f| f.field_path == "status.podIP")),
+            "the pod IP the advertise address expands: {env:?}"
         );
         let pod = spec.template.spec.as_ref().expect("pod");
         let psc = pod.security_context.as_ref().expect("pod security context");
@@ -902,14 +918,12 @@ mod tests {
                 "conductor",
                 "--listen",
                 "0.0.0.0:8000",
-                "--admin-addr",
+                "--admin-listen",
                 "0.0.0.0:9090",
-                "--master",
-                "roce-master.llm.svc:50051",
-                "--ttft-slo-ms",
-                "1500",
-                "--tpot-slo-ms",
-                "40"
+                "--ttft-slo-s",
+                "1.5",
+                "--tpot-slo-s",
+                "0.04"
             ]
         );
         assert_eq!(

@@ -1,0 +1,251 @@
+//! The operator <-> binaries contract: the containers the operator's real `build()` emits for
+//! the example pools (deploy/examples and operator/tests/fixtures) are parsed with the real
+//! clap parsers of `kvpool-agent` and `kvpool`, after the kubelet-style `$(VAR)` substitution,
+//! and the master's and conductor's flag validation is run on them too.
+//! I/O boundary: example files in the repository and a key file in a temporary directory.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::Parser;
+use k8s_openapi::api::core::v1::{Container, PodSpec};
+use kvpool::crd::KVCachePool;
+use kvpool_operator::cachepool::build::{CachePoolChildren, build};
+use kvpool_operator::cachepool::validate::validate;
+use kvpool_operator::context::Settings;
+
+const KEY_HEX: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Every example KVCachePool, by file.
+fn example_pools() -> Result<Vec<(String, KVCachePool)>> {
+    let root = repo_root();
+    let mut out = Vec::new();
+    for rel in [
+        "deploy/examples/tcp/kvcachepool.yaml",
+        "deploy/examples/roce-sriov/kvcachepool.yaml",
+        "operator/tests/fixtures/kvcachepool-tcp.yaml",
+        "operator/tests/fixtures/kvcachepool-roce.yaml",
+    ] {
+        let text = std::fs::read_to_string(root.join(rel)).with_context(|| rel.to_owned())?;
+        let mut pool: KVCachePool =
+            serde_saphyr::from_str(&text).with_context(|| format!("{rel} parses"))?;
+        // Examples have no namespace/uid; the API server would add them.
+        pool.metadata
+            .namespace
+            .get_or_insert_with(|| "default".into());
+        pool.metadata
+            .uid
+            .get_or_insert_with(|| "6f1d2c3b-0000-4000-8000-0000000000aa".into());
+        out.push((rel.to_owned(), pool));
+    }
+    Ok(out)
+}
+
+fn children(pool: &KVCachePool) -> Result<CachePoolChildren> {
+    let valid = validate(pool, &Settings::for_tests()).context("example is valid")?;
+    build(&valid, KEY_HEX).context("build")
+}
+
+fn pod_of(spec: Option<&PodSpec>) -> Result<&Container> {
+    spec.and_then(|p| p.containers.first())
+        .context("pod template has a container")
+}
+
+/// command + args with `$(VAR)` replaced as the kubelet does, from the container's env (sample
+/// values for downward-API fields) and with paths under /etc/kvpool redirected to `files`.
+fn argv(c: &Container, files: &BTreeMap<String, PathBuf>) -> Result<Vec<String>> {
+    let mut env = BTreeMap::new();
+    for e in c.env.iter().flatten() {
+        let value = match (&e.value, &e.value_from) {
+            (Some(v), _) => v.clone(),
+            (None, Some(_)) => "10.1.2.3".to_owned(),
+            (None, None) => String::new(),
+        };
+        env.insert(e.name.clone(), value);
+    }
+    let mut out = Vec::new();
+    for a in c.command.iter().flatten().chain(c.args.iter().flatten()) {
+        let mut s = a.clone();
+        for (k, v) in &env {
+            s = s.replace(&format!("$({k})"), v);
+        }
+        ensure!(
+            !s.contains("$("),
+            "container {}: `{a}` refers to a variable the container does not define",
+            c.name
+        );
+        if let Some(p) = files.get(&s) {
+            s = p.display().to_string();
+        }
+        out.push(s);
+    }
+    Ok(out)
+}
+
+/// The ConfigMap's files and the auth key, written to a temp dir, keyed by in-container path.
+fn write_files(dir: &Path, children: &CachePoolChildren) -> Result<BTreeMap<String, PathBuf>> {
+    let mut files = BTreeMap::new();
+    for (key, text) in children.config.data.iter().flatten() {
+        let path = dir.join(key);
+        std::fs::write(&path, text)?;
+        files.insert(format!("/etc/kvpool/{key}"), path);
+    }
+    let key = dir.join("key");
+    std::fs::write(&key, KEY_HEX)?;
+    files.insert("/etc/kvpool/auth/key".to_owned(), key);
+    Ok(files)
+}
+
+fn ssd_bytes(children: &CachePoolChildren) -> Result<Option<u64>> {
+    let text = children
+        .config
+        .data
+        .as_ref()
+        .and_then(|d| d.get("config.yaml"))
+        .context("config.yaml")?;
+    let eff: kvpool::crd::ValidatedKVCachePool = serde_saphyr::from_str(text)?;
+    Ok(eff.ssd.map(|s| s.capacity_bytes))
+}
+
+#[test]
+fn agent_container_parses_with_the_agent_cli() -> Result<()> {
+    for (rel, pool) in example_pools()? {
+        let children = children(&pool)?;
+        let dir = tempfile::tempdir()?;
+        let files = write_files(dir.path(), &children)?;
+        let c = pod_of(
+            children
+                .agent
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref()),
+        )?;
+        let argv = argv(c, &files)?;
+        let cli = kvpool_agent::cli::Cli::try_parse_from(&argv)
+            .with_context(|| format!("{rel}: agent args {argv:?}"))?;
+        let kvpool_agent::cli::Command::Run(args) = cli.command else {
+            bail!("{rel}: the agent container must run `run`, got {argv:?}");
+        };
+        // The ConfigMap loads in the agent's own loader and validates, as at pod start.
+        let path = args
+            .pool_config
+            .as_deref()
+            .with_context(|| format!("{rel}: the agent must be given --pool-config"))?;
+        let file = kvpool_agent::config::load_pool_document(path, Path::new("/proc"))
+            .map_err(|e| anyhow::anyhow!("{rel}: agent loads config.yaml: {e}"))?;
+        let file = args.overlay(file);
+        let cfg = kvpool_agent::config::validate(&file)
+            .map_err(|e| anyhow::anyhow!("{rel}: agent config validates: {e}"))?;
+        let pool_cfg = cfg
+            .pool
+            .as_ref()
+            .with_context(|| format!("{rel}: the agent must run in pool mode"))?;
+        let ns = pool.metadata.namespace.as_deref().unwrap_or_default();
+        let name = pool.metadata.name.as_deref().unwrap_or_default();
+        ensure!(
+            pool_cfg.masters == [format!("{name}-master.{ns}.svc:50051")],
+            "{rel}: master address {:?}",
+            pool_cfg.masters
+        );
+        ensure!(pool_cfg.auth_key_file == Path::new("/etc/kvpool/auth/key"));
+        ensure!(cfg.api.socket_dir == Path::new("/run/kvpool"));
+        ensure!(
+            cfg.ssd.as_ref().map(|s| s.tier.capacity) == ssd_bytes(&children)?,
+            "{rel}: SSD tier carried over"
+        );
+        // Golden copy for the agent crate's child-process `check-config` test.
+        let golden = repo_root()
+            .join("agent/tests/fixtures/operator")
+            .join(rel.replace('/', "_"));
+        let text = children
+            .config
+            .data
+            .as_ref()
+            .and_then(|d| d.get("config.yaml"))
+            .context("config.yaml")?;
+        if std::env::var_os("KVPOOL_UPDATE_GOLDEN").is_some() {
+            std::fs::create_dir_all(golden.parent().context("parent")?)?;
+            std::fs::write(&golden, text)?;
+        }
+        let want = std::fs::read_to_string(&golden).with_context(|| {
+            format!(
+                "{}: missing; regenerate with KVPOOL_UPDATE_GOLDEN=1 cargo nextest run -p kvpool-operator --test contract",
+                golden.display()
+            )
+        })?;
+        ensure!(
+            &want == text,
+            "{} is stale; regenerate with KVPOOL_UPDATE_GOLDEN=1 cargo nextest run -p kvpool-operator --test contract",
+            golden.display()
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn master_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> {
+    let mut saw_ha = false;
+    let mut saw_plain = false;
+    for (rel, pool) in example_pools()? {
+        let children = children(&pool)?;
+        let dir = tempfile::tempdir()?;
+        let files = write_files(dir.path(), &children)?;
+        let c = pod_of(
+            children
+                .master
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref()),
+        )?;
+        let argv = argv(c, &files)?;
+        let cli = kvpool::cli::Cli::try_parse_from(&argv)
+            .with_context(|| format!("{rel}: master args {argv:?}"))?;
+        let kvpool::cli::Command::Master(args) = cli.command else {
+            bail!("{rel}: the master container must run `master`, got {argv:?}");
+        };
+        if args.etcd_endpoints.is_empty() {
+            saw_plain = true;
+        } else {
+            saw_ha = true;
+        }
+        args.validate()
+            .map_err(|e| anyhow::anyhow!("{rel}: master flags {argv:?}: {e}"))?;
+    }
+    ensure!(saw_ha && saw_plain, "examples cover HA and single masters");
+    Ok(())
+}
+
+#[test]
+fn conductor_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> {
+    let mut seen = 0;
+    for (rel, pool) in example_pools()? {
+        let children = children(&pool)?;
+        let Some((deployment, _)) = &children.conductor else {
+            continue;
+        };
+        seen += 1;
+        let dir = tempfile::tempdir()?;
+        let files = write_files(dir.path(), &children)?;
+        let c = pod_of(
+            deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref()),
+        )?;
+        let argv = argv(c, &files)?;
+        let cli = kvpool::cli::Cli::try_parse_from(&argv)
+            .with_context(|| format!("{rel}: conductor args {argv:?}"))?;
+        let kvpool::cli::Command::Conductor(args) = cli.command else {
+            bail!("{rel}: the conductor container must run `conductor`, got {argv:?}");
+        };
+        kvpool::conductor::cli::conductor_config(&args)
+            .map_err(|e| anyhow::anyhow!("{rel}: conductor flags {argv:?}: {e}"))?;
+    }
+    ensure!(seen > 0, "at least one example enables the conductor");
+    Ok(())
+}
