@@ -575,65 +575,26 @@ impl proto::master_server::Master for MasterSvc {
         &self,
         req: Request<proto::KeysRequest>,
     ) -> Result<Response<proto::ItemResults>, Status> {
-        let start = Instant::now();
-        let mut item_error = None;
-        let r = async {
-            let keys = keys_of(&req.into_inner().keys)?;
-            let results = self
-                .core
-                .mutate(|st| keys.iter().map(|k| st.remove(*k)).collect::<Vec<_>>())
-                .await?;
-            item_error = first_error(&results);
-            Ok(Response::new(item_results(results)))
-        }
-        .await;
-        self.record("remove", start, &r, item_error);
-        r
+        let keys = req.into_inner().keys;
+        self.per_key("remove", &keys, |st, k| st.remove(k)).await
     }
 
     async fn pin(
         &self,
         req: Request<proto::PinRequest>,
     ) -> Result<Response<proto::ItemResults>, Status> {
-        let start = Instant::now();
-        let mut item_error = None;
-        let r = async {
-            let req = req.into_inner();
-            let keys = keys_of(&req.keys)?;
-            let results = self
-                .core
-                .mutate(|st| {
-                    keys.iter()
-                        .map(|k| st.pin(*k, req.hard, req.ttl_ms))
-                        .collect::<Vec<_>>()
-                })
-                .await?;
-            item_error = first_error(&results);
-            Ok(Response::new(item_results(results)))
-        }
-        .await;
-        self.record("pin", start, &r, item_error);
-        r
+        let req = req.into_inner();
+        let (hard, ttl_ms) = (req.hard, req.ttl_ms);
+        self.per_key("pin", &req.keys, move |st, k| st.pin(k, hard, ttl_ms))
+            .await
     }
 
     async fn unpin(
         &self,
         req: Request<proto::KeysRequest>,
     ) -> Result<Response<proto::ItemResults>, Status> {
-        let start = Instant::now();
-        let mut item_error = None;
-        let r = async {
-            let keys = keys_of(&req.into_inner().keys)?;
-            let results = self
-                .core
-                .mutate(|st| keys.iter().map(|k| st.unpin(*k)).collect::<Vec<_>>())
-                .await?;
-            item_error = first_error(&results);
-            Ok(Response::new(item_results(results)))
-        }
-        .await;
-        self.record("unpin", start, &r, item_error);
-        r
+        let keys = req.into_inner().keys;
+        self.per_key("unpin", &keys, |st, k| st.unpin(k)).await
     }
 
     async fn stats(
@@ -661,6 +622,30 @@ impl proto::master_server::Master for MasterSvc {
 }
 
 impl MasterSvc {
+    /// Apply `op` to every key of a batch in one state mutation and answer per key: the shared
+    /// shape of `remove`, `pin` and `unpin`.
+    async fn per_key(
+        &self,
+        method: &str,
+        raw_keys: &[Vec<u8>],
+        op: impl Fn(&mut MasterState, ObjectKey) -> Result<(), MasterError> + Send,
+    ) -> Result<Response<proto::ItemResults>, Status> {
+        let start = Instant::now();
+        let mut item_error = None;
+        let r = async {
+            let keys = keys_of(raw_keys)?;
+            let results = self
+                .core
+                .mutate(|st| keys.iter().map(|k| op(st, *k)).collect::<Vec<_>>())
+                .await?;
+            item_error = first_error(&results);
+            Ok(Response::new(item_results(results)))
+        }
+        .await;
+        self.record(method, start, &r, item_error);
+        r
+    }
+
     async fn end_or_revoke(
         &self,
         method: &str,
