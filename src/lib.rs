@@ -5,6 +5,7 @@
 //! simulation) do no I/O at all; runtime modules (admin server, shutdown) own sockets and signals.
 
 pub mod admin;
+pub mod agent_api;
 pub mod bench;
 pub mod cli;
 pub mod conductor;

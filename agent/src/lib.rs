@@ -1,7 +1,7 @@
 //! kvpool node agent library: topology discovery, NUMA-aware DRAM tier, persistent SSD tier,
 //! the engine API over a Unix socket, and the runtime that wires them with the admin server.
 //! Each module names its own I/O boundary in its header; `unsafe` lives only in `memory`
-//! (mmap/mbind/mlock), `ssd` (aligned buffers) and `api::shm` (shared staging copies).
+//! (mmap/mbind/mlock) and `ssd` (aligned buffers); the staging copies are in `kvpool::agent_api::shm`.
 
 pub mod api;
 pub mod bench;
@@ -22,8 +22,5 @@ pub mod ssd;
 pub mod store;
 pub mod topology;
 
-/// Code generated from `proto/kvpool/agent/v1/engine.proto`.
-#[allow(clippy::all, clippy::pedantic, missing_docs)]
-pub mod proto {
-    tonic::include_proto!("kvpool.agent.v1");
-}
+/// Engine API types generated from the library's `proto/agent/v1/engine.proto`.
+pub use kvpool::agent_api::proto;

@@ -1,9 +1,9 @@
-//! The engine API: tonic gRPC over a Unix socket (server and Rust client), with block bytes in
-//! shared-memory staging areas. I/O boundary: the Unix socket and the staging files.
+//! The engine API: tonic gRPC over a Unix socket, with block bytes in shared-memory staging
+//! areas. The server lives here; the protocol, the Rust client and the staging files are in the
+//! shared library (`kvpool::agent_api`) so that engines written in Rust (the synthetic engine,
+//! `kvpool up`) use them without depending on the agent. I/O boundary: the Unix socket and the
+//! staging files.
 
-pub mod client;
 pub mod server;
-pub mod shm;
 
-/// Socket file name inside the configured socket directory.
-pub const SOCKET_NAME: &str = "agent.sock";
+pub use kvpool::agent_api::{SOCKET_NAME, client, shm};

@@ -1,4 +1,5 @@
-//! Rust client of the engine API, for engines written in Rust, the benchmark and the tests.
+//! Rust client of the agent's engine API, for engines written in Rust (the synthetic engine),
+//! the agent's benchmark and the tests.
 //! I/O boundary: the Unix socket connection and the mapped staging file.
 
 use std::path::{Path, PathBuf};
@@ -7,12 +8,12 @@ use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 
-use super::shm::{ShmError, Staging};
-use crate::proto::engine_api_client::EngineApiClient;
-use crate::proto::{
+use super::proto::engine_api_client::EngineApiClient;
+use super::proto::{
     CloseSessionRequest, ExistsRequest, GetItem, GetRequest, OpenSessionRequest, PutItem,
     PutRequest, RemoveRequest, Status,
 };
+use super::shm::{ShmError, Staging};
 
 /// Errors of the client.
 #[derive(Debug, thiserror::Error)]
