@@ -1,4 +1,7 @@
-//! The synthetic engine's OpenAI-compatible API over real loopback sockets.
+//! The synthetic engine's OpenAI-compatible API over real loopback sockets, and its KV blocks
+//! through a real `kvpool-agent` process.
+
+mod up_support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -239,4 +242,197 @@ async fn engine_process_serves_and_stops_on_sigterm() {
     assert!(killed.success());
     let status = child.0.wait().expect("wait");
     assert!(status.success(), "{status:?}");
+}
+
+struct KvEngine {
+    addr: SocketAddr,
+    registry: Registry,
+}
+
+const KV_MODEL: &str = "synthetic-kv";
+const KV_BLOCK_TOKENS: u32 = 4;
+const KV_BYTES_PER_TOKEN: u64 = 100;
+
+async fn start_with_agent(socket: &std::path::Path, shutdown: &CancellationToken) -> KvEngine {
+    let config = EngineConfig {
+        model: KV_MODEL.into(),
+        prefill_cost: PrefillCost::default(),
+        decode_cost: DecodeCost::default(),
+        block_size: NonZeroU32::new(KV_BLOCK_TOKENS).expect("nonzero"),
+        cache_blocks: 1000,
+        chunk_bytes: 4,
+        time_scale: 0.001,
+    };
+    let geometry = kvpool::synthetic::kv::KvGeometry {
+        bytes_per_token: KV_BYTES_PER_TOKEN,
+        block_tokens: KV_BLOCK_TOKENS,
+    };
+    let kv = kvpool::synthetic::agent::AgentKv::connect(socket, geometry, KV_MODEL)
+        .await
+        .expect("engine-API session");
+    let registry = Registry::new();
+    let router = server::router_with_agent(config, Some(kv), &registry).expect("router");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(server::serve(listener, router, shutdown.clone()));
+    KvEngine { addr, registry }
+}
+
+fn completion(prompt: &str, kv: Option<&Value>) -> String {
+    let mut body = serde_json::json!({"model": KV_MODEL, "prompt": prompt, "max_tokens": 2});
+    if let Some(kv) = kv {
+        body["kv_transfer_params"] = kv.clone();
+    }
+    body.to_string()
+}
+
+/// 16 bytes = 4 stand-in tokens = one block, distinct per `tag`.
+fn block_text(tag: &str) -> String {
+    format!("{tag:-<16}")
+}
+
+#[tokio::test]
+async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let shutdown = CancellationToken::new();
+    let prefill = start_with_agent(&socket, &shutdown).await;
+    let other = start_with_agent(&socket, &shutdown).await;
+    let decode = start_with_agent(&socket, &shutdown).await;
+    let block = (KV_BLOCK_TOKENS as u64 * KV_BYTES_PER_TOKEN) as f64;
+
+    // Prefill: 3 full blocks and a partial one; all full blocks are computed and written.
+    let prompt = format!(
+        "{}{}{}tail",
+        block_text("a"),
+        block_text("b"),
+        block_text("c")
+    );
+    let (status, text) = http(
+        prefill.addr,
+        "POST",
+        "/v1/completions",
+        &completion(
+            &prompt,
+            Some(&serde_json::json!({"do_remote_decode": true, "do_remote_prefill": false})),
+        ),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    let handoff = v["kv_transfer_params"].clone();
+    assert_eq!(handoff["do_remote_prefill"], true, "{text}");
+    assert_eq!(handoff["kvpool_blocks"], 3, "{text}");
+    let m = |e: &KvEngine, name: &str| metric(&e.registry, name);
+    assert_eq!(m(&prefill, "kvpool_engine_kv_blocks_written_total"), 3.0);
+    assert_eq!(
+        m(&prefill, "kvpool_engine_kv_written_bytes_total"),
+        3.0 * block
+    );
+    assert_eq!(m(&prefill, "kvpool_engine_kv_block_misses_total"), 3.0);
+    assert_eq!(m(&prefill, "kvpool_engine_kv_block_hits_total"), 0.0);
+
+    // Another engine (empty local cache) with the same two leading blocks reads them from the
+    // pool, checks their bytes, and writes only its new full block.
+    let prompt2 = format!("{}{}{}", block_text("a"), block_text("b"), block_text("z"));
+    let (status, text) = http(
+        other.addr,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt2, None),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(m(&other, "kvpool_engine_kv_block_hits_total"), 2.0);
+    assert_eq!(m(&other, "kvpool_engine_kv_read_bytes_total"), 2.0 * block);
+    assert_eq!(m(&other, "kvpool_engine_kv_blocks_written_total"), 1.0);
+    assert_eq!(m(&other, "kvpool_engine_kv_verify_failures_total"), 0.0);
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["usage"]["prompt_tokens"], 12);
+    assert_eq!(m(&other, "kvpool_engine_cached_prompt_tokens_total"), 8.0);
+
+    // Decode: the original request plus the hand-off; it reads all three blocks first.
+    let (status, text) = http(
+        decode.addr,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt, Some(&handoff)),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(m(&decode, "kvpool_engine_kv_block_hits_total"), 3.0);
+    assert_eq!(m(&decode, "kvpool_engine_kv_read_bytes_total"), 3.0 * block);
+    assert_eq!(m(&decode, "kvpool_engine_kv_blocks_written_total"), 0.0);
+    assert_eq!(m(&decode, "kvpool_engine_generated_tokens_total"), 2.0);
+
+    // A block whose bytes in the pool are wrong is detected and not used.
+    let bad = format!("{}{}", block_text("q"), block_text("r"));
+    let tokens = kvpool::sched::text_tokens(&bad, 4);
+    let keys = kvpool::sched::block_keys(&tokens, NonZeroU32::new(KV_BLOCK_TOKENS).expect("nz"));
+    let mut client = kvpool::agent_api::client::EngineClient::connect(&socket, 4096, "test")
+        .await
+        .expect("client");
+    let status = client
+        .put(
+            &kvpool::synthetic::kv::pool_key(KV_MODEL, keys[0]),
+            &vec![7u8; block as usize],
+        )
+        .await
+        .expect("put");
+    assert_eq!(status, kvpool::agent_api::proto::Status::Ok);
+    let (status, text) = http(
+        decode.addr,
+        "POST",
+        "/v1/completions",
+        &completion(&bad, Some(&handoff)),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(m(&decode, "kvpool_engine_kv_verify_failures_total"), 1.0);
+    assert_eq!(m(&decode, "kvpool_engine_kv_block_hits_total"), 3.0);
+    // Both blocks of `bad` are computed by the decode engine instead.
+    assert_eq!(m(&decode, "kvpool_engine_kv_block_misses_total"), 2.0);
+    client.close().await.expect("close");
+    shutdown.cancel();
+}
+
+#[test]
+fn engine_with_agent_socket_needs_a_kv_size() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args([
+            "engine",
+            "--synthetic",
+            "--agent-socket",
+            "/nonexistent/agent.sock",
+        ])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .env_remove("KVPOOL_AGENT_SOCKET")
+        .output()
+        .expect("run kvpool");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kv-bytes-per-token or --model-config"),
+        "{err}"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, r#"{"num_hidden_layers": 2}"#).expect("write");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args([
+            "engine",
+            "--synthetic",
+            "--agent-socket",
+            "/nonexistent/agent.sock",
+        ])
+        .arg("--model-config")
+        .arg(&cfg)
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .output()
+        .expect("run kvpool");
+    assert!(!out.status.success());
+    let err = format!("{:?}", String::from_utf8_lossy(&out.stderr));
+    assert!(err.contains("num_attention_heads"), "{err}");
 }

@@ -16,6 +16,19 @@ pub enum Endpoint {
     ChatCompletions,
 }
 
+/// What the request asks of this engine in disaggregated serving, from its
+/// `kv_transfer_params` (vLLM's convention, see docs/engine-contract.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvRole {
+    /// No `kv_transfer_params`: prefill and decode here.
+    #[default]
+    Standalone,
+    /// `do_remote_decode: true`: prefill, keep the KV cache for a decode engine.
+    Prefill,
+    /// `do_remote_prefill: true`: the KV cache was computed elsewhere; load it, then decode.
+    Decode,
+}
+
 /// A validated generation request.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GenerateRequest {
@@ -25,6 +38,7 @@ pub struct GenerateRequest {
     pub prompt: String,
     pub max_tokens: u32,
     pub stream: bool,
+    pub kv_role: KvRole,
 }
 
 /// A request the server refuses, with the OpenAI-style error fields.
@@ -158,13 +172,46 @@ pub fn parse_request(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(invalid("stream", "must be a boolean")),
     };
+    let kv_role = parse_kv_role(obj.get("kv_transfer_params"))?;
     Ok(GenerateRequest {
         endpoint,
         model: requested,
         prompt,
         max_tokens,
         stream,
+        kv_role,
     })
+}
+
+fn parse_kv_role(params: Option<&Value>) -> Result<KvRole, ApiError> {
+    let obj = match params {
+        None | Some(Value::Null) => return Ok(KvRole::Standalone),
+        Some(Value::Object(o)) => o,
+        Some(_) => return Err(invalid("kv_transfer_params", "must be an object")),
+    };
+    let flag = |name: &'static str| match obj.get(name) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid(
+            "kv_transfer_params",
+            format!("`{name}` must be a boolean"),
+        )),
+    };
+    match (flag("do_remote_decode")?, flag("do_remote_prefill")?) {
+        (true, true) => Err(invalid(
+            "kv_transfer_params",
+            "`do_remote_decode` and `do_remote_prefill` cannot both be true",
+        )),
+        (true, false) => Ok(KvRole::Prefill),
+        (false, true) => Ok(KvRole::Decode),
+        (false, false) => Ok(KvRole::Standalone),
+    }
+}
+
+/// `kv_transfer_params` of a prefill response: tells the decode engine that the prompt's KV
+/// blocks (`blocks` full blocks) are in the pool under the keys both sides derive from it.
+pub fn prefill_kv_params(blocks: u64) -> Value {
+    json!({"do_remote_prefill": true, "do_remote_decode": false, "kvpool_blocks": blocks})
 }
 
 /// Identity and timing fields shared by a response and its chunks.
@@ -263,6 +310,21 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.prompt, "system: be brief\nuser: hi\n");
+        assert_eq!(r.kv_role, KvRole::Standalone);
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.kv_role, KvRole::Prefill);
+        let body = format!(
+            r#"{{"model":"m","prompt":"x","kv_transfer_params":{}}}"#,
+            prefill_kv_params(3)
+        );
+        assert_eq!(
+            parse(Endpoint::Completions, &body).unwrap().kv_role,
+            KvRole::Decode
+        );
     }
 
     #[test]
@@ -296,6 +358,21 @@ mod tests {
                 Endpoint::ChatCompletions,
                 r#"{"model":"m","messages":[]}"#,
                 "messages",
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"a","kv_transfer_params":[]}"#,
+                "kv_transfer_params",
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"a","kv_transfer_params":{"do_remote_decode":1}}"#,
+                "kv_transfer_params",
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"a","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":true}}"#,
+                "kv_transfer_params",
             ),
             (
                 Endpoint::ChatCompletions,

@@ -1,13 +1,17 @@
 //! `kvpool engine --synthetic`: flags of the synthetic engine and its process wiring (Tokio
-//! runtime, signals, engine and admin listeners). I/O boundary: sockets and signals.
+//! runtime, signals, engine and admin listeners, the node agent's session). I/O boundary:
+//! sockets, signals and the model config file.
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
+use std::path::PathBuf;
 
 use prometheus::Registry;
 use tokio_util::sync::CancellationToken;
 
 use super::EngineConfig;
+use super::agent::{AgentKv, AgentKvError};
+use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
 use crate::admin::{self, AdminError, Readiness};
 use crate::sched::{DecodeCost, PrefillCost};
@@ -61,6 +65,21 @@ pub struct EngineArgs {
     /// Decode step cost: seconds per context token in the batch.
     #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
     pub decode_per_ctx_token_s: f64,
+    /// Node agent's engine-API socket: keep real KV blocks in the pool through it. Without it
+    /// the engine keeps no KV bytes (only its prefix cache's bookkeeping).
+    #[arg(long, env = "KVPOOL_AGENT_SOCKET")]
+    pub agent_socket: Option<PathBuf>,
+    /// KV bytes per token (all layers), before --kv-scale.
+    #[arg(long, conflicts_with = "model_config")]
+    pub kv_bytes_per_token: Option<u64>,
+    /// Hugging Face model config.json: KV bytes per token = 2 x layers x KV heads x head dim x
+    /// dtype bytes, before --kv-scale.
+    #[arg(long)]
+    pub model_config: Option<PathBuf>,
+    /// Multiply the KV bytes per token by this (e.g. 0.001 keeps a 70B model's blocks small in
+    /// tests).
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_scale: f64,
 }
 
 /// Errors of `kvpool engine`.
@@ -82,6 +101,26 @@ pub enum EngineError {
     Admin(#[source] AdminError),
     #[error("engine server")]
     Server(#[source] ServerError),
+    #[error("cannot read --model-config {path}")]
+    ModelConfigRead {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--model-config {path}")]
+    ModelConfig {
+        path: PathBuf,
+        #[source]
+        source: KvError,
+    },
+    #[error("--kv-scale")]
+    KvScale(#[source] KvError),
+    #[error("node agent at {path}")]
+    Agent {
+        path: PathBuf,
+        #[source]
+        source: AgentKvError,
+    },
 }
 
 impl EngineError {
@@ -94,6 +133,10 @@ impl EngineError {
             EngineError::Bind { .. } => "bind",
             EngineError::Admin(_) => "admin",
             EngineError::Server(_) => "server",
+            EngineError::ModelConfigRead { .. } => "model_config_read",
+            EngineError::ModelConfig { .. } => "model_config",
+            EngineError::KvScale(_) => "kv_scale",
+            EngineError::Agent { .. } => "agent",
         }
     }
 }
@@ -148,9 +191,48 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
     })
 }
 
+/// KV block shape from the flags, when an agent socket is given (reads `--model-config`).
+pub fn kv_geometry(args: &EngineArgs) -> Result<Option<KvGeometry>, EngineError> {
+    if args.agent_socket.is_none() {
+        return Ok(None);
+    }
+    let raw = match (&args.model_config, args.kv_bytes_per_token) {
+        (Some(path), _) => {
+            let bytes = std::fs::read(path).map_err(|source| EngineError::ModelConfigRead {
+                path: path.clone(),
+                source,
+            })?;
+            kv::bytes_per_token_from_config(&bytes).map_err(|source| EngineError::ModelConfig {
+                path: path.clone(),
+                source,
+            })?
+        }
+        (None, Some(0)) => return Err(flag("kv-bytes-per-token", "must be at least 1")),
+        (None, Some(n)) => n,
+        (None, None) => {
+            return Err(flag(
+                "agent-socket",
+                "needs --kv-bytes-per-token or --model-config to size the KV blocks",
+            ));
+        }
+    };
+    Ok(Some(KvGeometry {
+        bytes_per_token: kv::scale_bytes(raw, args.kv_scale).map_err(EngineError::KvScale)?,
+        block_tokens: args.block_size.max(1),
+    }))
+}
+
 /// Entry point of `kvpool engine`: serves until SIGTERM or SIGINT.
 pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     let config = engine_config(args)?;
+    let geometry = kv_geometry(args)?;
+    if let Some(g) = geometry {
+        tracing::info!(
+            bytes_per_token = g.bytes_per_token,
+            block_bytes = g.block_bytes(),
+            "KV blocks go through the node agent"
+        );
+    }
     tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting synthetic engine");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -161,7 +243,17 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
         crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(EngineError::Signals)?;
         let registry = Registry::new();
         let readiness = Readiness::new();
-        let router = server::router(config, &registry).map_err(EngineError::Server)?;
+        let kv = match (&args.agent_socket, geometry) {
+            (Some(path), Some(g)) => Some(AgentKv::connect(path, g, &config.model).await.map_err(
+                |source| EngineError::Agent {
+                    path: path.clone(),
+                    source,
+                },
+            )?),
+            _ => None,
+        };
+        let router =
+            server::router_with_agent(config, kv, &registry).map_err(EngineError::Server)?;
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .map_err(|source| EngineError::Bind {

@@ -1,21 +1,25 @@
 //! Synthetic inference engine: serves the OpenAI-compatible HTTP API with timing taken from the
 //! scheduling cost model, so that the conductor, `kvpool up` and tests run without GPUs.
-//! I/O boundary: `server` (HTTP listener, sleeps) and `cli` (flags, runtime, admin server);
-//! `api` and `EngineCore` here are pure.
+//! I/O boundary: `server` (HTTP listener, sleeps), `agent` (the node agent's socket) and `cli`
+//! (flags, config file, runtime, admin server); `api`, `kv` and `EngineCore` here are pure.
 //!
 //! Prompts are turned into stand-in token ids (`sched::text_tokens`) and chained block keys;
-//! a local LRU prefix cache of blocks decides how many prompt tokens need prefill. Prefills run
-//! one at a time in arrival order; decoding requests share steps whose duration follows the
-//! decode cost model for the current batch. Not yet done: reading and writing real KV blocks
-//! through the node agent.
+//! a local LRU prefix cache of blocks (the GPU's cache) decides how many prompt tokens need
+//! prefill. With a node agent (`--agent-socket`) the engine also keeps real KV blocks in the
+//! pool: it reads the cached prefix beyond its local cache through the agent, checks every byte,
+//! prefills the rest and writes the new blocks back; a decode instance reads the request's blocks
+//! before decoding. Prefills run one at a time in arrival order; decoding requests share steps
+//! whose duration follows the decode cost model for the current batch.
 
+pub mod agent;
 pub mod api;
 pub mod cli;
+pub mod kv;
 pub mod server;
 
 use std::num::NonZeroU32;
 
-use crate::sched::{DecodeCost, Inserted, LruSet, PrefillCost, block_keys};
+use crate::sched::{BlockKey, DecodeCost, Inserted, LruSet, PrefillCost, block_keys};
 
 /// Settings of a synthetic engine.
 #[derive(Clone, Debug)]
@@ -62,8 +66,21 @@ impl EngineCore {
     /// Looks up the longest cached prefix of `tokens`, caches all of its blocks, and returns
     /// the prefill cost of the rest.
     pub fn prefill(&mut self, tokens: &[u32]) -> PrefillPlan {
+        self.prefill_with(tokens, 0)
+    }
+
+    /// How many leading blocks of `keys` the local prefix cache holds.
+    pub fn local_prefix(&self, keys: &[BlockKey]) -> usize {
+        keys.iter().take_while(|&&k| self.cache.contains(k)).count()
+    }
+
+    /// As `prefill`, when the first `external_blocks` blocks of the prompt were also loaded from
+    /// outside (the pool): the cached prefix is the longer of the two.
+    pub fn prefill_with(&mut self, tokens: &[u32], external_blocks: usize) -> PrefillPlan {
         let keys = block_keys(tokens, self.config.block_size);
-        let hit = keys.iter().take_while(|&&k| self.cache.contains(k)).count();
+        let hit = self
+            .local_prefix(&keys)
+            .max(external_blocks.min(keys.len()));
         for &k in keys.iter().rev() {
             if let Inserted::NoCapacity = self.cache.insert(k) {
                 break;
@@ -110,5 +127,12 @@ mod tests {
         assert!((p.seconds - 0.004).abs() < 1e-12);
         // The whole of `a` again: everything cached, including its partial last block.
         assert_eq!(core.prefill(&a).cached_tokens, 10);
+        // Blocks loaded from the pool count as cached beyond the local cache.
+        let c: Vec<u32> = (100..112).collect();
+        let keys = block_keys(&c, NonZeroU32::new(4).unwrap());
+        assert_eq!(core.local_prefix(&keys), 0);
+        let p = core.prefill_with(&c, 2);
+        assert_eq!(p.cached_tokens, 8);
+        assert_eq!(core.local_prefix(&keys), 3);
     }
 }

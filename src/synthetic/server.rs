@@ -1,6 +1,6 @@
 //! HTTP server of the synthetic engine (axum): `/v1/completions`, `/v1/chat/completions`
-//! (JSON or server-sent events), `/v1/models`. I/O boundary: the TCP listener and the timers
-//! that stand in for GPU work.
+//! (JSON or server-sent events), `/v1/models`. I/O boundary: the TCP listener, the timers
+//! that stand in for GPU work, and (through `agent`) the node agent that holds the KV blocks.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -20,9 +20,10 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::api::{self, ApiError, Endpoint, GenerateRequest, ResponseMeta};
+use super::agent::AgentKv;
+use super::api::{self, ApiError, Endpoint, GenerateRequest, KvRole, ResponseMeta};
 use super::{EngineConfig, EngineCore};
-use crate::sched::text_tokens;
+use crate::sched::{BlockKey, block_keys, text_tokens};
 
 /// Errors of the engine server.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +50,13 @@ struct Metrics {
     prompt_tokens: IntCounter,
     cached_tokens: IntCounter,
     generated_tokens: IntCounter,
+    kv_read_bytes: IntCounter,
+    kv_written_bytes: IntCounter,
+    kv_block_hits: IntCounter,
+    kv_block_misses: IntCounter,
+    kv_blocks_written: IntCounter,
+    kv_verify_failures: IntCounter,
+    kv_errors: IntCounterVec,
 }
 
 impl Metrics {
@@ -73,17 +81,60 @@ impl Metrics {
                 "kvpool_engine_generated_tokens_total",
                 "Tokens generated",
             )?,
+            kv_read_bytes: IntCounter::new(
+                "kvpool_engine_kv_read_bytes_total",
+                "KV bytes read from the node agent",
+            )?,
+            kv_written_bytes: IntCounter::new(
+                "kvpool_engine_kv_written_bytes_total",
+                "KV bytes written to the node agent",
+            )?,
+            kv_block_hits: IntCounter::new(
+                "kvpool_engine_kv_block_hits_total",
+                "KV blocks read from the pool and verified",
+            )?,
+            kv_block_misses: IntCounter::new(
+                "kvpool_engine_kv_block_misses_total",
+                "Full prompt blocks in neither the local cache nor the pool (computed here)",
+            )?,
+            kv_blocks_written: IntCounter::new(
+                "kvpool_engine_kv_blocks_written_total",
+                "KV blocks written to the pool",
+            )?,
+            kv_verify_failures: IntCounter::new(
+                "kvpool_engine_kv_verify_failures_total",
+                "KV blocks read back with wrong length or bytes",
+            )?,
+            kv_errors: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_engine_kv_errors_total",
+                    "Failed calls to the node agent by operation (the request goes on without the pool)",
+                ),
+                &["op"],
+            )?,
         };
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.prompt_tokens.clone()))?;
         registry.register(Box::new(m.cached_tokens.clone()))?;
         registry.register(Box::new(m.generated_tokens.clone()))?;
+        for c in [
+            &m.kv_read_bytes,
+            &m.kv_written_bytes,
+            &m.kv_block_hits,
+            &m.kv_block_misses,
+            &m.kv_blocks_written,
+            &m.kv_verify_failures,
+        ] {
+            registry.register(Box::new(c.clone()))?;
+        }
+        registry.register(Box::new(m.kv_errors.clone()))?;
         Ok(m)
     }
 }
 
 struct Shared {
     config: EngineConfig,
+    kv: Option<AgentKv>,
     core: parking_lot::Mutex<EngineCore>,
     /// Prefills run one at a time, in arrival order (tokio's mutex is fair).
     prefill_lane: tokio::sync::Mutex<()>,
@@ -133,6 +184,98 @@ fn unix_now() -> u64 {
 /// Runs one request: queued prefill, then decode steps, sending each generated piece to `out`
 /// (waiting when the client lags: the channel is bounded). Returns the prompt's token count, or
 /// `None` when the receiver is gone (the client disconnected).
+/// Loads what the pool has of the prompt's full blocks beyond the local cache; returns how many
+/// leading blocks are now available (0 when the local cache covers more) and the blocks to write
+/// after prefill (absent from the pool; none for a decode engine).
+async fn load_from_pool(
+    shared: &Shared,
+    kv: &AgentKv,
+    role: KvRole,
+    keys: &[BlockKey],
+) -> (usize, Vec<BlockKey>) {
+    let m = &shared.metrics;
+    let local = shared.core.lock().local_prefix(keys);
+    let (pool_prefix, to_write) = if role == KvRole::Decode {
+        // The prefill engine wrote them: read without asking first.
+        (keys.len(), Vec::new())
+    } else {
+        match kv.present(keys).await {
+            Ok(present) => {
+                let prefix = present.iter().take_while(|&&p| p).count();
+                let absent = keys
+                    .iter()
+                    .zip(&present)
+                    .filter(|(_, p)| !**p)
+                    .map(|(&k, _)| k)
+                    .collect();
+                (prefix, absent)
+            }
+            Err(e) => {
+                m.kv_errors.with_label_values(&[e.category()]).inc();
+                tracing::warn!(error = %e, "cannot ask the agent which blocks it has");
+                (0, Vec::new())
+            }
+        }
+    };
+    let mut loaded = 0;
+    if pool_prefix > local {
+        match kv.read_prefix(&keys[local..pool_prefix]).await {
+            Ok(read) => {
+                m.kv_read_bytes.inc_by(read.bytes);
+                m.kv_block_hits.inc_by(read.verified as u64);
+                m.kv_verify_failures.inc_by(read.corrupt as u64);
+                if read.corrupt > 0 {
+                    tracing::warn!(
+                        block = local + read.verified,
+                        "KV block read back from the agent does not match its key"
+                    );
+                }
+                if read.verified > 0 {
+                    loaded = local + read.verified;
+                }
+            }
+            Err(e) => {
+                m.kv_errors.with_label_values(&[e.category()]).inc();
+                tracing::warn!(error = %e, "cannot read KV blocks from the agent");
+            }
+        }
+    }
+    let have = local.max(loaded);
+    m.kv_block_misses.inc_by((keys.len() - have) as u64);
+    (loaded, to_write)
+}
+
+async fn store_in_pool(shared: &Shared, kv: &AgentKv, keys: &[BlockKey]) {
+    if keys.is_empty() {
+        return;
+    }
+    match kv.write(keys).await {
+        Ok(w) => {
+            shared.metrics.kv_written_bytes.inc_by(w.bytes);
+            shared.metrics.kv_blocks_written.inc_by(w.written as u64);
+            if w.refused > 0 {
+                shared
+                    .metrics
+                    .kv_errors
+                    .with_label_values(&["refused"])
+                    .inc_by(w.refused as u64);
+            }
+        }
+        Err(e) => {
+            shared
+                .metrics
+                .kv_errors
+                .with_label_values(&[e.category()])
+                .inc();
+            tracing::warn!(error = %e, "cannot write KV blocks to the agent");
+        }
+    }
+}
+
+/// Runs one request: queued prefill (with the pool's blocks when an agent is configured), then
+/// decode steps, sending each generated piece to `out` (waiting when the client lags: the
+/// channel is bounded). Returns the prompt's token count, or `None` when the receiver is gone
+/// (the client disconnected).
 async fn generate(
     shared: Arc<Shared>,
     req: GenerateRequest,
@@ -141,8 +284,19 @@ async fn generate(
     let tokens = text_tokens(&req.prompt, shared.config.chunk_bytes);
     let plan = {
         let _lane = shared.prefill_lane.lock().await;
-        let plan = shared.core.lock().prefill(&tokens);
+        let mut to_write = Vec::new();
+        let mut loaded = 0;
+        if let Some(kv) = &shared.kv {
+            let mut keys = block_keys(&tokens, shared.config.block_size);
+            // Only full blocks go to the pool, as real engines do.
+            keys.truncate(tokens.len() / shared.config.block_size.get() as usize);
+            (loaded, to_write) = load_from_pool(&shared, kv, req.kv_role, &keys).await;
+        }
+        let plan = shared.core.lock().prefill_with(&tokens, loaded);
         tokio::time::sleep(scaled(&shared, plan.seconds)).await;
+        if let Some(kv) = &shared.kv {
+            store_in_pool(&shared, kv, &to_write).await;
+        }
         plan
     };
     shared.metrics.prompt_tokens.inc_by(plan.prompt_tokens);
@@ -190,6 +344,8 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
     };
     let max_tokens = req.max_tokens;
     let stream = req.stream;
+    let kv_role = req.kv_role;
+    let block_size = u64::from(shared.config.block_size.get());
     let (tx, mut rx) = mpsc::channel::<String>(64);
     let task = tokio::spawn(generate(shared, req, tx));
     if !stream {
@@ -198,13 +354,16 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
             text.push_str(&piece);
         }
         return match task.await {
-            Ok(Some(prompt)) => Json(api::response_body(
-                &meta,
-                &text,
-                prompt,
-                u64::from(max_tokens),
-            ))
-            .into_response(),
+            Ok(Some(prompt)) => {
+                let mut body = api::response_body(&meta, &text, prompt, u64::from(max_tokens));
+                if let (KvRole::Prefill, Some(obj)) = (kv_role, body.as_object_mut()) {
+                    obj.insert(
+                        "kv_transfer_params".into(),
+                        api::prefill_kv_params(prompt / block_size),
+                    );
+                }
+                Json(body).into_response()
+            }
             _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
         };
     }
@@ -221,10 +380,20 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
     Sse::new(events).into_response()
 }
 
-/// Router of the engine API.
+/// Router of the engine API (no node agent: the prefix cache is the only KV store).
 pub fn router(config: EngineConfig, registry: &Registry) -> Result<Router, ServerError> {
+    router_with_agent(config, None, registry)
+}
+
+/// Router of the engine API; with `kv`, KV blocks are read from and written to the node agent.
+pub fn router_with_agent(
+    config: EngineConfig,
+    kv: Option<AgentKv>,
+    registry: &Registry,
+) -> Result<Router, ServerError> {
     let metrics = Metrics::register(registry).map_err(ServerError::Metrics)?;
     let shared = Arc::new(Shared {
+        kv,
         core: parking_lot::Mutex::new(EngineCore::new(config.clone())),
         config,
         prefill_lane: tokio::sync::Mutex::new(()),
