@@ -48,6 +48,9 @@ pub enum Command {
     Conductor(Box<crate::conductor::cli::ConductorArgs>),
     /// Run a benchmark (`kvpool bench transfer ...`).
     Bench(crate::bench::BenchArgs),
+    /// Run all of kvpool on this machine (master, agents, synthetic engines, conductor) and
+    /// optionally replay a trace through it.
+    Up(Box<crate::up::UpArgs>),
 }
 
 /// Run the parsed command line.
@@ -67,6 +70,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Engine(args) => crate::synthetic::cli::run(&args)?,
         Command::Conductor(args) => crate::conductor::cli::run(&args)?,
         Command::Bench(args) => crate::bench::run(args)?,
+        Command::Up(args) => crate::up::run(&args)?,
     }
     Ok(())
 }

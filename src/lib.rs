@@ -17,3 +17,4 @@ pub mod sim;
 pub mod synthetic;
 pub mod telemetry;
 pub mod transfer;
+pub mod up;

@@ -1,0 +1,303 @@
+//! What `kvpool up` starts: the command line, admin address and role of every child process
+//! (master, agents, prefill and decode engines, conductor) and the agents' config files, from
+//! validated settings and already chosen ports and directories. Pure: nothing is started here.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// Role of a child process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Master,
+    Agent,
+    Prefill,
+    Decode,
+    Conductor,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Master => "master",
+            Role::Agent => "agent",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Conductor => "conductor",
+        }
+    }
+}
+
+/// One child process to start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChildSpec {
+    /// Unique name (`agent-0`, `prefill-1`, ...): log file and messages.
+    pub name: String,
+    pub role: Role,
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    /// Where `/readyz` is served.
+    pub admin: SocketAddr,
+    /// The service address printed for users (HTTP API or gRPC), when there is one.
+    pub endpoint: Option<String>,
+    /// A file to write before starting (path, contents): the agent's config.
+    pub config_file: Option<(PathBuf, String)>,
+}
+
+/// Settings of one `kvpool up` run, validated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UpSettings {
+    pub agents: usize,
+    pub prefill: usize,
+    pub decode: usize,
+    pub kvpool_bin: PathBuf,
+    pub agent_bin: PathBuf,
+    pub dir: PathBuf,
+    pub model: String,
+    pub block_size: u32,
+    pub chunk_bytes: usize,
+    pub kv_bytes_per_token: u64,
+    pub agent_dram: String,
+    pub time_scale: f64,
+    pub sysfs_root: Option<PathBuf>,
+    pub procfs_root: Option<PathBuf>,
+}
+
+/// Ports handed to the children, in the order `plan` takes them.
+pub fn ports_needed(s: &UpSettings) -> usize {
+    // master: grpc + admin; agents: admin; engines: api + admin; conductor: api + admin.
+    2 + s.agents + 2 * (s.prefill + s.decode) + 2
+}
+
+fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// The socket of agent `i`.
+pub fn agent_socket(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("agent-{i}"))
+        .join("run")
+        .join("agent.sock")
+}
+
+/// The key file every process of the pool shares.
+pub fn key_file(dir: &Path) -> PathBuf {
+    dir.join("auth.key")
+}
+
+fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr) -> String {
+    let mut cfg = format!(
+        "node_name: up-agent-{i}\n\
+         dram:\n  capacity: {}\n  lock: false\n\
+         engine_api:\n  socket_dir: {}\n\
+         admin:\n  listen: {admin}\n\
+         pool:\n  master: [\"{master}\"]\n  auth_key_file: {}\n  transport_listen: 127.0.0.1:0\n  heartbeat_interval: 500ms\n",
+        s.agent_dram,
+        s.dir.join(format!("agent-{i}")).join("run").display(),
+        key_file(&s.dir).display(),
+    );
+    if s.sysfs_root.is_some() || s.procfs_root.is_some() {
+        cfg.push_str("discovery:\n");
+        if let Some(p) = &s.sysfs_root {
+            cfg.push_str(&format!("  sysfs_root: {}\n", p.display()));
+        }
+        if let Some(p) = &s.procfs_root {
+            cfg.push_str(&format!("  procfs_root: {}\n", p.display()));
+        }
+    }
+    cfg
+}
+
+/// Every child in start order (master, agents, engines, conductor), using `ports` in order
+/// (at least `ports_needed`; missing ones are reported as `None`).
+pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
+    let mut ports = ports.iter().copied();
+    let mut next = || ports.next().map(addr);
+    let mut out = Vec::new();
+    let (grpc, master_admin) = (next()?, next()?);
+    out.push(ChildSpec {
+        name: "master".into(),
+        role: Role::Master,
+        program: s.kvpool_bin.clone(),
+        args: vec![
+            "master".into(),
+            "--listen".into(),
+            grpc.to_string(),
+            "--admin-addr".into(),
+            master_admin.to_string(),
+            "--auth-key-file".into(),
+            key_file(&s.dir).display().to_string(),
+        ],
+        admin: master_admin,
+        endpoint: Some(grpc.to_string()),
+        config_file: None,
+    });
+    for i in 0..s.agents {
+        let admin = next()?;
+        let path = s.dir.join(format!("agent-{i}")).join("agent.yaml");
+        out.push(ChildSpec {
+            name: format!("agent-{i}"),
+            role: Role::Agent,
+            program: s.agent_bin.clone(),
+            args: vec!["run".into(), "--config".into(), path.display().to_string()],
+            admin,
+            endpoint: Some(agent_socket(&s.dir, i).display().to_string()),
+            config_file: Some((path, agent_config(s, i, admin, grpc))),
+        });
+    }
+    let mut prefill_urls = Vec::new();
+    let mut decode_urls = Vec::new();
+    let engines = (0..s.prefill)
+        .map(|i| (Role::Prefill, i))
+        .chain((0..s.decode).map(|i| (Role::Decode, i)));
+    for (n, (role, i)) in engines.enumerate() {
+        let (api, admin) = (next()?, next()?);
+        let url = format!("http://{api}");
+        match role {
+            Role::Prefill => prefill_urls.push(url.clone()),
+            _ => decode_urls.push(url.clone()),
+        }
+        // Engines are spread over the agents in turn.
+        let socket = agent_socket(&s.dir, n % s.agents.max(1));
+        out.push(ChildSpec {
+            name: format!("{}-{i}", role.as_str()),
+            role,
+            program: s.kvpool_bin.clone(),
+            args: vec![
+                "engine".into(),
+                "--synthetic".into(),
+                "--listen".into(),
+                api.to_string(),
+                "--admin-listen".into(),
+                admin.to_string(),
+                "--model".into(),
+                s.model.clone(),
+                "--block-size".into(),
+                s.block_size.to_string(),
+                "--chunk-bytes".into(),
+                s.chunk_bytes.to_string(),
+                "--time-scale".into(),
+                s.time_scale.to_string(),
+                "--agent-socket".into(),
+                socket.display().to_string(),
+                "--kv-bytes-per-token".into(),
+                s.kv_bytes_per_token.to_string(),
+            ],
+            admin,
+            endpoint: Some(url),
+            config_file: None,
+        });
+    }
+    let (api, admin) = (next()?, next()?);
+    let mut args = vec![
+        "conductor".into(),
+        "--listen".into(),
+        api.to_string(),
+        "--admin-listen".into(),
+        admin.to_string(),
+        "--model".into(),
+        s.model.clone(),
+        "--block-size".into(),
+        s.block_size.to_string(),
+        "--chunk-bytes".into(),
+        s.chunk_bytes.to_string(),
+    ];
+    for url in &prefill_urls {
+        args.extend(["--prefill".into(), url.clone()]);
+    }
+    for url in &decode_urls {
+        args.extend(["--decode".into(), url.clone()]);
+    }
+    out.push(ChildSpec {
+        name: "conductor".into(),
+        role: Role::Conductor,
+        program: s.kvpool_bin.clone(),
+        args,
+        admin,
+        endpoint: Some(format!("http://{api}")),
+        config_file: None,
+    });
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> UpSettings {
+        UpSettings {
+            agents: 2,
+            prefill: 2,
+            decode: 1,
+            kvpool_bin: "/bin/kvpool".into(),
+            agent_bin: "/bin/kvpool-agent".into(),
+            dir: "/run/up".into(),
+            model: "m".into(),
+            block_size: 512,
+            chunk_bytes: 4,
+            kv_bytes_per_token: 64,
+            agent_dram: "64MiB".into(),
+            time_scale: 0.1,
+            sysfs_root: None,
+            procfs_root: None,
+        }
+    }
+
+    #[test]
+    fn plan_wires_engines_to_agents_and_conductor_to_engines() {
+        let s = settings();
+        let n = ports_needed(&s);
+        assert_eq!(n, 2 + 2 + 6 + 2);
+        assert!(plan(&s, &[1; 5]).is_none());
+        let ports: Vec<u16> = (1000..1000 + n as u16).collect();
+        let p = plan(&s, &ports).unwrap();
+        let names: Vec<&str> = p.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "master",
+                "agent-0",
+                "agent-1",
+                "prefill-0",
+                "prefill-1",
+                "decode-0",
+                "conductor"
+            ]
+        );
+        // Every admin address is distinct.
+        let mut admins: Vec<_> = p.iter().map(|c| c.admin).collect();
+        admins.dedup();
+        assert_eq!(admins.len(), p.len());
+        let agent = &p[1];
+        let (path, cfg) = agent.config_file.as_ref().unwrap();
+        assert_eq!(path, Path::new("/run/up/agent-0/agent.yaml"));
+        assert!(cfg.contains("master: [\"127.0.0.1:1000\"]"), "{cfg}");
+        assert!(cfg.contains("auth_key_file: /run/up/auth.key"), "{cfg}");
+        assert!(cfg.contains("listen: 127.0.0.1:1002"), "{cfg}");
+        assert!(!cfg.contains("discovery"));
+        // prefill-1 is the second engine: agent-1; decode-0 the third: agent-0 again.
+        let socket_of = |c: &ChildSpec| {
+            let i = c.args.iter().position(|a| a == "--agent-socket").unwrap();
+            c.args[i + 1].clone()
+        };
+        assert_eq!(socket_of(&p[4]), "/run/up/agent-1/run/agent.sock");
+        assert_eq!(socket_of(&p[5]), "/run/up/agent-0/run/agent.sock");
+        let conductor = p.last().unwrap();
+        let joined = conductor.args.join(" ");
+        assert!(
+            joined.contains("--prefill http://127.0.0.1:1004 --prefill http://127.0.0.1:1006 --decode http://127.0.0.1:1008"),
+            "{joined}"
+        );
+        assert_eq!(conductor.endpoint.as_deref(), Some("http://127.0.0.1:1010"));
+    }
+
+    #[test]
+    fn discovery_roots_reach_the_agent_config() {
+        let mut s = settings();
+        s.sysfs_root = Some("/fx/sys".into());
+        let ports: Vec<u16> = (1..=ports_needed(&s) as u16).collect();
+        let p = plan(&s, &ports).unwrap();
+        let (_, cfg) = p[1].config_file.as_ref().unwrap();
+        assert!(cfg.contains("discovery:\n  sysfs_root: /fx/sys\n"), "{cfg}");
+        assert!(!cfg.contains("procfs_root"));
+    }
+}

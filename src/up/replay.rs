@@ -1,0 +1,291 @@
+//! `kvpool up --replay`: turns Mooncake trace records into prompts whose blocks follow the
+//! trace's `hash_ids` (equal ids give equal text, so shared prefixes in the trace are shared
+//! prefixes for the conductor and the engines), sends them to the conductor at trace timing
+//! divided by the speed-up, and measures TTFT and TPOT from the streamed responses. Prompt
+//! building and the statistics are pure; `send` and `replay` own the HTTP client and the clock.
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use futures::StreamExt;
+use http::{Request, header};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::sim::trace::TraceRecord;
+
+/// Prompt text for a trace record: `input_length` stand-in tokens of `chunk_bytes` ASCII bytes
+/// each, block `i` (of `block_size` tokens) derived from `hash_ids[i]` alone.
+pub fn prompt_text(rec: &TraceRecord, block_size: u32, chunk_bytes: usize) -> String {
+    let block = u64::from(block_size.max(1));
+    let chunk = chunk_bytes.max(1);
+    let mut out = String::with_capacity(rec.input_length as usize * chunk);
+    let mut left = rec.input_length;
+    for &id in &rec.hash_ids {
+        let n = left.min(block);
+        for t in 0..n {
+            let h = xxh3_64_with_seed(&t.to_le_bytes(), id);
+            for k in 0..chunk {
+                // Letters only: valid UTF-8, one byte per character.
+                out.push(char::from(b'a' + ((h >> (5 * (k % 12))) % 26) as u8));
+            }
+        }
+        left -= n;
+    }
+    out
+}
+
+/// What happened to one request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Outcome {
+    /// Streamed to the end: seconds to the first token, and between tokens after it.
+    Served {
+        ttft_s: f64,
+        tpot_s: Option<f64>,
+        tokens: u64,
+    },
+    /// 429 from the conductor (early rejection).
+    Rejected,
+    /// Anything else (status or transport error).
+    Failed,
+}
+
+/// `q`-quantile (0..=1) of `values` by nearest rank; `None` when empty.
+pub fn quantile(values: &[f64], q: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q.clamp(0.0, 1.0) * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v.get(rank - 1).copied()
+}
+
+/// Counts and latency quantiles of a replay (latencies in milliseconds of wall-clock time).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReplayStats {
+    pub requests: usize,
+    pub served: usize,
+    pub rejected: usize,
+    pub failed: usize,
+    pub generated_tokens: u64,
+    pub ttft_ms_p50: Option<f64>,
+    pub ttft_ms_p99: Option<f64>,
+    pub tpot_ms_p50: Option<f64>,
+    pub tpot_ms_p99: Option<f64>,
+    pub wall_s: f64,
+}
+
+/// Summarises the outcomes.
+pub fn summarise(outcomes: &[Outcome], wall_s: f64) -> ReplayStats {
+    let mut s = ReplayStats {
+        requests: outcomes.len(),
+        wall_s,
+        ..ReplayStats::default()
+    };
+    let mut ttft = Vec::new();
+    let mut tpot = Vec::new();
+    for o in outcomes {
+        match o {
+            Outcome::Served {
+                ttft_s,
+                tpot_s,
+                tokens,
+            } => {
+                s.served += 1;
+                s.generated_tokens += tokens;
+                ttft.push(ttft_s * 1e3);
+                if let Some(t) = tpot_s {
+                    tpot.push(t * 1e3);
+                }
+            }
+            Outcome::Rejected => s.rejected += 1,
+            Outcome::Failed => s.failed += 1,
+        }
+    }
+    s.ttft_ms_p50 = quantile(&ttft, 0.5);
+    s.ttft_ms_p99 = quantile(&ttft, 0.99);
+    s.tpot_ms_p50 = quantile(&tpot, 0.5);
+    s.tpot_ms_p99 = quantile(&tpot, 0.99);
+    s
+}
+
+/// Counts server-sent `data:` events carrying a chunk (not `[DONE]`) in `bytes`.
+fn count_chunks(bytes: &[u8]) -> u64 {
+    bytes.windows(7).filter(|w| w == b"data: {").count() as u64
+}
+
+type HttpClient = Client<HttpConnector, Body>;
+
+/// Sends one streaming completion and times it.
+async fn send(client: &HttpClient, url: &str, body: String) -> Outcome {
+    let Ok(req) = Request::post(url)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))
+    else {
+        return Outcome::Failed;
+    };
+    let start = Instant::now();
+    let resp = match client.request(req).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e, "replay request failed");
+            return Outcome::Failed;
+        }
+    };
+    match resp.status().as_u16() {
+        200 => {}
+        429 => return Outcome::Rejected,
+        other => {
+            tracing::debug!(status = other, "replay request refused");
+            return Outcome::Failed;
+        }
+    }
+    let mut stream = Body::new(resp.into_body()).into_data_stream();
+    let mut first: Option<Instant> = None;
+    let mut last = start;
+    let mut tokens = 0;
+    // The last few bytes of the previous frame, so an event split across frames still counts.
+    let mut carry: Vec<u8> = Vec::new();
+    while let Some(frame) = stream.next().await {
+        let Ok(frame) = frame else {
+            return Outcome::Failed;
+        };
+        let mut buf = std::mem::take(&mut carry);
+        buf.extend_from_slice(&frame);
+        let n = count_chunks(&buf);
+        if n > 0 {
+            let now = Instant::now();
+            first.get_or_insert(now);
+            last = now;
+            tokens += n;
+        }
+        let keep = buf.len().min(6);
+        carry = buf.split_off(buf.len() - keep);
+    }
+    let Some(first) = first else {
+        return Outcome::Failed;
+    };
+    let ttft_s = first.duration_since(start).as_secs_f64();
+    let tpot_s =
+        (tokens > 1).then(|| last.duration_since(first).as_secs_f64() / (tokens - 1) as f64);
+    Outcome::Served {
+        ttft_s,
+        tpot_s,
+        tokens,
+    }
+}
+
+/// Replays `records` against the conductor at `conductor` (base URL), `speed` times faster
+/// than the trace; stops sending new requests when `stop` is cancelled (requests in flight are
+/// still awaited).
+pub async fn replay(
+    conductor: &str,
+    model: &str,
+    records: &[TraceRecord],
+    block_size: u32,
+    chunk_bytes: usize,
+    speed: f64,
+    stop: &CancellationToken,
+) -> ReplayStats {
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+    let url = format!("{}/v1/completions", conductor.trim_end_matches('/'));
+    let start = Instant::now();
+    let t0 = records.first().map_or(0, |r| r.timestamp_ms);
+    let mut tasks = Vec::with_capacity(records.len());
+    for rec in records {
+        let at = Duration::from_secs_f64(rec.timestamp_ms.saturating_sub(t0) as f64 / 1e3 / speed);
+        tokio::select! {
+            () = tokio::time::sleep_until((start + at).into()) => {}
+            () = stop.cancelled() => break,
+        }
+        let body = json!({
+            "model": model,
+            "prompt": prompt_text(rec, block_size, chunk_bytes),
+            "max_tokens": rec.output_length.max(1),
+            "stream": true,
+        })
+        .to_string();
+        let (client, url) = (client.clone(), url.clone());
+        tasks.push(tokio::spawn(async move { send(&client, &url, body).await }));
+    }
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        outcomes.push(t.await.unwrap_or(Outcome::Failed));
+    }
+    summarise(&outcomes, start.elapsed().as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::sched::{block_keys, text_tokens};
+
+    fn rec(input: u64, ids: &[u64]) -> TraceRecord {
+        TraceRecord {
+            timestamp_ms: 0,
+            input_length: input,
+            output_length: 3,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn shared_hash_ids_give_shared_block_keys() {
+        let a = prompt_text(&rec(10, &[1, 2, 3]), 4, 4);
+        let b = prompt_text(&rec(9, &[1, 2, 7]), 4, 4);
+        assert_eq!((a.len(), b.len()), (40, 36));
+        let bs = NonZeroU32::new(4).unwrap();
+        let ka = block_keys(&text_tokens(&a, 4), bs);
+        let kb = block_keys(&text_tokens(&b, 4), bs);
+        assert_eq!(ka.len(), 3);
+        assert_eq!(ka[..2], kb[..2]);
+        assert_ne!(ka[2], kb[2]);
+        // Different first id: nothing shared.
+        let c = prompt_text(&rec(8, &[9, 2]), 4, 4);
+        assert_ne!(block_keys(&text_tokens(&c, 4), bs)[1], ka[1]);
+    }
+
+    #[test]
+    fn quantiles_and_summary() {
+        assert_eq!(quantile(&[], 0.5), None);
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), Some(50.0));
+        assert_eq!(quantile(&v, 0.99), Some(99.0));
+        assert_eq!(quantile(&[3.0], 0.99), Some(3.0));
+        let s = summarise(
+            &[
+                Outcome::Served {
+                    ttft_s: 0.1,
+                    tpot_s: Some(0.01),
+                    tokens: 5,
+                },
+                Outcome::Served {
+                    ttft_s: 0.3,
+                    tpot_s: None,
+                    tokens: 1,
+                },
+                Outcome::Rejected,
+                Outcome::Failed,
+            ],
+            2.0,
+        );
+        assert_eq!((s.requests, s.served, s.rejected, s.failed), (4, 2, 1, 1));
+        assert_eq!(s.generated_tokens, 6);
+        assert_eq!(s.ttft_ms_p50, Some(100.0));
+        assert_eq!(s.ttft_ms_p99, Some(300.0));
+        assert_eq!(s.tpot_ms_p50, Some(10.0));
+    }
+
+    #[test]
+    fn chunk_events_are_counted_not_done() {
+        let sse = b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n";
+        assert_eq!(count_chunks(sse), 2);
+    }
+}
