@@ -1,0 +1,185 @@
+//! `kvpool up` as a real process: a trace replay through master, agent, engines and conductor
+//! (summary checked, every child gone afterwards), SIGTERM without a replay, and a start-up
+//! failure halfway that must not leave the already started children running.
+//!
+//! Children are found by an environment variable that only this test's `kvpool up` (and so its
+//! children) carries.
+
+mod up_support;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use up_support::Reap;
+
+const MARKER: &str = "KVPOOL_UP_TEST_MARKER";
+/// Only a hang reaches it on a loaded 2-core box.
+const DEADLINE: Duration = Duration::from_secs(240);
+
+/// Processes (not zombies) whose environment has `MARKER=<marker>`.
+fn marked(marker: &str) -> Vec<u32> {
+    let needle = format!("{MARKER}={marker}");
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()))
+                && up_support::alive(pid)
+        })
+        .collect()
+}
+
+fn up(dir: &Path, marker: &str, agent_bin: &Path) -> Command {
+    let fixture = up_support::sysfs_fixture();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpool"));
+    cmd.arg("up")
+        .args(["--agents", "1", "--prefill", "1", "--decode", "1"])
+        .arg("--agent-bin")
+        .arg(agent_bin)
+        .arg("--agent-sysfs-root")
+        .arg(fixture.join("sys"))
+        .arg("--agent-procfs-root")
+        .arg(fixture.join("proc"))
+        .arg("--dir")
+        .arg(dir)
+        .env(MARKER, marker)
+        .env_remove("KVPOOL_AGENT_BIN");
+    cmd
+}
+
+fn wait_exit(child: &mut Reap) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.0.try_wait().expect("try_wait") {
+            return status;
+        }
+        assert!(start.elapsed() < DEADLINE, "kvpool up did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn marker(name: &str) -> String {
+    format!("{name}-{}", std::process::id())
+}
+
+#[test]
+fn replay_moves_kv_blocks_through_the_agent_and_leaves_no_child() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = marker("replay");
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
+    let mut child = Reap(
+        up(dir.path(), &marker, &up_support::agent_bin())
+            .arg("--replay")
+            .arg(&trace)
+            .args(["--limit", "6", "--speed", "20", "--json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvpool up"),
+    );
+    let status = wait_exit(&mut child);
+    let mut out = String::new();
+    let mut err = String::new();
+    use std::io::Read;
+    if let Some(mut s) = child.0.stdout.take() {
+        s.read_to_string(&mut out).expect("stdout");
+    }
+    if let Some(mut s) = child.0.stderr.take() {
+        s.read_to_string(&mut err).expect("stderr");
+    }
+    assert!(status.success(), "{status}\nstdout:\n{out}\nstderr:\n{err}");
+    let summary: Value = serde_json::from_str(out.trim()).expect("summary is one JSON object");
+    assert_eq!(summary["requests"], 6, "{summary}");
+    assert!(summary["served"].as_u64().unwrap_or(0) > 0, "{summary}");
+    let engines = &summary["engines"];
+    // The excerpt's prompts are several 512-token blocks long: written by prefill, read back by
+    // decode (one agent, so every hand-off is local) and verified.
+    assert!(
+        engines["kv_written_bytes"].as_f64().unwrap_or(0.0) > 0.0,
+        "{summary}"
+    );
+    assert!(
+        engines["kv_read_bytes"].as_f64().unwrap_or(0.0) > 0.0,
+        "{summary}"
+    );
+    assert!(
+        engines["kv_block_hits"].as_f64().unwrap_or(0.0) > 0.0,
+        "{summary}"
+    );
+    assert_eq!(engines["kv_verify_failures"], 0.0, "{summary}");
+    assert_eq!(summary["pool"]["nodes_alive"], 1, "{summary}");
+    assert_eq!(summary["clean_shutdown"], true, "{summary}");
+    assert!(summary["ttft_ms"]["p50"].as_f64().is_some(), "{summary}");
+    assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
+}
+
+#[test]
+fn sigterm_stops_every_child_and_exits_zero() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = marker("sigterm");
+    let mut child = Reap(
+        up(dir.path(), &marker, &up_support::agent_bin())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvpool up"),
+    );
+    let stdout = child.0.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let mut printed = Vec::new();
+    // `up` prints its endpoints once every child is ready, then the Ctrl-C hint.
+    loop {
+        match lines.next() {
+            Some(Ok(line)) => {
+                let done = line.starts_with("press Ctrl-C");
+                printed.push(line);
+                if done {
+                    break;
+                }
+            }
+            _ => panic!("kvpool up ended before it was ready: {printed:?}"),
+        }
+    }
+    let conductor = printed
+        .iter()
+        .find(|l| l.trim_start().starts_with("conductor"))
+        .expect("conductor line");
+    assert!(conductor.contains("http://127.0.0.1:"), "{printed:?}");
+    // master, agent, prefill, decode, conductor.
+    let running = marked(&marker);
+    assert_eq!(running.len(), 6, "up and its 5 children: {running:?}");
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.0.id()).expect("pid"));
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let status = wait_exit(&mut child);
+    assert!(status.success(), "{status}: {rest:?}");
+    assert!(rest.iter().any(|l| l == "all children stopped"), "{rest:?}");
+    assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
+}
+
+#[test]
+fn a_child_failing_at_start_stops_the_ones_already_running() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = marker("fail");
+    // An "agent" that exits at once: the master is already running by then.
+    let fake = dir.path().join("fake-agent");
+    std::fs::write(&fake, "#!/bin/sh\necho no agent here >&2\nexit 7\n").expect("write");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let out = up(dir.path(), &marker, &fake)
+        .output()
+        .expect("run kvpool up");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("agent-0 exited during start-up"), "{err}");
+    assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
+    let log = std::fs::read_to_string(dir.path().join("logs/agent-0.log")).expect("agent log");
+    assert!(log.contains("no agent here"), "{log}");
+}
