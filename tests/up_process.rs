@@ -183,3 +183,43 @@ fn a_child_failing_at_start_stops_the_ones_already_running() {
     let log = std::fs::read_to_string(dir.path().join("logs/agent-0.log")).expect("agent log");
     assert!(log.contains("no agent here"), "{log}");
 }
+
+#[test]
+fn bench_tier_forwards_its_flags_to_the_agent() {
+    // A stand-in agent that prints its arguments proves the forwarding without running the
+    // real (minutes-long) benchmark.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = dir.path().join("kvpool-agent");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"args: $*\"\n[ \"$3\" = --json ] || exit 4\n",
+    )
+    .expect("write");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["bench", "tier", "--agent-bin"])
+        .arg(&fake)
+        .args(["--json", "--dir", "/var/tmp", "--repeat", "1"])
+        .output()
+        .expect("run kvpool bench tier");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.trim(),
+        "args: bench tier --json --dir /var/tmp --repeat 1"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["bench", "tier", "--agent-bin"])
+        .arg(&fake)
+        .arg("--repeat")
+        .output()
+        .expect("run kvpool bench tier");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("kvpool-agent bench tier failed"), "{err}");
+}

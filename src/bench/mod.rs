@@ -1,7 +1,9 @@
 //! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
-//! module here (`transfer` today; `tier`, `store` later).
+//! module here (`transfer`, `sched`, `tier`).
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
+pub mod sched;
+pub mod tier;
 pub mod transfer;
 
 use clap::{Args, Subcommand};
@@ -18,6 +20,11 @@ pub struct BenchArgs {
 pub enum BenchCommand {
     /// Transfer engine throughput and latency (flags mirror Mooncake's transfer_engine_bench).
     Transfer(Box<transfer::TransferBenchArgs>),
+    /// Latency of one scheduling decision (64 prefill and 64 decode instances, 10^6 indexed
+    /// blocks by default).
+    Sched(sched::SchedBenchArgs),
+    /// The node agent's tier benchmark (runs `kvpool-agent bench tier` with the same flags).
+    Tier(tier::TierBenchArgs),
 }
 
 /// Errors of the benchmark commands.
@@ -25,6 +32,10 @@ pub enum BenchCommand {
 pub enum BenchError {
     #[error("transfer benchmark failed")]
     Transfer(#[source] transfer::TransferBenchError),
+    #[error("scheduling benchmark failed")]
+    Sched(#[source] sched::SchedBenchError),
+    #[error("tier benchmark failed")]
+    Tier(#[source] tier::TierBenchError),
 }
 
 impl BenchError {
@@ -32,6 +43,8 @@ impl BenchError {
     pub fn category(&self) -> &'static str {
         match self {
             BenchError::Transfer(e) => e.category(),
+            BenchError::Sched(e) => e.category(),
+            BenchError::Tier(e) => e.category(),
         }
     }
 }
@@ -40,5 +53,7 @@ impl BenchError {
 pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     match args.command {
         BenchCommand::Transfer(a) => transfer::run(*a).map_err(BenchError::Transfer),
+        BenchCommand::Sched(a) => sched::run(&a).map_err(BenchError::Sched),
+        BenchCommand::Tier(a) => tier::run(&a).map_err(BenchError::Tier),
     }
 }

@@ -167,6 +167,12 @@ fn flag(flag: &'static str, problem: impl Into<String>) -> UpError {
 /// Stand-in token width: fixed, so the conductor and the engines agree.
 const CHUNK_BYTES: usize = 4;
 
+/// The `kvpool-agent` binary: `explicit`, else next to this `kvpool` binary, else on PATH.
+pub fn agent_binary(explicit: Option<&Path>) -> Result<PathBuf, UpError> {
+    let self_exe = std::env::current_exe().map_err(UpError::SelfExe)?;
+    find_agent_bin(explicit, &self_exe)
+}
+
 fn find_agent_bin(explicit: Option<&Path>, self_exe: &Path) -> Result<PathBuf, UpError> {
     if let Some(p) = explicit {
         return if p.is_file() {
