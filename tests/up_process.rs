@@ -223,3 +223,39 @@ fn bench_tier_forwards_its_flags_to_the_agent() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("kvpool-agent bench tier failed"), "{err}");
 }
+
+#[test]
+fn children_go_away_when_up_itself_is_killed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = marker("sigkill");
+    let mut child = Reap(
+        up(dir.path(), &marker, &up_support::agent_bin())
+            .arg("--json")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvpool up"),
+    );
+    let stdout = child.0.stdout.take().expect("stdout");
+    let first = BufReader::new(stdout)
+        .lines()
+        .next()
+        .and_then(Result::ok)
+        .expect("kvpool up printed nothing");
+    let ready: Value = serde_json::from_str(&first).expect("ready line is JSON");
+    assert_eq!(ready["ready"], true, "{ready}");
+    assert_eq!(
+        ready["children"].as_array().map(Vec::len),
+        Some(5),
+        "{ready}"
+    );
+    assert_eq!(marked(&marker).len(), 6);
+    // No chance to clean up: the children's parent-death signal must stop them.
+    child.0.kill().expect("SIGKILL");
+    child.0.wait().expect("wait");
+    let start = Instant::now();
+    while !marked(&marker).is_empty() {
+        assert!(start.elapsed() < DEADLINE, "orphans: {:?}", marked(&marker));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

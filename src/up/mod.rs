@@ -574,7 +574,20 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
             .find(|s| s.role == Role::Conductor)
             .and_then(|s| s.endpoint.clone())
             .unwrap_or_default();
-        if !args.json {
+        if args.json && records.is_none() {
+            let children: Vec<Value> = specs
+                .iter()
+                .map(|s| {
+                    json!({"name": s.name, "role": s.role.as_str(), "endpoint": s.endpoint,
+                           "admin": format!("http://{}", s.admin)})
+                })
+                .collect();
+            println!(
+                "{}",
+                json!({"ready": true, "conductor": conductor, "children": children,
+                       "dir": dir.display().to_string()})
+            );
+        } else if !args.json {
             println!("kvpool up: ready");
             println!("  conductor  {conductor}  (OpenAI-compatible: /v1/completions, /v1/chat/completions)");
             for s in &specs {
