@@ -409,6 +409,8 @@ fn engine_with_agent_socket_needs_a_kv_size() {
         ])
         .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .env_remove("KVPOOL_AGENT_SOCKET")
+        .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
+        .env_remove("KVPOOL_MODEL_CONFIG")
         .output()
         .expect("run kvpool");
     assert!(!out.status.success());

@@ -35,8 +35,8 @@ pub struct EngineArgs {
     /// Model name served.
     #[arg(long, default_value = "kvpool-synthetic")]
     pub model: String,
-    /// Tokens per KV block.
-    #[arg(long, default_value_t = 256)]
+    /// Tokens per KV block (the pool's block size where the operator starts the engine).
+    #[arg(long, default_value_t = 256, env = "KVPOOL_BLOCK_SIZE_TOKENS")]
     pub block_size: u32,
     /// Prefix cache capacity, blocks.
     #[arg(long, default_value_t = 11_718)]
@@ -70,11 +70,11 @@ pub struct EngineArgs {
     #[arg(long, env = "KVPOOL_AGENT_SOCKET")]
     pub agent_socket: Option<PathBuf>,
     /// KV bytes per token (all layers), before --kv-scale.
-    #[arg(long, conflicts_with = "model_config")]
+    #[arg(long, env = "KVPOOL_KV_BYTES_PER_TOKEN")]
     pub kv_bytes_per_token: Option<u64>,
     /// Hugging Face model config.json: KV bytes per token = 2 x layers x KV heads x head dim x
-    /// dtype bytes, before --kv-scale.
-    #[arg(long)]
+    /// dtype bytes, before --kv-scale. Wins over --kv-bytes-per-token.
+    #[arg(long, env = "KVPOOL_MODEL_CONFIG")]
     pub model_config: Option<PathBuf>,
     /// Multiply the KV bytes per token by this (e.g. 0.001 keeps a 70B model's blocks small in
     /// tests).

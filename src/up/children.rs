@@ -143,6 +143,8 @@ impl Children {
             .env_remove("KVPOOL_MASTER")
             .env_remove("KVPOOL_AUTH_KEY_FILE")
             .env_remove("KVPOOL_AGENT_SOCKET")
+            .env_remove("KVPOOL_MODEL_CONFIG")
+            .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
             .env_remove("POD_IP");
         // SAFETY: the closure runs in the forked child before exec and only makes the prctl
         // system call (async-signal-safe); it touches no memory shared with the parent.
