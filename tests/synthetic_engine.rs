@@ -438,3 +438,33 @@ fn engine_with_agent_socket_needs_a_kv_size() {
     let err = format!("{:?}", String::from_utf8_lossy(&out.stderr));
     assert!(err.contains("num_attention_heads"), "{err}");
 }
+
+#[tokio::test]
+async fn requests_are_served_when_the_agent_goes_away() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut agent, socket) = up_support::start_local_agent(dir.path());
+    let shutdown = CancellationToken::new();
+    let engine = start_with_agent(&socket, &shutdown).await;
+    agent.0.kill().expect("kill agent");
+    agent.0.wait().expect("reap agent");
+    let prompt = format!("{}{}", block_text("x"), block_text("y"));
+    let (status, text) = http(
+        engine.addr,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt, None),
+    )
+    .await;
+    // The engine computes everything itself and says so in its metrics.
+    assert_eq!(status, 200, "{text}");
+    assert!(metric(&engine.registry, "kvpool_engine_kv_errors_total") >= 1.0);
+    assert_eq!(
+        metric(&engine.registry, "kvpool_engine_kv_blocks_written_total"),
+        0.0
+    );
+    assert_eq!(
+        metric(&engine.registry, "kvpool_engine_generated_tokens_total"),
+        2.0
+    );
+    shutdown.cancel();
+}

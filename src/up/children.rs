@@ -1,5 +1,6 @@
-//! The child processes of `kvpool up`: started with their output in log files and the parent-
-//! death signal set (so they go away even if `up` is killed), stopped in reverse start order
+//! The child processes of `kvpool up`: started in their own process groups with their output in
+//! log files and the parent-death signal set (so they go away even if `up` is killed), stopped
+//! in reverse start order
 //! with SIGTERM, a grace period, then SIGKILL. Dropping the set stops whatever still runs, so an
 //! error halfway through start-up leaves no process behind. I/O boundary: fork/exec, signals,
 //! the log files.
@@ -146,10 +147,14 @@ impl Children {
             .env_remove("KVPOOL_MODEL_CONFIG")
             .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
             .env_remove("POD_IP");
-        // SAFETY: the closure runs in the forked child before exec and only makes the prctl
-        // system call (async-signal-safe); it touches no memory shared with the parent.
+        // SAFETY: the closure runs in the forked child before exec and only makes the setpgid
+        // and prctl system calls (async-signal-safe); it touches no memory shared with the
+        // parent. Its own process group keeps a terminal's Ctrl-C away from the child, so
+        // `up` alone decides the stop order; the parent-death signal covers a killed `up`.
         unsafe {
             cmd.pre_exec(|| {
+                nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))
+                    .map_err(std::io::Error::from)?;
                 nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).map_err(std::io::Error::from)
             });
         }
