@@ -94,6 +94,18 @@ impl Failover {
         }
     }
 
+    /// A slice found no healthy NIC to go to: TCP if allowed, else fail.
+    pub fn exhausted(&self, slice: PlannedSlice) -> Next {
+        if self.tcp_allowed {
+            Next::FallbackTcp(PlannedSlice {
+                attempt: slice.attempt + 1,
+                ..slice
+            })
+        } else {
+            Next::Fail
+        }
+    }
+
     /// A NIC works again (its port came back, a reconnect succeeded).
     pub fn mark_healthy(&mut self, nic: usize) {
         if let Some(h) = self.healthy.get_mut(nic) {
