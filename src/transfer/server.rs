@@ -767,6 +767,56 @@ mod tests {
     }
 
     #[test]
+    fn rdma_connect_gets_unsupported_or_malformed_and_the_connection_goes_on() {
+        use crate::transfer::rdma::handshake::{ConnectRequest, MTU_1024, QpInfo};
+        let (ctx, handle) = ctx();
+        let good = ConnectRequest {
+            segment: "seg".into(),
+            qps: vec![QpInfo {
+                device: "mlx5_0".into(),
+                qp_num: 9,
+                psn: 1,
+                lid: 0,
+                gid: [0; 16],
+                mtu: MTU_1024,
+            }],
+        }
+        .encode()
+        .unwrap();
+        let mut input = Vec::new();
+        let mut push = |op: Opcode, id: u64, payload: &[u8]| {
+            let mut h = Header::new(op, id);
+            h.handle = handle;
+            h.length = payload.len() as u64;
+            input.extend_from_slice(&h.encode());
+            input.extend_from_slice(payload);
+        };
+        push(Opcode::RdmaConnect, 1, &good); // no RDMA provider here
+        push(Opcode::RdmaConnect, 2, b"\x07garbage"); // bad handshake version
+        let mut read = Header::new(Opcode::Read, 3);
+        read.handle = handle;
+        read.length = 4;
+        input.extend_from_slice(&read.encode());
+        let mut s = MemStream {
+            input: Cursor::new(input),
+            output: Vec::new(),
+        };
+        serve_requests(&mut s, &ctx, "test", &mut |_| Ok(())).unwrap();
+        let got: Vec<_> = replies(&s.output)
+            .iter()
+            .map(|h| (h.request_id, h.opcode, h.status))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, Opcode::Error, ErrorCode::Unsupported as u32),
+                (2, Opcode::Error, ErrorCode::Malformed as u32),
+                (3, Opcode::ReadData, 0),
+            ]
+        );
+    }
+
+    #[test]
     fn wrong_key_fails_both_sides_of_the_handshake() {
         use std::os::unix::net::UnixStream;
         let (mut a, mut b) = UnixStream::pair().unwrap();
