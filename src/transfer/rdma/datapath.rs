@@ -130,7 +130,8 @@ pub trait MemoryKeys: Send + Sync {
     fn lkey(&self) -> u32;
     fn rkey(&self) -> u32;
     fn addr(&self) -> u64;
-    fn len(&self) -> u64;
+    /// Length of the registered range in bytes.
+    fn size(&self) -> u64;
 }
 
 /// An RC queue pair.
@@ -185,7 +186,7 @@ pub(crate) fn accept(
             RegionInfo {
                 addr: mr.addr(),
                 rkey: mr.rkey(),
-                len: mr.len(),
+                len: mr.size(),
             },
         ));
         qps.push(qp);
@@ -488,7 +489,7 @@ impl Shared {
             return Err((inf, reason));
         };
         let mr = {
-            let key = inf.local.addr() as usize;
+            let key = inf.local.addr();
             let mut cache = path.local.lock();
             match cache.get(&key) {
                 Some(mr) => mr.clone(),
@@ -509,7 +510,7 @@ impl Shared {
         let local_off = inf.local_base + inf.slice.offset;
         let remote_off = inf.remote_base + inf.slice.offset;
         let len = inf.slice.len;
-        if local_off.checked_add(len).is_none_or(|e| e > mr.len())
+        if local_off.checked_add(len).is_none_or(|e| e > mr.size())
             || remote_off
                 .checked_add(len)
                 .is_none_or(|e| e > path.remote.len)

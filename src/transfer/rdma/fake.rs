@@ -177,7 +177,7 @@ impl MemoryKeys for FakeRegion {
     fn addr(&self) -> u64 {
         self.addr
     }
-    fn len(&self) -> u64 {
+    fn size(&self) -> u64 {
         self.len
     }
 }

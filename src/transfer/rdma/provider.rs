@@ -124,7 +124,7 @@ impl MemoryKeys for verbs::MemoryRegion {
     fn addr(&self) -> u64 {
         verbs::MemoryRegion::addr(self)
     }
-    fn len(&self) -> u64 {
+    fn size(&self) -> u64 {
         verbs::MemoryRegion::len(self)
     }
 }
