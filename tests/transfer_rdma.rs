@@ -237,6 +237,14 @@ fn rdma_failed_completions_on_one_nic_are_retried_on_the_other() {
         .unwrap();
     write_then_read(&s, &remote, 2 * MIB, 3);
     assert!(remote.rdma_retries() >= 1, "the failed slice was retried");
+    assert_eq!(
+        counter(
+            &s.initiator_registry,
+            "kvpool_transfer_rdma_retries_total",
+            None
+        ),
+        remote.rdma_retries()
+    );
     assert_eq!(s.fabric.bytes_moved("i-nic1"), 0);
     assert_eq!(s.fabric.bytes_moved("i-nic0"), 4 * MIB);
     assert!(

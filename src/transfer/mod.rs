@@ -493,6 +493,7 @@ impl TransferEngine {
                 connect_timeout: cfg.connect_timeout,
                 slice_size: cfg.slice_size,
                 max_attempts: RDMA_ATTEMPTS,
+                retry_metric: self.inner.metrics.rdma_retries.clone(),
             },
             &desc.name,
             tcp.size,

@@ -216,6 +216,8 @@ pub(crate) struct ChannelConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) slice_size: u64,
     pub(crate) max_attempts: u32,
+    /// Counts slices retried on another NIC (`kvpool_transfer_rdma_retries_total`).
+    pub(crate) retry_metric: prometheus::IntCounter,
 }
 
 struct Path {
@@ -250,6 +252,7 @@ struct Shared {
     slice_size: u64,
     tcp: Option<TcpFallback>,
     retries: AtomicU64,
+    retry_metric: prometheus::IntCounter,
     /// The control connection: the target keeps its queue pairs while it stays open.
     _control: TcpStream,
 }
@@ -404,6 +407,7 @@ impl RdmaChannel {
             slice_size: cfg.slice_size.clamp(1, u64::from(u32::MAX)),
             tcp,
             retries: AtomicU64::new(0),
+            retry_metric: cfg.retry_metric.clone(),
             _control: s,
         });
         let sh = shared.clone();
@@ -566,6 +570,7 @@ impl Shared {
         match next {
             Next::Retry(s) => {
                 self.retries.fetch_add(1, Ordering::Relaxed);
+                self.retry_metric.inc();
                 inf.slice = s;
                 self.dispatch(inf);
             }
