@@ -254,6 +254,27 @@ fn rdma_failed_completions_on_one_nic_are_retried_on_the_other() {
 }
 
 #[test]
+fn rdma_lost_completions_time_out_and_the_slices_move_to_another_nic() {
+    let s = setup(
+        Some(&["t-nic0"]),
+        &["i-nic0", "i-nic1"],
+        Faults {
+            silent: set(&["i-nic0"]),
+            ..Faults::default()
+        },
+        Duration::from_secs(1),
+    );
+    let remote = s
+        .initiator
+        .open_descriptor(&s.desc, Some(Protocol::Rdma))
+        .unwrap();
+    write_then_read(&s, &remote, MIB, 4);
+    assert!(remote.rdma_retries() >= 1);
+    assert_eq!(s.fabric.bytes_moved("i-nic0"), 0);
+    assert!(!s.initiator.fallback_active());
+}
+
+#[test]
 fn rdma_queue_pairs_in_error_on_every_nic_fall_back_to_tcp_loudly() {
     let s = setup(
         Some(&["t-nic0"]),

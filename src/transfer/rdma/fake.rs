@@ -31,6 +31,8 @@ pub struct Faults {
     /// answer the handshake in time).
     pub slow_connect: HashSet<String>,
     pub connect_delay: Duration,
+    /// Work requests on these devices never complete (a lost completion, a hung NIC).
+    pub silent: HashSet<String>,
     /// Complete each polled group of work requests in reverse order of posting.
     pub reverse_completions: bool,
 }
@@ -298,6 +300,9 @@ impl QueuePairOps for FakeQp {
     }
 
     fn poll(&self, max: usize, out: &mut Vec<WorkCompletion>) -> Result<(), RdmaError> {
+        if self.fabric.faults.lock().silent.contains(&self.info.device) {
+            return Ok(());
+        }
         let mut taken: Vec<WorkRequest> = {
             let mut q = self.queue.lock();
             let n = q.len().min(max);
