@@ -406,3 +406,59 @@ fn rdma_peer_loss_fails_requests_without_hanging_and_releases_queue_pairs() {
     assert_eq!(s.fabric.live_queue_pairs(), 0, "queue pairs leaked");
     assert_eq!(s.fabric.registered_regions(), 0, "registrations leaked");
 }
+
+/// Fault mode of one initiator NIC in the property test.
+#[derive(Clone, Copy, Debug)]
+enum NicFault {
+    Healthy,
+    FailingCompletions,
+    QpError,
+}
+
+fn nic_fault() -> impl proptest::strategy::Strategy<Value = NicFault> {
+    use proptest::prelude::*;
+    prop_oneof![
+        2 => Just(NicFault::Healthy),
+        1 => Just(NicFault::FailingCompletions),
+        1 => Just(NicFault::QpError),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 12, ..Default::default() })]
+
+    /// Whatever mix of NIC faults, sizes and completion order: the bytes arrive intact, every
+    /// request settles, RDMA carries everything while one NIC is healthy, and TCP takes over
+    /// (flagged) only when none is.
+    #[test]
+    fn rdma_any_fault_mix_keeps_bytes_intact_and_falls_back_only_without_a_healthy_nic(
+        faults in proptest::collection::vec(nic_fault(), 1..6),
+        len in 1u64..(3 * MIB),
+        reverse: bool,
+        seed: u8,
+    ) {
+        let names: Vec<String> = (0..faults.len()).map(|i| format!("i-nic{i}")).collect();
+        let pick = |want: fn(&NicFault) -> bool| -> HashSet<String> {
+            names.iter().zip(&faults).filter(|(_, f)| want(f)).map(|(n, _)| n.clone()).collect()
+        };
+        let injected = Faults {
+            failing_completions: pick(|f| matches!(f, NicFault::FailingCompletions)),
+            qp_error: pick(|f| matches!(f, NicFault::QpError)),
+            reverse_completions: reverse,
+            ..Faults::default()
+        };
+        let healthy = faults.iter().any(|f| matches!(f, NicFault::Healthy));
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let s = setup(Some(&["t-nic0", "t-nic1"]), &refs, injected, Duration::from_secs(5));
+        let remote = s.initiator.open_descriptor(&s.desc, Some(Protocol::Rdma)).unwrap();
+        write_then_read(&s, &remote, len, seed);
+        let moved: u64 = names.iter().map(|n| s.fabric.bytes_moved(n)).sum();
+        if healthy {
+            proptest::prop_assert_eq!(moved, 2 * len);
+            proptest::prop_assert!(!s.initiator.fallback_active());
+        } else {
+            proptest::prop_assert_eq!(moved, 0);
+            proptest::prop_assert!(s.initiator.fallback_active());
+        }
+    }
+}

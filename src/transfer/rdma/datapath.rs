@@ -397,7 +397,13 @@ impl RdmaChannel {
         let shared = Arc::new(Shared {
             peer: peer.clone(),
             paths,
-            failover: Mutex::new(Failover::new(nics, cfg.max_attempts, tcp.is_some())),
+            // Every NIC gets a chance before a slice leaves RDMA.
+            failover: Mutex::new(Failover::new(
+                nics,
+                cfg.max_attempts
+                    .max(u32::try_from(nics).unwrap_or(u32::MAX)),
+                tcp.is_some(),
+            )),
             inflight: Mutex::new(HashMap::new()),
             wake: Condvar::new(),
             next_wr: AtomicU64::new(1),
