@@ -301,5 +301,11 @@ mod tests {
         let s = stripe(10, 10, 1, 0)[0];
         assert_eq!(f.on_failure(s), Next::Fail);
         assert!(stripe(10, 10, 0, 0).is_empty());
+        assert_eq!(f.exhausted(s), Next::Fail);
+        let f = Failover::new(1, 5, true);
+        assert_eq!(
+            f.exhausted(s),
+            Next::FallbackTcp(PlannedSlice { attempt: 1, ..s })
+        );
     }
 }
