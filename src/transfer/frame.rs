@@ -58,6 +58,13 @@ pub enum Opcode {
     NotifyAck = 12,
     /// The request failed: `status` is an [`ErrorCode`], payload a UTF-8 reason.
     Error = 13,
+    /// Connect RDMA queue pairs to a segment (payload: `rdma::handshake::ConnectRequest`, which
+    /// carries its own version). Targets built before this opcode answer ERROR(malformed) and
+    /// close; targets without an RDMA device answer ERROR(unsupported).
+    RdmaConnect = 14,
+    /// Reply to RDMA_CONNECT (payload: `rdma::handshake::ConnectReply`). The target keeps its
+    /// queue pairs while this control connection stays open.
+    RdmaConnectOk = 15,
 }
 
 impl Opcode {
@@ -76,6 +83,8 @@ impl Opcode {
             11 => Opcode::Notify,
             12 => Opcode::NotifyAck,
             13 => Opcode::Error,
+            14 => Opcode::RdmaConnect,
+            15 => Opcode::RdmaConnectOk,
             _ => return None,
         })
     }
@@ -262,7 +271,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn any_opcode() -> impl Strategy<Value = Opcode> {
-        (1u8..=13).prop_map(|v| Opcode::from_u8(v).unwrap())
+        (1u8..=15).prop_map(|v| Opcode::from_u8(v).unwrap())
     }
 
     proptest! {
@@ -286,7 +295,7 @@ mod tests {
         }
 
         #[test]
-        fn unknown_opcodes_are_rejected(op in 14u8..=255) {
+        fn unknown_opcodes_are_rejected(op in 16u8..=255) {
             let mut enc = Header::new(Opcode::Read, 1).encode();
             enc[5] = op;
             prop_assert_eq!(Header::decode(&enc, DEFAULT_MAX_SLICE), Err(FrameError::UnknownOpcode(op)));

@@ -24,6 +24,8 @@ pub struct TransferMetrics {
     pub served_bytes: IntCounterVec,
     /// `kvpool_transfer_target_connections`: open target-side connections.
     pub target_connections: IntGauge,
+    /// `kvpool_transfer_rdma_retries_total`: RDMA slices retried on another NIC.
+    pub rdma_retries: IntCounter,
 }
 
 impl TransferMetrics {
@@ -76,6 +78,10 @@ impl TransferMetrics {
                 "kvpool_transfer_target_connections",
                 "Open target-side transfer connections.",
             )?,
+            rdma_retries: IntCounter::new(
+                "kvpool_transfer_rdma_retries_total",
+                "RDMA slices retried on another NIC after a failed post or completion.",
+            )?,
         })
     }
 
@@ -90,6 +96,7 @@ impl TransferMetrics {
         registry.register(Box::new(m.notifications_dropped.clone()))?;
         registry.register(Box::new(m.served_bytes.clone()))?;
         registry.register(Box::new(m.target_connections.clone()))?;
+        registry.register(Box::new(m.rdma_retries.clone()))?;
         Ok(m)
     }
 

@@ -46,6 +46,11 @@ pub use server::{Notification, TcpServer};
 pub use shm::ShmServer;
 
 use batch::BatchBuilder;
+use rdma::datapath::{ChannelConfig, RdmaChannel, TcpFallback};
+pub use rdma::{RdmaError, RdmaProvider};
+
+/// Attempts of one RDMA slice (first post plus retries on other NICs) before it goes to TCP.
+const RDMA_ATTEMPTS: u32 = 3;
 use server::{NotificationQueue, Registry, ServerCtx};
 use tcp::{LaneConfig, Peer, Slice, SliceKind};
 
@@ -131,7 +136,9 @@ struct Inner {
     notifications: Arc<NotificationQueue>,
     metrics: TransferMetrics,
     lane_cfg: LaneConfig,
-    fallback_active: AtomicBool,
+    fallback_active: Arc<AtomicBool>,
+    /// RDMA devices of this host (both directions), when RDMA is wanted and available.
+    rdma: Option<Arc<dyn RdmaProvider>>,
 }
 
 /// The transfer engine. Cheap to clone (shared state); dropping the last clone closes all
@@ -192,6 +199,11 @@ impl LocalSegment {
 enum Route {
     Tcp(Arc<Peer>),
     Shm(Arc<Segment>),
+    /// RDMA queue pairs to the segment, with the TCP lanes for notify and fallback.
+    Rdma {
+        tcp: Arc<Peer>,
+        channel: Arc<RdmaChannel>,
+    },
 }
 
 /// An opened remote segment. Clones share the underlying connections.
@@ -228,6 +240,23 @@ impl RemoteSegment {
         match self.route {
             Route::Tcp(_) => Protocol::Tcp,
             Route::Shm(_) => Protocol::Shm,
+            Route::Rdma { .. } => Protocol::Rdma,
+        }
+    }
+
+    /// Local RDMA devices carrying this segment's transfers (empty unless it moves over RDMA).
+    pub fn rdma_devices(&self) -> Vec<String> {
+        match &self.route {
+            Route::Rdma { channel, .. } => channel.devices(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Slices of this segment's transfers that were retried on another NIC.
+    pub fn rdma_retries(&self) -> u64 {
+        match &self.route {
+            Route::Rdma { channel, .. } => channel.retries(),
+            _ => 0,
         }
     }
 }
@@ -245,11 +274,37 @@ pub struct TransferRequest {
 
 impl TransferEngine {
     /// Create an engine. Metrics come from the caller's registry ([`TransferMetrics::new`]).
+    /// With `want_rdma`, the host's RDMA devices are discovered (`rdma::default_provider`);
+    /// when there are none the engine still starts and falls back to TCP, loudly.
     pub fn new(
         config: EngineConfig,
         key: AuthKey,
         directory: Arc<dyn Directory>,
         metrics: TransferMetrics,
+    ) -> Result<Self, TransferError> {
+        let rdma = if config.want_rdma {
+            match rdma::default_provider() {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::warn!(error = %tcp::error_chain(&e), "RDMA wanted but unavailable; transfers will use TCP");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Self::new_with_rdma(config, key, directory, metrics, rdma)
+    }
+
+    /// Create an engine that uses `rdma` as its RDMA devices, for both serving RDMA_CONNECT and
+    /// opening segments over RDMA (`want_rdma` or `Protocol::Rdma`). Tests pass a
+    /// [`rdma::fake::FakeFabric`] provider here.
+    pub fn new_with_rdma(
+        config: EngineConfig,
+        key: AuthKey,
+        directory: Arc<dyn Directory>,
+        metrics: TransferMetrics,
+        rdma: Option<Arc<dyn RdmaProvider>>,
     ) -> Result<Self, TransferError> {
         config.validate()?;
         let lane_cfg = LaneConfig {
@@ -270,7 +325,8 @@ impl TransferEngine {
                 peers: Mutex::new(HashMap::new()),
                 metrics,
                 lane_cfg,
-                fallback_active: AtomicBool::new(false),
+                fallback_active: Arc::new(AtomicBool::new(false)),
+                rdma,
             }),
         })
     }
@@ -326,6 +382,7 @@ impl TransferEngine {
             max_connections: self.inner.config.max_connections,
             notifications: self.inner.notifications.clone(),
             metrics: self.inner.metrics.clone(),
+            rdma: self.inner.rdma.clone(),
         })
     }
 
@@ -369,12 +426,13 @@ impl TransferEngine {
         match protocol {
             Some(Protocol::Shm) => return self.open_shm(desc),
             Some(Protocol::Tcp) => return self.open_tcp(desc),
-            Some(Protocol::Rdma) if !rdma::transport_available() => {
+            Some(Protocol::Rdma) if self.inner.rdma.is_none() => {
                 return Err(TransferError::Unsupported(Protocol::Rdma));
             }
             Some(Protocol::Rdma) | None => {}
         }
-        if same_node && cfg.prefer_shm && desc.shm_endpoint().is_some() {
+        let rdma_wanted = cfg.want_rdma || protocol == Some(Protocol::Rdma);
+        if protocol.is_none() && same_node && cfg.prefer_shm && desc.shm_endpoint().is_some() {
             match self.open_shm(desc) {
                 Ok(r) => return Ok(r),
                 Err(e) => tracing::warn!(
@@ -384,12 +442,67 @@ impl TransferEngine {
                 ),
             }
         }
-        if cfg.want_rdma || protocol == Some(Protocol::Rdma) {
-            // The verbs data path is not wired into the engine yet (see docs/transfer.md):
-            // never fall back silently.
-            self.note_fallback(&desc.name, "RDMA data path unavailable");
+        let tcp = self.open_tcp(desc)?;
+        if !rdma_wanted {
+            return Ok(tcp);
         }
-        self.open_tcp(desc)
+        let Some(provider) = self.inner.rdma.clone() else {
+            self.note_fallback(&desc.name, "no RDMA device on this host");
+            return Ok(tcp);
+        };
+        let Route::Tcp(peer) = &tcp.route else {
+            return Ok(tcp);
+        };
+        match self.connect_rdma(provider.as_ref(), desc, peer, &tcp) {
+            Ok(channel) => Ok(RemoteSegment {
+                route: Route::Rdma {
+                    tcp: peer.clone(),
+                    channel: Arc::new(channel),
+                },
+                ..tcp
+            }),
+            Err(e) => {
+                self.note_fallback(&desc.name, &tcp::error_chain(&e));
+                Ok(tcp)
+            }
+        }
+    }
+
+    fn connect_rdma(
+        &self,
+        provider: &dyn RdmaProvider,
+        desc: &SegmentDescriptor,
+        peer: &Arc<Peer>,
+        tcp: &RemoteSegment,
+    ) -> Result<RdmaChannel, RdmaError> {
+        let cfg = &self.inner.config;
+        let metrics = self.inner.metrics.clone();
+        let flag = self.inner.fallback_active.clone();
+        let segment = desc.name.clone();
+        let on_fallback: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |reason: &str| {
+            tracing::warn!(%segment, %reason, "RDMA slice falling back to TCP");
+            metrics.fallback.inc();
+            flag.store(true, Ordering::SeqCst);
+        });
+        RdmaChannel::connect(
+            provider,
+            &ChannelConfig {
+                peer: peer.addr(),
+                key: self.inner.key.clone(),
+                timeout: cfg.timeout,
+                connect_timeout: cfg.connect_timeout,
+                slice_size: cfg.slice_size,
+                max_attempts: RDMA_ATTEMPTS,
+                retry_metric: self.inner.metrics.rdma_retries.clone(),
+            },
+            &desc.name,
+            tcp.size,
+            Some(TcpFallback {
+                peer: peer.clone(),
+                handle: tcp.handle,
+                on_fallback,
+            }),
+        )
     }
 
     fn note_fallback(&self, segment: &str, reason: &str) {
@@ -398,10 +511,21 @@ impl TransferEngine {
         self.inner.fallback_active.store(true, Ordering::SeqCst);
     }
 
-    /// True once any peer was reached over TCP although RDMA was wanted (the agent surfaces it
-    /// as a condition).
+    /// True once RDMA was wanted but a peer or a slice had to use TCP (no device, a peer that
+    /// cannot do RDMA, every NIC failed). Each such event also logs a warning and increments
+    /// `kvpool_transfer_fallback_total`. The agent surfaces it as a condition.
     pub fn fallback_active(&self) -> bool {
         self.inner.fallback_active.load(Ordering::SeqCst)
+    }
+
+    /// Alias of [`Self::fallback_active`].
+    pub fn rdma_fallback(&self) -> bool {
+        self.fallback_active()
+    }
+
+    /// Whether this engine has RDMA devices to move data with.
+    pub fn rdma_available(&self) -> bool {
+        self.inner.rdma.is_some()
     }
 
     fn open_shm(&self, desc: &SegmentDescriptor) -> Result<RemoteSegment, TransferError> {
@@ -536,6 +660,18 @@ impl TransferEngine {
                         .map_err(|e| Failure::new(e.category(), e.to_string()));
                     req.slice_done(result);
                 }
+                Route::Rdma { channel, .. } => {
+                    let plan = channel.plan(r.len);
+                    let req = builder.request("rdma", r.op.as_str(), r.len, plan.len());
+                    channel.submit(
+                        &req,
+                        plan,
+                        r.op,
+                        r.local.segment(),
+                        r.local_offset,
+                        r.remote_offset,
+                    );
+                }
                 Route::Tcp(peer) => {
                     let n = r.len.div_ceil(slice_size).max(1);
                     let req = builder.request("tcp", r.op.as_str(), r.len, n as usize);
@@ -575,7 +711,7 @@ impl TransferEngine {
     /// Send a small message (at most 64 KiB) to the owner of `remote`; returns once the peer
     /// queued it.
     pub fn notify(&self, remote: &RemoteSegment, payload: &[u8]) -> Result<(), TransferError> {
-        let Route::Tcp(peer) = &remote.route else {
+        let (Route::Tcp(peer) | Route::Rdma { tcp: peer, .. }) = &remote.route else {
             return Err(TransferError::Notify {
                 peer: remote.name.to_string(),
                 reason: "notify needs a TCP route; open the segment with Protocol::Tcp".into(),

@@ -19,6 +19,9 @@ use super::error::TransferError;
 use super::frame::{ErrorCode, Header, Opcode};
 use super::memory::{self, Segment};
 use super::metrics::TransferMetrics;
+use super::rdma::RdmaProvider;
+use super::rdma::datapath::{self, AcceptedPaths};
+use super::rdma::handshake::ConnectRequest;
 use super::wire::{self, WireError};
 
 /// Registered local segments, by handle and by name.
@@ -117,6 +120,8 @@ pub(crate) struct ServerCtx {
     pub(crate) max_connections: usize,
     pub(crate) notifications: Arc<NotificationQueue>,
     pub(crate) metrics: TransferMetrics,
+    /// RDMA devices to accept RDMA_CONNECT with (none: answered with ERROR(unsupported)).
+    pub(crate) rdma: Option<Arc<dyn RdmaProvider>>,
 }
 
 /// A byte stream that can also move payloads straight between itself and segment memory.
@@ -192,9 +197,19 @@ pub(crate) fn serve_requests<S: DataStream>(
     peer: &str,
     on_idle: &mut dyn FnMut(Duration) -> io::Result<()>,
 ) -> Result<(), WireError> {
+    // Queue pairs accepted on this connection live as long as it stays open.
+    let mut rdma_paths: Vec<AcceptedPaths> = Vec::new();
     loop {
         let idle_since = Instant::now();
-        let mut idle = || on_idle(idle_since.elapsed());
+        let holds_rdma = !rdma_paths.is_empty();
+        // A connection that keeps queue pairs alive is never idle (only shutdown ends it).
+        let mut idle = || {
+            on_idle(if holds_rdma {
+                Duration::ZERO
+            } else {
+                idle_since.elapsed()
+            })
+        };
         let h = match wire::read_header(s, ctx.max_slice, &mut idle) {
             Ok(h) => h,
             Err(WireError::Closed) => return Ok(()),
@@ -271,6 +286,16 @@ pub(crate) fn serve_requests<S: DataStream>(
                 s.write_all(&Header::new(Opcode::NotifyAck, id).encode())
                     .map_err(WireError::Io)?;
             }
+            Opcode::RdmaConnect => {
+                let payload = wire::read_control_payload(s, &h)?;
+                match accept_rdma(ctx, &payload) {
+                    Ok((reply, paths)) => {
+                        wire::write_frame(s, &Header::new(Opcode::RdmaConnectOk, id), &reply)?;
+                        rdma_paths.push(paths);
+                    }
+                    Err((code, reason)) => wire::write_error(s, id, code, &reason)?,
+                }
+            }
             other => {
                 let _ = wire::write_error(
                     s,
@@ -285,6 +310,32 @@ pub(crate) fn serve_requests<S: DataStream>(
             }
         }
     }
+}
+
+/// Answer RDMA_CONNECT: decode, find the segment, connect queue pairs on the local devices.
+fn accept_rdma(
+    ctx: &ServerCtx,
+    payload: &[u8],
+) -> Result<(Vec<u8>, AcceptedPaths), (ErrorCode, String)> {
+    let req = ConnectRequest::decode(payload).map_err(|e| (ErrorCode::Malformed, e.to_string()))?;
+    let Some(provider) = &ctx.rdma else {
+        return Err((
+            ErrorCode::Unsupported,
+            "this target has no RDMA transport (built without feature rdma, or no device)".into(),
+        ));
+    };
+    let (_, seg) = ctx.registry.find(&req.segment).ok_or_else(|| {
+        (
+            ErrorCode::UnknownSegment,
+            format!("no segment named {:?} is registered here", req.segment),
+        )
+    })?;
+    let (reply, paths) = datapath::accept(provider.as_ref(), &seg, &req)
+        .map_err(|e| (ErrorCode::Unsupported, super::tcp::error_chain(&e)))?;
+    let reply = reply
+        .encode()
+        .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+    Ok((reply, paths))
 }
 
 fn lookup(ctx: &ServerCtx, h: &Header) -> Result<Arc<Segment>, (ErrorCode, String)> {
@@ -540,6 +591,7 @@ mod tests {
             max_connections: 4,
             notifications: Arc::new(NotificationQueue::new(4)),
             metrics: TransferMetrics::unregistered().unwrap(),
+            rdma: None,
         };
         (ctx, handle)
     }
@@ -712,6 +764,56 @@ mod tests {
         let mut tail = [0u8; 2];
         seg.read_at(SEG - 2, &mut tail).unwrap();
         assert_eq!(tail, [0, 0], "rejected write left no bytes behind");
+    }
+
+    #[test]
+    fn rdma_connect_gets_unsupported_or_malformed_and_the_connection_goes_on() {
+        use crate::transfer::rdma::handshake::{ConnectRequest, MTU_1024, QpInfo};
+        let (ctx, handle) = ctx();
+        let good = ConnectRequest {
+            segment: "seg".into(),
+            qps: vec![QpInfo {
+                device: "mlx5_0".into(),
+                qp_num: 9,
+                psn: 1,
+                lid: 0,
+                gid: [0; 16],
+                mtu: MTU_1024,
+            }],
+        }
+        .encode()
+        .unwrap();
+        let mut input = Vec::new();
+        let mut push = |op: Opcode, id: u64, payload: &[u8]| {
+            let mut h = Header::new(op, id);
+            h.handle = handle;
+            h.length = payload.len() as u64;
+            input.extend_from_slice(&h.encode());
+            input.extend_from_slice(payload);
+        };
+        push(Opcode::RdmaConnect, 1, &good); // no RDMA provider here
+        push(Opcode::RdmaConnect, 2, b"\x07garbage"); // bad handshake version
+        let mut read = Header::new(Opcode::Read, 3);
+        read.handle = handle;
+        read.length = 4;
+        input.extend_from_slice(&read.encode());
+        let mut s = MemStream {
+            input: Cursor::new(input),
+            output: Vec::new(),
+        };
+        serve_requests(&mut s, &ctx, "test", &mut |_| Ok(())).unwrap();
+        let got: Vec<_> = replies(&s.output)
+            .iter()
+            .map(|h| (h.request_id, h.opcode, h.status))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, Opcode::Error, ErrorCode::Unsupported as u32),
+                (2, Opcode::Error, ErrorCode::Malformed as u32),
+                (3, Opcode::ReadData, 0),
+            ]
+        );
     }
 
     #[test]

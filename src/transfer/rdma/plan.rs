@@ -94,6 +94,18 @@ impl Failover {
         }
     }
 
+    /// A slice found no healthy NIC to go to: TCP if allowed, else fail.
+    pub fn exhausted(&self, slice: PlannedSlice) -> Next {
+        if self.tcp_allowed {
+            Next::FallbackTcp(PlannedSlice {
+                attempt: slice.attempt + 1,
+                ..slice
+            })
+        } else {
+            Next::Fail
+        }
+    }
+
     /// A NIC works again (its port came back, a reconnect succeeded).
     pub fn mark_healthy(&mut self, nic: usize) {
         if let Some(h) = self.healthy.get_mut(nic) {
@@ -289,5 +301,11 @@ mod tests {
         let s = stripe(10, 10, 1, 0)[0];
         assert_eq!(f.on_failure(s), Next::Fail);
         assert!(stripe(10, 10, 0, 0).is_empty());
+        assert_eq!(f.exhausted(s), Next::Fail);
+        let f = Failover::new(1, 5, true);
+        assert_eq!(
+            f.exhausted(s),
+            Next::FallbackTcp(PlannedSlice { attempt: 1, ..s })
+        );
     }
 }

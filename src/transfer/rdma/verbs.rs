@@ -24,8 +24,12 @@ pub enum VerbsError {
         #[source]
         source: std::io::Error,
     },
-    #[error("work request {wr_id} completed with status {status}")]
-    Completion { wr_id: u64, status: u32 },
+    #[error("work request {wr_id} completed with status {status} ({reason})")]
+    Completion {
+        wr_id: u64,
+        status: u32,
+        reason: String,
+    },
     #[error("range offset {offset} + length {len} is outside the registered region")]
     OutOfBounds { offset: u64, len: u64 },
 }
@@ -64,6 +68,18 @@ fn check(call: &'static str, rc: i32) -> Result<(), VerbsError> {
             source: std::io::Error::from_raw_os_error(code),
         })
     }
+}
+
+/// The verbs name of a work completion status (e.g. "transport retry counter exceeded").
+pub fn status_str(status: u32) -> String {
+    // SAFETY: ibv_wc_status_str accepts any value and returns a static NUL-terminated string
+    // (or NULL, checked).
+    let p = unsafe { ibv_wc_status_str(status) };
+    if p.is_null() {
+        return format!("status {status}");
+    }
+    // SAFETY: p is a non-null static C string owned by libibverbs.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
 /// Names of the RDMA devices libibverbs sees (empty without RDMA support in the kernel).
@@ -360,12 +376,19 @@ impl QueuePair {
         })
     }
 
-    /// Connect to the peer's endpoint: INIT -> RTR -> RTS.
-    pub fn connect(&self, remote: &QpEndpoint, local_psn: u32) -> Result<(), VerbsError> {
+    /// Connect to the peer's endpoint: INIT -> RTR -> RTS, with path MTU code `mtu`
+    /// (1 = 256 ... 5 = 4096 bytes; anything else means 1024).
+    pub fn connect(&self, remote: &QpEndpoint, local_psn: u32, mtu: u8) -> Result<(), VerbsError> {
         // SAFETY: zeroed attr is valid; only masked fields are read.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTR;
-        attr.path_mtu = ibv_mtu::IBV_MTU_1024;
+        attr.path_mtu = match mtu {
+            1 => ibv_mtu::IBV_MTU_256,
+            2 => ibv_mtu::IBV_MTU_512,
+            4 => ibv_mtu::IBV_MTU_2048,
+            5 => ibv_mtu::IBV_MTU_4096,
+            _ => ibv_mtu::IBV_MTU_1024,
+        };
         attr.dest_qp_num = remote.qp_num;
         attr.rq_psn = remote.psn;
         attr.max_dest_rd_atomic = 16;
@@ -421,10 +444,24 @@ impl QueuePair {
                 len: len.into(),
             });
         }
+        self.post_raw(op, local.addr() + offset, local.lkey(), len, remote, wr_id)
+    }
+
+    /// Post one signalled one-sided operation from `local_addr` (inside a region registered on
+    /// this device under `lkey`, which the caller has bounds-checked).
+    pub fn post_raw(
+        &self,
+        op: RdmaOp,
+        local_addr: u64,
+        lkey: u32,
+        len: u32,
+        remote: RemoteAddr,
+        wr_id: u64,
+    ) -> Result<(), VerbsError> {
         let mut sge = ibv_sge {
-            addr: local.addr() + offset,
+            addr: local_addr,
             length: len,
-            lkey: local.lkey(),
+            lkey,
         };
         // SAFETY: an all-zero ibv_send_wr is valid (null next, no inline data).
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
@@ -441,7 +478,9 @@ impl QueuePair {
             rkey: remote.rkey,
         };
         let mut bad = ptr::null_mut();
-        // SAFETY: qp is live and in RTS; wr and sge outlive the call (the provider copies them).
+        // SAFETY: qp is live; wr and sge outlive the call (the provider copies them). The
+        // hardware checks lkey/rkey against the registrations, so a wrong address fails the
+        // completion instead of touching unregistered memory.
         check("ibv_post_send", unsafe {
             ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad)
         })
@@ -467,6 +506,7 @@ impl QueuePair {
                     Err(VerbsError::Completion {
                         wr_id: wc.wr_id,
                         status: wc.status,
+                        reason: status_str(wc.status),
                     })
                 };
                 (wc.wr_id, r)
@@ -509,7 +549,7 @@ mod tests {
         let mb = MemoryRegion::register(&dev, b.clone()).unwrap();
         let qp = QueuePair::create(&dev, nic.port, nic.gid_index).unwrap();
         let ep = qp.endpoint(100).unwrap();
-        qp.connect(&ep, 100).unwrap();
+        qp.connect(&ep, 100, 3).unwrap();
         let remote = RemoteAddr {
             addr: mb.addr() + 4096,
             rkey: mb.rkey(),
