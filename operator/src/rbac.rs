@@ -30,8 +30,10 @@ pub const PERMISSIONS: &[Permission] = &[
     p("", "configmaps", "list"),
     p("", "configmaps", "patch"),
     p("", "configmaps", "watch"),
-    // The auth Secret is created once and never read, patched or watched by the operator.
+    // The auth Secret is created once and never patched or watched; the operator reads it back
+    // (get) for the key its master usage query is signed with.
     p("", "secrets", "create"),
+    p("", "secrets", "get"),
     p("", "services", "create"),
     p("", "services", "delete"),
     p("", "services", "list"),

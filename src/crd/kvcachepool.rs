@@ -63,6 +63,20 @@ use super::defaults;
         description = "SSD tier capacity over all ready nodes"
     ),
     printcolumn(
+        name = "DRAM-Used",
+        type_ = "string",
+        json_path = ".status.dram.used",
+        description = "DRAM tier bytes in use, as the master reports",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Objects",
+        type_ = "integer",
+        json_path = ".status.objects",
+        description = "KV cache blocks held, as the master reports",
+        priority = 1
+    ),
+    printcolumn(
         name = "Transport",
         type_ = "string",
         json_path = ".spec.transport.protocol",
@@ -497,6 +511,14 @@ pub struct KVCachePoolStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssd: Option<TierStatus>,
 
+    /// KV cache objects (blocks) the master holds, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objects: Option<i64>,
+
+    /// Agents registered with the master and alive, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_registered: Option<i32>,
+
     /// Address (`host:port`) of the master Service.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub master_endpoint: Option<String>,
@@ -506,7 +528,9 @@ pub struct KVCachePoolStatus {
     pub conductor_endpoint: Option<String>,
 }
 
-/// Capacity and usage of one tier.
+/// Capacity and usage of one tier. Capacity is what the master counts over the segments agents
+/// registered when it answers, otherwise the spec's amount times the ready nodes; `used` is the
+/// master's figure, kept from the last answer while it does not answer.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TierStatus {
