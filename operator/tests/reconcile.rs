@@ -274,6 +274,7 @@ where
 const NS: &str = "/api/v1/namespaces/llm";
 const APPS: &str = "/apis/apps/v1/namespaces/llm";
 const POOLS: &str = "/apis/kvpool.dev/v1alpha1/namespaces/llm";
+const RBAC: &str = "/apis/rbac.authorization.k8s.io/v1/namespaces/llm";
 const OWNED_BY_ROCE: &str = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=KVCachePool,kvpool.dev/owner-name=roce";
 
 fn ds_status(ready: i32, desired: i32) -> Value {
@@ -355,15 +356,32 @@ async fn pool_children(
             Some(ds_status(agents_ready, 4)),
         )
         .await;
+    // The conductor's identity first, then the conductor.
+    let sa = server
+        .expect_apply(&format!("{NS}/serviceaccounts/roce-conductor"), None)
+        .await;
+    assert_eq!(sa["kind"], "ServiceAccount");
+    let role = server
+        .expect_apply(&format!("{RBAC}/roles/roce-conductor"), None)
+        .await;
+    assert_eq!(role["rules"][0]["verbs"], json!(["list", "watch"]));
+    let binding = server
+        .expect_apply(&format!("{RBAC}/rolebindings/roce-conductor"), None)
+        .await;
+    assert_eq!(binding["subjects"][0]["name"], "roce-conductor");
     server
         .expect_apply(&format!("{NS}/services/roce-conductor"), None)
         .await;
-    server
+    let conductor = server
         .expect_apply(
             &format!("{APPS}/deployments/roce-conductor"),
             Some(deploy_status(2)),
         )
         .await;
+    assert_eq!(
+        conductor["spec"]["template"]["spec"]["serviceAccountName"],
+        "roce-conductor"
+    );
     server
         .expect_list(
             &format!("{APPS}/deployments"),
@@ -536,14 +554,42 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
                 .await;
             // No conductor applies; the leftover conductor is listed and deleted.
             let item = |kind: &str, name: &str| {
-                let api_version = if kind == "Deployment" {
-                    "apps/v1"
-                } else {
-                    "v1"
+                let api_version = match kind {
+                    "Deployment" => "apps/v1",
+                    "Role" | "RoleBinding" => "rbac.authorization.k8s.io/v1",
+                    _ => "v1",
                 };
                 json!({"apiVersion": api_version, "kind": kind,
                     "metadata": {"name": name, "namespace": "llm"}})
             };
+            // Its identity goes too: RoleBinding, Role, ServiceAccount (listed by label).
+            for (resource, kind) in [
+                ("rolebindings", "RoleBinding"),
+                ("roles", "Role"),
+                ("serviceaccounts", "ServiceAccount"),
+            ] {
+                let base = if kind == "ServiceAccount" { NS } else { RBAC };
+                let (seen, send) = server
+                    .expect(Method::GET, &format!("{base}/{resource}"))
+                    .await;
+                assert_eq!(
+                    seen.query.get("labelSelector").map(String::as_str),
+                    Some(OWNED_BY_ROCE)
+                );
+                let api_version = item(kind, "x")["apiVersion"].clone();
+                reply(
+                    send,
+                    StatusCode::OK,
+                    &json!({"apiVersion": api_version, "kind": format!("{kind}List"),
+                            "metadata": {"resourceVersion": "1002"},
+                            "items": [item(kind, "roce-conductor")]}),
+                );
+                let (seen, send) = server
+                    .expect(Method::DELETE, &format!("{base}/{resource}/roce-conductor"))
+                    .await;
+                assert_eq!(seen.body["propagationPolicy"], "Background");
+                reply(send, StatusCode::OK, &item(kind, "roce-conductor"));
+            }
             server
                 .expect_list(
                     &format!("{APPS}/deployments"),

@@ -15,7 +15,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
@@ -257,6 +258,32 @@ async fn apply_children(
 
     let mut keep_deployments = BTreeSet::from([children.master.name_any()]);
     let mut keep_services = BTreeSet::from([children.master_service.name_any()]);
+    let service_accounts: Api<ServiceAccount> = Api::namespaced(ctx.client.clone(), namespace);
+    let roles: Api<Role> = Api::namespaced(ctx.client.clone(), namespace);
+    let role_bindings: Api<RoleBinding> = Api::namespaced(ctx.client.clone(), namespace);
+    let selector = labels::owner_selector(OWNER_KIND, name);
+    match &children.conductor_rbac {
+        // The identity exists before the pods that use it.
+        Some(rbac) => {
+            let fm = &ctx.settings.field_manager;
+            apply::apply(fm, &service_accounts, &rbac.service_account).await?;
+            apply::apply(fm, &roles, &rbac.role).await?;
+            apply::apply(fm, &role_bindings, &rbac.role_binding).await?;
+        }
+        // Conductor off: its identity goes (only looked for then, to spare three lists a pass).
+        None => {
+            let none = BTreeSet::new();
+            for gone in apply::delete_orphans(&role_bindings, &selector, &none).await? {
+                info!(rolebinding = %gone, "deleted child of a feature turned off");
+            }
+            for gone in apply::delete_orphans(&roles, &selector, &none).await? {
+                info!(role = %gone, "deleted child of a feature turned off");
+            }
+            for gone in apply::delete_orphans(&service_accounts, &selector, &none).await? {
+                info!(serviceaccount = %gone, "deleted child of a feature turned off");
+            }
+        }
+    }
     let conductor = match &children.conductor {
         Some((deployment, service)) => {
             apply::apply(&ctx.settings.field_manager, &services, service).await?;
@@ -267,7 +294,6 @@ async fn apply_children(
         None => None,
     };
 
-    let selector = labels::owner_selector(OWNER_KIND, name);
     for gone in apply::delete_orphans(&deployments, &selector, &keep_deployments).await? {
         info!(deployment = %gone, "deleted child of a feature turned off");
     }
