@@ -296,11 +296,44 @@ pub enum Protocol {
     Tcp,
 }
 
-/// SR-IOV virtual functions for the agent pods, as exposed by the SR-IOV device plugin.
+/// SR-IOV virtual functions for the agent pods, as exposed by the SR-IOV device plugin: either
+/// one resource for all rails (`resourceName` and `count`), or one resource per NIC rail
+/// (`resources`, e.g. `nvidia.com/rdma_vf_rail0` to `..._rail7`), each requested separately.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("has(self.resourceName) != (has(self.resources) && size(self.resources) > 0)").message("transport.sriov: set exactly one of resourceName (one resource for all rails) and resources (one per rail)").reason(Reason::FieldValueInvalid)
+)]
+pub struct SriovSpec {
+    /// Extended resource name of the VFs of every rail (e.g. `nvidia.com/rdma_vf`). Exclusive
+    /// with `resources`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(
+            pattern = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+        )
+    )]
+    pub resource_name: Option<String>,
+
+    /// VFs of `resourceName` requested per agent pod (ignored with `resources`).
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub count: i32,
+
+    /// One extended resource per NIC rail, each requested by every agent pod. Exclusive with
+    /// `resourceName`. A list map keyed by `resourceName`: the API server refuses a name twice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["resourceName".into()]))]
+    #[schemars(length(max = 16))]
+    pub resources: Vec<SriovResource>,
+}
+
+/// The VFs of one rail.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct SriovSpec {
-    /// Extended resource name of the VFs (e.g. `nvidia.com/rdma_vf`).
+pub struct SriovResource {
+    /// Extended resource name of the rail's VFs (e.g. `nvidia.com/rdma_vf_rail0`).
     #[schemars(
         length(min = 1, max = 253),
         regex(
@@ -309,7 +342,7 @@ pub struct SriovSpec {
     )]
     pub resource_name: String,
 
-    /// VFs requested per agent pod.
+    /// VFs of this resource per agent pod.
     #[serde(default = "defaults::one")]
     #[schemars(range(min = 1, max = 64))]
     pub count: i32,

@@ -308,11 +308,15 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
     if let (Some(name), DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
         extra.insert(name.to_owned(), kvpool::crd::quantity::format_bytes(bytes));
     }
-    if let Some(sriov) = &pool.effective.transport.sriov {
-        extra.insert(
-            sriov.resource_name.clone(),
-            Quantity(sriov.count.to_string()),
-        );
+    // One extended resource per rail (or one for all rails): each is requested on its own.
+    for r in pool
+        .effective
+        .transport
+        .sriov
+        .iter()
+        .flat_map(|s| s.resources.iter())
+    {
+        extra.insert(r.resource_name.clone(), Quantity(r.count.to_string()));
     }
     if let (None, DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
         let requests = res.requests.get_or_insert_with(BTreeMap::new);
@@ -1129,5 +1133,36 @@ mod tests {
         off.spec.conductor.enabled = false;
         let children = build(&valid(&off), "00ff").expect("build");
         assert!(children.conductor.is_none() && children.conductor_rbac.is_none());
+    }
+
+    #[test]
+    fn agent_requests_every_sriov_rail_resource() {
+        let mut pool = roce();
+        pool.spec.transport.sriov = Some(kvpool::crd::SriovSpec {
+            resource_name: None,
+            count: 1,
+            resources: (0..8)
+                .map(|i| kvpool::crd::SriovResource {
+                    resource_name: format!("nvidia.com/roce_vf_rail{i}"),
+                    count: 1,
+                })
+                .collect(),
+        });
+        let children = build(&valid(&pool), "00ff").expect("build");
+        let res = pod(&children.agent).containers[0]
+            .resources
+            .as_ref()
+            .expect("resources");
+        for map in [&res.requests, &res.limits] {
+            let map = map.as_ref().expect("set");
+            for i in 0..8 {
+                assert_eq!(
+                    map.get(&format!("nvidia.com/roce_vf_rail{i}")),
+                    Some(&q("1")),
+                    "rail {i}"
+                );
+            }
+            assert!(!map.contains_key("nvidia.com/roce_vf"));
+        }
     }
 }
