@@ -364,3 +364,48 @@ fn discovery_selects_the_engine_pods(
     );
     Ok(())
 }
+
+/// The DRAM NUMA policy of the CRD reaches the agent as the placement the agent implements:
+/// `local` places on the NICs' (or GPUs') nodes, `interleave` spreads evenly over all nodes,
+/// and `none` (no preference) gets the even spread too, because the agent binds every segment
+/// it maps to a node and has no unbound placement (see docs/crds.md). Loaded with the agent's
+/// own loader, as at pod start.
+#[test]
+fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
+    use kvpool_agent::placement::NumaPolicy as AgentNuma;
+    let base =
+        std::fs::read_to_string(repo_root().join("operator/tests/fixtures/kvcachepool-tcp.yaml"))?;
+    for (crd, want) in [
+        (kvpool::crd::NumaPolicy::Local, AgentNuma::NicLocal),
+        (kvpool::crd::NumaPolicy::Interleave, AgentNuma::Interleave),
+        (kvpool::crd::NumaPolicy::None, AgentNuma::Interleave),
+    ] {
+        let mut pool: KVCachePool = serde_saphyr::from_str(&base)?;
+        pool.spec.dram.numa_policy = crd;
+        let children = children(&pool)?;
+        let dir = tempfile::tempdir()?;
+        let files = write_files(dir.path(), &children)?;
+        let c = pod_of(
+            children
+                .agent
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref()),
+        )?;
+        let cli = kvpool_agent::cli::Cli::try_parse_from(argv(c, &files)?)?;
+        let kvpool_agent::cli::Command::Run(args) = cli.command else {
+            bail!("the agent container must run `run`");
+        };
+        let path = args.pool_config.as_deref().context("--pool-config")?;
+        let file = kvpool_agent::config::load_pool_document(path, Path::new("/proc"))
+            .map_err(|e| anyhow::anyhow!("{crd:?}: agent loads config.yaml: {e}"))?;
+        let cfg = kvpool_agent::config::validate(&args.overlay(file))
+            .map_err(|e| anyhow::anyhow!("{crd:?}: agent config validates: {e}"))?;
+        ensure!(
+            cfg.dram.policy == want,
+            "{crd:?} became {:?}",
+            cfg.dram.policy
+        );
+    }
+    Ok(())
+}

@@ -218,7 +218,8 @@ pub enum NumaPolicy {
     Local,
     /// Interleaved over all NUMA nodes.
     Interleave,
-    /// Left to the kernel.
+    /// No preference. The agent binds every segment it maps to a node, so it spreads the tier
+    /// evenly over all NUMA nodes, as with `interleave`.
     None,
 }
 
