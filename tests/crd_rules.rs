@@ -85,6 +85,7 @@ const DRAM_WHOLE_PAGES: &str =
 const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
 const SSD_POSITIVE: &str = "ssd.capacityPerNode must be a positive quantity such as 3Ti";
 const SRIOV_TCP: &str = "transport.sriov requires transport.protocol rdma or auto";
+const SRIOV_ONE_FORM: &str = "transport.sriov: set exactly one of resourceName (one resource for all rails) and resources (one per rail)";
 const NETWORKS_TCP: &str = "transport.networks (Multus) requires transport.protocol rdma or auto";
 const DEVICES_TCP: &str =
     "transport.devices lists RDMA devices and requires transport.protocol rdma or auto";
@@ -343,6 +344,53 @@ fn cases() -> Vec<Case> {
             "sriov zero count",
             POOL,
             json!({"transport": {"sriov": {"resourceName": "nvidia.com/rdma_vf", "count": 0}}}),
+            OpenApi("count"),
+        ),
+        c(
+            "sriov one resource per rail",
+            POOL,
+            json!({"transport": {"protocol": "rdma", "sriov": {"resources": [
+                {"resourceName": "nvidia.com/rdma_vf_rail0"},
+                {"resourceName": "nvidia.com/rdma_vf_rail1", "count": 2}]}}}),
+            Valid,
+        ),
+        c(
+            "sriov both forms",
+            POOL,
+            json!({"transport": {"sriov": {"resourceName": "nvidia.com/rdma_vf",
+                "resources": [{"resourceName": "nvidia.com/rdma_vf_rail0"}]}}}),
+            Cel(SRIOV_ONE_FORM),
+        ),
+        c(
+            "sriov neither form",
+            POOL,
+            json!({"transport": {"sriov": {"count": 2}}}),
+            Cel(SRIOV_ONE_FORM),
+        ),
+        c(
+            "sriov empty rail list",
+            POOL,
+            json!({"transport": {"sriov": {"resources": []}}}),
+            Cel(SRIOV_ONE_FORM),
+        ),
+        c(
+            "sriov rail listed twice",
+            POOL,
+            json!({"transport": {"sriov": {"resources": [
+                {"resourceName": "nvidia.com/rdma_vf_rail0"},
+                {"resourceName": "nvidia.com/rdma_vf_rail0"}]}}}),
+            OpenApi("resources"),
+        ),
+        c(
+            "sriov rail bad resource name",
+            POOL,
+            json!({"transport": {"sriov": {"resources": [{"resourceName": "rail 0"}]}}}),
+            OpenApi("resourceName"),
+        ),
+        c(
+            "sriov rail zero count",
+            POOL,
+            json!({"transport": {"sriov": {"resources": [{"resourceName": "a/b", "count": 0}]}}}),
             OpenApi("count"),
         ),
         // ---- block size, replication

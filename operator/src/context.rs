@@ -4,13 +4,14 @@
 //! I/O boundary: the client and recorder it carries; the type itself does no I/O.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::runtime::events::{Recorder, Reporter};
 
+use crate::cachepool::usage::{FixedStats, GrpcMasterStats, MasterStats};
 use crate::labels::FIELD_MANAGER;
 use crate::metrics::Metrics;
 
@@ -41,6 +42,8 @@ pub const BACKOFF_MIN: Duration = Duration::from_secs(5);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
 /// Periodic resync of a healthy object (picks up child status and drift).
 pub const RESYNC: Duration = Duration::from_secs(300);
+/// Refresh of a healthy pool's usage figures (read from its master).
+pub const USAGE_REFRESH: Duration = Duration::from_secs(60);
 /// Requeue while children roll out, so status follows without a watch on every pod.
 pub const PROGRESS_REQUEUE: Duration = Duration::from_secs(30);
 
@@ -50,6 +53,11 @@ pub struct Context {
     pub recorder: Recorder,
     pub metrics: Metrics,
     pub settings: Settings,
+    /// Reads each pool's tier usage from its master (a fake in tests).
+    pub master_stats: Arc<dyn MasterStats>,
+    /// Address used for every pool's master instead of its Service DNS name (tests point it at
+    /// 127.0.0.1; `None` in a cluster).
+    pub master_addr_override: Option<String>,
     clock: fn() -> Timestamp,
     failures: Mutex<HashMap<String, u32>>,
 }
@@ -79,12 +87,15 @@ impl Context {
             client,
             metrics,
             settings,
+            master_stats: Arc::new(GrpcMasterStats::default()),
+            master_addr_override: None,
             clock: Timestamp::now,
             failures: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Test twin: a fixed clock ([`Context::TEST_TIME`]), a fresh registry, test images.
+    /// Test twin: a fixed clock ([`Context::TEST_TIME`]), a fresh registry, test images, and a
+    /// master that never answers ([`FixedStats`] without figures) unless a test sets one.
     pub fn for_tests(client: Client) -> Self {
         let registry = prometheus::Registry::new();
         // A fresh registry cannot hold these names already.
@@ -97,11 +108,23 @@ impl Context {
             Some("kvpool-operator-test".to_owned()),
         );
         ctx.clock = test_clock;
+        ctx.master_stats = Arc::new(FixedStats(None));
         ctx
     }
 
     /// Seconds since the epoch of the test clock: 2026-01-01T00:00:00Z.
     pub const TEST_TIME: i64 = 1_767_225_600;
+
+    /// Replace the master usage reader (tests).
+    pub fn with_master_stats(mut self, stats: Arc<dyn MasterStats>) -> Self {
+        self.master_stats = stats;
+        self
+    }
+
+    /// Where to reach the master of a pool whose Service address is `service_addr`.
+    pub fn master_addr(&self, service_addr: String) -> String {
+        self.master_addr_override.clone().unwrap_or(service_addr)
+    }
 
     /// The current time (fixed in tests).
     pub fn now(&self) -> Timestamp {

@@ -144,10 +144,26 @@ pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
     args
 }
 
-/// Arguments of the conductor container: the objectives in seconds (the conductor's own flag
-/// unit). No engine URLs: the KVCachePool controller does not know the engine instances, so
-/// the conductor starts without them, reports not ready and answers 503 until it has some.
-pub fn conductor_args(ttft_slo_ms: u64, tpot_slo_ms: u64) -> Vec<String> {
+/// Label selector of the engine pods of `role` that belong to KVCachePool `pool` (the labels
+/// the operator puts on PrefillPool and DecodePool pods; see `kvpool::crd::labels`).
+pub fn engine_selector(pool: &str, role: Role) -> String {
+    use kvpool::crd::labels::{APP_NAME, APP_NAME_VALUE, COMPONENT, POOL};
+    let component = match role {
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
+    };
+    format!("{APP_NAME}={APP_NAME_VALUE},{POOL}={pool},{COMPONENT}={component}")
+}
+
+/// Arguments of the conductor container: listeners, SLOs (milliseconds in the spec, seconds on
+/// the command line), and discovery of pool `pool`'s engine pods in `namespace` on
+/// [`ENGINE_PORT`].
+pub fn conductor_args(
+    pool: &str,
+    namespace: &str,
+    ttft_slo_ms: u64,
+    tpot_slo_ms: u64,
+) -> Vec<String> {
     vec![
         "conductor".to_owned(),
         "--listen".to_owned(),
@@ -158,6 +174,14 @@ pub fn conductor_args(ttft_slo_ms: u64, tpot_slo_ms: u64) -> Vec<String> {
         millis_as_secs(ttft_slo_ms),
         "--tpot-slo-s".to_owned(),
         millis_as_secs(tpot_slo_ms),
+        "--discover-namespace".to_owned(),
+        namespace.to_owned(),
+        "--prefill-selector".to_owned(),
+        engine_selector(pool, Role::Prefill),
+        "--decode-selector".to_owned(),
+        engine_selector(pool, Role::Decode),
+        "--engine-port".to_owned(),
+        ENGINE_PORT.to_string(),
     ]
 }
 
@@ -264,8 +288,18 @@ mod tests {
 
     #[test]
     fn conductor_args_carry_slos_in_seconds() {
-        let args = conductor_args(2000, 50);
+        let args = conductor_args("cache", "llm", 2000, 50);
         assert_eq!(args[0], "conductor");
+        assert!(
+            args.windows(2)
+                .any(|w| w == ["--discover-namespace", "llm"])
+        );
+        assert!(args.windows(2).any(|w| w
+            == [
+                "--prefill-selector",
+                "app.kubernetes.io/name=kvpool,kvpool.dev/pool=cache,kvpool.dev/component=prefill"
+            ]));
+        assert!(args.windows(2).any(|w| w == ["--engine-port", "8000"]));
         assert!(args.windows(2).any(|w| w == ["--ttft-slo-s", "2"]));
         assert!(args.windows(2).any(|w| w == ["--tpot-slo-s", "0.05"]));
         assert_eq!(millis_as_secs(1500), "1.5");

@@ -30,8 +30,20 @@ pub const PERMISSIONS: &[Permission] = &[
     p("", "configmaps", "list"),
     p("", "configmaps", "patch"),
     p("", "configmaps", "watch"),
-    // The auth Secret is created once and never read, patched or watched by the operator.
+    // The auth Secret is created once and never patched or watched; the operator reads it back
+    // (get) for the key its master usage query is signed with.
     p("", "secrets", "create"),
+    p("", "secrets", "get"),
+    // Engine discovery: the conductor's Role lets it list and watch pods, and RBAC only lets
+    // the operator grant what it holds itself. The operator never reads pods.
+    p("", "pods", "list"),
+    p("", "pods", "watch"),
+    // The conductor's ServiceAccount (and below its Role and RoleBinding): server-side apply,
+    // removal by label when the conductor is turned off.
+    p("", "serviceaccounts", "create"),
+    p("", "serviceaccounts", "delete"),
+    p("", "serviceaccounts", "list"),
+    p("", "serviceaccounts", "patch"),
     p("", "services", "create"),
     p("", "services", "delete"),
     p("", "services", "list"),
@@ -65,6 +77,14 @@ pub const PERMISSIONS: &[Permission] = &[
     p("kvpool.dev", "prefillpools", "list"),
     p("kvpool.dev", "prefillpools", "watch"),
     p("kvpool.dev", "prefillpools/status", "patch"),
+    p("rbac.authorization.k8s.io", "rolebindings", "create"),
+    p("rbac.authorization.k8s.io", "rolebindings", "delete"),
+    p("rbac.authorization.k8s.io", "rolebindings", "list"),
+    p("rbac.authorization.k8s.io", "rolebindings", "patch"),
+    p("rbac.authorization.k8s.io", "roles", "create"),
+    p("rbac.authorization.k8s.io", "roles", "delete"),
+    p("rbac.authorization.k8s.io", "roles", "list"),
+    p("rbac.authorization.k8s.io", "roles", "patch"),
 ];
 
 /// The permissions as `(group, resource, verb)` tuples, for tests outside this crate.

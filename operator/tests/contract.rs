@@ -245,7 +245,167 @@ fn conductor_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> 
         };
         kvpool::conductor::cli::conductor_config(&args)
             .map_err(|e| anyhow::anyhow!("{rel}: conductor flags {argv:?}: {e}"))?;
+        // Engine discovery is on, in the pool's namespace, on the engines' port.
+        let discovery = kvpool::conductor::cli::discovery_config(&args)
+            .map_err(|e| anyhow::anyhow!("{rel}: discovery flags {argv:?}: {e}"))?
+            .with_context(|| format!("{rel}: the conductor must discover its engines"))?;
+        ensure!(Some(discovery.namespace.as_str()) == pool.metadata.namespace.as_deref());
+        ensure!(discovery.engine_port == kvpool_operator::contract::ENGINE_PORT);
+        // It runs as the ServiceAccount whose Role allows the list and watch discovery makes.
+        let spec = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .context("pod spec")?;
+        let rbac = children.conductor_rbac.as_ref().context("conductor RBAC")?;
+        ensure!(spec.service_account_name == rbac.service_account.metadata.name);
+        ensure!(spec.automount_service_account_token == Some(true));
+        discovery_selects_the_engine_pods(&rel, &pool, &discovery)?;
     }
     ensure!(seen > 0, "at least one example enables the conductor");
+    Ok(())
+}
+
+/// `k=v,k=v` selector matches `labels` (equality terms only, which is all the operator writes).
+fn selects(selector: &str, labels: &BTreeMap<String, String>) -> Result<bool> {
+    for term in selector.split(',') {
+        let (k, v) = term
+            .split_once('=')
+            .with_context(|| format!("selector term {term:?} is not k=v"))?;
+        if labels.get(k).map(String::as_str) != Some(v) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The conductor's selectors pick the pod templates the operator builds for a PrefillPool and a
+/// DecodePool of this KVCachePool (each its own role only), and those pods serve on the port
+/// the conductor dials; pods of another pool are not selected.
+fn discovery_selects_the_engine_pods(
+    rel: &str,
+    pool: &KVCachePool,
+    discovery: &kvpool::conductor::discovery::DiscoveryConfig,
+) -> Result<()> {
+    use kvpool::crd::{DecodePool, PrefillPool};
+    use kvpool_operator::enginepool::{build as engine_build, validate as engine_validate};
+    let valid_pool = validate(pool, &Settings::for_tests())?;
+    let engine_labels = |obj: &dyn Fn() -> Result<engine_validate::ValidEnginePool>| -> Result<(BTreeMap<String, String>, Vec<i32>)> {
+        let valid = obj()?;
+        let children = engine_build::build(&valid, "hash");
+        let template = &children.deployment.spec.as_ref().context("spec")?.template;
+        let labels = template
+            .metadata
+            .as_ref()
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default();
+        let ports = template
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.first())
+            .and_then(|c| c.ports.as_ref())
+            .map(|ps| ps.iter().map(|p| p.container_port).collect())
+            .unwrap_or_default();
+        Ok((labels, ports))
+    };
+    let name = pool.metadata.name.clone().unwrap_or_default();
+    let namespace = pool.metadata.namespace.clone().unwrap_or_default();
+    let meta = |n: &str| kube::api::ObjectMeta {
+        name: Some(n.to_owned()),
+        namespace: Some(namespace.clone()),
+        uid: Some("6f1d2c3b-0000-4000-8000-0000000000bb".to_owned()),
+        generation: Some(1),
+        ..Default::default()
+    };
+    let engine_yaml = |kind: &str| {
+        format!(
+            "apiVersion: kvpool.dev/v1alpha1\nkind: {kind}\nmetadata: {{name: e}}\nspec:\n  kvCachePoolRef: {{name: {name}}}\n  engine: {{kind: custom, image: example/engine:1, model: m}}\n"
+        )
+    };
+    let mut prefill: PrefillPool = serde_saphyr::from_str(&engine_yaml("PrefillPool"))?;
+    prefill.metadata = meta("p");
+    let mut decode: DecodePool = serde_saphyr::from_str(&engine_yaml("DecodePool"))?;
+    decode.metadata = meta("d");
+    let (p_labels, p_ports) =
+        engine_labels(&|| Ok(engine_validate::validate(&prefill, valid_pool.clone())?))?;
+    let (d_labels, d_ports) =
+        engine_labels(&|| Ok(engine_validate::validate(&decode, valid_pool.clone())?))?;
+    let port = i32::from(discovery.engine_port);
+    ensure!(
+        p_ports.contains(&port) && d_ports.contains(&port),
+        "{rel}: engines serve on {port}"
+    );
+    ensure!(
+        selects(&discovery.prefill_selector, &p_labels)?,
+        "{rel}: prefill selector {} misses {p_labels:?}",
+        discovery.prefill_selector
+    );
+    ensure!(
+        !selects(&discovery.prefill_selector, &d_labels)?,
+        "{rel}: prefill selector picks decode pods"
+    );
+    ensure!(
+        selects(&discovery.decode_selector, &d_labels)?,
+        "{rel}: decode selector {} misses {d_labels:?}",
+        discovery.decode_selector
+    );
+    ensure!(
+        !selects(&discovery.decode_selector, &p_labels)?,
+        "{rel}: decode selector picks prefill pods"
+    );
+    let mut other_pool = p_labels.clone();
+    other_pool.insert(
+        kvpool::crd::labels::POOL.to_owned(),
+        format!("{name}-other"),
+    );
+    ensure!(
+        !selects(&discovery.prefill_selector, &other_pool)?,
+        "{rel}: selector ignores the pool"
+    );
+    Ok(())
+}
+
+/// The DRAM NUMA policy of the CRD reaches the agent as the placement the agent implements:
+/// `local` places on the NICs' (or GPUs') nodes, `interleave` spreads evenly over all nodes,
+/// and `none` (no preference) gets the even spread too, because the agent binds every segment
+/// it maps to a node and has no unbound placement (see docs/crds.md). Loaded with the agent's
+/// own loader, as at pod start.
+#[test]
+fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
+    use kvpool_agent::placement::NumaPolicy as AgentNuma;
+    let base =
+        std::fs::read_to_string(repo_root().join("operator/tests/fixtures/kvcachepool-tcp.yaml"))?;
+    for (crd, want) in [
+        (kvpool::crd::NumaPolicy::Local, AgentNuma::NicLocal),
+        (kvpool::crd::NumaPolicy::Interleave, AgentNuma::Interleave),
+        (kvpool::crd::NumaPolicy::None, AgentNuma::Interleave),
+    ] {
+        let mut pool: KVCachePool = serde_saphyr::from_str(&base)?;
+        pool.spec.dram.numa_policy = crd;
+        let children = children(&pool)?;
+        let dir = tempfile::tempdir()?;
+        let files = write_files(dir.path(), &children)?;
+        let c = pod_of(
+            children
+                .agent
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref()),
+        )?;
+        let cli = kvpool_agent::cli::Cli::try_parse_from(argv(c, &files)?)?;
+        let kvpool_agent::cli::Command::Run(args) = cli.command else {
+            bail!("the agent container must run `run`");
+        };
+        let path = args.pool_config.as_deref().context("--pool-config")?;
+        let file = kvpool_agent::config::load_pool_document(path, Path::new("/proc"))
+            .map_err(|e| anyhow::anyhow!("{crd:?}: agent loads config.yaml: {e}"))?;
+        let cfg = kvpool_agent::config::validate(&args.overlay(file))
+            .map_err(|e| anyhow::anyhow!("{crd:?}: agent config validates: {e}"))?;
+        ensure!(
+            cfg.dram.policy == want,
+            "{crd:?} became {:?}",
+            cfg.dram.policy
+        );
+    }
     Ok(())
 }

@@ -274,6 +274,7 @@ where
 const NS: &str = "/api/v1/namespaces/llm";
 const APPS: &str = "/apis/apps/v1/namespaces/llm";
 const POOLS: &str = "/apis/kvpool.dev/v1alpha1/namespaces/llm";
+const RBAC: &str = "/apis/rbac.authorization.k8s.io/v1/namespaces/llm";
 const OWNED_BY_ROCE: &str = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=KVCachePool,kvpool.dev/owner-name=roce";
 
 fn ds_status(ready: i32, desired: i32) -> Value {
@@ -283,6 +284,31 @@ fn ds_status(ready: i32, desired: i32) -> Value {
 
 fn deploy_status(ready: i32) -> Value {
     json!({"replicas": ready, "readyReplicas": ready})
+}
+
+/// Pool key of the Secret the double stores (hex text, as the operator generates).
+const STORED_KEY: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+fn stored_secret() -> Value {
+    // k8s-openapi's ByteString serializes as base64, as the API server sends it.
+    let secret = k8s_openapi::api::core::v1::Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some("roce-auth".into()),
+            namespace: Some("llm".into()),
+            resource_version: Some("900".into()),
+            ..Default::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            "key".to_owned(),
+            k8s_openapi::ByteString(STORED_KEY.as_bytes().to_vec()),
+        )])),
+        ..Default::default()
+    };
+    let mut v = serde_json::to_value(&secret).expect("json");
+    v["apiVersion"] = json!("v1");
+    v["kind"] = json!("Secret");
+    v
 }
 
 /// The requests of a successful KVCachePool pass up to (not including) the status write.
@@ -304,6 +330,11 @@ async fn pool_children(
             StatusCode::CONFLICT,
             &status_error(409, "AlreadyExists", "secrets \"roce-auth\" already exists"),
         );
+        // The stored key is read back for the master's usage query.
+        let (_, send) = server
+            .expect(Method::GET, &format!("{NS}/secrets/roce-auth"))
+            .await;
+        reply(send, StatusCode::OK, &stored_secret());
     } else {
         reply(send, StatusCode::CREATED, &seen.body);
     }
@@ -325,15 +356,32 @@ async fn pool_children(
             Some(ds_status(agents_ready, 4)),
         )
         .await;
+    // The conductor's identity first, then the conductor.
+    let sa = server
+        .expect_apply(&format!("{NS}/serviceaccounts/roce-conductor"), None)
+        .await;
+    assert_eq!(sa["kind"], "ServiceAccount");
+    let role = server
+        .expect_apply(&format!("{RBAC}/roles/roce-conductor"), None)
+        .await;
+    assert_eq!(role["rules"][0]["verbs"], json!(["list", "watch"]));
+    let binding = server
+        .expect_apply(&format!("{RBAC}/rolebindings/roce-conductor"), None)
+        .await;
+    assert_eq!(binding["subjects"][0]["name"], "roce-conductor");
     server
         .expect_apply(&format!("{NS}/services/roce-conductor"), None)
         .await;
-    server
+    let conductor = server
         .expect_apply(
             &format!("{APPS}/deployments/roce-conductor"),
             Some(deploy_status(2)),
         )
         .await;
+    assert_eq!(
+        conductor["spec"]["template"]["spec"]["serviceAccountName"],
+        "roce-conductor"
+    );
     server
         .expect_list(
             &format!("{APPS}/deployments"),
@@ -382,7 +430,8 @@ async fn create_applies_every_child_and_writes_status() {
     )
     .await
     .expect("reconcile");
-    assert_eq!(outcome, Outcome::Reconciled);
+    // The test twin's master never answers: the pass succeeds and says so.
+    assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
     let status: KVCachePoolStatus =
         serde_json::from_value(status.lock().expect("lock").clone()).expect("status parses");
     assert_eq!((status.nodes_ready, status.nodes_desired), (2, 4));
@@ -481,6 +530,10 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
                 StatusCode::CONFLICT,
                 &status_error(409, "AlreadyExists", "exists"),
             );
+            let (_, send) = server
+                .expect(Method::GET, &format!("{NS}/secrets/roce-auth"))
+                .await;
+            reply(send, StatusCode::OK, &stored_secret());
             server
                 .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
                 .await;
@@ -501,14 +554,42 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
                 .await;
             // No conductor applies; the leftover conductor is listed and deleted.
             let item = |kind: &str, name: &str| {
-                let api_version = if kind == "Deployment" {
-                    "apps/v1"
-                } else {
-                    "v1"
+                let api_version = match kind {
+                    "Deployment" => "apps/v1",
+                    "Role" | "RoleBinding" => "rbac.authorization.k8s.io/v1",
+                    _ => "v1",
                 };
                 json!({"apiVersion": api_version, "kind": kind,
                     "metadata": {"name": name, "namespace": "llm"}})
             };
+            // Its identity goes too: RoleBinding, Role, ServiceAccount (listed by label).
+            for (resource, kind) in [
+                ("rolebindings", "RoleBinding"),
+                ("roles", "Role"),
+                ("serviceaccounts", "ServiceAccount"),
+            ] {
+                let base = if kind == "ServiceAccount" { NS } else { RBAC };
+                let (seen, send) = server
+                    .expect(Method::GET, &format!("{base}/{resource}"))
+                    .await;
+                assert_eq!(
+                    seen.query.get("labelSelector").map(String::as_str),
+                    Some(OWNED_BY_ROCE)
+                );
+                let api_version = item(kind, "x")["apiVersion"].clone();
+                reply(
+                    send,
+                    StatusCode::OK,
+                    &json!({"apiVersion": api_version, "kind": format!("{kind}List"),
+                            "metadata": {"resourceVersion": "1002"},
+                            "items": [item(kind, "roce-conductor")]}),
+                );
+                let (seen, send) = server
+                    .expect(Method::DELETE, &format!("{base}/{resource}/roce-conductor"))
+                    .await;
+                assert_eq!(seen.body["propagationPolicy"], "Background");
+                reply(send, StatusCode::OK, &item(kind, "roce-conductor"));
+            }
             server
                 .expect_list(
                     &format!("{APPS}/deployments"),
@@ -956,4 +1037,227 @@ async fn update_reapplies_children_and_reports_the_new_generation() {
         .and_then(|c| c.iter().find(|c| c["type"] == "Ready"))
         .expect("Ready");
     assert_eq!(ready["observedGeneration"], 4);
+}
+
+/// One pass of the roce pool over existing children and Secret, with `ctx` prepared by `setup`;
+/// returns the outcome and the status written.
+async fn usage_pass(
+    setup: impl FnOnce(&mut Context),
+    previous: Option<KVCachePoolStatus>,
+) -> (Outcome, KVCachePoolStatus) {
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.status = previous;
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    let (mut ctx, mut server) = double();
+    setup(&mut ctx);
+    let ctx = Arc::new(ctx);
+    let out = Arc::new(std::sync::Mutex::new(Value::Null));
+    let out2 = out.clone();
+    let (outcome, ()) = tokio::join!(
+        async move {
+            tokio::time::timeout(
+                std::time::Duration::from_secs(60),
+                cachepool::reconcile_pool(&pool, &ctx),
+            )
+            .await
+            .expect("reconcile finished")
+        },
+        async {
+            pool_children(&mut server, 4, true).await;
+            let body = server
+                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                .await;
+            *out2.lock().expect("lock") = body["status"].clone();
+        }
+    );
+    server.expect_done().await;
+    let status = serde_json::from_value(out.lock().expect("lock").clone()).expect("status");
+    (outcome.expect("reconcile"), status)
+}
+
+/// A usage reader that records the address and key it was called with.
+struct Recording {
+    usage: Option<cachepool::usage::PoolUsage>,
+    calls: std::sync::Mutex<Vec<String>>,
+}
+
+impl cachepool::usage::MasterStats for Recording {
+    fn stats<'a>(
+        &'a self,
+        addr: &'a str,
+        key: kvpool::master::auth::AuthKey,
+    ) -> futures::future::BoxFuture<
+        'a,
+        Result<cachepool::usage::PoolUsage, cachepool::usage::UsageError>,
+    > {
+        // The key is the Secret's, byte for byte (a signature with it verifies).
+        let verifier = kvpool::master::auth::Verifier::new(
+            kvpool::master::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
+        );
+        assert!(
+            verifier.verify(Some(&key.sign())).is_ok(),
+            "signed with the stored key"
+        );
+        self.calls.lock().expect("lock").push(addr.to_owned());
+        let answer = self.usage.ok_or(cachepool::usage::UsageError::AuthKey);
+        Box::pin(std::future::ready(answer))
+    }
+}
+
+#[tokio::test]
+async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes_silent() {
+    let usage = cachepool::usage::PoolUsage {
+        dram_used: 3 << 30,
+        dram_capacity: 2 << 40,
+        ssd_used: 1 << 30,
+        ssd_capacity: 6 << 40,
+        objects: 12,
+        nodes_alive: 4,
+        segments: 8,
+    };
+    let reader = Arc::new(Recording {
+        usage: Some(usage),
+        calls: Default::default(),
+    });
+    let r = reader.clone();
+    let (outcome, first) = usage_pass(move |ctx| ctx.master_stats = r, None).await;
+    assert_eq!(outcome, Outcome::Reconciled);
+    assert_eq!(
+        *reader.calls.lock().expect("lock"),
+        vec!["roce-master.llm.svc:50051".to_owned()],
+        "the master Service's cluster DNS address"
+    );
+    let dram = first.dram.clone().expect("dram");
+    assert_eq!(
+        (dram.used.0.as_str(), dram.capacity.0.as_str()),
+        ("3Gi", "2Ti")
+    );
+    assert_eq!(first.ssd.as_ref().map(|s| s.used.0.as_str()), Some("1Gi"));
+    assert_eq!((first.objects, first.nodes_registered), (Some(12), Some(4)));
+    assert!(kvpool::crd::conditions::is_true(
+        &first.conditions,
+        "MasterReachable"
+    ));
+
+    // The master stops answering: the pass still succeeds (sooner requeue), figures are kept.
+    let (outcome, second) = usage_pass(|_| {}, Some(first.clone())).await;
+    assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
+    assert_eq!(second.dram, first.dram);
+    assert_eq!(second.objects, Some(12));
+    let c = kvpool::crd::conditions::find(&second.conditions, "MasterReachable").expect("c");
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("False", "MasterUnreachable")
+    );
+    assert!(
+        c.message.contains("roce-master.llm.svc:50051"),
+        "{}",
+        c.message
+    );
+}
+
+/// The whole path against a real master on 127.0.0.1: the Secret's key signs a real `Stats`
+/// call and the status carries the master's own figures for the segments and object put there.
+#[tokio::test]
+async fn status_carries_the_figures_of_a_real_master() {
+    use kvpool::master::auth::AuthKey;
+    use kvpool::master::client::{ClientConfig, MasterClient};
+    use kvpool::master::cmd::{MasterArgs, start};
+    use kvpool::master::{PolicyKind, PutOptions, PutStarted, SegmentSpec, Tier};
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, STORED_KEY).expect("key");
+    let args = MasterArgs {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        admin_addr: "127.0.0.1:0".parse().expect("addr"),
+        auth_key_file: key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/operator-test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(600),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 4,
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let master = start(args.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("master starts");
+    let addr = master.grpc_addr.to_string();
+    let client = MasterClient::new(
+        vec![addr.clone()],
+        AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    const MIB: u64 = 1 << 20;
+    for (node, tier, cap) in [
+        ("gpu-0", Tier::Dram, 64 * MIB),
+        ("gpu-1", Tier::Dram, 32 * MIB),
+        ("gpu-0", Tier::Ssd, 256 * MIB),
+    ] {
+        client
+            .mount_segment(&SegmentSpec {
+                node: node.into(),
+                name: format!("{}0", tier.as_str()),
+                tier,
+                capacity_bytes: cap,
+                numa_node: 0,
+                failure_domain: String::new(),
+                endpoints: vec![format!("tcp://{node}:15500")],
+            })
+            .await
+            .expect("mount");
+    }
+    let started = client
+        .put_start(b"block/0", MIB, &PutOptions::default())
+        .await
+        .expect("put start");
+    let PutStarted::Allocated { put_id, .. } = started else {
+        panic!("unexpected {started:?}");
+    };
+    client.put_end(b"block/0", put_id).await.expect("put end");
+    let truth = client.stats().await.expect("stats");
+
+    let (outcome, status) = usage_pass(
+        move |ctx| {
+            ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats::default());
+            ctx.master_addr_override = Some(addr);
+        },
+        None,
+    )
+    .await;
+    shutdown.cancel();
+    let _ = master.join().await;
+
+    assert_eq!(outcome, Outcome::Reconciled);
+    assert_eq!(truth.capacity_bytes.first(), Some(&(96 * MIB)));
+    let dram = status.dram.expect("dram");
+    assert_eq!(dram.capacity.0, "96Mi");
+    assert_eq!(
+        dram.used.0,
+        kvpool::crd::quantity::format_bytes(truth.used_bytes[0]).0
+    );
+    assert!(truth.used_bytes[0] >= MIB, "{truth:?}");
+    let ssd = status.ssd.expect("ssd");
+    assert_eq!(
+        (ssd.capacity.0.as_str(), ssd.used.0.as_str()),
+        ("256Mi", "0")
+    );
+    assert_eq!(status.objects, Some(1));
+    assert_eq!(status.nodes_registered, Some(2));
+    assert!(kvpool::crd::conditions::is_true(
+        &status.conditions,
+        "MasterReachable"
+    ));
 }

@@ -1,5 +1,6 @@
-//! `kvpool conductor`: flags, validation and process wiring (runtime, signals, listeners).
-//! I/O boundary: sockets and signals.
+//! `kvpool conductor`: flags, validation and process wiring (runtime, signals, listeners, and
+//! engine discovery when `--discover-namespace` is given).
+//! I/O boundary: sockets, signals and (with discovery) the Kubernetes API.
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -7,9 +8,10 @@ use std::num::NonZeroU32;
 use prometheus::Registry;
 use tokio_util::sync::CancellationToken;
 
-use super::ConductorConfig;
+use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
+use super::{ConductorConfig, Engines};
 use crate::admin::{self, AdminError, Readiness};
 use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
 
@@ -40,6 +42,33 @@ pub struct ConductorArgs {
     /// Base URL of a decode engine (repeat the flag for each).
     #[arg(long = "decode")]
     pub decode: Vec<String>,
+    /// Discover the engines instead: watch the Pods of this Kubernetes namespace (in-cluster
+    /// service account, or the kubeconfig) and route to the Ready ones matching
+    /// --prefill-selector and --decode-selector, as they come and go.
+    #[arg(
+        long,
+        value_name = "NAMESPACE",
+        env = "KVPOOL_CONDUCTOR_DISCOVER_NAMESPACE",
+        conflicts_with_all = ["prefill", "decode"]
+    )]
+    pub discover_namespace: Option<String>,
+    /// Label selector of the prefill engine pods (with --discover-namespace).
+    #[arg(
+        long,
+        default_value = "app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill",
+        requires = "discover_namespace"
+    )]
+    pub prefill_selector: String,
+    /// Label selector of the decode engine pods (with --discover-namespace).
+    #[arg(
+        long,
+        default_value = "app.kubernetes.io/name=kvpool,kvpool.dev/component=decode",
+        requires = "discover_namespace"
+    )]
+    pub decode_selector: String,
+    /// Port the discovered engines serve their OpenAI-compatible API on.
+    #[arg(long, default_value_t = 8000, requires = "discover_namespace")]
+    pub engine_port: u16,
     /// Prefill placement policy.
     #[arg(long, value_enum, default_value_t = Policy::Conductor)]
     pub policy: Policy,
@@ -102,6 +131,8 @@ pub enum ConductorError {
     Admin(#[source] AdminError),
     #[error("conductor server")]
     Server(#[source] ServerError),
+    #[error("engine discovery")]
+    Discovery(#[source] DiscoveryError),
 }
 
 impl ConductorError {
@@ -114,6 +145,7 @@ impl ConductorError {
             ConductorError::Bind { .. } => "bind",
             ConductorError::Admin(_) => "admin",
             ConductorError::Server(_) => "server",
+            ConductorError::Discovery(_) => "discovery",
         }
     }
 }
@@ -131,6 +163,39 @@ fn positive(name: &'static str, v: f64) -> Result<f64, ConductorError> {
     } else {
         Err(flag(name, format!("must be a finite number > 0, got {v}")))
     }
+}
+
+/// The discovery settings of the flags, `None` without `--discover-namespace`.
+pub fn discovery_config(args: &ConductorArgs) -> Result<Option<DiscoveryConfig>, ConductorError> {
+    let Some(namespace) = &args.discover_namespace else {
+        return Ok(None);
+    };
+    if namespace.is_empty() {
+        return Err(flag("discover-namespace", "must not be empty"));
+    }
+    for (name, selector) in [
+        ("prefill-selector", &args.prefill_selector),
+        ("decode-selector", &args.decode_selector),
+    ] {
+        if selector.trim().is_empty() {
+            return Err(flag(name, "must not be empty (it would select every pod)"));
+        }
+    }
+    if args.prefill_selector == args.decode_selector {
+        return Err(flag(
+            "decode-selector",
+            "must differ from --prefill-selector (a pod cannot be both)",
+        ));
+    }
+    if args.engine_port == 0 {
+        return Err(flag("engine-port", "must be a port number 1-65535"));
+    }
+    Ok(Some(DiscoveryConfig {
+        namespace: namespace.clone(),
+        prefill_selector: args.prefill_selector.clone(),
+        decode_selector: args.decode_selector.clone(),
+        engine_port: args.engine_port,
+    }))
 }
 
 /// Validates the flags.
@@ -218,7 +283,8 @@ fn source_chain(err: &dyn std::error::Error) -> String {
 /// Entry point of `kvpool conductor`: serves until SIGTERM or SIGINT.
 pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let config = conductor_config(args)?;
-    tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting conductor");
+    let discovery = discovery_config(args)?;
+    tracing::info!(?config, ?discovery, listen = %args.listen, admin = %args.admin_listen, "starting conductor");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -229,7 +295,8 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         let registry = Registry::new();
         let readiness = Readiness::new();
         let has_engines = config.has_engines();
-        let router = server::router(config, &registry).map_err(ConductorError::Server)?;
+        let conductor = server::conductor(config, &registry).map_err(ConductorError::Server)?;
+        let router = conductor.router;
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .map_err(|source| ConductorError::Bind {
@@ -245,12 +312,23 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
             admin::router(registry, readiness.clone()),
             admin_shutdown.clone(),
         ));
-        if has_engines {
+        if let Some(discovery) = discovery {
+            let client = discovery::client()
+                .await
+                .map_err(ConductorError::Discovery)?;
+            let (tx, rx) = tokio::sync::watch::channel(Engines::default());
+            tokio::spawn(discovery::run(client, discovery, tx, shutdown.clone()));
+            tokio::spawn(
+                conductor
+                    .engines
+                    .follow(rx, readiness.clone(), shutdown.clone()),
+            );
+        } else if has_engines {
             readiness.set_ready(true);
         } else {
             tracing::warn!(
-                "no --prefill/--decode engines: answering 503 and staying not ready until \
-                 restarted with engines"
+                "no --prefill/--decode engines and no --discover-namespace: answering 503 and \
+                 staying not ready until restarted with engines"
             );
         }
         let served = server::serve(listener, router, shutdown.clone()).await;
@@ -276,6 +354,64 @@ mod tests {
     struct T {
         #[command(flatten)]
         a: ConductorArgs,
+    }
+
+    #[test]
+    fn discovery_flags_parse_validate_and_exclude_static_engines() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["t"];
+            argv.extend_from_slice(extra);
+            T::try_parse_from(argv)
+        };
+        let a = parse(&[
+            "--discover-namespace",
+            "llm",
+            "--prefill-selector",
+            "kvpool.dev/pool=cache,kvpool.dev/component=prefill",
+            "--engine-port",
+            "8001",
+        ])
+        .unwrap()
+        .a;
+        let d = discovery_config(&a).unwrap().expect("discovery on");
+        assert_eq!(d.namespace, "llm");
+        assert_eq!(
+            d.prefill_selector,
+            "kvpool.dev/pool=cache,kvpool.dev/component=prefill"
+        );
+        assert_eq!(
+            d.decode_selector,
+            "app.kubernetes.io/name=kvpool,kvpool.dev/component=decode"
+        );
+        assert_eq!(d.engine_port, 8001);
+        // Without the namespace: no discovery, and its flags are refused.
+        assert_eq!(discovery_config(&parse(&[]).unwrap().a).unwrap(), None);
+        assert!(parse(&["--engine-port", "8001"]).is_err());
+        // Static engines and discovery exclude each other.
+        assert!(parse(&["--discover-namespace", "llm", "--prefill", "http://a"]).is_err());
+        // Same selector twice, an empty one, port 0: named.
+        let same = parse(&[
+            "--discover-namespace",
+            "llm",
+            "--prefill-selector",
+            "a=b",
+            "--decode-selector",
+            "a=b",
+        ])
+        .unwrap()
+        .a;
+        let err = discovery_config(&same).unwrap_err().to_string();
+        assert!(err.starts_with("--decode-selector:"), "{err}");
+        let empty = parse(&["--discover-namespace", "llm", "--prefill-selector", " "])
+            .unwrap()
+            .a;
+        let err = discovery_config(&empty).unwrap_err().to_string();
+        assert!(err.starts_with("--prefill-selector:"), "{err}");
+        let port = parse(&["--discover-namespace", "llm", "--engine-port", "0"])
+            .unwrap()
+            .a;
+        let err = discovery_config(&port).unwrap_err().to_string();
+        assert!(err.starts_with("--engine-port:"), "{err}");
     }
 
     #[test]

@@ -1,10 +1,14 @@
 //! The conductor's front door: an OpenAI-compatible HTTP server that places every request with
 //! the scheduling policy core (`crate::sched`) and routes it to the chosen prefill instance and
 //! then to the chosen decode instance, following vLLM's disaggregated-serving proxy convention.
-//! I/O boundary: `server` (listener, HTTP client to the engines, the clock) and `cli`;
-//! `State` here is the pure bookkeeping between the policy and the engines.
+//! The engine set is fixed by flags or, in Kubernetes, followed at run time by `discovery`;
+//! [`State::regrouped`] carries the bookkeeping of the engines that stay over a change.
+//! I/O boundary: `server` (listener, HTTP client to the engines, the clock), `discovery` (the
+//! Kubernetes API) and `cli`; `State` here is the pure bookkeeping between the policy and the
+//! engines.
 
 pub mod cli;
+pub mod discovery;
 pub mod server;
 pub mod tokenize;
 
@@ -39,6 +43,62 @@ impl ConductorConfig {
     /// conductor serves 503s and is not ready.
     pub fn has_engines(&self) -> bool {
         !self.prefill.is_empty() && !self.decode.is_empty()
+    }
+
+    /// The engines configured at start.
+    pub fn engines(&self) -> Engines {
+        Engines {
+            prefill: self.prefill.clone(),
+            decode: self.decode.clone(),
+        }
+    }
+
+    /// This configuration serving `engines` instead: one prefill cost per prefill engine (the
+    /// first configured cost, or the default when none was configured).
+    pub fn with_engines(&self, engines: &Engines) -> Self {
+        let cost = self
+            .scheduler
+            .prefill_costs
+            .first()
+            .copied()
+            .unwrap_or_default();
+        let mut c = self.clone();
+        c.prefill = engines.prefill.clone();
+        c.decode = engines.decode.clone();
+        c.scheduler.prefill_costs = vec![cost; engines.prefill.len()];
+        c
+    }
+}
+
+/// The engine instances the conductor routes to, by base URL.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Engines {
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+}
+
+impl Engines {
+    /// At least one of each role.
+    pub fn is_complete(&self) -> bool {
+        !self.prefill.is_empty() && !self.decode.is_empty()
+    }
+
+    /// `next` ordered so that engines present in `self` keep their relative order and come
+    /// first, and new ones follow in `next`'s order: indices change as little as possible.
+    pub fn stable_order(&self, next: &Engines) -> Engines {
+        fn order(old: &[String], new: &[String]) -> Vec<String> {
+            let mut out: Vec<String> = old.iter().filter(|u| new.contains(u)).cloned().collect();
+            for u in new {
+                if !out.contains(u) {
+                    out.push(u.clone());
+                }
+            }
+            out
+        }
+        Engines {
+            prefill: order(&self.prefill, &next.prefill),
+            decode: order(&self.decode, &next.decode),
+        }
     }
 }
 
@@ -263,6 +323,54 @@ impl State {
         self.started.remove(&ticket.request);
     }
 
+    /// The state for a new engine set (`config` already serves it, see
+    /// [`ConductorConfig::with_engines`]). `prefill_from[i]` / `decode_from[i]` name the index
+    /// instance `i` had in `self`, or `None` for a new instance, which starts empty. Survivors
+    /// keep their cache mirror (re-entered in a fresh prefix index), bookings and decode load;
+    /// instances that left drop out of the index and the load tables. Hit counters restart.
+    pub fn regrouped(
+        mut self,
+        config: &ConductorConfig,
+        prefill_from: &[Option<usize>],
+        decode_from: &[Option<usize>],
+    ) -> Result<Self, StateError> {
+        let mut next = State::new(config)?;
+        for (i, from) in prefill_from.iter().enumerate() {
+            let Some(old) = *from else { continue };
+            if let (Some(cache), Some(slot)) = (self.caches.get_mut(old), next.caches.get_mut(i)) {
+                std::mem::swap(cache, slot);
+                // Least recently used first, so the index sees the same set either way.
+                let keys: Vec<BlockKey> = slot.iter().collect();
+                for k in keys.into_iter().rev() {
+                    next.index.add_local(k, i);
+                }
+            }
+            if let (Some(load), Some(slot)) = (self.prefill.get(old), next.prefill.get_mut(i)) {
+                *slot = *load;
+            }
+            if let (Some(q), Some(slot)) = (self.booked.get_mut(old), next.booked.get_mut(i)) {
+                std::mem::swap(q, slot);
+            }
+        }
+        for (i, from) in decode_from.iter().enumerate() {
+            let Some(old) = *from else { continue };
+            if let (Some(d), Some(slot)) = (self.decode.get_mut(old), next.decode.get_mut(i)) {
+                std::mem::swap(d, slot);
+            }
+        }
+        // Requests on instances that left are gone with them; ids keep counting so that a
+        // ticket issued before the change never names a newer request.
+        let alive: std::collections::HashSet<u64> = next
+            .decode
+            .iter()
+            .flat_map(|d| d.running.iter().chain(d.pending.iter()).map(|m| m.request))
+            .collect();
+        next.started = std::mem::take(&mut self.started);
+        next.started.retain(|r, _| alive.contains(r));
+        next.next_request = self.next_request;
+        Ok(next)
+    }
+
     pub fn block_size(&self) -> NonZeroU32 {
         self.block_size
     }
@@ -399,5 +507,46 @@ mod tests {
         st.finished(&c);
         assert!(st.prefill_free_at()[1].abs() < 1e-12);
         assert_eq!(st.decode_counts(), vec![1]);
+    }
+
+    #[test]
+    fn regrouping_keeps_survivors_and_forgets_the_departed() {
+        let cfg = config();
+        let mut st = State::new(&cfg).unwrap();
+        // a on instance 0 (caches 1,2,3), b on instance 1 (caches 7,8).
+        let a = st.place(0.0, &[1, 2, 3], 30, 5).unwrap();
+        let b = st.place(0.0, &[7, 8], 20, 5).unwrap();
+        assert_eq!((a.prefill, b.prefill), (0, 1));
+        let old = cfg.engines();
+        // Instance "http://a" leaves, "http://e" joins; the decode engine stays.
+        let next = old.stable_order(&Engines {
+            prefill: vec!["http://e".into(), "http://b".into()],
+            decode: vec!["http://c".into()],
+        });
+        assert_eq!(
+            next.prefill,
+            vec!["http://b".to_owned(), "http://e".to_owned()]
+        );
+        let cfg2 = cfg.with_engines(&next);
+        assert_eq!(cfg2.scheduler.prefill_costs.len(), 2);
+        let mut st = st.regrouped(&cfg2, &[Some(1), None], &[Some(0)]).unwrap();
+        // b's instance is now 0, with its cache and its booking; the departed blocks are gone.
+        assert!(st.index.holders(7).contains(0));
+        assert!(st.index.holders(1).is_empty());
+        assert!((st.prefill_free_at()[0] - 0.2).abs() < 1e-12);
+        assert!(
+            st.prefill_free_at()[1].abs() < 1e-12,
+            "a new instance starts idle"
+        );
+        assert_eq!(st.decode_counts(), vec![2], "decode bookings stay");
+        // Request ids keep counting past the change.
+        let c = st.place(0.0, &[9], 10, 5).unwrap();
+        assert!(c.request > b.request);
+        // A request whose prefill instance left still leaves decode when it finishes.
+        st.finished(&Ticket {
+            prefill: usize::MAX,
+            ..a
+        });
+        assert_eq!(st.decode_counts(), vec![2]);
     }
 }

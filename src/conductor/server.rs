@@ -2,7 +2,8 @@
 //! two upstream calls. Prefill gets the request with `max_tokens: 1`, `stream: false` and
 //! `kv_transfer_params: {"do_remote_decode": true}`; decode gets the original request plus the
 //! `kv_transfer_params` that prefill returned (vLLM's disaggregated proxy convention), and its
-//! response, streamed or not, goes back to the client unchanged.
+//! response, streamed or not, goes back to the client unchanged. The engine set can change
+//! while serving ([`EngineSet`]); without a prefill and a decode engine, completions answer 503.
 //! I/O boundary: the listener, the HTTP client, the monotonic clock.
 
 use std::sync::Arc;
@@ -18,13 +19,15 @@ use futures::StreamExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::tokenize::TokenizeError;
-use super::{ConductorConfig, ReplicationTask, State, StateError, Ticket};
+use super::{ConductorConfig, Engines, ReplicationTask, State, StateError, Ticket};
+use crate::admin::Readiness;
 use crate::sched::{RejectReason, block_keys};
 use crate::synthetic::api::{self, ApiError, Endpoint};
 
@@ -76,15 +79,57 @@ enum UpstreamError {
     },
 }
 
+/// The engines served now and the bookkeeping over them. `epoch` counts engine-set changes, so
+/// a request placed before a change finds its instances again by URL.
+struct Members {
+    engines: Engines,
+    /// `None` until there is at least one prefill and one decode engine.
+    state: Option<State>,
+    epoch: u64,
+}
+
+/// A request placed on instances, with what is needed to find them after an engine-set change.
+#[derive(Clone, Debug)]
+struct Placed {
+    ticket: Ticket,
+    epoch: u64,
+    prefill_url: String,
+    decode_url: String,
+}
+
+impl Members {
+    /// Run `f` on the state with `placed`'s ticket as the current engine set numbers it; an
+    /// instance that left meanwhile gets an index nothing has (its part is skipped).
+    fn with_ticket(&mut self, placed: &Placed, f: impl FnOnce(&mut State, &Ticket)) {
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
+        let ticket = if placed.epoch == self.epoch {
+            placed.ticket
+        } else {
+            let find = |urls: &[String], url: &str| {
+                urls.iter().position(|u| u == url).unwrap_or(usize::MAX)
+            };
+            Ticket {
+                prefill: find(&self.engines.prefill, &placed.prefill_url),
+                decode: find(&self.engines.decode, &placed.decode_url),
+                ..placed.ticket
+            }
+        };
+        f(state, &ticket);
+    }
+}
+
 struct Shared {
     config: ConductorConfig,
-    state: parking_lot::Mutex<State>,
+    members: parking_lot::Mutex<Members>,
     client: Client<HttpConnector, Body>,
     started: Instant,
     requests: IntCounterVec,
     rejections: IntCounterVec,
     replication_tasks: IntCounter,
     replication_blocks: IntCounterVec,
+    engines: IntGaugeVec,
 }
 
 impl Shared {
@@ -112,12 +157,105 @@ impl Shared {
 /// Leaves the decode bookkeeping when the response body is done or dropped.
 struct Finish {
     shared: Arc<Shared>,
-    ticket: Ticket,
+    placed: Placed,
 }
 
 impl Drop for Finish {
     fn drop(&mut self) {
-        self.shared.state.lock().finished(&self.ticket);
+        self.shared
+            .members
+            .lock()
+            .with_ticket(&self.placed, |s, t| s.finished(t));
+    }
+}
+
+/// The engine set of a running conductor: replace it at any time (engine discovery does).
+#[derive(Clone)]
+pub struct EngineSet(Arc<Shared>);
+
+impl std::fmt::Debug for EngineSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("EngineSet").field(&self.current()).finish()
+    }
+}
+
+impl EngineSet {
+    /// The engines served now.
+    pub fn current(&self) -> Engines {
+        self.0.members.lock().engines.clone()
+    }
+
+    /// Serve `next` from now on. Engines that stay keep their cache mirror and load; new ones
+    /// start empty; those that left drop out of the prefix index and the load tables. Returns
+    /// whether the conductor can serve (at least one prefill and one decode engine). A set
+    /// larger than the scheduler supports is refused (logged) and the previous one kept.
+    pub fn set(&self, next: Engines) -> bool {
+        let shared = &self.0;
+        let mut m = shared.members.lock();
+        let ordered = m.engines.stable_order(&next);
+        if ordered == m.engines {
+            return m.state.is_some();
+        }
+        let from = |old: &[String], new: &[String]| -> Vec<Option<usize>> {
+            new.iter()
+                .map(|u| old.iter().position(|o| o == u))
+                .collect()
+        };
+        let state = if ordered.is_complete() {
+            let config = shared.config.with_engines(&ordered);
+            let built = match m.state.take() {
+                Some(old) => old.regrouped(
+                    &config,
+                    &from(&m.engines.prefill, &ordered.prefill),
+                    &from(&m.engines.decode, &ordered.decode),
+                ),
+                None => State::new(&config),
+            };
+            match built {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::error!(error = %e, source = ?std::error::Error::source(&e),
+                        prefill = ordered.prefill.len(), decode = ordered.decode.len(),
+                        "engine set refused; keeping the previous one");
+                    // `take` emptied it; rebuild the previous set's state from scratch.
+                    m.state = State::new(&shared.config.with_engines(&m.engines)).ok();
+                    return m.state.is_some();
+                }
+            }
+        } else {
+            None
+        };
+        tracing::info!(prefill = ?ordered.prefill, decode = ?ordered.decode, "engine set changed");
+        shared
+            .engines
+            .with_label_values(&["prefill"])
+            .set(ordered.prefill.len() as i64);
+        shared
+            .engines
+            .with_label_values(&["decode"])
+            .set(ordered.decode.len() as i64);
+        m.engines = ordered;
+        m.state = state;
+        m.epoch += 1;
+        m.state.is_some()
+    }
+
+    /// Apply every engine set `updates` carries (the latest one wins) until its sender is
+    /// dropped or `shutdown` fires; `readiness` follows whether the conductor can serve.
+    pub async fn follow(
+        self,
+        mut updates: watch::Receiver<Engines>,
+        readiness: Readiness,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            let next = updates.borrow_and_update().clone();
+            readiness.set_ready(self.set(next));
+            tokio::select! {
+                changed = updates.changed() => if changed.is_err() { break },
+                () = shutdown.cancelled() => break,
+            }
+        }
     }
 }
 
@@ -182,15 +320,12 @@ fn upstream_failed(shared: &Shared, err: &UpstreamError) -> Response {
         .into_response()
 }
 
-/// Counts and logs a replication task; the master does not execute them yet.
-fn report_replication(shared: &Shared, task: &ReplicationTask) {
+/// Counts and logs a replication task; the master does not execute them yet. `prefill` is the
+/// engine set the task's target indices refer to.
+fn report_replication(shared: &Shared, task: &ReplicationTask, prefill: &[String]) {
     shared.replication_tasks.inc();
     for &t in &task.targets {
-        let url = shared
-            .config
-            .prefill
-            .get(t)
-            .map_or("unknown", String::as_str);
+        let url = prefill.get(t).map_or("unknown", String::as_str);
         shared
             .replication_blocks
             .with_label_values(&[url])
@@ -199,7 +334,7 @@ fn report_replication(shared: &Shared, task: &ReplicationTask) {
     let targets: Vec<&str> = task
         .targets
         .iter()
-        .filter_map(|&t| shared.config.prefill.get(t).map(String::as_str))
+        .filter_map(|&t| prefill.get(t).map(String::as_str))
         .collect();
     tracing::info!(
         blocks = task.keys.len(),
@@ -211,6 +346,10 @@ fn report_replication(shared: &Shared, task: &ReplicationTask) {
 }
 
 async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
+    // Without engines nothing can be served, whatever the request says.
+    if shared.members.lock().state.is_none() {
+        return no_engines(&shared.requests);
+    }
     let req = match api::parse_request(endpoint, &body, &shared.config.model) {
         Ok(r) => r,
         Err(e) => return api_error(&shared, &e),
@@ -235,26 +374,44 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             return (status, Json(error_body(format!("{e}"), kind, "prompt"))).into_response();
         }
     };
-    let ticket = {
-        let mut state = shared.state.lock();
+    let placed = {
+        let mut members = shared.members.lock();
+        let epoch = members.epoch;
+        let Members { engines, state, .. } = &mut *members;
+        let Some(state) = state.as_mut() else {
+            drop(members);
+            return no_engines(&shared.requests);
+        };
         let keys = block_keys(&tokens, state.block_size());
         let now = shared.now_s();
         let placed = state.place(now, &keys, tokens.len() as u64, req.max_tokens);
-        let replication = state.take_replication();
-        drop(state);
-        if let Some(task) = replication {
-            report_replication(&shared, &task);
+        if let Some(task) = state.take_replication() {
+            report_replication(&shared, &task, &engines.prefill);
         }
         match placed {
-            Ok(t) => t,
-            Err(reason) => return rejected(&shared, reason),
+            Ok(ticket) => match (
+                engines.prefill.get(ticket.prefill),
+                engines.decode.get(ticket.decode),
+            ) {
+                (Some(p), Some(d)) => Placed {
+                    ticket,
+                    epoch,
+                    prefill_url: p.clone(),
+                    decode_url: d.clone(),
+                },
+                _ => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+            },
+            Err(reason) => {
+                drop(members);
+                return rejected(&shared, reason);
+            }
         }
     };
-    tracing::debug!(?ticket, "placed");
+    tracing::debug!(?placed, "placed");
     // Releases the bookings however this request ends: error, client gone, or body done.
     let finish = Finish {
         shared: shared.clone(),
-        ticket,
+        placed: placed.clone(),
     };
 
     // Prefill: one token, no streaming, and ask for the KV cache to be kept for decode.
@@ -269,10 +426,7 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         );
     }
-    let Some(prefill_url) = shared.config.prefill.get(ticket.prefill) else {
-        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-    };
-    let url = format!("{}{path}", prefill_url.trim_end_matches('/'));
+    let url = format!("{}{path}", placed.prefill_url.trim_end_matches('/'));
     let resp = match shared.post(url.clone(), &prefill_req).await {
         Ok(r) => r,
         Err(e) => return upstream_failed(&shared, &e),
@@ -284,7 +438,11 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             return upstream_failed(&shared, &UpstreamError::Read { url, source });
         }
     };
-    shared.state.lock().prefilled(&ticket, shared.now_s());
+    let now = shared.now_s();
+    shared
+        .members
+        .lock()
+        .with_ticket(&placed, |s, t| s.prefilled(t, now));
     if !status.is_success() {
         // The engine's own error (e.g. 400) goes back as it is.
         drop(finish);
@@ -301,15 +459,16 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
     if let (Some(obj), Some(kv)) = (decode_req.as_object_mut(), kv_params) {
         obj.insert("kv_transfer_params".into(), kv);
     }
-    let Some(decode_url) = shared.config.decode.get(ticket.decode) else {
-        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-    };
-    let url = format!("{}{path}", decode_url.trim_end_matches('/'));
+    let url = format!("{}{path}", placed.decode_url.trim_end_matches('/'));
     let resp = match shared.post(url, &decode_req).await {
         Ok(r) => r,
         Err(e) => return upstream_failed(&shared, &e),
     };
-    shared.state.lock().decoding(&ticket, shared.now_s());
+    let now = shared.now_s();
+    shared
+        .members
+        .lock()
+        .with_ticket(&placed, |s, t| s.decoding(t, now));
     shared.requests.with_label_values(&["ok"]).inc();
     let (parts, body) = resp.into_parts();
     let stream = body.into_data_stream().map(move |chunk| {
@@ -331,8 +490,20 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
     out
 }
 
-/// Router of the conductor API.
+/// A conductor ready to serve: its API router and the handle that changes its engines.
+#[derive(Debug)]
+pub struct Conductor {
+    pub router: Router,
+    pub engines: EngineSet,
+}
+
+/// Router of the conductor API, serving the engines of `config` for good.
 pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, ServerError> {
+    Ok(conductor(config, registry)?.router)
+}
+
+/// The conductor API and its engine set, starting with the engines of `config` (possibly none).
+pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conductor, ServerError> {
     let requests = IntCounterVec::new(
         Opts::new(
             "kvpool_conductor_requests_total",
@@ -349,9 +520,6 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
         &["reason"],
     )
     .map_err(ServerError::Metrics)?;
-    registry
-        .register(Box::new(requests.clone()))
-        .map_err(ServerError::Metrics)?;
     let replication_tasks = IntCounter::new(
         "kvpool_conductor_replication_tasks_total",
         "Hot-prefix replication tasks planned (reported only: nothing executes them yet)",
@@ -365,10 +533,20 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
         &["target"],
     )
     .map_err(ServerError::Metrics)?;
+    let engines = IntGaugeVec::new(
+        Opts::new(
+            "kvpool_conductor_engines",
+            "Engine instances the conductor routes to, by role",
+        ),
+        &["role"],
+    )
+    .map_err(ServerError::Metrics)?;
     for c in [
-        Box::new(rejections.clone()) as Box<dyn prometheus::core::Collector>,
+        Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+        Box::new(rejections.clone()),
         Box::new(replication_tasks.clone()),
         Box::new(replication_blocks.clone()),
+        Box::new(engines.clone()),
     ] {
         registry.register(c).map_err(ServerError::Metrics)?;
     }
@@ -377,21 +555,34 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
     for outcome in ["ok", "rejected"] {
         requests.with_label_values(&[outcome]);
     }
-    if !config.has_engines() {
-        return Ok(no_engines_router(config.model, requests));
-    }
-    let state = State::new(&config).map_err(ServerError::State)?;
+    let initial = config.engines();
+    engines
+        .with_label_values(&["prefill"])
+        .set(initial.prefill.len() as i64);
+    engines
+        .with_label_values(&["decode"])
+        .set(initial.decode.len() as i64);
+    let state = if initial.is_complete() {
+        Some(State::new(&config).map_err(ServerError::State)?)
+    } else {
+        None
+    };
     let shared = Arc::new(Shared {
         config,
-        state: parking_lot::Mutex::new(state),
+        members: parking_lot::Mutex::new(Members {
+            engines: initial,
+            state,
+            epoch: 0,
+        }),
         client: Client::builder(TokioExecutor::new()).build_http(),
         started: Instant::now(),
         requests,
         rejections,
         replication_tasks,
         replication_blocks,
+        engines,
     });
-    Ok(Router::new()
+    let router = Router::new()
         .route(
             "/v1/completions",
             post(
@@ -414,37 +605,28 @@ pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, Se
                 Json(api::models_body(&s.config.model, 0))
             }),
         )
-        .with_state(shared))
+        .with_state(shared.clone());
+    Ok(Conductor {
+        router,
+        engines: EngineSet(shared),
+    })
 }
 
-/// The API of a conductor started without prefill or decode engines (the operator starts it
-/// that way until engine discovery exists): completions answer 503 with an OpenAI-style error
-/// saying so, /v1/models still answers, and the admin server reports not ready.
-fn no_engines_router(model: String, requests: IntCounterVec) -> Router {
-    let unavailable = move || {
-        let requests = requests.clone();
-        async move {
-            requests.with_label_values(&["no_engines"]).inc();
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                Json(error_body(
-                    "the conductor has no prefill or decode engines configured yet \
-                     (start it with --prefill and --decode)"
-                        .to_owned(),
-                    "service_unavailable",
-                    "no_engines",
-                )),
-            )
-                .into_response()
-        }
-    };
-    Router::new()
-        .route("/v1/completions", post(unavailable.clone()))
-        .route("/v1/chat/completions", post(unavailable))
-        .route(
-            "/v1/models",
-            get(move || async move { Json(api::models_body(&model, 0)) }),
-        )
+/// The answer while the conductor has no prefill or no decode engine: 503 with an OpenAI-style
+/// error saying so (the admin server reports not ready meanwhile).
+fn no_engines(requests: &IntCounterVec) -> Response {
+    requests.with_label_values(&["no_engines"]).inc();
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(error_body(
+            "the conductor has no prefill or decode engines yet (start it with --prefill and \
+             --decode, or let it discover engine pods with --discover-namespace)"
+                .to_owned(),
+            "service_unavailable",
+            "no_engines",
+        )),
+    )
+        .into_response()
 }
 
 /// Serves `router` on `listener` until `shutdown` is cancelled.

@@ -10,6 +10,10 @@ pub const PROGRESSING: &str = "Progressing";
 /// Something that worked is now failing, or part of the pool is unavailable.
 pub const DEGRADED: &str = "Degraded";
 
+/// A `KVCachePool`'s master answered the operator's usage query (`dram.used`, `ssd.used` and
+/// `objects` are current); False keeps the last known figures.
+pub const MASTER_REACHABLE: &str = "MasterReachable";
+
 /// Condition statuses.
 pub const TRUE: &str = "True";
 /// Condition statuses.
@@ -41,6 +45,11 @@ pub mod reasons {
     pub const PENDING: &str = "Pending";
     /// `Degraded=False`: nothing is wrong.
     pub const AS_EXPECTED: &str = "AsExpected";
+    /// `MasterReachable=True`: the usage figures were read from the master on the last pass.
+    pub const STATS_READ: &str = "StatsRead";
+    /// `MasterReachable=False`: the master did not answer (not started yet, down, or the key
+    /// did not match); the message names the address and the failure category.
+    pub const MASTER_UNREACHABLE: &str = "MasterUnreachable";
 
     /// Every reason above (docs/crds.md documents each).
     pub const ALL: &[&str] = &[
@@ -55,6 +64,8 @@ pub mod reasons {
         APPLY_FAILED,
         PENDING,
         AS_EXPECTED,
+        STATS_READ,
+        MASTER_UNREACHABLE,
     ];
 }
 

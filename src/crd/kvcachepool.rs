@@ -63,6 +63,20 @@ use super::defaults;
         description = "SSD tier capacity over all ready nodes"
     ),
     printcolumn(
+        name = "DRAM-Used",
+        type_ = "string",
+        json_path = ".status.dram.used",
+        description = "DRAM tier bytes in use, as the master reports",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Objects",
+        type_ = "integer",
+        json_path = ".status.objects",
+        description = "KV cache blocks held, as the master reports",
+        priority = 1
+    ),
+    printcolumn(
         name = "Transport",
         type_ = "string",
         json_path = ".spec.transport.protocol",
@@ -204,7 +218,8 @@ pub enum NumaPolicy {
     Local,
     /// Interleaved over all NUMA nodes.
     Interleave,
-    /// Left to the kernel.
+    /// No preference. The agent binds every segment it maps to a node, so it spreads the tier
+    /// evenly over all NUMA nodes, as with `interleave`.
     None,
 }
 
@@ -282,11 +297,44 @@ pub enum Protocol {
     Tcp,
 }
 
-/// SR-IOV virtual functions for the agent pods, as exposed by the SR-IOV device plugin.
+/// SR-IOV virtual functions for the agent pods, as exposed by the SR-IOV device plugin: either
+/// one resource for all rails (`resourceName` and `count`), or one resource per NIC rail
+/// (`resources`, e.g. `nvidia.com/rdma_vf_rail0` to `..._rail7`), each requested separately.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("has(self.resourceName) != (has(self.resources) && size(self.resources) > 0)").message("transport.sriov: set exactly one of resourceName (one resource for all rails) and resources (one per rail)").reason(Reason::FieldValueInvalid)
+)]
+pub struct SriovSpec {
+    /// Extended resource name of the VFs of every rail (e.g. `nvidia.com/rdma_vf`). Exclusive
+    /// with `resources`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(
+            pattern = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+        )
+    )]
+    pub resource_name: Option<String>,
+
+    /// VFs of `resourceName` requested per agent pod (ignored with `resources`).
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub count: i32,
+
+    /// One extended resource per NIC rail, each requested by every agent pod. Exclusive with
+    /// `resourceName`. A list map keyed by `resourceName`: the API server refuses a name twice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["resourceName".into()]))]
+    #[schemars(length(max = 16))]
+    pub resources: Vec<SriovResource>,
+}
+
+/// The VFs of one rail.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct SriovSpec {
-    /// Extended resource name of the VFs (e.g. `nvidia.com/rdma_vf`).
+pub struct SriovResource {
+    /// Extended resource name of the rail's VFs (e.g. `nvidia.com/rdma_vf_rail0`).
     #[schemars(
         length(min = 1, max = 253),
         regex(
@@ -295,7 +343,7 @@ pub struct SriovSpec {
     )]
     pub resource_name: String,
 
-    /// VFs requested per agent pod.
+    /// VFs of this resource per agent pod.
     #[serde(default = "defaults::one")]
     #[schemars(range(min = 1, max = 64))]
     pub count: i32,
@@ -497,6 +545,14 @@ pub struct KVCachePoolStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssd: Option<TierStatus>,
 
+    /// KV cache objects (blocks) the master holds, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objects: Option<i64>,
+
+    /// Agents registered with the master and alive, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_registered: Option<i32>,
+
     /// Address (`host:port`) of the master Service.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub master_endpoint: Option<String>,
@@ -506,7 +562,9 @@ pub struct KVCachePoolStatus {
     pub conductor_endpoint: Option<String>,
 }
 
-/// Capacity and usage of one tier.
+/// Capacity and usage of one tier. Capacity is what the master counts over the segments agents
+/// registered when it answers, otherwise the spec's amount times the ready nodes; `used` is the
+/// master's figure, kept from the last answer while it does not answer.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TierStatus {

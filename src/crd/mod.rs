@@ -19,13 +19,13 @@ pub use enginepool::{
 pub use kvcachepool::{
     AgentSpec, ConductorSlo, ConductorSpec, DramTierSpec, EvictionPolicy, EvictionSpec, Hugepages,
     KVCachePool, KVCachePoolSpec, KVCachePoolStatus, MasterSpec, NumaPolicy, Protocol,
-    ReplicationSpec, SriovSpec, SsdTierSpec, TierStatus, TransportSpec,
+    ReplicationSpec, SriovResource, SriovSpec, SsdTierSpec, TierStatus, TransportSpec,
 };
 
 pub use validated::{
     AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,
-    MasterConfig, ReplicationConfig, Role, SpecError, SriovConfig, SsdConfig, TransportConfig,
-    ValidatedEnginePool, ValidatedKVCachePool, validate_name,
+    MasterConfig, ReplicationConfig, Role, SpecError, SriovConfig, SriovRequest, SsdConfig,
+    TransportConfig, ValidatedEnginePool, ValidatedKVCachePool, validate_name,
 };
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

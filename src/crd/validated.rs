@@ -216,10 +216,18 @@ pub struct TransportConfig {
     pub port: u16,
 }
 
-/// Effective SR-IOV request.
+/// Effective SR-IOV request: every extended resource an agent pod requests (the single-name
+/// form of the spec becomes one entry).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct SriovConfig {
+    pub resources: Vec<SriovRequest>,
+}
+
+/// VFs of one extended resource per agent pod.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SriovRequest {
     /// Extended resource name.
     pub resource_name: String,
     /// VFs per agent pod.
@@ -396,10 +404,40 @@ impl ValidatedKVCachePool {
         unique("transport.networks", &t.networks)?;
         let sriov = match &t.sriov {
             None => None,
-            Some(s) => Some(SriovConfig {
-                resource_name: s.resource_name.clone(),
-                count: ranged("transport.sriov.count", s.count, 1, 64)?,
-            }),
+            Some(s) => {
+                let resources = match (&s.resource_name, s.resources.as_slice()) {
+                    (Some(name), []) => vec![SriovRequest {
+                        resource_name: name.clone(),
+                        count: ranged("transport.sriov.count", s.count, 1, 64)?,
+                    }],
+                    (None, rails) if !rails.is_empty() => {
+                        let names: Vec<String> =
+                            rails.iter().map(|r| r.resource_name.clone()).collect();
+                        unique("transport.sriov.resources", &names)?;
+                        rails
+                            .iter()
+                            .map(|r| {
+                                Ok(SriovRequest {
+                                    resource_name: r.resource_name.clone(),
+                                    count: ranged(
+                                        "transport.sriov.resources.count",
+                                        r.count,
+                                        1,
+                                        64,
+                                    )?,
+                                })
+                            })
+                            .collect::<Result<Vec<_>, SpecError>>()?
+                    }
+                    _ => {
+                        return Err(SpecError::Conflict {
+                            field: "transport.sriov",
+                            message: "set exactly one of resourceName and resources",
+                        });
+                    }
+                };
+                Some(SriovConfig { resources })
+            }
         };
         let transport = TransportConfig {
             protocol: t.protocol,
@@ -940,6 +978,46 @@ mod tests {
     }
 
     #[test]
+    fn sriov_rails_become_one_request_each_and_a_repeated_rail_is_named() {
+        let v = ValidatedKVCachePool::validate(&pool(
+            "  transport: {sriov: {resources: [{resourceName: a/rail0}, {resourceName: a/rail1, count: 2}]}}",
+        ))
+        .expect("valid");
+        let sriov = v.transport.sriov.expect("sriov");
+        assert_eq!(
+            sriov.resources,
+            vec![
+                SriovRequest {
+                    resource_name: "a/rail0".into(),
+                    count: 1
+                },
+                SriovRequest {
+                    resource_name: "a/rail1".into(),
+                    count: 2
+                },
+            ]
+        );
+        for (yaml, field) in [
+            (
+                "  transport: {sriov: {resources: [{resourceName: a/r, count: 1}, {resourceName: a/r, count: 2}]}}",
+                "transport.sriov.resources",
+            ),
+            (
+                "  transport: {sriov: {resourceName: a/r, resources: [{resourceName: a/s}]}}",
+                "transport.sriov",
+            ),
+            ("  transport: {sriov: {count: 2}}", "transport.sriov"),
+            (
+                "  transport: {sriov: {resources: [{resourceName: a/r, count: 0}]}}",
+                "transport.sriov.resources.count",
+            ),
+        ] {
+            let err = ValidatedKVCachePool::validate(&pool(yaml)).expect_err(yaml);
+            assert_eq!(err.field(), field, "{yaml}: {err}");
+        }
+    }
+
+    #[test]
     fn configmap_form_is_camel_case_and_round_trips() {
         let v = ValidatedKVCachePool::validate(&pool(
             "  transport: {sriov: {resourceName: nvidia.com/roce_vf, count: 8}}\n  dram: {capacityPerNode: 1Ti}",
@@ -952,8 +1030,8 @@ mod tests {
             serde_json::json!({"bytes": 1u64 << 40})
         );
         assert_eq!(
-            json["transport"]["sriov"]["resourceName"],
-            "nvidia.com/roce_vf"
+            json["transport"]["sriov"]["resources"],
+            serde_json::json!([{"resourceName": "nvidia.com/roce_vf", "count": 8}])
         );
         assert_eq!(json["eviction"]["highWatermarkPercent"], 90);
         let back: ValidatedKVCachePool = serde_json::from_value(json).expect("parses back");

@@ -167,8 +167,8 @@ pub fn cel_errors(kind: Kind, object: &Value, old: Option<&Value>) -> Vec<String
 
 /// The schema in the form a JSON-schema validator understands, made strict the way the API
 /// server's strict field validation is: OpenAPI `nullable` becomes a `null` type,
-/// `x-kubernetes-int-or-string` becomes integer-or-string, `x-kubernetes-list-type: set` becomes
-/// `uniqueItems`, and objects with declared properties reject unknown ones. The implicit root fields (apiVersion, kind, metadata) are declared.
+/// `x-kubernetes-int-or-string` becomes integer-or-string, `x-kubernetes-list-type: set` (and
+/// `map`) becomes `uniqueItems`, and objects with declared properties reject unknown ones. The implicit root fields (apiVersion, kind, metadata) are declared.
 pub fn strict_json_schema(kind: Kind) -> Value {
     fn convert(s: &Value) -> Value {
         let Some(map) = s.as_object() else {
@@ -209,7 +209,11 @@ pub fn strict_json_schema(kind: Kind) -> Value {
                 _ => {}
             }
         }
-        if map.get("x-kubernetes-list-type") == Some(&json!("set")) {
+        // A list map refuses two items with equal keys; JSON schema can only refuse equal
+        // items, which covers the repeated-entry case (the Rust-side check covers the rest).
+        if map.get("x-kubernetes-list-type") == Some(&json!("set"))
+            || map.get("x-kubernetes-list-type") == Some(&json!("map"))
+        {
             out.insert("uniqueItems".into(), Value::Bool(true));
         }
         let preserve = map.get("x-kubernetes-preserve-unknown-fields") == Some(&Value::Bool(true));

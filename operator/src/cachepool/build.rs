@@ -1,6 +1,7 @@
 //! Pure construction of a `KVCachePool`'s children from a [`ValidCachePool`]: the effective
 //! config (ConfigMap), the auth Secret, the agent DaemonSet, the master Deployment and Service,
-//! and the conductor Deployment and Service when enabled. No client, no clock, no randomness:
+//! and, when enabled, the conductor Deployment and Service with the ServiceAccount, Role and
+//! RoleBinding that let it list and watch the engine pods it discovers. No client, no clock, no randomness:
 //! the auth key is passed in. I/O boundary: none.
 
 use std::collections::BTreeMap;
@@ -11,9 +12,10 @@ use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, ObjectFieldSelector,
     PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
-    Secret, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume,
-    VolumeMount,
+    Secret, SecretVolumeSource, SecurityContext, Service, ServiceAccount, ServicePort, ServiceSpec,
+    Volume, VolumeMount,
 };
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -38,6 +40,59 @@ pub struct CachePoolChildren {
     pub master_service: Service,
     /// Absent when the conductor is disabled.
     pub conductor: Option<(Deployment, Service)>,
+    /// The conductor's identity and its right to discover engine pods; absent when disabled.
+    pub conductor_rbac: Option<ConductorRbac>,
+}
+
+/// ServiceAccount, Role and RoleBinding of the conductor (all named `<pool>-conductor`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConductorRbac {
+    pub service_account: ServiceAccount,
+    pub role: Role,
+    pub role_binding: RoleBinding,
+}
+
+/// What the conductor's Role grants: listing and watching the Pods of its namespace (engine
+/// discovery). The operator must hold these itself (`crate::rbac`), since RBAC forbids granting
+/// more than one has.
+pub const CONDUCTOR_POD_VERBS: [&str; 2] = ["list", "watch"];
+
+/// The conductor's ServiceAccount, Role and RoleBinding.
+pub fn conductor_rbac(pool: &ValidCachePool) -> ConductorRbac {
+    let name = labels::child_name(&pool.name, Component::Conductor);
+    ConductorRbac {
+        service_account: ServiceAccount {
+            metadata: meta(pool, Component::Conductor),
+            automount_service_account_token: Some(false),
+            ..ServiceAccount::default()
+        },
+        role: Role {
+            metadata: meta(pool, Component::Conductor),
+            rules: Some(vec![PolicyRule {
+                api_groups: Some(vec![String::new()]),
+                resources: Some(vec!["pods".to_owned()]),
+                verbs: CONDUCTOR_POD_VERBS
+                    .iter()
+                    .map(|v| (*v).to_owned())
+                    .collect(),
+                ..PolicyRule::default()
+            }]),
+        },
+        role_binding: RoleBinding {
+            metadata: meta(pool, Component::Conductor),
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".to_owned(),
+                kind: "Role".to_owned(),
+                name: name.clone(),
+            },
+            subjects: Some(vec![Subject {
+                kind: "ServiceAccount".to_owned(),
+                name,
+                namespace: Some(pool.namespace.clone()),
+                ..Subject::default()
+            }]),
+        },
+    }
 }
 
 /// The document written to `config.yaml`, read by the agent, master and conductor: the pool's
@@ -253,11 +308,15 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
     if let (Some(name), DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
         extra.insert(name.to_owned(), kvpool::crd::quantity::format_bytes(bytes));
     }
-    if let Some(sriov) = &pool.effective.transport.sriov {
-        extra.insert(
-            sriov.resource_name.clone(),
-            Quantity(sriov.count.to_string()),
-        );
+    // One extended resource per rail (or one for all rails): each is requested on its own.
+    for r in pool
+        .effective
+        .transport
+        .sriov
+        .iter()
+        .flat_map(|s| s.resources.iter())
+    {
+        extra.insert(r.resource_name.clone(), Quantity(r.count.to_string()));
     }
     if let (None, DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
         let requests = res.requests.get_or_insert_with(BTreeMap::new);
@@ -536,6 +595,8 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
         image: Some(pool.conductor_image.clone()),
         command: Some(contract::kvpool_command()),
         args: Some(contract::conductor_args(
+            &pool.name,
+            &pool.namespace,
             slo.map_or(
                 u64::from(kvpool::crd::defaults::TTFT_MILLIS.unsigned_abs()),
                 |s| u64::from(s.ttft_millis),
@@ -555,14 +616,25 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
         volume_mounts: Some(common_mounts()),
         ..Container::default()
     };
+    let mut deployment = deployment(
+        pool,
+        Component::Conductor,
+        c.replicas,
+        container,
+        config_hash,
+    );
+    // The conductor talks to the API server (engine discovery) as its own ServiceAccount; the
+    // token is mounted into this pod only, not into every pod of the account.
+    if let Some(spec) = deployment
+        .spec
+        .as_mut()
+        .and_then(|s| s.template.spec.as_mut())
+    {
+        spec.service_account_name = Some(labels::child_name(&pool.name, Component::Conductor));
+        spec.automount_service_account_token = Some(true);
+    }
     (
-        deployment(
-            pool,
-            Component::Conductor,
-            c.replicas,
-            container,
-            config_hash,
-        ),
+        deployment,
         service(
             pool,
             Component::Conductor,
@@ -607,6 +679,11 @@ pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> 
             .conductor
             .is_some()
             .then(|| conductor(pool, &hash)),
+        conductor_rbac: pool
+            .effective
+            .conductor
+            .is_some()
+            .then(|| conductor_rbac(pool)),
     })
 }
 
@@ -923,7 +1000,15 @@ mod tests {
                 "--ttft-slo-s",
                 "1.5",
                 "--tpot-slo-s",
-                "0.04"
+                "0.04",
+                "--discover-namespace",
+                "llm",
+                "--prefill-selector",
+                "app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=prefill",
+                "--decode-selector",
+                "app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=decode",
+                "--engine-port",
+                "8000"
             ]
         );
         assert_eq!(
@@ -986,5 +1071,98 @@ mod tests {
         let data = a.auth.data.as_ref().expect("data");
         assert_eq!(data["key"].0, b"abcd");
         assert_eq!(a.auth.metadata.name.as_deref(), Some("tcp-auth"));
+    }
+
+    #[test]
+    fn conductor_discovers_engines_with_its_own_least_privilege_identity() {
+        let pool = valid(&roce());
+        let children = build(&pool, "00ff").expect("build");
+        let (deployment, _) = children.conductor.as_ref().expect("conductor");
+        let spec = deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .expect("pod spec");
+        assert_eq!(spec.service_account_name.as_deref(), Some("roce-conductor"));
+        assert_eq!(spec.automount_service_account_token, Some(true));
+        let args = spec.containers[0].args.as_ref().expect("args");
+        let after = |flag: &str| {
+            args.windows(2)
+                .find(|w| w[0] == flag)
+                .map(|w| w[1].as_str())
+        };
+        assert_eq!(after("--discover-namespace"), Some("llm"));
+        assert_eq!(
+            after("--decode-selector"),
+            Some("app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=decode")
+        );
+        assert_eq!(after("--engine-port"), Some("8000"));
+
+        let rbac = children.conductor_rbac.as_ref().expect("rbac");
+        for meta in [
+            &rbac.service_account.metadata,
+            &rbac.role.metadata,
+            &rbac.role_binding.metadata,
+        ] {
+            assert_eq!(meta.name.as_deref(), Some("roce-conductor"));
+            assert_eq!(meta.namespace.as_deref(), Some("llm"));
+            let owner = &meta.owner_references.as_ref().expect("owner")[0];
+            assert_eq!(
+                (owner.kind.as_str(), owner.controller),
+                ("KVCachePool", Some(true))
+            );
+        }
+        let rules = rbac.role.rules.as_ref().expect("rules");
+        assert_eq!(rules.len(), 1);
+        assert_eq!(rules[0].api_groups, Some(vec![String::new()]));
+        assert_eq!(rules[0].resources, Some(vec!["pods".to_owned()]));
+        assert_eq!(rules[0].verbs, vec!["list", "watch"]);
+        assert_eq!(rbac.role_binding.role_ref.name, "roce-conductor");
+        let subject = &rbac.role_binding.subjects.as_ref().expect("subjects")[0];
+        assert_eq!(
+            (
+                subject.kind.as_str(),
+                subject.name.as_str(),
+                subject.namespace.as_deref()
+            ),
+            ("ServiceAccount", "roce-conductor", Some("llm"))
+        );
+
+        // Disabled conductor: none of it.
+        let mut off = roce();
+        off.spec.conductor.enabled = false;
+        let children = build(&valid(&off), "00ff").expect("build");
+        assert!(children.conductor.is_none() && children.conductor_rbac.is_none());
+    }
+
+    #[test]
+    fn agent_requests_every_sriov_rail_resource() {
+        let mut pool = roce();
+        pool.spec.transport.sriov = Some(kvpool::crd::SriovSpec {
+            resource_name: None,
+            count: 1,
+            resources: (0..8)
+                .map(|i| kvpool::crd::SriovResource {
+                    resource_name: format!("nvidia.com/roce_vf_rail{i}"),
+                    count: 1,
+                })
+                .collect(),
+        });
+        let children = build(&valid(&pool), "00ff").expect("build");
+        let res = pod(&children.agent).containers[0]
+            .resources
+            .as_ref()
+            .expect("resources");
+        for map in [&res.requests, &res.limits] {
+            let map = map.as_ref().expect("set");
+            for i in 0..8 {
+                assert_eq!(
+                    map.get(&format!("nvidia.com/roce_vf_rail{i}")),
+                    Some(&q("1")),
+                    "rail {i}"
+                );
+            }
+            assert!(!map.contains_key("nvidia.com/roce_vf"));
+        }
     }
 }

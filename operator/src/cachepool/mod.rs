@@ -1,17 +1,22 @@
 //! The `KVCachePool` controller: dereference (nothing to resolve) -> validate -> build -> apply ->
 //! status. Children are owned through controller references, so the garbage collector removes
 //! them when the pool is deleted and no finalizer is needed (docs/operator.md explains why).
-//! I/O boundary: the apply step and the status write, both through [`crate::apply`].
+//! After the apply, the pool's usage is read from its master ([`usage`]); an unreachable master
+//! keeps the last known figures and sets `MasterReachable=False` instead of failing the pass.
+//! I/O boundary: the apply step and the status write, both through [`crate::apply`], the auth
+//! Secret read and the master's `Stats` call.
 
 pub mod build;
 pub mod status;
+pub mod usage;
 pub mod validate;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
@@ -22,12 +27,12 @@ use tracing::{info, instrument, warn};
 
 use crate::apply;
 use crate::conditions::reason;
-use crate::context::{Context, RESYNC};
+use crate::context::{Context, PROGRESS_REQUEUE, USAGE_REFRESH};
 use crate::contract;
 use crate::error::{Error, Result};
 use crate::labels;
 use build::OWNER_KIND;
-use status::AppliedCachePool;
+use status::{AppliedCachePool, UsageReading};
 
 /// Metric label of this controller.
 pub const KIND: &str = "KVCachePool";
@@ -35,8 +40,11 @@ pub const KIND: &str = "KVCachePool";
 /// What a reconcile did, for metrics and tests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Children applied and status up to date.
+    /// Children applied and status up to date, usage read from the master.
     Reconciled,
+    /// Children applied and status up to date, but the master did not report usage: retried
+    /// sooner than a healthy pool's refresh.
+    ReconciledWithoutUsage,
     /// The spec is invalid: Event and condition written, waiting for a change.
     Invalid,
     /// The pool is being deleted: nothing to do (the garbage collector removes the children).
@@ -47,6 +55,7 @@ impl Outcome {
     pub fn label(self) -> &'static str {
         match self {
             Outcome::Reconciled => "ok",
+            Outcome::ReconciledWithoutUsage => "no_usage",
             Outcome::Invalid => "invalid",
             Outcome::Deleting => "deleting",
         }
@@ -74,7 +83,8 @@ pub async fn reconcile(pool: Arc<KVCachePool>, ctx: Arc<Context>) -> Result<Acti
             ctx.metrics.finished(KIND, outcome.label());
             ctx.reset_backoff(&key);
             Ok(match outcome {
-                Outcome::Reconciled => Action::requeue(RESYNC),
+                Outcome::Reconciled => Action::requeue(USAGE_REFRESH),
+                Outcome::ReconciledWithoutUsage => Action::requeue(PROGRESS_REQUEUE),
                 Outcome::Invalid | Outcome::Deleting => Action::await_change(),
             })
         }
@@ -137,9 +147,14 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
     };
 
     let children = build::build(&valid, &generate_auth_key())?;
-    let applied = apply_children(ctx, &namespace, &name, children).await?;
+    let (applied, key) = apply_children(ctx, &namespace, &name, children).await?;
+    let usage = read_usage(ctx, &valid, key).await;
+    let outcome = match usage {
+        UsageReading::Read(_) => Outcome::Reconciled,
+        UsageReading::Failed { .. } => Outcome::ReconciledWithoutUsage,
+    };
 
-    let new_status = status::status(&valid, &applied, pool.status.as_ref(), ctx.now());
+    let new_status = status::status(&valid, &applied, &usage, pool.status.as_ref(), ctx.now());
     if pool.status.as_ref() != Some(&new_status) {
         apply::patch_status(&ctx.settings.field_manager, &pools, &name, &new_status).await?;
         info!(
@@ -148,7 +163,31 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
             "status updated"
         );
     }
-    Ok(Outcome::Reconciled)
+    Ok(outcome)
+}
+
+/// Ask the pool's master for its usage. Never fails the pass: a missing key or a silent master
+/// becomes [`UsageReading::Failed`] (logged, and reported as a condition).
+async fn read_usage(
+    ctx: &Context,
+    pool: &validate::ValidCachePool,
+    key: std::result::Result<kvpool::master::auth::AuthKey, usage::UsageError>,
+) -> UsageReading {
+    let addr = ctx.master_addr(pool.master_addr());
+    let result = match key {
+        Ok(key) => ctx.master_stats.stats(&addr, key).await,
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(u) => UsageReading::Read(u),
+        Err(e) => {
+            warn!(master = %addr, error = %e, source = ?std::error::Error::source(&e), "cannot read pool usage");
+            UsageReading::Failed {
+                addr,
+                category: e.category(),
+            }
+        }
+    }
 }
 
 async fn report_invalid(pool: &KVCachePool, ctx: &Context, message: &str) -> Result<()> {
@@ -176,7 +215,10 @@ async fn apply_children(
     namespace: &str,
     name: &str,
     children: build::CachePoolChildren,
-) -> Result<AppliedCachePool> {
+) -> Result<(
+    AppliedCachePool,
+    std::result::Result<kvpool::master::auth::AuthKey, usage::UsageError>,
+)> {
     let client = ctx.client.clone();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
@@ -184,9 +226,26 @@ async fn apply_children(
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
     let daemonsets: Api<DaemonSet> = Api::namespaced(client, namespace);
 
-    if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
-        info!(secret = %children.auth.name_any(), "created peer-authentication key");
-    }
+    // The key the master checks: the one just generated, or the one an earlier pass stored.
+    let key =
+        if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
+            info!(secret = %children.auth.name_any(), "created peer-authentication key");
+            usage::read_key(&children.auth)
+        } else {
+            let secret_name = children.auth.name_any();
+            match secrets.get_opt(&secret_name).await {
+                Ok(Some(secret)) => usage::read_key(&secret),
+                // Deleted between the create and this read: the next pass creates it again.
+                Ok(None) => Err(usage::UsageError::AuthKey),
+                Err(source) => {
+                    return Err(Error::Get {
+                        kind: "Secret",
+                        name: secret_name,
+                        source,
+                    });
+                }
+            }
+        };
     apply::apply(&ctx.settings.field_manager, &config_maps, &children.config).await?;
     apply::apply(
         &ctx.settings.field_manager,
@@ -199,6 +258,32 @@ async fn apply_children(
 
     let mut keep_deployments = BTreeSet::from([children.master.name_any()]);
     let mut keep_services = BTreeSet::from([children.master_service.name_any()]);
+    let service_accounts: Api<ServiceAccount> = Api::namespaced(ctx.client.clone(), namespace);
+    let roles: Api<Role> = Api::namespaced(ctx.client.clone(), namespace);
+    let role_bindings: Api<RoleBinding> = Api::namespaced(ctx.client.clone(), namespace);
+    let selector = labels::owner_selector(OWNER_KIND, name);
+    match &children.conductor_rbac {
+        // The identity exists before the pods that use it.
+        Some(rbac) => {
+            let fm = &ctx.settings.field_manager;
+            apply::apply(fm, &service_accounts, &rbac.service_account).await?;
+            apply::apply(fm, &roles, &rbac.role).await?;
+            apply::apply(fm, &role_bindings, &rbac.role_binding).await?;
+        }
+        // Conductor off: its identity goes (only looked for then, to spare three lists a pass).
+        None => {
+            let none = BTreeSet::new();
+            for gone in apply::delete_orphans(&role_bindings, &selector, &none).await? {
+                info!(rolebinding = %gone, "deleted child of a feature turned off");
+            }
+            for gone in apply::delete_orphans(&roles, &selector, &none).await? {
+                info!(role = %gone, "deleted child of a feature turned off");
+            }
+            for gone in apply::delete_orphans(&service_accounts, &selector, &none).await? {
+                info!(serviceaccount = %gone, "deleted child of a feature turned off");
+            }
+        }
+    }
     let conductor = match &children.conductor {
         Some((deployment, service)) => {
             apply::apply(&ctx.settings.field_manager, &services, service).await?;
@@ -209,16 +294,18 @@ async fn apply_children(
         None => None,
     };
 
-    let selector = labels::owner_selector(OWNER_KIND, name);
     for gone in apply::delete_orphans(&deployments, &selector, &keep_deployments).await? {
         info!(deployment = %gone, "deleted child of a feature turned off");
     }
     for gone in apply::delete_orphans(&services, &selector, &keep_services).await? {
         info!(service = %gone, "deleted child of a feature turned off");
     }
-    Ok(AppliedCachePool {
-        agent,
-        master,
-        conductor,
-    })
+    Ok((
+        AppliedCachePool {
+            agent,
+            master,
+            conductor,
+        },
+        key,
+    ))
 }

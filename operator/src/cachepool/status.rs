@@ -6,6 +6,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::jiff::Timestamp;
 use kvpool::crd::{KVCachePoolStatus, TierStatus};
 
+use super::usage::PoolUsage;
 use super::validate::ValidCachePool;
 use crate::conditions::{self, Desired};
 use crate::contract;
@@ -103,47 +104,110 @@ pub fn desired_conditions(applied: &AppliedCachePool) -> Vec<Desired> {
     }
 }
 
-/// The status of a reconciled pool. `previous` keeps condition transition times stable.
+/// What the master said about the pool's usage on this pass.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UsageReading {
+    /// The master answered.
+    Read(PoolUsage),
+    /// It did not (`category` is the failure's label); the last known figures stay.
+    Failed {
+        addr: String,
+        category: &'static str,
+    },
+}
+
+/// The `MasterReachable` condition for a reading.
+pub fn master_condition(usage: &UsageReading) -> Desired {
+    match usage {
+        UsageReading::Read(_) => Desired::new(
+            kvpool::crd::conditions::MASTER_REACHABLE,
+            true,
+            kvpool::crd::conditions::reasons::STATS_READ,
+            "usage figures read from the master",
+        ),
+        UsageReading::Failed { addr, category } => Desired::new(
+            kvpool::crd::conditions::MASTER_REACHABLE,
+            false,
+            kvpool::crd::conditions::reasons::MASTER_UNREACHABLE,
+            format!(
+                "the master at {addr} did not report usage ({category}); figures are the last known"
+            ),
+        ),
+    }
+}
+
+/// One tier's status: the master's figures when it answered with a capacity, otherwise the
+/// capacity known from the spec (`spec_capacity`) or the previous one, with the last known usage.
+fn tier(
+    read: Option<(u64, u64)>,
+    spec_capacity: Option<u64>,
+    previous: Option<&TierStatus>,
+) -> Option<TierStatus> {
+    let used = match (read, previous) {
+        (Some((used, _)), _) => format_bytes(used),
+        (None, Some(p)) => p.used.clone(),
+        (None, None) => format_bytes(0),
+    };
+    let capacity = match (read, spec_capacity, previous) {
+        (Some((_, cap)), _, _) if cap > 0 => format_bytes(cap),
+        (_, Some(cap), _) => format_bytes(cap),
+        (_, None, Some(p)) => p.capacity.clone(),
+        (_, None, None) => return None,
+    };
+    Some(TierStatus { capacity, used })
+}
+
+/// The status of a reconciled pool. `previous` keeps condition transition times stable and the
+/// usage figures while the master does not answer.
 pub fn status(
     pool: &ValidCachePool,
     applied: &AppliedCachePool,
+    usage: &UsageReading,
     previous: Option<&KVCachePoolStatus>,
     now: Timestamp,
 ) -> KVCachePoolStatus {
     let (nodes_ready, nodes_desired) = daemonset_counts(&applied.agent);
     let previous_conditions = previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]);
     let ready_nodes = u64::try_from(nodes_ready).unwrap_or(0);
-    // Capacity is known when it is an explicit amount per node; usage is reported by the master
-    // (not by the operator), so the operator keeps whatever value is there.
-    let dram = match pool.effective.dram.capacity {
-        DramCapacity::Bytes(b) => Some(TierStatus {
-            capacity: format_bytes(b.saturating_mul(ready_nodes)),
-            used: previous
-                .and_then(|p| p.dram.as_ref())
-                .map(|t| t.used.clone())
-                .unwrap_or_else(|| format_bytes(0)),
-        }),
-        DramCapacity::NodeMemoryPercent(_) => previous.and_then(|p| p.dram.clone()),
+    let read = match usage {
+        UsageReading::Read(u) => Some(u),
+        UsageReading::Failed { .. } => None,
     };
-    let ssd = pool.effective.ssd.as_ref().map(|s| TierStatus {
-        capacity: format_bytes(s.capacity_bytes.saturating_mul(ready_nodes)),
-        used: previous
-            .and_then(|p| p.ssd.as_ref())
-            .map(|t| t.used.clone())
-            .unwrap_or_else(|| format_bytes(0)),
+    // The spec gives the capacity when it is an explicit amount per node; a share of node
+    // memory is known only to the agents, hence to the master.
+    let dram_spec = match pool.effective.dram.capacity {
+        DramCapacity::Bytes(b) => Some(b.saturating_mul(ready_nodes)),
+        DramCapacity::NodeMemoryPercent(_) => None,
+    };
+    let dram = tier(
+        read.map(|u| (u.dram_used, u.dram_capacity)),
+        dram_spec,
+        previous.and_then(|p| p.dram.as_ref()),
+    );
+    let ssd = pool.effective.ssd.as_ref().and_then(|s| {
+        tier(
+            read.map(|u| (u.ssd_used, u.ssd_capacity)),
+            Some(s.capacity_bytes.saturating_mul(ready_nodes)),
+            previous.and_then(|p| p.ssd.as_ref()),
+        )
     });
+    let mut desired = desired_conditions(applied);
+    desired.push(master_condition(usage));
     KVCachePoolStatus {
-        conditions: conditions::merge(
-            previous_conditions,
-            &desired_conditions(applied),
-            pool.generation,
-            now,
-        ),
+        conditions: conditions::merge(previous_conditions, &desired, pool.generation, now),
         observed_generation: pool.generation,
         nodes_desired,
         nodes_ready,
         dram,
         ssd,
+        objects: match read {
+            Some(u) => Some(i64::try_from(u.objects).unwrap_or(i64::MAX)),
+            None => previous.and_then(|p| p.objects),
+        },
+        nodes_registered: match read {
+            Some(u) => Some(i32::try_from(u.nodes_alive).unwrap_or(i32::MAX)),
+            None => previous.and_then(|p| p.nodes_registered),
+        },
         master_endpoint: Some(pool.master_addr()),
         conductor_endpoint: applied.conductor.as_ref().map(|_| {
             format!(
@@ -180,6 +244,13 @@ mod tests {
     use crate::conditions::find;
     use crate::test_fixtures::{roce, tcp, valid};
     use k8s_openapi::api::apps::v1::{DaemonSetStatus, DeploymentSpec, DeploymentStatus};
+
+    fn silent() -> UsageReading {
+        UsageReading::Failed {
+            addr: "m:1".into(),
+            category: "timeout",
+        }
+    }
 
     fn t(s: i64) -> Timestamp {
         Timestamp::from_second(s).expect("ts")
@@ -219,7 +290,7 @@ mod tests {
     #[test]
     fn counts_capacity_and_endpoints_come_from_the_children() {
         let pool = valid(&roce());
-        let s = status(&pool, &applied(2, 4, 1, Some(1)), None, t(10));
+        let s = status(&pool, &applied(2, 4, 1, Some(1)), &silent(), None, t(10));
         assert_eq!((s.nodes_ready, s.nodes_desired), (2, 4));
         assert_eq!(s.observed_generation, Some(3));
         assert_eq!(s.dram.as_ref().map(|d| d.capacity.0.as_str()), Some("1Ti"));
@@ -246,8 +317,14 @@ mod tests {
     #[test]
     fn unchanged_inputs_give_an_equal_status_later() {
         let pool = valid(&tcp());
-        let first = status(&pool, &applied(1, 1, 1, None), None, t(10));
-        let again = status(&pool, &applied(1, 1, 1, None), Some(&first), t(99));
+        let first = status(&pool, &applied(1, 1, 1, None), &silent(), None, t(10));
+        let again = status(
+            &pool,
+            &applied(1, 1, 1, None),
+            &silent(),
+            Some(&first),
+            t(99),
+        );
         assert_eq!(first, again, "no timestamps that change every pass");
         assert!(kvpool::crd::conditions::is_true(&first.conditions, "Ready"));
         assert!(
@@ -260,11 +337,91 @@ mod tests {
     #[test]
     fn no_matching_nodes_is_degraded() {
         let pool = valid(&tcp());
-        let s = status(&pool, &applied(0, 0, 1, None), None, t(1));
+        let s = status(&pool, &applied(0, 0, 1, None), &silent(), None, t(1));
         let degraded = find(&s.conditions, "Degraded").expect("degraded");
         assert_eq!(
             (degraded.status.as_str(), degraded.reason.as_str()),
             ("True", "NoMatchingNodes")
         );
+    }
+
+    #[test]
+    fn usage_comes_from_the_master_and_survives_its_silence() {
+        let pool = valid(&roce());
+        let read = UsageReading::Read(PoolUsage {
+            dram_used: 3 << 30,
+            dram_capacity: 1 << 40,
+            ssd_used: 5 << 30,
+            ssd_capacity: 2 << 40,
+            objects: 42,
+            nodes_alive: 2,
+            segments: 4,
+        });
+        let first = status(&pool, &applied(2, 2, 1, None), &read, None, t(10));
+        let dram = first.dram.clone().expect("dram");
+        assert_eq!(
+            (dram.capacity.0.as_str(), dram.used.0.as_str()),
+            ("1Ti", "3Gi")
+        );
+        let ssd = first.ssd.clone().expect("ssd");
+        assert_eq!(
+            (ssd.capacity.0.as_str(), ssd.used.0.as_str()),
+            ("2Ti", "5Gi")
+        );
+        assert_eq!((first.objects, first.nodes_registered), (Some(42), Some(2)));
+        let reachable = find(&first.conditions, "MasterReachable").expect("condition");
+        assert_eq!(
+            (reachable.status.as_str(), reachable.reason.as_str()),
+            ("True", "StatsRead")
+        );
+
+        // The master goes silent: figures kept, condition flips with the address and category.
+        let later = status(
+            &pool,
+            &applied(2, 2, 1, None),
+            &silent(),
+            Some(&first),
+            t(20),
+        );
+        assert_eq!(
+            later.dram.as_ref().map(|d| &d.used.0),
+            Some(&"3Gi".to_owned())
+        );
+        assert_eq!(
+            later.ssd.as_ref().map(|d| &d.used.0),
+            Some(&"5Gi".to_owned())
+        );
+        assert_eq!(later.objects, Some(42));
+        let reachable = find(&later.conditions, "MasterReachable").expect("condition");
+        assert_eq!(
+            (reachable.status.as_str(), reachable.reason.as_str()),
+            ("False", "MasterUnreachable")
+        );
+        assert!(reachable.message.contains("m:1") && reachable.message.contains("timeout"));
+        // The other conditions did not move.
+        assert_eq!(
+            find(&first.conditions, "Ready"),
+            find(&later.conditions, "Ready")
+        );
+    }
+
+    #[test]
+    fn percent_of_node_capacity_appears_once_the_master_reports_it() {
+        let pool = valid(&tcp());
+        let read = UsageReading::Read(PoolUsage {
+            dram_used: 0,
+            dram_capacity: 64 << 30,
+            ..PoolUsage::default()
+        });
+        let s = status(&pool, &applied(1, 1, 1, None), &read, None, t(1));
+        let dram = s.dram.expect("capacity known from the master");
+        assert_eq!(
+            (dram.capacity.0.as_str(), dram.used.0.as_str()),
+            ("64Gi", "0")
+        );
+        // A master with no segments yet reports no capacity: nothing to show for a share.
+        let empty = UsageReading::Read(PoolUsage::default());
+        let s = status(&pool, &applied(1, 1, 1, None), &empty, None, t(1));
+        assert!(s.dram.is_none());
     }
 }

@@ -1,0 +1,241 @@
+//! Tier usage of a `KVCachePool` as its master reports it: the master's `Stats` RPC, called with
+//! the pool's shared key on the master Service's address, behind the [`MasterStats`] trait so the
+//! reconcile tests can substitute a fake. [`PoolUsage`] and [`read_key`] are pure.
+//! I/O boundary: the gRPC call in [`GrpcMasterStats`].
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use k8s_openapi::api::core::v1::Secret;
+use kvpool::master::auth::AuthKey;
+use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
+use kvpool::master::proto::StatsResponse;
+
+use crate::contract;
+
+/// Usage figures of one pool, in bytes per tier, as the master counts them over the segments
+/// its agents registered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub dram_used: u64,
+    pub dram_capacity: u64,
+    pub ssd_used: u64,
+    pub ssd_capacity: u64,
+    pub objects: u64,
+    pub nodes_alive: u64,
+    pub segments: u64,
+}
+
+impl PoolUsage {
+    /// From the master's answer (tier index 0 is DRAM, 1 is SSD; a missing index counts as 0).
+    pub fn from_stats(s: &StatsResponse) -> Self {
+        let at = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0);
+        Self {
+            dram_used: at(&s.used_bytes, 0),
+            dram_capacity: at(&s.capacity_bytes, 0),
+            ssd_used: at(&s.used_bytes, 1),
+            ssd_capacity: at(&s.capacity_bytes, 1),
+            objects: s.objects,
+            nodes_alive: s.nodes_alive,
+            segments: s.segments,
+        }
+    }
+}
+
+/// Why the usage could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum UsageError {
+    #[error(
+        "the auth Secret has no usable `{}` entry (at least 16 bytes)",
+        contract::AUTH_KEY_KEY
+    )]
+    AuthKey,
+    #[error("cannot build a master client for {addr}")]
+    Client {
+        addr: String,
+        #[source]
+        source: ClientError,
+    },
+    #[error("master {addr} did not answer Stats")]
+    Stats {
+        addr: String,
+        #[source]
+        source: ClientError,
+    },
+    #[error("master {addr} did not answer Stats within {timeout:?}")]
+    Timeout { addr: String, timeout: Duration },
+}
+
+impl UsageError {
+    /// Short label for metrics and condition messages.
+    pub fn category(&self) -> &'static str {
+        match self {
+            UsageError::AuthKey => "auth_key",
+            UsageError::Client { .. } => "client",
+            UsageError::Stats { source, .. } => match source.category() {
+                "refused" => "refused",
+                "rpc" => "rpc",
+                _ => "unreachable",
+            },
+            UsageError::Timeout { .. } => "timeout",
+        }
+    }
+}
+
+/// The pool key from the operator-created auth Secret (`data.key`, hex text).
+pub fn read_key(secret: &Secret) -> Result<AuthKey, UsageError> {
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(contract::AUTH_KEY_KEY))
+        .and_then(|b| AuthKey::from_bytes(&b.0))
+        .ok_or(UsageError::AuthKey)
+}
+
+/// Reads a pool's usage from its master. Object-safe so the context can hold any implementation.
+pub trait MasterStats: Send + Sync {
+    /// Ask the master at `addr` (`host:port`) for its figures, authenticated with `key`.
+    fn stats<'a>(
+        &'a self,
+        addr: &'a str,
+        key: AuthKey,
+    ) -> BoxFuture<'a, Result<PoolUsage, UsageError>>;
+}
+
+/// The real reader: one short-lived gRPC client per call, bounded by `timeout` as a whole.
+#[derive(Clone, Debug)]
+pub struct GrpcMasterStats {
+    pub timeout: Duration,
+}
+
+impl Default for GrpcMasterStats {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl MasterStats for GrpcMasterStats {
+    fn stats<'a>(
+        &'a self,
+        addr: &'a str,
+        key: AuthKey,
+    ) -> BoxFuture<'a, Result<PoolUsage, UsageError>> {
+        Box::pin(async move {
+            let config = ClientConfig {
+                connect_timeout: self.timeout,
+                request_timeout: self.timeout,
+                // A standby answers UNAVAILABLE: retry briefly, the next pass tries again anyway.
+                failover_budget: Duration::from_secs(1).min(self.timeout),
+            };
+            let client =
+                MasterClient::new(vec![addr.to_owned()], key, config).map_err(|source| {
+                    UsageError::Client {
+                        addr: addr.to_owned(),
+                        source,
+                    }
+                })?;
+            match tokio::time::timeout(self.timeout, client.stats()).await {
+                Ok(Ok(s)) => Ok(PoolUsage::from_stats(&s)),
+                Ok(Err(source)) => Err(UsageError::Stats {
+                    addr: addr.to_owned(),
+                    source,
+                }),
+                Err(_) => Err(UsageError::Timeout {
+                    addr: addr.to_owned(),
+                    timeout: self.timeout,
+                }),
+            }
+        })
+    }
+}
+
+/// A reader with fixed figures, for tests: `None` behaves as a master that never answers.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FixedStats(pub Option<PoolUsage>);
+
+impl MasterStats for FixedStats {
+    fn stats<'a>(
+        &'a self,
+        addr: &'a str,
+        _key: AuthKey,
+    ) -> BoxFuture<'a, Result<PoolUsage, UsageError>> {
+        let answer = self.0.ok_or_else(|| UsageError::Timeout {
+            addr: addr.to_owned(),
+            timeout: Duration::ZERO,
+        });
+        Box::pin(std::future::ready(answer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::ByteString;
+    use std::collections::BTreeMap;
+
+    #[test]
+    fn figures_come_from_the_tier_indices_and_missing_ones_are_zero() {
+        let s = StatsResponse {
+            objects: 7,
+            used_bytes: vec![10, 20],
+            capacity_bytes: vec![100],
+            nodes_alive: 2,
+            segments: 3,
+            ..StatsResponse::default()
+        };
+        assert_eq!(
+            PoolUsage::from_stats(&s),
+            PoolUsage {
+                dram_used: 10,
+                dram_capacity: 100,
+                ssd_used: 20,
+                ssd_capacity: 0,
+                objects: 7,
+                nodes_alive: 2,
+                segments: 3,
+            }
+        );
+    }
+
+    #[test]
+    fn the_key_must_be_present_and_long_enough() {
+        let secret = |v: &[u8]| Secret {
+            data: Some(BTreeMap::from([(
+                contract::AUTH_KEY_KEY.to_owned(),
+                ByteString(v.to_vec()),
+            )])),
+            ..Secret::default()
+        };
+        assert!(read_key(&secret(b"0123456789abcdef0123")).is_ok());
+        assert_eq!(
+            read_key(&secret(b"short"))
+                .map(|_| ())
+                .map_err(|e| e.category()),
+            Err("auth_key")
+        );
+        assert!(read_key(&Secret::default()).is_err());
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_master_is_an_error_not_a_hang() {
+        // A port nobody listens on: bind, learn the port, close.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("port");
+        let key = AuthKey::from_bytes(b"0123456789abcdef0123").expect("key");
+        let reader = GrpcMasterStats {
+            timeout: Duration::from_secs(3),
+        };
+        let err = reader
+            .stats(&format!("127.0.0.1:{port}"), key)
+            .await
+            .expect_err("nothing listens");
+        assert!(
+            matches!(err.category(), "unreachable" | "timeout" | "rpc"),
+            "{err:?}"
+        );
+    }
+}
