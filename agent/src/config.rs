@@ -78,6 +78,12 @@ pub struct PoolSection {
     pub advertise_host: Option<String>,
     /// Heartbeat period, e.g. `1s`.
     pub heartbeat_interval: Option<String>,
+    /// Replicas of every block an engine puts through this agent (default 1).
+    pub replicas: Option<u8>,
+    /// Master tasks (repair, demotion) executed at once (default 4).
+    pub max_tasks: Option<usize>,
+    /// A task not finished in this time is reported failed, e.g. `30s`.
+    pub task_timeout: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -178,6 +184,9 @@ pub struct PoolConfig {
     /// Address put in the announced `tcp://ip:port` endpoints.
     pub advertise_host: std::net::IpAddr,
     pub heartbeat_interval: Duration,
+    pub replicas: u8,
+    pub max_tasks: usize,
+    pub task_timeout: Duration,
 }
 
 fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
@@ -218,12 +227,31 @@ fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
     if heartbeat_interval < Duration::from_millis(10) {
         return Err(invalid("pool.heartbeat_interval", "must be at least 10ms"));
     }
+    let replicas = p.replicas.unwrap_or(1);
+    if !(1..=8).contains(&replicas) {
+        return Err(invalid("pool.replicas", "must be between 1 and 8"));
+    }
+    let max_tasks = p.max_tasks.unwrap_or(4);
+    if !(1..=256).contains(&max_tasks) {
+        return Err(invalid("pool.max_tasks", "must be between 1 and 256"));
+    }
+    let task_timeout = match &p.task_timeout {
+        None => Duration::from_secs(30),
+        Some(text) => humantime::parse_duration(text)
+            .map_err(|e| invalid("pool.task_timeout", format!("{text:?}: {e}")))?,
+    };
+    if task_timeout < Duration::from_millis(100) {
+        return Err(invalid("pool.task_timeout", "must be at least 100ms"));
+    }
     Ok(Some(PoolConfig {
         masters: p.master.clone(),
         auth_key_file,
         transport_listen,
         advertise_host,
         heartbeat_interval,
+        replicas,
+        max_tasks,
+        task_timeout,
     }))
 }
 
@@ -690,7 +718,34 @@ admin:
         .expect("pool mode");
         assert_eq!(pool.advertise_host.to_string(), "127.0.0.1");
         assert_eq!(pool.heartbeat_interval, Duration::from_secs(1));
+        assert_eq!(
+            (pool.replicas, pool.max_tasks, pool.task_timeout),
+            (1, 4, Duration::from_secs(30)),
+            "defaults"
+        );
+        let pool = validate_yaml(
+            "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0, replicas: 2, max_tasks: 16, task_timeout: 2s}",
+        )
+        .expect("valid")
+        .pool
+        .expect("pool mode");
+        assert_eq!(
+            (pool.replicas, pool.max_tasks, pool.task_timeout),
+            (2, 16, Duration::from_secs(2))
+        );
         let cases = [
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, replicas: 0}",
+                "pool.replicas",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, max_tasks: 0}",
+                "pool.max_tasks",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, task_timeout: never}",
+                "pool.task_timeout",
+            ),
             ("pool: {master: [m:1]}", "pool.auth_key_file"),
             ("pool: {master: [''], auth_key_file: /k}", "pool.master"),
             (
