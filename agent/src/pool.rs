@@ -599,8 +599,10 @@ mod tests {
         assert!(e.register("n1/dram0", Arc::new(memory(4096))).is_err());
         // The in-process view holds the very same memory.
         let seg = r.local_segments().get("n1/dram0").expect("local view");
-        let local = r.local("dram0").expect("registration");
-        assert!(Arc::ptr_eq(&seg, local.segment()));
+        assert!(Arc::ptr_eq(
+            &seg,
+            r.local("dram0").expect("registration").segment()
+        ));
         let specs: Vec<_> = r
             .unmounted()
             .into_iter()
