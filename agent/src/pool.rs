@@ -463,6 +463,16 @@ impl PoolLink {
     }
 }
 
+/// Client settings of the link: calls retried for three heartbeat periods (1 to 5 s).
+fn link_client_config(cfg: &PoolConfig) -> ClientConfig {
+    let budget = (cfg.heartbeat_interval * 3).clamp(Duration::from_secs(1), Duration::from_secs(5));
+    ClientConfig {
+        failover_budget: budget,
+        request_timeout: budget,
+        ..ClientConfig::default()
+    }
+}
+
 /// Everything pool mode runs: the transfer engine and its TCP target, the registrar, the link
 /// and the data client engines' requests go through.
 pub struct Member {
@@ -515,8 +525,17 @@ impl Member {
             node.to_owned(),
             endpoint.clone(),
         ));
-        let master = MasterClient::new(cfg.masters.clone(), master_key, ClientConfig::default())
-            .map_err(PoolError::Client)?;
+        let master = MasterClient::new(
+            cfg.masters.clone(),
+            master_key.clone(),
+            ClientConfig::default(),
+        )
+        .map_err(PoolError::Client)?;
+        // The link's own client gives up quickly, so that a lost master shows in readiness
+        // within a few heartbeat periods (the next pass tries again anyway).
+        let link_client =
+            MasterClient::new(cfg.masters.clone(), master_key, link_client_config(cfg))
+                .map_err(PoolError::Client)?;
         let runner = TaskRunner::new(
             engine.clone(),
             Arc::clone(&registrar),
@@ -525,13 +544,9 @@ impl Member {
             cfg.task_timeout,
             metrics.clone(),
         );
-        let link = PoolLink::new(
-            master.clone(),
-            Arc::clone(&registrar),
-            cfg.heartbeat_interval,
-        )
-        .with_tasks(runner)
-        .with_metrics(metrics, engine.clone());
+        let link = PoolLink::new(link_client, Arc::clone(&registrar), cfg.heartbeat_interval)
+            .with_tasks(runner)
+            .with_metrics(metrics, engine.clone());
         let client = PoolClient::new(master, engine.clone(), node.to_owned(), None)
             .with_local_segments(registrar.local_segments());
         Ok(Self {

@@ -31,12 +31,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool::master::auth::AuthKey as MasterKey;
-use kvpool_agent::api::client::EngineClient;
-use kvpool_agent::proto::Status;
 use kvpool::master::client::{ClientConfig, MasterClient};
 use kvpool::master::data::PoolClient;
 use kvpool::master::{PutOptions, Tier};
 use kvpool::transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+use kvpool_agent::api::client::EngineClient;
+use kvpool_agent::proto::Status;
 
 const AGENT_BIN: &str = env!("CARGO_BIN_EXE_kvpool-agent");
 /// Only a hang ever reaches it; the CI box is a loaded 2-core machine.
@@ -208,7 +208,11 @@ async fn wait_ready(agent: &AgentAddrs, proc: &mut Proc, dir: &Path) {
         if let Some((200, _)) = http_get(agent.admin, "/readyz").await {
             return;
         }
-        assert!(started.elapsed() < DEADLINE, "{} never became ready", proc.name);
+        assert!(
+            started.elapsed() < DEADLINE,
+            "{} never became ready",
+            proc.name
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -412,7 +416,9 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
 
     let mut engine_a = engine(&addr_a, "engine-a").await;
     let mut engine_b = engine(&addr_b, "engine-b").await;
-    let keys: Vec<Vec<u8>> = (0..6).map(|i| format!("engine-block-{i}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..6)
+        .map(|i| format!("engine-block-{i}").into_bytes())
+        .collect();
     for (i, key) in keys.iter().enumerate() {
         assert_eq!(
             engine_a.put(key, &value(i)).await.expect("put"),
@@ -450,17 +456,17 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
     // The other agent's engine reads them through its own agent (transfer from agent-a).
     for (i, key) in keys.iter().enumerate() {
         let got = engine_b.get(key).await.expect("get").expect("present");
-        assert!(got == value(i), "object {i} differs when read through agent-b");
+        assert!(
+            got == value(i),
+            "object {i} differs when read through agent-b"
+        );
     }
     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
     assert_eq!(
         engine_b.exists(&refs).await.expect("exists"),
         vec![true; keys.len()]
     );
-    assert_eq!(
-        engine_b.get(b"never-put").await.expect("get missing"),
-        None
-    );
+    assert_eq!(engine_b.get(b"never-put").await.expect("get missing"), None);
     // agent-a served the bytes as a transfer target; both show the pool in /metrics.
     let (code, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics a");
     assert_eq!(code, 200);
@@ -472,7 +478,10 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
         metric(&text, "kvpool_agent_pool_mounted_segments", &[]),
         Some(1.0)
     );
-    assert_eq!(metric(&text, "kvpool_agent_pool_rdma_fallback", &[]), Some(0.0));
+    assert_eq!(
+        metric(&text, "kvpool_agent_pool_rdma_fallback", &[]),
+        Some(0.0)
+    );
     // Removal through either agent removes from the pool.
     assert_eq!(
         engine_b.remove(&refs[..1]).await.expect("remove"),
@@ -499,7 +508,10 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
             break;
         }
         a.assert_running(logs);
-        assert!(started.elapsed() < DEADLINE, "agent-a stayed ready without a master");
+        assert!(
+            started.elapsed() < DEADLINE,
+            "agent-a stayed ready without a master"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -521,14 +533,20 @@ async fn a_surviving_agent_repairs_lost_replicas() {
     for (p, addr) in &mut others {
         wait_ready(addr, p, logs).await;
     }
-    wait_stats(&client, "three agents mounted", &mut [&mut master], logs, |s| {
-        s.nodes_alive == 3 && s.segments == 3
-    })
+    wait_stats(
+        &client,
+        "three agents mounted",
+        &mut [&mut master],
+        logs,
+        |s| s.nodes_alive == 3 && s.segments == 3,
+    )
     .await;
 
     // Two replicas each, the first on the writer (agent-a), the second on b or c.
     let mut engine_a = engine(&addr_a, "engine-a").await;
-    let keys: Vec<Vec<u8>> = (0..8).map(|i| format!("repair-block-{i}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..8)
+        .map(|i| format!("repair-block-{i}").into_bytes())
+        .collect();
     for (i, key) in keys.iter().enumerate() {
         assert_eq!(engine_a.put(key, &value(i)).await.expect("put"), Status::Ok);
     }
@@ -543,10 +561,17 @@ async fn a_surviving_agent_repairs_lost_replicas() {
         if nodes[1] == "agent-b" {
             on_b.push(i);
         }
-        client.release_lease(located.lease_id).await.expect("release");
+        client
+            .release_lease(located.lease_id)
+            .await
+            .expect("release");
     }
     // Kill the holder of the most second replicas, so the repair work lands on the other.
-    let (victim, survivor) = if on_b.len() * 2 >= keys.len() { (0, 1) } else { (1, 0) };
+    let (victim, survivor) = if on_b.len() * 2 >= keys.len() {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
     let victim_name = others[victim].0.name;
     let survivor_name = others[survivor].0.name;
     others[victim].0.signal(nix::sys::signal::Signal::SIGKILL);
@@ -591,13 +616,20 @@ async fn a_surviving_agent_repairs_lost_replicas() {
         &["kind=\"repair\"", "outcome=\"ok\""],
     )
     .unwrap_or(0.0);
-    assert_eq!(repaired, lost.len() as f64, "one repair per lost replica:\n{text}");
+    assert_eq!(
+        repaired,
+        lost.len() as f64,
+        "one repair per lost replica:\n{text}"
+    );
     // And now agent-a can go too: the new copies alone serve every value.
     a.signal(nix::sys::signal::Signal::SIGKILL);
     let _ = a.child.wait();
     for &i in &lost {
         let got = engine_s.get(&keys[i]).await.expect("get").expect("present");
-        assert!(got == value(i), "object {i} differs with only the new copy left");
+        assert!(
+            got == value(i),
+            "object {i} differs with only the new copy left"
+        );
     }
 }
 
@@ -624,9 +656,15 @@ async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
             .map(|j: usize| (j.wrapping_mul(13) ^ i.wrapping_mul(101)) as u8)
             .collect()
     };
-    let keys: Vec<Vec<u8>> = (0..16).map(|i| format!("demote-block-{i}").into_bytes()).collect();
+    let keys: Vec<Vec<u8>> = (0..16)
+        .map(|i| format!("demote-block-{i}").into_bytes())
+        .collect();
     for (i, key) in keys.iter().enumerate() {
-        assert_eq!(engine_a.put(key, &block(i)).await.expect("put"), Status::Ok, "put {i}");
+        assert_eq!(
+            engine_a.put(key, &block(i)).await.expect("put"),
+            Status::Ok,
+            "put {i}"
+        );
     }
     // Demotions finish (no task left) with blocks on the SSD segment.
     wait_stats(
@@ -645,7 +683,10 @@ async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
             .iter()
             .filter(|r| r.tier == Tier::Ssd && r.segment == "ssd0")
             .count();
-        client.release_lease(located.lease_id).await.expect("release");
+        client
+            .release_lease(located.lease_id)
+            .await
+            .expect("release");
     }
     assert!(on_ssd > 0, "some blocks live on the SSD segment");
     for (i, key) in keys.iter().enumerate() {
