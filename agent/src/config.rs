@@ -570,6 +570,7 @@ pub fn from_pool_document(
     file.pool.master = vec![doc.master_addr.clone()];
     file.pool.auth_key_file = Some(doc.auth_key_file.clone());
     file.pool.transport_listen = Some(format!("0.0.0.0:{}", eff.transport.port));
+    file.pool.replicas = Some(eff.replication.replicas);
     Ok(file)
 }
 
@@ -611,7 +612,7 @@ authKeyFile: /etc/kvpool/auth/key\nagentSocket: /run/kvpool/agent.sock\nblockSiz
 dram: {capacity: {nodeMemoryPercent: 50}, hugepages: 2Mi, numaPolicy: interleave}\n\
 ssd: {hostPath: /mnt/nvme, capacityBytes: 1073741824}\n\
 transport: {protocol: tcp, devices: [], sriov: null, networks: [], port: 15600}\n\
-replication: {replicas: 1, spreadLabelKey: kubernetes.io/hostname}\n\
+replication: {replicas: 2, spreadLabelKey: kubernetes.io/hostname}\n\
 eviction: {highWatermarkPercent: 90, lowWatermarkPercent: 80, policy: lru}\n\
 master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
 
@@ -625,6 +626,11 @@ master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
         assert_eq!(file.ssd.path, Some(PathBuf::from("/mnt/nvme")));
         assert_eq!(file.pool.master, ["p-master.ns.svc:50051"]);
         assert_eq!(file.pool.transport_listen.as_deref(), Some("0.0.0.0:15600"));
+        assert_eq!(
+            file.pool.replicas,
+            Some(2),
+            "engine puts get the pool's replica count"
+        );
         file.pool.advertise_host = Some("10.0.0.1".into());
         file.node_name = Some("n".into());
         let cfg = validate(&file).expect("validates");
