@@ -385,6 +385,94 @@ mod tests {
         r
     }
 
+    fn dead_master() -> MasterClient {
+        MasterClient::new(
+            vec!["127.0.0.1:1".into()],
+            kvpool::master::auth::AuthKey::from_bytes(KEY).expect("key"),
+            kvpool::master::client::ClientConfig {
+                connect_timeout: Duration::from_millis(200),
+                request_timeout: Duration::from_millis(200),
+                failover_budget: Duration::from_millis(100),
+            },
+        )
+        .expect("client")
+    }
+
+    fn count(m: &PoolMetrics, kind: &str, outcome: &str) -> u64 {
+        m.tasks.with_label_values(&[kind, outcome]).get()
+    }
+
+    // A current-thread runtime: spawned tasks only start once the test yields, so the queue
+    // bound is hit deterministically by one `submit`.
+    #[tokio::test]
+    async fn the_runner_bounds_its_queue_skips_duplicates_and_counts_outcomes() {
+        let e = engine("a");
+        let r = Arc::new(registrar("a", &e));
+        let metrics = PoolMetrics::new(&prometheus::Registry::new()).expect("metrics");
+        // One slot, so at most 16 tasks wait; the master is unreachable (reports only log).
+        let runner = TaskRunner::new(
+            e.clone(),
+            Arc::clone(&r),
+            dead_master(),
+            1,
+            Duration::from_secs(30),
+            metrics.clone(),
+        );
+        let demote = |id: u64| Task {
+            id,
+            ..task(
+                TaskKind::Demote,
+                replica("a", "dram0", Tier::Dram, id * 4096, 4096),
+                replica("a", "ssd0", Tier::Ssd, id * 4096, 4096),
+            )
+        };
+        let mut batch: Vec<Task> = (0..16).map(demote).collect();
+        batch.push(demote(0)); // a duplicate of a task already accepted
+        batch.extend((16..20).map(demote));
+        runner.submit(batch);
+        let started = std::time::Instant::now();
+        while count(&metrics, "demote", "ok") + count(&metrics, "demote", "rejected") < 20 {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "tasks never finished"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(count(&metrics, "demote", "ok"), 16);
+        assert_eq!(
+            count(&metrics, "demote", "rejected"),
+            4,
+            "beyond the queue bound"
+        );
+        assert_eq!(
+            metrics.task_bytes.with_label_values(&["demote"]).get(),
+            16 * 4096
+        );
+        assert_eq!(metrics.tasks_running.get(), 0);
+
+        // A repair whose source node is gone fails, and is counted as such.
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut source = replica("b", "dram0", Tier::Dram, 0, 4096);
+        source.endpoints = vec![tcp_endpoint(dead.local_addr().expect("addr"))];
+        drop(dead);
+        runner.submit(vec![Task {
+            id: 99,
+            ..task(
+                TaskKind::Repair,
+                source,
+                replica("a", "dram0", Tier::Dram, 0, 4096),
+            )
+        }]);
+        while count(&metrics, "repair", "failed") == 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "repair never failed"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(count(&metrics, "repair", "ok"), 0);
+    }
+
     #[test]
     fn tasks_meant_for_another_node_or_inconsistent_are_refused() {
         let here = replica("a", "dram0", Tier::Dram, 0, 10);
