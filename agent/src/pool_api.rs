@@ -5,6 +5,7 @@
 //! master's gRPC channel and the transfer engine (inside [`PoolClient`]); the mapping from
 //! pool errors to per-item statuses ([`put_status`], [`get_status`]) is pure.
 
+use futures::stream::{self, StreamExt};
 use kvpool::master::client::ClientError;
 use kvpool::master::data::{DataError, PoolClient};
 use kvpool::master::proto::ErrorCode;
@@ -14,6 +15,9 @@ use crate::api::shm::Staging;
 use crate::metrics::AgentMetrics;
 use crate::proto::{GetResult, Status};
 use crate::ssd::MAX_KEY_LEN as MAX_KEY_BYTES;
+
+/// Items of one batch moved at once (each is a master round trip plus a transfer).
+pub const PARALLEL_ITEMS: usize = 8;
 
 /// The engine API's view of the pool.
 #[derive(Clone, Debug)]
@@ -71,11 +75,12 @@ impl PoolApi {
             .inc();
     }
 
-    /// Put every `(key, offset, length)` of `staging`; one status per item.
+    /// Put every `(key, offset, length)` of `staging`; one status per item, in order. Up to
+    /// [`PARALLEL_ITEMS`] items are in flight at once.
     pub async fn put(
         &self,
         staging: &Staging,
-        items: &[(Vec<u8>, u64, u64)],
+        items: Vec<(Vec<u8>, u64, u64)>,
         numa_hint: Option<u32>,
         metrics: &AgentMetrics,
     ) -> Vec<i32> {
@@ -86,84 +91,109 @@ impl PoolApi {
             spread: Spread::Node,
             tier: None,
         };
-        let mut out = Vec::with_capacity(items.len());
-        for (key, offset, length) in items {
-            if bad_key(key) || *length == 0 || !staging.contains(*offset, *length) {
-                out.push(Status::Invalid as i32);
-                continue;
-            }
-            let Ok(len) = usize::try_from(*length) else {
-                out.push(Status::Invalid as i32);
-                continue;
-            };
-            let mut value = vec![0u8; len];
-            if staging.read_into(*offset, &mut value).is_err() {
-                out.push(Status::Invalid as i32);
-                continue;
-            }
-            let status = match self.client.put(key, &value, &opts).await {
-                Ok(_) => {
-                    metrics
-                        .bytes_written
-                        .with_label_values(&["pool"])
-                        .inc_by(*length);
-                    Status::Ok
-                }
-                Err(e) => {
-                    Self::count_error(metrics, &e);
-                    tracing::debug!(error = %e, "pool put failed");
-                    put_status(&e)
-                }
-            };
-            out.push(status as i32);
-        }
-        out
+        let opts = &opts;
+        stream::iter(items)
+            .map(|(key, offset, length)| async move {
+                self.put_one(staging, &key, offset, length, opts, metrics)
+                    .await
+            })
+            .buffered(PARALLEL_ITEMS)
+            .map(|s| s as i32)
+            .collect()
+            .await
     }
 
-    /// Get every `(key, offset, capacity)` into `staging`; one result per item.
+    async fn put_one(
+        &self,
+        staging: &Staging,
+        key: &[u8],
+        offset: u64,
+        length: u64,
+        opts: &PutOptions,
+        metrics: &AgentMetrics,
+    ) -> Status {
+        if bad_key(key) || length == 0 || !staging.contains(offset, length) {
+            return Status::Invalid;
+        }
+        let Ok(len) = usize::try_from(length) else {
+            return Status::Invalid;
+        };
+        let mut value = vec![0u8; len];
+        if staging.read_into(offset, &mut value).is_err() {
+            return Status::Invalid;
+        }
+        match self.client.put(key, &value, opts).await {
+            Ok(_) => {
+                metrics
+                    .bytes_written
+                    .with_label_values(&["pool"])
+                    .inc_by(length);
+                Status::Ok
+            }
+            Err(e) => {
+                Self::count_error(metrics, &e);
+                tracing::debug!(error = %e, "pool put failed");
+                put_status(&e)
+            }
+        }
+    }
+
+    /// Get every `(key, offset, capacity)` into `staging`; one result per item, in order. Up
+    /// to [`PARALLEL_ITEMS`] items are in flight at once.
     pub async fn get(
         &self,
         staging: &Staging,
-        items: &[(Vec<u8>, u64, u64)],
+        items: Vec<(Vec<u8>, u64, u64)>,
         metrics: &AgentMetrics,
     ) -> Vec<GetResult> {
-        let result = |status: Status, length: u64| GetResult {
-            status: status as i32,
-            length,
-        };
-        let mut out = Vec::with_capacity(items.len());
-        for (key, offset, capacity) in items {
-            if bad_key(key) || !staging.contains(*offset, *capacity) {
-                out.push(result(Status::Invalid, 0));
-                continue;
-            }
-            let r = match self.client.get(key).await {
-                Ok(bytes) => {
-                    let len = bytes.len() as u64;
-                    if len > *capacity {
-                        result(Status::BufferTooSmall, len)
-                    } else if staging.write_from(*offset, &bytes).is_err() {
-                        result(Status::Invalid, 0)
-                    } else {
-                        metrics.hits.with_label_values(&["pool"]).inc();
-                        metrics.bytes_read.with_label_values(&["pool"]).inc_by(len);
-                        result(Status::Ok, len)
-                    }
-                }
-                Err(e) => {
-                    let status = get_status(&e);
-                    if status == Status::NotFound {
-                        metrics.misses.inc();
-                    } else {
-                        Self::count_error(metrics, &e);
-                        tracing::debug!(error = %e, "pool get failed");
-                    }
-                    result(status, 0)
-                }
-            };
-            out.push(r);
+        stream::iter(items)
+            .map(|(key, offset, capacity)| async move {
+                self.get_one(staging, &key, offset, capacity, metrics).await
+            })
+            .buffered(PARALLEL_ITEMS)
+            .map(|(status, length)| GetResult {
+                status: status as i32,
+                length,
+            })
+            .collect()
+            .await
+    }
+
+    async fn get_one(
+        &self,
+        staging: &Staging,
+        key: &[u8],
+        offset: u64,
+        capacity: u64,
+        metrics: &AgentMetrics,
+    ) -> (Status, u64) {
+        if bad_key(key) || !staging.contains(offset, capacity) {
+            return (Status::Invalid, 0);
         }
-        out
+        match self.client.get(key).await {
+            Ok(bytes) => {
+                let len = bytes.len() as u64;
+                if len > capacity {
+                    (Status::BufferTooSmall, len)
+                } else if staging.write_from(offset, &bytes).is_err() {
+                    (Status::Invalid, 0)
+                } else {
+                    metrics.hits.with_label_values(&["pool"]).inc();
+                    metrics.bytes_read.with_label_values(&["pool"]).inc_by(len);
+                    (Status::Ok, len)
+                }
+            }
+            Err(e) => {
+                let status = get_status(&e);
+                if status == Status::NotFound {
+                    metrics.misses.inc();
+                } else {
+                    Self::count_error(metrics, &e);
+                    tracing::debug!(error = %e, "pool get failed");
+                }
+                (status, 0)
+            }
+        }
     }
 
     /// Which keys the pool holds (committed objects).

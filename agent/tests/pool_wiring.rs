@@ -467,6 +467,62 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
         vec![true; keys.len()]
     );
     assert_eq!(engine_b.get(b"never-put").await.expect("get missing"), None);
+    // One batch of 12 blocks each way: statuses come back in item order, each block at its
+    // own staging offset, with a missing key and a too-small range among them.
+    let batch_keys: Vec<Vec<u8>> = (0..12)
+        .map(|i| format!("batch-block-{i}").into_bytes())
+        .collect();
+    let slot = 320 * 1024u64;
+    for (i, _) in batch_keys.iter().enumerate() {
+        engine_a
+            .staging()
+            .write_from(i as u64 * slot, &value(i))
+            .expect("stage");
+    }
+    let items: Vec<(&[u8], u64, u64)> = batch_keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.as_slice(), i as u64 * slot, value(i).len() as u64))
+        .collect();
+    assert_eq!(
+        engine_a.put_batch(&items, None).await.expect("put batch"),
+        vec![Status::Ok; batch_keys.len()]
+    );
+    let mut gets: Vec<(&[u8], u64, u64)> = batch_keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.as_slice(), i as u64 * slot, slot))
+        .collect();
+    gets.insert(3, (b"never-put".as_slice(), 0, 4096));
+    gets.push((batch_keys[4].as_slice(), 0, 100));
+    let out = engine_b.get_batch(&gets).await.expect("get batch");
+    assert_eq!(out.len(), gets.len());
+    for (j, o) in out.iter().enumerate() {
+        match j {
+            3 => assert_eq!((o.status, o.length), (Status::NotFound, 0)),
+            13 => assert_eq!(
+                (o.status, o.length),
+                (Status::BufferTooSmall, value(4).len() as u64),
+                "the block's size is reported"
+            ),
+            _ => {
+                let i = if j < 3 { j } else { j - 1 };
+                assert_eq!((o.status, o.length), (Status::Ok, value(i).len() as u64));
+                let mut got = vec![0u8; value(i).len()];
+                engine_b
+                    .staging()
+                    .read_into(i as u64 * slot, &mut got)
+                    .expect("read staging");
+                assert!(got == value(i), "batch item {i} differs");
+            }
+        }
+    }
+    let batch_refs: Vec<&[u8]> = batch_keys.iter().map(Vec::as_slice).collect();
+    assert_eq!(
+        engine_a.remove(&batch_refs).await.expect("remove batch"),
+        vec![true; batch_keys.len()]
+    );
+
     // agent-a served the bytes as a transfer target; both show the pool in /metrics.
     let (code, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics a");
     assert_eq!(code, 200);

@@ -262,7 +262,7 @@ impl EngineApi for EngineService {
                 .map(|i| (i.key, i.offset, i.length))
                 .collect();
             let statuses = pool
-                .put(&staging, &items, req.numa_hint, self.store.metrics())
+                .put(&staging, items, req.numa_hint, self.store.metrics())
                 .await;
             self.observe("put", started);
             return Ok(Response::new(PutResponse { statuses }));
@@ -315,7 +315,7 @@ impl EngineApi for EngineService {
                 .into_iter()
                 .map(|i| (i.key, i.offset, i.capacity))
                 .collect();
-            let results = pool.get(&staging, &items, self.store.metrics()).await;
+            let results = pool.get(&staging, items, self.store.metrics()).await;
             self.observe("get", started);
             return Ok(Response::new(GetResponse { results }));
         }
