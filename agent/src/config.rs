@@ -78,6 +78,12 @@ pub struct PoolSection {
     pub advertise_host: Option<String>,
     /// Heartbeat period, e.g. `1s`.
     pub heartbeat_interval: Option<String>,
+    /// Replicas of every block an engine puts through this agent (default 1).
+    pub replicas: Option<u8>,
+    /// Master tasks (repair, demotion) executed at once (default 4).
+    pub max_tasks: Option<usize>,
+    /// A task not finished in this time is reported failed, e.g. `30s`.
+    pub task_timeout: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -178,6 +184,9 @@ pub struct PoolConfig {
     /// Address put in the announced `tcp://ip:port` endpoints.
     pub advertise_host: std::net::IpAddr,
     pub heartbeat_interval: Duration,
+    pub replicas: u8,
+    pub max_tasks: usize,
+    pub task_timeout: Duration,
 }
 
 fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
@@ -218,12 +227,31 @@ fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
     if heartbeat_interval < Duration::from_millis(10) {
         return Err(invalid("pool.heartbeat_interval", "must be at least 10ms"));
     }
+    let replicas = p.replicas.unwrap_or(1);
+    if !(1..=8).contains(&replicas) {
+        return Err(invalid("pool.replicas", "must be between 1 and 8"));
+    }
+    let max_tasks = p.max_tasks.unwrap_or(4);
+    if !(1..=256).contains(&max_tasks) {
+        return Err(invalid("pool.max_tasks", "must be between 1 and 256"));
+    }
+    let task_timeout = match &p.task_timeout {
+        None => Duration::from_secs(30),
+        Some(text) => humantime::parse_duration(text)
+            .map_err(|e| invalid("pool.task_timeout", format!("{text:?}: {e}")))?,
+    };
+    if task_timeout < Duration::from_millis(100) {
+        return Err(invalid("pool.task_timeout", "must be at least 100ms"));
+    }
     Ok(Some(PoolConfig {
         masters: p.master.clone(),
         auth_key_file,
         transport_listen,
         advertise_host,
         heartbeat_interval,
+        replicas,
+        max_tasks,
+        task_timeout,
     }))
 }
 
@@ -542,6 +570,7 @@ pub fn from_pool_document(
     file.pool.master = vec![doc.master_addr.clone()];
     file.pool.auth_key_file = Some(doc.auth_key_file.clone());
     file.pool.transport_listen = Some(format!("0.0.0.0:{}", eff.transport.port));
+    file.pool.replicas = Some(eff.replication.replicas);
     Ok(file)
 }
 
@@ -583,7 +612,7 @@ authKeyFile: /etc/kvpool/auth/key\nagentSocket: /run/kvpool/agent.sock\nblockSiz
 dram: {capacity: {nodeMemoryPercent: 50}, hugepages: 2Mi, numaPolicy: interleave}\n\
 ssd: {hostPath: /mnt/nvme, capacityBytes: 1073741824}\n\
 transport: {protocol: tcp, devices: [], sriov: null, networks: [], port: 15600}\n\
-replication: {replicas: 1, spreadLabelKey: kubernetes.io/hostname}\n\
+replication: {replicas: 2, spreadLabelKey: kubernetes.io/hostname}\n\
 eviction: {highWatermarkPercent: 90, lowWatermarkPercent: 80, policy: lru}\n\
 master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
 
@@ -597,6 +626,11 @@ master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
         assert_eq!(file.ssd.path, Some(PathBuf::from("/mnt/nvme")));
         assert_eq!(file.pool.master, ["p-master.ns.svc:50051"]);
         assert_eq!(file.pool.transport_listen.as_deref(), Some("0.0.0.0:15600"));
+        assert_eq!(
+            file.pool.replicas,
+            Some(2),
+            "engine puts get the pool's replica count"
+        );
         file.pool.advertise_host = Some("10.0.0.1".into());
         file.node_name = Some("n".into());
         let cfg = validate(&file).expect("validates");
@@ -690,7 +724,34 @@ admin:
         .expect("pool mode");
         assert_eq!(pool.advertise_host.to_string(), "127.0.0.1");
         assert_eq!(pool.heartbeat_interval, Duration::from_secs(1));
+        assert_eq!(
+            (pool.replicas, pool.max_tasks, pool.task_timeout),
+            (1, 4, Duration::from_secs(30)),
+            "defaults"
+        );
+        let pool = validate_yaml(
+            "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0, replicas: 2, max_tasks: 16, task_timeout: 2s}",
+        )
+        .expect("valid")
+        .pool
+        .expect("pool mode");
+        assert_eq!(
+            (pool.replicas, pool.max_tasks, pool.task_timeout),
+            (2, 16, Duration::from_secs(2))
+        );
         let cases = [
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, replicas: 0}",
+                "pool.replicas",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, max_tasks: 0}",
+                "pool.max_tasks",
+            ),
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, task_timeout: never}",
+                "pool.task_timeout",
+            ),
             ("pool: {master: [m:1]}", "pool.auth_key_file"),
             ("pool: {master: [''], auth_key_file: /k}", "pool.master"),
             (

@@ -107,6 +107,59 @@ impl SegmentUsage {
     }
 }
 
+/// A mapped segment and its description.
+pub type MappedSegment = (SegmentInfo, MappedRegion);
+
+/// Map every planned segment as the placement asked (NUMA node, huge pages, lock), without
+/// an allocator: local-only mode wraps them in a [`DramTier`], pool mode hands them to the
+/// transfer engine and lets the master allocate inside them. Each segment's usable size is a
+/// whole number of [`UNIT`]s. Returns the warnings of degraded mappings.
+pub fn map_segments(
+    plans: &[SegmentPlan],
+    lock: bool,
+) -> Result<(Vec<MappedSegment>, Vec<String>), DramError> {
+    let mut out = Vec::new();
+    let mut warnings = Vec::new();
+    for (index, plan) in plans.iter().enumerate() {
+        let units =
+            u32::try_from(plan.bytes / UNIT).map_err(|_| DramError::SegmentTooLarge(plan.bytes))?;
+        let bytes =
+            usize::try_from(plan.bytes).map_err(|_| DramError::SegmentTooLarge(plan.bytes))?;
+        let req = RegionRequest {
+            bytes,
+            numa_node: Some(plan.numa_node),
+            hugepage_size: plan.hugepage_size,
+            lock,
+        };
+        let (region, outcome) =
+            MappedRegion::map(&req).map_err(|source| DramError::MapSegment {
+                index,
+                bytes: plan.bytes,
+                numa_node: plan.numa_node,
+                source,
+            })?;
+        warnings.extend(
+            outcome
+                .warnings
+                .iter()
+                .map(|w| format!("segment {index}: {w}")),
+        );
+        out.push((
+            SegmentInfo {
+                index: u32::try_from(index).unwrap_or(u32::MAX),
+                numa_node: plan.numa_node,
+                addr: region.addr(),
+                bytes: u64::from(units) * UNIT,
+                hugepage_size: outcome.hugepage_size,
+                numa_bound: outcome.numa_bound,
+                locked: outcome.locked,
+            },
+            region,
+        ));
+    }
+    Ok((out, warnings))
+}
+
 /// The DRAM tier.
 pub struct DramTier {
     segments: Vec<Segment>,
@@ -124,45 +177,14 @@ impl std::fmt::Debug for DramTier {
 impl DramTier {
     /// Map every planned segment. Returns the tier and the warnings of degraded mappings.
     pub fn new(plans: &[SegmentPlan], lock: bool) -> Result<(Self, Vec<String>), DramError> {
+        let (mapped, warnings) = map_segments(plans, lock)?;
         let mut segments = Vec::new();
         let mut infos = Vec::new();
-        let mut warnings = Vec::new();
-        for (index, plan) in plans.iter().enumerate() {
-            let units = u32::try_from(plan.bytes / UNIT)
-                .map_err(|_| DramError::SegmentTooLarge(plan.bytes))?;
-            let bytes =
-                usize::try_from(plan.bytes).map_err(|_| DramError::SegmentTooLarge(plan.bytes))?;
-            let req = RegionRequest {
-                bytes,
-                numa_node: Some(plan.numa_node),
-                hugepage_size: plan.hugepage_size,
-                lock,
-            };
-            let (region, outcome) =
-                MappedRegion::map(&req).map_err(|source| DramError::MapSegment {
-                    index,
-                    bytes: plan.bytes,
-                    numa_node: plan.numa_node,
-                    source,
-                })?;
-            warnings.extend(
-                outcome
-                    .warnings
-                    .iter()
-                    .map(|w| format!("segment {index}: {w}")),
-            );
-            let index_u32 = u32::try_from(index).unwrap_or(u32::MAX);
-            infos.push(SegmentInfo {
-                index: index_u32,
-                numa_node: plan.numa_node,
-                addr: region.addr(),
-                bytes: u64::from(units) * UNIT,
-                hugepage_size: outcome.hugepage_size,
-                numa_bound: outcome.numa_bound,
-                locked: outcome.locked,
-            });
+        for (info, region) in mapped {
+            let units = u32::try_from(info.bytes / UNIT)
+                .map_err(|_| DramError::SegmentTooLarge(info.bytes))?;
             segments.push(Segment {
-                numa_node: plan.numa_node,
+                numa_node: info.numa_node,
                 region,
                 allocator: Allocator::with_max_allocs(
                     units,
@@ -174,6 +196,7 @@ impl DramTier {
                 used_bytes: 0,
                 blocks: 0,
             });
+            infos.push(info);
         }
         Ok((Self { segments, infos }, warnings))
     }

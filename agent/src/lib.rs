@@ -1,7 +1,10 @@
 //! kvpool node agent library: topology discovery, NUMA-aware DRAM tier, persistent SSD tier,
 //! the engine API over a Unix socket, and the runtime that wires them with the admin server.
+//! In pool mode (`pool`, `pool_api`, `tasks`) the DRAM tier's memory belongs to the pool: the
+//! master allocates in it and the agent executes the master's copy tasks.
 //! Each module names its own I/O boundary in its header; `unsafe` lives only in `memory`
-//! (mmap/mbind/mlock) and `ssd` (aligned buffers); the staging copies are in `kvpool::agent_api::shm`.
+//! (mmap/mbind/mlock, hand-over to the transfer engine, the SSD segment's file mapping), `ssd`
+//! (aligned buffers) and `kvpool::agent_api::shm` (shared staging copies).
 
 pub mod api;
 pub mod bench;
@@ -16,10 +19,12 @@ pub mod memory;
 pub mod metrics;
 pub mod placement;
 pub mod pool;
+pub mod pool_api;
 pub mod registrar;
 pub mod runtime;
 pub mod ssd;
 pub mod store;
+pub mod tasks;
 pub mod topology;
 
 /// Engine API types generated from the library's `proto/agent/v1/engine.proto`.

@@ -11,6 +11,7 @@ use kvpool_agent::config::{self, AgentConfig, FileConfig};
 use kvpool_agent::discovery::{self, Roots};
 use kvpool_agent::pool::Member;
 use kvpool_agent::registrar::LocalRegistrar;
+use kvpool_agent::runtime::{self, Mode};
 use tokio_util::sync::CancellationToken;
 
 fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
@@ -36,22 +37,20 @@ fn main() -> anyhow::Result<()> {
                 let shutdown = CancellationToken::new();
                 kvpool::shutdown::cancel_on_signal(shutdown.clone())
                     .context("installing signal handlers")?;
+                let registry = prometheus::Registry::new();
                 match cfg.pool.clone() {
                     None => {
-                        let registrar = Arc::new(LocalRegistrar::new());
-                        kvpool_agent::runtime::run(cfg, registrar, shutdown, |_| {}).await?;
+                        let mode = Mode::Local(Arc::new(LocalRegistrar::new()));
+                        runtime::run(cfg, mode, registry, shutdown, |_| {}).await?;
                     }
                     Some(pool) => {
-                        let member =
-                            Member::start(&pool, &cfg.node_name).context("joining the pool")?;
-                        // The link stops (and unmounts) on the same signal as the agent.
-                        let link = tokio::spawn(member.link.clone().run(shutdown.clone()));
-                        let registrar = Arc::clone(&member.registrar);
+                        let member = Member::start(&pool, &cfg.node_name, &registry)
+                            .context("joining the pool")?;
+                        // The runtime runs the link (mounts, heartbeats, tasks) and unmounts
+                        // before withdrawing the memory; the transfer target closes last.
                         let ran =
-                            kvpool_agent::runtime::run(cfg, registrar, shutdown.clone(), |_| {})
+                            runtime::run(cfg, Mode::Pool(&member), registry, shutdown, |_| {})
                                 .await;
-                        shutdown.cancel();
-                        let _ = link.await;
                         drop(member);
                         ran?;
                     }

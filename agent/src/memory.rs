@@ -1,8 +1,12 @@
-//! Anonymous memory regions for the DRAM tier: mmap (huge pages when asked), mbind to a NUMA
-//! node, mlock. I/O boundary: the mmap/mbind/mlock/munmap system calls. This is one of the two
-//! modules of the agent with `unsafe` (the other is `ssd::AlignedBuf`); failures to get huge
-//! pages, a NUMA binding or a lock degrade to warnings, only a failed plain mmap is an error.
+//! Memory regions of the agent: the DRAM tier's anonymous mappings (huge pages when asked,
+//! mbind to a NUMA node, mlock) and, in pool mode, their hand-over to the transfer engine plus
+//! the file mapping that backs the pool-mode SSD segment. I/O boundary: the
+//! mmap/mbind/mlock/munmap/fallocate system calls. This is one of the few modules of the agent
+//! with `unsafe` (the others are `ssd::AlignedBuf` and `api::shm`); failures to get huge pages,
+//! a NUMA binding or a lock degrade to warnings, only a failed plain mmap is an error.
 
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
 /// Errors of region mapping.
@@ -16,6 +20,19 @@ pub enum MemoryError {
     },
     #[error("region size must be non-zero")]
     Empty,
+    #[error("cannot prepare {len} bytes in {path}")]
+    File {
+        path: PathBuf,
+        len: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("handing {len} bytes to the transfer engine")]
+    Transfer {
+        len: usize,
+        #[source]
+        source: kvpool::transfer::MemoryError,
+    },
 }
 
 impl MemoryError {
@@ -24,6 +41,8 @@ impl MemoryError {
         match self {
             MemoryError::Map { .. } => "mmap",
             MemoryError::Empty => "empty",
+            MemoryError::File { .. } => "file",
+            MemoryError::Transfer { .. } => "transfer",
         }
     }
 }
@@ -206,6 +225,56 @@ impl MappedRegion {
     }
 }
 
+impl MappedRegion {
+    /// Give the mapping to the transfer engine (pool mode): the returned segment owns it, so
+    /// it stays mapped, NUMA-bound and locked until the last user (the registration, or a
+    /// transfer still in flight) drops the segment; then it is unmapped.
+    pub fn into_transfer_segment(self) -> Result<kvpool::transfer::Segment, MemoryError> {
+        let (ptr, len) = (self.ptr, self.len);
+        let release: Box<dyn FnOnce() + Send + Sync> = Box::new(move || drop(self));
+        // SAFETY: `ptr..ptr+len` is this live read-write mapping; the region moves into
+        // `release`, so nothing else can reach it through a Rust reference, and it is unmapped
+        // only when `release` runs (or is dropped on error), after the segment's last use.
+        unsafe { kvpool::transfer::Segment::from_raw_parts(ptr, len, Some(release)) }
+            .map_err(|source| MemoryError::Transfer { len, source })
+    }
+}
+
+/// Create (or empty) `path`, reserve `len` bytes of disk for it and map it shared, as a
+/// transfer-engine segment: the pool-mode SSD segment. The blocks are reserved up front
+/// (fallocate) because a write into a hole of a shared file mapping on a full filesystem kills
+/// the process with SIGBUS instead of returning ENOSPC.
+pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool::transfer::Segment, MemoryError> {
+    let file_err = |source| MemoryError::File {
+        path: path.to_owned(),
+        len,
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(file_err)?;
+    let size = libc::off_t::try_from(len)
+        .map_err(|_| file_err(std::io::Error::other("length does not fit off_t")))?;
+    // SAFETY: fallocate on a file descriptor we own; it only changes the file's allocation.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size) };
+    if rc != 0 {
+        return Err(file_err(std::io::Error::from_raw_os_error(rc)));
+    }
+    // SAFETY: the file is ours, just sized to `len` bytes with every block allocated; the
+    // mapping is only ever accessed through the transfer segment's bounds-checked raw copies.
+    let map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(file_err)?;
+    kvpool::transfer::Segment::from_mmap(map, kvpool::transfer::HostOptions::default()).map_err(
+        |source| MemoryError::Transfer {
+            len: usize::try_from(len).unwrap_or(usize::MAX),
+            source,
+        },
+    )
+}
+
 impl Drop for MappedRegion {
     fn drop(&mut self) {
         // SAFETY: the region was mapped by `map` with this exact length and is unmapped once.
@@ -254,6 +323,49 @@ mod tests {
         assert_eq!(outcome.hugepage_size, None);
         assert!(!outcome.numa_bound);
         assert_eq!(outcome.warnings.len(), 2, "{:?}", outcome.warnings);
+    }
+
+    #[test]
+    fn a_region_handed_to_the_transfer_engine_keeps_its_bytes() {
+        let req = RegionRequest {
+            bytes: 8192,
+            numa_node: Some(0),
+            hugepage_size: None,
+            lock: false,
+        };
+        let (mut region, _) = MappedRegion::map(&req).expect("map");
+        region.as_mut_slice()[5000] = 42;
+        let addr = region.addr();
+        let seg = region.into_transfer_segment().expect("segment");
+        assert_eq!(
+            (seg.addr(), seg.len()),
+            (addr, 8192),
+            "the very same mapping"
+        );
+        let mut b = [0u8; 1];
+        seg.read_at(5000, &mut b).expect("read");
+        assert_eq!(b, [42]);
+        seg.write_at(8191, &[9]).expect("write");
+        assert!(seg.write_at(8192, &[9]).is_err(), "bounds are checked");
+    }
+
+    #[test]
+    fn file_segments_are_reserved_mapped_and_shared_with_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("pool-ssd.dat");
+        std::fs::write(&path, b"stale bytes from a previous run").expect("stale");
+        let seg = map_file_segment(&path, 1 << 20).expect("segment");
+        assert_eq!(seg.len(), 1 << 20);
+        let mut head = [0u8; 5];
+        seg.read_at(0, &mut head).expect("read");
+        assert_eq!(head, [0; 5], "old contents are discarded");
+        seg.write_at(4096, b"demoted").expect("write");
+        drop(seg);
+        let bytes = std::fs::read(&path).expect("file");
+        assert_eq!(bytes.len(), 1 << 20);
+        assert_eq!(bytes.get(4096..4103), Some(&b"demoted"[..]));
+        let bad = map_file_segment(&dir.path().join("no/such/dir/f"), 4096).expect_err("bad path");
+        assert_eq!(bad.category(), "file");
     }
 
     #[test]

@@ -1,34 +1,34 @@
-//! Pool mode: the agent as a member of a kvpool pool. [`PoolRegistrar`] gives every DRAM-tier
-//! segment pool memory registered with the transfer engine (served by the agent's
-//! authenticated TCP target) and a [`SegmentSpec`] for the master; [`PoolLink`] mounts those
-//! specs with the master, heartbeats, remounts after the master declared the node dead, and
-//! unmounts on shutdown. I/O boundary: the transfer-engine listener ([`Member::start`]) and the
-//! master's gRPC channel ([`PoolLink::run`]); the bookkeeping in [`PoolRegistrar`] is pure.
-//!
-//! The pool memory is separate from the DRAM tier's own blocks (same size and NUMA node as the
-//! tier segment it stands for): the master allocates inside it, the agent's local allocator
-//! never does, so the two allocators cannot hand out the same bytes. See docs/agent.md.
+//! Pool mode: the agent as a member of a kvpool pool. The DRAM tier's own mappings (NUMA-bound,
+//! huge pages and locked as configured) and the pool-mode SSD segment are registered with the
+//! transfer engine by [`PoolRegistrar`] and mounted with the master by [`PoolLink`], which also
+//! heartbeats, hands the master's tasks to [`crate::tasks::TaskRunner`], remounts after the
+//! master declared the node dead, reports readiness (all segments mounted, heartbeat accepted)
+//! and unmounts on shutdown. The master is the only allocator of those bytes: the agent never
+//! carves them itself in pool mode. I/O boundary: the transfer-engine listener
+//! ([`Member::start`]) and the master's gRPC channel ([`PoolLink::run`]); the bookkeeping in
+//! [`PoolRegistrar`] is pure.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kvpool::master::auth::AuthKey as MasterKey;
 use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
-use kvpool::master::data::{tcp_endpoint, transfer_name};
+use kvpool::master::data::{LocalSegments, PoolClient, tcp_endpoint, transfer_name};
 use kvpool::master::{SegmentSpec, Tier};
 use kvpool::transfer::{
-    self, EngineConfig, HostOptions, LocalSegment, Segment, StaticDirectory, TcpServer,
-    TransferEngine, TransferMetrics,
+    self, EngineConfig, LocalSegment, Segment, StaticDirectory, TcpServer, TransferEngine,
+    TransferMetrics,
 };
 use parking_lot::Mutex;
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::PoolConfig;
-use crate::dram::SegmentInfo;
-use crate::registrar::{AnnouncedTier, RegistrarError, SegmentRegistrar};
+use crate::registrar::RegistrarError;
+use crate::tasks::TaskRunner;
 
 /// Errors of joining a pool.
 #[derive(Debug, thiserror::Error)]
@@ -37,7 +37,7 @@ pub enum PoolError {
     TransferKey(#[source] transfer::AuthError),
     #[error("reading the pool key for the master")]
     MasterKey(#[source] kvpool::master::auth::AuthError),
-    #[error("transfer-engine metrics")]
+    #[error("pool metrics")]
     Metrics(#[source] prometheus::Error),
     #[error("starting the transfer engine")]
     Engine(#[source] transfer::TransferError),
@@ -65,48 +65,130 @@ impl PoolError {
     }
 }
 
-/// Master-side name of the pool segment standing for DRAM-tier segment `index`.
+/// Master-side name of DRAM-tier segment `index`.
 pub fn segment_name(index: u32) -> String {
     format!("dram{index}")
 }
 
-/// The spec the master gets for DRAM-tier segment `seg` of `node`.
-pub fn spec_for(node: &str, endpoint: &str, seg: &SegmentInfo) -> SegmentSpec {
+/// Master-side name of the pool-mode SSD segment.
+pub const SSD_SEGMENT: &str = "ssd0";
+
+/// The spec the master gets for segment `name` of `node`.
+pub fn spec_for(
+    node: &str,
+    endpoint: &str,
+    name: &str,
+    tier: Tier,
+    numa_node: u32,
+    bytes: u64,
+) -> SegmentSpec {
     SegmentSpec {
         node: node.to_owned(),
-        name: segment_name(seg.index),
-        tier: Tier::Dram,
-        capacity_bytes: seg.bytes,
-        numa_node: seg.numa_node,
+        name: name.to_owned(),
+        tier,
+        capacity_bytes: bytes,
+        numa_node,
         failure_domain: String::new(),
         endpoints: vec![endpoint.to_owned()],
+    }
+}
+
+/// Metrics of pool membership (`kvpool_agent_pool_` prefix).
+#[derive(Clone, Debug)]
+pub struct PoolMetrics {
+    /// `kvpool_agent_pool_mounted_segments`
+    pub mounted_segments: IntGauge,
+    /// `kvpool_agent_pool_heartbeat_failures_total`
+    pub heartbeat_failures: IntCounter,
+    /// `kvpool_agent_pool_remounts_total`: the master had forgotten this node.
+    pub remounts: IntCounter,
+    /// `kvpool_agent_pool_tasks_total{kind, outcome}`
+    pub tasks: IntCounterVec,
+    /// `kvpool_agent_pool_tasks_running`
+    pub tasks_running: IntGauge,
+    /// `kvpool_agent_pool_task_bytes_total{kind}`: bytes copied by successful tasks.
+    pub task_bytes: IntCounterVec,
+    /// `kvpool_agent_pool_rdma_fallback`: 1 once the transfer engine reached a peer over TCP
+    /// although RDMA was wanted.
+    pub rdma_fallback: IntGauge,
+}
+
+impl PoolMetrics {
+    /// Create the metrics and register them into `registry`.
+    pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let m = Self {
+            mounted_segments: IntGauge::new(
+                "kvpool_agent_pool_mounted_segments",
+                "Segments of this agent currently mounted with the master.",
+            )?,
+            heartbeat_failures: IntCounter::new(
+                "kvpool_agent_pool_heartbeat_failures_total",
+                "Heartbeats the master did not accept.",
+            )?,
+            remounts: IntCounter::new(
+                "kvpool_agent_pool_remounts_total",
+                "Times the master no longer knew this node and its segments were mounted again.",
+            )?,
+            tasks: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_agent_pool_tasks_total",
+                    "Master tasks finished, by kind and outcome.",
+                ),
+                &["kind", "outcome"],
+            )?,
+            tasks_running: IntGauge::new(
+                "kvpool_agent_pool_tasks_running",
+                "Master tasks accepted and not finished yet.",
+            )?,
+            task_bytes: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_agent_pool_task_bytes_total",
+                    "Bytes copied by successful master tasks.",
+                ),
+                &["kind"],
+            )?,
+            rdma_fallback: IntGauge::new(
+                "kvpool_agent_pool_rdma_fallback",
+                "1 when the transfer engine fell back from RDMA to TCP.",
+            )?,
+        };
+        registry.register(Box::new(m.mounted_segments.clone()))?;
+        registry.register(Box::new(m.heartbeat_failures.clone()))?;
+        registry.register(Box::new(m.remounts.clone()))?;
+        registry.register(Box::new(m.tasks.clone()))?;
+        registry.register(Box::new(m.tasks_running.clone()))?;
+        registry.register(Box::new(m.task_bytes.clone()))?;
+        registry.register(Box::new(m.rdma_fallback.clone()))?;
+        Ok(m)
     }
 }
 
 #[derive(Debug)]
 struct Entry {
     /// Keeps the engine registration alive; dropping it unregisters the segment.
-    _local: LocalSegment,
+    local: LocalSegment,
     spec: SegmentSpec,
 }
 
 #[derive(Debug, Default)]
 struct Book {
-    /// Registered with the transfer engine, by DRAM-tier segment index.
-    segments: BTreeMap<u32, Entry>,
-    /// Master segment ids of mounted segments, by DRAM-tier segment index. Kept apart from
-    /// `segments` so that a segment deregistered during shutdown is still unmounted.
-    mounted: BTreeMap<u32, u32>,
+    /// Registered with the transfer engine, by master-side segment name.
+    segments: BTreeMap<String, Entry>,
+    /// Master segment ids of mounted segments, by segment name. Kept apart from `segments` so
+    /// that a segment deregistered during shutdown is still unmounted.
+    mounted: BTreeMap<String, u32>,
 }
 
-/// [`SegmentRegistrar`] of pool mode.
+/// The segments this agent gives the pool: registered with the transfer engine (peers read and
+/// write them), listed in [`LocalSegments`] (this process copies into them without a
+/// transport), and described for the master.
 #[derive(Debug)]
 pub struct PoolRegistrar {
     engine: TransferEngine,
     node: String,
     endpoint: String,
     book: Mutex<Book>,
-    announced: AtomicU64,
+    local: LocalSegments,
 }
 
 impl PoolRegistrar {
@@ -117,7 +199,7 @@ impl PoolRegistrar {
             node,
             endpoint,
             book: Mutex::default(),
-            announced: AtomicU64::new(0),
+            local: LocalSegments::default(),
         }
     }
 
@@ -125,19 +207,81 @@ impl PoolRegistrar {
         &self.node
     }
 
+    /// The in-process view of the registered segments (for [`PoolClient`]).
+    pub fn local_segments(&self) -> LocalSegments {
+        self.local.clone()
+    }
+
+    /// Register `memory` as master segment `name` of `tier` on `numa_node`. The master will
+    /// allocate inside all of it, so nothing else may use these bytes.
+    pub fn register(
+        &self,
+        name: &str,
+        tier: Tier,
+        numa_node: u32,
+        memory: Segment,
+    ) -> Result<(), RegistrarError> {
+        let mut book = self.book.lock();
+        if book.segments.contains_key(name) {
+            return Err(RegistrarError::Duplicate(name.to_owned()));
+        }
+        let bytes = memory.len() as u64;
+        let full = transfer_name(&self.node, name);
+        let local = self
+            .engine
+            .register(&full, Arc::new(memory))
+            .map_err(|source| RegistrarError::Transfer {
+                name: name.to_owned(),
+                source,
+            })?;
+        self.local.insert(&full, Arc::clone(local.segment()));
+        tracing::info!(segment = %full, bytes, tier = tier.as_str(), "pool segment registered");
+        book.segments.insert(
+            name.to_owned(),
+            Entry {
+                local,
+                spec: spec_for(&self.node, &self.endpoint, name, tier, numa_node, bytes),
+            },
+        );
+        Ok(())
+    }
+
+    /// Withdraw segment `name` from the transfer engine and the in-process view. The memory
+    /// lives on until transfers still using it finish.
+    pub fn deregister(&self, name: &str) -> Result<(), RegistrarError> {
+        let removed = self.book.lock().segments.remove(name);
+        match removed {
+            Some(_) => {
+                self.local.remove(&transfer_name(&self.node, name));
+                Ok(())
+            }
+            None => Err(RegistrarError::Unknown(name.to_owned())),
+        }
+    }
+
+    /// Names of the registered segments.
+    pub fn registered(&self) -> Vec<String> {
+        self.book.lock().segments.keys().cloned().collect()
+    }
+
+    /// The registration of segment `name` (for tasks that copy into it).
+    pub fn local(&self, name: &str) -> Option<LocalSegment> {
+        self.book.lock().segments.get(name).map(|e| e.local.clone())
+    }
+
     /// Registered segments not mounted with the master yet.
-    pub fn unmounted(&self) -> Vec<(u32, SegmentSpec)> {
+    pub fn unmounted(&self) -> Vec<SegmentSpec> {
         let book = self.book.lock();
         book.segments
             .iter()
-            .filter(|(i, _)| !book.mounted.contains_key(i))
-            .map(|(i, e)| (*i, e.spec.clone()))
+            .filter(|(n, _)| !book.mounted.contains_key(*n))
+            .map(|(_, e)| e.spec.clone())
             .collect()
     }
 
-    /// Record that segment `index` is mounted as master segment `id`.
-    pub fn set_mounted(&self, index: u32, id: u32) {
-        self.book.lock().mounted.insert(index, id);
+    /// Record that segment `name` is mounted as master segment `id`.
+    pub fn set_mounted(&self, name: &str, id: u32) {
+        self.book.lock().mounted.insert(name.to_owned(), id);
     }
 
     /// Master segment ids currently mounted.
@@ -145,76 +289,17 @@ impl PoolRegistrar {
         self.book.lock().mounted.values().copied().collect()
     }
 
+    /// True when at least one segment is registered and every registered one is mounted.
+    pub fn all_mounted(&self) -> bool {
+        let book = self.book.lock();
+        !book.segments.is_empty() && book.segments.keys().all(|n| book.mounted.contains_key(n))
+    }
+
     /// Forget every mount (the master no longer knows this node): the next pass remounts.
     pub fn clear_mounted(&self) -> Vec<u32> {
         std::mem::take(&mut self.book.lock().mounted)
             .into_values()
             .collect()
-    }
-
-    /// Blocks announced so far (announcing to the master is not implemented yet).
-    pub fn announced(&self) -> u64 {
-        self.announced.load(Ordering::Relaxed)
-    }
-}
-
-impl SegmentRegistrar for PoolRegistrar {
-    fn register(&self, seg: &SegmentInfo) -> Result<(), RegistrarError> {
-        let mut book = self.book.lock();
-        if book.segments.contains_key(&seg.index) {
-            return Err(RegistrarError::Duplicate(seg.index));
-        }
-        let len = usize::try_from(seg.bytes).map_err(|_| RegistrarError::Memory {
-            index: seg.index,
-            source: transfer::MemoryError::InvalidSize {
-                size: usize::MAX,
-                max: transfer::memory::MAX_SEGMENT_SIZE,
-            },
-        })?;
-        let memory = Segment::host(len, HostOptions::default()).map_err(|source| {
-            RegistrarError::Memory {
-                index: seg.index,
-                source,
-            }
-        })?;
-        let name = transfer_name(&self.node, &segment_name(seg.index));
-        let local = self
-            .engine
-            .register(&name, Arc::new(memory))
-            .map_err(|source| RegistrarError::Transfer {
-                index: seg.index,
-                source,
-            })?;
-        tracing::info!(segment = %name, bytes = seg.bytes, "pool segment registered");
-        book.segments.insert(
-            seg.index,
-            Entry {
-                _local: local,
-                spec: spec_for(&self.node, &self.endpoint, seg),
-            },
-        );
-        Ok(())
-    }
-
-    fn deregister(&self, index: u32) -> Result<(), RegistrarError> {
-        self.book
-            .lock()
-            .segments
-            .remove(&index)
-            .map(|_| ())
-            .ok_or(RegistrarError::Unknown(index))
-    }
-
-    fn announce(&self, keys: &[Vec<u8>], tier: AnnouncedTier) -> Result<(), RegistrarError> {
-        // The master has no call to adopt blocks an agent already holds; they stay local.
-        tracing::debug!(
-            blocks = keys.len(),
-            ?tier,
-            "block announcement not sent to the master"
-        );
-        self.announced
-            .fetch_add(keys.len() as u64, Ordering::Relaxed);
-        Ok(())
     }
 }
 
@@ -231,12 +316,16 @@ pub fn is_unknown_node(e: &ClientError) -> bool {
 /// Longest time shutdown spends unmounting (the pod's grace period is typically 30 s).
 const UNMOUNT_BUDGET: Duration = Duration::from_secs(10);
 
-/// Mounts, heartbeats and unmounts on behalf of a [`PoolRegistrar`].
+/// Mounts, heartbeats, runs tasks and unmounts on behalf of a [`PoolRegistrar`].
 #[derive(Clone, Debug)]
 pub struct PoolLink {
     client: MasterClient,
     registrar: Arc<PoolRegistrar>,
     interval: Duration,
+    tasks: Option<TaskRunner>,
+    metrics: Option<PoolMetrics>,
+    engine: Option<TransferEngine>,
+    healthy: Arc<watch::Sender<bool>>,
 }
 
 impl PoolLink {
@@ -245,7 +334,31 @@ impl PoolLink {
             client,
             registrar,
             interval,
+            tasks: None,
+            metrics: None,
+            engine: None,
+            healthy: Arc::new(watch::channel(false).0),
         }
+    }
+
+    /// Execute the tasks heartbeats deliver with `runner` (without one they are left to time
+    /// out at the master).
+    pub fn with_tasks(mut self, runner: TaskRunner) -> Self {
+        self.tasks = Some(runner);
+        self
+    }
+
+    /// Count mounts, heartbeats and the engine's RDMA fallback in `metrics`.
+    pub fn with_metrics(mut self, metrics: PoolMetrics, engine: TransferEngine) -> Self {
+        self.metrics = Some(metrics);
+        self.engine = Some(engine);
+        self
+    }
+
+    /// True while every registered segment is mounted and the master accepts heartbeats: the
+    /// agent's part of the pool is usable. Feeds `/readyz`.
+    pub fn healthy(&self) -> watch::Receiver<bool> {
+        self.healthy.subscribe()
     }
 
     /// Every `interval` until `stop`: mount what is not mounted, then heartbeat. On `stop`,
@@ -265,6 +378,7 @@ impl PoolLink {
                 () = self.step() => {}
             }
         }
+        self.healthy.send_replace(false);
         if tokio::time::timeout(UNMOUNT_BUDGET, self.unmount_all())
             .await
             .is_err()
@@ -273,40 +387,69 @@ impl PoolLink {
                 "master unreachable while unmounting; it will declare this node dead instead"
             );
         }
+        self.set_mounted_gauge();
     }
 
-    /// One pass: mount, then heartbeat.
+    fn set_mounted_gauge(&self) {
+        if let Some(m) = &self.metrics {
+            m.mounted_segments
+                .set(i64::try_from(self.registrar.mounted().len()).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// One pass: mount, then heartbeat (handing its tasks to the runner), then update health.
     pub async fn step(&self) {
-        for (index, spec) in self.registrar.unmounted() {
+        for spec in self.registrar.unmounted() {
             match self.client.mount_segment(&spec).await {
                 Ok(id) => {
                     tracing::info!(segment = %spec.name, id, "segment mounted with the master");
-                    self.registrar.set_mounted(index, id);
+                    self.registrar.set_mounted(&spec.name, id);
                 }
                 Err(e) => tracing::warn!(segment = %spec.name, error = %e,
                     category = e.category(), "mounting a segment failed; retrying"),
             }
         }
-        if self.registrar.mounted().is_empty() {
-            return;
-        }
-        match self.client.heartbeat(self.registrar.node()).await {
-            Ok(tasks) => {
-                if !tasks.is_empty() {
-                    tracing::debug!(
-                        tasks = tasks.len(),
-                        "master tasks ignored: repair and demotion are not implemented"
+        let mut beat_ok = false;
+        if !self.registrar.mounted().is_empty() {
+            match self.client.heartbeat(self.registrar.node()).await {
+                Ok(tasks) => {
+                    beat_ok = true;
+                    if !tasks.is_empty() {
+                        match &self.tasks {
+                            Some(runner) => runner.submit(tasks),
+                            None => tracing::debug!(
+                                tasks = tasks.len(),
+                                "master tasks ignored: no task runner"
+                            ),
+                        }
+                    }
+                }
+                Err(e) if is_unknown_node(&e) => {
+                    let lost = self.registrar.clear_mounted();
+                    if let Some(m) = &self.metrics {
+                        m.remounts.inc();
+                        m.heartbeat_failures.inc();
+                    }
+                    tracing::warn!(
+                        segments = lost.len(),
+                        "the master does not know this node (declared dead?); remounting"
                     );
                 }
+                Err(e) => {
+                    if let Some(m) = &self.metrics {
+                        m.heartbeat_failures.inc();
+                    }
+                    tracing::warn!(error = %e, category = e.category(), "heartbeat failed");
+                }
             }
-            Err(e) if is_unknown_node(&e) => {
-                let lost = self.registrar.clear_mounted();
-                tracing::warn!(
-                    segments = lost.len(),
-                    "the master does not know this node (declared dead?); remounting"
-                );
-            }
-            Err(e) => tracing::warn!(error = %e, category = e.category(), "heartbeat failed"),
+        }
+        self.set_mounted_gauge();
+        if let (Some(m), Some(engine)) = (&self.metrics, &self.engine) {
+            m.rdma_fallback.set(i64::from(engine.fallback_active()));
+        }
+        let healthy = beat_ok && self.registrar.all_mounted();
+        if self.healthy.send_replace(healthy) != healthy {
+            tracing::info!(healthy, "pool membership changed");
         }
     }
 
@@ -320,21 +463,37 @@ impl PoolLink {
     }
 }
 
-/// Everything pool mode runs: the transfer engine and its TCP target, the registrar, the link.
+/// Client settings of the link: calls retried for three heartbeat periods (1 to 5 s).
+fn link_client_config(cfg: &PoolConfig) -> ClientConfig {
+    let budget = (cfg.heartbeat_interval * 3).clamp(Duration::from_secs(1), Duration::from_secs(5));
+    ClientConfig {
+        failover_budget: budget,
+        request_timeout: budget,
+        ..ClientConfig::default()
+    }
+}
+
+/// Everything pool mode runs: the transfer engine and its TCP target, the registrar, the link
+/// and the data client engines' requests go through.
 pub struct Member {
     pub engine: TransferEngine,
     pub registrar: Arc<PoolRegistrar>,
     pub link: PoolLink,
+    /// Puts and gets over the pool; replicas in this agent's own segments are copied in
+    /// process.
+    pub client: PoolClient,
     /// Serves the registered segments until dropped.
     pub server: TcpServer,
     /// The announced endpoint (`tcp://ip:port`).
     pub endpoint: String,
+    /// Replicas of each block engines put through this agent.
+    pub replicas: u8,
 }
 
 impl Member {
-    /// Read the pool key, start the transfer engine and its TCP target, build the master
-    /// client (it connects on first use).
-    pub fn start(cfg: &PoolConfig, node: &str) -> Result<Self, PoolError> {
+    /// Read the pool key, start the transfer engine (its metrics and the pool metrics go to
+    /// `registry`) and its TCP target, build the master client (it connects on first use).
+    pub fn start(cfg: &PoolConfig, node: &str, registry: &Registry) -> Result<Self, PoolError> {
         let transfer_key =
             transfer::AuthKey::from_file(&cfg.auth_key_file).map_err(PoolError::TransferKey)?;
         let master_key = MasterKey::from_file(&cfg.auth_key_file).map_err(PoolError::MasterKey)?;
@@ -345,9 +504,10 @@ impl Member {
             },
             transfer_key,
             Arc::new(StaticDirectory::new()),
-            TransferMetrics::unregistered().map_err(PoolError::Metrics)?,
+            TransferMetrics::new(registry).map_err(PoolError::Metrics)?,
         )
         .map_err(PoolError::Engine)?;
+        let metrics = PoolMetrics::new(registry).map_err(PoolError::Metrics)?;
         let server =
             engine
                 .listen_tcp(cfg.transport_listen)
@@ -365,15 +525,38 @@ impl Member {
             node.to_owned(),
             endpoint.clone(),
         ));
-        let client = MasterClient::new(cfg.masters.clone(), master_key, ClientConfig::default())
-            .map_err(PoolError::Client)?;
-        let link = PoolLink::new(client, Arc::clone(&registrar), cfg.heartbeat_interval);
+        let master = MasterClient::new(
+            cfg.masters.clone(),
+            master_key.clone(),
+            ClientConfig::default(),
+        )
+        .map_err(PoolError::Client)?;
+        // The link's own client gives up quickly, so that a lost master shows in readiness
+        // within a few heartbeat periods (the next pass tries again anyway).
+        let link_client =
+            MasterClient::new(cfg.masters.clone(), master_key, link_client_config(cfg))
+                .map_err(PoolError::Client)?;
+        let runner = TaskRunner::new(
+            engine.clone(),
+            Arc::clone(&registrar),
+            master.clone(),
+            cfg.max_tasks,
+            cfg.task_timeout,
+            metrics.clone(),
+        );
+        let link = PoolLink::new(link_client, Arc::clone(&registrar), cfg.heartbeat_interval)
+            .with_tasks(runner)
+            .with_metrics(metrics, engine.clone());
+        let client = PoolClient::new(master, engine.clone(), node.to_owned(), None)
+            .with_local_segments(registrar.local_segments());
         Ok(Self {
             engine,
             registrar,
             link,
+            client,
             server,
             endpoint,
+            replicas: cfg.replicas,
         })
     }
 }
@@ -381,18 +564,7 @@ impl Member {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn info(index: u32, bytes: u64) -> SegmentInfo {
-        SegmentInfo {
-            index,
-            numa_node: 1,
-            addr: 0,
-            bytes,
-            hugepage_size: None,
-            numa_bound: false,
-            locked: false,
-        }
-    }
+    use kvpool::transfer::HostOptions;
 
     fn engine(node: &str) -> TransferEngine {
         TransferEngine::new(
@@ -407,48 +579,72 @@ mod tests {
         .expect("engine")
     }
 
+    fn memory(len: usize) -> Segment {
+        Segment::host(len, HostOptions::default()).expect("segment")
+    }
+
     #[test]
     fn specs_name_node_numa_capacity_and_endpoint() {
-        let spec = spec_for("n1", "tcp://10.0.0.1:7000", &info(2, 1 << 20));
+        let spec = spec_for("n1", "tcp://10.0.0.1:7000", "dram2", Tier::Dram, 1, 1 << 20);
         assert_eq!(spec.node, "n1");
         assert_eq!(spec.name, "dram2");
         assert_eq!(spec.tier, Tier::Dram);
         assert_eq!(spec.capacity_bytes, 1 << 20);
         assert_eq!(spec.numa_node, 1);
         assert_eq!(spec.endpoints, vec!["tcp://10.0.0.1:7000".to_owned()]);
+        assert_eq!(segment_name(3), "dram3");
     }
 
     #[test]
     fn registrar_tracks_registration_and_mounts() {
         let e = engine("n1");
         let r = PoolRegistrar::new(e.clone(), "n1".into(), "tcp://127.0.0.1:1".into());
-        r.register(&info(0, 1 << 16)).expect("register 0");
-        r.register(&info(1, 1 << 16)).expect("register 1");
+        assert!(!r.all_mounted(), "nothing registered is not healthy");
+        r.register("dram0", Tier::Dram, 0, memory(1 << 16))
+            .expect("register 0");
+        r.register(SSD_SEGMENT, Tier::Ssd, 0, memory(1 << 16))
+            .expect("register ssd");
         assert_eq!(
-            r.register(&info(1, 1 << 16)).expect_err("dup").category(),
+            r.register("dram0", Tier::Dram, 0, memory(4096))
+                .expect_err("dup")
+                .category(),
             "duplicate"
         );
         // The engine refuses a second registration under the same name: proof it holds ours.
-        let clash = e.register(
-            "n1/dram0",
-            Arc::new(Segment::host(4096, HostOptions::default()).expect("seg")),
+        assert!(e.register("n1/dram0", Arc::new(memory(4096))).is_err());
+        // The in-process view holds the very same memory.
+        let seg = r.local_segments().get("n1/dram0").expect("local view");
+        assert!(Arc::ptr_eq(
+            &seg,
+            r.local("dram0").expect("registration").segment()
+        ));
+        let specs: Vec<_> = r
+            .unmounted()
+            .into_iter()
+            .map(|s| (s.name, s.tier))
+            .collect();
+        assert_eq!(
+            specs,
+            [("dram0".into(), Tier::Dram), ("ssd0".into(), Tier::Ssd)]
         );
-        assert!(clash.is_err());
-        let names: Vec<_> = r.unmounted().into_iter().map(|(_, s)| s.name).collect();
-        assert_eq!(names, ["dram0", "dram1"]);
-        r.set_mounted(0, 17);
+        r.set_mounted("dram0", 17);
         assert_eq!(r.unmounted().len(), 1);
-        assert_eq!(r.mounted(), vec![17]);
+        assert!(!r.all_mounted());
+        r.set_mounted(SSD_SEGMENT, 18);
+        assert!(r.all_mounted());
+        assert_eq!(r.mounted(), vec![17, 18]);
         // Deregistering releases the engine name but keeps the mount for the unmount pass.
-        r.deregister(0).expect("deregister");
-        assert_eq!(r.deregister(0).expect_err("gone").category(), "unknown");
-        e.register(
-            "n1/dram0",
-            Arc::new(Segment::host(4096, HostOptions::default()).expect("seg")),
-        )
-        .expect("name free again");
-        assert_eq!(r.clear_mounted(), vec![17]);
+        r.deregister("dram0").expect("deregister");
+        assert_eq!(
+            r.deregister("dram0").expect_err("gone").category(),
+            "unknown"
+        );
+        assert!(r.local_segments().get("n1/dram0").is_none());
+        e.register("n1/dram0", Arc::new(memory(4096)))
+            .expect("name free again");
+        assert_eq!(r.clear_mounted(), vec![17, 18]);
         assert!(r.mounted().is_empty());
+        assert_eq!(r.registered(), vec![SSD_SEGMENT.to_owned()]);
     }
 
     #[test]
@@ -463,5 +659,15 @@ mod tests {
             source: tonic::Status::unavailable("down"),
         };
         assert!(!is_unknown_node(&other));
+    }
+
+    #[test]
+    fn metrics_register_once() {
+        let registry = Registry::new();
+        PoolMetrics::new(&registry).expect("metrics");
+        assert!(
+            PoolMetrics::new(&registry).is_err(),
+            "duplicate names refused"
+        );
     }
 }

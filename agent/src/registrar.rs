@@ -1,7 +1,8 @@
-//! Where the agent announces what it holds: DRAM segments to the transfer engine (so remote
-//! nodes can read them) and block keys to the pool's master. Both are behind
-//! [`SegmentRegistrar`]: the in-process [`LocalRegistrar`] serves local-only mode,
-//! `crate::pool::PoolRegistrar` the pool mode (transfer engine + master). I/O boundary: none in this module.
+//! Where the local-only agent announces what it holds: [`SegmentRegistrar`] and its in-process
+//! [`LocalRegistrar`] record the DRAM tier's segments and the recovered SSD blocks. Pool mode
+//! does not use it: there `crate::pool::PoolRegistrar` hands the tier's memory itself to the
+//! transfer engine and the master. The error type is shared by both. I/O boundary: none in
+//! this module.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,18 +15,12 @@ use crate::dram::SegmentInfo;
 #[derive(Debug, thiserror::Error)]
 pub enum RegistrarError {
     #[error("segment {0} is already registered")]
-    Duplicate(u32),
+    Duplicate(String),
     #[error("segment {0} is not registered")]
-    Unknown(u32),
-    #[error("pool memory for segment {index}")]
-    Memory {
-        index: u32,
-        #[source]
-        source: kvpool::transfer::MemoryError,
-    },
-    #[error("registering segment {index} with the transfer engine")]
+    Unknown(String),
+    #[error("registering segment {name} with the transfer engine")]
     Transfer {
-        index: u32,
+        name: String,
         #[source]
         source: kvpool::transfer::TransferError,
     },
@@ -37,7 +32,6 @@ impl RegistrarError {
         match self {
             RegistrarError::Duplicate(_) => "duplicate",
             RegistrarError::Unknown(_) => "unknown",
-            RegistrarError::Memory { .. } => "memory",
             RegistrarError::Transfer { .. } => "transfer",
         }
     }
@@ -87,7 +81,7 @@ impl SegmentRegistrar for LocalRegistrar {
     fn register(&self, segment: &SegmentInfo) -> Result<(), RegistrarError> {
         let mut map = self.segments.lock();
         if map.contains_key(&segment.index) {
-            return Err(RegistrarError::Duplicate(segment.index));
+            return Err(RegistrarError::Duplicate(segment.index.to_string()));
         }
         map.insert(segment.index, segment.clone());
         Ok(())
@@ -98,7 +92,7 @@ impl SegmentRegistrar for LocalRegistrar {
             .lock()
             .remove(&index)
             .map(|_| ())
-            .ok_or(RegistrarError::Unknown(index))
+            .ok_or_else(|| RegistrarError::Unknown(index.to_string()))
     }
 
     fn announce(&self, keys: &[Vec<u8>], _tier: AnnouncedTier) -> Result<(), RegistrarError> {

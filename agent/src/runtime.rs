@@ -1,5 +1,7 @@
 //! The agent process: discovery, DRAM and SSD tiers, segment registration, the engine API and
-//! the admin server, started in that order and stopped in reverse on cancellation.
+//! the admin server, started in that order and stopped in reverse on cancellation. In pool mode
+//! the tiers' memory goes to the pool (transfer engine + master, see `pool`) instead of the
+//! local store, the engine API serves from the pool, and readiness follows the pool link.
 //! I/O boundary: everything below it (sysfs, memory, files, sockets); this module sequences.
 
 use std::collections::BTreeMap;
@@ -20,9 +22,12 @@ use crate::api::server::{self as api_server, EngineService, ServerError};
 use crate::api::shm;
 use crate::config::AgentConfig;
 use crate::discovery::{self, DiscoveryError};
-use crate::dram::{DramError, DramTier};
+use crate::dram::{self, DramError, DramTier};
+use crate::memory::{self, MemoryError};
 use crate::metrics::{AgentMetrics, MetricsError};
 use crate::placement::{self, PlacementError, PlacementRequest};
+use crate::pool::{Member, SSD_SEGMENT, segment_name};
+use crate::pool_api::PoolApi;
 use crate::registrar::{AnnouncedTier, RegistrarError, SegmentRegistrar};
 use crate::ssd::{SsdError, SsdTier};
 use crate::store::{StoreError, TieredStore};
@@ -41,6 +46,8 @@ pub enum RunError {
     Placement(#[source] PlacementError),
     #[error("DRAM tier")]
     Dram(#[source] DramError),
+    #[error("pool memory")]
+    PoolMemory(#[source] MemoryError),
     #[error("SSD tier")]
     Ssd(#[source] SsdError),
     #[error("segment registration")]
@@ -62,6 +69,7 @@ impl RunError {
             RunError::Discovery(_) => "discovery",
             RunError::Placement(_) => "placement",
             RunError::Dram(_) => "dram",
+            RunError::PoolMemory(_) => "pool_memory",
             RunError::Ssd(_) => "ssd",
             RunError::Register(_) => "register",
             RunError::Api(_) => "api",
@@ -105,15 +113,25 @@ pub struct Started {
     pub admin_addr: Option<std::net::SocketAddr>,
 }
 
-/// Run the agent until `shutdown` is cancelled. `on_admin_bound` receives the admin address.
+/// Where the tiers' memory goes.
+pub enum Mode<'a> {
+    /// Local-only: the agent's own store allocates; segments are recorded by the registrar.
+    Local(Arc<dyn SegmentRegistrar>),
+    /// Pool mode: the DRAM tier's mappings and the SSD segment go to the pool's transfer
+    /// engine and master; the engine API serves from the pool.
+    Pool(&'a Member),
+}
+
+/// Run the agent until `shutdown` is cancelled. Metrics go to `registry` (in pool mode the
+/// transfer engine's are there already). `on_admin_bound` receives the admin address.
 pub async fn run(
     cfg: AgentConfig,
-    registrar: Arc<dyn SegmentRegistrar>,
+    mode: Mode<'_>,
+    registry: Registry,
     shutdown: CancellationToken,
     on_admin_bound: impl FnOnce(std::net::SocketAddr),
 ) -> Result<(), RunError> {
     tracing::info!(config = ?cfg, "effective configuration");
-    let registry = Registry::new();
     let metrics = Arc::new(AgentMetrics::new(&registry).map_err(RunError::Metrics)?);
     let readiness = Readiness::new();
     let view = TopologyView::default();
@@ -135,7 +153,7 @@ pub async fn run(
     );
     let admin_task = tokio::spawn(admin::serve(listener, router, admin_stop.clone()));
 
-    let result = serve_data_plane(&cfg, registrar, shutdown, &metrics, &readiness, &view).await;
+    let result = serve_data_plane(&cfg, mode, shutdown, &metrics, &readiness, &view).await;
     readiness.set_ready(false);
     admin_stop.cancel();
     match admin_task.await {
@@ -148,7 +166,7 @@ pub async fn run(
 
 async fn serve_data_plane(
     cfg: &AgentConfig,
-    registrar: Arc<dyn SegmentRegistrar>,
+    mode: Mode<'_>,
     shutdown: CancellationToken,
     metrics: &Arc<AgentMetrics>,
     readiness: &Readiness,
@@ -204,49 +222,34 @@ async fn serve_data_plane(
     }
     let lock = cfg.dram.lock;
     let segments = placement.segments.clone();
-    let (dram, dram_warnings) = blocking(move || DramTier::new(&segments, lock))
-        .await?
-        .map_err(RunError::Dram)?;
-    for w in &dram_warnings {
-        tracing::warn!("DRAM tier: {w}");
-    }
-
-    // SSD tier.
-    let ssd = match &cfg.ssd {
-        Some(s) => {
-            let tier_cfg = s.tier.clone();
-            let (tier, recovery) = blocking(move || SsdTier::open(&tier_cfg))
-                .await?
-                .map_err(RunError::Ssd)?;
-            for w in &recovery.warnings {
-                tracing::warn!("SSD tier: {w}");
-            }
-            tracing::info!(
-                blocks = recovery.blocks,
-                bytes = recovery.bytes,
-                direct_io = tier.direct_io(),
-                "SSD tier opened"
-            );
-            Some(tier)
+    let (store, pool) = match mode {
+        Mode::Local(registrar) => {
+            let store = local_tiers(cfg, segments, Arc::clone(metrics)).await?;
+            let segments = store.dram_segments();
+            (store, LocalOrPool::Local(registrar, segments))
         }
-        None => None,
+        Mode::Pool(member) => {
+            pool_tiers(cfg, segments, member, metrics).await?;
+            // The local store stays empty: it only carries the API's metrics.
+            let (empty, _) = DramTier::new(&[], lock).map_err(RunError::Dram)?;
+            let store = Arc::new(TieredStore::new(empty, None, Arc::clone(metrics)));
+            (store, LocalOrPool::Pool(member))
+        }
     };
-    let store = Arc::new(TieredStore::new(dram, ssd, Arc::clone(metrics)));
-
-    // Registration (transfer engine segments, master announcements).
-    let segments = store.dram_segments();
-    for seg in &segments {
-        registrar.register(seg).map_err(RunError::Register)?;
-    }
-    let recovered = store.ssd_keys();
-    if !recovered.is_empty() {
-        registrar
-            .announce(&recovered, AnnouncedTier::Ssd)
-            .map_err(RunError::Register)?;
-        tracing::info!(
-            blocks = recovered.len(),
-            "re-announced recovered SSD blocks"
-        );
+    if let LocalOrPool::Local(registrar, segments) = &pool {
+        for seg in segments {
+            registrar.register(seg).map_err(RunError::Register)?;
+        }
+        let recovered = store.ssd_keys();
+        if !recovered.is_empty() {
+            registrar
+                .announce(&recovered, AnnouncedTier::Ssd)
+                .map_err(RunError::Register)?;
+            tracing::info!(
+                blocks = recovered.len(),
+                "re-announced recovered SSD blocks"
+            );
+        }
     }
 
     // Engine API.
@@ -261,16 +264,27 @@ async fn serve_data_plane(
         tracing::info!(files = stale, "removed stale staging files");
     }
     let (listener, socket_path) = api_server::bind(&cfg.api.socket_dir).map_err(RunError::Api)?;
-    let service = EngineService::new(
+    let mut service = EngineService::new(
         Arc::clone(&store),
         cfg.api.shm_dir.clone(),
         cfg.api.limits.clone(),
     );
+    if let LocalOrPool::Pool(member) = &pool {
+        service = service.with_pool(PoolApi::new(
+            member.client.clone(),
+            cfg.node_name.clone(),
+            member.replicas,
+        ));
+    }
     tracing::info!(socket = %socket_path.display(), "engine API listening");
 
-    // Periodic flush of the SSD tier.
+    // Periodic flush of the SSD tier (local-only mode: the pool's SSD segment has no index).
     let sync_stop = shutdown.child_token();
-    let sync_task = cfg.ssd.as_ref().map(|s| {
+    let local_ssd = cfg
+        .ssd
+        .as_ref()
+        .filter(|_| matches!(pool, LocalOrPool::Local(..)));
+    let sync_task = local_ssd.map(|s| {
         let store = Arc::clone(&store);
         let every = s.sync_interval;
         let stop = sync_stop.clone();
@@ -306,8 +320,37 @@ async fn serve_data_plane(
         })
     };
 
-    readiness.set_ready(true);
-    tracing::info!("agent ready");
+    // Pool mode: the link mounts, heartbeats and runs tasks until the API has drained; ready
+    // only while the pool has every segment mounted.
+    let link_stop = CancellationToken::new();
+    let (link_task, ready_task) = match &pool {
+        LocalOrPool::Local(..) => {
+            readiness.set_ready(true);
+            tracing::info!("agent ready");
+            (None, None)
+        }
+        LocalOrPool::Pool(member) => {
+            let link = tokio::spawn(member.link.clone().run(link_stop.clone()));
+            let mut healthy = member.link.healthy();
+            let readiness = readiness.clone();
+            let stop = sync_stop.clone();
+            let ready = tokio::spawn(async move {
+                loop {
+                    let now = *healthy.borrow_and_update();
+                    if now != readiness.is_ready() {
+                        tracing::info!(ready = now, "agent readiness (pool membership)");
+                    }
+                    readiness.set_ready(now);
+                    tokio::select! {
+                        _ = stop.cancelled() => break,
+                        changed = healthy.changed() => if changed.is_err() { break },
+                    }
+                }
+                readiness.set_ready(false);
+            });
+            (Some(link), Some(ready))
+        }
+    };
     let served = api_server::serve(listener, service.clone(), shutdown.clone()).await;
     // Shutdown: the listener is closed and in-flight calls have finished.
     readiness.set_ready(false);
@@ -315,6 +358,15 @@ async fn serve_data_plane(
     let _ = std::fs::remove_file(&socket_path);
     sync_stop.cancel();
     if let Some(t) = sync_task {
+        let _ = t.await;
+    }
+    if let Some(t) = ready_task {
+        let _ = t.await;
+    }
+    readiness.set_ready(false);
+    // Unmount before the memory is withdrawn, so the master stops handing it out first.
+    link_stop.cancel();
+    if let Some(t) = link_task {
         let _ = t.await;
     }
     let _ = reaper.await;
@@ -325,10 +377,130 @@ async fn serve_data_plane(
         .await?
         .map_err(RunError::Persist)?;
     tracing::info!(demoted, "SSD index persisted");
-    for seg in &segments {
-        if let Err(e) = registrar.deregister(seg.index) {
-            tracing::warn!(error = %e, "deregistering segment failed");
+    match &pool {
+        LocalOrPool::Local(registrar, segments) => {
+            for seg in segments {
+                if let Err(e) = registrar.deregister(seg.index) {
+                    tracing::warn!(error = %e, "deregistering segment failed");
+                }
+            }
+        }
+        LocalOrPool::Pool(member) => {
+            for name in member.registrar.registered() {
+                if let Err(e) = member.registrar.deregister(&name) {
+                    tracing::warn!(error = %e, "deregistering segment failed");
+                }
+            }
         }
     }
     served.map_err(RunError::Api)
+}
+
+enum LocalOrPool<'a> {
+    Local(Arc<dyn SegmentRegistrar>, Vec<crate::dram::SegmentInfo>),
+    Pool(&'a Member),
+}
+
+/// Local-only mode: the DRAM tier with its allocator, the SSD tier with its index.
+async fn local_tiers(
+    cfg: &AgentConfig,
+    segments: Vec<placement::SegmentPlan>,
+    metrics: Arc<AgentMetrics>,
+) -> Result<Arc<TieredStore>, RunError> {
+    let lock = cfg.dram.lock;
+    let (dram, dram_warnings) = blocking(move || DramTier::new(&segments, lock))
+        .await?
+        .map_err(RunError::Dram)?;
+    for w in &dram_warnings {
+        tracing::warn!("DRAM tier: {w}");
+    }
+    let ssd = match &cfg.ssd {
+        Some(s) => {
+            let tier_cfg = s.tier.clone();
+            let (tier, recovery) = blocking(move || SsdTier::open(&tier_cfg))
+                .await?
+                .map_err(RunError::Ssd)?;
+            for w in &recovery.warnings {
+                tracing::warn!("SSD tier: {w}");
+            }
+            tracing::info!(
+                blocks = recovery.blocks,
+                bytes = recovery.bytes,
+                direct_io = tier.direct_io(),
+                "SSD tier opened"
+            );
+            Some(tier)
+        }
+        None => None,
+    };
+    Ok(Arc::new(TieredStore::new(dram, ssd, metrics)))
+}
+
+/// File of the pool-mode SSD segment inside `ssd.path`.
+pub const POOL_SSD_FILE: &str = "pool-ssd.dat";
+
+/// Pool mode: map the DRAM tier exactly as local-only mode would (NUMA node, huge pages,
+/// lock) and give every mapping to the pool; with an SSD tier, a file of its capacity becomes
+/// the SSD segment. The master allocates inside all of them.
+async fn pool_tiers(
+    cfg: &AgentConfig,
+    segments: Vec<placement::SegmentPlan>,
+    member: &Member,
+    metrics: &AgentMetrics,
+) -> Result<(), RunError> {
+    let lock = cfg.dram.lock;
+    let (mapped, warnings) = blocking(move || dram::map_segments(&segments, lock))
+        .await?
+        .map_err(RunError::Dram)?;
+    for w in &warnings {
+        tracing::warn!("DRAM tier: {w}");
+    }
+    let mut per_node: BTreeMap<u32, u64> = BTreeMap::new();
+    for (info, region) in mapped {
+        let memory = region
+            .into_transfer_segment()
+            .map_err(RunError::PoolMemory)?;
+        tracing::info!(segment = info.index, numa_node = info.numa_node, bytes = info.bytes,
+            hugepage_size = ?info.hugepage_size, numa_bound = info.numa_bound,
+            locked = info.locked, "DRAM segment given to the pool");
+        member
+            .registrar
+            .register(
+                &segment_name(info.index),
+                kvpool::master::Tier::Dram,
+                info.numa_node,
+                memory,
+            )
+            .map_err(RunError::Register)?;
+        *per_node.entry(info.numa_node).or_default() += info.bytes;
+    }
+    for (node, bytes) in per_node {
+        metrics
+            .capacity_bytes
+            .with_label_values(&["dram", &node.to_string()])
+            .set(bytes as f64);
+    }
+    if let Some(s) = &cfg.ssd {
+        let path = s.tier.dir.join(POOL_SSD_FILE);
+        let capacity = s.tier.capacity;
+        std::fs::create_dir_all(&s.tier.dir).map_err(|source| {
+            RunError::PoolMemory(MemoryError::File {
+                path: s.tier.dir.clone(),
+                len: capacity,
+                source,
+            })
+        })?;
+        let memory = blocking(move || memory::map_file_segment(&path, capacity))
+            .await?
+            .map_err(RunError::PoolMemory)?;
+        member
+            .registrar
+            .register(SSD_SEGMENT, kvpool::master::Tier::Ssd, 0, memory)
+            .map_err(RunError::Register)?;
+        metrics
+            .capacity_bytes
+            .with_label_values(&["ssd", "all"])
+            .set(capacity as f64);
+    }
+    Ok(())
 }

@@ -4,14 +4,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvpool::master::Tier;
 use kvpool::master::auth::AuthKey as MasterKey;
 use kvpool::master::client::{ClientConfig, MasterClient};
 use kvpool::master::cmd::{MasterArgs, start};
 use kvpool::master::proto::StatsResponse;
-use kvpool::transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
-use kvpool_agent::dram::SegmentInfo;
-use kvpool_agent::pool::{PoolLink, PoolRegistrar};
-use kvpool_agent::registrar::SegmentRegistrar;
+use kvpool::transfer::{
+    AuthKey, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
+};
+use kvpool_agent::pool::{PoolLink, PoolRegistrar, segment_name};
 use tokio_util::sync::CancellationToken;
 
 const KEY: &str = "pool-link-test-key-0123456789abcdef";
@@ -86,15 +87,12 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     ));
     for index in 0..2 {
         registrar
-            .register(&SegmentInfo {
+            .register(
+                &segment_name(index),
+                Tier::Dram,
                 index,
-                numa_node: index,
-                addr: 0,
-                bytes: 1 << 20,
-                hugepage_size: None,
-                numa_bound: false,
-                locked: false,
-            })
+                Segment::host(1 << 20, HostOptions::default()).expect("memory"),
+            )
             .expect("register");
     }
     let link = PoolLink::new(
@@ -103,8 +101,11 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
         Duration::from_millis(100),
     );
 
+    let healthy = link.healthy();
+    assert!(!*healthy.borrow(), "not healthy before the first mount");
     // One pass mounts both segments.
     link.step().await;
+    assert!(*healthy.borrow(), "mounted and heartbeat accepted");
     assert_eq!(registrar.mounted().len(), 2);
     assert!(registrar.unmounted().is_empty());
     let s = client.stats().await.expect("stats");
@@ -120,8 +121,13 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     // The next pass learns it from the heartbeat answer, the one after mounts again.
     link.step().await;
     assert!(registrar.mounted().is_empty(), "mounts forgotten");
+    assert!(
+        !*healthy.borrow(),
+        "not healthy while the remount is pending"
+    );
     link.step().await;
     assert_eq!(registrar.mounted().len(), 2, "mounted again");
+    assert!(*healthy.borrow(), "healthy again");
     let s = client.stats().await.expect("stats");
     assert_eq!((s.nodes_alive, s.segments), (1, 2));
 
@@ -131,6 +137,7 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     stop.cancel();
     running.await.expect("link task");
     assert!(registrar.mounted().is_empty());
+    assert!(!*healthy.borrow(), "not healthy once stopped");
     wait_stats(&client, "segments unmounted", |s| s.segments == 0).await;
 
     stop_master.cancel();

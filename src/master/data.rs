@@ -4,9 +4,12 @@
 //! master's gRPC channel and the transfer engine's connections; naming and endpoint parsing are
 //! pure.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::RwLock;
 
 use super::client::{ClientError, MasterClient, pick_nearest};
 use super::types::{PutOptions, PutStarted, ReplicaInfo};
@@ -46,6 +49,12 @@ pub enum DataError {
         #[source]
         source: BatchFailed,
     },
+    #[error("copying to or from local segment {name}")]
+    Local {
+        name: String,
+        #[source]
+        source: MemoryError,
+    },
     #[error("the master answered {got} bytes for a value of {want} bytes")]
     SizeMismatch { got: u64, want: u64 },
     #[error("the master returned no replica")]
@@ -64,6 +73,7 @@ impl DataError {
             DataError::RegisterStaging(_) => "register_staging",
             DataError::Open { .. } => "open",
             DataError::Transfer { .. } => "transfer",
+            DataError::Local { .. } => "local",
             DataError::SizeMismatch { .. } => "size_mismatch",
             DataError::NoReplica => "no_replica",
             DataError::Join(_) => "join",
@@ -121,6 +131,26 @@ pub fn descriptor(replica: &ReplicaInfo) -> Result<SegmentDescriptor, DataError>
     })
 }
 
+/// Segments that live in the client's own process (an agent's registered tiers), by transfer
+/// name: a replica in one of them is written and read with a plain memory copy, not through a
+/// transport. Cheap to clone (shared).
+#[derive(Clone, Debug, Default)]
+pub struct LocalSegments(Arc<RwLock<HashMap<String, Arc<Segment>>>>);
+
+impl LocalSegments {
+    pub fn insert(&self, name: &str, segment: Arc<Segment>) {
+        self.0.write().insert(name.to_owned(), segment);
+    }
+
+    pub fn remove(&self, name: &str) {
+        self.0.write().remove(name);
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Segment>> {
+        self.0.read().get(name).cloned()
+    }
+}
+
 /// Master client plus transfer engine: whole-value puts and gets. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct PoolClient {
@@ -130,6 +160,7 @@ pub struct PoolClient {
     node: String,
     numa_node: Option<u32>,
     staging_seq: Arc<AtomicU64>,
+    local: LocalSegments,
 }
 
 impl PoolClient {
@@ -145,11 +176,26 @@ impl PoolClient {
             node,
             numa_node,
             staging_seq: Arc::default(),
+            local: LocalSegments::default(),
         }
+    }
+
+    /// Reach replicas in `local` (segments of this process) by memory copy.
+    pub fn with_local_segments(mut self, local: LocalSegments) -> Self {
+        self.local = local;
+        self
     }
 
     pub fn master(&self) -> &MasterClient {
         &self.master
+    }
+
+    /// The segment of a replica when it lives in this process.
+    fn local_segment(&self, r: &ReplicaInfo) -> Option<Arc<Segment>> {
+        if r.node != self.node {
+            return None;
+        }
+        self.local.get(&transfer_name(&r.node, &r.segment))
     }
 
     fn staging(&self, data: Option<&[u8]>, size: u64) -> Result<transfer::LocalSegment, DataError> {
@@ -213,15 +259,30 @@ impl PoolClient {
 
     fn write_replicas(&self, value: &[u8], replicas: &[ReplicaInfo]) -> Result<(), DataError> {
         let size = value.len() as u64;
-        let local = self.staging(Some(value), size)?;
-        let mut requests = Vec::with_capacity(replicas.len());
+        if let Some(r) = replicas.iter().find(|r| r.length != size) {
+            return Err(DataError::SizeMismatch {
+                got: r.length,
+                want: size,
+            });
+        }
+        let mut remote_replicas = Vec::with_capacity(replicas.len());
         for r in replicas {
-            if r.length != size {
-                return Err(DataError::SizeMismatch {
-                    got: r.length,
-                    want: size,
-                });
+            match self.local_segment(r) {
+                Some(seg) => seg
+                    .write_at(r.offset, value)
+                    .map_err(|source| DataError::Local {
+                        name: transfer_name(&r.node, &r.segment),
+                        source,
+                    })?,
+                None => remote_replicas.push(r),
             }
+        }
+        if remote_replicas.is_empty() {
+            return Ok(());
+        }
+        let local = self.staging(Some(value), size)?;
+        let mut requests = Vec::with_capacity(remote_replicas.len());
+        for r in remote_replicas.iter().copied() {
             let remote = self.open(r)?;
             requests.push(TransferRequest {
                 op: TransferOp::Write,
@@ -235,7 +296,7 @@ impl PoolClient {
         self.engine
             .transfer(requests)
             .map_err(|source| DataError::Transfer {
-                name: replicas
+                name: remote_replicas
                     .iter()
                     .map(|r| transfer_name(&r.node, &r.segment))
                     .collect::<Vec<_>>()
@@ -298,6 +359,15 @@ impl PoolClient {
                 got: r.length,
                 want: size,
             });
+        }
+        if let Some(seg) = self.local_segment(r) {
+            let mut out = vec![0u8; usize::try_from(size).unwrap_or(0)];
+            seg.read_at(r.offset, &mut out)
+                .map_err(|source| DataError::Local {
+                    name: transfer_name(&r.node, &r.segment),
+                    source,
+                })?;
+            return Ok(out);
         }
         let local = self.staging(None, size)?;
         let remote = self.open(r)?;
@@ -464,6 +534,45 @@ mod tests {
         assert_eq!(
             pool.read_any(4096, &[wrong])
                 .expect_err("unknown")
+                .category(),
+            "open"
+        );
+    }
+
+    #[test]
+    fn replicas_in_local_segments_are_copied_without_a_transport() {
+        let local = LocalSegments::default();
+        let seg = Arc::new(Segment::host(1 << 16, HostOptions::default()).expect("segment"));
+        local.insert("reader/dram0", Arc::clone(&seg));
+        let pool = pool_client().with_local_segments(local.clone());
+        let value: Vec<u8> = (0..10_000u32).map(|i| (i % 241) as u8).collect();
+        let mut r = replica(&["tcp://127.0.0.1:1"]);
+        r.node = "reader".into();
+        r.length = value.len() as u64;
+        // Nothing listens on the endpoint: only the in-process copy can succeed.
+        pool.write_replicas(&value, std::slice::from_ref(&r))
+            .expect("local write");
+        let mut got = vec![0u8; value.len()];
+        seg.read_at(r.offset, &mut got).expect("read back");
+        assert!(got == value);
+        assert!(
+            pool.read_any(r.length, std::slice::from_ref(&r))
+                .expect("local read")
+                == value
+        );
+        // Past the end of the segment: refused with the local category, nothing written.
+        r.offset = (1 << 16) - 4096;
+        assert_eq!(
+            pool.write_replicas(&value, std::slice::from_ref(&r))
+                .expect_err("out of bounds")
+                .category(),
+            "local"
+        );
+        // Once withdrawn, the same replica needs the transport (and fails: nobody listens).
+        local.remove("reader/dram0");
+        assert_eq!(
+            pool.read_any(r.length, &[r])
+                .expect_err("no transport")
                 .category(),
             "open"
         );

@@ -1,6 +1,7 @@
-//! Engine API server: serves put/get/exists/remove batches from the node's tiered store.
-//! I/O boundary: the Unix socket listener (tonic) and the per-session staging files; each batch
-//! runs on the blocking pool because the store may touch the SSD.
+//! Engine API server: serves put/get/exists/remove batches from the node's tiered store, or in
+//! pool mode from the pool (`crate::pool_api`). I/O boundary: the Unix socket listener (tonic)
+//! and the per-session staging files; each local batch runs on the blocking pool because the
+//! store may touch the SSD.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -15,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status as RpcStatus};
 
 use super::shm::{ShmError, Staging};
+use crate::pool_api::PoolApi;
 use crate::proto::engine_api_server::{EngineApi, EngineApiServer};
 use crate::proto::{
     CloseSessionRequest, CloseSessionResponse, ExistsRequest, ExistsResponse, GetRequest,
@@ -78,6 +80,8 @@ pub struct EngineService {
     next_id: Arc<AtomicU64>,
     shm_dir: PathBuf,
     limits: ApiLimits,
+    /// Pool mode: blocks go to and come from the pool, not the local store.
+    pool: Option<Arc<PoolApi>>,
 }
 
 impl std::fmt::Debug for EngineService {
@@ -100,7 +104,22 @@ impl EngineService {
             next_id: Arc::new(AtomicU64::new(1)),
             shm_dir,
             limits,
+            pool: None,
         }
+    }
+
+    /// Serve blocks from the pool instead of the local store (pool mode).
+    pub fn with_pool(mut self, pool: PoolApi) -> Self {
+        self.pool = Some(Arc::new(pool));
+        self
+    }
+
+    fn observe(&self, op: &str, started: Instant) {
+        self.store
+            .metrics()
+            .op_seconds
+            .with_label_values(&[op])
+            .observe(started.elapsed().as_secs_f64());
     }
 
     /// Close every session (shutdown), removing the staging files.
@@ -235,6 +254,19 @@ impl EngineApi for EngineService {
             return Err(invalid(format!("batch larger than {MAX_BATCH}")));
         }
         let staging = self.staging(req.session_id)?;
+        if let Some(pool) = &self.pool {
+            let started = Instant::now();
+            let items: Vec<_> = req
+                .items
+                .into_iter()
+                .map(|i| (i.key, i.offset, i.length))
+                .collect();
+            let statuses = pool
+                .put(&staging, items, req.numa_hint, self.store.metrics())
+                .await;
+            self.observe("put", started);
+            return Ok(Response::new(PutResponse { statuses }));
+        }
         let store = Arc::clone(&self.store);
         let statuses = self
             .blocking("put", move || {
@@ -276,6 +308,17 @@ impl EngineApi for EngineService {
             return Err(invalid(format!("batch larger than {MAX_BATCH}")));
         }
         let staging = self.staging(req.session_id)?;
+        if let Some(pool) = &self.pool {
+            let started = Instant::now();
+            let items: Vec<_> = req
+                .items
+                .into_iter()
+                .map(|i| (i.key, i.offset, i.capacity))
+                .collect();
+            let results = pool.get(&staging, items, self.store.metrics()).await;
+            self.observe("get", started);
+            return Ok(Response::new(GetResponse { results }));
+        }
         let store = Arc::clone(&self.store);
         let results = self
             .blocking("get", move || {
@@ -326,6 +369,15 @@ impl EngineApi for EngineService {
         if keys.len() > MAX_BATCH {
             return Err(invalid(format!("batch larger than {MAX_BATCH}")));
         }
+        if let Some(pool) = &self.pool {
+            let started = Instant::now();
+            let present = pool
+                .exists(&keys)
+                .await
+                .map_err(|e| RpcStatus::unavailable(format!("master: {e}")))?;
+            self.observe("exists", started);
+            return Ok(Response::new(ExistsResponse { present }));
+        }
         let store = Arc::clone(&self.store);
         let present = self
             .blocking("exists", move || {
@@ -342,6 +394,15 @@ impl EngineApi for EngineService {
         let keys = request.into_inner().keys;
         if keys.len() > MAX_BATCH {
             return Err(invalid(format!("batch larger than {MAX_BATCH}")));
+        }
+        if let Some(pool) = &self.pool {
+            let started = Instant::now();
+            let removed = pool
+                .remove(&keys)
+                .await
+                .map_err(|e| RpcStatus::unavailable(format!("master: {e}")))?;
+            self.observe("remove", started);
+            return Ok(Response::new(RemoveResponse { removed }));
         }
         let store = Arc::clone(&self.store);
         let removed = self

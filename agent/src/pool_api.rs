@@ -1,0 +1,254 @@
+//! Engine-API requests in pool mode: put/get/exists/remove batches served from the pool through
+//! [`PoolClient`] (the master allocates and locates, bytes move by the transfer engine or, for
+//! replicas in this agent's own segments, by an in-process copy). The engine's staging area is
+//! the source of puts and the destination of gets, as in local-only mode. I/O boundary: the
+//! master's gRPC channel and the transfer engine (inside [`PoolClient`]); the mapping from
+//! pool errors to per-item statuses ([`put_status`], [`get_status`]) is pure.
+
+use futures::stream::{self, StreamExt};
+use kvpool::master::client::ClientError;
+use kvpool::master::data::{DataError, PoolClient};
+use kvpool::master::proto::ErrorCode;
+use kvpool::master::{PutOptions, Spread};
+
+use crate::api::shm::Staging;
+use crate::metrics::AgentMetrics;
+use crate::proto::{GetResult, Status};
+use crate::ssd::MAX_KEY_LEN as MAX_KEY_BYTES;
+
+/// Items of one batch moved at once (each is a master round trip plus a transfer).
+pub const PARALLEL_ITEMS: usize = 8;
+
+/// The engine API's view of the pool.
+#[derive(Clone, Debug)]
+pub struct PoolApi {
+    client: PoolClient,
+    node: String,
+    replicas: u8,
+}
+
+fn code_of(e: &DataError) -> Option<ErrorCode> {
+    match e {
+        DataError::Master(c) => c.code(),
+        _ => None,
+    }
+}
+
+/// Status of a failed put.
+pub fn put_status(e: &DataError) -> Status {
+    match code_of(e) {
+        Some(ErrorCode::NoSpace) => Status::NoSpace,
+        Some(ErrorCode::TooLarge | ErrorCode::InvalidArgument | ErrorCode::SizeConflict) => {
+            Status::Invalid
+        }
+        _ => Status::Internal,
+    }
+}
+
+/// Status of a failed get.
+pub fn get_status(e: &DataError) -> Status {
+    match code_of(e) {
+        Some(ErrorCode::UnknownKey) => Status::NotFound,
+        Some(ErrorCode::InvalidArgument) => Status::Invalid,
+        _ => Status::Internal,
+    }
+}
+
+fn bad_key(key: &[u8]) -> bool {
+    key.is_empty() || key.len() > MAX_KEY_BYTES
+}
+
+impl PoolApi {
+    /// Puts go to `replicas` nodes, the first preferably this one (`node`).
+    pub fn new(client: PoolClient, node: String, replicas: u8) -> Self {
+        Self {
+            client,
+            node,
+            replicas,
+        }
+    }
+
+    fn count_error(metrics: &AgentMetrics, e: &DataError) {
+        metrics
+            .errors
+            .with_label_values(&[&format!("pool_{}", e.category())])
+            .inc();
+    }
+
+    /// Put every `(key, offset, length)` of `staging`; one status per item, in order. Up to
+    /// [`PARALLEL_ITEMS`] items are in flight at once.
+    pub async fn put(
+        &self,
+        staging: &Staging,
+        items: Vec<(Vec<u8>, u64, u64)>,
+        numa_hint: Option<u32>,
+        metrics: &AgentMetrics,
+    ) -> Vec<i32> {
+        let opts = PutOptions {
+            replicas: self.replicas,
+            writer_node: Some(self.node.clone()),
+            numa_hint,
+            spread: Spread::Node,
+            tier: None,
+        };
+        let opts = &opts;
+        stream::iter(items)
+            .map(|(key, offset, length)| async move {
+                self.put_one(staging, &key, offset, length, opts, metrics)
+                    .await
+            })
+            .buffered(PARALLEL_ITEMS)
+            .map(|s| s as i32)
+            .collect()
+            .await
+    }
+
+    async fn put_one(
+        &self,
+        staging: &Staging,
+        key: &[u8],
+        offset: u64,
+        length: u64,
+        opts: &PutOptions,
+        metrics: &AgentMetrics,
+    ) -> Status {
+        if bad_key(key) || length == 0 || !staging.contains(offset, length) {
+            return Status::Invalid;
+        }
+        let Ok(len) = usize::try_from(length) else {
+            return Status::Invalid;
+        };
+        let mut value = vec![0u8; len];
+        if staging.read_into(offset, &mut value).is_err() {
+            return Status::Invalid;
+        }
+        match self.client.put(key, &value, opts).await {
+            Ok(_) => {
+                metrics
+                    .bytes_written
+                    .with_label_values(&["pool"])
+                    .inc_by(length);
+                Status::Ok
+            }
+            Err(e) => {
+                Self::count_error(metrics, &e);
+                tracing::debug!(error = %e, "pool put failed");
+                put_status(&e)
+            }
+        }
+    }
+
+    /// Get every `(key, offset, capacity)` into `staging`; one result per item, in order. Up
+    /// to [`PARALLEL_ITEMS`] items are in flight at once.
+    pub async fn get(
+        &self,
+        staging: &Staging,
+        items: Vec<(Vec<u8>, u64, u64)>,
+        metrics: &AgentMetrics,
+    ) -> Vec<GetResult> {
+        stream::iter(items)
+            .map(|(key, offset, capacity)| async move {
+                self.get_one(staging, &key, offset, capacity, metrics).await
+            })
+            .buffered(PARALLEL_ITEMS)
+            .map(|(status, length)| GetResult {
+                status: status as i32,
+                length,
+            })
+            .collect()
+            .await
+    }
+
+    async fn get_one(
+        &self,
+        staging: &Staging,
+        key: &[u8],
+        offset: u64,
+        capacity: u64,
+        metrics: &AgentMetrics,
+    ) -> (Status, u64) {
+        if bad_key(key) || !staging.contains(offset, capacity) {
+            return (Status::Invalid, 0);
+        }
+        match self.client.get(key).await {
+            Ok(bytes) => {
+                let len = bytes.len() as u64;
+                if len > capacity {
+                    (Status::BufferTooSmall, len)
+                } else if staging.write_from(offset, &bytes).is_err() {
+                    (Status::Invalid, 0)
+                } else {
+                    metrics.hits.with_label_values(&["pool"]).inc();
+                    metrics.bytes_read.with_label_values(&["pool"]).inc_by(len);
+                    (Status::Ok, len)
+                }
+            }
+            Err(e) => {
+                let status = get_status(&e);
+                if status == Status::NotFound {
+                    metrics.misses.inc();
+                } else {
+                    Self::count_error(metrics, &e);
+                    tracing::debug!(error = %e, "pool get failed");
+                }
+                (status, 0)
+            }
+        }
+    }
+
+    /// Which keys the pool holds (committed objects).
+    pub async fn exists(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClientError> {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        self.client.master().exists(&refs).await
+    }
+
+    /// Remove keys from the pool; true for each key that was there.
+    pub async fn remove(&self, keys: &[Vec<u8>]) -> Result<Vec<bool>, ClientError> {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let results = self.client.master().remove_batch(&refs).await?;
+        Ok(results.iter().map(Result::is_ok).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(code: ErrorCode) -> DataError {
+        DataError::Master(ClientError::Refused {
+            code,
+            message: String::new(),
+        })
+    }
+
+    #[test]
+    fn pool_errors_map_to_engine_statuses() {
+        assert_eq!(put_status(&refused(ErrorCode::NoSpace)), Status::NoSpace);
+        assert_eq!(put_status(&refused(ErrorCode::TooLarge)), Status::Invalid);
+        assert_eq!(
+            put_status(&refused(ErrorCode::SizeConflict)),
+            Status::Invalid
+        );
+        assert_eq!(
+            put_status(&refused(ErrorCode::PutInProgress)),
+            Status::Internal
+        );
+        assert_eq!(put_status(&DataError::NoReplica), Status::Internal);
+        assert_eq!(
+            get_status(&refused(ErrorCode::UnknownKey)),
+            Status::NotFound
+        );
+        assert_eq!(
+            get_status(&refused(ErrorCode::InvalidArgument)),
+            Status::Invalid
+        );
+        assert_eq!(get_status(&DataError::NoReplica), Status::Internal);
+    }
+
+    #[test]
+    fn keys_are_bounded() {
+        assert!(bad_key(b""));
+        assert!(bad_key(&vec![1u8; MAX_KEY_BYTES + 1]));
+        assert!(!bad_key(b"k"));
+    }
+}
