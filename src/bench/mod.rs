@@ -2,6 +2,7 @@
 //! module here (`transfer` today; `tier`, `store` later).
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
+pub mod store;
 pub mod transfer;
 
 use clap::{Args, Subcommand};
@@ -18,6 +19,8 @@ pub struct BenchArgs {
 pub enum BenchCommand {
     /// Transfer engine throughput and latency (flags mirror Mooncake's transfer_engine_bench).
     Transfer(Box<transfer::TransferBenchArgs>),
+    /// The pool end to end on loopback (master, agents, client processes) against Redis.
+    Store(Box<store::StoreBenchArgs>),
 }
 
 /// Errors of the benchmark commands.
@@ -25,6 +28,8 @@ pub enum BenchCommand {
 pub enum BenchError {
     #[error("transfer benchmark failed")]
     Transfer(#[source] transfer::TransferBenchError),
+    #[error("store benchmark failed")]
+    Store(#[source] store::StoreBenchError),
 }
 
 impl BenchError {
@@ -32,6 +37,7 @@ impl BenchError {
     pub fn category(&self) -> &'static str {
         match self {
             BenchError::Transfer(e) => e.category(),
+            BenchError::Store(e) => e.category(),
         }
     }
 }
@@ -40,5 +46,6 @@ impl BenchError {
 pub fn run(args: BenchArgs) -> Result<(), BenchError> {
     match args.command {
         BenchCommand::Transfer(a) => transfer::run(*a).map_err(BenchError::Transfer),
+        BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
     }
 }
