@@ -130,6 +130,60 @@ pub struct PoolClient {
     node: String,
     numa_node: Option<u32>,
     staging_seq: Arc<AtomicU64>,
+    staging_cache: Arc<StagingCache>,
+}
+
+/// Smallest staging buffer handed out; smaller values share this size class.
+const MIN_STAGING: u64 = 64 * 1024;
+/// Default bound on idle staging memory a `PoolClient` keeps for reuse.
+pub const DEFAULT_STAGING_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Registered staging buffers kept for reuse, by power-of-two size class, so that a put or get
+/// does not map, fault in and register fresh memory each time. Bounded by `limit` idle bytes;
+/// a buffer whose transfer failed is never returned here (a late reply could still land in it).
+#[derive(Debug)]
+struct StagingCache {
+    limit: u64,
+    idle: parking_lot::Mutex<(u64, Vec<transfer::LocalSegment>)>,
+}
+
+impl StagingCache {
+    fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            idle: parking_lot::Mutex::new((0, Vec::new())),
+        }
+    }
+
+    /// Size class of a value of `size` bytes.
+    fn class(size: u64) -> u64 {
+        size.max(MIN_STAGING)
+            .checked_next_power_of_two()
+            .unwrap_or(size)
+    }
+
+    fn take(&self, class: u64) -> Option<transfer::LocalSegment> {
+        let mut g = self.idle.lock();
+        let i = g.1.iter().position(|s| s.len() == class)?;
+        let seg = g.1.swap_remove(i);
+        g.0 -= class;
+        Some(seg)
+    }
+
+    fn give(&self, seg: transfer::LocalSegment) {
+        let mut g = self.idle.lock();
+        let len = seg.len();
+        if g.0 + len <= self.limit {
+            g.0 += len;
+            g.1.push(seg);
+        }
+        // else dropped: unregistered and unmapped.
+    }
+
+    #[cfg(test)]
+    fn idle_bytes(&self) -> u64 {
+        self.idle.lock().0
+    }
 }
 
 impl PoolClient {
@@ -145,30 +199,53 @@ impl PoolClient {
             node,
             numa_node,
             staging_seq: Arc::default(),
+            staging_cache: Arc::new(StagingCache::new(DEFAULT_STAGING_CACHE_BYTES)),
         }
+    }
+
+    /// Keep at most `bytes` of idle staging memory for reuse (0 disables the cache).
+    #[must_use]
+    pub fn with_staging_cache(mut self, bytes: u64) -> Self {
+        self.staging_cache = Arc::new(StagingCache::new(bytes));
+        self
     }
 
     pub fn master(&self) -> &MasterClient {
         &self.master
     }
 
+    /// A registered staging buffer of at least `size` bytes (reused when one is idle), holding
+    /// `data` at offset 0 when given.
     fn staging(&self, data: Option<&[u8]>, size: u64) -> Result<transfer::LocalSegment, DataError> {
         let staging = |source| DataError::Staging { size, source };
-        let len = usize::try_from(size.max(1)).map_err(|_| {
-            staging(MemoryError::InvalidSize {
-                size: usize::MAX,
-                max: transfer::memory::MAX_SEGMENT_SIZE,
-            })
-        })?;
-        let seg = Segment::host(len, HostOptions::default()).map_err(staging)?;
+        let class = StagingCache::class(size);
+        let local = match self.staging_cache.take(class) {
+            Some(seg) => seg,
+            None => {
+                let len = usize::try_from(class).map_err(|_| {
+                    staging(MemoryError::InvalidSize {
+                        size: usize::MAX,
+                        max: transfer::memory::MAX_SEGMENT_SIZE,
+                    })
+                })?;
+                let seg = Segment::host(len, HostOptions::default()).map_err(staging)?;
+                let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
+                let name = format!("{}/staging-{}-{n}", self.node, std::process::id());
+                self.engine
+                    .register(&name, Arc::new(seg))
+                    .map_err(DataError::RegisterStaging)?
+            }
+        };
         if let Some(d) = data {
-            seg.write_at(0, d).map_err(staging)?;
+            local.segment().write_at(0, d).map_err(staging)?;
         }
-        let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{}/staging-{}-{n}", self.node, std::process::id());
-        self.engine
-            .register(&name, Arc::new(seg))
-            .map_err(DataError::RegisterStaging)
+        Ok(local)
+    }
+
+    /// Return a staging buffer after a transfer that completed (successfully or with an answer
+    /// from every peer); see [`StagingCache`].
+    fn unstage(&self, local: transfer::LocalSegment) {
+        self.staging_cache.give(local);
     }
 
     /// Write `value` to every replica the master allocates, then commit. A failed write
@@ -189,14 +266,17 @@ impl PoolClient {
             PutStarted::AlreadyCommitted { .. } => return Ok(Vec::new()),
             PutStarted::Allocated { put_id, replicas } => (put_id, replicas),
         };
-        let written = {
-            let this = self.clone();
-            let value = value.to_vec();
-            let replicas = replicas.clone();
-            tokio::task::spawn_blocking(move || this.write_replicas(&value, &replicas))
-                .await
-                .map_err(|e| DataError::Join(e.to_string()))
-                .and_then(|r| r)
+        // Staged here (one copy into registered memory), sent from the blocking pool.
+        let written = match self.staging(Some(value), size) {
+            Ok(local) => {
+                let this = self.clone();
+                let replicas = replicas.clone();
+                tokio::task::spawn_blocking(move || this.write_staged(local, size, &replicas))
+                    .await
+                    .map_err(|e| DataError::Join(e.to_string()))
+                    .and_then(|r| r)
+            }
+            Err(e) => Err(e),
         };
         if let Err(e) = written {
             if let Err(revoke) = self.master.put_revoke(key, put_id).await {
@@ -211,9 +291,21 @@ impl PoolClient {
         Ok(replicas)
     }
 
+    #[cfg(test)]
     fn write_replicas(&self, value: &[u8], replicas: &[ReplicaInfo]) -> Result<(), DataError> {
         let size = value.len() as u64;
         let local = self.staging(Some(value), size)?;
+        self.write_staged(local, size, replicas)
+    }
+
+    /// WRITE the first `size` bytes of `local` to every replica; `local` goes back to the
+    /// staging cache only when every write was answered.
+    fn write_staged(
+        &self,
+        local: transfer::LocalSegment,
+        size: u64,
+        replicas: &[ReplicaInfo],
+    ) -> Result<(), DataError> {
         let mut requests = Vec::with_capacity(replicas.len());
         for r in replicas {
             if r.length != size {
@@ -241,7 +333,9 @@ impl PoolClient {
                     .collect::<Vec<_>>()
                     .join(","),
                 source,
-            })
+            })?;
+        self.unstage(local);
+        Ok(())
     }
 
     fn open(&self, r: &ReplicaInfo) -> Result<transfer::RemoteSegment, DataError> {
@@ -323,6 +417,7 @@ impl PoolClient {
             .segment()
             .read_at(0, &mut out)
             .map_err(|source| DataError::Staging { size, source })?;
+        self.unstage(local);
         Ok(out)
     }
 }
@@ -467,6 +562,42 @@ mod tests {
                 .category(),
             "open"
         );
+    }
+
+    #[test]
+    fn staging_buffers_are_reused_and_never_leak_old_bytes() {
+        let (_e, seg, server) = target("a");
+        let pool = pool_client();
+        let a: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+        let b: Vec<u8> = (0..70_000u32).map(|i| (i % 7) as u8 + 1).collect();
+        let ra = located("a", &server, 0, a.len() as u64);
+        let rb = located("a", &server, 200_000, b.len() as u64);
+        pool.write_replicas(&a, &[ra.clone()]).expect("write a");
+        // One 128 KiB buffer (the class of 100,000 bytes) is idle now and is reused below.
+        assert_eq!(pool.staging_cache.idle_bytes(), 128 * 1024);
+        pool.write_replicas(&b, &[rb.clone()]).expect("write b");
+        assert_eq!(pool.staging_cache.idle_bytes(), 128 * 1024);
+        // The reused buffer still holds b's bytes: reads must see exactly what the replica holds.
+        assert!(pool.read_any(a.len() as u64, &[ra]).expect("read a") == a);
+        assert!(pool.read_any(b.len() as u64, &[rb]).expect("read b") == b);
+        let mut stored = vec![0u8; b.len()];
+        seg.segment()
+            .read_at(200_000, &mut stored)
+            .expect("replica");
+        assert!(stored == b);
+        // A failed transfer does not return its buffer (a late reply could land in it).
+        let beyond = located("a", &server, (1 << 20) - 1024, a.len() as u64);
+        pool.write_replicas(&a, &[beyond])
+            .expect_err("out of bounds");
+        assert_eq!(pool.staging_cache.idle_bytes(), 0);
+        // With the cache disabled nothing is kept.
+        let uncached = pool_client().with_staging_cache(0);
+        let rc = located("a", &server, 0, a.len() as u64);
+        uncached.write_replicas(&a, &[rc]).expect("write");
+        assert_eq!(uncached.staging_cache.idle_bytes(), 0);
+        assert_eq!(StagingCache::class(1), MIN_STAGING);
+        assert_eq!(StagingCache::class(MIN_STAGING + 1), 2 * MIN_STAGING);
+        assert_eq!(StagingCache::class(4 << 20), 4 << 20);
     }
 
     #[test]
