@@ -49,16 +49,19 @@ pub struct StoreBenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "64KiB,1MiB,4MiB", value_parser = parse_size)]
     pub sizes: Vec<u64>,
     /// Bytes put (and then got) per value size, over all clients.
-    #[arg(long, default_value = "512MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "384MiB", value_parser = parse_size)]
     pub bytes_per_size: u64,
-    /// Operations per client per size; overrides --bytes-per-size.
+    /// Operations per client per size and round; overrides --bytes-per-size.
     #[arg(long)]
     pub ops: Option<u64>,
+    /// Rounds of put, get and remove per size (each round moves --bytes-per-size).
+    #[arg(long, default_value_t = 4)]
+    pub rounds: u32,
     /// Replicas per object.
     #[arg(long, default_value_t = 1)]
     pub replicas: u8,
     /// DRAM capacity of each agent.
-    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub agent_capacity: u64,
     /// TCP lanes of each client's transfer engine.
     #[arg(long, default_value_t = 4)]
@@ -175,18 +178,21 @@ impl Phase {
     }
 }
 
-/// The phases of a run: per size put then get; after the first size's get, the metadata
-/// phases over its (still committed) keys; then that size's objects are removed.
-pub fn plan(sizes: &[u64]) -> Vec<Phase> {
+/// The phases of a run: per size, `rounds` times put then get then remove (the pool's memory
+/// bounds how much one round can hold); after the first size's first get, the metadata phases
+/// over its (still committed) keys.
+pub fn plan(sizes: &[u64], rounds: u32) -> Vec<Phase> {
     let mut out = Vec::new();
     for (i, &s) in sizes.iter().enumerate() {
-        out.push(Phase::Put(s));
-        out.push(Phase::Get(s));
-        if i == 0 {
-            out.push(Phase::Exists);
-            out.push(Phase::Prefix);
+        for r in 0..rounds {
+            out.push(Phase::Put(s));
+            out.push(Phase::Get(s));
+            if i == 0 && r == 0 {
+                out.push(Phase::Exists);
+                out.push(Phase::Prefix);
+            }
+            out.push(Phase::Remove(s));
         }
-        out.push(Phase::Remove(s));
     }
     out
 }
@@ -207,6 +213,9 @@ impl StoreBenchArgs {
         }
         if self.sizes.is_empty() {
             return bad("--sizes needs at least one size".into());
+        }
+        if self.rounds == 0 {
+            return bad("--rounds must be > 0".into());
         }
         if self.ops == Some(0) {
             return bad("--ops must be > 0".into());
@@ -331,6 +340,7 @@ pub struct StoreBenchReport {
     pub clients: usize,
     pub depth: usize,
     pub replicas: u8,
+    pub rounds: u32,
     pub transport: &'static str,
     pub values: Vec<SizeFigures>,
     pub lookups: Option<LookupFigures>,
@@ -694,7 +704,7 @@ async fn run_worker(id: usize, args: StoreBenchArgs) -> Result<(), StoreBenchErr
     };
     let stdin = std::io::stdin();
     let mut line = String::new();
-    for phase in plan(&args.sizes) {
+    for phase in plan(&args.sizes, args.rounds) {
         {
             let mut out = std::io::stdout().lock();
             writeln!(out, "READY {}", phase.name()).map_err(StoreBenchError::Io)?;
@@ -912,6 +922,7 @@ fn start_worker(
         .args(["--depth", &args.depth.to_string()])
         .args(["--sizes", &sizes.join(",")])
         .args(["--bytes-per-size", &args.bytes_per_size.to_string()])
+        .args(["--rounds", &args.rounds.to_string()])
         .args(["--replicas", &args.replicas.to_string()])
         .args(["--lanes", &args.lanes.to_string()])
         .args(["--batch", &args.batch.to_string()])
@@ -1069,23 +1080,33 @@ pub fn report(
     redis: Option<RedisFigures>,
 ) -> StoreBenchReport {
     let find = |want: Phase| phases.iter().find(|(p, _, _)| *p == want);
+    // Every round of a phase: all workers' results and the summed barrier-to-barrier time.
+    let rounds = |want: Phase| -> Option<(Vec<PhaseResult>, f64)> {
+        let matching: Vec<_> = phases.iter().filter(|(p, _, _)| *p == want).collect();
+        (!matching.is_empty()).then(|| {
+            (
+                matching.iter().flat_map(|(_, r, _)| r.iter().cloned()).collect(),
+                matching.iter().map(|(_, _, t)| t).sum(),
+            )
+        })
+    };
     let mut values = Vec::new();
     let mut all_verified = true;
     for &s in &args.sizes {
-        let put = find(Phase::Put(s))
-            .map(|(_, r, t)| aggregate(r, *t))
+        let put = rounds(Phase::Put(s))
+            .map(|(r, t)| aggregate(&r, t))
             .unwrap_or_default();
-        let (get, verified, mismatches) = find(Phase::Get(s)).map_or_else(
+        let (get, verified, mismatches) = rounds(Phase::Get(s)).map_or_else(
             || (PhaseFigures::default(), 0, 0),
-            |(_, r, t)| {
+            |(r, t)| {
                 (
-                    aggregate(r, *t),
+                    aggregate(&r, t),
                     r.iter().map(|x| x.verified).sum(),
                     r.iter().map(|x| x.mismatches).sum(),
                 )
             },
         );
-        let expected = args.ops_for(s) * args.clients as u64;
+        let expected = args.ops_for(s) * args.clients as u64 * u64::from(args.rounds);
         all_verified &= verified == expected && mismatches == 0;
         values.push(SizeFigures {
             size_bytes: s,
@@ -1123,6 +1144,7 @@ pub fn report(
         clients: args.clients,
         depth: args.depth,
         replicas: args.replicas,
+        rounds: args.rounds,
         transport: "tcp",
         values,
         lookups,
@@ -1168,7 +1190,7 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
     let mut workers = (0..args.clients)
         .map(|id| start_worker(&exe, dir.path(), id, &args, grpc, &key_file))
         .collect::<Result<Vec<_>, _>>()?;
-    let phases = plan(&args.sizes);
+    let phases = plan(&args.sizes, args.rounds);
     let results = tokio::task::block_in_place(|| drive(&mut workers, &phases))?;
     for w in &mut workers {
         // Closing stdin ends the worker; drop kills whatever is left.
@@ -1272,7 +1294,7 @@ mod tests {
 
     #[test]
     fn plan_puts_gets_then_looks_up_the_first_size_and_removes_each() {
-        let p = plan(&[10, 20]);
+        let p = plan(&[10, 20], 1);
         assert_eq!(
             p,
             vec![
@@ -1287,7 +1309,14 @@ mod tests {
             ]
         );
         assert_eq!(Phase::Put(65536).name(), "put:65536");
-        assert!(plan(&[]).is_empty());
+        assert!(plan(&[], 3).is_empty());
+        let two = plan(&[10], 2);
+        assert_eq!(two.len(), 8, "{two:?}");
+        assert_eq!(
+            two.iter().filter(|p| **p == Phase::Exists).count(),
+            1,
+            "lookups run once"
+        );
     }
 
     #[test]
@@ -1391,7 +1420,7 @@ mod tests {
 
     #[test]
     fn report_counts_verified_gets_and_computes_the_redis_ratio() {
-        let a = args(&["--sizes", "1MiB", "--ops", "2", "--clients", "2"]);
+        let a = args(&["--sizes", "1MiB", "--ops", "2", "--clients", "2", "--rounds", "1"]);
         let ok = |verified| PhaseResult {
             ops: 2,
             bytes: 2 << 20,
@@ -1421,6 +1450,16 @@ mod tests {
         let l = r.lookups.expect("lookups");
         assert!((l.exists_key_lookups_per_second - 200.0).abs() < 1e-9);
         assert!((l.prefix_key_lookups_per_second - 100.0).abs() < 1e-9);
+        // Two rounds: the figures cover both, and both must be verified.
+        let a2 = args(&["--sizes", "1MiB", "--ops", "2", "--clients", "2", "--rounds", "2"]);
+        let mut twice = phases.clone();
+        twice.push((Phase::Put(1 << 20), vec![ok(0), ok(0)], 1.0));
+        twice.push((Phase::Get(1 << 20), vec![ok(2), ok(2)], 0.5));
+        let r2 = report(&a2, &twice, None);
+        assert!(r2.all_gets_verified);
+        assert_eq!(r2.values[0].put.ops, 8);
+        assert!((r2.values[0].put.ops_per_second - 4.0).abs() < 1e-9);
+        assert!(!report(&a2, &phases, None).all_gets_verified, "a missing round");
         // One get fewer verified: the run is not fully verified.
         let mut short = phases.clone();
         short[1].1[1].verified = 1;
