@@ -81,6 +81,11 @@ pub struct StoreBenchArgs {
     /// Requests per `redis-benchmark` test (1 MiB values, 4 connections).
     #[arg(long, default_value_t = 3000)]
     pub redis_requests: u64,
+    /// Client API measured: `registered` puts from a buffer registered with the engine
+    /// (`put_from`) and gets into a reused buffer (`get_into`); `copy` uses `put(&[u8])` and
+    /// `get() -> Vec<u8>`.
+    #[arg(long, value_enum, default_value = "registered")]
+    pub api: Api,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -93,6 +98,23 @@ pub struct StoreBenchArgs {
     /// Internal (worker): the pool's key file.
     #[arg(long, hide = true)]
     pub key_file: Option<PathBuf>,
+}
+
+/// Which client calls the data phases use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    Registered,
+    Copy,
+}
+
+impl Api {
+    fn as_str(self) -> &'static str {
+        match self {
+            Api::Registered => "registered",
+            Api::Copy => "copy",
+        }
+    }
 }
 
 /// Errors of `kvpool bench store`.
@@ -341,6 +363,7 @@ pub struct StoreBenchReport {
     pub depth: usize,
     pub replicas: u8,
     pub rounds: u32,
+    pub api: Api,
     pub transport: &'static str,
     pub values: Vec<SizeFigures>,
     pub lookups: Option<LookupFigures>,
@@ -485,6 +508,7 @@ impl Worker {
             ..PutOptions::default()
         };
         let mut tasks = Vec::new();
+        let api = self.args.api;
         for _ in 0..self.args.depth {
             let (pool, tmpl, next, opts) =
                 (self.pool.clone(), tmpl.clone(), next.clone(), opts.clone());
@@ -493,6 +517,17 @@ impl Worker {
                 let mut r = PhaseResult::default();
                 let mut h = histogram();
                 let mut buf = tmpl.as_ref().clone();
+                // Registered API: one registered buffer per task holding the value to put.
+                let registered = match api {
+                    Api::Registered if put => match pool.register_buffer(size) {
+                        Ok(b) => match b.segment().write_at(0, &tmpl) {
+                            Ok(()) => Some(b),
+                            Err(e) => return failed(&e),
+                        },
+                        Err(e) => return failed(&e),
+                    },
+                    _ => None,
+                };
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= ops {
@@ -500,11 +535,27 @@ impl Worker {
                     }
                     let key = object_key(id, size, i);
                     let t = Instant::now();
-                    let outcome: Result<bool, DataError> = if put {
-                        stamp_into(&mut buf, id, i);
-                        pool.put(&key, &buf, &opts).await.map(|_| true)
-                    } else {
-                        pool.get(&key).await.map(|got| verify(&got, &tmpl, id, i))
+                    let outcome: Result<bool, DataError> = match (put, &registered) {
+                        (true, Some(reg)) => {
+                            match reg
+                                .segment()
+                                .write_at(0, &stamp(id, i)[..STAMP.min(buf.len())])
+                            {
+                                Ok(()) => {
+                                    pool.put_from(&key, reg, 0, size, &opts).await.map(|_| true)
+                                }
+                                Err(e) => Err(DataError::Staging { size, source: e }),
+                            }
+                        }
+                        (true, None) => {
+                            stamp_into(&mut buf, id, i);
+                            pool.put(&key, &buf, &opts).await.map(|_| true)
+                        }
+                        (false, _) if api == Api::Registered => pool
+                            .get_into(&key, &mut buf)
+                            .await
+                            .map(|n| verify(buf.get(..n).unwrap_or_default(), &tmpl, id, i)),
+                        (false, _) => pool.get(&key).await.map(|got| verify(&got, &tmpl, id, i)),
                     };
                     let _ = h.record(t.elapsed().as_micros().max(1) as u64);
                     match outcome {
@@ -622,6 +673,14 @@ impl Worker {
             }
         }
         r
+    }
+}
+
+fn failed(e: &dyn std::error::Error) -> PhaseResult {
+    PhaseResult {
+        failures: 1,
+        first_error: Some(error_chain(e)),
+        ..PhaseResult::default()
     }
 }
 
@@ -925,6 +984,7 @@ fn start_worker(
         .args(["--rounds", &args.rounds.to_string()])
         .args(["--replicas", &args.replicas.to_string()])
         .args(["--lanes", &args.lanes.to_string()])
+        .args(["--api", args.api.as_str()])
         .args(["--batch", &args.batch.to_string()])
         .args([
             "--lookup-duration",
@@ -1085,7 +1145,10 @@ pub fn report(
         let matching: Vec<_> = phases.iter().filter(|(p, _, _)| *p == want).collect();
         (!matching.is_empty()).then(|| {
             (
-                matching.iter().flat_map(|(_, r, _)| r.iter().cloned()).collect(),
+                matching
+                    .iter()
+                    .flat_map(|(_, r, _)| r.iter().cloned())
+                    .collect(),
                 matching.iter().map(|(_, _, t)| t).sum(),
             )
         })
@@ -1145,6 +1208,7 @@ pub fn report(
         depth: args.depth,
         replicas: args.replicas,
         rounds: args.rounds,
+        api: args.api,
         transport: "tcp",
         values,
         lookups,
@@ -1210,8 +1274,13 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
 
 fn print_text(r: &StoreBenchReport) {
     println!(
-        "{} agents, {} client processes x {} in flight, {} replica(s), transport {}",
-        r.agents, r.clients, r.depth, r.replicas, r.transport
+        "{} agents, {} client processes x {} in flight, {} replica(s), transport {}, {} API",
+        r.agents,
+        r.clients,
+        r.depth,
+        r.replicas,
+        r.transport,
+        r.api.as_str()
     );
     for v in &r.values {
         for (what, f) in [("put", &v.put), ("get", &v.get)] {
@@ -1420,7 +1489,16 @@ mod tests {
 
     #[test]
     fn report_counts_verified_gets_and_computes_the_redis_ratio() {
-        let a = args(&["--sizes", "1MiB", "--ops", "2", "--clients", "2", "--rounds", "1"]);
+        let a = args(&[
+            "--sizes",
+            "1MiB",
+            "--ops",
+            "2",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+        ]);
         let ok = |verified| PhaseResult {
             ops: 2,
             bytes: 2 << 20,
@@ -1451,7 +1529,16 @@ mod tests {
         assert!((l.exists_key_lookups_per_second - 200.0).abs() < 1e-9);
         assert!((l.prefix_key_lookups_per_second - 100.0).abs() < 1e-9);
         // Two rounds: the figures cover both, and both must be verified.
-        let a2 = args(&["--sizes", "1MiB", "--ops", "2", "--clients", "2", "--rounds", "2"]);
+        let a2 = args(&[
+            "--sizes",
+            "1MiB",
+            "--ops",
+            "2",
+            "--clients",
+            "2",
+            "--rounds",
+            "2",
+        ]);
         let mut twice = phases.clone();
         twice.push((Phase::Put(1 << 20), vec![ok(0), ok(0)], 1.0));
         twice.push((Phase::Get(1 << 20), vec![ok(2), ok(2)], 0.5));
@@ -1459,7 +1546,10 @@ mod tests {
         assert!(r2.all_gets_verified);
         assert_eq!(r2.values[0].put.ops, 8);
         assert!((r2.values[0].put.ops_per_second - 4.0).abs() < 1e-9);
-        assert!(!report(&a2, &phases, None).all_gets_verified, "a missing round");
+        assert!(
+            !report(&a2, &phases, None).all_gets_verified,
+            "a missing round"
+        );
         // One get fewer verified: the run is not fully verified.
         let mut short = phases.clone();
         short[1].1[1].verified = 1;

@@ -50,6 +50,8 @@ pub enum DataError {
     SizeMismatch { got: u64, want: u64 },
     #[error("the master returned no replica")]
     NoReplica,
+    #[error("a value of {size} bytes does not fit the {have}-byte buffer")]
+    BufferTooSmall { size: u64, have: u64 },
     #[error("a transfer task was lost: {0}")]
     Join(String),
 }
@@ -66,6 +68,7 @@ impl DataError {
             DataError::Transfer { .. } => "transfer",
             DataError::SizeMismatch { .. } => "size_mismatch",
             DataError::NoReplica => "no_replica",
+            DataError::BufferTooSmall { .. } => "buffer_too_small",
             DataError::Join(_) => "join",
         }
     }
@@ -250,13 +253,61 @@ impl PoolClient {
 
     /// Write `value` to every replica the master allocates, then commit. A failed write
     /// revokes the put. Returns the replicas written (empty when the key was already committed).
+    /// The value is copied once into a (reused) registered staging buffer; [`Self::put_from`]
+    /// avoids that copy.
     pub async fn put(
         &self,
         key: &[u8],
         value: &[u8],
         opts: &PutOptions,
     ) -> Result<Vec<ReplicaInfo>, DataError> {
-        let size = value.len() as u64;
+        self.put_source(key, Source::Bytes(value), opts).await
+    }
+
+    /// Zero-copy put: write `len` bytes at `offset` of a buffer registered with this client's
+    /// engine (see [`Self::register_buffer`]) to every replica, then commit. The buffer must
+    /// not change until this returns.
+    pub async fn put_from(
+        &self,
+        key: &[u8],
+        buffer: &transfer::LocalSegment,
+        offset: u64,
+        len: u64,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        buffer
+            .segment()
+            .check_range(offset, len)
+            .map_err(|source| DataError::Staging { size: len, source })?;
+        self.put_source(key, Source::Registered(buffer.clone(), offset, len), opts)
+            .await
+    }
+
+    /// Host memory of `len` bytes registered with this client's transfer engine, for
+    /// [`Self::put_from`]. Unregistered when the last clone drops.
+    pub fn register_buffer(&self, len: u64) -> Result<transfer::LocalSegment, DataError> {
+        let staging = |source| DataError::Staging { size: len, source };
+        let size = usize::try_from(len).map_err(|_| {
+            staging(MemoryError::InvalidSize {
+                size: usize::MAX,
+                max: transfer::memory::MAX_SEGMENT_SIZE,
+            })
+        })?;
+        let seg = Segment::host(size, HostOptions::default()).map_err(staging)?;
+        let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{}/buffer-{}-{n}", self.node, std::process::id());
+        self.engine
+            .register(&name, Arc::new(seg))
+            .map_err(DataError::RegisterStaging)
+    }
+
+    async fn put_source(
+        &self,
+        key: &[u8],
+        source: Source<'_>,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        let size = source.len();
         let started = self
             .master
             .put_start(key, size, opts)
@@ -266,15 +317,29 @@ impl PoolClient {
             PutStarted::AlreadyCommitted { .. } => return Ok(Vec::new()),
             PutStarted::Allocated { put_id, replicas } => (put_id, replicas),
         };
-        // Staged here (one copy into registered memory), sent from the blocking pool.
-        let written = match self.staging(Some(value), size) {
+        // Staged here (one copy into registered memory) unless the caller's buffer is
+        // registered already; sent from the blocking pool.
+        let (local, offset, staged) = match source {
+            Source::Bytes(value) => match self.staging(Some(value), size) {
+                Ok(local) => (Ok(local), 0, true),
+                Err(e) => (Err(e), 0, true),
+            },
+            Source::Registered(buf, offset, _) => (Ok(buf), offset, false),
+        };
+        let written = match local {
             Ok(local) => {
                 let this = self.clone();
                 let replicas = replicas.clone();
-                tokio::task::spawn_blocking(move || this.write_staged(local, size, &replicas))
-                    .await
-                    .map_err(|e| DataError::Join(e.to_string()))
-                    .and_then(|r| r)
+                tokio::task::spawn_blocking(move || {
+                    this.write_from(&local, offset, size, &replicas)?;
+                    if staged {
+                        this.unstage(local);
+                    }
+                    Ok(())
+                })
+                .await
+                .map_err(|e| DataError::Join(e.to_string()))
+                .and_then(|r| r)
             }
             Err(e) => Err(e),
         };
@@ -295,14 +360,16 @@ impl PoolClient {
     fn write_replicas(&self, value: &[u8], replicas: &[ReplicaInfo]) -> Result<(), DataError> {
         let size = value.len() as u64;
         let local = self.staging(Some(value), size)?;
-        self.write_staged(local, size, replicas)
+        self.write_from(&local, 0, size, replicas)?;
+        self.unstage(local);
+        Ok(())
     }
 
-    /// WRITE the first `size` bytes of `local` to every replica; `local` goes back to the
-    /// staging cache only when every write was answered.
-    fn write_staged(
+    /// WRITE `size` bytes at `offset` of `local` to every replica.
+    fn write_from(
         &self,
-        local: transfer::LocalSegment,
+        local: &transfer::LocalSegment,
+        offset: u64,
         size: u64,
         replicas: &[ReplicaInfo],
     ) -> Result<(), DataError> {
@@ -318,7 +385,7 @@ impl PoolClient {
             requests.push(TransferRequest {
                 op: TransferOp::Write,
                 local: local.clone(),
-                local_offset: 0,
+                local_offset: offset,
                 remote,
                 remote_offset: r.offset,
                 len: size,
@@ -333,9 +400,7 @@ impl PoolClient {
                     .collect::<Vec<_>>()
                     .join(","),
                 source,
-            })?;
-        self.unstage(local);
-        Ok(())
+            })
     }
 
     fn open(&self, r: &ReplicaInfo) -> Result<transfer::RemoteSegment, DataError> {
@@ -351,21 +416,78 @@ impl PoolClient {
     /// Read a value: locate it (taking a read lease), read the nearest replica, trying the
     /// others if it fails, then release the lease.
     pub async fn get(&self, key: &[u8]) -> Result<Vec<u8>, DataError> {
+        let mut out = Vec::new();
+        self.get_with(key, |size| {
+            // The size comes from the master: bound it before allocating.
+            let n = usize::try_from(size)
+                .ok()
+                .filter(|n| *n <= transfer::memory::MAX_SEGMENT_SIZE)
+                .ok_or(DataError::Staging {
+                    size,
+                    source: MemoryError::InvalidSize {
+                        size: usize::try_from(size).unwrap_or(usize::MAX),
+                        max: transfer::memory::MAX_SEGMENT_SIZE,
+                    },
+                })?;
+            out = vec![0u8; n];
+            Ok(out.as_mut_slice())
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Read a value into `buf` (which must be at least as long as the value); returns its
+    /// length. Saves the allocation of [`Self::get`] when a caller reuses its buffer.
+    pub async fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<usize, DataError> {
+        let have = buf.len() as u64;
+        self.get_with(key, move |size| {
+            let n = usize::try_from(size)
+                .ok()
+                .filter(|n| *n <= buf.len())
+                .ok_or(DataError::BufferTooSmall { size, have })?;
+            buf.get_mut(..n)
+                .ok_or(DataError::BufferTooSmall { size, have })
+        })
+        .await
+    }
+
+    /// Locate, read into staging, copy into the slice `sink(size)` returns, release the lease.
+    async fn get_with<'b>(
+        &self,
+        key: &[u8],
+        sink: impl FnOnce(u64) -> Result<&'b mut [u8], DataError>,
+    ) -> Result<usize, DataError> {
         let located = self.master.get(key).await.map_err(DataError::Master)?;
         let this = self.clone();
         let size = located.size;
         let replicas = located.replicas.clone();
-        let read = tokio::task::spawn_blocking(move || this.read_any(size, &replicas))
-            .await
-            .map_err(|e| DataError::Join(e.to_string()))
-            .and_then(|r| r);
+        let read = match sink(size) {
+            Ok(out) => tokio::task::spawn_blocking(move || this.read_any(size, &replicas))
+                .await
+                .map_err(|e| DataError::Join(e.to_string()))
+                .and_then(|r| r)
+                .and_then(|local| {
+                    local
+                        .segment()
+                        .read_at(0, out)
+                        .map_err(|source| DataError::Staging { size, source })?;
+                    self.unstage(local);
+                    Ok(out.len())
+                }),
+            Err(e) => Err(e),
+        };
         if let Err(e) = self.master.release_lease(located.lease_id).await {
             tracing::debug!(error = %e, "releasing a read lease failed; it expires by itself");
         }
         read
     }
 
-    fn read_any(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
+    /// Read `size` bytes from the nearest replica (then the others) into a staging buffer.
+    fn read_any(
+        &self,
+        size: u64,
+        replicas: &[ReplicaInfo],
+    ) -> Result<transfer::LocalSegment, DataError> {
         let first = pick_nearest(replicas, &self.node, self.numa_node);
         let order = first.into_iter().chain(
             replicas
@@ -386,7 +508,7 @@ impl PoolClient {
         Err(last)
     }
 
-    fn read_one(&self, size: u64, r: &ReplicaInfo) -> Result<Vec<u8>, DataError> {
+    fn read_one(&self, size: u64, r: &ReplicaInfo) -> Result<transfer::LocalSegment, DataError> {
         if r.length != size {
             return Err(DataError::SizeMismatch {
                 got: r.length,
@@ -406,19 +528,37 @@ impl PoolClient {
                 len: size,
             }])
             .map_err(|source| DataError::Transfer { name, source })?;
-        let mut out = vec![
-            0u8;
-            local
-                .segment()
-                .len()
-                .min(usize::try_from(size).unwrap_or(0))
-        ];
+        Ok(local)
+    }
+
+    /// Test helper: read into a fresh vector.
+    #[cfg(test)]
+    fn read_vec(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
+        let local = self.read_any(size, replicas)?;
+        let mut out = vec![0u8; usize::try_from(size).unwrap_or(0)];
         local
             .segment()
             .read_at(0, &mut out)
             .map_err(|source| DataError::Staging { size, source })?;
         self.unstage(local);
         Ok(out)
+    }
+}
+
+/// Where a put's bytes come from.
+enum Source<'a> {
+    /// Caller memory, copied into a staging buffer.
+    Bytes(&'a [u8]),
+    /// A registered buffer, offset and length: written from directly.
+    Registered(transfer::LocalSegment, u64, u64),
+}
+
+impl Source<'_> {
+    fn len(&self) -> u64 {
+        match self {
+            Source::Bytes(v) => v.len() as u64,
+            Source::Registered(_, _, len) => *len,
+        }
     }
 }
 
@@ -517,14 +657,14 @@ mod tests {
         let mut dead = ra.clone();
         dead.endpoints = vec![tcp_endpoint(dead_addr)];
         let got = pool
-            .read_any(len, &[dead.clone(), rb])
+            .read_vec(len, &[dead.clone(), rb])
             .expect("fallback read");
         assert!(got == value);
         // Nothing readable: the last failure is reported.
-        let err = pool.read_any(len, &[dead]).expect_err("no replica left");
+        let err = pool.read_vec(len, &[dead]).expect_err("no replica left");
         assert_eq!(err.category(), "open");
         assert_eq!(
-            pool.read_any(len, &[]).expect_err("empty").category(),
+            pool.read_vec(len, &[]).expect_err("empty").category(),
             "no_replica"
         );
     }
@@ -557,7 +697,7 @@ mod tests {
         let mut wrong = located("a", &server, 0, 4096);
         wrong.segment = "dram9".into();
         assert_eq!(
-            pool.read_any(4096, &[wrong])
+            pool.read_vec(4096, &[wrong])
                 .expect_err("unknown")
                 .category(),
             "open"
@@ -578,8 +718,8 @@ mod tests {
         pool.write_replicas(&b, &[rb.clone()]).expect("write b");
         assert_eq!(pool.staging_cache.idle_bytes(), 128 * 1024);
         // The reused buffer still holds b's bytes: reads must see exactly what the replica holds.
-        assert!(pool.read_any(a.len() as u64, &[ra]).expect("read a") == a);
-        assert!(pool.read_any(b.len() as u64, &[rb]).expect("read b") == b);
+        assert!(pool.read_vec(a.len() as u64, &[ra]).expect("read a") == a);
+        assert!(pool.read_vec(b.len() as u64, &[rb]).expect("read b") == b);
         let mut stored = vec![0u8; b.len()];
         seg.segment()
             .read_at(200_000, &mut stored)
