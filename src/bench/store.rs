@@ -43,7 +43,7 @@ pub struct StoreBenchArgs {
     #[arg(long, default_value_t = 2)]
     pub clients: usize,
     /// Puts or gets in flight per client process.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     pub depth: usize,
     /// Value sizes measured (comma separated; K/M/G suffixes are powers of 1024).
     #[arg(long, value_delimiter = ',', default_value = "64KiB,1MiB,4MiB", value_parser = parse_size)]
@@ -64,7 +64,7 @@ pub struct StoreBenchArgs {
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub agent_capacity: u64,
     /// TCP lanes of each client's transfer engine.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 2)]
     pub lanes: usize,
     /// Keys per `exists` / `longest_prefix` call.
     #[arg(long, default_value_t = 100)]
