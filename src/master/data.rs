@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::client::{ClientError, MasterClient, pick_nearest};
-use super::types::{PutOptions, PutStarted, ReplicaInfo};
+use super::types::{ObjectKey, PutOptions, PutStarted, ReplicaInfo};
 use crate::transfer::{
     self, BatchFailed, Endpoint, HostOptions, MemoryError, MemoryKind, Segment, SegmentDescriptor,
     TransferEngine, TransferError, TransferOp, TransferRequest,
@@ -52,6 +52,17 @@ pub enum DataError {
     NoReplica,
     #[error("a value of {size} bytes does not fit the {have}-byte buffer")]
     BufferTooSmall { size: u64, have: u64 },
+    #[error("striped object incomplete: part {part} of {parts} is gone (evicted or removed)")]
+    StripeIncomplete {
+        part: u32,
+        parts: u32,
+        #[source]
+        source: ClientError,
+    },
+    #[error(
+        "striped object part {part}: the master answered {got} bytes, the manifest says {want}"
+    )]
+    StripeMismatch { part: u32, got: u64, want: u64 },
     #[error("a transfer task was lost: {0}")]
     Join(String),
 }
@@ -69,6 +80,8 @@ impl DataError {
             DataError::SizeMismatch { .. } => "size_mismatch",
             DataError::NoReplica => "no_replica",
             DataError::BufferTooSmall { .. } => "buffer_too_small",
+            DataError::StripeIncomplete { .. } => "stripe_incomplete",
+            DataError::StripeMismatch { .. } => "stripe_mismatch",
             DataError::Join(_) => "join",
         }
     }
@@ -134,12 +147,115 @@ pub struct PoolClient {
     numa_node: Option<u32>,
     staging_seq: Arc<AtomicU64>,
     staging_cache: Arc<StagingCache>,
+    stripe: StripeConfig,
 }
 
 /// Smallest staging buffer handed out; smaller values share this size class.
 const MIN_STAGING: u64 = 64 * 1024;
 /// Default bound on idle staging memory a `PoolClient` keeps for reuse.
 pub const DEFAULT_STAGING_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// When a value is striped: values larger than `threshold` bytes are cut into parts of
+/// `part_size` bytes, each its own object placed by the master (most free space first, so parts
+/// spread over the nodes), plus a small manifest under the caller's key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StripeConfig {
+    pub threshold: u64,
+    pub part_size: u64,
+}
+
+impl Default for StripeConfig {
+    fn default() -> Self {
+        Self {
+            threshold: 16 << 20,
+            part_size: 4 << 20,
+        }
+    }
+}
+
+/// Start of every manifest value.
+const MANIFEST_MAGIC: &[u8; 16] = b"kvpool-stripe-v1";
+/// Manifest layout: magic, digest of the owning key (16), total size, part size, part count.
+pub const MANIFEST_LEN: usize = 16 + 16 + 8 + 8 + 4;
+/// Most parts one object may have (bounds what a manifest read from the pool can ask for).
+const MAX_PARTS: u64 = 16_384;
+
+/// What a striped object's manifest says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Manifest {
+    pub total: u64,
+    pub part_size: u64,
+    pub parts: u32,
+}
+
+impl Manifest {
+    fn new(total: u64, part_size: u64) -> Option<Self> {
+        let parts = total.div_ceil(part_size.max(1));
+        (part_size > 0 && total > 0 && parts <= MAX_PARTS).then_some(Self {
+            total,
+            part_size,
+            parts: u32::try_from(parts).ok()?,
+        })
+    }
+
+    /// Offset and length of part `i`.
+    pub fn part(&self, i: u32) -> (u64, u64) {
+        let off = u64::from(i) * self.part_size;
+        (off, self.part_size.min(self.total.saturating_sub(off)))
+    }
+
+    pub fn encode(&self, key: &[u8]) -> [u8; MANIFEST_LEN] {
+        let d = ObjectKey::from_bytes(key);
+        let mut out = [0u8; MANIFEST_LEN];
+        let fields: [&[u8]; 6] = [
+            MANIFEST_MAGIC,
+            &d.hi.to_le_bytes(),
+            &d.lo.to_le_bytes(),
+            &self.total.to_le_bytes(),
+            &self.part_size.to_le_bytes(),
+            &self.parts.to_le_bytes(),
+        ];
+        let mut at = 0;
+        for f in fields {
+            if let Some(dst) = out.get_mut(at..at + f.len()) {
+                dst.copy_from_slice(f);
+            }
+            at += f.len();
+        }
+        out
+    }
+
+    /// The manifest of `key` if `value` is one: right length, magic, the key's own digest and
+    /// consistent sizes. Anything else is an ordinary value.
+    pub fn decode(key: &[u8], value: &[u8]) -> Option<Self> {
+        if value.len() != MANIFEST_LEN || value.get(..16)? != MANIFEST_MAGIC {
+            return None;
+        }
+        let u64_at = |at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(value.get(at..at + 8)?.try_into().ok()?))
+        };
+        let d = ObjectKey::from_bytes(key);
+        if u64_at(16)? != d.hi || u64_at(24)? != d.lo {
+            return None;
+        }
+        let total = u64_at(32)?;
+        let part_size = u64_at(40)?;
+        let parts = u32::from_le_bytes(value.get(48..52)?.try_into().ok()?);
+        Self::new(total, part_size).filter(|m| m.parts == parts)
+    }
+}
+
+/// Key of part `i` of the striped object `key`: a fixed-length name derived from the key's
+/// digest, in a namespace (leading NUL and tag) that caller keys are not expected to use.
+pub fn stripe_part_key(key: &[u8], i: u32) -> Vec<u8> {
+    let d = ObjectKey::from_bytes(key);
+    let mut k = Vec::with_capacity(13 + 16 + 4);
+    k.extend_from_slice(b"\0kvpool-part\0");
+    k.extend_from_slice(&d.hi.to_le_bytes());
+    k.extend_from_slice(&d.lo.to_le_bytes());
+    k.extend_from_slice(&i.to_le_bytes());
+    k
+}
 
 /// Registered staging buffers kept for reuse, by power-of-two size class, so that a put or get
 /// does not map, fault in and register fresh memory each time. Bounded by `limit` idle bytes;
@@ -203,7 +319,15 @@ impl PoolClient {
             numa_node,
             staging_seq: Arc::default(),
             staging_cache: Arc::new(StagingCache::new(DEFAULT_STAGING_CACHE_BYTES)),
+            stripe: StripeConfig::default(),
         }
+    }
+
+    /// Stripe values above `config.threshold` (see [`StripeConfig`]).
+    #[must_use]
+    pub fn with_striping(mut self, config: StripeConfig) -> Self {
+        self.stripe = config;
+        self
     }
 
     /// Keep at most `bytes` of idle staging memory for reuse (0 disables the cache).
@@ -302,6 +426,170 @@ impl PoolClient {
     }
 
     async fn put_source(
+        &self,
+        key: &[u8],
+        source: Source<'_>,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        let size = source.len();
+        if size > self.stripe.threshold
+            && self.stripe.part_size < size
+            && let Some(m) = Manifest::new(size, self.stripe.part_size)
+        {
+            return self.put_striped(key, source, m, opts).await;
+        }
+        self.put_plain(key, source, opts).await
+    }
+
+    /// Parts first (one `put_start` batch, one transfer batch, one `put_end` batch), then the
+    /// manifest: the object becomes visible only once every part is committed. Any failure
+    /// revokes or removes the parts already placed.
+    async fn put_striped(
+        &self,
+        key: &[u8],
+        source: Source<'_>,
+        m: Manifest,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        if self
+            .master
+            .exists(&[key])
+            .await
+            .map_err(DataError::Master)?
+            == [true]
+        {
+            return Ok(Vec::new());
+        }
+        let part_keys: Vec<Vec<u8>> = (0..m.parts).map(|i| stripe_part_key(key, i)).collect();
+        let items: Vec<(&[u8], u64)> = part_keys
+            .iter()
+            .zip(0..)
+            .map(|(k, i)| (k.as_slice(), m.part(i).1))
+            .collect();
+        let started = self
+            .master
+            .put_start_batch(&items, opts)
+            .await
+            .map_err(DataError::Master)?;
+        let mut allocated: Vec<(u32, u64, Vec<ReplicaInfo>)> = Vec::new();
+        let mut refused = None;
+        for (i, r) in (0..).zip(started) {
+            match r {
+                Ok(PutStarted::Allocated { put_id, replicas }) => {
+                    allocated.push((i, put_id, replicas));
+                }
+                // A part of an earlier identical put: same key, same bytes.
+                Ok(PutStarted::AlreadyCommitted { .. }) => {}
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
+            }
+        }
+        let written = match refused {
+            Some(e) => Err(DataError::Master(e)),
+            None => {
+                let staged = match source {
+                    Source::Bytes(value) => {
+                        self.staging(Some(value), m.total).map(|l| (l, 0, true))
+                    }
+                    Source::Registered(buf, offset, _) => Ok((buf, offset, false)),
+                };
+                match staged {
+                    Ok((local, base, staged)) => {
+                        let this = self.clone();
+                        let parts = allocated.clone();
+                        tokio::task::spawn_blocking(move || {
+                            this.write_parts(&local, base, &m, &parts)?;
+                            if staged {
+                                this.unstage(local);
+                            }
+                            Ok(())
+                        })
+                        .await
+                        .map_err(|e| DataError::Join(e.to_string()))
+                        .and_then(|r| r)
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let pending: Vec<(&[u8], u64)> = allocated
+            .iter()
+            .filter_map(|(i, id, _)| Some((part_keys.get(*i as usize)?.as_slice(), *id)))
+            .collect();
+        if let Err(e) = written {
+            for (k, id) in &pending {
+                if let Err(revoke) = self.master.put_revoke(k, *id).await {
+                    tracing::warn!(error = %revoke, "revoking a striped part failed");
+                }
+            }
+            return Err(e);
+        }
+        let ended = self.master.put_end_batch(&pending).await;
+        let failed = match ended {
+            Ok(items) => items.into_iter().find_map(Result::err),
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failed {
+            self.drop_parts(&part_keys).await;
+            return Err(DataError::Master(e));
+        }
+        let manifest = m.encode(key);
+        if let Err(e) = self.put_plain(key, Source::Bytes(&manifest), opts).await {
+            self.drop_parts(&part_keys).await;
+            return Err(e);
+        }
+        Ok(allocated.into_iter().flat_map(|(_, _, r)| r).collect())
+    }
+
+    /// Best-effort removal of parts (missing ones are fine: that is the goal).
+    async fn drop_parts(&self, keys: &[Vec<u8>]) {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        if let Err(e) = self.master.remove_batch(&refs).await {
+            tracing::warn!(error = %e, "removing the parts of a striped object failed");
+        }
+    }
+
+    /// WRITE every allocated part (all replicas) from `local` at `base` in one batch.
+    fn write_parts(
+        &self,
+        local: &transfer::LocalSegment,
+        base: u64,
+        m: &Manifest,
+        parts: &[(u32, u64, Vec<ReplicaInfo>)],
+    ) -> Result<(), DataError> {
+        let mut requests = Vec::new();
+        let mut names = Vec::new();
+        for (i, _, replicas) in parts {
+            let (off, len) = m.part(*i);
+            for r in replicas {
+                if r.length != len {
+                    return Err(DataError::StripeMismatch {
+                        part: *i,
+                        got: r.length,
+                        want: len,
+                    });
+                }
+                requests.push(TransferRequest {
+                    op: TransferOp::Write,
+                    local: local.clone(),
+                    local_offset: base + off,
+                    remote: self.open(r)?,
+                    remote_offset: r.offset,
+                    len,
+                });
+                names.push(transfer_name(&r.node, &r.segment));
+            }
+        }
+        self.engine
+            .transfer(requests)
+            .map_err(|source| DataError::Transfer {
+                name: names.join(","),
+                source,
+            })
+    }
+
+    async fn put_plain(
         &self,
         key: &[u8],
         source: Source<'_>,
@@ -451,7 +739,8 @@ impl PoolClient {
         .await
     }
 
-    /// Locate, read into staging, copy into the slice `sink(size)` returns, release the lease.
+    /// Locate, read into staging, release the lease, copy into the slice `sink(size)` returns.
+    /// A value that is the manifest of `key` is read as the striped object it describes.
     async fn get_with<'b>(
         &self,
         key: &[u8],
@@ -461,25 +750,235 @@ impl PoolClient {
         let this = self.clone();
         let size = located.size;
         let replicas = located.replicas.clone();
-        let read = match sink(size) {
-            Ok(out) => tokio::task::spawn_blocking(move || this.read_any(size, &replicas))
-                .await
-                .map_err(|e| DataError::Join(e.to_string()))
-                .and_then(|r| r)
-                .and_then(|local| {
-                    local
-                        .segment()
-                        .read_at(0, out)
-                        .map_err(|source| DataError::Staging { size, source })?;
-                    self.unstage(local);
-                    Ok(out.len())
-                }),
-            Err(e) => Err(e),
+        let read = tokio::task::spawn_blocking(move || this.read_any(size, &replicas))
+            .await
+            .map_err(|e| DataError::Join(e.to_string()))
+            .and_then(|r| r);
+        self.release(&[located.lease_id]).await;
+        let local = read?;
+        let copy_out = |local: &transfer::LocalSegment, out: &mut [u8]| {
+            local
+                .segment()
+                .read_at(0, out)
+                .map_err(|source| DataError::Staging { size, source })
         };
-        if let Err(e) = self.master.release_lease(located.lease_id).await {
-            tracing::debug!(error = %e, "releasing a read lease failed; it expires by itself");
+        if size == MANIFEST_LEN as u64 {
+            let mut head = [0u8; MANIFEST_LEN];
+            copy_out(&local, &mut head)?;
+            if let Some(m) = Manifest::decode(key, &head) {
+                self.unstage(local);
+                return self.get_striped(key, m, sink).await;
+            }
         }
-        read
+        let out = sink(size)?;
+        copy_out(&local, out)?;
+        self.unstage(local);
+        Ok(out.len())
+    }
+
+    async fn release(&self, leases: &[u64]) {
+        if let Err(e) = self.master.release_leases(leases).await {
+            tracing::debug!(error = %e, "releasing read leases failed; they expire by themselves");
+        }
+    }
+
+    /// Locate every part (one batch, leases on all), read them into one staging buffer, copy
+    /// out. A missing part means the object was partly evicted: what is left of it is removed
+    /// so that no orphan part stays, and the read fails with `StripeIncomplete`.
+    async fn get_striped<'b>(
+        &self,
+        key: &[u8],
+        m: Manifest,
+        sink: impl FnOnce(u64) -> Result<&'b mut [u8], DataError>,
+    ) -> Result<usize, DataError> {
+        let part_keys: Vec<Vec<u8>> = (0..m.parts).map(|i| stripe_part_key(key, i)).collect();
+        let refs: Vec<&[u8]> = part_keys.iter().map(Vec::as_slice).collect();
+        let located = self
+            .master
+            .get_batch(&refs)
+            .await
+            .map_err(DataError::Master)?;
+        let leases: Vec<u64> = located
+            .iter()
+            .filter_map(|r| r.as_ref().ok().map(|l| l.lease_id))
+            .collect();
+        let mut parts = Vec::with_capacity(located.len());
+        let mut problem = None;
+        for (i, r) in (0..).zip(located) {
+            match r {
+                Ok(l) if l.size == m.part(i).1 => parts.push(l.replicas),
+                Ok(l) => {
+                    problem.get_or_insert(DataError::StripeMismatch {
+                        part: i,
+                        got: l.size,
+                        want: m.part(i).1,
+                    });
+                }
+                Err(source) => {
+                    problem.get_or_insert(DataError::StripeIncomplete {
+                        part: i,
+                        parts: m.parts,
+                        source,
+                    });
+                }
+            }
+        }
+        let result = match problem {
+            Some(e) => Err(e),
+            None => {
+                let this = self.clone();
+                let read = tokio::task::spawn_blocking(move || this.read_parts(&m, &parts))
+                    .await
+                    .map_err(|e| DataError::Join(e.to_string()))
+                    .and_then(|r| r);
+                match read {
+                    Ok(local) => {
+                        let copied = sink(m.total).and_then(|out| {
+                            local
+                                .segment()
+                                .read_at(0, out)
+                                .map_err(|source| DataError::Staging {
+                                    size: m.total,
+                                    source,
+                                })
+                                .map(|()| out.len())
+                        });
+                        self.unstage(local);
+                        copied
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        self.release(&leases).await;
+        if matches!(result, Err(DataError::StripeIncomplete { .. })) {
+            let mut all = part_keys;
+            all.push(key.to_vec());
+            self.drop_parts(&all).await;
+        }
+        result
+    }
+
+    /// Read every part into one staging buffer: nearest replicas in one batch, then, if that
+    /// fails, part by part through every replica.
+    fn read_parts(
+        &self,
+        m: &Manifest,
+        parts: &[Vec<ReplicaInfo>],
+    ) -> Result<transfer::LocalSegment, DataError> {
+        let local = self.staging(None, m.total)?;
+        let request = |i: u32, r: &ReplicaInfo| -> Result<TransferRequest, DataError> {
+            let (off, len) = m.part(i);
+            if r.length != len {
+                return Err(DataError::StripeMismatch {
+                    part: i,
+                    got: r.length,
+                    want: len,
+                });
+            }
+            Ok(TransferRequest {
+                op: TransferOp::Read,
+                local: local.clone(),
+                local_offset: off,
+                remote: self.open(r)?,
+                remote_offset: r.offset,
+                len,
+            })
+        };
+        let nearest: Result<Vec<_>, DataError> = (0..)
+            .zip(parts)
+            .map(|(i, replicas)| {
+                let r = pick_nearest(replicas, &self.node, self.numa_node)
+                    .ok_or(DataError::NoReplica)?;
+                request(i, r)
+            })
+            .collect();
+        if let Ok(reqs) = nearest
+            && self.engine.transfer(reqs).is_ok()
+        {
+            return Ok(local);
+        }
+        // Slow path: a fresh buffer (the failed batch may still hold the old one), every replica.
+        drop(local);
+        let local = self.staging(None, m.total)?;
+        let request = |i: u32, r: &ReplicaInfo| -> Result<TransferRequest, DataError> {
+            let (off, len) = m.part(i);
+            Ok(TransferRequest {
+                op: TransferOp::Read,
+                local: local.clone(),
+                local_offset: off,
+                remote: self.open(r)?,
+                remote_offset: r.offset,
+                len,
+            })
+        };
+        for (i, replicas) in (0..).zip(parts) {
+            let mut last = DataError::NoReplica;
+            let mut done = false;
+            for r in replicas {
+                let name = transfer_name(&r.node, &r.segment);
+                match request(i, r).and_then(|q| {
+                    self.engine
+                        .transfer(vec![q])
+                        .map_err(|source| DataError::Transfer { name, source })
+                }) {
+                    Ok(()) => {
+                        done = true;
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            if !done {
+                return Err(last);
+            }
+        }
+        Ok(local)
+    }
+
+    /// Remove an object; for a striped one, its parts too.
+    pub async fn remove(&self, key: &[u8]) -> Result<(), DataError> {
+        let located = self.master.get(key).await.map_err(DataError::Master)?;
+        let manifest = if located.size == MANIFEST_LEN as u64 {
+            let this = self.clone();
+            let replicas = located.replicas.clone();
+            let read = tokio::task::spawn_blocking(move || {
+                this.read_vec_any(MANIFEST_LEN as u64, &replicas)
+            })
+            .await
+            .map_err(|e| DataError::Join(e.to_string()))
+            .and_then(|r| r);
+            match read {
+                Ok(v) => Manifest::decode(key, &v),
+                Err(e) => {
+                    self.release(&[located.lease_id]).await;
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        // Our own lease would make the master refuse the remove.
+        self.release(&[located.lease_id]).await;
+        if let Some(m) = manifest {
+            // The manifest first: from then on no reader finds the parts.
+            self.master.remove(key).await.map_err(DataError::Master)?;
+            let parts: Vec<Vec<u8>> = (0..m.parts).map(|i| stripe_part_key(key, i)).collect();
+            self.drop_parts(&parts).await;
+            return Ok(());
+        }
+        self.master.remove(key).await.map_err(DataError::Master)
+    }
+
+    fn read_vec_any(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
+        let local = self.read_any(size, replicas)?;
+        let mut out = vec![0u8; usize::try_from(size).unwrap_or(0)];
+        local
+            .segment()
+            .read_at(0, &mut out)
+            .map_err(|source| DataError::Staging { size, source })?;
+        self.unstage(local);
+        Ok(out)
     }
 
     /// Read `size` bytes from the nearest replica (then the others) into a staging buffer.
@@ -531,17 +1030,9 @@ impl PoolClient {
         Ok(local)
     }
 
-    /// Test helper: read into a fresh vector.
     #[cfg(test)]
     fn read_vec(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
-        let local = self.read_any(size, replicas)?;
-        let mut out = vec![0u8; usize::try_from(size).unwrap_or(0)];
-        local
-            .segment()
-            .read_at(0, &mut out)
-            .map_err(|source| DataError::Staging { size, source })?;
-        self.unstage(local);
-        Ok(out)
+        self.read_vec_any(size, replicas)
     }
 }
 
@@ -738,6 +1229,49 @@ mod tests {
         assert_eq!(StagingCache::class(1), MIN_STAGING);
         assert_eq!(StagingCache::class(MIN_STAGING + 1), 2 * MIN_STAGING);
         assert_eq!(StagingCache::class(4 << 20), 4 << 20);
+    }
+
+    #[test]
+    fn manifests_round_trip_and_only_match_their_own_key() {
+        let m = Manifest::new(10 * 1024 + 5, 4096).expect("manifest");
+        assert_eq!(m.parts, 3);
+        assert_eq!(m.part(0), (0, 4096));
+        assert_eq!(m.part(2), (8192, 2053), "the last part is short");
+        let bytes = m.encode(b"big-object");
+        assert_eq!(Manifest::decode(b"big-object", &bytes), Some(m));
+        assert_eq!(
+            Manifest::decode(b"other-key", &bytes),
+            None,
+            "another key's manifest"
+        );
+        assert_eq!(
+            Manifest::decode(b"big-object", &bytes[..40]),
+            None,
+            "short value"
+        );
+        let mut bad = bytes;
+        bad[0] ^= 1;
+        assert_eq!(Manifest::decode(b"big-object", &bad), None, "no magic");
+        let mut parts = bytes;
+        parts[48] = 9;
+        assert_eq!(
+            Manifest::decode(b"big-object", &parts),
+            None,
+            "inconsistent part count"
+        );
+        let mut zero = bytes;
+        zero[40..48].copy_from_slice(&0u64.to_le_bytes());
+        assert_eq!(
+            Manifest::decode(b"big-object", &zero),
+            None,
+            "zero part size"
+        );
+        assert!(Manifest::new(1 << 40, 1).is_none(), "too many parts");
+        // Part keys: fixed length, distinct per part and per object.
+        let k0 = stripe_part_key(b"big-object", 0);
+        assert_eq!(k0.len(), 33);
+        assert_ne!(k0, stripe_part_key(b"big-object", 1));
+        assert_ne!(k0, stripe_part_key(b"other-key", 0));
     }
 
     #[test]
