@@ -1053,7 +1053,9 @@ impl MasterState {
         if e.has(PENDING) {
             return Err(MasterError::PutInProgress(key.to_hex()));
         }
-        if e.leases > 0 {
+        // Right after a failover the readers' leases from the previous leader are unknown
+        // here: until they have expired, a remove could free memory under one of them.
+        if e.leases > 0 || self.clock.now_ms() < self.evict_not_before_ms {
             return Err(MasterError::Leased {
                 key: key.to_hex(),
                 leases: e.leases,
