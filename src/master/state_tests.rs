@@ -620,6 +620,10 @@ fn a_new_leader_honours_unknown_leases_for_one_lease_ttl() {
     let before = n.stats();
     assert!(matches!(n.remove(key(1)), Err(MasterError::Leased { .. })));
     assert_eq!(n.stats(), before);
+    // Objects committed on the new leader are not affected: all their leases are known.
+    put(&mut n, key(2), MIB, &opts(1));
+    n.remove(key(2))
+        .expect("remove of an object committed after the takeover");
     // ... until every such lease has expired.
     clock.advance_ms(MasterConfig::default().lease_ttl_ms);
     n.remove(key(1)).expect("remove after one lease TTL");
