@@ -72,6 +72,11 @@ pub struct StoreBenchArgs {
     /// Duration of each metadata phase.
     #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
     pub lookup_duration: Duration,
+    /// Let agents discover the host (/sys, /proc). By default they get a one-NUMA-node
+    /// description of this host whose free memory is MemAvailable (page cache included), so
+    /// that a busy build machine's small MemFree does not stop them.
+    #[arg(long)]
+    pub host_topology: bool,
     /// The `kvpool-agent` binary (default: next to this executable).
     #[arg(long)]
     pub agent_bin: Option<PathBuf>,
@@ -929,6 +934,64 @@ fn start_master(
     Ok((proc, grpc))
 }
 
+/// `MemTotal` and `MemAvailable` of /proc/meminfo, in kB.
+fn host_memory_kb() -> Result<(u64, u64), StoreBenchError> {
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(StoreBenchError::Io)?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .ok_or_else(|| StoreBenchError::Args(format!("/proc/meminfo has no {name}")))
+    };
+    Ok((field("MemTotal:")?, field("MemAvailable:")?))
+}
+
+/// A machine description for the agents: one NUMA node with every online CPU and this host's
+/// memory, free = MemAvailable. Returns the (sysfs, procfs) roots.
+fn write_topology(dir: &Path) -> Result<(PathBuf, PathBuf), StoreBenchError> {
+    let (total, available) = host_memory_kb()?;
+    let cpus =
+        std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_else(|_| "0\n".into());
+    let sys = dir.join("topology/sys");
+    let proc = dir.join("topology/proc");
+    let node = sys.join("devices/system/node/node0");
+    for d in [
+        &node,
+        &sys.join("devices/system/cpu"),
+        &sys.join("bus/pci/devices"),
+        &proc,
+    ] {
+        std::fs::create_dir_all(d).map_err(StoreBenchError::Io)?;
+    }
+    let used = total.saturating_sub(available);
+    let files = [
+        (
+            node.join("meminfo"),
+            format!(
+                "Node 0 MemTotal: {total} kB\nNode 0 MemFree: {available} kB\nNode 0 MemUsed: {used} kB\n"
+            ),
+        ),
+        (node.join("cpulist"), cpus.clone()),
+        (sys.join("devices/system/cpu/online"), cpus),
+        (
+            proc.join("meminfo"),
+            format!(
+                "MemTotal: {total} kB\nMemFree: {available} kB\nMemAvailable: {available} kB\n"
+            ),
+        ),
+    ];
+    for (path, text) in files {
+        std::fs::write(path, text).map_err(StoreBenchError::Io)?;
+    }
+    Ok((sys, proc))
+}
+
 fn start_agent(
     bin: &Path,
     dir: &Path,
@@ -936,12 +999,20 @@ fn start_agent(
     master: SocketAddr,
     key_file: &Path,
     capacity: u64,
+    topology: Option<&(PathBuf, PathBuf)>,
 ) -> Result<Proc, StoreBenchError> {
     let name = format!("bench-agent-{i}");
     let own = dir.join(&name);
     std::fs::create_dir_all(own.join("run")).map_err(StoreBenchError::Io)?;
+    let discovery = topology.map_or_else(String::new, |(sys, proc)| {
+        format!(
+            "discovery:\n  sysfs_root: {}\n  procfs_root: {}\n",
+            sys.display(),
+            proc.display()
+        )
+    });
     let cfg = format!(
-        "node_name: {name}\n\
+        "node_name: {name}\n{discovery}\
          dram:\n  capacity: {capacity}\n  lock: false\n\
          engine_api:\n  socket_dir: {run}\n  shm_dir: {run}\n\
          admin:\n  listen: 127.0.0.1:0\n\
@@ -1235,6 +1306,11 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
         .ok_or_else(|| StoreBenchError::Args("generated key too short".into()))?;
 
     let (mut master, grpc) = start_master(&exe, dir.path(), &key_file)?;
+    let topology = if args.host_topology {
+        None
+    } else {
+        Some(write_topology(dir.path())?)
+    };
     let mut agents = (0..args.agents)
         .map(|i| {
             start_agent(
@@ -1244,6 +1320,7 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
                 grpc,
                 &key_file,
                 args.agent_capacity,
+                topology.as_ref(),
             )
         })
         .collect::<Result<Vec<_>, _>>()?;
