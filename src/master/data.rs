@@ -1203,10 +1203,12 @@ mod tests {
         let b: Vec<u8> = (0..70_000u32).map(|i| (i % 7) as u8 + 1).collect();
         let ra = located("a", &server, 0, a.len() as u64);
         let rb = located("a", &server, 200_000, b.len() as u64);
-        pool.write_replicas(&a, &[ra.clone()]).expect("write a");
+        pool.write_replicas(&a, std::slice::from_ref(&ra))
+            .expect("write a");
         // One 128 KiB buffer (the class of 100,000 bytes) is idle now and is reused below.
         assert_eq!(pool.staging_cache.idle_bytes(), 128 * 1024);
-        pool.write_replicas(&b, &[rb.clone()]).expect("write b");
+        pool.write_replicas(&b, std::slice::from_ref(&rb))
+            .expect("write b");
         assert_eq!(pool.staging_cache.idle_bytes(), 128 * 1024);
         // The reused buffer still holds b's bytes: reads must see exactly what the replica holds.
         assert!(pool.read_vec(a.len() as u64, &[ra]).expect("read a") == a);
