@@ -244,6 +244,177 @@ async fn unauthenticated_requests_are_refused_and_change_nothing() {
     f.master.join().await.expect("clean stop");
 }
 
+/// The item code of a refused item, or the gRPC status mapped onto the same vocabulary for
+/// requests refused as a whole.
+fn refusal(e: &ClientError) -> String {
+    match e {
+        ClientError::Refused { code, .. } => format!("{code:?}"),
+        ClientError::Rpc { source, .. } => format!("rpc:{:?}", source.code()),
+        other => format!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn every_kind_of_bad_input_gets_its_code_and_changes_no_state() {
+    let f = fixture(|_| {}).await;
+    let c = &f.client;
+    for n in ["a", "b"] {
+        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
+            .await
+            .expect("mount");
+    }
+    let opts = PutOptions::default();
+    // One committed object and one pending put.
+    let PutStarted::Allocated { put_id, .. } =
+        c.put_start(b"kept", 4096, &opts).await.expect("put")
+    else {
+        panic!("not allocated")
+    };
+    c.put_end(b"kept", put_id).await.expect("commit");
+    let PutStarted::Allocated {
+        put_id: pending_id, ..
+    } = c
+        .put_start(b"pending", 4096, &opts)
+        .await
+        .expect("pending put")
+    else {
+        panic!("not allocated")
+    };
+    let before = c.stats().await.expect("stats");
+    assert_eq!((before.objects, before.pending_puts), (1, 1));
+
+    let mut seen = Vec::new();
+    let mut expect = |what: &str, got: Result<(), ClientError>, want: &str| {
+        let e = got.expect_err(what);
+        assert_eq!(refusal(&e), want, "{what}: {e:?}");
+        seen.push(what.to_owned());
+    };
+    // Unknown keys.
+    expect(
+        "get unknown",
+        c.get(b"missing").await.map(|_| ()),
+        "UnknownKey",
+    );
+    expect("remove unknown", c.remove(b"missing").await, "UnknownKey");
+    let pin = c
+        .pin(&[b"missing"], true, Duration::ZERO)
+        .await
+        .expect("pin");
+    expect(
+        "pin unknown",
+        pin.into_iter().next().expect("one result"),
+        "UnknownKey",
+    );
+    // Pending objects are invisible to readers.
+    expect(
+        "get pending",
+        c.get(b"pending").await.map(|_| ()),
+        "UnknownKey",
+    );
+    // Duplicates: same size is idempotent (checked below), another size conflicts, a pending
+    // key is busy.
+    assert_eq!(
+        c.put_start(b"kept", 4096, &opts).await.expect("dup"),
+        PutStarted::AlreadyCommitted { size: 4096 }
+    );
+    expect(
+        "put other size",
+        c.put_start(b"kept", 8192, &opts).await.map(|_| ()),
+        "SizeConflict",
+    );
+    expect(
+        "put pending key",
+        c.put_start(b"pending", 4096, &opts).await.map(|_| ()),
+        "PutInProgress",
+    );
+    // Sizes and counts.
+    expect(
+        "larger than any segment",
+        c.put_start(b"huge", 65 * MIB, &opts).await.map(|_| ()),
+        "TooLarge",
+    );
+    expect(
+        "size zero",
+        c.put_start(b"zero", 0, &opts).await.map(|_| ()),
+        "InvalidArgument",
+    );
+    let zero_replicas = PutOptions {
+        replicas: 0,
+        ..PutOptions::default()
+    };
+    expect(
+        "zero replicas",
+        c.put_start(b"r0", 10, &zero_replicas).await.map(|_| ()),
+        "InvalidArgument",
+    );
+    // Stale put ids and leases.
+    expect(
+        "put_end wrong id",
+        c.put_end(b"pending", pending_id + 1000).await,
+        "StalePut",
+    );
+    expect(
+        "revoke wrong id",
+        c.put_revoke(b"pending", pending_id + 1000).await,
+        "StalePut",
+    );
+    expect(
+        "release unknown lease",
+        c.release_lease(987_654_321).await,
+        "StaleLease",
+    );
+    expect(
+        "oversized key",
+        c.exists(&[vec![7u8; 5000].as_slice()]).await.map(|_| ()),
+        "rpc:InvalidArgument",
+    );
+    // Unauthenticated peers: every kind of call is refused before any handler runs.
+    let intruder = MasterClient::new(
+        vec![f.master.grpc_addr.to_string()],
+        AuthKey::from_bytes(b"not-the-pool-key-at-all").expect("key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    expect(
+        "intruder get",
+        intruder.get(b"kept").await.map(|_| ()),
+        "rpc:Unauthenticated",
+    );
+    expect(
+        "intruder remove",
+        intruder.remove(b"kept").await,
+        "rpc:Unauthenticated",
+    );
+    expect(
+        "intruder put_end",
+        intruder.put_end(b"pending", pending_id).await,
+        "rpc:Unauthenticated",
+    );
+    expect(
+        "intruder unmount",
+        intruder.unmount_segment("a", 1).await,
+        "rpc:Unauthenticated",
+    );
+    expect(
+        "intruder heartbeat",
+        intruder.heartbeat("a").await.map(|_| ()),
+        "rpc:Unauthenticated",
+    );
+    assert_eq!(seen.len(), 18, "every case ran");
+
+    // Nothing changed: same objects, pending puts, leases and bytes.
+    assert_eq!(c.stats().await.expect("stats"), before);
+    // And the legitimate operations still work on the same state.
+    c.put_end(b"pending", pending_id)
+        .await
+        .expect("commit pending");
+    let got = c.get(b"kept").await.expect("kept");
+    assert_eq!(got.size, 4096);
+    c.release_lease(got.lease_id).await.expect("release");
+    f.shutdown.cancel();
+    f.master.join().await.expect("clean stop");
+}
+
 #[tokio::test]
 async fn admin_endpoints_and_metrics() {
     let f = fixture(|_| {}).await;

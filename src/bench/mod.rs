@@ -1,8 +1,9 @@
 //! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
-//! module here (`transfer`, `sched`, `tier`).
+//! module here (`transfer`, `sched`, `store`, `tier`).
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
 pub mod sched;
+pub mod store;
 pub mod tier;
 pub mod transfer;
 
@@ -25,6 +26,8 @@ pub enum BenchCommand {
     Sched(sched::SchedBenchArgs),
     /// The node agent's tier benchmark (runs `kvpool-agent bench tier` with the same flags).
     Tier(tier::TierBenchArgs),
+    /// The pool end to end on loopback (master, agents, client processes) against Redis.
+    Store(Box<store::StoreBenchArgs>),
 }
 
 /// Errors of the benchmark commands.
@@ -36,6 +39,8 @@ pub enum BenchError {
     Sched(#[source] sched::SchedBenchError),
     #[error("tier benchmark failed")]
     Tier(#[source] tier::TierBenchError),
+    #[error("store benchmark failed")]
+    Store(#[source] store::StoreBenchError),
 }
 
 impl BenchError {
@@ -45,6 +50,7 @@ impl BenchError {
             BenchError::Transfer(e) => e.category(),
             BenchError::Sched(e) => e.category(),
             BenchError::Tier(e) => e.category(),
+            BenchError::Store(e) => e.category(),
         }
     }
 }
@@ -55,5 +61,6 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Transfer(a) => transfer::run(*a).map_err(BenchError::Transfer),
         BenchCommand::Sched(a) => sched::run(&a).map_err(BenchError::Sched),
         BenchCommand::Tier(a) => tier::run(&a).map_err(BenchError::Tier),
+        BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
     }
 }

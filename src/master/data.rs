@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::RwLock;
 
 use super::client::{ClientError, MasterClient, pick_nearest};
-use super::types::{PutOptions, PutStarted, ReplicaInfo};
+use super::types::{ObjectKey, PutOptions, PutStarted, ReplicaInfo};
 use crate::transfer::{
     self, BatchFailed, Endpoint, HostOptions, MemoryError, MemoryKind, Segment, SegmentDescriptor,
     TransferEngine, TransferError, TransferOp, TransferRequest,
@@ -59,6 +59,19 @@ pub enum DataError {
     SizeMismatch { got: u64, want: u64 },
     #[error("the master returned no replica")]
     NoReplica,
+    #[error("a value of {size} bytes does not fit the {have}-byte buffer")]
+    BufferTooSmall { size: u64, have: u64 },
+    #[error("striped object incomplete: part {part} of {parts} is gone (evicted or removed)")]
+    StripeIncomplete {
+        part: u32,
+        parts: u32,
+        #[source]
+        source: ClientError,
+    },
+    #[error(
+        "striped object part {part}: the master answered {got} bytes, the manifest says {want}"
+    )]
+    StripeMismatch { part: u32, got: u64, want: u64 },
     #[error("a transfer task was lost: {0}")]
     Join(String),
 }
@@ -76,6 +89,9 @@ impl DataError {
             DataError::Local { .. } => "local",
             DataError::SizeMismatch { .. } => "size_mismatch",
             DataError::NoReplica => "no_replica",
+            DataError::BufferTooSmall { .. } => "buffer_too_small",
+            DataError::StripeIncomplete { .. } => "stripe_incomplete",
+            DataError::StripeMismatch { .. } => "stripe_mismatch",
             DataError::Join(_) => "join",
         }
     }
@@ -160,7 +176,164 @@ pub struct PoolClient {
     node: String,
     numa_node: Option<u32>,
     staging_seq: Arc<AtomicU64>,
+    staging_cache: Arc<StagingCache>,
+    stripe: StripeConfig,
     local: LocalSegments,
+}
+
+/// Smallest staging buffer handed out; smaller values share this size class.
+const MIN_STAGING: u64 = 64 * 1024;
+/// Default bound on idle staging memory a `PoolClient` keeps for reuse.
+pub const DEFAULT_STAGING_CACHE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// When a value is striped: values larger than `threshold` bytes are cut into parts of
+/// `part_size` bytes, each its own object placed by the master (most free space first, so parts
+/// spread over the nodes), plus a small manifest under the caller's key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StripeConfig {
+    pub threshold: u64,
+    pub part_size: u64,
+}
+
+impl Default for StripeConfig {
+    fn default() -> Self {
+        Self {
+            threshold: 16 << 20,
+            part_size: 4 << 20,
+        }
+    }
+}
+
+/// Start of every manifest value.
+const MANIFEST_MAGIC: &[u8; 16] = b"kvpool-stripe-v1";
+/// Manifest layout: magic, digest of the owning key (16), total size, part size, part count.
+pub const MANIFEST_LEN: usize = 16 + 16 + 8 + 8 + 4;
+/// Most parts one object may have (bounds what a manifest read from the pool can ask for).
+const MAX_PARTS: u64 = 16_384;
+
+/// What a striped object's manifest says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Manifest {
+    pub total: u64,
+    pub part_size: u64,
+    pub parts: u32,
+}
+
+impl Manifest {
+    fn new(total: u64, part_size: u64) -> Option<Self> {
+        let parts = total.div_ceil(part_size.max(1));
+        (part_size > 0 && total > 0 && parts <= MAX_PARTS).then_some(Self {
+            total,
+            part_size,
+            parts: u32::try_from(parts).ok()?,
+        })
+    }
+
+    /// Offset and length of part `i`.
+    pub fn part(&self, i: u32) -> (u64, u64) {
+        let off = u64::from(i) * self.part_size;
+        (off, self.part_size.min(self.total.saturating_sub(off)))
+    }
+
+    pub fn encode(&self, key: &[u8]) -> [u8; MANIFEST_LEN] {
+        let d = ObjectKey::from_bytes(key);
+        let mut out = [0u8; MANIFEST_LEN];
+        let fields: [&[u8]; 6] = [
+            MANIFEST_MAGIC,
+            &d.hi.to_le_bytes(),
+            &d.lo.to_le_bytes(),
+            &self.total.to_le_bytes(),
+            &self.part_size.to_le_bytes(),
+            &self.parts.to_le_bytes(),
+        ];
+        let mut at = 0;
+        for f in fields {
+            if let Some(dst) = out.get_mut(at..at + f.len()) {
+                dst.copy_from_slice(f);
+            }
+            at += f.len();
+        }
+        out
+    }
+
+    /// The manifest of `key` if `value` is one: right length, magic, the key's own digest and
+    /// consistent sizes. Anything else is an ordinary value.
+    pub fn decode(key: &[u8], value: &[u8]) -> Option<Self> {
+        if value.len() != MANIFEST_LEN || value.get(..16)? != MANIFEST_MAGIC {
+            return None;
+        }
+        let u64_at = |at: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(value.get(at..at + 8)?.try_into().ok()?))
+        };
+        let d = ObjectKey::from_bytes(key);
+        if u64_at(16)? != d.hi || u64_at(24)? != d.lo {
+            return None;
+        }
+        let total = u64_at(32)?;
+        let part_size = u64_at(40)?;
+        let parts = u32::from_le_bytes(value.get(48..52)?.try_into().ok()?);
+        Self::new(total, part_size).filter(|m| m.parts == parts)
+    }
+}
+
+/// Key of part `i` of the striped object `key`: a fixed-length name derived from the key's
+/// digest, in a namespace (leading NUL and tag) that caller keys are not expected to use.
+pub fn stripe_part_key(key: &[u8], i: u32) -> Vec<u8> {
+    let d = ObjectKey::from_bytes(key);
+    let mut k = Vec::with_capacity(13 + 16 + 4);
+    k.extend_from_slice(b"\0kvpool-part\0");
+    k.extend_from_slice(&d.hi.to_le_bytes());
+    k.extend_from_slice(&d.lo.to_le_bytes());
+    k.extend_from_slice(&i.to_le_bytes());
+    k
+}
+
+/// Registered staging buffers kept for reuse, by power-of-two size class, so that a put or get
+/// does not map, fault in and register fresh memory each time. Bounded by `limit` idle bytes;
+/// a buffer whose transfer failed is never returned here (a late reply could still land in it).
+#[derive(Debug)]
+struct StagingCache {
+    limit: u64,
+    idle: parking_lot::Mutex<(u64, Vec<transfer::LocalSegment>)>,
+}
+
+impl StagingCache {
+    fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            idle: parking_lot::Mutex::new((0, Vec::new())),
+        }
+    }
+
+    /// Size class of a value of `size` bytes.
+    fn class(size: u64) -> u64 {
+        size.max(MIN_STAGING)
+            .checked_next_power_of_two()
+            .unwrap_or(size)
+    }
+
+    fn take(&self, class: u64) -> Option<transfer::LocalSegment> {
+        let mut g = self.idle.lock();
+        let i = g.1.iter().position(|s| s.len() == class)?;
+        let seg = g.1.swap_remove(i);
+        g.0 -= class;
+        Some(seg)
+    }
+
+    fn give(&self, seg: transfer::LocalSegment) {
+        let mut g = self.idle.lock();
+        let len = seg.len();
+        if g.0 + len <= self.limit {
+            g.0 += len;
+            g.1.push(seg);
+        }
+        // else dropped: unregistered and unmapped.
+    }
+
+    #[cfg(test)]
+    fn idle_bytes(&self) -> u64 {
+        self.idle.lock().0
+    }
 }
 
 impl PoolClient {
@@ -176,13 +349,30 @@ impl PoolClient {
             node,
             numa_node,
             staging_seq: Arc::default(),
+            staging_cache: Arc::new(StagingCache::new(DEFAULT_STAGING_CACHE_BYTES)),
+            stripe: StripeConfig::default(),
             local: LocalSegments::default(),
         }
     }
 
     /// Reach replicas in `local` (segments of this process) by memory copy.
+    #[must_use]
     pub fn with_local_segments(mut self, local: LocalSegments) -> Self {
         self.local = local;
+        self
+    }
+
+    /// Stripe values above `config.threshold` (see [`StripeConfig`]).
+    #[must_use]
+    pub fn with_striping(mut self, config: StripeConfig) -> Self {
+        self.stripe = config;
+        self
+    }
+
+    /// Keep at most `bytes` of idle staging memory for reuse (0 disables the cache).
+    #[must_use]
+    pub fn with_staging_cache(mut self, bytes: u64) -> Self {
+        self.staging_cache = Arc::new(StagingCache::new(bytes));
         self
     }
 
@@ -198,34 +388,288 @@ impl PoolClient {
         self.local.get(&transfer_name(&r.node, &r.segment))
     }
 
+    /// Copy `value` straight into every replica when all of them live in this process (no
+    /// staging, no transport). False when some replica needs the transport.
+    fn write_all_local(&self, value: &[u8], replicas: &[ReplicaInfo]) -> Result<bool, DataError> {
+        let size = value.len() as u64;
+        let mut segs = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            if r.length != size {
+                return Err(DataError::SizeMismatch {
+                    got: r.length,
+                    want: size,
+                });
+            }
+            match self.local_segment(r) {
+                Some(seg) => segs.push((seg, r)),
+                None => return Ok(false),
+            }
+        }
+        for (seg, r) in segs {
+            seg.write_at(r.offset, value)
+                .map_err(|source| DataError::Local {
+                    name: transfer_name(&r.node, &r.segment),
+                    source,
+                })?;
+        }
+        Ok(true)
+    }
+
+    /// A registered staging buffer of at least `size` bytes (reused when one is idle), holding
+    /// `data` at offset 0 when given.
     fn staging(&self, data: Option<&[u8]>, size: u64) -> Result<transfer::LocalSegment, DataError> {
         let staging = |source| DataError::Staging { size, source };
-        let len = usize::try_from(size.max(1)).map_err(|_| {
-            staging(MemoryError::InvalidSize {
-                size: usize::MAX,
-                max: transfer::memory::MAX_SEGMENT_SIZE,
-            })
-        })?;
-        let seg = Segment::host(len, HostOptions::default()).map_err(staging)?;
+        let class = StagingCache::class(size);
+        let local = match self.staging_cache.take(class) {
+            Some(seg) => seg,
+            None => {
+                let len = usize::try_from(class).map_err(|_| {
+                    staging(MemoryError::InvalidSize {
+                        size: usize::MAX,
+                        max: transfer::memory::MAX_SEGMENT_SIZE,
+                    })
+                })?;
+                let seg = Segment::host(len, HostOptions::default()).map_err(staging)?;
+                let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
+                let name = format!("{}/staging-{}-{n}", self.node, std::process::id());
+                self.engine
+                    .register(&name, Arc::new(seg))
+                    .map_err(DataError::RegisterStaging)?
+            }
+        };
         if let Some(d) = data {
-            seg.write_at(0, d).map_err(staging)?;
+            local.segment().write_at(0, d).map_err(staging)?;
         }
-        let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{}/staging-{}-{n}", self.node, std::process::id());
-        self.engine
-            .register(&name, Arc::new(seg))
-            .map_err(DataError::RegisterStaging)
+        Ok(local)
+    }
+
+    /// Return a staging buffer after a transfer that completed (successfully or with an answer
+    /// from every peer); see [`StagingCache`].
+    fn unstage(&self, local: transfer::LocalSegment) {
+        self.staging_cache.give(local);
     }
 
     /// Write `value` to every replica the master allocates, then commit. A failed write
     /// revokes the put. Returns the replicas written (empty when the key was already committed).
+    /// The value is copied once into a (reused) registered staging buffer; [`Self::put_from`]
+    /// avoids that copy.
     pub async fn put(
         &self,
         key: &[u8],
         value: &[u8],
         opts: &PutOptions,
     ) -> Result<Vec<ReplicaInfo>, DataError> {
-        let size = value.len() as u64;
+        self.put_source(key, Source::Bytes(value), opts).await
+    }
+
+    /// Zero-copy put: write `len` bytes at `offset` of a buffer registered with this client's
+    /// engine (see [`Self::register_buffer`]) to every replica, then commit. The buffer must
+    /// not change until this returns.
+    pub async fn put_from(
+        &self,
+        key: &[u8],
+        buffer: &transfer::LocalSegment,
+        offset: u64,
+        len: u64,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        buffer
+            .segment()
+            .check_range(offset, len)
+            .map_err(|source| DataError::Staging { size: len, source })?;
+        self.put_source(key, Source::Registered(buffer.clone(), offset, len), opts)
+            .await
+    }
+
+    /// Host memory of `len` bytes registered with this client's transfer engine, for
+    /// [`Self::put_from`]. Unregistered when the last clone drops.
+    pub fn register_buffer(&self, len: u64) -> Result<transfer::LocalSegment, DataError> {
+        let staging = |source| DataError::Staging { size: len, source };
+        let size = usize::try_from(len).map_err(|_| {
+            staging(MemoryError::InvalidSize {
+                size: usize::MAX,
+                max: transfer::memory::MAX_SEGMENT_SIZE,
+            })
+        })?;
+        let seg = Segment::host(size, HostOptions::default()).map_err(staging)?;
+        let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{}/buffer-{}-{n}", self.node, std::process::id());
+        self.engine
+            .register(&name, Arc::new(seg))
+            .map_err(DataError::RegisterStaging)
+    }
+
+    async fn put_source(
+        &self,
+        key: &[u8],
+        source: Source<'_>,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        let size = source.len();
+        if size > self.stripe.threshold
+            && self.stripe.part_size < size
+            && let Some(m) = Manifest::new(size, self.stripe.part_size)
+        {
+            return self.put_striped(key, source, m, opts).await;
+        }
+        self.put_plain(key, source, opts).await
+    }
+
+    /// Parts first (one `put_start` batch, one transfer batch, one `put_end` batch), then the
+    /// manifest: the object becomes visible only once every part is committed. Any failure
+    /// revokes or removes the parts already placed.
+    async fn put_striped(
+        &self,
+        key: &[u8],
+        source: Source<'_>,
+        m: Manifest,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        if self
+            .master
+            .exists(&[key])
+            .await
+            .map_err(DataError::Master)?
+            == [true]
+        {
+            return Ok(Vec::new());
+        }
+        let part_keys: Vec<Vec<u8>> = (0..m.parts).map(|i| stripe_part_key(key, i)).collect();
+        let items: Vec<(&[u8], u64)> = part_keys
+            .iter()
+            .zip(0..)
+            .map(|(k, i)| (k.as_slice(), m.part(i).1))
+            .collect();
+        let started = self
+            .master
+            .put_start_batch(&items, opts)
+            .await
+            .map_err(DataError::Master)?;
+        let mut allocated: Vec<(u32, u64, Vec<ReplicaInfo>)> = Vec::new();
+        let mut refused = None;
+        for (i, r) in (0..).zip(started) {
+            match r {
+                Ok(PutStarted::Allocated { put_id, replicas }) => {
+                    allocated.push((i, put_id, replicas));
+                }
+                // A part of an earlier identical put: same key, same bytes.
+                Ok(PutStarted::AlreadyCommitted { .. }) => {}
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
+            }
+        }
+        let written = match refused {
+            Some(e) => Err(DataError::Master(e)),
+            None => {
+                let staged = match source {
+                    Source::Bytes(value) => {
+                        self.staging(Some(value), m.total).map(|l| (l, 0, true))
+                    }
+                    Source::Registered(buf, offset, _) => Ok((buf, offset, false)),
+                };
+                match staged {
+                    Ok((local, base, staged)) => {
+                        let this = self.clone();
+                        let parts = allocated.clone();
+                        tokio::task::spawn_blocking(move || {
+                            this.write_parts(&local, base, &m, &parts)?;
+                            if staged {
+                                this.unstage(local);
+                            }
+                            Ok(())
+                        })
+                        .await
+                        .map_err(|e| DataError::Join(e.to_string()))
+                        .and_then(|r| r)
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let pending: Vec<(&[u8], u64)> = allocated
+            .iter()
+            .filter_map(|(i, id, _)| Some((part_keys.get(*i as usize)?.as_slice(), *id)))
+            .collect();
+        if let Err(e) = written {
+            for (k, id) in &pending {
+                if let Err(revoke) = self.master.put_revoke(k, *id).await {
+                    tracing::warn!(error = %revoke, "revoking a striped part failed");
+                }
+            }
+            return Err(e);
+        }
+        let ended = self.master.put_end_batch(&pending).await;
+        let failed = match ended {
+            Ok(items) => items.into_iter().find_map(Result::err),
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failed {
+            self.drop_parts(&part_keys).await;
+            return Err(DataError::Master(e));
+        }
+        let manifest = m.encode(key);
+        if let Err(e) = self.put_plain(key, Source::Bytes(&manifest), opts).await {
+            self.drop_parts(&part_keys).await;
+            return Err(e);
+        }
+        Ok(allocated.into_iter().flat_map(|(_, _, r)| r).collect())
+    }
+
+    /// Best-effort removal of parts (missing ones are fine: that is the goal).
+    async fn drop_parts(&self, keys: &[Vec<u8>]) {
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        if let Err(e) = self.master.remove_batch(&refs).await {
+            tracing::warn!(error = %e, "removing the parts of a striped object failed");
+        }
+    }
+
+    /// WRITE every allocated part (all replicas) from `local` at `base` in one batch.
+    fn write_parts(
+        &self,
+        local: &transfer::LocalSegment,
+        base: u64,
+        m: &Manifest,
+        parts: &[(u32, u64, Vec<ReplicaInfo>)],
+    ) -> Result<(), DataError> {
+        let mut requests = Vec::new();
+        let mut names = Vec::new();
+        for (i, _, replicas) in parts {
+            let (off, len) = m.part(*i);
+            for r in replicas {
+                if r.length != len {
+                    return Err(DataError::StripeMismatch {
+                        part: *i,
+                        got: r.length,
+                        want: len,
+                    });
+                }
+                requests.push(TransferRequest {
+                    op: TransferOp::Write,
+                    local: local.clone(),
+                    local_offset: base + off,
+                    remote: self.open(r)?,
+                    remote_offset: r.offset,
+                    len,
+                });
+                names.push(transfer_name(&r.node, &r.segment));
+            }
+        }
+        self.engine
+            .transfer(requests)
+            .map_err(|source| DataError::Transfer {
+                name: names.join(","),
+                source,
+            })
+    }
+
+    async fn put_plain(
+        &self,
+        key: &[u8],
+        source: Source<'_>,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, DataError> {
+        let size = source.len();
         let started = self
             .master
             .put_start(key, size, opts)
@@ -235,14 +679,49 @@ impl PoolClient {
             PutStarted::AlreadyCommitted { .. } => return Ok(Vec::new()),
             PutStarted::Allocated { put_id, replicas } => (put_id, replicas),
         };
-        let written = {
-            let this = self.clone();
-            let value = value.to_vec();
-            let replicas = replicas.clone();
-            tokio::task::spawn_blocking(move || this.write_replicas(&value, &replicas))
+        if let Source::Bytes(value) = &source {
+            match self.write_all_local(value, &replicas) {
+                Ok(true) => {
+                    self.master
+                        .put_end(key, put_id)
+                        .await
+                        .map_err(DataError::Master)?;
+                    return Ok(replicas);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    if let Err(revoke) = self.master.put_revoke(key, put_id).await {
+                        tracing::warn!(error = %revoke, "revoking a failed put failed");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        // Staged here (one copy into registered memory) unless the caller's buffer is
+        // registered already; sent from the blocking pool.
+        let (local, offset, staged) = match source {
+            Source::Bytes(value) => match self.staging(Some(value), size) {
+                Ok(local) => (Ok(local), 0, true),
+                Err(e) => (Err(e), 0, true),
+            },
+            Source::Registered(buf, offset, _) => (Ok(buf), offset, false),
+        };
+        let written = match local {
+            Ok(local) => {
+                let this = self.clone();
+                let replicas = replicas.clone();
+                tokio::task::spawn_blocking(move || {
+                    this.write_from(&local, offset, size, &replicas)?;
+                    if staged {
+                        this.unstage(local);
+                    }
+                    Ok(())
+                })
                 .await
                 .map_err(|e| DataError::Join(e.to_string()))
                 .and_then(|r| r)
+            }
+            Err(e) => Err(e),
         };
         if let Err(e) = written {
             if let Err(revoke) = self.master.put_revoke(key, put_id).await {
@@ -257,37 +736,56 @@ impl PoolClient {
         Ok(replicas)
     }
 
+    #[cfg(test)]
     fn write_replicas(&self, value: &[u8], replicas: &[ReplicaInfo]) -> Result<(), DataError> {
         let size = value.len() as u64;
+        let local = self.staging(Some(value), size)?;
+        self.write_from(&local, 0, size, replicas)?;
+        self.unstage(local);
+        Ok(())
+    }
+
+    /// WRITE `size` bytes at `offset` of `local` to every replica.
+    fn write_from(
+        &self,
+        local: &transfer::LocalSegment,
+        offset: u64,
+        size: u64,
+        replicas: &[ReplicaInfo],
+    ) -> Result<(), DataError> {
         if let Some(r) = replicas.iter().find(|r| r.length != size) {
             return Err(DataError::SizeMismatch {
                 got: r.length,
                 want: size,
             });
         }
+        let len = usize::try_from(size).map_err(|_| DataError::SizeMismatch {
+            got: size,
+            want: size,
+        })?;
         let mut remote_replicas = Vec::with_capacity(replicas.len());
         for r in replicas {
             match self.local_segment(r) {
-                Some(seg) => seg
-                    .write_at(r.offset, value)
-                    .map_err(|source| DataError::Local {
-                        name: transfer_name(&r.node, &r.segment),
-                        source,
-                    })?,
+                Some(seg) => {
+                    transfer::memory::copy_between(local.segment(), offset, &seg, r.offset, len)
+                        .map_err(|source| DataError::Local {
+                            name: transfer_name(&r.node, &r.segment),
+                            source,
+                        })?
+                }
                 None => remote_replicas.push(r),
             }
         }
         if remote_replicas.is_empty() {
             return Ok(());
         }
-        let local = self.staging(Some(value), size)?;
         let mut requests = Vec::with_capacity(remote_replicas.len());
         for r in remote_replicas.iter().copied() {
             let remote = self.open(r)?;
             requests.push(TransferRequest {
                 op: TransferOp::Write,
                 local: local.clone(),
-                local_offset: 0,
+                local_offset: offset,
                 remote,
                 remote_offset: r.offset,
                 len: size,
@@ -318,6 +816,48 @@ impl PoolClient {
     /// Read a value: locate it (taking a read lease), read the nearest replica, trying the
     /// others if it fails, then release the lease.
     pub async fn get(&self, key: &[u8]) -> Result<Vec<u8>, DataError> {
+        let mut out = Vec::new();
+        self.get_with(key, |size| {
+            // The size comes from the master: bound it before allocating.
+            let n = usize::try_from(size)
+                .ok()
+                .filter(|n| *n <= transfer::memory::MAX_SEGMENT_SIZE)
+                .ok_or(DataError::Staging {
+                    size,
+                    source: MemoryError::InvalidSize {
+                        size: usize::try_from(size).unwrap_or(usize::MAX),
+                        max: transfer::memory::MAX_SEGMENT_SIZE,
+                    },
+                })?;
+            out = vec![0u8; n];
+            Ok(out.as_mut_slice())
+        })
+        .await?;
+        Ok(out)
+    }
+
+    /// Read a value into `buf` (which must be at least as long as the value); returns its
+    /// length. Saves the allocation of [`Self::get`] when a caller reuses its buffer.
+    pub async fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<usize, DataError> {
+        let have = buf.len() as u64;
+        self.get_with(key, move |size| {
+            let n = usize::try_from(size)
+                .ok()
+                .filter(|n| *n <= buf.len())
+                .ok_or(DataError::BufferTooSmall { size, have })?;
+            buf.get_mut(..n)
+                .ok_or(DataError::BufferTooSmall { size, have })
+        })
+        .await
+    }
+
+    /// Locate, read into staging, release the lease, copy into the slice `sink(size)` returns.
+    /// A value that is the manifest of `key` is read as the striped object it describes.
+    async fn get_with<'b>(
+        &self,
+        key: &[u8],
+        sink: impl FnOnce(u64) -> Result<&'b mut [u8], DataError>,
+    ) -> Result<usize, DataError> {
         let located = self.master.get(key).await.map_err(DataError::Master)?;
         let this = self.clone();
         let size = located.size;
@@ -326,13 +866,239 @@ impl PoolClient {
             .await
             .map_err(|e| DataError::Join(e.to_string()))
             .and_then(|r| r);
-        if let Err(e) = self.master.release_lease(located.lease_id).await {
-            tracing::debug!(error = %e, "releasing a read lease failed; it expires by itself");
+        self.release(&[located.lease_id]).await;
+        let local = read?;
+        let copy_out = |local: &transfer::LocalSegment, out: &mut [u8]| {
+            local
+                .segment()
+                .read_at(0, out)
+                .map_err(|source| DataError::Staging { size, source })
+        };
+        if size == MANIFEST_LEN as u64 {
+            let mut head = [0u8; MANIFEST_LEN];
+            copy_out(&local, &mut head)?;
+            if let Some(m) = Manifest::decode(key, &head) {
+                self.unstage(local);
+                return self.get_striped(key, m, sink).await;
+            }
         }
-        read
+        let out = sink(size)?;
+        copy_out(&local, out)?;
+        self.unstage(local);
+        Ok(out.len())
     }
 
-    fn read_any(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
+    async fn release(&self, leases: &[u64]) {
+        if let Err(e) = self.master.release_leases(leases).await {
+            tracing::debug!(error = %e, "releasing read leases failed; they expire by themselves");
+        }
+    }
+
+    /// Locate every part (one batch, leases on all), read them into one staging buffer, copy
+    /// out. A missing part means the object was partly evicted: what is left of it is removed
+    /// so that no orphan part stays, and the read fails with `StripeIncomplete`.
+    async fn get_striped<'b>(
+        &self,
+        key: &[u8],
+        m: Manifest,
+        sink: impl FnOnce(u64) -> Result<&'b mut [u8], DataError>,
+    ) -> Result<usize, DataError> {
+        let part_keys: Vec<Vec<u8>> = (0..m.parts).map(|i| stripe_part_key(key, i)).collect();
+        let refs: Vec<&[u8]> = part_keys.iter().map(Vec::as_slice).collect();
+        let located = self
+            .master
+            .get_batch(&refs)
+            .await
+            .map_err(DataError::Master)?;
+        let leases: Vec<u64> = located
+            .iter()
+            .filter_map(|r| r.as_ref().ok().map(|l| l.lease_id))
+            .collect();
+        let mut parts = Vec::with_capacity(located.len());
+        let mut problem = None;
+        for (i, r) in (0..).zip(located) {
+            match r {
+                Ok(l) if l.size == m.part(i).1 => parts.push(l.replicas),
+                Ok(l) => {
+                    problem.get_or_insert(DataError::StripeMismatch {
+                        part: i,
+                        got: l.size,
+                        want: m.part(i).1,
+                    });
+                }
+                Err(source) => {
+                    problem.get_or_insert(DataError::StripeIncomplete {
+                        part: i,
+                        parts: m.parts,
+                        source,
+                    });
+                }
+            }
+        }
+        let result = match problem {
+            Some(e) => Err(e),
+            None => {
+                let this = self.clone();
+                let read = tokio::task::spawn_blocking(move || this.read_parts(&m, &parts))
+                    .await
+                    .map_err(|e| DataError::Join(e.to_string()))
+                    .and_then(|r| r);
+                match read {
+                    Ok(local) => {
+                        let copied = sink(m.total).and_then(|out| {
+                            local
+                                .segment()
+                                .read_at(0, out)
+                                .map_err(|source| DataError::Staging {
+                                    size: m.total,
+                                    source,
+                                })
+                                .map(|()| out.len())
+                        });
+                        self.unstage(local);
+                        copied
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        self.release(&leases).await;
+        if matches!(result, Err(DataError::StripeIncomplete { .. })) {
+            let mut all = part_keys;
+            all.push(key.to_vec());
+            self.drop_parts(&all).await;
+        }
+        result
+    }
+
+    /// Read every part into one staging buffer: nearest replicas in one batch, then, if that
+    /// fails, part by part through every replica.
+    fn read_parts(
+        &self,
+        m: &Manifest,
+        parts: &[Vec<ReplicaInfo>],
+    ) -> Result<transfer::LocalSegment, DataError> {
+        let local = self.staging(None, m.total)?;
+        let request = |i: u32, r: &ReplicaInfo| -> Result<TransferRequest, DataError> {
+            let (off, len) = m.part(i);
+            if r.length != len {
+                return Err(DataError::StripeMismatch {
+                    part: i,
+                    got: r.length,
+                    want: len,
+                });
+            }
+            Ok(TransferRequest {
+                op: TransferOp::Read,
+                local: local.clone(),
+                local_offset: off,
+                remote: self.open(r)?,
+                remote_offset: r.offset,
+                len,
+            })
+        };
+        let nearest: Result<Vec<_>, DataError> = (0..)
+            .zip(parts)
+            .map(|(i, replicas)| {
+                let r = pick_nearest(replicas, &self.node, self.numa_node)
+                    .ok_or(DataError::NoReplica)?;
+                request(i, r)
+            })
+            .collect();
+        if let Ok(reqs) = nearest
+            && self.engine.transfer(reqs).is_ok()
+        {
+            return Ok(local);
+        }
+        // Slow path: a fresh buffer (the failed batch may still hold the old one), every replica.
+        drop(local);
+        let local = self.staging(None, m.total)?;
+        let request = |i: u32, r: &ReplicaInfo| -> Result<TransferRequest, DataError> {
+            let (off, len) = m.part(i);
+            Ok(TransferRequest {
+                op: TransferOp::Read,
+                local: local.clone(),
+                local_offset: off,
+                remote: self.open(r)?,
+                remote_offset: r.offset,
+                len,
+            })
+        };
+        for (i, replicas) in (0..).zip(parts) {
+            let mut last = DataError::NoReplica;
+            let mut done = false;
+            for r in replicas {
+                let name = transfer_name(&r.node, &r.segment);
+                match request(i, r).and_then(|q| {
+                    self.engine
+                        .transfer(vec![q])
+                        .map_err(|source| DataError::Transfer { name, source })
+                }) {
+                    Ok(()) => {
+                        done = true;
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            if !done {
+                return Err(last);
+            }
+        }
+        Ok(local)
+    }
+
+    /// Remove an object; for a striped one, its parts too.
+    pub async fn remove(&self, key: &[u8]) -> Result<(), DataError> {
+        let located = self.master.get(key).await.map_err(DataError::Master)?;
+        let manifest = if located.size == MANIFEST_LEN as u64 {
+            let this = self.clone();
+            let replicas = located.replicas.clone();
+            let read = tokio::task::spawn_blocking(move || {
+                this.read_vec_any(MANIFEST_LEN as u64, &replicas)
+            })
+            .await
+            .map_err(|e| DataError::Join(e.to_string()))
+            .and_then(|r| r);
+            match read {
+                Ok(v) => Manifest::decode(key, &v),
+                Err(e) => {
+                    self.release(&[located.lease_id]).await;
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        // Our own lease would make the master refuse the remove.
+        self.release(&[located.lease_id]).await;
+        if let Some(m) = manifest {
+            // The manifest first: from then on no reader finds the parts.
+            self.master.remove(key).await.map_err(DataError::Master)?;
+            let parts: Vec<Vec<u8>> = (0..m.parts).map(|i| stripe_part_key(key, i)).collect();
+            self.drop_parts(&parts).await;
+            return Ok(());
+        }
+        self.master.remove(key).await.map_err(DataError::Master)
+    }
+
+    fn read_vec_any(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
+        let local = self.read_any(size, replicas)?;
+        let mut out = vec![0u8; usize::try_from(size).unwrap_or(0)];
+        local
+            .segment()
+            .read_at(0, &mut out)
+            .map_err(|source| DataError::Staging { size, source })?;
+        self.unstage(local);
+        Ok(out)
+    }
+
+    /// Read `size` bytes from the nearest replica (then the others) into a staging buffer.
+    fn read_any(
+        &self,
+        size: u64,
+        replicas: &[ReplicaInfo],
+    ) -> Result<transfer::LocalSegment, DataError> {
         let first = pick_nearest(replicas, &self.node, self.numa_node);
         let order = first.into_iter().chain(
             replicas
@@ -353,23 +1119,27 @@ impl PoolClient {
         Err(last)
     }
 
-    fn read_one(&self, size: u64, r: &ReplicaInfo) -> Result<Vec<u8>, DataError> {
+    fn read_one(&self, size: u64, r: &ReplicaInfo) -> Result<transfer::LocalSegment, DataError> {
         if r.length != size {
             return Err(DataError::SizeMismatch {
                 got: r.length,
                 want: size,
             });
         }
+        let local = self.staging(None, size)?;
         if let Some(seg) = self.local_segment(r) {
-            let mut out = vec![0u8; usize::try_from(size).unwrap_or(0)];
-            seg.read_at(r.offset, &mut out)
-                .map_err(|source| DataError::Local {
+            let len = usize::try_from(size).map_err(|_| DataError::SizeMismatch {
+                got: size,
+                want: size,
+            })?;
+            transfer::memory::copy_between(&seg, r.offset, local.segment(), 0, len).map_err(
+                |source| DataError::Local {
                     name: transfer_name(&r.node, &r.segment),
                     source,
-                })?;
-            return Ok(out);
+                },
+            )?;
+            return Ok(local);
         }
-        let local = self.staging(None, size)?;
         let remote = self.open(r)?;
         let name = remote.name().to_owned();
         self.engine
@@ -382,18 +1152,29 @@ impl PoolClient {
                 len: size,
             }])
             .map_err(|source| DataError::Transfer { name, source })?;
-        let mut out = vec![
-            0u8;
-            local
-                .segment()
-                .len()
-                .min(usize::try_from(size).unwrap_or(0))
-        ];
-        local
-            .segment()
-            .read_at(0, &mut out)
-            .map_err(|source| DataError::Staging { size, source })?;
-        Ok(out)
+        Ok(local)
+    }
+
+    #[cfg(test)]
+    fn read_vec(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
+        self.read_vec_any(size, replicas)
+    }
+}
+
+/// Where a put's bytes come from.
+enum Source<'a> {
+    /// Caller memory, copied into a staging buffer.
+    Bytes(&'a [u8]),
+    /// A registered buffer, offset and length: written from directly.
+    Registered(transfer::LocalSegment, u64, u64),
+}
+
+impl Source<'_> {
+    fn len(&self) -> u64 {
+        match self {
+            Source::Bytes(v) => v.len() as u64,
+            Source::Registered(_, _, len) => *len,
+        }
     }
 }
 
@@ -492,14 +1273,14 @@ mod tests {
         let mut dead = ra.clone();
         dead.endpoints = vec![tcp_endpoint(dead_addr)];
         let got = pool
-            .read_any(len, &[dead.clone(), rb])
+            .read_vec(len, &[dead.clone(), rb])
             .expect("fallback read");
         assert!(got == value);
         // Nothing readable: the last failure is reported.
-        let err = pool.read_any(len, &[dead]).expect_err("no replica left");
+        let err = pool.read_vec(len, &[dead]).expect_err("no replica left");
         assert_eq!(err.category(), "open");
         assert_eq!(
-            pool.read_any(len, &[]).expect_err("empty").category(),
+            pool.read_vec(len, &[]).expect_err("empty").category(),
             "no_replica"
         );
     }
@@ -532,11 +1313,49 @@ mod tests {
         let mut wrong = located("a", &server, 0, 4096);
         wrong.segment = "dram9".into();
         assert_eq!(
-            pool.read_any(4096, &[wrong])
+            pool.read_vec(4096, &[wrong])
                 .expect_err("unknown")
                 .category(),
             "open"
         );
+    }
+
+    #[test]
+    fn staging_buffers_are_reused_and_never_leak_old_bytes() {
+        let (_e, seg, server) = target("a");
+        let pool = pool_client();
+        let a: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+        let b: Vec<u8> = (0..70_000u32).map(|i| (i % 7) as u8 + 1).collect();
+        let ra = located("a", &server, 0, a.len() as u64);
+        let rb = located("a", &server, 200_000, b.len() as u64);
+        pool.write_replicas(&a, std::slice::from_ref(&ra))
+            .expect("write a");
+        // One 128 KiB buffer (the class of 100,000 bytes) is idle now and is reused below.
+        assert_eq!(pool.staging_cache.idle_bytes(), 128 * 1024);
+        pool.write_replicas(&b, std::slice::from_ref(&rb))
+            .expect("write b");
+        assert_eq!(pool.staging_cache.idle_bytes(), 128 * 1024);
+        // The reused buffer still holds b's bytes: reads must see exactly what the replica holds.
+        assert!(pool.read_vec(a.len() as u64, &[ra]).expect("read a") == a);
+        assert!(pool.read_vec(b.len() as u64, &[rb]).expect("read b") == b);
+        let mut stored = vec![0u8; b.len()];
+        seg.segment()
+            .read_at(200_000, &mut stored)
+            .expect("replica");
+        assert!(stored == b);
+        // A failed transfer does not return its buffer (a late reply could land in it).
+        let beyond = located("a", &server, (1 << 20) - 1024, a.len() as u64);
+        pool.write_replicas(&a, &[beyond])
+            .expect_err("out of bounds");
+        assert_eq!(pool.staging_cache.idle_bytes(), 0);
+        // With the cache disabled nothing is kept.
+        let uncached = pool_client().with_staging_cache(0);
+        let rc = located("a", &server, 0, a.len() as u64);
+        uncached.write_replicas(&a, &[rc]).expect("write");
+        assert_eq!(uncached.staging_cache.idle_bytes(), 0);
+        assert_eq!(StagingCache::class(1), MIN_STAGING);
+        assert_eq!(StagingCache::class(MIN_STAGING + 1), 2 * MIN_STAGING);
+        assert_eq!(StagingCache::class(4 << 20), 4 << 20);
     }
 
     #[test]
@@ -556,9 +1375,13 @@ mod tests {
         seg.read_at(r.offset, &mut got).expect("read back");
         assert!(got == value);
         assert!(
-            pool.read_any(r.length, std::slice::from_ref(&r))
+            pool.read_vec(r.length, std::slice::from_ref(&r))
                 .expect("local read")
                 == value
+        );
+        assert!(
+            pool.write_all_local(&value, std::slice::from_ref(&r))
+                .expect("direct")
         );
         // Past the end of the segment: refused with the local category, nothing written.
         r.offset = (1 << 16) - 4096;
@@ -570,12 +1393,60 @@ mod tests {
         );
         // Once withdrawn, the same replica needs the transport (and fails: nobody listens).
         local.remove("reader/dram0");
+        assert!(
+            !pool
+                .write_all_local(&value, std::slice::from_ref(&r))
+                .expect("not local")
+        );
         assert_eq!(
-            pool.read_any(r.length, &[r])
+            pool.read_vec(r.length, &[r])
                 .expect_err("no transport")
                 .category(),
             "open"
         );
+    }
+
+    #[test]
+    fn manifests_round_trip_and_only_match_their_own_key() {
+        let m = Manifest::new(10 * 1024 + 5, 4096).expect("manifest");
+        assert_eq!(m.parts, 3);
+        assert_eq!(m.part(0), (0, 4096));
+        assert_eq!(m.part(2), (8192, 2053), "the last part is short");
+        let bytes = m.encode(b"big-object");
+        assert_eq!(Manifest::decode(b"big-object", &bytes), Some(m));
+        assert_eq!(
+            Manifest::decode(b"other-key", &bytes),
+            None,
+            "another key's manifest"
+        );
+        assert_eq!(
+            Manifest::decode(b"big-object", &bytes[..40]),
+            None,
+            "short value"
+        );
+        let mut bad = bytes;
+        bad[0] ^= 1;
+        assert_eq!(Manifest::decode(b"big-object", &bad), None, "no magic");
+        let mut parts = bytes;
+        parts[48] = 9;
+        assert_eq!(
+            Manifest::decode(b"big-object", &parts),
+            None,
+            "inconsistent part count"
+        );
+        let mut zero = bytes;
+        zero[40..48].copy_from_slice(&0u64.to_le_bytes());
+        assert_eq!(
+            Manifest::decode(b"big-object", &zero),
+            None,
+            "zero part size"
+        );
+        assert!(Manifest::new(1 << 40, 1).is_none(), "too many parts");
+        // Part keys: fixed length, distinct per part and per object.
+        let k0 = stripe_part_key(b"big-object", 0);
+        assert_eq!(k0.len(), 33);
+        assert_ne!(k0, stripe_part_key(b"big-object", 1));
+        assert_ne!(k0, stripe_part_key(b"other-key", 0));
     }
 
     #[test]

@@ -301,6 +301,9 @@ pub struct MasterState {
     quarantine: Vec<(u32, u32, u32, u64)>,
     /// No eviction before this time (readers' leases died with the previous leader).
     evict_not_before_ms: u64,
+    /// Slots below this were filled by `restore` (objects whose leases a previous leader may
+    /// have granted); reused slots are included, which only errs on the safe side.
+    restored_slots: u32,
 }
 
 /// Victims one put may evict to make room before it gives up with `NO_SPACE`.
@@ -344,6 +347,7 @@ impl MasterState {
             journal: None,
             quarantine: Vec::new(),
             evict_not_before_ms: 0,
+            restored_slots: 0,
         }
     }
 
@@ -1053,7 +1057,11 @@ impl MasterState {
         if e.has(PENDING) {
             return Err(MasterError::PutInProgress(key.to_hex()));
         }
-        if e.leases > 0 {
+        // Right after a failover the readers' leases on restored objects are unknown here:
+        // until they have expired, a remove could free memory under one of them.
+        let restored_grace =
+            slot < self.restored_slots && self.clock.now_ms() < self.evict_not_before_ms;
+        if e.leases > 0 || restored_grace {
             return Err(MasterError::Leased {
                 key: key.to_hex(),
                 leases: e.leases,
@@ -1562,6 +1570,7 @@ impl MasterState {
             }
             self.sync_policy(slot);
         }
+        self.restored_slots = u32::try_from(self.entries.len()).unwrap_or(u32::MAX);
         let until = now + self.config.put_timeout_ms.max(self.config.task_timeout_ms);
         for (seg, offset, length) in reservations {
             let page = u32::try_from(offset / PAGE_BYTES).unwrap_or(u32::MAX);

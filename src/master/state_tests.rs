@@ -605,6 +605,32 @@ fn snapshot_restore_roundtrip() {
 }
 
 #[test]
+fn a_new_leader_honours_unknown_leases_for_one_lease_ttl() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    put(&mut m, key(1), MIB, &opts(1));
+    let (mut n, clock) = master(MasterConfig::default());
+    assert_eq!(
+        n.restore(m.segment_records(), m.object_records(), Vec::new()),
+        0
+    );
+    // A reader may still hold a lease granted by the old leader: remove is refused as leased
+    // (retryable) and changes nothing ...
+    let before = n.stats();
+    assert!(matches!(n.remove(key(1)), Err(MasterError::Leased { .. })));
+    assert_eq!(n.stats(), before);
+    // Objects committed on the new leader are not affected: all their leases are known.
+    put(&mut n, key(2), MIB, &opts(1));
+    n.remove(key(2))
+        .expect("remove of an object committed after the takeover");
+    // ... until every such lease has expired.
+    clock.advance_ms(MasterConfig::default().lease_ttl_ms);
+    n.remove(key(1)).expect("remove after one lease TTL");
+    assert_eq!(n.stats().objects, 0);
+}
+
+#[test]
 fn journal_replays_into_an_equal_state() {
     use std::collections::BTreeMap;
     let (mut m, clock) = master(MasterConfig::default());

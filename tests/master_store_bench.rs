@@ -1,0 +1,149 @@
+//! `kvpool bench store --json` end to end at a tiny size: a real master, two real agents and two
+//! client processes on 127.0.0.1 (plus Redis when Debian's redis-server is installed). Checks the
+//! JSON report's shape, that every put and get succeeded and that every get returned exactly the
+//! bytes that were put. No timing assertion: figures are for docs/benchmarks.md.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
+
+/// The agent binary next to `kvpool` (a workspace build puts it there); built when missing.
+fn agent_bin() -> PathBuf {
+    let bin = Path::new(KVPOOL).with_file_name("kvpool-agent");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "-p", "kvpool-agent", "--bin", "kvpool-agent"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build for kvpool-agent");
+        assert!(status.success(), "building kvpool-agent failed");
+    }
+    assert!(bin.exists(), "kvpool-agent not found at {}", bin.display());
+    bin
+}
+
+fn has(cmd: &str) -> bool {
+    Command::new(cmd)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn num(v: &serde_json::Value, path: &[&str]) -> f64 {
+    let mut cur = v;
+    for p in path {
+        cur = &cur[*p];
+    }
+    cur.as_f64()
+        .unwrap_or_else(|| panic!("{path:?} is not a number in {v}"))
+}
+
+#[test]
+fn bench_store_reports_every_size_and_verifies_every_get() {
+    let redis = has("redis-server") && has("redis-benchmark");
+    if !redis {
+        println!("SKIP: redis-server/redis-benchmark missing; running without the Redis baseline");
+    }
+    let mut cmd = Command::new(KVPOOL);
+    cmd.args([
+        "bench",
+        "store",
+        "--json",
+        "--agents",
+        "2",
+        "--clients",
+        "2",
+    ])
+    .args([
+        "--depth",
+        "2",
+        "--sizes",
+        "64KiB,1MiB",
+        "--ops",
+        "6",
+        "--rounds",
+        "2",
+    ])
+    .args(["--replicas", "2", "--agent-capacity", "64MiB"])
+    .args(["--lookup-duration", "200ms", "--redis-requests", "20"])
+    .arg("--agent-bin")
+    .arg(agent_bin());
+    if !redis {
+        cmd.arg("--no-redis");
+    }
+    let out = cmd.output().expect("run kvpool bench store");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "bench failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let r: serde_json::Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"));
+
+    assert_eq!(r["agents"], 2);
+    assert_eq!(r["clients"], 2);
+    assert_eq!(r["replicas"], 2);
+    assert_eq!(r["transport"], "tcp");
+    assert_eq!(r["api"], "registered");
+    assert_eq!(r["all_gets_verified"], true, "{r}");
+    let values = r["values"].as_array().expect("values");
+    let sizes: Vec<u64> = values
+        .iter()
+        .map(|v| v["size_bytes"].as_u64().expect("size"))
+        .collect();
+    assert_eq!(sizes, [64 * 1024, 1 << 20]);
+    for v in values {
+        // 2 clients x 6 ops x 2 rounds, none failed, every get compared byte for byte.
+        for phase in ["put", "get"] {
+            assert_eq!(v[phase]["ops"], 24, "{phase} of {v}");
+            assert_eq!(v[phase]["failures"], 0, "{phase} of {v}");
+            assert!(num(v, &[phase, "ops_per_second"]) > 0.0);
+            assert!(num(v, &[phase, "gb_per_second"]) > 0.0);
+            assert!(num(v, &[phase, "p99_us"]) >= num(v, &[phase, "p50_us"]));
+        }
+        assert_eq!(v["get_verified"], 24, "{v}");
+        assert_eq!(v["get_mismatches"], 0, "{v}");
+    }
+    let l = &r["lookups"];
+    assert_eq!(l["batch"], 100);
+    assert_eq!(l["mismatches"], 0, "every looked-up key was committed: {l}");
+    assert_eq!(l["failures"], 0);
+    for f in [
+        "exists_key_lookups_per_second",
+        "prefix_key_lookups_per_second",
+    ] {
+        assert!(num(l, &[f]) > 0.0, "{f}");
+    }
+    if redis {
+        assert!(num(&r, &["redis", "set_ops_per_second"]) > 0.0);
+        assert!(num(&r, &["redis", "get_ops_per_second"]) > 0.0);
+        assert!(num(&r, &["ratio_1mib", "put_over_set"]) > 0.0);
+        assert!(num(&r, &["ratio_1mib", "get_over_get"]) > 0.0);
+    } else {
+        assert!(r["redis"].is_null() && r["ratio_1mib"].is_null());
+    }
+}
+
+#[test]
+fn bench_store_names_a_missing_agent_binary() {
+    let out = Command::new(KVPOOL)
+        .args([
+            "bench",
+            "store",
+            "--no-redis",
+            "--agent-bin",
+            "/nonexistent/kvpool-agent",
+        ])
+        .output()
+        .expect("run kvpool bench store");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("kvpool-agent binary not found at /nonexistent/kvpool-agent"),
+        "{stderr}"
+    );
+}

@@ -1,0 +1,287 @@
+//! Striping across real processes on 127.0.0.1: one `kvpool master`, two `kvpool-agent run`
+//! processes in pool mode, this test as the client with striping at 1 MiB. A large value's parts
+//! land on both agents and read back byte-exact; `remove` frees every part; under eviction
+//! pressure no part of an evicted striped object stays behind (a partly evicted object reads as
+//! `StripeIncomplete` and is cleaned up). Values of manifest length that are not manifests stay
+//! ordinary values.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool::master::auth::AuthKey as MasterKey;
+use kvpool::master::client::{ClientConfig, MasterClient};
+use kvpool::master::data::{MANIFEST_LEN, PoolClient, StripeConfig, stripe_part_key};
+use kvpool::master::testing::{free_port, wait_for_port};
+use kvpool::master::{PutOptions, proto::StatsResponse};
+use kvpool::transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+
+const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
+const KEY: &str = "striping-test-key-0123456789abcdef0123";
+const DEADLINE: Duration = Duration::from_secs(180);
+const MIB: u64 = 1 << 20;
+
+struct Proc {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Proc {
+    fn assert_running(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            panic!("{} exited early with {status}; log:\n{log}", self.name);
+        }
+    }
+}
+
+fn agent_bin() -> PathBuf {
+    let bin = Path::new(KVPOOL).with_file_name("kvpool-agent");
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = Command::new(cargo)
+            .args(["build", "-p", "kvpool-agent", "--bin", "kvpool-agent"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build for kvpool-agent");
+        assert!(status.success(), "building kvpool-agent failed");
+    }
+    bin
+}
+
+fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Proc {
+    let log = dir.join(format!("{name}.log"));
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(File::create(&log).expect("log file")))
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+    Proc {
+        name: name.into(),
+        child,
+        log,
+    }
+}
+
+fn start_master(dir: &Path, key_file: &Path) -> (Proc, SocketAddr) {
+    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port().expect("port")));
+    let admin = SocketAddr::from(([127, 0, 0, 1], free_port().expect("port")));
+    let mut p = spawn(
+        dir,
+        "master",
+        Command::new(KVPOOL)
+            .args(["master", "--listen", &grpc.to_string()])
+            .args(["--admin-addr", &admin.to_string()])
+            .arg("--auth-key-file")
+            .arg(key_file)
+            .args(["--heartbeat-timeout", "3s", "--tick-interval", "100ms"]),
+    );
+    assert!(wait_for_port(grpc, DEADLINE), "master never listened");
+    p.assert_running();
+    (p, grpc)
+}
+
+fn start_agent(dir: &Path, name: &str, master: SocketAddr, key_file: &Path) -> Proc {
+    // A fixture machine description (one NUMA node, plenty of free memory) keeps the test
+    // independent of the host's free memory; the DRAM itself is real.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("agent/tests/fixtures/tcp-single");
+    let own = dir.join(name);
+    std::fs::create_dir_all(own.join("run")).expect("agent dir");
+    let cfg = format!(
+        "node_name: {name}\n\
+         discovery:\n  sysfs_root: {}\n  procfs_root: {}\n\
+         dram:\n  capacity: 64MiB\n  lock: false\n\
+         engine_api:\n  socket_dir: {run}\n  shm_dir: {run}\n\
+         admin:\n  listen: 127.0.0.1:0\n\
+         pool:\n  master: [\"{master}\"]\n  auth_key_file: {}\n  transport_listen: 127.0.0.1:0\n  heartbeat_interval: 200ms\n",
+        root.join("sys").display(),
+        root.join("proc").display(),
+        key_file.display(),
+        run = own.join("run").display(),
+    );
+    let path = own.join("agent.yaml");
+    std::fs::write(&path, cfg).expect("agent config");
+    spawn(
+        dir,
+        name,
+        Command::new(agent_bin())
+            .args(["run", "--config"])
+            .arg(&path)
+            .env_remove("KVPOOL_MASTER")
+            .env_remove("KVPOOL_AUTH_KEY_FILE")
+            .env_remove("POD_IP"),
+    )
+}
+
+async fn wait_stats(
+    client: &MasterClient,
+    what: &str,
+    procs: &mut [&mut Proc],
+    done: impl Fn(&StatsResponse) -> bool,
+) -> StatsResponse {
+    let started = Instant::now();
+    loop {
+        for p in procs.iter_mut() {
+            p.assert_running();
+        }
+        if let Ok(s) = client.stats().await
+            && done(&s)
+        {
+            return s;
+        }
+        assert!(started.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn value(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect()
+}
+
+async fn parts_present(client: &MasterClient, key: &[u8], parts: u32) -> usize {
+    let keys: Vec<Vec<u8>> = (0..parts).map(|i| stripe_part_key(key, i)).collect();
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    client
+        .exists(&refs)
+        .await
+        .expect("exists")
+        .into_iter()
+        .filter(|b| *b)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn striped_objects_spread_over_nodes_and_free_every_part() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let logs = dir.path();
+    let key_file = logs.join("pool.key");
+    std::fs::write(&key_file, KEY).expect("key file");
+    let (mut master, grpc) = start_master(logs, &key_file);
+    let mut a = start_agent(logs, "agent-a", grpc, &key_file);
+    let mut b = start_agent(logs, "agent-b", grpc, &key_file);
+    let client = MasterClient::new(
+        vec![grpc.to_string()],
+        MasterKey::from_bytes(KEY.as_bytes()).expect("master key"),
+        ClientConfig::default(),
+    )
+    .expect("master client");
+    let empty = wait_stats(
+        &client,
+        "two agents mounted",
+        &mut [&mut master, &mut a, &mut b],
+        |s| s.nodes_alive == 2 && s.segments >= 2,
+    )
+    .await;
+    let engine = TransferEngine::new(
+        EngineConfig {
+            node: "test-client".into(),
+            prefer_shm: false,
+            ..EngineConfig::default()
+        },
+        AuthKey::new(KEY.as_bytes().to_vec()).expect("transfer key"),
+        Arc::new(StaticDirectory::new()),
+        TransferMetrics::unregistered().expect("metrics"),
+    )
+    .expect("engine");
+    let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None).with_striping(
+        StripeConfig {
+            threshold: MIB,
+            part_size: MIB,
+        },
+    );
+    let opts = PutOptions::default();
+
+    // 6.5 MiB: six full parts and a half one, spread over both agents.
+    let big_key = b"striped/big".as_slice();
+    let big = value(1, (6 * MIB + MIB / 2) as usize);
+    let replicas = pool.put(big_key, &big, &opts).await.expect("striped put");
+    assert_eq!(replicas.len(), 7, "one replica per part");
+    let mut per_node = BTreeMap::new();
+    for r in &replicas {
+        *per_node.entry(r.node.clone()).or_insert(0) += 1;
+    }
+    assert_eq!(per_node.len(), 2, "parts on both agents: {per_node:?}");
+    let s = client.stats().await.expect("stats");
+    assert_eq!(s.objects, 8, "seven parts and the manifest");
+    assert_eq!(parts_present(&client, big_key, 7).await, 7);
+    // Read back whole, into a caller buffer, and again after an idempotent re-put.
+    assert!(pool.get(big_key).await.expect("striped get") == big);
+    let mut buf = vec![0u8; big.len() + 10];
+    let n = pool.get_into(big_key, &mut buf).await.expect("get_into");
+    assert!(n == big.len() && buf[..n] == big[..]);
+    assert!(
+        pool.put(big_key, &big, &opts)
+            .await
+            .expect("re-put")
+            .is_empty()
+    );
+    assert_eq!(client.stats().await.expect("stats").objects, 8);
+
+    // A value of manifest length that is not a manifest stays an ordinary value.
+    let plain = value(2, MANIFEST_LEN);
+    pool.put(b"plain/52", &plain, &opts).await.expect("put");
+    assert!(pool.get(b"plain/52").await.expect("get") == plain);
+    pool.remove(b"plain/52").await.expect("remove plain");
+
+    // Remove frees every part and all their bytes.
+    pool.remove(big_key).await.expect("remove striped");
+    let after = client.stats().await.expect("stats");
+    assert_eq!(after.objects, 0);
+    assert_eq!(after.used_bytes, empty.used_bytes, "every byte freed");
+    assert_eq!(parts_present(&client, big_key, 7).await, 0);
+    let e = pool.get(big_key).await.expect_err("gone");
+    assert_eq!(e.category(), "master");
+
+    // Eviction: the striped object is the oldest; fill the pool with plain 4 MiB values until
+    // the master has evicted it. Afterwards no part of it may stay.
+    pool.put(big_key, &big, &opts)
+        .await
+        .expect("striped put again");
+    let filler = value(3, (4 * MIB) as usize);
+    let mut evicted = false;
+    for i in 0..64 {
+        let k = format!("filler/{i}");
+        pool.put(k.as_bytes(), &filler, &opts)
+            .await
+            .expect("filler put");
+        if parts_present(&client, big_key, 7).await < 7
+            || !client.exists(&[big_key]).await.expect("exists")[0]
+        {
+            evicted = true;
+            break;
+        }
+    }
+    assert!(
+        evicted,
+        "filling 2 x 64 MiB agents never evicted the oldest object"
+    );
+    // Whatever eviction took first, reading the object fails cleanly and leaves nothing behind.
+    let e = pool.get(big_key).await.expect_err("evicted");
+    assert!(
+        ["master", "stripe_incomplete"].contains(&e.category()),
+        "{e:#}"
+    );
+    assert_eq!(parts_present(&client, big_key, 7).await, 0, "orphan parts");
+    assert!(!client.exists(&[big_key]).await.expect("exists")[0]);
+}
