@@ -367,9 +367,8 @@ fn discovery_selects_the_engine_pods(
 
 /// The DRAM NUMA policy of the CRD reaches the agent as the placement the agent implements:
 /// `local` places on the NICs' (or GPUs') nodes, `interleave` spreads evenly over all nodes,
-/// and `none` (no preference) gets the even spread too, because the agent binds every segment
-/// it maps to a node and has no unbound placement (see docs/crds.md). Loaded with the agent's
-/// own loader, as at pod start.
+/// and `none` maps the tier without any binding (see docs/crds.md). Loaded with the agent's own
+/// loader, as at pod start.
 #[test]
 fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
     use kvpool_agent::placement::NumaPolicy as AgentNuma;
@@ -378,7 +377,7 @@ fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
     for (crd, want) in [
         (kvpool::crd::NumaPolicy::Local, AgentNuma::NicLocal),
         (kvpool::crd::NumaPolicy::Interleave, AgentNuma::Interleave),
-        (kvpool::crd::NumaPolicy::None, AgentNuma::Interleave),
+        (kvpool::crd::NumaPolicy::None, AgentNuma::None),
     ] {
         let mut pool: KVCachePool = serde_saphyr::from_str(&base)?;
         pool.spec.dram.numa_policy = crd;
