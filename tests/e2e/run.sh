@@ -180,7 +180,7 @@ wait_for decodepool synth-decode '{.status.conditions[?(@.type=="Ready")].status
 wait_for kvcachepool cache '{.status.conditions[?(@.type=="Ready")].status}' True
 wait_for kvcachepool cache '{.status.nodesReady}' "$nodes"
 
-log "3b. the master's figures reach the status: MasterReachable, nodesRegistered, tier usage"
+log "4. the master's figures reach the status: MasterReachable, nodesRegistered, tier usage"
 wait_for kvcachepool cache '{.status.conditions[?(@.type=="MasterReachable")].status}' True
 wait_for kvcachepool cache '{.status.nodesRegistered}' "$nodes"
 wait_ge kvcachepool cache '{.status.objects}' 0
@@ -207,10 +207,10 @@ if command -v curl >/dev/null; then
   ((ok)) || fail "no completion through the conductor"
   wait_ge kvcachepool cache '{.status.objects}' 1
 else
-  echo "SKIP (step 3b request): curl is not installed"
+  echo "SKIP (step 4 request): curl is not installed"
 fi
 
-log "3c. SR-IOV with one resource per rail: every rail's VF resource is requested by the agent"
+log "5. SR-IOV with one resource per rail: every rail's VF resource is requested by the agent"
 kubectl create namespace "$NS_ROCE" --dry-run=client -o yaml | kubectl apply -f -
 sed "s/^  namespace: llm$/  namespace: $NS_ROCE/" deploy/examples/roce-sriov/kvcachepool.yaml \
   | kubectl apply -f -
@@ -231,7 +231,7 @@ fi
 [[ "$out" == *"set exactly one of resourceName"* ]] || fail "unexpected refusal: $out"
 kubectl delete namespace "$NS_ROCE" --wait=false
 
-log "4. the auth key is never overwritten"
+log "6. the auth key is never overwritten"
 key=$(kubectl -n "$NS" get secret cache-auth -o 'jsonpath={.data.key}')
 kubectl -n "$NS" annotate kvcachepool cache e2e/touch="$(date +%s)" --overwrite
 kubectl -n "$NS" patch kvcachepool cache --type merge -p '{"spec":{"blockSizeTokens":256}}'
@@ -240,11 +240,11 @@ wait_for kvcachepool cache '{.status.observedGeneration}' \
 [[ "$(kubectl -n "$NS" get secret cache-auth -o 'jsonpath={.data.key}')" == "$key" ]] \
   || fail "the auth key changed"
 
-log "5. drift is repaired: a deleted child comes back"
+log "7. drift is repaired: a deleted child comes back"
 kubectl -n "$NS" delete service cache-master
 wait_for service cache-master '{.metadata.ownerReferences[0].kind}' KVCachePool
 
-log "6. turning the conductor off deletes its children by label"
+log "8. turning the conductor off deletes its children by label"
 kubectl -n "$NS" patch kvcachepool cache --type merge -p '{"spec":{"conductor":{"enabled":false}}}'
 wait_gone deployment cache-conductor
 wait_gone service cache-conductor
@@ -253,7 +253,7 @@ wait_gone role cache-conductor
 wait_gone serviceaccount cache-conductor
 wait_for kvcachepool cache '{.status.conductorEndpoint}' ""
 
-log "7. an invalid spec that the schema lets through gets an Event and a condition"
+log "9. an invalid spec that the schema lets through gets an Event and a condition"
 # 60-character name: valid for the API server, too long for the children's names.
 long=pool-$(printf 'x%.0s' {1..55})
 cat <<YAML | kubectl apply -f -
@@ -268,7 +268,7 @@ kubectl -n "$NS" get events.events.k8s.io --field-selector "regarding.name=$long
 [[ -z "$(kubectl -n "$NS" get deploy,ds -l "kvpool.dev/owner-name=$long" -o name)" ]] \
   || fail "children created for an invalid pool"
 
-log "8. deleting the pool removes every child (owner references, no finalizer)"
+log "10. deleting the pool removes every child (owner references, no finalizer)"
 kubectl -n "$NS" delete prefillpool synth-prefill
 kubectl -n "$NS" delete decodepool synth-decode
 kubectl -n "$NS" delete kvcachepool cache "$long"
