@@ -196,7 +196,7 @@ if command -v curl >/dev/null; then
   ok=0
   for _ in $(seq 30); do
     if curl -fsS -m 10 http://127.0.0.1:18000/v1/completions -H 'content-type: application/json' \
-      -d "{\"model\":\"kvpool-synthetic\",\"prompt\":\"$(printf 'kvpool e2e %.0s' {1..200})\",\"max_tokens\":4}" \
+      -d "{\"model\":\"kvpool-synthetic\",\"prompt\":\"$(printf 'kvpool e2e %.0s' {1..400})\",\"max_tokens\":4}" \
       >/dev/null; then
       ok=1
       break
