@@ -97,6 +97,7 @@ pub struct DiscoverySection {
 #[serde(deny_unknown_fields, default)]
 pub struct DramSection {
     pub capacity: Option<ByteSize>,
+    /// `nic-local` (default), `interleave`, `none` (map without binding) or `nodes: [..]`.
     pub numa_policy: Option<NumaPolicy>,
     /// `none`, `2MiB` or `1GiB`.
     pub hugepages: Option<String>,
