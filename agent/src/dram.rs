@@ -431,6 +431,21 @@ mod tests {
         assert_eq!(t.bytes(&blk), &[7u8; 5000][..]);
         assert!(t.usage().iter().all(|u| u.numa_node.is_none()));
         assert_eq!(t.usage().iter().map(|u| u.used).sum::<u64>(), 8192);
+
+        // Locking still applies without a binding: locked, or (no CAP_IPC_LOCK / low
+        // RLIMIT_MEMLOCK) a lock warning, never a binding attempt.
+        let (locked, warnings) = DramTier::new(&plans, true).expect("locked tier");
+        for info in locked.segments() {
+            assert!(info.numa_node.is_none() && !info.numa_bound, "{info:?}");
+            assert!(
+                info.locked
+                    || warnings
+                        .iter()
+                        .any(|w| w.starts_with(&format!("segment {}: cannot lock", info.index))),
+                "{info:?} {warnings:?}"
+            );
+        }
+        assert!(warnings.iter().all(|w| !w.contains("NUMA")), "{warnings:?}");
     }
 
     #[test]
