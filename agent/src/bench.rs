@@ -233,7 +233,7 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
     }
     .map_err(BenchError::TempDir)?;
     let plans = [SegmentPlan {
-        numa_node: 0,
+        numa_node: Some(0),
         bytes: dram_total + (64 << 20),
         hugepage_size: None,
     }];

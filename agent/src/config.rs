@@ -97,6 +97,7 @@ pub struct DiscoverySection {
 #[serde(deny_unknown_fields, default)]
 pub struct DramSection {
     pub capacity: Option<ByteSize>,
+    /// `nic-local` (default), `interleave`, `none` (map without binding) or `nodes: [..]`.
     pub numa_policy: Option<NumaPolicy>,
     /// `none`, `2MiB` or `1GiB`.
     pub hugepages: Option<String>,
@@ -343,9 +344,16 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
             }
         }
     };
+    let policy = file.dram.numa_policy.clone().unwrap_or_default();
+    if policy == NumaPolicy::Nodes(Vec::new()) {
+        return Err(invalid(
+            "dram.numa_policy",
+            "nodes: [] names no NUMA node (use none to leave placement to the kernel)",
+        ));
+    }
     let dram = DramConfig {
         capacity,
-        policy: file.dram.numa_policy.clone().unwrap_or_default(),
+        policy,
         hugepage_size,
         lock: file.dram.lock.unwrap_or(true),
         max_segment,
@@ -534,10 +542,11 @@ pub fn from_pool_document(
         }
         .to_owned(),
     );
-    // The agent always places memory itself; "left to the kernel" spreads it evenly.
+    // `none` leaves placement to the kernel: the agent maps without binding.
     file.dram.numa_policy = Some(match eff.dram.numa_policy {
         CrdNuma::Local => NumaPolicy::NicLocal,
-        CrdNuma::Interleave | CrdNuma::None => NumaPolicy::Interleave,
+        CrdNuma::Interleave => NumaPolicy::Interleave,
+        CrdNuma::None => NumaPolicy::None,
     });
     if let Some(ssd) = &eff.ssd {
         file.ssd.path = Some(PathBuf::from(&ssd.host_path));
@@ -623,6 +632,10 @@ master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
         assert_eq!(file.dram.capacity, Some(ByteSize::gib(32)));
         assert_eq!(file.dram.hugepages.as_deref(), Some("2MiB"));
         assert_eq!(file.dram.numa_policy, Some(NumaPolicy::Interleave));
+        let unbound = POOL_DOC.replace("numaPolicy: interleave", "numaPolicy: none");
+        let doc = parse_pool_document(&unbound, Path::new("c.yaml")).expect("parses");
+        let none = from_pool_document(&doc, 64 << 30).expect("maps");
+        assert_eq!(none.dram.numa_policy, Some(NumaPolicy::None));
         assert_eq!(file.ssd.path, Some(PathBuf::from("/mnt/nvme")));
         assert_eq!(file.pool.master, ["p-master.ns.svc:50051"]);
         assert_eq!(file.pool.transport_listen.as_deref(), Some("0.0.0.0:15600"));
@@ -801,11 +814,27 @@ admin:
                 "engine_api.session_idle_timeout",
             ),
             ("node_name: ''", "node_name"),
+            ("dram: {numa_policy: {nodes: []}}", "dram.numa_policy"),
         ];
         for (yaml, field) in cases {
             let err = validate_yaml(yaml).expect_err(yaml);
             assert_eq!(field_of(err), field, "{yaml}");
         }
+    }
+
+    #[test]
+    fn numa_policy_none_means_unbound() {
+        for (text, want) in [
+            ("dram: {numa_policy: none}", NumaPolicy::None),
+            ("dram: {numa_policy: interleave}", NumaPolicy::Interleave),
+            ("dram: {numa_policy: nic-local}", NumaPolicy::NicLocal),
+            ("", NumaPolicy::NicLocal),
+        ] {
+            assert_eq!(validate_yaml(text).expect(text).dram.policy, want, "{text}");
+        }
+        let err = validate_yaml("dram: {numa_policy: nowhere}").expect_err("unknown policy");
+        assert_eq!(err.category(), "parse");
+        assert!(err.to_string().contains("nowhere"), "{err}");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use offset_allocator::{Allocation, Allocator};
 use serde::Serialize;
 
 use crate::memory::{MappedRegion, MemoryError, RegionRequest};
-use crate::placement::SegmentPlan;
+use crate::placement::{SegmentPlan, numa_label};
 
 /// Allocation unit inside a segment.
 pub const UNIT: u64 = 4096;
@@ -17,11 +17,14 @@ const MAX_ALLOCS_PER_SEGMENT: u32 = 1 << 20;
 /// Errors of the DRAM tier.
 #[derive(Debug, thiserror::Error)]
 pub enum DramError {
-    #[error("mapping segment {index} ({bytes} bytes on NUMA node {numa_node}) failed")]
+    #[error(
+        "mapping segment {index} ({bytes} bytes, NUMA node {}) failed",
+        numa_label(*.numa_node)
+    )]
     MapSegment {
         index: usize,
         bytes: u64,
-        numa_node: u32,
+        numa_node: Option<u32>,
         #[source]
         source: MemoryError,
     },
@@ -65,7 +68,7 @@ impl DramBlock {
 }
 
 struct Segment {
-    numa_node: u32,
+    numa_node: Option<u32>,
     region: MappedRegion,
     allocator: Allocator,
     used_bytes: u64,
@@ -76,7 +79,8 @@ struct Segment {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SegmentInfo {
     pub index: u32,
-    pub numa_node: u32,
+    /// The node the segment was asked to be bound to; `None`: unbound (policy `none`).
+    pub numa_node: Option<u32>,
     pub addr: usize,
     pub bytes: u64,
     pub hugepage_size: Option<u64>,
@@ -87,7 +91,8 @@ pub struct SegmentInfo {
 /// Usage of one segment.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SegmentUsage {
-    pub numa_node: u32,
+    /// `None`: unbound segment.
+    pub numa_node: Option<u32>,
     pub capacity: u64,
     /// Bytes handed out (rounded up to units).
     pub used: u64,
@@ -127,7 +132,7 @@ pub fn map_segments(
             usize::try_from(plan.bytes).map_err(|_| DramError::SegmentTooLarge(plan.bytes))?;
         let req = RegionRequest {
             bytes,
-            numa_node: Some(plan.numa_node),
+            numa_node: plan.numa_node,
             hugepage_size: plan.hugepage_size,
             lock,
         };
@@ -223,7 +228,8 @@ impl DramTier {
         let mut order: Vec<usize> = (0..self.segments.len()).collect();
         order.sort_by_key(|&i| {
             let s = &self.segments[i];
-            let remote = prefer_numa.is_some_and(|n| n != s.numa_node);
+            // An unbound segment is remote to every preferred node.
+            let remote = prefer_numa.is_some_and(|n| s.numa_node != Some(n));
             let free = s.allocator.storage_report().total_free_space;
             (remote, u32::MAX - free)
         });
@@ -252,11 +258,11 @@ impl DramTier {
         }
     }
 
-    /// NUMA node of a block.
+    /// NUMA node of a block (`None` for an unbound segment or an unknown block).
     pub fn numa_of(&self, block: &DramBlock) -> Option<u32> {
         self.segments
             .get(block.segment as usize)
-            .map(|s| s.numa_node)
+            .and_then(|s| s.numa_node)
     }
 
     /// The block's bytes.
@@ -325,7 +331,7 @@ impl DramTier {
 mod tests {
     use super::*;
 
-    fn tier(sizes: &[(u32, u64)]) -> DramTier {
+    fn tier(sizes: &[(Option<u32>, u64)]) -> DramTier {
         let plans: Vec<SegmentPlan> = sizes
             .iter()
             .map(|&(numa_node, bytes)| SegmentPlan {
@@ -340,7 +346,7 @@ mod tests {
     #[test]
     fn allocates_on_preferred_node_then_spills() {
         // Node 1 does not exist here, so binding warns, but bookkeeping is what is tested.
-        let mut t = tier(&[(0, 64 * 1024), (1, 64 * 1024)]);
+        let mut t = tier(&[(Some(0), 64 * 1024), (Some(1), 64 * 1024)]);
         let a = t.allocate(40 * 1024, Some(1)).expect("a");
         assert_eq!(t.numa_of(&a), Some(1));
         let b = t.allocate(40 * 1024, Some(1)).expect("b");
@@ -352,7 +358,7 @@ mod tests {
 
     #[test]
     fn bytes_round_trip_and_usage_counts_units() {
-        let mut t = tier(&[(0, 1 << 20)]);
+        let mut t = tier(&[(Some(0), 1 << 20)]);
         let blk = t.allocate(5000, None).expect("alloc");
         assert_eq!(blk.offset() % UNIT, 0);
         t.bytes_mut(&blk).copy_from_slice(&[9u8; 5000]);
@@ -368,7 +374,7 @@ mod tests {
 
     #[test]
     fn fragmentation_grows_with_holes() {
-        let mut t = tier(&[(0, 16 * UNIT)]);
+        let mut t = tier(&[(Some(0), 16 * UNIT)]);
         let blocks: Vec<DramBlock> = (0..16)
             .map(|_| t.allocate(UNIT, None).expect("a"))
             .collect();
@@ -383,6 +389,79 @@ mod tests {
         assert!(
             t.allocate(2 * UNIT, None).is_none(),
             "no two adjacent free units"
+        );
+    }
+
+    #[test]
+    fn unbound_segments_map_without_binding_and_report_no_node() {
+        // Policy `none`: real anonymous mappings, no mbind, so no binding warning either.
+        let plans = crate::placement::plan(
+            &crate::topology::Topology {
+                numa_nodes: vec![crate::topology::NumaNode {
+                    id: 0,
+                    mem_free_bytes: 1 << 30,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            &crate::placement::PlacementRequest {
+                capacity: 3 * 64 * 1024,
+                policy: crate::placement::NumaPolicy::None,
+                hugepage_size: None,
+                max_segment: 128 * 1024,
+            },
+        )
+        .expect("plan")
+        .segments;
+        let (mut t, warnings) = DramTier::new(&plans, false).expect("tier");
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(t.segments().len(), 2);
+        assert!(
+            t.segments()
+                .iter()
+                .all(|i| i.numa_node.is_none() && !i.numa_bound && !i.locked),
+            "{:?}",
+            t.segments()
+        );
+        assert_eq!(t.capacity(), 3 * 64 * 1024);
+        // A preferred node still finds room, and the block reports no node.
+        let blk = t.allocate(5000, Some(0)).expect("alloc");
+        assert_eq!(t.numa_of(&blk), None);
+        t.bytes_mut(&blk).copy_from_slice(&[7u8; 5000]);
+        assert_eq!(t.bytes(&blk), &[7u8; 5000][..]);
+        assert!(t.usage().iter().all(|u| u.numa_node.is_none()));
+        assert_eq!(t.usage().iter().map(|u| u.used).sum::<u64>(), 8192);
+
+        // Locking still applies without a binding: locked, or (no CAP_IPC_LOCK / low
+        // RLIMIT_MEMLOCK) a lock warning, never a binding attempt.
+        let (locked, warnings) = DramTier::new(&plans, true).expect("locked tier");
+        for info in locked.segments() {
+            assert!(info.numa_node.is_none() && !info.numa_bound, "{info:?}");
+            assert!(
+                info.locked
+                    || warnings
+                        .iter()
+                        .any(|w| w.starts_with(&format!("segment {}: cannot lock", info.index))),
+                "{info:?} {warnings:?}"
+            );
+        }
+        assert!(warnings.iter().all(|w| !w.contains("NUMA")), "{warnings:?}");
+    }
+
+    #[test]
+    fn a_preferred_node_ranks_bound_segments_before_unbound_ones() {
+        let mut t = tier(&[(None, 64 * 1024), (Some(0), 32 * 1024)]);
+        let a = t.allocate(4096, Some(0)).expect("a");
+        assert_eq!(
+            t.numa_of(&a),
+            Some(0),
+            "the bound segment on the hinted node"
+        );
+        let b = t.allocate(4096, None).expect("b");
+        assert_eq!(
+            t.numa_of(&b),
+            None,
+            "no hint: the segment with most free space"
         );
     }
 }

@@ -21,7 +21,20 @@ pub enum NumaPolicy {
     Interleave,
     /// Evenly over the listed nodes.
     Nodes(Vec<u32>),
+    /// No binding: segments are mapped without mbind, so the kernel's default policy places
+    /// each page on the node of the CPU that first touches it. Segments have no NUMA node.
+    None,
 }
+
+/// Metric label and log text of a segment's NUMA node: the number, or `none` when unbound.
+pub fn numa_label(node: Option<u32>) -> String {
+    node.map_or_else(|| "none".to_owned(), |n| n.to_string())
+}
+
+/// The NUMA node the master is told for an unbound segment. The master's segment spec carries
+/// a plain node number, so "unknown" travels as a number no machine has: it never equals an
+/// engine's NUMA hint, which is exactly how an unbound segment should rank.
+pub const MASTER_UNBOUND_NUMA_NODE: u32 = u32::MAX;
 
 /// What to place.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,7 +50,8 @@ pub struct PlacementRequest {
 /// One segment to map.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentPlan {
-    pub numa_node: u32,
+    /// The node to bind the segment to; `None`: not bound (policy [`NumaPolicy::None`]).
+    pub numa_node: Option<u32>,
     pub bytes: u64,
     pub hugepage_size: Option<u64>,
 }
@@ -58,6 +72,8 @@ pub enum PlacementError {
     UnknownNode(u32),
     #[error("NUMA node {node} has {free} bytes free, the DRAM tier wants {wanted} there")]
     InsufficientMemory { node: u32, wanted: u64, free: u64 },
+    #[error("the NUMA nodes have {free} bytes free in all, the unbound DRAM tier wants {wanted}")]
+    InsufficientTotalMemory { wanted: u64, free: u64 },
     #[error("capacity must be positive")]
     ZeroCapacity,
 }
@@ -68,7 +84,8 @@ impl PlacementError {
         match self {
             PlacementError::NoNodes => "no_nodes",
             PlacementError::UnknownNode(_) => "unknown_node",
-            PlacementError::InsufficientMemory { .. } => "insufficient_memory",
+            PlacementError::InsufficientMemory { .. }
+            | PlacementError::InsufficientTotalMemory { .. } => "insufficient_memory",
             PlacementError::ZeroCapacity => "zero_capacity",
         }
     }
@@ -85,6 +102,7 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Result<Placement, Placem
     let mut warnings = Vec::new();
     // (node, weight)
     let weighted: Vec<(u32, u64)> = match &req.policy {
+        NumaPolicy::None => return plan_unbound(topo, req),
         NumaPolicy::Interleave => topo.numa_nodes.iter().map(|n| (n.id, 1)).collect(),
         NumaPolicy::Nodes(ids) => {
             let mut out = Vec::new();
@@ -170,18 +188,86 @@ pub fn plan(topo: &Topology, req: &PlacementRequest) -> Result<Placement, Placem
             }
             None => None,
         };
-        let max_segment = (req.max_segment / unit).max(1) * unit;
-        let mut left = bytes;
-        while left > 0 {
-            let take = left.min(max_segment);
-            segments.push(SegmentPlan {
-                numa_node: node_id,
-                bytes: take,
-                hugepage_size,
-            });
-            left -= take;
-        }
+        split(
+            &mut segments,
+            Some(node_id),
+            bytes,
+            hugepage_size,
+            req.max_segment,
+            unit,
+        );
     }
+    Ok(Placement { segments, warnings })
+}
+
+/// Cut `bytes` on `numa_node` into segments of at most `max_segment` (rounded down to `unit`).
+fn split(
+    segments: &mut Vec<SegmentPlan>,
+    numa_node: Option<u32>,
+    bytes: u64,
+    hugepage_size: Option<u64>,
+    max_segment: u64,
+    unit: u64,
+) {
+    let max_segment = (max_segment / unit).max(1) * unit;
+    let mut left = bytes;
+    while left > 0 {
+        let take = left.min(max_segment);
+        segments.push(SegmentPlan {
+            numa_node,
+            bytes: take,
+            hugepage_size,
+        });
+        left -= take;
+    }
+}
+
+/// Policy `none`: one run of unbound segments, no per-node split. The kernel decides where each
+/// page lands (first touch), so the memory check is against the machine's total; huge pages are
+/// used when the free pages of all nodes together hold the capacity.
+fn plan_unbound(topo: &Topology, req: &PlacementRequest) -> Result<Placement, PlacementError> {
+    let unit = req.hugepage_size.unwrap_or(PAGE).max(PAGE);
+    let bytes = req.capacity.div_ceil(unit).saturating_mul(unit);
+    let free: u64 = topo
+        .numa_nodes
+        .iter()
+        .map(|n| n.mem_free_bytes)
+        .fold(0, u64::saturating_add);
+    if free < bytes {
+        return Err(PlacementError::InsufficientTotalMemory {
+            wanted: bytes,
+            free,
+        });
+    }
+    let mut warnings = Vec::new();
+    let hugepage_size = match req.hugepage_size {
+        Some(size) => {
+            let pages: u64 = topo
+                .numa_nodes
+                .iter()
+                .map(|n| n.free_hugepages(size))
+                .fold(0, u64::saturating_add);
+            if pages.saturating_mul(size) >= bytes {
+                Some(size)
+            } else {
+                warnings.push(format!(
+                    "{pages} free huge pages of {size} bytes on all NUMA nodes cannot hold \
+                     {bytes} bytes; using normal pages"
+                ));
+                None
+            }
+        }
+        None => None,
+    };
+    let mut segments = Vec::new();
+    split(
+        &mut segments,
+        None,
+        bytes,
+        hugepage_size,
+        req.max_segment,
+        unit,
+    );
     Ok(Placement { segments, warnings })
 }
 
@@ -228,7 +314,7 @@ mod tests {
         let per_node = |n| {
             p.segments
                 .iter()
-                .filter(|s| s.numa_node == n)
+                .filter(|s| s.numa_node == Some(n))
                 .map(|s| s.bytes)
                 .sum::<u64>()
         };
@@ -267,12 +353,12 @@ mod tests {
             p.segments,
             vec![
                 SegmentPlan {
-                    numa_node: 0,
+                    numa_node: Some(0),
                     bytes: 2 * PAGE,
                     hugepage_size: None
                 },
                 SegmentPlan {
-                    numa_node: 1,
+                    numa_node: Some(1),
                     bytes: 2 * PAGE,
                     hugepage_size: None
                 },
@@ -282,5 +368,51 @@ mod tests {
         let p = plan(&topo, &req(8 * PAGE, NumaPolicy::NicLocal)).expect("plan");
         assert_eq!(p.segments.len(), 2);
         assert_eq!(p.warnings.len(), 1);
+    }
+
+    #[test]
+    fn none_plans_unbound_segments_without_a_node_split() {
+        // Two nodes, NIC-weighted 3:1: `none` ignores the weights and the nodes.
+        let topo = two_nodes(3, 1);
+        let p = plan(&topo, &req(3 * (1 << 30) + PAGE + 1, NumaPolicy::None)).expect("plan");
+        assert_eq!(
+            p.segments
+                .iter()
+                .map(|s| (s.numa_node, s.bytes))
+                .collect::<Vec<_>>(),
+            vec![
+                (None, 1 << 30),
+                (None, 1 << 30),
+                (None, 1 << 30),
+                (None, 2 * PAGE)
+            ]
+        );
+        assert!(p.warnings.is_empty());
+        // 40 GiB exceeds each node's 32 GiB free but not the 64 GiB of both together.
+        let p = plan(&topo, &req(40 << 30, NumaPolicy::None)).expect("plan");
+        assert_eq!(p.segments.iter().map(|s| s.bytes).sum::<u64>(), 40 << 30);
+        assert_eq!(
+            plan(&topo, &req(65 << 30, NumaPolicy::None)),
+            Err(PlacementError::InsufficientTotalMemory {
+                wanted: 65 << 30,
+                free: 64 << 30
+            })
+        );
+        assert_eq!(
+            plan(&topo, &req(0, NumaPolicy::None)),
+            Err(PlacementError::ZeroCapacity)
+        );
+        // Without nodes there is nothing to place on, bound or not.
+        let empty = Topology::default();
+        assert_eq!(
+            plan(&empty, &req(PAGE, NumaPolicy::None)),
+            Err(PlacementError::NoNodes)
+        );
+    }
+
+    #[test]
+    fn numa_labels_name_unbound_segments_none() {
+        assert_eq!(numa_label(Some(3)), "3");
+        assert_eq!(numa_label(None), "none");
     }
 }

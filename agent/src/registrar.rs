@@ -111,7 +111,7 @@ mod tests {
         let r = LocalRegistrar::new();
         let seg = SegmentInfo {
             index: 3,
-            numa_node: 0,
+            numa_node: Some(0),
             addr: 4096,
             bytes: 8192,
             hugepage_size: None,

@@ -455,12 +455,13 @@ async fn pool_tiers(
     for w in &warnings {
         tracing::warn!("DRAM tier: {w}");
     }
-    let mut per_node: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut per_node: BTreeMap<Option<u32>, u64> = BTreeMap::new();
     for (info, region) in mapped {
         let memory = region
             .into_transfer_segment()
             .map_err(RunError::PoolMemory)?;
-        tracing::info!(segment = info.index, numa_node = info.numa_node, bytes = info.bytes,
+        let numa = placement::numa_label(info.numa_node);
+        tracing::info!(segment = info.index, numa_node = %numa, bytes = info.bytes,
             hugepage_size = ?info.hugepage_size, numa_bound = info.numa_bound,
             locked = info.locked, "DRAM segment given to the pool");
         member
@@ -468,7 +469,8 @@ async fn pool_tiers(
             .register(
                 &segment_name(info.index),
                 kvpool::master::Tier::Dram,
-                info.numa_node,
+                info.numa_node
+                    .unwrap_or(placement::MASTER_UNBOUND_NUMA_NODE),
                 memory,
             )
             .map_err(RunError::Register)?;
@@ -477,7 +479,7 @@ async fn pool_tiers(
     for (node, bytes) in per_node {
         metrics
             .capacity_bytes
-            .with_label_values(&["dram", &node.to_string()])
+            .with_label_values(&["dram", &placement::numa_label(node)])
             .set(bytes as f64);
     }
     if let Some(s) = &cfg.ssd {

@@ -417,7 +417,7 @@ impl TieredStore {
 
     fn refresh_gauges(&self, inner: &Inner) {
         let m = &self.metrics;
-        let mut per_node: BTreeMap<u32, (u64, u64, u64, u64, u64)> = BTreeMap::new();
+        let mut per_node: BTreeMap<Option<u32>, (u64, u64, u64, u64, u64)> = BTreeMap::new();
         let mut blocks = 0;
         for u in inner.dram.usage() {
             let e = per_node.entry(u.numa_node).or_default();
@@ -429,7 +429,7 @@ impl TieredStore {
             blocks += u.blocks;
         }
         for (node, (cap, used, free, largest, free_sum)) in per_node {
-            let n = node.to_string();
+            let n = crate::placement::numa_label(node);
             m.capacity_bytes
                 .with_label_values(&["dram", &n])
                 .set(cap as f64);
@@ -476,7 +476,7 @@ mod tests {
 
     fn store(dram_bytes: u64, ssd_dir: Option<&std::path::Path>, ssd_cap: u64) -> TieredStore {
         let plans = [SegmentPlan {
-            numa_node: 0,
+            numa_node: Some(0),
             bytes: dram_bytes,
             hugepage_size: None,
         }];

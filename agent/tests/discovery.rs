@@ -256,7 +256,7 @@ fn dram_placement_on_the_dgx_follows_the_nics() {
         max_segment: 16 << 30,
     };
     let p = plan(&topo, &req).expect("plan");
-    let nodes: Vec<(u32, u64, Option<u64>)> = p
+    let nodes: Vec<(Option<u32>, u64, Option<u64>)> = p
         .segments
         .iter()
         .map(|s| (s.numa_node, s.bytes, s.hugepage_size))
@@ -265,10 +265,10 @@ fn dram_placement_on_the_dgx_follows_the_nics() {
     assert_eq!(
         nodes,
         vec![
-            (0, 16 << 30, None),
-            (0, 16 << 30, None),
-            (1, 16 << 30, None),
-            (1, 16 << 30, None)
+            (Some(0), 16 << 30, None),
+            (Some(0), 16 << 30, None),
+            (Some(1), 16 << 30, None),
+            (Some(1), 16 << 30, None)
         ]
     );
     assert_eq!(p.warnings.len(), 2, "{:?}", p.warnings);
@@ -286,7 +286,7 @@ fn dram_placement_on_the_dgx_follows_the_nics() {
     let topo = discover_fixture("dgx-roce", &[("PCIDEVICE_X", "0000:9b:00.2")]);
     let p = plan(&topo, &small).expect("plan");
     assert!(
-        p.segments.iter().all(|s| s.numa_node == 1),
+        p.segments.iter().all(|s| s.numa_node == Some(1)),
         "{:?}",
         p.segments
     );
@@ -304,5 +304,79 @@ fn dram_placement_on_the_dgx_follows_the_nics() {
     )
     .expect("plan");
     assert_eq!(p.segments.len(), 1);
-    assert_eq!(p.segments[0].numa_node, 0);
+    assert_eq!(p.segments[0].numa_node, Some(0));
+}
+
+#[test]
+fn dram_placement_none_on_the_dgx_binds_nothing() {
+    let topo = discover_fixture("dgx-roce", &[]);
+    assert_eq!(
+        topo.numa_nodes.len(),
+        2,
+        "the fixture is a 2-socket machine"
+    );
+    let req = PlacementRequest {
+        capacity: 40 << 30,
+        policy: NumaPolicy::None,
+        hugepage_size: None,
+        max_segment: 16 << 30,
+    };
+    let p = plan(&topo, &req).expect("plan");
+    // No per-node split (NIC-local would put 20 GiB on each node): one run of unbound
+    // segments, cut only by the segment size limit.
+    let segs: Vec<(Option<u32>, u64, Option<u64>)> = p
+        .segments
+        .iter()
+        .map(|s| (s.numa_node, s.bytes, s.hugepage_size))
+        .collect();
+    assert_eq!(
+        segs,
+        vec![
+            (None, 16 << 30, None),
+            (None, 16 << 30, None),
+            (None, 8 << 30, None)
+        ]
+    );
+    assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+
+    // Huge pages count over all nodes: 1000 + 1024 free 2 MiB pages hold 3 GiB together,
+    // though neither node holds it alone.
+    let huge = PlacementRequest {
+        capacity: 3 << 30,
+        hugepage_size: Some(2 << 20),
+        ..req.clone()
+    };
+    let p = plan(&topo, &huge).expect("plan");
+    assert!(
+        p.segments
+            .iter()
+            .all(|s| s.numa_node.is_none() && s.hugepage_size == Some(2 << 20)),
+        "{:?}",
+        p.segments
+    );
+    assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+    // More than all free huge pages: normal pages, with one warning.
+    let p = plan(
+        &topo,
+        &PlacementRequest {
+            capacity: 8 << 30,
+            ..huge.clone()
+        },
+    )
+    .expect("plan");
+    assert!(p.segments.iter().all(|s| s.hugepage_size.is_none()));
+    assert_eq!(p.warnings.len(), 1, "{:?}", p.warnings);
+
+    // The memory check is against the machine's total free memory, named in the error.
+    let free: u64 = topo.numa_nodes.iter().map(|n| n.mem_free_bytes).sum();
+    let err = plan(
+        &topo,
+        &PlacementRequest {
+            capacity: free + (1 << 30),
+            ..req
+        },
+    )
+    .expect_err("more than the machine has");
+    assert_eq!(err.category(), "insufficient_memory");
+    assert!(err.to_string().contains("unbound"), "{err}");
 }

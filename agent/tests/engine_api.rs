@@ -28,7 +28,7 @@ struct Agent {
 async fn start(dram_bytes: u64, ssd: bool) -> Agent {
     let dir = tempfile::tempdir().expect("tempdir");
     let plans = [SegmentPlan {
-        numa_node: 0,
+        numa_node: Some(0),
         bytes: dram_bytes,
         hugepage_size: None,
     }];

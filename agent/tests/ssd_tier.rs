@@ -189,7 +189,7 @@ fn damaged_index_tail_keeps_the_valid_prefix() {
 
 fn store_with_ssd(ssd_dir: &Path, ssd_capacity: u64) -> TieredStore {
     let plans = [SegmentPlan {
-        numa_node: 0,
+        numa_node: Some(0),
         bytes: 64 << 10,
         hugepage_size: None,
     }];

@@ -2,6 +2,8 @@
 //! the example pools (deploy/examples and operator/tests/fixtures) are parsed with the real
 //! clap parsers of `kvpool-agent` and `kvpool`, after the kubelet-style `$(VAR)` substitution,
 //! and the master's and conductor's flag validation is run on them too.
+//! The e2e suite's engine pools (tests/e2e/pool) are checked the same way: what the operator
+//! starts for them must be a synthetic engine that runs without a GPU.
 //! I/O boundary: example files in the repository and a key file in a temporary directory.
 
 use std::collections::BTreeMap;
@@ -30,6 +32,7 @@ fn example_pools() -> Result<Vec<(String, KVCachePool)>> {
         "deploy/examples/roce-sriov/kvcachepool.yaml",
         "operator/tests/fixtures/kvcachepool-tcp.yaml",
         "operator/tests/fixtures/kvcachepool-roce.yaml",
+        "tests/e2e/pool/kvcachepool.yaml",
     ] {
         let text = std::fs::read_to_string(root.join(rel)).with_context(|| rel.to_owned())?;
         let mut pool: KVCachePool =
@@ -367,9 +370,8 @@ fn discovery_selects_the_engine_pods(
 
 /// The DRAM NUMA policy of the CRD reaches the agent as the placement the agent implements:
 /// `local` places on the NICs' (or GPUs') nodes, `interleave` spreads evenly over all nodes,
-/// and `none` (no preference) gets the even spread too, because the agent binds every segment
-/// it maps to a node and has no unbound placement (see docs/crds.md). Loaded with the agent's
-/// own loader, as at pod start.
+/// and `none` maps the tier without any binding (see docs/crds.md). Loaded with the agent's own
+/// loader, as at pod start.
 #[test]
 fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
     use kvpool_agent::placement::NumaPolicy as AgentNuma;
@@ -378,7 +380,7 @@ fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
     for (crd, want) in [
         (kvpool::crd::NumaPolicy::Local, AgentNuma::NicLocal),
         (kvpool::crd::NumaPolicy::Interleave, AgentNuma::Interleave),
-        (kvpool::crd::NumaPolicy::None, AgentNuma::Interleave),
+        (kvpool::crd::NumaPolicy::None, AgentNuma::None),
     ] {
         let mut pool: KVCachePool = serde_saphyr::from_str(&base)?;
         pool.spec.dram.numa_policy = crd;
@@ -408,4 +410,119 @@ fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The e2e suite's engine pools (kind `custom`, the kvpool CLI image) become containers that run
+/// `kvpool engine --synthetic` as the image's entrypoint sees it, request no GPU, and, with the
+/// agent socket the operator passes in the environment, have what the engine needs to size its
+/// KV blocks (a kind cluster has no GPU, so anything else would keep the pool from Ready).
+#[test]
+fn e2e_engine_pools_run_the_synthetic_engine_without_a_gpu() -> Result<()> {
+    use kvpool_operator::enginepool::{build as engine_build, validate as engine_validate};
+    let root = repo_root();
+    let (_, pool) = example_pools()?
+        .into_iter()
+        .find(|(rel, _)| rel.starts_with("tests/e2e/"))
+        .context("the e2e KVCachePool is among the examples")?;
+    let valid_pool = validate(&pool, &Settings::for_tests()).context("e2e pool is valid")?;
+    let read = |rel: &str| -> Result<String> {
+        let text = std::fs::read_to_string(root.join(rel)).with_context(|| rel.to_owned())?;
+        ensure!(
+            text.contains("@VERSION@"),
+            "{rel}: run.sh fills in @VERSION@"
+        );
+        Ok(text.replace("@VERSION@", "0.0.0-e2e"))
+    };
+    let uid = |meta: &mut kube::api::ObjectMeta| {
+        meta.uid = Some("6f1d2c3b-0000-4000-8000-0000000000bb".to_owned());
+    };
+    let mut prefill: kvpool::crd::PrefillPool =
+        serde_saphyr::from_str(&read("tests/e2e/pool/prefillpool.yaml")?)?;
+    uid(&mut prefill.metadata);
+    let mut decode: kvpool::crd::DecodePool =
+        serde_saphyr::from_str(&read("tests/e2e/pool/decodepool.yaml")?)?;
+    uid(&mut decode.metadata);
+    let valid = [
+        engine_validate::validate(&prefill, valid_pool.clone()).context("e2e prefill pool")?,
+        engine_validate::validate(&decode, valid_pool).context("e2e decode pool")?,
+    ];
+    for p in &valid {
+        let children = engine_build::build(p, "hash");
+        let c = pod_of(
+            children
+                .deployment
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref()),
+        )?;
+        ensure!(
+            c.image.as_deref() == Some("ghcr.io/kvpool/kvpool:0.0.0-e2e"),
+            "{}: image {:?}",
+            p.name,
+            c.image
+        );
+        ensure!(
+            c.command.is_none(),
+            "{}: the image's entrypoint (kvpool) runs the args",
+            p.name
+        );
+        let requests = c
+            .resources
+            .iter()
+            .flat_map(|r| {
+                r.requests
+                    .iter()
+                    .chain(r.limits.iter())
+                    .flat_map(|m| m.keys())
+            })
+            .collect::<Vec<_>>();
+        ensure!(
+            !requests.iter().any(|k| k.contains("gpu")),
+            "{}: requests a GPU: {requests:?}",
+            p.name
+        );
+        let mut argv = vec!["kvpool".to_owned()];
+        argv.extend(argv_of(c)?);
+        let cli = kvpool::cli::Cli::try_parse_from(&argv)
+            .with_context(|| format!("{}: engine args {argv:?}", p.name))?;
+        let kvpool::cli::Command::Engine(mut args) = cli.command else {
+            bail!(
+                "{}: the engine container must run `engine`, got {argv:?}",
+                p.name
+            );
+        };
+        ensure!(args.synthetic, "{}: --synthetic", p.name);
+        ensure!(
+            args.listen.port() == 8000 && args.listen.ip().is_unspecified(),
+            "{}: the engine must listen on 0.0.0.0:8000 (the Service's port), not {}",
+            p.name,
+            args.listen
+        );
+        // The operator's environment: clap reads it from the process at pod start.
+        let env: BTreeMap<&str, &str> = c
+            .env
+            .iter()
+            .flatten()
+            .filter_map(|e| Some((e.name.as_str(), e.value.as_deref()?)))
+            .collect();
+        let socket = env
+            .get("KVPOOL_AGENT_SOCKET")
+            .context("the operator passes the agent socket")?;
+        args.agent_socket = Some(PathBuf::from(socket));
+        kvpool::synthetic::cli::engine_config(&args)
+            .map_err(|e| anyhow::anyhow!("{}: engine flags: {e}", p.name))?;
+        let geometry = kvpool::synthetic::cli::kv_geometry(&args)
+            .map_err(|e| anyhow::anyhow!("{}: KV block size: {e}", p.name))?;
+        ensure!(
+            geometry.is_some(),
+            "{}: KV blocks go through the agent",
+            p.name
+        );
+    }
+    Ok(())
+}
+
+/// command + args of a container that refers to no variables and no files.
+fn argv_of(c: &Container) -> Result<Vec<String>> {
+    argv(c, &BTreeMap::new())
 }
