@@ -128,6 +128,9 @@ pub struct ApiSection {
     pub max_staging_bytes: Option<ByteSize>,
     /// Sessions unused this long are closed (`10m`).
     pub session_idle_timeout: Option<String>,
+    /// Group id that engines run with: the socket and staging files are handed to it with mode
+    /// 0660, so engines need not run as the agent's user. Unset: the agent's own group.
+    pub client_group: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -161,6 +164,8 @@ pub struct ApiConfig {
     pub shm_dir: PathBuf,
     pub limits: ApiLimits,
     pub session_idle_timeout: Duration,
+    /// Group the socket and staging files are handed to (`engine_api.client_group`).
+    pub client_group: Option<u32>,
 }
 
 /// The effective, validated configuration.
@@ -472,6 +477,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
                 max_staging_bytes,
             },
             session_idle_timeout,
+            client_group: file.engine_api.client_group,
         },
         admin_listen,
         pool,
@@ -573,6 +579,8 @@ pub fn from_pool_document(
         ));
     }
     file.engine_api.socket_dir = Some(socket_dir.to_owned());
+    // Engine pods run as the images' non-root user with this fsGroup (operator).
+    file.engine_api.client_group = Some(kvpool::crd::POOL_CLIENT_GROUP);
     if doc.master_addr.trim().is_empty() {
         return Err(invalid("masterAddr", "must not be empty"));
     }
@@ -649,6 +657,11 @@ master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
         let cfg = validate(&file).expect("validates");
         assert_eq!(cfg.dram.hugepage_size, Some(2 << 20));
         assert_eq!(cfg.api.socket_dir, PathBuf::from("/run/kvpool"));
+        assert_eq!(
+            cfg.api.client_group,
+            Some(kvpool::crd::POOL_CLIENT_GROUP),
+            "engines in the operator's fsGroup may use the socket"
+        );
         assert_eq!(cfg.pool.expect("pool mode").transport_listen.port(), 15600);
 
         let bad = POOL_DOC.replace("/run/kvpool/agent.sock", "/run/kvpool/other.sock");

@@ -263,12 +263,15 @@ async fn serve_data_plane(
     if stale > 0 {
         tracing::info!(files = stale, "removed stale staging files");
     }
-    let (listener, socket_path) = api_server::bind(&cfg.api.socket_dir).map_err(RunError::Api)?;
+    let (listener, socket_path) =
+        api_server::bind_for_group(&cfg.api.socket_dir, cfg.api.client_group)
+            .map_err(RunError::Api)?;
     let mut service = EngineService::new(
         Arc::clone(&store),
         cfg.api.shm_dir.clone(),
         cfg.api.limits.clone(),
-    );
+    )
+    .with_client_group(cfg.api.client_group);
     if let LocalOrPool::Pool(member) = &pool {
         service = service.with_pool(PoolApi::new(
             member.client.clone(),

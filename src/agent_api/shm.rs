@@ -69,8 +69,20 @@ fn map_file(file: &File, path: &Path, size: u64) -> Result<MmapRaw, ShmError> {
 }
 
 impl Staging {
-    /// Create a new staging file of `size` bytes in `dir` (agent side).
+    /// Create a new staging file of `size` bytes in `dir` (agent side), readable and writable by
+    /// its owner and group.
     pub fn create(dir: &Path, name: &str, size: u64) -> Result<Self, ShmError> {
+        Self::create_for_group(dir, name, size, None)
+    }
+
+    /// [`Staging::create`], handing the file to `group` so that engines running as another
+    /// user in that group can map it.
+    pub fn create_for_group(
+        dir: &Path,
+        name: &str,
+        size: u64,
+        group: Option<u32>,
+    ) -> Result<Self, ShmError> {
         let path = dir.join(format!("{STAGING_PREFIX}{name}"));
         let create_err = |source| ShmError::Create {
             path: path.clone(),
@@ -83,6 +95,16 @@ impl Staging {
             .mode(0o660)
             .open(&path)
             .map_err(create_err)?;
+        // The umask may have taken the group's write bit: engines write puts into the file.
+        if let Some(gid) = group
+            && let Err(e) = std::os::unix::fs::fchown(&file, None, Some(gid)).and_then(|()| {
+                use std::os::unix::fs::PermissionsExt;
+                file.set_permissions(std::fs::Permissions::from_mode(0o660))
+            })
+        {
+            let _ = std::fs::remove_file(&path);
+            return Err(create_err(e));
+        }
         if let Err(e) = file.set_len(size) {
             let _ = std::fs::remove_file(&path);
             return Err(create_err(e));

@@ -36,6 +36,11 @@ pub const GROUP: &str = "kvpool.dev";
 /// API version of the resources in this module.
 pub const VERSION: &str = "v1alpha1";
 
+/// Group id of the kvpool images' non-root user. Pods the operator runs as non-root (master,
+/// conductor, engines) get it as `fsGroup`, so the pool's auth key and the node agent's socket
+/// and staging files are readable and writable through group permissions.
+pub const POOL_CLIENT_GROUP: u32 = 65532;
+
 /// Failures of this module.
 #[derive(Debug, thiserror::Error)]
 pub enum CrdError {

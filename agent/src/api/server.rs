@@ -82,6 +82,8 @@ pub struct EngineService {
     limits: ApiLimits,
     /// Pool mode: blocks go to and come from the pool, not the local store.
     pool: Option<Arc<PoolApi>>,
+    /// Group staging files are handed to (`engine_api.client_group`).
+    client_group: Option<u32>,
 }
 
 impl std::fmt::Debug for EngineService {
@@ -105,7 +107,15 @@ impl EngineService {
             shm_dir,
             limits,
             pool: None,
+            client_group: None,
         }
+    }
+
+    /// Hand staging files to `group` (mode 0660) so engines in that group can map them.
+    #[must_use]
+    pub fn with_client_group(mut self, group: Option<u32>) -> Self {
+        self.client_group = group;
+        self
     }
 
     /// Serve blocks from the pool instead of the local store (pool mode).
@@ -209,7 +219,8 @@ impl EngineApi for EngineService {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}-{id}", std::process::id());
         let staging =
-            Staging::create(&self.shm_dir, &name, req.staging_bytes).map_err(|e: ShmError| {
+            Staging::create_for_group(&self.shm_dir, &name, req.staging_bytes, self.client_group)
+                .map_err(|e: ShmError| {
                 self.store
                     .metrics()
                     .errors
@@ -422,6 +433,15 @@ fn source_text(e: &dyn std::error::Error) -> String {
 
 /// Create the socket directory and bind the socket, replacing a stale socket file.
 pub fn bind(socket_dir: &Path) -> Result<(UnixListener, PathBuf), ServerError> {
+    bind_for_group(socket_dir, None)
+}
+
+/// [`bind`], then hand the socket to `group` with mode 0660: connecting to a Unix socket needs
+/// write permission on it, so engines running as another user in that group can connect.
+pub fn bind_for_group(
+    socket_dir: &Path,
+    group: Option<u32>,
+) -> Result<(UnixListener, PathBuf), ServerError> {
     std::fs::create_dir_all(socket_dir).map_err(|source| ServerError::SocketDir {
         path: socket_dir.to_owned(),
         source,
@@ -439,6 +459,15 @@ pub fn bind(socket_dir: &Path) -> Result<(UnixListener, PathBuf), ServerError> {
         path: path.clone(),
         source,
     })?;
+    if let Some(gid) = group {
+        use std::os::unix::fs::PermissionsExt;
+        std::os::unix::fs::chown(&path, None, Some(gid))
+            .and_then(|()| std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660)))
+            .map_err(|source| ServerError::Bind {
+                path: path.clone(),
+                source,
+            })?;
+    }
     Ok((listener, path))
 }
 

@@ -436,7 +436,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
 }
 
 /// Group that may read the mounted auth key (the kvpool images' non-root user and group).
-pub const KEY_READER_GROUP: i64 = 65532;
+pub const KEY_READER_GROUP: i64 = kvpool::crd::POOL_CLIENT_GROUP as i64;
 
 /// Pod security context of the master and conductor: the `kvpool` image's non-root user, and
 /// `fsGroup` so the auth key is readable.
