@@ -92,6 +92,7 @@ async fn cluster_with(
         },
         engine_cache_blocks: 1000,
         tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
+        pool: None,
     };
     let registry = Registry::new();
     let router = kvpool::conductor::server::router(config, &registry).expect("router");

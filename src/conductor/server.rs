@@ -26,10 +26,17 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::tokenize::TokenizeError;
-use super::{ConductorConfig, Engines, ReplicationTask, State, StateError, Ticket};
+use super::{ConductorConfig, Engines, PoolLookup, ReplicationTask, State, StateError, Ticket};
 use crate::admin::Readiness;
-use crate::sched::{RejectReason, block_keys};
+use crate::sched::{BlockKey, RejectReason, block_keys, pool_key};
 use crate::synthetic::api::{self, ApiError, Endpoint};
+
+/// Response header: prompt blocks the chosen prefill engine was expected to hold locally.
+pub const LOCAL_BLOCKS_HEADER: &str = "x-kvpool-local-blocks";
+/// Response header: prompt blocks it was expected to fetch from the pool.
+pub const POOL_BLOCKS_HEADER: &str = "x-kvpool-pool-blocks";
+/// Response header: the estimated time to first token of the placement, milliseconds.
+pub const TTFT_HEADER: &str = "x-kvpool-ttft-estimate-ms";
 
 /// Largest upstream prefill response read, bytes.
 const MAX_PREFILL_RESPONSE: usize = 1 << 20;
@@ -130,6 +137,7 @@ struct Shared {
     replication_tasks: IntCounter,
     replication_blocks: IntCounterVec,
     engines: IntGaugeVec,
+    pool_lookups: IntCounterVec,
 }
 
 impl Shared {
@@ -345,6 +353,37 @@ fn report_replication(shared: &Shared, task: &ReplicationTask, prefill: &[String
     );
 }
 
+/// How many leading blocks of `keys` the pool holds, by one `longest_prefix` call to the
+/// master under `pool.timeout`. A failed or slow call is counted and answers 0: the request is
+/// then placed on the engines' local caches alone.
+async fn pool_prefix(shared: &Shared, pool: &PoolLookup, keys: &[BlockKey]) -> usize {
+    if keys.is_empty() {
+        return 0;
+    }
+    let names: Vec<Vec<u8>> = keys
+        .iter()
+        .map(|&k| pool_key(&shared.config.model, k))
+        .collect();
+    let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
+    let (outcome, blocks) =
+        match tokio::time::timeout(pool.timeout, pool.client.longest_prefix(&refs)).await {
+            Ok(Ok(0)) => ("miss", 0),
+            Ok(Ok(n)) => ("hit", n.min(keys.len())),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, source = ?std::error::Error::source(&e),
+                    "pool lookup failed; placing on local caches only");
+                ("error", 0)
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?pool.timeout,
+                    "pool lookup timed out; placing on local caches only");
+                ("timeout", 0)
+            }
+        };
+    shared.pool_lookups.with_label_values(&[outcome]).inc();
+    blocks
+}
+
 async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
     // Without engines nothing can be served, whatever the request says.
     if shared.members.lock().state.is_none() {
@@ -374,6 +413,11 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             return (status, Json(error_body(format!("{e}"), kind, "prompt"))).into_response();
         }
     };
+    let keys = block_keys(&tokens, shared.config.scheduler.block_size);
+    let in_pool = match &shared.config.pool {
+        Some(pool) => pool_prefix(&shared, pool, &keys).await,
+        None => 0,
+    };
     let placed = {
         let mut members = shared.members.lock();
         let epoch = members.epoch;
@@ -382,9 +426,9 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             drop(members);
             return no_engines(&shared.requests);
         };
-        let keys = block_keys(&tokens, state.block_size());
         let now = shared.now_s();
-        let placed = state.place(now, &keys, tokens.len() as u64, req.max_tokens);
+        let placed =
+            state.place_with_pool(now, &keys, in_pool, tokens.len() as u64, req.max_tokens);
         if let Some(task) = state.take_replication() {
             report_replication(&shared, &task, &engines.prefill);
         }
@@ -487,6 +531,17 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             out.headers_mut().insert(name, v.clone());
         }
     }
+    // What the placement assumed, for clients and tests (docs/engine-contract.md).
+    let t = &placed.ticket;
+    for (name, value) in [
+        (LOCAL_BLOCKS_HEADER, t.local_blocks.to_string()),
+        (POOL_BLOCKS_HEADER, t.pool_blocks.to_string()),
+        (TTFT_HEADER, format!("{:.3}", t.ttft_s * 1e3)),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            out.headers_mut().insert(name, v);
+        }
+    }
     out
 }
 
@@ -533,6 +588,15 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         &["target"],
     )
     .map_err(ServerError::Metrics)?;
+    let pool_lookups = IntCounterVec::new(
+        Opts::new(
+            "kvpool_conductor_pool_lookups_total",
+            "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
+             timeout; error and timeout place the request on local caches only)",
+        ),
+        &["outcome"],
+    )
+    .map_err(ServerError::Metrics)?;
     let engines = IntGaugeVec::new(
         Opts::new(
             "kvpool_conductor_engines",
@@ -547,6 +611,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         Box::new(replication_tasks.clone()),
         Box::new(replication_blocks.clone()),
         Box::new(engines.clone()),
+        Box::new(pool_lookups.clone()),
     ] {
         registry.register(c).map_err(ServerError::Metrics)?;
     }
@@ -554,6 +619,11 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     // before the first request instead of an absent one.
     for outcome in ["ok", "rejected"] {
         requests.with_label_values(&[outcome]);
+    }
+    if config.pool.is_some() {
+        for outcome in ["hit", "miss", "error", "timeout"] {
+            pool_lookups.with_label_values(&[outcome]);
+        }
     }
     let initial = config.engines();
     engines
@@ -581,6 +651,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         replication_tasks,
         replication_blocks,
         engines,
+        pool_lookups,
     });
     let router = Router::new()
         .route(
