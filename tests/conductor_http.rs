@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
-use kvpool::conductor::ConductorConfig;
+use kvpool::conductor::{ConductorConfig, PoolLookup};
 use kvpool::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
 use kvpool::synthetic::EngineConfig;
 use prometheus::Registry;
@@ -62,6 +62,16 @@ async fn cluster_with(
     decode: Option<String>,
     hot_threshold: u32,
 ) -> Cluster {
+    cluster_full(rejection, ttft_slo_s, decode, hot_threshold, None).await
+}
+
+async fn cluster_full(
+    rejection: Rejection,
+    ttft_slo_s: f64,
+    decode: Option<String>,
+    hot_threshold: u32,
+    pool: Option<PoolLookup>,
+) -> Cluster {
     let shutdown = CancellationToken::new();
     let (p0, r0) = engine(&shutdown).await;
     let (p1, r1) = engine(&shutdown).await;
@@ -92,7 +102,7 @@ async fn cluster_with(
         },
         engine_cache_blocks: 1000,
         tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
-        pool: None,
+        pool,
     };
     let registry = Registry::new();
     let router = kvpool::conductor::server::router(config, &registry).expect("router");
@@ -376,4 +386,213 @@ async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
     );
     let (status, _, _) = post(api, "/v1/chat/completions", "{}").await;
     assert_eq!(status, 503);
+}
+
+fn labelled(registry: &Registry, name: &str, label: &str, value: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().iter())
+        .filter(|m| {
+            m.get_label()
+                .iter()
+                .any(|l| l.name() == label && l.value() == value)
+        })
+        .map(|m| m.get_counter().get_value())
+        .sum()
+}
+
+/// The value of response header `name` (lower case) in `head`.
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+const POOL_KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
+
+/// A master in this process, with one DRAM segment mounted; returns it, a client and a lookup.
+async fn master(
+    dir: &std::path::Path,
+) -> (
+    kvpool::master::cmd::RunningMaster,
+    kvpool::master::client::MasterClient,
+    CancellationToken,
+) {
+    use kvpool::master::cmd::{MasterArgs, start};
+    use std::time::Duration;
+    let key_file = dir.join("key");
+    std::fs::write(&key_file, POOL_KEY).expect("key");
+    let args = MasterArgs {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        admin_addr: "127.0.0.1:0".parse().expect("addr"),
+        auth_key_file: key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(600),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: kvpool::master::PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 4,
+    };
+    let shutdown = CancellationToken::new();
+    let m = start(args.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("start master");
+    let client = kvpool::master::client::MasterClient::new(
+        vec![m.grpc_addr.to_string()],
+        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool::master::client::ClientConfig::default(),
+    )
+    .expect("client");
+    client
+        .mount_segment(&kvpool::master::SegmentSpec {
+            node: "a".into(),
+            name: "dram0".into(),
+            tier: kvpool::master::Tier::Dram,
+            capacity_bytes: 64 << 20,
+            numa_node: 0,
+            failure_domain: String::new(),
+            endpoints: vec!["tcp://a:7000".into()],
+        })
+        .await
+        .expect("mount");
+    (m, client, shutdown)
+}
+
+/// Commits `keys` in the pool under the engines' naming (metadata only: nobody reads them).
+async fn put_in_pool(client: &kvpool::master::client::MasterClient, keys: &[u64]) {
+    let names: Vec<Vec<u8>> = keys
+        .iter()
+        .map(|&k| kvpool::sched::pool_key(MODEL, k))
+        .collect();
+    let items: Vec<(&[u8], u64)> = names.iter().map(|n| (n.as_slice(), 4096)).collect();
+    let started = client
+        .put_start_batch(&items, &kvpool::master::PutOptions::default())
+        .await
+        .expect("put_start");
+    let mut ends = Vec::new();
+    for (n, r) in names.iter().zip(started) {
+        match r.expect("allocated") {
+            kvpool::master::PutStarted::Allocated { put_id, .. } => {
+                ends.push((n.as_slice(), put_id))
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let done = client.put_end_batch(&ends).await.expect("put_end");
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+}
+
+/// The conductor's own client of `master`, set up as `kvpool conductor --master` sets it up
+/// (no waiting for a failover), with a timeout generous for a loaded box.
+fn lookup(master: &kvpool::master::cmd::RunningMaster) -> PoolLookup {
+    let timeout = std::time::Duration::from_secs(5);
+    let client = kvpool::master::client::MasterClient::new(
+        vec![master.grpc_addr.to_string()],
+        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool::master::client::ClientConfig {
+            connect_timeout: timeout,
+            request_timeout: timeout,
+            failover_budget: std::time::Duration::ZERO,
+        },
+    )
+    .expect("client");
+    PoolLookup { client, timeout }
+}
+
+#[tokio::test]
+async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (master, client, master_down) = master(dir.path()).await;
+    // 400 bytes = 100 stand-in tokens = 6 full blocks of 16 plus a partial one. The 6 full
+    // blocks are in the pool (as an engine that prefilled this prompt earlier left them); no
+    // engine behind this fresh conductor holds anything.
+    let pooled = "p".repeat(400);
+    let tokens = kvpool::sched::text_tokens(&pooled, 4);
+    let keys = kvpool::sched::block_keys(&tokens, NonZeroU32::new(BLOCK).expect("nonzero"));
+    assert_eq!(keys.len(), 7);
+    put_in_pool(&client, &keys[..6]).await;
+    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(lookup(&master))).await;
+
+    let ask = |prompt: &str| format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":2}}"#);
+    let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&pooled)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("6"), "{head}");
+    assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("0"), "{head}");
+    let ttft = |head: &str| -> f64 {
+        header(head, "x-kvpool-ttft-estimate-ms")
+            .expect("ttft header")
+            .parse()
+            .expect("ttft number")
+    };
+    let pooled_ttft = ttft(&head);
+    let m = &c.conductor_metrics;
+    let lookups = "kvpool_conductor_pool_lookups_total";
+    assert_eq!(labelled(m, lookups, "outcome", "hit"), 1.0);
+
+    // A prompt of the same length that the pool lacks: a miss, prefilled in full, so its
+    // estimate is higher than the one that fetched 96 of its 100 tokens' KV.
+    let fresh = "f".repeat(400);
+    let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&fresh)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    assert_eq!(labelled(m, lookups, "outcome", "miss"), 1.0);
+    let fresh_ttft = ttft(&head);
+    assert!(
+        pooled_ttft < fresh_ttft,
+        "pool hits must lower the estimate: {pooled_ttft} ms vs {fresh_ttft} ms"
+    );
+
+    // The master goes away: requests still succeed, placed on local knowledge, and the
+    // failures are counted. The pooled prompt is now local on the engine that served it.
+    master_down.cancel();
+    master.join().await.expect("master stopped");
+    let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&pooled)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("7"), "{head}");
+    assert_eq!(
+        labelled(m, lookups, "outcome", "error") + labelled(m, lookups, "outcome", "timeout"),
+        1.0
+    );
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_master_that_never_answers_does_not_fail_requests() {
+    // Accepts connections (the kernel's backlog) but never speaks: the lookup times out.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr");
+    let client = kvpool::master::client::MasterClient::new(
+        vec![addr.to_string()],
+        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool::master::client::ClientConfig::default(),
+    )
+    .expect("client");
+    let pool = PoolLookup {
+        client,
+        timeout: std::time::Duration::from_millis(200),
+    };
+    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(pool)).await;
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);
+    let (status, head, text) = post(c.conductor, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    let m = &c.conductor_metrics;
+    let lookups = "kvpool_conductor_pool_lookups_total";
+    assert_eq!(labelled(m, lookups, "outcome", "timeout"), 1.0);
+    assert_eq!(labelled(m, lookups, "outcome", "hit"), 0.0);
+    drop(silent);
+    c.shutdown.cancel();
 }
