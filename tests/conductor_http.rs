@@ -1,4 +1,7 @@
-//! The conductor in front of real synthetic engines, all on loopback sockets.
+//! The conductor in front of real synthetic engines, all on loopback sockets; with a real
+//! in-process master for the pool lookups and a real `kvpool-agent` process for prefetches.
+
+mod up_support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -24,6 +27,17 @@ async fn listen() -> (tokio::net::TcpListener, SocketAddr) {
 
 /// A synthetic engine; returns its address and metrics registry.
 async fn engine(shutdown: &CancellationToken) -> (SocketAddr, Registry) {
+    engine_with(shutdown, None).await
+}
+
+/// KV bytes per token of the engines that have a node agent (small: the agent's DRAM is 16 MiB).
+const KV_BYTES_PER_TOKEN: u64 = 64;
+
+/// A synthetic engine, reading and writing KV blocks through the agent at `agent` when given.
+async fn engine_with(
+    shutdown: &CancellationToken,
+    agent: Option<&std::path::Path>,
+) -> (SocketAddr, Registry) {
     let config = EngineConfig {
         model: MODEL.into(),
         prefill_cost: PrefillCost::default(),
@@ -33,8 +47,24 @@ async fn engine(shutdown: &CancellationToken) -> (SocketAddr, Registry) {
         chunk_bytes: 4,
         time_scale: 0.001,
     };
+    let kv = match agent {
+        Some(socket) => Some(
+            kvpool::synthetic::agent::AgentKv::connect(
+                socket,
+                kvpool::synthetic::kv::KvGeometry {
+                    bytes_per_token: KV_BYTES_PER_TOKEN,
+                    block_tokens: BLOCK,
+                },
+                MODEL,
+            )
+            .await
+            .expect("engine-API session"),
+        ),
+        None => None,
+    };
     let registry = Registry::new();
-    let router = kvpool::synthetic::server::router(config, &registry).expect("router");
+    let router =
+        kvpool::synthetic::server::router_with_agent(config, kv, &registry).expect("router");
     let (l, a) = listen().await;
     tokio::spawn(kvpool::synthetic::server::serve(
         l,
@@ -62,7 +92,7 @@ async fn cluster_with(
     decode: Option<String>,
     hot_threshold: u32,
 ) -> Cluster {
-    cluster_full(rejection, ttft_slo_s, decode, hot_threshold, None).await
+    cluster_full(rejection, ttft_slo_s, decode, hot_threshold, None, None).await
 }
 
 async fn cluster_full(
@@ -71,10 +101,11 @@ async fn cluster_full(
     decode: Option<String>,
     hot_threshold: u32,
     pool: Option<PoolLookup>,
+    agent: Option<&std::path::Path>,
 ) -> Cluster {
     let shutdown = CancellationToken::new();
-    let (p0, r0) = engine(&shutdown).await;
-    let (p1, r1) = engine(&shutdown).await;
+    let (p0, r0) = engine_with(&shutdown, agent).await;
+    let (p1, r1) = engine_with(&shutdown, agent).await;
     let (d0, rd) = engine(&shutdown).await;
     let config = ConductorConfig {
         model: MODEL.into(),
@@ -195,8 +226,19 @@ async fn routes_prefill_then_decode_and_keeps_prefix_affinity() {
     c.shutdown.cancel();
 }
 
+/// Polls `done` (bounded: only a hang reaches the end on a loaded box).
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..1200 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("never happened: {what}");
+}
+
 #[tokio::test]
-async fn hot_prefix_is_reported_as_a_replication_task() {
+async fn hot_prefix_prefetch_to_an_engine_without_an_agent_gets_404_and_stops() {
     let c = cluster_with(Rejection::None, 30.0, None, 2).await;
     let system = "s".repeat(400);
     let ask = format!(r#"{{"model":"{MODEL}","prompt":"{system}","max_tokens":2}}"#);
@@ -221,6 +263,33 @@ async fn hot_prefix_is_reported_as_a_replication_task() {
         ),
         7.0
     );
+    // The engines here have no node agent: the target answers the prefetch with 404.
+    let prefetches = "kvpool_conductor_prefetches_total";
+    let m = &c.conductor_metrics;
+    eventually("the prefetch answered 404", || {
+        labelled(m, prefetches, "outcome", "unsupported") == 1.0
+    })
+    .await;
+    let asked = |c: &Cluster| -> f64 {
+        c.prefill
+            .iter()
+            .map(|r| counter(r, "kvpool_engine_prefetch_requests_total"))
+            .sum()
+    };
+    assert_eq!(asked(&c), 1.0);
+    // Two more requests bring the hits to 4: another task for the same engine, which the
+    // conductor no longer sends.
+    for _ in 0..2 {
+        let (status, _, body) = post(c.conductor, "/v1/completions", &ask).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(tasks(&c), 2.0);
+    assert_eq!(
+        labelled(m, prefetches, "outcome", "skipped_unsupported"),
+        1.0
+    );
+    assert_eq!(asked(&c), 1.0, "a 404 engine is not asked again");
+    assert_eq!(labelled(m, prefetches, "outcome", "ok"), 0.0);
     c.shutdown.cancel();
 }
 
@@ -523,7 +592,7 @@ async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
     let keys = kvpool::sched::block_keys(&tokens, NonZeroU32::new(BLOCK).expect("nonzero"));
     assert_eq!(keys.len(), 7);
     put_in_pool(&client, &keys[..6]).await;
-    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(lookup(&master))).await;
+    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(lookup(&master)), None).await;
 
     let ask = |prompt: &str| format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":2}}"#);
     let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&pooled)).await;
@@ -584,7 +653,7 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
         client,
         timeout: std::time::Duration::from_millis(200),
     };
-    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(pool)).await;
+    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(pool), None).await;
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);
     let (status, head, text) = post(c.conductor, "/v1/completions", &body).await;
     assert_eq!(status, 200, "{text}");
@@ -594,5 +663,59 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
     assert_eq!(labelled(m, lookups, "outcome", "timeout"), 1.0);
     assert_eq!(labelled(m, lookups, "outcome", "hit"), 0.0);
     drop(silent);
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn hot_prefix_is_prefetched_from_the_pool_by_the_target_engine() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let c = cluster_full(Rejection::None, 30.0, None, 2, None, Some(&socket)).await;
+    // 100 stand-in tokens: 6 full blocks (written to the pool by the engine that prefills them
+    // first) and a partial one (never written).
+    let system = "h".repeat(400);
+    let ask = format!(r#"{{"model":"{MODEL}","prompt":"{system}","max_tokens":2}}"#);
+    for _ in 0..3 {
+        let (status, _, body) = post(c.conductor, "/v1/completions", &ask).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let written: Vec<f64> = c
+        .prefill
+        .iter()
+        .map(|r| counter(r, "kvpool_engine_kv_blocks_written_total"))
+        .collect();
+    let first = written
+        .iter()
+        .position(|&w| w == 6.0)
+        .expect("one engine wrote the 6 full blocks");
+    let other = &c.prefill[1 - first];
+    // The third request made the prefix hot: the other engine is asked to prefetch it, reads
+    // the 6 full blocks from the pool through the agent and verifies them.
+    let m = &c.conductor_metrics;
+    eventually("the prefetch succeeded", || {
+        labelled(m, "kvpool_conductor_prefetches_total", "outcome", "ok") == 1.0
+    })
+    .await;
+    assert_eq!(
+        labelled(
+            other,
+            "kvpool_engine_prefetch_requests_total",
+            "outcome",
+            "ok"
+        ),
+        1.0
+    );
+    assert_eq!(counter(other, "kvpool_engine_kv_block_hits_total"), 6.0);
+    assert_eq!(
+        counter(other, "kvpool_engine_kv_read_bytes_total"),
+        (6 * BLOCK as u64 * KV_BYTES_PER_TOKEN) as f64
+    );
+    assert_eq!(
+        counter(other, "kvpool_engine_kv_verify_failures_total"),
+        0.0
+    );
+    // It served no request, yet its cache now holds the prefix: a request for it there would
+    // hit 96 tokens. The conductor's mirror knows too (see State::adopted's unit test).
+    assert_eq!(counter(other, "kvpool_engine_prompt_tokens_total"), 0.0);
     c.shutdown.cancel();
 }

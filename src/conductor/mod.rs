@@ -152,9 +152,9 @@ pub struct State {
     replication: Option<ReplicationTask>,
 }
 
-/// A hot prefix to copy into more prefill engines' caches. The conductor only decides and
-/// reports these (metrics and logs) until the master can execute them, so its cache mirror does
-/// not assume the copies exist.
+/// A hot prefix to copy into more prefill engines' caches. The server executes it by asking each
+/// target engine to prefetch the blocks from the pool; the cache mirror assumes the copy only
+/// once an engine reports it done ([`State::adopted`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicationTask {
     /// Keys of the prefix blocks to copy, first block first.
@@ -268,16 +268,7 @@ impl State {
         let work = p.ttft.fetch_s + p.ttft.prefill_s;
         let load = &mut self.prefill[p.prefill];
         load.free_at_s = load.free_at_s.max(now_s) + work;
-        if let Some(cache) = self.caches.get_mut(p.prefill) {
-            for &k in keys.iter().rev() {
-                if let Inserted::Added { evicted } = cache.insert(k) {
-                    self.index.add_local(k, p.prefill);
-                    if let Some(e) = evicted {
-                        self.index.remove_local(e, p.prefill);
-                    }
-                }
-            }
-        }
+        self.cache_blocks(p.prefill, keys);
         let request = self.next_request;
         self.next_request += 1;
         if let Some(q) = self.booked.get_mut(p.prefill) {
@@ -297,6 +288,28 @@ impl State {
             local_blocks: p.prefix.local_blocks,
             pool_blocks: p.prefix.pool_blocks(),
         })
+    }
+
+    /// Prefill instance `instance` now holds `keys` (a prompt's leading blocks, first first) in
+    /// its cache: the mirror and the prefix index follow, the first block most recently used.
+    fn cache_blocks(&mut self, instance: usize, keys: &[BlockKey]) {
+        if let Some(cache) = self.caches.get_mut(instance) {
+            for &k in keys.iter().rev() {
+                if let Inserted::Added { evicted } = cache.insert(k) {
+                    self.index.add_local(k, instance);
+                    if let Some(e) = evicted {
+                        self.index.remove_local(e, instance);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A prefetch (replication) into prefill instance `instance` succeeded: it loaded `keys`
+    /// from the pool, so later placements count them as local there. Unknown instances are
+    /// ignored.
+    pub fn adopted(&mut self, instance: usize, keys: &[BlockKey]) {
+        self.cache_blocks(instance, keys);
     }
 
     /// The replication planned by the last accepted `place`, if any (taken once).
@@ -517,9 +530,15 @@ mod tests {
                 targets: vec![1],
             })
         );
-        // Taken once; the mirror does not pretend instance 1 got the copy.
+        // Taken once; the mirror does not pretend instance 1 got the copy...
         assert_eq!(st.take_replication(), None);
         assert!(!st.index.holders(1).contains(1));
+        // ...until the engine reports that it loaded the first two blocks.
+        st.adopted(1, &[1, 2]);
+        assert!(st.index.holders(1).contains(1));
+        assert!(st.index.holders(2).contains(1));
+        assert!(!st.index.holders(3).contains(1));
+        st.adopted(99, &[1]);
         // A rejected or unrelated request plans nothing.
         st.place(0.0, &[9], 10, 5).unwrap();
         assert_eq!(st.take_replication(), None);

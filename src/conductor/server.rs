@@ -38,6 +38,11 @@ pub const POOL_BLOCKS_HEADER: &str = "x-kvpool-pool-blocks";
 /// Response header: the estimated time to first token of the placement, milliseconds.
 pub const TTFT_HEADER: &str = "x-kvpool-ttft-estimate-ms";
 
+/// Prefetch requests (hot-prefix copies) in flight at most; more tasks are dropped and counted.
+pub const MAX_PREFETCHES_IN_FLIGHT: usize = 8;
+/// Longest wait for an engine to finish one prefetch.
+const PREFETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Largest upstream prefill response read, bytes.
 const MAX_PREFILL_RESPONSE: usize = 1 << 20;
 
@@ -138,6 +143,11 @@ struct Shared {
     replication_blocks: IntCounterVec,
     engines: IntGaugeVec,
     pool_lookups: IntCounterVec,
+    prefetches: IntCounterVec,
+    /// Bounds the prefetch requests in flight; a task finding none free is dropped.
+    prefetch_slots: Arc<tokio::sync::Semaphore>,
+    /// Prefill engines that answered a prefetch with 404: not asked again.
+    no_prefetch: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Shared {
@@ -328,29 +338,110 @@ fn upstream_failed(shared: &Shared, err: &UpstreamError) -> Response {
         .into_response()
 }
 
-/// Counts and logs a replication task; the master does not execute them yet. `prefill` is the
-/// engine set the task's target indices refer to.
-fn report_replication(shared: &Shared, task: &ReplicationTask, prefill: &[String]) {
+/// Counts, logs and executes a replication task: each target engine is asked to prefetch the
+/// blocks from the pool ([`prefetch`]). `prefill` is the engine set the task's target indices
+/// refer to.
+fn replicate(shared: &Arc<Shared>, task: &ReplicationTask, prefill: &[String]) {
     shared.replication_tasks.inc();
-    for &t in &task.targets {
-        let url = prefill.get(t).map_or("unknown", String::as_str);
-        shared
-            .replication_blocks
-            .with_label_values(&[url])
-            .inc_by(task.keys.len() as u64);
-    }
-    let targets: Vec<&str> = task
+    let targets: Vec<&String> = task
         .targets
         .iter()
-        .filter_map(|&t| prefill.get(t).map(String::as_str))
+        .filter_map(|&t| prefill.get(t))
         .collect();
+    for url in &targets {
+        shared
+            .replication_blocks
+            .with_label_values(&[url.as_str()])
+            .inc_by(task.keys.len() as u64);
+    }
     tracing::info!(
         blocks = task.keys.len(),
         first_key = task.keys.first().copied().unwrap_or(0),
         last_key = task.keys.last().copied().unwrap_or(0),
         ?targets,
-        "hot prefix: replication task planned (not executed until the master supports it)"
+        "hot prefix: asking engines to prefetch it from the pool"
     );
+    for url in targets {
+        prefetch(shared, url.clone(), task.keys.clone());
+    }
+}
+
+/// Fire and forget: asks prefill engine `url` to load `keys` from the pool, within the bound on
+/// prefetches in flight. When it reports N leading blocks loaded, the cache mirror of that
+/// engine (found again by URL) gets them. A 404 means the engine cannot prefetch: it is not
+/// asked again. Every attempt is counted by outcome.
+fn prefetch(shared: &Arc<Shared>, url: String, keys: Vec<BlockKey>) {
+    let count = |outcome: &str| shared.prefetches.with_label_values(&[outcome]).inc();
+    if shared.no_prefetch.lock().contains(&url) {
+        count("skipped_unsupported");
+        return;
+    }
+    let Ok(permit) = shared.prefetch_slots.clone().try_acquire_owned() else {
+        count("busy");
+        return;
+    };
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        let target = format!("{}{}", url.trim_end_matches('/'), api::PREFETCH_PATH);
+        let body = api::prefetch_body(&keys);
+        let outcome = match tokio::time::timeout(PREFETCH_TIMEOUT, async {
+            let resp = shared.post(target.clone(), &body).await?;
+            let status = resp.status();
+            let bytes = axum::body::to_bytes(resp.into_body(), MAX_PREFILL_RESPONSE)
+                .await
+                .map_err(|source| UpstreamError::Read {
+                    url: target.clone(),
+                    source,
+                })?;
+            Ok::<_, UpstreamError>((status, bytes))
+        })
+        .await
+        {
+            Err(_) => {
+                tracing::warn!(%url, "prefetch timed out");
+                "timeout"
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(%url, error = %e, source = ?std::error::Error::source(&e),
+                    "prefetch failed");
+                "error"
+            }
+            Ok(Ok((StatusCode::NOT_FOUND, _))) => {
+                tracing::info!(%url, "engine does not support prefetch; not asking it again");
+                shared.no_prefetch.lock().insert(url.clone());
+                "unsupported"
+            }
+            Ok(Ok((status, bytes))) if status.is_success() => {
+                let loaded = serde_json::from_slice::<Value>(&bytes)
+                    .ok()
+                    .and_then(|v| v.get("loaded").and_then(Value::as_u64))
+                    .map(|n| usize::try_from(n).unwrap_or(usize::MAX).min(keys.len()));
+                match loaded {
+                    Some(n) => {
+                        let mut m = shared.members.lock();
+                        let Members { engines, state, .. } = &mut *m;
+                        if let (Some(i), Some(state)) = (
+                            engines.prefill.iter().position(|u| *u == url),
+                            state.as_mut(),
+                        ) {
+                            state.adopted(i, keys.get(..n).unwrap_or(&keys));
+                        }
+                        "ok"
+                    }
+                    None => {
+                        tracing::warn!(%url, "prefetch answer lacks a numeric `loaded`");
+                        "error"
+                    }
+                }
+            }
+            Ok(Ok((status, _))) => {
+                tracing::warn!(%url, %status, "prefetch refused");
+                "error"
+            }
+        };
+        shared.prefetches.with_label_values(&[outcome]).inc();
+    });
 }
 
 /// How many leading blocks of `keys` the pool holds, by one `longest_prefix` call to the
@@ -430,7 +521,7 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
         let placed =
             state.place_with_pool(now, &keys, in_pool, tokens.len() as u64, req.max_tokens);
         if let Some(task) = state.take_replication() {
-            report_replication(&shared, &task, &engines.prefill);
+            replicate(&shared, &task, &engines.prefill);
         }
         match placed {
             Ok(ticket) => match (
@@ -577,13 +668,13 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     .map_err(ServerError::Metrics)?;
     let replication_tasks = IntCounter::new(
         "kvpool_conductor_replication_tasks_total",
-        "Hot-prefix replication tasks planned (reported only: nothing executes them yet)",
+        "Hot-prefix replication tasks planned (each sends prefetch requests to its targets)",
     )
     .map_err(ServerError::Metrics)?;
     let replication_blocks = IntCounterVec::new(
         Opts::new(
             "kvpool_conductor_replication_blocks_total",
-            "Blocks that hot-prefix replication tasks would copy, by target prefill engine URL",
+            "Blocks that hot-prefix replication tasks ask to copy, by target prefill engine URL",
         ),
         &["target"],
     )
@@ -593,6 +684,15 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             "kvpool_conductor_pool_lookups_total",
             "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
              timeout; error and timeout place the request on local caches only)",
+        ),
+        &["outcome"],
+    )
+    .map_err(ServerError::Metrics)?;
+    let prefetches = IntCounterVec::new(
+        Opts::new(
+            "kvpool_conductor_prefetches_total",
+            "Prefetch requests of hot-prefix replication by outcome (ok, unsupported, error, \
+             timeout; busy and skipped_unsupported were not sent)",
         ),
         &["outcome"],
     )
@@ -612,6 +712,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         Box::new(replication_blocks.clone()),
         Box::new(engines.clone()),
         Box::new(pool_lookups.clone()),
+        Box::new(prefetches.clone()),
     ] {
         registry.register(c).map_err(ServerError::Metrics)?;
     }
@@ -652,6 +753,9 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         replication_blocks,
         engines,
         pool_lookups,
+        prefetches,
+        prefetch_slots: Arc::new(tokio::sync::Semaphore::new(MAX_PREFETCHES_IN_FLIGHT)),
+        no_prefetch: Default::default(),
     });
     let router = Router::new()
         .route(
