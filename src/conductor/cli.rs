@@ -96,11 +96,11 @@ pub struct ConductorArgs {
     /// tokens); without it, prompts are cut into --chunk-bytes stand-in tokens.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<std::path::PathBuf>,
-    /// Plan copying a hot prefix to more prefill engines every this many hits on one of its
-    /// blocks (0: off). Plans are counted and logged; nothing copies them yet.
+    /// Copy a hot prefix to more prefill engines every this many hits on one of its blocks
+    /// (0: off): the target engines are asked to prefetch it from the pool.
     #[arg(long, default_value_t = 32)]
     pub hot_threshold: u32,
-    /// Prefill engines a hot prefix is planned for each time.
+    /// Prefill engines a hot prefix is copied to each time.
     #[arg(long, default_value_t = 2)]
     pub hot_fanout: usize,
     /// KV bytes per token.
@@ -551,5 +551,70 @@ mod tests {
         let c = conductor_config(&T::try_parse_from(&args).unwrap().a).unwrap();
         assert_eq!(c.tokenizer.kind(), "huggingface");
         assert_eq!(c.tokenizer.tokens("hi there hi").unwrap(), vec![1, 0, 1]);
+    }
+
+    #[test]
+    fn master_flags_need_a_readable_key_and_a_positive_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, b"kvpool-test-pool-key-0123456789").unwrap();
+        let key = key.to_str().unwrap().to_owned();
+        let base = ["t", "--prefill", "http://a", "--decode", "http://b"];
+        let with = |extra: &[&str]| {
+            let mut argv: Vec<&str> = base.to_vec();
+            argv.extend_from_slice(extra);
+            conductor_config(&T::try_parse_from(argv).unwrap().a)
+        };
+        let c = with(&[
+            "--master",
+            "127.0.0.1:1,127.0.0.1:2",
+            "--auth-key-file",
+            &key,
+        ])
+        .unwrap();
+        let pool = c.pool.expect("a pool lookup");
+        assert_eq!(pool.timeout, std::time::Duration::from_millis(100));
+        let c = with(&[
+            "--master",
+            "127.0.0.1:1",
+            "--auth-key-file",
+            &key,
+            "--pool-lookup-timeout",
+            "250ms",
+            "--pool-bandwidth-gbps",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.pool.map(|p| p.timeout),
+            Some(std::time::Duration::from_millis(250))
+        );
+        assert!((c.scheduler.pool_bandwidth_bps - 10e9).abs() < 1.0);
+        let name = |extra: &[&str]| match with(extra) {
+            Err(ConductorError::Flag { flag, .. }) => flag,
+            other => panic!("{extra:?}: {other:?}"),
+        };
+        assert_eq!(name(&["--master", "127.0.0.1:1"]), "auth-key-file");
+        assert_eq!(
+            name(&[
+                "--master",
+                "127.0.0.1:1",
+                "--auth-key-file",
+                "/nonexistent/key"
+            ]),
+            "auth-key-file"
+        );
+        assert_eq!(
+            name(&[
+                "--master",
+                "127.0.0.1:1",
+                "--auth-key-file",
+                &key,
+                "--pool-lookup-timeout",
+                "0s"
+            ]),
+            "pool-lookup-timeout"
+        );
+        assert_eq!(name(&["--pool-bandwidth-gbps", "0"]), "pool-bandwidth-gbps");
     }
 }
