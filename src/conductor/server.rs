@@ -40,6 +40,9 @@ pub const TTFT_HEADER: &str = "x-kvpool-ttft-estimate-ms";
 
 /// Prefetch requests (hot-prefix copies) in flight at most; more tasks are dropped and counted.
 pub const MAX_PREFETCHES_IN_FLIGHT: usize = 8;
+/// After a pool lookup fails or times out, requests skip the lookup this long, so a master that
+/// is down or hanging costs at most one timeout per interval rather than one per request.
+pub const POOL_LOOKUP_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
 /// Longest wait for an engine to finish one prefetch.
 const PREFETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -146,6 +149,8 @@ struct Shared {
     prefetches: IntCounterVec,
     /// Bounds the prefetch requests in flight; a task finding none free is dropped.
     prefetch_slots: Arc<tokio::sync::Semaphore>,
+    /// After a failed or slow pool lookup, no lookups until then (requests go local-only).
+    pool_backoff_until: parking_lot::Mutex<Option<Instant>>,
     /// Prefill engines that answered a prefetch with 404: not asked again.
     no_prefetch: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
@@ -446,9 +451,18 @@ fn prefetch(shared: &Arc<Shared>, url: String, keys: Vec<BlockKey>) {
 
 /// How many leading blocks of `keys` the pool holds, by one `longest_prefix` call to the
 /// master under `pool.timeout`. A failed or slow call is counted and answers 0: the request is
-/// then placed on the engines' local caches alone.
+/// then placed on the engines' local caches alone, and so are those of the next
+/// [`POOL_LOOKUP_BACKOFF`] (counted as `backoff`).
 async fn pool_prefix(shared: &Shared, pool: &PoolLookup, keys: &[BlockKey]) -> usize {
     if keys.is_empty() {
+        return 0;
+    }
+    if shared
+        .pool_backoff_until
+        .lock()
+        .is_some_and(|until| Instant::now() < until)
+    {
+        shared.pool_lookups.with_label_values(&["backoff"]).inc();
         return 0;
     }
     let names: Vec<Vec<u8>> = keys
@@ -471,6 +485,9 @@ async fn pool_prefix(shared: &Shared, pool: &PoolLookup, keys: &[BlockKey]) -> u
                 ("timeout", 0)
             }
         };
+    if matches!(outcome, "error" | "timeout") {
+        *shared.pool_backoff_until.lock() = Some(Instant::now() + POOL_LOOKUP_BACKOFF);
+    }
     shared.pool_lookups.with_label_values(&[outcome]).inc();
     blocks
 }
@@ -683,7 +700,8 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         Opts::new(
             "kvpool_conductor_pool_lookups_total",
             "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
-             timeout; error and timeout place the request on local caches only)",
+             timeout, and backoff: skipped after a failure; all but hit and miss place the \
+             request on local caches only)",
         ),
         &["outcome"],
     )
@@ -722,7 +740,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         requests.with_label_values(&[outcome]);
     }
     if config.pool.is_some() {
-        for outcome in ["hit", "miss", "error", "timeout"] {
+        for outcome in ["hit", "miss", "error", "timeout", "backoff"] {
             pool_lookups.with_label_values(&[outcome]);
         }
     }
@@ -756,6 +774,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         prefetches,
         prefetch_slots: Arc::new(tokio::sync::Semaphore::new(MAX_PREFETCHES_IN_FLIGHT)),
         no_prefetch: Default::default(),
+        pool_backoff_until: parking_lot::Mutex::new(None),
     });
     let router = Router::new()
         .route(
