@@ -324,9 +324,9 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
         ClientConfig {
             connect_timeout: timeout,
             request_timeout: timeout,
-            // A standby or restarting leader is not waited for: the request goes on without
-            // the pool's answer.
-            failover_budget: std::time::Duration::ZERO,
+            // A standby's leader hint is followed, but only within the lookup's own timeout:
+            // past it the request goes on without the pool's answer.
+            failover_budget: timeout,
         },
     )
     .map_err(|e| flag("master", format!("{e}: {}", source_chain(&e))))?;
