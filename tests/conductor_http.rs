@@ -107,10 +107,36 @@ async fn cluster_full(
     let (p0, r0) = engine_with(&shutdown, agent).await;
     let (p1, r1) = engine_with(&shutdown, agent).await;
     let (d0, rd) = engine(&shutdown).await;
-    let config = ConductorConfig {
+    let config = conductor_config(
+        vec![format!("http://{p0}"), format!("http://{p1}")],
+        decode.unwrap_or_else(|| format!("http://{d0}/")),
+        rejection,
+        ttft_slo_s,
+        hot_threshold,
+        pool,
+    );
+    let (a, registry) = start_conductor(config, &shutdown).await;
+    Cluster {
+        conductor: a,
+        conductor_metrics: registry,
+        prefill: vec![r0, r1],
+        decode: rd,
+        shutdown,
+    }
+}
+
+fn conductor_config(
+    prefill: Vec<String>,
+    decode: String,
+    rejection: Rejection,
+    ttft_slo_s: f64,
+    hot_threshold: u32,
+    pool: Option<PoolLookup>,
+) -> ConductorConfig {
+    ConductorConfig {
         model: MODEL.into(),
-        prefill: vec![format!("http://{p0}"), format!("http://{p1}")],
-        decode: vec![decode.unwrap_or_else(|| format!("http://{d0}/"))],
+        prefill,
+        decode: vec![decode],
         scheduler: SchedulerConfig {
             policy: Policy::Conductor,
             rejection,
@@ -134,7 +160,13 @@ async fn cluster_full(
         engine_cache_blocks: 1000,
         tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
         pool,
-    };
+    }
+}
+
+async fn start_conductor(
+    config: ConductorConfig,
+    shutdown: &CancellationToken,
+) -> (SocketAddr, Registry) {
     let registry = Registry::new();
     let router = kvpool::conductor::server::router(config, &registry).expect("router");
     let (l, a) = listen().await;
@@ -143,13 +175,7 @@ async fn cluster_full(
         router,
         shutdown.clone(),
     ));
-    Cluster {
-        conductor: a,
-        conductor_metrics: registry,
-        prefill: vec![r0, r1],
-        decode: rd,
-        shutdown,
-    }
+    (a, registry)
 }
 
 /// One HTTP/1.1 exchange; returns (status, head, body).
@@ -726,4 +752,51 @@ async fn hot_prefix_is_prefetched_from_the_pool_by_the_target_engine() {
     // hit 96 tokens. The conductor's mirror knows too (see State::adopted's unit test).
     assert_eq!(counter(other, "kvpool_engine_prompt_tokens_total"), 0.0);
     c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn prefetches_in_flight_are_bounded() {
+    use kvpool::conductor::server::MAX_PREFETCHES_IN_FLIGHT;
+    let shutdown = CancellationToken::new();
+    let (p0, _r0) = engine(&shutdown).await;
+    let (d0, _rd) = engine(&shutdown).await;
+    // The second prefill "engine" accepts connections (the kernel's backlog) and never answers:
+    // every prefetch sent to it stays in flight. Requests never go there (the first engine
+    // holds the prefix and is idle), so only prefetches are at stake.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let hung_url = format!("http://{}", hung.local_addr().expect("addr"));
+    let config = conductor_config(
+        vec![format!("http://{p0}"), hung_url],
+        format!("http://{d0}"),
+        Rejection::None,
+        30.0,
+        1,
+        None,
+    );
+    let (conductor, m) = start_conductor(config, &shutdown).await;
+    let ask = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":1}}"#,
+        "b".repeat(64)
+    );
+    // Threshold 1: from the second request on, every request makes the prefix hot again and
+    // plans a copy to the hung engine. The first MAX_PREFETCHES_IN_FLIGHT are sent and hang;
+    // the one after finds no slot and is dropped.
+    let tasks = MAX_PREFETCHES_IN_FLIGHT + 1;
+    for _ in 0..=tasks {
+        let (status, _, body) = post(conductor, "/v1/completions", &ask).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(
+        counter(&m, "kvpool_conductor_replication_tasks_total"),
+        tasks as f64
+    );
+    let prefetches = "kvpool_conductor_prefetches_total";
+    assert_eq!(labelled(&m, prefetches, "outcome", "busy"), 1.0);
+    assert_eq!(
+        counter(&m, prefetches),
+        1.0,
+        "the others are still in flight"
+    );
+    drop(hung);
+    shutdown.cancel();
 }
