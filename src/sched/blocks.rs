@@ -113,4 +113,16 @@ mod tests {
         assert_eq!(block_count(513, bs(512)), 2);
         assert_eq!(block_count(6758, bs(512)), 14);
     }
+
+    #[test]
+    fn pool_key_is_the_documented_name() {
+        assert_eq!(
+            pool_key("llama", 0x00ab_cdef_0123_4567),
+            b"kvpool/synthetic/llama/00abcdef01234567".to_vec()
+        );
+        assert_eq!(
+            pool_key("m", u64::MAX),
+            b"kvpool/synthetic/m/ffffffffffffffff".to_vec()
+        );
+    }
 }
