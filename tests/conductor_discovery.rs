@@ -284,6 +284,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
         },
         engine_cache_blocks: 1000,
         tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
+        pool: None,
     };
     let registry = Registry::new();
     let conductor = kvpool::conductor::server::conductor(config, &registry).expect("conductor");

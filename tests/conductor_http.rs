@@ -1,9 +1,12 @@
-//! The conductor in front of real synthetic engines, all on loopback sockets.
+//! The conductor in front of real synthetic engines, all on loopback sockets; with a real
+//! in-process master for the pool lookups and a real `kvpool-agent` process for prefetches.
+
+mod up_support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
-use kvpool::conductor::ConductorConfig;
+use kvpool::conductor::{ConductorConfig, PoolLookup};
 use kvpool::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
 use kvpool::synthetic::EngineConfig;
 use prometheus::Registry;
@@ -24,6 +27,17 @@ async fn listen() -> (tokio::net::TcpListener, SocketAddr) {
 
 /// A synthetic engine; returns its address and metrics registry.
 async fn engine(shutdown: &CancellationToken) -> (SocketAddr, Registry) {
+    engine_with(shutdown, None).await
+}
+
+/// KV bytes per token of the engines that have a node agent (small: the agent's DRAM is 16 MiB).
+const KV_BYTES_PER_TOKEN: u64 = 64;
+
+/// A synthetic engine, reading and writing KV blocks through the agent at `agent` when given.
+async fn engine_with(
+    shutdown: &CancellationToken,
+    agent: Option<&std::path::Path>,
+) -> (SocketAddr, Registry) {
     let config = EngineConfig {
         model: MODEL.into(),
         prefill_cost: PrefillCost::default(),
@@ -33,8 +47,24 @@ async fn engine(shutdown: &CancellationToken) -> (SocketAddr, Registry) {
         chunk_bytes: 4,
         time_scale: 0.001,
     };
+    let kv = match agent {
+        Some(socket) => Some(
+            kvpool::synthetic::agent::AgentKv::connect(
+                socket,
+                kvpool::synthetic::kv::KvGeometry {
+                    bytes_per_token: KV_BYTES_PER_TOKEN,
+                    block_tokens: BLOCK,
+                },
+                MODEL,
+            )
+            .await
+            .expect("engine-API session"),
+        ),
+        None => None,
+    };
     let registry = Registry::new();
-    let router = kvpool::synthetic::server::router(config, &registry).expect("router");
+    let router =
+        kvpool::synthetic::server::router_with_agent(config, kv, &registry).expect("router");
     let (l, a) = listen().await;
     tokio::spawn(kvpool::synthetic::server::serve(
         l,
@@ -62,14 +92,51 @@ async fn cluster_with(
     decode: Option<String>,
     hot_threshold: u32,
 ) -> Cluster {
+    cluster_full(rejection, ttft_slo_s, decode, hot_threshold, None, None).await
+}
+
+async fn cluster_full(
+    rejection: Rejection,
+    ttft_slo_s: f64,
+    decode: Option<String>,
+    hot_threshold: u32,
+    pool: Option<PoolLookup>,
+    agent: Option<&std::path::Path>,
+) -> Cluster {
     let shutdown = CancellationToken::new();
-    let (p0, r0) = engine(&shutdown).await;
-    let (p1, r1) = engine(&shutdown).await;
+    let (p0, r0) = engine_with(&shutdown, agent).await;
+    let (p1, r1) = engine_with(&shutdown, agent).await;
     let (d0, rd) = engine(&shutdown).await;
-    let config = ConductorConfig {
+    let config = conductor_config(
+        vec![format!("http://{p0}"), format!("http://{p1}")],
+        decode.unwrap_or_else(|| format!("http://{d0}/")),
+        rejection,
+        ttft_slo_s,
+        hot_threshold,
+        pool,
+    );
+    let (a, registry) = start_conductor(config, &shutdown).await;
+    Cluster {
+        conductor: a,
+        conductor_metrics: registry,
+        prefill: vec![r0, r1],
+        decode: rd,
+        shutdown,
+    }
+}
+
+fn conductor_config(
+    prefill: Vec<String>,
+    decode: String,
+    rejection: Rejection,
+    ttft_slo_s: f64,
+    hot_threshold: u32,
+    pool: Option<PoolLookup>,
+) -> ConductorConfig {
+    ConductorConfig {
         model: MODEL.into(),
-        prefill: vec![format!("http://{p0}"), format!("http://{p1}")],
-        decode: vec![decode.unwrap_or_else(|| format!("http://{d0}/"))],
+        prefill,
+        decode: vec![decode],
         scheduler: SchedulerConfig {
             policy: Policy::Conductor,
             rejection,
@@ -92,7 +159,14 @@ async fn cluster_with(
         },
         engine_cache_blocks: 1000,
         tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
-    };
+        pool,
+    }
+}
+
+async fn start_conductor(
+    config: ConductorConfig,
+    shutdown: &CancellationToken,
+) -> (SocketAddr, Registry) {
     let registry = Registry::new();
     let router = kvpool::conductor::server::router(config, &registry).expect("router");
     let (l, a) = listen().await;
@@ -101,13 +175,7 @@ async fn cluster_with(
         router,
         shutdown.clone(),
     ));
-    Cluster {
-        conductor: a,
-        conductor_metrics: registry,
-        prefill: vec![r0, r1],
-        decode: rd,
-        shutdown,
-    }
+    (a, registry)
 }
 
 /// One HTTP/1.1 exchange; returns (status, head, body).
@@ -184,8 +252,19 @@ async fn routes_prefill_then_decode_and_keeps_prefix_affinity() {
     c.shutdown.cancel();
 }
 
+/// Polls `done` (bounded: only a hang reaches the end on a loaded box).
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    for _ in 0..1200 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("never happened: {what}");
+}
+
 #[tokio::test]
-async fn hot_prefix_is_reported_as_a_replication_task() {
+async fn hot_prefix_prefetch_to_an_engine_without_an_agent_gets_404_and_stops() {
     let c = cluster_with(Rejection::None, 30.0, None, 2).await;
     let system = "s".repeat(400);
     let ask = format!(r#"{{"model":"{MODEL}","prompt":"{system}","max_tokens":2}}"#);
@@ -210,6 +289,33 @@ async fn hot_prefix_is_reported_as_a_replication_task() {
         ),
         7.0
     );
+    // The engines here have no node agent: the target answers the prefetch with 404.
+    let prefetches = "kvpool_conductor_prefetches_total";
+    let m = &c.conductor_metrics;
+    eventually("the prefetch answered 404", || {
+        labelled(m, prefetches, "outcome", "unsupported") == 1.0
+    })
+    .await;
+    let asked = |c: &Cluster| -> f64 {
+        c.prefill
+            .iter()
+            .map(|r| counter(r, "kvpool_engine_prefetch_requests_total"))
+            .sum()
+    };
+    assert_eq!(asked(&c), 1.0);
+    // Two more requests bring the hits to 4: another task for the same engine, which the
+    // conductor no longer sends.
+    for _ in 0..2 {
+        let (status, _, body) = post(c.conductor, "/v1/completions", &ask).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(tasks(&c), 2.0);
+    assert_eq!(
+        labelled(m, prefetches, "outcome", "skipped_unsupported"),
+        1.0
+    );
+    assert_eq!(asked(&c), 1.0, "a 404 engine is not asked again");
+    assert_eq!(labelled(m, prefetches, "outcome", "ok"), 0.0);
     c.shutdown.cancel();
 }
 
@@ -375,4 +481,322 @@ async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
     );
     let (status, _, _) = post(api, "/v1/chat/completions", "{}").await;
     assert_eq!(status, 503);
+}
+
+fn labelled(registry: &Registry, name: &str, label: &str, value: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().iter())
+        .filter(|m| {
+            m.get_label()
+                .iter()
+                .any(|l| l.name() == label && l.value() == value)
+        })
+        .map(|m| m.get_counter().get_value())
+        .sum()
+}
+
+/// The value of response header `name` (lower case) in `head`.
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+const POOL_KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
+
+/// A master in this process, with one DRAM segment mounted; returns it, a client and a lookup.
+async fn master(
+    dir: &std::path::Path,
+) -> (
+    kvpool::master::cmd::RunningMaster,
+    kvpool::master::client::MasterClient,
+    CancellationToken,
+) {
+    use kvpool::master::cmd::{MasterArgs, start};
+    use std::time::Duration;
+    let key_file = dir.join("key");
+    std::fs::write(&key_file, POOL_KEY).expect("key");
+    let args = MasterArgs {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        admin_addr: "127.0.0.1:0".parse().expect("addr"),
+        auth_key_file: key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(600),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: kvpool::master::PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 4,
+    };
+    let shutdown = CancellationToken::new();
+    let m = start(args.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("start master");
+    let client = kvpool::master::client::MasterClient::new(
+        vec![m.grpc_addr.to_string()],
+        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool::master::client::ClientConfig::default(),
+    )
+    .expect("client");
+    client
+        .mount_segment(&kvpool::master::SegmentSpec {
+            node: "a".into(),
+            name: "dram0".into(),
+            tier: kvpool::master::Tier::Dram,
+            capacity_bytes: 64 << 20,
+            numa_node: 0,
+            failure_domain: String::new(),
+            endpoints: vec!["tcp://a:7000".into()],
+        })
+        .await
+        .expect("mount");
+    (m, client, shutdown)
+}
+
+/// Commits `keys` in the pool under the engines' naming (metadata only: nobody reads them).
+async fn put_in_pool(client: &kvpool::master::client::MasterClient, keys: &[u64]) {
+    let names: Vec<Vec<u8>> = keys
+        .iter()
+        .map(|&k| kvpool::sched::pool_key(MODEL, k))
+        .collect();
+    let items: Vec<(&[u8], u64)> = names.iter().map(|n| (n.as_slice(), 4096)).collect();
+    let started = client
+        .put_start_batch(&items, &kvpool::master::PutOptions::default())
+        .await
+        .expect("put_start");
+    let mut ends = Vec::new();
+    for (n, r) in names.iter().zip(started) {
+        match r.expect("allocated") {
+            kvpool::master::PutStarted::Allocated { put_id, .. } => {
+                ends.push((n.as_slice(), put_id))
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let done = client.put_end_batch(&ends).await.expect("put_end");
+    assert!(done.iter().all(Result::is_ok), "{done:?}");
+}
+
+/// The conductor's own client of `master`, set up as `kvpool conductor --master` sets it up
+/// (no waiting for a failover), with a timeout generous for a loaded box.
+fn lookup(master: &kvpool::master::cmd::RunningMaster) -> PoolLookup {
+    let timeout = std::time::Duration::from_secs(5);
+    let client = kvpool::master::client::MasterClient::new(
+        vec![master.grpc_addr.to_string()],
+        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool::master::client::ClientConfig {
+            connect_timeout: timeout,
+            request_timeout: timeout,
+            failover_budget: std::time::Duration::ZERO,
+        },
+    )
+    .expect("client");
+    PoolLookup { client, timeout }
+}
+
+#[tokio::test]
+async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (master, client, master_down) = master(dir.path()).await;
+    // 400 bytes = 100 stand-in tokens = 6 full blocks of 16 plus a partial one. The 6 full
+    // blocks are in the pool (as an engine that prefilled this prompt earlier left them); no
+    // engine behind this fresh conductor holds anything.
+    let pooled = "p".repeat(400);
+    let tokens = kvpool::sched::text_tokens(&pooled, 4);
+    let keys = kvpool::sched::block_keys(&tokens, NonZeroU32::new(BLOCK).expect("nonzero"));
+    assert_eq!(keys.len(), 7);
+    put_in_pool(&client, &keys[..6]).await;
+    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(lookup(&master)), None).await;
+
+    let ask = |prompt: &str| format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":2}}"#);
+    let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&pooled)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("6"), "{head}");
+    assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("0"), "{head}");
+    let ttft = |head: &str| -> f64 {
+        header(head, "x-kvpool-ttft-estimate-ms")
+            .expect("ttft header")
+            .parse()
+            .expect("ttft number")
+    };
+    let pooled_ttft = ttft(&head);
+    let m = &c.conductor_metrics;
+    let lookups = "kvpool_conductor_pool_lookups_total";
+    assert_eq!(labelled(m, lookups, "outcome", "hit"), 1.0);
+
+    // A prompt of the same length that the pool lacks: a miss, prefilled in full, so its
+    // estimate is higher than the one that fetched 96 of its 100 tokens' KV.
+    let fresh = "f".repeat(400);
+    let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&fresh)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    assert_eq!(labelled(m, lookups, "outcome", "miss"), 1.0);
+    let fresh_ttft = ttft(&head);
+    assert!(
+        pooled_ttft < fresh_ttft,
+        "pool hits must lower the estimate: {pooled_ttft} ms vs {fresh_ttft} ms"
+    );
+
+    // The master goes away: requests still succeed, placed on local knowledge, and the
+    // failures are counted. The pooled prompt is now local on the engine that served it.
+    master_down.cancel();
+    master.join().await.expect("master stopped");
+    let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&pooled)).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("7"), "{head}");
+    assert_eq!(
+        labelled(m, lookups, "outcome", "error") + labelled(m, lookups, "outcome", "timeout"),
+        1.0
+    );
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_master_that_never_answers_does_not_fail_requests() {
+    // Accepts connections (the kernel's backlog) but never speaks: the lookup times out.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr");
+    let client = kvpool::master::client::MasterClient::new(
+        vec![addr.to_string()],
+        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool::master::client::ClientConfig::default(),
+    )
+    .expect("client");
+    let pool = PoolLookup {
+        client,
+        timeout: std::time::Duration::from_millis(200),
+    };
+    let c = cluster_full(Rejection::None, 30.0, None, 0, Some(pool), None).await;
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);
+    let (status, head, text) = post(c.conductor, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    let m = &c.conductor_metrics;
+    let lookups = "kvpool_conductor_pool_lookups_total";
+    assert_eq!(labelled(m, lookups, "outcome", "timeout"), 1.0);
+    assert_eq!(labelled(m, lookups, "outcome", "hit"), 0.0);
+    // The next request is served too: within the back-off it does not even ask (on a slow box
+    // the back-off may be over, and it times out again).
+    let (status, _, text) = post(c.conductor, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        labelled(m, lookups, "outcome", "timeout") + labelled(m, lookups, "outcome", "backoff"),
+        2.0
+    );
+    drop(silent);
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn hot_prefix_is_prefetched_from_the_pool_by_the_target_engine() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let c = cluster_full(Rejection::None, 30.0, None, 2, None, Some(&socket)).await;
+    // 100 stand-in tokens: 6 full blocks (written to the pool by the engine that prefills them
+    // first) and a partial one (never written).
+    let system = "h".repeat(400);
+    let ask = format!(r#"{{"model":"{MODEL}","prompt":"{system}","max_tokens":2}}"#);
+    for _ in 0..3 {
+        let (status, _, body) = post(c.conductor, "/v1/completions", &ask).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let written: Vec<f64> = c
+        .prefill
+        .iter()
+        .map(|r| counter(r, "kvpool_engine_kv_blocks_written_total"))
+        .collect();
+    let first = written
+        .iter()
+        .position(|&w| w == 6.0)
+        .expect("one engine wrote the 6 full blocks");
+    let other = &c.prefill[1 - first];
+    // The third request made the prefix hot: the other engine is asked to prefetch it, reads
+    // the 6 full blocks from the pool through the agent and verifies them.
+    let m = &c.conductor_metrics;
+    eventually("the prefetch succeeded", || {
+        labelled(m, "kvpool_conductor_prefetches_total", "outcome", "ok") == 1.0
+    })
+    .await;
+    assert_eq!(
+        labelled(
+            other,
+            "kvpool_engine_prefetch_requests_total",
+            "outcome",
+            "ok"
+        ),
+        1.0
+    );
+    assert_eq!(counter(other, "kvpool_engine_kv_block_hits_total"), 6.0);
+    assert_eq!(
+        counter(other, "kvpool_engine_kv_read_bytes_total"),
+        (6 * BLOCK as u64 * KV_BYTES_PER_TOKEN) as f64
+    );
+    assert_eq!(
+        counter(other, "kvpool_engine_kv_verify_failures_total"),
+        0.0
+    );
+    // It served no request, yet its cache now holds the prefix: a request for it there would
+    // hit 96 tokens. The conductor's mirror knows too (see State::adopted's unit test).
+    assert_eq!(counter(other, "kvpool_engine_prompt_tokens_total"), 0.0);
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn prefetches_in_flight_are_bounded() {
+    use kvpool::conductor::server::MAX_PREFETCHES_IN_FLIGHT;
+    let shutdown = CancellationToken::new();
+    let (p0, _r0) = engine(&shutdown).await;
+    let (d0, _rd) = engine(&shutdown).await;
+    // The second prefill "engine" accepts connections (the kernel's backlog) and never answers:
+    // every prefetch sent to it stays in flight. Requests never go there (the first engine
+    // holds the prefix and is idle), so only prefetches are at stake.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let hung_url = format!("http://{}", hung.local_addr().expect("addr"));
+    let config = conductor_config(
+        vec![format!("http://{p0}"), hung_url],
+        format!("http://{d0}"),
+        Rejection::None,
+        30.0,
+        1,
+        None,
+    );
+    let (conductor, m) = start_conductor(config, &shutdown).await;
+    let ask = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":1}}"#,
+        "b".repeat(64)
+    );
+    // Threshold 1: from the second request on, every request makes the prefix hot again and
+    // plans a copy to the hung engine. The first MAX_PREFETCHES_IN_FLIGHT are sent and hang;
+    // the one after finds no slot and is dropped.
+    let tasks = MAX_PREFETCHES_IN_FLIGHT + 1;
+    for _ in 0..=tasks {
+        let (status, _, body) = post(conductor, "/v1/completions", &ask).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(
+        counter(&m, "kvpool_conductor_replication_tasks_total"),
+        tasks as f64
+    );
+    let prefetches = "kvpool_conductor_prefetches_total";
+    assert_eq!(labelled(&m, prefetches, "outcome", "busy"), 1.0);
+    assert_eq!(
+        counter(&m, prefetches),
+        1.0,
+        "the others are still in flight"
+    );
+    drop(hung);
+    shutdown.cancel();
 }

@@ -468,3 +468,73 @@ async fn requests_are_served_when_the_agent_goes_away() {
     );
     shutdown.cancel();
 }
+
+#[tokio::test]
+async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_agent() {
+    // Without an agent there is no pool to read: 404, the conductor's "unsupported".
+    let plain = start().await;
+    let (status, text) = http(
+        plain.addr,
+        "POST",
+        kvpool::synthetic::api::PREFETCH_PATH,
+        r#"{"keys":["0000000000000001"]}"#,
+    )
+    .await;
+    assert_eq!(status, 404, "{text}");
+    plain.shutdown.cancel();
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let shutdown = CancellationToken::new();
+    let writer = start_with_agent(&socket, &shutdown).await;
+    let reader = start_with_agent(&socket, &shutdown).await;
+    // The writer prefills 3 full blocks (and a partial one) and stores the full ones.
+    let prompt = format!(
+        "{}{}{}tail",
+        block_text("x"),
+        block_text("y"),
+        block_text("z")
+    );
+    let (status, text) = http(
+        writer.addr,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt, None),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let tokens = kvpool::sched::text_tokens(&prompt, 4);
+    let keys =
+        kvpool::sched::block_keys(&tokens, NonZeroU32::new(KV_BLOCK_TOKENS).expect("nonzero"));
+    assert_eq!(keys.len(), 4);
+    // The reader prefetches all 4: the 3 stored ones load (verified), the partial one is not in
+    // the pool, so reading stops there.
+    let body = kvpool::synthetic::api::prefetch_body(&keys).to_string();
+    let path = kvpool::synthetic::api::PREFETCH_PATH;
+    let (status, text) = http(reader.addr, "POST", path, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["loaded"], 3, "{text}");
+    let m = |e: &KvEngine, name: &str| metric(&e.registry, name);
+    assert_eq!(m(&reader, "kvpool_engine_kv_block_hits_total"), 3.0);
+    assert_eq!(
+        m(&reader, "kvpool_engine_kv_read_bytes_total"),
+        (3 * u64::from(KV_BLOCK_TOKENS) * KV_BYTES_PER_TOKEN) as f64
+    );
+    // The prompt then finds its 12 leading tokens in the reader's own cache: no pool read.
+    let (status, text) = http(
+        reader.addr,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt, None),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(m(&reader, "kvpool_engine_cached_prompt_tokens_total"), 12.0);
+    assert_eq!(m(&reader, "kvpool_engine_kv_block_hits_total"), 3.0);
+    // A bad body is a 400 naming the field.
+    let (status, text) = http(reader.addr, "POST", path, r#"{"keys":[7]}"#).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains(r#""param":"keys""#), "{text}");
+    shutdown.cancel();
+}

@@ -11,8 +11,10 @@ use tokio_util::sync::CancellationToken;
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{ConductorConfig, Engines};
+use super::{ConductorConfig, Engines, PoolLookup};
 use crate::admin::{self, AdminError, Readiness};
+use crate::master::auth::AuthKey;
+use crate::master::client::{ClientConfig, MasterClient};
 use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
 
 /// Flags of `kvpool conductor`.
@@ -94,11 +96,11 @@ pub struct ConductorArgs {
     /// tokens); without it, prompts are cut into --chunk-bytes stand-in tokens.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<std::path::PathBuf>,
-    /// Plan copying a hot prefix to more prefill engines every this many hits on one of its
-    /// blocks (0: off). Plans are counted and logged; nothing copies them yet.
+    /// Copy a hot prefix to more prefill engines every this many hits on one of its blocks
+    /// (0: off): the target engines are asked to prefetch it from the pool.
     #[arg(long, default_value_t = 32)]
     pub hot_threshold: u32,
-    /// Prefill engines a hot prefix is planned for each time.
+    /// Prefill engines a hot prefix is copied to each time.
     #[arg(long, default_value_t = 2)]
     pub hot_fanout: usize,
     /// KV bytes per token.
@@ -110,6 +112,22 @@ pub struct ConductorArgs {
     /// KV tokens one decode instance holds.
     #[arg(long, default_value_t = 1_500_000)]
     pub decode_kv_capacity_tokens: u64,
+    /// The pool's master (`host:port`; comma separated or repeated for several): every request
+    /// asks it which of the prompt's leading blocks the pool holds, and the policy counts those
+    /// as fetched at --pool-bandwidth-gbps instead of prefilled. Without it the policy knows
+    /// only the engines' local caches.
+    #[arg(long, env = "KVPOOL_MASTER", value_delimiter = ',')]
+    pub master: Vec<String>,
+    /// File holding the pool's shared key (with --master).
+    #[arg(long, env = "KVPOOL_AUTH_KEY_FILE")]
+    pub auth_key_file: Option<std::path::PathBuf>,
+    /// Longest wait for the master's answer; past it the request is placed on the local
+    /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub pool_lookup_timeout: std::time::Duration,
+    /// Pool -> prefill engine bandwidth, GB/s (the fetch term of the TTFT estimate).
+    #[arg(long, default_value_t = 25.0)]
+    pub pool_bandwidth_gbps: f64,
 }
 
 /// Errors of `kvpool conductor`.
@@ -246,8 +264,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             block_size: NonZeroU32::new(args.block_size)
                 .ok_or_else(|| flag("block-size", "must be at least 1"))?,
             bytes_per_token: args.bytes_per_token.max(1),
-            // No pool yet: fetches never happen, but the value must be valid.
-            pool_bandwidth_bps: 25e9,
+            pool_bandwidth_bps: positive("pool-bandwidth-gbps", args.pool_bandwidth_gbps)? * 1e9,
             kv_bandwidth_bps: positive("kv-bandwidth-gbps", args.kv_bandwidth_gbps)? * 1e9,
             prefill_costs: vec![PrefillCost::default(); args.prefill.len()],
             decode_cost: DecodeCost::default(),
@@ -266,7 +283,54 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
                 bytes: args.chunk_bytes,
             },
         },
+        pool: pool_lookup(args)?,
     })
+}
+
+/// The master connection of the flags, `None` without `--master`. Connects lazily: a master
+/// that is down at start only makes the lookups fail (and fall back) until it is up.
+fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorError> {
+    let endpoints: Vec<String> = args
+        .master
+        .iter()
+        .map(|m| m.trim().to_owned())
+        .filter(|m| !m.is_empty())
+        .collect();
+    if endpoints.is_empty() {
+        if args.auth_key_file.is_some() && !args.master.is_empty() {
+            return Err(flag("master", "must name at least one host:port"));
+        }
+        return Ok(None);
+    }
+    let Some(key_file) = &args.auth_key_file else {
+        return Err(flag(
+            "auth-key-file",
+            "is required with --master (the pool's shared key)",
+        ));
+    };
+    let key = AuthKey::from_file(key_file).map_err(|e| {
+        flag(
+            "auth-key-file",
+            format!("{}: {e}: {}", key_file.display(), source_chain(&e)),
+        )
+    })?;
+    let timeout = args.pool_lookup_timeout;
+    if timeout.is_zero() {
+        return Err(flag("pool-lookup-timeout", "must be more than 0"));
+    }
+    let client = MasterClient::new(
+        endpoints,
+        key,
+        ClientConfig {
+            connect_timeout: timeout,
+            request_timeout: timeout,
+            // A standby's leader hint is followed, but only within the lookup's own timeout:
+            // past it the request goes on without the pool's answer.
+            failover_budget: timeout,
+        },
+    )
+    .map_err(|e| flag("master", format!("{e}: {}", source_chain(&e))))?;
+    Ok(Some(PoolLookup { client, timeout }))
 }
 
 /// The messages of `err`'s sources, outermost first.
@@ -487,5 +551,70 @@ mod tests {
         let c = conductor_config(&T::try_parse_from(&args).unwrap().a).unwrap();
         assert_eq!(c.tokenizer.kind(), "huggingface");
         assert_eq!(c.tokenizer.tokens("hi there hi").unwrap(), vec![1, 0, 1]);
+    }
+
+    #[test]
+    fn master_flags_need_a_readable_key_and_a_positive_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, b"kvpool-test-pool-key-0123456789").unwrap();
+        let key = key.to_str().unwrap().to_owned();
+        let base = ["t", "--prefill", "http://a", "--decode", "http://b"];
+        let with = |extra: &[&str]| {
+            let mut argv: Vec<&str> = base.to_vec();
+            argv.extend_from_slice(extra);
+            conductor_config(&T::try_parse_from(argv).unwrap().a)
+        };
+        let c = with(&[
+            "--master",
+            "127.0.0.1:1,127.0.0.1:2",
+            "--auth-key-file",
+            &key,
+        ])
+        .unwrap();
+        let pool = c.pool.expect("a pool lookup");
+        assert_eq!(pool.timeout, std::time::Duration::from_millis(100));
+        let c = with(&[
+            "--master",
+            "127.0.0.1:1",
+            "--auth-key-file",
+            &key,
+            "--pool-lookup-timeout",
+            "250ms",
+            "--pool-bandwidth-gbps",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.pool.map(|p| p.timeout),
+            Some(std::time::Duration::from_millis(250))
+        );
+        assert!((c.scheduler.pool_bandwidth_bps - 10e9).abs() < 1.0);
+        let name = |extra: &[&str]| match with(extra) {
+            Err(ConductorError::Flag { flag, .. }) => flag,
+            other => panic!("{extra:?}: {other:?}"),
+        };
+        assert_eq!(name(&["--master", "127.0.0.1:1"]), "auth-key-file");
+        assert_eq!(
+            name(&[
+                "--master",
+                "127.0.0.1:1",
+                "--auth-key-file",
+                "/nonexistent/key"
+            ]),
+            "auth-key-file"
+        );
+        assert_eq!(
+            name(&[
+                "--master",
+                "127.0.0.1:1",
+                "--auth-key-file",
+                &key,
+                "--pool-lookup-timeout",
+                "0s"
+            ]),
+            "pool-lookup-timeout"
+        );
+        assert_eq!(name(&["--pool-bandwidth-gbps", "0"]), "pool-bandwidth-gbps");
     }
 }

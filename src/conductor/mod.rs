@@ -36,6 +36,17 @@ pub struct ConductorConfig {
     /// How prompts become token ids: a Hugging Face tokenizer, or stand-in text chunks (whose
     /// size must match the engines').
     pub tokenizer: tokenize::PromptTokenizer,
+    /// The pool's master, asked per request which prefix blocks the pool holds; `None`: the
+    /// policy knows only the engines' local caches.
+    pub pool: Option<PoolLookup>,
+}
+
+/// How the conductor asks the pool's master for a request's cached prefix.
+#[derive(Clone, Debug)]
+pub struct PoolLookup {
+    pub client: crate::master::client::MasterClient,
+    /// Longest wait for one lookup; past it the request is placed on local knowledge only.
+    pub timeout: std::time::Duration,
 }
 
 impl ConductorConfig {
@@ -141,9 +152,9 @@ pub struct State {
     replication: Option<ReplicationTask>,
 }
 
-/// A hot prefix to copy into more prefill engines' caches. The conductor only decides and
-/// reports these (metrics and logs) until the master can execute them, so its cache mirror does
-/// not assume the copies exist.
+/// A hot prefix to copy into more prefill engines' caches. The server executes it by asking each
+/// target engine to prefetch the blocks from the pool; the cache mirror assumes the copy only
+/// once an engine reports it done ([`State::adopted`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicationTask {
     /// Keys of the prefix blocks to copy, first block first.
@@ -160,6 +171,11 @@ pub struct Ticket {
     pub decode: usize,
     /// Estimated TTFT, seconds.
     pub ttft_s: f64,
+    /// Of the prompt's leading blocks the prefill instance need not compute, those it holds in
+    /// its local cache.
+    pub local_blocks: u32,
+    /// And those it fetches from the pool.
+    pub pool_blocks: u32,
 }
 
 impl State {
@@ -193,6 +209,40 @@ impl State {
         input_tokens: u64,
         output_tokens: u32,
     ) -> Result<Ticket, crate::sched::RejectReason> {
+        self.place_with_pool(now_s, keys, 0, input_tokens, output_tokens)
+    }
+
+    /// [`State::place`] knowing that the pool holds the first `pool_blocks` of `keys` (the
+    /// master's answer for this request; 0 when unknown). Those blocks count as pool replicas in
+    /// the prefix index for this decision only: the master's answer is fresh per request, so
+    /// nothing stale stays behind. An instance then fetches them at the pool bandwidth instead of
+    /// prefilling them, unless it holds them locally.
+    pub fn place_with_pool(
+        &mut self,
+        now_s: f64,
+        keys: &[BlockKey],
+        pool_blocks: usize,
+        input_tokens: u64,
+        output_tokens: u32,
+    ) -> Result<Ticket, crate::sched::RejectReason> {
+        let in_pool = keys.get(..pool_blocks).unwrap_or(keys);
+        for &k in in_pool {
+            self.index.add_pool_replica(k);
+        }
+        let placed = self.place_inner(now_s, keys, input_tokens, output_tokens);
+        for &k in in_pool {
+            self.index.remove_pool_replica(k);
+        }
+        placed
+    }
+
+    fn place_inner(
+        &mut self,
+        now_s: f64,
+        keys: &[BlockKey],
+        input_tokens: u64,
+        output_tokens: u32,
+    ) -> Result<Ticket, crate::sched::RejectReason> {
         let req = Request {
             keys,
             input_tokens,
@@ -218,16 +268,7 @@ impl State {
         let work = p.ttft.fetch_s + p.ttft.prefill_s;
         let load = &mut self.prefill[p.prefill];
         load.free_at_s = load.free_at_s.max(now_s) + work;
-        if let Some(cache) = self.caches.get_mut(p.prefill) {
-            for &k in keys.iter().rev() {
-                if let Inserted::Added { evicted } = cache.insert(k) {
-                    self.index.add_local(k, p.prefill);
-                    if let Some(e) = evicted {
-                        self.index.remove_local(e, p.prefill);
-                    }
-                }
-            }
-        }
+        self.cache_blocks(p.prefill, keys);
         let request = self.next_request;
         self.next_request += 1;
         if let Some(q) = self.booked.get_mut(p.prefill) {
@@ -244,7 +285,31 @@ impl State {
             prefill: p.prefill,
             decode: p.decode,
             ttft_s: p.ttft.total_s(),
+            local_blocks: p.prefix.local_blocks,
+            pool_blocks: p.prefix.pool_blocks(),
         })
+    }
+
+    /// Prefill instance `instance` now holds `keys` (a prompt's leading blocks, first first) in
+    /// its cache: the mirror and the prefix index follow, the first block most recently used.
+    fn cache_blocks(&mut self, instance: usize, keys: &[BlockKey]) {
+        if let Some(cache) = self.caches.get_mut(instance) {
+            for &k in keys.iter().rev() {
+                if let Inserted::Added { evicted } = cache.insert(k) {
+                    self.index.add_local(k, instance);
+                    if let Some(e) = evicted {
+                        self.index.remove_local(e, instance);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A prefetch (replication) into prefill instance `instance` succeeded: it loaded `keys`
+    /// from the pool, so later placements count them as local there. Unknown instances are
+    /// ignored.
+    pub fn adopted(&mut self, instance: usize, keys: &[BlockKey]) {
+        self.cache_blocks(instance, keys);
     }
 
     /// The replication planned by the last accepted `place`, if any (taken once).
@@ -429,6 +494,7 @@ mod tests {
             },
             engine_cache_blocks: 100,
             tokenizer: tokenize::PromptTokenizer::Chunks { bytes: 4 },
+            pool: None,
         }
     }
 
@@ -464,12 +530,45 @@ mod tests {
                 targets: vec![1],
             })
         );
-        // Taken once; the mirror does not pretend instance 1 got the copy.
+        // Taken once; the mirror does not pretend instance 1 got the copy...
         assert_eq!(st.take_replication(), None);
         assert!(!st.index.holders(1).contains(1));
+        // ...until the engine reports that it loaded the first two blocks.
+        st.adopted(1, &[1, 2]);
+        assert!(st.index.holders(1).contains(1));
+        assert!(st.index.holders(2).contains(1));
+        assert!(!st.index.holders(3).contains(1));
+        st.adopted(99, &[1]);
         // A rejected or unrelated request plans nothing.
         st.place(0.0, &[9], 10, 5).unwrap();
         assert_eq!(st.take_replication(), None);
+    }
+
+    #[test]
+    fn pool_blocks_are_fetched_instead_of_prefilled_for_this_decision_only() {
+        let mut st = State::new(&config()).unwrap();
+        let keys = [1, 2, 3];
+        // The pool holds the first 2 of 3 blocks, no engine holds any: 20 bytes fetched at
+        // 1 GB/s (2e-8 s) and 10 tokens prefilled (0.1 s), on the first idle instance.
+        let a = st.place_with_pool(0.0, &keys, 2, 30, 5).unwrap();
+        assert_eq!((a.prefill, a.local_blocks, a.pool_blocks), (0, 0, 2));
+        assert!((a.ttft_s - (0.1 + 2e-8)).abs() < 1e-12, "{}", a.ttft_s);
+        // The pool's answer is not remembered; instance 0 now mirrors all 3 blocks locally.
+        assert_eq!(st.index.pool_replicas(1), 0);
+        assert!(st.index.holders(3).contains(0));
+        // A different prompt wholly in the pool: instance 1 (idle) fetches all 3 blocks and
+        // prefills nothing; instance 0 would queue behind a's 0.1 s.
+        let b = st.place_with_pool(0.0, &[4, 5, 6], 3, 30, 5).unwrap();
+        assert_eq!((b.prefill, b.local_blocks, b.pool_blocks), (1, 0, 3));
+        assert!((b.ttft_s - 3e-8).abs() < 1e-12, "{}", b.ttft_s);
+        // More pool blocks than keys is clamped to the keys.
+        let c = st.place_with_pool(0.0, &[7], 5, 10, 5).unwrap();
+        assert_eq!(c.pool_blocks, 1);
+        assert_eq!(st.index.pool_replicas(7), 0);
+        // Without the pool the same unseen prompt is prefilled in full (0.3 s).
+        let d = st.place(0.0, &[8, 9, 10], 30, 5).unwrap();
+        assert_eq!(d.pool_blocks, 0);
+        assert!(d.ttft_s >= 0.3 - 1e-12, "{}", d.ttft_s);
     }
 
     #[test]

@@ -26,10 +26,25 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::tokenize::TokenizeError;
-use super::{ConductorConfig, Engines, ReplicationTask, State, StateError, Ticket};
+use super::{ConductorConfig, Engines, PoolLookup, ReplicationTask, State, StateError, Ticket};
 use crate::admin::Readiness;
-use crate::sched::{RejectReason, block_keys};
+use crate::sched::{BlockKey, RejectReason, block_keys, pool_key};
 use crate::synthetic::api::{self, ApiError, Endpoint};
+
+/// Response header: prompt blocks the chosen prefill engine was expected to hold locally.
+pub const LOCAL_BLOCKS_HEADER: &str = "x-kvpool-local-blocks";
+/// Response header: prompt blocks it was expected to fetch from the pool.
+pub const POOL_BLOCKS_HEADER: &str = "x-kvpool-pool-blocks";
+/// Response header: the estimated time to first token of the placement, milliseconds.
+pub const TTFT_HEADER: &str = "x-kvpool-ttft-estimate-ms";
+
+/// Prefetch requests (hot-prefix copies) in flight at most; more tasks are dropped and counted.
+pub const MAX_PREFETCHES_IN_FLIGHT: usize = 8;
+/// After a pool lookup fails or times out, requests skip the lookup this long, so a master that
+/// is down or hanging costs at most one timeout per interval rather than one per request.
+pub const POOL_LOOKUP_BACKOFF: std::time::Duration = std::time::Duration::from_secs(2);
+/// Longest wait for an engine to finish one prefetch.
+const PREFETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Largest upstream prefill response read, bytes.
 const MAX_PREFILL_RESPONSE: usize = 1 << 20;
@@ -130,6 +145,14 @@ struct Shared {
     replication_tasks: IntCounter,
     replication_blocks: IntCounterVec,
     engines: IntGaugeVec,
+    pool_lookups: IntCounterVec,
+    prefetches: IntCounterVec,
+    /// Bounds the prefetch requests in flight; a task finding none free is dropped.
+    prefetch_slots: Arc<tokio::sync::Semaphore>,
+    /// After a failed or slow pool lookup, no lookups until then (requests go local-only).
+    pool_backoff_until: parking_lot::Mutex<Option<Instant>>,
+    /// Prefill engines that answered a prefetch with 404: not asked again.
+    no_prefetch: parking_lot::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Shared {
@@ -320,29 +343,153 @@ fn upstream_failed(shared: &Shared, err: &UpstreamError) -> Response {
         .into_response()
 }
 
-/// Counts and logs a replication task; the master does not execute them yet. `prefill` is the
-/// engine set the task's target indices refer to.
-fn report_replication(shared: &Shared, task: &ReplicationTask, prefill: &[String]) {
+/// Counts, logs and executes a replication task: each target engine is asked to prefetch the
+/// blocks from the pool ([`prefetch`]). `prefill` is the engine set the task's target indices
+/// refer to.
+fn replicate(shared: &Arc<Shared>, task: &ReplicationTask, prefill: &[String]) {
     shared.replication_tasks.inc();
-    for &t in &task.targets {
-        let url = prefill.get(t).map_or("unknown", String::as_str);
-        shared
-            .replication_blocks
-            .with_label_values(&[url])
-            .inc_by(task.keys.len() as u64);
-    }
-    let targets: Vec<&str> = task
+    let targets: Vec<&String> = task
         .targets
         .iter()
-        .filter_map(|&t| prefill.get(t).map(String::as_str))
+        .filter_map(|&t| prefill.get(t))
         .collect();
+    for url in &targets {
+        shared
+            .replication_blocks
+            .with_label_values(&[url.as_str()])
+            .inc_by(task.keys.len() as u64);
+    }
     tracing::info!(
         blocks = task.keys.len(),
         first_key = task.keys.first().copied().unwrap_or(0),
         last_key = task.keys.last().copied().unwrap_or(0),
         ?targets,
-        "hot prefix: replication task planned (not executed until the master supports it)"
+        "hot prefix: asking engines to prefetch it from the pool"
     );
+    for url in targets {
+        prefetch(shared, url.clone(), task.keys.clone());
+    }
+}
+
+/// Fire and forget: asks prefill engine `url` to load `keys` from the pool, within the bound on
+/// prefetches in flight. When it reports N leading blocks loaded, the cache mirror of that
+/// engine (found again by URL) gets them. A 404 means the engine cannot prefetch: it is not
+/// asked again. Every attempt is counted by outcome.
+fn prefetch(shared: &Arc<Shared>, url: String, keys: Vec<BlockKey>) {
+    let count = |outcome: &str| shared.prefetches.with_label_values(&[outcome]).inc();
+    if shared.no_prefetch.lock().contains(&url) {
+        count("skipped_unsupported");
+        return;
+    }
+    let Ok(permit) = shared.prefetch_slots.clone().try_acquire_owned() else {
+        count("busy");
+        return;
+    };
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let _permit = permit;
+        let target = format!("{}{}", url.trim_end_matches('/'), api::PREFETCH_PATH);
+        let body = api::prefetch_body(&keys);
+        let outcome = match tokio::time::timeout(PREFETCH_TIMEOUT, async {
+            let resp = shared.post(target.clone(), &body).await?;
+            let status = resp.status();
+            let bytes = axum::body::to_bytes(resp.into_body(), MAX_PREFILL_RESPONSE)
+                .await
+                .map_err(|source| UpstreamError::Read {
+                    url: target.clone(),
+                    source,
+                })?;
+            Ok::<_, UpstreamError>((status, bytes))
+        })
+        .await
+        {
+            Err(_) => {
+                tracing::warn!(%url, "prefetch timed out");
+                "timeout"
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(%url, error = %e, source = ?std::error::Error::source(&e),
+                    "prefetch failed");
+                "error"
+            }
+            Ok(Ok((StatusCode::NOT_FOUND, _))) => {
+                tracing::info!(%url, "engine does not support prefetch; not asking it again");
+                shared.no_prefetch.lock().insert(url.clone());
+                "unsupported"
+            }
+            Ok(Ok((status, bytes))) if status.is_success() => {
+                let loaded = serde_json::from_slice::<Value>(&bytes)
+                    .ok()
+                    .and_then(|v| v.get("loaded").and_then(Value::as_u64))
+                    .map(|n| usize::try_from(n).unwrap_or(usize::MAX).min(keys.len()));
+                match loaded {
+                    Some(n) => {
+                        let mut m = shared.members.lock();
+                        let Members { engines, state, .. } = &mut *m;
+                        if let (Some(i), Some(state)) = (
+                            engines.prefill.iter().position(|u| *u == url),
+                            state.as_mut(),
+                        ) {
+                            state.adopted(i, keys.get(..n).unwrap_or(&keys));
+                        }
+                        "ok"
+                    }
+                    None => {
+                        tracing::warn!(%url, "prefetch answer lacks a numeric `loaded`");
+                        "error"
+                    }
+                }
+            }
+            Ok(Ok((status, _))) => {
+                tracing::warn!(%url, %status, "prefetch refused");
+                "error"
+            }
+        };
+        shared.prefetches.with_label_values(&[outcome]).inc();
+    });
+}
+
+/// How many leading blocks of `keys` the pool holds, by one `longest_prefix` call to the
+/// master under `pool.timeout`. A failed or slow call is counted and answers 0: the request is
+/// then placed on the engines' local caches alone, and so are those of the next
+/// [`POOL_LOOKUP_BACKOFF`] (counted as `backoff`).
+async fn pool_prefix(shared: &Shared, pool: &PoolLookup, keys: &[BlockKey]) -> usize {
+    if keys.is_empty() {
+        return 0;
+    }
+    if shared
+        .pool_backoff_until
+        .lock()
+        .is_some_and(|until| Instant::now() < until)
+    {
+        shared.pool_lookups.with_label_values(&["backoff"]).inc();
+        return 0;
+    }
+    let names: Vec<Vec<u8>> = keys
+        .iter()
+        .map(|&k| pool_key(&shared.config.model, k))
+        .collect();
+    let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
+    let (outcome, blocks) =
+        match tokio::time::timeout(pool.timeout, pool.client.longest_prefix(&refs)).await {
+            Ok(Ok(0)) => ("miss", 0),
+            Ok(Ok(n)) => ("hit", n.min(keys.len())),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, source = ?std::error::Error::source(&e),
+                    "pool lookup failed; placing on local caches only");
+                ("error", 0)
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?pool.timeout,
+                    "pool lookup timed out; placing on local caches only");
+                ("timeout", 0)
+            }
+        };
+    if matches!(outcome, "error" | "timeout") {
+        *shared.pool_backoff_until.lock() = Some(Instant::now() + POOL_LOOKUP_BACKOFF);
+    }
+    shared.pool_lookups.with_label_values(&[outcome]).inc();
+    blocks
 }
 
 async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes) -> Response {
@@ -374,6 +521,11 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             return (status, Json(error_body(format!("{e}"), kind, "prompt"))).into_response();
         }
     };
+    let keys = block_keys(&tokens, shared.config.scheduler.block_size);
+    let in_pool = match &shared.config.pool {
+        Some(pool) => pool_prefix(&shared, pool, &keys).await,
+        None => 0,
+    };
     let placed = {
         let mut members = shared.members.lock();
         let epoch = members.epoch;
@@ -382,11 +534,11 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             drop(members);
             return no_engines(&shared.requests);
         };
-        let keys = block_keys(&tokens, state.block_size());
         let now = shared.now_s();
-        let placed = state.place(now, &keys, tokens.len() as u64, req.max_tokens);
+        let placed =
+            state.place_with_pool(now, &keys, in_pool, tokens.len() as u64, req.max_tokens);
         if let Some(task) = state.take_replication() {
-            report_replication(&shared, &task, &engines.prefill);
+            replicate(&shared, &task, &engines.prefill);
         }
         match placed {
             Ok(ticket) => match (
@@ -487,6 +639,17 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             out.headers_mut().insert(name, v.clone());
         }
     }
+    // What the placement assumed, for clients and tests (docs/engine-contract.md).
+    let t = &placed.ticket;
+    for (name, value) in [
+        (LOCAL_BLOCKS_HEADER, t.local_blocks.to_string()),
+        (POOL_BLOCKS_HEADER, t.pool_blocks.to_string()),
+        (TTFT_HEADER, format!("{:.3}", t.ttft_s * 1e3)),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            out.headers_mut().insert(name, v);
+        }
+    }
     out
 }
 
@@ -522,15 +685,34 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     .map_err(ServerError::Metrics)?;
     let replication_tasks = IntCounter::new(
         "kvpool_conductor_replication_tasks_total",
-        "Hot-prefix replication tasks planned (reported only: nothing executes them yet)",
+        "Hot-prefix replication tasks planned (each sends prefetch requests to its targets)",
     )
     .map_err(ServerError::Metrics)?;
     let replication_blocks = IntCounterVec::new(
         Opts::new(
             "kvpool_conductor_replication_blocks_total",
-            "Blocks that hot-prefix replication tasks would copy, by target prefill engine URL",
+            "Blocks that hot-prefix replication tasks ask to copy, by target prefill engine URL",
         ),
         &["target"],
+    )
+    .map_err(ServerError::Metrics)?;
+    let pool_lookups = IntCounterVec::new(
+        Opts::new(
+            "kvpool_conductor_pool_lookups_total",
+            "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
+             timeout, and backoff: skipped after a failure; all but hit and miss place the \
+             request on local caches only)",
+        ),
+        &["outcome"],
+    )
+    .map_err(ServerError::Metrics)?;
+    let prefetches = IntCounterVec::new(
+        Opts::new(
+            "kvpool_conductor_prefetches_total",
+            "Prefetch requests of hot-prefix replication by outcome (ok, unsupported, error, \
+             timeout; busy and skipped_unsupported were not sent)",
+        ),
+        &["outcome"],
     )
     .map_err(ServerError::Metrics)?;
     let engines = IntGaugeVec::new(
@@ -547,6 +729,8 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         Box::new(replication_tasks.clone()),
         Box::new(replication_blocks.clone()),
         Box::new(engines.clone()),
+        Box::new(pool_lookups.clone()),
+        Box::new(prefetches.clone()),
     ] {
         registry.register(c).map_err(ServerError::Metrics)?;
     }
@@ -554,6 +738,11 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     // before the first request instead of an absent one.
     for outcome in ["ok", "rejected"] {
         requests.with_label_values(&[outcome]);
+    }
+    if config.pool.is_some() {
+        for outcome in ["hit", "miss", "error", "timeout", "backoff"] {
+            pool_lookups.with_label_values(&[outcome]);
+        }
     }
     let initial = config.engines();
     engines
@@ -581,6 +770,11 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         replication_tasks,
         replication_blocks,
         engines,
+        pool_lookups,
+        prefetches,
+        prefetch_slots: Arc::new(tokio::sync::Semaphore::new(MAX_PREFETCHES_IN_FLIGHT)),
+        no_prefetch: Default::default(),
+        pool_backoff_until: parking_lot::Mutex::new(None),
     });
     let router = Router::new()
         .route(

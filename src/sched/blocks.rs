@@ -15,6 +15,14 @@ pub type BlockKey = u64;
 /// Seed of the first block's hash.
 pub const CHAIN_SEED: u64 = 0;
 
+/// Name of a block in the pool (the master's key) for the engines serving `model`:
+/// `kvpool/synthetic/<model>/<key as 16 lowercase hex digits>`. The one naming contract shared
+/// by the engines that write blocks (the synthetic engine, real engines' connectors) and the
+/// conductor that asks the master which blocks exist (docs/engine-contract.md).
+pub fn pool_key(model: &str, key: BlockKey) -> Vec<u8> {
+    format!("kvpool/synthetic/{model}/{key:016x}").into_bytes()
+}
+
 /// Number of blocks (the last one possibly partial) that `tokens` tokens occupy.
 pub fn block_count(tokens: u64, block_size: NonZeroU32) -> u64 {
     tokens.div_ceil(u64::from(block_size.get()))
@@ -104,5 +112,17 @@ mod tests {
         assert_eq!(block_count(512, bs(512)), 1);
         assert_eq!(block_count(513, bs(512)), 2);
         assert_eq!(block_count(6758, bs(512)), 14);
+    }
+
+    #[test]
+    fn pool_key_is_the_documented_name() {
+        assert_eq!(
+            pool_key("llama", 0x00ab_cdef_0123_4567),
+            b"kvpool/synthetic/llama/00abcdef01234567".to_vec()
+        );
+        assert_eq!(
+            pool_key("m", u64::MAX),
+            b"kvpool/synthetic/m/ffffffffffffffff".to_vec()
+        );
     }
 }

@@ -9,7 +9,7 @@ pub mod index;
 pub mod lru;
 pub mod policy;
 
-pub use blocks::{BlockKey, block_count, block_keys, text_tokens};
+pub use blocks::{BlockKey, block_count, block_keys, pool_key, text_tokens};
 pub use cost::{DecodeCost, FitError, PrefillCost};
 pub use index::{IndexError, InstanceMask, PrefixIndex, PrefixMatch};
 pub use lru::{Inserted, LruSet};

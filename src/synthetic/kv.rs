@@ -142,10 +142,9 @@ pub fn scale_bytes(bytes: u64, scale: f64) -> Result<u64, KvError> {
     Ok((scaled as u64).max(1))
 }
 
-/// The block's key in the pool: readable, and distinct per served model.
-pub fn pool_key(model: &str, key: BlockKey) -> Vec<u8> {
-    format!("kvpool/synthetic/{model}/{key:016x}").into_bytes()
-}
+/// The block's key in the pool: readable, and distinct per served model (the shared contract,
+/// defined once in `sched` so that the conductor's pool lookups use the same names).
+pub use crate::sched::pool_key;
 
 fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);

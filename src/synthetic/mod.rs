@@ -74,6 +74,16 @@ impl EngineCore {
         keys.iter().take_while(|&&k| self.cache.contains(k)).count()
     }
 
+    /// Puts `keys` (a prompt's leading blocks, first first, loaded from the pool by a prefetch)
+    /// in the prefix cache, the first most recently used; stops when the cache is full.
+    pub fn adopt(&mut self, keys: &[BlockKey]) {
+        for &k in keys.iter().rev() {
+            if let Inserted::NoCapacity = self.cache.insert(k) {
+                break;
+            }
+        }
+    }
+
     /// As `prefill`, when the first `external_blocks` blocks of the prompt were also loaded from
     /// outside (the pool): the cached prefix is the longer of the two.
     pub fn prefill_with(&mut self, tokens: &[u32], external_blocks: usize) -> PrefillPlan {
@@ -134,5 +144,11 @@ mod tests {
         let p = core.prefill_with(&c, 2);
         assert_eq!(p.cached_tokens, 8);
         assert_eq!(core.local_prefix(&keys), 3);
+        // Prefetched blocks are cached before any prompt asks for them.
+        let d: Vec<u32> = (200..212).collect();
+        let keys = block_keys(&d, NonZeroU32::new(4).unwrap());
+        core.adopt(&keys[..2]);
+        assert_eq!(core.local_prefix(&keys), 2);
+        assert_eq!(core.prefill(&d).cached_tokens, 8);
     }
 }

@@ -57,6 +57,7 @@ struct Metrics {
     kv_blocks_written: IntCounter,
     kv_verify_failures: IntCounter,
     kv_errors: IntCounterVec,
+    prefetches: IntCounterVec,
 }
 
 impl Metrics {
@@ -112,7 +113,15 @@ impl Metrics {
                 ),
                 &["op"],
             )?,
+            prefetches: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_engine_prefetch_requests_total",
+                    "Prefetch requests by outcome (ok, unsupported without an agent, invalid, error)",
+                ),
+                &["outcome"],
+            )?,
         };
+        registry.register(Box::new(m.prefetches.clone()))?;
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.prompt_tokens.clone()))?;
         registry.register(Box::new(m.cached_tokens.clone()))?;
@@ -243,6 +252,58 @@ async fn load_from_pool(
     let have = local.max(loaded);
     m.kv_block_misses.inc_by((keys.len() - have) as u64);
     (loaded, to_write)
+}
+
+/// `POST /kvpool/v1/prefetch`: reads the named blocks beyond the local cache from the pool,
+/// verifying every byte, and caches the leading ones that arrived whole. Without an agent there
+/// is no pool to read: 404, which tells the conductor to stop asking.
+async fn prefetch(shared: Arc<Shared>, body: Bytes) -> Response {
+    let m = &shared.metrics;
+    let Some(kv) = &shared.kv else {
+        m.prefetches.with_label_values(&["unsupported"]).inc();
+        return (
+            StatusCode::NOT_FOUND,
+            Json(serde_json::json!({"error": {
+                "message": "this engine has no node agent: prefetch is not supported",
+                "type": "not_found", "param": null, "code": "prefetch_unsupported"}})),
+        )
+            .into_response();
+    };
+    let keys = match api::parse_prefetch(&body) {
+        Ok(k) => k,
+        Err(e) => {
+            m.prefetches.with_label_values(&["invalid"]).inc();
+            return error_response(&shared, &e);
+        }
+    };
+    let local = shared.core.lock().local_prefix(&keys);
+    let mut held = local;
+    if let Some(rest) = keys.get(local..).filter(|r| !r.is_empty()) {
+        match kv.read_prefix(rest).await {
+            Ok(read) => {
+                m.kv_read_bytes.inc_by(read.bytes);
+                m.kv_block_hits.inc_by(read.verified as u64);
+                m.kv_verify_failures.inc_by(read.corrupt as u64);
+                held += read.verified;
+            }
+            Err(e) => {
+                m.kv_errors.with_label_values(&[e.category()]).inc();
+                m.prefetches.with_label_values(&["error"]).inc();
+                tracing::warn!(error = %e, "prefetch: cannot read KV blocks from the agent");
+                return (
+                    StatusCode::BAD_GATEWAY,
+                    Json(serde_json::json!({"error": {
+                        "message": format!("cannot read from the node agent: {e}"),
+                        "type": "upstream_error", "param": null, "code": "agent"}})),
+                )
+                    .into_response();
+            }
+        }
+    }
+    let loaded = keys.get(..held).unwrap_or(&keys);
+    shared.core.lock().adopt(loaded);
+    m.prefetches.with_label_values(&["ok"]).inc();
+    Json(serde_json::json!({"loaded": held})).into_response()
 }
 
 async fn store_in_pool(shared: &Shared, kv: &AgentKv, keys: &[BlockKey]) {
@@ -421,6 +482,12 @@ pub fn router_with_agent(
             get(move |State(s): State<Arc<Shared>>| async move {
                 Json(api::models_body(&s.config.model, created))
             }),
+        )
+        .route(
+            api::PREFETCH_PATH,
+            post(
+                |State(s): State<Arc<Shared>>, body: Bytes| async move { prefetch(s, body).await },
+            ),
         )
         .with_state(shared))
 }

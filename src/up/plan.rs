@@ -200,6 +200,13 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         s.block_size.to_string(),
         "--chunk-bytes".into(),
         s.chunk_bytes.to_string(),
+        "--bytes-per-token".into(),
+        s.kv_bytes_per_token.to_string(),
+        // The conductor asks the master which prompt blocks the engines left in the pool.
+        "--master".into(),
+        grpc.to_string(),
+        "--auth-key-file".into(),
+        key_file(&s.dir).display().to_string(),
     ];
     for url in &prefill_urls {
         args.extend(["--prefill".into(), url.clone()]);
@@ -286,6 +293,10 @@ mod tests {
         assert!(
             joined.contains("--prefill http://127.0.0.1:1004 --prefill http://127.0.0.1:1006 --decode http://127.0.0.1:1008"),
             "{joined}"
+        );
+        assert!(
+            joined.contains("--master 127.0.0.1:1000 --auth-key-file /run/up/auth.key"),
+            "the conductor reads the pool through the master: {joined}"
         );
         assert_eq!(conductor.endpoint.as_deref(), Some("http://127.0.0.1:1010"));
     }
