@@ -161,6 +161,7 @@ pub fn engine_selector(pool: &str, role: Role) -> String {
 pub fn conductor_args(
     pool: &str,
     namespace: &str,
+    master_addr: &str,
     ttft_slo_ms: u64,
     tpot_slo_ms: u64,
 ) -> Vec<String> {
@@ -182,6 +183,11 @@ pub fn conductor_args(
         engine_selector(pool, Role::Decode),
         "--engine-port".to_owned(),
         ENGINE_PORT.to_string(),
+        // The pool's contents feed the prefix index: one longest-prefix lookup per request.
+        "--master".to_owned(),
+        master_addr.to_owned(),
+        "--auth-key-file".to_owned(),
+        auth_key_path(),
     ]
 }
 
@@ -288,7 +294,7 @@ mod tests {
 
     #[test]
     fn conductor_args_carry_slos_in_seconds() {
-        let args = conductor_args("cache", "llm", 2000, 50);
+        let args = conductor_args("cache", "llm", "cache-master.llm.svc:50051", 2000, 50);
         assert_eq!(args[0], "conductor");
         assert!(
             args.windows(2)
@@ -300,6 +306,14 @@ mod tests {
                 "app.kubernetes.io/name=kvpool,kvpool.dev/pool=cache,kvpool.dev/component=prefill"
             ]));
         assert!(args.windows(2).any(|w| w == ["--engine-port", "8000"]));
+        assert!(
+            args.windows(2)
+                .any(|w| w == ["--master", "cache-master.llm.svc:50051"])
+        );
+        assert!(
+            args.windows(2)
+                .any(|w| w == ["--auth-key-file", "/etc/kvpool/auth/key"])
+        );
         assert!(args.windows(2).any(|w| w == ["--ttft-slo-s", "2"]));
         assert!(args.windows(2).any(|w| w == ["--tpot-slo-s", "0.05"]));
         assert_eq!(millis_as_secs(1500), "1.5");

@@ -597,6 +597,7 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
         args: Some(contract::conductor_args(
             &pool.name,
             &pool.namespace,
+            &pool.master_addr(),
             slo.map_or(
                 u64::from(kvpool::crd::defaults::TTFT_MILLIS.unsigned_abs()),
                 |s| u64::from(s.ttft_millis),
@@ -1008,7 +1009,11 @@ mod tests {
                 "--decode-selector",
                 "app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=decode",
                 "--engine-port",
-                "8000"
+                "8000",
+                "--master",
+                "roce-master.llm.svc:50051",
+                "--auth-key-file",
+                "/etc/kvpool/auth/key"
             ]
         );
         assert_eq!(
