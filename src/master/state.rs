@@ -19,8 +19,8 @@ use super::alloc::{ExtentAllocator, PAGE_BYTES, pages_for};
 use super::clock::Clock;
 use super::policy::{Policy, PolicyKind};
 use super::types::{
-    AdoptItem, GetResult, Lease, ObjectKey, PutOptions, PutStarted, ReplicaInfo, SegmentSpec, Spread, Task,
-    TaskKind, Tier, Watermarks,
+    AdoptItem, GetResult, Lease, ObjectKey, PutOptions, PutStarted, ReplicaInfo, SegmentSpec,
+    Spread, Task, TaskKind, Tier, Watermarks,
 };
 
 /// Tunables of the metadata core.
@@ -571,10 +571,9 @@ impl MasterState {
             });
         };
         let capacity = seg.alloc.capacity_bytes();
-        let (Some(pages), Some(end)) = (
-            pages_for(item.length),
-            item.offset.checked_add(item.length),
-        ) else {
+        let (Some(pages), Some(end)) =
+            (pages_for(item.length), item.offset.checked_add(item.length))
+        else {
             return bad(format!("length {} is too large", item.length));
         };
         if end > capacity {

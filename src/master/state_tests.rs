@@ -1109,7 +1109,7 @@ fn adopting_into_an_empty_master_creates_committed_ssd_objects() {
     let reps = put(&mut m, key(3), MIB, &opts(1));
     let o = reps[0].offset;
     assert!(
-        o >= 3 * PAGE_BYTES + MIB,
+        o >= 2 * PAGE_BYTES + MIB,
         "offset {o} overlaps the adopted bytes 0..{}",
         2 * PAGE_BYTES + MIB
     );
@@ -1147,9 +1147,7 @@ fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
     let (mut m, _clock) = master(MasterConfig::default());
     m.mount(spec("a", "dram0", Tier::Dram, 16 * MIB))
         .expect("dram");
-    let ssd = m
-        .mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB))
-        .expect("ssd");
+    let ssd = m.mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB)).expect("ssd");
     put(&mut m, key(1), MIB, &opts(1));
     let r = m
         .adopt(
@@ -1182,8 +1180,18 @@ fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
         };
         assert_eq!(e.category(), expected, "item {i}: {e}");
     }
-    assert!(r[1].as_ref().expect_err("overlap").to_string().contains("overlap"));
-    assert!(r[2].as_ref().expect_err("bounds").to_string().contains("outside"));
+    assert!(
+        r[1].as_ref()
+            .expect_err("overlap")
+            .to_string()
+            .contains("overlap")
+    );
+    assert!(
+        r[2].as_ref()
+            .expect_err("bounds")
+            .to_string()
+            .contains("outside")
+    );
     assert_eq!(m.stats().objects, 2);
     assert_eq!(m.stats().used_bytes[1], 2 * PAGE_BYTES);
     assert_eq!(m.get(key(1)).expect("get").size, MIB);
@@ -1244,9 +1252,7 @@ fn adopted_replicas_are_freed_by_remove_and_eviction() {
 fn adopted_objects_reach_the_journal() {
     let (mut m, _clock) = master(MasterConfig::default());
     m.enable_journal();
-    let ssd = m
-        .mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB))
-        .expect("ssd");
+    let ssd = m.mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB)).expect("ssd");
     m.take_journal();
     m.adopt("a", ssd, &[adopt_item(key(1), PAGE_BYTES, 10)])
         .expect("adopt");
