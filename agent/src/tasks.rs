@@ -19,7 +19,8 @@ use kvpool::transfer::{self, BatchFailed, TransferEngine, TransferOp, TransferRe
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
-use crate::pool::{PoolMetrics, PoolRegistrar};
+use crate::pool::{PoolMetrics, PoolRegistrar, SSD_SEGMENT};
+use crate::ssd::pool::PoolIndexError;
 
 /// Tasks waiting for a slot, per allowed concurrent task; beyond that a task is refused (the
 /// master schedules it again later).
@@ -62,6 +63,10 @@ pub enum TaskError {
     Copy(#[source] transfer::MemoryError),
     #[error("the copy worker failed: {0}")]
     Join(String),
+    #[error("reading back the copied block to checksum it")]
+    ReadBack(#[source] transfer::MemoryError),
+    #[error("recording the block in the SSD index")]
+    Index(#[source] PoolIndexError),
 }
 
 impl TaskError {
@@ -77,6 +82,8 @@ impl TaskError {
             TaskError::Transfer { .. } => "transfer",
             TaskError::Copy(_) => "copy",
             TaskError::Join(_) => "join",
+            TaskError::ReadBack(_) => "read_back",
+            TaskError::Index(_) => "index",
         }
     }
 }
@@ -134,6 +141,7 @@ pub fn execute(
             len,
         )
         .map_err(TaskError::Copy)?;
+        record_ssd_write(registrar, task, &target)?;
         return Ok(dst.length);
     }
     let desc = data::descriptor(src).map_err(TaskError::Source)?;
@@ -146,7 +154,7 @@ pub fn execute(
     engine
         .transfer(vec![TransferRequest {
             op: TransferOp::Read,
-            local: target,
+            local: target.clone(),
             local_offset: dst.offset,
             remote,
             remote_offset: src.offset,
@@ -156,8 +164,47 @@ pub fn execute(
             name: desc.name.clone(),
             source,
         })?;
+    record_ssd_write(registrar, task, &target)?;
     Ok(dst.length)
 }
+
+/// After a copy into the SSD segment: checksum the bytes as they landed, flush the data file
+/// and record the block in the durable index (before the master hears of the success).
+fn record_ssd_write(
+    registrar: &PoolRegistrar,
+    task: &Task,
+    target: &transfer::LocalSegment,
+) -> Result<(), TaskError> {
+    let dst = &task.target;
+    if dst.segment != SSD_SEGMENT {
+        return Ok(());
+    }
+    let Some(index) = registrar.ssd_index() else {
+        return Ok(());
+    };
+    let mut crc = 0u32;
+    let mut buf = vec![0u8; READ_BACK_CHUNK];
+    let mut pos = 0u64;
+    while pos < dst.length {
+        let n = usize::try_from(dst.length - pos)
+            .unwrap_or(usize::MAX)
+            .min(READ_BACK_CHUNK);
+        let chunk = buf.get_mut(..n).unwrap_or_default();
+        target
+            .segment()
+            .read_at(dst.offset + pos, chunk)
+            .map_err(TaskError::ReadBack)?;
+        crc = crc32c::crc32c_append(crc, chunk);
+        pos += n as u64;
+    }
+    index
+        .lock()
+        .record(task.key, dst.offset, dst.length, crc)
+        .map_err(TaskError::Index)
+}
+
+/// Bytes checksummed at once when recording an SSD write.
+const READ_BACK_CHUNK: usize = 1 << 20;
 
 struct Inner {
     engine: TransferEngine,
