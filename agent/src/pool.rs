@@ -117,7 +117,8 @@ pub struct PoolMetrics {
     pub ssd_blocks_dropped: IntCounterVec,
     /// `kvpool_agent_pool_ssd_blocks_adopted_total`: recovered SSD blocks the master adopted.
     pub ssd_blocks_adopted: IntCounter,
-    /// `kvpool_agent_pool_ssd_index_blocks`: blocks in the durable SSD index.
+    /// `kvpool_agent_pool_ssd_index_blocks`: blocks in the durable SSD index as of its last
+    /// sync.
     pub ssd_index_blocks: IntGauge,
 }
 
@@ -591,11 +592,13 @@ impl PoolLink {
         let metrics = self.metrics.clone();
         let synced = tokio::task::spawn_blocking(move || {
             let mut idx = index.lock();
+            idx.sync()?;
+            // Set after the sync: the gauge counts blocks that are durably indexed.
             if let Some(m) = &metrics {
                 m.ssd_index_blocks
                     .set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
             }
-            idx.sync()
+            Ok::<(), crate::ssd::pool::PoolIndexError>(())
         })
         .await;
         match synced {

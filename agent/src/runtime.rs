@@ -274,11 +274,14 @@ async fn serve_data_plane(
         cfg.api.limits.clone(),
     );
     if let LocalOrPool::Pool(member) = &pool {
-        service = service.with_pool(PoolApi::new(
-            member.client.clone(),
-            cfg.node_name.clone(),
-            member.replicas,
-        ));
+        service = service.with_pool(
+            PoolApi::new(
+                member.client.clone(),
+                cfg.node_name.clone(),
+                member.replicas,
+            )
+            .with_ssd_index(member.registrar.ssd_index()),
+        );
     }
     tracing::info!(socket = %socket_path.display(), "engine API listening");
 
