@@ -558,7 +558,7 @@ impl MasterState {
         if item.length == 0 {
             return bad("length must be > 0".into());
         }
-        if item.offset % PAGE_BYTES != 0 {
+        if !item.offset.is_multiple_of(PAGE_BYTES) {
             return bad(format!(
                 "offset {} is not aligned to {PAGE_BYTES} bytes",
                 item.offset
