@@ -374,8 +374,10 @@ pub struct PoolLink {
     metrics: Option<PoolMetrics>,
     engine: Option<TransferEngine>,
     healthy: Arc<watch::Sender<bool>>,
-    /// Master id of the SSD segment while its recovered blocks are still to be announced.
-    adopt_pending: Arc<Mutex<Option<u32>>>,
+    /// Master id of the SSD segment while its recovered blocks are still to be announced, and
+    /// how many of them were already answered (a retry resumes there: announcing an adopted
+    /// block again would be refused as a duplicate).
+    adopt_pending: Arc<Mutex<Option<(u32, usize)>>>,
 }
 
 impl PoolLink {
@@ -457,7 +459,7 @@ impl PoolLink {
                     tracing::info!(segment = %spec.name, id, "segment mounted with the master");
                     self.registrar.set_mounted(&spec.name, id);
                     if spec.name == SSD_SEGMENT && self.registrar.ssd_index().is_some() {
-                        *self.adopt_pending.lock() = Some(id);
+                        *self.adopt_pending.lock() = Some((id, 0));
                     }
                 }
                 Err(e) => tracing::warn!(segment = %spec.name, error = %e,
@@ -514,7 +516,7 @@ impl PoolLink {
     /// blocks it holds become replicas again. Refused blocks are forgotten; a failed call is
     /// retried on the next pass.
     async fn announce_ssd(&self) {
-        let Some(id) = *self.adopt_pending.lock() else {
+        let Some((id, done)) = *self.adopt_pending.lock() else {
             return;
         };
         let Some(index) = self.registrar.ssd_index() else {
@@ -523,7 +525,8 @@ impl PoolLink {
         let blocks = index.lock().blocks();
         let mut adopted = 0u64;
         let mut refused: Vec<PoolBlock> = Vec::new();
-        for chunk in blocks.chunks(ADOPT_BATCH) {
+        let mut answered = done;
+        for chunk in blocks.get(done..).unwrap_or_default().chunks(ADOPT_BATCH) {
             let items: Vec<AdoptItem> = chunk
                 .iter()
                 .map(|b| AdoptItem {
@@ -538,6 +541,7 @@ impl PoolLink {
                 .await
             {
                 Ok(results) => {
+                    answered += chunk.len();
                     for (b, r) in chunk.iter().zip(results) {
                         match r {
                             Ok(()) => adopted += 1,
@@ -550,16 +554,20 @@ impl PoolLink {
                     }
                 }
                 Err(e) => {
-                    // Adopted items stay adopted; announcing them again is refused as a
-                    // duplicate, which only costs a warning. Unknown node: the next pass
-                    // remounts and announces again.
+                    // The next pass resumes after the answered batches. Unknown node: the next
+                    // pass remounts (a new segment id) and announces everything again.
                     tracing::warn!(error = %e, category = e.category(),
                         "announcing recovered SSD blocks failed; retrying");
-                    return;
+                    break;
                 }
             }
         }
-        *self.adopt_pending.lock() = None;
+        {
+            let mut pending = self.adopt_pending.lock();
+            if *pending == Some((id, done)) {
+                *pending = (answered < blocks.len()).then_some((id, answered));
+            }
+        }
         {
             let mut idx = index.lock();
             for b in &refused {
