@@ -593,6 +593,47 @@ mod tests {
     }
 
     #[test]
+    fn a_demotion_into_ssd0_is_recorded_in_the_index_with_its_checksum() {
+        let e = engine("a");
+        let r = registrar("a", &e);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path().join("pool-ssd.dat");
+        let (index, _) =
+            crate::ssd::pool::PoolSsdIndex::open(dir.path(), &data, 1 << 16).expect("index");
+        // Without an index nothing is recorded (and nothing fails).
+        let value: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        let len = value.len() as u64;
+        r.local("dram0")
+            .expect("dram0")
+            .segment()
+            .write_at(0, &value)
+            .expect("seed");
+        let t = task(
+            TaskKind::Demote,
+            replica("a", "dram0", Tier::Dram, 0, len),
+            replica("a", "ssd0", Tier::Ssd, 8192, len),
+        );
+        assert_eq!(execute(&e, &r, &t).expect("demote"), len);
+        r.set_ssd_index(index);
+        let shared = r.ssd_index().expect("index set");
+        assert!(shared.lock().is_empty());
+        assert_eq!(execute(&e, &r, &t).expect("demote"), len);
+        let blocks = shared.lock().blocks();
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(blocks[0].key, ObjectKey::from_bytes(b"k"));
+        assert_eq!((blocks[0].offset, blocks[0].length), (8192, len));
+        assert_eq!(blocks[0].crc, crc32c::crc32c(&value));
+        // A copy into DRAM is not indexed.
+        let into_dram = task(
+            TaskKind::Repair,
+            replica("a", "ssd0", Tier::Ssd, 8192, len),
+            replica("a", "dram0", Tier::Dram, 16384, len),
+        );
+        assert_eq!(execute(&e, &r, &into_dram).expect("copy"), len);
+        assert_eq!(shared.lock().len(), 1);
+    }
+
+    #[test]
     fn repair_reads_the_source_over_tcp_into_the_target() {
         // Node "b" holds the surviving replica and serves it on loopback.
         let eb = engine("b");
