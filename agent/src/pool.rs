@@ -2,8 +2,9 @@
 //! huge pages and locked as configured) and the pool-mode SSD segment are registered with the
 //! transfer engine by [`PoolRegistrar`] and mounted with the master by [`PoolLink`], which also
 //! heartbeats, hands the master's tasks to [`crate::tasks::TaskRunner`], remounts after the
-//! master declared the node dead, reports readiness (all segments mounted, heartbeat accepted)
-//! and unmounts on shutdown. The master is the only allocator of those bytes: the agent never
+//! master declared the node dead, announces the SSD segment's durable index
+//! ([`crate::ssd::pool`]) for adoption after each mount and fsyncs it once per pass, reports
+//! readiness (all segments mounted, heartbeat accepted) and unmounts on shutdown. The master is the only allocator of those bytes: the agent never
 //! carves them itself in pool mode. I/O boundary: the transfer-engine listener
 //! ([`Member::start`]) and the master's gRPC channel ([`PoolLink::run`]); the bookkeeping in
 //! [`PoolRegistrar`] is pure.
