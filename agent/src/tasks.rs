@@ -3,9 +3,9 @@
 //! node's SSD segment). Both are one copy from the task's source replica into its target: a
 //! transfer-engine READ from the source's node into the target's registration, or a memory copy
 //! when both live in this process. A copy into the SSD segment is checksummed, flushed and
-//! recorded in its durable index ([`crate::ssd::pool`]) before the master hears of it. [`TaskRunner`] runs them off the heartbeat loop, at most
-//! `max_tasks` at once, with a timeout, reports each outcome to the master (`CompleteTask`)
-//! and counts it. I/O boundary: the transfer engine and the master's gRPC channel; [`check`] is
+//! recorded in its durable index ([`crate::ssd::pool`]) before the master hears of it.
+//! [`TaskRunner`] runs them off the heartbeat loop, at most `max_tasks` at once, with a
+//! timeout, reports each outcome to the master (`CompleteTask`) and counts it. I/O boundary: the transfer engine and the master's gRPC channel; [`check`] is
 //! pure.
 
 use std::collections::HashSet;
