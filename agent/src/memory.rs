@@ -240,8 +240,9 @@ impl MappedRegion {
     }
 }
 
-/// Create (or empty) `path`, reserve `len` bytes of disk for it and map it shared, as a
-/// transfer-engine segment: the pool-mode SSD segment. The blocks are reserved up front
+/// Create or reopen `path` (keeping its contents: the pool-mode SSD segment persists across
+/// restarts; a longer file is cut to `len`), reserve `len` bytes of disk for it and map it
+/// shared, as a transfer-engine segment: the pool-mode SSD segment. The blocks are reserved up front
 /// (fallocate) because a write into a hole of a shared file mapping on a full filesystem kills
 /// the process with SIGBUS instead of returning ENOSPC.
 pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool::transfer::Segment, MemoryError> {
@@ -254,9 +255,14 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool::transfer::Segme
         .read(true)
         .write(true)
         .create(true)
-        .truncate(true)
+        .truncate(false)
         .open(path)
         .map_err(file_err)?;
+    // The contents are kept (the SSD segment persists across restarts); a file larger than
+    // the configured capacity is cut to it.
+    if file.metadata().map_err(file_err)?.len() > len {
+        file.set_len(len).map_err(file_err)?;
+    }
     let size = libc::off_t::try_from(len)
         .map_err(|_| file_err(std::io::Error::other("length does not fit off_t")))?;
     // SAFETY: fallocate on a file descriptor we own; it only changes the file's allocation.
@@ -353,17 +359,28 @@ mod tests {
     fn file_segments_are_reserved_mapped_and_shared_with_the_file() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("pool-ssd.dat");
-        std::fs::write(&path, b"stale bytes from a previous run").expect("stale");
+        std::fs::write(&path, b"bytes from a previous run").expect("old");
         let seg = map_file_segment(&path, 1 << 20).expect("segment");
         assert_eq!(seg.len(), 1 << 20);
         let mut head = [0u8; 5];
         seg.read_at(0, &mut head).expect("read");
-        assert_eq!(head, [0; 5], "old contents are discarded");
+        assert_eq!(&head, b"bytes", "old contents are kept");
+        let mut tail = [1u8; 5];
+        seg.read_at((1 << 20) - 5, &mut tail).expect("read");
+        assert_eq!(tail, [0; 5], "the extension reads as zeros");
         seg.write_at(4096, b"demoted").expect("write");
         drop(seg);
         let bytes = std::fs::read(&path).expect("file");
         assert_eq!(bytes.len(), 1 << 20);
         assert_eq!(bytes.get(4096..4103), Some(&b"demoted"[..]));
+        // Reopened with a smaller capacity: cut, the kept prefix intact.
+        let seg = map_file_segment(&path, 8192).expect("smaller");
+        assert_eq!(seg.len(), 8192);
+        let mut back = [0u8; 7];
+        seg.read_at(4096, &mut back).expect("read");
+        assert_eq!(&back, b"demoted");
+        drop(seg);
+        assert_eq!(std::fs::metadata(&path).expect("meta").len(), 8192);
         let bad = map_file_segment(&dir.path().join("no/such/dir/f"), 4096).expect_err("bad path");
         assert_eq!(bad.category(), "file");
     }

@@ -2,21 +2,22 @@
 //! huge pages and locked as configured) and the pool-mode SSD segment are registered with the
 //! transfer engine by [`PoolRegistrar`] and mounted with the master by [`PoolLink`], which also
 //! heartbeats, hands the master's tasks to [`crate::tasks::TaskRunner`], remounts after the
-//! master declared the node dead, reports readiness (all segments mounted, heartbeat accepted)
-//! and unmounts on shutdown. The master is the only allocator of those bytes: the agent never
+//! master declared the node dead, announces the SSD segment's durable index
+//! ([`crate::ssd::pool`]) for adoption after each mount and fsyncs it once per pass, reports
+//! readiness (all segments mounted, heartbeat accepted) and unmounts on shutdown. The master is the only allocator of those bytes: the agent never
 //! carves them itself in pool mode. I/O boundary: the transfer-engine listener
 //! ([`Member::start`]) and the master's gRPC channel ([`PoolLink::run`]); the bookkeeping in
 //! [`PoolRegistrar`] is pure.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use kvpool::master::auth::AuthKey as MasterKey;
 use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
 use kvpool::master::data::{LocalSegments, PoolClient, tcp_endpoint, transfer_name};
-use kvpool::master::{SegmentSpec, Tier};
+use kvpool::master::{AdoptItem, SegmentSpec, Tier};
 use kvpool::transfer::{
     self, EngineConfig, LocalSegment, Segment, StaticDirectory, TcpServer, TransferEngine,
     TransferMetrics,
@@ -28,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::PoolConfig;
 use crate::registrar::RegistrarError;
+use crate::ssd::pool::{DropReason, PoolBlock, PoolSsdIndex};
 use crate::tasks::TaskRunner;
 
 /// Errors of joining a pool.
@@ -111,6 +113,14 @@ pub struct PoolMetrics {
     /// `kvpool_agent_pool_rdma_fallback`: 1 once the transfer engine reached a peer over TCP
     /// although RDMA was wanted.
     pub rdma_fallback: IntGauge,
+    /// `kvpool_agent_pool_ssd_blocks_dropped_total{reason}`: indexed SSD blocks dropped
+    /// (corrupt, truncated, out_of_bounds at start-up; refused by the master at adoption).
+    pub ssd_blocks_dropped: IntCounterVec,
+    /// `kvpool_agent_pool_ssd_blocks_adopted_total`: recovered SSD blocks the master adopted.
+    pub ssd_blocks_adopted: IntCounter,
+    /// `kvpool_agent_pool_ssd_index_blocks`: blocks in the durable SSD index as of its last
+    /// sync.
+    pub ssd_index_blocks: IntGauge,
 }
 
 impl PoolMetrics {
@@ -151,8 +161,27 @@ impl PoolMetrics {
                 "kvpool_agent_pool_rdma_fallback",
                 "1 when the transfer engine fell back from RDMA to TCP.",
             )?,
+            ssd_blocks_dropped: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_agent_pool_ssd_blocks_dropped_total",
+                    "Indexed SSD blocks dropped, by reason (corrupt, truncated, out_of_bounds, \
+                     refused).",
+                ),
+                &["reason"],
+            )?,
+            ssd_blocks_adopted: IntCounter::new(
+                "kvpool_agent_pool_ssd_blocks_adopted_total",
+                "Recovered SSD blocks the master adopted after a mount.",
+            )?,
+            ssd_index_blocks: IntGauge::new(
+                "kvpool_agent_pool_ssd_index_blocks",
+                "Blocks in the durable index of the pool-mode SSD segment.",
+            )?,
         };
         registry.register(Box::new(m.mounted_segments.clone()))?;
+        registry.register(Box::new(m.ssd_blocks_dropped.clone()))?;
+        registry.register(Box::new(m.ssd_blocks_adopted.clone()))?;
+        registry.register(Box::new(m.ssd_index_blocks.clone()))?;
         registry.register(Box::new(m.heartbeat_failures.clone()))?;
         registry.register(Box::new(m.remounts.clone()))?;
         registry.register(Box::new(m.tasks.clone()))?;
@@ -189,7 +218,13 @@ pub struct PoolRegistrar {
     endpoint: String,
     book: Mutex<Book>,
     local: LocalSegments,
+    /// Durable index of the SSD segment, when there is one.
+    ssd_index: OnceLock<SharedIndex>,
 }
+
+/// The SSD segment's index, shared by the task runner (records writes) and the link (syncs it,
+/// announces it).
+pub type SharedIndex = Arc<Mutex<PoolSsdIndex>>;
 
 impl PoolRegistrar {
     /// `endpoint` is the transfer target peers reach this node's segments at.
@@ -200,11 +235,22 @@ impl PoolRegistrar {
             endpoint,
             book: Mutex::default(),
             local: LocalSegments::default(),
+            ssd_index: OnceLock::new(),
         }
     }
 
     pub fn node(&self) -> &str {
         &self.node
+    }
+
+    /// Give the SSD segment its durable index (once, before the link runs).
+    pub fn set_ssd_index(&self, index: PoolSsdIndex) {
+        let _ = self.ssd_index.set(Arc::new(Mutex::new(index)));
+    }
+
+    /// The SSD segment's durable index, if the agent has one.
+    pub fn ssd_index(&self) -> Option<SharedIndex> {
+        self.ssd_index.get().cloned()
     }
 
     /// The in-process view of the registered segments (for [`PoolClient`]).
@@ -313,6 +359,9 @@ pub fn is_unknown_node(e: &ClientError) -> bool {
     }
 }
 
+/// Recovered blocks announced per `AdoptReplicas` call.
+const ADOPT_BATCH: usize = 4096;
+
 /// Longest time shutdown spends unmounting (the pod's grace period is typically 30 s).
 const UNMOUNT_BUDGET: Duration = Duration::from_secs(10);
 
@@ -326,6 +375,10 @@ pub struct PoolLink {
     metrics: Option<PoolMetrics>,
     engine: Option<TransferEngine>,
     healthy: Arc<watch::Sender<bool>>,
+    /// Master id of the SSD segment while its recovered blocks are still to be announced, and
+    /// how many of them were already answered (a retry resumes there: announcing an adopted
+    /// block again would be refused as a duplicate).
+    adopt_pending: Arc<Mutex<Option<(u32, usize)>>>,
 }
 
 impl PoolLink {
@@ -338,6 +391,7 @@ impl PoolLink {
             metrics: None,
             engine: None,
             healthy: Arc::new(watch::channel(false).0),
+            adopt_pending: Arc::new(Mutex::new(None)),
         }
     }
 
@@ -379,6 +433,7 @@ impl PoolLink {
             }
         }
         self.healthy.send_replace(false);
+        self.sync_ssd_index().await;
         if tokio::time::timeout(UNMOUNT_BUDGET, self.unmount_all())
             .await
             .is_err()
@@ -404,11 +459,16 @@ impl PoolLink {
                 Ok(id) => {
                     tracing::info!(segment = %spec.name, id, "segment mounted with the master");
                     self.registrar.set_mounted(&spec.name, id);
+                    if spec.name == SSD_SEGMENT && self.registrar.ssd_index().is_some() {
+                        *self.adopt_pending.lock() = Some((id, 0));
+                    }
                 }
                 Err(e) => tracing::warn!(segment = %spec.name, error = %e,
                     category = e.category(), "mounting a segment failed; retrying"),
             }
         }
+        self.announce_ssd().await;
+        self.sync_ssd_index().await;
         let mut beat_ok = false;
         if !self.registrar.mounted().is_empty() {
             match self.client.heartbeat(self.registrar.node()).await {
@@ -453,6 +513,111 @@ impl PoolLink {
         }
     }
 
+    /// Announce the SSD index to the master after the SSD segment was (re)mounted, so the
+    /// blocks it holds become replicas again. Refused blocks are forgotten; a failed call is
+    /// retried on the next pass.
+    async fn announce_ssd(&self) {
+        let Some((id, done)) = *self.adopt_pending.lock() else {
+            return;
+        };
+        let Some(index) = self.registrar.ssd_index() else {
+            return;
+        };
+        let blocks = index.lock().blocks();
+        let mut adopted = 0u64;
+        let mut refused: Vec<PoolBlock> = Vec::new();
+        let mut answered = done;
+        for chunk in blocks.get(done..).unwrap_or_default().chunks(ADOPT_BATCH) {
+            let items: Vec<AdoptItem> = chunk
+                .iter()
+                .map(|b| AdoptItem {
+                    key: b.key,
+                    offset: b.offset,
+                    length: b.length,
+                })
+                .collect();
+            match self
+                .client
+                .adopt_replicas(self.registrar.node(), id, &items)
+                .await
+            {
+                Ok(results) => {
+                    answered += chunk.len();
+                    for (b, r) in chunk.iter().zip(results) {
+                        match r {
+                            Ok(()) => adopted += 1,
+                            Err(e) => {
+                                tracing::warn!(key = %b.key.to_hex(), offset = b.offset,
+                                    error = %e, "the master refused a recovered SSD block");
+                                refused.push(*b);
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    // The next pass resumes after the answered batches. Unknown node: the next
+                    // pass remounts (a new segment id) and announces everything again.
+                    tracing::warn!(error = %e, category = e.category(),
+                        "announcing recovered SSD blocks failed; retrying");
+                    break;
+                }
+            }
+        }
+        {
+            let mut pending = self.adopt_pending.lock();
+            if *pending == Some((id, done)) {
+                *pending = (answered < blocks.len()).then_some((id, answered));
+            }
+        }
+        {
+            let mut idx = index.lock();
+            for b in &refused {
+                if let Err(e) = idx.forget(b.key, b.offset) {
+                    tracing::warn!(error = %e, "recording a refused SSD block failed");
+                }
+            }
+        }
+        if let Some(m) = &self.metrics {
+            m.ssd_blocks_adopted.inc_by(adopted);
+            m.ssd_blocks_dropped
+                .with_label_values(&[DropReason::Refused.as_str()])
+                .inc_by(refused.len() as u64);
+            m.ssd_index_blocks
+                .set(i64::try_from(index.lock().len()).unwrap_or(i64::MAX));
+        }
+        tracing::info!(
+            segment = id,
+            adopted,
+            refused = refused.len(),
+            "recovered SSD blocks announced to the master"
+        );
+    }
+
+    /// Flush the SSD index's new records (batched: once per pass).
+    async fn sync_ssd_index(&self) {
+        let Some(index) = self.registrar.ssd_index() else {
+            return;
+        };
+        let metrics = self.metrics.clone();
+        let synced = tokio::task::spawn_blocking(move || {
+            let mut idx = index.lock();
+            idx.sync()?;
+            // Set after the sync: the gauge counts blocks that are durably indexed.
+            if let Some(m) = &metrics {
+                m.ssd_index_blocks
+                    .set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
+            }
+            Ok::<(), crate::ssd::pool::PoolIndexError>(())
+        })
+        .await;
+        match synced {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, category = e.category(),
+                "syncing the SSD index failed"),
+            Err(e) => tracing::warn!(error = %e, "the SSD index sync worker failed"),
+        }
+    }
+
     async fn unmount_all(&self) {
         for id in self.registrar.clear_mounted() {
             match self.client.unmount_segment(self.registrar.node(), id).await {
@@ -488,6 +653,8 @@ pub struct Member {
     pub endpoint: String,
     /// Replicas of each block engines put through this agent.
     pub replicas: u8,
+    /// Pool metrics (also used by the link and the task runner).
+    pub metrics: PoolMetrics,
 }
 
 impl Member {
@@ -546,7 +713,7 @@ impl Member {
         );
         let link = PoolLink::new(link_client, Arc::clone(&registrar), cfg.heartbeat_interval)
             .with_tasks(runner)
-            .with_metrics(metrics, engine.clone());
+            .with_metrics(metrics.clone(), engine.clone());
         let client = PoolClient::new(master, engine.clone(), node.to_owned(), None)
             .with_local_segments(registrar.local_segments());
         Ok(Self {
@@ -557,6 +724,7 @@ impl Member {
             server,
             endpoint,
             replicas: cfg.replicas,
+            metrics,
         })
     }
 }

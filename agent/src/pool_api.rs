@@ -9,10 +9,11 @@ use futures::stream::{self, StreamExt};
 use kvpool::master::client::ClientError;
 use kvpool::master::data::{DataError, PoolClient};
 use kvpool::master::proto::ErrorCode;
-use kvpool::master::{PutOptions, Spread};
+use kvpool::master::{ObjectKey, PutOptions, ReplicaInfo, Spread};
 
 use crate::api::shm::Staging;
 use crate::metrics::AgentMetrics;
+use crate::pool::{SSD_SEGMENT, SharedIndex};
 use crate::proto::{GetResult, Status};
 use crate::ssd::MAX_KEY_LEN as MAX_KEY_BYTES;
 
@@ -25,6 +26,8 @@ pub struct PoolApi {
     client: PoolClient,
     node: String,
     replicas: u8,
+    /// Index of this node's SSD segment: puts that land there are recorded in it.
+    ssd_index: Option<SharedIndex>,
 }
 
 fn code_of(e: &DataError) -> Option<ErrorCode> {
@@ -65,6 +68,42 @@ impl PoolApi {
             client,
             node,
             replicas,
+            ssd_index: None,
+        }
+    }
+
+    /// Record puts that land in this node's SSD segment in its durable index.
+    pub fn with_ssd_index(mut self, index: Option<SharedIndex>) -> Self {
+        self.ssd_index = index;
+        self
+    }
+
+    /// Index the replicas of `key` that landed in this node's SSD segment (flushing the data
+    /// first); a failure only costs the block's persistence across a restart.
+    async fn record_ssd(&self, key: &[u8], value: &[u8], replicas: &[ReplicaInfo]) {
+        let Some(index) = self.ssd_index.clone() else {
+            return;
+        };
+        let mine: Vec<(u64, u64)> = replicas
+            .iter()
+            .filter(|r| r.node == self.node && r.segment == SSD_SEGMENT)
+            .map(|r| (r.offset, r.length))
+            .collect();
+        if mine.is_empty() {
+            return;
+        }
+        let (object, crc) = (ObjectKey::from_bytes(key), crc32c::crc32c(value));
+        let recorded = tokio::task::spawn_blocking(move || {
+            let mut idx = index.lock();
+            mine.into_iter()
+                .try_for_each(|(offset, length)| idx.record(object, offset, length, crc))
+        })
+        .await;
+        match recorded {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, category = e.category(),
+                "recording a put in the SSD index failed"),
+            Err(e) => tracing::warn!(error = %e, "the SSD index worker failed"),
         }
     }
 
@@ -123,7 +162,8 @@ impl PoolApi {
             return Status::Invalid;
         }
         match self.client.put(key, &value, opts).await {
-            Ok(_) => {
+            Ok(replicas) => {
+                self.record_ssd(key, &value, &replicas).await;
                 metrics
                     .bytes_written
                     .with_label_values(&["pool"])

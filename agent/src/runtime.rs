@@ -29,6 +29,7 @@ use crate::placement::{self, PlacementError, PlacementRequest};
 use crate::pool::{Member, SSD_SEGMENT, segment_name};
 use crate::pool_api::PoolApi;
 use crate::registrar::{AnnouncedTier, RegistrarError, SegmentRegistrar};
+use crate::ssd::pool::{PoolIndexError, PoolSsdIndex};
 use crate::ssd::{SsdError, SsdTier};
 use crate::store::{StoreError, TieredStore};
 use crate::topology::{NodeSummary, Topology, summarize};
@@ -58,6 +59,8 @@ pub enum RunError {
     Persist(#[source] StoreError),
     #[error("a start-up task failed: {0}")]
     Join(String),
+    #[error("index of the pool-mode SSD segment")]
+    PoolIndex(#[source] PoolIndexError),
 }
 
 impl RunError {
@@ -75,6 +78,7 @@ impl RunError {
             RunError::Api(_) => "api",
             RunError::Persist(_) => "persist",
             RunError::Join(_) => "join",
+            RunError::PoolIndex(_) => "pool_index",
         }
     }
 }
@@ -273,11 +277,14 @@ async fn serve_data_plane(
     )
     .with_client_group(cfg.api.client_group);
     if let LocalOrPool::Pool(member) = &pool {
-        service = service.with_pool(PoolApi::new(
-            member.client.clone(),
-            cfg.node_name.clone(),
-            member.replicas,
-        ));
+        service = service.with_pool(
+            PoolApi::new(
+                member.client.clone(),
+                cfg.node_name.clone(),
+                member.replicas,
+            )
+            .with_ssd_index(member.registrar.ssd_index()),
+        );
     }
     tracing::info!(socket = %socket_path.display(), "engine API listening");
 
@@ -389,6 +396,13 @@ async fn serve_data_plane(
             }
         }
         LocalOrPool::Pool(member) => {
+            // Tasks that finished after the link stopped may have appended records.
+            if let Some(index) = member.registrar.ssd_index() {
+                blocking(move || index.lock().sync())
+                    .await?
+                    .map_err(RunError::PoolIndex)?;
+                tracing::info!("pool SSD index synced");
+            }
             for name in member.registrar.registered() {
                 if let Err(e) = member.registrar.deregister(&name) {
                     tracing::warn!(error = %e, "deregistering segment failed");
@@ -495,9 +509,36 @@ async fn pool_tiers(
                 source,
             })
         })?;
+        // The index is checked against the file before the file is mapped (and resized).
+        let (dir, data) = (s.tier.dir.clone(), path.clone());
+        let (index, recovery) = blocking(move || PoolSsdIndex::open(&dir, &data, capacity))
+            .await?
+            .map_err(RunError::PoolIndex)?;
+        for w in &recovery.warnings {
+            tracing::warn!("pool SSD index: {w}");
+        }
+        for (b, reason) in &recovery.dropped {
+            tracing::warn!(key = %b.key.to_hex(), offset = b.offset, length = b.length,
+                reason = reason.as_str(), "dropped a block of the pool SSD segment");
+            member
+                .metrics
+                .ssd_blocks_dropped
+                .with_label_values(&[reason.as_str()])
+                .inc();
+        }
+        tracing::info!(
+            blocks = recovery.blocks.len(),
+            dropped = recovery.dropped.len(),
+            "pool SSD index recovered"
+        );
+        member
+            .metrics
+            .ssd_index_blocks
+            .set(i64::try_from(index.len()).unwrap_or(i64::MAX));
         let memory = blocking(move || memory::map_file_segment(&path, capacity))
             .await?
             .map_err(RunError::PoolMemory)?;
+        member.registrar.set_ssd_index(index);
         member
             .registrar
             .register(SSD_SEGMENT, kvpool::master::Tier::Ssd, 0, memory)

@@ -16,6 +16,10 @@ use std::ptr::NonNull;
 
 use crate::extent::ExtentAllocator;
 
+/// The durable index of the pool-mode SSD segment.
+#[path = "ssd_pool.rs"]
+pub mod pool;
+
 /// Alignment and size granularity of direct I/O.
 pub const ALIGN: u64 = 4096;
 const DATA_FILE: &str = "blocks.dat";

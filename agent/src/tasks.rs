@@ -2,9 +2,10 @@
 //! reserved in this node's memory) and demotion (copy a DRAM replica of this node into this
 //! node's SSD segment). Both are one copy from the task's source replica into its target: a
 //! transfer-engine READ from the source's node into the target's registration, or a memory copy
-//! when both live in this process. [`TaskRunner`] runs them off the heartbeat loop, at most
-//! `max_tasks` at once, with a timeout, reports each outcome to the master (`CompleteTask`)
-//! and counts it. I/O boundary: the transfer engine and the master's gRPC channel; [`check`] is
+//! when both live in this process. A copy into the SSD segment is checksummed, flushed and
+//! recorded in its durable index ([`crate::ssd::pool`]) before the master hears of it.
+//! [`TaskRunner`] runs them off the heartbeat loop, at most `max_tasks` at once, with a
+//! timeout, reports each outcome to the master (`CompleteTask`) and counts it. I/O boundary: the transfer engine and the master's gRPC channel; [`check`] is
 //! pure.
 
 use std::collections::HashSet;
@@ -19,7 +20,8 @@ use kvpool::transfer::{self, BatchFailed, TransferEngine, TransferOp, TransferRe
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
-use crate::pool::{PoolMetrics, PoolRegistrar};
+use crate::pool::{PoolMetrics, PoolRegistrar, SSD_SEGMENT};
+use crate::ssd::pool::PoolIndexError;
 
 /// Tasks waiting for a slot, per allowed concurrent task; beyond that a task is refused (the
 /// master schedules it again later).
@@ -62,6 +64,10 @@ pub enum TaskError {
     Copy(#[source] transfer::MemoryError),
     #[error("the copy worker failed: {0}")]
     Join(String),
+    #[error("reading back the copied block to checksum it")]
+    ReadBack(#[source] transfer::MemoryError),
+    #[error("recording the block in the SSD index")]
+    Index(#[source] PoolIndexError),
 }
 
 impl TaskError {
@@ -77,6 +83,8 @@ impl TaskError {
             TaskError::Transfer { .. } => "transfer",
             TaskError::Copy(_) => "copy",
             TaskError::Join(_) => "join",
+            TaskError::ReadBack(_) => "read_back",
+            TaskError::Index(_) => "index",
         }
     }
 }
@@ -134,6 +142,7 @@ pub fn execute(
             len,
         )
         .map_err(TaskError::Copy)?;
+        record_ssd_write(registrar, task, &target)?;
         return Ok(dst.length);
     }
     let desc = data::descriptor(src).map_err(TaskError::Source)?;
@@ -146,7 +155,7 @@ pub fn execute(
     engine
         .transfer(vec![TransferRequest {
             op: TransferOp::Read,
-            local: target,
+            local: target.clone(),
             local_offset: dst.offset,
             remote,
             remote_offset: src.offset,
@@ -156,8 +165,47 @@ pub fn execute(
             name: desc.name.clone(),
             source,
         })?;
+    record_ssd_write(registrar, task, &target)?;
     Ok(dst.length)
 }
+
+/// After a copy into the SSD segment: checksum the bytes as they landed, flush the data file
+/// and record the block in the durable index (before the master hears of the success).
+fn record_ssd_write(
+    registrar: &PoolRegistrar,
+    task: &Task,
+    target: &transfer::LocalSegment,
+) -> Result<(), TaskError> {
+    let dst = &task.target;
+    if dst.segment != SSD_SEGMENT {
+        return Ok(());
+    }
+    let Some(index) = registrar.ssd_index() else {
+        return Ok(());
+    };
+    let mut crc = 0u32;
+    let mut buf = vec![0u8; READ_BACK_CHUNK];
+    let mut pos = 0u64;
+    while pos < dst.length {
+        let n = usize::try_from(dst.length - pos)
+            .unwrap_or(usize::MAX)
+            .min(READ_BACK_CHUNK);
+        let chunk = buf.get_mut(..n).unwrap_or_default();
+        target
+            .segment()
+            .read_at(dst.offset + pos, chunk)
+            .map_err(TaskError::ReadBack)?;
+        crc = crc32c::crc32c_append(crc, chunk);
+        pos += n as u64;
+    }
+    index
+        .lock()
+        .record(task.key, dst.offset, dst.length, crc)
+        .map_err(TaskError::Index)
+}
+
+/// Bytes checksummed at once when recording an SSD write.
+const READ_BACK_CHUNK: usize = 1 << 20;
 
 struct Inner {
     engine: TransferEngine,
@@ -543,6 +591,47 @@ mod tests {
             execute(&e, &r, &unknown).expect_err("unknown").category(),
             "unknown_segment"
         );
+    }
+
+    #[test]
+    fn a_demotion_into_ssd0_is_recorded_in_the_index_with_its_checksum() {
+        let e = engine("a");
+        let r = registrar("a", &e);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let data = dir.path().join("pool-ssd.dat");
+        let (index, _) =
+            crate::ssd::pool::PoolSsdIndex::open(dir.path(), &data, 1 << 16).expect("index");
+        // Without an index nothing is recorded (and nothing fails).
+        let value: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        let len = value.len() as u64;
+        r.local("dram0")
+            .expect("dram0")
+            .segment()
+            .write_at(0, &value)
+            .expect("seed");
+        let t = task(
+            TaskKind::Demote,
+            replica("a", "dram0", Tier::Dram, 0, len),
+            replica("a", "ssd0", Tier::Ssd, 8192, len),
+        );
+        assert_eq!(execute(&e, &r, &t).expect("demote"), len);
+        r.set_ssd_index(index);
+        let shared = r.ssd_index().expect("index set");
+        assert!(shared.lock().is_empty());
+        assert_eq!(execute(&e, &r, &t).expect("demote"), len);
+        let blocks = shared.lock().blocks();
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(blocks[0].key, ObjectKey::from_bytes(b"k"));
+        assert_eq!((blocks[0].offset, blocks[0].length), (8192, len));
+        assert_eq!(blocks[0].crc, crc32c::crc32c(&value));
+        // A copy into DRAM is not indexed.
+        let into_dram = task(
+            TaskKind::Repair,
+            replica("a", "ssd0", Tier::Ssd, 8192, len),
+            replica("a", "dram0", Tier::Dram, 16384, len),
+        );
+        assert_eq!(execute(&e, &r, &into_dram).expect("copy"), len);
+        assert_eq!(shared.lock().len(), 1);
     }
 
     #[test]

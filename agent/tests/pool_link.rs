@@ -1,5 +1,6 @@
 //! `PoolLink` against an in-process master on loopback gRPC (the real service and client):
-//! mounting, the remount after the master declared the node dead, and unmount on stop.
+//! mounting, the remount after the master declared the node dead, and unmount on stop; the
+//! announcement of the SSD segment's durable index after a mount, with a refused block.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +13,8 @@ use kvpool::master::proto::StatsResponse;
 use kvpool::transfer::{
     AuthKey, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
 };
-use kvpool_agent::pool::{PoolLink, PoolRegistrar, segment_name};
+use kvpool_agent::pool::{PoolLink, PoolMetrics, PoolRegistrar, SSD_SEGMENT, segment_name};
+use kvpool_agent::ssd::pool::PoolSsdIndex;
 use tokio_util::sync::CancellationToken;
 
 const KEY: &str = "pool-link-test-key-0123456789abcdef";
@@ -139,6 +141,158 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     assert!(registrar.mounted().is_empty());
     assert!(!*healthy.borrow(), "not healthy once stopped");
     wait_stats(&client, "segments unmounted", |s| s.segments == 0).await;
+
+    stop_master.cancel();
+    let _ = master.join().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
+    use kvpool::master::{ObjectKey, PutOptions, PutStarted, SegmentSpec};
+    use std::os::unix::fs::FileExt;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, KEY).expect("key file");
+    let args = MasterArgs {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        admin_addr: "127.0.0.1:0".parse().expect("addr"),
+        auth_key_file: key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(30),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: kvpool::master::PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 8,
+    };
+    let stop_master = CancellationToken::new();
+    let master = start(args.validate().expect("valid"), stop_master.clone())
+        .await
+        .expect("master");
+    let client = MasterClient::new(
+        vec![master.grpc_addr.to_string()],
+        MasterKey::from_bytes(KEY.as_bytes()).expect("key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+
+    // Another node already holds key "b" with another size: adopting our "b" is refused.
+    client
+        .mount_segment(&SegmentSpec {
+            node: "node-2".into(),
+            name: "dram0".into(),
+            tier: Tier::Dram,
+            capacity_bytes: 1 << 20,
+            numa_node: 0,
+            failure_domain: String::new(),
+            endpoints: vec!["tcp://127.0.0.1:9".into()],
+        })
+        .await
+        .expect("mount node-2");
+    let PutStarted::Allocated { put_id, .. } = client
+        .put_start(b"b", 300, &PutOptions::default())
+        .await
+        .expect("put_start")
+    else {
+        panic!("new key");
+    };
+    client.put_end(b"b", put_id).await.expect("put_end");
+
+    // The SSD segment's file holds "a" (5000 bytes at 0) and "b" (100 bytes at 8192), indexed.
+    let data_path = dir.path().join("pool-ssd.dat");
+    let (a, b) = (vec![7u8; 5000], vec![8u8; 100]);
+    {
+        let (mut index, _) = PoolSsdIndex::open(dir.path(), &data_path, 1 << 20).expect("index");
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&data_path)
+            .expect("data");
+        f.set_len(1 << 20).expect("size");
+        f.write_all_at(&a, 0).expect("a");
+        f.write_all_at(&b, 8192).expect("b");
+        index
+            .record(ObjectKey::from_bytes(b"a"), 0, 5000, crc32c::crc32c(&a))
+            .expect("record a");
+        index
+            .record(ObjectKey::from_bytes(b"b"), 8192, 100, crc32c::crc32c(&b))
+            .expect("record b");
+        index.sync().expect("sync");
+    }
+    let (index, recovery) = PoolSsdIndex::open(dir.path(), &data_path, 1 << 20).expect("reopen");
+    assert_eq!(recovery.blocks.len(), 2);
+
+    let engine = TransferEngine::new(
+        EngineConfig {
+            node: "node-1".into(),
+            ..EngineConfig::default()
+        },
+        AuthKey::new(KEY.as_bytes().to_vec()).expect("key"),
+        Arc::new(StaticDirectory::new()),
+        TransferMetrics::unregistered().expect("metrics"),
+    )
+    .expect("engine");
+    let registrar = Arc::new(PoolRegistrar::new(
+        engine.clone(),
+        "node-1".into(),
+        "tcp://127.0.0.1:9".into(),
+    ));
+    registrar
+        .register(
+            SSD_SEGMENT,
+            Tier::Ssd,
+            0,
+            Segment::host(1 << 20, HostOptions::default()).expect("memory"),
+        )
+        .expect("register");
+    registrar.set_ssd_index(index);
+    let registry = prometheus::Registry::new();
+    let metrics = PoolMetrics::new(&registry).expect("metrics");
+    let link = PoolLink::new(
+        client.clone(),
+        Arc::clone(&registrar),
+        Duration::from_millis(100),
+    )
+    .with_metrics(metrics.clone(), engine);
+    link.step().await;
+    assert_eq!(registrar.mounted().len(), 1);
+
+    // "a" is adopted on node-1's ssd0 where it was written; "b" keeps its one DRAM replica.
+    let got = client.get(b"a").await.expect("a adopted");
+    assert_eq!(got.size, 5000);
+    assert_eq!(got.replicas.len(), 1);
+    let r = &got.replicas[0];
+    assert_eq!(
+        (r.node.as_str(), r.segment.as_str(), r.tier, r.offset),
+        ("node-1", "ssd0", Tier::Ssd, 0)
+    );
+    let got = client.get(b"b").await.expect("b");
+    assert_eq!((got.size, got.replicas.len()), (300, 1));
+    assert_eq!(got.replicas[0].node, "node-2");
+    assert_eq!(metrics.ssd_blocks_adopted.get(), 1);
+    assert_eq!(
+        metrics
+            .ssd_blocks_dropped
+            .with_label_values(&["refused"])
+            .get(),
+        1
+    );
+    // The refused block is gone from the index; the gauge counts the synced remainder.
+    let index = registrar.ssd_index().expect("index");
+    let keys: Vec<ObjectKey> = index.lock().blocks().iter().map(|b| b.key).collect();
+    assert_eq!(keys, vec![ObjectKey::from_bytes(b"a")]);
+    assert_eq!(metrics.ssd_index_blocks.get(), 1);
+    // A second pass announces nothing again.
+    link.step().await;
+    assert_eq!(metrics.ssd_blocks_adopted.get(), 1);
 
     stop_master.cancel();
     let _ = master.join().await;

@@ -13,7 +13,9 @@ use tonic::transport::{Channel, Endpoint};
 use super::auth::{AuthKey, Signer};
 use super::proto::{self, master_client::MasterClient as Grpc};
 use super::service::LEADER_HEADER;
-use super::types::{PutOptions, PutStarted, ReplicaInfo, SegmentSpec, Spread, Task, Tier};
+use super::types::{
+    AdoptItem, PutOptions, PutStarted, ReplicaInfo, SegmentSpec, Spread, Task, Tier,
+};
 
 type GrpcClient = Grpc<InterceptedService<Channel, Signer>>;
 
@@ -321,6 +323,36 @@ impl MasterClient {
         })
         .await?;
         Ok(())
+    }
+
+    /// Announce replicas this node holds in its mounted segment `segment_id` (after a
+    /// restart); one result per item, in order.
+    pub async fn adopt_replicas(
+        &self,
+        node: &str,
+        segment_id: u32,
+        items: &[AdoptItem],
+    ) -> Result<Vec<Result<(), ClientError>>, ClientError> {
+        let req = proto::AdoptReplicasRequest {
+            node: node.to_owned(),
+            segment_id,
+            items: items
+                .iter()
+                .map(|i| proto::AdoptItem {
+                    key_digest: i.key.to_hex(),
+                    offset: i.offset,
+                    length: i.length,
+                })
+                .collect(),
+        };
+        let r = self
+            .call("adopt_replicas", |mut c| {
+                let req = req.clone();
+                async move { c.adopt_replicas(req).await }
+            })
+            .await?;
+        expect_len(r.results.len(), items.len())?;
+        Ok(r.results.into_iter().map(|i| item(i.error)).collect())
     }
 
     // ----- objects -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ use super::auth::Verifier;
 use super::metrics::MasterMetrics;
 use super::proto::{self, master_server::MasterServer};
 use super::state::{JournalOp, MasterError, MasterState};
-use super::types::{ObjectKey, PutOptions, PutStarted, Spread};
+use super::types::{AdoptItem, ObjectKey, PutOptions, PutStarted, Spread};
 
 /// Metadata header naming the leader's gRPC address on UNAVAILABLE answers from a standby.
 pub const LEADER_HEADER: &str = "x-kvpool-leader";
@@ -392,6 +392,49 @@ impl proto::master_server::Master for MasterSvc {
         }
         .await;
         self.record("complete_task", start, &r, None);
+        r
+    }
+
+    async fn adopt_replicas(
+        &self,
+        req: Request<proto::AdoptReplicasRequest>,
+    ) -> Result<Response<proto::ItemResults>, Status> {
+        let start = Instant::now();
+        let req = req.into_inner();
+        let mut item_error = None;
+        let r = async {
+            check_batch(req.items.len())?;
+            let items = req
+                .items
+                .iter()
+                .enumerate()
+                .map(|(i, it)| {
+                    let key = ObjectKey::from_hex(&it.key_digest).ok_or_else(|| {
+                        invalid(format!(
+                            "item {i}: key digest {:?} is not 32 hex digits",
+                            it.key_digest
+                        ))
+                    })?;
+                    Ok(AdoptItem {
+                        key,
+                        offset: it.offset,
+                        length: it.length,
+                    })
+                })
+                .collect::<Result<Vec<_>, Status>>()?;
+            let results = self
+                .core
+                .mutate(|st| st.adopt(&req.node, req.segment_id, &items))
+                .await?
+                .map_err(|e| proto::status_of(&e))?;
+            item_error = first_error(&results);
+            let adopted = results.iter().filter(|r| r.is_ok()).count();
+            tracing::info!(node = %req.node, segment = req.segment_id, adopted,
+                refused = results.len() - adopted, "replicas adopted");
+            Ok(Response::new(item_results(results)))
+        }
+        .await;
+        self.record("adopt_replicas", start, &r, item_error);
         r
     }
 

@@ -19,8 +19,8 @@ use super::alloc::{ExtentAllocator, PAGE_BYTES, pages_for};
 use super::clock::Clock;
 use super::policy::{Policy, PolicyKind};
 use super::types::{
-    GetResult, Lease, ObjectKey, PutOptions, PutStarted, ReplicaInfo, SegmentSpec, Spread, Task,
-    TaskKind, Tier, Watermarks,
+    AdoptItem, GetResult, Lease, ObjectKey, PutOptions, PutStarted, ReplicaInfo, SegmentSpec,
+    Spread, Task, TaskKind, Tier, Watermarks,
 };
 
 /// Tunables of the metadata core.
@@ -518,6 +518,119 @@ impl MasterState {
             });
         }
         self.remove_segment(segment);
+        Ok(())
+    }
+
+    /// Adopt replicas that `node` found in its segment `segment` after a restart (the
+    /// persistent SSD tier): each item becomes a committed replica there. A key the master
+    /// already knows gets an extra replica when the sizes match; an unknown key becomes an
+    /// object with this one replica. The item's pages are marked used so nothing else is
+    /// allocated on them. One result per item, in order; a refused item (bad bounds or
+    /// alignment, overlap with used space, size mismatch, a put in progress, a replica already
+    /// on this segment) changes nothing. Fails as a whole only when the segment is not this
+    /// node's.
+    pub fn adopt(
+        &mut self,
+        node: &str,
+        segment: u32,
+        items: &[AdoptItem],
+    ) -> Result<Vec<Result<(), MasterError>>, MasterError> {
+        let owned = self
+            .node_ids
+            .get(node)
+            .zip(self.segments.get(&segment))
+            .is_some_and(|(n, s)| s.node == *n && self.nodes[*n as usize].alive);
+        if !owned {
+            return Err(MasterError::UnknownSegment {
+                node: node.to_owned(),
+                id: segment,
+            });
+        }
+        Ok(items
+            .iter()
+            .map(|item| self.adopt_one(segment, item))
+            .collect())
+    }
+
+    fn adopt_one(&mut self, seg_id: u32, item: &AdoptItem) -> Result<(), MasterError> {
+        let hex = item.key.to_hex();
+        let bad = |why: String| Err(MasterError::InvalidArgument(format!("adopt {hex}: {why}")));
+        if item.length == 0 {
+            return bad("length must be > 0".into());
+        }
+        if !item.offset.is_multiple_of(PAGE_BYTES) {
+            return bad(format!(
+                "offset {} is not aligned to {PAGE_BYTES} bytes",
+                item.offset
+            ));
+        }
+        let Some(seg) = self.segments.get(&seg_id) else {
+            return Err(MasterError::UnknownSegment {
+                node: String::new(),
+                id: seg_id,
+            });
+        };
+        let capacity = seg.alloc.capacity_bytes();
+        let (Some(pages), Some(end)) =
+            (pages_for(item.length), item.offset.checked_add(item.length))
+        else {
+            return bad(format!("length {} is too large", item.length));
+        };
+        if end > capacity {
+            return bad(format!(
+                "bytes {}..{end} are outside the segment ({capacity} bytes)",
+                item.offset
+            ));
+        }
+        let page = u32::try_from(item.offset / PAGE_BYTES)
+            .map_err(|_| MasterError::InvalidArgument(format!("adopt {hex}: offset too large")))?;
+        let tier = seg.spec.tier;
+        let existing = self.find(&item.key);
+        if let Some(slot) = existing {
+            let e = &self.entries[slot as usize];
+            if e.has(PENDING) {
+                return Err(MasterError::PutInProgress(hex));
+            }
+            if e.size != item.length {
+                return Err(MasterError::SizeConflict {
+                    key: hex,
+                    existing: e.size,
+                    requested: item.length,
+                });
+            }
+            if e.replicas.iter().any(|r| r.seg == seg_id) {
+                return bad(format!("it already has a replica on segment {seg_id}"));
+            }
+        }
+        let claimed = self
+            .segments
+            .get_mut(&seg_id)
+            .is_some_and(|s| s.alloc.claim(page, pages));
+        if !claimed {
+            return bad(format!(
+                "bytes {}..{end} overlap space already in use on segment {seg_id}",
+                item.offset
+            ));
+        }
+        self.used_pages[tier.index()] += u64::from(pages);
+        let rep = Rep { seg: seg_id, page };
+        let slot = match existing {
+            Some(slot) => {
+                let e = &mut self.entries[slot as usize];
+                e.replicas.push(rep);
+                if e.replicas.len() >= usize::from(e.desired) {
+                    self.under.remove(&slot);
+                }
+                slot
+            }
+            None => {
+                let mut reps = SmallVec::new();
+                reps.push(rep);
+                self.new_object(item.key, item.length, 1, reps)
+            }
+        };
+        self.sync_policy(slot);
+        self.log_object(slot);
         Ok(())
     }
 

@@ -1071,3 +1071,201 @@ fn a_task_outliving_its_object_frees_exactly_its_own_extent() {
         "no overlap with the neighbour"
     );
 }
+
+fn adopt_item(k: ObjectKey, offset: u64, length: u64) -> AdoptItem {
+    AdoptItem {
+        key: k,
+        offset,
+        length,
+    }
+}
+
+#[test]
+fn adopting_into_an_empty_master_creates_committed_ssd_objects() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    let ssd = m
+        .mount(spec("a", "ssd0", Tier::Ssd, 16 * MIB))
+        .expect("mount");
+    let results = m
+        .adopt(
+            "a",
+            ssd,
+            &[
+                adopt_item(key(1), 0, 5000),
+                adopt_item(key(2), 2 * PAGE_BYTES, MIB),
+            ],
+        )
+        .expect("adopt");
+    assert_eq!(results, vec![Ok(()), Ok(())]);
+    assert_eq!(m.stats().objects, 2);
+    assert_eq!(m.stats().used_bytes[1], 2 * PAGE_BYTES + MIB);
+    let got = m.get(key(2)).expect("get");
+    assert_eq!(got.size, MIB);
+    assert_eq!(got.replicas.len(), 1);
+    assert_eq!(got.replicas[0].tier, Tier::Ssd);
+    assert_eq!(got.replicas[0].offset, 2 * PAGE_BYTES);
+    assert_eq!(got.replicas[0].segment, "ssd0");
+    // New allocations never land on adopted bytes.
+    let reps = put(&mut m, key(3), MIB, &opts(1));
+    let o = reps[0].offset;
+    assert!(
+        o >= 2 * PAGE_BYTES + MIB,
+        "offset {o} overlaps the adopted bytes 0..{}",
+        2 * PAGE_BYTES + MIB
+    );
+    check_invariants(&m);
+}
+
+#[test]
+fn adopting_a_known_key_adds_a_replica_next_to_its_dram_copy() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    m.mount(spec("a", "dram0", Tier::Dram, 16 * MIB))
+        .expect("dram");
+    let ssd = m
+        .mount(spec("b", "ssd0", Tier::Ssd, 16 * MIB))
+        .expect("ssd");
+    put(&mut m, key(1), MIB, &opts(1));
+    let r = m
+        .adopt("b", ssd, &[adopt_item(key(1), 0, MIB)])
+        .expect("adopt");
+    assert_eq!(r, vec![Ok(())]);
+    let mut tiers = m.replica_tiers(&key(1)).expect("tiers");
+    tiers.sort_by_key(|t| t.index());
+    assert_eq!(tiers, vec![Tier::Dram, Tier::Ssd]);
+    assert_eq!(m.stats().objects, 1);
+    // The same replica announced twice is refused and changes nothing.
+    let again = m
+        .adopt("b", ssd, &[adopt_item(key(1), 4 * MIB, MIB)])
+        .expect("adopt");
+    assert!(matches!(again[0], Err(MasterError::InvalidArgument(_))));
+    assert_eq!(m.stats().used_bytes[1], MIB);
+    check_invariants(&m);
+}
+
+#[test]
+fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    m.mount(spec("a", "dram0", Tier::Dram, 16 * MIB))
+        .expect("dram");
+    let ssd = m.mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB)).expect("ssd");
+    put(&mut m, key(1), MIB, &opts(1));
+    let r = m
+        .adopt(
+            "a",
+            ssd,
+            &[
+                adopt_item(key(10), 0, 2 * PAGE_BYTES),
+                // Overlaps the item just adopted.
+                adopt_item(key(11), PAGE_BYTES, PAGE_BYTES),
+                // Past the end of the 4 MiB segment.
+                adopt_item(key(12), 4 * MIB - PAGE_BYTES, 2 * PAGE_BYTES),
+                // Not page aligned.
+                adopt_item(key(13), MIB + 1, 10),
+                // Empty.
+                adopt_item(key(14), MIB, 0),
+                // Known key, other size.
+                adopt_item(key(1), 2 * MIB, 100),
+                // Offset overflow.
+                adopt_item(key(15), u64::MAX - PAGE_BYTES + 1, PAGE_BYTES),
+            ],
+        )
+        .expect("adopt");
+    assert_eq!(r[0], Ok(()));
+    for (i, e) in r.iter().enumerate().skip(1) {
+        let e = e.as_ref().expect_err("refused");
+        let expected = if i == 5 {
+            "size_conflict"
+        } else {
+            "invalid_argument"
+        };
+        assert_eq!(e.category(), expected, "item {i}: {e}");
+    }
+    assert!(
+        r[1].as_ref()
+            .expect_err("overlap")
+            .to_string()
+            .contains("overlap")
+    );
+    assert!(
+        r[2].as_ref()
+            .expect_err("bounds")
+            .to_string()
+            .contains("outside")
+    );
+    assert_eq!(m.stats().objects, 2);
+    assert_eq!(m.stats().used_bytes[1], 2 * PAGE_BYTES);
+    assert_eq!(m.get(key(1)).expect("get").size, MIB);
+    assert_eq!(m.exists(&[key(11), key(12), key(13)]), vec![false; 3]);
+    // Another node's segment, or an unknown one, fails the whole call.
+    m.mount(spec("b", "ssd0", Tier::Ssd, 4 * MIB)).expect("b");
+    assert!(matches!(
+        m.adopt("b", ssd, &[adopt_item(key(20), 2 * MIB, 10)]),
+        Err(MasterError::UnknownSegment { .. })
+    ));
+    assert!(matches!(
+        m.adopt("a", 999, &[]),
+        Err(MasterError::UnknownSegment { .. })
+    ));
+    check_invariants(&m);
+}
+
+#[test]
+fn adopted_replicas_are_freed_by_remove_and_eviction() {
+    let config = MasterConfig {
+        watermarks: [Watermarks {
+            high: 0.9,
+            low: 0.5,
+        }; 2],
+        ..MasterConfig::default()
+    };
+    let (mut m, _clock) = master(config);
+    let ssd = m
+        .mount(spec("a", "ssd0", Tier::Ssd, 10 * MIB))
+        .expect("ssd");
+    let items: Vec<AdoptItem> = (0..9).map(|i| adopt_item(key(i), i * MIB, MIB)).collect();
+    let r = m.adopt("a", ssd, &items).expect("adopt");
+    assert!(r.iter().all(Result::is_ok));
+    assert_eq!(m.stats().used_bytes[1], 9 * MIB);
+    m.remove(key(0)).expect("remove");
+    assert_eq!(m.stats().used_bytes[1], 8 * MIB);
+    // The freed bytes can be adopted (or allocated) again.
+    let r = m
+        .adopt("a", ssd, &[adopt_item(key(100), 0, MIB)])
+        .expect("adopt");
+    assert_eq!(r, vec![Ok(())]);
+    // Going over the high watermark evicts adopted objects like any other.
+    put(
+        &mut m,
+        key(200),
+        MIB,
+        &PutOptions {
+            tier: Some(Tier::Ssd),
+            ..opts(1)
+        },
+    );
+    assert!(m.stats().used_bytes[1] <= 5 * MIB, "{:?}", m.stats());
+    assert!(m.counters().evicted_dropped[1] >= 5);
+    check_invariants(&m);
+}
+
+#[test]
+fn adopted_objects_reach_the_journal() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    m.enable_journal();
+    let ssd = m.mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB)).expect("ssd");
+    m.take_journal();
+    m.adopt("a", ssd, &[adopt_item(key(1), PAGE_BYTES, 10)])
+        .expect("adopt");
+    let ops = m.take_journal();
+    assert_eq!(
+        ops,
+        vec![JournalOp::PutObject(ObjectRecord {
+            key: key(1),
+            size: 10,
+            desired: 1,
+            hard_pinned: false,
+            spread_failure_domain: false,
+            replicas: vec![(ssd, PAGE_BYTES)],
+        })]
+    );
+}

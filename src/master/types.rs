@@ -194,3 +194,14 @@ impl Default for Watermarks {
         }
     }
 }
+
+/// A replica an agent found in one of its segments after a restart (its persistent SSD tier)
+/// and announces so the master adopts it instead of forgetting it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdoptItem {
+    pub key: ObjectKey,
+    /// Byte offset inside the segment (must be 4 KiB aligned, as the master allocated it).
+    pub offset: u64,
+    /// Bytes of the value (the object size).
+    pub length: u64,
+}
