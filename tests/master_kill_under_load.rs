@@ -7,154 +7,27 @@
 //! either absent or (if its commit raced the failure report) byte-exact, never pointing at freed
 //! memory.
 
+mod pool_procs;
+
 use std::collections::HashMap;
-use std::fs::File;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use kvpool::master::PutOptions;
 use kvpool::master::auth::AuthKey as MasterKey;
 use kvpool::master::client::{ClientConfig, MasterClient};
 use kvpool::master::data::PoolClient;
-use kvpool::master::testing::{free_port, wait_for_port};
-use kvpool::master::{PutOptions, proto::StatsResponse};
 use kvpool::transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
 use parking_lot::Mutex;
+use pool_procs::*;
 
-const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 const KEY: &str = "kill-under-load-test-key-0123456789abcdef";
-/// Only a hang reaches it on a loaded 2-core box.
-const DEADLINE: Duration = Duration::from_secs(180);
 const WRITERS: u64 = 3;
 const PUTS_PER_WRITER: u64 = 60;
 const READERS: usize = 2;
 /// Commits before the kill.
 const KILL_AFTER: u64 = 40;
-
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn assert_running(&mut self) {
-        if let Ok(Some(status)) = self.child.try_wait() {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            panic!("{} exited early with {status}; log:\n{log}", self.name);
-        }
-    }
-}
-
-fn agent_bin() -> PathBuf {
-    let bin = Path::new(KVPOOL).with_file_name("kvpool-agent");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "kvpool-agent", "--bin", "kvpool-agent"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for kvpool-agent");
-        assert!(status.success(), "building kvpool-agent failed");
-    }
-    bin
-}
-
-fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Proc {
-    let log = dir.join(format!("{name}.log"));
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(File::create(&log).expect("log file")))
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-    Proc {
-        name: name.into(),
-        child,
-        log,
-    }
-}
-
-fn start_master(dir: &Path, key_file: &Path) -> (Proc, SocketAddr) {
-    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port().expect("port")));
-    let admin = SocketAddr::from(([127, 0, 0, 1], free_port().expect("port")));
-    let mut p = spawn(
-        dir,
-        "master",
-        Command::new(KVPOOL)
-            .args(["master", "--listen", &grpc.to_string()])
-            .args(["--admin-addr", &admin.to_string()])
-            .arg("--auth-key-file")
-            .arg(key_file)
-            .args(["--heartbeat-timeout", "3s", "--tick-interval", "100ms"]),
-    );
-    assert!(wait_for_port(grpc, DEADLINE), "master never listened");
-    p.assert_running();
-    (p, grpc)
-}
-
-fn start_agent(dir: &Path, name: &str, master: SocketAddr, key_file: &Path) -> Proc {
-    // A fixture machine description (one NUMA node, plenty of free memory) keeps the test
-    // independent of the host's free memory; the DRAM itself is real.
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("agent/tests/fixtures/tcp-single");
-    let own = dir.join(name);
-    std::fs::create_dir_all(own.join("run")).expect("agent dir");
-    let cfg = format!(
-        "node_name: {name}\n\
-         discovery:\n  sysfs_root: {}\n  procfs_root: {}\n\
-         dram:\n  capacity: 64MiB\n  lock: false\n\
-         engine_api:\n  socket_dir: {run}\n  shm_dir: {run}\n\
-         admin:\n  listen: 127.0.0.1:0\n\
-         pool:\n  master: [\"{master}\"]\n  auth_key_file: {}\n  transport_listen: 127.0.0.1:0\n  heartbeat_interval: 200ms\n",
-        root.join("sys").display(),
-        root.join("proc").display(),
-        key_file.display(),
-        run = own.join("run").display(),
-    );
-    let path = own.join("agent.yaml");
-    std::fs::write(&path, cfg).expect("agent config");
-    spawn(
-        dir,
-        name,
-        Command::new(agent_bin())
-            .args(["run", "--config"])
-            .arg(&path)
-            .env_remove("KVPOOL_MASTER")
-            .env_remove("KVPOOL_AUTH_KEY_FILE")
-            .env_remove("POD_IP"),
-    )
-}
-
-async fn wait_stats(
-    client: &MasterClient,
-    what: &str,
-    procs: &mut [&mut Proc],
-    done: impl Fn(&StatsResponse) -> bool,
-) -> StatsResponse {
-    let started = Instant::now();
-    loop {
-        for p in procs.iter_mut() {
-            p.assert_running();
-        }
-        if let Ok(s) = client.stats().await
-            && done(&s)
-        {
-            return s;
-        }
-        assert!(started.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// The value of a key: length 4 KiB to ~260 KiB, content from the key's id.
 fn value(id: u64) -> Vec<u8> {

@@ -5,147 +5,20 @@
 //! `StripeIncomplete` and is cleaned up). Values of manifest length that are not manifests stay
 //! ordinary values.
 
-use std::collections::BTreeMap;
-use std::fs::File;
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod pool_procs;
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kvpool::master::PutOptions;
 use kvpool::master::auth::AuthKey as MasterKey;
 use kvpool::master::client::{ClientConfig, MasterClient};
 use kvpool::master::data::{MANIFEST_LEN, PoolClient, StripeConfig, stripe_part_key};
-use kvpool::master::testing::{free_port, wait_for_port};
-use kvpool::master::{PutOptions, proto::StatsResponse};
 use kvpool::transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+use pool_procs::*;
 
-const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 const KEY: &str = "striping-test-key-0123456789abcdef0123";
-const DEADLINE: Duration = Duration::from_secs(180);
 const MIB: u64 = 1 << 20;
-
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    fn assert_running(&mut self) {
-        if let Ok(Some(status)) = self.child.try_wait() {
-            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-            panic!("{} exited early with {status}; log:\n{log}", self.name);
-        }
-    }
-}
-
-fn agent_bin() -> PathBuf {
-    let bin = Path::new(KVPOOL).with_file_name("kvpool-agent");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "kvpool-agent", "--bin", "kvpool-agent"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for kvpool-agent");
-        assert!(status.success(), "building kvpool-agent failed");
-    }
-    bin
-}
-
-fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Proc {
-    let log = dir.join(format!("{name}.log"));
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(File::create(&log).expect("log file")))
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-    Proc {
-        name: name.into(),
-        child,
-        log,
-    }
-}
-
-fn start_master(dir: &Path, key_file: &Path) -> (Proc, SocketAddr) {
-    let grpc = SocketAddr::from(([127, 0, 0, 1], free_port().expect("port")));
-    let admin = SocketAddr::from(([127, 0, 0, 1], free_port().expect("port")));
-    let mut p = spawn(
-        dir,
-        "master",
-        Command::new(KVPOOL)
-            .args(["master", "--listen", &grpc.to_string()])
-            .args(["--admin-addr", &admin.to_string()])
-            .arg("--auth-key-file")
-            .arg(key_file)
-            .args(["--heartbeat-timeout", "3s", "--tick-interval", "100ms"]),
-    );
-    assert!(wait_for_port(grpc, DEADLINE), "master never listened");
-    p.assert_running();
-    (p, grpc)
-}
-
-fn start_agent(dir: &Path, name: &str, master: SocketAddr, key_file: &Path) -> Proc {
-    // A fixture machine description (one NUMA node, plenty of free memory) keeps the test
-    // independent of the host's free memory; the DRAM itself is real.
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("agent/tests/fixtures/tcp-single");
-    let own = dir.join(name);
-    std::fs::create_dir_all(own.join("run")).expect("agent dir");
-    let cfg = format!(
-        "node_name: {name}\n\
-         discovery:\n  sysfs_root: {}\n  procfs_root: {}\n\
-         dram:\n  capacity: 64MiB\n  lock: false\n\
-         engine_api:\n  socket_dir: {run}\n  shm_dir: {run}\n\
-         admin:\n  listen: 127.0.0.1:0\n\
-         pool:\n  master: [\"{master}\"]\n  auth_key_file: {}\n  transport_listen: 127.0.0.1:0\n  heartbeat_interval: 200ms\n",
-        root.join("sys").display(),
-        root.join("proc").display(),
-        key_file.display(),
-        run = own.join("run").display(),
-    );
-    let path = own.join("agent.yaml");
-    std::fs::write(&path, cfg).expect("agent config");
-    spawn(
-        dir,
-        name,
-        Command::new(agent_bin())
-            .args(["run", "--config"])
-            .arg(&path)
-            .env_remove("KVPOOL_MASTER")
-            .env_remove("KVPOOL_AUTH_KEY_FILE")
-            .env_remove("POD_IP"),
-    )
-}
-
-async fn wait_stats(
-    client: &MasterClient,
-    what: &str,
-    procs: &mut [&mut Proc],
-    done: impl Fn(&StatsResponse) -> bool,
-) -> StatsResponse {
-    let started = Instant::now();
-    loop {
-        for p in procs.iter_mut() {
-            p.assert_running();
-        }
-        if let Ok(s) = client.stats().await
-            && done(&s)
-        {
-            return s;
-        }
-        assert!(started.elapsed() < DEADLINE, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 fn value(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
