@@ -632,7 +632,6 @@ fn a_new_leader_honours_unknown_leases_for_one_lease_ttl() {
 
 #[test]
 fn journal_replays_into_an_equal_state() {
-    use std::collections::BTreeMap;
     let (mut m, clock) = master(MasterConfig::default());
     m.enable_journal();
     m.mount(spec("a", "s", Tier::Dram, 16 * MIB))
@@ -650,46 +649,18 @@ fn journal_replays_into_an_equal_state() {
     let (pending_id, _) = start(&mut m, key(100), MIB, &opts(1));
     m.unmount("b", b).expect("unmount");
     m.tick();
-    // Replay the journal into a key-value map, as etcd would hold it.
-    let mut segs: BTreeMap<u32, SegmentSpec> = BTreeMap::new();
-    let mut objs: BTreeMap<ObjectKey, ObjectRecord> = BTreeMap::new();
-    let mut rsv: BTreeMap<(u32, u64), u64> = BTreeMap::new();
-    for op in m.take_journal() {
-        match op {
-            JournalOp::PutSegment(id, s) => {
-                segs.insert(id, s);
-            }
-            JournalOp::DelSegment(id) => {
-                segs.remove(&id);
-            }
-            JournalOp::PutObject(r) => {
-                objs.insert(r.key, r);
-            }
-            JournalOp::DelObject(k) => {
-                objs.remove(&k);
-            }
-            JournalOp::Reserve {
-                seg,
-                offset,
-                length,
-            } => {
-                rsv.insert((seg, offset), length);
-            }
-            JournalOp::Unreserve { seg, offset } => {
-                rsv.remove(&(seg, offset));
-            }
-            JournalOp::SegmentIdsUsed(n) => assert!(n > 1),
-        }
-    }
+    // Replay the journal into key-value maps, as etcd would hold them.
+    let (segs, objs, reserved, ids_used) = replay(m.take_journal());
+    assert!(ids_used > 1);
     assert!(m.take_journal().is_empty());
     let mut want = m.object_records();
     want.sort_by_key(|r| r.key);
-    assert_eq!(objs.values().cloned().collect::<Vec<_>>(), want);
-    assert_eq!(segs.into_iter().collect::<Vec<_>>(), m.segment_records());
+    assert_eq!(objs, want);
+    assert_eq!(segs, m.segment_records());
     // The pending put and the repair targets are reserved.
-    assert!(!rsv.is_empty());
+    assert!(!reserved.is_empty());
+    let reserved_bytes: u64 = reserved.iter().map(|(_, _, l)| l).sum();
     let (mut n, nclock) = master(MasterConfig::default());
-    let reserved: Vec<(u32, u64, u64)> = rsv.iter().map(|((s, o), l)| (*s, *o, *l)).collect();
     assert_eq!(n.restore(m.segment_records(), want, reserved), 0);
     assert_eq!(n.stats().used_bytes, m.stats().used_bytes);
     // The old put id means nothing to the new leader; the key can be put again at once.
@@ -706,7 +677,6 @@ fn journal_replays_into_an_equal_state() {
     }
     let tasks_before = n.stats().tasks;
     n.tick();
-    let reserved_bytes: u64 = rsv.values().sum();
     let new_repairs = n.stats().tasks - tasks_before;
     assert_eq!(
         n.stats().used_bytes[0],
