@@ -1138,7 +1138,17 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         calls: Default::default(),
     });
     let r = reader.clone();
-    let (outcome, first) = usage_pass(move |ctx| ctx.master_stats = r, None).await;
+    let slot = Arc::new(std::sync::Mutex::new(None));
+    let metrics_out = slot.clone();
+    let (outcome, first) = usage_pass(
+        move |ctx| {
+            ctx.master_stats = r;
+            *metrics_out.lock().expect("lock") = Some(ctx.metrics.clone());
+        },
+        None,
+    )
+    .await;
+    let reader_metrics = slot.lock().expect("lock").clone().expect("metrics");
     assert_eq!(outcome, Outcome::Reconciled);
     assert_eq!(
         *reader.calls.lock().expect("lock"),
@@ -1158,6 +1168,11 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
     ));
     // The pool asked for RDMA and gpu-1 reported a fallback: the condition names it and why.
     let t = kvpool::crd::conditions::find(&first.conditions, "TransportDegraded").expect("t");
+    assert_eq!(
+        reader_metrics.transport_degraded("llm", "roce"),
+        1,
+        "the alert's gauge counts the node"
+    );
     assert_eq!(
         (t.status.as_str(), t.reason.as_str()),
         ("True", "RdmaFallback")

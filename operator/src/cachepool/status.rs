@@ -152,6 +152,15 @@ fn degraded(protocol: Protocol, n: &NodeTransport) -> bool {
     }
 }
 
+/// How many of the pool's reporting nodes count as degraded (see [`transport_condition`]).
+pub fn degraded_nodes(protocol: Protocol, usage: &PoolUsage) -> usize {
+    usage
+        .transport
+        .iter()
+        .filter(|n| degraded(protocol, n))
+        .count()
+}
+
 /// The `TransportDegraded` condition: True with the nodes and their reasons when a node fell
 /// back from RDMA to TCP although the pool asked for RDMA, False otherwise, Unknown while the
 /// master (which holds the agents' reports) does not answer.
