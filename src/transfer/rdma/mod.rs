@@ -5,6 +5,7 @@
 //! I/O boundary: reading sysfs under a configurable root; libibverbs calls in `verbs`; the
 //! control connection of the handshake in `datapath`.
 
+pub mod address;
 pub mod datapath;
 pub mod fake;
 pub mod handshake;
