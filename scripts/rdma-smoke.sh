@@ -91,7 +91,7 @@ run_initiator() {
       --auth_key_file "$key" --operation "$op" --block_size "$block" --duration "$seconds" \
       --buffer_size 256MiB --no_baselines --json > "$out" 2> "$work/initiator-$op.log"; then
     echo "FAIL: $op initiator failed (no RDMA device, or a build without feature rdma?):" >&2
-    grep -v '^ *[0-9]*: \|^ *at ' "$work/initiator-$op.log" | head -n 12 >&2
+    sed '/^Stack backtrace:/,$d' "$work/initiator-$op.log" >&2
     return 1
   fi
   python3 - "$out" "$protocol" "$op" <<'PY'
