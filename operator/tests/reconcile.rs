@@ -1075,6 +1075,20 @@ async fn usage_pass(
     (outcome.expect("reconcile"), status)
 }
 
+/// `TransportDegraded=True` naming gpu-1 (of two reporting nodes) and its reason.
+fn assert_gpu_1_fell_back(status: &KVCachePoolStatus) {
+    let t = kvpool::crd::conditions::find(&status.conditions, "TransportDegraded")
+        .expect("TransportDegraded condition");
+    assert_eq!(
+        (t.status.as_str(), t.reason.as_str()),
+        ("True", "RdmaFallback")
+    );
+    assert_eq!(
+        t.message,
+        "1 of 2 reporting nodes fell back from RDMA to TCP: gpu-1 (no usable RDMA device on this host)"
+    );
+}
+
 /// A usage reader that records the address and key it was called with.
 struct Recording {
     usage: Option<cachepool::usage::PoolUsage>,
@@ -1167,19 +1181,11 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         "MasterReachable"
     ));
     // The pool asked for RDMA and gpu-1 reported a fallback: the condition names it and why.
-    let t = kvpool::crd::conditions::find(&first.conditions, "TransportDegraded").expect("t");
+    assert_gpu_1_fell_back(&first);
     assert_eq!(
         reader_metrics.transport_degraded("llm", "roce"),
         1,
         "the alert's gauge counts the node"
-    );
-    assert_eq!(
-        (t.status.as_str(), t.reason.as_str()),
-        ("True", "RdmaFallback")
-    );
-    assert_eq!(
-        t.message,
-        "1 of 2 reporting nodes fell back from RDMA to TCP: gpu-1 (no usable RDMA device on this host)"
     );
 
     // The master stops answering: the pass still succeeds (sooner requeue), figures are kept.
@@ -1312,6 +1318,7 @@ async fn status_carries_the_figures_of_a_real_master() {
     let _ = master.join().await;
 
     assert_eq!(outcome, Outcome::Reconciled);
+    assert_gpu_1_fell_back(&status);
     assert_eq!(truth.capacity_bytes.first(), Some(&(96 * MIB)));
     let dram = status.dram.expect("dram");
     assert_eq!(dram.capacity.0, "96Mi");
@@ -1331,13 +1338,4 @@ async fn status_carries_the_figures_of_a_real_master() {
         &status.conditions,
         "MasterReachable"
     ));
-    let t = kvpool::crd::conditions::find(&status.conditions, "TransportDegraded").expect("t");
-    assert_eq!(
-        (t.status.as_str(), t.reason.as_str()),
-        ("True", "RdmaFallback")
-    );
-    assert_eq!(
-        t.message,
-        "1 of 2 reporting nodes fell back from RDMA to TCP: gpu-1 (no usable RDMA device on this host)"
-    );
 }
