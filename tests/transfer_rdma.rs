@@ -54,13 +54,25 @@ fn setup(
 ) -> Setup {
     let fabric = FakeFabric::new();
     fabric.set_faults(faults);
+    let target = target_devices.map(|d| fabric.provider(d));
+    let initiator = fabric.provider(initiator_devices);
+    setup_with(fabric, target, initiator, timeout)
+}
+
+/// Like [`setup`] with the providers (ports of any link layer) made by the caller on `fabric`.
+fn setup_with(
+    fabric: FakeFabric,
+    target_provider: Option<Arc<dyn RdmaProvider>>,
+    initiator_provider: Arc<dyn RdmaProvider>,
+    timeout: Duration,
+) -> Setup {
     let dir = Arc::new(StaticDirectory::new());
     let target = TransferEngine::new_with_rdma(
         config("node-t", timeout),
         key(),
         dir.clone(),
         TransferMetrics::unregistered().unwrap(),
-        target_devices.map(|d| fabric.provider(d)),
+        target_provider,
     )
     .unwrap();
     let initiator_registry = prometheus::Registry::new();
@@ -69,7 +81,7 @@ fn setup(
         key(),
         dir.clone(),
         TransferMetrics::new(&initiator_registry).unwrap(),
-        Some(fabric.provider(initiator_devices)),
+        Some(initiator_provider),
     )
     .unwrap();
     let seg = |n: &str, e: &TransferEngine| {
@@ -461,4 +473,69 @@ proptest::proptest! {
             proptest::prop_assert!(s.initiator.fallback_active());
         }
     }
+}
+
+/// InfiniBand: queue pairs announce their port's LID in the handshake and address the peer by
+/// it (no GRH inside the subnet); the fake fabric routes by LID, so a wrong or missing LID would
+/// not connect.
+#[test]
+fn rdma_over_infiniband_addresses_peers_by_lid_and_moves_bytes() {
+    let fabric = FakeFabric::new();
+    let target = fabric.provider_ib(&[("t-ib0", 11)]);
+    let initiator = fabric.provider_ib(&[("i-ib0", 21), ("i-ib1", 22)]);
+    let s = setup_with(fabric, Some(target), initiator, Duration::from_secs(5));
+    let remote = s
+        .initiator
+        .open_descriptor(&s.desc, Some(Protocol::Rdma))
+        .unwrap();
+    assert_eq!(remote.protocol(), Protocol::Rdma);
+    write_then_read(&s, &remote, 2 * MIB + 5, 3);
+    assert!(s.fabric.bytes_moved("i-ib0") > 0 && s.fabric.bytes_moved("i-ib1") > 0);
+    assert!(!s.initiator.fallback_active());
+    let status = s.initiator.transport_status();
+    assert!(!status.fallback, "{status:?}");
+    assert_eq!(status.devices, ["i-ib0", "i-ib1"]);
+}
+
+/// An InfiniBand target and an initiator whose port has no LID (a RoCE port, which announces
+/// LID 0): the target refuses with a clear reason and the initiator falls back to TCP, loudly,
+/// naming it.
+#[test]
+fn rdma_infiniband_target_refuses_a_peer_with_lid_0_and_the_initiator_says_why() {
+    let fabric = FakeFabric::new();
+    let target = fabric.provider_ib(&[("t-ib0", 11)]);
+    let initiator = fabric.provider(&["i-roce0"]);
+    let s = setup_with(fabric, Some(target), initiator, Duration::from_secs(5));
+    let remote = s.initiator.open(&s.desc.name).unwrap();
+    assert_eq!(remote.protocol(), Protocol::Tcp);
+    let status = s.initiator.transport_status();
+    assert!(status.fallback, "{status:?}");
+    let reason = status.reason.unwrap_or_default();
+    assert!(
+        reason.contains("sent LID 0") && reason.contains("InfiniBand"),
+        "{reason}"
+    );
+    assert_eq!(
+        counter(
+            &s.initiator_registry,
+            "kvpool_transfer_fallback_total",
+            None
+        ),
+        1
+    );
+    write_then_read(&s, &remote, 300 * KIB, 4);
+}
+
+/// An InfiniBand port that no subnet manager configured (LID 0) cannot take part: the target
+/// says so and the initiator uses TCP.
+#[test]
+fn rdma_infiniband_port_without_a_subnet_manager_is_reported() {
+    let fabric = FakeFabric::new();
+    let target = fabric.provider_ib(&[("t-ib0", 0)]);
+    let initiator = fabric.provider_ib(&[("i-ib0", 21)]);
+    let s = setup_with(fabric, Some(target), initiator, Duration::from_secs(5));
+    let remote = s.initiator.open(&s.desc.name).unwrap();
+    assert_eq!(remote.protocol(), Protocol::Tcp);
+    let reason = s.initiator.transport_status().reason.unwrap_or_default();
+    assert!(reason.contains("subnet manager"), "{reason}");
 }

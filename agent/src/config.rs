@@ -84,6 +84,10 @@ pub struct PoolSection {
     pub max_tasks: Option<usize>,
     /// A task not finished in this time is reported failed, e.g. `30s`.
     pub task_timeout: Option<String>,
+    /// Transfer engine: `tcp` (default), `rdma` or `auto` (the KVCachePool's
+    /// `transport.protocol`). With `rdma`/`auto` the engine opens the host's RDMA devices and
+    /// falls back to TCP loudly when none works; the heartbeat reports it.
+    pub transport: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -193,6 +197,8 @@ pub struct PoolConfig {
     pub replicas: u8,
     pub max_tasks: usize,
     pub task_timeout: Duration,
+    /// The transfer engine wants RDMA (`pool.transport` is `rdma` or `auto`).
+    pub want_rdma: bool,
 }
 
 fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
@@ -249,6 +255,16 @@ fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
     if task_timeout < Duration::from_millis(100) {
         return Err(invalid("pool.task_timeout", "must be at least 100ms"));
     }
+    let want_rdma = match p.transport.as_deref().map(str::trim) {
+        None | Some("tcp") => false,
+        Some("rdma" | "auto") => true,
+        Some(other) => {
+            return Err(invalid(
+                "pool.transport",
+                format!("{other:?} is not one of tcp, rdma, auto"),
+            ));
+        }
+    };
     Ok(Some(PoolConfig {
         masters: p.master.clone(),
         auth_key_file,
@@ -258,6 +274,7 @@ fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
         replicas,
         max_tasks,
         task_timeout,
+        want_rdma,
     }))
 }
 
@@ -588,6 +605,14 @@ pub fn from_pool_document(
     file.pool.auth_key_file = Some(doc.auth_key_file.clone());
     file.pool.transport_listen = Some(format!("0.0.0.0:{}", eff.transport.port));
     file.pool.replicas = Some(eff.replication.replicas);
+    file.pool.transport = Some(
+        match eff.transport.protocol {
+            kvpool::crd::Protocol::Auto => "auto",
+            kvpool::crd::Protocol::Rdma => "rdma",
+            kvpool::crd::Protocol::Tcp => "tcp",
+        }
+        .to_owned(),
+    );
     Ok(file)
 }
 
@@ -662,7 +687,14 @@ master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
             Some(kvpool::crd::POOL_CLIENT_GROUP),
             "engines in the operator's fsGroup may use the socket"
         );
-        assert_eq!(cfg.pool.expect("pool mode").transport_listen.port(), 15600);
+        let pool = cfg.pool.expect("pool mode");
+        assert_eq!(pool.transport_listen.port(), 15600);
+        assert_eq!(file.pool.transport.as_deref(), Some("tcp"));
+        assert!(!pool.want_rdma, "the document's transport is tcp");
+        let rdma = POOL_DOC.replace("protocol: tcp", "protocol: rdma");
+        let doc = parse_pool_document(&rdma, Path::new("c.yaml")).expect("parses");
+        let file = from_pool_document(&doc, 64 << 30).expect("maps");
+        assert_eq!(file.pool.transport.as_deref(), Some("rdma"));
 
         let bad = POOL_DOC.replace("/run/kvpool/agent.sock", "/run/kvpool/other.sock");
         let doc = parse_pool_document(&bad, Path::new("c.yaml")).expect("parses");
@@ -765,7 +797,21 @@ admin:
             (pool.replicas, pool.max_tasks, pool.task_timeout),
             (2, 16, Duration::from_secs(2))
         );
+        assert!(!pool.want_rdma, "TCP unless the pool asks for RDMA");
+        for (transport, want) in [("rdma", true), ("auto", true), ("tcp", false)] {
+            let pool = validate_yaml(&format!(
+                "pool: {{master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0, transport: {transport}}}"
+            ))
+            .expect("valid")
+            .pool
+            .expect("pool mode");
+            assert_eq!(pool.want_rdma, want, "{transport}");
+        }
         let cases = [
+            (
+                "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, transport: infiniband}",
+                "pool.transport",
+            ),
             (
                 "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, replicas: 0}",
                 "pool.replicas",

@@ -471,7 +471,12 @@ impl PoolLink {
         self.sync_ssd_index().await;
         let mut beat_ok = false;
         if !self.registrar.mounted().is_empty() {
-            match self.client.heartbeat(self.registrar.node()).await {
+            let transport = self.engine.as_ref().map(transport_report);
+            match self
+                .client
+                .heartbeat_with_transport(self.registrar.node(), transport)
+                .await
+            {
                 Ok(tasks) => {
                     beat_ok = true;
                     if !tasks.is_empty() {
@@ -505,7 +510,8 @@ impl PoolLink {
         }
         self.set_mounted_gauge();
         if let (Some(m), Some(engine)) = (&self.metrics, &self.engine) {
-            m.rdma_fallback.set(i64::from(engine.fallback_active()));
+            m.rdma_fallback
+                .set(i64::from(engine.transport_status().fallback));
         }
         let healthy = beat_ok && self.registrar.all_mounted();
         if self.healthy.send_replace(healthy) != healthy {
@@ -629,6 +635,17 @@ impl PoolLink {
 }
 
 /// Client settings of the link: calls retried for three heartbeat periods (1 to 5 s).
+/// The engine's transport state as the heartbeat carries it to the master.
+fn transport_report(engine: &TransferEngine) -> kvpool::master::proto::TransportReport {
+    let t = engine.transport_status();
+    kvpool::master::proto::TransportReport {
+        rdma_requested: t.rdma_requested,
+        fallback: t.fallback,
+        fallback_reason: t.reason.unwrap_or_default(),
+        rdma_devices: t.devices,
+    }
+}
+
 fn link_client_config(cfg: &PoolConfig) -> ClientConfig {
     let budget = (cfg.heartbeat_interval * 3).clamp(Duration::from_secs(1), Duration::from_secs(5));
     ClientConfig {
@@ -667,6 +684,7 @@ impl Member {
         let engine = TransferEngine::new(
             EngineConfig {
                 node: node.to_owned(),
+                want_rdma: cfg.want_rdma,
                 ..EngineConfig::default()
             },
             transfer_key,

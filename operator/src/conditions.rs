@@ -8,7 +8,7 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 pub use kvpool::crd::conditions::{DEGRADED, PROGRESSING, READY};
-use kvpool::crd::conditions::{condition, set_condition};
+use kvpool::crd::conditions::{FALSE, TRUE, UNKNOWN, condition_with_status, set_condition};
 
 /// Reasons used in conditions and Events (shared ones come from `kvpool::crd::conditions`).
 pub mod reason {
@@ -25,6 +25,8 @@ pub mod reason {
 pub struct Desired {
     pub type_: &'static str,
     pub status: bool,
+    /// Status `Unknown` (then `status` is ignored): the operator cannot tell.
+    pub unknown: bool,
     pub reason: &'static str,
     pub message: String,
 }
@@ -39,8 +41,26 @@ impl Desired {
         Self {
             type_,
             status,
+            unknown: false,
             reason,
             message: message.into(),
+        }
+    }
+
+    /// A condition whose status is `Unknown`.
+    pub fn unknown(type_: &'static str, reason: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            unknown: true,
+            ..Self::new(type_, false, reason, message)
+        }
+    }
+
+    /// `True`, `False` or `Unknown`.
+    pub fn status_str(&self) -> &'static str {
+        match (self.unknown, self.status) {
+            (true, _) => UNKNOWN,
+            (false, true) => TRUE,
+            (false, false) => FALSE,
         }
     }
 }
@@ -62,9 +82,9 @@ pub fn merge(
     for d in desired {
         set_condition(
             &mut out,
-            condition(
+            condition_with_status(
                 d.type_,
-                d.status,
+                d.status_str(),
                 d.reason,
                 d.message.clone(),
                 generation,

@@ -4,7 +4,9 @@
 
 use std::time::Instant;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 
 /// Metric handles shared by every controller.
 #[derive(Clone)]
@@ -13,6 +15,7 @@ pub struct Metrics {
     failures: IntCounterVec,
     duration: HistogramVec,
     leader: IntGauge,
+    transport_degraded: IntGaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -55,12 +58,21 @@ impl Metrics {
         registry.register(Box::new(reconciles.clone()))?;
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(duration.clone()))?;
+        let transport_degraded = IntGaugeVec::new(
+            Opts::new(
+                "kvpool_operator_transport_degraded_nodes",
+                "Nodes of a KVCachePool that asked for RDMA whose transfer engine fell back to TCP (the TransportDegraded condition), as of the last pass that reached the pool's master",
+            ),
+            &["pool_namespace", "pool"],
+        )?;
         registry.register(Box::new(leader.clone()))?;
+        registry.register(Box::new(transport_degraded.clone()))?;
         Ok(Self {
             reconciles,
             failures,
             duration,
             leader,
+            transport_degraded,
         })
     }
 
@@ -85,6 +97,20 @@ impl Metrics {
     /// Record whether this replica leads.
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
+    }
+
+    /// Nodes of pool `namespace/pool` that fell back from RDMA to TCP.
+    pub fn set_transport_degraded(&self, namespace: &str, pool: &str, nodes: usize) {
+        self.transport_degraded
+            .with_label_values(&[namespace, pool])
+            .set(i64::try_from(nodes).unwrap_or(i64::MAX));
+    }
+
+    /// The value last set for pool `namespace/pool` (tests).
+    pub fn transport_degraded(&self, namespace: &str, pool: &str) -> i64 {
+        self.transport_degraded
+            .with_label_values(&[namespace, pool])
+            .get()
     }
 
     /// Reconciles counted so far for `kind` and `result` (tests and diagnostics).

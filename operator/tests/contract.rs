@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use kvpool::crd::KVCachePool;
 use kvpool_operator::cachepool::build::{CachePoolChildren, build};
@@ -52,6 +53,51 @@ fn example_pools() -> Result<Vec<(String, KVCachePool)>> {
 fn children(pool: &KVCachePool) -> Result<CachePoolChildren> {
     let valid = validate(pool, &Settings::for_tests()).context("example is valid")?;
     build(&valid, KEY_HEX).context("build")
+}
+
+/// The argv of the first container of `pod` after the `$(VAR)` substitution, with the files the
+/// pool's children mount written under a temporary directory (kept while the guard lives).
+fn container_argv(
+    children: &CachePoolChildren,
+    pod: Option<&PodSpec>,
+) -> Result<(tempfile::TempDir, Vec<String>)> {
+    let dir = tempfile::tempdir()?;
+    let files = write_files(dir.path(), children)?;
+    let argv = argv(pod_of(pod)?, &files)?;
+    Ok((dir, argv))
+}
+
+/// The agent's configuration as it starts from the pool's DaemonSet: its container's args
+/// parsed by the agent's CLI, the mounted ConfigMap loaded by the agent's own loader, the
+/// flags overlaid and the whole validated. `label` names the example in errors.
+fn agent_config(
+    label: &str,
+    children: &CachePoolChildren,
+) -> Result<kvpool_agent::config::AgentConfig> {
+    let pod = children
+        .agent
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref());
+    let (_files, argv) = container_argv(children, pod)?;
+    let cli = kvpool_agent::cli::Cli::try_parse_from(&argv)
+        .with_context(|| format!("{label}: agent args {argv:?}"))?;
+    let kvpool_agent::cli::Command::Run(args) = cli.command else {
+        bail!("{label}: the agent container must run `run`, got {argv:?}");
+    };
+    let path = args
+        .pool_config
+        .as_deref()
+        .with_context(|| format!("{label}: the agent must be given --pool-config"))?;
+    let file = kvpool_agent::config::load_pool_document(path, Path::new("/proc"))
+        .map_err(|e| anyhow::anyhow!("{label}: agent loads config.yaml: {e}"))?;
+    kvpool_agent::config::validate(&args.overlay(file))
+        .map_err(|e| anyhow::anyhow!("{label}: agent config validates: {e}"))
+}
+
+/// The pod template of a Deployment.
+fn template(d: &Deployment) -> Option<&PodSpec> {
+    d.spec.as_ref().and_then(|s| s.template.spec.as_ref())
 }
 
 fn pod_of(spec: Option<&PodSpec>) -> Result<&Container> {
@@ -119,31 +165,8 @@ fn ssd_bytes(children: &CachePoolChildren) -> Result<Option<u64>> {
 fn agent_container_parses_with_the_agent_cli() -> Result<()> {
     for (rel, pool) in example_pools()? {
         let children = children(&pool)?;
-        let dir = tempfile::tempdir()?;
-        let files = write_files(dir.path(), &children)?;
-        let c = pod_of(
-            children
-                .agent
-                .spec
-                .as_ref()
-                .and_then(|s| s.template.spec.as_ref()),
-        )?;
-        let argv = argv(c, &files)?;
-        let cli = kvpool_agent::cli::Cli::try_parse_from(&argv)
-            .with_context(|| format!("{rel}: agent args {argv:?}"))?;
-        let kvpool_agent::cli::Command::Run(args) = cli.command else {
-            bail!("{rel}: the agent container must run `run`, got {argv:?}");
-        };
         // The ConfigMap loads in the agent's own loader and validates, as at pod start.
-        let path = args
-            .pool_config
-            .as_deref()
-            .with_context(|| format!("{rel}: the agent must be given --pool-config"))?;
-        let file = kvpool_agent::config::load_pool_document(path, Path::new("/proc"))
-            .map_err(|e| anyhow::anyhow!("{rel}: agent loads config.yaml: {e}"))?;
-        let file = args.overlay(file);
-        let cfg = kvpool_agent::config::validate(&file)
-            .map_err(|e| anyhow::anyhow!("{rel}: agent config validates: {e}"))?;
+        let cfg = agent_config(&rel, &children)?;
         let pool_cfg = cfg
             .pool
             .as_ref()
@@ -156,6 +179,10 @@ fn agent_container_parses_with_the_agent_cli() -> Result<()> {
             pool_cfg.masters
         );
         ensure!(pool_cfg.auth_key_file == Path::new("/etc/kvpool/auth/key"));
+        ensure!(
+            pool_cfg.want_rdma == (pool.spec.transport.protocol != kvpool::crd::Protocol::Tcp),
+            "{rel}: transport.protocol reaches the agent's transfer engine"
+        );
         ensure!(cfg.api.socket_dir == Path::new("/run/kvpool"));
         ensure!(
             cfg.ssd.as_ref().map(|s| s.tier.capacity) == ssd_bytes(&children)?,
@@ -196,16 +223,7 @@ fn master_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> {
     let mut saw_plain = false;
     for (rel, pool) in example_pools()? {
         let children = children(&pool)?;
-        let dir = tempfile::tempdir()?;
-        let files = write_files(dir.path(), &children)?;
-        let c = pod_of(
-            children
-                .master
-                .spec
-                .as_ref()
-                .and_then(|s| s.template.spec.as_ref()),
-        )?;
-        let argv = argv(c, &files)?;
+        let (_files, argv) = container_argv(&children, template(&children.master))?;
         let cli = kvpool::cli::Cli::try_parse_from(&argv)
             .with_context(|| format!("{rel}: master args {argv:?}"))?;
         let kvpool::cli::Command::Master(args) = cli.command else {
@@ -232,15 +250,7 @@ fn conductor_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> 
             continue;
         };
         seen += 1;
-        let dir = tempfile::tempdir()?;
-        let files = write_files(dir.path(), &children)?;
-        let c = pod_of(
-            deployment
-                .spec
-                .as_ref()
-                .and_then(|s| s.template.spec.as_ref()),
-        )?;
-        let argv = argv(c, &files)?;
+        let (_files, argv) = container_argv(&children, template(deployment))?;
         let cli = kvpool::cli::Cli::try_parse_from(&argv)
             .with_context(|| format!("{rel}: conductor args {argv:?}"))?;
         let kvpool::cli::Command::Conductor(args) = cli.command else {
@@ -255,11 +265,7 @@ fn conductor_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> 
         ensure!(Some(discovery.namespace.as_str()) == pool.metadata.namespace.as_deref());
         ensure!(discovery.engine_port == kvpool_operator::contract::ENGINE_PORT);
         // It runs as the ServiceAccount whose Role allows the list and watch discovery makes.
-        let spec = deployment
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .context("pod spec")?;
+        let spec = template(deployment).context("pod spec")?;
         let rbac = children.conductor_rbac.as_ref().context("conductor RBAC")?;
         ensure!(spec.service_account_name == rbac.service_account.metadata.name);
         ensure!(spec.automount_service_account_token == Some(true));
@@ -385,24 +391,7 @@ fn numa_policy_maps_to_the_agents_placement() -> Result<()> {
         let mut pool: KVCachePool = serde_saphyr::from_str(&base)?;
         pool.spec.dram.numa_policy = crd;
         let children = children(&pool)?;
-        let dir = tempfile::tempdir()?;
-        let files = write_files(dir.path(), &children)?;
-        let c = pod_of(
-            children
-                .agent
-                .spec
-                .as_ref()
-                .and_then(|s| s.template.spec.as_ref()),
-        )?;
-        let cli = kvpool_agent::cli::Cli::try_parse_from(argv(c, &files)?)?;
-        let kvpool_agent::cli::Command::Run(args) = cli.command else {
-            bail!("the agent container must run `run`");
-        };
-        let path = args.pool_config.as_deref().context("--pool-config")?;
-        let file = kvpool_agent::config::load_pool_document(path, Path::new("/proc"))
-            .map_err(|e| anyhow::anyhow!("{crd:?}: agent loads config.yaml: {e}"))?;
-        let cfg = kvpool_agent::config::validate(&args.overlay(file))
-            .map_err(|e| anyhow::anyhow!("{crd:?}: agent config validates: {e}"))?;
+        let cfg = agent_config(&format!("{crd:?}"), &children)?;
         ensure!(
             cfg.dram.policy == want,
             "{crd:?} became {:?}",
@@ -448,13 +437,7 @@ fn e2e_engine_pools_run_the_synthetic_engine_without_a_gpu() -> Result<()> {
     ];
     for p in &valid {
         let children = engine_build::build(p, "hash");
-        let c = pod_of(
-            children
-                .deployment
-                .spec
-                .as_ref()
-                .and_then(|s| s.template.spec.as_ref()),
-        )?;
+        let c = pod_of(template(&children.deployment))?;
         ensure!(
             c.image.as_deref() == Some("ghcr.io/kvpool/kvpool:0.0.0-e2e"),
             "{}: image {:?}",

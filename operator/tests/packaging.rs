@@ -986,6 +986,7 @@ fn operator_metric_names() -> Result<BTreeSet<String>> {
     metrics.finished("KVCachePool", "ok");
     metrics.failed("KVCachePool", "apply");
     metrics.set_leader(true);
+    metrics.set_transport_degraded("ns", "pool", 0);
     let mut names = BTreeSet::from(["up".to_owned()]);
     for family in registry.gather() {
         let name = family.name().to_owned();

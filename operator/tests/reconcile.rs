@@ -1075,6 +1075,20 @@ async fn usage_pass(
     (outcome.expect("reconcile"), status)
 }
 
+/// `TransportDegraded=True` naming gpu-1 (of two reporting nodes) and its reason.
+fn assert_gpu_1_fell_back(status: &KVCachePoolStatus) {
+    let t = kvpool::crd::conditions::find(&status.conditions, "TransportDegraded")
+        .expect("TransportDegraded condition");
+    assert_eq!(
+        (t.status.as_str(), t.reason.as_str()),
+        ("True", "RdmaFallback")
+    );
+    assert_eq!(
+        t.message,
+        "1 of 2 reporting nodes fell back from RDMA to TCP: gpu-1 (no usable RDMA device on this host)"
+    );
+}
+
 /// A usage reader that records the address and key it was called with.
 struct Recording {
     usage: Option<cachepool::usage::PoolUsage>,
@@ -1099,7 +1113,10 @@ impl cachepool::usage::MasterStats for Recording {
             "signed with the stored key"
         );
         self.calls.lock().expect("lock").push(addr.to_owned());
-        let answer = self.usage.ok_or(cachepool::usage::UsageError::AuthKey);
+        let answer = self
+            .usage
+            .clone()
+            .ok_or(cachepool::usage::UsageError::AuthKey);
         Box::pin(std::future::ready(answer))
     }
 }
@@ -1114,13 +1131,38 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         objects: 12,
         nodes_alive: 4,
         segments: 8,
+        transport: vec![
+            cachepool::usage::NodeTransport {
+                node: "gpu-0".into(),
+                rdma_requested: true,
+                devices: vec!["mlx5_0".into()],
+                ..Default::default()
+            },
+            cachepool::usage::NodeTransport {
+                node: "gpu-1".into(),
+                rdma_requested: true,
+                fallback: true,
+                reason: "no usable RDMA device on this host".into(),
+                devices: vec![],
+            },
+        ],
     };
     let reader = Arc::new(Recording {
         usage: Some(usage),
         calls: Default::default(),
     });
     let r = reader.clone();
-    let (outcome, first) = usage_pass(move |ctx| ctx.master_stats = r, None).await;
+    let slot = Arc::new(std::sync::Mutex::new(None));
+    let metrics_out = slot.clone();
+    let (outcome, first) = usage_pass(
+        move |ctx| {
+            ctx.master_stats = r;
+            *metrics_out.lock().expect("lock") = Some(ctx.metrics.clone());
+        },
+        None,
+    )
+    .await;
+    let reader_metrics = slot.lock().expect("lock").clone().expect("metrics");
     assert_eq!(outcome, Outcome::Reconciled);
     assert_eq!(
         *reader.calls.lock().expect("lock"),
@@ -1138,6 +1180,13 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         &first.conditions,
         "MasterReachable"
     ));
+    // The pool asked for RDMA and gpu-1 reported a fallback: the condition names it and why.
+    assert_gpu_1_fell_back(&first);
+    assert_eq!(
+        reader_metrics.transport_degraded("llm", "roce"),
+        1,
+        "the alert's gauge counts the node"
+    );
 
     // The master stops answering: the pass still succeeds (sooner requeue), figures are kept.
     let (outcome, second) = usage_pass(|_| {}, Some(first.clone())).await;
@@ -1153,6 +1202,12 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         c.message.contains("roce-master.llm.svc:50051"),
         "{}",
         c.message
+    );
+    let t = kvpool::crd::conditions::find(&second.conditions, "TransportDegraded").expect("t");
+    assert_eq!(
+        (t.status.as_str(), t.reason.as_str()),
+        ("Unknown", "MasterUnreachable"),
+        "nothing is known about the agents without the master"
     );
 }
 
@@ -1227,6 +1282,28 @@ async fn status_carries_the_figures_of_a_real_master() {
         panic!("unexpected {started:?}");
     };
     client.put_end(b"block/0", put_id).await.expect("put end");
+    // gpu-1's agent reports with its heartbeat that it fell back to TCP; gpu-0 is on RDMA.
+    for (node, fallback, devices) in [
+        ("gpu-0", false, vec!["mlx5_0".to_owned()]),
+        ("gpu-1", true, vec![]),
+    ] {
+        client
+            .heartbeat_with_transport(
+                node,
+                Some(kvpool::master::proto::TransportReport {
+                    rdma_requested: true,
+                    fallback,
+                    fallback_reason: if fallback {
+                        "no usable RDMA device on this host".into()
+                    } else {
+                        String::new()
+                    },
+                    rdma_devices: devices,
+                }),
+            )
+            .await
+            .expect("heartbeat");
+    }
     let truth = client.stats().await.expect("stats");
 
     let (outcome, status) = usage_pass(
@@ -1241,6 +1318,7 @@ async fn status_carries_the_figures_of_a_real_master() {
     let _ = master.join().await;
 
     assert_eq!(outcome, Outcome::Reconciled);
+    assert_gpu_1_fell_back(&status);
     assert_eq!(truth.capacity_bytes.first(), Some(&(96 * MIB)));
     let dram = status.dram.expect("dram");
     assert_eq!(dram.capacity.0, "96Mi");

@@ -239,6 +239,11 @@ pub struct InitiatorReport {
     pub batch_latency_us_p90: u64,
     pub batch_latency_us_p99: u64,
     pub last_failure: Option<String>,
+    /// RDMA was wanted and some transfer went over TCP instead (each such event also counted
+    /// in `kvpool_transfer_fallback_total`); scripts/rdma-smoke.sh requires false.
+    pub rdma_fallback: bool,
+    /// Local RDMA devices that carried the transfers (empty unless the route is RDMA).
+    pub rdma_devices: Vec<String>,
 }
 
 /// Entry point of `kvpool bench transfer`.
@@ -484,6 +489,8 @@ fn run_initiator(
         batch_latency_us_p90: hist.value_at_quantile(0.90),
         batch_latency_us_p99: hist.value_at_quantile(0.99),
         last_failure,
+        rdma_fallback: engine.fallback_active(),
+        rdma_devices: remote.rdma_devices(),
     })
 }
 

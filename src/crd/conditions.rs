@@ -14,6 +14,11 @@ pub const DEGRADED: &str = "Degraded";
 /// `objects` are current); False keeps the last known figures.
 pub const MASTER_REACHABLE: &str = "MasterReachable";
 
+/// A `KVCachePool` that asked for RDMA has nodes whose transfer engine fell back to TCP (from
+/// the transport state the agents report to the master); Unknown while the master does not
+/// answer.
+pub const TRANSPORT_DEGRADED: &str = "TransportDegraded";
+
 /// Condition statuses.
 pub const TRUE: &str = "True";
 /// Condition statuses.
@@ -50,6 +55,12 @@ pub mod reasons {
     /// `MasterReachable=False`: the master did not answer (not started yet, down, or the key
     /// did not match); the message names the address and the failure category.
     pub const MASTER_UNREACHABLE: &str = "MasterUnreachable";
+    /// `TransportDegraded=True`: nodes fell back from RDMA to TCP; the message names them and
+    /// the reason each agent reported.
+    pub const RDMA_FALLBACK: &str = "RdmaFallback";
+    /// `TransportDegraded=False`: every reporting node moves bytes as the pool asked (RDMA, or
+    /// TCP where `tcp` was asked or `auto` found no device).
+    pub const TRANSPORT_AS_REQUESTED: &str = "TransportAsRequested";
 
     /// Every reason above (docs/crds.md documents each).
     pub const ALL: &[&str] = &[
@@ -66,6 +77,8 @@ pub mod reasons {
         AS_EXPECTED,
         STATS_READ,
         MASTER_UNREACHABLE,
+        RDMA_FALLBACK,
+        TRANSPORT_AS_REQUESTED,
     ];
 }
 
@@ -108,9 +121,22 @@ pub fn condition(
     observed_generation: Option<i64>,
     now: Time,
 ) -> Condition {
+    let status = if status { TRUE } else { FALSE };
+    condition_with_status(type_, status, reason, message, observed_generation, now)
+}
+
+/// Builds a condition with status `status` ([`TRUE`], [`FALSE`] or [`UNKNOWN`]).
+pub fn condition_with_status(
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: impl Into<String>,
+    observed_generation: Option<i64>,
+    now: Time,
+) -> Condition {
     Condition {
         type_: type_.to_owned(),
-        status: if status { TRUE } else { FALSE }.to_owned(),
+        status: status.to_owned(),
         reason: reason.to_owned(),
         message: message.into(),
         observed_generation,

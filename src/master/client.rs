@@ -288,8 +288,19 @@ impl MasterClient {
 
     /// Heartbeat; returns the tasks the master queued for this node.
     pub async fn heartbeat(&self, node: &str) -> Result<Vec<Task>, ClientError> {
+        self.heartbeat_with_transport(node, None).await
+    }
+
+    /// Heartbeat that also reports this node's transfer-engine transport state (the master
+    /// keeps the last one per node and returns it in `Stats`).
+    pub async fn heartbeat_with_transport(
+        &self,
+        node: &str,
+        transport: Option<proto::TransportReport>,
+    ) -> Result<Vec<Task>, ClientError> {
         let req = proto::HeartbeatRequest {
             node: node.to_owned(),
+            transport,
         };
         let r = self
             .call("heartbeat", |mut c| {

@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 use super::auth::Verifier;
 use super::metrics::MasterMetrics;
 use super::proto::{self, master_server::MasterServer};
-use super::state::{JournalOp, MasterError, MasterState};
+use super::state::{JournalOp, MasterError, MasterState, TransportState};
 use super::types::{AdoptItem, ObjectKey, PutOptions, PutStarted, Spread};
 
 /// Metadata header naming the leader's gRPC address on UNAVAILABLE answers from a standby.
@@ -363,9 +363,16 @@ impl proto::master_server::Master for MasterSvc {
         let start = Instant::now();
         let req = req.into_inner();
         let r = async {
+            let transport = req.transport.as_ref().map(transport_state);
             let tasks = self
                 .core
-                .mutate(|st| st.heartbeat(&req.node))
+                .mutate(|st| {
+                    let tasks = st.heartbeat(&req.node)?;
+                    if let Some(t) = transport {
+                        st.record_transport(&req.node, t)?;
+                    }
+                    Ok::<_, MasterError>(tasks)
+                })
                 .await?
                 .map_err(|e| proto::status_of(&e))?;
             Ok(Response::new(proto::HeartbeatResponse {
@@ -645,20 +652,24 @@ impl proto::master_server::Master for MasterSvc {
         _req: Request<proto::Empty>,
     ) -> Result<Response<proto::StatsResponse>, Status> {
         let start = Instant::now();
-        let r = self.core.read(|st| st.stats()).map(|s| {
-            Response::new(proto::StatsResponse {
-                objects: s.objects,
-                pending_puts: s.pending_puts,
-                used_bytes: s.used_bytes.to_vec(),
-                capacity_bytes: s.capacity_bytes.to_vec(),
-                leases: s.leases,
-                under_replicated: s.under_replicated,
-                tasks: s.tasks,
-                nodes_alive: s.nodes_alive,
-                segments: s.segments,
-                leader: true,
-            })
-        });
+        let r = self
+            .core
+            .read(|st| (st.stats(), st.transports()))
+            .map(|(s, t)| {
+                Response::new(proto::StatsResponse {
+                    objects: s.objects,
+                    pending_puts: s.pending_puts,
+                    used_bytes: s.used_bytes.to_vec(),
+                    capacity_bytes: s.capacity_bytes.to_vec(),
+                    leases: s.leases,
+                    under_replicated: s.under_replicated,
+                    tasks: s.tasks,
+                    nodes_alive: s.nodes_alive,
+                    segments: s.segments,
+                    leader: true,
+                    transport: t.into_iter().map(node_transport).collect(),
+                })
+            });
         self.record("stats", start, &r, None);
         r
     }
@@ -722,5 +733,41 @@ impl MasterSvc {
         .await;
         self.record(method, start, &r, item_error);
         r
+    }
+}
+
+/// Longest fallback reason kept per node, in characters.
+const MAX_TRANSPORT_REASON: usize = 512;
+/// Most RDMA device names kept per node, and the longest name.
+const MAX_TRANSPORT_DEVICES: usize = 16;
+const MAX_DEVICE_NAME: usize = 64;
+
+/// Transfer engine: a heartbeat's transport report as the state keeps it, cut to bounded sizes
+/// (it comes from the network and is kept per node).
+fn transport_state(r: &proto::TransportReport) -> TransportState {
+    let cut = |s: &str, n: usize| s.chars().take(n).collect::<String>();
+    TransportState {
+        rdma_requested: r.rdma_requested,
+        fallback: r.fallback,
+        fallback_reason: cut(&r.fallback_reason, MAX_TRANSPORT_REASON),
+        rdma_devices: r
+            .rdma_devices
+            .iter()
+            .take(MAX_TRANSPORT_DEVICES)
+            .map(|d| cut(d, MAX_DEVICE_NAME))
+            .collect(),
+    }
+}
+
+/// Transfer engine: one node's transport state as Stats returns it.
+fn node_transport((node, t): (String, TransportState)) -> proto::NodeTransport {
+    proto::NodeTransport {
+        node,
+        report: Some(proto::TransportReport {
+            rdma_requested: t.rdma_requested,
+            fallback: t.fallback,
+            fallback_reason: t.fallback_reason,
+            rdma_devices: t.rdma_devices,
+        }),
     }
 }

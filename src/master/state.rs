@@ -304,6 +304,9 @@ pub struct MasterState {
     /// Slots below this were filled by `restore` (objects whose leases a previous leader may
     /// have granted); reused slots are included, which only errs on the safe side.
     restored_slots: u32,
+    /// Transfer engine: the last transport state each node reported with its heartbeat. Soft
+    /// state: not journaled, refilled by the next heartbeats after a failover.
+    transport: HashMap<String, TransportState>,
 }
 
 /// Victims one put may evict to make room before it gives up with `NO_SPACE`.
@@ -348,6 +351,7 @@ impl MasterState {
             quarantine: Vec::new(),
             evict_not_before_ms: 0,
             restored_slots: 0,
+            transport: HashMap::new(),
         }
     }
 
@@ -1706,6 +1710,56 @@ impl MasterState {
         }
         skipped
     }
+
+    // ----- transfer engine: transport state per node -----------------------------------------
+
+    /// Keep the transport state `node` reported with its heartbeat (replacing the previous one).
+    /// Unknown or dead nodes are refused as a heartbeat would be.
+    pub fn record_transport(
+        &mut self,
+        node: &str,
+        state: TransportState,
+    ) -> Result<(), MasterError> {
+        let known = self
+            .node_ids
+            .get(node)
+            .is_some_and(|n| self.nodes.get(*n as usize).is_some_and(|ns| ns.alive));
+        if !known {
+            return Err(MasterError::UnknownNode(node.to_owned()));
+        }
+        self.transport.insert(node.to_owned(), state);
+        Ok(())
+    }
+
+    /// The transport state of every live node that reported one, sorted by node name.
+    pub fn transports(&self) -> Vec<(String, TransportState)> {
+        let mut out: Vec<(String, TransportState)> = self
+            .transport
+            .iter()
+            .filter(|(name, _)| {
+                self.node_ids
+                    .get(*name)
+                    .and_then(|n| self.nodes.get(*n as usize))
+                    .is_some_and(|ns| ns.alive)
+            })
+            .map(|(name, t)| (name.clone(), t.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+/// Transfer engine: how one node's agent moves bytes, as its heartbeat reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransportState {
+    /// The pool asked the agent for RDMA.
+    pub rdma_requested: bool,
+    /// RDMA was requested but transfers went over TCP.
+    pub fallback: bool,
+    /// The last fallback's reason (empty without one).
+    pub fallback_reason: String,
+    /// RDMA devices the agent's engine opened.
+    pub rdma_devices: Vec<String>,
 }
 
 #[cfg(test)]

@@ -1239,3 +1239,46 @@ fn adopted_objects_reach_the_journal() {
         })]
     );
 }
+
+/// Transfer engine: the transport state a heartbeat carries is kept per live node, replaced by
+/// the next report, refused for unknown nodes and no longer listed once the node died.
+#[test]
+fn transport_state_is_kept_per_live_node() {
+    use super::TransportState;
+    let (mut m, clock) = master(MasterConfig::default());
+    m.mount(spec("b", "dram0", Tier::Dram, 4 * MIB)).expect("b");
+    m.mount(spec("a", "dram0", Tier::Dram, 4 * MIB)).expect("a");
+    let fell_back = TransportState {
+        rdma_requested: true,
+        fallback: true,
+        fallback_reason: "no usable RDMA device on this host".into(),
+        rdma_devices: Vec::new(),
+    };
+    let on_rdma = TransportState {
+        rdma_requested: true,
+        rdma_devices: vec!["mlx5_0".into()],
+        ..TransportState::default()
+    };
+    m.record_transport("b", fell_back.clone()).expect("b");
+    m.record_transport("a", fell_back).expect("a");
+    m.record_transport("a", on_rdma.clone()).expect("a again");
+    let t = m.transports();
+    assert_eq!(
+        t.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+        ["a", "b"]
+    );
+    assert_eq!(t[0].1, on_rdma, "the newer report replaces the older");
+    assert!(t[1].1.fallback);
+    assert!(matches!(
+        m.record_transport("zz", TransportState::default()),
+        Err(MasterError::UnknownNode(_))
+    ));
+    // b goes silent and is declared dead: it leaves the list.
+    let timeout = m.config().heartbeat_timeout_ms;
+    clock.advance_ms(timeout + 1);
+    m.heartbeat("a").expect("hb");
+    assert_eq!(m.tick().dead_nodes, vec!["b".to_string()]);
+    let t = m.transports();
+    assert_eq!(t.len(), 1);
+    assert_eq!(t[0].0, "a");
+}

@@ -139,7 +139,9 @@ mod tests {
     #[test]
     fn gpu_round_trip_or_skip() {
         if !cuda_available() {
-            eprintln!("SKIP: no CUDA driver or GPU on this host");
+            eprintln!(
+                "SKIP: no CUDA device (no libcuda driver library, or no GPU visible to this process)"
+            );
             return;
         }
         let seg = Segment::host(8192, HostOptions::default()).unwrap();

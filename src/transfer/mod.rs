@@ -139,6 +139,8 @@ struct Inner {
     fallback_active: Arc<AtomicBool>,
     /// RDMA devices of this host (both directions), when RDMA is wanted and available.
     rdma: Option<Arc<dyn RdmaProvider>>,
+    /// Why RDMA was last given up for TCP (see [`TransferEngine::transport_status`]).
+    fallback_reason: Arc<Mutex<Option<String>>>,
 }
 
 /// The transfer engine. Cheap to clone (shared state); dropping the last clone closes all
@@ -282,18 +284,23 @@ impl TransferEngine {
         directory: Arc<dyn Directory>,
         metrics: TransferMetrics,
     ) -> Result<Self, TransferError> {
+        let mut unavailable = None;
         let rdma = if config.want_rdma {
             match rdma::default_provider() {
                 Ok(p) => Some(p),
                 Err(e) => {
-                    tracing::warn!(error = %tcp::error_chain(&e), "RDMA wanted but unavailable; transfers will use TCP");
+                    let reason = tcp::error_chain(&e);
+                    tracing::warn!(error = %reason, "RDMA wanted but unavailable; transfers will use TCP");
+                    unavailable = Some(reason);
                     None
                 }
             }
         } else {
             None
         };
-        Self::new_with_rdma(config, key, directory, metrics, rdma)
+        let engine = Self::new_with_rdma(config, key, directory, metrics, rdma)?;
+        *engine.inner.fallback_reason.lock() = unavailable;
+        Ok(engine)
     }
 
     /// Create an engine that uses `rdma` as its RDMA devices, for both serving RDMA_CONNECT and
@@ -327,6 +334,7 @@ impl TransferEngine {
                 lane_cfg,
                 fallback_active: Arc::new(AtomicBool::new(false)),
                 rdma,
+                fallback_reason: Arc::new(Mutex::new(None)),
             }),
         })
     }
@@ -478,11 +486,13 @@ impl TransferEngine {
         let cfg = &self.inner.config;
         let metrics = self.inner.metrics.clone();
         let flag = self.inner.fallback_active.clone();
+        let last_reason = self.inner.fallback_reason.clone();
         let segment = desc.name.clone();
         let on_fallback: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |reason: &str| {
             tracing::warn!(%segment, %reason, "RDMA slice falling back to TCP");
             metrics.fallback.inc();
             flag.store(true, Ordering::SeqCst);
+            *last_reason.lock() = Some(format!("{segment}: {reason}"));
         });
         RdmaChannel::connect(
             provider,
@@ -509,6 +519,27 @@ impl TransferEngine {
         tracing::warn!(%segment, %reason, "falling back from RDMA to TCP");
         self.inner.metrics.fallback.inc();
         self.inner.fallback_active.store(true, Ordering::SeqCst);
+        *self.inner.fallback_reason.lock() = Some(format!("{segment}: {reason}"));
+    }
+
+    /// What this engine reports about its transport (the agent sends it to the master with
+    /// its heartbeat): RDMA wanted, fallen back to TCP (a fallback event, or RDMA wanted with
+    /// no device at all), why, and the RDMA devices it opened.
+    pub fn transport_status(&self) -> rdma::TransportStatus {
+        let cfg = &self.inner.config;
+        let devices = self
+            .inner
+            .rdma
+            .as_ref()
+            .map(|p| p.devices().iter().map(|d| d.name().to_owned()).collect())
+            .unwrap_or_default();
+        rdma::TransportStatus::new(
+            cfg.want_rdma,
+            self.inner.rdma.is_some(),
+            self.fallback_active(),
+            self.inner.fallback_reason.lock().clone(),
+            devices,
+        )
     }
 
     /// True once RDMA was wanted but a peer or a slice had to use TCP (no device, a peer that

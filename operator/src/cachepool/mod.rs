@@ -149,8 +149,13 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
     let children = build::build(&valid, &generate_auth_key())?;
     let (applied, key) = apply_children(ctx, &namespace, &name, children).await?;
     let usage = read_usage(ctx, &valid, key).await;
-    let outcome = match usage {
-        UsageReading::Read(_) => Outcome::Reconciled,
+    let outcome = match &usage {
+        UsageReading::Read(u) => {
+            let degraded = status::degraded_nodes(valid.effective.transport.protocol, u);
+            ctx.metrics
+                .set_transport_degraded(&namespace, &name, degraded);
+            Outcome::Reconciled
+        }
         UsageReading::Failed { .. } => Outcome::ReconciledWithoutUsage,
     };
 

@@ -6,13 +6,13 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::jiff::Timestamp;
 use kvpool::crd::{KVCachePoolStatus, TierStatus};
 
-use super::usage::PoolUsage;
+use super::usage::{NodeTransport, PoolUsage};
 use super::validate::ValidCachePool;
 use crate::conditions::{self, Desired};
 use crate::contract;
 use crate::labels::{self, Component};
-use kvpool::crd::DramCapacity;
 use kvpool::crd::quantity::format_bytes;
+use kvpool::crd::{DramCapacity, Protocol};
 
 /// The children as the API server returned them from the apply.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -136,6 +136,102 @@ pub fn master_condition(usage: &UsageReading) -> Desired {
     }
 }
 
+/// Nodes named in a `TransportDegraded` message; the rest are counted.
+const MAX_NODES_NAMED: usize = 5;
+/// Longest per-node reason quoted in the message, in characters.
+const MAX_REASON_CHARS: usize = 160;
+
+/// Whether a node's report counts as degraded for a pool that asked for `protocol`: with `rdma`
+/// any fallback does; with `auto` only a fallback on a node that has RDMA devices (a node
+/// without any is expected to use TCP); with `tcp` nothing does.
+fn degraded(protocol: Protocol, n: &NodeTransport) -> bool {
+    match protocol {
+        Protocol::Tcp => false,
+        Protocol::Rdma => n.fallback,
+        Protocol::Auto => n.fallback && !n.devices.is_empty(),
+    }
+}
+
+/// How many of the pool's reporting nodes count as degraded (see [`transport_condition`]).
+pub fn degraded_nodes(protocol: Protocol, usage: &PoolUsage) -> usize {
+    usage
+        .transport
+        .iter()
+        .filter(|n| degraded(protocol, n))
+        .count()
+}
+
+/// The `TransportDegraded` condition: True with the nodes and their reasons when a node fell
+/// back from RDMA to TCP although the pool asked for RDMA, False otherwise, Unknown while the
+/// master (which holds the agents' reports) does not answer.
+pub fn transport_condition(protocol: Protocol, usage: &UsageReading) -> Desired {
+    use kvpool::crd::conditions::{TRANSPORT_DEGRADED, reasons};
+    let usage = match usage {
+        UsageReading::Read(u) => u,
+        UsageReading::Failed { addr, category } => {
+            return Desired::unknown(
+                TRANSPORT_DEGRADED,
+                reasons::MASTER_UNREACHABLE,
+                format!(
+                    "the master at {addr} did not answer ({category}); the agents' transport state is unknown"
+                ),
+            );
+        }
+    };
+    let bad: Vec<&NodeTransport> = usage
+        .transport
+        .iter()
+        .filter(|n| degraded(protocol, n))
+        .collect();
+    if bad.is_empty() {
+        let on_rdma = usage
+            .transport
+            .iter()
+            .filter(|n| n.rdma_requested && !n.fallback)
+            .count();
+        let message = match protocol {
+            Protocol::Tcp => "the pool asked for TCP".to_owned(),
+            _ if usage.transport.is_empty() => "no agent has reported its transport yet".to_owned(),
+            _ => format!(
+                "{on_rdma} of {} reporting nodes move bytes over RDMA, none fell back",
+                usage.transport.len()
+            ),
+        };
+        return Desired::new(
+            TRANSPORT_DEGRADED,
+            false,
+            reasons::TRANSPORT_AS_REQUESTED,
+            message,
+        );
+    }
+    let mut named: Vec<String> = bad
+        .iter()
+        .take(MAX_NODES_NAMED)
+        .map(|n| {
+            let reason: String = n.reason.chars().take(MAX_REASON_CHARS).collect();
+            if reason.is_empty() {
+                n.node.clone()
+            } else {
+                format!("{} ({reason})", n.node)
+            }
+        })
+        .collect();
+    if bad.len() > MAX_NODES_NAMED {
+        named.push(format!("and {} more", bad.len() - MAX_NODES_NAMED));
+    }
+    Desired::new(
+        TRANSPORT_DEGRADED,
+        true,
+        reasons::RDMA_FALLBACK,
+        format!(
+            "{} of {} reporting nodes fell back from RDMA to TCP: {}",
+            bad.len(),
+            usage.transport.len(),
+            named.join(", ")
+        ),
+    )
+}
+
 /// One tier's status: the master's figures when it answered with a capacity, otherwise the
 /// capacity known from the spec (`spec_capacity`) or the previous one, with the last known usage.
 fn tier(
@@ -193,6 +289,10 @@ pub fn status(
     });
     let mut desired = desired_conditions(applied);
     desired.push(master_condition(usage));
+    desired.push(transport_condition(
+        pool.effective.transport.protocol,
+        usage,
+    ));
     KVCachePoolStatus {
         conditions: conditions::merge(previous_conditions, &desired, pool.generation, now),
         observed_generation: pool.generation,
@@ -356,6 +456,7 @@ mod tests {
             objects: 42,
             nodes_alive: 2,
             segments: 4,
+            transport: Vec::new(),
         });
         let first = status(&pool, &applied(2, 2, 1, None), &read, None, t(10));
         let dram = first.dram.clone().expect("dram");
@@ -423,5 +524,115 @@ mod tests {
         let empty = UsageReading::Read(PoolUsage::default());
         let s = status(&pool, &applied(1, 1, 1, None), &empty, None, t(1));
         assert!(s.dram.is_none());
+    }
+
+    fn node(name: &str, fallback: bool, devices: &[&str]) -> NodeTransport {
+        NodeTransport {
+            node: name.into(),
+            rdma_requested: true,
+            fallback,
+            reason: if fallback {
+                format!("{name}: peer does not serve RDMA")
+            } else {
+                String::new()
+            },
+            devices: devices.iter().map(|d| (*d).to_owned()).collect(),
+        }
+    }
+
+    fn reading(nodes: Vec<NodeTransport>) -> UsageReading {
+        UsageReading::Read(PoolUsage {
+            transport: nodes,
+            ..PoolUsage::default()
+        })
+    }
+
+    #[test]
+    fn transport_degraded_follows_the_requested_protocol() {
+        let mixed = reading(vec![
+            node("a", false, &["mlx5_0"]),
+            node("b", true, &[]),
+            node("c", true, &["mlx5_1"]),
+        ]);
+        // rdma: every fallback counts, named with its reason.
+        let d = transport_condition(Protocol::Rdma, &mixed);
+        assert_eq!((d.status_str(), d.reason), ("True", "RdmaFallback"));
+        assert_eq!(
+            d.message,
+            "2 of 3 reporting nodes fell back from RDMA to TCP: b (b: peer does not serve RDMA), c (c: peer does not serve RDMA)"
+        );
+        // auto: a node without devices is expected on TCP; one with a NIC that fell back is not.
+        let d = transport_condition(Protocol::Auto, &mixed);
+        assert_eq!((d.status_str(), d.reason), ("True", "RdmaFallback"));
+        assert!(
+            d.message.starts_with("1 of 3") && d.message.contains("c ("),
+            "{}",
+            d.message
+        );
+        let d = transport_condition(
+            Protocol::Auto,
+            &reading(vec![node("a", false, &["mlx5_0"]), node("b", true, &[])]),
+        );
+        assert_eq!(
+            (d.status_str(), d.reason),
+            ("False", "TransportAsRequested")
+        );
+        assert_eq!(
+            d.message,
+            "1 of 2 reporting nodes move bytes over RDMA, none fell back"
+        );
+        // tcp: nothing to degrade.
+        let d = transport_condition(Protocol::Tcp, &mixed);
+        assert_eq!(
+            (d.status_str(), d.message.as_str()),
+            ("False", "the pool asked for TCP")
+        );
+        // No report yet, and a master that does not answer.
+        let d = transport_condition(Protocol::Rdma, &reading(vec![]));
+        assert_eq!(d.status_str(), "False");
+        assert_eq!(d.message, "no agent has reported its transport yet");
+        let d = transport_condition(Protocol::Rdma, &silent());
+        assert_eq!((d.status_str(), d.reason), ("Unknown", "MasterUnreachable"));
+        assert!(d.message.contains("m:1") && d.message.contains("timeout"));
+    }
+
+    #[test]
+    fn transport_degraded_message_is_bounded() {
+        let many: Vec<NodeTransport> = (0..40)
+            .map(|i| NodeTransport {
+                reason: "x".repeat(10_000),
+                ..node(&format!("gpu-{i:02}"), true, &[])
+            })
+            .collect();
+        let d = transport_condition(Protocol::Rdma, &reading(many));
+        assert!(
+            d.message.starts_with("40 of 40 reporting nodes"),
+            "{}",
+            d.message
+        );
+        assert!(d.message.ends_with("and 35 more"), "{}", d.message);
+        assert!(d.message.len() < 2_000, "{} bytes", d.message.len());
+    }
+
+    #[test]
+    fn transport_degraded_sits_next_to_master_reachable_in_the_status() {
+        let pool = valid(&roce());
+        let s = status(
+            &pool,
+            &applied(2, 2, 1, None),
+            &reading(vec![node("gpu-1", true, &[])]),
+            None,
+            t(5),
+        );
+        let c = find(&s.conditions, "TransportDegraded").expect("condition");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "RdmaFallback")
+        );
+        let s = status(&pool, &applied(2, 2, 1, None), &silent(), Some(&s), t(6));
+        let c = find(&s.conditions, "TransportDegraded").expect("condition");
+        assert_eq!(c.status, "Unknown");
+        assert_eq!(c.last_transition_time.0, t(6), "the status flipped");
+        assert!(find(&s.conditions, "MasterReachable").is_some());
     }
 }

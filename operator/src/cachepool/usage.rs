@@ -14,8 +14,8 @@ use kvpool::master::proto::StatsResponse;
 use crate::contract;
 
 /// Usage figures of one pool, in bytes per tier, as the master counts them over the segments
-/// its agents registered.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// its agents registered, and the transport state each live node reported.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PoolUsage {
     pub dram_used: u64,
     pub dram_capacity: u64,
@@ -24,6 +24,22 @@ pub struct PoolUsage {
     pub objects: u64,
     pub nodes_alive: u64,
     pub segments: u64,
+    /// Per live node that reported it, sorted by node name.
+    pub transport: Vec<NodeTransport>,
+}
+
+/// How one node's agent moves bytes, as its heartbeat told the master.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeTransport {
+    pub node: String,
+    /// The agent was asked for RDMA (`rdma` or `auto`).
+    pub rdma_requested: bool,
+    /// RDMA was asked for but the agent's transfers went over TCP.
+    pub fallback: bool,
+    /// Why (empty without a fallback).
+    pub reason: String,
+    /// RDMA devices the agent opened.
+    pub devices: Vec<String>,
 }
 
 impl PoolUsage {
@@ -38,6 +54,20 @@ impl PoolUsage {
             objects: s.objects,
             nodes_alive: s.nodes_alive,
             segments: s.segments,
+            transport: s
+                .transport
+                .iter()
+                .map(|n| {
+                    let r = n.report.clone().unwrap_or_default();
+                    NodeTransport {
+                        node: n.node.clone(),
+                        rdma_requested: r.rdma_requested,
+                        fallback: r.fallback,
+                        reason: r.fallback_reason,
+                        devices: r.rdma_devices,
+                    }
+                })
+                .collect(),
         }
     }
 }
@@ -152,7 +182,7 @@ impl MasterStats for GrpcMasterStats {
 }
 
 /// A reader with fixed figures, for tests: `None` behaves as a master that never answers.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct FixedStats(pub Option<PoolUsage>);
 
 impl MasterStats for FixedStats {
@@ -161,7 +191,7 @@ impl MasterStats for FixedStats {
         addr: &'a str,
         _key: AuthKey,
     ) -> BoxFuture<'a, Result<PoolUsage, UsageError>> {
-        let answer = self.0.ok_or_else(|| UsageError::Timeout {
+        let answer = self.0.clone().ok_or_else(|| UsageError::Timeout {
             addr: addr.to_owned(),
             timeout: Duration::ZERO,
         });
@@ -195,7 +225,30 @@ mod tests {
                 objects: 7,
                 nodes_alive: 2,
                 segments: 3,
+                transport: Vec::new(),
             }
+        );
+        let s = StatsResponse {
+            transport: vec![kvpool::master::proto::NodeTransport {
+                node: "gpu-1".into(),
+                report: Some(kvpool::master::proto::TransportReport {
+                    rdma_requested: true,
+                    fallback: true,
+                    fallback_reason: "no usable RDMA device on this host".into(),
+                    rdma_devices: vec![],
+                }),
+            }],
+            ..StatsResponse::default()
+        };
+        assert_eq!(
+            PoolUsage::from_stats(&s).transport,
+            [NodeTransport {
+                node: "gpu-1".into(),
+                rdma_requested: true,
+                fallback: true,
+                reason: "no usable RDMA device on this host".into(),
+                devices: vec![],
+            }]
         );
     }
 

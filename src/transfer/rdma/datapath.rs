@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use super::address::{AddressError, PortAttr};
 use super::handshake::{ConnectReply, ConnectRequest, HandshakeError, QpInfo, RegionInfo};
 use super::plan::{self, Failover, Next, PlannedSlice};
 use crate::transfer::auth::AuthKey;
@@ -56,6 +57,12 @@ pub enum RdmaError {
     },
     #[error("RDMA handshake with {peer} is inconsistent: {reason}")]
     Mismatch { peer: String, reason: String },
+    #[error("RDMA device {device} cannot address its peer")]
+    Address {
+        device: String,
+        #[source]
+        source: AddressError,
+    },
 }
 
 impl RdmaError {
@@ -69,6 +76,7 @@ impl RdmaError {
             RdmaError::Control { .. } => "control",
             RdmaError::Connect { .. } => "connect",
             RdmaError::Mismatch { .. } => "mismatch",
+            RdmaError::Address { .. } => "address",
         }
     }
 
@@ -118,6 +126,9 @@ pub trait RdmaProvider: Send + Sync {
 /// One opened device (context + protection domain) on one port.
 pub trait RdmaDevice: Send + Sync {
     fn name(&self) -> &str;
+    /// The port's link layer, LID and source GID (`ibv_query_port`, `ibv_query_gid`): queue
+    /// pairs announce the LID and GID in the handshake and address the peer from them.
+    fn port(&self) -> Result<PortAttr, RdmaError>;
     /// Register a segment for local and remote access. The registration keeps the segment
     /// alive until it is dropped.
     fn register(&self, segment: &Arc<Segment>) -> Result<Arc<dyn MemoryKeys>, RdmaError>;
@@ -138,7 +149,8 @@ pub trait MemoryKeys: Send + Sync {
 pub trait QueuePairOps: Send + Sync {
     /// What the peer needs to connect to this queue pair (fixed at creation).
     fn info(&self) -> QpInfo;
-    /// Move to RTR then RTS towards `remote`.
+    /// Move to RTR then RTS towards `remote`, addressed by `address::address_for` (LID on
+    /// InfiniBand, GID on RoCE).
     fn connect(&self, remote: &QpInfo) -> Result<(), RdmaError>;
     /// Post one signalled work request.
     fn post(&self, wr: &WorkRequest) -> Result<(), RdmaError>;
@@ -889,5 +901,48 @@ mod tests {
         assert!(out[1].result.as_ref().is_err_and(|e| e.contains("FLUSH")));
         let e = a.post(&wr).unwrap_err();
         assert!(e.to_string().contains("ibv_post_send"), "{e}");
+    }
+
+    #[test]
+    fn fake_ports_connect_by_lid_on_infiniband_and_by_gid_on_roce() {
+        use crate::transfer::rdma::address::LinkLayer;
+        let fabric = FakeFabric::new();
+        let ib = fabric.provider_ib(&[("ib0", 5), ("ib1", 6)]).devices();
+        let port = ib[0].port().unwrap();
+        assert_eq!((port.link_layer, port.lid), (LinkLayer::InfiniBand, 5));
+        let (a, b) = (ib[0].create_qp().unwrap(), ib[1].create_qp().unwrap());
+        assert_eq!(
+            (a.info().lid, b.info().lid),
+            (5, 6),
+            "the handshake carries the LID"
+        );
+        a.connect(&b.info()).unwrap();
+        b.connect(&a.info()).unwrap();
+
+        // A LID that names another port does not reach the queue pair.
+        let c = ib[1].create_qp().unwrap();
+        let wrong = QpInfo { lid: 5, ..c.info() };
+        let e = a.connect(&wrong).unwrap_err();
+        assert!(e.to_string().contains("ibv_modify_qp"), "{e}");
+        // An InfiniBand peer that sent LID 0 is refused with the reason.
+        let e = a.connect(&QpInfo { lid: 0, ..c.info() }).unwrap_err();
+        assert_eq!(e.category(), "address");
+        assert!(chain(&e).contains("sent LID 0"), "{}", chain(&e));
+
+        // RoCE: no LID, routed by GID; a RoCE port cannot reach an InfiniBand one.
+        let roce = fabric.provider(&["r0", "r1"]).devices();
+        assert_eq!(roce[0].port().unwrap().link_layer, LinkLayer::Ethernet);
+        let (x, y) = (roce[0].create_qp().unwrap(), roce[1].create_qp().unwrap());
+        assert_eq!(x.info().lid, 0);
+        x.connect(&y.info()).unwrap();
+        let e = x.connect(&c.info()).unwrap_err();
+        assert!(chain(&e).contains("another link layer"), "{}", chain(&e));
+        let e = x
+            .connect(&QpInfo {
+                gid: [0; 16],
+                ..y.info()
+            })
+            .unwrap_err();
+        assert!(chain(&e).contains("all-zero GID"), "{}", chain(&e));
     }
 }

@@ -2,7 +2,9 @@
 //! (in this crate and in tests/) use it where no RDMA device exists. Queue pairs "execute" RDMA
 //! WRITE/READ when their completion queue is polled, by copying between the segments registered
 //! with the fabric, and faults can be injected per device: failed completions, queue pairs in
-//! the error state, a target that never finishes the handshake, completions out of order.
+//! the error state, a target that never finishes the handshake, completions out of order. Ports
+//! are RoCE (Ethernet: addressed by GID) or InfiniBand (addressed by LID); a queue pair connects
+//! only when the address vector computed by `address::address_for` reaches the peer's port.
 //! No I/O: memory copies only (bounds-checked, through `memory::copy_between`).
 
 use std::collections::{HashMap, HashSet};
@@ -12,6 +14,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::address::{self, LinkLayer, PortAttr};
 use super::datapath::{
     MemoryKeys, QueuePairOps, RdmaDevice, RdmaError, RdmaOp, RdmaProvider, WorkCompletion,
     WorkRequest,
@@ -65,14 +68,31 @@ impl FakeFabric {
         Self::default()
     }
 
-    /// A provider whose devices carry these names (best first).
+    /// A provider whose devices carry these names (best first), on RoCE (Ethernet) ports whose
+    /// GID is made from the name.
     pub fn provider(&self, devices: &[&str]) -> Arc<dyn RdmaProvider> {
+        let ports: Vec<FakePort> = devices.iter().map(|d| FakePort::roce(d)).collect();
+        self.provider_with_ports(&ports)
+    }
+
+    /// A provider whose devices sit on InfiniBand ports with these LIDs (best first).
+    pub fn provider_ib(&self, devices: &[(&str, u16)]) -> Arc<dyn RdmaProvider> {
+        let ports: Vec<FakePort> = devices
+            .iter()
+            .map(|(d, lid)| FakePort::infiniband(d, *lid))
+            .collect();
+        self.provider_with_ports(&ports)
+    }
+
+    /// A provider with exactly these ports.
+    pub fn provider_with_ports(&self, ports: &[FakePort]) -> Arc<dyn RdmaProvider> {
         Arc::new(FakeProvider {
-            devices: devices
+            devices: ports
                 .iter()
-                .map(|name| {
+                .map(|p| {
                     Arc::new(FakeDevice {
-                        name: (*name).to_owned(),
+                        name: p.name.clone(),
+                        port: p.attr,
                         fabric: self.state.clone(),
                     }) as Arc<dyn RdmaDevice>
                 })
@@ -105,6 +125,53 @@ impl FakeFabric {
     }
 }
 
+/// One fake device and its port.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FakePort {
+    pub name: String,
+    pub attr: PortAttr,
+}
+
+/// A GID whose last bytes spell `name` (the first 8 bytes are the subnet prefix).
+fn gid_from(prefix: [u8; 8], name: &str) -> [u8; 16] {
+    let mut gid = [0u8; 16];
+    for (g, b) in gid.iter_mut().zip(prefix) {
+        *g = b;
+    }
+    for (g, b) in gid.iter_mut().skip(8).zip(name.bytes()) {
+        *g = b;
+    }
+    gid
+}
+
+impl FakePort {
+    /// A RoCE port: no LID, a GID made from the name, GID index 3 (as RoCE v2 usually is).
+    pub fn roce(name: &str) -> FakePort {
+        FakePort {
+            name: name.to_owned(),
+            attr: PortAttr {
+                link_layer: LinkLayer::Ethernet,
+                lid: 0,
+                gid: gid_from([0, 0, 0, 0, 0, 0, 0, 1], name),
+                gid_index: 3,
+            },
+        }
+    }
+
+    /// An InfiniBand port with `lid` (0: no subnet manager configured it) in subnet fe80::/64.
+    pub fn infiniband(name: &str, lid: u16) -> FakePort {
+        FakePort {
+            name: name.to_owned(),
+            attr: PortAttr {
+                link_layer: LinkLayer::InfiniBand,
+                lid,
+                gid: gid_from([0xfe, 0x80, 0, 0, 0, 0, 0, 0], name),
+                gid_index: 0,
+            },
+        }
+    }
+}
+
 struct FakeProvider {
     devices: Vec<Arc<dyn RdmaDevice>>,
 }
@@ -117,12 +184,17 @@ impl RdmaProvider for FakeProvider {
 
 struct FakeDevice {
     name: String,
+    port: PortAttr,
     fabric: Arc<FabricState>,
 }
 
 impl RdmaDevice for FakeDevice {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn port(&self) -> Result<PortAttr, RdmaError> {
+        Ok(self.port)
     }
 
     fn register(&self, segment: &Arc<Segment>) -> Result<Arc<dyn MemoryKeys>, RdmaError> {
@@ -138,21 +210,16 @@ impl RdmaDevice for FakeDevice {
 
     fn create_qp(&self) -> Result<Arc<dyn QueuePairOps>, RdmaError> {
         let qpn = self.fabric.next_qpn.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut gid = [0u8; 16];
-        for (i, b) in self.name.bytes().take(12).enumerate() {
-            if let Some(g) = gid.get_mut(i) {
-                *g = b;
-            }
-        }
         let qp = Arc::new(FakeQp {
             info: QpInfo {
                 device: self.name.clone(),
                 qp_num: qpn,
                 psn: qpn.wrapping_mul(7919) & 0x00ff_ffff,
-                lid: 0,
-                gid,
+                lid: self.port.lid,
+                gid: self.port.gid,
                 mtu: MTU_1024,
             },
+            port: self.port,
             state: Mutex::new(QpState::Init),
             queue: Mutex::new(Vec::new()),
             fabric: self.fabric.clone(),
@@ -199,6 +266,7 @@ enum QpState {
 
 struct FakeQp {
     info: QpInfo,
+    port: PortAttr,
     state: Mutex<QpState>,
     queue: Mutex<Vec<WorkRequest>>,
     fabric: Arc<FabricState>,
@@ -266,8 +334,33 @@ impl QueuePairOps for FakeQp {
         if let Some(d) = delay {
             std::thread::sleep(d);
         }
-        if !self.fabric.qps.lock().contains_key(&remote.qp_num) {
+        let av = address::address_for(&self.port, remote).map_err(|source| RdmaError::Address {
+            device: self.info.device.clone(),
+            source,
+        })?;
+        // Route the way the fabric would: by LID on InfiniBand, by GID with a GRH on RoCE; the
+        // address must reach the port of the queue pair the handshake named.
+        // Upgrade outside the lock: dropping the last strong reference takes the lock again.
+        let peer = self.fabric.qps.lock().get(&remote.qp_num).cloned();
+        let peer_port = peer.and_then(|w| w.upgrade()).map(|q| q.port);
+        let Some(peer_port) = peer_port else {
             return Err(self.err("ibv_modify_qp", "RTR: no such remote queue pair"));
+        };
+        if peer_port.link_layer != self.port.link_layer {
+            return Err(self.err(
+                "ibv_modify_qp",
+                "RTR: the peer's port is on another link layer (no path)",
+            ));
+        }
+        let reaches = match av.grh {
+            Some(grh) => grh.dgid == peer_port.gid,
+            None => av.dlid == peer_port.lid,
+        };
+        if !reaches {
+            return Err(self.err(
+                "ibv_modify_qp",
+                "RTR: the address vector does not reach the peer's port",
+            ));
         }
         if !(1..=5).contains(&remote.mtu) {
             return Err(self.err("ibv_modify_qp", "RTR: invalid path MTU"));

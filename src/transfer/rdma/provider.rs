@@ -6,6 +6,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use super::address::{self, PortAttr};
 use super::datapath::{
     MemoryKeys, QueuePairOps, RdmaDevice, RdmaError, RdmaOp, RdmaProvider, WorkCompletion,
     WorkRequest,
@@ -87,6 +88,12 @@ impl RdmaDevice for VerbsNic {
         &self.name
     }
 
+    fn port(&self) -> Result<PortAttr, RdmaError> {
+        self.dev
+            .port_attr(self.port, self.gid_index)
+            .map_err(|e| verbs_err(&self.name, "ibv_query_port", e))
+    }
+
     fn register(&self, segment: &Arc<Segment>) -> Result<Arc<dyn MemoryKeys>, RdmaError> {
         let mr = verbs::MemoryRegion::register(&self.dev, segment.clone())
             .map_err(|e| verbs_err(&self.name, "ibv_reg_mr", e))?;
@@ -99,8 +106,10 @@ impl RdmaDevice for VerbsNic {
         let psn = rand::random::<u32>() & 0x00ff_ffff;
         let ep = qp
             .endpoint(psn)
-            .map_err(|e| verbs_err(&self.name, "ibv_query_gid", e))?;
+            .map_err(|e| verbs_err(&self.name, "ibv_query_port", e))?;
+        let port = self.port()?;
         Ok(Arc::new(VerbsQp {
+            port,
             info: QpInfo {
                 device: self.name.clone(),
                 qp_num: ep.qp_num,
@@ -131,6 +140,8 @@ impl MemoryKeys for verbs::MemoryRegion {
 
 struct VerbsQp {
     info: QpInfo,
+    /// The local port (link layer, LID, source GID) the peer is addressed from.
+    port: PortAttr,
     qp: verbs::QueuePair,
 }
 
@@ -146,8 +157,12 @@ impl QueuePairOps for VerbsQp {
             lid: remote.lid,
             gid: remote.gid,
         };
+        let av = address::address_for(&self.port, remote).map_err(|source| RdmaError::Address {
+            device: self.info.device.clone(),
+            source,
+        })?;
         self.qp
-            .connect(&ep, self.info.psn, self.info.mtu.min(remote.mtu))
+            .connect(&ep, &av, self.info.psn, self.info.mtu.min(remote.mtu))
             .map_err(|e| verbs_err(&self.info.device, "ibv_modify_qp", e))
     }
 

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use rdma_sys::*;
 
+use super::address::{AddressVector, LinkLayer, PortAttr};
 use crate::transfer::memory::Segment;
 
 /// Errors of verbs calls.
@@ -185,6 +186,25 @@ impl Device {
     }
 }
 
+impl Device {
+    /// Link layer, LID and the GID at `gid_index` of `port` (`ibv_query_port`, `ibv_query_gid`).
+    pub fn port_attr(&self, port: u8, gid_index: u32) -> Result<PortAttr, VerbsError> {
+        // SAFETY: all-zero is a valid ibv_port_attr (plain integers).
+        let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: ctx is open; attr is a valid out pointer of the size the provider expects
+        // (the wrapper passes size_of_val).
+        check("ibv_query_port", unsafe {
+            ___ibv_query_port(self.ctx.as_ptr(), port, &mut attr)
+        })?;
+        Ok(PortAttr {
+            link_layer: LinkLayer::from_verbs(attr.link_layer),
+            lid: attr.lid,
+            gid: self.gid(port, gid_index)?,
+            gid_index,
+        })
+    }
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: MRs, CQs and QPs hold an Arc<Device>, so none is alive any more.
@@ -261,7 +281,7 @@ impl Drop for MemoryRegion {
 }
 
 /// What a peer needs to connect its RC queue pair to ours (exchanged over the control
-/// connection).
+/// connection): the LID matters on InfiniBand, the GID on RoCE.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QpEndpoint {
     pub qp_num: u32,
@@ -365,20 +385,28 @@ impl QueuePair {
         })
     }
 
-    /// Our endpoint, to send to the peer.
+    /// Our endpoint, to send to the peer: QPN, PSN, and the port's LID and GID.
     pub fn endpoint(&self, psn: u32) -> Result<QpEndpoint, VerbsError> {
+        let port = self.device.port_attr(self.port, self.gid_index)?;
         Ok(QpEndpoint {
             // SAFETY: qp is live.
             qp_num: unsafe { self.qp.as_ref().qp_num },
             psn,
-            lid: 0,
-            gid: self.device.gid(self.port, self.gid_index)?,
+            lid: port.lid,
+            gid: port.gid,
         })
     }
 
-    /// Connect to the peer's endpoint: INIT -> RTR -> RTS, with path MTU code `mtu`
-    /// (1 = 256 ... 5 = 4096 bytes; anything else means 1024).
-    pub fn connect(&self, remote: &QpEndpoint, local_psn: u32, mtu: u8) -> Result<(), VerbsError> {
+    /// Connect to the peer's endpoint: INIT -> RTR -> RTS, reaching it through `av` (from
+    /// `address::address_for`: a LID on InfiniBand, a GID with a GRH on RoCE), with path MTU
+    /// code `mtu` (1 = 256 ... 5 = 4096 bytes; anything else means 1024).
+    pub fn connect(
+        &self,
+        remote: &QpEndpoint,
+        av: &AddressVector,
+        local_psn: u32,
+        mtu: u8,
+    ) -> Result<(), VerbsError> {
         // SAFETY: zeroed attr is valid; only masked fields are read.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
         attr.qp_state = ibv_qp_state::IBV_QPS_RTR;
@@ -393,12 +421,14 @@ impl QueuePair {
         attr.rq_psn = remote.psn;
         attr.max_dest_rd_atomic = 16;
         attr.min_rnr_timer = 12;
-        attr.ah_attr.is_global = 1;
-        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.dlid = av.dlid;
         attr.ah_attr.port_num = self.port;
-        attr.ah_attr.grh.dgid = ibv_gid { raw: remote.gid };
-        attr.ah_attr.grh.sgid_index = u8::try_from(self.gid_index).unwrap_or(0);
-        attr.ah_attr.grh.hop_limit = 64;
+        if let Some(grh) = &av.grh {
+            attr.ah_attr.is_global = 1;
+            attr.ah_attr.grh.dgid = ibv_gid { raw: grh.dgid };
+            attr.ah_attr.grh.sgid_index = grh.sgid_index;
+            attr.ah_attr.grh.hop_limit = grh.hop_limit;
+        }
         let mask = ibv_qp_attr_mask::IBV_QP_STATE
             | ibv_qp_attr_mask::IBV_QP_AV
             | ibv_qp_attr_mask::IBV_QP_PATH_MTU
@@ -538,7 +568,9 @@ mod tests {
         let devices = topology::scan(std::path::Path::new("/sys")).unwrap_or_default();
         let nics = topology::rank_nics(&devices, None, &names, None);
         let Some(nic) = nics.first() else {
-            eprintln!("SKIP: no active RDMA device with a usable GID on this host");
+            eprintln!(
+                "SKIP: no RDMA device (libibverbs lists {names:?}; none active with a usable GID under /sys/class/infiniband)"
+            );
             return;
         };
         let dev = Device::open(&nic.device).unwrap();
@@ -549,7 +581,18 @@ mod tests {
         let mb = MemoryRegion::register(&dev, b.clone()).unwrap();
         let qp = QueuePair::create(&dev, nic.port, nic.gid_index).unwrap();
         let ep = qp.endpoint(100).unwrap();
-        qp.connect(&ep, 100, 3).unwrap();
+        let port = dev.port_attr(nic.port, nic.gid_index).unwrap();
+        eprintln!("{}: port {} {port:?}", nic.device, nic.port);
+        let me = crate::transfer::rdma::handshake::QpInfo {
+            device: nic.device.clone(),
+            qp_num: ep.qp_num,
+            psn: ep.psn,
+            lid: ep.lid,
+            gid: ep.gid,
+            mtu: 3,
+        };
+        let av = crate::transfer::rdma::address::address_for(&port, &me).unwrap();
+        qp.connect(&ep, &av, 100, 3).unwrap();
         let remote = RemoteAddr {
             addr: mb.addr() + 4096,
             rkey: mb.rkey(),
