@@ -633,6 +633,8 @@ impl MasterClient {
         acked: u64,
         corrupt: &[crate::master::state::CorruptBlock],
     ) -> Result<crate::master::state::HeartbeatReply, ClientError> {
+        // Other areas add their own heartbeat fields (transfer: 10 and up).
+        #[allow(clippy::needless_update)]
         let req = proto::HeartbeatRequest {
             node: node.to_owned(),
             feed_epoch: epoch,
