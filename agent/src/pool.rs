@@ -699,7 +699,16 @@ impl PoolLink {
             return;
         }
         let metrics = self.metrics.clone();
+        let guard = self.registrar.ssd_guard();
         let applied = tokio::task::spawn_blocking(move || {
+            if let Some(g) = &guard {
+                let mine: Vec<_> = events
+                    .iter()
+                    .filter(|e| Some(e.segment_id) == ssd_id)
+                    .copied()
+                    .collect();
+                g.settle(&mine);
+            }
             pool_feed::apply_events(&index, ssd_id, epoch, &events, prev, metrics.as_ref())
         })
         .await;

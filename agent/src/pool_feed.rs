@@ -7,6 +7,7 @@
 //! [`FeedState`] is what the next heartbeat acknowledges. I/O boundary: the data file (through
 //! [`BlockChecker`]) and the index files; the choice of what to check ([`plan_check`]) is pure.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvpool::master::ObjectKey;
@@ -70,6 +71,9 @@ pub struct SsdGuard {
     metrics: PoolMetrics,
     last_ok: Mutex<Option<(PoolBlock, Instant)>>,
     reports: Mutex<Vec<(ObjectKey, u64)>>,
+    /// Blocks dropped as bad, by offset: their bytes stay refused (they are no longer indexed,
+    /// so nothing else would stop them) until the master frees them or commits new data there.
+    bad: Mutex<BTreeMap<u64, PoolBlock>>,
 }
 
 impl SsdGuard {
@@ -81,6 +85,7 @@ impl SsdGuard {
             metrics,
             last_ok: Mutex::new(None),
             reports: Mutex::new(Vec::new()),
+            bad: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -95,6 +100,14 @@ impl SsdGuard {
     /// corrupt or truncated block has then been dropped from the index and queued for the
     /// master.
     pub fn check_read(&self, offset: u64, len: u64) -> Result<(), String> {
+        if let Some(b) = overlapping(&self.bad.lock(), offset, len) {
+            self.count("dropped");
+            return Err(format!(
+                "SSD block {} at offset {} was dropped as bad; waiting for the master to free it",
+                b.key.to_hex(),
+                b.offset
+            ));
+        }
         let block = self.index.lock().block_at(offset);
         let last_ok = *self.last_ok.lock();
         match plan_check(block, offset, len, last_ok, Instant::now()) {
@@ -155,6 +168,7 @@ impl SsdGuard {
             .ssd_blocks_dropped
             .with_label_values(&[reason.as_str()])
             .inc();
+        self.bad.lock().insert(b.offset, *b);
         let mut reports = self.reports.lock();
         if reports.len() >= MAX_REPORTS {
             reports.remove(0);
@@ -175,6 +189,29 @@ impl SsdGuard {
             .collect()
     }
 
+    /// Forget bad blocks the master has now freed, or whose bytes it committed to new data.
+    pub fn settle(&self, events: &[SegmentEvent]) {
+        let mut bad = self.bad.lock();
+        if bad.is_empty() {
+            return;
+        }
+        for e in events {
+            match e.kind {
+                SegmentEventKind::Free => {
+                    if bad.get(&e.offset).is_some_and(|b| b.key == e.key) {
+                        bad.remove(&e.offset);
+                    }
+                }
+                SegmentEventKind::Commit => {
+                    while let Some(b) = overlapping(&bad, e.offset, e.length) {
+                        bad.remove(&b.offset);
+                    }
+                }
+                SegmentEventKind::Reset | SegmentEventKind::ResetDone => {}
+            }
+        }
+    }
+
     /// Put back reports a failed heartbeat did not deliver.
     pub fn requeue(&self, blocks: &[CorruptBlock]) {
         let mut reports = self.reports.lock();
@@ -184,6 +221,16 @@ impl SsdGuard {
         merged.drain(..excess);
         *reports = merged;
     }
+}
+
+/// A block of `blocks` (non-overlapping, by offset) that shares a byte with `offset..+len`.
+fn overlapping(blocks: &BTreeMap<u64, PoolBlock>, offset: u64, len: u64) -> Option<PoolBlock> {
+    let end = offset.saturating_add(len.max(1));
+    blocks
+        .range(..end)
+        .next_back()
+        .map(|(_, b)| *b)
+        .filter(|b| b.offset.saturating_add(b.length.max(1)) > offset)
 }
 
 /// Where the agent stands in the master's feed: the epoch its applied events came from (0 right
@@ -382,9 +429,16 @@ mod tests {
             offset: 4096,
         }]);
         assert_eq!(guard.take_reports(9).len(), 1);
-        // Once dropped, the range is unindexed: nothing is reported twice.
-        assert_eq!(guard.check_read(4096, 10), Ok(()));
+        // Once dropped, the bytes stay refused (nothing is reported twice) until the master
+        // frees the block; a free of another key changes nothing.
+        assert!(guard.check_read(4096, v.len() as u64).is_err());
+        assert!(guard.check_read(8192, 10).is_err(), "any slice of it");
         assert_eq!(dropped("corrupt"), 1);
+        assert!(guard.take_reports(7).is_empty());
+        guard.settle(&[ev(1, SegmentEventKind::Free, 2, 4096, 0)]);
+        assert!(guard.check_read(4096, 10).is_err());
+        guard.settle(&[ev(2, SegmentEventKind::Free, 1, 4096, 0)]);
+        assert_eq!(guard.check_read(4096, 10), Ok(()), "freed: unindexed space");
     }
 
     #[test]
