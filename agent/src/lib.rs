@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod placement;
 pub mod pool;
 pub mod pool_api;
+pub mod pool_feed;
 pub mod registrar;
 pub mod runtime;
 pub mod ssd;

@@ -3,8 +3,10 @@
 //! transfer engine by [`PoolRegistrar`] and mounted with the master by [`PoolLink`], which also
 //! heartbeats, hands the master's tasks to [`crate::tasks::TaskRunner`], remounts after the
 //! master declared the node dead, announces the SSD segment's durable index
-//! ([`crate::ssd::pool`]) for adoption after each mount and fsyncs it once per pass, reports
-//! readiness (all segments mounted, heartbeat accepted) and unmounts on shutdown. The master is the only allocator of those bytes: the agent never
+//! ([`crate::ssd::pool`]) for adoption after each mount and fsyncs it once per pass, applies the
+//! master's segment-event feed to that index and acknowledges it in the next heartbeat along with
+//! the corrupt blocks found on read ([`crate::pool_feed`]), reports readiness (all segments
+//! mounted, heartbeat accepted) and unmounts on shutdown. The master is the only allocator of those bytes: the agent never
 //! carves them itself in pool mode. I/O boundary: the transfer-engine listener
 //! ([`Member::start`]) and the master's gRPC channel ([`PoolLink::run`]); the bookkeeping in
 //! [`PoolRegistrar`] is pure.
@@ -28,6 +30,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::PoolConfig;
+use crate::pool_feed::{self, FeedState, SsdGuard};
 use crate::registrar::RegistrarError;
 use crate::ssd::pool::{DropReason, PoolBlock, PoolSsdIndex};
 use crate::tasks::TaskRunner;
@@ -121,6 +124,15 @@ pub struct PoolMetrics {
     /// `kvpool_agent_pool_ssd_index_blocks`: blocks in the durable SSD index as of its last
     /// sync.
     pub ssd_index_blocks: IntGauge,
+    /// `kvpool_agent_pool_ssd_reads_checked_total{outcome}`: reads of the SSD segment checked
+    /// before serving (ok, recent, unindexed, straddles, corrupt, truncated, error).
+    pub ssd_reads_checked: IntCounterVec,
+    /// `kvpool_agent_pool_ssd_feed_events_total{kind}`: master feed events applied to the SSD
+    /// index (commit, free, reset, reset_done).
+    pub ssd_feed_events: IntCounterVec,
+    /// `kvpool_agent_pool_ssd_reports_dropped_total`: corrupt-block reports dropped because
+    /// too many were waiting for the master.
+    pub ssd_reports_dropped: IntCounter,
 }
 
 impl PoolMetrics {
@@ -177,7 +189,28 @@ impl PoolMetrics {
                 "kvpool_agent_pool_ssd_index_blocks",
                 "Blocks in the durable index of the pool-mode SSD segment.",
             )?,
+            ssd_reads_checked: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_agent_pool_ssd_reads_checked_total",
+                    "Reads of the pool SSD segment checked before serving, by outcome.",
+                ),
+                &["outcome"],
+            )?,
+            ssd_feed_events: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_agent_pool_ssd_feed_events_total",
+                    "Master segment-feed events applied to the SSD index, by kind.",
+                ),
+                &["kind"],
+            )?,
+            ssd_reports_dropped: IntCounter::new(
+                "kvpool_agent_pool_ssd_reports_dropped_total",
+                "Corrupt-block reports dropped because too many were waiting for the master.",
+            )?,
         };
+        registry.register(Box::new(m.ssd_reads_checked.clone()))?;
+        registry.register(Box::new(m.ssd_feed_events.clone()))?;
+        registry.register(Box::new(m.ssd_reports_dropped.clone()))?;
         registry.register(Box::new(m.mounted_segments.clone()))?;
         registry.register(Box::new(m.ssd_blocks_dropped.clone()))?;
         registry.register(Box::new(m.ssd_blocks_adopted.clone()))?;
@@ -220,6 +253,8 @@ pub struct PoolRegistrar {
     local: LocalSegments,
     /// Durable index of the SSD segment, when there is one.
     ssd_index: OnceLock<SharedIndex>,
+    /// Read checks of the SSD segment, when it has an index.
+    ssd_guard: OnceLock<Arc<SsdGuard>>,
 }
 
 /// The SSD segment's index, shared by the task runner (records writes) and the link (syncs it,
@@ -236,7 +271,34 @@ impl PoolRegistrar {
             book: Mutex::default(),
             local: LocalSegments::default(),
             ssd_index: OnceLock::new(),
+            ssd_guard: OnceLock::new(),
         }
+    }
+
+    /// Check every read of the SSD segment with `guard`: reads by peers through the transfer
+    /// engine (its read check) and this agent's own tasks. Call after registering the segment.
+    pub fn set_ssd_guard(&self, guard: SsdGuard) -> Result<(), RegistrarError> {
+        let guard = Arc::new(guard);
+        let local = self
+            .local(SSD_SEGMENT)
+            .ok_or_else(|| RegistrarError::Unknown(SSD_SEGMENT.to_owned()))?;
+        let check = Arc::clone(&guard);
+        self.engine.set_read_check(
+            &local,
+            Arc::new(move |offset, len| check.check_read(offset, len)),
+        );
+        let _ = self.ssd_guard.set(guard);
+        Ok(())
+    }
+
+    /// The SSD segment's read checks, if it has them.
+    pub fn ssd_guard(&self) -> Option<Arc<SsdGuard>> {
+        self.ssd_guard.get().cloned()
+    }
+
+    /// Master id of the mounted segment `name`.
+    pub fn mounted_id(&self, name: &str) -> Option<u32> {
+        self.book.lock().mounted.get(name).copied()
     }
 
     pub fn node(&self) -> &str {
@@ -280,7 +342,11 @@ impl PoolRegistrar {
                 name: name.to_owned(),
                 source,
             })?;
-        self.local.insert(&full, Arc::clone(local.segment()));
+        // The SSD segment is read only through the transfer engine, whose read check verifies
+        // each block; in-process readers would bypass it.
+        if tier != Tier::Ssd {
+            self.local.insert(&full, Arc::clone(local.segment()));
+        }
         tracing::info!(segment = %full, bytes, tier = tier.as_str(), "pool segment registered");
         book.segments.insert(
             name.to_owned(),
@@ -379,6 +445,8 @@ pub struct PoolLink {
     /// how many of them were already answered (a retry resumes there: announcing an adopted
     /// block again would be refused as a duplicate).
     adopt_pending: Arc<Mutex<Option<(u32, usize)>>>,
+    /// Position in the master's segment-event feed, acknowledged by the next heartbeat.
+    feed: Arc<Mutex<FeedState>>,
 }
 
 impl PoolLink {
@@ -392,6 +460,7 @@ impl PoolLink {
             engine: None,
             healthy: Arc::new(watch::channel(false).0),
             adopt_pending: Arc::new(Mutex::new(None)),
+            feed: Arc::new(Mutex::new(FeedState::default())),
         }
     }
 
@@ -461,6 +530,8 @@ impl PoolLink {
                     self.registrar.set_mounted(&spec.name, id);
                     if spec.name == SSD_SEGMENT && self.registrar.ssd_index().is_some() {
                         *self.adopt_pending.lock() = Some((id, 0));
+                        // A new segment id: its feed starts from the announced index.
+                        *self.feed.lock() = FeedState::default();
                     }
                 }
                 Err(e) => tracing::warn!(segment = %spec.name, error = %e,
@@ -471,14 +542,35 @@ impl PoolLink {
         self.sync_ssd_index().await;
         let mut beat_ok = false;
         if !self.registrar.mounted().is_empty() {
+            let ssd_id = self.registrar.mounted_id(SSD_SEGMENT);
+            let guard = self.registrar.ssd_guard();
+            let corrupt = match (&guard, ssd_id) {
+                (Some(g), Some(id)) => g.take_reports(id),
+                _ => Vec::new(),
+            };
+            let feed = *self.feed.lock();
             let transport = self.engine.as_ref().map(transport_report);
-            match self
+            let beat = self
                 .client
-                .heartbeat_with_transport(self.registrar.node(), transport)
-                .await
+                .heartbeat_feed(
+                    self.registrar.node(),
+                    feed.epoch,
+                    feed.acked,
+                    &corrupt,
+                    transport,
+                )
+                .await;
+            if beat.is_err()
+                && let Some(g) = &guard
             {
-                Ok(tasks) => {
+                g.requeue(&corrupt);
+            }
+            match beat {
+                Ok(reply) => {
                     beat_ok = true;
+                    self.apply_feed(ssd_id, reply.feed_epoch, reply.events, feed)
+                        .await;
+                    let tasks = reply.tasks;
                     if !tasks.is_empty() {
                         match &self.tasks {
                             Some(runner) => runner.submit(tasks),
@@ -491,6 +583,7 @@ impl PoolLink {
                 }
                 Err(e) if is_unknown_node(&e) => {
                     let lost = self.registrar.clear_mounted();
+                    *self.feed.lock() = FeedState::default();
                     if let Some(m) = &self.metrics {
                         m.remounts.inc();
                         m.heartbeat_failures.inc();
@@ -597,6 +690,53 @@ impl PoolLink {
             refused = refused.len(),
             "recovered SSD blocks announced to the master"
         );
+    }
+
+    /// Apply the master's feed events to the SSD index (flushed before they are acknowledged).
+    async fn apply_feed(
+        &self,
+        ssd_id: Option<u32>,
+        epoch: u64,
+        events: Vec<kvpool::master::state::SegmentEvent>,
+        prev: FeedState,
+    ) {
+        let Some(index) = self.registrar.ssd_index() else {
+            return;
+        };
+        if events.is_empty() && prev.epoch == epoch {
+            return;
+        }
+        let metrics = self.metrics.clone();
+        let guard = self.registrar.ssd_guard();
+        let applied = tokio::task::spawn_blocking(move || {
+            if let Some(g) = &guard {
+                let mine: Vec<_> = events
+                    .iter()
+                    .filter(|e| Some(e.segment_id) == ssd_id)
+                    .copied()
+                    .collect();
+                g.settle(&mine);
+            }
+            pool_feed::apply_events(&index, ssd_id, epoch, &events, prev, metrics.as_ref())
+        })
+        .await;
+        let next = match applied {
+            Ok(Ok(state)) => state,
+            Ok(Err((state, e))) => {
+                tracing::warn!(error = %e, category = e.category(),
+                    "applying the master's SSD events failed; the rest are sent again");
+                state
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the SSD event worker failed");
+                prev
+            }
+        };
+        let mut feed = self.feed.lock();
+        // A remount meanwhile restarted the feed: keep that.
+        if *feed == prev {
+            *feed = next;
+        }
     }
 
     /// Flush the SSD index's new records (batched: once per pass).

@@ -543,6 +543,14 @@ async fn pool_tiers(
             .registrar
             .register(SSD_SEGMENT, kvpool::master::Tier::Ssd, 0, memory)
             .map_err(RunError::Register)?;
+        if let Some(index) = member.registrar.ssd_index() {
+            let guard = crate::pool_feed::SsdGuard::new(index, member.metrics.clone())
+                .map_err(RunError::PoolIndex)?;
+            member
+                .registrar
+                .set_ssd_guard(guard)
+                .map_err(RunError::Register)?;
+        }
         metrics
             .capacity_bytes
             .with_label_values(&["ssd", "all"])

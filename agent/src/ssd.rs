@@ -199,6 +199,26 @@ struct Entry {
     crc: u32,
 }
 
+/// One block handed out by [`SsdTier::read_each`].
+pub type BlockRead<'a> = Result<Option<&'a [u8]>, SsdError>;
+
+/// Read into `dst` at `offset` until it is full or the file ends; returns the bytes read.
+fn read_fully(f: &File, dst: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut read = 0usize;
+    while read < dst.len() {
+        let Some(rest) = dst.get_mut(read..) else {
+            break;
+        };
+        match f.read_at(rest, offset + read as u64) {
+            Ok(0) => break,
+            Ok(n) => read += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(read)
+}
+
 fn padded(len: u64) -> u64 {
     len.max(1).div_ceil(ALIGN) * ALIGN
 }
@@ -525,6 +545,106 @@ impl SsdTier {
         Ok(Some(entry.len))
     }
 
+    /// Read the blocks of `keys` in order, handing each verified block to `sink` with its
+    /// index in `keys`: `Ok(Some(bytes))`, `Ok(None)` for a key the tier does not hold, or
+    /// `Err(Corrupt)` for a corrupt or truncated block (dropped from the tier, never handed
+    /// out). A reader thread reads block N+1 into one of two aligned buffers while this thread
+    /// checks block N's crc32c and runs `sink`, so the checksum overlaps the next read.
+    pub fn read_each(
+        &mut self,
+        keys: &[&[u8]],
+        sink: &mut dyn FnMut(usize, BlockRead<'_>),
+    ) -> Result<(), SsdError> {
+        let entries: Vec<Option<Entry>> =
+            keys.iter().map(|k| self.entries.get(*k).copied()).collect();
+        let largest = entries
+            .iter()
+            .flatten()
+            .map(|e| padded(e.len))
+            .max()
+            .unwrap_or(ALIGN);
+        let size = usize::try_from(largest).map_err(|_| SsdError::Corrupt { reason: "length" })?;
+        let data = &self.data;
+        let mut bad: Vec<usize> = Vec::new();
+        let mut failed: Option<SsdError> = None;
+        std::thread::scope(|scope| {
+            let (free_tx, free_rx) = std::sync::mpsc::sync_channel::<AlignedBuf>(2);
+            let (full_tx, full_rx) =
+                std::sync::mpsc::sync_channel::<(usize, AlignedBuf, std::io::Result<usize>)>(2);
+            for _ in 0..2 {
+                let _ = free_tx.send(AlignedBuf::new(size));
+            }
+            let entries_ref = &entries;
+            scope.spawn(move || {
+                for (i, entry) in entries_ref.iter().enumerate() {
+                    let Some(e) = entry else { continue };
+                    let Ok(mut buf) = free_rx.recv() else { return };
+                    let want = usize::try_from(padded(e.len)).unwrap_or(usize::MAX);
+                    let got = read_fully(data, buf.get_mut(..want).unwrap_or_default(), e.offset);
+                    if full_tx.send((i, buf, got)).is_err() {
+                        return;
+                    }
+                }
+            });
+            let mut next = 0;
+            for (i, buf, got) in full_rx.iter() {
+                // Keys the tier does not hold come in order, between the blocks read.
+                for j in next..i {
+                    sink(j, Ok(None));
+                }
+                next = i + 1;
+                let Some(e) = entries.get(i).copied().flatten() else {
+                    continue;
+                };
+                let len = usize::try_from(e.len).unwrap_or(usize::MAX);
+                match got {
+                    Ok(n) if n >= len => {
+                        let bytes = buf.get(..len).unwrap_or_default();
+                        if crc32c::crc32c(bytes) == e.crc {
+                            sink(i, Ok(Some(bytes)));
+                        } else {
+                            bad.push(i);
+                            sink(
+                                i,
+                                Err(SsdError::Corrupt {
+                                    reason: "checksum mismatch",
+                                }),
+                            );
+                        }
+                    }
+                    Ok(_) => {
+                        bad.push(i);
+                        sink(
+                            i,
+                            Err(SsdError::Corrupt {
+                                reason: "truncated",
+                            }),
+                        );
+                    }
+                    Err(err) => {
+                        failed = Some(SsdError::ReadData(err));
+                        break;
+                    }
+                }
+                if free_tx.send(buf).is_err() {
+                    break;
+                }
+            }
+            drop(free_tx);
+            if failed.is_none() {
+                for j in next..keys.len() {
+                    sink(j, Ok(None));
+                }
+            }
+        });
+        for i in bad {
+            if let Some(k) = keys.get(i) {
+                self.remove(k)?;
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
     /// Drop a block; true when it was stored.
     pub fn remove(&mut self, key: &[u8]) -> Result<bool, SsdError> {
         let Some(entry) = self.entries.remove(key) else {
@@ -777,6 +897,50 @@ mod tests {
         assert_eq!(b.len(), 8192);
         assert_eq!(b.as_ptr() as u64 % ALIGN, 0);
         assert!(b.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn read_each_verifies_every_block_and_drops_corrupt_ones() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut t, _) = SsdTier::open(&cfg(dir.path(), 64 * ALIGN)).expect("open");
+        let lens = [5000usize, 100, 3 * ALIGN as usize, 1];
+        for (i, len) in lens.iter().enumerate() {
+            t.put(
+                format!("k{i}").as_bytes(),
+                &block(i as u8 + 1, *len),
+                *len as u64,
+            )
+            .expect("put");
+        }
+        let k1 = t.entries.get(b"k1".as_slice()).copied().expect("k1");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.path().join(DATA_FILE))
+            .expect("data")
+            .write_all_at(&[0xee], k1.offset + 7)
+            .expect("corrupt");
+        let keys: Vec<&[u8]> = vec![b"k0", b"k1", b"missing", b"k2", b"k3"];
+        type Seen = (usize, Result<Option<Vec<u8>>, &'static str>);
+        let mut seen: Vec<Seen> = Vec::new();
+        t.read_each(&keys, &mut |i, got| {
+            seen.push((
+                i,
+                got.map(|b| b.map(<[u8]>::to_vec)).map_err(|e| e.category()),
+            ));
+        })
+        .expect("read_each");
+        let idx: Vec<usize> = seen.iter().map(|s| s.0).collect();
+        assert_eq!(idx, vec![0, 1, 2, 3, 4], "every key once, in order");
+        assert_eq!(seen[0].1, Ok(Some(vec![1; 5000])));
+        assert_eq!(seen[1].1, Err("corrupt"));
+        assert_eq!(seen[2].1, Ok(None));
+        assert_eq!(seen[3].1, Ok(Some(vec![3; 3 * ALIGN as usize])));
+        assert_eq!(seen[4].1, Ok(Some(vec![4; 1])));
+        assert!(
+            t.get(b"k1").expect("get").is_none(),
+            "the corrupt block is dropped"
+        );
     }
 
     #[test]

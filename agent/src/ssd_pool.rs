@@ -4,10 +4,12 @@
 //! the log is fsynced in batches (every heartbeat and on shutdown) and compacted into a
 //! snapshot at start-up. On restart every indexed block is checked against the data file:
 //! truncated, out-of-bounds or corrupt blocks are dropped and counted, the rest are announced to
-//! the master for adoption. The master performs removals and evictions without telling the
-//! agent, so a record is superseded when a newer one overlaps its bytes, and a block whose
-//! bytes were overwritten fails its checksum at the next restart. I/O boundary: the files
-//! `pool-ssd.idx` and `pool-ssd.dat` under the tier's directory; [`replay`] is pure.
+//! the master for adoption. While running, the master's segment-event feed keeps the index in
+//! step with the master ([`PoolSsdIndex::apply`]: commits of replicas written by others are
+//! checksummed from the file and recorded, frees become tombstones), and every read of an
+//! indexed block is verified against its checksum ([`BlockChecker`]). A record is also
+//! superseded when a newer one overlaps its bytes. I/O boundary: the files `pool-ssd.idx` and
+//! `pool-ssd.dat` under the tier's directory; [`replay`] is pure.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -16,6 +18,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use kvpool::master::ObjectKey;
+use kvpool::master::state::{SegmentEvent, SegmentEventKind};
 
 /// Index file of the pool-mode SSD segment, next to its data file.
 pub const POOL_INDEX_FILE: &str = "pool-ssd.idx";
@@ -294,6 +297,9 @@ pub struct PoolSsdIndex {
     blocks: BTreeMap<u64, PoolBlock>,
     /// Records appended since the last fsync of the index.
     dirty: bool,
+    /// During a resynchronisation (between the feed's RESET and RESET_DONE): blocks indexed
+    /// before it that the master has not confirmed yet.
+    limbo: Option<BTreeMap<u64, PoolBlock>>,
 }
 
 impl PoolSsdIndex {
@@ -377,6 +383,7 @@ impl PoolSsdIndex {
                 data,
                 blocks,
                 dirty: false,
+                limbo: None,
             },
             recovery,
         ))
@@ -496,6 +503,132 @@ impl PoolSsdIndex {
 
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
+    }
+
+    /// The indexed block that holds byte `offset`, if any.
+    pub fn block_at(&self, offset: u64) -> Option<PoolBlock> {
+        self.blocks
+            .range(..=offset)
+            .next_back()
+            .map(|(_, b)| *b)
+            .filter(|b| offset < b.offset.saturating_add(b.length))
+    }
+
+    /// Index `length` bytes at `offset` as `key`, with the checksum of the bytes the data file
+    /// holds there now (a replica another node or client wrote). A no-op when exactly that
+    /// block is indexed already. Returns whether a record was written.
+    pub fn commit_from_file(
+        &mut self,
+        key: ObjectKey,
+        offset: u64,
+        length: u64,
+    ) -> Result<bool, PoolIndexError> {
+        if self
+            .blocks
+            .get(&offset)
+            .is_some_and(|b| b.key == key && b.length == length)
+        {
+            return Ok(false);
+        }
+        let crc = crc_of(&self.data, offset, length).map_err(|source| PoolIndexError::Read {
+            path: self.data_path.clone(),
+            source,
+        })?;
+        self.record(key, offset, length, crc)?;
+        Ok(true)
+    }
+
+    /// Apply one event of the master's feed for this segment (see `SegmentEventKind` in
+    /// master.proto). Records reach the disk at the next [`Self::sync`]; acknowledge the event
+    /// only after that.
+    pub fn apply(&mut self, e: &SegmentEvent) -> Result<(), PoolIndexError> {
+        match e.kind {
+            SegmentEventKind::Commit => {
+                if let Some(limbo) = self.limbo.as_mut() {
+                    let end = e.offset.saturating_add(e.length.max(1));
+                    limbo.retain(|_, b| {
+                        b.offset.saturating_add(b.length.max(1)) <= e.offset || b.offset >= end
+                    });
+                }
+                if e.length > 0 {
+                    self.commit_from_file(e.key, e.offset, e.length)?;
+                }
+            }
+            SegmentEventKind::Free => {
+                if let Some(limbo) = self.limbo.as_mut()
+                    && limbo.get(&e.offset).is_some_and(|b| b.key == e.key)
+                {
+                    limbo.remove(&e.offset);
+                }
+                self.forget(e.key, e.offset)?;
+            }
+            SegmentEventKind::Reset => self.limbo = Some(self.blocks.clone()),
+            SegmentEventKind::ResetDone => {
+                for b in self.limbo.take().unwrap_or_default().into_values() {
+                    self.forget(b.key, b.offset)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A reader of the data file for verifying blocks outside the index's lock.
+    pub fn checker(&self) -> Result<BlockChecker, PoolIndexError> {
+        let data = File::open(&self.data_path).map_err(|source| PoolIndexError::Open {
+            path: self.data_path.clone(),
+            source,
+        })?;
+        Ok(BlockChecker {
+            data,
+            path: self.data_path.clone(),
+        })
+    }
+}
+
+/// Checksum `length` bytes of `data` at `offset`, reading [`CHECK_CHUNK`] at a time. A file
+/// shorter than the range fails with `UnexpectedEof`.
+fn crc_of(data: &File, offset: u64, length: u64) -> std::io::Result<u32> {
+    let end = offset
+        .checked_add(length)
+        .ok_or_else(|| std::io::Error::other("block range overflows"))?;
+    let mut buf = vec![0u8; CHECK_CHUNK.min(usize::try_from(length).unwrap_or(CHECK_CHUNK))];
+    let mut crc = 0u32;
+    let mut pos = offset;
+    while pos < end {
+        let n = usize::try_from(end - pos)
+            .unwrap_or(usize::MAX)
+            .min(buf.len());
+        let chunk = buf
+            .get_mut(..n)
+            .ok_or_else(|| std::io::Error::other("chunk out of range"))?;
+        data.read_exact_at(chunk, pos)?;
+        crc = crc32c::crc32c_append(crc, chunk);
+        pos += n as u64;
+    }
+    Ok(crc)
+}
+
+/// Verifies indexed blocks against the data file (its own file handle, so the check runs
+/// without holding the index's lock).
+#[derive(Debug)]
+pub struct BlockChecker {
+    data: File,
+    path: PathBuf,
+}
+
+impl BlockChecker {
+    /// `None` when the bytes of `b` in the data file match its checksum, else why not.
+    pub fn verify(&self, b: &PoolBlock) -> Result<Option<DropReason>, PoolIndexError> {
+        match crc_of(&self.data, b.offset, b.length) {
+            Ok(crc) => Ok((crc != b.crc).then_some(DropReason::Corrupt)),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                Ok(Some(DropReason::Truncated))
+            }
+            Err(source) => Err(PoolIndexError::Read {
+                path: self.path.clone(),
+                source,
+            }),
+        }
     }
 }
 

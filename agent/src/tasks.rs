@@ -68,6 +68,8 @@ pub enum TaskError {
     ReadBack(#[source] transfer::MemoryError),
     #[error("recording the block in the SSD index")]
     Index(#[source] PoolIndexError),
+    #[error("task {id}: the source block in the SSD segment failed its check: {reason}")]
+    SourceCheck { id: u64, reason: String },
 }
 
 impl TaskError {
@@ -85,6 +87,7 @@ impl TaskError {
             TaskError::Join(_) => "join",
             TaskError::ReadBack(_) => "read_back",
             TaskError::Index(_) => "index",
+            TaskError::SourceCheck { .. } => "source_check",
         }
     }
 }
@@ -129,6 +132,17 @@ pub fn execute(
         let source = registrar
             .local(&src.segment)
             .ok_or_else(|| TaskError::UnknownSegment(src.segment.clone()))?;
+        // Bytes leaving this node's SSD segment are verified first, as a peer's read would be.
+        if src.segment == SSD_SEGMENT
+            && let Some(guard) = registrar.ssd_guard()
+        {
+            guard
+                .check_read(src.offset, src.length)
+                .map_err(|reason| TaskError::SourceCheck {
+                    id: task.id,
+                    reason,
+                })?;
+        }
         let len = usize::try_from(dst.length).map_err(|_| TaskError::Length {
             id: task.id,
             source_len: src.length,

@@ -301,6 +301,7 @@ impl MasterClient {
         let req = proto::HeartbeatRequest {
             node: node.to_owned(),
             transport,
+            ..Default::default()
         };
         let r = self
             .call("heartbeat", |mut c| {
@@ -631,6 +632,60 @@ impl MasterClient {
             |mut c| async move { c.stats(proto::Empty {}).await },
         )
         .await
+    }
+
+    /// Heartbeat with the segment-event feed (agent, issue 4): acknowledges the events applied
+    /// up to `acked` under `epoch` and reports corrupt blocks; returns the queued tasks, the
+    /// master's feed epoch and the pending events.
+    pub async fn heartbeat_feed(
+        &self,
+        node: &str,
+        epoch: u64,
+        acked: u64,
+        corrupt: &[crate::master::state::CorruptBlock],
+        transport: Option<proto::TransportReport>,
+    ) -> Result<crate::master::state::HeartbeatReply, ClientError> {
+        let req = proto::HeartbeatRequest {
+            node: node.to_owned(),
+            feed_epoch: epoch,
+            feed_acked: acked,
+            corrupt: corrupt
+                .iter()
+                .map(|c| proto::SegmentBlock {
+                    segment_id: c.segment_id,
+                    key_digest: c.key.to_hex(),
+                    offset: c.offset,
+                })
+                .collect(),
+            transport,
+        };
+        let r = self
+            .call("heartbeat", |mut c| {
+                let req = req.clone();
+                async move { c.heartbeat(req).await }
+            })
+            .await?;
+        let tasks = r
+            .tasks
+            .iter()
+            .map(|t| {
+                t.to_task()
+                    .ok_or_else(|| ClientError::Malformed(format!("task {}", t.id)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let events = r
+            .events
+            .iter()
+            .map(|e| {
+                super::service::feed::event_from_proto(e)
+                    .ok_or_else(|| ClientError::Malformed(format!("segment event {}", e.seq)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(crate::master::state::HeartbeatReply {
+            tasks,
+            feed_epoch: r.feed_epoch,
+            events,
+        })
     }
 }
 

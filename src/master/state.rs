@@ -169,6 +169,13 @@ struct NodeState {
     alive: bool,
     segments: Vec<u32>,
     outbox: VecDeque<u64>,
+    /// Events of this node's SSD segments not yet acknowledged by its agent (issue 4).
+    feed: VecDeque<SegmentEvent>,
+    /// Sequence number of the next event.
+    feed_next_seq: u64,
+    /// The feed overflowed or the agent's epoch is stale: the next heartbeat sends a full
+    /// snapshot (RESET, COMMIT..., RESET_DONE) instead of the lost events.
+    feed_reset: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -191,6 +198,8 @@ struct TaskRec {
     pages: u32,
     /// Pages taken out of the source tier's usage while the demotion runs.
     releasing_pages: u32,
+    /// The object's key (the slot may hold another object by the time the task ends).
+    key: ObjectKey,
 }
 
 /// Monotonic event counts, exported as Prometheus counters.
@@ -208,6 +217,8 @@ pub struct Counters {
     pub nodes_died: u64,
     pub leases_expired: u64,
     pub puts_expired: u64,
+    /// Replicas dropped because their agent found them corrupt on read.
+    pub corrupt_dropped: u64,
 }
 
 /// Point-in-time figures for metrics and `status`.
@@ -307,6 +318,9 @@ pub struct MasterState {
     /// Transfer engine: the last transport state each node reported with its heartbeat. Soft
     /// state: not journaled, refilled by the next heartbeats after a failover.
     transport: HashMap<String, TransportState>,
+    /// Identifies this instance's segment-event feed; a new leader has another one, so agents
+    /// that applied events of the old one resynchronise.
+    feed_epoch: u64,
 }
 
 /// Victims one put may evict to make room before it gives up with `NO_SPACE`.
@@ -352,6 +366,7 @@ impl MasterState {
             evict_not_before_ms: 0,
             restored_slots: 0,
             transport: HashMap::new(),
+            feed_epoch: rand::random::<u64>() | 1,
         }
     }
 
@@ -475,6 +490,9 @@ impl MasterState {
                     alive: true,
                     segments: Vec::new(),
                     outbox: VecDeque::new(),
+                    feed: VecDeque::new(),
+                    feed_next_seq: 1,
+                    feed_reset: false,
                 });
                 self.node_ids.insert(spec.node.clone(), n);
                 n
@@ -692,6 +710,7 @@ impl MasterState {
         self.quarantine.retain(|q| q.0 != id);
         if let Some(ns) = self.nodes.get_mut(seg.node as usize) {
             ns.segments.retain(|s| *s != id);
+            ns.feed.retain(|e| e.segment_id != id);
         }
         // Tasks touching the segment fail; their surviving allocations are freed.
         let doomed: Vec<u64> = self
@@ -744,6 +763,8 @@ impl MasterState {
         let ns = &mut self.nodes[n as usize];
         ns.alive = false;
         ns.outbox.clear();
+        ns.feed.clear();
+        ns.feed_reset = false;
         self.counters.nodes_died += 1;
     }
 
@@ -815,6 +836,7 @@ impl MasterState {
             if was_pending {
                 self.log_unreserve(r);
             }
+            self.feed_free(r, key);
             self.free_rep(r, pages);
         }
         if !was_pending {
@@ -1076,10 +1098,12 @@ impl MasterState {
             self.under.insert(slot);
         }
         let reps = e.replicas.clone();
+        let size = e.size;
         self.pending.remove(&slot);
         self.sync_policy(slot);
         for r in reps {
             self.log_unreserve(r);
+            self.feed_commit(r, key, size);
         }
         self.log_object(slot);
         Ok(())
@@ -1287,6 +1311,8 @@ impl MasterState {
                 continue;
             }
             self.entries[slot as usize].replicas.retain(|x| *x != r);
+            let key = self.entries[slot as usize].key;
+            self.feed_free(r, key);
             self.free_rep(r, pages);
             self.counters.evicted_dropped[t] += 1;
         }
@@ -1333,6 +1359,7 @@ impl MasterState {
             deadline_ms: self.clock.now_ms() + self.config.task_timeout_ms,
             pages,
             releasing_pages: pages,
+            key: self.entries[slot as usize].key,
         });
         true
     }
@@ -1374,6 +1401,7 @@ impl MasterState {
             .is_some_and(|e| e.has(LIVE) && e.generation == t.generation);
         if !object_ok {
             if target_alive {
+                self.feed_free(t.target, t.key);
                 self.free_rep(t.target, t.pages);
             }
             return;
@@ -1383,7 +1411,12 @@ impl MasterState {
         self.entries[slot as usize].flags &= !BUSY;
         let success = ok && target_alive;
         if !success && target_alive {
+            self.feed_free(t.target, t.key);
             self.free_rep(t.target, pages);
+        }
+        if success {
+            let size = self.entries[slot as usize].size;
+            self.feed_commit(t.target, t.key, size);
         }
         match t.kind {
             TaskKind::Repair => {
@@ -1485,6 +1518,7 @@ impl MasterState {
                 deadline_ms: self.clock.now_ms() + self.config.task_timeout_ms,
                 pages,
                 releasing_pages: 0,
+                key: self.entries[slot as usize].key,
             });
             scheduled += 1;
         }
@@ -1639,6 +1673,9 @@ impl MasterState {
                         alive: true,
                         segments: Vec::new(),
                         outbox: VecDeque::new(),
+                        feed: VecDeque::new(),
+                        feed_next_seq: 1,
+                        feed_reset: false,
                     });
                     self.node_ids.insert(spec.node.clone(), n);
                     n
@@ -1761,6 +1798,225 @@ pub struct TransportState {
     /// RDMA devices the agent's engine opened.
     pub rdma_devices: Vec<String>,
 }
+
+// ----- segment-event feed (agent, issue 4) ---------------------------------------------------
+
+/// Events kept per node before the feed gives up and resynchronises with a snapshot.
+pub const FEED_CAP: usize = 1 << 16;
+/// Events sent per heartbeat answer at most.
+pub const FEED_BATCH: usize = 4096;
+
+/// What happened to a node's SSD segment; see `SegmentEventKind` in master.proto.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentEventKind {
+    Commit,
+    Free,
+    Reset,
+    ResetDone,
+}
+
+/// One event of a node's feed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentEvent {
+    pub seq: u64,
+    pub kind: SegmentEventKind,
+    pub segment_id: u32,
+    /// Zero for `Reset` and `ResetDone`.
+    pub key: ObjectKey,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// A block an agent found corrupt or truncated while reading it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CorruptBlock {
+    pub segment_id: u32,
+    pub key: ObjectKey,
+    pub offset: u64,
+}
+
+/// What the master answers a heartbeat with.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeartbeatReply {
+    pub tasks: Vec<Task>,
+    pub feed_epoch: u64,
+    pub events: Vec<SegmentEvent>,
+}
+
+impl MasterState {
+    /// This instance's feed epoch (never 0).
+    pub fn feed_epoch(&self) -> u64 {
+        self.feed_epoch
+    }
+
+    /// Queue `kind` for the agent of the SSD segment `r` lives in (DRAM segments have no feed).
+    fn feed_push(&mut self, r: Rep, kind: SegmentEventKind, key: ObjectKey, length: u64) {
+        let Some(seg) = self.segments.get(&r.seg) else {
+            return;
+        };
+        if seg.spec.tier != Tier::Ssd {
+            return;
+        }
+        let Some(ns) = self.nodes.get_mut(seg.node as usize) else {
+            return;
+        };
+        if ns.feed_reset {
+            // The coming snapshot covers this change.
+            return;
+        }
+        if ns.feed.len() >= FEED_CAP {
+            ns.feed.clear();
+            ns.feed_reset = true;
+            return;
+        }
+        let seq = ns.feed_next_seq;
+        ns.feed_next_seq += 1;
+        ns.feed.push_back(SegmentEvent {
+            seq,
+            kind,
+            segment_id: r.seg,
+            key,
+            offset: u64::from(r.page) * PAGE_BYTES,
+            length,
+        });
+    }
+
+    fn feed_commit(&mut self, r: Rep, key: ObjectKey, size: u64) {
+        self.feed_push(r, SegmentEventKind::Commit, key, size);
+    }
+
+    fn feed_free(&mut self, r: Rep, key: ObjectKey) {
+        self.feed_push(r, SegmentEventKind::Free, key, 0);
+    }
+
+    /// Replace node `n`'s feed by a snapshot of its SSD segments: RESET, one COMMIT per
+    /// committed replica, RESET_DONE, per segment.
+    fn feed_snapshot(&mut self, n: u32) {
+        let Some(ns) = self.nodes.get_mut(n as usize) else {
+            return;
+        };
+        ns.feed.clear();
+        ns.feed_reset = false;
+        let ssd: Vec<u32> = ns
+            .segments
+            .iter()
+            .copied()
+            .filter(|s| {
+                self.segments
+                    .get(s)
+                    .is_some_and(|g| g.spec.tier == Tier::Ssd)
+            })
+            .collect();
+        let none = ObjectKey { hi: 0, lo: 0 };
+        for seg in ssd {
+            self.feed_push(Rep { seg, page: 0 }, SegmentEventKind::Reset, none, 0);
+            let held: Vec<(Rep, ObjectKey, u64)> = self
+                .entries
+                .iter()
+                .filter(|e| e.has(LIVE) && !e.has(PENDING))
+                .flat_map(|e| {
+                    e.replicas
+                        .iter()
+                        .filter(|r| r.seg == seg)
+                        .map(|r| (*r, e.key, e.size))
+                })
+                .collect();
+            for (r, key, size) in held {
+                self.feed_commit(r, key, size);
+            }
+            self.feed_push(Rep { seg, page: 0 }, SegmentEventKind::ResetDone, none, 0);
+        }
+    }
+
+    /// A heartbeat with the segment-event feed: record it, apply the agent's corrupt-block
+    /// reports, drop the events it acknowledged (`acked` under `epoch`; epoch 0 means it just
+    /// mounted and announced its index), and answer its queued tasks and up to [`FEED_BATCH`]
+    /// pending events. An epoch from another master instance (a failover) or an overflowed
+    /// feed is answered with a snapshot.
+    pub fn heartbeat_feed(
+        &mut self,
+        node: &str,
+        epoch: u64,
+        acked: u64,
+        corrupt: &[CorruptBlock],
+    ) -> Result<HeartbeatReply, MasterError> {
+        let tasks = self.heartbeat(node)?;
+        let n = *self
+            .node_ids
+            .get(node)
+            .ok_or_else(|| MasterError::UnknownNode(node.to_owned()))?;
+        for c in corrupt {
+            self.drop_corrupt(n, c);
+        }
+        let stale = epoch != 0 && epoch != self.feed_epoch;
+        let ns = &mut self.nodes[n as usize];
+        if stale {
+            ns.feed_reset = true;
+        } else {
+            while ns.feed.front().is_some_and(|e| e.seq <= acked) {
+                ns.feed.pop_front();
+            }
+        }
+        if ns.feed_reset {
+            self.feed_snapshot(n);
+        }
+        let events = self.nodes[n as usize]
+            .feed
+            .iter()
+            .take(FEED_BATCH)
+            .copied()
+            .collect();
+        Ok(HeartbeatReply {
+            tasks,
+            feed_epoch: self.feed_epoch,
+            events,
+        })
+    }
+
+    /// Drop the replica of `c.key` at `c.offset` in node `n`'s segment `c.segment_id` (its
+    /// agent found it corrupt); the object is repaired from another replica, or forgotten when
+    /// this was its last one.
+    fn drop_corrupt(&mut self, n: u32, c: &CorruptBlock) {
+        let owned = self
+            .segments
+            .get(&c.segment_id)
+            .is_some_and(|s| s.node == n);
+        let Some(slot) = self.find(&c.key).filter(|_| owned) else {
+            return;
+        };
+        let Ok(page) = u32::try_from(c.offset / PAGE_BYTES) else {
+            return;
+        };
+        let r = Rep {
+            seg: c.segment_id,
+            page,
+        };
+        let e = &self.entries[slot as usize];
+        if e.has(PENDING) || !e.replicas.contains(&r) || !c.offset.is_multiple_of(PAGE_BYTES) {
+            return;
+        }
+        let pages = e.pages();
+        self.entries[slot as usize].replicas.retain(|x| *x != r);
+        self.feed_free(r, c.key);
+        self.free_rep(r, pages);
+        self.counters.corrupt_dropped += 1;
+        let e = &self.entries[slot as usize];
+        if e.replicas.is_empty() {
+            self.counters.objects_lost += 1;
+            self.drop_object(slot);
+            return;
+        }
+        if e.replicas.len() < usize::from(e.desired) {
+            self.under.insert(slot);
+        }
+        self.sync_policy(slot);
+        self.log_object(slot);
+    }
+}
+
+#[cfg(test)]
+#[path = "state_feed_tests.rs"]
+mod feed_tests;
 
 #[cfg(test)]
 #[path = "state_tests.rs"]

@@ -24,12 +24,32 @@ use super::rdma::datapath::{self, AcceptedPaths};
 use super::rdma::handshake::ConnectRequest;
 use super::wire::{self, WireError};
 
+/// Checks a READ of `len` bytes at `offset` before they are served: `Err(reason)` refuses it
+/// (issue 4: the agent's SSD segment verifies the block's checksum, so corrupt bytes are never
+/// sent). Runs on the connection's thread.
+pub type ReadCheck = Arc<dyn Fn(u64, u64) -> Result<(), String> + Send + Sync>;
+
 /// Registered local segments, by handle and by name.
 #[derive(Default)]
 pub(crate) struct Registry {
     by_handle: RwLock<HashMap<u32, (String, Arc<Segment>)>>,
     by_name: RwLock<HashMap<String, u32>>,
     next: AtomicU32,
+    /// Read checks of the segments that have one, by handle.
+    read_checks: RwLock<HashMap<u32, ReadCheck>>,
+}
+
+impl super::TransferEngine {
+    /// Check every READ that peers send for `seg` with `check` before serving it (a refused
+    /// read is answered with an ERROR frame). A checked segment is not offered to one-sided
+    /// RDMA, which would bypass the check: peers reach it over TCP.
+    pub fn set_read_check(&self, seg: &super::LocalSegment, check: ReadCheck) {
+        self.inner
+            .registry
+            .read_checks
+            .write()
+            .insert(seg.reg.handle, check);
+    }
 }
 
 impl Registry {
@@ -47,6 +67,7 @@ impl Registry {
     }
 
     pub(crate) fn remove(&self, handle: u32) {
+        self.read_checks.write().remove(&handle);
         let mut names = self.by_name.write();
         if let Some((name, _)) = self.by_handle.write().remove(&handle) {
             names.remove(&name);
@@ -260,7 +281,15 @@ pub(crate) fn serve_requests<S: DataStream>(
                     }
                 }
             }
-            Opcode::Read => match lookup(ctx, &h) {
+            Opcode::Read => match lookup(ctx, &h).and_then(|seg| {
+                let check = ctx.registry.read_checks.read().get(&h.handle).cloned();
+                match check {
+                    Some(check) => check(h.offset, h.length)
+                        .map(|()| seg)
+                        .map_err(|reason| (ErrorCode::Internal, reason)),
+                    None => Ok(seg),
+                }
+            }) {
                 Ok(seg) => {
                     let mut r = Header::new(Opcode::ReadData, id);
                     r.length = h.length;
@@ -324,12 +353,21 @@ fn accept_rdma(
             "this target has no RDMA transport (built without feature rdma, or no device)".into(),
         ));
     };
-    let (_, seg) = ctx.registry.find(&req.segment).ok_or_else(|| {
+    let (handle, seg) = ctx.registry.find(&req.segment).ok_or_else(|| {
         (
             ErrorCode::UnknownSegment,
             format!("no segment named {:?} is registered here", req.segment),
         )
     })?;
+    if ctx.registry.read_checks.read().contains_key(&handle) {
+        return Err((
+            ErrorCode::Unsupported,
+            format!(
+                "segment {:?} checks every read; it is served over TCP only",
+                req.segment
+            ),
+        ));
+    }
     let (reply, paths) = datapath::accept(provider.as_ref(), &seg, &req)
         .map_err(|e| (ErrorCode::Unsupported, super::tcp::error_chain(&e)))?;
     let reply = reply
