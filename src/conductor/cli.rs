@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{ConductorConfig, Engines, PoolLookup};
+use super::{ConductorConfig, Engines, PoolLookup, RoutingProtocol};
 use crate::admin::{self, AdminError, Readiness};
 use crate::master::auth::AuthKey;
 use crate::master::client::{ClientConfig, MasterClient};
@@ -125,9 +125,24 @@ pub struct ConductorArgs {
     /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     pub pool_lookup_timeout: std::time::Duration,
-    /// Pool -> prefill engine bandwidth, GB/s (the fetch term of the TTFT estimate).
+    /// Pool -> prefill engine bandwidth, GB/s: the fetch term of the TTFT estimate until the
+    /// prefill engines report measured pool reads (`x-kvpool-kv-load-*` response headers),
+    /// whose moving average replaces it.
     #[arg(long, default_value_t = 25.0)]
     pub pool_bandwidth_gbps: f64,
+    /// Disaggregation convention of the engines: `vllm` (prefill, then decode with the
+    /// returned `kv_transfer_params`) or `sglang` (both at once, paired by a bootstrap room).
+    #[arg(long, value_enum, default_value_t = crate::synthetic::cli::EngineProtocol::Vllm,
+        env = "KVPOOL_ENGINE_PROTOCOL")]
+    pub engine_protocol: crate::synthetic::cli::EngineProtocol,
+    /// With --engine-protocol sglang: the prefill engines' bootstrap port (SGLang's
+    /// --disaggregation-bootstrap-port; its default is 8998).
+    #[arg(long, default_value_t = 8998, env = "KVPOOL_BOOTSTRAP_PORT")]
+    pub bootstrap_port: u16,
+    /// Wall seconds per cost-model second of the engines (their --time-scale; 1 for real
+    /// engines): the conductor's clock and the engines' measured fetch times are divided by it.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
 }
 
 /// Errors of `kvpool conductor`.
@@ -284,6 +299,13 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             },
         },
         pool: pool_lookup(args)?,
+        protocol: match args.engine_protocol {
+            crate::synthetic::cli::EngineProtocol::Vllm => RoutingProtocol::Vllm,
+            crate::synthetic::cli::EngineProtocol::Sglang => RoutingProtocol::Sglang {
+                bootstrap_port: args.bootstrap_port,
+            },
+        },
+        time_scale: positive("time-scale", args.time_scale)?,
     })
 }
 

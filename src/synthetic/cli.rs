@@ -9,10 +9,10 @@ use std::path::PathBuf;
 use prometheus::Registry;
 use tokio_util::sync::CancellationToken;
 
-use super::EngineConfig;
 use super::agent::{AgentKv, AgentKvError};
 use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
+use super::{EngineConfig, SglangMode, SglangRole};
 use crate::admin::{self, AdminError, Readiness};
 use crate::sched::{DecodeCost, PrefillCost};
 
@@ -80,6 +80,24 @@ pub struct EngineArgs {
     /// tests).
     #[arg(long, default_value_t = 1.0)]
     pub kv_scale: f64,
+    /// Disaggregation protocol: `vllm` (each request's `kv_transfer_params` names its role) or
+    /// `sglang` (this engine has one role, --disaggregation-mode, and requests carry a
+    /// `bootstrap_room`; the KV hand-off goes through the pool, so --agent-socket is needed).
+    #[arg(long, value_enum, default_value_t = EngineProtocol::Vllm, env = "KVPOOL_ENGINE_PROTOCOL")]
+    pub protocol: EngineProtocol,
+    /// With --protocol sglang: this engine's half (SGLang's flag of the same name).
+    #[arg(long, value_enum, env = "KVPOOL_DISAGGREGATION_MODE")]
+    pub disaggregation_mode: Option<SglangRole>,
+    /// With --protocol sglang, on a decode engine: longest wait for a room's KV to arrive.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub bootstrap_timeout: std::time::Duration,
+}
+
+/// How the engine learns its part in disaggregated serving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineProtocol {
+    Vllm,
+    Sglang,
 }
 
 /// Errors of `kvpool engine`.
@@ -171,6 +189,36 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
         return Err(flag("chunk-bytes", "must be at least 1"));
     }
     let time_scale = non_negative("time-scale", args.time_scale)?;
+    let sglang = match (args.protocol, args.disaggregation_mode) {
+        (EngineProtocol::Vllm, None) => None,
+        (EngineProtocol::Vllm, Some(_)) => {
+            return Err(flag(
+                "disaggregation-mode",
+                "applies to --protocol sglang only (vLLM requests name their role)",
+            ));
+        }
+        (EngineProtocol::Sglang, None) => {
+            return Err(flag(
+                "disaggregation-mode",
+                "is required with --protocol sglang (prefill or decode)",
+            ));
+        }
+        (EngineProtocol::Sglang, Some(role)) => {
+            if args.agent_socket.is_none() {
+                return Err(flag(
+                    "agent-socket",
+                    "is required with --protocol sglang: the KV hand-off goes through the pool",
+                ));
+            }
+            if args.bootstrap_timeout.is_zero() {
+                return Err(flag("bootstrap-timeout", "must be more than 0"));
+            }
+            Some(SglangMode {
+                role,
+                bootstrap_timeout: args.bootstrap_timeout,
+            })
+        }
+    };
     Ok(EngineConfig {
         model: args.model.clone(),
         prefill_cost: PrefillCost {
@@ -188,6 +236,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
         cache_blocks: args.cache_blocks,
         chunk_bytes: args.chunk_bytes,
         time_scale,
+        sglang,
     })
 }
 

@@ -5,6 +5,8 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use crate::synthetic::cli::EngineProtocol;
+
 /// Role of a child process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -58,6 +60,7 @@ pub struct UpSettings {
     pub kv_bytes_per_token: u64,
     pub agent_dram: String,
     pub time_scale: f64,
+    pub protocol: crate::synthetic::cli::EngineProtocol,
     pub sysfs_root: Option<PathBuf>,
     pub procfs_root: Option<PathBuf>,
 }
@@ -158,30 +161,39 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         }
         // Engines are spread over the agents in turn.
         let socket = agent_socket(&s.dir, n % s.agents.max(1));
+        let mut args = vec![
+            "engine".into(),
+            "--synthetic".into(),
+            "--listen".into(),
+            api.to_string(),
+            "--admin-listen".into(),
+            admin.to_string(),
+            "--model".into(),
+            s.model.clone(),
+            "--block-size".into(),
+            s.block_size.to_string(),
+            "--chunk-bytes".into(),
+            s.chunk_bytes.to_string(),
+            "--time-scale".into(),
+            s.time_scale.to_string(),
+            "--agent-socket".into(),
+            socket.display().to_string(),
+            "--kv-bytes-per-token".into(),
+            s.kv_bytes_per_token.to_string(),
+        ];
+        if s.protocol == EngineProtocol::Sglang {
+            args.extend([
+                "--protocol".into(),
+                "sglang".into(),
+                "--disaggregation-mode".into(),
+                role.as_str().into(),
+            ]);
+        }
         out.push(ChildSpec {
             name: format!("{}-{i}", role.as_str()),
             role,
             program: s.kvpool_bin.clone(),
-            args: vec![
-                "engine".into(),
-                "--synthetic".into(),
-                "--listen".into(),
-                api.to_string(),
-                "--admin-listen".into(),
-                admin.to_string(),
-                "--model".into(),
-                s.model.clone(),
-                "--block-size".into(),
-                s.block_size.to_string(),
-                "--chunk-bytes".into(),
-                s.chunk_bytes.to_string(),
-                "--time-scale".into(),
-                s.time_scale.to_string(),
-                "--agent-socket".into(),
-                socket.display().to_string(),
-                "--kv-bytes-per-token".into(),
-                s.kv_bytes_per_token.to_string(),
-            ],
+            args,
             admin,
             endpoint: Some(url),
             config_file: None,
@@ -208,6 +220,13 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         "--auth-key-file".into(),
         key_file(&s.dir).display().to_string(),
     ];
+    // The conductor's clock and the engines' measured fetch times in cost-model seconds.
+    if s.time_scale > 0.0 {
+        args.extend(["--time-scale".into(), s.time_scale.to_string()]);
+    }
+    if s.protocol == EngineProtocol::Sglang {
+        args.extend(["--engine-protocol".into(), "sglang".into()]);
+    }
     for url in &prefill_urls {
         args.extend(["--prefill".into(), url.clone()]);
     }
@@ -244,6 +263,7 @@ mod tests {
             kv_bytes_per_token: 64,
             agent_dram: "64MiB".into(),
             time_scale: 0.1,
+            protocol: EngineProtocol::Vllm,
             sysfs_root: None,
             procfs_root: None,
         }
