@@ -5,17 +5,15 @@
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
-use prometheus::Registry;
-use tokio_util::sync::CancellationToken;
-
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
 use super::{ConductorConfig, Engines, PoolLookup, RoutingProtocol};
-use crate::admin::{self, AdminError, Readiness};
+use crate::admin::AdminError;
 use crate::master::auth::AuthKey;
 use crate::master::client::{ClientConfig, MasterClient};
 use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
+use crate::synthetic::wiring::{self, Wired, WiringError};
 
 /// Flags of `kvpool conductor`.
 #[derive(Debug, Clone, clap::Args)]
@@ -371,63 +369,45 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let config = conductor_config(args)?;
     let discovery = discovery_config(args)?;
     tracing::info!(?config, ?discovery, listen = %args.listen, admin = %args.admin_listen, "starting conductor");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(ConductorError::Runtime)?;
-    runtime.block_on(async {
-        let shutdown = CancellationToken::new();
-        crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(ConductorError::Signals)?;
-        let registry = Registry::new();
-        let readiness = Readiness::new();
-        let has_engines = config.has_engines();
-        let conductor = server::conductor(config, &registry).map_err(ConductorError::Server)?;
-        let router = conductor.router;
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .map_err(|source| ConductorError::Bind {
-                addr: args.listen,
-                source,
-            })?;
-        let admin_listener = admin::bind(args.admin_listen)
-            .await
-            .map_err(ConductorError::Admin)?;
-        let admin_shutdown = CancellationToken::new();
-        let admin_task = tokio::spawn(admin::serve(
-            admin_listener,
-            admin::router(registry, readiness.clone()),
-            admin_shutdown.clone(),
-        ));
+    let has_engines = config.has_engines();
+    let setup = |wired: Wired| async move {
+        server::conductor(config, &wired.registry).map_err(ConductorError::Server)
+    };
+    let serve = |conductor: server::Conductor, listener, wired: Wired| async move {
         if let Some(discovery) = discovery {
             let client = discovery::client()
                 .await
                 .map_err(ConductorError::Discovery)?;
             let (tx, rx) = tokio::sync::watch::channel(Engines::default());
-            tokio::spawn(discovery::run(client, discovery, tx, shutdown.clone()));
-            tokio::spawn(
-                conductor
-                    .engines
-                    .follow(rx, readiness.clone(), shutdown.clone()),
-            );
+            tokio::spawn(discovery::run(
+                client,
+                discovery,
+                tx,
+                wired.shutdown.clone(),
+            ));
+            tokio::spawn(conductor.engines.follow(
+                rx,
+                wired.readiness.clone(),
+                wired.shutdown.clone(),
+            ));
         } else if has_engines {
-            readiness.set_ready(true);
+            wired.readiness.set_ready(true);
         } else {
             tracing::warn!(
                 "no --prefill/--decode engines and no --discover-namespace: answering 503 and \
                  staying not ready until restarted with engines"
             );
         }
-        let served = server::serve(listener, router, shutdown.clone()).await;
-        readiness.set_ready(false);
-        admin_shutdown.cancel();
-        let admin_result = admin_task.await;
-        served.map_err(ConductorError::Server)?;
-        match admin_result {
-            Ok(r) => r.map_err(ConductorError::Admin),
-            Err(join) => Err(ConductorError::Admin(AdminError::Serve(
-                std::io::Error::other(join),
-            ))),
-        }
+        server::serve(listener, conductor.router, wired.shutdown)
+            .await
+            .map_err(ConductorError::Server)
+    };
+    wiring::run(args.listen, args.admin_listen, setup, serve).map_err(|e| match e {
+        WiringError::Runtime(e) => ConductorError::Runtime(e),
+        WiringError::Signals(e) => ConductorError::Signals(e),
+        WiringError::Bind { addr, source } => ConductorError::Bind { addr, source },
+        WiringError::Admin(e) => ConductorError::Admin(e),
+        WiringError::Service(e) => e,
     })
 }
 

@@ -798,7 +798,13 @@ fn relay_decode(
         .members
         .lock()
         .with_ticket(placed, |s, t| s.decoding(t, now));
-    shared.requests.with_label_values(&["ok"]).inc();
+    // The decode engine's own error (e.g. a failed KV hand-off) is relayed as it is.
+    let outcome = if resp.status().is_success() {
+        "ok"
+    } else {
+        "decode_error"
+    };
+    shared.requests.with_label_values(&[outcome]).inc();
     let (parts, body) = resp.into_parts();
     let stream = body.into_data_stream().map(move |chunk| {
         let _ = &finish;

@@ -6,14 +6,12 @@ use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 
-use prometheus::Registry;
-use tokio_util::sync::CancellationToken;
-
 use super::agent::{AgentKv, AgentKvError};
 use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
+use super::wiring::{self, Wired, WiringError};
 use super::{EngineConfig, SglangMode, SglangRole};
-use crate::admin::{self, AdminError, Readiness};
+use crate::admin::AdminError;
 use crate::sched::{DecodeCost, PrefillCost};
 
 /// Flags of `kvpool engine`.
@@ -283,15 +281,7 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
         );
     }
     tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting synthetic engine");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(EngineError::Runtime)?;
-    runtime.block_on(async {
-        let shutdown = CancellationToken::new();
-        crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(EngineError::Signals)?;
-        let registry = Registry::new();
-        let readiness = Readiness::new();
+    let setup = |wired: Wired| async move {
         let kv = match (&args.agent_socket, geometry) {
             (Some(path), Some(g)) => Some(AgentKv::connect(path, g, &config.model).await.map_err(
                 |source| EngineError::Agent {
@@ -301,35 +291,19 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
             )?),
             _ => None,
         };
-        let router =
-            server::router_with_agent(config, kv, &registry).map_err(EngineError::Server)?;
-        let listener = tokio::net::TcpListener::bind(args.listen)
+        server::router_with_agent(config, kv, &wired.registry).map_err(EngineError::Server)
+    };
+    let serve = |router, listener, wired: Wired| async move {
+        wired.readiness.set_ready(true);
+        server::serve(listener, router, wired.shutdown)
             .await
-            .map_err(|source| EngineError::Bind {
-                addr: args.listen,
-                source,
-            })?;
-        let admin_listener = admin::bind(args.admin_listen)
-            .await
-            .map_err(EngineError::Admin)?;
-        let admin_shutdown = CancellationToken::new();
-        let admin_task = tokio::spawn(admin::serve(
-            admin_listener,
-            admin::router(registry, readiness.clone()),
-            admin_shutdown.clone(),
-        ));
-        readiness.set_ready(true);
-        let served = server::serve(listener, router, shutdown.clone()).await;
-        readiness.set_ready(false);
-        // The admin server goes last.
-        admin_shutdown.cancel();
-        let admin_result = admin_task.await;
-        served.map_err(EngineError::Server)?;
-        match admin_result {
-            Ok(r) => r.map_err(EngineError::Admin),
-            Err(join) => Err(EngineError::Admin(AdminError::Serve(
-                std::io::Error::other(join),
-            ))),
-        }
+            .map_err(EngineError::Server)
+    };
+    wiring::run(args.listen, args.admin_listen, setup, serve).map_err(|e| match e {
+        WiringError::Runtime(e) => EngineError::Runtime(e),
+        WiringError::Signals(e) => EngineError::Signals(e),
+        WiringError::Bind { addr, source } => EngineError::Bind { addr, source },
+        WiringError::Admin(e) => EngineError::Admin(e),
+        WiringError::Service(e) => e,
     })
 }

@@ -16,6 +16,7 @@ pub mod api;
 pub mod cli;
 pub mod kv;
 pub mod server;
+pub mod wiring;
 
 use std::num::NonZeroU32;
 
