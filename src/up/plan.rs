@@ -331,4 +331,43 @@ mod tests {
         assert!(cfg.contains("discovery:\n  sysfs_root: /fx/sys\n"), "{cfg}");
         assert!(!cfg.contains("procfs_root"));
     }
+
+    #[test]
+    fn sglang_protocol_reaches_engines_and_conductor_and_the_time_scale_the_conductor() {
+        let mut s = settings();
+        let ports: Vec<u16> = (1..=ports_needed(&s) as u16).collect();
+        let p = plan(&s, &ports).unwrap();
+        let conductor = p.last().unwrap().args.join(" ");
+        assert!(conductor.contains("--time-scale 0.1"), "{conductor}");
+        assert!(!conductor.contains("--engine-protocol"), "{conductor}");
+        assert!(!p[3].args.iter().any(|a| a == "--protocol"));
+
+        s.protocol = EngineProtocol::Sglang;
+        let p = plan(&s, &ports).unwrap();
+        let args = |name: &str| {
+            p.iter()
+                .find(|c| c.name == name)
+                .map(|c| c.args.join(" "))
+                .unwrap()
+        };
+        assert!(
+            args("prefill-1").ends_with("--protocol sglang --disaggregation-mode prefill"),
+            "{}",
+            args("prefill-1")
+        );
+        assert!(
+            args("decode-0").ends_with("--protocol sglang --disaggregation-mode decode"),
+            "{}",
+            args("decode-0")
+        );
+        assert!(
+            args("conductor").contains("--engine-protocol sglang"),
+            "{}",
+            args("conductor")
+        );
+        // A time scale of 0 (as fast as possible) is not passed on: the conductor keeps 1.
+        s.time_scale = 0.0;
+        let p = plan(&s, &ports).unwrap();
+        assert!(!p.last().unwrap().args.iter().any(|a| a == "--time-scale"));
+    }
 }
