@@ -9,11 +9,10 @@ use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
 use super::{ConductorConfig, Engines, PoolLookup, RoutingProtocol};
-use crate::admin::AdminError;
 use crate::master::auth::AuthKey;
 use crate::master::client::{ClientConfig, MasterClient};
 use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
-use crate::synthetic::wiring::{self, Wired, WiringError};
+use crate::synthetic::wiring::{self, FromWiring, Wired, WiringError};
 
 /// Flags of `kvpool conductor`.
 #[derive(Debug, Clone, clap::Args)]
@@ -148,18 +147,8 @@ pub struct ConductorArgs {
 pub enum ConductorError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
-    #[error("cannot start the Tokio runtime")]
-    Runtime(#[source] std::io::Error),
-    #[error("cannot install signal handlers")]
-    Signals(#[source] std::io::Error),
-    #[error("cannot bind the conductor listener on {addr}")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("admin server")]
-    Admin(#[source] AdminError),
+    #[error("process wiring")]
+    Wiring(#[source] WiringError),
     #[error("conductor server")]
     Server(#[source] ServerError),
     #[error("engine discovery")]
@@ -171,10 +160,7 @@ impl ConductorError {
     pub fn category(&self) -> &'static str {
         match self {
             ConductorError::Flag { .. } => "flag",
-            ConductorError::Runtime(_) => "runtime",
-            ConductorError::Signals(_) => "signals",
-            ConductorError::Bind { .. } => "bind",
-            ConductorError::Admin(_) => "admin",
+            ConductorError::Wiring(e) => e.category(),
             ConductorError::Server(_) => "server",
             ConductorError::Discovery(_) => "discovery",
         }
@@ -402,13 +388,13 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
             .await
             .map_err(ConductorError::Server)
     };
-    wiring::run(args.listen, args.admin_listen, setup, serve).map_err(|e| match e {
-        WiringError::Runtime(e) => ConductorError::Runtime(e),
-        WiringError::Signals(e) => ConductorError::Signals(e),
-        WiringError::Bind { addr, source } => ConductorError::Bind { addr, source },
-        WiringError::Admin(e) => ConductorError::Admin(e),
-        WiringError::Service(e) => e,
-    })
+    wiring::run(args.listen, args.admin_listen, setup, serve)
+}
+
+impl FromWiring for ConductorError {
+    fn from_wiring(err: WiringError) -> Self {
+        ConductorError::Wiring(err)
+    }
 }
 
 #[cfg(test)]

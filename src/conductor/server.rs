@@ -641,11 +641,28 @@ async fn prefill_answer(
     Ok(PrefillAnswer { status, body })
 }
 
-/// The engine's own error (e.g. 400) goes back as it is; the caller's `Finish` is dropped with
-/// the response's construction, releasing the bookings.
-fn prefill_failed(shared: &Shared, answer: PrefillAnswer) -> Response {
-    shared.requests.with_label_values(&["prefill_error"]).inc();
-    (answer.status, answer.body).into_response()
+/// Sends `body` to the placement's prefill engine and reads its answer; the client's response
+/// instead when the engine cannot be reached (502) or answers an error, which goes back as it
+/// is (e.g. 400).
+async fn call_prefill(
+    shared: &Shared,
+    placed: &Placed,
+    path: &str,
+    body: &Value,
+) -> Result<PrefillAnswer, Response> {
+    let url = format!("{}{path}", placed.prefill_url.trim_end_matches('/'));
+    let answer = match shared.post(url.clone(), body).await {
+        Ok(r) => prefill_answer(shared, placed, url, r).await,
+        Err(e) => Err(e),
+    };
+    match answer {
+        Ok(a) if a.status.is_success() => Ok(a),
+        Ok(a) => {
+            shared.requests.with_label_values(&["prefill_error"]).inc();
+            Err((a.status, a.body).into_response())
+        }
+        Err(e) => Err(upstream_failed(shared, &e)),
+    }
 }
 
 /// vLLM's convention: prefill with one token and `kv_transfer_params: {do_remote_decode}`,
@@ -669,19 +686,11 @@ async fn route_vllm(
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         );
     }
-    let url = format!("{}{path}", placed.prefill_url.trim_end_matches('/'));
-    let answer = match shared.post(url.clone(), &prefill_req).await {
-        Ok(r) => prefill_answer(&shared, &placed, url, r).await,
-        Err(e) => Err(e),
-    };
-    let answer = match answer {
+    let answer = match call_prefill(&shared, &placed, path, &prefill_req).await {
         Ok(a) => a,
-        Err(e) => return upstream_failed(&shared, &e),
+        // Dropping `finish` with the early return releases the bookings.
+        Err(resp) => return resp,
     };
-    if !answer.status.is_success() {
-        drop(finish);
-        return prefill_failed(&shared, answer);
-    }
     let kv_params = serde_json::from_slice::<Value>(&answer.body)
         .ok()
         .and_then(|v| v.get("kv_transfer_params").cloned())
@@ -745,18 +754,9 @@ async fn route_sglang(
         // Aborted on drop, so a failed prefill or a gone client does not leave it running.
         AbortOnDrop(tokio::spawn(async move { shared.post(url, &req).await }))
     };
-    let url = format!("{}{path}", placed.prefill_url.trim_end_matches('/'));
-    let answer = match shared.post(url.clone(), &req).await {
-        Ok(r) => prefill_answer(&shared, &placed, url, r).await,
-        Err(e) => Err(e),
-    };
-    let answer = match answer {
-        Ok(a) => a,
-        Err(e) => return upstream_failed(&shared, &e),
-    };
-    if !answer.status.is_success() {
-        drop(finish);
-        return prefill_failed(&shared, answer);
+    // The prefill answer itself is not the client's: only its success matters here.
+    if let Err(resp) = call_prefill(&shared, &placed, path, &req).await {
+        return resp;
     }
     match decode.join().await {
         Some(Ok(resp)) => relay_decode(&shared, &placed, finish, resp),

@@ -9,9 +9,8 @@ use std::path::PathBuf;
 use super::agent::{AgentKv, AgentKvError};
 use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
-use super::wiring::{self, Wired, WiringError};
+use super::wiring::{self, FromWiring, Wired, WiringError};
 use super::{EngineConfig, SglangMode, SglangRole};
-use crate::admin::AdminError;
 use crate::sched::{DecodeCost, PrefillCost};
 
 /// Flags of `kvpool engine`.
@@ -103,18 +102,8 @@ pub enum EngineProtocol {
 pub enum EngineError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
-    #[error("cannot start the Tokio runtime")]
-    Runtime(#[source] std::io::Error),
-    #[error("cannot install signal handlers")]
-    Signals(#[source] std::io::Error),
-    #[error("cannot bind the engine listener on {addr}")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("admin server")]
-    Admin(#[source] AdminError),
+    #[error("process wiring")]
+    Wiring(#[source] WiringError),
     #[error("engine server")]
     Server(#[source] ServerError),
     #[error("cannot read --model-config {path}")]
@@ -144,10 +133,7 @@ impl EngineError {
     pub fn category(&self) -> &'static str {
         match self {
             EngineError::Flag { .. } => "flag",
-            EngineError::Runtime(_) => "runtime",
-            EngineError::Signals(_) => "signals",
-            EngineError::Bind { .. } => "bind",
-            EngineError::Admin(_) => "admin",
+            EngineError::Wiring(e) => e.category(),
             EngineError::Server(_) => "server",
             EngineError::ModelConfigRead { .. } => "model_config_read",
             EngineError::ModelConfig { .. } => "model_config",
@@ -299,11 +285,11 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
             .await
             .map_err(EngineError::Server)
     };
-    wiring::run(args.listen, args.admin_listen, setup, serve).map_err(|e| match e {
-        WiringError::Runtime(e) => EngineError::Runtime(e),
-        WiringError::Signals(e) => EngineError::Signals(e),
-        WiringError::Bind { addr, source } => EngineError::Bind { addr, source },
-        WiringError::Admin(e) => EngineError::Admin(e),
-        WiringError::Service(e) => e,
-    })
+    wiring::run(args.listen, args.admin_listen, setup, serve)
+}
+
+impl FromWiring for EngineError {
+    fn from_wiring(err: WiringError) -> Self {
+        EngineError::Wiring(err)
+    }
 }

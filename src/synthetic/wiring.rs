@@ -12,9 +12,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminError, Readiness};
 
-/// A failure of the wiring itself, or of the service it ran (`E`).
+/// A failure of the wiring itself (the service's own errors are the caller's).
 #[derive(Debug, thiserror::Error)]
-pub enum WiringError<E: std::error::Error + 'static> {
+pub enum WiringError {
     #[error("cannot start the Tokio runtime")]
     Runtime(#[source] std::io::Error),
     #[error("cannot install signal handlers")]
@@ -27,21 +27,23 @@ pub enum WiringError<E: std::error::Error + 'static> {
     },
     #[error("admin server")]
     Admin(#[source] AdminError),
-    #[error("service")]
-    Service(#[source] E),
 }
 
-impl<E: std::error::Error + 'static> WiringError<E> {
-    /// Short label for metrics (the service's own errors are `service`).
+impl WiringError {
+    /// Short label for metrics.
     pub fn category(&self) -> &'static str {
         match self {
             WiringError::Runtime(_) => "runtime",
             WiringError::Signals(_) => "signals",
             WiringError::Bind { .. } => "bind",
             WiringError::Admin(_) => "admin",
-            WiringError::Service(_) => "service",
         }
     }
+}
+
+/// Either the service failed (`E`, its own error type) or the wiring around it did.
+pub trait FromWiring {
+    fn from_wiring(err: WiringError) -> Self;
 }
 
 /// What a service gets once its process is wired: the registry its metrics go into (served on
@@ -54,7 +56,8 @@ pub struct Wired {
     pub shutdown: CancellationToken,
 }
 
-/// Runs a service on a new multi-threaded Tokio runtime until SIGTERM or SIGINT:
+/// Runs a service on a new multi-threaded Tokio runtime until SIGTERM or SIGINT (errors of the
+/// wiring become the service's error type through [`FromWiring`]):
 /// `setup` builds it (its router, background tasks...) from the [`Wired`] handles and returns
 /// what `serve` needs; then the API listener on `listen` and the admin server on
 /// `admin_listen` are bound, the admin server starts, `serve` runs on the API listener until
@@ -66,9 +69,9 @@ pub fn run<S, E, Setup, SetupFut, Serve, ServeFut>(
     admin_listen: SocketAddr,
     setup: Setup,
     serve: Serve,
-) -> Result<(), WiringError<E>>
+) -> Result<(), E>
 where
-    E: std::error::Error + 'static,
+    E: FromWiring,
     Setup: FnOnce(Wired) -> SetupFut,
     SetupFut: Future<Output = Result<S, E>>,
     Serve: FnOnce(S, TcpListener, Wired) -> ServeFut,
@@ -77,24 +80,25 @@ where
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(WiringError::Runtime)?;
+        .map_err(|e| E::from_wiring(WiringError::Runtime(e)))?;
     runtime.block_on(async {
         let wired = Wired {
             registry: Registry::new(),
             readiness: Readiness::new(),
             shutdown: CancellationToken::new(),
         };
-        crate::shutdown::cancel_on_signal(wired.shutdown.clone()).map_err(WiringError::Signals)?;
-        let service = setup(wired.clone()).await.map_err(WiringError::Service)?;
-        let listener = TcpListener::bind(listen)
-            .await
-            .map_err(|source| WiringError::Bind {
+        crate::shutdown::cancel_on_signal(wired.shutdown.clone())
+            .map_err(|e| E::from_wiring(WiringError::Signals(e)))?;
+        let service = setup(wired.clone()).await?;
+        let listener = TcpListener::bind(listen).await.map_err(|source| {
+            E::from_wiring(WiringError::Bind {
                 addr: listen,
                 source,
-            })?;
+            })
+        })?;
         let admin_listener = admin::bind(admin_listen)
             .await
-            .map_err(WiringError::Admin)?;
+            .map_err(|e| E::from_wiring(WiringError::Admin(e)))?;
         let admin_shutdown = CancellationToken::new();
         let admin_task = tokio::spawn(admin::serve(
             admin_listener,
@@ -107,12 +111,11 @@ where
         // The admin server goes last.
         admin_shutdown.cancel();
         let admin_result = admin_task.await;
-        served.map_err(WiringError::Service)?;
-        match admin_result {
-            Ok(r) => r.map_err(WiringError::Admin),
-            Err(join) => Err(WiringError::Admin(AdminError::Serve(
-                std::io::Error::other(join),
-            ))),
-        }
+        served?;
+        let admin_result = match admin_result {
+            Ok(r) => r,
+            Err(join) => Err(AdminError::Serve(std::io::Error::other(join))),
+        };
+        admin_result.map_err(|e| E::from_wiring(WiringError::Admin(e)))
     })
 }
