@@ -110,6 +110,23 @@ fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr)
     cfg
 }
 
+/// The flags an engine and the conductor share: their two listeners, and the model and block
+/// shape they must agree on.
+fn http_service_args(s: &UpSettings, api: SocketAddr, admin: SocketAddr) -> Vec<String> {
+    vec![
+        "--listen".into(),
+        api.to_string(),
+        "--admin-listen".into(),
+        admin.to_string(),
+        "--model".into(),
+        s.model.clone(),
+        "--block-size".into(),
+        s.block_size.to_string(),
+        "--chunk-bytes".into(),
+        s.chunk_bytes.to_string(),
+    ]
+}
+
 /// Every child in start order (master, agents, engines, conductor), using `ports` in order
 /// (at least `ports_needed`; missing ones are reported as `None`).
 pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
@@ -161,26 +178,16 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         }
         // Engines are spread over the agents in turn.
         let socket = agent_socket(&s.dir, n % s.agents.max(1));
-        let mut args = vec![
-            "engine".into(),
-            "--synthetic".into(),
-            "--listen".into(),
-            api.to_string(),
-            "--admin-listen".into(),
-            admin.to_string(),
-            "--model".into(),
-            s.model.clone(),
-            "--block-size".into(),
-            s.block_size.to_string(),
-            "--chunk-bytes".into(),
-            s.chunk_bytes.to_string(),
+        let mut args = vec!["engine".into(), "--synthetic".into()];
+        args.extend(http_service_args(s, api, admin));
+        args.extend([
             "--time-scale".into(),
             s.time_scale.to_string(),
             "--agent-socket".into(),
             socket.display().to_string(),
             "--kv-bytes-per-token".into(),
             s.kv_bytes_per_token.to_string(),
-        ];
+        ]);
         if s.protocol == EngineProtocol::Sglang {
             args.extend([
                 "--protocol".into(),
@@ -200,18 +207,9 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         });
     }
     let (api, admin) = (next()?, next()?);
-    let mut args = vec![
-        "conductor".into(),
-        "--listen".into(),
-        api.to_string(),
-        "--admin-listen".into(),
-        admin.to_string(),
-        "--model".into(),
-        s.model.clone(),
-        "--block-size".into(),
-        s.block_size.to_string(),
-        "--chunk-bytes".into(),
-        s.chunk_bytes.to_string(),
+    let mut args = vec!["conductor".into()];
+    args.extend(http_service_args(s, api, admin));
+    args.extend([
         "--bytes-per-token".into(),
         s.kv_bytes_per_token.to_string(),
         // The conductor asks the master which prompt blocks the engines left in the pool.
@@ -219,7 +217,7 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         grpc.to_string(),
         "--auth-key-file".into(),
         key_file(&s.dir).display().to_string(),
-    ];
+    ]);
     // The conductor's clock and the engines' measured fetch times in cost-model seconds.
     if s.time_scale > 0.0 {
         args.extend(["--time-scale".into(), s.time_scale.to_string()]);
