@@ -926,7 +926,10 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
     assert_eq!(events.len(), 3, "{text}");
     assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
     assert_eq!(events[2]["choices"][0]["finish_reason"], "length");
-    let last = text.lines().filter_map(|l| l.strip_prefix("data: ")).next_back();
+    let last = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .next_back();
     assert_eq!(last, Some("[DONE]"), "{text}");
     assert_eq!(
         labelled(
