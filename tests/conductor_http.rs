@@ -1020,3 +1020,47 @@ async fn sglang_decode_whose_prefill_never_arrives_fails_clearly_within_its_time
     );
     c.shutdown.cancel();
 }
+
+#[tokio::test]
+async fn engines_report_their_measured_pool_reads_in_response_headers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let shutdown = CancellationToken::new();
+    let (writer, _) = engine_with(&shutdown, Some(&socket)).await;
+    let (reader, _) = engine_with(&shutdown, Some(&socket)).await;
+    // 6 full blocks of 16 stand-in tokens, and a partial one.
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":1,"kv_transfer_params":{{"do_remote_decode":true}}}}"#,
+        "w".repeat(400)
+    );
+    // The first engine computes the prompt and writes its blocks: nothing read.
+    let (status, head, text) = post(writer, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        header(&head, "x-kvpool-kv-load-blocks"),
+        Some("0"),
+        "{head}"
+    );
+    assert_eq!(header(&head, "x-kvpool-kv-load-seconds"), None, "{head}");
+    // The second finds them in the pool: 6 blocks read, and how long that took.
+    let (status, head, text) = post(reader, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        header(&head, "x-kvpool-kv-load-blocks"),
+        Some("6"),
+        "{head}"
+    );
+    let seconds: f64 = header(&head, "x-kvpool-kv-load-seconds")
+        .expect("load seconds")
+        .parse()
+        .expect("a number");
+    assert!(seconds >= 0.0 && seconds.is_finite(), "{seconds}");
+    // Asked again, it has them in its own cache: nothing read.
+    let (_, head, _) = post(reader, "/v1/completions", &body).await;
+    assert_eq!(
+        header(&head, "x-kvpool-kv-load-blocks"),
+        Some("0"),
+        "{head}"
+    );
+    shutdown.cancel();
+}
