@@ -198,6 +198,7 @@ async fn engine(shutdown: &CancellationToken) -> (String, Registry) {
         cache_blocks: 1000,
         chunk_bytes: 4,
         time_scale: 0.001,
+        sglang: None,
     };
     let registry = Registry::new();
     let router = kvpool::synthetic::server::router(config, &registry).expect("router");
@@ -285,6 +286,8 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
         engine_cache_blocks: 1000,
         tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
         pool: None,
+        protocol: kvpool::conductor::RoutingProtocol::Vllm,
+        time_scale: 1.0,
     };
     let registry = Registry::new();
     let conductor = kvpool::conductor::server::conductor(config, &registry).expect("conductor");

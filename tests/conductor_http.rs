@@ -6,9 +6,9 @@ mod up_support;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
-use kvpool::conductor::{ConductorConfig, PoolLookup};
+use kvpool::conductor::{ConductorConfig, PoolLookup, RoutingProtocol};
 use kvpool::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
-use kvpool::synthetic::EngineConfig;
+use kvpool::synthetic::{EngineConfig, SglangMode, SglangRole};
 use prometheus::Registry;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -38,6 +38,15 @@ async fn engine_with(
     shutdown: &CancellationToken,
     agent: Option<&std::path::Path>,
 ) -> (SocketAddr, Registry) {
+    engine_mode(shutdown, agent, None).await
+}
+
+/// A synthetic engine in SGLang mode `sglang` (vLLM mode when `None`).
+async fn engine_mode(
+    shutdown: &CancellationToken,
+    agent: Option<&std::path::Path>,
+    sglang: Option<SglangMode>,
+) -> (SocketAddr, Registry) {
     let config = EngineConfig {
         model: MODEL.into(),
         prefill_cost: PrefillCost::default(),
@@ -46,6 +55,7 @@ async fn engine_with(
         cache_blocks: 1000,
         chunk_bytes: 4,
         time_scale: 0.001,
+        sglang,
     };
     let kv = match agent {
         Some(socket) => Some(
@@ -160,6 +170,8 @@ fn conductor_config(
         engine_cache_blocks: 1000,
         tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
         pool,
+        protocol: RoutingProtocol::Vllm,
+        time_scale: 1.0,
     }
 }
 
@@ -798,5 +810,257 @@ async fn prefetches_in_flight_are_bounded() {
         "the others are still in flight"
     );
     drop(hung);
+    shutdown.cancel();
+}
+
+fn sglang(role: SglangRole, timeout_ms: u64) -> Option<SglangMode> {
+    Some(SglangMode {
+        role,
+        bootstrap_timeout: std::time::Duration::from_millis(timeout_ms),
+    })
+}
+
+/// A conductor routing SGLang-style to one prefill engine on agent `prefill_agent` and one
+/// decode engine on agent `decode_agent`; returns it with the engines' registries.
+async fn sglang_cluster(
+    prefill_agent: &std::path::Path,
+    decode_agent: &std::path::Path,
+    decode_timeout_ms: u64,
+) -> (Cluster, SocketAddr) {
+    let shutdown = CancellationToken::new();
+    let (p, rp) = engine_mode(
+        &shutdown,
+        Some(prefill_agent),
+        sglang(SglangRole::Prefill, 60_000),
+    )
+    .await;
+    let (d, rd) = engine_mode(
+        &shutdown,
+        Some(decode_agent),
+        sglang(SglangRole::Decode, decode_timeout_ms),
+    )
+    .await;
+    let mut config = conductor_config(
+        vec![format!("http://{p}")],
+        format!("http://{d}"),
+        Rejection::None,
+        30.0,
+        0,
+        None,
+    );
+    config.scheduler.prefill_costs.truncate(1);
+    config.protocol = RoutingProtocol::Sglang {
+        bootstrap_port: 8998,
+    };
+    let (a, registry) = start_conductor(config, &shutdown).await;
+    let c = Cluster {
+        conductor: a,
+        conductor_metrics: registry,
+        prefill: vec![rp],
+        decode: rd,
+        shutdown,
+    };
+    (c, d)
+}
+
+#[tokio::test]
+async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let (c, _) = sglang_cluster(&socket, &socket, 60_000).await;
+    // 400 bytes = 100 stand-in tokens = 6 full blocks of 16 plus a partial one.
+    let prompt = "p".repeat(400);
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":5}}"#);
+    let (status, _, text) = post(c.conductor, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    // The client gets the decode engine's answer: all five tokens.
+    assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 tok3 tok4 ");
+    let prefill = &c.prefill[0];
+    // The prefill half stopped after one token and put the 6 full blocks in the pool...
+    assert_eq!(
+        counter(prefill, "kvpool_engine_generated_tokens_total"),
+        1.0
+    );
+    assert_eq!(
+        counter(prefill, "kvpool_engine_kv_blocks_written_total"),
+        7.0
+    );
+    // ...(6 blocks and the room's marker); the decode half waited for the room, read the 6
+    // blocks back through the agent (every byte checked) and generated the rest.
+    assert_eq!(
+        labelled(
+            &c.decode,
+            "kvpool_engine_kv_handoffs_total",
+            "outcome",
+            "ok"
+        ),
+        1.0
+    );
+    assert_eq!(counter(&c.decode, "kvpool_engine_kv_block_hits_total"), 6.0);
+    assert_eq!(
+        counter(&c.decode, "kvpool_engine_kv_verify_failures_total"),
+        0.0
+    );
+    assert_eq!(
+        counter(&c.decode, "kvpool_engine_generated_tokens_total"),
+        5.0
+    );
+
+    // A streaming chat completion: the decode engine's events come through.
+    let body = format!(
+        r#"{{"model":"{MODEL}","stream":true,"max_tokens":3,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
+    );
+    let (status, head, text) = post(c.conductor, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        head.to_ascii_lowercase().contains("text/event-stream"),
+        "{head}"
+    );
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .map(|e| serde_json::from_str(e).expect("event json"))
+        .collect();
+    assert_eq!(events.len(), 3, "{text}");
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(events[2]["choices"][0]["finish_reason"], "length");
+    let last = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .next_back();
+    assert_eq!(last, Some("[DONE]"), "{text}");
+    assert_eq!(
+        labelled(
+            &c.decode,
+            "kvpool_engine_kv_handoffs_total",
+            "outcome",
+            "ok"
+        ),
+        2.0
+    );
+    assert_eq!(
+        counter(prefill, "kvpool_engine_generated_tokens_total"),
+        2.0
+    );
+    assert_eq!(
+        labelled(
+            &c.conductor_metrics,
+            "kvpool_conductor_requests_total",
+            "outcome",
+            "ok"
+        ),
+        2.0
+    );
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn sglang_decode_whose_prefill_never_arrives_fails_clearly_within_its_timeout() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    // Prefill and decode on two unconnected agents (no master): the room's KV never reaches
+    // the decode engine's pool.
+    let other = tempfile::tempdir().expect("tempdir");
+    let (_other_agent, other_socket) = up_support::start_local_agent(other.path());
+    let (c, decode) = sglang_cluster(&socket, &other_socket, 300).await;
+
+    // Straight to the decode engine, with a room no prefill serves.
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2,"bootstrap_host":"127.0.0.1","bootstrap_port":8998,"bootstrap_room":12345}}"#
+    );
+    let (status, _, text) = post(decode, "/v1/completions", &body).await;
+    assert_eq!(status, 504, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["code"], "kv_handoff_timeout");
+    let message = v["error"]["message"].as_str().expect("message");
+    assert!(
+        message.contains("bootstrap_room 12345") && message.contains("did not arrive"),
+        "{message}"
+    );
+    // An SGLang-mode engine refuses a request without a room, naming the field.
+    let (status, _, text) = post(
+        decode,
+        "/v1/completions",
+        &format!(r#"{{"model":"{MODEL}","prompt":"hello"}}"#),
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains(r#""param":"bootstrap_room""#), "{text}");
+
+    // Through the conductor: the prefill half succeeds on its own agent, the decode half times
+    // out, and the client gets the decode engine's error.
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":2}}"#,
+        "q".repeat(80)
+    );
+    let (status, _, text) = post(c.conductor, "/v1/completions", &body).await;
+    assert_eq!(status, 504, "{text}");
+    assert!(
+        text.contains("did not arrive from the prefill engine"),
+        "{text}"
+    );
+    assert_eq!(
+        labelled(
+            &c.decode,
+            "kvpool_engine_kv_handoffs_total",
+            "outcome",
+            "timeout"
+        ),
+        2.0
+    );
+    assert_eq!(
+        counter(&c.prefill[0], "kvpool_engine_generated_tokens_total"),
+        1.0
+    );
+    assert_eq!(
+        counter(&c.decode, "kvpool_engine_generated_tokens_total"),
+        0.0
+    );
+    c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn engines_report_their_measured_pool_reads_in_response_headers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let shutdown = CancellationToken::new();
+    let (writer, _) = engine_with(&shutdown, Some(&socket)).await;
+    let (reader, _) = engine_with(&shutdown, Some(&socket)).await;
+    // 6 full blocks of 16 stand-in tokens, and a partial one.
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":1,"kv_transfer_params":{{"do_remote_decode":true}}}}"#,
+        "w".repeat(400)
+    );
+    // The first engine computes the prompt and writes its blocks: nothing read.
+    let (status, head, text) = post(writer, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        header(&head, "x-kvpool-kv-load-blocks"),
+        Some("0"),
+        "{head}"
+    );
+    assert_eq!(header(&head, "x-kvpool-kv-load-seconds"), None, "{head}");
+    // The second finds them in the pool: 6 blocks read, and how long that took.
+    let (status, head, text) = post(reader, "/v1/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        header(&head, "x-kvpool-kv-load-blocks"),
+        Some("6"),
+        "{head}"
+    );
+    let seconds: f64 = header(&head, "x-kvpool-kv-load-seconds")
+        .expect("load seconds")
+        .parse()
+        .expect("a number");
+    assert!(seconds >= 0.0 && seconds.is_finite(), "{seconds}");
+    // Asked again, it has them in its own cache: nothing read.
+    let (_, head, _) = post(reader, "/v1/completions", &body).await;
+    assert_eq!(
+        header(&head, "x-kvpool-kv-load-blocks"),
+        Some("0"),
+        "{head}"
+    );
     shutdown.cancel();
 }

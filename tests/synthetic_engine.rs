@@ -30,6 +30,7 @@ async fn start() -> Engine {
         cache_blocks: 1000,
         chunk_bytes: 4,
         time_scale: 0.001,
+        sglang: None,
     };
     let registry = Registry::new();
     let router = server::router(config, &registry).expect("router");
@@ -262,6 +263,7 @@ async fn start_with_agent(socket: &std::path::Path, shutdown: &CancellationToken
         cache_blocks: 1000,
         chunk_bytes: 4,
         time_scale: 0.001,
+        sglang: None,
     };
     let geometry = kvpool::synthetic::kv::KvGeometry {
         bytes_per_token: KV_BYTES_PER_TOKEN,

@@ -71,14 +71,44 @@ fn marker(name: &str) -> String {
 
 #[test]
 fn replay_moves_kv_blocks_through_the_agent_and_leaves_no_child() {
+    let summary = replay_excerpt("replay", &[]);
+    // The conductor learnt the pool's fetch bandwidth or kept the configured one; either way
+    // it reports a figure, and nothing waited for an SGLang room.
+    assert!(
+        summary["timing"]["conductor_fetch_bandwidth_bytes_per_s"]
+            .as_f64()
+            .is_some(),
+        "{summary}"
+    );
+    assert_eq!(summary["timing"]["handoff_wait"]["count"], 0.0, "{summary}");
+}
+
+#[test]
+fn sglang_replay_hands_kv_over_through_the_pool_by_room() {
+    let summary = replay_excerpt("sglang", &["--engine-protocol", "sglang"]);
+    // Every served request's decode half waited for its room and found it.
+    let waits = summary["timing"]["handoff_wait"]["count"]
+        .as_f64()
+        .unwrap_or(0.0);
+    assert_eq!(
+        Some(waits),
+        summary["served"].as_f64(),
+        "one hand-off per served request: {summary}"
+    );
+}
+
+/// Replays the first 6 records of the test excerpt through `kvpool up` with `extra` flags and
+/// checks what every mode must show; returns the summary.
+fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
     let dir = tempfile::tempdir().expect("tempdir");
-    let marker = marker("replay");
+    let marker = marker(name);
     let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
     let mut child = Reap(
         up(dir.path(), &marker, &up_support::agent_bin())
             .arg("--replay")
             .arg(&trace)
             .args(["--limit", "6", "--speed", "20", "--json"])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -118,6 +148,7 @@ fn replay_moves_kv_blocks_through_the_agent_and_leaves_no_child() {
     assert_eq!(summary["clean_shutdown"], true, "{summary}");
     assert!(summary["ttft_ms"]["p50"].as_f64().is_some(), "{summary}");
     assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
+    summary
 }
 
 #[test]

@@ -5,17 +5,14 @@
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
-use prometheus::Registry;
-use tokio_util::sync::CancellationToken;
-
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{ConductorConfig, Engines, PoolLookup};
-use crate::admin::{self, AdminError, Readiness};
+use super::{ConductorConfig, Engines, PoolLookup, RoutingProtocol};
 use crate::master::auth::AuthKey;
 use crate::master::client::{ClientConfig, MasterClient};
 use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
+use crate::synthetic::wiring::{self, FromWiring, Wired, WiringError};
 
 /// Flags of `kvpool conductor`.
 #[derive(Debug, Clone, clap::Args)]
@@ -125,9 +122,24 @@ pub struct ConductorArgs {
     /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     pub pool_lookup_timeout: std::time::Duration,
-    /// Pool -> prefill engine bandwidth, GB/s (the fetch term of the TTFT estimate).
+    /// Pool -> prefill engine bandwidth, GB/s: the fetch term of the TTFT estimate until the
+    /// prefill engines report measured pool reads (`x-kvpool-kv-load-*` response headers),
+    /// whose moving average replaces it.
     #[arg(long, default_value_t = 25.0)]
     pub pool_bandwidth_gbps: f64,
+    /// Disaggregation convention of the engines: `vllm` (prefill, then decode with the
+    /// returned `kv_transfer_params`) or `sglang` (both at once, paired by a bootstrap room).
+    #[arg(long, value_enum, default_value_t = crate::synthetic::cli::EngineProtocol::Vllm,
+        env = "KVPOOL_ENGINE_PROTOCOL")]
+    pub engine_protocol: crate::synthetic::cli::EngineProtocol,
+    /// With --engine-protocol sglang: the prefill engines' bootstrap port (SGLang's
+    /// --disaggregation-bootstrap-port; its default is 8998).
+    #[arg(long, default_value_t = 8998, env = "KVPOOL_BOOTSTRAP_PORT")]
+    pub bootstrap_port: u16,
+    /// Wall seconds per cost-model second of the engines (their --time-scale; 1 for real
+    /// engines): the conductor's clock and the engines' measured fetch times are divided by it.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
 }
 
 /// Errors of `kvpool conductor`.
@@ -135,18 +147,8 @@ pub struct ConductorArgs {
 pub enum ConductorError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
-    #[error("cannot start the Tokio runtime")]
-    Runtime(#[source] std::io::Error),
-    #[error("cannot install signal handlers")]
-    Signals(#[source] std::io::Error),
-    #[error("cannot bind the conductor listener on {addr}")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("admin server")]
-    Admin(#[source] AdminError),
+    #[error("process wiring")]
+    Wiring(#[source] WiringError),
     #[error("conductor server")]
     Server(#[source] ServerError),
     #[error("engine discovery")]
@@ -158,10 +160,7 @@ impl ConductorError {
     pub fn category(&self) -> &'static str {
         match self {
             ConductorError::Flag { .. } => "flag",
-            ConductorError::Runtime(_) => "runtime",
-            ConductorError::Signals(_) => "signals",
-            ConductorError::Bind { .. } => "bind",
-            ConductorError::Admin(_) => "admin",
+            ConductorError::Wiring(e) => e.category(),
             ConductorError::Server(_) => "server",
             ConductorError::Discovery(_) => "discovery",
         }
@@ -284,6 +283,13 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             },
         },
         pool: pool_lookup(args)?,
+        protocol: match args.engine_protocol {
+            crate::synthetic::cli::EngineProtocol::Vllm => RoutingProtocol::Vllm,
+            crate::synthetic::cli::EngineProtocol::Sglang => RoutingProtocol::Sglang {
+                bootstrap_port: args.bootstrap_port,
+            },
+        },
+        time_scale: positive("time-scale", args.time_scale)?,
     })
 }
 
@@ -349,64 +355,46 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let config = conductor_config(args)?;
     let discovery = discovery_config(args)?;
     tracing::info!(?config, ?discovery, listen = %args.listen, admin = %args.admin_listen, "starting conductor");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(ConductorError::Runtime)?;
-    runtime.block_on(async {
-        let shutdown = CancellationToken::new();
-        crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(ConductorError::Signals)?;
-        let registry = Registry::new();
-        let readiness = Readiness::new();
-        let has_engines = config.has_engines();
-        let conductor = server::conductor(config, &registry).map_err(ConductorError::Server)?;
-        let router = conductor.router;
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .map_err(|source| ConductorError::Bind {
-                addr: args.listen,
-                source,
-            })?;
-        let admin_listener = admin::bind(args.admin_listen)
-            .await
-            .map_err(ConductorError::Admin)?;
-        let admin_shutdown = CancellationToken::new();
-        let admin_task = tokio::spawn(admin::serve(
-            admin_listener,
-            admin::router(registry, readiness.clone()),
-            admin_shutdown.clone(),
-        ));
+    let has_engines = config.has_engines();
+    let setup = |wired: Wired| async move {
+        server::conductor(config, &wired.registry).map_err(ConductorError::Server)
+    };
+    let serve = |conductor: server::Conductor, listener, wired: Wired| async move {
         if let Some(discovery) = discovery {
             let client = discovery::client()
                 .await
                 .map_err(ConductorError::Discovery)?;
             let (tx, rx) = tokio::sync::watch::channel(Engines::default());
-            tokio::spawn(discovery::run(client, discovery, tx, shutdown.clone()));
-            tokio::spawn(
-                conductor
-                    .engines
-                    .follow(rx, readiness.clone(), shutdown.clone()),
-            );
+            tokio::spawn(discovery::run(
+                client,
+                discovery,
+                tx,
+                wired.shutdown.clone(),
+            ));
+            tokio::spawn(conductor.engines.follow(
+                rx,
+                wired.readiness.clone(),
+                wired.shutdown.clone(),
+            ));
         } else if has_engines {
-            readiness.set_ready(true);
+            wired.readiness.set_ready(true);
         } else {
             tracing::warn!(
                 "no --prefill/--decode engines and no --discover-namespace: answering 503 and \
                  staying not ready until restarted with engines"
             );
         }
-        let served = server::serve(listener, router, shutdown.clone()).await;
-        readiness.set_ready(false);
-        admin_shutdown.cancel();
-        let admin_result = admin_task.await;
-        served.map_err(ConductorError::Server)?;
-        match admin_result {
-            Ok(r) => r.map_err(ConductorError::Admin),
-            Err(join) => Err(ConductorError::Admin(AdminError::Serve(
-                std::io::Error::other(join),
-            ))),
-        }
-    })
+        server::serve(listener, conductor.router, wired.shutdown)
+            .await
+            .map_err(ConductorError::Server)
+    };
+    wiring::run(args.listen, args.admin_listen, setup, serve)
+}
+
+impl FromWiring for ConductorError {
+    fn from_wiring(err: WiringError) -> Self {
+        ConductorError::Wiring(err)
+    }
 }
 
 #[cfg(test)]

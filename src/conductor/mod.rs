@@ -39,6 +39,84 @@ pub struct ConductorConfig {
     /// The pool's master, asked per request which prefix blocks the pool holds; `None`: the
     /// policy knows only the engines' local caches.
     pub pool: Option<PoolLookup>,
+    /// How requests are handed to the prefill and decode engines.
+    pub protocol: RoutingProtocol,
+    /// Wall seconds per cost-model second of the engines (their `--time-scale`): the
+    /// conductor's clock and the engines' measured KV fetch times are divided by it, so that
+    /// queues, fetches and SLOs are all in the cost model's seconds.
+    pub time_scale: f64,
+}
+
+/// The disaggregated-serving convention the engines follow (docs/engine-contract.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoutingProtocol {
+    /// vLLM's proxy: prefill first (`max_tokens: 1`, `kv_transfer_params`), then decode with
+    /// the `kv_transfer_params` prefill returned.
+    Vllm,
+    /// SGLang's router: the same request to prefill and decode at once, paired by
+    /// `bootstrap_host`, `bootstrap_port` (this one, the prefill engines' bootstrap server) and
+    /// a random `bootstrap_room`.
+    Sglang { bootstrap_port: u16 },
+}
+
+/// The pool fetch term of the TTFT estimate, learnt from the engines: an exponentially weighted
+/// moving average of the measured seconds per block read from the pool (cost-model seconds),
+/// standing in for the configured bandwidth once the first measurement arrives. Pure.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FetchEstimate {
+    /// Seconds per block at the configured bandwidth, until a measurement arrives.
+    configured_s: f64,
+    measured_s: Option<f64>,
+    samples: u64,
+}
+
+impl FetchEstimate {
+    /// Weight of a new measurement in the average.
+    pub const ALPHA: f64 = 0.2;
+
+    /// Starts from the configured bandwidth (`bps`) for blocks of `block_bytes`.
+    pub fn new(block_bytes: u64, bps: f64) -> Self {
+        Self {
+            configured_s: block_bytes as f64 / bps,
+            measured_s: None,
+            samples: 0,
+        }
+    }
+
+    /// An engine read `blocks` blocks from the pool in `seconds` (cost-model seconds). Zero
+    /// blocks or a non-finite or negative time carry no information and are ignored.
+    pub fn observe(&mut self, blocks: u64, seconds: f64) {
+        if blocks == 0 || !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        let per_block = seconds / blocks as f64;
+        self.measured_s = Some(match self.measured_s {
+            None => per_block,
+            Some(old) => old + Self::ALPHA * (per_block - old),
+        });
+        self.samples += 1;
+    }
+
+    /// Seconds to fetch one block: the average of the measurements, or the configured figure.
+    pub fn seconds_per_block(&self) -> f64 {
+        self.measured_s.unwrap_or(self.configured_s)
+    }
+
+    /// Measurements taken so far.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// The bandwidth the policy's fetch term should use for blocks of `block_bytes` (at least
+    /// one byte per second, so that a zero measurement does not divide by zero).
+    pub fn bandwidth_bps(&self, block_bytes: u64) -> f64 {
+        let s = self.seconds_per_block();
+        if s > 0.0 {
+            block_bytes as f64 / s
+        } else {
+            f64::MAX
+        }
+    }
 }
 
 /// How the conductor asks the pool's master for a request's cached prefix.
@@ -312,6 +390,11 @@ impl State {
         self.cache_blocks(instance, keys);
     }
 
+    /// The pool -> prefill bandwidth the next placements assume (a measured figure).
+    pub fn set_pool_bandwidth(&mut self, bps: f64) {
+        self.scheduler.set_pool_bandwidth_bps(bps);
+    }
+
     /// The replication planned by the last accepted `place`, if any (taken once).
     pub fn take_replication(&mut self) -> Option<ReplicationTask> {
         self.replication.take()
@@ -495,7 +578,51 @@ mod tests {
             engine_cache_blocks: 100,
             tokenizer: tokenize::PromptTokenizer::Chunks { bytes: 4 },
             pool: None,
+            protocol: RoutingProtocol::Vllm,
+            time_scale: 1.0,
         }
+    }
+
+    #[test]
+    fn fetch_estimate_starts_configured_and_follows_measurements() {
+        // 1 MB blocks at 1 GB/s: 1 ms per block until measured.
+        let mut f = FetchEstimate::new(1_000_000, 1e9);
+        assert!((f.seconds_per_block() - 1e-3).abs() < 1e-15);
+        assert!((f.bandwidth_bps(1_000_000) - 1e9).abs() < 1.0);
+        // Nothing read, or nonsense: ignored.
+        f.observe(0, 5.0);
+        f.observe(3, f64::NAN);
+        f.observe(3, -1.0);
+        assert_eq!(f.samples(), 0);
+        // First measurement replaces the configured figure: 4 blocks in 40 ms = 10 ms each.
+        f.observe(4, 0.04);
+        assert!((f.seconds_per_block() - 0.01).abs() < 1e-15);
+        assert!((f.bandwidth_bps(1_000_000) - 1e8).abs() < 1e-3);
+        // Then a 20% step toward each new one: 10 ms + 0.2 x (30 ms - 10 ms) = 14 ms.
+        f.observe(1, 0.03);
+        assert!((f.seconds_per_block() - 0.014).abs() < 1e-15);
+        assert_eq!(f.samples(), 2);
+        // A measured zero (blocks already in memory) means no fetch cost, not a division by 0.
+        let mut z = FetchEstimate::new(10, 1.0);
+        z.observe(2, 0.0);
+        assert_eq!(z.bandwidth_bps(10), f64::MAX);
+    }
+
+    #[test]
+    fn measured_pool_bandwidth_changes_the_fetch_term() {
+        let mut st = State::new(&config()).unwrap();
+        // As in the test below: 2 pool blocks of 10 bytes at 1 GB/s cost 2e-8 s...
+        let a = st.place_with_pool(0.0, &[1, 2, 3], 2, 30, 5).unwrap();
+        assert!((a.ttft_s - (0.1 + 2e-8)).abs() < 1e-12, "{}", a.ttft_s);
+        // ...and 0.5 s at a measured 40 bytes per second (instance 1 is idle).
+        st.set_pool_bandwidth(40.0);
+        let b = st.place_with_pool(0.0, &[4, 5, 6], 2, 30, 5).unwrap();
+        assert_eq!(b.prefill, 1);
+        assert!((b.ttft_s - (0.1 + 0.5)).abs() < 1e-12, "{}", b.ttft_s);
+        // Nonsense is ignored.
+        st.set_pool_bandwidth(0.0);
+        st.set_pool_bandwidth(f64::NAN);
+        assert!((st.scheduler.config().pool_bandwidth_bps - 40.0).abs() < 1e-12);
     }
 
     #[test]

@@ -19,17 +19,23 @@ use futures::StreamExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::tokenize::TokenizeError;
-use super::{ConductorConfig, Engines, PoolLookup, ReplicationTask, State, StateError, Ticket};
+use super::{
+    ConductorConfig, Engines, FetchEstimate, PoolLookup, ReplicationTask, RoutingProtocol, State,
+    StateError, Ticket,
+};
 use crate::admin::Readiness;
 use crate::sched::{BlockKey, RejectReason, block_keys, pool_key};
 use crate::synthetic::api::{self, ApiError, Endpoint};
+use crate::synthetic::server::{KV_LOAD_BLOCKS_HEADER, KV_LOAD_SECONDS_HEADER};
 
 /// Response header: prompt blocks the chosen prefill engine was expected to hold locally.
 pub const LOCAL_BLOCKS_HEADER: &str = "x-kvpool-local-blocks";
@@ -153,11 +159,23 @@ struct Shared {
     pool_backoff_until: parking_lot::Mutex<Option<Instant>>,
     /// Prefill engines that answered a prefetch with 404: not asked again.
     no_prefetch: parking_lot::Mutex<std::collections::HashSet<String>>,
+    /// The pool fetch term, learnt from the prefill engines' measured reads.
+    fetch: parking_lot::Mutex<FetchEstimate>,
+    fetch_bandwidth: Gauge,
+    pool_lookup_seconds: Histogram,
 }
 
 impl Shared {
+    /// Cost-model seconds since start: wall time divided by the engines' time scale.
     fn now_s(&self) -> f64 {
-        self.started.elapsed().as_secs_f64()
+        self.started.elapsed().as_secs_f64() / self.config.time_scale
+    }
+
+    /// Bytes of one KV block as the scheduler counts them.
+    fn block_bytes(&self) -> u64 {
+        let s = &self.config.scheduler;
+        s.bytes_per_token
+            .saturating_mul(u64::from(s.block_size.get()))
     }
 
     async fn post(&self, url: String, body: &Value) -> Result<Response<Body>, UpstreamError> {
@@ -470,21 +488,23 @@ async fn pool_prefix(shared: &Shared, pool: &PoolLookup, keys: &[BlockKey]) -> u
         .map(|&k| pool_key(&shared.config.model, k))
         .collect();
     let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
-    let (outcome, blocks) =
-        match tokio::time::timeout(pool.timeout, pool.client.longest_prefix(&refs)).await {
-            Ok(Ok(0)) => ("miss", 0),
-            Ok(Ok(n)) => ("hit", n.min(keys.len())),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, source = ?std::error::Error::source(&e),
+    let timer = shared.pool_lookup_seconds.start_timer();
+    let answer = tokio::time::timeout(pool.timeout, pool.client.longest_prefix(&refs)).await;
+    timer.observe_duration();
+    let (outcome, blocks) = match answer {
+        Ok(Ok(0)) => ("miss", 0),
+        Ok(Ok(n)) => ("hit", n.min(keys.len())),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, source = ?std::error::Error::source(&e),
                     "pool lookup failed; placing on local caches only");
-                ("error", 0)
-            }
-            Err(_) => {
-                tracing::warn!(timeout = ?pool.timeout,
+            ("error", 0)
+        }
+        Err(_) => {
+            tracing::warn!(timeout = ?pool.timeout,
                     "pool lookup timed out; placing on local caches only");
-                ("timeout", 0)
-            }
-        };
+            ("timeout", 0)
+        }
+    };
     if matches!(outcome, "error" | "timeout") {
         *shared.pool_backoff_until.lock() = Some(Instant::now() + POOL_LOOKUP_BACKOFF);
     }
@@ -535,6 +555,7 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             return no_engines(&shared.requests);
         };
         let now = shared.now_s();
+        state.set_pool_bandwidth(shared.fetch.lock().bandwidth_bps(shared.block_bytes()));
         let placed =
             state.place_with_pool(now, &keys, in_pool, tokens.len() as u64, req.max_tokens);
         if let Some(task) = state.take_replication() {
@@ -565,7 +586,94 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
         shared: shared.clone(),
         placed: placed.clone(),
     };
+    match shared.config.protocol {
+        RoutingProtocol::Vllm => route_vllm(shared, placed, finish, original, path).await,
+        RoutingProtocol::Sglang { bootstrap_port } => {
+            route_sglang(shared, placed, finish, original, path, bootstrap_port).await
+        }
+    }
+}
 
+/// A prefill engine's answer, read in full: its status, body and the pool read it reports.
+struct PrefillAnswer {
+    status: StatusCode,
+    body: Bytes,
+}
+
+/// Reads a prefill engine's response to the end, marks the request prefilled and feeds the
+/// measured pool fetch (headers `x-kvpool-kv-load-*`) into the fetch estimate.
+async fn prefill_answer(
+    shared: &Shared,
+    placed: &Placed,
+    url: String,
+    resp: Response<Body>,
+) -> Result<PrefillAnswer, UpstreamError> {
+    let status = resp.status();
+    let loaded = {
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        };
+        (
+            header(KV_LOAD_BLOCKS_HEADER),
+            header(KV_LOAD_SECONDS_HEADER),
+        )
+    };
+    let body = axum::body::to_bytes(resp.into_body(), MAX_PREFILL_RESPONSE)
+        .await
+        .map_err(|source| UpstreamError::Read { url, source })?;
+    let now = shared.now_s();
+    shared
+        .members
+        .lock()
+        .with_ticket(placed, |s, t| s.prefilled(t, now));
+    if let (Some(blocks), Some(seconds)) = loaded
+        && blocks >= 1.0
+    {
+        let mut fetch = shared.fetch.lock();
+        fetch.observe(blocks as u64, seconds / shared.config.time_scale);
+        shared
+            .fetch_bandwidth
+            .set(fetch.bandwidth_bps(shared.block_bytes()));
+    }
+    Ok(PrefillAnswer { status, body })
+}
+
+/// Sends `body` to the placement's prefill engine and reads its answer; the client's response
+/// instead when the engine cannot be reached (502) or answers an error, which goes back as it
+/// is (e.g. 400).
+async fn call_prefill(
+    shared: &Shared,
+    placed: &Placed,
+    path: &str,
+    body: &Value,
+) -> Result<PrefillAnswer, Response> {
+    let url = format!("{}{path}", placed.prefill_url.trim_end_matches('/'));
+    let answer = match shared.post(url.clone(), body).await {
+        Ok(r) => prefill_answer(shared, placed, url, r).await,
+        Err(e) => Err(e),
+    };
+    match answer {
+        Ok(a) if a.status.is_success() => Ok(a),
+        Ok(a) => {
+            shared.requests.with_label_values(&["prefill_error"]).inc();
+            Err((a.status, a.body).into_response())
+        }
+        Err(e) => Err(upstream_failed(shared, &e)),
+    }
+}
+
+/// vLLM's convention: prefill with one token and `kv_transfer_params: {do_remote_decode}`,
+/// then decode with the original request plus the `kv_transfer_params` prefill returned.
+async fn route_vllm(
+    shared: Arc<Shared>,
+    placed: Placed,
+    finish: Finish,
+    original: Value,
+    path: &str,
+) -> Response {
     // Prefill: one token, no streaming, and ask for the KV cache to be kept for decode.
     let mut prefill_req = original.clone();
     if let Some(obj) = prefill_req.as_object_mut() {
@@ -578,30 +686,12 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         );
     }
-    let url = format!("{}{path}", placed.prefill_url.trim_end_matches('/'));
-    let resp = match shared.post(url.clone(), &prefill_req).await {
-        Ok(r) => r,
-        Err(e) => return upstream_failed(&shared, &e),
+    let answer = match call_prefill(&shared, &placed, path, &prefill_req).await {
+        Ok(a) => a,
+        // Dropping `finish` with the early return releases the bookings.
+        Err(resp) => return resp,
     };
-    let status = resp.status();
-    let bytes = match axum::body::to_bytes(resp.into_body(), MAX_PREFILL_RESPONSE).await {
-        Ok(b) => b,
-        Err(source) => {
-            return upstream_failed(&shared, &UpstreamError::Read { url, source });
-        }
-    };
-    let now = shared.now_s();
-    shared
-        .members
-        .lock()
-        .with_ticket(&placed, |s, t| s.prefilled(t, now));
-    if !status.is_success() {
-        // The engine's own error (e.g. 400) goes back as it is.
-        drop(finish);
-        shared.requests.with_label_values(&["prefill_error"]).inc();
-        return (status, bytes).into_response();
-    }
-    let kv_params = serde_json::from_slice::<Value>(&bytes)
+    let kv_params = serde_json::from_slice::<Value>(&answer.body)
         .ok()
         .and_then(|v| v.get("kv_transfer_params").cloned())
         .filter(|v| !v.is_null());
@@ -612,16 +702,109 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
         obj.insert("kv_transfer_params".into(), kv);
     }
     let url = format!("{}{path}", placed.decode_url.trim_end_matches('/'));
-    let resp = match shared.post(url, &decode_req).await {
-        Ok(r) => r,
-        Err(e) => return upstream_failed(&shared, &e),
+    match shared.post(url, &decode_req).await {
+        Ok(resp) => relay_decode(&shared, &placed, finish, resp),
+        Err(e) => upstream_failed(&shared, &e),
+    }
+}
+
+/// The host part of an `http://host:port` base URL, as SGLang's router puts it in
+/// `bootstrap_host` (IPv6 literals keep their brackets).
+pub fn url_host(url: &str) -> Option<&str> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    let host = if authority.starts_with('[') {
+        authority.split_inclusive(']').next()?
+    } else {
+        authority.split(':').next()?
     };
+    (!host.is_empty()).then_some(host)
+}
+
+/// SGLang's convention (its router's mini load balancer): the same request, plus
+/// `bootstrap_host`/`bootstrap_port` of the prefill engine and a random 63-bit
+/// `bootstrap_room`, goes to the prefill and the decode engine at once; the decode engine's
+/// response is the client's. The prefill answer is read to the end (its failure fails the
+/// request at once instead of leaving decode to time out).
+async fn route_sglang(
+    shared: Arc<Shared>,
+    placed: Placed,
+    finish: Finish,
+    original: Value,
+    path: &str,
+    bootstrap_port: u16,
+) -> Response {
+    let room = rand::random::<u64>() & api::MAX_BOOTSTRAP_ROOM;
+    let mut req = original;
+    if let Some(obj) = req.as_object_mut() {
+        obj.insert(
+            "bootstrap_host".into(),
+            json!(url_host(&placed.prefill_url).unwrap_or("127.0.0.1")),
+        );
+        obj.insert("bootstrap_port".into(), json!(bootstrap_port));
+        obj.insert("bootstrap_room".into(), json!(room));
+    }
+    tracing::debug!(room, prefill = %placed.prefill_url, decode = %placed.decode_url,
+        "sglang: sending to prefill and decode");
+    let decode = {
+        let shared = shared.clone();
+        let url = format!("{}{path}", placed.decode_url.trim_end_matches('/'));
+        let req = req.clone();
+        // Aborted on drop, so a failed prefill or a gone client does not leave it running.
+        AbortOnDrop(tokio::spawn(async move { shared.post(url, &req).await }))
+    };
+    // The prefill answer itself is not the client's: only its success matters here.
+    if let Err(resp) = call_prefill(&shared, &placed, path, &req).await {
+        return resp;
+    }
+    match decode.join().await {
+        Some(Ok(resp)) => relay_decode(&shared, &placed, finish, resp),
+        Some(Err(e)) => upstream_failed(&shared, &e),
+        None => {
+            shared.requests.with_label_values(&["upstream"]).inc();
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
+    }
+}
+
+/// A spawned task aborted when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> AbortOnDrop<T> {
+    /// Its result; `None` when it panicked or was aborted.
+    async fn join(mut self) -> Option<T> {
+        (&mut self.0).await.ok()
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The decode engine's response goes back to the client as it is (streamed or not), with the
+/// placement's assumptions in `x-kvpool-*` headers; the bookings are released when its body
+/// ends or is dropped.
+fn relay_decode(
+    shared: &Shared,
+    placed: &Placed,
+    finish: Finish,
+    resp: Response<Body>,
+) -> Response {
     let now = shared.now_s();
     shared
         .members
         .lock()
-        .with_ticket(&placed, |s, t| s.decoding(t, now));
-    shared.requests.with_label_values(&["ok"]).inc();
+        .with_ticket(placed, |s, t| s.decoding(t, now));
+    // The decode engine's own error (e.g. a failed KV hand-off) is relayed as it is.
+    let outcome = if resp.status().is_success() {
+        "ok"
+    } else {
+        "decode_error"
+    };
+    shared.requests.with_label_values(&[outcome]).inc();
     let (parts, body) = resp.into_parts();
     let stream = body.into_data_stream().map(move |chunk| {
         let _ = &finish;
@@ -723,8 +906,26 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         &["role"],
     )
     .map_err(ServerError::Metrics)?;
+    let fetch_bandwidth = Gauge::new(
+        "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second",
+        "Pool -> prefill bandwidth the TTFT estimate assumes (cost-model seconds): the \
+         configured figure until the engines report measured reads, then their moving average",
+    )
+    .map_err(ServerError::Metrics)?;
+    let pool_lookup_seconds = Histogram::with_opts(
+        HistogramOpts::new(
+            "kvpool_conductor_pool_lookup_seconds",
+            "Wall time of the per-request pool prefix lookups at the master",
+        )
+        .buckets(vec![
+            1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+        ]),
+    )
+    .map_err(ServerError::Metrics)?;
     for c in [
-        Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+        Box::new(fetch_bandwidth.clone()) as Box<dyn prometheus::core::Collector>,
+        Box::new(pool_lookup_seconds.clone()),
+        Box::new(requests.clone()),
         Box::new(rejections.clone()),
         Box::new(replication_tasks.clone()),
         Box::new(replication_blocks.clone()),
@@ -756,7 +957,18 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     } else {
         None
     };
+    let fetch = FetchEstimate::new(
+        config
+            .scheduler
+            .bytes_per_token
+            .saturating_mul(u64::from(config.scheduler.block_size.get())),
+        config.scheduler.pool_bandwidth_bps,
+    );
+    fetch_bandwidth.set(config.scheduler.pool_bandwidth_bps);
     let shared = Arc::new(Shared {
+        fetch: parking_lot::Mutex::new(fetch),
+        fetch_bandwidth,
+        pool_lookup_seconds,
         config,
         members: parking_lot::Mutex::new(Members {
             engines: initial,

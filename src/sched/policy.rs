@@ -488,6 +488,14 @@ impl Scheduler {
         &self.config
     }
 
+    /// Replaces the pool -> prefill bandwidth of the fetch term (a measured figure); values that
+    /// are not finite and positive are ignored.
+    pub fn set_pool_bandwidth_bps(&mut self, bps: f64) {
+        if bps.is_finite() && bps > 0.0 {
+            self.config.pool_bandwidth_bps = bps;
+        }
+    }
+
     pub fn prefill_instances(&self) -> usize {
         self.config.prefill_costs.len()
     }

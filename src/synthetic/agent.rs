@@ -188,6 +188,23 @@ impl AgentKv {
         Ok(outcome)
     }
 
+    /// Removes `keys` from the pool (hand-off markers once read); returns how many were there.
+    pub async fn remove(&self, keys: &[BlockKey]) -> Result<usize, AgentKvError> {
+        let names: Vec<Vec<u8>> = keys.iter().map(|&k| kv::pool_key(&self.model, k)).collect();
+        let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
+        let removed = self
+            .client
+            .lock()
+            .await
+            .remove(&refs)
+            .await
+            .map_err(|source| AgentKvError::Batch {
+                op: "remove",
+                source,
+            })?;
+        Ok(removed.into_iter().filter(|&r| r).count())
+    }
+
     /// Writes the key-derived contents of `keys`.
     pub async fn write(&self, keys: &[BlockKey]) -> Result<WriteOutcome, AgentKvError> {
         let block = self.geometry.block_bytes();

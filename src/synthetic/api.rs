@@ -41,7 +41,22 @@ pub struct GenerateRequest {
     pub max_tokens: u32,
     pub stream: bool,
     pub kv_role: KvRole,
+    /// SGLang's disaggregation fields, when the request carries them.
+    pub bootstrap: Option<Bootstrap>,
 }
+
+/// The fields by which SGLang's prefill/decode router pairs the two halves of one request: the
+/// prefill instance's host and bootstrap port, and a random room id (0 to 2^63 - 1) that both
+/// instances get (docs/engine-contract.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bootstrap {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub room: u64,
+}
+
+/// Largest bootstrap room id (SGLang draws them from 0 to 2^63 - 1).
+pub const MAX_BOOTSTRAP_ROOM: u64 = (1 << 63) - 1;
 
 /// A request the server refuses, with the OpenAI-style error fields.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -175,6 +190,7 @@ pub fn parse_request(
         Some(_) => return Err(invalid("stream", "must be a boolean")),
     };
     let kv_role = parse_kv_role(obj.get("kv_transfer_params"))?;
+    let bootstrap = parse_bootstrap(obj)?;
     Ok(GenerateRequest {
         endpoint,
         model: requested,
@@ -182,7 +198,53 @@ pub fn parse_request(
         max_tokens,
         stream,
         kv_role,
+        bootstrap,
     })
+}
+
+/// SGLang's `bootstrap_host`, `bootstrap_port` and `bootstrap_room`: absent (or null) all
+/// together, or at least a room.
+fn parse_bootstrap(obj: &serde_json::Map<String, Value>) -> Result<Option<Bootstrap>, ApiError> {
+    let field = |name: &str| obj.get(name).filter(|v| !v.is_null());
+    let host = match field("bootstrap_host") {
+        None => None,
+        Some(Value::String(h)) if !h.is_empty() => Some(h.clone()),
+        Some(_) => return Err(invalid("bootstrap_host", "must be a non-empty string")),
+    };
+    let port = match field("bootstrap_port") {
+        None => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|p| u16::try_from(p).ok())
+                .ok_or_else(|| {
+                    invalid(
+                        "bootstrap_port",
+                        format!("must be an integer port from 0 to 65535, got {v}"),
+                    )
+                })?,
+        ),
+    };
+    let room = match field("bootstrap_room") {
+        None => None,
+        Some(v) => Some(
+            v.as_u64()
+                .filter(|&r| r <= MAX_BOOTSTRAP_ROOM)
+                .ok_or_else(|| {
+                    invalid(
+                        "bootstrap_room",
+                        format!("must be an integer from 0 to 2^63 - 1, got {v}"),
+                    )
+                })?,
+        ),
+    };
+    match (room, host.is_some() || port.is_some()) {
+        (Some(room), _) => Ok(Some(Bootstrap { host, port, room })),
+        (None, true) => Err(invalid(
+            "bootstrap_room",
+            "is required with bootstrap_host or bootstrap_port",
+        )),
+        (None, false) => Ok(None),
+    }
 }
 
 fn parse_kv_role(params: Option<&Value>) -> Result<KvRole, ApiError> {
@@ -334,6 +396,66 @@ mod tests {
 
     fn parse(endpoint: Endpoint, body: &str) -> Result<GenerateRequest, ApiError> {
         parse_request(endpoint, body.as_bytes(), "m")
+    }
+
+    #[test]
+    fn sglang_bootstrap_fields_parse_and_bad_ones_name_the_field() {
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"hi","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775807}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.bootstrap,
+            Some(Bootstrap {
+                host: Some("10.0.0.1".into()),
+                port: Some(8998),
+                room: MAX_BOOTSTRAP_ROOM,
+            })
+        );
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"hi","bootstrap_room":7}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.bootstrap.map(|b| (b.host, b.port, b.room)),
+            Some((None, None, 7))
+        );
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"hi","bootstrap_room":null}"#,
+        )
+        .unwrap();
+        assert_eq!(r.bootstrap, None);
+        let field = |body: &str| match parse(Endpoint::Completions, body) {
+            Err(ApiError::Invalid { field, .. }) => field,
+            other => panic!("{body}: {other:?}"),
+        };
+        assert_eq!(
+            field(r#"{"model":"m","prompt":"hi","bootstrap_room":9223372036854775808}"#),
+            "bootstrap_room"
+        );
+        assert_eq!(
+            field(r#"{"model":"m","prompt":"hi","bootstrap_room":-1}"#),
+            "bootstrap_room"
+        );
+        assert_eq!(
+            field(r#"{"model":"m","prompt":"hi","bootstrap_room":"7"}"#),
+            "bootstrap_room"
+        );
+        assert_eq!(
+            field(r#"{"model":"m","prompt":"hi","bootstrap_host":"h"}"#),
+            "bootstrap_room"
+        );
+        assert_eq!(
+            field(r#"{"model":"m","prompt":"hi","bootstrap_room":1,"bootstrap_port":70000}"#),
+            "bootstrap_port"
+        );
+        assert_eq!(
+            field(r#"{"model":"m","prompt":"hi","bootstrap_room":1,"bootstrap_host":""}"#),
+            "bootstrap_host"
+        );
     }
 
     #[test]

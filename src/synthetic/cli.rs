@@ -6,14 +6,11 @@ use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 
-use prometheus::Registry;
-use tokio_util::sync::CancellationToken;
-
-use super::EngineConfig;
 use super::agent::{AgentKv, AgentKvError};
 use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
-use crate::admin::{self, AdminError, Readiness};
+use super::wiring::{self, FromWiring, Wired, WiringError};
+use super::{EngineConfig, SglangMode, SglangRole};
 use crate::sched::{DecodeCost, PrefillCost};
 
 /// Flags of `kvpool engine`.
@@ -80,6 +77,24 @@ pub struct EngineArgs {
     /// tests).
     #[arg(long, default_value_t = 1.0)]
     pub kv_scale: f64,
+    /// Disaggregation protocol: `vllm` (each request's `kv_transfer_params` names its role) or
+    /// `sglang` (this engine has one role, --disaggregation-mode, and requests carry a
+    /// `bootstrap_room`; the KV hand-off goes through the pool, so --agent-socket is needed).
+    #[arg(long, value_enum, default_value_t = EngineProtocol::Vllm, env = "KVPOOL_ENGINE_PROTOCOL")]
+    pub protocol: EngineProtocol,
+    /// With --protocol sglang: this engine's half (SGLang's flag of the same name).
+    #[arg(long, value_enum, env = "KVPOOL_DISAGGREGATION_MODE")]
+    pub disaggregation_mode: Option<SglangRole>,
+    /// With --protocol sglang, on a decode engine: longest wait for a room's KV to arrive.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub bootstrap_timeout: std::time::Duration,
+}
+
+/// How the engine learns its part in disaggregated serving.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineProtocol {
+    Vllm,
+    Sglang,
 }
 
 /// Errors of `kvpool engine`.
@@ -87,18 +102,8 @@ pub struct EngineArgs {
 pub enum EngineError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
-    #[error("cannot start the Tokio runtime")]
-    Runtime(#[source] std::io::Error),
-    #[error("cannot install signal handlers")]
-    Signals(#[source] std::io::Error),
-    #[error("cannot bind the engine listener on {addr}")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("admin server")]
-    Admin(#[source] AdminError),
+    #[error("process wiring")]
+    Wiring(#[source] WiringError),
     #[error("engine server")]
     Server(#[source] ServerError),
     #[error("cannot read --model-config {path}")]
@@ -128,10 +133,7 @@ impl EngineError {
     pub fn category(&self) -> &'static str {
         match self {
             EngineError::Flag { .. } => "flag",
-            EngineError::Runtime(_) => "runtime",
-            EngineError::Signals(_) => "signals",
-            EngineError::Bind { .. } => "bind",
-            EngineError::Admin(_) => "admin",
+            EngineError::Wiring(e) => e.category(),
             EngineError::Server(_) => "server",
             EngineError::ModelConfigRead { .. } => "model_config_read",
             EngineError::ModelConfig { .. } => "model_config",
@@ -171,6 +173,36 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
         return Err(flag("chunk-bytes", "must be at least 1"));
     }
     let time_scale = non_negative("time-scale", args.time_scale)?;
+    let sglang = match (args.protocol, args.disaggregation_mode) {
+        (EngineProtocol::Vllm, None) => None,
+        (EngineProtocol::Vllm, Some(_)) => {
+            return Err(flag(
+                "disaggregation-mode",
+                "applies to --protocol sglang only (vLLM requests name their role)",
+            ));
+        }
+        (EngineProtocol::Sglang, None) => {
+            return Err(flag(
+                "disaggregation-mode",
+                "is required with --protocol sglang (prefill or decode)",
+            ));
+        }
+        (EngineProtocol::Sglang, Some(role)) => {
+            if args.agent_socket.is_none() {
+                return Err(flag(
+                    "agent-socket",
+                    "is required with --protocol sglang: the KV hand-off goes through the pool",
+                ));
+            }
+            if args.bootstrap_timeout.is_zero() {
+                return Err(flag("bootstrap-timeout", "must be more than 0"));
+            }
+            Some(SglangMode {
+                role,
+                bootstrap_timeout: args.bootstrap_timeout,
+            })
+        }
+    };
     Ok(EngineConfig {
         model: args.model.clone(),
         prefill_cost: PrefillCost {
@@ -188,6 +220,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
         cache_blocks: args.cache_blocks,
         chunk_bytes: args.chunk_bytes,
         time_scale,
+        sglang,
     })
 }
 
@@ -234,15 +267,7 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
         );
     }
     tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting synthetic engine");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .map_err(EngineError::Runtime)?;
-    runtime.block_on(async {
-        let shutdown = CancellationToken::new();
-        crate::shutdown::cancel_on_signal(shutdown.clone()).map_err(EngineError::Signals)?;
-        let registry = Registry::new();
-        let readiness = Readiness::new();
+    let setup = |wired: Wired| async move {
         let kv = match (&args.agent_socket, geometry) {
             (Some(path), Some(g)) => Some(AgentKv::connect(path, g, &config.model).await.map_err(
                 |source| EngineError::Agent {
@@ -252,35 +277,19 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
             )?),
             _ => None,
         };
-        let router =
-            server::router_with_agent(config, kv, &registry).map_err(EngineError::Server)?;
-        let listener = tokio::net::TcpListener::bind(args.listen)
+        server::router_with_agent(config, kv, &wired.registry).map_err(EngineError::Server)
+    };
+    let serve = |router, listener, wired: Wired| async move {
+        wired.readiness.set_ready(true);
+        server::serve(listener, router, wired.shutdown)
             .await
-            .map_err(|source| EngineError::Bind {
-                addr: args.listen,
-                source,
-            })?;
-        let admin_listener = admin::bind(args.admin_listen)
-            .await
-            .map_err(EngineError::Admin)?;
-        let admin_shutdown = CancellationToken::new();
-        let admin_task = tokio::spawn(admin::serve(
-            admin_listener,
-            admin::router(registry, readiness.clone()),
-            admin_shutdown.clone(),
-        ));
-        readiness.set_ready(true);
-        let served = server::serve(listener, router, shutdown.clone()).await;
-        readiness.set_ready(false);
-        // The admin server goes last.
-        admin_shutdown.cancel();
-        let admin_result = admin_task.await;
-        served.map_err(EngineError::Server)?;
-        match admin_result {
-            Ok(r) => r.map_err(EngineError::Admin),
-            Err(join) => Err(EngineError::Admin(AdminError::Serve(
-                std::io::Error::other(join),
-            ))),
-        }
-    })
+            .map_err(EngineError::Server)
+    };
+    wiring::run(args.listen, args.admin_listen, setup, serve)
+}
+
+impl FromWiring for EngineError {
+    fn from_wiring(err: WiringError) -> Self {
+        EngineError::Wiring(err)
+    }
 }

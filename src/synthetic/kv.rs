@@ -154,6 +154,15 @@ fn splitmix64(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The key of the hand-off marker of SGLang bootstrap room `room`: a prefill engine writes it
+/// (with key-derived contents, like a block) once the prompt's blocks are in the pool, and the
+/// decode engine of the same room waits for it. Distinct from prompt block keys by construction
+/// only in probability (64-bit hashes), like the block keys themselves.
+pub fn room_key(room: u64) -> BlockKey {
+    let mut state = room ^ 0x5347_4c61_6e67_526d; // "SGLangRm"
+    splitmix64(&mut state)
+}
+
 /// Fills `out` with the contents of block `key` (a pseudo-random stream seeded by the key).
 pub fn fill_block(key: BlockKey, out: &mut [u8]) {
     let mut state = key;
@@ -249,6 +258,8 @@ mod tests {
         a[500] ^= 1;
         assert!(!verify_block(7, &a, 1001));
         assert_ne!(pool_key("m", 1), pool_key("n", 1));
+        assert_ne!(room_key(1), room_key(2));
+        assert_eq!(room_key(1), room_key(1));
         let g = KvGeometry {
             bytes_per_token: 3,
             block_tokens: 4,

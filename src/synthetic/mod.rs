@@ -16,6 +16,7 @@ pub mod api;
 pub mod cli;
 pub mod kv;
 pub mod server;
+pub mod wiring;
 
 use std::num::NonZeroU32;
 
@@ -35,6 +36,26 @@ pub struct EngineConfig {
     pub chunk_bytes: usize,
     /// Every modelled duration is multiplied by this (0.001 makes tests fast).
     pub time_scale: f64,
+    /// `Some`: serve SGLang's disaggregation protocol in this role (requests carry a
+    /// `bootstrap_room`); `None`: vLLM's (`kv_transfer_params` says the role per request).
+    pub sglang: Option<SglangMode>,
+}
+
+/// This engine's half of SGLang prefill/decode disaggregation (SGLang's
+/// `--disaggregation-mode`), with the KV hand-off going through the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SglangMode {
+    pub role: SglangRole,
+    /// How long a decode engine waits for its room's KV to arrive before failing the request.
+    pub bootstrap_timeout: std::time::Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SglangRole {
+    /// Prefill only: compute the prompt's KV, put it in the pool, mark the room done.
+    Prefill,
+    /// Decode only: wait for the room's KV in the pool, read it, generate.
+    Decode,
 }
 
 /// What prefilling one prompt costs.
@@ -124,6 +145,7 @@ mod tests {
             cache_blocks: 100,
             chunk_bytes: 4,
             time_scale: 1.0,
+            sglang: None,
         });
         let a: Vec<u32> = (0..10).collect();
         let p = core.prefill(&a);

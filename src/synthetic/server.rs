@@ -15,14 +15,16 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
-use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::agent::AgentKv;
 use super::api::{self, ApiError, Endpoint, GenerateRequest, KvRole, ResponseMeta};
-use super::{EngineConfig, EngineCore};
+use super::{EngineConfig, EngineCore, SglangRole};
 use crate::sched::{BlockKey, block_keys, text_tokens};
 
 /// Errors of the engine server.
@@ -58,7 +60,15 @@ struct Metrics {
     kv_verify_failures: IntCounter,
     kv_errors: IntCounterVec,
     prefetches: IntCounterVec,
+    kv_seconds: HistogramVec,
+    lane_wait_seconds: Histogram,
+    handoffs: IntCounterVec,
 }
+
+/// Buckets of the engine's latency histograms, seconds (100 µs to 10 s).
+const LATENCY_BUCKETS: &[f64] = &[
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 impl Metrics {
     fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
@@ -120,7 +130,33 @@ impl Metrics {
                 ),
                 &["outcome"],
             )?,
+            kv_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "kvpool_engine_kv_seconds",
+                    "Wall time of the engine's KV work with the node agent, by operation (exists, \
+                     read, write, and handoff_wait: an SGLang decode waiting for its room)",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+                &["op"],
+            )?,
+            lane_wait_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpool_engine_prefill_queue_seconds",
+                    "Wall time requests wait for the engine's (serialised) prefill compute",
+                )
+                .buckets(LATENCY_BUCKETS.to_vec()),
+            )?,
+            handoffs: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_engine_kv_handoffs_total",
+                    "SGLang-mode decode requests by hand-off outcome (ok, timeout, agent)",
+                ),
+                &["outcome"],
+            )?,
         };
+        registry.register(Box::new(m.kv_seconds.clone()))?;
+        registry.register(Box::new(m.lane_wait_seconds.clone()))?;
+        registry.register(Box::new(m.handoffs.clone()))?;
         registry.register(Box::new(m.prefetches.clone()))?;
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.prompt_tokens.clone()))?;
@@ -190,9 +226,6 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Runs one request: queued prefill, then decode steps, sending each generated piece to `out`
-/// (waiting when the client lags: the channel is bounded). Returns the prompt's token count, or
-/// `None` when the receiver is gone (the client disconnected).
 /// Loads what the pool has of the prompt's full blocks beyond the local cache; returns how many
 /// leading blocks are now available (0 when the local cache covers more) and the blocks to write
 /// after prefill (absent from the pool; none for a decode engine).
@@ -208,7 +241,10 @@ async fn load_from_pool(
         // The prefill engine wrote them: read without asking first.
         (keys.len(), Vec::new())
     } else {
-        match kv.present(keys).await {
+        let timer = m.kv_seconds.with_label_values(&["exists"]).start_timer();
+        let present = kv.present(keys).await;
+        timer.observe_duration();
+        match present {
             Ok(present) => {
                 let prefix = present.iter().take_while(|&&p| p).count();
                 let absent = keys
@@ -228,7 +264,10 @@ async fn load_from_pool(
     };
     let mut loaded = 0;
     if pool_prefix > local {
-        match kv.read_prefix(&keys[local..pool_prefix]).await {
+        let timer = m.kv_seconds.with_label_values(&["read"]).start_timer();
+        let read = kv.read_prefix(&keys[local..pool_prefix]).await;
+        timer.observe_duration();
+        match read {
             Ok(read) => {
                 m.kv_read_bytes.inc_by(read.bytes);
                 m.kv_block_hits.inc_by(read.verified as u64);
@@ -310,7 +349,14 @@ async fn store_in_pool(shared: &Shared, kv: &AgentKv, keys: &[BlockKey]) {
     if keys.is_empty() {
         return;
     }
-    match kv.write(keys).await {
+    let timer = shared
+        .metrics
+        .kv_seconds
+        .with_label_values(&["write"])
+        .start_timer();
+    let written = kv.write(keys).await;
+    timer.observe_duration();
+    match written {
         Ok(w) => {
             shared.metrics.kv_written_bytes.inc_by(w.bytes);
             shared.metrics.kv_blocks_written.inc_by(w.written as u64);
@@ -333,48 +379,189 @@ async fn store_in_pool(shared: &Shared, kv: &AgentKv, keys: &[BlockKey]) {
     }
 }
 
-/// Runs one request: queued prefill (with the pool's blocks when an agent is configured), then
-/// decode steps, sending each generated piece to `out` (waiting when the client lags: the
-/// channel is bounded). Returns the prompt's token count, or `None` when the receiver is gone
-/// (the client disconnected).
+/// What the engine tells the client once the prompt's KV is in place (before the first token):
+/// the leading blocks it loaded from the pool, and the wall time the pool read took (headers
+/// [`KV_LOAD_BLOCKS_HEADER`] and [`KV_LOAD_SECONDS_HEADER`], which the conductor turns into its
+/// measured pool bandwidth).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct PrefillReport {
+    prompt_tokens: u64,
+    loaded_blocks: usize,
+    load_seconds: f64,
+}
+
+/// Response header: prompt blocks this engine read from the pool for the request.
+pub const KV_LOAD_BLOCKS_HEADER: &str = "x-kvpool-kv-load-blocks";
+/// Response header: wall-clock seconds that read took (absent when no block was read).
+pub const KV_LOAD_SECONDS_HEADER: &str = "x-kvpool-kv-load-seconds";
+
+/// Why a request could not get its KV cache.
+#[derive(Debug, thiserror::Error)]
+pub enum HandoffError {
+    #[error(
+        "the KV cache of bootstrap_room {room} did not arrive from the prefill engine within \
+         {waited_s:.1} s"
+    )]
+    Timeout { room: u64, waited_s: f64 },
+    #[error("cannot look for the KV cache of bootstrap_room {room} in the node agent")]
+    Agent {
+        room: u64,
+        #[source]
+        source: super::agent::AgentKvError,
+    },
+}
+
+impl HandoffError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            HandoffError::Timeout { .. } => "timeout",
+            HandoffError::Agent { .. } => "agent",
+        }
+    }
+
+    fn response(&self) -> Response {
+        let (status, code) = match self {
+            HandoffError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "kv_handoff_timeout"),
+            HandoffError::Agent { .. } => (StatusCode::BAD_GATEWAY, "kv_handoff_agent"),
+        };
+        let mut message = self.to_string();
+        if let Some(source) = std::error::Error::source(self) {
+            message = format!("{message}: {source}");
+        }
+        (
+            status,
+            Json(serde_json::json!({"error": {
+                "message": message, "type": "upstream_error", "param": "bootstrap_room",
+                "code": code}})),
+        )
+            .into_response()
+    }
+}
+
+/// Waits (polling the agent, bounded by `timeout`) until the prefill engine of `room` has
+/// marked its KV hand-off done, then removes the marker.
+async fn wait_for_room(kv: &AgentKv, room: u64, timeout: Duration) -> Result<(), HandoffError> {
+    let marker = [super::kv::room_key(room)];
+    let started = std::time::Instant::now();
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let present = kv
+            .present(&marker)
+            .await
+            .map_err(|source| HandoffError::Agent { room, source })?;
+        if present.first().copied().unwrap_or(false) {
+            // Best effort: a marker left behind is evicted like any other object.
+            if let Err(e) = kv.remove(&marker).await {
+                tracing::debug!(error = %e, room, "cannot remove the hand-off marker");
+            }
+            return Ok(());
+        }
+        let waited = started.elapsed();
+        if waited >= timeout {
+            return Err(HandoffError::Timeout {
+                room,
+                waited_s: waited.as_secs_f64(),
+            });
+        }
+        tokio::time::sleep(pause.min(timeout - waited)).await;
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+}
+
+/// The request's role in disaggregated serving: the engine's own in SGLang mode, the one its
+/// `kv_transfer_params` name in vLLM mode.
+fn effective_role(config: &EngineConfig, req: &GenerateRequest) -> KvRole {
+    match config.sglang.map(|m| m.role) {
+        Some(SglangRole::Prefill) => KvRole::Prefill,
+        Some(SglangRole::Decode) => KvRole::Decode,
+        None => req.kv_role,
+    }
+}
+
+/// Runs one request: KV in (the decode side first waits for its SGLang room), queued prefill
+/// compute, KV out, then decode steps. The pool reads and writes happen outside the compute lane,
+/// as a real engine overlaps KV transfers with other requests' compute; only the modelled
+/// compute is serialised. Sends the [`PrefillReport`] (or the hand-off error) on `ready` once the
+/// prompt's KV is in place, then each generated piece to `out` (waiting when the client lags:
+/// the channel is bounded). Returns `None` when the receiver is gone (the client disconnected).
 async fn generate(
     shared: Arc<Shared>,
     req: GenerateRequest,
+    ready: oneshot::Sender<Result<PrefillReport, HandoffError>>,
     out: mpsc::Sender<String>,
-) -> Option<u64> {
+) -> Option<()> {
+    let m = &shared.metrics;
+    let role = effective_role(&shared.config, &req);
     let tokens = text_tokens(&req.prompt, shared.config.chunk_bytes);
-    let plan = {
-        let _lane = shared.prefill_lane.lock().await;
-        let mut to_write = Vec::new();
-        let mut loaded = 0;
-        if let Some(kv) = &shared.kv {
-            let mut keys = block_keys(&tokens, shared.config.block_size);
-            // Only full blocks go to the pool, as real engines do.
-            keys.truncate(tokens.len() / shared.config.block_size.get() as usize);
-            (loaded, to_write) = load_from_pool(&shared, kv, req.kv_role, &keys).await;
+    let mut keys = block_keys(&tokens, shared.config.block_size);
+    // Only full blocks go to the pool, as real engines do.
+    keys.truncate(tokens.len() / shared.config.block_size.get() as usize);
+    let room = req.bootstrap.as_ref().map(|b| b.room);
+    let mut report = PrefillReport::default();
+    let mut to_write = Vec::new();
+    let mut loaded = 0;
+    if let Some(kv) = &shared.kv {
+        if let (Some(mode), KvRole::Decode, Some(room)) = (shared.config.sglang, role, room) {
+            let timer = m
+                .kv_seconds
+                .with_label_values(&["handoff_wait"])
+                .start_timer();
+            let waited = wait_for_room(kv, room, mode.bootstrap_timeout).await;
+            timer.observe_duration();
+            if let Err(e) = waited {
+                m.handoffs.with_label_values(&[e.category()]).inc();
+                tracing::warn!(error = %e, "KV hand-off failed");
+                let _ = ready.send(Err(e));
+                return None;
+            }
+            m.handoffs.with_label_values(&["ok"]).inc();
         }
+        let started = std::time::Instant::now();
+        let local = shared.core.lock().local_prefix(&keys);
+        (loaded, to_write) = load_from_pool(&shared, kv, role, &keys).await;
+        report.loaded_blocks = loaded.saturating_sub(local);
+        report.load_seconds = started.elapsed().as_secs_f64();
+    }
+    let plan = {
+        let timer = m.lane_wait_seconds.start_timer();
+        let _lane = shared.prefill_lane.lock().await;
+        timer.observe_duration();
         let plan = shared.core.lock().prefill_with(&tokens, loaded);
         tokio::time::sleep(scaled(&shared, plan.seconds)).await;
-        if let Some(kv) = &shared.kv {
-            store_in_pool(&shared, kv, &to_write).await;
-        }
         plan
     };
-    shared.metrics.prompt_tokens.inc_by(plan.prompt_tokens);
-    shared.metrics.cached_tokens.inc_by(plan.cached_tokens);
+    if let Some(kv) = &shared.kv {
+        store_in_pool(&shared, kv, &to_write).await;
+        if let (Some(_), KvRole::Prefill, Some(room)) = (shared.config.sglang, role, room) {
+            // The room's blocks are all in the pool: tell its decode engine.
+            store_in_pool(&shared, kv, &[super::kv::room_key(room)]).await;
+        }
+    }
+    m.prompt_tokens.inc_by(plan.prompt_tokens);
+    m.cached_tokens.inc_by(plan.cached_tokens);
+    report.prompt_tokens = plan.prompt_tokens;
+    if ready.send(Ok(report)).is_err() {
+        return None;
+    }
+    // An SGLang prefill engine stops after the first token: its decode engine generates.
+    let max_tokens = match (shared.config.sglang, role) {
+        (Some(_), KvRole::Prefill) => 1,
+        _ => req.max_tokens,
+    };
     let mut seat = DecodeSeat::join(&shared, plan.prompt_tokens);
-    for i in 0..req.max_tokens {
+    for i in 0..max_tokens {
         let batch = shared.decoding.load(Ordering::SeqCst);
         let ctx = shared.decode_tokens.load(Ordering::SeqCst);
         let step = shared.config.decode_cost.step_seconds(batch, ctx);
         tokio::time::sleep(scaled(&shared, step)).await;
         seat.grow();
-        shared.metrics.generated_tokens.inc();
+        m.generated_tokens.inc();
         if out.send(format!("tok{i} ")).await.is_err() {
             return None;
         }
     }
-    Some(plan.prompt_tokens)
+    Some(())
 }
 
 fn error_response(shared: &Shared, err: &ApiError) -> Response {
@@ -387,12 +574,40 @@ fn error_response(shared: &Shared, err: &ApiError) -> Response {
     (status, Json(err.body())).into_response()
 }
 
+fn with_report_headers(mut resp: Response, report: &PrefillReport) -> Response {
+    let mut values = vec![(KV_LOAD_BLOCKS_HEADER, report.loaded_blocks.to_string())];
+    if report.loaded_blocks > 0 {
+        values.push((
+            KV_LOAD_SECONDS_HEADER,
+            format!("{:.6}", report.load_seconds),
+        ));
+    }
+    for (name, value) in values {
+        if let Ok(v) = axum::http::HeaderValue::from_str(&value) {
+            resp.headers_mut().insert(name, v);
+        }
+    }
+    resp
+}
+
 async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Response {
     let req = match api::parse_request(endpoint, &body, &shared.config.model) {
         Ok(r) => r,
         Err(e) => return error_response(&shared, &e),
     };
-    shared.metrics.requests.with_label_values(&["ok"]).inc();
+    if let (Some(mode), None) = (shared.config.sglang, &req.bootstrap) {
+        let e = ApiError::Invalid {
+            field: "bootstrap_room",
+            problem: format!(
+                "is required: this engine serves the {} half of SGLang disaggregation",
+                match mode.role {
+                    SglangRole::Prefill => "prefill",
+                    SglangRole::Decode => "decode",
+                }
+            ),
+        };
+        return error_response(&shared, &e);
+    }
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::ChatCompletions => "chatcmpl",
@@ -403,27 +618,49 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
         model: req.model.clone(),
         endpoint,
     };
-    let max_tokens = req.max_tokens;
     let stream = req.stream;
-    let kv_role = req.kv_role;
+    let role = effective_role(&shared.config, &req);
+    let max_tokens = match (shared.config.sglang, role) {
+        (Some(_), KvRole::Prefill) => 1,
+        _ => req.max_tokens,
+    };
     let block_size = u64::from(shared.config.block_size.get());
     let (tx, mut rx) = mpsc::channel::<String>(64);
-    let task = tokio::spawn(generate(shared, req, tx));
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let task = tokio::spawn(generate(shared.clone(), req, ready_tx, tx));
+    // Headers go out once the prompt's KV is in place, so that a failed hand-off is a clean
+    // HTTP error and the time to the headers is the time to the first token's readiness.
+    let report = match ready_rx.await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            shared
+                .metrics
+                .requests
+                .with_label_values(&["kv_handoff"])
+                .inc();
+            return e.response();
+        }
+        Err(_) => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    };
+    shared.metrics.requests.with_label_values(&["ok"]).inc();
+    let prompt = report.prompt_tokens;
     if !stream {
         let mut text = String::new();
         while let Some(piece) = rx.recv().await {
             text.push_str(&piece);
         }
         return match task.await {
-            Ok(Some(prompt)) => {
+            Ok(Some(())) => {
                 let mut body = api::response_body(&meta, &text, prompt, u64::from(max_tokens));
-                if let (KvRole::Prefill, Some(obj)) = (kv_role, body.as_object_mut()) {
+                if let (KvRole::Prefill, None, Some(obj)) =
+                    (role, shared.config.sglang, body.as_object_mut())
+                {
                     obj.insert(
                         "kv_transfer_params".into(),
                         api::prefill_kv_params(prompt / block_size),
                     );
                 }
-                Json(body).into_response()
+                with_report_headers(Json(body).into_response(), &report)
             }
             _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
         };
@@ -438,7 +675,7 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
         .chain(futures::stream::once(async {
             Ok(Event::default().data("[DONE]"))
         }));
-    Sse::new(events).into_response()
+    with_report_headers(Sse::new(events).into_response(), &report)
 }
 
 /// Router of the engine API (no node agent: the prefix cache is the only KV store).

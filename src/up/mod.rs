@@ -68,9 +68,14 @@ pub struct UpArgs {
     /// KV bytes per token written by the engines (64: 32 KiB blocks of 512 tokens).
     #[arg(long, default_value_t = 64)]
     pub kv_bytes_per_token: u64,
-    /// Engines' time scale (default: 1 / --speed, so the replay keeps the trace's load).
+    /// Engines' time scale (default: 1 / --speed, so the replay keeps the trace's load); the
+    /// conductor gets it too, so that its clock runs in the engines' cost-model time.
     #[arg(long)]
     pub time_scale: Option<f64>,
+    /// Disaggregation convention between the conductor and the engines: `vllm` (prefill, then
+    /// decode) or `sglang` (both at once, the KV hand-off paired by a bootstrap room).
+    #[arg(long, value_enum, default_value_t = crate::synthetic::cli::EngineProtocol::Vllm)]
+    pub engine_protocol: crate::synthetic::cli::EngineProtocol,
     /// Replay this Mooncake trace through the conductor, print a summary and exit.
     #[arg(long, value_name = "TRACE")]
     pub replay: Option<PathBuf>,
@@ -252,6 +257,7 @@ fn validate(args: &UpArgs, dir: PathBuf) -> Result<UpSettings, UpError> {
         kv_bytes_per_token: args.kv_bytes_per_token,
         agent_dram: args.agent_dram.clone(),
         time_scale,
+        protocol: args.engine_protocol,
         sysfs_root: args.agent_sysfs_root.clone(),
         procfs_root: args.agent_procfs_root.clone(),
     })
@@ -365,7 +371,32 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
-/// KV traffic summed over the engines.
+/// Sum of the samples of metric `name` whose labels include `label="value"`.
+pub fn metric_sum_labelled(text: &str, name: &str, label: &str, value: &str) -> f64 {
+    let wanted = format!("{label}=\"{value}\"");
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, v) = l.rsplit_once(' ')?;
+            let (metric, labels) = series.split_once('{')?;
+            (metric == name && labels.split(',').any(|p| p.trim_end_matches('}') == wanted))
+                .then(|| v.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+/// The timed operations of the summary's `timing` object: the engines' KV work by operation
+/// (`kvpool_engine_kv_seconds{op}`), their prefill queue, and the conductor's pool lookups.
+pub const TIMED: [&str; 6] = [
+    "exists",
+    "read",
+    "write",
+    "handoff_wait",
+    "prefill_queue",
+    "pool_lookup",
+];
+
+/// KV traffic summed over the engines, and where the time went.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct EngineKv {
     pub read_bytes: f64,
@@ -374,6 +405,11 @@ pub struct EngineKv {
     pub block_misses: f64,
     pub verify_failures: f64,
     pub errors: f64,
+    /// Per [`TIMED`] entry: total wall seconds and number of observations.
+    pub timed_s: [f64; 6],
+    pub timed_n: [f64; 6],
+    /// The pool bandwidth the conductor's estimate ended on, bytes per cost-model second.
+    pub fetch_bandwidth_bps: Option<f64>,
 }
 
 async fn engine_kv(client: &Http, specs: &[ChildSpec]) -> EngineKv {
@@ -391,6 +427,27 @@ async fn engine_kv(client: &Http, specs: &[ChildSpec]) -> EngineKv {
         kv.block_misses += metric_sum(&text, "kvpool_engine_kv_block_misses_total");
         kv.verify_failures += metric_sum(&text, "kvpool_engine_kv_verify_failures_total");
         kv.errors += metric_sum(&text, "kvpool_engine_kv_errors_total");
+        for (i, op) in TIMED.iter().enumerate().take(4) {
+            kv.timed_s[i] += metric_sum_labelled(&text, "kvpool_engine_kv_seconds_sum", "op", op);
+            kv.timed_n[i] += metric_sum_labelled(&text, "kvpool_engine_kv_seconds_count", "op", op);
+        }
+        kv.timed_s[4] += metric_sum(&text, "kvpool_engine_prefill_queue_seconds_sum");
+        kv.timed_n[4] += metric_sum(&text, "kvpool_engine_prefill_queue_seconds_count");
+    }
+    if let Some(spec) = specs.iter().find(|s| s.role == Role::Conductor)
+        && let Some((200, text)) = get(client, &format!("http://{}/metrics", spec.admin)).await
+    {
+        kv.timed_s[5] += metric_sum(&text, "kvpool_conductor_pool_lookup_seconds_sum");
+        kv.timed_n[5] += metric_sum(&text, "kvpool_conductor_pool_lookup_seconds_count");
+        kv.fetch_bandwidth_bps = text
+            .lines()
+            .any(|l| l.starts_with("kvpool_conductor_pool_fetch_bandwidth_bytes_per_second "))
+            .then(|| {
+                metric_sum(
+                    &text,
+                    "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second",
+                )
+            });
     }
     kv
 }
@@ -441,9 +498,27 @@ pub fn summary_json(
             "kv_errors": kv.errors,
             "pool_hit_ratio": (lookups > 0.0).then(|| kv.block_hits / lookups),
         },
+        "timing": timing_json(kv),
         "pool": pool,
         "clean_shutdown": clean,
     })
+}
+
+/// Per timed operation, its count and mean wall milliseconds (null mean when none ran).
+fn timing_json(kv: &EngineKv) -> Value {
+    let mut ops = serde_json::Map::new();
+    for (i, op) in TIMED.iter().enumerate() {
+        let (sum, n) = (kv.timed_s[i], kv.timed_n[i]);
+        ops.insert(
+            (*op).to_owned(),
+            json!({"count": n, "mean_ms": (n > 0.0).then(|| sum / n * 1e3)}),
+        );
+    }
+    ops.insert(
+        "conductor_fetch_bandwidth_bytes_per_s".into(),
+        json!(kv.fetch_bandwidth_bps),
+    );
+    Value::Object(ops)
 }
 
 fn ms(v: Option<f64>) -> String {
@@ -674,6 +749,22 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn labelled_sums_pick_the_series_of_one_label_value() {
+        let text = "# HELP x_sum h\nx_sum{op=\"read\"} 1.5\nx_sum{op=\"write\"} 2\nx_sum{op=\"read\",n=\"a\"} 1\nx_count{op=\"read\"} 3\nx_sum 9\n";
+        assert_eq!(metric_sum_labelled(text, "x_sum", "op", "read"), 2.5);
+        assert_eq!(metric_sum_labelled(text, "x_sum", "op", "write"), 2.0);
+        assert_eq!(metric_sum_labelled(text, "x_sum", "op", "exists"), 0.0);
+        let kv = EngineKv {
+            timed_s: [0.0, 3.0, 0.0, 0.0, 0.0, 0.0],
+            timed_n: [0.0, 4.0, 0.0, 0.0, 0.0, 0.0],
+            ..EngineKv::default()
+        };
+        let t = timing_json(&kv);
+        assert_eq!(t["read"]["mean_ms"], json!(750.0));
+        assert_eq!(t["exists"]["mean_ms"], Value::Null);
+    }
 
     #[test]
     fn metric_sum_adds_every_series_of_a_name() {

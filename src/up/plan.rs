@@ -5,6 +5,8 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use crate::synthetic::cli::EngineProtocol;
+
 /// Role of a child process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -58,6 +60,7 @@ pub struct UpSettings {
     pub kv_bytes_per_token: u64,
     pub agent_dram: String,
     pub time_scale: f64,
+    pub protocol: crate::synthetic::cli::EngineProtocol,
     pub sysfs_root: Option<PathBuf>,
     pub procfs_root: Option<PathBuf>,
 }
@@ -105,6 +108,23 @@ fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr)
         }
     }
     cfg
+}
+
+/// The flags an engine and the conductor share: their two listeners, and the model and block
+/// shape they must agree on.
+fn http_service_args(s: &UpSettings, api: SocketAddr, admin: SocketAddr) -> Vec<String> {
+    vec![
+        "--listen".into(),
+        api.to_string(),
+        "--admin-listen".into(),
+        admin.to_string(),
+        "--model".into(),
+        s.model.clone(),
+        "--block-size".into(),
+        s.block_size.to_string(),
+        "--chunk-bytes".into(),
+        s.chunk_bytes.to_string(),
+    ]
 }
 
 /// Every child in start order (master, agents, engines, conductor), using `ports` in order
@@ -158,48 +178,38 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         }
         // Engines are spread over the agents in turn.
         let socket = agent_socket(&s.dir, n % s.agents.max(1));
+        let mut args = vec!["engine".into(), "--synthetic".into()];
+        args.extend(http_service_args(s, api, admin));
+        args.extend([
+            "--time-scale".into(),
+            s.time_scale.to_string(),
+            "--agent-socket".into(),
+            socket.display().to_string(),
+            "--kv-bytes-per-token".into(),
+            s.kv_bytes_per_token.to_string(),
+        ]);
+        if s.protocol == EngineProtocol::Sglang {
+            args.extend([
+                "--protocol".into(),
+                "sglang".into(),
+                "--disaggregation-mode".into(),
+                role.as_str().into(),
+            ]);
+        }
         out.push(ChildSpec {
             name: format!("{}-{i}", role.as_str()),
             role,
             program: s.kvpool_bin.clone(),
-            args: vec![
-                "engine".into(),
-                "--synthetic".into(),
-                "--listen".into(),
-                api.to_string(),
-                "--admin-listen".into(),
-                admin.to_string(),
-                "--model".into(),
-                s.model.clone(),
-                "--block-size".into(),
-                s.block_size.to_string(),
-                "--chunk-bytes".into(),
-                s.chunk_bytes.to_string(),
-                "--time-scale".into(),
-                s.time_scale.to_string(),
-                "--agent-socket".into(),
-                socket.display().to_string(),
-                "--kv-bytes-per-token".into(),
-                s.kv_bytes_per_token.to_string(),
-            ],
+            args,
             admin,
             endpoint: Some(url),
             config_file: None,
         });
     }
     let (api, admin) = (next()?, next()?);
-    let mut args = vec![
-        "conductor".into(),
-        "--listen".into(),
-        api.to_string(),
-        "--admin-listen".into(),
-        admin.to_string(),
-        "--model".into(),
-        s.model.clone(),
-        "--block-size".into(),
-        s.block_size.to_string(),
-        "--chunk-bytes".into(),
-        s.chunk_bytes.to_string(),
+    let mut args = vec!["conductor".into()];
+    args.extend(http_service_args(s, api, admin));
+    args.extend([
         "--bytes-per-token".into(),
         s.kv_bytes_per_token.to_string(),
         // The conductor asks the master which prompt blocks the engines left in the pool.
@@ -207,7 +217,14 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         grpc.to_string(),
         "--auth-key-file".into(),
         key_file(&s.dir).display().to_string(),
-    ];
+    ]);
+    // The conductor's clock and the engines' measured fetch times in cost-model seconds.
+    if s.time_scale > 0.0 {
+        args.extend(["--time-scale".into(), s.time_scale.to_string()]);
+    }
+    if s.protocol == EngineProtocol::Sglang {
+        args.extend(["--engine-protocol".into(), "sglang".into()]);
+    }
     for url in &prefill_urls {
         args.extend(["--prefill".into(), url.clone()]);
     }
@@ -244,6 +261,7 @@ mod tests {
             kv_bytes_per_token: 64,
             agent_dram: "64MiB".into(),
             time_scale: 0.1,
+            protocol: EngineProtocol::Vllm,
             sysfs_root: None,
             procfs_root: None,
         }
@@ -310,5 +328,44 @@ mod tests {
         let (_, cfg) = p[1].config_file.as_ref().unwrap();
         assert!(cfg.contains("discovery:\n  sysfs_root: /fx/sys\n"), "{cfg}");
         assert!(!cfg.contains("procfs_root"));
+    }
+
+    #[test]
+    fn sglang_protocol_reaches_engines_and_conductor_and_the_time_scale_the_conductor() {
+        let mut s = settings();
+        let ports: Vec<u16> = (1..=ports_needed(&s) as u16).collect();
+        let p = plan(&s, &ports).unwrap();
+        let conductor = p.last().unwrap().args.join(" ");
+        assert!(conductor.contains("--time-scale 0.1"), "{conductor}");
+        assert!(!conductor.contains("--engine-protocol"), "{conductor}");
+        assert!(!p[3].args.iter().any(|a| a == "--protocol"));
+
+        s.protocol = EngineProtocol::Sglang;
+        let p = plan(&s, &ports).unwrap();
+        let args = |name: &str| {
+            p.iter()
+                .find(|c| c.name == name)
+                .map(|c| c.args.join(" "))
+                .unwrap()
+        };
+        assert!(
+            args("prefill-1").ends_with("--protocol sglang --disaggregation-mode prefill"),
+            "{}",
+            args("prefill-1")
+        );
+        assert!(
+            args("decode-0").ends_with("--protocol sglang --disaggregation-mode decode"),
+            "{}",
+            args("decode-0")
+        );
+        assert!(
+            args("conductor").contains("--engine-protocol sglang"),
+            "{}",
+            args("conductor")
+        );
+        // A time scale of 0 (as fast as possible) is not passed on: the conductor keeps 1.
+        s.time_scale = 0.0;
+        let p = plan(&s, &ports).unwrap();
+        assert!(!p.last().unwrap().args.iter().any(|a| a == "--time-scale"));
     }
 }

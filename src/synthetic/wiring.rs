@@ -1,0 +1,121 @@
+//! Process wiring shared by the HTTP services started from the CLI, `kvpool engine` and
+//! `kvpool conductor`: the Tokio runtime, SIGTERM/SIGINT to a cancellation token, the API
+//! listener, and the admin server (`/livez`, `/readyz`, `/metrics`) that starts first and stops
+//! last. I/O boundary: sockets and signals; what is served is the caller's.
+
+use std::future::Future;
+use std::net::SocketAddr;
+
+use prometheus::Registry;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::{self, AdminError, Readiness};
+
+/// A failure of the wiring itself (the service's own errors are the caller's).
+#[derive(Debug, thiserror::Error)]
+pub enum WiringError {
+    #[error("cannot start the Tokio runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    #[error("cannot bind the API listener on {addr}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("admin server")]
+    Admin(#[source] AdminError),
+}
+
+impl WiringError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            WiringError::Runtime(_) => "runtime",
+            WiringError::Signals(_) => "signals",
+            WiringError::Bind { .. } => "bind",
+            WiringError::Admin(_) => "admin",
+        }
+    }
+}
+
+/// Either the service failed (`E`, its own error type) or the wiring around it did.
+pub trait FromWiring {
+    fn from_wiring(err: WiringError) -> Self;
+}
+
+/// What a service gets once its process is wired: the registry its metrics go into (served on
+/// the admin port), its readiness flag (false until the service sets it) and the token that
+/// SIGTERM or SIGINT cancels.
+#[derive(Clone, Debug)]
+pub struct Wired {
+    pub registry: Registry,
+    pub readiness: Readiness,
+    pub shutdown: CancellationToken,
+}
+
+/// Runs a service on a new multi-threaded Tokio runtime until SIGTERM or SIGINT (errors of the
+/// wiring become the service's error type through [`FromWiring`]):
+/// `setup` builds it (its router, background tasks...) from the [`Wired`] handles and returns
+/// what `serve` needs; then the API listener on `listen` and the admin server on
+/// `admin_listen` are bound, the admin server starts, `serve` runs on the API listener until
+/// the shutdown token is cancelled, readiness drops, and the admin server stops last.
+/// `setup` runs before any listener is bound, so a bad configuration fails without opening
+/// ports; `serve` gets the listener once the admin server is up.
+pub fn run<S, E, Setup, SetupFut, Serve, ServeFut>(
+    listen: SocketAddr,
+    admin_listen: SocketAddr,
+    setup: Setup,
+    serve: Serve,
+) -> Result<(), E>
+where
+    E: FromWiring,
+    Setup: FnOnce(Wired) -> SetupFut,
+    SetupFut: Future<Output = Result<S, E>>,
+    Serve: FnOnce(S, TcpListener, Wired) -> ServeFut,
+    ServeFut: Future<Output = Result<(), E>>,
+{
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| E::from_wiring(WiringError::Runtime(e)))?;
+    runtime.block_on(async {
+        let wired = Wired {
+            registry: Registry::new(),
+            readiness: Readiness::new(),
+            shutdown: CancellationToken::new(),
+        };
+        crate::shutdown::cancel_on_signal(wired.shutdown.clone())
+            .map_err(|e| E::from_wiring(WiringError::Signals(e)))?;
+        let service = setup(wired.clone()).await?;
+        let listener = TcpListener::bind(listen).await.map_err(|source| {
+            E::from_wiring(WiringError::Bind {
+                addr: listen,
+                source,
+            })
+        })?;
+        let admin_listener = admin::bind(admin_listen)
+            .await
+            .map_err(|e| E::from_wiring(WiringError::Admin(e)))?;
+        let admin_shutdown = CancellationToken::new();
+        let admin_task = tokio::spawn(admin::serve(
+            admin_listener,
+            admin::router(wired.registry.clone(), wired.readiness.clone()),
+            admin_shutdown.clone(),
+        ));
+        let readiness = wired.readiness.clone();
+        let served = serve(service, listener, wired).await;
+        readiness.set_ready(false);
+        // The admin server goes last.
+        admin_shutdown.cancel();
+        let admin_result = admin_task.await;
+        served?;
+        let admin_result = match admin_result {
+            Ok(r) => r,
+            Err(join) => Err(AdminError::Serve(std::io::Error::other(join))),
+        };
+        admin_result.map_err(|e| E::from_wiring(WiringError::Admin(e)))
+    })
+}
