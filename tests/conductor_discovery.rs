@@ -163,6 +163,7 @@ async fn discovery_follows_ready_pods_through_list_and_watch() {
         &Engines {
             prefill: vec!["http://10.0.0.2:8000".into(), "http://10.0.0.3:8000".into()],
             decode: vec!["http://10.0.1.1:8000".into()],
+            ..Engines::default()
         },
     )
     .await;
@@ -319,6 +320,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     tx.send(Engines {
         prefill: vec![p0.clone()],
         decode: vec![d0.clone()],
+        ..Engines::default()
     })
     .expect("send");
     until_ready(&readiness, true).await;
@@ -339,6 +341,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     tx.send(Engines {
         prefill: vec![p1.clone()],
         decode: vec![d0.clone()],
+        ..Engines::default()
     })
     .expect("send");
     let waited = tokio::time::timeout(Duration::from_secs(30), async {
@@ -369,6 +372,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     tx.send(Engines {
         prefill: vec![p1],
         decode: vec![],
+        ..Engines::default()
     })
     .expect("send");
     until_ready(&readiness, false).await;

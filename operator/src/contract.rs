@@ -258,9 +258,63 @@ pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<Strin
     (vec!["python3".to_owned()], args)
 }
 
+/// The bootstrap port an SGLang engine started with `user_args` serves: the value of its
+/// `--disaggregation-bootstrap-port` (as `--flag N` or `--flag=N`; the last one wins, as with
+/// argparse), else SGLang's default. A value that is not a port is left to SGLang to refuse;
+/// the default is reported then.
+pub fn sglang_bootstrap_port(user_args: &[String]) -> u16 {
+    const FLAG: &str = "--disaggregation-bootstrap-port";
+    let mut port = kvpool::crd::labels::SGLANG_DEFAULT_BOOTSTRAP_PORT;
+    let mut args = user_args.iter();
+    while let Some(a) = args.next() {
+        let value = if a == FLAG {
+            args.next().map(String::as_str)
+        } else {
+            a.strip_prefix(FLAG).and_then(|rest| rest.strip_prefix('='))
+        };
+        if let Some(p) = value
+            .and_then(|v| v.parse::<u16>().ok())
+            .filter(|p| *p != 0)
+        {
+            port = p;
+        }
+    }
+    port
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sglang_bootstrap_port_follows_the_user_args() {
+        let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(sglang_bootstrap_port(&[]), 8998);
+        assert_eq!(
+            sglang_bootstrap_port(&args(&["--disaggregation-bootstrap-port", "9100"])),
+            9100
+        );
+        assert_eq!(
+            sglang_bootstrap_port(&args(&["--x", "--disaggregation-bootstrap-port=9200"])),
+            9200
+        );
+        assert_eq!(
+            sglang_bootstrap_port(&args(&[
+                "--disaggregation-bootstrap-port=9200",
+                "--disaggregation-bootstrap-port",
+                "9300"
+            ])),
+            9300
+        );
+        assert_eq!(
+            sglang_bootstrap_port(&args(&["--disaggregation-bootstrap-port", "many"])),
+            8998
+        );
+        assert_eq!(
+            sglang_bootstrap_port(&args(&["--disaggregation-bootstrap-port"])),
+            8998
+        );
+    }
 
     #[test]
     fn default_transfer_port_is_the_crd_default() {

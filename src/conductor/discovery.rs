@@ -16,7 +16,10 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use super::Engines;
+use super::{Engines, RoutingProtocol};
+use crate::crd::labels::{
+    BOOTSTRAP_PORT_ANNOTATION, ENGINE_PROTOCOL_ANNOTATION, SGLANG_DEFAULT_BOOTSTRAP_PORT,
+};
 
 /// What to watch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,15 +84,70 @@ pub fn engine_urls<'a>(pods: impl IntoIterator<Item = &'a Pod>, port: u16) -> Ve
     urls
 }
 
-fn current(prefill: &Store<Pod>, decode: &Store<Pod>, port: u16) -> Engines {
-    let urls = |store: &Store<Pod>| {
-        let pods: Vec<Arc<Pod>> = store.state();
-        engine_urls(pods.iter().map(Arc::as_ref), port)
+/// The routing convention `pod` declares in its `kvpool.dev/engine-protocol` annotation (with
+/// `kvpool.dev/bootstrap-port` for SGLang, SGLang's default port when absent); `Ok(None)` when
+/// it declares none. An unknown protocol or a port that is not a number from 1 to 65535 is an
+/// error naming the annotation.
+pub fn engine_protocol(pod: &Pod) -> Result<Option<RoutingProtocol>, String> {
+    let Some(notes) = pod.metadata.annotations.as_ref() else {
+        return Ok(None);
     };
-    Engines {
-        prefill: urls(prefill),
-        decode: urls(decode),
+    let Some(protocol) = notes.get(ENGINE_PROTOCOL_ANNOTATION) else {
+        return Ok(None);
+    };
+    match protocol.as_str() {
+        "vllm" => Ok(Some(RoutingProtocol::Vllm)),
+        "sglang" => {
+            let bootstrap_port = match notes.get(BOOTSTRAP_PORT_ANNOTATION) {
+                None => SGLANG_DEFAULT_BOOTSTRAP_PORT,
+                Some(v) => v.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+                    format!("{BOOTSTRAP_PORT_ANNOTATION} {v:?} is not a port from 1 to 65535")
+                })?,
+            };
+            Ok(Some(RoutingProtocol::Sglang { bootstrap_port }))
+        }
+        other => Err(format!(
+            "{ENGINE_PROTOCOL_ANNOTATION} {other:?} is not one of \"vllm\", \"sglang\""
+        )),
     }
+}
+
+/// The engines among `prefill` and `decode` pods that count, with the protocols they declare.
+/// A pod whose annotations are invalid is logged and routed by the conductor's default.
+pub fn engines_of<'a>(
+    prefill: impl IntoIterator<Item = &'a Pod> + Clone,
+    decode: impl IntoIterator<Item = &'a Pod> + Clone,
+    port: u16,
+) -> Engines {
+    let mut protocols = std::collections::BTreeMap::new();
+    for pod in prefill.clone().into_iter().chain(decode.clone()) {
+        let Some(url) = engine_url(pod, port) else {
+            continue;
+        };
+        match engine_protocol(pod) {
+            Ok(Some(p)) => {
+                protocols.insert(url, p);
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(pod = ?pod.metadata.name, error = %e,
+                "engine pod annotation ignored; routing it by the conductor's --engine-protocol"),
+        }
+    }
+    Engines {
+        prefill: engine_urls(prefill, port),
+        decode: engine_urls(decode, port),
+        protocols,
+    }
+}
+
+fn current(prefill: &Store<Pod>, decode: &Store<Pod>, port: u16) -> Engines {
+    let prefill: Vec<Arc<Pod>> = prefill.state();
+    let decode: Vec<Arc<Pod>> = decode.state();
+    engines_of(
+        prefill.iter().map(Arc::as_ref),
+        decode.iter().map(Arc::as_ref),
+        port,
+    )
 }
 
 /// Watch the engine pods with `client` and publish every change of the engine set on `tx`
@@ -174,6 +232,94 @@ mod tests {
             "status": status,
         }))
         .expect("pod")
+    }
+
+    fn annotated(name: &str, ip: &str, notes: &[(&str, &str)]) -> Pod {
+        let mut p = pod(name, Some(ip), true);
+        p.metadata.annotations = Some(
+            notes
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        p
+    }
+
+    #[test]
+    fn engine_protocol_comes_from_the_annotations() {
+        let none = pod("plain", Some("10.0.0.1"), true);
+        assert_eq!(engine_protocol(&none), Ok(None));
+        let vllm = annotated("v", "10.0.0.2", &[(ENGINE_PROTOCOL_ANNOTATION, "vllm")]);
+        assert_eq!(engine_protocol(&vllm), Ok(Some(RoutingProtocol::Vllm)));
+        let sg = annotated("s", "10.0.0.3", &[(ENGINE_PROTOCOL_ANNOTATION, "sglang")]);
+        assert_eq!(
+            engine_protocol(&sg),
+            Ok(Some(RoutingProtocol::Sglang {
+                bootstrap_port: 8998
+            }))
+        );
+        let sg_port = annotated(
+            "s2",
+            "10.0.0.4",
+            &[
+                (ENGINE_PROTOCOL_ANNOTATION, "sglang"),
+                (BOOTSTRAP_PORT_ANNOTATION, "9000"),
+            ],
+        );
+        assert_eq!(
+            engine_protocol(&sg_port),
+            Ok(Some(RoutingProtocol::Sglang {
+                bootstrap_port: 9000
+            }))
+        );
+        for bad_port in ["0", "70000", "x"] {
+            let p = annotated(
+                "b",
+                "10.0.0.5",
+                &[
+                    (ENGINE_PROTOCOL_ANNOTATION, "sglang"),
+                    (BOOTSTRAP_PORT_ANNOTATION, bad_port),
+                ],
+            );
+            let e = engine_protocol(&p).expect_err(bad_port);
+            assert!(e.contains(BOOTSTRAP_PORT_ANNOTATION), "{e}");
+        }
+        let unknown = annotated("u", "10.0.0.6", &[(ENGINE_PROTOCOL_ANNOTATION, "trtllm")]);
+        let e = engine_protocol(&unknown).expect_err("unknown protocol");
+        assert!(e.contains("trtllm"), "{e}");
+    }
+
+    #[test]
+    fn engines_carry_the_declared_protocols_of_counted_pods() {
+        let prefill = [
+            annotated("p0", "10.0.0.1", &[(ENGINE_PROTOCOL_ANNOTATION, "sglang")]),
+            // Declares a protocol but is not ready: not an engine, not in the map.
+            {
+                let mut p = annotated("p1", "10.0.0.2", &[(ENGINE_PROTOCOL_ANNOTATION, "sglang")]);
+                p.status = pod("x", Some("10.0.0.2"), false).status;
+                p
+            },
+            // Invalid annotation: an engine, routed by the default.
+            annotated("p2", "10.0.0.3", &[(ENGINE_PROTOCOL_ANNOTATION, "nope")]),
+        ];
+        let decode = [annotated(
+            "d0",
+            "10.0.1.1",
+            &[(ENGINE_PROTOCOL_ANNOTATION, "sglang")],
+        )];
+        let e = engines_of(&prefill, &decode, 8000);
+        assert_eq!(e.prefill, ["http://10.0.0.1:8000", "http://10.0.0.3:8000"]);
+        assert_eq!(e.decode, ["http://10.0.1.1:8000"]);
+        let sg = RoutingProtocol::Sglang {
+            bootstrap_port: 8998,
+        };
+        assert_eq!(
+            e.protocols.into_iter().collect::<Vec<_>>(),
+            vec![
+                ("http://10.0.0.1:8000".to_owned(), sg),
+                ("http://10.0.1.1:8000".to_owned(), sg),
+            ]
+        );
     }
 
     #[test]

@@ -139,6 +139,7 @@ impl ConductorConfig {
         Engines {
             prefill: self.prefill.clone(),
             decode: self.decode.clone(),
+            protocols: Default::default(),
         }
     }
 
@@ -164,6 +165,10 @@ impl ConductorConfig {
 pub struct Engines {
     pub prefill: Vec<String>,
     pub decode: Vec<String>,
+    /// The routing convention of engines that declare one (discovered pods carry the
+    /// `kvpool.dev/engine-protocol` annotation), by base URL; the others follow
+    /// [`ConductorConfig::protocol`].
+    pub protocols: std::collections::BTreeMap<String, RoutingProtocol>,
 }
 
 impl Engines {
@@ -187,6 +192,41 @@ impl Engines {
         Engines {
             prefill: order(&self.prefill, &next.prefill),
             decode: order(&self.decode, &next.decode),
+            protocols: next.protocols.clone(),
+        }
+    }
+
+    /// How to route a request to the pair (`prefill`, `decode`): the protocol both declare, or
+    /// `default` for an engine that declares none. A pair whose engines declare different
+    /// conventions cannot be served (their KV hand-offs do not meet); the error says which.
+    pub fn pair_protocol(
+        &self,
+        prefill: &str,
+        decode: &str,
+        default: RoutingProtocol,
+    ) -> Result<RoutingProtocol, String> {
+        let p = self.protocols.get(prefill).copied().unwrap_or(default);
+        let d = self.protocols.get(decode).copied().unwrap_or(default);
+        match (p, d) {
+            (RoutingProtocol::Vllm, RoutingProtocol::Vllm) => Ok(p),
+            // The bootstrap server is the prefill engine's.
+            (RoutingProtocol::Sglang { .. }, RoutingProtocol::Sglang { .. }) => Ok(p),
+            _ => Err(format!(
+                "prefill engine {prefill} speaks {} but decode engine {decode} speaks {}: the \
+                 engine pools of one KVCachePool must share engine.kind",
+                p.name(),
+                d.name()
+            )),
+        }
+    }
+}
+
+impl RoutingProtocol {
+    /// The convention's name, as in `--engine-protocol` and the pod annotation.
+    pub fn name(self) -> &'static str {
+        match self {
+            RoutingProtocol::Vllm => "vllm",
+            RoutingProtocol::Sglang { .. } => "sglang",
         }
     }
 }
@@ -584,6 +624,67 @@ mod tests {
     }
 
     #[test]
+    fn a_pair_is_routed_by_the_protocol_both_engines_declare() {
+        let sg = |port| RoutingProtocol::Sglang {
+            bootstrap_port: port,
+        };
+        let engines = Engines {
+            prefill: vec![
+                "http://p-sg".into(),
+                "http://p-v".into(),
+                "http://p-none".into(),
+            ],
+            decode: vec![
+                "http://d-sg".into(),
+                "http://d-v".into(),
+                "http://d-none".into(),
+            ],
+            protocols: [
+                ("http://p-sg".to_owned(), sg(9000)),
+                ("http://d-sg".to_owned(), sg(8998)),
+                ("http://p-v".to_owned(), RoutingProtocol::Vllm),
+                ("http://d-v".to_owned(), RoutingProtocol::Vllm),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        let v = RoutingProtocol::Vllm;
+        // The bootstrap port is the prefill engine's.
+        assert_eq!(
+            engines.pair_protocol("http://p-sg", "http://d-sg", v),
+            Ok(sg(9000))
+        );
+        assert_eq!(
+            engines.pair_protocol("http://p-v", "http://d-v", sg(1)),
+            Ok(v)
+        );
+        // Undeclared engines take the conductor's default.
+        assert_eq!(
+            engines.pair_protocol("http://p-none", "http://d-none", v),
+            Ok(v)
+        );
+        assert_eq!(
+            engines.pair_protocol("http://p-none", "http://d-sg", sg(7)),
+            Ok(sg(7))
+        );
+        let e = engines
+            .pair_protocol("http://p-v", "http://d-sg", v)
+            .expect_err("mixed pair");
+        assert!(
+            e.contains("http://p-v") && e.contains("vllm") && e.contains("sglang"),
+            "{e}"
+        );
+        assert!(
+            engines
+                .pair_protocol("http://p-none", "http://d-sg", v)
+                .is_err()
+        );
+        // A new engine set keeps the declared protocols.
+        let kept = Engines::default().stable_order(&engines);
+        assert_eq!(kept.protocols, engines.protocols);
+    }
+
+    #[test]
     fn fetch_estimate_starts_configured_and_follows_measurements() {
         // 1 MB blocks at 1 GB/s: 1 ms per block until measured.
         let mut f = FetchEstimate::new(1_000_000, 1e9);
@@ -748,6 +849,7 @@ mod tests {
         let next = old.stable_order(&Engines {
             prefill: vec!["http://e".into(), "http://b".into()],
             decode: vec!["http://c".into()],
+            ..Engines::default()
         });
         assert_eq!(
             next.prefill,

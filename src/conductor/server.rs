@@ -98,6 +98,8 @@ enum UpstreamError {
         #[source]
         source: axum::Error,
     },
+    #[error("{0}")]
+    Mismatch(String),
 }
 
 /// The engines served now and the bookkeeping over them. `epoch` counts engine-set changes, so
@@ -116,6 +118,8 @@ struct Placed {
     epoch: u64,
     prefill_url: String,
     decode_url: String,
+    /// How the pair is routed, or why it cannot be (engines of different conventions).
+    protocol: Result<RoutingProtocol, String>,
 }
 
 impl Members {
@@ -571,6 +575,7 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
                     epoch,
                     prefill_url: p.clone(),
                     decode_url: d.clone(),
+                    protocol: engines.pair_protocol(p, d, shared.config.protocol),
                 },
                 _ => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
             },
@@ -586,11 +591,12 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, path: &str, body: Bytes
         shared: shared.clone(),
         placed: placed.clone(),
     };
-    match shared.config.protocol {
-        RoutingProtocol::Vllm => route_vllm(shared, placed, finish, original, path).await,
-        RoutingProtocol::Sglang { bootstrap_port } => {
+    match placed.protocol.clone() {
+        Ok(RoutingProtocol::Vllm) => route_vllm(shared, placed, finish, original, path).await,
+        Ok(RoutingProtocol::Sglang { bootstrap_port }) => {
             route_sglang(shared, placed, finish, original, path, bootstrap_port).await
         }
+        Err(mismatch) => upstream_failed(&shared, &UpstreamError::Mismatch(mismatch)),
     }
 }
 

@@ -50,6 +50,35 @@ pub fn selector_string(p: &ValidEnginePool) -> String {
         .join(",")
 }
 
+/// Annotations of the engine pods: the config hash (a changed config rolls the pods) and, for
+/// `vllm` and `sglang` engines, the routing convention the conductor follows for them
+/// (`kvpool.dev/engine-protocol`, plus `kvpool.dev/bootstrap-port` for SGLang). Custom engines
+/// declare none and are routed by the conductor's `--engine-protocol`.
+pub fn pod_annotations(p: &ValidEnginePool, config_hash: &str) -> BTreeMap<String, String> {
+    let mut notes = BTreeMap::from([(labels::CONFIG_HASH.to_owned(), config_hash.to_owned())]);
+    let engine = &p.effective;
+    match engine.kind {
+        EngineKind::Custom => {}
+        EngineKind::Vllm => {
+            notes.insert(
+                labels::ENGINE_PROTOCOL_ANNOTATION.to_owned(),
+                "vllm".to_owned(),
+            );
+        }
+        EngineKind::Sglang => {
+            notes.insert(
+                labels::ENGINE_PROTOCOL_ANNOTATION.to_owned(),
+                "sglang".to_owned(),
+            );
+            notes.insert(
+                labels::BOOTSTRAP_PORT_ANNOTATION.to_owned(),
+                contract::sglang_bootstrap_port(&engine.args).to_string(),
+            );
+        }
+    }
+    notes
+}
+
 /// `command` and `args` of the engine container.
 pub fn command_args(p: &ValidEnginePool) -> (Option<Vec<String>>, Option<Vec<String>>) {
     let engine = &p.effective;
@@ -218,10 +247,7 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
                         &p.pool.name,
                         p.component,
                     )),
-                    annotations: Some(BTreeMap::from([(
-                        labels::CONFIG_HASH.to_owned(),
-                        config_hash.to_owned(),
-                    )])),
+                    annotations: Some(pod_annotations(p, config_hash)),
                     ..ObjectMeta::default()
                 }),
                 spec: Some(PodSpec {
@@ -409,6 +435,8 @@ mod tests {
             .and_then(|m| m.annotations.as_ref())
             .expect("annotations");
         assert_eq!(annotations[labels::CONFIG_HASH], "hash1");
+        assert_eq!(annotations[labels::ENGINE_PROTOCOL_ANNOTATION], "vllm");
+        assert!(!annotations.contains_key(labels::BOOTSTRAP_PORT_ANNOTATION));
         assert!(c.readiness_probe.is_some());
 
         let svc = &children.service;
@@ -452,6 +480,14 @@ mod tests {
             "the TPOT objective"
         );
         assert_eq!(env_value(c, "MOONCAKE_CONFIG_PATH"), None, "vLLM only");
+        let notes = pod_annotations(&p, "h");
+        assert_eq!(notes[labels::ENGINE_PROTOCOL_ANNOTATION], "sglang");
+        assert_eq!(notes[labels::BOOTSTRAP_PORT_ANNOTATION], "8998");
+        let mut custom_port = decode_sglang();
+        custom_port.spec.engine.args = vec!["--disaggregation-bootstrap-port=9100".to_owned()];
+        let p = validate(&custom_port, valid(&roce())).expect("valid");
+        let notes = pod_annotations(&p, "h");
+        assert_eq!(notes[labels::BOOTSTRAP_PORT_ANNOTATION], "9100");
     }
 
     #[test]
@@ -471,6 +507,11 @@ mod tests {
         );
         assert!(c.resources.is_none(), "0 GPUs and no RDMA: no resources");
         assert!(c.readiness_probe.is_none());
+        assert_eq!(
+            pod_annotations(&p, "h").keys().collect::<Vec<_>>(),
+            [labels::CONFIG_HASH],
+            "a custom engine declares no protocol"
+        );
         assert_eq!(
             env_value(&c, "KVPOOL_MASTER_ADDR"),
             Some("tcp-master.default.svc:50051")
