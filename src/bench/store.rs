@@ -86,8 +86,8 @@ pub struct StoreBenchArgs {
     /// Requests per `redis-benchmark` test (1 MiB values, 4 connections).
     #[arg(long, default_value_t = 3000)]
     pub redis_requests: u64,
-    /// Client API measured: `registered` puts from a buffer registered with the engine
-    /// (`put_from`) and gets into a reused buffer (`get_into`); `copy` uses `put(&[u8])` and
+    /// Client API measured: `registered` puts from and gets straight into a buffer registered
+    /// with the engine (`put_from` / `get_to`, no staging copy); `copy` uses `put(&[u8])` and
     /// `get() -> Vec<u8>`.
     #[arg(long, value_enum, default_value = "registered")]
     pub api: Api,
@@ -470,6 +470,37 @@ fn stamp_into(buf: &mut [u8], worker: usize, i: u64) {
     buf[..n].copy_from_slice(&s[..n]);
 }
 
+/// Bytes compared per step by [`verify_segment`] (small enough to stay in cache).
+const VERIFY_CHUNK: usize = 64 * 1024;
+
+/// Whether the start of registered buffer `seg` holds the value of object `i` of `worker`,
+/// compared chunk by chunk through `scratch` (at least one chunk long) so that a 1 MiB value is
+/// not copied out whole first.
+fn verify_segment(
+    seg: &transfer::LocalSegment,
+    scratch: &mut [u8],
+    tmpl: &[u8],
+    worker: usize,
+    i: u64,
+) -> bool {
+    let s = stamp(worker, i);
+    let mut off = 0usize;
+    for want in tmpl.chunks(VERIFY_CHUNK) {
+        let Some(got) = scratch.get_mut(..want.len()) else {
+            return false;
+        };
+        if seg.segment().read_at(off as u64, got).is_err() {
+            return false;
+        }
+        let n = if off == 0 { got.len().min(STAMP) } else { 0 };
+        if got[..n] != s[..n] || got[n..] != want[n..] {
+            return false;
+        }
+        off += want.len();
+    }
+    true
+}
+
 /// Whether `got` is the value of object `i` of `worker` built on `tmpl`.
 pub fn verify(got: &[u8], tmpl: &[u8], worker: usize, i: u64) -> bool {
     if got.len() != tmpl.len() {
@@ -522,16 +553,17 @@ impl Worker {
                 let mut r = PhaseResult::default();
                 let mut h = histogram();
                 let mut buf = tmpl.as_ref().clone();
-                // Registered API: one registered buffer per task holding the value to put.
+                // Registered API: one registered buffer per task, holding the value to put or
+                // receiving the value got.
                 let registered = match api {
-                    Api::Registered if put => match pool.register_buffer(size) {
+                    Api::Registered => match pool.register_buffer(size) {
                         Ok(b) => match b.segment().write_at(0, &tmpl) {
                             Ok(()) => Some(b),
                             Err(e) => return failed(&e),
                         },
                         Err(e) => return failed(&e),
                     },
-                    _ => None,
+                    Api::Copy => None,
                 };
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -556,11 +588,19 @@ impl Worker {
                             stamp_into(&mut buf, id, i);
                             pool.put(&key, &buf, &opts).await.map(|_| true)
                         }
-                        (false, _) if api == Api::Registered => pool
-                            .get_into(&key, &mut buf)
-                            .await
-                            .map(|n| verify(buf.get(..n).unwrap_or_default(), &tmpl, id, i)),
-                        (false, _) => pool.get(&key).await.map(|got| verify(&got, &tmpl, id, i)),
+                        (false, Some(reg)) => {
+                            // Stale bytes from an earlier get must not pass for this one.
+                            match reg
+                                .segment()
+                                .write_at(0, &[0u8; STAMP][..STAMP.min(buf.len())])
+                            {
+                                Ok(()) => pool.get_to(&key, reg, 0).await.map(|n| {
+                                    n == size && verify_segment(reg, &mut buf, &tmpl, id, i)
+                                }),
+                                Err(e) => Err(DataError::Staging { size, source: e }),
+                            }
+                        }
+                        (false, None) => pool.get(&key).await.map(|got| verify(&got, &tmpl, id, i)),
                     };
                     let _ = h.record(t.elapsed().as_micros().max(1) as u64);
                     match outcome {
@@ -587,7 +627,10 @@ impl Worker {
                 r
             }));
         }
-        merge(tasks).await
+        let r = merge(tasks).await;
+        // Leases are released in the background; the phase ends when the master has them.
+        self.pool.flush_releases().await;
+        r
     }
 
     async fn lookup_phase(&self, prefix: bool) -> PhaseResult {
