@@ -301,6 +301,10 @@ pub struct PhaseResult {
     pub first_error: Option<String>,
     /// Latency histogram (microseconds) as (value, count) pairs of its recorded buckets.
     pub latency_us: Vec<(u64, u64)>,
+    /// Master calls the worker's client sent during the phase (coalesced get, put_start,
+    /// put_end and lease releases).
+    #[serde(default)]
+    pub master_calls: u64,
 }
 
 /// Aggregated figures of one timed phase.
@@ -315,6 +319,8 @@ pub struct PhaseFigures {
     pub p50_us: u64,
     pub p99_us: u64,
     pub first_error: Option<String>,
+    /// Master calls per operation (data phases; concurrent calls are coalesced).
+    pub master_calls_per_op: f64,
 }
 
 /// One value size.
@@ -394,12 +400,13 @@ fn encode_histogram(h: &Histogram<u64>) -> Vec<(u64, u64)> {
 /// Aggregate the workers' results of a phase that took `seconds` (barrier to last result).
 pub fn aggregate(results: &[PhaseResult], seconds: f64) -> PhaseFigures {
     let mut h = histogram();
-    let (mut ops, mut bytes, mut failures) = (0u64, 0u64, 0u64);
+    let (mut ops, mut bytes, mut failures, mut calls) = (0u64, 0u64, 0u64, 0u64);
     let mut first_error = None;
     for r in results {
         ops += r.ops;
         bytes += r.bytes;
         failures += r.failures;
+        calls += r.master_calls;
         if first_error.is_none() {
             first_error.clone_from(&r.first_error);
         }
@@ -417,6 +424,7 @@ pub fn aggregate(results: &[PhaseResult], seconds: f64) -> PhaseFigures {
         p50_us: h.value_at_quantile(0.5),
         p99_us: h.value_at_quantile(0.99),
         first_error,
+        master_calls_per_op: calls as f64 / ops.max(1) as f64,
     }
 }
 
@@ -470,35 +478,19 @@ fn stamp_into(buf: &mut [u8], worker: usize, i: u64) {
     buf[..n].copy_from_slice(&s[..n]);
 }
 
-/// Bytes compared per step by [`verify_segment`] (small enough to stay in cache).
-const VERIFY_CHUNK: usize = 64 * 1024;
-
 /// Whether the start of registered buffer `seg` holds the value of object `i` of `worker`,
-/// compared chunk by chunk through `scratch` (at least one chunk long) so that a 1 MiB value is
-/// not copied out whole first.
-fn verify_segment(
-    seg: &transfer::LocalSegment,
-    scratch: &mut [u8],
-    tmpl: &[u8],
-    worker: usize,
-    i: u64,
-) -> bool {
-    let s = stamp(worker, i);
-    let mut off = 0usize;
-    for want in tmpl.chunks(VERIFY_CHUNK) {
-        let Some(got) = scratch.get_mut(..want.len()) else {
-            return false;
-        };
-        if seg.segment().read_at(off as u64, got).is_err() {
-            return false;
-        }
-        let n = if off == 0 { got.len().min(STAMP) } else { 0 };
-        if got[..n] != s[..n] || got[n..] != want[n..] {
-            return false;
-        }
-        off += want.len();
+/// compared in place (no copy out of the buffer first).
+fn verify_segment(seg: &transfer::LocalSegment, tmpl: &[u8], worker: usize, i: u64) -> bool {
+    let mem = seg.segment();
+    if mem.check_range(0, tmpl.len() as u64).is_err() {
+        return false;
     }
-    true
+    // SAFETY: the range was checked to lie inside the segment's live mapping, which `seg` keeps
+    // alive for the borrow. The buffer belongs to this benchmark task alone and the only writer,
+    // the transport of its own `get_to`, has completed, so nothing writes these bytes while
+    // the shared slice exists.
+    let got = unsafe { std::slice::from_raw_parts(mem.addr() as *const u8, tmpl.len()) };
+    verify(got, tmpl, worker, i)
 }
 
 /// Whether `got` is the value of object `i` of `worker` built on `tmpl`.
@@ -545,6 +537,7 @@ impl Worker {
         };
         let mut tasks = Vec::new();
         let api = self.args.api;
+        let before = self.master.batched_calls();
         for _ in 0..self.args.depth {
             let (pool, tmpl, next, opts) =
                 (self.pool.clone(), tmpl.clone(), next.clone(), opts.clone());
@@ -594,9 +587,10 @@ impl Worker {
                                 .segment()
                                 .write_at(0, &[0u8; STAMP][..STAMP.min(buf.len())])
                             {
-                                Ok(()) => pool.get_to(&key, reg, 0).await.map(|n| {
-                                    n == size && verify_segment(reg, &mut buf, &tmpl, id, i)
-                                }),
+                                Ok(()) => pool
+                                    .get_to(&key, reg, 0)
+                                    .await
+                                    .map(|n| n == size && verify_segment(reg, &tmpl, id, i)),
                                 Err(e) => Err(DataError::Staging { size, source: e }),
                             }
                         }
@@ -627,9 +621,12 @@ impl Worker {
                 r
             }));
         }
-        let r = merge(tasks).await;
+        let mut r = merge(tasks).await;
         // Leases are released in the background; the phase ends when the master has them.
         self.pool.flush_releases().await;
+        let after = self.master.batched_calls();
+        r.master_calls = (after.get + after.put_start + after.put_end + after.release_leases)
+            - (before.get + before.put_start + before.put_end + before.release_leases);
         r
     }
 
@@ -1405,8 +1402,15 @@ fn print_text(r: &StoreBenchReport) {
     for v in &r.values {
         for (what, f) in [("put", &v.put), ("get", &v.get)] {
             println!(
-                "{what} {:>8} B  {:>9.0} ops/s  {:>6.2} GB/s  p50 {:>6} us  p99 {:>6} us  failures {}",
-                v.size_bytes, f.ops_per_second, f.gb_per_second, f.p50_us, f.p99_us, f.failures
+                "{what} {:>8} B  {:>9.0} ops/s  {:>6.2} GB/s  p50 {:>6} us  p99 {:>6} us  \
+                 master calls/op {:.2}  failures {}",
+                v.size_bytes,
+                f.ops_per_second,
+                f.gb_per_second,
+                f.p50_us,
+                f.p99_us,
+                f.master_calls_per_op,
+                f.failures
             );
         }
         println!(

@@ -428,20 +428,7 @@ impl PoolClient {
         let class = StagingCache::class(size);
         let local = match self.staging_cache.take(class) {
             Some(seg) => seg,
-            None => {
-                let len = usize::try_from(class).map_err(|_| {
-                    staging(MemoryError::InvalidSize {
-                        size: usize::MAX,
-                        max: transfer::memory::MAX_SEGMENT_SIZE,
-                    })
-                })?;
-                let seg = Segment::host(len, HostOptions::default()).map_err(staging)?;
-                let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
-                let name = format!("{}/staging-{}-{n}", self.node, std::process::id());
-                self.engine
-                    .register(&name, Arc::new(seg))
-                    .map_err(DataError::RegisterStaging)?
-            }
+            None => self.new_buffer("staging", class)?,
         };
         if let Some(d) = data {
             local.segment().write_at(0, d).map_err(staging)?;
@@ -490,6 +477,11 @@ impl PoolClient {
     /// Host memory of `len` bytes registered with this client's transfer engine, for
     /// [`Self::put_from`]. Unregistered when the last clone drops.
     pub fn register_buffer(&self, len: u64) -> Result<transfer::LocalSegment, DataError> {
+        self.new_buffer("buffer", len)
+    }
+
+    /// Fresh host memory of `len` bytes registered with the engine as `<node>/<what>-<pid>-<n>`.
+    fn new_buffer(&self, what: &str, len: u64) -> Result<transfer::LocalSegment, DataError> {
         let staging = |source| DataError::Staging { size: len, source };
         let size = usize::try_from(len).map_err(|_| {
             staging(MemoryError::InvalidSize {
@@ -499,7 +491,7 @@ impl PoolClient {
         })?;
         let seg = Segment::host(size, HostOptions::default()).map_err(staging)?;
         let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{}/buffer-{}-{n}", self.node, std::process::id());
+        let name = format!("{}/{what}-{}-{n}", self.node, std::process::id());
         self.engine
             .register(&name, Arc::new(seg))
             .map_err(DataError::RegisterStaging)
