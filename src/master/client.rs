@@ -601,8 +601,7 @@ impl MasterClient {
     async fn drain<B: BatchOp>(self) {
         let q = B::queue(&self.batch);
         while let Some(batch) = q.next(B::take) {
-            let (items, replies): (Vec<B::Item>, Vec<Option<ReplyTx<B::Out>>>) =
-                batch.into_iter().unzip();
+            let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
             q.calls.fetch_add(1, Ordering::Relaxed);
             match B::send(&self, items).await {
                 Ok(results) => {
@@ -664,6 +663,10 @@ pub struct BatchedCalls {
 
 type ReplyTx<O> = oneshot::Sender<Result<O, ClientError>>;
 type Reply<O> = oneshot::Receiver<Result<O, ClientError>>;
+/// A queued item and where its result goes (nowhere for background releases).
+type Pending<I, O> = (I, Option<ReplyTx<O>>);
+/// Picks the items of the next call out of a queue.
+type Take<I, O> = fn(&mut Vec<Pending<I, O>>) -> Vec<Pending<I, O>>;
 
 /// One queue of items waiting for a batched call; at most one call per queue is in flight,
 /// and items that arrive meanwhile go together in the next one (no timer: a lone item leaves
@@ -677,7 +680,7 @@ struct Coalescer<I, O> {
 
 #[derive(Debug)]
 struct Queue<I, O> {
-    items: Vec<(I, Option<ReplyTx<O>>)>,
+    items: Vec<Pending<I, O>>,
     /// A sender task is running (it stops only when it finds `items` empty).
     running: bool,
 }
@@ -704,11 +707,7 @@ impl<I, O> Coalescer<I, O> {
     }
 
     /// The next batch, or `None` (and the queue marked idle) when nothing waits.
-    #[allow(clippy::type_complexity)]
-    fn next(
-        &self,
-        take: fn(&mut Vec<(I, Option<ReplyTx<O>>)>) -> Vec<(I, Option<ReplyTx<O>>)>,
-    ) -> Option<Vec<(I, Option<ReplyTx<O>>)>> {
+    fn next(&self, take: Take<I, O>) -> Option<Vec<Pending<I, O>>> {
         let mut q = self.state.lock();
         if q.items.is_empty() {
             q.running = false;
@@ -764,10 +763,9 @@ trait BatchOp: Send + Sync + 'static {
         items: Vec<Self::Item>,
     ) -> impl Future<Output = Result<Vec<Result<Self::Out, ClientError>>, ClientError>> + Send;
     /// Which queued items go in the next call.
-    #[allow(clippy::type_complexity)]
     fn take(
-        items: &mut Vec<(Self::Item, Option<ReplyTx<Self::Out>>)>,
-    ) -> Vec<(Self::Item, Option<ReplyTx<Self::Out>>)> {
+        items: &mut Vec<Pending<Self::Item, Self::Out>>,
+    ) -> Vec<Pending<Self::Item, Self::Out>> {
         take_front(items)
     }
     /// A result whose caller went away.
@@ -820,8 +818,8 @@ impl BatchOp for PutStartOp {
     }
     /// One call carries one set of options: the leading run of items that share them.
     fn take(
-        items: &mut Vec<(Self::Item, Option<ReplyTx<PutStarted>>)>,
-    ) -> Vec<(Self::Item, Option<ReplyTx<PutStarted>>)> {
+        items: &mut Vec<Pending<Self::Item, PutStarted>>,
+    ) -> Vec<Pending<Self::Item, PutStarted>> {
         let same = match items.first() {
             Some(((_, _, opts), _)) => items
                 .iter()
