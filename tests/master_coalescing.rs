@@ -4,50 +4,23 @@
 //! in background batches and leave no lease behind, a read that outlives its lease is refused
 //! rather than returned, and `get_to` lands values straight in a caller-registered buffer.
 
-use std::net::SocketAddr;
-use std::path::PathBuf;
+mod pool_procs;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use kvpool::master::auth::AuthKey as MasterKey;
-use kvpool::master::client::{ClientConfig, MasterClient};
-use kvpool::master::cmd::{MasterArgs, RunningMaster, start};
+use kvpool::master::client::MasterClient;
 use kvpool::master::data::{DataError, PoolClient, tcp_endpoint, transfer_name};
-use kvpool::master::{PolicyKind, PutOptions, SegmentSpec, Tier};
+use kvpool::master::{PutOptions, SegmentSpec, Tier};
 use kvpool::transfer::{
     AuthKey, EngineConfig, HostOptions, LocalSegment, Segment, StaticDirectory, TcpServer,
     TransferEngine, TransferMetrics,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
+use pool_procs::{InProcessMaster, http_get, in_process_master};
 
 const KEY: &[u8] = b"coalescing-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
-
-fn args(key_file: PathBuf, lease_ttl: Duration) -> MasterArgs {
-    MasterArgs {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        admin_addr: "127.0.0.1:0".parse().expect("addr"),
-        auth_key_file: key_file,
-        etcd_endpoints: vec![],
-        etcd_prefix: "/kvpool/test".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
-        // The in-process agent never heartbeats; it must not be declared dead.
-        heartbeat_timeout: Duration::from_secs(600),
-        lease_ttl,
-        put_timeout: Duration::from_secs(60),
-        task_timeout: Duration::from_secs(60),
-        tick_interval: Duration::from_millis(20),
-        eviction_policy: PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
-        max_replicas: 4,
-    }
-}
 
 fn engine(node: &str) -> TransferEngine {
     TransferEngine::new(
@@ -64,9 +37,7 @@ fn engine(node: &str) -> TransferEngine {
 }
 
 struct Fixture {
-    _dir: tempfile::TempDir,
-    master: RunningMaster,
-    shutdown: CancellationToken,
+    m: InProcessMaster,
     client: MasterClient,
     pool: PoolClient,
     _agent: (TransferEngine, LocalSegment, TcpServer),
@@ -74,28 +45,14 @@ struct Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        self.shutdown.cancel();
+        self.m.shutdown.cancel();
     }
 }
 
 /// A master, one agent segment of 16 MiB mounted with it, and a remote reader's pool client.
 async fn fixture(lease_ttl: Duration) -> Fixture {
-    let dir = tempfile::tempdir().expect("tmp");
-    let key_file = dir.path().join("key");
-    std::fs::write(&key_file, KEY).expect("key");
-    let shutdown = CancellationToken::new();
-    let master = start(
-        args(key_file, lease_ttl).validate().expect("valid"),
-        shutdown.clone(),
-    )
-    .await
-    .expect("start master");
-    let client = MasterClient::new(
-        vec![master.grpc_addr.to_string()],
-        MasterKey::from_bytes(KEY).expect("master key"),
-        ClientConfig::default(),
-    )
-    .expect("client");
+    let m = in_process_master(KEY, |a| a.lease_ttl = lease_ttl).await;
+    let client = m.client.clone();
     let agent = engine("agent-a");
     let seg = Segment::host((16 * MIB) as usize, HostOptions::default()).expect("segment");
     let local = agent
@@ -118,28 +75,16 @@ async fn fixture(lease_ttl: Duration) -> Fixture {
         .expect("mount");
     let pool = PoolClient::new(client.clone(), engine("reader"), "reader".into(), None);
     Fixture {
-        _dir: dir,
-        master,
-        shutdown,
+        m,
         client,
         pool,
         _agent: (agent, local, server),
     }
 }
 
-async fn http_get(addr: SocketAddr, path: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    out
-}
-
 /// Calls of `method` the master answered, from its `kvpool_master_requests_total` counter.
 async fn master_calls(f: &Fixture, method: &str) -> u64 {
-    let body = http_get(f.master.admin_addr, "/metrics").await;
+    let body = http_get(f.m.master.admin_addr, "/metrics").await;
     let label = format!("method=\"{method}\"");
     body.lines()
         .filter(|l| l.starts_with("kvpool_master_requests_total{") && l.contains(&label))
