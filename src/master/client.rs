@@ -1046,9 +1046,9 @@ mod tests {
             item("c", &two),
             item("d", &PutOptions::default()),
         ];
-        let keys = |v: &[Pending<(Vec<u8>, u64, PutOptions), PutStarted>]| -> Vec<Vec<u8>> {
-            v.iter().map(|((k, _, _), _)| k.clone()).collect()
-        };
+        type Queued = Pending<<PutStartOp as BatchOp>::Item, PutStarted>;
+        let keys =
+            |v: &[Queued]| -> Vec<Vec<u8>> { v.iter().map(|((k, _, _), _)| k.clone()).collect() };
         let batch = PutStartOp::take(&mut queue);
         assert_eq!(keys(&batch), vec![b"a".to_vec(), b"b".to_vec()]);
         assert_eq!(keys(&PutStartOp::take(&mut queue)), vec![b"c".to_vec()]);
