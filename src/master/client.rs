@@ -506,7 +506,8 @@ impl MasterClient {
 
     /// Release a lease in the background: queued releases go to the master in batches, one
     /// call at a time, and a failed release is left to the lease's TTL. The caller must not
-    /// touch the leased replicas any more. [`Self::flush_releases`] waits for the queue.
+    /// touch the leased replicas any more. [`Self::flush_releases`] waits for the queue. Called
+    /// outside a tokio runtime, the release leaves with the next call made from one.
     pub fn release_lease_later(&self, id: u64) {
         drop(self.enqueue::<ReleaseOp>(id, false));
     }
@@ -590,8 +591,15 @@ impl MasterClient {
         };
         let q = B::queue(&self.batch);
         if q.push(item, tx) {
-            let this = self.clone();
-            tokio::spawn(async move { this.drain::<B>().await });
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    let this = self.clone();
+                    rt.spawn(async move { this.drain::<B>().await });
+                }
+                // Outside a runtime (only `release_lease_later` can be called there): the item
+                // waits for the next call made from one.
+                Err(_) => q.state.lock().running = false,
+            }
         }
         rx
     }
@@ -1069,6 +1077,17 @@ mod tests {
         assert!(q.next(take_front).is_none(), "drained: the sender stops");
         q.idle().await;
         assert!(q.push(4, None), "a new item after that starts a new sender");
+    }
+
+    #[test]
+    fn a_release_queued_outside_a_runtime_leaves_with_the_next_call() {
+        let key = AuthKey::from_bytes(b"0123456789abcdef").expect("key");
+        let client = MasterClient::new(vec!["127.0.0.1:1".into()], key, ClientConfig::default())
+            .expect("client");
+        client.release_lease_later(5); // no runtime here: must not panic
+        let q = &client.batch.release;
+        assert!(!q.state.lock().running);
+        assert_eq!(q.state.lock().items.len(), 1, "kept for the next call");
     }
 
     #[tokio::test]
