@@ -1,73 +1,26 @@
 //! The master's gRPC service over loopback: the client library against an in-process master,
 //! authentication, error codes, admin endpoints, agent death, and the real binary's SIGTERM.
 
+mod pool_procs;
+
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use kvpool::master::auth::AuthKey;
 use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
-use kvpool::master::cmd::{MasterArgs, RunningMaster, start};
+use kvpool::master::cmd::MasterArgs;
 use kvpool::master::proto::ErrorCode;
-use kvpool::master::{PolicyKind, PutOptions, PutStarted, SegmentSpec, Tier};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use kvpool::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use pool_procs::{InProcessMaster, http_get, in_process_master};
 use tokio_util::sync::CancellationToken;
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
 
-fn args(key_file: PathBuf) -> MasterArgs {
-    MasterArgs {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        admin_addr: "127.0.0.1:0".parse().expect("addr"),
-        auth_key_file: key_file,
-        etcd_endpoints: vec![],
-        etcd_prefix: "/kvpool/test".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
-        heartbeat_timeout: Duration::from_secs(600),
-        lease_ttl: Duration::from_secs(60),
-        put_timeout: Duration::from_secs(60),
-        task_timeout: Duration::from_secs(60),
-        tick_interval: Duration::from_millis(50),
-        eviction_policy: PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
-        max_replicas: 4,
-    }
-}
-
-struct Fixture {
-    _dir: tempfile::TempDir,
-    master: RunningMaster,
-    shutdown: CancellationToken,
-    client: MasterClient,
-}
+type Fixture = InProcessMaster;
 
 async fn fixture(tweak: impl FnOnce(&mut MasterArgs)) -> Fixture {
-    let dir = tempfile::tempdir().expect("tmp");
-    let key_file = dir.path().join("key");
-    std::fs::write(&key_file, KEY).expect("key");
-    let mut a = args(key_file);
-    tweak(&mut a);
-    let shutdown = CancellationToken::new();
-    let master = start(a.validate().expect("valid"), shutdown.clone())
-        .await
-        .expect("start");
-    let client = MasterClient::new(
-        vec![master.grpc_addr.to_string()],
-        AuthKey::from_bytes(KEY).expect("key"),
-        ClientConfig::default(),
-    )
-    .expect("client");
-    Fixture {
-        _dir: dir,
-        master,
-        shutdown,
-        client,
-    }
+    in_process_master(KEY, tweak).await
 }
 
 fn seg(node: &str, tier: Tier, cap: u64) -> SegmentSpec {
@@ -84,16 +37,6 @@ fn seg(node: &str, tier: Tier, cap: u64) -> SegmentSpec {
 
 fn code(e: &ClientError) -> Option<ErrorCode> {
     e.code()
-}
-
-async fn http_get(addr: SocketAddr, path: &str) -> String {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-        .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    out
 }
 
 #[tokio::test]

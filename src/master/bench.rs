@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::auth::AuthKey;
 use super::client::{ClientConfig, ClientError, MasterClient};
-use super::cmd::{CmdError, MasterArgs, start};
+use super::cmd::{CmdError, MasterArgs, RunningMaster, start};
 use super::policy::PolicyKind;
 use super::testing::{EtcdServer, TestingError};
 use super::types::{ObjectKey, PutOptions, PutStarted, SegmentSpec, Tier};
@@ -244,6 +244,21 @@ fn clients_for(
         .collect()
 }
 
+/// An in-process master on loopback (with etcd write-through when `etcd` is given).
+async fn start_master(
+    key_file: std::path::PathBuf,
+    etcd: Option<String>,
+) -> Result<(RunningMaster, CancellationToken), BenchError> {
+    let validated = master_args(key_file, etcd)
+        .validate()
+        .map_err(BenchError::Master)?;
+    let shutdown = CancellationToken::new();
+    let master = start(validated, shutdown.clone())
+        .await
+        .map_err(BenchError::Master)?;
+    Ok((master, shutdown))
+}
+
 /// Run the benchmark and print its report.
 pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError> {
     let dir = tempfile::tempdir().map_err(|e| BenchError::Setup(e.to_string()))?;
@@ -252,13 +267,7 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
     std::fs::write(&key_file, &secret).map_err(|e| BenchError::Setup(e.to_string()))?;
     let key = AuthKey::from_bytes(secret.as_bytes())
         .ok_or_else(|| BenchError::Setup("generated key too short".into()))?;
-    let validated = master_args(key_file.clone(), None)
-        .validate()
-        .map_err(BenchError::Master)?;
-    let shutdown = CancellationToken::new();
-    let master = start(validated, shutdown.clone())
-        .await
-        .map_err(BenchError::Master)?;
+    let (master, shutdown) = start_master(key_file.clone(), None).await?;
 
     // Load through the core: the same code path as put_start/put_end, minus gRPC.
     let rss_before = rss_bytes();
@@ -293,13 +302,7 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
 
     let puts_with_etcd = if args.with_etcd {
         let etcd = EtcdServer::start(dir.path()).map_err(BenchError::Etcd)?;
-        let validated = master_args(key_file, Some(etcd.client_url.clone()))
-            .validate()
-            .map_err(BenchError::Master)?;
-        let shutdown = CancellationToken::new();
-        let master = start(validated, shutdown.clone())
-            .await
-            .map_err(BenchError::Master)?;
+        let (master, shutdown) = start_master(key_file, Some(etcd.client_url.clone())).await?;
         let clients = clients_for(master.grpc_addr, &key, args.clients)?;
         let admin = &clients[0];
         for n in 0..8 {

@@ -74,6 +74,11 @@ pub enum DataError {
     StripeMismatch { part: u32, got: u64, want: u64 },
     #[error("a transfer task was lost: {0}")]
     Join(String),
+    #[error(
+        "the read ended after its {ttl:?} read lease may have expired: the bytes may have been \
+         overwritten and were discarded"
+    )]
+    LeaseExpired { ttl: std::time::Duration },
 }
 
 impl DataError {
@@ -93,6 +98,7 @@ impl DataError {
             DataError::StripeIncomplete { .. } => "stripe_incomplete",
             DataError::StripeMismatch { .. } => "stripe_mismatch",
             DataError::Join(_) => "join",
+            DataError::LeaseExpired { .. } => "lease_expired",
         }
     }
 }
@@ -422,20 +428,7 @@ impl PoolClient {
         let class = StagingCache::class(size);
         let local = match self.staging_cache.take(class) {
             Some(seg) => seg,
-            None => {
-                let len = usize::try_from(class).map_err(|_| {
-                    staging(MemoryError::InvalidSize {
-                        size: usize::MAX,
-                        max: transfer::memory::MAX_SEGMENT_SIZE,
-                    })
-                })?;
-                let seg = Segment::host(len, HostOptions::default()).map_err(staging)?;
-                let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
-                let name = format!("{}/staging-{}-{n}", self.node, std::process::id());
-                self.engine
-                    .register(&name, Arc::new(seg))
-                    .map_err(DataError::RegisterStaging)?
-            }
+            None => self.new_buffer("staging", class)?,
         };
         if let Some(d) = data {
             local.segment().write_at(0, d).map_err(staging)?;
@@ -484,6 +477,11 @@ impl PoolClient {
     /// Host memory of `len` bytes registered with this client's transfer engine, for
     /// [`Self::put_from`]. Unregistered when the last clone drops.
     pub fn register_buffer(&self, len: u64) -> Result<transfer::LocalSegment, DataError> {
+        self.new_buffer("buffer", len)
+    }
+
+    /// Fresh host memory of `len` bytes registered with the engine as `<node>/<what>-<pid>-<n>`.
+    fn new_buffer(&self, what: &str, len: u64) -> Result<transfer::LocalSegment, DataError> {
         let staging = |source| DataError::Staging { size: len, source };
         let size = usize::try_from(len).map_err(|_| {
             staging(MemoryError::InvalidSize {
@@ -493,7 +491,7 @@ impl PoolClient {
         })?;
         let seg = Segment::host(size, HostOptions::default()).map_err(staging)?;
         let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{}/buffer-{}-{n}", self.node, std::process::id());
+        let name = format!("{}/{what}-{}-{n}", self.node, std::process::id());
         self.engine
             .register(&name, Arc::new(seg))
             .map_err(DataError::RegisterStaging)
@@ -814,7 +812,7 @@ impl PoolClient {
     }
 
     /// Read a value: locate it (taking a read lease), read the nearest replica, trying the
-    /// others if it fails, then release the lease.
+    /// others if it fails, then release the lease in the background.
     pub async fn get(&self, key: &[u8]) -> Result<Vec<u8>, DataError> {
         let mut out = Vec::new();
         self.get_with(key, |size| {
@@ -837,7 +835,8 @@ impl PoolClient {
     }
 
     /// Read a value into `buf` (which must be at least as long as the value); returns its
-    /// length. Saves the allocation of [`Self::get`] when a caller reuses its buffer.
+    /// length. Saves the allocation of [`Self::get`] when a caller reuses its buffer; the
+    /// bytes still pass through a staging buffer ([`Self::get_to`] avoids that copy).
     pub async fn get_into(&self, key: &[u8], buf: &mut [u8]) -> Result<usize, DataError> {
         let have = buf.len() as u64;
         self.get_with(key, move |size| {
@@ -851,58 +850,104 @@ impl PoolClient {
         .await
     }
 
-    /// Locate, read into staging, release the lease, copy into the slice `sink(size)` returns.
-    /// A value that is the manifest of `key` is read as the striped object it describes.
+    /// Zero-copy get: read a value straight into `buffer` (registered with this client's
+    /// engine, see [`Self::register_buffer`]) at `offset`; returns its length. The transport
+    /// receives into the buffer itself, with no staging copy. On error the bytes of the buffer
+    /// after `offset` are unspecified.
+    pub async fn get_to(
+        &self,
+        key: &[u8],
+        buffer: &transfer::LocalSegment,
+        offset: u64,
+    ) -> Result<u64, DataError> {
+        let dest = Dest::Buffer(buffer.clone(), offset);
+        match self.read_value(key, &dest).await? {
+            Value::Plain { size, .. } => Ok(size),
+            Value::Striped(m) => {
+                dest.check_fits(m.total)?;
+                self.get_striped(key, m, &dest).await.map(|_| m.total)
+            }
+        }
+    }
+
+    /// Read into staging, then copy into the slice `sink(size)` returns.
     async fn get_with<'b>(
         &self,
         key: &[u8],
         sink: impl FnOnce(u64) -> Result<&'b mut [u8], DataError>,
     ) -> Result<usize, DataError> {
-        let located = self.master.get(key).await.map_err(DataError::Master)?;
-        let this = self.clone();
-        let size = located.size;
-        let replicas = located.replicas.clone();
-        let read = tokio::task::spawn_blocking(move || this.read_any(size, &replicas))
-            .await
-            .map_err(|e| DataError::Join(e.to_string()))
-            .and_then(|r| r);
-        self.release(&[located.lease_id]).await;
-        let local = read?;
-        let copy_out = |local: &transfer::LocalSegment, out: &mut [u8]| {
+        let (size, local) = match self.read_value(key, &Dest::Staging).await? {
+            Value::Plain { size, local, .. } => (size, local),
+            Value::Striped(m) => (m.total, self.get_striped(key, m, &Dest::Staging).await?),
+        };
+        let copied = sink(size).and_then(|out| {
             local
                 .segment()
                 .read_at(0, out)
                 .map_err(|source| DataError::Staging { size, source })
-        };
+                .map(|()| out.len())
+        });
+        self.unstage(local);
+        copied
+    }
+
+    /// Locate `key` and read its value into `dest`; the lease is released in the background.
+    /// A value that is the manifest of `key` comes back as [`Value::Striped`] (its bytes
+    /// dropped). Fails with [`DataError::LeaseExpired`] when the read ended after the lease
+    /// may have run out: by then eviction may have given the memory to another object.
+    async fn read_value(&self, key: &[u8], dest: &Dest) -> Result<Value, DataError> {
+        let located = self.master.get(key).await.map_err(DataError::Master)?;
+        let size = located.size;
+        if let Err(e) = dest.check_fits(size) {
+            self.master.release_lease_later(located.lease_id);
+            return Err(e);
+        }
+        let this = self.clone();
+        let replicas = located.replicas.clone();
+        let d = dest.clone();
+        let read = tokio::task::spawn_blocking(move || this.read_any(size, &replicas, &d))
+            .await
+            .map_err(|e| DataError::Join(e.to_string()))
+            .and_then(|r| r);
+        let held = located.lease_held();
+        self.master.release_lease_later(located.lease_id);
+        let (local, base) = read?;
+        if !held {
+            self.done_with(dest, local);
+            return Err(DataError::LeaseExpired {
+                ttl: located.lease_ttl,
+            });
+        }
         if size == MANIFEST_LEN as u64 {
             let mut head = [0u8; MANIFEST_LEN];
-            copy_out(&local, &mut head)?;
+            local
+                .segment()
+                .read_at(base, &mut head)
+                .map_err(|source| DataError::Staging { size, source })?;
             if let Some(m) = Manifest::decode(key, &head) {
-                self.unstage(local);
-                return self.get_striped(key, m, sink).await;
+                self.done_with(dest, local);
+                return Ok(Value::Striped(m));
             }
         }
-        let out = sink(size)?;
-        copy_out(&local, out)?;
-        self.unstage(local);
-        Ok(out.len())
+        Ok(Value::Plain { size, local })
     }
 
-    async fn release(&self, leases: &[u64]) {
-        if let Err(e) = self.master.release_leases(leases).await {
-            tracing::debug!(error = %e, "releasing read leases failed; they expire by themselves");
+    /// Give back a staging buffer (a caller's buffer stays with the caller).
+    fn done_with(&self, dest: &Dest, local: transfer::LocalSegment) {
+        if matches!(dest, Dest::Staging) {
+            self.unstage(local);
         }
     }
 
-    /// Locate every part (one batch, leases on all), read them into one staging buffer, copy
-    /// out. A missing part means the object was partly evicted: what is left of it is removed
-    /// so that no orphan part stays, and the read fails with `StripeIncomplete`.
-    async fn get_striped<'b>(
+    /// Locate every part (one batch, leases on all), read them into `dest`. A missing part
+    /// means the object was partly evicted: what is left of it is removed so that no orphan
+    /// part stays, and the read fails with `StripeIncomplete`.
+    async fn get_striped(
         &self,
         key: &[u8],
         m: Manifest,
-        sink: impl FnOnce(u64) -> Result<&'b mut [u8], DataError>,
-    ) -> Result<usize, DataError> {
+        dest: &Dest,
+    ) -> Result<transfer::LocalSegment, DataError> {
         let part_keys: Vec<Vec<u8>> = (0..m.parts).map(|i| stripe_part_key(key, i)).collect();
         let refs: Vec<&[u8]> = part_keys.iter().map(Vec::as_slice).collect();
         let located = self
@@ -910,21 +955,22 @@ impl PoolClient {
             .get_batch(&refs)
             .await
             .map_err(DataError::Master)?;
-        let leases: Vec<u64> = located
-            .iter()
-            .filter_map(|r| r.as_ref().ok().map(|l| l.lease_id))
-            .collect();
+        let mut leases = Vec::with_capacity(located.len());
         let mut parts = Vec::with_capacity(located.len());
         let mut problem = None;
         for (i, r) in (0..).zip(located) {
             match r {
-                Ok(l) if l.size == m.part(i).1 => parts.push(l.replicas),
                 Ok(l) => {
-                    problem.get_or_insert(DataError::StripeMismatch {
-                        part: i,
-                        got: l.size,
-                        want: m.part(i).1,
-                    });
+                    leases.push((l.lease_id, l.lease_deadline, l.lease_ttl));
+                    if l.size == m.part(i).1 {
+                        parts.push(l.replicas);
+                    } else {
+                        problem.get_or_insert(DataError::StripeMismatch {
+                            part: i,
+                            got: l.size,
+                            want: m.part(i).1,
+                        });
+                    }
                 }
                 Err(source) => {
                     problem.get_or_insert(DataError::StripeIncomplete {
@@ -939,30 +985,25 @@ impl PoolClient {
             Some(e) => Err(e),
             None => {
                 let this = self.clone();
-                let read = tokio::task::spawn_blocking(move || this.read_parts(&m, &parts))
+                let d = dest.clone();
+                tokio::task::spawn_blocking(move || this.read_parts(&m, &parts, &d))
                     .await
                     .map_err(|e| DataError::Join(e.to_string()))
-                    .and_then(|r| r);
-                match read {
-                    Ok(local) => {
-                        let copied = sink(m.total).and_then(|out| {
-                            local
-                                .segment()
-                                .read_at(0, out)
-                                .map_err(|source| DataError::Staging {
-                                    size: m.total,
-                                    source,
-                                })
-                                .map(|()| out.len())
-                        });
-                        self.unstage(local);
-                        copied
-                    }
-                    Err(e) => Err(e),
-                }
+                    .and_then(|r| r)
             }
         };
-        self.release(&leases).await;
+        let now = std::time::Instant::now();
+        let expired = leases.iter().find(|(_, deadline, _)| now >= *deadline);
+        let result = match (result, expired) {
+            (Ok(local), Some((_, _, ttl))) => {
+                self.done_with(dest, local);
+                Err(DataError::LeaseExpired { ttl: *ttl })
+            }
+            (r, _) => r,
+        };
+        for (id, _, _) in leases {
+            self.master.release_lease_later(id);
+        }
         if matches!(result, Err(DataError::StripeIncomplete { .. })) {
             let mut all = part_keys;
             all.push(key.to_vec());
@@ -971,15 +1012,19 @@ impl PoolClient {
         result
     }
 
-    /// Read every part into one staging buffer: nearest replicas in one batch, then, if that
-    /// fails, part by part through every replica.
+    /// Read every part into `dest`: nearest replicas in one batch, then, if that fails, part
+    /// by part through every replica.
     fn read_parts(
         &self,
         m: &Manifest,
         parts: &[Vec<ReplicaInfo>],
+        dest: &Dest,
     ) -> Result<transfer::LocalSegment, DataError> {
-        let local = self.staging(None, m.total)?;
-        let request = |i: u32, r: &ReplicaInfo| -> Result<TransferRequest, DataError> {
+        let (local, base) = self.destination(dest, m.total)?;
+        let request = |local: &transfer::LocalSegment,
+                       i: u32,
+                       r: &ReplicaInfo|
+         -> Result<TransferRequest, DataError> {
             let (off, len) = m.part(i);
             if r.length != len {
                 return Err(DataError::StripeMismatch {
@@ -991,7 +1036,7 @@ impl PoolClient {
             Ok(TransferRequest {
                 op: TransferOp::Read,
                 local: local.clone(),
-                local_offset: off,
+                local_offset: base + off,
                 remote: self.open(r)?,
                 remote_offset: r.offset,
                 len,
@@ -1002,34 +1047,37 @@ impl PoolClient {
             .map(|(i, replicas)| {
                 let r = pick_nearest(replicas, &self.node, self.numa_node)
                     .ok_or(DataError::NoReplica)?;
-                request(i, r)
+                request(&local, i, r)
             })
             .collect();
-        if let Ok(reqs) = nearest
-            && self.engine.transfer(reqs).is_ok()
-        {
-            return Ok(local);
-        }
-        // Slow path: a fresh buffer (the failed batch may still hold the old one), every replica.
-        drop(local);
-        let local = self.staging(None, m.total)?;
-        let request = |i: u32, r: &ReplicaInfo| -> Result<TransferRequest, DataError> {
-            let (off, len) = m.part(i);
-            Ok(TransferRequest {
-                op: TransferOp::Read,
-                local: local.clone(),
-                local_offset: off,
-                remote: self.open(r)?,
-                remote_offset: r.offset,
-                len,
-            })
+        let failed = match nearest.map(|reqs| self.engine.transfer(reqs)) {
+            Ok(Ok(())) => return Ok(local),
+            Ok(Err(e)) => Some(e),
+            Err(_) => None,
+        };
+        // Slow path. Staging: a fresh buffer (the failed batch may still hold the old one).
+        // A caller's buffer is reused unless the batch was abandoned unsettled.
+        let local = match dest {
+            Dest::Staging => {
+                drop(local);
+                self.staging(None, m.total)?
+            }
+            Dest::Buffer(..) => {
+                if let Some(source) = failed.filter(|f| f.index.is_none()) {
+                    return Err(DataError::Transfer {
+                        name: "striped parts".into(),
+                        source,
+                    });
+                }
+                local
+            }
         };
         for (i, replicas) in (0..).zip(parts) {
             let mut last = DataError::NoReplica;
             let mut done = false;
             for r in replicas {
                 let name = transfer_name(&r.node, &r.segment);
-                match request(i, r).and_then(|q| {
+                match request(&local, i, r).and_then(|q| {
                     self.engine
                         .transfer(vec![q])
                         .map_err(|source| DataError::Transfer { name, source })
@@ -1063,15 +1111,16 @@ impl PoolClient {
             match read {
                 Ok(v) => Manifest::decode(key, &v),
                 Err(e) => {
-                    self.release(&[located.lease_id]).await;
+                    self.master.release_lease_later(located.lease_id);
                     return Err(e);
                 }
             }
         } else {
             None
         };
-        // Our own lease would make the master refuse the remove.
-        self.release(&[located.lease_id]).await;
+        // Our own lease would make the master refuse the remove; `remove` flushes the
+        // queued releases before it asks.
+        self.master.release_lease_later(located.lease_id);
         if let Some(m) = manifest {
             // The manifest first: from then on no reader finds the parts.
             self.master.remove(key).await.map_err(DataError::Master)?;
@@ -1082,8 +1131,13 @@ impl PoolClient {
         self.master.remove(key).await.map_err(DataError::Master)
     }
 
+    /// Wait until the lease releases this client queued in the background reached the master.
+    pub async fn flush_releases(&self) {
+        self.master.flush_releases().await;
+    }
+
     fn read_vec_any(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
-        let local = self.read_any(size, replicas)?;
+        let (local, _) = self.read_any(size, replicas, &Dest::Staging)?;
         let mut out = vec![0u8; usize::try_from(size).unwrap_or(0)];
         local
             .segment()
@@ -1093,12 +1147,29 @@ impl PoolClient {
         Ok(out)
     }
 
-    /// Read `size` bytes from the nearest replica (then the others) into a staging buffer.
+    /// The buffer a read of `size` bytes lands in, and where in it.
+    fn destination(
+        &self,
+        dest: &Dest,
+        size: u64,
+    ) -> Result<(transfer::LocalSegment, u64), DataError> {
+        match dest {
+            Dest::Staging => Ok((self.staging(None, size)?, 0)),
+            Dest::Buffer(b, off) => {
+                dest.check_fits(size)?;
+                Ok((b.clone(), *off))
+            }
+        }
+    }
+
+    /// Read `size` bytes from the nearest replica (then the others) into `dest`; returns the
+    /// buffer and the offset of the value in it.
     fn read_any(
         &self,
         size: u64,
         replicas: &[ReplicaInfo],
-    ) -> Result<transfer::LocalSegment, DataError> {
+        dest: &Dest,
+    ) -> Result<(transfer::LocalSegment, u64), DataError> {
         let first = pick_nearest(replicas, &self.node, self.numa_node);
         let order = first.into_iter().chain(
             replicas
@@ -1107,11 +1178,18 @@ impl PoolClient {
         );
         let mut last = DataError::NoReplica;
         for r in order {
-            match self.read_one(size, r) {
+            match self.read_one(size, r, dest) {
                 Ok(v) => return Ok(v),
                 Err(e) => {
                     tracing::warn!(node = %r.node, segment = %r.segment, error = %e,
                         "replica read failed, trying the next");
+                    // A transfer abandoned unsettled may still land in a caller's buffer:
+                    // never reuse it for another replica.
+                    let unsettled = matches!(&e,
+                        DataError::Transfer { source, .. } if source.index.is_none());
+                    if unsettled && matches!(dest, Dest::Buffer(..)) {
+                        return Err(e);
+                    }
                     last = e;
                 }
             }
@@ -1119,26 +1197,31 @@ impl PoolClient {
         Err(last)
     }
 
-    fn read_one(&self, size: u64, r: &ReplicaInfo) -> Result<transfer::LocalSegment, DataError> {
+    fn read_one(
+        &self,
+        size: u64,
+        r: &ReplicaInfo,
+        dest: &Dest,
+    ) -> Result<(transfer::LocalSegment, u64), DataError> {
         if r.length != size {
             return Err(DataError::SizeMismatch {
                 got: r.length,
                 want: size,
             });
         }
-        let local = self.staging(None, size)?;
+        let (local, base) = self.destination(dest, size)?;
         if let Some(seg) = self.local_segment(r) {
             let len = usize::try_from(size).map_err(|_| DataError::SizeMismatch {
                 got: size,
                 want: size,
             })?;
-            transfer::memory::copy_between(&seg, r.offset, local.segment(), 0, len).map_err(
+            transfer::memory::copy_between(&seg, r.offset, local.segment(), base, len).map_err(
                 |source| DataError::Local {
                     name: transfer_name(&r.node, &r.segment),
                     source,
                 },
             )?;
-            return Ok(local);
+            return Ok((local, base));
         }
         let remote = self.open(r)?;
         let name = remote.name().to_owned();
@@ -1146,19 +1229,54 @@ impl PoolClient {
             .transfer(vec![TransferRequest {
                 op: TransferOp::Read,
                 local: local.clone(),
-                local_offset: 0,
+                local_offset: base,
                 remote,
                 remote_offset: r.offset,
                 len: size,
             }])
             .map_err(|source| DataError::Transfer { name, source })?;
-        Ok(local)
+        Ok((local, base))
     }
 
     #[cfg(test)]
     fn read_vec(&self, size: u64, replicas: &[ReplicaInfo]) -> Result<Vec<u8>, DataError> {
         self.read_vec_any(size, replicas)
     }
+}
+
+/// Where a read lands.
+#[derive(Clone)]
+enum Dest {
+    /// A (reused) staging buffer of the client, at offset 0.
+    Staging,
+    /// A caller's registered buffer, at this offset.
+    Buffer(transfer::LocalSegment, u64),
+}
+
+impl Dest {
+    fn check_fits(&self, size: u64) -> Result<(), DataError> {
+        match self {
+            Dest::Staging => Ok(()),
+            Dest::Buffer(b, off) => {
+                let have = b.len().saturating_sub(*off);
+                if size > have {
+                    Err(DataError::BufferTooSmall { size, have })
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+/// A value read by [`PoolClient::read_value`].
+enum Value {
+    Plain {
+        size: u64,
+        local: transfer::LocalSegment,
+    },
+    /// The manifest of a striped object.
+    Striped(Manifest),
 }
 
 /// Where a put's bytes come from.

@@ -1,6 +1,7 @@
 //! Helpers shared by the root tests that run a real `kvpool master` and real `kvpool-agent`
 //! processes on 127.0.0.1 (master_kill_under_load.rs, master_striping.rs): spawn them with logs
-//! in the test's directory, kill them when a test fails, and poll the master's stats.
+//! in the test's directory, kill them when a test fails, and poll the master's stats; and the
+//! flags of an in-process master (master_service.rs, master_coalescing.rs).
 
 #![allow(dead_code)]
 
@@ -10,9 +11,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpool::master::client::MasterClient;
+use kvpool::master::PolicyKind;
+use kvpool::master::auth::AuthKey as MasterKey;
+use kvpool::master::client::{ClientConfig, MasterClient};
+use kvpool::master::cmd::{MasterArgs, RunningMaster, start};
 use kvpool::master::proto::StatsResponse;
 use kvpool::master::testing::{free_port, wait_for_port};
+use tokio_util::sync::CancellationToken;
 
 pub const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 /// Only a hang reaches it on a loaded 2-core box.
@@ -138,4 +143,74 @@ pub async fn wait_stats(
         assert!(started.elapsed() < DEADLINE, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Flags of an in-process master on 127.0.0.1 (ephemeral ports) for tests: agents that never
+/// heartbeat stay alive, leases and puts last a minute, ticks every 50 ms.
+pub fn in_process_master_args(key_file: PathBuf) -> MasterArgs {
+    MasterArgs {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        admin_addr: "127.0.0.1:0".parse().expect("addr"),
+        auth_key_file: key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(600),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 4,
+    }
+}
+
+/// An in-process master with its key file in a temporary directory and a client of it.
+pub struct InProcessMaster {
+    pub _dir: tempfile::TempDir,
+    pub master: RunningMaster,
+    pub shutdown: CancellationToken,
+    pub client: MasterClient,
+}
+
+/// Start a master with [`in_process_master_args`] changed by `tweak`, keyed with `key`.
+pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) -> InProcessMaster {
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, key).expect("key");
+    let mut a = in_process_master_args(key_file);
+    tweak(&mut a);
+    let shutdown = CancellationToken::new();
+    let master = start(a.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("start master");
+    let client = MasterClient::new(
+        vec![master.grpc_addr.to_string()],
+        MasterKey::from_bytes(key).expect("master key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    InProcessMaster {
+        _dir: dir,
+        master,
+        shutdown,
+        client,
+    }
+}
+
+/// A plain HTTP/1.1 GET on `addr` (admin endpoints); the whole response, headers included.
+pub async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out
 }
