@@ -298,13 +298,7 @@ impl MasterClient {
                 async move { c.heartbeat(req).await }
             })
             .await?;
-        r.tasks
-            .iter()
-            .map(|t| {
-                t.to_task()
-                    .ok_or_else(|| ClientError::Malformed(format!("task {}", t.id)))
-            })
-            .collect()
+        tasks_of(&r)
     }
 
     pub async fn complete_task(
@@ -655,14 +649,7 @@ impl MasterClient {
                 async move { c.heartbeat(req).await }
             })
             .await?;
-        let tasks = r
-            .tasks
-            .iter()
-            .map(|t| {
-                t.to_task()
-                    .ok_or_else(|| ClientError::Malformed(format!("task {}", t.id)))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let tasks = tasks_of(&r)?;
         let events = r
             .events
             .iter()
@@ -677,6 +664,17 @@ impl MasterClient {
             events,
         })
     }
+}
+
+/// The tasks of a heartbeat answer; a malformed one fails the call.
+fn tasks_of(r: &proto::HeartbeatResponse) -> Result<Vec<Task>, ClientError> {
+    r.tasks
+        .iter()
+        .map(|t| {
+            t.to_task()
+                .ok_or_else(|| ClientError::Malformed(format!("task {}", t.id)))
+        })
+        .collect()
 }
 
 /// Calls worth retrying on another connection: the master is a standby or going away, or the

@@ -1961,9 +1961,5 @@ impl MasterState {
 }
 
 #[cfg(test)]
-#[path = "state_feed_tests.rs"]
-mod feed_tests;
-
-#[cfg(test)]
 #[path = "state_tests.rs"]
 mod tests;

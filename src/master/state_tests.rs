@@ -1269,3 +1269,7 @@ fn adopted_objects_reach_the_journal() {
         })]
     );
 }
+
+/// The segment-event feed (agent, issue 4), with the helpers above.
+#[path = "state_feed_tests.rs"]
+mod feed;
