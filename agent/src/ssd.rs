@@ -626,9 +626,8 @@ impl SsdTier {
                         break;
                     }
                 }
-                if free_tx.send(buf).is_err() {
-                    break;
-                }
+                // Fails only once the reader is done (it dropped its end): nothing to refill.
+                let _ = free_tx.send(buf);
             }
             drop(free_tx);
             if failed.is_none() {

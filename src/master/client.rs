@@ -357,14 +357,7 @@ impl MasterClient {
             transport,
             ..Default::default()
         };
-        rpc!(self, heartbeat, req)?
-            .tasks
-            .iter()
-            .map(|t| {
-                t.to_task()
-                    .ok_or_else(|| ClientError::Malformed(format!("task {}", t.id)))
-            })
-            .collect()
+        tasks_of(&rpc!(self, heartbeat, req)?)
     }
 
     pub async fn complete_task(
@@ -604,14 +597,7 @@ impl MasterClient {
             transport,
         };
         let r = rpc!(self, heartbeat, req)?;
-        let tasks = r
-            .tasks
-            .iter()
-            .map(|t| {
-                t.to_task()
-                    .ok_or_else(|| ClientError::Malformed(format!("task {}", t.id)))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let tasks = tasks_of(&r)?;
         let events = r
             .events
             .iter()
@@ -1003,6 +989,17 @@ fn item_results(
 ) -> Result<Vec<Result<(), ClientError>>, ClientError> {
     expect_len(r.results.len(), want)?;
     Ok(r.results.into_iter().map(|i| item(i.error)).collect())
+}
+
+/// The tasks of a heartbeat answer; a malformed one fails the call.
+fn tasks_of(r: &proto::HeartbeatResponse) -> Result<Vec<Task>, ClientError> {
+    r.tasks
+        .iter()
+        .map(|t| {
+            t.to_task()
+                .ok_or_else(|| ClientError::Malformed(format!("task {}", t.id)))
+        })
+        .collect()
 }
 
 /// Calls worth retrying on another connection: the master is a standby or going away, or the

@@ -2015,9 +2015,5 @@ impl MasterState {
 }
 
 #[cfg(test)]
-#[path = "state_feed_tests.rs"]
-mod feed_tests;
-
-#[cfg(test)]
 #[path = "state_tests.rs"]
 mod tests;

@@ -2,48 +2,13 @@
 //! reach the owning agent in order, survive a lost reply until acknowledged, resynchronise with
 //! a snapshot after a failover or an overflow, and corrupt-block reports drop the replica.
 
-use std::sync::Arc;
-
 use super::*;
-use crate::master::clock::FakeClock;
-
-const MIB: u64 = 1 << 20;
-
-fn key(i: u64) -> ObjectKey {
-    ObjectKey::from_bytes(&i.to_le_bytes())
-}
-
-fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: name.into(),
-        tier,
-        capacity_bytes: capacity,
-        numa_node: 0,
-        failure_domain: String::new(),
-        endpoints: vec![format!("tcp://{node}:1")],
-    }
-}
-
-fn master() -> MasterState {
-    MasterState::new(MasterConfig::default(), Arc::new(FakeClock::new(1_000)))
-}
 
 fn ssd_opts(replicas: u8) -> PutOptions {
     PutOptions {
         replicas,
         tier: Some(Tier::Ssd),
         ..PutOptions::default()
-    }
-}
-
-fn put(m: &mut MasterState, k: ObjectKey, size: u64, o: &PutOptions) -> Vec<ReplicaInfo> {
-    match m.put_start(k, size, o).expect("put_start") {
-        PutStarted::Allocated { put_id, replicas } => {
-            m.put_end(k, put_id).expect("put_end");
-            replicas
-        }
-        PutStarted::AlreadyCommitted { .. } => panic!("unexpected duplicate"),
     }
 }
 
@@ -57,7 +22,7 @@ fn view(events: &[SegmentEvent]) -> Vec<(SegmentEventKind, ObjectKey, u64, u64)>
 
 #[test]
 fn commits_and_frees_of_ssd_replicas_reach_their_agent_until_acknowledged() {
-    let mut m = master();
+    let (mut m, _clock) = master(MasterConfig::default());
     m.mount(spec("a", "dram0", Tier::Dram, 8 * MIB))
         .expect("mount");
     let ssd = m
@@ -108,7 +73,7 @@ fn evictions_failed_tasks_and_demotions_are_fed_with_the_right_keys() {
         }; 2],
         ..MasterConfig::default()
     };
-    let mut m = MasterState::new(config, Arc::new(FakeClock::new(1_000)));
+    let (mut m, _clock) = master(config);
     m.mount(spec("a", "dram", Tier::Dram, 10 * MIB))
         .expect("mount");
     m.mount(spec("a", "ssd", Tier::Ssd, 100 * MIB))
@@ -158,7 +123,7 @@ fn evictions_failed_tasks_and_demotions_are_fed_with_the_right_keys() {
 
 #[test]
 fn a_stale_epoch_or_an_overflow_is_answered_with_a_snapshot() {
-    let mut m = master();
+    let (mut m, _clock) = master(MasterConfig::default());
     let ssd = m
         .mount(spec("a", "ssd0", Tier::Ssd, 64 * MIB))
         .expect("mount");
@@ -196,7 +161,7 @@ fn a_stale_epoch_or_an_overflow_is_answered_with_a_snapshot() {
 
 #[test]
 fn a_corrupt_block_report_drops_that_replica_only() {
-    let mut m = master();
+    let (mut m, _clock) = master(MasterConfig::default());
     let s1 = m
         .mount(spec("a", "ssd0", Tier::Ssd, 8 * MIB))
         .expect("mount");

@@ -1282,3 +1282,7 @@ fn transport_state_is_kept_per_live_node() {
     assert_eq!(t.len(), 1);
     assert_eq!(t[0].0, "a");
 }
+
+/// The segment-event feed (agent, issue 4), with the helpers above.
+#[path = "state_feed_tests.rs"]
+mod feed;
