@@ -199,6 +199,9 @@ pub struct PoolConfig {
     pub task_timeout: Duration,
     /// The transfer engine wants RDMA (`pool.transport` is `rdma` or `auto`).
     pub want_rdma: bool,
+    /// RDMA only (`pool.transport: rdma`): without a usable RDMA device the agent still joins
+    /// the pool over TCP, but is not ready.
+    pub require_rdma: bool,
 }
 
 fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
@@ -255,6 +258,7 @@ fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
     if task_timeout < Duration::from_millis(100) {
         return Err(invalid("pool.task_timeout", "must be at least 100ms"));
     }
+    let require_rdma = p.transport.as_deref().map(str::trim) == Some("rdma");
     let want_rdma = match p.transport.as_deref().map(str::trim) {
         None | Some("tcp") => false,
         Some("rdma" | "auto") => true,
@@ -275,6 +279,7 @@ fn validate_pool(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
         max_tasks,
         task_timeout,
         want_rdma,
+        require_rdma,
     }))
 }
 
@@ -798,7 +803,11 @@ admin:
             (2, 16, Duration::from_secs(2))
         );
         assert!(!pool.want_rdma, "TCP unless the pool asks for RDMA");
-        for (transport, want) in [("rdma", true), ("auto", true), ("tcp", false)] {
+        for (transport, want, require) in [
+            ("rdma", true, true),
+            ("auto", true, false),
+            ("tcp", false, false),
+        ] {
             let pool = validate_yaml(&format!(
                 "pool: {{master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0, transport: {transport}}}"
             ))
@@ -806,6 +815,7 @@ admin:
             .pool
             .expect("pool mode");
             assert_eq!(pool.want_rdma, want, "{transport}");
+            assert_eq!(pool.require_rdma, require, "{transport}");
         }
         let cases = [
             (

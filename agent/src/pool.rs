@@ -776,6 +776,26 @@ impl PoolLink {
 
 /// Client settings of the link: calls retried for three heartbeat periods (1 to 5 s).
 /// The engine's transport state as the heartbeat carries it to the master.
+/// Why an agent that must use RDMA (`pool.transport: rdma`) is not ready, or `None`: it opened
+/// at least one RDMA device, or it was not asked for RDMA only. Such an agent still joins the
+/// pool over TCP (peers and the condition see the fallback), but a node without the fabric the
+/// pool asked for does not count as ready. Pure.
+pub fn rdma_readiness_blocker(
+    require_rdma: bool,
+    status: &kvpool::transfer::rdma::TransportStatus,
+) -> Option<String> {
+    if !require_rdma || !status.devices.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "transport.protocol is rdma but this node has no usable RDMA device ({})",
+        status
+            .reason
+            .as_deref()
+            .unwrap_or("no device opened by the transfer engine")
+    ))
+}
+
 fn transport_report(engine: &TransferEngine) -> kvpool::master::proto::TransportReport {
     let t = engine.transport_status();
     kvpool::master::proto::TransportReport {
@@ -891,6 +911,28 @@ impl Member {
 mod tests {
     use super::*;
     use kvpool::transfer::HostOptions;
+
+    #[test]
+    fn rdma_only_pools_need_a_device_to_be_ready() {
+        use kvpool::transfer::rdma::TransportStatus;
+        let no_device = TransportStatus::new(true, false, false, None, Vec::new());
+        let why = rdma_readiness_blocker(true, &no_device).expect("blocked");
+        assert!(why.contains("transport.protocol is rdma"), "{why}");
+        assert!(why.contains("RDMA device"), "names the cause: {why}");
+        // `auto` and `tcp` never block; a device opened never blocks.
+        assert_eq!(rdma_readiness_blocker(false, &no_device), None);
+        let with_device = TransportStatus::new(true, true, false, None, vec!["mlx5_0".to_owned()]);
+        assert_eq!(rdma_readiness_blocker(true, &with_device), None);
+        // A later fallback on a node with a device is a condition, not unreadiness.
+        let fell_back = TransportStatus::new(
+            true,
+            true,
+            true,
+            Some("peer x: QP handshake timed out".to_owned()),
+            vec!["mlx5_0".to_owned()],
+        );
+        assert_eq!(rdma_readiness_blocker(true, &fell_back), None);
+    }
 
     fn engine(node: &str) -> TransferEngine {
         TransferEngine::new(

@@ -344,9 +344,18 @@ async fn serve_data_plane(
             let mut healthy = member.link.healthy();
             let readiness = readiness.clone();
             let stop = sync_stop.clone();
+            // Devices are opened once at start: a node without the RDMA the pool requires
+            // stays unready for its whole life (the operator's TransportDegraded says why).
+            let blocker = crate::pool::rdma_readiness_blocker(
+                cfg.pool.as_ref().is_some_and(|p| p.require_rdma),
+                &member.engine.transport_status(),
+            );
+            if let Some(why) = &blocker {
+                tracing::error!(reason = %why, "agent stays not ready");
+            }
             let ready = tokio::spawn(async move {
                 loop {
-                    let now = *healthy.borrow_and_update();
+                    let now = *healthy.borrow_and_update() && blocker.is_none();
                     if now != readiness.is_ready() {
                         tracing::info!(ready = now, "agent readiness (pool membership)");
                     }

@@ -3,8 +3,8 @@
 //! the KVCachePool's `TransportDegraded` condition):
 //! - an agent configured with `pool.transport: rdma` on a host without a usable RDMA device (or
 //!   a build without feature `rdma`) is reported as fallen back, with the reason, and its
-//!   `kvpool_agent_pool_rdma_fallback` gauge is 1; on a host with a device it is reported on
-//!   RDMA with its devices instead;
+//!   `kvpool_agent_pool_rdma_fallback` gauge is 1, and it is not ready (RDMA only); on a host
+//!   with a device it is reported on RDMA with its devices instead, and ready;
 //! - an agent with `pool.transport: tcp` reports RDMA not requested and no fallback.
 //!
 //! Both run as child processes on 127.0.0.1 with temp dirs (see `pool_support`).
@@ -42,7 +42,12 @@ async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
         "8MiB",
         "  transport: tcp\n",
     );
-    wait_ready(&rdma_addrs, &mut rdma, logs).await;
+    // `transport: rdma` is RDMA only: ready where a device exists; on a host without one the
+    // agent joins the pool over TCP (it heartbeats below) but never reports ready.
+    let has_device = kvpool::transfer::rdma::transport_available();
+    if has_device {
+        wait_ready(&rdma_addrs, &mut rdma, logs).await;
+    }
     wait_ready(&tcp_addrs, &mut tcp, logs).await;
 
     let client = master_client(grpc);
@@ -72,7 +77,7 @@ async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
         .await
         .expect("agent metrics");
     let gauge = metric(&metrics, "kvpool_agent_pool_rdma_fallback", &[]);
-    if kvpool::transfer::rdma::transport_available() {
+    if has_device {
         // A host with a NIC: the agent opened it and did not fall back.
         assert!(!wanted.fallback, "{wanted:?}");
         assert!(!wanted.rdma_devices.is_empty(), "{wanted:?}");
@@ -85,6 +90,10 @@ async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
         );
         assert!(wanted.rdma_devices.is_empty());
         assert_eq!(gauge, Some(1.0), "the agent gauge shows the fallback");
+        let (status, body) = http_get(rdma_addrs.admin, "/readyz")
+            .await
+            .expect("agent readyz");
+        assert_eq!(status, 503, "no RDMA device: not ready ({body})");
     }
     let (_, tcp_metrics) = http_get(tcp_addrs.admin, "/metrics")
         .await
