@@ -66,21 +66,7 @@ fn commits_and_frees_of_ssd_replicas_reach_their_agent_until_acknowledged() {
 
 #[test]
 fn evictions_failed_tasks_and_demotions_are_fed_with_the_right_keys() {
-    let config = MasterConfig {
-        watermarks: [Watermarks {
-            high: 0.9,
-            low: 0.5,
-        }; 2],
-        ..MasterConfig::default()
-    };
-    let (mut m, _clock) = master(config);
-    m.mount(spec("a", "dram", Tier::Dram, 10 * MIB))
-        .expect("mount");
-    m.mount(spec("a", "ssd", Tier::Ssd, 100 * MIB))
-        .expect("mount");
-    for i in 0..10 {
-        put(&mut m, key(i), MIB, &PutOptions::default());
-    }
+    let mut m = full_dram_over_ssd();
     let r = m.heartbeat_feed("a", 0, 0, &[]).expect("hb");
     assert_eq!(r.tasks.len(), 5, "demotions");
     assert!(r.events.is_empty(), "a task target is not a replica yet");

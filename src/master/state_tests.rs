@@ -530,8 +530,9 @@ fn put_racing_agent_death_never_commits_dead_memory() {
     assert_eq!(m.stats().objects, 0);
 }
 
-#[test]
-fn dram_eviction_demotes_to_ssd_on_the_same_node() {
+/// Node "a" with 10 MiB of DRAM (watermarks 90% / 50%) over 100 MiB of SSD, and ten 1 MiB
+/// objects put on it, keys 0 to 9 oldest first: DRAM has just crossed its high watermark.
+fn full_dram_over_ssd() -> MasterState {
     let config = MasterConfig {
         watermarks: [Watermarks {
             high: 0.9,
@@ -547,6 +548,12 @@ fn dram_eviction_demotes_to_ssd_on_the_same_node() {
     for i in 0..10 {
         put(&mut m, key(i), MIB, &opts(1));
     }
+    m
+}
+
+#[test]
+fn dram_eviction_demotes_to_ssd_on_the_same_node() {
+    let mut m = full_dram_over_ssd();
     // Crossing 90% of DRAM: 10 -> 5 MiB by demoting the 5 oldest objects.
     let tasks = m.heartbeat("a").expect("hb");
     assert_eq!(tasks.len(), 5);
