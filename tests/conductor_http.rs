@@ -528,30 +528,11 @@ async fn master(
     kvpool::master::client::MasterClient,
     CancellationToken,
 ) {
-    use kvpool::master::cmd::{MasterArgs, start};
-    use std::time::Duration;
+    use kvpool::master::cmd::start;
+    use kvpool::master::testing::loopback_master_args;
     let key_file = dir.join("key");
     std::fs::write(&key_file, POOL_KEY).expect("key");
-    let args = MasterArgs {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        admin_addr: "127.0.0.1:0".parse().expect("addr"),
-        auth_key_file: key_file,
-        etcd_endpoints: vec![],
-        etcd_prefix: "/kvpool/test".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
-        heartbeat_timeout: Duration::from_secs(600),
-        lease_ttl: Duration::from_secs(60),
-        put_timeout: Duration::from_secs(60),
-        task_timeout: Duration::from_secs(60),
-        tick_interval: Duration::from_millis(50),
-        eviction_policy: kvpool::master::PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
-        max_replicas: 4,
-    };
+    let args = loopback_master_args(key_file);
     let shutdown = CancellationToken::new();
     let m = start(args.validate().expect("valid"), shutdown.clone())
         .await

@@ -10,6 +10,7 @@ use kvpool::master::auth::AuthKey as MasterKey;
 use kvpool::master::client::{ClientConfig, MasterClient};
 use kvpool::master::cmd::{MasterArgs, start};
 use kvpool::master::proto::StatsResponse;
+use kvpool::master::testing::loopback_master_args;
 use kvpool::transfer::{
     AuthKey, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
 };
@@ -40,26 +41,11 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, KEY).expect("key file");
     let args = MasterArgs {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        admin_addr: "127.0.0.1:0".parse().expect("addr"),
-        auth_key_file: key_file,
-        etcd_endpoints: vec![],
-        etcd_prefix: "/kvpool/test".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
         // The test lets the node die by not heartbeating; long enough that a stalled test thread
         // on a loaded box is not taken for a death between two steps.
         heartbeat_timeout: Duration::from_secs(5),
-        lease_ttl: Duration::from_secs(60),
-        put_timeout: Duration::from_secs(60),
-        task_timeout: Duration::from_secs(60),
-        tick_interval: Duration::from_millis(50),
-        eviction_policy: kvpool::master::PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
         max_replicas: 8,
+        ..loopback_master_args(key_file)
     };
     let stop_master = CancellationToken::new();
     let master = start(args.validate().expect("valid"), stop_master.clone())
@@ -155,24 +141,9 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, KEY).expect("key file");
     let args = MasterArgs {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        admin_addr: "127.0.0.1:0".parse().expect("addr"),
-        auth_key_file: key_file,
-        etcd_endpoints: vec![],
-        etcd_prefix: "/kvpool/test".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
         heartbeat_timeout: Duration::from_secs(30),
-        lease_ttl: Duration::from_secs(60),
-        put_timeout: Duration::from_secs(60),
-        task_timeout: Duration::from_secs(60),
-        tick_interval: Duration::from_millis(50),
-        eviction_policy: kvpool::master::PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
         max_replicas: 8,
+        ..loopback_master_args(key_file)
     };
     let stop_master = CancellationToken::new();
     let master = start(args.validate().expect("valid"), stop_master.clone())

@@ -1217,33 +1217,14 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
 async fn status_carries_the_figures_of_a_real_master() {
     use kvpool::master::auth::AuthKey;
     use kvpool::master::client::{ClientConfig, MasterClient};
-    use kvpool::master::cmd::{MasterArgs, start};
-    use kvpool::master::{PolicyKind, PutOptions, PutStarted, SegmentSpec, Tier};
-    use std::time::Duration;
+    use kvpool::master::cmd::start;
+    use kvpool::master::testing::loopback_master_args;
+    use kvpool::master::{PutOptions, PutStarted, SegmentSpec, Tier};
 
     let dir = tempfile::tempdir().expect("tmp");
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, STORED_KEY).expect("key");
-    let args = MasterArgs {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        admin_addr: "127.0.0.1:0".parse().expect("addr"),
-        auth_key_file: key_file,
-        etcd_endpoints: vec![],
-        etcd_prefix: "/kvpool/operator-test".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
-        heartbeat_timeout: Duration::from_secs(600),
-        lease_ttl: Duration::from_secs(60),
-        put_timeout: Duration::from_secs(60),
-        task_timeout: Duration::from_secs(60),
-        tick_interval: Duration::from_millis(50),
-        eviction_policy: PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
-        max_replicas: 4,
-    };
+    let args = loopback_master_args(key_file);
     let shutdown = tokio_util::sync::CancellationToken::new();
     let master = start(args.validate().expect("valid"), shutdown.clone())
         .await

@@ -30,6 +30,33 @@ impl TestingError {
     }
 }
 
+/// Flags of a master for tests on 127.0.0.1: ephemeral gRPC and admin ports, in-memory state (no
+/// etcd), agents that never heartbeat stay alive (600 s), leases, puts and tasks last a minute,
+/// ticks every 50 ms, LRU with watermarks 95% / 85%, at most 4 replicas. Change fields with
+/// struct update syntax where a test needs other values.
+pub fn loopback_master_args(auth_key_file: std::path::PathBuf) -> crate::master::cmd::MasterArgs {
+    crate::master::cmd::MasterArgs {
+        listen: ([127, 0, 0, 1], 0).into(),
+        admin_addr: ([127, 0, 0, 1], 0).into(),
+        auth_key_file,
+        etcd_endpoints: vec![],
+        etcd_prefix: "/kvpool/test".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(600),
+        lease_ttl: Duration::from_secs(60),
+        put_timeout: Duration::from_secs(60),
+        task_timeout: Duration::from_secs(60),
+        tick_interval: Duration::from_millis(50),
+        eviction_policy: crate::master::PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 4,
+    }
+}
+
 /// A port that was free a moment ago on 127.0.0.1.
 pub fn free_port() -> Result<u16, TestingError> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(TestingError::Port)?;

@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpool::master::PolicyKind;
 use kvpool::master::auth::AuthKey as MasterKey;
 use kvpool::master::client::{ClientConfig, MasterClient};
 use kvpool::master::cmd::{MasterArgs, RunningMaster, start};
@@ -145,31 +144,6 @@ pub async fn wait_stats(
     }
 }
 
-/// Flags of an in-process master on 127.0.0.1 (ephemeral ports) for tests: agents that never
-/// heartbeat stay alive, leases and puts last a minute, ticks every 50 ms.
-pub fn in_process_master_args(key_file: PathBuf) -> MasterArgs {
-    MasterArgs {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        admin_addr: "127.0.0.1:0".parse().expect("addr"),
-        auth_key_file: key_file,
-        etcd_endpoints: vec![],
-        etcd_prefix: "/kvpool/test".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
-        heartbeat_timeout: Duration::from_secs(600),
-        lease_ttl: Duration::from_secs(60),
-        put_timeout: Duration::from_secs(60),
-        task_timeout: Duration::from_secs(60),
-        tick_interval: Duration::from_millis(50),
-        eviction_policy: PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
-        max_replicas: 4,
-    }
-}
-
 /// An in-process master with its key file in a temporary directory and a client of it.
 pub struct InProcessMaster {
     pub _dir: tempfile::TempDir,
@@ -178,12 +152,12 @@ pub struct InProcessMaster {
     pub client: MasterClient,
 }
 
-/// Start a master with [`in_process_master_args`] changed by `tweak`, keyed with `key`.
+/// Start a master with [`kvpool::master::testing::loopback_master_args`] changed by `tweak`, keyed with `key`.
 pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) -> InProcessMaster {
     let dir = tempfile::tempdir().expect("tmp");
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, key).expect("key");
-    let mut a = in_process_master_args(key_file);
+    let mut a = kvpool::master::testing::loopback_master_args(key_file);
     tweak(&mut a);
     let shutdown = CancellationToken::new();
     let master = start(a.validate().expect("valid"), shutdown.clone())
