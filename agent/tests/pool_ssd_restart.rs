@@ -67,11 +67,9 @@ fn block(i: usize) -> Vec<u8> {
 async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = dir.path().join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
+    let key_file = write_key(dir.path());
     let (mut master, grpc) = start_master(logs, &key_file);
-    let ssd_dir = dir.path().join("ssd");
-    let extra = format!("ssd:\n  path: {}\n  capacity: 8MiB\n", ssd_dir.display());
+    let (ssd_dir, extra) = ssd_tier(dir.path());
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
     let client = master_client(grpc);
     wait_ready(&addr_a, &mut a, logs).await;
@@ -268,11 +266,9 @@ async fn demoted_blocks_survive_a_sigkill_after_the_index_sync() {
 async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = dir.path().join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
+    let key_file = write_key(dir.path());
     let (mut master, grpc) = start_master(logs, &key_file);
-    let ssd_dir = dir.path().join("ssd");
-    let extra = format!("ssd:\n  path: {}\n  capacity: 8MiB\n", ssd_dir.display());
+    let (ssd_dir, extra) = ssd_tier(dir.path());
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
     let client = master_client(grpc);
     wait_ready(&addr_a, &mut a, logs).await;

@@ -50,8 +50,7 @@ fn value(i: usize) -> Vec<u8> {
 async fn values_survive_the_death_of_one_replica_holder() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = dir.path().join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
+    let key_file = write_key(dir.path());
 
     let (mut master, grpc) = start_master(logs, &key_file);
     let mut a = start_agent(logs, "agent-a", grpc, &key_file);
@@ -159,8 +158,7 @@ async fn values_survive_the_death_of_one_replica_holder() {
 async fn engine_puts_land_in_the_agents_dram_tier() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = dir.path().join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
+    let key_file = write_key(dir.path());
     let (mut master, grpc) = start_master(logs, &key_file);
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", "");
     let (mut b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", "");
@@ -345,8 +343,7 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
 async fn a_surviving_agent_repairs_lost_replicas() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = dir.path().join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
+    let key_file = write_key(dir.path());
     let (mut master, grpc) = start_master(logs, &key_file);
     let extra = "  replicas: 2\n";
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", extra);
@@ -462,11 +459,9 @@ async fn a_surviving_agent_repairs_lost_replicas() {
 async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = dir.path().join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
+    let key_file = write_key(dir.path());
     let (mut master, grpc) = start_master(logs, &key_file);
-    let ssd_dir = dir.path().join("ssd");
-    let extra = format!("ssd:\n  path: {}\n  capacity: 8MiB\n", ssd_dir.display());
+    let (ssd_dir, extra) = ssd_tier(dir.path());
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
     let client = master_client(grpc);
     wait_ready(&addr_a, &mut a, logs).await;

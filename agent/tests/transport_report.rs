@@ -22,8 +22,7 @@ fn find<'a>(t: &'a [NodeTransport], node: &str) -> Option<&'a NodeTransport> {
 async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = dir.path().join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
+    let key_file = write_key(dir.path());
 
     let (mut master, grpc) = start_master(logs, &key_file);
     let (mut rdma, rdma_addrs) = start_agent_with(

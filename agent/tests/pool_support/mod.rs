@@ -69,6 +69,21 @@ pub fn log_file(dir: &Path, name: &str) -> Stdio {
     Stdio::from(File::create(dir.join(format!("{name}.log"))).expect("log file"))
 }
 
+/// Write [`KEY`] to `dir/pool.key` and return its path.
+pub fn write_key(dir: &Path) -> PathBuf {
+    let key_file = dir.join("pool.key");
+    std::fs::write(&key_file, KEY).expect("key file");
+    key_file
+}
+
+/// The directory `dir/ssd` and the agent config lines of an 8 MiB SSD tier in it (the `extra`
+/// of [`start_agent_with`]).
+pub fn ssd_tier(dir: &Path) -> (PathBuf, String) {
+    let ssd_dir = dir.join("ssd");
+    let extra = format!("ssd:\n  path: {}\n  capacity: 8MiB\n", ssd_dir.display());
+    (ssd_dir, extra)
+}
+
 pub fn start_master(dir: &Path, key_file: &Path) -> (Proc, SocketAddr) {
     let grpc = SocketAddr::from((
         [127, 0, 0, 1],
