@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1.7
-# kvpool-agent image, built with the `rdma` feature. Build from the repository root:
+# Node agent image: the one `kvpool` binary, built with the `rdma` feature, plus the RDMA
+# user-space runtime; the DaemonSet runs `kvpool agent run`. Build from the repository root:
 #   docker build -f docker/agent.Dockerfile -t ghcr.io/kvpool/kvpool-agent:0.1.0 .
 # Runs as root on purpose: the agent pins its DRAM tier for RDMA (CAP_IPC_LOCK, which Kubernetes
 # does not give a non-root process) and writes hostPath directories (the engine socket
@@ -20,8 +21,8 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
-    cargo build --release --locked -p kvpool-agent --bin kvpool-agent --features rdma \
- && install -D -m 0755 target/release/kvpool-agent /out/kvpool-agent
+    cargo build --release --locked -p kvpool --bin kvpool --features rdma \
+ && install -D -m 0755 target/release/kvpool /out/kvpool
 
 FROM docker.io/library/debian:${DEBIAN_RELEASE}-slim
 # Runtime RDMA libraries: verbs, the user-space providers (mlx5, efa, rxe, ...) and rdmacm.
@@ -30,10 +31,10 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers librdmacm1 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 LABEL org.opencontainers.image.title="kvpool-agent" \
-      org.opencontainers.image.description="kvpool node agent: DRAM and SSD tiers, RDMA/TCP transfer engine" \
+      org.opencontainers.image.description="kvpool node agent (kvpool agent run): DRAM and SSD tiers, RDMA/TCP transfer engine" \
       org.opencontainers.image.source="https://github.com/kvpool/kvpool" \
       org.opencontainers.image.licenses="Apache-2.0"
-COPY --from=build /out/kvpool-agent /usr/local/bin/kvpool-agent
+COPY --from=build /out/kvpool /usr/local/bin/kvpool
 USER 0:0
 EXPOSE 9090 15500
-ENTRYPOINT ["/usr/local/bin/kvpool-agent"]
+ENTRYPOINT ["/usr/local/bin/kvpool"]

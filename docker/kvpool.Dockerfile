@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1.7
-# The `kvpool` CLI image: `kvpool master`, `kvpool conductor` and the synthetic engines.
+# The `kvpool` image: the one `kvpool` binary (default features) for the operator
+# (`kvpool operator run`), the master, the conductor and the synthetic engines.
 # Build from the repository root:
 #   docker build -f docker/kvpool.Dockerfile -t ghcr.io/kvpool/kvpool:0.1.0 .
 # Runs as UID 65532. See docs/images.md.
@@ -21,7 +22,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 LABEL org.opencontainers.image.title="kvpool" \
-      org.opencontainers.image.description="kvpool CLI: master, conductor and synthetic engines" \
+      org.opencontainers.image.description="kvpool: operator, master, conductor and synthetic engines" \
       org.opencontainers.image.source="https://github.com/kvpool/kvpool" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /out/kvpool /usr/local/bin/kvpool

@@ -1,20 +1,10 @@
-//! kvpool shared library: the types, protocols and policy code that the `kvpool` CLI, the
-//! operator (`kvpool-operator`) and the node agent (`kvpool-agent`) all use.
-//!
-//! Each module names its own I/O boundary in its header. Pure modules (resource types, policy,
-//! simulation) do no I/O at all; runtime modules (admin server, shutdown) own sockets and signals.
+//! The `kvpool` executable's library: its command line (one subcommand per role, dispatched to
+//! the crates that implement them), `kvpool up` (every component on one machine), and the
+//! command-line front ends of the pure simulators. The binary in `main.rs` only parses and calls
+//! [`cli::run`]. Kept as a library so that tests parse container arguments with exactly the
+//! binary's parser (the operator's contract test) and drive `up` in-process.
 
-pub mod admin;
-pub mod agent_api;
-pub mod bench;
 pub mod cli;
-pub mod conductor;
-pub mod crd;
-pub mod master;
-pub mod sched;
-pub mod shutdown;
-pub mod sim;
-pub mod synthetic;
-pub mod telemetry;
-pub mod transfer;
+pub mod simulate;
+pub mod simulate_cache;
 pub mod up;

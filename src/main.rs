@@ -1,10 +1,11 @@
-//! The `kvpool` command line: one binary for the master, the conductor, synthetic engines,
-//! benchmarks, the trace simulator and `kvpool up`. Thin: every subcommand lives in the library.
+//! `kvpool`: one executable with a subcommand per role (agent, operator, master, conductor,
+//! engine), `kvpool up`, the benchmarks and the simulators. Thin: parse, set up logging,
+//! dispatch into the library.
 
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
     let cli = kvpool::cli::Cli::parse();
-    kvpool::telemetry::init(cli.log_format);
+    kvpool_runtime::telemetry::init(cli.log_format);
     kvpool::cli::run(cli)
 }

@@ -9,11 +9,13 @@ use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
-use kvpool::admin::Readiness;
-use kvpool::conductor::discovery::{self, DiscoveryConfig};
-use kvpool::conductor::{ConductorConfig, Engines};
-use kvpool::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
-use kvpool::synthetic::EngineConfig;
+use kvpool_conductor::discovery::{self, DiscoveryConfig};
+use kvpool_conductor::{ConductorConfig, Engines};
+use kvpool_core::sched::{
+    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
+};
+use kvpool_runtime::admin::Readiness;
+use kvpool_synthetic::EngineConfig;
 use prometheus::Registry;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -202,13 +204,9 @@ async fn engine(shutdown: &CancellationToken) -> (String, Registry) {
         sglang: None,
     };
     let registry = Registry::new();
-    let router = kvpool::synthetic::server::router(config, &registry).expect("router");
+    let router = kvpool_synthetic::server::router(config, &registry).expect("router");
     let (l, a) = listen().await;
-    tokio::spawn(kvpool::synthetic::server::serve(
-        l,
-        router,
-        shutdown.clone(),
-    ));
+    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
     (format!("http://{a}"), registry)
 }
 
@@ -285,15 +283,15 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
             seed: 1,
         },
         engine_cache_blocks: 1000,
-        tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
+        tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
         pool: None,
-        protocol: kvpool::conductor::RoutingProtocol::Vllm,
+        protocol: kvpool_conductor::RoutingProtocol::Vllm,
         time_scale: 1.0,
     };
     let registry = Registry::new();
-    let conductor = kvpool::conductor::server::conductor(config, &registry).expect("conductor");
+    let conductor = kvpool_conductor::server::conductor(config, &registry).expect("conductor");
     let (l, addr) = listen().await;
-    tokio::spawn(kvpool::conductor::server::serve(
+    tokio::spawn(kvpool_conductor::server::serve(
         l,
         conductor.router,
         shutdown.clone(),

@@ -6,9 +6,11 @@ mod up_support;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
-use kvpool::conductor::{ConductorConfig, PoolLookup, RoutingProtocol};
-use kvpool::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
-use kvpool::synthetic::{EngineConfig, SglangMode, SglangRole};
+use kvpool_conductor::{ConductorConfig, PoolLookup, RoutingProtocol};
+use kvpool_core::sched::{
+    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
+};
+use kvpool_synthetic::{EngineConfig, SglangMode, SglangRole};
 use prometheus::Registry;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -59,9 +61,9 @@ async fn engine_mode(
     };
     let kv = match agent {
         Some(socket) => Some(
-            kvpool::synthetic::agent::AgentKv::connect(
+            kvpool_synthetic::agent::AgentKv::connect(
                 socket,
-                kvpool::synthetic::kv::KvGeometry {
+                kvpool_synthetic::kv::KvGeometry {
                     bytes_per_token: KV_BYTES_PER_TOKEN,
                     block_tokens: BLOCK,
                 },
@@ -74,13 +76,9 @@ async fn engine_mode(
     };
     let registry = Registry::new();
     let router =
-        kvpool::synthetic::server::router_with_agent(config, kv, &registry).expect("router");
+        kvpool_synthetic::server::router_with_agent(config, kv, &registry).expect("router");
     let (l, a) = listen().await;
-    tokio::spawn(kvpool::synthetic::server::serve(
-        l,
-        router,
-        shutdown.clone(),
-    ));
+    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
     (a, registry)
 }
 
@@ -168,7 +166,7 @@ fn conductor_config(
             seed: 1,
         },
         engine_cache_blocks: 1000,
-        tokenizer: kvpool::conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
+        tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
         pool,
         protocol: RoutingProtocol::Vllm,
         time_scale: 1.0,
@@ -180,13 +178,9 @@ async fn start_conductor(
     shutdown: &CancellationToken,
 ) -> (SocketAddr, Registry) {
     let registry = Registry::new();
-    let router = kvpool::conductor::server::router(config, &registry).expect("router");
+    let router = kvpool_conductor::server::router(config, &registry).expect("router");
     let (l, a) = listen().await;
-    tokio::spawn(kvpool::conductor::server::serve(
-        l,
-        router,
-        shutdown.clone(),
-    ));
+    tokio::spawn(kvpool_conductor::server::serve(l, router, shutdown.clone()));
     (a, registry)
 }
 
@@ -524,12 +518,12 @@ const POOL_KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 async fn master(
     dir: &std::path::Path,
 ) -> (
-    kvpool::master::cmd::RunningMaster,
-    kvpool::master::client::MasterClient,
+    kvpool_master::cmd::RunningMaster,
+    kvpool_client::master::MasterClient,
     CancellationToken,
 ) {
-    use kvpool::master::cmd::start;
-    use kvpool::master::testing::loopback_master_args;
+    use kvpool_master::cmd::loopback_args as loopback_master_args;
+    use kvpool_master::cmd::start;
     let key_file = dir.join("key");
     std::fs::write(&key_file, POOL_KEY).expect("key");
     let args = loopback_master_args(key_file);
@@ -537,17 +531,17 @@ async fn master(
     let m = start(args.validate().expect("valid"), shutdown.clone())
         .await
         .expect("start master");
-    let client = kvpool::master::client::MasterClient::new(
+    let client = kvpool_client::master::MasterClient::new(
         vec![m.grpc_addr.to_string()],
-        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
-        kvpool::master::client::ClientConfig::default(),
+        kvpool_proto::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool_client::master::ClientConfig::default(),
     )
     .expect("client");
     client
-        .mount_segment(&kvpool::master::SegmentSpec {
+        .mount_segment(&kvpool_core::master::SegmentSpec {
             node: "a".into(),
             name: "dram0".into(),
-            tier: kvpool::master::Tier::Dram,
+            tier: kvpool_core::master::Tier::Dram,
             capacity_bytes: 64 << 20,
             numa_node: 0,
             failure_domain: String::new(),
@@ -559,20 +553,20 @@ async fn master(
 }
 
 /// Commits `keys` in the pool under the engines' naming (metadata only: nobody reads them).
-async fn put_in_pool(client: &kvpool::master::client::MasterClient, keys: &[u64]) {
+async fn put_in_pool(client: &kvpool_client::master::MasterClient, keys: &[u64]) {
     let names: Vec<Vec<u8>> = keys
         .iter()
-        .map(|&k| kvpool::sched::pool_key(MODEL, k))
+        .map(|&k| kvpool_core::sched::pool_key(MODEL, k))
         .collect();
     let items: Vec<(&[u8], u64)> = names.iter().map(|n| (n.as_slice(), 4096)).collect();
     let started = client
-        .put_start_batch(&items, &kvpool::master::PutOptions::default())
+        .put_start_batch(&items, &kvpool_core::master::PutOptions::default())
         .await
         .expect("put_start");
     let mut ends = Vec::new();
     for (n, r) in names.iter().zip(started) {
         match r.expect("allocated") {
-            kvpool::master::PutStarted::Allocated { put_id, .. } => {
+            kvpool_core::master::PutStarted::Allocated { put_id, .. } => {
                 ends.push((n.as_slice(), put_id))
             }
             other => panic!("unexpected {other:?}"),
@@ -584,12 +578,12 @@ async fn put_in_pool(client: &kvpool::master::client::MasterClient, keys: &[u64]
 
 /// The conductor's own client of `master`, set up as `kvpool conductor --master` sets it up
 /// (no waiting for a failover), with a timeout generous for a loaded box.
-fn lookup(master: &kvpool::master::cmd::RunningMaster) -> PoolLookup {
+fn lookup(master: &kvpool_master::cmd::RunningMaster) -> PoolLookup {
     let timeout = std::time::Duration::from_secs(5);
-    let client = kvpool::master::client::MasterClient::new(
+    let client = kvpool_client::master::MasterClient::new(
         vec![master.grpc_addr.to_string()],
-        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
-        kvpool::master::client::ClientConfig {
+        kvpool_proto::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool_client::master::ClientConfig {
             connect_timeout: timeout,
             request_timeout: timeout,
             failover_budget: std::time::Duration::ZERO,
@@ -607,8 +601,8 @@ async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
     // blocks are in the pool (as an engine that prefilled this prompt earlier left them); no
     // engine behind this fresh conductor holds anything.
     let pooled = "p".repeat(400);
-    let tokens = kvpool::sched::text_tokens(&pooled, 4);
-    let keys = kvpool::sched::block_keys(&tokens, NonZeroU32::new(BLOCK).expect("nonzero"));
+    let tokens = kvpool_core::sched::text_tokens(&pooled, 4);
+    let keys = kvpool_core::sched::block_keys(&tokens, NonZeroU32::new(BLOCK).expect("nonzero"));
     assert_eq!(keys.len(), 7);
     put_in_pool(&client, &keys[..6]).await;
     let c = cluster_full(Rejection::None, 30.0, None, 0, Some(lookup(&master)), None).await;
@@ -662,10 +656,10 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
     // Accepts connections (the kernel's backlog) but never speaks: the lookup times out.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = silent.local_addr().expect("addr");
-    let client = kvpool::master::client::MasterClient::new(
+    let client = kvpool_client::master::MasterClient::new(
         vec![addr.to_string()],
-        kvpool::master::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
-        kvpool::master::client::ClientConfig::default(),
+        kvpool_proto::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
+        kvpool_client::master::ClientConfig::default(),
     )
     .expect("client");
     let pool = PoolLookup {
@@ -749,7 +743,7 @@ async fn hot_prefix_is_prefetched_from_the_pool_by_the_target_engine() {
 
 #[tokio::test]
 async fn prefetches_in_flight_are_bounded() {
-    use kvpool::conductor::server::MAX_PREFETCHES_IN_FLIGHT;
+    use kvpool_conductor::server::MAX_PREFETCHES_IN_FLIGHT;
     let shutdown = CancellationToken::new();
     let (p0, _r0) = engine(&shutdown).await;
     let (d0, _rd) = engine(&shutdown).await;

@@ -7,10 +7,10 @@ mod crd_support;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kvpool::crd::{crds, crds_yaml, render_crds};
+use kvpool_crd::{crds, crds_yaml, render_crds};
 
 const REGENERATE: &str = "regenerate with `KVPOOL_BLESS=1 cargo nextest run -p kvpool --test crd_drift` \
-     (or `kvpool-operator crd`) and commit the result";
+     (or `kvpool operator crd`) and commit the result";
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -117,7 +117,7 @@ fn reference_docs_match_the_rust_types() {
 #[test]
 fn docs_explain_every_condition_reason() {
     let doc = std::fs::read_to_string(repo().join("docs/crds.md")).expect("docs/crds.md exists");
-    for reason in kvpool::crd::conditions::reasons::ALL {
+    for reason in kvpool_crd::conditions::reasons::ALL {
         assert!(
             doc.contains(&format!("| `{reason}` |")),
             "docs/crds.md does not explain reason {reason}"

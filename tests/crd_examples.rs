@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use crd_support::{Kind, admission_errors, yaml_to_json};
-use kvpool::crd::{KVCachePool, Protocol, ValidatedKVCachePool};
+use kvpool_crd::{KVCachePool, Protocol, ValidatedKVCachePool};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -175,7 +175,7 @@ fn the_roce_example_uses_what_it_claims() {
     assert_eq!(v.transport.protocol, Protocol::Rdma);
     assert!(v.transport.sriov.is_some() && !v.transport.networks.is_empty());
     assert!(v.ssd.is_some() && v.master.is_ha() && v.conductor.is_some());
-    assert_ne!(pool.spec.dram.hugepages, kvpool::crd::Hugepages::None);
+    assert_ne!(pool.spec.dram.hugepages, kvpool_crd::Hugepages::None);
     let text = std::fs::read_to_string(repo().join("deploy/examples/tcp/kvcachepool.yaml"))
         .expect("readable");
     let pool: KVCachePool = serde_saphyr::from_str(&text).expect("parses");

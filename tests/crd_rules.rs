@@ -7,7 +7,7 @@
 mod crd_support;
 
 use crd_support::{Kind, admission_errors, all_rules, cel_errors, openapi_errors};
-use kvpool::crd::{DecodePool, KVCachePool, PrefillPool};
+use kvpool_crd::{DecodePool, KVCachePool, PrefillPool};
 use serde_json::{Value, json};
 
 /// RFC 7386 merge patch: objects merge, `null` deletes, anything else replaces.

@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use kvpool::master::client::MasterClient;
-use kvpool::master::data::{DataError, PoolClient, tcp_endpoint, transfer_name};
-use kvpool::master::{PutOptions, SegmentSpec, Tier};
-use kvpool::transfer::{
+use kvpool_client::master::MasterClient;
+use kvpool_client::pool::{DataError, PoolClient, tcp_endpoint, transfer_name};
+use kvpool_core::master::{PutOptions, SegmentSpec, Tier};
+use kvpool_transfer::{
     AuthKey, EngineConfig, HostOptions, LocalSegment, Segment, StaticDirectory, TcpServer,
     TransferEngine, TransferMetrics,
 };
@@ -186,7 +186,7 @@ async fn leases_released_later_go_in_one_batch_and_a_stale_one_is_refused() {
     let stale = f.client.release_lease(ids[0]).await.expect_err("released");
     assert_eq!(
         stale.code(),
-        Some(kvpool::master::proto::ErrorCode::StaleLease)
+        Some(kvpool_proto::master::ErrorCode::StaleLease)
     );
 }
 

@@ -8,10 +8,10 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use kvpool::master::auth::AuthKey;
-use kvpool::master::client::{ClientConfig, MasterClient};
-use kvpool::master::testing::{EtcdServer, free_port, wait_for_port};
-use kvpool::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_harness::{EtcdServer, free_port, wait_for_port};
+use kvpool_proto::auth::AuthKey;
 
 const KEY: &[u8] = b"kvpool-ha-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;

@@ -1,5 +1,5 @@
 //! An agent SIGKILLed while puts and gets are in flight, across real processes on 127.0.0.1:
-//! one `kvpool master`, three `kvpool-agent run` processes in pool mode and this test as the
+//! one `kvpool master`, three `kvpool agent run` processes in pool mode and this test as the
 //! client (its own transfer engine, TCP to the agents). Writers put values with two replicas,
 //! readers read committed ones back concurrently; one agent dies mid-run. Then: zero committed
 //! objects lost, every committed value reads back with the checksum of the bytes written, every
@@ -14,11 +14,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvpool::master::PutOptions;
-use kvpool::master::auth::AuthKey as MasterKey;
-use kvpool::master::client::{ClientConfig, MasterClient};
-use kvpool::master::data::PoolClient;
-use kvpool::transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::pool::PoolClient;
+use kvpool_core::master::PutOptions;
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
 use parking_lot::Mutex;
 use pool_procs::*;
 

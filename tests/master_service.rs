@@ -6,11 +6,11 @@ mod pool_procs;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvpool::master::auth::AuthKey;
-use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
-use kvpool::master::cmd::MasterArgs;
-use kvpool::master::proto::ErrorCode;
-use kvpool::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_master::cmd::MasterArgs;
+use kvpool_proto::auth::AuthKey;
+use kvpool_proto::master::ErrorCode;
 use pool_procs::{InProcessMaster, http_get, in_process_master};
 use tokio_util::sync::CancellationToken;
 
@@ -471,7 +471,7 @@ async fn silent_agents_die_and_two_replica_objects_stay_readable() {
 
 #[test]
 fn binary_serves_and_stops_cleanly_on_sigterm() {
-    use kvpool::master::testing::{free_port, wait_for_port};
+    use kvpool_harness::{free_port, wait_for_port};
     let dir = tempfile::tempdir().expect("tmp");
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, KEY).expect("key");
@@ -531,7 +531,7 @@ impl Fabric {
     fn drop_segment(&self, seg: u32) {
         self.0.lock().remove(&seg);
     }
-    fn write(&self, r: &kvpool::master::ReplicaInfo, data: &[u8]) -> bool {
+    fn write(&self, r: &kvpool_core::master::ReplicaInfo, data: &[u8]) -> bool {
         let mut m = self.0.lock();
         let Some(buf) = m.get_mut(&r.segment_id) else {
             return false;
@@ -540,7 +540,7 @@ impl Fabric {
         buf[off..off + data.len()].copy_from_slice(data);
         true
     }
-    fn read(&self, r: &kvpool::master::ReplicaInfo) -> Option<Vec<u8>> {
+    fn read(&self, r: &kvpool_core::master::ReplicaInfo) -> Option<Vec<u8>> {
         let m = self.0.lock();
         let buf = m.get(&r.segment_id)?;
         let off = r.offset as usize;

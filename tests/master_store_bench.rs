@@ -3,26 +3,9 @@
 //! JSON report's shape, that every put and get succeeded and that every get returned exactly the
 //! bytes that were put. No timing assertion: figures are for docs/benchmarks.md.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
-
-/// The agent binary next to `kvpool` (a workspace build puts it there); built when missing.
-fn agent_bin() -> PathBuf {
-    let bin = Path::new(KVPOOL).with_file_name("kvpool-agent");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "kvpool-agent", "--bin", "kvpool-agent"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for kvpool-agent");
-        assert!(status.success(), "building kvpool-agent failed");
-    }
-    assert!(bin.exists(), "kvpool-agent not found at {}", bin.display());
-    bin
-}
 
 fn has(cmd: &str) -> bool {
     Command::new(cmd)
@@ -67,9 +50,7 @@ fn bench_store_reports_every_size_and_verifies_every_get() {
         "2",
     ])
     .args(["--replicas", "2", "--agent-capacity", "64MiB"])
-    .args(["--lookup-duration", "200ms", "--redis-requests", "20"])
-    .arg("--agent-bin")
-    .arg(agent_bin());
+    .args(["--lookup-duration", "200ms", "--redis-requests", "20"]);
     if !redis {
         cmd.arg("--no-redis");
     }
@@ -126,24 +107,4 @@ fn bench_store_reports_every_size_and_verifies_every_get() {
     } else {
         assert!(r["redis"].is_null() && r["ratio_1mib"].is_null());
     }
-}
-
-#[test]
-fn bench_store_names_a_missing_agent_binary() {
-    let out = Command::new(KVPOOL)
-        .args([
-            "bench",
-            "store",
-            "--no-redis",
-            "--agent-bin",
-            "/nonexistent/kvpool-agent",
-        ])
-        .output()
-        .expect("run kvpool bench store");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("kvpool-agent binary not found at /nonexistent/kvpool-agent"),
-        "{stderr}"
-    );
 }

@@ -1,4 +1,4 @@
-//! Striping across real processes on 127.0.0.1: one `kvpool master`, two `kvpool-agent run`
+//! Striping across real processes on 127.0.0.1: one `kvpool master`, two `kvpool agent run`
 //! processes in pool mode, this test as the client with striping at 1 MiB. A large value's parts
 //! land on both agents and read back byte-exact; `remove` frees every part; under eviction
 //! pressure no part of an evicted striped object stays behind (a partly evicted object reads as
@@ -10,11 +10,11 @@ mod pool_procs;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use kvpool::master::PutOptions;
-use kvpool::master::auth::AuthKey as MasterKey;
-use kvpool::master::client::{ClientConfig, MasterClient};
-use kvpool::master::data::{MANIFEST_LEN, PoolClient, StripeConfig, stripe_part_key};
-use kvpool::transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::pool::{MANIFEST_LEN, PoolClient, StripeConfig, stripe_part_key};
+use kvpool_core::master::PutOptions;
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
 use pool_procs::*;
 
 const KEY: &str = "striping-test-key-0123456789abcdef0123";

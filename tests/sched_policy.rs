@@ -3,7 +3,7 @@
 
 use std::num::NonZeroU32;
 
-use kvpool::sched::{
+use kvpool_core::sched::{
     Decision, DecodeCost, DecodeLoad, HotConfig, Policy, PrefillCost, PrefillLoad, PrefixIndex,
     Rejection, Request, Scheduler, SchedulerConfig, Slo, block_keys,
 };

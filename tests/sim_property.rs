@@ -4,8 +4,10 @@
 use std::collections::HashSet;
 use std::num::NonZeroU32;
 
-use kvpool::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
-use kvpool::sim::{SimConfig, TraceRecord, UNLIMITED, run};
+use kvpool_core::sched::{
+    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
+};
+use kvpool_core::sim::{SimConfig, TraceRecord, UNLIMITED, run};
 use proptest::prelude::*;
 
 const BLOCK: u64 = 512;

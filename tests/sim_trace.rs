@@ -5,9 +5,9 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use kvpool::sched::{Policy, Rejection};
-use kvpool::sim::cli::{SimulateArgs, sim_config};
-use kvpool::sim::{SimConfig, TraceRecord, simulate, trace};
+use kvpool::simulate::{SimulateArgs, sim_config};
+use kvpool_core::sched::{Policy, Rejection};
+use kvpool_core::sim::{SimConfig, TraceRecord, simulate, trace};
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -7,9 +7,9 @@ use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::process::Command;
 
-use kvpool::sched::{DecodeCost, PrefillCost};
-use kvpool::synthetic::EngineConfig;
-use kvpool::synthetic::server;
+use kvpool_core::sched::{DecodeCost, PrefillCost};
+use kvpool_synthetic::EngineConfig;
+use kvpool_synthetic::server;
 use prometheus::Registry;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -265,11 +265,11 @@ async fn start_with_agent(socket: &std::path::Path, shutdown: &CancellationToken
         time_scale: 0.001,
         sglang: None,
     };
-    let geometry = kvpool::synthetic::kv::KvGeometry {
+    let geometry = kvpool_synthetic::kv::KvGeometry {
         bytes_per_token: KV_BYTES_PER_TOKEN,
         block_tokens: KV_BLOCK_TOKENS,
     };
-    let kv = kvpool::synthetic::agent::AgentKv::connect(socket, geometry, KV_MODEL)
+    let kv = kvpool_synthetic::agent::AgentKv::connect(socket, geometry, KV_MODEL)
         .await
         .expect("engine-API session");
     let registry = Registry::new();
@@ -371,19 +371,21 @@ async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
 
     // A block whose bytes in the pool are wrong is detected and not used.
     let bad = format!("{}{}", block_text("q"), block_text("r"));
-    let tokens = kvpool::sched::text_tokens(&bad, 4);
-    let keys = kvpool::sched::block_keys(&tokens, NonZeroU32::new(KV_BLOCK_TOKENS).expect("nz"));
-    let mut client = kvpool::agent_api::client::EngineClient::connect(&socket, 4096, "test")
-        .await
-        .expect("client");
+    let tokens = kvpool_core::sched::text_tokens(&bad, 4);
+    let keys =
+        kvpool_core::sched::block_keys(&tokens, NonZeroU32::new(KV_BLOCK_TOKENS).expect("nz"));
+    let mut client =
+        kvpool_client::engine_api::client::EngineClient::connect(&socket, 4096, "test")
+            .await
+            .expect("client");
     let status = client
         .put(
-            &kvpool::synthetic::kv::pool_key(KV_MODEL, keys[0]),
+            &kvpool_synthetic::kv::pool_key(KV_MODEL, keys[0]),
             &vec![7u8; block as usize],
         )
         .await
         .expect("put");
-    assert_eq!(status, kvpool::agent_api::proto::Status::Ok);
+    assert_eq!(status, kvpool_proto::engine_api::Status::Ok);
     let (status, text) = http(
         decode.addr,
         "POST",
@@ -478,7 +480,7 @@ async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_ag
     let (status, text) = http(
         plain.addr,
         "POST",
-        kvpool::synthetic::api::PREFETCH_PATH,
+        kvpool_proto::openai::PREFETCH_PATH,
         r#"{"keys":["0000000000000001"]}"#,
     )
     .await;
@@ -505,14 +507,14 @@ async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_ag
     )
     .await;
     assert_eq!(status, 200, "{text}");
-    let tokens = kvpool::sched::text_tokens(&prompt, 4);
+    let tokens = kvpool_core::sched::text_tokens(&prompt, 4);
     let keys =
-        kvpool::sched::block_keys(&tokens, NonZeroU32::new(KV_BLOCK_TOKENS).expect("nonzero"));
+        kvpool_core::sched::block_keys(&tokens, NonZeroU32::new(KV_BLOCK_TOKENS).expect("nonzero"));
     assert_eq!(keys.len(), 4);
     // The reader prefetches all 4: the 3 stored ones load (verified), the partial one is not in
     // the pool, so reading stops there.
-    let body = kvpool::synthetic::api::prefetch_body(&keys).to_string();
-    let path = kvpool::synthetic::api::PREFETCH_PATH;
+    let body = kvpool_proto::openai::prefetch_body(&keys).to_string();
+    let path = kvpool_proto::openai::PREFETCH_PATH;
     let (status, text) = http(reader.addr, "POST", path, &body).await;
     assert_eq!(status, 200, "{text}");
     let v: Value = serde_json::from_str(&text).expect("json");

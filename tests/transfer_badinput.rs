@@ -9,8 +9,8 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool::transfer::frame::{ErrorCode, HEADER_LEN, Header, Opcode};
-use kvpool::transfer::*;
+use kvpool_transfer::frame::{ErrorCode, HEADER_LEN, Header, Opcode};
+use kvpool_transfer::*;
 
 fn key() -> AuthKey {
     AuthKey::new(*b"bad-input-test-key-0123").unwrap()

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool::transfer::*;
+use kvpool_transfer::*;
 
 const MIB: usize = 1024 * 1024;
 
@@ -395,7 +395,7 @@ fn transfer_same_node_uses_shared_memory() {
 fn transfer_rdma_request_falls_back_loudly_or_is_refused() {
     let p = pair_with(key());
     let desc = p.dir.lookup("t/dram0").unwrap();
-    if kvpool::transfer::rdma::transport_available() {
+    if kvpool_transfer::rdma::transport_available() {
         eprintln!("SKIP: an RDMA device is present; this test covers hosts without one");
         return;
     }

@@ -12,7 +12,7 @@ use std::fs::File;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvpool::transfer::*;
+use kvpool_transfer::*;
 use transfer_util::*;
 
 struct Netns {

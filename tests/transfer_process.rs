@@ -10,7 +10,7 @@ mod transfer_util;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpool::transfer::*;
+use kvpool_transfer::*;
 use nix::sys::signal::Signal;
 use transfer_util::*;
 

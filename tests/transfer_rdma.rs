@@ -11,8 +11,8 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpool::transfer::rdma::fake::{FakeFabric, Faults};
-use kvpool::transfer::*;
+use kvpool_transfer::rdma::fake::{FakeFabric, Faults};
+use kvpool_transfer::*;
 
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;

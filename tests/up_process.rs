@@ -36,21 +36,18 @@ fn marked(marker: &str) -> Vec<u32> {
         .collect()
 }
 
-fn up(dir: &Path, marker: &str, agent_bin: &Path) -> Command {
+fn up(dir: &Path, marker: &str, sysfs_root: &Path) -> Command {
     let fixture = up_support::sysfs_fixture();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpool"));
     cmd.arg("up")
         .args(["--agents", "1", "--prefill", "1", "--decode", "1"])
-        .arg("--agent-bin")
-        .arg(agent_bin)
         .arg("--agent-sysfs-root")
-        .arg(fixture.join("sys"))
+        .arg(sysfs_root)
         .arg("--agent-procfs-root")
         .arg(fixture.join("proc"))
         .arg("--dir")
         .arg(dir)
-        .env(MARKER, marker)
-        .env_remove("KVPOOL_AGENT_BIN");
+        .env(MARKER, marker);
     cmd
 }
 
@@ -104,15 +101,19 @@ fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
     let marker = marker(name);
     let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
     let mut child = Reap(
-        up(dir.path(), &marker, &up_support::agent_bin())
-            .arg("--replay")
-            .arg(&trace)
-            .args(["--limit", "6", "--speed", "20", "--json"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvpool up"),
+        up(
+            dir.path(),
+            &marker,
+            &up_support::sysfs_fixture().join("sys"),
+        )
+        .arg("--replay")
+        .arg(&trace)
+        .args(["--limit", "6", "--speed", "20", "--json"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvpool up"),
     );
     let status = wait_exit(&mut child);
     let mut out = String::new();
@@ -156,11 +157,15 @@ fn sigterm_stops_every_child_and_exits_zero() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker("sigterm");
     let mut child = Reap(
-        up(dir.path(), &marker, &up_support::agent_bin())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn kvpool up"),
+        up(
+            dir.path(),
+            &marker,
+            &up_support::sysfs_fixture().join("sys"),
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvpool up"),
     );
     let stdout = child.0.stdout.take().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
@@ -199,12 +204,9 @@ fn sigterm_stops_every_child_and_exits_zero() {
 fn a_child_failing_at_start_stops_the_ones_already_running() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker("fail");
-    // An "agent" that exits at once: the master is already running by then.
-    let fake = dir.path().join("fake-agent");
-    std::fs::write(&fake, "#!/bin/sh\necho no agent here >&2\nexit 7\n").expect("write");
-    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
-    let out = up(dir.path(), &marker, &fake)
+    // An agent whose sysfs root does not exist exits at once: the master is already running by
+    // then.
+    let out = up(dir.path(), &marker, Path::new("/nonexistent-sysfs"))
         .output()
         .expect("run kvpool up");
     assert!(!out.status.success());
@@ -212,47 +214,10 @@ fn a_child_failing_at_start_stops_the_ones_already_running() {
     assert!(err.contains("agent-0 exited during start-up"), "{err}");
     assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
     let log = std::fs::read_to_string(dir.path().join("logs/agent-0.log")).expect("agent log");
-    assert!(log.contains("no agent here"), "{log}");
-}
-
-#[test]
-fn bench_tier_forwards_its_flags_to_the_agent() {
-    // A stand-in agent that prints its arguments proves the forwarding without running the
-    // real (minutes-long) benchmark.
-    let dir = tempfile::tempdir().expect("tempdir");
-    let fake = dir.path().join("kvpool-agent");
-    std::fs::write(
-        &fake,
-        "#!/bin/sh\necho \"args: $*\"\n[ \"$3\" = --json ] || exit 4\n",
-    )
-    .expect("write");
-    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args(["bench", "tier", "--agent-bin"])
-        .arg(&fake)
-        .args(["--json", "--dir", "/var/tmp", "--repeat", "1"])
-        .output()
-        .expect("run kvpool bench tier");
-    let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&out.stderr)
+        log.contains("sysfs root /nonexistent-sysfs is not readable"),
+        "{log}"
     );
-    assert_eq!(
-        stdout.trim(),
-        "args: bench tier --json --dir /var/tmp --repeat 1"
-    );
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args(["bench", "tier", "--agent-bin"])
-        .arg(&fake)
-        .arg("--repeat")
-        .output()
-        .expect("run kvpool bench tier");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("kvpool-agent bench tier failed"), "{err}");
 }
 
 #[test]
@@ -260,12 +225,16 @@ fn children_go_away_when_up_itself_is_killed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker("sigkill");
     let mut child = Reap(
-        up(dir.path(), &marker, &up_support::agent_bin())
-            .arg("--json")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn kvpool up"),
+        up(
+            dir.path(),
+            &marker,
+            &up_support::sysfs_fixture().join("sys"),
+        )
+        .arg("--json")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvpool up"),
     );
     let stdout = child.0.stdout.take().expect("stdout");
     let first = BufReader::new(stdout)

@@ -1,4 +1,4 @@
-//! `kvpool-agent bench tier`: DRAM-tier put/get through the real engine API (gRPC over a Unix
+//! `kvpool bench tier`: DRAM-tier put/get through the real engine API (gRPC over a Unix
 //! socket, bytes through shared memory) for several block sizes, against single-thread memcpy
 //! measured in the same run (a memcpy pass before every put/get pass, so both see the same
 //! background load); and SSD-tier sequential write/read against `dd` with direct I/O on

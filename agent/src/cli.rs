@@ -1,32 +1,14 @@
-//! The `kvpool-agent` command line (clap). Public so that packaging tests can parse container
-//! args with the same parser as the binary. I/O boundary: none; `run` dispatches.
+//! The flags of `kvpool agent ...` (clap), a subcommand group of the `kvpool` binary. Public so
+//! that packaging tests parse container args with the binary's parser. I/O boundary: none.
 
 use std::path::PathBuf;
 
 use bytesize::ByteSize;
-use clap::{Args, Parser, Subcommand};
-use kvpool::telemetry::LogFormat;
+use clap::{Args, Subcommand};
 
 use crate::config::FileConfig;
 
-/// `kvpool-agent`: the kvpool node agent.
-#[derive(Debug, Parser)]
-#[command(name = "kvpool-agent", version, about = "kvpool node agent")]
-pub struct Cli {
-    /// Log format.
-    #[arg(
-        long,
-        global = true,
-        value_enum,
-        default_value_t,
-        env = "KVPOOL_LOG_FORMAT"
-    )]
-    pub log_format: LogFormat,
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-/// Subcommands.
+/// Subcommands of `kvpool agent`.
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the agent (the DaemonSet's command).
@@ -35,9 +17,6 @@ pub enum Command {
     Discover(DiscoverArgs),
     /// Validate a configuration and print the effective settings.
     CheckConfig(RunArgs),
-    /// Benchmarks.
-    #[command(subcommand)]
-    Bench(BenchCommand),
 }
 
 /// Flags of `run`; each overrides the config file's field of the same name.
@@ -138,17 +117,17 @@ pub struct DiscoverArgs {
     pub summary: bool,
 }
 
-/// Benchmarks.
-#[derive(Debug, Subcommand)]
-pub enum BenchCommand {
-    /// DRAM put/get through the engine API and SSD tier sequential I/O, against memcpy and dd.
-    Tier(crate::bench::TierArgs),
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+    use clap::{CommandFactory, Parser};
+
+    /// `kvpool agent` as the binary mounts it.
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
 
     #[test]
     fn cli_definition_is_consistent() {
@@ -158,7 +137,7 @@ mod tests {
     #[test]
     fn container_args_parse_and_overlay() {
         let cli = Cli::try_parse_from([
-            "kvpool-agent",
+            "agent",
             "run",
             "--config",
             "/etc/kvpool/agent.yaml",
@@ -174,6 +153,6 @@ mod tests {
         let file = args.overlay(FileConfig::default());
         assert_eq!(file.dram.capacity, Some(ByteSize::gib(8)));
         assert_eq!(file.ssd.path, Some(PathBuf::from("/var/lib/kvpool")));
-        assert!(Cli::try_parse_from(["kvpool-agent", "run", "--dram-capacity", "lots"]).is_err());
+        assert!(Cli::try_parse_from(["agent", "run", "--dram-capacity", "lots"]).is_err());
     }
 }

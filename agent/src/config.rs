@@ -508,7 +508,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
 
 /// The pool document the operator writes to the ConfigMap's `config.yaml` (selected with
 /// `--pool-config`): the pool's identity and addresses next to the effective settings, which
-/// are `kvpool::crd::ValidatedKVCachePool` itself, so the CRD types stay the one definition.
+/// are `kvpool_crd::ValidatedKVCachePool` itself, so the CRD types stay the one definition.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PoolDocument {
     pub pool: String,
@@ -518,7 +518,7 @@ pub struct PoolDocument {
     pub auth_key_file: PathBuf,
     /// Path of the agent's Unix socket (the engines connect there).
     pub agent_socket: PathBuf,
-    pub effective: kvpool::crd::ValidatedKVCachePool,
+    pub effective: kvpool_crd::ValidatedKVCachePool,
 }
 
 /// The identity fields of the pool document; the rest is read as the CRD type.
@@ -556,7 +556,7 @@ pub fn from_pool_document(
     doc: &PoolDocument,
     node_memory_bytes: u64,
 ) -> Result<FileConfig, ConfigError> {
-    use kvpool::crd::{Hugepages, NumaPolicy as CrdNuma};
+    use kvpool_crd::{Hugepages, NumaPolicy as CrdNuma};
     let eff = &doc.effective;
     let mut file = FileConfig::default();
     file.dram.capacity = Some(ByteSize(
@@ -602,7 +602,7 @@ pub fn from_pool_document(
     }
     file.engine_api.socket_dir = Some(socket_dir.to_owned());
     // Engine pods run as the images' non-root user with this fsGroup (operator).
-    file.engine_api.client_group = Some(kvpool::crd::POOL_CLIENT_GROUP);
+    file.engine_api.client_group = Some(kvpool_crd::POOL_CLIENT_GROUP);
     if doc.master_addr.trim().is_empty() {
         return Err(invalid("masterAddr", "must not be empty"));
     }
@@ -612,9 +612,9 @@ pub fn from_pool_document(
     file.pool.replicas = Some(eff.replication.replicas);
     file.pool.transport = Some(
         match eff.transport.protocol {
-            kvpool::crd::Protocol::Auto => "auto",
-            kvpool::crd::Protocol::Rdma => "rdma",
-            kvpool::crd::Protocol::Tcp => "tcp",
+            kvpool_crd::Protocol::Auto => "auto",
+            kvpool_crd::Protocol::Rdma => "rdma",
+            kvpool_crd::Protocol::Tcp => "tcp",
         }
         .to_owned(),
     );
@@ -632,8 +632,8 @@ pub fn load_pool_document(path: &Path, procfs_root: &Path) -> Result<FileConfig,
     };
     let doc = parse_pool_document(&read(path)?, path)?;
     let node_memory = match doc.effective.dram.capacity {
-        kvpool::crd::DramCapacity::Bytes(_) => 0,
-        kvpool::crd::DramCapacity::NodeMemoryPercent(_) => {
+        kvpool_crd::DramCapacity::Bytes(_) => 0,
+        kvpool_crd::DramCapacity::NodeMemoryPercent(_) => {
             let meminfo = procfs_root.join("meminfo");
             crate::discovery::parse_meminfo(&read(&meminfo)?)
                 .get("MemTotal")
@@ -689,7 +689,7 @@ master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
         assert_eq!(cfg.api.socket_dir, PathBuf::from("/run/kvpool"));
         assert_eq!(
             cfg.api.client_group,
-            Some(kvpool::crd::POOL_CLIENT_GROUP),
+            Some(kvpool_crd::POOL_CLIENT_GROUP),
             "engines in the operator's fsGroup may use the socket"
         );
         let pool = cfg.pool.expect("pool mode");

@@ -4,7 +4,7 @@
 //! master allocates in it and the agent executes the master's copy tasks.
 //! Each module names its own I/O boundary in its header; `unsafe` lives only in `memory`
 //! (mmap/mbind/mlock, hand-over to the transfer engine, the SSD segment's file mapping), `ssd`
-//! (aligned buffers) and `kvpool::agent_api::shm` (shared staging copies).
+//! (aligned buffers) and `kvpool_client::engine_api::shm` (shared staging copies).
 
 pub mod api;
 pub mod bench;
@@ -29,4 +29,4 @@ pub mod tasks;
 pub mod topology;
 
 /// Engine API types generated from the library's `proto/agent/v1/engine.proto`.
-pub use kvpool::agent_api::proto;
+pub use kvpool_proto::engine_api as proto;

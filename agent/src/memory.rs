@@ -31,7 +31,7 @@ pub enum MemoryError {
     Transfer {
         len: usize,
         #[source]
-        source: kvpool::transfer::MemoryError,
+        source: kvpool_transfer::MemoryError,
     },
 }
 
@@ -229,13 +229,13 @@ impl MappedRegion {
     /// Give the mapping to the transfer engine (pool mode): the returned segment owns it, so
     /// it stays mapped, NUMA-bound and locked until the last user (the registration, or a
     /// transfer still in flight) drops the segment; then it is unmapped.
-    pub fn into_transfer_segment(self) -> Result<kvpool::transfer::Segment, MemoryError> {
+    pub fn into_transfer_segment(self) -> Result<kvpool_transfer::Segment, MemoryError> {
         let (ptr, len) = (self.ptr, self.len);
         let release: Box<dyn FnOnce() + Send + Sync> = Box::new(move || drop(self));
         // SAFETY: `ptr..ptr+len` is this live read-write mapping; the region moves into
         // `release`, so nothing else can reach it through a Rust reference, and it is unmapped
         // only when `release` runs (or is dropped on error), after the segment's last use.
-        unsafe { kvpool::transfer::Segment::from_raw_parts(ptr, len, Some(release)) }
+        unsafe { kvpool_transfer::Segment::from_raw_parts(ptr, len, Some(release)) }
             .map_err(|source| MemoryError::Transfer { len, source })
     }
 }
@@ -245,7 +245,7 @@ impl MappedRegion {
 /// shared, as a transfer-engine segment: the pool-mode SSD segment. The blocks are reserved up front
 /// (fallocate) because a write into a hole of a shared file mapping on a full filesystem kills
 /// the process with SIGBUS instead of returning ENOSPC.
-pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool::transfer::Segment, MemoryError> {
+pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool_transfer::Segment, MemoryError> {
     let file_err = |source| MemoryError::File {
         path: path.to_owned(),
         len,
@@ -273,7 +273,7 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool::transfer::Segme
     // SAFETY: the file is ours, just sized to `len` bytes with every block allocated; the
     // mapping is only ever accessed through the transfer segment's bounds-checked raw copies.
     let map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(file_err)?;
-    kvpool::transfer::Segment::from_mmap(map, kvpool::transfer::HostOptions::default()).map_err(
+    kvpool_transfer::Segment::from_mmap(map, kvpool_transfer::HostOptions::default()).map_err(
         |source| MemoryError::Transfer {
             len: usize::try_from(len).unwrap_or(usize::MAX),
             source,

@@ -16,13 +16,13 @@ use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use kvpool::master::auth::AuthKey as MasterKey;
-use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
-use kvpool::master::data::{LocalSegments, PoolClient, tcp_endpoint, transfer_name};
-use kvpool::master::{AdoptItem, SegmentSpec, Tier};
-use kvpool::transfer::{
-    self, EngineConfig, LocalSegment, Segment, StaticDirectory, TcpServer, TransferEngine,
-    TransferMetrics,
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_client::pool::{LocalSegments, PoolClient, tcp_endpoint, transfer_name};
+use kvpool_core::master::{AdoptItem, SegmentSpec, Tier};
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_transfer::{
+    self as transfer, EngineConfig, LocalSegment, Segment, StaticDirectory, TcpServer,
+    TransferEngine, TransferMetrics,
 };
 use parking_lot::Mutex;
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
@@ -41,7 +41,7 @@ pub enum PoolError {
     #[error("reading the pool key for the transfer engine")]
     TransferKey(#[source] transfer::AuthError),
     #[error("reading the pool key for the master")]
-    MasterKey(#[source] kvpool::master::auth::AuthError),
+    MasterKey(#[source] kvpool_proto::auth::AuthError),
     #[error("pool metrics")]
     Metrics(#[source] prometheus::Error),
     #[error("starting the transfer engine")]
@@ -420,7 +420,7 @@ impl PoolRegistrar {
 pub fn is_unknown_node(e: &ClientError) -> bool {
     match e {
         ClientError::Rpc { source, .. } => source.code() == tonic::Code::NotFound,
-        ClientError::Refused { code, .. } => *code == kvpool::master::proto::ErrorCode::UnknownNode,
+        ClientError::Refused { code, .. } => *code == kvpool_proto::master::ErrorCode::UnknownNode,
         _ => false,
     }
 }
@@ -697,7 +697,7 @@ impl PoolLink {
         &self,
         ssd_id: Option<u32>,
         epoch: u64,
-        events: Vec<kvpool::master::state::SegmentEvent>,
+        events: Vec<kvpool_core::master::state::SegmentEvent>,
         prev: FeedState,
     ) {
         let Some(index) = self.registrar.ssd_index() else {
@@ -782,7 +782,7 @@ impl PoolLink {
 /// pool asked for does not count as ready. Pure.
 pub fn rdma_readiness_blocker(
     require_rdma: bool,
-    status: &kvpool::transfer::rdma::TransportStatus,
+    status: &kvpool_transfer::rdma::TransportStatus,
 ) -> Option<String> {
     if !require_rdma || !status.devices.is_empty() {
         return None;
@@ -796,9 +796,9 @@ pub fn rdma_readiness_blocker(
     ))
 }
 
-fn transport_report(engine: &TransferEngine) -> kvpool::master::proto::TransportReport {
+fn transport_report(engine: &TransferEngine) -> kvpool_proto::master::TransportReport {
     let t = engine.transport_status();
-    kvpool::master::proto::TransportReport {
+    kvpool_proto::master::TransportReport {
         rdma_requested: t.rdma_requested,
         fallback: t.fallback,
         fallback_reason: t.reason.unwrap_or_default(),
@@ -910,11 +910,11 @@ impl Member {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool::transfer::HostOptions;
+    use kvpool_transfer::HostOptions;
 
     #[test]
     fn rdma_only_pools_need_a_device_to_be_ready() {
-        use kvpool::transfer::rdma::TransportStatus;
+        use kvpool_transfer::rdma::TransportStatus;
         let no_device = TransportStatus::new(true, false, false, None, Vec::new());
         let why = rdma_readiness_blocker(true, &no_device).expect("blocked");
         assert!(why.contains("transport.protocol is rdma"), "{why}");

@@ -6,10 +6,10 @@
 //! pool errors to per-item statuses ([`put_status`], [`get_status`]) is pure.
 
 use futures::stream::{self, StreamExt};
-use kvpool::master::client::ClientError;
-use kvpool::master::data::{DataError, PoolClient};
-use kvpool::master::proto::ErrorCode;
-use kvpool::master::{ObjectKey, PutOptions, ReplicaInfo, Spread};
+use kvpool_client::master::ClientError;
+use kvpool_client::pool::{DataError, PoolClient};
+use kvpool_core::master::{ObjectKey, PutOptions, ReplicaInfo, Spread};
+use kvpool_proto::master::ErrorCode;
 
 use crate::api::shm::Staging;
 use crate::metrics::AgentMetrics;

@@ -10,8 +10,8 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvpool::master::ObjectKey;
-use kvpool::master::state::{CorruptBlock, SegmentEvent, SegmentEventKind};
+use kvpool_core::master::ObjectKey;
+use kvpool_core::master::state::{CorruptBlock, SegmentEvent, SegmentEventKind};
 use parking_lot::Mutex;
 
 use crate::pool::{PoolMetrics, SharedIndex};

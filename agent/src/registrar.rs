@@ -22,7 +22,7 @@ pub enum RegistrarError {
     Transfer {
         name: String,
         #[source]
-        source: kvpool::transfer::TransferError,
+        source: kvpool_transfer::TransferError,
     },
 }
 

@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
-use kvpool::admin::{self, Readiness};
+use kvpool_runtime::admin::{self, Readiness};
 use parking_lot::RwLock;
 use prometheus::Registry;
 use tokio_util::sync::CancellationToken;
@@ -494,7 +494,7 @@ async fn pool_tiers(
             .registrar
             .register(
                 &segment_name(info.index),
-                kvpool::master::Tier::Dram,
+                kvpool_core::master::Tier::Dram,
                 info.numa_node
                     .unwrap_or(placement::MASTER_UNBOUND_NUMA_NODE),
                 memory,
@@ -550,7 +550,7 @@ async fn pool_tiers(
         member.registrar.set_ssd_index(index);
         member
             .registrar
-            .register(SSD_SEGMENT, kvpool::master::Tier::Ssd, 0, memory)
+            .register(SSD_SEGMENT, kvpool_core::master::Tier::Ssd, 0, memory)
             .map_err(RunError::Register)?;
         if let Some(index) = member.registrar.ssd_index() {
             let guard = crate::pool_feed::SsdGuard::new(index, member.metrics.clone())

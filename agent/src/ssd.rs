@@ -17,7 +17,6 @@ use std::ptr::NonNull;
 use crate::extent::ExtentAllocator;
 
 /// The durable index of the pool-mode SSD segment.
-#[path = "ssd_pool.rs"]
 pub mod pool;
 
 /// Alignment and size granularity of direct I/O.

@@ -13,10 +13,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use kvpool::master::client::MasterClient;
-use kvpool::master::data::{self, DataError};
-use kvpool::master::{Task, TaskKind};
-use kvpool::transfer::{self, BatchFailed, TransferEngine, TransferOp, TransferRequest};
+use kvpool_client::master::MasterClient;
+use kvpool_client::pool::{self as data, DataError};
+use kvpool_core::master::{Task, TaskKind};
+use kvpool_transfer::{self as transfer, BatchFailed, TransferEngine, TransferOp, TransferRequest};
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
@@ -385,9 +385,9 @@ impl TaskRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool::master::data::{tcp_endpoint, transfer_name};
-    use kvpool::master::{ObjectKey, ReplicaInfo, Tier};
-    use kvpool::transfer::{EngineConfig, HostOptions, Segment, StaticDirectory, TransferMetrics};
+    use kvpool_client::pool::{tcp_endpoint, transfer_name};
+    use kvpool_core::master::{ObjectKey, ReplicaInfo, Tier};
+    use kvpool_transfer::{EngineConfig, HostOptions, Segment, StaticDirectory, TransferMetrics};
 
     const KEY: &[u8] = b"tasks-test-key-0123456789abcdef0";
 
@@ -450,8 +450,8 @@ mod tests {
     fn dead_master() -> MasterClient {
         MasterClient::new(
             vec!["127.0.0.1:1".into()],
-            kvpool::master::auth::AuthKey::from_bytes(KEY).expect("key"),
-            kvpool::master::client::ClientConfig {
+            kvpool_proto::auth::AuthKey::from_bytes(KEY).expect("key"),
+            kvpool_client::master::ClientConfig {
                 connect_timeout: Duration::from_millis(200),
                 request_timeout: Duration::from_millis(200),
                 failover_budget: Duration::from_millis(100),

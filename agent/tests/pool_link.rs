@@ -5,17 +5,17 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpool::master::Tier;
-use kvpool::master::auth::AuthKey as MasterKey;
-use kvpool::master::client::{ClientConfig, MasterClient};
-use kvpool::master::cmd::{MasterArgs, start};
-use kvpool::master::proto::StatsResponse;
-use kvpool::master::testing::loopback_master_args;
-use kvpool::transfer::{
-    AuthKey, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
-};
 use kvpool_agent::pool::{PoolLink, PoolMetrics, PoolRegistrar, SSD_SEGMENT, segment_name};
 use kvpool_agent::ssd::pool::PoolSsdIndex;
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_core::master::Tier;
+use kvpool_master::cmd::loopback_args as loopback_master_args;
+use kvpool_master::cmd::{MasterArgs, start};
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_proto::master::StatsResponse;
+use kvpool_transfer::{
+    AuthKey, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
+};
 use tokio_util::sync::CancellationToken;
 
 const KEY: &str = "pool-link-test-key-0123456789abcdef";
@@ -134,7 +134,7 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
-    use kvpool::master::{ObjectKey, PutOptions, PutStarted, SegmentSpec};
+    use kvpool_core::master::{ObjectKey, PutOptions, PutStarted, SegmentSpec};
     use std::os::unix::fs::FileExt;
 
     let dir = tempfile::tempdir().expect("tempdir");

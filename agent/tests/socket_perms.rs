@@ -60,7 +60,7 @@ async fn handing_to_a_group_we_may_not_use_fails_with_the_path_named() {
     } else {
         // Root may hand files to any group: the engines' group id is applied as given.
         let dir = tempfile::tempdir().expect("tempdir");
-        let gid = kvpool::crd::POOL_CLIENT_GROUP;
+        let gid = kvpool_crd::POOL_CLIENT_GROUP;
         let (_l, path) = server::bind_for_group(&dir.path().join("run"), Some(gid)).expect("bind");
         assert_eq!(std::fs::metadata(&path).expect("meta").gid(), gid);
     }

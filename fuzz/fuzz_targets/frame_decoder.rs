@@ -2,7 +2,7 @@
 //! `FrameError`, and whatever decodes must re-encode to the same 40 bytes.
 #![no_main]
 
-use kvpool::transfer::frame::{DEFAULT_MAX_SLICE, HEADER_LEN, Header};
+use kvpool_transfer::frame::{DEFAULT_MAX_SLICE, HEADER_LEN, Header};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

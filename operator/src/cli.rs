@@ -1,38 +1,16 @@
-//! The `kvpool-operator` command line (clap derive, every flag also read from the environment).
+//! The flags of `kvpool operator ...` (clap derive, every flag also read from the environment).
 //! I/O boundary: none; parsing only. Public so that packaging tests parse the chart's container
 //! args with exactly the parser the binary uses.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
-use kvpool::telemetry::LogFormat;
+use clap::{Args, Subcommand};
 
 /// Default image tag: the operator's own version, so one chart release pins one set of images.
 pub const DEFAULT_IMAGE_TAG: &str = env!("CARGO_PKG_VERSION");
 
-/// Top-level command line of `kvpool-operator`.
-#[derive(Debug, Parser)]
-#[command(
-    name = "kvpool-operator",
-    version,
-    about = "Kubernetes operator for KVCachePool, PrefillPool and DecodePool"
-)]
-pub struct Cli {
-    /// Log format.
-    #[arg(
-        long,
-        global = true,
-        value_enum,
-        default_value_t,
-        env = "KVPOOL_LOG_FORMAT"
-    )]
-    pub log_format: LogFormat,
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-/// Subcommands of `kvpool-operator`.
+/// Subcommands of `kvpool operator`.
 // Parsed once at start-up; boxing `RunArgs` would only make matching on it clumsier.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
@@ -43,7 +21,7 @@ pub enum Command {
     Crd(CrdArgs),
 }
 
-/// Flags of `kvpool-operator run`.
+/// Flags of `kvpool operator run`.
 #[derive(Clone, Debug, Args)]
 pub struct RunArgs {
     /// Namespace to watch; empty or absent means all namespaces.
@@ -91,7 +69,7 @@ pub struct RunArgs {
     pub concurrency: u16,
 }
 
-/// Flags of `kvpool-operator crd`.
+/// Flags of `kvpool operator crd`.
 #[derive(Clone, Debug, Args)]
 pub struct CrdArgs {
     /// Directory to write one `<plural>.kvpool.dev.yaml` file per kind into; without it the
@@ -107,7 +85,14 @@ fn default_image(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
+    use clap::{CommandFactory, Parser};
+
+    /// `kvpool operator` as the binary mounts it.
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
 
     #[test]
     fn cli_definition_is_consistent() {
@@ -116,7 +101,7 @@ mod tests {
 
     #[test]
     fn run_defaults_watch_all_namespaces_without_leader_election() {
-        let cli = Cli::try_parse_from(["kvpool-operator", "run"]).expect("parse");
+        let cli = Cli::try_parse_from(["operator", "run"]).expect("parse");
         let Command::Run(args) = cli.command else {
             panic!("expected run");
         };
@@ -129,14 +114,13 @@ mod tests {
 
     #[test]
     fn run_rejects_zero_concurrency_and_bad_addresses() {
-        assert!(Cli::try_parse_from(["kvpool-operator", "run", "--concurrency", "0"]).is_err());
-        assert!(Cli::try_parse_from(["kvpool-operator", "run", "--admin-addr", "nope"]).is_err());
+        assert!(Cli::try_parse_from(["operator", "run", "--concurrency", "0"]).is_err());
+        assert!(Cli::try_parse_from(["operator", "run", "--admin-addr", "nope"]).is_err());
     }
 
     #[test]
     fn crd_takes_an_output_directory() {
-        let cli =
-            Cli::try_parse_from(["kvpool-operator", "crd", "--out-dir", "crds/"]).expect("parse");
+        let cli = Cli::try_parse_from(["operator", "crd", "--out-dir", "crds/"]).expect("parse");
         let Command::Crd(args) = cli.command else {
             panic!("expected crd");
         };

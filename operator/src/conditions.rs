@@ -1,18 +1,18 @@
 //! Kubernetes-style conditions computed deterministically: the desired set of
 //! (type, status, reason, message) is merged into the previous conditions with
-//! `kvpool::crd::conditions::set_condition`, so `lastTransitionTime` changes only when a
+//! `kvpool_crd::conditions::set_condition`, so `lastTransitionTime` changes only when a
 //! condition's status flips and the list stays sorted by type. With the same inputs the output
 //! is identical, which is what lets the controllers skip unchanged status writes.
 //! I/O boundary: none; the current time is passed in.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
-pub use kvpool::crd::conditions::{DEGRADED, PROGRESSING, READY};
-use kvpool::crd::conditions::{FALSE, TRUE, UNKNOWN, condition_with_status, set_condition};
+pub use kvpool_crd::conditions::{DEGRADED, PROGRESSING, READY};
+use kvpool_crd::conditions::{FALSE, TRUE, UNKNOWN, condition_with_status, set_condition};
 
-/// Reasons used in conditions and Events (shared ones come from `kvpool::crd::conditions`).
+/// Reasons used in conditions and Events (shared ones come from `kvpool_crd::conditions`).
 pub mod reason {
-    pub use kvpool::crd::conditions::reasons::{
+    pub use kvpool_crd::conditions::reasons::{
         AVAILABLE, INVALID_SPEC, KV_CACHE_POOL_NOT_FOUND as KVCACHEPOOL_NOT_FOUND, NO_NODES,
         REPLICAS_UNAVAILABLE as NOT_ALL_READY, ROLLING_OUT, UP_TO_DATE as RECONCILED,
     };
@@ -133,7 +133,7 @@ pub fn from_counts(what: &str, ready: i32, desired: i32) -> Vec<Desired> {
 
 /// The condition of `type_` in `conditions` (tests and status readers).
 pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
-    kvpool::crd::conditions::find(conditions, type_)
+    kvpool_crd::conditions::find(conditions, type_)
 }
 
 #[cfg(test)]

@@ -1,9 +1,9 @@
 //! The contract between the operator and the processes it starts: every binary name, flag, port,
 //! path and environment variable that appears in a generated container spec lives here, so that
-//! the CLIs (`kvpool-agent`, `kvpool master`, `kvpool conductor`) and the engines can be checked
+//! the CLI (`kvpool agent run`, `kvpool master`, `kvpool conductor`) and the engines can be checked
 //! against one list. Documented in docs/engine-contract.md. I/O boundary: none (pure data).
 
-use kvpool::crd::Role;
+use kvpool_crd::Role;
 
 /// Directory the pool ConfigMap is mounted at in every container.
 pub const CONFIG_DIR: &str = "/etc/kvpool";
@@ -36,9 +36,8 @@ pub const AGENT_TRANSFER_PORT: u16 = 15500;
 /// HTTP port the engines serve on (OpenAI-compatible).
 pub const ENGINE_PORT: u16 = 8000;
 
-/// Binary of the node agent.
-pub const AGENT_BINARY: &str = "kvpool-agent";
-/// Binary of the master and the conductor (`kvpool master`, `kvpool conductor`).
+/// The one kvpool executable: every container runs it with its role as the first argument
+/// (`kvpool agent run`, `kvpool master`, `kvpool conductor`, `kvpool operator run`).
 pub const KVPOOL_BINARY: &str = "kvpool";
 
 /// Environment variables set on every engine container.
@@ -97,12 +96,13 @@ fn any_addr(port: u16) -> String {
 
 /// Command (`command`) of the agent container.
 pub fn agent_command() -> Vec<String> {
-    vec![AGENT_BINARY.to_owned()]
+    vec![KVPOOL_BINARY.to_owned()]
 }
 
-/// Arguments (`args`) of the agent container: `run` reading the pool ConfigMap's document.
+/// Arguments (`args`) of the agent container: `agent run` reading the pool ConfigMap's document.
 pub fn agent_args() -> Vec<String> {
     vec![
+        "agent".to_owned(),
         "run".to_owned(),
         "--pool-config".to_owned(),
         config_path(),
@@ -145,9 +145,9 @@ pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
 }
 
 /// Label selector of the engine pods of `role` that belong to KVCachePool `pool` (the labels
-/// the operator puts on PrefillPool and DecodePool pods; see `kvpool::crd::labels`).
+/// the operator puts on PrefillPool and DecodePool pods; see `kvpool_crd::labels`).
 pub fn engine_selector(pool: &str, role: Role) -> String {
-    use kvpool::crd::labels::{APP_NAME, APP_NAME_VALUE, COMPONENT, POOL};
+    use kvpool_crd::labels::{APP_NAME, APP_NAME_VALUE, COMPONENT, POOL};
     let component = match role {
         Role::Prefill => "prefill",
         Role::Decode => "decode",
@@ -264,7 +264,7 @@ pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<Strin
 /// the default is reported then.
 pub fn sglang_bootstrap_port(user_args: &[String]) -> u16 {
     const FLAG: &str = "--disaggregation-bootstrap-port";
-    let mut port = kvpool::crd::labels::SGLANG_DEFAULT_BOOTSTRAP_PORT;
+    let mut port = kvpool_crd::labels::SGLANG_DEFAULT_BOOTSTRAP_PORT;
     let mut args = user_args.iter();
     while let Some(a) = args.next() {
         let value = if a == FLAG {
@@ -320,7 +320,7 @@ mod tests {
     fn default_transfer_port_is_the_crd_default() {
         assert_eq!(
             i32::from(AGENT_TRANSFER_PORT),
-            kvpool::crd::defaults::TRANSPORT_PORT
+            kvpool_crd::defaults::TRANSPORT_PORT
         );
     }
 

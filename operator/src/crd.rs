@@ -1,10 +1,10 @@
-//! `kvpool-operator crd`: writes the CustomResourceDefinitions rendered by `kvpool::crd` into a
+//! `kvpool operator crd`: writes the CustomResourceDefinitions rendered by `kvpool_crd` into a
 //! directory (one file per kind) or to stdout. I/O boundary: the output directory / stdout.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use kvpool::crd::{CrdError, render_crds};
+use kvpool_crd::{CrdError, render_crds};
 
 /// Failures of the `crd` subcommand.
 #[derive(Debug, thiserror::Error)]
@@ -40,7 +40,7 @@ impl CrdCommandError {
 }
 
 /// Write one `<plural>.kvpool.dev.yaml` per kind into `dir` (created if missing). Returns the
-/// paths written, in the order of `kvpool::crd::crds`.
+/// paths written, in the order of `kvpool_crd::crds`.
 pub fn write_dir(dir: &Path) -> Result<Vec<PathBuf>, CrdCommandError> {
     std::fs::create_dir_all(dir).map_err(|source| CrdCommandError::CreateDir {
         path: dir.to_owned(),
@@ -60,7 +60,7 @@ pub fn write_dir(dir: &Path) -> Result<Vec<PathBuf>, CrdCommandError> {
 
 /// Write every CRD to `out` as one multi-document stream.
 pub fn write_stream(out: &mut impl Write) -> Result<(), CrdCommandError> {
-    let yaml = kvpool::crd::crds_yaml().map_err(CrdCommandError::Render)?;
+    let yaml = kvpool_crd::crds_yaml().map_err(CrdCommandError::Render)?;
     out.write_all(yaml.as_bytes())
         .map_err(CrdCommandError::Stdout)
 }

@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 /// Field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "kvpool-operator";
 
-pub use kvpool::crd::labels::{
+pub use kvpool_crd::labels::{
     APP_COMPONENT, APP_INSTANCE, APP_MANAGED_BY, APP_NAME, APP_NAME_VALUE, APP_PART_OF,
     BOOTSTRAP_PORT_ANNOTATION, COMPONENT, ENGINE_PROTOCOL_ANNOTATION, MANAGED_BY_VALUE, POOL,
 };
@@ -20,7 +20,7 @@ pub const OWNER_NAME: &str = "kvpool.dev/owner-name";
 /// Pod-template annotation with a hash of the mounted config, so pods roll when it changes.
 pub const CONFIG_HASH: &str = "kvpool.dev/config-hash";
 /// Multus annotation naming the secondary networks of a pod.
-pub const MULTUS_NETWORKS: &str = kvpool::crd::labels::MULTUS_NETWORKS_ANNOTATION;
+pub const MULTUS_NETWORKS: &str = kvpool_crd::labels::MULTUS_NETWORKS_ANNOTATION;
 
 /// The longest name of a resource whose children get the longest suffix (`-conductor`), so that
 /// every child name is a valid DNS-1035 label (63 characters).
@@ -58,7 +58,7 @@ pub fn child_name(owner: &str, component: Component) -> String {
 }
 
 /// Labels that select the pods of one component of one owner (stable: used in selectors).
-/// Same shape as `kvpool::crd::labels::selector_labels`: name, instance, pool, component.
+/// Same shape as `kvpool_crd::labels::selector_labels`: name, instance, pool, component.
 pub fn selector_labels(pool: &str, owner: &str, component: Component) -> BTreeMap<String, String> {
     BTreeMap::from([
         (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
@@ -137,8 +137,8 @@ mod tests {
             "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=PrefillPool,kvpool.dev/owner-name=p"
         );
         assert_eq!(MAX_OWNER_NAME_LEN, 53);
-        // The workload labels match the shared definitions in kvpool::crd::labels.
-        use kvpool::crd::labels as shared;
+        // The workload labels match the shared definitions in kvpool_crd::labels.
+        use kvpool_crd::labels as shared;
         for (mine, theirs) in [
             (Component::Agent, shared::Component::Agent),
             (Component::Master, shared::Component::Master),

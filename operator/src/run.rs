@@ -1,4 +1,4 @@
-//! `kvpool-operator run`: wires the three controllers, the admin server, leader election and
+//! `kvpool operator run`: wires the three controllers, the admin server, leader election and
 //! shutdown together. I/O boundary: the kube client (watches), the Lease, the admin listener and
 //! the signal handlers; the controllers' logic lives in [`crate::cachepool`] and
 //! [`crate::enginepool`].
@@ -18,8 +18,8 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, predicates, watcher};
 use kube::{Client, Resource};
 use kube_lease_manager::{LeaseManagerBuilder, LeaseManagerError};
-use kvpool::admin::{self, AdminError, Readiness};
-use kvpool::crd::{DecodePool, KVCachePool, PrefillPool};
+use kvpool_crd::{DecodePool, KVCachePool, PrefillPool};
+use kvpool_runtime::admin::{self, AdminError, Readiness};
 use prometheus::Registry;
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
@@ -81,7 +81,7 @@ where
 /// Run until SIGTERM/SIGINT (Ok) or a fatal error.
 pub async fn run(args: RunArgs) -> Result<(), RunError> {
     let shutdown = CancellationToken::new();
-    kvpool::shutdown::cancel_on_signal(shutdown.clone()).map_err(RunError::Signals)?;
+    kvpool_runtime::shutdown::cancel_on_signal(shutdown.clone()).map_err(RunError::Signals)?;
 
     let registry = Registry::new();
     let metrics = Metrics::register(&registry).map_err(RunError::Metrics)?;

@@ -1,6 +1,6 @@
 //! YAML fixtures under operator/tests/fixtures, parsed for unit tests. Test-only.
 
-use kvpool::crd::{DecodePool, KVCachePool, PrefillPool};
+use kvpool_crd::{DecodePool, KVCachePool, PrefillPool};
 
 use crate::cachepool::validate::{ValidCachePool, validate};
 use crate::context::Settings;

@@ -14,7 +14,7 @@ use kube::Client;
 use kube::client::Body;
 use kube::runtime::reflector;
 use kube::runtime::watcher;
-use kvpool::crd::{DecodePool, KVCachePool, KVCachePoolStatus, PrefillPool};
+use kvpool_crd::{DecodePool, KVCachePool, KVCachePoolStatus, PrefillPool};
 use kvpool_operator::cachepool::{self, Outcome};
 use kvpool_operator::context::Context;
 use kvpool_operator::enginepool;
@@ -436,13 +436,13 @@ async fn create_applies_every_child_and_writes_status() {
         serde_json::from_value(status.lock().expect("lock").clone()).expect("status parses");
     assert_eq!((status.nodes_ready, status.nodes_desired), (2, 4));
     assert_eq!(status.observed_generation, Some(3));
-    let ready = kvpool::crd::conditions::find(&status.conditions, "Ready").expect("Ready");
+    let ready = kvpool_crd::conditions::find(&status.conditions, "Ready").expect("Ready");
     assert_eq!(
         (ready.status.as_str(), ready.reason.as_str()),
         ("False", "ReplicasUnavailable")
     );
     let progressing =
-        kvpool::crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
+        kvpool_crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
     assert_eq!(progressing.status, "True");
 }
 
@@ -503,9 +503,9 @@ async fn status_is_written_only_when_it_changes() {
     .expect("third pass");
     let third: KVCachePoolStatus =
         serde_json::from_value(out.lock().expect("lock").clone()).expect("status");
-    assert!(kvpool::crd::conditions::is_true(&third.conditions, "Ready"));
-    let degraded_before = kvpool::crd::conditions::find(&first.conditions, "Degraded").expect("d");
-    let degraded_after = kvpool::crd::conditions::find(&third.conditions, "Degraded").expect("d");
+    assert!(kvpool_crd::conditions::is_true(&third.conditions, "Ready"));
+    let degraded_before = kvpool_crd::conditions::find(&first.conditions, "Degraded").expect("d");
+    let degraded_after = kvpool_crd::conditions::find(&third.conditions, "Degraded").expect("d");
     assert_eq!(
         (
             &degraded_before.status,
@@ -782,9 +782,9 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
     .await
     .expect("reconcile");
     assert_eq!(outcome, enginepool::Outcome::PoolNotFound);
-    let status: kvpool::crd::EnginePoolStatus =
+    let status: kvpool_crd::EnginePoolStatus =
         serde_json::from_value(status_seen.lock().expect("lock").clone()).expect("status");
-    let ready = kvpool::crd::conditions::find(&status.conditions, "Ready").expect("Ready");
+    let ready = kvpool_crd::conditions::find(&status.conditions, "Ready").expect("Ready");
     assert_eq!(
         (ready.status.as_str(), ready.reason.as_str()),
         ("False", "KVCachePoolNotFound")
@@ -978,11 +978,11 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
     )
     .await
     .expect("first pass");
-    let status: kvpool::crd::EnginePoolStatus =
+    let status: kvpool_crd::EnginePoolStatus =
         serde_json::from_value(written.lock().expect("lock").clone()).expect("status");
     assert_eq!((status.replicas, status.ready_replicas), (3, 2));
     let progressing =
-        kvpool::crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
+        kvpool_crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
     assert_eq!(progressing.status, "True");
 
     let mut second: DecodePool = fixture("decodepool-sglang.yaml");
@@ -1077,7 +1077,7 @@ async fn usage_pass(
 
 /// `TransportDegraded=True` naming gpu-1 (of two reporting nodes) and its reason.
 fn assert_gpu_1_fell_back(status: &KVCachePoolStatus) {
-    let t = kvpool::crd::conditions::find(&status.conditions, "TransportDegraded")
+    let t = kvpool_crd::conditions::find(&status.conditions, "TransportDegraded")
         .expect("TransportDegraded condition");
     assert_eq!(
         (t.status.as_str(), t.reason.as_str()),
@@ -1099,14 +1099,14 @@ impl cachepool::usage::MasterStats for Recording {
     fn stats<'a>(
         &'a self,
         addr: &'a str,
-        key: kvpool::master::auth::AuthKey,
+        key: kvpool_proto::auth::AuthKey,
     ) -> futures::future::BoxFuture<
         'a,
         Result<cachepool::usage::PoolUsage, cachepool::usage::UsageError>,
     > {
         // The key is the Secret's, byte for byte (a signature with it verifies).
-        let verifier = kvpool::master::auth::Verifier::new(
-            kvpool::master::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
+        let verifier = kvpool_proto::auth::Verifier::new(
+            kvpool_proto::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
         );
         assert!(
             verifier.verify(Some(&key.sign())).is_ok(),
@@ -1176,7 +1176,7 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
     );
     assert_eq!(first.ssd.as_ref().map(|s| s.used.0.as_str()), Some("1Gi"));
     assert_eq!((first.objects, first.nodes_registered), (Some(12), Some(4)));
-    assert!(kvpool::crd::conditions::is_true(
+    assert!(kvpool_crd::conditions::is_true(
         &first.conditions,
         "MasterReachable"
     ));
@@ -1193,7 +1193,7 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
     assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
     assert_eq!(second.dram, first.dram);
     assert_eq!(second.objects, Some(12));
-    let c = kvpool::crd::conditions::find(&second.conditions, "MasterReachable").expect("c");
+    let c = kvpool_crd::conditions::find(&second.conditions, "MasterReachable").expect("c");
     assert_eq!(
         (c.status.as_str(), c.reason.as_str()),
         ("False", "MasterUnreachable")
@@ -1203,7 +1203,7 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         "{}",
         c.message
     );
-    let t = kvpool::crd::conditions::find(&second.conditions, "TransportDegraded").expect("t");
+    let t = kvpool_crd::conditions::find(&second.conditions, "TransportDegraded").expect("t");
     assert_eq!(
         (t.status.as_str(), t.reason.as_str()),
         ("Unknown", "MasterUnreachable"),
@@ -1215,11 +1215,11 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
 /// call and the status carries the master's own figures for the segments and object put there.
 #[tokio::test]
 async fn status_carries_the_figures_of_a_real_master() {
-    use kvpool::master::auth::AuthKey;
-    use kvpool::master::client::{ClientConfig, MasterClient};
-    use kvpool::master::cmd::start;
-    use kvpool::master::testing::loopback_master_args;
-    use kvpool::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+    use kvpool_client::master::{ClientConfig, MasterClient};
+    use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+    use kvpool_master::cmd::loopback_args as loopback_master_args;
+    use kvpool_master::cmd::start;
+    use kvpool_proto::auth::AuthKey;
 
     let dir = tempfile::tempdir().expect("tmp");
     let key_file = dir.path().join("key");
@@ -1271,7 +1271,7 @@ async fn status_carries_the_figures_of_a_real_master() {
         client
             .heartbeat_with_transport(
                 node,
-                Some(kvpool::master::proto::TransportReport {
+                Some(kvpool_proto::master::TransportReport {
                     rdma_requested: true,
                     fallback,
                     fallback_reason: if fallback {
@@ -1305,7 +1305,7 @@ async fn status_carries_the_figures_of_a_real_master() {
     assert_eq!(dram.capacity.0, "96Mi");
     assert_eq!(
         dram.used.0,
-        kvpool::crd::quantity::format_bytes(truth.used_bytes[0]).0
+        kvpool_crd::quantity::format_bytes(truth.used_bytes[0]).0
     );
     assert!(truth.used_bytes[0] >= MIB, "{truth:?}");
     let ssd = status.ssd.expect("ssd");
@@ -1315,7 +1315,7 @@ async fn status_carries_the_figures_of_a_real_master() {
     );
     assert_eq!(status.objects, Some(1));
     assert_eq!(status.nodes_registered, Some(2));
-    assert!(kvpool::crd::conditions::is_true(
+    assert!(kvpool_crd::conditions::is_true(
         &status.conditions,
         "MasterReachable"
     ));

@@ -1,7 +1,7 @@
 //! `kvpool up`: the whole of kvpool on one machine, with no cluster and no GPU. Starts a master,
 //! K node agents in pool mode, P prefill and D decode synthetic engines that keep their KV blocks
-//! in the agents, and a conductor in front of them, all on 127.0.0.1 as child processes (the
-//! `kvpool` library cannot link the agent, so it runs `kvpool-agent`); waits until every one is
+//! in the agents, and a conductor in front of them, all on 127.0.0.1 as child processes (this
+//! executable again, with the child's role as its first argument); waits until every one is
 //! ready, prints the endpoints, then either waits for SIGTERM/SIGINT or replays a trace through
 //! the conductor and prints a summary. Stops every child on the way out, also on errors.
 //! I/O boundary: this module (runtime, signals, HTTP probes, the master's stats); `plan` is pure,
@@ -28,7 +28,7 @@ use self::replay::ReplayStats;
 /// Flags of `kvpool up`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
-    /// Node agents (each a `kvpool-agent` process with its own DRAM tier).
+    /// Node agents (each a `kvpool agent run` process with its own DRAM tier).
     #[arg(long, default_value_t = 2)]
     pub agents: usize,
     /// Prefill engines (synthetic).
@@ -47,9 +47,6 @@ pub struct UpArgs {
     /// removed at exit.
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// The `kvpool-agent` binary; default: next to this binary, then on PATH.
-    #[arg(long, env = "KVPOOL_AGENT_BIN")]
-    pub agent_bin: Option<PathBuf>,
     /// DRAM tier of each agent.
     #[arg(long, default_value = "64MiB")]
     pub agent_dram: String,
@@ -74,8 +71,8 @@ pub struct UpArgs {
     pub time_scale: Option<f64>,
     /// Disaggregation convention between the conductor and the engines: `vllm` (prefill, then
     /// decode) or `sglang` (both at once, the KV hand-off paired by a bootstrap room).
-    #[arg(long, value_enum, default_value_t = crate::synthetic::cli::EngineProtocol::Vllm)]
-    pub engine_protocol: crate::synthetic::cli::EngineProtocol,
+    #[arg(long, value_enum, default_value_t = kvpool_proto::openai::EngineProtocol::Vllm)]
+    pub engine_protocol: kvpool_proto::openai::EngineProtocol,
     /// Replay this Mooncake trace through the conductor, print a summary and exit.
     #[arg(long, value_name = "TRACE")]
     pub replay: Option<PathBuf>,
@@ -101,10 +98,6 @@ pub struct UpArgs {
 pub enum UpError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
-    #[error(
-        "cannot find the kvpool-agent binary (looked next to {next_to} and on PATH); pass --agent-bin"
-    )]
-    AgentBinary { next_to: PathBuf },
     #[error("cannot locate this kvpool binary")]
     SelfExe(#[source] std::io::Error),
     #[error("cannot prepare the working directory {path}")]
@@ -136,7 +129,7 @@ pub enum UpError {
     #[error("interrupted during start-up")]
     Interrupted,
     #[error("cannot read the trace")]
-    Trace(#[source] crate::sim::trace::TraceError),
+    Trace(#[source] kvpool_core::sim::trace::TraceError),
     #[error("children did not stop cleanly: {0}")]
     Unclean(String),
 }
@@ -146,7 +139,6 @@ impl UpError {
     pub fn category(&self) -> &'static str {
         match self {
             UpError::Flag { .. } => "flag",
-            UpError::AgentBinary { .. } => "agent_binary",
             UpError::SelfExe(_) => "self_exe",
             UpError::Dir { .. } => "dir",
             UpError::Ports(_) => "ports",
@@ -171,35 +163,6 @@ fn flag(flag: &'static str, problem: impl Into<String>) -> UpError {
 
 /// Stand-in token width: fixed, so the conductor and the engines agree.
 const CHUNK_BYTES: usize = 4;
-
-/// The `kvpool-agent` binary: `explicit`, else next to this `kvpool` binary, else on PATH.
-pub fn agent_binary(explicit: Option<&Path>) -> Result<PathBuf, UpError> {
-    let self_exe = std::env::current_exe().map_err(UpError::SelfExe)?;
-    find_agent_bin(explicit, &self_exe)
-}
-
-fn find_agent_bin(explicit: Option<&Path>, self_exe: &Path) -> Result<PathBuf, UpError> {
-    if let Some(p) = explicit {
-        return if p.is_file() {
-            Ok(p.to_owned())
-        } else {
-            Err(flag("agent-bin", format!("{} is not a file", p.display())))
-        };
-    }
-    let dir = self_exe.parent().unwrap_or(Path::new("."));
-    let next = dir.join("kvpool-agent");
-    if next.is_file() {
-        return Ok(next);
-    }
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|d| d.join("kvpool-agent"))
-        .find(|p| p.is_file())
-        .ok_or_else(|| UpError::AgentBinary {
-            next_to: dir.to_owned(),
-        })
-}
 
 fn validate(args: &UpArgs, dir: PathBuf) -> Result<UpSettings, UpError> {
     if args.agents == 0 {
@@ -242,14 +205,13 @@ fn validate(args: &UpArgs, dir: PathBuf) -> Result<UpSettings, UpError> {
             format!("`{}` is not a size like 64MiB", args.agent_dram),
         ));
     }
+    // Every child is this executable with its role as the first argument.
     let self_exe = std::env::current_exe().map_err(UpError::SelfExe)?;
-    let agent_bin = find_agent_bin(args.agent_bin.as_deref(), &self_exe)?;
     Ok(UpSettings {
         agents: args.agents,
         prefill: args.prefill,
         decode: args.decode,
         kvpool_bin: self_exe,
-        agent_bin,
         dir,
         model: args.model.clone(),
         block_size: args.block_size,
@@ -453,11 +415,11 @@ async fn engine_kv(client: &Http, specs: &[ChildSpec]) -> EngineKv {
 }
 
 async fn pool_stats(master: &str, key_file: &Path) -> Option<Value> {
-    let key = crate::master::auth::AuthKey::from_file(key_file).ok()?;
-    let client = crate::master::client::MasterClient::new(
+    let key = kvpool_proto::auth::AuthKey::from_file(key_file).ok()?;
+    let client = kvpool_client::master::MasterClient::new(
         vec![master.to_owned()],
         key,
-        crate::master::client::ClientConfig::default(),
+        kvpool_client::master::ClientConfig::default(),
     )
     .ok()?;
     let s = client.stats().await.ok()?;
@@ -570,7 +532,8 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     // Trace first: a bad file fails before anything starts.
     let records = match &args.replay {
         Some(path) => {
-            let mut r = crate::sim::trace::load(path, args.block_size).map_err(UpError::Trace)?;
+            let mut r =
+                kvpool_core::sim::trace::load(path, args.block_size).map_err(UpError::Trace)?;
             if let Some(n) = args.limit {
                 r.truncate(n);
             }
@@ -617,7 +580,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     let mut children = Children::new(dir.join("logs"), grace);
     let result = runtime.block_on(async {
         let stop = CancellationToken::new();
-        crate::shutdown::cancel_on_signal(stop.clone()).map_err(UpError::Signals)?;
+        kvpool_runtime::shutdown::cancel_on_signal(stop.clone()).map_err(UpError::Signals)?;
         let client: Http = Client::builder(TokioExecutor::new()).build_http();
         // Start in order, each group once the one before is ready (agents need the master,
         // engines need the agents' sockets, the conductor needs the engines).

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use crate::synthetic::cli::EngineProtocol;
+use kvpool_proto::openai::EngineProtocol;
 
 /// Role of a child process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,7 +52,6 @@ pub struct UpSettings {
     pub prefill: usize,
     pub decode: usize,
     pub kvpool_bin: PathBuf,
-    pub agent_bin: PathBuf,
     pub dir: PathBuf,
     pub model: String,
     pub block_size: u32,
@@ -60,7 +59,7 @@ pub struct UpSettings {
     pub kv_bytes_per_token: u64,
     pub agent_dram: String,
     pub time_scale: f64,
-    pub protocol: crate::synthetic::cli::EngineProtocol,
+    pub protocol: kvpool_proto::openai::EngineProtocol,
     pub sysfs_root: Option<PathBuf>,
     pub procfs_root: Option<PathBuf>,
 }
@@ -157,8 +156,13 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         out.push(ChildSpec {
             name: format!("agent-{i}"),
             role: Role::Agent,
-            program: s.agent_bin.clone(),
-            args: vec!["run".into(), "--config".into(), path.display().to_string()],
+            program: s.kvpool_bin.clone(),
+            args: vec![
+                "agent".into(),
+                "run".into(),
+                "--config".into(),
+                path.display().to_string(),
+            ],
             admin,
             endpoint: Some(agent_socket(&s.dir, i).display().to_string()),
             config_file: Some((path, agent_config(s, i, admin, grpc))),
@@ -253,7 +257,6 @@ mod tests {
             prefill: 2,
             decode: 1,
             kvpool_bin: "/bin/kvpool".into(),
-            agent_bin: "/bin/kvpool-agent".into(),
             dir: "/run/up".into(),
             model: "m".into(),
             block_size: 512,
@@ -293,6 +296,12 @@ mod tests {
         admins.dedup();
         assert_eq!(admins.len(), p.len());
         let agent = &p[1];
+        // Every child is this executable with its role first; no sibling binary is looked up.
+        assert!(p.iter().all(|c| c.program == Path::new("/bin/kvpool")));
+        assert_eq!(
+            agent.args,
+            ["agent", "run", "--config", "/run/up/agent-0/agent.yaml"]
+        );
         let (path, cfg) = agent.config_file.as_ref().unwrap();
         assert_eq!(path, Path::new("/run/up/agent-0/agent.yaml"));
         assert!(cfg.contains("master: [\"127.0.0.1:1000\"]"), "{cfg}");

@@ -16,7 +16,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::sim::trace::TraceRecord;
+use kvpool_core::sim::trace::TraceRecord;
 
 /// Prompt text for a trace record: `input_length` stand-in tokens of `chunk_bytes` ASCII bytes
 /// each, block `i` (of `block_size` tokens) derived from `hash_ids[i]` alone.
@@ -225,7 +225,7 @@ mod tests {
     use std::num::NonZeroU32;
 
     use super::*;
-    use crate::sched::{block_keys, text_tokens};
+    use kvpool_core::sched::{block_keys, text_tokens};
 
     fn rec(input: u64, ids: &[u64]) -> TraceRecord {
         TraceRecord {

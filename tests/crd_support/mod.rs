@@ -9,7 +9,7 @@ pub mod reference;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
-use kvpool::crd::{
+use kvpool_crd::{
     DecodePool, KVCachePool, PrefillPool, ValidatedEnginePool, ValidatedKVCachePool, validate_name,
 };
 use serde_json::{Map, Value, json};

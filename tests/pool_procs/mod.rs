@@ -11,11 +11,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpool::master::auth::AuthKey as MasterKey;
-use kvpool::master::client::{ClientConfig, MasterClient};
-use kvpool::master::cmd::{MasterArgs, RunningMaster, start};
-use kvpool::master::proto::StatsResponse;
-use kvpool::master::testing::{free_port, wait_for_port};
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_harness::{free_port, wait_for_port};
+use kvpool_master::cmd::{MasterArgs, RunningMaster, start};
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_proto::master::StatsResponse;
 use tokio_util::sync::CancellationToken;
 
 pub const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
@@ -42,20 +42,6 @@ impl Proc {
             panic!("{} exited early with {status}; log:\n{log}", self.name);
         }
     }
-}
-
-pub fn agent_bin() -> PathBuf {
-    let bin = Path::new(KVPOOL).with_file_name("kvpool-agent");
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let status = Command::new(cargo)
-            .args(["build", "-p", "kvpool-agent", "--bin", "kvpool-agent"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build for kvpool-agent");
-        assert!(status.success(), "building kvpool-agent failed");
-    }
-    bin
 }
 
 pub fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Proc {
@@ -114,8 +100,8 @@ pub fn start_agent(dir: &Path, name: &str, master: SocketAddr, key_file: &Path) 
     spawn(
         dir,
         name,
-        Command::new(agent_bin())
-            .args(["run", "--config"])
+        Command::new(KVPOOL)
+            .args(["agent", "run", "--config"])
             .arg(&path)
             .env_remove("KVPOOL_MASTER")
             .env_remove("KVPOOL_AUTH_KEY_FILE")
@@ -152,12 +138,12 @@ pub struct InProcessMaster {
     pub client: MasterClient,
 }
 
-/// Start a master with [`kvpool::master::testing::loopback_master_args`] changed by `tweak`, keyed with `key`.
+/// Start a master with [`kvpool_master::cmd::loopback_args`] changed by `tweak`, keyed with `key`.
 pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) -> InProcessMaster {
     let dir = tempfile::tempdir().expect("tmp");
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, key).expect("key");
-    let mut a = kvpool::master::testing::loopback_master_args(key_file);
+    let mut a = kvpool_master::cmd::loopback_args(key_file);
     tweak(&mut a);
     let shutdown = CancellationToken::new();
     let master = start(a.validate().expect("valid"), shutdown.clone())

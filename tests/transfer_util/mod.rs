@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool::transfer::*;
+use kvpool_transfer::*;
 
 pub const KEY: &str = "multi-process-test-key-0123456789";
 pub const MIB: u64 = 1024 * 1024;

@@ -7,29 +7,6 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
-/// The `kvpool-agent` binary of this target directory (next to `kvpool`). A workspace test run
-/// builds it; when it is missing (e.g. `cargo test -p kvpool`) it is built with the cargo that
-/// runs the test.
-pub fn agent_bin() -> PathBuf {
-    let kvpool = PathBuf::from(env!("CARGO_BIN_EXE_kvpool"));
-    let bin = kvpool
-        .parent()
-        .expect("kvpool binary has a directory")
-        .join("kvpool-agent");
-    if bin.exists() {
-        return bin;
-    }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "-p", "kvpool-agent", "--bin", "kvpool-agent"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("running cargo build for the kvpool-agent binary");
-    assert!(status.success(), "building the kvpool-agent binary failed");
-    assert!(bin.exists(), "kvpool-agent not found at {}", bin.display());
-    bin
-}
-
 /// The one-NUMA-node, no-RDMA sysfs fixture of the agent's tests.
 pub fn sysfs_fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("agent/tests/fixtures/tcp-single")
@@ -54,15 +31,15 @@ pub fn start_local_agent(dir: &Path) -> (Reap, PathBuf) {
     std::fs::write(&path, cfg).expect("write agent config");
     let log = std::fs::File::create(dir.join("agent.log")).expect("agent log");
     let mut child = Reap(
-        Command::new(agent_bin())
-            .args(["run", "--config"])
+        Command::new(env!("CARGO_BIN_EXE_kvpool"))
+            .args(["agent", "run", "--config"])
             .arg(&path)
             .env_remove("KVPOOL_MASTER")
             .env_remove("KVPOOL_AUTH_KEY_FILE")
             .stdout(std::process::Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("spawn kvpool-agent"),
+            .expect("spawn kvpool agent"),
     );
     let socket = run.join("agent.sock");
     // Bounded wait: only a hang reaches the end on a loaded box.

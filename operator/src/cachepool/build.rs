@@ -19,7 +19,7 @@ use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kvpool::crd::{DramCapacity, Hugepages, Protocol, ValidatedKVCachePool};
+use kvpool_crd::{DramCapacity, Hugepages, Protocol, ValidatedKVCachePool};
 use serde::Serialize;
 
 use super::validate::ValidCachePool;
@@ -96,7 +96,7 @@ pub fn conductor_rbac(pool: &ValidCachePool) -> ConductorRbac {
 }
 
 /// The document written to `config.yaml`, read by the agent, master and conductor: the pool's
-/// identity and addresses, followed by the effective settings (`kvpool::crd::ValidatedKVCachePool`,
+/// identity and addresses, followed by the effective settings (`kvpool_crd::ValidatedKVCachePool`,
 /// flattened, so a reader that only knows that type can read the file as it is).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -306,7 +306,7 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
     let mut extra: BTreeMap<String, Quantity> = BTreeMap::new();
     let hugepages = hugepages_resource(pool.effective.dram.hugepages);
     if let (Some(name), DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
-        extra.insert(name.to_owned(), kvpool::crd::quantity::format_bytes(bytes));
+        extra.insert(name.to_owned(), kvpool_crd::quantity::format_bytes(bytes));
     }
     // One extended resource per rail (or one for all rails): each is requested on its own.
     for r in pool
@@ -322,7 +322,7 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
         let requests = res.requests.get_or_insert_with(BTreeMap::new);
         requests
             .entry("memory".to_owned())
-            .or_insert_with(|| kvpool::crd::quantity::format_bytes(bytes));
+            .or_insert_with(|| kvpool_crd::quantity::format_bytes(bytes));
     }
     if !extra.is_empty() {
         let requests = res.requests.get_or_insert_with(BTreeMap::new);
@@ -436,7 +436,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
 }
 
 /// Group that may read the mounted auth key (the kvpool images' non-root user and group).
-pub const KEY_READER_GROUP: i64 = kvpool::crd::POOL_CLIENT_GROUP as i64;
+pub const KEY_READER_GROUP: i64 = kvpool_crd::POOL_CLIENT_GROUP as i64;
 
 /// Pod security context of the master and conductor: the `kvpool` image's non-root user, and
 /// `fsGroup` so the auth key is readable.
@@ -599,11 +599,11 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
             &pool.namespace,
             &pool.master_addr(),
             slo.map_or(
-                u64::from(kvpool::crd::defaults::TTFT_MILLIS.unsigned_abs()),
+                u64::from(kvpool_crd::defaults::TTFT_MILLIS.unsigned_abs()),
                 |s| u64::from(s.ttft_millis),
             ),
             slo.map_or(
-                u64::from(kvpool::crd::defaults::TPOT_MILLIS.unsigned_abs()),
+                u64::from(kvpool_crd::defaults::TPOT_MILLIS.unsigned_abs()),
                 |s| u64::from(s.tpot_millis),
             ),
         )),
@@ -768,10 +768,11 @@ mod tests {
 
         let c = &pod.containers[0];
         assert_eq!(c.image.as_deref(), Some("ghcr.io/kvpool/kvpool-agent:test"));
-        assert_eq!(c.command.as_deref(), Some(&["kvpool-agent".to_owned()][..]));
+        assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
         assert_eq!(
             c.args.as_deref().expect("args"),
             [
+                "agent",
                 "run",
                 "--pool-config",
                 "/etc/kvpool/config.yaml",
@@ -1039,7 +1040,7 @@ mod tests {
         assert_eq!(head.pool, "roce");
         assert_eq!(head.master_addr, "roce-master.llm.svc:50051");
         assert_eq!(head.auth_key_file, "/etc/kvpool/auth/key");
-        // The data plane reads the rest as kvpool::crd::ValidatedKVCachePool.
+        // The data plane reads the rest as kvpool_crd::ValidatedKVCachePool.
         let effective: ValidatedKVCachePool =
             serde_saphyr::from_str(yaml).expect("config.yaml parses as ValidatedKVCachePool");
         assert_eq!(effective, pool.effective);
@@ -1143,11 +1144,11 @@ mod tests {
     #[test]
     fn agent_requests_every_sriov_rail_resource() {
         let mut pool = roce();
-        pool.spec.transport.sriov = Some(kvpool::crd::SriovSpec {
+        pool.spec.transport.sriov = Some(kvpool_crd::SriovSpec {
             resource_name: None,
             count: 1,
             resources: (0..8)
-                .map(|i| kvpool::crd::SriovResource {
+                .map(|i| kvpool_crd::SriovResource {
                     resource_name: format!("nvidia.com/roce_vf_rail{i}"),
                     count: 1,
                 })

@@ -21,7 +21,7 @@ use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
-use kvpool::crd::KVCachePool;
+use kvpool_crd::KVCachePool;
 use rand::RngCore;
 use tracing::{info, instrument, warn};
 
@@ -176,7 +176,7 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
 async fn read_usage(
     ctx: &Context,
     pool: &validate::ValidCachePool,
-    key: std::result::Result<kvpool::master::auth::AuthKey, usage::UsageError>,
+    key: std::result::Result<kvpool_proto::auth::AuthKey, usage::UsageError>,
 ) -> UsageReading {
     let addr = ctx.master_addr(pool.master_addr());
     let result = match key {
@@ -222,7 +222,7 @@ async fn apply_children(
     children: build::CachePoolChildren,
 ) -> Result<(
     AppliedCachePool,
-    std::result::Result<kvpool::master::auth::AuthKey, usage::UsageError>,
+    std::result::Result<kvpool_proto::auth::AuthKey, usage::UsageError>,
 )> {
     let client = ctx.client.clone();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);

@@ -4,15 +4,15 @@
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::jiff::Timestamp;
-use kvpool::crd::{KVCachePoolStatus, TierStatus};
+use kvpool_crd::{KVCachePoolStatus, TierStatus};
 
 use super::usage::{NodeTransport, PoolUsage};
 use super::validate::ValidCachePool;
 use crate::conditions::{self, Desired};
 use crate::contract;
 use crate::labels::{self, Component};
-use kvpool::crd::quantity::format_bytes;
-use kvpool::crd::{DramCapacity, Protocol};
+use kvpool_crd::quantity::format_bytes;
+use kvpool_crd::{DramCapacity, Protocol};
 
 /// The children as the API server returned them from the apply.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -120,15 +120,15 @@ pub enum UsageReading {
 pub fn master_condition(usage: &UsageReading) -> Desired {
     match usage {
         UsageReading::Read(_) => Desired::new(
-            kvpool::crd::conditions::MASTER_REACHABLE,
+            kvpool_crd::conditions::MASTER_REACHABLE,
             true,
-            kvpool::crd::conditions::reasons::STATS_READ,
+            kvpool_crd::conditions::reasons::STATS_READ,
             "usage figures read from the master",
         ),
         UsageReading::Failed { addr, category } => Desired::new(
-            kvpool::crd::conditions::MASTER_REACHABLE,
+            kvpool_crd::conditions::MASTER_REACHABLE,
             false,
-            kvpool::crd::conditions::reasons::MASTER_UNREACHABLE,
+            kvpool_crd::conditions::reasons::MASTER_UNREACHABLE,
             format!(
                 "the master at {addr} did not report usage ({category}); figures are the last known"
             ),
@@ -165,7 +165,7 @@ pub fn degraded_nodes(protocol: Protocol, usage: &PoolUsage) -> usize {
 /// back from RDMA to TCP although the pool asked for RDMA, False otherwise, Unknown while the
 /// master (which holds the agents' reports) does not answer.
 pub fn transport_condition(protocol: Protocol, usage: &UsageReading) -> Desired {
-    use kvpool::crd::conditions::{TRANSPORT_DEGRADED, reasons};
+    use kvpool_crd::conditions::{TRANSPORT_DEGRADED, reasons};
     let usage = match usage {
         UsageReading::Read(u) => u,
         UsageReading::Failed { addr, category } => {
@@ -426,7 +426,7 @@ mod tests {
             t(99),
         );
         assert_eq!(first, again, "no timestamps that change every pass");
-        assert!(kvpool::crd::conditions::is_true(&first.conditions, "Ready"));
+        assert!(kvpool_crd::conditions::is_true(&first.conditions, "Ready"));
         assert!(
             first.dram.is_none(),
             "percent-of-node capacity is not known to the operator"

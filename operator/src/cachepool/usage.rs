@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Secret;
-use kvpool::master::auth::AuthKey;
-use kvpool::master::client::{ClientConfig, ClientError, MasterClient};
-use kvpool::master::proto::StatsResponse;
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_proto::auth::AuthKey;
+use kvpool_proto::master::StatsResponse;
 
 use crate::contract;
 
@@ -229,9 +229,9 @@ mod tests {
             }
         );
         let s = StatsResponse {
-            transport: vec![kvpool::master::proto::NodeTransport {
+            transport: vec![kvpool_proto::master::NodeTransport {
                 node: "gpu-1".into(),
-                report: Some(kvpool::master::proto::TransportReport {
+                report: Some(kvpool_proto::master::TransportReport {
                     rdma_requested: true,
                     fallback: true,
                     fallback_reason: "no usable RDMA device on this host".into(),

@@ -1,11 +1,11 @@
-//! Validation of a `KVCachePool`: the spec rules live in `kvpool::crd::ValidatedKVCachePool`
+//! Validation of a `KVCachePool`: the spec rules live in `kvpool_crd::ValidatedKVCachePool`
 //! (shared with the data plane, which reads the result from the ConfigMap); this step adds what
 //! only the operator cares about (object identity, child-name length) and resolves the images.
 //! I/O boundary: none.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::{Resource, ResourceExt};
-use kvpool::crd::{KVCachePool, KVCachePoolSpec, ValidatedKVCachePool};
+use kvpool_crd::{KVCachePool, KVCachePoolSpec, ValidatedKVCachePool};
 
 use crate::context::Settings;
 use crate::contract;

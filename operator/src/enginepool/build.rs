@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use kvpool::crd::EngineKind;
+use kvpool_crd::EngineKind;
 
 use super::validate::ValidEnginePool;
 use crate::cachepool::build::{KEY_READER_GROUP, auth_volume, config_volume, socket_volume};

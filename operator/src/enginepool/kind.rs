@@ -5,7 +5,7 @@ use std::fmt::Debug;
 
 use k8s_openapi::NamespaceResourceScope;
 use kube::Resource;
-use kvpool::crd::{DecodePool, EnginePoolStatus, PrefillPool, SpecError, ValidatedEnginePool};
+use kvpool_crd::{DecodePool, EnginePoolStatus, PrefillPool, SpecError, ValidatedEnginePool};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 

@@ -19,7 +19,7 @@ use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kvpool::crd::KVCachePool;
+use kvpool_crd::KVCachePool;
 use tracing::{info, instrument, warn};
 
 use crate::apply;

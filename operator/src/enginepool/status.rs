@@ -4,7 +4,7 @@
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
-use kvpool::crd::EnginePoolStatus;
+use kvpool_crd::EnginePoolStatus;
 
 use super::build;
 use super::validate::ValidEnginePool;

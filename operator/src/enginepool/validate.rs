@@ -1,13 +1,13 @@
 //! Validation of a Prefill/DecodePool together with the KVCachePool it references (already
 //! fetched and validated by the dereference step). Spec rules live in
-//! `kvpool::crd::ValidatedEnginePool`; this step adds object identity, child-name length and
+//! `kvpool_crd::ValidatedEnginePool`; this step adds object identity, child-name length and
 //! what server-side apply would reject (duplicate env names). I/O boundary: none.
 
 use std::collections::BTreeSet;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::ResourceExt;
-use kvpool::crd::ValidatedEnginePool;
+use kvpool_crd::ValidatedEnginePool;
 
 use super::kind::EnginePool;
 use crate::cachepool::validate::{ValidCachePool, validate_name};

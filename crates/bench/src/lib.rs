@@ -1,0 +1,91 @@
+//! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
+//! module here (`transfer`, `sched`, `store`, `master`); the tier benchmark is the node
+//! agent's own (`kvpool_agent::bench`).
+//! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
+
+pub mod master;
+pub mod sched;
+pub mod store;
+pub mod transfer;
+
+use clap::{Args, Subcommand};
+
+/// `kvpool bench`
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+/// Benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Transfer engine throughput and latency (flags mirror Mooncake's transfer_engine_bench).
+    Transfer(Box<transfer::TransferBenchArgs>),
+    /// Latency of one scheduling decision (64 prefill and 64 decode instances, 10^6 indexed
+    /// blocks by default).
+    Sched(sched::SchedBenchArgs),
+    /// The node agent's tiers: DRAM put/get through the engine API and SSD sequential I/O,
+    /// against memcpy and dd.
+    Tier(kvpool_agent::bench::TierArgs),
+    /// The pool end to end on loopback (master, agents, client processes) against Redis.
+    Store(Box<store::StoreBenchArgs>),
+}
+
+/// Errors of the benchmark commands.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("transfer benchmark failed")]
+    Transfer(#[source] transfer::TransferBenchError),
+    #[error("scheduling benchmark failed")]
+    Sched(#[source] sched::SchedBenchError),
+    #[error("tier benchmark failed")]
+    Tier(#[source] kvpool_agent::bench::BenchError),
+    #[error("cannot start the Tokio runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("cannot encode the report")]
+    Json(#[source] serde_json::Error),
+    #[error("store benchmark failed")]
+    Store(#[source] store::StoreBenchError),
+}
+
+impl BenchError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            BenchError::Transfer(e) => e.category(),
+            BenchError::Sched(e) => e.category(),
+            BenchError::Tier(e) => e.category(),
+            BenchError::Runtime(_) => "runtime",
+            BenchError::Json(_) => "json",
+            BenchError::Store(e) => e.category(),
+        }
+    }
+}
+
+/// Run a benchmark subcommand.
+pub fn run(args: BenchArgs) -> Result<(), BenchError> {
+    match args.command {
+        BenchCommand::Transfer(a) => transfer::run(*a).map_err(BenchError::Transfer),
+        BenchCommand::Sched(a) => sched::run(&a).map_err(BenchError::Sched),
+        BenchCommand::Tier(a) => tier(&a),
+        BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
+    }
+}
+
+/// `kvpool bench tier`: the agent's tier benchmark in this process, printed as JSON or text.
+fn tier(args: &kvpool_agent::bench::TierArgs) -> Result<(), BenchError> {
+    let report = tokio::runtime::Runtime::new()
+        .map_err(BenchError::Runtime)?
+        .block_on(kvpool_agent::bench::run_tier(args))
+        .map_err(BenchError::Tier)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(BenchError::Json)?
+        );
+    } else {
+        print!("{}", kvpool_agent::bench::render_text(&report));
+    }
+    Ok(())
+}

@@ -1,0 +1,362 @@
+//! `kvpool master-bench`: metadata benchmark of the master. Loads N objects into an
+//! in-process master (through the core, to measure resident memory per object), then drives
+//! batched `exists` and `longest_prefix` calls over loopback gRPC from several clients, and
+//! measures put_start+put_end throughput, optionally with etcd write-through.
+//! I/O boundary: loopback sockets, `/proc/self/statm`, an etcd child process with `--with-etcd`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_core::master::policy::PolicyKind;
+use kvpool_core::master::types::{ObjectKey, PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_harness::{EtcdServer, TestingError};
+use kvpool_master::cmd::{CmdError, MasterArgs, RunningMaster, start};
+use kvpool_proto::auth::AuthKey;
+
+/// Errors of the benchmark.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("cannot start the master")]
+    Master(#[source] CmdError),
+    #[error("master call failed")]
+    Client(#[source] ClientError),
+    #[error("cannot start etcd")]
+    Etcd(#[source] TestingError),
+    #[error("benchmark set-up failed: {0}")]
+    Setup(String),
+}
+
+impl BenchError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            BenchError::Master(_) => "master",
+            BenchError::Client(_) => "client",
+            BenchError::Etcd(_) => "etcd",
+            BenchError::Setup(_) => "setup",
+        }
+    }
+}
+
+/// Flags of `kvpool master-bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MasterBenchArgs {
+    /// Objects loaded before measuring.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub objects: u64,
+    /// Keys per exists / longest-prefix call.
+    #[arg(long, default_value_t = 100)]
+    pub batch: usize,
+    /// Client connections.
+    #[arg(long, default_value_t = 4)]
+    pub clients: usize,
+    /// Calls in flight per connection.
+    #[arg(long, default_value_t = 4)]
+    pub depth: usize,
+    /// Duration of each lookup phase.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Puts (put_start + put_end) in the put phase.
+    #[arg(long, default_value_t = 20_000)]
+    pub puts: u64,
+    /// Also measure puts against a master persisting to a local etcd (needs `etcd`).
+    #[arg(long)]
+    pub with_etcd: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Figures of one run.
+#[derive(Debug, Clone, Serialize)]
+pub struct MasterBenchReport {
+    pub objects: u64,
+    pub load_seconds: f64,
+    pub rss_before_bytes: u64,
+    pub rss_after_bytes: u64,
+    pub rss_bytes_per_object: f64,
+    pub batch: usize,
+    pub exists_calls_per_second: f64,
+    pub exists_key_lookups_per_second: f64,
+    pub prefix_calls_per_second: f64,
+    pub prefix_key_lookups_per_second: f64,
+    pub puts_per_second: f64,
+    pub puts_with_etcd_per_second: Option<f64>,
+}
+
+/// Resident set size of this process.
+pub fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
+}
+
+fn bench_key(i: u64) -> Vec<u8> {
+    format!("bench/{i:012}").into_bytes()
+}
+
+fn master_args(key_file: std::path::PathBuf, etcd: Option<String>) -> MasterArgs {
+    MasterArgs {
+        listen: ([127, 0, 0, 1], 0).into(),
+        admin_addr: ([127, 0, 0, 1], 0).into(),
+        auth_key_file: key_file,
+        etcd_endpoints: etcd.into_iter().collect(),
+        etcd_prefix: "/kvpool/bench".into(),
+        advertise_addr: None,
+        election_ttl: Duration::from_secs(2),
+        heartbeat_timeout: Duration::from_secs(3600),
+        lease_ttl: Duration::from_secs(5),
+        put_timeout: Duration::from_secs(600),
+        task_timeout: Duration::from_secs(600),
+        tick_interval: Duration::from_millis(200),
+        eviction_policy: PolicyKind::Lru,
+        dram_high_watermark: 0.95,
+        dram_low_watermark: 0.85,
+        ssd_high_watermark: 0.95,
+        ssd_low_watermark: 0.85,
+        max_replicas: 8,
+    }
+}
+
+fn segment(node: usize) -> SegmentSpec {
+    SegmentSpec {
+        node: format!("node-{node}"),
+        name: "dram0".into(),
+        tier: Tier::Dram,
+        capacity_bytes: 1 << 40,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://10.0.0.{node}:7000")],
+    }
+}
+
+async fn lookup_phase(
+    clients: &[MasterClient],
+    args: &MasterBenchArgs,
+    objects: u64,
+    prefix: bool,
+) -> Result<f64, BenchError> {
+    let calls = Arc::new(AtomicU64::new(0));
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+    for (ci, c) in clients.iter().enumerate() {
+        for d in 0..args.depth {
+            let c = c.clone();
+            let calls = calls.clone();
+            let stop = stop.clone();
+            let batch = args.batch as u64;
+            let mut next = (ci * args.depth + d) as u64 * 7919;
+            tasks.push(tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    // A chain of `batch` consecutive keys. For `exists`, a fifth of the chains
+                    // run past the loaded range so that misses are exercised too; for
+                    // `longest_prefix` every chain is fully cached, so each call really looks
+                    // up all `batch` keys.
+                    let range = if prefix {
+                        objects.saturating_sub(batch).max(1)
+                    } else {
+                        (objects + objects / 5).max(1)
+                    };
+                    let start = next % range;
+                    next = next.wrapping_add(104_729);
+                    let keys: Vec<Vec<u8>> = (start..start + batch).map(bench_key).collect();
+                    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+                    let r = if prefix {
+                        c.longest_prefix(&refs).await.map(|_| ())
+                    } else {
+                        c.exists(&refs).await.map(|_| ())
+                    };
+                    r?;
+                    calls.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<(), ClientError>(())
+            }));
+        }
+    }
+    let started = Instant::now();
+    tokio::time::sleep(args.duration).await;
+    stop.cancel();
+    for t in tasks {
+        t.await
+            .map_err(|e| BenchError::Setup(e.to_string()))?
+            .map_err(BenchError::Client)?;
+    }
+    Ok(calls.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
+async fn put_phase(
+    clients: &[MasterClient],
+    puts: u64,
+    depth: usize,
+    tag: &str,
+) -> Result<f64, BenchError> {
+    let next = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in clients {
+        for _ in 0..depth {
+            let c = c.clone();
+            let next = next.clone();
+            let tag = tag.to_owned();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= puts {
+                        return Ok::<(), ClientError>(());
+                    }
+                    let key = format!("put/{tag}/{i}").into_bytes();
+                    let opts = PutOptions {
+                        replicas: 2,
+                        ..PutOptions::default()
+                    };
+                    if let PutStarted::Allocated { put_id, .. } =
+                        c.put_start(&key, 256 * 1024, &opts).await?
+                    {
+                        c.put_end(&key, put_id).await?;
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await
+            .map_err(|e| BenchError::Setup(e.to_string()))?
+            .map_err(BenchError::Client)?;
+    }
+    Ok(puts as f64 / started.elapsed().as_secs_f64())
+}
+
+fn clients_for(
+    addr: std::net::SocketAddr,
+    key: &AuthKey,
+    n: usize,
+) -> Result<Vec<MasterClient>, BenchError> {
+    (0..n.max(1))
+        .map(|_| {
+            MasterClient::new(vec![addr.to_string()], key.clone(), ClientConfig::default())
+                .map_err(BenchError::Client)
+        })
+        .collect()
+}
+
+/// An in-process master on loopback (with etcd write-through when `etcd` is given).
+async fn start_master(
+    key_file: std::path::PathBuf,
+    etcd: Option<String>,
+) -> Result<(RunningMaster, CancellationToken), BenchError> {
+    let validated = master_args(key_file, etcd)
+        .validate()
+        .map_err(BenchError::Master)?;
+    let shutdown = CancellationToken::new();
+    let master = start(validated, shutdown.clone())
+        .await
+        .map_err(BenchError::Master)?;
+    Ok((master, shutdown))
+}
+
+/// Run the benchmark and print its report.
+pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError> {
+    let dir = tempfile::tempdir().map_err(|e| BenchError::Setup(e.to_string()))?;
+    let key_file = dir.path().join("key");
+    let secret = format!("{:032x}", rand::random::<u128>());
+    std::fs::write(&key_file, &secret).map_err(|e| BenchError::Setup(e.to_string()))?;
+    let key = AuthKey::from_bytes(secret.as_bytes())
+        .ok_or_else(|| BenchError::Setup("generated key too short".into()))?;
+    let (master, shutdown) = start_master(key_file.clone(), None).await?;
+
+    // Load through the core: the same code path as put_start/put_end, minus gRPC.
+    let rss_before = rss_bytes();
+    let started = Instant::now();
+    {
+        let mut st = master.core.state.lock();
+        for n in 0..8 {
+            st.mount(segment(n))
+                .map_err(|e| BenchError::Setup(e.to_string()))?;
+        }
+        let opts = PutOptions::default();
+        for i in 0..args.objects {
+            let key = ObjectKey::from_bytes(&bench_key(i));
+            match st.put_start(key, 64 * 1024, &opts) {
+                Ok(PutStarted::Allocated { put_id, .. }) => st
+                    .put_end(key, put_id)
+                    .map_err(|e| BenchError::Setup(e.to_string()))?,
+                Ok(PutStarted::AlreadyCommitted { .. }) => {}
+                Err(e) => return Err(BenchError::Setup(e.to_string())),
+            }
+        }
+    }
+    let load_seconds = started.elapsed().as_secs_f64();
+    let rss_after = rss_bytes();
+
+    let clients = clients_for(master.grpc_addr, &key, args.clients)?;
+    let exists = lookup_phase(&clients, &args, args.objects, false).await?;
+    let prefix = lookup_phase(&clients, &args, args.objects, true).await?;
+    let puts = put_phase(&clients, args.puts, args.depth, "plain").await?;
+    shutdown.cancel();
+    master.join().await.map_err(BenchError::Master)?;
+
+    let puts_with_etcd = if args.with_etcd {
+        let etcd = EtcdServer::start(dir.path()).map_err(BenchError::Etcd)?;
+        let (master, shutdown) = start_master(key_file, Some(etcd.client_url.clone())).await?;
+        let clients = clients_for(master.grpc_addr, &key, args.clients)?;
+        let admin = &clients[0];
+        for n in 0..8 {
+            admin
+                .mount_segment(&segment(n))
+                .await
+                .map_err(BenchError::Client)?;
+        }
+        let r = put_phase(&clients, args.puts, args.depth, "etcd").await?;
+        shutdown.cancel();
+        master.join().await.map_err(BenchError::Master)?;
+        Some(r)
+    } else {
+        None
+    };
+
+    let objects = args.objects.max(1);
+    let report = MasterBenchReport {
+        objects: args.objects,
+        load_seconds,
+        rss_before_bytes: rss_before,
+        rss_after_bytes: rss_after,
+        rss_bytes_per_object: rss_after.saturating_sub(rss_before) as f64 / objects as f64,
+        batch: args.batch,
+        exists_calls_per_second: exists,
+        exists_key_lookups_per_second: exists * args.batch as f64,
+        prefix_calls_per_second: prefix,
+        prefix_key_lookups_per_second: prefix * args.batch as f64,
+        puts_per_second: puts,
+        puts_with_etcd_per_second: puts_with_etcd,
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).unwrap_or_default()
+        );
+    } else {
+        println!("objects loaded            {}", report.objects);
+        println!(
+            "master RSS per object     {:.1} bytes ({} -> {} bytes)",
+            report.rss_bytes_per_object, rss_before, rss_after
+        );
+        println!(
+            "exists x{}               {:.0} calls/s = {:.0} key lookups/s",
+            report.batch, exists, report.exists_key_lookups_per_second
+        );
+        println!(
+            "longest_prefix x{}       {:.0} calls/s = {:.0} key lookups/s",
+            report.batch, prefix, report.prefix_key_lookups_per_second
+        );
+        println!("put_start+put_end         {puts:.0} puts/s (in memory)");
+        if let Some(p) = puts_with_etcd {
+            println!("put_start+put_end         {p:.0} puts/s (etcd write-through)");
+        }
+    }
+    Ok(report)
+}

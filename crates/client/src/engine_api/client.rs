@@ -1,0 +1,268 @@
+//! Rust client of the agent's engine API, for engines written in Rust (the synthetic engine),
+//! the agent's benchmark and the tests.
+//! I/O boundary: the Unix socket connection and the mapped staging file.
+
+use std::path::{Path, PathBuf};
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use super::shm::{ShmError, Staging};
+use kvpool_proto::engine_api::engine_api_client::EngineApiClient;
+use kvpool_proto::engine_api::{
+    CloseSessionRequest, ExistsRequest, GetItem, GetRequest, OpenSessionRequest, PutItem,
+    PutRequest, RemoveRequest, Status,
+};
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot connect to {path}")]
+    Connect {
+        path: PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("engine API call {call} failed")]
+    Call {
+        call: &'static str,
+        #[source]
+        source: tonic::Status,
+    },
+    #[error("staging area")]
+    Staging(#[source] ShmError),
+    #[error("server answered {got} results for {sent} items")]
+    Mismatch { sent: usize, got: usize },
+}
+
+impl ClientError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ClientError::Connect { .. } => "connect",
+            ClientError::Call { .. } => "call",
+            ClientError::Staging(_) => "staging",
+            ClientError::Mismatch { .. } => "mismatch",
+        }
+    }
+}
+
+/// Outcome of one get.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GetOutcome {
+    pub status: Status,
+    pub length: u64,
+}
+
+fn status_of(code: i32) -> Status {
+    Status::try_from(code).unwrap_or(Status::Unspecified)
+}
+
+/// A gRPC channel to the agent's Unix socket (for callers that want the raw generated client).
+pub async fn connect_channel(socket: &Path) -> Result<Channel, ClientError> {
+    let path = socket.to_owned();
+    // The URI is ignored: the connector always dials the Unix socket.
+    Endpoint::from_static("http://agent.local")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+        }))
+        .await
+        .map_err(|source| ClientError::Connect {
+            path: socket.to_owned(),
+            source,
+        })
+}
+
+/// A connected client with an open session.
+#[derive(Debug)]
+pub struct EngineClient {
+    rpc: EngineApiClient<Channel>,
+    session: u64,
+    staging: Staging,
+}
+
+impl EngineClient {
+    /// Connect to the agent's socket and open a session with `staging_bytes` of shared memory.
+    pub async fn connect(
+        socket: &Path,
+        staging_bytes: u64,
+        client_name: &str,
+    ) -> Result<Self, ClientError> {
+        let channel = connect_channel(socket).await?;
+        let mut rpc = EngineApiClient::new(channel)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20);
+        let opened = rpc
+            .open_session(OpenSessionRequest {
+                staging_bytes,
+                client_name: client_name.to_owned(),
+            })
+            .await
+            .map_err(|source| ClientError::Call {
+                call: "open_session",
+                source,
+            })?
+            .into_inner();
+        let staging = Staging::open(Path::new(&opened.staging_path), opened.staging_bytes)
+            .map_err(ClientError::Staging)?;
+        Ok(Self {
+            rpc,
+            session: opened.session_id,
+            staging,
+        })
+    }
+
+    /// The shared staging area.
+    pub fn staging(&self) -> &Staging {
+        &self.staging
+    }
+
+    /// Store blocks already written into the staging area: `(key, offset, length)`.
+    pub async fn put_batch(
+        &mut self,
+        items: &[(&[u8], u64, u64)],
+        numa_hint: Option<u32>,
+    ) -> Result<Vec<Status>, ClientError> {
+        let req = PutRequest {
+            session_id: self.session,
+            items: items
+                .iter()
+                .map(|(k, offset, length)| PutItem {
+                    key: k.to_vec(),
+                    offset: *offset,
+                    length: *length,
+                })
+                .collect(),
+            numa_hint,
+        };
+        let resp = self
+            .rpc
+            .put(req)
+            .await
+            .map_err(|source| ClientError::Call {
+                call: "put",
+                source,
+            })?
+            .into_inner();
+        if resp.statuses.len() != items.len() {
+            return Err(ClientError::Mismatch {
+                sent: items.len(),
+                got: resp.statuses.len(),
+            });
+        }
+        Ok(resp.statuses.into_iter().map(status_of).collect())
+    }
+
+    /// Fetch blocks into the staging area: `(key, offset, capacity)`.
+    pub async fn get_batch(
+        &mut self,
+        items: &[(&[u8], u64, u64)],
+    ) -> Result<Vec<GetOutcome>, ClientError> {
+        let req = GetRequest {
+            session_id: self.session,
+            items: items
+                .iter()
+                .map(|(k, offset, capacity)| GetItem {
+                    key: k.to_vec(),
+                    offset: *offset,
+                    capacity: *capacity,
+                })
+                .collect(),
+        };
+        let resp = self
+            .rpc
+            .get(req)
+            .await
+            .map_err(|source| ClientError::Call {
+                call: "get",
+                source,
+            })?
+            .into_inner();
+        if resp.results.len() != items.len() {
+            return Err(ClientError::Mismatch {
+                sent: items.len(),
+                got: resp.results.len(),
+            });
+        }
+        Ok(resp
+            .results
+            .into_iter()
+            .map(|r| GetOutcome {
+                status: status_of(r.status),
+                length: r.length,
+            })
+            .collect())
+    }
+
+    /// Store one block (copied through the start of the staging area).
+    pub async fn put(&mut self, key: &[u8], data: &[u8]) -> Result<Status, ClientError> {
+        self.staging
+            .write_from(0, data)
+            .map_err(ClientError::Staging)?;
+        let statuses = self.put_batch(&[(key, 0, data.len() as u64)], None).await?;
+        Ok(statuses.first().copied().unwrap_or(Status::Unspecified))
+    }
+
+    /// Fetch one block (through the start of the staging area); None when absent.
+    pub async fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>, ClientError> {
+        let cap = self.staging.size();
+        let out = self.get_batch(&[(key, 0, cap)]).await?;
+        match out.first() {
+            Some(GetOutcome {
+                status: Status::Ok,
+                length,
+            }) => {
+                let mut buf = vec![0u8; usize::try_from(*length).unwrap_or(0)];
+                self.staging
+                    .read_into(0, &mut buf)
+                    .map_err(ClientError::Staging)?;
+                Ok(Some(buf))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    pub async fn exists(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>, ClientError> {
+        let resp = self
+            .rpc
+            .exists(ExistsRequest {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            })
+            .await
+            .map_err(|source| ClientError::Call {
+                call: "exists",
+                source,
+            })?;
+        Ok(resp.into_inner().present)
+    }
+
+    pub async fn remove(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>, ClientError> {
+        let resp = self
+            .rpc
+            .remove(RemoveRequest {
+                keys: keys.iter().map(|k| k.to_vec()).collect(),
+            })
+            .await
+            .map_err(|source| ClientError::Call {
+                call: "remove",
+                source,
+            })?;
+        Ok(resp.into_inner().removed)
+    }
+
+    /// Close the session; the agent removes the staging file.
+    pub async fn close(mut self) -> Result<(), ClientError> {
+        self.rpc
+            .close_session(CloseSessionRequest {
+                session_id: self.session,
+            })
+            .await
+            .map_err(|source| ClientError::Call {
+                call: "close_session",
+                source,
+            })?;
+        Ok(())
+    }
+}

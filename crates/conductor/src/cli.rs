@@ -1,0 +1,610 @@
+//! `kvpool conductor`: flags, validation and process wiring (runtime, signals, listeners, and
+//! engine discovery when `--discover-namespace` is given).
+//! I/O boundary: sockets, signals and (with discovery) the Kubernetes API.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+
+use super::discovery::{self, DiscoveryConfig, DiscoveryError};
+use super::server::{self, ServerError};
+use super::tokenize::PromptTokenizer;
+use super::{ConductorConfig, Engines, PoolLookup, RoutingProtocol};
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_core::sched::{
+    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
+};
+use kvpool_proto::auth::AuthKey;
+use kvpool_runtime::wiring::{self, FromWiring, Wired, WiringError};
+
+/// Flags of `kvpool conductor`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConductorArgs {
+    /// Address of the OpenAI-compatible API.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:8080",
+        env = "KVPOOL_CONDUCTOR_LISTEN"
+    )]
+    pub listen: SocketAddr,
+    /// Address of /livez, /readyz and /metrics.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:9101",
+        env = "KVPOOL_CONDUCTOR_ADMIN_LISTEN"
+    )]
+    pub admin_listen: SocketAddr,
+    /// Model name served (and expected by the engines).
+    #[arg(long, default_value = "kvpool-synthetic")]
+    pub model: String,
+    /// Base URL of a prefill engine (repeat the flag for each). Without prefill and decode
+    /// engines the conductor starts, answers 503 and reports not ready.
+    #[arg(long = "prefill")]
+    pub prefill: Vec<String>,
+    /// Base URL of a decode engine (repeat the flag for each).
+    #[arg(long = "decode")]
+    pub decode: Vec<String>,
+    /// Discover the engines instead: watch the Pods of this Kubernetes namespace (in-cluster
+    /// service account, or the kubeconfig) and route to the Ready ones matching
+    /// --prefill-selector and --decode-selector, as they come and go.
+    #[arg(
+        long,
+        value_name = "NAMESPACE",
+        env = "KVPOOL_CONDUCTOR_DISCOVER_NAMESPACE",
+        conflicts_with_all = ["prefill", "decode"]
+    )]
+    pub discover_namespace: Option<String>,
+    /// Label selector of the prefill engine pods (with --discover-namespace).
+    #[arg(
+        long,
+        default_value = "app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill",
+        requires = "discover_namespace"
+    )]
+    pub prefill_selector: String,
+    /// Label selector of the decode engine pods (with --discover-namespace).
+    #[arg(
+        long,
+        default_value = "app.kubernetes.io/name=kvpool,kvpool.dev/component=decode",
+        requires = "discover_namespace"
+    )]
+    pub decode_selector: String,
+    /// Port the discovered engines serve their OpenAI-compatible API on.
+    #[arg(long, default_value_t = 8000, requires = "discover_namespace")]
+    pub engine_port: u16,
+    /// Prefill placement policy.
+    #[arg(long, value_enum, default_value_t = Policy::Conductor)]
+    pub policy: Policy,
+    /// Early rejection mode.
+    #[arg(long, value_enum, default_value_t = Rejection::Predicted)]
+    pub rejection: Rejection,
+    /// TTFT SLO, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub ttft_slo_s: f64,
+    /// TPOT SLO, seconds.
+    #[arg(long, default_value_t = 0.1)]
+    pub tpot_slo_s: f64,
+    /// Tokens per KV block (must match the engines').
+    #[arg(long, default_value_t = 256)]
+    pub block_size: u32,
+    /// Prefix cache capacity of each prefill engine, blocks.
+    #[arg(long, default_value_t = 11_718)]
+    pub engine_cache_blocks: usize,
+    /// Bytes of prompt text per stand-in token (must match the engines').
+    #[arg(long, default_value_t = 4)]
+    pub chunk_bytes: usize,
+    /// Hugging Face tokenizer.json to tokenise prompts with (block keys then follow the model's
+    /// tokens); without it, prompts are cut into --chunk-bytes stand-in tokens.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Copy a hot prefix to more prefill engines every this many hits on one of its blocks
+    /// (0: off): the target engines are asked to prefetch it from the pool.
+    #[arg(long, default_value_t = 32)]
+    pub hot_threshold: u32,
+    /// Prefill engines a hot prefix is copied to each time.
+    #[arg(long, default_value_t = 2)]
+    pub hot_fanout: usize,
+    /// KV bytes per token.
+    #[arg(long, default_value_t = 327_680)]
+    pub bytes_per_token: u64,
+    /// Prefill -> decode KV transfer bandwidth, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_bandwidth_gbps: f64,
+    /// KV tokens one decode instance holds.
+    #[arg(long, default_value_t = 1_500_000)]
+    pub decode_kv_capacity_tokens: u64,
+    /// The pool's master (`host:port`; comma separated or repeated for several): every request
+    /// asks it which of the prompt's leading blocks the pool holds, and the policy counts those
+    /// as fetched at --pool-bandwidth-gbps instead of prefilled. Without it the policy knows
+    /// only the engines' local caches.
+    #[arg(long, env = "KVPOOL_MASTER", value_delimiter = ',')]
+    pub master: Vec<String>,
+    /// File holding the pool's shared key (with --master).
+    #[arg(long, env = "KVPOOL_AUTH_KEY_FILE")]
+    pub auth_key_file: Option<std::path::PathBuf>,
+    /// Longest wait for the master's answer; past it the request is placed on the local
+    /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub pool_lookup_timeout: std::time::Duration,
+    /// Pool -> prefill engine bandwidth, GB/s: the fetch term of the TTFT estimate until the
+    /// prefill engines report measured pool reads (`x-kvpool-kv-load-*` response headers),
+    /// whose moving average replaces it.
+    #[arg(long, default_value_t = 25.0)]
+    pub pool_bandwidth_gbps: f64,
+    /// Disaggregation convention of the engines: `vllm` (prefill, then decode with the
+    /// returned `kv_transfer_params`) or `sglang` (both at once, paired by a bootstrap room).
+    #[arg(long, value_enum, default_value_t = kvpool_proto::openai::EngineProtocol::Vllm,
+        env = "KVPOOL_ENGINE_PROTOCOL")]
+    pub engine_protocol: kvpool_proto::openai::EngineProtocol,
+    /// With --engine-protocol sglang: the prefill engines' bootstrap port (SGLang's
+    /// --disaggregation-bootstrap-port; its default is 8998).
+    #[arg(long, default_value_t = 8998, env = "KVPOOL_BOOTSTRAP_PORT")]
+    pub bootstrap_port: u16,
+    /// Wall seconds per cost-model second of the engines (their --time-scale; 1 for real
+    /// engines): the conductor's clock and the engines' measured fetch times are divided by it.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+}
+
+/// Errors of `kvpool conductor`.
+#[derive(Debug, thiserror::Error)]
+pub enum ConductorError {
+    #[error("--{flag}: {problem}")]
+    Flag { flag: &'static str, problem: String },
+    #[error("process wiring")]
+    Wiring(#[source] WiringError),
+    #[error("conductor server")]
+    Server(#[source] ServerError),
+    #[error("engine discovery")]
+    Discovery(#[source] DiscoveryError),
+}
+
+impl ConductorError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ConductorError::Flag { .. } => "flag",
+            ConductorError::Wiring(e) => e.category(),
+            ConductorError::Server(_) => "server",
+            ConductorError::Discovery(_) => "discovery",
+        }
+    }
+}
+
+fn flag(flag: &'static str, problem: impl Into<String>) -> ConductorError {
+    ConductorError::Flag {
+        flag,
+        problem: problem.into(),
+    }
+}
+
+fn positive(name: &'static str, v: f64) -> Result<f64, ConductorError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(flag(name, format!("must be a finite number > 0, got {v}")))
+    }
+}
+
+/// The discovery settings of the flags, `None` without `--discover-namespace`.
+pub fn discovery_config(args: &ConductorArgs) -> Result<Option<DiscoveryConfig>, ConductorError> {
+    let Some(namespace) = &args.discover_namespace else {
+        return Ok(None);
+    };
+    if namespace.is_empty() {
+        return Err(flag("discover-namespace", "must not be empty"));
+    }
+    for (name, selector) in [
+        ("prefill-selector", &args.prefill_selector),
+        ("decode-selector", &args.decode_selector),
+    ] {
+        if selector.trim().is_empty() {
+            return Err(flag(name, "must not be empty (it would select every pod)"));
+        }
+    }
+    if args.prefill_selector == args.decode_selector {
+        return Err(flag(
+            "decode-selector",
+            "must differ from --prefill-selector (a pod cannot be both)",
+        ));
+    }
+    if args.engine_port == 0 {
+        return Err(flag("engine-port", "must be a port number 1-65535"));
+    }
+    Ok(Some(DiscoveryConfig {
+        namespace: namespace.clone(),
+        prefill_selector: args.prefill_selector.clone(),
+        decode_selector: args.decode_selector.clone(),
+        engine_port: args.engine_port,
+    }))
+}
+
+/// Validates the flags.
+pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, ConductorError> {
+    for (name, urls) in [("prefill", &args.prefill), ("decode", &args.decode)] {
+        for url in urls {
+            if !url.starts_with("http://") {
+                return Err(flag(
+                    if name == "prefill" {
+                        "prefill"
+                    } else {
+                        "decode"
+                    },
+                    format!("`{url}` must be an http:// base URL"),
+                ));
+            }
+        }
+    }
+    if args.prefill.len() > kvpool_core::sched::index::MAX_PREFILL_INSTANCES {
+        return Err(flag(
+            "prefill",
+            format!(
+                "at most {} instances",
+                kvpool_core::sched::index::MAX_PREFILL_INSTANCES
+            ),
+        ));
+    }
+    if args.rejection == Rejection::AtDecode {
+        return Err(flag(
+            "rejection",
+            "at-decode is a simulator baseline; the conductor rejects at arrival (none, early or predicted)",
+        ));
+    }
+    if args.chunk_bytes == 0 {
+        return Err(flag("chunk-bytes", "must be at least 1"));
+    }
+    Ok(ConductorConfig {
+        model: args.model.clone(),
+        prefill: args.prefill.clone(),
+        decode: args.decode.clone(),
+        scheduler: SchedulerConfig {
+            policy: args.policy,
+            rejection: args.rejection,
+            slo: Slo {
+                ttft_s: positive("ttft-slo-s", args.ttft_slo_s)?,
+                tpot_s: positive("tpot-slo-s", args.tpot_slo_s)?,
+            },
+            block_size: NonZeroU32::new(args.block_size)
+                .ok_or_else(|| flag("block-size", "must be at least 1"))?,
+            bytes_per_token: args.bytes_per_token.max(1),
+            pool_bandwidth_bps: positive("pool-bandwidth-gbps", args.pool_bandwidth_gbps)? * 1e9,
+            kv_bandwidth_bps: positive("kv-bandwidth-gbps", args.kv_bandwidth_gbps)? * 1e9,
+            prefill_costs: vec![PrefillCost::default(); args.prefill.len()],
+            decode_cost: DecodeCost::default(),
+            decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
+            hot: HotConfig {
+                threshold: args.hot_threshold,
+                fanout: args.hot_fanout,
+            },
+            seed: 1,
+        },
+        engine_cache_blocks: args.engine_cache_blocks,
+        tokenizer: match &args.tokenizer {
+            Some(path) => PromptTokenizer::from_file(path)
+                .map_err(|e| flag("tokenizer", format!("{e}: {}", source_chain(&e))))?,
+            None => PromptTokenizer::Chunks {
+                bytes: args.chunk_bytes,
+            },
+        },
+        pool: pool_lookup(args)?,
+        protocol: match args.engine_protocol {
+            kvpool_proto::openai::EngineProtocol::Vllm => RoutingProtocol::Vllm,
+            kvpool_proto::openai::EngineProtocol::Sglang => RoutingProtocol::Sglang {
+                bootstrap_port: args.bootstrap_port,
+            },
+        },
+        time_scale: positive("time-scale", args.time_scale)?,
+    })
+}
+
+/// The master connection of the flags, `None` without `--master`. Connects lazily: a master
+/// that is down at start only makes the lookups fail (and fall back) until it is up.
+fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorError> {
+    let endpoints: Vec<String> = args
+        .master
+        .iter()
+        .map(|m| m.trim().to_owned())
+        .filter(|m| !m.is_empty())
+        .collect();
+    if endpoints.is_empty() {
+        if args.auth_key_file.is_some() && !args.master.is_empty() {
+            return Err(flag("master", "must name at least one host:port"));
+        }
+        return Ok(None);
+    }
+    let Some(key_file) = &args.auth_key_file else {
+        return Err(flag(
+            "auth-key-file",
+            "is required with --master (the pool's shared key)",
+        ));
+    };
+    let key = AuthKey::from_file(key_file).map_err(|e| {
+        flag(
+            "auth-key-file",
+            format!("{}: {e}: {}", key_file.display(), source_chain(&e)),
+        )
+    })?;
+    let timeout = args.pool_lookup_timeout;
+    if timeout.is_zero() {
+        return Err(flag("pool-lookup-timeout", "must be more than 0"));
+    }
+    let client = MasterClient::new(
+        endpoints,
+        key,
+        ClientConfig {
+            connect_timeout: timeout,
+            request_timeout: timeout,
+            // A standby's leader hint is followed, but only within the lookup's own timeout:
+            // past it the request goes on without the pool's answer.
+            failover_budget: timeout,
+        },
+    )
+    .map_err(|e| flag("master", format!("{e}: {}", source_chain(&e))))?;
+    Ok(Some(PoolLookup { client, timeout }))
+}
+
+/// The messages of `err`'s sources, outermost first.
+fn source_chain(err: &dyn std::error::Error) -> String {
+    let mut parts = Vec::new();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        parts.push(e.to_string());
+        cur = e.source();
+    }
+    parts.join(": ")
+}
+
+/// Entry point of `kvpool conductor`: serves until SIGTERM or SIGINT.
+pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
+    let config = conductor_config(args)?;
+    let discovery = discovery_config(args)?;
+    tracing::info!(?config, ?discovery, listen = %args.listen, admin = %args.admin_listen, "starting conductor");
+    let has_engines = config.has_engines();
+    let setup = |wired: Wired| async move {
+        server::conductor(config, &wired.registry).map_err(ConductorError::Server)
+    };
+    let serve = |conductor: server::Conductor, listener, wired: Wired| async move {
+        if let Some(discovery) = discovery {
+            let client = discovery::client()
+                .await
+                .map_err(ConductorError::Discovery)?;
+            let (tx, rx) = tokio::sync::watch::channel(Engines::default());
+            tokio::spawn(discovery::run(
+                client,
+                discovery,
+                tx,
+                wired.shutdown.clone(),
+            ));
+            tokio::spawn(conductor.engines.follow(
+                rx,
+                wired.readiness.clone(),
+                wired.shutdown.clone(),
+            ));
+        } else if has_engines {
+            wired.readiness.set_ready(true);
+        } else {
+            tracing::warn!(
+                "no --prefill/--decode engines and no --discover-namespace: answering 503 and \
+                 staying not ready until restarted with engines"
+            );
+        }
+        server::serve(listener, conductor.router, wired.shutdown)
+            .await
+            .map_err(ConductorError::Server)
+    };
+    wiring::run(args.listen, args.admin_listen, setup, serve)
+}
+
+impl FromWiring for ConductorError {
+    fn from_wiring(err: WiringError) -> Self {
+        ConductorError::Wiring(err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ConductorArgs,
+    }
+
+    #[test]
+    fn discovery_flags_parse_validate_and_exclude_static_engines() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["t"];
+            argv.extend_from_slice(extra);
+            T::try_parse_from(argv)
+        };
+        let a = parse(&[
+            "--discover-namespace",
+            "llm",
+            "--prefill-selector",
+            "kvpool.dev/pool=cache,kvpool.dev/component=prefill",
+            "--engine-port",
+            "8001",
+        ])
+        .unwrap()
+        .a;
+        let d = discovery_config(&a).unwrap().expect("discovery on");
+        assert_eq!(d.namespace, "llm");
+        assert_eq!(
+            d.prefill_selector,
+            "kvpool.dev/pool=cache,kvpool.dev/component=prefill"
+        );
+        assert_eq!(
+            d.decode_selector,
+            "app.kubernetes.io/name=kvpool,kvpool.dev/component=decode"
+        );
+        assert_eq!(d.engine_port, 8001);
+        // Without the namespace: no discovery, and its flags are refused.
+        assert_eq!(discovery_config(&parse(&[]).unwrap().a).unwrap(), None);
+        assert!(parse(&["--engine-port", "8001"]).is_err());
+        // Static engines and discovery exclude each other.
+        assert!(parse(&["--discover-namespace", "llm", "--prefill", "http://a"]).is_err());
+        // Same selector twice, an empty one, port 0: named.
+        let same = parse(&[
+            "--discover-namespace",
+            "llm",
+            "--prefill-selector",
+            "a=b",
+            "--decode-selector",
+            "a=b",
+        ])
+        .unwrap()
+        .a;
+        let err = discovery_config(&same).unwrap_err().to_string();
+        assert!(err.starts_with("--decode-selector:"), "{err}");
+        let empty = parse(&["--discover-namespace", "llm", "--prefill-selector", " "])
+            .unwrap()
+            .a;
+        let err = discovery_config(&empty).unwrap_err().to_string();
+        assert!(err.starts_with("--prefill-selector:"), "{err}");
+        let port = parse(&["--discover-namespace", "llm", "--engine-port", "0"])
+            .unwrap()
+            .a;
+        let err = discovery_config(&port).unwrap_err().to_string();
+        assert!(err.starts_with("--engine-port:"), "{err}");
+    }
+
+    #[test]
+    fn flags_validate_and_name_the_bad_one() {
+        let ok = T::try_parse_from([
+            "t",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--prefill",
+            "http://127.0.0.1:2",
+            "--decode",
+            "http://127.0.0.1:3",
+        ])
+        .unwrap();
+        let c = conductor_config(&ok.a).unwrap();
+        assert_eq!(c.scheduler.prefill_costs.len(), 2);
+        assert_eq!(c.scheduler.rejection, Rejection::Predicted);
+        let bad =
+            T::try_parse_from(["t", "--prefill", "127.0.0.1:1", "--decode", "http://x"]).unwrap();
+        let err = conductor_config(&bad.a).unwrap_err();
+        assert!(
+            err.to_string().starts_with("--prefill: `127.0.0.1:1`"),
+            "{err}"
+        );
+        let bad = T::try_parse_from([
+            "t",
+            "--prefill",
+            "http://a",
+            "--decode",
+            "http://b",
+            "--ttft-slo-s",
+            "0",
+        ])
+        .unwrap();
+        assert!(
+            conductor_config(&bad.a)
+                .unwrap_err()
+                .to_string()
+                .starts_with("--ttft-slo-s")
+        );
+        let none = conductor_config(&T::try_parse_from(["t"]).unwrap().a).unwrap();
+        assert!(!none.has_engines());
+        let half =
+            conductor_config(&T::try_parse_from(["t", "--decode", "http://b"]).unwrap().a).unwrap();
+        assert!(!half.has_engines());
+        assert!(c.has_engines());
+    }
+
+    #[test]
+    fn tokenizer_flag_loads_the_file_or_names_it() {
+        let base = ["t", "--prefill", "http://a", "--decode", "http://b"];
+        let c = conductor_config(&T::try_parse_from(base).unwrap().a).unwrap();
+        assert_eq!(c.tokenizer.kind(), "chunks");
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing-tokenizer.json");
+        let mut args = base.map(String::from).to_vec();
+        args.extend(["--tokenizer".into(), missing.display().to_string()]);
+        let err = conductor_config(&T::try_parse_from(&args).unwrap().a).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.starts_with("--tokenizer: "), "{msg}");
+        assert!(msg.contains("missing-tokenizer.json"), "{msg}");
+        let file = dir.path().join("tokenizer.json");
+        std::fs::write(
+            &file,
+            br#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,"model":{"type":"WordLevel","vocab":{"[UNK]":0,"hi":1},"unk_token":"[UNK]"}}"#,
+        )
+        .unwrap();
+        let args: Vec<String> = base
+            .iter()
+            .map(|s| s.to_string())
+            .chain(["--tokenizer".into(), file.display().to_string()])
+            .collect();
+        let c = conductor_config(&T::try_parse_from(&args).unwrap().a).unwrap();
+        assert_eq!(c.tokenizer.kind(), "huggingface");
+        assert_eq!(c.tokenizer.tokens("hi there hi").unwrap(), vec![1, 0, 1]);
+    }
+
+    #[test]
+    fn master_flags_need_a_readable_key_and_a_positive_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, b"kvpool-test-pool-key-0123456789").unwrap();
+        let key = key.to_str().unwrap().to_owned();
+        let base = ["t", "--prefill", "http://a", "--decode", "http://b"];
+        let with = |extra: &[&str]| {
+            let mut argv: Vec<&str> = base.to_vec();
+            argv.extend_from_slice(extra);
+            conductor_config(&T::try_parse_from(argv).unwrap().a)
+        };
+        let c = with(&[
+            "--master",
+            "127.0.0.1:1,127.0.0.1:2",
+            "--auth-key-file",
+            &key,
+        ])
+        .unwrap();
+        let pool = c.pool.expect("a pool lookup");
+        assert_eq!(pool.timeout, std::time::Duration::from_millis(100));
+        let c = with(&[
+            "--master",
+            "127.0.0.1:1",
+            "--auth-key-file",
+            &key,
+            "--pool-lookup-timeout",
+            "250ms",
+            "--pool-bandwidth-gbps",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.pool.map(|p| p.timeout),
+            Some(std::time::Duration::from_millis(250))
+        );
+        assert!((c.scheduler.pool_bandwidth_bps - 10e9).abs() < 1.0);
+        let name = |extra: &[&str]| match with(extra) {
+            Err(ConductorError::Flag { flag, .. }) => flag,
+            other => panic!("{extra:?}: {other:?}"),
+        };
+        assert_eq!(name(&["--master", "127.0.0.1:1"]), "auth-key-file");
+        assert_eq!(
+            name(&[
+                "--master",
+                "127.0.0.1:1",
+                "--auth-key-file",
+                "/nonexistent/key"
+            ]),
+            "auth-key-file"
+        );
+        assert_eq!(
+            name(&[
+                "--master",
+                "127.0.0.1:1",
+                "--auth-key-file",
+                &key,
+                "--pool-lookup-timeout",
+                "0s"
+            ]),
+            "pool-lookup-timeout"
+        );
+        assert_eq!(name(&["--pool-bandwidth-gbps", "0"]), "pool-bandwidth-gbps");
+    }
+}

@@ -1,0 +1,411 @@
+//! The `PrefillPool` and `DecodePool` custom resources: groups of inference engine instances that
+//! use a `KVCachePool`, one kind per serving phase. Pure types, no I/O.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::defaults;
+
+/// Desired state of the prefill engines: they compute the KV cache of prompts (reusing cached
+/// prefixes from the pool) and hand it to decode engines through the pool.
+// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "kvpool.dev",
+    version = "v1alpha1",
+    kind = "PrefillPool",
+    plural = "prefillpools",
+    singular = "prefillpool",
+    shortname = "pfp",
+    category = "kvpool",
+    namespaced,
+    status = "EnginePoolStatus",
+    derive = "PartialEq",
+    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
+    doc = "A group of prefill engine instances that reads and writes a KVCachePool.",
+    selectable = ".spec.kvCachePoolRef.name",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(
+        name = "Pool",
+        type_ = "string",
+        json_path = ".spec.kvCachePoolRef.name",
+        description = "The KVCachePool the engines use"
+    ),
+    printcolumn(
+        name = "Engine",
+        type_ = "string",
+        json_path = ".spec.engine.kind",
+        description = "Engine kind"
+    ),
+    printcolumn(
+        name = "Replicas",
+        type_ = "integer",
+        json_path = ".spec.replicas",
+        description = "Desired engine instances"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.readyReplicas",
+        description = "Engine instances ready to serve"
+    ),
+    printcolumn(
+        name = "TTFT-SLO",
+        type_ = "integer",
+        json_path = ".spec.slo.ttftMillis",
+        description = "Time-to-first-token objective, milliseconds",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Status",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        description = "Reason of the Ready condition",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").field_path(".resources.gpus").reason(Reason::FieldValueInvalid),
+    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").field_path(".replicas").reason(Reason::FieldValueInvalid)
+)]
+pub struct PrefillPoolSpec {
+    /// The KVCachePool (same namespace) the engines read and write. Immutable.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("kvCachePoolRef is immutable; create a new pool instead").reason(Reason::FieldValueForbidden))]
+    pub kv_cache_pool_ref: KVCachePoolRef,
+
+    /// Engine instances (each `tensorParallelSize` GPUs wide).
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 0, max = 1024))]
+    pub replicas: i32,
+
+    /// What runs in each instance.
+    pub engine: EngineSpec,
+
+    /// GPUs, RDMA and other resources of each instance.
+    #[serde(default)]
+    pub resources: EngineResources,
+
+    /// GPUs one model replica is split over.
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub tensor_parallel_size: i32,
+
+    /// Latency objective of the prefill phase.
+    #[serde(default)]
+    pub slo: PrefillSlo,
+
+    /// Bounds within which something else (an HPA on the scale subresource, the conductor) may
+    /// change `replicas`. Absent: `replicas` is fixed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
+}
+
+/// Desired state of the decode engines: they take prefilled KV cache from the pool and generate
+/// tokens.
+// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "kvpool.dev",
+    version = "v1alpha1",
+    kind = "DecodePool",
+    plural = "decodepools",
+    singular = "decodepool",
+    shortname = "dcp",
+    category = "kvpool",
+    namespaced,
+    status = "EnginePoolStatus",
+    derive = "PartialEq",
+    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
+    doc = "A group of decode engine instances that reads a KVCachePool.",
+    selectable = ".spec.kvCachePoolRef.name",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(
+        name = "Pool",
+        type_ = "string",
+        json_path = ".spec.kvCachePoolRef.name",
+        description = "The KVCachePool the engines use"
+    ),
+    printcolumn(
+        name = "Engine",
+        type_ = "string",
+        json_path = ".spec.engine.kind",
+        description = "Engine kind"
+    ),
+    printcolumn(
+        name = "Replicas",
+        type_ = "integer",
+        json_path = ".spec.replicas",
+        description = "Desired engine instances"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "integer",
+        json_path = ".status.readyReplicas",
+        description = "Engine instances ready to serve"
+    ),
+    printcolumn(
+        name = "TPOT-SLO",
+        type_ = "integer",
+        json_path = ".spec.slo.tpotMillis",
+        description = "Time-per-output-token objective, milliseconds",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Status",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        description = "Reason of the Ready condition",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").field_path(".resources.gpus").reason(Reason::FieldValueInvalid),
+    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").field_path(".replicas").reason(Reason::FieldValueInvalid)
+)]
+pub struct DecodePoolSpec {
+    /// The KVCachePool (same namespace) the engines read. Immutable.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("kvCachePoolRef is immutable; create a new pool instead").reason(Reason::FieldValueForbidden))]
+    pub kv_cache_pool_ref: KVCachePoolRef,
+
+    /// Engine instances (each `tensorParallelSize` GPUs wide).
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 0, max = 1024))]
+    pub replicas: i32,
+
+    /// What runs in each instance.
+    pub engine: EngineSpec,
+
+    /// GPUs, RDMA and other resources of each instance.
+    #[serde(default)]
+    pub resources: EngineResources,
+
+    /// GPUs one model replica is split over.
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub tensor_parallel_size: i32,
+
+    /// Latency objective of the decode phase.
+    #[serde(default)]
+    pub slo: DecodeSlo,
+
+    /// Bounds within which something else (an HPA on the scale subresource, the conductor) may
+    /// change `replicas`. Absent: `replicas` is fixed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
+}
+
+/// A KVCachePool in the same namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KVCachePoolRef {
+    /// Name of the KVCachePool.
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    )]
+    pub name: String,
+}
+
+/// The inference engine of each instance.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.kind == 'custom' || has(self.model)").message("engine.model is required for engine.kind vllm and sglang").field_path(".model").reason(Reason::FieldValueRequired))]
+pub struct EngineSpec {
+    /// `vllm` and `sglang` get default arguments for disaggregated serving; `custom` runs exactly
+    /// `command` and `args`.
+    pub kind: EngineKind,
+
+    /// Container image of the engine.
+    #[schemars(length(min = 1, max = 1024))]
+    pub image: String,
+
+    /// Model to serve (a Hugging Face id or a path inside the container).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub model: Option<String>,
+
+    /// Entrypoint override. For `vllm` and `sglang` the operator's default when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+
+    /// Arguments appended after the operator's defaults (`vllm`, `sglang`) or used as they are
+    /// (`custom`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+
+    /// Extra environment of the engine container (names unique, as in a pod).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    pub env: Vec<EnvVar>,
+}
+
+/// Engine implementation.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum EngineKind {
+    /// vLLM with the kvpool KV connector.
+    Vllm,
+    /// SGLang with the kvpool KV connector.
+    Sglang,
+    /// Any image that follows docs/engine-contract.md.
+    Custom,
+}
+
+/// Resources of one engine instance.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineResources {
+    /// GPUs per instance. Must be a multiple of `tensorParallelSize`.
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 0, max = 64))]
+    pub gpus: i32,
+
+    /// Extended resource name of a GPU.
+    #[serde(default = "defaults::gpu_resource_name")]
+    #[schemars(length(min = 1, max = 253))]
+    pub gpu_resource_name: String,
+
+    /// RDMA extended resources per instance (e.g. `rdma/rdma_shared_device_a: 1` or an SR-IOV VF
+    /// resource), requested and limited alike.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rdma: BTreeMap<String, Quantity>,
+
+    /// CPU, memory and any other requests and limits of the engine container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<ResourceRequirements>,
+}
+
+impl Default for EngineResources {
+    fn default() -> Self {
+        Self {
+            gpus: defaults::one(),
+            gpu_resource_name: defaults::gpu_resource_name(),
+            rdma: BTreeMap::new(),
+            container: None,
+        }
+    }
+}
+
+/// Latency objective of prefill.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PrefillSlo {
+    /// Time to first token, milliseconds.
+    #[serde(default = "defaults::ttft_millis")]
+    #[schemars(range(min = 1, max = 3_600_000))]
+    pub ttft_millis: i32,
+}
+
+impl Default for PrefillSlo {
+    fn default() -> Self {
+        Self {
+            ttft_millis: defaults::ttft_millis(),
+        }
+    }
+}
+
+/// Latency objective of decode.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DecodeSlo {
+    /// Time per output token, milliseconds.
+    #[serde(default = "defaults::tpot_millis")]
+    #[schemars(range(min = 1, max = 60_000))]
+    pub tpot_millis: i32,
+}
+
+impl Default for DecodeSlo {
+    fn default() -> Self {
+        Self {
+            tpot_millis: defaults::tpot_millis(),
+        }
+    }
+}
+
+/// Replica bounds for autoscaling.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.minReplicas <= self.maxReplicas").message("autoscaling.minReplicas must not exceed autoscaling.maxReplicas").field_path(".minReplicas").reason(Reason::FieldValueInvalid))]
+pub struct AutoscalingSpec {
+    /// Fewest instances.
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 0, max = 1024))]
+    pub min_replicas: i32,
+
+    /// Most instances.
+    #[schemars(range(min = 1, max = 1024))]
+    pub max_replicas: i32,
+
+    /// What drives the replica count.
+    #[serde(default)]
+    pub signal: AutoscalingSignal,
+}
+
+/// Load signal for autoscaling.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum AutoscalingSignal {
+    /// Share of requests that met the SLO.
+    #[default]
+    SloAttainment,
+    /// Requests waiting per instance.
+    QueueDepth,
+}
+
+/// Observed state of a prefill or decode pool, written by the operator only.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct EnginePoolStatus {
+    /// `Ready`, `Progressing` and `Degraded` (see `crate::conditions`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// Engine instances that exist.
+    #[serde(default)]
+    pub replicas: i32,
+
+    /// Engine instances ready to serve.
+    #[serde(default)]
+    pub ready_replicas: i32,
+
+    /// Label selector of the instances' pods in string form (for the scale subresource).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+
+    /// Addresses (`host:port`) that serve this pool: the Service first, then ready instances.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<String>,
+}

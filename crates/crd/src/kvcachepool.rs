@@ -1,0 +1,576 @@
+//! The `KVCachePool` custom resource: which nodes lend DRAM and SSD to the shared KV cache, how
+//! blocks move between them, and how the master and conductor run. Pure types, no I/O.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::defaults;
+
+/// Desired state of a shared KV cache pool spread over a set of GPU nodes.
+///
+/// Every field has a default, so `spec: {}` is a valid pool: a quarter of each node's memory,
+/// RDMA where available and TCP elsewhere, one master and one conductor.
+// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "kvpool.dev",
+    version = "v1alpha1",
+    kind = "KVCachePool",
+    plural = "kvcachepools",
+    singular = "kvcachepool",
+    shortname = "kvcp",
+    category = "kvpool",
+    namespaced,
+    status = "KVCachePoolStatus",
+    derive = "PartialEq",
+    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
+    doc = "A cluster-wide pool of KV cache blocks held in the DRAM and SSDs of a set of GPU nodes.",
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status",
+        description = "Whether the pool serves blocks"
+    ),
+    printcolumn(
+        name = "Nodes",
+        type_ = "integer",
+        json_path = ".status.nodesReady",
+        description = "Nodes whose agent is ready"
+    ),
+    printcolumn(
+        name = "Desired",
+        type_ = "integer",
+        json_path = ".status.nodesDesired",
+        description = "Nodes that should run an agent"
+    ),
+    printcolumn(
+        name = "DRAM",
+        type_ = "string",
+        json_path = ".status.dram.capacity",
+        description = "DRAM tier capacity over all ready nodes"
+    ),
+    printcolumn(
+        name = "SSD",
+        type_ = "string",
+        json_path = ".status.ssd.capacity",
+        description = "SSD tier capacity over all ready nodes"
+    ),
+    printcolumn(
+        name = "DRAM-Used",
+        type_ = "string",
+        json_path = ".status.dram.used",
+        description = "DRAM tier bytes in use, as the master reports",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Objects",
+        type_ = "integer",
+        json_path = ".status.objects",
+        description = "KV cache blocks held, as the master reports",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Transport",
+        type_ = "string",
+        json_path = ".spec.transport.protocol",
+        description = "Requested transport protocol",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        description = "Reason of the Ready condition",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct KVCachePoolSpec {
+    /// Labels a node must carry to run an agent and lend memory to this pool. Empty: every node
+    /// the tolerations admit.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+
+    /// Tolerations of the agent pods (GPU nodes are often tainted).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+
+    /// How the node agent DaemonSet runs.
+    #[serde(default)]
+    pub agent: AgentSpec,
+
+    /// The host-memory tier on each node.
+    #[serde(default)]
+    pub dram: DramTierSpec,
+
+    /// The optional NVMe tier on each node. Absent: DRAM only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<SsdTierSpec>,
+
+    /// How blocks move between nodes.
+    #[serde(default)]
+    pub transport: TransportSpec,
+
+    /// Tokens per KV cache block: the unit of hashing, placement and transfer. Engines must use a
+    /// multiple of their own page size. Default 512 (the Mooncake trace's block size).
+    #[serde(default = "defaults::block_size_tokens")]
+    #[schemars(range(min = 1, max = 65536))]
+    pub block_size_tokens: i32,
+
+    /// How many copies of each block the pool keeps and how they spread.
+    #[serde(default)]
+    pub replication: ReplicationSpec,
+
+    /// When and how blocks leave the DRAM tier.
+    #[serde(default)]
+    pub eviction: EvictionSpec,
+
+    /// The metadata service (object keys to replicas, allocation, leases).
+    #[serde(default)]
+    pub master: MasterSpec,
+
+    /// The KVCache-centric scheduler and OpenAI-compatible front door.
+    #[serde(default)]
+    pub conductor: ConductorSpec,
+}
+
+/// The node agent: one pod per selected node.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentSpec {
+    /// Agent image. Absent: the image the operator was built with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+
+    /// Compute resources of the agent container (the DRAM tier itself is requested separately
+    /// when hugepages are used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+
+    /// PriorityClass of the agent pods; a node-critical class keeps them from being evicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+}
+
+/// Host memory each node lends to the pool.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("!(has(self.capacityPerNode) && has(self.nodeMemoryPercent))").message("dram: set at most one of capacityPerNode and nodeMemoryPercent").reason(Reason::FieldValueInvalid),
+    validation = Rule::new("self.hugepages == 'none' || has(self.capacityPerNode)").message("dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount").field_path(".hugepages").reason(Reason::FieldValueRequired),
+    validation = Rule::new("self.hugepages == 'none' || !has(self.capacityPerNode) || !isQuantity(string(self.capacityPerNode)) || (quantity(string(self.capacityPerNode)).isInteger() && quantity(string(self.capacityPerNode)).asInteger() % (self.hugepages == '1Gi' ? 1073741824 : 2097152) == 0)").message("dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)").field_path(".capacityPerNode").reason(Reason::FieldValueInvalid)
+)]
+pub struct DramTierSpec {
+    /// Bytes per node as a Kubernetes quantity (e.g. `512Gi`). Exclusive with
+    /// `nodeMemoryPercent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("dram.capacityPerNode must be a positive quantity such as 512Gi"))]
+    pub capacity_per_node: Option<Quantity>,
+
+    /// Share of each node's memory, in percent (1-100). Used when `capacityPerNode` is absent;
+    /// if both are absent the pool takes 25 percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub node_memory_percent: Option<i32>,
+
+    /// Back the tier with hugepages of this size (the node must have them reserved).
+    #[serde(default)]
+    pub hugepages: Hugepages,
+
+    /// Where the tier's memory is placed relative to NUMA nodes.
+    #[serde(default)]
+    pub numa_policy: NumaPolicy,
+}
+
+/// Page size backing the DRAM tier.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Hugepages {
+    /// Ordinary 4 KiB pages.
+    #[default]
+    #[serde(rename = "none")]
+    None,
+    /// 2 MiB hugepages (`hugepages-2Mi` resource).
+    #[serde(rename = "2Mi")]
+    Size2Mi,
+    /// 1 GiB hugepages (`hugepages-1Gi` resource).
+    #[serde(rename = "1Gi")]
+    Size1Gi,
+}
+
+/// NUMA placement of the DRAM tier.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum NumaPolicy {
+    /// On the NUMA nodes of the NICs (and GPUs) that move the blocks.
+    #[default]
+    Local,
+    /// Interleaved over all NUMA nodes.
+    Interleave,
+    /// No preference. The agent binds every segment it maps to a node, so it spreads the tier
+    /// evenly over all NUMA nodes, as with `interleave`.
+    None,
+}
+
+/// The NVMe tier of each node.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SsdTierSpec {
+    /// Absolute directory on the node where the agent keeps block files.
+    #[schemars(length(min = 2, max = 4096), regex(pattern = r"^/"))]
+    pub host_path: String,
+
+    /// Bytes per node as a Kubernetes quantity (e.g. `3Ti`).
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("ssd.capacityPerNode must be a positive quantity such as 3Ti"))]
+    pub capacity_per_node: Quantity,
+}
+
+/// How agents talk to each other and to engines.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.protocol != 'tcp' || !has(self.sriov)").message("transport.sriov requires transport.protocol rdma or auto").field_path(".sriov").reason(Reason::FieldValueForbidden),
+    validation = Rule::new("self.protocol != 'tcp' || size(self.networks) == 0").message("transport.networks (Multus) requires transport.protocol rdma or auto").field_path(".networks").reason(Reason::FieldValueForbidden),
+    validation = Rule::new("self.protocol != 'tcp' || size(self.devices) == 0").message("transport.devices lists RDMA devices and requires transport.protocol rdma or auto").field_path(".devices").reason(Reason::FieldValueForbidden)
+)]
+pub struct TransportSpec {
+    /// `rdma` requires RDMA devices on every node, `tcp` never uses them, `auto` uses RDMA where
+    /// the agent finds a usable device and TCP elsewhere.
+    #[serde(default)]
+    pub protocol: Protocol,
+
+    /// RDMA devices the agent may use (e.g. `mlx5_0`). Empty: all it finds.
+    #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Set)]
+    #[schemars(length(max = 64), inner(length(min = 1, max = 64)))]
+    pub devices: Vec<String>,
+
+    /// SR-IOV virtual functions requested by each agent pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sriov: Option<SriovSpec>,
+
+    /// Multus NetworkAttachmentDefinitions attached to agent pods (`name` or `namespace/name`).
+    #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Set)]
+    #[schemars(length(max = 16), inner(length(min = 1, max = 253)))]
+    pub networks: Vec<String>,
+
+    /// TCP port of the transfer endpoint (also the RDMA connection manager's port).
+    #[serde(default = "defaults::transport_port")]
+    #[schemars(range(min = 1024, max = 65535))]
+    pub port: i32,
+}
+
+impl Default for TransportSpec {
+    fn default() -> Self {
+        Self {
+            protocol: Protocol::default(),
+            devices: Vec::new(),
+            sriov: None,
+            networks: Vec::new(),
+            port: defaults::transport_port(),
+        }
+    }
+}
+
+/// Transfer protocol between nodes.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum Protocol {
+    /// RDMA where available, TCP elsewhere.
+    #[default]
+    Auto,
+    /// RDMA only; a node without a usable device is not ready.
+    Rdma,
+    /// TCP only.
+    Tcp,
+}
+
+/// SR-IOV virtual functions for the agent pods, as exposed by the SR-IOV device plugin: either
+/// one resource for all rails (`resourceName` and `count`), or one resource per NIC rail
+/// (`resources`, e.g. `nvidia.com/rdma_vf_rail0` to `..._rail7`), each requested separately.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("has(self.resourceName) != (has(self.resources) && size(self.resources) > 0)").message("transport.sriov: set exactly one of resourceName (one resource for all rails) and resources (one per rail)").reason(Reason::FieldValueInvalid)
+)]
+pub struct SriovSpec {
+    /// Extended resource name of the VFs of every rail (e.g. `nvidia.com/rdma_vf`). Exclusive
+    /// with `resources`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(
+            pattern = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+        )
+    )]
+    pub resource_name: Option<String>,
+
+    /// VFs of `resourceName` requested per agent pod (ignored with `resources`).
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub count: i32,
+
+    /// One extended resource per NIC rail, each requested by every agent pod. Exclusive with
+    /// `resourceName`. A list map keyed by `resourceName`: the API server refuses a name twice.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["resourceName".into()]))]
+    #[schemars(length(max = 16))]
+    pub resources: Vec<SriovResource>,
+}
+
+/// The VFs of one rail.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SriovResource {
+    /// Extended resource name of the rail's VFs (e.g. `nvidia.com/rdma_vf_rail0`).
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(
+            pattern = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+        )
+    )]
+    pub resource_name: String,
+
+    /// VFs of this resource per agent pod.
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub count: i32,
+}
+
+/// How many copies of each block exist.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicationSpec {
+    /// Copies of each block (1-8).
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 8))]
+    pub replicas: i32,
+
+    /// Node label whose values copies of a block are spread over (e.g. a rack label).
+    #[serde(default = "defaults::spread_label_key")]
+    #[schemars(length(min = 1, max = 316))]
+    pub spread_label_key: String,
+}
+
+impl Default for ReplicationSpec {
+    fn default() -> Self {
+        Self {
+            replicas: defaults::one(),
+            spread_label_key: defaults::spread_label_key(),
+        }
+    }
+}
+
+/// When and which blocks leave the DRAM tier.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.lowWatermarkPercent < self.highWatermarkPercent").message("eviction.lowWatermarkPercent must be below eviction.highWatermarkPercent").field_path(".lowWatermarkPercent").reason(Reason::FieldValueInvalid))]
+pub struct EvictionSpec {
+    /// Usage (percent of the tier) at which eviction starts.
+    #[serde(default = "defaults::high_watermark_percent")]
+    #[schemars(range(min = 1, max = 100))]
+    pub high_watermark_percent: i32,
+
+    /// Usage (percent of the tier) at which eviction stops.
+    #[serde(default = "defaults::low_watermark_percent")]
+    #[schemars(range(min = 0, max = 99))]
+    pub low_watermark_percent: i32,
+
+    /// Which blocks go first.
+    #[serde(default)]
+    pub policy: EvictionPolicy,
+}
+
+impl Default for EvictionSpec {
+    fn default() -> Self {
+        Self {
+            high_watermark_percent: defaults::high_watermark_percent(),
+            low_watermark_percent: defaults::low_watermark_percent(),
+            policy: EvictionPolicy::default(),
+        }
+    }
+}
+
+/// Eviction order.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum EvictionPolicy {
+    /// Least recently used first.
+    #[default]
+    Lru,
+    /// Least frequently used first.
+    Lfu,
+}
+
+/// The pool's metadata service.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.replicas == 1 || size(self.etcdEndpoints) > 0").message("master.etcdEndpoints is required when master.replicas is above 1 (HA state lives in etcd)").field_path(".etcdEndpoints").reason(Reason::FieldValueRequired))]
+pub struct MasterSpec {
+    /// Master replicas; more than one elects a leader through etcd.
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 5))]
+    pub replicas: i32,
+
+    /// etcd client URLs (`http://host:2379`). Empty: state in memory, one replica.
+    #[serde(default)]
+    #[x_kube(merge_strategy = ListMerge::Set)]
+    #[schemars(
+        length(max = 9),
+        inner(length(min = 1, max = 512), regex(pattern = r"^https?://"))
+    )]
+    pub etcd_endpoints: Vec<String>,
+
+    /// Image of the `kvpool` CLI. Absent: the operator's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+
+    /// Compute resources of the master container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+impl Default for MasterSpec {
+    fn default() -> Self {
+        Self {
+            replicas: defaults::one(),
+            etcd_endpoints: Vec::new(),
+            image: None,
+            resources: None,
+        }
+    }
+}
+
+/// The scheduler and front door.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConductorSpec {
+    /// Run a conductor for this pool.
+    #[serde(default = "defaults::enabled")]
+    pub enabled: bool,
+
+    /// Conductor replicas (they share state through the master).
+    #[serde(default = "defaults::one")]
+    #[schemars(range(min = 1, max = 16))]
+    pub replicas: i32,
+
+    /// Default service-level objectives; a request is rejected early when the conductor predicts
+    /// it cannot meet them.
+    #[serde(default)]
+    pub slo: ConductorSlo,
+
+    /// Image of the `kvpool` CLI. Absent: the operator's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+
+    /// Compute resources of the conductor container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+impl Default for ConductorSpec {
+    fn default() -> Self {
+        Self {
+            enabled: defaults::enabled(),
+            replicas: defaults::one(),
+            slo: ConductorSlo::default(),
+            image: None,
+            resources: None,
+        }
+    }
+}
+
+/// Latency objectives, in whole milliseconds.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ConductorSlo {
+    /// Time to first token, milliseconds.
+    #[serde(default = "defaults::ttft_millis")]
+    #[schemars(range(min = 1, max = 3_600_000))]
+    pub ttft_millis: i32,
+
+    /// Time per output token, milliseconds.
+    #[serde(default = "defaults::tpot_millis")]
+    #[schemars(range(min = 1, max = 60_000))]
+    pub tpot_millis: i32,
+}
+
+impl Default for ConductorSlo {
+    fn default() -> Self {
+        Self {
+            ttft_millis: defaults::ttft_millis(),
+            tpot_millis: defaults::tpot_millis(),
+        }
+    }
+}
+
+/// Observed state of a KV cache pool, written by the operator only.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KVCachePoolStatus {
+    /// `Ready`, `Progressing` and `Degraded` (see `crate::conditions`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// Nodes that should run an agent.
+    #[serde(default)]
+    pub nodes_desired: i32,
+
+    /// Nodes whose agent is ready.
+    #[serde(default)]
+    pub nodes_ready: i32,
+
+    /// DRAM tier over all ready nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dram: Option<TierStatus>,
+
+    /// SSD tier over all ready nodes; absent without an SSD tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<TierStatus>,
+
+    /// KV cache objects (blocks) the master holds, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objects: Option<i64>,
+
+    /// Agents registered with the master and alive, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_registered: Option<i32>,
+
+    /// Address (`host:port`) of the master Service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_endpoint: Option<String>,
+
+    /// Address (`host:port`) of the conductor Service; absent when disabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conductor_endpoint: Option<String>,
+}
+
+/// Capacity and usage of one tier. Capacity is what the master counts over the segments agents
+/// registered when it answers, otherwise the spec's amount times the ready nodes; `used` is the
+/// master's figure, kept from the last answer while it does not answer.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TierStatus {
+    /// Bytes the tier holds, as a quantity (e.g. `4Ti`).
+    pub capacity: Quantity,
+
+    /// Bytes in use, as a quantity.
+    pub used: Quantity,
+}

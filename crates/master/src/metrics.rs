@@ -1,0 +1,217 @@
+//! Prometheus metrics of the master, registered into an injected registry. State figures
+//! (objects, bytes, leases...) are refreshed from [`kvpool_core::master::state::Stats`] by the tick loop;
+//! request counts and latencies are recorded per call. I/O boundary: none.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+use kvpool_core::master::state::{Counters, Stats};
+
+/// Errors of metric registration.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    #[error("cannot register master metrics")]
+    Register(#[source] prometheus::Error),
+}
+
+impl MetricsError {
+    pub fn category(&self) -> &'static str {
+        "register"
+    }
+}
+
+/// The master's metric handles.
+#[derive(Clone, Debug)]
+pub struct MasterMetrics {
+    objects: IntGauge,
+    pending_puts: IntGauge,
+    used_bytes: IntGaugeVec,
+    capacity_bytes: IntGaugeVec,
+    leases: IntGauge,
+    under_replicated: IntGauge,
+    tasks: IntGauge,
+    nodes_alive: IntGauge,
+    leader: IntGauge,
+    evictions: IntCounterVec,
+    events: IntCounterVec,
+    requests: IntCounterVec,
+    latency: HistogramVec,
+    persist_latency: Histogram,
+    policy: &'static str,
+    last: std::sync::Arc<parking_lot::Mutex<Counters>>,
+}
+
+impl MasterMetrics {
+    pub fn new(registry: &Registry, policy: &'static str) -> Result<Self, MetricsError> {
+        let g = |name: &str, help: &str| IntGauge::new(name, help);
+        let m = Self {
+            objects: g("kvpool_master_objects", "Committed objects")
+                .map_err(MetricsError::Register)?,
+            pending_puts: g(
+                "kvpool_master_pending_puts",
+                "Puts started and not yet ended",
+            )
+            .map_err(MetricsError::Register)?,
+            used_bytes: IntGaugeVec::new(
+                Opts::new("kvpool_master_used_bytes", "Allocated bytes per tier"),
+                &["tier"],
+            )
+            .map_err(MetricsError::Register)?,
+            capacity_bytes: IntGaugeVec::new(
+                Opts::new("kvpool_master_capacity_bytes", "Mounted bytes per tier"),
+                &["tier"],
+            )
+            .map_err(MetricsError::Register)?,
+            leases: g("kvpool_master_leases", "Active read leases")
+                .map_err(MetricsError::Register)?,
+            under_replicated: g(
+                "kvpool_master_under_replicated_objects",
+                "Objects with fewer replicas than asked",
+            )
+            .map_err(MetricsError::Register)?,
+            tasks: g("kvpool_master_tasks", "Repair and demotion tasks in flight")
+                .map_err(MetricsError::Register)?,
+            nodes_alive: g("kvpool_master_nodes_alive", "Agents heartbeating")
+                .map_err(MetricsError::Register)?,
+            leader: g("kvpool_master_leader", "1 while this master is the leader")
+                .map_err(MetricsError::Register)?,
+            evictions: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_master_evictions_total",
+                    "Replicas evicted, by policy, tier and outcome",
+                ),
+                &["policy", "tier", "outcome"],
+            )
+            .map_err(MetricsError::Register)?,
+            events: IntCounterVec::new(
+                Opts::new("kvpool_master_events_total", "Background events by kind"),
+                &["event"],
+            )
+            .map_err(MetricsError::Register)?,
+            requests: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_master_requests_total",
+                    "gRPC calls by method and result",
+                ),
+                &["method", "result"],
+            )
+            .map_err(MetricsError::Register)?,
+            latency: HistogramVec::new(
+                HistogramOpts::new(
+                    "kvpool_master_request_duration_seconds",
+                    "gRPC call latency inside the master",
+                )
+                .buckets(
+                    prometheus::exponential_buckets(0.000_01, 4.0, 10)
+                        .map_err(MetricsError::Register)?,
+                ),
+                &["method"],
+            )
+            .map_err(MetricsError::Register)?,
+            persist_latency: Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpool_master_persist_duration_seconds",
+                    "Latency of one etcd write batch",
+                )
+                .buckets(
+                    prometheus::exponential_buckets(0.000_1, 4.0, 9)
+                        .map_err(MetricsError::Register)?,
+                ),
+            )
+            .map_err(MetricsError::Register)?,
+            policy,
+            last: Default::default(),
+        };
+        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
+            Box::new(m.objects.clone()),
+            Box::new(m.pending_puts.clone()),
+            Box::new(m.used_bytes.clone()),
+            Box::new(m.capacity_bytes.clone()),
+            Box::new(m.leases.clone()),
+            Box::new(m.under_replicated.clone()),
+            Box::new(m.tasks.clone()),
+            Box::new(m.nodes_alive.clone()),
+            Box::new(m.leader.clone()),
+            Box::new(m.evictions.clone()),
+            Box::new(m.events.clone()),
+            Box::new(m.requests.clone()),
+            Box::new(m.latency.clone()),
+            Box::new(m.persist_latency.clone()),
+        ];
+        for c in collectors {
+            registry.register(c).map_err(MetricsError::Register)?;
+        }
+        Ok(m)
+    }
+
+    /// Record one call.
+    pub fn observe_call(&self, method: &str, result: &str, seconds: f64) {
+        self.requests.with_label_values(&[method, result]).inc();
+        self.latency.with_label_values(&[method]).observe(seconds);
+    }
+
+    pub fn observe_persist(&self, seconds: f64) {
+        self.persist_latency.observe(seconds);
+    }
+
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.set(i64::from(leader));
+    }
+
+    /// Refresh gauges and advance counters from the core's figures.
+    pub fn refresh(&self, stats: &Stats, counters: &Counters) {
+        let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.objects.set(i(stats.objects));
+        self.pending_puts.set(i(stats.pending_puts));
+        for (t, name) in ["dram", "ssd"].iter().enumerate() {
+            self.used_bytes
+                .with_label_values(&[name])
+                .set(i(stats.used_bytes[t]));
+            self.capacity_bytes
+                .with_label_values(&[name])
+                .set(i(stats.capacity_bytes[t]));
+        }
+        self.leases.set(i(stats.leases));
+        self.under_replicated.set(i(stats.under_replicated));
+        self.tasks.set(i(stats.tasks));
+        self.nodes_alive.set(i(stats.nodes_alive));
+        let mut last = self.last.lock();
+        let d = |now: u64, before: u64| now.saturating_sub(before);
+        for (t, name) in ["dram", "ssd"].iter().enumerate() {
+            self.evictions
+                .with_label_values(&[self.policy, name, "dropped"])
+                .inc_by(d(counters.evicted_dropped[t], last.evicted_dropped[t]));
+        }
+        self.evictions
+            .with_label_values(&[self.policy, "dram", "demoted"])
+            .inc_by(d(counters.demoted, last.demoted));
+        let events = [
+            (
+                "demotion_failed",
+                counters.demotions_failed,
+                last.demotions_failed,
+            ),
+            ("repair_done", counters.repairs_done, last.repairs_done),
+            (
+                "repair_failed",
+                counters.repairs_failed,
+                last.repairs_failed,
+            ),
+            ("object_lost", counters.objects_lost, last.objects_lost),
+            ("node_died", counters.nodes_died, last.nodes_died),
+            (
+                "lease_expired",
+                counters.leases_expired,
+                last.leases_expired,
+            ),
+            ("put_expired", counters.puts_expired, last.puts_expired),
+        ];
+        for (name, now, before) in events {
+            self.events
+                .with_label_values(&[name])
+                .inc_by(d(now, before));
+        }
+        *last = counters.clone();
+    }
+}

@@ -1,0 +1,17 @@
+//! kvpool's wire protocols and their conversions to the core's types. I/O boundary: none; the
+//! servers and clients own the sockets.
+//!
+//! - `master`: the master's gRPC API (`proto/master/master.proto`) and conversions to
+//!   `kvpool_core::master` types, with the limits both ends enforce.
+//! - `engine_api`: the node agent's engine API (`proto/agent/v1/engine.proto`), spoken over the
+//!   agent's Unix socket.
+//! - `auth`: the HMAC request signatures of the master's API.
+//! - `openai`: the OpenAI-compatible HTTP requests and responses that the conductor and the
+//!   engines exchange, with kvpool's headers.
+//!
+//! gRPC server stubs are compiled only with the `server` feature, so clients link no server code.
+
+pub mod auth;
+pub mod engine_api;
+pub mod master;
+pub mod openai;

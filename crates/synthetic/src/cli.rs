@@ -1,0 +1,289 @@
+//! `kvpool engine --synthetic`: flags of the synthetic engine and its process wiring (Tokio
+//! runtime, signals, engine and admin listeners, the node agent's session). I/O boundary:
+//! sockets, signals and the model config file.
+
+pub use kvpool_proto::openai::EngineProtocol;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+
+use super::agent::{AgentKv, AgentKvError};
+use super::kv::{self, KvError, KvGeometry};
+use super::server::{self, ServerError};
+use super::{EngineConfig, SglangMode, SglangRole};
+use kvpool_core::sched::{DecodeCost, PrefillCost};
+use kvpool_runtime::wiring::{self, FromWiring, Wired, WiringError};
+
+/// Flags of `kvpool engine`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Run the synthetic engine (timing from the cost model, no GPU). The only mode so far.
+    #[arg(long)]
+    pub synthetic: bool,
+    /// Address of the OpenAI-compatible API.
+    #[arg(long, default_value = "127.0.0.1:8000", env = "KVPOOL_ENGINE_LISTEN")]
+    pub listen: SocketAddr,
+    /// Address of /livez, /readyz and /metrics.
+    #[arg(
+        long,
+        default_value = "127.0.0.1:9100",
+        env = "KVPOOL_ENGINE_ADMIN_LISTEN"
+    )]
+    pub admin_listen: SocketAddr,
+    /// Model name served.
+    #[arg(long, default_value = "kvpool-synthetic")]
+    pub model: String,
+    /// Tokens per KV block (the pool's block size where the operator starts the engine).
+    #[arg(long, default_value_t = 256, env = "KVPOOL_BLOCK_SIZE_TOKENS")]
+    pub block_size: u32,
+    /// Prefix cache capacity, blocks.
+    #[arg(long, default_value_t = 11_718)]
+    pub cache_blocks: usize,
+    /// Bytes of prompt text per stand-in token (no tokenizer configured).
+    #[arg(long, default_value_t = 4)]
+    pub chunk_bytes: usize,
+    /// Multiply every modelled duration by this (0.001 runs 1000x faster).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Prefill cost: fixed seconds per request.
+    #[arg(long, default_value_t = PrefillCost::default().fixed_s)]
+    pub prefill_fixed_s: f64,
+    /// Prefill cost: seconds per prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().linear_s)]
+    pub prefill_linear_s: f64,
+    /// Prefill cost: seconds per squared prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().quadratic_s)]
+    pub prefill_quadratic_s: f64,
+    /// Decode step cost: fixed seconds.
+    #[arg(long, default_value_t = DecodeCost::default().fixed_s)]
+    pub decode_fixed_s: f64,
+    /// Decode step cost: seconds per running sequence.
+    #[arg(long, default_value_t = DecodeCost::default().per_seq_s)]
+    pub decode_per_seq_s: f64,
+    /// Decode step cost: seconds per context token in the batch.
+    #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
+    pub decode_per_ctx_token_s: f64,
+    /// Node agent's engine-API socket: keep real KV blocks in the pool through it. Without it
+    /// the engine keeps no KV bytes (only its prefix cache's bookkeeping).
+    #[arg(long, env = "KVPOOL_AGENT_SOCKET")]
+    pub agent_socket: Option<PathBuf>,
+    /// KV bytes per token (all layers), before --kv-scale.
+    #[arg(long, env = "KVPOOL_KV_BYTES_PER_TOKEN")]
+    pub kv_bytes_per_token: Option<u64>,
+    /// Hugging Face model config.json: KV bytes per token = 2 x layers x KV heads x head dim x
+    /// dtype bytes, before --kv-scale. Wins over --kv-bytes-per-token.
+    #[arg(long, env = "KVPOOL_MODEL_CONFIG")]
+    pub model_config: Option<PathBuf>,
+    /// Multiply the KV bytes per token by this (e.g. 0.001 keeps a 70B model's blocks small in
+    /// tests).
+    #[arg(long, default_value_t = 1.0)]
+    pub kv_scale: f64,
+    /// Disaggregation protocol: `vllm` (each request's `kv_transfer_params` names its role) or
+    /// `sglang` (this engine has one role, --disaggregation-mode, and requests carry a
+    /// `bootstrap_room`; the KV hand-off goes through the pool, so --agent-socket is needed).
+    #[arg(long, value_enum, default_value_t = EngineProtocol::Vllm, env = "KVPOOL_ENGINE_PROTOCOL")]
+    pub protocol: EngineProtocol,
+    /// With --protocol sglang: this engine's half (SGLang's flag of the same name).
+    #[arg(long, value_enum, env = "KVPOOL_DISAGGREGATION_MODE")]
+    pub disaggregation_mode: Option<SglangRole>,
+    /// With --protocol sglang, on a decode engine: longest wait for a room's KV to arrive.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub bootstrap_timeout: std::time::Duration,
+}
+
+/// Errors of `kvpool engine`.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("--{flag}: {problem}")]
+    Flag { flag: &'static str, problem: String },
+    #[error("process wiring")]
+    Wiring(#[source] WiringError),
+    #[error("engine server")]
+    Server(#[source] ServerError),
+    #[error("cannot read --model-config {path}")]
+    ModelConfigRead {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--model-config {path}")]
+    ModelConfig {
+        path: PathBuf,
+        #[source]
+        source: KvError,
+    },
+    #[error("--kv-scale")]
+    KvScale(#[source] KvError),
+    #[error("node agent at {path}")]
+    Agent {
+        path: PathBuf,
+        #[source]
+        source: AgentKvError,
+    },
+}
+
+impl EngineError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            EngineError::Flag { .. } => "flag",
+            EngineError::Wiring(e) => e.category(),
+            EngineError::Server(_) => "server",
+            EngineError::ModelConfigRead { .. } => "model_config_read",
+            EngineError::ModelConfig { .. } => "model_config",
+            EngineError::KvScale(_) => "kv_scale",
+            EngineError::Agent { .. } => "agent",
+        }
+    }
+}
+
+fn flag(flag: &'static str, problem: impl Into<String>) -> EngineError {
+    EngineError::Flag {
+        flag,
+        problem: problem.into(),
+    }
+}
+
+fn non_negative(name: &'static str, v: f64) -> Result<f64, EngineError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(flag(name, format!("must be a finite number >= 0, got {v}")))
+    }
+}
+
+/// Validates the flags.
+pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
+    if !args.synthetic {
+        return Err(flag(
+            "synthetic",
+            "is required: only the synthetic engine is implemented",
+        ));
+    }
+    if args.model.is_empty() {
+        return Err(flag("model", "must not be empty"));
+    }
+    if args.chunk_bytes == 0 {
+        return Err(flag("chunk-bytes", "must be at least 1"));
+    }
+    let time_scale = non_negative("time-scale", args.time_scale)?;
+    let sglang = match (args.protocol, args.disaggregation_mode) {
+        (EngineProtocol::Vllm, None) => None,
+        (EngineProtocol::Vllm, Some(_)) => {
+            return Err(flag(
+                "disaggregation-mode",
+                "applies to --protocol sglang only (vLLM requests name their role)",
+            ));
+        }
+        (EngineProtocol::Sglang, None) => {
+            return Err(flag(
+                "disaggregation-mode",
+                "is required with --protocol sglang (prefill or decode)",
+            ));
+        }
+        (EngineProtocol::Sglang, Some(role)) => {
+            if args.agent_socket.is_none() {
+                return Err(flag(
+                    "agent-socket",
+                    "is required with --protocol sglang: the KV hand-off goes through the pool",
+                ));
+            }
+            if args.bootstrap_timeout.is_zero() {
+                return Err(flag("bootstrap-timeout", "must be more than 0"));
+            }
+            Some(SglangMode {
+                role,
+                bootstrap_timeout: args.bootstrap_timeout,
+            })
+        }
+    };
+    Ok(EngineConfig {
+        model: args.model.clone(),
+        prefill_cost: PrefillCost {
+            fixed_s: non_negative("prefill-fixed-s", args.prefill_fixed_s)?,
+            linear_s: non_negative("prefill-linear-s", args.prefill_linear_s)?,
+            quadratic_s: non_negative("prefill-quadratic-s", args.prefill_quadratic_s)?,
+        },
+        decode_cost: DecodeCost {
+            fixed_s: non_negative("decode-fixed-s", args.decode_fixed_s)?,
+            per_seq_s: non_negative("decode-per-seq-s", args.decode_per_seq_s)?,
+            per_ctx_token_s: non_negative("decode-per-ctx-token-s", args.decode_per_ctx_token_s)?,
+        },
+        block_size: NonZeroU32::new(args.block_size)
+            .ok_or_else(|| flag("block-size", "must be at least 1"))?,
+        cache_blocks: args.cache_blocks,
+        chunk_bytes: args.chunk_bytes,
+        time_scale,
+        sglang,
+    })
+}
+
+/// KV block shape from the flags, when an agent socket is given (reads `--model-config`).
+pub fn kv_geometry(args: &EngineArgs) -> Result<Option<KvGeometry>, EngineError> {
+    if args.agent_socket.is_none() {
+        return Ok(None);
+    }
+    let raw = match (&args.model_config, args.kv_bytes_per_token) {
+        (Some(path), _) => {
+            let bytes = std::fs::read(path).map_err(|source| EngineError::ModelConfigRead {
+                path: path.clone(),
+                source,
+            })?;
+            kv::bytes_per_token_from_config(&bytes).map_err(|source| EngineError::ModelConfig {
+                path: path.clone(),
+                source,
+            })?
+        }
+        (None, Some(0)) => return Err(flag("kv-bytes-per-token", "must be at least 1")),
+        (None, Some(n)) => n,
+        (None, None) => {
+            return Err(flag(
+                "agent-socket",
+                "needs --kv-bytes-per-token or --model-config to size the KV blocks",
+            ));
+        }
+    };
+    Ok(Some(KvGeometry {
+        bytes_per_token: kv::scale_bytes(raw, args.kv_scale).map_err(EngineError::KvScale)?,
+        block_tokens: args.block_size.max(1),
+    }))
+}
+
+/// Entry point of `kvpool engine`: serves until SIGTERM or SIGINT.
+pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
+    let config = engine_config(args)?;
+    let geometry = kv_geometry(args)?;
+    if let Some(g) = geometry {
+        tracing::info!(
+            bytes_per_token = g.bytes_per_token,
+            block_bytes = g.block_bytes(),
+            "KV blocks go through the node agent"
+        );
+    }
+    tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting synthetic engine");
+    let setup = |wired: Wired| async move {
+        let kv = match (&args.agent_socket, geometry) {
+            (Some(path), Some(g)) => Some(AgentKv::connect(path, g, &config.model).await.map_err(
+                |source| EngineError::Agent {
+                    path: path.clone(),
+                    source,
+                },
+            )?),
+            _ => None,
+        };
+        server::router_with_agent(config, kv, &wired.registry).map_err(EngineError::Server)
+    };
+    let serve = |router, listener, wired: Wired| async move {
+        wired.readiness.set_ready(true);
+        server::serve(listener, router, wired.shutdown)
+            .await
+            .map_err(EngineError::Server)
+    };
+    wiring::run(args.listen, args.admin_listen, setup, serve)
+}
+
+impl FromWiring for EngineError {
+    fn from_wiring(err: WiringError) -> Self {
+        EngineError::Wiring(err)
+    }
+}

@@ -1,0 +1,337 @@
+//! Wire format of the transfer engine's TCP and Unix-socket protocol: a fixed 40-byte,
+//! versioned frame header, optionally followed by a payload. Pure: no I/O.
+//!
+//! ```text
+//! offset size field
+//!  0     4    magic       "KVTP" (0x4B56_5450, little endian)
+//!  4     1    version     1
+//!  5     1    opcode      see [`Opcode`]
+//!  6     2    flags       0 (reserved; non-zero is rejected)
+//!  8     8    request_id  chosen by the initiator, echoed in the reply
+//! 16     4    handle      segment handle (from OPEN_OK)
+//! 20     4    status      error code in ERROR replies, else 0
+//! 24     8    offset      byte offset in the remote segment
+//! 32     8    length      payload length; for READ the requested length, for OPEN_OK the
+//!                         segment size (neither carries a payload)
+//! ```
+//! All integers are little endian.
+
+/// "KVTP" read as a little-endian u32.
+pub const MAGIC: u32 = 0x4B56_5450;
+/// Protocol version spoken by this build.
+pub const VERSION: u8 = 1;
+/// Size of the fixed header.
+pub const HEADER_LEN: usize = 40;
+/// Largest payload of a control frame (hello, auth, open, notify, error).
+pub const MAX_CONTROL_PAYLOAD: u64 = 64 * 1024;
+/// Default largest data payload (one slice) a peer accepts.
+pub const DEFAULT_MAX_SLICE: u64 = 16 * 1024 * 1024;
+
+/// Frame types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// Initiator -> target: client nonce (payload 32 bytes).
+    Hello = 1,
+    /// Target -> initiator: server nonce + server proof (payload 64 bytes).
+    Challenge = 2,
+    /// Initiator -> target: client proof (payload 32 bytes).
+    Auth = 3,
+    /// Target -> initiator: handshake accepted.
+    AuthOk = 4,
+    /// Open a segment by name (payload = UTF-8 name).
+    Open = 5,
+    /// Reply to OPEN: `handle` and `length` = segment size. Over the Unix socket the segment's
+    /// memfd travels with this frame (SCM_RIGHTS).
+    OpenOk = 6,
+    /// Write `length` payload bytes at `offset` of segment `handle`.
+    Write = 7,
+    /// The write with `request_id` has been applied.
+    WriteAck = 8,
+    /// Read `length` bytes at `offset` of segment `handle` (no payload).
+    Read = 9,
+    /// Reply to READ: `length` payload bytes follow.
+    ReadData = 10,
+    /// A small application message (payload), delivered to the target's notification queue.
+    Notify = 11,
+    /// NOTIFY was queued.
+    NotifyAck = 12,
+    /// The request failed: `status` is an [`ErrorCode`], payload a UTF-8 reason.
+    Error = 13,
+    /// Connect RDMA queue pairs to a segment (payload: `rdma::handshake::ConnectRequest`, which
+    /// carries its own version). Targets built before this opcode answer ERROR(malformed) and
+    /// close; targets without an RDMA device answer ERROR(unsupported).
+    RdmaConnect = 14,
+    /// Reply to RDMA_CONNECT (payload: `rdma::handshake::ConnectReply`). The target keeps its
+    /// queue pairs while this control connection stays open.
+    RdmaConnectOk = 15,
+}
+
+impl Opcode {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Opcode::Hello,
+            2 => Opcode::Challenge,
+            3 => Opcode::Auth,
+            4 => Opcode::AuthOk,
+            5 => Opcode::Open,
+            6 => Opcode::OpenOk,
+            7 => Opcode::Write,
+            8 => Opcode::WriteAck,
+            9 => Opcode::Read,
+            10 => Opcode::ReadData,
+            11 => Opcode::Notify,
+            12 => Opcode::NotifyAck,
+            13 => Opcode::Error,
+            14 => Opcode::RdmaConnect,
+            15 => Opcode::RdmaConnectOk,
+            _ => return None,
+        })
+    }
+
+    /// Whether the payload of this opcode is bulk data (bounded by the slice limit) rather than
+    /// a control message (bounded by [`MAX_CONTROL_PAYLOAD`]).
+    fn carries_data(self) -> bool {
+        matches!(self, Opcode::Write | Opcode::ReadData)
+    }
+}
+
+/// Error codes carried in the `status` field of ERROR frames.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum ErrorCode {
+    Malformed = 1,
+    Unauthenticated = 2,
+    UnknownSegment = 3,
+    OutOfBounds = 4,
+    TooLarge = 5,
+    Unsupported = 6,
+    Internal = 7,
+}
+
+impl ErrorCode {
+    pub fn from_u32(v: u32) -> Self {
+        match v {
+            1 => ErrorCode::Malformed,
+            2 => ErrorCode::Unauthenticated,
+            3 => ErrorCode::UnknownSegment,
+            4 => ErrorCode::OutOfBounds,
+            5 => ErrorCode::TooLarge,
+            6 => ErrorCode::Unsupported,
+            _ => ErrorCode::Internal,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::Malformed => "malformed",
+            ErrorCode::Unauthenticated => "unauthenticated",
+            ErrorCode::UnknownSegment => "unknown_segment",
+            ErrorCode::OutOfBounds => "out_of_bounds",
+            ErrorCode::TooLarge => "too_large",
+            ErrorCode::Unsupported => "unsupported",
+            ErrorCode::Internal => "internal",
+        }
+    }
+}
+
+/// Why a header was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("frame truncated: {got} of {HEADER_LEN} header bytes")]
+    Truncated { got: usize },
+    #[error("bad magic {0:#010x}")]
+    BadMagic(u32),
+    #[error("unsupported protocol version {0} (this build speaks {VERSION})")]
+    BadVersion(u8),
+    #[error("unknown opcode {0}")]
+    UnknownOpcode(u8),
+    #[error("reserved flags {0:#06x} set")]
+    BadFlags(u16),
+    #[error("{opcode:?} payload of {length} bytes exceeds the limit of {limit}")]
+    TooLong {
+        opcode: Opcode,
+        length: u64,
+        limit: u64,
+    },
+}
+
+impl FrameError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            FrameError::Truncated { .. } => "truncated",
+            FrameError::BadMagic(_) => "bad_magic",
+            FrameError::BadVersion(_) => "bad_version",
+            FrameError::UnknownOpcode(_) => "unknown_opcode",
+            FrameError::BadFlags(_) => "bad_flags",
+            FrameError::TooLong { .. } => "too_long",
+        }
+    }
+}
+
+/// A decoded frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub opcode: Opcode,
+    pub request_id: u64,
+    pub handle: u32,
+    pub status: u32,
+    pub offset: u64,
+    pub length: u64,
+}
+
+impl Header {
+    pub fn new(opcode: Opcode, request_id: u64) -> Self {
+        Header {
+            opcode,
+            request_id,
+            handle: 0,
+            status: 0,
+            offset: 0,
+            length: 0,
+        }
+    }
+
+    /// Length of the payload that follows this header on the wire (READ carries none: its
+    /// `length` is the amount requested).
+    pub fn payload_len(&self) -> u64 {
+        match self.opcode {
+            Opcode::Read | Opcode::OpenOk => 0,
+            _ => self.length,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4] = VERSION;
+        b[5] = self.opcode as u8;
+        // b[6..8]: flags, zero.
+        b[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.handle.to_le_bytes());
+        b[20..24].copy_from_slice(&self.status.to_le_bytes());
+        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        b[32..40].copy_from_slice(&self.length.to_le_bytes());
+        b
+    }
+
+    /// Decode and validate a header. `max_data` bounds WRITE/READ/READ_DATA lengths.
+    pub fn decode(buf: &[u8], max_data: u64) -> Result<Header, FrameError> {
+        let b: &[u8; HEADER_LEN] = buf
+            .get(..HEADER_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(FrameError::Truncated { got: buf.len() })?;
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        if b[4] != VERSION {
+            return Err(FrameError::BadVersion(b[4]));
+        }
+        let opcode = Opcode::from_u8(b[5]).ok_or(FrameError::UnknownOpcode(b[5]))?;
+        let flags = u16::from_le_bytes([b[6], b[7]]);
+        if flags != 0 {
+            return Err(FrameError::BadFlags(flags));
+        }
+        let header = Header {
+            opcode,
+            request_id: u64_at(8),
+            handle: u32_at(16),
+            status: u32_at(20),
+            offset: u64_at(24),
+            length: u64_at(32),
+        };
+        let limit = match opcode {
+            Opcode::OpenOk => super::memory::MAX_SEGMENT_SIZE as u64,
+            Opcode::Read => max_data,
+            op if op.carries_data() => max_data,
+            _ => MAX_CONTROL_PAYLOAD,
+        };
+        if header.length > limit {
+            return Err(FrameError::TooLong {
+                opcode,
+                length: header.length,
+                limit,
+            });
+        }
+        Ok(header)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn any_opcode() -> impl Strategy<Value = Opcode> {
+        (1u8..=15).prop_map(|v| Opcode::from_u8(v).unwrap())
+    }
+
+    proptest! {
+        #[test]
+        fn encode_decode_round_trips(op in any_opcode(), id: u64, handle: u32, status: u32,
+                                     offset: u64, length in 0u64..=MAX_CONTROL_PAYLOAD) {
+            let h = Header { opcode: op, request_id: id, handle, status, offset, length };
+            prop_assert_eq!(Header::decode(&h.encode(), DEFAULT_MAX_SLICE), Ok(h));
+        }
+
+        #[test]
+        fn decoder_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
+            let _ = Header::decode(&bytes, DEFAULT_MAX_SLICE);
+        }
+
+        #[test]
+        fn truncated_headers_are_rejected(op in any_opcode(), cut in 0usize..HEADER_LEN) {
+            let enc = Header::new(op, 7).encode();
+            prop_assert_eq!(Header::decode(&enc[..cut], DEFAULT_MAX_SLICE),
+                            Err(FrameError::Truncated { got: cut }));
+        }
+
+        #[test]
+        fn unknown_opcodes_are_rejected(op in 16u8..=255) {
+            let mut enc = Header::new(Opcode::Read, 1).encode();
+            enc[5] = op;
+            prop_assert_eq!(Header::decode(&enc, DEFAULT_MAX_SLICE), Err(FrameError::UnknownOpcode(op)));
+        }
+
+        #[test]
+        fn oversized_lengths_are_rejected(op in any_opcode(), extra in 1u64..u64::MAX / 2) {
+            let mut h = Header::new(op, 1);
+            let limit = match op {
+                Opcode::Write | Opcode::ReadData | Opcode::Read => DEFAULT_MAX_SLICE,
+                Opcode::OpenOk => crate::memory::MAX_SEGMENT_SIZE as u64,
+                _ => MAX_CONTROL_PAYLOAD,
+            };
+            h.length = limit + extra;
+            let rejected = matches!(
+                Header::decode(&h.encode(), DEFAULT_MAX_SLICE),
+                Err(FrameError::TooLong { .. })
+            );
+            prop_assert!(rejected);
+        }
+    }
+
+    #[test]
+    fn bad_magic_version_and_flags_are_rejected() {
+        let good = Header::new(Opcode::Hello, 1).encode();
+        let mut b = good;
+        b[0] ^= 1;
+        assert!(matches!(
+            Header::decode(&b, 1),
+            Err(FrameError::BadMagic(_))
+        ));
+        let mut b = good;
+        b[4] = 2;
+        assert_eq!(Header::decode(&b, 1), Err(FrameError::BadVersion(2)));
+        let mut b = good;
+        b[7] = 1;
+        assert_eq!(Header::decode(&b, 1), Err(FrameError::BadFlags(0x100)));
+    }
+}

@@ -1,0 +1,130 @@
+//! The `kvpool` command line, parsed with clap: one subcommand per role (`agent`, `operator`,
+//! `master`, `conductor`, `engine`), plus `up`, the benchmarks and the simulators. Each role's
+//! flags are defined by the crate that implements it; this module only mounts them and
+//! dispatches. Lives in the library so that tests (and the packaging checks that parse container
+//! args) use the same parser as the binary. I/O boundary: none here; `run` calls the roles.
+
+mod agent;
+mod operator;
+
+use clap::{Parser, Subcommand};
+use kvpool_runtime::telemetry::LogFormat;
+
+/// Top-level command line of the `kvpool` binary.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvpool",
+    version,
+    about = "KVCache-centric disaggregated LLM serving"
+)]
+pub struct Cli {
+    /// Log format.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        env = "KVPOOL_LOG_FORMAT"
+    )]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands of `kvpool`.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the version and exit.
+    Version,
+    /// The node agent (the KVCachePool DaemonSet): topology discovery, DRAM and SSD tiers,
+    /// engine API, transfer-engine endpoint.
+    #[command(subcommand)]
+    Agent(kvpool_agent::cli::Command),
+    /// The Kubernetes operator for KVCachePool, PrefillPool and DecodePool.
+    #[command(subcommand)]
+    Operator(kvpool_operator::cli::Command),
+    /// Run the pool's metadata master (gRPC API, eviction, repair, optional etcd HA).
+    Master(Box<kvpool_master::cmd::MasterArgs>),
+    /// Serve the OpenAI-compatible API and route each request to a prefill and a decode engine.
+    Conductor(Box<kvpool_conductor::cli::ConductorArgs>),
+    /// Run an inference engine; `--synthetic` takes its timing from the cost model (no GPU).
+    Engine(Box<kvpool_synthetic::cli::EngineArgs>),
+    /// Run all of kvpool on this machine (master, agents, synthetic engines, conductor) and
+    /// optionally replay a trace through it.
+    Up(Box<crate::up::UpArgs>),
+    /// Run a benchmark (`kvpool bench transfer ...`).
+    Bench(kvpool_bench::BenchArgs),
+    /// Benchmark the master's metadata path (lookups/s, puts/s, RSS per object).
+    MasterBench(kvpool_bench::master::MasterBenchArgs),
+    /// Replay a Mooncake request trace through the scheduling policies (or, with
+    /// --bench-decision, time one scheduling decision).
+    Simulate(Box<crate::simulate::SimulateArgs>),
+    /// Replay a Mooncake trace against a global block cache and report hit ratios per
+    /// eviction policy and capacity.
+    SimulateCache(crate::simulate_cache::SimulateCacheArgs),
+}
+
+/// Run the parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
+        Command::Agent(cmd) => agent::run(cmd)?,
+        Command::Operator(cmd) => operator::run(cmd)?,
+        Command::Master(args) => {
+            tokio::runtime::Runtime::new()?.block_on(kvpool_master::cmd::run(*args))?;
+        }
+        Command::Conductor(args) => kvpool_conductor::cli::run(&args)?,
+        Command::Engine(args) => kvpool_synthetic::cli::run(&args)?,
+        Command::Up(args) => crate::up::run(&args)?,
+        Command::Bench(args) => kvpool_bench::run(args)?,
+        Command::MasterBench(args) => {
+            tokio::runtime::Runtime::new()?.block_on(kvpool_bench::master::run(args))?;
+        }
+        Command::Simulate(args) => crate::simulate::run(&args)?,
+        Command::SimulateCache(args) => {
+            crate::simulate_cache::run(&args)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_role_is_a_subcommand() {
+        let cmd = Cli::command();
+        for role in [
+            "agent",
+            "operator",
+            "master",
+            "conductor",
+            "engine",
+            "up",
+            "bench",
+        ] {
+            assert!(
+                cmd.find_subcommand(role).is_some(),
+                "`kvpool {role}` is missing"
+            );
+        }
+        let agent = cmd.find_subcommand("agent").expect("agent");
+        for sub in ["run", "discover", "check-config"] {
+            assert!(agent.find_subcommand(sub).is_some(), "`kvpool agent {sub}`");
+        }
+        let operator = cmd.find_subcommand("operator").expect("operator");
+        for sub in ["run", "crd"] {
+            assert!(
+                operator.find_subcommand(sub).is_some(),
+                "`kvpool operator {sub}`"
+            );
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! `kvpool operator ...`: reconcile KVCachePool, PrefillPool and DecodePool resources, or write
+//! the CRDs. Every flag and the controllers live in `kvpool_operator`; this only dispatches.
+
+use anyhow::Context as _;
+use kvpool_operator::cli::Command;
+
+/// Run one `kvpool operator` subcommand.
+pub fn run(cmd: Command) -> anyhow::Result<()> {
+    match cmd {
+        Command::Run(args) => tokio::runtime::Runtime::new()
+            .context("starting the tokio runtime")?
+            .block_on(kvpool_operator::run::run(args))
+            .context("kvpool operator run"),
+        Command::Crd(args) => match args.out_dir {
+            Some(dir) => {
+                for path in kvpool_operator::crd::write_dir(&dir).context("kvpool operator crd")? {
+                    println!("wrote {}", path.display());
+                }
+                Ok(())
+            }
+            None => kvpool_operator::crd::write_stream(&mut std::io::stdout().lock())
+                .context("kvpool operator crd"),
+        },
+    }
+}

@@ -1,0 +1,435 @@
+//! `kvpool simulate`: command-line flags of the trace simulator, validated into a `SimConfig`,
+//! and the runner. I/O boundary: reads the trace and the optional prefill profile, prints the
+//! report to stdout.
+
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Instant;
+
+use kvpool_core::sched::{
+    DecodeCost, FitError, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
+};
+
+use kvpool_core::sim::bench::{self, BenchConfig};
+use kvpool_core::sim::engine::{SimConfig, SimError, UNLIMITED, simulate};
+use kvpool_core::sim::trace::{self, TraceError};
+
+/// A capacity in blocks, or `unlimited`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity(pub usize);
+
+impl FromStr for Capacity {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "unlimited" | "inf" => Ok(Capacity(UNLIMITED)),
+            _ => s
+                .parse::<usize>()
+                .map(Capacity)
+                .map_err(|e| format!("expected a number of blocks or `unlimited`: {e}")),
+        }
+    }
+}
+
+/// Flags of `kvpool simulate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// Mooncake-format trace (JSON lines). Required unless --bench-decision.
+    #[arg(long, required_unless_present = "bench_decision")]
+    pub trace: Option<PathBuf>,
+    /// Prefill placement policy.
+    #[arg(long, value_enum, default_value_t = Policy::Conductor)]
+    pub policy: Policy,
+    /// Run every policy and report them side by side (ignores --policy).
+    #[arg(long)]
+    pub compare: bool,
+    /// Early rejection mode.
+    #[arg(long, value_enum, default_value_t = Rejection::None)]
+    pub rejection: Rejection,
+    /// Prefill instances.
+    #[arg(long, default_value_t = 8)]
+    pub prefill: usize,
+    /// Decode instances.
+    #[arg(long, default_value_t = 8)]
+    pub decode: usize,
+    /// Local cache per prefill instance, blocks (`unlimited` allowed). Default: 3M tokens.
+    #[arg(long, default_value = "5859")]
+    pub local_cache_blocks: Capacity,
+    /// Global pool capacity, blocks (`unlimited` allowed). Default: about 51M tokens.
+    #[arg(long, default_value = "100000")]
+    pub pool_blocks: Capacity,
+    /// Tokens per block; must match the trace's hash_ids (512 for the Mooncake traces).
+    #[arg(long, default_value_t = 512)]
+    pub block_size: u32,
+    /// Prefill cost: fixed seconds per request.
+    #[arg(long, default_value_t = PrefillCost::default().fixed_s)]
+    pub prefill_fixed_s: f64,
+    /// Prefill cost: seconds per prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().linear_s)]
+    pub prefill_linear_s: f64,
+    /// Prefill cost: seconds per squared prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().quadratic_s)]
+    pub prefill_quadratic_s: f64,
+    /// Fit the prefill cost from a profile instead: CSV lines `tokens,seconds` (a header line
+    /// and `#` comments are allowed).
+    #[arg(long)]
+    pub prefill_profile: Option<PathBuf>,
+    /// Decode step cost: fixed seconds.
+    #[arg(long, default_value_t = DecodeCost::default().fixed_s)]
+    pub decode_fixed_s: f64,
+    /// Decode step cost: seconds per running sequence.
+    #[arg(long, default_value_t = DecodeCost::default().per_seq_s)]
+    pub decode_per_seq_s: f64,
+    /// Decode step cost: seconds per context token in the batch.
+    #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
+    pub decode_per_ctx_token_s: f64,
+    /// KV tokens one decode instance holds.
+    #[arg(long, default_value_t = 1_500_000)]
+    pub decode_kv_capacity_tokens: u64,
+    /// KV bytes per token (320 KiB: a 70B model with GQA in BF16).
+    #[arg(long, default_value_t = 327_680)]
+    pub bytes_per_token: u64,
+    /// Pool -> prefill bandwidth, GB/s (10^9 bytes).
+    #[arg(long, default_value_t = 25.0)]
+    pub pool_bandwidth_gbps: f64,
+    /// Prefill -> decode KV transfer bandwidth, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_bandwidth_gbps: f64,
+    /// TTFT SLO, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub ttft_slo_s: f64,
+    /// TPOT SLO, seconds.
+    #[arg(long, default_value_t = 0.1)]
+    pub tpot_slo_s: f64,
+    /// Replicate a hot prefix every this many hits on a block (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub hot_threshold: u32,
+    /// Instances a hot prefix is copied to each time.
+    #[arg(long, default_value_t = 2)]
+    pub hot_fanout: usize,
+    /// Replay speed: arrival times are divided by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Seed of the random policy.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Benchmark one scheduling decision instead of simulating (release build recommended).
+    #[arg(long)]
+    pub bench_decision: bool,
+    /// Benchmark: indexed blocks.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub bench_blocks: usize,
+    /// Benchmark: decisions to time.
+    #[arg(long, default_value_t = 100_000)]
+    pub bench_decisions: usize,
+}
+
+/// Errors of `kvpool simulate`.
+#[derive(Debug, thiserror::Error)]
+pub enum SimulateError {
+    #[error("--{flag}: {problem}")]
+    Flag { flag: &'static str, problem: String },
+    #[error("cannot read prefill profile {path}")]
+    ProfileRead {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("prefill profile {path} line {line}: {problem}")]
+    ProfileLine {
+        path: PathBuf,
+        line: usize,
+        problem: String,
+    },
+    #[error("cannot fit the prefill profile {path}")]
+    ProfileFit {
+        path: PathBuf,
+        #[source]
+        source: FitError,
+    },
+    #[error("cannot load the trace")]
+    Trace(#[source] TraceError),
+    #[error("simulation failed")]
+    Sim(#[source] SimError),
+    #[error("benchmark failed")]
+    Bench(#[source] bench::BenchError),
+    #[error("cannot encode the report as JSON")]
+    Json(#[source] serde_json::Error),
+}
+
+impl SimulateError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        match self {
+            SimulateError::Flag { .. } => "flag",
+            SimulateError::ProfileRead { .. } => "profile_read",
+            SimulateError::ProfileLine { .. } => "profile_line",
+            SimulateError::ProfileFit { .. } => "profile_fit",
+            SimulateError::Trace(_) => "trace",
+            SimulateError::Sim(_) => "sim",
+            SimulateError::Bench(_) => "bench",
+            SimulateError::Json(_) => "json",
+        }
+    }
+}
+
+fn flag(flag: &'static str, problem: impl Into<String>) -> SimulateError {
+    SimulateError::Flag {
+        flag,
+        problem: problem.into(),
+    }
+}
+
+fn positive(name: &'static str, v: f64) -> Result<f64, SimulateError> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(flag(name, format!("must be a finite number > 0, got {v}")))
+    }
+}
+
+fn non_negative(name: &'static str, v: f64) -> Result<f64, SimulateError> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(flag(name, format!("must be a finite number >= 0, got {v}")))
+    }
+}
+
+/// Parses a prefill profile: `tokens,seconds` per line; blank lines, `#` comments and one
+/// non-numeric header line are skipped.
+pub fn parse_profile(text: &str, path: &Path) -> Result<Vec<(u64, f64)>, SimulateError> {
+    let mut samples = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let bad = |problem: String| SimulateError::ProfileLine {
+            path: path.to_owned(),
+            line: i + 1,
+            problem,
+        };
+        let mut parts = line.split(',').map(str::trim);
+        let (Some(t), Some(s), None) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(bad(format!("expected `tokens,seconds`, got `{line}`")));
+        };
+        if samples.is_empty() && i == 0 && t.parse::<f64>().is_err() {
+            continue; // header
+        }
+        let tokens = t
+            .parse::<u64>()
+            .map_err(|e| bad(format!("tokens `{t}`: {e}")))?;
+        let seconds = s
+            .parse::<f64>()
+            .map_err(|e| bad(format!("seconds `{s}`: {e}")))?;
+        samples.push((tokens, seconds));
+    }
+    Ok(samples)
+}
+
+/// Validates the flags into a simulation configuration.
+pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
+    if args.prefill == 0 || args.prefill > kvpool_core::sched::index::MAX_PREFILL_INSTANCES {
+        return Err(flag(
+            "prefill",
+            format!(
+                "must be between 1 and {}, got {}",
+                kvpool_core::sched::index::MAX_PREFILL_INSTANCES,
+                args.prefill
+            ),
+        ));
+    }
+    if args.decode == 0 {
+        return Err(flag("decode", "must be at least 1"));
+    }
+    let block_size =
+        NonZeroU32::new(args.block_size).ok_or_else(|| flag("block-size", "must be at least 1"))?;
+    let prefill_cost = match &args.prefill_profile {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).map_err(|source| SimulateError::ProfileRead {
+                    path: path.clone(),
+                    source,
+                })?;
+            let samples = parse_profile(&text, path)?;
+            PrefillCost::fit(&samples).map_err(|source| SimulateError::ProfileFit {
+                path: path.clone(),
+                source,
+            })?
+        }
+        None => PrefillCost {
+            fixed_s: non_negative("prefill-fixed-s", args.prefill_fixed_s)?,
+            linear_s: non_negative("prefill-linear-s", args.prefill_linear_s)?,
+            quadratic_s: non_negative("prefill-quadratic-s", args.prefill_quadratic_s)?,
+        },
+    };
+    let decode_cost = DecodeCost {
+        fixed_s: non_negative("decode-fixed-s", args.decode_fixed_s)?,
+        per_seq_s: non_negative("decode-per-seq-s", args.decode_per_seq_s)?,
+        per_ctx_token_s: non_negative("decode-per-ctx-token-s", args.decode_per_ctx_token_s)?,
+    };
+    if args.decode_kv_capacity_tokens == 0 {
+        return Err(flag("decode-kv-capacity-tokens", "must be at least 1"));
+    }
+    if args.bytes_per_token == 0 {
+        return Err(flag("bytes-per-token", "must be at least 1"));
+    }
+    Ok(SimConfig {
+        scheduler: SchedulerConfig {
+            policy: args.policy,
+            rejection: args.rejection,
+            slo: Slo {
+                ttft_s: positive("ttft-slo-s", args.ttft_slo_s)?,
+                tpot_s: positive("tpot-slo-s", args.tpot_slo_s)?,
+            },
+            block_size,
+            bytes_per_token: args.bytes_per_token,
+            pool_bandwidth_bps: positive("pool-bandwidth-gbps", args.pool_bandwidth_gbps)? * 1e9,
+            kv_bandwidth_bps: positive("kv-bandwidth-gbps", args.kv_bandwidth_gbps)? * 1e9,
+            prefill_costs: vec![prefill_cost; args.prefill],
+            decode_cost,
+            decode_kv_capacity_tokens: args.decode_kv_capacity_tokens,
+            hot: HotConfig {
+                threshold: args.hot_threshold,
+                fanout: args.hot_fanout,
+            },
+            seed: args.seed,
+        },
+        decode_instances: args.decode,
+        local_cache_blocks: args.local_cache_blocks.0,
+        pool_blocks: args.pool_blocks.0,
+        time_scale: positive("time-scale", args.time_scale)?,
+    })
+}
+
+/// Runs `kvpool simulate` and returns what to print.
+pub fn execute(args: &SimulateArgs) -> Result<String, SimulateError> {
+    if args.bench_decision {
+        let report = bench::run(BenchConfig {
+            prefill_instances: args.prefill,
+            decode_instances: args.decode,
+            blocks: args.bench_blocks,
+            decisions: args.bench_decisions,
+            seed: args.seed,
+            ..BenchConfig::default()
+        })
+        .map_err(SimulateError::Bench)?;
+        return if args.json {
+            serde_json::to_string_pretty(&report).map_err(SimulateError::Json)
+        } else {
+            Ok(report.to_text())
+        };
+    }
+    let config = sim_config(args)?;
+    let path = args
+        .trace
+        .as_deref()
+        .ok_or_else(|| flag("trace", "is required"))?;
+    let records = trace::load(path, args.block_size).map_err(SimulateError::Trace)?;
+    let policies: Vec<Policy> = if args.compare {
+        Policy::ALL.to_vec()
+    } else {
+        vec![args.policy]
+    };
+    let mut reports = Vec::with_capacity(policies.len());
+    let mut text = String::new();
+    for policy in policies {
+        let mut cfg = config.clone();
+        cfg.scheduler.policy = policy;
+        let started = Instant::now();
+        let report = simulate(&records, &cfg).map_err(SimulateError::Sim)?;
+        tracing::info!(
+            policy = policy.name(),
+            requests = records.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "simulated"
+        );
+        text.push_str(&report.to_text());
+        text.push('\n');
+        reports.push(report);
+    }
+    if args.json {
+        if args.compare {
+            serde_json::to_string_pretty(&reports).map_err(SimulateError::Json)
+        } else {
+            serde_json::to_string_pretty(&reports[0]).map_err(SimulateError::Json)
+        }
+    } else {
+        Ok(text)
+    }
+}
+
+/// Entry point of the subcommand.
+pub fn run(args: &SimulateArgs) -> Result<(), SimulateError> {
+    let out = execute(args)?;
+    println!("{out}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        a: SimulateArgs,
+    }
+
+    fn args(extra: &[&str]) -> SimulateArgs {
+        let mut v = vec!["t", "--trace", "x.jsonl"];
+        v.extend_from_slice(extra);
+        T::try_parse_from(v).unwrap().a
+    }
+
+    #[test]
+    fn defaults_validate() {
+        let c = sim_config(&args(&[])).unwrap();
+        assert_eq!(c.scheduler.prefill_costs.len(), 8);
+        assert_eq!(c.local_cache_blocks, 5859);
+        assert_eq!(c.scheduler.pool_bandwidth_bps, 25e9);
+        let c = sim_config(&args(&["--pool-blocks", "unlimited"])).unwrap();
+        assert_eq!(c.pool_blocks, UNLIMITED);
+    }
+
+    #[test]
+    fn bad_flags_are_named() {
+        for (extra, want) in [
+            (vec!["--prefill", "0"], "--prefill"),
+            (vec!["--prefill", "200"], "--prefill"),
+            (vec!["--decode", "0"], "--decode"),
+            (vec!["--time-scale", "0"], "--time-scale"),
+            (vec!["--ttft-slo-s=-1"], "--ttft-slo-s"),
+            (
+                vec!["--pool-bandwidth-gbps", "NaN"],
+                "--pool-bandwidth-gbps",
+            ),
+            (vec!["--block-size", "0"], "--block-size"),
+            (vec!["--prefill-linear-s=-0.1"], "--prefill-linear-s"),
+        ] {
+            let err = sim_config(&args(&extra)).unwrap_err();
+            assert!(err.to_string().starts_with(want), "{err}");
+            assert_eq!(err.category(), "flag");
+        }
+        assert!(T::try_parse_from(["t", "--trace", "x", "--pool-blocks", "lots"]).is_err());
+        assert!(T::try_parse_from(["t"]).is_err(), "--trace is required");
+        assert!(T::try_parse_from(["t", "--bench-decision"]).is_ok());
+    }
+
+    #[test]
+    fn profile_parsing() {
+        let p = Path::new("p.csv");
+        let s = parse_profile("tokens,seconds\n# c\n1000, 0.2\n\n2000,0.5\n", p).unwrap();
+        assert_eq!(s, vec![(1000, 0.2), (2000, 0.5)]);
+        let err = parse_profile("1000,0.2\n2000\n", p).unwrap_err();
+        assert!(err.to_string().contains("line 2"), "{err}");
+        let err = parse_profile("1000,0.2\nx,1\n", p).unwrap_err();
+        assert!(err.to_string().contains("line 2: tokens `x`"), "{err}");
+    }
+}

@@ -1,0 +1,528 @@
+//! A real pool across processes on 127.0.0.1: one `kvpool master` and two or three
+//! `kvpool-agent`s in pool mode (shared key file, random ports, temp dirs).
+//! - `values_survive_the_death_of_one_replica_holder`: the test, as a client with its own
+//!   transfer engine, puts values with two replicas (master allocates, the engine WRITEs to
+//!   both agents, master commits), reads them back (master locates, the engine READs) and
+//!   checks every byte; then SIGKILLs one agent and, once the master has declared it dead,
+//!   reads every value again from the survivor. Finally SIGTERM on the survivor must unmount
+//!   its segment.
+//! - `engine_puts_land_in_the_agents_dram_tier`: an engine put through one agent's Unix socket
+//!   is allocated by the master in that agent's DRAM-tier segment and read byte-exact by an
+//!   engine of the other agent; exists/remove go through the pool; `/readyz` and `/metrics`
+//!   reflect the pool membership and the transfer engine.
+//! - `a_surviving_agent_repairs_lost_replicas`: three agents, values put with two replicas
+//!   through an agent; one holder is SIGKILLed; the master's repair tasks are executed by the
+//!   third agent, the objects have two replicas again and read back byte-exact from the new
+//!   copies (through the repairing agent, which reads its own segment).
+//! - `dram_eviction_demotes_to_the_agents_ssd_segment`: a small DRAM tier overflows; the
+//!   master's demotion tasks are executed by the agent into its SSD segment and every value
+//!   still reads back byte-exact through the engine API.
+//!
+//! The `kvpool` binary belongs to the root package, which an agent-crate test cannot name with
+//! `CARGO_BIN_EXE_*`. It is looked up next to the agent binary in the same target directory (a
+//! workspace test run builds every binary there); when it is missing (e.g. `cargo test -p
+//! kvpool-agent`) the test builds it with the cargo that runs the test.
+
+mod agent_support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agent_support::*;
+use kvpool_agent::proto::Status;
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::pool::PoolClient;
+use kvpool_core::master::{PutOptions, Tier};
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+
+const OBJECTS: usize = 12;
+
+fn value(i: usize) -> Vec<u8> {
+    // Sizes from 1 byte to a few slices' worth, content distinct per object.
+    let len = [1, 4095, 4096, 70_000, 300_000][i % 5] + i;
+    (0..len)
+        .map(|j| (j.wrapping_mul(31) ^ i.wrapping_mul(7)) as u8)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_survive_the_death_of_one_replica_holder() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let logs = dir.path();
+    let key_file = write_key(dir.path());
+
+    let (mut master, grpc) = start_master(logs, &key_file);
+    let mut a = start_agent(logs, "agent-a", grpc, &key_file);
+    let mut b = start_agent(logs, "agent-b", grpc, &key_file);
+
+    let client = MasterClient::new(
+        vec![grpc.to_string()],
+        MasterKey::from_bytes(KEY.as_bytes()).expect("master key"),
+        ClientConfig::default(),
+    )
+    .expect("master client");
+    wait_stats(
+        &client,
+        "both agents mounted",
+        &mut [&mut master, &mut a, &mut b],
+        logs,
+        |s| s.nodes_alive == 2 && s.segments >= 2,
+    )
+    .await;
+
+    let engine = TransferEngine::new(
+        EngineConfig {
+            node: "test-client".into(),
+            ..EngineConfig::default()
+        },
+        AuthKey::new(KEY.as_bytes().to_vec()).expect("transfer key"),
+        Arc::new(StaticDirectory::new()),
+        TransferMetrics::unregistered().expect("metrics"),
+    )
+    .expect("engine");
+    let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None);
+    let opts = PutOptions {
+        replicas: 2,
+        ..PutOptions::default()
+    };
+
+    let keys: Vec<Vec<u8>> = (0..OBJECTS)
+        .map(|i| format!("block-{i}").into_bytes())
+        .collect();
+    for (i, key) in keys.iter().enumerate() {
+        let replicas = pool.put(key, &value(i), &opts).await.expect("put");
+        let mut nodes: Vec<_> = replicas.iter().map(|r| r.node.clone()).collect();
+        nodes.sort();
+        assert_eq!(nodes, ["agent-a", "agent-b"], "one replica per agent");
+        assert!(replicas.iter().all(|r| r.tier == Tier::Dram));
+    }
+    for (i, key) in keys.iter().enumerate() {
+        let got = pool.get(key).await.expect("get");
+        let want = value(i);
+        assert_eq!(got.len(), want.len());
+        assert_eq!(crc32c::crc32c(&got), crc32c::crc32c(&want), "object {i}");
+        assert!(got == want, "object {i} differs");
+    }
+
+    // One replica holder dies without a word.
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = a.child.wait();
+    wait_stats(
+        &client,
+        "the master to declare agent-a dead",
+        &mut [&mut master, &mut b],
+        logs,
+        |s| s.nodes_alive == 1,
+    )
+    .await;
+    for (i, key) in keys.iter().enumerate() {
+        let located = client.get(key).await.expect("locate after death");
+        assert!(
+            located.replicas.iter().all(|r| r.node == "agent-b"),
+            "object {i}: the dead node's replica is no longer handed out"
+        );
+        assert!(!located.replicas.is_empty(), "object {i} lost");
+        client
+            .release_lease(located.lease_id)
+            .await
+            .expect("release");
+        let got = pool.get(key).await.expect("get from the survivor");
+        let want = value(i);
+        assert_eq!(crc32c::crc32c(&got), crc32c::crc32c(&want), "object {i}");
+        assert!(got == want, "object {i} differs after the death of agent-a");
+    }
+
+    // A clean stop unmounts: the master is left with no segment.
+    b.signal(nix::sys::signal::Signal::SIGTERM);
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = b.child.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(started.elapsed() < DEADLINE, "agent-b ignored SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "agent-b exited with {status}");
+    wait_stats(
+        &client,
+        "agent-b's segments unmounted",
+        &mut [&mut master],
+        logs,
+        |s| s.segments == 0,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_puts_land_in_the_agents_dram_tier() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let logs = dir.path();
+    let key_file = write_key(dir.path());
+    let (mut master, grpc) = start_master(logs, &key_file);
+    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", "");
+    let (mut b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", "");
+    let client = master_client(grpc);
+    wait_ready(&addr_a, &mut a, logs).await;
+    wait_ready(&addr_b, &mut b, logs).await;
+    wait_stats(
+        &client,
+        "both agents mounted",
+        &mut [&mut master, &mut a, &mut b],
+        logs,
+        |s| s.nodes_alive == 2 && s.segments == 2,
+    )
+    .await;
+    let before = client.stats().await.expect("stats");
+    assert_eq!(before.used_bytes.first().copied(), Some(0));
+    assert_eq!(
+        before.capacity_bytes.first().copied(),
+        Some(16 << 20),
+        "the master got exactly the two DRAM tiers"
+    );
+
+    let mut engine_a = engine(&addr_a, "engine-a").await;
+    let mut engine_b = engine(&addr_b, "engine-b").await;
+    let keys: Vec<Vec<u8>> = (0..6)
+        .map(|i| format!("engine-block-{i}").into_bytes())
+        .collect();
+    for (i, key) in keys.iter().enumerate() {
+        assert_eq!(
+            engine_a.put(key, &value(i)).await.expect("put"),
+            Status::Ok,
+            "put {i}"
+        );
+    }
+    let after = client.stats().await.expect("stats");
+    assert_eq!(after.objects, keys.len() as u64);
+    let want_used: u64 = (0..keys.len())
+        .map(|i| (value(i).len() as u64).div_ceil(4096) * 4096)
+        .sum();
+    assert_eq!(
+        after.used_bytes.first().copied(),
+        Some(want_used),
+        "the master allocated every block in DRAM"
+    );
+    for key in &keys {
+        let located = client.get(key).await.expect("locate");
+        let nodes: Vec<_> = located
+            .replicas
+            .iter()
+            .map(|r| (r.node.as_str(), r.segment.as_str()))
+            .collect();
+        assert_eq!(
+            nodes,
+            [("agent-a", "dram0")],
+            "one replica, in the writer's DRAM tier segment"
+        );
+        client
+            .release_lease(located.lease_id)
+            .await
+            .expect("release");
+    }
+    // The other agent's engine reads them through its own agent (transfer from agent-a).
+    for (i, key) in keys.iter().enumerate() {
+        let got = engine_b.get(key).await.expect("get").expect("present");
+        assert!(
+            got == value(i),
+            "object {i} differs when read through agent-b"
+        );
+    }
+    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+    assert_eq!(
+        engine_b.exists(&refs).await.expect("exists"),
+        vec![true; keys.len()]
+    );
+    assert_eq!(engine_b.get(b"never-put").await.expect("get missing"), None);
+    // One batch of 12 blocks each way: statuses come back in item order, each block at its
+    // own staging offset, with a missing key and a too-small range among them.
+    let batch_keys: Vec<Vec<u8>> = (0..12)
+        .map(|i| format!("batch-block-{i}").into_bytes())
+        .collect();
+    let slot = 320 * 1024u64;
+    for (i, _) in batch_keys.iter().enumerate() {
+        engine_a
+            .staging()
+            .write_from(i as u64 * slot, &value(i))
+            .expect("stage");
+    }
+    let items: Vec<(&[u8], u64, u64)> = batch_keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.as_slice(), i as u64 * slot, value(i).len() as u64))
+        .collect();
+    assert_eq!(
+        engine_a.put_batch(&items, None).await.expect("put batch"),
+        vec![Status::Ok; batch_keys.len()]
+    );
+    let mut gets: Vec<(&[u8], u64, u64)> = batch_keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.as_slice(), i as u64 * slot, slot))
+        .collect();
+    gets.insert(3, (b"never-put".as_slice(), 0, 4096));
+    gets.push((batch_keys[4].as_slice(), 0, 100));
+    let out = engine_b.get_batch(&gets).await.expect("get batch");
+    assert_eq!(out.len(), gets.len());
+    for (j, o) in out.iter().enumerate() {
+        match j {
+            3 => assert_eq!((o.status, o.length), (Status::NotFound, 0)),
+            13 => assert_eq!(
+                (o.status, o.length),
+                (Status::BufferTooSmall, value(4).len() as u64),
+                "the block's size is reported"
+            ),
+            _ => {
+                let i = if j < 3 { j } else { j - 1 };
+                assert_eq!((o.status, o.length), (Status::Ok, value(i).len() as u64));
+                let mut got = vec![0u8; value(i).len()];
+                engine_b
+                    .staging()
+                    .read_into(i as u64 * slot, &mut got)
+                    .expect("read staging");
+                assert!(got == value(i), "batch item {i} differs");
+            }
+        }
+    }
+    let batch_refs: Vec<&[u8]> = batch_keys.iter().map(Vec::as_slice).collect();
+    assert_eq!(
+        engine_a.remove(&batch_refs).await.expect("remove batch"),
+        vec![true; batch_keys.len()]
+    );
+
+    // agent-a served the bytes as a transfer target; both show the pool in /metrics.
+    let (code, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics a");
+    assert_eq!(code, 200);
+    assert!(
+        metric(&text, "kvpool_transfer_served_bytes_total", &["read"]).unwrap_or(0.0) > 0.0,
+        "transfer-engine metrics are exported:\n{text}"
+    );
+    assert_eq!(
+        metric(&text, "kvpool_agent_pool_mounted_segments", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&text, "kvpool_agent_pool_rdma_fallback", &[]),
+        Some(0.0)
+    );
+    // Removal through either agent removes from the pool.
+    assert_eq!(
+        engine_b.remove(&refs[..1]).await.expect("remove"),
+        vec![true]
+    );
+    assert_eq!(
+        engine_a.remove(&refs[..1]).await.expect("remove again"),
+        vec![false]
+    );
+    assert_eq!(
+        engine_a.exists(&refs[..2]).await.expect("exists"),
+        vec![false, true]
+    );
+    assert_eq!(
+        client.stats().await.expect("stats").objects,
+        keys.len() as u64 - 1
+    );
+
+    // Readiness follows the membership: the master going away makes the agents unready.
+    master.signal(nix::sys::signal::Signal::SIGKILL);
+    let started = Instant::now();
+    loop {
+        if let Some((503, _)) = http_get(addr_a.admin, "/readyz").await {
+            break;
+        }
+        a.assert_running(logs);
+        assert!(
+            started.elapsed() < DEADLINE,
+            "agent-a stayed ready without a master"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_surviving_agent_repairs_lost_replicas() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let logs = dir.path();
+    let key_file = write_key(dir.path());
+    let (mut master, grpc) = start_master(logs, &key_file);
+    let extra = "  replicas: 2\n";
+    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", extra);
+    let (b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", extra);
+    let (c, addr_c) = start_agent_with(logs, "agent-c", grpc, &key_file, "8MiB", extra);
+    let mut others = [(b, addr_b), (c, addr_c)];
+    let client = master_client(grpc);
+    wait_ready(&addr_a, &mut a, logs).await;
+    for (p, addr) in &mut others {
+        wait_ready(addr, p, logs).await;
+    }
+    wait_stats(
+        &client,
+        "three agents mounted",
+        &mut [&mut master],
+        logs,
+        |s| s.nodes_alive == 3 && s.segments == 3,
+    )
+    .await;
+
+    // Two replicas each, the first on the writer (agent-a), the second on b or c.
+    let mut engine_a = engine(&addr_a, "engine-a").await;
+    let keys: Vec<Vec<u8>> = (0..8)
+        .map(|i| format!("repair-block-{i}").into_bytes())
+        .collect();
+    for (i, key) in keys.iter().enumerate() {
+        assert_eq!(engine_a.put(key, &value(i)).await.expect("put"), Status::Ok);
+    }
+    drop(engine_a);
+    let mut on_b = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        let located = client.get(key).await.expect("locate");
+        let mut nodes: Vec<_> = located.replicas.iter().map(|r| r.node.clone()).collect();
+        nodes.sort();
+        assert_eq!(nodes.len(), 2, "object {i}: two replicas");
+        assert_eq!(nodes[0], "agent-a", "object {i}: one on the writer");
+        if nodes[1] == "agent-b" {
+            on_b.push(i);
+        }
+        client
+            .release_lease(located.lease_id)
+            .await
+            .expect("release");
+    }
+    // Kill the holder of the most second replicas, so the repair work lands on the other.
+    let (victim, survivor) = if on_b.len() * 2 >= keys.len() {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    let victim_name = others[victim].0.name;
+    let survivor_name = others[survivor].0.name;
+    others[victim].0.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = others[victim].0.child.wait();
+    let lost: Vec<usize> = (0..keys.len())
+        .filter(|i| on_b.contains(i) == (victim_name == "agent-b"))
+        .collect();
+    assert!(!lost.is_empty(), "the victim held some replicas");
+
+    // The master declares it dead and asks the survivor to copy from agent-a.
+    let started = Instant::now();
+    'repaired: loop {
+        others[survivor].0.assert_running(logs);
+        master.assert_running(logs);
+        assert!(started.elapsed() < DEADLINE, "replicas never repaired");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for &i in &lost {
+            let Ok(located) = client.get(&keys[i]).await else {
+                continue 'repaired;
+            };
+            let _ = client.release_lease(located.lease_id).await;
+            let mut nodes: Vec<_> = located.replicas.iter().map(|r| r.node.clone()).collect();
+            nodes.sort();
+            if nodes != ["agent-a".to_owned(), survivor_name.to_owned()] {
+                continue 'repaired;
+            }
+        }
+        break;
+    }
+    // Read through the repairing agent: its nearest replica is its own new copy.
+    let mut engine_s = engine(&others[survivor].1, "engine-survivor").await;
+    for (i, key) in keys.iter().enumerate() {
+        let got = engine_s.get(key).await.expect("get").expect("present");
+        assert!(got == value(i), "object {i} differs after the repair");
+    }
+    let (_, text) = http_get(others[survivor].1.admin, "/metrics")
+        .await
+        .expect("metrics");
+    let repaired = metric(
+        &text,
+        "kvpool_agent_pool_tasks_total",
+        &["kind=\"repair\"", "outcome=\"ok\""],
+    )
+    .unwrap_or(0.0);
+    assert_eq!(
+        repaired,
+        lost.len() as f64,
+        "one repair per lost replica:\n{text}"
+    );
+    // And now agent-a can go too: the new copies alone serve every value.
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = a.child.wait();
+    for &i in &lost {
+        let got = engine_s.get(&keys[i]).await.expect("get").expect("present");
+        assert!(
+            got == value(i),
+            "object {i} differs with only the new copy left"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let logs = dir.path();
+    let key_file = write_key(dir.path());
+    let (mut master, grpc) = start_master(logs, &key_file);
+    let (ssd_dir, extra) = ssd_tier(dir.path());
+    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
+    let client = master_client(grpc);
+    wait_ready(&addr_a, &mut a, logs).await;
+    let s = client.stats().await.expect("stats");
+    assert_eq!(s.segments, 2, "DRAM and SSD segments mounted");
+    assert_eq!(s.capacity_bytes, vec![1 << 20, 8 << 20]);
+
+    // 16 blocks of 100 KiB: 1.6 MiB into 1 MiB of DRAM.
+    let mut engine_a = engine(&addr_a, "engine-a").await;
+    let block = |i: usize| -> Vec<u8> {
+        (0..100 * 1024)
+            .map(|j: usize| (j.wrapping_mul(13) ^ i.wrapping_mul(101)) as u8)
+            .collect()
+    };
+    let keys: Vec<Vec<u8>> = (0..16)
+        .map(|i| format!("demote-block-{i}").into_bytes())
+        .collect();
+    for (i, key) in keys.iter().enumerate() {
+        assert_eq!(
+            engine_a.put(key, &block(i)).await.expect("put"),
+            Status::Ok,
+            "put {i}"
+        );
+    }
+    // Demotions finish (no task left) with blocks on the SSD segment.
+    wait_stats(
+        &client,
+        "demotions done",
+        &mut [&mut master, &mut a],
+        logs,
+        |s| s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0,
+    )
+    .await;
+    let mut on_ssd = 0;
+    for key in &keys {
+        let located = client.get(key).await.expect("locate");
+        on_ssd += located
+            .replicas
+            .iter()
+            .filter(|r| r.tier == Tier::Ssd && r.segment == "ssd0")
+            .count();
+        client
+            .release_lease(located.lease_id)
+            .await
+            .expect("release");
+    }
+    assert!(on_ssd > 0, "some blocks live on the SSD segment");
+    for (i, key) in keys.iter().enumerate() {
+        let got = engine_a.get(key).await.expect("get").expect("present");
+        assert!(got == block(i), "object {i} differs after demotion");
+    }
+    let (_, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics");
+    assert!(
+        metric(
+            &text,
+            "kvpool_agent_pool_tasks_total",
+            &["kind=\"demote\"", "outcome=\"ok\""],
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "demotions executed by the agent:\n{text}"
+    );
+    assert!(ssd_dir.join("pool-ssd.dat").exists());
+}

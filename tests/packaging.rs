@@ -1,0 +1,1622 @@
+//! Packaging checks: the Helm chart (charts/kvpool), the plain manifests (deploy/) and the
+//! Dockerfiles (docker/) against the operator they ship. Every rendered object must parse into
+//! its Kubernetes type without losing a field and pass `kubernetes-validate --strict`; the
+//! container args must parse with the operator's own CLI; the RBAC rules must equal the
+//! operator's permission list; the alert rules must pass promtool.
+//! I/O boundary: child processes (helm, kubectl, kubernetes-validate, promtool) and files in
+//! the repository and under the test's temporary directory.
+//!
+//! The tools come from scripts/tools.sh (helm, kubernetes-validate, kubectl if missing) and
+//! scripts/deps.sh (promtool). A missing tool fails the test with the command that installs it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::Parser;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use kvpool::cli::{Cli, Command as KvpoolCommand};
+use kvpool_operator::cli::{Command as OperatorCommand, RunArgs};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Release name and namespace that deploy/kvpool.yaml is rendered with (deploy/generate.sh).
+const DEPLOY_RELEASE: &str = "kvpool";
+const DEPLOY_NAMESPACE: &str = "kvpool-system";
+/// Oldest Kubernetes version the chart supports (kube 5's minimum); schemas are checked there.
+const KUBE_VERSION: &str = "1.33.0";
+/// Path of the `kvpool` binary inside its images (docker/kvpool.Dockerfile runs the operator).
+const OPERATOR_BINARY_PATH: &str = "/usr/local/bin/kvpool";
+/// Example values files shipped with the chart; each one is rendered and checked.
+const EXAMPLE_VALUES: &[&str] = &[
+    "charts/kvpool/ci/production-values.yaml",
+    "charts/kvpool/ci/namespaced-values.yaml",
+];
+/// The three CRDs, by name.
+const CRD_NAMES: &[&str] = &[
+    "decodepools.kvpool.dev",
+    "kvcachepools.kvpool.dev",
+    "prefillpools.kvpool.dev",
+];
+
+// ---------------------------------------------------------------------------------------------
+// Tools and files
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+/// A fresh directory for one test's files, under cargo's per-target temporary directory.
+fn scratch_dir(test: &str) -> Result<PathBuf> {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("packaging")
+        .join(test);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
+/// Finds a tool: the copy scripts/tools.sh installed under .tools/ first, then PATH. A missing
+/// tool is an error that says how to install it; the tests never pass without their tools.
+fn tool(name: &str) -> Result<PathBuf> {
+    let root = repo_root();
+    let local = match name {
+        "kubernetes-validate" => vec![root.join(".tools/venv/bin/kubernetes-validate")],
+        "helm" | "kubectl" => vec![root.join(".tools/bin").join(name)],
+        _ => vec![],
+    };
+    if let Some(found) = local
+        .into_iter()
+        .find(|p| p.is_file())
+        .or_else(|| on_path(name))
+    {
+        return Ok(found);
+    }
+    let install = match name {
+        "promtool" => "scripts/deps.sh (Debian package prometheus)",
+        _ => "scripts/tools.sh",
+    };
+    bail!("{name} not found in .tools/ or on PATH: run {install} from the repository root")
+}
+
+struct Output {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+fn run_tool(name: &str, args: &[&str]) -> Result<Output> {
+    let program = tool(name)?;
+    let out = Command::new(&program)
+        .args(args)
+        .current_dir(repo_root())
+        .output()
+        .with_context(|| format!("starting {}", program.display()))?;
+    Ok(Output {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+/// Runs a tool and returns its stdout; a non-zero exit is an error carrying both outputs.
+fn run_ok(name: &str, args: &[&str]) -> Result<String> {
+    let out = run_tool(name, args)?;
+    ensure!(
+        out.ok,
+        "{name} {} failed\nstdout:\n{}\nstderr:\n{}",
+        args.join(" "),
+        out.stdout,
+        out.stderr
+    );
+    Ok(out.stdout)
+}
+
+fn read(rel: &str) -> Result<String> {
+    let path = repo_root().join(rel);
+    std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The CustomResourceDefinition files directly inside `rel` (other YAML, such as a
+/// kustomization.yaml, is skipped), by file name.
+fn crd_files(rel: &str) -> Result<BTreeMap<String, String>> {
+    let dir = repo_root().join(rel);
+    let mut files = BTreeMap::new();
+    if !dir.exists() {
+        return Ok(files);
+    }
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            if text.lines().any(|l| l == "kind: CustomResourceDefinition") {
+                files.insert(name, text);
+            }
+        }
+    }
+    Ok(files)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendering and parsing
+
+/// One way of rendering the chart: optional values file plus `--set` overrides.
+#[derive(Clone, Copy, Debug)]
+struct Render<'a> {
+    values: Option<&'a str>,
+    sets: &'a [&'a str],
+}
+
+const DEFAULTS: Render<'static> = Render {
+    values: None,
+    sets: &[],
+};
+
+/// Every rendering the object checks cover: defaults, each example file, and the optional
+/// templates switched on one at a time over the defaults.
+fn renders() -> Vec<Render<'static>> {
+    let mut all = vec![DEFAULTS];
+    all.extend(EXAMPLE_VALUES.iter().map(|v| Render {
+        values: Some(v),
+        sets: &[],
+    }));
+    all.push(Render {
+        values: None,
+        sets: &[
+            "metrics.serviceMonitor.enabled=true",
+            "metrics.prometheusRule.enabled=true",
+            "metrics.dashboard.enabled=true",
+            "operator.leaderElection.enabled=true",
+            "crds.keep=false",
+        ],
+    });
+    all
+}
+
+fn helm_args<'a>(render: &Render<'a>) -> Vec<&'a str> {
+    let mut args = vec![
+        "template",
+        DEPLOY_RELEASE,
+        "charts/kvpool",
+        "--namespace",
+        DEPLOY_NAMESPACE,
+        "--kube-version",
+        KUBE_VERSION,
+    ];
+    if let Some(values) = render.values {
+        args.extend(["--values", values]);
+    }
+    for set in render.sets {
+        args.extend(["--set", set]);
+    }
+    args
+}
+
+fn helm_template(render: &Render<'_>) -> Result<String> {
+    run_ok("helm", &helm_args(render))
+}
+
+/// Splits a multi-document YAML stream into JSON values, dropping empty documents.
+fn parse_docs(yaml: &str) -> Result<Vec<Value>> {
+    let docs: Vec<Value> = serde_saphyr::from_multiple(yaml).context("parsing YAML stream")?;
+    Ok(docs.into_iter().filter(|d| !d.is_null()).collect())
+}
+
+fn str_at<'v>(doc: &'v Value, pointer: &str) -> &'v str {
+    doc.pointer(pointer).and_then(Value::as_str).unwrap_or("")
+}
+
+fn describe(doc: &Value) -> String {
+    format!(
+        "{} {}/{}",
+        str_at(doc, "/kind"),
+        str_at(doc, "/metadata/namespace"),
+        str_at(doc, "/metadata/name")
+    )
+}
+
+/// First place where two JSON values differ, as a JSON pointer with both sides. Numbers compare
+/// by value (a schema's `maximum: 1024` comes back from its f64 field as `1024.0`).
+fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            for (key, l) in x {
+                let here = format!("{path}/{key}");
+                match y.get(key) {
+                    Some(r) => {
+                        if let Some(d) = first_difference(l, r, &here) {
+                            return Some(d);
+                        }
+                    }
+                    None => return Some(format!("{here}: {l} is lost")),
+                }
+            }
+            y.iter()
+                .find(|(key, _)| !x.contains_key(*key))
+                .map(|(key, r)| format!("{path}/{key}: {r} appears"))
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => x
+            .iter()
+            .zip(y)
+            .enumerate()
+            .find_map(|(i, (l, r))| first_difference(l, r, &format!("{path}/{i}"))),
+        (Value::Number(x), Value::Number(y)) if x.as_f64() == y.as_f64() => None,
+        _ if a == b => None,
+        _ => Some(format!("{path}: {a} vs {b}")),
+    }
+}
+
+/// Parses `doc` into `T` and back: a field the type does not know is dropped on the way, so a
+/// difference means a misspelt or misplaced field (k8s-openapi types ignore unknown fields).
+fn round_trip<T: DeserializeOwned + Serialize>(doc: &Value) -> Result<T> {
+    let typed: T = serde_json::from_value(doc.clone())
+        .with_context(|| format!("{} does not parse into its type", describe(doc)))?;
+    let back = serde_json::to_value(&typed)?;
+    if let Some(diff) = first_difference(doc, &back, "") {
+        bail!(
+            "{} changes in a round trip through its type (unknown or misplaced field?): {diff}",
+            describe(doc)
+        );
+    }
+    Ok(typed)
+}
+
+// The Prometheus Operator's kinds are not in k8s-openapi; these mirror the fields of
+// monitoring.coreos.com/v1 that the chart uses and refuse any other field.
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitor {
+    api_version: String,
+    kind: String,
+    metadata: ObjectMeta,
+    spec: ServiceMonitorSpec,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ServiceMonitorSpec {
+    selector: LabelSelector,
+    namespace_selector: NamespaceSelector,
+    endpoints: Vec<ScrapeEndpoint>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct NamespaceSelector {
+    match_names: Vec<String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ScrapeEndpoint {
+    port: String,
+    path: String,
+    scheme: String,
+    interval: String,
+    scrape_timeout: String,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PrometheusRule {
+    api_version: String,
+    kind: String,
+    metadata: ObjectMeta,
+    spec: RuleFile,
+}
+
+/// Also the layout of a Prometheus rule file, which promtool checks.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RuleGroup {
+    name: String,
+    rules: Vec<AlertRule>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct AlertRule {
+    alert: String,
+    expr: String,
+    #[serde(rename = "for")]
+    for_duration: String,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+/// Every object a render may contain, typed. Short-lived test values, so variant sizes do not
+/// matter.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
+enum Object {
+    Namespace,
+    ServiceAccount(ServiceAccount),
+    Service(Service),
+    ConfigMap(ConfigMap),
+    Deployment(Box<Deployment>),
+    PodDisruptionBudget(PodDisruptionBudget),
+    ClusterRole(ClusterRole),
+    ClusterRoleBinding(ClusterRoleBinding),
+    Role(Role),
+    RoleBinding(RoleBinding),
+    Crd(Box<CustomResourceDefinition>),
+    ServiceMonitor(ServiceMonitor),
+    PrometheusRule(PrometheusRule),
+}
+
+fn typed(doc: &Value) -> Result<Object> {
+    let api_version = str_at(doc, "/apiVersion");
+    let kind = str_at(doc, "/kind");
+    Ok(match (api_version, kind) {
+        ("v1", "Namespace") => {
+            round_trip::<Namespace>(doc)?;
+            Object::Namespace
+        }
+        ("v1", "ServiceAccount") => Object::ServiceAccount(round_trip(doc)?),
+        ("v1", "Service") => Object::Service(round_trip(doc)?),
+        ("v1", "ConfigMap") => Object::ConfigMap(round_trip(doc)?),
+        ("apps/v1", "Deployment") => Object::Deployment(Box::new(round_trip(doc)?)),
+        ("policy/v1", "PodDisruptionBudget") => Object::PodDisruptionBudget(round_trip(doc)?),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => Object::ClusterRole(round_trip(doc)?),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            Object::ClusterRoleBinding(round_trip(doc)?)
+        }
+        ("rbac.authorization.k8s.io/v1", "Role") => Object::Role(round_trip(doc)?),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => Object::RoleBinding(round_trip(doc)?),
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
+            Object::Crd(Box::new(round_trip(doc)?))
+        }
+        ("monitoring.coreos.com/v1", "ServiceMonitor") => Object::ServiceMonitor(round_trip(doc)?),
+        ("monitoring.coreos.com/v1", "PrometheusRule") => Object::PrometheusRule(round_trip(doc)?),
+        _ => bail!("unexpected object {api_version} {kind} ({})", describe(doc)),
+    })
+}
+
+/// Renders, parses and types one rendering; also returns the raw YAML.
+fn render_objects(render: &Render<'_>) -> Result<(String, Vec<Object>)> {
+    let yaml = helm_template(render)?;
+    let objects = parse_docs(&yaml)?
+        .iter()
+        .map(typed)
+        .collect::<Result<Vec<_>>>()
+        .with_context(|| format!("rendering {render:?}"))?;
+    Ok((yaml, objects))
+}
+
+/// Runs `kubernetes-validate --strict` for Kubernetes [`KUBE_VERSION`] over a YAML stream.
+fn kubernetes_validate(test: &str, label: &str, yaml: &str) -> Result<()> {
+    let dir = scratch_dir(test)?;
+    let file = dir.join(format!("{label}.yaml"));
+    std::fs::write(&file, yaml)?;
+    let file = file.to_string_lossy().into_owned();
+    let out = run_tool(
+        "kubernetes-validate",
+        &["--strict", "-k", KUBE_VERSION, "--quiet", &file],
+    )?;
+    ensure!(
+        out.ok && !out.stdout.contains("ERROR") && !out.stderr.contains("ERROR"),
+        "kubernetes-validate rejected {label}:\n{}{}",
+        out.stdout,
+        out.stderr
+    );
+    Ok(())
+}
+
+fn deployments(objects: &[Object]) -> Vec<&Deployment> {
+    objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::Deployment(d) => Some(d.as_ref()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `KVPOOL_BLESS=1` (the project's convention for generated files) makes the drift tests
+/// rewrite the derived files instead of failing.
+fn blessing() -> bool {
+    std::env::var("KVPOOL_BLESS").is_ok_and(|v| v == "1")
+}
+
+const REGENERATE: &str = "run deploy/generate.sh, or \
+    KVPOOL_BLESS=1 cargo nextest run -p kvpool --test packaging";
+
+fn write_atomically(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+}
+
+/// What deploy/generate.sh does: copy the CRD files into the chart, render deploy/kvpool.yaml.
+fn regenerate() -> Result<()> {
+    let root = repo_root();
+    let chart_crds = root.join("charts/kvpool/files/crds");
+    let generated = crd_files("crds")?;
+    // Overwrite in place and remove only what crds/ no longer has, so that a test running at
+    // the same time never sees a file missing.
+    for name in crd_files("charts/kvpool/files/crds")?.keys() {
+        if !generated.contains_key(name) {
+            match std::fs::remove_file(chart_crds.join(name)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+                _ => {}
+            }
+        }
+    }
+    for (name, text) in &generated {
+        write_atomically(&chart_crds.join(name), text)?;
+    }
+    write_atomically(&root.join("deploy/kvpool.yaml"), &helm_template(&DEFAULTS)?)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+#[test]
+fn helm_lint_passes_with_default_and_example_values() -> Result<()> {
+    run_ok(
+        "helm",
+        &[
+            "lint",
+            "--strict",
+            "charts/kvpool",
+            "--kube-version",
+            KUBE_VERSION,
+        ],
+    )?;
+    for values in EXAMPLE_VALUES {
+        run_ok(
+            "helm",
+            &[
+                "lint",
+                "--strict",
+                "charts/kvpool",
+                "--kube-version",
+                KUBE_VERSION,
+                "--values",
+                values,
+            ],
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+fn every_rendered_object_is_a_valid_kubernetes_object() -> Result<()> {
+    for (i, render) in renders().iter().enumerate() {
+        let (yaml, objects) = render_objects(render)?;
+        ensure!(!objects.is_empty(), "{render:?} rendered nothing");
+        kubernetes_validate(
+            "every_rendered_object_is_a_valid_kubernetes_object",
+            &format!("render-{i}"),
+            &yaml,
+        )
+        .with_context(|| format!("{render:?}"))?;
+        // Cluster-scoped kinds carry no namespace; namespaced ones land in the release
+        // namespace, except what the values place elsewhere on purpose: the operator's Role
+        // and RoleBinding in the watched namespace, the dashboard in Grafana's namespace.
+        for doc in parse_docs(&yaml)? {
+            let kind = str_at(&doc, "/kind");
+            let name = str_at(&doc, "/metadata/name");
+            let namespace = str_at(&doc, "/metadata/namespace");
+            let expected = match kind {
+                "ClusterRole" | "ClusterRoleBinding" | "CustomResourceDefinition" => "",
+                "Role" | "RoleBinding" if name == "kvpool-operator" => "ml-serving",
+                "ConfigMap"
+                    if name.ends_with("-dashboard")
+                        && render.values == Some("charts/kvpool/ci/production-values.yaml") =>
+                {
+                    "monitoring"
+                }
+                _ => DEPLOY_NAMESPACE,
+            };
+            ensure!(
+                namespace == expected,
+                "{render:?}: {kind} {name} is in namespace {namespace:?}, expected {expected:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
+    let (_, objects) = render_objects(&DEFAULTS)?;
+    let mut kinds: BTreeMap<&str, usize> = BTreeMap::new();
+    for object in &objects {
+        let kind = match object {
+            Object::Namespace => "Namespace",
+            Object::ServiceAccount(_) => "ServiceAccount",
+            Object::Service(_) => "Service",
+            Object::ConfigMap(_) => "ConfigMap",
+            Object::Deployment(_) => "Deployment",
+            Object::PodDisruptionBudget(_) => "PodDisruptionBudget",
+            Object::ClusterRole(_) => "ClusterRole",
+            Object::ClusterRoleBinding(_) => "ClusterRoleBinding",
+            Object::Role(_) => "Role",
+            Object::RoleBinding(_) => "RoleBinding",
+            Object::Crd(_) => "CustomResourceDefinition",
+            Object::ServiceMonitor(_) => "ServiceMonitor",
+            Object::PrometheusRule(_) => "PrometheusRule",
+        };
+        *kinds.entry(kind).or_default() += 1;
+    }
+    let crds = crd_files("crds")?.len();
+    let mut expected = BTreeMap::from([
+        ("ServiceAccount", 1),
+        ("Service", 1),
+        ("Deployment", 1),
+        ("ClusterRole", 1),
+        ("ClusterRoleBinding", 1),
+    ]);
+    if crds > 0 {
+        expected.insert("CustomResourceDefinition", crds);
+    }
+    assert_eq!(kinds, expected, "objects in the default render");
+
+    // The operator pod: non-root, read-only root filesystem, no capabilities, probes on the
+    // admin endpoints, resources set.
+    let deployment = deployments(&objects)[0];
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("deployment without a pod spec")?;
+    let pod_security = pod
+        .security_context
+        .as_ref()
+        .context("no pod securityContext")?;
+    assert_eq!(pod_security.run_as_non_root, Some(true));
+    let container = &pod.containers[0];
+    let security = container
+        .security_context
+        .as_ref()
+        .context("no securityContext")?;
+    assert_eq!(security.allow_privilege_escalation, Some(false));
+    assert_eq!(security.read_only_root_filesystem, Some(true));
+    let dropped = security
+        .capabilities
+        .as_ref()
+        .and_then(|c| c.drop.clone())
+        .unwrap_or_default();
+    assert_eq!(dropped, vec!["ALL".to_owned()]);
+    let probe_path = |probe: &Option<k8s_openapi::api::core::v1::Probe>| {
+        probe
+            .as_ref()
+            .and_then(|p| p.http_get.as_ref())
+            .and_then(|h| h.path.clone())
+    };
+    assert_eq!(
+        probe_path(&container.liveness_probe).as_deref(),
+        Some("/livez")
+    );
+    assert_eq!(
+        probe_path(&container.readiness_probe).as_deref(),
+        Some("/readyz")
+    );
+    let resources = container.resources.as_ref().context("no resources")?;
+    assert!(
+        resources
+            .requests
+            .as_ref()
+            .is_some_and(|r| r.contains_key("memory"))
+    );
+    assert!(
+        resources
+            .limits
+            .as_ref()
+            .is_some_and(|r| r.contains_key("memory"))
+    );
+    Ok(())
+}
+
+#[test]
+fn chart_crds_are_copies_of_the_generated_crds() -> Result<()> {
+    if blessing() {
+        regenerate()?;
+    }
+    let generated = crd_files("crds")?;
+    let in_chart = crd_files("charts/kvpool/files/crds")?;
+    let stale: Vec<&String> = generated
+        .keys()
+        .chain(in_chart.keys())
+        .filter(|name| generated.get(*name) != in_chart.get(*name))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    ensure!(
+        stale.is_empty(),
+        "charts/kvpool/files/crds/ differs from crds/ in {stale:?}: {REGENERATE}"
+    );
+    if generated.is_empty() {
+        return Ok(());
+    }
+    // Rendered with crds.install (the default) they appear with the keep policy; without it,
+    // not at all.
+    let (_, objects) = render_objects(&DEFAULTS)?;
+    let crds: Vec<&CustomResourceDefinition> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::Crd(c) => Some(c.as_ref()),
+            _ => None,
+        })
+        .collect();
+    let names: BTreeSet<&str> = crds
+        .iter()
+        .filter_map(|c| c.metadata.name.as_deref())
+        .collect();
+    assert_eq!(names, CRD_NAMES.iter().copied().collect::<BTreeSet<_>>());
+    for crd in &crds {
+        let keep = crd
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("helm.sh/resource-policy"));
+        assert_eq!(
+            keep.map(String::as_str),
+            Some("keep"),
+            "{:?}",
+            crd.metadata.name
+        );
+    }
+    let (_, objects) = render_objects(&Render {
+        values: None,
+        sets: &["crds.install=false"],
+    })?;
+    assert!(!objects.iter().any(|o| matches!(o, Object::Crd(_))));
+    Ok(())
+}
+
+#[test]
+fn deploy_manifests_equal_the_chart_rendered_with_defaults() -> Result<()> {
+    if blessing() {
+        regenerate()?;
+    }
+    let rendered = helm_template(&DEFAULTS)?;
+    let committed = read("deploy/kvpool.yaml")?;
+    if rendered != committed {
+        let line = rendered
+            .lines()
+            .zip(committed.lines())
+            .position(|(a, b)| a != b)
+            .map_or_else(|| "length".to_owned(), |i| format!("line {}", i + 1));
+        bail!("deploy/kvpool.yaml differs from the chart's defaults ({line}): {REGENERATE}");
+    }
+    Ok(())
+}
+
+#[test]
+fn kustomize_installs_namespace_crds_and_operator() -> Result<()> {
+    let yaml = run_ok("kubectl", &["kustomize", "deploy/"])?;
+    let docs = parse_docs(&yaml)?;
+    for doc in &docs {
+        typed(doc)?;
+    }
+    kubernetes_validate(
+        "kustomize_installs_namespace_crds_and_operator",
+        "kustomize",
+        &yaml,
+    )?;
+    let got: BTreeSet<(String, String)> = docs
+        .iter()
+        .map(|d| {
+            (
+                str_at(d, "/kind").to_owned(),
+                str_at(d, "/metadata/name").to_owned(),
+            )
+        })
+        .collect();
+    let mut expected: BTreeSet<(String, String)> = parse_docs(&helm_template(&DEFAULTS)?)?
+        .iter()
+        .map(|d| {
+            (
+                str_at(d, "/kind").to_owned(),
+                str_at(d, "/metadata/name").to_owned(),
+            )
+        })
+        .collect();
+    expected.insert(("Namespace".to_owned(), DEPLOY_NAMESPACE.to_owned()));
+    assert_eq!(got, expected);
+    // The operator's namespace is created before anything is put into it.
+    assert_eq!(str_at(&docs[0], "/kind"), "Namespace");
+    Ok(())
+}
+
+/// Parses a container's command line with the operator's CLI; it must be `run`.
+fn parse_operator_args(deployment: &Deployment) -> Result<(RunArgs, u16)> {
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("deployment without a pod spec")?;
+    ensure!(pod.containers.len() == 1, "one container expected");
+    let container = &pod.containers[0];
+    assert_eq!(
+        container.command.as_deref(),
+        Some(&[OPERATOR_BINARY_PATH.to_owned()][..]),
+        "the chart must run the binary where docker/kvpool.Dockerfile puts it"
+    );
+    let mut argv = vec!["kvpool".to_owned()];
+    argv.extend(container.args.clone().unwrap_or_default());
+    let cli = Cli::try_parse_from(&argv)
+        .with_context(|| format!("kvpool rejects the chart's args {argv:?}"))?;
+    let KvpoolCommand::Operator(OperatorCommand::Run(run)) = cli.command else {
+        bail!("the chart must start `kvpool operator run`, got {argv:?}");
+    };
+    let admin_port = container
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("admin"))
+        .context("no port named admin")?
+        .container_port;
+    Ok((run, u16::try_from(admin_port)?))
+}
+
+#[test]
+fn container_args_parse_with_the_operator_cli() -> Result<()> {
+    for render in renders() {
+        let (_, objects) = render_objects(&render)?;
+        let [deployment] = deployments(&objects)[..] else {
+            bail!("{render:?}: one Deployment expected");
+        };
+        let (run, admin_port) = parse_operator_args(deployment)?;
+        assert_eq!(run.admin_addr.port(), admin_port, "{render:?}: admin port");
+        assert_eq!(
+            run.leader_election_namespace, DEPLOY_NAMESPACE,
+            "the Lease lives in the release namespace"
+        );
+        // Leader election is on exactly when the Lease Role is rendered, for the same Lease.
+        let lease_role = objects.iter().find_map(|o| match o {
+            Object::Role(r)
+                if r.metadata
+                    .name
+                    .as_deref()
+                    .is_some_and(|n| n.ends_with("-leader-election")) =>
+            {
+                Some(r)
+            }
+            _ => None,
+        });
+        assert_eq!(run.leader_elect, lease_role.is_some(), "{render:?}");
+        if let Some(role) = lease_role {
+            let named: Vec<String> = role
+                .rules
+                .iter()
+                .flatten()
+                .flat_map(|r| r.resource_names.clone().unwrap_or_default())
+                .collect();
+            assert_eq!(named, vec![run.leader_election_lease.clone()], "{render:?}");
+        }
+        // A namespaced install watches exactly the namespace its Role is in.
+        let operator_role = objects.iter().find_map(|o| match o {
+            Object::Role(r) if r.metadata.name.as_deref() == Some("kvpool-operator") => Some(r),
+            _ => None,
+        });
+        match operator_role {
+            Some(role) => assert_eq!(
+                Some(run.namespace.as_str()),
+                role.metadata.namespace.as_deref()
+            ),
+            None => assert_eq!(run.namespace, "", "{render:?}: cluster scope watches all"),
+        }
+        for image in [&run.agent_image, &run.master_image, &run.conductor_image] {
+            ensure!(
+                image.contains(':') || image.contains('@'),
+                "untagged image {image}"
+            );
+        }
+    }
+    // With default values the workload images equal the operator's own defaults, so the chart
+    // and a bare `kvpool operator run` deploy the same thing.
+    let (_, objects) = render_objects(&DEFAULTS)?;
+    let (run, _) = parse_operator_args(deployments(&objects)[0])?;
+    let Ok(bare) = Cli::try_parse_from(["kvpool", "operator", "run"]) else {
+        bail!("`kvpool operator run` without flags must parse");
+    };
+    let KvpoolCommand::Operator(OperatorCommand::Run(bare)) = bare.command else {
+        bail!("expected run");
+    };
+    assert_eq!(run.agent_image, bare.agent_image);
+    assert_eq!(run.master_image, bare.master_image);
+    assert_eq!(run.conductor_image, bare.conductor_image);
+    Ok(())
+}
+
+type Triple = (String, String, String);
+
+/// Expands RBAC rules into (group, resource, verb) triples. Wildcards are refused outright.
+fn triples(rules: &[PolicyRule]) -> Result<BTreeSet<Triple>> {
+    let mut out = BTreeSet::new();
+    for rule in rules {
+        ensure!(
+            rule.non_resource_urls.is_none(),
+            "non-resource URL rule: {rule:?}"
+        );
+        for group in rule.api_groups.iter().flatten() {
+            for resource in rule.resources.iter().flatten() {
+                for verb in &rule.verbs {
+                    ensure!(
+                        group != "*" && resource != "*" && verb != "*",
+                        "wildcard in {rule:?}"
+                    );
+                    out.insert((group.clone(), resource.clone(), verb.clone()));
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn operator_permissions(leases: bool) -> BTreeSet<Triple> {
+    kvpool_operator::rbac::permissions()
+        .into_iter()
+        .filter(|(group, _, _)| leases || *group != "coordination.k8s.io")
+        .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
+        .collect()
+}
+
+#[test]
+fn rbac_grants_exactly_what_the_operator_uses() -> Result<()> {
+    for render in renders() {
+        let (_, objects) = render_objects(&render)?;
+        let mut granted = BTreeSet::new();
+        let mut role_names = BTreeSet::new();
+        for object in &objects {
+            let (name, rules) = match object {
+                Object::ClusterRole(r) => (r.metadata.name.clone(), r.rules.clone()),
+                Object::Role(r) => (r.metadata.name.clone(), r.rules.clone()),
+                _ => continue,
+            };
+            role_names.insert(name.unwrap_or_default());
+            granted.extend(triples(&rules.unwrap_or_default())?);
+        }
+        let (run, _) = parse_operator_args(deployments(&objects)[0])?;
+        assert_eq!(
+            granted,
+            operator_permissions(run.leader_elect),
+            "{render:?}: granted vs used (operator/src/rbac.rs)"
+        );
+        // Each role is bound to the ServiceAccount the Deployment runs as.
+        let account = deployments(&objects)[0]
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .and_then(|p| p.service_account_name.clone())
+            .context("no serviceAccountName")?;
+        let mut bound = BTreeSet::new();
+        for object in &objects {
+            let (role_ref, subjects) = match object {
+                Object::ClusterRoleBinding(b) => (&b.role_ref, &b.subjects),
+                Object::RoleBinding(b) => (&b.role_ref, &b.subjects),
+                _ => continue,
+            };
+            let subjects = subjects.clone().unwrap_or_default();
+            assert_eq!(subjects.len(), 1, "{render:?}");
+            assert_eq!(subjects[0].kind, "ServiceAccount");
+            assert_eq!(subjects[0].name, account);
+            assert_eq!(subjects[0].namespace.as_deref(), Some(DEPLOY_NAMESPACE));
+            bound.insert(role_ref.name.clone());
+        }
+        assert_eq!(
+            bound, role_names,
+            "{render:?}: every role bound, no dangling binding"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn values_schema_and_guards_reject_bad_values() -> Result<()> {
+    let cases: &[(&str, &str)] = &[
+        ("operator.replicaCount=2", "replicaCount"),
+        ("image.pullPolicy=Sometimes", "pullPolicy"),
+        ("operator.logFormat=xml", "logFormat"),
+        ("operator.adminPort=0", "adminPort"),
+        ("rbac.scope=global", "scope"),
+        ("image.digest=latest", "digest"),
+        ("operator.replicas=2", "leaderElection"),
+        ("operator.watchNamespace=team-a", "rbac.scope=namespace"),
+        (
+            "metrics.service.enabled=false,metrics.serviceMonitor.enabled=true",
+            "metrics.service.enabled=true",
+        ),
+        (
+            "serviceAccount.create=false",
+            "serviceAccount.name is required",
+        ),
+        (
+            "workloadImages.agent.tag=bad tag",
+            "workloadImages.agent.tag",
+        ),
+    ];
+    for (set, needle) in cases {
+        let sets = [*set];
+        let out = run_tool(
+            "helm",
+            &helm_args(&Render {
+                values: None,
+                sets: &sets,
+            }),
+        )?;
+        ensure!(!out.ok, "helm template accepted --set {set}");
+        ensure!(
+            out.stderr.contains(needle),
+            "rejecting --set {set}, helm did not name {needle}: {}",
+            out.stderr
+        );
+    }
+    Ok(())
+}
+
+/// Metric names the operator registers, as they appear in the exposition (histograms with
+/// their `_bucket`, `_sum` and `_count` series), plus Prometheus' own `up`.
+fn operator_metric_names() -> Result<BTreeSet<String>> {
+    let registry = prometheus::Registry::new();
+    let metrics = kvpool_operator::metrics::Metrics::register(&registry)?;
+    // Label sets appear in the exposition only once used.
+    drop(metrics.start("KVCachePool"));
+    metrics.finished("KVCachePool", "ok");
+    metrics.failed("KVCachePool", "apply");
+    metrics.set_leader(true);
+    metrics.set_transport_degraded("ns", "pool", 0);
+    let mut names = BTreeSet::from(["up".to_owned()]);
+    for family in registry.gather() {
+        let name = family.name().to_owned();
+        if family.get_field_type() == prometheus::proto::MetricType::HISTOGRAM {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                names.insert(format!("{name}{suffix}"));
+            }
+        }
+        names.insert(name);
+    }
+    Ok(names)
+}
+
+/// Metric names used in a PromQL expression: identifiers that start with `kvpool_` or are `up`.
+fn metrics_in(expr: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if word.starts_with("kvpool_") || word == "up" {
+            names.insert(word.to_owned());
+        }
+    }
+    names
+}
+
+#[test]
+fn alert_rules_pass_promtool_and_fire_as_intended() -> Result<()> {
+    let (_, objects) = render_objects(&Render {
+        values: Some("charts/kvpool/ci/production-values.yaml"),
+        sets: &[],
+    })?;
+    let Some(rule) = objects.iter().find_map(|o| match o {
+        Object::PrometheusRule(r) => Some(r),
+        _ => None,
+    }) else {
+        bail!("the production example renders no PrometheusRule");
+    };
+    let known = operator_metric_names()?;
+    for alert in rule.spec.groups.iter().flat_map(|g| &g.rules) {
+        let used = metrics_in(&alert.expr);
+        ensure!(!used.is_empty(), "{} uses no operator metric", alert.alert);
+        for name in used {
+            ensure!(
+                known.contains(&name),
+                "{} uses unknown metric {name}",
+                alert.alert
+            );
+        }
+    }
+    let dir = scratch_dir("alert_rules_pass_promtool_and_fire_as_intended")?;
+    let rules = dir.join("rules.yaml");
+    std::fs::write(&rules, serde_json::to_string_pretty(&rule.spec)?)?;
+    std::fs::write(
+        dir.join("alerts-test.yaml"),
+        read("charts/kvpool/ci/alerts-test.yaml")?,
+    )?;
+    run_ok("promtool", &["check", "rules", &rules.to_string_lossy()])?;
+    let test = dir.join("alerts-test.yaml");
+    run_ok("promtool", &["test", "rules", &test.to_string_lossy()])?;
+    Ok(())
+}
+
+#[test]
+fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
+    let (_, objects) = render_objects(&Render {
+        values: Some("charts/kvpool/ci/production-values.yaml"),
+        sets: &[],
+    })?;
+    let Some(config_map) = objects.iter().find_map(|o| match o {
+        Object::ConfigMap(c) => Some(c),
+        _ => None,
+    }) else {
+        bail!("the production example renders no dashboard ConfigMap");
+    };
+    assert_eq!(config_map.metadata.namespace.as_deref(), Some("monitoring"));
+    let labels = config_map.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels.get("grafana_dashboard").map(String::as_str),
+        Some("1")
+    );
+    let data = config_map.data.clone().unwrap_or_default();
+    let json = data
+        .get("kvpool-operator.json")
+        .context("no kvpool-operator.json key")?;
+    let dashboard: Value = serde_json::from_str(json).context("dashboard is not JSON")?;
+    assert_eq!(str_at(&dashboard, "/uid"), "kvpool-operator");
+    let known = operator_metric_names()?;
+    for variable in dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        for name in metrics_in(str_at(variable, "/query/query")) {
+            ensure!(
+                known.contains(&name),
+                "variable {} uses unknown {name}",
+                variable["name"]
+            );
+        }
+    }
+    let panels = dashboard["panels"].as_array().context("no panels")?;
+    let mut ids = BTreeSet::new();
+    for panel in panels {
+        ensure!(
+            ids.insert(panel["id"].to_string()),
+            "duplicate panel id {}",
+            panel["id"]
+        );
+        let targets = panel["targets"]
+            .as_array()
+            .context("panel without targets")?;
+        for target in targets {
+            let expr = str_at(target, "/expr");
+            let used = metrics_in(expr);
+            ensure!(
+                !used.is_empty(),
+                "panel {} queries no metric",
+                panel["title"]
+            );
+            for name in used {
+                ensure!(
+                    known.contains(&name),
+                    "panel {} uses unknown {name}",
+                    panel["title"]
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The last stage of a Dockerfile (what ships), as lines with continuations joined.
+fn dockerfile_stages(rel: &str) -> Result<Vec<Vec<String>>> {
+    let text = read(rel)?;
+    let mut instructions = Vec::new();
+    let mut current = String::new();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') || (line.is_empty() && current.is_empty()) {
+            continue;
+        }
+        if let Some(body) = line.strip_suffix('\\') {
+            current.push_str(body);
+            current.push(' ');
+        } else {
+            current.push_str(line);
+            instructions.push(std::mem::take(&mut current));
+        }
+    }
+    let mut stages: Vec<Vec<String>> = Vec::new();
+    for instruction in instructions {
+        if instruction.starts_with("FROM ") {
+            stages.push(Vec::new());
+        }
+        if let Some(stage) = stages.last_mut() {
+            stage.push(instruction);
+        }
+    }
+    ensure!(stages.len() >= 2, "{rel}: expected a multi-stage build");
+    Ok(stages)
+}
+
+/// What one image must contain.
+struct ImageSpec {
+    dockerfile: &'static str,
+    package: &'static str,
+    binary: &'static str,
+    root: bool,
+    build_flags: &'static [&'static str],
+    runtime_packages: &'static [&'static str],
+}
+
+/// Both images hold the one `kvpool` binary: the agent's is built with RDMA and carries the verbs
+/// runtime; the other runs the operator, the master, the conductor and the engines.
+const IMAGES: &[ImageSpec] = &[
+    ImageSpec {
+        dockerfile: "docker/kvpool.Dockerfile",
+        package: "kvpool",
+        binary: "kvpool",
+        root: false,
+        build_flags: &[],
+        runtime_packages: &[],
+    },
+    ImageSpec {
+        dockerfile: "docker/agent.Dockerfile",
+        package: "kvpool",
+        binary: "kvpool",
+        root: true,
+        build_flags: &["--features rdma"],
+        runtime_packages: &["libibverbs1", "ibverbs-providers", "librdmacm1"],
+    },
+];
+
+#[test]
+fn dockerfiles_build_and_ship_the_binaries_the_chart_runs() -> Result<()> {
+    for image in IMAGES {
+        let stages = dockerfile_stages(image.dockerfile)?;
+        let build = stages[..stages.len() - 1].concat().join("\n");
+        let build_cmd = format!(
+            "cargo build --release --locked -p {} --bin {}",
+            image.package, image.binary
+        );
+        ensure!(
+            build.contains(&build_cmd),
+            "{}: no `{build_cmd}`",
+            image.dockerfile
+        );
+        for flag in image.build_flags {
+            ensure!(
+                build.contains(&format!("{build_cmd} {flag}")),
+                "{}: not built with {flag}",
+                image.dockerfile
+            );
+        }
+        let last = &stages[stages.len() - 1];
+        let binary_path = format!("/usr/local/bin/{}", image.binary);
+        ensure!(
+            last.iter()
+                .any(|i| i.starts_with("COPY --from=build") && i.ends_with(&binary_path)),
+            "{}: the final stage does not copy the binary to {binary_path}",
+            image.dockerfile
+        );
+        ensure!(
+            last.iter()
+                .any(|i| i == &format!("ENTRYPOINT [\"{binary_path}\"]")),
+            "{}: entrypoint is not {binary_path}",
+            image.dockerfile
+        );
+        let user = last
+            .iter()
+            .rev()
+            .find_map(|i| i.strip_prefix("USER "))
+            .with_context(|| format!("{}: final stage sets no USER", image.dockerfile))?;
+        assert_eq!(
+            user.starts_with("0"),
+            image.root,
+            "{}: USER {user}",
+            image.dockerfile
+        );
+        let runtime = last.join("\n");
+        for package in image.runtime_packages {
+            ensure!(
+                runtime.contains(package),
+                "{}: runtime package {package} not installed",
+                image.dockerfile
+            );
+        }
+        let ignore = format!("{}.dockerignore", image.dockerfile);
+        ensure!(
+            read(&ignore)?.lines().any(|l| l == "target/"),
+            "{ignore} must skip target/"
+        );
+    }
+    // The chart starts the operator image at the path that image puts the binary.
+    assert_eq!(
+        OPERATOR_BINARY_PATH,
+        format!("/usr/local/bin/{}", IMAGES[0].binary)
+    );
+    Ok(())
+}
+
+#[test]
+fn agent_crate_has_the_rdma_feature_its_image_is_built_with() -> Result<()> {
+    let manifest = read("Cargo.toml")?;
+    let features = manifest
+        .split("\n[")
+        .find(|section| section.starts_with("features]"))
+        .unwrap_or("");
+    ensure!(
+        features
+            .lines()
+            .any(|l| l.trim_start().starts_with("rdma ")),
+        "docker/agent.Dockerfile builds kvpool with --features rdma, but Cargo.toml declares no \
+         rdma feature"
+    );
+    Ok(())
+}
+
+#[test]
+fn chart_version_follows_the_workspace_version() -> Result<()> {
+    let chart: Value = serde_saphyr::from_str(&read("charts/kvpool/Chart.yaml")?)?;
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(
+        str_at(&chart, "/appVersion"),
+        version,
+        "Chart.yaml appVersion"
+    );
+    assert_eq!(str_at(&chart, "/version"), version, "Chart.yaml version");
+    assert_eq!(kvpool_operator::cli::DEFAULT_IMAGE_TAG, version);
+    Ok(())
+}
+
+fn labels_match(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
+    !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+#[test]
+fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Result<()> {
+    let render = Render {
+        values: Some("charts/kvpool/ci/production-values.yaml"),
+        sets: &[],
+    };
+    let (_, objects) = render_objects(&render)?;
+    let deployment = deployments(&objects)[0];
+    let template = &deployment.spec.as_ref().context("no spec")?.template;
+    let pod_labels = template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default();
+    let pod = template.spec.as_ref().context("no pod spec")?;
+
+    let Some(account) = objects.iter().find_map(|o| match o {
+        Object::ServiceAccount(a) => Some(a),
+        _ => None,
+    }) else {
+        bail!("no ServiceAccount rendered");
+    };
+    assert_eq!(account.metadata.name, pod.service_account_name);
+    // Only the operator's pod mounts the token, not every pod that might reuse the account.
+    assert_eq!(account.automount_service_account_token, Some(false));
+    assert_eq!(pod.automount_service_account_token, Some(true));
+
+    let Some(service) = objects.iter().find_map(|o| match o {
+        Object::Service(s) => Some(s),
+        _ => None,
+    }) else {
+        bail!("no metrics Service rendered");
+    };
+    let spec = service.spec.as_ref().context("Service without spec")?;
+    let selector = spec.selector.clone().unwrap_or_default();
+    ensure!(
+        labels_match(&selector, &pod_labels),
+        "Service selects {selector:?}, pod has {pod_labels:?}"
+    );
+    let port = spec
+        .ports
+        .iter()
+        .flatten()
+        .next()
+        .context("Service without ports")?;
+    assert_eq!(
+        port.target_port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("admin".into()))
+    );
+
+    let Some(monitor) = objects.iter().find_map(|o| match o {
+        Object::ServiceMonitor(m) => Some(m),
+        _ => None,
+    }) else {
+        bail!("no ServiceMonitor rendered");
+    };
+    let service_labels = service.metadata.labels.clone().unwrap_or_default();
+    let wanted = monitor
+        .spec
+        .selector
+        .match_labels
+        .clone()
+        .unwrap_or_default();
+    ensure!(
+        labels_match(&wanted, &service_labels),
+        "ServiceMonitor selects {wanted:?}"
+    );
+    assert_eq!(
+        monitor.spec.namespace_selector.match_names,
+        vec![DEPLOY_NAMESPACE.to_owned()]
+    );
+    for endpoint in &monitor.spec.endpoints {
+        assert_eq!(Some(&endpoint.port), port.name.as_ref());
+        assert_eq!(endpoint.path, "/metrics");
+    }
+    let extra = monitor.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(extra.get("release").map(String::as_str), Some("prometheus"));
+    Ok(())
+}
+
+#[test]
+fn chart_refuses_clusters_older_than_the_operator_supports() -> Result<()> {
+    let out = run_tool(
+        "helm",
+        &[
+            "template",
+            "kvpool",
+            "charts/kvpool",
+            "--kube-version",
+            "1.32.0",
+        ],
+    )?;
+    ensure!(!out.ok, "the chart rendered for Kubernetes 1.32");
+    ensure!(
+        out.stderr.contains(">=1.33.0"),
+        "unexpected error: {}",
+        out.stderr
+    );
+    Ok(())
+}
+
+#[test]
+fn a_missing_tool_fails_with_the_install_command() {
+    let err = tool("kvpool-no-such-tool").expect_err("a tool that does not exist was found");
+    assert!(err.to_string().contains("run scripts/tools.sh"), "{err}");
+    let err = run_ok("kvpool-no-such-tool", &["--version"]).expect_err("ran a missing tool");
+    assert!(err.to_string().contains("not found"), "{err}");
+}
+
+#[test]
+fn several_replicas_get_a_disruption_budget_and_rolling_updates() -> Result<()> {
+    let (_, objects) = render_objects(&Render {
+        values: Some("charts/kvpool/ci/production-values.yaml"),
+        sets: &[],
+    })?;
+    let Some(pdb) = objects.iter().find_map(|o| match o {
+        Object::PodDisruptionBudget(p) => Some(p),
+        _ => None,
+    }) else {
+        bail!("two replicas rendered no PodDisruptionBudget");
+    };
+    let spec = pdb
+        .spec
+        .as_ref()
+        .context("PodDisruptionBudget without spec")?;
+    assert_eq!(
+        spec.min_available,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1))
+    );
+    let deployment = deployments(&objects)[0];
+    let deploy_spec = deployment.spec.as_ref().context("no spec")?;
+    assert_eq!(spec.selector, Some(deploy_spec.selector.clone()));
+    assert_eq!(
+        deploy_spec
+            .strategy
+            .as_ref()
+            .and_then(|s| s.type_.as_deref()),
+        Some("RollingUpdate")
+    );
+    // One replica: no budget (it would block node drains) and Recreate, so that two
+    // operators without a Lease never run side by side during a rollout.
+    let (_, objects) = render_objects(&DEFAULTS)?;
+    assert!(
+        !objects
+            .iter()
+            .any(|o| matches!(o, Object::PodDisruptionBudget(_)))
+    );
+    let deploy_spec = deployments(&objects)[0].spec.clone().context("no spec")?;
+    assert_eq!(
+        deploy_spec.strategy.and_then(|s| s.type_),
+        Some("Recreate".to_owned())
+    );
+    Ok(())
+}
+
+/// Ports an image's final stage declares with EXPOSE.
+fn exposed_ports(rel: &str) -> Result<BTreeSet<u16>> {
+    let stages = dockerfile_stages(rel)?;
+    let mut ports = BTreeSet::new();
+    for instruction in stages.last().into_iter().flatten() {
+        if let Some(list) = instruction.strip_prefix("EXPOSE ") {
+            for port in list.split_whitespace() {
+                let number = port.split('/').next().unwrap_or(port);
+                ports.insert(
+                    number
+                        .parse()
+                        .with_context(|| format!("{rel}: bad port {port}"))?,
+                );
+            }
+        }
+    }
+    Ok(ports)
+}
+
+#[test]
+fn images_hold_the_binaries_and_ports_the_operator_generates() -> Result<()> {
+    use kvpool_operator::contract;
+    // The operator starts agents and masters/conductors by bare binary name (found on PATH,
+    // which includes /usr/local/bin in both base images), with the role as first argument.
+    assert_eq!(contract::agent_command(), vec![IMAGES[1].binary.to_owned()]);
+    assert_eq!(contract::agent_args()[..2], ["agent", "run"]);
+    assert_eq!(
+        contract::kvpool_command(),
+        vec![IMAGES[0].binary.to_owned()]
+    );
+    assert_eq!(contract::KVPOOL_BINARY, IMAGES[0].binary);
+    assert_eq!(
+        exposed_ports(IMAGES[1].dockerfile)?,
+        BTreeSet::from([contract::ADMIN_PORT, contract::AGENT_TRANSFER_PORT])
+    );
+    // The kvpool image runs the operator (admin port only), the master and the conductor.
+    assert_eq!(
+        exposed_ports(IMAGES[0].dockerfile)?,
+        BTreeSet::from([
+            contract::ADMIN_PORT,
+            contract::MASTER_PORT,
+            contract::CONDUCTOR_PORT
+        ])
+    );
+    // The chart's admin port is the one every kvpool container uses.
+    let values: Value = serde_saphyr::from_str(&read("charts/kvpool/values.yaml")?)?;
+    assert_eq!(
+        values
+            .pointer("/operator/adminPort")
+            .and_then(Value::as_u64),
+        Some(u64::from(contract::ADMIN_PORT))
+    );
+    Ok(())
+}
+
+#[test]
+fn packaged_chart_holds_what_a_user_needs_and_renders_like_the_source() -> Result<()> {
+    let dir = scratch_dir("packaged_chart")?;
+    let dest = dir.to_string_lossy().into_owned();
+    run_ok(
+        "helm",
+        &["package", "charts/kvpool", "--destination", &dest],
+    )?;
+    let version = env!("CARGO_PKG_VERSION");
+    let archive = dir.join(format!("kvpool-{version}.tgz"));
+    let archive = archive.to_string_lossy().into_owned();
+    // The archive carries the README, the schema, the CRD copies and the dashboard, and leaves
+    // out the test-only ci/ folder.
+    let listing = Command::new("tar")
+        .args(["-tzf", &archive])
+        .output()
+        .context("starting tar")?;
+    ensure!(listing.status.success(), "tar cannot list {archive}");
+    let files: BTreeSet<String> = String::from_utf8_lossy(&listing.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let mut wanted: Vec<String> = [
+        "README.md",
+        "values.schema.json",
+        "files/dashboards/kvpool-operator.json",
+    ]
+    .iter()
+    .map(|f| format!("kvpool/{f}"))
+    .collect();
+    wanted.extend(
+        crd_files("crds")?
+            .keys()
+            .map(|name| format!("kvpool/files/crds/{name}")),
+    );
+    for file in &wanted {
+        ensure!(files.contains(file), "{archive} lacks {file}");
+    }
+    ensure!(
+        !files.iter().any(|f| f.starts_with("kvpool/ci/")),
+        "{archive} ships the ci/ folder"
+    );
+    for render in renders() {
+        let source = helm_template(&render)?;
+        let mut args = helm_args(&render);
+        args[2] = &archive;
+        ensure!(
+            source == run_ok("helm", &args)?,
+            "{render:?}: the packaged chart renders differently"
+        );
+    }
+    Ok(())
+}
+
+/// Paths of every object key in a JSON value, as JSON pointers ("/operator/replicas").
+fn value_paths(value: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    if let Value::Object(map) = value {
+        for (key, child) in map {
+            let path = format!("{prefix}/{key}");
+            value_paths(child, &path, out);
+            out.insert(path);
+        }
+    }
+}
+
+/// Paths of the options a JSON schema declares through nested `properties` (free-form maps
+/// such as `podAnnotations` stop the walk).
+fn schema_paths(schema: &Value, prefix: &str, out: &mut BTreeSet<String>) {
+    if let Some(Value::Object(properties)) = schema.get("properties") {
+        for (key, child) in properties {
+            let path = format!("{prefix}/{key}");
+            schema_paths(child, &path, out);
+            out.insert(path);
+        }
+    }
+}
+
+#[test]
+fn values_file_and_schema_describe_the_same_options() -> Result<()> {
+    let values: Value = serde_saphyr::from_str(&read("charts/kvpool/values.yaml")?)?;
+    let schema: Value = serde_json::from_str(&read("charts/kvpool/values.schema.json")?)?;
+    let mut declared = BTreeSet::new();
+    schema_paths(&schema, "", &mut declared);
+    let mut defaults = BTreeSet::new();
+    value_paths(&values, "", &mut defaults);
+    // Keys below a free-form map in the schema (resources.requests.cpu, ...) are not options.
+    let free_form = |path: &String| {
+        declared
+            .iter()
+            .any(|d| path.starts_with(&format!("{d}/")) && !declared.contains(path))
+    };
+    let undeclared: Vec<&String> = defaults
+        .iter()
+        .filter(|p| !declared.contains(*p) && !free_form(p))
+        .collect();
+    ensure!(
+        undeclared.is_empty(),
+        "values.yaml keys missing from the schema: {undeclared:?}"
+    );
+    let undocumented: Vec<&String> = declared.difference(&defaults).collect();
+    // resources.claims is accepted for completeness but has no default.
+    ensure!(
+        undocumented
+            .iter()
+            .all(|p| p.as_str() == "/resources/claims"),
+        "schema options without a default in values.yaml: {undocumented:?}"
+    );
+    // Every object in the schema is closed, except the free-form maps and the pass-through
+    // Kubernetes structures (security contexts, affinity...), which kubernetes-validate checks
+    // once rendered.
+    fn closed(schema: &Value, path: &str, open: &mut Vec<String>) {
+        if let Some(Value::Object(properties)) = schema.get("properties") {
+            if schema.get("additionalProperties") != Some(&Value::Bool(false)) {
+                open.push(path.to_owned());
+            }
+            for (key, child) in properties {
+                closed(child, &format!("{path}/{key}"), open);
+            }
+        }
+    }
+    let mut open = Vec::new();
+    closed(&schema, "", &mut open);
+    ensure!(
+        open.is_empty(),
+        "schema objects accepting unknown keys: {open:?}"
+    );
+    Ok(())
+}
