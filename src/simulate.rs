@@ -129,7 +129,8 @@ pub struct SimulateArgs {
 }
 
 /// Errors of `kvpool simulate`.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum SimulateError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
@@ -164,16 +165,7 @@ pub enum SimulateError {
 impl SimulateError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            SimulateError::Flag { .. } => "flag",
-            SimulateError::ProfileRead { .. } => "profile_read",
-            SimulateError::ProfileLine { .. } => "profile_line",
-            SimulateError::ProfileFit { .. } => "profile_fit",
-            SimulateError::Trace(_) => "trace",
-            SimulateError::Sim(_) => "sim",
-            SimulateError::Bench(_) => "bench",
-            SimulateError::Json(_) => "json",
-        }
+        self.into()
     }
 }
 

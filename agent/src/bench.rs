@@ -47,7 +47,8 @@ pub struct TierArgs {
 }
 
 /// Errors of the benchmark.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum BenchError {
     #[error("metrics")]
     Metrics(#[source] MetricsError),
@@ -74,18 +75,7 @@ pub enum BenchError {
 impl BenchError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            BenchError::Metrics(_) => "metrics",
-            BenchError::Dram(_) => "dram",
-            BenchError::Ssd(_) => "ssd",
-            BenchError::Server(_) => "server",
-            BenchError::Client(_) => "client",
-            BenchError::TempDir(_) => "temp_dir",
-            BenchError::Dd(_) => "dd",
-            BenchError::BadStatus { .. } => "bad_status",
-            BenchError::BadData(_) => "bad_data",
-            BenchError::Args(_) => "args",
-        }
+        self.into()
     }
 }
 

@@ -15,7 +15,8 @@ use crate::placement::NumaPolicy;
 use crate::ssd::{DirectIo, SsdConfig};
 
 /// Errors of configuration.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ConfigError {
     #[error("cannot read config file {path}")]
     Read {
@@ -36,11 +37,7 @@ pub enum ConfigError {
 impl ConfigError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ConfigError::Read { .. } => "read",
-            ConfigError::Parse { .. } => "parse",
-            ConfigError::Invalid { .. } => "invalid",
-        }
+        self.into()
     }
 }
 

@@ -21,7 +21,8 @@ const GPU_CLASSES: [&str; 3] = ["0x0300", "0x0302", "0x0380"];
 pub const DEVICE_PLUGIN_ENV_PREFIX: &str = "PCIDEVICE_";
 
 /// Errors of discovery.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum DiscoveryError {
     #[error("sysfs root {path} is not readable")]
     SysfsRoot {
@@ -34,9 +35,7 @@ pub enum DiscoveryError {
 impl DiscoveryError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            DiscoveryError::SysfsRoot { .. } => "sysfs_root",
-        }
+        self.into()
     }
 }
 

@@ -15,7 +15,8 @@ pub const UNIT: u64 = 4096;
 const MAX_ALLOCS_PER_SEGMENT: u32 = 1 << 20;
 
 /// Errors of the DRAM tier.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum DramError {
     #[error(
         "mapping segment {index} ({bytes} bytes, NUMA node {}) failed",
@@ -35,10 +36,7 @@ pub enum DramError {
 impl DramError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            DramError::MapSegment { .. } => "map_segment",
-            DramError::SegmentTooLarge(_) => "segment_too_large",
-        }
+        self.into()
     }
 }
 

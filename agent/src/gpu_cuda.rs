@@ -8,7 +8,8 @@ use cudarc::driver::{result, sys};
 use crate::topology::{CudaDetails, Topology, Warning};
 
 /// Errors of the CUDA probe.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum CudaProbeError {
     #[error("no CUDA driver library on this machine")]
     NoDriver,
@@ -19,10 +20,7 @@ pub enum CudaProbeError {
 impl CudaProbeError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            CudaProbeError::NoDriver => "no_driver",
-            CudaProbeError::Driver { .. } => "driver",
-        }
+        self.into()
     }
 }
 

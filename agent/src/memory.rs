@@ -10,9 +10,11 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
 /// Errors of region mapping.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum MemoryError {
     #[error("mmap of {bytes} bytes failed")]
+    #[strum(serialize = "mmap")]
     Map {
         bytes: usize,
         #[source]
@@ -38,12 +40,7 @@ pub enum MemoryError {
 impl MemoryError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            MemoryError::Map { .. } => "mmap",
-            MemoryError::Empty => "empty",
-            MemoryError::File { .. } => "file",
-            MemoryError::Transfer { .. } => "transfer",
-        }
+        self.into()
     }
 }
 

@@ -7,7 +7,8 @@ use prometheus::{
 };
 
 /// Errors of metric registration.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum MetricsError {
     #[error("registering metric {name} failed")]
     Register {
@@ -20,9 +21,7 @@ pub enum MetricsError {
 impl MetricsError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            MetricsError::Register { .. } => "register",
-        }
+        self.into()
     }
 }
 

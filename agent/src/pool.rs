@@ -36,7 +36,8 @@ use crate::ssd::pool::{DropReason, PoolBlock, PoolSsdIndex};
 use crate::tasks::TaskRunner;
 
 /// Errors of joining a pool.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum PoolError {
     #[error("reading the pool key for the transfer engine")]
     TransferKey(#[source] transfer::AuthError),
@@ -59,14 +60,7 @@ pub enum PoolError {
 impl PoolError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            PoolError::TransferKey(_) => "transfer_key",
-            PoolError::MasterKey(_) => "master_key",
-            PoolError::Metrics(_) => "metrics",
-            PoolError::Engine(_) => "engine",
-            PoolError::Listen { .. } => "listen",
-            PoolError::Client(_) => "client",
-        }
+        self.into()
     }
 }
 

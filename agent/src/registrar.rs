@@ -12,7 +12,8 @@ use parking_lot::Mutex;
 use crate::dram::SegmentInfo;
 
 /// Errors of registration.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum RegistrarError {
     #[error("segment {0} is already registered")]
     Duplicate(String),
@@ -29,11 +30,7 @@ pub enum RegistrarError {
 impl RegistrarError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            RegistrarError::Duplicate(_) => "duplicate",
-            RegistrarError::Unknown(_) => "unknown",
-            RegistrarError::Transfer { .. } => "transfer",
-        }
+        self.into()
     }
 }
 

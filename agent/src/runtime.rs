@@ -35,7 +35,8 @@ use crate::store::{StoreError, TieredStore};
 use crate::topology::{NodeSummary, Topology, summarize};
 
 /// Errors of the agent process.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum RunError {
     #[error("metrics")]
     Metrics(#[source] MetricsError),
@@ -66,20 +67,7 @@ pub enum RunError {
 impl RunError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            RunError::Metrics(_) => "metrics",
-            RunError::Admin(_) => "admin",
-            RunError::Discovery(_) => "discovery",
-            RunError::Placement(_) => "placement",
-            RunError::Dram(_) => "dram",
-            RunError::PoolMemory(_) => "pool_memory",
-            RunError::Ssd(_) => "ssd",
-            RunError::Register(_) => "register",
-            RunError::Api(_) => "api",
-            RunError::Persist(_) => "persist",
-            RunError::Join(_) => "join",
-            RunError::PoolIndex(_) => "pool_index",
-        }
+        self.into()
     }
 }
 

@@ -37,7 +37,8 @@ pub const MAX_KEY_LEN: usize = 1024;
 const COMPACT_SLACK: u64 = 65_536;
 
 /// Errors of the SSD tier.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum SsdError {
     #[error("cannot create SSD tier directory {path}")]
     CreateDir {
@@ -86,21 +87,7 @@ pub enum SsdError {
 impl SsdError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            SsdError::CreateDir { .. } => "create_dir",
-            SsdError::Open { .. } => "open",
-            SsdError::BadMagic { .. } => "bad_magic",
-            SsdError::UnsupportedVersion { .. } => "unsupported_version",
-            SsdError::ReadIndex { .. } => "read_index",
-            SsdError::WriteIndex { .. } => "write_index",
-            SsdError::Full { .. } => "full",
-            SsdError::NoSpace(_) => "no_space",
-            SsdError::WriteData(_) => "write_data",
-            SsdError::ReadData(_) => "read_data",
-            SsdError::Corrupt { .. } => "corrupt",
-            SsdError::BadKey(_) => "bad_key",
-            SsdError::Sync(_) => "sync",
-        }
+        self.into()
     }
 
     /// Whether this error means "no room": demotion should stop.

@@ -28,7 +28,8 @@ use crate::ssd::pool::PoolIndexError;
 const QUEUE_PER_SLOT: usize = 16;
 
 /// Why a task failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum TaskError {
     #[error("task {id} targets node {target}, not this node ({node})")]
     WrongNode {
@@ -75,20 +76,7 @@ pub enum TaskError {
 impl TaskError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            TaskError::WrongNode { .. } => "wrong_node",
-            TaskError::Length { .. } => "length",
-            TaskError::RemoteDemotion { .. } => "remote_demotion",
-            TaskError::UnknownSegment(_) => "unknown_segment",
-            TaskError::Source(_) => "source",
-            TaskError::Open { .. } => "open",
-            TaskError::Transfer { .. } => "transfer",
-            TaskError::Copy(_) => "copy",
-            TaskError::Join(_) => "join",
-            TaskError::ReadBack(_) => "read_back",
-            TaskError::Index(_) => "index",
-            TaskError::SourceCheck { .. } => "source_check",
-        }
+        self.into()
     }
 }
 

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use kvpool_crd::{CrdError, render_crds};
 
 /// Failures of the `crd` subcommand.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum CrdCommandError {
     #[error("cannot render the CRDs")]
     Render(#[source] CrdError),
@@ -30,12 +31,7 @@ pub enum CrdCommandError {
 impl CrdCommandError {
     /// Short label for metrics and logs.
     pub fn category(&self) -> &'static str {
-        match self {
-            CrdCommandError::Render(_) => "render",
-            CrdCommandError::CreateDir { .. } => "create_dir",
-            CrdCommandError::Write { .. } => "write",
-            CrdCommandError::Stdout(_) => "stdout",
-        }
+        self.into()
     }
 }
 

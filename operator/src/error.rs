@@ -4,7 +4,8 @@
 //! I/O boundary: none.
 
 /// A reconcile failure.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum Error {
     /// The object that triggered the reconcile lacks a name, namespace or uid.
     #[error("object has no {0}")]
@@ -92,19 +93,7 @@ pub enum Error {
 impl Error {
     /// Short label for metrics and Events.
     pub fn category(&self) -> &'static str {
-        match self {
-            Error::MissingObjectKey(_) => "missing_object_key",
-            Error::InvalidSpec(_) => "invalid_spec",
-            Error::Get { .. } => "get",
-            Error::Apply { .. } => "apply",
-            Error::Create { .. } => "create",
-            Error::List { .. } => "list",
-            Error::Delete { .. } => "delete",
-            Error::PatchStatus { .. } => "patch_status",
-            Error::PublishEvent { .. } => "publish_event",
-            Error::Serialize { .. } => "serialize",
-            Error::RenderConfig(_) => "render_config",
-        }
+        self.into()
     }
 
     /// True when retrying cannot help until the object changes.

@@ -37,7 +37,8 @@ const LEASE_DURATION_S: u64 = 15;
 const LEASE_GRACE_S: u64 = 5;
 
 /// Failures that stop the operator.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum RunError {
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
@@ -56,14 +57,7 @@ pub enum RunError {
 impl RunError {
     /// Short label for metrics and logs.
     pub fn category(&self) -> &'static str {
-        match self {
-            RunError::Signals(_) => "signals",
-            RunError::Metrics(_) => "metrics",
-            RunError::Admin(_) => "admin",
-            RunError::Client(_) => "client",
-            RunError::Leader(_) => "leader",
-            RunError::LeadershipLost => "leadership_lost",
-        }
+        self.into()
     }
 }
 

@@ -16,7 +16,8 @@ use nix::unistd::Pid;
 use super::plan::ChildSpec;
 
 /// Errors of starting children.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ChildError {
     #[error("cannot write {path}")]
     Write {
@@ -36,10 +37,7 @@ pub enum ChildError {
 impl ChildError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ChildError::Write { .. } => "write",
-            ChildError::Spawn { .. } => "spawn",
-        }
+        self.into()
     }
 }
 

@@ -94,7 +94,8 @@ pub struct UpArgs {
 }
 
 /// Errors of `kvpool up`.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum UpError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
@@ -137,20 +138,7 @@ pub enum UpError {
 impl UpError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            UpError::Flag { .. } => "flag",
-            UpError::SelfExe(_) => "self_exe",
-            UpError::Dir { .. } => "dir",
-            UpError::Ports(_) => "ports",
-            UpError::Runtime(_) => "runtime",
-            UpError::Signals(_) => "signals",
-            UpError::Child(_) => "child",
-            UpError::ChildExited { .. } => "child_exited",
-            UpError::NotReady { .. } => "not_ready",
-            UpError::Interrupted => "interrupted",
-            UpError::Trace(_) => "trace",
-            UpError::Unclean(_) => "unclean",
-        }
+        self.into()
     }
 }
 

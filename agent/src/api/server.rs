@@ -31,7 +31,8 @@ pub const MAX_BATCH: usize = 4096;
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 /// Errors of the API server.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ServerError {
     #[error("cannot prepare socket directory {path}")]
     SocketDir {
@@ -52,11 +53,7 @@ pub enum ServerError {
 impl ServerError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ServerError::SocketDir { .. } => "socket_dir",
-            ServerError::Bind { .. } => "bind",
-            ServerError::Serve(_) => "serve",
-        }
+        self.into()
     }
 }
 

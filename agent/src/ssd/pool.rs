@@ -35,7 +35,8 @@ const DROP_LEN: usize = 1 + 16 + 8;
 const CHECK_CHUNK: usize = 1 << 20;
 
 /// Errors of the pool SSD index.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum PoolIndexError {
     #[error("cannot open {path}")]
     Open {
@@ -70,14 +71,7 @@ pub enum PoolIndexError {
 impl PoolIndexError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            PoolIndexError::Open { .. } => "open",
-            PoolIndexError::BadMagic { .. } => "bad_magic",
-            PoolIndexError::UnsupportedVersion { .. } => "unsupported_version",
-            PoolIndexError::Read { .. } => "read",
-            PoolIndexError::Write { .. } => "write",
-            PoolIndexError::Sync { .. } => "sync",
-        }
+        self.into()
     }
 }
 

@@ -19,7 +19,8 @@ use kvpool_master::cmd::{CmdError, MasterArgs, RunningMaster, start};
 use kvpool_proto::auth::AuthKey;
 
 /// Errors of the benchmark.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum BenchError {
     #[error("cannot start the master")]
     Master(#[source] CmdError),
@@ -33,12 +34,7 @@ pub enum BenchError {
 
 impl BenchError {
     pub fn category(&self) -> &'static str {
-        match self {
-            BenchError::Master(_) => "master",
-            BenchError::Client(_) => "client",
-            BenchError::Etcd(_) => "etcd",
-            BenchError::Setup(_) => "setup",
-        }
+        self.into()
     }
 }
 

@@ -28,7 +28,8 @@ pub struct SchedBenchArgs {
 }
 
 /// Errors of `kvpool bench sched`.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum SchedBenchError {
     #[error("decision benchmark")]
     Bench(#[source] BenchError),
@@ -39,10 +40,7 @@ pub enum SchedBenchError {
 impl SchedBenchError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            SchedBenchError::Bench(_) => "bench",
-            SchedBenchError::Json(_) => "json",
-        }
+        self.into()
     }
 }
 

@@ -125,7 +125,8 @@ impl Api {
 }
 
 /// Errors of `kvpool bench store`.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum StoreBenchError {
     #[error("invalid arguments: {0}")]
     Args(String),
@@ -160,18 +161,7 @@ pub enum StoreBenchError {
 impl StoreBenchError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            StoreBenchError::Args(_) => "args",
-            StoreBenchError::Spawn { .. } => "spawn",
-            StoreBenchError::ChildExited { .. } => "child_exited",
-            StoreBenchError::NotReady { .. } => "not_ready",
-            StoreBenchError::Io(_) => "io",
-            StoreBenchError::Master(_) => "master",
-            StoreBenchError::Client(_) => "client",
-            StoreBenchError::Protocol(_) => "protocol",
-            StoreBenchError::Redis(_) => "redis",
-            StoreBenchError::Join(_) => "join",
-        }
+        self.into()
     }
 }
 

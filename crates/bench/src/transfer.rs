@@ -123,7 +123,8 @@ impl From<OperationArg> for TransferOp {
 }
 
 /// Errors of the transfer benchmark.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum TransferBenchError {
     #[error("invalid arguments: {0}")]
     Args(String),
@@ -142,14 +143,7 @@ pub enum TransferBenchError {
 impl TransferBenchError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            TransferBenchError::Args(_) => "args",
-            TransferBenchError::Auth(_) => "auth",
-            TransferBenchError::Memory(_) => "memory",
-            TransferBenchError::Engine(_) => "engine",
-            TransferBenchError::Signal(_) => "signal",
-            TransferBenchError::AllFailed(_) => "all_failed",
-        }
+        self.into()
     }
 }
 

@@ -19,7 +19,8 @@ use kvpool_transfer::{
 };
 
 /// Errors of pool puts and gets.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum DataError {
     #[error("master call failed")]
     Master(#[source] ClientError),
@@ -84,22 +85,7 @@ pub enum DataError {
 impl DataError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            DataError::Master(_) => "master",
-            DataError::NoEndpoint { .. } => "no_endpoint",
-            DataError::Staging { .. } => "staging",
-            DataError::RegisterStaging(_) => "register_staging",
-            DataError::Open { .. } => "open",
-            DataError::Transfer { .. } => "transfer",
-            DataError::Local { .. } => "local",
-            DataError::SizeMismatch { .. } => "size_mismatch",
-            DataError::NoReplica => "no_replica",
-            DataError::BufferTooSmall { .. } => "buffer_too_small",
-            DataError::StripeIncomplete { .. } => "stripe_incomplete",
-            DataError::StripeMismatch { .. } => "stripe_mismatch",
-            DataError::Join(_) => "join",
-            DataError::LeaseExpired { .. } => "lease_expired",
-        }
+        self.into()
     }
 }
 

@@ -35,7 +35,8 @@ pub struct DiscoveryConfig {
 }
 
 /// Errors of engine discovery.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum DiscoveryError {
     #[error("cannot build a Kubernetes client (in-cluster or kubeconfig)")]
     Client(#[source] kube::Error),
@@ -44,9 +45,7 @@ pub enum DiscoveryError {
 impl DiscoveryError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            DiscoveryError::Client(_) => "client",
-        }
+        self.into()
     }
 }
 

@@ -232,7 +232,8 @@ impl RoutingProtocol {
 }
 
 /// Errors of building the conductor's state.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum StateError {
     #[error("invalid scheduler configuration")]
     Config(#[source] kvpool_core::sched::ConfigError),
@@ -243,10 +244,7 @@ pub enum StateError {
 impl StateError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            StateError::Config(_) => "config",
-            StateError::Index(_) => "index",
-        }
+        self.into()
     }
 }
 

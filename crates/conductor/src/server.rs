@@ -56,7 +56,8 @@ const PREFETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60)
 const MAX_PREFILL_RESPONSE: usize = 1 << 20;
 
 /// Errors of the conductor server.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ServerError {
     #[error("cannot register conductor metrics")]
     Metrics(#[source] prometheus::Error),
@@ -69,11 +70,7 @@ pub enum ServerError {
 impl ServerError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ServerError::Metrics(_) => "metrics",
-            ServerError::State(_) => "state",
-            ServerError::Serve(_) => "serve",
-        }
+        self.into()
     }
 }
 

@@ -18,7 +18,8 @@ pub enum PromptTokenizer {
 }
 
 /// Errors of loading a tokenizer or tokenising a prompt.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum TokenizeError {
     #[error("cannot load tokenizer file {path}")]
     Load {
@@ -35,11 +36,7 @@ pub enum TokenizeError {
 impl TokenizeError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            TokenizeError::Load { .. } => "load",
-            TokenizeError::Encode(_) => "encode",
-            TokenizeError::Task(_) => "task",
-        }
+        self.into()
     }
 }
 

@@ -42,7 +42,8 @@ pub const VERSION: &str = "v1alpha1";
 pub const POOL_CLIENT_GROUP: u32 = 65532;
 
 /// Failures of this module.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum CrdError {
     /// A CustomResourceDefinition could not be rendered as YAML.
     #[error("rendering CustomResourceDefinition {name} as YAML")]
@@ -58,9 +59,7 @@ pub enum CrdError {
 impl CrdError {
     /// Short stable label for metrics and Events.
     pub fn category(&self) -> &'static str {
-        match self {
-            Self::RenderYaml { .. } => "render_yaml",
-        }
+        self.into()
     }
 }
 

@@ -4,24 +4,28 @@
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 /// Why a quantity is not a byte size.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum QuantityError {
     /// The text does not follow the quantity grammar.
     #[error(
         "{text:?} is not a quantity (expected digits with an optional suffix such as Ki, Mi, Gi, k, M, G or e9)"
     )]
+    #[strum(serialize = "quantity_syntax")]
     Syntax {
         /// The offending text.
         text: String,
     },
     /// The quantity is negative.
     #[error("{text:?} is negative")]
+    #[strum(serialize = "quantity_negative")]
     Negative {
         /// The offending text.
         text: String,
     },
     /// The quantity does not fit in 64 bits or has too many digits.
     #[error("{text:?} is too large")]
+    #[strum(serialize = "quantity_too_large")]
     TooLarge {
         /// The offending text.
         text: String,
@@ -31,11 +35,7 @@ pub enum QuantityError {
 impl QuantityError {
     /// Short stable label for metrics and Events.
     pub fn category(&self) -> &'static str {
-        match self {
-            Self::Syntax { .. } => "quantity_syntax",
-            Self::Negative { .. } => "quantity_negative",
-            Self::TooLarge { .. } => "quantity_too_large",
-        }
+        self.into()
     }
 }
 

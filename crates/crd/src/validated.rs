@@ -21,10 +21,12 @@ use super::{
 };
 
 /// Why a spec cannot be used. Each variant names the field (its path below `spec`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum SpecError {
     /// A quantity field does not hold a byte size.
     #[error("spec.{field}: {source}")]
+    #[strum(serialize = "invalid_quantity")]
     Quantity {
         /// Path of the field below `spec`.
         field: &'static str,
@@ -46,6 +48,7 @@ pub enum SpecError {
     },
     /// Fields that cannot be combined.
     #[error("spec.{field}: {message}")]
+    #[strum(serialize = "conflicting_fields")]
     Conflict {
         /// Path of the field below `spec`.
         field: &'static str,
@@ -62,6 +65,7 @@ pub enum SpecError {
     },
     /// A field that the other fields make necessary is absent.
     #[error("spec.{field}: {message}")]
+    #[strum(serialize = "missing_field")]
     Missing {
         /// Path of the field below `spec`.
         field: &'static str,
@@ -73,13 +77,7 @@ pub enum SpecError {
 impl SpecError {
     /// Short stable label for metrics and Events.
     pub fn category(&self) -> &'static str {
-        match self {
-            Self::Quantity { .. } => "invalid_quantity",
-            Self::OutOfRange { .. } => "out_of_range",
-            Self::Conflict { .. } => "conflicting_fields",
-            Self::Missing { .. } => "missing_field",
-            Self::InvalidName { .. } => "invalid_name",
-        }
+        self.into()
     }
 
     /// Path of the offending field below `spec`, or `metadata.name`.

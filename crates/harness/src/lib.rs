@@ -7,7 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Errors of the test helpers.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum TestingError {
     #[error("etcd binary not found (install the Debian package etcd-server)")]
     NoEtcd,
@@ -21,12 +22,7 @@ pub enum TestingError {
 
 impl TestingError {
     pub fn category(&self) -> &'static str {
-        match self {
-            TestingError::NoEtcd => "no_etcd",
-            TestingError::Spawn(_) => "spawn",
-            TestingError::NotReady(_) => "not_ready",
-            TestingError::Port(_) => "port",
-        }
+        self.into()
     }
 }
 

@@ -24,7 +24,8 @@ use kvpool_proto::auth::{AuthError, AuthKey, Verifier};
 use kvpool_runtime::admin::{self, AdminError, Readiness};
 
 /// Errors of the master process.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum CmdError {
     #[error("invalid --{field}: {reason}")]
     Config { field: &'static str, reason: String },
@@ -52,17 +53,7 @@ pub enum CmdError {
 
 impl CmdError {
     pub fn category(&self) -> &'static str {
-        match self {
-            CmdError::Config { .. } => "config",
-            CmdError::Auth(_) => "auth",
-            CmdError::Bind { .. } => "bind",
-            CmdError::Admin(_) => "admin",
-            CmdError::Metrics(_) => "metrics",
-            CmdError::Serve(_) => "serve",
-            CmdError::Ha(_) => "ha",
-            CmdError::Signals(_) => "signals",
-            CmdError::Join(_) => "join",
-        }
+        self.into()
     }
 }
 

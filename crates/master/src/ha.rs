@@ -40,7 +40,8 @@ pub struct HaConfig {
 }
 
 /// Errors of the HA layer.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum HaError {
     #[error("cannot grant an etcd lease")]
     Lease(#[source] etcd_client::Error),
@@ -58,14 +59,7 @@ pub enum HaError {
 
 impl HaError {
     pub fn category(&self) -> &'static str {
-        match self {
-            HaError::Lease(_) => "lease",
-            HaError::Campaign(_) => "campaign",
-            HaError::NoLeaderKey => "no_leader_key",
-            HaError::Load(_) => "load",
-            HaError::Corrupt { .. } => "corrupt",
-            HaError::LeadershipLost => "leadership_lost",
-        }
+        self.into()
     }
 }
 

@@ -24,7 +24,8 @@ pub const MAX_SKEW: Duration = Duration::from_secs(60);
 const MAX_NONCES: usize = 1 << 20;
 
 /// Errors of authentication.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum AuthError {
     #[error("cannot read auth key file {path}")]
     ReadKey {
@@ -48,15 +49,7 @@ pub enum AuthError {
 
 impl AuthError {
     pub fn category(&self) -> &'static str {
-        match self {
-            AuthError::ReadKey { .. } => "read_key",
-            AuthError::ShortKey(_) => "short_key",
-            AuthError::Missing => "missing",
-            AuthError::Malformed => "malformed",
-            AuthError::Skew(_) => "skew",
-            AuthError::BadMac => "bad_mac",
-            AuthError::Replay => "replay",
-        }
+        self.into()
     }
 }
 

@@ -73,7 +73,8 @@ pub struct Bootstrap {
 pub const MAX_BOOTSTRAP_ROOM: u64 = (1 << 63) - 1;
 
 /// A request the server refuses, with the OpenAI-style error fields.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ApiError {
     #[error("request body is not valid JSON: {0}")]
     Json(String),
@@ -89,11 +90,7 @@ pub enum ApiError {
 impl ApiError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ApiError::Json(_) => "json",
-            ApiError::Invalid { .. } => "invalid",
-            ApiError::UnknownModel(_) => "unknown_model",
-        }
+        self.into()
     }
 
     /// HTTP status code.

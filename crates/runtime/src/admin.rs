@@ -18,7 +18,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 /// Errors of the admin server.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum AdminError {
     #[error("cannot bind admin listener on {addr}")]
     Bind {
@@ -33,10 +34,7 @@ pub enum AdminError {
 impl AdminError {
     /// Short label for metrics and events.
     pub fn category(&self) -> &'static str {
-        match self {
-            AdminError::Bind { .. } => "bind",
-            AdminError::Serve(_) => "serve",
-        }
+        self.into()
     }
 }
 

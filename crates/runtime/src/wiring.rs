@@ -13,7 +13,8 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{self, AdminError, Readiness};
 
 /// A failure of the wiring itself (the service's own errors are the caller's).
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum WiringError {
     #[error("cannot start the Tokio runtime")]
     Runtime(#[source] std::io::Error),
@@ -32,12 +33,7 @@ pub enum WiringError {
 impl WiringError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            WiringError::Runtime(_) => "runtime",
-            WiringError::Signals(_) => "signals",
-            WiringError::Bind { .. } => "bind",
-            WiringError::Admin(_) => "admin",
-        }
+        self.into()
     }
 }
 

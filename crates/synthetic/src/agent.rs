@@ -17,7 +17,8 @@ const MAX_STAGING_BYTES: u64 = 64 << 20;
 const MAX_BATCH_BLOCKS: u64 = 256;
 
 /// Errors of talking to the agent.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum AgentKvError {
     #[error("KV block of {block_bytes} bytes does not fit the largest staging area ({max} bytes)")]
     BlockTooLarge { block_bytes: u64, max: u64 },
@@ -34,11 +35,7 @@ pub enum AgentKvError {
 impl AgentKvError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            AgentKvError::BlockTooLarge { .. } => "block_too_large",
-            AgentKvError::Connect(_) => "connect",
-            AgentKvError::Batch { .. } => "batch",
-        }
+        self.into()
     }
 }
 

@@ -8,7 +8,8 @@ use serde_json::Value;
 use kvpool_core::sched::BlockKey;
 
 /// Errors of KV sizing.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum KvError {
     #[error("model config is not valid JSON")]
     Json(#[source] serde_json::Error),
@@ -24,11 +25,7 @@ pub enum KvError {
 impl KvError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            KvError::Json(_) => "json",
-            KvError::Field { .. } => "field",
-            KvError::Size(_) => "size",
-        }
+        self.into()
     }
 }
 

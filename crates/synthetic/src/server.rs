@@ -31,7 +31,8 @@ use kvpool_proto::openai::{
 };
 
 /// Errors of the engine server.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ServerError {
     #[error("cannot register engine metrics")]
     Metrics(#[source] prometheus::Error),
@@ -42,10 +43,7 @@ pub enum ServerError {
 impl ServerError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ServerError::Metrics(_) => "metrics",
-            ServerError::Serve(_) => "serve",
-        }
+        self.into()
     }
 }
 
@@ -394,7 +392,8 @@ struct PrefillReport {
 }
 
 /// Why a request could not get its KV cache.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum HandoffError {
     #[error(
         "the KV cache of bootstrap_room {room} did not arrive from the prefill engine within \
@@ -412,10 +411,7 @@ pub enum HandoffError {
 impl HandoffError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            HandoffError::Timeout { .. } => "timeout",
-            HandoffError::Agent { .. } => "agent",
-        }
+        self.into()
     }
 
     fn response(&self) -> Response {

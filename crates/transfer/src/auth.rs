@@ -21,7 +21,8 @@ pub const PROOF_LEN: usize = 32;
 type HmacSha256 = Hmac<Sha256>;
 
 /// Errors of loading the key.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum AuthError {
     #[error("auth key is {len} bytes; at least {MIN_KEY_LEN} are required")]
     TooShort { len: usize },
@@ -38,11 +39,7 @@ pub enum AuthError {
 impl AuthError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            AuthError::TooShort { .. } => "too_short",
-            AuthError::ReadFile { .. } => "read_file",
-            AuthError::Missing => "missing",
-        }
+        self.into()
     }
 }
 

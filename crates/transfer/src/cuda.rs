@@ -10,7 +10,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
 use super::memory::{MemoryError, Segment};
 
 /// Errors of GPU memory handling.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum CudaError {
     #[error("no CUDA driver (libcuda) or no GPU on this host")]
     Unavailable,
@@ -29,12 +30,7 @@ pub enum CudaError {
 impl CudaError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            CudaError::Unavailable => "unavailable",
-            CudaError::Driver(_) => "driver",
-            CudaError::Host(_) => "host",
-            CudaError::OutOfBounds { .. } => "out_of_bounds",
-        }
+        self.into()
     }
 }
 

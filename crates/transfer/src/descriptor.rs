@@ -101,7 +101,8 @@ impl SegmentDescriptor {
 }
 
 /// Errors of directory lookups.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum DirectoryError {
     #[error("segment {0:?} is not in the directory")]
     NotFound(String),
@@ -112,10 +113,7 @@ pub enum DirectoryError {
 impl DirectoryError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            DirectoryError::NotFound(_) => "not_found",
-            DirectoryError::Unavailable { .. } => "unavailable",
-        }
+        self.into()
     }
 }
 

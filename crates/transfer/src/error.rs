@@ -6,7 +6,8 @@ use super::memory::MemoryError;
 use super::wire::WireError;
 
 /// Errors returned by [`super::TransferEngine`] calls.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum TransferError {
     #[error("invalid engine configuration: {0}")]
     Config(String),
@@ -63,21 +64,7 @@ pub enum TransferError {
 impl TransferError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            TransferError::Config(_) => "config",
-            TransferError::Duplicate(_) => "duplicate",
-            TransferError::Lookup { .. } => "lookup",
-            TransferError::NoEndpoint { .. } => "no_endpoint",
-            TransferError::Bind { .. } => "bind",
-            TransferError::Connect { .. } => "connect",
-            TransferError::Handshake { .. } => "handshake",
-            TransferError::Open { .. } => "open",
-            TransferError::InvalidRequest { .. } => "invalid_request",
-            TransferError::Map { .. } => "map",
-            TransferError::Notify { .. } => "notify",
-            TransferError::Timeout(_) => "timeout",
-            TransferError::Unsupported(_) => "unsupported",
-        }
+        self.into()
     }
 }
 

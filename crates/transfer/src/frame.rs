@@ -136,7 +136,8 @@ impl ErrorCode {
 }
 
 /// Why a header was rejected.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum FrameError {
     #[error("frame truncated: {got} of {HEADER_LEN} header bytes")]
     Truncated { got: usize },
@@ -159,14 +160,7 @@ pub enum FrameError {
 impl FrameError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            FrameError::Truncated { .. } => "truncated",
-            FrameError::BadMagic(_) => "bad_magic",
-            FrameError::BadVersion(_) => "bad_version",
-            FrameError::UnknownOpcode(_) => "unknown_opcode",
-            FrameError::BadFlags(_) => "bad_flags",
-            FrameError::TooLong { .. } => "too_long",
-        }
+        self.into()
     }
 }
 

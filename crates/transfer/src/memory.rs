@@ -27,13 +27,15 @@ use nix::libc;
 pub const SEGMENT_ALIGN: usize = 4096;
 
 /// Errors of segment allocation and access.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum MemoryError {
     #[error("segment size must be > 0 and at most {max} bytes, got {size}")]
     InvalidSize { size: usize, max: usize },
     #[error("allocating {size} bytes of aligned memory failed")]
     Allocate { size: usize },
     #[error("mlock of {size} bytes failed (check RLIMIT_MEMLOCK / CAP_IPC_LOCK)")]
+    #[strum(serialize = "mlock")]
     Lock {
         size: usize,
         #[source]
@@ -47,6 +49,7 @@ pub enum MemoryError {
         source: io::Error,
     },
     #[error("mapping {size} bytes failed")]
+    #[strum(serialize = "mmap")]
     Map {
         size: usize,
         #[source]
@@ -61,15 +64,7 @@ pub enum MemoryError {
 impl MemoryError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            MemoryError::InvalidSize { .. } => "invalid_size",
-            MemoryError::Allocate { .. } => "allocate",
-            MemoryError::Lock { .. } => "mlock",
-            MemoryError::Memfd { .. } => "memfd",
-            MemoryError::Map { .. } => "mmap",
-            MemoryError::ShortFd { .. } => "short_fd",
-            MemoryError::OutOfBounds { .. } => "out_of_bounds",
-        }
+        self.into()
     }
 }
 

@@ -16,7 +16,8 @@ use kvpool_proto::engine_api::{
 };
 
 /// Errors of the client.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ClientError {
     #[error("cannot connect to {path}")]
     Connect {
@@ -39,12 +40,7 @@ pub enum ClientError {
 impl ClientError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ClientError::Connect { .. } => "connect",
-            ClientError::Call { .. } => "call",
-            ClientError::Staging(_) => "staging",
-            ClientError::Mismatch { .. } => "mismatch",
-        }
+        self.into()
     }
 }
 

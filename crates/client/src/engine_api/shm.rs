@@ -15,7 +15,8 @@ use memmap2::{MmapOptions, MmapRaw};
 pub const STAGING_PREFIX: &str = "kvpool-staging-";
 
 /// Errors of staging areas.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ShmError {
     #[error("cannot create staging file {path}")]
     Create {
@@ -36,11 +37,7 @@ pub enum ShmError {
 impl ShmError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ShmError::Create { .. } => "create",
-            ShmError::Map { .. } => "map",
-            ShmError::OutOfRange { .. } => "out_of_range",
-        }
+        self.into()
     }
 }
 

@@ -16,7 +16,8 @@ use serde::{Deserialize, Serialize};
 use super::policy::PolicyKind;
 
 /// Errors of the trace simulator.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum SimulateError {
     #[error("cannot read trace {path}")]
     Read {
@@ -37,11 +38,7 @@ pub enum SimulateError {
 
 impl SimulateError {
     pub fn category(&self) -> &'static str {
-        match self {
-            SimulateError::Read { .. } => "read",
-            SimulateError::Parse { .. } => "parse",
-            SimulateError::Capacity => "capacity",
-        }
+        self.into()
     }
 }
 

@@ -58,7 +58,8 @@ impl Default for MasterConfig {
 }
 
 /// Errors of the metadata core. Each one leaves the state unchanged.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum MasterError {
     #[error("unknown key {0}")]
     UnknownKey(String),
@@ -97,22 +98,7 @@ pub enum MasterError {
 impl MasterError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            MasterError::UnknownKey(_) => "unknown_key",
-            MasterError::PutInProgress(_) => "put_in_progress",
-            MasterError::SizeConflict { .. } => "size_conflict",
-            MasterError::TooLarge { .. } => "too_large",
-            MasterError::NoSpace { .. } => "no_space",
-            MasterError::InvalidArgument(_) => "invalid_argument",
-            MasterError::StalePut { .. } => "stale_put",
-            MasterError::StaleLease(_) => "stale_lease",
-            MasterError::Leased { .. } => "leased",
-            MasterError::LeaseLimit(_) => "lease_limit",
-            MasterError::UnknownNode(_) => "unknown_node",
-            MasterError::UnknownSegment { .. } => "unknown_segment",
-            MasterError::UnknownTask(_) => "unknown_task",
-            MasterError::ReplicasLost(_) => "replicas_lost",
-        }
+        self.into()
     }
 }
 

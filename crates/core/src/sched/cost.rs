@@ -10,7 +10,8 @@
 //! running sequence once per step.
 
 /// Errors of fitting a prefill cost model.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, thiserror::Error, PartialEq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum FitError {
     #[error("need at least 3 profile samples to fit fixed + linear + quadratic terms, got {got}")]
     TooFewSamples { got: usize },
@@ -31,11 +32,7 @@ pub enum FitError {
 impl FitError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            FitError::TooFewSamples { .. } => "too_few_samples",
-            FitError::InvalidSample { .. } => "invalid_sample",
-            FitError::Degenerate => "degenerate",
-        }
+        self.into()
     }
 }
 

@@ -16,7 +16,8 @@ use super::blocks::BlockKey;
 pub const MAX_PREFILL_INSTANCES: usize = 128;
 
 /// Errors of the prefix index.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, thiserror::Error, PartialEq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum IndexError {
     #[error(
         "the prefix index tracks at most {MAX_PREFILL_INSTANCES} prefill instances, {requested} requested"
@@ -27,9 +28,7 @@ pub enum IndexError {
 impl IndexError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            IndexError::TooManyInstances { .. } => "too_many_instances",
-        }
+        self.into()
     }
 }
 

@@ -133,7 +133,8 @@ pub struct SchedulerConfig {
 }
 
 /// A configuration value that makes no sense.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, thiserror::Error, PartialEq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum ConfigError {
     #[error("{field} must be a finite number > 0, got {value}")]
     NotPositive { field: &'static str, value: f64 },
@@ -146,11 +147,7 @@ pub enum ConfigError {
 impl ConfigError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            ConfigError::NotPositive { .. } => "not_positive",
-            ConfigError::PrefillInstances { .. } => "prefill_instances",
-            ConfigError::NoDecodeInstances => "no_decode_instances",
-        }
+        self.into()
     }
 }
 
@@ -394,7 +391,8 @@ pub struct Placement {
 }
 
 /// Why a request was rejected.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 #[serde(rename_all = "snake_case")]
 pub enum RejectReason {
     /// The best TTFT estimate misses the SLO.
@@ -409,12 +407,7 @@ pub enum RejectReason {
 
 impl RejectReason {
     pub fn category(&self) -> &'static str {
-        match self {
-            RejectReason::Ttft { .. } => "ttft",
-            RejectReason::Tpot { .. } => "tpot",
-            RejectReason::DecodeMemory => "decode_memory",
-            RejectReason::NoInstance => "no_instance",
-        }
+        self.into()
     }
 }
 

@@ -62,7 +62,8 @@ pub struct BenchReport {
 }
 
 /// Errors of the benchmark.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum BenchError {
     #[error("invalid benchmark shape: {0}")]
     Shape(&'static str),
@@ -77,12 +78,7 @@ pub enum BenchError {
 impl BenchError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            BenchError::Shape(_) => "shape",
-            BenchError::Config(_) => "config",
-            BenchError::Index(_) => "index",
-            BenchError::Histogram(_) => "histogram",
-        }
+        self.into()
     }
 }
 

@@ -35,7 +35,8 @@ pub struct SimConfig {
 }
 
 /// Errors of a simulation run.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum SimError {
     #[error("invalid scheduler configuration")]
     Config(#[source] crate::sched::ConfigError),
@@ -48,11 +49,7 @@ pub enum SimError {
 impl SimError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            SimError::Config(_) => "config",
-            SimError::Index(_) => "index",
-            SimError::TimeScale(_) => "time_scale",
-        }
+        self.into()
     }
 }
 

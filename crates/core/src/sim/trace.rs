@@ -21,7 +21,8 @@ pub struct TraceRecord {
 }
 
 /// Errors of reading a trace.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum TraceError {
     #[error("cannot open trace {path}")]
     Open {
@@ -56,14 +57,7 @@ pub enum TraceError {
 impl TraceError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            TraceError::Open { .. } => "open",
-            TraceError::Read { .. } => "read",
-            TraceError::Json { .. } => "json",
-            TraceError::Field { .. } => "field",
-            TraceError::NotObject { .. } => "not_object",
-            TraceError::Empty => "empty",
-        }
+        self.into()
     }
 }
 

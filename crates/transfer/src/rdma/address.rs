@@ -75,7 +75,8 @@ pub struct AddressVector {
 }
 
 /// Why a peer cannot be addressed from this port.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum AddressError {
     #[error(
         "peer queue pair on {peer} sent LID 0 but the local port is InfiniBand: the peer is RoCE \
@@ -100,13 +101,7 @@ pub enum AddressError {
 impl AddressError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            AddressError::PeerWithoutLid { .. } => "peer_without_lid",
-            AddressError::MulticastLid { .. } => "multicast_lid",
-            AddressError::LocalWithoutLid => "local_without_lid",
-            AddressError::PeerWithoutGid { .. } => "peer_without_gid",
-            AddressError::GidIndex(_) => "gid_index",
-        }
+        self.into()
     }
 }
 

@@ -28,7 +28,8 @@ use crate::tcp::{Peer, Slice, SliceKind};
 use crate::wire::{self, WireError};
 
 /// Errors of the RDMA data path.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum RdmaError {
     #[error("no usable RDMA device on this host")]
     NoDevice,
@@ -68,16 +69,7 @@ pub enum RdmaError {
 impl RdmaError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            RdmaError::NoDevice => "no_device",
-            RdmaError::Verbs { .. } => "verbs",
-            RdmaError::Handshake(_) => "handshake",
-            RdmaError::PeerUnsupported { .. } => "peer_unsupported",
-            RdmaError::Control { .. } => "control",
-            RdmaError::Connect { .. } => "connect",
-            RdmaError::Mismatch { .. } => "mismatch",
-            RdmaError::Address { .. } => "address",
-        }
+        self.into()
     }
 
     /// A verbs call failure with a plain message (for implementations without an errno).

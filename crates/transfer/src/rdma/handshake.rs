@@ -62,7 +62,8 @@ pub struct ConnectReply {
 }
 
 /// Why a handshake payload was rejected.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum HandshakeError {
     #[error("handshake payload truncated while reading {0}")]
     Truncated(&'static str),
@@ -89,16 +90,7 @@ pub enum HandshakeError {
 impl HandshakeError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            HandshakeError::Truncated(_) => "truncated",
-            HandshakeError::BadVersion(_) => "bad_version",
-            HandshakeError::BadCount(_) => "bad_count",
-            HandshakeError::TooLong { .. } => "too_long",
-            HandshakeError::BadUtf8(_) => "bad_utf8",
-            HandshakeError::BadMtu(_) => "bad_mtu",
-            HandshakeError::BadPsn(_) => "bad_psn",
-            HandshakeError::Trailing(_) => "trailing",
-        }
+        self.into()
     }
 }
 

@@ -6,9 +6,11 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
 /// Errors of sysfs discovery.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum TopologyError {
     #[error("reading {path} failed")]
+    #[strum(serialize = "sysfs_read")]
     Read {
         path: PathBuf,
         #[source]
@@ -19,9 +21,7 @@ pub enum TopologyError {
 impl TopologyError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            TopologyError::Read { .. } => "sysfs_read",
-        }
+        self.into()
     }
 }
 

@@ -15,11 +15,13 @@ use super::address::{AddressVector, LinkLayer, PortAttr};
 use crate::memory::Segment;
 
 /// Errors of verbs calls.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum VerbsError {
     #[error("no RDMA device named {0:?}")]
     NoDevice(String),
     #[error("{call} failed")]
+    #[strum(serialize = "verbs_call")]
     Call {
         call: &'static str,
         #[source]
@@ -38,12 +40,7 @@ pub enum VerbsError {
 impl VerbsError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
-        match self {
-            VerbsError::NoDevice(_) => "no_device",
-            VerbsError::Call { .. } => "verbs_call",
-            VerbsError::Completion { .. } => "completion",
-            VerbsError::OutOfBounds { .. } => "out_of_bounds",
-        }
+        self.into()
     }
 }
 
