@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::auth::AuthKey;
-use super::error::TransferError;
+use super::error::{TransferError, error_chain};
 use super::frame::{ErrorCode, Header, Opcode};
 use super::memory::{self, Segment};
 use super::metrics::TransferMetrics;
@@ -39,19 +39,6 @@ pub(crate) struct Registry {
     read_checks: RwLock<HashMap<u32, ReadCheck>>,
 }
 
-impl super::TransferEngine {
-    /// Check every READ that peers send for `seg` with `check` before serving it (a refused
-    /// read is answered with an ERROR frame). A checked segment is not offered to one-sided
-    /// RDMA, which would bypass the check: peers reach it over TCP.
-    pub fn set_read_check(&self, seg: &super::LocalSegment, check: ReadCheck) {
-        self.inner
-            .registry
-            .read_checks
-            .write()
-            .insert(seg.reg.handle, check);
-    }
-}
-
 impl Registry {
     pub(crate) fn insert(&self, name: &str, seg: Arc<Segment>) -> Option<u32> {
         let mut names = self.by_name.write();
@@ -64,6 +51,11 @@ impl Registry {
             .write()
             .insert(handle, (name.to_owned(), seg));
         Some(handle)
+    }
+
+    /// Check every READ of segment `handle` with `check` (see `TransferEngine::set_read_check`).
+    pub(crate) fn set_read_check(&self, handle: u32, check: ReadCheck) {
+        self.read_checks.write().insert(handle, check);
     }
 
     pub(crate) fn remove(&self, handle: u32) {
@@ -369,7 +361,7 @@ fn accept_rdma(
         ));
     }
     let (reply, paths) = datapath::accept(provider.as_ref(), &seg, &req)
-        .map_err(|e| (ErrorCode::Unsupported, super::tcp::error_chain(&e)))?;
+        .map_err(|e| (ErrorCode::Unsupported, error_chain(&e)))?;
     let reply = reply
         .encode()
         .map_err(|e| (ErrorCode::Internal, e.to_string()))?;

@@ -20,7 +20,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::auth::AuthKey;
 use super::batch::RequestState;
-use super::error::{Failure, TransferError};
+use super::error::{Failure, TransferError, error_chain};
 use super::frame::{ErrorCode, Header, Opcode};
 use super::memory::{self, Segment};
 use super::metrics::TransferMetrics;
@@ -599,15 +599,4 @@ impl Peer {
             *l.lock() = None;
         }
     }
-}
-
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        s.push_str(": ");
-        s.push_str(&x.to_string());
-        src = x.source();
-    }
-    s
 }

@@ -737,7 +737,7 @@ fn poll_loop(sh: &Shared) {
 }
 
 fn chain(e: &dyn std::error::Error) -> String {
-    crate::tcp::error_chain(e)
+    crate::error::error_chain(e)
 }
 
 #[cfg(test)]
