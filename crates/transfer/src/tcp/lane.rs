@@ -1,0 +1,153 @@
+//! One lane: a connection to a peer (connected and authenticated here), its sender and receiver
+//! threads, and the bounded queue between submitters and the sender (backpressure).
+//! I/O boundary: connecting the lane's TCP socket.
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::lane_state::{LaneShared, TICK};
+use super::receiver::receiver_loop;
+use super::sender::sender_loop;
+use super::{LaneConfig, Slice};
+use crate::error::{Failure, TransferError};
+use crate::wire;
+
+/// One connection to a peer with its two threads.
+pub(super) struct Lane {
+    shared: Arc<LaneShared>,
+    tx: Option<SyncSender<Slice>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Lane {
+    pub(super) fn connect(addr: SocketAddr, cfg: &LaneConfig) -> Result<Lane, TransferError> {
+        let peer = addr.to_string();
+        let connect_err = |source: io::Error| TransferError::Connect {
+            peer: peer.clone(),
+            source,
+        };
+        let mut stream =
+            TcpStream::connect_timeout(&addr, cfg.connect_timeout).map_err(connect_err)?;
+        stream.set_nodelay(true).map_err(connect_err)?;
+        stream
+            .set_read_timeout(Some(cfg.timeout))
+            .map_err(connect_err)?;
+        stream
+            .set_write_timeout(Some(cfg.timeout))
+            .map_err(connect_err)?;
+        wire::client_handshake(&mut stream, &cfg.key).map_err(|source| {
+            TransferError::Handshake {
+                peer: peer.clone(),
+                source,
+            }
+        })?;
+        // From now on reads wake up every tick so that the receiver can apply per-slice
+        // deadlines while the connection is otherwise idle.
+        stream
+            .set_read_timeout(Some(TICK.min(cfg.timeout)))
+            .map_err(connect_err)?;
+        let reader = stream.try_clone().map_err(connect_err)?;
+        let writer = stream.try_clone().map_err(connect_err)?;
+        let shared = Arc::new(LaneShared {
+            stream,
+            peer: addr,
+            outstanding: Mutex::new(VecDeque::new()),
+            cv: Condvar::new(),
+            dead: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            next_id: AtomicU64::new(1),
+            cfg: cfg.clone(),
+        });
+        cfg.metrics.connections.inc();
+        let (tx, rx) = sync_channel::<Slice>(cfg.window.max(1));
+        let mut threads = Vec::new();
+        let sh = shared.clone();
+        let spawn_err = |source: io::Error| TransferError::Connect {
+            peer: peer.clone(),
+            source,
+        };
+        match std::thread::Builder::new()
+            .name("kvpool-xfer-tx".into())
+            .spawn(move || sender_loop(sh, writer, rx))
+        {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                shared.fail(Failure::new("io", "cannot spawn lane thread"));
+                return Err(spawn_err(e));
+            }
+        }
+        let sh = shared.clone();
+        match std::thread::Builder::new()
+            .name("kvpool-xfer-rx".into())
+            .spawn(move || receiver_loop(sh, reader))
+        {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                shared.fail(Failure::new("io", "cannot spawn lane thread"));
+                drop(tx);
+                for t in threads {
+                    let _ = t.join();
+                }
+                return Err(spawn_err(e));
+            }
+        }
+        Ok(Lane {
+            shared,
+            tx: Some(tx),
+            threads,
+        })
+    }
+
+    pub(super) fn is_dead(&self) -> bool {
+        self.shared.is_dead()
+    }
+
+    /// Queue a slice; blocks while the lane's queue is full (backpressure). A slice that cannot
+    /// be queued is failed with the lane's reason.
+    pub(super) fn send(&self, slice: Slice) {
+        let Some(tx) = &self.tx else {
+            slice.settle(Err(self.shared.failure()));
+            return;
+        };
+        let mut slice = slice;
+        loop {
+            if self.is_dead() {
+                slice.settle(Err(self.shared.failure()));
+                return;
+            }
+            match tx.try_send(slice) {
+                Ok(()) => return,
+                Err(TrySendError::Full(s)) => {
+                    slice = s;
+                    // Wait for the sender thread to take something off the queue.
+                    let mut q = self.shared.outstanding.lock();
+                    self.shared.cv.wait_for(&mut q, TICK);
+                }
+                Err(TrySendError::Disconnected(s)) => {
+                    s.settle(Err(self.shared.failure()));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        self.shared.fail(Failure::new(
+            "lane_closed",
+            "connection closed by the initiator",
+        ));
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
