@@ -171,5 +171,4 @@ impl RdmaChannel {
             poller: Some(poller),
         })
     }
-
 }

@@ -184,7 +184,11 @@ fn fake_ports_connect_by_lid_on_infiniband_and_by_gid_on_roce() {
     // An InfiniBand peer that sent LID 0 is refused with the reason.
     let e = a.connect(&QpInfo { lid: 0, ..c.info() }).unwrap_err();
     assert_eq!(e.category(), "address");
-    assert!(error_chain(&e).contains("sent LID 0"), "{}", error_chain(&e));
+    assert!(
+        error_chain(&e).contains("sent LID 0"),
+        "{}",
+        error_chain(&e)
+    );
 
     // RoCE: no LID, routed by GID; a RoCE port cannot reach an InfiniBand one.
     let roce = fabric.provider(&["r0", "r1"]).devices();
@@ -193,12 +197,20 @@ fn fake_ports_connect_by_lid_on_infiniband_and_by_gid_on_roce() {
     assert_eq!(x.info().lid, 0);
     x.connect(&y.info()).unwrap();
     let e = x.connect(&c.info()).unwrap_err();
-    assert!(error_chain(&e).contains("another link layer"), "{}", error_chain(&e));
+    assert!(
+        error_chain(&e).contains("another link layer"),
+        "{}",
+        error_chain(&e)
+    );
     let e = x
         .connect(&QpInfo {
             gid: [0; 16],
             ..y.info()
         })
         .unwrap_err();
-    assert!(error_chain(&e).contains("all-zero GID"), "{}", error_chain(&e));
+    assert!(
+        error_chain(&e).contains("all-zero GID"),
+        "{}",
+        error_chain(&e)
+    );
 }
