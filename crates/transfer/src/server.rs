@@ -17,7 +17,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use super::auth::AuthKey;
 use super::error::{TransferError, error_chain};
 use super::frame::{ErrorCode, Header, Opcode};
-use super::memory::{self, Segment};
+use super::memory::{Segment, Span};
 use super::metrics::TransferMetrics;
 use super::rdma::RdmaProvider;
 use super::rdma::datapath::{self, AcceptedPaths};
@@ -139,43 +139,24 @@ pub(crate) struct ServerCtx {
 
 /// A byte stream that can also move payloads straight between itself and segment memory.
 pub(crate) trait DataStream: Read + Write {
-    fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
-    fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
+    fn recv_into(&mut self, to: Span<'_>) -> io::Result<()>;
+    fn send_from(&mut self, from: Span<'_>) -> io::Result<()>;
     /// A header followed by a payload from segment memory (sockets coalesce the two).
-    fn send_with_header(
-        &mut self,
-        header: &[u8],
-        seg: &Segment,
-        offset: u64,
-        len: usize,
-    ) -> io::Result<()> {
+    fn send_with_header(&mut self, header: &[u8], from: Span<'_>) -> io::Result<()> {
         self.write_all(header)?;
-        self.send_from(seg, offset, len)
+        self.send_from(from)
     }
 }
 
 impl DataStream for TcpStream {
-    fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-        memory::recv_into(self.as_fd(), seg, offset, len, &mut wire::fail_on_timeout)
+    fn recv_into(&mut self, to: Span<'_>) -> io::Result<()> {
+        to.recv(self.as_fd(), &mut wire::fail_on_timeout)
     }
-    fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-        memory::send_from(self.as_fd(), seg, offset, len, &mut wire::fail_on_timeout)
+    fn send_from(&mut self, from: Span<'_>) -> io::Result<()> {
+        from.send(self.as_fd(), &mut wire::fail_on_timeout)
     }
-    fn send_with_header(
-        &mut self,
-        header: &[u8],
-        seg: &Segment,
-        offset: u64,
-        len: usize,
-    ) -> io::Result<()> {
-        memory::send_prefixed(
-            self.as_fd(),
-            header,
-            seg,
-            offset,
-            len,
-            &mut wire::fail_on_timeout,
-        )
+    fn send_with_header(&mut self, header: &[u8], from: Span<'_>) -> io::Result<()> {
+        from.send_prefixed(self.as_fd(), header, &mut wire::fail_on_timeout)
     }
 }
 
@@ -257,7 +238,7 @@ pub(crate) fn serve_requests<S: DataStream>(
                 let target = lookup(ctx, &h);
                 match target {
                     Ok(seg) => {
-                        s.recv_into(&seg, h.offset, h.length as usize)
+                        s.recv_into(Span::new(&seg, h.offset, h.length as usize))
                             .map_err(WireError::Io)?;
                         // Counted before the ack, so an initiator that saw the ack sees the count.
                         ctx.metrics
@@ -290,7 +271,7 @@ pub(crate) fn serve_requests<S: DataStream>(
                         .served_bytes
                         .with_label_values(&["read"])
                         .inc_by(h.length);
-                    s.send_with_header(&r.encode(), &seg, h.offset, h.length as usize)
+                    s.send_with_header(&r.encode(), Span::new(&seg, h.offset, h.length as usize))
                         .map_err(WireError::Io)?;
                 }
                 Err((code, reason)) => wire::write_error(s, id, code, &reason)?,

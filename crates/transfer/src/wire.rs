@@ -28,14 +28,7 @@ impl WireError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
         match self {
-            WireError::Io(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                "timeout"
-            }
+            WireError::Io(e) if is_timeout(e) => "timeout",
             WireError::Io(_) => "io",
             WireError::Closed => "peer_closed",
             WireError::Frame(_) => "malformed",
@@ -46,7 +39,8 @@ impl WireError {
     }
 }
 
-fn is_timeout(e: &io::Error) -> bool {
+/// Whether a socket error is a `SO_RCVTIMEO`/`SO_SNDTIMEO` timeout.
+pub(crate) fn is_timeout(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut

@@ -1,18 +1,15 @@
 //! RDMA data path of the engine: the narrow verbs interface ([`RdmaProvider`], [`RdmaDevice`],
 //! [`QueuePairOps`]) that the libibverbs binding and the test fabric implement, and its errors.
-//! The rest lives in the submodules: the queue-pair handshake on an authenticated TCP control
-//! connection (`connect`: initiator side; `accept`: target side), and the channel (`channel`)
-//! that stripes a request's slices over several NICs, posts signalled one-sided WRITE/READ work
-//! requests and fails them over (`post`), maps completions back to requests and slices from a
-//! poller thread (`poll`), retries a failed slice on another NIC and hands it to TCP (loudly)
-//! when no NIC is left. I/O boundary: the control `TcpStream` and the calls through the verbs
+//! The rest lives in the submodules: the target side of the queue-pair handshake (`accept`), and
+//! the initiator's channel (`channel`), which sets its queue pairs up on an authenticated TCP
+//! control connection (`channel::connect`), stripes a request's slices over several NICs, posts
+//! signalled one-sided WRITE/READ work requests and fails them over (`channel::post`), maps
+//! completions back to requests and slices from a poller thread (`channel::poll`), retries a
+//! failed slice on another NIC and hands it to TCP (loudly) when no NIC is left. I/O boundary: the control `TcpStream` and the calls through the verbs
 //! traits.
 
 mod accept;
 mod channel;
-mod connect;
-mod poll;
-mod post;
 
 use std::io;
 use std::sync::Arc;

@@ -30,15 +30,17 @@ impl Write for MemStream {
 }
 
 impl DataStream for MemStream {
-    fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-        let mut tmp = vec![0u8; len];
+    fn recv_into(&mut self, to: Span<'_>) -> io::Result<()> {
+        let mut tmp = vec![0u8; to.len];
         self.input.read_exact(&mut tmp)?;
-        seg.write_at(offset, &tmp)
+        to.seg
+            .write_at(to.offset, &tmp)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
     }
-    fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-        let mut tmp = vec![0u8; len];
-        seg.read_at(offset, &mut tmp)
+    fn send_from(&mut self, from: Span<'_>) -> io::Result<()> {
+        let mut tmp = vec![0u8; from.len];
+        from.seg
+            .read_at(from.offset, &mut tmp)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         self.output.extend_from_slice(&tmp);
         Ok(())

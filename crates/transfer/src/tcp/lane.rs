@@ -1,23 +1,93 @@
 //! One lane: a connection to a peer (connected and authenticated here), its sender and receiver
-//! threads, and the bounded queue between submitters and the sender (backpressure).
-//! I/O boundary: connecting the lane's TCP socket.
+//! threads (`sender`, `receiver`), the state they share, and the bounded queue between
+//! submitters and the sender (backpressure). I/O boundary: connecting the lane's TCP socket and
+//! shutting it down.
+
+mod receiver;
+mod sender;
 
 use std::collections::VecDeque;
 use std::io;
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::lane_state::{LaneShared, TICK};
-use super::receiver::receiver_loop;
-use super::sender::sender_loop;
 use super::{LaneConfig, Slice};
 use crate::error::{Failure, TransferError};
 use crate::wire;
+use receiver::receiver_loop;
+use sender::sender_loop;
+
+/// Poll interval of blocked lane threads (deadline checks); not a timeout itself.
+const TICK: Duration = Duration::from_millis(100);
+
+/// A slice sent on the lane and waiting for its reply.
+struct InFlight {
+    slice: Slice,
+    id: u64,
+    sent_at: Instant,
+}
+
+/// What the two threads of a lane share: the socket, the slices in flight (in request order)
+/// and the lane's death: the first failure closes the socket and settles everything in flight.
+struct LaneShared {
+    stream: TcpStream,
+    peer: SocketAddr,
+    outstanding: Mutex<VecDeque<InFlight>>,
+    cv: Condvar,
+    dead: AtomicBool,
+    reason: Mutex<Option<Failure>>,
+    next_id: AtomicU64,
+    cfg: LaneConfig,
+}
+
+impl LaneShared {
+    /// Mark the lane dead (once), close the socket and fail everything in flight.
+    fn fail(&self, failure: Failure) {
+        self.close(failure, true);
+    }
+
+    fn close(&self, failure: Failure, is_error: bool) {
+        {
+            // The reason is recorded before `dead` is raised, so whoever sees `dead` also sees
+            // why; the first caller wins.
+            let mut reason = self.reason.lock();
+            if reason.is_some() {
+                return;
+            }
+            *reason = Some(failure.clone());
+        }
+        self.dead.store(true, Ordering::SeqCst);
+        if is_error {
+            tracing::warn!(peer = %self.peer, reason = %failure, "transfer lane failed");
+        } else {
+            tracing::debug!(peer = %self.peer, "transfer lane closed");
+        }
+        self.cfg.metrics.connections.dec();
+        let _ = self.stream.shutdown(Shutdown::Both);
+        let drained: Vec<InFlight> = self.outstanding.lock().drain(..).collect();
+        self.cv.notify_all();
+        for f in drained {
+            f.slice.settle(Err(failure.clone()));
+        }
+    }
+
+    fn failure(&self) -> Failure {
+        self.reason
+            .lock()
+            .clone()
+            .unwrap_or_else(|| Failure::new("lane_closed", "connection closed"))
+    }
+
+    fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+}
 
 /// One connection to a peer with its two threads.
 pub(super) struct Lane {

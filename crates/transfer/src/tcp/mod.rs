@@ -7,14 +7,10 @@
 //! fails it. So no request can stay pending forever.
 //!
 //! Here: the slice (the unit of work) and the lanes' settings; `peer` holds the lanes to one
-//! address, `lane` one connection and its threads, `lane_state` what those threads share,
-//! `sender` and `receiver` the two threads' loops.
+//! address, `lane` one connection, its sender and receiver threads and what they share.
 
 mod lane;
-mod lane_state;
 mod peer;
-mod receiver;
-mod sender;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,8 @@
 //! The RDMA channel to one remote segment: its settings, its NIC paths (queue pair, remote
 //! region, local registrations), the table of work requests in flight, the slicing of a request
 //! over the NICs, and teardown (queue pairs first, then whatever is still in flight fails).
-//! I/O boundary: none here; posting is in `post`, polling in `poll`.
+//! The handshake that sets a channel up is in `connect`, posting work requests and failover in
+//! `post`, the completion poller in `poll`. I/O boundary: none here.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
@@ -11,6 +12,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
+
+mod connect;
+mod poll;
+mod post;
 
 use super::{MemoryKeys, QueuePairOps, RdmaDevice};
 use crate::auth::AuthKey;
@@ -43,49 +48,49 @@ pub(crate) struct ChannelConfig {
 
 /// One NIC pair: a local device's queue pair connected to the target's, and the region it
 /// addresses there.
-pub(super) struct Path {
-    pub(super) device: Arc<dyn RdmaDevice>,
-    pub(super) qp: Arc<dyn QueuePairOps>,
-    pub(super) remote: RegionInfo,
+struct Path {
+    device: Arc<dyn RdmaDevice>,
+    qp: Arc<dyn QueuePairOps>,
+    remote: RegionInfo,
     /// Local segments registered with this device, by address (the registration keeps the
     /// segment alive, so an address cannot be reused while it is cached).
-    pub(super) local: Mutex<HashMap<usize, Arc<dyn MemoryKeys>>>,
+    local: Mutex<HashMap<usize, Arc<dyn MemoryKeys>>>,
 }
 
 /// A slice of a request on its way: posted, or about to be (re)posted or handed to TCP.
-pub(super) struct Inflight {
-    pub(super) req: Arc<RequestState>,
-    pub(super) op: TransferOp,
-    pub(super) local: Arc<Segment>,
-    pub(super) local_base: u64,
-    pub(super) remote_base: u64,
-    pub(super) slice: PlannedSlice,
-    pub(super) posted_at: Instant,
+struct Inflight {
+    req: Arc<RequestState>,
+    op: TransferOp,
+    local: Arc<Segment>,
+    local_base: u64,
+    remote_base: u64,
+    slice: PlannedSlice,
+    posted_at: Instant,
 }
 
 /// What the channel, its poller thread and the failover share.
-pub(super) struct Shared {
-    pub(super) peer: String,
-    pub(super) paths: Vec<Path>,
-    pub(super) failover: Mutex<Failover>,
-    pub(super) inflight: Mutex<HashMap<u64, Inflight>>,
-    pub(super) wake: Condvar,
-    pub(super) next_wr: AtomicU64,
-    pub(super) next_nic: AtomicUsize,
-    pub(super) stop: AtomicBool,
-    pub(super) timeout: Duration,
-    pub(super) slice_size: u64,
-    pub(super) tcp: Option<TcpFallback>,
-    pub(super) retries: AtomicU64,
-    pub(super) retry_metric: prometheus::IntCounter,
+struct Shared {
+    peer: String,
+    paths: Vec<Path>,
+    failover: Mutex<Failover>,
+    inflight: Mutex<HashMap<u64, Inflight>>,
+    wake: Condvar,
+    next_wr: AtomicU64,
+    next_nic: AtomicUsize,
+    stop: AtomicBool,
+    timeout: Duration,
+    slice_size: u64,
+    tcp: Option<TcpFallback>,
+    retries: AtomicU64,
+    retry_metric: prometheus::IntCounter,
     /// The control connection: the target keeps its queue pairs while it stays open.
-    pub(super) _control: TcpStream,
+    _control: TcpStream,
 }
 
 /// Queue pairs to one remote segment over one or more NIC pairs, with a completion poller.
 pub(crate) struct RdmaChannel {
-    pub(super) shared: Arc<Shared>,
-    pub(super) poller: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    poller: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for RdmaChannel {

@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::channel::{ChannelConfig, Path, RdmaChannel, Shared, TcpFallback};
 use super::poll::poll_loop;
-use super::{RdmaError, RdmaProvider};
+use super::{ChannelConfig, Path, RdmaChannel, Shared, TcpFallback};
 use crate::frame::{self, ErrorCode, Header, Opcode};
+use crate::rdma::datapath::{RdmaError, RdmaProvider};
 use crate::rdma::handshake::{self, ConnectReply, ConnectRequest};
 use crate::rdma::plan::Failover;
 use crate::wire;
@@ -31,11 +31,7 @@ fn read_reply(s: &mut TcpStream, peer: &str) -> Result<ConnectReply, RdmaError> 
 
 /// Pure part of [`read_reply`]: an RDMA_CONNECT_OK payload, or an ERROR turned into the reason
 /// why this peer cannot do RDMA.
-pub(super) fn reply_from_frame(
-    h: &Header,
-    payload: &[u8],
-    peer: &str,
-) -> Result<ConnectReply, RdmaError> {
+fn reply_from_frame(h: &Header, payload: &[u8], peer: &str) -> Result<ConnectReply, RdmaError> {
     match h.opcode {
         Opcode::RdmaConnectOk => ConnectReply::decode(payload).map_err(RdmaError::Handshake),
         Opcode::Error => {
@@ -170,5 +166,43 @@ impl RdmaChannel {
             shared,
             poller: Some(poller),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hdr(opcode: Opcode, status: u32) -> Header {
+        let mut h = Header::new(opcode, 1);
+        h.status = status;
+        h
+    }
+
+    #[test]
+    fn an_old_target_is_reported_as_predating_rdma_connect() {
+        let e = reply_from_frame(
+            &hdr(Opcode::Error, ErrorCode::Malformed as u32),
+            b"unknown opcode 14",
+            "10.0.0.1:7400",
+        )
+        .unwrap_err();
+        assert_eq!(e.category(), "peer_unsupported");
+        let text = e.to_string();
+        assert!(
+            text.contains("predates RDMA_CONNECT") && text.contains("unknown opcode 14"),
+            "{text}"
+        );
+        let e = reply_from_frame(
+            &hdr(Opcode::Error, ErrorCode::Unsupported as u32),
+            b"no device",
+            "p",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("unsupported: no device"), "{e}");
+        let e = reply_from_frame(&hdr(Opcode::WriteAck, 0), b"", "p").unwrap_err();
+        assert_eq!(e.category(), "mismatch");
+        let e = reply_from_frame(&hdr(Opcode::RdmaConnectOk, 0), b"\x01", "p").unwrap_err();
+        assert_eq!(e.category(), "handshake");
     }
 }

@@ -10,12 +10,12 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Instant;
 
-use super::lane_state::{InFlight, LaneShared, TICK, is_timeout};
-use super::{Slice, SliceKind};
+use super::{InFlight, LaneShared, TICK};
 use crate::error::Failure;
 use crate::frame::{self, Header, Opcode};
-use crate::memory::{self, Segment};
-use crate::wire;
+use crate::memory::{Segment, Span};
+use crate::tcp::{Slice, SliceKind};
+use crate::wire::{self, is_timeout};
 
 pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiver<Slice>) {
     loop {
@@ -101,12 +101,9 @@ fn send_frame(
 ) -> io::Result<()> {
     use std::io::Write;
     if let Some((seg, off, len)) = payload {
-        return memory::send_prefixed(
+        return Span::new(&seg, off, len).send_prefixed(
             stream.as_fd(),
             &header.encode(),
-            &seg,
-            off,
-            len,
             &mut wire::fail_on_timeout,
         );
     }

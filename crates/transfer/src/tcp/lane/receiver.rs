@@ -8,12 +8,12 @@ use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use super::SliceKind;
-use super::lane_state::{LaneShared, is_timeout};
+use super::LaneShared;
 use crate::error::Failure;
 use crate::frame::{ErrorCode, Opcode};
-use crate::memory;
-use crate::wire::{self, WireError};
+use crate::memory::Span;
+use crate::tcp::SliceKind;
+use crate::wire::{self, WireError, is_timeout};
 
 pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
     let timeout = sh.cfg.timeout;
@@ -90,13 +90,8 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
                             Ok(())
                         }
                     };
-                    match memory::recv_into(
-                        stream.as_fd(),
-                        seg,
-                        slice.local_offset,
-                        slice.len as usize,
-                        &mut payload_deadline,
-                    ) {
+                    let to = Span::new(seg, slice.local_offset, slice.len as usize);
+                    match to.recv(stream.as_fd(), &mut payload_deadline) {
                         Ok(()) => Ok(Ok(())),
                         Err(e) => Err(Failure::new(
                             if is_timeout(&e) { "timeout" } else { "io" },

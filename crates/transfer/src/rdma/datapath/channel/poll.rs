@@ -6,9 +6,9 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::WorkCompletion;
-use super::channel::{Inflight, Shared};
+use super::{Inflight, Shared};
 use crate::error::error_chain;
+use crate::rdma::datapath::WorkCompletion;
 
 impl Shared {
     fn complete(&self, c: WorkCompletion) {

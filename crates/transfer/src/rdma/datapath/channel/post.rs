@@ -6,10 +6,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::channel::{Inflight, Shared};
-use super::{RdmaOp, WorkRequest};
+use super::{Inflight, Shared};
 use crate::batch::TransferOp;
 use crate::error::{Failure, error_chain};
+use crate::rdma::datapath::{RdmaOp, WorkRequest};
 use crate::rdma::plan::Next;
 use crate::tcp::{Slice, SliceKind};
 
