@@ -1,4 +1,4 @@
-//! Target side: the table of registered segments, the per-connection protocol session (generic
+//! Target side: the table of registered segments, the per-connection request loop (generic
 //! over the stream so that property tests drive it from memory), the notification queue, and the
 //! TCP listener with one blocking thread per connection.
 //! I/O boundary: the TCP listener and accepted sockets.
@@ -171,20 +171,9 @@ fn discard<S: Read + ?Sized>(s: &mut S, mut len: u64) -> Result<(), WireError> {
     Ok(())
 }
 
-/// Run one connection: handshake, then requests until the peer closes, sends something
-/// invalid (answered with an ERROR frame, then the connection is closed), or `on_idle` stops it.
-/// Bad offsets, lengths and handles get an ERROR reply and the connection carries on.
-pub(crate) fn serve_session<S: DataStream>(
-    s: &mut S,
-    ctx: &ServerCtx,
-    peer: &str,
-    on_idle: &mut dyn FnMut(Duration) -> io::Result<()>,
-) -> Result<(), WireError> {
-    wire::server_handshake(s, &ctx.key)?;
-    serve_requests(s, ctx, peer, on_idle)
-}
-
-/// The request loop of an authenticated connection.
+/// The request loop of an authenticated connection: requests until the peer closes, sends
+/// something invalid (answered with an ERROR frame, then the connection is closed), or `on_idle`
+/// stops it. Bad offsets, lengths and handles get an ERROR reply and the connection carries on.
 pub(crate) fn serve_requests<S: DataStream>(
     s: &mut S,
     ctx: &ServerCtx,
@@ -534,7 +523,10 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared)
         }
         Ok(())
     };
-    match serve_session(&mut stream, ctx, &peer, &mut on_idle) {
+    // The handshake, then requests.
+    let served = wire::server_handshake(&mut stream, &ctx.key)
+        .and_then(|()| serve_requests(&mut stream, ctx, &peer, &mut on_idle));
+    match served {
         Ok(()) => tracing::debug!(%peer, "transfer connection closed by peer"),
         Err(e) => tracing::debug!(%peer, error = %e, "transfer connection ended"),
     }

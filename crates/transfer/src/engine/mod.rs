@@ -28,7 +28,7 @@ use crate::metrics::TransferMetrics;
 use crate::rdma::{self, RdmaProvider};
 use crate::server::{Notification, NotificationQueue, ReadCheck, Registry, ServerCtx, TcpServer};
 use crate::shm::ShmServer;
-use crate::tcp::LaneConfig;
+use crate::tcp::{Dialer, LaneConfig};
 use peers::Peers;
 
 struct Inner {
@@ -37,6 +37,8 @@ struct Inner {
     directory: Arc<dyn Directory>,
     registry: Arc<Registry>,
     peers: Peers,
+    /// How initiator connections start (lanes and RDMA control connections).
+    dialer: Dialer,
     notifications: Arc<NotificationQueue>,
     metrics: TransferMetrics,
     fallback_active: Arc<AtomicBool>,
@@ -101,10 +103,13 @@ impl TransferEngine {
         rdma: Option<Arc<dyn RdmaProvider>>,
     ) -> Result<Self, TransferError> {
         config.validate()?;
-        let lane_cfg = LaneConfig {
+        let dialer = Dialer {
             key: key.clone(),
             timeout: config.timeout,
             connect_timeout: config.connect_timeout,
+        };
+        let lane_cfg = LaneConfig {
+            dialer: dialer.clone(),
             window: config.window,
             max_slice: config.max_slice,
             metrics: metrics.clone(),
@@ -113,6 +118,7 @@ impl TransferEngine {
             inner: Arc::new(Inner {
                 notifications: Arc::new(NotificationQueue::new(config.notification_capacity)),
                 peers: Peers::new(config.lanes, lane_cfg),
+                dialer,
                 config,
                 key,
                 directory,

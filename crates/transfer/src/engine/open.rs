@@ -117,9 +117,7 @@ impl TransferEngine {
             provider,
             &ChannelConfig {
                 peer: peer.addr(),
-                key: self.inner.key.clone(),
-                timeout: cfg.timeout,
-                connect_timeout: cfg.connect_timeout,
+                dialer: self.inner.dialer.clone(),
                 slice_size: cfg.slice_size,
                 max_attempts: RDMA_ATTEMPTS,
                 retry_metric: self.inner.metrics.rdma_retries.clone(),

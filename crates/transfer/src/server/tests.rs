@@ -192,35 +192,49 @@ proptest! {
     }
 }
 
-#[test]
-fn out_of_bounds_and_unknown_handles_get_errors_and_the_connection_goes_on() {
-    let (ctx, handle) = ctx();
-    let mut input = Vec::new();
-    let mut push = |op: Opcode, id: u64, handle: u32, offset: u64, length: u64, payload: &[u8]| {
-        let mut h = Header::new(op, id);
-        h.handle = handle;
-        h.offset = offset;
-        h.length = length;
-        input.extend_from_slice(&h.encode());
-        input.extend_from_slice(payload);
-    };
-    push(Opcode::Write, 1, handle, SEG - 2, 4, b"abcd"); // crosses the end
-    push(Opcode::Read, 2, handle + 1, 0, 4, b""); // unknown handle
-    push(Opcode::Read, 3, handle, u64::MAX - 1, 4, b""); // offset overflow
-    push(Opcode::Write, 4, handle, 10, 4, b"wxyz"); // fine
-    push(Opcode::Read, 5, handle, 10, 4, b""); // fine
+/// A request frame: its header (`length` as given, whatever the payload) and its payload.
+fn request(op: Opcode, id: u64, handle: u32, offset: u64, length: u64, payload: &[u8]) -> Vec<u8> {
+    let mut h = Header::new(op, id);
+    h.handle = handle;
+    h.offset = offset;
+    h.length = length;
+    [&h.encode()[..], payload].concat()
+}
+
+/// Serve `input` (requests of an authenticated connection) to its end; what the server wrote.
+fn serve(ctx: &ServerCtx, input: Vec<u8>) -> Vec<u8> {
     let mut s = MemStream {
         input: Cursor::new(input),
         output: Vec::new(),
     };
-    serve_requests(&mut s, &ctx, "t", &mut |_| Err(io::Error::other("eof"))).unwrap();
-    let r = replies(&s.output);
-    let kinds: Vec<_> = r
+    serve_requests(&mut s, ctx, "test", &mut |_| {
+        Err(io::Error::other("no idle waits in memory"))
+    })
+    .unwrap();
+    s.output
+}
+
+/// Request id, opcode and status of every reply in `output`.
+fn reply_kinds(output: &[u8]) -> Vec<(u64, Opcode, u32)> {
+    replies(output)
         .iter()
         .map(|h| (h.request_id, h.opcode, h.status))
-        .collect();
+        .collect()
+}
+
+#[test]
+fn out_of_bounds_and_unknown_handles_get_errors_and_the_connection_goes_on() {
+    let (ctx, handle) = ctx();
+    let input = [
+        request(Opcode::Write, 1, handle, SEG - 2, 4, b"abcd"), // crosses the end
+        request(Opcode::Read, 2, handle + 1, 0, 4, b""),        // unknown handle
+        request(Opcode::Read, 3, handle, u64::MAX - 1, 4, b""), // offset overflow
+        request(Opcode::Write, 4, handle, 10, 4, b"wxyz"),      // fine
+        request(Opcode::Read, 5, handle, 10, 4, b""),           // fine
+    ];
+    let output = serve(&ctx, input.concat());
     assert_eq!(
-        kinds,
+        reply_kinds(&output),
         vec![
             (1, Opcode::Error, ErrorCode::OutOfBounds as u32),
             (2, Opcode::Error, ErrorCode::UnknownSegment as u32),
@@ -229,7 +243,7 @@ fn out_of_bounds_and_unknown_handles_get_errors_and_the_connection_goes_on() {
             (5, Opcode::ReadData, 0),
         ]
     );
-    assert!(s.output.ends_with(b"wxyz"));
+    assert!(output.ends_with(b"wxyz"));
     let seg = ctx.registry.get(handle).unwrap();
     let mut tail = [0u8; 2];
     seg.read_at(SEG - 2, &mut tail).unwrap();
@@ -253,31 +267,23 @@ fn rdma_connect_gets_unsupported_or_malformed_and_the_connection_goes_on() {
     }
     .encode()
     .unwrap();
-    let mut input = Vec::new();
-    let mut push = |op: Opcode, id: u64, payload: &[u8]| {
-        let mut h = Header::new(op, id);
-        h.handle = handle;
-        h.length = payload.len() as u64;
-        input.extend_from_slice(&h.encode());
-        input.extend_from_slice(payload);
-    };
-    push(Opcode::RdmaConnect, 1, &good); // no RDMA provider here
-    push(Opcode::RdmaConnect, 2, b"\x07garbage"); // bad handshake version
-    let mut read = Header::new(Opcode::Read, 3);
-    read.handle = handle;
-    read.length = 4;
-    input.extend_from_slice(&read.encode());
-    let mut s = MemStream {
-        input: Cursor::new(input),
-        output: Vec::new(),
-    };
-    serve_requests(&mut s, &ctx, "test", &mut |_| Ok(())).unwrap();
-    let got: Vec<_> = replies(&s.output)
-        .iter()
-        .map(|h| (h.request_id, h.opcode, h.status))
-        .collect();
+    let garbage = b"\x07garbage";
+    let input = [
+        // No RDMA provider here.
+        request(Opcode::RdmaConnect, 1, handle, 0, good.len() as u64, &good),
+        // A bad handshake version.
+        request(
+            Opcode::RdmaConnect,
+            2,
+            handle,
+            0,
+            garbage.len() as u64,
+            garbage,
+        ),
+        request(Opcode::Read, 3, handle, 0, 4, b""),
+    ];
     assert_eq!(
-        got,
+        reply_kinds(&serve(&ctx, input.concat())),
         vec![
             (1, Opcode::Error, ErrorCode::Unsupported as u32),
             (2, Opcode::Error, ErrorCode::Malformed as u32),

@@ -17,9 +17,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::{LaneConfig, Slice};
+use super::{DialError, LaneConfig, Slice};
 use crate::error::{Failure, TransferError};
-use crate::wire;
 use receiver::receiver_loop;
 use sender::sender_loop;
 
@@ -103,25 +102,17 @@ impl Lane {
             peer: peer.clone(),
             source,
         };
-        let mut stream =
-            TcpStream::connect_timeout(&addr, cfg.connect_timeout).map_err(connect_err)?;
-        stream.set_nodelay(true).map_err(connect_err)?;
-        stream
-            .set_read_timeout(Some(cfg.timeout))
-            .map_err(connect_err)?;
-        stream
-            .set_write_timeout(Some(cfg.timeout))
-            .map_err(connect_err)?;
-        wire::client_handshake(&mut stream, &cfg.key).map_err(|source| {
-            TransferError::Handshake {
+        let stream = cfg.dialer.dial(addr).map_err(|e| match e {
+            DialError::Connect(source) => connect_err(source),
+            DialError::Handshake(source) => TransferError::Handshake {
                 peer: peer.clone(),
                 source,
-            }
+            },
         })?;
         // From now on reads wake up every tick so that the receiver can apply per-slice
         // deadlines while the connection is otherwise idle.
         stream
-            .set_read_timeout(Some(TICK.min(cfg.timeout)))
+            .set_read_timeout(Some(TICK.min(cfg.dialer.timeout)))
             .map_err(connect_err)?;
         let reader = stream.try_clone().map_err(connect_err)?;
         let writer = stream.try_clone().map_err(connect_err)?;

@@ -7,19 +7,20 @@
 //! fails it. So no request can stay pending forever.
 //!
 //! Here: the slice (the unit of work) and the lanes' settings; `peer` holds the lanes to one
-//! address, `lane` one connection, its sender and receiver threads and what they share.
+//! address, `lane` one connection, its sender and receiver threads and what they share, `dial`
+//! how a connection starts.
 
+mod dial;
 mod lane;
 mod peer;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use parking_lot::Mutex;
 
+pub(crate) use dial::{DialError, Dialer};
 pub(crate) use peer::Peer;
 
-use crate::auth::AuthKey;
 use crate::batch::RequestState;
 use crate::error::Failure;
 use crate::frame::{Header, Opcode};
@@ -75,9 +76,8 @@ impl Drop for Slice {
 /// Settings shared by all lanes of an engine.
 #[derive(Clone)]
 pub(crate) struct LaneConfig {
-    pub(crate) key: AuthKey,
-    pub(crate) timeout: Duration,
-    pub(crate) connect_timeout: Duration,
+    /// How lanes connect; its timeout also bounds every slice.
+    pub(crate) dialer: Dialer,
     pub(crate) window: usize,
     pub(crate) max_slice: u64,
     pub(crate) metrics: TransferMetrics,

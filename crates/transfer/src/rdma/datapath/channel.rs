@@ -18,13 +18,12 @@ mod poll;
 mod post;
 
 use super::{MemoryKeys, QueuePairOps, RdmaDevice};
-use crate::auth::AuthKey;
 use crate::batch::{RequestState, TransferOp};
 use crate::error::Failure;
 use crate::memory::Segment;
 use crate::rdma::handshake::RegionInfo;
 use crate::rdma::plan::{self, Failover, PlannedSlice};
-use crate::tcp::Peer;
+use crate::tcp::{Dialer, Peer};
 
 /// How slices that no NIC can carry reach TCP.
 pub(crate) struct TcpFallback {
@@ -37,9 +36,8 @@ pub(crate) struct TcpFallback {
 /// Settings of a channel.
 pub(crate) struct ChannelConfig {
     pub(crate) peer: SocketAddr,
-    pub(crate) key: AuthKey,
-    pub(crate) timeout: Duration,
-    pub(crate) connect_timeout: Duration,
+    /// How the control connection starts; its timeout also bounds every work request.
+    pub(crate) dialer: Dialer,
     pub(crate) slice_size: u64,
     pub(crate) max_attempts: u32,
     /// Counts slices retried on another NIC (`kvpool_transfer_rdma_retries_total`).

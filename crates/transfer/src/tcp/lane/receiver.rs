@@ -16,7 +16,7 @@ use crate::tcp::SliceKind;
 use crate::wire::{self, WireError, is_timeout};
 
 pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
-    let timeout = sh.cfg.timeout;
+    let timeout = sh.cfg.dialer.timeout;
     let mut deadline_check = || -> io::Result<()> {
         if sh.is_dead() {
             return Err(io::Error::other("lane closed"));

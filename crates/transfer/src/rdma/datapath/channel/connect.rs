@@ -15,6 +15,7 @@ use crate::frame::{self, ErrorCode, Header, Opcode};
 use crate::rdma::datapath::{RdmaError, RdmaProvider};
 use crate::rdma::handshake::{self, ConnectReply, ConnectRequest};
 use crate::rdma::plan::Failover;
+use crate::tcp::DialError;
 use crate::wire;
 
 /// Interpret the target's answer to RDMA_CONNECT.
@@ -79,13 +80,12 @@ impl RdmaChannel {
             peer: peer.clone(),
             source,
         };
-        let mut s = TcpStream::connect_timeout(&cfg.peer, cfg.connect_timeout).map_err(io_err)?;
-        s.set_nodelay(true).map_err(io_err)?;
-        s.set_read_timeout(Some(cfg.timeout)).map_err(io_err)?;
-        s.set_write_timeout(Some(cfg.timeout)).map_err(io_err)?;
-        wire::client_handshake(&mut s, &cfg.key).map_err(|source| RdmaError::Control {
-            peer: peer.clone(),
-            source,
+        let mut s = cfg.dialer.dial(cfg.peer).map_err(|e| match e {
+            DialError::Connect(source) => io_err(source),
+            DialError::Handshake(source) => RdmaError::Control {
+                peer: peer.clone(),
+                source,
+            },
         })?;
         let qps = devices
             .iter()
@@ -150,7 +150,7 @@ impl RdmaChannel {
             next_wr: AtomicU64::new(1),
             next_nic: AtomicUsize::new(0),
             stop: AtomicBool::new(false),
-            timeout: cfg.timeout,
+            timeout: cfg.dialer.timeout,
             slice_size: cfg.slice_size.clamp(1, u64::from(u32::MAX)),
             tcp,
             retries: AtomicU64::new(0),
