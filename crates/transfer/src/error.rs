@@ -92,13 +92,18 @@ impl std::fmt::Display for Failure {
 
 impl From<&WireError> for Failure {
     fn from(e: &WireError) -> Self {
-        let mut reason = e.to_string();
-        let mut src = std::error::Error::source(e);
-        while let Some(s) = src {
-            reason.push_str(": ");
-            reason.push_str(&s.to_string());
-            src = s.source();
-        }
-        Failure::new(e.category(), reason)
+        Failure::new(e.category(), error_chain(e))
     }
+}
+
+/// An error and its sources, joined with ": " (what logs and failure reasons show).
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
 }

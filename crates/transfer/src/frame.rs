@@ -28,7 +28,7 @@ pub const MAX_CONTROL_PAYLOAD: u64 = 64 * 1024;
 pub const DEFAULT_MAX_SLICE: u64 = 16 * 1024 * 1024;
 
 /// Frame types.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::FromRepr)]
 #[repr(u8)]
 pub enum Opcode {
     /// Initiator -> target: client nonce (payload 32 bytes).
@@ -69,24 +69,7 @@ pub enum Opcode {
 
 impl Opcode {
     pub fn from_u8(v: u8) -> Option<Self> {
-        Some(match v {
-            1 => Opcode::Hello,
-            2 => Opcode::Challenge,
-            3 => Opcode::Auth,
-            4 => Opcode::AuthOk,
-            5 => Opcode::Open,
-            6 => Opcode::OpenOk,
-            7 => Opcode::Write,
-            8 => Opcode::WriteAck,
-            9 => Opcode::Read,
-            10 => Opcode::ReadData,
-            11 => Opcode::Notify,
-            12 => Opcode::NotifyAck,
-            13 => Opcode::Error,
-            14 => Opcode::RdmaConnect,
-            15 => Opcode::RdmaConnectOk,
-            _ => return None,
-        })
+        Self::from_repr(v)
     }
 
     /// Whether the payload of this opcode is bulk data (bounded by the slice limit) rather than
@@ -97,41 +80,36 @@ impl Opcode {
 }
 
 /// Error codes carried in the `status` field of ERROR frames.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::FromRepr, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 #[repr(u32)]
+/// The values run from 1 in declaration order (pinned by a test): append new codes at the end.
 pub enum ErrorCode {
+    /// The frame could not be decoded (the connection is closed after this reply).
     Malformed = 1,
-    Unauthenticated = 2,
-    UnknownSegment = 3,
-    OutOfBounds = 4,
-    TooLarge = 5,
-    Unsupported = 6,
-    Internal = 7,
+    /// The handshake failed: wrong key or a bad proof.
+    Unauthenticated,
+    /// No segment with that name or handle is registered.
+    UnknownSegment,
+    /// The offset and length are outside the segment.
+    OutOfBounds,
+    /// A payload exceeds the peer's limit.
+    TooLarge,
+    /// The request (or the transport it needs) is not served here.
+    Unsupported,
+    /// Anything else, including a refused read check; unknown codes read as this one.
+    Internal,
 }
 
 impl ErrorCode {
+    /// The code of a `status` field; unknown codes read as [`ErrorCode::Internal`].
     pub fn from_u32(v: u32) -> Self {
-        match v {
-            1 => ErrorCode::Malformed,
-            2 => ErrorCode::Unauthenticated,
-            3 => ErrorCode::UnknownSegment,
-            4 => ErrorCode::OutOfBounds,
-            5 => ErrorCode::TooLarge,
-            6 => ErrorCode::Unsupported,
-            _ => ErrorCode::Internal,
-        }
+        Self::from_repr(v).unwrap_or(ErrorCode::Internal)
     }
 
+    /// The code's name (`unknown_segment`), as failure categories and messages show it.
     pub fn as_str(self) -> &'static str {
-        match self {
-            ErrorCode::Malformed => "malformed",
-            ErrorCode::Unauthenticated => "unauthenticated",
-            ErrorCode::UnknownSegment => "unknown_segment",
-            ErrorCode::OutOfBounds => "out_of_bounds",
-            ErrorCode::TooLarge => "too_large",
-            ErrorCode::Unsupported => "unsupported",
-            ErrorCode::Internal => "internal",
-        }
+        self.into()
     }
 }
 
@@ -310,6 +288,29 @@ mod tests {
             );
             prop_assert!(rejected);
         }
+    }
+
+    #[test]
+    fn error_codes_keep_their_wire_values_and_names() {
+        let codes = [
+            (1, ErrorCode::Malformed, "malformed"),
+            (2, ErrorCode::Unauthenticated, "unauthenticated"),
+            (3, ErrorCode::UnknownSegment, "unknown_segment"),
+            (4, ErrorCode::OutOfBounds, "out_of_bounds"),
+            (5, ErrorCode::TooLarge, "too_large"),
+            (6, ErrorCode::Unsupported, "unsupported"),
+            (7, ErrorCode::Internal, "internal"),
+        ];
+        for (v, code, name) in codes {
+            assert_eq!(
+                (ErrorCode::from_u32(v), code as u32, code.as_str()),
+                (code, v, name)
+            );
+        }
+        assert_eq!(ErrorCode::from_u32(0), ErrorCode::Internal);
+        assert_eq!(ErrorCode::from_u32(99), ErrorCode::Internal);
+        assert_eq!(Opcode::from_u8(0), None);
+        assert_eq!(Opcode::from_u8(15), Some(Opcode::RdmaConnectOk));
     }
 
     #[test]

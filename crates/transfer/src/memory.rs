@@ -390,126 +390,120 @@ pub fn copy_between(
 /// What a blocking socket call that hit its `SO_RCVTIMEO`/`SO_SNDTIMEO` should do next.
 pub(crate) type OnTimeout<'a> = &'a mut dyn FnMut() -> io::Result<()>;
 
-/// Receive exactly `len` bytes from `fd` straight into `seg[offset..offset+len]`.
-/// On a socket timeout `on_timeout` decides whether to keep waiting (Ok) or give up (Err).
-pub(crate) fn recv_into(
-    fd: BorrowedFd<'_>,
-    seg: &Segment,
-    offset: u64,
+/// Run a raw `recv`/`send` until `len` bytes have moved. `call(done)` moves bytes from `done`
+/// on and returns how many it moved; an interrupted call is repeated, and on a socket timeout
+/// `on_timeout` decides whether to keep waiting (Ok) or give up (Err).
+fn move_all(
     len: usize,
     on_timeout: OnTimeout<'_>,
+    mut call: impl FnMut(usize) -> io::Result<usize>,
 ) -> io::Result<()> {
-    let base = seg
-        .ptr_at(offset, len)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     let mut done = 0usize;
     while done < len {
-        // SAFETY: base+done..base+len is inside the segment (checked above); the kernel writes
-        // at most `len - done` bytes there; no Rust reference to these bytes exists.
-        let n = unsafe {
-            libc::recv(
-                fd.as_raw_fd(),
-                base.add(done).cast(),
-                len - done,
-                libc::MSG_WAITALL,
-            )
-        };
-        match n {
-            0 => {
-                return Err(io::Error::new(
+        match call(done) {
+            Ok(n) => done += n,
+            Err(err) => match err.kind() {
+                io::ErrorKind::Interrupted => {}
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
+                _ => return Err(err),
+            },
+        }
+    }
+    Ok(())
+}
+
+/// The byte count of a `recv`/`send` return value, or the OS error it signals.
+fn syscall_len(n: isize) -> io::Result<usize> {
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// `send(2)` up to `len` bytes at `ptr` to `fd` with `flags`.
+///
+/// # Safety
+/// `ptr..ptr+len` must be readable for the whole call.
+unsafe fn send_raw(
+    fd: BorrowedFd<'_>,
+    ptr: *const u8,
+    len: usize,
+    flags: libc::c_int,
+) -> io::Result<usize> {
+    // SAFETY: the caller guarantees that ptr..ptr+len is readable; the kernel only reads it.
+    syscall_len(unsafe { libc::send(fd.as_raw_fd(), ptr.cast(), len, flags) })
+}
+
+/// A byte range of a segment, `seg[offset..offset + len]`: where a payload moving between a
+/// socket and segment memory is received into or sent from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Span<'a> {
+    pub(crate) seg: &'a Segment,
+    pub(crate) offset: u64,
+    pub(crate) len: usize,
+}
+
+impl<'a> Span<'a> {
+    pub(crate) fn new(seg: &'a Segment, offset: u64, len: usize) -> Self {
+        Span { seg, offset, len }
+    }
+
+    /// Raw pointer to the start of the range, after checking that it lies inside the segment.
+    fn start(self) -> io::Result<*mut u8> {
+        self.seg
+            .ptr_at(self.offset, self.len)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+    }
+
+    /// Receive exactly the range's bytes from `fd` straight into it. On a socket timeout
+    /// `on_timeout` decides whether to keep waiting (Ok) or give up (Err).
+    pub(crate) fn recv(self, fd: BorrowedFd<'_>, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+        let (base, len) = (self.start()?, self.len);
+        move_all(len, on_timeout, |done| {
+            // SAFETY: base+done..base+len is inside the segment (checked above); the kernel
+            // writes at most `len - done` bytes there; no Rust reference to these bytes exists.
+            let n = unsafe {
+                libc::recv(
+                    fd.as_raw_fd(),
+                    base.add(done).cast(),
+                    len - done,
+                    libc::MSG_WAITALL,
+                )
+            };
+            match syscall_len(n)? {
+                0 => Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     "peer closed the connection mid-payload",
-                ));
+                )),
+                n => Ok(n),
             }
-            n if n > 0 => done += n as usize,
-            _ => {
-                let err = io::Error::last_os_error();
-                match err.kind() {
-                    io::ErrorKind::Interrupted => {}
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
-                    _ => return Err(err),
-                }
-            }
-        }
+        })
     }
-    Ok(())
-}
 
-/// Send `prefix` (a frame header) and then `seg[offset..offset+len]` to `fd`. The prefix goes
-/// with MSG_MORE so that the kernel coalesces it with the payload instead of pushing a tiny
-/// packet (and waking the receiver) on its own.
-pub(crate) fn send_prefixed(
-    fd: BorrowedFd<'_>,
-    prefix: &[u8],
-    seg: &Segment,
-    offset: u64,
-    len: usize,
-    on_timeout: OnTimeout<'_>,
-) -> io::Result<()> {
-    seg.check_range(offset, len as u64)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut done = 0usize;
-    let more = if len > 0 { libc::MSG_MORE } else { 0 };
-    while done < prefix.len() {
-        let rest = &prefix[done..];
-        // SAFETY: `rest` is a live Rust slice; the kernel only reads it.
-        let n = unsafe {
-            libc::send(
-                fd.as_raw_fd(),
-                rest.as_ptr().cast(),
-                rest.len(),
-                libc::MSG_NOSIGNAL | more,
-            )
-        };
-        if n >= 0 {
-            done += n as usize;
-            continue;
-        }
-        let err = io::Error::last_os_error();
-        match err.kind() {
-            io::ErrorKind::Interrupted => {}
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
-            _ => return Err(err),
-        }
+    /// Send exactly the range's bytes to `fd`.
+    pub(crate) fn send(self, fd: BorrowedFd<'_>, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+        let (base, len) = (self.start()?, self.len);
+        move_all(len, on_timeout, |done| {
+            // SAFETY: base+done..base+len is inside the segment (checked above).
+            unsafe { send_raw(fd, base.add(done), len - done, libc::MSG_NOSIGNAL) }
+        })
     }
-    send_from(fd, seg, offset, len, on_timeout)
-}
 
-/// Send exactly `len` bytes from `seg[offset..offset+len]` to `fd`.
-pub(crate) fn send_from(
-    fd: BorrowedFd<'_>,
-    seg: &Segment,
-    offset: u64,
-    len: usize,
-    on_timeout: OnTimeout<'_>,
-) -> io::Result<()> {
-    let base = seg
-        .ptr_at(offset, len)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let mut done = 0usize;
-    while done < len {
-        // SAFETY: base+done..base+len is inside the segment (checked above); the kernel only
-        // reads from it.
-        let n = unsafe {
-            libc::send(
-                fd.as_raw_fd(),
-                base.add(done).cast(),
-                len - done,
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if n >= 0 {
-            done += n as usize;
-            continue;
-        }
-        let err = io::Error::last_os_error();
-        match err.kind() {
-            io::ErrorKind::Interrupted => {}
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => on_timeout()?,
-            _ => return Err(err),
-        }
+    /// Send `prefix` (a frame header) and then the range's bytes to `fd`. The prefix goes with
+    /// MSG_MORE so that the kernel coalesces it with the payload instead of pushing a tiny
+    /// packet (and waking the receiver) on its own.
+    pub(crate) fn send_prefixed(
+        self,
+        fd: BorrowedFd<'_>,
+        prefix: &[u8],
+        on_timeout: OnTimeout<'_>,
+    ) -> io::Result<()> {
+        self.start()?;
+        let more = if self.len > 0 { libc::MSG_MORE } else { 0 };
+        move_all(prefix.len(), on_timeout, |done| {
+            let rest = &prefix[done..];
+            // SAFETY: `rest` is a live Rust slice.
+            unsafe { send_raw(fd, rest.as_ptr(), rest.len(), libc::MSG_NOSIGNAL | more) }
+        })?;
+        self.send(fd, on_timeout)
     }
-    Ok(())
 }
 
 /// Take ownership of descriptors that `recvmsg` installed from an SCM_RIGHTS message.

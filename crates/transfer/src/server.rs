@@ -1,4 +1,4 @@
-//! Target side: the table of registered segments, the per-connection protocol session (generic
+//! Target side: the table of registered segments, the per-connection request loop (generic
 //! over the stream so that property tests drive it from memory), the notification queue, and the
 //! TCP listener with one blocking thread per connection.
 //! I/O boundary: the TCP listener and accepted sockets.
@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::auth::AuthKey;
-use super::error::TransferError;
+use super::error::{TransferError, error_chain};
 use super::frame::{ErrorCode, Header, Opcode};
-use super::memory::{self, Segment};
+use super::memory::{Segment, Span};
 use super::metrics::TransferMetrics;
 use super::rdma::RdmaProvider;
 use super::rdma::datapath::{self, AcceptedPaths};
@@ -39,19 +39,6 @@ pub(crate) struct Registry {
     read_checks: RwLock<HashMap<u32, ReadCheck>>,
 }
 
-impl super::TransferEngine {
-    /// Check every READ that peers send for `seg` with `check` before serving it (a refused
-    /// read is answered with an ERROR frame). A checked segment is not offered to one-sided
-    /// RDMA, which would bypass the check: peers reach it over TCP.
-    pub fn set_read_check(&self, seg: &super::LocalSegment, check: ReadCheck) {
-        self.inner
-            .registry
-            .read_checks
-            .write()
-            .insert(seg.reg.handle, check);
-    }
-}
-
 impl Registry {
     pub(crate) fn insert(&self, name: &str, seg: Arc<Segment>) -> Option<u32> {
         let mut names = self.by_name.write();
@@ -64,6 +51,11 @@ impl Registry {
             .write()
             .insert(handle, (name.to_owned(), seg));
         Some(handle)
+    }
+
+    /// Check every READ of segment `handle` with `check` (see `TransferEngine::set_read_check`).
+    pub(crate) fn set_read_check(&self, handle: u32, check: ReadCheck) {
+        self.read_checks.write().insert(handle, check);
     }
 
     pub(crate) fn remove(&self, handle: u32) {
@@ -147,43 +139,24 @@ pub(crate) struct ServerCtx {
 
 /// A byte stream that can also move payloads straight between itself and segment memory.
 pub(crate) trait DataStream: Read + Write {
-    fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
-    fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()>;
+    fn recv_into(&mut self, to: Span<'_>) -> io::Result<()>;
+    fn send_from(&mut self, from: Span<'_>) -> io::Result<()>;
     /// A header followed by a payload from segment memory (sockets coalesce the two).
-    fn send_with_header(
-        &mut self,
-        header: &[u8],
-        seg: &Segment,
-        offset: u64,
-        len: usize,
-    ) -> io::Result<()> {
+    fn send_with_header(&mut self, header: &[u8], from: Span<'_>) -> io::Result<()> {
         self.write_all(header)?;
-        self.send_from(seg, offset, len)
+        self.send_from(from)
     }
 }
 
 impl DataStream for TcpStream {
-    fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-        memory::recv_into(self.as_fd(), seg, offset, len, &mut wire::fail_on_timeout)
+    fn recv_into(&mut self, to: Span<'_>) -> io::Result<()> {
+        to.recv(self.as_fd(), &mut wire::fail_on_timeout)
     }
-    fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-        memory::send_from(self.as_fd(), seg, offset, len, &mut wire::fail_on_timeout)
+    fn send_from(&mut self, from: Span<'_>) -> io::Result<()> {
+        from.send(self.as_fd(), &mut wire::fail_on_timeout)
     }
-    fn send_with_header(
-        &mut self,
-        header: &[u8],
-        seg: &Segment,
-        offset: u64,
-        len: usize,
-    ) -> io::Result<()> {
-        memory::send_prefixed(
-            self.as_fd(),
-            header,
-            seg,
-            offset,
-            len,
-            &mut wire::fail_on_timeout,
-        )
+    fn send_with_header(&mut self, header: &[u8], from: Span<'_>) -> io::Result<()> {
+        from.send_prefixed(self.as_fd(), header, &mut wire::fail_on_timeout)
     }
 }
 
@@ -198,20 +171,9 @@ fn discard<S: Read + ?Sized>(s: &mut S, mut len: u64) -> Result<(), WireError> {
     Ok(())
 }
 
-/// Run one connection: handshake, then requests until the peer closes, sends something
-/// invalid (answered with an ERROR frame, then the connection is closed), or `on_idle` stops it.
-/// Bad offsets, lengths and handles get an ERROR reply and the connection carries on.
-pub(crate) fn serve_session<S: DataStream>(
-    s: &mut S,
-    ctx: &ServerCtx,
-    peer: &str,
-    on_idle: &mut dyn FnMut(Duration) -> io::Result<()>,
-) -> Result<(), WireError> {
-    wire::server_handshake(s, &ctx.key)?;
-    serve_requests(s, ctx, peer, on_idle)
-}
-
-/// The request loop of an authenticated connection.
+/// The request loop of an authenticated connection: requests until the peer closes, sends
+/// something invalid (answered with an ERROR frame, then the connection is closed), or `on_idle`
+/// stops it. Bad offsets, lengths and handles get an ERROR reply and the connection carries on.
 pub(crate) fn serve_requests<S: DataStream>(
     s: &mut S,
     ctx: &ServerCtx,
@@ -265,7 +227,7 @@ pub(crate) fn serve_requests<S: DataStream>(
                 let target = lookup(ctx, &h);
                 match target {
                     Ok(seg) => {
-                        s.recv_into(&seg, h.offset, h.length as usize)
+                        s.recv_into(Span::new(&seg, h.offset, h.length as usize))
                             .map_err(WireError::Io)?;
                         // Counted before the ack, so an initiator that saw the ack sees the count.
                         ctx.metrics
@@ -298,7 +260,7 @@ pub(crate) fn serve_requests<S: DataStream>(
                         .served_bytes
                         .with_label_values(&["read"])
                         .inc_by(h.length);
-                    s.send_with_header(&r.encode(), &seg, h.offset, h.length as usize)
+                    s.send_with_header(&r.encode(), Span::new(&seg, h.offset, h.length as usize))
                         .map_err(WireError::Io)?;
                 }
                 Err((code, reason)) => wire::write_error(s, id, code, &reason)?,
@@ -369,7 +331,7 @@ fn accept_rdma(
         ));
     }
     let (reply, paths) = datapath::accept(provider.as_ref(), &seg, &req)
-        .map_err(|e| (ErrorCode::Unsupported, super::tcp::error_chain(&e)))?;
+        .map_err(|e| (ErrorCode::Unsupported, error_chain(&e)))?;
     let reply = reply
         .encode()
         .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
@@ -561,7 +523,10 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared)
         }
         Ok(())
     };
-    match serve_session(&mut stream, ctx, &peer, &mut on_idle) {
+    // The handshake, then requests.
+    let served = wire::server_handshake(&mut stream, &ctx.key)
+        .and_then(|()| serve_requests(&mut stream, ctx, &peer, &mut on_idle));
+    match served {
         Ok(()) => tracing::debug!(%peer, "transfer connection closed by peer"),
         Err(e) => tracing::debug!(%peer, error = %e, "transfer connection ended"),
     }
@@ -569,303 +534,4 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::frame::{HEADER_LEN, MAX_CONTROL_PAYLOAD};
-    use crate::memory::HostOptions;
-    use proptest::prelude::*;
-    use std::io::Cursor;
-
-    /// An in-memory connection: scripted input, captured output.
-    struct MemStream {
-        input: Cursor<Vec<u8>>,
-        output: Vec<u8>,
-    }
-
-    impl Read for MemStream {
-        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-            self.input.read(buf)
-        }
-    }
-
-    impl Write for MemStream {
-        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-            self.output.extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl DataStream for MemStream {
-        fn recv_into(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-            let mut tmp = vec![0u8; len];
-            self.input.read_exact(&mut tmp)?;
-            seg.write_at(offset, &tmp)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
-        }
-        fn send_from(&mut self, seg: &Segment, offset: u64, len: usize) -> io::Result<()> {
-            let mut tmp = vec![0u8; len];
-            seg.read_at(offset, &mut tmp)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-            self.output.extend_from_slice(&tmp);
-            Ok(())
-        }
-    }
-
-    const SEG: u64 = 64 * 1024;
-    const MAX: u64 = 1024 * 1024;
-
-    fn ctx() -> (ServerCtx, u32) {
-        let registry = Arc::new(Registry::default());
-        let seg = Arc::new(Segment::host(SEG as usize, HostOptions::default()).unwrap());
-        let handle = registry.insert("seg", seg).unwrap();
-        let ctx = ServerCtx {
-            registry,
-            key: AuthKey::new(*b"0123456789abcdef").unwrap(),
-            max_slice: MAX,
-            timeout: Duration::from_secs(1),
-            max_connections: 4,
-            notifications: Arc::new(NotificationQueue::new(4)),
-            metrics: TransferMetrics::unregistered().unwrap(),
-            rdma: None,
-        };
-        (ctx, handle)
-    }
-
-    /// One chunk of hostile input.
-    #[derive(Debug, Clone)]
-    enum Chunk {
-        Frame {
-            opcode: u8,
-            valid_handle: bool,
-            handle: u32,
-            offset: u64,
-            length: u64,
-            payload: Vec<u8>,
-        },
-        Garbage(Vec<u8>),
-        Truncated(usize),
-    }
-
-    fn chunk() -> impl Strategy<Value = Chunk> {
-        let length = prop_oneof![
-            0u64..64,
-            Just(SEG),
-            SEG - 8..SEG + 8,
-            MAX - 1..MAX + 2,
-            Just(MAX_CONTROL_PAYLOAD + 1),
-            any::<u64>(),
-        ];
-        let offset = prop_oneof![0u64..SEG, SEG - 16..SEG + 16, any::<u64>()];
-        prop_oneof![
-            6 => (0u8..=15, any::<bool>(), any::<u32>(), offset, length,
-                  proptest::collection::vec(any::<u8>(), 0..96))
-                .prop_map(|(opcode, valid_handle, handle, offset, length, payload)| Chunk::Frame {
-                    opcode, valid_handle, handle, offset, length, payload
-                }),
-            1 => proptest::collection::vec(any::<u8>(), 1..80).prop_map(Chunk::Garbage),
-            1 => (1usize..HEADER_LEN).prop_map(Chunk::Truncated),
-        ]
-    }
-
-    fn encode(chunks: &[Chunk], real_handle: u32) -> Vec<u8> {
-        let mut out = Vec::new();
-        for (i, c) in chunks.iter().enumerate() {
-            match c {
-                Chunk::Frame {
-                    opcode,
-                    valid_handle,
-                    handle,
-                    offset,
-                    length,
-                    payload,
-                } => {
-                    let mut h = Header::new(Opcode::Read, i as u64 + 1);
-                    h.handle = if *valid_handle { real_handle } else { *handle };
-                    h.offset = *offset;
-                    h.length = *length;
-                    let mut b = h.encode();
-                    b[5] = *opcode;
-                    out.extend_from_slice(&b);
-                    out.extend_from_slice(payload);
-                }
-                Chunk::Garbage(g) => out.extend_from_slice(g),
-                Chunk::Truncated(n) => {
-                    out.extend_from_slice(&Header::new(Opcode::Write, 9).encode()[..*n])
-                }
-            }
-        }
-        out
-    }
-
-    /// Parse what the server wrote: it must be a sequence of well-formed replies.
-    fn replies(mut out: &[u8]) -> Vec<Header> {
-        let mut v = Vec::new();
-        while !out.is_empty() {
-            let h = Header::decode(out, MAX).expect("server wrote a malformed header");
-            let payload = match h.opcode {
-                Opcode::ReadData | Opcode::Error => h.length as usize,
-                _ => 0,
-            };
-            assert!(
-                matches!(
-                    h.opcode,
-                    Opcode::ReadData
-                        | Opcode::Error
-                        | Opcode::WriteAck
-                        | Opcode::OpenOk
-                        | Opcode::NotifyAck
-                ),
-                "server sent a {:?}",
-                h.opcode
-            );
-            assert!(out.len() >= HEADER_LEN + payload, "reply payload cut short");
-            out = &out[HEADER_LEN + payload..];
-            v.push(h);
-        }
-        v
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(512))]
-
-        #[test]
-        fn hostile_request_streams_get_error_replies_or_a_close_never_a_panic(
-            chunks in proptest::collection::vec(chunk(), 1..12)
-        ) {
-            let (ctx, handle) = ctx();
-            let mut s = MemStream { input: Cursor::new(encode(&chunks, handle)), output: Vec::new() };
-            let _ = serve_requests(&mut s, &ctx, "test", &mut |_| {
-                Err(io::Error::other("no idle waits in memory"))
-            });
-            for h in replies(&s.output) {
-                if h.opcode == Opcode::ReadData {
-                    // Data is only ever served from inside the segment.
-                    prop_assert!(h.length <= SEG);
-                }
-            }
-        }
-
-        #[test]
-        fn arbitrary_bytes_never_pass_the_handshake(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let (ctx, _) = ctx();
-            let mut s = MemStream { input: Cursor::new(bytes), output: Vec::new() };
-            prop_assert!(wire::server_handshake(&mut s, &ctx.key).is_err());
-            for h in replies(&s.output) {
-                prop_assert!(matches!(h.opcode, Opcode::Challenge | Opcode::Error));
-            }
-        }
-    }
-
-    #[test]
-    fn out_of_bounds_and_unknown_handles_get_errors_and_the_connection_goes_on() {
-        let (ctx, handle) = ctx();
-        let mut input = Vec::new();
-        let mut push =
-            |op: Opcode, id: u64, handle: u32, offset: u64, length: u64, payload: &[u8]| {
-                let mut h = Header::new(op, id);
-                h.handle = handle;
-                h.offset = offset;
-                h.length = length;
-                input.extend_from_slice(&h.encode());
-                input.extend_from_slice(payload);
-            };
-        push(Opcode::Write, 1, handle, SEG - 2, 4, b"abcd"); // crosses the end
-        push(Opcode::Read, 2, handle + 1, 0, 4, b""); // unknown handle
-        push(Opcode::Read, 3, handle, u64::MAX - 1, 4, b""); // offset overflow
-        push(Opcode::Write, 4, handle, 10, 4, b"wxyz"); // fine
-        push(Opcode::Read, 5, handle, 10, 4, b""); // fine
-        let mut s = MemStream {
-            input: Cursor::new(input),
-            output: Vec::new(),
-        };
-        serve_requests(&mut s, &ctx, "t", &mut |_| Err(io::Error::other("eof"))).unwrap();
-        let r = replies(&s.output);
-        let kinds: Vec<_> = r
-            .iter()
-            .map(|h| (h.request_id, h.opcode, h.status))
-            .collect();
-        assert_eq!(
-            kinds,
-            vec![
-                (1, Opcode::Error, ErrorCode::OutOfBounds as u32),
-                (2, Opcode::Error, ErrorCode::UnknownSegment as u32),
-                (3, Opcode::Error, ErrorCode::OutOfBounds as u32),
-                (4, Opcode::WriteAck, 0),
-                (5, Opcode::ReadData, 0),
-            ]
-        );
-        assert!(s.output.ends_with(b"wxyz"));
-        let seg = ctx.registry.get(handle).unwrap();
-        let mut tail = [0u8; 2];
-        seg.read_at(SEG - 2, &mut tail).unwrap();
-        assert_eq!(tail, [0, 0], "rejected write left no bytes behind");
-    }
-
-    #[test]
-    fn rdma_connect_gets_unsupported_or_malformed_and_the_connection_goes_on() {
-        use crate::rdma::handshake::{ConnectRequest, MTU_1024, QpInfo};
-        let (ctx, handle) = ctx();
-        let good = ConnectRequest {
-            segment: "seg".into(),
-            qps: vec![QpInfo {
-                device: "mlx5_0".into(),
-                qp_num: 9,
-                psn: 1,
-                lid: 0,
-                gid: [0; 16],
-                mtu: MTU_1024,
-            }],
-        }
-        .encode()
-        .unwrap();
-        let mut input = Vec::new();
-        let mut push = |op: Opcode, id: u64, payload: &[u8]| {
-            let mut h = Header::new(op, id);
-            h.handle = handle;
-            h.length = payload.len() as u64;
-            input.extend_from_slice(&h.encode());
-            input.extend_from_slice(payload);
-        };
-        push(Opcode::RdmaConnect, 1, &good); // no RDMA provider here
-        push(Opcode::RdmaConnect, 2, b"\x07garbage"); // bad handshake version
-        let mut read = Header::new(Opcode::Read, 3);
-        read.handle = handle;
-        read.length = 4;
-        input.extend_from_slice(&read.encode());
-        let mut s = MemStream {
-            input: Cursor::new(input),
-            output: Vec::new(),
-        };
-        serve_requests(&mut s, &ctx, "test", &mut |_| Ok(())).unwrap();
-        let got: Vec<_> = replies(&s.output)
-            .iter()
-            .map(|h| (h.request_id, h.opcode, h.status))
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                (1, Opcode::Error, ErrorCode::Unsupported as u32),
-                (2, Opcode::Error, ErrorCode::Malformed as u32),
-                (3, Opcode::ReadData, 0),
-            ]
-        );
-    }
-
-    #[test]
-    fn wrong_key_fails_both_sides_of_the_handshake() {
-        use std::os::unix::net::UnixStream;
-        let (mut a, mut b) = UnixStream::pair().unwrap();
-        let t = std::thread::spawn(move || {
-            let key = AuthKey::new(*b"0123456789abcdef").unwrap();
-            wire::server_handshake(&mut b, &key)
-        });
-        let wrong = AuthKey::new(*b"fedcba9876543210").unwrap();
-        let client = wire::client_handshake(&mut a, &wrong);
-        assert!(matches!(client, Err(WireError::Auth(_))), "{client:?}");
-        drop(a);
-        assert!(t.join().unwrap().is_err());
-    }
-}
+mod tests;

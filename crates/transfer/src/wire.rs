@@ -28,14 +28,7 @@ impl WireError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
         match self {
-            WireError::Io(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
-                "timeout"
-            }
+            WireError::Io(e) if is_timeout(e) => "timeout",
             WireError::Io(_) => "io",
             WireError::Closed => "peer_closed",
             WireError::Frame(_) => "malformed",
@@ -46,7 +39,8 @@ impl WireError {
     }
 }
 
-fn is_timeout(e: &io::Error) -> bool {
+/// Whether a socket error is a `SO_RCVTIMEO`/`SO_SNDTIMEO` timeout.
+pub(crate) fn is_timeout(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
@@ -158,17 +152,7 @@ pub fn client_handshake<S: Read + Write + ?Sized>(
 ) -> Result<(), WireError> {
     let client_nonce: [u8; NONCE_LEN] = rand::random();
     write_frame(s, &Header::new(Opcode::Hello, 0), &client_nonce)?;
-    let h = read_header(s, 0, &mut fail_on_timeout)?;
-    match h.opcode {
-        Opcode::Challenge => {}
-        Opcode::Error => return Err(remote_error(s, &h)),
-        got => {
-            return Err(WireError::Unexpected {
-                got,
-                expected: "CHALLENGE",
-            });
-        }
-    }
+    let h = read_reply(s, Opcode::Challenge, "CHALLENGE")?;
     let payload = read_control_payload(s, &h)?;
     if payload.len() != NONCE_LEN + PROOF_LEN {
         return Err(WireError::Auth(format!(
@@ -185,15 +169,32 @@ pub fn client_handshake<S: Read + Write + ?Sized>(
     }
     let proof = key.prove(b"client", &client_nonce, server_nonce);
     write_frame(s, &Header::new(Opcode::Auth, 0), &proof)?;
+    read_reply(s, Opcode::AuthOk, "AUTH_OK").map(|_| ())
+}
+
+/// Initiator side: read the target's next handshake frame, which must be `want` (`expected`
+/// names it in the error); an ERROR frame becomes [`WireError::Remote`].
+fn read_reply<S: Read + ?Sized>(
+    s: &mut S,
+    want: Opcode,
+    expected: &'static str,
+) -> Result<Header, WireError> {
     let h = read_header(s, 0, &mut fail_on_timeout)?;
-    match h.opcode {
-        Opcode::AuthOk => Ok(()),
-        Opcode::Error => Err(remote_error(s, &h)),
-        got => Err(WireError::Unexpected {
-            got,
-            expected: "AUTH_OK",
-        }),
+    if h.opcode == Opcode::Error {
+        return Err(remote_error(s, &h));
     }
+    expect(h, want, expected)
+}
+
+/// `h` if it is a `want` frame, else [`WireError::Unexpected`] (`expected` names `want`).
+fn expect(h: Header, want: Opcode, expected: &'static str) -> Result<Header, WireError> {
+    if h.opcode != want {
+        return Err(WireError::Unexpected {
+            got: h.opcode,
+            expected,
+        });
+    }
+    Ok(h)
 }
 
 /// Target side of the handshake. On failure an ERROR frame is sent (best effort) and the caller
@@ -215,14 +216,8 @@ fn server_handshake_inner<S: Read + Write + ?Sized>(
     s: &mut S,
     key: &AuthKey,
 ) -> Result<(), WireError> {
-    let h = read_header(s, 0, &mut fail_on_timeout)?;
-    if h.opcode != Opcode::Hello {
-        return Err(WireError::Unexpected {
-            got: h.opcode,
-            expected: "HELLO",
-        });
-    }
-    let client_nonce = read_control_payload(s, &h)?;
+    let hello = read_header(s, 0, &mut fail_on_timeout)?;
+    let client_nonce = read_control_payload(s, &expect(hello, Opcode::Hello, "HELLO")?)?;
     if client_nonce.len() != NONCE_LEN {
         return Err(WireError::Auth(format!(
             "hello nonce of {} bytes, expected {NONCE_LEN}",
@@ -233,14 +228,8 @@ fn server_handshake_inner<S: Read + Write + ?Sized>(
     let mut challenge = server_nonce.to_vec();
     challenge.extend_from_slice(&key.prove(b"server", &client_nonce, &server_nonce));
     write_frame(s, &Header::new(Opcode::Challenge, 0), &challenge)?;
-    let h = read_header(s, 0, &mut fail_on_timeout)?;
-    if h.opcode != Opcode::Auth {
-        return Err(WireError::Unexpected {
-            got: h.opcode,
-            expected: "AUTH",
-        });
-    }
-    let proof = read_control_payload(s, &h)?;
+    let auth = read_header(s, 0, &mut fail_on_timeout)?;
+    let proof = read_control_payload(s, &expect(auth, Opcode::Auth, "AUTH")?)?;
     if !key.verify(b"client", &client_nonce, &server_nonce, &proof) {
         return Err(WireError::Auth("wrong key".into()));
     }

@@ -6,6 +6,7 @@
 //! type that frees it in Drop; `unsafe` in this module is limited to those FFI calls.
 
 use std::ffi::CStr;
+use std::ops::ControlFlow;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
 
@@ -80,15 +81,15 @@ pub fn status_str(status: u32) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// Names of the RDMA devices libibverbs sees (empty without RDMA support in the kernel).
-pub fn device_names() -> Vec<String> {
+/// Walk the device list of libibverbs (nothing without RDMA support in the kernel): `visit`
+/// sees each device, valid while it runs, and its name, and returns `Break` to stop early.
+fn for_each_device(mut visit: impl FnMut(*mut ibv_device, &CStr) -> ControlFlow<()>) {
     let mut n = 0i32;
     // SAFETY: ibv_get_device_list writes the count and returns a NULL-terminated array (or NULL).
     let list = unsafe { ibv_get_device_list(&mut n) };
     if list.is_null() {
-        return Vec::new();
+        return;
     }
-    let mut names = Vec::new();
     for i in 0..usize::try_from(n).unwrap_or(0) {
         // SAFETY: i < n entries of the array returned above.
         let dev = unsafe { *list.add(i) };
@@ -97,10 +98,22 @@ pub fn device_names() -> Vec<String> {
         }
         // SAFETY: dev is a valid device; the name is a NUL-terminated string owned by it.
         let name = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) };
-        names.push(name.to_string_lossy().into_owned());
+        if visit(dev, name).is_break() {
+            break;
+        }
     }
-    // SAFETY: list came from ibv_get_device_list and is freed once.
+    // SAFETY: list came from ibv_get_device_list and is freed once; a context opened from one
+    // of its devices stays valid after the list is freed.
     unsafe { ibv_free_device_list(list) };
+}
+
+/// Names of the RDMA devices libibverbs sees (empty without RDMA support in the kernel).
+pub fn device_names() -> Vec<String> {
+    let mut names = Vec::new();
+    for_each_device(|_, name| {
+        names.push(name.to_string_lossy().into_owned());
+        ControlFlow::Continue(())
+    });
     names
 }
 
@@ -124,29 +137,15 @@ unsafe impl Sync for Device {}
 impl Device {
     /// Open device `name` and allocate its protection domain.
     pub fn open(name: &str) -> Result<Arc<Device>, VerbsError> {
-        let mut n = 0i32;
-        // SAFETY: as in device_names.
-        let list = unsafe { ibv_get_device_list(&mut n) };
-        if list.is_null() {
-            return Err(VerbsError::NoDevice(name.to_owned()));
-        }
         let mut ctx = ptr::null_mut();
-        for i in 0..usize::try_from(n).unwrap_or(0) {
-            // SAFETY: i < n.
-            let dev = unsafe { *list.add(i) };
-            if dev.is_null() {
-                break;
+        for_each_device(|dev, dn| {
+            if dn.to_string_lossy() != name {
+                return ControlFlow::Continue(());
             }
-            // SAFETY: valid device, NUL-terminated name.
-            let dn = unsafe { CStr::from_ptr(ibv_get_device_name(dev)) };
-            if dn.to_string_lossy() == name {
-                // SAFETY: valid device from the live list.
-                ctx = unsafe { ibv_open_device(dev) };
-                break;
-            }
-        }
-        // SAFETY: list freed once; an opened context stays valid after the list is freed.
-        unsafe { ibv_free_device_list(list) };
+            // SAFETY: a valid device of the live list.
+            ctx = unsafe { ibv_open_device(dev) };
+            ControlFlow::Break(())
+        });
         let ctx = NonNull::new(ctx).ok_or_else(|| VerbsError::NoDevice(name.to_owned()))?;
         // SAFETY: ctx is an open context.
         let pd = unsafe { ibv_alloc_pd(ctx.as_ptr()) };

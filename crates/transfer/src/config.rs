@@ -1,0 +1,81 @@
+//! Settings of the transfer engine ([`EngineConfig`]): lanes, slicing, pipelining, timeouts and
+//! transport preferences, with the documented defaults and their validation. Pure, except that
+//! the default node name is read from the environment (`KVPOOL_NODE_NAME`, then `HOSTNAME`).
+
+use std::time::Duration;
+
+use super::error::TransferError;
+use super::frame;
+
+/// Engine settings. `Default` gives the documented defaults.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Name of this node; segments whose descriptor names the same node are reached through
+    /// shared memory when possible.
+    pub node: String,
+    /// TCP connections (lanes) per peer.
+    pub lanes: usize,
+    /// Requests larger than this are cut into slices spread over the lanes.
+    pub slice_size: u64,
+    /// Largest data frame accepted from a peer (target side); at least `slice_size`.
+    pub max_slice: u64,
+    /// Slices in flight per lane (pipelining depth).
+    pub window: usize,
+    /// Every wait on a peer (reply, payload, handshake) gives up after this long.
+    pub timeout: Duration,
+    /// TCP connect timeout.
+    pub connect_timeout: Duration,
+    /// Reach same-node segments through shared memory.
+    pub prefer_shm: bool,
+    /// Want RDMA: when no RDMA path works the engine falls back to TCP, loudly.
+    pub want_rdma: bool,
+    /// Notifications kept until read.
+    pub notification_capacity: usize,
+    /// Target side: connections served at once; more are accepted and closed at once.
+    pub max_connections: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            node: std::env::var("KVPOOL_NODE_NAME")
+                .or_else(|_| std::env::var("HOSTNAME"))
+                .unwrap_or_else(|_| "localhost".into()),
+            lanes: 4,
+            slice_size: 4 * 1024 * 1024,
+            max_slice: frame::DEFAULT_MAX_SLICE,
+            window: 8,
+            timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(3),
+            prefer_shm: true,
+            want_rdma: false,
+            notification_capacity: 4096,
+            max_connections: 1024,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub(crate) fn validate(&self) -> Result<(), TransferError> {
+        let bad = |m: &str| Err(TransferError::Config(m.to_owned()));
+        if self.lanes == 0 || self.lanes > 64 {
+            return bad("lanes must be between 1 and 64");
+        }
+        if self.slice_size == 0 || self.slice_size > self.max_slice {
+            return bad("slice_size must be > 0 and <= max_slice");
+        }
+        if self.max_slice > (1 << 30) {
+            return bad("max_slice must be <= 1 GiB");
+        }
+        if self.window == 0 || self.window > 1024 {
+            return bad("window must be between 1 and 1024");
+        }
+        if self.max_connections == 0 {
+            return bad("max_connections must be > 0");
+        }
+        if self.timeout.is_zero() || self.connect_timeout.is_zero() {
+            return bad("timeouts must be > 0");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,167 @@
+//! Moving bytes on opened segments: batch submission (bounds checks, then each request cut
+//! into slices for its route: a memory copy for shared memory, work requests striped over NICs
+//! for RDMA, slices over the lanes for TCP), waiting for a batch, and the control round trips
+//! (OPEN, NOTIFY) on a peer's first lane. I/O boundary: none here; the routes do the I/O.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::TransferEngine;
+use super::handles::{RemoteSegment, Route, TransferRequest};
+use crate::batch::{Batch, BatchBuilder, BatchFailed, TransferOp};
+use crate::error::{Failure, TransferError, error_chain};
+use crate::frame::{self, Opcode};
+use crate::memory::{self, MemoryError};
+use crate::tcp::{Peer, Slice, SliceKind};
+
+impl TransferEngine {
+    /// Send a control request on lane 0 and wait for its reply header.
+    pub(super) fn control(
+        &self,
+        peer: &Peer,
+        opcode: Opcode,
+        payload: Vec<u8>,
+    ) -> Result<frame::Header, Failure> {
+        let mut b = BatchBuilder::new(1, self.inner.metrics.clone());
+        let req = b.request("tcp", "control", 0, 1);
+        let batch = b.finish();
+        let reply = Arc::new(Mutex::new(None));
+        peer.dispatch_on(
+            0,
+            Slice {
+                req: Some(req),
+                kind: SliceKind::Control {
+                    opcode,
+                    payload,
+                    reply: reply.clone(),
+                },
+                local: None,
+                local_offset: 0,
+                handle: 0,
+                remote_offset: 0,
+                len: 0,
+            },
+        );
+        batch
+            .wait_ok(self.inner.config.timeout + self.inner.config.connect_timeout)
+            .map_err(|e| e.failure)?;
+        let h = *reply.lock();
+        h.ok_or_else(|| Failure::new("protocol", "reply missing"))
+    }
+
+    /// Submit a batch. Requests are validated (bounds on both sides) before anything is sent;
+    /// an invalid request fails the whole submission. Returns once everything is queued.
+    pub fn submit(&self, requests: Vec<TransferRequest>) -> Result<Batch, TransferError> {
+        for (index, r) in requests.iter().enumerate() {
+            let invalid = |source| TransferError::InvalidRequest { index, source };
+            r.local
+                .segment()
+                .check_range(r.local_offset, r.len)
+                .map_err(invalid)?;
+            if r.remote_offset
+                .checked_add(r.len)
+                .is_none_or(|e| e > r.remote.size)
+            {
+                return Err(invalid(MemoryError::OutOfBounds {
+                    offset: r.remote_offset,
+                    len: r.len,
+                    size: r.remote.size as usize,
+                }));
+            }
+        }
+        let slice_size = self.inner.config.slice_size;
+        let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
+        for r in requests {
+            match &r.remote.route {
+                Route::Shm(remote) => {
+                    let req = builder.request("shm", r.op.as_str(), r.len, 1);
+                    let (src, so, dst, dof) = match r.op {
+                        TransferOp::Read => (
+                            &**remote,
+                            r.remote_offset,
+                            &**r.local.segment(),
+                            r.local_offset,
+                        ),
+                        TransferOp::Write => (
+                            &**r.local.segment(),
+                            r.local_offset,
+                            &**remote,
+                            r.remote_offset,
+                        ),
+                    };
+                    let result = memory::copy_between(src, so, dst, dof, r.len as usize)
+                        .map_err(|e| Failure::new(e.category(), e.to_string()));
+                    req.slice_done(result);
+                }
+                Route::Rdma { channel, .. } => {
+                    let plan = channel.plan(r.len);
+                    let req = builder.request("rdma", r.op.as_str(), r.len, plan.len());
+                    channel.submit(
+                        &req,
+                        plan,
+                        r.op,
+                        r.local.segment(),
+                        r.local_offset,
+                        r.remote_offset,
+                    );
+                }
+                Route::Tcp(peer) => {
+                    let n = r.len.div_ceil(slice_size).max(1);
+                    let req = builder.request("tcp", r.op.as_str(), r.len, n as usize);
+                    for i in 0..n {
+                        let off = i * slice_size;
+                        let len = slice_size.min(r.len - off);
+                        peer.dispatch(Slice {
+                            req: Some(req.clone()),
+                            kind: match r.op {
+                                TransferOp::Read => SliceKind::Read,
+                                TransferOp::Write => SliceKind::Write,
+                            },
+                            local: Some(r.local.segment().clone()),
+                            local_offset: r.local_offset + off,
+                            handle: r.remote.handle,
+                            remote_offset: r.remote_offset + off,
+                            len,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(builder.finish())
+    }
+
+    /// Submit and wait for a batch, failing on the first failed request.
+    pub fn transfer(&self, requests: Vec<TransferRequest>) -> Result<(), BatchFailed> {
+        let batch = self.submit(requests).map_err(|e| BatchFailed {
+            index: None,
+            failure: Failure::new(e.category(), error_chain(&e)),
+        })?;
+        // Each slice is bounded by the per-connection timeout; this outer bound only guards
+        // against a bug: it is generous on purpose.
+        batch.wait_ok(self.inner.config.timeout * 4 + self.inner.config.connect_timeout)
+    }
+
+    /// Send a small message (at most 64 KiB) to the owner of `remote`; returns once the peer
+    /// queued it.
+    pub fn notify(&self, remote: &RemoteSegment, payload: &[u8]) -> Result<(), TransferError> {
+        let (Route::Tcp(peer) | Route::Rdma { tcp: peer, .. }) = &remote.route else {
+            return Err(TransferError::Notify {
+                peer: remote.name.to_string(),
+                reason: "notify needs a TCP route; open the segment with Protocol::Tcp".into(),
+            });
+        };
+        if payload.len() as u64 > frame::MAX_CONTROL_PAYLOAD {
+            return Err(TransferError::Notify {
+                peer: peer.addr().to_string(),
+                reason: format!("message of {} bytes exceeds 64 KiB", payload.len()),
+            });
+        }
+        self.control(peer, Opcode::Notify, payload.to_vec())
+            .map(|_| ())
+            .map_err(|f| TransferError::Notify {
+                peer: peer.addr().to_string(),
+                reason: f.to_string(),
+            })
+    }
+}

@@ -1,0 +1,308 @@
+//! Tests of the target side's session against in-memory streams: hostile request streams
+//! (property tests), bad offsets and handles, RDMA_CONNECT without RDMA, and the handshake.
+
+use super::*;
+use crate::frame::{HEADER_LEN, MAX_CONTROL_PAYLOAD};
+use crate::memory::HostOptions;
+use proptest::prelude::*;
+use std::io::Cursor;
+
+/// An in-memory connection: scripted input, captured output.
+struct MemStream {
+    input: Cursor<Vec<u8>>,
+    output: Vec<u8>,
+}
+
+impl Read for MemStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.input.read(buf)
+    }
+}
+
+impl Write for MemStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.output.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl DataStream for MemStream {
+    fn recv_into(&mut self, to: Span<'_>) -> io::Result<()> {
+        let mut tmp = vec![0u8; to.len];
+        self.input.read_exact(&mut tmp)?;
+        to.seg
+            .write_at(to.offset, &tmp)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+    }
+    fn send_from(&mut self, from: Span<'_>) -> io::Result<()> {
+        let mut tmp = vec![0u8; from.len];
+        from.seg
+            .read_at(from.offset, &mut tmp)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        self.output.extend_from_slice(&tmp);
+        Ok(())
+    }
+}
+
+const SEG: u64 = 64 * 1024;
+const MAX: u64 = 1024 * 1024;
+
+fn ctx() -> (ServerCtx, u32) {
+    let registry = Arc::new(Registry::default());
+    let seg = Arc::new(Segment::host(SEG as usize, HostOptions::default()).unwrap());
+    let handle = registry.insert("seg", seg).unwrap();
+    let ctx = ServerCtx {
+        registry,
+        key: AuthKey::new(*b"0123456789abcdef").unwrap(),
+        max_slice: MAX,
+        timeout: Duration::from_secs(1),
+        max_connections: 4,
+        notifications: Arc::new(NotificationQueue::new(4)),
+        metrics: TransferMetrics::unregistered().unwrap(),
+        rdma: None,
+    };
+    (ctx, handle)
+}
+
+/// One chunk of hostile input.
+#[derive(Debug, Clone)]
+enum Chunk {
+    Frame {
+        opcode: u8,
+        valid_handle: bool,
+        handle: u32,
+        offset: u64,
+        length: u64,
+        payload: Vec<u8>,
+    },
+    Garbage(Vec<u8>),
+    Truncated(usize),
+}
+
+fn chunk() -> impl Strategy<Value = Chunk> {
+    let length = prop_oneof![
+        0u64..64,
+        Just(SEG),
+        SEG - 8..SEG + 8,
+        MAX - 1..MAX + 2,
+        Just(MAX_CONTROL_PAYLOAD + 1),
+        any::<u64>(),
+    ];
+    let offset = prop_oneof![0u64..SEG, SEG - 16..SEG + 16, any::<u64>()];
+    prop_oneof![
+        6 => (0u8..=15, any::<bool>(), any::<u32>(), offset, length,
+              proptest::collection::vec(any::<u8>(), 0..96))
+            .prop_map(|(opcode, valid_handle, handle, offset, length, payload)| Chunk::Frame {
+                opcode, valid_handle, handle, offset, length, payload
+            }),
+        1 => proptest::collection::vec(any::<u8>(), 1..80).prop_map(Chunk::Garbage),
+        1 => (1usize..HEADER_LEN).prop_map(Chunk::Truncated),
+    ]
+}
+
+fn encode(chunks: &[Chunk], real_handle: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, c) in chunks.iter().enumerate() {
+        match c {
+            Chunk::Frame {
+                opcode,
+                valid_handle,
+                handle,
+                offset,
+                length,
+                payload,
+            } => {
+                let mut h = Header::new(Opcode::Read, i as u64 + 1);
+                h.handle = if *valid_handle { real_handle } else { *handle };
+                h.offset = *offset;
+                h.length = *length;
+                let mut b = h.encode();
+                b[5] = *opcode;
+                out.extend_from_slice(&b);
+                out.extend_from_slice(payload);
+            }
+            Chunk::Garbage(g) => out.extend_from_slice(g),
+            Chunk::Truncated(n) => {
+                out.extend_from_slice(&Header::new(Opcode::Write, 9).encode()[..*n])
+            }
+        }
+    }
+    out
+}
+
+/// Parse what the server wrote: it must be a sequence of well-formed replies.
+fn replies(mut out: &[u8]) -> Vec<Header> {
+    let mut v = Vec::new();
+    while !out.is_empty() {
+        let h = Header::decode(out, MAX).expect("server wrote a malformed header");
+        let payload = match h.opcode {
+            Opcode::ReadData | Opcode::Error => h.length as usize,
+            _ => 0,
+        };
+        assert!(
+            matches!(
+                h.opcode,
+                Opcode::ReadData
+                    | Opcode::Error
+                    | Opcode::WriteAck
+                    | Opcode::OpenOk
+                    | Opcode::NotifyAck
+            ),
+            "server sent a {:?}",
+            h.opcode
+        );
+        assert!(out.len() >= HEADER_LEN + payload, "reply payload cut short");
+        out = &out[HEADER_LEN + payload..];
+        v.push(h);
+    }
+    v
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn hostile_request_streams_get_error_replies_or_a_close_never_a_panic(
+        chunks in proptest::collection::vec(chunk(), 1..12)
+    ) {
+        let (ctx, handle) = ctx();
+        let mut s = MemStream { input: Cursor::new(encode(&chunks, handle)), output: Vec::new() };
+        let _ = serve_requests(&mut s, &ctx, "test", &mut |_| {
+            Err(io::Error::other("no idle waits in memory"))
+        });
+        for h in replies(&s.output) {
+            if h.opcode == Opcode::ReadData {
+                // Data is only ever served from inside the segment.
+                prop_assert!(h.length <= SEG);
+            }
+        }
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_pass_the_handshake(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let (ctx, _) = ctx();
+        let mut s = MemStream { input: Cursor::new(bytes), output: Vec::new() };
+        prop_assert!(wire::server_handshake(&mut s, &ctx.key).is_err());
+        for h in replies(&s.output) {
+            prop_assert!(matches!(h.opcode, Opcode::Challenge | Opcode::Error));
+        }
+    }
+}
+
+/// A request frame: its header (`length` as given, whatever the payload) and its payload.
+fn request(op: Opcode, id: u64, handle: u32, offset: u64, length: u64, payload: &[u8]) -> Vec<u8> {
+    let mut h = Header::new(op, id);
+    h.handle = handle;
+    h.offset = offset;
+    h.length = length;
+    [&h.encode()[..], payload].concat()
+}
+
+/// Serve `input` (requests of an authenticated connection) to its end; what the server wrote.
+fn serve(ctx: &ServerCtx, input: Vec<u8>) -> Vec<u8> {
+    let mut s = MemStream {
+        input: Cursor::new(input),
+        output: Vec::new(),
+    };
+    serve_requests(&mut s, ctx, "test", &mut |_| {
+        Err(io::Error::other("no idle waits in memory"))
+    })
+    .unwrap();
+    s.output
+}
+
+/// Request id, opcode and status of every reply in `output`.
+fn reply_kinds(output: &[u8]) -> Vec<(u64, Opcode, u32)> {
+    replies(output)
+        .iter()
+        .map(|h| (h.request_id, h.opcode, h.status))
+        .collect()
+}
+
+#[test]
+fn out_of_bounds_and_unknown_handles_get_errors_and_the_connection_goes_on() {
+    let (ctx, handle) = ctx();
+    let input = [
+        request(Opcode::Write, 1, handle, SEG - 2, 4, b"abcd"), // crosses the end
+        request(Opcode::Read, 2, handle + 1, 0, 4, b""),        // unknown handle
+        request(Opcode::Read, 3, handle, u64::MAX - 1, 4, b""), // offset overflow
+        request(Opcode::Write, 4, handle, 10, 4, b"wxyz"),      // fine
+        request(Opcode::Read, 5, handle, 10, 4, b""),           // fine
+    ];
+    let output = serve(&ctx, input.concat());
+    assert_eq!(
+        reply_kinds(&output),
+        vec![
+            (1, Opcode::Error, ErrorCode::OutOfBounds as u32),
+            (2, Opcode::Error, ErrorCode::UnknownSegment as u32),
+            (3, Opcode::Error, ErrorCode::OutOfBounds as u32),
+            (4, Opcode::WriteAck, 0),
+            (5, Opcode::ReadData, 0),
+        ]
+    );
+    assert!(output.ends_with(b"wxyz"));
+    let seg = ctx.registry.get(handle).unwrap();
+    let mut tail = [0u8; 2];
+    seg.read_at(SEG - 2, &mut tail).unwrap();
+    assert_eq!(tail, [0, 0], "rejected write left no bytes behind");
+}
+
+#[test]
+fn rdma_connect_gets_unsupported_or_malformed_and_the_connection_goes_on() {
+    use crate::rdma::handshake::{ConnectRequest, MTU_1024, QpInfo};
+    let (ctx, handle) = ctx();
+    let good = ConnectRequest {
+        segment: "seg".into(),
+        qps: vec![QpInfo {
+            device: "mlx5_0".into(),
+            qp_num: 9,
+            psn: 1,
+            lid: 0,
+            gid: [0; 16],
+            mtu: MTU_1024,
+        }],
+    }
+    .encode()
+    .unwrap();
+    let garbage = b"\x07garbage";
+    let input = [
+        // No RDMA provider here.
+        request(Opcode::RdmaConnect, 1, handle, 0, good.len() as u64, &good),
+        // A bad handshake version.
+        request(
+            Opcode::RdmaConnect,
+            2,
+            handle,
+            0,
+            garbage.len() as u64,
+            garbage,
+        ),
+        request(Opcode::Read, 3, handle, 0, 4, b""),
+    ];
+    assert_eq!(
+        reply_kinds(&serve(&ctx, input.concat())),
+        vec![
+            (1, Opcode::Error, ErrorCode::Unsupported as u32),
+            (2, Opcode::Error, ErrorCode::Malformed as u32),
+            (3, Opcode::ReadData, 0),
+        ]
+    );
+}
+
+#[test]
+fn wrong_key_fails_both_sides_of_the_handshake() {
+    use std::os::unix::net::UnixStream;
+    let (mut a, mut b) = UnixStream::pair().unwrap();
+    let t = std::thread::spawn(move || {
+        let key = AuthKey::new(*b"0123456789abcdef").unwrap();
+        wire::server_handshake(&mut b, &key)
+    });
+    let wrong = AuthKey::new(*b"fedcba9876543210").unwrap();
+    let client = wire::client_handshake(&mut a, &wrong);
+    assert!(matches!(client, Err(WireError::Auth(_))), "{client:?}");
+    drop(a);
+    assert!(t.join().unwrap().is_err());
+}

@@ -1,0 +1,139 @@
+//! The receiver thread of a lane: reads reply headers, matches each to the oldest slice in
+//! flight (replies come in order), receives READ payloads straight into segment memory and
+//! settles the slice; a slice without a reply within the timeout fails the lane.
+//! I/O boundary: the lane's socket, reading.
+
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use super::LaneShared;
+use crate::error::Failure;
+use crate::frame::{ErrorCode, Opcode};
+use crate::memory::Span;
+use crate::tcp::SliceKind;
+use crate::wire::{self, WireError, is_timeout};
+
+pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
+    let timeout = sh.cfg.dialer.timeout;
+    let mut deadline_check = || -> io::Result<()> {
+        if sh.is_dead() {
+            return Err(io::Error::other("lane closed"));
+        }
+        let q = sh.outstanding.lock();
+        match q.front() {
+            Some(f) if f.sent_at.elapsed() > timeout => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no reply from {} within {timeout:?}", sh.peer),
+            )),
+            _ => Ok(()),
+        }
+    };
+    loop {
+        let header = match wire::read_header(&mut stream, sh.cfg.max_slice, &mut deadline_check) {
+            Ok(h) => h,
+            Err(e) => {
+                let failure = match &e {
+                    WireError::Closed => {
+                        Failure::new("peer_closed", format!("{} closed the connection", sh.peer))
+                    }
+                    WireError::Io(io) if is_timeout(io) => Failure::new("timeout", io.to_string()),
+                    other => Failure::from(other),
+                };
+                sh.fail(failure);
+                return;
+            }
+        };
+        let Some(inflight) = sh.outstanding.lock().pop_front() else {
+            sh.fail(Failure::new(
+                "protocol",
+                format!("unsolicited {:?} from {}", header.opcode, sh.peer),
+            ));
+            return;
+        };
+        sh.cv.notify_all();
+        // Replies come in order; only a connection-level ERROR (request id 0) may name no request.
+        let connection_error = header.opcode == Opcode::Error && header.request_id == 0;
+        if inflight.id != header.request_id && !connection_error {
+            sh.fail(Failure::new(
+                "protocol",
+                format!(
+                    "reply for request {} while {} was expected",
+                    header.request_id, inflight.id
+                ),
+            ));
+            inflight.slice.settle(Err(sh.failure()));
+            return;
+        }
+        let slice = inflight.slice;
+        let outcome: Result<Result<(), Failure>, Failure> = match (header.opcode, &slice.kind) {
+            (Opcode::WriteAck, SliceKind::Write) => Ok(Ok(())),
+            (Opcode::ReadData, SliceKind::Read) => {
+                if header.length != slice.len {
+                    Err(Failure::new(
+                        "protocol",
+                        format!(
+                            "READ of {} bytes answered with {}",
+                            slice.len, header.length
+                        ),
+                    ))
+                } else if let Some(seg) = &slice.local {
+                    let sent_at = inflight.sent_at;
+                    let mut payload_deadline = || -> io::Result<()> {
+                        if sent_at.elapsed() > timeout {
+                            Err(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                "read payload stalled",
+                            ))
+                        } else {
+                            Ok(())
+                        }
+                    };
+                    let to = Span::new(seg, slice.local_offset, slice.len as usize);
+                    match to.recv(stream.as_fd(), &mut payload_deadline) {
+                        Ok(()) => Ok(Ok(())),
+                        Err(e) => Err(Failure::new(
+                            if is_timeout(&e) { "timeout" } else { "io" },
+                            format!("receiving from {} failed: {e}", sh.peer),
+                        )),
+                    }
+                } else {
+                    Err(Failure::new("protocol", "read slice without local memory"))
+                }
+            }
+            (
+                op @ (Opcode::OpenOk | Opcode::NotifyAck),
+                SliceKind::Control { opcode, reply, .. },
+            ) if (op == Opcode::OpenOk) == (*opcode == Opcode::Open) => {
+                *reply.lock() = Some(header);
+                Ok(Ok(()))
+            }
+            (Opcode::Error, _) => match wire::read_control_payload(&mut stream, &header) {
+                Ok(reason) => {
+                    let code = ErrorCode::from_u32(header.status);
+                    let reason = String::from_utf8_lossy(&reason).into_owned();
+                    if header.request_id == 0 {
+                        // Connection-level error (malformed frame): the peer closes.
+                        Err(Failure::new("remote", reason))
+                    } else {
+                        Ok(Err(Failure::new(code.as_str(), reason)))
+                    }
+                }
+                Err(e) => Err(Failure::from(&e)),
+            },
+            (op, _) => Err(Failure::new(
+                "protocol",
+                format!("unexpected {op:?} from {}", sh.peer),
+            )),
+        };
+        match outcome {
+            Ok(result) => slice.settle(result),
+            Err(lane_failure) => {
+                slice.settle(Err(lane_failure.clone()));
+                sh.fail(lane_failure);
+                return;
+            }
+        }
+    }
+}
