@@ -2,7 +2,7 @@
 //! pinned, pending or busy objects), dropping their replicas, or demoting a DRAM replica to an
 //! SSD segment of the same node. Pure.
 
-use super::{BUSY, HARD_PIN, IN_POLICY, LIVE, MasterState, PENDING, Rep, SOFT_PIN, TaskRec};
+use super::{BUSY, HARD_PIN, IN_POLICY, LIVE, MasterState, PENDING, Rep, SOFT_PIN};
 use crate::master::types::{TaskKind, Tier};
 
 impl MasterState {
@@ -70,12 +70,7 @@ impl MasterState {
             self.free_rep(r, pages);
             self.counters.evicted_dropped[t] += 1;
         }
-        if self.entries[slot as usize].replicas.is_empty() {
-            self.drop_object(slot);
-        } else {
-            self.sync_policy(slot);
-            self.log_object(slot);
-        }
+        self.settle(slot);
         true
     }
 
@@ -101,20 +96,7 @@ impl MasterState {
         self.log_reserve(target, pages);
         self.used_pages[Tier::Ssd.index()] += u64::from(pages);
         self.releasing_pages[Tier::Dram.index()] += u64::from(pages);
-        let generation = self.entries[slot as usize].generation;
-        self.entries[slot as usize].flags |= BUSY;
-        self.add_task(TaskRec {
-            kind: TaskKind::Demote,
-            slot,
-            generation,
-            source,
-            target,
-            node,
-            deadline_ms: self.clock.now_ms() + self.config.task_timeout_ms,
-            pages,
-            releasing_pages: pages,
-            key: self.entries[slot as usize].key,
-        });
+        self.start_task(TaskKind::Demote, slot, source, target, node, pages);
         true
     }
 }

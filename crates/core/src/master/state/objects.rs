@@ -107,6 +107,17 @@ impl MasterState {
         self.segments.get(&r.seg).map(|s| s.spec.tier)
     }
 
+    /// After `slot` lost or gained replicas: forget it when none is left, else bring its policy
+    /// membership and its journal record up to date.
+    pub(super) fn settle(&mut self, slot: u32) {
+        if self.entries[slot as usize].replicas.is_empty() {
+            self.drop_object(slot);
+        } else {
+            self.sync_policy(slot);
+            self.log_object(slot);
+        }
+    }
+
     /// Make policy membership match the tiers the committed object has replicas in.
     pub(super) fn sync_policy(&mut self, slot: u32) {
         let Some(e) = self.entries.get(slot as usize) else {

@@ -8,7 +8,36 @@ use super::{BUSY, LIVE, MasterError, MasterState, PENDING, Rep, SPREAD_DOMAINS, 
 use crate::master::types::{PutOptions, Spread, Task, TaskKind, Tier};
 
 impl MasterState {
-    pub(super) fn add_task(&mut self, rec: TaskRec) {
+    /// Mark `slot` busy and queue a task for `node`'s agent that copies `source` (`pages` pages
+    /// of the object) to `target`. A demotion takes the pages out of the DRAM tier's usage
+    /// meanwhile (the caller has counted them in `releasing_pages`).
+    pub(super) fn start_task(
+        &mut self,
+        kind: TaskKind,
+        slot: u32,
+        source: Rep,
+        target: Rep,
+        node: u32,
+        pages: u32,
+    ) {
+        let e = &mut self.entries[slot as usize];
+        e.flags |= BUSY;
+        let rec = TaskRec {
+            kind,
+            slot,
+            generation: e.generation,
+            source,
+            target,
+            node,
+            deadline_ms: self.clock.now_ms() + self.config.task_timeout_ms,
+            pages,
+            releasing_pages: if kind == TaskKind::Demote { pages } else { 0 },
+            key: e.key,
+        };
+        self.add_task(rec);
+    }
+
+    fn add_task(&mut self, rec: TaskRec) {
         let id = self.next_task;
         self.next_task += 1;
         if let Some(n) = self.nodes.get_mut(rec.node as usize) {
@@ -71,15 +100,17 @@ impl MasterState {
         if success {
             let size = self.entries[slot as usize].size;
             self.feed_commit(t.target, t.key, size);
+            self.entries[slot as usize].replicas.push(t.target);
         }
+        let c = &mut self.counters;
+        *match (t.kind, success) {
+            (TaskKind::Repair, true) => &mut c.repairs_done,
+            (TaskKind::Repair, false) => &mut c.repairs_failed,
+            (TaskKind::Demote, true) => &mut c.demoted,
+            (TaskKind::Demote, false) => &mut c.demotions_failed,
+        } += 1;
         match t.kind {
             TaskKind::Repair => {
-                if success {
-                    self.entries[slot as usize].replicas.push(t.target);
-                    self.counters.repairs_done += 1;
-                } else {
-                    self.counters.repairs_failed += 1;
-                }
                 let e = &self.entries[slot as usize];
                 if e.replicas.len() < usize::from(e.desired) {
                     self.under.insert(slot);
@@ -88,12 +119,6 @@ impl MasterState {
                 }
             }
             TaskKind::Demote => {
-                if success {
-                    self.entries[slot as usize].replicas.push(t.target);
-                    self.counters.demoted += 1;
-                } else {
-                    self.counters.demotions_failed += 1;
-                }
                 // The DRAM copy was chosen for eviction; free it unless a reader now holds a
                 // lease on the object (then it stays and is evicted again later).
                 let e = &self.entries[slot as usize];
@@ -109,12 +134,7 @@ impl MasterState {
                 }
             }
         }
-        if self.entries[slot as usize].replicas.is_empty() {
-            self.drop_object(slot);
-        } else {
-            self.sync_policy(slot);
-            self.log_object(slot);
-        }
+        self.settle(slot);
     }
 
     pub(super) fn schedule_repairs(&mut self) -> u64 {
@@ -138,7 +158,7 @@ impl MasterState {
                 continue;
             };
             let existing: SmallVec<[Rep; 2]> = e.replicas.clone();
-            let (pages, generation) = (e.pages(), e.generation);
+            let pages = e.pages();
             let Some(tier) = self.tier_of(source) else {
                 continue;
             };
@@ -161,19 +181,7 @@ impl MasterState {
                 continue;
             };
             self.log_reserve(target, pages);
-            self.entries[slot as usize].flags |= BUSY;
-            self.add_task(TaskRec {
-                kind: TaskKind::Repair,
-                slot,
-                generation,
-                source,
-                target,
-                node,
-                deadline_ms: self.clock.now_ms() + self.config.task_timeout_ms,
-                pages,
-                releasing_pages: 0,
-                key: self.entries[slot as usize].key,
-            });
+            self.start_task(TaskKind::Repair, slot, source, target, node, pages);
             scheduled += 1;
         }
         scheduled

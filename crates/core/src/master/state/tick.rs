@@ -2,6 +2,8 @@
 //! reservations; agents silent past the timeout declared dead; repairs scheduled; tiers evicted
 //! down to their watermarks. Pure: the service calls it on a timer, time comes from the clock.
 
+use std::collections::HashMap;
+
 use super::{MasterState, Rep, SOFT_PIN, TickReport};
 use crate::master::types::Tier;
 
@@ -19,23 +21,11 @@ impl MasterState {
                 self.counters.leases_expired += 1;
             }
         }
-        let expired_pins: Vec<u32> = self
-            .soft_pins
-            .iter()
-            .filter(|(_, until)| **until <= now)
-            .map(|(s, _)| *s)
-            .collect();
-        for s in expired_pins {
+        for s in expired(&self.soft_pins, now) {
             self.soft_pins.remove(&s);
             self.entries[s as usize].flags &= !SOFT_PIN;
         }
-        let expired_puts: Vec<u32> = self
-            .pending
-            .iter()
-            .filter(|(_, d)| **d <= now)
-            .map(|(s, _)| *s)
-            .collect();
-        for s in expired_puts {
+        for s in expired(&self.pending, now) {
             self.drop_object(s);
             self.counters.puts_expired += 1;
         }
@@ -74,4 +64,13 @@ impl MasterState {
         }
         report
     }
+}
+
+/// Slots whose deadline (soft pin or pending put) is `now` or earlier.
+fn expired(deadlines: &HashMap<u32, u64>, now: u64) -> Vec<u32> {
+    deadlines
+        .iter()
+        .filter(|(_, until)| **until <= now)
+        .map(|(s, _)| *s)
+        .collect()
 }
