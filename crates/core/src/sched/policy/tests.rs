@@ -52,6 +52,36 @@ fn req(keys: &[BlockKey], input: u64) -> Request<'_> {
     }
 }
 
+/// A request on a decode instance (request id 0).
+fn member(context_tokens: u64, remaining_tokens: u32, joins_at_s: f64) -> DecodeMember {
+    DecodeMember {
+        request: 0,
+        context_tokens,
+        remaining_tokens,
+        joins_at_s,
+    }
+}
+
+/// A decode instance running `running`, with nothing assigned that has not arrived.
+fn running(running: Vec<DecodeMember>) -> DecodeLoad {
+    DecodeLoad {
+        running,
+        pending: vec![],
+    }
+}
+
+/// `s`'s decision at 0 s for a prompt of `input` tokens and no cached blocks, with one idle
+/// prefill instance and one decode instance loaded as `decode`.
+fn decide_alone(s: &mut Scheduler, idx: &PrefixIndex, input: u64, decode: DecodeLoad) -> Decision {
+    s.decide(
+        0.0,
+        &req(&[], input),
+        idx,
+        &[PrefillLoad::default()],
+        &[decode],
+    )
+}
+
 fn accept(d: Decision) -> Placement {
     match d {
         Decision::Accept(p) => p,
@@ -156,28 +186,14 @@ fn baselines_choose_as_defined() {
 fn decode_goes_to_the_lightest_instance_with_room() {
     let mut s = Scheduler::new(config(Policy::Conductor, Rejection::None, 1), 3).unwrap();
     let idx = PrefixIndex::new(1).unwrap();
-    let m = |ctx: u64| DecodeMember {
-        request: 0,
-        context_tokens: ctx,
-        remaining_tokens: 100,
-        joins_at_s: 0.0,
-    };
+    let m = |ctx: u64| member(ctx, 100, 0.0);
     let decode = [
         // 2 sequences, 2000 tokens: step after adding 500 = 0.01+0.03+0.0025 = 0.0425
-        DecodeLoad {
-            running: vec![m(1000), m(1000)],
-            pending: vec![],
-        },
+        running(vec![m(1000), m(1000)]),
         // 1 sequence but 9600 tokens: the request (500) does not fit in 10_000
-        DecodeLoad {
-            running: vec![m(9600)],
-            pending: vec![],
-        },
+        running(vec![m(9600)]),
         // 1 sequence, 3000 tokens: 0.01+0.02+0.0035 = 0.0335
-        DecodeLoad {
-            running: vec![m(3000)],
-            pending: vec![],
-        },
+        running(vec![m(3000)]),
     ];
     let p = accept(s.decide(
         0.0,
@@ -195,70 +211,27 @@ fn early_rejection_on_ttft_tpot_and_memory() {
     let idx = PrefixIndex::new(1).unwrap();
     let mut s = Scheduler::new(config(Policy::Conductor, Rejection::Early, 1), 1).unwrap();
     // 11_000 tokens at 1 ms each = 11 s > 10 s SLO.
-    let d = s.decide(
-        0.0,
-        &req(&[], 11_000),
-        &idx,
-        &[PrefillLoad::default()],
-        &[DecodeLoad::default()],
-    );
+    let d = decide_alone(&mut s, &idx, 11_000, DecodeLoad::default());
     assert_eq!(d, Decision::Reject(RejectReason::Ttft { estimate_s: 11.0 }));
     // The same request with no rejection is accepted.
     let mut none = Scheduler::new(config(Policy::Conductor, Rejection::None, 1), 1).unwrap();
-    let r = req(&[], 11_000);
     assert!(matches!(
-        none.decide(
-            0.0,
-            &r,
-            &idx,
-            &[PrefillLoad::default()],
-            &[DecodeLoad::default()]
-        ),
+        decide_alone(&mut none, &idx, 11_000, DecodeLoad::default()),
         Decision::Accept(_)
     ));
     // Decode: 9 running sequences of 100 tokens; adding one: 0.01 + 0.1 + 0.001 = 0.111 s.
-    let busy = DecodeLoad {
-        running: vec![
-            DecodeMember {
-                request: 0,
-                context_tokens: 100,
-                remaining_tokens: 1000,
-                joins_at_s: 0.0,
-            };
-            9
-        ],
-        pending: vec![],
-    };
-    let d = s.decide(
-        0.0,
-        &req(&[], 100),
-        &idx,
-        &[PrefillLoad::default()],
-        &[busy],
-    );
-    match d {
+    let busy = running(vec![member(100, 1000, 0.0); 9]);
+    match decide_alone(&mut s, &idx, 100, busy) {
         Decision::Reject(RejectReason::Tpot { estimate_s }) => {
             assert!((estimate_s - 0.111).abs() < 1e-12)
         }
         other => panic!("{other:?}"),
     }
-    let full = DecodeLoad {
-        running: vec![DecodeMember {
-            request: 0,
-            context_tokens: 9_950,
-            remaining_tokens: 10,
-            joins_at_s: 0.0,
-        }],
-        pending: vec![],
-    };
-    let d = s.decide(
-        0.0,
-        &req(&[], 100),
-        &idx,
-        &[PrefillLoad::default()],
-        &[full],
+    let full = running(vec![member(9_950, 10, 0.0)]);
+    assert_eq!(
+        decide_alone(&mut s, &idx, 100, full),
+        Decision::Reject(RejectReason::DecodeMemory)
     );
-    assert_eq!(d, Decision::Reject(RejectReason::DecodeMemory));
 }
 
 #[test]
@@ -268,12 +241,7 @@ fn prediction_sees_finishing_and_arriving_requests() {
         per_seq_s: 0.01,
         per_ctx_token_s: 0.0,
     };
-    let m = |remaining: u32, joins: f64| DecodeMember {
-        request: 0,
-        context_tokens: 100,
-        remaining_tokens: remaining,
-        joins_at_s: joins,
-    };
+    let m = |remaining: u32, joins: f64| member(100, remaining, joins);
     let load = DecodeLoad {
         // step now with 2 running = 0.03 s; in 1.5 s = 50 steps
         running: vec![m(10, 0.0), m(1000, 0.0)],
@@ -305,17 +273,11 @@ fn predicted_admission_waits_for_enough_departures() {
         per_seq_s: 0.01,
         per_ctx_token_s: 0.0,
     };
-    let m = |ctx: u64, remaining: u32, joins: f64| DecodeMember {
-        request: 0,
-        context_tokens: ctx,
-        remaining_tokens: remaining,
-        joins_at_s: joins,
-    };
     // Step with C joined (3 sequences) = 0.04 s. A finishes at 100 x 0.04 = 4.0 s, B at
     // 2.0 s; C joins at 0.5 s and finishes at 0.5 + 10 x 0.04 = 0.9 s.
     let load = DecodeLoad {
-        running: vec![m(4000, 100, 0.0), m(3000, 50, 0.0)],
-        pending: vec![m(2000, 10, 0.5)],
+        running: vec![member(4000, 100, 0.0), member(3000, 50, 0.0)],
+        pending: vec![member(2000, 10, 0.5)],
     };
     let mut scratch = Vec::new();
     // Memory 9_500. C joins at 0.5 s next to A and B (9000 tokens). The request (3000)
@@ -355,18 +317,7 @@ fn predicted_rejection_admits_what_current_load_rejects() {
     // Decode is full now (9 sequences), but all of them finish within 1 s, before the
     // request reaches decode (prefill of 5000 tokens takes 5 s).
     let idx = PrefixIndex::new(1).unwrap();
-    let busy = DecodeLoad {
-        running: vec![
-            DecodeMember {
-                request: 0,
-                context_tokens: 100,
-                remaining_tokens: 5,
-                joins_at_s: 0.0,
-            };
-            9
-        ],
-        pending: vec![],
-    };
+    let busy = running(vec![member(100, 5, 0.0); 9]);
     let r = req(&[], 5000);
     let pl = [PrefillLoad::default()];
     let mut early = Scheduler::new(config(Policy::Conductor, Rejection::Early, 1), 1).unwrap();
@@ -387,15 +338,7 @@ fn prediction_rejects_a_burst_that_current_load_does_not_see() {
     let idx = PrefixIndex::new(1).unwrap();
     let burst = DecodeLoad {
         running: vec![],
-        pending: vec![
-            DecodeMember {
-                request: 0,
-                context_tokens: 1000,
-                remaining_tokens: 100,
-                joins_at_s: 0.5,
-            };
-            9
-        ],
+        pending: vec![member(1000, 100, 0.5); 9],
     };
     let r = req(&[], 1500);
     let pl = [PrefillLoad::default()];
@@ -420,15 +363,7 @@ fn prediction_favours_prompts_that_reach_decode_later() {
     // it. A long prompt (3_000 tokens) arrives at 3.3 s, after: prediction admits it. Judging on the load now treats both alike (both rejected), so
     // prediction turns the admitted mix toward long prompts, which hold more memory each.
     let idx = PrefixIndex::new(1).unwrap();
-    let full = DecodeLoad {
-        running: vec![DecodeMember {
-            request: 0,
-            context_tokens: 9_000,
-            remaining_tokens: 60,
-            joins_at_s: 0.0,
-        }],
-        pending: vec![],
-    };
+    let full = running(vec![member(9_000, 60, 0.0)]);
     let pl = [PrefillLoad::default()];
     let (short, long) = (req(&[], 1_500), req(&[], 3_000));
     let mut pred = Scheduler::new(config(Policy::Conductor, Rejection::Predicted, 1), 1).unwrap();
