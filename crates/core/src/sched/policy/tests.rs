@@ -82,6 +82,14 @@ fn decide_alone(s: &mut Scheduler, idx: &PrefixIndex, input: u64, decode: Decode
     )
 }
 
+/// Prefill instances busy until the given times.
+fn free_at(times: &[f64]) -> Vec<PrefillLoad> {
+    times
+        .iter()
+        .map(|&free_at_s| PrefillLoad { free_at_s })
+        .collect()
+}
+
 fn accept(d: Decision) -> Placement {
     match d {
         Decision::Accept(p) => p,
@@ -112,11 +120,7 @@ fn conductor_minimises_estimated_ttft() {
     // = 0.1 s. Fetch: instance 0 needs block 3 (0.1 s), instance 1 blocks 2,3 (0.2 s),
     // instance 2 all three (0.3 s). Queues: 0.5 s, 0 s, 0 s.
     // TTFT: 0 -> 0.5+0.1+0.1 = 0.7; 1 -> 0+0.2+0.1 = 0.3; 2 -> 0+0.3+0.1 = 0.4.
-    let loads = [
-        PrefillLoad { free_at_s: 100.5 },
-        PrefillLoad { free_at_s: 50.0 },
-        PrefillLoad { free_at_s: 0.0 },
-    ];
+    let loads = free_at(&[100.5, 50.0, 0.0]);
     let p = accept(s.decide(100.0, &r, &idx, &loads, &[DecodeLoad::default()]));
     assert_eq!(p.prefill, 1);
     assert_eq!(
@@ -155,11 +159,7 @@ fn baselines_choose_as_defined() {
     let idx = index();
     let keys = [1, 2, 3, 4];
     let r = req(&keys, 400);
-    let loads = [
-        PrefillLoad { free_at_s: 3.0 },
-        PrefillLoad { free_at_s: 1.0 },
-        PrefillLoad { free_at_s: 2.0 },
-    ];
+    let loads = free_at(&[3.0, 1.0, 2.0]);
     let dl = [DecodeLoad::default(), DecodeLoad::default()];
     let mut ll = Scheduler::new(config(Policy::LeastLoad, Rejection::None, 3), 2).unwrap();
     assert_eq!(accept(ll.decide(0.0, &r, &idx, &loads, &dl)).prefill, 1);
@@ -409,12 +409,7 @@ fn hot_prefix_is_replicated_to_least_loaded_non_holders() {
         kv_transfer_s: 0.0,
         tpot_s: 0.0,
     };
-    let loads = [
-        PrefillLoad { free_at_s: 0.0 },
-        PrefillLoad { free_at_s: 5.0 },
-        PrefillLoad { free_at_s: 1.0 },
-        PrefillLoad { free_at_s: 0.0 },
-    ];
+    let loads = free_at(&[0.0, 5.0, 1.0, 0.0]);
     // First hit: below the threshold.
     assert_eq!(
         s.record_hits(&mut idx, &keys, &placement, &loads, 0.0),
