@@ -392,12 +392,32 @@ mod tests {
         std::iter::from_fn(|| p.evict(&mut |_| true)).collect()
     }
 
-    #[test]
-    fn lru_evicts_least_recently_used_first() {
-        let mut p = PolicyKind::Lru.build();
-        for s in 0..4 {
+    /// A policy of `kind` holding slots `0..n` (key = slot), inserted in order.
+    fn filled(kind: PolicyKind, n: u32) -> Box<dyn Policy> {
+        let mut p = kind.build();
+        for s in 0..n {
             p.insert(s, u64::from(s));
         }
+        p
+    }
+
+    /// A policy of `kind` after 5 hot objects (accessed twice) and a scan of 95 one-hit
+    /// wonders.
+    fn hot_then_scan(kind: PolicyKind) -> Box<dyn Policy> {
+        let mut p = kind.build();
+        for s in 0..5 {
+            p.insert(s, u64::from(s));
+            p.touch(s);
+        }
+        for s in 5..100 {
+            p.insert(s, u64::from(s));
+        }
+        p
+    }
+
+    #[test]
+    fn lru_evicts_least_recently_used_first() {
+        let mut p = filled(PolicyKind::Lru, 4);
         p.touch(0);
         p.touch(2);
         assert_eq!(drain(p.as_mut()), vec![1, 3, 0, 2]);
@@ -406,20 +426,14 @@ mod tests {
 
     #[test]
     fn fifo_ignores_accesses() {
-        let mut p = PolicyKind::Fifo.build();
-        for s in 0..3 {
-            p.insert(s, u64::from(s));
-        }
+        let mut p = filled(PolicyKind::Fifo, 3);
         p.touch(0);
         assert_eq!(drain(p.as_mut()), vec![0, 1, 2]);
     }
 
     #[test]
     fn lru_skips_what_may_not_be_evicted_and_remove_unlinks() {
-        let mut p = PolicyKind::Lru.build();
-        for s in 0..4 {
-            p.insert(s, u64::from(s));
-        }
+        let mut p = filled(PolicyKind::Lru, 4);
         p.remove(1);
         assert_eq!(p.evict(&mut |s| s != 0), Some(2));
         assert_eq!(p.evict(&mut |_| false), None);
@@ -428,16 +442,7 @@ mod tests {
 
     #[test]
     fn s3fifo_protects_reaccessed_objects_from_a_scan() {
-        let mut p = PolicyKind::S3fifo.build();
-        // Hot objects, accessed twice.
-        for s in 0..5 {
-            p.insert(s, u64::from(s));
-            p.touch(s);
-        }
-        // A scan of one-hit wonders.
-        for s in 5..100 {
-            p.insert(s, u64::from(s));
-        }
+        let mut p = hot_then_scan(PolicyKind::S3fifo);
         let first: Vec<u32> = (0..90).filter_map(|_| p.evict(&mut |_| true)).collect();
         assert_eq!(first.len(), 90);
         assert!(
@@ -445,14 +450,7 @@ mod tests {
             "hot objects survive: {first:?}"
         );
         // Under LRU the same sequence evicts the hot objects first.
-        let mut lru = PolicyKind::Lru.build();
-        for s in 0..5 {
-            lru.insert(s, u64::from(s));
-            lru.touch(s);
-        }
-        for s in 5..100 {
-            lru.insert(s, u64::from(s));
-        }
+        let mut lru = hot_then_scan(PolicyKind::Lru);
         assert_eq!(lru.evict(&mut |_| true), Some(0));
     }
 

@@ -1,5 +1,8 @@
 //! Public value types of the master's metadata: keys, tiers, segment specs, replica locations,
-//! put options, tasks. Pure data; shared by the core, the gRPC service and the client.
+//! put options, tasks; the records the HA layer persists (objects, journal ops); and what
+//! agents exchange with the master on a heartbeat (the segment-event feed, corrupt-block
+//! reports, the transport state). Pure data; shared by the core, the gRPC service, the client
+//! and the agent.
 
 use serde::{Deserialize, Serialize};
 
@@ -204,4 +207,90 @@ pub struct AdoptItem {
     pub offset: u64,
     /// Bytes of the value (the object size).
     pub length: u64,
+}
+
+/// A committed object as persisted by the HA layer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectRecord {
+    pub key: ObjectKey,
+    pub size: u64,
+    pub desired: u8,
+    pub hard_pinned: bool,
+    /// Replicas are spread over failure domains rather than nodes.
+    #[serde(default)]
+    pub spread_failure_domain: bool,
+    /// (segment id, byte offset)
+    pub replicas: Vec<(u32, u64)>,
+}
+
+/// One change to persist (HA write-through). Produced only when the journal is enabled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JournalOp {
+    PutSegment(u32, SegmentSpec),
+    DelSegment(u32),
+    PutObject(ObjectRecord),
+    DelObject(ObjectKey),
+    /// Space handed to a writer (pending put or task target) that no committed object owns
+    /// yet: a new leader must not reuse it before the writer is done.
+    Reserve {
+        seg: u32,
+        offset: u64,
+        length: u64,
+    },
+    Unreserve {
+        seg: u32,
+        offset: u64,
+    },
+    /// Segment ids below this value were handed out (ids are never reused, across leaders too).
+    SegmentIdsUsed(u32),
+}
+
+/// Transfer engine: how one node's agent moves bytes, as its heartbeat reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransportState {
+    /// The pool asked the agent for RDMA.
+    pub rdma_requested: bool,
+    /// RDMA was requested but transfers went over TCP.
+    pub fallback: bool,
+    /// The last fallback's reason (empty without one).
+    pub fallback_reason: String,
+    /// RDMA devices the agent's engine opened.
+    pub rdma_devices: Vec<String>,
+}
+
+/// What happened to a node's SSD segment; see `SegmentEventKind` in master.proto.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentEventKind {
+    Commit,
+    Free,
+    Reset,
+    ResetDone,
+}
+
+/// One event of a node's feed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentEvent {
+    pub seq: u64,
+    pub kind: SegmentEventKind,
+    pub segment_id: u32,
+    /// Zero for `Reset` and `ResetDone`.
+    pub key: ObjectKey,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// A block an agent found corrupt or truncated while reading it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CorruptBlock {
+    pub segment_id: u32,
+    pub key: ObjectKey,
+    pub offset: u64,
+}
+
+/// What the master answers a heartbeat with.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeartbeatReply {
+    pub tasks: Vec<Task>,
+    pub feed_epoch: u64,
+    pub events: Vec<SegmentEvent>,
 }

@@ -8,6 +8,7 @@ pub mod cost;
 pub mod index;
 pub mod lru;
 pub mod policy;
+pub(crate) mod rng;
 
 pub use blocks::{BlockKey, block_count, block_keys, pool_key, text_tokens};
 pub use cost::{DecodeCost, FitError, PrefillCost};

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
+use crate::sched::rng::SplitMix64;
 use crate::sched::{
     DecodeCost, DecodeLoad, DecodeMember, HotConfig, Policy, PrefillCost, PrefillLoad, PrefixIndex,
     Rejection, Request, Scheduler, SchedulerConfig, Slo,
@@ -82,21 +83,6 @@ impl BenchError {
     }
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 fn resident_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
@@ -110,7 +96,7 @@ pub fn run(cfg: BenchConfig) -> Result<BenchReport, BenchError> {
             "need chain_blocks >= 1, blocks >= chain_blocks and decisions >= 1",
         ));
     }
-    let mut rng = Rng(cfg.seed);
+    let mut rng = SplitMix64(cfg.seed);
     let chains = cfg.blocks / cfg.chain_blocks;
     let keys: Vec<u64> = (0..chains * cfg.chain_blocks).map(|_| rng.next()).collect();
 
@@ -157,7 +143,7 @@ pub fn run(cfg: BenchConfig) -> Result<BenchReport, BenchError> {
             free_at_s: rng.below(10_000) as f64 / 1000.0,
         })
         .collect();
-    let member = |rng: &mut Rng, id: usize, joins: f64| DecodeMember {
+    let member = |rng: &mut SplitMix64, id: usize, joins: f64| DecodeMember {
         request: id as u64,
         context_tokens: 1000 + rng.below(30_000) as u64,
         remaining_tokens: 1 + rng.below(500) as u32,

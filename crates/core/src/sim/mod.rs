@@ -4,10 +4,14 @@
 //! the `kvpool simulate` command prints; the engine and the report are pure.
 
 pub mod bench;
+pub mod config;
 pub mod engine;
+pub mod outcome;
 pub mod report;
 pub mod trace;
 
-pub use engine::{Outcome, SimConfig, SimError, Totals, UNLIMITED, run, simulate};
+pub use config::{SimConfig, UNLIMITED};
+pub use engine::{SimError, run, simulate};
+pub use outcome::{Outcome, Totals};
 pub use report::{Percentiles, Report};
 pub use trace::{TraceError, TraceRecord};

@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 
 use crate::sched::{Policy, RejectReason, Rejection};
 
-use super::engine::{Outcome, SimConfig, Totals};
+use super::config::SimConfig;
+use super::outcome::{Outcome, Totals};
 
 /// Percentiles of a sample (nearest rank), in seconds. All zero for an empty sample.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use super::*;
 use crate::master::clock::FakeClock;
+use crate::master::types::{AdoptItem, Lease, PutOptions, PutStarted, ReplicaInfo, Spread, Tier};
 
 const MIB: u64 = 1 << 20;
 

@@ -1,0 +1,394 @@
+//! The master's metadata core: segment registry, allocation, object index, put state machine,
+//! read leases, pins, heartbeats and agent death, repair and demotion tasks, and eviction at
+//! watermarks. Pure: no I/O, time comes from the injected [`Clock`]; the gRPC service and the
+//! HA layer wrap it.
+//!
+//! Memory layout (the budget is 200 bytes of RSS per object): objects live in a dense slab of
+//! 56-byte entries addressed by `u32` slots; the index is a `hashbrown::HashTable<u32>` (4 bytes
+//! per bucket) keyed by the 128-bit key digest stored in the entry; replicas are `(segment id,
+//! page)` pairs, two inline; per-tier eviction policies keep 8 bytes per slot. Leases, soft pins,
+//! pending puts and tasks are rare and live in side maps.
+//!
+//! This module holds the state itself (the struct, its configuration, errors, counters and
+//! statistics, the entry layout); its methods are spread over one file per concern:
+//! `segments`, `nodes` (heartbeats, agent death, transport reports), `objects` (the index),
+//! `placement`, `puts`, `leases` (reads, leases, pins, removal), `eviction`, `tasks` (repairs
+//! and demotions), `tick`, `feed` (the segment-event feed to agents) and `persistence` (the HA
+//! journal and restore).
+
+mod eviction;
+mod feed;
+mod leases;
+mod nodes;
+mod objects;
+mod persistence;
+mod placement;
+mod puts;
+mod segments;
+mod tasks;
+mod tick;
+
+pub use super::types::{
+    CorruptBlock, HeartbeatReply, JournalOp, ObjectRecord, SegmentEvent, SegmentEventKind,
+    TransportState,
+};
+pub use feed::{FEED_BATCH, FEED_CAP};
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use hashbrown::HashTable;
+use smallvec::SmallVec;
+
+use super::alloc::{ExtentAllocator, PAGE_BYTES, pages_for};
+use super::clock::Clock;
+use super::policy::{Policy, PolicyKind};
+use super::types::{ObjectKey, SegmentSpec, TaskKind, Watermarks};
+
+/// Tunables of the metadata core.
+#[derive(Clone, Debug)]
+pub struct MasterConfig {
+    /// An agent silent for longer is declared dead and its replicas dropped.
+    pub heartbeat_timeout_ms: u64,
+    /// A put not ended within this time is revoked.
+    pub put_timeout_ms: u64,
+    /// Lifetime of a read lease.
+    pub lease_ttl_ms: u64,
+    /// A repair or demotion not completed within this time is abandoned.
+    pub task_timeout_ms: u64,
+    pub policy: PolicyKind,
+    /// Per tier, indexed by [`Tier::index`](super::types::Tier::index).
+    pub watermarks: [Watermarks; 2],
+    pub max_replicas: u8,
+    /// Repair tasks scheduled per tick at most.
+    pub repairs_per_tick: usize,
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_timeout_ms: 10_000,
+            put_timeout_ms: 30_000,
+            lease_ttl_ms: 5_000,
+            task_timeout_ms: 60_000,
+            policy: PolicyKind::Lru,
+            watermarks: [Watermarks::default(); 2],
+            max_replicas: 8,
+            repairs_per_tick: 256,
+        }
+    }
+}
+
+/// Errors of the metadata core. Each one leaves the state unchanged.
+#[derive(Debug, thiserror::Error, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum MasterError {
+    #[error("unknown key {0}")]
+    UnknownKey(String),
+    #[error("key {0} is being written by another put")]
+    PutInProgress(String),
+    #[error("key {key} is committed with {existing} bytes; the put asked for {requested}")]
+    SizeConflict {
+        key: String,
+        existing: u64,
+        requested: u64,
+    },
+    #[error("value of {size} bytes is larger than any mounted segment ({largest} bytes)")]
+    TooLarge { size: u64, largest: u64 },
+    #[error("no space for {size} bytes in any allowed tier, even after eviction")]
+    NoSpace { size: u64 },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("put {put_id:#x} of key {key} is not pending (revoked, expired or never started)")]
+    StalePut { key: String, put_id: u64 },
+    #[error("lease {0:#x} is unknown, released or expired")]
+    StaleLease(u64),
+    #[error("key {key} has {leases} active read lease(s)")]
+    Leased { key: String, leases: u16 },
+    #[error("key {0} has too many concurrent read leases")]
+    LeaseLimit(String),
+    #[error("unknown or dead node {0:?}: mount its segments again")]
+    UnknownNode(String),
+    #[error("segment {id} is not mounted by node {node:?}")]
+    UnknownSegment { node: String, id: u32 },
+    #[error("task {0} is unknown, finished or expired")]
+    UnknownTask(u64),
+    #[error("every replica of key {0} was lost (agent died) before the put ended")]
+    ReplicasLost(String),
+}
+
+impl MasterError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        self.into()
+    }
+}
+
+/// One replica inside the core: a segment id and the first page of the value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Rep {
+    seg: u32,
+    page: u32,
+}
+
+const LIVE: u8 = 1;
+const PENDING: u8 = 1 << 1;
+const HARD_PIN: u8 = 1 << 2;
+const SOFT_PIN: u8 = 1 << 3;
+/// A repair or demotion task refers to this object.
+const BUSY: u8 = 1 << 4;
+/// Tracked by the DRAM / SSD policy.
+const IN_POLICY: [u8; 2] = [1 << 5, 1 << 6];
+/// Replicas go to distinct failure domains (repairs keep to it).
+const SPREAD_DOMAINS: u8 = 1 << 7;
+
+#[derive(Clone, Debug)]
+struct Entry {
+    key: ObjectKey,
+    size: u64,
+    replicas: SmallVec<[Rep; 2]>,
+    generation: u32,
+    leases: u16,
+    desired: u8,
+    flags: u8,
+}
+
+impl Entry {
+    fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+    fn pages(&self) -> u32 {
+        pages_for(self.size).unwrap_or(u32::MAX)
+    }
+}
+
+#[derive(Debug)]
+struct Segment {
+    spec: SegmentSpec,
+    node: u32,
+    alloc: ExtentAllocator,
+}
+
+#[derive(Debug)]
+struct NodeState {
+    name: String,
+    failure_domain: String,
+    last_heartbeat_ms: u64,
+    alive: bool,
+    segments: Vec<u32>,
+    outbox: VecDeque<u64>,
+    /// Events of this node's SSD segments not yet acknowledged by its agent (issue 4).
+    feed: VecDeque<SegmentEvent>,
+    /// Sequence number of the next event.
+    feed_next_seq: u64,
+    /// The feed overflowed or the agent's epoch is stale: the next heartbeat sends a full
+    /// snapshot (RESET, COMMIT..., RESET_DONE) instead of the lost events.
+    feed_reset: bool,
+}
+
+impl NodeState {
+    /// A live node heard from at `now_ms`, with no segments, tasks or feed events yet.
+    fn new(name: String, failure_domain: String, now_ms: u64) -> Self {
+        Self {
+            name,
+            failure_domain,
+            last_heartbeat_ms: now_ms,
+            alive: true,
+            segments: Vec::new(),
+            outbox: VecDeque::new(),
+            feed: VecDeque::new(),
+            feed_next_seq: 1,
+            feed_reset: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct LeaseRec {
+    slot: u32,
+    generation: u32,
+    expires_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct TaskRec {
+    kind: TaskKind,
+    slot: u32,
+    generation: u32,
+    source: Rep,
+    target: Rep,
+    node: u32,
+    deadline_ms: u64,
+    /// Size of the target extent (the slot may hold another object by the time the task ends).
+    pages: u32,
+    /// Pages taken out of the source tier's usage while the demotion runs.
+    releasing_pages: u32,
+    /// The object's key (the slot may hold another object by the time the task ends).
+    key: ObjectKey,
+}
+
+/// Monotonic event counts, exported as Prometheus counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Per tier: replicas dropped by eviction.
+    pub evicted_dropped: [u64; 2],
+    /// DRAM replicas demoted to SSD.
+    pub demoted: u64,
+    pub demotions_failed: u64,
+    pub repairs_done: u64,
+    pub repairs_failed: u64,
+    /// Committed objects that lost their last replica when agents died.
+    pub objects_lost: u64,
+    pub nodes_died: u64,
+    pub leases_expired: u64,
+    pub puts_expired: u64,
+    /// Replicas dropped because their agent found them corrupt on read.
+    pub corrupt_dropped: u64,
+}
+
+/// Point-in-time figures for metrics and `status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Stats {
+    pub objects: u64,
+    pub pending_puts: u64,
+    pub used_bytes: [u64; 2],
+    pub capacity_bytes: [u64; 2],
+    pub leases: u64,
+    pub soft_pins: u64,
+    pub under_replicated: u64,
+    pub tasks: u64,
+    pub nodes_alive: u64,
+    pub segments: u64,
+}
+
+/// What a [`MasterState::tick`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TickReport {
+    pub dead_nodes: Vec<String>,
+    pub objects_lost: u64,
+    pub repairs_scheduled: u64,
+    pub evicted: u64,
+}
+
+/// The pool's metadata. Not thread safe by itself: the service wraps it in a mutex.
+#[derive(Debug)]
+pub struct MasterState {
+    config: MasterConfig,
+    clock: Arc<dyn Clock>,
+    entries: Vec<Entry>,
+    free_slots: Vec<u32>,
+    index: HashTable<u32>,
+    live_objects: u64,
+    policies: [Box<dyn Policy>; 2],
+    segments: HashMap<u32, Segment>,
+    next_segment: u32,
+    nodes: Vec<NodeState>,
+    node_ids: HashMap<String, u32>,
+    used_pages: [u64; 2],
+    capacity_pages: [u64; 2],
+    releasing_pages: [u64; 2],
+    pending: HashMap<u32, u64>,
+    leases: HashMap<u64, LeaseRec>,
+    lease_expiry: BTreeSet<(u64, u64)>,
+    next_lease: u64,
+    soft_pins: HashMap<u32, u64>,
+    under: HashSet<u32>,
+    tasks: HashMap<u64, TaskRec>,
+    next_task: u64,
+    counters: Counters,
+    journal: Option<Vec<JournalOp>>,
+    /// Restored reservations: (segment, page, pages, release time).
+    quarantine: Vec<(u32, u32, u32, u64)>,
+    /// No eviction before this time (readers' leases died with the previous leader).
+    evict_not_before_ms: u64,
+    /// Slots below this were filled by `restore` (objects whose leases a previous leader may
+    /// have granted); reused slots are included, which only errs on the safe side.
+    restored_slots: u32,
+    /// Transfer engine: the last transport state each node reported with its heartbeat. Soft
+    /// state: not journaled, refilled by the next heartbeats after a failover.
+    transport: HashMap<String, TransportState>,
+    /// Identifies this instance's segment-event feed; a new leader has another one, so agents
+    /// that applied events of the old one resynchronise.
+    feed_epoch: u64,
+}
+
+impl MasterState {
+    pub fn new(config: MasterConfig, clock: Arc<dyn Clock>) -> Self {
+        let policies = [config.policy.build(), config.policy.build()];
+        Self {
+            config,
+            clock,
+            entries: Vec::new(),
+            free_slots: Vec::new(),
+            index: HashTable::new(),
+            live_objects: 0,
+            policies,
+            segments: HashMap::new(),
+            next_segment: 1,
+            nodes: Vec::new(),
+            node_ids: HashMap::new(),
+            used_pages: [0; 2],
+            capacity_pages: [0; 2],
+            releasing_pages: [0; 2],
+            pending: HashMap::new(),
+            leases: HashMap::new(),
+            lease_expiry: BTreeSet::new(),
+            next_lease: 1,
+            soft_pins: HashMap::new(),
+            under: HashSet::new(),
+            tasks: HashMap::new(),
+            next_task: 1,
+            counters: Counters::default(),
+            journal: None,
+            quarantine: Vec::new(),
+            evict_not_before_ms: 0,
+            restored_slots: 0,
+            transport: HashMap::new(),
+            feed_epoch: rand::random::<u64>() | 1,
+        }
+    }
+
+    /// An empty state with the same configuration and clock (a new leader's starting point).
+    pub fn fresh(&self) -> Self {
+        Self::new(self.config.clone(), self.clock.clone())
+    }
+
+    /// The injected clock's current time.
+    pub fn now_ms(&self) -> u64 {
+        self.clock.now_ms()
+    }
+
+    pub fn config(&self) -> &MasterConfig {
+        &self.config
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// Reserve room for `n` objects up front (benchmarks; avoids rehash spikes).
+    pub fn reserve(&mut self, n: usize) {
+        self.entries.reserve(n);
+        let entries = &self.entries;
+        self.index
+            .reserve(n, |s| entries.get(*s as usize).map_or(0, |e| e.key.lo));
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats {
+            objects: self.live_objects - self.pending.len() as u64,
+            pending_puts: self.pending.len() as u64,
+            used_bytes: self.used_pages.map(|p| p * PAGE_BYTES),
+            capacity_bytes: self.capacity_pages.map(|p| p * PAGE_BYTES),
+            leases: self.leases.len() as u64,
+            soft_pins: self.soft_pins.len() as u64,
+            under_replicated: self.under.len() as u64,
+            tasks: self.tasks.len() as u64,
+            nodes_alive: self.nodes.iter().filter(|n| n.alive).count() as u64,
+            segments: self.segments.len() as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
