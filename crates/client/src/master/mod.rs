@@ -40,8 +40,6 @@ mod error;
 mod nearest;
 mod puts;
 mod reads;
-#[cfg(test)]
-mod tests;
 
 pub use answers::{LEASE_MARGIN, Located};
 pub use coalesce::BatchedCalls;
@@ -84,3 +82,6 @@ impl MasterClient {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
