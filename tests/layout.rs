@@ -21,11 +21,8 @@ const LONG_FILES_BEING_SPLIT: &[&str] = &[
     "operator/src/cachepool/build.rs",
     "crates/bench/src/store.rs",
     "crates/bench/src/transfer.rs",
-    "crates/client/src/master.rs",
-    "crates/client/src/pool.rs",
     "crates/conductor/src/server.rs",
     "crates/crd/src/validated.rs",
-    "crates/master/src/service.rs",
     "crates/synthetic/src/server.rs",
 ];
 

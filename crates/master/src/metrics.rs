@@ -9,7 +9,8 @@ use prometheus::{
 use kvpool_core::master::state::{Counters, Stats};
 
 /// Errors of metric registration.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum MetricsError {
     #[error("cannot register master metrics")]
     Register(#[source] prometheus::Error),
@@ -17,7 +18,7 @@ pub enum MetricsError {
 
 impl MetricsError {
     pub fn category(&self) -> &'static str {
-        "register"
+        self.into()
     }
 }
 
@@ -44,59 +45,44 @@ pub struct MasterMetrics {
 
 impl MasterMetrics {
     pub fn new(registry: &Registry, policy: &'static str) -> Result<Self, MetricsError> {
-        let g = |name: &str, help: &str| IntGauge::new(name, help);
+        let g = |name: &str, help: &str| IntGauge::new(name, help).map_err(MetricsError::Register);
+        let per_tier = |name: &str, help: &str| {
+            IntGaugeVec::new(Opts::new(name, help), &["tier"]).map_err(MetricsError::Register)
+        };
+        let counters = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)
+        };
         let m = Self {
-            objects: g("kvpool_master_objects", "Committed objects")
-                .map_err(MetricsError::Register)?,
+            objects: g("kvpool_master_objects", "Committed objects")?,
             pending_puts: g(
                 "kvpool_master_pending_puts",
                 "Puts started and not yet ended",
-            )
-            .map_err(MetricsError::Register)?,
-            used_bytes: IntGaugeVec::new(
-                Opts::new("kvpool_master_used_bytes", "Allocated bytes per tier"),
-                &["tier"],
-            )
-            .map_err(MetricsError::Register)?,
-            capacity_bytes: IntGaugeVec::new(
-                Opts::new("kvpool_master_capacity_bytes", "Mounted bytes per tier"),
-                &["tier"],
-            )
-            .map_err(MetricsError::Register)?,
-            leases: g("kvpool_master_leases", "Active read leases")
-                .map_err(MetricsError::Register)?,
+            )?,
+            used_bytes: per_tier("kvpool_master_used_bytes", "Allocated bytes per tier")?,
+            capacity_bytes: per_tier("kvpool_master_capacity_bytes", "Mounted bytes per tier")?,
+            leases: g("kvpool_master_leases", "Active read leases")?,
             under_replicated: g(
                 "kvpool_master_under_replicated_objects",
                 "Objects with fewer replicas than asked",
-            )
-            .map_err(MetricsError::Register)?,
-            tasks: g("kvpool_master_tasks", "Repair and demotion tasks in flight")
-                .map_err(MetricsError::Register)?,
-            nodes_alive: g("kvpool_master_nodes_alive", "Agents heartbeating")
-                .map_err(MetricsError::Register)?,
-            leader: g("kvpool_master_leader", "1 while this master is the leader")
-                .map_err(MetricsError::Register)?,
-            evictions: IntCounterVec::new(
-                Opts::new(
-                    "kvpool_master_evictions_total",
-                    "Replicas evicted, by policy, tier and outcome",
-                ),
+            )?,
+            tasks: g("kvpool_master_tasks", "Repair and demotion tasks in flight")?,
+            nodes_alive: g("kvpool_master_nodes_alive", "Agents heartbeating")?,
+            leader: g("kvpool_master_leader", "1 while this master is the leader")?,
+            evictions: counters(
+                "kvpool_master_evictions_total",
+                "Replicas evicted, by policy, tier and outcome",
                 &["policy", "tier", "outcome"],
-            )
-            .map_err(MetricsError::Register)?,
-            events: IntCounterVec::new(
-                Opts::new("kvpool_master_events_total", "Background events by kind"),
+            )?,
+            events: counters(
+                "kvpool_master_events_total",
+                "Background events by kind",
                 &["event"],
-            )
-            .map_err(MetricsError::Register)?,
-            requests: IntCounterVec::new(
-                Opts::new(
-                    "kvpool_master_requests_total",
-                    "gRPC calls by method and result",
-                ),
+            )?,
+            requests: counters(
+                "kvpool_master_requests_total",
+                "gRPC calls by method and result",
                 &["method", "result"],
-            )
-            .map_err(MetricsError::Register)?,
+            )?,
             latency: HistogramVec::new(
                 HistogramOpts::new(
                     "kvpool_master_request_duration_seconds",

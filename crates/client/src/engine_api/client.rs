@@ -55,6 +55,33 @@ fn status_of(code: i32) -> Status {
     Status::try_from(code).unwrap_or(Status::Unspecified)
 }
 
+/// The items of a batched request from `(key, offset, length or capacity)` triples.
+fn blocks<T>(items: &[(&[u8], u64, u64)], item: impl Fn(Vec<u8>, u64, u64) -> T) -> Vec<T> {
+    items
+        .iter()
+        .map(|(k, offset, len)| item(k.to_vec(), *offset, *len))
+        .collect()
+}
+
+/// Keys as the request messages own them.
+fn owned(keys: &[&[u8]]) -> Vec<Vec<u8>> {
+    keys.iter().map(|k| k.to_vec()).collect()
+}
+
+/// A failed engine API call `call`.
+fn call_failed(call: &'static str) -> impl FnOnce(tonic::Status) -> ClientError {
+    move |source| ClientError::Call { call, source }
+}
+
+/// An answer must carry one result per item sent.
+fn expect_len(sent: usize, got: usize) -> Result<(), ClientError> {
+    if sent == got {
+        Ok(())
+    } else {
+        Err(ClientError::Mismatch { sent, got })
+    }
+}
+
 /// A gRPC channel to the agent's Unix socket (for callers that want the raw generated client).
 pub async fn connect_channel(socket: &Path) -> Result<Channel, ClientError> {
     let path = socket.to_owned();
@@ -96,10 +123,7 @@ impl EngineClient {
                 client_name: client_name.to_owned(),
             })
             .await
-            .map_err(|source| ClientError::Call {
-                call: "open_session",
-                source,
-            })?
+            .map_err(call_failed("open_session"))?
             .into_inner();
         let staging = Staging::open(Path::new(&opened.staging_path), opened.staging_bytes)
             .map_err(ClientError::Staging)?;
@@ -123,31 +147,20 @@ impl EngineClient {
     ) -> Result<Vec<Status>, ClientError> {
         let req = PutRequest {
             session_id: self.session,
-            items: items
-                .iter()
-                .map(|(k, offset, length)| PutItem {
-                    key: k.to_vec(),
-                    offset: *offset,
-                    length: *length,
-                })
-                .collect(),
+            items: blocks(items, |key, offset, length| PutItem {
+                key,
+                offset,
+                length,
+            }),
             numa_hint,
         };
         let resp = self
             .rpc
             .put(req)
             .await
-            .map_err(|source| ClientError::Call {
-                call: "put",
-                source,
-            })?
+            .map_err(call_failed("put"))?
             .into_inner();
-        if resp.statuses.len() != items.len() {
-            return Err(ClientError::Mismatch {
-                sent: items.len(),
-                got: resp.statuses.len(),
-            });
-        }
+        expect_len(items.len(), resp.statuses.len())?;
         Ok(resp.statuses.into_iter().map(status_of).collect())
     }
 
@@ -158,30 +171,19 @@ impl EngineClient {
     ) -> Result<Vec<GetOutcome>, ClientError> {
         let req = GetRequest {
             session_id: self.session,
-            items: items
-                .iter()
-                .map(|(k, offset, capacity)| GetItem {
-                    key: k.to_vec(),
-                    offset: *offset,
-                    capacity: *capacity,
-                })
-                .collect(),
+            items: blocks(items, |key, offset, capacity| GetItem {
+                key,
+                offset,
+                capacity,
+            }),
         };
         let resp = self
             .rpc
             .get(req)
             .await
-            .map_err(|source| ClientError::Call {
-                call: "get",
-                source,
-            })?
+            .map_err(call_failed("get"))?
             .into_inner();
-        if resp.results.len() != items.len() {
-            return Err(ClientError::Mismatch {
-                sent: items.len(),
-                got: resp.results.len(),
-            });
-        }
+        expect_len(items.len(), resp.results.len())?;
         Ok(resp
             .results
             .into_iter()
@@ -221,30 +223,14 @@ impl EngineClient {
     }
 
     pub async fn exists(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>, ClientError> {
-        let resp = self
-            .rpc
-            .exists(ExistsRequest {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
-            })
-            .await
-            .map_err(|source| ClientError::Call {
-                call: "exists",
-                source,
-            })?;
+        let req = ExistsRequest { keys: owned(keys) };
+        let resp = self.rpc.exists(req).await.map_err(call_failed("exists"))?;
         Ok(resp.into_inner().present)
     }
 
     pub async fn remove(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>, ClientError> {
-        let resp = self
-            .rpc
-            .remove(RemoveRequest {
-                keys: keys.iter().map(|k| k.to_vec()).collect(),
-            })
-            .await
-            .map_err(|source| ClientError::Call {
-                call: "remove",
-                source,
-            })?;
+        let req = RemoveRequest { keys: owned(keys) };
+        let resp = self.rpc.remove(req).await.map_err(call_failed("remove"))?;
         Ok(resp.into_inner().removed)
     }
 
@@ -255,10 +241,7 @@ impl EngineClient {
                 session_id: self.session,
             })
             .await
-            .map_err(|source| ClientError::Call {
-                call: "close_session",
-                source,
-            })?;
+            .map_err(call_failed("close_session"))?;
         Ok(())
     }
 }

@@ -1,19 +1,9 @@
-//! Generated gRPC types of `proto/master/master.proto` and conversions to and from the core's
-//! types. Pure; the wire boundary is in `service` and `client`.
+//! Conversions between the generated master messages and the core's types (tiers, replicas,
+//! segments, tasks, errors), and the gRPC status of a core error. Pure.
 
-#![allow(clippy::all, missing_docs)]
-
-tonic::include_proto!("kvpool.master.v1");
-
+use super::{Error, ErrorCode, Replica, Segment, Task, TaskKind, Tier};
 use kvpool_core::master::state::MasterError;
 use kvpool_core::master::types as t;
-
-/// Metadata header naming the leader's gRPC address on UNAVAILABLE answers from a standby.
-pub const LEADER_HEADER: &str = "x-kvpool-leader";
-/// Most items accepted in one batched call.
-pub const MAX_BATCH: usize = 16_384;
-/// Longest accepted key.
-pub const MAX_KEY_BYTES: usize = 4096;
 
 impl From<t::Tier> for Tier {
     fn from(v: t::Tier) -> Self {
@@ -173,136 +163,5 @@ pub fn status_of(e: &MasterError) -> tonic::Status {
         }
         ErrorCode::ReplicasLost => tonic::Status::aborted(msg),
         ErrorCode::Persist | ErrorCode::Unspecified => tonic::Status::internal(msg),
-    }
-}
-
-/// Conversions of the segment-event feed (agent, issue 4) between the core and the wire.
-pub mod feed {
-    use tonic::Status;
-
-    use super as proto;
-    use kvpool_core::master::ObjectKey;
-    use kvpool_core::master::state::{CorruptBlock, SegmentEvent, SegmentEventKind};
-
-    /// The corrupt-block reports of a heartbeat; a malformed digest fails the call.
-    pub fn corrupt_blocks(items: &[proto::SegmentBlock]) -> Result<Vec<CorruptBlock>, Status> {
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let key = ObjectKey::from_hex(&b.key_digest).ok_or_else(|| {
-                    Status::invalid_argument(format!(
-                        "corrupt block {i}: key digest {:?} is not 32 hex digits",
-                        b.key_digest
-                    ))
-                })?;
-                Ok(CorruptBlock {
-                    segment_id: b.segment_id,
-                    key,
-                    offset: b.offset,
-                })
-            })
-            .collect()
-    }
-
-    pub fn kind_to_proto(k: SegmentEventKind) -> proto::SegmentEventKind {
-        match k {
-            SegmentEventKind::Commit => proto::SegmentEventKind::Commit,
-            SegmentEventKind::Free => proto::SegmentEventKind::Free,
-            SegmentEventKind::Reset => proto::SegmentEventKind::Reset,
-            SegmentEventKind::ResetDone => proto::SegmentEventKind::ResetDone,
-        }
-    }
-
-    pub fn event_to_proto(e: &SegmentEvent) -> proto::SegmentEvent {
-        let boundary = matches!(
-            e.kind,
-            SegmentEventKind::Reset | SegmentEventKind::ResetDone
-        );
-        proto::SegmentEvent {
-            seq: e.seq,
-            kind: kind_to_proto(e.kind) as i32,
-            segment_id: e.segment_id,
-            key_digest: if boundary {
-                String::new()
-            } else {
-                e.key.to_hex()
-            },
-            offset: e.offset,
-            length: e.length,
-        }
-    }
-
-    /// Decode an event from the wire; `None` when its kind or digest is not understood.
-    pub fn event_from_proto(e: &proto::SegmentEvent) -> Option<SegmentEvent> {
-        let kind = match proto::SegmentEventKind::try_from(e.kind).ok()? {
-            proto::SegmentEventKind::Commit => SegmentEventKind::Commit,
-            proto::SegmentEventKind::Free => SegmentEventKind::Free,
-            proto::SegmentEventKind::Reset => SegmentEventKind::Reset,
-            proto::SegmentEventKind::ResetDone => SegmentEventKind::ResetDone,
-        };
-        let key = match kind {
-            SegmentEventKind::Reset | SegmentEventKind::ResetDone => ObjectKey { hi: 0, lo: 0 },
-            _ => ObjectKey::from_hex(&e.key_digest)?,
-        };
-        Some(SegmentEvent {
-            seq: e.seq,
-            kind,
-            segment_id: e.segment_id,
-            key,
-            offset: e.offset,
-            length: e.length,
-        })
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn events_round_trip_and_bad_input_is_refused() {
-            for kind in [
-                SegmentEventKind::Commit,
-                SegmentEventKind::Free,
-                SegmentEventKind::Reset,
-                SegmentEventKind::ResetDone,
-            ] {
-                let boundary =
-                    matches!(kind, SegmentEventKind::Reset | SegmentEventKind::ResetDone);
-                let e = SegmentEvent {
-                    seq: 7,
-                    kind,
-                    segment_id: 3,
-                    key: if boundary {
-                        ObjectKey { hi: 0, lo: 0 }
-                    } else {
-                        ObjectKey::from_bytes(b"k")
-                    },
-                    offset: 8192,
-                    length: 100,
-                };
-                assert_eq!(event_from_proto(&event_to_proto(&e)), Some(e));
-            }
-            let mut bad = event_to_proto(&SegmentEvent {
-                seq: 1,
-                kind: SegmentEventKind::Free,
-                segment_id: 1,
-                key: ObjectKey::from_bytes(b"k"),
-                offset: 0,
-                length: 0,
-            });
-            bad.kind = 99;
-            assert_eq!(event_from_proto(&bad), None);
-            bad.kind = proto::SegmentEventKind::Commit as i32;
-            bad.key_digest = "zz".into();
-            assert_eq!(event_from_proto(&bad), None);
-            let e = corrupt_blocks(&[proto::SegmentBlock {
-                segment_id: 1,
-                key_digest: "nothex".into(),
-                offset: 0,
-            }])
-            .expect_err("bad digest");
-            assert_eq!(e.code(), tonic::Code::InvalidArgument);
-        }
     }
 }

@@ -1,0 +1,168 @@
+//! The master client's connection: which master it talks to, opening the channel (signed with
+//! the pool key), and one call with retries that follows the leader across master replicas.
+//! I/O boundary: the gRPC channel to the current master.
+
+use std::time::Duration;
+
+use tonic::Code;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+use super::MasterClient;
+use super::error::ClientError;
+use kvpool_proto::auth::Signer;
+use kvpool_proto::master::LEADER_HEADER;
+use kvpool_proto::master::master_client::MasterClient as Grpc;
+
+pub(super) type GrpcClient = Grpc<InterceptedService<Channel, Signer>>;
+
+/// Tunables of the client.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+    /// Calls answered UNAVAILABLE (standby, restarting leader) are retried this long.
+    pub failover_budget: Duration,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(10),
+            failover_budget: Duration::from_secs(15),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Conn {
+    /// Index into `endpoints` or an address learnt from a leader hint.
+    addr: Option<String>,
+    client: Option<GrpcClient>,
+    next: usize,
+}
+
+/// The URI of a master given as `host:port` or as a URL.
+pub(super) fn uri(addr: &str) -> String {
+    if addr.contains("://") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+impl MasterClient {
+    async fn connection(&self) -> Result<(String, GrpcClient), ClientError> {
+        let (addr, cached) = {
+            let c = self.conn.lock();
+            let addr = c.addr.clone().unwrap_or_else(|| {
+                self.endpoints
+                    .get(c.next % self.endpoints.len())
+                    .cloned()
+                    .unwrap_or_default()
+            });
+            (addr, c.client.clone())
+        };
+        if let Some(client) = cached {
+            return Ok((addr, client));
+        }
+        let endpoint = Endpoint::from_shared(uri(&addr))
+            .map_err(|source| ClientError::Endpoint {
+                endpoint: addr.clone(),
+                source,
+            })?
+            .connect_timeout(self.config.connect_timeout)
+            .timeout(self.config.request_timeout)
+            .tcp_nodelay(true);
+        let channel = endpoint
+            .connect()
+            .await
+            .map_err(|source| ClientError::Connect {
+                endpoint: addr.clone(),
+                source,
+            })?;
+        let client = Grpc::with_interceptor(channel, self.signer.clone())
+            .max_decoding_message_size(64 << 20);
+        let mut c = self.conn.lock();
+        c.addr = Some(addr.clone());
+        c.client = Some(client.clone());
+        Ok((addr, client))
+    }
+
+    /// Forget the connection to `failed`; go to `hint` if given, else the next endpoint.
+    fn fail_over(&self, failed: &str, hint: Option<String>) {
+        let mut c = self.conn.lock();
+        if c.addr.as_deref() != Some(failed) {
+            return; // another call already moved on
+        }
+        c.client = None;
+        c.addr = hint;
+        if c.addr.is_none() {
+            c.next = c.next.wrapping_add(1);
+        }
+    }
+
+    /// The address the client currently talks to, if connected.
+    pub fn current_endpoint(&self) -> Option<String> {
+        self.conn.lock().addr.clone()
+    }
+
+    /// One unary call (see the `rpc!` macro): retried on another connection while the master
+    /// is unavailable, for at most the failover budget.
+    pub(super) async fn call<T, F, Fut>(&self, method: &'static str, f: F) -> Result<T, ClientError>
+    where
+        F: Fn(GrpcClient) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let deadline = tokio::time::Instant::now() + self.config.failover_budget;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            let attempt: Result<(), ClientError> = match self.connection().await {
+                Ok((addr, client)) => match f(client).await {
+                    Ok(r) => return Ok(r.into_inner()),
+                    Err(s) if retryable(&s) => {
+                        let hint = s
+                            .metadata()
+                            .get(LEADER_HEADER)
+                            .and_then(|v| v.to_str().ok())
+                            .map(str::to_owned)
+                            .filter(|h| *h != addr);
+                        self.fail_over(&addr, hint);
+                        Err(ClientError::Rpc { method, source: s })
+                    }
+                    Err(s) => return Err(ClientError::Rpc { method, source: s }),
+                },
+                Err(e) => {
+                    let mut c = self.conn.lock();
+                    c.addr = None;
+                    c.client = None;
+                    c.next = c.next.wrapping_add(1);
+                    Err(e)
+                }
+            };
+            if let Err(e) = attempt {
+                if tokio::time::Instant::now() + backoff > deadline {
+                    return Err(e);
+                }
+                tracing::debug!(error = %e, "master unavailable, retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+/// Calls worth retrying on another connection: the master is a standby or going away, or the
+/// connection broke (a crashed leader). A retried mutating call may find its first attempt
+/// applied (`put_start` then answers PUT_IN_PROGRESS, `remove` UNKNOWN_KEY).
+fn retryable(s: &tonic::Status) -> bool {
+    use std::error::Error as _;
+    match s.code() {
+        Code::Unavailable | Code::Cancelled => true,
+        Code::Unknown => s
+            .source()
+            .is_some_and(|e| e.is::<tonic::transport::Error>()),
+        _ => false,
+    }
+}

@@ -1,0 +1,94 @@
+//! [`ClientError`], the errors of the master client, and the master's per-item refusals turned
+//! into them. Pure.
+
+use std::sync::Arc;
+
+use kvpool_proto::master as proto;
+
+/// Errors of the master client.
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum ClientError {
+    #[error("no master endpoint given")]
+    NoEndpoints,
+    #[error("invalid master endpoint {endpoint:?}")]
+    Endpoint {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("cannot connect to master {endpoint}")]
+    Connect {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("master call {method} failed")]
+    Rpc {
+        method: &'static str,
+        #[source]
+        source: tonic::Status,
+    },
+    #[error("master refused: {message} ({code:?})")]
+    Refused {
+        code: proto::ErrorCode,
+        message: String,
+    },
+    #[error("malformed master answer: {0}")]
+    Malformed(String),
+    /// The batched call that carried this item failed as a whole.
+    #[error("batched master call {method} failed")]
+    Batch {
+        method: &'static str,
+        #[source]
+        source: Arc<ClientError>,
+    },
+}
+
+impl ClientError {
+    /// Short label for metrics; an item of a failed batched call has the label of the call's
+    /// own error.
+    pub fn category(&self) -> &'static str {
+        match self {
+            ClientError::Batch { source, .. } => source.category(),
+            other => other.into(),
+        }
+    }
+
+    /// A copy of the error when its parts can be copied (transport errors cannot).
+    pub(super) fn try_clone(&self) -> Option<ClientError> {
+        Some(match self {
+            ClientError::NoEndpoints => ClientError::NoEndpoints,
+            ClientError::Rpc { method, source } => ClientError::Rpc {
+                method,
+                source: source.clone(),
+            },
+            ClientError::Refused { code, message } => ClientError::Refused {
+                code: *code,
+                message: message.clone(),
+            },
+            ClientError::Malformed(m) => ClientError::Malformed(m.clone()),
+            ClientError::Batch { method, source } => ClientError::Batch {
+                method,
+                source: source.clone(),
+            },
+            ClientError::Endpoint { .. } | ClientError::Connect { .. } => return None,
+        })
+    }
+
+    /// The master's error code when the master refused the item.
+    pub fn code(&self) -> Option<proto::ErrorCode> {
+        match self {
+            ClientError::Refused { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// An item the master refused.
+pub(super) fn refused(e: proto::Error) -> ClientError {
+    ClientError::Refused {
+        code: proto::ErrorCode::try_from(e.code).unwrap_or(proto::ErrorCode::Unspecified),
+        message: e.message,
+    }
+}

@@ -1,0 +1,87 @@
+//! Rust client of the master (agents, engines, the conductor): single and batched calls,
+//! authenticated with the pool key, following the leader across master replicas, and nearest
+//! replica choice. Concurrent single-item `get`, `put_start`, `put_end` and lease releases are
+//! coalesced into batched calls (one in flight per kind; what arrives meanwhile goes in the
+//! next), and lease releases can be left to a background sender. I/O boundary: gRPC channels
+//! to the masters (opened in `connection`); the other files build requests and check answers.
+//!
+//! - `connection`: the channel to the current master, retries and leader redirects.
+//! - `coalesce`: the queues that turn concurrent single-item calls into batched ones.
+//! - `agents`, `puts`, `reads`, `catalog`: the calls, grouped by who makes them and what they touch.
+//! - `answers`: checks shared by the calls' answers; `error`: [`ClientError`].
+//! - `nearest`: which replica to read ([`pick_nearest`]).
+
+use std::sync::Arc;
+
+use tonic::transport::Endpoint;
+
+use kvpool_proto::auth::{AuthKey, Signer};
+
+/// One unary call through [`MasterClient::call`] (retries, leader following): the request is
+/// cloned for each attempt.
+macro_rules! rpc {
+    ($client:expr, $method:ident, $req:expr) => {{
+        let req = $req;
+        $client
+            .call(stringify!($method), move |mut c| {
+                let req = req.clone();
+                async move { c.$method(req).await }
+            })
+            .await
+    }};
+}
+
+mod agents;
+mod answers;
+mod catalog;
+mod coalesce;
+mod connection;
+mod error;
+mod nearest;
+mod puts;
+mod reads;
+
+pub use answers::{LEASE_MARGIN, Located};
+pub use coalesce::BatchedCalls;
+pub use connection::ClientConfig;
+pub use error::ClientError;
+pub use nearest::pick_nearest;
+
+/// Client of the master (cheap to clone; clones share the connection).
+#[derive(Clone, Debug)]
+pub struct MasterClient {
+    endpoints: Arc<Vec<String>>,
+    signer: Signer,
+    config: ClientConfig,
+    conn: Arc<parking_lot::Mutex<connection::Conn>>,
+    batch: Arc<coalesce::Batchers>,
+}
+
+impl MasterClient {
+    /// A client for the given masters (`host:port` or URLs); connects on first use.
+    pub fn new(
+        endpoints: Vec<String>,
+        key: AuthKey,
+        config: ClientConfig,
+    ) -> Result<Self, ClientError> {
+        if endpoints.is_empty() {
+            return Err(ClientError::NoEndpoints);
+        }
+        for e in &endpoints {
+            Endpoint::from_shared(connection::uri(e)).map_err(|source| ClientError::Endpoint {
+                endpoint: e.clone(),
+                source,
+            })?;
+        }
+        Ok(Self {
+            endpoints: Arc::new(endpoints),
+            signer: Signer(key),
+            config,
+            conn: Arc::default(),
+            batch: Arc::default(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,101 @@
+//! Value bytes over the pool: `put` and `get` that drive the master (locations, commit, leases)
+//! and the transfer engine (WRITE to every replica, READ from the nearest one). Also the naming
+//! rules that tie a master segment to its transfer-engine registration. I/O boundary: the
+//! master's gRPC channel and the transfer engine's connections; naming and endpoint parsing are
+//! pure.
+//!
+//! - `put`, `get`: the two paths for plain values; `striped`: values cut into parts, and
+//!   removal.
+//! - `transport`: opening a replica's segment and one transfer to or from it; `local`:
+//!   replicas in this process, reached by memory copy; `staging`: registered buffers.
+//! - `manifest`: the on-pool format of striped objects; `naming`: transfer names and
+//!   endpoints; `error`: [`DataError`].
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use crate::master::MasterClient;
+use kvpool_transfer::TransferEngine;
+
+mod error;
+mod get;
+mod local;
+mod manifest;
+mod naming;
+mod put;
+mod staging;
+mod striped;
+mod transport;
+
+pub use error::DataError;
+pub use local::LocalSegments;
+pub use manifest::{MANIFEST_LEN, Manifest, StripeConfig, stripe_part_key};
+pub use naming::{descriptor, parse_endpoints, tcp_endpoint, transfer_name};
+pub use staging::DEFAULT_STAGING_CACHE_BYTES;
+
+/// Master client plus transfer engine: whole-value puts and gets. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct PoolClient {
+    master: MasterClient,
+    engine: TransferEngine,
+    /// The reader's node and NUMA node, for nearest-replica choice.
+    node: String,
+    numa_node: Option<u32>,
+    staging_seq: Arc<AtomicU64>,
+    staging_cache: Arc<staging::StagingCache>,
+    stripe: StripeConfig,
+    local: LocalSegments,
+}
+
+impl PoolClient {
+    pub fn new(
+        master: MasterClient,
+        engine: TransferEngine,
+        node: String,
+        numa_node: Option<u32>,
+    ) -> Self {
+        Self {
+            master,
+            engine,
+            node,
+            numa_node,
+            staging_seq: Arc::default(),
+            staging_cache: Arc::new(staging::StagingCache::new(DEFAULT_STAGING_CACHE_BYTES)),
+            stripe: StripeConfig::default(),
+            local: LocalSegments::default(),
+        }
+    }
+
+    /// Reach replicas in `local` (segments of this process) by memory copy.
+    #[must_use]
+    pub fn with_local_segments(mut self, local: LocalSegments) -> Self {
+        self.local = local;
+        self
+    }
+
+    /// Stripe values above `config.threshold` (see [`StripeConfig`]).
+    #[must_use]
+    pub fn with_striping(mut self, config: StripeConfig) -> Self {
+        self.stripe = config;
+        self
+    }
+
+    /// Keep at most `bytes` of idle staging memory for reuse (0 disables the cache).
+    #[must_use]
+    pub fn with_staging_cache(mut self, bytes: u64) -> Self {
+        self.staging_cache = Arc::new(staging::StagingCache::new(bytes));
+        self
+    }
+
+    pub fn master(&self) -> &MasterClient {
+        &self.master
+    }
+
+    /// Wait until the lease releases this client queued in the background reached the master.
+    pub async fn flush_releases(&self) {
+        self.master.flush_releases().await;
+    }
+}
+
+#[cfg(test)]
+mod tests;

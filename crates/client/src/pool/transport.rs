@@ -1,0 +1,77 @@
+//! The transfer-engine side of a replica, shared by puts and gets: opening the replica's
+//! segment, one request to or from it, the length checks a replica passes first, and running
+//! the blocking transfers off the async runtime. I/O boundary: the transfer engine's
+//! connections (opened in [`PoolClient::open`]).
+
+use super::PoolClient;
+use super::error::DataError;
+use super::naming::descriptor;
+use kvpool_core::master::types::ReplicaInfo;
+use kvpool_transfer::{self as transfer, TransferOp, TransferRequest};
+
+impl PoolClient {
+    /// The replica's segment, opened through the transfer engine.
+    pub(super) fn open(&self, r: &ReplicaInfo) -> Result<transfer::RemoteSegment, DataError> {
+        let desc = descriptor(r)?;
+        self.engine
+            .open_descriptor(&desc, None)
+            .map_err(|source| DataError::Open {
+                name: desc.name.clone(),
+                source,
+            })
+    }
+
+    /// A transfer (`op`) of `len` bytes between `local` at `local_offset` and replica `r`.
+    pub(super) fn request(
+        &self,
+        op: TransferOp,
+        local: &transfer::LocalSegment,
+        local_offset: u64,
+        r: &ReplicaInfo,
+        len: u64,
+    ) -> Result<TransferRequest, DataError> {
+        Ok(TransferRequest {
+            op,
+            local: local.clone(),
+            local_offset,
+            remote: self.open(r)?,
+            remote_offset: r.offset,
+            len,
+        })
+    }
+}
+
+/// A replica the master placed for a value of `size` bytes must be that long.
+pub(super) fn check_length(r: &ReplicaInfo, size: u64) -> Result<(), DataError> {
+    if r.length == size {
+        Ok(())
+    } else {
+        Err(DataError::SizeMismatch {
+            got: r.length,
+            want: size,
+        })
+    }
+}
+
+/// A replica of part `part` of a striped object must be as long as the manifest says.
+pub(super) fn check_part_length(r: &ReplicaInfo, part: u32, len: u64) -> Result<(), DataError> {
+    if r.length == len {
+        Ok(())
+    } else {
+        Err(DataError::StripeMismatch {
+            part,
+            got: r.length,
+            want: len,
+        })
+    }
+}
+
+/// Run `f` (transfers, which block) on the blocking pool.
+pub(super) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, DataError> + Send + 'static,
+) -> Result<T, DataError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| DataError::Join(e.to_string()))
+        .and_then(|r| r)
+}

@@ -1,0 +1,85 @@
+//! The master's gRPC service: authenticates every call (see [`kvpool_proto::auth`]), answers only
+//! while this master is the leader, applies calls to the [`MasterState`] behind a mutex and,
+//! with HA on, waits until the changes a call made are persisted before answering.
+//! I/O boundary: the gRPC listener (in [`serve`]); persistence goes through a bounded channel
+//! to `ha`.
+//!
+//! - `core`: [`Core`] (state, metrics, [`Role`], the route to persistence) and its leader gate.
+//! - `dispatch`: the tonic trait, timing and labelling every call.
+//! - `segments`, `heartbeat`, `tasks`, `objects`, `admin`: the handlers, by area.
+//! - `batch`: request limits and per-item answers the handlers share.
+//!
+//! [`MasterState`]: kvpool_core::master::state::MasterState
+
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
+
+use kvpool_proto::auth::Verifier;
+use kvpool_proto::master::master_server::MasterServer;
+
+mod admin;
+mod batch;
+mod core;
+mod dispatch;
+mod heartbeat;
+mod objects;
+mod segments;
+mod tasks;
+
+pub use self::core::{Core, PersistBatch, Role};
+
+/// Errors of running the service.
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum ServiceError {
+    #[error("gRPC server failed")]
+    Serve(#[source] tonic::transport::Error),
+}
+
+impl ServiceError {
+    pub fn category(&self) -> &'static str {
+        self.into()
+    }
+}
+
+/// The tonic service implementation.
+#[derive(Clone, Debug)]
+pub struct MasterSvc {
+    core: Arc<Core>,
+}
+
+impl MasterSvc {
+    pub fn new(core: Arc<Core>) -> Self {
+        Self { core }
+    }
+}
+
+/// The service wrapped with authentication, ready for a tonic router.
+pub fn authenticated(
+    core: Arc<Core>,
+    verifier: Verifier,
+) -> InterceptedService<MasterServer<MasterSvc>, Verifier> {
+    MasterServer::with_interceptor(MasterSvc::new(core), verifier)
+}
+
+/// Serve the authenticated service on `listener` until `shutdown`.
+pub async fn serve(
+    listener: TcpListener,
+    core: Arc<Core>,
+    verifier: Verifier,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    tonic::transport::Server::builder()
+        .add_service(authenticated(core, verifier))
+        .serve_with_incoming_shutdown(
+            // No Nagle: a reply's frames must not wait for the client's delayed ACK (40 ms on
+            // Linux) when few calls are in flight, as with coalesced client calls.
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown.cancelled_owned(),
+        )
+        .await
+        .map_err(ServiceError::Serve)
+}
