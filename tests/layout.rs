@@ -23,7 +23,6 @@ const LONG_FILES_BEING_SPLIT: &[&str] = &[
     "crates/bench/src/transfer.rs",
     "crates/client/src/master.rs",
     "crates/client/src/pool.rs",
-    "crates/conductor/src/server.rs",
     "crates/core/src/master/state.rs",
     "crates/core/src/sched/policy.rs",
     "crates/crd/src/validated.rs",

@@ -58,8 +58,8 @@ mod tests {
         let t = T::try_parse_from(["t"]).unwrap();
         assert_eq!(t.addrs.listen, "127.0.0.1:1".parse().unwrap());
         assert_eq!(t.addrs.admin_listen, "127.0.0.1:2".parse().unwrap());
-        let t = T::try_parse_from(["t", "--listen", "0.0.0.0:8", "--admin-listen", "[::1]:9"])
-            .unwrap();
+        let t =
+            T::try_parse_from(["t", "--listen", "0.0.0.0:8", "--admin-listen", "[::1]:9"]).unwrap();
         assert_eq!(t.addrs.listen, "0.0.0.0:8".parse().unwrap());
         assert_eq!(t.addrs.admin_listen, "[::1]:9".parse().unwrap());
         assert!(T::try_parse_from(["t", "--listen", "nowhere"]).is_err());
