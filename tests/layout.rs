@@ -27,7 +27,6 @@ const LONG_FILES_BEING_SPLIT: &[&str] = &[
     "crates/core/src/sched/policy.rs",
     "crates/crd/src/validated.rs",
     "crates/master/src/service.rs",
-    "crates/synthetic/src/server.rs",
     "crates/transfer/src/lib.rs",
     "crates/transfer/src/rdma/datapath.rs",
     "crates/transfer/src/tcp.rs",
