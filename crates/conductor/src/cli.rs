@@ -14,25 +14,14 @@ use kvpool_core::sched::{
 };
 use kvpool_proto::auth::AuthKey;
 use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
-use kvpool_runtime::wiring::{self, FromWiring, Wired, WiringError};
-
-/// Defaults and environment variables of `kvpool conductor --listen` and `--admin-listen`.
-#[derive(Debug, Clone)]
-pub struct ConductorListen;
-
-impl ListenDefaults for ConductorListen {
-    const LISTEN: &'static str = "127.0.0.1:8080";
-    const LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_LISTEN";
-    const ADMIN_LISTEN: &'static str = "127.0.0.1:9101";
-    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_ADMIN_LISTEN";
-}
+use kvpool_runtime::wiring::{self, Wired, WiringError};
 
 /// Flags of `kvpool conductor`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ConductorArgs {
     /// `--listen` (the OpenAI-compatible API) and `--admin-listen`.
     #[command(flatten)]
-    pub addrs: ListenArgs<ConductorListen>,
+    pub addrs: ListenArgs<ConductorArgs>,
     /// Model name served (and expected by the engines).
     #[arg(long, default_value = "kvpool-synthetic")]
     pub model: String,
@@ -144,13 +133,21 @@ pub struct ConductorArgs {
     pub time_scale: f64,
 }
 
+/// The defaults and environment variables of `--listen` and `--admin-listen`.
+impl ListenDefaults for ConductorArgs {
+    const LISTEN: &'static str = "127.0.0.1:8080";
+    const LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_LISTEN";
+    const ADMIN_LISTEN: &'static str = "127.0.0.1:9101";
+    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_ADMIN_LISTEN";
+}
+
 /// Errors of `kvpool conductor`.
 #[derive(Debug, thiserror::Error)]
 pub enum ConductorError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
     #[error("process wiring")]
-    Wiring(#[source] WiringError),
+    Wiring(#[from] WiringError),
     #[error("conductor server")]
     Server(#[source] ServerError),
     #[error("engine discovery")]
@@ -388,15 +385,9 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         }
         server::serve(listener, conductor.router, wired.shutdown)
             .await
-            .map_err(ConductorError::Server)
+            .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
     };
     wiring::run(args.addrs.listen, args.addrs.admin_listen, setup, serve)
-}
-
-impl FromWiring for ConductorError {
-    fn from_wiring(err: WiringError) -> Self {
-        ConductorError::Wiring(err)
-    }
 }
 
 #[cfg(test)]

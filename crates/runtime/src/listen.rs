@@ -7,7 +7,8 @@ use std::fmt::Debug;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 
-/// The defaults and environment variables of one service's listen flags.
+/// The defaults and environment variables of one service's listen flags; implemented by the
+/// service's flags struct, which flattens a `ListenArgs<Self>`.
 pub trait ListenDefaults: Clone + Debug + Send + Sync + 'static {
     /// Default of `--listen`.
     const LISTEN: &'static str;

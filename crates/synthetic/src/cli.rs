@@ -12,18 +12,7 @@ use super::server::{self, ServerError};
 use super::{EngineConfig, SglangMode, SglangRole};
 use kvpool_core::sched::{DecodeCost, PrefillCost};
 use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
-use kvpool_runtime::wiring::{self, FromWiring, Wired, WiringError};
-
-/// Defaults and environment variables of `kvpool engine --listen` and `--admin-listen`.
-#[derive(Debug, Clone)]
-pub struct EngineListen;
-
-impl ListenDefaults for EngineListen {
-    const LISTEN: &'static str = "127.0.0.1:8000";
-    const LISTEN_ENV: &'static str = "KVPOOL_ENGINE_LISTEN";
-    const ADMIN_LISTEN: &'static str = "127.0.0.1:9100";
-    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_ENGINE_ADMIN_LISTEN";
-}
+use kvpool_runtime::wiring::{self, Wired, WiringError};
 
 /// Flags of `kvpool engine`.
 #[derive(Debug, Clone, clap::Args)]
@@ -33,7 +22,7 @@ pub struct EngineArgs {
     pub synthetic: bool,
     /// `--listen` (the OpenAI-compatible API) and `--admin-listen`.
     #[command(flatten)]
-    pub addrs: ListenArgs<EngineListen>,
+    pub addrs: ListenArgs<EngineArgs>,
     /// Model name served.
     #[arg(long, default_value = "kvpool-synthetic")]
     pub model: String,
@@ -95,13 +84,21 @@ pub struct EngineArgs {
     pub bootstrap_timeout: std::time::Duration,
 }
 
+/// The defaults and environment variables of `--listen` and `--admin-listen`.
+impl ListenDefaults for EngineArgs {
+    const LISTEN: &'static str = "127.0.0.1:8000";
+    const LISTEN_ENV: &'static str = "KVPOOL_ENGINE_LISTEN";
+    const ADMIN_LISTEN: &'static str = "127.0.0.1:9100";
+    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_ENGINE_ADMIN_LISTEN";
+}
+
 /// Errors of `kvpool engine`.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
     #[error("process wiring")]
-    Wiring(#[source] WiringError),
+    Wiring(#[from] WiringError),
     #[error("engine server")]
     Server(#[source] ServerError),
     #[error("cannot read --model-config {path}")]
@@ -281,13 +278,7 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
         wired.readiness.set_ready(true);
         server::serve(listener, router, wired.shutdown)
             .await
-            .map_err(EngineError::Server)
+            .map_err(|e| EngineError::Server(ServerError::Serve(e)))
     };
     wiring::run(args.addrs.listen, args.addrs.admin_listen, setup, serve)
-}
-
-impl FromWiring for EngineError {
-    fn from_wiring(err: WiringError) -> Self {
-        EngineError::Wiring(err)
-    }
 }

@@ -1,6 +1,7 @@
 //! The conductor's HTTP front, the OpenAI-facing layer: the router with `/v1/completions`,
-//! `/v1/chat/completions` and `/v1/models`, the assembly of one conductor ([`conductor`]: its
-//! metrics, engine set and shared state) and [`serve`]. I/O boundary: the listener.
+//! `/v1/chat/completions` and `/v1/models`, and the assembly of one conductor ([`conductor`]:
+//! its metrics, engine set and shared state). I/O boundary: none until the router is served
+//! (`kvpool_runtime::http::serve`, re-exported as `server::serve`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,8 +12,6 @@ use axum::extract::State as AxumState;
 use axum::response::Json;
 use axum::routing::{get, post};
 use prometheus::Registry;
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 use super::engine_set::EngineSet;
 use super::handle::handle;
@@ -114,15 +113,4 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         router,
         engines: EngineSet(shared),
     })
-}
-
-/// Serves `router` on `listener` until `shutdown` is cancelled.
-pub async fn serve(
-    listener: TcpListener,
-    router: Router,
-    shutdown: CancellationToken,
-) -> Result<(), ServerError> {
-    kvpool_runtime::http::serve(listener, router, shutdown)
-        .await
-        .map_err(ServerError::Serve)
 }

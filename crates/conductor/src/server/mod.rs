@@ -8,7 +8,7 @@
 //! I/O boundary: the listener, the HTTP client, the monotonic clock.
 //!
 //! The map, from the client inwards:
-//! - `front`: the router and its endpoints (the OpenAI-facing layer), [`conductor`], [`serve`];
+//! - `front`: the router and its endpoints (the OpenAI-facing layer) and [`conductor`];
 //!   `error_bodies`: the OpenAI-style errors the conductor answers itself.
 //! - `handle`: one request, from its body to its placement and the routing convention.
 //! - `vllm` and `sglang`: the two conventions; `engine_calls`: the prefill call and the decode
@@ -33,7 +33,10 @@ mod vllm;
 
 pub use engine_calls::{LOCAL_BLOCKS_HEADER, POOL_BLOCKS_HEADER, TTFT_HEADER};
 pub use engine_set::EngineSet;
-pub use front::{Conductor, ServerError, conductor, router, serve};
+pub use front::{Conductor, ServerError, conductor, router};
+/// Serves a router on a listener until the token is cancelled (the runtime's serve loop; a
+/// failure there is [`ServerError::Serve`] to the CLI).
+pub use kvpool_runtime::http::serve;
 pub use pool_lookup::POOL_LOOKUP_BACKOFF;
 pub use prefetch::MAX_PREFETCHES_IN_FLIGHT;
 pub use sglang::url_host;

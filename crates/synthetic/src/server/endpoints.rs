@@ -1,7 +1,8 @@
 //! The engine's HTTP endpoints: the router (`/v1/completions`, `/v1/chat/completions`,
 //! `/v1/models`, the prefetch endpoint), the completion endpoint that answers JSON or
-//! server-sent events once the prompt's KV is in place, and [`serve`]. I/O boundary: the
-//! listener and the spawned request tasks.
+//! server-sent events once the prompt's KV is in place. I/O boundary: the spawned request
+//! tasks (the router is served by `kvpool_runtime::http::serve`, re-exported as
+//! `server::serve`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,9 +18,7 @@ use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use prometheus::Registry;
-use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
 
 use super::error_bodies::{api_error, handoff_failed};
 use super::generate::generate;
@@ -175,15 +174,4 @@ pub fn router_with_agent(
             ),
         )
         .with_state(shared))
-}
-
-/// Serves `router` on `listener` until `shutdown` is cancelled.
-pub async fn serve(
-    listener: TcpListener,
-    router: Router,
-    shutdown: CancellationToken,
-) -> Result<(), ServerError> {
-    kvpool_runtime::http::serve(listener, router, shutdown)
-        .await
-        .map_err(ServerError::Serve)
 }
