@@ -21,9 +21,7 @@ const LONG_FILES_BEING_SPLIT: &[&str] = &[
     "operator/src/cachepool/build.rs",
     "crates/bench/src/store.rs",
     "crates/bench/src/transfer.rs",
-    "crates/conductor/src/server.rs",
     "crates/crd/src/validated.rs",
-    "crates/synthetic/src/server.rs",
 ];
 
 /// Import circles being broken (same ratchet as [`LONG_FILES_BEING_SPLIT`]).

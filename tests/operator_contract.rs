@@ -473,10 +473,10 @@ fn e2e_engine_pools_run_the_synthetic_engine_without_a_gpu() -> Result<()> {
         };
         ensure!(args.synthetic, "{}: --synthetic", p.name);
         ensure!(
-            args.listen.port() == 8000 && args.listen.ip().is_unspecified(),
+            args.addrs.listen.port() == 8000 && args.addrs.listen.ip().is_unspecified(),
             "{}: the engine must listen on 0.0.0.0:8000 (the Service's port), not {}",
             p.name,
-            args.listen
+            args.addrs.listen
         );
         // The operator's environment: clap reads it from the process at pod start.
         let env: BTreeMap<&str, &str> = c

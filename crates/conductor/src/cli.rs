@@ -2,7 +2,6 @@
 //! engine discovery when `--discover-namespace` is given).
 //! I/O boundary: sockets, signals and (with discovery) the Kubernetes API.
 
-use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
@@ -14,25 +13,15 @@ use kvpool_core::sched::{
     DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 use kvpool_proto::auth::AuthKey;
-use kvpool_runtime::wiring::{self, FromWiring, Wired, WiringError};
+use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
+use kvpool_runtime::wiring::{self, Wired, WiringError};
 
 /// Flags of `kvpool conductor`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ConductorArgs {
-    /// Address of the OpenAI-compatible API.
-    #[arg(
-        long,
-        default_value = "127.0.0.1:8080",
-        env = "KVPOOL_CONDUCTOR_LISTEN"
-    )]
-    pub listen: SocketAddr,
-    /// Address of /livez, /readyz and /metrics.
-    #[arg(
-        long,
-        default_value = "127.0.0.1:9101",
-        env = "KVPOOL_CONDUCTOR_ADMIN_LISTEN"
-    )]
-    pub admin_listen: SocketAddr,
+    /// `--listen` (the OpenAI-compatible API) and `--admin-listen`.
+    #[command(flatten)]
+    pub addrs: ListenArgs<ConductorArgs>,
     /// Model name served (and expected by the engines).
     #[arg(long, default_value = "kvpool-synthetic")]
     pub model: String,
@@ -144,13 +133,21 @@ pub struct ConductorArgs {
     pub time_scale: f64,
 }
 
+/// The defaults and environment variables of `--listen` and `--admin-listen`.
+impl ListenDefaults for ConductorArgs {
+    const LISTEN: &'static str = "127.0.0.1:8080";
+    const LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_LISTEN";
+    const ADMIN_LISTEN: &'static str = "127.0.0.1:9101";
+    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_ADMIN_LISTEN";
+}
+
 /// Errors of `kvpool conductor`.
 #[derive(Debug, thiserror::Error)]
 pub enum ConductorError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
     #[error("process wiring")]
-    Wiring(#[source] WiringError),
+    Wiring(#[from] WiringError),
     #[error("conductor server")]
     Server(#[source] ServerError),
     #[error("engine discovery")]
@@ -356,7 +353,7 @@ fn source_chain(err: &dyn std::error::Error) -> String {
 pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let config = conductor_config(args)?;
     let discovery = discovery_config(args)?;
-    tracing::info!(?config, ?discovery, listen = %args.listen, admin = %args.admin_listen, "starting conductor");
+    tracing::info!(?config, ?discovery, listen = %args.addrs.listen, admin = %args.addrs.admin_listen, "starting conductor");
     let has_engines = config.has_engines();
     let setup = |wired: Wired| async move {
         server::conductor(config, &wired.registry).map_err(ConductorError::Server)
@@ -388,15 +385,9 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         }
         server::serve(listener, conductor.router, wired.shutdown)
             .await
-            .map_err(ConductorError::Server)
+            .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
     };
-    wiring::run(args.listen, args.admin_listen, setup, serve)
-}
-
-impl FromWiring for ConductorError {
-    fn from_wiring(err: WiringError) -> Self {
-        ConductorError::Wiring(err)
-    }
+    wiring::run(args.addrs.listen, args.addrs.admin_listen, setup, serve)
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! OpenAI-compatible request parsing and response bodies (`/v1/completions`,
-//! `/v1/chat/completions`, `/v1/models`, errors). Pure: JSON values in, JSON values out; the
-//! HTTP server owns the I/O. Validation errors name the offending field.
+//! `/v1/chat/completions`, `/v1/models`, errors): the HTTP contract the conductor and the
+//! engines both speak. Pure: JSON values in, JSON values out; the HTTP server owns the I/O.
+//! Validation errors name the offending field.
 
 use serde_json::{Value, json};
 
@@ -103,17 +104,19 @@ impl ApiError {
 
     /// OpenAI-style error body.
     pub fn body(&self) -> Value {
-        let (kind, param, code) = match self {
-            ApiError::Json(_) => ("invalid_request_error", Value::Null, Value::Null),
-            ApiError::Invalid { field, .. } => ("invalid_request_error", json!(field), Value::Null),
-            ApiError::UnknownModel(_) => (
-                "invalid_request_error",
-                json!("model"),
-                json!("model_not_found"),
-            ),
+        let (param, code) = match self {
+            ApiError::Json(_) => (None, None),
+            ApiError::Invalid { field, .. } => (Some(*field), None),
+            ApiError::UnknownModel(_) => (Some("model"), Some("model_not_found")),
         };
-        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+        error_body(&self.to_string(), "invalid_request_error", param, code)
     }
+}
+
+/// An OpenAI-style error body, `{"error": {"message", "type", "param", "code"}}`; `param` and
+/// `code` are `null` where `None`.
+pub fn error_body(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Value {
+    json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ApiError {

@@ -110,8 +110,7 @@ pub async fn serve(
     router: Router,
     shutdown: CancellationToken,
 ) -> Result<(), AdminError> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+    crate::http::serve(listener, router, shutdown)
         .await
         .map_err(AdminError::Serve)
 }

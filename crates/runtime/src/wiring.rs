@@ -37,11 +37,6 @@ impl WiringError {
     }
 }
 
-/// Either the service failed (`E`, its own error type) or the wiring around it did.
-pub trait FromWiring {
-    fn from_wiring(err: WiringError) -> Self;
-}
-
 /// What a service gets once its process is wired: the registry its metrics go into (served on
 /// the admin port), its readiness flag (false until the service sets it) and the token that
 /// SIGTERM or SIGINT cancels.
@@ -53,7 +48,7 @@ pub struct Wired {
 }
 
 /// Runs a service on a new multi-threaded Tokio runtime until SIGTERM or SIGINT (errors of the
-/// wiring become the service's error type through [`FromWiring`]):
+/// wiring become the service's error type through its `From<WiringError>`):
 /// `setup` builds it (its router, background tasks...) from the [`Wired`] handles and returns
 /// what `serve` needs; then the API listener on `listen` and the admin server on
 /// `admin_listen` are bound, the admin server starts, `serve` runs on the API listener until
@@ -67,7 +62,7 @@ pub fn run<S, E, Setup, SetupFut, Serve, ServeFut>(
     serve: Serve,
 ) -> Result<(), E>
 where
-    E: FromWiring,
+    E: From<WiringError>,
     Setup: FnOnce(Wired) -> SetupFut,
     SetupFut: Future<Output = Result<S, E>>,
     Serve: FnOnce(S, TcpListener, Wired) -> ServeFut,
@@ -76,7 +71,7 @@ where
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| E::from_wiring(WiringError::Runtime(e)))?;
+        .map_err(|e| E::from(WiringError::Runtime(e)))?;
     runtime.block_on(async {
         let wired = Wired {
             registry: Registry::new(),
@@ -84,17 +79,17 @@ where
             shutdown: CancellationToken::new(),
         };
         crate::shutdown::cancel_on_signal(wired.shutdown.clone())
-            .map_err(|e| E::from_wiring(WiringError::Signals(e)))?;
+            .map_err(|e| E::from(WiringError::Signals(e)))?;
         let service = setup(wired.clone()).await?;
         let listener = TcpListener::bind(listen).await.map_err(|source| {
-            E::from_wiring(WiringError::Bind {
+            E::from(WiringError::Bind {
                 addr: listen,
                 source,
             })
         })?;
         let admin_listener = admin::bind(admin_listen)
             .await
-            .map_err(|e| E::from_wiring(WiringError::Admin(e)))?;
+            .map_err(|e| E::from(WiringError::Admin(e)))?;
         let admin_shutdown = CancellationToken::new();
         let admin_task = tokio::spawn(admin::serve(
             admin_listener,
@@ -112,6 +107,6 @@ where
             Ok(r) => r,
             Err(join) => Err(AdminError::Serve(std::io::Error::other(join))),
         };
-        admin_result.map_err(|e| E::from_wiring(WiringError::Admin(e)))
+        admin_result.map_err(|e| E::from(WiringError::Admin(e)))
     })
 }

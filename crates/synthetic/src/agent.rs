@@ -100,9 +100,25 @@ impl AgentKv {
         self.geometry
     }
 
+    /// The block size and a buffer of one block.
+    fn block_buffer(&self) -> (u64, Vec<u8>) {
+        let block = self.geometry.block_bytes();
+        (block, vec![0u8; usize::try_from(block).unwrap_or(0)])
+    }
+
+    /// `keys` in batches of blocks that fit the staging area together.
+    fn batches<'k>(&self, keys: &'k [BlockKey]) -> std::slice::Chunks<'k, BlockKey> {
+        keys.chunks(self.batch_blocks.max(1))
+    }
+
+    /// The pool object names of `keys`, in order.
+    fn names(&self, keys: &[BlockKey]) -> Vec<Vec<u8>> {
+        keys.iter().map(|&k| kv::pool_key(&self.model, k)).collect()
+    }
+
     /// Which of `keys` the agent holds.
     pub async fn present(&self, keys: &[BlockKey]) -> Result<Vec<bool>, AgentKvError> {
-        let names: Vec<Vec<u8>> = keys.iter().map(|&k| kv::pool_key(&self.model, k)).collect();
+        let names = self.names(keys);
         let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
         let mut out = Vec::with_capacity(keys.len());
         let mut client = self.client.lock().await;
@@ -131,20 +147,12 @@ impl AgentKv {
     /// Reads `keys` in order and checks every block; stops at the first block that is missing
     /// or wrong, because KV after a gap is of no use to the engine.
     pub async fn read_prefix(&self, keys: &[BlockKey]) -> Result<ReadOutcome, AgentKvError> {
-        let block = self.geometry.block_bytes();
+        let (block, mut buf) = self.block_buffer();
         let mut outcome = ReadOutcome::default();
-        let mut buf = vec![0u8; usize::try_from(block).unwrap_or(0)];
         let mut client = self.client.lock().await;
-        for chunk in keys.chunks(self.batch_blocks.max(1)) {
-            let names: Vec<Vec<u8>> = chunk
-                .iter()
-                .map(|&k| kv::pool_key(&self.model, k))
-                .collect();
-            let items: Vec<(&[u8], u64, u64)> = names
-                .iter()
-                .enumerate()
-                .map(|(i, n)| (n.as_slice(), i as u64 * block, block))
-                .collect();
+        for chunk in self.batches(keys) {
+            let names = self.names(chunk);
+            let items = staged_items(&names, block);
             let results = client
                 .get_batch(&items)
                 .await
@@ -187,7 +195,7 @@ impl AgentKv {
 
     /// Removes `keys` from the pool (hand-off markers once read); returns how many were there.
     pub async fn remove(&self, keys: &[BlockKey]) -> Result<usize, AgentKvError> {
-        let names: Vec<Vec<u8>> = keys.iter().map(|&k| kv::pool_key(&self.model, k)).collect();
+        let names = self.names(keys);
         let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
         let removed = self
             .client
@@ -204,15 +212,11 @@ impl AgentKv {
 
     /// Writes the key-derived contents of `keys`.
     pub async fn write(&self, keys: &[BlockKey]) -> Result<WriteOutcome, AgentKvError> {
-        let block = self.geometry.block_bytes();
+        let (block, mut buf) = self.block_buffer();
         let mut outcome = WriteOutcome::default();
-        let mut buf = vec![0u8; usize::try_from(block).unwrap_or(0)];
         let mut client = self.client.lock().await;
-        for chunk in keys.chunks(self.batch_blocks.max(1)) {
-            let names: Vec<Vec<u8>> = chunk
-                .iter()
-                .map(|&k| kv::pool_key(&self.model, k))
-                .collect();
+        for chunk in self.batches(keys) {
+            let names = self.names(chunk);
             for (i, &key) in chunk.iter().enumerate() {
                 kv::fill_block(key, &mut buf);
                 client
@@ -223,11 +227,7 @@ impl AgentKv {
                         source: ClientError::Staging(e),
                     })?;
             }
-            let items: Vec<(&[u8], u64, u64)> = names
-                .iter()
-                .enumerate()
-                .map(|(i, n)| (n.as_slice(), i as u64 * block, block))
-                .collect();
+            let items = staged_items(&names, block);
             let statuses = client
                 .put_batch(&items, None)
                 .await
@@ -243,4 +243,13 @@ impl AgentKv {
         }
         Ok(outcome)
     }
+}
+
+/// Batch items for `names` staged one block after another: (name, staging offset, length).
+fn staged_items(names: &[Vec<u8>], block: u64) -> Vec<(&[u8], u64, u64)> {
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_slice(), i as u64 * block, block))
+        .collect()
 }

@@ -3,7 +3,6 @@
 //! sockets, signals and the model config file.
 
 pub use kvpool_proto::openai::EngineProtocol;
-use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 
@@ -12,7 +11,8 @@ use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
 use super::{EngineConfig, SglangMode, SglangRole};
 use kvpool_core::sched::{DecodeCost, PrefillCost};
-use kvpool_runtime::wiring::{self, FromWiring, Wired, WiringError};
+use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
+use kvpool_runtime::wiring::{self, Wired, WiringError};
 
 /// Flags of `kvpool engine`.
 #[derive(Debug, Clone, clap::Args)]
@@ -20,16 +20,9 @@ pub struct EngineArgs {
     /// Run the synthetic engine (timing from the cost model, no GPU). The only mode so far.
     #[arg(long)]
     pub synthetic: bool,
-    /// Address of the OpenAI-compatible API.
-    #[arg(long, default_value = "127.0.0.1:8000", env = "KVPOOL_ENGINE_LISTEN")]
-    pub listen: SocketAddr,
-    /// Address of /livez, /readyz and /metrics.
-    #[arg(
-        long,
-        default_value = "127.0.0.1:9100",
-        env = "KVPOOL_ENGINE_ADMIN_LISTEN"
-    )]
-    pub admin_listen: SocketAddr,
+    /// `--listen` (the OpenAI-compatible API) and `--admin-listen`.
+    #[command(flatten)]
+    pub addrs: ListenArgs<EngineArgs>,
     /// Model name served.
     #[arg(long, default_value = "kvpool-synthetic")]
     pub model: String,
@@ -91,13 +84,21 @@ pub struct EngineArgs {
     pub bootstrap_timeout: std::time::Duration,
 }
 
+/// The defaults and environment variables of `--listen` and `--admin-listen`.
+impl ListenDefaults for EngineArgs {
+    const LISTEN: &'static str = "127.0.0.1:8000";
+    const LISTEN_ENV: &'static str = "KVPOOL_ENGINE_LISTEN";
+    const ADMIN_LISTEN: &'static str = "127.0.0.1:9100";
+    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_ENGINE_ADMIN_LISTEN";
+}
+
 /// Errors of `kvpool engine`.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     #[error("--{flag}: {problem}")]
     Flag { flag: &'static str, problem: String },
     #[error("process wiring")]
-    Wiring(#[source] WiringError),
+    Wiring(#[from] WiringError),
     #[error("engine server")]
     Server(#[source] ServerError),
     #[error("cannot read --model-config {path}")]
@@ -260,7 +261,7 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
             "KV blocks go through the node agent"
         );
     }
-    tracing::info!(?config, listen = %args.listen, admin = %args.admin_listen, "starting synthetic engine");
+    tracing::info!(?config, listen = %args.addrs.listen, admin = %args.addrs.admin_listen, "starting synthetic engine");
     let setup = |wired: Wired| async move {
         let kv = match (&args.agent_socket, geometry) {
             (Some(path), Some(g)) => Some(AgentKv::connect(path, g, &config.model).await.map_err(
@@ -277,13 +278,7 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
         wired.readiness.set_ready(true);
         server::serve(listener, router, wired.shutdown)
             .await
-            .map_err(EngineError::Server)
+            .map_err(|e| EngineError::Server(ServerError::Serve(e)))
     };
-    wiring::run(args.listen, args.admin_listen, setup, serve)
-}
-
-impl FromWiring for EngineError {
-    fn from_wiring(err: WiringError) -> Self {
-        EngineError::Wiring(err)
-    }
+    wiring::run(args.addrs.listen, args.addrs.admin_listen, setup, serve)
 }

@@ -1,0 +1,146 @@
+//! The two engine calls of every disaggregated request, whichever convention routes it: the
+//! prefill call, read to its end (the request is then prefilled, and the pool read the engine
+//! measured feeds the fetch estimate), and the decode engine's response, relayed to the client
+//! with the placement's assumptions in `x-kvpool-*` headers. I/O boundary: the upstream HTTP
+//! calls and the client's response stream.
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde_json::Value;
+
+use super::error_bodies::upstream_failed;
+use super::members::Placed;
+use super::shared::{Finish, Shared};
+use super::upstream::{UpstreamError, engine_url, read_body};
+use kvpool_proto::openai::{KV_LOAD_BLOCKS_HEADER, KV_LOAD_SECONDS_HEADER};
+
+/// Response header: prompt blocks the chosen prefill engine was expected to hold locally.
+pub const LOCAL_BLOCKS_HEADER: &str = "x-kvpool-local-blocks";
+/// Response header: prompt blocks it was expected to fetch from the pool.
+pub const POOL_BLOCKS_HEADER: &str = "x-kvpool-pool-blocks";
+/// Response header: the estimated time to first token of the placement, milliseconds.
+pub const TTFT_HEADER: &str = "x-kvpool-ttft-estimate-ms";
+
+/// A prefill engine's answer, read in full: its status and body.
+pub(super) struct PrefillAnswer {
+    pub(super) status: StatusCode,
+    pub(super) body: Bytes,
+}
+
+/// Reads a prefill engine's response to the end, marks the request prefilled and feeds the
+/// measured pool fetch (headers `x-kvpool-kv-load-*`) into the fetch estimate.
+async fn prefill_answer(
+    shared: &Shared,
+    placed: &Placed,
+    url: String,
+    resp: Response<Body>,
+) -> Result<PrefillAnswer, UpstreamError> {
+    let status = resp.status();
+    let loaded = {
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        };
+        (
+            header(KV_LOAD_BLOCKS_HEADER),
+            header(KV_LOAD_SECONDS_HEADER),
+        )
+    };
+    let body = read_body(url, resp.into_body()).await?;
+    let now = shared.now_s();
+    shared
+        .members
+        .lock()
+        .with_ticket(placed, |s, t| s.prefilled(t, now));
+    if let (Some(blocks), Some(seconds)) = loaded
+        && blocks >= 1.0
+    {
+        let mut fetch = shared.fetch.lock();
+        fetch.observe(blocks as u64, seconds / shared.config.time_scale);
+        shared
+            .metrics
+            .fetch_bandwidth
+            .set(fetch.bandwidth_bps(shared.config.block_bytes()));
+    }
+    Ok(PrefillAnswer { status, body })
+}
+
+/// Sends `body` to the placement's prefill engine and reads its answer; the client's response
+/// instead when the engine cannot be reached (502) or answers an error, which goes back as it
+/// is (e.g. 400).
+pub(super) async fn call_prefill(
+    shared: &Shared,
+    placed: &Placed,
+    path: &str,
+    body: &Value,
+) -> Result<PrefillAnswer, Response> {
+    let url = engine_url(&placed.prefill_url, path);
+    let answer = match shared.upstream.post(url.clone(), body).await {
+        Ok(r) => prefill_answer(shared, placed, url, r).await,
+        Err(e) => Err(e),
+    };
+    match answer {
+        Ok(a) if a.status.is_success() => Ok(a),
+        Ok(a) => {
+            shared.metrics.request("prefill_error");
+            Err((a.status, a.body).into_response())
+        }
+        Err(e) => Err(upstream_failed(shared, &e)),
+    }
+}
+
+/// The decode engine's response goes back to the client as it is (streamed or not), with the
+/// placement's assumptions in `x-kvpool-*` headers; the bookings are released when its body
+/// ends or is dropped.
+pub(super) fn relay_decode(
+    shared: &Shared,
+    placed: &Placed,
+    finish: Finish,
+    resp: Response<Body>,
+) -> Response {
+    let now = shared.now_s();
+    shared
+        .members
+        .lock()
+        .with_ticket(placed, |s, t| s.decoding(t, now));
+    // The decode engine's own error (e.g. a failed KV hand-off) is relayed as it is.
+    let outcome = if resp.status().is_success() {
+        "ok"
+    } else {
+        "decode_error"
+    };
+    shared.metrics.request(outcome);
+    let (parts, body) = resp.into_parts();
+    let stream = body.into_data_stream().map(move |chunk| {
+        let _ = &finish;
+        chunk
+    });
+    let mut out = Response::new(Body::from_stream(stream));
+    *out.status_mut() = parts.status;
+    // The body passes through unchanged, so its length (when known) still holds.
+    for name in [
+        header::CONTENT_TYPE,
+        header::CONTENT_LENGTH,
+        header::CACHE_CONTROL,
+    ] {
+        if let Some(v) = parts.headers.get(&name) {
+            out.headers_mut().insert(name, v.clone());
+        }
+    }
+    // What the placement assumed, for clients and tests (docs/engine-contract.md).
+    let t = &placed.ticket;
+    for (name, value) in [
+        (LOCAL_BLOCKS_HEADER, t.local_blocks.to_string()),
+        (POOL_BLOCKS_HEADER, t.pool_blocks.to_string()),
+        (TTFT_HEADER, format!("{:.3}", t.ttft_s * 1e3)),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            out.headers_mut().insert(name, v);
+        }
+    }
+    out
+}

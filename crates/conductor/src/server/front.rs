@@ -1,0 +1,116 @@
+//! The conductor's HTTP front, the OpenAI-facing layer: the router with `/v1/completions`,
+//! `/v1/chat/completions` and `/v1/models`, and the assembly of one conductor ([`conductor`]:
+//! its metrics, engine set and shared state). I/O boundary: none until the router is served
+//! (`kvpool_runtime::http::serve`, re-exported as `server::serve`).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State as AxumState;
+use axum::response::Json;
+use axum::routing::{get, post};
+use prometheus::Registry;
+
+use super::engine_set::EngineSet;
+use super::handle::handle;
+use super::members::Members;
+use super::metrics::Metrics;
+use super::prefetch::MAX_PREFETCHES_IN_FLIGHT;
+use super::shared::Shared;
+use super::upstream::Upstream;
+use crate::config::ConductorConfig;
+use crate::fetch_estimate::FetchEstimate;
+use crate::state::{State, StateError};
+use kvpool_proto::openai::{self as api, Endpoint};
+
+/// Errors of the conductor server.
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum ServerError {
+    #[error("cannot register conductor metrics")]
+    Metrics(#[source] prometheus::Error),
+    #[error("cannot build the conductor state")]
+    State(#[source] StateError),
+    #[error("conductor server failed")]
+    Serve(#[source] std::io::Error),
+}
+
+impl ServerError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        self.into()
+    }
+}
+
+/// A conductor ready to serve: its API router and the handle that changes its engines.
+#[derive(Debug)]
+pub struct Conductor {
+    pub router: Router,
+    pub engines: EngineSet,
+}
+
+/// Router of the conductor API, serving the engines of `config` for good.
+pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, ServerError> {
+    Ok(conductor(config, registry)?.router)
+}
+
+/// The conductor API and its engine set, starting with the engines of `config` (possibly none).
+pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conductor, ServerError> {
+    let metrics = Metrics::register(&config, registry).map_err(ServerError::Metrics)?;
+    let initial = config.engines();
+    metrics.set_engines(&initial);
+    let state = if initial.is_complete() {
+        Some(State::new(&config).map_err(ServerError::State)?)
+    } else {
+        None
+    };
+    let fetch = FetchEstimate::new(config.block_bytes(), config.scheduler.pool_bandwidth_bps);
+    metrics
+        .fetch_bandwidth
+        .set(config.scheduler.pool_bandwidth_bps);
+    let shared = Arc::new(Shared {
+        fetch: parking_lot::Mutex::new(fetch),
+        config,
+        members: parking_lot::Mutex::new(Members {
+            engines: initial,
+            state,
+            epoch: 0,
+        }),
+        upstream: Upstream::new(),
+        started: Instant::now(),
+        metrics,
+        prefetch_slots: Arc::new(tokio::sync::Semaphore::new(MAX_PREFETCHES_IN_FLIGHT)),
+        no_prefetch: Default::default(),
+        pool_backoff_until: parking_lot::Mutex::new(None),
+    });
+    let router = Router::new()
+        .route(
+            "/v1/completions",
+            post(
+                |AxumState(s): AxumState<Arc<Shared>>, body: Bytes| async move {
+                    handle(s, Endpoint::Completions, "/v1/completions", body).await
+                },
+            ),
+        )
+        .route(
+            "/v1/chat/completions",
+            post(
+                |AxumState(s): AxumState<Arc<Shared>>, body: Bytes| async move {
+                    handle(s, Endpoint::ChatCompletions, "/v1/chat/completions", body).await
+                },
+            ),
+        )
+        .route(
+            "/v1/models",
+            get(|AxumState(s): AxumState<Arc<Shared>>| async move {
+                Json(api::models_body(&s.config.model, 0))
+            }),
+        )
+        .with_state(shared.clone());
+    Ok(Conductor {
+        router,
+        engines: EngineSet(shared),
+    })
+}

@@ -1,0 +1,49 @@
+//! The engines a running conductor serves and the bookkeeping over them ([`Members`]), and a
+//! request placed on two of them ([`Placed`]), found again by URL after the engine set changed.
+//! Pure.
+
+use crate::engines::{Engines, RoutingProtocol};
+use crate::state::{State, Ticket};
+
+/// The engines served now and the bookkeeping over them. `epoch` counts engine-set changes, so
+/// a request placed before a change finds its instances again by URL.
+pub(super) struct Members {
+    pub(super) engines: Engines,
+    /// `None` until there is at least one prefill and one decode engine.
+    pub(super) state: Option<State>,
+    pub(super) epoch: u64,
+}
+
+/// A request placed on instances, with what is needed to find them after an engine-set change.
+#[derive(Clone, Debug)]
+pub(super) struct Placed {
+    pub(super) ticket: Ticket,
+    pub(super) epoch: u64,
+    pub(super) prefill_url: String,
+    pub(super) decode_url: String,
+    /// How the pair is routed, or why it cannot be (engines of different conventions).
+    pub(super) protocol: Result<RoutingProtocol, String>,
+}
+
+impl Members {
+    /// Run `f` on the state with `placed`'s ticket as the current engine set numbers it; an
+    /// instance that left meanwhile gets an index nothing has (its part is skipped).
+    pub(super) fn with_ticket(&mut self, placed: &Placed, f: impl FnOnce(&mut State, &Ticket)) {
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
+        let ticket = if placed.epoch == self.epoch {
+            placed.ticket
+        } else {
+            let find = |urls: &[String], url: &str| {
+                urls.iter().position(|u| u == url).unwrap_or(usize::MAX)
+            };
+            Ticket {
+                prefill: find(&self.engines.prefill, &placed.prefill_url),
+                decode: find(&self.engines.decode, &placed.decode_url),
+                ..placed.ticket
+            }
+        };
+        f(state, &ticket);
+    }
+}

@@ -1,0 +1,145 @@
+//! The conductor's Prometheus metrics: request outcomes, rejections, replication, pool lookups,
+//! prefetches, the engine set's size and the learnt pool bandwidth, registered into the
+//! injected registry. I/O boundary: none (the admin server exports the registry).
+
+use prometheus::{
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
+
+use crate::config::ConductorConfig;
+use crate::engines::Engines;
+
+/// Every metric of one conductor.
+pub(super) struct Metrics {
+    pub(super) requests: IntCounterVec,
+    pub(super) rejections: IntCounterVec,
+    pub(super) replication_tasks: IntCounter,
+    pub(super) replication_blocks: IntCounterVec,
+    pub(super) engines: IntGaugeVec,
+    pub(super) pool_lookups: IntCounterVec,
+    pub(super) prefetches: IntCounterVec,
+    pub(super) fetch_bandwidth: Gauge,
+    pub(super) pool_lookup_seconds: Histogram,
+}
+
+impl Metrics {
+    /// Creates and registers the metrics, with the main outcomes exported at 0 from the start
+    /// (the pool lookup outcomes only when `config` has a pool).
+    pub(super) fn register(
+        config: &ConductorConfig,
+        registry: &Registry,
+    ) -> Result<Self, prometheus::Error> {
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_requests_total",
+                "Requests by outcome (ok, rejected, or the error category)",
+            ),
+            &["outcome"],
+        )?;
+        let rejections = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_rejections_total",
+                "Requests rejected at arrival, by reason",
+            ),
+            &["reason"],
+        )?;
+        let replication_tasks = IntCounter::new(
+            "kvpool_conductor_replication_tasks_total",
+            "Hot-prefix replication tasks planned (each sends prefetch requests to its targets)",
+        )?;
+        let replication_blocks = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_replication_blocks_total",
+                "Blocks that hot-prefix replication tasks ask to copy, by target prefill engine URL",
+            ),
+            &["target"],
+        )?;
+        let pool_lookups = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_pool_lookups_total",
+                "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
+                 timeout, and backoff: skipped after a failure; all but hit and miss place the \
+                 request on local caches only)",
+            ),
+            &["outcome"],
+        )?;
+        let prefetches = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_prefetches_total",
+                "Prefetch requests of hot-prefix replication by outcome (ok, unsupported, error, \
+                 timeout; busy and skipped_unsupported were not sent)",
+            ),
+            &["outcome"],
+        )?;
+        let engines = IntGaugeVec::new(
+            Opts::new(
+                "kvpool_conductor_engines",
+                "Engine instances the conductor routes to, by role",
+            ),
+            &["role"],
+        )?;
+        let fetch_bandwidth = Gauge::new(
+            "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second",
+            "Pool -> prefill bandwidth the TTFT estimate assumes (cost-model seconds): the \
+             configured figure until the engines report measured reads, then their moving average",
+        )?;
+        let pool_lookup_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvpool_conductor_pool_lookup_seconds",
+                "Wall time of the per-request pool prefix lookups at the master",
+            )
+            .buckets(vec![
+                1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+            ]),
+        )?;
+        for c in [
+            Box::new(fetch_bandwidth.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(pool_lookup_seconds.clone()),
+            Box::new(requests.clone()),
+            Box::new(rejections.clone()),
+            Box::new(replication_tasks.clone()),
+            Box::new(replication_blocks.clone()),
+            Box::new(engines.clone()),
+            Box::new(pool_lookups.clone()),
+            Box::new(prefetches.clone()),
+        ] {
+            registry.register(c)?;
+        }
+        // Export the main outcomes at 0 from the start, so rate() and alert rules see the series
+        // before the first request instead of an absent one.
+        for outcome in ["ok", "rejected"] {
+            requests.with_label_values(&[outcome]);
+        }
+        if config.pool.is_some() {
+            for outcome in ["hit", "miss", "error", "timeout", "backoff"] {
+                pool_lookups.with_label_values(&[outcome]);
+            }
+        }
+        Ok(Self {
+            requests,
+            rejections,
+            replication_tasks,
+            replication_blocks,
+            engines,
+            pool_lookups,
+            prefetches,
+            fetch_bandwidth,
+            pool_lookup_seconds,
+        })
+    }
+
+    /// Counts one request by its outcome (`ok`, `rejected` or an error category).
+    pub(super) fn request(&self, outcome: &str) {
+        self.requests.with_label_values(&[outcome]).inc();
+    }
+
+    /// The engine gauges follow `engines`.
+    pub(super) fn set_engines(&self, engines: &Engines) {
+        self.engines
+            .with_label_values(&["prefill"])
+            .set(engines.prefill.len() as i64);
+        self.engines
+            .with_label_values(&["decode"])
+            .set(engines.decode.len() as i64);
+    }
+}

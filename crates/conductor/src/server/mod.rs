@@ -1,0 +1,42 @@
+//! HTTP side of the conductor: OpenAI-compatible endpoints, the placement decision, and the
+//! two upstream calls. Prefill gets the request with `max_tokens: 1`, `stream: false` and
+//! `kv_transfer_params: {"do_remote_decode": true}`; decode gets the original request plus the
+//! `kv_transfer_params` that prefill returned (vLLM's disaggregated proxy convention), and its
+//! response, streamed or not, goes back to the client unchanged. SGLang's convention sends the
+//! request to both at once, paired by a bootstrap room. The engine set can change while serving
+//! ([`EngineSet`]); without a prefill and a decode engine, completions answer 503.
+//! I/O boundary: the listener, the HTTP client, the monotonic clock.
+//!
+//! The map, from the client inwards:
+//! - `front`: the router and its endpoints (the OpenAI-facing layer) and [`conductor`];
+//!   `error_bodies`: the OpenAI-style errors the conductor answers itself.
+//! - `handle`: one request, from its body to its placement and the routing convention.
+//! - `vllm` and `sglang`: the two conventions; `engine_calls`: the prefill call and the decode
+//!   relay both use; `upstream`: the HTTP client to the engines and its errors.
+//! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication.
+//! - `shared`, `members`, `engine_set`, `metrics`: what the handlers share, the engine set's
+//!   bookkeeping and its handle, and the conductor's metrics.
+
+mod engine_calls;
+mod engine_set;
+mod error_bodies;
+mod front;
+mod handle;
+mod members;
+mod metrics;
+mod pool_lookup;
+mod prefetch;
+mod sglang;
+mod shared;
+mod upstream;
+mod vllm;
+
+pub use engine_calls::{LOCAL_BLOCKS_HEADER, POOL_BLOCKS_HEADER, TTFT_HEADER};
+pub use engine_set::EngineSet;
+pub use front::{Conductor, ServerError, conductor, router};
+/// Serves a router on a listener until the token is cancelled (the runtime's serve loop; a
+/// failure there is [`ServerError::Serve`] to the CLI).
+pub use kvpool_runtime::http::serve;
+pub use pool_lookup::POOL_LOOKUP_BACKOFF;
+pub use prefetch::MAX_PREFETCHES_IN_FLIGHT;
+pub use sglang::url_host;

@@ -1,0 +1,52 @@
+//! What every handler of one conductor shares ([`Shared`]): its configuration, the engine set
+//! and bookkeeping behind one lock, the HTTP client, the metrics, the bounds and back-offs of
+//! the pool lookups and prefetches, and the learnt pool fetch estimate; plus [`Finish`], which
+//! releases a request's bookings however it ends. I/O boundary: the monotonic clock.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::members::{Members, Placed};
+use super::metrics::Metrics;
+use super::upstream::Upstream;
+use crate::config::ConductorConfig;
+use crate::fetch_estimate::FetchEstimate;
+
+pub(super) struct Shared {
+    pub(super) config: ConductorConfig,
+    pub(super) members: parking_lot::Mutex<Members>,
+    pub(super) upstream: Upstream,
+    pub(super) started: Instant,
+    pub(super) metrics: Metrics,
+    /// Bounds the prefetch requests in flight; a task finding none free is dropped.
+    pub(super) prefetch_slots: Arc<tokio::sync::Semaphore>,
+    /// After a failed or slow pool lookup, no lookups until then (requests go local-only).
+    pub(super) pool_backoff_until: parking_lot::Mutex<Option<Instant>>,
+    /// Prefill engines that answered a prefetch with 404: not asked again.
+    pub(super) no_prefetch: parking_lot::Mutex<HashSet<String>>,
+    /// The pool fetch term, learnt from the prefill engines' measured reads.
+    pub(super) fetch: parking_lot::Mutex<FetchEstimate>,
+}
+
+impl Shared {
+    /// Cost-model seconds since start: wall time divided by the engines' time scale.
+    pub(super) fn now_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64() / self.config.time_scale
+    }
+}
+
+/// Leaves the decode bookkeeping when the response body is done or dropped.
+pub(super) struct Finish {
+    pub(super) shared: Arc<Shared>,
+    pub(super) placed: Placed,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        self.shared
+            .members
+            .lock()
+            .with_ticket(&self.placed, |s, t| s.finished(t));
+    }
+}

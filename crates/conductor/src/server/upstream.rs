@@ -1,0 +1,81 @@
+//! The conductor's HTTP client to the engines: JSON POSTs, bounded reads of their answers, and
+//! the errors of an upstream call. I/O boundary: outgoing HTTP connections.
+
+use axum::body::{Body, Bytes};
+use axum::http::{Request, header};
+use axum::response::Response;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+/// Largest upstream prefill response read, bytes.
+const MAX_PREFILL_RESPONSE: usize = 1 << 20;
+
+/// A failed upstream call.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum UpstreamError {
+    #[error("cannot build the request to {url}")]
+    Build {
+        url: String,
+        #[source]
+        source: axum::http::Error,
+    },
+    #[error("cannot reach {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: hyper_util::client::legacy::Error,
+    },
+    #[error("cannot read the response of {url}")]
+    Read {
+        url: String,
+        #[source]
+        source: axum::Error,
+    },
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+/// `path` on the engine at base URL `base`.
+pub(super) fn engine_url(base: &str, path: &str) -> String {
+    format!("{}{path}", base.trim_end_matches('/'))
+}
+
+/// The HTTP client the conductor calls the engines with.
+pub(super) struct Upstream(Client<HttpConnector, Body>);
+
+impl Upstream {
+    pub(super) fn new() -> Self {
+        Self(Client::builder(TokioExecutor::new()).build_http())
+    }
+
+    /// POSTs `body` as JSON to `url`; the response's body is still to be read.
+    pub(super) async fn post(
+        &self,
+        url: String,
+        body: &Value,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let req = Request::post(&url)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .map_err(|source| UpstreamError::Build {
+                url: url.clone(),
+                source,
+            })?;
+        let resp = self
+            .0
+            .request(req)
+            .await
+            .map_err(|source| UpstreamError::Connect { url, source })?;
+        Ok(resp.map(Body::new))
+    }
+}
+
+/// Reads the body of `url`'s answer to its end (at most 1 MiB: prefill and prefetch answers
+/// are small; streamed decode responses are relayed, not read).
+pub(super) async fn read_body(url: String, body: Body) -> Result<Bytes, UpstreamError> {
+    axum::body::to_bytes(body, MAX_PREFILL_RESPONSE)
+        .await
+        .map_err(|source| UpstreamError::Read { url, source })
+}

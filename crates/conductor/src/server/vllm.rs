@@ -1,0 +1,57 @@
+//! vLLM's disaggregated-serving convention (its proxy's): prefill with one token and
+//! `kv_transfer_params: {do_remote_decode}`, then decode with the original request plus the
+//! `kv_transfer_params` prefill returned. I/O boundary: the two engine calls, in turn.
+
+use std::sync::Arc;
+
+use axum::response::Response;
+use serde_json::{Value, json};
+
+use super::engine_calls::{call_prefill, relay_decode};
+use super::error_bodies::upstream_failed;
+use super::members::Placed;
+use super::shared::{Finish, Shared};
+use super::upstream::engine_url;
+
+/// vLLM's convention: prefill with one token and `kv_transfer_params: {do_remote_decode}`,
+/// then decode with the original request plus the `kv_transfer_params` prefill returned.
+pub(super) async fn route_vllm(
+    shared: Arc<Shared>,
+    placed: Placed,
+    finish: Finish,
+    original: Value,
+    path: &str,
+) -> Response {
+    // Prefill: one token, no streaming, and ask for the KV cache to be kept for decode.
+    let mut prefill_req = original.clone();
+    if let Some(obj) = prefill_req.as_object_mut() {
+        obj.insert("max_tokens".into(), json!(1));
+        obj.remove("max_completion_tokens");
+        obj.insert("stream".into(), json!(false));
+        obj.remove("stream_options");
+        obj.insert(
+            "kv_transfer_params".into(),
+            json!({"do_remote_decode": true, "do_remote_prefill": false}),
+        );
+    }
+    let answer = match call_prefill(&shared, &placed, path, &prefill_req).await {
+        Ok(a) => a,
+        // Dropping `finish` with the early return releases the bookings.
+        Err(resp) => return resp,
+    };
+    let kv_params = serde_json::from_slice::<Value>(&answer.body)
+        .ok()
+        .and_then(|v| v.get("kv_transfer_params").cloned())
+        .filter(|v| !v.is_null());
+
+    // Decode: the original request, told where the KV cache is.
+    let mut decode_req = original;
+    if let (Some(obj), Some(kv)) = (decode_req.as_object_mut(), kv_params) {
+        obj.insert("kv_transfer_params".into(), kv);
+    }
+    let url = engine_url(&placed.decode_url, path);
+    match shared.upstream.post(url, &decode_req).await {
+        Ok(resp) => relay_decode(&shared, &placed, finish, resp),
+        Err(e) => upstream_failed(&shared, &e),
+    }
+}

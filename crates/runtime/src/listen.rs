@@ -1,0 +1,84 @@
+//! The listen flags every HTTP service started from the CLI has, `--listen` (its API) and
+//! `--admin-listen` (`/livez`, `/readyz`, `/metrics`), as one clap `Args` struct that
+//! `kvpool engine` and `kvpool conductor` flatten into theirs; each names its own defaults and
+//! environment variables through [`ListenDefaults`]. Pure: parsing only.
+
+use std::fmt::Debug;
+use std::marker::PhantomData;
+use std::net::SocketAddr;
+
+/// The defaults and environment variables of one service's listen flags; implemented by the
+/// service's flags struct, which flattens a `ListenArgs<Self>`.
+pub trait ListenDefaults: Clone + Debug + Send + Sync + 'static {
+    /// Default of `--listen`.
+    const LISTEN: &'static str;
+    /// Environment variable of `--listen`.
+    const LISTEN_ENV: &'static str;
+    /// Default of `--admin-listen`.
+    const ADMIN_LISTEN: &'static str;
+    /// Environment variable of `--admin-listen`.
+    const ADMIN_LISTEN_ENV: &'static str;
+}
+
+/// `--listen` and `--admin-listen`, with the defaults and variables of `D`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ListenArgs<D: ListenDefaults> {
+    /// Address of the OpenAI-compatible API.
+    #[arg(long, default_value = D::LISTEN, env = D::LISTEN_ENV)]
+    pub listen: SocketAddr,
+    /// Address of /livez, /readyz and /metrics.
+    #[arg(long, default_value = D::ADMIN_LISTEN, env = D::ADMIN_LISTEN_ENV)]
+    pub admin_listen: SocketAddr,
+    #[arg(skip)]
+    defaults: PhantomData<D>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Clone, Debug)]
+    struct Test;
+
+    impl ListenDefaults for Test {
+        const LISTEN: &'static str = "127.0.0.1:1";
+        const LISTEN_ENV: &'static str = "KVPOOL_RUNTIME_TEST_LISTEN";
+        const ADMIN_LISTEN: &'static str = "127.0.0.1:2";
+        const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_RUNTIME_TEST_ADMIN_LISTEN";
+    }
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        addrs: ListenArgs<Test>,
+    }
+
+    #[test]
+    fn defaults_apply_and_flags_override_them() {
+        let t = T::try_parse_from(["t"]).unwrap();
+        assert_eq!(t.addrs.listen, "127.0.0.1:1".parse().unwrap());
+        assert_eq!(t.addrs.admin_listen, "127.0.0.1:2".parse().unwrap());
+        let t =
+            T::try_parse_from(["t", "--listen", "0.0.0.0:8", "--admin-listen", "[::1]:9"]).unwrap();
+        assert_eq!(t.addrs.listen, "0.0.0.0:8".parse().unwrap());
+        assert_eq!(t.addrs.admin_listen, "[::1]:9".parse().unwrap());
+        assert!(T::try_parse_from(["t", "--listen", "nowhere"]).is_err());
+    }
+
+    #[test]
+    fn help_names_the_defaults_and_variables() {
+        use clap::CommandFactory;
+        let help = T::command().render_help().to_string();
+        for part in [
+            "--listen <LISTEN>",
+            "--admin-listen <ADMIN_LISTEN>",
+            "[env: KVPOOL_RUNTIME_TEST_LISTEN=]",
+            "[env: KVPOOL_RUNTIME_TEST_ADMIN_LISTEN=]",
+            "[default: 127.0.0.1:1]",
+            "[default: 127.0.0.1:2]",
+        ] {
+            assert!(help.contains(part), "{part} not in {help}");
+        }
+    }
+}
