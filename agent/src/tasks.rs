@@ -185,29 +185,16 @@ fn record_ssd_write(
     let Some(index) = registrar.ssd_index() else {
         return Ok(());
     };
-    let mut crc = 0u32;
-    let mut buf = vec![0u8; READ_BACK_CHUNK];
-    let mut pos = 0u64;
-    while pos < dst.length {
-        let n = usize::try_from(dst.length - pos)
-            .unwrap_or(usize::MAX)
-            .min(READ_BACK_CHUNK);
-        let chunk = buf.get_mut(..n).unwrap_or_default();
-        target
-            .segment()
-            .read_at(dst.offset + pos, chunk)
-            .map_err(TaskError::ReadBack)?;
-        crc = crc32c::crc32c_append(crc, chunk);
-        pos += n as u64;
-    }
+    let segment = target.segment();
+    let crc = crate::ssd::log::crc_of_range(dst.offset, dst.length, |pos, chunk| {
+        segment.read_at(pos, chunk)
+    })
+    .map_err(TaskError::ReadBack)?;
     index
         .lock()
         .record(task.key, dst.offset, dst.length, crc)
         .map_err(TaskError::Index)
 }
-
-/// Bytes checksummed at once when recording an SSD write.
-const READ_BACK_CHUNK: usize = 1 << 20;
 
 struct Inner {
     engine: TransferEngine,
