@@ -230,9 +230,10 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
     let (dram, _) = DramTier::new(&plans, false).map_err(BenchError::Dram)?;
     let registry = prometheus::Registry::new();
     let metrics = Arc::new(AgentMetrics::new(&registry).map_err(BenchError::Metrics)?);
-    let store = Arc::new(TieredStore::new(dram, None, metrics));
+    let store = Arc::new(TieredStore::new(dram, None, Arc::clone(&metrics)));
     let service = EngineService::new(
-        Arc::clone(&store),
+        store,
+        metrics,
         sock_dir.path().to_owned(),
         ApiLimits {
             max_sessions: 4,

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use kvpool_agent::api::BlockStore;
 use kvpool_agent::api::client::{EngineClient, GetOutcome, connect_channel};
 use kvpool_agent::api::server::{self, ApiLimits, EngineService};
 use kvpool_agent::dram::DramTier;
@@ -43,11 +44,12 @@ async fn start(dram_bytes: u64, ssd: bool) -> Agent {
         .0
     });
     let metrics = Arc::new(AgentMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-    let store = Arc::new(TieredStore::new(dram, ssd, metrics));
+    let store = Arc::new(TieredStore::new(dram, ssd, Arc::clone(&metrics)));
     let shm_dir = dir.path().join("shm");
     std::fs::create_dir_all(&shm_dir).expect("shm dir");
     let service = EngineService::new(
-        Arc::clone(&store),
+        Arc::clone(&store) as Arc<dyn BlockStore>,
+        metrics,
         shm_dir.clone(),
         ApiLimits {
             max_sessions: 2,

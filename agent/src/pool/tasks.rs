@@ -5,8 +5,8 @@
 //! when both live in this process. A copy into the SSD segment is checksummed, flushed and
 //! recorded in its durable index ([`crate::ssd::pool`]) before the master hears of it.
 //! [`TaskRunner`] runs them off the heartbeat loop, at most `max_tasks` at once, with a
-//! timeout, reports each outcome to the master (`CompleteTask`) and counts it. I/O boundary: the transfer engine and the master's gRPC channel; [`check`] is
-//! pure.
+//! timeout, reports each outcome to the master (`CompleteTask`) and counts it. I/O boundary:
+//! the transfer engine and the master's gRPC channel; [`check`] is pure.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -20,7 +20,8 @@ use kvpool_transfer::{self as transfer, BatchFailed, TransferEngine, TransferOp,
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
-use crate::pool::{PoolMetrics, PoolRegistrar, SSD_SEGMENT};
+use super::metrics::PoolMetrics;
+use super::registrar::{PoolRegistrar, SSD_SEGMENT};
 use crate::ssd::pool::PoolIndexError;
 
 /// Tasks waiting for a slot, per allowed concurrent task; beyond that a task is refused (the
@@ -359,26 +360,10 @@ impl TaskRunner {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_fixtures::{KEY, engine, memory};
     use super::*;
     use kvpool_client::pool::{tcp_endpoint, transfer_name};
     use kvpool_core::master::{ObjectKey, ReplicaInfo, Tier};
-    use kvpool_transfer::{EngineConfig, HostOptions, Segment, StaticDirectory, TransferMetrics};
-
-    const KEY: &[u8] = b"tasks-test-key-0123456789abcdef0";
-
-    fn engine(node: &str) -> TransferEngine {
-        TransferEngine::new(
-            EngineConfig {
-                node: node.into(),
-                lanes: 1,
-                ..EngineConfig::default()
-            },
-            transfer::AuthKey::new(KEY.to_vec()).expect("key"),
-            Arc::new(StaticDirectory::new()),
-            TransferMetrics::unregistered().expect("metrics"),
-        )
-        .expect("engine")
-    }
 
     fn replica(node: &str, segment: &str, tier: Tier, offset: u64, len: u64) -> ReplicaInfo {
         ReplicaInfo {
@@ -409,14 +394,14 @@ mod tests {
             "dram0",
             Tier::Dram,
             0,
-            Segment::host(1 << 16, HostOptions::default()).expect("dram"),
+            memory(1 << 16),
         )
         .expect("dram0");
         r.register(
             "ssd0",
             Tier::Ssd,
             0,
-            Segment::host(1 << 16, HostOptions::default()).expect("ssd"),
+            memory(1 << 16),
         )
         .expect("ssd0");
         r
@@ -630,7 +615,7 @@ mod tests {
         let seg_b = eb
             .register(
                 &transfer_name("b", "dram0"),
-                Arc::new(Segment::host(1 << 16, HostOptions::default()).expect("b")),
+                Arc::new(memory(1 << 16)),
             )
             .expect("register b");
         let server = eb

@@ -14,8 +14,8 @@ use kvpool_core::master::ObjectKey;
 use kvpool_core::master::state::{CorruptBlock, SegmentEvent, SegmentEventKind};
 use parking_lot::Mutex;
 
-use crate::pool::{PoolMetrics, SharedIndex};
-use crate::ssd::pool::{BlockChecker, DropReason, PoolBlock, PoolIndexError};
+use super::metrics::PoolMetrics;
+use crate::ssd::pool::{BlockChecker, DropReason, PoolBlock, PoolIndexError, SharedIndex};
 
 /// A slice that starts inside a block is served unchecked when the whole block passed a check
 /// this recently (the slices of one large transfer arrive together; the first one, at the
