@@ -63,8 +63,14 @@ pub trait BlockStore: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<Vec<GetResult>, BatchError>>;
 
     /// Whether each key is held.
-    fn exists_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> BoxFuture<'static, Result<Vec<bool>, BatchError>>;
+    fn exists_batch(
+        self: Arc<Self>,
+        keys: Vec<Vec<u8>>,
+    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>>;
 
     /// Drop each key; true for each key that was held.
-    fn remove_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> BoxFuture<'static, Result<Vec<bool>, BatchError>>;
+    fn remove_batch(
+        self: Arc<Self>,
+        keys: Vec<Vec<u8>>,
+    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>>;
 }

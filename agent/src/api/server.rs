@@ -209,10 +209,7 @@ impl EngineApi for EngineService {
         let staging =
             Staging::create_for_group(&self.shm_dir, &name, req.staging_bytes, self.client_group)
                 .map_err(|e: ShmError| {
-                self.metrics
-                    .errors
-                    .with_label_values(&[e.category()])
-                    .inc();
+                self.metrics.errors.with_label_values(&[e.category()]).inc();
                 RpcStatus::resource_exhausted(format!("{e}: {}", source_text(&e)))
             })?;
         let path = staging.path().to_string_lossy().into_owned();

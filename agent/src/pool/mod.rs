@@ -132,9 +132,12 @@ impl Member {
         .map_err(PoolError::Client)?;
         // The link's own client gives up quickly, so that a lost master shows in readiness
         // within a few heartbeat periods (the next pass tries again anyway).
-        let link_client =
-            MasterClient::new(cfg.masters.clone(), master_key, link::link_client_config(cfg))
-                .map_err(PoolError::Client)?;
+        let link_client = MasterClient::new(
+            cfg.masters.clone(),
+            master_key,
+            link::link_client_config(cfg),
+        )
+        .map_err(PoolError::Client)?;
         let runner = TaskRunner::new(
             engine.clone(),
             Arc::clone(&registrar),
@@ -160,4 +163,3 @@ impl Member {
         })
     }
 }
-

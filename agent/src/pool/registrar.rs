@@ -77,7 +77,6 @@ pub struct PoolRegistrar {
     ssd_guard: OnceLock<Arc<SsdGuard>>,
 }
 
-
 impl PoolRegistrar {
     /// `endpoint` is the transfer target peers reach this node's segments at.
     pub fn new(engine: TransferEngine, node: String, endpoint: String) -> Self {

@@ -390,20 +390,10 @@ mod tests {
 
     fn registrar(node: &str, engine: &TransferEngine) -> PoolRegistrar {
         let r = PoolRegistrar::new(engine.clone(), node.into(), "tcp://127.0.0.1:1".into());
-        r.register(
-            "dram0",
-            Tier::Dram,
-            0,
-            memory(1 << 16),
-        )
-        .expect("dram0");
-        r.register(
-            "ssd0",
-            Tier::Ssd,
-            0,
-            memory(1 << 16),
-        )
-        .expect("ssd0");
+        r.register("dram0", Tier::Dram, 0, memory(1 << 16))
+            .expect("dram0");
+        r.register("ssd0", Tier::Ssd, 0, memory(1 << 16))
+            .expect("ssd0");
         r
     }
 
@@ -613,10 +603,7 @@ mod tests {
         // Node "b" holds the surviving replica and serves it on loopback.
         let eb = engine("b");
         let seg_b = eb
-            .register(
-                &transfer_name("b", "dram0"),
-                Arc::new(memory(1 << 16)),
-            )
+            .register(&transfer_name("b", "dram0"), Arc::new(memory(1 << 16)))
             .expect("register b");
         let server = eb
             .listen_tcp("127.0.0.1:0".parse().expect("addr"))

@@ -40,7 +40,9 @@ fn respond<T: serde::Serialize>(
     part: fn(&(Topology, NodeSummary)) -> &T,
 ) -> Response {
     match view.0.read().as_ref() {
-        Some(found) => (StatusCode::OK, Json(serde_json::to_value(part(found)).ok())).into_response(),
+        Some(found) => {
+            (StatusCode::OK, Json(serde_json::to_value(part(found)).ok())).into_response()
+        }
         None => (StatusCode::SERVICE_UNAVAILABLE, "discovery not done\n").into_response(),
     }
 }

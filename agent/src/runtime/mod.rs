@@ -160,10 +160,12 @@ async fn serve_data_plane(
 ) -> Result<(), RunError> {
     let segments = discover_and_place(cfg, metrics, view).await?;
     let mut plane: Box<dyn DataPlane + '_> = match mode {
-        Mode::Local(registrar) => Box::new(
-            local::LocalPlane::open(cfg, segments, Arc::clone(metrics), registrar).await?,
-        ),
-        Mode::Pool(member) => Box::new(pool::PoolPlane::open(cfg, segments, member, metrics).await?),
+        Mode::Local(registrar) => {
+            Box::new(local::LocalPlane::open(cfg, segments, Arc::clone(metrics), registrar).await?)
+        }
+        Mode::Pool(member) => {
+            Box::new(pool::PoolPlane::open(cfg, segments, member, metrics).await?)
+        }
     };
 
     // Engine API.

@@ -166,8 +166,7 @@ async fn give_ssd(
         .register(SSD_SEGMENT, Tier::Ssd, 0, memory)
         .map_err(RunError::Register)?;
     if let Some(index) = member.registrar.ssd_index() {
-        let guard =
-            SsdGuard::new(index, member.metrics.clone()).map_err(RunError::PoolIndex)?;
+        let guard = SsdGuard::new(index, member.metrics.clone()).map_err(RunError::PoolIndex)?;
         member
             .registrar
             .set_ssd_guard(guard)
@@ -189,14 +188,15 @@ impl DataPlane for PoolPlane<'_> {
     /// is ready only while the pool has every segment mounted.
     fn start(&mut self, readiness: &Readiness, stop: &CancellationToken) {
         let member = self.member;
-        self.link_task = Some(tokio::spawn(member.link.clone().run(self.link_stop.clone())));
+        self.link_task = Some(tokio::spawn(
+            member.link.clone().run(self.link_stop.clone()),
+        ));
         let mut healthy = member.link.healthy();
         let readiness = readiness.clone();
         let stop = stop.clone();
         // Devices are opened once at start: a node without the RDMA the pool requires stays
         // unready for its whole life (the operator's TransportDegraded says why).
-        let blocker =
-            rdma_readiness_blocker(self.require_rdma, &member.engine.transport_status());
+        let blocker = rdma_readiness_blocker(self.require_rdma, &member.engine.transport_status());
         if let Some(why) = &blocker {
             tracing::error!(reason = %why, "agent stays not ready");
         }

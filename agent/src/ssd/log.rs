@@ -206,7 +206,10 @@ mod tests {
         flipped[9] ^= 0xff;
         assert_eq!(replay(&flipped, |_| true).records, 0);
         let refused = replay(&log, |p| p != b"three");
-        assert_eq!((refused.records, refused.end, refused.damaged), (2, 19, true));
+        assert_eq!(
+            (refused.records, refused.end, refused.damaged),
+            (2, 19, true)
+        );
     }
 
     #[test]
@@ -220,17 +223,16 @@ mod tests {
 
     #[test]
     fn range_checksums_match_one_pass_over_the_bytes() {
-        let bytes: Vec<u8> = (0..(CHECK_CHUNK * 2 + 5)).map(|i| (i % 251) as u8).collect();
+        let bytes: Vec<u8> = (0..(CHECK_CHUNK * 2 + 5))
+            .map(|i| (i % 251) as u8)
+            .collect();
         let read = |pos: u64, chunk: &mut [u8]| {
             let at = usize::try_from(pos).map_err(|_| ())?;
             chunk.copy_from_slice(bytes.get(at..at + chunk.len()).ok_or(())?);
             Ok::<(), ()>(())
         };
         let len = bytes.len() as u64 - 3;
-        assert_eq!(
-            crc_of_range(3, len, read),
-            Ok(crc32c::crc32c(&bytes[3..]))
-        );
+        assert_eq!(crc_of_range(3, len, read), Ok(crc32c::crc32c(&bytes[3..])));
         assert_eq!(crc_of_range(0, 0, read), Ok(0));
         assert_eq!(crc_of_range(3, len + 1, read), Err(()));
     }

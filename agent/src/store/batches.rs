@@ -36,10 +36,7 @@ fn blocking<T: Send + 'static>(
 impl TieredStore {
     /// Count a failed store operation and give its item status.
     fn failed(&self, e: &StoreError) -> Status {
-        self.metrics
-            .errors
-            .with_label_values(&[e.category()])
-            .inc();
+        self.metrics.errors.with_label_values(&[e.category()]).inc();
         store_status(e)
     }
 

@@ -363,9 +363,11 @@ impl PoolSsdIndex {
         {
             return Ok(false);
         }
-        let crc = log::crc_of_file(&self.data, offset, length).map_err(|source| PoolIndexError::Read {
-            path: self.data_path.clone(),
-            source,
+        let crc = log::crc_of_file(&self.data, offset, length).map_err(|source| {
+            PoolIndexError::Read {
+                path: self.data_path.clone(),
+                source,
+            }
         })?;
         self.record(key, offset, length, crc)?;
         Ok(true)

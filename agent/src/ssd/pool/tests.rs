@@ -86,8 +86,7 @@ fn open_checks_blocks_against_the_data_file() {
         // Corrupt block 1 while "down".
         f.write_all_at(&[0xee], 8192 + 10).expect("corrupt");
     }
-    let (idx, rec) =
-        PoolSsdIndex::open(dir.path(), &data_path, capacity - 8192).expect("reopen");
+    let (idx, rec) = PoolSsdIndex::open(dir.path(), &data_path, capacity - 8192).expect("reopen");
     let kept: Vec<ObjectKey> = rec.blocks.iter().map(|b| b.key).collect();
     assert_eq!(kept, vec![key(0), key(2)]);
     let mut dropped: Vec<(ObjectKey, DropReason)> =

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use super::index::{INDEX_FILE, MAGIC};
-use crate::ssd::log;
 use super::*;
+use crate::ssd::log;
 
 fn cfg(dir: &Path, capacity: u64) -> SsdConfig {
     SsdConfig {
