@@ -71,6 +71,13 @@ async fn start(dram_bytes: u64, ssd: bool) -> Agent {
 }
 
 impl Agent {
+    /// A client with 1 MiB of staging.
+    async fn client(&self) -> EngineClient {
+        EngineClient::connect(&self.socket, 1 << 20, "test")
+            .await
+            .expect("connect")
+    }
+
     async fn stop(self) {
         self.stop.cancel();
         self.task.await.expect("join").expect("serve");
@@ -84,9 +91,7 @@ fn staging_files(dir: &Path) -> usize {
 #[tokio::test]
 async fn put_get_exists_remove_single_and_batched() {
     let agent = start(1 << 20, false).await;
-    let mut c = EngineClient::connect(&agent.socket, 1 << 20, "test")
-        .await
-        .expect("connect");
+    let mut c = agent.client().await;
     assert_eq!(staging_files(&agent.shm_dir), 1);
 
     assert_eq!(c.put(b"k1", b"hello world").await.expect("put"), Status::Ok);
@@ -172,9 +177,7 @@ async fn put_get_exists_remove_single_and_batched() {
 #[tokio::test]
 async fn bad_requests_get_clear_answers() {
     let agent = start(64 << 10, false).await;
-    let mut c = EngineClient::connect(&agent.socket, 1 << 20, "test")
-        .await
-        .expect("connect");
+    let mut c = agent.client().await;
     // Ranges outside the staging area, empty keys, blocks larger than DRAM.
     let statuses = c
         .put_batch(
@@ -220,9 +223,7 @@ async fn bad_requests_get_clear_answers() {
 async fn blocks_demote_to_ssd_and_come_back() {
     // 64 KiB of DRAM, 40 KiB blocks: every put evicts the previous block to SSD.
     let agent = start(64 << 10, true).await;
-    let mut c = EngineClient::connect(&agent.socket, 1 << 20, "test")
-        .await
-        .expect("connect");
+    let mut c = agent.client().await;
     for i in 0..4u8 {
         let data = vec![i; 40 << 10];
         assert_eq!(c.put(&[b'k', i], &data).await.expect("put"), Status::Ok);

@@ -42,6 +42,9 @@ impl BatchError {
     }
 }
 
+/// A batch in flight: one answer per item, in order, or the whole batch failed.
+pub type Batch<T> = BoxFuture<'static, Result<Vec<T>, BatchError>>;
+
 /// Where the engine API puts and gets blocks. Methods take `self: Arc<Self>` so that an
 /// implementation may move itself onto another task (the blocking pool).
 pub trait BlockStore: Send + Sync + 'static {
@@ -52,25 +55,15 @@ pub trait BlockStore: Send + Sync + 'static {
         staging: Arc<Staging>,
         items: Vec<PutItem>,
         numa_hint: Option<u32>,
-    ) -> BoxFuture<'static, Result<Vec<i32>, BatchError>>;
+    ) -> Batch<i32>;
 
     /// Copy the block of each item's key to `offset` of `staging` when it fits `capacity`; one
     /// result (status and the block's length) per item, in order.
-    fn get_batch(
-        self: Arc<Self>,
-        staging: Arc<Staging>,
-        items: Vec<GetItem>,
-    ) -> BoxFuture<'static, Result<Vec<GetResult>, BatchError>>;
+    fn get_batch(self: Arc<Self>, staging: Arc<Staging>, items: Vec<GetItem>) -> Batch<GetResult>;
 
     /// Whether each key is held.
-    fn exists_batch(
-        self: Arc<Self>,
-        keys: Vec<Vec<u8>>,
-    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>>;
+    fn exists_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool>;
 
     /// Drop each key; true for each key that was held.
-    fn remove_batch(
-        self: Arc<Self>,
-        keys: Vec<Vec<u8>>,
-    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>>;
+    fn remove_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool>;
 }

@@ -74,6 +74,38 @@ fn duration(
     }
 }
 
+/// [`duration`], refused below `min`.
+fn duration_at_least(
+    field: &'static str,
+    text: Option<&String>,
+    default: Duration,
+    min: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = duration(field, text, default)?;
+    if d < min {
+        return Err(invalid(
+            field,
+            format!("must be at least {}", humantime::format_duration(min)),
+        ));
+    }
+    Ok(d)
+}
+
+/// `value` of `field`, refused outside `range`.
+fn between<T: PartialOrd + std::fmt::Display>(
+    field: &'static str,
+    value: T,
+    range: std::ops::RangeInclusive<T>,
+) -> Result<T, ConfigError> {
+    if !range.contains(&value) {
+        return Err(invalid(
+            field,
+            format!("must be between {} and {}", range.start(), range.end()),
+        ));
+    }
+    Ok(value)
+}
+
 /// `text` as a socket address for `field`.
 fn socket_addr(field: &'static str, text: &str) -> Result<SocketAddr, ConfigError> {
     text.parse()
@@ -374,17 +406,12 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
             "must be at least 4 KiB",
         ));
     }
-    let session_idle_timeout = duration(
+    let session_idle_timeout = duration_at_least(
         "engine_api.session_idle_timeout",
         file.engine_api.session_idle_timeout.as_ref(),
         Duration::from_secs(600),
+        Duration::from_secs(1),
     )?;
-    if session_idle_timeout < Duration::from_secs(1) {
-        return Err(invalid(
-            "engine_api.session_idle_timeout",
-            "must be at least 1s",
-        ));
-    }
     let admin_listen = socket_addr(
         "admin.listen",
         file.admin.listen.as_deref().unwrap_or("0.0.0.0:9464"),

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, duration, invalid, socket_addr};
+use super::{ConfigError, between, duration_at_least, invalid, socket_addr};
 
 /// `pool:` joining a pool's master. Without `master` the agent runs local-only.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -87,30 +87,20 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
         }
         None => transport_listen.ip(),
     };
-    let heartbeat_interval = duration(
+    let heartbeat_interval = duration_at_least(
         "pool.heartbeat_interval",
         p.heartbeat_interval.as_ref(),
         Duration::from_secs(1),
+        Duration::from_millis(10),
     )?;
-    if heartbeat_interval < Duration::from_millis(10) {
-        return Err(invalid("pool.heartbeat_interval", "must be at least 10ms"));
-    }
-    let replicas = p.replicas.unwrap_or(1);
-    if !(1..=8).contains(&replicas) {
-        return Err(invalid("pool.replicas", "must be between 1 and 8"));
-    }
-    let max_tasks = p.max_tasks.unwrap_or(4);
-    if !(1..=256).contains(&max_tasks) {
-        return Err(invalid("pool.max_tasks", "must be between 1 and 256"));
-    }
-    let task_timeout = duration(
+    let replicas = between("pool.replicas", p.replicas.unwrap_or(1), 1..=8)?;
+    let max_tasks = between("pool.max_tasks", p.max_tasks.unwrap_or(4), 1..=256)?;
+    let task_timeout = duration_at_least(
         "pool.task_timeout",
         p.task_timeout.as_ref(),
         Duration::from_secs(30),
+        Duration::from_millis(100),
     )?;
-    if task_timeout < Duration::from_millis(100) {
-        return Err(invalid("pool.task_timeout", "must be at least 100ms"));
-    }
     let require_rdma = p.transport.as_deref().map(str::trim) == Some("rdma");
     let want_rdma = match p.transport.as_deref().map(str::trim) {
         None | Some("tcp") => false,

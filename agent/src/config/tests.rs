@@ -270,3 +270,33 @@ fn empty_file_gives_defaults() {
     assert!(cfg.ssd.is_none());
     assert_eq!(cfg.api.socket_dir, PathBuf::from("/run/kvpool"));
 }
+
+#[test]
+fn limits_are_spelled_out_in_the_reason() {
+    let pool = "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1";
+    let cases = [
+        (
+            "engine_api: {session_idle_timeout: 10ms}".to_owned(),
+            "must be at least 1s",
+        ),
+        (
+            format!("{pool}, heartbeat_interval: 1ms}}"),
+            "must be at least 10ms",
+        ),
+        (
+            format!("{pool}, task_timeout: 5ms}}"),
+            "must be at least 100ms",
+        ),
+        (format!("{pool}, replicas: 9}}"), "must be between 1 and 8"),
+        (
+            format!("{pool}, max_tasks: 300}}"),
+            "must be between 1 and 256",
+        ),
+    ];
+    for (yaml, want) in cases {
+        match validate_yaml(&yaml).expect_err(&yaml) {
+            ConfigError::Invalid { reason, .. } => assert_eq!(reason, want, "{yaml}"),
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+}

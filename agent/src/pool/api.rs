@@ -8,15 +8,15 @@
 
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
 use futures::stream::{self, StreamExt};
 use kvpool_client::master::ClientError;
 use kvpool_client::pool::{DataError, PoolClient};
 use kvpool_core::master::{ObjectKey, PutOptions, ReplicaInfo, Spread};
 use kvpool_proto::master::ErrorCode;
 
+use super::feed;
 use super::registrar::SSD_SEGMENT;
-use crate::api::block_store::{BatchError, BlockStore};
+use crate::api::block_store::{Batch, BatchError, BlockStore};
 use crate::api::shm::Staging;
 use crate::metrics::AgentMetrics;
 use crate::proto::{GetItem, GetResult, PutItem, Status};
@@ -103,18 +103,16 @@ impl PoolApi {
             return;
         }
         let (object, crc) = (ObjectKey::from_bytes(key), crc32c::crc32c(value));
-        let recorded = tokio::task::spawn_blocking(move || {
-            let mut idx = index.lock();
-            mine.into_iter()
-                .try_for_each(|(offset, length)| idx.record(object, offset, length, crc))
-        })
+        feed::update_index(
+            index,
+            "recording a put in the SSD index failed",
+            "the SSD index worker failed",
+            move |idx| {
+                mine.into_iter()
+                    .try_for_each(|(offset, length)| idx.record(object, offset, length, crc))
+            },
+        )
         .await;
-        match recorded {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(error = %e, category = e.category(),
-                "recording a put in the SSD index failed"),
-            Err(e) => tracing::warn!(error = %e, "the SSD index worker failed"),
-        }
     }
 
     fn count_error(&self, e: &DataError) {
@@ -245,29 +243,19 @@ impl BlockStore for PoolApi {
         staging: Arc<Staging>,
         items: Vec<PutItem>,
         numa_hint: Option<u32>,
-    ) -> BoxFuture<'static, Result<Vec<i32>, BatchError>> {
+    ) -> Batch<i32> {
         Box::pin(async move { Ok(self.put(&staging, items, numa_hint).await) })
     }
 
-    fn get_batch(
-        self: Arc<Self>,
-        staging: Arc<Staging>,
-        items: Vec<GetItem>,
-    ) -> BoxFuture<'static, Result<Vec<GetResult>, BatchError>> {
+    fn get_batch(self: Arc<Self>, staging: Arc<Staging>, items: Vec<GetItem>) -> Batch<GetResult> {
         Box::pin(async move { Ok(self.get(&staging, items).await) })
     }
 
-    fn exists_batch(
-        self: Arc<Self>,
-        keys: Vec<Vec<u8>>,
-    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>> {
+    fn exists_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool> {
         Box::pin(async move { self.exists(&keys).await.map_err(BatchError::Master) })
     }
 
-    fn remove_batch(
-        self: Arc<Self>,
-        keys: Vec<Vec<u8>>,
-    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>> {
+    fn remove_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool> {
         Box::pin(async move { self.remove(&keys).await.map_err(BatchError::Master) })
     }
 }
@@ -285,26 +273,24 @@ mod tests {
 
     #[test]
     fn pool_errors_map_to_engine_statuses() {
-        assert_eq!(put_status(&refused(ErrorCode::NoSpace)), Status::NoSpace);
-        assert_eq!(put_status(&refused(ErrorCode::TooLarge)), Status::Invalid);
-        assert_eq!(
-            put_status(&refused(ErrorCode::SizeConflict)),
-            Status::Invalid
-        );
-        assert_eq!(
-            put_status(&refused(ErrorCode::PutInProgress)),
-            Status::Internal
-        );
-        assert_eq!(put_status(&DataError::NoReplica), Status::Internal);
-        assert_eq!(
-            get_status(&refused(ErrorCode::UnknownKey)),
-            Status::NotFound
-        );
-        assert_eq!(
-            get_status(&refused(ErrorCode::InvalidArgument)),
-            Status::Invalid
-        );
-        assert_eq!(get_status(&DataError::NoReplica), Status::Internal);
+        let puts = [
+            (refused(ErrorCode::NoSpace), Status::NoSpace),
+            (refused(ErrorCode::TooLarge), Status::Invalid),
+            (refused(ErrorCode::SizeConflict), Status::Invalid),
+            (refused(ErrorCode::PutInProgress), Status::Internal),
+            (DataError::NoReplica, Status::Internal),
+        ];
+        for (e, want) in &puts {
+            assert_eq!(put_status(e), *want, "put: {e}");
+        }
+        let gets = [
+            (refused(ErrorCode::UnknownKey), Status::NotFound),
+            (refused(ErrorCode::InvalidArgument), Status::Invalid),
+            (DataError::NoReplica, Status::Internal),
+        ];
+        for (e, want) in &gets {
+            assert_eq!(get_status(e), *want, "get: {e}");
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ use super::metrics::PoolMetrics;
 use super::registrar::{PoolRegistrar, SSD_SEGMENT};
 use super::tasks::TaskRunner;
 use crate::config::PoolConfig;
-use crate::ssd::pool::{DropReason, PoolBlock, PoolIndexError};
+use crate::ssd::pool::{DropReason, PoolBlock};
 
 /// True when the master answered that it does not know this node (never mounted, or declared
 /// dead): the agent must mount its segments again.
@@ -354,23 +354,21 @@ impl PoolLink {
             return;
         };
         let metrics = self.metrics.clone();
-        let synced = tokio::task::spawn_blocking(move || {
-            let mut idx = index.lock();
-            idx.sync()?;
-            // Set after the sync: the gauge counts blocks that are durably indexed.
-            if let Some(m) = &metrics {
-                m.ssd_index_blocks
-                    .set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
-            }
-            Ok::<(), PoolIndexError>(())
-        })
+        feed::update_index(
+            index,
+            "syncing the SSD index failed",
+            "the SSD index sync worker failed",
+            move |idx| {
+                idx.sync()?;
+                // Set after the sync: the gauge counts blocks that are durably indexed.
+                if let Some(m) = &metrics {
+                    m.ssd_index_blocks
+                        .set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
+                }
+                Ok(())
+            },
+        )
         .await;
-        match synced {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(error = %e, category = e.category(),
-                "syncing the SSD index failed"),
-            Err(e) => tracing::warn!(error = %e, "the SSD index sync worker failed"),
-        }
     }
 
     async fn unmount_all(&self) {

@@ -397,6 +397,20 @@ mod tests {
         r
     }
 
+    /// Write `bytes` at `offset` of `r`'s segment `name`.
+    fn seed(r: &PoolRegistrar, name: &str, offset: u64, bytes: &[u8]) {
+        let local = r.local(name).expect("registered");
+        local.segment().write_at(offset, bytes).expect("seed");
+    }
+
+    /// `len` bytes at `offset` of `r`'s segment `name`.
+    fn read_back(r: &PoolRegistrar, name: &str, offset: u64, len: usize) -> Vec<u8> {
+        let mut got = vec![0u8; len];
+        let local = r.local(name).expect("registered");
+        local.segment().read_at(offset, &mut got).expect("read");
+        got
+    }
+
     fn dead_master() -> MasterClient {
         MasterClient::new(
             vec!["127.0.0.1:1".into()],
@@ -518,23 +532,14 @@ mod tests {
         let r = registrar("a", &e);
         let value: Vec<u8> = (0..5000u32).map(|i| (i % 199) as u8).collect();
         let len = value.len() as u64;
-        r.local("dram0")
-            .expect("dram0")
-            .segment()
-            .write_at(8192, &value)
-            .expect("seed");
+        seed(&r, "dram0", 8192, &value);
         let t = task(
             TaskKind::Demote,
             replica("a", "dram0", Tier::Dram, 8192, len),
             replica("a", "ssd0", Tier::Ssd, 4096, len),
         );
         assert_eq!(execute(&e, &r, &t).expect("demote"), len);
-        let mut got = vec![0u8; value.len()];
-        r.local("ssd0")
-            .expect("ssd0")
-            .segment()
-            .read_at(4096, &mut got)
-            .expect("read");
+        let got = read_back(&r, "ssd0", 4096, value.len());
         assert!(got == value);
         // A target range past the end of the segment fails, it does not wrap or truncate.
         let bad = task(
@@ -568,11 +573,7 @@ mod tests {
         // Without an index nothing is recorded (and nothing fails).
         let value: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
         let len = value.len() as u64;
-        r.local("dram0")
-            .expect("dram0")
-            .segment()
-            .write_at(0, &value)
-            .expect("seed");
+        seed(&r, "dram0", 0, &value);
         let t = task(
             TaskKind::Demote,
             replica("a", "dram0", Tier::Dram, 0, len),
@@ -622,12 +623,7 @@ mod tests {
             replica("a", "dram0", Tier::Dram, 12_288, len),
         );
         assert_eq!(execute(&ea, &ra, &t).expect("repair"), len);
-        let mut got = vec![0u8; value.len()];
-        ra.local("dram0")
-            .expect("dram0")
-            .segment()
-            .read_at(12_288, &mut got)
-            .expect("read");
+        let got = read_back(&ra, "dram0", 12_288, value.len());
         assert!(got == value, "the repaired copy is byte-exact");
 
         // The source node is gone: the task fails with the transport's error.

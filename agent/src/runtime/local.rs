@@ -13,7 +13,7 @@ use kvpool_runtime::admin::Readiness;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::{DataPlane, RunError, blocking};
+use super::{DataPlane, RunError, blocking, map_dram};
 use crate::api::BlockStore;
 use crate::config::AgentConfig;
 use crate::dram::{DramTier, SegmentInfo};
@@ -76,13 +76,7 @@ async fn open_tiers(
     segments: Vec<SegmentPlan>,
     metrics: Arc<AgentMetrics>,
 ) -> Result<Arc<TieredStore>, RunError> {
-    let lock = cfg.dram.lock;
-    let (dram, dram_warnings) = blocking(move || DramTier::new(&segments, lock))
-        .await?
-        .map_err(RunError::Dram)?;
-    for w in &dram_warnings {
-        tracing::warn!("DRAM tier: {w}");
-    }
+    let dram = map_dram(cfg, segments, DramTier::new).await?;
     let ssd = match &cfg.ssd {
         Some(s) => {
             let tier_cfg = s.tier.clone();

@@ -84,6 +84,26 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| RunError::Join(e.to_string()))
 }
 
+/// A way to map the DRAM tier's planned segments (locked or not): what it mapped, and warnings.
+type MapDram<T> = fn(&[SegmentPlan], bool) -> Result<(T, Vec<String>), DramError>;
+
+/// Map the DRAM tier's planned `segments` with `map` on the blocking pool (as the local tier,
+/// or as bare mappings for the pool), logging what it warns about.
+async fn map_dram<T: Send + 'static>(
+    cfg: &AgentConfig,
+    segments: Vec<SegmentPlan>,
+    map: MapDram<T>,
+) -> Result<T, RunError> {
+    let lock = cfg.dram.lock;
+    let (mapped, warnings) = blocking(move || map(&segments, lock))
+        .await?
+        .map_err(RunError::Dram)?;
+    for w in &warnings {
+        tracing::warn!("DRAM tier: {w}");
+    }
+    Ok(mapped)
+}
+
 /// Hooks for tests and embedding: where the admin server ended up.
 #[derive(Debug, Default)]
 pub struct Started {

@@ -15,7 +15,7 @@ use kvpool_runtime::admin::Readiness;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::{DataPlane, RunError, blocking};
+use super::{DataPlane, RunError, blocking, map_dram};
 use crate::api::BlockStore;
 use crate::config::{AgentConfig, SsdSettings};
 use crate::dram;
@@ -78,13 +78,7 @@ async fn give_dram(
     member: &Member,
     metrics: &AgentMetrics,
 ) -> Result<(), RunError> {
-    let lock = cfg.dram.lock;
-    let (mapped, warnings) = blocking(move || dram::map_segments(&segments, lock))
-        .await?
-        .map_err(RunError::Dram)?;
-    for w in &warnings {
-        tracing::warn!("DRAM tier: {w}");
-    }
+    let mapped = map_dram(cfg, segments, dram::map_segments).await?;
     let mut per_node: BTreeMap<Option<u32>, u64> = BTreeMap::new();
     for (info, region) in mapped {
         let memory = region

@@ -6,10 +6,8 @@
 
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
-
 use super::{StoreError, TieredStore};
-use crate::api::block_store::{BatchError, BlockStore};
+use crate::api::block_store::{Batch, BatchError, BlockStore};
 use crate::api::shm::Staging;
 use crate::proto::{GetItem, GetResult, PutItem, Status};
 
@@ -23,9 +21,7 @@ fn store_status(err: &StoreError) -> Status {
 }
 
 /// Run `f` on the blocking pool.
-fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> T + Send + 'static,
-) -> BoxFuture<'static, Result<T, BatchError>> {
+fn blocking<T: Send + 'static>(f: impl FnOnce() -> Vec<T> + Send + 'static) -> Batch<T> {
     Box::pin(async move {
         tokio::task::spawn_blocking(f)
             .await
@@ -90,7 +86,7 @@ impl BlockStore for TieredStore {
         staging: Arc<Staging>,
         items: Vec<PutItem>,
         numa_hint: Option<u32>,
-    ) -> BoxFuture<'static, Result<Vec<i32>, BatchError>> {
+    ) -> Batch<i32> {
         blocking(move || {
             items
                 .iter()
@@ -99,11 +95,7 @@ impl BlockStore for TieredStore {
         })
     }
 
-    fn get_batch(
-        self: Arc<Self>,
-        staging: Arc<Staging>,
-        items: Vec<GetItem>,
-    ) -> BoxFuture<'static, Result<Vec<GetResult>, BatchError>> {
+    fn get_batch(self: Arc<Self>, staging: Arc<Staging>, items: Vec<GetItem>) -> Batch<GetResult> {
         blocking(move || {
             items
                 .iter()
@@ -112,17 +104,11 @@ impl BlockStore for TieredStore {
         })
     }
 
-    fn exists_batch(
-        self: Arc<Self>,
-        keys: Vec<Vec<u8>>,
-    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>> {
+    fn exists_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool> {
         blocking(move || keys.iter().map(|k| self.exists(k)).collect())
     }
 
-    fn remove_batch(
-        self: Arc<Self>,
-        keys: Vec<Vec<u8>>,
-    ) -> BoxFuture<'static, Result<Vec<bool>, BatchError>> {
+    fn remove_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool> {
         blocking(move || {
             keys.iter()
                 .map(|k| self.remove(k).unwrap_or(false))

@@ -125,6 +125,14 @@ pub struct PoolRecovery {
     pub warnings: Vec<String>,
 }
 
+/// Flush the data of `file` (at `path`) to stable storage.
+fn flush(file: &File, path: &Path) -> Result<(), PoolIndexError> {
+    file.sync_data().map_err(|source| PoolIndexError::Sync {
+        path: path.to_owned(),
+        source,
+    })
+}
+
 /// The SSD segment's index as pool mode shares it: the task runner and the engine API record
 /// writes, the link syncs and announces it, the read guard drops bad blocks from it.
 pub type SharedIndex = Arc<Mutex<PoolSsdIndex>>;
@@ -277,12 +285,7 @@ impl PoolSsdIndex {
         length: u64,
         crc: u32,
     ) -> Result<(), PoolIndexError> {
-        self.data
-            .sync_data()
-            .map_err(|source| PoolIndexError::Sync {
-                path: self.data_path.clone(),
-                source,
-            })?;
+        flush(&self.data, &self.data_path)?;
         let b = PoolBlock {
             key,
             offset,
@@ -314,12 +317,7 @@ impl PoolSsdIndex {
     /// Flush appended records to stable storage (a no-op when nothing changed).
     pub fn sync(&mut self) -> Result<(), PoolIndexError> {
         if self.dirty {
-            self.index
-                .sync_data()
-                .map_err(|source| PoolIndexError::Sync {
-                    path: self.index_path.clone(),
-                    source,
-                })?;
+            flush(&self.index, &self.index_path)?;
             self.dirty = false;
         }
         Ok(())

@@ -7,14 +7,17 @@ use super::index::{INDEX_FILE, MAGIC};
 use super::*;
 use crate::ssd::log;
 
-fn cfg(dir: &Path, capacity: u64) -> SsdConfig {
-    SsdConfig {
+/// Open the tier in `dir` with `capacity` bytes and direct I/O where the filesystem allows.
+fn open(dir: &Path, capacity: u64) -> Result<(SsdTier, Recovery), SsdError> {
+    let direct_io = DirectIo::Auto;
+    SsdTier::open(&SsdConfig {
         dir: dir.to_owned(),
         capacity,
-        direct_io: DirectIo::Auto,
-    }
+        direct_io,
+    })
 }
 
+/// A padded block of `len` bytes of `fill`.
 fn block(fill: u8, len: usize) -> AlignedBuf {
     let mut b = AlignedBuf::new(len);
     b[..len].fill(fill);
@@ -25,7 +28,7 @@ fn block(fill: u8, len: usize) -> AlignedBuf {
 fn read_each_verifies_every_block_and_drops_corrupt_ones() {
     use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut t, _) = SsdTier::open(&cfg(dir.path(), 64 * ALIGN)).expect("open");
+    let (mut t, _) = open(dir.path(), 64 * ALIGN).expect("open");
     let lens = [5000usize, 100, 3 * ALIGN as usize, 1];
     for (i, len) in lens.iter().enumerate() {
         t.put(
@@ -68,7 +71,7 @@ fn read_each_verifies_every_block_and_drops_corrupt_ones() {
 #[test]
 fn put_get_remove_and_capacity() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut t, rec) = SsdTier::open(&cfg(dir.path(), 3 * ALIGN)).expect("open");
+    let (mut t, rec) = open(dir.path(), 3 * ALIGN).expect("open");
     assert_eq!(rec.blocks, 0);
     t.put(b"a", &block(1, 5000), 5000).expect("put a");
     let err = t.put(b"b", &block(2, 5000), 5000).expect_err("full");
@@ -94,9 +97,9 @@ fn unknown_future_version_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let header = log::header(MAGIC, 99);
     std::fs::write(dir.path().join(INDEX_FILE), header).expect("write");
-    let err = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect_err("refused");
+    let err = open(dir.path(), 1 << 20).expect_err("refused");
     assert_eq!(err.category(), "unsupported_version");
     std::fs::write(dir.path().join(INDEX_FILE), b"not an index at all").expect("write");
-    let err = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect_err("refused");
+    let err = open(dir.path(), 1 << 20).expect_err("refused");
     assert_eq!(err.category(), "bad_magic");
 }
