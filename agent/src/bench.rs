@@ -230,9 +230,10 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
     let (dram, _) = DramTier::new(&plans, false).map_err(BenchError::Dram)?;
     let registry = prometheus::Registry::new();
     let metrics = Arc::new(AgentMetrics::new(&registry).map_err(BenchError::Metrics)?);
-    let store = Arc::new(TieredStore::new(dram, None, metrics));
+    let store = Arc::new(TieredStore::new(dram, None, Arc::clone(&metrics)));
     let service = EngineService::new(
-        Arc::clone(&store),
+        store,
+        metrics,
         sock_dir.path().to_owned(),
         ApiLimits {
             max_sessions: 4,
@@ -267,11 +268,7 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
             // A put of an existing key replaces it: every pass moves all bytes again.
             let started = Instant::now();
             for chunk in keys.chunks(per_batch as usize) {
-                let items: Vec<(&[u8], u64, u64)> = chunk
-                    .iter()
-                    .enumerate()
-                    .map(|(j, k)| (k.as_slice(), j as u64 * size, size))
-                    .collect();
+                let items = batch_items(chunk, size);
                 let statuses = client
                     .put_batch(&items, None)
                     .await
@@ -282,11 +279,7 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
 
             let started = Instant::now();
             for chunk in keys.chunks(per_batch as usize) {
-                let items: Vec<(&[u8], u64, u64)> = chunk
-                    .iter()
-                    .enumerate()
-                    .map(|(j, k)| (k.as_slice(), j as u64 * size, size))
-                    .collect();
+                let items = batch_items(chunk, size);
                 let out = client.get_batch(&items).await.map_err(BenchError::Client)?;
                 check_statuses(chunk, out.iter().map(|o| o.status))?;
             }
@@ -342,6 +335,15 @@ pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
         dram: dram_results,
         ssd,
     })
+}
+
+/// The items of one engine API batch: block `j` of `keys` lies at `j * size` of the staging
+/// area.
+fn batch_items(keys: &[Vec<u8>], size: u64) -> Vec<(&[u8], u64, u64)> {
+    keys.iter()
+        .enumerate()
+        .map(|(j, k)| (k.as_slice(), j as u64 * size, size))
+        .collect()
 }
 
 fn check_statuses(

@@ -1,10 +1,14 @@
 //! kvpool node agent library: topology discovery, NUMA-aware DRAM tier, persistent SSD tier,
 //! the engine API over a Unix socket, and the runtime that wires them with the admin server.
-//! In pool mode (`pool`, `pool_api`, `tasks`) the DRAM tier's memory belongs to the pool: the
-//! master allocates in it and the agent executes the master's copy tasks.
+//! The engine API serves from one `api::BlockStore`: the local tiered store (`store`, over
+//! `dram` and `ssd`) in local-only mode, or the pool (`pool`), where the DRAM tier's memory
+//! belongs to the pool: the master allocates in it and the agent executes the master's copy
+//! tasks. `runtime` sequences either mode the same way. Dependencies point one way:
+//! `runtime` -> {`store`, `pool`} -> `api` (the trait) -> `metrics`.
 //! Each module names its own I/O boundary in its header; `unsafe` lives only in `memory`
-//! (mmap/mbind/mlock, hand-over to the transfer engine, the SSD segment's file mapping), `ssd`
-//! (aligned buffers) and `kvpool_client::engine_api::shm` (shared staging copies).
+//! (mmap/mbind/mlock, hand-over to the transfer engine, the SSD segment's file mapping),
+//! `ssd::aligned` (aligned buffers) and `kvpool_client::engine_api::shm` (shared staging
+//! copies).
 
 pub mod api;
 pub mod bench;
@@ -19,14 +23,14 @@ pub mod memory;
 pub mod metrics;
 pub mod placement;
 pub mod pool;
-pub mod pool_api;
-pub mod pool_feed;
 pub mod registrar;
 pub mod runtime;
 pub mod ssd;
 pub mod store;
-pub mod tasks;
 pub mod topology;
+
+/// The pool-mode modules under the paths they had before `pool` became a folder.
+pub use pool::{api as pool_api, feed as pool_feed, tasks};
 
 /// Engine API types generated from the library's `proto/agent/v1/engine.proto`.
 pub use kvpool_proto::engine_api as proto;

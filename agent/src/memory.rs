@@ -296,13 +296,20 @@ fn round_up(n: usize, to: u64) -> usize {
 mod tests {
     use super::*;
 
+    fn request(bytes: usize, numa_node: Option<u32>, hugepage_size: Option<u64>) -> RegionRequest {
+        RegionRequest {
+            bytes,
+            numa_node,
+            hugepage_size,
+            lock: false,
+        }
+    }
+
     #[test]
     fn maps_writes_and_degrades_with_warnings() {
         let req = RegionRequest {
-            bytes: 10_000,
-            numa_node: Some(0),
-            hugepage_size: None,
             lock: true,
+            ..request(10_000, Some(0), None)
         };
         let (mut region, outcome) = MappedRegion::map(&req).expect("map");
         assert_eq!(region.len(), 12_288);
@@ -314,13 +321,8 @@ mod tests {
 
     #[test]
     fn impossible_numa_node_and_hugepages_fall_back() {
-        let req = RegionRequest {
-            bytes: 4096,
-            numa_node: Some(1000),
-            // 16 GiB pages exist on no machine this runs on.
-            hugepage_size: Some(16 << 30),
-            lock: false,
-        };
+        // 16 GiB pages exist on no machine this runs on.
+        let req = request(4096, Some(1000), Some(16 << 30));
         let (region, outcome) = MappedRegion::map(&req).expect("map");
         assert_eq!(region.len(), 4096);
         assert_eq!(outcome.hugepage_size, None);
@@ -330,12 +332,7 @@ mod tests {
 
     #[test]
     fn a_region_handed_to_the_transfer_engine_keeps_its_bytes() {
-        let req = RegionRequest {
-            bytes: 8192,
-            numa_node: Some(0),
-            hugepage_size: None,
-            lock: false,
-        };
+        let req = request(8192, Some(0), None);
         let (mut region, _) = MappedRegion::map(&req).expect("map");
         region.as_mut_slice()[5000] = 42;
         let addr = region.addr();
@@ -384,12 +381,7 @@ mod tests {
 
     #[test]
     fn zero_size_is_rejected() {
-        let req = RegionRequest {
-            bytes: 0,
-            numa_node: None,
-            hugepage_size: None,
-            lock: false,
-        };
+        let req = request(0, None, None);
         assert_eq!(
             MappedRegion::map(&req).expect_err("empty").category(),
             "empty"

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use kvpool_agent::discovery::{Roots, discover};
-use kvpool_agent::placement::{NumaPolicy, PlacementRequest, plan};
+use kvpool_agent::placement::{NumaPolicy, Placement, PlacementRequest, plan};
 use kvpool_agent::topology::{PcieDistance, Topology, summarize};
 
 fn fixture(name: &str) -> PathBuf {
@@ -246,6 +246,14 @@ fn malformed_tree_warns_instead_of_failing() {
     check_golden(&topo, "malformed.json");
 }
 
+/// Each planned segment as (NUMA node, bytes, huge page size).
+fn layout(p: &Placement) -> Vec<(Option<u32>, u64, Option<u64>)> {
+    p.segments
+        .iter()
+        .map(|s| (s.numa_node, s.bytes, s.hugepage_size))
+        .collect()
+}
+
 #[test]
 fn dram_placement_on_the_dgx_follows_the_nics() {
     let topo = discover_fixture("dgx-roce", &[]);
@@ -256,11 +264,7 @@ fn dram_placement_on_the_dgx_follows_the_nics() {
         max_segment: 16 << 30,
     };
     let p = plan(&topo, &req).expect("plan");
-    let nodes: Vec<(Option<u32>, u64, Option<u64>)> = p
-        .segments
-        .iter()
-        .map(|s| (s.numa_node, s.bytes, s.hugepage_size))
-        .collect();
+    let nodes = layout(&p);
     // 1000 free 2 MiB pages on node 0 and 1024 on node 1 cannot hold 32 GiB each.
     assert_eq!(
         nodes,
@@ -324,11 +328,7 @@ fn dram_placement_none_on_the_dgx_binds_nothing() {
     let p = plan(&topo, &req).expect("plan");
     // No per-node split (NIC-local would put 20 GiB on each node): one run of unbound
     // segments, cut only by the segment size limit.
-    let segs: Vec<(Option<u32>, u64, Option<u64>)> = p
-        .segments
-        .iter()
-        .map(|s| (s.numa_node, s.bytes, s.hugepage_size))
-        .collect();
+    let segs = layout(&p);
     assert_eq!(
         segs,
         vec![

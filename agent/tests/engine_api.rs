@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use kvpool_agent::api::BlockStore;
 use kvpool_agent::api::client::{EngineClient, GetOutcome, connect_channel};
 use kvpool_agent::api::server::{self, ApiLimits, EngineService};
 use kvpool_agent::dram::DramTier;
@@ -43,11 +44,12 @@ async fn start(dram_bytes: u64, ssd: bool) -> Agent {
         .0
     });
     let metrics = Arc::new(AgentMetrics::new(&prometheus::Registry::new()).expect("metrics"));
-    let store = Arc::new(TieredStore::new(dram, ssd, metrics));
+    let store = Arc::new(TieredStore::new(dram, ssd, Arc::clone(&metrics)));
     let shm_dir = dir.path().join("shm");
     std::fs::create_dir_all(&shm_dir).expect("shm dir");
     let service = EngineService::new(
-        Arc::clone(&store),
+        Arc::clone(&store) as Arc<dyn BlockStore>,
+        metrics,
         shm_dir.clone(),
         ApiLimits {
             max_sessions: 2,
@@ -69,6 +71,13 @@ async fn start(dram_bytes: u64, ssd: bool) -> Agent {
 }
 
 impl Agent {
+    /// A client with 1 MiB of staging.
+    async fn client(&self) -> EngineClient {
+        EngineClient::connect(&self.socket, 1 << 20, "test")
+            .await
+            .expect("connect")
+    }
+
     async fn stop(self) {
         self.stop.cancel();
         self.task.await.expect("join").expect("serve");
@@ -82,9 +91,7 @@ fn staging_files(dir: &Path) -> usize {
 #[tokio::test]
 async fn put_get_exists_remove_single_and_batched() {
     let agent = start(1 << 20, false).await;
-    let mut c = EngineClient::connect(&agent.socket, 1 << 20, "test")
-        .await
-        .expect("connect");
+    let mut c = agent.client().await;
     assert_eq!(staging_files(&agent.shm_dir), 1);
 
     assert_eq!(c.put(b"k1", b"hello world").await.expect("put"), Status::Ok);
@@ -170,9 +177,7 @@ async fn put_get_exists_remove_single_and_batched() {
 #[tokio::test]
 async fn bad_requests_get_clear_answers() {
     let agent = start(64 << 10, false).await;
-    let mut c = EngineClient::connect(&agent.socket, 1 << 20, "test")
-        .await
-        .expect("connect");
+    let mut c = agent.client().await;
     // Ranges outside the staging area, empty keys, blocks larger than DRAM.
     let statuses = c
         .put_batch(
@@ -218,9 +223,7 @@ async fn bad_requests_get_clear_answers() {
 async fn blocks_demote_to_ssd_and_come_back() {
     // 64 KiB of DRAM, 40 KiB blocks: every put evicts the previous block to SSD.
     let agent = start(64 << 10, true).await;
-    let mut c = EngineClient::connect(&agent.socket, 1 << 20, "test")
-        .await
-        .expect("connect");
+    let mut c = agent.client().await;
     for i in 0..4u8 {
         let data = vec![i; 40 << 10];
         assert_eq!(c.put(&[b'k', i], &data).await.expect("put"), Status::Ok);

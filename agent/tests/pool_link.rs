@@ -10,7 +10,7 @@ use kvpool_agent::ssd::pool::PoolSsdIndex;
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_core::master::Tier;
 use kvpool_master::cmd::loopback_args as loopback_master_args;
-use kvpool_master::cmd::{MasterArgs, start};
+use kvpool_master::cmd::{MasterArgs, RunningMaster, start};
 use kvpool_proto::auth::AuthKey as MasterKey;
 use kvpool_proto::master::StatsResponse;
 use kvpool_transfer::{
@@ -35,39 +35,75 @@ async fn wait_stats(client: &MasterClient, what: &str, done: impl Fn(&StatsRespo
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let key_file = dir.path().join("key");
-    std::fs::write(&key_file, KEY).expect("key file");
-    let args = MasterArgs {
-        // The test lets the node die by not heartbeating; long enough that a stalled test thread
-        // on a loaded box is not taken for a death between two steps.
-        heartbeat_timeout: Duration::from_secs(5),
-        max_replicas: 8,
-        ..loopback_master_args(key_file)
-    };
-    let stop_master = CancellationToken::new();
-    let master = start(args.validate().expect("valid"), stop_master.clone())
-        .await
-        .expect("master");
-    let client = MasterClient::new(
-        vec![master.grpc_addr.to_string()],
-        MasterKey::from_bytes(KEY.as_bytes()).expect("key"),
-        ClientConfig::default(),
-    )
-    .expect("client");
+/// An in-process master on loopback whose nodes die after `heartbeat_timeout` of silence, a
+/// client of it, and the directory of its key (also the tests' scratch space).
+struct Master {
+    dir: tempfile::TempDir,
+    stop: CancellationToken,
+    running: RunningMaster,
+    client: MasterClient,
+}
 
-    let engine = TransferEngine::new(
+impl Master {
+    async fn start(heartbeat_timeout: Duration) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let key_file = dir.path().join("key");
+        std::fs::write(&key_file, KEY).expect("key file");
+        let args = MasterArgs {
+            heartbeat_timeout,
+            max_replicas: 8,
+            ..loopback_master_args(key_file)
+        };
+        let stop = CancellationToken::new();
+        let running = start(args.validate().expect("valid"), stop.clone())
+            .await
+            .expect("master");
+        let client = MasterClient::new(
+            vec![running.grpc_addr.to_string()],
+            MasterKey::from_bytes(KEY.as_bytes()).expect("key"),
+            ClientConfig::default(),
+        )
+        .expect("client");
+        Self {
+            dir,
+            stop,
+            running,
+            client,
+        }
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.running.join().await;
+    }
+}
+
+/// The transfer engine of `node`, with the pool's key.
+fn node_engine(node: &str) -> TransferEngine {
+    TransferEngine::new(
         EngineConfig {
-            node: "node-1".into(),
+            node: node.into(),
             ..EngineConfig::default()
         },
         AuthKey::new(KEY.as_bytes().to_vec()).expect("key"),
         Arc::new(StaticDirectory::new()),
         TransferMetrics::unregistered().expect("metrics"),
     )
-    .expect("engine");
+    .expect("engine")
+}
+
+fn memory(len: usize) -> Segment {
+    Segment::host(len, HostOptions::default()).expect("memory")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
+    // The test lets the node die by not heartbeating; long enough that a stalled test thread
+    // on a loaded box is not taken for a death between two steps.
+    let master = Master::start(Duration::from_secs(5)).await;
+    let client = master.client.clone();
+
+    let engine = node_engine("node-1");
     let registrar = Arc::new(PoolRegistrar::new(
         engine,
         "node-1".into(),
@@ -75,12 +111,7 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     ));
     for index in 0..2 {
         registrar
-            .register(
-                &segment_name(index),
-                Tier::Dram,
-                index,
-                Segment::host(1 << 20, HostOptions::default()).expect("memory"),
-            )
+            .register(&segment_name(index), Tier::Dram, index, memory(1 << 20))
             .expect("register");
     }
     let link = PoolLink::new(
@@ -128,8 +159,7 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     assert!(!*healthy.borrow(), "not healthy once stopped");
     wait_stats(&client, "segments unmounted", |s| s.segments == 0).await;
 
-    stop_master.cancel();
-    let _ = master.join().await;
+    master.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,24 +167,9 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
     use kvpool_core::master::{ObjectKey, PutOptions, PutStarted, SegmentSpec};
     use std::os::unix::fs::FileExt;
 
-    let dir = tempfile::tempdir().expect("tempdir");
-    let key_file = dir.path().join("key");
-    std::fs::write(&key_file, KEY).expect("key file");
-    let args = MasterArgs {
-        heartbeat_timeout: Duration::from_secs(30),
-        max_replicas: 8,
-        ..loopback_master_args(key_file)
-    };
-    let stop_master = CancellationToken::new();
-    let master = start(args.validate().expect("valid"), stop_master.clone())
-        .await
-        .expect("master");
-    let client = MasterClient::new(
-        vec![master.grpc_addr.to_string()],
-        MasterKey::from_bytes(KEY.as_bytes()).expect("key"),
-        ClientConfig::default(),
-    )
-    .expect("client");
+    let master = Master::start(Duration::from_secs(30)).await;
+    let client = master.client.clone();
+    let dir = &master.dir;
 
     // Another node already holds key "b" with another size: adopting our "b" is refused.
     client
@@ -201,28 +216,14 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
     let (index, recovery) = PoolSsdIndex::open(dir.path(), &data_path, 1 << 20).expect("reopen");
     assert_eq!(recovery.blocks.len(), 2);
 
-    let engine = TransferEngine::new(
-        EngineConfig {
-            node: "node-1".into(),
-            ..EngineConfig::default()
-        },
-        AuthKey::new(KEY.as_bytes().to_vec()).expect("key"),
-        Arc::new(StaticDirectory::new()),
-        TransferMetrics::unregistered().expect("metrics"),
-    )
-    .expect("engine");
+    let engine = node_engine("node-1");
     let registrar = Arc::new(PoolRegistrar::new(
         engine.clone(),
         "node-1".into(),
         "tcp://127.0.0.1:9".into(),
     ));
     registrar
-        .register(
-            SSD_SEGMENT,
-            Tier::Ssd,
-            0,
-            Segment::host(1 << 20, HostOptions::default()).expect("memory"),
-        )
+        .register(SSD_SEGMENT, Tier::Ssd, 0, memory(1 << 20))
         .expect("register");
     registrar.set_ssd_index(index);
     let registry = prometheus::Registry::new();
@@ -265,6 +266,5 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
     link.step().await;
     assert_eq!(metrics.ssd_blocks_adopted.get(), 1);
 
-    stop_master.cancel();
-    let _ = master.join().await;
+    master.stop().await;
 }

@@ -30,6 +30,28 @@ fn block(seed: u8, len: usize) -> AlignedBuf {
     b
 }
 
+/// Open the tier in `dir` with 1 MiB of capacity.
+fn open_tier(dir: &Path) -> (SsdTier, kvpool_agent::ssd::Recovery) {
+    SsdTier::open(&cfg(dir, 1 << 20)).expect("open")
+}
+
+/// Cut the tier's data file in `dir` to `len` bytes.
+fn truncate_data(dir: &Path, len: u64) {
+    OpenOptions::new()
+        .write(true)
+        .open(dir.join("blocks.dat"))
+        .expect("open data")
+        .set_len(len)
+        .expect("truncate");
+}
+
+fn assert_corrupt(err: &SsdError, why: &str) {
+    assert!(
+        matches!(err, SsdError::Corrupt { reason } if *reason == why),
+        "{err}"
+    );
+}
+
 fn expect_block(tier: &mut SsdTier, key: &[u8], seed: u8, len: usize) {
     let (buf, got_len) = tier.get(key).expect("get").expect("present");
     assert_eq!(got_len, len as u64);
@@ -40,7 +62,7 @@ fn expect_block(tier: &mut SsdTier, key: &[u8], seed: u8, len: usize) {
 fn restart_recovers_blocks_from_the_log_and_from_a_snapshot() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
-        let (mut t, _) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("open");
+        let (mut t, _) = open_tier(dir.path());
         t.put(b"one", &block(1, 5000), 5000).expect("put");
         t.put(b"two", &block(2, 100), 100).expect("put");
         t.put(b"three", &block(3, 9000), 9000).expect("put");
@@ -50,7 +72,7 @@ fn restart_recovers_blocks_from_the_log_and_from_a_snapshot() {
         // Dropped without a snapshot, as after a crash: the log alone must do.
     }
     {
-        let (mut t, rec) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("reopen");
+        let (mut t, rec) = open_tier(dir.path());
         assert_eq!(rec.blocks, 2);
         assert_eq!(rec.bytes, 5200);
         assert!(rec.warnings.is_empty(), "{:?}", rec.warnings);
@@ -63,7 +85,7 @@ fn restart_recovers_blocks_from_the_log_and_from_a_snapshot() {
             .expect("put after restart");
         t.snapshot().expect("snapshot");
     }
-    let (mut t, rec) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("reopen");
+    let (mut t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 3);
     assert_eq!(rec.version_found, kvpool_agent::ssd::INDEX_VERSION);
     expect_block(&mut t, b"four", 5, 4096);
@@ -78,7 +100,7 @@ fn restart_recovers_blocks_from_the_log_and_from_a_snapshot() {
 #[test]
 fn corrupted_block_is_dropped_reported_and_never_served() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut t, _) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("open");
+    let (mut t, _) = open_tier(dir.path());
     t.put(b"good", &block(1, 3000), 3000).expect("put");
     t.put(b"bad", &block(2, 3000), 3000).expect("put");
     t.sync().expect("sync");
@@ -95,21 +117,13 @@ fn corrupted_block_is_dropped_reported_and_never_served() {
     drop(data);
 
     let err = t.get(b"bad").expect_err("corrupt");
-    assert!(
-        matches!(
-            err,
-            SsdError::Corrupt {
-                reason: "checksum mismatch"
-            }
-        ),
-        "{err}"
-    );
+    assert_corrupt(&err, "checksum mismatch");
     assert!(!t.contains(b"bad"), "dropped from the index");
     assert!(t.get(b"bad").expect("get").is_none());
     expect_block(&mut t, b"good", 1, 3000);
     // The drop is persistent.
     drop(t);
-    let (t, rec) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("reopen");
+    let (t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 1);
     assert!(!t.contains(b"bad"));
 }
@@ -118,18 +132,13 @@ fn corrupted_block_is_dropped_reported_and_never_served() {
 fn truncated_data_file_is_detected() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
-        let (mut t, _) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("open");
+        let (mut t, _) = open_tier(dir.path());
         t.put(b"a", &block(1, 4096), 4096).expect("put");
         t.put(b"b", &block(2, 8192), 8192).expect("put");
         t.snapshot().expect("snapshot");
     }
-    let data = OpenOptions::new()
-        .write(true)
-        .open(dir.path().join("blocks.dat"))
-        .expect("open data");
-    data.set_len(4096 + 100).expect("truncate");
-    drop(data);
-    let (mut t, rec) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("reopen");
+    truncate_data(dir.path(), 4096 + 100);
+    let (mut t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 1);
     assert!(
         rec.warnings.iter().any(|w| w.contains("truncated")),
@@ -141,29 +150,16 @@ fn truncated_data_file_is_detected() {
 
     // Truncation while running is caught on read.
     t.put(b"c", &block(3, 8192), 8192).expect("put");
-    let data = OpenOptions::new()
-        .write(true)
-        .open(dir.path().join("blocks.dat"))
-        .expect("open data");
-    data.set_len(4096).expect("truncate");
-    drop(data);
+    truncate_data(dir.path(), 4096);
     let err = t.get(b"c").expect_err("truncated");
-    assert!(
-        matches!(
-            err,
-            SsdError::Corrupt {
-                reason: "truncated"
-            }
-        ),
-        "{err}"
-    );
+    assert_corrupt(&err, "truncated");
 }
 
 #[test]
 fn damaged_index_tail_keeps_the_valid_prefix() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
-        let (mut t, _) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("open");
+        let (mut t, _) = open_tier(dir.path());
         t.put(b"a", &block(1, 100), 100).expect("put");
         t.put(b"b", &block(2, 100), 100).expect("put");
         t.sync().expect("sync");
@@ -173,7 +169,7 @@ fn damaged_index_tail_keeps_the_valid_prefix() {
     let mut bytes = std::fs::read(&index).expect("read index");
     bytes.extend_from_slice(&[0x20, 0, 0, 0, 1, 2, 3]);
     std::fs::write(&index, &bytes).expect("write index");
-    let (mut t, rec) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("reopen");
+    let (mut t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 2);
     assert!(
         rec.warnings.iter().any(|w| w.contains("damaged")),
@@ -183,7 +179,7 @@ fn damaged_index_tail_keeps_the_valid_prefix() {
     expect_block(&mut t, b"b", 2, 100);
     // The rewritten index is clean again.
     drop(t);
-    let (_, rec) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("reopen");
+    let (_, rec) = open_tier(dir.path());
     assert!(rec.warnings.is_empty(), "{:?}", rec.warnings);
 }
 
@@ -330,7 +326,7 @@ fn ssd_block_larger_than_dram_is_served_without_promotion() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
         // Written by an agent that had more DRAM.
-        let (mut t, _) = SsdTier::open(&cfg(dir.path(), 1 << 20)).expect("open");
+        let (mut t, _) = open_tier(dir.path());
         t.put(b"huge", &block(7, 100_000), 100_000).expect("put");
         t.snapshot().expect("snapshot");
     }

@@ -1,7 +1,7 @@
-//! Engine API server: serves put/get/exists/remove batches from the node's tiered store, or in
-//! pool mode from the pool (`crate::pool_api`). I/O boundary: the Unix socket listener (tonic)
-//! and the per-session staging files; each local batch runs on the blocking pool because the
-//! store may touch the SSD.
+//! Engine API server: sessions (each with a shared-memory staging file) and the put, get,
+//! exists and remove batches, each validated once and handed to the service's
+//! [`BlockStore`] (the node's tiered store or the pool, see `block_store`). I/O boundary: the
+//! Unix socket listener (tonic) and the per-session staging files.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -15,15 +15,15 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status as RpcStatus};
 
+use super::block_store::{BatchError, BlockStore};
 use super::shm::{ShmError, Staging};
-use crate::pool_api::PoolApi;
+use crate::metrics::AgentMetrics;
 use crate::proto::engine_api_server::{EngineApi, EngineApiServer};
 use crate::proto::{
     CloseSessionRequest, CloseSessionResponse, ExistsRequest, ExistsResponse, GetRequest,
-    GetResponse, GetResult, OpenSessionRequest, OpenSessionResponse, PutRequest, PutResponse,
-    RemoveRequest, RemoveResponse, Status,
+    GetResponse, OpenSessionRequest, OpenSessionResponse, PutRequest, PutResponse, RemoveRequest,
+    RemoveResponse,
 };
-use crate::store::{StoreError, TieredStore};
 
 /// Most items in one batch.
 pub const MAX_BATCH: usize = 4096;
@@ -72,13 +72,14 @@ struct Session {
 /// The gRPC service.
 #[derive(Clone)]
 pub struct EngineService {
-    store: Arc<TieredStore>,
+    /// Where the blocks of every batch go and come from.
+    store: Arc<dyn BlockStore>,
+    /// Sessions, staging bytes, batch latencies and staging errors are counted here.
+    metrics: Arc<AgentMetrics>,
     sessions: Arc<Mutex<HashMap<u64, Session>>>,
     next_id: Arc<AtomicU64>,
     shm_dir: PathBuf,
     limits: ApiLimits,
-    /// Pool mode: blocks go to and come from the pool, not the local store.
-    pool: Option<Arc<PoolApi>>,
     /// Group staging files are handed to (`engine_api.client_group`).
     client_group: Option<u32>,
 }
@@ -95,15 +96,29 @@ fn invalid(msg: impl Into<String>) -> RpcStatus {
     RpcStatus::invalid_argument(msg.into())
 }
 
+/// Refuse batches of more than [`MAX_BATCH`] items.
+fn check_batch(items: usize) -> Result<(), RpcStatus> {
+    if items > MAX_BATCH {
+        return Err(invalid(format!("batch larger than {MAX_BATCH}")));
+    }
+    Ok(())
+}
+
 impl EngineService {
-    pub fn new(store: Arc<TieredStore>, shm_dir: PathBuf, limits: ApiLimits) -> Self {
+    /// Serve batches from `store`, with staging files in `shm_dir`.
+    pub fn new(
+        store: Arc<dyn BlockStore>,
+        metrics: Arc<AgentMetrics>,
+        shm_dir: PathBuf,
+        limits: ApiLimits,
+    ) -> Self {
         Self {
             store,
+            metrics,
             sessions: Arc::new(Mutex::new(HashMap::new())),
             next_id: Arc::new(AtomicU64::new(1)),
             shm_dir,
             limits,
-            pool: None,
             client_group: None,
         }
     }
@@ -115,25 +130,26 @@ impl EngineService {
         self
     }
 
-    /// Serve blocks from the pool instead of the local store (pool mode).
-    pub fn with_pool(mut self, pool: PoolApi) -> Self {
-        self.pool = Some(Arc::new(pool));
-        self
-    }
-
-    fn observe(&self, op: &str, started: Instant) {
-        self.store
-            .metrics()
+    /// Run one batch of `op`, counting its latency when it completes.
+    async fn timed<T>(
+        &self,
+        op: &str,
+        batch: impl Future<Output = Result<T, BatchError>>,
+    ) -> Result<T, RpcStatus> {
+        let started = Instant::now();
+        let out = batch.await.map_err(|e| e.to_status())?;
+        self.metrics
             .op_seconds
             .with_label_values(&[op])
             .observe(started.elapsed().as_secs_f64());
+        Ok(out)
     }
 
     /// Close every session (shutdown), removing the staging files.
     pub fn close_all(&self) {
         self.sessions.lock().clear();
-        self.store.metrics().sessions.set(0);
-        self.store.metrics().staging_bytes.set(0.0);
+        self.metrics.sessions.set(0);
+        self.metrics.staging_bytes.set(0.0);
     }
 
     fn staging(&self, id: u64) -> Result<Arc<Staging>, RpcStatus> {
@@ -162,35 +178,10 @@ impl EngineService {
     }
 
     fn refresh_session_gauges(&self, sessions: &HashMap<u64, Session>) {
-        let m = self.store.metrics();
-        m.sessions.set(sessions.len() as i64);
-        m.staging_bytes
+        self.metrics.sessions.set(sessions.len() as i64);
+        self.metrics
+            .staging_bytes
             .set(sessions.values().map(|s| s.staging.size()).sum::<u64>() as f64);
-    }
-
-    async fn blocking<T: Send + 'static>(
-        &self,
-        op: &'static str,
-        f: impl FnOnce() -> T + Send + 'static,
-    ) -> Result<T, RpcStatus> {
-        let started = Instant::now();
-        let out = tokio::task::spawn_blocking(f)
-            .await
-            .map_err(|e| RpcStatus::internal(format!("worker failed: {e}")))?;
-        self.store
-            .metrics()
-            .op_seconds
-            .with_label_values(&[op])
-            .observe(started.elapsed().as_secs_f64());
-        Ok(out)
-    }
-}
-
-fn store_status(err: &StoreError) -> Status {
-    match err {
-        StoreError::BadKey(_) | StoreError::TooLarge { .. } => Status::Invalid,
-        StoreError::NoSpace(_) => Status::NoSpace,
-        StoreError::Ssd(_) => Status::Internal,
     }
 }
 
@@ -218,11 +209,7 @@ impl EngineApi for EngineService {
         let staging =
             Staging::create_for_group(&self.shm_dir, &name, req.staging_bytes, self.client_group)
                 .map_err(|e: ShmError| {
-                self.store
-                    .metrics()
-                    .errors
-                    .with_label_values(&[e.category()])
-                    .inc();
+                self.metrics.errors.with_label_values(&[e.category()]).inc();
                 RpcStatus::resource_exhausted(format!("{e}: {}", source_text(&e)))
             })?;
         let path = staging.path().to_string_lossy().into_owned();
@@ -258,114 +245,19 @@ impl EngineApi for EngineService {
 
     async fn put(&self, request: Request<PutRequest>) -> Result<Response<PutResponse>, RpcStatus> {
         let req = request.into_inner();
-        if req.items.len() > MAX_BATCH {
-            return Err(invalid(format!("batch larger than {MAX_BATCH}")));
-        }
+        check_batch(req.items.len())?;
         let staging = self.staging(req.session_id)?;
-        if let Some(pool) = &self.pool {
-            let started = Instant::now();
-            let items: Vec<_> = req
-                .items
-                .into_iter()
-                .map(|i| (i.key, i.offset, i.length))
-                .collect();
-            let statuses = pool
-                .put(&staging, items, req.numa_hint, self.store.metrics())
-                .await;
-            self.observe("put", started);
-            return Ok(Response::new(PutResponse { statuses }));
-        }
-        let store = Arc::clone(&self.store);
-        let statuses = self
-            .blocking("put", move || {
-                req.items
-                    .iter()
-                    .map(|item| {
-                        if !staging.contains(item.offset, item.length) {
-                            return Status::Invalid as i32;
-                        }
-                        let mut copy_err = None;
-                        let res = store.put_with(&item.key, item.length, req.numa_hint, |dst| {
-                            copy_err = staging.read_into(item.offset, dst).err();
-                        });
-                        match (res, copy_err) {
-                            (Ok(()), None) => Status::Ok as i32,
-                            (Ok(()), Some(_)) => {
-                                let _ = store.remove(&item.key);
-                                Status::Invalid as i32
-                            }
-                            (Err(e), _) => {
-                                store
-                                    .metrics()
-                                    .errors
-                                    .with_label_values(&[e.category()])
-                                    .inc();
-                                store_status(&e) as i32
-                            }
-                        }
-                    })
-                    .collect()
-            })
-            .await?;
+        let batch = Arc::clone(&self.store).put_batch(staging, req.items, req.numa_hint);
+        let statuses = self.timed("put", batch).await?;
         Ok(Response::new(PutResponse { statuses }))
     }
 
     async fn get(&self, request: Request<GetRequest>) -> Result<Response<GetResponse>, RpcStatus> {
         let req = request.into_inner();
-        if req.items.len() > MAX_BATCH {
-            return Err(invalid(format!("batch larger than {MAX_BATCH}")));
-        }
+        check_batch(req.items.len())?;
         let staging = self.staging(req.session_id)?;
-        if let Some(pool) = &self.pool {
-            let started = Instant::now();
-            let items: Vec<_> = req
-                .items
-                .into_iter()
-                .map(|i| (i.key, i.offset, i.capacity))
-                .collect();
-            let results = pool.get(&staging, items, self.store.metrics()).await;
-            self.observe("get", started);
-            return Ok(Response::new(GetResponse { results }));
-        }
-        let store = Arc::clone(&self.store);
-        let results = self
-            .blocking("get", move || {
-                req.items
-                    .iter()
-                    .map(|item| {
-                        let result = |status: Status, length: u64| GetResult {
-                            status: status as i32,
-                            length,
-                        };
-                        if !staging.contains(item.offset, item.capacity) {
-                            return result(Status::Invalid, 0);
-                        }
-                        let got = store.get_with(&item.key, |bytes| {
-                            let len = bytes.len() as u64;
-                            if len > item.capacity {
-                                return result(Status::BufferTooSmall, len);
-                            }
-                            match staging.write_from(item.offset, bytes) {
-                                Ok(()) => result(Status::Ok, len),
-                                Err(_) => result(Status::Invalid, 0),
-                            }
-                        });
-                        match got {
-                            Ok(Some((r, _))) => r,
-                            Ok(None) => result(Status::NotFound, 0),
-                            Err(e) => {
-                                store
-                                    .metrics()
-                                    .errors
-                                    .with_label_values(&[e.category()])
-                                    .inc();
-                                result(store_status(&e), 0)
-                            }
-                        }
-                    })
-                    .collect()
-            })
-            .await?;
+        let batch = Arc::clone(&self.store).get_batch(staging, req.items);
+        let results = self.timed("get", batch).await?;
         Ok(Response::new(GetResponse { results }))
     }
 
@@ -374,24 +266,9 @@ impl EngineApi for EngineService {
         request: Request<ExistsRequest>,
     ) -> Result<Response<ExistsResponse>, RpcStatus> {
         let keys = request.into_inner().keys;
-        if keys.len() > MAX_BATCH {
-            return Err(invalid(format!("batch larger than {MAX_BATCH}")));
-        }
-        if let Some(pool) = &self.pool {
-            let started = Instant::now();
-            let present = pool
-                .exists(&keys)
-                .await
-                .map_err(|e| RpcStatus::unavailable(format!("master: {e}")))?;
-            self.observe("exists", started);
-            return Ok(Response::new(ExistsResponse { present }));
-        }
-        let store = Arc::clone(&self.store);
-        let present = self
-            .blocking("exists", move || {
-                keys.iter().map(|k| store.exists(k)).collect()
-            })
-            .await?;
+        check_batch(keys.len())?;
+        let batch = Arc::clone(&self.store).exists_batch(keys);
+        let present = self.timed("exists", batch).await?;
         Ok(Response::new(ExistsResponse { present }))
     }
 
@@ -400,26 +277,9 @@ impl EngineApi for EngineService {
         request: Request<RemoveRequest>,
     ) -> Result<Response<RemoveResponse>, RpcStatus> {
         let keys = request.into_inner().keys;
-        if keys.len() > MAX_BATCH {
-            return Err(invalid(format!("batch larger than {MAX_BATCH}")));
-        }
-        if let Some(pool) = &self.pool {
-            let started = Instant::now();
-            let removed = pool
-                .remove(&keys)
-                .await
-                .map_err(|e| RpcStatus::unavailable(format!("master: {e}")))?;
-            self.observe("remove", started);
-            return Ok(Response::new(RemoveResponse { removed }));
-        }
-        let store = Arc::clone(&self.store);
-        let removed = self
-            .blocking("remove", move || {
-                keys.iter()
-                    .map(|k| store.remove(k).unwrap_or(false))
-                    .collect()
-            })
-            .await?;
+        check_batch(keys.len())?;
+        let batch = Arc::clone(&self.store).remove_batch(keys);
+        let removed = self.timed("remove", batch).await?;
         Ok(Response::new(RemoveResponse { removed }))
     }
 }

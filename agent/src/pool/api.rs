@@ -1,9 +1,12 @@
-//! Engine-API requests in pool mode: put/get/exists/remove batches served from the pool through
-//! [`PoolClient`] (the master allocates and locates, bytes move by the transfer engine or, for
-//! replicas in this agent's own segments, by an in-process copy). The engine's staging area is
-//! the source of puts and the destination of gets, as in local-only mode. I/O boundary: the
-//! master's gRPC channel and the transfer engine (inside [`PoolClient`]); the mapping from
-//! pool errors to per-item statuses ([`put_status`], [`get_status`]) is pure.
+//! Engine-API requests in pool mode: [`PoolApi`] is the engine API's [`BlockStore`], serving
+//! put/get/exists/remove batches from the pool through [`PoolClient`] (the master allocates and
+//! locates, bytes move by the transfer engine or, for replicas in this agent's own segments, by
+//! an in-process copy). The engine's staging area is the source of puts and the destination of
+//! gets, as in local-only mode. I/O boundary: the master's gRPC channel and the transfer engine
+//! (inside [`PoolClient`]); the mapping from pool errors to per-item statuses ([`put_status`],
+//! [`get_status`]) is pure.
+
+use std::sync::Arc;
 
 use futures::stream::{self, StreamExt};
 use kvpool_client::master::ClientError;
@@ -11,11 +14,14 @@ use kvpool_client::pool::{DataError, PoolClient};
 use kvpool_core::master::{ObjectKey, PutOptions, ReplicaInfo, Spread};
 use kvpool_proto::master::ErrorCode;
 
+use super::feed;
+use super::registrar::SSD_SEGMENT;
+use crate::api::block_store::{Batch, BatchError, BlockStore};
 use crate::api::shm::Staging;
 use crate::metrics::AgentMetrics;
-use crate::pool::{SSD_SEGMENT, SharedIndex};
-use crate::proto::{GetResult, Status};
+use crate::proto::{GetItem, GetResult, PutItem, Status};
 use crate::ssd::MAX_KEY_LEN as MAX_KEY_BYTES;
+use crate::ssd::pool::SharedIndex;
 
 /// Items of one batch moved at once (each is a master round trip plus a transfer).
 pub const PARALLEL_ITEMS: usize = 8;
@@ -28,6 +34,8 @@ pub struct PoolApi {
     replicas: u8,
     /// Index of this node's SSD segment: puts that land there are recorded in it.
     ssd_index: Option<SharedIndex>,
+    /// The engine API's metrics (hits, misses, bytes and errors of the pool).
+    metrics: Arc<AgentMetrics>,
 }
 
 fn code_of(e: &DataError) -> Option<ErrorCode> {
@@ -62,13 +70,15 @@ fn bad_key(key: &[u8]) -> bool {
 }
 
 impl PoolApi {
-    /// Puts go to `replicas` nodes, the first preferably this one (`node`).
-    pub fn new(client: PoolClient, node: String, replicas: u8) -> Self {
+    /// Puts go to `replicas` nodes, the first preferably this one (`node`); outcomes are
+    /// counted in `metrics`.
+    pub fn new(client: PoolClient, node: String, replicas: u8, metrics: Arc<AgentMetrics>) -> Self {
         Self {
             client,
             node,
             replicas,
             ssd_index: None,
+            metrics,
         }
     }
 
@@ -93,22 +103,20 @@ impl PoolApi {
             return;
         }
         let (object, crc) = (ObjectKey::from_bytes(key), crc32c::crc32c(value));
-        let recorded = tokio::task::spawn_blocking(move || {
-            let mut idx = index.lock();
-            mine.into_iter()
-                .try_for_each(|(offset, length)| idx.record(object, offset, length, crc))
-        })
+        feed::update_index(
+            index,
+            "recording a put in the SSD index failed",
+            "the SSD index worker failed",
+            move |idx| {
+                mine.into_iter()
+                    .try_for_each(|(offset, length)| idx.record(object, offset, length, crc))
+            },
+        )
         .await;
-        match recorded {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!(error = %e, category = e.category(),
-                "recording a put in the SSD index failed"),
-            Err(e) => tracing::warn!(error = %e, "the SSD index worker failed"),
-        }
     }
 
-    fn count_error(metrics: &AgentMetrics, e: &DataError) {
-        metrics
+    fn count_error(&self, e: &DataError) {
+        self.metrics
             .errors
             .with_label_values(&[&format!("pool_{}", e.category())])
             .inc();
@@ -119,9 +127,8 @@ impl PoolApi {
     pub async fn put(
         &self,
         staging: &Staging,
-        items: Vec<(Vec<u8>, u64, u64)>,
+        items: Vec<PutItem>,
         numa_hint: Option<u32>,
-        metrics: &AgentMetrics,
     ) -> Vec<i32> {
         let opts = PutOptions {
             replicas: self.replicas,
@@ -132,25 +139,15 @@ impl PoolApi {
         };
         let opts = &opts;
         stream::iter(items)
-            .map(|(key, offset, length)| async move {
-                self.put_one(staging, &key, offset, length, opts, metrics)
-                    .await
-            })
+            .map(|item| async move { self.put_one(staging, &item, opts).await })
             .buffered(PARALLEL_ITEMS)
             .map(|s| s as i32)
             .collect()
             .await
     }
 
-    async fn put_one(
-        &self,
-        staging: &Staging,
-        key: &[u8],
-        offset: u64,
-        length: u64,
-        opts: &PutOptions,
-        metrics: &AgentMetrics,
-    ) -> Status {
+    async fn put_one(&self, staging: &Staging, item: &PutItem, opts: &PutOptions) -> Status {
+        let (key, offset, length) = (item.key.as_slice(), item.offset, item.length);
         if bad_key(key) || length == 0 || !staging.contains(offset, length) {
             return Status::Invalid;
         }
@@ -164,14 +161,14 @@ impl PoolApi {
         match self.client.put(key, &value, opts).await {
             Ok(replicas) => {
                 self.record_ssd(key, &value, &replicas).await;
-                metrics
+                self.metrics
                     .bytes_written
                     .with_label_values(&["pool"])
                     .inc_by(length);
                 Status::Ok
             }
             Err(e) => {
-                Self::count_error(metrics, &e);
+                self.count_error(&e);
                 tracing::debug!(error = %e, "pool put failed");
                 put_status(&e)
             }
@@ -180,16 +177,9 @@ impl PoolApi {
 
     /// Get every `(key, offset, capacity)` into `staging`; one result per item, in order. Up
     /// to [`PARALLEL_ITEMS`] items are in flight at once.
-    pub async fn get(
-        &self,
-        staging: &Staging,
-        items: Vec<(Vec<u8>, u64, u64)>,
-        metrics: &AgentMetrics,
-    ) -> Vec<GetResult> {
+    pub async fn get(&self, staging: &Staging, items: Vec<GetItem>) -> Vec<GetResult> {
         stream::iter(items)
-            .map(|(key, offset, capacity)| async move {
-                self.get_one(staging, &key, offset, capacity, metrics).await
-            })
+            .map(|item| async move { self.get_one(staging, &item).await })
             .buffered(PARALLEL_ITEMS)
             .map(|(status, length)| GetResult {
                 status: status as i32,
@@ -199,14 +189,8 @@ impl PoolApi {
             .await
     }
 
-    async fn get_one(
-        &self,
-        staging: &Staging,
-        key: &[u8],
-        offset: u64,
-        capacity: u64,
-        metrics: &AgentMetrics,
-    ) -> (Status, u64) {
+    async fn get_one(&self, staging: &Staging, item: &GetItem) -> (Status, u64) {
+        let (key, offset, capacity) = (item.key.as_slice(), item.offset, item.capacity);
         if bad_key(key) || !staging.contains(offset, capacity) {
             return (Status::Invalid, 0);
         }
@@ -218,17 +202,20 @@ impl PoolApi {
                 } else if staging.write_from(offset, &bytes).is_err() {
                     (Status::Invalid, 0)
                 } else {
-                    metrics.hits.with_label_values(&["pool"]).inc();
-                    metrics.bytes_read.with_label_values(&["pool"]).inc_by(len);
+                    self.metrics.hits.with_label_values(&["pool"]).inc();
+                    self.metrics
+                        .bytes_read
+                        .with_label_values(&["pool"])
+                        .inc_by(len);
                     (Status::Ok, len)
                 }
             }
             Err(e) => {
                 let status = get_status(&e);
                 if status == Status::NotFound {
-                    metrics.misses.inc();
+                    self.metrics.misses.inc();
                 } else {
-                    Self::count_error(metrics, &e);
+                    self.count_error(&e);
                     tracing::debug!(error = %e, "pool get failed");
                 }
                 (status, 0)
@@ -250,6 +237,29 @@ impl PoolApi {
     }
 }
 
+impl BlockStore for PoolApi {
+    fn put_batch(
+        self: Arc<Self>,
+        staging: Arc<Staging>,
+        items: Vec<PutItem>,
+        numa_hint: Option<u32>,
+    ) -> Batch<i32> {
+        Box::pin(async move { Ok(self.put(&staging, items, numa_hint).await) })
+    }
+
+    fn get_batch(self: Arc<Self>, staging: Arc<Staging>, items: Vec<GetItem>) -> Batch<GetResult> {
+        Box::pin(async move { Ok(self.get(&staging, items).await) })
+    }
+
+    fn exists_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool> {
+        Box::pin(async move { self.exists(&keys).await.map_err(BatchError::Master) })
+    }
+
+    fn remove_batch(self: Arc<Self>, keys: Vec<Vec<u8>>) -> Batch<bool> {
+        Box::pin(async move { self.remove(&keys).await.map_err(BatchError::Master) })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,26 +273,24 @@ mod tests {
 
     #[test]
     fn pool_errors_map_to_engine_statuses() {
-        assert_eq!(put_status(&refused(ErrorCode::NoSpace)), Status::NoSpace);
-        assert_eq!(put_status(&refused(ErrorCode::TooLarge)), Status::Invalid);
-        assert_eq!(
-            put_status(&refused(ErrorCode::SizeConflict)),
-            Status::Invalid
-        );
-        assert_eq!(
-            put_status(&refused(ErrorCode::PutInProgress)),
-            Status::Internal
-        );
-        assert_eq!(put_status(&DataError::NoReplica), Status::Internal);
-        assert_eq!(
-            get_status(&refused(ErrorCode::UnknownKey)),
-            Status::NotFound
-        );
-        assert_eq!(
-            get_status(&refused(ErrorCode::InvalidArgument)),
-            Status::Invalid
-        );
-        assert_eq!(get_status(&DataError::NoReplica), Status::Internal);
+        let puts = [
+            (refused(ErrorCode::NoSpace), Status::NoSpace),
+            (refused(ErrorCode::TooLarge), Status::Invalid),
+            (refused(ErrorCode::SizeConflict), Status::Invalid),
+            (refused(ErrorCode::PutInProgress), Status::Internal),
+            (DataError::NoReplica, Status::Internal),
+        ];
+        for (e, want) in &puts {
+            assert_eq!(put_status(e), *want, "put: {e}");
+        }
+        let gets = [
+            (refused(ErrorCode::UnknownKey), Status::NotFound),
+            (refused(ErrorCode::InvalidArgument), Status::Invalid),
+            (DataError::NoReplica, Status::Internal),
+        ];
+        for (e, want) in &gets {
+            assert_eq!(get_status(e), *want, "get: {e}");
+        }
     }
 
     #[test]

@@ -14,8 +14,10 @@ use kvpool_core::master::ObjectKey;
 use kvpool_core::master::state::{CorruptBlock, SegmentEvent, SegmentEventKind};
 use parking_lot::Mutex;
 
-use crate::pool::{PoolMetrics, SharedIndex};
-use crate::ssd::pool::{BlockChecker, DropReason, PoolBlock, PoolIndexError};
+use super::metrics::PoolMetrics;
+use crate::ssd::pool::{
+    BlockChecker, DropReason, PoolBlock, PoolIndexError, PoolSsdIndex, SharedIndex,
+};
 
 /// A slice that starts inside a block is served unchecked when the whole block passed a check
 /// this recently (the slices of one large transfer arrive together; the first one, at the
@@ -284,6 +286,22 @@ pub fn apply_events(
     }
 }
 
+/// Run `update` on the SSD index on the blocking pool. A failure only costs persistence across
+/// a restart, so it is logged (`failed`, or `worker_failed` when the worker itself died), not
+/// returned.
+pub async fn update_index(
+    index: SharedIndex,
+    failed: &'static str,
+    worker_failed: &'static str,
+    update: impl FnOnce(&mut PoolSsdIndex) -> Result<(), PoolIndexError> + Send + 'static,
+) {
+    match tokio::task::spawn_blocking(move || update(&mut index.lock())).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, category = e.category(), "{failed}"),
+        Err(e) => tracing::warn!(error = %e, "{worker_failed}"),
+    }
+}
+
 fn kind_label(k: SegmentEventKind) -> &'static str {
     match k {
         SegmentEventKind::Commit => "commit",
@@ -354,6 +372,21 @@ mod tests {
         data: std::fs::File,
         index: SharedIndex,
         metrics: PoolMetrics,
+    }
+
+    impl Fixture {
+        /// Apply the feed's `events` of `epoch` for segment 5 after `prev`, counting them.
+        fn apply(&self, epoch: u64, events: &[SegmentEvent], prev: FeedState) -> FeedState {
+            apply_events(
+                &self.index,
+                Some(5),
+                epoch,
+                events,
+                prev,
+                Some(&self.metrics),
+            )
+            .expect("apply")
+        }
     }
 
     fn fixture() -> Fixture {
@@ -458,15 +491,7 @@ mod tests {
                 ..ev(3, SegmentEventKind::Free, 1, 0, 0)
             },
         ];
-        let st = apply_events(
-            &f.index,
-            Some(5),
-            11,
-            &events,
-            FeedState::default(),
-            Some(&f.metrics),
-        )
-        .expect("apply");
+        let st = f.apply(11, &events, FeedState::default());
         assert_eq!(
             st,
             FeedState {
@@ -479,36 +504,22 @@ mod tests {
         assert_eq!(blocks[0].crc, crc32c::crc32c(&a));
         assert_eq!(blocks[1].crc, crc32c::crc32c(&b));
         // A free of another key at that offset is ignored; of the right key it drops it.
-        let st = apply_events(
-            &f.index,
-            Some(5),
-            11,
-            &[
-                ev(4, SegmentEventKind::Free, 9, 0, 0),
-                ev(5, SegmentEventKind::Free, 1, 0, 0),
-            ],
-            st,
-            None,
-        )
-        .expect("apply");
+        let frees = [
+            ev(4, SegmentEventKind::Free, 9, 0, 0),
+            ev(5, SegmentEventKind::Free, 1, 0, 0),
+        ];
+        let st = f.apply(11, &frees, st);
         assert_eq!(st.acked, 5);
         assert_eq!(f.index.lock().len(), 1);
         // A resync (new epoch) that lists only block 3: block 2 goes at RESET_DONE.
         let c = value(3000, 4);
         f.data.write_all_at(&c, 65_536).expect("c");
-        let st = apply_events(
-            &f.index,
-            Some(5),
-            12,
-            &[
-                ev(1, SegmentEventKind::Reset, 0, 0, 0),
-                ev(2, SegmentEventKind::Commit, 3, 65_536, 3000),
-                ev(3, SegmentEventKind::ResetDone, 0, 0, 0),
-            ],
-            st,
-            None,
-        )
-        .expect("resync");
+        let resync = [
+            ev(1, SegmentEventKind::Reset, 0, 0, 0),
+            ev(2, SegmentEventKind::Commit, 3, 65_536, 3000),
+            ev(3, SegmentEventKind::ResetDone, 0, 0, 0),
+        ];
+        let st = f.apply(12, &resync, st);
         assert_eq!(
             st,
             FeedState {
@@ -523,7 +534,8 @@ mod tests {
                 .ssd_feed_events
                 .with_label_values(&["commit"])
                 .get(),
-            2
+            3,
+            "every commit applied is counted"
         );
     }
 }

@@ -5,8 +5,8 @@
 //! when both live in this process. A copy into the SSD segment is checksummed, flushed and
 //! recorded in its durable index ([`crate::ssd::pool`]) before the master hears of it.
 //! [`TaskRunner`] runs them off the heartbeat loop, at most `max_tasks` at once, with a
-//! timeout, reports each outcome to the master (`CompleteTask`) and counts it. I/O boundary: the transfer engine and the master's gRPC channel; [`check`] is
-//! pure.
+//! timeout, reports each outcome to the master (`CompleteTask`) and counts it. I/O boundary:
+//! the transfer engine and the master's gRPC channel; [`check`] is pure.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -20,7 +20,8 @@ use kvpool_transfer::{self as transfer, BatchFailed, TransferEngine, TransferOp,
 use parking_lot::Mutex;
 use tokio::sync::Semaphore;
 
-use crate::pool::{PoolMetrics, PoolRegistrar, SSD_SEGMENT};
+use super::metrics::PoolMetrics;
+use super::registrar::{PoolRegistrar, SSD_SEGMENT};
 use crate::ssd::pool::PoolIndexError;
 
 /// Tasks waiting for a slot, per allowed concurrent task; beyond that a task is refused (the
@@ -185,29 +186,16 @@ fn record_ssd_write(
     let Some(index) = registrar.ssd_index() else {
         return Ok(());
     };
-    let mut crc = 0u32;
-    let mut buf = vec![0u8; READ_BACK_CHUNK];
-    let mut pos = 0u64;
-    while pos < dst.length {
-        let n = usize::try_from(dst.length - pos)
-            .unwrap_or(usize::MAX)
-            .min(READ_BACK_CHUNK);
-        let chunk = buf.get_mut(..n).unwrap_or_default();
-        target
-            .segment()
-            .read_at(dst.offset + pos, chunk)
-            .map_err(TaskError::ReadBack)?;
-        crc = crc32c::crc32c_append(crc, chunk);
-        pos += n as u64;
-    }
+    let segment = target.segment();
+    let crc = crate::ssd::log::crc_of_range(dst.offset, dst.length, |pos, chunk| {
+        segment.read_at(pos, chunk)
+    })
+    .map_err(TaskError::ReadBack)?;
     index
         .lock()
         .record(task.key, dst.offset, dst.length, crc)
         .map_err(TaskError::Index)
 }
-
-/// Bytes checksummed at once when recording an SSD write.
-const READ_BACK_CHUNK: usize = 1 << 20;
 
 struct Inner {
     engine: TransferEngine,
@@ -372,26 +360,10 @@ impl TaskRunner {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_fixtures::{KEY, engine, memory};
     use super::*;
     use kvpool_client::pool::{tcp_endpoint, transfer_name};
     use kvpool_core::master::{ObjectKey, ReplicaInfo, Tier};
-    use kvpool_transfer::{EngineConfig, HostOptions, Segment, StaticDirectory, TransferMetrics};
-
-    const KEY: &[u8] = b"tasks-test-key-0123456789abcdef0";
-
-    fn engine(node: &str) -> TransferEngine {
-        TransferEngine::new(
-            EngineConfig {
-                node: node.into(),
-                lanes: 1,
-                ..EngineConfig::default()
-            },
-            transfer::AuthKey::new(KEY.to_vec()).expect("key"),
-            Arc::new(StaticDirectory::new()),
-            TransferMetrics::unregistered().expect("metrics"),
-        )
-        .expect("engine")
-    }
 
     fn replica(node: &str, segment: &str, tier: Tier, offset: u64, len: u64) -> ReplicaInfo {
         ReplicaInfo {
@@ -418,21 +390,25 @@ mod tests {
 
     fn registrar(node: &str, engine: &TransferEngine) -> PoolRegistrar {
         let r = PoolRegistrar::new(engine.clone(), node.into(), "tcp://127.0.0.1:1".into());
-        r.register(
-            "dram0",
-            Tier::Dram,
-            0,
-            Segment::host(1 << 16, HostOptions::default()).expect("dram"),
-        )
-        .expect("dram0");
-        r.register(
-            "ssd0",
-            Tier::Ssd,
-            0,
-            Segment::host(1 << 16, HostOptions::default()).expect("ssd"),
-        )
-        .expect("ssd0");
+        r.register("dram0", Tier::Dram, 0, memory(1 << 16))
+            .expect("dram0");
+        r.register("ssd0", Tier::Ssd, 0, memory(1 << 16))
+            .expect("ssd0");
         r
+    }
+
+    /// Write `bytes` at `offset` of `r`'s segment `name`.
+    fn seed(r: &PoolRegistrar, name: &str, offset: u64, bytes: &[u8]) {
+        let local = r.local(name).expect("registered");
+        local.segment().write_at(offset, bytes).expect("seed");
+    }
+
+    /// `len` bytes at `offset` of `r`'s segment `name`.
+    fn read_back(r: &PoolRegistrar, name: &str, offset: u64, len: usize) -> Vec<u8> {
+        let mut got = vec![0u8; len];
+        let local = r.local(name).expect("registered");
+        local.segment().read_at(offset, &mut got).expect("read");
+        got
     }
 
     fn dead_master() -> MasterClient {
@@ -556,23 +532,14 @@ mod tests {
         let r = registrar("a", &e);
         let value: Vec<u8> = (0..5000u32).map(|i| (i % 199) as u8).collect();
         let len = value.len() as u64;
-        r.local("dram0")
-            .expect("dram0")
-            .segment()
-            .write_at(8192, &value)
-            .expect("seed");
+        seed(&r, "dram0", 8192, &value);
         let t = task(
             TaskKind::Demote,
             replica("a", "dram0", Tier::Dram, 8192, len),
             replica("a", "ssd0", Tier::Ssd, 4096, len),
         );
         assert_eq!(execute(&e, &r, &t).expect("demote"), len);
-        let mut got = vec![0u8; value.len()];
-        r.local("ssd0")
-            .expect("ssd0")
-            .segment()
-            .read_at(4096, &mut got)
-            .expect("read");
+        let got = read_back(&r, "ssd0", 4096, value.len());
         assert!(got == value);
         // A target range past the end of the segment fails, it does not wrap or truncate.
         let bad = task(
@@ -606,11 +573,7 @@ mod tests {
         // Without an index nothing is recorded (and nothing fails).
         let value: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
         let len = value.len() as u64;
-        r.local("dram0")
-            .expect("dram0")
-            .segment()
-            .write_at(0, &value)
-            .expect("seed");
+        seed(&r, "dram0", 0, &value);
         let t = task(
             TaskKind::Demote,
             replica("a", "dram0", Tier::Dram, 0, len),
@@ -641,10 +604,7 @@ mod tests {
         // Node "b" holds the surviving replica and serves it on loopback.
         let eb = engine("b");
         let seg_b = eb
-            .register(
-                &transfer_name("b", "dram0"),
-                Arc::new(Segment::host(1 << 16, HostOptions::default()).expect("b")),
-            )
+            .register(&transfer_name("b", "dram0"), Arc::new(memory(1 << 16)))
             .expect("register b");
         let server = eb
             .listen_tcp("127.0.0.1:0".parse().expect("addr"))
@@ -663,12 +623,7 @@ mod tests {
             replica("a", "dram0", Tier::Dram, 12_288, len),
         );
         assert_eq!(execute(&ea, &ra, &t).expect("repair"), len);
-        let mut got = vec![0u8; value.len()];
-        ra.local("dram0")
-            .expect("dram0")
-            .segment()
-            .read_at(12_288, &mut got)
-            .expect("read");
+        let got = read_back(&ra, "dram0", 12_288, value.len());
         assert!(got == value, "the repaired copy is byte-exact");
 
         // The source node is gone: the task fails with the transport's error.

@@ -1,0 +1,127 @@
+//! The `pool:` section of the agent's configuration: which master to join, with which key,
+//! where the transfer engine listens and what it announces, heartbeat and task settings, and
+//! the transport; validated into [`PoolConfig`] (absent `master`: local-only mode, `None`).
+//! I/O boundary: none (pure).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, between, duration_at_least, invalid, socket_addr};
+
+/// `pool:` joining a pool's master. Without `master` the agent runs local-only.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolSection {
+    /// Master addresses (`host:port` or URLs).
+    pub master: Vec<String>,
+    /// File with the pool's shared key (masters, agents and clients use the same).
+    pub auth_key_file: Option<PathBuf>,
+    /// Listen address of the transfer-engine TCP target.
+    pub transport_listen: Option<String>,
+    /// Host announced to peers when `transport_listen` is a wildcard address.
+    pub advertise_host: Option<String>,
+    /// Heartbeat period, e.g. `1s`.
+    pub heartbeat_interval: Option<String>,
+    /// Replicas of every block an engine puts through this agent (default 1).
+    pub replicas: Option<u8>,
+    /// Master tasks (repair, demotion) executed at once (default 4).
+    pub max_tasks: Option<usize>,
+    /// A task not finished in this time is reported failed, e.g. `30s`.
+    pub task_timeout: Option<String>,
+    /// Transfer engine: `tcp` (default), `rdma` or `auto` (the KVCachePool's
+    /// `transport.protocol`). With `rdma`/`auto` the engine opens the host's RDMA devices and
+    /// falls back to TCP loudly when none works; the heartbeat reports it.
+    pub transport: Option<String>,
+}
+
+/// Validated pool membership.
+#[derive(Clone, Debug)]
+pub struct PoolConfig {
+    pub masters: Vec<String>,
+    pub auth_key_file: PathBuf,
+    pub transport_listen: SocketAddr,
+    /// Address put in the announced `tcp://ip:port` endpoints.
+    pub advertise_host: std::net::IpAddr,
+    pub heartbeat_interval: Duration,
+    pub replicas: u8,
+    pub max_tasks: usize,
+    pub task_timeout: Duration,
+    /// The transfer engine wants RDMA (`pool.transport` is `rdma` or `auto`).
+    pub want_rdma: bool,
+    /// RDMA only (`pool.transport: rdma`): without a usable RDMA device the agent still joins
+    /// the pool over TCP, but is not ready.
+    pub require_rdma: bool,
+}
+
+/// Validate the `pool:` section; `None` when it names no master.
+pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigError> {
+    if p.master.is_empty() {
+        return Ok(None);
+    }
+    if p.master.iter().any(|m| m.trim().is_empty()) {
+        return Err(invalid("pool.master", "empty address"));
+    }
+    let auth_key_file = p
+        .auth_key_file
+        .clone()
+        .ok_or_else(|| invalid("pool.auth_key_file", "required when pool.master is set"))?;
+    let transport_listen = socket_addr(
+        "pool.transport_listen",
+        p.transport_listen.as_deref().unwrap_or("0.0.0.0:12345"),
+    )?;
+    let advertise_host = match &p.advertise_host {
+        Some(h) => h.trim().parse().map_err(|e| {
+            invalid(
+                "pool.advertise_host",
+                format!("{h:?} is not an IP address: {e}"),
+            )
+        })?,
+        None if transport_listen.ip().is_unspecified() => {
+            return Err(invalid(
+                "pool.advertise_host",
+                "required when pool.transport_listen is a wildcard address",
+            ));
+        }
+        None => transport_listen.ip(),
+    };
+    let heartbeat_interval = duration_at_least(
+        "pool.heartbeat_interval",
+        p.heartbeat_interval.as_ref(),
+        Duration::from_secs(1),
+        Duration::from_millis(10),
+    )?;
+    let replicas = between("pool.replicas", p.replicas.unwrap_or(1), 1..=8)?;
+    let max_tasks = between("pool.max_tasks", p.max_tasks.unwrap_or(4), 1..=256)?;
+    let task_timeout = duration_at_least(
+        "pool.task_timeout",
+        p.task_timeout.as_ref(),
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+    )?;
+    let require_rdma = p.transport.as_deref().map(str::trim) == Some("rdma");
+    let want_rdma = match p.transport.as_deref().map(str::trim) {
+        None | Some("tcp") => false,
+        Some("rdma" | "auto") => true,
+        Some(other) => {
+            return Err(invalid(
+                "pool.transport",
+                format!("{other:?} is not one of tcp, rdma, auto"),
+            ));
+        }
+    };
+    Ok(Some(PoolConfig {
+        masters: p.master.clone(),
+        auth_key_file,
+        transport_listen,
+        advertise_host,
+        heartbeat_interval,
+        replicas,
+        max_tasks,
+        task_timeout,
+        want_rdma,
+        require_rdma,
+    }))
+}

@@ -1,0 +1,165 @@
+//! Pool mode: the agent as a member of a kvpool pool. The DRAM tier's own mappings (NUMA-bound,
+//! huge pages and locked as configured) and the pool-mode SSD segment are registered with the
+//! transfer engine by [`PoolRegistrar`] (`registrar`) and mounted with the master by
+//! [`PoolLink`] (`link`: heartbeats, remounts, adoption of the SSD index, the master's
+//! segment-event feed), which hands the master's copy tasks to [`TaskRunner`] (`tasks`);
+//! reads of the SSD segment are checked and the feed applied by `feed`; the engine API's
+//! batches go to the pool through [`PoolApi`] (`api`). The master is the only allocator of
+//! those bytes: the agent never carves them itself in pool mode. [`Member`] starts it all.
+//! I/O boundary: the transfer-engine listener ([`Member::start`]) and the master's gRPC
+//! channel (in `link`, `tasks` and `api`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_client::pool::{PoolClient, tcp_endpoint};
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_transfer::{
+    self as transfer, EngineConfig, StaticDirectory, TcpServer, TransferEngine, TransferMetrics,
+};
+use prometheus::Registry;
+
+use crate::config::PoolConfig;
+
+pub mod api;
+pub mod feed;
+pub mod link;
+pub mod metrics;
+pub mod registrar;
+pub mod tasks;
+#[cfg(test)]
+mod test_fixtures;
+
+pub use api::PoolApi;
+pub use feed::{FeedState, SsdGuard};
+pub use link::{PoolLink, is_unknown_node, rdma_readiness_blocker};
+pub use metrics::PoolMetrics;
+pub use registrar::{PoolRegistrar, SSD_SEGMENT, segment_name, spec_for};
+pub use tasks::TaskRunner;
+
+pub use crate::ssd::pool::SharedIndex;
+
+/// Errors of joining a pool.
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum PoolError {
+    #[error("reading the pool key for the transfer engine")]
+    TransferKey(#[source] transfer::AuthError),
+    #[error("reading the pool key for the master")]
+    MasterKey(#[source] kvpool_proto::auth::AuthError),
+    #[error("pool metrics")]
+    Metrics(#[source] prometheus::Error),
+    #[error("starting the transfer engine")]
+    Engine(#[source] transfer::TransferError),
+    #[error("listening for transfers on {addr}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: transfer::TransferError,
+    },
+    #[error("master client")]
+    Client(#[source] ClientError),
+}
+
+impl PoolError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        self.into()
+    }
+}
+
+/// Everything pool mode runs: the transfer engine and its TCP target, the registrar, the link
+/// and the data client engines' requests go through.
+pub struct Member {
+    pub engine: TransferEngine,
+    pub registrar: Arc<PoolRegistrar>,
+    pub link: PoolLink,
+    /// Puts and gets over the pool; replicas in this agent's own segments are copied in
+    /// process.
+    pub client: PoolClient,
+    /// Serves the registered segments until dropped.
+    pub server: TcpServer,
+    /// The announced endpoint (`tcp://ip:port`).
+    pub endpoint: String,
+    /// Replicas of each block engines put through this agent.
+    pub replicas: u8,
+    /// Pool metrics (also used by the link and the task runner).
+    pub metrics: PoolMetrics,
+}
+
+impl Member {
+    /// Read the pool key, start the transfer engine (its metrics and the pool metrics go to
+    /// `registry`) and its TCP target, build the master client (it connects on first use).
+    pub fn start(cfg: &PoolConfig, node: &str, registry: &Registry) -> Result<Self, PoolError> {
+        let transfer_key =
+            transfer::AuthKey::from_file(&cfg.auth_key_file).map_err(PoolError::TransferKey)?;
+        let master_key = MasterKey::from_file(&cfg.auth_key_file).map_err(PoolError::MasterKey)?;
+        let engine = TransferEngine::new(
+            EngineConfig {
+                node: node.to_owned(),
+                want_rdma: cfg.want_rdma,
+                ..EngineConfig::default()
+            },
+            transfer_key,
+            Arc::new(StaticDirectory::new()),
+            TransferMetrics::new(registry).map_err(PoolError::Metrics)?,
+        )
+        .map_err(PoolError::Engine)?;
+        let metrics = PoolMetrics::new(registry).map_err(PoolError::Metrics)?;
+        let server =
+            engine
+                .listen_tcp(cfg.transport_listen)
+                .map_err(|source| PoolError::Listen {
+                    addr: cfg.transport_listen,
+                    source,
+                })?;
+        let endpoint = tcp_endpoint(SocketAddr::new(
+            cfg.advertise_host,
+            server.local_addr().port(),
+        ));
+        tracing::info!(%endpoint, listen = %server.local_addr(), "transfer target listening");
+        let registrar = Arc::new(PoolRegistrar::new(
+            engine.clone(),
+            node.to_owned(),
+            endpoint.clone(),
+        ));
+        let master = MasterClient::new(
+            cfg.masters.clone(),
+            master_key.clone(),
+            ClientConfig::default(),
+        )
+        .map_err(PoolError::Client)?;
+        // The link's own client gives up quickly, so that a lost master shows in readiness
+        // within a few heartbeat periods (the next pass tries again anyway).
+        let link_client = MasterClient::new(
+            cfg.masters.clone(),
+            master_key,
+            link::link_client_config(cfg),
+        )
+        .map_err(PoolError::Client)?;
+        let runner = TaskRunner::new(
+            engine.clone(),
+            Arc::clone(&registrar),
+            master.clone(),
+            cfg.max_tasks,
+            cfg.task_timeout,
+            metrics.clone(),
+        );
+        let link = PoolLink::new(link_client, Arc::clone(&registrar), cfg.heartbeat_interval)
+            .with_tasks(runner)
+            .with_metrics(metrics.clone(), engine.clone());
+        let client = PoolClient::new(master, engine.clone(), node.to_owned(), None)
+            .with_local_segments(registrar.local_segments());
+        Ok(Self {
+            engine,
+            registrar,
+            link,
+            client,
+            server,
+            endpoint,
+            replicas: cfg.replicas,
+            metrics,
+        })
+    }
+}

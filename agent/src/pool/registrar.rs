@@ -1,0 +1,302 @@
+//! The segments this agent gives the pool: [`PoolRegistrar`] registers them with the transfer
+//! engine (peers read and write them), lists them for in-process copies (`LocalSegments`) and
+//! describes them for the master ([`spec_for`]), and keeps which of them the master has
+//! mounted; it also holds the SSD segment's durable index and read guard once the runtime set
+//! them. The master-side names of the segments are here too. I/O boundary: the transfer
+//! engine's registrations; the bookkeeping is pure.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+use kvpool_client::pool::{LocalSegments, transfer_name};
+use kvpool_core::master::{SegmentSpec, Tier};
+use kvpool_transfer::{LocalSegment, Segment, TransferEngine};
+use parking_lot::Mutex;
+
+use super::feed::SsdGuard;
+use crate::registrar::RegistrarError;
+use crate::ssd::pool::{PoolSsdIndex, SharedIndex};
+
+/// Master-side name of DRAM-tier segment `index`.
+pub fn segment_name(index: u32) -> String {
+    format!("dram{index}")
+}
+
+/// Master-side name of the pool-mode SSD segment.
+pub const SSD_SEGMENT: &str = "ssd0";
+
+/// The spec the master gets for segment `name` of `node`.
+pub fn spec_for(
+    node: &str,
+    endpoint: &str,
+    name: &str,
+    tier: Tier,
+    numa_node: u32,
+    bytes: u64,
+) -> SegmentSpec {
+    SegmentSpec {
+        node: node.to_owned(),
+        name: name.to_owned(),
+        tier,
+        capacity_bytes: bytes,
+        numa_node,
+        failure_domain: String::new(),
+        endpoints: vec![endpoint.to_owned()],
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    /// Keeps the engine registration alive; dropping it unregisters the segment.
+    local: LocalSegment,
+    spec: SegmentSpec,
+}
+
+#[derive(Debug, Default)]
+struct Book {
+    /// Registered with the transfer engine, by master-side segment name.
+    segments: BTreeMap<String, Entry>,
+    /// Master segment ids of mounted segments, by segment name. Kept apart from `segments` so
+    /// that a segment deregistered during shutdown is still unmounted.
+    mounted: BTreeMap<String, u32>,
+}
+
+/// The segments this agent gives the pool: registered with the transfer engine (peers read and
+/// write them), listed in [`LocalSegments`] (this process copies into them without a
+/// transport), and described for the master.
+#[derive(Debug)]
+pub struct PoolRegistrar {
+    engine: TransferEngine,
+    node: String,
+    endpoint: String,
+    book: Mutex<Book>,
+    local: LocalSegments,
+    /// Durable index of the SSD segment, when there is one.
+    ssd_index: OnceLock<SharedIndex>,
+    /// Read checks of the SSD segment, when it has an index.
+    ssd_guard: OnceLock<Arc<SsdGuard>>,
+}
+
+impl PoolRegistrar {
+    /// `endpoint` is the transfer target peers reach this node's segments at.
+    pub fn new(engine: TransferEngine, node: String, endpoint: String) -> Self {
+        Self {
+            engine,
+            node,
+            endpoint,
+            book: Mutex::default(),
+            local: LocalSegments::default(),
+            ssd_index: OnceLock::new(),
+            ssd_guard: OnceLock::new(),
+        }
+    }
+
+    /// Check every read of the SSD segment with `guard`: reads by peers through the transfer
+    /// engine (its read check) and this agent's own tasks. Call after registering the segment.
+    pub fn set_ssd_guard(&self, guard: SsdGuard) -> Result<(), RegistrarError> {
+        let guard = Arc::new(guard);
+        let local = self
+            .local(SSD_SEGMENT)
+            .ok_or_else(|| RegistrarError::Unknown(SSD_SEGMENT.to_owned()))?;
+        let check = Arc::clone(&guard);
+        self.engine.set_read_check(
+            &local,
+            Arc::new(move |offset, len| check.check_read(offset, len)),
+        );
+        let _ = self.ssd_guard.set(guard);
+        Ok(())
+    }
+
+    /// The SSD segment's read checks, if it has them.
+    pub fn ssd_guard(&self) -> Option<Arc<SsdGuard>> {
+        self.ssd_guard.get().cloned()
+    }
+
+    /// Master id of the mounted segment `name`.
+    pub fn mounted_id(&self, name: &str) -> Option<u32> {
+        self.book.lock().mounted.get(name).copied()
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Give the SSD segment its durable index (once, before the link runs).
+    pub fn set_ssd_index(&self, index: PoolSsdIndex) {
+        let _ = self.ssd_index.set(Arc::new(Mutex::new(index)));
+    }
+
+    /// The SSD segment's durable index, if the agent has one.
+    pub fn ssd_index(&self) -> Option<SharedIndex> {
+        self.ssd_index.get().cloned()
+    }
+
+    /// The in-process view of the registered segments (for [`PoolClient`]).
+    pub fn local_segments(&self) -> LocalSegments {
+        self.local.clone()
+    }
+
+    /// Register `memory` as master segment `name` of `tier` on `numa_node`. The master will
+    /// allocate inside all of it, so nothing else may use these bytes.
+    pub fn register(
+        &self,
+        name: &str,
+        tier: Tier,
+        numa_node: u32,
+        memory: Segment,
+    ) -> Result<(), RegistrarError> {
+        let mut book = self.book.lock();
+        if book.segments.contains_key(name) {
+            return Err(RegistrarError::Duplicate(name.to_owned()));
+        }
+        let bytes = memory.len() as u64;
+        let full = transfer_name(&self.node, name);
+        let local = self
+            .engine
+            .register(&full, Arc::new(memory))
+            .map_err(|source| RegistrarError::Transfer {
+                name: name.to_owned(),
+                source,
+            })?;
+        // The SSD segment is read only through the transfer engine, whose read check verifies
+        // each block; in-process readers would bypass it.
+        if tier != Tier::Ssd {
+            self.local.insert(&full, Arc::clone(local.segment()));
+        }
+        tracing::info!(segment = %full, bytes, tier = tier.as_str(), "pool segment registered");
+        book.segments.insert(
+            name.to_owned(),
+            Entry {
+                local,
+                spec: spec_for(&self.node, &self.endpoint, name, tier, numa_node, bytes),
+            },
+        );
+        Ok(())
+    }
+
+    /// Withdraw segment `name` from the transfer engine and the in-process view. The memory
+    /// lives on until transfers still using it finish.
+    pub fn deregister(&self, name: &str) -> Result<(), RegistrarError> {
+        let removed = self.book.lock().segments.remove(name);
+        match removed {
+            Some(_) => {
+                self.local.remove(&transfer_name(&self.node, name));
+                Ok(())
+            }
+            None => Err(RegistrarError::Unknown(name.to_owned())),
+        }
+    }
+
+    /// Names of the registered segments.
+    pub fn registered(&self) -> Vec<String> {
+        self.book.lock().segments.keys().cloned().collect()
+    }
+
+    /// The registration of segment `name` (for tasks that copy into it).
+    pub fn local(&self, name: &str) -> Option<LocalSegment> {
+        self.book.lock().segments.get(name).map(|e| e.local.clone())
+    }
+
+    /// Registered segments not mounted with the master yet.
+    pub fn unmounted(&self) -> Vec<SegmentSpec> {
+        let book = self.book.lock();
+        book.segments
+            .iter()
+            .filter(|(n, _)| !book.mounted.contains_key(*n))
+            .map(|(_, e)| e.spec.clone())
+            .collect()
+    }
+
+    /// Record that segment `name` is mounted as master segment `id`.
+    pub fn set_mounted(&self, name: &str, id: u32) {
+        self.book.lock().mounted.insert(name.to_owned(), id);
+    }
+
+    /// Master segment ids currently mounted.
+    pub fn mounted(&self) -> Vec<u32> {
+        self.book.lock().mounted.values().copied().collect()
+    }
+
+    /// True when at least one segment is registered and every registered one is mounted.
+    pub fn all_mounted(&self) -> bool {
+        let book = self.book.lock();
+        !book.segments.is_empty() && book.segments.keys().all(|n| book.mounted.contains_key(n))
+    }
+
+    /// Forget every mount (the master no longer knows this node): the next pass remounts.
+    pub fn clear_mounted(&self) -> Vec<u32> {
+        std::mem::take(&mut self.book.lock().mounted)
+            .into_values()
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_fixtures::{engine, memory};
+    use super::*;
+
+    #[test]
+    fn specs_name_node_numa_capacity_and_endpoint() {
+        let spec = spec_for("n1", "tcp://10.0.0.1:7000", "dram2", Tier::Dram, 1, 1 << 20);
+        assert_eq!(spec.node, "n1");
+        assert_eq!(spec.name, "dram2");
+        assert_eq!(spec.tier, Tier::Dram);
+        assert_eq!(spec.capacity_bytes, 1 << 20);
+        assert_eq!(spec.numa_node, 1);
+        assert_eq!(spec.endpoints, vec!["tcp://10.0.0.1:7000".to_owned()]);
+        assert_eq!(segment_name(3), "dram3");
+    }
+
+    #[test]
+    fn registrar_tracks_registration_and_mounts() {
+        let e = engine("n1");
+        let r = PoolRegistrar::new(e.clone(), "n1".into(), "tcp://127.0.0.1:1".into());
+        assert!(!r.all_mounted(), "nothing registered is not healthy");
+        r.register("dram0", Tier::Dram, 0, memory(1 << 16))
+            .expect("register 0");
+        r.register(SSD_SEGMENT, Tier::Ssd, 0, memory(1 << 16))
+            .expect("register ssd");
+        assert_eq!(
+            r.register("dram0", Tier::Dram, 0, memory(4096))
+                .expect_err("dup")
+                .category(),
+            "duplicate"
+        );
+        // The engine refuses a second registration under the same name: proof it holds ours.
+        assert!(e.register("n1/dram0", Arc::new(memory(4096))).is_err());
+        // The in-process view holds the very same memory.
+        let seg = r.local_segments().get("n1/dram0").expect("local view");
+        assert!(Arc::ptr_eq(
+            &seg,
+            r.local("dram0").expect("registration").segment()
+        ));
+        let specs: Vec<_> = r
+            .unmounted()
+            .into_iter()
+            .map(|s| (s.name, s.tier))
+            .collect();
+        assert_eq!(
+            specs,
+            [("dram0".into(), Tier::Dram), ("ssd0".into(), Tier::Ssd)]
+        );
+        r.set_mounted("dram0", 17);
+        assert_eq!(r.unmounted().len(), 1);
+        assert!(!r.all_mounted());
+        r.set_mounted(SSD_SEGMENT, 18);
+        assert!(r.all_mounted());
+        assert_eq!(r.mounted(), vec![17, 18]);
+        // Deregistering releases the engine name but keeps the mount for the unmount pass.
+        r.deregister("dram0").expect("deregister");
+        assert_eq!(
+            r.deregister("dram0").expect_err("gone").category(),
+            "unknown"
+        );
+        assert!(r.local_segments().get("n1/dram0").is_none());
+        e.register("n1/dram0", Arc::new(memory(4096)))
+            .expect("name free again");
+        assert_eq!(r.clear_mounted(), vec![17, 18]);
+        assert!(r.mounted().is_empty());
+        assert_eq!(r.registered(), vec![SSD_SEGMENT.to_owned()]);
+    }
+}

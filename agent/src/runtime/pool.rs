@@ -1,0 +1,245 @@
+//! Pool mode's data plane: the DRAM tier is mapped exactly as local-only mode would map it
+//! (NUMA node, huge pages, lock) and every mapping is given to the pool; with an SSD tier, a
+//! file of its capacity becomes the SSD segment, with its durable index and read guard. The
+//! engine API serves from the pool ([`PoolApi`]); while serving, the [`Member`]'s link mounts,
+//! heartbeats and runs tasks, and readiness follows it; on the way out the link unmounts before
+//! the memory is withdrawn. I/O boundary: the DRAM mappings, the SSD segment's files and the
+//! master (through `pool`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use kvpool_core::master::Tier;
+use kvpool_runtime::admin::Readiness;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::{DataPlane, RunError, blocking, map_dram};
+use crate::api::BlockStore;
+use crate::config::{AgentConfig, SsdSettings};
+use crate::dram;
+use crate::memory::{self, MemoryError};
+use crate::metrics::AgentMetrics;
+use crate::placement::{self, SegmentPlan};
+use crate::pool::{Member, PoolApi, SSD_SEGMENT, SsdGuard, rdma_readiness_blocker, segment_name};
+use crate::ssd::pool::PoolSsdIndex;
+
+/// File of the pool-mode SSD segment inside `ssd.path`.
+pub const POOL_SSD_FILE: &str = "pool-ssd.dat";
+
+/// The pool's view for the engine API, and the link's tasks while it runs.
+pub(super) struct PoolPlane<'a> {
+    member: &'a Member,
+    api: Arc<PoolApi>,
+    /// `pool.transport: rdma`: not ready without an RDMA device.
+    require_rdma: bool,
+    link_stop: CancellationToken,
+    link_task: Option<JoinHandle<()>>,
+    ready_task: Option<JoinHandle<()>>,
+}
+
+impl<'a> PoolPlane<'a> {
+    /// Give the planned `segments` (and the SSD segment) to the pool through `member`.
+    pub(super) async fn open(
+        cfg: &AgentConfig,
+        segments: Vec<SegmentPlan>,
+        member: &'a Member,
+        metrics: &Arc<AgentMetrics>,
+    ) -> Result<Self, RunError> {
+        give_dram(cfg, segments, member, metrics).await?;
+        if let Some(s) = &cfg.ssd {
+            give_ssd(s, member, metrics).await?;
+        }
+        // The gauge exists in both modes; here the pool's blocks are the master's to count.
+        metrics.blocks.with_label_values(&["dram"]).set(0.0);
+        let api = PoolApi::new(
+            member.client.clone(),
+            cfg.node_name.clone(),
+            member.replicas,
+            Arc::clone(metrics),
+        )
+        .with_ssd_index(member.registrar.ssd_index());
+        Ok(Self {
+            member,
+            api: Arc::new(api),
+            require_rdma: cfg.pool.as_ref().is_some_and(|p| p.require_rdma),
+            link_stop: CancellationToken::new(),
+            link_task: None,
+            ready_task: None,
+        })
+    }
+}
+
+/// Map the DRAM tier and register every mapping as a pool segment on its NUMA node.
+async fn give_dram(
+    cfg: &AgentConfig,
+    segments: Vec<SegmentPlan>,
+    member: &Member,
+    metrics: &AgentMetrics,
+) -> Result<(), RunError> {
+    let mapped = map_dram(cfg, segments, dram::map_segments).await?;
+    let mut per_node: BTreeMap<Option<u32>, u64> = BTreeMap::new();
+    for (info, region) in mapped {
+        let memory = region
+            .into_transfer_segment()
+            .map_err(RunError::PoolMemory)?;
+        let numa = placement::numa_label(info.numa_node);
+        tracing::info!(segment = info.index, numa_node = %numa, bytes = info.bytes,
+            hugepage_size = ?info.hugepage_size, numa_bound = info.numa_bound,
+            locked = info.locked, "DRAM segment given to the pool");
+        member
+            .registrar
+            .register(
+                &segment_name(info.index),
+                Tier::Dram,
+                info.numa_node
+                    .unwrap_or(placement::MASTER_UNBOUND_NUMA_NODE),
+                memory,
+            )
+            .map_err(RunError::Register)?;
+        *per_node.entry(info.numa_node).or_default() += info.bytes;
+    }
+    for (node, bytes) in per_node {
+        metrics
+            .capacity_bytes
+            .with_label_values(&["dram", &placement::numa_label(node)])
+            .set(bytes as f64);
+    }
+    Ok(())
+}
+
+/// Recover the SSD segment's index, map its file and register it, with reads checked by the
+/// index.
+async fn give_ssd(
+    s: &SsdSettings,
+    member: &Member,
+    metrics: &AgentMetrics,
+) -> Result<(), RunError> {
+    let path = s.tier.dir.join(POOL_SSD_FILE);
+    let capacity = s.tier.capacity;
+    std::fs::create_dir_all(&s.tier.dir).map_err(|source| {
+        RunError::PoolMemory(MemoryError::File {
+            path: s.tier.dir.clone(),
+            len: capacity,
+            source,
+        })
+    })?;
+    // The index is checked against the file before the file is mapped (and resized).
+    let (dir, data) = (s.tier.dir.clone(), path.clone());
+    let (index, recovery) = blocking(move || PoolSsdIndex::open(&dir, &data, capacity))
+        .await?
+        .map_err(RunError::PoolIndex)?;
+    for w in &recovery.warnings {
+        tracing::warn!("pool SSD index: {w}");
+    }
+    for (b, reason) in &recovery.dropped {
+        tracing::warn!(key = %b.key.to_hex(), offset = b.offset, length = b.length,
+            reason = reason.as_str(), "dropped a block of the pool SSD segment");
+        member
+            .metrics
+            .ssd_blocks_dropped
+            .with_label_values(&[reason.as_str()])
+            .inc();
+    }
+    tracing::info!(
+        blocks = recovery.blocks.len(),
+        dropped = recovery.dropped.len(),
+        "pool SSD index recovered"
+    );
+    member
+        .metrics
+        .ssd_index_blocks
+        .set(i64::try_from(index.len()).unwrap_or(i64::MAX));
+    let memory = blocking(move || memory::map_file_segment(&path, capacity))
+        .await?
+        .map_err(RunError::PoolMemory)?;
+    member.registrar.set_ssd_index(index);
+    member
+        .registrar
+        .register(SSD_SEGMENT, Tier::Ssd, 0, memory)
+        .map_err(RunError::Register)?;
+    if let Some(index) = member.registrar.ssd_index() {
+        let guard = SsdGuard::new(index, member.metrics.clone()).map_err(RunError::PoolIndex)?;
+        member
+            .registrar
+            .set_ssd_guard(guard)
+            .map_err(RunError::Register)?;
+    }
+    metrics
+        .capacity_bytes
+        .with_label_values(&["ssd", "all"])
+        .set(capacity as f64);
+    Ok(())
+}
+
+impl DataPlane for PoolPlane<'_> {
+    fn store(&self) -> Arc<dyn BlockStore> {
+        Arc::clone(&self.api) as Arc<dyn BlockStore>
+    }
+
+    /// The link mounts, heartbeats and runs tasks until the engine API has drained; the agent
+    /// is ready only while the pool has every segment mounted.
+    fn start(&mut self, readiness: &Readiness, stop: &CancellationToken) {
+        let member = self.member;
+        self.link_task = Some(tokio::spawn(
+            member.link.clone().run(self.link_stop.clone()),
+        ));
+        let mut healthy = member.link.healthy();
+        let readiness = readiness.clone();
+        let stop = stop.clone();
+        // Devices are opened once at start: a node without the RDMA the pool requires stays
+        // unready for its whole life (the operator's TransportDegraded says why).
+        let blocker = rdma_readiness_blocker(self.require_rdma, &member.engine.transport_status());
+        if let Some(why) = &blocker {
+            tracing::error!(reason = %why, "agent stays not ready");
+        }
+        self.ready_task = Some(tokio::spawn(async move {
+            loop {
+                let now = *healthy.borrow_and_update() && blocker.is_none();
+                if now != readiness.is_ready() {
+                    tracing::info!(ready = now, "agent readiness (pool membership)");
+                }
+                readiness.set_ready(now);
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    changed = healthy.changed() => if changed.is_err() { break },
+                }
+            }
+            readiness.set_ready(false);
+        }));
+    }
+
+    /// Readiness stops following the link, then the link unmounts (before the memory is
+    /// withdrawn, so the master stops handing it out first).
+    fn stop(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some(t) = self.ready_task.take() {
+                let _ = t.await;
+            }
+            self.link_stop.cancel();
+            if let Some(t) = self.link_task.take() {
+                let _ = t.await;
+            }
+        })
+    }
+
+    fn withdraw(&mut self) -> BoxFuture<'_, Result<(), RunError>> {
+        Box::pin(async move {
+            let registrar = &self.member.registrar;
+            // Tasks that finished after the link stopped may have appended records.
+            if let Some(index) = registrar.ssd_index() {
+                blocking(move || index.lock().sync())
+                    .await?
+                    .map_err(RunError::PoolIndex)?;
+                tracing::info!("pool SSD index synced");
+            }
+            for name in registrar.registered() {
+                if let Err(e) = registrar.deregister(&name) {
+                    tracing::warn!(error = %e, "deregistering segment failed");
+                }
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,419 @@
+//! Durable index of the pool-mode SSD segment (`pool-ssd.dat`, mounted as `ssd0`): which master
+//! object (128-bit key digest) lives at which offset, with its length and a crc32c of its
+//! bytes. Demotions and repairs into the segment append a record after the data is flushed;
+//! the log is fsynced in batches (every heartbeat and on shutdown) and compacted into a
+//! snapshot at start-up. On restart every indexed block is checked against the data file:
+//! truncated, out-of-bounds or corrupt blocks are dropped and counted, the rest are announced to
+//! the master for adoption. While running, the master's segment-event feed keeps the index in
+//! step with the master ([`PoolSsdIndex::apply`]: commits of replicas written by others are
+//! checksummed from the file and recorded, frees become tombstones), and every read of an
+//! indexed block is verified against its checksum ([`BlockChecker`]). A record is also
+//! superseded when a newer one overlaps its bytes. The record format is in [`records`], the
+//! checks of blocks against the data file in [`check`]. I/O boundary: the files
+//! `pool-ssd.idx` and `pool-ssd.dat` under the tier's directory; [`replay`] is pure.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvpool_core::master::ObjectKey;
+use kvpool_core::master::state::{SegmentEvent, SegmentEventKind};
+use parking_lot::Mutex;
+
+use crate::ssd::log::{self, Header, SnapshotError};
+
+mod check;
+mod records;
+#[cfg(test)]
+mod tests;
+
+pub use check::BlockChecker;
+use check::check_block;
+use records::{MAGIC, REC_DROP, REC_PUT, encode, insert};
+pub use records::{Replayed, replay};
+
+/// Index file of the pool-mode SSD segment, next to its data file.
+pub const POOL_INDEX_FILE: &str = "pool-ssd.idx";
+const POOL_INDEX_TMP: &str = "pool-ssd.idx.tmp";
+/// Version of the index format this build writes; newer ones are refused.
+pub const POOL_INDEX_VERSION: u32 = 1;
+
+/// Errors of the pool SSD index.
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum PoolIndexError {
+    #[error("cannot open {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("index {path} is not a kvpool pool SSD index (bad magic)")]
+    BadMagic { path: PathBuf },
+    #[error("index {path} has format version {found}; this agent reads up to {POOL_INDEX_VERSION}")]
+    UnsupportedVersion { path: PathBuf, found: u32 },
+    #[error("reading {path} failed")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("writing index {path} failed")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("flushing {path} to stable storage failed")]
+    Sync {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl PoolIndexError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        self.into()
+    }
+}
+
+/// One block of the segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolBlock {
+    pub key: ObjectKey,
+    pub offset: u64,
+    pub length: u64,
+    pub crc: u32,
+}
+
+/// Why a block was dropped at start-up or afterwards (the `reason` metric label).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DropReason {
+    /// The block ends past the segment's capacity.
+    OutOfBounds,
+    /// The data file is shorter than the block's end.
+    Truncated,
+    /// The bytes do not match the recorded checksum.
+    Corrupt,
+    /// The master refused to adopt it (overlap, size mismatch...).
+    Refused,
+}
+
+impl DropReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::OutOfBounds => "out_of_bounds",
+            DropReason::Truncated => "truncated",
+            DropReason::Corrupt => "corrupt",
+            DropReason::Refused => "refused",
+        }
+    }
+}
+
+/// What [`PoolSsdIndex::open`] found.
+#[derive(Debug, Default)]
+pub struct PoolRecovery {
+    /// Blocks that passed their checks (to announce to the master), by offset.
+    pub blocks: Vec<PoolBlock>,
+    /// Blocks dropped, with the reason.
+    pub dropped: Vec<(PoolBlock, DropReason)>,
+    /// Problems with the index itself (a damaged tail is ignored).
+    pub warnings: Vec<String>,
+}
+
+/// Flush the data of `file` (at `path`) to stable storage.
+fn flush(file: &File, path: &Path) -> Result<(), PoolIndexError> {
+    file.sync_data().map_err(|source| PoolIndexError::Sync {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// The SSD segment's index as pool mode shares it: the task runner and the engine API record
+/// writes, the link syncs and announces it, the read guard drops bad blocks from it.
+pub type SharedIndex = Arc<Mutex<PoolSsdIndex>>;
+
+/// The durable index of the pool-mode SSD segment. Not thread safe by itself.
+#[derive(Debug)]
+pub struct PoolSsdIndex {
+    index_path: PathBuf,
+    data_path: PathBuf,
+    index: File,
+    /// Kept open to flush the mapped data before a record names it.
+    data: File,
+    blocks: BTreeMap<u64, PoolBlock>,
+    /// Records appended since the last fsync of the index.
+    dirty: bool,
+    /// During a resynchronisation (between the feed's RESET and RESET_DONE): blocks indexed
+    /// before it that the master has not confirmed yet.
+    limbo: Option<BTreeMap<u64, PoolBlock>>,
+}
+
+impl PoolSsdIndex {
+    /// Open (or create) the index of data file `data_path` in `dir`, check every indexed block
+    /// against the data file (blocks must end within `capacity`), and rewrite the index as a
+    /// snapshot of the blocks that passed. Call before the data file is mapped and resized.
+    pub fn open(
+        dir: &Path,
+        data_path: &Path,
+        capacity: u64,
+    ) -> Result<(Self, PoolRecovery), PoolIndexError> {
+        let index_path = dir.join(POOL_INDEX_FILE);
+        let mut recovery = PoolRecovery::default();
+        let bytes = match std::fs::read(&index_path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => {
+                return Err(PoolIndexError::Read {
+                    path: index_path,
+                    source,
+                });
+            }
+        };
+        let replayed = if bytes.is_empty() {
+            Replayed::default()
+        } else {
+            let version = match log::read_header(&bytes, MAGIC) {
+                Header::Foreign => return Err(PoolIndexError::BadMagic { path: index_path }),
+                Header::Short => 0,
+                Header::Version(v) => v,
+            };
+            if version == 0 || version > POOL_INDEX_VERSION {
+                return Err(PoolIndexError::UnsupportedVersion {
+                    path: index_path,
+                    found: version,
+                });
+            }
+            replay(bytes.get(log::HEADER_LEN..).unwrap_or_default())
+        };
+        if let Some(at) = replayed.damaged_at {
+            recovery.warnings.push(format!(
+                "index {} is damaged after byte {}; the tail is ignored",
+                index_path.display(),
+                at + log::HEADER_LEN
+            ));
+        }
+        let data = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(data_path)
+            .map_err(|source| PoolIndexError::Open {
+                path: data_path.to_owned(),
+                source,
+            })?;
+        let read_err = |source| PoolIndexError::Read {
+            path: data_path.to_owned(),
+            source,
+        };
+        let data_len = data.metadata().map_err(read_err)?.len();
+        let mut blocks = BTreeMap::new();
+        for b in replayed.blocks.into_values() {
+            match check_block(&data, data_len, capacity, &b).map_err(read_err)? {
+                None => {
+                    blocks.insert(b.offset, b);
+                    recovery.blocks.push(b);
+                }
+                Some(reason) => recovery.dropped.push((b, reason)),
+            }
+        }
+        let index = Self::write_snapshot(dir, &index_path, &blocks)?;
+        Ok((
+            Self {
+                index_path,
+                data_path: data_path.to_owned(),
+                index,
+                data,
+                blocks,
+                dirty: false,
+                limbo: None,
+            },
+            recovery,
+        ))
+    }
+
+    /// Write `blocks` as a fresh index atomically (temp file, fsync, rename, fsync of the dir).
+    fn write_snapshot(
+        dir: &Path,
+        index_path: &Path,
+        blocks: &BTreeMap<u64, PoolBlock>,
+    ) -> Result<File, PoolIndexError> {
+        let tmp = dir.join(POOL_INDEX_TMP);
+        let mut out = log::header(MAGIC, POOL_INDEX_VERSION);
+        for b in blocks.values() {
+            out.extend_from_slice(&encode(REC_PUT, b));
+        }
+        log::write_atomically(dir, &tmp, index_path, &out).map_err(|e| match e {
+            SnapshotError::Write(source) => PoolIndexError::Write { path: tmp, source },
+            SnapshotError::SyncDir(source) => PoolIndexError::Sync {
+                path: dir.to_owned(),
+                source,
+            },
+        })?;
+        OpenOptions::new()
+            .append(true)
+            .open(index_path)
+            .map_err(|source| PoolIndexError::Open {
+                path: index_path.to_owned(),
+                source,
+            })
+    }
+
+    fn append(&mut self, rec: &[u8]) -> Result<(), PoolIndexError> {
+        self.index
+            .write_all(rec)
+            .map_err(|source| PoolIndexError::Write {
+                path: self.index_path.clone(),
+                source,
+            })?;
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Record that `key` was written at `offset` (`length` bytes whose checksum is `crc`). The
+    /// data file is flushed first, so a record never names bytes that are not on disk; the
+    /// record itself reaches the disk at the next [`Self::sync`].
+    pub fn record(
+        &mut self,
+        key: ObjectKey,
+        offset: u64,
+        length: u64,
+        crc: u32,
+    ) -> Result<(), PoolIndexError> {
+        flush(&self.data, &self.data_path)?;
+        let b = PoolBlock {
+            key,
+            offset,
+            length,
+            crc,
+        };
+        self.append(&encode(REC_PUT, &b))?;
+        insert(&mut self.blocks, b);
+        Ok(())
+    }
+
+    /// Forget the block of `key` at `offset` (the master refused it, or it was found bad).
+    /// Returns whether it was indexed.
+    pub fn forget(&mut self, key: ObjectKey, offset: u64) -> Result<bool, PoolIndexError> {
+        if self.blocks.get(&offset).is_none_or(|b| b.key != key) {
+            return Ok(false);
+        }
+        let b = PoolBlock {
+            key,
+            offset,
+            length: 0,
+            crc: 0,
+        };
+        self.append(&encode(REC_DROP, &b))?;
+        self.blocks.remove(&offset);
+        Ok(true)
+    }
+
+    /// Flush appended records to stable storage (a no-op when nothing changed).
+    pub fn sync(&mut self) -> Result<(), PoolIndexError> {
+        if self.dirty {
+            flush(&self.index, &self.index_path)?;
+            self.dirty = false;
+        }
+        Ok(())
+    }
+
+    /// The indexed blocks, by offset.
+    pub fn blocks(&self) -> Vec<PoolBlock> {
+        self.blocks.values().copied().collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The indexed block that holds byte `offset`, if any.
+    pub fn block_at(&self, offset: u64) -> Option<PoolBlock> {
+        self.blocks
+            .range(..=offset)
+            .next_back()
+            .map(|(_, b)| *b)
+            .filter(|b| offset < b.offset.saturating_add(b.length))
+    }
+
+    /// Index `length` bytes at `offset` as `key`, with the checksum of the bytes the data file
+    /// holds there now (a replica another node or client wrote). A no-op when exactly that
+    /// block is indexed already. Returns whether a record was written.
+    pub fn commit_from_file(
+        &mut self,
+        key: ObjectKey,
+        offset: u64,
+        length: u64,
+    ) -> Result<bool, PoolIndexError> {
+        if self
+            .blocks
+            .get(&offset)
+            .is_some_and(|b| b.key == key && b.length == length)
+        {
+            return Ok(false);
+        }
+        let crc = log::crc_of_file(&self.data, offset, length).map_err(|source| {
+            PoolIndexError::Read {
+                path: self.data_path.clone(),
+                source,
+            }
+        })?;
+        self.record(key, offset, length, crc)?;
+        Ok(true)
+    }
+
+    /// Apply one event of the master's feed for this segment (see `SegmentEventKind` in
+    /// master.proto). Records reach the disk at the next [`Self::sync`]; acknowledge the event
+    /// only after that.
+    pub fn apply(&mut self, e: &SegmentEvent) -> Result<(), PoolIndexError> {
+        match e.kind {
+            SegmentEventKind::Commit => {
+                if let Some(limbo) = self.limbo.as_mut() {
+                    let end = e.offset.saturating_add(e.length.max(1));
+                    limbo.retain(|_, b| {
+                        b.offset.saturating_add(b.length.max(1)) <= e.offset || b.offset >= end
+                    });
+                }
+                if e.length > 0 {
+                    self.commit_from_file(e.key, e.offset, e.length)?;
+                }
+            }
+            SegmentEventKind::Free => {
+                if let Some(limbo) = self.limbo.as_mut()
+                    && limbo.get(&e.offset).is_some_and(|b| b.key == e.key)
+                {
+                    limbo.remove(&e.offset);
+                }
+                self.forget(e.key, e.offset)?;
+            }
+            SegmentEventKind::Reset => self.limbo = Some(self.blocks.clone()),
+            SegmentEventKind::ResetDone => {
+                for b in self.limbo.take().unwrap_or_default().into_values() {
+                    self.forget(b.key, b.offset)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A reader of the data file for verifying blocks outside the index's lock.
+    pub fn checker(&self) -> Result<BlockChecker, PoolIndexError> {
+        let data = File::open(&self.data_path).map_err(|source| PoolIndexError::Open {
+            path: self.data_path.clone(),
+            source,
+        })?;
+        Ok(BlockChecker {
+            data,
+            path: self.data_path.clone(),
+        })
+    }
+}
