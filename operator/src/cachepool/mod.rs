@@ -8,8 +8,11 @@
 
 pub mod build;
 pub mod status;
-pub mod usage;
 pub mod validate;
+
+/// The pool's usage as its master reports it (formerly this module; the reader is injected
+/// through the [`Context`], so it lives below it).
+pub use crate::pool_usage as usage;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -31,6 +34,7 @@ use crate::context::{Context, PROGRESS_REQUEUE, USAGE_REFRESH};
 use crate::contract;
 use crate::error::{Error, Result};
 use crate::labels;
+use crate::pool_usage;
 use build::OWNER_KIND;
 use status::{AppliedCachePool, UsageReading};
 
@@ -176,7 +180,7 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
 async fn read_usage(
     ctx: &Context,
     pool: &validate::ValidCachePool,
-    key: std::result::Result<kvpool_proto::auth::AuthKey, usage::UsageError>,
+    key: std::result::Result<kvpool_proto::auth::AuthKey, pool_usage::UsageError>,
 ) -> UsageReading {
     let addr = ctx.master_addr(pool.master_addr());
     let result = match key {
@@ -222,7 +226,7 @@ async fn apply_children(
     children: build::CachePoolChildren,
 ) -> Result<(
     AppliedCachePool,
-    std::result::Result<kvpool_proto::auth::AuthKey, usage::UsageError>,
+    std::result::Result<kvpool_proto::auth::AuthKey, pool_usage::UsageError>,
 )> {
     let client = ctx.client.clone();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
@@ -235,13 +239,13 @@ async fn apply_children(
     let key =
         if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
             info!(secret = %children.auth.name_any(), "created peer-authentication key");
-            usage::read_key(&children.auth)
+            pool_usage::read_key(&children.auth)
         } else {
             let secret_name = children.auth.name_any();
             match secrets.get_opt(&secret_name).await {
-                Ok(Some(secret)) => usage::read_key(&secret),
+                Ok(Some(secret)) => pool_usage::read_key(&secret),
                 // Deleted between the create and this read: the next pass creates it again.
-                Ok(None) => Err(usage::UsageError::AuthKey),
+                Ok(None) => Err(pool_usage::UsageError::AuthKey),
                 Err(source) => {
                     return Err(Error::Get {
                         kind: "Secret",

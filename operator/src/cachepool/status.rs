@@ -6,11 +6,11 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::jiff::Timestamp;
 use kvpool_crd::{KVCachePoolStatus, TierStatus};
 
-use super::usage::{NodeTransport, PoolUsage};
 use super::validate::ValidCachePool;
 use crate::conditions::{self, Desired};
 use crate::contract;
 use crate::labels::{self, Component};
+use crate::pool_usage::{NodeTransport, PoolUsage};
 use kvpool_crd::quantity::format_bytes;
 use kvpool_crd::{DramCapacity, Protocol};
 

@@ -6,19 +6,18 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction,
-    ObjectFieldSelector, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements,
-    Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    Container, EmptyDirVolumeSource, EnvVar, HTTPGetAction, PodSecurityContext, PodSpec,
+    PodTemplateSpec, Probe, ResourceRequirements, Service, Volume,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvpool_crd::EngineKind;
 
 use super::validate::ValidEnginePool;
-use crate::cachepool::build::{KEY_READER_GROUP, auth_volume, config_volume, socket_volume};
 use crate::contract::{self, EngineLaunch, env};
 use crate::labels;
+use crate::pod::{self, KEY_READER_GROUP, field_env, mount, plain_env};
 
 /// Children of an engine pool.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,6 +25,9 @@ pub struct EngineChildren {
     pub deployment: Deployment,
     pub service: Service,
 }
+
+/// The named port of the engine container and Service.
+const ENGINE_PORTS: [(&str, u16); 1] = [("http", contract::ENGINE_PORT)];
 
 /// Name of the engine Deployment and Service.
 pub fn child_name(p: &ValidEnginePool) -> String {
@@ -43,11 +45,11 @@ fn meta(p: &ValidEnginePool) -> ObjectMeta {
 
 /// The label selector of the engine pods, as a string (for the scale subresource).
 pub fn selector_string(p: &ValidEnginePool) -> String {
-    labels::selector_labels(&p.pool.name, &p.name, p.component)
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",")
+    kvpool_crd::labels::selector_string(&labels::selector_labels(
+        &p.pool.name,
+        &p.name,
+        p.component,
+    ))
 }
 
 /// Annotations of the engine pods: the config hash (a changed config rolls the pods) and, for
@@ -104,28 +106,6 @@ pub fn command_args(p: &ValidEnginePool) -> (Option<Vec<String>>, Option<Vec<Str
     (Some(command), Some(args))
 }
 
-fn plain_env(name: &str, value: impl Into<String>) -> EnvVar {
-    EnvVar {
-        name: name.to_owned(),
-        value: Some(value.into()),
-        ..EnvVar::default()
-    }
-}
-
-fn field_env(name: &str, path: &str) -> EnvVar {
-    EnvVar {
-        name: name.to_owned(),
-        value_from: Some(EnvVarSource {
-            field_ref: Some(ObjectFieldSelector {
-                field_path: path.to_owned(),
-                ..ObjectFieldSelector::default()
-            }),
-            ..EnvVarSource::default()
-        }),
-        ..EnvVar::default()
-    }
-}
-
 /// The contract's environment, then the user's; a user variable of the same name replaces
 /// the operator's (no duplicates: server-side apply treats `env` as a map keyed by name).
 pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
@@ -173,24 +153,8 @@ pub fn engine_resources(p: &ValidEnginePool) -> Option<ResourceRequirements> {
     if r.gpus > 0 {
         extended.insert(r.gpu_resource_name.clone(), Quantity(r.gpus.to_string()));
     }
-    if !extended.is_empty() {
-        let requests = res.requests.get_or_insert_with(BTreeMap::new);
-        let limits = res.limits.get_or_insert_with(BTreeMap::new);
-        for (k, v) in extended {
-            requests.insert(k.clone(), v.clone());
-            limits.insert(k, v);
-        }
-    }
+    pod::add_extended_resources(&mut res, extended);
     (res != ResourceRequirements::default()).then_some(res)
-}
-
-fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
-    VolumeMount {
-        name: name.to_owned(),
-        mount_path: path.to_owned(),
-        read_only: read_only.then_some(true),
-        ..VolumeMount::default()
-    }
 }
 
 /// The engine Deployment and Service. `config_hash` is the hash of the pool's ConfigMap data,
@@ -214,12 +178,7 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
         command,
         args,
         env: Some(engine_env(p)),
-        ports: Some(vec![ContainerPort {
-            name: Some("http".to_owned()),
-            container_port: i32::from(contract::ENGINE_PORT),
-            protocol: Some("TCP".to_owned()),
-            ..ContainerPort::default()
-        }]),
+        ports: Some(pod::ports(&ENGINE_PORTS)),
         resources: engine_resources(p),
         readiness_probe: probe,
         volume_mounts: Some(vec![
@@ -235,10 +194,7 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
         metadata: meta(p),
         spec: Some(DeploymentSpec {
             replicas: Some(i32::try_from(p.effective.replicas).unwrap_or(i32::MAX)),
-            selector: LabelSelector {
-                match_labels: Some(selector.clone()),
-                ..LabelSelector::default()
-            },
+            selector: pod::label_selector(selector.clone()),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(labels::child_labels(
@@ -266,9 +222,9 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
                     }),
                     containers: vec![container],
                     volumes: Some(vec![
-                        config_volume(&p.pool.name),
-                        auth_volume(&p.pool.name),
-                        socket_volume(),
+                        pod::config_volume(&p.pool.name),
+                        pod::auth_volume(&p.pool.name),
+                        pod::socket_volume(),
                         Volume {
                             name: "shm".to_owned(),
                             empty_dir: Some(EmptyDirVolumeSource {
@@ -285,21 +241,7 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
         }),
         status: None,
     };
-    let service = Service {
-        metadata: meta(p),
-        spec: Some(ServiceSpec {
-            selector: Some(selector),
-            ports: Some(vec![ServicePort {
-                name: Some("http".to_owned()),
-                port: i32::from(contract::ENGINE_PORT),
-                target_port: Some(IntOrString::String("http".to_owned())),
-                protocol: Some("TCP".to_owned()),
-                ..ServicePort::default()
-            }]),
-            ..ServiceSpec::default()
-        }),
-        status: None,
-    };
+    let service = pod::service(meta(p), selector, &ENGINE_PORTS);
     EngineChildren {
         deployment,
         service,
