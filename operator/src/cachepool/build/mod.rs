@@ -1,9 +1,9 @@
 //! Pure construction of a `KVCachePool`'s children from a [`ValidCachePool`], one builder file
-//! per child kind: the effective config ConfigMap ([`config`]), the auth Secret ([`auth`]), the
-//! agent DaemonSet ([`agent`]), the master Deployment and Service ([`master`]) and, when
-//! enabled, the conductor Deployment and Service ([`conductor`]) with the ServiceAccount, Role
+//! per child kind: the effective config ConfigMap (`config.rs`), the auth Secret (`auth.rs`),
+//! the agent DaemonSet (`agent.rs`), the master Deployment and Service (`master.rs`) and, when
+//! enabled, the conductor Deployment and Service (`conductor.rs`) with the ServiceAccount, Role
 //! and RoleBinding that let it list and watch the engine pods it discovers
-//! ([`conductor_rbac`]). The master and conductor share one Deployment shape ([`workload`]).
+//! (`conductor_rbac.rs`). The master and conductor share one Deployment shape (`workload.rs`).
 //! [`build`] composes them. No client, no clock, no randomness: the auth key is passed in.
 //! I/O boundary: none.
 
