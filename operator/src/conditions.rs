@@ -116,17 +116,25 @@ pub fn from_counts(what: &str, ready: i32, desired: i32) -> Vec<Desired> {
             Desired::new(PROGRESSING, false, reason::NO_NODES, msg.clone()),
             Desired::new(DEGRADED, true, reason::NO_NODES, msg),
         ]
-    } else if ready >= desired {
+    } else {
+        rollout(ready >= desired, msg)
+    }
+}
+
+/// The trio of a resource whose children exist: ready and reconciled once `all_ready`, else
+/// not ready and rolling out; never degraded. `message` goes into all three.
+pub fn rollout(all_ready: bool, message: String) -> Vec<Desired> {
+    if all_ready {
         vec![
-            Desired::new(READY, true, reason::AVAILABLE, msg.clone()),
-            Desired::new(PROGRESSING, false, reason::RECONCILED, msg.clone()),
-            Desired::new(DEGRADED, false, reason::AS_EXPECTED, msg),
+            Desired::new(READY, true, reason::AVAILABLE, message.clone()),
+            Desired::new(PROGRESSING, false, reason::RECONCILED, message.clone()),
+            Desired::new(DEGRADED, false, reason::AS_EXPECTED, message),
         ]
     } else {
         vec![
-            Desired::new(READY, false, reason::NOT_ALL_READY, msg.clone()),
-            Desired::new(PROGRESSING, true, reason::ROLLING_OUT, msg.clone()),
-            Desired::new(DEGRADED, false, reason::AS_EXPECTED, msg),
+            Desired::new(READY, false, reason::NOT_ALL_READY, message.clone()),
+            Desired::new(PROGRESSING, true, reason::ROLLING_OUT, message.clone()),
+            Desired::new(DEGRADED, false, reason::AS_EXPECTED, message),
         ]
     }
 }

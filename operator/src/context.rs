@@ -11,9 +11,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::runtime::events::{Recorder, Reporter};
 
-use crate::cachepool::usage::{FixedStats, GrpcMasterStats, MasterStats};
 use crate::labels::FIELD_MANAGER;
 use crate::metrics::Metrics;
+use crate::pool_usage::{FixedStats, GrpcMasterStats, MasterStats};
 
 /// Settings that apply to every pool: the field manager of every write, default images.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -58,14 +58,9 @@ pub fn child_name(owner: &str, component: Component) -> String {
 }
 
 /// Labels that select the pods of one component of one owner (stable: used in selectors).
-/// Same shape as `kvpool_crd::labels::selector_labels`: name, instance, pool, component.
+/// The shape of `kvpool_crd::labels::selector_labels`: name, instance, pool, component.
 pub fn selector_labels(pool: &str, owner: &str, component: Component) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
-        (APP_INSTANCE.to_owned(), owner.to_owned()),
-        (POOL.to_owned(), pool.to_owned()),
-        (COMPONENT.to_owned(), component.as_str().to_owned()),
-    ])
+    kvpool_crd::labels::selector_labels_for(pool, owner, component.as_str())
 }
 
 /// All labels of a child: the selector labels, the common `app.kubernetes.io` labels and the
@@ -76,10 +71,7 @@ pub fn child_labels(
     pool: &str,
     component: Component,
 ) -> BTreeMap<String, String> {
-    let mut labels = selector_labels(pool, owner, component);
-    labels.insert(APP_COMPONENT.to_owned(), component.as_str().to_owned());
-    labels.insert(APP_PART_OF.to_owned(), APP_NAME_VALUE.to_owned());
-    labels.insert(APP_MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned());
+    let mut labels = kvpool_crd::labels::common_labels_for(pool, owner, component.as_str());
     labels.insert(OWNER_KIND.to_owned(), owner_kind.to_owned());
     labels.insert(OWNER_NAME.to_owned(), owner.to_owned());
     labels

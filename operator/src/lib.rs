@@ -1,8 +1,9 @@
 //! `kvpool-operator`: reconciles `KVCachePool`, `PrefillPool` and `DecodePool` resources into
 //! owned Kubernetes objects. Each controller is a pipeline dereference -> validate -> build
 //! (pure) -> apply (server-side apply) -> status. The I/O boundary is the kube client inside
-//! [`context::Context`] (used by [`apply`] and the dereference step) and the admin listener
-//! started by [`run`]; every other module is pure.
+//! [`context::Context`] (used by [`apply`] and the dereference step), the master's `Stats` call
+//! behind [`pool_usage::MasterStats`], and the admin listener started by [`run`]; every other
+//! module is pure.
 
 pub mod apply;
 pub mod cachepool;
@@ -10,11 +11,15 @@ pub mod cli;
 pub mod conditions;
 pub mod context;
 pub mod contract;
+pub mod controller;
 pub mod crd;
 pub mod enginepool;
 pub mod error;
+pub mod identity;
 pub mod labels;
 pub mod metrics;
+pub mod pod;
+pub mod pool_usage;
 pub mod rbac;
 pub mod run;
 #[cfg(test)]

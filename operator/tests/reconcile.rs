@@ -196,6 +196,12 @@ impl ApiServer {
         seen.body
     }
 
+    /// Expect a GET of `path` and answer with `object`.
+    async fn expect_get(&mut self, path: &str, object: &Value) {
+        let (_, send) = self.expect(Method::GET, path).await;
+        reply(send, StatusCode::OK, object);
+    }
+
     /// Expect a label-selected list and answer with `items`.
     async fn expect_list(&mut self, path: &str, selector: &str, kind: &str, items: Vec<Value>) {
         let api_version = if path.starts_with("/apis/apps/") {
@@ -236,6 +242,25 @@ fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: StatusCode,
             .body(Body::from(bytes))
             .expect("response"),
     );
+}
+
+/// The condition of `type_` in a status write's body.
+fn condition<'a>(body: &'a Value, type_: &str) -> &'a Value {
+    body["status"]["conditions"]
+        .as_array()
+        .expect("conditions")
+        .iter()
+        .find(|c| c["type"] == type_)
+        .unwrap_or_else(|| panic!("{type_} condition"))
+}
+
+/// A status write of an engine pool that cannot be reconciled: Ready carries `reason`, and its
+/// message names `field`.
+fn assert_not_ready_because(body: &Value, reason: &str, field: &str) {
+    let ready = condition(body, "Ready");
+    assert_eq!(ready["reason"], reason);
+    let message = ready["message"].as_str().expect("message");
+    assert!(message.contains(field), "{message}");
 }
 
 fn status_error(code: u16, reason: &str, message: &str) -> Value {
@@ -446,31 +471,38 @@ async fn create_applies_every_child_and_writes_status() {
     assert_eq!(progressing.status, "True");
 }
 
+/// One pass over `pool` whose children come back with `agents_ready` of 4 agents ready (and the
+/// auth Secret created, or found when `secret_exists`): the status it writes.
+async fn status_after_pass(
+    pool: KVCachePool,
+    agents_ready: i32,
+    secret_exists: bool,
+) -> KVCachePoolStatus {
+    let written = Arc::new(std::sync::Mutex::new(Value::Null));
+    let out = written.clone();
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    drive(
+        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+        async move |server: &mut ApiServer| {
+            pool_children(server, agents_ready, secret_exists).await;
+            let body = server
+                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                .await;
+            *out.lock().expect("lock") = body["status"].clone();
+        },
+    )
+    .await
+    .expect("pass");
+    let status = written.lock().expect("lock").clone();
+    serde_json::from_value(status).expect("status")
+}
+
 /// First pass writes status; a second pass over the object carrying that status, with the same
 /// children, writes nothing; a third, with all agents ready, writes Ready=True.
 #[tokio::test]
 async fn status_is_written_only_when_it_changes() {
     let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
-    let first = {
-        let pool = pool.clone();
-        let out = Arc::new(std::sync::Mutex::new(Value::Null));
-        let out2 = out.clone();
-        let pool_json = serde_json::to_value(&pool).expect("json");
-        drive(
-            async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
-            async move |server: &mut ApiServer| {
-                pool_children(server, 2, false).await;
-                let body = server
-                    .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                    .await;
-                *out2.lock().expect("lock") = body["status"].clone();
-            },
-        )
-        .await
-        .expect("first pass");
-        let v = out.lock().expect("lock").clone();
-        serde_json::from_value::<KVCachePoolStatus>(v).expect("status")
-    };
+    let first = status_after_pass(pool.clone(), 2, false).await;
     pool.status = Some(first.clone());
 
     // Same children, secret already there (409): no status write.
@@ -485,24 +517,7 @@ async fn status_is_written_only_when_it_changes() {
     .expect("second pass");
 
     // All agents ready: Ready flips, and only the flipped conditions get a new time.
-    let ready_pool = pool.clone();
-    let out = Arc::new(std::sync::Mutex::new(Value::Null));
-    let out2 = out.clone();
-    let pool_json = serde_json::to_value(&ready_pool).expect("json");
-    drive(
-        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&ready_pool, &ctx).await,
-        async move |server: &mut ApiServer| {
-            pool_children(server, 4, true).await;
-            let body = server
-                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                .await;
-            *out2.lock().expect("lock") = body["status"].clone();
-        },
-    )
-    .await
-    .expect("third pass");
-    let third: KVCachePoolStatus =
-        serde_json::from_value(out.lock().expect("lock").clone()).expect("status");
+    let third = status_after_pass(pool.clone(), 4, true).await;
     assert!(kvpool_crd::conditions::is_true(&third.conditions, "Ready"));
     let degraded_before = kvpool_crd::conditions::find(&first.conditions, "Degraded").expect("d");
     let degraded_after = kvpool_crd::conditions::find(&third.conditions, "Degraded").expect("d");
@@ -669,17 +684,10 @@ async fn invalid_spec_gets_an_event_and_a_condition_and_no_children() {
             let body = server
                 .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
                 .await;
-            let conditions = body["status"]["conditions"].as_array().expect("conditions");
-            let ready = conditions
-                .iter()
-                .find(|c| c["type"] == "Ready")
-                .expect("Ready");
+            let ready = condition(&body, "Ready");
             assert_eq!(ready["status"], "False");
             assert_eq!(ready["reason"], "InvalidSpec");
-            let degraded = conditions
-                .iter()
-                .find(|c| c["type"] == "Degraded")
-                .expect("Degraded");
+            let degraded = condition(&body, "Degraded");
             assert_eq!(degraded["status"], "True");
         },
     )
@@ -811,10 +819,9 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
     let outcome = drive(
         async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&second, &ctx).await,
         async move |server: &mut ApiServer| {
-            let (_, send) = server
-                .expect(Method::GET, "/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp")
+            server
+                .expect_get("/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp", &pool_json)
                 .await;
-            reply(send, StatusCode::OK, &pool_json);
             let svc = server.expect_apply(&format!("{DEFAULT_NS}/services/synthetic-prefill"), None).await;
             assert_eq!(svc["spec"]["ports"][0]["port"], 8000);
             let deploy = server
@@ -831,8 +838,7 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
             server.expect_list("/apis/apps/v1/namespaces/default/deployments", selector, "DeploymentList", vec![]).await;
             server.expect_list(&format!("{DEFAULT_NS}/services"), selector, "ServiceList", vec![]).await;
             let body = server.expect_status("/apis/kvpool.dev/v1alpha1/namespaces/default/prefillpools/synthetic/status", &engine_json).await;
-            let conditions = body["status"]["conditions"].as_array().expect("conditions");
-            let ready = conditions.iter().find(|c| c["type"] == "Ready").expect("Ready");
+            let ready = condition(&body, "Ready");
             assert_eq!(ready["status"], "True");
             assert_eq!(body["status"]["readyReplicas"], 1);
             assert_eq!(body["status"]["endpoints"][0], "synthetic-prefill.default.svc:8000");
@@ -857,25 +863,13 @@ async fn engine_pool_of_an_invalid_kvcachepool_waits_without_children() {
     let outcome = drive(
         async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
         async move |server: &mut ApiServer| {
-            let (_, send) = server
-                .expect(Method::GET, &format!("{POOLS}/kvcachepools/roce"))
+            server
+                .expect_get(&format!("{POOLS}/kvcachepools/roce"), &pool_json)
                 .await;
-            reply(send, StatusCode::OK, &pool_json);
             let body = server
                 .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
                 .await;
-            let conditions = body["status"]["conditions"].as_array().expect("conditions");
-            let ready = conditions
-                .iter()
-                .find(|c| c["type"] == "Ready")
-                .expect("Ready");
-            assert_eq!(ready["reason"], "KVCachePoolInvalid");
-            assert!(
-                ready["message"]
-                    .as_str()
-                    .expect("msg")
-                    .contains("master.etcdEndpoints")
-            );
+            assert_not_ready_because(&body, "KVCachePoolInvalid", "master.etcdEndpoints");
         },
     )
     .await
@@ -893,10 +887,9 @@ async fn invalid_engine_spec_gets_an_event_and_a_condition() {
     let outcome = drive(
         async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
         async move |server: &mut ApiServer| {
-            let (_, send) = server
-                .expect(Method::GET, &format!("{POOLS}/kvcachepools/roce"))
+            server
+                .expect_get(&format!("{POOLS}/kvcachepools/roce"), &pool_json)
                 .await;
-            reply(send, StatusCode::OK, &pool_json);
             let (seen, send) = server
                 .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
                 .await;
@@ -906,18 +899,7 @@ async fn invalid_engine_spec_gets_an_event_and_a_condition() {
             let body = server
                 .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
                 .await;
-            let conditions = body["status"]["conditions"].as_array().expect("conditions");
-            let ready = conditions
-                .iter()
-                .find(|c| c["type"] == "Ready")
-                .expect("Ready");
-            assert_eq!(ready["reason"], "InvalidSpec");
-            assert!(
-                ready["message"]
-                    .as_str()
-                    .expect("msg")
-                    .contains("resources.gpus")
-            );
+            assert_not_ready_because(&body, "InvalidSpec", "resources.gpus");
         },
     )
     .await
@@ -933,10 +915,9 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
         serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
     let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
     async fn children(server: &mut ApiServer, pool_json: &Value, selector: &str) {
-        let (_, send) = server
-            .expect(Method::GET, &format!("{POOLS}/kvcachepools/roce"))
+        server
+            .expect_get(&format!("{POOLS}/kvcachepools/roce"), pool_json)
             .await;
-        reply(send, StatusCode::OK, pool_json);
         server
             .expect_apply(&format!("{NS}/services/qwen-decode"), None)
             .await;

@@ -12,214 +12,158 @@ use serde::{Deserialize, Serialize};
 
 use super::defaults;
 
-/// Desired state of the prefill engines: they compute the KV cache of prompts (reusing cached
-/// prefixes from the pool) and hand it to decode engines through the pool.
-// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
-#[allow(clippy::duplicated_attributes)]
-#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[kube(
-    group = "kvpool.dev",
-    version = "v1alpha1",
-    kind = "PrefillPool",
-    plural = "prefillpools",
-    singular = "prefillpool",
-    shortname = "pfp",
-    category = "kvpool",
-    namespaced,
-    status = "EnginePoolStatus",
-    derive = "PartialEq",
-    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
-    doc = "A group of prefill engine instances that reads and writes a KVCachePool.",
-    selectable = ".spec.kvCachePoolRef.name",
-    scale(
-        spec_replicas_path = ".spec.replicas",
-        status_replicas_path = ".status.replicas",
-        label_selector_path = ".status.selector"
-    ),
-    printcolumn(
-        name = "Pool",
-        type_ = "string",
-        json_path = ".spec.kvCachePoolRef.name",
-        description = "The KVCachePool the engines use"
-    ),
-    printcolumn(
-        name = "Engine",
-        type_ = "string",
-        json_path = ".spec.engine.kind",
-        description = "Engine kind"
-    ),
-    printcolumn(
-        name = "Replicas",
-        type_ = "integer",
-        json_path = ".spec.replicas",
-        description = "Desired engine instances"
-    ),
-    printcolumn(
-        name = "Ready",
-        type_ = "integer",
-        json_path = ".status.readyReplicas",
-        description = "Engine instances ready to serve"
-    ),
-    printcolumn(
-        name = "TTFT-SLO",
-        type_ = "integer",
-        json_path = ".spec.slo.ttftMillis",
-        description = "Time-to-first-token objective, milliseconds",
-        priority = 1
-    ),
-    printcolumn(
-        name = "Status",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
-        description = "Reason of the Ready condition",
-        priority = 1
-    ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
-)]
-#[serde(rename_all = "camelCase")]
-#[x_kube(
-    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").field_path(".resources.gpus").reason(Reason::FieldValueInvalid),
-    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").field_path(".replicas").reason(Reason::FieldValueInvalid)
-)]
-pub struct PrefillPoolSpec {
-    /// The KVCachePool (same namespace) the engines read and write. Immutable.
-    #[x_kube(validation = Rule::new("self == oldSelf").message("kvCachePoolRef is immutable; create a new pool instead").reason(Reason::FieldValueForbidden))]
-    pub kv_cache_pool_ref: KVCachePoolRef,
+/// Declares the spec (and, through `CustomResource`, the resource) of one engine-pool kind.
+/// `PrefillPool` and `DecodePool` have the same fields, schema rules and printer columns; they
+/// differ only in their names, the documentation, the phase's latency objective (`slo`) and
+/// the column that shows it. One declaration keeps the two schemas from drifting apart.
+macro_rules! engine_pool_spec {
+    (
+        $(#[doc = $doc:tt])*
+        spec: $spec:ident,
+        kind: $kind:tt,
+        plural: $plural:tt,
+        singular: $singular:tt,
+        shortname: $shortname:tt,
+        resource_doc: $resource_doc:tt,
+        slo_column: ($slo_column:tt, $slo_path:tt, $slo_description:tt),
+        pool_ref_doc: $pool_ref_doc:tt,
+        slo_doc: $slo_doc:tt,
+        slo: $slo:ident $(,)?
+    ) => {
+        $(#[doc = $doc])*
+        // kube repeats keys (type_, priority) across printcolumn(...) groups by design.
+        #[allow(clippy::duplicated_attributes)]
+        #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+        #[kube(
+            group = "kvpool.dev",
+            version = "v1alpha1",
+            kind = $kind,
+            plural = $plural,
+            singular = $singular,
+            shortname = $shortname,
+            category = "kvpool",
+            namespaced,
+            status = "EnginePoolStatus",
+            derive = "PartialEq",
+            validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
+            doc = $resource_doc,
+            selectable = ".spec.kvCachePoolRef.name",
+            scale(
+                spec_replicas_path = ".spec.replicas",
+                status_replicas_path = ".status.replicas",
+                label_selector_path = ".status.selector"
+            ),
+            printcolumn(
+                name = "Pool",
+                type_ = "string",
+                json_path = ".spec.kvCachePoolRef.name",
+                description = "The KVCachePool the engines use"
+            ),
+            printcolumn(
+                name = "Engine",
+                type_ = "string",
+                json_path = ".spec.engine.kind",
+                description = "Engine kind"
+            ),
+            printcolumn(
+                name = "Replicas",
+                type_ = "integer",
+                json_path = ".spec.replicas",
+                description = "Desired engine instances"
+            ),
+            printcolumn(
+                name = "Ready",
+                type_ = "integer",
+                json_path = ".status.readyReplicas",
+                description = "Engine instances ready to serve"
+            ),
+            printcolumn(
+                name = $slo_column,
+                type_ = "integer",
+                json_path = $slo_path,
+                description = $slo_description,
+                priority = 1
+            ),
+            printcolumn(
+                name = "Status",
+                type_ = "string",
+                json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+                description = "Reason of the Ready condition",
+                priority = 1
+            ),
+            printcolumn(
+                name = "Age",
+                type_ = "date",
+                json_path = ".metadata.creationTimestamp"
+            )
+        )]
+        #[serde(rename_all = "camelCase")]
+        #[x_kube(
+            validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").field_path(".resources.gpus").reason(Reason::FieldValueInvalid),
+            validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").field_path(".replicas").reason(Reason::FieldValueInvalid)
+        )]
+        pub struct $spec {
+            #[doc = $pool_ref_doc]
+            #[x_kube(validation = Rule::new("self == oldSelf").message("kvCachePoolRef is immutable; create a new pool instead").reason(Reason::FieldValueForbidden))]
+            pub kv_cache_pool_ref: KVCachePoolRef,
 
-    /// Engine instances (each `tensorParallelSize` GPUs wide).
-    #[serde(default = "defaults::one")]
-    #[schemars(range(min = 0, max = 1024))]
-    pub replicas: i32,
+            /// Engine instances (each `tensorParallelSize` GPUs wide).
+            #[serde(default = "defaults::one")]
+            #[schemars(range(min = 0, max = 1024))]
+            pub replicas: i32,
 
-    /// What runs in each instance.
-    pub engine: EngineSpec,
+            /// What runs in each instance.
+            pub engine: EngineSpec,
 
-    /// GPUs, RDMA and other resources of each instance.
-    #[serde(default)]
-    pub resources: EngineResources,
+            /// GPUs, RDMA and other resources of each instance.
+            #[serde(default)]
+            pub resources: EngineResources,
 
-    /// GPUs one model replica is split over.
-    #[serde(default = "defaults::one")]
-    #[schemars(range(min = 1, max = 64))]
-    pub tensor_parallel_size: i32,
+            /// GPUs one model replica is split over.
+            #[serde(default = "defaults::one")]
+            #[schemars(range(min = 1, max = 64))]
+            pub tensor_parallel_size: i32,
 
-    /// Latency objective of the prefill phase.
-    #[serde(default)]
-    pub slo: PrefillSlo,
+            #[doc = $slo_doc]
+            #[serde(default)]
+            pub slo: $slo,
 
-    /// Bounds within which something else (an HPA on the scale subresource, the conductor) may
-    /// change `replicas`. Absent: `replicas` is fixed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub autoscaling: Option<AutoscalingSpec>,
+            /// Bounds within which something else (an HPA on the scale subresource, the conductor) may
+            /// change `replicas`. Absent: `replicas` is fixed.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub autoscaling: Option<AutoscalingSpec>,
+        }
+    };
 }
 
-/// Desired state of the decode engines: they take prefilled KV cache from the pool and generate
-/// tokens.
-// kube repeats keys (type_, priority) across printcolumn(...) groups by design.
-#[allow(clippy::duplicated_attributes)]
-#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[kube(
-    group = "kvpool.dev",
-    version = "v1alpha1",
-    kind = "DecodePool",
-    plural = "decodepools",
-    singular = "decodepool",
-    shortname = "dcp",
-    category = "kvpool",
-    namespaced,
-    status = "EnginePoolStatus",
-    derive = "PartialEq",
-    validation = Rule::new("self.metadata.name.size() <= 53 && !self.metadata.name.contains('.')").message("metadata.name must be at most 53 characters and contain no dots: it prefixes the names of Services").reason(Reason::FieldValueInvalid),
-    doc = "A group of decode engine instances that reads a KVCachePool.",
-    selectable = ".spec.kvCachePoolRef.name",
-    scale(
-        spec_replicas_path = ".spec.replicas",
-        status_replicas_path = ".status.replicas",
-        label_selector_path = ".status.selector"
-    ),
-    printcolumn(
-        name = "Pool",
-        type_ = "string",
-        json_path = ".spec.kvCachePoolRef.name",
-        description = "The KVCachePool the engines use"
-    ),
-    printcolumn(
-        name = "Engine",
-        type_ = "string",
-        json_path = ".spec.engine.kind",
-        description = "Engine kind"
-    ),
-    printcolumn(
-        name = "Replicas",
-        type_ = "integer",
-        json_path = ".spec.replicas",
-        description = "Desired engine instances"
-    ),
-    printcolumn(
-        name = "Ready",
-        type_ = "integer",
-        json_path = ".status.readyReplicas",
-        description = "Engine instances ready to serve"
-    ),
-    printcolumn(
-        name = "TPOT-SLO",
-        type_ = "integer",
-        json_path = ".spec.slo.tpotMillis",
-        description = "Time-per-output-token objective, milliseconds",
-        priority = 1
-    ),
-    printcolumn(
-        name = "Status",
-        type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
-        description = "Reason of the Ready condition",
-        priority = 1
-    ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
-)]
-#[serde(rename_all = "camelCase")]
-#[x_kube(
-    validation = Rule::new("self.resources.gpus % self.tensorParallelSize == 0").message("resources.gpus must be a multiple of tensorParallelSize").field_path(".resources.gpus").reason(Reason::FieldValueInvalid),
-    validation = Rule::new("!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && self.replicas <= self.autoscaling.maxReplicas)").message("replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas").field_path(".replicas").reason(Reason::FieldValueInvalid)
-)]
-pub struct DecodePoolSpec {
-    /// The KVCachePool (same namespace) the engines read. Immutable.
-    #[x_kube(validation = Rule::new("self == oldSelf").message("kvCachePoolRef is immutable; create a new pool instead").reason(Reason::FieldValueForbidden))]
-    pub kv_cache_pool_ref: KVCachePoolRef,
+engine_pool_spec! {
+    /// Desired state of the prefill engines: they compute the KV cache of prompts (reusing cached
+    /// prefixes from the pool) and hand it to decode engines through the pool.
+    spec: PrefillPoolSpec,
+    kind: "PrefillPool",
+    plural: "prefillpools",
+    singular: "prefillpool",
+    shortname: "pfp",
+    resource_doc: "A group of prefill engine instances that reads and writes a KVCachePool.",
+    slo_column: ("TTFT-SLO", ".spec.slo.ttftMillis", "Time-to-first-token objective, milliseconds"),
+    pool_ref_doc: " The KVCachePool (same namespace) the engines read and write. Immutable.",
+    slo_doc: " Latency objective of the prefill phase.",
+    slo: PrefillSlo,
+}
 
-    /// Engine instances (each `tensorParallelSize` GPUs wide).
-    #[serde(default = "defaults::one")]
-    #[schemars(range(min = 0, max = 1024))]
-    pub replicas: i32,
-
-    /// What runs in each instance.
-    pub engine: EngineSpec,
-
-    /// GPUs, RDMA and other resources of each instance.
-    #[serde(default)]
-    pub resources: EngineResources,
-
-    /// GPUs one model replica is split over.
-    #[serde(default = "defaults::one")]
-    #[schemars(range(min = 1, max = 64))]
-    pub tensor_parallel_size: i32,
-
-    /// Latency objective of the decode phase.
-    #[serde(default)]
-    pub slo: DecodeSlo,
-
-    /// Bounds within which something else (an HPA on the scale subresource, the conductor) may
-    /// change `replicas`. Absent: `replicas` is fixed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub autoscaling: Option<AutoscalingSpec>,
+engine_pool_spec! {
+    /// Desired state of the decode engines: they take prefilled KV cache from the pool and generate
+    /// tokens.
+    spec: DecodePoolSpec,
+    kind: "DecodePool",
+    plural: "decodepools",
+    singular: "decodepool",
+    shortname: "dcp",
+    resource_doc: "A group of decode engine instances that reads a KVCachePool.",
+    slo_column: ("TPOT-SLO", ".spec.slo.tpotMillis", "Time-per-output-token objective, milliseconds"),
+    pool_ref_doc: " The KVCachePool (same namespace) the engines read. Immutable.",
+    slo_doc: " Latency objective of the decode phase.",
+    slo: DecodeSlo,
 }
 
 /// A KVCachePool in the same namespace.

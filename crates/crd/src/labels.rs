@@ -92,12 +92,7 @@ pub fn selector_labels(
     instance: &str,
     component: Component,
 ) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
-        (APP_INSTANCE.to_owned(), instance.to_owned()),
-        (POOL.to_owned(), kv_cache_pool.to_owned()),
-        (COMPONENT.to_owned(), component.as_str().to_owned()),
-    ])
+    selector_labels_for(kv_cache_pool, instance, component.as_str())
 }
 
 /// All labels the operator puts on a child: the selector labels plus `component`, `part-of` and
@@ -107,8 +102,33 @@ pub fn common_labels(
     instance: &str,
     component: Component,
 ) -> BTreeMap<String, String> {
-    let mut labels = selector_labels(kv_cache_pool, instance, component);
-    labels.insert(APP_COMPONENT.to_owned(), component.as_str().to_owned());
+    common_labels_for(kv_cache_pool, instance, component.as_str())
+}
+
+/// [`selector_labels`] of a component given by its [`COMPONENT`] label value: the operator also
+/// labels children that run nothing (a pool's ConfigMap and Secret), which no [`Component`]
+/// names.
+pub fn selector_labels_for(
+    kv_cache_pool: &str,
+    instance: &str,
+    component: &str,
+) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
+        (APP_INSTANCE.to_owned(), instance.to_owned()),
+        (POOL.to_owned(), kv_cache_pool.to_owned()),
+        (COMPONENT.to_owned(), component.to_owned()),
+    ])
+}
+
+/// [`common_labels`] of a component given by its [`COMPONENT`] label value.
+pub fn common_labels_for(
+    kv_cache_pool: &str,
+    instance: &str,
+    component: &str,
+) -> BTreeMap<String, String> {
+    let mut labels = selector_labels_for(kv_cache_pool, instance, component);
+    labels.insert(APP_COMPONENT.to_owned(), component.to_owned());
     labels.insert(APP_PART_OF.to_owned(), APP_NAME_VALUE.to_owned());
     labels.insert(APP_MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned());
     labels

@@ -8,8 +8,11 @@
 
 pub mod build;
 pub mod status;
-pub mod usage;
 pub mod validate;
+
+/// The pool's usage as its master reports it (formerly this module; the reader is injected
+/// through the [`Context`], so it lives below it).
+pub use crate::pool_usage as usage;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -19,7 +22,6 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
 use kube::{Resource, ResourceExt};
 use kvpool_crd::KVCachePool;
 use rand::RngCore;
@@ -29,21 +31,26 @@ use crate::apply;
 use crate::conditions::reason;
 use crate::context::{Context, PROGRESS_REQUEUE, USAGE_REFRESH};
 use crate::contract;
+use crate::controller;
 use crate::error::{Error, Result};
 use crate::labels;
+use crate::pool_usage;
 use build::OWNER_KIND;
 use status::{AppliedCachePool, UsageReading};
 
 /// Metric label of this controller.
 pub const KIND: &str = "KVCachePool";
 
-/// What a reconcile did, for metrics and tests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a reconcile did, for metrics (labelled by [`Outcome::label`]) and tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum Outcome {
     /// Children applied and status up to date, usage read from the master.
+    #[strum(serialize = "ok")]
     Reconciled,
     /// Children applied and status up to date, but the master did not report usage: retried
     /// sooner than a healthy pool's refresh.
+    #[strum(serialize = "no_usage")]
     ReconciledWithoutUsage,
     /// The spec is invalid: Event and condition written, waiting for a change.
     Invalid,
@@ -52,13 +59,9 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Metric label of the outcome.
     pub fn label(self) -> &'static str {
-        match self {
-            Outcome::Reconciled => "ok",
-            Outcome::ReconciledWithoutUsage => "no_usage",
-            Outcome::Invalid => "invalid",
-            Outcome::Deleting => "deleting",
-        }
+        self.into()
     }
 }
 
@@ -70,44 +73,33 @@ pub fn generate_auth_key() -> String {
     key.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Entry point for the kube runtime controller.
-pub async fn reconcile(pool: Arc<KVCachePool>, ctx: Arc<Context>) -> Result<Action> {
-    let _timer = ctx.metrics.start(KIND);
-    let key = format!(
+fn key(pool: &KVCachePool) -> String {
+    format!(
         "{}/{}",
         pool.namespace().unwrap_or_default(),
         pool.name_any()
-    );
-    match reconcile_pool(&pool, &ctx).await {
-        Ok(outcome) => {
-            ctx.metrics.finished(KIND, outcome.label());
-            ctx.reset_backoff(&key);
-            Ok(match outcome {
-                Outcome::Reconciled => Action::requeue(USAGE_REFRESH),
-                Outcome::ReconciledWithoutUsage => Action::requeue(PROGRESS_REQUEUE),
-                Outcome::Invalid | Outcome::Deleting => Action::await_change(),
-            })
-        }
-        Err(err) => {
-            ctx.metrics.finished(KIND, "error");
-            ctx.metrics.failed(KIND, err.category());
-            Err(err)
-        }
-    }
+    )
+}
+
+/// Entry point for the kube runtime controller.
+pub async fn reconcile(pool: Arc<KVCachePool>, ctx: Arc<Context>) -> Result<Action> {
+    let pass = controller::Pass::start(&ctx, KIND);
+    let result = reconcile_pool(&pool, &ctx).await;
+    let outcome = pass.finish(&key(&pool), result, Outcome::label)?;
+    Ok(match outcome {
+        Outcome::Reconciled => Action::requeue(USAGE_REFRESH),
+        Outcome::ReconciledWithoutUsage => Action::requeue(PROGRESS_REQUEUE),
+        Outcome::Invalid | Outcome::Deleting => Action::await_change(),
+    })
 }
 
 /// Retry policy: per-object exponential backoff for transient failures; an invalid object
 /// waits for a change.
 pub fn error_policy(pool: Arc<KVCachePool>, err: &Error, ctx: Arc<Context>) -> Action {
-    if err.is_invalid_spec() {
+    let key = key(&pool);
+    let Some(delay) = controller::retry_delay(&ctx, err, &key) else {
         return Action::await_change();
-    }
-    let key = format!(
-        "{}/{}",
-        pool.namespace().unwrap_or_default(),
-        pool.name_any()
-    );
-    let delay = ctx.backoff(&key);
+    };
     warn!(pool = %key, error = %err, category = err.category(), retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
@@ -176,7 +168,7 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
 async fn read_usage(
     ctx: &Context,
     pool: &validate::ValidCachePool,
-    key: std::result::Result<kvpool_proto::auth::AuthKey, usage::UsageError>,
+    key: std::result::Result<kvpool_proto::auth::AuthKey, pool_usage::UsageError>,
 ) -> UsageReading {
     let addr = ctx.master_addr(pool.master_addr());
     let result = match key {
@@ -197,22 +189,7 @@ async fn read_usage(
 
 async fn report_invalid(pool: &KVCachePool, ctx: &Context, message: &str) -> Result<()> {
     warn!(%message, "invalid spec");
-    ctx.recorder
-        .publish(
-            &Event {
-                type_: EventType::Warning,
-                reason: reason::INVALID_SPEC.to_owned(),
-                note: Some(message.chars().take(1000).collect()),
-                action: "Validate".to_owned(),
-                secondary: None,
-            },
-            &pool.object_ref(&()),
-        )
-        .await
-        .map_err(|source| Error::PublishEvent {
-            reason: reason::INVALID_SPEC,
-            source,
-        })
+    controller::publish_warning(ctx, pool, reason::INVALID_SPEC, "Validate", message).await
 }
 
 async fn apply_children(
@@ -222,7 +199,7 @@ async fn apply_children(
     children: build::CachePoolChildren,
 ) -> Result<(
     AppliedCachePool,
-    std::result::Result<kvpool_proto::auth::AuthKey, usage::UsageError>,
+    std::result::Result<kvpool_proto::auth::AuthKey, pool_usage::UsageError>,
 )> {
     let client = ctx.client.clone();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
@@ -235,13 +212,13 @@ async fn apply_children(
     let key =
         if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
             info!(secret = %children.auth.name_any(), "created peer-authentication key");
-            usage::read_key(&children.auth)
+            pool_usage::read_key(&children.auth)
         } else {
             let secret_name = children.auth.name_any();
             match secrets.get_opt(&secret_name).await {
-                Ok(Some(secret)) => usage::read_key(&secret),
+                Ok(Some(secret)) => pool_usage::read_key(&secret),
                 // Deleted between the create and this read: the next pass creates it again.
-                Ok(None) => Err(usage::UsageError::AuthKey),
+                Ok(None) => Err(pool_usage::UsageError::AuthKey),
                 Err(source) => {
                     return Err(Error::Get {
                         kind: "Secret",
@@ -313,4 +290,21 @@ async fn apply_children(
         },
         key,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_keep_their_metric_labels() {
+        let labels = [
+            Outcome::Reconciled,
+            Outcome::ReconciledWithoutUsage,
+            Outcome::Invalid,
+            Outcome::Deleting,
+        ]
+        .map(Outcome::label);
+        assert_eq!(labels, ["ok", "no_usage", "invalid", "deleting"]);
+    }
 }

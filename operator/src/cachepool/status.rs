@@ -6,11 +6,11 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::jiff::Timestamp;
 use kvpool_crd::{KVCachePoolStatus, TierStatus};
 
-use super::usage::{NodeTransport, PoolUsage};
 use super::validate::ValidCachePool;
 use crate::conditions::{self, Desired};
 use crate::contract;
 use crate::labels::{self, Component};
+use crate::pool_usage::{NodeTransport, PoolUsage};
 use kvpool_crd::quantity::format_bytes;
 use kvpool_crd::{DramCapacity, Protocol};
 
@@ -59,49 +59,7 @@ pub fn desired_conditions(applied: &AppliedCachePool) -> Vec<Desired> {
         .collect::<Vec<_>>()
         .join(", ");
     let all_ready = parts.iter().all(|(_, r, d)| r >= d);
-    if all_ready {
-        vec![
-            Desired::new(
-                conditions::READY,
-                true,
-                conditions::reason::AVAILABLE,
-                format!("{summary} ready"),
-            ),
-            Desired::new(
-                conditions::PROGRESSING,
-                false,
-                conditions::reason::RECONCILED,
-                format!("{summary} ready"),
-            ),
-            Desired::new(
-                conditions::DEGRADED,
-                false,
-                conditions::reason::AS_EXPECTED,
-                format!("{summary} ready"),
-            ),
-        ]
-    } else {
-        vec![
-            Desired::new(
-                conditions::READY,
-                false,
-                conditions::reason::NOT_ALL_READY,
-                format!("{summary} ready"),
-            ),
-            Desired::new(
-                conditions::PROGRESSING,
-                true,
-                conditions::reason::ROLLING_OUT,
-                format!("{summary} ready"),
-            ),
-            Desired::new(
-                conditions::DEGRADED,
-                false,
-                conditions::reason::AS_EXPECTED,
-                format!("{summary} ready"),
-            ),
-        ]
-    }
+    conditions::rollout(all_ready, format!("{summary} ready"))
 }
 
 /// What the master said about the pool's usage on this pass.

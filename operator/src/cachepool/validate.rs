@@ -4,13 +4,14 @@
 //! I/O boundary: none.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::{Resource, ResourceExt};
 use kvpool_crd::{KVCachePool, KVCachePoolSpec, ValidatedKVCachePool};
 
 use crate::context::Settings;
 use crate::contract;
 use crate::error::{Error, Result};
-use crate::labels::{self, Component, MAX_OWNER_NAME_LEN};
+pub use crate::identity::validate_name;
+use crate::identity::{Identity, identity};
+use crate::labels::{self, Component};
 
 /// A `KVCachePool` that passed validation, with defaults resolved.
 #[derive(Clone, Debug, PartialEq)]
@@ -46,18 +47,11 @@ pub fn master_addr(pool: &str, namespace: &str) -> String {
 
 /// Validate `pool` and resolve its defaults with the operator `settings`.
 pub fn validate(pool: &KVCachePool, settings: &Settings) -> Result<ValidCachePool> {
-    let name = pool
-        .metadata
-        .name
-        .clone()
-        .ok_or(Error::MissingObjectKey("name"))?;
-    let namespace = pool
-        .namespace()
-        .ok_or(Error::MissingObjectKey("namespace"))?;
-    let owner = pool
-        .controller_owner_ref(&())
-        .ok_or(Error::MissingObjectKey("uid"))?;
-    validate_name(&name)?;
+    let Identity {
+        name,
+        namespace,
+        owner,
+    } = identity(pool)?;
     let spec = &pool.spec;
     let effective =
         ValidatedKVCachePool::validate(spec).map_err(|e| Error::InvalidSpec(e.to_string()))?;
@@ -84,22 +78,6 @@ pub fn validate(pool: &KVCachePool, settings: &Settings) -> Result<ValidCachePoo
             .clone()
             .unwrap_or_else(|| settings.conductor_image.clone()),
     })
-}
-
-/// Names must leave room for the longest child suffix within a DNS label.
-pub fn validate_name(name: &str) -> Result<()> {
-    if name.len() > MAX_OWNER_NAME_LEN {
-        return Err(Error::InvalidSpec(format!(
-            "metadata.name must be at most {MAX_OWNER_NAME_LEN} characters so that child names fit in 63, got {}",
-            name.len()
-        )));
-    }
-    if name.contains('.') {
-        return Err(Error::InvalidSpec(format!(
-            "metadata.name {name:?} must not contain '.': child Services need DNS labels"
-        )));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -17,7 +17,6 @@ use k8s_openapi::api::core::v1::Service;
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kvpool_crd::KVCachePool;
 use tracing::{info, instrument, warn};
@@ -26,13 +25,16 @@ use crate::apply;
 use crate::cachepool;
 use crate::conditions::reason;
 use crate::context::{Context, RESYNC};
+use crate::controller;
 use crate::error::{Error, Result};
 use crate::labels;
 pub use kind::EnginePool;
 
-/// What a reconcile did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What a reconcile did, for metrics (labelled by [`Outcome::label`]) and tests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum Outcome {
+    #[strum(serialize = "ok")]
     Reconciled,
     /// The referenced KVCachePool does not exist (yet).
     PoolNotFound,
@@ -44,14 +46,9 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Metric label of the outcome.
     pub fn label(self) -> &'static str {
-        match self {
-            Outcome::Reconciled => "ok",
-            Outcome::PoolNotFound => "pool_not_found",
-            Outcome::PoolInvalid => "pool_invalid",
-            Outcome::Invalid => "invalid",
-            Outcome::Deleting => "deleting",
-        }
+        self.into()
     }
 }
 
@@ -66,35 +63,24 @@ fn key<K: EnginePool>(obj: &K) -> String {
 
 /// Entry point for the kube runtime controller.
 pub async fn reconcile<K: EnginePool>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action> {
-    let _timer = ctx.metrics.start(K::KIND_NAME);
-    match reconcile_engine_pool(obj.as_ref(), &ctx).await {
-        Ok(outcome) => {
-            ctx.metrics.finished(K::KIND_NAME, outcome.label());
-            ctx.reset_backoff(&key(obj.as_ref()));
-            Ok(match outcome {
-                Outcome::Reconciled => Action::requeue(RESYNC),
-                // The KVCachePool watch brings these back when the pool appears or changes.
-                Outcome::PoolNotFound
-                | Outcome::PoolInvalid
-                | Outcome::Invalid
-                | Outcome::Deleting => Action::await_change(),
-            })
+    let pass = controller::Pass::start(&ctx, K::KIND_NAME);
+    let result = reconcile_engine_pool(obj.as_ref(), &ctx).await;
+    let outcome = pass.finish(&key(obj.as_ref()), result, Outcome::label)?;
+    Ok(match outcome {
+        Outcome::Reconciled => Action::requeue(RESYNC),
+        // The KVCachePool watch brings these back when the pool appears or changes.
+        Outcome::PoolNotFound | Outcome::PoolInvalid | Outcome::Invalid | Outcome::Deleting => {
+            Action::await_change()
         }
-        Err(err) => {
-            ctx.metrics.finished(K::KIND_NAME, "error");
-            ctx.metrics.failed(K::KIND_NAME, err.category());
-            Err(err)
-        }
-    }
+    })
 }
 
 /// Retry policy: invalid objects wait for a change; transient failures back off per object.
 pub fn error_policy<K: EnginePool>(obj: Arc<K>, err: &Error, ctx: Arc<Context>) -> Action {
-    if err.is_invalid_spec() {
-        return Action::await_change();
-    }
     let key = key(obj.as_ref());
-    let delay = ctx.backoff(&key);
+    let Some(delay) = controller::retry_delay(&ctx, err, &key) else {
+        return Action::await_change();
+    };
     warn!(object = %key, error = %err, category = err.category(), retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
@@ -112,30 +98,6 @@ pub fn referencing<K: EnginePool>(store: &Store<K>, pool: &KVCachePool) -> Vec<O
         .collect();
     refs.sort_by_key(|r| r.name.clone());
     refs
-}
-
-async fn publish_warning<K: EnginePool>(
-    ctx: &Context,
-    obj: &K,
-    why: &'static str,
-    message: &str,
-) -> Result<()> {
-    ctx.recorder
-        .publish(
-            &Event {
-                type_: EventType::Warning,
-                reason: why.to_owned(),
-                note: Some(message.chars().take(1000).collect()),
-                action: "Reconcile".to_owned(),
-                secondary: None,
-            },
-            &obj.object_ref(&()),
-        )
-        .await
-        .map_err(|source| Error::PublishEvent {
-            reason: why,
-            source,
-        })
 }
 
 async fn write_blocked<K: EnginePool>(
@@ -207,7 +169,8 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
         Ok(v) => v,
         Err(Error::InvalidSpec(message)) => {
             warn!(engine_pool = %name, %message, "invalid spec");
-            publish_warning(ctx, obj, reason::INVALID_SPEC, &message).await?;
+            controller::publish_warning(ctx, obj, reason::INVALID_SPEC, "Reconcile", &message)
+                .await?;
             write_blocked(ctx, &api, obj, reason::INVALID_SPEC, &message).await?;
             return Ok(Outcome::Invalid);
         }
@@ -239,4 +202,31 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
         apply::patch_status(&ctx.settings.field_manager, &api, &name, &new_status).await?;
     }
     Ok(Outcome::Reconciled)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_keep_their_metric_labels() {
+        let labels = [
+            Outcome::Reconciled,
+            Outcome::PoolNotFound,
+            Outcome::PoolInvalid,
+            Outcome::Invalid,
+            Outcome::Deleting,
+        ]
+        .map(Outcome::label);
+        assert_eq!(
+            labels,
+            [
+                "ok",
+                "pool_not_found",
+                "pool_invalid",
+                "invalid",
+                "deleting"
+            ]
+        );
+    }
 }

@@ -26,28 +26,8 @@ pub fn desired_conditions(ready: i32, desired: i32) -> Vec<Desired> {
             Desired::new(conditions::PROGRESSING, false, SCALED_TO_ZERO, msg),
             Desired::new(conditions::DEGRADED, false, reason::AS_EXPECTED, msg),
         ]
-    } else if ready >= desired {
-        vec![
-            Desired::new(conditions::READY, true, reason::AVAILABLE, msg.clone()),
-            Desired::new(
-                conditions::PROGRESSING,
-                false,
-                reason::RECONCILED,
-                msg.clone(),
-            ),
-            Desired::new(conditions::DEGRADED, false, reason::AS_EXPECTED, msg),
-        ]
     } else {
-        vec![
-            Desired::new(conditions::READY, false, reason::NOT_ALL_READY, msg.clone()),
-            Desired::new(
-                conditions::PROGRESSING,
-                true,
-                reason::ROLLING_OUT,
-                msg.clone(),
-            ),
-            Desired::new(conditions::DEGRADED, false, reason::AS_EXPECTED, msg),
-        ]
+        conditions::rollout(ready >= desired, msg)
     }
 }
 

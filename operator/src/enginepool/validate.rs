@@ -6,12 +6,12 @@
 use std::collections::BTreeSet;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::ResourceExt;
 use kvpool_crd::ValidatedEnginePool;
 
 use super::kind::EnginePool;
-use crate::cachepool::validate::{ValidCachePool, validate_name};
+use crate::cachepool::validate::ValidCachePool;
 use crate::error::{Error, Result};
+use crate::identity::{Identity, identity};
 use crate::labels::Component;
 
 /// An engine pool that passed validation, with its KVCachePool resolved.
@@ -29,18 +29,11 @@ pub struct ValidEnginePool {
 
 /// Validate `obj` against the already validated KVCachePool `pool`.
 pub fn validate<K: EnginePool>(obj: &K, pool: ValidCachePool) -> Result<ValidEnginePool> {
-    let name = obj
-        .meta()
-        .name
-        .clone()
-        .ok_or(Error::MissingObjectKey("name"))?;
-    let namespace = obj
-        .namespace()
-        .ok_or(Error::MissingObjectKey("namespace"))?;
-    let owner = obj
-        .controller_owner_ref(&())
-        .ok_or(Error::MissingObjectKey("uid"))?;
-    validate_name(&name)?;
+    let Identity {
+        name,
+        namespace,
+        owner,
+    } = identity(obj)?;
     let effective = obj
         .validated()
         .map_err(|e| Error::InvalidSpec(e.to_string()))?;

@@ -1,6 +1,8 @@
 //! Tier usage of a `KVCachePool` as its master reports it: the master's `Stats` RPC, called with
 //! the pool's shared key on the master Service's address, behind the [`MasterStats`] trait so the
-//! reconcile tests can substitute a fake. [`PoolUsage`] and [`read_key`] are pure.
+//! reconcile tests can substitute a fake. [`PoolUsage`] and [`read_key`] are pure. The reader
+//! is injected through the controllers' `Context`, so this module sits below it (and is
+//! re-exported as `cachepool::usage`, its former place).
 //! I/O boundary: the gRPC call in [`GrpcMasterStats`].
 
 use std::time::Duration;

@@ -1,0 +1,111 @@
+//! Why a custom resource's spec cannot be used ([`SpecError`], naming the field), and the rule
+//! every kvpool resource's name follows so that its children's names are DNS labels.
+//! Pure, no I/O.
+
+use crate::quantity::QuantityError;
+
+/// Why a spec cannot be used. Each variant names the field (its path below `spec`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum SpecError {
+    /// A quantity field does not hold a byte size.
+    #[error("spec.{field}: {source}")]
+    #[strum(serialize = "invalid_quantity")]
+    Quantity {
+        /// Path of the field below `spec`.
+        field: &'static str,
+        /// What is wrong with the quantity.
+        #[source]
+        source: QuantityError,
+    },
+    /// A number lies outside its allowed range.
+    #[error("spec.{field}: {value} is outside {min}..={max}")]
+    OutOfRange {
+        /// Path of the field below `spec`.
+        field: &'static str,
+        /// The value found.
+        value: i64,
+        /// Smallest allowed value.
+        min: i64,
+        /// Largest allowed value.
+        max: i64,
+    },
+    /// Fields that cannot be combined.
+    #[error("spec.{field}: {message}")]
+    #[strum(serialize = "conflicting_fields")]
+    Conflict {
+        /// Path of the field below `spec`.
+        field: &'static str,
+        /// What conflicts with what.
+        message: &'static str,
+    },
+    /// The resource's name cannot prefix its children's names.
+    #[error("metadata.name {name:?}: {message}")]
+    InvalidName {
+        /// The name found.
+        name: String,
+        /// What is wrong with it.
+        message: &'static str,
+    },
+    /// A field that the other fields make necessary is absent.
+    #[error("spec.{field}: {message}")]
+    #[strum(serialize = "missing_field")]
+    Missing {
+        /// Path of the field below `spec`.
+        field: &'static str,
+        /// Why it is needed.
+        message: &'static str,
+    },
+}
+
+impl SpecError {
+    /// Short stable label for metrics and Events.
+    pub fn category(&self) -> &'static str {
+        self.into()
+    }
+
+    /// Path of the offending field below `spec`, or `metadata.name`.
+    pub fn field(&self) -> &'static str {
+        match self {
+            Self::InvalidName { .. } => "metadata.name",
+            Self::Quantity { field, .. }
+            | Self::OutOfRange { field, .. }
+            | Self::Conflict { field, .. }
+            | Self::Missing { field, .. } => field,
+        }
+    }
+}
+
+/// Longest name of a kvpool resource: children append up to 10 characters (`-conductor`) and
+/// Service names are DNS labels of at most 63.
+pub const MAX_NAME_LEN: usize = 53;
+
+/// Checks a resource name the way the CRDs' root rule does: at most [`MAX_NAME_LEN`] characters
+/// and no dots, so that `<name>-<component>` is a valid Service name.
+pub fn validate_name(name: &str) -> Result<(), SpecError> {
+    if name.len() > MAX_NAME_LEN || name.contains('.') {
+        return Err(SpecError::InvalidName {
+            name: name.to_owned(),
+            message: "must be at most 53 characters and contain no dots: it prefixes the names of Services",
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_leave_room_for_child_suffixes() {
+        assert_eq!(validate_name(&"a".repeat(53)), Ok(()));
+        let long = validate_name(&"a".repeat(54)).expect_err("too long");
+        assert_eq!(
+            (long.field(), long.category()),
+            ("metadata.name", "invalid_name")
+        );
+        assert!(long.to_string().starts_with("metadata.name \""), "{long}");
+        assert!(validate_name("cache.v2").is_err());
+        assert_eq!(format!("{}-conductor", "a".repeat(MAX_NAME_LEN)).len(), 63);
+    }
+}

@@ -1,0 +1,461 @@
+//! [`ValidatedKVCachePool`]: a `KVCachePool` spec with every default filled in, quantities
+//! resolved to bytes and the ranges and cross-field rules of the schema checked again, so that
+//! the operator's `build` only sees consistent values and the data plane reads one settled
+//! document from the pool's ConfigMap. Pure, no I/O.
+
+use serde::{Deserialize, Serialize};
+
+use super::error::SpecError;
+use super::fields::{positive_bytes, ranged, unique};
+use super::pool_config::{
+    ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MasterConfig, ReplicationConfig,
+    SriovConfig, SriovRequest, SsdConfig, TransportConfig,
+};
+use crate::defaults;
+use crate::{Hugepages, KVCachePoolSpec, Protocol};
+
+/// A KVCachePool spec with defaults applied and every rule checked. Pod-level settings (node
+/// selector, tolerations, images, resources) stay in the spec; this holds what the data plane
+/// needs and is what the pool's ConfigMap carries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ValidatedKVCachePool {
+    /// Tokens per block.
+    pub block_size_tokens: u32,
+    /// DRAM tier.
+    pub dram: DramConfig,
+    /// SSD tier, if any.
+    pub ssd: Option<SsdConfig>,
+    /// Transport.
+    pub transport: TransportConfig,
+    /// Replication.
+    pub replication: ReplicationConfig,
+    /// Eviction.
+    pub eviction: EvictionConfig,
+    /// Master.
+    pub master: MasterConfig,
+    /// Conductor, when enabled.
+    pub conductor: Option<ConductorConfig>,
+}
+
+impl ValidatedKVCachePool {
+    /// Checks a spec and resolves its defaults. The first failing rule is reported.
+    pub fn validate(spec: &KVCachePoolSpec) -> Result<Self, SpecError> {
+        let block_size_tokens = ranged("blockSizeTokens", spec.block_size_tokens, 1, 65536)?;
+
+        let dram = &spec.dram;
+        let capacity = match (&dram.capacity_per_node, dram.node_memory_percent) {
+            (Some(_), Some(_)) => {
+                return Err(SpecError::Conflict {
+                    field: "dram",
+                    message: "set at most one of capacityPerNode and nodeMemoryPercent",
+                });
+            }
+            (Some(q), None) => DramCapacity::Bytes(positive_bytes("dram.capacityPerNode", q)?),
+            (None, pct) => DramCapacity::NodeMemoryPercent(ranged(
+                "dram.nodeMemoryPercent",
+                pct.unwrap_or(defaults::NODE_MEMORY_PERCENT),
+                1,
+                100,
+            )?),
+        };
+        let page_bytes: u64 = match dram.hugepages {
+            Hugepages::None => 1,
+            Hugepages::Size2Mi => 2 << 20,
+            Hugepages::Size1Gi => 1 << 30,
+        };
+        match capacity {
+            DramCapacity::NodeMemoryPercent(_) if page_bytes > 1 => {
+                return Err(SpecError::Missing {
+                    field: "dram.capacityPerNode",
+                    message: "hugepages require an explicit capacityPerNode",
+                });
+            }
+            DramCapacity::Bytes(bytes) if !bytes.is_multiple_of(page_bytes) => {
+                return Err(SpecError::Conflict {
+                    field: "dram.capacityPerNode",
+                    message: "must be a whole number of hugepages (a multiple of dram.hugepages)",
+                });
+            }
+            _ => {}
+        }
+
+        let ssd = match &spec.ssd {
+            None => None,
+            Some(ssd) => {
+                if !ssd.host_path.starts_with('/') || ssd.host_path.len() < 2 {
+                    return Err(SpecError::Conflict {
+                        field: "ssd.hostPath",
+                        message: "must be an absolute directory other than /",
+                    });
+                }
+                Some(SsdConfig {
+                    host_path: ssd.host_path.clone(),
+                    capacity_bytes: positive_bytes("ssd.capacityPerNode", &ssd.capacity_per_node)?,
+                })
+            }
+        };
+
+        let t = &spec.transport;
+        if t.protocol == Protocol::Tcp {
+            if t.sriov.is_some() {
+                return Err(SpecError::Conflict {
+                    field: "transport.sriov",
+                    message: "requires transport.protocol rdma or auto",
+                });
+            }
+            if !t.networks.is_empty() {
+                return Err(SpecError::Conflict {
+                    field: "transport.networks",
+                    message: "requires transport.protocol rdma or auto",
+                });
+            }
+            if !t.devices.is_empty() {
+                return Err(SpecError::Conflict {
+                    field: "transport.devices",
+                    message: "requires transport.protocol rdma or auto",
+                });
+            }
+        }
+        unique("transport.devices", &t.devices)?;
+        unique("transport.networks", &t.networks)?;
+        let sriov = match &t.sriov {
+            None => None,
+            Some(s) => {
+                let resources = match (&s.resource_name, s.resources.as_slice()) {
+                    (Some(name), []) => vec![SriovRequest {
+                        resource_name: name.clone(),
+                        count: ranged("transport.sriov.count", s.count, 1, 64)?,
+                    }],
+                    (None, rails) if !rails.is_empty() => {
+                        let names: Vec<String> =
+                            rails.iter().map(|r| r.resource_name.clone()).collect();
+                        unique("transport.sriov.resources", &names)?;
+                        rails
+                            .iter()
+                            .map(|r| {
+                                Ok(SriovRequest {
+                                    resource_name: r.resource_name.clone(),
+                                    count: ranged(
+                                        "transport.sriov.resources.count",
+                                        r.count,
+                                        1,
+                                        64,
+                                    )?,
+                                })
+                            })
+                            .collect::<Result<Vec<_>, SpecError>>()?
+                    }
+                    _ => {
+                        return Err(SpecError::Conflict {
+                            field: "transport.sriov",
+                            message: "set exactly one of resourceName and resources",
+                        });
+                    }
+                };
+                Some(SriovConfig { resources })
+            }
+        };
+        let transport = TransportConfig {
+            protocol: t.protocol,
+            devices: t.devices.clone(),
+            sriov,
+            networks: t.networks.clone(),
+            port: ranged("transport.port", t.port, 1024, 65535)?,
+        };
+
+        let replication = ReplicationConfig {
+            replicas: ranged("replication.replicas", spec.replication.replicas, 1, 8)?,
+            spread_label_key: spec.replication.spread_label_key.clone(),
+        };
+
+        let e = &spec.eviction;
+        let high_watermark_percent = ranged(
+            "eviction.highWatermarkPercent",
+            e.high_watermark_percent,
+            1,
+            100,
+        )?;
+        let low_watermark_percent = ranged(
+            "eviction.lowWatermarkPercent",
+            e.low_watermark_percent,
+            0,
+            99,
+        )?;
+        if low_watermark_percent >= high_watermark_percent {
+            return Err(SpecError::Conflict {
+                field: "eviction.lowWatermarkPercent",
+                message: "must be below eviction.highWatermarkPercent",
+            });
+        }
+        let eviction = EvictionConfig {
+            high_watermark_percent,
+            low_watermark_percent,
+            policy: e.policy,
+        };
+
+        unique("master.etcdEndpoints", &spec.master.etcd_endpoints)?;
+        if spec
+            .master
+            .etcd_endpoints
+            .iter()
+            .any(|e| !(e.starts_with("http://") || e.starts_with("https://")))
+        {
+            return Err(SpecError::Conflict {
+                field: "master.etcdEndpoints",
+                message: "every endpoint is a URL starting with http:// or https://",
+            });
+        }
+        let master = MasterConfig {
+            replicas: ranged("master.replicas", spec.master.replicas, 1, 5)?,
+            etcd_endpoints: spec.master.etcd_endpoints.clone(),
+        };
+        if master.replicas > 1 && !master.is_ha() {
+            return Err(SpecError::Missing {
+                field: "master.etcdEndpoints",
+                message: "master.replicas above 1 keeps state in etcd",
+            });
+        }
+
+        // Checked even when disabled: the API server rejects bad values either way.
+        let c = &spec.conductor;
+        let conductor_config = ConductorConfig {
+            replicas: ranged("conductor.replicas", c.replicas, 1, 16)?,
+            ttft_millis: ranged("conductor.slo.ttftMillis", c.slo.ttft_millis, 1, 3_600_000)?,
+            tpot_millis: ranged("conductor.slo.tpotMillis", c.slo.tpot_millis, 1, 60_000)?,
+        };
+        let conductor = c.enabled.then_some(conductor_config);
+
+        Ok(Self {
+            block_size_tokens,
+            dram: DramConfig {
+                capacity,
+                hugepages: dram.hugepages,
+                numa_policy: dram.numa_policy,
+            },
+            ssd,
+            transport,
+            replication,
+            eviction,
+            master,
+            conductor,
+        })
+    }
+
+    /// Bytes of one block for a model: `block_size_tokens` x bytes per token (2 x layers x KV
+    /// heads x head dim x dtype bytes, computed by the caller). `None` on overflow.
+    pub fn block_bytes(&self, bytes_per_token: u64) -> Option<u64> {
+        u64::from(self.block_size_tokens).checked_mul(bytes_per_token)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{EvictionPolicy, KVCachePool, NumaPolicy};
+
+    fn pool(spec_yaml: &str) -> KVCachePoolSpec {
+        let text = format!(
+            "apiVersion: kvpool.dev/v1alpha1\nkind: KVCachePool\nmetadata:\n  name: p\nspec:\n{spec_yaml}"
+        );
+        let pool: KVCachePool = serde_saphyr::from_str(&text).expect("fixture parses");
+        pool.spec
+    }
+
+    #[test]
+    fn empty_spec_resolves_to_documented_defaults() {
+        let v = ValidatedKVCachePool::validate(&pool("  {}")).expect("valid");
+        assert_eq!(v.block_size_tokens, 512);
+        assert_eq!(v.dram.capacity, DramCapacity::NodeMemoryPercent(25));
+        assert_eq!(v.dram.hugepages, Hugepages::None);
+        assert_eq!(v.dram.numa_policy, NumaPolicy::Local);
+        assert_eq!(v.ssd, None);
+        assert_eq!(v.transport.protocol, Protocol::Auto);
+        assert_eq!(v.transport.port, 15500);
+        assert_eq!(v.replication.replicas, 1);
+        assert_eq!(v.replication.spread_label_key, "kubernetes.io/hostname");
+        assert_eq!(
+            (
+                v.eviction.high_watermark_percent,
+                v.eviction.low_watermark_percent
+            ),
+            (90, 80)
+        );
+        assert_eq!(v.eviction.policy, EvictionPolicy::Lru);
+        assert_eq!(v.master.replicas, 1);
+        assert!(!v.master.is_ha());
+        let c = v.conductor.expect("conductor on by default");
+        assert_eq!(
+            (c.replicas, c.ttft(), c.tpot()),
+            (1, Duration::from_secs(2), Duration::from_millis(100))
+        );
+    }
+
+    #[test]
+    fn quantities_resolve_to_bytes() {
+        let v = ValidatedKVCachePool::validate(&pool(
+            "  dram: {capacityPerNode: 512Gi, hugepages: 1Gi}\n  ssd: {hostPath: /mnt/nvme, capacityPerNode: 3Ti}\n  conductor: {enabled: false}",
+        ))
+        .expect("valid");
+        assert_eq!(v.dram.capacity, DramCapacity::Bytes(512 << 30));
+        assert_eq!(v.dram.hugepages, Hugepages::Size1Gi);
+        assert_eq!(
+            v.ssd,
+            Some(SsdConfig {
+                host_path: "/mnt/nvme".into(),
+                capacity_bytes: 3 << 40
+            })
+        );
+        assert_eq!(v.conductor, None);
+        assert_eq!(v.block_bytes(160 * 1024), Some(512 * 160 * 1024));
+        assert_eq!(v.block_bytes(u64::MAX), None);
+    }
+
+    #[test]
+    fn errors_name_the_field_and_category() {
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "  dram: {capacityPerNode: 1Gi, nodeMemoryPercent: 5}",
+                "dram",
+                "conflicting_fields",
+            ),
+            (
+                "  dram: {hugepages: 2Mi}",
+                "dram.capacityPerNode",
+                "missing_field",
+            ),
+            (
+                "  dram: {capacityPerNode: '0'}",
+                "dram.capacityPerNode",
+                "out_of_range",
+            ),
+            (
+                "  dram: {capacityPerNode: 1GB}",
+                "dram.capacityPerNode",
+                "invalid_quantity",
+            ),
+            (
+                "  dram: {nodeMemoryPercent: 0}",
+                "dram.nodeMemoryPercent",
+                "out_of_range",
+            ),
+            (
+                "  ssd: {hostPath: rel, capacityPerNode: 1Ti}",
+                "ssd.hostPath",
+                "conflicting_fields",
+            ),
+            (
+                "  ssd: {hostPath: /x, capacityPerNode: -1}",
+                "ssd.capacityPerNode",
+                "invalid_quantity",
+            ),
+            (
+                "  transport: {protocol: tcp, networks: [a]}",
+                "transport.networks",
+                "conflicting_fields",
+            ),
+            ("  transport: {port: 80}", "transport.port", "out_of_range"),
+            (
+                "  transport: {devices: [mlx5_0, mlx5_0]}",
+                "transport.devices",
+                "conflicting_fields",
+            ),
+            ("  blockSizeTokens: 0", "blockSizeTokens", "out_of_range"),
+            (
+                "  replication: {replicas: 9}",
+                "replication.replicas",
+                "out_of_range",
+            ),
+            (
+                "  eviction: {highWatermarkPercent: 50}",
+                "eviction.lowWatermarkPercent",
+                "conflicting_fields",
+            ),
+            (
+                "  master: {replicas: 2}",
+                "master.etcdEndpoints",
+                "missing_field",
+            ),
+            (
+                "  conductor: {replicas: 0}",
+                "conductor.replicas",
+                "out_of_range",
+            ),
+        ];
+        for (yaml, field, category) in cases {
+            let err = ValidatedKVCachePool::validate(&pool(yaml)).expect_err(yaml);
+            assert_eq!(
+                (err.field(), err.category()),
+                (*field, *category),
+                "{yaml}: {err}"
+            );
+            assert!(
+                err.to_string().starts_with(&format!("spec.{field}: ")),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn sriov_rails_become_one_request_each_and_a_repeated_rail_is_named() {
+        let v = ValidatedKVCachePool::validate(&pool(
+            "  transport: {sriov: {resources: [{resourceName: a/rail0}, {resourceName: a/rail1, count: 2}]}}",
+        ))
+        .expect("valid");
+        let sriov = v.transport.sriov.expect("sriov");
+        assert_eq!(
+            sriov.resources,
+            vec![
+                SriovRequest {
+                    resource_name: "a/rail0".into(),
+                    count: 1
+                },
+                SriovRequest {
+                    resource_name: "a/rail1".into(),
+                    count: 2
+                },
+            ]
+        );
+        for (yaml, field) in [
+            (
+                "  transport: {sriov: {resources: [{resourceName: a/r, count: 1}, {resourceName: a/r, count: 2}]}}",
+                "transport.sriov.resources",
+            ),
+            (
+                "  transport: {sriov: {resourceName: a/r, resources: [{resourceName: a/s}]}}",
+                "transport.sriov",
+            ),
+            ("  transport: {sriov: {count: 2}}", "transport.sriov"),
+            (
+                "  transport: {sriov: {resources: [{resourceName: a/r, count: 0}]}}",
+                "transport.sriov.resources.count",
+            ),
+        ] {
+            let err = ValidatedKVCachePool::validate(&pool(yaml)).expect_err(yaml);
+            assert_eq!(err.field(), field, "{yaml}: {err}");
+        }
+    }
+
+    #[test]
+    fn configmap_form_is_camel_case_and_round_trips() {
+        let v = ValidatedKVCachePool::validate(&pool(
+            "  transport: {sriov: {resourceName: nvidia.com/roce_vf, count: 8}}\n  dram: {capacityPerNode: 1Ti}",
+        ))
+        .expect("valid");
+        let json = serde_json::to_value(&v).expect("serializes");
+        assert_eq!(json["blockSizeTokens"], 512);
+        assert_eq!(
+            json["dram"]["capacity"],
+            serde_json::json!({"bytes": 1u64 << 40})
+        );
+        assert_eq!(
+            json["transport"]["sriov"]["resources"],
+            serde_json::json!([{"resourceName": "nvidia.com/roce_vf", "count": 8}])
+        );
+        assert_eq!(json["eviction"]["highWatermarkPercent"], 90);
+        let back: ValidatedKVCachePool = serde_json::from_value(json).expect("parses back");
+        assert_eq!(back, v);
+    }
+}

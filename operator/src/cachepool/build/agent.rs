@@ -1,0 +1,158 @@
+//! The node agent DaemonSet: one `kvpool agent run` pod per selected node, with the node-level
+//! settings of the pool (node selector, tolerations, Multus networks, hugepages, SR-IOV
+//! functions, the SSD directory and the socket directory the engines share).
+//! I/O boundary: none.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EmptyDirVolumeSource, PodSpec, PodTemplateSpec, ResourceRequirements,
+    SecurityContext, Volume,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kvpool_crd::{DramCapacity, Hugepages};
+
+use super::{meta, pod_labels, selector};
+use crate::cachepool::validate::ValidCachePool;
+use crate::contract;
+use crate::labels::{self, Component};
+use crate::pod::{self, mount};
+
+fn hugepages_resource(h: Hugepages) -> Option<&'static str> {
+    match h {
+        Hugepages::None => None,
+        Hugepages::Size2Mi => Some("hugepages-2Mi"),
+        Hugepages::Size1Gi => Some("hugepages-1Gi"),
+    }
+}
+
+/// Agent resources: the user's, plus hugepages (requests = limits, as Kubernetes requires) and
+/// SR-IOV virtual functions. A DRAM tier of an explicit size in ordinary pages is requested as
+/// memory (unless the user set a memory request), so the scheduler reserves what the agent pins
+/// and the pod is not the first to be evicted under memory pressure.
+fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
+    let spec = &pool.spec;
+    let mut res = spec.agent.resources.clone().unwrap_or_default();
+    let mut extra: BTreeMap<String, Quantity> = BTreeMap::new();
+    let hugepages = hugepages_resource(pool.effective.dram.hugepages);
+    if let (Some(name), DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
+        extra.insert(name.to_owned(), kvpool_crd::quantity::format_bytes(bytes));
+    }
+    // One extended resource per rail (or one for all rails): each is requested on its own.
+    for r in pool
+        .effective
+        .transport
+        .sriov
+        .iter()
+        .flat_map(|s| s.resources.iter())
+    {
+        extra.insert(r.resource_name.clone(), Quantity(r.count.to_string()));
+    }
+    if let (None, DramCapacity::Bytes(bytes)) = (hugepages, pool.effective.dram.capacity) {
+        let requests = res.requests.get_or_insert_with(BTreeMap::new);
+        requests
+            .entry("memory".to_owned())
+            .or_insert_with(|| kvpool_crd::quantity::format_bytes(bytes));
+    }
+    let has_extra = !extra.is_empty();
+    pod::add_extended_resources(&mut res, extra);
+    // Hugepage requests need a cpu or memory request next to them.
+    if has_extra && hugepages.is_some() {
+        let requests = res.requests.get_or_insert_with(BTreeMap::new);
+        if !requests.contains_key("memory") {
+            requests.insert("memory".to_owned(), Quantity("256Mi".to_owned()));
+        }
+    }
+    (res != ResourceRequirements::default()).then_some(res)
+}
+
+/// The node agent DaemonSet.
+pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
+    let spec = &pool.spec;
+    let mut annotations =
+        BTreeMap::from([(labels::CONFIG_HASH.to_owned(), config_hash.to_owned())]);
+    if !pool.effective.transport.networks.is_empty() {
+        annotations.insert(
+            labels::MULTUS_NETWORKS.to_owned(),
+            pool.effective.transport.networks.join(","),
+        );
+    }
+    let mut volumes = vec![
+        pod::config_volume(&pool.name),
+        pod::auth_volume(&pool.name),
+        pod::socket_volume(),
+    ];
+    let mut mounts = pod::common_mounts();
+    mounts.push(mount("socket", contract::SOCKET_DIR, false));
+    if let Some(ssd) = &pool.effective.ssd {
+        volumes.push(pod::host_dir_volume("ssd", &ssd.host_path));
+        // Same path inside the container as on the node, so the config's hostPath is valid in
+        // both places.
+        mounts.push(mount("ssd", &ssd.host_path, false));
+    }
+    if let Some(size) = hugepages_resource(pool.effective.dram.hugepages) {
+        let medium = size.trim_start_matches("hugepages-");
+        volumes.push(Volume {
+            name: "hugepages".to_owned(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some(format!("HugePages-{medium}")),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+        mounts.push(mount("hugepages", "/dev/hugepages", false));
+    }
+    let container = Container {
+        name: "agent".to_owned(),
+        image: Some(pool.agent_image.clone()),
+        command: Some(contract::agent_command()),
+        args: Some(contract::agent_args()),
+        env: Some(vec![
+            pod::field_env(contract::env::NODE_NAME, "spec.nodeName"),
+            pod::field_env(contract::env::POD_IP, "status.podIP"),
+        ]),
+        ports: Some(pod::ports(&[
+            ("admin", contract::ADMIN_PORT),
+            ("transfer", pool.effective.transport.port),
+        ])),
+        resources: agent_resources(pool),
+        security_context: Some(SecurityContext {
+            capabilities: Some(Capabilities {
+                add: Some(vec!["IPC_LOCK".to_owned()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
+        readiness_probe: Some(pod::http_probe("/readyz", 2)),
+        liveness_probe: Some(pod::http_probe("/livez", 10)),
+        volume_mounts: Some(mounts),
+        ..Container::default()
+    };
+    DaemonSet {
+        metadata: meta(pool, Component::Agent),
+        spec: Some(DaemonSetSpec {
+            selector: selector(pool, Component::Agent),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels(pool, Component::Agent)),
+                    annotations: Some(annotations),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    node_selector: (!spec.node_selector.is_empty())
+                        .then(|| spec.node_selector.clone()),
+                    tolerations: (!spec.tolerations.is_empty()).then(|| spec.tolerations.clone()),
+                    priority_class_name: spec.agent.priority_class_name.clone(),
+                    automount_service_account_token: Some(false),
+                    containers: vec![container],
+                    volumes: Some(volumes),
+                    ..PodSpec::default()
+                }),
+            },
+            ..DaemonSetSpec::default()
+        }),
+        status: None,
+    }
+}

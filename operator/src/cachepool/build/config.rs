@@ -1,0 +1,107 @@
+//! The pool's ConfigMap: `config.yaml`, the effective settings the agent, master and conductor
+//! read, and `engine.json`, what a KV connector inside vLLM or SGLang needs to reach the pool;
+//! and the hash of that data which rolls every pod that mounts it when it changes.
+//! I/O boundary: none.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kvpool_crd::{Protocol, ValidatedKVCachePool};
+use serde::Serialize;
+
+use super::meta;
+use crate::cachepool::validate::ValidCachePool;
+use crate::contract;
+use crate::error::{Error, Result};
+use crate::labels::{self, Component};
+
+/// The document written to `config.yaml`, read by the agent, master and conductor: the pool's
+/// identity and addresses, followed by the effective settings (`kvpool_crd::ValidatedKVCachePool`,
+/// flattened, so a reader that only knows that type can read the file as it is).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolConfig<'a> {
+    pub pool: &'a str,
+    pub namespace: &'a str,
+    pub master_addr: String,
+    pub auth_key_file: String,
+    pub agent_socket: String,
+    #[serde(flatten)]
+    pub effective: &'a ValidatedKVCachePool,
+}
+
+/// The pool's config document.
+pub fn pool_config(pool: &ValidCachePool) -> PoolConfig<'_> {
+    PoolConfig {
+        pool: &pool.name,
+        namespace: &pool.namespace,
+        master_addr: pool.master_addr(),
+        auth_key_file: contract::auth_key_path(),
+        agent_socket: contract::agent_socket_path(),
+        effective: &pool.effective,
+    }
+}
+
+fn protocol_str(p: Protocol) -> &'static str {
+    match p {
+        Protocol::Auto => "auto",
+        Protocol::Rdma => "rdma",
+        Protocol::Tcp => "tcp",
+    }
+}
+
+/// The engine-facing JSON config (`engine.json`): what a KV connector inside vLLM or SGLang
+/// needs to reach the pool. Keys follow the Mooncake store connector's config file where they
+/// overlap, so that connector can read it as it is.
+pub fn engine_config(pool: &ValidCachePool) -> serde_json::Value {
+    let transport = &pool.effective.transport;
+    serde_json::json!({
+        "pool": pool.name,
+        "master_server_address": pool.master_addr(),
+        "metadata_server": "P2PHANDSHAKE",
+        "protocol": match transport.protocol {
+            Protocol::Tcp => "tcp",
+            Protocol::Rdma | Protocol::Auto => "rdma",
+        },
+        "kvpool_protocol": protocol_str(transport.protocol),
+        "device_name": transport.devices.join(","),
+        "agent_socket": contract::agent_socket_path(),
+        "block_size_tokens": pool.effective.block_size_tokens,
+        "auth_key_file": contract::auth_key_path(),
+    })
+}
+
+/// Render the ConfigMap data: `config.yaml` and `engine.json`.
+pub fn config_data(pool: &ValidCachePool) -> Result<BTreeMap<String, String>> {
+    let yaml = serde_saphyr::to_string(&pool_config(pool)).map_err(Error::RenderConfig)?;
+    let json =
+        serde_json::to_string_pretty(&engine_config(pool)).map_err(|source| Error::Serialize {
+            what: "engine config",
+            source,
+        })?;
+    Ok(BTreeMap::from([
+        (contract::CONFIG_FILE_KEY.to_owned(), yaml),
+        (contract::ENGINE_CONFIG_KEY.to_owned(), json),
+    ]))
+}
+
+/// Hash of the ConfigMap data, for the pod-template annotation that rolls pods on change.
+pub fn config_hash(data: &BTreeMap<String, String>) -> String {
+    let mut buf = Vec::new();
+    for (k, v) in data {
+        buf.extend_from_slice(k.as_bytes());
+        buf.push(0);
+        buf.extend_from_slice(v.as_bytes());
+        buf.push(0);
+    }
+    labels::content_hash(&buf)
+}
+
+/// The ConfigMap holding `data` (from [`config_data`]).
+pub(super) fn config_map(pool: &ValidCachePool, data: BTreeMap<String, String>) -> ConfigMap {
+    ConfigMap {
+        metadata: meta(pool, Component::Config),
+        data: Some(data),
+        ..ConfigMap::default()
+    }
+}

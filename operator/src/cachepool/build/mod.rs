@@ -1,0 +1,98 @@
+//! Pure construction of a `KVCachePool`'s children from a [`ValidCachePool`], one builder file
+//! per child kind: the effective config ConfigMap (`config.rs`), the auth Secret (`auth.rs`),
+//! the agent DaemonSet (`agent.rs`), the master Deployment and Service (`master.rs`) and, when
+//! enabled, the conductor Deployment and Service (`conductor.rs`) with the ServiceAccount, Role
+//! and RoleBinding that let it list and watch the engine pods it discovers
+//! (`conductor_rbac.rs`). The master and conductor share one Deployment shape (`workload.rs`).
+//! [`build`] composes them. No client, no clock, no randomness: the auth key is passed in.
+//! I/O boundary: none.
+
+mod agent;
+mod auth;
+mod conductor;
+mod conductor_rbac;
+mod config;
+mod master;
+mod workload;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+
+use super::validate::ValidCachePool;
+use crate::error::Result;
+use crate::labels::{self, Component};
+use crate::pod;
+
+pub use agent::agent_daemonset;
+pub use auth::auth_secret;
+pub use conductor::conductor;
+pub use conductor_rbac::{CONDUCTOR_POD_VERBS, ConductorRbac, conductor_rbac};
+pub use config::{PoolConfig, config_data, config_hash, engine_config, pool_config};
+pub use master::{master_deployment, master_service};
+pub use pod::{KEY_READER_GROUP, auth_volume, common_mounts, config_volume, socket_volume};
+
+/// Kind label value of children owned by a KVCachePool.
+pub const OWNER_KIND: &str = "KVCachePool";
+
+/// Everything a KVCachePool owns.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CachePoolChildren {
+    pub config: ConfigMap,
+    pub auth: Secret,
+    pub agent: DaemonSet,
+    pub master: Deployment,
+    pub master_service: Service,
+    /// Absent when the conductor is disabled.
+    pub conductor: Option<(Deployment, Service)>,
+    /// The conductor's identity and its right to discover engine pods; absent when disabled.
+    pub conductor_rbac: Option<ConductorRbac>,
+}
+
+/// Every child of `pool`. `key_hex` is the auth key used only if the Secret does not exist yet.
+pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> {
+    let data = config_data(pool)?;
+    let hash = config_hash(&data);
+    Ok(CachePoolChildren {
+        config: config::config_map(pool, data),
+        auth: auth_secret(pool, key_hex),
+        agent: agent_daemonset(pool, &hash),
+        master: master_deployment(pool, &hash),
+        master_service: master_service(pool),
+        conductor: pool
+            .effective
+            .conductor
+            .is_some()
+            .then(|| conductor(pool, &hash)),
+        conductor_rbac: pool
+            .effective
+            .conductor
+            .is_some()
+            .then(|| conductor_rbac(pool)),
+    })
+}
+
+/// Metadata of the pool's child of `component`: deterministic name, labels, owner reference.
+fn meta(pool: &ValidCachePool, component: Component) -> ObjectMeta {
+    labels::child_meta(
+        labels::child_name(&pool.name, component),
+        &pool.namespace,
+        pod_labels(pool, component),
+        &pool.owner,
+    )
+}
+
+/// Selector of the pool's pods of `component`.
+fn selector(pool: &ValidCachePool, component: Component) -> LabelSelector {
+    pod::label_selector(labels::selector_labels(&pool.name, &pool.name, component))
+}
+
+/// Labels of the pool's pods (and children) of `component`.
+fn pod_labels(pool: &ValidCachePool, component: Component) -> BTreeMap<String, String> {
+    labels::child_labels(OWNER_KIND, &pool.name, &pool.name, component)
+}

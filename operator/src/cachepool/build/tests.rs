@@ -1,0 +1,491 @@
+//! Unit tests of [`super::build`] from the YAML fixtures: assertions on the DaemonSet,
+//! Deployments, Services, ConfigMap, Secret and RBAC objects it returns.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{PodSpec, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kvpool_crd::ValidatedKVCachePool;
+
+use super::*;
+use crate::labels::{self, Component};
+use crate::test_fixtures::{roce, tcp, valid};
+
+fn pod(ds: &DaemonSet) -> &PodSpec {
+    ds.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod spec")
+}
+
+fn q(s: &str) -> Quantity {
+    Quantity(s.to_owned())
+}
+
+#[test]
+fn roce_agent_daemonset_carries_every_node_level_setting() {
+    let pool = valid(&roce());
+    let children = build(&pool, "00ff").expect("build");
+    let ds = &children.agent;
+    assert_eq!(ds.metadata.name.as_deref(), Some("roce-agent"));
+    assert_eq!(ds.metadata.namespace.as_deref(), Some("llm"));
+    let owner = &ds.metadata.owner_references.as_ref().expect("owner")[0];
+    assert_eq!(owner.kind, "KVCachePool");
+    assert_eq!(owner.name, "roce");
+    assert_eq!(owner.uid, "6f1d2c3b-0000-4000-8000-000000000001");
+    assert_eq!(owner.controller, Some(true));
+    let labels = ds.metadata.labels.as_ref().expect("labels");
+    assert_eq!(labels["app.kubernetes.io/managed-by"], "kvpool-operator");
+    assert_eq!(labels["kvpool.dev/owner-kind"], "KVCachePool");
+    assert_eq!(labels["kvpool.dev/component"], "agent");
+
+    let spec = ds.spec.as_ref().expect("spec");
+    let selector = spec.selector.match_labels.as_ref().expect("selector");
+    let template_labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.as_ref())
+        .expect("template labels");
+    for (k, v) in selector {
+        assert_eq!(template_labels.get(k), Some(v), "selector label {k}");
+    }
+    let annotations = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.annotations.as_ref())
+        .expect("annotations");
+    assert_eq!(
+        annotations[labels::MULTUS_NETWORKS],
+        "llm/roce-a,llm/roce-b"
+    );
+    assert_eq!(annotations[labels::CONFIG_HASH].len(), 16);
+
+    let pod = pod(ds);
+    assert_eq!(
+        pod.node_selector.as_ref().expect("node selector")["nvidia.com/gpu.product"],
+        "H100-SXM"
+    );
+    assert_eq!(
+        pod.tolerations.as_deref(),
+        Some(
+            &[Toleration {
+                key: Some("nvidia.com/gpu".into()),
+                operator: Some("Exists".into()),
+                effect: Some("NoSchedule".into()),
+                ..Toleration::default()
+            }][..]
+        )
+    );
+    assert_eq!(
+        pod.priority_class_name.as_deref(),
+        Some("system-node-critical")
+    );
+
+    let c = &pod.containers[0];
+    assert_eq!(c.image.as_deref(), Some("ghcr.io/kvpool/kvpool-agent:test"));
+    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
+    assert_eq!(
+        c.args.as_deref().expect("args"),
+        [
+            "agent",
+            "run",
+            "--pool-config",
+            "/etc/kvpool/config.yaml",
+            "--admin-listen",
+            "0.0.0.0:9090",
+            "--socket-dir",
+            "/run/kvpool",
+            "--node-name",
+            "$(KVPOOL_NODE_NAME)",
+            "--advertise-host",
+            "$(KVPOOL_POD_IP)"
+        ]
+    );
+    let caps = c
+        .security_context
+        .as_ref()
+        .and_then(|s| s.capabilities.as_ref())
+        .and_then(|c| c.add.as_ref())
+        .expect("capabilities");
+    assert_eq!(caps, &["IPC_LOCK".to_owned()]);
+    let res = c.resources.as_ref().expect("resources");
+    let requests = res.requests.as_ref().expect("requests");
+    let limits = res.limits.as_ref().expect("limits");
+    assert_eq!(requests["hugepages-1Gi"], q("512Gi"));
+    assert_eq!(limits["hugepages-1Gi"], q("512Gi"));
+    assert_eq!(requests["nvidia.com/rdma_vf"], q("2"));
+    assert_eq!(limits["nvidia.com/rdma_vf"], q("2"));
+    assert_eq!(requests["cpu"], q("4"));
+    assert_eq!(requests["memory"], q("8Gi"), "user's memory request kept");
+    let ports: Vec<(Option<&str>, i32)> = c
+        .ports
+        .as_ref()
+        .expect("ports")
+        .iter()
+        .map(|p| (p.name.as_deref(), p.container_port))
+        .collect();
+    assert_eq!(ports, [(Some("admin"), 9090), (Some("transfer"), 15500)]);
+
+    let volumes = pod.volumes.as_ref().expect("volumes");
+    let find = |name: &str| volumes.iter().find(|v| v.name == name).expect(name);
+    assert_eq!(
+        find("config").config_map.as_ref().map(|c| c.name.as_str()),
+        Some("roce-config")
+    );
+    assert_eq!(
+        find("auth")
+            .secret
+            .as_ref()
+            .and_then(|s| s.secret_name.as_deref()),
+        Some("roce-auth")
+    );
+    let socket = find("socket").host_path.as_ref().expect("socket hostPath");
+    assert_eq!(socket.path, "/run/kvpool");
+    assert_eq!(socket.type_.as_deref(), Some("DirectoryOrCreate"));
+    let ssd = find("ssd").host_path.as_ref().expect("ssd hostPath");
+    assert_eq!(ssd.path, "/mnt/nvme/kvpool");
+    assert_eq!(
+        find("hugepages")
+            .empty_dir
+            .as_ref()
+            .and_then(|e| e.medium.as_deref()),
+        Some("HugePages-1Gi")
+    );
+    let mounts: Vec<(&str, &str)> = c
+        .volume_mounts
+        .as_ref()
+        .expect("mounts")
+        .iter()
+        .map(|m| (m.name.as_str(), m.mount_path.as_str()))
+        .collect();
+    assert!(mounts.contains(&("ssd", "/mnt/nvme/kvpool")));
+    assert!(mounts.contains(&("socket", "/run/kvpool")));
+    assert!(mounts.contains(&("auth", "/etc/kvpool/auth")));
+    assert!(mounts.contains(&("hugepages", "/dev/hugepages")));
+}
+
+#[test]
+fn tcp_pool_has_no_rdma_hugepages_ssd_or_conductor() {
+    let pool = valid(&tcp());
+    let children = build(&pool, "00ff").expect("build");
+    let ds = &children.agent;
+    let pod = pod(ds);
+    assert!(pod.node_selector.is_none());
+    assert!(pod.tolerations.is_none());
+    let annotations = ds
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.annotations.as_ref())
+        .expect("annotations");
+    assert!(!annotations.contains_key(labels::MULTUS_NETWORKS));
+    let c = &pod.containers[0];
+    assert!(
+        c.resources.is_none(),
+        "no extended resources: {:?}",
+        c.resources
+    );
+    let volumes: Vec<&str> = pod
+        .volumes
+        .as_ref()
+        .expect("volumes")
+        .iter()
+        .map(|v| v.name.as_str())
+        .collect();
+    assert_eq!(volumes, ["config", "auth", "socket"]);
+    assert!(children.conductor.is_none());
+}
+
+#[test]
+fn explicit_dram_in_ordinary_pages_is_requested_as_memory() {
+    let mut pool = tcp();
+    pool.spec.dram.node_memory_percent = None;
+    pool.spec.dram.capacity_per_node = Some(q("64Gi"));
+    let children = build(&valid(&pool), "00ff").expect("build");
+    let c = &pod(&children.agent).containers[0];
+    let res = c.resources.as_ref().expect("resources");
+    assert_eq!(
+        res.requests.as_ref().expect("requests")["memory"],
+        q("64Gi")
+    );
+    assert!(res.limits.is_none(), "no limit imposed: {res:?}");
+
+    // A user's own memory request wins.
+    pool.spec.agent.resources = Some(ResourceRequirements {
+        requests: Some(BTreeMap::from([("memory".to_owned(), q("80Gi"))])),
+        ..ResourceRequirements::default()
+    });
+    let children = build(&valid(&pool), "00ff").expect("build");
+    let c = &pod(&children.agent).containers[0];
+    let requests = c
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.as_ref())
+        .expect("requests");
+    assert_eq!(requests["memory"], q("80Gi"));
+}
+
+#[test]
+fn master_and_conductor_follow_the_contract() {
+    let pool = valid(&roce());
+    let children = build(&pool, "00ff").expect("build");
+    let master = &children.master;
+    assert_eq!(master.metadata.name.as_deref(), Some("roce-master"));
+    let spec = master.spec.as_ref().expect("spec");
+    assert_eq!(spec.replicas, Some(3));
+    let c = &spec.template.spec.as_ref().expect("pod").containers[0];
+    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
+    assert_eq!(
+        c.args.as_deref().expect("args"),
+        [
+            "master",
+            "--listen",
+            "0.0.0.0:50051",
+            "--admin-addr",
+            "0.0.0.0:9090",
+            "--auth-key-file",
+            "/etc/kvpool/auth/key",
+            "--etcd-endpoints",
+            "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379",
+            "--advertise-addr",
+            "$(KVPOOL_POD_IP):50051"
+        ]
+    );
+    let env = c.env.as_deref().expect("env");
+    assert!(
+        env.iter().any(|e| e.name == "KVPOOL_POD_IP"
+            && e.value_from
+                .as_ref()
+                .and_then(|v| v.field_ref.as_ref())
+                .is_some_and(|f| f.field_path == "status.podIP")),
+        "the pod IP the advertise address expands: {env:?}"
+    );
+    let pod = spec.template.spec.as_ref().expect("pod");
+    let psc = pod.security_context.as_ref().expect("pod security context");
+    assert_eq!(psc.run_as_non_root, Some(true));
+    assert_eq!(
+        psc.fs_group,
+        Some(KEY_READER_GROUP),
+        "auth key readable by the group"
+    );
+    let csc = c
+        .security_context
+        .as_ref()
+        .expect("container security context");
+    assert_eq!(csc.allow_privilege_escalation, Some(false));
+    assert_eq!(csc.read_only_root_filesystem, Some(true));
+    let auth = pod
+        .volumes
+        .as_ref()
+        .and_then(|v| v.iter().find(|v| v.name == "auth"))
+        .and_then(|v| v.secret.as_ref())
+        .expect("auth volume");
+    assert_eq!(auth.default_mode, Some(0o440));
+    assert!(
+        c.volume_mounts
+            .as_ref()
+            .is_some_and(|m| m.iter().any(|m| m.name == "tmp" && m.mount_path == "/tmp")),
+        "writable /tmp next to the read-only root filesystem"
+    );
+    let svc = children.master_service.spec.as_ref().expect("svc");
+    let ports: Vec<(Option<&str>, i32)> = svc
+        .ports
+        .as_ref()
+        .expect("ports")
+        .iter()
+        .map(|p| (p.name.as_deref(), p.port))
+        .collect();
+    assert_eq!(ports, [(Some("grpc"), 50051), (Some("admin"), 9090)]);
+    assert_eq!(
+        svc.selector.as_ref(),
+        Some(&labels::selector_labels("roce", "roce", Component::Master))
+    );
+
+    let (conductor, conductor_svc) = children.conductor.as_ref().expect("conductor");
+    assert_eq!(conductor.metadata.name.as_deref(), Some("roce-conductor"));
+    let spec = conductor.spec.as_ref().expect("spec");
+    assert_eq!(spec.replicas, Some(2));
+    let c = &spec.template.spec.as_ref().expect("pod").containers[0];
+    assert_eq!(
+        c.args.as_deref().expect("args"),
+        [
+            "conductor",
+            "--listen",
+            "0.0.0.0:8000",
+            "--admin-listen",
+            "0.0.0.0:9090",
+            "--ttft-slo-s",
+            "1.5",
+            "--tpot-slo-s",
+            "0.04",
+            "--discover-namespace",
+            "llm",
+            "--prefill-selector",
+            "app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=prefill",
+            "--decode-selector",
+            "app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=decode",
+            "--engine-port",
+            "8000",
+            "--master",
+            "roce-master.llm.svc:50051",
+            "--auth-key-file",
+            "/etc/kvpool/auth/key"
+        ]
+    );
+    assert_eq!(
+        conductor_svc.metadata.name.as_deref(),
+        Some("roce-conductor")
+    );
+}
+
+#[test]
+fn config_map_holds_the_validated_pool_and_engine_config() {
+    let pool = valid(&roce());
+    let children = build(&pool, "00ff").expect("build");
+    let data = children.config.data.as_ref().expect("data");
+    let yaml = &data["config.yaml"];
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Head {
+        pool: String,
+        master_addr: String,
+        auth_key_file: String,
+    }
+    let head: Head = serde_saphyr::from_str(yaml).expect("config.yaml parses");
+    assert_eq!(head.pool, "roce");
+    assert_eq!(head.master_addr, "roce-master.llm.svc:50051");
+    assert_eq!(head.auth_key_file, "/etc/kvpool/auth/key");
+    // The data plane reads the rest as kvpool_crd::ValidatedKVCachePool.
+    let effective: ValidatedKVCachePool =
+        serde_saphyr::from_str(yaml).expect("config.yaml parses as ValidatedKVCachePool");
+    assert_eq!(effective, pool.effective);
+    assert_eq!(effective.block_size_tokens, 256);
+
+    let engine: serde_json::Value =
+        serde_json::from_str(&data["engine.json"]).expect("engine.json parses");
+    assert_eq!(engine["master_server_address"], "roce-master.llm.svc:50051");
+    assert_eq!(engine["protocol"], "rdma");
+    assert_eq!(engine["device_name"], "mlx5_0,mlx5_1");
+    assert_eq!(engine["agent_socket"], "/run/kvpool/agent.sock");
+
+    // The hash follows the data: change a setting, the hash changes.
+    let mut other = roce();
+    other.spec.block_size_tokens = 512;
+    let other = build(&valid(&other), "00ff").expect("build");
+    let hash = |c: &CachePoolChildren| {
+        c.agent
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.annotations.as_ref())
+            .map(|a| a[labels::CONFIG_HASH].clone())
+    };
+    assert_ne!(hash(&children), hash(&other));
+}
+
+#[test]
+fn auth_secret_carries_the_given_key_and_build_is_deterministic() {
+    let pool = valid(&tcp());
+    let a = build(&pool, "abcd").expect("build");
+    let b = build(&pool, "abcd").expect("build");
+    assert_eq!(a, b);
+    let data = a.auth.data.as_ref().expect("data");
+    assert_eq!(data["key"].0, b"abcd");
+    assert_eq!(a.auth.metadata.name.as_deref(), Some("tcp-auth"));
+}
+
+#[test]
+fn conductor_discovers_engines_with_its_own_least_privilege_identity() {
+    let pool = valid(&roce());
+    let children = build(&pool, "00ff").expect("build");
+    let (deployment, _) = children.conductor.as_ref().expect("conductor");
+    let spec = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod spec");
+    assert_eq!(spec.service_account_name.as_deref(), Some("roce-conductor"));
+    assert_eq!(spec.automount_service_account_token, Some(true));
+    let args = spec.containers[0].args.as_ref().expect("args");
+    let after = |flag: &str| {
+        args.windows(2)
+            .find(|w| w[0] == flag)
+            .map(|w| w[1].as_str())
+    };
+    assert_eq!(after("--discover-namespace"), Some("llm"));
+    assert_eq!(
+        after("--decode-selector"),
+        Some("app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=decode")
+    );
+    assert_eq!(after("--engine-port"), Some("8000"));
+
+    let rbac = children.conductor_rbac.as_ref().expect("rbac");
+    for meta in [
+        &rbac.service_account.metadata,
+        &rbac.role.metadata,
+        &rbac.role_binding.metadata,
+    ] {
+        assert_eq!(meta.name.as_deref(), Some("roce-conductor"));
+        assert_eq!(meta.namespace.as_deref(), Some("llm"));
+        let owner = &meta.owner_references.as_ref().expect("owner")[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.controller),
+            ("KVCachePool", Some(true))
+        );
+    }
+    let rules = rbac.role.rules.as_ref().expect("rules");
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0].api_groups, Some(vec![String::new()]));
+    assert_eq!(rules[0].resources, Some(vec!["pods".to_owned()]));
+    assert_eq!(rules[0].verbs, vec!["list", "watch"]);
+    assert_eq!(rbac.role_binding.role_ref.name, "roce-conductor");
+    let subject = &rbac.role_binding.subjects.as_ref().expect("subjects")[0];
+    assert_eq!(
+        (
+            subject.kind.as_str(),
+            subject.name.as_str(),
+            subject.namespace.as_deref()
+        ),
+        ("ServiceAccount", "roce-conductor", Some("llm"))
+    );
+
+    // Disabled conductor: none of it.
+    let mut off = roce();
+    off.spec.conductor.enabled = false;
+    let children = build(&valid(&off), "00ff").expect("build");
+    assert!(children.conductor.is_none() && children.conductor_rbac.is_none());
+}
+
+#[test]
+fn agent_requests_every_sriov_rail_resource() {
+    let mut pool = roce();
+    pool.spec.transport.sriov = Some(kvpool_crd::SriovSpec {
+        resource_name: None,
+        count: 1,
+        resources: (0..8)
+            .map(|i| kvpool_crd::SriovResource {
+                resource_name: format!("nvidia.com/roce_vf_rail{i}"),
+                count: 1,
+            })
+            .collect(),
+    });
+    let children = build(&valid(&pool), "00ff").expect("build");
+    let res = pod(&children.agent).containers[0]
+        .resources
+        .as_ref()
+        .expect("resources");
+    for map in [&res.requests, &res.limits] {
+        let map = map.as_ref().expect("set");
+        for i in 0..8 {
+            assert_eq!(
+                map.get(&format!("nvidia.com/roce_vf_rail{i}")),
+                Some(&q("1")),
+                "rail {i}"
+            );
+        }
+        assert!(!map.contains_key("nvidia.com/roce_vf"));
+    }
+}

@@ -1,0 +1,66 @@
+//! Pure construction of an engine pool's children: one Deployment of engine instances
+//! (`deployment.rs`, running the container of `container.rs`) and one Service in front of them,
+//! composed by [`build`]. The engine learns how to reach the pool from environment variables
+//! and the mounted pool config (docs/engine-contract.md). I/O boundary: none.
+
+mod container;
+mod deployment;
+
+#[cfg(test)]
+mod tests;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use super::validate::ValidEnginePool;
+use crate::contract;
+use crate::labels;
+use crate::pod;
+
+pub use container::{command_args, engine_container, engine_env, engine_resources};
+pub use deployment::{engine_deployment, pod_annotations};
+
+/// Children of an engine pool.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineChildren {
+    pub deployment: Deployment,
+    pub service: Service,
+}
+
+/// The named port of the engine container and Service.
+const ENGINE_PORTS: [(&str, u16); 1] = [("http", contract::ENGINE_PORT)];
+
+/// Name of the engine Deployment and Service.
+pub fn child_name(p: &ValidEnginePool) -> String {
+    labels::child_name(&p.name, p.component)
+}
+
+/// Metadata of the engine Deployment and Service: name, labels, owner reference.
+fn meta(p: &ValidEnginePool) -> ObjectMeta {
+    labels::child_meta(
+        child_name(p),
+        &p.namespace,
+        labels::child_labels(p.kind, &p.name, &p.pool.name, p.component),
+        &p.owner,
+    )
+}
+
+/// The label selector of the engine pods, as a string (for the scale subresource).
+pub fn selector_string(p: &ValidEnginePool) -> String {
+    kvpool_crd::labels::selector_string(&labels::selector_labels(
+        &p.pool.name,
+        &p.name,
+        p.component,
+    ))
+}
+
+/// The engine Deployment and Service. `config_hash` is the hash of the pool's ConfigMap data,
+/// so engines restart when the pool's config changes.
+pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
+    let selector = labels::selector_labels(&p.pool.name, &p.name, p.component);
+    EngineChildren {
+        deployment: engine_deployment(p, engine_container(p), config_hash),
+        service: pod::service(meta(p), selector, &ENGINE_PORTS),
+    }
+}

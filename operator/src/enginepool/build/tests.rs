@@ -1,0 +1,246 @@
+//! Unit tests of [`super::build`] from the YAML fixtures: the engine Deployment and Service for
+//! vLLM, SGLang and custom engines, and the validation errors that name the field.
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Container;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use super::*;
+use crate::enginepool::validate::validate;
+use crate::test_fixtures::{decode_sglang, prefill_custom, prefill_vllm, roce, tcp, valid};
+
+fn container(d: &Deployment) -> &Container {
+    &d.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod")
+        .containers[0]
+}
+
+fn env_value<'a>(c: &'a Container, name: &str) -> Option<&'a str> {
+    c.env
+        .as_ref()?
+        .iter()
+        .find(|e| e.name == name)
+        .and_then(|e| e.value.as_deref())
+}
+
+#[test]
+fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
+    let p = validate(&prefill_vllm(), valid(&roce())).expect("valid");
+    let children = build(&p, "hash1");
+    let d = &children.deployment;
+    assert_eq!(d.metadata.name.as_deref(), Some("qwen-prefill"));
+    let owner = &d.metadata.owner_references.as_ref().expect("owner")[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str()),
+        ("PrefillPool", "qwen")
+    );
+    let spec = d.spec.as_ref().expect("spec");
+    assert_eq!(spec.replicas, Some(2));
+    let pod = spec.template.spec.as_ref().expect("pod");
+    assert_eq!(
+        pod.node_selector
+            .as_ref()
+            .expect("kept on the pool's nodes")["nvidia.com/gpu.product"],
+        "H100-SXM"
+    );
+    assert_eq!(pod.tolerations.as_ref().map(Vec::len), Some(1));
+    assert_eq!(
+        pod.security_context.as_ref().and_then(|s| s.fs_group),
+        Some(crate::cachepool::build::KEY_READER_GROUP),
+        "engines of any user can read the auth key"
+    );
+
+    let c = container(d);
+    assert_eq!(c.image.as_deref(), Some("vllm/vllm-openai:v0.11.0"));
+    assert_eq!(c.command.as_deref(), Some(&["vllm".to_owned()][..]));
+    let args = c.args.as_deref().expect("args");
+    assert_eq!(&args[..2], ["serve", "Qwen/Qwen3-32B"]);
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--tensor-parallel-size", "4"])
+    );
+    let transfer = args
+        .windows(2)
+        .find(|w| w[0] == "--kv-transfer-config")
+        .map(|w| w[1].clone())
+        .expect("kv transfer config");
+    let transfer: serde_json::Value = serde_json::from_str(&transfer).expect("valid JSON");
+    assert_eq!(transfer["kv_role"], "kv_producer");
+    assert_eq!(&args[args.len() - 2..], ["--max-model-len", "32768"]);
+
+    assert_eq!(
+        env_value(c, "KVPOOL_MASTER_ADDR"),
+        Some("roce-master.llm.svc:50051")
+    );
+    assert_eq!(
+        env_value(c, "KVPOOL_AGENT_SOCKET"),
+        Some("/run/kvpool/agent.sock")
+    );
+    assert_eq!(env_value(c, "KVPOOL_ROLE"), Some("prefill"));
+    assert_eq!(
+        env_value(c, "KVPOOL_SLO_MILLIS"),
+        Some("1000"),
+        "the TTFT objective"
+    );
+    assert_eq!(env_value(c, "KVPOOL_TENSOR_PARALLEL_SIZE"), Some("4"));
+    assert_eq!(
+        env_value(c, "KVPOOL_AUTH_KEY_FILE"),
+        Some("/etc/kvpool/auth/key")
+    );
+    assert_eq!(
+        env_value(c, "MOONCAKE_CONFIG_PATH"),
+        Some("/etc/kvpool/engine.json")
+    );
+    assert_eq!(env_value(c, "VLLM_LOGGING_LEVEL"), Some("DEBUG"));
+    // The user's value replaces the operator's, without a duplicate entry.
+    assert_eq!(env_value(c, "KVPOOL_BLOCK_SIZE_TOKENS"), Some("128"));
+    let names: Vec<&str> = c
+        .env
+        .as_ref()
+        .expect("env")
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    let unique: std::collections::BTreeSet<&str> = names.iter().copied().collect();
+    assert_eq!(unique.len(), names.len(), "duplicate env names: {names:?}");
+
+    let res = c.resources.as_ref().expect("resources");
+    let limits = res.limits.as_ref().expect("limits");
+    let requests = res.requests.as_ref().expect("requests");
+    assert_eq!(limits["nvidia.com/gpu"], Quantity("4".into()));
+    assert_eq!(requests["nvidia.com/gpu"], Quantity("4".into()));
+    assert_eq!(limits["nvidia.com/rdma_vf"], Quantity("1".into()));
+    assert_eq!(requests["cpu"], Quantity("16".into()));
+
+    let volumes = pod.volumes.as_ref().expect("volumes");
+    let socket = volumes
+        .iter()
+        .find(|v| v.name == "socket")
+        .and_then(|v| v.host_path.as_ref())
+        .expect("socket hostPath");
+    assert_eq!(socket.path, "/run/kvpool");
+    assert!(volumes.iter().any(|v| v.name == "auth"
+        && v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some("roce-auth")));
+    assert!(volumes.iter().any(|v| v.name == "config"
+        && v.config_map.as_ref().map(|c| c.name.as_str()) == Some("roce-config")));
+    let annotations = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.annotations.as_ref())
+        .expect("annotations");
+    assert_eq!(annotations[labels::CONFIG_HASH], "hash1");
+    assert_eq!(annotations[labels::ENGINE_PROTOCOL_ANNOTATION], "vllm");
+    assert!(!annotations.contains_key(labels::BOOTSTRAP_PORT_ANNOTATION));
+    assert!(c.readiness_probe.is_some());
+
+    let svc = &children.service;
+    assert_eq!(svc.metadata.name.as_deref(), Some("qwen-prefill"));
+    let svc_spec = svc.spec.as_ref().expect("svc spec");
+    assert_eq!(
+        svc_spec.selector.as_ref(),
+        spec.selector.match_labels.as_ref()
+    );
+    assert_eq!(svc_spec.ports.as_ref().expect("ports")[0].port, 8000);
+    assert_eq!(
+        selector_string(&p),
+        "app.kubernetes.io/instance=qwen,app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill,kvpool.dev/pool=roce"
+    );
+}
+
+#[test]
+fn sglang_decode_uses_decode_mode_and_mooncake_backend() {
+    let p = validate(&decode_sglang(), valid(&roce())).expect("valid");
+    let children = build(&p, "h");
+    assert_eq!(
+        children.deployment.metadata.name.as_deref(),
+        Some("qwen-decode")
+    );
+    let c = container(&children.deployment);
+    assert_eq!(c.command.as_deref(), Some(&["python3".to_owned()][..]));
+    let args = c.args.as_deref().expect("args");
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--disaggregation-mode", "decode"])
+    );
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--disaggregation-transfer-backend", "mooncake"])
+    );
+    assert!(args.windows(2).any(|w| w == ["--tp-size", "2"]));
+    assert_eq!(env_value(c, "KVPOOL_ROLE"), Some("decode"));
+    assert_eq!(
+        env_value(c, "KVPOOL_SLO_MILLIS"),
+        Some("30"),
+        "the TPOT objective"
+    );
+    assert_eq!(env_value(c, "MOONCAKE_CONFIG_PATH"), None, "vLLM only");
+    let notes = pod_annotations(&p, "h");
+    assert_eq!(notes[labels::ENGINE_PROTOCOL_ANNOTATION], "sglang");
+    assert_eq!(notes[labels::BOOTSTRAP_PORT_ANNOTATION], "8998");
+    let mut custom_port = decode_sglang();
+    custom_port.spec.engine.args = vec!["--disaggregation-bootstrap-port=9100".to_owned()];
+    let p = validate(&custom_port, valid(&roce())).expect("valid");
+    let notes = pod_annotations(&p, "h");
+    assert_eq!(notes[labels::BOOTSTRAP_PORT_ANNOTATION], "9100");
+}
+
+#[test]
+fn custom_engine_runs_exactly_what_the_user_wrote() {
+    let p = validate(&prefill_custom(), valid(&tcp())).expect("valid");
+    let c = container(&build(&p, "h").deployment).clone();
+    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
+    assert_eq!(
+        c.args.as_deref(),
+        Some(
+            &[
+                "engine".to_owned(),
+                "--role".to_owned(),
+                "prefill".to_owned()
+            ][..]
+        )
+    );
+    assert!(c.resources.is_none(), "0 GPUs and no RDMA: no resources");
+    assert!(c.readiness_probe.is_none());
+    assert_eq!(
+        pod_annotations(&p, "h").keys().collect::<Vec<_>>(),
+        [labels::CONFIG_HASH],
+        "a custom engine declares no protocol"
+    );
+    assert_eq!(
+        env_value(&c, "KVPOOL_MASTER_ADDR"),
+        Some("tcp-master.default.svc:50051")
+    );
+
+    let mut no_command = prefill_custom();
+    no_command.spec.engine.command.clear();
+    no_command.spec.engine.args.clear();
+    let p = validate(&no_command, valid(&tcp())).expect("valid");
+    let c = container(&build(&p, "h").deployment).clone();
+    assert!(
+        c.command.is_none() && c.args.is_none(),
+        "image entrypoint kept"
+    );
+}
+
+#[test]
+fn invalid_engine_specs_name_the_field() {
+    let mut odd = prefill_vllm();
+    odd.spec.resources.gpus = 3;
+    let err = validate(&odd, valid(&roce())).expect_err("3 GPUs with TP 4");
+    assert!(err.to_string().contains("resources.gpus"), "{err}");
+    assert!(err.is_invalid_spec());
+
+    let mut dup = prefill_vllm();
+    let first = dup.spec.engine.env[0].clone();
+    dup.spec.engine.env.push(first);
+    let err = validate(&dup, valid(&roce())).expect_err("duplicate env");
+    assert!(err.to_string().contains("spec.engine.env"), "{err}");
+
+    let mut long = prefill_vllm();
+    long.metadata.name = Some("x".repeat(60));
+    let err = validate(&long, valid(&roce())).expect_err("long name");
+    assert!(err.to_string().contains("metadata.name"), "{err}");
+}
