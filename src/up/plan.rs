@@ -1,6 +1,7 @@
 //! What `kvpool up` starts: the command line, admin address and role of every child process
-//! (master, agents, prefill and decode engines, conductor) and the agents' config files (the harness's `AgentConfig`), from
-//! validated settings and already chosen ports and directories. Pure: nothing is started here.
+//! (master, agents, prefill and decode engines, conductor) and the agents' config files (the
+//! harness's `AgentConfig`), from validated settings and already chosen ports and directories.
+//! Pure: nothing is started here.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
