@@ -256,9 +256,10 @@ impl ChildProcess {
         }
     }
 
-    /// Sends `signal` to the child; nothing once it has been reaped (its pid may be reused).
-    pub fn signal(&mut self, signal: Signal) -> Result<(), HarnessError> {
-        if self.try_status()?.is_some() {
+    /// Sends `signal` to the child; nothing once it has been reaped (its pid may be reused
+    /// then; until then an exited child's pid stays its own).
+    pub fn signal(&self, signal: Signal) -> Result<(), HarnessError> {
+        if self.status.is_some() {
             return Ok(());
         }
         let err = |source| HarnessError::Signal {
