@@ -1,7 +1,7 @@
 //! The operator's pool documents (the KVCachePool ConfigMap's config.yaml, golden copies written
 //! by operator/tests/contract.rs from the operator's real build() output) pass
-//! `kvpool-agent check-config --pool-config`, run as a child process like the DaemonSet runs it.
-//! I/O boundary: the fixture files and the agent binary.
+//! `kvpool agent check-config --pool-config`, run as a child process like the DaemonSet runs it.
+//! I/O boundary: the fixture files and the `kvpool` binary.
 
 use std::path::Path;
 use std::process::Command;

@@ -1,5 +1,5 @@
 //! The pool-mode SSD segment persists across agent restarts and is checked on every read, with
-//! real processes on 127.0.0.1 (one `kvpool master`, one `kvpool-agent` with a 1 MiB DRAM tier
+//! real processes on 127.0.0.1 (one `kvpool master`, one `kvpool agent run` with a 1 MiB DRAM tier
 //! and an 8 MiB SSD segment). Blocks put through the engine API overflow DRAM and are demoted
 //! into `ssd0`. A remote client (its own transfer engine) puts one value straight into `ssd0`
 //! (tier SSD) and removes one demoted key; the master's segment-event feed tells the agent
@@ -13,32 +13,18 @@
 //! corrupts a block while the agent runs: the read is refused, the block is dropped and
 //! reported, and the master forgets the replica.
 //!
-//! Process helpers: `pool_support` (shared with `pool_wiring.rs`).
+//! Process helpers: `pool_support` (shared with `agent_pool_wiring.rs`) over `kvpool_harness`.
 
-mod agent_support;
+mod pool_support;
 
-use std::sync::Arc;
-
-use agent_support::*;
 use kvpool_agent::proto::Status;
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::{PutOptions, Tier};
-use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+use pool_support::*;
 
 /// A pool client on its own transfer engine, as another node's engine would be.
 fn remote_client(grpc: std::net::SocketAddr) -> PoolClient {
-    let engine = TransferEngine::new(
-        EngineConfig {
-            node: "remote-client".into(),
-            lanes: 1,
-            ..EngineConfig::default()
-        },
-        AuthKey::new(KEY.as_bytes().to_vec()).expect("key"),
-        Arc::new(StaticDirectory::new()),
-        TransferMetrics::unregistered().expect("metrics"),
-    )
-    .expect("engine");
-    PoolClient::new(master_client(grpc), engine, "remote-client".into(), None)
+    pool_client(grpc, KEY, "remote-client", |c| c.lanes = 1)
 }
 
 fn remote_value() -> Vec<u8> {
@@ -67,12 +53,12 @@ fn block(i: usize) -> Vec<u8> {
 async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = write_key(dir.path());
-    let (mut master, grpc) = start_master(logs, &key_file);
+    let key_file = write_key(dir.path(), KEY);
+    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let (ssd_dir, extra) = ssd_tier(dir.path());
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
-    let client = master_client(grpc);
-    wait_ready(&addr_a, &mut a, logs).await;
+    let client = master_client(grpc, KEY);
+    wait_ready(&addr_a, &mut a);
 
     // 16 blocks of ~100 KiB into 1 MiB of DRAM: most are demoted to the SSD segment.
     let mut engine_a = engine(&addr_a, "engine-a").await;
@@ -87,13 +73,9 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
         );
     }
     drop(engine_a);
-    wait_stats(
-        &client,
-        "demotions done",
-        &mut [&mut master, &mut a],
-        logs,
-        |s| s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0,
-    )
+    wait_stats(&client, "demotions done", &mut [&mut master, &mut a], |s| {
+        s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0
+    })
     .await;
     // (index in `keys`, offset in ssd0) of every block with an SSD replica.
     let mut on_ssd: Vec<(usize, u64)> = Vec::new();
@@ -118,7 +100,6 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     wait_metric(
         &addr_a,
         &mut a,
-        logs,
         "kvpool_agent_pool_ssd_index_blocks",
         &[],
         |v| v >= n,
@@ -145,7 +126,6 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     wait_metric(
         &addr_a,
         &mut a,
-        logs,
         "kvpool_agent_pool_ssd_index_blocks",
         &[],
         |v| v == n + 1.0,
@@ -157,14 +137,13 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     wait_metric(
         &addr_a,
         &mut a,
-        logs,
         "kvpool_agent_pool_ssd_index_blocks",
         &[],
         |v| v == n,
     )
     .await;
 
-    a.signal(sig);
+    a.signal(sig).expect("signal");
     wait_exit(&mut a);
     drop(a);
 
@@ -173,11 +152,10 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     corrupt(&ssd_dir, bad_offset + 100);
 
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
-    wait_ready(&addr_a, &mut a, logs).await;
+    wait_ready(&addr_a, &mut a);
     let adopted = wait_metric(
         &addr_a,
         &mut a,
-        logs,
         "kvpool_agent_pool_ssd_blocks_adopted_total",
         &[],
         |v| v >= n - 1.0,
@@ -246,7 +224,7 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
         "the remote value differs after the restart"
     );
     // A clean shutdown still works after the adoption.
-    a.signal(nix::sys::signal::Signal::SIGTERM);
+    a.signal(nix::sys::signal::Signal::SIGTERM).expect("signal");
     wait_exit(&mut a);
 }
 
@@ -266,12 +244,12 @@ async fn demoted_blocks_survive_a_sigkill_after_the_index_sync() {
 async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = write_key(dir.path());
-    let (mut master, grpc) = start_master(logs, &key_file);
+    let key_file = write_key(dir.path(), KEY);
+    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let (ssd_dir, extra) = ssd_tier(dir.path());
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
-    let client = master_client(grpc);
-    wait_ready(&addr_a, &mut a, logs).await;
+    let client = master_client(grpc, KEY);
+    wait_ready(&addr_a, &mut a);
 
     // Two values written straight into ssd0 by a remote client.
     let remote = remote_client(grpc);
@@ -292,7 +270,6 @@ async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
     wait_metric(
         &addr_a,
         &mut a,
-        logs,
         "kvpool_agent_pool_ssd_index_blocks",
         &[],
         |v| v == 2.0,
@@ -318,7 +295,6 @@ async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
     let dropped = wait_metric(
         &addr_a,
         &mut a,
-        logs,
         "kvpool_agent_pool_ssd_blocks_dropped_total",
         &["reason=\"corrupt\""],
         |v| v >= 1.0,
@@ -330,7 +306,6 @@ async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
         &client,
         "corrupt replica dropped",
         &mut [&mut master, &mut a],
-        logs,
         |s| s.objects == 1,
     )
     .await;
@@ -359,6 +334,6 @@ async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
             >= 2.0,
         "{text}"
     );
-    a.signal(nix::sys::signal::Signal::SIGTERM);
+    a.signal(nix::sys::signal::Signal::SIGTERM).expect("signal");
     wait_exit(&mut a);
 }

@@ -1,5 +1,5 @@
 //! A real pool across processes on 127.0.0.1: one `kvpool master` and two or three
-//! `kvpool-agent`s in pool mode (shared key file, random ports, temp dirs).
+//! `kvpool agent run` processes in pool mode (shared key file, random ports, temp dirs).
 //! - `values_survive_the_death_of_one_replica_holder`: the test, as a client with its own
 //!   transfer engine, puts values with two replicas (master allocates, the engine WRITEs to
 //!   both agents, master commits), reads them back (master locates, the engine READs) and
@@ -18,23 +18,17 @@
 //!   master's demotion tasks are executed by the agent into its SSD segment and every value
 //!   still reads back byte-exact through the engine API.
 //!
-//! The `kvpool` binary belongs to the root package, which an agent-crate test cannot name with
-//! `CARGO_BIN_EXE_*`. It is looked up next to the agent binary in the same target directory (a
-//! workspace test run builds every binary there); when it is missing (e.g. `cargo test -p
-//! kvpool-agent`) the test builds it with the cargo that runs the test.
+//! Every process is this build's `kvpool` binary with its role (`CARGO_BIN_EXE_kvpool`), started
+//! through `pool_support` and `kvpool_harness`, logging into the test's directory.
 
-mod agent_support;
+mod pool_support;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent_support::*;
 use kvpool_agent::proto::Status;
-use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::{PutOptions, Tier};
-use kvpool_proto::auth::AuthKey as MasterKey;
-use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+use pool_support::*;
 
 const OBJECTS: usize = 12;
 
@@ -50,37 +44,22 @@ fn value(i: usize) -> Vec<u8> {
 async fn values_survive_the_death_of_one_replica_holder() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = write_key(dir.path());
+    let key_file = write_key(dir.path(), KEY);
 
-    let (mut master, grpc) = start_master(logs, &key_file);
-    let mut a = start_agent(logs, "agent-a", grpc, &key_file);
-    let mut b = start_agent(logs, "agent-b", grpc, &key_file);
+    let (mut master, grpc) = start_master(logs, &key_file, "5s");
+    let mut a = start_agent(logs, "agent-a", grpc, &key_file, "8MiB").0;
+    let mut b = start_agent(logs, "agent-b", grpc, &key_file, "8MiB").0;
 
-    let client = MasterClient::new(
-        vec![grpc.to_string()],
-        MasterKey::from_bytes(KEY.as_bytes()).expect("master key"),
-        ClientConfig::default(),
-    )
-    .expect("master client");
+    let client = master_client(grpc, KEY);
     wait_stats(
         &client,
         "both agents mounted",
         &mut [&mut master, &mut a, &mut b],
-        logs,
         |s| s.nodes_alive == 2 && s.segments >= 2,
     )
     .await;
 
-    let engine = TransferEngine::new(
-        EngineConfig {
-            node: "test-client".into(),
-            ..EngineConfig::default()
-        },
-        AuthKey::new(KEY.as_bytes().to_vec()).expect("transfer key"),
-        Arc::new(StaticDirectory::new()),
-        TransferMetrics::unregistered().expect("metrics"),
-    )
-    .expect("engine");
+    let engine = client_engine("test-client", KEY, |_| {});
     let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None);
     let opts = PutOptions {
         replicas: 2,
@@ -106,13 +85,12 @@ async fn values_survive_the_death_of_one_replica_holder() {
     }
 
     // One replica holder dies without a word.
-    a.signal(nix::sys::signal::Signal::SIGKILL);
-    let _ = a.child.wait();
+    a.signal(nix::sys::signal::Signal::SIGKILL).expect("signal");
+    let _ = a.wait();
     wait_stats(
         &client,
         "the master to declare agent-a dead",
         &mut [&mut master, &mut b],
-        logs,
         |s| s.nodes_alive == 1,
     )
     .await;
@@ -134,10 +112,10 @@ async fn values_survive_the_death_of_one_replica_holder() {
     }
 
     // A clean stop unmounts: the master is left with no segment.
-    b.signal(nix::sys::signal::Signal::SIGTERM);
+    b.signal(nix::sys::signal::Signal::SIGTERM).expect("signal");
     let started = Instant::now();
     let status = loop {
-        if let Some(s) = b.child.try_wait().expect("wait") {
+        if let Some(s) = b.try_status().expect("wait") {
             break s;
         }
         assert!(started.elapsed() < DEADLINE, "agent-b ignored SIGTERM");
@@ -148,7 +126,6 @@ async fn values_survive_the_death_of_one_replica_holder() {
         &client,
         "agent-b's segments unmounted",
         &mut [&mut master],
-        logs,
         |s| s.segments == 0,
     )
     .await;
@@ -158,18 +135,17 @@ async fn values_survive_the_death_of_one_replica_holder() {
 async fn engine_puts_land_in_the_agents_dram_tier() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = write_key(dir.path());
-    let (mut master, grpc) = start_master(logs, &key_file);
+    let key_file = write_key(dir.path(), KEY);
+    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", "");
     let (mut b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", "");
-    let client = master_client(grpc);
-    wait_ready(&addr_a, &mut a, logs).await;
-    wait_ready(&addr_b, &mut b, logs).await;
+    let client = master_client(grpc, KEY);
+    wait_ready(&addr_a, &mut a);
+    wait_ready(&addr_b, &mut b);
     wait_stats(
         &client,
         "both agents mounted",
         &mut [&mut master, &mut a, &mut b],
-        logs,
         |s| s.nodes_alive == 2 && s.segments == 2,
     )
     .await;
@@ -324,13 +300,15 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
     );
 
     // Readiness follows the membership: the master going away makes the agents unready.
-    master.signal(nix::sys::signal::Signal::SIGKILL);
+    master
+        .signal(nix::sys::signal::Signal::SIGKILL)
+        .expect("signal");
     let started = Instant::now();
     loop {
         if let Some((503, _)) = http_get(addr_a.admin, "/readyz").await {
             break;
         }
-        a.assert_running(logs);
+        a.assert_running().expect("running");
         assert!(
             started.elapsed() < DEADLINE,
             "agent-a stayed ready without a master"
@@ -343,25 +321,21 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
 async fn a_surviving_agent_repairs_lost_replicas() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = write_key(dir.path());
-    let (mut master, grpc) = start_master(logs, &key_file);
+    let key_file = write_key(dir.path(), KEY);
+    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let extra = "  replicas: 2\n";
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", extra);
     let (b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", extra);
     let (c, addr_c) = start_agent_with(logs, "agent-c", grpc, &key_file, "8MiB", extra);
     let mut others = [(b, addr_b), (c, addr_c)];
-    let client = master_client(grpc);
-    wait_ready(&addr_a, &mut a, logs).await;
+    let client = master_client(grpc, KEY);
+    wait_ready(&addr_a, &mut a);
     for (p, addr) in &mut others {
-        wait_ready(addr, p, logs).await;
+        wait_ready(addr, p);
     }
-    wait_stats(
-        &client,
-        "three agents mounted",
-        &mut [&mut master],
-        logs,
-        |s| s.nodes_alive == 3 && s.segments == 3,
-    )
+    wait_stats(&client, "three agents mounted", &mut [&mut master], |s| {
+        s.nodes_alive == 3 && s.segments == 3
+    })
     .await;
 
     // Two replicas each, the first on the writer (agent-a), the second on b or c.
@@ -394,10 +368,13 @@ async fn a_surviving_agent_repairs_lost_replicas() {
     } else {
         (1, 0)
     };
-    let victim_name = others[victim].0.name;
-    let survivor_name = others[survivor].0.name;
-    others[victim].0.signal(nix::sys::signal::Signal::SIGKILL);
-    let _ = others[victim].0.child.wait();
+    let victim_name = others[victim].0.name().to_owned();
+    let survivor_name = others[survivor].0.name().to_owned();
+    others[victim]
+        .0
+        .signal(nix::sys::signal::Signal::SIGKILL)
+        .expect("signal");
+    let _ = others[victim].0.wait();
     let lost: Vec<usize> = (0..keys.len())
         .filter(|i| on_b.contains(i) == (victim_name == "agent-b"))
         .collect();
@@ -406,8 +383,8 @@ async fn a_surviving_agent_repairs_lost_replicas() {
     // The master declares it dead and asks the survivor to copy from agent-a.
     let started = Instant::now();
     'repaired: loop {
-        others[survivor].0.assert_running(logs);
-        master.assert_running(logs);
+        others[survivor].0.assert_running().expect("running");
+        master.assert_running().expect("running");
         assert!(started.elapsed() < DEADLINE, "replicas never repaired");
         tokio::time::sleep(Duration::from_millis(200)).await;
         for &i in &lost {
@@ -444,8 +421,8 @@ async fn a_surviving_agent_repairs_lost_replicas() {
         "one repair per lost replica:\n{text}"
     );
     // And now agent-a can go too: the new copies alone serve every value.
-    a.signal(nix::sys::signal::Signal::SIGKILL);
-    let _ = a.child.wait();
+    a.signal(nix::sys::signal::Signal::SIGKILL).expect("signal");
+    let _ = a.wait();
     for &i in &lost {
         let got = engine_s.get(&keys[i]).await.expect("get").expect("present");
         assert!(
@@ -459,12 +436,12 @@ async fn a_surviving_agent_repairs_lost_replicas() {
 async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = write_key(dir.path());
-    let (mut master, grpc) = start_master(logs, &key_file);
+    let key_file = write_key(dir.path(), KEY);
+    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let (ssd_dir, extra) = ssd_tier(dir.path());
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
-    let client = master_client(grpc);
-    wait_ready(&addr_a, &mut a, logs).await;
+    let client = master_client(grpc, KEY);
+    wait_ready(&addr_a, &mut a);
     let s = client.stats().await.expect("stats");
     assert_eq!(s.segments, 2, "DRAM and SSD segments mounted");
     assert_eq!(s.capacity_bytes, vec![1 << 20, 8 << 20]);
@@ -487,13 +464,9 @@ async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
         );
     }
     // Demotions finish (no task left) with blocks on the SSD segment.
-    wait_stats(
-        &client,
-        "demotions done",
-        &mut [&mut master, &mut a],
-        logs,
-        |s| s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0,
-    )
+    wait_stats(&client, "demotions done", &mut [&mut master, &mut a], |s| {
+        s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0
+    })
     .await;
     let mut on_ssd = 0;
     for key in &keys {

@@ -1,17 +1,16 @@
-//! The real `kvpool-agent` binary as a child process: config errors exit non-zero naming the
-//! field; a running agent becomes ready, serves the engine API, the admin endpoints and
-//! metrics; SIGTERM drains, persists the SSD index and exits 0; a restarted agent recovers the
-//! blocks from SSD.
+//! The real node agent (`kvpool agent run`) as a child process: config errors exit non-zero
+//! naming the field; a running agent becomes ready, serves the engine API, the admin endpoints
+//! and metrics; SIGTERM drains, persists the SSD index and exits 0; a restarted agent recovers
+//! the blocks from SSD.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use kvpool_agent::api::client::EngineClient;
 use kvpool_agent::proto::Status;
+use kvpool_harness::{AgentSpec, ChildProcess, Launcher, Probe, http};
 
 const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 
@@ -29,109 +28,61 @@ fn fixture_root() -> PathBuf {
 }
 
 fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect admin");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|x| x.1)
-        .unwrap_or("")
-        .to_owned();
-    (code, body)
+    let r = http::get(addr, path).expect("admin answers");
+    (r.status, r.body)
 }
 
 struct Agent {
-    child: Child,
+    process: ChildProcess,
     admin: SocketAddr,
     socket: PathBuf,
 }
 
-fn write_config(dir: &Path) -> PathBuf {
-    let root = fixture_root();
-    let cfg = format!(
-        "node_name: test-node\n\
-         discovery:\n  sysfs_root: {}\n  procfs_root: {}\n\
-         dram:\n  capacity: 8MiB\n  lock: false\n\
-         ssd:\n  path: {}\n  capacity: 16MiB\n  persist_dram_on_shutdown: true\n  sync_interval: 100ms\n\
-         engine_api:\n  socket_dir: {}\n\
-         admin:\n  listen: 127.0.0.1:0\n",
-        root.join("sys").display(),
-        root.join("proc").display(),
-        dir.join("ssd").display(),
-        dir.join("run").display(),
-    );
-    let path = dir.join("agent.yaml");
-    std::fs::write(&path, cfg).expect("write config");
-    path
+/// A local agent in `dir` with 8 MiB of DRAM, a 16 MiB SSD tier that keeps DRAM on shutdown,
+/// the admin server on any port, logging JSON.
+fn agent_spec(dir: &Path) -> AgentSpec {
+    AgentSpec::new(KVPOOL, dir, "test-node", "8MiB")
+        .fixture(&fixture_root())
+        .section(&format!(
+            "ssd:\n  path: {}\n  capacity: 16MiB\n  persist_dram_on_shutdown: true\n  sync_interval: 100ms\n",
+            dir.join("ssd").display()
+        ))
+        .args(["--log-format", "json"])
 }
 
-fn start(config: &Path, dir: &Path) -> Agent {
-    let mut child = agent_command()
-        .args(["--log-format", "json", "run", "--config"])
-        .arg(config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn agent");
-    let stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let parsed: serde_json::Value = serde_json::from_str(&line).unwrap_or_default();
-            if parsed["fields"]["message"] == "admin server listening"
-                && let Some(addr) = parsed["fields"]["addr"].as_str()
-            {
-                let _ = tx.send(addr.to_owned());
-            }
-        }
-    });
-    let addr: SocketAddr = rx
-        .recv_timeout(DEADLINE)
-        .expect("agent logs its admin address")
-        .parse()
-        .expect("addr");
-    let started = Instant::now();
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("agent exited early: {status}");
-        }
-        if TcpStream::connect(addr).is_ok() && http_get(addr, "/readyz").0 == 200 {
-            break;
-        }
-        assert!(started.elapsed() < DEADLINE, "agent never became ready");
-        std::thread::sleep(Duration::from_millis(50));
+/// The address of a JSON log line saying the admin server listens.
+fn admin_listening(line: &str) -> Option<SocketAddr> {
+    let parsed: serde_json::Value = serde_json::from_str(line).ok()?;
+    if parsed["fields"]["message"] != "admin server listening" {
+        return None;
     }
+    parsed["fields"]["addr"].as_str()?.parse().ok()
+}
+
+fn start(spec: &AgentSpec, dir: &Path) -> Agent {
+    let mut a = spec.spawn(&Launcher::new(dir)).expect("spawn agent");
+    let line = a
+        .process
+        .wait_for_log_line("the admin address", DEADLINE, |l| {
+            admin_listening(l).is_some()
+        })
+        .expect("agent logs its admin address");
+    let admin = admin_listening(&line).expect("addr");
+    a.process
+        .wait_ready(&Probe::readyz(admin), DEADLINE)
+        .expect("agent ready");
     Agent {
-        child,
-        admin: addr,
-        socket: dir.join("run").join("agent.sock"),
+        process: a.process,
+        admin,
+        socket: a.socket,
     }
 }
 
 fn terminate(mut agent: Agent) {
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(agent.child.id()).expect("pid"));
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = agent.child.try_wait().expect("wait") {
-            break status;
-        }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "agent did not exit after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = agent
+        .process
+        .terminate(DEADLINE)
+        .expect("agent exits after SIGTERM");
     assert!(status.success(), "agent exited with {status}");
     assert!(!agent.socket.exists(), "socket removed on shutdown");
 }
@@ -172,8 +123,8 @@ fn bad_config_exits_non_zero_naming_the_field() {
 #[test]
 fn serves_persists_on_sigterm_and_recovers_after_restart() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = write_config(dir.path());
-    let agent = start(&config, dir.path());
+    let spec = agent_spec(dir.path());
+    let agent = start(&spec, dir.path());
 
     let (code, body) = http_get(agent.admin, "/topology/summary");
     assert_eq!(code, 200);
@@ -224,7 +175,7 @@ fn serves_persists_on_sigterm_and_recovers_after_restart() {
     drop(lingering);
 
     // Restart: the blocks were demoted on shutdown and come back from SSD.
-    let agent = start(&config, dir.path());
+    let agent = start(&spec, dir.path());
     let (_, metrics) = http_get(agent.admin, "/metrics");
     assert!(
         metrics.contains("kvpool_agent_blocks{tier=\"ssd\"} 3"),

@@ -1,4 +1,4 @@
-//! The transfer engine's transport state travels from a real `kvpool-agent` to a real
+//! The transfer engine's transport state travels from a real `kvpool agent run` to a real
 //! `kvpool master` with the heartbeat and comes back in `Stats` (what the operator turns into
 //! the KVCachePool's `TransportDegraded` condition):
 //! - an agent configured with `pool.transport: rdma` on a host without a usable RDMA device (or
@@ -7,12 +7,13 @@
 //!   with a device it is reported on RDMA with its devices instead, and ready;
 //! - an agent with `pool.transport: tcp` reports RDMA not requested and no fallback.
 //!
-//! Both run as child processes on 127.0.0.1 with temp dirs (see `pool_support`).
+//! Both run as child processes on 127.0.0.1 with temp dirs (see `pool_support`, over
+//! `kvpool_harness`).
 
-mod agent_support;
+mod pool_support;
 
-use agent_support::*;
 use kvpool_proto::master::NodeTransport;
+use pool_support::*;
 
 fn find<'a>(t: &'a [NodeTransport], node: &str) -> Option<&'a NodeTransport> {
     t.iter().find(|n| n.node == node)
@@ -22,9 +23,9 @@ fn find<'a>(t: &'a [NodeTransport], node: &str) -> Option<&'a NodeTransport> {
 async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = write_key(dir.path());
+    let key_file = write_key(dir.path(), KEY);
 
-    let (mut master, grpc) = start_master(logs, &key_file);
+    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let (mut rdma, rdma_addrs) = start_agent_with(
         logs,
         "agent-rdma",
@@ -45,16 +46,15 @@ async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
     // agent joins the pool over TCP (it heartbeats below) but never reports ready.
     let has_device = kvpool_transfer::rdma::transport_available();
     if has_device {
-        wait_ready(&rdma_addrs, &mut rdma, logs).await;
+        wait_ready(&rdma_addrs, &mut rdma);
     }
-    wait_ready(&tcp_addrs, &mut tcp, logs).await;
+    wait_ready(&tcp_addrs, &mut tcp);
 
-    let client = master_client(grpc);
+    let client = master_client(grpc, KEY);
     wait_stats(
         &client,
         "both agents' transport reports",
         &mut [&mut master, &mut rdma, &mut tcp],
-        logs,
         |s| find(&s.transport, "agent-rdma").is_some() && find(&s.transport, "agent-tcp").is_some(),
     )
     .await;

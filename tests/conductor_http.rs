@@ -1,7 +1,7 @@
 //! The conductor in front of real synthetic engines, all on loopback sockets; with a real
-//! in-process master for the pool lookups and a real `kvpool-agent` process for prefetches.
+//! in-process master for the pool lookups and a real `kvpool agent run` process for prefetches.
 
-mod up_support;
+mod pool_support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -414,66 +414,38 @@ async fn unreachable_decode_engine_gives_502_naming_it() {
     c.shutdown.cancel();
 }
 
-/// One HTTP/1.1 GET; returns the status, or None while nothing accepts connections.
-async fn get_status(addr: SocketAddr, path: &str) -> Option<u16> {
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await.ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.ok()?;
-    out.get(9..12)?.parse().ok()
-}
-
-/// Kills the child process on drop, so a failed assertion does not leak it.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[tokio::test]
 async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
     // The operator starts `kvpool conductor` with no --prefill/--decode (it does not know the
     // engines yet): the process must start, stay not ready and explain the 503.
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port")
-    };
-    let (api, admin) = (free(), free());
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args([
+    use kvpool_harness::{Launcher, Probe, free_addr, http, kvpool_command};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (api, admin) = (free_addr().expect("port"), free_addr().expect("port"));
+    let mut child = Launcher::new(dir.path())
+        .spawn(
             "conductor",
-            "--listen",
-            &api.to_string(),
-            "--admin-listen",
-            &admin.to_string(),
-            "--ttft-slo-s",
-            "2",
-            "--tpot-slo-s",
-            "0.05",
-        ])
-        .stdout(std::process::Stdio::null())
-        .spawn()
+            kvpool_command(pool_support::KVPOOL.as_ref()).args([
+                "conductor",
+                "--listen",
+                &api.to_string(),
+                "--admin-listen",
+                &admin.to_string(),
+                "--ttft-slo-s",
+                "2",
+                "--tpot-slo-s",
+                "0.05",
+            ]),
+        )
         .expect("spawn kvpool conductor");
-    let mut child = Child(child);
     // Wait (generously) for both listeners; the conductor binds the API before the admin server.
-    let mut ready = None;
-    for _ in 0..600 {
-        if let Some(status) = child.0.try_wait().expect("try_wait") {
-            panic!("kvpool conductor exited early: {status}");
-        }
-        ready = get_status(admin, "/readyz").await;
-        if ready.is_some() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    child
+        .wait_ready(&Probe::Tcp(admin), std::time::Duration::from_secs(30))
+        .expect("kvpool conductor listens");
+    let get_status =
+        |path: &'static str| async move { http::get_async(admin, path).await.map(|r| r.status) };
+    let ready = get_status("/readyz").await;
     assert_eq!(ready, Some(503), "/readyz without engines");
-    assert_eq!(get_status(admin, "/livez").await, Some(200));
+    assert_eq!(get_status("/livez").await, Some(200));
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2}}"#);
     let (status, _, text) = post(api, "/v1/completions", &body).await;
     assert_eq!(status, 503, "{text}");
@@ -690,7 +662,7 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
 #[tokio::test]
 async fn hot_prefix_is_prefetched_from_the_pool_by_the_target_engine() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let (_agent, socket) = pool_support::start_local_agent(dir.path());
     let c = cluster_full(Rejection::None, 30.0, None, 2, None, Some(&socket)).await;
     // 100 stand-in tokens: 6 full blocks (written to the pool by the engine that prefills them
     // first) and a partial one (never written).
@@ -841,7 +813,7 @@ async fn sglang_cluster(
 #[tokio::test]
 async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let (_agent, socket) = pool_support::start_local_agent(dir.path());
     let (c, _) = sglang_cluster(&socket, &socket, 60_000).await;
     // 400 bytes = 100 stand-in tokens = 6 full blocks of 16 plus a partial one.
     let prompt = "p".repeat(400);
@@ -934,11 +906,11 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
 #[tokio::test]
 async fn sglang_decode_whose_prefill_never_arrives_fails_clearly_within_its_timeout() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let (_agent, socket) = pool_support::start_local_agent(dir.path());
     // Prefill and decode on two unconnected agents (no master): the room's KV never reaches
     // the decode engine's pool.
     let other = tempfile::tempdir().expect("tempdir");
-    let (_other_agent, other_socket) = up_support::start_local_agent(other.path());
+    let (_other_agent, other_socket) = pool_support::start_local_agent(other.path());
     let (c, decode) = sglang_cluster(&socket, &other_socket, 300).await;
 
     // Straight to the decode engine, with a room no prefill serves.
@@ -999,7 +971,7 @@ async fn sglang_decode_whose_prefill_never_arrives_fails_clearly_within_its_time
 #[tokio::test]
 async fn engines_report_their_measured_pool_reads_in_response_headers() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let (_agent, socket) = pool_support::start_local_agent(dir.path());
     let shutdown = CancellationToken::new();
     let (writer, _) = engine_with(&shutdown, Some(&socket)).await;
     let (reader, _) = engine_with(&shutdown, Some(&socket)).await;

@@ -4,7 +4,7 @@
 //! in background batches and leave no lease behind, a read that outlives its lease is refused
 //! rather than returned, and `get_to` lands values straight in a caller-registered buffer.
 
-mod pool_procs;
+mod pool_support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,11 +13,12 @@ use futures::future::join_all;
 use kvpool_client::master::MasterClient;
 use kvpool_client::pool::{DataError, PoolClient, tcp_endpoint, transfer_name};
 use kvpool_core::master::{PutOptions, SegmentSpec, Tier};
+use kvpool_harness::scrape::metric_sum_labelled;
 use kvpool_transfer::{
     AuthKey, EngineConfig, HostOptions, LocalSegment, Segment, StaticDirectory, TcpServer,
     TransferEngine, TransferMetrics,
 };
-use pool_procs::{InProcessMaster, http_get, in_process_master};
+use pool_support::{InProcessMaster, http_get, in_process_master};
 
 const KEY: &[u8] = b"coalescing-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
@@ -84,12 +85,10 @@ async fn fixture(lease_ttl: Duration) -> Fixture {
 
 /// Calls of `method` the master answered, from its `kvpool_master_requests_total` counter.
 async fn master_calls(f: &Fixture, method: &str) -> u64 {
-    let body = http_get(f.m.master.admin_addr, "/metrics").await;
-    let label = format!("method=\"{method}\"");
-    body.lines()
-        .filter(|l| l.starts_with("kvpool_master_requests_total{") && l.contains(&label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
+    let (_, body) = http_get(f.m.master.admin_addr, "/metrics")
+        .await
+        .expect("metrics");
+    metric_sum_labelled(&body, "kvpool_master_requests_total", "method", method) as u64
 }
 
 fn value(i: u64, len: usize) -> Vec<u8> {

@@ -5,65 +5,35 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
-use kvpool_harness::{EtcdServer, free_port, wait_for_port};
+use kvpool_harness::{EtcdServer, Launcher, MasterProcess, MasterSpec, Probe, http};
 use kvpool_proto::auth::AuthKey;
+use nix::sys::signal::Signal;
 
 const KEY: &[u8] = b"kvpool-ha-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
 
-struct Master {
-    child: Child,
-    grpc: String,
-    admin: SocketAddr,
-}
-
-impl Drop for Master {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_master(dir: &Path, etcd: &str) -> Master {
-    let grpc = free_port().expect("port");
-    let admin = free_port().expect("port");
-    let grpc_addr = format!("127.0.0.1:{grpc}");
-    let child = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args([
-            "master",
-            "--listen",
-            &grpc_addr,
-            "--advertise-addr",
-            &grpc_addr,
-        ])
-        .arg("--admin-addr")
-        .arg(format!("127.0.0.1:{admin}"))
+/// Master `name` of the HA group in etcd, once its admin server listens.
+fn spawn_master(dir: &Path, etcd: &str, name: &str) -> MasterProcess {
+    let spec = MasterSpec::new(env!("CARGO_BIN_EXE_kvpool"), dir.join("key")).expect("ports");
+    let grpc = spec.grpc.to_string();
+    let mut m = spec
+        .args(["--advertise-addr", &grpc])
         .args(["--etcd-endpoints", etcd, "--etcd-prefix", "/kvpool/ha-test"])
         .args(["--election-ttl", "2s", "--heartbeat-timeout", "120s"])
-        .env("KVPOOL_AUTH_KEY_FILE", dir.join("key"))
-        .env("RUST_LOG", "warn")
-        .spawn()
+        .spawn(&Launcher::new(dir), name)
         .expect("spawn master");
-    Master {
-        child,
-        grpc: grpc_addr,
-        admin: SocketAddr::from(([127, 0, 0, 1], admin)),
-    }
+    m.process
+        .wait_ready(&Probe::Tcp(m.admin), Duration::from_secs(30))
+        .expect("master up");
+    m
 }
 
 fn readyz(addr: SocketAddr) -> Option<u16> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    out.get(9..12)?.parse().ok()
+    http::get(addr, "/readyz").map(|r| r.status)
 }
 
 fn seg(node: &str) -> SegmentSpec {
@@ -88,14 +58,11 @@ async fn standby_takes_over_with_every_committed_object() {
     std::fs::write(dir.path().join("key"), KEY).expect("key");
     let etcd = EtcdServer::start(dir.path()).expect("etcd");
     let mut masters = vec![
-        spawn_master(dir.path(), &etcd.client_url),
-        spawn_master(dir.path(), &etcd.client_url),
+        spawn_master(dir.path(), &etcd.client_url, "master-0"),
+        spawn_master(dir.path(), &etcd.client_url, "master-1"),
     ];
-    for m in &masters {
-        assert!(wait_for_port(m.admin, Duration::from_secs(30)), "master up");
-    }
     let client = MasterClient::new(
-        masters.iter().map(|m| m.grpc.clone()).collect(),
+        masters.iter().map(|m| m.grpc.to_string()).collect(),
         AuthKey::from_bytes(KEY).expect("key"),
         ClientConfig {
             failover_budget: Duration::from_secs(30),
@@ -110,7 +77,7 @@ async fn standby_takes_over_with_every_committed_object() {
     let leader_addr = client.current_endpoint().expect("connected");
     let leader = masters
         .iter()
-        .position(|m| m.grpc == leader_addr)
+        .position(|m| m.grpc.to_string() == leader_addr)
         .expect("leader is one of ours");
     let standby = 1 - leader;
     assert_eq!(readyz(masters[leader].admin), Some(200));
@@ -164,14 +131,13 @@ async fn standby_takes_over_with_every_committed_object() {
 
     // Crash the leader.
     let killed = Instant::now();
-    let _ = masters[leader].child.kill();
-    let _ = masters[leader].child.wait();
+    masters[leader].process.kill().expect("SIGKILL the leader");
     let stats_after = client.stats().await.expect("standby answers");
     let takeover = killed.elapsed();
     println!("takeover after leader SIGKILL: {takeover:?}");
     assert_eq!(
         client.current_endpoint().as_deref(),
-        Some(masters[standby].grpc.as_str())
+        Some(masters[standby].grpc.to_string().as_str())
     );
     assert_eq!(readyz(masters[standby].admin), Some(200));
 
@@ -218,22 +184,16 @@ async fn standby_takes_over_with_every_committed_object() {
 
     // A third master joins as standby; the current leader is stopped cleanly (SIGTERM: it
     // resigns), and the newcomer takes over with the same state again.
-    let third = spawn_master(dir.path(), &etcd.client_url);
-    assert!(
-        wait_for_port(third.admin, Duration::from_secs(30)),
-        "third master up"
-    );
+    let third = spawn_master(dir.path(), &etcd.client_url, "master-2");
     let stats_before = client.stats().await.expect("stats");
-    let term = Command::new("sh")
-        // the shell builtin: no procps needed
-        .args(["-c", &format!("kill -TERM {}", masters[standby].child.id())])
-        .status()
-        .expect("kill");
-    assert!(term.success());
-    let exit = masters[standby].child.wait().expect("wait");
+    masters[standby]
+        .process
+        .signal(Signal::SIGTERM)
+        .expect("SIGTERM");
+    let exit = masters[standby].process.wait().expect("wait");
     assert!(exit.success(), "leader exits 0 after SIGTERM: {exit:?}");
     let client3 = MasterClient::new(
-        vec![third.grpc.clone()],
+        vec![third.grpc.to_string()],
         AuthKey::from_bytes(KEY).expect("key"),
         ClientConfig {
             failover_budget: Duration::from_secs(30),

@@ -7,20 +7,17 @@
 //! either absent or (if its commit raced the failure report) byte-exact, never pointing at freed
 //! memory.
 
-mod pool_procs;
+mod pool_support;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::PutOptions;
-use kvpool_proto::auth::AuthKey as MasterKey;
-use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
 use parking_lot::Mutex;
-use pool_procs::*;
+use pool_support::*;
 
 const KEY: &str = "kill-under-load-test-key-0123456789abcdef";
 const WRITERS: u64 = 3;
@@ -59,19 +56,13 @@ struct Outcomes {
 async fn an_agent_killed_under_load_loses_no_committed_object() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = logs.join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
-    let (mut master, grpc) = start_master(logs, &key_file);
-    let mut a = start_agent(logs, "agent-a", grpc, &key_file);
-    let mut b = start_agent(logs, "agent-b", grpc, &key_file);
-    let mut c = start_agent(logs, "agent-c", grpc, &key_file);
+    let key_file = write_key(logs, KEY);
+    let (mut master, grpc) = start_master(logs, &key_file, "3s");
+    let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "64MiB");
+    let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "64MiB");
+    let (mut c, _) = start_agent(logs, "agent-c", grpc, &key_file, "64MiB");
 
-    let client = MasterClient::new(
-        vec![grpc.to_string()],
-        MasterKey::from_bytes(KEY.as_bytes()).expect("master key"),
-        ClientConfig::default(),
-    )
-    .expect("master client");
+    let client = master_client(grpc, KEY);
     wait_stats(
         &client,
         "three agents mounted",
@@ -80,17 +71,7 @@ async fn an_agent_killed_under_load_loses_no_committed_object() {
     )
     .await;
 
-    let engine = TransferEngine::new(
-        EngineConfig {
-            node: "test-client".into(),
-            prefer_shm: false,
-            ..EngineConfig::default()
-        },
-        AuthKey::new(KEY.as_bytes().to_vec()).expect("transfer key"),
-        Arc::new(StaticDirectory::new()),
-        TransferMetrics::unregistered().expect("metrics"),
-    )
-    .expect("engine");
+    let engine = client_engine("test-client", KEY, |c| c.prefer_shm = false);
     let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None);
     let opts = PutOptions {
         replicas: 2,
@@ -180,16 +161,11 @@ async fn an_agent_killed_under_load_loses_no_committed_object() {
     // Kill one replica holder in the middle of the run.
     let started = Instant::now();
     while commits.load(Ordering::Relaxed) < KILL_AFTER {
-        master.assert_running();
+        master.assert_running().expect("master runs");
         assert!(started.elapsed() < DEADLINE, "no progress before the kill");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(b.child.id()).expect("pid")),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("SIGKILL agent-b");
-    let _ = b.child.wait();
+    b.kill().expect("SIGKILL agent-b");
     let killed_at_commits = commits.load(Ordering::Relaxed);
 
     for w in writers {

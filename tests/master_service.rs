@@ -1,9 +1,8 @@
 //! The master's gRPC service over loopback: the client library against an in-process master,
 //! authentication, error codes, admin endpoints, agent death, and the real binary's SIGTERM.
 
-mod pool_procs;
+mod pool_support;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
@@ -11,7 +10,7 @@ use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
 use kvpool_master::cmd::MasterArgs;
 use kvpool_proto::auth::AuthKey;
 use kvpool_proto::master::ErrorCode;
-use pool_procs::{InProcessMaster, http_get, in_process_master};
+use pool_support::{InProcessMaster, http_get, in_process_master};
 use tokio_util::sync::CancellationToken;
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
@@ -178,7 +177,9 @@ async fn unauthenticated_requests_are_refused_and_change_nothing() {
     );
     assert_eq!(f.client.stats().await.expect("stats"), before);
     // The refusals are counted.
-    let metrics = http_get(f.master.admin_addr, "/metrics").await;
+    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
+        .await
+        .expect("metrics");
     assert!(
         metrics.contains("kvpool_master_requests_total{method=\"mount_segment\",result=\"ok\"} 1"),
         "{metrics}"
@@ -364,12 +365,12 @@ async fn admin_endpoints_and_metrics() {
     assert!(
         http_get(f.master.admin_addr, "/livez")
             .await
-            .starts_with("HTTP/1.1 200")
+            .is_some_and(|(status, _)| status == 200)
     );
     assert!(
         http_get(f.master.admin_addr, "/readyz")
             .await
-            .starts_with("HTTP/1.1 200")
+            .is_some_and(|(status, _)| status == 200)
     );
     f.client
         .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
@@ -387,7 +388,10 @@ async fn admin_endpoints_and_metrics() {
     // Gauges are refreshed by the tick loop; poll until they show the object.
     let mut metrics = String::new();
     for _ in 0..200 {
-        metrics = http_get(f.master.admin_addr, "/metrics").await;
+        metrics = http_get(f.master.admin_addr, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
         if metrics.contains("kvpool_master_objects 1") {
             break;
         }
@@ -471,35 +475,27 @@ async fn silent_agents_die_and_two_replica_objects_stay_readable() {
 
 #[test]
 fn binary_serves_and_stops_cleanly_on_sigterm() {
-    use kvpool_harness::{free_port, wait_for_port};
+    use kvpool_harness::{Launcher, Probe, free_addr, kvpool_command};
     let dir = tempfile::tempdir().expect("tmp");
     let key_file = dir.path().join("key");
     std::fs::write(&key_file, KEY).expect("key");
-    let grpc = free_port().expect("port");
-    let admin = free_port().expect("port");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args(["master", "--listen"])
-        .arg(format!("127.0.0.1:{grpc}"))
-        .arg("--admin-addr")
-        .arg(format!("127.0.0.1:{admin}"))
-        .env("KVPOOL_AUTH_KEY_FILE", &key_file)
-        .spawn()
+    let (grpc, admin) = (free_addr().expect("port"), free_addr().expect("port"));
+    // The key file comes from the environment here.
+    let mut child = Launcher::new(dir.path())
+        .spawn(
+            "master",
+            kvpool_command(pool_support::KVPOOL.as_ref())
+                .args(["master", "--listen", &grpc.to_string()])
+                .args(["--admin-addr", &admin.to_string()])
+                .env("KVPOOL_AUTH_KEY_FILE", &key_file),
+        )
         .expect("spawn");
-    let up = wait_for_port(
-        SocketAddr::from(([127, 0, 0, 1], admin)),
-        Duration::from_secs(30),
-    );
-    if !up {
-        let _ = child.kill();
-        panic!("master did not start");
-    }
-    let term = std::process::Command::new("sh")
-        // the shell builtin: no procps needed
-        .args(["-c", &format!("kill -TERM {}", child.id())])
-        .status()
-        .expect("kill");
-    assert!(term.success());
-    let status = child.wait().expect("wait");
+    child
+        .wait_ready(&Probe::Tcp(admin), Duration::from_secs(30))
+        .expect("master did not start");
+    let status = child
+        .terminate(Duration::from_secs(30))
+        .expect("exits after SIGTERM");
     assert!(status.success(), "exit status {status:?}");
 
     // A bad flag exits non-zero naming the field.

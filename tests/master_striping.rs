@@ -5,17 +5,14 @@
 //! `StripeIncomplete` and is cleaned up). Values of manifest length that are not manifests stay
 //! ordinary values.
 
-mod pool_procs;
+mod pool_support;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::master::MasterClient;
 use kvpool_client::pool::{MANIFEST_LEN, PoolClient, StripeConfig, stripe_part_key};
 use kvpool_core::master::PutOptions;
-use kvpool_proto::auth::AuthKey as MasterKey;
-use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
-use pool_procs::*;
+use pool_support::*;
 
 const KEY: &str = "striping-test-key-0123456789abcdef0123";
 const MIB: u64 = 1 << 20;
@@ -48,17 +45,11 @@ async fn parts_present(client: &MasterClient, key: &[u8], parts: u32) -> usize {
 async fn striped_objects_spread_over_nodes_and_free_every_part() {
     let dir = tempfile::tempdir().expect("tempdir");
     let logs = dir.path();
-    let key_file = logs.join("pool.key");
-    std::fs::write(&key_file, KEY).expect("key file");
-    let (mut master, grpc) = start_master(logs, &key_file);
-    let mut a = start_agent(logs, "agent-a", grpc, &key_file);
-    let mut b = start_agent(logs, "agent-b", grpc, &key_file);
-    let client = MasterClient::new(
-        vec![grpc.to_string()],
-        MasterKey::from_bytes(KEY.as_bytes()).expect("master key"),
-        ClientConfig::default(),
-    )
-    .expect("master client");
+    let key_file = write_key(logs, KEY);
+    let (mut master, grpc) = start_master(logs, &key_file, "3s");
+    let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "64MiB");
+    let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "64MiB");
+    let client = master_client(grpc, KEY);
     let empty = wait_stats(
         &client,
         "two agents mounted",
@@ -66,17 +57,7 @@ async fn striped_objects_spread_over_nodes_and_free_every_part() {
         |s| s.nodes_alive == 2 && s.segments >= 2,
     )
     .await;
-    let engine = TransferEngine::new(
-        EngineConfig {
-            node: "test-client".into(),
-            prefer_shm: false,
-            ..EngineConfig::default()
-        },
-        AuthKey::new(KEY.as_bytes().to_vec()).expect("transfer key"),
-        Arc::new(StaticDirectory::new()),
-        TransferMetrics::unregistered().expect("metrics"),
-    )
-    .expect("engine");
+    let engine = client_engine("test-client", KEY, |c| c.prefer_shm = false);
     let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None).with_striping(
         StripeConfig {
             threshold: MIB,

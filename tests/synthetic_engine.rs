@@ -1,13 +1,15 @@
 //! The synthetic engine's OpenAI-compatible API over real loopback sockets, and its KV blocks
-//! through a real `kvpool-agent` process.
+//! through a real `kvpool agent run` process.
 
-mod up_support;
+mod pool_support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::process::Command;
+use std::time::Duration;
 
 use kvpool_core::sched::{DecodeCost, PrefillCost};
+use kvpool_harness::{Launcher, Probe, free_addr, kvpool_command};
 use kvpool_synthetic::EngineConfig;
 use kvpool_synthetic::server;
 use prometheus::Registry;
@@ -180,68 +182,42 @@ fn engine_command_requires_synthetic_mode() {
     assert!(err.contains("--synthetic: is required"), "{err}");
 }
 
-/// Kills the child if the test fails before it exits on its own.
-struct Reap(std::process::Child);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
-#[tokio::test]
-async fn engine_process_serves_and_stops_on_sigterm() {
-    let (api, admin) = (free_port(), free_port());
-    let mut child = Reap(
-        Command::new(env!("CARGO_BIN_EXE_kvpool"))
-            .args(["engine", "--synthetic", "--time-scale", "0.001"])
-            .args(["--listen", &format!("127.0.0.1:{api}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-            .spawn()
-            .expect("spawn kvpool engine"),
-    );
-    let admin_addr: SocketAddr = format!("127.0.0.1:{admin}").parse().expect("addr");
-    let api_addr: SocketAddr = format!("127.0.0.1:{api}").parse().expect("addr");
-    // Wait (bounded) until the engine reports ready.
-    let mut ready = false;
-    for _ in 0..300 {
-        if tokio::net::TcpStream::connect(admin_addr).await.is_ok()
-            && http(admin_addr, "GET", "/readyz", "").await.0 == 200
-        {
-            ready = true;
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    assert!(ready, "engine never became ready");
-    let (status, text) = http(
-        api_addr,
+#[test]
+fn engine_process_serves_and_stops_on_sigterm() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (api, admin) = (free_addr().expect("port"), free_addr().expect("port"));
+    let mut child = Launcher::new(dir.path())
+        .spawn(
+            "engine",
+            kvpool_command(pool_support::KVPOOL.as_ref())
+                .args(["engine", "--synthetic", "--time-scale", "0.001"])
+                .args(["--listen", &api.to_string()])
+                .args(["--admin-listen", &admin.to_string()]),
+        )
+        .expect("spawn kvpool engine");
+    child
+        .wait_ready(&Probe::readyz(admin), Duration::from_secs(30))
+        .expect("engine never became ready");
+    let r = kvpool_harness::http::request(
+        api,
         "POST",
         "/v1/completions",
         r#"{"model":"kvpool-synthetic","prompt":"hi","max_tokens":2}"#,
     )
-    .await;
-    assert_eq!(status, 200, "{text}");
-    let (status, metrics) = http(admin_addr, "GET", "/metrics", "").await;
-    assert_eq!(status, 200);
+    .expect("completion");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let metrics = kvpool_harness::http::get(admin, "/metrics").expect("metrics");
+    assert_eq!(metrics.status, 200);
     assert!(
-        metrics.contains("kvpool_engine_generated_tokens_total 2"),
-        "{metrics}"
+        metrics
+            .body
+            .contains("kvpool_engine_generated_tokens_total 2"),
+        "{}",
+        metrics.body
     );
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.0.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let status = child.0.wait().expect("wait");
+    let status = child
+        .terminate(Duration::from_secs(60))
+        .expect("exits after SIGTERM");
     assert!(status.success(), "{status:?}");
 }
 
@@ -298,7 +274,7 @@ fn block_text(tag: &str) -> String {
 #[tokio::test]
 async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let (_agent, socket) = pool_support::start_local_agent(dir.path());
     let shutdown = CancellationToken::new();
     let prefill = start_with_agent(&socket, &shutdown).await;
     let other = start_with_agent(&socket, &shutdown).await;
@@ -446,11 +422,10 @@ fn engine_with_agent_socket_needs_a_kv_size() {
 #[tokio::test]
 async fn requests_are_served_when_the_agent_goes_away() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut agent, socket) = up_support::start_local_agent(dir.path());
+    let (mut agent, socket) = pool_support::start_local_agent(dir.path());
     let shutdown = CancellationToken::new();
     let engine = start_with_agent(&socket, &shutdown).await;
-    agent.0.kill().expect("kill agent");
-    agent.0.wait().expect("reap agent");
+    agent.kill().expect("kill and reap the agent");
     let prompt = format!("{}{}", block_text("x"), block_text("y"));
     let (status, text) = http(
         engine.addr,
@@ -488,7 +463,7 @@ async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_ag
     plain.shutdown.cancel();
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let (_agent, socket) = up_support::start_local_agent(dir.path());
+    let (_agent, socket) = pool_support::start_local_agent(dir.path());
     let shutdown = CancellationToken::new();
     let writer = start_with_agent(&socket, &shutdown).await;
     let reader = start_with_agent(&socket, &shutdown).await;

@@ -5,15 +5,16 @@
 //! Children are found by an environment variable that only this test's `kvpool up` (and so its
 //! children) carries.
 
-mod up_support;
+mod pool_support;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use kvpool_harness::{ChildProcess, Launcher};
+use nix::sys::signal::Signal;
 use serde_json::Value;
-use up_support::Reap;
 
 const MARKER: &str = "KVPOOL_UP_TEST_MARKER";
 /// Only a hang reaches it on a loaded 2-core box.
@@ -31,13 +32,13 @@ fn marked(marker: &str) -> Vec<u32> {
         .filter(|&pid| {
             std::fs::read(format!("/proc/{pid}/environ"))
                 .is_ok_and(|env| env.split(|&b| b == 0).any(|kv| kv == needle.as_bytes()))
-                && up_support::alive(pid)
+                && pool_support::alive(pid)
         })
         .collect()
 }
 
 fn up(dir: &Path, marker: &str, sysfs_root: &Path) -> Command {
-    let fixture = up_support::sysfs_fixture();
+    let fixture = pool_support::sysfs_fixture();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpool"));
     cmd.arg("up")
         .args(["--agents", "1", "--prefill", "1", "--decode", "1"])
@@ -51,15 +52,16 @@ fn up(dir: &Path, marker: &str, sysfs_root: &Path) -> Command {
     cmd
 }
 
-fn wait_exit(child: &mut Reap) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.0.try_wait().expect("try_wait") {
-            return status;
-        }
-        assert!(start.elapsed() < DEADLINE, "kvpool up did not exit");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+fn wait_exit(child: &mut ChildProcess) -> std::process::ExitStatus {
+    child.wait_timeout(DEADLINE).expect("kvpool up exits")
+}
+
+/// `kvpool up` with its stdout piped to the test and its stderr in `<dir>/up.log`.
+fn spawn_up(dir: &Path, cmd: &mut Command) -> ChildProcess {
+    Launcher::new(dir)
+        .pipe_stdout()
+        .spawn("up", cmd)
+        .expect("spawn kvpool up")
 }
 
 fn marker(name: &str) -> String {
@@ -100,31 +102,25 @@ fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker(name);
     let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
-    let mut child = Reap(
+    let mut child = spawn_up(
+        dir.path(),
         up(
             dir.path(),
             &marker,
-            &up_support::sysfs_fixture().join("sys"),
+            &pool_support::sysfs_fixture().join("sys"),
         )
         .arg("--replay")
         .arg(&trace)
         .args(["--limit", "6", "--speed", "20", "--json"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvpool up"),
+        .args(extra),
     );
-    let status = wait_exit(&mut child);
     let mut out = String::new();
-    let mut err = String::new();
     use std::io::Read;
-    if let Some(mut s) = child.0.stdout.take() {
+    if let Some(mut s) = child.take_stdout() {
         s.read_to_string(&mut out).expect("stdout");
     }
-    if let Some(mut s) = child.0.stderr.take() {
-        s.read_to_string(&mut err).expect("stderr");
-    }
+    let status = wait_exit(&mut child);
+    let err = child.log_text();
     assert!(status.success(), "{status}\nstdout:\n{out}\nstderr:\n{err}");
     let summary: Value = serde_json::from_str(out.trim()).expect("summary is one JSON object");
     assert_eq!(summary["requests"], 6, "{summary}");
@@ -156,18 +152,15 @@ fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
 fn sigterm_stops_every_child_and_exits_zero() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker("sigterm");
-    let mut child = Reap(
-        up(
+    let mut child = spawn_up(
+        dir.path(),
+        &mut up(
             dir.path(),
             &marker,
-            &up_support::sysfs_fixture().join("sys"),
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvpool up"),
+            &pool_support::sysfs_fixture().join("sys"),
+        ),
     );
-    let stdout = child.0.stdout.take().expect("stdout");
+    let stdout = child.take_stdout().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
     let mut printed = Vec::new();
     // `up` prints its endpoints once every child is ready, then the Ctrl-C hint.
@@ -191,8 +184,7 @@ fn sigterm_stops_every_child_and_exits_zero() {
     // master, agent, prefill, decode, conductor.
     let running = marked(&marker);
     assert_eq!(running.len(), 6, "up and its 5 children: {running:?}");
-    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.0.id()).expect("pid"));
-    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+    child.signal(Signal::SIGTERM).expect("SIGTERM");
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     let status = wait_exit(&mut child);
     assert!(status.success(), "{status}: {rest:?}");
@@ -224,19 +216,16 @@ fn a_child_failing_at_start_stops_the_ones_already_running() {
 fn children_go_away_when_up_itself_is_killed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker("sigkill");
-    let mut child = Reap(
+    let mut child = spawn_up(
+        dir.path(),
         up(
             dir.path(),
             &marker,
-            &up_support::sysfs_fixture().join("sys"),
+            &pool_support::sysfs_fixture().join("sys"),
         )
-        .arg("--json")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvpool up"),
+        .arg("--json"),
     );
-    let stdout = child.0.stdout.take().expect("stdout");
+    let stdout = child.take_stdout().expect("stdout");
     let first = BufReader::new(stdout)
         .lines()
         .next()
@@ -251,8 +240,7 @@ fn children_go_away_when_up_itself_is_killed() {
     );
     assert_eq!(marked(&marker).len(), 6);
     // No chance to clean up: the children's parent-death signal must stop them.
-    child.0.kill().expect("SIGKILL");
-    child.0.wait().expect("wait");
+    child.kill().expect("SIGKILL");
     let start = Instant::now();
     while !marked(&marker).is_empty() {
         assert!(start.elapsed() < DEADLINE, "orphans: {:?}", marked(&marker));

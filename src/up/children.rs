@@ -1,17 +1,18 @@
-//! The child processes of `kvpool up`: started in their own process groups with their output in
-//! log files and the parent-death signal set (so they go away even if `up` is killed), stopped
-//! in reverse start order
-//! with SIGTERM, a grace period, then SIGKILL. Dropping the set stops whatever still runs, so an
-//! error halfway through start-up leaves no process behind. I/O boundary: fork/exec, signals,
-//! the log files.
+//! The child processes of `kvpool up`: started through the harness in their own process groups
+//! with their output in log files and the parent-death signal set (so they go away even if `up`
+//! is killed), stopped in reverse start order with SIGTERM, a grace period, then SIGKILL.
+//! Dropping the set stops whatever still runs, so an error halfway through start-up leaves no
+//! process behind. I/O boundary: the agents' config files; the processes through
+//! `kvpool_harness`.
 
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::ExitStatus;
+use std::time::Duration;
 
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use kvpool_harness::{ChildProcess, HarnessError, Launcher, kvpool_command};
+use nix::sys::signal::Signal;
+
+pub use kvpool_harness::Stopped;
 
 use super::plan::ChildSpec;
 
@@ -25,13 +26,8 @@ pub enum ChildError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot start {name} ({program})")]
-    Spawn {
-        name: String,
-        program: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Spawn(HarnessError),
 }
 
 impl ChildError {
@@ -41,31 +37,10 @@ impl ChildError {
     }
 }
 
-/// How a child ended when it was stopped.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Stopped {
-    pub name: String,
-    /// Exit status after SIGTERM, or `None` when it had to be killed.
-    pub status: Option<ExitStatus>,
-    /// It had already exited before the stop.
-    pub early: bool,
-}
-
-impl Stopped {
-    /// Exited 0 on its own after SIGTERM.
-    pub fn clean(&self) -> bool {
-        !self.early && self.status.is_some_and(|s| s.success())
-    }
-}
-
-struct Running {
-    name: String,
-    child: Child,
-}
-
 /// The running children, in start order.
 pub struct Children {
-    running: Vec<Running>,
+    running: Vec<ChildProcess>,
+    launcher: Launcher,
     logs: PathBuf,
     grace: Duration,
 }
@@ -93,133 +68,68 @@ fn write_file(path: &Path, contents: &str) -> Result<(), ChildError> {
 impl Children {
     /// An empty set whose children log into `logs/<name>.log`.
     pub fn new(logs: PathBuf, grace: Duration) -> Self {
+        // Its own process group keeps a terminal's Ctrl-C away from each child, so `up` alone
+        // decides the stop order; the parent-death signal covers a killed `up`.
+        let launcher = Launcher::new(logs.clone())
+            .own_process_group()
+            .parent_death_signal(Signal::SIGTERM);
         Self {
             running: Vec::new(),
+            launcher,
             logs,
             grace,
         }
     }
 
     pub fn names(&self) -> Vec<&str> {
-        self.running.iter().map(|r| r.name.as_str()).collect()
+        self.running.iter().map(ChildProcess::name).collect()
     }
 
     /// Process ids of the running children, in start order.
     pub fn pids(&self) -> Vec<u32> {
-        self.running.iter().map(|r| r.child.id()).collect()
+        self.running.iter().map(ChildProcess::id).collect()
     }
 
     /// The log file of child `name`.
     pub fn log_path(&self, name: &str) -> PathBuf {
-        self.logs.join(format!("{name}.log"))
+        self.launcher.log_path(name)
     }
 
-    /// Writes the child's config file, if any, and starts it. Must be called from the thread
-    /// that stays alive as long as the children (the parent-death signal follows the thread).
+    /// Writes the child's config file, if any, and starts it (its settings come from the
+    /// command line only). Must be called from the thread that stays alive as long as the
+    /// children (the parent-death signal follows the thread).
     pub fn start(&mut self, spec: &ChildSpec) -> Result<u32, ChildError> {
         if let Some((path, contents)) = &spec.config_file {
             write_file(path, contents)?;
         }
-        let log_path = self.log_path(&spec.name);
-        write_file(&log_path, "")?;
-        let log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&log_path)
-            .map_err(|source| ChildError::Write {
-                path: log_path.clone(),
-                source,
-            })?;
-        let log2 = log.try_clone().map_err(|source| ChildError::Write {
-            path: log_path.clone(),
-            source,
-        })?;
-        let mut cmd = Command::new(&spec.program);
-        cmd.args(&spec.args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log2))
-            // The children get their settings from the command line only.
-            .env_remove("KVPOOL_MASTER")
-            .env_remove("KVPOOL_AUTH_KEY_FILE")
-            .env_remove("KVPOOL_AGENT_SOCKET")
-            .env_remove("KVPOOL_MODEL_CONFIG")
-            .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
-            .env_remove("POD_IP");
-        // SAFETY: the closure runs in the forked child before exec and only makes the setpgid
-        // and prctl system calls (async-signal-safe); it touches no memory shared with the
-        // parent. Its own process group keeps a terminal's Ctrl-C away from the child, so
-        // `up` alone decides the stop order; the parent-death signal covers a killed `up`.
-        unsafe {
-            cmd.pre_exec(|| {
-                nix::unistd::setpgid(Pid::from_raw(0), Pid::from_raw(0))
-                    .map_err(std::io::Error::from)?;
-                nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).map_err(std::io::Error::from)
-            });
-        }
-        let child = cmd.spawn().map_err(|source| ChildError::Spawn {
-            name: spec.name.clone(),
-            program: spec.program.clone(),
-            source,
-        })?;
+        let mut cmd = kvpool_command(&spec.program);
+        cmd.args(&spec.args);
+        let child = self
+            .launcher
+            .spawn(&spec.name, &mut cmd)
+            .map_err(ChildError::Spawn)?;
         let pid = child.id();
-        self.running.push(Running {
-            name: spec.name.clone(),
-            child,
-        });
+        self.running.push(child);
         Ok(pid)
     }
 
     /// The first child that has exited, with its status.
     pub fn exited(&mut self) -> Option<(String, ExitStatus)> {
-        self.running
-            .iter_mut()
-            .find_map(|r| match r.child.try_wait() {
-                Ok(Some(status)) => Some((r.name.clone(), status)),
-                _ => None,
-            })
+        self.running.iter_mut().find_map(|c| match c.try_status() {
+            Ok(Some(status)) => Some((c.name().to_owned(), status)),
+            _ => None,
+        })
     }
 
     /// Stops every child, last started first: SIGTERM, wait up to the grace period, SIGKILL.
     /// Blocks the calling thread.
     pub fn stop_all(&mut self) -> Vec<Stopped> {
         let mut out = Vec::new();
-        while let Some(mut r) = self.running.pop() {
-            out.push(stop_one(&mut r, self.grace));
+        while let Some(mut c) = self.running.pop() {
+            out.push(c.stop(self.grace));
         }
         out.reverse();
         out
-    }
-}
-
-fn stop_one(r: &mut Running, grace: Duration) -> Stopped {
-    if let Ok(Some(status)) = r.child.try_wait() {
-        return Stopped {
-            name: r.name.clone(),
-            status: Some(status),
-            early: true,
-        };
-    }
-    if let Ok(raw) = i32::try_from(r.child.id()) {
-        let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
-    }
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline {
-        if let Ok(Some(status)) = r.child.try_wait() {
-            return Stopped {
-                name: r.name.clone(),
-                status: Some(status),
-                early: false,
-            };
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    tracing::warn!(child = %r.name, "did not stop within the grace period; killing it");
-    let _ = r.child.kill();
-    let _ = r.child.wait();
-    Stopped {
-        name: r.name.clone(),
-        status: None,
-        early: false,
     }
 }
 
@@ -235,6 +145,8 @@ impl Drop for Children {
 mod tests {
     use super::*;
     use crate::up::plan::Role;
+    use nix::sys::signal::kill;
+    use nix::unistd::Pid;
 
     fn spec(name: &str, program: &str, args: &[&str]) -> ChildSpec {
         ChildSpec {

@@ -1,10 +1,12 @@
 //! What `kvpool up` starts: the command line, admin address and role of every child process
-//! (master, agents, prefill and decode engines, conductor) and the agents' config files, from
-//! validated settings and already chosen ports and directories. Pure: nothing is started here.
+//! (master, agents, prefill and decode engines, conductor) and the agents' config files (the
+//! harness's `AgentConfig`), from validated settings and already chosen ports and directories.
+//! Pure: nothing is started here.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use kvpool_harness::{AgentConfig, PoolConfig, master_args};
 use kvpool_proto::openai::EngineProtocol;
 
 /// Role of a child process.
@@ -78,7 +80,7 @@ fn addr(port: u16) -> SocketAddr {
 pub fn agent_socket(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("agent-{i}"))
         .join("run")
-        .join("agent.sock")
+        .join(kvpool_harness::agent::SOCKET_NAME)
 }
 
 /// The key file every process of the pool shares.
@@ -87,26 +89,22 @@ pub fn key_file(dir: &Path) -> PathBuf {
 }
 
 fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr) -> String {
-    let mut cfg = format!(
-        "node_name: up-agent-{i}\n\
-         dram:\n  capacity: {}\n  lock: false\n\
-         engine_api:\n  socket_dir: {}\n\
-         admin:\n  listen: {admin}\n\
-         pool:\n  master: [\"{master}\"]\n  auth_key_file: {}\n  transport_listen: 127.0.0.1:0\n  heartbeat_interval: 500ms\n",
-        s.agent_dram,
-        s.dir.join(format!("agent-{i}")).join("run").display(),
-        key_file(&s.dir).display(),
-    );
-    if s.sysfs_root.is_some() || s.procfs_root.is_some() {
-        cfg.push_str("discovery:\n");
-        if let Some(p) = &s.sysfs_root {
-            cfg.push_str(&format!("  sysfs_root: {}\n", p.display()));
-        }
-        if let Some(p) = &s.procfs_root {
-            cfg.push_str(&format!("  procfs_root: {}\n", p.display()));
-        }
+    AgentConfig {
+        node_name: format!("up-agent-{i}"),
+        dram: s.agent_dram.clone(),
+        socket_dir: s.dir.join(format!("agent-{i}")).join("run"),
+        admin_listen: admin.to_string(),
+        sysfs_root: s.sysfs_root.clone(),
+        procfs_root: s.procfs_root.clone(),
+        pool: Some(PoolConfig {
+            master: vec![master.to_string()],
+            auth_key_file: key_file(&s.dir),
+            heartbeat_interval: "500ms".into(),
+            settings: Vec::new(),
+        }),
+        sections: String::new(),
     }
-    cfg
+    .to_yaml()
 }
 
 /// The flags an engine and the conductor share: their two listeners, and the model and block
@@ -137,15 +135,9 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         name: "master".into(),
         role: Role::Master,
         program: s.kvpool_bin.clone(),
-        args: vec![
-            "master".into(),
-            "--listen".into(),
-            grpc.to_string(),
-            "--admin-addr".into(),
-            master_admin.to_string(),
-            "--auth-key-file".into(),
-            key_file(&s.dir).display().to_string(),
-        ],
+        args: std::iter::once("master".to_owned())
+            .chain(master_args(grpc, master_admin, &key_file(&s.dir)))
+            .collect(),
         admin: master_admin,
         endpoint: Some(grpc.to_string()),
         config_file: None,

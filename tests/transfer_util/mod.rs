@@ -1,22 +1,25 @@
 //! Helpers shared by the transfer engine's multi-process tests: a `kvpool bench transfer
-//! --mode target` child process and an initiator engine talking to it.
+//! --mode target` child process (through the process harness) and an initiator engine talking
+//! to it.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvpool_harness::{ChildProcess, Launcher};
 use kvpool_transfer::*;
 
 pub const KEY: &str = "multi-process-test-key-0123456789";
 pub const MIB: u64 = 1024 * 1024;
 
-/// A target child process; killed (and reaped) on drop.
+/// A target child process (logging into `target.log` next to its shm socket); killed (and
+/// reaped) on drop.
 pub struct TargetProcess {
-    pub child: Child,
+    pub process: ChildProcess,
     pub tcp: SocketAddr,
     pub shm: PathBuf,
     pub segment: String,
@@ -54,23 +57,27 @@ impl TargetProcess {
         .args(["--listen", listen, "--shm_path"])
         .arg(shm)
         .env("KVPOOL_AUTH_KEY", KEY)
-        .env_remove("KVPOOL_AUTH_KEY_FILE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
-        let mut child = cmd
-            .spawn()
+        .env_remove("KVPOOL_AUTH_KEY_FILE");
+        let logs = shm.parent().unwrap_or(std::path::Path::new("."));
+        let mut process = Launcher::new(logs)
+            .pipe_stdout()
+            .spawn("target", &mut cmd)
             .map_err(|e| format!("cannot spawn the target: {e}"))?;
-        let stdout = child.stdout.take().expect("stdout");
+        let stdout = process.take_stdout().expect("stdout");
         let mut line = String::new();
         let _ = BufReader::new(stdout).read_line(&mut line);
         let field = |k: &str| {
             line.split_whitespace()
                 .find_map(|f| f.strip_prefix(&format!("{k}=")))
                 .map(str::to_owned)
-                .ok_or_else(|| format!("target did not start: no {k}= in its first line {line:?}"))
+                .ok_or_else(|| {
+                    format!(
+                        "target did not start: no {k}= in its first line {line:?}; its log:\n{}",
+                        process.log_text()
+                    )
+                })
         };
-        let parsed = (|| {
+        let (tcp, shm, segment, size) = (|| {
             Ok::<_, String>((
                 field("tcp")?
                     .parse()
@@ -81,21 +88,14 @@ impl TargetProcess {
                     .parse()
                     .map_err(|e| format!("bad size: {e}"))?,
             ))
-        })();
-        match parsed {
-            Ok((tcp, shm, segment, size)) => Ok(TargetProcess {
-                tcp,
-                shm,
-                segment,
-                size,
-                child,
-            }),
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                Err(e)
-            }
-        }
+        })()?;
+        Ok(TargetProcess {
+            process,
+            tcp,
+            shm,
+            segment,
+            size,
+        })
     }
 
     pub fn descriptor(&self, node: &str) -> SegmentDescriptor {
@@ -111,15 +111,7 @@ impl TargetProcess {
     }
 
     pub fn signal(&self, sig: nix::sys::signal::Signal) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, sig);
-    }
-}
-
-impl Drop for TargetProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.signal(sig).expect("signal the target");
     }
 }
 

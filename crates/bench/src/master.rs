@@ -12,10 +12,9 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
-use kvpool_core::master::policy::PolicyKind;
 use kvpool_core::master::types::{ObjectKey, PutOptions, PutStarted, SegmentSpec, Tier};
-use kvpool_harness::{EtcdServer, TestingError};
-use kvpool_master::cmd::{CmdError, MasterArgs, RunningMaster, start};
+use kvpool_harness::{EtcdServer, HarnessError};
+use kvpool_master::cmd::{CmdError, MasterArgs, RunningMaster, loopback_args, start};
 use kvpool_proto::auth::AuthKey;
 
 /// Errors of the benchmark.
@@ -27,7 +26,7 @@ pub enum BenchError {
     #[error("master call failed")]
     Client(#[source] ClientError),
     #[error("cannot start etcd")]
-    Etcd(#[source] TestingError),
+    Etcd(#[source] HarnessError),
     #[error("benchmark set-up failed: {0}")]
     Setup(String),
 }
@@ -96,26 +95,18 @@ fn bench_key(i: u64) -> Vec<u8> {
     format!("bench/{i:012}").into_bytes()
 }
 
+/// The master of the benchmark: loopback ports, timeouts that never fire during a run.
 fn master_args(key_file: std::path::PathBuf, etcd: Option<String>) -> MasterArgs {
     MasterArgs {
-        listen: ([127, 0, 0, 1], 0).into(),
-        admin_addr: ([127, 0, 0, 1], 0).into(),
-        auth_key_file: key_file,
         etcd_endpoints: etcd.into_iter().collect(),
         etcd_prefix: "/kvpool/bench".into(),
-        advertise_addr: None,
-        election_ttl: Duration::from_secs(2),
         heartbeat_timeout: Duration::from_secs(3600),
         lease_ttl: Duration::from_secs(5),
         put_timeout: Duration::from_secs(600),
         task_timeout: Duration::from_secs(600),
         tick_interval: Duration::from_millis(200),
-        eviction_policy: PolicyKind::Lru,
-        dram_high_watermark: 0.95,
-        dram_low_watermark: 0.85,
-        ssd_high_watermark: 0.95,
-        ssd_low_watermark: 0.85,
         max_replicas: 8,
+        ..loopback_args(key_file)
     }
 }
 

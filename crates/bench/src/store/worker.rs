@@ -1,0 +1,356 @@
+//! A client process of `kvpool bench store` (this binary re-executed with `--worker N`): its own
+//! pool client and transfer engine; for every phase of the plan it prints `READY <phase>`,
+//! waits for `GO` on stdin, runs the phase with `--depth` operations in flight and prints
+//! `RESULT <json>`. I/O boundary: the master and the agents over the network, stdin/stdout.
+
+use std::io::{BufRead as _, Write as _};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::pool::{DataError, PoolClient};
+use kvpool_core::master::types::PutOptions;
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_transfer::{
+    self as transfer, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics,
+};
+
+use super::plan::{Phase, plan};
+use super::report::{PhaseResult, encode_histogram, histogram};
+use super::values::{STAMP, object_key, stamp, stamp_into, template, verify, verify_segment};
+use super::{Api, StoreBenchArgs, StoreBenchError};
+
+/// Keys per remove call when a phase's objects are dropped.
+const REMOVE_CHUNK: usize = 1000;
+
+struct Worker {
+    id: usize,
+    args: StoreBenchArgs,
+    pool: PoolClient,
+    master: MasterClient,
+}
+
+impl Worker {
+    async fn run_phase(&self, phase: Phase) -> PhaseResult {
+        match phase {
+            Phase::Put(s) => self.data_phase(s, true).await,
+            Phase::Get(s) => self.data_phase(s, false).await,
+            Phase::Exists => self.lookup_phase(false).await,
+            Phase::Prefix => self.lookup_phase(true).await,
+            Phase::Remove(s) => self.remove_phase(s).await,
+        }
+    }
+
+    async fn data_phase(&self, size: u64, put: bool) -> PhaseResult {
+        let ops = self.args.ops_for(size);
+        let tmpl = Arc::new(template(size, 0x9e37_79b9 ^ size));
+        let next = Arc::new(AtomicU64::new(0));
+        let opts = PutOptions {
+            replicas: self.args.replicas,
+            ..PutOptions::default()
+        };
+        let mut tasks = Vec::new();
+        let api = self.args.api;
+        let before = self.master.batched_calls();
+        for _ in 0..self.args.depth {
+            let (pool, tmpl, next, opts) =
+                (self.pool.clone(), tmpl.clone(), next.clone(), opts.clone());
+            let id = self.id;
+            tasks.push(tokio::spawn(async move {
+                let mut r = PhaseResult::default();
+                let mut h = histogram();
+                let mut buf = tmpl.as_ref().clone();
+                // Registered API: one registered buffer per task, holding the value to put or
+                // receiving the value got.
+                let registered = match api {
+                    Api::Registered => match pool.register_buffer(size) {
+                        Ok(b) => match b.segment().write_at(0, &tmpl) {
+                            Ok(()) => Some(b),
+                            Err(e) => return failed(&e),
+                        },
+                        Err(e) => return failed(&e),
+                    },
+                    Api::Copy => None,
+                };
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= ops {
+                        break;
+                    }
+                    let key = object_key(id, size, i);
+                    let t = Instant::now();
+                    let outcome: Result<bool, DataError> = match (put, &registered) {
+                        (true, Some(reg)) => {
+                            match reg
+                                .segment()
+                                .write_at(0, &stamp(id, i)[..STAMP.min(buf.len())])
+                            {
+                                Ok(()) => {
+                                    pool.put_from(&key, reg, 0, size, &opts).await.map(|_| true)
+                                }
+                                Err(e) => Err(DataError::Staging { size, source: e }),
+                            }
+                        }
+                        (true, None) => {
+                            stamp_into(&mut buf, id, i);
+                            pool.put(&key, &buf, &opts).await.map(|_| true)
+                        }
+                        (false, Some(reg)) => {
+                            // Stale bytes from an earlier get must not pass for this one.
+                            match reg
+                                .segment()
+                                .write_at(0, &[0u8; STAMP][..STAMP.min(buf.len())])
+                            {
+                                Ok(()) => pool
+                                    .get_to(&key, reg, 0)
+                                    .await
+                                    .map(|n| n == size && verify_segment(reg, &tmpl, id, i)),
+                                Err(e) => Err(DataError::Staging { size, source: e }),
+                            }
+                        }
+                        (false, None) => pool.get(&key).await.map(|got| verify(&got, &tmpl, id, i)),
+                    };
+                    let _ = h.record(t.elapsed().as_micros().max(1) as u64);
+                    match outcome {
+                        Ok(ok) => {
+                            r.ops += 1;
+                            r.bytes += size;
+                            if !put {
+                                if ok {
+                                    r.verified += 1;
+                                } else {
+                                    r.mismatches += 1;
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            r.failures += 1;
+                            if r.first_error.is_none() {
+                                r.first_error = Some(error_chain(&e));
+                            }
+                        }
+                    }
+                }
+                r.latency_us = encode_histogram(&h);
+                r
+            }));
+        }
+        let mut r = merge(tasks).await;
+        // Leases are released in the background; the phase ends when the master has them.
+        self.pool.flush_releases().await;
+        let after = self.master.batched_calls();
+        r.master_calls = (after.get + after.put_start + after.put_end + after.release_leases)
+            - (before.get + before.put_start + before.put_end + before.release_leases);
+        r
+    }
+
+    async fn lookup_phase(&self, prefix: bool) -> PhaseResult {
+        let Some(&size) = self.args.sizes.first() else {
+            return PhaseResult::default();
+        };
+        let n = self.args.ops_for(size);
+        let keys: Arc<Vec<Vec<u8>>> =
+            Arc::new((0..n).map(|i| object_key(self.id, size, i)).collect());
+        let stop = CancellationToken::new();
+        let mut tasks = Vec::new();
+        for d in 0..self.args.depth {
+            let (master, keys, stop) = (self.master.clone(), keys.clone(), stop.clone());
+            let batch = self.args.batch;
+            tasks.push(tokio::spawn(async move {
+                let mut r = PhaseResult::default();
+                let mut h = histogram();
+                let mut start = d * 7919;
+                while !stop.is_cancelled() {
+                    // A chain of `batch` committed keys (wrapping when fewer were put).
+                    let chain: Vec<&[u8]> = (0..batch)
+                        .filter_map(|j| keys.get((start + j) % keys.len().max(1)))
+                        .map(Vec::as_slice)
+                        .collect();
+                    start = start.wrapping_add(104_729);
+                    let t = Instant::now();
+                    let ok = if prefix {
+                        master
+                            .longest_prefix(&chain)
+                            .await
+                            .map(|l| l == chain.len())
+                    } else {
+                        master.exists(&chain).await.map(|e| e.iter().all(|b| *b))
+                    };
+                    let _ = h.record(t.elapsed().as_micros().max(1) as u64);
+                    match ok {
+                        Ok(true) => r.ops += 1,
+                        Ok(false) => {
+                            r.ops += 1;
+                            r.mismatches += 1;
+                        }
+                        Err(e) => {
+                            r.failures += 1;
+                            if r.first_error.is_none() {
+                                r.first_error = Some(error_chain(&e));
+                            }
+                            // A dead master would spin here; one failure ends the task.
+                            break;
+                        }
+                    }
+                }
+                r.latency_us = encode_histogram(&h);
+                r
+            }));
+        }
+        tokio::time::sleep(self.args.lookup_duration).await;
+        stop.cancel();
+        merge(tasks).await
+    }
+
+    async fn remove_phase(&self, size: u64) -> PhaseResult {
+        let keys: Vec<Vec<u8>> = (0..self.args.ops_for(size))
+            .map(|i| object_key(self.id, size, i))
+            .collect();
+        let mut r = PhaseResult::default();
+        for chunk in keys.chunks(REMOVE_CHUNK) {
+            let refs: Vec<&[u8]> = chunk.iter().map(Vec::as_slice).collect();
+            match self.master.remove_batch(&refs).await {
+                Ok(items) => {
+                    for item in items {
+                        match item {
+                            Ok(()) => r.ops += 1,
+                            Err(e) => {
+                                r.failures += 1;
+                                if r.first_error.is_none() {
+                                    r.first_error = Some(error_chain(&e));
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    r.failures += chunk.len() as u64;
+                    if r.first_error.is_none() {
+                        r.first_error = Some(error_chain(&e));
+                    }
+                }
+            }
+        }
+        r
+    }
+}
+
+fn failed(e: &dyn std::error::Error) -> PhaseResult {
+    PhaseResult {
+        failures: 1,
+        first_error: Some(error_chain(e)),
+        ..PhaseResult::default()
+    }
+}
+
+async fn merge(tasks: Vec<tokio::task::JoinHandle<PhaseResult>>) -> PhaseResult {
+    let mut out = PhaseResult::default();
+    let mut h = histogram();
+    for t in tasks {
+        let r = match t.await {
+            Ok(r) => r,
+            Err(e) => PhaseResult {
+                failures: 1,
+                first_error: Some(format!("task lost: {e}")),
+                ..PhaseResult::default()
+            },
+        };
+        out.ops += r.ops;
+        out.bytes += r.bytes;
+        out.failures += r.failures;
+        out.verified += r.verified;
+        out.mismatches += r.mismatches;
+        if out.first_error.is_none() {
+            out.first_error = r.first_error;
+        }
+        for (v, c) in r.latency_us {
+            let _ = h.record_n(v.max(1), c);
+        }
+    }
+    out.latency_us = encode_histogram(&h);
+    out
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn read_key(path: &Path) -> Result<Vec<u8>, StoreBenchError> {
+    std::fs::read(path).map_err(StoreBenchError::Io)
+}
+
+/// Body of a client process: connect, then for every phase of the plan print `READY <phase>`,
+/// wait for `GO` on stdin, run it and print `RESULT <json>`.
+pub(super) async fn run_worker(id: usize, args: StoreBenchArgs) -> Result<(), StoreBenchError> {
+    let (Some(master_addr), Some(key_file)) = (args.master, args.key_file.clone()) else {
+        return Err(StoreBenchError::Args(
+            "--worker needs --master and --key-file".into(),
+        ));
+    };
+    let secret = read_key(&key_file)?;
+    let key = MasterKey::from_bytes(&secret)
+        .ok_or_else(|| StoreBenchError::Args("the key file holds too short a key".into()))?;
+    let master = MasterClient::new(vec![master_addr.to_string()], key, ClientConfig::default())
+        .map_err(StoreBenchError::Master)?;
+    let node = format!("bench-client-{id}");
+    let engine = TransferEngine::new(
+        EngineConfig {
+            node: node.clone(),
+            lanes: args.lanes,
+            // Clients and agents share this host; the benchmark measures the remote path.
+            prefer_shm: false,
+            ..EngineConfig::default()
+        },
+        transfer::AuthKey::new(secret).map_err(|e| StoreBenchError::Args(e.to_string()))?,
+        Arc::new(StaticDirectory::new()),
+        TransferMetrics::unregistered().map_err(|e| StoreBenchError::Args(e.to_string()))?,
+    )
+    .map_err(StoreBenchError::Client)?;
+    let pool = PoolClient::new(master.clone(), engine, node, None);
+    let worker = Worker {
+        id,
+        args: args.clone(),
+        pool,
+        master,
+    };
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    for phase in plan(&args.sizes, args.rounds) {
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "READY {}", phase.name()).map_err(StoreBenchError::Io)?;
+            out.flush().map_err(StoreBenchError::Io)?;
+        }
+        line.clear();
+        let n = tokio::task::block_in_place(|| stdin.lock().read_line(&mut line))
+            .map_err(StoreBenchError::Io)?;
+        if n == 0 {
+            // The coordinator went away: stop quietly.
+            return Ok(());
+        }
+        if line.trim() != "GO" {
+            return Err(StoreBenchError::Protocol(format!(
+                "expected GO, got {:?}",
+                line.trim()
+            )));
+        }
+        let result = worker.run_phase(phase).await;
+        let json =
+            serde_json::to_string(&result).map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "RESULT {json}").map_err(StoreBenchError::Io)?;
+        out.flush().map_err(StoreBenchError::Io)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,300 @@
+//! `kvpool bench transfer`: drives the transfer engine as target, initiator or both, and measures
+//! in the same run the baselines the targets are defined against (single-stream loopback iperf3
+//! and single-thread memcpy). Flag names mirror Mooncake's `transfer_engine_bench`.
+//! The flags and the entry point live here; `target`, `initiator`, `baselines` and `report` do
+//! the rest. I/O boundary: the engine's sockets, the `iperf3` child processes, stdout.
+
+mod baselines;
+mod initiator;
+mod report;
+mod target;
+
+pub use self::baselines::{Baselines, iperf3_loopback, memcpy_bandwidth, parse_iperf3_json};
+pub use self::initiator::{InitiatorReport, run_initiator_with};
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use kvpool_transfer::{
+    AuthError, AuthKey, Endpoint, EngineConfig, MemoryError, Protocol, SegmentDescriptor,
+    StaticDirectory, TransferEngine, TransferError, TransferMetrics, TransferOp,
+};
+
+use self::baselines::measure_baselines;
+use self::initiator::run_initiator;
+use self::report::print_report;
+use self::target::{Target, run_target};
+/// Default initiator run time, seconds (Mooncake's default too).
+pub(super) const DEFAULT_DURATION_S: f64 = 10.0;
+
+/// Which side(s) this process runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Target and initiator in one process (plus the baselines).
+    Both,
+    /// Register a segment, serve it, print where, wait for SIGINT/SIGTERM.
+    Target,
+    /// Drive transfers against a running target.
+    Initiator,
+}
+
+/// Flags of `kvpool bench transfer`.
+#[derive(Clone, Debug, Args)]
+pub struct TransferBenchArgs {
+    #[arg(long, value_enum, default_value = "both")]
+    pub mode: Mode,
+    /// READ (target -> initiator) or WRITE (initiator -> target).
+    #[arg(long, value_enum, default_value = "read")]
+    pub operation: OperationArg,
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub protocol: Protocol,
+    /// Bytes per request (suffixes K, M, G, KiB, MiB, GiB accepted).
+    #[arg(long = "block_size", alias = "block-size", default_value = "65536", value_parser = parse_size)]
+    pub block_size: u64,
+    /// Requests per submitted batch.
+    #[arg(long = "batch_size", alias = "batch-size", default_value_t = 128)]
+    pub batch_size: usize,
+    /// Submitting threads.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Seconds to run the initiator (default 10). In target mode the target serves until
+    /// SIGINT/SIGTERM, or for this many seconds when given (0 = until a signal).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Size of the registered segment on each side.
+    #[arg(long = "buffer_size", alias = "buffer-size", default_value = "256MiB", value_parser = parse_size)]
+    pub buffer_size: u64,
+    /// TCP connections per peer.
+    #[arg(long, default_value_t = 2)]
+    pub lanes: usize,
+    /// Requests are cut into slices of this size, spread over the lanes.
+    #[arg(long = "slice_size", alias = "slice-size", default_value = "4MiB", value_parser = parse_size)]
+    pub slice_size: u64,
+    /// Slices in flight per lane.
+    #[arg(long, default_value_t = 8)]
+    pub window: usize,
+    /// Name of the target's segment.
+    #[arg(
+        long = "segment_id",
+        alias = "segment-id",
+        default_value = "bench/target"
+    )]
+    pub segment_id: String,
+    /// Initiator mode: the target's TCP address.
+    #[arg(long = "target_addr", alias = "target-addr")]
+    pub target_addr: Option<SocketAddr>,
+    /// Target mode: TCP listen address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Unix socket of the shared-memory transport (target: where to listen; initiator: where
+    /// to connect). Default: a per-process path under the temp dir.
+    #[arg(long = "shm_path", alias = "shm-path")]
+    pub shm_path: Option<PathBuf>,
+    /// File with the pool's shared key (else KVPOOL_AUTH_KEY; `both` mode makes a random key).
+    #[arg(long = "auth_key_file", alias = "auth-key-file")]
+    pub auth_key_file: Option<PathBuf>,
+    /// Per-wait timeout of the engine, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub timeout: f64,
+    /// Skip the iperf3 and memcpy baselines.
+    #[arg(long = "no_baselines", alias = "no-baselines")]
+    pub no_baselines: bool,
+    /// Seconds each baseline runs.
+    #[arg(
+        long = "baseline_duration",
+        alias = "baseline-duration",
+        default_value_t = 3.0
+    )]
+    pub baseline_duration: f64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `--operation`
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OperationArg {
+    Read,
+    Write,
+}
+
+impl From<OperationArg> for TransferOp {
+    fn from(o: OperationArg) -> Self {
+        match o {
+            OperationArg::Read => TransferOp::Read,
+            OperationArg::Write => TransferOp::Write,
+        }
+    }
+}
+
+/// Errors of the transfer benchmark.
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
+pub enum TransferBenchError {
+    #[error("invalid arguments: {0}")]
+    Args(String),
+    #[error("loading the auth key failed")]
+    Auth(#[source] AuthError),
+    #[error("allocating benchmark memory failed")]
+    Memory(#[source] MemoryError),
+    #[error("transfer engine error")]
+    Engine(#[source] TransferError),
+    #[error("waiting for a shutdown signal failed")]
+    Signal(#[source] std::io::Error),
+    #[error("every transfer failed; last failure: {0}")]
+    AllFailed(String),
+}
+
+impl TransferBenchError {
+    /// Short label for metrics.
+    pub fn category(&self) -> &'static str {
+        self.into()
+    }
+}
+
+/// Parse `65536`, `64K`, `4MiB`, `1G`, ... (K/M/G are powers of 1024, as in Mooncake's flags).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+    };
+    n.checked_mul(mult)
+        .filter(|v| *v > 0)
+        .ok_or_else(|| format!("size {s:?} must be > 0 and fit in 64 bits"))
+}
+
+pub(super) fn secs(v: f64, what: &str) -> Result<Duration, TransferBenchError> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| TransferBenchError::Args(format!("--{what} must be a non-negative number")))
+}
+
+impl TransferBenchArgs {
+    fn validate(&self) -> Result<(), TransferBenchError> {
+        let bad = |m: &str| Err(TransferBenchError::Args(m.to_owned()));
+        if self.block_size > self.buffer_size {
+            return bad("--block_size must not exceed --buffer_size");
+        }
+        if self.threads == 0 || self.batch_size == 0 {
+            return bad("--threads and --batch_size must be > 0");
+        }
+        if self.mode == Mode::Initiator
+            && self.protocol != Protocol::Shm
+            && self.target_addr.is_none()
+        {
+            return bad("--mode initiator needs --target_addr (or --protocol shm with --shm_path)");
+        }
+        if self.mode == Mode::Initiator && self.protocol == Protocol::Shm && self.shm_path.is_none()
+        {
+            return bad("--mode initiator --protocol shm needs --shm_path");
+        }
+        Ok(())
+    }
+
+    fn engine_config(&self) -> Result<EngineConfig, TransferBenchError> {
+        Ok(EngineConfig {
+            node: "bench".into(),
+            lanes: self.lanes,
+            slice_size: self.slice_size,
+            max_slice: self
+                .slice_size
+                .max(kvpool_transfer::frame::DEFAULT_MAX_SLICE),
+            window: self.window,
+            timeout: secs(self.timeout, "timeout")?,
+            want_rdma: self.protocol == Protocol::Rdma,
+            ..EngineConfig::default()
+        })
+    }
+
+    fn shm_path(&self) -> PathBuf {
+        self.shm_path.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("kvpool-bench-{}.sock", std::process::id()))
+        })
+    }
+}
+
+/// Entry point of `kvpool bench transfer`.
+pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
+    args.validate()?;
+    match args.mode {
+        Mode::Target => run_target(&args),
+        Mode::Initiator => {
+            let key =
+                AuthKey::load(args.auth_key_file.as_deref()).map_err(TransferBenchError::Auth)?;
+            let engine = new_engine(&args, key)?;
+            let mut endpoints = Vec::new();
+            if let Some(a) = args.target_addr {
+                endpoints.push(Endpoint::Tcp(a));
+            }
+            if let Some(p) = &args.shm_path {
+                endpoints.push(Endpoint::Shm(p.clone()));
+            }
+            let desc = SegmentDescriptor {
+                name: args.segment_id.clone(),
+                node: "bench".into(),
+                size: args.buffer_size,
+                numa_node: None,
+                memory: Default::default(),
+                endpoints,
+                nics: Vec::new(),
+            };
+            let report = run_initiator(&args, &engine, &desc)?;
+            print_report(&args, &report, None);
+            Ok(())
+        }
+        Mode::Both => {
+            let key = match &args.auth_key_file {
+                Some(p) => AuthKey::from_file(p).map_err(TransferBenchError::Auth)?,
+                None => AuthKey::from_env()
+                    .or_else(|_| AuthKey::random())
+                    .map_err(TransferBenchError::Auth)?,
+            };
+            // Baselines run right before and right after the transfers and are averaged, so a
+            // change of background load during the run biases neither side.
+            let before = if args.no_baselines {
+                None
+            } else {
+                Some(measure_baselines(&args)?)
+            };
+            let target = Target::start(&args, key.clone())?;
+            let engine = new_engine(&args, key)?;
+            let report = run_initiator(&args, &engine, &target.descriptor)?;
+            drop(engine);
+            drop(target);
+            let baselines = match before {
+                Some(b) => Some(b.merge(measure_baselines(&args)?)),
+                None => None,
+            };
+            print_report(&args, &report, baselines.as_ref());
+            Ok(())
+        }
+    }
+}
+
+pub(super) fn new_engine(
+    args: &TransferBenchArgs,
+    key: AuthKey,
+) -> Result<TransferEngine, TransferBenchError> {
+    let metrics = TransferMetrics::unregistered()
+        .map_err(|e| TransferBenchError::Args(format!("metrics: {e}")))?;
+    TransferEngine::new(
+        args.engine_config()?,
+        key,
+        Arc::new(StaticDirectory::new()),
+        metrics,
+    )
+    .map_err(TransferBenchError::Engine)
+}
+
+#[cfg(test)]
+mod tests;

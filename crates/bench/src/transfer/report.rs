@@ -1,0 +1,71 @@
+//! The output of `kvpool bench transfer`: one JSON object (`--json`) or text, with the ratios to
+//! the baselines and whether the targets (TCP >= 90% of iperf3, shm >= 50% of memcpy) are met.
+//! I/O boundary: stdout.
+
+use super::TransferBenchArgs;
+use super::baselines::Baselines;
+use super::initiator::InitiatorReport;
+
+pub(super) fn print_report(args: &TransferBenchArgs, r: &InitiatorReport, b: Option<&Baselines>) {
+    let tcp_ratio = b
+        .and_then(|b| b.iperf3_gb_per_s)
+        .filter(|_| r.protocol == "tcp")
+        .map(|i| r.gb_per_s / i);
+    let shm_ratio = b
+        .filter(|_| r.protocol == "shm")
+        .map(|b| r.gb_per_s / b.memcpy_gb_per_s);
+    if args.json {
+        let v = serde_json::json!({
+            "transfer": r,
+            "baselines": b,
+            "ratio_vs_iperf3": tcp_ratio,
+            "ratio_vs_memcpy": shm_ratio,
+            "targets": {"tcp_vs_iperf3": 0.9, "shm_vs_memcpy": 0.5},
+        });
+        println!("{v}");
+        return;
+    }
+    println!(
+        "protocol={} op={} block_size={} batch_size={} threads={} lanes={}",
+        r.protocol, r.operation, r.block_size, r.batch_size, r.threads, r.lanes
+    );
+    println!(
+        "throughput: {:.3} GB/s ({} requests done, {} failed, {:.1} s)",
+        r.gb_per_s, r.requests_done, r.requests_failed, r.seconds
+    );
+    println!(
+        "batch latency: p50 {} us, p90 {} us, p99 {} us",
+        r.batch_latency_us_p50, r.batch_latency_us_p90, r.batch_latency_us_p99
+    );
+    if let Some(f) = &r.last_failure {
+        println!("last failure: {f}");
+    }
+    if let Some(b) = b {
+        match (b.iperf3_gb_per_s, &b.iperf3_error) {
+            (Some(v), _) => println!(
+                "baseline iperf3 single-stream loopback: {v:.3} GB/s (mean of {:.3?}, before and after)",
+                b.iperf3_runs
+            ),
+            (None, Some(e)) => println!("baseline iperf3: unavailable ({e})"),
+            (None, None) => {}
+        }
+        println!(
+            "baseline memcpy single thread: {:.3} GB/s",
+            b.memcpy_gb_per_s
+        );
+    }
+    if let Some(x) = tcp_ratio {
+        println!(
+            "tcp / iperf3 = {:.1}% (target >= 90%: {})",
+            x * 100.0,
+            if x >= 0.9 { "met" } else { "NOT met" }
+        );
+    }
+    if let Some(x) = shm_ratio {
+        println!(
+            "shm / memcpy = {:.1}% (target >= 50%: {})",
+            x * 100.0,
+            if x >= 0.5 { "met" } else { "NOT met" }
+        );
+    }
+}

@@ -1,0 +1,92 @@
+//! Unit tests of `kvpool bench transfer`'s flags, size parsing and baselines.
+
+use super::baselines::{Baselines, memcpy_bandwidth, parse_iperf3_json};
+use super::*;
+use clap::Parser;
+
+#[derive(Parser)]
+struct Wrap {
+    #[command(flatten)]
+    a: TransferBenchArgs,
+}
+
+#[test]
+fn sizes_parse_with_units() {
+    assert_eq!(parse_size("65536"), Ok(65536));
+    assert_eq!(parse_size("4MiB"), Ok(4 << 20));
+    assert_eq!(parse_size("4M"), Ok(4 << 20));
+    assert_eq!(parse_size("1g"), Ok(1 << 30));
+    assert!(parse_size("0").is_err());
+    assert!(parse_size("12 parsecs").is_err());
+    assert!(parse_size("99999999999999999999G").is_err());
+}
+
+#[test]
+fn mooncake_style_flags_parse() {
+    let w = Wrap::try_parse_from([
+        "x",
+        "--mode",
+        "initiator",
+        "--operation",
+        "write",
+        "--protocol",
+        "tcp",
+        "--block_size",
+        "4MiB",
+        "--batch_size",
+        "16",
+        "--threads",
+        "2",
+        "--duration",
+        "3",
+        "--target_addr",
+        "10.0.0.2:7400",
+        "--json",
+    ])
+    .unwrap();
+    assert_eq!(w.a.block_size, 4 << 20);
+    assert_eq!(w.a.mode, Mode::Initiator);
+    assert!(w.a.validate().is_ok());
+    let w = Wrap::try_parse_from(["x", "--mode", "initiator"]).unwrap();
+    assert!(matches!(w.a.validate(), Err(TransferBenchError::Args(_))));
+}
+
+#[test]
+fn iperf3_json_is_parsed_and_errors_are_reported() {
+    let ok = r#"{"start":{},"end":{"sum_received":{"bits_per_second":8e10}}}"#;
+    assert!((parse_iperf3_json(ok).unwrap() - 10.0).abs() < 1e-9);
+    let err = r#"{"start":{},"error":"unable to connect to server"}"#;
+    assert!(
+        parse_iperf3_json(err)
+            .unwrap_err()
+            .contains("unable to connect")
+    );
+    assert!(parse_iperf3_json("not json").is_err());
+}
+
+#[test]
+fn baselines_before_and_after_are_averaged() {
+    let a = Baselines {
+        iperf3_gb_per_s: Some(1.0),
+        iperf3_runs: vec![1.0],
+        iperf3_error: None,
+        memcpy_gb_per_s: 4.0,
+        memcpy_runs: vec![4.0],
+    };
+    let b = Baselines {
+        iperf3_gb_per_s: Some(3.0),
+        iperf3_runs: vec![3.0],
+        iperf3_error: None,
+        memcpy_gb_per_s: 2.0,
+        memcpy_runs: vec![2.0],
+    };
+    let m = a.merge(b);
+    assert_eq!(m.iperf3_gb_per_s, Some(2.0));
+    assert_eq!(m.memcpy_gb_per_s, 3.0);
+    assert_eq!(m.iperf3_runs.len(), 2);
+}
+
+#[test]
+fn memcpy_baseline_measures_something() {
+    assert!(memcpy_bandwidth(1 << 20, Duration::from_millis(50)) > 0.0);
+}

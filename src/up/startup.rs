@@ -1,0 +1,148 @@
+//! Start-up and shutdown of `kvpool up`'s children: start them group by group (master, agents,
+//! engines, conductor), each group once the one before is ready; print the endpoints; serve
+//! until a signal or a child's death; describe an unclean stop. I/O boundary: the children
+//! (through [`Children`]), their `/readyz` over HTTP, stdout.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use super::UpError;
+use super::children::{Children, Stopped};
+use super::plan::{ChildSpec, Role};
+
+/// Start order: agents need the master, engines need the agents' sockets, the conductor needs
+/// the engines.
+const GROUPS: [&[Role]; 4] = [
+    &[Role::Master],
+    &[Role::Agent],
+    &[Role::Prefill, Role::Decode],
+    &[Role::Conductor],
+];
+
+/// Starts every child of `specs`, group by group, waiting up to `timeout` for each group.
+pub(super) async fn start_all(
+    children: &mut Children,
+    specs: &[ChildSpec],
+    timeout: Duration,
+    stop: &CancellationToken,
+) -> Result<(), UpError> {
+    for group in GROUPS {
+        let members: Vec<&ChildSpec> = specs.iter().filter(|s| group.contains(&s.role)).collect();
+        for spec in &members {
+            children.start(spec).map_err(UpError::Child)?;
+        }
+        wait_ready(children, &members, timeout, stop).await?;
+    }
+    Ok(())
+}
+
+async fn wait_ready(
+    children: &mut Children,
+    specs: &[&ChildSpec],
+    timeout: Duration,
+    stop: &CancellationToken,
+) -> Result<(), UpError> {
+    let deadline = Instant::now() + timeout;
+    for spec in specs {
+        loop {
+            if stop.is_cancelled() {
+                return Err(UpError::Interrupted);
+            }
+            if let Some((name, status)) = children.exited() {
+                return Err(UpError::ChildExited {
+                    log: children.log_path(&name),
+                    name,
+                    status: status.to_string(),
+                });
+            }
+            let ready = kvpool_harness::http::get_async(spec.admin, "/readyz").await;
+            if ready.is_some_and(|r| r.status == 200) {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(UpError::NotReady {
+                    name: spec.name.clone(),
+                    seconds: timeout.as_secs_f64(),
+                    log: children.log_path(&spec.name),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok(())
+}
+
+/// The service address of the first child of `role`.
+pub(super) fn endpoint(specs: &[ChildSpec], role: Role) -> String {
+    specs
+        .iter()
+        .find(|s| s.role == role)
+        .and_then(|s| s.endpoint.clone())
+        .unwrap_or_default()
+}
+
+/// Announces the running pool: one JSON line with `--json` (only without a replay, whose
+/// summary is the JSON output), else the endpoints for people.
+pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &Path) {
+    let conductor = endpoint(specs, Role::Conductor);
+    if json && !replay {
+        let children: Vec<Value> = specs
+            .iter()
+            .map(|s| {
+                json!({"name": s.name, "role": s.role.as_str(), "endpoint": s.endpoint,
+                       "admin": format!("http://{}", s.admin)})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({"ready": true, "conductor": conductor, "children": children,
+                   "dir": dir.display().to_string()})
+        );
+    } else if !json {
+        println!("kvpool up: ready");
+        println!(
+            "  conductor  {conductor}  (OpenAI-compatible: /v1/completions, /v1/chat/completions)"
+        );
+        for s in specs {
+            println!(
+                "  {:<10} {}  admin http://{}",
+                s.name,
+                s.endpoint.as_deref().unwrap_or("-"),
+                s.admin
+            );
+        }
+        println!("  dir        {}", dir.display());
+    }
+}
+
+/// Serves until a signal, or until a child dies.
+pub(super) async fn serve(children: &mut Children, stop: &CancellationToken) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            () = tokio::time::sleep(Duration::from_millis(500)) => {
+                if let Some((name, status)) = children.exited() {
+                    tracing::error!(child = %name, %status, "child exited; stopping");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// What went wrong in the stop, if anything: children that had exited, failed or were killed.
+pub(super) fn unclean(stopped: &[Stopped]) -> Option<String> {
+    let bad: Vec<String> = stopped
+        .iter()
+        .filter(|s| !s.clean())
+        .map(|s| match (&s.status, s.early) {
+            (Some(st), true) => format!("{} had exited ({st})", s.name),
+            (Some(st), false) => format!("{} exited {st}", s.name),
+            (None, _) => format!("{} was killed", s.name),
+        })
+        .collect();
+    (!bad.is_empty()).then(|| bad.join(", "))
+}

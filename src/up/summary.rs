@@ -1,0 +1,224 @@
+//! What `kvpool up --replay` reports: the engines' KV traffic and timings scraped from their
+//! `/metrics` and the conductor's, the master's pool statistics, and the summary built from them
+//! (JSON, or text for people). I/O boundary: `engine_kv` and `pool_stats` (HTTP and gRPC to the
+//! children); the summary itself is pure.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+
+use super::plan::{ChildSpec, Role};
+use super::replay::ReplayStats;
+pub use kvpool_harness::scrape::{metric_sum, metric_sum_labelled};
+
+/// The timed operations of the summary's `timing` object: the engines' KV work by operation
+/// (`kvpool_engine_kv_seconds{op}`), their prefill queue, and the conductor's pool lookups.
+pub const TIMED: [&str; 6] = [
+    "exists",
+    "read",
+    "write",
+    "handoff_wait",
+    "prefill_queue",
+    "pool_lookup",
+];
+
+/// KV traffic summed over the engines, and where the time went.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineKv {
+    pub read_bytes: f64,
+    pub written_bytes: f64,
+    pub block_hits: f64,
+    pub block_misses: f64,
+    pub verify_failures: f64,
+    pub errors: f64,
+    /// Per [`TIMED`] entry: total wall seconds and number of observations.
+    pub timed_s: [f64; 6],
+    pub timed_n: [f64; 6],
+    /// The pool bandwidth the conductor's estimate ended on, bytes per cost-model second.
+    pub fetch_bandwidth_bps: Option<f64>,
+}
+
+/// The `/metrics` text of a child's admin server, when it answers 200.
+async fn metrics_text(spec: &ChildSpec) -> Option<String> {
+    kvpool_harness::http::get_async(spec.admin, "/metrics")
+        .await
+        .filter(|r| r.status == 200)
+        .map(|r| r.body)
+}
+
+pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
+    let mut kv = EngineKv::default();
+    for spec in specs
+        .iter()
+        .filter(|s| matches!(s.role, Role::Prefill | Role::Decode))
+    {
+        let Some(text) = metrics_text(spec).await else {
+            continue;
+        };
+        kv.read_bytes += metric_sum(&text, "kvpool_engine_kv_read_bytes_total");
+        kv.written_bytes += metric_sum(&text, "kvpool_engine_kv_written_bytes_total");
+        kv.block_hits += metric_sum(&text, "kvpool_engine_kv_block_hits_total");
+        kv.block_misses += metric_sum(&text, "kvpool_engine_kv_block_misses_total");
+        kv.verify_failures += metric_sum(&text, "kvpool_engine_kv_verify_failures_total");
+        kv.errors += metric_sum(&text, "kvpool_engine_kv_errors_total");
+        for (i, op) in TIMED.iter().enumerate().take(4) {
+            kv.timed_s[i] += metric_sum_labelled(&text, "kvpool_engine_kv_seconds_sum", "op", op);
+            kv.timed_n[i] += metric_sum_labelled(&text, "kvpool_engine_kv_seconds_count", "op", op);
+        }
+        kv.timed_s[4] += metric_sum(&text, "kvpool_engine_prefill_queue_seconds_sum");
+        kv.timed_n[4] += metric_sum(&text, "kvpool_engine_prefill_queue_seconds_count");
+    }
+    if let Some(spec) = specs.iter().find(|s| s.role == Role::Conductor)
+        && let Some(text) = metrics_text(spec).await
+    {
+        kv.timed_s[5] += metric_sum(&text, "kvpool_conductor_pool_lookup_seconds_sum");
+        kv.timed_n[5] += metric_sum(&text, "kvpool_conductor_pool_lookup_seconds_count");
+        kv.fetch_bandwidth_bps = text
+            .lines()
+            .any(|l| l.starts_with("kvpool_conductor_pool_fetch_bandwidth_bytes_per_second "))
+            .then(|| {
+                metric_sum(
+                    &text,
+                    "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second",
+                )
+            });
+    }
+    kv
+}
+
+pub(super) async fn pool_stats(master: &str, key_file: &Path) -> Option<Value> {
+    let key = kvpool_proto::auth::AuthKey::from_file(key_file).ok()?;
+    let client = kvpool_client::master::MasterClient::new(
+        vec![master.to_owned()],
+        key,
+        kvpool_client::master::ClientConfig::default(),
+    )
+    .ok()?;
+    let s = client.stats().await.ok()?;
+    Some(json!({
+        "objects": s.objects,
+        "used_bytes": s.used_bytes.iter().sum::<u64>(),
+        "capacity_bytes": s.capacity_bytes.iter().sum::<u64>(),
+        "nodes_alive": s.nodes_alive,
+        "segments": s.segments,
+    }))
+}
+
+/// The summary printed after a replay.
+pub fn summary_json(
+    stats: &ReplayStats,
+    speed: f64,
+    kv: &EngineKv,
+    pool: Option<Value>,
+    clean: bool,
+) -> Value {
+    let lookups = kv.block_hits + kv.block_misses;
+    json!({
+        "requests": stats.requests,
+        "served": stats.served,
+        "rejected": stats.rejected,
+        "failed": stats.failed,
+        "generated_tokens": stats.generated_tokens,
+        "wall_s": stats.wall_s,
+        "speed": speed,
+        "ttft_ms": {"p50": stats.ttft_ms_p50, "p99": stats.ttft_ms_p99},
+        "tpot_ms": {"p50": stats.tpot_ms_p50, "p99": stats.tpot_ms_p99},
+        "engines": {
+            "kv_read_bytes": kv.read_bytes,
+            "kv_written_bytes": kv.written_bytes,
+            "kv_block_hits": kv.block_hits,
+            "kv_block_misses": kv.block_misses,
+            "kv_verify_failures": kv.verify_failures,
+            "kv_errors": kv.errors,
+            "pool_hit_ratio": (lookups > 0.0).then(|| kv.block_hits / lookups),
+        },
+        "timing": timing_json(kv),
+        "pool": pool,
+        "clean_shutdown": clean,
+    })
+}
+
+/// Per timed operation, its count and mean wall milliseconds (null mean when none ran).
+fn timing_json(kv: &EngineKv) -> Value {
+    let mut ops = serde_json::Map::new();
+    for (i, op) in TIMED.iter().enumerate() {
+        let (sum, n) = (kv.timed_s[i], kv.timed_n[i]);
+        ops.insert(
+            (*op).to_owned(),
+            json!({"count": n, "mean_ms": (n > 0.0).then(|| sum / n * 1e3)}),
+        );
+    }
+    ops.insert(
+        "conductor_fetch_bandwidth_bytes_per_s".into(),
+        json!(kv.fetch_bandwidth_bps),
+    );
+    Value::Object(ops)
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |v| format!("{v:.1} ms"))
+}
+
+pub(super) fn print_summary(v: &Value, stats: &ReplayStats, kv: &EngineKv) {
+    println!(
+        "replayed {} requests in {:.1} s (x{} speed): served {}, rejected {}, failed {}",
+        stats.requests, stats.wall_s, v["speed"], stats.served, stats.rejected, stats.failed
+    );
+    println!(
+        "TTFT p50 {} p99 {}; TPOT p50 {} p99 {} (wall clock)",
+        ms(stats.ttft_ms_p50),
+        ms(stats.ttft_ms_p99),
+        ms(stats.tpot_ms_p50),
+        ms(stats.tpot_ms_p99)
+    );
+    println!(
+        "engines moved KV through the agents: {:.0} bytes written, {:.0} bytes read; pool block hits {:.0}, misses {:.0}, verification failures {:.0}",
+        kv.written_bytes, kv.read_bytes, kv.block_hits, kv.block_misses, kv.verify_failures
+    );
+    if v["pool"].is_object() {
+        println!(
+            "master: {} objects, {} bytes used of {}, {} nodes alive",
+            v["pool"]["objects"],
+            v["pool"]["used_bytes"],
+            v["pool"]["capacity_bytes"],
+            v["pool"]["nodes_alive"]
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_has_a_mean_per_operation_that_ran() {
+        let kv = EngineKv {
+            timed_s: [0.0, 3.0, 0.0, 0.0, 0.0, 0.0],
+            timed_n: [0.0, 4.0, 0.0, 0.0, 0.0, 0.0],
+            ..EngineKv::default()
+        };
+        let t = timing_json(&kv);
+        assert_eq!(t["read"]["mean_ms"], json!(750.0));
+        assert_eq!(t["exists"]["mean_ms"], Value::Null);
+    }
+
+    #[test]
+    fn summary_has_the_hit_ratio_when_there_were_lookups() {
+        let stats = ReplayStats {
+            requests: 2,
+            served: 2,
+            ..ReplayStats::default()
+        };
+        let kv = EngineKv {
+            block_hits: 3.0,
+            block_misses: 1.0,
+            ..EngineKv::default()
+        };
+        let v = summary_json(&stats, 10.0, &kv, None, true);
+        assert_eq!(v["engines"]["pool_hit_ratio"], 0.75);
+        assert!(v["pool"].is_null());
+        let v = summary_json(&stats, 10.0, &EngineKv::default(), None, false);
+        assert!(v["engines"]["pool_hit_ratio"].is_null());
+        assert_eq!(v["clean_shutdown"], false);
+    }
+}

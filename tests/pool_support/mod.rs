@@ -1,0 +1,292 @@
+//! What the root tests share on top of `kvpool_harness`: the `kvpool` binary of this build, the
+//! agent's fixture machine, a real `kvpool master` and real `kvpool agent run` processes on
+//! 127.0.0.1 with their logs in the test's directory (master_kill_under_load, master_striping,
+//! agent_pool_*, agent_transport_report), a local-only agent for the engine tests
+//! (synthetic_engine, conductor_http), clients of them, polls of the master's stats and the
+//! agents' metrics, and an in-process master (master_service, master_coalescing). Failures panic
+//! with the process's log tail. I/O boundary: child processes, loopback sockets, temp dirs.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpool_agent::api::client::EngineClient;
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::pool::PoolClient;
+use kvpool_harness::{AgentSpec, ChildProcess, Launcher, MasterSpec, Probe, free_addr, http};
+use kvpool_master::cmd::{MasterArgs, RunningMaster, start};
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_proto::master::StatsResponse;
+use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
+use tokio_util::sync::CancellationToken;
+
+pub use kvpool_harness::scrape::metric_value as metric;
+
+pub const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
+/// The pool key of the agent tests.
+pub const KEY: &str = "pool-wiring-test-key-0123456789abcdef";
+/// Only a hang reaches it on a loaded 2-core box.
+pub const DEADLINE: Duration = Duration::from_secs(180);
+
+/// The one-NUMA-node, no-RDMA machine of the agent's tests (`sys` and `proc` below it).
+pub fn sysfs_fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("agent/tests/fixtures/tcp-single")
+}
+
+/// Writes `key` to `dir/pool.key` and returns its path.
+pub fn write_key(dir: &Path, key: &str) -> PathBuf {
+    let key_file = dir.join("pool.key");
+    std::fs::write(&key_file, key).expect("key file");
+    key_file
+}
+
+/// The directory `dir/ssd` and the agent config lines of an 8 MiB SSD tier in it (the `extra`
+/// of [`start_agent_with`]).
+pub fn ssd_tier(dir: &Path) -> (PathBuf, String) {
+    let ssd_dir = dir.join("ssd");
+    let extra = format!("ssd:\n  path: {}\n  capacity: 8MiB\n", ssd_dir.display());
+    (ssd_dir, extra)
+}
+
+/// A `kvpool master` logging into `dir/master.log`, once its gRPC port listens. Agents beat
+/// every 200 ms: `heartbeat_timeout` is short enough to keep a test quick and long enough for
+/// a loaded box.
+pub fn start_master(
+    dir: &Path,
+    key_file: &Path,
+    heartbeat_timeout: &str,
+) -> (ChildProcess, SocketAddr) {
+    let m = MasterSpec::new(KVPOOL, key_file)
+        .expect("ports")
+        .args([
+            "--heartbeat-timeout",
+            heartbeat_timeout,
+            "--tick-interval",
+            "100ms",
+        ])
+        .start(&Launcher::new(dir), "master", DEADLINE)
+        .expect("kvpool master");
+    (m.process, m.grpc)
+}
+
+/// Where a started agent can be reached.
+pub struct AgentAddrs {
+    pub admin: SocketAddr,
+    pub socket: PathBuf,
+}
+
+/// An agent `name` of the pool behind `master` with `dram` of DRAM tier on the fixture machine,
+/// in `dir/<name>` and logging into `dir/<name>.log`.
+pub fn start_agent(
+    dir: &Path,
+    name: &str,
+    master: SocketAddr,
+    key_file: &Path,
+    dram: &str,
+) -> (ChildProcess, AgentAddrs) {
+    start_agent_with(dir, name, master, key_file, dram, "")
+}
+
+/// Like [`start_agent`]; `extra` is appended to the config right after `pool:`'s own lines
+/// (indented lines such as `"  replicas: 2\n"` continue it, others add sections such as
+/// `ssd:`).
+pub fn start_agent_with(
+    dir: &Path,
+    name: &str,
+    master: SocketAddr,
+    key_file: &Path,
+    dram: &str,
+    extra: &str,
+) -> (ChildProcess, AgentAddrs) {
+    let admin = free_addr().expect("port");
+    let a = AgentSpec::new(KVPOOL, dir.join(name), name, dram)
+        .fixture(&sysfs_fixture())
+        .admin(admin)
+        .pool(master, key_file, "200ms")
+        .section(extra)
+        .spawn(&Launcher::new(dir))
+        .expect("kvpool agent");
+    (
+        a.process,
+        AgentAddrs {
+            admin,
+            socket: a.socket,
+        },
+    )
+}
+
+/// A local-only agent (no pool) with 16 MiB of DRAM in `dir`, once its engine-API socket
+/// accepts connections; returns it and the socket.
+pub fn start_local_agent(dir: &Path) -> (ChildProcess, PathBuf) {
+    let mut a = AgentSpec::new(KVPOOL, dir, "test-node", "16MiB")
+        .fixture(&sysfs_fixture())
+        .spawn(&Launcher::new(dir))
+        .expect("kvpool agent");
+    a.process
+        .wait_ready(&Probe::Unix(a.socket.clone()), DEADLINE)
+        .expect("agent socket");
+    (a.process, a.socket)
+}
+
+/// Blocks (off the async workers when on a multi-threaded runtime) until the agent's `/readyz`
+/// answers 200.
+pub fn wait_ready(agent: &AgentAddrs, proc: &mut ChildProcess) {
+    tokio::task::block_in_place(|| proc.wait_ready(&Probe::readyz(agent.admin), DEADLINE))
+        .expect("agent ready");
+}
+
+/// Waits for the process to exit (after a signal).
+pub fn wait_exit(proc: &mut ChildProcess) {
+    tokio::task::block_in_place(|| proc.wait_timeout(DEADLINE)).expect("exit");
+}
+
+/// `GET path`: (status code, body); None while nothing answers.
+pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    http::get_async(addr, path)
+        .await
+        .map(|r| (r.status, r.body))
+}
+
+pub fn master_client(grpc: SocketAddr, key: &str) -> MasterClient {
+    MasterClient::new(
+        vec![grpc.to_string()],
+        MasterKey::from_bytes(key.as_bytes()).expect("master key"),
+        ClientConfig::default(),
+    )
+    .expect("master client")
+}
+
+/// A transfer engine of a client node `node` keyed with `key`; `tune` changes its config.
+pub fn client_engine(
+    node: &str,
+    key: &str,
+    tune: impl FnOnce(&mut EngineConfig),
+) -> TransferEngine {
+    let mut config = EngineConfig {
+        node: node.into(),
+        ..EngineConfig::default()
+    };
+    tune(&mut config);
+    TransferEngine::new(
+        config,
+        AuthKey::new(key.as_bytes().to_vec()).expect("transfer key"),
+        Arc::new(StaticDirectory::new()),
+        TransferMetrics::unregistered().expect("metrics"),
+    )
+    .expect("engine")
+}
+
+/// A pool client of node `node` on its own transfer engine (see [`client_engine`]).
+pub fn pool_client(
+    grpc: SocketAddr,
+    key: &str,
+    node: &str,
+    tune: impl FnOnce(&mut EngineConfig),
+) -> PoolClient {
+    let engine = client_engine(node, key, tune);
+    PoolClient::new(master_client(grpc, key), engine, node.into(), None)
+}
+
+/// An engine-API session with the agent.
+pub async fn engine(agent: &AgentAddrs, name: &str) -> EngineClient {
+    EngineClient::connect(&agent.socket, 4 << 20, name)
+        .await
+        .expect("engine session")
+}
+
+/// Polls the master's stats until `done` holds, while every one of `procs` runs.
+pub async fn wait_stats(
+    client: &MasterClient,
+    what: &str,
+    procs: &mut [&mut ChildProcess],
+    done: impl Fn(&StatsResponse) -> bool,
+) -> StatsResponse {
+    let started = Instant::now();
+    loop {
+        for p in procs.iter_mut() {
+            p.assert_running().expect("running");
+        }
+        if let Ok(s) = client.stats().await
+            && done(&s)
+        {
+            return s;
+        }
+        assert!(started.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Polls the agent's metrics until `done` holds for the value of `name{labels}` (0 if absent).
+pub async fn wait_metric(
+    agent: &AgentAddrs,
+    proc: &mut ChildProcess,
+    name: &str,
+    labels: &[&str],
+    done: impl Fn(f64) -> bool,
+) -> f64 {
+    let started = Instant::now();
+    let mut last = None;
+    loop {
+        proc.assert_running().expect("running");
+        if let Some((200, text)) = http_get(agent.admin, "/metrics").await {
+            let v = metric(&text, name, labels).unwrap_or(0.0);
+            if done(v) {
+                return v;
+            }
+            last = Some(v);
+        }
+        if started.elapsed() > DEADLINE {
+            panic!(
+                "timed out waiting for {name}{labels:?} (last {last:?}); log:\n{}",
+                proc.log_text()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether a process with this id still exists (and is not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// An in-process master with its key file in a temporary directory and a client of it.
+pub struct InProcessMaster {
+    pub _dir: tempfile::TempDir,
+    pub master: RunningMaster,
+    pub shutdown: CancellationToken,
+    pub client: MasterClient,
+}
+
+/// Start a master with [`kvpool_master::cmd::loopback_args`] changed by `tweak`, keyed with `key`.
+pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) -> InProcessMaster {
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, key).expect("key");
+    let mut a = kvpool_master::cmd::loopback_args(key_file);
+    tweak(&mut a);
+    let shutdown = CancellationToken::new();
+    let master = start(a.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("start master");
+    let client = MasterClient::new(
+        vec![master.grpc_addr.to_string()],
+        MasterKey::from_bytes(key).expect("master key"),
+        ClientConfig::default(),
+    )
+    .expect("client");
+    InProcessMaster {
+        _dir: dir,
+        master,
+        shutdown,
+        client,
+    }
+}
