@@ -79,7 +79,7 @@ discovery:
 dram:
   capacity: 64GiB
   numa_policy:
-nodes: [0, 1]
+    nodes: [0, 1]
   hugepages: 2MiB
   lock: false
 ssd:
