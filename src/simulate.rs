@@ -8,9 +8,11 @@ use std::str::FromStr;
 use std::time::Instant;
 
 use kvpool_core::sched::{
-    DecodeCost, FitError, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
+    FitError, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 
+use kvpool_core::flags::{FlagError, gbps, positive};
+use kvpool_core::sched::CostFlags;
 use kvpool_core::sim::bench::{self, BenchConfig};
 use kvpool_core::sim::engine::{SimConfig, SimError, UNLIMITED, simulate};
 use kvpool_core::sim::trace::{self, TraceError};
@@ -62,28 +64,12 @@ pub struct SimulateArgs {
     /// Tokens per block; must match the trace's hash_ids (512 for the Mooncake traces).
     #[arg(long, default_value_t = 512)]
     pub block_size: u32,
-    /// Prefill cost: fixed seconds per request.
-    #[arg(long, default_value_t = PrefillCost::default().fixed_s)]
-    pub prefill_fixed_s: f64,
-    /// Prefill cost: seconds per prompt token.
-    #[arg(long, default_value_t = PrefillCost::default().linear_s)]
-    pub prefill_linear_s: f64,
-    /// Prefill cost: seconds per squared prompt token.
-    #[arg(long, default_value_t = PrefillCost::default().quadratic_s)]
-    pub prefill_quadratic_s: f64,
+    #[command(flatten)]
+    pub cost: CostFlags,
     /// Fit the prefill cost from a profile instead: CSV lines `tokens,seconds` (a header line
     /// and `#` comments are allowed).
     #[arg(long)]
     pub prefill_profile: Option<PathBuf>,
-    /// Decode step cost: fixed seconds.
-    #[arg(long, default_value_t = DecodeCost::default().fixed_s)]
-    pub decode_fixed_s: f64,
-    /// Decode step cost: seconds per running sequence.
-    #[arg(long, default_value_t = DecodeCost::default().per_seq_s)]
-    pub decode_per_seq_s: f64,
-    /// Decode step cost: seconds per context token in the batch.
-    #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
-    pub decode_per_ctx_token_s: f64,
     /// KV tokens one decode instance holds.
     #[arg(long, default_value_t = 1_500_000)]
     pub decode_kv_capacity_tokens: u64,
@@ -132,8 +118,8 @@ pub struct SimulateArgs {
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
 #[strum(serialize_all = "snake_case")]
 pub enum SimulateError {
-    #[error("--{flag}: {problem}")]
-    Flag { flag: &'static str, problem: String },
+    #[error(transparent)]
+    Flag(#[from] FlagError),
     #[error("cannot read prefill profile {path}")]
     ProfileRead {
         path: PathBuf,
@@ -170,26 +156,7 @@ impl SimulateError {
 }
 
 fn flag(flag: &'static str, problem: impl Into<String>) -> SimulateError {
-    SimulateError::Flag {
-        flag,
-        problem: problem.into(),
-    }
-}
-
-fn positive(name: &'static str, v: f64) -> Result<f64, SimulateError> {
-    if v.is_finite() && v > 0.0 {
-        Ok(v)
-    } else {
-        Err(flag(name, format!("must be a finite number > 0, got {v}")))
-    }
-}
-
-fn non_negative(name: &'static str, v: f64) -> Result<f64, SimulateError> {
-    if v.is_finite() && v >= 0.0 {
-        Ok(v)
-    } else {
-        Err(flag(name, format!("must be a finite number >= 0, got {v}")))
-    }
+    FlagError::new(flag, problem).into()
 }
 
 /// Parses a prefill profile: `tokens,seconds` per line; blank lines, `#` comments and one
@@ -254,17 +221,9 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
                 source,
             })?
         }
-        None => PrefillCost {
-            fixed_s: non_negative("prefill-fixed-s", args.prefill_fixed_s)?,
-            linear_s: non_negative("prefill-linear-s", args.prefill_linear_s)?,
-            quadratic_s: non_negative("prefill-quadratic-s", args.prefill_quadratic_s)?,
-        },
+        None => args.cost.prefill()?,
     };
-    let decode_cost = DecodeCost {
-        fixed_s: non_negative("decode-fixed-s", args.decode_fixed_s)?,
-        per_seq_s: non_negative("decode-per-seq-s", args.decode_per_seq_s)?,
-        per_ctx_token_s: non_negative("decode-per-ctx-token-s", args.decode_per_ctx_token_s)?,
-    };
+    let decode_cost = args.cost.decode()?;
     if args.decode_kv_capacity_tokens == 0 {
         return Err(flag("decode-kv-capacity-tokens", "must be at least 1"));
     }
@@ -275,14 +234,11 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
         scheduler: SchedulerConfig {
             policy: args.policy,
             rejection: args.rejection,
-            slo: Slo {
-                ttft_s: positive("ttft-slo-s", args.ttft_slo_s)?,
-                tpot_s: positive("tpot-slo-s", args.tpot_slo_s)?,
-            },
+            slo: Slo::from_flags(args.ttft_slo_s, args.tpot_slo_s)?,
             block_size,
             bytes_per_token: args.bytes_per_token,
-            pool_bandwidth_bps: positive("pool-bandwidth-gbps", args.pool_bandwidth_gbps)? * 1e9,
-            kv_bandwidth_bps: positive("kv-bandwidth-gbps", args.kv_bandwidth_gbps)? * 1e9,
+            pool_bandwidth_bps: gbps("pool-bandwidth-gbps", args.pool_bandwidth_gbps)?,
+            kv_bandwidth_bps: gbps("kv-bandwidth-gbps", args.kv_bandwidth_gbps)?,
             prefill_costs: vec![prefill_cost; args.prefill],
             decode_cost,
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens,

@@ -17,7 +17,6 @@
 
 mod pool_support;
 
-use kvpool_agent::proto::Status;
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::{PutOptions, Tier};
 use pool_support::*;
@@ -51,27 +50,17 @@ fn block(i: usize) -> Vec<u8> {
 }
 
 async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let key_file = write_key(dir.path(), KEY);
-    let (mut master, grpc) = start_master(logs, &key_file, "5s");
-    let (ssd_dir, extra) = ssd_tier(dir.path());
-    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
+    let (ssd_dir, extra, mut a, addr_a) = start_ssd_agent(logs, grpc, &key_file);
     let client = master_client(grpc, KEY);
-    wait_ready(&addr_a, &mut a);
 
     // 16 blocks of ~100 KiB into 1 MiB of DRAM: most are demoted to the SSD segment.
     let mut engine_a = engine(&addr_a, "engine-a").await;
     let keys: Vec<Vec<u8>> = (0..16)
         .map(|i| format!("persist-block-{i}").into_bytes())
         .collect();
-    for (i, key) in keys.iter().enumerate() {
-        assert_eq!(
-            engine_a.put(key, &block(i)).await.expect("put"),
-            Status::Ok,
-            "put {i}"
-        );
-    }
+    put_each(&mut engine_a, &keys, block).await;
     drop(engine_a);
     wait_stats(&client, "demotions done", &mut [&mut master, &mut a], |s| {
         s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0
@@ -242,14 +231,10 @@ async fn demoted_blocks_survive_a_sigkill_after_the_index_sync() {
 /// the block leaves the index, the agent reports it and the master forgets the replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let key_file = write_key(dir.path(), KEY);
-    let (mut master, grpc) = start_master(logs, &key_file, "5s");
-    let (ssd_dir, extra) = ssd_tier(dir.path());
-    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
+    let (ssd_dir, _, mut a, addr_a) = start_ssd_agent(logs, grpc, &key_file);
     let client = master_client(grpc, KEY);
-    wait_ready(&addr_a, &mut a);
 
     // Two values written straight into ssd0 by a remote client.
     let remote = remote_client(grpc);

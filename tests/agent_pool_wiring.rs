@@ -42,11 +42,8 @@ fn value(i: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn values_survive_the_death_of_one_replica_holder() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let key_file = write_key(dir.path(), KEY);
-
-    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let mut a = start_agent(logs, "agent-a", grpc, &key_file, "8MiB").0;
     let mut b = start_agent(logs, "agent-b", grpc, &key_file, "8MiB").0;
 
@@ -133,10 +130,8 @@ async fn values_survive_the_death_of_one_replica_holder() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_puts_land_in_the_agents_dram_tier() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let key_file = write_key(dir.path(), KEY);
-    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", "");
     let (mut b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", "");
     let client = master_client(grpc, KEY);
@@ -162,13 +157,7 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
     let keys: Vec<Vec<u8>> = (0..6)
         .map(|i| format!("engine-block-{i}").into_bytes())
         .collect();
-    for (i, key) in keys.iter().enumerate() {
-        assert_eq!(
-            engine_a.put(key, &value(i)).await.expect("put"),
-            Status::Ok,
-            "put {i}"
-        );
-    }
+    put_each(&mut engine_a, &keys, value).await;
     let after = client.stats().await.expect("stats");
     assert_eq!(after.objects, keys.len() as u64);
     let want_used: u64 = (0..keys.len())
@@ -319,10 +308,8 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_surviving_agent_repairs_lost_replicas() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let key_file = write_key(dir.path(), KEY);
-    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let extra = "  replicas: 2\n";
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", extra);
     let (b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", extra);
@@ -434,14 +421,10 @@ async fn a_surviving_agent_repairs_lost_replicas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let key_file = write_key(dir.path(), KEY);
-    let (mut master, grpc) = start_master(logs, &key_file, "5s");
-    let (ssd_dir, extra) = ssd_tier(dir.path());
-    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
+    let (ssd_dir, _, mut a, addr_a) = start_ssd_agent(logs, grpc, &key_file);
     let client = master_client(grpc, KEY);
-    wait_ready(&addr_a, &mut a);
     let s = client.stats().await.expect("stats");
     assert_eq!(s.segments, 2, "DRAM and SSD segments mounted");
     assert_eq!(s.capacity_bytes, vec![1 << 20, 8 << 20]);
@@ -456,13 +439,7 @@ async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
     let keys: Vec<Vec<u8>> = (0..16)
         .map(|i| format!("demote-block-{i}").into_bytes())
         .collect();
-    for (i, key) in keys.iter().enumerate() {
-        assert_eq!(
-            engine_a.put(key, &block(i)).await.expect("put"),
-            Status::Ok,
-            "put {i}"
-        );
-    }
+    put_each(&mut engine_a, &keys, block).await;
     // Demotions finish (no task left) with blocks on the SSD segment.
     wait_stats(&client, "demotions done", &mut [&mut master, &mut a], |s| {
         s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0

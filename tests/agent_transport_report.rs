@@ -21,11 +21,8 @@ fn find<'a>(t: &'a [NodeTransport], node: &str) -> Option<&'a NodeTransport> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let key_file = write_key(dir.path(), KEY);
-
-    let (mut master, grpc) = start_master(logs, &key_file, "5s");
     let (mut rdma, rdma_addrs) = start_agent_with(
         logs,
         "agent-rdma",

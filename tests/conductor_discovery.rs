@@ -3,6 +3,8 @@
 //! server does, and a conductor whose engines (real synthetic engines on loopback) are added and
 //! removed through the same channel discovery feeds.
 
+mod serve_support;
+
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -11,14 +13,11 @@ use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
 use kvpool_conductor::discovery::{self, DiscoveryConfig};
 use kvpool_conductor::{ConductorConfig, Engines};
-use kvpool_core::sched::{
-    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
-};
+use kvpool_core::sched::{DecodeCost, HotConfig, Policy, Rejection, SchedulerConfig, Slo};
 use kvpool_runtime::admin::Readiness;
-use kvpool_synthetic::EngineConfig;
 use prometheus::Registry;
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use serve_support::{assert_metric, http, listen};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -181,57 +180,21 @@ async fn discovery_follows_ready_pods_through_list_and_watch() {
         .expect("double did not panic");
 }
 
+/// A completion request to the conductor.
+async fn post(addr: SocketAddr, body: &str) -> (u16, String) {
+    http(addr, "POST", "/v1/completions", body).await
+}
+
 const MODEL: &str = "synthetic-70b";
 const BLOCK: u32 = 16;
 
-async fn listen() -> (tokio::net::TcpListener, SocketAddr) {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let a = l.local_addr().expect("addr");
-    (l, a)
-}
-
 async fn engine(shutdown: &CancellationToken) -> (String, Registry) {
-    let config = EngineConfig {
-        model: MODEL.into(),
-        prefill_cost: PrefillCost::default(),
-        decode_cost: DecodeCost::default(),
-        block_size: NonZeroU32::new(BLOCK).expect("nonzero"),
-        cache_blocks: 1000,
-        chunk_bytes: 4,
-        time_scale: 0.001,
-        sglang: None,
-    };
+    let config = serve_support::engine_config(MODEL, BLOCK);
     let registry = Registry::new();
     let router = kvpool_synthetic::server::router(config, &registry).expect("router");
     let (l, a) = listen().await;
     tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
     (format!("http://{a}"), registry)
-}
-
-async fn post(addr: SocketAddr, body: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let req = format!(
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    let status = out[9..12].parse().expect("status");
-    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-    (status, body)
-}
-
-fn metric(registry: &Registry, name: &str) -> f64 {
-    registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric().iter())
-        .map(|m| m.get_counter().get_value() + m.get_gauge().get_value())
-        .sum()
 }
 
 fn gauge(registry: &Registry, name: &str, role: &str) -> f64 {
@@ -324,14 +287,8 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     until_ready(&readiness, true).await;
     let (status, body) = post(addr, &ask("first")).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(
-        metric(&p0_metrics, "kvpool_engine_generated_tokens_total"),
-        1.0
-    );
-    assert_eq!(
-        metric(&d0_metrics, "kvpool_engine_generated_tokens_total"),
-        3.0
-    );
+    assert_metric(&p0_metrics, "kvpool_engine_generated_tokens_total", 1.0);
+    assert_metric(&d0_metrics, "kvpool_engine_generated_tokens_total", 3.0);
     assert_eq!(gauge(&registry, "kvpool_conductor_engines", "prefill"), 1.0);
 
     // A second prefill engine joins and the first leaves: traffic goes to the new one only.
@@ -353,18 +310,9 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
         let (status, body) = post(addr, &ask(q)).await;
         assert_eq!(status, 200, "{body}");
     }
-    assert_eq!(
-        metric(&p0_metrics, "kvpool_engine_generated_tokens_total"),
-        1.0
-    );
-    assert_eq!(
-        metric(&p1_metrics, "kvpool_engine_generated_tokens_total"),
-        2.0
-    );
-    assert_eq!(
-        metric(&d0_metrics, "kvpool_engine_generated_tokens_total"),
-        9.0
-    );
+    assert_metric(&p0_metrics, "kvpool_engine_generated_tokens_total", 1.0);
+    assert_metric(&p1_metrics, "kvpool_engine_generated_tokens_total", 2.0);
+    assert_metric(&d0_metrics, "kvpool_engine_generated_tokens_total", 9.0);
 
     // The last decode engine goes: not ready, 503 again.
     tx.send(Engines {

@@ -2,6 +2,7 @@
 //! in-process master for the pool lookups and a real `kvpool agent run` process for prefetches.
 
 mod pool_support;
+mod serve_support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -13,19 +14,15 @@ use kvpool_core::sched::{
 use kvpool_synthetic::{EngineConfig, SglangMode, SglangRole};
 use prometheus::Registry;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use serve_support::{assert_metric, listen, metric as counter};
 use tokio_util::sync::CancellationToken;
+
+async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
+    serve_support::exchange(addr, "POST", path, body).await
+}
 
 const MODEL: &str = "synthetic-70b";
 const BLOCK: u32 = 16;
-
-async fn listen() -> (tokio::net::TcpListener, SocketAddr) {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let a = l.local_addr().expect("addr");
-    (l, a)
-}
 
 /// A synthetic engine; returns its address and metrics registry.
 async fn engine(shutdown: &CancellationToken) -> (SocketAddr, Registry) {
@@ -50,14 +47,8 @@ async fn engine_mode(
     sglang: Option<SglangMode>,
 ) -> (SocketAddr, Registry) {
     let config = EngineConfig {
-        model: MODEL.into(),
-        prefill_cost: PrefillCost::default(),
-        decode_cost: DecodeCost::default(),
-        block_size: NonZeroU32::new(BLOCK).expect("nonzero"),
-        cache_blocks: 1000,
-        chunk_bytes: 4,
-        time_scale: 0.001,
         sglang,
+        ..serve_support::engine_config(MODEL, BLOCK)
     };
     let kv = match agent {
         Some(socket) => Some(
@@ -184,35 +175,6 @@ async fn start_conductor(
     (a, registry)
 }
 
-/// One HTTP/1.1 exchange; returns (status, head, body).
-async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    let status = out[9..12].parse().expect("status");
-    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    (status, head.to_owned(), body.to_owned())
-}
-
-fn counter(registry: &Registry, name: &str) -> f64 {
-    registry
-        .gather()
-        .iter()
-        .find(|f| f.name() == name)
-        .map(|f| {
-            f.get_metric()
-                .iter()
-                .map(|m| m.get_counter().get_value())
-                .sum()
-        })
-        .unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn routes_prefill_then_decode_and_keeps_prefix_affinity() {
     let c = cluster(Rejection::None, 30.0).await;
@@ -231,10 +193,7 @@ async fn routes_prefill_then_decode_and_keeps_prefix_affinity() {
         .map(|r| counter(r, "kvpool_engine_generated_tokens_total"))
         .collect();
     assert_eq!(prefill_tokens.iter().sum::<f64>(), 1.0);
-    assert_eq!(
-        counter(&c.decode, "kvpool_engine_generated_tokens_total"),
-        6.0
-    );
+    assert_metric(&c.decode, "kvpool_engine_generated_tokens_total", 6.0);
     let first = prefill_tokens
         .iter()
         .position(|&t| t == 1.0)
@@ -343,10 +302,7 @@ async fn streams_chat_through_the_decode_engine() {
         .collect();
     assert_eq!(events.len(), 4, "{text}");
     assert_eq!(events[3], "[DONE]");
-    assert_eq!(
-        counter(&c.conductor_metrics, "kvpool_conductor_requests_total"),
-        1.0
-    );
+    assert_metric(&c.conductor_metrics, "kvpool_conductor_requests_total", 1.0);
     c.shutdown.cancel();
 }
 
@@ -372,11 +328,12 @@ async fn rejects_with_429_and_retry_after_when_the_slo_cannot_be_met() {
     );
     // Nothing reached the engines.
     for r in c.prefill.iter().chain([&c.decode]) {
-        assert_eq!(counter(r, "kvpool_engine_requests_total"), 0.0);
+        assert_metric(r, "kvpool_engine_requests_total", 0.0);
     }
-    assert_eq!(
-        counter(&c.conductor_metrics, "kvpool_conductor_rejections_total"),
-        1.0
+    assert_metric(
+        &c.conductor_metrics,
+        "kvpool_conductor_rejections_total",
+        1.0,
     );
     // A malformed request is a 400 naming the field, before any scheduling.
     let (status, _, text) = post(
@@ -407,10 +364,7 @@ async fn unreachable_decode_engine_gives_502_naming_it() {
         .map(|r| counter(r, "kvpool_engine_generated_tokens_total"))
         .sum();
     assert_eq!(served, 1.0);
-    assert_eq!(
-        counter(&c.conductor_metrics, "kvpool_conductor_requests_total"),
-        1.0
-    );
+    assert_metric(&c.conductor_metrics, "kvpool_conductor_requests_total", 1.0);
     c.shutdown.cancel();
 }
 
@@ -698,18 +652,16 @@ async fn hot_prefix_is_prefetched_from_the_pool_by_the_target_engine() {
         ),
         1.0
     );
-    assert_eq!(counter(other, "kvpool_engine_kv_block_hits_total"), 6.0);
-    assert_eq!(
-        counter(other, "kvpool_engine_kv_read_bytes_total"),
-        (6 * BLOCK as u64 * KV_BYTES_PER_TOKEN) as f64
+    assert_metric(other, "kvpool_engine_kv_block_hits_total", 6.0);
+    assert_metric(
+        other,
+        "kvpool_engine_kv_read_bytes_total",
+        (6 * BLOCK as u64 * KV_BYTES_PER_TOKEN) as f64,
     );
-    assert_eq!(
-        counter(other, "kvpool_engine_kv_verify_failures_total"),
-        0.0
-    );
+    assert_metric(other, "kvpool_engine_kv_verify_failures_total", 0.0);
     // It served no request, yet its cache now holds the prefix: a request for it there would
     // hit 96 tokens. The conductor's mirror knows too (see State::adopted's unit test).
-    assert_eq!(counter(other, "kvpool_engine_prompt_tokens_total"), 0.0);
+    assert_metric(other, "kvpool_engine_prompt_tokens_total", 0.0);
     c.shutdown.cancel();
 }
 
@@ -745,10 +697,7 @@ async fn prefetches_in_flight_are_bounded() {
         let (status, _, body) = post(conductor, "/v1/completions", &ask).await;
         assert_eq!(status, 200, "{body}");
     }
-    assert_eq!(
-        counter(&m, "kvpool_conductor_replication_tasks_total"),
-        tasks as f64
-    );
+    assert_metric(&m, "kvpool_conductor_replication_tasks_total", tasks as f64);
     let prefetches = "kvpool_conductor_prefetches_total";
     assert_eq!(labelled(&m, prefetches, "outcome", "busy"), 1.0);
     assert_eq!(
@@ -825,14 +774,8 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
     assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 tok3 tok4 ");
     let prefill = &c.prefill[0];
     // The prefill half stopped after one token and put the 6 full blocks in the pool...
-    assert_eq!(
-        counter(prefill, "kvpool_engine_generated_tokens_total"),
-        1.0
-    );
-    assert_eq!(
-        counter(prefill, "kvpool_engine_kv_blocks_written_total"),
-        7.0
-    );
+    assert_metric(prefill, "kvpool_engine_generated_tokens_total", 1.0);
+    assert_metric(prefill, "kvpool_engine_kv_blocks_written_total", 7.0);
     // ...(6 blocks and the room's marker); the decode half waited for the room, read the 6
     // blocks back through the agent (every byte checked) and generated the rest.
     assert_eq!(
@@ -844,15 +787,9 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
         ),
         1.0
     );
-    assert_eq!(counter(&c.decode, "kvpool_engine_kv_block_hits_total"), 6.0);
-    assert_eq!(
-        counter(&c.decode, "kvpool_engine_kv_verify_failures_total"),
-        0.0
-    );
-    assert_eq!(
-        counter(&c.decode, "kvpool_engine_generated_tokens_total"),
-        5.0
-    );
+    assert_metric(&c.decode, "kvpool_engine_kv_block_hits_total", 6.0);
+    assert_metric(&c.decode, "kvpool_engine_kv_verify_failures_total", 0.0);
+    assert_metric(&c.decode, "kvpool_engine_generated_tokens_total", 5.0);
 
     // A streaming chat completion: the decode engine's events come through.
     let body = format!(
@@ -887,10 +824,7 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
         ),
         2.0
     );
-    assert_eq!(
-        counter(prefill, "kvpool_engine_generated_tokens_total"),
-        2.0
-    );
+    assert_metric(prefill, "kvpool_engine_generated_tokens_total", 2.0);
     assert_eq!(
         labelled(
             &c.conductor_metrics,
@@ -957,14 +891,8 @@ async fn sglang_decode_whose_prefill_never_arrives_fails_clearly_within_its_time
         ),
         2.0
     );
-    assert_eq!(
-        counter(&c.prefill[0], "kvpool_engine_generated_tokens_total"),
-        1.0
-    );
-    assert_eq!(
-        counter(&c.decode, "kvpool_engine_generated_tokens_total"),
-        0.0
-    );
+    assert_metric(&c.prefill[0], "kvpool_engine_generated_tokens_total", 1.0);
+    assert_metric(&c.decode, "kvpool_engine_generated_tokens_total", 0.0);
     c.shutdown.cancel();
 }
 

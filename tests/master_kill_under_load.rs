@@ -19,7 +19,6 @@ use kvpool_core::master::PutOptions;
 use parking_lot::Mutex;
 use pool_support::*;
 
-const KEY: &str = "kill-under-load-test-key-0123456789abcdef";
 const WRITERS: u64 = 3;
 const PUTS_PER_WRITER: u64 = 60;
 const READERS: usize = 2;
@@ -29,15 +28,7 @@ const KILL_AFTER: u64 = 40;
 /// The value of a key: length 4 KiB to ~260 KiB, content from the key's id.
 fn value(id: u64) -> Vec<u8> {
     let len = 4096 + (id * 7919 % 64) as usize * 4096 + (id % 13) as usize;
-    let mut x = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 32) as u8
-        })
-        .collect()
+    kvpool_harness::bytes::pseudo_random(id, len)
 }
 
 fn key(id: u64) -> Vec<u8> {
@@ -54,10 +45,8 @@ struct Outcomes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agent_killed_under_load_loses_no_committed_object() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("3s");
     let logs = dir.path();
-    let key_file = write_key(logs, KEY);
-    let (mut master, grpc) = start_master(logs, &key_file, "3s");
     let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "64MiB");
     let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "64MiB");
     let (mut c, _) = start_agent(logs, "agent-c", grpc, &key_file, "64MiB");

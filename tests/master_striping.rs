@@ -14,19 +14,10 @@ use kvpool_client::pool::{MANIFEST_LEN, PoolClient, StripeConfig, stripe_part_ke
 use kvpool_core::master::PutOptions;
 use pool_support::*;
 
-const KEY: &str = "striping-test-key-0123456789abcdef0123";
 const MIB: u64 = 1 << 20;
 
 fn value(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 32) as u8
-        })
-        .collect()
+    kvpool_harness::bytes::pseudo_random(seed, len)
 }
 
 async fn parts_present(client: &MasterClient, key: &[u8], parts: u32) -> usize {
@@ -43,10 +34,8 @@ async fn parts_present(client: &MasterClient, key: &[u8], parts: u32) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn striped_objects_spread_over_nodes_and_free_every_part() {
-    let dir = tempfile::tempdir().expect("tempdir");
+    let (dir, key_file, mut master, grpc) = test_pool("3s");
     let logs = dir.path();
-    let key_file = write_key(logs, KEY);
-    let (mut master, grpc) = start_master(logs, &key_file, "3s");
     let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "64MiB");
     let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "64MiB");
     let client = master_client(grpc, KEY);

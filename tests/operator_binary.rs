@@ -1,4 +1,4 @@
-//! The `kvpool-operator` binary as a real child process: `crd` writes the committed CRDs, a bad
+//! `kvpool operator` as a real child process (started through `kvpool-harness`): `crd` writes the committed CRDs, a bad
 //! flag or a missing cluster exits non-zero with the reason, and `run` against a local fake API
 //! server (plain HTTP on 127.0.0.1 answering lists with empty lists, holding watches open and
 //! keeping one Lease in memory) becomes ready after the initial sync, takes and releases the
@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,8 +15,9 @@ use axum::body::Body;
 use axum::extract::{RawQuery, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use kvpool_harness::{Launcher, http};
+use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 
@@ -235,65 +236,15 @@ async fn fake_api(
     }
 }
 
-async fn http_get(addr: SocketAddr, path: &str) -> Option<String> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.ok()?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    stream.write_all(req.as_bytes()).await.ok()?;
-    let mut out = String::new();
-    stream.read_to_string(&mut out).await.ok()?;
-    Some(out)
-}
-
-/// The child's stderr, collected line by line by a reader thread.
-#[derive(Clone, Default)]
-struct Log(Arc<Mutex<String>>);
-
-impl Log {
-    fn collect(child: &mut Child) -> Self {
-        let log = Log::default();
-        if let Some(stderr) = child.stderr.take() {
-            let sink = log.clone();
-            std::thread::spawn(move || {
-                use std::io::BufRead;
-                for line in std::io::BufReader::new(stderr)
-                    .lines()
-                    .map_while(Result::ok)
-                {
-                    let mut text = sink.0.lock().expect("log");
-                    text.push_str(&line);
-                    text.push('\n');
-                }
-            });
-        }
-        log
-    }
-
-    fn text(&self) -> String {
-        self.0.lock().expect("log").clone()
-    }
-
-    /// The admin address the operator bound (it is started with port 0).
-    fn admin_addr(&self) -> Option<SocketAddr> {
-        let text = self.text();
-        let line = text
-            .lines()
-            .find(|l| l.contains("admin server listening"))?;
-        let rest = &line[line.find("addr=")? + "addr=".len()..];
-        let addr: String = rest
-            .chars()
-            .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
-            .collect();
-        addr.parse().ok()
-    }
-}
-
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// The admin address the operator bound (it is started with port 0), from its log.
+fn admin_addr(log: &str) -> Option<SocketAddr> {
+    let line = log.lines().find(|l| l.contains("admin server listening"))?;
+    let rest = &line[line.find("addr=")? + "addr=".len()..];
+    let addr: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == ':')
+        .collect();
+    addr.parse().ok()
 }
 
 /// Start the fake API server holding `seed` (path, object); returns its address and objects.
@@ -340,80 +291,73 @@ async fn run_against(
 ) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
     let kubeconfig = kubeconfig(dir.path(), api_addr);
-    let mut child = operator_command()
-        .args([
-            "run",
-            "--admin-addr",
-            "127.0.0.1:0",
-            "--namespace",
-            "default",
-        ])
-        .args(extra_args)
-        .env("KUBECONFIG", &kubeconfig)
-        .env_remove("KUBERNETES_SERVICE_HOST")
-        .env_remove("KUBERNETES_SERVICE_PORT")
-        .env(
-            "RUST_LOG",
-            std::env::var("OP_LOG").unwrap_or_else(|_| "info".into()),
+    let mut child = Launcher::new(dir.path())
+        .spawn(
+            "operator",
+            operator_command()
+                .args([
+                    "run",
+                    "--admin-addr",
+                    "127.0.0.1:0",
+                    "--namespace",
+                    "default",
+                ])
+                .args(extra_args)
+                .env("KUBECONFIG", &kubeconfig)
+                .env_remove("KUBERNETES_SERVICE_HOST")
+                .env_remove("KUBERNETES_SERVICE_PORT")
+                .env(
+                    "RUST_LOG",
+                    std::env::var("OP_LOG").unwrap_or_else(|_| "info".into()),
+                )
+                .env("NO_COLOR", "1"),
         )
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn");
-    let log = Log::collect(&mut child);
-    let mut child = KillOnDrop(child);
+        .expect("start kvpool operator run");
 
     // Wait (bounded, generously for a loaded machine) for the admin server to say `want`.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = String::new();
     let mut admin = None;
     loop {
-        admin = admin.or_else(|| log.admin_addr());
+        admin = admin.or_else(|| admin_addr(&child.log_text()));
         let response = match admin {
-            Some(addr) => http_get(addr, path).await,
+            Some(addr) => http::get_async(addr, path).await,
             None => None,
         };
-        if let Some(resp) = response {
-            if resp.starts_with("HTTP/1.1 200") && resp.contains(want) && until() {
+        if let Some(r) = response {
+            if r.status == 200 && r.body.contains(want) && until() {
                 break;
             }
-            last = resp;
+            last = format!("{} {}", r.status, r.body);
         }
-        if let Ok(Some(status)) = child.0.try_wait() {
-            panic!("operator exited early with {status}: {}", log.text());
+        if let Ok(Some(status)) = child.try_status() {
+            panic!("operator exited early with {status}: {}", child.log_text());
         }
-        if Instant::now() >= deadline {
-            let _ = child.0.kill();
-            panic!(
-                "{path} never showed {want:?}; last: {last}\noperator log:\n{}",
-                log.text()
-            );
-        }
+        assert!(
+            Instant::now() < deadline,
+            "{path} never showed {want:?}; last: {last}\noperator log:\n{}",
+            child.log_text()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let admin = admin.expect("admin address known once it answered");
-    let livez = http_get(admin, "/livez").await.expect("livez");
-    assert!(livez.starts_with("HTTP/1.1 200"), "{livez}");
+    let livez = http::get_async(admin, "/livez").await.expect("livez");
+    assert_eq!(livez.status, 200, "{}", livez.body);
 
-    let pid = child.0.id().to_string();
-    let killed = Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let status = tokio::task::spawn_blocking(move || child.0.wait().expect("wait"))
-        .await
-        .expect("join");
-    // The reader thread sees end-of-file once the process is gone; wait (bounded) for the
-    // last lines.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !log.text().contains("kvpool-operator stopped") && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let log = log.text();
+    // The operator may still call the fake API (on this runtime) while it stops: wait for it
+    // off the runtime's thread.
+    child.signal(Signal::SIGTERM).expect("SIGTERM");
+    let (child, status) = tokio::task::spawn_blocking(move || {
+        let status = child.wait_timeout(Duration::from_secs(60));
+        (child, status)
+    })
+    .await
+    .expect("join");
+    let log = child.log_text();
+    let status = status.expect("exit after SIGTERM");
     assert!(status.success(), "exit {status}: {log}");
     assert!(log.contains("SIGTERM received"), "{log}");
+    assert!(log.contains("kvpool-operator stopped"), "{log}");
     log
 }
 

@@ -344,24 +344,19 @@ fn discovery_selects_the_engine_pods(
         p_ports.contains(&port) && d_ports.contains(&port),
         "{rel}: engines serve on {port}"
     );
-    ensure!(
-        selects(&discovery.prefill_selector, &p_labels)?,
-        "{rel}: prefill selector {} misses {p_labels:?}",
-        discovery.prefill_selector
-    );
-    ensure!(
-        !selects(&discovery.prefill_selector, &d_labels)?,
-        "{rel}: prefill selector picks decode pods"
-    );
-    ensure!(
-        selects(&discovery.decode_selector, &d_labels)?,
-        "{rel}: decode selector {} misses {d_labels:?}",
-        discovery.decode_selector
-    );
-    ensure!(
-        !selects(&discovery.decode_selector, &p_labels)?,
-        "{rel}: decode selector picks prefill pods"
-    );
+    for (role, selector, own, other) in [
+        ("prefill", &discovery.prefill_selector, &p_labels, &d_labels),
+        ("decode", &discovery.decode_selector, &d_labels, &p_labels),
+    ] {
+        ensure!(
+            selects(selector, own)?,
+            "{rel}: {role} selector {selector} misses {own:?}"
+        );
+        ensure!(
+            !selects(selector, other)?,
+            "{rel}: {role} selector picks the other role's pods"
+        );
+    }
     let mut other_pool = p_labels.clone();
     other_pool.insert(kvpool_crd::labels::POOL.to_owned(), format!("{name}-other"));
     ensure!(

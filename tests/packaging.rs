@@ -400,6 +400,12 @@ fn typed(doc: &Value) -> Result<Object> {
     })
 }
 
+/// The chart with the production example's values.
+const PRODUCTION: Render<'static> = Render {
+    values: Some("charts/kvpool/ci/production-values.yaml"),
+    sets: &[],
+};
+
 /// Renders, parses and types one rendering; also returns the raw YAML.
 fn render_objects(render: &Render<'_>) -> Result<(String, Vec<Object>)> {
     let yaml = helm_template(render)?;
@@ -1013,10 +1019,7 @@ fn metrics_in(expr: &str) -> BTreeSet<String> {
 
 #[test]
 fn alert_rules_pass_promtool_and_fire_as_intended() -> Result<()> {
-    let (_, objects) = render_objects(&Render {
-        values: Some("charts/kvpool/ci/production-values.yaml"),
-        sets: &[],
-    })?;
+    let (_, objects) = render_objects(&PRODUCTION)?;
     let Some(rule) = objects.iter().find_map(|o| match o {
         Object::PrometheusRule(r) => Some(r),
         _ => None,
@@ -1050,10 +1053,7 @@ fn alert_rules_pass_promtool_and_fire_as_intended() -> Result<()> {
 
 #[test]
 fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
-    let (_, objects) = render_objects(&Render {
-        values: Some("charts/kvpool/ci/production-values.yaml"),
-        sets: &[],
-    })?;
+    let (_, objects) = render_objects(&PRODUCTION)?;
     let Some(config_map) = objects.iter().find_map(|o| match o {
         Object::ConfigMap(c) => Some(c),
         _ => None,
@@ -1393,10 +1393,7 @@ fn a_missing_tool_fails_with_the_install_command() {
 
 #[test]
 fn several_replicas_get_a_disruption_budget_and_rolling_updates() -> Result<()> {
-    let (_, objects) = render_objects(&Render {
-        values: Some("charts/kvpool/ci/production-values.yaml"),
-        sets: &[],
-    })?;
+    let (_, objects) = render_objects(&PRODUCTION)?;
     let Some(pdb) = objects.iter().find_map(|o| match o {
         Object::PodDisruptionBudget(p) => Some(p),
         _ => None,

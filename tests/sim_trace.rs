@@ -162,18 +162,13 @@ fn full_conversation_trace_if_present() {
 #[test]
 fn simulate_binary_prints_json_and_names_bad_lines() {
     let bin = env!("CARGO_BIN_EXE_kvpool");
-    let out = Command::new(bin)
-        .args(["simulate", "--json", "--trace"])
-        .arg(data("synthetic_excerpt.jsonl"))
-        .args(["--pool-blocks", "unlimited"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = kvpool_harness::output_json(
+        Command::new(bin)
+            .args(["simulate", "--json", "--trace"])
+            .arg(data("synthetic_excerpt.jsonl"))
+            .args(["--pool-blocks", "unlimited"]),
+    )
+    .expect("the command succeeds and prints JSON");
     assert_eq!(v["requests"], 300);
     assert_eq!(v["policy"], "conductor");
     assert!(v["ttft_s"]["p99"].as_f64().unwrap() > 0.0);

@@ -2,19 +2,18 @@
 //! through a real `kvpool agent run` process.
 
 mod pool_support;
+mod serve_support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::process::Command;
 use std::time::Duration;
 
-use kvpool_core::sched::{DecodeCost, PrefillCost};
 use kvpool_harness::{Launcher, Probe, free_addr, kvpool_command};
-use kvpool_synthetic::EngineConfig;
 use kvpool_synthetic::server;
 use prometheus::Registry;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use serve_support::{assert_metric, http, listen, metric};
 use tokio_util::sync::CancellationToken;
 
 struct Engine {
@@ -24,22 +23,10 @@ struct Engine {
 }
 
 async fn start() -> Engine {
-    let config = EngineConfig {
-        model: "synthetic-70b".into(),
-        prefill_cost: PrefillCost::default(),
-        decode_cost: DecodeCost::default(),
-        block_size: NonZeroU32::new(16).expect("nonzero"),
-        cache_blocks: 1000,
-        chunk_bytes: 4,
-        time_scale: 0.001,
-        sglang: None,
-    };
+    let config = serve_support::engine_config("synthetic-70b", 16);
     let registry = Registry::new();
     let router = server::router(config, &registry).expect("router");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = listen().await;
     let shutdown = CancellationToken::new();
     tokio::spawn(server::serve(listener, router, shutdown.clone()));
     Engine {
@@ -47,39 +34,6 @@ async fn start() -> Engine {
         registry,
         shutdown,
     }
-}
-
-/// One HTTP/1.1 exchange; returns (status, raw body).
-async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    let status = out[9..12].parse().expect("status");
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|x| x.1)
-        .unwrap_or("")
-        .to_owned();
-    (status, body)
-}
-
-fn metric(registry: &Registry, name: &str) -> f64 {
-    registry
-        .gather()
-        .iter()
-        .find(|f| f.name() == name)
-        .map(|f| {
-            f.get_metric()
-                .iter()
-                .map(|m| m.get_counter().get_value())
-                .sum()
-        })
-        .unwrap_or(0.0)
 }
 
 #[tokio::test]
@@ -95,21 +49,16 @@ async fn completion_returns_tokens_usage_and_caches_the_prefix() {
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["prompt_tokens"], 50);
     assert_eq!(v["usage"]["completion_tokens"], 5);
-    assert_eq!(
-        metric(&e.registry, "kvpool_engine_cached_prompt_tokens_total"),
-        0.0
-    );
+    assert_metric(&e.registry, "kvpool_engine_cached_prompt_tokens_total", 0.0);
     // The same prompt again: all 50 tokens come from the prefix cache.
     let (status, _) = http(e.addr, "POST", "/v1/completions", &body).await;
     assert_eq!(status, 200);
-    assert_eq!(
-        metric(&e.registry, "kvpool_engine_cached_prompt_tokens_total"),
-        50.0
+    assert_metric(
+        &e.registry,
+        "kvpool_engine_cached_prompt_tokens_total",
+        50.0,
     );
-    assert_eq!(
-        metric(&e.registry, "kvpool_engine_generated_tokens_total"),
-        10.0
-    );
+    assert_metric(&e.registry, "kvpool_engine_generated_tokens_total", 10.0);
     e.shutdown.cancel();
 }
 
@@ -231,16 +180,7 @@ const KV_BLOCK_TOKENS: u32 = 4;
 const KV_BYTES_PER_TOKEN: u64 = 100;
 
 async fn start_with_agent(socket: &std::path::Path, shutdown: &CancellationToken) -> KvEngine {
-    let config = EngineConfig {
-        model: KV_MODEL.into(),
-        prefill_cost: PrefillCost::default(),
-        decode_cost: DecodeCost::default(),
-        block_size: NonZeroU32::new(KV_BLOCK_TOKENS).expect("nonzero"),
-        cache_blocks: 1000,
-        chunk_bytes: 4,
-        time_scale: 0.001,
-        sglang: None,
-    };
+    let config = serve_support::engine_config(KV_MODEL, KV_BLOCK_TOKENS);
     let geometry = kvpool_synthetic::kv::KvGeometry {
         bytes_per_token: KV_BYTES_PER_TOKEN,
         block_tokens: KV_BLOCK_TOKENS,
@@ -250,12 +190,14 @@ async fn start_with_agent(socket: &std::path::Path, shutdown: &CancellationToken
         .expect("engine-API session");
     let registry = Registry::new();
     let router = server::router_with_agent(config, Some(kv), &registry).expect("router");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = listen().await;
     tokio::spawn(server::serve(listener, router, shutdown.clone()));
     KvEngine { addr, registry }
+}
+
+/// A completion of `prompt` (with the hand-off parameters `kv`) at the engine on `addr`.
+async fn complete(addr: SocketAddr, prompt: &str, kv: Option<&Value>) -> (u16, String) {
+    http(addr, "POST", "/v1/completions", &completion(prompt, kv)).await
 }
 
 fn completion(prompt: &str, kv: Option<&Value>) -> String {
@@ -315,13 +257,7 @@ async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
     // Another engine (empty local cache) with the same two leading blocks reads them from the
     // pool, checks their bytes, and writes only its new full block.
     let prompt2 = format!("{}{}{}", block_text("a"), block_text("b"), block_text("z"));
-    let (status, text) = http(
-        other.addr,
-        "POST",
-        "/v1/completions",
-        &completion(&prompt2, None),
-    )
-    .await;
+    let (status, text) = complete(other.addr, &prompt2, None).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(m(&other, "kvpool_engine_kv_block_hits_total"), 2.0);
     assert_eq!(m(&other, "kvpool_engine_kv_read_bytes_total"), 2.0 * block);
@@ -332,13 +268,7 @@ async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
     assert_eq!(m(&other, "kvpool_engine_cached_prompt_tokens_total"), 8.0);
 
     // Decode: the original request plus the hand-off; it reads all three blocks first.
-    let (status, text) = http(
-        decode.addr,
-        "POST",
-        "/v1/completions",
-        &completion(&prompt, Some(&handoff)),
-    )
-    .await;
+    let (status, text) = complete(decode.addr, &prompt, Some(&handoff)).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(m(&decode, "kvpool_engine_kv_block_hits_total"), 3.0);
     assert_eq!(m(&decode, "kvpool_engine_kv_read_bytes_total"), 3.0 * block);
@@ -362,13 +292,7 @@ async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
         .await
         .expect("put");
     assert_eq!(status, kvpool_proto::engine_api::Status::Ok);
-    let (status, text) = http(
-        decode.addr,
-        "POST",
-        "/v1/completions",
-        &completion(&bad, Some(&handoff)),
-    )
-    .await;
+    let (status, text) = complete(decode.addr, &bad, Some(&handoff)).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(m(&decode, "kvpool_engine_kv_verify_failures_total"), 1.0);
     assert_eq!(m(&decode, "kvpool_engine_kv_block_hits_total"), 3.0);
@@ -427,23 +351,19 @@ async fn requests_are_served_when_the_agent_goes_away() {
     let engine = start_with_agent(&socket, &shutdown).await;
     agent.kill().expect("kill and reap the agent");
     let prompt = format!("{}{}", block_text("x"), block_text("y"));
-    let (status, text) = http(
-        engine.addr,
-        "POST",
-        "/v1/completions",
-        &completion(&prompt, None),
-    )
-    .await;
+    let (status, text) = complete(engine.addr, &prompt, None).await;
     // The engine computes everything itself and says so in its metrics.
     assert_eq!(status, 200, "{text}");
     assert!(metric(&engine.registry, "kvpool_engine_kv_errors_total") >= 1.0);
-    assert_eq!(
-        metric(&engine.registry, "kvpool_engine_kv_blocks_written_total"),
-        0.0
+    assert_metric(
+        &engine.registry,
+        "kvpool_engine_kv_blocks_written_total",
+        0.0,
     );
-    assert_eq!(
-        metric(&engine.registry, "kvpool_engine_generated_tokens_total"),
-        2.0
+    assert_metric(
+        &engine.registry,
+        "kvpool_engine_generated_tokens_total",
+        2.0,
     );
     shutdown.cancel();
 }
@@ -474,13 +394,7 @@ async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_ag
         block_text("y"),
         block_text("z")
     );
-    let (status, text) = http(
-        writer.addr,
-        "POST",
-        "/v1/completions",
-        &completion(&prompt, None),
-    )
-    .await;
+    let (status, text) = complete(writer.addr, &prompt, None).await;
     assert_eq!(status, 200, "{text}");
     let tokens = kvpool_core::sched::text_tokens(&prompt, 4);
     let keys =
@@ -501,13 +415,7 @@ async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_ag
         (3 * u64::from(KV_BLOCK_TOKENS) * KV_BYTES_PER_TOKEN) as f64
     );
     // The prompt then finds its 12 leading tokens in the reader's own cache: no pool read.
-    let (status, text) = http(
-        reader.addr,
-        "POST",
-        "/v1/completions",
-        &completion(&prompt, None),
-    )
-    .await;
+    let (status, text) = complete(reader.addr, &prompt, None).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(m(&reader, "kvpool_engine_cached_prompt_tokens_total"), 12.0);
     assert_eq!(m(&reader, "kvpool_engine_kv_block_hits_total"), 3.0);

@@ -33,6 +33,33 @@ fn assert_settled_with_failures(batch: &Batch, allowed: &[&str]) -> usize {
     failed
 }
 
+/// The target's segment `x`, opened over TCP.
+fn open_tcp(engine: &TransferEngine, target: &TargetProcess) -> RemoteSegment {
+    engine
+        .open_descriptor(&target.descriptor("x"), Some(Protocol::Tcp))
+        .expect("open over TCP")
+}
+
+/// 256 x 1 MiB reads submitted from another thread, once the first has completed: `submit` is
+/// still queueing then (the lanes apply backpressure), so a signal sent now lands mid-batch.
+fn reads_under_way(
+    engine: &TransferEngine,
+    local: &LocalSegment,
+    remote: &RemoteSegment,
+) -> std::thread::JoinHandle<Batch> {
+    let submitter =
+        submit_in_background(engine, requests(local, remote, TransferOp::Read, 256, MIB));
+    eventually("first completed request", || {
+        engine
+            .metrics()
+            .bytes
+            .with_label_values(&["tcp", "read"])
+            .get()
+            > 0
+    });
+    submitter
+}
+
 fn submit_in_background(
     engine: &TransferEngine,
     reqs: Vec<TransferRequest>,
@@ -96,24 +123,9 @@ fn transfer_peer_killed_mid_transfer_fails_pending_requests() {
     let dir = tempfile::tempdir().unwrap();
     let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
     let (engine, local) = initiator(Duration::from_secs(2));
-    let remote = engine
-        .open_descriptor(&target.descriptor("x"), Some(Protocol::Tcp))
-        .unwrap();
+    let remote = open_tcp(&engine, &target);
     let baseline = Arc::strong_count(local.segment());
-    // 256 x 1 MiB reads submitted from another thread: `submit` is still queueing (the lanes
-    // apply backpressure) when the first request completes, so the signal lands mid-batch.
-    let submitter = submit_in_background(
-        &engine,
-        requests(&local, &remote, TransferOp::Read, 256, MIB),
-    );
-    eventually("first completed request", || {
-        engine
-            .metrics()
-            .bytes
-            .with_label_values(&["tcp", "read"])
-            .get()
-            > 0
-    });
+    let submitter = reads_under_way(&engine, &local, &remote);
     target.signal(Signal::SIGKILL);
     let batch = submitter.join().unwrap();
     let t0 = Instant::now();
@@ -153,23 +165,8 @@ fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
     let (engine, local) = initiator(Duration::from_secs(2));
-    let remote = engine
-        .open_descriptor(&target.descriptor("x"), Some(Protocol::Tcp))
-        .unwrap();
-    // 256 x 1 MiB reads submitted from another thread: `submit` is still queueing (the lanes
-    // apply backpressure) when the first request completes, so the signal lands mid-batch.
-    let submitter = submit_in_background(
-        &engine,
-        requests(&local, &remote, TransferOp::Read, 256, MIB),
-    );
-    eventually("first completed request", || {
-        engine
-            .metrics()
-            .bytes
-            .with_label_values(&["tcp", "read"])
-            .get()
-            > 0
-    });
+    let remote = open_tcp(&engine, &target);
+    let submitter = reads_under_way(&engine, &local, &remote);
     // A frozen process keeps its sockets open but never answers: only the timeout can help.
     target.signal(Signal::SIGSTOP);
     let batch = submitter.join().unwrap();
@@ -198,42 +195,37 @@ fn transfer_bench_initiator_cli_drives_a_target_process() {
         } else {
             target.shm.display().to_string()
         };
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
-            .args([
-                "bench",
-                "transfer",
-                "--mode",
-                "initiator",
-                "--protocol",
-                protocol,
-            ])
-            .args([extra, &endpoint, "--segment_id", &target.segment])
-            .args([
-                "--operation",
-                "write",
-                "--block_size",
-                "1MiB",
-                "--batch_size",
-                "4",
-            ])
-            .args([
-                "--buffer_size",
-                "64MiB",
-                "--threads",
-                "1",
-                "--duration",
-                "0.3",
-                "--json",
-            ])
-            .env("KVPOOL_AUTH_KEY", KEY)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = kvpool_harness::output_json(
+            std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+                .args([
+                    "bench",
+                    "transfer",
+                    "--mode",
+                    "initiator",
+                    "--protocol",
+                    protocol,
+                ])
+                .args([extra, &endpoint, "--segment_id", &target.segment])
+                .args([
+                    "--operation",
+                    "write",
+                    "--block_size",
+                    "1MiB",
+                    "--batch_size",
+                    "4",
+                ])
+                .args([
+                    "--buffer_size",
+                    "64MiB",
+                    "--threads",
+                    "1",
+                    "--duration",
+                    "0.3",
+                    "--json",
+                ])
+                .env("KVPOOL_AUTH_KEY", KEY),
+        )
+        .expect("the command succeeds and prints JSON");
         assert_eq!(v["transfer"]["protocol"], protocol);
         assert!(v["transfer"]["requests_done"].as_u64().unwrap() > 0, "{v}");
         assert_eq!(v["transfer"]["requests_failed"], 0);

@@ -46,6 +46,20 @@ struct Setup {
     desc: SegmentDescriptor,
 }
 
+impl Setup {
+    /// The target's segment, opened over RDMA.
+    fn open_rdma(&self) -> RemoteSegment {
+        self.initiator
+            .open_descriptor(&self.desc, Some(Protocol::Rdma))
+            .expect("open over RDMA")
+    }
+
+    /// An unlabelled counter of the initiator.
+    fn initiator_counter(&self, name: &str) -> u64 {
+        counter(&self.initiator_registry, name, None)
+    }
+}
+
 fn setup(
     target_devices: Option<&[&str]>,
     initiator_devices: &[&str],
@@ -183,10 +197,7 @@ fn rdma_batches_stripe_over_both_nics_and_arrive_intact_even_out_of_order() {
         },
         Duration::from_secs(5),
     );
-    let remote = s
-        .initiator
-        .open_descriptor(&s.desc, Some(Protocol::Rdma))
-        .unwrap();
+    let remote = s.open_rdma();
     assert_eq!(remote.protocol(), Protocol::Rdma);
     assert_eq!(remote.rdma_devices(), vec!["i-nic0", "i-nic1"]);
     // 3 MiB + 5 bytes: 13 slices of at most 256 KiB, the last one short.
@@ -210,14 +221,7 @@ fn rdma_batches_stripe_over_both_nics_and_arrive_intact_even_out_of_order() {
     let statuses = batch.wait(Duration::from_secs(10)).unwrap();
     assert!(statuses.iter().all(|st| *st == RequestStatus::Done));
     assert!(!s.initiator.fallback_active());
-    assert_eq!(
-        counter(
-            &s.initiator_registry,
-            "kvpool_transfer_fallback_total",
-            None
-        ),
-        0
-    );
+    assert_eq!(s.initiator_counter("kvpool_transfer_fallback_total"), 0);
     assert_eq!(
         counter(
             &s.initiator_registry,
@@ -243,18 +247,11 @@ fn rdma_failed_completions_on_one_nic_are_retried_on_the_other() {
         },
         Duration::from_secs(5),
     );
-    let remote = s
-        .initiator
-        .open_descriptor(&s.desc, Some(Protocol::Rdma))
-        .unwrap();
+    let remote = s.open_rdma();
     write_then_read(&s, &remote, 2 * MIB, 3);
     assert!(remote.rdma_retries() >= 1, "the failed slice was retried");
     assert_eq!(
-        counter(
-            &s.initiator_registry,
-            "kvpool_transfer_rdma_retries_total",
-            None
-        ),
+        s.initiator_counter("kvpool_transfer_rdma_retries_total"),
         remote.rdma_retries()
     );
     assert_eq!(s.fabric.bytes_moved("i-nic1"), 0);
@@ -276,10 +273,7 @@ fn rdma_lost_completions_time_out_and_the_slices_move_to_another_nic() {
         },
         Duration::from_secs(1),
     );
-    let remote = s
-        .initiator
-        .open_descriptor(&s.desc, Some(Protocol::Rdma))
-        .unwrap();
+    let remote = s.open_rdma();
     write_then_read(&s, &remote, MIB, 4);
     assert!(remote.rdma_retries() >= 1);
     assert_eq!(s.fabric.bytes_moved("i-nic0"), 0);
@@ -297,10 +291,7 @@ fn rdma_queue_pairs_in_error_on_every_nic_fall_back_to_tcp_loudly() {
         },
         Duration::from_secs(5),
     );
-    let remote = s
-        .initiator
-        .open_descriptor(&s.desc, Some(Protocol::Rdma))
-        .unwrap();
+    let remote = s.open_rdma();
     assert!(!s.initiator.fallback_active());
     write_then_read(&s, &remote, MIB + 17, 9);
     assert_eq!(
@@ -309,13 +300,7 @@ fn rdma_queue_pairs_in_error_on_every_nic_fall_back_to_tcp_loudly() {
     );
     assert!(s.initiator.fallback_active());
     assert!(s.initiator.rdma_fallback());
-    assert!(
-        counter(
-            &s.initiator_registry,
-            "kvpool_transfer_fallback_total",
-            None
-        ) >= 1
-    );
+    assert!(s.initiator_counter("kvpool_transfer_fallback_total") >= 1);
 }
 
 #[test]
@@ -325,14 +310,7 @@ fn rdma_target_without_devices_answers_unsupported_and_the_initiator_uses_tcp() 
     let remote = s.initiator.open(&s.desc.name).unwrap();
     assert_eq!(remote.protocol(), Protocol::Tcp);
     assert!(s.initiator.fallback_active());
-    assert_eq!(
-        counter(
-            &s.initiator_registry,
-            "kvpool_transfer_fallback_total",
-            None
-        ),
-        1
-    );
+    assert_eq!(s.initiator_counter("kvpool_transfer_fallback_total"), 1);
     write_then_read(&s, &remote, 600 * KIB, 1);
 }
 
@@ -388,10 +366,7 @@ fn rdma_peer_loss_fails_requests_without_hanging_and_releases_queue_pairs() {
         Faults::default(),
         Duration::from_secs(2),
     );
-    let remote = s
-        .initiator
-        .open_descriptor(&s.desc, Some(Protocol::Rdma))
-        .unwrap();
+    let remote = s.open_rdma();
     write_then_read(&s, &remote, 512 * KIB, 2);
     assert!(s.fabric.live_queue_pairs() >= 4);
     // The target goes away: its connections close, its queue pairs are destroyed.
@@ -462,7 +437,7 @@ proptest::proptest! {
         let healthy = faults.iter().any(|f| matches!(f, NicFault::Healthy));
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let s = setup(Some(&["t-nic0", "t-nic1"]), &refs, injected, Duration::from_secs(5));
-        let remote = s.initiator.open_descriptor(&s.desc, Some(Protocol::Rdma)).unwrap();
+        let remote = s.open_rdma();
         write_then_read(&s, &remote, len, seed);
         let moved: u64 = names.iter().map(|n| s.fabric.bytes_moved(n)).sum();
         if healthy {
@@ -484,10 +459,7 @@ fn rdma_over_infiniband_addresses_peers_by_lid_and_moves_bytes() {
     let target = fabric.provider_ib(&[("t-ib0", 11)]);
     let initiator = fabric.provider_ib(&[("i-ib0", 21), ("i-ib1", 22)]);
     let s = setup_with(fabric, Some(target), initiator, Duration::from_secs(5));
-    let remote = s
-        .initiator
-        .open_descriptor(&s.desc, Some(Protocol::Rdma))
-        .unwrap();
+    let remote = s.open_rdma();
     assert_eq!(remote.protocol(), Protocol::Rdma);
     write_then_read(&s, &remote, 2 * MIB + 5, 3);
     assert!(s.fabric.bytes_moved("i-ib0") > 0 && s.fabric.bytes_moved("i-ib1") > 0);
@@ -515,14 +487,7 @@ fn rdma_infiniband_target_refuses_a_peer_with_lid_0_and_the_initiator_says_why()
         reason.contains("sent LID 0") && reason.contains("InfiniBand"),
         "{reason}"
     );
-    assert_eq!(
-        counter(
-            &s.initiator_registry,
-            "kvpool_transfer_fallback_total",
-            None
-        ),
-        1
-    );
+    assert_eq!(s.initiator_counter("kvpool_transfer_fallback_total"), 1);
     write_then_read(&s, &remote, 300 * KIB, 4);
 }
 

@@ -96,6 +96,11 @@ fn sglang_replay_hands_kv_over_through_the_pool_by_room() {
     );
 }
 
+/// `kvpool up` on the agents' fixture machine.
+fn up_on_fixture(dir: &Path, marker: &str) -> Command {
+    up(dir, marker, &pool_support::sysfs_fixture().join("sys"))
+}
+
 /// Replays the first 6 records of the test excerpt through `kvpool up` with `extra` flags and
 /// checks what every mode must show; returns the summary.
 fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
@@ -104,15 +109,11 @@ fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
     let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
     let mut child = spawn_up(
         dir.path(),
-        up(
-            dir.path(),
-            &marker,
-            &pool_support::sysfs_fixture().join("sys"),
-        )
-        .arg("--replay")
-        .arg(&trace)
-        .args(["--limit", "6", "--speed", "20", "--json"])
-        .args(extra),
+        up_on_fixture(dir.path(), &marker)
+            .arg("--replay")
+            .arg(&trace)
+            .args(["--limit", "6", "--speed", "20", "--json"])
+            .args(extra),
     );
     let mut out = String::new();
     use std::io::Read;
@@ -152,14 +153,7 @@ fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
 fn sigterm_stops_every_child_and_exits_zero() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker("sigterm");
-    let mut child = spawn_up(
-        dir.path(),
-        &mut up(
-            dir.path(),
-            &marker,
-            &pool_support::sysfs_fixture().join("sys"),
-        ),
-    );
+    let mut child = spawn_up(dir.path(), &mut up_on_fixture(dir.path(), &marker));
     let stdout = child.take_stdout().expect("stdout");
     let mut lines = BufReader::new(stdout).lines();
     let mut printed = Vec::new();
@@ -216,15 +210,7 @@ fn a_child_failing_at_start_stops_the_ones_already_running() {
 fn children_go_away_when_up_itself_is_killed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let marker = marker("sigkill");
-    let mut child = spawn_up(
-        dir.path(),
-        up(
-            dir.path(),
-            &marker,
-            &pool_support::sysfs_fixture().join("sys"),
-        )
-        .arg("--json"),
-    );
+    let mut child = spawn_up(dir.path(), up_on_fixture(dir.path(), &marker).arg("--json"));
     let stdout = child.take_stdout().expect("stdout");
     let first = BufReader::new(stdout)
         .lines()

@@ -197,6 +197,18 @@ impl ApiServer {
     }
 
     /// Expect a GET of `path` and answer with `object`.
+    /// GET of the `roce` KVCachePool an engine pool names, answered with `pool`.
+    async fn expect_roce_pool(&mut self, pool: &Value) {
+        self.expect_get(&format!("{POOLS}/kvcachepools/roce"), pool)
+            .await;
+    }
+
+    /// The status write of the `qwen` DecodePool; returns the status body.
+    async fn expect_decode_status(&mut self, object: &Value) -> Value {
+        self.expect_status(&format!("{POOLS}/decodepools/qwen/status"), object)
+            .await
+    }
+
     async fn expect_get(&mut self, path: &str, object: &Value) {
         let (_, send) = self.expect(Method::GET, path).await;
         reply(send, StatusCode::OK, object);
@@ -863,12 +875,8 @@ async fn engine_pool_of_an_invalid_kvcachepool_waits_without_children() {
     let outcome = drive(
         async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
         async move |server: &mut ApiServer| {
-            server
-                .expect_get(&format!("{POOLS}/kvcachepools/roce"), &pool_json)
-                .await;
-            let body = server
-                .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
-                .await;
+            server.expect_roce_pool(&pool_json).await;
+            let body = server.expect_decode_status(&engine_json).await;
             assert_not_ready_because(&body, "KVCachePoolInvalid", "master.etcdEndpoints");
         },
     )
@@ -887,18 +895,14 @@ async fn invalid_engine_spec_gets_an_event_and_a_condition() {
     let outcome = drive(
         async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
         async move |server: &mut ApiServer| {
-            server
-                .expect_get(&format!("{POOLS}/kvcachepools/roce"), &pool_json)
-                .await;
+            server.expect_roce_pool(&pool_json).await;
             let (seen, send) = server
                 .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
                 .await;
             assert_eq!(seen.body["reason"], "InvalidSpec");
             assert_eq!(seen.body["regarding"]["kind"], "DecodePool");
             reply(send, StatusCode::CREATED, &seen.body);
-            let body = server
-                .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
-                .await;
+            let body = server.expect_decode_status(&engine_json).await;
             assert_not_ready_because(&body, "InvalidSpec", "resources.gpus");
         },
     )
@@ -915,9 +919,7 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
         serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
     let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
     async fn children(server: &mut ApiServer, pool_json: &Value, selector: &str) {
-        server
-            .expect_get(&format!("{POOLS}/kvcachepools/roce"), pool_json)
-            .await;
+        server.expect_roce_pool(pool_json).await;
         server
             .expect_apply(&format!("{NS}/services/qwen-decode"), None)
             .await;
@@ -951,9 +953,7 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
         async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&first, &ctx).await,
         async move |server: &mut ApiServer| {
             children(server, &pool, selector).await;
-            let body = server
-                .expect_status(&format!("{POOLS}/decodepools/qwen/status"), &engine_json)
-                .await;
+            let body = server.expect_decode_status(&engine_json).await;
             *out.lock().expect("lock") = body["status"].clone();
         },
     )

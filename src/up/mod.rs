@@ -97,8 +97,8 @@ pub struct UpArgs {
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
 #[strum(serialize_all = "snake_case")]
 pub enum UpError {
-    #[error("--{flag}: {problem}")]
-    Flag { flag: &'static str, problem: String },
+    #[error(transparent)]
+    Flag(kvpool_core::flags::FlagError),
     #[error("cannot locate this kvpool binary")]
     SelfExe(#[source] std::io::Error),
     #[error("cannot prepare the working directory {path}")]

@@ -9,10 +9,7 @@ use super::{UpArgs, UpError};
 const CHUNK_BYTES: usize = 4;
 
 pub(super) fn flag(flag: &'static str, problem: impl Into<String>) -> UpError {
-    UpError::Flag {
-        flag,
-        problem: problem.into(),
-    }
+    UpError::Flag(kvpool_core::flags::FlagError::new(flag, problem))
 }
 
 pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSettings, UpError> {

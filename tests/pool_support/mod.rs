@@ -72,6 +72,32 @@ pub fn start_master(
     (m.process, m.grpc)
 }
 
+/// A pool in a fresh temporary directory, which also holds the logs and the agents' folders:
+/// the directory, the key file ([`KEY`]), a `kvpool master` (see [`start_master`] for
+/// `heartbeat_timeout`) and its gRPC address.
+pub fn test_pool(
+    heartbeat_timeout: &str,
+) -> (tempfile::TempDir, PathBuf, ChildProcess, SocketAddr) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key_file = write_key(dir.path(), KEY);
+    let (master, grpc) = start_master(dir.path(), &key_file, heartbeat_timeout);
+    (dir, key_file, master, grpc)
+}
+
+/// `agent-a` of the pool in `dir` with 1 MiB of DRAM over an 8 MiB SSD tier (so most blocks
+/// are demoted), once ready: the SSD directory, the tier's config lines (to restart the agent
+/// with), the agent and its addresses.
+pub fn start_ssd_agent(
+    dir: &Path,
+    master: SocketAddr,
+    key_file: &Path,
+) -> (PathBuf, String, ChildProcess, AgentAddrs) {
+    let (ssd_dir, extra) = ssd_tier(dir);
+    let (mut agent, addrs) = start_agent_with(dir, "agent-a", master, key_file, "1MiB", &extra);
+    wait_ready(&addrs, &mut agent);
+    (ssd_dir, extra, agent, addrs)
+}
+
 /// Where a started agent can be reached.
 pub struct AgentAddrs {
     pub admin: SocketAddr,
@@ -116,6 +142,18 @@ pub fn start_agent_with(
             socket: a.socket,
         },
     )
+}
+
+/// Puts `value(i)` under the i-th key through the engine API, asserting each put succeeds.
+pub async fn put_each(
+    engine: &mut EngineClient,
+    keys: &[Vec<u8>],
+    value: impl Fn(usize) -> Vec<u8>,
+) {
+    for (i, key) in keys.iter().enumerate() {
+        let status = engine.put(key, &value(i)).await.expect("put");
+        assert_eq!(status, kvpool_agent::proto::Status::Ok, "put {i}");
+    }
 }
 
 /// A local-only agent (no pool) with 16 MiB of DRAM in `dir`, once its engine-API socket

@@ -9,6 +9,7 @@ use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
 use super::{ConductorConfig, Engines, PoolLookup, RoutingProtocol};
 use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_core::flags::{FlagError, gbps, positive};
 use kvpool_core::sched::{
     DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
@@ -144,8 +145,8 @@ impl ListenDefaults for ConductorArgs {
 /// Errors of `kvpool conductor`.
 #[derive(Debug, thiserror::Error)]
 pub enum ConductorError {
-    #[error("--{flag}: {problem}")]
-    Flag { flag: &'static str, problem: String },
+    #[error(transparent)]
+    Flag(#[from] FlagError),
     #[error("process wiring")]
     Wiring(#[from] WiringError),
     #[error("conductor server")]
@@ -158,7 +159,7 @@ impl ConductorError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
         match self {
-            ConductorError::Flag { .. } => "flag",
+            ConductorError::Flag(_) => "flag",
             ConductorError::Wiring(e) => e.category(),
             ConductorError::Server(_) => "server",
             ConductorError::Discovery(_) => "discovery",
@@ -167,18 +168,7 @@ impl ConductorError {
 }
 
 fn flag(flag: &'static str, problem: impl Into<String>) -> ConductorError {
-    ConductorError::Flag {
-        flag,
-        problem: problem.into(),
-    }
-}
-
-fn positive(name: &'static str, v: f64) -> Result<f64, ConductorError> {
-    if v.is_finite() && v > 0.0 {
-        Ok(v)
-    } else {
-        Err(flag(name, format!("must be a finite number > 0, got {v}")))
-    }
+    FlagError::new(flag, problem).into()
 }
 
 /// The discovery settings of the flags, `None` without `--discover-namespace`.
@@ -255,15 +245,12 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         scheduler: SchedulerConfig {
             policy: args.policy,
             rejection: args.rejection,
-            slo: Slo {
-                ttft_s: positive("ttft-slo-s", args.ttft_slo_s)?,
-                tpot_s: positive("tpot-slo-s", args.tpot_slo_s)?,
-            },
+            slo: Slo::from_flags(args.ttft_slo_s, args.tpot_slo_s)?,
             block_size: NonZeroU32::new(args.block_size)
                 .ok_or_else(|| flag("block-size", "must be at least 1"))?,
             bytes_per_token: args.bytes_per_token.max(1),
-            pool_bandwidth_bps: positive("pool-bandwidth-gbps", args.pool_bandwidth_gbps)? * 1e9,
-            kv_bandwidth_bps: positive("kv-bandwidth-gbps", args.kv_bandwidth_gbps)? * 1e9,
+            pool_bandwidth_bps: gbps("pool-bandwidth-gbps", args.pool_bandwidth_gbps)?,
+            kv_bandwidth_bps: gbps("kv-bandwidth-gbps", args.kv_bandwidth_gbps)?,
             prefill_costs: vec![PrefillCost::default(); args.prefill.len()],
             decode_cost: DecodeCost::default(),
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
@@ -572,7 +559,7 @@ mod tests {
         );
         assert!((c.scheduler.pool_bandwidth_bps - 10e9).abs() < 1.0);
         let name = |extra: &[&str]| match with(extra) {
-            Err(ConductorError::Flag { flag, .. }) => flag,
+            Err(ConductorError::Flag(FlagError { flag, .. })) => flag,
             other => panic!("{extra:?}: {other:?}"),
         };
         assert_eq!(name(&["--master", "127.0.0.1:1"]), "auth-key-file");

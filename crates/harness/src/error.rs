@@ -59,6 +59,18 @@ pub enum HarnessError {
         #[source]
         source: nix::Error,
     },
+    #[error("{command} failed ({status}); its stderr:\n{stderr}")]
+    Failed {
+        command: String,
+        status: ExitStatus,
+        stderr: String,
+    },
+    #[error("{command} printed no JSON on stdout")]
+    NotJson {
+        command: String,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("cannot wait for {name}")]
     Wait {
         name: String,

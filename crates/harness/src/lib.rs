@@ -2,11 +2,13 @@
 //! processes with their output in log files that die with their owner ([`process`]), readiness
 //! probes ([`probe`]) over a small HTTP client ([`http`]), free loopback ports ([`ports`]),
 //! throw-away etcd and Prometheus servers ([`etcd`], [`prometheus`]), the kvpool master and agent
-//! as children ([`master`], [`agent`], [`command`]) and a reader of `/metrics` text ([`scrape`]).
+//! as children ([`master`], [`agent`], [`command`]) a reader of `/metrics` text ([`scrape`]) and
+//! seeded payloads ([`bytes`]).
 //! Errors are one [`HarnessError`] naming the process and its log; nothing here panics.
 //! I/O boundary: child processes, sockets, the log and config files.
 
 pub mod agent;
+pub mod bytes;
 pub mod command;
 pub mod error;
 pub mod etcd;
@@ -19,7 +21,7 @@ pub mod prometheus;
 pub mod scrape;
 
 pub use agent::{AgentConfig, AgentProcess, AgentSpec, PoolConfig};
-pub use command::kvpool_command;
+pub use command::{kvpool_command, output_json, output_ok};
 pub use error::{HarnessError, TestingError};
 pub use etcd::EtcdServer;
 pub use master::{MasterProcess, MasterSpec, master_args};

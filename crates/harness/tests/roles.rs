@@ -6,6 +6,13 @@ use std::path::Path;
 
 use kvpool_harness::{AgentSpec, MasterSpec, http, kvpool_command};
 
+/// The arguments of a command, as strings.
+fn args_of(cmd: &std::process::Command) -> Vec<String> {
+    cmd.get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
 #[test]
 fn agent_config_has_every_section_asked_for() {
     let master = "127.0.0.1:7000".parse().expect("addr");
@@ -26,10 +33,7 @@ fn agent_config_has_every_section_asked_for() {
     );
     assert_eq!(spec.socket(), Path::new("/d/agent-a/run/agent.sock"));
     let cmd = spec.args(["--log-format", "json"]).command();
-    let args: Vec<_> = cmd
-        .get_args()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
+    let args = args_of(&cmd);
     assert_eq!(
         args,
         [
@@ -57,10 +61,7 @@ fn master_flags_name_its_ports_and_key_and_the_environment_is_cleared() {
         .expect("ports")
         .args(["--tick-interval", "100ms"]);
     let cmd = spec.command();
-    let args: Vec<_> = cmd
-        .get_args()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
+    let args = args_of(&cmd);
     assert_eq!(
         args,
         [

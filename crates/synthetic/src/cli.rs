@@ -10,7 +10,8 @@ use super::agent::{AgentKv, AgentKvError};
 use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
 use super::{EngineConfig, SglangMode, SglangRole};
-use kvpool_core::sched::{DecodeCost, PrefillCost};
+use kvpool_core::flags::{FlagError, non_negative};
+use kvpool_core::sched::CostFlags;
 use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
 use kvpool_runtime::wiring::{self, Wired, WiringError};
 
@@ -38,24 +39,8 @@ pub struct EngineArgs {
     /// Multiply every modelled duration by this (0.001 runs 1000x faster).
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
-    /// Prefill cost: fixed seconds per request.
-    #[arg(long, default_value_t = PrefillCost::default().fixed_s)]
-    pub prefill_fixed_s: f64,
-    /// Prefill cost: seconds per prompt token.
-    #[arg(long, default_value_t = PrefillCost::default().linear_s)]
-    pub prefill_linear_s: f64,
-    /// Prefill cost: seconds per squared prompt token.
-    #[arg(long, default_value_t = PrefillCost::default().quadratic_s)]
-    pub prefill_quadratic_s: f64,
-    /// Decode step cost: fixed seconds.
-    #[arg(long, default_value_t = DecodeCost::default().fixed_s)]
-    pub decode_fixed_s: f64,
-    /// Decode step cost: seconds per running sequence.
-    #[arg(long, default_value_t = DecodeCost::default().per_seq_s)]
-    pub decode_per_seq_s: f64,
-    /// Decode step cost: seconds per context token in the batch.
-    #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
-    pub decode_per_ctx_token_s: f64,
+    #[command(flatten)]
+    pub cost: CostFlags,
     /// Node agent's engine-API socket: keep real KV blocks in the pool through it. Without it
     /// the engine keeps no KV bytes (only its prefix cache's bookkeeping).
     #[arg(long, env = "KVPOOL_AGENT_SOCKET")]
@@ -95,8 +80,8 @@ impl ListenDefaults for EngineArgs {
 /// Errors of `kvpool engine`.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("--{flag}: {problem}")]
-    Flag { flag: &'static str, problem: String },
+    #[error(transparent)]
+    Flag(#[from] FlagError),
     #[error("process wiring")]
     Wiring(#[from] WiringError),
     #[error("engine server")]
@@ -127,7 +112,7 @@ impl EngineError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
         match self {
-            EngineError::Flag { .. } => "flag",
+            EngineError::Flag(_) => "flag",
             EngineError::Wiring(e) => e.category(),
             EngineError::Server(_) => "server",
             EngineError::ModelConfigRead { .. } => "model_config_read",
@@ -139,18 +124,7 @@ impl EngineError {
 }
 
 fn flag(flag: &'static str, problem: impl Into<String>) -> EngineError {
-    EngineError::Flag {
-        flag,
-        problem: problem.into(),
-    }
-}
-
-fn non_negative(name: &'static str, v: f64) -> Result<f64, EngineError> {
-    if v.is_finite() && v >= 0.0 {
-        Ok(v)
-    } else {
-        Err(flag(name, format!("must be a finite number >= 0, got {v}")))
-    }
+    FlagError::new(flag, problem).into()
 }
 
 /// Validates the flags.
@@ -200,16 +174,8 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
     };
     Ok(EngineConfig {
         model: args.model.clone(),
-        prefill_cost: PrefillCost {
-            fixed_s: non_negative("prefill-fixed-s", args.prefill_fixed_s)?,
-            linear_s: non_negative("prefill-linear-s", args.prefill_linear_s)?,
-            quadratic_s: non_negative("prefill-quadratic-s", args.prefill_quadratic_s)?,
-        },
-        decode_cost: DecodeCost {
-            fixed_s: non_negative("decode-fixed-s", args.decode_fixed_s)?,
-            per_seq_s: non_negative("decode-per-seq-s", args.decode_per_seq_s)?,
-            per_ctx_token_s: non_negative("decode-per-ctx-token-s", args.decode_per_ctx_token_s)?,
-        },
+        prefill_cost: args.cost.prefill()?,
+        decode_cost: args.cost.decode()?,
         block_size: NonZeroU32::new(args.block_size)
             .ok_or_else(|| flag("block-size", "must be at least 1"))?,
         cache_blocks: args.cache_blocks,

@@ -20,6 +20,20 @@ fn args(extra: &[&str]) -> StoreBenchArgs {
     Wrap::parse_from(v).args
 }
 
+/// 1 MiB values, 2 operations, 2 clients, `rounds` rounds.
+fn two_clients(rounds: &str) -> StoreBenchArgs {
+    args(&[
+        "--sizes",
+        "1MiB",
+        "--ops",
+        "2",
+        "--clients",
+        "2",
+        "--rounds",
+        rounds,
+    ])
+}
+
 #[test]
 fn plan_puts_gets_then_looks_up_the_first_size_and_removes_each() {
     let p = plan(&[10, 20], 1);
@@ -148,16 +162,7 @@ fn aggregate_sums_workers_and_merges_latencies() {
 
 #[test]
 fn report_counts_verified_gets_and_computes_the_redis_ratio() {
-    let a = args(&[
-        "--sizes",
-        "1MiB",
-        "--ops",
-        "2",
-        "--clients",
-        "2",
-        "--rounds",
-        "1",
-    ]);
+    let a = two_clients("1");
     let ok = |verified| PhaseResult {
         ops: 2,
         bytes: 2 << 20,
@@ -188,16 +193,7 @@ fn report_counts_verified_gets_and_computes_the_redis_ratio() {
     assert!((l.exists_key_lookups_per_second - 200.0).abs() < 1e-9);
     assert!((l.prefix_key_lookups_per_second - 100.0).abs() < 1e-9);
     // Two rounds: the figures cover both, and both must be verified.
-    let a2 = args(&[
-        "--sizes",
-        "1MiB",
-        "--ops",
-        "2",
-        "--clients",
-        "2",
-        "--rounds",
-        "2",
-    ]);
+    let a2 = two_clients("2");
     let mut twice = phases.clone();
     twice.push((Phase::Put(1 << 20), vec![ok(0), ok(0)], 1.0));
     twice.push((Phase::Get(1 << 20), vec![ok(2), ok(2)], 0.5));

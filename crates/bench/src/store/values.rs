@@ -10,15 +10,7 @@ pub(super) const STAMP: usize = 16;
 /// Pseudo-random bytes (xorshift), so that nothing on the path can shortcut on zero pages or
 /// repeated content.
 pub fn template(size: u64, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..size)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    kvpool_harness::bytes::pseudo_random(seed, size as usize)
 }
 
 pub(super) fn stamp(worker: usize, i: u64) -> [u8; STAMP] {

@@ -156,6 +156,55 @@ pub struct DecodeCost {
     pub per_ctx_token_s: f64,
 }
 
+/// The cost models as command-line flags (`--prefill-fixed-s` ... `--decode-per-ctx-token-s`),
+/// for every role that models engine time: the synthetic engine and the simulators. Defaults
+/// are the models' defaults.
+#[cfg(feature = "clap")]
+#[derive(Clone, Copy, Debug, clap::Args)]
+pub struct CostFlags {
+    /// Prefill cost: fixed seconds per request.
+    #[arg(long, default_value_t = PrefillCost::default().fixed_s)]
+    pub prefill_fixed_s: f64,
+    /// Prefill cost: seconds per prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().linear_s)]
+    pub prefill_linear_s: f64,
+    /// Prefill cost: seconds per squared prompt token.
+    #[arg(long, default_value_t = PrefillCost::default().quadratic_s)]
+    pub prefill_quadratic_s: f64,
+    /// Decode step cost: fixed seconds.
+    #[arg(long, default_value_t = DecodeCost::default().fixed_s)]
+    pub decode_fixed_s: f64,
+    /// Decode step cost: seconds per running sequence.
+    #[arg(long, default_value_t = DecodeCost::default().per_seq_s)]
+    pub decode_per_seq_s: f64,
+    /// Decode step cost: seconds per context token in the batch.
+    #[arg(long, default_value_t = DecodeCost::default().per_ctx_token_s)]
+    pub decode_per_ctx_token_s: f64,
+}
+
+#[cfg(feature = "clap")]
+impl CostFlags {
+    /// The prefill model of the flags; every term must be finite and >= 0.
+    pub fn prefill(&self) -> Result<PrefillCost, crate::flags::FlagError> {
+        use crate::flags::non_negative;
+        Ok(PrefillCost {
+            fixed_s: non_negative("prefill-fixed-s", self.prefill_fixed_s)?,
+            linear_s: non_negative("prefill-linear-s", self.prefill_linear_s)?,
+            quadratic_s: non_negative("prefill-quadratic-s", self.prefill_quadratic_s)?,
+        })
+    }
+
+    /// The decode model of the flags; every term must be finite and >= 0.
+    pub fn decode(&self) -> Result<DecodeCost, crate::flags::FlagError> {
+        use crate::flags::non_negative;
+        Ok(DecodeCost {
+            fixed_s: non_negative("decode-fixed-s", self.decode_fixed_s)?,
+            per_seq_s: non_negative("decode-per-seq-s", self.decode_per_seq_s)?,
+            per_ctx_token_s: non_negative("decode-per-ctx-token-s", self.decode_per_ctx_token_s)?,
+        })
+    }
+}
+
 impl Default for DecodeCost {
     /// The same 70B-class model on one 8-GPU node (see docs/scheduling.md): 320 KiB of KV per
     /// token read at about 16 TB/s of aggregate HBM bandwidth gives 2e-8 s per context token.

@@ -11,6 +11,8 @@ pub mod policy;
 pub(crate) mod rng;
 
 pub use blocks::{BlockKey, block_count, block_keys, pool_key, text_tokens};
+#[cfg(feature = "clap")]
+pub use cost::CostFlags;
 pub use cost::{DecodeCost, FitError, PrefillCost};
 pub use index::{IndexError, InstanceMask, PrefixIndex, PrefixMatch};
 pub use lru::{Inserted, LruSet};

@@ -24,6 +24,11 @@ fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
     }
 }
 
+/// Mounts the segment `spec(node, name, tier, capacity)`; returns its id.
+fn mount(m: &mut MasterState, node: &str, name: &str, tier: Tier, capacity: u64) -> u32 {
+    m.mount(spec(node, name, tier, capacity)).expect("mount")
+}
+
 fn master(config: MasterConfig) -> (MasterState, FakeClock) {
     let clock = FakeClock::new(1_000);
     (MasterState::new(config, Arc::new(clock.clone())), clock)
@@ -65,8 +70,7 @@ fn entry_stays_compact() {
 #[test]
 fn put_get_exists_prefix_roundtrip() {
     let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "dram0", Tier::Dram, 64 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "dram0", Tier::Dram, 64 * MIB);
     let k: Vec<ObjectKey> = (0..4).map(key).collect();
     let (id, reps) = start(&mut m, k[0], 5000, &opts(1));
     assert_eq!(reps.len(), 1);
@@ -95,15 +99,12 @@ fn put_get_exists_prefix_roundtrip() {
 #[test]
 fn placement_prefers_writer_then_numa_then_free_space_on_distinct_nodes() {
     let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "s0", Tier::Dram, 64 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "s0", Tier::Dram, 64 * MIB);
     let mut numa1 = spec("a", "s1", Tier::Dram, 32 * MIB);
     numa1.numa_node = 1;
     m.mount(numa1).expect("mount");
-    m.mount(spec("b", "s0", Tier::Dram, 128 * MIB))
-        .expect("mount");
-    m.mount(spec("c", "s0", Tier::Dram, 16 * MIB))
-        .expect("mount");
+    mount(&mut m, "b", "s0", Tier::Dram, 128 * MIB);
+    mount(&mut m, "c", "s0", Tier::Dram, 16 * MIB);
     let o = PutOptions {
         replicas: 2,
         writer_node: Some("a".into()),
@@ -176,7 +177,7 @@ fn bad_puts_get_clear_errors_and_change_nothing() {
         m.put_start(key(1), 10, &opts(1)),
         Err(MasterError::NoSpace { size: 10 })
     );
-    m.mount(spec("a", "s", Tier::Dram, 4 * MIB)).expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 4 * MIB);
     let before = m.stats();
     assert!(matches!(
         m.put_start(key(1), 5 * MIB, &opts(1)),
@@ -254,7 +255,7 @@ fn bad_puts_get_clear_errors_and_change_nothing() {
 #[test]
 fn revoke_and_put_timeout_free_space() {
     let (mut m, clock) = master(MasterConfig::default());
-    m.mount(spec("a", "s", Tier::Dram, 4 * MIB)).expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 4 * MIB);
     let (id, _) = start(&mut m, key(1), MIB, &opts(1));
     assert_eq!(m.stats().used_bytes[0], MIB);
     m.put_revoke(key(1), id).expect("revoke");
@@ -286,8 +287,7 @@ fn small_pool(policy: PolicyKind) -> (MasterState, FakeClock) {
     };
     let (mut m, clock) = master(config);
     // 10 objects of 1 MiB fill it.
-    m.mount(spec("a", "s", Tier::Dram, 10 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 10 * MIB);
     (m, clock)
 }
 
@@ -396,7 +396,7 @@ fn leased_objects_survive_space_pressure() {
 fn agent_death_drops_its_replicas_and_schedules_repair() {
     let (mut m, clock) = master(MasterConfig::default());
     for n in ["a", "b", "c"] {
-        m.mount(spec(n, "s", Tier::Dram, 64 * MIB)).expect("mount");
+        mount(&mut m, n, "s", Tier::Dram, 64 * MIB);
     }
     let o = PutOptions {
         replicas: 2,
@@ -461,14 +461,10 @@ fn agent_death_drops_its_replicas_and_schedules_repair() {
 #[test]
 fn failed_or_expired_repairs_free_their_target_and_retry() {
     let (mut m, clock) = master(MasterConfig::default());
-    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
-    let b = m
-        .mount(spec("b", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    let b = mount(&mut m, "b", "s", Tier::Dram, 64 * MIB);
     put(&mut m, key(1), MIB, &opts(2));
-    m.mount(spec("c", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
+    mount(&mut m, "c", "s", Tier::Dram, 64 * MIB);
     m.unmount("b", b).expect("unmount");
     assert!(matches!(
         m.unmount("b", b),
@@ -493,10 +489,8 @@ fn failed_or_expired_repairs_free_their_target_and_retry() {
 #[test]
 fn put_racing_agent_death_never_commits_dead_memory() {
     let (mut m, clock) = master(MasterConfig::default());
-    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
-    m.mount(spec("b", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "b", "s", Tier::Dram, 64 * MIB);
     let (id1, reps) = start(&mut m, key(1), MIB, &opts(2));
     assert_eq!(reps.len(), 2);
     let (id2, _) = start(&mut m, key(2), MIB, &opts(1));
@@ -542,10 +536,8 @@ fn full_dram_over_ssd() -> MasterState {
         ..MasterConfig::default()
     };
     let (mut m, _clock) = master(config);
-    m.mount(spec("a", "dram", Tier::Dram, 10 * MIB))
-        .expect("mount");
-    m.mount(spec("a", "ssd", Tier::Ssd, 100 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "dram", Tier::Dram, 10 * MIB);
+    mount(&mut m, "a", "ssd", Tier::Ssd, 100 * MIB);
     for i in 0..10 {
         put(&mut m, key(i), MIB, &opts(1));
     }
@@ -585,9 +577,8 @@ fn dram_eviction_demotes_to_ssd_on_the_same_node() {
 #[test]
 fn snapshot_restore_roundtrip() {
     let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
-    m.mount(spec("b", "s", Tier::Ssd, 64 * MIB)).expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "b", "s", Tier::Ssd, 64 * MIB);
     for i in 0..10 {
         put(&mut m, key(i), 3 * PAGE_BYTES + i, &opts(2));
     }
@@ -615,8 +606,7 @@ fn snapshot_restore_roundtrip() {
 #[test]
 fn a_new_leader_honours_unknown_leases_for_one_lease_ttl() {
     let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
     put(&mut m, key(1), MIB, &opts(1));
     let (mut n, clock) = master(MasterConfig::default());
     assert_eq!(
@@ -642,13 +632,9 @@ fn a_new_leader_honours_unknown_leases_for_one_lease_ttl() {
 fn journal_replays_into_an_equal_state() {
     let (mut m, clock) = master(MasterConfig::default());
     m.enable_journal();
-    m.mount(spec("a", "s", Tier::Dram, 16 * MIB))
-        .expect("mount");
-    let b = m
-        .mount(spec("b", "s", Tier::Dram, 16 * MIB))
-        .expect("mount");
-    m.mount(spec("c", "s", Tier::Dram, 16 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 16 * MIB);
+    let b = mount(&mut m, "b", "s", Tier::Dram, 16 * MIB);
+    mount(&mut m, "c", "s", Tier::Dram, 16 * MIB);
     for i in 0..30 {
         put(&mut m, key(i), MIB / 2, &opts(2));
     }
@@ -832,9 +818,9 @@ proptest::proptest! {
         m.enable_journal();
         let nodes = ["a", "b", "c"];
         for n in nodes {
-            m.mount(spec(n, "dram", Tier::Dram, 8 * MIB)).expect("mount");
+            mount(&mut m, n, "dram", Tier::Dram, 8 * MIB);
         }
-        m.mount(spec("a", "ssd", Tier::Ssd, 16 * MIB)).expect("mount");
+        mount(&mut m, "a", "ssd", Tier::Ssd, 16 * MIB);
         let mut puts: Vec<(ObjectKey, u64)> = Vec::new();
         let mut leases: Vec<(u64, ObjectKey, Vec<ReplicaInfo>)> = Vec::new();
         let mut tasks: Vec<(String, u64)> = Vec::new();
@@ -995,14 +981,10 @@ fn a_task_outliving_its_object_frees_exactly_its_own_extent() {
     // Found by the property test: the slot of a removed object is reused by an object of
     // another size before the old object's repair task ends.
     let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "s", Tier::Dram, 16 * MIB))
-        .expect("mount");
-    let b = m
-        .mount(spec("b", "s", Tier::Dram, 16 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "s", Tier::Dram, 16 * MIB);
+    let b = mount(&mut m, "b", "s", Tier::Dram, 16 * MIB);
     put(&mut m, key(1), MIB, &opts(2));
-    m.mount(spec("c", "s", Tier::Dram, 16 * MIB))
-        .expect("mount");
+    mount(&mut m, "c", "s", Tier::Dram, 16 * MIB);
     // Something right after the repair target on c, so an over-free would hit it.
     m.unmount("b", b).expect("unmount");
     m.tick();
@@ -1061,9 +1043,7 @@ fn adopt_item(k: ObjectKey, offset: u64, length: u64) -> AdoptItem {
 #[test]
 fn adopting_into_an_empty_master_creates_committed_ssd_objects() {
     let (mut m, _clock) = master(MasterConfig::default());
-    let ssd = m
-        .mount(spec("a", "ssd0", Tier::Ssd, 16 * MIB))
-        .expect("mount");
+    let ssd = mount(&mut m, "a", "ssd0", Tier::Ssd, 16 * MIB);
     let results = m
         .adopt(
             "a",

@@ -91,6 +91,17 @@ pub struct Slo {
     pub tpot_s: f64,
 }
 
+impl Slo {
+    /// The SLO of the `--ttft-slo-s` and `--tpot-slo-s` flags; both must be finite and > 0.
+    pub fn from_flags(ttft_s: f64, tpot_s: f64) -> Result<Self, crate::flags::FlagError> {
+        use crate::flags::positive;
+        Ok(Self {
+            ttft_s: positive("ttft-slo-s", ttft_s)?,
+            tpot_s: positive("tpot-slo-s", tpot_s)?,
+        })
+    }
+}
+
 /// Hot-block replication: every `threshold` hits on a block, copy the prefix up to it into the
 /// local caches of up to `fanout` more instances (least loaded first). `threshold` 0 disables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

@@ -23,11 +23,8 @@ fn view(events: &[SegmentEvent]) -> Vec<(SegmentEventKind, ObjectKey, u64, u64)>
 #[test]
 fn commits_and_frees_of_ssd_replicas_reach_their_agent_until_acknowledged() {
     let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "dram0", Tier::Dram, 8 * MIB))
-        .expect("mount");
-    let ssd = m
-        .mount(spec("a", "ssd0", Tier::Ssd, 8 * MIB))
-        .expect("mount");
+    mount(&mut m, "a", "dram0", Tier::Dram, 8 * MIB);
+    let ssd = mount(&mut m, "a", "ssd0", Tier::Ssd, 8 * MIB);
     // A DRAM put produces no event; an SSD put produces a commit only once it ends.
     put(&mut m, key(1), 5000, &PutOptions::default());
     let (put_id, reps) = match m.put_start(key(2), 6000, &ssd_opts(1)).expect("start") {
@@ -110,9 +107,7 @@ fn evictions_failed_tasks_and_demotions_are_fed_with_the_right_keys() {
 #[test]
 fn a_stale_epoch_or_an_overflow_is_answered_with_a_snapshot() {
     let (mut m, _clock) = master(MasterConfig::default());
-    let ssd = m
-        .mount(spec("a", "ssd0", Tier::Ssd, 64 * MIB))
-        .expect("mount");
+    let ssd = mount(&mut m, "a", "ssd0", Tier::Ssd, 64 * MIB);
     let a = put(&mut m, key(1), 4096, &ssd_opts(1));
     let b = put(&mut m, key(2), 9000, &ssd_opts(1));
     let epoch = m.feed_epoch();
@@ -148,11 +143,8 @@ fn a_stale_epoch_or_an_overflow_is_answered_with_a_snapshot() {
 #[test]
 fn a_corrupt_block_report_drops_that_replica_only() {
     let (mut m, _clock) = master(MasterConfig::default());
-    let s1 = m
-        .mount(spec("a", "ssd0", Tier::Ssd, 8 * MIB))
-        .expect("mount");
-    m.mount(spec("b", "ssd0", Tier::Ssd, 8 * MIB))
-        .expect("mount");
+    let s1 = mount(&mut m, "a", "ssd0", Tier::Ssd, 8 * MIB);
+    mount(&mut m, "b", "ssd0", Tier::Ssd, 8 * MIB);
     let reps = put(&mut m, key(1), 5000, &ssd_opts(2));
     assert_eq!(reps.len(), 2);
     let mine = reps.iter().find(|r| r.node == "a").expect("on a");

@@ -1,0 +1,71 @@
+//! What the tests of in-process HTTP servers share (conductor_http, conductor_discovery,
+//! synthetic_engine): a synthetic engine's settings, a loopback listener, one HTTP exchange through the harness's client, and a
+//! metric read from a server's registry the way Prometheus would scrape it. Failures panic
+//! naming the call. I/O boundary: loopback sockets.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+
+use std::num::NonZeroU32;
+
+use kvpool_core::sched::{DecodeCost, PrefillCost};
+use kvpool_synthetic::EngineConfig;
+use prometheus::{Registry, TextEncoder};
+
+/// A listener on a free loopback port, and its address.
+pub async fn listen() -> (tokio::net::TcpListener, SocketAddr) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind 127.0.0.1:0");
+    let a = l.local_addr().expect("listener address");
+    (l, a)
+}
+
+/// One HTTP/1.1 exchange with a JSON body; returns (status, head, de-chunked body).
+pub async fn exchange(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, String, String) {
+    let r = kvpool_harness::http::request_async(addr, method, path, body)
+        .await
+        .unwrap_or_else(|| panic!("no HTTP reply from {addr} to {method} {path}"));
+    (r.status, r.head, r.body)
+}
+
+/// One HTTP/1.1 exchange; returns (status, body).
+pub async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let (status, _, body) = exchange(addr, method, path, body).await;
+    (status, body)
+}
+
+/// The sum of every sample of `name` in the registry's text exposition (counters and gauges).
+pub fn metric(registry: &Registry, name: &str) -> f64 {
+    let text = TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .expect("encode the registry");
+    kvpool_harness::scrape::metric_sum(&text, name)
+}
+
+/// `metric(registry, name) == want`, naming the metric when it is not.
+#[track_caller]
+pub fn assert_metric(registry: &Registry, name: &str, want: f64) {
+    assert_eq!(metric(registry, name), want, "{name}");
+}
+
+/// A synthetic engine serving `model` in blocks of `block_size` tokens, 1000x faster than the
+/// default cost models, with 4-byte stand-in tokens and room for 1000 cached blocks.
+pub fn engine_config(model: &str, block_size: u32) -> EngineConfig {
+    EngineConfig {
+        model: model.into(),
+        prefill_cost: PrefillCost::default(),
+        decode_cost: DecodeCost::default(),
+        block_size: NonZeroU32::new(block_size).expect("block size > 0"),
+        cache_blocks: 1000,
+        chunk_bytes: 4,
+        time_scale: 0.001,
+        sglang: None,
+    }
+}
