@@ -87,29 +87,27 @@ fn terminate(mut agent: Agent) {
     assert!(!agent.socket.exists(), "socket removed on shutdown");
 }
 
+/// `kvpool agent <args> <path>`, which must exit non-zero; returns its stderr.
+fn check_config_fails(args: &[&str], path: &Path) -> String {
+    let out = agent_command().args(args).arg(path).output().expect("run");
+    assert!(!out.status.success(), "{args:?} accepted");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn bad_config_exits_non_zero_naming_the_field() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("bad.yaml");
     std::fs::write(&path, "dram:\n  capacity: 1KiB\n").expect("write");
-    let out = agent_command()
-        .args(["check-config", "--config"])
-        .arg(&path)
-        .output()
-        .expect("run");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = check_config_fails(&["check-config", "--config"], &path);
     assert!(stderr.contains("dram.capacity"), "{stderr}");
 
     // A flag overrides the file and is validated the same way.
     std::fs::write(&path, "ssd:\n  path: /var/lib/kvpool\n  capacity: 1GiB\n").expect("write");
-    let out = agent_command()
-        .args(["check-config", "--ssd-capacity", "10KiB", "--config"])
-        .arg(&path)
-        .output()
-        .expect("run");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = check_config_fails(
+        &["check-config", "--ssd-capacity", "10KiB", "--config"],
+        &path,
+    );
     assert!(stderr.contains("ssd.capacity"), "{stderr}");
 
     let out = agent_command()

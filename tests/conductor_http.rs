@@ -14,7 +14,7 @@ use kvpool_core::sched::{
 use kvpool_synthetic::{EngineConfig, SglangMode, SglangRole};
 use prometheus::Registry;
 use serde_json::Value;
-use serve_support::{assert_metric, listen, metric as counter};
+use serve_support::{assert_metric, labelled, listen, metric as counter};
 use tokio_util::sync::CancellationToken;
 
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
@@ -415,19 +415,14 @@ async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
     assert_eq!(status, 503);
 }
 
-fn labelled(registry: &Registry, name: &str, label: &str, value: &str) -> f64 {
-    registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric().iter())
-        .filter(|m| {
-            m.get_label()
-                .iter()
-                .any(|l| l.name() == label && l.value() == value)
-        })
-        .map(|m| m.get_counter().get_value())
-        .sum()
+/// Hand-offs of an engine that ended with `outcome`.
+fn handoffs(registry: &Registry, outcome: &str) -> f64 {
+    labelled(
+        registry,
+        "kvpool_engine_kv_handoffs_total",
+        "outcome",
+        outcome,
+    )
 }
 
 /// The value of response header `name` (lower case) in `head`.
@@ -778,15 +773,7 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
     assert_metric(prefill, "kvpool_engine_kv_blocks_written_total", 7.0);
     // ...(6 blocks and the room's marker); the decode half waited for the room, read the 6
     // blocks back through the agent (every byte checked) and generated the rest.
-    assert_eq!(
-        labelled(
-            &c.decode,
-            "kvpool_engine_kv_handoffs_total",
-            "outcome",
-            "ok"
-        ),
-        1.0
-    );
+    assert_eq!(handoffs(&c.decode, "ok"), 1.0);
     assert_metric(&c.decode, "kvpool_engine_kv_block_hits_total", 6.0);
     assert_metric(&c.decode, "kvpool_engine_kv_verify_failures_total", 0.0);
     assert_metric(&c.decode, "kvpool_engine_generated_tokens_total", 5.0);
@@ -815,15 +802,7 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
         .filter_map(|l| l.strip_prefix("data: "))
         .next_back();
     assert_eq!(last, Some("[DONE]"), "{text}");
-    assert_eq!(
-        labelled(
-            &c.decode,
-            "kvpool_engine_kv_handoffs_total",
-            "outcome",
-            "ok"
-        ),
-        2.0
-    );
+    assert_eq!(handoffs(&c.decode, "ok"), 2.0);
     assert_metric(prefill, "kvpool_engine_generated_tokens_total", 2.0);
     assert_eq!(
         labelled(
@@ -882,15 +861,7 @@ async fn sglang_decode_whose_prefill_never_arrives_fails_clearly_within_its_time
         text.contains("did not arrive from the prefill engine"),
         "{text}"
     );
-    assert_eq!(
-        labelled(
-            &c.decode,
-            "kvpool_engine_kv_handoffs_total",
-            "outcome",
-            "timeout"
-        ),
-        2.0
-    );
+    assert_eq!(handoffs(&c.decode, "timeout"), 2.0);
     assert_metric(&c.prefill[0], "kvpool_engine_generated_tokens_total", 1.0);
     assert_metric(&c.decode, "kvpool_engine_generated_tokens_total", 0.0);
     c.shutdown.cancel();

@@ -39,6 +39,18 @@ fn crate_roots() -> Vec<(String, PathBuf)> {
     out
 }
 
+/// Every crate with its source root and the Rust files below it.
+fn crate_sources() -> Vec<(String, PathBuf, Vec<PathBuf>)> {
+    crate_roots()
+        .into_iter()
+        .map(|(krate, src)| {
+            let mut files = Vec::new();
+            rust_files(&src, &mut files);
+            (krate, src, files)
+        })
+        .collect()
+}
+
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let mut entries: Vec<_> = std::fs::read_dir(dir)
         .expect("read dir")
@@ -76,9 +88,7 @@ fn production_lines(path: &Path, text: &str) -> usize {
 #[test]
 fn no_production_file_is_longer_than_the_limit() {
     let mut long = Vec::new();
-    for (_, src) in crate_roots() {
-        let mut files = Vec::new();
-        rust_files(&src, &mut files);
+    for (_, _, files) in crate_sources() {
         for f in files {
             let text = std::fs::read_to_string(&f).expect("read");
             let n = production_lines(&f, &text);
@@ -218,9 +228,7 @@ fn referenced_paths(module: &[String], is_mod_root: bool, text: &str) -> Vec<Vec
 #[test]
 fn files_of_one_folder_do_not_import_each_other_in_a_circle() {
     let mut circles = Vec::new();
-    for (krate, src) in crate_roots() {
-        let mut files = Vec::new();
-        rust_files(&src, &mut files);
+    for (krate, src, files) in crate_sources() {
         // module path -> file
         let modules: BTreeMap<Vec<String>, PathBuf> = files
             .iter()
@@ -452,25 +460,21 @@ fn the_pool_client_links_no_server_or_kubernetes_code() {
     // What engines and the Python package link: `cargo tree` of kvpool-client (normal
     // dependencies with features, offline from Cargo.lock).
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let out = std::process::Command::new(cargo)
-        .args([
-            "tree",
-            "-p",
-            "kvpool-client",
-            "-e",
-            "normal,features",
-            "--prefix",
-            "none",
-            "--offline",
-        ])
-        .current_dir(repo())
-        .output()
-        .expect("run cargo tree");
-    assert!(
-        out.status.success(),
-        "cargo tree failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = kvpool_harness::output_ok(
+        std::process::Command::new(cargo)
+            .args([
+                "tree",
+                "-p",
+                "kvpool-client",
+                "-e",
+                "normal,features",
+                "--prefix",
+                "none",
+                "--offline",
+            ])
+            .current_dir(repo()),
+    )
+    .expect("cargo tree");
     let tree = String::from_utf8_lossy(&out.stdout);
     let mut found = Vec::new();
     for line in tree.lines() {

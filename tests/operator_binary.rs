@@ -31,16 +31,12 @@ fn operator_command() -> Command {
 #[test]
 fn crd_subcommand_writes_exactly_the_committed_crds() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let out = operator_command()
-        .args(["crd", "--out-dir"])
-        .arg(dir.path())
-        .output()
-        .expect("run");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kvpool_harness::output_ok(
+        operator_command()
+            .args(["crd", "--out-dir"])
+            .arg(dir.path()),
+    )
+    .expect("kvpool operator crd");
     let committed = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("crds");
     for name in [
         "kvcachepools.kvpool.dev.yaml",

@@ -150,13 +150,18 @@ fn write_files(dir: &Path, children: &CachePoolChildren) -> Result<BTreeMap<Stri
     Ok(files)
 }
 
-fn ssd_bytes(children: &CachePoolChildren) -> Result<Option<u64>> {
-    let text = children
+/// The agents' effective config the operator renders into the pool's ConfigMap.
+fn config_yaml(children: &CachePoolChildren) -> Result<&String> {
+    children
         .config
         .data
         .as_ref()
         .and_then(|d| d.get("config.yaml"))
-        .context("config.yaml")?;
+        .context("config.yaml")
+}
+
+fn ssd_bytes(children: &CachePoolChildren) -> Result<Option<u64>> {
+    let text = config_yaml(children)?;
     let eff: kvpool_crd::ValidatedKVCachePool = serde_saphyr::from_str(text)?;
     Ok(eff.ssd.map(|s| s.capacity_bytes))
 }
@@ -192,12 +197,7 @@ fn agent_container_parses_with_the_agent_cli() -> Result<()> {
         let golden = repo_root()
             .join("agent/tests/fixtures/operator")
             .join(rel.replace('/', "_"));
-        let text = children
-            .config
-            .data
-            .as_ref()
-            .and_then(|d| d.get("config.yaml"))
-            .context("config.yaml")?;
+        let text = config_yaml(&children)?;
         if std::env::var_os("KVPOOL_UPDATE_GOLDEN").is_some() {
             std::fs::create_dir_all(golden.parent().context("parent")?)?;
             std::fs::write(&golden, text)?;

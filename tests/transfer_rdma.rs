@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used)] // test crate: helpers outside #[test] fns unwrap too
 
+mod serve_support;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -166,20 +168,11 @@ fn write_then_read(s: &Setup, remote: &RemoteSegment, len: u64, seed: u8) {
 }
 
 fn counter(registry: &prometheus::Registry, name: &str, label: Option<(&str, &str)>) -> u64 {
-    registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric().iter())
-        .filter(|m| {
-            label.is_none_or(|(k, v)| {
-                m.get_label()
-                    .iter()
-                    .any(|l| l.name() == k && l.value() == v)
-            })
-        })
-        .map(|m| m.get_counter().get_value() as u64)
-        .sum()
+    let v = match label {
+        None => serve_support::metric(registry, name),
+        Some((k, v)) => serve_support::labelled(registry, name, k, v),
+    };
+    v as u64
 }
 
 fn set(names: &[&str]) -> HashSet<String> {

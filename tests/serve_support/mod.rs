@@ -41,12 +41,21 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u1
     (status, body)
 }
 
+/// The registry as Prometheus scrapes it.
+fn exposition(registry: &Registry) -> String {
+    TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .expect("encode the registry")
+}
+
 /// The sum of every sample of `name` in the registry's text exposition (counters and gauges).
 pub fn metric(registry: &Registry, name: &str) -> f64 {
-    let text = TextEncoder::new()
-        .encode_to_string(&registry.gather())
-        .expect("encode the registry");
-    kvpool_harness::scrape::metric_sum(&text, name)
+    kvpool_harness::scrape::metric_sum(&exposition(registry), name)
+}
+
+/// The sum of the samples of `name` whose labels include `label="value"`.
+pub fn labelled(registry: &Registry, name: &str, label: &str, value: &str) -> f64 {
+    kvpool_harness::scrape::metric_sum_labelled(&exposition(registry), name, label, value)
 }
 
 /// `metric(registry, name) == want`, naming the metric when it is not.
