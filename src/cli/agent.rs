@@ -2,16 +2,11 @@
 //! the configuration, then dispatch into `kvpool_agent`.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use anyhow::Context;
 use kvpool_agent::cli::{Command, RunArgs};
 use kvpool_agent::config::{self, AgentConfig, FileConfig};
 use kvpool_agent::discovery::{self, Roots};
-use kvpool_agent::pool::Member;
-use kvpool_agent::registrar::LocalRegistrar;
-use kvpool_agent::runtime::{self, Mode};
-use tokio_util::sync::CancellationToken;
+use kvpool_agent::runtime;
 
 fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
     let file = match (&args.config, &args.pool_config) {
@@ -27,35 +22,8 @@ fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
 
 /// Run one `kvpool agent` subcommand.
 pub fn run(cmd: Command) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
     match cmd {
-        Command::Run(args) => {
-            let cfg = load(&args)?;
-            runtime.block_on(async move {
-                let shutdown = CancellationToken::new();
-                kvpool_runtime::shutdown::cancel_on_signal(shutdown.clone())
-                    .context("installing signal handlers")?;
-                let registry = prometheus::Registry::new();
-                match cfg.pool.clone() {
-                    None => {
-                        let mode = Mode::Local(Arc::new(LocalRegistrar::new()));
-                        runtime::run(cfg, mode, registry, shutdown, |_| {}).await?;
-                    }
-                    Some(pool) => {
-                        let member = Member::start(&pool, &cfg.node_name, &registry)
-                            .context("joining the pool")?;
-                        // The runtime runs the link (mounts, heartbeats, tasks) and unmounts
-                        // before withdrawing the memory; the transfer target closes last.
-                        let ran =
-                            runtime::run(cfg, Mode::Pool(&member), registry, shutdown, |_| {})
-                                .await;
-                        drop(member);
-                        ran?;
-                    }
-                }
-                anyhow::Ok(())
-            })?;
-        }
+        Command::Run(args) => runtime::run_blocking(load(&args)?)?,
         Command::CheckConfig(args) => {
             let cfg = load(&args)?;
             println!("{cfg:#?}");

@@ -70,15 +70,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
         Command::Agent(cmd) => agent::run(cmd)?,
         Command::Operator(cmd) => operator::run(cmd)?,
-        Command::Master(args) => {
-            tokio::runtime::Runtime::new()?.block_on(kvpool_master::cmd::run(*args))?;
-        }
+        Command::Master(args) => kvpool_master::cmd::run_blocking(*args)?,
         Command::Conductor(args) => kvpool_conductor::cli::run(&args)?,
         Command::Engine(args) => kvpool_synthetic::cli::run(&args)?,
         Command::Up(args) => crate::up::run(&args)?,
         Command::Bench(args) => kvpool_bench::run(args)?,
         Command::MasterBench(args) => {
-            tokio::runtime::Runtime::new()?.block_on(kvpool_bench::master::run(args))?;
+            kvpool_bench::master::run_blocking(args)?;
         }
         Command::Simulate(args) => crate::simulate::run(&args)?,
         Command::SimulateCache(args) => {

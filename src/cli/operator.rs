@@ -7,10 +7,9 @@ use kvpool_operator::cli::Command;
 /// Run one `kvpool operator` subcommand.
 pub fn run(cmd: Command) -> anyhow::Result<()> {
     match cmd {
-        Command::Run(args) => tokio::runtime::Runtime::new()
-            .context("starting the tokio runtime")?
-            .block_on(kvpool_operator::run::run(args))
-            .context("kvpool operator run"),
+        Command::Run(args) => {
+            kvpool_operator::run::run_blocking(args).context("kvpool operator run")
+        }
         Command::Crd(args) => match args.out_dir {
             Some(dir) => {
                 for path in kvpool_operator::crd::write_dir(&dir).context("kvpool operator crd")? {

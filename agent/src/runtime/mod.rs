@@ -34,9 +34,11 @@ use crate::store::StoreError;
 use crate::topology::summarize;
 
 mod admin_view;
+mod blocking;
 mod local;
 mod pool;
 
+pub use blocking::{AgentError, run_blocking};
 pub use pool::POOL_SSD_FILE;
 
 /// Errors of the agent process.
