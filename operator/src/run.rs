@@ -35,6 +35,10 @@ use crate::metrics::Metrics;
 /// Lease duration and renewal grace of leader election, seconds.
 const LEASE_DURATION_S: u64 = 15;
 const LEASE_GRACE_S: u64 = 5;
+/// How long the controllers get to finish after a shutdown or a lost lease before they are
+/// dropped (reconciles are idempotent server-side applies; the next leader redoes them). Keeps
+/// the exit, and the lease release after it, inside a pod's default 30 s termination grace.
+const CONTROLLERS_GRACE: Duration = Duration::from_secs(10);
 
 /// Failures that stop the operator.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -194,14 +198,24 @@ async fn run_with_admin(
         },
         Some(identity),
     ));
-    run_controllers(
+    let controllers = run_controllers(
         &client,
         args,
         ctx,
         controllers_stop.clone(),
         readiness.clone(),
-    )
-    .await;
+    );
+    let grace_over = async {
+        controllers_stop.cancelled().await;
+        tokio::time::sleep(CONTROLLERS_GRACE).await;
+    };
+    tokio::select! {
+        () = controllers => {}
+        () = grace_over => warn!(
+            grace_s = CONTROLLERS_GRACE.as_secs(),
+            "the controllers did not stop within the grace period after the shutdown; dropping them"
+        ),
+    }
     readiness.set_ready(false);
     metrics.set_leader(false);
 
