@@ -56,8 +56,6 @@ pub enum RunError {
     Leader(#[source] LeaseManagerError),
     #[error("lost the leader lease; exiting so that another replica takes over")]
     LeadershipLost,
-    #[error("cannot start the Tokio runtime")]
-    Runtime(#[source] std::io::Error),
 }
 
 impl RunError {
@@ -78,13 +76,11 @@ where
     }
 }
 
-/// [`run`] on a Tokio runtime of its own: what `kvpool operator run` calls. The entry point is
-/// synchronous so that the controllers' futures are compiled once, in this crate, rather than
-/// again in every crate that would poll them (see docs/adr/0003-crates-by-layer.md).
-pub fn run_blocking(args: RunArgs) -> Result<(), RunError> {
-    tokio::runtime::Runtime::new()
-        .map_err(RunError::Runtime)?
-        .block_on(run(args))
+/// [`run`] on `runtime`: what `kvpool operator run` calls. Synchronous so that the
+/// controllers' futures are compiled once, in this crate, rather than again in every crate
+/// that would poll them (see docs/adr/0003-crates-by-layer.md).
+pub fn run_blocking(runtime: &tokio::runtime::Runtime, args: RunArgs) -> Result<(), RunError> {
+    runtime.block_on(run(args))
 }
 
 /// Run until SIGTERM/SIGINT (Ok) or a fatal error.

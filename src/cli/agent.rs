@@ -2,11 +2,17 @@
 //! the configuration, then dispatch into `kvpool_agent`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
 
 use kvpool_agent::cli::{Command, RunArgs};
 use kvpool_agent::config::{self, AgentConfig, FileConfig};
 use kvpool_agent::discovery::{self, Roots};
-use kvpool_agent::runtime;
+use kvpool_agent::pool::Member;
+use kvpool_agent::registrar::LocalRegistrar;
+use kvpool_agent::runtime::{self, Mode};
 
 fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
     let file = match (&args.config, &args.pool_config) {
@@ -23,7 +29,32 @@ fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
 /// Run one `kvpool agent` subcommand.
 pub fn run(cmd: Command) -> anyhow::Result<()> {
     match cmd {
-        Command::Run(args) => runtime::run_blocking(load(&args)?)?,
+        Command::Run(args) => {
+            let cfg = load(&args)?;
+            let rt = tokio::runtime::Runtime::new().context("starting the tokio runtime")?;
+            // Signal handlers and the pool link spawn tasks: they need the runtime entered.
+            let _entered = rt.enter();
+            let shutdown = CancellationToken::new();
+            kvpool_runtime::shutdown::cancel_on_signal(shutdown.clone())
+                .context("installing signal handlers")?;
+            let registry = prometheus::Registry::new();
+            match cfg.pool.clone() {
+                None => {
+                    let mode = Mode::Local(Arc::new(LocalRegistrar::new()));
+                    runtime::run_blocking(&rt, cfg, mode, registry, shutdown)?;
+                }
+                Some(pool) => {
+                    let member = Member::start(&pool, &cfg.node_name, &registry)
+                        .context("joining the pool")?;
+                    // The runtime runs the link (mounts, heartbeats, tasks) and unmounts before
+                    // withdrawing the memory; the transfer target closes last.
+                    let ran =
+                        runtime::run_blocking(&rt, cfg, Mode::Pool(&member), registry, shutdown);
+                    drop(member);
+                    ran?;
+                }
+            }
+        }
         Command::CheckConfig(args) => {
             let cfg = load(&args)?;
             println!("{cfg:#?}");

@@ -64,19 +64,25 @@ pub enum Command {
     SimulateCache(crate::simulate_cache::SimulateCacheArgs),
 }
 
+/// A multi-threaded Tokio runtime for a role's synchronous entry point.
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    use anyhow::Context as _;
+    tokio::runtime::Runtime::new().context("starting the tokio runtime")
+}
+
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
         Command::Agent(cmd) => agent::run(cmd)?,
         Command::Operator(cmd) => operator::run(cmd)?,
-        Command::Master(args) => kvpool_master::cmd::run_blocking(*args)?,
+        Command::Master(args) => kvpool_master::cmd::run_blocking(&runtime()?, *args)?,
         Command::Conductor(args) => kvpool_conductor::cli::run(&args)?,
         Command::Engine(args) => kvpool_synthetic::cli::run(&args)?,
         Command::Up(args) => crate::up::run(&args)?,
         Command::Bench(args) => kvpool_bench::run(args)?,
         Command::MasterBench(args) => {
-            kvpool_bench::master::run_blocking(args)?;
+            kvpool_bench::master::run_blocking(&runtime()?, args)?;
         }
         Command::Simulate(args) => crate::simulate::run(&args)?,
         Command::SimulateCache(args) => {

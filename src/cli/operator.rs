@@ -7,9 +7,8 @@ use kvpool_operator::cli::Command;
 /// Run one `kvpool operator` subcommand.
 pub fn run(cmd: Command) -> anyhow::Result<()> {
     match cmd {
-        Command::Run(args) => {
-            kvpool_operator::run::run_blocking(args).context("kvpool operator run")
-        }
+        Command::Run(args) => kvpool_operator::run::run_blocking(&super::runtime()?, args)
+            .context("kvpool operator run"),
         Command::Crd(args) => match args.out_dir {
             Some(dir) => {
                 for path in kvpool_operator::crd::write_dir(&dir).context("kvpool operator crd")? {

@@ -38,7 +38,7 @@ mod blocking;
 mod local;
 mod pool;
 
-pub use blocking::{AgentError, run_blocking};
+pub use blocking::run_blocking;
 pub use pool::POOL_SSD_FILE;
 
 /// Errors of the agent process.

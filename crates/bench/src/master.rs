@@ -29,8 +29,6 @@ pub enum BenchError {
     Etcd(#[source] HarnessError),
     #[error("benchmark set-up failed: {0}")]
     Setup(String),
-    #[error("cannot start the Tokio runtime")]
-    Runtime(#[source] std::io::Error),
 }
 
 impl BenchError {
@@ -249,11 +247,12 @@ async fn start_master(
 }
 
 /// Run the benchmark and print its report.
-/// [`run`] on a Tokio runtime of its own: what `kvpool master-bench` calls.
-pub fn run_blocking(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError> {
-    tokio::runtime::Runtime::new()
-        .map_err(BenchError::Runtime)?
-        .block_on(run(args))
+/// [`run`] on `runtime`: what `kvpool master-bench` calls.
+pub fn run_blocking(
+    runtime: &tokio::runtime::Runtime,
+    args: MasterBenchArgs,
+) -> Result<MasterBenchReport, BenchError> {
+    runtime.block_on(run(args))
 }
 
 pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError> {

@@ -49,8 +49,6 @@ pub enum CmdError {
     Signals(#[source] std::io::Error),
     #[error("a master task panicked or was cancelled")]
     Join(#[source] tokio::task::JoinError),
-    #[error("cannot start the Tokio runtime")]
-    Runtime(#[source] std::io::Error),
 }
 
 impl CmdError {
@@ -373,12 +371,10 @@ pub async fn start(
 }
 
 /// Entry point of `kvpool master`.
-/// [`run`] on a Tokio runtime of its own: what `kvpool master` calls (synchronous, so that the
-/// master's futures are compiled in this crate only).
-pub fn run_blocking(args: MasterArgs) -> Result<(), CmdError> {
-    tokio::runtime::Runtime::new()
-        .map_err(CmdError::Runtime)?
-        .block_on(run(args))
+/// [`run`] on `runtime`: what `kvpool master` calls (synchronous, so that the master's futures
+/// are compiled in this crate only).
+pub fn run_blocking(runtime: &tokio::runtime::Runtime, args: MasterArgs) -> Result<(), CmdError> {
+    runtime.block_on(run(args))
 }
 
 pub async fn run(args: MasterArgs) -> Result<(), CmdError> {
