@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Creates .tools/py, the Python venv the Python package's tests and benchmark use, and installs
+# the kvpool package into it from crates/python (maturin builds the Rust extension):
+#   maturin, pytest, numpy, and mooncake-transfer-engine-non-cuda (real Mooncake: the oracle of
+#   the conformance suite and the peer of `kvpool bench python`).
+# Idempotent: pinned tools already installed are left alone; the package is always rebuilt.
+#   scripts/python-env.sh            debug build of the extension (fast to build; the tests)
+#   scripts/python-env.sh --release  release build (the benchmark)
+# Needs python3 with venv and pip (scripts/deps.sh installs them), and Mooncake's wheel needs
+# libibverbs1 and librdmacm1 at run time (scripts/deps.sh installs them with the verbs headers).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MATURIN_VERSION=1.9.6
+PYTEST_VERSION=8.4.2
+NUMPY_VERSION=2.2.6
+MOONCAKE_VERSION=0.3.13.post1
+
+profile=dev
+case "${1:-}" in
+  --release) profile=release ;;
+  "") ;;
+  *) echo "usage: $0 [--release]" >&2; exit 2 ;;
+esac
+
+root="$PWD/.tools"
+venv="$root/py"
+mkdir -p "$root"
+[ -f "$root/.gitignore" ] || printf '*\n' >"$root/.gitignore"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION"
+if [ ! -f "$stamp" ]; then
+  "$py" -m pip install --quiet --disable-pip-version-check \
+    "maturin==$MATURIN_VERSION" "pytest==$PYTEST_VERSION" "numpy==$NUMPY_VERSION" \
+    "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
+  touch "$stamp"
+fi
+if [ -f crates/python/pyproject.toml ]; then
+  # maturin's PEP 517 backend takes its build options from MATURIN_PEP517_ARGS.
+  MATURIN_PEP517_ARGS="--profile $profile" "$py" -m pip install --quiet \
+    --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./crates/python
+fi
+echo "python-env.sh: $("$py" --version) in $venv (kvpool built with profile $profile)"
