@@ -38,7 +38,7 @@ if [ ! -f "$stamp" ]; then
 fi
 if [ -f crates/python/pyproject.toml ]; then
   # maturin's PEP 517 backend takes its build options from MATURIN_PEP517_ARGS.
-  MATURIN_PEP517_ARGS="--profile $profile" "$py" -m pip install --quiet \
+  PATH="$venv/bin:$PATH" MATURIN_PEP517_ARGS="--profile $profile" "$py" -m pip install --quiet \
     --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./crates/python
 fi
 echo "python-env.sh: $("$py" --version) in $venv (kvpool built with profile $profile)"

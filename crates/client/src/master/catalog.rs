@@ -34,6 +34,12 @@ impl MasterClient {
         first(self.remove_batch(&[key]).await?)
     }
 
+    /// Remove every object no reader holds a lease on; how many were removed.
+    pub async fn remove_all(&self) -> Result<u64, ClientError> {
+        self.flush_releases().await;
+        Ok(rpc!(self, remove_all, proto::Empty {})?.removed)
+    }
+
     /// Pin keys: `hard` never evicted; soft pins last `ttl` and are evicted last.
     pub async fn pin(
         &self,

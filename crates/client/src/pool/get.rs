@@ -18,16 +18,16 @@ use kvpool_transfer::{self as transfer, MemoryError, TransferOp};
 pub(super) enum Dest {
     /// A (reused) staging buffer of the client, at offset 0.
     Staging,
-    /// A caller's registered buffer, at this offset.
-    Buffer(transfer::LocalSegment, u64),
+    /// A caller's registered buffer, at this offset, with room for this many bytes.
+    Buffer(transfer::LocalSegment, u64, u64),
 }
 
 impl Dest {
     pub(super) fn check_fits(&self, size: u64) -> Result<(), DataError> {
         match self {
             Dest::Staging => Ok(()),
-            Dest::Buffer(b, off) => {
-                let have = b.len().saturating_sub(*off);
+            Dest::Buffer(_, _, have) => {
+                let have = *have;
                 if size > have {
                     Err(DataError::BufferTooSmall { size, have })
                 } else {
@@ -98,7 +98,21 @@ impl PoolClient {
         buffer: &transfer::LocalSegment,
         offset: u64,
     ) -> Result<u64, DataError> {
-        let dest = Dest::Buffer(buffer.clone(), offset);
+        let room = buffer.len().saturating_sub(offset);
+        self.get_to_within(key, buffer, offset, room).await
+    }
+
+    /// [`Self::get_to`] into the `capacity` bytes at `offset` of `buffer` only: a value larger
+    /// than that fails with [`DataError::BufferTooSmall`] before any byte moves.
+    pub async fn get_to_within(
+        &self,
+        key: &[u8],
+        buffer: &transfer::LocalSegment,
+        offset: u64,
+        capacity: u64,
+    ) -> Result<u64, DataError> {
+        let room = buffer.len().saturating_sub(offset);
+        let dest = Dest::Buffer(buffer.clone(), offset, capacity.min(room));
         match self.read_value(key, &dest).await? {
             Value::Plain { size, .. } => Ok(size),
             Value::Striped(m) => {
@@ -186,7 +200,7 @@ impl PoolClient {
     ) -> Result<(transfer::LocalSegment, u64), DataError> {
         match dest {
             Dest::Staging => Ok((self.staging(None, size)?, 0)),
-            Dest::Buffer(b, off) => {
+            Dest::Buffer(b, off, _) => {
                 dest.check_fits(size)?;
                 Ok((b.clone(), *off))
             }

@@ -145,6 +145,14 @@ impl proto::master_server::Master for MasterSvc {
         self.observed("remove", handler).await
     }
 
+    async fn remove_all(
+        &self,
+        _req: Request<proto::Empty>,
+    ) -> Result<Response<proto::RemoveAllResponse>, Status> {
+        let handler = objects::remove_all(&self.core);
+        self.observed("remove_all", handler).await
+    }
+
     async fn pin(
         &self,
         req: Request<proto::PinRequest>,

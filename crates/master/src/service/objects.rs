@@ -186,6 +186,11 @@ pub(super) async fn remove(
     per_key(core, &req.keys, |st, k| st.remove(k)).await
 }
 
+pub(super) async fn remove_all(core: &Core) -> Result<Answer<proto::RemoveAllResponse>, Status> {
+    let removed = core.mutate(|st| st.remove_all()).await?;
+    Ok(Answer::plain(proto::RemoveAllResponse { removed }))
+}
+
 pub(super) async fn pin(
     core: &Core,
     req: proto::PinRequest,

@@ -79,6 +79,26 @@ impl MasterState {
         Ok(())
     }
 
+    /// Remove every committed object no reader holds a lease on (Mooncake's `remove_all`);
+    /// puts in progress and leased objects stay. Returns how many were removed.
+    pub fn remove_all(&mut self) -> u64 {
+        let in_grace = self.clock.now_ms() < self.evict_not_before_ms;
+        let doomed: Vec<u32> = (0..)
+            .zip(&self.entries)
+            .filter(|(slot, e)| {
+                e.has(LIVE)
+                    && !e.has(PENDING)
+                    && e.leases == 0
+                    && !(in_grace && *slot < self.restored_slots)
+            })
+            .map(|(slot, _)| slot)
+            .collect();
+        for slot in &doomed {
+            self.drop_object(*slot);
+        }
+        doomed.len() as u64
+    }
+
     /// Pin an object: hard pins are never evicted; soft pins (`ttl_ms`) are evicted last.
     pub fn pin(&mut self, key: ObjectKey, hard: bool, ttl_ms: u64) -> Result<(), MasterError> {
         let slot = self.committed_slot(&key)?;

@@ -1,0 +1,194 @@
+"""kvpool's Python client.
+
+``kvpool.Store`` is the native API: keys are ``str`` or ``bytes``, values any object with the
+buffer protocol, failures raise :class:`kvpool.Error` subclasses that carry kvpool's error
+``kind`` and Mooncake's error ``code``. ``kvpool.mooncake`` offers Mooncake's
+``MooncakeDistributedStore`` API over the same client, so engines written for Mooncake use
+kvpool unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+
+from . import _native
+from ._config import ConfigError, Settings
+from ._native import (
+    AuthFailed,
+    BufferTooSmall,
+    Closed,
+    Error,
+    InvalidArgument,
+    Leased,
+    NoSpace,
+    NotFound,
+    NotRegistered,
+    NotSupported,
+    TransferFailed,
+    Unavailable,
+)
+
+__all__ = [
+    "Store",
+    "ConfigError",
+    "Error",
+    "NotFound",
+    "NoSpace",
+    "InvalidArgument",
+    "BufferTooSmall",
+    "NotRegistered",
+    "Leased",
+    "Unavailable",
+    "AuthFailed",
+    "TransferFailed",
+    "Closed",
+    "NotSupported",
+]
+
+Key = Union[str, bytes]
+
+
+def _check_key(key: Any) -> Key:
+    if not isinstance(key, (str, bytes)):
+        raise TypeError(f"keys are str or bytes, got {type(key).__name__}")
+    return key
+
+
+def _connect(settings: Settings) -> "_native.Client":
+    return _native.Client(
+        settings.masters,
+        settings.auth_key_file,
+        local_hostname=settings.local_hostname,
+        global_segment_size=settings.global_segment_size,
+        protocol=settings.protocol,
+        request_timeout_ms=settings.request_timeout_ms,
+    )
+
+
+class Store:
+    """A connection to a kvpool pool.
+
+    ``Store()`` reads the pool from the environment (see ``kvpool._config``); pass
+    ``masters`` and ``auth_key_file`` to name it. ``global_segment_size`` > 0 contributes that
+    much of this process's memory to the pool for as long as the store is open. Use it as a
+    context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        masters: Union[str, Sequence[str], None] = None,
+        auth_key_file: Optional[str] = None,
+        *,
+        local_hostname: str = "127.0.0.1",
+        global_segment_size: int = 0,
+        protocol: str = "tcp",
+        replicas: int = 1,
+        request_timeout_ms: int = 10_000,
+    ) -> None:
+        settings = Settings.resolve(
+            masters,
+            auth_key_file,
+            local_hostname=local_hostname,
+            global_segment_size=global_segment_size,
+            protocol=protocol,
+            request_timeout_ms=request_timeout_ms,
+        )
+        self._client = _connect(settings)
+        self.replicas = replicas
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def node(self) -> str:
+        """This process's node name in the pool."""
+        return self._client.node()
+
+    def put(self, key: Key, value: Any, *, replicas: Optional[int] = None, pin: bool = False) -> None:
+        """Store ``value`` (bytes, bytearray, memoryview, numpy array...) under ``key``."""
+        self._client.put(_check_key(key), value, replicas or self.replicas, None, pin)
+
+    def get(self, key: Key) -> bytes:
+        """The value of ``key``; raises :class:`NotFound` when there is none."""
+        return self._client.get(_check_key(key))
+
+    def get_into(self, key: Key, buffer: Any) -> int:
+        """Read the value of ``key`` into the writable ``buffer``; returns its length."""
+        return self._client.get_into_buffer(_check_key(key), buffer)
+
+    def put_many(self, items: Iterable[Tuple[Key, Any]], *, replicas: Optional[int] = None) -> None:
+        """Store several values at once; raises the first failure after all were tried."""
+        pairs = list(items)
+        results = self._client.batch_put(
+            [_check_key(k) for k, _ in pairs], [v for _, v in pairs], replicas or self.replicas
+        )
+        for err in results:
+            if err is not None:
+                raise err
+
+    def get_many(self, keys: Iterable[Key]) -> List[Optional[bytes]]:
+        """The values of several keys, None where a key is missing."""
+        out: List[Optional[bytes]] = []
+        for r in self._client.batch_get([_check_key(k) for k in keys]):
+            if isinstance(r, NotFound):
+                out.append(None)
+            elif isinstance(r, BaseException):
+                raise r
+            else:
+                out.append(r)
+        return out
+
+    def exists(self, key: Key) -> bool:
+        return self._client.exists([_check_key(key)])[0]
+
+    def exists_many(self, keys: Iterable[Key]) -> List[bool]:
+        return self._client.exists([_check_key(k) for k in keys])
+
+    def size(self, key: Key) -> int:
+        """The size in bytes of the value of ``key``."""
+        return self._client.size(_check_key(key))
+
+    def remove(self, key: Key) -> None:
+        self._client.remove(_check_key(key))
+
+    def register(self, buffer: Any) -> Tuple[int, int]:
+        """Register a writable buffer (numpy array, bytearray) for zero-copy
+        :meth:`put_from` / :meth:`get_to`; returns its address and length."""
+        return self._client.register_object(buffer)
+
+    def register_memory(self, ptr: int, size: int) -> None:
+        """Register ``size`` bytes at address ``ptr``; they must stay valid until unregistered."""
+        self._client.register_buffer(ptr, size)
+
+    def unregister(self, ptr: int) -> bool:
+        return self._client.unregister_buffer(ptr)
+
+    def put_from(self, key: Key, ptr: int, size: int, *, replicas: Optional[int] = None) -> None:
+        """Store ``size`` bytes at ``ptr`` (inside a registered buffer) with no copy."""
+        self._client.put_from(_check_key(key), ptr, size, replicas or self.replicas)
+
+    def get_to(self, key: Key, ptr: int, size: int) -> int:
+        """Read into ``size`` bytes at ``ptr`` (inside a registered buffer); returns the length."""
+        return self._client.get_into(_check_key(key), ptr, size)
+
+    def healthy(self) -> bool:
+        try:
+            self._client.health()
+            return True
+        except Error:
+            return False
+
+    def metrics(self) -> str:
+        """This client's Prometheus metrics, in the text format."""
+        return self._client.metrics()
+
+    @property
+    def closed(self) -> bool:
+        return self._client.is_closed()
+
+    def close(self) -> None:
+        """Withdraw any contributed memory and disconnect; later calls raise :class:`Closed`."""
+        self._client.close()

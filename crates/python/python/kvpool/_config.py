@@ -1,0 +1,110 @@
+"""Where a store connects: masters, pool key, agent socket.
+
+Explicit arguments win, then the environment the kvpool operator gives engine pods
+(``KVPOOL_MASTER_ADDR``, ``KVPOOL_AUTH_KEY_FILE``, ``KVPOOL_AGENT_SOCKET``), then the pool's
+``engine.json`` (``KVPOOL_ENGINE_CONFIG``, or Mooncake's ``MOONCAKE_CONFIG_PATH``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+ENV_MASTER = "KVPOOL_MASTER_ADDR"
+ENV_AUTH_KEY_FILE = "KVPOOL_AUTH_KEY_FILE"
+ENV_AGENT_SOCKET = "KVPOOL_AGENT_SOCKET"
+ENV_ENGINE_CONFIG = "KVPOOL_ENGINE_CONFIG"
+ENV_MOONCAKE_CONFIG = "MOONCAKE_CONFIG_PATH"
+
+
+class ConfigError(ValueError):
+    """The configuration names no pool, or names it in a way kvpool cannot use."""
+
+
+def engine_config(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The pool's engine.json named by the environment, or {} when none is named."""
+    env = os.environ if env is None else env
+    path = env.get(ENV_ENGINE_CONFIG) or env.get(ENV_MOONCAKE_CONFIG)
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"engine config {path}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise ConfigError(f"engine config {path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"engine config {path} must hold a JSON object")
+    return data
+
+
+def split_addrs(value: Any) -> List[str]:
+    """Master addresses from a comma-separated string or a list."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ConfigError(f"master addresses must be a string or a list, got {type(value).__name__}")
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"master address {item!r} is not a string")
+        item = item.strip()
+        if item:
+            out.append(item)
+    return out
+
+
+@dataclass
+class Settings:
+    """What a store is set up with."""
+
+    masters: List[str] = field(default_factory=list)
+    auth_key_file: str = ""
+    agent_socket: str = ""
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 0
+    protocol: str = "tcp"
+    request_timeout_ms: int = 10_000
+
+    @classmethod
+    def resolve(
+        cls,
+        masters: Any = None,
+        auth_key_file: Optional[str] = None,
+        agent_socket: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        **rest: Any,
+    ) -> "Settings":
+        env = os.environ if env is None else env
+        file_cfg = engine_config(env)
+        resolved = split_addrs(masters)
+        if not resolved:
+            resolved = split_addrs(env.get(ENV_MASTER))
+        if not resolved:
+            resolved = split_addrs(file_cfg.get("master_server_address"))
+        key = auth_key_file or env.get(ENV_AUTH_KEY_FILE) or file_cfg.get("auth_key_file") or ""
+        socket = agent_socket or env.get(ENV_AGENT_SOCKET) or file_cfg.get("agent_socket") or ""
+        settings = cls(masters=resolved, auth_key_file=str(key), agent_socket=str(socket), **rest)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if not self.masters:
+            raise ConfigError(
+                f"no master address: pass one, or set {ENV_MASTER} or {ENV_ENGINE_CONFIG}"
+            )
+        if not self.auth_key_file:
+            raise ConfigError(
+                f"no pool key: pass auth_key_file, or set {ENV_AUTH_KEY_FILE} or {ENV_ENGINE_CONFIG}"
+            )
+        if not isinstance(self.global_segment_size, int) or self.global_segment_size < 0:
+            raise ConfigError(
+                f"global_segment_size must be a non-negative integer, got {self.global_segment_size!r}"
+            )

@@ -1,0 +1,335 @@
+"""Mooncake's store API over kvpool: ``MooncakeDistributedStore`` and ``ReplicateConfig``.
+
+Same method names, positional and keyword signatures, return values and negative error codes
+as ``mooncake.store`` (Mooncake 0.3.x), so code written for Mooncake (vLLM's, SGLang's and
+LMCache's Mooncake backends) runs on kvpool by importing this module instead. Every
+difference is listed in docs/python.md; calls kvpool does not offer return Mooncake's
+"unavailable in current status" code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import _native
+from ._config import ConfigError, Settings, split_addrs
+from ._native import Error
+
+# Mooncake's error codes (mooncake-store/include/types.h) that kvpool answers with.
+OK = 0
+INTERNAL_ERROR = -1
+BUFFER_OVERFLOW = -10
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+UNAVAILABLE_IN_CURRENT_STATUS = -1010
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig"]
+
+
+class ReplicateConfig:
+    """Placement of a put, as Mooncake's ``ReplicateConfig``. kvpool uses ``replica_num``,
+    ``preferred_segment`` (or the first of ``preferred_segments``), ``with_hard_pin`` and
+    ``soft_pin_ttl_ms``; the other fields are accepted and ignored."""
+
+    def __init__(self) -> None:
+        self.replica_num = 1
+        self.with_soft_pin = False
+        self.with_hard_pin = False
+        self.soft_pin_ttl_ms = 0
+        self.soft_pin_action = 0
+        self.preferred_segment = ""
+        self.preferred_segments: List[str] = []
+        self.prefer_alloc_in_same_node = False
+        self.dfs_replica_num = 0
+        self.nof_replica_num = 0
+        self.data_type = 0
+        self.group_ids: List[int] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicateConfig(replica_num={self.replica_num}, with_hard_pin={self.with_hard_pin}, "
+            f"preferred_segment={self.preferred_segment!r})"
+        )
+
+
+def _put_args(config: Optional[ReplicateConfig]) -> tuple:
+    if config is None:
+        return (1, None, False, 0)
+    preferred = config.preferred_segment or (
+        config.preferred_segments[0] if config.preferred_segments else None
+    )
+    ttl = int(config.soft_pin_ttl_ms or 0) if config.with_soft_pin else 0
+    return (int(config.replica_num), preferred, bool(config.with_hard_pin), ttl)
+
+
+def _code(e: BaseException) -> int:
+    if isinstance(e, Error):
+        return int(getattr(e, "code", INTERNAL_ERROR))
+    if isinstance(e, (TypeError, ValueError, OverflowError)):
+        return INVALID_PARAMS
+    return INTERNAL_ERROR
+
+
+class MooncakeDistributedStore:
+    """kvpool behind Mooncake's ``MooncakeDistributedStore``."""
+
+    def __init__(self) -> None:
+        self._client: Optional[_native.Client] = None
+
+    # --- setup and lifecycle ---------------------------------------------------------------
+
+    def setup(self, *args: Any, **kwargs: Any) -> int:
+        """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+        protocol, rdma_devices, master_server_addr, ...)`` or ``setup(config: dict)``.
+        ``metadata_server`` and ``local_buffer_size`` are accepted and unused (kvpool's master
+        is its metadata service; staging memory is sized per call). An empty
+        ``master_server_addr`` falls back to ``KVPOOL_MASTER_ADDR`` / the engine config; the
+        pool key comes from ``auth_key_file`` in the config dict, ``KVPOOL_AUTH_KEY_FILE`` or
+        the engine config."""
+        try:
+            settings = self._settings(args, kwargs)
+        except (ConfigError, TypeError, ValueError):
+            return INVALID_PARAMS
+        if self._client is not None and not self._client.is_closed():
+            return OK
+        try:
+            self._client = _native.Client(
+                settings.masters,
+                settings.auth_key_file,
+                local_hostname=settings.local_hostname,
+                global_segment_size=settings.global_segment_size,
+                protocol=settings.protocol,
+                request_timeout_ms=settings.request_timeout_ms,
+            )
+        except BaseException as e:  # noqa: BLE001 - Mooncake's API answers with codes
+            if not isinstance(e, Exception):
+                raise
+            return _code(e)
+        return OK
+
+    @staticmethod
+    def _settings(args: Sequence[Any], kwargs: Dict[str, Any]) -> Settings:
+        if len(args) == 1 and not kwargs and isinstance(args[0], dict):
+            cfg = dict(args[0])
+            if "local_hostname" not in cfg:
+                raise ConfigError("setup(config): local_hostname is required")
+            return Settings.resolve(
+                split_addrs(cfg.get("master_server_addr") or cfg.get("master_server_address")),
+                cfg.get("auth_key_file"),
+                cfg.get("agent_socket"),
+                local_hostname=_host(cfg["local_hostname"]),
+                global_segment_size=int(cfg.get("global_segment_size", 16 << 20)),
+                protocol=str(cfg.get("protocol", "tcp")),
+            )
+        names = [
+            "local_hostname",
+            "metadata_server",
+            "global_segment_size",
+            "local_buffer_size",
+            "protocol",
+            "rdma_devices",
+            "master_server_addr",
+            "engine",
+            "enable_ssd_offload",
+            "ssd_offload_path",
+            "tenant_id",
+            "enable_client_http_server",
+            "client_http_port",
+        ]
+        if len(args) > len(names):
+            raise TypeError(f"setup() takes at most {len(names)} arguments")
+        values = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names or k in values:
+                raise TypeError(f"setup() got an unexpected or repeated argument {k!r}")
+            values[k] = v
+        missing = [n for n in names[:7] if n not in values]
+        if missing:
+            raise TypeError(f"setup() missing arguments: {', '.join(missing)}")
+        size = values["global_segment_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"global_segment_size must be a non-negative int, got {size!r}")
+        return Settings.resolve(
+            split_addrs(values["master_server_addr"]),
+            local_hostname=_host(values["local_hostname"]),
+            global_segment_size=size,
+            protocol=str(values["protocol"] or "tcp"),
+        )
+
+    def close(self) -> int:
+        if self._client is None:
+            return OK
+        try:
+            self._client.close()
+        except Error as e:
+            return _code(e)
+        return OK
+
+    def health_check(self) -> int:
+        c = self._client
+        if c is None or c.is_closed():
+            return UNAVAILABLE_IN_CURRENT_STATUS
+        try:
+            c.health()
+        except Error as e:
+            return _code(e)
+        return OK
+
+    def get_hostname(self) -> str:
+        c = self._client
+        if c is None or c.is_closed():
+            return ""
+        return c.node()
+
+    # --- registered memory -----------------------------------------------------------------
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        return self._call(lambda c: c.register_buffer(buffer_ptr, size), OK)
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        return self._call(
+            lambda c: OK if c.unregister_buffer(buffer_ptr) else INVALID_PARAMS, None
+        )
+
+    # --- single objects --------------------------------------------------------------------
+
+    def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
+        return self._call(lambda c: c.put(key, value, *_put_args(config)), OK)
+
+    def put_from(
+        self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None
+    ) -> int:
+        return self._call(lambda c: c.put_from(key, buffer_ptr, size, *_put_args(config)), OK)
+
+    def get(self, key: str) -> bytes:
+        c = self._client
+        if c is None:
+            return b""
+        try:
+            return c.get(key)
+        except Error:
+            return b""
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        return self._call(lambda c: c.get_into(key, buffer_ptr, size), None)
+
+    def get_size(self, key: str) -> int:
+        return self._call(lambda c: c.size(key), None)
+
+    def is_exist(self, key: str) -> int:
+        return self._call(lambda c: 1 if c.exists([key])[0] else 0, None)
+
+    def remove(self, key: str) -> int:
+        return self._call(lambda c: c.remove(key), OK)
+
+    def remove_all(self) -> int:
+        return self._call(lambda c: c.remove_all(), None)
+
+    def remove_by_regex(self, regex: str) -> int:
+        return UNAVAILABLE_IN_CURRENT_STATUS
+
+    # --- batches ---------------------------------------------------------------------------
+
+    def batch_is_exist(self, keys: List[str]) -> List[int]:
+        c = self._client
+        if c is None:
+            return [UNAVAILABLE_IN_CURRENT_STATUS] * len(keys)
+        try:
+            return [1 if p else 0 for p in c.exists(list(keys))]
+        except Exception as e:  # noqa: BLE001
+            return [_code(e)] * len(keys)
+
+    def batch_put_from(
+        self,
+        keys: List[str],
+        buffer_ptrs: List[int],
+        sizes: List[int],
+        config: Optional[ReplicateConfig] = None,
+    ) -> List[int]:
+        return self._batch(
+            keys, lambda c: c.batch_put_from(list(keys), list(buffer_ptrs), list(sizes), *_put_args(config))
+        )
+
+    def batch_get_into(self, keys: List[str], buffer_ptrs: List[int], sizes: List[int]) -> List[int]:
+        return self._batch(keys, lambda c: c.batch_get_into(list(keys), list(buffer_ptrs), list(sizes)))
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: List[str],
+        all_buffer_ptrs: List[List[int]],
+        all_sizes: List[List[int]],
+        config: Optional[ReplicateConfig] = None,
+    ) -> List[int]:
+        return self._batch(
+            keys,
+            lambda c: c.batch_put_parts(
+                list(keys), [list(p) for p in all_buffer_ptrs], [list(z) for z in all_sizes],
+                *_put_args(config),
+            ),
+        )
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: List[str],
+        all_buffer_ptrs: List[List[int]],
+        all_sizes: List[List[int]],
+        prefer_same_node: bool = True,
+    ) -> List[int]:
+        return self._batch(
+            keys,
+            lambda c: c.batch_get_parts(
+                list(keys), [list(p) for p in all_buffer_ptrs], [list(z) for z in all_sizes]
+            ),
+        )
+
+    def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
+        def run(c: "_native.Client") -> int:
+            for err in c.batch_put(list(keys), list(values), *_put_args(config)):
+                if err is not None:
+                    return _code(err)
+            return OK
+
+        return self._call(run, None)
+
+    def get_batch(self, keys: List[str]) -> List[bytes]:
+        c = self._client
+        if c is None:
+            return [b""] * len(keys)
+        try:
+            return [r if isinstance(r, bytes) else b"" for r in c.batch_get(list(keys))]
+        except Exception:  # noqa: BLE001
+            return [b""] * len(keys)
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    def _call(self, f, ok: Optional[int]) -> int:
+        c = self._client
+        if c is None:
+            return UNAVAILABLE_IN_CURRENT_STATUS
+        try:
+            r = f(c)
+        except Exception as e:  # noqa: BLE001 - Mooncake's API answers with codes
+            return _code(e)
+        return ok if ok is not None else int(r)
+
+    def _batch(self, keys: Sequence[str], f) -> List[int]:
+        c = self._client
+        if c is None:
+            return [UNAVAILABLE_IN_CURRENT_STATUS] * len(keys)
+        try:
+            return list(f(c))
+        except Exception as e:  # noqa: BLE001
+            return [_code(e)] * len(keys)
+
+
+def _host(value: Any) -> str:
+    """Mooncake's local_hostname may carry a port (``host:port``); kvpool picks its own."""
+    host = str(value or "127.0.0.1").strip()
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host or "127.0.0.1"

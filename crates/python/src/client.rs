@@ -1,0 +1,194 @@
+//! The connection a Python store holds: a Tokio runtime, the transfer engine, the master
+//! client and pool client, the registered buffers, and the segment this process contributes
+//! (when it does). Every call on it runs with the GIL released. I/O boundary: what the pool
+//! client reaches (the master's gRPC channel, the agents' transfer targets) and the holder's
+//! TCP target.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use prometheus::Registry;
+
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::pool::{LocalSegments, PoolClient, tcp_endpoint};
+use kvpool_proto::auth::AuthKey as MasterKey;
+use kvpool_transfer::{
+    self as transfer, EngineConfig, StaticDirectory, TcpServer, TransferEngine, TransferMetrics,
+};
+
+use crate::buffers::Buffers;
+use crate::errors::{Failure, Kind};
+use crate::holder::Holder;
+
+/// What a store is set up with (from `setup(...)`, `setup(config)` or the environment, sorted
+/// out by the Python layer).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub masters: Vec<String>,
+    pub auth_key_file: PathBuf,
+    pub local_hostname: String,
+    pub global_segment_size: u64,
+    pub protocol: String,
+    pub request_timeout_ms: u64,
+}
+
+/// A live connection.
+pub struct Live {
+    pub pool: PoolClient,
+    pub engine: TransferEngine,
+    pub buffers: Mutex<Buffers>,
+    pub node: String,
+    pub registry: Registry,
+    holder: Option<Holder>,
+    /// Serves the contributed segment while the store is open.
+    _server: Option<TcpServer>,
+}
+
+/// A store's runtime and its connection (none once closed).
+pub struct Conn {
+    pub runtime: tokio::runtime::Runtime,
+    live: RwLock<Option<Arc<Live>>>,
+}
+
+fn internal(what: &str) -> impl FnOnce(std::io::Error) -> Failure + '_ {
+    move |e| Failure::new(Kind::Internal, format!("{what}: {e}"))
+}
+
+impl Conn {
+    /// Start the runtime and connect as `settings` says; the master is reached on first use,
+    /// except when contributing memory (the segment is mounted before this returns).
+    pub fn open(settings: &Settings) -> Result<Self, Failure> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvpool-py")
+            .enable_all()
+            .build()
+            .map_err(internal("starting the client runtime"))?;
+        let live = runtime.block_on(connect(settings))?;
+        Ok(Self {
+            runtime,
+            live: RwLock::new(Some(Arc::new(live))),
+        })
+    }
+
+    /// The connection, or `Closed`.
+    pub fn live(&self) -> Result<Arc<Live>, Failure> {
+        self.live
+            .read()
+            .clone()
+            .ok_or_else(|| Failure::new(Kind::Closed, "the store is closed"))
+    }
+
+    /// Unmount the contributed segment, drop the registered buffers and the connection.
+    /// Closing twice is a no-op.
+    pub fn close(&self) -> Result<(), Failure> {
+        let Some(live) = self.live.write().take() else {
+            return Ok(());
+        };
+        live.buffers.lock().clear();
+        let holder = match Arc::try_unwrap(live) {
+            Ok(mut l) => l.holder.take(),
+            // A call still running on another thread keeps the connection; its holder goes
+            // when that call ends (the master drops the segment once heartbeats stop).
+            Err(_) => None,
+        };
+        self.runtime.block_on(async {
+            if let Some(h) = holder {
+                h.stop().await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+fn protocol_wants_rdma(protocol: &str) -> Result<bool, Failure> {
+    match protocol.to_ascii_lowercase().as_str() {
+        "tcp" | "" => Ok(false),
+        "rdma" => Ok(true),
+        other => Err(Failure::invalid(format!(
+            "protocol {other:?} is not supported (use \"tcp\" or \"rdma\")"
+        ))),
+    }
+}
+
+async fn connect(s: &Settings) -> Result<Live, Failure> {
+    if s.masters.is_empty() {
+        return Err(Failure::invalid(
+            "no master address: pass master_server_addr, or set KVPOOL_MASTER_ADDR",
+        ));
+    }
+    let want_rdma = protocol_wants_rdma(&s.protocol)?;
+    let master_key = MasterKey::from_file(&s.auth_key_file).map_err(|e| {
+        Failure::new(
+            Kind::AuthFailed,
+            format!("auth key file {}: {e}", s.auth_key_file.display()),
+        )
+    })?;
+    let transfer_key = transfer::AuthKey::from_file(&s.auth_key_file).map_err(|e| {
+        Failure::new(
+            Kind::AuthFailed,
+            format!("auth key file {}: {e}", s.auth_key_file.display()),
+        )
+    })?;
+    let registry = Registry::new();
+    let metrics = TransferMetrics::new(&registry)
+        .map_err(|e| Failure::new(Kind::Internal, format!("client metrics: {e}")))?;
+    let host = s.local_hostname.trim();
+    let host = if host.is_empty() { "127.0.0.1" } else { host };
+    let engine = TransferEngine::new(
+        EngineConfig {
+            node: format!("{host}/pid-{}", std::process::id()),
+            want_rdma,
+            prefer_shm: false,
+            ..EngineConfig::default()
+        },
+        transfer_key,
+        Arc::new(StaticDirectory::new()),
+        metrics,
+    )
+    .map_err(|e| Failure::new(Kind::Internal, format!("starting the transfer engine: {e}")))?;
+    let config = ClientConfig {
+        request_timeout: std::time::Duration::from_millis(s.request_timeout_ms.max(1)),
+        ..ClientConfig::default()
+    };
+    let master = MasterClient::new(s.masters.clone(), master_key, config)?;
+    let local = LocalSegments::default();
+    let (node, server, holder) = if s.global_segment_size > 0 {
+        let ip: IpAddr = host.parse().map_err(|_| {
+            Failure::invalid(format!(
+                "local_hostname {host:?} must be an IP address when contributing memory \
+                 (global_segment_size > 0): peers reach the segment there"
+            ))
+        })?;
+        let server = engine
+            .listen_tcp(SocketAddr::new(ip, 0))
+            .map_err(|e| Failure::new(Kind::Unavailable, format!("listening on {ip}: {e}")))?;
+        let addr = server.local_addr();
+        let node = addr.to_string();
+        let holder = Holder::start(
+            &engine,
+            master.clone(),
+            &node,
+            &tcp_endpoint(addr),
+            s.global_segment_size,
+            &local,
+        )
+        .await?;
+        (node, Some(server), Some(holder))
+    } else {
+        (format!("{host}:{}", std::process::id()), None, None)
+    };
+    let pool =
+        PoolClient::new(master, engine.clone(), node.clone(), None).with_local_segments(local);
+    Ok(Live {
+        pool,
+        engine,
+        buffers: Mutex::new(Buffers::default()),
+        node,
+        registry,
+        holder,
+        _server: server,
+    })
+}

@@ -1,0 +1,478 @@
+//! `kvpool._native`: the pool client for Python. One class, `Client`, that the package's
+//! Python layers (`kvpool.Store`, `kvpool.mooncake`) wrap: every call releases the GIL while
+//! it waits on the pool, takes keys as `str` or `bytes`, values as any object with the buffer
+//! protocol, and registered memory as raw addresses. Failures raise the exceptions of
+//! `errors`, each with kvpool's `kind` and Mooncake's `code`; the batch calls that Mooncake's
+//! API answers with codes return them per item.
+//!
+//! - `client`: the runtime, connection and contributed segment; `holder`: that segment.
+//! - `ops`: the calls; `buffers`: caller memory; `errors`: kinds, codes and exceptions.
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+mod buffers;
+mod client;
+mod errors;
+mod holder;
+mod ops;
+
+use buffers::Held;
+use client::{Conn, Settings};
+use errors::{Failure, Kind};
+use ops::PutArgs;
+
+/// A key: `str` (UTF-8 bytes) or `bytes`.
+#[derive(FromPyObject)]
+enum Key {
+    Str(String),
+    Bytes(Vec<u8>),
+}
+
+impl Key {
+    fn into_bytes(self) -> Vec<u8> {
+        match self {
+            Key::Str(s) => s.into_bytes(),
+            Key::Bytes(b) => b,
+        }
+    }
+}
+
+fn keys(keys: Vec<Key>) -> Vec<Vec<u8>> {
+    keys.into_iter().map(Key::into_bytes).collect()
+}
+
+fn replicas(n: u32) -> Result<u8, Failure> {
+    u8::try_from(n)
+        .ok()
+        .filter(|n| *n >= 1)
+        .ok_or_else(|| Failure::invalid(format!("replica count {n} must be 1 to 255")))
+}
+
+/// Three lists of one length.
+fn same_length(keys: usize, ptrs: usize, sizes: usize) -> Result<(), Failure> {
+    if keys == ptrs && keys == sizes {
+        Ok(())
+    } else {
+        Err(Failure::invalid(format!(
+            "{keys} keys, {ptrs} buffer addresses and {sizes} sizes: the lists must have one \
+             length"
+        )))
+    }
+}
+
+/// An exception object for a failed batch item.
+fn exception(py: Python<'_>, f: Failure) -> Py<PyAny> {
+    PyErr::from(f).into_value(py).into_any()
+}
+
+/// A connection to a kvpool pool (see the module docs).
+#[pyclass(module = "kvpool._native", frozen)]
+struct Client {
+    conn: Conn,
+}
+
+impl Client {
+    /// Wait for `call` with the GIL released.
+    fn block<T: Send>(
+        &self,
+        py: Python<'_>,
+        call: impl Future<Output = Result<T, Failure>> + Send,
+    ) -> PyResult<T> {
+        Ok(py.detach(|| self.conn.runtime.block_on(call))?)
+    }
+}
+
+#[pymethods]
+impl Client {
+    /// Connect to the masters at `masters` with the pool key in `auth_key_file`. With
+    /// `global_segment_size > 0` this process contributes that much memory to the pool,
+    /// served at `local_hostname` (an IP address) on a port the system picks.
+    #[new]
+    #[pyo3(signature = (masters, auth_key_file, local_hostname = "127.0.0.1".to_owned(),
+        global_segment_size = 0, protocol = "tcp".to_owned(), request_timeout_ms = 10_000))]
+    fn new(
+        py: Python<'_>,
+        masters: Vec<String>,
+        auth_key_file: PathBuf,
+        local_hostname: String,
+        global_segment_size: u64,
+        protocol: String,
+        request_timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let settings = Settings {
+            masters,
+            auth_key_file,
+            local_hostname,
+            global_segment_size,
+            protocol,
+            request_timeout_ms,
+        };
+        let conn = py.detach(|| Conn::open(&settings))?;
+        Ok(Self { conn })
+    }
+
+    /// This process's node name in the pool (`host:port` when it contributes memory).
+    fn node(&self) -> PyResult<String> {
+        Ok(self.conn.live()?.node.clone())
+    }
+
+    /// Store `value` (any object with the buffer protocol) under `key`.
+    #[pyo3(signature = (key, value, replicas = 1, preferred = None, hard_pin = false,
+        soft_pin_ttl_ms = 0))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: Key,
+        value: &Bound<'_, PyAny>,
+        replicas: u32,
+        preferred: Option<String>,
+        hard_pin: bool,
+        soft_pin_ttl_ms: u64,
+    ) -> PyResult<()> {
+        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let view = Held::new(value, false)?;
+        let live = self.conn.live()?;
+        let key = key.into_bytes();
+        self.block(py, async move {
+            ops::put(&live, &key, view.bytes(), &args).await
+        })
+    }
+
+    /// Store `size` bytes at address `ptr` (inside a registered buffer) under `key`.
+    #[pyo3(signature = (key, ptr, size, replicas = 1, preferred = None, hard_pin = false,
+        soft_pin_ttl_ms = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        key: Key,
+        ptr: usize,
+        size: u64,
+        replicas: u32,
+        preferred: Option<String>,
+        hard_pin: bool,
+        soft_pin_ttl_ms: u64,
+    ) -> PyResult<()> {
+        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let live = self.conn.live()?;
+        let key = key.into_bytes();
+        self.block(py, async move {
+            ops::put_from(&live, &key, ptr, size, &args).await
+        })
+    }
+
+    /// The value of `key` as `bytes`.
+    fn get<'py>(&self, py: Python<'py>, key: Key) -> PyResult<Bound<'py, PyBytes>> {
+        let live = self.conn.live()?;
+        let key = key.into_bytes();
+        let value = self.block(py, async move { ops::get(&live, &key).await })?;
+        Ok(PyBytes::new(py, &value))
+    }
+
+    /// Read the value of `key` into `buffer` (a writable object with the buffer protocol);
+    /// returns its length.
+    fn get_into_buffer(
+        &self,
+        py: Python<'_>,
+        key: Key,
+        buffer: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
+        let mut view = Held::new(buffer, true)?;
+        let live = self.conn.live()?;
+        let key = key.into_bytes();
+        self.block(py, async move {
+            ops::get_into_slice(&live, &key, view.bytes_mut()).await
+        })
+    }
+
+    /// Read the value of `key` into the `size` bytes at `ptr` (inside a registered buffer);
+    /// returns its length.
+    fn get_into(&self, py: Python<'_>, key: Key, ptr: usize, size: u64) -> PyResult<u64> {
+        let live = self.conn.live()?;
+        let key = key.into_bytes();
+        self.block(
+            py,
+            async move { ops::get_into(&live, &key, ptr, size).await },
+        )
+    }
+
+    /// Puts from registered memory: per item 0 or Mooncake's negative code.
+    #[pyo3(signature = (keys, ptrs, sizes, replicas = 1, preferred = None, hard_pin = false,
+        soft_pin_ttl_ms = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        ptrs: Vec<usize>,
+        sizes: Vec<u64>,
+        replicas: u32,
+        preferred: Option<String>,
+        hard_pin: bool,
+        soft_pin_ttl_ms: u64,
+    ) -> PyResult<Vec<i64>> {
+        same_length(keys.len(), ptrs.len(), sizes.len())?;
+        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let items = items(keys, ptrs, sizes);
+        let live = self.conn.live()?;
+        self.block(py, async move {
+            Ok(ops::batch_put_from(&live, &items, &args).await)
+        })
+    }
+
+    /// Gets into registered memory: per item the length read or Mooncake's negative code.
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        ptrs: Vec<usize>,
+        sizes: Vec<u64>,
+    ) -> PyResult<Vec<i64>> {
+        same_length(keys.len(), ptrs.len(), sizes.len())?;
+        let items = items(keys, ptrs, sizes);
+        let live = self.conn.live()?;
+        self.block(
+            py,
+            async move { Ok(ops::batch_get_into(&live, &items).await) },
+        )
+    }
+
+    /// Puts of values spread over several registered ranges each: per key 0 or Mooncake's
+    /// negative code.
+    #[pyo3(signature = (keys, all_ptrs, all_sizes, replicas = 1, preferred = None,
+        hard_pin = false, soft_pin_ttl_ms = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_put_parts(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        all_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<u64>>,
+        replicas: u32,
+        preferred: Option<String>,
+        hard_pin: bool,
+        soft_pin_ttl_ms: u64,
+    ) -> PyResult<Vec<i64>> {
+        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let items = parts(keys, all_ptrs, all_sizes)?;
+        let live = self.conn.live()?;
+        self.block(py, async move {
+            Ok(ops::batch_put_parts(&live, &items, &args).await)
+        })
+    }
+
+    /// Gets of values into several registered ranges each: per key the length read or
+    /// Mooncake's negative code.
+    fn batch_get_parts(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        all_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<u64>>,
+    ) -> PyResult<Vec<i64>> {
+        let items = parts(keys, all_ptrs, all_sizes)?;
+        let live = self.conn.live()?;
+        self.block(
+            py,
+            async move { Ok(ops::batch_get_parts(&live, &items).await) },
+        )
+    }
+
+    /// Puts of several values: per item None or the exception it failed with.
+    #[pyo3(signature = (keys, values, replicas = 1, preferred = None, hard_pin = false,
+        soft_pin_ttl_ms = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_put(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Key>,
+        values: Vec<Bound<'_, PyAny>>,
+        replicas: u32,
+        preferred: Option<String>,
+        hard_pin: bool,
+        soft_pin_ttl_ms: u64,
+    ) -> PyResult<Vec<Option<Py<PyAny>>>> {
+        same_length(keys.len(), values.len(), values.len())?;
+        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let views = values
+            .iter()
+            .map(|v| Held::new(v, false))
+            .collect::<Result<Vec<_>, _>>()?;
+        let keys = self::keys(keys);
+        let live = self.conn.live()?;
+        let results = self.block(py, async move {
+            let items: Vec<(Vec<u8>, &[u8])> = keys
+                .into_iter()
+                .zip(views.iter().map(Held::bytes))
+                .collect();
+            Ok(ops::batch_put(&live, &items, &args).await)
+        })?;
+        Ok(results
+            .into_iter()
+            .map(|r| r.err().map(|f| exception(py, f)))
+            .collect())
+    }
+
+    /// Gets of several values: per item the `bytes`, or the exception it failed with.
+    fn batch_get(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<Py<PyAny>>> {
+        let keys = self::keys(keys);
+        let live = self.conn.live()?;
+        let results = self.block(py, async move { Ok(ops::batch_get(&live, &keys).await) })?;
+        Ok(results
+            .into_iter()
+            .map(|r| match r {
+                Ok(v) => PyBytes::new(py, &v).into_any().unbind(),
+                Err(f) => exception(py, f),
+            })
+            .collect())
+    }
+
+    /// Whether each key is stored.
+    fn exists(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<bool>> {
+        let keys = self::keys(keys);
+        let live = self.conn.live()?;
+        self.block(py, async move { ops::exists(&live, &keys).await })
+    }
+
+    /// The size of the value of `key`.
+    fn size(&self, py: Python<'_>, key: Key) -> PyResult<u64> {
+        let live = self.conn.live()?;
+        let key = key.into_bytes();
+        self.block(py, async move { ops::size(&live, &key).await })
+    }
+
+    /// Remove `key`.
+    fn remove(&self, py: Python<'_>, key: Key) -> PyResult<()> {
+        let live = self.conn.live()?;
+        let key = key.into_bytes();
+        self.block(py, async move { ops::remove(&live, &key).await })
+    }
+
+    /// Remove every object no reader holds a lease on; how many were removed.
+    fn remove_all(&self, py: Python<'_>) -> PyResult<u64> {
+        let live = self.conn.live()?;
+        self.block(py, async move { ops::remove_all(&live).await })
+    }
+
+    /// Register `size` bytes at address `ptr` for zero-copy puts and gets. The memory must
+    /// stay valid until `unregister_buffer(ptr)` or `close()`.
+    fn register_buffer(&self, ptr: usize, size: u64) -> PyResult<()> {
+        let live = self.conn.live()?;
+        let mut buffers = live.buffers.lock();
+        Ok(buffers.register(&live.engine, &live.node, ptr, size, None)?)
+    }
+
+    /// Register the memory of `obj` (a writable object with the buffer protocol, such as a
+    /// numpy array or bytearray), holding it in place until unregistered; returns its address
+    /// and length.
+    fn register_object(&self, obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
+        let view = Held::new(obj, true)?;
+        let (ptr, len) = (view.as_ptr() as usize, view.len() as u64);
+        let live = self.conn.live()?;
+        let mut buffers = live.buffers.lock();
+        buffers.register(&live.engine, &live.node, ptr, len, Some(view))?;
+        Ok((ptr, len))
+    }
+
+    /// Unregister the buffer that starts at `ptr`; False when none does.
+    fn unregister_buffer(&self, ptr: usize) -> PyResult<bool> {
+        Ok(self.conn.live()?.buffers.lock().unregister(ptr))
+    }
+
+    /// Registered buffers.
+    fn registered_buffers(&self) -> PyResult<usize> {
+        Ok(self.conn.live()?.buffers.lock().count())
+    }
+
+    /// Whether the master answers.
+    fn health(&self, py: Python<'_>) -> PyResult<()> {
+        let live = self.conn.live()?;
+        self.block(py, async move { ops::health(&live).await })
+    }
+
+    /// The client's Prometheus metrics (transfer engine), in the text format.
+    fn metrics(&self) -> PyResult<String> {
+        let live = self.conn.live()?;
+        let families = live.registry.gather();
+        prometheus::TextEncoder::new()
+            .encode_to_string(&families)
+            .map_err(|e| Failure::new(Kind::Internal, format!("encoding metrics: {e}")).into())
+    }
+
+    fn is_closed(&self) -> bool {
+        self.conn.live().is_err()
+    }
+
+    /// Unmount the contributed segment and drop the connection; later calls raise `Closed`.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        Ok(py.detach(|| self.conn.close())?)
+    }
+}
+
+fn put_args(
+    replicas: u32,
+    preferred: Option<String>,
+    hard_pin: bool,
+    soft_pin_ttl_ms: u64,
+) -> Result<PutArgs, Failure> {
+    Ok(PutArgs {
+        replicas: self::replicas(replicas)?,
+        preferred: preferred.filter(|p| !p.is_empty()),
+        hard_pin,
+        soft_pin_ttl_ms,
+    })
+}
+
+fn items(keys: Vec<Key>, ptrs: Vec<usize>, sizes: Vec<u64>) -> Vec<(Vec<u8>, usize, u64)> {
+    keys.into_iter()
+        .map(Key::into_bytes)
+        .zip(ptrs)
+        .zip(sizes)
+        .map(|((k, p), s)| (k, p, s))
+        .collect()
+}
+
+/// Keys with their ranges, checked: one list of addresses and one of sizes per key, of one
+/// length each.
+fn parts(
+    keys: Vec<Key>,
+    all_ptrs: Vec<Vec<usize>>,
+    all_sizes: Vec<Vec<u64>>,
+) -> Result<Vec<(Vec<u8>, Vec<(usize, u64)>)>, Failure> {
+    same_length(keys.len(), all_ptrs.len(), all_sizes.len())?;
+    keys.into_iter()
+        .zip(all_ptrs.into_iter().zip(all_sizes))
+        .map(|(k, (ptrs, sizes))| {
+            if ptrs.len() != sizes.len() || ptrs.is_empty() {
+                return Err(Failure::invalid(format!(
+                    "{} addresses and {} sizes for one key: they must pair up, at least one",
+                    ptrs.len(),
+                    sizes.len()
+                )));
+            }
+            Ok((k.into_bytes(), ptrs.into_iter().zip(sizes).collect()))
+        })
+        .collect()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Client>()?;
+    m.add("Error", py.get_type::<errors::Error>())?;
+    m.add("NotFound", py.get_type::<errors::NotFound>())?;
+    m.add("NoSpace", py.get_type::<errors::NoSpace>())?;
+    m.add("InvalidArgument", py.get_type::<errors::InvalidArgument>())?;
+    m.add("BufferTooSmall", py.get_type::<errors::BufferTooSmall>())?;
+    m.add("NotRegistered", py.get_type::<errors::NotRegistered>())?;
+    m.add("Leased", py.get_type::<errors::Leased>())?;
+    m.add("Unavailable", py.get_type::<errors::Unavailable>())?;
+    m.add("AuthFailed", py.get_type::<errors::AuthFailed>())?;
+    m.add("TransferFailed", py.get_type::<errors::TransferFailed>())?;
+    m.add("Closed", py.get_type::<errors::Closed>())?;
+    m.add("NotSupported", py.get_type::<errors::NotSupported>())?;
+    Ok(())
+}

@@ -1,0 +1,157 @@
+"""kvpool's side of the differential suites: a real `kvpool master` plus one holder process.
+
+`start_kvpool_pool(capacity_bytes, tmp_path)` starts, on 127.0.0.1 only, `kvpool master`
+(the binary in `$KVPOOL_BIN`, else the workspace's `target/debug/kvpool`, else
+`target/release/kvpool`) with the same read-lease TTL as the Mooncake pool, then the same
+holder script the Mooncake pool uses (`holder.py --module kvpool.mooncake`), which contributes
+`capacity_bytes` of its memory to the pool. It yields the `Pool` of `peers.py`, so a test
+cannot tell which pool it drives. The pool key is a fresh file in `tmp_path`, handed to every
+client through `KVPOOL_AUTH_KEY_FILE` (what the operator gives engine pods).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import secrets
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Iterator, Optional
+
+from peers import (
+    HOST,
+    LEASE_TTL_MS,
+    START_TIMEOUT_S,
+    Pool,
+    PeerStartError,
+    free_port,
+    start_holder,
+    stop_process,
+    wait_for,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def kvpool_binary() -> Path:
+    """The kvpool executable the tests run."""
+    explicit = os.environ.get("KVPOOL_BIN")
+    if explicit:
+        return Path(explicit)
+    for profile in ("debug", "release"):
+        candidate = REPO / "target" / profile / "kvpool"
+        if candidate.exists():
+            return candidate
+    raise PeerStartError(
+        f"no kvpool binary: build it (cargo build) or set KVPOOL_BIN; looked in {REPO / 'target'}"
+    )
+
+
+def _ready(admin_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{admin_port}/readyz", timeout=0.5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class KvpoolMaster:
+    """`kvpool master` on free loopback ports; restartable."""
+
+    def __init__(self, tmp_path: Path, key_file: Path, extra: Optional[list] = None):
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.key_file = key_file
+        self.log = tmp_path / "kvpool-master.log"
+        self.extra = list(extra or [])
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def addr(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def start(self) -> None:
+        out = open(self.log, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    str(kvpool_binary()),
+                    "master",
+                    "--listen",
+                    self.addr,
+                    "--admin-addr",
+                    f"{HOST}:{self.admin_port}",
+                    "--auth-key-file",
+                    str(self.key_file),
+                    "--lease-ttl",
+                    f"{LEASE_TTL_MS}ms",
+                    *self.extra,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        finally:
+            out.close()
+        wait_for("kvpool master", self.proc, self.log, lambda: _ready(self.admin_port), START_TIMEOUT_S)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+def write_key(path: Path) -> Path:
+    path.write_bytes(secrets.token_hex(32).encode())
+    path.chmod(0o600)
+    return path
+
+
+@contextlib.contextmanager
+def start_kvpool_pool(capacity_bytes: int, tmp_path) -> Iterator[Pool]:
+    """A kvpool pool of `capacity_bytes` on 127.0.0.1: master plus one holder process."""
+    tmp_path = Path(tmp_path)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    key = write_key(tmp_path / "pool.key")
+    saved = os.environ.get("KVPOOL_AUTH_KEY_FILE")
+    os.environ["KVPOOL_AUTH_KEY_FILE"] = str(key)
+    env = dict(os.environ)
+    module = importlib.import_module("kvpool.mooncake")
+    master = KvpoolMaster(tmp_path, key)
+    holder: Optional[subprocess.Popen] = None
+    pool: Optional[Pool] = None
+    try:
+        master.start()
+        holder = start_holder(
+            "kvpool.mooncake", master.addr, capacity_bytes, tmp_path / "kvpool-holder.log", env
+        )
+        pool = Pool(
+            name="kvpool",
+            module=module,
+            master_addr=master.addr,
+            capacity=capacity_bytes,
+            _kill_master=master.kill,
+            _restart_master=master.restart,
+        )
+        yield pool
+    finally:
+        if pool is not None:
+            pool.close_stores()
+        if holder is not None:
+            with contextlib.suppress(OSError):
+                holder.stdin.close()
+            stop_process(holder)
+        master.stop()
+        if saved is None:
+            os.environ.pop("KVPOOL_AUTH_KEY_FILE", None)
+        else:
+            os.environ["KVPOOL_AUTH_KEY_FILE"] = saved
