@@ -44,6 +44,9 @@ pub struct Live {
     holder: Option<Holder>,
     /// Serves the contributed segment while the store is open.
     _server: Option<TcpServer>,
+    /// A client that contributes nothing holds this port (listening, never accepting) so that
+    /// its `host:port` name is unique on the host, as Mooncake's clients' names are.
+    _name_port: Option<std::net::TcpListener>,
 }
 
 /// A store's runtime and its connection (none once closed).
@@ -155,6 +158,7 @@ async fn connect(s: &Settings) -> Result<Live, Failure> {
     };
     let master = MasterClient::new(s.masters.clone(), master_key, config)?;
     let local = LocalSegments::default();
+    let mut name_port = None;
     let (node, server, holder) = if s.global_segment_size > 0 {
         let ip: IpAddr = host.parse().map_err(|_| {
             Failure::invalid(format!(
@@ -178,7 +182,15 @@ async fn connect(s: &Settings) -> Result<Live, Failure> {
         .await?;
         (node, Some(server), Some(holder))
     } else {
-        (format!("{host}:{}", std::process::id()), None, None)
+        let ip: IpAddr = host.parse().unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        let held = std::net::TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(internal("reserving a port for the client's name"))?;
+        let port = held
+            .local_addr()
+            .map_err(internal("reserving a port for the client's name"))?
+            .port();
+        name_port = Some(held);
+        (format!("{host}:{port}"), None, None)
     };
     let pool =
         PoolClient::new(master, engine.clone(), node.clone(), None).with_local_segments(local);
@@ -190,5 +202,6 @@ async fn connect(s: &Settings) -> Result<Live, Failure> {
         registry,
         holder,
         _server: server,
+        _name_port: name_port,
     })
 }

@@ -21,6 +21,12 @@ create_exception!(
 create_exception!(_native, NotFound, Error, "No object under that key.");
 create_exception!(
     _native,
+    Exists,
+    Error,
+    "The key holds another value; the first stays."
+);
+create_exception!(
+    _native,
     NoSpace,
     Error,
     "The pool has no room for the object."
@@ -78,23 +84,22 @@ create_exception!(
 /// Mooncake's error codes (`mooncake-store/include/types.h`), the ones kvpool answers with.
 pub mod code {
     pub const INTERNAL_ERROR: i64 = -1;
-    pub const BUFFER_OVERFLOW: i64 = -10;
-    pub const SEGMENT_NOT_FOUND: i64 = -101;
     pub const NO_AVAILABLE_HANDLE: i64 = -200;
     pub const INVALID_PARAMS: i64 = -600;
-    pub const INVALID_READ: i64 = -701;
     pub const OBJECT_NOT_FOUND: i64 = -704;
     pub const OBJECT_ALREADY_EXISTS: i64 = -705;
     pub const OBJECT_HAS_LEASE: i64 = -706;
     pub const TRANSFER_FAIL: i64 = -800;
     pub const RPC_FAIL: i64 = -900;
-    pub const UNAVAILABLE_IN_CURRENT_STATUS: i64 = -1010;
+    pub const UNAVAILABLE_IN_CURRENT_MODE: i64 = -1011;
 }
 
 /// kvpool's error kinds, as Python sees them (`exc.kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     NotFound,
+    /// The key is committed with another value (its first value stays).
+    Exists,
     NoSpace,
     InvalidArgument,
     BufferTooSmall,
@@ -112,6 +117,7 @@ impl Kind {
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::NotFound => "not_found",
+            Kind::Exists => "exists",
             Kind::NoSpace => "no_space",
             Kind::InvalidArgument => "invalid_argument",
             Kind::BufferTooSmall => "buffer_too_small",
@@ -126,17 +132,21 @@ impl Kind {
         }
     }
 
-    /// The Mooncake error code `kvpool.mooncake` returns for this kind.
+    /// The Mooncake error code `kvpool.mooncake` returns for this kind: what Mooncake 0.3
+    /// answers in the same situation (a buffer too small and a closed store are its
+    /// INVALID_PARAMS too).
     pub fn code(self) -> i64 {
         match self {
             Kind::NotFound => code::OBJECT_NOT_FOUND,
+            Kind::Exists => code::OBJECT_ALREADY_EXISTS,
             Kind::NoSpace => code::NO_AVAILABLE_HANDLE,
-            Kind::InvalidArgument | Kind::NotRegistered => code::INVALID_PARAMS,
-            Kind::BufferTooSmall => code::BUFFER_OVERFLOW,
+            Kind::InvalidArgument | Kind::NotRegistered | Kind::BufferTooSmall | Kind::Closed => {
+                code::INVALID_PARAMS
+            }
             Kind::Leased => code::OBJECT_HAS_LEASE,
             Kind::Unavailable | Kind::AuthFailed => code::RPC_FAIL,
             Kind::TransferFailed => code::TRANSFER_FAIL,
-            Kind::Closed | Kind::NotSupported => code::UNAVAILABLE_IN_CURRENT_STATUS,
+            Kind::NotSupported => code::UNAVAILABLE_IN_CURRENT_MODE,
             Kind::Internal => code::INTERNAL_ERROR,
         }
     }
@@ -185,9 +195,8 @@ fn master_kind(e: &ClientError) -> Kind {
         ClientError::Refused { code, .. } => match code {
             ErrorCode::UnknownKey => Kind::NotFound,
             ErrorCode::NoSpace | ErrorCode::LeaseLimit => Kind::NoSpace,
-            ErrorCode::TooLarge | ErrorCode::InvalidArgument | ErrorCode::SizeConflict => {
-                Kind::InvalidArgument
-            }
+            ErrorCode::SizeConflict => Kind::Exists,
+            ErrorCode::TooLarge | ErrorCode::InvalidArgument => Kind::InvalidArgument,
             ErrorCode::Leased => Kind::Leased,
             ErrorCode::PutInProgress => Kind::InvalidArgument,
             ErrorCode::ReplicasLost => Kind::NotFound,
@@ -236,6 +245,7 @@ pub fn to_py(f: Failure) -> PyErr {
     let message = f.message.clone();
     let err = match f.kind {
         Kind::NotFound => NotFound::new_err(message),
+        Kind::Exists => Exists::new_err(message),
         Kind::NoSpace => NoSpace::new_err(message),
         Kind::InvalidArgument => InvalidArgument::new_err(message),
         Kind::BufferTooSmall => BufferTooSmall::new_err(message),

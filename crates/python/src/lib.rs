@@ -31,12 +31,25 @@ enum Key {
     Bytes(Vec<u8>),
 }
 
+/// Prefix of the stand-in for a key longer than the master takes; NUL bytes keep it apart
+/// from any text key.
+const LONG_KEY_PREFIX: &[u8] = b"\0kvpool-sha256\0";
+
 impl Key {
+    /// The key as the master gets it: its bytes, or for a key longer than the master's limit
+    /// a SHA-256 digest of them (the same in every client, so long keys work like any other).
     fn into_bytes(self) -> Vec<u8> {
-        match self {
+        let bytes = match self {
             Key::Str(s) => s.into_bytes(),
             Key::Bytes(b) => b,
+        };
+        if bytes.len() <= kvpool_proto::master::MAX_KEY_BYTES {
+            return bytes;
         }
+        use sha2::Digest;
+        let mut out = LONG_KEY_PREFIX.to_vec();
+        out.extend_from_slice(&sha2::Sha256::digest(&bytes));
+        out
     }
 }
 
@@ -344,17 +357,19 @@ impl Client {
         self.block(py, async move { ops::size(&live, &key).await })
     }
 
-    /// Remove `key`.
-    fn remove(&self, py: Python<'_>, key: Key) -> PyResult<()> {
+    /// Remove `key`; `force` waits for reads in flight instead of failing with `Leased`.
+    #[pyo3(signature = (key, force = false))]
+    fn remove(&self, py: Python<'_>, key: Key, force: bool) -> PyResult<()> {
         let live = self.conn.live()?;
         let key = key.into_bytes();
-        self.block(py, async move { ops::remove(&live, &key).await })
+        self.block(py, async move { ops::remove(&live, &key, force).await })
     }
 
     /// Remove every object no reader holds a lease on; how many were removed.
-    fn remove_all(&self, py: Python<'_>) -> PyResult<u64> {
+    #[pyo3(signature = (force = false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
         let live = self.conn.live()?;
-        self.block(py, async move { ops::remove_all(&live).await })
+        self.block(py, async move { ops::remove_all(&live, force).await })
     }
 
     /// Register `size` bytes at address `ptr` for zero-copy puts and gets. The memory must
@@ -446,9 +461,9 @@ fn parts(
     keys.into_iter()
         .zip(all_ptrs.into_iter().zip(all_sizes))
         .map(|(k, (ptrs, sizes))| {
-            if ptrs.len() != sizes.len() || ptrs.is_empty() {
+            if ptrs.len() != sizes.len() {
                 return Err(Failure::invalid(format!(
-                    "{} addresses and {} sizes for one key: they must pair up, at least one",
+                    "{} addresses and {} sizes for one key: they must pair up",
                     ptrs.len(),
                     sizes.len()
                 )));
@@ -464,6 +479,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add("Error", py.get_type::<errors::Error>())?;
     m.add("NotFound", py.get_type::<errors::NotFound>())?;
+    m.add("Exists", py.get_type::<errors::Exists>())?;
     m.add("NoSpace", py.get_type::<errors::NoSpace>())?;
     m.add("InvalidArgument", py.get_type::<errors::InvalidArgument>())?;
     m.add("BufferTooSmall", py.get_type::<errors::BufferTooSmall>())?;

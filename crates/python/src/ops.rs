@@ -50,13 +50,36 @@ async fn pin(live: &Live, key: &[u8], args: &PutArgs) -> Result<(), Failure> {
         .map_err(Failure::from)
 }
 
-/// Store `value` under `key` (copied once into registered staging memory).
+/// A put of a key already committed succeeds and keeps the first value, whatever its size
+/// (the master refuses a different size; Mooncake answers success either way).
+fn committed(r: Result<(), kvpool_client::pool::DataError>) -> Result<(), Failure> {
+    match r.map_err(Failure::from) {
+        Err(f) if f.kind == Kind::Exists => Ok(()),
+        other => other,
+    }
+}
+
+/// Keys of puts must not be empty.
+fn check_key(key: &[u8]) -> Result<(), Failure> {
+    if key.is_empty() {
+        return Err(Failure::invalid("the key is empty"));
+    }
+    Ok(())
+}
+
+/// Store `value` under `key` (copied once into registered staging memory). Empty values are
+/// refused.
 pub async fn put(live: &Live, key: &[u8], value: &[u8], args: &PutArgs) -> Result<(), Failure> {
-    live.pool.put(key, value, &args.options()).await?;
+    check_key(key)?;
+    if value.is_empty() {
+        return Err(Failure::invalid("the value is empty"));
+    }
+    committed(live.pool.put(key, value, &args.options()).await.map(|_| ()))?;
     pin(live, key, args).await
 }
 
-/// Store `len` bytes at `ptr`, inside a registered buffer, with no copy.
+/// Store `len` bytes at `ptr`, inside a registered buffer, with no copy. A put of 0 bytes
+/// succeeds and stores nothing, as Mooncake's does.
 pub async fn put_from(
     live: &Live,
     key: &[u8],
@@ -64,10 +87,17 @@ pub async fn put_from(
     len: u64,
     args: &PutArgs,
 ) -> Result<(), Failure> {
+    check_key(key)?;
+    if len == 0 {
+        return Ok(());
+    }
     let span = live.buffers.lock().span(ptr, len)?;
-    live.pool
-        .put_from(key, &span.local, span.offset, span.len, &args.options())
-        .await?;
+    committed(
+        live.pool
+            .put_from(key, &span.local, span.offset, span.len, &args.options())
+            .await
+            .map(|_| ()),
+    )?;
     pin(live, key, args).await
 }
 
@@ -106,6 +136,9 @@ pub async fn batch_put_from(
     args: &PutArgs,
 ) -> Vec<i64> {
     let calls = items.iter().map(|(key, ptr, len)| async move {
+        if *len == 0 {
+            return code_of(Err(Failure::invalid("the value is empty")));
+        }
         code_of(put_from(live, key, *ptr, *len, args).await.map(|()| 0))
     });
     join_all(calls).await
@@ -127,6 +160,11 @@ pub async fn put_parts(
     parts: &[(usize, u64)],
     args: &PutArgs,
 ) -> Result<(), Failure> {
+    if parts.is_empty() || parts.iter().any(|(_, len)| *len == 0) {
+        return Err(Failure::invalid(
+            "a value in registered ranges needs ranges of 1 byte or more",
+        ));
+    }
     if let [(ptr, len)] = parts {
         return put_from(live, key, *ptr, *len, args).await;
     }
@@ -154,9 +192,6 @@ pub async fn put_parts(
 /// Read the value of `key` across several registered ranges, in order; its length. One range
 /// is read into directly; several through one staging copy.
 pub async fn get_parts(live: &Live, key: &[u8], parts: &[(usize, u64)]) -> Result<u64, Failure> {
-    if let [(ptr, len)] = parts {
-        return get_into(live, key, *ptr, *len).await;
-    }
     let spans = {
         let buffers = live.buffers.lock();
         parts
@@ -165,14 +200,19 @@ pub async fn get_parts(live: &Live, key: &[u8], parts: &[(usize, u64)]) -> Resul
             .collect::<Result<Vec<_>, _>>()?
     };
     let room: u64 = spans.iter().map(|s| s.len).sum();
-    let size = live.pool.master().get(key).await.map(|l| {
-        live.pool.master().release_lease_later(l.lease_id);
-        l.size
-    })?;
+    let size = live.pool.value_size(key).await?;
+    // As Mooncake's: the ranges must add up to the value exactly; the memory is untouched
+    // otherwise.
     if size > room {
         return Err(Failure::new(
             Kind::BufferTooSmall,
             format!("a value of {size} bytes does not fit the {room} bytes of the ranges"),
+        ));
+    }
+    if size < room {
+        return Err(Failure::new(
+            Kind::TransferFailed,
+            format!("the ranges hold {room} bytes, the value {size}: they must match"),
         ));
     }
     let value = get(live, key).await?;
@@ -243,49 +283,76 @@ pub async fn batch_get(live: &Live, keys: &[Vec<u8>]) -> Vec<Result<Vec<u8>, Fai
     join_all(keys.iter().map(|key| async move { get(live, key).await })).await
 }
 
-/// Whether each key is stored.
+/// Whether each key is stored (an empty key never is).
 pub async fn exists(live: &Live, keys: &[Vec<u8>]) -> Result<Vec<bool>, Failure> {
-    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-    let present = live.pool.master().exists(&refs).await?;
-    if present.len() != keys.len() {
+    let refs: Vec<&[u8]> = keys
+        .iter()
+        .filter(|k| !k.is_empty())
+        .map(Vec::as_slice)
+        .collect();
+    let mut answers = if refs.is_empty() {
+        Vec::new()
+    } else {
+        live.pool.master().exists(&refs).await?
+    }
+    .into_iter();
+    if answers.len() != refs.len() {
         return Err(Failure::new(
             Kind::Internal,
             format!(
                 "the master answered {} of {} keys",
-                present.len(),
-                keys.len()
+                answers.len(),
+                refs.len()
             ),
         ));
     }
-    Ok(present)
+    Ok(keys
+        .iter()
+        .map(|k| !k.is_empty() && answers.next().unwrap_or(false))
+        .collect())
 }
 
 /// The size of the value of `key` (a striped object's whole size).
 pub async fn size(live: &Live, key: &[u8]) -> Result<u64, Failure> {
-    let master = live.pool.master();
-    let located = master.get(key).await?;
-    master.release_lease_later(located.lease_id);
-    if located.size == kvpool_client::pool::MANIFEST_LEN as u64 {
-        // Could be a striped object's manifest: only its bytes tell.
-        let value = live.pool.get(key).await;
-        if let Ok(v) = value {
-            if let Some(m) = kvpool_client::pool::Manifest::decode(key, &v) {
-                return Ok(m.total);
+    Ok(live.pool.value_size(key).await?)
+}
+
+/// How long a forced removal waits for the reads in flight to end.
+const FORCE_WAIT: Duration = Duration::from_secs(15);
+/// Pause between the attempts of a forced removal.
+const FORCE_PAUSE: Duration = Duration::from_millis(20);
+
+/// Remove `key` (a striped object with its parts). A reader's lease refuses the removal;
+/// `force` waits for the reads in flight to end instead (kvpool never frees memory under a
+/// reader), up to [`FORCE_WAIT`].
+pub async fn remove(live: &Live, key: &[u8], force: bool) -> Result<(), Failure> {
+    let deadline = tokio::time::Instant::now() + FORCE_WAIT;
+    loop {
+        live.pool.flush_releases().await;
+        match live.pool.remove(key).await.map_err(Failure::from) {
+            Err(f) if force && f.kind == Kind::Leased && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(FORCE_PAUSE).await;
             }
+            other => return other,
         }
     }
-    Ok(located.size)
 }
 
-/// Remove `key` (a striped object with its parts).
-pub async fn remove(live: &Live, key: &[u8]) -> Result<(), Failure> {
-    live.pool.flush_releases().await;
-    Ok(live.pool.remove(key).await?)
-}
-
-/// Remove every object no reader holds a lease on; how many were removed.
-pub async fn remove_all(live: &Live) -> Result<u64, Failure> {
-    Ok(live.pool.master().remove_all().await?)
+/// Remove every object no reader holds a lease on; how many were removed. With `force`,
+/// passes repeat until one removes nothing, so objects whose reads were in flight go too.
+pub async fn remove_all(live: &Live, force: bool) -> Result<u64, Failure> {
+    let mut removed = live.pool.master().remove_all().await?;
+    if force {
+        loop {
+            tokio::time::sleep(FORCE_PAUSE).await;
+            let more = live.pool.master().remove_all().await?;
+            if more == 0 {
+                break;
+            }
+            removed += more;
+        }
+    }
+    Ok(removed)
 }
 
 /// Whether the master answers.

@@ -122,6 +122,23 @@ impl PoolClient {
         }
     }
 
+    /// The size of the value of `key` (a striped object's whole size), without reading it
+    /// unless it may be a striped object's manifest.
+    pub async fn value_size(&self, key: &[u8]) -> Result<u64, DataError> {
+        let located = self.master.get(key).await.map_err(DataError::Master)?;
+        self.master.release_lease_later(located.lease_id);
+        if located.size != MANIFEST_LEN as u64 {
+            return Ok(located.size);
+        }
+        match self.read_value(key, &Dest::Staging).await? {
+            Value::Plain { size, local } => {
+                self.done_with(&Dest::Staging, local);
+                Ok(size)
+            }
+            Value::Striped(m) => Ok(m.total),
+        }
+    }
+
     /// Read into staging, then copy into the slice `sink(size)` returns.
     async fn get_with<'b>(
         &self,

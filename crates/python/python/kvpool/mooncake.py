@@ -4,7 +4,9 @@ Same method names, positional and keyword signatures, return values and negative
 as ``mooncake.store`` (Mooncake 0.3.x), so code written for Mooncake (vLLM's, SGLang's and
 LMCache's Mooncake backends) runs on kvpool by importing this module instead. Every
 difference is listed in docs/python.md; calls kvpool does not offer return Mooncake's
-"unavailable in current status" code.
+"unavailable in current mode" code (-1011). A store never set up, or closed, answers as
+Mooncake's does where Mooncake survives the call (-600 for calls that return a code, empty
+values for gets) and the same way for the calls that crash Mooncake's process.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
-UNAVAILABLE_IN_CURRENT_STATUS = -1010
+UNAVAILABLE_IN_CURRENT_MODE = -1011
+
+# health_check() answers (Mooncake's): healthy, not set up or closed, master unreachable.
+HEALTHY, NOT_SET_UP, MASTER_UNREACHABLE = 0, 1, 2
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig"]
 
@@ -98,7 +103,7 @@ class MooncakeDistributedStore:
         if self._client is not None and not self._client.is_closed():
             return OK
         try:
-            self._client = _native.Client(
+            client = _native.Client(
                 settings.masters,
                 settings.auth_key_file,
                 local_hostname=settings.local_hostname,
@@ -106,10 +111,11 @@ class MooncakeDistributedStore:
                 protocol=settings.protocol,
                 request_timeout_ms=settings.request_timeout_ms,
             )
-        except BaseException as e:  # noqa: BLE001 - Mooncake's API answers with codes
-            if not isinstance(e, Exception):
-                raise
-            return _code(e)
+            # Like Mooncake's, a set-up store has reached its master.
+            client.health()
+        except Exception:  # noqa: BLE001 - Mooncake's setup answers -1 whatever failed
+            return INTERNAL_ERROR
+        self._client = client
         return OK
 
     @staticmethod
@@ -173,12 +179,12 @@ class MooncakeDistributedStore:
     def health_check(self) -> int:
         c = self._client
         if c is None or c.is_closed():
-            return UNAVAILABLE_IN_CURRENT_STATUS
+            return NOT_SET_UP
         try:
             c.health()
-        except Error as e:
-            return _code(e)
-        return OK
+        except Error:
+            return MASTER_UNREACHABLE
+        return HEALTHY
 
     def get_hostname(self) -> str:
         c = self._client
@@ -192,9 +198,7 @@ class MooncakeDistributedStore:
         return self._call(lambda c: c.register_buffer(buffer_ptr, size), OK)
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
-        return self._call(
-            lambda c: OK if c.unregister_buffer(buffer_ptr) else INVALID_PARAMS, None
-        )
+        return self._call(lambda c: OK if c.unregister_buffer(buffer_ptr) else INVALID_PARAMS, None)
 
     # --- single objects --------------------------------------------------------------------
 
@@ -208,7 +212,7 @@ class MooncakeDistributedStore:
 
     def get(self, key: str) -> bytes:
         c = self._client
-        if c is None:
+        if c is None or c.is_closed():
             return b""
         try:
             return c.get(key)
@@ -224,25 +228,33 @@ class MooncakeDistributedStore:
     def is_exist(self, key: str) -> int:
         return self._call(lambda c: 1 if c.exists([key])[0] else 0, None)
 
-    def remove(self, key: str) -> int:
-        return self._call(lambda c: c.remove(key), OK)
+    def remove(self, key: str, force: bool = False) -> int:
+        """``force`` waits out the reads in flight (their leases) instead of failing with
+        -706; kvpool never frees memory under a reader."""
+        return self._call(lambda c: c.remove(key, bool(force)), OK)
 
-    def remove_all(self) -> int:
-        return self._call(lambda c: c.remove_all(), None)
+    def remove_all(self, force: bool = False) -> int:
+        return self._call(lambda c: c.remove_all(bool(force)), None)
 
-    def remove_by_regex(self, regex: str) -> int:
-        return UNAVAILABLE_IN_CURRENT_STATUS
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Not offered: kvpool's master keeps key digests, not keys, so it cannot match
+        patterns (see docs/python.md)."""
+        if self._client is None or self._client.is_closed():
+            return INVALID_PARAMS
+        return UNAVAILABLE_IN_CURRENT_MODE
 
     # --- batches ---------------------------------------------------------------------------
 
     def batch_is_exist(self, keys: List[str]) -> List[int]:
         c = self._client
-        if c is None:
-            return [UNAVAILABLE_IN_CURRENT_STATUS] * len(keys)
+        if not keys:
+            return []
+        if c is None or c.is_closed():
+            return [INTERNAL_ERROR] * len(keys)
         try:
             return [1 if p else 0 for p in c.exists(list(keys))]
-        except Exception as e:  # noqa: BLE001
-            return [_code(e)] * len(keys)
+        except Exception:  # noqa: BLE001 - Mooncake answers -1 per key on any failure
+            return [INTERNAL_ERROR] * len(keys)
 
     def batch_put_from(
         self,
@@ -288,6 +300,11 @@ class MooncakeDistributedStore:
         )
 
     def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
+        if len(keys) != len(values):
+            return INVALID_PARAMS
+        if any(len(memoryview(v)) == 0 for v in values):
+            return INVALID_PARAMS  # as Mooncake: one empty value fails the whole batch
+
         def run(c: "_native.Client") -> int:
             for err in c.batch_put(list(keys), list(values), *_put_args(config)):
                 if err is not None:
@@ -298,8 +315,9 @@ class MooncakeDistributedStore:
 
     def get_batch(self, keys: List[str]) -> List[bytes]:
         c = self._client
-        if c is None:
-            return [b""] * len(keys)
+        if not keys or c is None or c.is_closed():
+            # Mooncake answers one empty value for no keys.
+            return [b""] * max(len(keys), 1)
         try:
             return [r if isinstance(r, bytes) else b"" for r in c.batch_get(list(keys))]
         except Exception:  # noqa: BLE001
@@ -309,8 +327,8 @@ class MooncakeDistributedStore:
 
     def _call(self, f, ok: Optional[int]) -> int:
         c = self._client
-        if c is None:
-            return UNAVAILABLE_IN_CURRENT_STATUS
+        if c is None or c.is_closed():
+            return INVALID_PARAMS
         try:
             r = f(c)
         except Exception as e:  # noqa: BLE001 - Mooncake's API answers with codes
@@ -319,8 +337,8 @@ class MooncakeDistributedStore:
 
     def _batch(self, keys: Sequence[str], f) -> List[int]:
         c = self._client
-        if c is None:
-            return [UNAVAILABLE_IN_CURRENT_STATUS] * len(keys)
+        if c is None or c.is_closed():
+            return []
         try:
             return list(f(c))
         except Exception as e:  # noqa: BLE001
