@@ -99,6 +99,8 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
         println!(
             "{}",
             json!({"ready": true, "conductor": conductor, "children": children,
+                   "master": endpoint(specs, Role::Master),
+                   "auth_key_file": super::plan::key_file(dir).display().to_string(),
                    "dir": dir.display().to_string()})
         );
     } else if !json {
@@ -115,6 +117,12 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
             );
         }
         println!("  dir        {}", dir.display());
+        println!(
+            "  python     KVPOOL_MASTER_ADDR={} KVPOOL_AUTH_KEY_FILE={} \
+             .tools/py/bin/python examples/python_put_get.py",
+            endpoint(specs, Role::Master),
+            super::plan::key_file(dir).display()
+        );
     }
 }
 

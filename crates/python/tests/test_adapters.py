@@ -1,0 +1,702 @@
+"""The engine adapters (kvpool.adapters) driven the way their engines drive them.
+
+Each test calls an adapter with what its engine would pass (vLLM's requests, block ids and KV
+cache tensors; SGLang's host pages as pointers and sizes; LMCache's memory objects), built on
+numpy host memory (adapter_fakes.py), against the `pool` fixture of conftest.py: real
+Mooncake (`-k mooncake`) and kvpool (`-k kvpool`). The engines themselves do not import on
+this machine; where an adapter reuses an engine's own Mooncake code, a stand-in module tree at
+the engine's import path checks what the adapter changes about it (which store module it
+builds, which config it reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import uuid
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import adapter_fakes as fakes
+from kvpool import adapters
+from kvpool.adapters import lmcache as lmc
+from kvpool.adapters import sglang as sgl
+from kvpool.adapters import vllm as vl
+
+CONFIG_VARS = (
+    "KVPOOL_ENGINE_CONFIG",
+    "KVPOOL_CONFIG",
+    "MOONCAKE_CONFIG_PATH",
+    "KVPOOL_MASTER_ADDR",
+    "KVPOOL_STORE_MODULE",
+    "KVPOOL_BLOCK_SIZE_TOKENS",
+)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in CONFIG_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVPOOL_POD_IP", "127.0.0.1")
+    return monkeypatch
+
+
+@pytest.fixture(scope="module")
+def closer(pool):
+    """Defers closing stores to the end of the module, all at once: a Mooncake client takes
+    about a second to close, and closes overlap."""
+    pending = []
+    yield pending.append
+    threads = [threading.Thread(target=f) for f in pending]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
+@pytest.fixture
+def pool_env(pool, clean_env):
+    """The environment the operator gives an engine pod, pointing at `pool`."""
+    clean_env.setenv("KVPOOL_MASTER_ADDR", pool.master_addr)
+    clean_env.setenv("KVPOOL_STORE_MODULE", pool.module.__name__)
+    return pool
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared configuration
+# ---------------------------------------------------------------------------------------------
+
+
+def test_setup_args_sources_and_precedence(tmp_path, clean_env):
+    cfg = tmp_path / "engine.json"
+    cfg.write_text(
+        json.dumps(
+            {
+                "pool": "roce",
+                "master_server_address": "file-master:50051",
+                "metadata_server": "P2PHANDSHAKE",
+                "protocol": "rdma",
+                "device_name": "mlx5_0,mlx5_1",
+                "agent_socket": "/run/kvpool/agent.sock",
+                "block_size_tokens": 256,
+                "auth_key_file": "/etc/kvpool/auth/key",
+            }
+        )
+    )
+    clean_env.setenv("KVPOOL_ENGINE_CONFIG", str(cfg))
+    args = adapters.setup_args()
+    assert args == (
+        "127.0.0.1",
+        "P2PHANDSHAKE",
+        0,
+        64 << 20,
+        "rdma",
+        "mlx5_0,mlx5_1",
+        "file-master:50051",
+    )
+    settings = adapters.engine_settings()
+    assert settings == adapters.EngineSettings(
+        "roce", "/run/kvpool/agent.sock", "/etc/kvpool/auth/key", 256
+    )
+    # The environment beats the file, the engine's own config beats both.
+    clean_env.setenv("KVPOOL_MASTER_ADDR", "m-0:50051, m-1:50051")
+    clean_env.setenv("KVPOOL_AGENT_SOCKET", "/other.sock")
+    assert adapters.setup_args().master_server_addr == "m-0:50051,m-1:50051"
+    assert adapters.engine_settings().agent_socket == "/other.sock"
+    over = adapters.setup_args(
+        {
+            "master_server_address": "x:1",
+            "global_segment_size": "1GB",
+            "local_buffer_size": "512MiB",
+            "protocol": "tcp",
+        }
+    )
+    assert (
+        over.master_server_addr,
+        over.global_segment_size,
+        over.local_buffer_size,
+        over.protocol,
+    ) == ("x:1", 1 << 30, 512 << 20, "tcp")
+    assert over.mooncake_json()["device_name"] == "mlx5_0,mlx5_1"
+
+
+def test_setup_args_reads_mooncake_and_operator_names(tmp_path, clean_env):
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text(json.dumps({"master_server_address": "mc:50051", "local_hostname": "10.0.0.7"}))
+    clean_env.setenv("MOONCAKE_CONFIG_PATH", str(cfg))
+    assert adapters.setup_args()[::6] == ("10.0.0.7", "mc:50051")
+    clean_env.delenv("MOONCAKE_CONFIG_PATH")
+    clean_env.setenv("KVPOOL_CONFIG", str(cfg))  # the operator's name for engine.json
+    assert adapters.setup_args().master_server_addr == "mc:50051"
+
+
+def test_setup_args_errors_name_the_field(tmp_path, clean_env):
+    with pytest.raises(adapters.ConfigError, match="master_server_address"):
+        adapters.setup_args()
+    with pytest.raises(adapters.ConfigError, match="local_buffer_size"):
+        adapters.setup_args({"master_server_address": "m:1", "local_buffer_size": "lots"})
+    with pytest.raises(adapters.ConfigError, match="protocol"):
+        adapters.setup_args({"master_server_address": "m:1", "protocol": "carrier-pigeon"})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    clean_env.setenv("KVPOOL_ENGINE_CONFIG", str(bad))
+    with pytest.raises(adapters.ConfigError):
+        adapters.setup_args()
+    with pytest.raises(adapters.ConfigError, match="MooncakeDistributedStore"):
+        adapters.store_module("json")
+
+
+def test_mooncake_alias_swaps_and_restores(monkeypatch):
+    import mooncake.store as real
+
+    shim = fakes.recording_store_module(real, "kvpool_test_alias_shim")
+    monkeypatch.setitem(sys.modules, "kvpool_test_alias_shim", shim)
+    before = sys.modules.get("mooncake.store")
+    with adapters.mooncake_alias("kvpool_test_alias_shim"):
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        assert MooncakeDistributedStore is shim.MooncakeDistributedStore
+        assert ReplicateConfig is real.ReplicateConfig
+    assert sys.modules.get("mooncake.store") is before
+    from mooncake.store import MooncakeDistributedStore as after
+
+    assert after is real.MooncakeDistributedStore
+
+
+def test_mooncake_config_file_is_temporary(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", "/etc/kvpool/engine.json")
+    with adapters.mooncake_config_file({"a": 1}) as path:
+        import os
+
+        assert os.environ["MOONCAKE_CONFIG_PATH"] == path
+        assert json.load(open(path)) == {"a": 1}
+    assert os.environ["MOONCAKE_CONFIG_PATH"] == "/etc/kvpool/engine.json"
+    assert not os.path.exists(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM
+# ---------------------------------------------------------------------------------------------
+
+BLOCK = 4  # tokens per vLLM block in these tests
+NUM_BLOCKS = 8
+
+
+def kv_caches(seed: int, layers: int = 2, layout: str = "flash"):
+    """vLLM-shaped KV caches: FlashAttention's (2, blocks, block_size, heads, head_dim)."""
+    rng = np.random.default_rng(seed)
+    shape = (2, NUM_BLOCKS, BLOCK, 2, 8) if layout == "flash" else (NUM_BLOCKS, 2, BLOCK, 2, 8)
+    return {
+        f"model.layers.{i}.self_attn": rng.standard_normal(shape).astype(np.float16)
+        for i in range(layers)
+    }
+
+
+def block_bytes(caches, block_id: int) -> bytes:
+    out = b""
+    for t in caches.values():
+        out += t[0, block_id].tobytes() + t[1, block_id].tobytes()
+    return out
+
+
+def vllm_config(role: str, tp: int = 1, **extra):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role=role, kv_connector_extra_config=dict(extra)),
+        cache_config=SimpleNamespace(
+            block_size=BLOCK, num_gpu_blocks=NUM_BLOCKS, cache_dtype="auto"
+        ),
+        model_config=SimpleNamespace(model="org/tiny-model", dtype="float16"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, rank=0),
+    )
+
+
+def request(rid: str, hashes, tokens: int):
+    return SimpleNamespace(
+        request_id=rid,
+        block_hashes=list(hashes),
+        num_tokens=tokens,
+        prompt_token_ids=list(range(tokens)),
+        num_computed_tokens=tokens,
+    )
+
+
+def blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+class Engine:
+    """One vLLM instance: its scheduler-side and worker-side connectors, stepped as vLLM steps
+    them (build metadata, bind it, load, forward, save, report finished)."""
+
+    def __init__(self, role: str, caches, tp: int = 1, tp_rank: int = 0, **extra):
+        cfg = vllm_config(role, tp, kvpool_tp_rank=tp_rank, **extra)
+        self.scheduler = vl.KvpoolBlockConnector(cfg, vl.KVConnectorRole.SCHEDULER)
+        self.worker = vl.KvpoolBlockConnector(cfg, vl.KVConnectorRole.WORKER)
+        self.worker.register_kv_caches(caches)
+        self.caches = caches
+
+    def step(self, finished=()):
+        meta = self.scheduler.build_connector_meta(SimpleNamespace())
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self.worker.wait_for_save()
+        done = self.worker.get_finished(set(finished))
+        self.worker.clear_connector_metadata()
+        return meta, done
+
+    def admit(self, req, block_ids, local_tokens: int = 0):
+        """Schedule `req`: the pool lookup, then vLLM's allocation, then one step."""
+        n, async_load = self.scheduler.get_num_new_matched_tokens(req, local_tokens)
+        assert async_load is False
+        self.scheduler.update_state_after_alloc(req, blocks(block_ids), n)
+        self.step()
+        return n
+
+    def finish(self, req, block_ids):
+        """`req` finished: its blocks are saved in the next step, then released."""
+        keep, params = self.scheduler.request_finished(req, list(block_ids))
+        _meta, done = self.step(finished={req.request_id})
+        return keep, done
+
+    def close(self, closer):
+        closer(self.worker.shutdown)
+        closer(self.scheduler.shutdown)
+
+
+def test_vllm_layout_finds_blocks_in_each_backend_layout():
+    flash = kv_caches(0)
+    layout = vl.BlockLayout(flash, NUM_BLOCKS)
+    assert len(layout.segments) == 4  # K and V of two layers
+    assert layout.bytes_per_block == 4 * BLOCK * 2 * 8 * 2
+    ptrs, sizes = layout.parts(3)
+    got = b"".join(
+        np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * s).from_address(p)).tobytes()
+        for p, s in zip(ptrs, sizes)
+    )
+    assert got == block_bytes(flash, 3)
+    blocks_first = vl.BlockLayout(kv_caches(1, layout="flashinfer"), NUM_BLOCKS)
+    assert (
+        len(blocks_first.segments) == 2 and blocks_first.bytes_per_block == layout.bytes_per_block
+    )
+    # A layer that shares another's cache is laid out once.
+    shared = dict(flash, **{"model.layers.9.self_attn": flash["model.layers.0.self_attn"]})
+    assert len(vl.BlockLayout(shared, NUM_BLOCKS).segments) == 4
+    # HND-permuted inner dimensions are still one dense run per block.
+    hnd = np.zeros((NUM_BLOCKS, 2, 8, BLOCK, 2), dtype=np.float16).transpose(0, 3, 4, 1, 2)
+    assert len(vl.BlockLayout({"l": hnd}, NUM_BLOCKS).segments) == 1
+    with pytest.raises(ValueError, match="block dimension"):
+        vl.BlockLayout({"l": np.zeros((3, 5), dtype=np.float16)}, NUM_BLOCKS)
+    with pytest.raises(IndexError):
+        layout.parts(NUM_BLOCKS)
+
+
+def test_vllm_keys_hash_forms():
+    keys = vl.BlockKeys("ns", tp_size=2)
+    assert keys.key(b"\x01\xff", 1) == "ns@tp1of2@pp0of1@01ff"
+    assert keys.all_ranks(b"\x02") == ["ns@tp0of2@pp0of1@02", "ns@tp1of2@pp0of1@02"]
+    assert vl.hash_hex(-1) == "f" * 32
+    assert vl.hash_hex(SimpleNamespace(hash_value=255)) == "ff"
+    chain = vl.token_block_hashes(list(range(10)), 4)
+    assert len(chain) == 2 and chain == vl.token_block_hashes(list(range(8)), 4)
+    assert chain[1] != vl.token_block_hashes([9] + list(range(1, 8)), 4)[1]
+
+
+def test_vllm_prefill_saves_and_decode_loads(pool_env, closer):
+    prefill_caches, decode_caches = kv_caches(1), kv_caches(2)
+    for t in decode_caches.values():
+        t[...] = 0
+    prefill = Engine("kv_producer", prefill_caches)
+    decode = Engine("kv_consumer", decode_caches)
+    try:
+        hashes = [uuid.uuid4().bytes * 2 for _ in range(5)]
+        req = request(f"p-{uid()}", hashes, tokens=5 * BLOCK + 2)  # 5 full blocks and 2 tokens
+        prefill_ids = [3, 1, 4, 7, 5, 2]
+        # A producer does not load: nothing is looked up.
+        assert prefill.admit(req, prefill_ids) == 0
+        keep, done = prefill.finish(req, prefill_ids)
+        assert keep is True and done == ({req.request_id}, None)
+
+        # The decode instance finds all 5 blocks and loads them into its own block ids.
+        dreq = request(f"d-{uid()}", hashes, tokens=5 * BLOCK + 2)
+        decode_ids = [0, 6, 2, 5, 1, 3]
+        assert decode.admit(dreq, decode_ids) == 5 * BLOCK
+        assert decode.worker.get_block_ids_with_load_errors() == set()
+        for src, dst in zip(prefill_ids[:5], decode_ids[:5]):
+            assert block_bytes(decode_caches, dst) == block_bytes(prefill_caches, src)
+        assert block_bytes(decode_caches, decode_ids[5]) == bytes(
+            len(block_bytes(decode_caches, 0))
+        )
+        # A consumer does not save.
+        assert decode.scheduler.request_finished(dreq, decode_ids) == (False, None)
+    finally:
+        prefill.close(closer)
+        decode.close(closer)
+
+
+def test_vllm_lookup_counts_the_leading_blocks_only(pool_env, closer):
+    caches = kv_caches(3)
+    engine = Engine("kv_both", caches)
+    try:
+        hashes = [uuid.uuid4().bytes for _ in range(4)]
+        # Save blocks 0 and 1 and 3 of the chain (a request that ended after 2 blocks, and a
+        # block 3 from elsewhere): the prefix stops at the gap.
+        first = request(f"a-{uid()}", hashes[:2], tokens=2 * BLOCK)
+        assert engine.finish(first, [0, 1])[1] == ({first.request_id}, None)
+        other = request(f"b-{uid()}", [hashes[3]], tokens=BLOCK)
+        engine.finish(other, [5])
+        probe = request(f"c-{uid()}", hashes, tokens=4 * BLOCK + 1)
+        assert engine.scheduler.get_num_new_matched_tokens(probe, 0) == (2 * BLOCK, False)
+        # Tokens vLLM already has locally are not counted again.
+        assert engine.scheduler.get_num_new_matched_tokens(probe, BLOCK) == (BLOCK, False)
+        # Unknown hashes: no hit.
+        unknown = request(
+            f"u-{uid()}", [uuid.uuid4().bytes for _ in range(3)], tokens=3 * BLOCK + 1
+        )
+        assert engine.scheduler.get_num_new_matched_tokens(unknown, 0) == (0, False)
+        # A fully cached prompt still leaves its last token to compute.
+        whole = request(f"w-{uid()}", hashes[:2], tokens=2 * BLOCK)
+        assert engine.scheduler.get_num_new_matched_tokens(whole, 0) == (BLOCK, False)
+        # A save of blocks the pool has writes nothing new and still completes.
+        again = request(f"r-{uid()}", hashes[:2], tokens=2 * BLOCK)
+        assert engine.finish(again, [6, 7])[1] == ({again.request_id}, None)
+    finally:
+        engine.close(closer)
+
+
+def test_vllm_load_failure_reports_the_blocks(pool_env, client, closer):
+    caches = kv_caches(4)
+    engine = Engine("kv_both", caches)
+    store = client.store
+    try:
+        hashes = [uuid.uuid4().bytes for _ in range(3)]
+        saved = request(f"s-{uid()}", hashes, tokens=3 * BLOCK)
+        engine.finish(saved, [0, 1, 2])
+        probe = request(f"p-{uid()}", hashes, tokens=3 * BLOCK + 1)
+        n, _ = engine.scheduler.get_num_new_matched_tokens(probe, 0)
+        assert n == 3 * BLOCK
+        # The second block disappears between the lookup and the load.
+        gone = engine.worker._keys.key(hashes[1])
+        assert store.remove(gone, force=True) == 0  # force: the put's lease is still on
+        engine.scheduler.update_state_after_alloc(probe, blocks([5, 6, 7]), n)
+        engine.step()
+        assert engine.worker.get_block_ids_with_load_errors() == {6}
+        assert engine.worker.get_block_ids_with_load_errors() == set()
+    finally:
+        engine.close(closer)
+
+
+def test_vllm_tensor_parallel_ranks_all_needed(pool_env, closer):
+    rank0 = Engine("kv_both", kv_caches(5), tp=2, tp_rank=0)
+    rank1 = Engine("kv_both", kv_caches(6), tp=2, tp_rank=1)
+    try:
+        hashes = [uuid.uuid4().bytes for _ in range(2)]
+        req = request(f"t-{uid()}", hashes, tokens=2 * BLOCK + 1)
+        rank0.finish(req, [0, 1])
+        assert rank0.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        rank1.finish(req, [2, 3])
+        assert rank0.scheduler.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
+    finally:
+        rank0.close(closer)
+        rank1.close(closer)
+
+
+def test_vllm_requests_without_block_hashes_key_by_tokens(pool_env, closer):
+    """vLLM releases before block_hashes on Request: keys come from the token ids."""
+    a, b = Engine("kv_both", kv_caches(7)), Engine("kv_both", kv_caches(8))
+    try:
+        tokens = [int(x) for x in np.random.default_rng(9).integers(0, 50_000, size=3 * BLOCK)]
+        req = SimpleNamespace(
+            request_id=f"n-{uid()}",
+            prompt_token_ids=tokens,
+            num_tokens=len(tokens),
+            num_computed_tokens=len(tokens),
+        )
+        a.finish(req, [4, 5, 6])
+        other = SimpleNamespace(
+            request_id=f"o-{uid()}",
+            prompt_token_ids=tokens + [1],
+            num_tokens=len(tokens) + 1,
+            num_computed_tokens=0,
+        )
+        assert b.admit(other, [1, 2, 3, 0]) == 3 * BLOCK
+        assert [block_bytes(b.caches, i) for i in (1, 2, 3)] == [
+            block_bytes(a.caches, i) for i in (4, 5, 6)
+        ]
+    finally:
+        a.close(closer)
+        b.close(closer)
+
+
+def test_vllm_engine_config_completes_the_operators_file(tmp_path, clean_env):
+    engine_json = tmp_path / "engine.json"
+    engine_json.write_text(
+        json.dumps(
+            {
+                "pool": "tcp",
+                "master_server_address": "m:50051",
+                "metadata_server": "P2PHANDSHAKE",
+                "protocol": "tcp",
+                "device_name": "",
+                "agent_socket": "/run/kvpool/agent.sock",
+            }
+        )
+    )
+    clean_env.setenv("MOONCAKE_CONFIG_PATH", str(engine_json))
+    cfg = vl.engine_mooncake_config({})
+    assert cfg["mode"] == "standalone-store" and cfg["global_segment_size"] == 0
+    assert cfg["master_server_address"] == "m:50051" and cfg["pool"] == "tcp"
+    assert cfg["local_buffer_size"] == 64 << 20
+    cfg = vl.engine_mooncake_config({"global_segment_size": "1GB"})
+    assert cfg["mode"] == "embedded" and cfg["global_segment_size"] == 1 << 30
+
+
+def test_vllm_uses_its_own_mooncake_connector_when_asked(pool_env, closer, monkeypatch):
+    shim = fakes.recording_store_module(pool_env.module, f"kvpool_test_vllm_shim_{uid()}")
+    monkeypatch.setitem(sys.modules, shim.__name__, shim)
+    # vLLM's own connector registers device memory: opt-in (the default is kvpool's own).
+    monkeypatch.setenv("KVPOOL_VLLM_CONNECTOR", "engine")
+    with fakes.engine_installed(fakes.fake_vllm(), "kvpool.adapters.vllm") as mod:
+        cls = mod.KvpoolStoreConnector
+        assert cls.kvpool_impl == "engine" and cls.__name__ == "KvpoolStoreConnector"
+        assert issubclass(cls, mod.find_engine_connector())
+        conn = cls(
+            vllm_config("kv_both", kvpool_store_module=shim.__name__), mod.KVConnectorRole.WORKER
+        )
+        assert conn.store is shim.made[-1]  # vLLM's code built the pool's store
+        cfg = conn.config_seen
+        assert cfg["master_server_address"] == pool_env.master_addr
+        assert (cfg["mode"], cfg["global_segment_size"]) == ("standalone-store", 0)
+        value = uuid.uuid4().bytes * 64
+        assert conn.store.put(f"vllm-engine/{uid()}", value) == 0
+        closer(conn.store.close)
+        assert "MOONCAKE_CONFIG_PATH" not in __import__("os").environ
+        assert sys.modules["mooncake.store"] is not shim
+        assert mod.select_connector("auto").kvpool_impl == "engine"
+        monkeypatch.delenv("KVPOOL_VLLM_CONNECTOR")
+        assert mod.select_connector() is mod.KvpoolBlockConnector  # the default
+    assert vl.select_connector("auto") is vl.KvpoolBlockConnector  # no vLLM again
+    with pytest.raises(ImportError, match="MooncakeStoreConnector"):
+        vl.select_connector("engine")
+
+
+# ---------------------------------------------------------------------------------------------
+# SGLang
+# ---------------------------------------------------------------------------------------------
+
+
+def storage_config(mla: bool = False, tp_rank: int = 0, **extra):
+    """SGLang's HiCacheStorageConfig, and the extra_config of the dynamic backend flags."""
+    flags = {
+        "backend_name": "kvpool",
+        "module_path": "kvpool.adapters.sglang",
+        "class_name": "KvpoolHiCacheStorage",
+        "interface_v1": 1,
+    }
+    return SimpleNamespace(
+        tp_rank=tp_rank,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="org/tiny-model",
+        extra_config={**flags, **extra},
+    )
+
+
+def hicache(mla: bool = False, **extra):
+    """The backend as SGLang's StorageBackendFactory builds a dynamic one (config, kwargs),
+    then registers the host pool."""
+    backend = sgl.KvpoolHiCacheStorage(storage_config(mla, **extra), {})
+    host = fakes.HostPool(pages=8, mla=mla, seed=7 if mla else 8)
+    backend.register_mem_pool_host(host)
+    return backend, host
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_sglang_pages_round_trip_with_prefix_exists(pool_env, client, closer, mla):
+    backend, host = hicache(mla, extra_backend_tag=f"t{uid()}")
+    try:
+        keys = [uid() for _ in range(5)]
+        originals = [host.page(p) for p in range(8)]
+        # Back up pages 0-2 under keys 0-2, and page 4 under key 4 (key 3 missing).
+        assert backend.batch_set_v1(keys[:3], host.indices([0, 1, 2])) == [True] * 3
+        assert backend.batch_set_v1([keys[4]], host.indices([4])) == [True]
+        assert backend.batch_exists(keys) == 3
+        assert backend.batch_exists(keys[3:]) == 0
+        assert backend.batch_exists([]) == 0
+        # Setting pages again is a no-op that succeeds.
+        assert backend.batch_set_v1(keys[:2], host.indices([0, 1])) == [True, True]
+        # Prefetch keys 0-2 into other host pages.
+        host.array[...] = 0
+        assert backend.batch_get_v1(keys[:3], host.indices([5, 6, 7])) == [True] * 3
+        assert [host.page(p) for p in (5, 6, 7)] == originals[:3]
+        # A missing key fails its page only.
+        assert backend.batch_get_v1([keys[3], keys[4]], host.indices([0, 1])) == [False, True]
+        assert host.page(1) == originals[4]
+        # The keys are SGLang's Mooncake backend's.
+        probe = client.store
+        prefix = f"{backend.key_prefix}_{keys[0]}"
+        if mla:
+            assert probe.batch_is_exist([f"{prefix}__k"]) == [1]
+        else:
+            assert probe.batch_is_exist([f"{prefix}_0_k", f"{prefix}_0_v"]) == [1, 1]
+        assert backend.key_prefix.endswith("_org-tiny-model")
+    finally:
+        closer(backend.close)
+
+
+def test_sglang_object_api_with_pointers(pool_env, closer):
+    backend, host = hicache()
+    try:
+        page_ptrs, sizes = host.get_page_buffer_meta(host.indices([0, 1]))
+        keys = [f"obj-{uid()}-{i}" for i in range(4)]  # K and V of two pages
+        assert backend.batch_set(keys, target_locations=page_ptrs, target_sizes=sizes) is True
+        assert all(backend.exists(k) for k in keys)
+        assert not backend.exists(f"obj-{uid()}")
+        original = host.page(0) + host.page(1)
+        host.array[...] = 0
+        dst_ptrs, dst_sizes = host.get_page_buffer_meta(host.indices([2, 3]))
+        assert backend.batch_get(keys, dst_ptrs, dst_sizes) == 2  # pages read, K+V each
+        assert host.page(2) + host.page(3) == original
+        missing = keys[:2] + [f"obj-{uid()}", keys[3]]
+        assert backend.batch_get(missing, dst_ptrs, dst_sizes) == 1
+        one = f"one-{uid()}"
+        assert backend.set(one, target_location=dst_ptrs[0], target_sizes=dst_sizes[0]) is True
+        assert backend.get(one, dst_ptrs[1], dst_sizes[1]) is True
+        assert backend.get(f"none-{uid()}", dst_ptrs[1], dst_sizes[1]) is False
+        with pytest.raises(ValueError, match="host indices"):
+            backend.batch_set_v1(keys[:1], host.indices([0, 1]))
+        with pytest.raises(ValueError):
+            backend.batch_set(keys, target_locations=dst_ptrs[:1], target_sizes=dst_sizes)
+    finally:
+        closer(backend.close)
+
+
+def test_sglang_uses_its_own_mooncake_backend_when_present(pool_env, closer, monkeypatch):
+    shim = fakes.recording_store_module(pool_env.module, f"kvpool_test_sglang_shim_{uid()}")
+    monkeypatch.setitem(sys.modules, shim.__name__, shim)
+    with fakes.engine_installed(fakes.fake_sglang(), "kvpool.adapters.sglang") as mod:
+        cls = mod.KvpoolHiCacheStorage
+        assert cls.kvpool_impl == "engine" and issubclass(cls, mod.find_engine_backend())
+        cfg = storage_config(kvpool_store_module=shim.__name__)
+        backend = cls(cfg, {})
+        assert backend.store is shim.made[-1]  # SGLang's code built the pool's store
+        assert backend.replicate_config_cls is pool_env.module.ReplicateConfig
+        assert cfg.extra_config["master_server_address"] == pool_env.master_addr
+        assert cfg.extra_config["class_name"] == "KvpoolHiCacheStorage"
+        closer(backend.store.close)
+        assert sys.modules["mooncake.store"] is not shim
+    assert sgl.select_backend() is sgl.KvpoolPageStorage
+
+
+# ---------------------------------------------------------------------------------------------
+# LMCache
+# ---------------------------------------------------------------------------------------------
+
+CHUNK = (2, 2, 16, 8)  # LMCache's KV_2LTD chunk: (kv, layers, tokens, hidden)
+
+
+def lmcache_config(save_chunk_meta: bool = True, **plugin):
+    extra = {
+        "remote_storage_plugin.kvpool.module_path": "kvpool.adapters.lmcache",
+        "remote_storage_plugin.kvpool.class_name": "KvpoolConnectorAdapter",
+        "save_chunk_meta": save_chunk_meta,
+    }
+    extra.update({f"remote_storage_plugin.kvpool.{k}": v for k, v in plugin.items()})
+    return SimpleNamespace(remote_storage_plugins=["kvpool"], extra_config=extra)
+
+
+def connector(cpu, save_chunk_meta: bool = True, url: str = "plugin://kvpool", **plugin):
+    """The connector as LMCache's ConnectorManager creates it from the plugin config."""
+    adapter = lmc.KvpoolConnectorAdapter()
+    assert adapter.can_parse(url)
+    context = SimpleNamespace(
+        url=url,
+        loop=None,
+        local_cpu_backend=cpu,
+        metadata=None,
+        config=lmcache_config(save_chunk_meta, **plugin),
+        plugin_name=url[len("plugin://") :] if url.startswith("plugin://") else None,
+    )
+    conn = adapter.create_connector(context)
+    if not save_chunk_meta:  # what init_chunk_meta derives from LMCache's metadata
+        conn.save_chunk_meta = False
+        conn.meta_shape, conn.meta_dtype, conn.meta_fmt = list(CHUNK), np.float16, 1
+    return conn
+
+
+def test_lmcache_adapter_urls():
+    adapter = lmc.KvpoolConnectorAdapter()
+    assert adapter.can_parse("plugin://kvpool") and adapter.can_parse("plugin://kvpool.primary")
+    assert adapter.can_parse("kvpool://m-0:50051,m-1:50051")
+    assert not adapter.can_parse("plugin://fs") and not adapter.can_parse("mooncakestore://h:1")
+    header = lmc.encode_header([2, 3], np.float16, 1, 12)
+    fields, start = lmc.decode_header(header + bytes(12))
+    assert fields == {"shape": [2, 3], "dtype": "float16", "fmt": 1, "len": 12} and start == len(
+        header
+    )
+    with pytest.raises(ValueError):
+        lmc.decode_header(header + bytes(11))
+    with pytest.raises(ValueError):
+        lmc.decode_header(b"nope" + bytes(20))
+
+
+@pytest.mark.parametrize("meta", [True, False], ids=["chunk-meta", "zero-copy"])
+def test_lmcache_put_get_exists(pool_env, closer, meta):
+    cpu = fakes.CpuBackend()
+    conn = connector(cpu, save_chunk_meta=meta, key_prefix=f"lmc-{uid()}/")
+
+    async def scenario():
+        keys = [f"model@1@0@{uid()}" for _ in range(3)]
+        objs = [cpu.filled(CHUNK, np.float16, seed=i) for i in range(3)]
+        assert not await conn.exists(keys[0])
+        await conn.put(keys[0], objs[0])
+        assert await conn.exists(keys[0]) and conn.exists_sync(keys[0])
+        got = await conn.get(keys[0])
+        assert got is not objs[0] and got.bytes() == objs[0].bytes()
+        assert got.get_shape() == list(CHUNK)
+        await conn.batched_put(keys[1:], objs[1:])
+        many = await conn.batched_get(keys + [f"missing-{uid()}"])
+        assert [m.bytes() for m in many[:3]] == [o.bytes() for o in objs]
+        assert many[3] is None
+        assert await conn.get(f"missing-{uid()}") is None
+        # A chunk nobody read lately can be removed (a get leases it for a while).
+        spare = f"model@1@0@{uid()}"
+        await conn.put(spare, objs[0])
+        assert conn.remove_sync(spare) is True
+        assert not conn.exists_sync(spare) and conn.remove_sync(spare) is False
+        assert await conn.ping() == 0 and await conn.list() == []
+
+    asyncio.run(scenario())
+    closer(lambda: asyncio.run(conn.close()))
+
+
+def test_lmcache_rejects_foreign_bytes(pool_env, closer):
+    cpu = fakes.CpuBackend()
+    conn = connector(cpu)
+    closer(lambda: asyncio.run(conn.close()))
+    key = f"foreign-{uid()}"
+    assert conn.store.put(key, b"not a chunk at all") == 0
+    assert asyncio.run(conn.get(key)) is None
+
+
+def test_lmcache_url_names_the_master(pool_env, clean_env, closer):
+    clean_env.delenv("KVPOOL_MASTER_ADDR")
+    cpu = fakes.CpuBackend()
+    conn = connector(cpu, url=f"kvpool://{pool_env.master_addr}")
+    closer(lambda: asyncio.run(conn.close()))
+    assert conn.store.health_check() == 0
+    with pytest.raises(adapters.ConfigError, match="master_server_address"):
+        connector(cpu, url="plugin://kvpool")
