@@ -1453,6 +1453,65 @@ fn exposed_ports(rel: &str) -> Result<BTreeSet<u16>> {
     Ok(ports)
 }
 
+/// The kvpool image carries the Python package where the operator's engine pods copy it from:
+/// a build stage makes the abi3 wheel with maturin for manylinux_2_28 (through zig, so the
+/// extension loads on glibc 2.28) and unpacks it without dependencies at the contract's path,
+/// which the final stage copies; the init container's command line is the binary's own.
+#[test]
+fn kvpool_image_carries_the_python_package_engine_pods_copy() -> Result<()> {
+    use kvpool_operator::contract;
+    let rel = IMAGES[0].dockerfile;
+    let stages = dockerfile_stages(rel)?;
+    let (last, builds) = stages.split_last().context("no stages")?;
+    let python = builds
+        .iter()
+        .find(|stage| {
+            stage
+                .first()
+                .is_some_and(|from| from.ends_with(" AS python"))
+        })
+        .with_context(|| format!("{rel}: no `AS python` build stage"))?
+        .join("\n");
+    for wanted in [
+        "maturin build --release --locked --zig --compatibility manylinux_2_28 -m crates/python/Cargo.toml",
+        "pip install --no-cache-dir --no-deps --no-compile --target",
+    ] {
+        ensure!(
+            python.contains(wanted),
+            "{rel}: the python stage lacks `{wanted}`"
+        );
+    }
+    let target = format!("--target {} ", contract::PYTHON_PACKAGE_DIR);
+    ensure!(
+        python.contains(&target),
+        "{rel}: the wheel is not installed at {}",
+        contract::PYTHON_PACKAGE_DIR
+    );
+    let copy = format!(
+        "COPY --from=python {dir} {dir}",
+        dir = contract::PYTHON_PACKAGE_DIR
+    );
+    ensure!(
+        last.iter().any(|i| i == &copy),
+        "{rel}: the final stage does not `{copy}`"
+    );
+    // The init container runs `kvpool operator install-python` from that path.
+    let mut argv = contract::kvpool_command();
+    argv.extend(contract::install_python_args());
+    let cli = Cli::try_parse_from(&argv).with_context(|| format!("{argv:?}"))?;
+    let KvpoolCommand::Operator(OperatorCommand::InstallPython(args)) = cli.command else {
+        bail!("{argv:?} is not `kvpool operator install-python`");
+    };
+    assert_eq!(args.from, Path::new(contract::PYTHON_PACKAGE_DIR));
+    assert_eq!(args.to, Path::new(contract::PYTHON_STAGING_DIR));
+    let ignore = read(&format!("{rel}.dockerignore"))?;
+    ensure!(
+        ignore.lines().any(|l| l == "**/*.so"),
+        "{rel}.dockerignore must keep locally built extensions out of the wheel"
+    );
+    Ok(())
+}
+
 #[test]
 fn images_hold_the_binaries_and_ports_the_operator_generates() -> Result<()> {
     use kvpool_operator::contract;

@@ -19,6 +19,9 @@ pub enum Command {
     Run(RunArgs),
     /// Write the CustomResourceDefinition YAML files (one per kind) and exit.
     Crd(CrdArgs),
+    /// Copy the kvpool Python package this image carries into a directory and exit (the init
+    /// container of every engine pod runs it).
+    InstallPython(InstallPythonArgs),
 }
 
 /// Flags of `kvpool operator run`.
@@ -78,6 +81,17 @@ pub struct CrdArgs {
     pub out_dir: Option<PathBuf>,
 }
 
+/// Flags of `kvpool operator install-python`.
+#[derive(Clone, Debug, Args)]
+pub struct InstallPythonArgs {
+    /// The installed package tree (`pip install --target` output) inside the image.
+    #[arg(long, default_value = crate::contract::PYTHON_PACKAGE_DIR)]
+    pub from: PathBuf,
+    /// Directory to copy it into (the engine pod's shared volume); created if absent.
+    #[arg(long)]
+    pub to: PathBuf,
+}
+
 fn default_image(name: &str) -> String {
     format!("ghcr.io/kvpool/{name}:{DEFAULT_IMAGE_TAG}")
 }
@@ -125,5 +139,25 @@ mod tests {
             panic!("expected crd");
         };
         assert_eq!(args.out_dir, Some(PathBuf::from("crds/")));
+    }
+
+    #[test]
+    fn install_python_takes_the_operator_generated_args() {
+        let argv = crate::contract::install_python_args();
+        let cli = Cli::try_parse_from(argv).expect("parse");
+        let Command::InstallPython(args) = cli.command else {
+            panic!("expected install-python");
+        };
+        assert_eq!(
+            args.from,
+            PathBuf::from(crate::contract::PYTHON_PACKAGE_DIR)
+        );
+        assert_eq!(args.to, PathBuf::from(crate::contract::PYTHON_STAGING_DIR));
+        let cli = Cli::try_parse_from(["operator", "install-python", "--to", "/x"]).expect("parse");
+        let Command::InstallPython(args) = cli.command else {
+            panic!("expected install-python");
+        };
+        assert_eq!(args.from, PathBuf::from("/opt/kvpool/python"));
+        assert!(Cli::try_parse_from(["operator", "install-python"]).is_err());
     }
 }

@@ -2,8 +2,9 @@
 //! owned Kubernetes objects. Each controller is a pipeline dereference -> validate -> build
 //! (pure) -> apply (server-side apply) -> status. The I/O boundary is the kube client inside
 //! [`context::Context`] (used by [`apply`] and the dereference step), the master's `Stats` call
-//! behind [`pool_usage::MasterStats`], and the admin listener started by [`run`]; every other
-//! module is pure.
+//! behind [`pool_usage::MasterStats`], the admin listener started by [`run`], and the file copy
+//! of [`python_package`] (`kvpool operator install-python`, run by engine pods' init containers);
+//! every other module is pure.
 
 pub mod apply;
 pub mod cachepool;
@@ -20,6 +21,7 @@ pub mod labels;
 pub mod metrics;
 pub mod pod;
 pub mod pool_usage;
+pub mod python_package;
 pub mod rbac;
 pub mod run;
 #[cfg(test)]

@@ -1,5 +1,6 @@
-//! `kvpool operator ...`: reconcile KVCachePool, PrefillPool and DecodePool resources, or write
-//! the CRDs. Every flag and the controllers live in `kvpool_operator`; this only dispatches.
+//! `kvpool operator ...`: reconcile KVCachePool, PrefillPool and DecodePool resources, write
+//! the CRDs, or copy the Python package into an engine pod's volume (its init container). Every
+//! flag and the controllers live in `kvpool_operator`; this only dispatches.
 
 use anyhow::Context as _;
 use kvpool_operator::cli::Command;
@@ -19,5 +20,11 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
             None => kvpool_operator::crd::write_stream(&mut std::io::stdout().lock())
                 .context("kvpool operator crd"),
         },
+        Command::InstallPython(args) => {
+            let report = kvpool_operator::python_package::install(&args.from, &args.to)
+                .context("kvpool operator install-python")?;
+            println!("{report}");
+            Ok(())
+        }
     }
 }

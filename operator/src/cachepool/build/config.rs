@@ -1,5 +1,5 @@
 //! The pool's ConfigMap: `config.yaml`, the effective settings the agent, master and conductor
-//! read, and `engine.json`, what a KV connector inside vLLM or SGLang needs to reach the pool;
+//! read, and `engine.json`, what kvpool's adapters inside vLLM or SGLang need to reach the pool;
 //! and the hash of that data which rolls every pod that mounts it when it changes.
 //! I/O boundary: none.
 
@@ -50,9 +50,13 @@ fn protocol_str(p: Protocol) -> &'static str {
     }
 }
 
-/// The engine-facing JSON config (`engine.json`): what a KV connector inside vLLM or SGLang
-/// needs to reach the pool. Keys follow the Mooncake store connector's config file where they
-/// overlap, so that connector can read it as it is.
+/// The engine-facing JSON config (`engine.json`): what the `kvpool` Python package's clients and
+/// adapters inside vLLM or SGLang need to reach the pool. Keys follow Mooncake's store config
+/// file where they overlap (`master_server_address`, `metadata_server`, `protocol`,
+/// `device_name`), so Mooncake-style code reads it as it is. `master_server_address` is a
+/// comma-separated list of master addresses; the operator writes the one it has, the master
+/// Service, which reaches every replica (with HA, a standby answers with the leader's address
+/// and the client follows it).
 pub fn engine_config(pool: &ValidCachePool) -> serde_json::Value {
     let transport = &pool.effective.transport;
     serde_json::json!({
@@ -68,6 +72,7 @@ pub fn engine_config(pool: &ValidCachePool) -> serde_json::Value {
         "agent_socket": contract::agent_socket_path(),
         "block_size_tokens": pool.effective.block_size_tokens,
         "auth_key_file": contract::auth_key_path(),
+        "replicas": pool.effective.replication.replicas,
     })
 }
 

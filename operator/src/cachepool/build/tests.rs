@@ -370,6 +370,13 @@ fn config_map_holds_the_validated_pool_and_engine_config() {
     assert_eq!(engine["protocol"], "rdma");
     assert_eq!(engine["device_name"], "mlx5_0,mlx5_1");
     assert_eq!(engine["agent_socket"], "/run/kvpool/agent.sock");
+    assert_eq!(engine["auth_key_file"], "/etc/kvpool/auth/key");
+    assert_eq!(engine["block_size_tokens"], 256);
+    assert_eq!(engine["pool"], "roce");
+    assert_eq!(
+        engine["replicas"],
+        u64::from(pool.effective.replication.replicas)
+    );
 
     // The hash follows the data: change a setting, the hash changes.
     let mut other = roce();

@@ -1,7 +1,8 @@
 //! The engine container: the command and arguments for the engine kind (vLLM and SGLang get
-//! disaggregation defaults, custom engines run what the user wrote), the contract's environment
-//! followed by the user's, GPUs and RDMA devices as extended resources, and the mounts of the
-//! pool's config, key, agent socket and shared memory. I/O boundary: none.
+//! disaggregation defaults with kvpool's adapters, custom engines run what the user wrote), the
+//! contract's environment followed by the user's, GPUs and RDMA devices as extended resources,
+//! and the mounts of the pool's config, key, agent socket, shared memory and the `kvpool`
+//! Python package. I/O boundary: none.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +12,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvpool_crd::EngineKind;
 
 use super::ENGINE_PORTS;
+use super::python;
 use crate::contract::{self, EngineLaunch, env};
 use crate::enginepool::validate::ValidEnginePool;
 use crate::pod::{self, field_env, mount, plain_env};
@@ -41,7 +43,8 @@ pub fn command_args(p: &ValidEnginePool) -> (Option<Vec<String>>, Option<Vec<Str
 }
 
 /// The contract's environment, then the user's; a user variable of the same name replaces
-/// the operator's (no duplicates: server-side apply treats `env` as a map keyed by name).
+/// the operator's (no duplicates: server-side apply treats `env` as a map keyed by name),
+/// except a plain `PYTHONPATH`, which goes after the package's directory.
 pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
     let mut vars = vec![
         plain_env(env::MASTER_ADDR, p.pool.master_addr()),
@@ -52,7 +55,10 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
             p.pool.effective.block_size_tokens.to_string(),
         ),
         plain_env(env::AUTH_KEY_FILE, contract::auth_key_path()),
+        plain_env(env::ENGINE_CONFIG, contract::engine_config_path()),
         plain_env(env::CONFIG_FILE, contract::engine_config_path()),
+        plain_env(env::MOONCAKE_CONFIG_PATH, contract::engine_config_path()),
+        plain_env(env::PYTHONPATH, python::python_path(None)),
         plain_env(env::SLO_MILLIS, p.effective.slo_millis.to_string()),
         plain_env(
             env::TENSOR_PARALLEL_SIZE,
@@ -63,14 +69,11 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
         field_env(env::NODE_NAME, "spec.nodeName"),
         field_env(env::POD_IP, "status.podIP"),
     ];
-    if p.effective.kind == EngineKind::Vllm {
-        vars.push(plain_env(
-            env::MOONCAKE_CONFIG_PATH,
-            contract::engine_config_path(),
-        ));
-    }
     for user in &p.effective.env {
         match vars.iter_mut().find(|v| v.name == user.name) {
+            Some(existing) if user.name == env::PYTHONPATH => {
+                python::merge_python_path(existing, user);
+            }
             Some(existing) => *existing = user.clone(),
             None => vars.push(user.clone()),
         }
@@ -118,6 +121,7 @@ pub fn engine_container(p: &ValidEnginePool) -> Container {
             mount("auth", contract::AUTH_DIR, true),
             mount("socket", contract::SOCKET_DIR, false),
             mount("shm", "/dev/shm", false),
+            python::python_mount(),
         ]),
         ..Container::default()
     }

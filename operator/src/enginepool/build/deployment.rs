@@ -1,6 +1,7 @@
 //! The engine Deployment: `replicas` instances on the pool's nodes (the agent DaemonSet's node
 //! selector and tolerations), in the group that may read the pool's key, with the pod
-//! annotations the conductor routes by. I/O boundary: none.
+//! annotations the conductor routes by and the init container that puts the `kvpool` Python
+//! package into the pod. I/O boundary: none.
 
 use std::collections::BTreeMap;
 
@@ -11,7 +12,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvpool_crd::EngineKind;
 
-use super::meta;
+use super::{meta, python};
 use crate::contract;
 use crate::enginepool::validate::ValidEnginePool;
 use crate::labels;
@@ -85,6 +86,7 @@ pub fn engine_deployment(
                         fs_group: Some(KEY_READER_GROUP),
                         ..PodSecurityContext::default()
                     }),
+                    init_containers: Some(vec![python::python_init_container(p)]),
                     containers: vec![container],
                     volumes: Some(vec![
                         pod::config_volume(&p.pool.name),
@@ -98,6 +100,7 @@ pub fn engine_deployment(
                             }),
                             ..Volume::default()
                         },
+                        python::python_volume(),
                     ]),
                     ..PodSpec::default()
                 }),

@@ -1,10 +1,12 @@
 //! Pure construction of an engine pool's children: one Deployment of engine instances
-//! (`deployment.rs`, running the container of `container.rs`) and one Service in front of them,
+//! (`deployment.rs`, running the container of `container.rs` after the init container of
+//! `python.rs` that copies in the `kvpool` Python package) and one Service in front of them,
 //! composed by [`build`]. The engine learns how to reach the pool from environment variables
 //! and the mounted pool config (docs/engine-contract.md). I/O boundary: none.
 
 mod container;
 mod deployment;
+mod python;
 
 #[cfg(test)]
 mod tests;
@@ -20,6 +22,7 @@ use crate::pod;
 
 pub use container::{command_args, engine_container, engine_env, engine_resources};
 pub use deployment::{engine_deployment, pod_annotations};
+pub use python::{python_init_container, python_mount, python_path, python_volume};
 
 /// Children of an engine pool.
 #[derive(Clone, Debug, PartialEq)]

@@ -68,6 +68,8 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
         .expect("kv transfer config");
     let transfer: serde_json::Value = serde_json::from_str(&transfer).expect("valid JSON");
     assert_eq!(transfer["kv_role"], "kv_producer");
+    assert_eq!(transfer["kv_connector"], "KvpoolStoreConnector");
+    assert_eq!(transfer["kv_connector_module_path"], "kvpool.adapters.vllm");
     assert_eq!(&args[args.len() - 2..], ["--max-model-len", "32768"]);
 
     assert_eq!(
@@ -89,10 +91,18 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
         env_value(c, "KVPOOL_AUTH_KEY_FILE"),
         Some("/etc/kvpool/auth/key")
     );
-    assert_eq!(
-        env_value(c, "MOONCAKE_CONFIG_PATH"),
-        Some("/etc/kvpool/engine.json")
-    );
+    for name in [
+        "KVPOOL_ENGINE_CONFIG",
+        "KVPOOL_CONFIG",
+        "MOONCAKE_CONFIG_PATH",
+    ] {
+        assert_eq!(
+            env_value(c, name),
+            Some("/etc/kvpool/engine.json"),
+            "{name}"
+        );
+    }
+    assert_eq!(env_value(c, "PYTHONPATH"), Some("/opt/kvpool/python"));
     assert_eq!(env_value(c, "VLLM_LOGGING_LEVEL"), Some("DEBUG"));
     // The user's value replaces the operator's, without a duplicate entry.
     assert_eq!(env_value(c, "KVPOOL_BLOCK_SIZE_TOKENS"), Some("128"));
@@ -136,6 +146,46 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     assert!(!annotations.contains_key(labels::BOOTSTRAP_PORT_ANNOTATION));
     assert!(c.readiness_probe.is_some());
 
+    // The Python package: copied by an init container from the kvpool image into an emptyDir
+    // that the engine mounts read-only where PYTHONPATH points.
+    let init = &pod.init_containers.as_ref().expect("init containers")[0];
+    assert_eq!(init.image.as_deref(), Some(p.pool.master_image.as_str()));
+    assert_eq!(init.command.as_deref(), Some(&["kvpool".to_owned()][..]));
+    assert_eq!(
+        init.args.as_deref(),
+        Some(
+            &[
+                "operator",
+                "install-python",
+                "--from",
+                "/opt/kvpool/python",
+                "--to",
+                "/mnt/kvpool-python"
+            ]
+            .map(str::to_owned)[..]
+        )
+    );
+    let init_mount = &init.volume_mounts.as_ref().expect("init mounts")[0];
+    assert_eq!(
+        (init_mount.mount_path.as_str(), init_mount.read_only),
+        ("/mnt/kvpool-python", None)
+    );
+    let engine_mount = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == init_mount.name)
+        .expect("the engine mounts the package volume");
+    assert_eq!(
+        (engine_mount.mount_path.as_str(), engine_mount.read_only),
+        ("/opt/kvpool/python", Some(true))
+    );
+    assert!(
+        volumes
+            .iter()
+            .any(|v| v.name == init_mount.name && v.empty_dir.is_some())
+    );
+
     let svc = &children.service;
     assert_eq!(svc.metadata.name.as_deref(), Some("qwen-prefill"));
     let svc_spec = svc.spec.as_ref().expect("svc spec");
@@ -151,7 +201,7 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
 }
 
 #[test]
-fn sglang_decode_uses_decode_mode_and_mooncake_backend() {
+fn sglang_decode_uses_decode_mode_mooncake_hand_off_and_kvpool_storage() {
     let p = validate(&decode_sglang(), valid(&roce())).expect("valid");
     let children = build(&p, "h");
     assert_eq!(
@@ -170,13 +220,25 @@ fn sglang_decode_uses_decode_mode_and_mooncake_backend() {
             .any(|w| w == ["--disaggregation-transfer-backend", "mooncake"])
     );
     assert!(args.windows(2).any(|w| w == ["--tp-size", "2"]));
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--hicache-storage-backend", "dynamic"])
+    );
+    assert!(
+        args.iter()
+            .any(|a| a == "--disaggregation-decode-enable-offload-kvcache")
+    );
     assert_eq!(env_value(c, "KVPOOL_ROLE"), Some("decode"));
     assert_eq!(
         env_value(c, "KVPOOL_SLO_MILLIS"),
         Some("30"),
         "the TPOT objective"
     );
-    assert_eq!(env_value(c, "MOONCAKE_CONFIG_PATH"), None, "vLLM only");
+    assert_eq!(
+        env_value(c, "MOONCAKE_CONFIG_PATH"),
+        Some("/etc/kvpool/engine.json"),
+        "every kind"
+    );
     let notes = pod_annotations(&p, "h");
     assert_eq!(notes[labels::ENGINE_PROTOCOL_ANNOTATION], "sglang");
     assert_eq!(notes[labels::BOOTSTRAP_PORT_ANNOTATION], "8998");
@@ -213,6 +275,7 @@ fn custom_engine_runs_exactly_what_the_user_wrote() {
         env_value(&c, "KVPOOL_MASTER_ADDR"),
         Some("tcp-master.default.svc:50051")
     );
+    assert_eq!(env_value(&c, "PYTHONPATH"), Some("/opt/kvpool/python"));
 
     let mut no_command = prefill_custom();
     no_command.spec.engine.command.clear();
@@ -243,4 +306,30 @@ fn invalid_engine_specs_name_the_field() {
     long.metadata.name = Some("x".repeat(60));
     let err = validate(&long, valid(&roce())).expect_err("long name");
     assert!(err.to_string().contains("metadata.name"), "{err}");
+}
+
+#[test]
+fn a_users_pythonpath_comes_after_the_package() {
+    let mut pool = prefill_vllm();
+    pool.spec
+        .engine
+        .env
+        .push(k8s_openapi::api::core::v1::EnvVar {
+            name: "PYTHONPATH".to_owned(),
+            value: Some("/workspace/plugins".to_owned()),
+            ..Default::default()
+        });
+    let p = validate(&pool, valid(&roce())).expect("valid");
+    let c = container(&build(&p, "h").deployment).clone();
+    assert_eq!(
+        env_value(&c, "PYTHONPATH"),
+        Some("/opt/kvpool/python:/workspace/plugins")
+    );
+    let count = c
+        .env
+        .iter()
+        .flatten()
+        .filter(|e| e.name == "PYTHONPATH")
+        .count();
+    assert_eq!(count, 1);
 }

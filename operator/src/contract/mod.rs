@@ -1,7 +1,13 @@
 //! The contract between the operator and the processes it starts: every binary name, flag, port,
 //! path and environment variable that appears in a generated container spec lives here, so that
-//! the CLI (`kvpool agent run`, `kvpool master`, `kvpool conductor`) and the engines can be checked
-//! against one list. Documented in docs/engine-contract.md. I/O boundary: none (pure data).
+//! the CLI (`kvpool agent run`, `kvpool master`, `kvpool conductor`, `kvpool operator
+//! install-python`) and the engines can be checked against one list. The engine command lines
+//! (vLLM, SGLang) and the names of the Python adapters they load are in [`engines`]. Documented
+//! in docs/engine-contract.md. I/O boundary: none (pure data).
+
+mod engines;
+
+pub use engines::*;
 
 use kvpool_crd::Role;
 
@@ -23,6 +29,11 @@ pub const HOST_SOCKET_DIR: &str = "/run/kvpool";
 pub const SOCKET_DIR: &str = "/run/kvpool";
 /// File name of the agent's Unix socket inside [`SOCKET_DIR`].
 pub const AGENT_SOCKET_FILE: &str = "agent.sock";
+/// Where the `kvpool` image carries the installed `kvpool` Python package (docker/kvpool.Dockerfile,
+/// `pip install --target`), and where engine containers mount their copy of it (read-only).
+pub const PYTHON_PACKAGE_DIR: &str = "/opt/kvpool/python";
+/// Where the init container of an engine pod mounts the volume it copies the package into.
+pub const PYTHON_STAGING_DIR: &str = "/mnt/kvpool-python";
 
 /// Port of the admin server (/livez, /readyz, /metrics) in every kvpool container.
 pub const ADMIN_PORT: u16 = 9090;
@@ -52,8 +63,10 @@ pub mod env {
     pub const BLOCK_SIZE_TOKENS: &str = "KVPOOL_BLOCK_SIZE_TOKENS";
     /// Path of the peer-authentication key file.
     pub const AUTH_KEY_FILE: &str = "KVPOOL_AUTH_KEY_FILE";
-    /// Path of the engine-facing JSON config.
+    /// Path of the engine-facing JSON config (the older name, kept for existing readers).
     pub const CONFIG_FILE: &str = "KVPOOL_CONFIG";
+    /// Path of the engine-facing JSON config, as the Python package's adapters read it.
+    pub const ENGINE_CONFIG: &str = "KVPOOL_ENGINE_CONFIG";
     /// Name of the KVCachePool.
     pub const POOL: &str = "KVPOOL_POOL";
     /// Name of the Prefill/DecodePool the pod belongs to.
@@ -66,8 +79,11 @@ pub mod env {
     pub const SLO_MILLIS: &str = "KVPOOL_SLO_MILLIS";
     /// Tensor-parallel size of one engine instance.
     pub const TENSOR_PARALLEL_SIZE: &str = "KVPOOL_TENSOR_PARALLEL_SIZE";
-    /// Config file path read by vLLM's Mooncake store connector.
+    /// The same engine config path, under the name Mooncake-style code reads it
+    /// (`MooncakeDistributedStore` setups, Mooncake's own store connectors).
     pub const MOONCAKE_CONFIG_PATH: &str = "MOONCAKE_CONFIG_PATH";
+    /// Python's module search path: [`super::PYTHON_PACKAGE_DIR`] first.
+    pub const PYTHONPATH: &str = "PYTHONPATH";
 }
 
 /// Path of the agent socket inside containers.
@@ -114,6 +130,19 @@ pub fn agent_args() -> Vec<String> {
         format!("$({})", env::NODE_NAME),
         "--advertise-host".to_owned(),
         format!("$({})", env::POD_IP),
+    ]
+}
+
+/// Arguments of the init container of every engine pod: copy the `kvpool` Python package the
+/// image carries into the volume the engine container mounts at [`PYTHON_PACKAGE_DIR`].
+pub fn install_python_args() -> Vec<String> {
+    vec![
+        "operator".to_owned(),
+        "install-python".to_owned(),
+        "--from".to_owned(),
+        PYTHON_PACKAGE_DIR.to_owned(),
+        "--to".to_owned(),
+        PYTHON_STAGING_DIR.to_owned(),
     ]
 }
 
@@ -201,120 +230,9 @@ fn millis_as_secs(ms: u64) -> String {
     }
 }
 
-/// What the engine needs to know to be started with sensible disaggregation defaults.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EngineLaunch<'a> {
-    pub role: Role,
-    pub model: &'a str,
-    pub tensor_parallel_size: u32,
-    pub user_args: &'a [String],
-}
-
-/// `command` and `args` of a vLLM engine: `vllm serve` with the Mooncake store connector as
-/// KV producer (prefill) or consumer (decode); the connector reads the pool's engine config
-/// from `MOONCAKE_CONFIG_PATH`. User args come last so they override the defaults.
-pub fn vllm_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>) {
-    let kv_role = match launch.role {
-        Role::Prefill => "kv_producer",
-        Role::Decode => "kv_consumer",
-    };
-    let transfer = format!(r#"{{"kv_connector":"MooncakeStoreConnector","kv_role":"{kv_role}"}}"#);
-    let mut args = vec![
-        "serve".to_owned(),
-        launch.model.to_owned(),
-        "--host".to_owned(),
-        "0.0.0.0".to_owned(),
-        "--port".to_owned(),
-        ENGINE_PORT.to_string(),
-        "--tensor-parallel-size".to_owned(),
-        launch.tensor_parallel_size.to_string(),
-        "--kv-transfer-config".to_owned(),
-        transfer,
-    ];
-    args.extend(launch.user_args.iter().cloned());
-    (vec!["vllm".to_owned()], args)
-}
-
-/// `command` and `args` of an SGLang engine: `sglang.launch_server` in PD-disaggregation mode
-/// with the Mooncake transfer backend. User args come last.
-pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>) {
-    let mut args = vec![
-        "-m".to_owned(),
-        "sglang.launch_server".to_owned(),
-        "--model-path".to_owned(),
-        launch.model.to_owned(),
-        "--host".to_owned(),
-        "0.0.0.0".to_owned(),
-        "--port".to_owned(),
-        ENGINE_PORT.to_string(),
-        "--tp-size".to_owned(),
-        launch.tensor_parallel_size.to_string(),
-        "--disaggregation-mode".to_owned(),
-        launch.role.as_str().to_owned(),
-        "--disaggregation-transfer-backend".to_owned(),
-        "mooncake".to_owned(),
-    ];
-    args.extend(launch.user_args.iter().cloned());
-    (vec!["python3".to_owned()], args)
-}
-
-/// The bootstrap port an SGLang engine started with `user_args` serves: the value of its
-/// `--disaggregation-bootstrap-port` (as `--flag N` or `--flag=N`; the last one wins, as with
-/// argparse), else SGLang's default. A value that is not a port is left to SGLang to refuse;
-/// the default is reported then.
-pub fn sglang_bootstrap_port(user_args: &[String]) -> u16 {
-    const FLAG: &str = "--disaggregation-bootstrap-port";
-    let mut port = kvpool_crd::labels::SGLANG_DEFAULT_BOOTSTRAP_PORT;
-    let mut args = user_args.iter();
-    while let Some(a) = args.next() {
-        let value = if a == FLAG {
-            args.next().map(String::as_str)
-        } else {
-            a.strip_prefix(FLAG).and_then(|rest| rest.strip_prefix('='))
-        };
-        if let Some(p) = value
-            .and_then(|v| v.parse::<u16>().ok())
-            .filter(|p| *p != 0)
-        {
-            port = p;
-        }
-    }
-    port
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sglang_bootstrap_port_follows_the_user_args() {
-        let args = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
-        assert_eq!(sglang_bootstrap_port(&[]), 8998);
-        assert_eq!(
-            sglang_bootstrap_port(&args(&["--disaggregation-bootstrap-port", "9100"])),
-            9100
-        );
-        assert_eq!(
-            sglang_bootstrap_port(&args(&["--x", "--disaggregation-bootstrap-port=9200"])),
-            9200
-        );
-        assert_eq!(
-            sglang_bootstrap_port(&args(&[
-                "--disaggregation-bootstrap-port=9200",
-                "--disaggregation-bootstrap-port",
-                "9300"
-            ])),
-            9300
-        );
-        assert_eq!(
-            sglang_bootstrap_port(&args(&["--disaggregation-bootstrap-port", "many"])),
-            8998
-        );
-        assert_eq!(
-            sglang_bootstrap_port(&args(&["--disaggregation-bootstrap-port"])),
-            8998
-        );
-    }
 
     #[test]
     fn default_transfer_port_is_the_crd_default() {
@@ -373,36 +291,5 @@ mod tests {
         assert_eq!(millis_as_secs(1500), "1.5");
         assert_eq!(millis_as_secs(1), "0.001");
         assert_eq!(millis_as_secs(0), "0");
-    }
-
-    #[test]
-    fn engine_defaults_follow_role_and_keep_user_args_last() {
-        let user = vec!["--max-model-len".to_owned(), "8192".to_owned()];
-        let launch = EngineLaunch {
-            role: Role::Decode,
-            model: "Qwen/Qwen3-8B",
-            tensor_parallel_size: 2,
-            user_args: &user,
-        };
-        let (cmd, args) = vllm_command_args(&launch);
-        assert_eq!(cmd, ["vllm"]);
-        assert_eq!(&args[..2], ["serve", "Qwen/Qwen3-8B"]);
-        assert!(
-            args.iter()
-                .any(|a| a.contains(r#""kv_role":"kv_consumer""#))
-        );
-        assert_eq!(&args[args.len() - 2..], user.as_slice());
-
-        let (cmd, args) = sglang_command_args(&EngineLaunch {
-            role: Role::Prefill,
-            ..launch
-        });
-        assert_eq!(cmd, ["python3"]);
-        assert!(
-            args.windows(2)
-                .any(|w| w == ["--disaggregation-mode", "prefill"])
-        );
-        assert!(args.windows(2).any(|w| w == ["--tp-size", "2"]));
-        assert_eq!(&args[args.len() - 2..], user.as_slice());
     }
 }
