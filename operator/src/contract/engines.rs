@@ -48,12 +48,16 @@ pub fn vllm_kv_transfer_config(role: Role) -> String {
 }
 
 /// SGLang's `--hicache-storage-backend-extra-config` for `--hicache-storage-backend dynamic`:
-/// the three keys SGLang's `StorageBackendFactory` requires to import kvpool's backend.
+/// the three keys SGLang's `StorageBackendFactory` requires to import kvpool's backend, and
+/// `interface_v1`, which has SGLang's cache controller hand the backend host-pool pages in
+/// place (without it SGLang copies page tensors, a path the adapter does not take; see
+/// docs/engines.md).
 pub fn sglang_storage_config() -> String {
     serde_json::json!({
         "backend_name": SGLANG_BACKEND_NAME,
         "module_path": SGLANG_STORAGE_MODULE,
         "class_name": SGLANG_STORAGE_CLASS,
+        "interface_v1": 1,
     })
     .to_string()
 }
@@ -108,6 +112,9 @@ pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<Strin
         .to_owned(),
     );
     args.extend([
+        // The host-pool layout kvpool's backend (like SGLang's Mooncake one) reads in place.
+        "--hicache-mem-layout".to_owned(),
+        "page_first".to_owned(),
         "--hicache-storage-backend".to_owned(),
         "dynamic".to_owned(),
         "--hicache-storage-backend-extra-config".to_owned(),
@@ -249,8 +256,10 @@ mod tests {
                 "backend_name": "kvpool",
                 "module_path": "kvpool.adapters.sglang",
                 "class_name": "KvpoolHiCacheStorage",
+                "interface_v1": 1,
             })
         );
+        assert_eq!(after(&args, "--hicache-mem-layout"), Some("page_first"));
         assert_eq!(&args[args.len() - 2..], user.as_slice());
 
         let (_, args) = sglang_command_args(&EngineLaunch {
