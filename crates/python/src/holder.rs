@@ -107,10 +107,14 @@ impl Holder {
 /// Whether the master no longer knows this node or its segment (it restarted, or declared
 /// the node dead): the segment must be mounted again.
 fn forgotten(e: &ClientError) -> bool {
-    matches!(
-        e.code(),
-        Some(ErrorCode::UnknownNode | ErrorCode::UnknownSegment)
-    )
+    match e {
+        // The master answers a heartbeat of a node it does not know with NOT_FOUND.
+        ClientError::Rpc { source, .. } => source.code() == tonic::Code::NotFound,
+        _ => matches!(
+            e.code(),
+            Some(ErrorCode::UnknownNode | ErrorCode::UnknownSegment)
+        ),
+    }
 }
 
 async fn heartbeats(

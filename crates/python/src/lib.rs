@@ -135,6 +135,7 @@ impl Client {
     /// Store `value` (any object with the buffer protocol) under `key`.
     #[pyo3(signature = (key, value, replicas = 1, preferred = None, hard_pin = false,
         soft_pin_ttl_ms = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn put(
         &self,
         py: Python<'_>,
@@ -456,7 +457,7 @@ fn parts(
     keys: Vec<Key>,
     all_ptrs: Vec<Vec<usize>>,
     all_sizes: Vec<Vec<u64>>,
-) -> Result<Vec<(Vec<u8>, Vec<(usize, u64)>)>, Failure> {
+) -> Result<Vec<ops::Parts>, Failure> {
     same_length(keys.len(), all_ptrs.len(), all_sizes.len())?;
     keys.into_iter()
         .zip(all_ptrs.into_iter().zip(all_sizes))

@@ -244,12 +244,11 @@ fn too_large(total: u64) -> Failure {
     Failure::invalid(format!("{total} bytes do not fit in memory"))
 }
 
+/// A key and the registered ranges (address, length) its value spans.
+pub type Parts = (Vec<u8>, Vec<(usize, u64)>);
+
 /// [`put_parts`] of several keys, concurrently: one code per key.
-pub async fn batch_put_parts(
-    live: &Live,
-    items: &[(Vec<u8>, Vec<(usize, u64)>)],
-    args: &PutArgs,
-) -> Vec<i64> {
+pub async fn batch_put_parts(live: &Live, items: &[Parts], args: &PutArgs) -> Vec<i64> {
     let calls = items.iter().map(|(key, parts)| async move {
         code_of(put_parts(live, key, parts, args).await.map(|()| 0))
     });
@@ -257,7 +256,7 @@ pub async fn batch_put_parts(
 }
 
 /// [`get_parts`] of several keys, concurrently: per key the length read or a negative code.
-pub async fn batch_get_parts(live: &Live, items: &[(Vec<u8>, Vec<(usize, u64)>)]) -> Vec<i64> {
+pub async fn batch_get_parts(live: &Live, items: &[Parts]) -> Vec<i64> {
     let calls = items
         .iter()
         .map(|(key, parts)| async move { code_of(get_parts(live, key, parts).await) });
