@@ -408,6 +408,13 @@ fn crates_depend_only_on_the_layers_below_them() {
             .collect(),
         ),
         (
+            "crates/python",
+            ["axum", "kube", "etcd-client", "tokenizers", "kvpool-runtime", "kvpool-crd"]
+                .into_iter()
+                .chain(servers)
+                .collect(),
+        ),
+        (
             "crates/conductor",
             vec!["kvpool-synthetic", "kvpool-master", "kvpool-agent"],
         ),
