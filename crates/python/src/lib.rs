@@ -89,12 +89,23 @@ struct Client {
 
 impl Client {
     /// Wait for `call` with the GIL released.
-    fn block<T: Send>(
+    /// The call runs as a task on the runtime's workers, next to the connections' I/O, and
+    /// this thread only waits for its end: a lone call crosses threads twice, not at every
+    /// step of its RPCs and transfers.
+    fn block<T: Send + 'static>(
         &self,
         py: Python<'_>,
-        call: impl Future<Output = Result<T, Failure>> + Send,
+        call: impl Future<Output = Result<T, Failure>> + Send + 'static,
     ) -> PyResult<T> {
-        Ok(py.detach(|| self.conn.runtime.block_on(call))?)
+        let rt = &self.conn.runtime;
+        let task = rt.spawn(call);
+        let joined = py.detach(|| rt.block_on(task));
+        match joined {
+            Ok(r) => Ok(r?),
+            Err(e) => {
+                Err(Failure::new(Kind::Internal, format!("the call's task failed: {e}")).into())
+            }
+        }
     }
 }
 
