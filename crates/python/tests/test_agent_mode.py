@@ -326,6 +326,12 @@ def test_mooncake_api_with_only_the_agent_socket(node, monkeypatch):
                     "agent_socket": node.socket}) == 0
     assert s.put(key("dict"), b"v") == 0
     s.close()
+    # Mooncake's own "mode" values (its deployment modes) leave kvpool's mode to auto.
+    s = mc.MooncakeDistributedStore()
+    assert s.setup({"local_hostname": "127.0.0.1", "mode": "standalone-store",
+                    "global_segment_size": 0}) == 0
+    assert s.get_hostname().startswith("agent:")
+    s.close()
     monkeypatch.setenv("KVPOOL_CLIENT_MODE", "agent")
     s = mc.MooncakeDistributedStore()
     assert s.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 20, 0, "tcp", "", "") == -600

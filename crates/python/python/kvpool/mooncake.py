@@ -19,6 +19,7 @@ from ._config import (
     DEFAULT_STAGING_BYTES,
     ENV_AGENT_SOCKET,
     ENV_CLIENT_MODE,
+    MODES,
     ConfigError,
     Settings,
     choose_mode,
@@ -147,13 +148,13 @@ class MooncakeDistributedStore:
             size = cfg.get("global_segment_size")
             if size is None:
                 # Mooncake's default, for a store that contributes memory (direct mode).
-                agent = _auto_mode(cfg.get("mode"), cfg.get("agent_socket")) == "agent"
+                agent = _auto_mode(_kvpool_mode(cfg), cfg.get("agent_socket")) == "agent"
                 size = 0 if agent else 16 << 20
             return Settings.resolve(
                 split_addrs(cfg.get("master_server_addr") or cfg.get("master_server_address")),
                 cfg.get("auth_key_file"),
                 cfg.get("agent_socket"),
-                mode=cfg.get("mode"),
+                mode=_kvpool_mode(cfg),
                 staging_bytes=_staging(cfg.get("local_buffer_size")),
                 local_hostname=_host(cfg["local_hostname"]),
                 global_segment_size=int(size),
@@ -384,6 +385,16 @@ class MooncakeDistributedStore:
             return list(f(c))
         except Exception as e:  # noqa: BLE001
             return [_code(e)] * len(keys)
+
+
+def _kvpool_mode(cfg: Dict[str, Any]) -> Optional[str]:
+    """The config's ``mode`` when it is kvpool's ("direct", "agent", "auto"). Mooncake's
+    configs use the key for their own deployment mode ("embedded", "standalone-store"), which
+    says nothing about how kvpool connects: those fall back to KVPOOL_CLIENT_MODE / auto."""
+    mode = cfg.get("mode")
+    if isinstance(mode, str) and mode.strip().lower() in MODES:
+        return mode
+    return None
 
 
 def _staging(value: Any) -> int:
