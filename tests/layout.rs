@@ -409,10 +409,17 @@ fn crates_depend_only_on_the_layers_below_them() {
         ),
         (
             "crates/python",
-            ["axum", "kube", "etcd-client", "tokenizers", "kvpool-runtime", "kvpool-crd"]
-                .into_iter()
-                .chain(servers)
-                .collect(),
+            [
+                "axum",
+                "kube",
+                "etcd-client",
+                "tokenizers",
+                "kvpool-runtime",
+                "kvpool-crd",
+            ]
+            .into_iter()
+            .chain(servers)
+            .collect(),
         ),
         (
             "crates/conductor",

@@ -1,14 +1,16 @@
-//! The connection a Python store holds: a Tokio runtime, the transfer engine, the master
-//! client and pool client, the registered buffers, and the segment this process contributes
-//! (when it does). Every call on it runs with the GIL released. I/O boundary: what the pool
-//! client reaches (the master's gRPC channel, the agents' transfer targets) and the holder's
-//! TCP target.
+//! Direct mode's connection: the transfer engine, the master client and pool client, the
+//! registered buffers (and the ones `alloc_buffer` made), and the segment this process
+//! contributes (when it does). Every call on it runs with the GIL released. I/O boundary: what
+//! the pool client reaches (the master's gRPC channel, the agents' transfer targets) and the
+//! holder's TCP target.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
 use prometheus::Registry;
 
 use kvpool_client::master::{ClientConfig, MasterClient};
@@ -42,6 +44,8 @@ pub struct Live {
     pub node: String,
     pub registry: Registry,
     holder: Option<Holder>,
+    /// Memory `alloc_buffer` made (address -> size), registered in `buffers`.
+    allocs: Mutex<HashMap<usize, u64>>,
     /// Serves the contributed segment while the store is open.
     _server: Option<TcpServer>,
     /// A client that contributes nothing holds this port (listening, never accepting) so that
@@ -49,60 +53,75 @@ pub struct Live {
     _name_port: Option<std::net::TcpListener>,
 }
 
-/// A store's runtime and its connection (none once closed).
-pub struct Conn {
-    pub runtime: tokio::runtime::Runtime,
-    live: RwLock<Option<Arc<Live>>>,
-}
-
 fn internal(what: &str) -> impl FnOnce(std::io::Error) -> Failure + '_ {
     move |e| Failure::new(Kind::Internal, format!("{what}: {e}"))
 }
 
-impl Conn {
-    /// Start the runtime and connect as `settings` says; the master is reached on first use,
-    /// except when contributing memory (the segment is mounted before this returns).
-    pub fn open(settings: &Settings) -> Result<Self, Failure> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kvpool-py")
-            .enable_all()
-            .build()
-            .map_err(internal("starting the client runtime"))?;
-        let live = runtime.block_on(connect(settings))?;
-        Ok(Self {
-            runtime,
-            live: RwLock::new(Some(Arc::new(live))),
-        })
-    }
+/// Alignment of `alloc_buffer` memory (a page).
+const ALLOC_ALIGN: usize = 4096;
 
-    /// The connection, or `Closed`.
-    pub fn live(&self) -> Result<Arc<Live>, Failure> {
-        self.live
-            .read()
-            .clone()
-            .ok_or_else(|| Failure::new(Kind::Closed, "the store is closed"))
-    }
+fn alloc_layout(size: u64) -> Result<std::alloc::Layout, Failure> {
+    usize::try_from(size)
+        .ok()
+        .filter(|n| *n > 0)
+        .and_then(|n| std::alloc::Layout::from_size_align(n, ALLOC_ALIGN).ok())
+        .ok_or_else(|| Failure::invalid(format!("alloc_buffer size {size} must be positive")))
+}
 
+impl Live {
     /// Unmount the contributed segment, drop the registered buffers and the connection.
-    /// Closing twice is a no-op.
-    pub fn close(&self) -> Result<(), Failure> {
-        let Some(live) = self.live.write().take() else {
-            return Ok(());
-        };
+    pub async fn shut(live: Arc<Live>) -> Result<(), Failure> {
         live.buffers.lock().clear();
+        // Memory alloc_buffer made stays allocated: Python may still hold views of it.
+        live.allocs.lock().clear();
         let holder = match Arc::try_unwrap(live) {
             Ok(mut l) => l.holder.take(),
             // A call still running on another thread keeps the connection; its holder goes
             // when that call ends (the master drops the segment once heartbeats stop).
             Err(_) => None,
         };
-        self.runtime.block_on(async {
-            if let Some(h) = holder {
-                h.stop().await?;
-            }
-            Ok(())
-        })
+        if let Some(h) = holder {
+            h.stop().await?;
+        }
+        Ok(())
+    }
+
+    /// `size` bytes of fresh zeroed memory, page-aligned and registered: address and size.
+    pub fn alloc(&self, size: u64) -> Result<(usize, u64), Failure> {
+        let layout = alloc_layout(size)?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as usize;
+        if ptr == 0 {
+            return Err(Failure::new(
+                Kind::NoSpace,
+                format!("cannot allocate {size} bytes"),
+            ));
+        }
+        let registered = self
+            .buffers
+            .lock()
+            .register(&self.engine, &self.node, ptr, size, None);
+        if let Err(e) = registered {
+            // SAFETY: allocated just above with this layout, never handed out.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+            return Err(e);
+        }
+        self.allocs.lock().insert(ptr, size);
+        Ok((ptr, size))
+    }
+
+    /// Unregister and free the `alloc_buffer` memory at `ptr`; false when none starts there.
+    pub fn free(&self, ptr: usize) -> bool {
+        let Some(size) = self.allocs.lock().remove(&ptr) else {
+            return false;
+        };
+        self.buffers.lock().unregister(ptr);
+        if let Ok(layout) = alloc_layout(size) {
+            // SAFETY: `alloc` allocated `ptr` with this layout; it is unregistered, and the
+            // caller gave it back (Python must not use it any more).
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        }
+        true
     }
 }
 
@@ -116,7 +135,7 @@ fn protocol_wants_rdma(protocol: &str) -> Result<bool, Failure> {
     }
 }
 
-async fn connect(s: &Settings) -> Result<Live, Failure> {
+pub async fn connect(s: &Settings) -> Result<Live, Failure> {
     if s.masters.is_empty() {
         return Err(Failure::invalid(
             "no master address: pass master_server_addr, or set KVPOOL_MASTER_ADDR",
@@ -201,6 +220,7 @@ async fn connect(s: &Settings) -> Result<Live, Failure> {
         node,
         registry,
         holder,
+        allocs: Mutex::new(HashMap::new()),
         _server: server,
         _name_port: name_port,
     })

@@ -5,24 +5,40 @@
 //! `errors`, each with kvpool's `kind` and Mooncake's `code`; the batch calls that Mooncake's
 //! API answers with codes return them per item.
 //!
-//! - `client`: the runtime, connection and contributed segment; `holder`: that segment.
-//! - `ops`: the calls; `buffers`: caller memory; `errors`: kinds, codes and exceptions.
+//! - `link`: the runtime and the connection, direct or through the node agent, and the one
+//!   place each call picks its path.
+//! - direct mode: `client` (connection, contributed segment), `holder` (that segment), `ops`
+//!   (the calls), `buffers` (registered memory).
+//! - agent mode: `agent` (engine-API session, staging mapping), `staging` (its allocator),
+//!   `agent_ops` (the calls).
+//! - `errors`: kinds, codes and exceptions.
 
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+mod agent;
+mod agent_ops;
 mod buffers;
 mod client;
 mod errors;
 mod holder;
+mod link;
 mod ops;
+mod staging;
 
 use buffers::Held;
-use client::{Conn, Settings};
+use client::Settings;
 use errors::{Failure, Kind};
+use link::{Conn, Mode, Options};
 use ops::PutArgs;
+
+/// A key with the registered ranges its value spans.
+type PartsItem = (Vec<u8>, Vec<(usize, u64)>);
+
+/// Staging area an agent-mode store asks for when not told (`staging_bytes`).
+const DEFAULT_STAGING_BYTES: u64 = 64 << 20;
 
 /// A key: `str` (UTF-8 bytes) or `bytes`.
 #[derive(FromPyObject)]
@@ -111,12 +127,19 @@ impl Client {
 
 #[pymethods]
 impl Client {
-    /// Connect to the masters at `masters` with the pool key in `auth_key_file`. With
-    /// `global_segment_size > 0` this process contributes that much memory to the pool,
-    /// served at `local_hostname` (an IP address) on a port the system picks.
+    /// Connect to the pool. `mode`: "direct" (the masters at `masters`, with the pool key in
+    /// `auth_key_file`), "agent" (the node agent's engine socket `agent_socket`, with a
+    /// shared-memory staging area of `staging_bytes`; no master or key needed), or "auto"
+    /// (agent mode when `agent_socket` names a socket file that exists, else direct). With
+    /// `global_segment_size > 0` (direct mode only) this process contributes that much
+    /// memory to the pool, served at `local_hostname` (an IP address) on a port the system
+    /// picks.
     #[new]
-    #[pyo3(signature = (masters, auth_key_file, local_hostname = "127.0.0.1".to_owned(),
-        global_segment_size = 0, protocol = "tcp".to_owned(), request_timeout_ms = 10_000))]
+    #[pyo3(signature = (masters = Vec::new(), auth_key_file = PathBuf::new(),
+        local_hostname = "127.0.0.1".to_owned(), global_segment_size = 0,
+        protocol = "tcp".to_owned(), request_timeout_ms = 10_000, mode = "auto".to_owned(),
+        agent_socket = None, staging_bytes = DEFAULT_STAGING_BYTES))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         masters: Vec<String>,
@@ -125,22 +148,51 @@ impl Client {
         global_segment_size: u64,
         protocol: String,
         request_timeout_ms: u64,
+        mode: String,
+        agent_socket: Option<PathBuf>,
+        staging_bytes: u64,
     ) -> PyResult<Self> {
-        let settings = Settings {
-            masters,
-            auth_key_file,
-            local_hostname,
-            global_segment_size,
-            protocol,
-            request_timeout_ms,
+        let opts = Options {
+            mode,
+            direct: Settings {
+                masters,
+                auth_key_file,
+                local_hostname,
+                global_segment_size,
+                protocol,
+                request_timeout_ms,
+            },
+            agent_socket,
+            staging_bytes,
         };
-        let conn = py.detach(|| Conn::open(&settings))?;
+        let conn = py.detach(|| Conn::open(&opts))?;
         Ok(Self { conn })
+    }
+
+    /// "direct" or "agent": how this store reaches the pool.
+    fn mode(&self) -> &'static str {
+        match self.conn.mode {
+            Mode::Direct => "direct",
+            Mode::Agent => "agent",
+        }
+    }
+
+    /// `size` bytes for zero-copy puts and gets, until `free_buffer(ptr)`: in agent mode a
+    /// range of the session's shared staging area (puts from it and gets into it copy
+    /// nothing); in direct mode fresh page-aligned memory, registered. Returns its address
+    /// and size. After `close()` the memory stays mapped (never reused) until the process ends.
+    fn alloc_buffer(&self, size: u64) -> PyResult<(usize, u64)> {
+        Ok(self.conn.link()?.alloc(size)?)
+    }
+
+    /// Give back memory from `alloc_buffer`; False when none starts at `ptr`.
+    fn free_buffer(&self, ptr: usize) -> PyResult<bool> {
+        Ok(self.conn.link()?.free(ptr))
     }
 
     /// This process's node name in the pool (`host:port` when it contributes memory).
     fn node(&self) -> PyResult<String> {
-        Ok(self.conn.live()?.node.clone())
+        Ok(self.conn.link()?.node())
     }
 
     /// Store `value` (any object with the buffer protocol) under `key`.
@@ -159,11 +211,9 @@ impl Client {
     ) -> PyResult<()> {
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
         let view = Held::new(value, false)?;
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move {
-            ops::put(&live, &key, view.bytes(), &args).await
-        })
+        self.block(py, async move { link.put(&key, view.bytes(), &args).await })
     }
 
     /// Store `size` bytes at address `ptr` (inside a registered buffer) under `key`.
@@ -182,18 +232,19 @@ impl Client {
         soft_pin_ttl_ms: u64,
     ) -> PyResult<()> {
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move {
-            ops::put_from(&live, &key, ptr, size, &args).await
-        })
+        self.block(
+            py,
+            async move { link.put_from(&key, ptr, size, &args).await },
+        )
     }
 
     /// The value of `key` as `bytes`.
     fn get<'py>(&self, py: Python<'py>, key: Key) -> PyResult<Bound<'py, PyBytes>> {
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let key = key.into_bytes();
-        let value = self.block(py, async move { ops::get(&live, &key).await })?;
+        let value = self.block(py, async move { link.get(&key).await })?;
         Ok(PyBytes::new(py, &value))
     }
 
@@ -206,22 +257,19 @@ impl Client {
         buffer: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
         let mut view = Held::new(buffer, true)?;
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let key = key.into_bytes();
         self.block(py, async move {
-            ops::get_into_slice(&live, &key, view.bytes_mut()).await
+            link.get_into_slice(&key, view.bytes_mut()).await
         })
     }
 
     /// Read the value of `key` into the `size` bytes at `ptr` (inside a registered buffer);
     /// returns its length.
     fn get_into(&self, py: Python<'_>, key: Key, ptr: usize, size: u64) -> PyResult<u64> {
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(
-            py,
-            async move { ops::get_into(&live, &key, ptr, size).await },
-        )
+        self.block(py, async move { link.get_into(&key, ptr, size).await })
     }
 
     /// Puts from registered memory: per item 0 or Mooncake's negative code.
@@ -242,10 +290,11 @@ impl Client {
         same_length(keys.len(), ptrs.len(), sizes.len())?;
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
         let items = items(keys, ptrs, sizes);
-        let live = self.conn.live()?;
-        self.block(py, async move {
-            Ok(ops::batch_put_from(&live, &items, &args).await)
-        })
+        let link = self.conn.link()?;
+        self.block(
+            py,
+            async move { Ok(link.batch_put_from(&items, &args).await) },
+        )
     }
 
     /// Gets into registered memory: per item the length read or Mooncake's negative code.
@@ -258,11 +307,8 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         same_length(keys.len(), ptrs.len(), sizes.len())?;
         let items = items(keys, ptrs, sizes);
-        let live = self.conn.live()?;
-        self.block(
-            py,
-            async move { Ok(ops::batch_get_into(&live, &items).await) },
-        )
+        let link = self.conn.link()?;
+        self.block(py, async move { Ok(link.batch_get_into(&items).await) })
     }
 
     /// Puts of values spread over several registered ranges each: per key 0 or Mooncake's
@@ -283,10 +329,11 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
         let items = parts(keys, all_ptrs, all_sizes)?;
-        let live = self.conn.live()?;
-        self.block(py, async move {
-            Ok(ops::batch_put_parts(&live, &items, &args).await)
-        })
+        let link = self.conn.link()?;
+        self.block(
+            py,
+            async move { Ok(link.batch_put_parts(&items, &args).await) },
+        )
     }
 
     /// Gets of values into several registered ranges each: per key the length read or
@@ -299,11 +346,8 @@ impl Client {
         all_sizes: Vec<Vec<u64>>,
     ) -> PyResult<Vec<i64>> {
         let items = parts(keys, all_ptrs, all_sizes)?;
-        let live = self.conn.live()?;
-        self.block(
-            py,
-            async move { Ok(ops::batch_get_parts(&live, &items).await) },
-        )
+        let link = self.conn.link()?;
+        self.block(py, async move { Ok(link.batch_get_parts(&items).await) })
     }
 
     /// Puts of several values: per item None or the exception it failed with.
@@ -327,13 +371,13 @@ impl Client {
             .map(|v| Held::new(v, false))
             .collect::<Result<Vec<_>, _>>()?;
         let keys = self::keys(keys);
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let results = self.block(py, async move {
             let items: Vec<(Vec<u8>, &[u8])> = keys
                 .into_iter()
                 .zip(views.iter().map(Held::bytes))
                 .collect();
-            Ok(ops::batch_put(&live, &items, &args).await)
+            Ok(link.batch_put(&items, &args).await)
         })?;
         Ok(results
             .into_iter()
@@ -344,8 +388,8 @@ impl Client {
     /// Gets of several values: per item the `bytes`, or the exception it failed with.
     fn batch_get(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<Py<PyAny>>> {
         let keys = self::keys(keys);
-        let live = self.conn.live()?;
-        let results = self.block(py, async move { Ok(ops::batch_get(&live, &keys).await) })?;
+        let link = self.conn.link()?;
+        let results = self.block(py, async move { Ok(link.batch_get(&keys).await) })?;
         Ok(results
             .into_iter()
             .map(|r| match r {
@@ -358,38 +402,36 @@ impl Client {
     /// Whether each key is stored.
     fn exists(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<bool>> {
         let keys = self::keys(keys);
-        let live = self.conn.live()?;
-        self.block(py, async move { ops::exists(&live, &keys).await })
+        let link = self.conn.link()?;
+        self.block(py, async move { link.exists(&keys).await })
     }
 
     /// The size of the value of `key`.
     fn size(&self, py: Python<'_>, key: Key) -> PyResult<u64> {
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move { ops::size(&live, &key).await })
+        self.block(py, async move { link.size(&key).await })
     }
 
     /// Remove `key`; `force` waits for reads in flight instead of failing with `Leased`.
     #[pyo3(signature = (key, force = false))]
     fn remove(&self, py: Python<'_>, key: Key, force: bool) -> PyResult<()> {
-        let live = self.conn.live()?;
+        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move { ops::remove(&live, &key, force).await })
+        self.block(py, async move { link.remove(&key, force).await })
     }
 
     /// Remove every object no reader holds a lease on; how many were removed.
     #[pyo3(signature = (force = false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
-        let live = self.conn.live()?;
-        self.block(py, async move { ops::remove_all(&live, force).await })
+        let link = self.conn.link()?;
+        self.block(py, async move { link.remove_all(force).await })
     }
 
     /// Register `size` bytes at address `ptr` for zero-copy puts and gets. The memory must
     /// stay valid until `unregister_buffer(ptr)` or `close()`.
     fn register_buffer(&self, ptr: usize, size: u64) -> PyResult<()> {
-        let live = self.conn.live()?;
-        let mut buffers = live.buffers.lock();
-        Ok(buffers.register(&live.engine, &live.node, ptr, size, None)?)
+        Ok(self.conn.link()?.register(ptr, size, None)?)
     }
 
     /// Register the memory of `obj` (a writable object with the buffer protocol, such as a
@@ -398,39 +440,36 @@ impl Client {
     fn register_object(&self, obj: &Bound<'_, PyAny>) -> PyResult<(usize, u64)> {
         let view = Held::new(obj, true)?;
         let (ptr, len) = (view.as_ptr() as usize, view.len() as u64);
-        let live = self.conn.live()?;
-        let mut buffers = live.buffers.lock();
-        buffers.register(&live.engine, &live.node, ptr, len, Some(view))?;
+        self.conn.link()?.register(ptr, len, Some(view))?;
         Ok((ptr, len))
     }
 
     /// Unregister the buffer that starts at `ptr`; False when none does.
     fn unregister_buffer(&self, ptr: usize) -> PyResult<bool> {
-        Ok(self.conn.live()?.buffers.lock().unregister(ptr))
+        Ok(self.conn.link()?.unregister(ptr))
     }
 
     /// Registered buffers.
     fn registered_buffers(&self) -> PyResult<usize> {
-        Ok(self.conn.live()?.buffers.lock().count())
+        Ok(self.conn.link()?.registered())
     }
 
     /// Whether the master answers.
     fn health(&self, py: Python<'_>) -> PyResult<()> {
-        let live = self.conn.live()?;
-        self.block(py, async move { ops::health(&live).await })
+        let link = self.conn.link()?;
+        self.block(py, async move { link.health().await })
     }
 
     /// The client's Prometheus metrics (transfer engine), in the text format.
     fn metrics(&self) -> PyResult<String> {
-        let live = self.conn.live()?;
-        let families = live.registry.gather();
+        let families = self.conn.link()?.metrics();
         prometheus::TextEncoder::new()
             .encode_to_string(&families)
             .map_err(|e| Failure::new(Kind::Internal, format!("encoding metrics: {e}")).into())
     }
 
     fn is_closed(&self) -> bool {
-        self.conn.live().is_err()
+        self.conn.link().is_err()
     }
 
     /// Unmount the contributed segment and drop the connection; later calls raise `Closed`.
@@ -468,7 +507,7 @@ fn parts(
     keys: Vec<Key>,
     all_ptrs: Vec<Vec<usize>>,
     all_sizes: Vec<Vec<u64>>,
-) -> Result<Vec<ops::Parts>, Failure> {
+) -> Result<Vec<PartsItem>, Failure> {
     same_length(keys.len(), all_ptrs.len(), all_sizes.len())?;
     keys.into_iter()
         .zip(all_ptrs.into_iter().zip(all_sizes))

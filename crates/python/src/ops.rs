@@ -12,6 +12,9 @@ use kvpool_core::master::types::PutOptions;
 use crate::client::Live;
 use crate::errors::{Failure, Kind};
 
+/// Keys, each with the registered ranges its value spans (Mooncake's multi-buffer calls).
+pub type PartsItems = [(Vec<u8>, Vec<(usize, u64)>)];
+
 /// Placement and pinning of a put (Mooncake's `ReplicateConfig`).
 #[derive(Clone, Debug, Default)]
 pub struct PutArgs {
@@ -122,7 +125,7 @@ pub async fn get_into(live: &Live, key: &[u8], ptr: usize, len: u64) -> Result<u
 }
 
 /// One result per item of a batch: the value's length (gets), 0 (puts), or Mooncake's code.
-fn code_of(r: Result<u64, Failure>) -> i64 {
+pub fn code_of(r: Result<u64, Failure>) -> i64 {
     match r {
         Ok(n) => i64::try_from(n).unwrap_or(i64::MAX),
         Err(f) => f.code(),
@@ -244,11 +247,8 @@ fn too_large(total: u64) -> Failure {
     Failure::invalid(format!("{total} bytes do not fit in memory"))
 }
 
-/// A key and the registered ranges (address, length) its value spans.
-pub type Parts = (Vec<u8>, Vec<(usize, u64)>);
-
 /// [`put_parts`] of several keys, concurrently: one code per key.
-pub async fn batch_put_parts(live: &Live, items: &[Parts], args: &PutArgs) -> Vec<i64> {
+pub async fn batch_put_parts(live: &Live, items: &PartsItems, args: &PutArgs) -> Vec<i64> {
     let calls = items.iter().map(|(key, parts)| async move {
         code_of(put_parts(live, key, parts, args).await.map(|()| 0))
     });
@@ -256,7 +256,7 @@ pub async fn batch_put_parts(live: &Live, items: &[Parts], args: &PutArgs) -> Ve
 }
 
 /// [`get_parts`] of several keys, concurrently: per key the length read or a negative code.
-pub async fn batch_get_parts(live: &Live, items: &[Parts]) -> Vec<i64> {
+pub async fn batch_get_parts(live: &Live, items: &PartsItems) -> Vec<i64> {
     let calls = items
         .iter()
         .map(|(key, parts)| async move { code_of(get_parts(live, key, parts).await) });

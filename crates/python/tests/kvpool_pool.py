@@ -110,6 +110,65 @@ class KvpoolMaster:
         stop_process(self.proc)
 
 
+# Variables a kvpool role reads as defaults of its flags: a child must not inherit them (as the
+# harness's `CLEARED_ENV`).
+CLEARED_ENV = (
+    "KVPOOL_MASTER",
+    "KVPOOL_AUTH_KEY_FILE",
+    "KVPOOL_AGENT_SOCKET",
+    "KVPOOL_MODEL_CONFIG",
+    "KVPOOL_KV_BYTES_PER_TOKEN",
+    "POD_IP",
+)
+
+
+class KvpoolAgent:
+    """`kvpool agent run` in pool mode behind `master_addr`: a DRAM tier of `dram`, its engine
+    socket in `dir/run` (keep `dir` short: a Unix socket path holds 107 bytes), admin on a free
+    loopback port, transport on 127.0.0.1. Ready once `/readyz` answers (it has joined the
+    pool)."""
+
+    def __init__(self, dir: Path, master_addr: str, key_file: Path, name: str = "py-agent",
+                 dram: str = "64MiB"):
+        self.dir = Path(dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.socket = self.dir / "run" / "agent.sock"
+        self.admin_port = free_port()
+        self.log = self.dir / "agent.log"
+        self.config = self.dir / "agent.yaml"
+        self.config.write_text(
+            f"node_name: {name}\n"
+            f"dram:\n  capacity: {dram}\n  lock: false\n"
+            f"engine_api:\n  socket_dir: {self.dir / 'run'}\n"
+            f"admin:\n  listen: {HOST}:{self.admin_port}\n"
+            f"pool:\n  master: [\"{master_addr}\"]\n  auth_key_file: {key_file}\n"
+            f"  transport_listen: {HOST}:0\n  heartbeat_interval: 500ms\n"
+        )
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "KvpoolAgent":
+        env = {k: v for k, v in os.environ.items() if k not in CLEARED_ENV}
+        out = open(self.log, "ab")
+        try:
+            self.proc = subprocess.Popen(
+                [str(kvpool_binary()), "agent", "run", "--config", str(self.config)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            )
+        finally:
+            out.close()
+        wait_for("kvpool agent", self.proc, self.log,
+                 lambda: self.socket.exists() and _ready(self.admin_port), START_TIMEOUT_S)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
 def write_key(path: Path) -> Path:
     path.write_bytes(secrets.token_hex(32).encode())
     path.chmod(0o600)

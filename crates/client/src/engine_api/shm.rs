@@ -148,6 +148,13 @@ impl Staging {
         self.size
     }
 
+    /// Address of the first byte of this process's mapping. Callers that hand out ranges of
+    /// the area as memory of their own (the Python client's `alloc_buffer`) name it by this;
+    /// the mapping lives as long as `self`.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
     fn check(&self, offset: u64, len: usize) -> Result<usize, ShmError> {
         let len64 = len as u64;
         match offset.checked_add(len64) {

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _native
-from ._config import ConfigError, Settings
+from ._config import DEFAULT_STAGING_BYTES, ConfigError, Settings
 from ._native import (
     AuthFailed,
     BufferTooSmall,
@@ -64,6 +64,9 @@ def _connect(settings: Settings) -> "_native.Client":
         global_segment_size=settings.global_segment_size,
         protocol=settings.protocol,
         request_timeout_ms=settings.request_timeout_ms,
+        mode=settings.mode,
+        agent_socket=settings.agent_socket or None,
+        staging_bytes=settings.staging_bytes,
     )
 
 
@@ -71,9 +74,12 @@ class Store:
     """A connection to a kvpool pool.
 
     ``Store()`` reads the pool from the environment (see ``kvpool._config``); pass
-    ``masters`` and ``auth_key_file`` to name it. ``global_segment_size`` > 0 contributes that
-    much of this process's memory to the pool for as long as the store is open. Use it as a
-    context manager, or call :meth:`close`.
+    ``masters`` and ``auth_key_file`` to name it. ``mode`` picks the way in: "direct" (to the
+    masters), "agent" (through the node agent's socket ``agent_socket``, with a shared-memory
+    staging area of ``staging_bytes``), or "auto" (the default: agent mode when the agent's
+    socket is configured and exists, and ``global_segment_size`` is 0). ``global_segment_size`` > 0 (direct mode only)
+    contributes that much of this process's memory to the pool for as long as the store is
+    open. Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -86,10 +92,16 @@ class Store:
         protocol: str = "tcp",
         replicas: int = 1,
         request_timeout_ms: int = 10_000,
+        mode: Optional[str] = None,
+        agent_socket: Optional[str] = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         settings = Settings.resolve(
             masters,
             auth_key_file,
+            agent_socket,
+            mode=mode,
+            staging_bytes=staging_bytes,
             local_hostname=local_hostname,
             global_segment_size=global_segment_size,
             protocol=protocol,
@@ -103,6 +115,11 @@ class Store:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def mode(self) -> str:
+        """How this store reaches the pool: "direct" or "agent"."""
+        return self._client.mode()
 
     @property
     def node(self) -> str:
@@ -167,6 +184,17 @@ class Store:
 
     def unregister(self, ptr: int) -> bool:
         return self._client.unregister_buffer(ptr)
+
+    def alloc_buffer(self, size: int) -> Tuple[int, int]:
+        """``size`` bytes for zero-copy :meth:`put_from` / :meth:`get_to`, until
+        :meth:`free_buffer`; returns (address, size). In agent mode the memory is part of the
+        shared staging area the agent reads and writes, so puts from it and gets into it copy
+        nothing; in direct mode it is fresh registered memory."""
+        return self._client.alloc_buffer(size)
+
+    def free_buffer(self, ptr: int) -> bool:
+        """Give back memory from :meth:`alloc_buffer`; False when none starts at ``ptr``."""
+        return self._client.free_buffer(ptr)
 
     def put_from(self, key: Key, ptr: int, size: int, *, replicas: Optional[int] = None) -> None:
         """Store ``size`` bytes at ``ptr`` (inside a registered buffer) with no copy."""

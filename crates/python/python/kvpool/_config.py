@@ -1,8 +1,14 @@
-"""Where a store connects: masters, pool key, agent socket.
+"""Where a store connects: masters, pool key, agent socket, and which of them it uses.
 
 Explicit arguments win, then the environment the kvpool operator gives engine pods
-(``KVPOOL_MASTER_ADDR``, ``KVPOOL_AUTH_KEY_FILE``, ``KVPOOL_AGENT_SOCKET``), then the pool's
-``engine.json`` (``KVPOOL_ENGINE_CONFIG``, or Mooncake's ``MOONCAKE_CONFIG_PATH``).
+(``KVPOOL_MASTER_ADDR``, ``KVPOOL_AUTH_KEY_FILE``, ``KVPOOL_AGENT_SOCKET``,
+``KVPOOL_CLIENT_MODE``), then the pool's ``engine.json`` (``KVPOOL_ENGINE_CONFIG``, or
+Mooncake's ``MOONCAKE_CONFIG_PATH``).
+
+The mode: "direct" talks to the masters itself (needs their address and the pool key);
+"agent" goes through the node agent's engine socket with shared-memory staging (needs only
+the socket); "auto" (the default) is agent mode when an agent socket is configured, its file
+exists and the store contributes no memory (``global_segment_size`` 0), else direct.
 """
 
 from __future__ import annotations
@@ -15,12 +21,28 @@ from typing import Any, Dict, List, Mapping, Optional
 ENV_MASTER = "KVPOOL_MASTER_ADDR"
 ENV_AUTH_KEY_FILE = "KVPOOL_AUTH_KEY_FILE"
 ENV_AGENT_SOCKET = "KVPOOL_AGENT_SOCKET"
+ENV_CLIENT_MODE = "KVPOOL_CLIENT_MODE"
+MODES = ("direct", "agent", "auto")
+# Staging area an agent-mode store asks the agent for when not told.
+DEFAULT_STAGING_BYTES = 64 << 20
 ENV_ENGINE_CONFIG = "KVPOOL_ENGINE_CONFIG"
 ENV_MOONCAKE_CONFIG = "MOONCAKE_CONFIG_PATH"
 
 
 class ConfigError(ValueError):
     """The configuration names no pool, or names it in a way kvpool cannot use."""
+
+
+def choose_mode(mode: Any, agent_socket: str, global_segment_size: int = 0) -> str:
+    """``mode`` settled to "direct" or "agent" (the same rule as the native client's)."""
+    m = str(mode or "auto").strip().lower()
+    if m not in MODES:
+        raise ConfigError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if m != "auto":
+        return m
+    if agent_socket and os.path.exists(agent_socket) and not global_segment_size:
+        return "agent"
+    return "direct"
 
 
 def engine_config(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -68,6 +90,9 @@ class Settings:
     masters: List[str] = field(default_factory=list)
     auth_key_file: str = ""
     agent_socket: str = ""
+    # "direct" or "agent" once resolved.
+    mode: str = "direct"
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     local_hostname: str = "127.0.0.1"
     global_segment_size: int = 0
     protocol: str = "tcp"
@@ -80,6 +105,7 @@ class Settings:
         auth_key_file: Optional[str] = None,
         agent_socket: Optional[str] = None,
         env: Optional[Mapping[str, str]] = None,
+        mode: Optional[str] = None,
         **rest: Any,
     ) -> "Settings":
         env = os.environ if env is None else env
@@ -91,11 +117,28 @@ class Settings:
             resolved = split_addrs(file_cfg.get("master_server_address"))
         key = auth_key_file or env.get(ENV_AUTH_KEY_FILE) or file_cfg.get("auth_key_file") or ""
         socket = agent_socket or env.get(ENV_AGENT_SOCKET) or file_cfg.get("agent_socket") or ""
-        settings = cls(masters=resolved, auth_key_file=str(key), agent_socket=str(socket), **rest)
+        asked = mode or env.get(ENV_CLIENT_MODE) or "auto"
+        chosen = choose_mode(asked, str(socket), rest.get("global_segment_size", 0))
+        settings = cls(
+            masters=resolved, auth_key_file=str(key), agent_socket=str(socket), mode=chosen, **rest
+        )
         settings.check()
         return settings
 
     def check(self) -> None:
+        if not isinstance(self.global_segment_size, int) or self.global_segment_size < 0:
+            raise ConfigError(
+                f"global_segment_size must be a non-negative integer, got {self.global_segment_size!r}"
+            )
+        if not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0:
+            raise ConfigError(f"staging_bytes must be a positive integer, got {self.staging_bytes!r}")
+        if self.mode == "agent":
+            if not self.agent_socket:
+                raise ConfigError(
+                    f"agent mode needs the node agent's socket: pass agent_socket, or set "
+                    f"{ENV_AGENT_SOCKET} or {ENV_ENGINE_CONFIG}"
+                )
+            return
         if not self.masters:
             raise ConfigError(
                 f"no master address: pass one, or set {ENV_MASTER} or {ENV_ENGINE_CONFIG}"
@@ -103,8 +146,4 @@ class Settings:
         if not self.auth_key_file:
             raise ConfigError(
                 f"no pool key: pass auth_key_file, or set {ENV_AUTH_KEY_FILE} or {ENV_ENGINE_CONFIG}"
-            )
-        if not isinstance(self.global_segment_size, int) or self.global_segment_size < 0:
-            raise ConfigError(
-                f"global_segment_size must be a non-negative integer, got {self.global_segment_size!r}"
             )

@@ -15,8 +15,18 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _native
-from ._config import ConfigError, Settings, split_addrs
-from ._native import Error
+from ._config import (
+    DEFAULT_STAGING_BYTES,
+    ENV_AGENT_SOCKET,
+    ENV_CLIENT_MODE,
+    MODES,
+    ConfigError,
+    Settings,
+    choose_mode,
+    engine_config,
+    split_addrs,
+)
+from ._native import Error, InvalidArgument
 
 # Mooncake's error codes (mooncake-store/include/types.h) that kvpool answers with.
 OK = 0
@@ -91,11 +101,17 @@ class MooncakeDistributedStore:
     def setup(self, *args: Any, **kwargs: Any) -> int:
         """``setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
         protocol, rdma_devices, master_server_addr, ...)`` or ``setup(config: dict)``.
-        ``metadata_server`` and ``local_buffer_size`` are accepted and unused (kvpool's master
-        is its metadata service; staging memory is sized per call). An empty
+        ``metadata_server`` is accepted and unused (kvpool's master is its metadata service).
+        The mode (config key ``mode``, else ``KVPOOL_CLIENT_MODE``, else "auto") picks the way
+        in: direct to the masters, or through the node agent's socket (config key
+        ``agent_socket``, ``KVPOOL_AGENT_SOCKET`` or the engine config), which "auto" takes
+        when the socket exists and ``global_segment_size`` is 0. Direct mode: an empty
         ``master_server_addr`` falls back to ``KVPOOL_MASTER_ADDR`` / the engine config; the
         pool key comes from ``auth_key_file`` in the config dict, ``KVPOOL_AUTH_KEY_FILE`` or
-        the engine config."""
+        the engine config; ``local_buffer_size`` is unused (staging memory is sized per
+        call). Agent mode needs no master or key; ``local_buffer_size`` sizes the session's
+        shared staging area, and ``global_segment_size`` must be 0 (-600 otherwise: the agent
+        owns the node's memory)."""
         try:
             settings = self._settings(args, kwargs)
         except (ConfigError, TypeError, ValueError):
@@ -110,9 +126,14 @@ class MooncakeDistributedStore:
                 global_segment_size=settings.global_segment_size,
                 protocol=settings.protocol,
                 request_timeout_ms=settings.request_timeout_ms,
+                mode=settings.mode,
+                agent_socket=settings.agent_socket or None,
+                staging_bytes=settings.staging_bytes,
             )
             # Like Mooncake's, a set-up store has reached its master.
             client.health()
+        except InvalidArgument:
+            return INVALID_PARAMS
         except Exception:  # noqa: BLE001 - Mooncake's setup answers -1 whatever failed
             return INTERNAL_ERROR
         self._client = client
@@ -124,12 +145,19 @@ class MooncakeDistributedStore:
             cfg = dict(args[0])
             if "local_hostname" not in cfg:
                 raise ConfigError("setup(config): local_hostname is required")
+            size = cfg.get("global_segment_size")
+            if size is None:
+                # Mooncake's default, for a store that contributes memory (direct mode).
+                agent = _auto_mode(_kvpool_mode(cfg), cfg.get("agent_socket")) == "agent"
+                size = 0 if agent else 16 << 20
             return Settings.resolve(
                 split_addrs(cfg.get("master_server_addr") or cfg.get("master_server_address")),
                 cfg.get("auth_key_file"),
                 cfg.get("agent_socket"),
+                mode=_kvpool_mode(cfg),
+                staging_bytes=_staging(cfg.get("local_buffer_size")),
                 local_hostname=_host(cfg["local_hostname"]),
-                global_segment_size=int(cfg.get("global_segment_size", 16 << 20)),
+                global_segment_size=int(size),
                 protocol=str(cfg.get("protocol", "tcp")),
             )
         names = [
@@ -162,6 +190,7 @@ class MooncakeDistributedStore:
             raise ValueError(f"global_segment_size must be a non-negative int, got {size!r}")
         return Settings.resolve(
             split_addrs(values["master_server_addr"]),
+            staging_bytes=_staging(values["local_buffer_size"]),
             local_hostname=_host(values["local_hostname"]),
             global_segment_size=size,
             protocol=str(values["protocol"] or "tcp"),
@@ -199,6 +228,19 @@ class MooncakeDistributedStore:
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
         return self._call(lambda c: OK if c.unregister_buffer(buffer_ptr) else INVALID_PARAMS, None)
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """Address of ``size`` bytes for zero-copy ``put_from`` / ``get_into`` (no
+        ``register_buffer`` needed), or 0 when there is no room. In agent mode they are part of
+        the shared staging area (no copy at all); in direct mode fresh registered memory. They
+        stay until the store is closed (``kvpool.Store.free_buffer`` gives them back)."""
+        c = self._client
+        if c is None or c.is_closed():
+            return 0
+        try:
+            return int(c.alloc_buffer(int(size))[0])
+        except (Error, TypeError, ValueError, OverflowError):
+            return 0
 
     # --- single objects --------------------------------------------------------------------
 
@@ -343,6 +385,32 @@ class MooncakeDistributedStore:
             return list(f(c))
         except Exception as e:  # noqa: BLE001
             return [_code(e)] * len(keys)
+
+
+def _kvpool_mode(cfg: Dict[str, Any]) -> Optional[str]:
+    """The config's ``mode`` when it is kvpool's ("direct", "agent", "auto"). Mooncake's
+    configs use the key for their own deployment mode ("embedded", "standalone-store"), which
+    says nothing about how kvpool connects: those fall back to KVPOOL_CLIENT_MODE / auto."""
+    mode = cfg.get("mode")
+    if isinstance(mode, str) and mode.strip().lower() in MODES:
+        return mode
+    return None
+
+
+def _staging(value: Any) -> int:
+    """Mooncake's local_buffer_size, as the agent session's staging area (agent mode)."""
+    try:
+        n = int(value or 0)
+    except (TypeError, ValueError):
+        return DEFAULT_STAGING_BYTES
+    return n if n > 0 else DEFAULT_STAGING_BYTES
+
+
+def _auto_mode(mode: Any, agent_socket: Any) -> str:
+    """The mode a dict config with no global_segment_size would get."""
+    env = os.environ
+    socket = agent_socket or env.get(ENV_AGENT_SOCKET) or engine_config(env).get("agent_socket") or ""
+    return choose_mode(mode or env.get(ENV_CLIENT_MODE) or "auto", str(socket), 0)
 
 
 def _host(value: Any) -> str:
