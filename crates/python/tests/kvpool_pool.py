@@ -12,7 +12,6 @@ client through `KVPOOL_AUTH_KEY_FILE` (what the operator gives engine pods).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import secrets
 import subprocess
@@ -27,7 +26,7 @@ from peers import (
     Pool,
     PeerStartError,
     free_port,
-    start_holder,
+    pool_with_holder,
     stop_process,
     wait_for,
 )
@@ -184,32 +183,11 @@ def start_kvpool_pool(capacity_bytes: int, tmp_path) -> Iterator[Pool]:
     saved = os.environ.get("KVPOOL_AUTH_KEY_FILE")
     os.environ["KVPOOL_AUTH_KEY_FILE"] = str(key)
     env = dict(os.environ)
-    module = importlib.import_module("kvpool.mooncake")
-    master = KvpoolMaster(tmp_path, key)
-    holder: Optional[subprocess.Popen] = None
-    pool: Optional[Pool] = None
     try:
-        master.start()
-        holder = start_holder(
-            "kvpool.mooncake", master.addr, capacity_bytes, tmp_path / "kvpool-holder.log", env
-        )
-        pool = Pool(
-            name="kvpool",
-            module=module,
-            master_addr=master.addr,
-            capacity=capacity_bytes,
-            _kill_master=master.kill,
-            _restart_master=master.restart,
-        )
-        yield pool
+        with pool_with_holder("kvpool", "kvpool.mooncake", KvpoolMaster(tmp_path, key),
+                              capacity_bytes, tmp_path / "kvpool-holder.log", env) as pool:
+            yield pool
     finally:
-        if pool is not None:
-            pool.close_stores()
-        if holder is not None:
-            with contextlib.suppress(OSError):
-                holder.stdin.close()
-            stop_process(holder)
-        master.stop()
         if saved is None:
             os.environ.pop("KVPOOL_AUTH_KEY_FILE", None)
         else:

@@ -236,30 +236,24 @@ class _Master:
         self.kill()
         self.start()
 
+    def stop(self) -> None:
+        stop_process(self.proc)
+
 
 @contextlib.contextmanager
-def start_mooncake_pool(capacity_bytes: int, tmp_path) -> Iterator[Pool]:
-    """A real Mooncake pool of `capacity_bytes` on 127.0.0.1: master plus one holder."""
-    tmp_path = Path(tmp_path)
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    env = peer_env()
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", HOST)
-    module = importlib.import_module("mooncake.store")
-    master = _Master(tmp_path, env)
+def pool_with_holder(name: str, module_name: str, master, capacity_bytes: int,
+                     holder_log: Path, env: dict) -> Iterator[Pool]:
+    """Starts `master` (start(), addr, kill(), restart(), stop()) and one holder of
+    `capacity_bytes` driving `module_name`; yields the `Pool`; stops both. The shared shape of
+    the Mooncake and the kvpool pools."""
+    module = importlib.import_module(module_name)
     holder: Optional[subprocess.Popen] = None
     pool: Optional[Pool] = None
     try:
         master.start()
-        holder = start_holder("mooncake.store", master.addr, capacity_bytes,
-                              tmp_path / "mooncake-holder.log", env)
-        pool = Pool(
-            name="mooncake",
-            module=module,
-            master_addr=master.addr,
-            capacity=capacity_bytes,
-            _kill_master=master.kill,
-            _restart_master=master.restart,
-        )
+        holder = start_holder(module_name, master.addr, capacity_bytes, holder_log, env)
+        pool = Pool(name=name, module=module, master_addr=master.addr, capacity=capacity_bytes,
+                    _kill_master=master.kill, _restart_master=master.restart)
         yield pool
     finally:
         if pool is not None:
@@ -268,5 +262,16 @@ def start_mooncake_pool(capacity_bytes: int, tmp_path) -> Iterator[Pool]:
             with contextlib.suppress(OSError):
                 holder.stdin.close()
             stop_process(holder, grace_s=HOLDER_GRACE_S)
-        if master.proc is not None:
-            stop_process(master.proc)
+        master.stop()
+
+
+@contextlib.contextmanager
+def start_mooncake_pool(capacity_bytes: int, tmp_path) -> Iterator[Pool]:
+    """A real Mooncake pool of `capacity_bytes` on 127.0.0.1: master plus one holder."""
+    tmp_path = Path(tmp_path)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    env = peer_env()
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", HOST)
+    with pool_with_holder("mooncake", "mooncake.store", _Master(tmp_path, env), capacity_bytes,
+                          tmp_path / "mooncake-holder.log", env) as pool:
+        yield pool

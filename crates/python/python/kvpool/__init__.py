@@ -56,20 +56,6 @@ def _check_key(key: Any) -> Key:
     return key
 
 
-def _connect(settings: Settings) -> "_native.Client":
-    return _native.Client(
-        settings.masters,
-        settings.auth_key_file,
-        local_hostname=settings.local_hostname,
-        global_segment_size=settings.global_segment_size,
-        protocol=settings.protocol,
-        request_timeout_ms=settings.request_timeout_ms,
-        mode=settings.mode,
-        agent_socket=settings.agent_socket or None,
-        staging_bytes=settings.staging_bytes,
-    )
-
-
 class Store:
     """A connection to a kvpool pool.
 
@@ -107,7 +93,7 @@ class Store:
             protocol=protocol,
             request_timeout_ms=request_timeout_ms,
         )
-        self._client = _connect(settings)
+        self._client = settings.connect()
         self.replicas = replicas
 
     def __enter__(self) -> "Store":

@@ -125,6 +125,22 @@ class Settings:
         settings.check()
         return settings
 
+    def connect(self):
+        """A native client set up as these settings say."""
+        from . import _native
+
+        return _native.Client(
+            self.masters,
+            self.auth_key_file,
+            local_hostname=self.local_hostname,
+            global_segment_size=self.global_segment_size,
+            protocol=self.protocol,
+            request_timeout_ms=self.request_timeout_ms,
+            mode=self.mode,
+            agent_socket=self.agent_socket or None,
+            staging_bytes=self.staging_bytes,
+        )
+
     def check(self) -> None:
         if not isinstance(self.global_segment_size, int) or self.global_segment_size < 0:
             raise ConfigError(

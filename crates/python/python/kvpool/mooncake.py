@@ -119,17 +119,7 @@ class MooncakeDistributedStore:
         if self._client is not None and not self._client.is_closed():
             return OK
         try:
-            client = _native.Client(
-                settings.masters,
-                settings.auth_key_file,
-                local_hostname=settings.local_hostname,
-                global_segment_size=settings.global_segment_size,
-                protocol=settings.protocol,
-                request_timeout_ms=settings.request_timeout_ms,
-                mode=settings.mode,
-                agent_socket=settings.agent_socket or None,
-                staging_bytes=settings.staging_bytes,
-            )
+            client = settings.connect()
             # Like Mooncake's, a set-up store has reached its master.
             client.health()
         except InvalidArgument:
