@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 from kvpool_pool import REPO, kvpool_binary
 
@@ -25,6 +27,17 @@ def test_example_runs_against_kvpool_up(tmp_path):
         assert line, f"kvpool up exited ({up.poll()}) before it was ready: {tmp_path / 'up.log'}"
         ready = json.loads(line)
         assert ready["ready"] and ready["master"]
+        # The example puts with 2 replicas: wait until both agents have mounted their tiers
+        # (an agent is ready before its first mount reaches the master).
+        admin = next(c["admin"] for c in ready["children"] if c["role"] == "master")
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"{admin}/metrics", timeout=2) as r:
+                metrics = r.read().decode()
+            if "kvpool_master_nodes_alive 2" in metrics:
+                break
+            assert time.monotonic() < deadline, "the two agents did not join the pool in 30 s"
+            time.sleep(0.1)
         env = dict(os.environ)
         env["KVPOOL_MASTER_ADDR"] = ready["master"]
         env["KVPOOL_AUTH_KEY_FILE"] = ready["auth_key_file"]
@@ -37,5 +50,9 @@ def test_example_runs_against_kvpool_up(tmp_path):
         assert "2 replicas each" in run.stdout
     finally:
         up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=60) == 0
+        code = up.wait(timeout=60)
         log.close()
+    tail = (tmp_path / "up.log").read_text(errors="replace").splitlines()[-30:]
+    logs = tmp_path / "up" / "logs"
+    assert code == 0, f"kvpool up exited {code} after SIGTERM; its log ends:\n" + "\n".join(
+        tail) + f"\nchildren's logs: {sorted(p.name for p in logs.glob('*'))} in {logs}"
