@@ -218,6 +218,11 @@ impl Buffers {
         self.by_start.len()
     }
 
+    /// [`Self::span`] of each `(address, length)` range, in order.
+    pub fn spans(&self, ranges: &[(usize, u64)]) -> Result<Vec<Span>, Failure> {
+        ranges.iter().map(|(p, l)| self.span(*p, *l)).collect()
+    }
+
     /// The registered buffer holding all of `ptr..ptr+len`.
     pub fn span(&self, ptr: usize, len: u64) -> Result<Span, Failure> {
         let outside = || {

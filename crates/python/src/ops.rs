@@ -171,13 +171,7 @@ pub async fn put_parts(
     if let [(ptr, len)] = parts {
         return put_from(live, key, *ptr, *len, args).await;
     }
-    let spans = {
-        let buffers = live.buffers.lock();
-        parts
-            .iter()
-            .map(|(p, l)| buffers.span(*p, *l))
-            .collect::<Result<Vec<_>, _>>()?
-    };
+    let spans = live.buffers.lock().spans(parts)?;
     let total: u64 = spans.iter().map(|s| s.len).sum();
     let mut value = vec![0u8; usize::try_from(total).map_err(|_| too_large(total))?];
     let mut at = 0usize;
@@ -195,15 +189,11 @@ pub async fn put_parts(
 /// Read the value of `key` across several registered ranges, in order; its length. One range
 /// is read into directly; several through one staging copy.
 pub async fn get_parts(live: &Live, key: &[u8], parts: &[(usize, u64)]) -> Result<u64, Failure> {
-    let spans = {
-        let buffers = live.buffers.lock();
-        parts
-            .iter()
-            .map(|(p, l)| buffers.span(*p, *l))
-            .collect::<Result<Vec<_>, _>>()?
-    };
+    let spans = live.buffers.lock().spans(parts)?;
     let room: u64 = spans.iter().map(|s| s.len).sum();
-    let size = live.pool.value_size(key).await?;
+    // One lookup and one read; the ranges are written only once the size is known to match.
+    let value = get(live, key).await?;
+    let size = value.len() as u64;
     // As Mooncake's: the ranges must add up to the value exactly; the memory is untouched
     // otherwise.
     if size > room {
@@ -218,27 +208,14 @@ pub async fn get_parts(live: &Live, key: &[u8], parts: &[(usize, u64)]) -> Resul
             format!("the ranges hold {room} bytes, the value {size}: they must match"),
         ));
     }
-    let value = get(live, key).await?;
     let mut rest = value.as_slice();
     for s in &spans {
-        if rest.is_empty() {
-            break;
-        }
-        let n = rest.len().min(s.len as usize);
+        let n = s.len as usize;
         s.local
             .segment()
             .write_at(s.offset, &rest[..n])
             .map_err(|e| Failure::invalid(format!("writing a registered range: {e}")))?;
         rest = &rest[n..];
-    }
-    if !rest.is_empty() {
-        return Err(Failure::new(
-            Kind::BufferTooSmall,
-            format!(
-                "a value of {} bytes does not fit the {room} bytes of the ranges",
-                value.len()
-            ),
-        ));
     }
     Ok(value.len() as u64)
 }

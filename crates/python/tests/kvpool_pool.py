@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 from peers import (
     HOST,
     LEASE_TTL_MS,
+    MasterProcess,
     START_TIMEOUT_S,
     Pool,
     PeerStartError,
@@ -56,57 +57,34 @@ def _ready(admin_port: int) -> bool:
         return False
 
 
-class KvpoolMaster:
+class KvpoolMaster(MasterProcess):
     """`kvpool master` on free loopback ports; restartable."""
 
+    name = "kvpool master"
+
     def __init__(self, tmp_path: Path, key_file: Path, extra: Optional[list] = None):
-        self.port = free_port()
+        super().__init__(tmp_path / "kvpool-master.log")
         self.admin_port = free_port()
         self.key_file = key_file
-        self.log = tmp_path / "kvpool-master.log"
         self.extra = list(extra or [])
-        self.proc: Optional[subprocess.Popen] = None
 
-    @property
-    def addr(self) -> str:
-        return f"{HOST}:{self.port}"
+    def command(self) -> list:
+        return [
+            str(kvpool_binary()),
+            "master",
+            "--listen",
+            self.addr,
+            "--admin-addr",
+            f"{HOST}:{self.admin_port}",
+            "--auth-key-file",
+            str(self.key_file),
+            "--lease-ttl",
+            f"{LEASE_TTL_MS}ms",
+            *self.extra,
+        ]
 
-    def start(self) -> None:
-        out = open(self.log, "ab")
-        try:
-            self.proc = subprocess.Popen(
-                [
-                    str(kvpool_binary()),
-                    "master",
-                    "--listen",
-                    self.addr,
-                    "--admin-addr",
-                    f"{HOST}:{self.admin_port}",
-                    "--auth-key-file",
-                    str(self.key_file),
-                    "--lease-ttl",
-                    f"{LEASE_TTL_MS}ms",
-                    *self.extra,
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        finally:
-            out.close()
-        wait_for("kvpool master", self.proc, self.log, lambda: _ready(self.admin_port), START_TIMEOUT_S)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+    def ready(self) -> bool:
+        return _ready(self.admin_port)
 
 
 # Variables a kvpool role reads as defaults of its flags: a child must not inherit them (as the

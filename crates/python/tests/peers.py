@@ -193,11 +193,16 @@ class Pool:
                 store.close()
 
 
-class _Master:
-    def __init__(self, tmp_path: Path, env: dict):
+class MasterProcess:
+    """A master child process on a free loopback port, logging to `log`, restartable; the
+    shared part of the Mooncake and the kvpool masters. Subclasses give `name`, `command()`
+    and, when the open port is not enough, `ready()`."""
+
+    name = "master"
+
+    def __init__(self, log: Path, env: Optional[dict] = None):
         self.port = free_port()
-        self.metrics_port = free_port()
-        self.log = tmp_path / "mooncake-master.log"
+        self.log = log
         self.env = env
         self.proc: Optional[subprocess.Popen] = None
 
@@ -205,27 +210,22 @@ class _Master:
     def addr(self) -> str:
         return f"{HOST}:{self.port}"
 
+    def command(self) -> list:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        return _port_open(self.port)
+
     def start(self) -> None:
         out = open(self.log, "ab")
         try:
             self.proc = subprocess.Popen(
-                [
-                    _venv_bin("mooncake_master"),
-                    f"--rpc_address={HOST}",
-                    f"--port={self.port}",
-                    "--enable_http_metadata_server=false",
-                    f"--metrics_host={HOST}",
-                    f"--metrics_port={self.metrics_port}",
-                    f"--default_kv_lease_ttl={LEASE_TTL_MS}",
-                    "--logtostderr=true",
-                ],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                preexec_fn=die_with_parent(),
+                self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                env=self.env, preexec_fn=die_with_parent(),
             )
         finally:
             out.close()
-        wait_for("mooncake_master", self.proc, self.log, lambda: _port_open(self.port),
-                 START_TIMEOUT_S)
+        wait_for(self.name, self.proc, self.log, self.ready, START_TIMEOUT_S)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -238,6 +238,26 @@ class _Master:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+class _Master(MasterProcess):
+    name = "mooncake_master"
+
+    def __init__(self, tmp_path: Path, env: dict):
+        super().__init__(tmp_path / "mooncake-master.log", env)
+        self.metrics_port = free_port()
+
+    def command(self) -> list:
+        return [
+            _venv_bin("mooncake_master"),
+            f"--rpc_address={HOST}",
+            f"--port={self.port}",
+            "--enable_http_metadata_server=false",
+            f"--metrics_host={HOST}",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={LEASE_TTL_MS}",
+            "--logtostderr=true",
+        ]
 
 
 @contextlib.contextmanager
