@@ -508,6 +508,7 @@ fn lookup(master: &kvpool_master::cmd::RunningMaster) -> PoolLookup {
             connect_timeout: timeout,
             request_timeout: timeout,
             failover_budget: std::time::Duration::ZERO,
+            ..Default::default()
         },
     )
     .expect("client");

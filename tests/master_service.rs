@@ -386,17 +386,7 @@ async fn admin_endpoints_and_metrics() {
         other => panic!("{other:?}"),
     }
     // Gauges are refreshed by the tick loop; poll until they show the object.
-    let mut metrics = String::new();
-    for _ in 0..200 {
-        metrics = http_get(f.master.admin_addr, "/metrics")
-            .await
-            .map(|(_, body)| body)
-            .unwrap_or_default();
-        if metrics.contains("kvpool_master_objects 1") {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let metrics = metrics_with(&f, "kvpool_master_objects 1").await;
     for needle in [
         "kvpool_master_objects 1",
         "kvpool_master_used_bytes{tier=\"dram\"} 1048576",
@@ -726,4 +716,138 @@ async fn agent_killed_under_load_loses_nothing_and_reads_verify() {
     }
     f.shutdown.cancel();
     f.master.join().await.expect("clean stop");
+}
+
+/// Poll the master's metrics until `needle` shows (the gauges follow the tick loop).
+async fn metrics_with(f: &Fixture, needle: &str) -> String {
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = http_get(f.master.admin_addr, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        if metrics.contains(needle) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    metrics
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
+    let f = fixture(|_| {}).await;
+    f.client
+        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
+        .await
+        .expect("mount");
+    let fork = f.client.fork(tokio::runtime::Handle::current());
+    // The fork is driven by a thread of its own, as a Python thread drives it.
+    let (lease, fork) = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let lease = rt.block_on(async {
+            let PutStarted::Allocated { put_id, replicas } = fork
+                .put_start(b"fast/k", MIB, &PutOptions::default())
+                .await
+                .expect("put_start")
+            else {
+                panic!("not allocated");
+            };
+            assert_eq!(replicas[0].node, "a");
+            fork.put_end(b"fast/k", put_id).await.expect("put_end");
+            assert_eq!(
+                fork.exists(&[b"fast/k", b"fast/missing"])
+                    .await
+                    .expect("exists"),
+                vec![true, false]
+            );
+            let located = fork.get(b"fast/k").await.expect("get");
+            assert_eq!(located.size, MIB);
+            // A refusal keeps its code over the fast lane too.
+            let missing = fork.get(b"fast/missing").await.expect_err("missing");
+            assert_eq!(code(&missing), Some(ErrorCode::UnknownKey), "{missing}");
+            // Released with the fork's next call (or by the parent within a few ms).
+            fork.release_lease_later(located.lease_id);
+            assert_eq!(fork.longest_prefix(&[b"fast/k"]).await.expect("prefix"), 1);
+            located.lease_id
+        });
+        // Kept open (with its connection) until the metrics were read.
+        (lease, fork)
+    })
+    .await
+    .expect("fork thread");
+    assert!(lease > 0);
+    // gRPC on the same port still works, and saw none of the fork's calls.
+    assert_eq!(
+        f.client.exists(&[b"fast/k"]).await.expect("grpc"),
+        vec![true]
+    );
+    let metrics = metrics_with(&f, "kvpool_master_leases 0").await;
+    for needle in [
+        "kvpool_master_fast_lane_connections 1",
+        "kvpool_master_requests_total{method=\"put_start\",result=\"ok\"} 1",
+        "kvpool_master_requests_total{method=\"exists\",result=\"ok\"} 2",
+        "kvpool_master_requests_total{method=\"get\",result=\"unknown_key\"} 1",
+        "kvpool_master_requests_total{method=\"release_leases\",result=\"ok\"} 1",
+        "kvpool_master_leases 0",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+    drop(fork);
+    let closed = "kvpool_master_fast_lane_connections 0";
+    assert!(
+        metrics_with(&f, closed).await.contains(closed),
+        "the lane stays open"
+    );
+}
+
+#[tokio::test]
+async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let f = fixture(|_| {}).await;
+    let addr = f.master.grpc_addr;
+    let answer = |bytes: Vec<u8>| async move {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(&bytes).await.expect("write");
+        let mut got = Vec::new();
+        // The master answers what it answers, then closes.
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
+        got
+    };
+    // A preface of another version: closed without a word.
+    assert!(answer(b"KVMP\x09\x00\x00\x00".to_vec()).await.is_empty());
+    // A good preface, then a frame larger than the limit: INVALID_ARGUMENT (3), then closed.
+    let mut big = kvpool_proto::fast::PREFACE.to_vec();
+    big.extend_from_slice(&u32::MAX.to_le_bytes());
+    let got = answer(big).await;
+    assert_eq!(&got[..8], &kvpool_proto::fast::PREFACE);
+    assert_eq!(got[12], 3, "{got:?}");
+    // A well-formed call with a forged credential: UNAUTHENTICATED (16), then closed.
+    let mut forged = kvpool_proto::fast::PREFACE.to_vec();
+    kvpool_proto::fast::encode_request(
+        &mut forged,
+        kvpool_proto::fast::Method::Exists,
+        &AuthKey::from_bytes(b"another-key-0123456789abcdef")
+            .expect("key")
+            .sign(),
+        &[],
+        &[],
+    );
+    let got = answer(forged).await;
+    assert_eq!(got[12], 16, "{got:?}");
+    // Garbage that is not the fast lane goes to gRPC, which drops it; gRPC clients are served.
+    let _ = answer(b"GET / HTTP/1.0\r\n\r\n".to_vec()).await;
+    assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
+    let metrics = metrics_with(&f, "kvpool_master_fast_lane_refusals_total").await;
+    for needle in [
+        "kvpool_master_fast_lane_refusals_total{reason=\"preface\"} 1",
+        "kvpool_master_fast_lane_refusals_total{reason=\"frame\"} 1",
+        "kvpool_master_fast_lane_refusals_total{reason=\"unauthenticated\"} 1",
+        "kvpool_master_fast_lane_connections 0",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
 }

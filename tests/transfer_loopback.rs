@@ -529,3 +529,145 @@ fn transfer_config_is_validated() {
         "duplicate"
     );
 }
+
+#[test]
+fn small_batches_run_inline_in_both_directions_and_report_each_failure() {
+    let p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let a = pattern(70_000, 1);
+    let b = pattern(5_000, 2);
+    p.local_mem.segment().write_at(0, &a).unwrap();
+    p.remote_mem.segment().write_at(MIB as u64, &b).unwrap();
+    // One WRITE and one READ in one small batch: run by this thread, one at a time.
+    p.initiator
+        .transfer(vec![
+            req(&p, &remote, TransferOp::Write, 0, 0, a.len() as u64),
+            req(
+                &p,
+                &remote,
+                TransferOp::Read,
+                2 * MIB as u64,
+                MIB as u64,
+                b.len() as u64,
+            ),
+        ])
+        .unwrap();
+    let mut got = vec![0u8; a.len()];
+    p.remote_mem.segment().read_at(0, &mut got).unwrap();
+    assert!(got == a, "written bytes differ");
+    let mut got = vec![0u8; b.len()];
+    p.local_mem
+        .segment()
+        .read_at(2 * MIB as u64, &mut got)
+        .unwrap();
+    assert!(got == b, "read bytes differ");
+    // Several slices of one request (slice size 256 KiB), pipelined on the one connection.
+    let big = pattern(3 * MIB, 3);
+    p.local_mem.segment().write_at(0, &big).unwrap();
+    p.initiator
+        .transfer(vec![req(
+            &p,
+            &remote,
+            TransferOp::Write,
+            0,
+            4096,
+            big.len() as u64,
+        )])
+        .unwrap();
+    let mut got = vec![0u8; big.len()];
+    p.remote_mem.segment().read_at(4096, &mut got).unwrap();
+    assert!(got == big, "sliced write differs");
+    // A segment the target no longer has fails its request by name, and the connection is
+    // still good for the next batch.
+    let gone = p
+        .target
+        .register(
+            "t/gone",
+            Arc::new(Segment::host(MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    p.dir.insert(p.target.describe(
+        &gone,
+        vec![Endpoint::Tcp(p.server.as_ref().unwrap().local_addr())],
+    ));
+    let gone_remote = p.initiator.open("t/gone").unwrap();
+    drop(gone);
+    let err = p
+        .initiator
+        .transfer(vec![req(&p, &gone_remote, TransferOp::Read, 0, 0, 10)])
+        .unwrap_err();
+    assert_eq!(err.failure.category, "unknown_segment", "{err:?}");
+    p.initiator
+        .transfer(vec![req(&p, &remote, TransferOp::Read, 0, 0, 10)])
+        .unwrap();
+    let m = p.initiator.metrics();
+    assert!(m.direct_connections.get() >= 1, "kept for the next batch");
+    // Lane 0 carried the OPENs; the bytes needed no other lane.
+    assert_eq!(m.connections.get(), 1);
+}
+
+#[test]
+fn cached_opens_are_refused_by_a_restarted_target_and_opened_again() {
+    let mut p = pair_with(key());
+    let addr = p.server.as_ref().unwrap().local_addr();
+    let desc = p.dir.lookup("t/dram0").unwrap();
+    let first = p.initiator.open_cached(&desc).unwrap();
+    p.remote_mem.segment().write_at(0, b"first run").unwrap();
+    p.initiator
+        .transfer(vec![req(&p, &first, TransferOp::Read, 0, 0, 9)])
+        .unwrap();
+    let again = p.initiator.open_cached(&desc).unwrap();
+    assert_eq!(
+        format!("{again:?}"),
+        format!("{first:?}"),
+        "served from the cache"
+    );
+
+    // The target restarts on the same port: a new registry, whose handles start over.
+    p.server = None;
+    let target = TransferEngine::new(
+        config("node-t"),
+        key(),
+        p.dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    // Another segment first, so that the old handle names it in the new registry.
+    let decoy = target
+        .register(
+            "t/decoy",
+            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    decoy.segment().write_at(0, b"WRONG BYTES").unwrap();
+    let mem = target
+        .register(
+            "t/dram0",
+            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    mem.segment().write_at(0, b"second run").unwrap();
+    let _server = target.listen_tcp(addr).unwrap();
+    // The cached handle is refused (not served from the decoy); the transfer opens the
+    // segment again by name and reads the new run's bytes.
+    let cached = p.initiator.open_cached(&desc).unwrap();
+    p.initiator
+        .transfer(vec![req(
+            &p,
+            &cached,
+            TransferOp::Read,
+            4 * MIB as u64,
+            0,
+            10,
+        )])
+        .unwrap();
+    let mut got = [0u8; 10];
+    p.local_mem
+        .segment()
+        .read_at(4 * MIB as u64, &mut got)
+        .unwrap();
+    assert_eq!(&got, b"second run");
+    // The stale entry was dropped: the next open is a fresh one.
+    let fresh = p.initiator.open_cached(&desc).unwrap();
+    assert_ne!(format!("{fresh:?}"), format!("{first:?}"));
+}

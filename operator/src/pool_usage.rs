@@ -160,6 +160,7 @@ impl MasterStats for GrpcMasterStats {
                 request_timeout: self.timeout,
                 // A standby answers UNAVAILABLE: retry briefly, the next pass tries again anyway.
                 failover_budget: Duration::from_secs(1).min(self.timeout),
+                ..Default::default()
             };
             let client =
                 MasterClient::new(vec![addr.to_owned()], key, config).map_err(|source| {

@@ -419,6 +419,7 @@ mod tests {
                 connect_timeout: Duration::from_millis(200),
                 request_timeout: Duration::from_millis(200),
                 failover_budget: Duration::from_millis(100),
+                ..Default::default()
             },
         )
         .expect("client")

@@ -319,6 +319,7 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
             // A standby's leader hint is followed, but only within the lookup's own timeout:
             // past it the request goes on without the pool's answer.
             failover_budget: timeout,
+            ..Default::default()
         },
     )
     .map_err(|e| flag("master", format!("{e}: {}", source_chain(&e))))?;

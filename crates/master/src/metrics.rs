@@ -39,6 +39,8 @@ pub struct MasterMetrics {
     requests: IntCounterVec,
     latency: HistogramVec,
     persist_latency: Histogram,
+    fast_connections: IntGauge,
+    fast_refusals: IntCounterVec,
     policy: &'static str,
     last: std::sync::Arc<parking_lot::Mutex<Counters>>,
 }
@@ -106,6 +108,15 @@ impl MasterMetrics {
                 ),
             )
             .map_err(MetricsError::Register)?,
+            fast_connections: g(
+                "kvpool_master_fast_lane_connections",
+                "Open fast-lane connections (plain-framed calls on the gRPC port)",
+            )?,
+            fast_refusals: counters(
+                "kvpool_master_fast_lane_refusals_total",
+                "Fast-lane connections closed for bad input, by reason",
+                &["reason"],
+            )?,
             policy,
             last: Default::default(),
         };
@@ -124,11 +135,23 @@ impl MasterMetrics {
             Box::new(m.requests.clone()),
             Box::new(m.latency.clone()),
             Box::new(m.persist_latency.clone()),
+            Box::new(m.fast_connections.clone()),
+            Box::new(m.fast_refusals.clone()),
         ];
         for c in collectors {
             registry.register(c).map_err(MetricsError::Register)?;
         }
         Ok(m)
+    }
+
+    /// A fast-lane connection opened (`+1`) or closed (`-1`).
+    pub fn fast_connection(&self, delta: i64) {
+        self.fast_connections.add(delta);
+    }
+
+    /// A fast-lane connection closed for bad input (`preface`, `frame`, `unauthenticated`).
+    pub fn fast_refused(&self, reason: &str) {
+        self.fast_refusals.with_label_values(&[reason]).inc();
     }
 
     /// Record one call.

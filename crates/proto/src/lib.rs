@@ -6,6 +6,8 @@
 //! - `engine_api`: the node agent's engine API (`proto/agent/v1/engine.proto`), spoken over the
 //!   agent's Unix socket.
 //! - `auth`: the HMAC request signatures of the master's API.
+//! - `fast`: the master's fast lane, the same calls framed plainly on the gRPC port for
+//!   callers with one call in flight.
 //! - `openai`: the OpenAI-compatible HTTP requests and responses that the conductor and the
 //!   engines exchange, with kvpool's headers.
 //!
@@ -13,5 +15,6 @@
 
 pub mod auth;
 pub mod engine_api;
+pub mod fast;
 pub mod master;
 pub mod openai;

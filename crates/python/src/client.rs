@@ -36,9 +36,15 @@ pub struct Settings {
     pub request_timeout_ms: u64,
 }
 
-/// A live connection.
+/// A live connection: the pool client of the calling thread (see [`Live::fork`]) over the
+/// state all of the store's threads share.
 pub struct Live {
     pub pool: PoolClient,
+    shared: Arc<Shared>,
+}
+
+/// What every fork of a connection shares.
+pub struct Shared {
     pub engine: TransferEngine,
     pub buffers: Mutex<Buffers>,
     pub node: String,
@@ -51,6 +57,13 @@ pub struct Live {
     /// A client that contributes nothing holds this port (listening, never accepting) so that
     /// its `host:port` name is unique on the host, as Mooncake's clients' names are.
     _name_port: Option<std::net::TcpListener>,
+}
+
+impl std::ops::Deref for Live {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.shared
+    }
 }
 
 fn internal(what: &str) -> impl FnOnce(std::io::Error) -> Failure + '_ {
@@ -74,16 +87,25 @@ impl Live {
         live.buffers.lock().clear();
         // Memory alloc_buffer made stays allocated: Python may still hold views of it.
         live.allocs.lock().clear();
-        let holder = match Arc::try_unwrap(live) {
-            Ok(mut l) => l.holder.take(),
-            // A call still running on another thread keeps the connection; its holder goes
-            // when that call ends (the master drops the segment once heartbeats stop).
-            Err(_) => None,
-        };
+        // A call still running on another thread keeps the connection; its holder goes when
+        // that call ends (the master drops the segment once heartbeats stop).
+        let holder = Arc::try_unwrap(live)
+            .ok()
+            .and_then(|l| Arc::try_unwrap(l.shared).ok())
+            .and_then(|mut s| s.holder.take());
         if let Some(h) = holder {
             h.stop().await?;
         }
         Ok(())
+    }
+
+    /// The same connection for one thread that drives its calls itself on a current-thread
+    /// runtime (see [`PoolClient::fork`]); lease releases go through this one, on `runtime`.
+    pub fn fork(&self, runtime: tokio::runtime::Handle) -> Live {
+        Live {
+            pool: self.pool.fork(runtime),
+            shared: self.shared.clone(),
+        }
     }
 
     /// `size` bytes of fresh zeroed memory, page-aligned and registered: address and size.
@@ -135,6 +157,29 @@ fn protocol_wants_rdma(protocol: &str) -> Result<bool, Failure> {
     }
 }
 
+/// How long a call waiting alone for an answer polls before it sleeps (`KVPOOL_SPIN_WAIT_US`,
+/// microseconds; default [`DEFAULT_SPIN_WAIT_US`], 0 turns polling off): an engine thread that
+/// waits for its block anyway is answered sooner, for at most that much CPU per call.
+fn spin_wait() -> Result<std::time::Duration, Failure> {
+    match std::env::var("KVPOOL_SPIN_WAIT_US") {
+        Err(_) => Ok(std::time::Duration::from_micros(DEFAULT_SPIN_WAIT_US)),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|us| *us <= 10_000)
+            .map(std::time::Duration::from_micros)
+            .ok_or_else(|| {
+                Failure::invalid(format!(
+                    "KVPOOL_SPIN_WAIT_US={v:?} must be a number of microseconds from 0 to 10000"
+                ))
+            }),
+    }
+}
+
+/// Default of `KVPOOL_SPIN_WAIT_US`.
+pub const DEFAULT_SPIN_WAIT_US: u64 = 50;
+
 pub async fn connect(s: &Settings) -> Result<Live, Failure> {
     if s.masters.is_empty() {
         return Err(Failure::invalid(
@@ -157,6 +202,7 @@ pub async fn connect(s: &Settings) -> Result<Live, Failure> {
     let registry = Registry::new();
     let metrics = TransferMetrics::new(&registry)
         .map_err(|e| Failure::new(Kind::Internal, format!("client metrics: {e}")))?;
+    let spin = spin_wait()?;
     let host = s.local_hostname.trim();
     let host = if host.is_empty() { "127.0.0.1" } else { host };
     let engine = TransferEngine::new(
@@ -164,6 +210,7 @@ pub async fn connect(s: &Settings) -> Result<Live, Failure> {
             node: format!("{host}/pid-{}", std::process::id()),
             want_rdma,
             prefer_shm: false,
+            spin_wait: spin,
             ..EngineConfig::default()
         },
         transfer_key,
@@ -173,6 +220,7 @@ pub async fn connect(s: &Settings) -> Result<Live, Failure> {
     .map_err(|e| Failure::new(Kind::Internal, format!("starting the transfer engine: {e}")))?;
     let config = ClientConfig {
         request_timeout: std::time::Duration::from_millis(s.request_timeout_ms.max(1)),
+        spin_wait: spin,
         ..ClientConfig::default()
     };
     let master = MasterClient::new(s.masters.clone(), master_key, config)?;
@@ -215,13 +263,15 @@ pub async fn connect(s: &Settings) -> Result<Live, Failure> {
         PoolClient::new(master, engine.clone(), node.clone(), None).with_local_segments(local);
     Ok(Live {
         pool,
-        engine,
-        buffers: Mutex::new(Buffers::default()),
-        node,
-        registry,
-        holder,
-        allocs: Mutex::new(HashMap::new()),
-        _server: server,
-        _name_port: name_port,
+        shared: Arc::new(Shared {
+            engine,
+            buffers: Mutex::new(Buffers::default()),
+            node,
+            registry,
+            holder,
+            allocs: Mutex::new(HashMap::new()),
+            _server: server,
+            _name_port: name_port,
+        }),
     })
 }

@@ -15,6 +15,7 @@
 
 use std::path::PathBuf;
 
+use crate::link::Link;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -27,6 +28,7 @@ mod holder;
 mod link;
 mod ops;
 mod staging;
+mod threads;
 
 use buffers::Held;
 use client::Settings;
@@ -104,11 +106,55 @@ struct Client {
 }
 
 impl Client {
-    /// Wait for `call` with the GIL released.
-    /// The call runs as a task on the runtime's workers, next to the connections' I/O, and
-    /// this thread only waits for its end: a lone call crosses threads twice, not at every
-    /// step of its RPCs and transfers.
-    fn block<T: Send + 'static>(
+    /// Run a single call with the GIL released. Alone in flight (direct mode), it runs on the
+    /// calling thread's own runtime and connection (see `threads`); otherwise on the shared
+    /// runtime, with the calls it can share master calls and transfer lanes with.
+    fn block<T: Send + 'static, F>(
+        &self,
+        py: Python<'_>,
+        call: impl FnOnce(Link) -> F,
+    ) -> PyResult<T>
+    where
+        F: Future<Output = Result<T, Failure>> + Send + 'static,
+    {
+        self.run(py, call, true)
+    }
+
+    /// Run `call` (a batch: its items share master calls and lanes) on the shared runtime.
+    fn block_shared<T: Send + 'static, F>(
+        &self,
+        py: Python<'_>,
+        call: impl FnOnce(Link) -> F,
+    ) -> PyResult<T>
+    where
+        F: Future<Output = Result<T, Failure>> + Send + 'static,
+    {
+        self.run(py, call, false)
+    }
+
+    fn run<T: Send + 'static, F>(
+        &self,
+        py: Python<'_>,
+        call: impl FnOnce(Link) -> F,
+        may_fork: bool,
+    ) -> PyResult<T>
+    where
+        F: Future<Output = Result<T, Failure>> + Send + 'static,
+    {
+        let in_flight = self.conn.forks.enter();
+        if may_fork
+            && in_flight.alone
+            && let Some(fork) = self.conn.fork()?
+        {
+            let call = call(fork.link.clone());
+            return Ok(py.detach(|| fork.runtime.block_on(call))?);
+        }
+        self.on_shared(py, call(self.conn.link()?))
+    }
+
+    /// Spawn `call` as a task on the shared runtime's workers and wait for it with the GIL
+    /// released.
+    fn on_shared<T: Send + 'static>(
         &self,
         py: Python<'_>,
         call: impl Future<Output = Result<T, Failure>> + Send + 'static,
@@ -211,9 +257,10 @@ impl Client {
     ) -> PyResult<()> {
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
         let view = Held::new(value, false)?;
-        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move { link.put(&key, view.bytes(), &args).await })
+        self.block(py, move |link| async move {
+            link.put(&key, view.bytes(), &args).await
+        })
     }
 
     /// Store `size` bytes at address `ptr` (inside a registered buffer) under `key`.
@@ -232,19 +279,16 @@ impl Client {
         soft_pin_ttl_ms: u64,
     ) -> PyResult<()> {
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
-        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(
-            py,
-            async move { link.put_from(&key, ptr, size, &args).await },
-        )
+        self.block(py, move |link| async move {
+            link.put_from(&key, ptr, size, &args).await
+        })
     }
 
     /// The value of `key` as `bytes`.
     fn get<'py>(&self, py: Python<'py>, key: Key) -> PyResult<Bound<'py, PyBytes>> {
-        let link = self.conn.link()?;
         let key = key.into_bytes();
-        let value = self.block(py, async move { link.get(&key).await })?;
+        let value = self.block(py, move |link| async move { link.get(&key).await })?;
         Ok(PyBytes::new(py, &value))
     }
 
@@ -257,9 +301,8 @@ impl Client {
         buffer: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
         let mut view = Held::new(buffer, true)?;
-        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move {
+        self.block(py, move |link| async move {
             link.get_into_slice(&key, view.bytes_mut()).await
         })
     }
@@ -267,9 +310,10 @@ impl Client {
     /// Read the value of `key` into the `size` bytes at `ptr` (inside a registered buffer);
     /// returns its length.
     fn get_into(&self, py: Python<'_>, key: Key, ptr: usize, size: u64) -> PyResult<u64> {
-        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move { link.get_into(&key, ptr, size).await })
+        self.block(py, move |link| async move {
+            link.get_into(&key, ptr, size).await
+        })
     }
 
     /// Puts from registered memory: per item 0 or Mooncake's negative code.
@@ -290,11 +334,9 @@ impl Client {
         same_length(keys.len(), ptrs.len(), sizes.len())?;
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
         let items = items(keys, ptrs, sizes);
-        let link = self.conn.link()?;
-        self.block(
-            py,
-            async move { Ok(link.batch_put_from(&items, &args).await) },
-        )
+        self.block_shared(py, move |link| async move {
+            Ok(link.batch_put_from(&items, &args).await)
+        })
     }
 
     /// Gets into registered memory: per item the length read or Mooncake's negative code.
@@ -307,8 +349,9 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         same_length(keys.len(), ptrs.len(), sizes.len())?;
         let items = items(keys, ptrs, sizes);
-        let link = self.conn.link()?;
-        self.block(py, async move { Ok(link.batch_get_into(&items).await) })
+        self.block_shared(py, move |link| async move {
+            Ok(link.batch_get_into(&items).await)
+        })
     }
 
     /// Puts of values spread over several registered ranges each: per key 0 or Mooncake's
@@ -329,11 +372,9 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
         let items = parts(keys, all_ptrs, all_sizes)?;
-        let link = self.conn.link()?;
-        self.block(
-            py,
-            async move { Ok(link.batch_put_parts(&items, &args).await) },
-        )
+        self.block_shared(py, move |link| async move {
+            Ok(link.batch_put_parts(&items, &args).await)
+        })
     }
 
     /// Gets of values into several registered ranges each: per key the length read or
@@ -346,8 +387,9 @@ impl Client {
         all_sizes: Vec<Vec<u64>>,
     ) -> PyResult<Vec<i64>> {
         let items = parts(keys, all_ptrs, all_sizes)?;
-        let link = self.conn.link()?;
-        self.block(py, async move { Ok(link.batch_get_parts(&items).await) })
+        self.block_shared(py, move |link| async move {
+            Ok(link.batch_get_parts(&items).await)
+        })
     }
 
     /// Puts of several values: per item None or the exception it failed with.
@@ -371,8 +413,7 @@ impl Client {
             .map(|v| Held::new(v, false))
             .collect::<Result<Vec<_>, _>>()?;
         let keys = self::keys(keys);
-        let link = self.conn.link()?;
-        let results = self.block(py, async move {
+        let results = self.block_shared(py, move |link| async move {
             let items: Vec<(Vec<u8>, &[u8])> = keys
                 .into_iter()
                 .zip(views.iter().map(Held::bytes))
@@ -388,8 +429,11 @@ impl Client {
     /// Gets of several values: per item the `bytes`, or the exception it failed with.
     fn batch_get(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<Py<PyAny>>> {
         let keys = self::keys(keys);
-        let link = self.conn.link()?;
-        let results = self.block(py, async move { Ok(link.batch_get(&keys).await) })?;
+        let results =
+            self.block_shared(
+                py,
+                move |link| async move { Ok(link.batch_get(&keys).await) },
+            )?;
         Ok(results
             .into_iter()
             .map(|r| match r {
@@ -402,30 +446,29 @@ impl Client {
     /// Whether each key is stored.
     fn exists(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<bool>> {
         let keys = self::keys(keys);
-        let link = self.conn.link()?;
-        self.block(py, async move { link.exists(&keys).await })
+        self.block(py, move |link| async move { link.exists(&keys).await })
     }
 
     /// The size of the value of `key`.
     fn size(&self, py: Python<'_>, key: Key) -> PyResult<u64> {
-        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move { link.size(&key).await })
+        self.block(py, move |link| async move { link.size(&key).await })
     }
 
     /// Remove `key`; `force` waits for reads in flight instead of failing with `Leased`.
     #[pyo3(signature = (key, force = false))]
     fn remove(&self, py: Python<'_>, key: Key, force: bool) -> PyResult<()> {
-        let link = self.conn.link()?;
         let key = key.into_bytes();
-        self.block(py, async move { link.remove(&key, force).await })
+        self.block(
+            py,
+            move |link| async move { link.remove(&key, force).await },
+        )
     }
 
     /// Remove every object no reader holds a lease on; how many were removed.
     #[pyo3(signature = (force = false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
-        let link = self.conn.link()?;
-        self.block(py, async move { link.remove_all(force).await })
+        self.block(py, move |link| async move { link.remove_all(force).await })
     }
 
     /// Register `size` bytes at address `ptr` for zero-copy puts and gets. The memory must
@@ -456,8 +499,7 @@ impl Client {
 
     /// Whether the master answers.
     fn health(&self, py: Python<'_>) -> PyResult<()> {
-        let link = self.conn.link()?;
-        self.block(py, async move { link.health().await })
+        self.block(py, move |link| async move { link.health().await })
     }
 
     /// The client's Prometheus metrics (transfer engine), in the text format.

@@ -17,6 +17,7 @@ use crate::buffers::Held;
 use crate::client::{Live, Settings, connect};
 use crate::errors::{Failure, Kind};
 use crate::ops::{self, PartsItems, PutArgs, code_of};
+use crate::threads::{Fork, Forks};
 
 /// How a store connects (`mode=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +69,8 @@ pub struct Conn {
     pub runtime: tokio::runtime::Runtime,
     link: RwLock<Option<Link>>,
     pub mode: Mode,
+    /// Calling threads' own runtimes and connections (direct mode).
+    pub forks: Forks<Link>,
 }
 
 impl Conn {
@@ -112,6 +115,21 @@ impl Conn {
             runtime,
             link: RwLock::new(Some(link)),
             mode,
+            forks: Forks::default(),
+        })
+    }
+
+    /// The calling thread's own runtime and fork of the connection (see `threads`); `None` in
+    /// agent mode or when too many threads have one.
+    pub fn fork(&self) -> Result<Option<Arc<Fork<Link>>>, Failure> {
+        if self.mode == Mode::Agent {
+            return Ok(None);
+        }
+        self.forks.get(|| match self.link()? {
+            Link::Direct(live) => Ok(Some(Link::Direct(Arc::new(
+                live.fork(self.runtime.handle().clone()),
+            )))),
+            Link::Agent(_) => Ok(None),
         })
     }
 
@@ -129,6 +147,7 @@ impl Conn {
         let Some(link) = self.link.write().take() else {
             return Ok(());
         };
+        self.forks.clear();
         match link {
             Link::Direct(live) => self.runtime.block_on(Live::shut(live)),
             Link::Agent(agent) => {

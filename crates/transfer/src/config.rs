@@ -21,6 +21,14 @@ pub struct EngineConfig {
     pub max_slice: u64,
     /// Slices in flight per lane (pipelining depth).
     pub window: usize,
+    /// A blocking [`transfer`](crate::TransferEngine::transfer) over TCP of at most this many
+    /// bytes, all to one peer, is run by the calling thread on a connection of its own
+    /// instead of through the lanes' threads: less latency for small values (0: never).
+    pub inline_max_bytes: u64,
+    /// An inline transfer polls for its reply this long before it sleeps on the socket
+    /// (see [`crate::wire::spin_until_readable`]): less latency for a caller that waits
+    /// anyway, at the price of that much CPU per call. Zero: no polling.
+    pub spin_wait: Duration,
     /// Every wait on a peer (reply, payload, handshake) gives up after this long.
     pub timeout: Duration,
     /// TCP connect timeout.
@@ -45,6 +53,8 @@ impl Default for EngineConfig {
             slice_size: 4 * 1024 * 1024,
             max_slice: frame::DEFAULT_MAX_SLICE,
             window: 8,
+            inline_max_bytes: 4 * 1024 * 1024,
+            spin_wait: Duration::ZERO,
             timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             prefer_shm: true,

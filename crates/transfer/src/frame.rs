@@ -9,7 +9,8 @@
 //!  6     2    flags       0 (reserved; non-zero is rejected)
 //!  8     8    request_id  chosen by the initiator, echoed in the reply
 //! 16     4    handle      segment handle (from OPEN_OK)
-//! 20     4    status      error code in ERROR replies, else 0
+//! 20     4    status      error code in ERROR replies; in OPEN_OK the target's instance,
+//!                         which READ and WRITE may carry back (checked when non-zero); else 0
 //! 24     8    offset      byte offset in the remote segment
 //! 32     8    length      payload length; for READ the requested length, for OPEN_OK the
 //!                         segment size (neither carries a payload)

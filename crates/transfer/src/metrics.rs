@@ -18,6 +18,8 @@ pub struct TransferMetrics {
     pub fallback: IntCounter,
     /// `kvpool_transfer_active_connections`
     pub connections: IntGauge,
+    /// `kvpool_transfer_direct_connections`: inline transfers' connections, busy or idle.
+    pub direct_connections: IntGauge,
     /// `kvpool_transfer_notifications_dropped_total`
     pub notifications_dropped: IntCounter,
     /// `kvpool_transfer_served_bytes_total{op}`: bytes this process served as a target.
@@ -63,6 +65,10 @@ impl TransferMetrics {
                 "kvpool_transfer_active_connections",
                 "Open initiator-side transfer connections (lanes).",
             )?,
+            direct_connections: IntGauge::new(
+                "kvpool_transfer_direct_connections",
+                "Open initiator-side connections of inline transfers (busy or kept idle).",
+            )?,
             notifications_dropped: IntCounter::new(
                 "kvpool_transfer_notifications_dropped_total",
                 "Notify messages dropped because the queue was full.",
@@ -93,6 +99,7 @@ impl TransferMetrics {
         registry.register(Box::new(m.failures.clone()))?;
         registry.register(Box::new(m.fallback.clone()))?;
         registry.register(Box::new(m.connections.clone()))?;
+        registry.register(Box::new(m.direct_connections.clone()))?;
         registry.register(Box::new(m.notifications_dropped.clone()))?;
         registry.register(Box::new(m.served_bytes.clone()))?;
         registry.register(Box::new(m.target_connections.clone()))?;

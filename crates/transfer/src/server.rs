@@ -30,13 +30,28 @@ use super::wire::{self, WireError};
 pub type ReadCheck = Arc<dyn Fn(u64, u64) -> Result<(), String> + Send + Sync>;
 
 /// Registered local segments, by handle and by name.
-#[derive(Default)]
 pub(crate) struct Registry {
     by_handle: RwLock<HashMap<u32, (String, Arc<Segment>)>>,
     by_name: RwLock<HashMap<String, u32>>,
     next: AtomicU32,
+    /// This registry's random id (never 0), told in OPEN_OK's `status`: an initiator that
+    /// sends it back in a READ or WRITE's `status` is refused (`unknown_segment`) by any other
+    /// registry, such as the one of a restarted target whose handles start over.
+    instance: u32,
     /// Read checks of the segments that have one, by handle.
     read_checks: RwLock<HashMap<u32, ReadCheck>>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry {
+            by_handle: RwLock::default(),
+            by_name: RwLock::default(),
+            next: AtomicU32::new(0),
+            read_checks: RwLock::default(),
+            instance: rand::random::<u32>().max(1),
+        }
+    }
 }
 
 impl Registry {
@@ -212,6 +227,7 @@ pub(crate) fn serve_requests<S: DataStream>(
                         let mut r = Header::new(Opcode::OpenOk, id);
                         r.handle = handle;
                         r.length = seg.len() as u64;
+                        r.status = ctx.registry.instance;
                         // OPEN_OK carries no payload; `length` is the segment size.
                         s.write_all(&r.encode()).map_err(WireError::Io)?;
                     }
@@ -339,6 +355,16 @@ fn accept_rdma(
 }
 
 fn lookup(ctx: &ServerCtx, h: &Header) -> Result<Arc<Segment>, (ErrorCode, String)> {
+    // 0: an initiator that does not send the instance (or opened before it was told one).
+    if h.status != 0 && h.status != ctx.registry.instance {
+        return Err((
+            ErrorCode::UnknownSegment,
+            format!(
+                "segment handle {} was opened on another run of this target",
+                h.handle
+            ),
+        ));
+    }
     let seg = ctx.registry.get(h.handle).ok_or_else(|| {
         (
             ErrorCode::UnknownSegment,

@@ -140,6 +140,16 @@ pub struct BatchedCalls {
 impl MasterClient {
     /// Queue `item` for the next batched call of kind `B` and wait for its own result.
     pub(super) async fn coalesced<B: BatchOp>(&self, item: B::Item) -> Result<B::Out, ClientError> {
+        if self.parent.is_some() {
+            // A fork sends at once: there is no one to share the call with.
+            let mut results = B::send(self, vec![item]).await?;
+            return results.pop().unwrap_or_else(|| {
+                Err(ClientError::Malformed(format!(
+                    "{} answered no item",
+                    B::METHOD
+                )))
+            });
+        }
         let Some(rx) = self.enqueue::<B>(item, true) else {
             return Err(ClientError::Malformed("no reply channel".into()));
         };

@@ -23,6 +23,10 @@ pub struct ClientConfig {
     pub request_timeout: Duration,
     /// Calls answered UNAVAILABLE (standby, restarting leader) are retried this long.
     pub failover_budget: Duration,
+    /// A [fork](MasterClient::fork)'s fast-lane call polls for its answer this long before
+    /// it sleeps on the socket (see `kvpool_transfer::wire::spin_until_readable`). Zero: no
+    /// polling.
+    pub spin_wait: Duration,
 }
 
 impl Default for ClientConfig {
@@ -31,6 +35,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(2),
             request_timeout: Duration::from_secs(10),
             failover_budget: Duration::from_secs(15),
+            spin_wait: Duration::ZERO,
         }
     }
 }
@@ -101,6 +106,17 @@ impl MasterClient {
         if c.addr.is_none() {
             c.next = c.next.wrapping_add(1);
         }
+    }
+
+    /// The endpoint the next call goes to: the connected one, else the next to try.
+    pub(super) fn current_target(&self) -> String {
+        let c = self.conn.lock();
+        c.addr.clone().unwrap_or_else(|| {
+            self.endpoints
+                .get(c.next % self.endpoints.len())
+                .cloned()
+                .unwrap_or_default()
+        })
     }
 
     /// The address the client currently talks to, if connected.

@@ -22,12 +22,18 @@ use kvpool_proto::auth::{AuthKey, Signer};
 macro_rules! rpc {
     ($client:expr, $method:ident, $req:expr) => {{
         let req = $req;
-        $client
-            .call(stringify!($method), move |mut c| {
-                let req = req.clone();
-                async move { c.$method(req).await }
-            })
-            .await
+        let client = &$client;
+        match client.call_fast(stringify!($method), &req) {
+            Some(answer) => answer,
+            None => {
+                client
+                    .call(stringify!($method), move |mut c| {
+                        let req = req.clone();
+                        async move { c.$method(req).await }
+                    })
+                    .await
+            }
+        }
     }};
 }
 
@@ -37,6 +43,7 @@ mod catalog;
 mod coalesce;
 mod connection;
 mod error;
+mod fast;
 mod nearest;
 mod puts;
 mod reads;
@@ -55,6 +62,10 @@ pub struct MasterClient {
     config: ClientConfig,
     conn: Arc<parking_lot::Mutex<connection::Conn>>,
     batch: Arc<coalesce::Batchers>,
+    /// Set on a [fork](Self::fork): lease releases go through the parent, on its runtime.
+    parent: Option<Arc<(MasterClient, tokio::runtime::Handle)>>,
+    /// A fork's blocking connection to the master's fast lane.
+    fast: Option<Arc<fast::FastLane>>,
 }
 
 impl MasterClient {
@@ -79,7 +90,30 @@ impl MasterClient {
             config,
             conn: Arc::default(),
             batch: Arc::default(),
+            parent: None,
+            fast: None,
         })
+    }
+
+    /// A client of the same masters with connections of its own, for one thread that drives
+    /// its calls itself (a current-thread runtime): its calls are sent at once, never
+    /// coalesced with other callers' (nothing of it runs between its caller's calls), the hot
+    /// ones over the master's fast lane (a blocking socket: the thread waits anyway), and its
+    /// lease releases go through this client, on `runtime` (which must keep running).
+    pub fn fork(&self, runtime: tokio::runtime::Handle) -> MasterClient {
+        let root = match &self.parent {
+            Some(p) => p.clone(),
+            None => Arc::new((self.clone(), runtime)),
+        };
+        MasterClient {
+            endpoints: self.endpoints.clone(),
+            signer: self.signer.clone(),
+            config: self.config.clone(),
+            conn: Arc::default(),
+            batch: Arc::default(),
+            parent: Some(root),
+            fast: Some(Arc::default()),
+        }
     }
 }
 

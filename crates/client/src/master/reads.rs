@@ -59,13 +59,40 @@ impl MasterClient {
     /// touch the leased replicas any more. [`Self::flush_releases`] waits for the queue. Called
     /// outside a tokio runtime, the release leaves with the next call made from one.
     pub fn release_lease_later(&self, id: u64) {
+        if let (Some(lane), Some(p)) = (&self.fast, &self.parent)
+            && lane.defer_release(id, p)
+        {
+            return;
+        }
+        if self.parent.is_some() {
+            self.release_via_parent(id);
+            return;
+        }
         drop(self.enqueue::<ReleaseOp>(id, false));
+    }
+
+    /// A fork's release through its parent, on the parent's runtime.
+    pub(super) fn release_via_parent(&self, id: u64) {
+        match &self.parent {
+            Some(p) => {
+                let (parent, runtime) = &**p;
+                let _on = runtime.enter();
+                parent.release_lease_later(id);
+            }
+            None => drop(self.enqueue::<ReleaseOp>(id, false)),
+        }
     }
 
     /// Wait until every lease release queued so far (by this client and its clones) was sent
     /// and answered.
     pub async fn flush_releases(&self) {
-        ReleaseOp::queue(&self.batch).idle().await;
+        if let Some(lane) = &self.fast {
+            for id in lane.take_pending() {
+                self.release_via_parent(id);
+            }
+        }
+        let root = self.parent.as_ref().map_or(self, |p| &p.0);
+        ReleaseOp::queue(&root.batch).idle().await;
     }
 }
 

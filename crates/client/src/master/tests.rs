@@ -104,6 +104,7 @@ async fn a_failed_batched_call_reaches_every_caller() {
         connect_timeout: Duration::from_millis(200),
         request_timeout: Duration::from_secs(1),
         failover_budget: Duration::from_millis(100),
+        ..Default::default()
     };
     // Nothing listens on port 1.
     let client = MasterClient::new(vec!["127.0.0.1:1".into()], key, config).expect("client");

@@ -8,7 +8,7 @@ use super::PoolClient;
 use super::error::DataError;
 use super::local::copy_local;
 use super::manifest::{MANIFEST_LEN, Manifest};
-use super::transport::{blocking, check_length};
+use super::transport::check_length;
 use crate::master::pick_nearest;
 use kvpool_core::master::types::ReplicaInfo;
 use kvpool_transfer::{self as transfer, MemoryError, TransferOp};
@@ -166,7 +166,9 @@ impl PoolClient {
         let this = self.clone();
         let replicas = located.replicas.clone();
         let d = dest.clone();
-        let read = blocking(move || this.read_any(size, &replicas, &d)).await;
+        let read = self
+            .blocking(move || this.read_any(size, &replicas, &d))
+            .await;
         let held = located.lease_held();
         self.master.release_lease_later(located.lease_id);
         let (local, base) = read?;

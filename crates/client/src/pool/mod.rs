@@ -45,6 +45,8 @@ pub struct PoolClient {
     staging_cache: Arc<staging::StagingCache>,
     stripe: StripeConfig,
     local: LocalSegments,
+    /// Transfers run on the calling task's thread instead of the blocking pool (forks).
+    inline: bool,
 }
 
 impl PoolClient {
@@ -63,6 +65,21 @@ impl PoolClient {
             staging_cache: Arc::new(staging::StagingCache::new(DEFAULT_STAGING_CACHE_BYTES)),
             stripe: StripeConfig::default(),
             local: LocalSegments::default(),
+            inline: false,
+        }
+    }
+
+    /// A client for one thread that drives its own calls on a current-thread runtime (for
+    /// example a Python thread, with the GIL released): the master calls go on a connection
+    /// of the fork's own ([`MasterClient::fork`]; lease releases go through this client, on
+    /// `runtime`), and transfers run on the calling thread, small ones on a connection of
+    /// their own (see `inline_max_bytes` of the transfer engine). A lone call then crosses no
+    /// thread of this process. Shares the engine, staging and local segments.
+    pub fn fork(&self, runtime: tokio::runtime::Handle) -> PoolClient {
+        PoolClient {
+            master: self.master.fork(runtime),
+            inline: true,
+            ..self.clone()
         }
     }
 

@@ -8,7 +8,7 @@ use super::error::DataError;
 use super::local::{copy_local, local_error};
 use super::manifest::Manifest;
 use super::naming::replica_names;
-use super::transport::{blocking, check_length};
+use super::transport::check_length;
 use kvpool_core::master::types::{PutOptions, PutStarted, ReplicaInfo};
 use kvpool_transfer::{self as transfer, TransferOp};
 
@@ -157,7 +157,7 @@ impl PoolClient {
             Source::Registered(buf, offset, _) => (buf, offset, false),
         };
         let this = self.clone();
-        blocking(move || {
+        self.blocking(move || {
             write(&this, &local, offset)?;
             if staged {
                 this.unstage(local);

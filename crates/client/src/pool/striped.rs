@@ -10,7 +10,7 @@ use super::get::Dest;
 use super::manifest::{MANIFEST_LEN, Manifest};
 use super::naming::{replica_name, replica_names};
 use super::put::Source;
-use super::transport::{blocking, check_part_length};
+use super::transport::check_part_length;
 use crate::master::pick_nearest;
 use kvpool_core::master::types::{PutOptions, PutStarted, ReplicaInfo};
 use kvpool_transfer::{self as transfer, TransferOp, TransferRequest};
@@ -195,7 +195,7 @@ impl PoolClient {
             None => {
                 let this = self.clone();
                 let d = dest.clone();
-                blocking(move || this.read_parts(&m, &parts, &d)).await
+                self.blocking(move || this.read_parts(&m, &parts, &d)).await
             }
         };
         let now = std::time::Instant::now();
@@ -289,7 +289,9 @@ impl PoolClient {
         let manifest = if located.size == MANIFEST_LEN as u64 {
             let this = self.clone();
             let replicas = located.replicas.clone();
-            let read = blocking(move || this.read_vec_any(MANIFEST_LEN as u64, &replicas)).await;
+            let read = self
+                .blocking(move || this.read_vec_any(MANIFEST_LEN as u64, &replicas))
+                .await;
             match read {
                 Ok(v) => Manifest::decode(key, &v),
                 Err(e) => {

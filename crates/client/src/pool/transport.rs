@@ -10,11 +10,12 @@ use kvpool_core::master::types::ReplicaInfo;
 use kvpool_transfer::{self as transfer, TransferOp, TransferRequest};
 
 impl PoolClient {
-    /// The replica's segment, opened through the transfer engine.
+    /// The replica's segment, opened through the transfer engine (once per segment: the
+    /// engine keeps TCP handles, and runs a transfer refused for a stale one again).
     pub(super) fn open(&self, r: &ReplicaInfo) -> Result<transfer::RemoteSegment, DataError> {
         let desc = descriptor(r)?;
         self.engine
-            .open_descriptor(&desc, None)
+            .open_cached(&desc)
             .map_err(|source| DataError::Open {
                 name: desc.name.clone(),
                 source,
@@ -66,12 +67,19 @@ pub(super) fn check_part_length(r: &ReplicaInfo, part: u32, len: u64) -> Result<
     }
 }
 
-/// Run `f` (transfers, which block) on the blocking pool.
-pub(super) async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, DataError> + Send + 'static,
-) -> Result<T, DataError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| DataError::Join(e.to_string()))
-        .and_then(|r| r)
+impl PoolClient {
+    /// Run `f` (transfers, which block) on the blocking pool, or right here on a fork (whose
+    /// runtime is its caller's thread, see [`PoolClient::fork`]).
+    pub(super) async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> Result<T, DataError> + Send + 'static,
+    ) -> Result<T, DataError> {
+        if self.inline {
+            return f();
+        }
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| DataError::Join(e.to_string()))
+            .and_then(|r| r)
+    }
 }

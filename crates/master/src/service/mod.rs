@@ -1,13 +1,14 @@
 //! The master's gRPC service: authenticates every call (see [`kvpool_proto::auth`]), answers only
 //! while this master is the leader, applies calls to the [`MasterState`] behind a mutex and,
 //! with HA on, waits until the changes a call made are persisted before answering.
-//! I/O boundary: the gRPC listener (in [`serve`]); persistence goes through a bounded channel
+//! I/O boundary: the gRPC listener (in [`serve`], shared with the fast lane); persistence goes through a bounded channel
 //! to `ha`.
 //!
 //! - `core`: [`Core`] (state, metrics, [`Role`], the route to persistence) and its leader gate.
 //! - `dispatch`: the tonic trait, timing and labelling every call.
 //! - `segments`, `heartbeat`, `tasks`, `objects`, `admin`: the handlers, by area.
 //! - `batch`: request limits and per-item answers the handlers share.
+//! - `fast`: the fast lane on the gRPC port (same calls, same handlers, plain framing).
 //!
 //! [`MasterState`]: kvpool_core::master::state::MasterState
 
@@ -24,6 +25,7 @@ mod admin;
 mod batch;
 mod core;
 mod dispatch;
+mod fast;
 mod heartbeat;
 mod objects;
 mod segments;
@@ -65,21 +67,29 @@ pub fn authenticated(
     MasterServer::with_interceptor(MasterSvc::new(core), verifier)
 }
 
-/// Serve the authenticated service on `listener` until `shutdown`.
+/// Serve the authenticated service on `listener` until `shutdown`: gRPC, and the fast lane
+/// (see `fast`) on the same port.
 pub async fn serve(
     listener: TcpListener,
     core: Arc<Core>,
     verifier: Verifier,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
-    tonic::transport::Server::builder()
+    let (grpc, incoming) = tokio::sync::mpsc::channel(64);
+    let router = tokio::spawn(fast::route(
+        listener,
+        grpc,
+        MasterSvc::new(core.clone()),
+        verifier.clone(),
+        shutdown.clone(),
+    ));
+    let served = tonic::transport::Server::builder()
         .add_service(authenticated(core, verifier))
         .serve_with_incoming_shutdown(
-            // No Nagle: a reply's frames must not wait for the client's delayed ACK (40 ms on
-            // Linux) when few calls are in flight, as with coalesced client calls.
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            tokio_stream::wrappers::ReceiverStream::new(incoming),
             shutdown.cancelled_owned(),
         )
-        .await
-        .map_err(ServiceError::Serve)
+        .await;
+    router.abort();
+    served.map_err(ServiceError::Serve)
 }

@@ -90,6 +90,8 @@ pub struct RemoteSegment {
     pub(super) name: Arc<str>,
     pub(super) size: u64,
     pub(super) handle: u32,
+    /// The target's instance from OPEN_OK (0: none), sent back with every READ and WRITE.
+    pub(super) instance: u32,
     pub(super) route: Route,
 }
 
@@ -99,6 +101,8 @@ impl std::fmt::Debug for RemoteSegment {
             .field("name", &self.name)
             .field("size", &self.size)
             .field("protocol", &self.protocol())
+            .field("handle", &self.handle)
+            .field("instance", &self.instance)
             .finish()
     }
 }

@@ -46,6 +46,8 @@ struct Inner {
     rdma: Option<Arc<dyn RdmaProvider>>,
     /// Why RDMA was last given up for TCP (see [`TransferEngine::transport_status`]).
     fallback_reason: Arc<Mutex<Option<String>>>,
+    /// Segments opened over TCP, by name and target, for [`TransferEngine::open_cached`].
+    opened: Mutex<std::collections::HashMap<(String, SocketAddr), RemoteSegment>>,
 }
 
 /// The transfer engine. Cheap to clone (shared state); dropping the last clone closes all
@@ -112,6 +114,7 @@ impl TransferEngine {
             dialer: dialer.clone(),
             window: config.window,
             max_slice: config.max_slice,
+            spin_wait: config.spin_wait,
             metrics: metrics.clone(),
         };
         Ok(TransferEngine {
@@ -127,6 +130,7 @@ impl TransferEngine {
                 fallback_active: Arc::new(AtomicBool::new(false)),
                 rdma,
                 fallback_reason: Arc::new(Mutex::new(None)),
+                opened: Mutex::default(),
             }),
         })
     }

@@ -16,6 +16,9 @@ use crate::rdma::{RdmaError, RdmaProvider};
 use crate::shm;
 use crate::tcp::Peer;
 
+/// Segments [`TransferEngine::open_cached`] keeps at most (all are dropped when full).
+const MAX_OPENED: usize = 4096;
+
 /// Attempts of one RDMA slice (first post plus retries on other NICs) before it goes to TCP.
 const RDMA_ATTEMPTS: u32 = 3;
 
@@ -39,6 +42,39 @@ impl TransferEngine {
                 source,
             })?;
         self.open_descriptor(&desc, None)
+    }
+
+    /// [`Self::open_descriptor`] without a round trip when the segment was opened before
+    /// over TCP: the handle is kept, with the target's instance, so that a target that
+    /// restarted refuses it (`unknown_segment`) instead of serving another segment under it.
+    /// After such a refusal, [`Self::forget`] the segment and open it again.
+    pub fn open_cached(&self, desc: &SegmentDescriptor) -> Result<RemoteSegment, TransferError> {
+        let key = desc.tcp_endpoint().map(|a| (desc.name.clone(), a));
+        if let Some(k) = &key
+            && let Some(seg) = self.inner.opened.lock().get(k)
+        {
+            return Ok(seg.clone());
+        }
+        let seg = self.open_descriptor(desc, None)?;
+        if let Some(k) = key
+            && matches!(seg.route, Route::Tcp(_))
+            && seg.instance != 0
+        {
+            let mut opened = self.inner.opened.lock();
+            if opened.len() >= MAX_OPENED {
+                opened.clear();
+            }
+            opened.insert(k, seg.clone());
+        }
+        Ok(seg)
+    }
+
+    /// Drop what [`Self::open_cached`] kept of the segment `remote` names.
+    pub fn forget(&self, remote: &RemoteSegment) {
+        self.inner
+            .opened
+            .lock()
+            .retain(|(name, _), _| **name != *remote.name);
     }
 
     /// Open a segment from its descriptor; `protocol` forces a transport (else: shared memory
@@ -148,6 +184,7 @@ impl TransferEngine {
             name: desc.name.as_str().into(),
             size: seg.len() as u64,
             handle: 0,
+            instance: 0,
             route: Route::Shm(Arc::new(seg)),
         })
     }
@@ -168,6 +205,7 @@ impl TransferEngine {
             name: desc.name.as_str().into(),
             size: reply.length,
             handle: reply.handle,
+            instance: reply.status,
             route: Route::Tcp(peer),
         })
     }

@@ -11,9 +11,9 @@ use super::TransferEngine;
 use super::handles::{RemoteSegment, Route, TransferRequest};
 use crate::batch::{Batch, BatchBuilder, BatchFailed, TransferOp};
 use crate::error::{Failure, TransferError, error_chain};
-use crate::frame::{self, Opcode};
+use crate::frame::{self, ErrorCode, Opcode};
 use crate::memory::{self, MemoryError};
-use crate::tcp::{Peer, Slice, SliceKind};
+use crate::tcp::{InlineSlice, Peer, Slice, SliceKind};
 
 impl TransferEngine {
     /// Send a control request on lane 0 and wait for its reply header.
@@ -39,6 +39,7 @@ impl TransferEngine {
                 local: None,
                 local_offset: 0,
                 handle: 0,
+                instance: 0,
                 remote_offset: 0,
                 len: 0,
             },
@@ -53,23 +54,7 @@ impl TransferEngine {
     /// Submit a batch. Requests are validated (bounds on both sides) before anything is sent;
     /// an invalid request fails the whole submission. Returns once everything is queued.
     pub fn submit(&self, requests: Vec<TransferRequest>) -> Result<Batch, TransferError> {
-        for (index, r) in requests.iter().enumerate() {
-            let invalid = |source| TransferError::InvalidRequest { index, source };
-            r.local
-                .segment()
-                .check_range(r.local_offset, r.len)
-                .map_err(invalid)?;
-            if r.remote_offset
-                .checked_add(r.len)
-                .is_none_or(|e| e > r.remote.size)
-            {
-                return Err(invalid(MemoryError::OutOfBounds {
-                    offset: r.remote_offset,
-                    len: r.len,
-                    size: r.remote.size as usize,
-                }));
-            }
-        }
+        check_bounds(&requests)?;
         let slice_size = self.inner.config.slice_size;
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
         for r in requests {
@@ -121,6 +106,7 @@ impl TransferEngine {
                             local: Some(r.local.segment().clone()),
                             local_offset: r.local_offset + off,
                             handle: r.remote.handle,
+                            instance: r.remote.instance,
                             remote_offset: r.remote_offset + off,
                             len,
                         });
@@ -131,12 +117,66 @@ impl TransferEngine {
         Ok(builder.finish())
     }
 
-    /// Submit and wait for a batch, failing on the first failed request.
+    /// Submit and wait for a batch, failing on the first failed request. A small batch over
+    /// TCP to one peer (see [`EngineConfig::inline_max_bytes`]) is run by this thread itself.
+    /// A batch refused because a segment's handle is stale (a segment from
+    /// [`Self::open_cached`] whose target restarted or registered it again) is run once more
+    /// after opening those segments again.
+    ///
+    /// [`EngineConfig::inline_max_bytes`]: crate::EngineConfig::inline_max_bytes
     pub fn transfer(&self, requests: Vec<TransferRequest>) -> Result<(), BatchFailed> {
-        let batch = self.submit(requests).map_err(|e| BatchFailed {
+        let again = requests
+            .iter()
+            .any(|r| r.remote.instance != 0)
+            .then(|| requests.clone());
+        let failed = match self.transfer_once(requests) {
+            Err(e) if e.failure.category == ErrorCode::UnknownSegment.as_str() => e,
+            done => return done,
+        };
+        let Some(mut again) = again else {
+            return Err(failed);
+        };
+        for r in &mut again {
+            if r.remote.instance == 0 {
+                continue;
+            }
+            self.forget(&r.remote);
+            match self.reopen(&r.remote) {
+                Some(fresh) => r.remote = fresh,
+                None => return Err(failed),
+            }
+        }
+        self.transfer_once(again)
+    }
+
+    /// A TCP segment opened again by name on the same peer; `None` when that fails.
+    fn reopen(&self, remote: &RemoteSegment) -> Option<RemoteSegment> {
+        let Route::Tcp(peer) = &remote.route else {
+            return None;
+        };
+        let reply = self
+            .control(peer, Opcode::Open, remote.name.as_bytes().to_vec())
+            .ok()?;
+        if reply.length != remote.size {
+            return None; // another segment under the name: the caller's offsets mean nothing
+        }
+        Some(RemoteSegment {
+            handle: reply.handle,
+            instance: reply.status,
+            ..remote.clone()
+        })
+    }
+
+    fn transfer_once(&self, requests: Vec<TransferRequest>) -> Result<(), BatchFailed> {
+        let invalid = |e: TransferError| BatchFailed {
             index: None,
             failure: Failure::new(e.category(), error_chain(&e)),
-        })?;
+        };
+        if let Some(peer) = self.inline_peer(&requests) {
+            check_bounds(&requests).map_err(invalid)?;
+            return self.transfer_inline(&peer, &requests);
+        }
+        let batch = self.submit(requests).map_err(invalid)?;
         // Each slice is bounded by the per-connection timeout; this outer bound only guards
         // against a bug: it is generous on purpose.
         batch.wait_ok(self.inner.config.timeout * 4 + self.inner.config.connect_timeout)
@@ -163,5 +203,88 @@ impl TransferEngine {
                 peer: peer.addr().to_string(),
                 reason: f.to_string(),
             })
+    }
+}
+
+/// Every request within both its segments, else the first that is not.
+fn check_bounds(requests: &[TransferRequest]) -> Result<(), TransferError> {
+    for (index, r) in requests.iter().enumerate() {
+        let invalid = |source| TransferError::InvalidRequest { index, source };
+        r.local
+            .segment()
+            .check_range(r.local_offset, r.len)
+            .map_err(invalid)?;
+        if r.remote_offset
+            .checked_add(r.len)
+            .is_none_or(|e| e > r.remote.size)
+        {
+            return Err(invalid(MemoryError::OutOfBounds {
+                offset: r.remote_offset,
+                len: r.len,
+                size: r.remote.size as usize,
+            }));
+        }
+    }
+    Ok(())
+}
+
+impl TransferEngine {
+    /// The one TCP peer of a batch small enough to run inline, if it is one.
+    fn inline_peer(&self, requests: &[TransferRequest]) -> Option<Arc<Peer>> {
+        let max = self.inner.config.inline_max_bytes;
+        let mut total = 0u64;
+        let mut peer: Option<&Arc<Peer>> = None;
+        for r in requests {
+            let Route::Tcp(p) = &r.remote.route else {
+                return None;
+            };
+            if peer.is_some_and(|q| !Arc::ptr_eq(q, p)) {
+                return None;
+            }
+            peer = Some(p);
+            total = total.saturating_add(r.len);
+            if total > max {
+                return None;
+            }
+        }
+        peer.cloned()
+    }
+
+    /// Run a batch (bounds already checked) on a direct connection of `peer` from this
+    /// thread: requests cut into slices as the lanes cut them, metrics as a submitted batch.
+    fn transfer_inline(
+        &self,
+        peer: &Peer,
+        requests: &[TransferRequest],
+    ) -> Result<(), BatchFailed> {
+        let slice_size = self.inner.config.slice_size;
+        let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
+        let mut slices = Vec::new();
+        let mut owner = Vec::new();
+        for r in requests {
+            let n = r.len.div_ceil(slice_size).max(1);
+            let state = builder.request("tcp", r.op.as_str(), r.len, n as usize);
+            for i in 0..n {
+                let off = i * slice_size;
+                slices.push(InlineSlice {
+                    write: r.op == TransferOp::Write,
+                    local: r.local.segment(),
+                    local_offset: r.local_offset + off,
+                    handle: r.remote.handle,
+                    instance: r.remote.instance,
+                    remote_offset: r.remote_offset + off,
+                    len: slice_size.min(r.len - off),
+                });
+                owner.push(state.clone());
+            }
+        }
+        let batch = builder.finish();
+        peer.run_inline(&slices, &mut |i, result| {
+            if let Some(state) = owner.get(i) {
+                state.slice_done(result);
+            }
+        });
+        // Every slice was settled above: this returns at once.
+        batch.wait_ok(self.inner.config.timeout)
     }
 }

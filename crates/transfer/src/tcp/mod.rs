@@ -11,6 +11,7 @@
 //! how a connection starts.
 
 mod dial;
+mod inline;
 mod lane;
 mod peer;
 
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 pub(crate) use dial::{DialError, Dialer};
+pub(crate) use inline::InlineSlice;
 pub(crate) use peer::Peer;
 
 use crate::batch::RequestState;
@@ -46,6 +48,8 @@ pub(crate) struct Slice {
     pub(crate) local: Option<Arc<Segment>>,
     pub(crate) local_offset: u64,
     pub(crate) handle: u32,
+    /// The target's instance (see OPEN_OK), sent in READ and WRITE headers; 0: none.
+    pub(crate) instance: u32,
     pub(crate) remote_offset: u64,
     pub(crate) len: u64,
 }
@@ -80,5 +84,7 @@ pub(crate) struct LaneConfig {
     pub(crate) dialer: Dialer,
     pub(crate) window: usize,
     pub(crate) max_slice: u64,
+    /// How long inline transfers poll for a reply before sleeping on the socket.
+    pub(crate) spin_wait: std::time::Duration,
     pub(crate) metrics: TransferMetrics,
 }

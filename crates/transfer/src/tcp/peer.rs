@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::inline::{DirectConns, InlineSlice};
 use super::lane::Lane;
 use super::{LaneConfig, Slice};
 use crate::error::{Failure, TransferError, error_chain};
@@ -17,6 +18,8 @@ pub(crate) struct Peer {
     addr: SocketAddr,
     lanes: Vec<Mutex<Option<Lane>>>,
     next: AtomicUsize,
+    /// Connections driven by calling threads themselves (small batches, see `inline`).
+    direct: DirectConns,
     cfg: LaneConfig,
     /// The last failed connect attempt: while it is recent, slices fail at once instead of
     /// each waiting for its own connect timeout.
@@ -32,6 +35,7 @@ impl Peer {
             addr,
             lanes: (0..lanes.max(1)).map(|_| Mutex::new(None)).collect(),
             next: AtomicUsize::new(0),
+            direct: DirectConns::default(),
             cfg,
             last_connect_failure: Mutex::new(None),
         }
@@ -92,10 +96,36 @@ impl Peer {
         Ok(())
     }
 
-    /// Close all lanes.
+    /// Run `slices` from the calling thread on a direct connection; `settle(i, result)` is
+    /// called once per slice, in order. Fails fast like the lanes while a connect to this
+    /// peer failed recently.
+    pub(crate) fn run_inline(
+        &self,
+        slices: &[InlineSlice<'_>],
+        settle: &mut dyn FnMut(usize, Result<(), Failure>),
+    ) {
+        if let Some((at, f)) = &*self.last_connect_failure.lock()
+            && at.elapsed() < CONNECT_HOLDOFF
+        {
+            for i in 0..slices.len() {
+                settle(i, Err(f.clone()));
+            }
+            return;
+        }
+        self.direct.run(self.addr, &self.cfg, slices, settle);
+    }
+
+    /// Close all lanes and direct connections.
     pub(crate) fn close(&self) {
         for l in &self.lanes {
             *l.lock() = None;
         }
+        self.direct.close(&self.cfg);
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.direct.close(&self.cfg);
     }
 }

@@ -67,6 +67,9 @@ pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiv
         }
         header.handle = slice.handle;
         header.offset = slice.remote_offset;
+        if !matches!(slice.kind, SliceKind::Control { .. }) {
+            header.status = slice.instance;
+        }
         {
             // Check `dead` under the queue lock: `fail` sets it before draining under the same
             // lock, so a slice is either drained by `fail` or never queued on a dead lane.

@@ -127,6 +127,7 @@ impl Shared {
                         local: Some(inf.local),
                         local_offset: inf.local_base + s.offset,
                         handle: tcp.handle,
+                        instance: 0,
                         remote_offset: inf.remote_base + s.offset,
                         len: s.len,
                     });

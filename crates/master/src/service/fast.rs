@@ -1,0 +1,239 @@
+//! The master's fast lane (wire format in [`kvpool_proto::fast`]): on the gRPC port, a
+//! connection whose first bytes are the fast-lane preface is served here, every other one by
+//! the gRPC server. A fast-lane call is decoded, checked with the same [`Verifier`] and run by
+//! the same tonic handler (so metrics, the leader gate and persistence are the gRPC API's),
+//! on the connection's own task: no HTTP/2 framing, no task per call. I/O boundary: the
+//! accepted TCP connections.
+
+use std::io;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Request, Status};
+
+use super::MasterSvc;
+use kvpool_proto::auth::Verifier;
+use kvpool_proto::fast::{self, Method};
+use kvpool_proto::master::{self as proto, LEADER_HEADER, master_server::Master as _};
+
+/// How long a new connection may take to send its first bytes before it is handed to the
+/// gRPC server (which applies its own limits), and how long a fast-lane connection may take
+/// for its preface and first call.
+const FIRST_BYTES: Duration = Duration::from_secs(10);
+/// A fast-lane connection idle this long between calls is closed (clients reconnect).
+const IDLE: Duration = Duration::from_secs(300);
+/// Once a call's length arrived, the rest of it must follow within this.
+const FRAME: Duration = Duration::from_secs(30);
+
+/// Accept connections on `listener` until `shutdown`: fast-lane ones are served here, the
+/// others go to `grpc` (the gRPC server's incoming stream).
+pub(super) async fn route(
+    listener: TcpListener,
+    grpc: mpsc::Sender<io::Result<TcpStream>>,
+    svc: MasterSvc,
+    verifier: Verifier,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        let stream = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of descriptors and the like: wait a little instead of spinning.
+                tracing::warn!(error = %e, "accepting a master connection failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        // No Nagle: a reply must not wait for the client's delayed ACK (40 ms on Linux).
+        let _ = stream.set_nodelay(true);
+        let (grpc, svc, verifier, shutdown) = (
+            grpc.clone(),
+            svc.clone(),
+            verifier.clone(),
+            shutdown.clone(),
+        );
+        tokio::spawn(async move {
+            match tokio::time::timeout(FIRST_BYTES, starts_with_magic(&stream)).await {
+                Ok(Ok(true)) => serve_conn(stream, svc, verifier, shutdown).await,
+                Ok(Ok(false)) | Err(_) => {
+                    let _ = grpc.send(Ok(stream)).await;
+                }
+                Ok(Err(_)) => {} // closed or broken before a byte: nothing to serve
+            }
+        });
+    }
+}
+
+/// Whether the connection's first bytes are the fast lane's magic (without consuming them).
+async fn starts_with_magic(stream: &TcpStream) -> io::Result<bool> {
+    let mut head = [0u8; fast::MAGIC.len()];
+    loop {
+        let n = stream.peek(&mut head).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if head[..n] != fast::MAGIC[..n] {
+            return Ok(false);
+        }
+        if n == head.len() {
+            return Ok(true);
+        }
+        // A prefix of the magic so far: wait for the rest.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Serve one fast-lane connection: the preface, then calls one at a time until the client
+/// closes, a frame is malformed, a credential is refused, the connection idles, or shutdown.
+async fn serve_conn(
+    mut stream: TcpStream,
+    svc: MasterSvc,
+    verifier: Verifier,
+    shutdown: CancellationToken,
+) {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "?".to_owned(), |a| a.to_string());
+    let mut preface = [0u8; 8];
+    let ok = tokio::time::timeout(FIRST_BYTES, stream.read_exact(&mut preface)).await;
+    if !matches!(ok, Ok(Ok(_))) {
+        return;
+    }
+    let metrics = svc.core.metrics.clone();
+    if let Err(e) = fast::check_preface(preface) {
+        tracing::debug!(%peer, error = %e, "fast-lane connection refused");
+        metrics.fast_refused("preface");
+        return;
+    }
+    if stream.write_all(&fast::PREFACE).await.is_err() {
+        return;
+    }
+    metrics.fast_connection(1);
+    serve_calls(&mut stream, &peer, &svc, &verifier, &shutdown).await;
+    metrics.fast_connection(-1);
+}
+
+/// The calls of an accepted fast-lane connection, until it ends.
+async fn serve_calls(
+    stream: &mut TcpStream,
+    peer: &str,
+    svc: &MasterSvc,
+    verifier: &Verifier,
+    shutdown: &CancellationToken,
+) {
+    let metrics = &svc.core.metrics;
+    let mut frame = Vec::new();
+    let mut out = Vec::new();
+    let mut wait = FIRST_BYTES;
+    loop {
+        let len = tokio::select! {
+            () = shutdown.cancelled() => return,
+            r = tokio::time::timeout(wait, stream.read_u32_le()) => match r {
+                Ok(Ok(n)) => n,
+                _ => return, // closed, broken or idle
+            },
+        };
+        wait = IDLE;
+        let len = match fast::check_len(len) {
+            Ok(n) => n,
+            Err(e) => {
+                metrics.fast_refused("frame");
+                refuse(stream, peer, Status::invalid_argument(e.to_string())).await;
+                return;
+            }
+        };
+        frame.resize(len, 0);
+        if !matches!(
+            tokio::time::timeout(FRAME, stream.read_exact(&mut frame)).await,
+            Ok(Ok(_))
+        ) {
+            return;
+        }
+        let call = match fast::decode_request(&frame) {
+            Ok(call) => call,
+            Err(e) => {
+                metrics.fast_refused("frame");
+                refuse(stream, peer, Status::invalid_argument(e.to_string())).await;
+                return;
+            }
+        };
+        if let Err(e) = verifier.verify(Some(call.credential)) {
+            tracing::debug!(%peer, error = %e, "unauthenticated fast-lane call refused");
+            metrics.fast_refused("unauthenticated");
+            refuse(stream, peer, Status::unauthenticated(e.to_string())).await;
+            return;
+        }
+        out.clear();
+        if !call.releases.is_empty() {
+            // The caller's last read is over: release its leases first (a refused one is left
+            // to its TTL, as with a background release).
+            let req = Request::new(proto::ReleaseLeasesRequest {
+                lease_ids: call.releases,
+            });
+            if let Err(s) = svc.release_leases(req).await {
+                tracing::debug!(%peer, error = %s.message(), "piggybacked lease release failed");
+            }
+        }
+        match dispatch(svc, call.method, call.body).await {
+            Ok(reply) => fast::encode_reply(&mut out, 0, "", &reply),
+            Err(s) => encode_status(&mut out, &s),
+        }
+        if stream.write_all(&out).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Answer `status` and close (the connection is not trusted any more).
+async fn refuse(stream: &mut TcpStream, peer: &str, status: Status) {
+    tracing::debug!(%peer, error = %status.message(), "fast-lane connection closed");
+    let mut out = Vec::new();
+    encode_status(&mut out, &status);
+    let _ = stream.write_all(&out).await;
+    let _ = stream.shutdown().await;
+}
+
+fn encode_status(out: &mut Vec<u8>, s: &Status) {
+    let hint = s
+        .metadata()
+        .get(LEADER_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    // gRPC codes are 1..=16; anything else reads as UNKNOWN.
+    let code = u8::try_from(s.code() as i32).unwrap_or(Code::Unknown as u8);
+    fast::encode_reply(out, code, hint, s.message().as_bytes());
+}
+
+/// Run `method` on its tonic handler; the encoded reply message, or the call's status.
+async fn dispatch(svc: &MasterSvc, method: Method, body: &[u8]) -> Result<Vec<u8>, Status> {
+    use prost::Message;
+    fn decode<T: Message + Default>(method: Method, body: &[u8]) -> Result<T, Status> {
+        T::decode(body).map_err(|e| {
+            Status::invalid_argument(format!("{} request does not decode: {e}", method.name()))
+        })
+    }
+    macro_rules! call {
+        ($handler:ident) => {
+            svc.$handler(Request::new(decode(method, body)?))
+                .await
+                .map(|r| r.into_inner().encode_to_vec())
+        };
+    }
+    match method {
+        Method::Get => call!(get),
+        Method::Exists => call!(exists),
+        Method::PutStart => call!(put_start),
+        Method::PutEnd => call!(put_end),
+        Method::PutRevoke => call!(put_revoke),
+        Method::ReleaseLeases => call!(release_leases),
+        Method::Remove => call!(remove),
+        Method::LongestPrefix => call!(longest_prefix),
+    }
+}
