@@ -113,6 +113,29 @@ impl TargetProcess {
     pub fn signal(&self, sig: nix::sys::signal::Signal) {
         self.process.signal(sig).expect("signal the target");
     }
+
+    /// SIGSTOP the target and wait until the kernel reports it stopped (state `T` in
+    /// `/proc/<pid>/stat`): from then on it answers nothing.
+    pub fn freeze(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+        let stat = format!("/proc/{}/stat", self.process.id());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let state = std::fs::read_to_string(&stat).unwrap_or_default();
+            // The state follows the command name, which is in parentheses.
+            let stopped = state
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'));
+            if stopped {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "target never stopped: {state}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 }
 
 /// An initiator engine with a registered 64 MiB local buffer.
