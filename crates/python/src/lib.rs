@@ -242,20 +242,15 @@ impl Client {
     }
 
     /// Store `value` (any object with the buffer protocol) under `key`.
-    #[pyo3(signature = (key, value, replicas = 1, preferred = None, hard_pin = false,
-        soft_pin_ttl_ms = 0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (key, value, placement = None))]
     fn put(
         &self,
         py: Python<'_>,
         key: Key,
         value: &Bound<'_, PyAny>,
-        replicas: u32,
-        preferred: Option<String>,
-        hard_pin: bool,
-        soft_pin_ttl_ms: u64,
+        placement: Option<Bound<'_, Placement>>,
     ) -> PyResult<()> {
-        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let args = placed(placement);
         let view = Held::new(value, false)?;
         let key = key.into_bytes();
         self.block(py, move |link| async move {
@@ -264,21 +259,16 @@ impl Client {
     }
 
     /// Store `size` bytes at address `ptr` (inside a registered buffer) under `key`.
-    #[pyo3(signature = (key, ptr, size, replicas = 1, preferred = None, hard_pin = false,
-        soft_pin_ttl_ms = 0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (key, ptr, size, placement = None))]
     fn put_from(
         &self,
         py: Python<'_>,
         key: Key,
         ptr: usize,
         size: u64,
-        replicas: u32,
-        preferred: Option<String>,
-        hard_pin: bool,
-        soft_pin_ttl_ms: u64,
+        placement: Option<Bound<'_, Placement>>,
     ) -> PyResult<()> {
-        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let args = placed(placement);
         let key = key.into_bytes();
         self.block(py, move |link| async move {
             link.put_from(&key, ptr, size, &args).await
@@ -317,22 +307,17 @@ impl Client {
     }
 
     /// Puts from registered memory: per item 0 or Mooncake's negative code.
-    #[pyo3(signature = (keys, ptrs, sizes, replicas = 1, preferred = None, hard_pin = false,
-        soft_pin_ttl_ms = 0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (keys, ptrs, sizes, placement = None))]
     fn batch_put_from(
         &self,
         py: Python<'_>,
         keys: Vec<Key>,
         ptrs: Vec<usize>,
         sizes: Vec<u64>,
-        replicas: u32,
-        preferred: Option<String>,
-        hard_pin: bool,
-        soft_pin_ttl_ms: u64,
+        placement: Option<Bound<'_, Placement>>,
     ) -> PyResult<Vec<i64>> {
         same_length(keys.len(), ptrs.len(), sizes.len())?;
-        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let args = placed(placement);
         let items = items(keys, ptrs, sizes);
         self.block_shared(py, move |link| async move {
             Ok(link.batch_put_from(&items, &args).await)
@@ -356,21 +341,16 @@ impl Client {
 
     /// Puts of values spread over several registered ranges each: per key 0 or Mooncake's
     /// negative code.
-    #[pyo3(signature = (keys, all_ptrs, all_sizes, replicas = 1, preferred = None,
-        hard_pin = false, soft_pin_ttl_ms = 0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (keys, all_ptrs, all_sizes, placement = None))]
     fn batch_put_parts(
         &self,
         py: Python<'_>,
         keys: Vec<Key>,
         all_ptrs: Vec<Vec<usize>>,
         all_sizes: Vec<Vec<u64>>,
-        replicas: u32,
-        preferred: Option<String>,
-        hard_pin: bool,
-        soft_pin_ttl_ms: u64,
+        placement: Option<Bound<'_, Placement>>,
     ) -> PyResult<Vec<i64>> {
-        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let args = placed(placement);
         let items = parts(keys, all_ptrs, all_sizes)?;
         self.block_shared(py, move |link| async move {
             Ok(link.batch_put_parts(&items, &args).await)
@@ -393,21 +373,16 @@ impl Client {
     }
 
     /// Puts of several values: per item None or the exception it failed with.
-    #[pyo3(signature = (keys, values, replicas = 1, preferred = None, hard_pin = false,
-        soft_pin_ttl_ms = 0))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (keys, values, placement = None))]
     fn batch_put(
         &self,
         py: Python<'_>,
         keys: Vec<Key>,
         values: Vec<Bound<'_, PyAny>>,
-        replicas: u32,
-        preferred: Option<String>,
-        hard_pin: bool,
-        soft_pin_ttl_ms: u64,
+        placement: Option<Bound<'_, Placement>>,
     ) -> PyResult<Vec<Option<Py<PyAny>>>> {
         same_length(keys.len(), values.len(), values.len())?;
-        let args = put_args(replicas, preferred, hard_pin, soft_pin_ttl_ms)?;
+        let args = placed(placement);
         let views = values
             .iter()
             .map(|v| Held::new(v, false))
@@ -520,18 +495,44 @@ impl Client {
     }
 }
 
-fn put_args(
-    replicas: u32,
-    preferred: Option<String>,
-    hard_pin: bool,
-    soft_pin_ttl_ms: u64,
-) -> Result<PutArgs, Failure> {
-    Ok(PutArgs {
-        replicas: self::replicas(replicas)?,
-        preferred: preferred.filter(|p| !p.is_empty()),
-        hard_pin,
-        soft_pin_ttl_ms,
-    })
+/// Where a put's replicas go and how the object is pinned once committed (Mooncake's
+/// `ReplicateConfig`): `replicas` copies, the first on node `preferred` when given, a hard pin
+/// or a soft pin for `soft_pin_ttl_ms`. Checked when made.
+#[pyclass(module = "kvpool._native", frozen)]
+struct Placement {
+    args: PutArgs,
+}
+
+#[pymethods]
+impl Placement {
+    #[new]
+    #[pyo3(signature = (replicas = 1, preferred = None, hard_pin = false, soft_pin_ttl_ms = 0))]
+    fn new(
+        replicas: u32,
+        preferred: Option<String>,
+        hard_pin: bool,
+        soft_pin_ttl_ms: u64,
+    ) -> PyResult<Self> {
+        Ok(Self {
+            args: PutArgs {
+                replicas: self::replicas(replicas)?,
+                preferred: preferred.filter(|p| !p.is_empty()),
+                hard_pin,
+                soft_pin_ttl_ms,
+            },
+        })
+    }
+}
+
+/// The put arguments of `placement` (one replica, no preference, no pin when none is given).
+fn placed(placement: Option<Bound<'_, Placement>>) -> PutArgs {
+    placement.map_or_else(
+        || PutArgs {
+            replicas: 1,
+            ..PutArgs::default()
+        },
+        |p| p.get().args.clone(),
+    )
 }
 
 fn items(keys: Vec<Key>, ptrs: Vec<usize>, sizes: Vec<u64>) -> Vec<(Vec<u8>, usize, u64)> {
@@ -570,6 +571,7 @@ fn parts(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Client>()?;
+    m.add_class::<Placement>()?;
     m.add("Error", py.get_type::<errors::Error>())?;
     m.add("NotFound", py.get_type::<errors::NotFound>())?;
     m.add("Exists", py.get_type::<errors::Exists>())?;

@@ -151,6 +151,23 @@ def test_threads_share_one_store(store):
     assert errors == []
 
 
+def test_threads_that_come_and_go_each_call_alone(store):
+    # One call at a time, each from a thread of its own: every call runs on its thread's own
+    # runtime and connection, and forks of ended threads make room for new ones (64 at most).
+    for t in range(80):
+        out = {}
+
+        def one(t: int = t) -> None:
+            k = f"comego/{t}/{secrets.token_hex(2)}"
+            store.put(k, b"v%d" % t)
+            out["got"] = store.get(k)
+
+        th = threading.Thread(target=one)
+        th.start()
+        th.join()
+        assert out.get("got") == b"v%d" % t, t
+
+
 def test_close_then_calls_raise_closed(kv):
     s = kvpool.Store(kv.master_addr)
     s.put(key("c"), b"v")

@@ -114,7 +114,9 @@ class Store:
 
     def put(self, key: Key, value: Any, *, replicas: Optional[int] = None, pin: bool = False) -> None:
         """Store ``value`` (bytes, bytearray, memoryview, numpy array...) under ``key``."""
-        self._client.put(_check_key(key), value, replicas or self.replicas, None, pin)
+        self._client.put(
+            _check_key(key), value, _native.Placement(replicas or self.replicas, hard_pin=pin)
+        )
 
     def get(self, key: Key) -> bytes:
         """The value of ``key``; raises :class:`NotFound` when there is none."""
@@ -128,7 +130,9 @@ class Store:
         """Store several values at once; raises the first failure after all were tried."""
         pairs = list(items)
         results = self._client.batch_put(
-            [_check_key(k) for k, _ in pairs], [v for _, v in pairs], replicas or self.replicas
+            [_check_key(k) for k, _ in pairs],
+            [v for _, v in pairs],
+            _native.Placement(replicas or self.replicas),
         )
         for err in results:
             if err is not None:
@@ -184,7 +188,9 @@ class Store:
 
     def put_from(self, key: Key, ptr: int, size: int, *, replicas: Optional[int] = None) -> None:
         """Store ``size`` bytes at ``ptr`` (inside a registered buffer) with no copy."""
-        self._client.put_from(_check_key(key), ptr, size, replicas or self.replicas)
+        self._client.put_from(
+            _check_key(key), ptr, size, _native.Placement(replicas or self.replicas)
+        )
 
     def get_to(self, key: Key, ptr: int, size: int) -> int:
         """Read into ``size`` bytes at ``ptr`` (inside a registered buffer); returns the length."""

@@ -72,14 +72,14 @@ class ReplicateConfig:
         )
 
 
-def _put_args(config: Optional[ReplicateConfig]) -> tuple:
+def _placement(config: Optional[ReplicateConfig]) -> Optional["_native.Placement"]:
     if config is None:
-        return (1, None, False, 0)
+        return None
     preferred = config.preferred_segment or (
         config.preferred_segments[0] if config.preferred_segments else None
     )
     ttl = int(config.soft_pin_ttl_ms or 0) if config.with_soft_pin else 0
-    return (int(config.replica_num), preferred, bool(config.with_hard_pin), ttl)
+    return _native.Placement(int(config.replica_num), preferred, bool(config.with_hard_pin), ttl)
 
 
 def _code(e: BaseException) -> int:
@@ -235,12 +235,12 @@ class MooncakeDistributedStore:
     # --- single objects --------------------------------------------------------------------
 
     def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
-        return self._call(lambda c: c.put(key, value, *_put_args(config)), OK)
+        return self._call(lambda c: c.put(key, value, _placement(config)), OK)
 
     def put_from(
         self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None
     ) -> int:
-        return self._call(lambda c: c.put_from(key, buffer_ptr, size, *_put_args(config)), OK)
+        return self._call(lambda c: c.put_from(key, buffer_ptr, size, _placement(config)), OK)
 
     def get(self, key: str) -> bytes:
         c = self._client
@@ -296,7 +296,7 @@ class MooncakeDistributedStore:
         config: Optional[ReplicateConfig] = None,
     ) -> List[int]:
         return self._batch(
-            keys, lambda c: c.batch_put_from(list(keys), list(buffer_ptrs), list(sizes), *_put_args(config))
+            keys, lambda c: c.batch_put_from(list(keys), list(buffer_ptrs), list(sizes), _placement(config))
         )
 
     def batch_get_into(self, keys: List[str], buffer_ptrs: List[int], sizes: List[int]) -> List[int]:
@@ -313,7 +313,7 @@ class MooncakeDistributedStore:
             keys,
             lambda c: c.batch_put_parts(
                 list(keys), [list(p) for p in all_buffer_ptrs], [list(z) for z in all_sizes],
-                *_put_args(config),
+                _placement(config),
             ),
         )
 
@@ -338,7 +338,7 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS  # as Mooncake: one empty value fails the whole batch
 
         def run(c: "_native.Client") -> int:
-            for err in c.batch_put(list(keys), list(values), *_put_args(config)):
+            for err in c.batch_put(list(keys), list(values), _placement(config)):
                 if err is not None:
                     return _code(err)
             return OK
