@@ -105,44 +105,30 @@ struct Client {
     conn: Conn,
 }
 
+/// What a call is, for where it runs (see [`Client::block`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    /// One operation: on the calling thread when it is the store's only call in flight.
+    One,
+    /// A batch: always on the shared runtime, where its items share master calls and lanes.
+    Batch,
+}
+
 impl Client {
-    /// Run a single call with the GIL released. Alone in flight (direct mode), it runs on the
-    /// calling thread's own runtime and connection (see `threads`); otherwise on the shared
-    /// runtime, with the calls it can share master calls and transfer lanes with.
+    /// Run `call` with the GIL released. A [`Call::One`] alone in flight (direct mode) runs on
+    /// the calling thread's own runtime and connection (see `threads`); anything else on the
+    /// shared runtime, with the calls it can share master calls and transfer lanes with.
     fn block<T: Send + 'static, F>(
         &self,
         py: Python<'_>,
+        kind: Call,
         call: impl FnOnce(Link) -> F,
-    ) -> PyResult<T>
-    where
-        F: Future<Output = Result<T, Failure>> + Send + 'static,
-    {
-        self.run(py, call, true)
-    }
-
-    /// Run `call` (a batch: its items share master calls and lanes) on the shared runtime.
-    fn block_shared<T: Send + 'static, F>(
-        &self,
-        py: Python<'_>,
-        call: impl FnOnce(Link) -> F,
-    ) -> PyResult<T>
-    where
-        F: Future<Output = Result<T, Failure>> + Send + 'static,
-    {
-        self.run(py, call, false)
-    }
-
-    fn run<T: Send + 'static, F>(
-        &self,
-        py: Python<'_>,
-        call: impl FnOnce(Link) -> F,
-        may_fork: bool,
     ) -> PyResult<T>
     where
         F: Future<Output = Result<T, Failure>> + Send + 'static,
     {
         let in_flight = self.conn.forks.enter();
-        if may_fork
+        if kind == Call::One
             && in_flight.alone
             && let Some(fork) = self.conn.fork()?
         {
@@ -253,7 +239,7 @@ impl Client {
         let args = placed(placement);
         let view = Held::new(value, false)?;
         let key = key.into_bytes();
-        self.block(py, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             link.put(&key, view.bytes(), &args).await
         })
     }
@@ -270,7 +256,7 @@ impl Client {
     ) -> PyResult<()> {
         let args = placed(placement);
         let key = key.into_bytes();
-        self.block(py, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             link.put_from(&key, ptr, size, &args).await
         })
     }
@@ -278,7 +264,11 @@ impl Client {
     /// The value of `key` as `bytes`.
     fn get<'py>(&self, py: Python<'py>, key: Key) -> PyResult<Bound<'py, PyBytes>> {
         let key = key.into_bytes();
-        let value = self.block(py, move |link| async move { link.get(&key).await })?;
+        let value = self.block(
+            py,
+            Call::One,
+            move |link| async move { link.get(&key).await },
+        )?;
         Ok(PyBytes::new(py, &value))
     }
 
@@ -292,7 +282,7 @@ impl Client {
     ) -> PyResult<u64> {
         let mut view = Held::new(buffer, true)?;
         let key = key.into_bytes();
-        self.block(py, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             link.get_into_slice(&key, view.bytes_mut()).await
         })
     }
@@ -301,7 +291,7 @@ impl Client {
     /// returns its length.
     fn get_into(&self, py: Python<'_>, key: Key, ptr: usize, size: u64) -> PyResult<u64> {
         let key = key.into_bytes();
-        self.block(py, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             link.get_into(&key, ptr, size).await
         })
     }
@@ -319,7 +309,7 @@ impl Client {
         same_length(keys.len(), ptrs.len(), sizes.len())?;
         let args = placed(placement);
         let items = items(keys, ptrs, sizes);
-        self.block_shared(py, move |link| async move {
+        self.block(py, Call::Batch, move |link| async move {
             Ok(link.batch_put_from(&items, &args).await)
         })
     }
@@ -334,7 +324,7 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         same_length(keys.len(), ptrs.len(), sizes.len())?;
         let items = items(keys, ptrs, sizes);
-        self.block_shared(py, move |link| async move {
+        self.block(py, Call::Batch, move |link| async move {
             Ok(link.batch_get_into(&items).await)
         })
     }
@@ -352,7 +342,7 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         let args = placed(placement);
         let items = parts(keys, all_ptrs, all_sizes)?;
-        self.block_shared(py, move |link| async move {
+        self.block(py, Call::Batch, move |link| async move {
             Ok(link.batch_put_parts(&items, &args).await)
         })
     }
@@ -367,7 +357,7 @@ impl Client {
         all_sizes: Vec<Vec<u64>>,
     ) -> PyResult<Vec<i64>> {
         let items = parts(keys, all_ptrs, all_sizes)?;
-        self.block_shared(py, move |link| async move {
+        self.block(py, Call::Batch, move |link| async move {
             Ok(link.batch_get_parts(&items).await)
         })
     }
@@ -388,7 +378,7 @@ impl Client {
             .map(|v| Held::new(v, false))
             .collect::<Result<Vec<_>, _>>()?;
         let keys = self::keys(keys);
-        let results = self.block_shared(py, move |link| async move {
+        let results = self.block(py, Call::Batch, move |link| async move {
             let items: Vec<(Vec<u8>, &[u8])> = keys
                 .into_iter()
                 .zip(views.iter().map(Held::bytes))
@@ -404,11 +394,9 @@ impl Client {
     /// Gets of several values: per item the `bytes`, or the exception it failed with.
     fn batch_get(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<Py<PyAny>>> {
         let keys = self::keys(keys);
-        let results =
-            self.block_shared(
-                py,
-                move |link| async move { Ok(link.batch_get(&keys).await) },
-            )?;
+        let results = self.block(py, Call::Batch, move |link| async move {
+            Ok(link.batch_get(&keys).await)
+        })?;
         Ok(results
             .into_iter()
             .map(|r| match r {
@@ -421,29 +409,36 @@ impl Client {
     /// Whether each key is stored.
     fn exists(&self, py: Python<'_>, keys: Vec<Key>) -> PyResult<Vec<bool>> {
         let keys = self::keys(keys);
-        self.block(py, move |link| async move { link.exists(&keys).await })
+        self.block(py, Call::One, move |link| async move {
+            link.exists(&keys).await
+        })
     }
 
     /// The size of the value of `key`.
     fn size(&self, py: Python<'_>, key: Key) -> PyResult<u64> {
         let key = key.into_bytes();
-        self.block(py, move |link| async move { link.size(&key).await })
+        self.block(
+            py,
+            Call::One,
+            move |link| async move { link.size(&key).await },
+        )
     }
 
     /// Remove `key`; `force` waits for reads in flight instead of failing with `Leased`.
     #[pyo3(signature = (key, force = false))]
     fn remove(&self, py: Python<'_>, key: Key, force: bool) -> PyResult<()> {
         let key = key.into_bytes();
-        self.block(
-            py,
-            move |link| async move { link.remove(&key, force).await },
-        )
+        self.block(py, Call::One, move |link| async move {
+            link.remove(&key, force).await
+        })
     }
 
     /// Remove every object no reader holds a lease on; how many were removed.
     #[pyo3(signature = (force = false))]
     fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<u64> {
-        self.block(py, move |link| async move { link.remove_all(force).await })
+        self.block(py, Call::One, move |link| async move {
+            link.remove_all(force).await
+        })
     }
 
     /// Register `size` bytes at address `ptr` for zero-copy puts and gets. The memory must
@@ -474,7 +469,11 @@ impl Client {
 
     /// Whether the master answers.
     fn health(&self, py: Python<'_>) -> PyResult<()> {
-        self.block(py, move |link| async move { link.health().await })
+        self.block(
+            py,
+            Call::One,
+            move |link| async move { link.health().await },
+        )
     }
 
     /// The client's Prometheus metrics (transfer engine), in the text format.
