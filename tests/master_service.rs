@@ -838,6 +838,24 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
     );
     let got = answer(forged).await;
     assert_eq!(got[12], 16, "{got:?}");
+    // The credential is checked before the rest of a frame is read: a forged call that
+    // announces 50 MiB and sends only its head and credential is refused at once.
+    let cred = AuthKey::from_bytes(b"another-key-0123456789abcdef")
+        .expect("key")
+        .sign();
+    let mut head_only = kvpool_proto::fast::PREFACE.to_vec();
+    head_only.extend_from_slice(&(50u32 << 20).to_le_bytes());
+    head_only.extend_from_slice(&[kvpool_proto::fast::Method::Get as u8, 0]);
+    head_only.extend_from_slice(&(cred.len() as u16).to_le_bytes());
+    head_only.extend_from_slice(cred.as_bytes());
+    let started = std::time::Instant::now();
+    let got = answer(head_only).await;
+    assert_eq!(got[12], 16, "{got:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
     // Garbage that is not the fast lane goes to gRPC, which drops it; gRPC clients are served.
     let _ = answer(b"GET / HTTP/1.0\r\n\r\n".to_vec()).await;
     assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
@@ -845,7 +863,7 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
     for needle in [
         "kvpool_master_fast_lane_refusals_total{reason=\"preface\"} 1",
         "kvpool_master_fast_lane_refusals_total{reason=\"frame\"} 1",
-        "kvpool_master_fast_lane_refusals_total{reason=\"unauthenticated\"} 1",
+        "kvpool_master_fast_lane_refusals_total{reason=\"unauthenticated\"} 2",
         "kvpool_master_fast_lane_connections 0",
     ] {
         assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");

@@ -191,43 +191,97 @@ pub struct RequestFrame<'a> {
     pub body: &'a [u8],
 }
 
-/// A request frame (without its `len`).
-pub fn decode_request(frame: &[u8]) -> Result<RequestFrame<'_>, FrameError> {
-    let (tag, flags, cred, mut body) = split(frame)?;
+/// The head of a request frame (its first 4 bytes after `len`): method, flags, credential
+/// length. A server reads it, then the credential, and checks the credential before it reads
+/// (and allocates for) the rest of a frame of `len` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestHead {
+    pub method: Method,
+    flags: u8,
+    pub credential_len: usize,
+}
+
+/// Bytes of a request's head.
+pub const REQUEST_HEAD: usize = HEAD;
+
+/// Decode a request's head, for a frame of `len` bytes (after its `len` field).
+pub fn decode_head(head: [u8; REQUEST_HEAD], len: usize) -> Result<RequestHead, FrameError> {
+    if len < HEAD {
+        return Err(FrameError::Short(len));
+    }
+    let [tag, flags, a, b] = head;
     let method = Method::from_repr(tag).ok_or(FrameError::UnknownMethod(tag))?;
     if flags & !FLAG_RELEASES != 0 {
         return Err(FrameError::Flags(flags));
     }
-    let credential = std::str::from_utf8(cred).map_err(|_| FrameError::Credential)?;
+    let credential_len = u16::from_le_bytes([a, b]) as usize;
+    let have = len.saturating_sub(HEAD);
+    if credential_len > have {
+        return Err(FrameError::Truncated {
+            what: "head string",
+            want: credential_len,
+            have,
+        });
+    }
+    Ok(RequestHead {
+        method,
+        flags,
+        credential_len,
+    })
+}
+
+/// The credential bytes of a request as text.
+pub fn decode_credential(bytes: &[u8]) -> Result<&str, FrameError> {
+    std::str::from_utf8(bytes).map_err(|_| FrameError::Credential)
+}
+
+/// What follows a request's credential: the lease ids to release (when flagged) and the
+/// protobuf body.
+pub fn decode_tail<'a>(
+    head: &RequestHead,
+    mut rest: &'a [u8],
+) -> Result<(Vec<u64>, &'a [u8]), FrameError> {
     let mut releases = Vec::new();
-    if flags & FLAG_RELEASES != 0 {
-        let [a, b, rest @ ..] = body else {
+    if head.flags & FLAG_RELEASES != 0 {
+        let [a, b, after @ ..] = rest else {
             return Err(FrameError::Truncated {
                 what: "lease count",
                 want: 2,
-                have: body.len(),
+                have: rest.len(),
             });
         };
         let n = u16::from_le_bytes([*a, *b]) as usize;
         if n > MAX_RELEASES {
             return Err(FrameError::TooManyReleases(n));
         }
-        if rest.len() < 8 * n {
+        if after.len() < 8 * n {
             return Err(FrameError::Truncated {
                 what: "lease ids",
                 want: 8 * n,
-                have: rest.len(),
+                have: after.len(),
             });
         }
-        let (ids, after) = rest.split_at(8 * n);
+        let (ids, body) = after.split_at(8 * n);
         releases = ids
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
             .collect();
-        body = after;
+        rest = body;
     }
+    Ok((releases, rest))
+}
+
+/// A whole request frame (without its `len`), decoded at once.
+pub fn decode_request(frame: &[u8]) -> Result<RequestFrame<'_>, FrameError> {
+    let [a, b, c, d, rest @ ..] = frame else {
+        return Err(FrameError::Short(frame.len()));
+    };
+    let head = decode_head([*a, *b, *c, *d], frame.len())?;
+    let (cred, tail) = rest.split_at(head.credential_len);
+    let credential = decode_credential(cred)?;
+    let (releases, body) = decode_tail(&head, tail)?;
     Ok(RequestFrame {
-        method,
+        method: head.method,
         credential,
         releases,
         body,

@@ -149,39 +149,57 @@ async fn serve_calls(
                 return;
             }
         };
-        frame.resize(len, 0);
-        if !matches!(
-            tokio::time::timeout(FRAME, stream.read_exact(&mut frame)).await,
-            Ok(Ok(_))
-        ) {
+        // The head and the credential first: nothing is allocated for the rest of the frame
+        // until the credential checks out.
+        let mut head = [0u8; fast::REQUEST_HEAD];
+        if !read_within(stream, &mut head).await {
             return;
         }
-        let call = match fast::decode_request(&frame) {
-            Ok(call) => call,
+        let head = match fast::decode_head(head, len) {
+            Ok(h) => h,
             Err(e) => {
                 metrics.fast_refused("frame");
                 refuse(stream, peer, Status::invalid_argument(e.to_string())).await;
                 return;
             }
         };
-        if let Err(e) = verifier.verify(Some(call.credential)) {
-            tracing::debug!(%peer, error = %e, "unauthenticated fast-lane call refused");
-            metrics.fast_refused("unauthenticated");
-            refuse(stream, peer, Status::unauthenticated(e.to_string())).await;
+        frame.resize(head.credential_len, 0);
+        if !read_within(stream, &mut frame).await {
             return;
         }
+        let checked = fast::decode_credential(&frame)
+            .map_err(|e| e.to_string())
+            .and_then(|c| verifier.verify(Some(c)).map_err(|e| e.to_string()));
+        if let Err(e) = checked {
+            tracing::debug!(%peer, error = %e, "unauthenticated fast-lane call refused");
+            metrics.fast_refused("unauthenticated");
+            refuse(stream, peer, Status::unauthenticated(e)).await;
+            return;
+        }
+        frame.resize(len - fast::REQUEST_HEAD - head.credential_len, 0);
+        if !read_within(stream, &mut frame).await {
+            return;
+        }
+        let (releases, body) = match fast::decode_tail(&head, &frame) {
+            Ok(parts) => parts,
+            Err(e) => {
+                metrics.fast_refused("frame");
+                refuse(stream, peer, Status::invalid_argument(e.to_string())).await;
+                return;
+            }
+        };
         out.clear();
-        if !call.releases.is_empty() {
+        if !releases.is_empty() {
             // The caller's last read is over: release its leases first (a refused one is left
             // to its TTL, as with a background release).
             let req = Request::new(proto::ReleaseLeasesRequest {
-                lease_ids: call.releases,
+                lease_ids: releases,
             });
             if let Err(s) = svc.release_leases(req).await {
                 tracing::debug!(%peer, error = %s.message(), "piggybacked lease release failed");
             }
         }
-        match dispatch(svc, call.method, call.body).await {
+        match dispatch(svc, head.method, body).await {
             Ok(reply) => fast::encode_reply(&mut out, 0, "", &reply),
             Err(s) => encode_status(&mut out, &s),
         }
@@ -189,6 +207,14 @@ async fn serve_calls(
             return;
         }
     }
+}
+
+/// Fill `buf` from `stream` within [`FRAME`]; false when the connection broke or stalled.
+async fn read_within(stream: &mut TcpStream, buf: &mut [u8]) -> bool {
+    matches!(
+        tokio::time::timeout(FRAME, stream.read_exact(buf)).await,
+        Ok(Ok(_))
+    )
 }
 
 /// Answer `status` and close (the connection is not trusted any more).
