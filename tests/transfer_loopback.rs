@@ -34,15 +34,20 @@ struct Pair {
     local_mem: LocalSegment,
 }
 
-fn pair_with(initiator_key: AuthKey) -> Pair {
-    let dir = Arc::new(StaticDirectory::new());
-    let target = TransferEngine::new(
+/// The target side's engine (node "node-t"), over `dir`.
+fn target_engine(dir: &Arc<StaticDirectory>) -> TransferEngine {
+    TransferEngine::new(
         config("node-t"),
         key(),
         dir.clone(),
         TransferMetrics::unregistered().unwrap(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+fn pair_with(initiator_key: AuthKey) -> Pair {
+    let dir = Arc::new(StaticDirectory::new());
+    let target = target_engine(&dir);
     let initiator = TransferEngine::new(
         config("node-i"),
         initiator_key,
@@ -625,13 +630,7 @@ fn cached_opens_are_refused_by_a_restarted_target_and_opened_again() {
 
     // The target restarts on the same port: a new registry, whose handles start over.
     p.server = None;
-    let target = TransferEngine::new(
-        config("node-t"),
-        key(),
-        p.dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
+    let target = target_engine(&p.dir);
     // Another segment first, so that the old handle names it in the new registry.
     let decoy = target
         .register(

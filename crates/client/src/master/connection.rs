@@ -61,13 +61,7 @@ impl MasterClient {
     async fn connection(&self) -> Result<(String, GrpcClient), ClientError> {
         let (addr, cached) = {
             let c = self.conn.lock();
-            let addr = c.addr.clone().unwrap_or_else(|| {
-                self.endpoints
-                    .get(c.next % self.endpoints.len())
-                    .cloned()
-                    .unwrap_or_default()
-            });
-            (addr, c.client.clone())
+            (self.target_of(&c), c.client.clone())
         };
         if let Some(client) = cached {
             return Ok((addr, client));
@@ -110,7 +104,10 @@ impl MasterClient {
 
     /// The endpoint the next call goes to: the connected one, else the next to try.
     pub(super) fn current_target(&self) -> String {
-        let c = self.conn.lock();
+        self.target_of(&self.conn.lock())
+    }
+
+    fn target_of(&self, c: &Conn) -> String {
         c.addr.clone().unwrap_or_else(|| {
             self.endpoints
                 .get(c.next % self.endpoints.len())

@@ -124,19 +124,15 @@ impl TransferEngine {
     /// after opening those segments again.
     ///
     /// [`EngineConfig::inline_max_bytes`]: crate::EngineConfig::inline_max_bytes
-    pub fn transfer(&self, requests: Vec<TransferRequest>) -> Result<(), BatchFailed> {
-        let again = requests
-            .iter()
-            .any(|r| r.remote.instance != 0)
-            .then(|| requests.clone());
-        let failed = match self.transfer_once(requests) {
+    pub fn transfer(&self, mut requests: Vec<TransferRequest>) -> Result<(), BatchFailed> {
+        let failed = match self.transfer_once(&requests) {
             Err(e) if e.failure.category == ErrorCode::UnknownSegment.as_str() => e,
             done => return done,
         };
-        let Some(mut again) = again else {
-            return Err(failed);
-        };
-        for r in &mut again {
+        if requests.iter().all(|r| r.remote.instance == 0) {
+            return Err(failed); // no kept handle: nothing to open again
+        }
+        for r in &mut requests {
             if r.remote.instance == 0 {
                 continue;
             }
@@ -146,7 +142,7 @@ impl TransferEngine {
                 None => return Err(failed),
             }
         }
-        self.transfer_once(again)
+        self.transfer_once(&requests)
     }
 
     /// A TCP segment opened again by name on the same peer; `None` when that fails.
@@ -167,16 +163,18 @@ impl TransferEngine {
         })
     }
 
-    fn transfer_once(&self, requests: Vec<TransferRequest>) -> Result<(), BatchFailed> {
+    /// One attempt: inline when small enough, else through the lanes (which take their own
+    /// copy of the requests; the caller keeps them for a second attempt).
+    fn transfer_once(&self, requests: &[TransferRequest]) -> Result<(), BatchFailed> {
         let invalid = |e: TransferError| BatchFailed {
             index: None,
             failure: Failure::new(e.category(), error_chain(&e)),
         };
-        if let Some(peer) = self.inline_peer(&requests) {
-            check_bounds(&requests).map_err(invalid)?;
-            return self.transfer_inline(&peer, &requests);
+        if let Some(peer) = self.inline_peer(requests) {
+            check_bounds(requests).map_err(invalid)?;
+            return self.transfer_inline(&peer, requests);
         }
-        let batch = self.submit(requests).map_err(invalid)?;
+        let batch = self.submit(requests.to_vec()).map_err(invalid)?;
         // Each slice is bounded by the per-connection timeout; this outer bound only guards
         // against a bug: it is generous on purpose.
         batch.wait_ok(self.inner.config.timeout * 4 + self.inner.config.connect_timeout)
