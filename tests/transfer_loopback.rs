@@ -670,3 +670,229 @@ fn cached_opens_are_refused_by_a_restarted_target_and_opened_again() {
     let fresh = p.initiator.open_cached(&desc).unwrap();
     assert_ne!(format!("{fresh:?}"), format!("{first:?}"));
 }
+
+/// `count` requests of 1 byte to 40 KiB at scattered, non-overlapping places of both segments
+/// (the remote ranges in another order than the local ones).
+fn scattered(
+    p: &Pair,
+    remote: &RemoteSegment,
+    op: TransferOp,
+    count: usize,
+    local_base: u64,
+) -> Vec<TransferRequest> {
+    let stride = 48 * 1024u64;
+    (0..count)
+        .map(|i| {
+            let len = 1 + (i as u64 * 7919) % (40 * 1024);
+            let remote_slot = (i * 37) % count; // a permutation: 37 is prime to the counts used
+            req(
+                p,
+                remote,
+                op,
+                local_base + i as u64 * stride,
+                remote_slot as u64 * stride,
+                len,
+            )
+        })
+        .collect()
+}
+
+/// Write the local bytes of `reqs` with a pattern; check that `reqs` moved them.
+fn check_scattered(p: &Pair, writes: &[TransferRequest], reads: &[TransferRequest]) {
+    for (w, r) in writes.iter().zip(reads) {
+        let mut sent = vec![0u8; w.len as usize];
+        p.local_mem
+            .segment()
+            .read_at(w.local_offset, &mut sent)
+            .unwrap();
+        let mut back = vec![0u8; r.len as usize];
+        p.local_mem
+            .segment()
+            .read_at(r.local_offset, &mut back)
+            .unwrap();
+        assert!(
+            sent == back,
+            "request at {} came back different",
+            w.local_offset
+        );
+    }
+}
+
+#[test]
+fn small_requests_share_vectored_frames_through_lanes_and_inline() {
+    let p = pair_with(key());
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let m = p.initiator.metrics();
+    let n = 160; // 160 x 48 KiB fits in 8 MiB
+    p.local_mem
+        .segment()
+        .write_at(0, &pattern(4 * MIB, 9))
+        .unwrap();
+    // Through the lanes: submit and wait.
+    let writes = scattered(&p, &remote, TransferOp::Write, n / 2, 0);
+    p.initiator
+        .submit(writes.clone())
+        .unwrap()
+        .wait_ok(Duration::from_secs(10))
+        .unwrap();
+    let reads: Vec<_> = writes
+        .iter()
+        .map(|w| TransferRequest {
+            op: TransferOp::Read,
+            local_offset: w.local_offset + 4 * MIB as u64,
+            ..w.clone()
+        })
+        .collect();
+    p.initiator
+        .submit(reads.clone())
+        .unwrap()
+        .wait_ok(Duration::from_secs(10))
+        .unwrap();
+    check_scattered(&p, &writes, &reads);
+    let frames = m.vectored_frames.get();
+    assert!(
+        frames >= 2,
+        "writes and reads went vectored: {frames} frames"
+    );
+    assert_eq!(
+        m.vectored_requests.get(),
+        n as u64,
+        "every request rode a vectored frame"
+    );
+    // Inline: one batch of under 4 MiB, run by this thread.
+    let writes = scattered(&p, &remote, TransferOp::Write, n / 2, 24 * 1024);
+    p.initiator.transfer(writes.clone()).unwrap();
+    let reads: Vec<_> = writes
+        .iter()
+        .map(|w| TransferRequest {
+            op: TransferOp::Read,
+            local_offset: w.local_offset + 4 * MIB as u64,
+            ..w.clone()
+        })
+        .collect();
+    p.initiator.transfer(reads.clone()).unwrap();
+    check_scattered(&p, &writes, &reads);
+    assert!(m.vectored_frames.get() >= frames + 2);
+    assert_eq!(m.vectored_requests.get(), 2 * n as u64);
+    // Slices of 256 KiB, requests up to 40 KiB: far fewer frames than requests.
+    assert!(m.vectored_frames.get() * 4 <= m.vectored_requests.get());
+}
+
+#[test]
+fn vectored_batches_mix_with_large_requests_and_other_segments() {
+    let p = pair_with(key());
+    let other = p
+        .target
+        .register(
+            "t/other",
+            Arc::new(Segment::host(MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    p.dir.insert(p.target.describe(
+        &other,
+        vec![Endpoint::Tcp(p.server.as_ref().unwrap().local_addr())],
+    ));
+    let remote = p.initiator.open("t/dram0").unwrap();
+    let remote_other = p.initiator.open("t/other").unwrap();
+    let data = pattern(8 * MIB, 4);
+    p.local_mem.segment().write_at(0, &data).unwrap();
+    // small, small, large (sliced), small to another segment, small, small.
+    let batch = vec![
+        req(&p, &remote, TransferOp::Write, 0, 0, 1000),
+        req(&p, &remote, TransferOp::Write, 1000, 5000, 2000),
+        req(
+            &p,
+            &remote,
+            TransferOp::Write,
+            MIB as u64,
+            MIB as u64,
+            3 * MIB as u64,
+        ),
+        req(&p, &remote_other, TransferOp::Write, 3000, 0, 4000),
+        req(&p, &remote, TransferOp::Write, 7000, 9000, 100),
+        req(&p, &remote, TransferOp::Write, 7100, 20_000, 50_000),
+    ];
+    p.initiator
+        .submit(batch.clone())
+        .unwrap()
+        .wait_ok(Duration::from_secs(10))
+        .unwrap();
+    for r in &batch {
+        let seg = if r.remote.name() == "t/other" {
+            other.segment()
+        } else {
+            p.remote_mem.segment()
+        };
+        let mut got = vec![0u8; r.len as usize];
+        seg.read_at(r.remote_offset, &mut got).unwrap();
+        let lo = r.local_offset as usize;
+        assert!(got == data[lo..lo + r.len as usize], "{r:?}");
+    }
+    assert!(p.initiator.metrics().vectored_frames.get() >= 2);
+}
+
+#[test]
+fn a_target_without_vectored_frames_is_served_one_frame_per_request() {
+    let dir = Arc::new(StaticDirectory::new());
+    let target = TransferEngine::new(
+        EngineConfig {
+            vectored: false,
+            ..config("node-t")
+        },
+        key(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let remote_mem = target
+        .register(
+            "t/dram0",
+            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let server = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+    dir.insert(target.describe(&remote_mem, vec![Endpoint::Tcp(server.local_addr())]));
+    let initiator = TransferEngine::new(
+        config("node-i"),
+        key(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
+    let local_mem = initiator
+        .register(
+            "i/buf",
+            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let p = Pair {
+        target,
+        initiator,
+        dir,
+        server: Some(server),
+        remote_mem,
+        local_mem,
+    };
+    let remote = p.initiator.open("t/dram0").unwrap();
+    p.local_mem
+        .segment()
+        .write_at(0, &pattern(4 * MIB, 5))
+        .unwrap();
+    let writes = scattered(&p, &remote, TransferOp::Write, 40, 0);
+    p.initiator
+        .submit(writes.clone())
+        .unwrap()
+        .wait_ok(Duration::from_secs(10))
+        .unwrap();
+    let reads: Vec<_> = writes
+        .iter()
+        .map(|w| TransferRequest {
+            op: TransferOp::Read,
+            local_offset: w.local_offset + 4 * MIB as u64,
+            ..w.clone()
+        })
+        .collect();
+    p.initiator.transfer(reads.clone()).unwrap();
+    check_scattered(&p, &writes, &reads);
+    assert_eq!(p.initiator.metrics().vectored_frames.get(), 0);
+}

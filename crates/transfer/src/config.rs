@@ -29,6 +29,10 @@ pub struct EngineConfig {
     /// (see [`crate::wire::spin_until_readable`]): less latency for a caller that waits
     /// anyway, at the price of that much CPU per call. Zero: no polling.
     pub spin_wait: Duration,
+    /// Small requests of a batch to the same TCP segment travel together in vectored frames
+    /// (READV / WRITEV, up to `slice_size` bytes each), when the target announces them; as a
+    /// target, announce and serve them. Off: one frame per request, as before they existed.
+    pub vectored: bool,
     /// Every wait on a peer (reply, payload, handshake) gives up after this long.
     pub timeout: Duration,
     /// TCP connect timeout.
@@ -55,6 +59,7 @@ impl Default for EngineConfig {
             window: 8,
             inline_max_bytes: 4 * 1024 * 1024,
             spin_wait: Duration::ZERO,
+            vectored: true,
             timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             prefer_shm: true,

@@ -15,7 +15,19 @@
 //! 32     8    length      payload length; for READ the requested length, for OPEN_OK the
 //!                         segment size (neither carries a payload)
 //! ```
-//! All integers are little endian.
+//! All integers are little endian. In OPEN_OK, `offset` carries the target's feature bits
+//! ([`FEATURE_VECTORED`]); targets built before it send 0, and initiators built before it
+//! ignore the field.
+//!
+//! Vectored requests move several ranges of one segment in one frame, so a batch of small
+//! blocks costs about what one block of their total size costs (one header, one reply, one
+//! wake-up each way). Their `offset` is the number of ranges `n` (1 to [`MAX_RANGES`]) and
+//! their payload starts with the range table, `n` times (offset u64, length u64):
+//! - READV: the payload is the table alone; the reply is one READ_DATA carrying the ranges'
+//!   bytes back to back, in table order.
+//! - WRITEV: the table, then the ranges' bytes back to back; the reply is WRITE_ACK.
+//!
+//! An initiator sends them only to a target whose OPEN_OK announced [`FEATURE_VECTORED`].
 
 /// "KVTP" read as a little-endian u32.
 pub const MAGIC: u32 = 0x4B56_5450;
@@ -27,6 +39,14 @@ pub const HEADER_LEN: usize = 40;
 pub const MAX_CONTROL_PAYLOAD: u64 = 64 * 1024;
 /// Default largest data payload (one slice) a peer accepts.
 pub const DEFAULT_MAX_SLICE: u64 = 16 * 1024 * 1024;
+/// OPEN_OK feature bit: the target serves READV and WRITEV.
+pub const FEATURE_VECTORED: u64 = 1;
+/// Feature bits this build announces in OPEN_OK.
+pub const FEATURES: u64 = FEATURE_VECTORED;
+/// Most ranges in one READV or WRITEV.
+pub const MAX_RANGES: usize = 256;
+/// Bytes of one entry of a vectored request's range table.
+pub const RANGE_ENTRY_LEN: usize = 16;
 
 /// Frame types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::FromRepr)]
@@ -66,6 +86,12 @@ pub enum Opcode {
     /// Reply to RDMA_CONNECT (payload: `rdma::handshake::ConnectReply`). The target keeps its
     /// queue pairs while this control connection stays open.
     RdmaConnectOk = 15,
+    /// Read several ranges of segment `handle` (see the module docs): `offset` is the range
+    /// count, the payload the range table; answered by one READ_DATA.
+    ReadV = 16,
+    /// Write several ranges of segment `handle`: `offset` is the range count, the payload the
+    /// range table followed by the ranges' bytes; answered by WRITE_ACK.
+    WriteV = 17,
 }
 
 impl Opcode {
@@ -78,6 +104,58 @@ impl Opcode {
     fn carries_data(self) -> bool {
         matches!(self, Opcode::Write | Opcode::ReadData)
     }
+}
+
+/// Why a vectored request's range table was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RangeError {
+    #[error("{0} ranges in a vectored request (1 to {MAX_RANGES} allowed)")]
+    Count(u64),
+    #[error("a range table of {got} bytes for {count} ranges")]
+    TableLength { count: u64, got: usize },
+    #[error("the ranges add up to more than {limit} bytes")]
+    TooLarge { limit: u64 },
+}
+
+/// The range table of a vectored request: `(offset, length)` pairs, in order.
+pub fn encode_ranges(ranges: impl IntoIterator<Item = (u64, u64)>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (offset, len) in ranges {
+        out.extend_from_slice(&offset.to_le_bytes());
+        out.extend_from_slice(&len.to_le_bytes());
+    }
+    out
+}
+
+/// Decode the table of `count` ranges; their lengths must add up to at most `max_total`.
+/// Returns the ranges and their total length.
+pub fn decode_ranges(
+    count: u64,
+    table: &[u8],
+    max_total: u64,
+) -> Result<(Vec<(u64, u64)>, u64), RangeError> {
+    if count == 0 || count > MAX_RANGES as u64 {
+        return Err(RangeError::Count(count));
+    }
+    if table.len() as u64 != count * RANGE_ENTRY_LEN as u64 {
+        return Err(RangeError::TableLength {
+            count,
+            got: table.len(),
+        });
+    }
+    let mut total = 0u64;
+    let mut ranges = Vec::with_capacity(count as usize);
+    for entry in table.chunks_exact(RANGE_ENTRY_LEN) {
+        let (o, l) = entry.split_at(8);
+        let offset = u64::from_le_bytes(o.try_into().unwrap_or_default());
+        let len = u64::from_le_bytes(l.try_into().unwrap_or_default());
+        total = total
+            .checked_add(len)
+            .filter(|t| *t <= max_total)
+            .ok_or(RangeError::TooLarge { limit: max_total })?;
+        ranges.push((offset, len));
+    }
+    Ok((ranges, total))
 }
 
 /// Error codes carried in the `status` field of ERROR frames.
@@ -224,6 +302,8 @@ impl Header {
         let limit = match opcode {
             Opcode::OpenOk => super::memory::MAX_SEGMENT_SIZE as u64,
             Opcode::Read => max_data,
+            // The range table travels in front of the data.
+            Opcode::WriteV => max_data.saturating_add((MAX_RANGES * RANGE_ENTRY_LEN) as u64),
             op if op.carries_data() => max_data,
             _ => MAX_CONTROL_PAYLOAD,
         };
@@ -244,7 +324,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn any_opcode() -> impl Strategy<Value = Opcode> {
-        (1u8..=15).prop_map(|v| Opcode::from_u8(v).unwrap())
+        (1u8..=17).prop_map(|v| Opcode::from_u8(v).unwrap())
     }
 
     proptest! {
@@ -268,7 +348,7 @@ mod tests {
         }
 
         #[test]
-        fn unknown_opcodes_are_rejected(op in 16u8..=255) {
+        fn unknown_opcodes_are_rejected(op in 18u8..=255) {
             let mut enc = Header::new(Opcode::Read, 1).encode();
             enc[5] = op;
             prop_assert_eq!(Header::decode(&enc, DEFAULT_MAX_SLICE), Err(FrameError::UnknownOpcode(op)));
@@ -280,6 +360,7 @@ mod tests {
             let limit = match op {
                 Opcode::Write | Opcode::ReadData | Opcode::Read => DEFAULT_MAX_SLICE,
                 Opcode::OpenOk => crate::memory::MAX_SEGMENT_SIZE as u64,
+                Opcode::WriteV => DEFAULT_MAX_SLICE + (MAX_RANGES * RANGE_ENTRY_LEN) as u64,
                 _ => MAX_CONTROL_PAYLOAD,
             };
             h.length = limit + extra;
@@ -312,6 +393,47 @@ mod tests {
         assert_eq!(ErrorCode::from_u32(99), ErrorCode::Internal);
         assert_eq!(Opcode::from_u8(0), None);
         assert_eq!(Opcode::from_u8(15), Some(Opcode::RdmaConnectOk));
+        assert_eq!(Opcode::from_u8(16), Some(Opcode::ReadV));
+        assert_eq!(Opcode::from_u8(17), Some(Opcode::WriteV));
+    }
+
+    proptest! {
+        #[test]
+        fn range_tables_round_trip(ranges in proptest::collection::vec((any::<u64>(), 0u64..1 << 20), 1..=MAX_RANGES)) {
+            let table = encode_ranges(ranges.iter().copied());
+            let total: u64 = ranges.iter().map(|r| r.1).sum();
+            let got = decode_ranges(ranges.len() as u64, &table, u64::MAX);
+            prop_assert_eq!(got, Ok((ranges.clone(), total)));
+        }
+
+        #[test]
+        fn range_decoder_never_panics(count: u64, table in proptest::collection::vec(any::<u8>(), 0..600), max: u64) {
+            let _ = decode_ranges(count, &table, max);
+        }
+    }
+
+    #[test]
+    fn bad_range_tables_are_rejected() {
+        let one = encode_ranges([(0, 10)]);
+        assert_eq!(decode_ranges(0, &[], 100), Err(RangeError::Count(0)));
+        assert_eq!(
+            decode_ranges(MAX_RANGES as u64 + 1, &[], 100),
+            Err(RangeError::Count(MAX_RANGES as u64 + 1))
+        );
+        assert_eq!(
+            decode_ranges(2, &one, 100),
+            Err(RangeError::TableLength { count: 2, got: 16 })
+        );
+        assert_eq!(
+            decode_ranges(1, &one, 9),
+            Err(RangeError::TooLarge { limit: 9 })
+        );
+        // Lengths that overflow a u64 when added are refused, not wrapped.
+        let huge = encode_ranges([(0, u64::MAX), (0, 2)]);
+        assert_eq!(
+            decode_ranges(2, &huge, u64::MAX),
+            Err(RangeError::TooLarge { limit: u64::MAX })
+        );
     }
 
     #[test]

@@ -506,6 +506,126 @@ impl<'a> Span<'a> {
     }
 }
 
+/// Which way a vectored socket call moves bytes.
+#[derive(Clone, Copy)]
+enum Direction {
+    Send,
+    Recv,
+}
+
+/// Move all bytes of `pieces` (pointer, length) through `fd` with `sendmsg`/`recvmsg`, as few
+/// calls as the kernel allows, resuming after partial moves.
+///
+/// # Safety
+/// Every piece must be valid for the whole call: readable when sending, writable (and not
+/// referenced by any Rust reference) when receiving.
+unsafe fn move_vectored(
+    fd: BorrowedFd<'_>,
+    pieces: &[(*mut u8, usize)],
+    dir: Direction,
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
+    const IOV_MAX: usize = 1024;
+    let mut idx = 0usize;
+    let mut skip = 0usize;
+    let mut iov: Vec<libc::iovec> = Vec::with_capacity(pieces.len().min(IOV_MAX));
+    loop {
+        while idx < pieces.len() && pieces[idx].1 == skip {
+            idx += 1;
+            skip = 0;
+        }
+        if idx == pieces.len() {
+            return Ok(());
+        }
+        iov.clear();
+        for (i, &(ptr, len)) in pieces[idx..].iter().take(IOV_MAX).enumerate() {
+            let (base, len) = if i == 0 {
+                // SAFETY: skip < len of this piece (the loop above moved past finished ones).
+                (unsafe { ptr.add(skip) }, len - skip)
+            } else {
+                (ptr, len)
+            };
+            iov.push(libc::iovec {
+                iov_base: base.cast(),
+                iov_len: len,
+            });
+        }
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov.as_mut_ptr();
+        msg.msg_iovlen = iov.len() as _;
+        // SAFETY: the iovecs point into the caller's pieces, valid for the call (contract).
+        let n = unsafe {
+            match dir {
+                Direction::Send => libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL),
+                Direction::Recv => libc::recvmsg(fd.as_raw_fd(), &mut msg, libc::MSG_WAITALL),
+            }
+        };
+        let mut n = match syscall_len(n) {
+            Ok(0) if matches!(dir, Direction::Recv) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection mid-payload",
+                ));
+            }
+            Ok(n) => n,
+            Err(err) => match err.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                    on_timeout()?;
+                    continue;
+                }
+                _ => return Err(err),
+            },
+        };
+        while n > 0 && idx < pieces.len() {
+            let rest = pieces[idx].1 - skip;
+            if n >= rest {
+                n -= rest;
+                idx += 1;
+                skip = 0;
+            } else {
+                skip += n;
+                n = 0;
+            }
+        }
+    }
+}
+
+/// Send `prefix` (a frame header, a range table) and then the bytes of `spans`, in order,
+/// with vectored `sendmsg` calls: one call for the whole frame when the socket has room.
+pub(crate) fn send_spans(
+    fd: BorrowedFd<'_>,
+    prefix: &[u8],
+    spans: &[Span<'_>],
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
+    let mut pieces = Vec::with_capacity(spans.len() + 1);
+    pieces.push((prefix.as_ptr().cast_mut(), prefix.len()));
+    for s in spans {
+        pieces.push((s.start()?, s.len));
+    }
+    // SAFETY: `prefix` is a live slice and every span lies inside its segment (checked by
+    // `start`); sending only reads them.
+    unsafe { move_vectored(fd, &pieces, Direction::Send, on_timeout) }
+}
+
+/// Receive exactly the bytes of `spans`, in order, straight into them with vectored
+/// `recvmsg` calls.
+pub(crate) fn recv_spans(
+    fd: BorrowedFd<'_>,
+    spans: &[Span<'_>],
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
+    let mut pieces = Vec::with_capacity(spans.len());
+    for s in spans {
+        pieces.push((s.start()?, s.len));
+    }
+    // SAFETY: every span lies inside its segment (checked by `start`); segment memory is only
+    // ever accessed through raw pointers, so the kernel writing there aliases no reference.
+    unsafe { move_vectored(fd, &pieces, Direction::Recv, on_timeout) }
+}
+
 /// Take ownership of descriptors that `recvmsg` installed from an SCM_RIGHTS message.
 ///
 /// Only pass descriptors straight out of a `ControlMessageOwned::ScmRights` of a message this

@@ -28,6 +28,10 @@ pub struct TransferMetrics {
     pub target_connections: IntGauge,
     /// `kvpool_transfer_rdma_retries_total`: RDMA slices retried on another NIC.
     pub rdma_retries: IntCounter,
+    /// `kvpool_transfer_vectored_frames_total`: READV/WRITEV frames sent, and
+    /// `kvpool_transfer_vectored_requests_total` the requests they carried.
+    pub vectored_frames: IntCounter,
+    pub vectored_requests: IntCounter,
 }
 
 impl TransferMetrics {
@@ -88,6 +92,14 @@ impl TransferMetrics {
                 "kvpool_transfer_rdma_retries_total",
                 "RDMA slices retried on another NIC after a failed post or completion.",
             )?,
+            vectored_frames: IntCounter::new(
+                "kvpool_transfer_vectored_frames_total",
+                "READV/WRITEV frames sent: several small requests to one segment in one frame.",
+            )?,
+            vectored_requests: IntCounter::new(
+                "kvpool_transfer_vectored_requests_total",
+                "Requests carried by vectored frames (over vectored_frames_total: requests per frame).",
+            )?,
         })
     }
 
@@ -104,6 +116,8 @@ impl TransferMetrics {
         registry.register(Box::new(m.served_bytes.clone()))?;
         registry.register(Box::new(m.target_connections.clone()))?;
         registry.register(Box::new(m.rdma_retries.clone()))?;
+        registry.register(Box::new(m.vectored_frames.clone()))?;
+        registry.register(Box::new(m.vectored_requests.clone()))?;
         Ok(m)
     }
 

@@ -92,6 +92,8 @@ pub struct RemoteSegment {
     pub(super) handle: u32,
     /// The target's instance from OPEN_OK (0: none), sent back with every READ and WRITE.
     pub(super) instance: u32,
+    /// The target serves vectored frames (OPEN_OK's feature bits).
+    pub(super) vectored: bool,
     pub(super) route: Route,
 }
 
@@ -103,6 +105,7 @@ impl std::fmt::Debug for RemoteSegment {
             .field("protocol", &self.protocol())
             .field("handle", &self.handle)
             .field("instance", &self.instance)
+            .field("vectored", &self.vectored)
             .finish()
     }
 }

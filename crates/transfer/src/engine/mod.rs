@@ -23,6 +23,7 @@ use crate::auth::AuthKey;
 use crate::config::EngineConfig;
 use crate::descriptor::{Directory, Endpoint, MemoryKind, SegmentDescriptor};
 use crate::error::{TransferError, error_chain};
+use crate::frame;
 use crate::memory::Segment;
 use crate::metrics::TransferMetrics;
 use crate::rdma::{self, RdmaProvider};
@@ -192,6 +193,11 @@ impl TransferEngine {
             notifications: self.inner.notifications.clone(),
             metrics: self.inner.metrics.clone(),
             rdma: self.inner.rdma.clone(),
+            features: if self.inner.config.vectored {
+                frame::FEATURES
+            } else {
+                0
+            },
         })
     }
 

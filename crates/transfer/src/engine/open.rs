@@ -10,7 +10,7 @@ use super::TransferEngine;
 use super::handles::{RemoteSegment, Route};
 use crate::descriptor::{Protocol, SegmentDescriptor};
 use crate::error::{TransferError, error_chain};
-use crate::frame::Opcode;
+use crate::frame::{self, Opcode};
 use crate::rdma::datapath::{ChannelConfig, RdmaChannel, TcpFallback};
 use crate::rdma::{RdmaError, RdmaProvider};
 use crate::shm;
@@ -185,6 +185,7 @@ impl TransferEngine {
             size: seg.len() as u64,
             handle: 0,
             instance: 0,
+            vectored: false,
             route: Route::Shm(Arc::new(seg)),
         })
     }
@@ -206,6 +207,7 @@ impl TransferEngine {
             size: reply.length,
             handle: reply.handle,
             instance: reply.status,
+            vectored: reply.offset & frame::FEATURE_VECTORED != 0,
             route: Route::Tcp(peer),
         })
     }

@@ -13,7 +13,7 @@ use crate::batch::{Batch, BatchBuilder, BatchFailed, TransferOp};
 use crate::error::{Failure, TransferError, error_chain};
 use crate::frame::{self, ErrorCode, Opcode};
 use crate::memory::{self, MemoryError};
-use crate::tcp::{InlineSlice, Peer, Slice, SliceKind};
+use crate::tcp::{self, InlinePart, InlineSlice, Part, Peer, Slice, SliceKind};
 
 impl TransferEngine {
     /// Send a control request on lane 0 and wait for its reply header.
@@ -42,6 +42,7 @@ impl TransferEngine {
                 instance: 0,
                 remote_offset: 0,
                 len: 0,
+                more: Vec::new(),
             },
         );
         batch
@@ -57,6 +58,8 @@ impl TransferEngine {
         check_bounds(&requests)?;
         let slice_size = self.inner.config.slice_size;
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
+        // The vectored slice being filled with small TCP requests, and its peer.
+        let mut open: Option<(Arc<Peer>, Slice)> = None;
         for r in requests {
             match &r.remote.route {
                 Route::Shm(remote) => {
@@ -91,6 +94,49 @@ impl TransferEngine {
                         r.remote_offset,
                     );
                 }
+                Route::Tcp(peer) if self.packs(&r) => {
+                    let req = builder.request("tcp", r.op.as_str(), r.len, 1);
+                    let joins = open.as_ref().is_some_and(|(p, s)| {
+                        Arc::ptr_eq(p, peer)
+                            && s.handle == r.remote.handle
+                            && s.instance == r.remote.instance
+                            && matches!(
+                                (&s.kind, r.op),
+                                (SliceKind::Read, TransferOp::Read)
+                                    | (SliceKind::Write, TransferOp::Write)
+                            )
+                            && s.more.len() + 1 < frame::MAX_RANGES
+                            && s.total_len() + r.len <= slice_size
+                    });
+                    if let (true, Some((_, s))) = (joins, open.as_mut()) {
+                        s.more.push(Part {
+                            req,
+                            local: r.local.segment().clone(),
+                            local_offset: r.local_offset,
+                            remote_offset: r.remote_offset,
+                            len: r.len,
+                        });
+                        continue;
+                    }
+                    if let Some((p, s)) = open.take() {
+                        p.dispatch(s);
+                    }
+                    let slice = Slice {
+                        req: Some(req),
+                        kind: match r.op {
+                            TransferOp::Read => SliceKind::Read,
+                            TransferOp::Write => SliceKind::Write,
+                        },
+                        local: Some(r.local.segment().clone()),
+                        local_offset: r.local_offset,
+                        handle: r.remote.handle,
+                        instance: r.remote.instance,
+                        remote_offset: r.remote_offset,
+                        len: r.len,
+                        more: Vec::new(),
+                    };
+                    open = Some((peer.clone(), slice));
+                }
                 Route::Tcp(peer) => {
                     let n = r.len.div_ceil(slice_size).max(1);
                     let req = builder.request("tcp", r.op.as_str(), r.len, n as usize);
@@ -109,12 +155,23 @@ impl TransferEngine {
                             instance: r.remote.instance,
                             remote_offset: r.remote_offset + off,
                             len,
+                            more: Vec::new(),
                         });
                     }
                 }
             }
         }
+        if let Some((p, s)) = open.take() {
+            p.dispatch(s);
+        }
         Ok(builder.finish())
+    }
+
+    /// Whether `r` may share a vectored frame with other small requests of its batch.
+    fn packs(&self, r: &TransferRequest) -> bool {
+        self.inner.config.vectored
+            && r.remote.vectored
+            && tcp::packable(r.len, self.inner.config.slice_size)
     }
 
     /// Submit and wait for a batch, failing on the first failed request. A small batch over
@@ -159,6 +216,7 @@ impl TransferEngine {
         Some(RemoteSegment {
             handle: reply.handle,
             instance: reply.status,
+            vectored: reply.offset & frame::FEATURE_VECTORED != 0,
             ..remote.clone()
         })
     }
@@ -257,9 +315,48 @@ impl TransferEngine {
     ) -> Result<(), BatchFailed> {
         let slice_size = self.inner.config.slice_size;
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
-        let mut slices = Vec::new();
-        let mut owner = Vec::new();
+        let mut slices: Vec<InlineSlice<'_>> = Vec::new();
+        // The requests each slice settles.
+        let mut owner: Vec<Vec<Arc<crate::batch::RequestState>>> = Vec::new();
+        // Whether the last slice holds small requests (and so may take more of them).
+        let mut last_packs = false;
         for r in requests {
+            if self.packs(r) {
+                let state = builder.request("tcp", r.op.as_str(), r.len, 1);
+                let write = r.op == TransferOp::Write;
+                if let Some(last) = slices.last_mut()
+                    && last_packs
+                    && last.write == write
+                    && last.handle == r.remote.handle
+                    && last.instance == r.remote.instance
+                    && last.more.len() + 1 < frame::MAX_RANGES
+                    && last.total_len() + r.len <= slice_size
+                    && let Some(o) = owner.last_mut()
+                {
+                    last.more.push(InlinePart {
+                        local: r.local.segment(),
+                        local_offset: r.local_offset,
+                        remote_offset: r.remote_offset,
+                        len: r.len,
+                    });
+                    o.push(state);
+                    continue;
+                }
+                slices.push(InlineSlice {
+                    write,
+                    local: r.local.segment(),
+                    local_offset: r.local_offset,
+                    handle: r.remote.handle,
+                    instance: r.remote.instance,
+                    remote_offset: r.remote_offset,
+                    len: r.len,
+                    more: Vec::new(),
+                });
+                owner.push(vec![state]);
+                last_packs = true;
+                continue;
+            }
+            last_packs = false;
             let n = r.len.div_ceil(slice_size).max(1);
             let state = builder.request("tcp", r.op.as_str(), r.len, n as usize);
             for i in 0..n {
@@ -272,14 +369,15 @@ impl TransferEngine {
                     instance: r.remote.instance,
                     remote_offset: r.remote_offset + off,
                     len: slice_size.min(r.len - off),
+                    more: Vec::new(),
                 });
-                owner.push(state.clone());
+                owner.push(vec![state.clone()]);
             }
         }
         let batch = builder.finish();
         peer.run_inline(&slices, &mut |i, result| {
-            if let Some(state) = owner.get(i) {
-                state.slice_done(result);
+            for state in owner.get(i).into_iter().flatten() {
+                state.slice_done(result.clone());
             }
         });
         // Every slice was settled above: this returns at once.

@@ -63,6 +63,7 @@ fn ctx() -> (ServerCtx, u32) {
         notifications: Arc::new(NotificationQueue::new(4)),
         metrics: TransferMetrics::unregistered().unwrap(),
         rdma: None,
+        features: crate::frame::FEATURES,
     };
     (ctx, handle)
 }
@@ -93,7 +94,7 @@ fn chunk() -> impl Strategy<Value = Chunk> {
     ];
     let offset = prop_oneof![0u64..SEG, SEG - 16..SEG + 16, any::<u64>()];
     prop_oneof![
-        6 => (0u8..=15, any::<bool>(), any::<u32>(), offset, length,
+        6 => (0u8..=17, any::<bool>(), any::<u32>(), offset, length,
               proptest::collection::vec(any::<u8>(), 0..96))
             .prop_map(|(opcode, valid_handle, handle, offset, length, payload)| Chunk::Frame {
                 opcode, valid_handle, handle, offset, length, payload
@@ -248,6 +249,135 @@ fn out_of_bounds_and_unknown_handles_get_errors_and_the_connection_goes_on() {
     let mut tail = [0u8; 2];
     seg.read_at(SEG - 2, &mut tail).unwrap();
     assert_eq!(tail, [0, 0], "rejected write left no bytes behind");
+}
+
+#[test]
+fn vectored_reads_and_writes_move_every_range_in_table_order() {
+    let (ctx, handle) = ctx();
+    let table = crate::frame::encode_ranges([(100, 3), (10, 2), (4000, 4)]);
+    let data = b"abcdefghi";
+    let mut write = Header::new(Opcode::WriteV, 1);
+    write.handle = handle;
+    write.offset = 3;
+    write.length = (table.len() + data.len()) as u64;
+    // Read back in another order than written, over a range the write did not touch.
+    let rtable = crate::frame::encode_ranges([(4000, 4), (100, 3), (10, 2), (20, 1)]);
+    let mut read = Header::new(Opcode::ReadV, 2);
+    read.handle = handle;
+    read.offset = 4;
+    read.length = rtable.len() as u64;
+    let input = [
+        &write.encode()[..],
+        &table,
+        data,
+        &read.encode()[..],
+        &rtable,
+    ]
+    .concat();
+    let output = serve(&ctx, input);
+    assert_eq!(
+        reply_kinds(&output),
+        vec![(1, Opcode::WriteAck, 0), (2, Opcode::ReadData, 0)]
+    );
+    assert!(output.ends_with(b"fghiabcde\0"), "{output:?}");
+    let seg = ctx.registry.get(handle).unwrap();
+    let mut got = [0u8; 3];
+    seg.read_at(100, &mut got).unwrap();
+    assert_eq!(&got, b"abc");
+    assert_eq!(
+        ctx.metrics.served_bytes.with_label_values(&["write"]).get(),
+        9
+    );
+}
+
+#[test]
+fn bad_vectored_requests_get_errors_and_the_connection_goes_on() {
+    let (ctx, handle) = ctx();
+    let vreq = |op: Opcode, id: u64, count: u64, table: &[u8], data: &[u8]| {
+        let mut h = Header::new(op, id);
+        h.handle = handle;
+        h.offset = count;
+        h.length = (table.len() + data.len()) as u64;
+        [&h.encode()[..], table, data].concat()
+    };
+    let t = |r: &[(u64, u64)]| crate::frame::encode_ranges(r.iter().copied());
+    let input = [
+        // A range past the segment's end: refused whole, nothing written.
+        vreq(Opcode::WriteV, 1, 2, &t(&[(0, 2), (SEG - 1, 2)]), b"xxyy"),
+        // The table announces 3 ranges but holds 2.
+        vreq(Opcode::ReadV, 2, 3, &t(&[(0, 1), (1, 1)]), b""),
+        // No ranges at all.
+        vreq(Opcode::ReadV, 3, 0, b"", b""),
+        // More data than the ranges add up to.
+        vreq(Opcode::WriteV, 4, 1, &t(&[(0, 2)]), b"abc"),
+        // A count whose table cannot fit the payload.
+        vreq(Opcode::WriteV, 5, 9, &t(&[(0, 1)]), b"z"),
+        // Ranges adding up past the slice limit.
+        vreq(Opcode::ReadV, 6, 2, &t(&[(0, MAX), (0, 1)]), b""),
+        // An unknown handle.
+        {
+            let mut f = vreq(Opcode::ReadV, 7, 1, &t(&[(0, 1)]), b"");
+            f[16..20].copy_from_slice(&(handle + 9).to_le_bytes());
+            f
+        },
+        vreq(Opcode::ReadV, 8, 1, &t(&[(0, 2)]), b""),
+    ];
+    let output = serve(&ctx, input.concat());
+    assert_eq!(
+        reply_kinds(&output),
+        vec![
+            (1, Opcode::Error, ErrorCode::OutOfBounds as u32),
+            (2, Opcode::Error, ErrorCode::Malformed as u32),
+            (3, Opcode::Error, ErrorCode::Malformed as u32),
+            (4, Opcode::Error, ErrorCode::Malformed as u32),
+            (5, Opcode::Error, ErrorCode::Malformed as u32),
+            (6, Opcode::Error, ErrorCode::TooLarge as u32),
+            (7, Opcode::Error, ErrorCode::UnknownSegment as u32),
+            (8, Opcode::ReadData, 0),
+        ]
+    );
+    assert!(
+        output.ends_with(&[0, 0]),
+        "no rejected write left bytes behind"
+    );
+}
+
+#[test]
+fn a_target_that_does_not_announce_vectored_frames_refuses_them() {
+    let (mut ctx, handle) = ctx();
+    ctx.features = 0;
+    let mut open = Header::new(Opcode::Open, 1);
+    open.length = 3;
+    let table = crate::frame::encode_ranges([(0, 1), (1, 1)]);
+    let mut read = Header::new(Opcode::ReadV, 2);
+    read.handle = handle;
+    read.offset = 2;
+    read.length = table.len() as u64;
+    let input = [&open.encode()[..], b"seg", &read.encode()[..], &table].concat();
+    let mut s = MemStream {
+        input: Cursor::new(input),
+        output: Vec::new(),
+    };
+    let served = serve_requests(&mut s, &ctx, "test", &mut |_| {
+        Err(io::Error::other("no idle waits in memory"))
+    });
+    assert!(served.is_err(), "the connection ends");
+    let got = replies(&s.output);
+    assert_eq!(got[0].opcode, Opcode::OpenOk);
+    assert_eq!(got[0].offset, 0, "no feature bits announced");
+    assert_eq!(
+        (got[1].opcode, got[1].status),
+        (Opcode::Error, ErrorCode::Unsupported as u32)
+    );
+}
+
+#[test]
+fn open_ok_announces_vectored_frames() {
+    let (ctx, _) = ctx();
+    let mut open = Header::new(Opcode::Open, 1);
+    open.length = 3;
+    let got = replies(&serve(&ctx, [&open.encode()[..], b"seg"].concat()));
+    assert_eq!(got[0].offset & crate::frame::FEATURE_VECTORED, 1);
 }
 
 #[test]

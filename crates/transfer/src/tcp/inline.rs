@@ -11,16 +11,17 @@ use std::os::fd::AsFd;
 
 use parking_lot::Mutex;
 
-use super::{DialError, LaneConfig};
+use super::{DialError, LaneConfig, data_frame};
 use crate::error::Failure;
 use crate::frame::{ErrorCode, Header, Opcode};
-use crate::memory::{Segment, Span};
+use crate::memory::{self, Segment, Span};
 use crate::wire::{self, WireError, is_timeout};
 
 /// Idle direct connections kept per peer; more are closed when given back.
 const MAX_IDLE: usize = 16;
 
-/// One slice of an inline transfer.
+/// One slice of an inline transfer: one range, or (with `more`) several ranges of the same
+/// segment in one vectored frame.
 pub(crate) struct InlineSlice<'a> {
     pub(crate) write: bool,
     pub(crate) local: &'a Segment,
@@ -29,6 +30,37 @@ pub(crate) struct InlineSlice<'a> {
     pub(crate) instance: u32,
     pub(crate) remote_offset: u64,
     pub(crate) len: u64,
+    pub(crate) more: Vec<InlinePart<'a>>,
+}
+
+/// A further range of a vectored inline slice.
+pub(crate) struct InlinePart<'a> {
+    pub(crate) local: &'a Segment,
+    pub(crate) local_offset: u64,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
+}
+
+impl InlineSlice<'_> {
+    fn remote_ranges(&self) -> Vec<(u64, u64)> {
+        std::iter::once((self.remote_offset, self.len))
+            .chain(self.more.iter().map(|p| (p.remote_offset, p.len)))
+            .collect()
+    }
+
+    fn local_spans(&self) -> Vec<Span<'_>> {
+        std::iter::once(Span::new(self.local, self.local_offset, self.len as usize))
+            .chain(
+                self.more
+                    .iter()
+                    .map(|p| Span::new(p.local, p.local_offset, p.len as usize)),
+            )
+            .collect()
+    }
+
+    pub(crate) fn total_len(&self) -> u64 {
+        self.len + self.more.iter().map(|p| p.len).sum::<u64>()
+    }
 }
 
 /// The idle direct connections of one peer.
@@ -147,20 +179,23 @@ fn run_on(
         let first = chunk_no * window;
         for (i, s) in chunk.iter().enumerate() {
             let id = (first + i) as u64 + 1;
-            let mut header = Header::new(if s.write { Opcode::Write } else { Opcode::Read }, id);
-            header.length = s.len;
-            header.handle = s.handle;
-            header.status = s.instance;
-            header.offset = s.remote_offset;
+            let head = data_frame(s.write, id, s.handle, s.instance, &s.remote_ranges());
+            if !s.more.is_empty() {
+                cfg.metrics.vectored_frames.inc();
+                cfg.metrics
+                    .vectored_requests
+                    .inc_by(1 + s.more.len() as u64);
+            }
             let sent = if s.write {
-                Span::new(s.local, s.local_offset, s.len as usize).send_prefixed(
+                memory::send_spans(
                     stream.as_fd(),
-                    &header.encode(),
+                    &head,
+                    &s.local_spans(),
                     &mut wire::fail_on_timeout,
                 )
             } else {
                 use std::io::Write;
-                stream.write_all(&header.encode())
+                stream.write_all(&head)
             };
             sent.map_err(|e| io_failure(e, "sending to"))?;
         }
@@ -214,9 +249,8 @@ fn read_reply(
     }
     match (header.opcode, s.write) {
         (Opcode::WriteAck, true) => Ok(Ok(())),
-        (Opcode::ReadData, false) if header.length == s.len => {
-            Span::new(s.local, s.local_offset, s.len as usize)
-                .recv(stream.as_fd(), &mut wire::fail_on_timeout)
+        (Opcode::ReadData, false) if header.length == s.total_len() => {
+            memory::recv_spans(stream.as_fd(), &s.local_spans(), &mut wire::fail_on_timeout)
                 .map_err(|e| {
                     conn(Failure::new(
                         if is_timeout(&e) { "timeout" } else { "io" },
@@ -227,7 +261,11 @@ fn read_reply(
         }
         (Opcode::ReadData, false) => Err(conn(Failure::new(
             "protocol",
-            format!("READ of {} bytes answered with {}", s.len, header.length),
+            format!(
+                "READ of {} bytes answered with {}",
+                s.total_len(),
+                header.length
+            ),
         ))),
         (op, _) => Err(conn(Failure::new(
             "protocol",

@@ -20,13 +20,13 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 pub(crate) use dial::{DialError, Dialer};
-pub(crate) use inline::InlineSlice;
+pub(crate) use inline::{InlinePart, InlineSlice};
 pub(crate) use peer::Peer;
 
 use crate::batch::RequestState;
 use crate::error::Failure;
-use crate::frame::{Header, Opcode};
-use crate::memory::Segment;
+use crate::frame::{self, Header, Opcode};
+use crate::memory::{Segment, Span};
 use crate::metrics::TransferMetrics;
 
 /// What a slice does.
@@ -41,7 +41,8 @@ pub(crate) enum SliceKind {
     },
 }
 
-/// One unit of work on one lane: a piece of a request.
+/// One unit of work on one lane: a piece of a request, or (with `more`) several small
+/// requests to the same segment carried by one vectored frame.
 pub(crate) struct Slice {
     pub(crate) req: Option<Arc<RequestState>>,
     pub(crate) kind: SliceKind,
@@ -52,29 +53,105 @@ pub(crate) struct Slice {
     pub(crate) instance: u32,
     pub(crate) remote_offset: u64,
     pub(crate) len: u64,
+    /// Further ranges of the same segment, same direction, sent in the same frame (READV or
+    /// WRITEV); empty for a plain READ or WRITE.
+    pub(crate) more: Vec<Part>,
+}
+
+/// One more range of a vectored slice, with the request it belongs to.
+pub(crate) struct Part {
+    pub(crate) req: Arc<RequestState>,
+    pub(crate) local: Arc<Segment>,
+    pub(crate) local_offset: u64,
+    pub(crate) remote_offset: u64,
+    pub(crate) len: u64,
 }
 
 impl Slice {
-    /// Settle the slice. The segment reference is released before the request is told, so a
-    /// caller that sees its batch finish also sees every transfer's hold on its memory gone.
+    /// Settle the slice. The segment references are released before the requests are told, so
+    /// a caller that sees its batch finish also sees every transfer's hold on its memory gone.
     fn settle(mut self, result: Result<(), Failure>) {
-        self.local = None;
-        if let Some(req) = self.req.take() {
-            req.slice_done(result);
+        for req in self.release() {
+            req.slice_done(result.clone());
         }
+    }
+
+    /// Drop the slice's hold on segment memory and hand out the requests to settle.
+    fn release(&mut self) -> Vec<Arc<RequestState>> {
+        self.local = None;
+        let mut reqs: Vec<Arc<RequestState>> = self.req.take().into_iter().collect();
+        reqs.extend(self.more.drain(..).map(|p| p.req));
+        reqs
+    }
+
+    /// Bytes the slice moves, over all its ranges.
+    pub(crate) fn total_len(&self) -> u64 {
+        self.len + self.more.iter().map(|p| p.len).sum::<u64>()
+    }
+
+    /// The remote ranges, in frame order.
+    fn remote_ranges(&self) -> Vec<(u64, u64)> {
+        std::iter::once((self.remote_offset, self.len))
+            .chain(self.more.iter().map(|p| (p.remote_offset, p.len)))
+            .collect()
+    }
+
+    /// The local memory of every range, in frame order (`None`: a slice without memory).
+    fn local_spans(&self) -> Option<Vec<Span<'_>>> {
+        let first = self.local.as_ref()?;
+        let mut spans = vec![Span::new(first, self.local_offset, self.len as usize)];
+        spans.extend(
+            self.more
+                .iter()
+                .map(|p| Span::new(&p.local, p.local_offset, p.len as usize)),
+        );
+        Some(spans)
     }
 }
 
 impl Drop for Slice {
     fn drop(&mut self) {
-        self.local = None;
-        if let Some(req) = self.req.take() {
+        for req in self.release() {
             req.slice_done(Err(Failure::new(
                 "lane_closed",
                 "the connection carrying this request closed before it completed",
             )));
         }
     }
+}
+
+/// The header and the bytes that follow it (before any WRITE data) of a data frame over
+/// `ranges` of segment `handle`: READ or WRITE for one range, READV or WRITEV (with the
+/// range table) for several.
+pub(crate) fn data_frame(
+    write: bool,
+    id: u64,
+    handle: u32,
+    instance: u32,
+    ranges: &[(u64, u64)],
+) -> Vec<u8> {
+    let total: u64 = ranges.iter().map(|r| r.1).sum();
+    let (mut header, table) = match ranges {
+        [(offset, len)] => {
+            let mut h = Header::new(if write { Opcode::Write } else { Opcode::Read }, id);
+            h.offset = *offset;
+            h.length = *len;
+            (h, Vec::new())
+        }
+        _ => {
+            let table = frame::encode_ranges(ranges.iter().copied());
+            let mut h = Header::new(if write { Opcode::WriteV } else { Opcode::ReadV }, id);
+            h.offset = ranges.len() as u64;
+            h.length = table.len() as u64 + if write { total } else { 0 };
+            (h, table)
+        }
+    };
+    header.handle = handle;
+    header.status = instance;
+    let mut out = Vec::with_capacity(frame::HEADER_LEN + table.len());
+    out.extend_from_slice(&header.encode());
+    out.extend_from_slice(&table);
+    out
 }
 
 /// Settings shared by all lanes of an engine.
@@ -87,4 +164,10 @@ pub(crate) struct LaneConfig {
     /// How long inline transfers poll for a reply before sleeping on the socket.
     pub(crate) spin_wait: std::time::Duration,
     pub(crate) metrics: TransferMetrics,
+}
+
+/// Whether a request of `len` bytes may share a vectored frame with others: only requests
+/// well below a slice (larger ones are cut into slices of their own).
+pub(crate) fn packable(len: u64, slice_size: u64) -> bool {
+    len > 0 && len <= slice_size / 2
 }

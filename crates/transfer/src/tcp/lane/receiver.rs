@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::LaneShared;
 use crate::error::Failure;
 use crate::frame::{ErrorCode, Opcode};
-use crate::memory::Span;
+use crate::memory;
 use crate::tcp::SliceKind;
 use crate::wire::{self, WireError, is_timeout};
 
@@ -70,15 +70,13 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
         let outcome: Result<Result<(), Failure>, Failure> = match (header.opcode, &slice.kind) {
             (Opcode::WriteAck, SliceKind::Write) => Ok(Ok(())),
             (Opcode::ReadData, SliceKind::Read) => {
-                if header.length != slice.len {
+                let total = slice.total_len();
+                if header.length != total {
                     Err(Failure::new(
                         "protocol",
-                        format!(
-                            "READ of {} bytes answered with {}",
-                            slice.len, header.length
-                        ),
+                        format!("READ of {total} bytes answered with {}", header.length),
                     ))
-                } else if let Some(seg) = &slice.local {
+                } else if let Some(spans) = slice.local_spans() {
                     let sent_at = inflight.sent_at;
                     let mut payload_deadline = || -> io::Result<()> {
                         if sent_at.elapsed() > timeout {
@@ -90,8 +88,7 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
                             Ok(())
                         }
                     };
-                    let to = Span::new(seg, slice.local_offset, slice.len as usize);
-                    match to.recv(stream.as_fd(), &mut payload_deadline) {
+                    match memory::recv_spans(stream.as_fd(), &spans, &mut payload_deadline) {
                         Ok(()) => Ok(Ok(())),
                         Err(e) => Err(Failure::new(
                             if is_timeout(&e) { "timeout" } else { "io" },

@@ -12,9 +12,9 @@ use std::time::Instant;
 
 use super::{InFlight, LaneShared, TICK};
 use crate::error::Failure;
-use crate::frame::{self, Header, Opcode};
-use crate::memory::{Segment, Span};
-use crate::tcp::{Slice, SliceKind};
+use crate::frame::{self, Header};
+use crate::memory::{self, Segment, Span};
+use crate::tcp::{self, Slice, SliceKind};
 use crate::wire::{self, is_timeout};
 
 pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiver<Slice>) {
@@ -42,34 +42,50 @@ pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiv
             continue;
         }
         let id = sh.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut header;
-        let mut payload: Option<(Arc<Segment>, u64, usize)> = None;
-        let mut control: Vec<u8> = Vec::new();
-        match &slice.kind {
-            SliceKind::Read => {
-                header = Header::new(Opcode::Read, id);
-                header.length = slice.len;
-            }
-            SliceKind::Write => {
-                header = Header::new(Opcode::Write, id);
-                header.length = slice.len;
-                if let Some(seg) = &slice.local {
-                    payload = Some((seg.clone(), slice.local_offset, slice.len as usize));
-                }
+        // The frame's head (header, range table or control payload), and for writes where
+        // the data comes from.
+        let (head, write_data) = match &slice.kind {
+            SliceKind::Read | SliceKind::Write => {
+                let write = matches!(slice.kind, SliceKind::Write);
+                let head = tcp::data_frame(
+                    write,
+                    id,
+                    slice.handle,
+                    slice.instance,
+                    &slice.remote_ranges(),
+                );
+                (head, write)
             }
             SliceKind::Control {
                 opcode, payload: p, ..
             } => {
-                header = Header::new(*opcode, id);
+                let mut header = Header::new(*opcode, id);
                 header.length = p.len() as u64;
-                control = p.clone();
+                let mut head = Vec::with_capacity(frame::HEADER_LEN + p.len());
+                head.extend_from_slice(&header.encode());
+                head.extend_from_slice(p);
+                (head, false)
             }
-        }
-        header.handle = slice.handle;
-        header.offset = slice.remote_offset;
-        if !matches!(slice.kind, SliceKind::Control { .. }) {
-            header.status = slice.instance;
-        }
+        };
+        // The write's memory stays referenced by the slice, which is in flight (and so
+        // alive) until its reply or the lane's failure; the sender holds its own references.
+        let payload: Vec<(Arc<Segment>, u64, usize)> = if write_data {
+            let mut v = Vec::with_capacity(1 + slice.more.len());
+            if let Some(seg) = &slice.local {
+                v.push((seg.clone(), slice.local_offset, slice.len as usize));
+            }
+            v.extend(
+                slice
+                    .more
+                    .iter()
+                    .map(|p| (p.local.clone(), p.local_offset, p.len as usize)),
+            );
+            v
+        } else {
+            Vec::new()
+        };
+        let single = slice.more.is_empty();
+        let ranges = 1 + slice.more.len();
         {
             // Check `dead` under the queue lock: `fail` sets it before draining under the same
             // lock, so a slice is either drained by `fail` or never queued on a dead lane.
@@ -85,7 +101,11 @@ pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiv
                 sent_at: Instant::now(),
             });
         }
-        let result = send_frame(&mut stream, &header, &control, payload);
+        if !single {
+            sh.cfg.metrics.vectored_frames.inc();
+            sh.cfg.metrics.vectored_requests.inc_by(ranges as u64);
+        }
+        let result = send_frame(&mut stream, &head, &payload);
         if let Err(e) = result {
             sh.fail(Failure::new(
                 if is_timeout(&e) { "timeout" } else { "io" },
@@ -98,20 +118,16 @@ pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiv
 
 fn send_frame(
     stream: &mut TcpStream,
-    header: &Header,
-    control: &[u8],
-    payload: Option<(Arc<Segment>, u64, usize)>,
+    head: &[u8],
+    payload: &[(Arc<Segment>, u64, usize)],
 ) -> io::Result<()> {
     use std::io::Write;
-    if let Some((seg, off, len)) = payload {
-        return Span::new(&seg, off, len).send_prefixed(
-            stream.as_fd(),
-            &header.encode(),
-            &mut wire::fail_on_timeout,
-        );
+    if payload.is_empty() {
+        return stream.write_all(head);
     }
-    let mut buf = Vec::with_capacity(frame::HEADER_LEN + control.len());
-    buf.extend_from_slice(&header.encode());
-    buf.extend_from_slice(control);
-    stream.write_all(&buf)
+    let spans: Vec<Span<'_>> = payload
+        .iter()
+        .map(|(seg, off, len)| Span::new(seg, *off, *len))
+        .collect();
+    memory::send_spans(stream.as_fd(), head, &spans, &mut wire::fail_on_timeout)
 }

@@ -130,6 +130,7 @@ impl Shared {
                         instance: 0,
                         remote_offset: inf.remote_base + s.offset,
                         len: s.len,
+                        more: Vec::new(),
                     });
                 }
                 None => inf.req.slice_done(Err(self.failure(&reason))),
