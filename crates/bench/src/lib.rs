@@ -4,6 +4,7 @@
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
 pub mod master;
+pub mod mooncake;
 pub mod sched;
 pub mod store;
 pub mod transfer;

@@ -12,6 +12,7 @@ mod procs;
 mod redis;
 mod report;
 mod values;
+mod vs_mooncake;
 mod worker;
 
 use std::net::SocketAddr;
@@ -35,6 +36,7 @@ pub use self::report::{
     aggregate, report,
 };
 pub use self::values::{template, verify};
+pub use self::vs_mooncake::{CellRatio, MooncakeStore, parse_driver_output};
 
 /// How long child processes get to come up.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -100,6 +102,15 @@ pub struct StoreBenchArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also measure Mooncake Store (PyPI `mooncake-transfer-engine-non-cuda`, found or
+    /// installed in a venv) with the same sizes, operations, operations in flight, holders
+    /// (one per agent) and capacity, after kvpool's run, and report both and their ratios.
+    #[arg(long = "vs_mooncake", alias = "vs-mooncake")]
+    pub vs_mooncake: bool,
+    /// The venv holding Mooncake (default: KVPOOL_MOONCAKE_VENV, else .tools/py or
+    /// .tools/mooncake, made and filled from PyPI when neither has it).
+    #[arg(long = "mooncake_venv", alias = "mooncake-venv")]
+    pub mooncake_venv: Option<PathBuf>,
     /// Internal: run as client process number N of a benchmark.
     #[arg(long, hide = true)]
     pub worker: Option<usize>,
@@ -275,7 +286,19 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
     } else {
         Some(redis::redis_baseline(dir.path(), args.redis_requests)?)
     };
-    Ok(report(&args, &results, redis))
+    let mooncake = if args.vs_mooncake {
+        Some(tokio::task::block_in_place(|| {
+            vs_mooncake::run(&args, dir.path())
+        })?)
+    } else {
+        None
+    };
+    let mut r = report(&args, &results, redis);
+    if let Some(m) = mooncake {
+        r.ratio_vs_mooncake = vs_mooncake::ratios(&r.values, &m);
+        r.mooncake = Some(m);
+    }
+    Ok(r)
 }
 
 /// Entry point of `kvpool bench store` (coordinator or, with `--worker`, a client process).

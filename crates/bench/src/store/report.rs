@@ -105,6 +105,10 @@ pub struct StoreBenchReport {
     pub redis: Option<RedisFigures>,
     /// Present when 1 MiB was measured and Redis ran.
     pub ratio_1mib: Option<Ratio>,
+    /// Mooncake Store's figures of the same cells (`--vs_mooncake`).
+    pub mooncake: Option<super::MooncakeStore>,
+    /// kvpool over Mooncake per value size (`--vs_mooncake`; target: rates >= 1.5, p99 <= 1).
+    pub ratio_vs_mooncake: Vec<super::CellRatio>,
     pub load_average: Option<[f64; 3]>,
 }
 
@@ -238,6 +242,8 @@ pub fn report(
         all_gets_verified: all_verified,
         redis,
         ratio_1mib,
+        mooncake: None,
+        ratio_vs_mooncake: Vec::new(),
         load_average: load_average(),
     }
 }
@@ -296,6 +302,26 @@ pub(super) fn print_text(r: &StoreBenchReport) {
             "1 MiB vs redis: put/SET {:.2}x, get/GET {:.2}x",
             q.put_over_set, q.get_over_get
         );
+    }
+    if let Some(m) = &r.mooncake {
+        println!(
+            "Mooncake Store {} ({} holders x {} B, {} in flight):",
+            m.mooncake_version, m.holders, m.capacity_per_holder, m.depth
+        );
+        for v in &m.values {
+            for (what, f) in [("put", &v.put), ("get", &v.get)] {
+                println!(
+                    "{what} {:>8} B  {:>9.0} ops/s  p50 {:>6} us  p99 {:>6} us  failures {}",
+                    v.size_bytes, f.ops_per_second, f.p50_us, f.p99_us, f.failures
+                );
+            }
+        }
+        for q in &r.ratio_vs_mooncake {
+            println!(
+                "{:>8} B vs Mooncake: put {:.2}x, get {:.2}x ops/s; p99 put {:.2}, get {:.2}                  (kvpool over Mooncake)",
+                q.size_bytes, q.put_ops, q.get_ops, q.put_p99, q.get_p99
+            );
+        }
     }
     println!("all gets verified: {}", r.all_gets_verified);
 }

@@ -8,9 +8,11 @@ mod baselines;
 mod initiator;
 mod report;
 mod target;
+mod vs_mooncake;
 
 pub use self::baselines::{Baselines, iperf3_loopback, memcpy_bandwidth, parse_iperf3_json};
 pub use self::initiator::{InitiatorReport, run_initiator_with};
+pub use self::vs_mooncake::MooncakeRun;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -113,6 +115,19 @@ pub struct TransferBenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Also run Mooncake's `transfer_engine_bench` (PyPI `mooncake-transfer-engine-non-cuda`,
+    /// found or installed in a venv) with the same operation, sizes, threads and duration over
+    /// TCP loopback, and report both and their ratio (`--mode both --protocol tcp` only).
+    #[arg(long = "vs_mooncake", alias = "vs-mooncake")]
+    pub vs_mooncake: bool,
+    /// The venv holding Mooncake (default: KVPOOL_MOONCAKE_VENV, else .tools/py or
+    /// .tools/mooncake, made and filled from PyPI when neither has it).
+    #[arg(long = "mooncake_venv", alias = "mooncake-venv")]
+    pub mooncake_venv: Option<PathBuf>,
+    /// With --vs_mooncake: rounds of both sides, alternating which goes first; medians are
+    /// compared.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
 }
 
 /// `--operation`
@@ -147,6 +162,8 @@ pub enum TransferBenchError {
     Signal(#[source] std::io::Error),
     #[error("every transfer failed; last failure: {0}")]
     AllFailed(String),
+    #[error("the Mooncake side of --vs_mooncake failed")]
+    Mooncake(#[source] crate::mooncake::MooncakeError),
 }
 
 impl TransferBenchError {
@@ -197,6 +214,12 @@ impl TransferBenchArgs {
         if self.mode == Mode::Initiator && self.protocol == Protocol::Shm && self.shm_path.is_none()
         {
             return bad("--mode initiator --protocol shm needs --shm_path");
+        }
+        if self.vs_mooncake && (self.mode != Mode::Both || self.protocol != Protocol::Tcp) {
+            return bad("--vs_mooncake needs --mode both --protocol tcp");
+        }
+        if self.vs_mooncake && self.rounds == 0 {
+            return bad("--rounds must be > 0");
         }
         Ok(())
     }
@@ -249,7 +272,7 @@ pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
                 nics: Vec::new(),
             };
             let report = run_initiator(&args, &engine, &desc)?;
-            print_report(&args, &report, None);
+            print_report(&args, &report, None, None);
             Ok(())
         }
         Mode::Both => {
@@ -266,19 +289,110 @@ pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
             } else {
                 Some(measure_baselines(&args)?)
             };
-            let target = Target::start(&args, key.clone())?;
-            let engine = new_engine(&args, key)?;
-            let report = run_initiator(&args, &engine, &target.descriptor)?;
-            drop(engine);
-            drop(target);
+            let (report, versus) = if args.vs_mooncake {
+                let (report, versus) = against_mooncake(&args, &key)?;
+                (report, Some(versus))
+            } else {
+                (run_kvpool(&args, &key)?, None)
+            };
             let baselines = match before {
                 Some(b) => Some(b.merge(measure_baselines(&args)?)),
                 None => None,
             };
-            print_report(&args, &report, baselines.as_ref());
+            print_report(&args, &report, baselines.as_ref(), versus.as_ref());
             Ok(())
         }
     }
+}
+
+/// One kvpool run in this process: a fresh target, an initiator against it.
+fn run_kvpool(
+    args: &TransferBenchArgs,
+    key: &AuthKey,
+) -> Result<InitiatorReport, TransferBenchError> {
+    let target = Target::start(args, key.clone())?;
+    let engine = new_engine(args, key.clone())?;
+    let report = run_initiator(args, &engine, &target.descriptor)?;
+    drop(engine);
+    drop(target);
+    Ok(report)
+}
+
+/// kvpool and Mooncake over the same cell, `--rounds` times each, alternating which side goes
+/// first; the kvpool report returned is its median run's.
+fn against_mooncake(
+    args: &TransferBenchArgs,
+    key: &AuthKey,
+) -> Result<(InitiatorReport, Versus), TransferBenchError> {
+    let mc = crate::mooncake::Mooncake::find_or_install(args.mooncake_venv.as_deref())
+        .map_err(TransferBenchError::Mooncake)?;
+    let logs = tempfile::Builder::new()
+        .prefix("kvpool-vs-mooncake-")
+        .tempdir()
+        .map_err(|e| TransferBenchError::Args(format!("temp dir: {e}")))?;
+    let mut ours = Vec::new();
+    let mut theirs = Vec::new();
+    for round in 0..args.rounds {
+        let mooncake_first = round % 2 == 1;
+        if mooncake_first {
+            theirs.push(
+                vs_mooncake::run_round(&mc, args, logs.path(), round)
+                    .map_err(TransferBenchError::Mooncake)?,
+            );
+        }
+        ours.push(run_kvpool(args, key)?);
+        if !mooncake_first {
+            theirs.push(
+                vs_mooncake::run_round(&mc, args, logs.path(), round)
+                    .map_err(TransferBenchError::Mooncake)?,
+            );
+        }
+    }
+    let kvpool: Vec<f64> = ours.iter().map(|r| r.gb_per_s).collect();
+    let mooncake: Vec<f64> = theirs.iter().map(|r| r.gb_per_s).collect();
+    let (ours_median, theirs_median) = (
+        crate::mooncake::median(&kvpool),
+        crate::mooncake::median(&mooncake),
+    );
+    let versus = Versus {
+        mooncake_version: mc.version.clone(),
+        mooncake_command: format!(
+            "{} {}",
+            mc.bin("transfer_engine_bench").display(),
+            vs_mooncake::initiator_flags(args, 0, "127.0.0.1:PORT").join(" ")
+        ),
+        kvpool_gb_per_s: kvpool,
+        mooncake_gb_per_s: mooncake,
+        mooncake_runs: theirs,
+        kvpool_median_gb_per_s: ours_median,
+        mooncake_median_gb_per_s: theirs_median,
+        ratio: (theirs_median > 0.0).then(|| ours_median / theirs_median),
+    };
+    // The kvpool run closest to the median stands for the cell.
+    let report = ours
+        .into_iter()
+        .min_by(|a, b| {
+            (a.gb_per_s - ours_median)
+                .abs()
+                .total_cmp(&(b.gb_per_s - ours_median).abs())
+        })
+        .ok_or_else(|| TransferBenchError::Args("no round ran".into()))?;
+    Ok((report, versus))
+}
+
+/// Both sides of `--vs_mooncake`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Versus {
+    pub mooncake_version: String,
+    /// Mooncake's initiator as run (ports vary per round).
+    pub mooncake_command: String,
+    pub kvpool_gb_per_s: Vec<f64>,
+    pub mooncake_gb_per_s: Vec<f64>,
+    pub mooncake_runs: Vec<MooncakeRun>,
+    pub kvpool_median_gb_per_s: f64,
+    pub mooncake_median_gb_per_s: f64,
+    /// kvpool's median over Mooncake's.
+    pub ratio: Option<f64>,
 }
 
 pub(super) fn new_engine(

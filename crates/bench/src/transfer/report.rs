@@ -2,11 +2,19 @@
 //! the baselines and whether the targets (TCP >= 90% of iperf3, shm >= 50% of memcpy) are met.
 //! I/O boundary: stdout.
 
-use super::TransferBenchArgs;
 use super::baselines::Baselines;
 use super::initiator::InitiatorReport;
+use super::{TransferBenchArgs, Versus};
 
-pub(super) fn print_report(args: &TransferBenchArgs, r: &InitiatorReport, b: Option<&Baselines>) {
+/// kvpool over Mooncake that issue 14 asks for, in every transfer cell.
+const MOONCAKE_TARGET: f64 = 1.5;
+
+pub(super) fn print_report(
+    args: &TransferBenchArgs,
+    r: &InitiatorReport,
+    b: Option<&Baselines>,
+    versus: Option<&Versus>,
+) {
     let tcp_ratio = b
         .and_then(|b| b.iperf3_gb_per_s)
         .filter(|_| r.protocol == "tcp")
@@ -20,7 +28,9 @@ pub(super) fn print_report(args: &TransferBenchArgs, r: &InitiatorReport, b: Opt
             "baselines": b,
             "ratio_vs_iperf3": tcp_ratio,
             "ratio_vs_memcpy": shm_ratio,
-            "targets": {"tcp_vs_iperf3": 0.9, "shm_vs_memcpy": 0.5},
+            "vs_mooncake": versus,
+            "ratio_vs_mooncake": versus.and_then(|v| v.ratio),
+            "targets": {"tcp_vs_iperf3": 0.9, "shm_vs_memcpy": 0.5, "tcp_vs_mooncake": MOONCAKE_TARGET},
         });
         println!("{v}");
         return;
@@ -60,6 +70,26 @@ pub(super) fn print_report(args: &TransferBenchArgs, r: &InitiatorReport, b: Opt
             x * 100.0,
             if x >= 0.9 { "met" } else { "NOT met" }
         );
+    }
+    if let Some(v) = versus {
+        println!(
+            "kvpool runs: {:.3?} GB/s (median {:.3})",
+            v.kvpool_gb_per_s, v.kvpool_median_gb_per_s
+        );
+        println!(
+            "Mooncake {} transfer_engine_bench runs: {:.3?} GB/s (median {:.3})",
+            v.mooncake_version, v.mooncake_gb_per_s, v.mooncake_median_gb_per_s
+        );
+        if let Some(x) = v.ratio {
+            println!(
+                "kvpool / Mooncake = {x:.2}x (target >= {MOONCAKE_TARGET}x: {})",
+                if x >= MOONCAKE_TARGET {
+                    "met"
+                } else {
+                    "NOT met"
+                }
+            );
+        }
     }
     if let Some(x) = shm_ratio {
         println!(
