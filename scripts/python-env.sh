@@ -6,6 +6,8 @@
 # Idempotent: pinned tools already installed are left alone; the package is always rebuilt.
 #   scripts/python-env.sh            debug build of the extension (fast to build; the tests)
 #   scripts/python-env.sh --release  release build (the benchmark)
+#   scripts/python-env.sh --tools    the pinned tools only, no kvpool package (Mooncake for
+#                                    `kvpool bench ... --vs_mooncake` and its tests)
 # Needs python3 with venv and pip (scripts/deps.sh installs them), and Mooncake's wheel needs
 # libibverbs1 and librdmacm1 at run time (scripts/deps.sh installs them with the verbs headers).
 set -euo pipefail
@@ -17,10 +19,12 @@ NUMPY_VERSION=2.2.6
 MOONCAKE_VERSION=0.3.13.post1
 
 profile=dev
+tools_only=0
 case "${1:-}" in
   --release) profile=release ;;
+  --tools) tools_only=1 ;;
   "") ;;
-  *) echo "usage: $0 [--release]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--release | --tools]" >&2; exit 2 ;;
 esac
 
 root="$PWD/.tools"
@@ -35,6 +39,10 @@ if [ ! -f "$stamp" ]; then
     "maturin==$MATURIN_VERSION" "pytest==$PYTEST_VERSION" "numpy==$NUMPY_VERSION" \
     "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
   touch "$stamp"
+fi
+if [ "$tools_only" = 1 ]; then
+  echo "python-env.sh: pinned tools in $venv"
+  exit 0
 fi
 if [ -f crates/python/pyproject.toml ]; then
   # maturin's PEP 517 backend takes its build options from MATURIN_PEP517_ARGS.

@@ -108,3 +108,36 @@ fn bench_store_reports_every_size_and_verifies_every_get() {
         assert!(r["redis"].is_null() && r["ratio_1mib"].is_null());
     }
 }
+
+/// `--api engine`: the clients go through the agents' engine API (each client a different
+/// agent), one call in flight and several, and every get still comes back byte-exact.
+#[test]
+fn bench_store_through_the_engine_api_verifies_every_get() {
+    for depth in ["1", "3"] {
+        let out = Command::new(KVPOOL)
+            .args(["bench", "store", "--json", "--api", "engine", "--no-redis"])
+            .args(["--agents", "2", "--clients", "2", "--depth", depth])
+            .args(["--sizes", "64KiB,1MiB", "--ops", "6", "--rounds", "1"])
+            .args(["--agent-capacity", "64MiB", "--lookup-duration", "100ms"])
+            .output()
+            .expect("run kvpool bench store");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "depth {depth}: {}\n{stdout}\n{stderr}",
+            out.status
+        );
+        let r: serde_json::Value = serde_json::from_str(&stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"));
+        assert_eq!(r["api"], "engine");
+        assert_eq!(r["all_gets_verified"], true, "{r}");
+        for v in r["values"].as_array().expect("values") {
+            for phase in ["put", "get"] {
+                assert_eq!(v[phase]["ops"], 12, "{phase} of {v}");
+                assert_eq!(v[phase]["failures"], 0, "{phase} of {v}");
+            }
+            assert_eq!(v["get_verified"], 12, "{v}");
+        }
+    }
+}

@@ -6,13 +6,16 @@
 //! (inside [`PoolClient`]); the mapping from pool errors to per-item statuses ([`put_status`],
 //! [`get_status`]) is pure.
 
-use std::sync::Arc;
+use std::ptr::NonNull;
+use std::sync::{Arc, Weak};
 
 use futures::stream::{self, StreamExt};
 use kvpool_client::master::ClientError;
 use kvpool_client::pool::{DataError, PoolClient};
 use kvpool_core::master::{ObjectKey, PutOptions, ReplicaInfo, Spread};
 use kvpool_proto::master::ErrorCode;
+use kvpool_transfer::{LocalSegment, Segment};
+use parking_lot::Mutex;
 
 use super::feed;
 use super::registrar::SSD_SEGMENT;
@@ -26,6 +29,9 @@ use crate::ssd::pool::SharedIndex;
 /// Items of one batch moved at once (each is a master round trip plus a transfer).
 pub const PARALLEL_ITEMS: usize = 8;
 
+/// Staging areas registered with the transfer engine, each with its area.
+type Registrations = Vec<(Weak<Staging>, LocalSegment)>;
+
 /// The engine API's view of the pool.
 #[derive(Clone, Debug)]
 pub struct PoolApi {
@@ -36,6 +42,11 @@ pub struct PoolApi {
     ssd_index: Option<SharedIndex>,
     /// The engine API's metrics (hits, misses, bytes and errors of the pool).
     metrics: Arc<AgentMetrics>,
+    /// Staging areas registered with the client's transfer engine, so that puts and gets move
+    /// bytes straight between the engine's staging memory and the wire (one copy, by the
+    /// kernel). Each registration holds its area's mapping; it is dropped once the session is
+    /// closed and no call uses the area any more.
+    registered: Arc<Mutex<Registrations>>,
 }
 
 fn code_of(e: &DataError) -> Option<ErrorCode> {
@@ -79,7 +90,39 @@ impl PoolApi {
             replicas,
             ssd_index: None,
             metrics,
+            registered: Arc::default(),
         }
+    }
+
+    /// `staging` as memory of the client's transfer engine (registered on first use).
+    fn registered(&self, staging: &Arc<Staging>) -> Result<LocalSegment, DataError> {
+        let mut regs = self.registered.lock();
+        // A closed session's area is held by its registration alone: let both go.
+        regs.retain(|(w, _)| w.strong_count() > 1);
+        if let Some((_, seg)) = regs
+            .iter()
+            .find(|(w, _)| w.as_ptr() == Arc::as_ptr(staging))
+        {
+            return Ok(seg.clone());
+        }
+        let len = usize::try_from(staging.size()).unwrap_or(usize::MAX);
+        let ptr = NonNull::new(staging.as_ptr()).ok_or_else(|| DataError::Staging {
+            size: staging.size(),
+            source: kvpool_transfer::MemoryError::InvalidSize { size: 0, max: 0 },
+        })?;
+        let keep = Arc::clone(staging);
+        // SAFETY: the mapping covers `len` bytes from `ptr` and stays mapped while `keep`
+        // lives, which the release closure holds until the segment's last reference drops.
+        // The bytes are only touched through raw pointers (the engine's syscalls, the
+        // staging's own copies), never through Rust references.
+        let seg = unsafe { Segment::from_raw_parts(ptr, len, Some(Box::new(move || drop(keep)))) }
+            .map_err(|source| DataError::Staging {
+                size: staging.size(),
+                source,
+            })?;
+        let local = self.client.register_memory(Arc::new(seg))?;
+        regs.push((Arc::downgrade(staging), local.clone()));
+        Ok(local)
     }
 
     /// Record puts that land in this node's SSD segment in its durable index.
@@ -90,7 +133,14 @@ impl PoolApi {
 
     /// Index the replicas of `key` that landed in this node's SSD segment (flushing the data
     /// first); a failure only costs the block's persistence across a restart.
-    async fn record_ssd(&self, key: &[u8], value: &[u8], replicas: &[ReplicaInfo]) {
+    async fn record_ssd(
+        &self,
+        key: &[u8],
+        staging: &Staging,
+        offset: u64,
+        length: u64,
+        replicas: &[ReplicaInfo],
+    ) {
         let Some(index) = self.ssd_index.clone() else {
             return;
         };
@@ -102,7 +152,12 @@ impl PoolApi {
         if mine.is_empty() {
             return;
         }
-        let (object, crc) = (ObjectKey::from_bytes(key), crc32c::crc32c(value));
+        // Only a replica on this node's SSD needs the value's checksum (and so its bytes).
+        let mut value = vec![0u8; usize::try_from(length).unwrap_or(0)];
+        if staging.read_into(offset, &mut value).is_err() {
+            return;
+        }
+        let (object, crc) = (ObjectKey::from_bytes(key), crc32c::crc32c(&value));
         feed::update_index(
             index,
             "recording a put in the SSD index failed",
@@ -126,7 +181,7 @@ impl PoolApi {
     /// [`PARALLEL_ITEMS`] items are in flight at once.
     pub async fn put(
         &self,
-        staging: &Staging,
+        staging: &Arc<Staging>,
         items: Vec<PutItem>,
         numa_hint: Option<u32>,
     ) -> Vec<i32> {
@@ -146,21 +201,20 @@ impl PoolApi {
             .await
     }
 
-    async fn put_one(&self, staging: &Staging, item: &PutItem, opts: &PutOptions) -> Status {
+    async fn put_one(&self, staging: &Arc<Staging>, item: &PutItem, opts: &PutOptions) -> Status {
         let (key, offset, length) = (item.key.as_slice(), item.offset, item.length);
         if bad_key(key) || length == 0 || !staging.contains(offset, length) {
             return Status::Invalid;
         }
-        let Ok(len) = usize::try_from(length) else {
-            return Status::Invalid;
+        // The bytes go from the engine's staging area to the replicas with no copy of ours.
+        let put = match self.registered(staging) {
+            Ok(area) => self.client.put_from(key, &area, offset, length, opts).await,
+            Err(e) => Err(e),
         };
-        let mut value = vec![0u8; len];
-        if staging.read_into(offset, &mut value).is_err() {
-            return Status::Invalid;
-        }
-        match self.client.put(key, &value, opts).await {
+        match put {
             Ok(replicas) => {
-                self.record_ssd(key, &value, &replicas).await;
+                self.record_ssd(key, staging, offset, length, &replicas)
+                    .await;
                 self.metrics
                     .bytes_written
                     .with_label_values(&["pool"])
@@ -177,7 +231,7 @@ impl PoolApi {
 
     /// Get every `(key, offset, capacity)` into `staging`; one result per item, in order. Up
     /// to [`PARALLEL_ITEMS`] items are in flight at once.
-    pub async fn get(&self, staging: &Staging, items: Vec<GetItem>) -> Vec<GetResult> {
+    pub async fn get(&self, staging: &Arc<Staging>, items: Vec<GetItem>) -> Vec<GetResult> {
         stream::iter(items)
             .map(|item| async move { self.get_one(staging, &item).await })
             .buffered(PARALLEL_ITEMS)
@@ -189,27 +243,31 @@ impl PoolApi {
             .await
     }
 
-    async fn get_one(&self, staging: &Staging, item: &GetItem) -> (Status, u64) {
+    async fn get_one(&self, staging: &Arc<Staging>, item: &GetItem) -> (Status, u64) {
         let (key, offset, capacity) = (item.key.as_slice(), item.offset, item.capacity);
         if bad_key(key) || !staging.contains(offset, capacity) {
             return (Status::Invalid, 0);
         }
-        match self.client.get(key).await {
-            Ok(bytes) => {
-                let len = bytes.len() as u64;
-                if len > capacity {
-                    (Status::BufferTooSmall, len)
-                } else if staging.write_from(offset, &bytes).is_err() {
-                    (Status::Invalid, 0)
-                } else {
-                    self.metrics.hits.with_label_values(&["pool"]).inc();
-                    self.metrics
-                        .bytes_read
-                        .with_label_values(&["pool"])
-                        .inc_by(len);
-                    (Status::Ok, len)
-                }
+        // Received straight into the engine's staging area (a value that does not fit is
+        // refused before any byte moves).
+        let got = match self.registered(staging) {
+            Ok(area) => {
+                self.client
+                    .get_to_within(key, &area, offset, capacity)
+                    .await
             }
+            Err(e) => Err(e),
+        };
+        match got {
+            Ok(len) => {
+                self.metrics.hits.with_label_values(&["pool"]).inc();
+                self.metrics
+                    .bytes_read
+                    .with_label_values(&["pool"])
+                    .inc_by(len);
+                (Status::Ok, len)
+            }
+            Err(DataError::BufferTooSmall { size, .. }) => (Status::BufferTooSmall, size),
             Err(e) => {
                 let status = get_status(&e);
                 if status == Status::NotFound {

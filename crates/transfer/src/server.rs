@@ -194,7 +194,7 @@ impl DataStream for TcpStream {
 }
 
 /// Read and throw away `len` payload bytes, keeping the stream in step after a rejected WRITE.
-fn discard<S: Read + ?Sized>(s: &mut S, mut len: u64) -> Result<(), WireError> {
+pub(super) fn discard<S: Read + ?Sized>(s: &mut S, mut len: u64) -> Result<(), WireError> {
     let mut scratch = vec![0u8; 64 * 1024];
     while len > 0 {
         let n = len.min(scratch.len() as u64) as usize;
@@ -301,68 +301,10 @@ pub(crate) fn serve_requests<S: DataStream>(
                 Err((code, reason)) => wire::write_error(s, id, code, &reason)?,
             },
             Opcode::ReadV if ctx.features & frame::FEATURE_VECTORED != 0 => {
-                let table = wire::read_control_payload(s, &h)?;
-                match vectored_target(ctx, &h, &table, true) {
-                    Ok((seg, ranges, total)) => {
-                        let mut r = Header::new(Opcode::ReadData, id);
-                        r.length = total;
-                        ctx.metrics
-                            .served_bytes
-                            .with_label_values(&["read"])
-                            .inc_by(total);
-                        let spans = spans_of(&seg, &ranges);
-                        s.send_spans_with_header(&r.encode(), &spans)
-                            .map_err(WireError::Io)?;
-                    }
-                    Err((code, reason)) => wire::write_error(s, id, code, &reason)?,
-                }
+                vectored::serve_readv(s, ctx, &h)?;
             }
             Opcode::WriteV if ctx.features & frame::FEATURE_VECTORED != 0 => {
-                // The table's size follows from the range count; a count that cannot be
-                // right leaves nothing to trust about where the data starts: skip the frame.
-                let table_len = h.offset.saturating_mul(frame::RANGE_ENTRY_LEN as u64);
-                if h.offset == 0 || h.offset > frame::MAX_RANGES as u64 || table_len > h.length {
-                    discard(s, h.length)?;
-                    wire::write_error(
-                        s,
-                        id,
-                        ErrorCode::Malformed,
-                        &format!(
-                            "WRITEV of {} ranges in a {}-byte payload",
-                            h.offset, h.length
-                        ),
-                    )?;
-                    continue;
-                }
-                let mut table = vec![0u8; table_len as usize];
-                wire::read_full(s, &mut table, &mut wire::fail_on_timeout)?;
-                let data_len = h.length - table_len;
-                let target = vectored_target(ctx, &h, &table, false).and_then(|t| {
-                    if t.2 == data_len {
-                        Ok(t)
-                    } else {
-                        Err((
-                            ErrorCode::Malformed,
-                            format!("WRITEV ranges of {} bytes with {data_len} data bytes", t.2),
-                        ))
-                    }
-                });
-                match target {
-                    Ok((seg, ranges, total)) => {
-                        s.recv_into_spans(&spans_of(&seg, &ranges))
-                            .map_err(WireError::Io)?;
-                        ctx.metrics
-                            .served_bytes
-                            .with_label_values(&["write"])
-                            .inc_by(total);
-                        s.write_all(&Header::new(Opcode::WriteAck, id).encode())
-                            .map_err(WireError::Io)?;
-                    }
-                    Err((code, reason)) => {
-                        discard(s, data_len)?;
-                        wire::write_error(s, id, code, &reason)?;
-                    }
-                }
+                vectored::serve_writev(s, ctx, &h)?;
             }
             Opcode::Notify => {
                 let payload = wire::read_control_payload(s, &h)?;
@@ -437,45 +379,6 @@ fn accept_rdma(
     Ok((reply, paths))
 }
 
-/// The segment and ranges of a READV or WRITEV (`table` already read), every range in bounds
-/// and, for reads, passed by the segment's read check; with the ranges' total length.
-#[allow(clippy::type_complexity)]
-fn vectored_target(
-    ctx: &ServerCtx,
-    h: &Header,
-    table: &[u8],
-    read: bool,
-) -> Result<(Arc<Segment>, Vec<(u64, u64)>, u64), (ErrorCode, String)> {
-    let (ranges, total) = frame::decode_ranges(h.offset, table, ctx.max_slice).map_err(|e| {
-        let code = match e {
-            frame::RangeError::TooLarge { .. } => ErrorCode::TooLarge,
-            _ => ErrorCode::Malformed,
-        };
-        (code, e.to_string())
-    })?;
-    let seg = segment_of(ctx, h)?;
-    let check = if read {
-        ctx.registry.read_checks.read().get(&h.handle).cloned()
-    } else {
-        None
-    };
-    for &(offset, len) in &ranges {
-        seg.check_range(offset, len)
-            .map_err(|e| (ErrorCode::OutOfBounds, e.to_string()))?;
-        if let Some(check) = &check {
-            check(offset, len).map_err(|reason| (ErrorCode::Internal, reason))?;
-        }
-    }
-    Ok((seg, ranges, total))
-}
-
-fn spans_of<'a>(seg: &'a Segment, ranges: &[(u64, u64)]) -> Vec<Span<'a>> {
-    ranges
-        .iter()
-        .map(|&(offset, len)| Span::new(seg, offset, len as usize))
-        .collect()
-}
-
 fn lookup(ctx: &ServerCtx, h: &Header) -> Result<Arc<Segment>, (ErrorCode, String)> {
     let seg = segment_of(ctx, h)?;
     seg.check_range(h.offset, h.length)
@@ -484,7 +387,7 @@ fn lookup(ctx: &ServerCtx, h: &Header) -> Result<Arc<Segment>, (ErrorCode, Strin
 }
 
 /// The registered segment a data request names, if it was opened on this run of the target.
-fn segment_of(ctx: &ServerCtx, h: &Header) -> Result<Arc<Segment>, (ErrorCode, String)> {
+pub(super) fn segment_of(ctx: &ServerCtx, h: &Header) -> Result<Arc<Segment>, (ErrorCode, String)> {
     // 0: an initiator that does not send the instance (or opened before it was told one).
     if h.status != 0 && h.status != ctx.registry.instance {
         return Err((
@@ -686,6 +589,8 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared)
     }
     let _ = stream.shutdown(Shutdown::Both);
 }
+
+mod vectored;
 
 #[cfg(test)]
 mod tests;

@@ -120,6 +120,9 @@ pub struct StoreBenchArgs {
     /// Internal (worker): the pool's key file.
     #[arg(long, hide = true)]
     pub key_file: Option<PathBuf>,
+    /// Internal (worker, `--api engine`): the engine API socket of the agent to go through.
+    #[arg(long, hide = true)]
+    pub engine_socket: Option<PathBuf>,
 }
 
 /// Which client calls the data phases use.
@@ -128,6 +131,9 @@ pub struct StoreBenchArgs {
 pub enum Api {
     Registered,
     Copy,
+    /// Through a node agent's engine API (gRPC on its Unix socket, bytes in the session's
+    /// shared staging area), as an inference engine on the agent's node uses the pool.
+    Engine,
 }
 
 impl Api {
@@ -135,6 +141,7 @@ impl Api {
         match self {
             Api::Registered => "registered",
             Api::Copy => "copy",
+            Api::Engine => "engine",
         }
     }
 }
@@ -269,7 +276,20 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
     wait_for_agents(&client, &mut agents, &mut master, args.agents).await?;
 
     let mut workers = (0..args.clients)
-        .map(|id| start_worker(&exe, dir.path(), id, &args, grpc, &key_file))
+        .map(|id| {
+            // Engine-API clients go through the agents in turn, as engines on their nodes.
+            let socket =
+                (args.api == Api::Engine).then(|| agents[id % agents.len()].socket.clone());
+            start_worker(
+                &exe,
+                dir.path(),
+                id,
+                &args,
+                grpc,
+                &key_file,
+                socket.as_deref(),
+            )
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let phases = plan(&args.sizes, args.rounds);
     let results = tokio::task::block_in_place(|| procs::drive(&mut workers, &phases))?;

@@ -150,6 +150,7 @@ pub(super) fn start_worker(
     args: &StoreBenchArgs,
     master: SocketAddr,
     key_file: &Path,
+    engine_socket: Option<&Path>,
 ) -> Result<WorkerProc, StoreBenchError> {
     let sizes: Vec<String> = args.sizes.iter().map(u64::to_string).collect();
     let mut cmd = kvpool_command(exe);
@@ -173,6 +174,9 @@ pub(super) fn start_worker(
         ]);
     if let Some(ops) = args.ops {
         cmd.args(["--ops", &ops.to_string()]);
+    }
+    if let Some(socket) = engine_socket {
+        cmd.arg("--engine-socket").arg(socket);
     }
     let mut proc = Launcher::new(dir)
         .pipe_stdin()

@@ -48,6 +48,24 @@ pub(super) fn verify_segment(
 }
 
 /// Whether `got` is the value of object `i` of `worker` built on `tmpl`.
+/// Whether the start of an engine-API staging area holds the value of object `i` of
+/// `worker`, compared in place.
+pub(super) fn verify_staging(
+    staging: &kvpool_client::engine_api::shm::Staging,
+    tmpl: &[u8],
+    worker: usize,
+    i: u64,
+) -> bool {
+    if !staging.contains(0, tmpl.len() as u64) {
+        return false;
+    }
+    // SAFETY: the range lies inside the area's live mapping, which `staging` keeps alive for
+    // the borrow; the area belongs to this benchmark slot alone and the agent's get into it
+    // has completed, so nothing writes these bytes while the slice exists.
+    let got = unsafe { std::slice::from_raw_parts(staging.as_ptr(), tmpl.len()) };
+    verify(got, tmpl, worker, i)
+}
+
 pub fn verify(got: &[u8], tmpl: &[u8], worker: usize, i: u64) -> bool {
     if got.len() != tmpl.len() {
         return false;

@@ -7,7 +7,7 @@ use std::io::{BufRead as _, Write as _};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
@@ -21,8 +21,12 @@ use kvpool_transfer::{
 
 use super::plan::{Phase, plan};
 use super::report::{PhaseResult, encode_histogram, histogram};
-use super::values::{STAMP, object_key, stamp, stamp_into, template, verify, verify_segment};
+use super::values::{
+    STAMP, object_key, stamp, stamp_into, template, verify, verify_segment, verify_staging,
+};
 use super::{Api, StoreBenchArgs, StoreBenchError};
+use kvpool_client::engine_api::client::EngineClient;
+use kvpool_client::engine_api::proto::Status;
 
 /// Keys per remove call when a phase's objects are dropped.
 const REMOVE_CHUNK: usize = 1000;
@@ -56,11 +60,27 @@ impl Worker {
         let mut tasks = Vec::new();
         let api = self.args.api;
         let before = self.master.batched_calls();
+        // One call in flight: driven by a thread of its own on a fork of the client, the way
+        // the Python client runs a lone call (a current-thread runtime, the fork's own master
+        // connection, transfers on the calling thread). More: tasks on the shared runtime,
+        // where concurrent calls share batched master calls and the transfer lanes.
+        let alone = self.args.depth == 1;
         for _ in 0..self.args.depth {
-            let (pool, tmpl, next, opts) =
-                (self.pool.clone(), tmpl.clone(), next.clone(), opts.clone());
+            let pool = if alone {
+                self.pool.fork(tokio::runtime::Handle::current())
+            } else {
+                self.pool.clone()
+            };
+            let (tmpl, next, opts) = (tmpl.clone(), next.clone(), opts.clone());
             let id = self.id;
-            tasks.push(tokio::spawn(async move {
+            let socket = self.args.engine_socket.clone();
+            let body = async move {
+                if api == Api::Engine {
+                    let Some(socket) = socket else {
+                        return failed(&std::io::Error::other("--api engine needs a socket"));
+                    };
+                    return engine_slot(&socket, size, ops, &next, &tmpl, id, put).await;
+                }
                 let mut r = PhaseResult::default();
                 let mut h = histogram();
                 let mut buf = tmpl.as_ref().clone();
@@ -74,7 +94,7 @@ impl Worker {
                         },
                         Err(e) => return failed(&e),
                     },
-                    Api::Copy => None,
+                    Api::Copy | Api::Engine => None,
                 };
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -115,29 +135,24 @@ impl Worker {
                         (false, None) => pool.get(&key).await.map(|got| verify(&got, &tmpl, id, i)),
                     };
                     let _ = h.record(t.elapsed().as_micros().max(1) as u64);
-                    match outcome {
-                        Ok(ok) => {
-                            r.ops += 1;
-                            r.bytes += size;
-                            if !put {
-                                if ok {
-                                    r.verified += 1;
-                                } else {
-                                    r.mismatches += 1;
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            r.failures += 1;
-                            if r.first_error.is_none() {
-                                r.first_error = Some(error_chain(&e));
-                            }
-                        }
-                    }
+                    account(&mut r, outcome.map_err(|e| error_chain(&e)), put, size);
                 }
                 r.latency_us = encode_histogram(&h);
                 r
-            }));
+            };
+            tasks.push(if alone {
+                tokio::task::spawn_blocking(move || {
+                    match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(rt) => rt.block_on(body),
+                        Err(e) => failed(&e),
+                    }
+                })
+            } else {
+                tokio::spawn(body)
+            });
         }
         let mut r = merge(tasks).await;
         // Leases are released in the background; the phase ends when the master has them.
@@ -239,6 +254,94 @@ impl Worker {
     }
 }
 
+/// Count one operation's outcome (`Ok(verified)`; puts are always "verified").
+fn account(r: &mut PhaseResult, outcome: Result<bool, String>, put: bool, size: u64) {
+    match outcome {
+        Ok(ok) => {
+            r.ops += 1;
+            r.bytes += size;
+            if !put {
+                if ok {
+                    r.verified += 1;
+                } else {
+                    r.mismatches += 1;
+                }
+            }
+        }
+        Err(e) => {
+            r.failures += 1;
+            if r.first_error.is_none() {
+                r.first_error = Some(e);
+            }
+        }
+    }
+}
+
+/// One in-flight slot of an engine-API phase: a session of its own on the agent, the value
+/// staged at the start of its area, one block per put or get call.
+async fn engine_slot(
+    socket: &Path,
+    size: u64,
+    ops: u64,
+    next: &AtomicU64,
+    tmpl: &[u8],
+    id: usize,
+    put: bool,
+) -> PhaseResult {
+    let mut client = match EngineClient::connect(socket, size, &format!("bench-client-{id}")).await
+    {
+        Ok(c) => c,
+        Err(e) => return failed(&e),
+    };
+    if let Err(e) = client.staging().write_from(0, tmpl) {
+        return failed(&e);
+    }
+    let n = STAMP.min(tmpl.len());
+    let mut r = PhaseResult::default();
+    let mut h = histogram();
+    loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= ops {
+            break;
+        }
+        let key = object_key(id, size, i);
+        let t = Instant::now();
+        let outcome: Result<bool, String> = async {
+            // Puts stage the object's stamp; gets clear it first, so that stale bytes from an
+            // earlier get cannot pass for this one.
+            let head = if put { stamp(id, i) } else { [0u8; STAMP] };
+            client
+                .staging()
+                .write_from(0, &head[..n])
+                .map_err(|e| e.to_string())?;
+            let item = [(key.as_slice(), 0, size)];
+            if put {
+                let statuses = client
+                    .put_batch(&item, None)
+                    .await
+                    .map_err(|e| error_chain(&e))?;
+                return match statuses.as_slice() {
+                    [Status::Ok] => Ok(true),
+                    other => Err(format!("put answered {other:?}")),
+                };
+            }
+            let got = client.get_batch(&item).await.map_err(|e| error_chain(&e))?;
+            match got.as_slice() {
+                [g] if g.status == Status::Ok => {
+                    Ok(g.length == size && verify_staging(client.staging(), tmpl, id, i))
+                }
+                other => Err(format!("get answered {other:?}")),
+            }
+        }
+        .await;
+        let _ = h.record(t.elapsed().as_micros().max(1) as u64);
+        account(&mut r, outcome, put, size);
+    }
+    let _ = client.close().await;
+    r.latency_us = encode_histogram(&h);
+    r
+}
+
 fn failed(e: &dyn std::error::Error) -> PhaseResult {
     PhaseResult {
         failures: 1,
@@ -301,8 +404,18 @@ pub(super) async fn run_worker(id: usize, args: StoreBenchArgs) -> Result<(), St
     let secret = read_key(&key_file)?;
     let key = MasterKey::from_bytes(&secret)
         .ok_or_else(|| StoreBenchError::Args("the key file holds too short a key".into()))?;
-    let master = MasterClient::new(vec![master_addr.to_string()], key, ClientConfig::default())
-        .map_err(StoreBenchError::Master)?;
+    // Poll briefly before sleeping on a reply, as the Python client does by default: a lone
+    // call waits for its answer anyway.
+    let spin_wait = Duration::from_micros(50);
+    let master = MasterClient::new(
+        vec![master_addr.to_string()],
+        key,
+        ClientConfig {
+            spin_wait,
+            ..ClientConfig::default()
+        },
+    )
+    .map_err(StoreBenchError::Master)?;
     let node = format!("bench-client-{id}");
     let engine = TransferEngine::new(
         EngineConfig {
@@ -310,6 +423,7 @@ pub(super) async fn run_worker(id: usize, args: StoreBenchArgs) -> Result<(), St
             lanes: args.lanes,
             // Clients and agents share this host; the benchmark measures the remote path.
             prefer_shm: false,
+            spin_wait,
             ..EngineConfig::default()
         },
         transfer::AuthKey::new(secret).map_err(|e| StoreBenchError::Args(e.to_string()))?,

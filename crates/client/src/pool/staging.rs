@@ -114,6 +114,20 @@ impl PoolClient {
         self.new_buffer("buffer", len)
     }
 
+    /// Register memory owned elsewhere (for example a staging area shared with an engine) with
+    /// this client's engine, so that [`Self::put_from`] and [`Self::get_to`] move its bytes
+    /// straight between it and the wire.
+    pub fn register_memory(
+        &self,
+        segment: Arc<Segment>,
+    ) -> Result<transfer::LocalSegment, DataError> {
+        let n = self.staging_seq.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{}/memory-{}-{n}", self.node, std::process::id());
+        self.engine
+            .register(&name, segment)
+            .map_err(DataError::RegisterStaging)
+    }
+
     /// Fresh host memory of `len` bytes registered with the engine as `<node>/<what>-<pid>-<n>`.
     fn new_buffer(&self, what: &str, len: u64) -> Result<transfer::LocalSegment, DataError> {
         let staging = |source| DataError::Staging { size: len, source };

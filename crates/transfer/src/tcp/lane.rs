@@ -202,10 +202,11 @@ impl Lane {
 
 impl Drop for Lane {
     fn drop(&mut self) {
-        self.shared.fail(Failure::new(
-            "lane_closed",
-            "connection closed by the initiator",
-        ));
+        // Closing a lane on purpose is not a failure (nothing is logged as one).
+        self.shared.close(
+            Failure::new("lane_closed", "connection closed by the initiator"),
+            false,
+        );
         self.tx = None;
         for t in self.threads.drain(..) {
             let _ = t.join();
