@@ -46,8 +46,19 @@ fn target_engine(dir: &Arc<StaticDirectory>) -> TransferEngine {
 }
 
 fn pair_with(initiator_key: AuthKey) -> Pair {
+    pair_configured(initiator_key, config("node-t"))
+}
+
+/// A pair whose target runs with `target_config`.
+fn pair_configured(initiator_key: AuthKey, target_config: EngineConfig) -> Pair {
     let dir = Arc::new(StaticDirectory::new());
-    let target = target_engine(&dir);
+    let target = TransferEngine::new(
+        target_config,
+        key(),
+        dir.clone(),
+        TransferMetrics::unregistered().unwrap(),
+    )
+    .unwrap();
     let initiator = TransferEngine::new(
         config("node-i"),
         initiator_key,
@@ -833,46 +844,13 @@ fn vectored_batches_mix_with_large_requests_and_other_segments() {
 
 #[test]
 fn a_target_without_vectored_frames_is_served_one_frame_per_request() {
-    let dir = Arc::new(StaticDirectory::new());
-    let target = TransferEngine::new(
+    let p = pair_configured(
+        key(),
         EngineConfig {
             vectored: false,
             ..config("node-t")
         },
-        key(),
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let remote_mem = target
-        .register(
-            "t/dram0",
-            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    let server = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
-    dir.insert(target.describe(&remote_mem, vec![Endpoint::Tcp(server.local_addr())]));
-    let initiator = TransferEngine::new(
-        config("node-i"),
-        key(),
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let local_mem = initiator
-        .register(
-            "i/buf",
-            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    let p = Pair {
-        target,
-        initiator,
-        dir,
-        server: Some(server),
-        remote_mem,
-        local_mem,
-    };
+    );
     let remote = p.initiator.open("t/dram0").unwrap();
     p.local_mem
         .segment()
