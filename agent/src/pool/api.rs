@@ -7,6 +7,7 @@
 //! [`get_status`]) is pure.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use futures::stream::{self, StreamExt};
@@ -47,6 +48,50 @@ pub struct PoolApi {
     /// kernel). Each registration holds its area's mapping; it is dropped once the session is
     /// closed and no call uses the area any more.
     registered: Arc<Mutex<Registrations>>,
+    /// Put and get batches in flight: one alone, of one block, runs on a fork (`take_fork`).
+    in_flight: Arc<AtomicUsize>,
+    /// Forks of the client kept for lone calls.
+    forks: Arc<Mutex<Vec<Fork>>>,
+}
+
+/// Forks kept for reuse; lone calls rarely need more than one or two.
+const MAX_FORKS: usize = 4;
+
+/// A fork of the client with the current-thread runtime that drives it.
+#[derive(Debug)]
+struct Fork {
+    /// Always `Some` but in `drop`.
+    runtime: Option<tokio::runtime::Runtime>,
+    api: PoolApi,
+}
+
+impl Fork {
+    fn block_on<F: std::future::Future>(&self, f: F) -> Option<F::Output> {
+        self.runtime.as_ref().map(|rt| rt.block_on(f))
+    }
+}
+
+impl Drop for Fork {
+    fn drop(&mut self) {
+        // Forks may be dropped from async code (the agent shutting down), where a runtime
+        // must not block on its own shutdown.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// A batch counted in flight until dropped.
+struct Calls<'a> {
+    n: &'a AtomicUsize,
+    /// No other batch was in flight when this one started.
+    alone: bool,
+}
+
+impl Drop for Calls<'_> {
+    fn drop(&mut self) {
+        self.n.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 fn code_of(e: &DataError) -> Option<ErrorCode> {
@@ -91,6 +136,49 @@ impl PoolApi {
             ssd_index: None,
             metrics,
             registered: Arc::default(),
+            in_flight: Arc::default(),
+            forks: Arc::default(),
+        }
+    }
+
+    fn enter(&self) -> Calls<'_> {
+        let before = self.in_flight.fetch_add(1, Ordering::AcqRel);
+        Calls {
+            n: &self.in_flight,
+            alone: before == 0,
+        }
+    }
+
+    /// A fork of the client for a lone call (kept from an earlier one, or made now): it runs on
+    /// a blocking thread, on a current-thread runtime of its own, with the master's fast lane
+    /// and transfers on that thread, the way the Python client runs a lone call; so an engine
+    /// waiting for one block crosses no other thread of the agent. `None` when no runtime can
+    /// be started (the call then runs as any other).
+    fn take_fork(&self) -> Option<Fork> {
+        if let Some(f) = self.forks.lock().pop() {
+            return Some(f);
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        // The fork's own fork list stays empty: sharing ours would make a cycle.
+        let api = PoolApi {
+            client: self.client.fork(tokio::runtime::Handle::current()),
+            in_flight: Arc::default(),
+            forks: Arc::default(),
+            ..self.clone()
+        };
+        Some(Fork {
+            runtime: Some(runtime),
+            api,
+        })
+    }
+
+    fn give_back(forks: &Mutex<Vec<Fork>>, fork: Fork) {
+        let mut kept = forks.lock();
+        if kept.len() < MAX_FORKS {
+            kept.push(fork);
         }
     }
 
@@ -192,6 +280,21 @@ impl PoolApi {
             spread: Spread::Node,
             tier: None,
         };
+        let calls = self.enter();
+        if let ([item], true) = (items.as_slice(), calls.alone)
+            && let Some(fork) = self.take_fork()
+        {
+            let (staging, item, forks) = (staging.clone(), item.clone(), self.forks.clone());
+            let joined = tokio::task::spawn_blocking(move || {
+                let status = fork
+                    .block_on(fork.api.put_one(&staging, &item, &opts))
+                    .unwrap_or(Status::Internal);
+                Self::give_back(&forks, fork);
+                status
+            })
+            .await;
+            return vec![joined.unwrap_or(Status::Internal) as i32];
+        }
         let opts = &opts;
         stream::iter(items)
             .map(|item| async move { self.put_one(staging, &item, opts).await })
@@ -232,6 +335,25 @@ impl PoolApi {
     /// Get every `(key, offset, capacity)` into `staging`; one result per item, in order. Up
     /// to [`PARALLEL_ITEMS`] items are in flight at once.
     pub async fn get(&self, staging: &Arc<Staging>, items: Vec<GetItem>) -> Vec<GetResult> {
+        let calls = self.enter();
+        if let ([item], true) = (items.as_slice(), calls.alone)
+            && let Some(fork) = self.take_fork()
+        {
+            let (staging, item, forks) = (staging.clone(), item.clone(), self.forks.clone());
+            let joined = tokio::task::spawn_blocking(move || {
+                let got = fork
+                    .block_on(fork.api.get_one(&staging, &item))
+                    .unwrap_or((Status::Internal, 0));
+                Self::give_back(&forks, fork);
+                got
+            })
+            .await;
+            let (status, length) = joined.unwrap_or((Status::Internal, 0));
+            return vec![GetResult {
+                status: status as i32,
+                length,
+            }];
+        }
         stream::iter(items)
             .map(|item| async move { self.get_one(staging, &item).await })
             .buffered(PARALLEL_ITEMS)
