@@ -780,6 +780,13 @@ async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
     .await
     .expect("fork thread");
     assert!(lease > 0);
+    // The fork's calls are counted with its root client's.
+    let calls = f.client.batched_calls();
+    assert_eq!(
+        (calls.get, calls.put_start, calls.put_end),
+        (2, 1, 1),
+        "{calls:?}"
+    );
     // gRPC on the same port still works, and saw none of the fork's calls.
     assert_eq!(
         f.client.exists(&[b"fast/k"]).await.expect("grpc"),

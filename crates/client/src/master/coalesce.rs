@@ -140,8 +140,12 @@ pub struct BatchedCalls {
 impl MasterClient {
     /// Queue `item` for the next batched call of kind `B` and wait for its own result.
     pub(super) async fn coalesced<B: BatchOp>(&self, item: B::Item) -> Result<B::Out, ClientError> {
-        if self.parent.is_some() {
-            // A fork sends at once: there is no one to share the call with.
+        if let Some(root) = &self.parent {
+            // A fork sends at once: there is no one to share the call with. The call is
+            // counted with its root's, so that the root's `batched_calls` covers its forks.
+            B::queue(&root.0.batch)
+                .calls
+                .fetch_add(1, Ordering::Relaxed);
             let mut results = B::send(self, vec![item]).await?;
             return results.pop().unwrap_or_else(|| {
                 Err(ClientError::Malformed(format!(
