@@ -708,7 +708,19 @@ fn scattered(
         .collect()
 }
 
-/// Write the local bytes of `reqs` with a pattern; check that `reqs` moved them.
+/// READs of the ranges `writes` wrote, into local memory 4 MiB further on.
+fn reads_back(writes: &[TransferRequest]) -> Vec<TransferRequest> {
+    writes
+        .iter()
+        .map(|w| TransferRequest {
+            op: TransferOp::Read,
+            local_offset: w.local_offset + 4 * MIB as u64,
+            ..w.clone()
+        })
+        .collect()
+}
+
+/// Check that each of `reads` brought back the bytes its `writes` counterpart sent.
 fn check_scattered(p: &Pair, writes: &[TransferRequest], reads: &[TransferRequest]) {
     for (w, r) in writes.iter().zip(reads) {
         let mut sent = vec![0u8; w.len as usize];
@@ -746,14 +758,7 @@ fn small_requests_share_vectored_frames_through_lanes_and_inline() {
         .unwrap()
         .wait_ok(Duration::from_secs(10))
         .unwrap();
-    let reads: Vec<_> = writes
-        .iter()
-        .map(|w| TransferRequest {
-            op: TransferOp::Read,
-            local_offset: w.local_offset + 4 * MIB as u64,
-            ..w.clone()
-        })
-        .collect();
+    let reads = reads_back(&writes);
     p.initiator
         .submit(reads.clone())
         .unwrap()
@@ -773,14 +778,7 @@ fn small_requests_share_vectored_frames_through_lanes_and_inline() {
     // Inline: one batch of under 4 MiB, run by this thread.
     let writes = scattered(&p, &remote, TransferOp::Write, n / 2, 24 * 1024);
     p.initiator.transfer(writes.clone()).unwrap();
-    let reads: Vec<_> = writes
-        .iter()
-        .map(|w| TransferRequest {
-            op: TransferOp::Read,
-            local_offset: w.local_offset + 4 * MIB as u64,
-            ..w.clone()
-        })
-        .collect();
+    let reads = reads_back(&writes);
     p.initiator.transfer(reads.clone()).unwrap();
     check_scattered(&p, &writes, &reads);
     assert!(m.vectored_frames.get() >= frames + 2);
@@ -862,14 +860,7 @@ fn a_target_without_vectored_frames_is_served_one_frame_per_request() {
         .unwrap()
         .wait_ok(Duration::from_secs(10))
         .unwrap();
-    let reads: Vec<_> = writes
-        .iter()
-        .map(|w| TransferRequest {
-            op: TransferOp::Read,
-            local_offset: w.local_offset + 4 * MIB as u64,
-            ..w.clone()
-        })
-        .collect();
+    let reads = reads_back(&writes);
     p.initiator.transfer(reads.clone()).unwrap();
     check_scattered(&p, &writes, &reads);
     assert_eq!(p.initiator.metrics().vectored_frames.get(), 0);
