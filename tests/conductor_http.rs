@@ -161,6 +161,8 @@ fn conductor_config(
         pool,
         protocol: RoutingProtocol::Vllm,
         time_scale: 1.0,
+        hashing: kvpool_core::sched::BlockHashing::Kvpool,
+        kv_events: Vec::new(),
     }
 }
 

@@ -142,6 +142,15 @@ fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
         "{summary}"
     );
     assert_eq!(engines["kv_verify_failures"], 0.0, "{summary}");
+    // The conductor's index followed the prefill engines' own KV events (vLLM's wire format
+    // over ZMQ), not only its guesses.
+    assert!(
+        summary["conductor_kv_events"]["blocks_stored"]
+            .as_f64()
+            .unwrap_or(0.0)
+            > 0.0,
+        "{summary}"
+    );
     assert_eq!(summary["pool"]["nodes_alive"], 1, "{summary}");
     assert_eq!(summary["clean_shutdown"], true, "{summary}");
     assert!(summary["ttft_ms"]["p50"].as_f64().is_some(), "{summary}");

@@ -59,6 +59,9 @@ pub enum Command {
     /// Replay a Mooncake request trace through the scheduling policies (or, with
     /// --bench-decision, time one scheduling decision).
     Simulate(Box<crate::simulate::SimulateArgs>),
+    /// Print a prompt's block hashes as the engine computes them (vLLM's sha256_cbor chain)
+    /// and the pool key of each: check that an engine, its KV events and kvpool agree.
+    Blocks(kvpool_conductor::blocks::BlocksArgs),
     /// Replay a Mooncake trace against a global block cache and report hit ratios per
     /// eviction policy and capacity.
     SimulateCache(crate::simulate_cache::SimulateCacheArgs),
@@ -78,6 +81,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Operator(cmd) => operator::run(cmd)?,
         Command::Master(args) => kvpool_master::cmd::run_blocking(&runtime()?, *args)?,
         Command::Conductor(args) => kvpool_conductor::cli::run(&args)?,
+        Command::Blocks(args) => {
+            println!("{}", kvpool_conductor::blocks::report(&args)?.trim_end())
+        }
         Command::Engine(args) => kvpool_synthetic::cli::run(&args)?,
         Command::Up(args) => crate::up::run(&args)?,
         Command::Bench(args) => kvpool_bench::run(args)?,

@@ -68,8 +68,9 @@ pub struct UpSettings {
 
 /// Ports handed to the children, in the order `plan` takes them.
 pub fn ports_needed(s: &UpSettings) -> usize {
-    // master: grpc + admin; agents: admin; engines: api + admin; conductor: api + admin.
-    2 + s.agents + 2 * (s.prefill + s.decode) + 2
+    // master: grpc + admin; agents: admin; engines: api + admin (prefill engines also KV
+    // events + replay); conductor: api + admin.
+    2 + s.agents + 2 * (s.prefill + s.decode) + 2 * s.prefill + 2
 }
 
 fn addr(port: u16) -> SocketAddr {
@@ -162,6 +163,7 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
     }
     let mut prefill_urls = Vec::new();
     let mut decode_urls = Vec::new();
+    let mut kv_events = Vec::new();
     let engines = (0..s.prefill)
         .map(|i| (Role::Prefill, i))
         .chain((0..s.decode).map(|i| (Role::Decode, i)));
@@ -184,6 +186,22 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
             "--kv-bytes-per-token".into(),
             s.kv_bytes_per_token.to_string(),
         ]);
+        if role == Role::Prefill {
+            // Prefill engines publish their prefix cache's changes (vLLM's KV events), which
+            // the conductor's index follows.
+            let (events, replay) = (next()?, next()?);
+            args.extend([
+                "--kv-events-config".into(),
+                serde_json::json!({
+                    "enable_kv_cache_events": true,
+                    "publisher": "zmq",
+                    "endpoint": format!("tcp://{events}"),
+                    "replay_endpoint": format!("tcp://{replay}"),
+                })
+                .to_string(),
+            ]);
+            kv_events.push(format!("{url}=tcp://{events},tcp://{replay}"));
+        }
         if s.protocol == EngineProtocol::Sglang {
             args.extend([
                 "--protocol".into(),
@@ -227,6 +245,9 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
     for url in &decode_urls {
         args.extend(["--decode".into(), url.clone()]);
     }
+    for source in kv_events {
+        args.extend(["--kv-events".into(), source]);
+    }
     out.push(ChildSpec {
         name: "conductor".into(),
         role: Role::Conductor,
@@ -266,7 +287,7 @@ mod tests {
     fn plan_wires_engines_to_agents_and_conductor_to_engines() {
         let s = settings();
         let n = ports_needed(&s);
-        assert_eq!(n, 2 + 2 + 6 + 2);
+        assert_eq!(n, 2 + 2 + 6 + 4 + 2);
         assert!(plan(&s, &[1; 5]).is_none());
         let ports: Vec<u16> = (1000..1000 + n as u16).collect();
         let p = plan(&s, &ports).unwrap();
@@ -310,14 +331,31 @@ mod tests {
         let conductor = p.last().unwrap();
         let joined = conductor.args.join(" ");
         assert!(
-            joined.contains("--prefill http://127.0.0.1:1004 --prefill http://127.0.0.1:1006 --decode http://127.0.0.1:1008"),
+            joined.contains("--prefill http://127.0.0.1:1004 --prefill http://127.0.0.1:1008 --decode http://127.0.0.1:1012"),
             "{joined}"
+        );
+        // The conductor follows each prefill engine's KV events on the ports it publishes on.
+        assert!(
+            joined.contains(
+                "--kv-events http://127.0.0.1:1004=tcp://127.0.0.1:1006,tcp://127.0.0.1:1007"
+            ),
+            "{joined}"
+        );
+        let events = p[3].args.join(" ");
+        assert!(
+            events.contains(r#""endpoint":"tcp://127.0.0.1:1006""#)
+                && events.contains(r#""replay_endpoint":"tcp://127.0.0.1:1007""#),
+            "{events}"
+        );
+        assert!(
+            !p[5].args.join(" ").contains("--kv-events-config"),
+            "decode engines publish none"
         );
         assert!(
             joined.contains("--master 127.0.0.1:1000 --auth-key-file /run/up/auth.key"),
             "the conductor reads the pool through the master: {joined}"
         );
-        assert_eq!(conductor.endpoint.as_deref(), Some("http://127.0.0.1:1010"));
+        assert_eq!(conductor.endpoint.as_deref(), Some("http://127.0.0.1:1014"));
     }
 
     #[test]

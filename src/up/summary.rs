@@ -36,6 +36,9 @@ pub struct EngineKv {
     pub timed_n: [f64; 6],
     /// The pool bandwidth the conductor's estimate ended on, bytes per cost-model second.
     pub fetch_bandwidth_bps: Option<f64>,
+    /// The prefill engines' KV events the conductor applied: blocks stored, blocks removed,
+    /// and breaks in the sequence (all recoveries).
+    pub kv_events: [f64; 3],
 }
 
 /// The `/metrics` text of a child's admin server, when it answers 200.
@@ -73,6 +76,11 @@ pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
     {
         kv.timed_s[5] += metric_sum(&text, "kvpool_conductor_pool_lookup_seconds_sum");
         kv.timed_n[5] += metric_sum(&text, "kvpool_conductor_pool_lookup_seconds_count");
+        for (i, kind) in ["stored", "removed"].iter().enumerate() {
+            kv.kv_events[i] =
+                metric_sum_labelled(&text, "kvpool_conductor_kv_events_total", "kind", kind);
+        }
+        kv.kv_events[2] = metric_sum(&text, "kvpool_conductor_kv_event_gaps_total");
         kv.fetch_bandwidth_bps = text
             .lines()
             .any(|l| l.starts_with("kvpool_conductor_pool_fetch_bandwidth_bytes_per_second "))
@@ -133,6 +141,11 @@ pub fn summary_json(
             "pool_hit_ratio": (lookups > 0.0).then(|| kv.block_hits / lookups),
         },
         "timing": timing_json(kv),
+        "conductor_kv_events": {
+            "blocks_stored": kv.kv_events[0],
+            "blocks_removed": kv.kv_events[1],
+            "sequence_gaps": kv.kv_events[2],
+        },
         "pool": pool,
         "clean_shutdown": clean,
     })

@@ -76,5 +76,7 @@ pub fn engine_config(model: &str, block_size: u32) -> EngineConfig {
         chunk_bytes: 4,
         time_scale: 0.001,
         sglang: None,
+        // The conductor configs of these tests key blocks the same way.
+        hashing: kvpool_core::sched::BlockHashing::Kvpool,
     }
 }

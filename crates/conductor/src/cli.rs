@@ -7,11 +7,11 @@ use std::num::NonZeroU32;
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{ConductorConfig, Engines, PoolLookup, RoutingProtocol};
+use super::{ConductorConfig, Engines, KvEventSource, PoolLookup, RoutingProtocol};
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_core::flags::{FlagError, gbps, positive};
 use kvpool_core::sched::{
-    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
+    BlockHashKind, DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 use kvpool_proto::auth::AuthKey;
 use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
@@ -132,6 +132,18 @@ pub struct ConductorArgs {
     /// engines): the conductor's clock and the engines' measured fetch times are divided by it.
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// How prompt blocks are keyed: `vllm` (vLLM's sha256_cbor block hashes, full blocks only:
+    /// what vLLM engines publish in their KV events, with `--prefix-caching-hash-algo
+    /// sha256_cbor` and the same PYTHONHASHSEED) or `kvpool` (kvpool's own xxh3 chain).
+    #[arg(long, value_enum, default_value_t = BlockHashKind::Vllm, env = "KVPOOL_BLOCK_HASH")]
+    pub block_hash: BlockHashKind,
+    /// The engines' PYTHONHASHSEED (with --block-hash vllm).
+    #[arg(long, env = "PYTHONHASHSEED", default_value = "0")]
+    pub hash_seed: String,
+    /// A prefill engine's KV event stream, `ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]`
+    /// (repeat per engine): the index follows what it stores and evicts instead of guessing.
+    #[arg(long, value_parser = KvEventSource::parse)]
+    pub kv_events: Vec<KvEventSource>,
 }
 
 /// The defaults and environment variables of `--listen` and `--admin-listen`.
@@ -276,7 +288,26 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             },
         },
         time_scale: positive("time-scale", args.time_scale)?,
+        hashing: args.block_hash.hashing(&args.hash_seed),
+        kv_events: kv_events(args)?,
     })
+}
+
+/// `--kv-events`, each naming one of the prefill engines.
+fn kv_events(args: &ConductorArgs) -> Result<Vec<KvEventSource>, ConductorError> {
+    for s in &args.kv_events {
+        let known = args
+            .prefill
+            .iter()
+            .any(|u| u.trim_end_matches('/') == s.engine);
+        if !known && args.discover_namespace.is_none() {
+            return Err(flag(
+                "kv-events",
+                format!("{} is not one of the --prefill engines", s.engine),
+            ));
+        }
+    }
+    Ok(args.kv_events.clone())
 }
 
 /// The master connection of the flags, `None` without `--master`. Connects lazily: a master
@@ -347,6 +378,7 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         server::conductor(config, &wired.registry).map_err(ConductorError::Server)
     };
     let serve = |conductor: server::Conductor, listener, wired: Wired| async move {
+        conductor.engines.follow_kv_events(&wired.shutdown);
         if let Some(discovery) = discovery {
             let client = discovery::client()
                 .await

@@ -32,6 +32,51 @@ pub struct ConductorConfig {
     /// conductor's clock and the engines' measured KV fetch times are divided by it, so that
     /// queues, fetches and SLOs are all in the cost model's seconds.
     pub time_scale: f64,
+    /// How prompt blocks are keyed: vLLM's block hashes (what the engines publish in their KV
+    /// events) or kvpool's own chain.
+    pub hashing: kvpool_core::sched::BlockHashing,
+    /// The prefill engines' KV event streams: the conductor's index follows what they store
+    /// and evict; engines without one are mirrored from the routing decisions.
+    pub kv_events: Vec<KvEventSource>,
+}
+
+/// Where one prefill engine publishes its KV events (ZMQ, vLLM's wire format).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventSource {
+    /// The engine's base URL, as in the prefill list.
+    pub engine: String,
+    /// Its PUB endpoint (`tcp://host:port`).
+    pub endpoint: String,
+    /// Its replay (ROUTER) endpoint, to recover missed batches.
+    pub replay: Option<String>,
+}
+
+impl KvEventSource {
+    /// Parses `ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]` (the `--kv-events` flag).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (engine, rest) = s.split_once('=').ok_or_else(|| {
+            format!("{s:?}: expected ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:PORT]")
+        })?;
+        let mut parts = rest.split(',');
+        let endpoint = parts.next().unwrap_or_default().to_owned();
+        let replay = parts.next().map(str::to_owned);
+        if parts.next().is_some() {
+            return Err(format!("{s:?}: at most two endpoints (events, replay)"));
+        }
+        for e in std::iter::once(&endpoint).chain(replay.iter()) {
+            if !e.starts_with("tcp://") || e.len() <= "tcp://".len() {
+                return Err(format!("{s:?}: endpoint {e:?} is not tcp://HOST:PORT"));
+            }
+        }
+        if !engine.starts_with("http://") && !engine.starts_with("https://") {
+            return Err(format!("{s:?}: engine {engine:?} is not a base URL"));
+        }
+        Ok(Self {
+            engine: engine.trim_end_matches('/').to_owned(),
+            endpoint,
+            replay,
+        })
+    }
 }
 
 /// How the conductor asks the pool's master for a request's cached prefix.

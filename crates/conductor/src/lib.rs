@@ -9,16 +9,18 @@
 //! conventions), `fetch_estimate` (the learnt pool bandwidth) and `state` (the bookkeeping
 //! between the policy and the engines) are pure, and so is `tokenize` once its file is read.
 
+pub mod blocks;
 pub mod cli;
 mod config;
 pub mod discovery;
 mod engines;
 mod fetch_estimate;
+pub mod kv_events;
 pub mod server;
 mod state;
 pub mod tokenize;
 
-pub use config::{ConductorConfig, PoolLookup};
+pub use config::{ConductorConfig, KvEventSource, PoolLookup};
 pub use engines::{Engines, RoutingProtocol};
 pub use fetch_estimate::FetchEstimate;
 pub use state::{ReplicationTask, State, StateError, Ticket};

@@ -48,6 +48,8 @@ pub struct State {
     next_request: u64,
     /// The replication planned by the last `place`, until `take_replication` collects it.
     replication: Option<ReplicationTask>,
+    /// Per prefill instance: indexed from its own KV events (the routing mirror is skipped).
+    fed: Vec<bool>,
 }
 
 /// A hot prefix to copy into more prefill engines' caches. The server executes it by asking each
@@ -93,6 +95,7 @@ impl State {
             block_size: config.scheduler.block_size,
             next_request: 1,
             replication: None,
+            fed: vec![false; n],
             scheduler,
         })
     }
@@ -194,6 +197,9 @@ impl State {
     /// Prefill instance `instance` now holds `keys` (a prompt's leading blocks, first first) in
     /// its cache: the mirror and the prefix index follow, the first block most recently used.
     fn cache_blocks(&mut self, instance: usize, keys: &[BlockKey]) {
+        if self.fed.get(instance).copied().unwrap_or(false) {
+            return;
+        }
         if let Some(cache) = self.caches.get_mut(instance) {
             for &k in keys.iter().rev() {
                 if let Inserted::Added { evicted } = cache.insert(k) {
@@ -211,6 +217,40 @@ impl State {
     /// ignored.
     pub fn adopted(&mut self, instance: usize, keys: &[BlockKey]) {
         self.cache_blocks(instance, keys);
+    }
+
+    /// Prefill instance `instance` is indexed from its KV events from now on: its routing
+    /// mirror is dropped (from the index too) and no longer updated. Unknown instances are
+    /// ignored.
+    pub fn feed_from_events(&mut self, instance: usize) {
+        let Some(fed) = self.fed.get_mut(instance) else {
+            return;
+        };
+        if std::mem::replace(fed, true) {
+            return;
+        }
+        if let Some(cache) = self.caches.get_mut(instance) {
+            let keys: Vec<BlockKey> = cache.iter().collect();
+            *cache = LruSet::new(0);
+            for k in keys {
+                self.index.remove_local(k, instance);
+            }
+        }
+    }
+
+    /// Applies the index changes of prefill instance `instance`'s KV events.
+    pub fn apply_event_deltas(&mut self, instance: usize, deltas: &[crate::kv_events::Delta]) {
+        use crate::kv_events::Delta;
+        if instance >= self.fed.len() {
+            return;
+        }
+        self.feed_from_events(instance);
+        for d in deltas {
+            match *d {
+                Delta::Added(k) => self.index.add_local(k, instance),
+                Delta::Removed(k) => self.index.remove_local(k, instance),
+            }
+        }
     }
 
     /// The pool -> prefill bandwidth the next placements assume (a measured figure).
@@ -407,6 +447,8 @@ mod tests {
             pool: None,
             protocol: RoutingProtocol::Vllm,
             time_scale: 1.0,
+            hashing: kvpool_core::sched::BlockHashing::Kvpool,
+            kv_events: Vec::new(),
         }
     }
 

@@ -8,6 +8,8 @@
 //! - `auth`: the HMAC request signatures of the master's API.
 //! - `fast`: the master's fast lane, the same calls framed plainly on the gRPC port for
 //!   callers with one call in flight.
+//! - `kv_events`: KV cache events in vLLM's wire format (msgpack batches behind a sequence
+//!   number), which engines publish and the conductor consumes.
 //! - `openai`: the OpenAI-compatible HTTP requests and responses that the conductor and the
 //!   engines exchange, with kvpool's headers.
 //!
@@ -16,5 +18,6 @@
 pub mod auth;
 pub mod engine_api;
 pub mod fast;
+pub mod kv_events;
 pub mod master;
 pub mod openai;

@@ -11,7 +11,7 @@ use super::kv::{self, KvError, KvGeometry};
 use super::server::{self, ServerError};
 use super::{EngineConfig, SglangMode, SglangRole};
 use kvpool_core::flags::{FlagError, non_negative};
-use kvpool_core::sched::CostFlags;
+use kvpool_core::sched::{BlockHashKind, CostFlags};
 use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
 use kvpool_runtime::wiring::{self, Wired, WiringError};
 
@@ -67,6 +67,18 @@ pub struct EngineArgs {
     /// With --protocol sglang, on a decode engine: longest wait for a room's KV to arrive.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub bootstrap_timeout: std::time::Duration,
+    /// How prompt blocks are keyed: `vllm` (vLLM's sha256_cbor block hashes, full blocks
+    /// only) or `kvpool` (kvpool's own xxh3 chain); the conductor must use the same.
+    #[arg(long, value_enum, default_value_t = BlockHashKind::Vllm, env = "KVPOOL_BLOCK_HASH")]
+    pub block_hash: BlockHashKind,
+    /// PYTHONHASHSEED of the block hashes (with --block-hash vllm).
+    #[arg(long, env = "PYTHONHASHSEED", default_value = "0")]
+    pub hash_seed: String,
+    /// vLLM's `--kv-events-config` JSON: with `"enable_kv_cache_events": true` the engine
+    /// publishes its prefix cache's stored and removed blocks on ZMQ (`endpoint`, and
+    /// `replay_endpoint` for replays), in vLLM's wire format.
+    #[arg(long, env = "KVPOOL_KV_EVENTS_CONFIG")]
+    pub kv_events_config: Option<String>,
 }
 
 /// The defaults and environment variables of `--listen` and `--admin-listen`.
@@ -182,6 +194,7 @@ pub fn engine_config(args: &EngineArgs) -> Result<EngineConfig, EngineError> {
         chunk_bytes: args.chunk_bytes,
         time_scale,
         sglang,
+        hashing: args.block_hash.hashing(&args.hash_seed),
     })
 }
 
@@ -220,6 +233,12 @@ pub fn kv_geometry(args: &EngineArgs) -> Result<Option<KvGeometry>, EngineError>
 pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     let config = engine_config(args)?;
     let geometry = kv_geometry(args)?;
+    let events = match &args.kv_events_config {
+        Some(json) => {
+            server::KvEventsConfig::parse(json).map_err(|e| flag("kv-events-config", e))?
+        }
+        None => None,
+    };
     if let Some(g) = geometry {
         tracing::info!(
             bytes_per_token = g.bytes_per_token,
@@ -238,7 +257,9 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
             )?),
             _ => None,
         };
-        server::router_with_agent(config, kv, &wired.registry).map_err(EngineError::Server)
+        server::router_publishing(config, kv, &wired.registry, events, wired.shutdown.clone())
+            .await
+            .map_err(EngineError::Server)
     };
     let serve = |router, listener, wired: Wired| async move {
         wired.readiness.set_ready(true);

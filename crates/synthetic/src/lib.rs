@@ -19,7 +19,8 @@ pub mod server;
 
 use std::num::NonZeroU32;
 
-use kvpool_core::sched::{BlockKey, DecodeCost, Inserted, LruSet, PrefillCost, block_keys};
+use kvpool_core::sched::{BlockHashing, BlockKey, DecodeCost, Inserted, LruSet, PrefillCost};
+use kvpool_proto::kv_events::{KvEvent, WireHash};
 
 /// Settings of a synthetic engine.
 #[derive(Clone, Debug)]
@@ -38,6 +39,9 @@ pub struct EngineConfig {
     /// `Some`: serve SGLang's disaggregation protocol in this role (requests carry a
     /// `bootstrap_room`); `None`: vLLM's (`kv_transfer_params` says the role per request).
     pub sglang: Option<SglangMode>,
+    /// How prompt blocks are keyed (vLLM's block hashes by default, as the engines it stands
+    /// in for; the conductor must use the same).
+    pub hashing: BlockHashing,
 }
 
 /// This engine's half of SGLang prefill/decode disaggregation (SGLang's
@@ -66,17 +70,95 @@ pub struct PrefillPlan {
     pub seconds: f64,
 }
 
-/// The engine's pure state: its prefix cache.
+/// The engine's pure state: its prefix cache, and the KV events its changes make (taken by
+/// the publisher, when there is one).
 #[derive(Debug)]
 pub struct EngineCore {
     config: EngineConfig,
     cache: LruSet,
+    events: Vec<KvEvent>,
+    /// Whether events are collected (an engine without a publisher keeps none).
+    publish: bool,
 }
 
 impl EngineCore {
     pub fn new(config: EngineConfig) -> Self {
         let cache = LruSet::new(config.cache_blocks);
-        Self { config, cache }
+        Self {
+            config,
+            cache,
+            events: Vec::new(),
+            publish: false,
+        }
+    }
+
+    /// Collect KV events from now on (for [`EngineCore::take_events`]).
+    pub fn publish_events(&mut self) {
+        self.publish = true;
+    }
+
+    /// The KV events since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// The keys of a prompt's blocks as this engine keys them.
+    pub fn keys(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        self.config.hashing.keys(tokens, self.config.block_size)
+    }
+
+    /// Caches `keys` (a prompt's leading blocks, first first; `tokens` the prompt, when known),
+    /// the first most recently used, and records what entered and left as KV events.
+    fn cache_prefix(&mut self, keys: &[BlockKey], tokens: Option<&[u32]>) {
+        let mut added = vec![false; keys.len()];
+        let mut evicted = Vec::new();
+        for (i, &k) in keys.iter().enumerate().rev() {
+            match self.cache.insert(k) {
+                Inserted::NoCapacity => break,
+                Inserted::Present => {}
+                Inserted::Added { evicted: e } => {
+                    added[i] = true;
+                    evicted.extend(e);
+                }
+            }
+        }
+        if !self.publish {
+            return;
+        }
+        if !evicted.is_empty() {
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: evicted.into_iter().map(WireHash::Int).collect(),
+                medium: Some("GPU".into()),
+                group_idx: None,
+            });
+        }
+        let size = self.config.block_size.get() as usize;
+        // One BlockStored per run of consecutive new blocks, as vLLM publishes them.
+        let mut i = 0;
+        while i < keys.len() {
+            if !added[i] {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < keys.len() && added[i] {
+                i += 1;
+            }
+            let token_ids = tokens
+                .and_then(|t| t.get(start * size..(i * size).min(t.len())))
+                .map(<[u32]>::to_vec)
+                .unwrap_or_default();
+            self.events.push(KvEvent::BlockStored {
+                block_hashes: keys[start..i].iter().map(|&k| WireHash::Int(k)).collect(),
+                parent: start.checked_sub(1).map(|p| WireHash::Int(keys[p])),
+                token_ids,
+                block_size: self.config.block_size.get(),
+                lora_id: None,
+                lora_name: None,
+                medium: Some("GPU".into()),
+                group_idx: None,
+            });
+        }
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -97,25 +179,17 @@ impl EngineCore {
     /// Puts `keys` (a prompt's leading blocks, first first, loaded from the pool by a prefetch)
     /// in the prefix cache, the first most recently used; stops when the cache is full.
     pub fn adopt(&mut self, keys: &[BlockKey]) {
-        for &k in keys.iter().rev() {
-            if let Inserted::NoCapacity = self.cache.insert(k) {
-                break;
-            }
-        }
+        self.cache_prefix(keys, None);
     }
 
     /// As `prefill`, when the first `external_blocks` blocks of the prompt were also loaded from
     /// outside (the pool): the cached prefix is the longer of the two.
     pub fn prefill_with(&mut self, tokens: &[u32], external_blocks: usize) -> PrefillPlan {
-        let keys = block_keys(tokens, self.config.block_size);
+        let keys = self.keys(tokens);
         let hit = self
             .local_prefix(&keys)
             .max(external_blocks.min(keys.len()));
-        for &k in keys.iter().rev() {
-            if let Inserted::NoCapacity = self.cache.insert(k) {
-                break;
-            }
-        }
+        self.cache_prefix(&keys, Some(tokens));
         let n = tokens.len() as u64;
         let cached = (hit as u64 * u64::from(self.config.block_size.get())).min(n);
         PrefillPlan {
@@ -129,6 +203,66 @@ impl EngineCore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvpool_core::sched::block_keys;
+
+    fn config(hashing: BlockHashing) -> EngineConfig {
+        EngineConfig {
+            model: "m".into(),
+            prefill_cost: PrefillCost::default(),
+            decode_cost: DecodeCost::default(),
+            block_size: NonZeroU32::new(4).unwrap(),
+            cache_blocks: 3,
+            chunk_bytes: 4,
+            time_scale: 1.0,
+            sglang: None,
+            hashing,
+        }
+    }
+
+    #[test]
+    fn cache_changes_are_published_as_vllm_events_with_vllm_hashes() {
+        let mut core = EngineCore::new(config(BlockHashing::vllm("0")));
+        core.publish_events();
+        let a: Vec<u32> = (0..10).collect();
+        let keys = core.keys(&a);
+        assert_eq!(keys.len(), 2, "vLLM hashes full blocks only");
+        core.prefill(&a);
+        let events = core.take_events();
+        assert_eq!(events.len(), 1);
+        let KvEvent::BlockStored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            ..
+        } = &events[0]
+        else {
+            panic!("{events:?}");
+        };
+        assert_eq!(
+            block_hashes,
+            &keys.iter().map(|&k| WireHash::Int(k)).collect::<Vec<_>>()
+        );
+        assert_eq!((parent, token_ids.len(), *block_size), (&None, 8, 4));
+        // The same prompt again stores nothing new.
+        core.prefill(&a);
+        assert!(core.take_events().is_empty());
+        // Two more blocks overflow the 3-block cache: one eviction, one stored run.
+        let b: Vec<u32> = (100..108).collect();
+        core.prefill(&b);
+        let events = core.take_events();
+        assert!(
+            matches!(&events[0], KvEvent::BlockRemoved { block_hashes, .. } if block_hashes.len() == 1),
+            "{events:?}"
+        );
+        assert!(
+            matches!(&events[1], KvEvent::BlockStored { block_hashes, .. } if block_hashes.len() == 2)
+        );
+        // Without a publisher nothing is collected.
+        let mut quiet = EngineCore::new(config(BlockHashing::vllm("0")));
+        quiet.prefill(&a);
+        assert!(quiet.take_events().is_empty());
+    }
 
     #[test]
     fn repeated_prefix_is_cached() {
@@ -145,6 +279,7 @@ mod tests {
             chunk_bytes: 4,
             time_scale: 1.0,
             sglang: None,
+            hashing: BlockHashing::Kvpool,
         });
         let a: Vec<u32> = (0..10).collect();
         let p = core.prefill(&a);

@@ -63,6 +63,7 @@ impl EngineSet {
                         "engine set refused; keeping the previous one");
                     // `take` emptied it; rebuild the previous set's state from scratch.
                     m.state = State::new(&shared.config.with_engines(&m.engines)).ok();
+                    m.reenter_holdings();
                     return m.state.is_some();
                 }
             }
@@ -74,7 +75,20 @@ impl EngineSet {
         m.engines = ordered;
         m.state = state;
         m.epoch += 1;
+        m.reenter_holdings();
         m.state.is_some()
+    }
+
+    /// Follow the prefill engines' KV event streams of the configuration until `shutdown`
+    /// fires (one task per stream; each reconnects on its own).
+    pub fn follow_kv_events(&self, shutdown: &CancellationToken) {
+        for source in &self.0.config.kv_events {
+            tokio::spawn(super::kv_feed::follow(
+                self.0.clone(),
+                source.clone(),
+                shutdown.clone(),
+            ));
+        }
     }
 
     /// Apply every engine set `updates` carries (the latest one wins) until its sender is

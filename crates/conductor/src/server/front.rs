@@ -77,6 +77,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             engines: initial,
             state,
             epoch: 0,
+            holdings: Default::default(),
         }),
         upstream: Upstream::new(),
         started: Instant::now(),

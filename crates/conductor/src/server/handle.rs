@@ -20,7 +20,6 @@ use super::shared::{Finish, Shared};
 use super::upstream::UpstreamError;
 use super::vllm::route_vllm;
 use crate::engines::RoutingProtocol;
-use kvpool_core::sched::block_keys;
 use kvpool_proto::openai::{self as api, Endpoint};
 
 /// Serves one completion request that came to `endpoint` (at `path`).
@@ -49,7 +48,10 @@ pub(super) async fn handle(
         Ok(t) => t,
         Err(e) => return tokenizer_failed(&shared, &e),
     };
-    let keys = block_keys(&tokens, shared.config.scheduler.block_size);
+    let keys = shared
+        .config
+        .hashing
+        .keys(&tokens, shared.config.scheduler.block_size);
     let in_pool = match &shared.config.pool {
         Some(pool) => pool_prefix(&shared, pool, &keys).await,
         None => 0,

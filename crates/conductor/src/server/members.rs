@@ -2,7 +2,10 @@
 //! request placed on two of them ([`Placed`]), found again by URL after the engine set changed.
 //! Pure.
 
+use std::collections::HashMap;
+
 use crate::engines::{Engines, RoutingProtocol};
+use crate::kv_events::{Delta, Holdings};
 use crate::state::{State, Ticket};
 
 /// The engines served now and the bookkeeping over them. `epoch` counts engine-set changes, so
@@ -12,6 +15,9 @@ pub(super) struct Members {
     /// `None` until there is at least one prefill and one decode engine.
     pub(super) state: Option<State>,
     pub(super) epoch: u64,
+    /// What each prefill engine with a KV event stream holds, by base URL (kept over
+    /// engine-set changes, re-entered into every new state).
+    pub(super) holdings: HashMap<String, Holdings>,
 }
 
 /// A request placed on instances, with what is needed to find them after an engine-set change.
@@ -26,6 +32,19 @@ pub(super) struct Placed {
 }
 
 impl Members {
+    /// Enters every event-fed engine's holdings into the state (after it was rebuilt).
+    pub(super) fn reenter_holdings(&mut self) {
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
+        for (url, held) in &self.holdings {
+            if let Some(i) = self.engines.prefill.iter().position(|u| u == url) {
+                let deltas: Vec<Delta> = held.keys().map(Delta::Added).collect();
+                state.apply_event_deltas(i, &deltas);
+            }
+        }
+    }
+
     /// Run `f` on the state with `placed`'s ticket as the current engine set numbers it; an
     /// instance that left meanwhile gets an index nothing has (its part is skipped).
     pub(super) fn with_ticket(&mut self, placed: &Placed, f: impl FnOnce(&mut State, &Ticket)) {

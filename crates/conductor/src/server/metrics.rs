@@ -20,6 +20,11 @@ pub(super) struct Metrics {
     pub(super) prefetches: IntCounterVec,
     pub(super) fetch_bandwidth: Gauge,
     pub(super) pool_lookup_seconds: Histogram,
+    pub(super) kv_events: IntCounterVec,
+    pub(super) kv_event_batches: IntCounterVec,
+    pub(super) kv_event_gaps: IntCounterVec,
+    pub(super) kv_event_connections: IntCounterVec,
+    pub(super) engine_cached_blocks: IntGaugeVec,
 }
 
 impl Metrics {
@@ -92,8 +97,53 @@ impl Metrics {
                 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
             ]),
         )?;
+        let kv_events = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_kv_events_total",
+                "Block events applied from the prefill engines' KV event streams, by kind \
+                 (stored and removed count blocks, cleared counts AllBlocksCleared events)",
+            ),
+            &["kind"],
+        )?;
+        let kv_event_batches = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_kv_event_batches_total",
+                "KV event batches received, by result (applied, bad_frames, bad_payload)",
+            ),
+            &["result"],
+        )?;
+        let kv_event_gaps = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_kv_event_gaps_total",
+                "Breaks in an engine's KV event sequence, by recovery (replayed: the missed \
+                 batches came back from the replay socket; cleared: the engine's entries were \
+                 dropped; restart: the sequence started again)",
+            ),
+            &["recovery"],
+        )?;
+        let kv_event_connections = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_kv_event_connections_total",
+                "KV event subscriptions, by outcome (connected, error)",
+            ),
+            &["outcome"],
+        )?;
+        let engine_cached_blocks = IntGaugeVec::new(
+            Opts::new(
+                "kvpool_conductor_engine_cached_blocks",
+                "Blocks the conductor believes a prefill engine holds, by engine URL and source \
+                 (events: the engine's own KV events; mirror: guessed from routing decisions, \
+                 the fallback for engines without an event stream)",
+            ),
+            &["engine", "source"],
+        )?;
         for c in [
-            Box::new(fetch_bandwidth.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(kv_events.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(kv_event_batches.clone()),
+            Box::new(kv_event_gaps.clone()),
+            Box::new(kv_event_connections.clone()),
+            Box::new(engine_cached_blocks.clone()),
+            Box::new(fetch_bandwidth.clone()),
             Box::new(pool_lookup_seconds.clone()),
             Box::new(requests.clone()),
             Box::new(rejections.clone()),
@@ -110,6 +160,14 @@ impl Metrics {
         for outcome in ["ok", "rejected"] {
             requests.with_label_values(&[outcome]);
         }
+        if !config.kv_events.is_empty() {
+            for kind in ["stored", "removed", "cleared"] {
+                kv_events.with_label_values(&[kind]);
+            }
+            for recovery in ["replayed", "cleared", "restart"] {
+                kv_event_gaps.with_label_values(&[recovery]);
+            }
+        }
         if config.pool.is_some() {
             for outcome in ["hit", "miss", "error", "timeout", "backoff"] {
                 pool_lookups.with_label_values(&[outcome]);
@@ -125,6 +183,11 @@ impl Metrics {
             prefetches,
             fetch_bandwidth,
             pool_lookup_seconds,
+            kv_events,
+            kv_event_batches,
+            kv_event_gaps,
+            kv_event_connections,
+            engine_cached_blocks,
         })
     }
 

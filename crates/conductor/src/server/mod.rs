@@ -13,6 +13,8 @@
 //! - `handle`: one request, from its body to its placement and the routing convention.
 //! - `vllm` and `sglang`: the two conventions; `engine_calls`: the prefill call and the decode
 //!   relay both use; `upstream`: the HTTP client to the engines and its errors.
+//! - `kv_feed`: the prefill engines' KV event streams (ZMQ SUB, replay on gaps) into the
+//!   index.
 //! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication.
 //! - `shared`, `members`, `engine_set`, `metrics`: what the handlers share, the engine set's
 //!   bookkeeping and its handle, and the conductor's metrics.
@@ -22,6 +24,7 @@ mod engine_set;
 mod error_bodies;
 mod front;
 mod handle;
+mod kv_feed;
 mod members;
 mod metrics;
 mod pool_lookup;

@@ -5,6 +5,7 @@
 
 pub mod blocks;
 pub mod cost;
+pub mod engine_hash;
 pub mod index;
 pub mod lru;
 pub mod policy;
@@ -14,6 +15,9 @@ pub use blocks::{BlockKey, block_count, block_keys, pool_key, text_tokens};
 #[cfg(feature = "clap")]
 pub use cost::CostFlags;
 pub use cost::{DecodeCost, FitError, PrefillCost};
+pub use engine_hash::{
+    BlockHashKind, BlockHashing, EngineHash, ExtraKeys, VllmHasher, u64_of_hash_bytes,
+};
 pub use index::{IndexError, InstanceMask, PrefixIndex, PrefixMatch};
 pub use lru::{Inserted, LruSet};
 pub use policy::{

@@ -1,5 +1,6 @@
 //! The engine's HTTP endpoints: the router (`/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`, the prefetch endpoint), the completion endpoint that answers JSON or
+//! `/v1/models`, the prefetch endpoint, and SGLang's `/health` and information endpoints from
+//! `info`), the completion endpoint that answers JSON or
 //! server-sent events once the prompt's KV is in place. I/O boundary: the spawned request
 //! tasks (the router is served by `kvpool_runtime::http::serve`, re-exported as
 //! `server::serve`).
@@ -22,6 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::error_bodies::{api_error, handoff_failed};
 use super::generate::generate;
+use super::info;
 use super::metrics::Metrics;
 use super::prefetch::prefetch;
 use super::report::with_report_headers;
@@ -39,6 +41,8 @@ pub enum ServerError {
     Metrics(#[source] prometheus::Error),
     #[error("engine server failed")]
     Serve(#[source] std::io::Error),
+    #[error("KV event publisher: {0}")]
+    KvEvents(String),
 }
 
 impl ServerError {
@@ -136,6 +140,15 @@ pub fn router_with_agent(
     kv: Option<AgentKv>,
     registry: &Registry,
 ) -> Result<Router, ServerError> {
+    Ok(engine(config, kv, registry)?.0)
+}
+
+/// The engine API's router and the state its handlers share.
+pub(super) fn engine(
+    config: EngineConfig,
+    kv: Option<AgentKv>,
+    registry: &Registry,
+) -> Result<(Router, Arc<Shared>), ServerError> {
     let metrics = Metrics::register(registry).map_err(ServerError::Metrics)?;
     let shared = Arc::new(Shared {
         kv,
@@ -148,7 +161,7 @@ pub fn router_with_agent(
         metrics,
     });
     let created = unix_now();
-    Ok(Router::new()
+    let router = Router::new()
         .route(
             "/v1/completions",
             post(|State(s): State<Arc<Shared>>, body: Bytes| async move {
@@ -172,6 +185,6 @@ pub fn router_with_agent(
             post(
                 |State(s): State<Arc<Shared>>, body: Bytes| async move { prefetch(s, body).await },
             ),
-        )
-        .with_state(shared))
+        );
+    Ok((info::routes(router).with_state(shared.clone()), shared))
 }

@@ -25,6 +25,7 @@ pub(super) struct Metrics {
     pub(super) kv_seconds: HistogramVec,
     pub(super) lane_wait_seconds: Histogram,
     pub(super) handoffs: IntCounterVec,
+    pub(super) kv_event_batches: IntCounter,
 }
 
 /// Buckets of the engine's latency histograms, seconds (100 µs to 10 s).
@@ -115,10 +116,15 @@ impl Metrics {
                 ),
                 &["outcome"],
             )?,
+            kv_event_batches: IntCounter::new(
+                "kvpool_engine_kv_event_batches_total",
+                "KV event batches published (with --kv-events-config)",
+            )?,
         };
         registry.register(Box::new(m.kv_seconds.clone()))?;
         registry.register(Box::new(m.lane_wait_seconds.clone()))?;
         registry.register(Box::new(m.handoffs.clone()))?;
+        registry.register(Box::new(m.kv_event_batches.clone()))?;
         registry.register(Box::new(m.prefetches.clone()))?;
         registry.register(Box::new(m.requests.clone()))?;
         registry.register(Box::new(m.prompt_tokens.clone()))?;

@@ -7,13 +7,17 @@
 //! errors it answers); `generate` runs one request: its `prefill` half (KV in through
 //! `pool_io`, the queued compute, KV out) and its `decode` steps; `sglang` is SGLang's
 //! bootstrap (roles, the KV hand-off through the pool); `report` the KV load headers the
-//! conductor learns from; `prefetch` the prefetch endpoint; `shared` and `metrics` what the
-//! handlers share.
+//! conductor learns from; `prefetch` the prefetch endpoint; `info` SGLang's `/health`,
+//! `/server_info` and `/model_info` (what SGLang's router asks a worker); `kv_events` the KV
+//! event publisher (vLLM's `--kv-events-config`, ZMQ PUB and replay); `shared` and
+//! `metrics` what the handlers share.
 
 mod decode;
 mod endpoints;
 mod error_bodies;
 mod generate;
+mod info;
+mod kv_events;
 mod metrics;
 mod pool_io;
 mod prefetch;
@@ -23,6 +27,7 @@ mod sglang;
 mod shared;
 
 pub use endpoints::{ServerError, router, router_with_agent};
+pub use kv_events::{KvEventsConfig, router_publishing};
 /// Serves a router on a listener until the token is cancelled (the runtime's serve loop; a
 /// failure there is [`ServerError::Serve`] to the CLI).
 pub use kvpool_runtime::http::serve;

@@ -9,7 +9,7 @@ use super::report::PrefillReport;
 use super::sglang::{HandoffError, wait_for_room};
 use super::shared::Shared;
 use crate::kv;
-use kvpool_core::sched::{block_keys, text_tokens};
+use kvpool_core::sched::text_tokens;
 use kvpool_proto::openai::{GenerateRequest, KvRole};
 
 /// Prefills `req` in `role`: returns what the client is told once the prompt's KV is in place,
@@ -21,7 +21,10 @@ pub(super) async fn prefill(
 ) -> Result<PrefillReport, HandoffError> {
     let m = &shared.metrics;
     let tokens = text_tokens(&req.prompt, shared.config.chunk_bytes);
-    let mut keys = block_keys(&tokens, shared.config.block_size);
+    let mut keys = shared
+        .config
+        .hashing
+        .keys(&tokens, shared.config.block_size);
     // Only full blocks go to the pool, as real engines do.
     keys.truncate(tokens.len() / shared.config.block_size.get() as usize);
     let room = req.bootstrap.as_ref().map(|b| b.room);
