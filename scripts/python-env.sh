@@ -2,12 +2,16 @@
 # Creates .tools/py, the Python venv the Python package's tests and benchmark use, and installs
 # the kvpool package into it from crates/python (maturin builds the Rust extension):
 #   maturin, pytest, numpy, and mooncake-transfer-engine-non-cuda (real Mooncake: the oracle of
-#   the conformance suite and the peer of `kvpool bench python`).
+#   the conformance suite and the peer of `kvpool bench python`); pyzmq, msgpack and cbor2
+#   (the independent KV-event publisher and block-hash vectors of the conductor's tests). Also creates .tools/router
+#   with sglang-router (SGLang's Rust router, the peer of `kvpool bench conductor
+#   --vs_sglang_router`), in a venv of its own so that its dependencies stay apart.
 # Idempotent: pinned tools already installed are left alone; the package is always rebuilt.
 #   scripts/python-env.sh            debug build of the extension (fast to build; the tests)
 #   scripts/python-env.sh --release  release build (the benchmark)
 #   scripts/python-env.sh --tools    the pinned tools only, no kvpool package (Mooncake for
-#                                    `kvpool bench ... --vs_mooncake` and its tests)
+#                                    `kvpool bench ... --vs_mooncake`, sglang-router for
+#                                    `kvpool bench conductor --vs_sglang_router`, and their tests)
 # Needs python3 with venv and pip (scripts/deps.sh installs them), and Mooncake's wheel needs
 # libibverbs1 and librdmacm1 at run time (scripts/deps.sh installs them with the verbs headers).
 set -euo pipefail
@@ -17,6 +21,11 @@ MATURIN_VERSION=1.9.6
 PYTEST_VERSION=8.4.2
 NUMPY_VERSION=2.2.6
 MOONCAKE_VERSION=0.3.13.post1
+# KV-event and block-hash tests: an independent vLLM-format publisher and hash vectors.
+PYZMQ_VERSION=27.1.0
+MSGPACK_VERSION=1.2.4
+CBOR2_VERSION=5.7.1
+ROUTER_VERSION=0.3.2
 
 profile=dev
 tools_only=0
@@ -33,15 +42,23 @@ mkdir -p "$root"
 [ -f "$root/.gitignore" ] || printf '*\n' >"$root/.gitignore"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION"
+stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION-$PYZMQ_VERSION-$MSGPACK_VERSION-$CBOR2_VERSION"
 if [ ! -f "$stamp" ]; then
   "$py" -m pip install --quiet --disable-pip-version-check \
     "maturin==$MATURIN_VERSION" "pytest==$PYTEST_VERSION" "numpy==$NUMPY_VERSION" \
-    "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION"
+    "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
+    "pyzmq==$PYZMQ_VERSION" "msgpack==$MSGPACK_VERSION" "cbor2==$CBOR2_VERSION"
   touch "$stamp"
 fi
+router="$root/router"
+[ -x "$router/bin/python" ] || python3 -m venv "$router"
+if [ ! -f "$router/.kvpool-tools-$ROUTER_VERSION" ]; then
+  "$router/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "sglang-router==$ROUTER_VERSION"
+  touch "$router/.kvpool-tools-$ROUTER_VERSION"
+fi
 if [ "$tools_only" = 1 ]; then
-  echo "python-env.sh: pinned tools in $venv"
+  echo "python-env.sh: pinned tools in $venv and $router"
   exit 0
 fi
 if [ -f crates/python/pyproject.toml ]; then
