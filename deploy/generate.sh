@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerates the packaging files derived from other sources, so that they can be committed:
 #   charts/kvpool/files/crds/*.yaml  copies of crds/*.yaml (which `kvpool operator crd` writes)
+#   charts/kvpool/LICENSE            a copy of LICENSE, so that the packaged chart carries it
 #   deploy/kvpool.yaml               the chart rendered with its default values
-# tests/packaging.rs fails when either is stale; with KVPOOL_BLESS=1 it rewrites them
+# tests/packaging.rs fails when one is stale; with KVPOOL_BLESS=1 it rewrites them
 # itself, like the other drift tests. Needs helm (scripts/tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,8 +25,11 @@ for file in crds/*.yaml; do
   fi
 done
 
-# Keep these arguments in step with DEPLOY_RELEASE/DEPLOY_NAMESPACE in tests/packaging.rs.
-"$helm" template kvpool charts/kvpool --namespace kvpool-system --kube-version 1.33.0 \
+cp LICENSE charts/kvpool/LICENSE
+
+# Keep these arguments in step with DEPLOY_RELEASE, DEPLOY_NAMESPACE and KUBE_VERSION in
+# tests/packaging.rs.
+"$helm" template kvpool charts/kvpool --namespace kvpool-system --kube-version 1.32.0 \
   >deploy/kvpool.yaml.tmp
 mv deploy/kvpool.yaml.tmp deploy/kvpool.yaml
-echo "generate.sh: wrote charts/kvpool/files/crds/ and deploy/kvpool.yaml"
+echo "generate.sh: wrote charts/kvpool/files/crds/, charts/kvpool/LICENSE and deploy/kvpool.yaml"

@@ -1,4 +1,4 @@
-# syntax=docker/dockerfile:1.7
+# syntax=docker.io/docker/dockerfile:1.7
 # The `kvpool` image: the one `kvpool` binary (default features) for the operator
 # (`kvpool operator run`), the master, the conductor and the synthetic engines, and the `kvpool`
 # Python package (the PyO3 extension, kvpool.mooncake and the vLLM/SGLang adapters) installed at
@@ -7,13 +7,14 @@
 # Build from the repository root:
 #   docker build -f docker/kvpool.Dockerfile -t ghcr.io/kvpool/kvpool:0.1.0 .
 # Runs as UID 65532. See docs/images.md and docs/adr/0004-python-package-in-engine-pods.md.
+# Base images are written out in full (no build arguments) so that scripts/pin-images.sh can pin
+# each one to its digest (`image:tag@sha256:...`) and later refresh the pins; the rust tag is the
+# toolchain rust-toolchain.toml pins (tests/packaging.rs checks both).
 
-ARG RUST_VERSION=1.95.0
-ARG DEBIAN_RELEASE=bookworm
 ARG MATURIN_VERSION=1.9.6
 ARG ZIGLANG_VERSION=0.12.1
 
-FROM docker.io/library/rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS build
+FROM docker.io/library/rust:1.95.0-bookworm AS build
 RUN apt-get update \
  && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev libclang-dev pkg-config \
  && rm -rf /var/lib/apt/lists/*
@@ -29,7 +30,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
 # against glibc 2.28's symbols so that the extension loads in engine images older than this
 # Debian (manylinux_2_28: Ubuntu 20.04+, RHEL 8+, the floor PyTorch's own wheels have), then
 # unpacked with pip. No dependencies are installed: the engine image brings its own Python ones.
-FROM docker.io/library/rust:${RUST_VERSION}-${DEBIAN_RELEASE} AS python
+FROM docker.io/library/rust:1.95.0-bookworm AS python
 ARG MATURIN_VERSION
 ARG ZIGLANG_VERSION
 RUN apt-get update \
@@ -56,6 +57,7 @@ LABEL org.opencontainers.image.title="kvpool" \
       org.opencontainers.image.source="https://github.com/kvpool/kvpool" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /out/kvpool /usr/local/bin/kvpool
+COPY LICENSE /usr/share/doc/kvpool/LICENSE
 COPY --from=python /opt/kvpool/python /opt/kvpool/python
 USER 65532:65532
 EXPOSE 9090 50051 8000

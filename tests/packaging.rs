@@ -2,12 +2,16 @@
 //! Dockerfiles (docker/) against the operator they ship. Every rendered object must parse into
 //! its Kubernetes type without losing a field and pass `kubernetes-validate --strict`; the
 //! container args must parse with the operator's own CLI; the RBAC rules must equal the
-//! operator's permission list; the alert rules must pass promtool.
-//! I/O boundary: child processes (helm, kubectl, kubernetes-validate, promtool) and files in
-//! the repository and under the test's temporary directory.
+//! operator's permission list; the alert rules must pass promtool under any release name; the
+//! chart must install as an umbrella chart's dependency and render with the pinned helm's default
+//! Kubernetes version; its README's values table must be what tests/packaging_support generates;
+//! the Dockerfiles' base images must be pinnable by scripts/pin-images.sh; scripts/sbom.sh must
+//! write a CycloneDX SBOM per image.
+//! I/O boundary: child processes (helm, kubectl, kubernetes-validate, promtool, the scripts) and
+//! files in the repository and under the test's temporary directory.
 //!
-//! The tools come from scripts/tools.sh (helm, kubernetes-validate, kubectl if missing) and
-//! scripts/deps.sh (promtool). A missing tool fails the test with the command that installs it.
+//! The tools come from scripts/tools.sh (helm, kubernetes-validate, kubectl if missing,
+//! cargo-cyclonedx) and scripts/deps.sh (promtool). A missing tool fails the test with the command that installs it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -27,11 +31,16 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+mod packaging_support;
+
 /// Release name and namespace that deploy/kvpool.yaml is rendered with (deploy/generate.sh).
 const DEPLOY_RELEASE: &str = "kvpool";
 const DEPLOY_NAMESPACE: &str = "kvpool-system";
-/// Oldest Kubernetes version the chart supports (kube 5's minimum); schemas are checked there.
-const KUBE_VERSION: &str = "1.33.0";
+/// Oldest Kubernetes version the chart installs on (`kubeVersion` in Chart.yaml); schemas are
+/// checked there. The CRDs' `selectableFields` are GA from 1.32, and 1.32 is also what helm
+/// 3.17 (scripts/tools.sh) assumes when it renders without a cluster. docs/install.md says why
+/// the operator's client library, tested from 1.33, is expected to work there.
+const KUBE_VERSION: &str = "1.32.0";
 /// Path of the `kvpool` binary inside its images (docker/kvpool.Dockerfile runs the operator).
 const OPERATOR_BINARY_PATH: &str = "/usr/local/bin/kvpool";
 /// Example values files shipped with the chart; each one is rendered and checked.
@@ -76,9 +85,17 @@ fn on_path(name: &str) -> Option<PathBuf> {
 /// tool is an error that says how to install it; the tests never pass without their tools.
 fn tool(name: &str) -> Result<PathBuf> {
     let root = repo_root();
+    let cargo_home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
     let local = match name {
         "kubernetes-validate" => vec![root.join(".tools/venv/bin/kubernetes-validate")],
         "helm" | "kubectl" => vec![root.join(".tools/bin").join(name)],
+        // Where `cargo install` puts it and `cargo cyclonedx` looks for it.
+        "cargo-cyclonedx" => cargo_home
+            .into_iter()
+            .map(|h| h.join("bin").join(name))
+            .collect(),
         _ => vec![],
     };
     if let Some(found) = local
@@ -195,12 +212,16 @@ fn renders() -> Vec<Render<'static>> {
 }
 
 fn helm_args<'a>(render: &Render<'a>) -> Vec<&'a str> {
+    helm_args_as(DEPLOY_RELEASE, DEPLOY_NAMESPACE, render)
+}
+
+fn helm_args_as<'a>(release: &'a str, namespace: &'a str, render: &Render<'a>) -> Vec<&'a str> {
     let mut args = vec![
         "template",
-        DEPLOY_RELEASE,
+        release,
         "charts/kvpool",
         "--namespace",
-        DEPLOY_NAMESPACE,
+        namespace,
         "--kube-version",
         KUBE_VERSION,
     ];
@@ -408,7 +429,16 @@ const PRODUCTION: Render<'static> = Render {
 
 /// Renders, parses and types one rendering; also returns the raw YAML.
 fn render_objects(render: &Render<'_>) -> Result<(String, Vec<Object>)> {
-    let yaml = helm_template(render)?;
+    render_objects_as(DEPLOY_RELEASE, DEPLOY_NAMESPACE, render)
+}
+
+/// [`render_objects`] under another release name and namespace.
+fn render_objects_as(
+    release: &str,
+    namespace: &str,
+    render: &Render<'_>,
+) -> Result<(String, Vec<Object>)> {
+    let yaml = run_ok("helm", &helm_args_as(release, namespace, render))?;
     let objects = parse_docs(&yaml)?
         .iter()
         .map(typed)
@@ -461,9 +491,11 @@ fn write_atomically(path: &Path, text: &str) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
 }
 
-/// What deploy/generate.sh does: copy the CRD files into the chart, render deploy/kvpool.yaml.
+/// What deploy/generate.sh does: copy the CRD files and LICENSE into the chart, render
+/// deploy/kvpool.yaml.
 fn regenerate() -> Result<()> {
     let root = repo_root();
+    write_atomically(&root.join("charts/kvpool/LICENSE"), &read("LICENSE")?)?;
     let chart_crds = root.join("charts/kvpool/files/crds");
     let generated = crd_files("crds")?;
     // Overwrite in place and remove only what crds/ no longer has, so that a test running at
@@ -1017,37 +1049,72 @@ fn metrics_in(expr: &str) -> BTreeSet<String> {
     names
 }
 
+/// Release names and namespaces the alert unit tests run under: the one deploy/ uses, and one
+/// whose object names get the chart name appended ("ai-platform-kvpool-operator-metrics").
+const ALERT_RELEASES: &[(&str, &str)] = &[
+    (DEPLOY_RELEASE, DEPLOY_NAMESPACE),
+    ("ai-platform", "inference"),
+];
+
 #[test]
-fn alert_rules_pass_promtool_and_fire_as_intended() -> Result<()> {
-    let (_, objects) = render_objects(&PRODUCTION)?;
-    let Some(rule) = objects.iter().find_map(|o| match o {
-        Object::PrometheusRule(r) => Some(r),
-        _ => None,
-    }) else {
-        bail!("the production example renders no PrometheusRule");
-    };
+fn alert_rules_pass_promtool_and_fire_as_intended_under_any_release_name() -> Result<()> {
     let known = operator_metric_names()?;
-    for alert in rule.spec.groups.iter().flat_map(|g| &g.rules) {
-        let used = metrics_in(&alert.expr);
-        ensure!(!used.is_empty(), "{} uses no operator metric", alert.alert);
-        for name in used {
-            ensure!(
-                known.contains(&name),
-                "{} uses unknown metric {name}",
-                alert.alert
-            );
+    let tests = read("charts/kvpool/ci/alerts-test.yaml")?;
+    ensure!(
+        !tests.contains("\"kvpool-operator-metrics\"") && !tests.contains("\"kvpool-system\""),
+        "charts/kvpool/ci/alerts-test.yaml names the default release's Service or namespace; \
+         write ${{SERVICE}} and ${{NAMESPACE}}"
+    );
+    let mut services = BTreeSet::new();
+    for (release, namespace) in ALERT_RELEASES {
+        let (_, objects) = render_objects_as(release, namespace, &PRODUCTION)?;
+        let Some(rule) = objects.iter().find_map(|o| match o {
+            Object::PrometheusRule(r) => Some(r),
+            _ => None,
+        }) else {
+            bail!("the production example renders no PrometheusRule");
+        };
+        for alert in rule.spec.groups.iter().flat_map(|g| &g.rules) {
+            let used = metrics_in(&alert.expr);
+            ensure!(!used.is_empty(), "{} uses no operator metric", alert.alert);
+            for name in used {
+                ensure!(
+                    known.contains(&name),
+                    "{} uses unknown metric {name}",
+                    alert.alert
+                );
+            }
         }
+        // The Service the ServiceMonitor scrapes names the targets' `service` label.
+        let service = objects
+            .iter()
+            .find_map(|o| match o {
+                Object::Service(s) => s.metadata.name.clone(),
+                _ => None,
+            })
+            .context("no metrics Service rendered")?;
+        services.insert(service.clone());
+        let dir = scratch_dir(&format!("alert_rules/{release}"))?;
+        let rules = dir.join("rules.yaml");
+        std::fs::write(&rules, serde_json::to_string_pretty(&rule.spec)?)?;
+        let filled = tests
+            .replace("${NAMESPACE}", namespace)
+            .replace("${SERVICE}", &service);
+        ensure!(
+            !filled.contains("${"),
+            "alerts-test.yaml uses a placeholder other than ${{NAMESPACE}} and ${{SERVICE}}"
+        );
+        let test = dir.join("alerts-test.yaml");
+        std::fs::write(&test, filled)?;
+        run_ok("promtool", &["check", "rules", &rules.to_string_lossy()])?;
+        run_ok("promtool", &["test", "rules", &test.to_string_lossy()])
+            .with_context(|| format!("release {release} in namespace {namespace}"))?;
     }
-    let dir = scratch_dir("alert_rules_pass_promtool_and_fire_as_intended")?;
-    let rules = dir.join("rules.yaml");
-    std::fs::write(&rules, serde_json::to_string_pretty(&rule.spec)?)?;
-    std::fs::write(
-        dir.join("alerts-test.yaml"),
-        read("charts/kvpool/ci/alerts-test.yaml")?,
-    )?;
-    run_ok("promtool", &["check", "rules", &rules.to_string_lossy()])?;
-    let test = dir.join("alerts-test.yaml");
-    run_ok("promtool", &["test", "rules", &test.to_string_lossy()])?;
+    ensure!(
+        services.len() == ALERT_RELEASES.len(),
+        "the releases must name their Services differently for the test to mean anything: \
+         {services:?}"
+    );
     Ok(())
 }
 
@@ -1117,9 +1184,13 @@ fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
     Ok(())
 }
 
-/// The last stage of a Dockerfile (what ships), as lines with continuations joined.
+/// The stages of a Dockerfile, each as its instructions with continuations joined; the last
+/// one is what ships.
 fn dockerfile_stages(rel: &str) -> Result<Vec<Vec<String>>> {
-    let text = read(rel)?;
+    dockerfile_stages_of(rel, &read(rel)?)
+}
+
+fn dockerfile_stages_of(rel: &str, text: &str) -> Result<Vec<Vec<String>>> {
     let mut instructions = Vec::new();
     let mut current = String::new();
     for line in text.lines() {
@@ -1371,12 +1442,12 @@ fn chart_refuses_clusters_older_than_the_operator_supports() -> Result<()> {
             "kvpool",
             "charts/kvpool",
             "--kube-version",
-            "1.32.0",
+            "1.31.0",
         ],
     )?;
-    ensure!(!out.ok, "the chart rendered for Kubernetes 1.32");
+    ensure!(!out.ok, "the chart rendered for Kubernetes 1.31");
     ensure!(
-        out.stderr.contains(">=1.33.0"),
+        out.stderr.contains(">=1.32.0"),
         "unexpected error: {}",
         out.stderr
     );
@@ -1559,7 +1630,7 @@ fn packaged_chart_holds_what_a_user_needs_and_renders_like_the_source() -> Resul
     let version = env!("CARGO_PKG_VERSION");
     let archive = dir.join(format!("kvpool-{version}.tgz"));
     let archive = archive.to_string_lossy().into_owned();
-    // The archive carries the README, the schema, the CRD copies and the dashboard, and leaves
+    // The archive carries the README, the licence, the schema, the CRD copies and the dashboard, and leaves
     // out the test-only ci/ folder.
     let listing = Command::new("tar")
         .args(["-tzf", &archive])
@@ -1572,6 +1643,7 @@ fn packaged_chart_holds_what_a_user_needs_and_renders_like_the_source() -> Resul
         .collect();
     let mut wanted: Vec<String> = [
         "README.md",
+        "LICENSE",
         "values.schema.json",
         "files/dashboards/kvpool-operator.json",
     ]
@@ -1674,5 +1746,578 @@ fn values_file_and_schema_describe_the_same_options() -> Result<()> {
         open.is_empty(),
         "schema objects accepting unknown keys: {open:?}"
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Composition, Kubernetes versions, README, licence
+
+/// (major, minor) of a "1.32.0"-style version.
+fn minor_version(version: &str) -> Result<(u32, u32)> {
+    let mut parts = version.split('.');
+    let major = parts.next().unwrap_or_default().parse()?;
+    let minor = parts.next().unwrap_or_default().parse()?;
+    Ok((major, minor))
+}
+
+#[test]
+fn chart_renders_and_lints_with_the_pinned_helms_default_kubernetes_version() -> Result<()> {
+    // The tests validate against the version the chart declares as its minimum.
+    let chart: Value = serde_saphyr::from_str(&read("charts/kvpool/Chart.yaml")?)?;
+    assert_eq!(
+        str_at(&chart, "/kubeVersion"),
+        format!(">={KUBE_VERSION}-0"),
+        "Chart.yaml kubeVersion and KUBE_VERSION"
+    );
+    // That minimum is true about the CRDs: `selectableFields` (custom resource field
+    // selectors) is GA from Kubernetes 1.32; an older API server drops it silently.
+    let selectable = crd_files("crds")?
+        .values()
+        .any(|text| text.contains("selectableFields:"));
+    if selectable {
+        ensure!(
+            minor_version(KUBE_VERSION)? >= (1, 32),
+            "the CRDs use selectableFields, GA from 1.32, but the chart allows {KUBE_VERSION}"
+        );
+    }
+    // Without a cluster, helm assumes its own default version: rendering and linting must work
+    // without --kube-version (the failure users met with helm 3.17 and `>=1.33.0-0`).
+    let yaml = run_ok("helm", &["template", "kvpool", "charts/kvpool"])?;
+    ensure!(
+        yaml.contains("kind: Deployment"),
+        "the default render holds no Deployment"
+    );
+    run_ok("helm", &["lint", "--strict", "charts/kvpool"])?;
+    Ok(())
+}
+
+/// A chart of its own that depends on charts/kvpool through `file://`, as an umbrella chart of
+/// a platform team would, with `values` as its values.yaml; `helm dependency build` packs the
+/// dependency into its charts/ folder.
+fn umbrella_chart(test: &str, values: &str) -> Result<PathBuf> {
+    let chart = scratch_dir(test)?.join("platform");
+    std::fs::create_dir_all(chart.join("templates"))?;
+    let dependency = repo_root().join("charts/kvpool");
+    std::fs::write(
+        chart.join("Chart.yaml"),
+        format!(
+            "apiVersion: v2\nname: platform\nversion: 1.0.0\ndependencies:\n  - name: kvpool\n    \
+             version: {}\n    repository: file://{}\n",
+            env!("CARGO_PKG_VERSION"),
+            dependency.display()
+        ),
+    )?;
+    std::fs::write(chart.join("values.yaml"), values)?;
+    run_ok("helm", &["dependency", "build", &chart.to_string_lossy()])?;
+    Ok(chart)
+}
+
+/// `helm install --dry-run` needs a cluster; `helm lint` and `helm template` run the same
+/// schema validation and rendering without one.
+#[test]
+fn chart_installs_as_a_dependency_of_an_umbrella_chart() -> Result<()> {
+    for (case, values) in [
+        ("empty", ""),
+        (
+            "globals",
+            "global:\n  imageRegistry: registry.example.com\n  imagePullSecrets:\n    - name: pull\n",
+        ),
+    ] {
+        let chart = umbrella_chart(&format!("umbrella_{case}"), values)?;
+        let chart = chart.to_string_lossy().into_owned();
+        run_ok("helm", &["lint", "--strict", &chart]).with_context(|| case.to_owned())?;
+        let yaml = run_ok(
+            "helm",
+            &["template", "platform", &chart, "--namespace", "platform"],
+        )
+        .with_context(|| case.to_owned())?;
+        let objects = parse_docs(&yaml)?
+            .iter()
+            .map(typed)
+            .collect::<Result<Vec<_>>>()?;
+        let names: Vec<Option<&str>> = deployments(&objects)
+            .iter()
+            .map(|d| d.metadata.name.as_deref())
+            .collect();
+        assert_eq!(names, [Some("platform-kvpool-operator")], "{case}");
+        ensure!(
+            objects
+                .iter()
+                .filter(|o| matches!(o, Object::Crd(_)))
+                .count()
+                == crd_files("crds")?.len(),
+            "{case}: the CRDs are not rendered"
+        );
+    }
+    // The subchart's schema still guards its own keys.
+    let chart = umbrella_chart("umbrella_typo", "kvpool:\n  operator:\n    replicaz: 2\n")?;
+    let out = run_tool("helm", &["template", "platform", &chart.to_string_lossy()])?;
+    ensure!(
+        !out.ok && out.stderr.contains("replicaz"),
+        "a misspelt subchart value was not refused: {}",
+        out.stderr
+    );
+    Ok(())
+}
+
+#[test]
+fn chart_readme_values_table_is_generated_from_values_and_schema() -> Result<()> {
+    let values = read("charts/kvpool/values.yaml")?;
+    let schema: Value = serde_json::from_str(&read("charts/kvpool/values.schema.json")?)?;
+    let table = packaging_support::values_table(&values, &schema)?;
+    let readme = read("charts/kvpool/README.md")?;
+    let generated = packaging_support::splice(&readme, &table)?;
+    if blessing() && generated != readme {
+        write_atomically(&repo_root().join("charts/kvpool/README.md"), &generated)?;
+        return Ok(());
+    }
+    ensure!(
+        generated == readme,
+        "charts/kvpool/README.md's values table differs from values.yaml and values.schema.json: \
+         KVPOOL_BLESS=1 cargo test --test packaging chart_readme"
+    );
+    // Every top-level option appears in the table, itself or through its keys.
+    for key in schema["properties"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, _)| k)
+    {
+        ensure!(
+            table.contains(&format!("| `{key}")),
+            "the values table has no row for {key}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn license_is_the_apache_2_text_that_cargo_and_the_images_declare() -> Result<()> {
+    let manifest = read("Cargo.toml")?;
+    ensure!(
+        manifest
+            .lines()
+            .any(|l| l.trim() == r#"license = "Apache-2.0""#),
+        "Cargo.toml does not declare Apache-2.0"
+    );
+    let license = read("LICENSE")?;
+    let lines: Vec<&str> = license
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    ensure!(
+        lines.starts_with(&["Apache License", "Version 2.0, January 2004"]),
+        "LICENSE does not start as the Apache License 2.0 does"
+    );
+    for section in [
+        "1. Definitions.",
+        "4. Redistribution.",
+        "9. Accepting Warranty or Additional Liability.",
+        "END OF TERMS AND CONDITIONS",
+        "APPENDIX: How to apply the Apache License to your work.",
+    ] {
+        ensure!(
+            lines.iter().any(|l| l.starts_with(section)),
+            "LICENSE lacks {section:?}"
+        );
+    }
+    // The chart ships a copy; each image labels its licence and carries the text.
+    ensure!(
+        read("charts/kvpool/LICENSE")? == license,
+        "charts/kvpool/LICENSE differs from LICENSE: {REGENERATE}"
+    );
+    for image in IMAGES {
+        let stages = dockerfile_stages(image.dockerfile)?;
+        let last = stages.last().context("no stages")?.join("\n");
+        ensure!(
+            last.contains(r#"org.opencontainers.image.licenses="Apache-2.0""#),
+            "{}: no licence label",
+            image.dockerfile
+        );
+        ensure!(
+            last.contains("COPY LICENSE /usr/share/doc/kvpool/LICENSE"),
+            "{}: the final stage does not carry LICENSE",
+            image.dockerfile
+        );
+        let ignore = read(&format!("{}.dockerignore", image.dockerfile))?;
+        ensure!(
+            !ignore.lines().any(|l| l == "LICENSE" || l == "*"),
+            "{}.dockerignore leaves LICENSE out of the context",
+            image.dockerfile
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Base images and SBOMs
+
+fn is_digest(text: &str) -> bool {
+    text.strip_prefix("sha256:")
+        .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// The images a Dockerfile builds on, with their 1-based line: the `# syntax=` frontend and
+/// every `FROM` that names an image (not `scratch` or an earlier stage).
+fn base_images(text: &str) -> Vec<(usize, String)> {
+    let mut stages = BTreeSet::new();
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if i == 0
+            && let Some(frontend) = line.strip_prefix("# syntax=")
+        {
+            out.push((1, frontend.trim().to_owned()));
+        }
+        let Some(rest) = line.strip_prefix("FROM ") else {
+            continue;
+        };
+        let words: Vec<&str> = rest
+            .split_whitespace()
+            .filter(|w| !w.starts_with("--platform="))
+            .collect();
+        let image = words.first().copied().unwrap_or_default();
+        if image != "scratch" && !stages.contains(image) {
+            out.push((i + 1, image.to_owned()));
+        }
+        if let [_, as_, name] = words[..]
+            && as_.eq_ignore_ascii_case("as")
+        {
+            stages.insert(name.to_owned());
+        }
+    }
+    out
+}
+
+/// Runs scripts/pin-images.sh from a copy of the repository at `root`.
+fn pin_images(root: &Path, args: &[&str], resolver: &Path, fill: &str) -> Result<Output> {
+    let out = Command::new("bash")
+        .arg(root.join("scripts/pin-images.sh"))
+        .args(args)
+        .current_dir(root)
+        .env("KVPOOL_PIN_RESOLVER", resolver)
+        .env("FAKE_DIGEST_FILL", fill)
+        .env("FAKE_RESOLVER_LOG", root.join("lookups.log"))
+        .output()
+        .context("starting scripts/pin-images.sh")?;
+    Ok(Output {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    })
+}
+
+#[test]
+fn base_images_are_written_out_and_pinned_or_pinnable_by_digest() -> Result<()> {
+    let toolchain = read("rust-toolchain.toml")?;
+    let channel = toolchain
+        .lines()
+        .find_map(|l| l.strip_prefix("channel = "))
+        .map(|c| c.trim_matches('"'))
+        .context("rust-toolchain.toml names no channel")?;
+    let mut pinned = 0;
+    let mut bases = 0;
+    for image in IMAGES {
+        for (line, reference) in base_images(&read(image.dockerfile)?) {
+            let at = format!("{}:{line}: {reference}", image.dockerfile);
+            ensure!(
+                !reference.contains('$'),
+                "{at}: a build argument in a base image cannot be pinned"
+            );
+            let (name, digest) = match reference.split_once('@') {
+                Some((name, digest)) => (name, Some(digest)),
+                None => (reference.as_str(), None),
+            };
+            let (repository, tag) = name
+                .rsplit_once(':')
+                .filter(|(_, tag)| !tag.contains('/'))
+                .with_context(|| format!("{at}: no tag"))?;
+            ensure!(
+                repository
+                    .split('/')
+                    .next()
+                    .is_some_and(|h| h.contains('.')),
+                "{at}: name the registry (docker.io/library/..., gcr.io/...)"
+            );
+            if let Some(digest) = digest {
+                ensure!(is_digest(digest), "{at}: not a sha256 digest");
+                pinned += 1;
+            }
+            bases += 1;
+            if repository == "docker.io/library/rust" {
+                ensure!(
+                    tag.starts_with(&format!("{channel}-")),
+                    "{at}: the build image is not the toolchain rust-toolchain.toml pins ({channel})"
+                );
+            }
+        }
+    }
+    ensure!(bases > 0, "no base images found");
+
+    // The script, on a copy of the repository, with a stand-in for the registry.
+    let root = scratch_dir("pin_images")?;
+    std::fs::create_dir_all(root.join("scripts"))?;
+    std::fs::create_dir_all(root.join("docker"))?;
+    std::fs::copy(
+        repo_root().join("scripts/pin-images.sh"),
+        root.join("scripts/pin-images.sh"),
+    )?;
+    let resolver = root.join("resolver.sh");
+    std::fs::write(
+        &resolver,
+        "#!/bin/sh\nprintf '%s\\n' \"$1\" >>\"$FAKE_RESOLVER_LOG\"\n\
+         printf 'sha256:%064d\\n' 0 | tr 0 \"$FAKE_DIGEST_FILL\"\n",
+    )?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&resolver, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let originals: Vec<(&str, String)> = IMAGES
+        .iter()
+        .map(|i| Ok((i.dockerfile, read(i.dockerfile)?)))
+        .collect::<Result<_>>()?;
+    for (rel, text) in &originals {
+        std::fs::write(root.join(rel), text)?;
+    }
+    // --check agrees with the parser above, and needs no registry.
+    let check = pin_images(&root, &["--check"], &resolver, "a")?;
+    assert_eq!(
+        check.ok,
+        pinned == bases,
+        "pin-images.sh --check with {pinned} of {bases} bases pinned: {}",
+        check.stderr
+    );
+    ensure!(
+        !root.join("lookups.log").exists(),
+        "--check looked a tag up"
+    );
+    for (fill, previous) in [("a", None), ("b", Some("a"))] {
+        let run = pin_images(&root, &[], &resolver, fill)?;
+        ensure!(run.ok, "pin-images.sh failed: {}{}", run.stdout, run.stderr);
+        let digest = format!("sha256:{}", fill.repeat(64));
+        for (rel, original) in &originals {
+            let text = std::fs::read_to_string(root.join(rel))?;
+            let before = base_images(original);
+            let after = base_images(&text);
+            assert_eq!(
+                before.len(),
+                after.len(),
+                "{rel}: bases appeared or vanished"
+            );
+            for ((line, old), (_, new)) in before.iter().zip(&after) {
+                let name = old.split('@').next().unwrap_or_default();
+                assert_eq!(new, &format!("{name}@{digest}"), "{rel}:{line}");
+            }
+            // Only the image references changed: same lines, same stages.
+            let unpinned = |t: &str| {
+                t.lines()
+                    .map(|l| match l.find("@sha256:") {
+                        Some(i) if l.get(i + 1..i + 72).is_some_and(is_digest) => {
+                            format!("{}{}", &l[..i], &l[i + 72..])
+                        }
+                        _ => l.to_owned(),
+                    })
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(unpinned(&text), unpinned(original), "{rel}");
+            assert_eq!(
+                dockerfile_stages_of(rel, &text)?.len(),
+                dockerfile_stages(rel)?.len()
+            );
+            if let Some(previous) = previous {
+                ensure!(
+                    !text.contains(&format!("sha256:{}", previous.repeat(64))),
+                    "{rel}: a refresh kept an old digest"
+                );
+            }
+        }
+        // Each tag is looked up once per run, by its tag (never by the old digest).
+        let log = std::fs::read_to_string(root.join("lookups.log"))?;
+        std::fs::remove_file(root.join("lookups.log"))?;
+        let lookups: Vec<&str> = log.lines().collect();
+        let distinct: BTreeSet<&str> = lookups.iter().copied().collect();
+        assert_eq!(lookups.len(), distinct.len(), "a tag was looked up twice");
+        ensure!(
+            lookups.iter().all(|l| !l.contains('@')),
+            "looked up {lookups:?}"
+        );
+    }
+    let check = pin_images(&root, &["--check"], &resolver, "a")?;
+    ensure!(check.ok, "--check after pinning: {}", check.stderr);
+    // A registry answer that is not a digest stops the script before any file is rewritten.
+    let before: Vec<String> = originals
+        .iter()
+        .map(|(rel, _)| std::fs::read_to_string(root.join(rel)))
+        .collect::<std::io::Result<_>>()?;
+    let bad = pin_images(&root, &[], &resolver, "z")?;
+    ensure!(
+        !bad.ok && bad.stderr.contains("not a sha256 digest"),
+        "a bad digest was accepted: {}",
+        bad.stderr
+    );
+    for ((rel, _), before) in originals.iter().zip(&before) {
+        assert_eq!(&std::fs::read_to_string(root.join(rel))?, before, "{rel}");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(root.join("docker"))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".pin."))
+        .collect();
+    ensure!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    Ok(())
+}
+
+/// The workspace crates a manifest's `[dependencies]` name (`kvpool-*`).
+fn workspace_dependencies(manifest: &str) -> Result<BTreeSet<String>> {
+    let text = read(manifest)?;
+    let section = text
+        .split("\n[")
+        .find(|s| s.starts_with("dependencies]"))
+        .with_context(|| format!("{manifest} has no [dependencies]"))?;
+    Ok(section
+        .lines()
+        .filter_map(|l| l.split_once(" = "))
+        .map(|(name, _)| name.trim().to_owned())
+        .filter(|name| name.starts_with("kvpool-"))
+        .collect())
+}
+
+/// Checks one SBOM that scripts/sbom.sh wrote: a well-formed CycloneDX 1.5 document about
+/// `subject` whose references all resolve, which lists `linked` and `present` and not `absent`.
+fn check_sbom(
+    path: &Path,
+    subject: &str,
+    linked: &BTreeSet<String>,
+    present: &[&str],
+    absent: &[&str],
+) -> Result<()> {
+    let at = path.display();
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path)?)
+        .with_context(|| format!("{at} is not JSON"))?;
+    assert_eq!(str_at(&doc, "/bomFormat"), "CycloneDX", "{at}");
+    assert_eq!(str_at(&doc, "/specVersion"), "1.5", "{at}");
+    assert_eq!(doc["version"], 1, "{at}");
+    // SOURCE_DATE_EPOCH=1700000000, as the test sets it (cargo-cyclonedx then also leaves out
+    // the random serial number, so that the document is reproducible).
+    ensure!(doc.get("serialNumber").is_none(), "{at}: not reproducible");
+    ensure!(
+        str_at(&doc, "/metadata/timestamp").starts_with("2023-11-14T22:13:20"),
+        "{at}: the timestamp does not follow SOURCE_DATE_EPOCH"
+    );
+    let component = &doc["metadata"]["component"];
+    assert_eq!(str_at(component, "/name"), subject, "{at}");
+    assert_eq!(
+        str_at(component, "/version"),
+        env!("CARGO_PKG_VERSION"),
+        "{at}"
+    );
+    let mut refs = BTreeSet::from([str_at(component, "/bom-ref").to_owned()]);
+    let mut names = BTreeSet::new();
+    for c in doc["components"].as_array().context("no components")? {
+        let name = str_at(c, "/name");
+        ensure!(
+            !name.is_empty() && !str_at(c, "/version").is_empty(),
+            "{at}: a component without name or version: {c}"
+        );
+        ensure!(
+            str_at(c, "/purl").starts_with(&format!("pkg:cargo/{name}@")),
+            "{at}: {name} has no cargo package URL"
+        );
+        ensure!(
+            c["licenses"].as_array().is_some_and(|l| !l.is_empty()),
+            "{at}: {name} names no licence"
+        );
+        ensure!(
+            refs.insert(str_at(c, "/bom-ref").to_owned()),
+            "{at}: {name}'s bom-ref appears twice"
+        );
+        names.insert(name.to_owned());
+    }
+    for dependency in doc["dependencies"]
+        .as_array()
+        .context("no dependency graph")?
+    {
+        let from = str_at(dependency, "/ref");
+        ensure!(refs.contains(from), "{at}: dependency of unknown {from}");
+        for to in dependency["dependsOn"].as_array().into_iter().flatten() {
+            let to = to.as_str().unwrap_or_default();
+            ensure!(refs.contains(to), "{at}: {from} depends on unknown {to}");
+        }
+    }
+    for name in linked
+        .iter()
+        .map(String::as_str)
+        .chain(present.iter().copied())
+    {
+        ensure!(names.contains(name), "{at} does not list {name}");
+    }
+    for name in absent {
+        ensure!(!names.contains(*name), "{at} lists {name}");
+    }
+    Ok(())
+}
+
+#[test]
+fn sbom_script_writes_a_cyclonedx_document_per_image() -> Result<()> {
+    tool("cargo-cyclonedx")?;
+    let out = scratch_dir("sbom")?;
+    let run = Command::new("bash")
+        .arg(repo_root().join("scripts/sbom.sh"))
+        .arg(&out)
+        .current_dir(repo_root())
+        .env("SOURCE_DATE_EPOCH", "1700000000")
+        .output()
+        .context("starting scripts/sbom.sh")?;
+    ensure!(
+        run.status.success(),
+        "scripts/sbom.sh failed:\n{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let binary = workspace_dependencies("Cargo.toml")?;
+    let extension = workspace_dependencies("crates/python/Cargo.toml")?;
+    ensure!(!binary.is_empty() && !extension.is_empty());
+    // The kvpool image: the binary without RDMA and the Python extension; the agent image: the
+    // binary with the rdma feature, which brings the verbs bindings.
+    check_sbom(
+        &out.join("kvpool/kvpool.cdx.json"),
+        "kvpool",
+        &binary,
+        &[],
+        &["rdma-sys"],
+    )?;
+    check_sbom(
+        &out.join("kvpool/kvpool-python.cdx.json"),
+        "kvpool-python",
+        &extension,
+        &["pyo3"],
+        &["rdma-sys"],
+    )?;
+    check_sbom(
+        &out.join("kvpool-agent/kvpool.cdx.json"),
+        "kvpool",
+        &binary,
+        &["rdma-sys"],
+        &[],
+    )?;
+    // cargo-cyclonedx writes beside every member's Cargo.toml; the script leaves nothing there.
+    let mut stray = Vec::new();
+    let mut dirs = vec![repo_root()];
+    for parent in ["crates", "."] {
+        for entry in std::fs::read_dir(repo_root().join(parent))? {
+            let path = entry?.path();
+            if path.join("Cargo.toml").is_file() {
+                dirs.push(path);
+            }
+        }
+    }
+    for dir in dirs {
+        for entry in std::fs::read_dir(&dir)? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if name.starts_with("kvpool-sbom-") {
+                stray.push(dir.join(name));
+            }
+        }
+    }
+    ensure!(stray.is_empty(), "scripts/sbom.sh left {stray:?}");
     Ok(())
 }
