@@ -91,6 +91,16 @@ fn resident_bytes() -> Option<u64> {
 
 /// Runs the benchmark.
 pub fn run(cfg: BenchConfig) -> Result<BenchReport, BenchError> {
+    run_with(cfg, &mut |_, _| {})
+}
+
+/// [`run`], calling `between(index, keys)` before every decision (untimed): what streams into
+/// the index between decisions (the conductor applies engines' KV events there). `keys` are
+/// the indexed chains' keys, chain after chain of `chain_blocks`.
+pub fn run_with(
+    cfg: BenchConfig,
+    between: &mut dyn FnMut(&mut PrefixIndex, &[u64]),
+) -> Result<BenchReport, BenchError> {
     if cfg.chain_blocks == 0 || cfg.blocks < cfg.chain_blocks || cfg.decisions == 0 {
         return Err(BenchError::Shape(
             "need chain_blocks >= 1, blocks >= chain_blocks and decisions >= 1",
@@ -169,6 +179,7 @@ pub fn run(cfg: BenchConfig) -> Result<BenchReport, BenchError> {
     let mut total_blocks = 0u64;
     let mut sink = 0usize;
     for _ in 0..cfg.decisions {
+        between(&mut index, &keys);
         let c = rng.below(chains);
         let prefix = 1 + rng.below(cfg.chain_blocks);
         req_keys.clear();
