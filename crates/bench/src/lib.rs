@@ -1,8 +1,9 @@
 //! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
-//! module here (`transfer`, `sched`, `store`, `master`); the tier benchmark is the node
-//! agent's own (`kvpool_agent::bench`).
+//! module here (`transfer`, `sched`, `store`, `master`, `conductor`); the tier benchmark is the
+//! node agent's own (`kvpool_agent::bench`).
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
+pub mod conductor;
 pub mod master;
 pub mod mooncake;
 pub mod sched;
@@ -31,6 +32,10 @@ pub enum BenchCommand {
     Tier(kvpool_agent::bench::TierArgs),
     /// The pool end to end on loopback (master, agents, client processes) against Redis.
     Store(Box<store::StoreBenchArgs>),
+    /// The conductor's own cost in front of synthetic SGLang-convention engines: added
+    /// latency at one request in flight and maximum request rate, against a direct client
+    /// and (with --vs_sglang_router) sglang-router in the same run.
+    Conductor(Box<conductor::ConductorBenchArgs>),
 }
 
 /// Errors of the benchmark commands.
@@ -48,6 +53,8 @@ pub enum BenchError {
     Json(#[source] serde_json::Error),
     #[error("store benchmark failed")]
     Store(#[source] store::StoreBenchError),
+    #[error("conductor benchmark failed")]
+    Conductor(#[source] conductor::ConductorBenchError),
 }
 
 impl BenchError {
@@ -60,6 +67,7 @@ impl BenchError {
             BenchError::Runtime(_) => "runtime",
             BenchError::Json(_) => "json",
             BenchError::Store(e) => e.category(),
+            BenchError::Conductor(e) => e.category(),
         }
     }
 }
@@ -71,6 +79,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Sched(a) => sched::run(&a).map_err(BenchError::Sched),
         BenchCommand::Tier(a) => tier(&a),
         BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
+        BenchCommand::Conductor(a) => conductor::run(*a).map_err(BenchError::Conductor),
     }
 }
 

@@ -116,7 +116,8 @@ fn install(venv: &Path) -> Result<(), MooncakeError> {
     )
 }
 
-fn run(cmd: &mut Command, what: &str) -> Result<(), MooncakeError> {
+/// Runs `cmd` to its end; its output (tail) in the error when it fails.
+pub(crate) fn run(cmd: &mut Command, what: &str) -> Result<(), MooncakeError> {
     let out = cmd.output().map_err(|source| MooncakeError::Spawn {
         what: what.into(),
         source,

@@ -1,0 +1,118 @@
+//! `kvpool bench conductor --vs_sglang_router` once at a tiny size against real sglang-router
+//! (its PyPI package in .tools/router, which scripts/test.sh installs with
+//! `scripts/python-env.sh --tools`; the bench installs it there itself when it is missing).
+//! Checks that every target ran both phases in every round, that every request succeeded and
+//! that the JSON carries the figures and their ratios. No ratio is asserted: figures are for
+//! docs/benchmarks.md.
+
+use std::path::Path;
+use std::process::Command;
+
+const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
+
+fn venv() -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".tools/router")
+        .display()
+        .to_string()
+}
+
+#[test]
+fn bench_conductor_measures_direct_conductor_and_sglang_router_in_the_same_rounds() {
+    let out = Command::new(KVPOOL)
+        .args([
+            "bench",
+            "conductor",
+            "--vs_sglang_router",
+            "--router_venv",
+            &venv(),
+            "--rounds",
+            "2",
+            "--requests",
+            "20",
+            "--concurrency",
+            "4",
+            "--duration",
+            "500ms",
+            "--json",
+        ])
+        .output()
+        .expect("run kvpool bench conductor");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let r: serde_json::Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"));
+    assert_eq!(r["all_succeeded"], true, "{r}");
+    assert!(
+        r["sglang_router_version"].as_str().is_some_and(|v| !v.is_empty()),
+        "{r}"
+    );
+    assert!(
+        r["sglang_router_command"]
+            .as_str()
+            .is_some_and(|c| c.contains("--pd-disaggregation")),
+        "{r}"
+    );
+    for name in ["direct", "conductor", "sglang_router"] {
+        let t = &r["targets"][name];
+        assert_eq!(t["failed"], 0, "{name}: {t}");
+        let rounds = t["rounds"].as_array().expect("rounds");
+        assert_eq!(rounds.len(), 2, "{name}");
+        for round in rounds {
+            let one = &round["one_in_flight"];
+            assert_eq!(one["ok"], 20, "{name}: {one}");
+            assert!(one["p50_ms"].as_f64().unwrap() > 0.0, "{name}: {one}");
+            assert!(
+                one["p99_ms"].as_f64().unwrap() >= one["p50_ms"].as_f64().unwrap(),
+                "{name}: {one}"
+            );
+            let closed = &round["closed_loop"];
+            assert!(closed["ok"].as_u64().unwrap() > 0, "{name}: {closed}");
+            assert!(closed["requests_per_second"].as_f64().unwrap() > 0.0);
+        }
+        assert!(t["max_requests_per_second"].as_f64().unwrap() > 0.0);
+        if name == "direct" {
+            assert!(t["added_p50_ms"].is_null());
+        } else {
+            assert!(t["added_p50_ms"].is_number(), "{name}: {t}");
+            assert!(t["added_p99_ms"].is_number(), "{name}: {t}");
+        }
+    }
+    assert_eq!(
+        r["orders"],
+        serde_json::json!([
+            ["direct", "conductor", "sglang_router"],
+            ["direct", "sglang_router", "conductor"]
+        ]),
+        "the front doors alternate"
+    );
+    let q = &r["ratio_vs_sglang_router"];
+    for k in ["added_p50", "added_p99", "max_requests_per_second"] {
+        assert!(q.get(k).is_some(), "{k} missing: {r}");
+    }
+    let c = r["targets"]["conductor"]["max_requests_per_second"]
+        .as_f64()
+        .unwrap();
+    let s = r["targets"]["sglang_router"]["max_requests_per_second"]
+        .as_f64()
+        .unwrap();
+    assert!((q["max_requests_per_second"].as_f64().unwrap() - c / s).abs() < 1e-9);
+}
+
+#[test]
+fn the_router_version_the_bench_installs_is_the_one_the_python_env_pins() {
+    let script = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/python-env.sh"),
+    )
+    .unwrap();
+    let pinned = script
+        .lines()
+        .find_map(|l| l.strip_prefix("ROUTER_VERSION="))
+        .expect("ROUTER_VERSION in scripts/python-env.sh");
+    assert_eq!(pinned, kvpool_bench::conductor::router::DEFAULT_VERSION);
+}
