@@ -1,5 +1,11 @@
 //! Logging set-up shared by the binaries: `tracing` to stderr, filtered by `RUST_LOG`
-//! (default `info`), as text or JSON lines.
+//! (default `info`), as text or JSON lines. Text is coloured only when stderr is a terminal and
+//! neither `NO_COLOR` nor `TERM=dumb` asks otherwise, so that files, pipes and `kubectl logs`
+//! never carry escape codes. I/O boundary: [`init`] reads the environment and whether stderr
+//! is a terminal; [`colour`] decides from those facts alone.
+
+use std::ffi::OsStr;
+use std::io::IsTerminal as _;
 
 use tracing_subscriber::EnvFilter;
 
@@ -11,14 +17,90 @@ pub enum LogFormat {
     Json,
 }
 
+/// What decides whether log lines are coloured.
+#[derive(Clone, Copy, Debug)]
+pub struct Output<'a> {
+    pub format: LogFormat,
+    /// Whether the stream the logs go to is a terminal.
+    pub terminal: bool,
+    /// The value of `NO_COLOR`, if set.
+    pub no_color: Option<&'a OsStr>,
+    /// The value of `TERM`, if set.
+    pub term: Option<&'a OsStr>,
+}
+
+/// Whether to write ANSI colour codes: text logs on a terminal only, and not when `NO_COLOR`
+/// is set to a non-empty value (no-color.org) or the terminal is `dumb`. JSON never.
+pub fn colour(output: Output<'_>) -> bool {
+    output.format == LogFormat::Text
+        && output.terminal
+        && output.no_color.is_none_or(OsStr::is_empty)
+        && output.term.is_none_or(|t| t != "dumb")
+}
+
 /// Install the global subscriber. Calling it twice is harmless (the second call is ignored).
 pub fn init(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let no_color = std::env::var_os("NO_COLOR");
+    let term = std::env::var_os("TERM");
+    let ansi = colour(Output {
+        format,
+        terminal: std::io::stderr().is_terminal(),
+        no_color: no_color.as_deref(),
+        term: term.as_deref(),
+    });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn output(
+        terminal: bool,
+        no_color: Option<&'static str>,
+        term: Option<&'static str>,
+    ) -> Output<'static> {
+        Output {
+            format: LogFormat::Text,
+            terminal,
+            no_color: no_color.map(OsStr::new),
+            term: term.map(OsStr::new),
+        }
+    }
+
+    #[test]
+    fn text_on_a_terminal_is_coloured() {
+        assert!(colour(output(true, None, Some("xterm-256color"))));
+        assert!(colour(output(true, None, None)), "no TERM is not dumb");
+    }
+
+    #[test]
+    fn files_and_pipes_are_never_coloured() {
+        assert!(!colour(output(false, None, Some("xterm-256color"))));
+        assert!(!colour(output(false, None, None)));
+    }
+
+    #[test]
+    fn no_color_and_a_dumb_terminal_turn_colour_off() {
+        assert!(!colour(output(true, Some("1"), Some("xterm"))));
+        assert!(!colour(output(true, Some("0"), Some("xterm"))), "any value");
+        assert!(!colour(output(true, None, Some("dumb"))));
+        // An empty NO_COLOR does not count (no-color.org).
+        assert!(colour(output(true, Some(""), Some("xterm"))));
+    }
+
+    #[test]
+    fn json_is_never_coloured() {
+        let mut json = output(true, None, Some("xterm"));
+        json.format = LogFormat::Json;
+        assert!(!colour(json));
+    }
 }
