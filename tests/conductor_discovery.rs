@@ -252,6 +252,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
         time_scale: 1.0,
         hashing: kvpool_core::sched::BlockHashing::Kvpool,
         kv_events: Vec::new(),
+        kv_events_port: None,
     };
     let registry = Registry::new();
     let conductor = kvpool_conductor::server::conductor(config, &registry).expect("conductor");

@@ -163,6 +163,7 @@ fn conductor_config(
         time_scale: 1.0,
         hashing: kvpool_core::sched::BlockHashing::Kvpool,
         kv_events: Vec::new(),
+        kv_events_port: None,
     }
 }
 

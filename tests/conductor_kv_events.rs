@@ -149,6 +149,7 @@ fn config(
         time_scale: 1.0,
         hashing: BlockHashing::vllm("0"),
         kv_events: vec![source],
+        kv_events_port: None,
     }
 }
 

@@ -144,6 +144,10 @@ pub struct ConductorArgs {
     /// (repeat per engine): the index follows what it stores and evicts instead of guessing.
     #[arg(long, value_parser = KvEventSource::parse)]
     pub kv_events: Vec<KvEventSource>,
+    /// Every prefill engine without a --kv-events entry (discovered ones included) publishes
+    /// its KV events on this port of its host, and answers replays on the next one.
+    #[arg(long, env = "KVPOOL_KV_EVENTS_PORT")]
+    pub kv_events_port: Option<u16>,
 }
 
 /// The defaults and environment variables of `--listen` and `--admin-listen`.
@@ -290,6 +294,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         time_scale: positive("time-scale", args.time_scale)?,
         hashing: args.block_hash.hashing(&args.hash_seed),
         kv_events: kv_events(args)?,
+        kv_events_port: args.kv_events_port,
     })
 }
 

@@ -38,6 +38,10 @@ pub struct ConductorConfig {
     /// The prefill engines' KV event streams: the conductor's index follows what they store
     /// and evict; engines without one are mirrored from the routing decisions.
     pub kv_events: Vec<KvEventSource>,
+    /// Every other prefill engine (flagged or discovered) publishes on this port of its host,
+    /// with replays on the next port (the operator's engine pods: vLLM's and SGLang's
+    /// `--kv-events-config`).
+    pub kv_events_port: Option<u16>,
 }
 
 /// Where one prefill engine publishes its KV events (ZMQ, vLLM's wire format).
@@ -52,6 +56,22 @@ pub struct KvEventSource {
 }
 
 impl KvEventSource {
+    /// The stream of prefill engine `engine` under the configuration: its `--kv-events` entry,
+    /// else the `--kv-events-port` convention on its host, else none.
+    pub fn of(engine: &str, explicit: &[KvEventSource], port: Option<u16>) -> Option<Self> {
+        let engine = engine.trim_end_matches('/');
+        if let Some(s) = explicit.iter().find(|s| s.engine == engine) {
+            return Some(s.clone());
+        }
+        let port = port?;
+        let host = crate::server::url_host(engine)?;
+        Some(Self {
+            engine: engine.to_owned(),
+            endpoint: format!("tcp://{host}:{port}"),
+            replay: port.checked_add(1).map(|r| format!("tcp://{host}:{r}")),
+        })
+    }
+
     /// Parses `ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]` (the `--kv-events` flag).
     pub fn parse(s: &str) -> Result<Self, String> {
         let (engine, rest) = s.split_once('=').ok_or_else(|| {

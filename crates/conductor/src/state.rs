@@ -449,6 +449,7 @@ mod tests {
             time_scale: 1.0,
             hashing: kvpool_core::sched::BlockHashing::Kvpool,
             kv_events: Vec::new(),
+            kv_events_port: None,
         }
     }
 

@@ -62,6 +62,20 @@ pub fn sglang_storage_config() -> String {
     .to_string()
 }
 
+/// `--kv-events-config` of a prefill engine (vLLM's and SGLang's flag of that name): publish
+/// the prefix cache's stored and removed blocks on ZMQ at [`super::KV_EVENTS_PORT`], replays on
+/// the next port; the conductor subscribes (`--kv-events-port`).
+pub fn kv_events_config() -> String {
+    serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": format!("tcp://*:{}", super::KV_EVENTS_PORT),
+        "replay_endpoint": format!("tcp://*:{}", super::KV_EVENTS_PORT + 1),
+        "topic": "kv-events",
+    })
+    .to_string()
+}
+
 /// `command` and `args` of a vLLM engine: `vllm serve` with kvpool's connector
 /// ([`vllm_kv_transfer_config`]), which reads the pool from the environment the operator sets.
 /// User args come last so they override the defaults.
@@ -78,6 +92,16 @@ pub fn vllm_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>
         "--kv-transfer-config".to_owned(),
         vllm_kv_transfer_config(launch.role),
     ];
+    if launch.role == Role::Prefill {
+        // Block hashes the conductor can recompute (with the pod's PYTHONHASHSEED), published
+        // as KV events.
+        args.extend([
+            "--prefix-caching-hash-algo".to_owned(),
+            "sha256_cbor".to_owned(),
+            "--kv-events-config".to_owned(),
+            kv_events_config(),
+        ]);
+    }
     args.extend(launch.user_args.iter().cloned());
     (vec!["vllm".to_owned()], args)
 }
@@ -120,6 +144,9 @@ pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<Strin
         "--hicache-storage-backend-extra-config".to_owned(),
         sglang_storage_config(),
     ]);
+    if launch.role == Role::Prefill {
+        args.extend(["--kv-events-config".to_owned(), kv_events_config()]);
+    }
     args.extend(launch.user_args.iter().cloned());
     (vec!["python3".to_owned()], args)
 }

@@ -46,6 +46,10 @@ pub const CONDUCTOR_PORT: u16 = 8000;
 pub const AGENT_TRANSFER_PORT: u16 = 15500;
 /// HTTP port the engines serve on (OpenAI-compatible).
 pub const ENGINE_PORT: u16 = 8000;
+/// Port prefill engines publish their KV events on (vLLM's default); replays on the next one.
+pub const KV_EVENTS_PORT: u16 = 5557;
+/// `PYTHONHASHSEED` of the engines, which seeds vLLM's block hashes; the conductor gets the same.
+pub const HASH_SEED: &str = "0";
 
 /// The one kvpool executable: every container runs it with its role as the first argument
 /// (`kvpool agent run`, `kvpool master`, `kvpool conductor`, `kvpool operator run`).
@@ -84,6 +88,8 @@ pub mod env {
     pub const MOONCAKE_CONFIG_PATH: &str = "MOONCAKE_CONFIG_PATH";
     /// Python's module search path: [`super::PYTHON_PACKAGE_DIR`] first.
     pub const PYTHONPATH: &str = "PYTHONPATH";
+    /// vLLM seeds its block hashes with it (and so must the conductor, `--hash-seed`).
+    pub const PYTHONHASHSEED: &str = "PYTHONHASHSEED";
 }
 
 /// Path of the agent socket inside containers.
@@ -212,6 +218,12 @@ pub fn conductor_args(
         engine_selector(pool, Role::Decode),
         "--engine-port".to_owned(),
         ENGINE_PORT.to_string(),
+        // Every prefill engine publishes its KV events there (`engines::kv_events_config`);
+        // the index follows them.
+        "--kv-events-port".to_owned(),
+        KV_EVENTS_PORT.to_string(),
+        "--hash-seed".to_owned(),
+        HASH_SEED.to_owned(),
         // The pool's contents feed the prefix index: one longest-prefix lookup per request.
         "--master".to_owned(),
         master_addr.to_owned(),

@@ -76,19 +76,18 @@ impl EngineSet {
         m.state = state;
         m.epoch += 1;
         m.reenter_holdings();
-        m.state.is_some()
+        let ready = m.state.is_some();
+        drop(m);
+        super::kv_feed::sync(shared);
+        ready
     }
 
-    /// Follow the prefill engines' KV event streams of the configuration until `shutdown`
-    /// fires (one task per stream; each reconnects on its own).
+    /// Follow the KV event streams of the prefill engines (those `--kv-events` names, and
+    /// with `--kv-events-port` every other one) until `shutdown` fires: one task per stream,
+    /// each reconnecting on its own, started and stopped as engines join and leave.
     pub fn follow_kv_events(&self, shutdown: &CancellationToken) {
-        for source in &self.0.config.kv_events {
-            tokio::spawn(super::kv_feed::follow(
-                self.0.clone(),
-                source.clone(),
-                shutdown.clone(),
-            ));
-        }
+        self.0.feeds.lock().stop = Some(shutdown.clone());
+        super::kv_feed::sync(&self.0);
     }
 
     /// Apply every engine set `updates` carries (the latest one wins) until its sender is

@@ -85,6 +85,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         prefetch_slots: Arc::new(tokio::sync::Semaphore::new(MAX_PREFETCHES_IN_FLIGHT)),
         no_prefetch: Default::default(),
         pool_backoff_until: parking_lot::Mutex::new(None),
+        feeds: Default::default(),
     });
     let router = Router::new()
         .route(

@@ -22,8 +22,55 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Wait between connection attempts.
 const RECONNECT: Duration = Duration::from_millis(500);
 
+/// The subscriptions running, by engine URL.
+#[derive(Default)]
+pub(super) struct Feeds {
+    pub(super) stop: Option<CancellationToken>,
+    running: std::collections::HashMap<String, CancellationToken>,
+}
+
+/// Starts a subscription for every current prefill engine that has a stream and none yet, and
+/// stops those of engines that left (their holdings go with them). Before
+/// `EngineSet::follow_kv_events`, nothing runs.
+pub(super) fn sync(shared: &Arc<Shared>) {
+    let prefill = shared.members.lock().engines.prefill.clone();
+    let mut feeds = shared.feeds.lock();
+    let Some(stop) = feeds.stop.clone() else {
+        return;
+    };
+    let left: Vec<String> = feeds
+        .running
+        .keys()
+        .filter(|u| !prefill.contains(u))
+        .cloned()
+        .collect();
+    for url in left {
+        if let Some(t) = feeds.running.remove(&url) {
+            t.cancel();
+        }
+        shared.members.lock().holdings.remove(&url);
+        let _ = shared
+            .metrics
+            .engine_cached_blocks
+            .remove_label_values(&[&url, "events"]);
+    }
+    for url in &prefill {
+        if feeds.running.contains_key(url) {
+            continue;
+        }
+        let Some(source) =
+            KvEventSource::of(url, &shared.config.kv_events, shared.config.kv_events_port)
+        else {
+            continue;
+        };
+        let token = stop.child_token();
+        feeds.running.insert(url.clone(), token.clone());
+        tokio::spawn(follow(shared.clone(), source, token));
+    }
+}
+
 /// Follows `source` until `stop` fires, reconnecting after failures.
-pub(super) async fn follow(shared: Arc<Shared>, source: KvEventSource, stop: CancellationToken) {
+async fn follow(shared: Arc<Shared>, source: KvEventSource, stop: CancellationToken) {
     let mut last: Option<u64> = None;
     loop {
         tokio::select! {

@@ -27,6 +27,9 @@ pub(super) struct Shared {
     pub(super) no_prefetch: parking_lot::Mutex<HashSet<String>>,
     /// The pool fetch term, learnt from the prefill engines' measured reads.
     pub(super) fetch: parking_lot::Mutex<FetchEstimate>,
+    /// The KV event subscriptions running, by prefill engine URL, and the token they stop
+    /// with (`None` until `EngineSet::follow_kv_events` started them).
+    pub(super) feeds: parking_lot::Mutex<super::kv_feed::Feeds>,
 }
 
 impl Shared {

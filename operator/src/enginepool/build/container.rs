@@ -59,6 +59,7 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
         plain_env(env::CONFIG_FILE, contract::engine_config_path()),
         plain_env(env::MOONCAKE_CONFIG_PATH, contract::engine_config_path()),
         plain_env(env::PYTHONPATH, python::python_path(None)),
+        plain_env(env::PYTHONHASHSEED, contract::HASH_SEED),
         plain_env(env::SLO_MILLIS, p.effective.slo_millis.to_string()),
         plain_env(
             env::TENSOR_PARALLEL_SIZE,
