@@ -146,3 +146,40 @@ impl ConductorConfig {
         c
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_event_sources_parse_and_follow_the_port_convention() {
+        let s =
+            KvEventSource::parse("http://10.0.0.5:8000/=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558")
+                .expect("valid");
+        assert_eq!(s.engine, "http://10.0.0.5:8000");
+        assert_eq!(s.replay.as_deref(), Some("tcp://10.0.0.5:5558"));
+        for bad in [
+            "tcp://h:1",
+            "http://e=udp://h:1",
+            "http://e=tcp://",
+            "ftp://e=tcp://h:1",
+            "http://e=tcp://h:1,tcp://h:2,tcp://h:3",
+        ] {
+            assert!(KvEventSource::parse(bad).is_err(), "{bad}");
+        }
+        // An explicit entry wins; otherwise the port convention on the engine's host.
+        let explicit = vec![s.clone()];
+        assert_eq!(
+            KvEventSource::of("http://10.0.0.5:8000", &explicit, Some(6000)),
+            Some(s)
+        );
+        let derived =
+            KvEventSource::of("http://10.0.0.9:8000/", &explicit, Some(6000)).expect("port");
+        assert_eq!(derived.endpoint, "tcp://10.0.0.9:6000");
+        assert_eq!(derived.replay.as_deref(), Some("tcp://10.0.0.9:6001"));
+        assert_eq!(
+            KvEventSource::of("http://10.0.0.9:8000", &explicit, None),
+            None
+        );
+    }
+}
