@@ -49,7 +49,9 @@ fn bench_conductor_measures_direct_conductor_and_sglang_router_in_the_same_round
         .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"));
     assert_eq!(r["all_succeeded"], true, "{r}");
     assert!(
-        r["sglang_router_version"].as_str().is_some_and(|v| !v.is_empty()),
+        r["sglang_router_version"]
+            .as_str()
+            .is_some_and(|v| !v.is_empty()),
         "{r}"
     );
     assert!(

@@ -73,10 +73,7 @@ fn bad(what: impl Into<String>) -> io::Error {
 impl Conn {
     async fn line(&mut self, buf: &mut String) -> io::Result<()> {
         buf.clear();
-        let n = (&mut self.io)
-            .take(MAX_LINE as u64)
-            .read_line(buf)
-            .await?;
+        let n = (&mut self.io).take(MAX_LINE as u64).read_line(buf).await?;
         if n == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
@@ -139,7 +136,13 @@ impl Conn {
                 .take(MAX_BODY as u64)
                 .read_to_end(&mut body)
                 .await?;
-            return Ok((Response { status: head.status, body }, false));
+            return Ok((
+                Response {
+                    status: head.status,
+                    body,
+                },
+                false,
+            ));
         }
         Ok((
             Response {
@@ -212,7 +215,11 @@ mod tests {
 
     #[test]
     fn heads_say_how_the_body_is_framed() {
-        let h = parse_head("HTTP/1.1 200 OK", ["content-length: 12", "X: y"].into_iter()).unwrap();
+        let h = parse_head(
+            "HTTP/1.1 200 OK",
+            ["content-length: 12", "X: y"].into_iter(),
+        )
+        .unwrap();
         assert_eq!(
             h,
             Head {
@@ -228,9 +235,16 @@ mod tests {
         )
         .unwrap();
         assert!(h.chunked && h.close && h.status == 503);
-        assert!(parse_head("HTTP/1.0 200 OK", std::iter::empty()).unwrap().close);
+        assert!(
+            parse_head("HTTP/1.0 200 OK", std::iter::empty())
+                .unwrap()
+                .close
+        );
         assert_eq!(parse_head("SSH-2.0", std::iter::empty()), None);
-        assert_eq!(parse_head("HTTP/1.1 200 OK", ["content-length: x"].into_iter()), None);
+        assert_eq!(
+            parse_head("HTTP/1.1 200 OK", ["content-length: x"].into_iter()),
+            None
+        );
     }
 
     #[test]

@@ -118,7 +118,11 @@ impl Tally {
             ok,
             failed: self.failed,
             seconds,
-            requests_per_second: if seconds > 0.0 { ok as f64 / seconds } else { 0.0 },
+            requests_per_second: if seconds > 0.0 {
+                ok as f64 / seconds
+            } else {
+                0.0
+            },
             p50_ms: quantile(&self.latencies_ms, 0.5),
             p99_ms: quantile(&self.latencies_ms, 0.99),
             first_error: self.first_error,

@@ -25,11 +25,11 @@ use std::time::Duration;
 
 use clap::Args;
 
+use self::load::Load;
 pub use self::load::{Phase, Target, Workload, prompt, quantile};
 pub use self::report::{CONDUCTOR, DIRECT, ROUTER, Ratios, Report, Round, TargetRound};
-pub use self::stack::{Stack, parse_ready};
-use self::load::Load;
 use self::router::SglangRouter;
+pub use self::stack::{Stack, parse_ready};
 
 /// How long a front door gets to serve its first request once started.
 const SERVING_TIMEOUT: Duration = Duration::from_secs(60);
@@ -192,7 +192,10 @@ pub fn run(args: ConductorBenchArgs) -> Result<(), ConductorBenchError> {
         let ports = kvpool_harness::free_ports(2).map_err(ConductorBenchError::Process)?;
         let a = r.args(&stack.prefill, &stack.decode, ports[0], ports[1]);
         router_command = Some(format!("{} {}", r.python().display(), a.join(" ")));
-        router_child = Some((r.spawn(&logs, &a)?, format!("http://127.0.0.1:{}", ports[0])));
+        router_child = Some((
+            r.spawn(&logs, &a)?,
+            format!("http://127.0.0.1:{}", ports[0]),
+        ));
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.client_threads)
@@ -295,8 +298,13 @@ async fn measure(
             let closed_loop = load
                 .closed_loop(target, args.concurrency, args.duration)
                 .await;
-            tracing::info!(round, target = name, p50_ms = one_in_flight.p50_ms,
-                rps = closed_loop.requests_per_second, "measured");
+            tracing::info!(
+                round,
+                target = name,
+                p50_ms = one_in_flight.p50_ms,
+                rps = closed_loop.requests_per_second,
+                "measured"
+            );
             r.targets.insert(
                 name.to_owned(),
                 TargetRound {

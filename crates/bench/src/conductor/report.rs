@@ -225,7 +225,11 @@ mod tests {
     #[test]
     fn added_latency_is_taken_against_the_same_rounds_direct_target_then_the_median() {
         // Round 2's direct figure is slow: its conductor still added only 0.1 ms.
-        let rounds = [round(1.0, 1.2, 1.5), round(3.0, 3.1, 3.6), round(1.0, 1.3, 1.4)];
+        let rounds = [
+            round(1.0, 1.2, 1.5),
+            round(3.0, 3.1, 3.6),
+            round(1.0, 1.3, 1.4),
+        ];
         let c = summarise(&rounds, CONDUCTOR).unwrap();
         assert!((c.added_p50_ms.unwrap() - 0.2).abs() < 1e-9);
         assert!((c.added_p99_ms.unwrap() - 0.4).abs() < 1e-9);
@@ -246,10 +250,7 @@ mod tests {
         let q = ratios(&targets).unwrap();
         assert!((q.added_p50 - 0.2 / 0.5).abs() < 1e-9);
         assert!((q.max_requests_per_second - 1.5).abs() < 1e-9);
-        let without: BTreeMap<_, _> = targets
-            .into_iter()
-            .filter(|(n, _)| n != ROUTER)
-            .collect();
+        let without: BTreeMap<_, _> = targets.into_iter().filter(|(n, _)| n != ROUTER).collect();
         assert_eq!(ratios(&without), None);
     }
 }

@@ -76,7 +76,13 @@ impl SglangRouter {
     /// Everything else is the router's default (cache-aware policy, retries, circuit breaker,
     /// health checks) but the log level: `warn`, so that it does not write two lines per
     /// request (the conductor logs none at its default level either).
-    pub fn args(&self, prefill: &[String], decode: &[String], port: u16, metrics_port: u16) -> Vec<String> {
+    pub fn args(
+        &self,
+        prefill: &[String],
+        decode: &[String],
+        port: u16,
+        metrics_port: u16,
+    ) -> Vec<String> {
         let mut a: Vec<String> = ["-m", "sglang_router.launch_router", "--pd-disaggregation"]
             .map(String::from)
             .into();
