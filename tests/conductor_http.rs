@@ -197,6 +197,17 @@ async fn routes_prefill_then_decode_and_keeps_prefix_affinity() {
         .collect();
     assert_eq!(prefill_tokens.iter().sum::<f64>(), 1.0);
     assert_metric(&c.decode, "kvpool_engine_generated_tokens_total", 6.0);
+    // Without KV event streams the conductor guesses each engine's cache from its routing,
+    // and says so: the blocks it assumes, labelled source="mirror".
+    assert!(
+        serve_support::labelled(
+            &c.conductor_metrics,
+            "kvpool_conductor_engine_cached_blocks",
+            "source",
+            "mirror"
+        ) >= 6.0,
+        "the mirror gauge"
+    );
     let first = prefill_tokens
         .iter()
         .position(|&t| t == 1.0)

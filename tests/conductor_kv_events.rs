@@ -249,6 +249,16 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
     let (status, head, text) = exchange(addr, "POST", "/v1/completions", &body).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("3"), "{head}");
+    // B is indexed from its events, so no routing guess is kept (or exported) for it.
+    assert_eq!(
+        labelled(
+            &registry,
+            "kvpool_conductor_engine_cached_blocks",
+            "engine",
+            &url_b
+        ),
+        3.0
+    );
 
     // Removal in the map encoding with raw byte hashes: nothing is left, and a prompt of the
     // same prefix no longer finds it.

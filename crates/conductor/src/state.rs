@@ -238,6 +238,15 @@ impl State {
         }
     }
 
+    /// Blocks the routing mirror of prefill instance `instance` holds; `None` when it is fed
+    /// from KV events (or unknown).
+    pub fn mirror_blocks(&self, instance: usize) -> Option<usize> {
+        if self.fed.get(instance).copied().unwrap_or(true) {
+            return None;
+        }
+        self.caches.get(instance).map(LruSet::len)
+    }
+
     /// Applies the index changes of prefill instance `instance`'s KV events.
     pub fn apply_event_deltas(&mut self, instance: usize, deltas: &[crate::kv_events::Delta]) {
         use crate::kv_events::Delta;

@@ -81,13 +81,23 @@ pub(super) async fn handle(
                 engines.prefill.get(ticket.prefill),
                 engines.decode.get(ticket.decode),
             ) {
-                (Some(p), Some(d)) => Placed {
-                    ticket,
-                    epoch,
-                    prefill_url: p.clone(),
-                    decode_url: d.clone(),
-                    protocol: engines.pair_protocol(p, d, shared.config.protocol),
-                },
+                (Some(p), Some(d)) => {
+                    if let Some(n) = state.mirror_blocks(ticket.prefill) {
+                        // The guess kept for an engine without a KV event stream.
+                        shared
+                            .metrics
+                            .engine_cached_blocks
+                            .with_label_values(&[p, "mirror"])
+                            .set(n as i64);
+                    }
+                    Placed {
+                        ticket,
+                        epoch,
+                        prefill_url: p.clone(),
+                        decode_url: d.clone(),
+                        protocol: engines.pair_protocol(p, d, shared.config.protocol),
+                    }
+                }
                 _ => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
             },
             Err(reason) => {
