@@ -83,7 +83,8 @@ fi
 if [ "$(cargo cyclonedx --version 2>/dev/null | awk '{print $NF}')" != "$CYCLONEDX_VERSION" ]; then
   echo "tools.sh: building cargo-cyclonedx $CYCLONEDX_VERSION from crates.io (minutes, once per machine)"
   build="$(mktemp -d)"
-  if ! CARGO_TARGET_DIR="$build" cargo install --quiet --locked --force \
+  # The dev profile builds in a fraction of the release build's time; an SBOM run is not hot.
+  if ! CARGO_TARGET_DIR="$build" cargo install --quiet --locked --force --debug \
     "cargo-cyclonedx@$CYCLONEDX_VERSION"; then
     rm -rf "$build"
     exit 1
