@@ -27,7 +27,9 @@ use clap::Args;
 
 use self::load::Load;
 pub use self::load::{Phase, Target, Workload, prompt, quantile};
-pub use self::report::{CONDUCTOR, DIRECT, ROUTER, Ratios, Report, Round, TargetRound};
+pub use self::report::{
+    CONDUCTOR, DIRECT, ROUTER, Ratios, Report, Round, TargetRound, TargetSummary, TargetsMet,
+};
 use self::router::SglangRouter;
 pub use self::stack::{Stack, parse_ready};
 
@@ -255,6 +257,7 @@ pub fn run(args: ConductorBenchArgs) -> Result<(), ConductorBenchError> {
         sglang_router_version: router.map(|r| r.version),
         sglang_router_command: router_command,
         ratio_vs_sglang_router: report::ratios(&summaries),
+        targets_met: report::targets_met(&summaries),
         all_succeeded: summaries.values().all(|t| t.failed == 0),
         targets: summaries,
     };

@@ -49,7 +49,7 @@ pub(super) async fn decode(
         let batch = shared.decoding.load(Ordering::SeqCst);
         let ctx = shared.decode_tokens.load(Ordering::SeqCst);
         let step = shared.config.decode_cost.step_seconds(batch, ctx);
-        tokio::time::sleep(shared.scaled(step)).await;
+        shared.work(step).await;
         seat.grow();
         shared.metrics.generated_tokens.inc();
         if out.send(format!("tok{i} ")).await.is_err() {

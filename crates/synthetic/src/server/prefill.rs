@@ -57,7 +57,7 @@ pub(super) async fn prefill(
         let _lane = shared.prefill_lane.lock().await;
         timer.observe_duration();
         let plan = shared.core.lock().prefill_with(&tokens, loaded);
-        tokio::time::sleep(shared.scaled(plan.seconds)).await;
+        shared.work(plan.seconds).await;
         plan
     };
     if let Some(kv) = &shared.kv {

@@ -70,6 +70,18 @@ pub(super) fn missing_bootstrap(config: &EngineConfig, req: &GenerateRequest) ->
     })
 }
 
+/// For this long a decode engine asks its agent for the room's marker again as soon as the
+/// last answer came (one call in flight, a fraction of a millisecond each), as a real SGLang
+/// decode engine's scheduler checks its KV receivers every iteration: a prefill engine that
+/// answers a moment after its decode engine started waiting costs that moment, not a timer
+/// tick.
+const EAGER_POLLING: Duration = Duration::from_millis(2);
+/// Until then it asks every millisecond (the timer's resolution); after, the pause doubles up
+/// to [`SLOW_POLL`], so that a long prefill costs the agent few calls.
+const FAST_POLLING: Duration = Duration::from_millis(10);
+/// The longest pause between two looks for a room's marker.
+const SLOW_POLL: Duration = Duration::from_millis(20);
+
 /// Waits (polling the agent, bounded by `timeout`) until the prefill engine of `room` has
 /// marked its KV hand-off done, then removes the marker.
 pub(super) async fn wait_for_room(
@@ -99,7 +111,13 @@ pub(super) async fn wait_for_room(
                 waited_s: waited.as_secs_f64(),
             });
         }
+        if waited < EAGER_POLLING {
+            tokio::task::yield_now().await;
+            continue;
+        }
         tokio::time::sleep(pause.min(timeout - waited)).await;
-        pause = (pause * 2).min(Duration::from_millis(20));
+        if waited >= FAST_POLLING {
+            pause = (pause * 2).min(SLOW_POLL);
+        }
     }
 }
