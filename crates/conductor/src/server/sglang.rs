@@ -1,12 +1,12 @@
 //! SGLang's disaggregated-serving convention (its router's mini load balancer): the same
 //! request, plus the prefill engine's `bootstrap_host`/`bootstrap_port` and a random
-//! `bootstrap_room`, goes to the prefill and the decode engine at once. I/O boundary: the two
-//! engine calls, concurrently.
+//! `bootstrap_room`, goes to the prefill and the decode engine at once, prefill first. I/O
+//! boundary: the two engine calls, concurrently in the request's task.
 
 use std::sync::Arc;
+use std::task::Poll;
 
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Value, json};
 
 use super::engine_calls::{call_prefill, relay_decode};
@@ -33,8 +33,11 @@ pub fn url_host(url: &str) -> Option<&str> {
 /// SGLang's convention (its router's mini load balancer): the same request, plus
 /// `bootstrap_host`/`bootstrap_port` of the prefill engine and a random 63-bit
 /// `bootstrap_room`, goes to the prefill and the decode engine at once; the decode engine's
-/// response is the client's. The prefill answer is read to the end (its failure fails the
-/// request at once instead of leaving decode to time out).
+/// response is the client's. The prefill call goes out first, as SGLang's router joins the two
+/// sends with prefill first: a decode engine that hears of a room before its prefill engine
+/// only waits longer for the KV (the synthetic engine then loses a poll of its agent, a
+/// millisecond). The prefill answer is read to the end; its failure answers the client at
+/// once, and the decode call, dropped, is cancelled.
 pub(super) async fn route_sglang(
     shared: Arc<Shared>,
     placed: Placed,
@@ -55,41 +58,38 @@ pub(super) async fn route_sglang(
     }
     tracing::debug!(room, prefill = %placed.prefill_url, decode = %placed.decode_url,
         "sglang: sending to prefill and decode");
-    let decode = {
-        let shared = shared.clone();
-        let url = engine_url(&placed.decode_url, path);
-        let req = req.clone();
-        // Aborted on drop, so a failed prefill or a gone client does not leave it running.
-        AbortOnDrop(tokio::spawn(async move {
-            shared.upstream.post(url, &req).await
-        }))
+    let prefill_call = call_prefill(&shared, &placed, path, &req);
+    let decode_call = shared
+        .upstream
+        .post(engine_url(&placed.decode_url, path), &req);
+    tokio::pin!(prefill_call, decode_call);
+    // The first poll hands the prefill request to its connection's task; yielding once lets
+    // that task write it before the decode call is even started.
+    let mut prefilled = match futures::poll!(&mut prefill_call) {
+        Poll::Ready(p) => Some(p),
+        Poll::Pending => None,
     };
-    // The prefill answer itself is not the client's: only its success matters here.
-    if let Err(resp) = call_prefill(&shared, &placed, path, &req).await {
-        return resp;
+    if prefilled.is_none() {
+        tokio::task::yield_now().await;
     }
-    match decode.join().await {
-        Some(Ok(resp)) => relay_decode(&shared, &placed, finish, resp),
-        Some(Err(e)) => upstream_failed(&shared, &e),
-        None => {
-            shared.metrics.request("upstream");
-            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+    let mut decoded = None;
+    while prefilled.is_none() {
+        tokio::select! {
+            biased;
+            p = &mut prefill_call => prefilled = Some(p),
+            d = &mut decode_call, if decoded.is_none() => decoded = Some(d),
         }
     }
-}
-
-/// A spawned task aborted when dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> AbortOnDrop<T> {
-    /// Its result; `None` when it panicked or was aborted.
-    async fn join(mut self) -> Option<T> {
-        (&mut self.0).await.ok()
+    // The prefill answer itself is not the client's: only its success matters here.
+    if let Some(Err(resp)) = prefilled {
+        return resp;
     }
-}
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
+    let decoded = match decoded {
+        Some(d) => d,
+        None => decode_call.await,
+    };
+    match decoded {
+        Ok(resp) => relay_decode(&shared, &placed, finish, resp),
+        Err(e) => upstream_failed(&shared, &e),
     }
 }

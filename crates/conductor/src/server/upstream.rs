@@ -46,8 +46,12 @@ pub(super) fn engine_url(base: &str, path: &str) -> String {
 pub(super) struct Upstream(Client<HttpConnector, Body>);
 
 impl Upstream {
+    /// Keep-alive connections with Nagle's algorithm off: a request or answer written in two
+    /// pieces must not wait for the peer's acknowledgement of the first.
     pub(super) fn new() -> Self {
-        Self(Client::builder(TokioExecutor::new()).build_http())
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        Self(Client::builder(TokioExecutor::new()).build(http))
     }
 
     /// POSTs `body` as JSON to `url`; the response's body is still to be read.
