@@ -97,7 +97,10 @@ fn bench_conductor_measures_direct_conductor_and_sglang_router_in_the_same_round
     for k in ["added_p50", "added_p99", "max_requests_per_second"] {
         assert!(q.get(k).is_some(), "{k} missing: {r}");
     }
-    for k in ["added_p50_at_most_routers", "higher_max_requests_per_second"] {
+    for k in [
+        "added_p50_at_most_routers",
+        "higher_max_requests_per_second",
+    ] {
         assert!(r["targets_met"][k].is_boolean(), "{k} missing: {r}");
     }
     let c = r["targets"]["conductor"]["max_requests_per_second"]

@@ -72,7 +72,9 @@ mod tests {
             .oneshot(
                 Request::post("/v1/completions")
                     .header("content-type", "application/json")
-                    .body(Body::from(r#"{"model":"m","prompt":"hello","max_tokens":1000}"#))
+                    .body(Body::from(
+                        r#"{"model":"m","prompt":"hello","max_tokens":1000}"#,
+                    ))
                     .unwrap(),
             )
             .await
