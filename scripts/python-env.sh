@@ -25,6 +25,8 @@ MOONCAKE_VERSION=0.3.13.post1
 PYZMQ_VERSION=27.1.0
 MSGPACK_VERSION=1.2.4
 CBOR2_VERSION=5.7.1
+# Chat-template hash vectors: Jinja2 renders the template as transformers does.
+JINJA2_VERSION=3.1.6
 ROUTER_VERSION=0.3.2
 
 profile=dev
@@ -42,12 +44,13 @@ mkdir -p "$root"
 [ -f "$root/.gitignore" ] || printf '*\n' >"$root/.gitignore"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION-$PYZMQ_VERSION-$MSGPACK_VERSION-$CBOR2_VERSION"
+stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION-$PYZMQ_VERSION-$MSGPACK_VERSION-$CBOR2_VERSION-$JINJA2_VERSION"
 if [ ! -f "$stamp" ]; then
   "$py" -m pip install --quiet --disable-pip-version-check \
     "maturin==$MATURIN_VERSION" "pytest==$PYTEST_VERSION" "numpy==$NUMPY_VERSION" \
     "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
-    "pyzmq==$PYZMQ_VERSION" "msgpack==$MSGPACK_VERSION" "cbor2==$CBOR2_VERSION"
+    "pyzmq==$PYZMQ_VERSION" "msgpack==$MSGPACK_VERSION" "cbor2==$CBOR2_VERSION" \
+    "jinja2==$JINJA2_VERSION"
   touch "$stamp"
 fi
 router="$root/router"

@@ -222,7 +222,8 @@ async fn until_ready(readiness: &Readiness, want: bool) {
 async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     let shutdown = CancellationToken::new();
     let config = ConductorConfig {
-        model: MODEL.into(),
+        // No fixed names: the conductor serves what the engines list on /v1/models.
+        models: vec![],
         prefill: vec![],
         decode: vec![],
         scheduler: SchedulerConfig {
@@ -247,6 +248,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
         },
         engine_cache_blocks: 1000,
         tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
+        chat_template: None,
         pool: None,
         protocol: kvpool_conductor::RoutingProtocol::Vllm,
         time_scale: 1.0,
@@ -288,9 +290,31 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     })
     .expect("send");
     until_ready(&readiness, true).await;
+    // The model name was never configured: the first request learns it from the engines.
     let (status, body) = post(addr, &ask("first")).await;
     assert_eq!(status, 200, "{body}");
     assert_metric(&p0_metrics, "kvpool_engine_generated_tokens_total", 1.0);
+    let (status, models) = http(addr, "GET", "/v1/models", "").await;
+    assert_eq!(status, 200, "{models}");
+    let models: serde_json::Value = serde_json::from_str(&models).expect("json");
+    assert_eq!(models["data"][0]["id"], MODEL, "{models}");
+    assert_eq!(models["data"].as_array().map(Vec::len), Some(1), "{models}");
+    // A model no engine serves: OpenAI's 404, naming it.
+    let (status, body) = post(
+        addr,
+        r#"{"model":"gpt-nothing","prompt":"x","max_tokens":1}"#,
+    )
+    .await;
+    assert_eq!(status, 404, "{body}");
+    let err: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(err["error"]["code"], "model_not_found", "{body}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("gpt-nothing"),
+        "{body}"
+    );
     assert_metric(&d0_metrics, "kvpool_engine_generated_tokens_total", 3.0);
     assert_eq!(gauge(&registry, "kvpool_conductor_engines", "prefill"), 1.0);
 

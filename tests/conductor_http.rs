@@ -133,7 +133,7 @@ fn conductor_config(
     pool: Option<PoolLookup>,
 ) -> ConductorConfig {
     ConductorConfig {
-        model: MODEL.into(),
+        models: vec![MODEL.into()],
         prefill,
         decode: vec![decode],
         scheduler: SchedulerConfig {
@@ -158,6 +158,7 @@ fn conductor_config(
         },
         engine_cache_blocks: 1000,
         tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
+        chat_template: None,
         pool,
         protocol: RoutingProtocol::Vllm,
         time_scale: 1.0,
@@ -318,6 +319,51 @@ async fn streams_chat_through_the_decode_engine() {
     assert_eq!(events[3], "[DONE]");
     assert_metric(&c.conductor_metrics, "kvpool_conductor_requests_total", 1.0);
     c.shutdown.cancel();
+}
+
+#[tokio::test]
+async fn chat_requests_are_rendered_with_the_chat_template_and_its_refusals_named() {
+    let shutdown = CancellationToken::new();
+    let (p0, _) = engine(&shutdown).await;
+    let (p1, _) = engine(&shutdown).await;
+    let (d0, decode) = engine(&shutdown).await;
+    let mut config = conductor_config(
+        vec![format!("http://{p0}"), format!("http://{p1}")],
+        format!("http://{d0}"),
+        Rejection::None,
+        30.0,
+        0,
+        None,
+    );
+    let template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}";
+    config.chat_template = Some(std::sync::Arc::new(
+        kvpool_conductor::chat::ChatTemplate::new(template.into(), String::new(), String::new())
+            .expect("template"),
+    ));
+    let (addr, metrics) = start_conductor(config, &shutdown).await;
+    let chat = |role: &str| {
+        format!(
+            r#"{{"model":"{MODEL}","max_tokens":2,"messages":[{{"role":"{role}","content":"hi"}}]}}"#
+        )
+    };
+    let (status, _, text) = post(addr, "/v1/chat/completions", &chat("user")).await;
+    assert_eq!(status, 200, "{text}");
+    assert_metric(&decode, "kvpool_engine_generated_tokens_total", 2.0);
+    let (status, _, text) = post(addr, "/v1/chat/completions", &chat("tool")).await;
+    assert_eq!(status, 400, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["code"], "messages", "{text}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("tool messages are not supported"),
+        "{text}"
+    );
+    // The refused request reached no engine.
+    assert_metric(&decode, "kvpool_engine_generated_tokens_total", 2.0);
+    assert!(counter(&metrics, "kvpool_conductor_requests_total") >= 2.0);
+    shutdown.cancel();
 }
 
 #[tokio::test]

@@ -119,7 +119,7 @@ fn config(
     source: KvEventSource,
 ) -> ConductorConfig {
     ConductorConfig {
-        model: MODEL.into(),
+        models: vec![MODEL.into()],
         prefill,
         decode: vec![decode],
         scheduler: SchedulerConfig {
@@ -144,6 +144,7 @@ fn config(
         },
         engine_cache_blocks: 1000,
         tokenizer: tokenizer(dir),
+        chat_template: None,
         pool: None,
         protocol: RoutingProtocol::Vllm,
         time_scale: 1.0,

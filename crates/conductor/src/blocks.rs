@@ -4,11 +4,13 @@
 //! the tokenizer file and stdout.
 
 use std::num::NonZeroU32;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use kvpool_core::sched::{EngineHash, ExtraKeys, VllmHasher, pool_key};
+use kvpool_proto::openai::{Endpoint, parse_request};
 use serde_json::json;
 
+use crate::chat::ChatTemplate;
 use crate::tokenize::PromptTokenizer;
 
 /// Flags of `kvpool blocks`.
@@ -17,12 +19,30 @@ pub struct BlocksArgs {
     /// The prompt's token ids, comma separated.
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["tokenizer", "prompt"])]
     pub token_ids: Option<Vec<u32>>,
-    /// Hugging Face tokenizer.json to tokenise --prompt with (no special tokens added).
-    #[arg(long, requires = "prompt")]
+    /// The model's Hugging Face tokenizer.json, or its directory (whose chat template --chat
+    /// uses), to tokenise --prompt or --messages with.
+    #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Prompt text (with --tokenizer).
-    #[arg(long, requires = "tokenizer")]
+    /// Prompt text (with --tokenizer): tokenised as vLLM tokenises a completion request's
+    /// prompt (special tokens added), or with --chat as one user message.
+    #[arg(long, requires = "tokenizer", conflicts_with = "messages")]
     pub prompt: Option<String>,
+    /// Render the prompt with the model's chat template first (as a chat request): --prompt
+    /// becomes one user message, with the generation prompt added.
+    #[arg(long, requires = "tokenizer")]
+    pub chat: bool,
+    /// A chat request's `messages` as JSON (`[{"role": "user", "content": "..."}, ...]`),
+    /// rendered with the chat template (implies --chat).
+    #[arg(long, requires = "tokenizer")]
+    pub messages: Option<String>,
+    /// The chat template (a Jinja file or a tokenizer_config.json) instead of the model
+    /// directory's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Whether the tokenizer adds the model's special tokens (vLLM's `add_special_tokens`:
+    /// by default true for a prompt, false for a chat request).
+    #[arg(long)]
+    pub add_special_tokens: Option<bool>,
     /// Tokens per block (vLLM's default is 16).
     #[arg(long, default_value_t = kvpool_core::sched::engine_hash::VLLM_DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
@@ -49,14 +69,56 @@ pub enum BlocksError {
     BlockSize,
     #[error(transparent)]
     Tokenize(#[from] crate::tokenize::TokenizeError),
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
+    #[error("--chat needs a chat template: a --tokenizer directory with one, or --chat-template")]
+    NoTemplate,
+    #[error("--messages: {0}")]
+    Messages(String),
+}
+
+/// The token ids of --prompt or --messages, rendered and tokenised as the engine does.
+fn text_tokens(args: &BlocksArgs, tokenizer: &Path) -> Result<Vec<u32>, BlocksError> {
+    let body = match (&args.messages, &args.prompt) {
+        (Some(m), _) => {
+            let messages: serde_json::Value =
+                serde_json::from_str(m).map_err(|e| BlocksError::Messages(e.to_string()))?;
+            json!({"model": "m", "messages": messages})
+        }
+        (None, Some(p)) if args.chat => {
+            json!({"model": "m", "messages": [{"role": "user", "content": p}]})
+        }
+        (None, Some(p)) => json!({"model": "m", "prompt": p}),
+        (None, None) => return Err(BlocksError::NoPrompt),
+    };
+    let mut body = body;
+    if let Some(special) = args.add_special_tokens {
+        body["add_special_tokens"] = json!(special);
+    }
+    let endpoint = if body.get("messages").is_some() {
+        Endpoint::ChatCompletions
+    } else {
+        Endpoint::Completions
+    };
+    let req = parse_request(endpoint, body.to_string().as_bytes(), &|_| true)
+        .map_err(|e| BlocksError::Messages(e.to_string()))?;
+    let dir = Some(tokenizer).filter(|p| p.is_dir());
+    let template = match endpoint {
+        Endpoint::ChatCompletions => Some(
+            ChatTemplate::load(args.chat_template.as_deref(), dir)?
+                .ok_or(BlocksError::NoTemplate)?,
+        ),
+        Endpoint::Completions => None,
+    };
+    Ok(PromptTokenizer::from_path(tokenizer)?.request_tokens(template.as_ref(), &req)?)
 }
 
 /// The report of `kvpool blocks`, as text or JSON.
 pub fn report(args: &BlocksArgs) -> Result<String, BlocksError> {
     let block_size = NonZeroU32::new(args.block_size).ok_or(BlocksError::BlockSize)?;
-    let tokens = match (&args.token_ids, &args.tokenizer, &args.prompt) {
-        (Some(ids), _, _) => ids.clone(),
-        (None, Some(path), Some(prompt)) => PromptTokenizer::from_file(path)?.tokens(prompt)?,
+    let tokens = match (&args.token_ids, &args.tokenizer) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(path)) => text_tokens(args, path)?,
         _ => return Err(BlocksError::NoPrompt),
     };
     let extra = ExtraKeys {
@@ -132,6 +194,80 @@ mod tests {
                 .expect("key")
                 .ends_with(&format!("{tail:016x}"))
         );
+    }
+
+    /// A word-level tokenizer with a BOS post-processor and a chat template beside it.
+    fn model_dir() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let words = ["<s>", "[UNK]", "user", "assistant", "hi", "there", ":"];
+        let vocab: serde_json::Map<String, serde_json::Value> = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.to_string(), json!(i)))
+            .collect();
+        let tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 0, "content": "<s>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "decoder": null,
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}
+            },
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        let config = json!({
+            "bos_token": "<s>",
+            "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
+        });
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        dir
+    }
+
+    fn token_count(args: &[&str]) -> u64 {
+        let v: serde_json::Value =
+            serde_json::from_str(&report(&parse(args)).expect("report")).expect("json");
+        v["tokens"].as_u64().expect("tokens")
+    }
+
+    #[test]
+    fn prompts_and_chats_are_tokenised_as_vllm_does() {
+        let dir = model_dir();
+        let t = dir.path().to_str().unwrap();
+        let base = ["--json", "--block-size", "1", "--tokenizer", t];
+        let with = |extra: &[&str]| token_count(&[&base[..], extra].concat());
+        // A prompt: BOS + 2 words.
+        assert_eq!(with(&["--prompt", "hi there"]), 3);
+        assert_eq!(
+            with(&["--prompt", "hi there", "--add-special-tokens", "false"]),
+            2
+        );
+        // A chat: the template writes the BOS; no second one is added.
+        // "<s> user : hi there assistant :" = 7 tokens.
+        assert_eq!(with(&["--prompt", "hi there", "--chat"]), 7);
+        assert_eq!(
+            with(&["--messages", r#"[{"role":"user","content":"hi"}]"#]),
+            6
+        );
+        let bad = parse(&[&base[..], &["--messages", "[{"]].concat());
+        assert!(matches!(report(&bad), Err(BlocksError::Messages(_))));
+    }
+
+    #[test]
+    fn a_chat_without_a_template_is_refused() {
+        let dir = model_dir();
+        std::fs::remove_file(dir.path().join("tokenizer_config.json")).unwrap();
+        let args = parse(&[
+            "--tokenizer",
+            dir.path().to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--chat",
+        ]);
+        assert!(matches!(report(&args), Err(BlocksError::NoTemplate)));
     }
 
     #[test]

@@ -23,9 +23,11 @@ pub struct ConductorArgs {
     /// `--listen` (the OpenAI-compatible API) and `--admin-listen`.
     #[command(flatten)]
     pub addrs: ListenArgs<ConductorArgs>,
-    /// Model name served (and expected by the engines).
-    #[arg(long, default_value = "kvpool-synthetic")]
-    pub model: String,
+    /// Model name served (repeat or comma-separate for several). Without it the conductor
+    /// serves the names its engines list on their own `/v1/models` (vLLM's and SGLang's
+    /// served model names), asked when a request or `/v1/models` needs them.
+    #[arg(long, value_delimiter = ',', env = "KVPOOL_CONDUCTOR_MODEL")]
+    pub model: Vec<String>,
     /// Base URL of a prefill engine (repeat the flag for each). Without prefill and decode
     /// engines the conductor starts, answers 503 and reports not ready.
     #[arg(long = "prefill")]
@@ -81,10 +83,16 @@ pub struct ConductorArgs {
     /// Bytes of prompt text per stand-in token (must match the engines').
     #[arg(long, default_value_t = 4)]
     pub chunk_bytes: usize,
-    /// Hugging Face tokenizer.json to tokenise prompts with (block keys then follow the model's
-    /// tokens); without it, prompts are cut into --chunk-bytes stand-in tokens.
-    #[arg(long, value_name = "FILE")]
+    /// The model's Hugging Face `tokenizer.json`, or the model's directory holding it (and its
+    /// `tokenizer_config.json` or `chat_template.jinja`, whose chat template then renders chat
+    /// requests): block keys then follow the engine's tokens. Without it, prompts are cut into
+    /// --chunk-bytes stand-in tokens.
+    #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<std::path::PathBuf>,
+    /// The chat template to render chat requests with (a Jinja file, or a
+    /// `tokenizer_config.json`), as vLLM's `--chat-template`; overrides the model directory's.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<std::path::PathBuf>,
     /// Copy a hot prefix to more prefill engines every this many hits on one of its blocks
     /// (0: off): the target engines are asked to prefetch it from the pool.
     #[arg(long, default_value_t = 32)]
@@ -254,8 +262,14 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
     if args.chunk_bytes == 0 {
         return Err(flag("chunk-bytes", "must be at least 1"));
     }
+    if let Some(m) = args.model.iter().find(|m| m.is_empty()) {
+        return Err(flag(
+            "model",
+            format!("{m:?}: a model name cannot be empty"),
+        ));
+    }
     Ok(ConductorConfig {
-        model: args.model.clone(),
+        models: args.model.clone(),
         prefill: args.prefill.clone(),
         decode: args.decode.clone(),
         scheduler: SchedulerConfig {
@@ -277,8 +291,9 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             seed: 1,
         },
         engine_cache_blocks: args.engine_cache_blocks,
+        chat_template: chat_template(args)?,
         tokenizer: match &args.tokenizer {
-            Some(path) => PromptTokenizer::from_file(path)
+            Some(path) => PromptTokenizer::from_path(path)
                 .map_err(|e| flag("tokenizer", format!("{e}: {}", source_chain(&e))))?,
             None => PromptTokenizer::Chunks {
                 bytes: args.chunk_bytes,
@@ -313,6 +328,23 @@ fn kv_events(args: &ConductorArgs) -> Result<Vec<KvEventSource>, ConductorError>
         }
     }
     Ok(args.kv_events.clone())
+}
+
+/// The chat template of `--chat-template`, else of the `--tokenizer` model directory.
+fn chat_template(
+    args: &ConductorArgs,
+) -> Result<Option<std::sync::Arc<crate::chat::ChatTemplate>>, ConductorError> {
+    let dir = args.tokenizer.as_deref().filter(|p| p.is_dir());
+    crate::chat::ChatTemplate::load(args.chat_template.as_deref(), dir)
+        .map(|t| t.map(std::sync::Arc::new))
+        .map_err(|e| {
+            let name = if args.chat_template.is_some() {
+                "chat-template"
+            } else {
+                "tokenizer"
+            };
+            flag(name, format!("{e}: {}", source_chain(&e)))
+        })
 }
 
 /// The master connection of the flags, `None` without `--master`. Connects lazily: a master

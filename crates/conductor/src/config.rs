@@ -10,8 +10,8 @@ use crate::tokenize;
 /// Settings of the conductor.
 #[derive(Clone, Debug)]
 pub struct ConductorConfig {
-    /// Model name served.
-    pub model: String,
+    /// Model names served; empty: those the engines list on their `/v1/models`.
+    pub models: Vec<String>,
     /// Base URLs (`http://host:port`) of the prefill engines.
     pub prefill: Vec<String>,
     /// Base URLs of the decode engines.
@@ -23,6 +23,9 @@ pub struct ConductorConfig {
     /// How prompts become token ids: a Hugging Face tokenizer, or stand-in text chunks (whose
     /// size must match the engines').
     pub tokenizer: tokenize::PromptTokenizer,
+    /// The model's chat template: chat requests are rendered with it before tokenising, as the
+    /// engine renders them (without one, their `role: content` lines stand in).
+    pub chat_template: Option<std::sync::Arc<crate::chat::ChatTemplate>>,
     /// The pool's master, asked per request which prefix blocks the pool holds; `None`: the
     /// policy knows only the engines' local caches.
     pub pool: Option<PoolLookup>,

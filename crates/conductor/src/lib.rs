@@ -7,9 +7,10 @@
 //! I/O boundary: `server` (listener, HTTP client to the engines, the clock), `discovery` (the
 //! Kubernetes API) and `cli`; `config` (settings), `engines` (the engine set and its routing
 //! conventions), `fetch_estimate` (the learnt pool bandwidth) and `state` (the bookkeeping
-//! between the policy and the engines) are pure, and so is `tokenize` once its file is read.
+//! between the policy and the engines) are pure, and so are `tokenize` and `chat` once their files are read.
 
 pub mod blocks;
+pub mod chat;
 pub mod cli;
 mod config;
 pub mod discovery;

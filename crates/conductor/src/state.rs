@@ -420,7 +420,7 @@ mod tests {
 
     fn config() -> ConductorConfig {
         ConductorConfig {
-            model: "m".into(),
+            models: vec!["m".into()],
             prefill: vec!["http://a".into(), "http://b".into()],
             decode: vec!["http://c".into()],
             scheduler: SchedulerConfig {
@@ -453,6 +453,7 @@ mod tests {
             },
             engine_cache_blocks: 100,
             tokenizer: tokenize::PromptTokenizer::Chunks { bytes: 4 },
+            chat_template: None,
             pool: None,
             protocol: RoutingProtocol::Vllm,
             time_scale: 1.0,

@@ -1,12 +1,16 @@
 //! Prompt tokenisation for block keys: a Hugging Face `tokenizer.json` when one is configured
-//! (`--tokenizer FILE`), otherwise the fixed-size text chunks of `sched::text_tokens`. The I/O
-//! boundary is `PromptTokenizer::from_file`, which reads the file once at start; tokenising is
-//! pure.
+//! (`--tokenizer FILE` or a model directory holding one), otherwise the fixed-size text chunks
+//! of `sched::text_tokens`; a chat request is first rendered with the model's chat template
+//! (`chat`) when one is known. The I/O boundary is `PromptTokenizer::from_path`, which reads
+//! the file once at start; tokenising is pure.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvpool_core::sched::text_tokens;
+use kvpool_proto::openai::GenerateRequest;
+
+use crate::chat::{ChatError, ChatTemplate};
 
 /// How prompt text becomes token ids.
 #[derive(Clone, Debug)]
@@ -31,6 +35,8 @@ pub enum TokenizeError {
     Encode(#[source] tokenizers::Error),
     #[error("the tokenising task failed")]
     Task(#[source] tokio::task::JoinError),
+    #[error(transparent)]
+    Chat(#[from] ChatError),
 }
 
 impl TokenizeError {
@@ -51,25 +57,62 @@ impl PromptTokenizer {
         Ok(PromptTokenizer::HuggingFace(Arc::new(tokenizer)))
     }
 
-    /// Token ids of `text` (no special tokens added: the key must depend on the text only).
+    /// The tokenizer of `path`: a `tokenizer.json`, or a model directory holding one.
+    pub fn from_path(path: &Path) -> Result<Self, TokenizeError> {
+        if path.is_dir() {
+            Self::from_file(&path.join("tokenizer.json"))
+        } else {
+            Self::from_file(path)
+        }
+    }
+
+    /// Token ids of `text`, no special tokens added.
     pub fn tokens(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.tokens_with(text, false)
+    }
+
+    /// Token ids of `text`; with `special`, the tokenizer's post-processor adds the model's
+    /// special tokens (a Llama BOS, for example), as vLLM's `add_special_tokens` does.
+    /// Stand-in chunks have no special tokens.
+    pub fn tokens_with(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
         match self {
             PromptTokenizer::Chunks { bytes } => Ok(text_tokens(text, *bytes)),
             PromptTokenizer::HuggingFace(t) => t
-                .encode(text, false)
+                .encode(text, special)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(TokenizeError::Encode),
         }
     }
 
-    /// `tokens` for async callers: a Hugging Face tokenizer runs on the blocking pool (a long
-    /// prompt takes milliseconds), text chunks run inline.
-    pub async fn tokens_off_runtime(&self, text: String) -> Result<Vec<u32>, TokenizeError> {
+    /// The token ids the engine sees for `req`: a chat request rendered with `chat` (when the
+    /// model's template is known; else its `role: content` lines), then tokenised with the
+    /// request's `add_special_tokens`.
+    pub fn request_tokens(
+        &self,
+        chat: Option<&ChatTemplate>,
+        req: &GenerateRequest,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let rendered = match (&req.chat, chat) {
+            (Some(input), Some(template)) => Some(template.render(input)?),
+            _ => None,
+        };
+        let text = rendered.as_deref().unwrap_or(&req.prompt);
+        self.tokens_with(text, req.add_special_tokens)
+    }
+
+    /// `request_tokens` for async callers: a Hugging Face tokenizer or a chat template runs on
+    /// the blocking pool (a long prompt takes milliseconds), text chunks run inline.
+    pub async fn request_tokens_off_runtime(
+        &self,
+        chat: Option<Arc<ChatTemplate>>,
+        req: Arc<GenerateRequest>,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let needs_template = req.chat.is_some() && chat.is_some();
         match self {
-            PromptTokenizer::Chunks { .. } => self.tokens(&text),
-            PromptTokenizer::HuggingFace(_) => {
+            PromptTokenizer::Chunks { .. } if !needs_template => self.request_tokens(None, &req),
+            _ => {
                 let this = self.clone();
-                tokio::task::spawn_blocking(move || this.tokens(&text))
+                tokio::task::spawn_blocking(move || this.request_tokens(chat.as_deref(), &req))
                     .await
                     .map_err(TokenizeError::Task)?
             }
@@ -91,6 +134,7 @@ mod tests {
 
     use super::*;
     use kvpool_core::sched::{block_count, block_keys};
+    use kvpool_proto::openai::Endpoint;
 
     /// Writes a small word-level tokenizer (whitespace pre-tokeniser, 12 words plus [UNK]).
     fn tiny_tokenizer(dir: &Path) -> PathBuf {
@@ -152,16 +196,96 @@ mod tests {
         assert_eq!(block_keys(&c, bs), ka);
     }
 
+    fn request(body: &str, endpoint: Endpoint) -> GenerateRequest {
+        kvpool_proto::openai::parse_request(endpoint, body.as_bytes(), &|_| true).unwrap()
+    }
+
     #[tokio::test]
     async fn off_runtime_tokens_equal_inline_tokens() {
         let dir = tempfile::tempdir().unwrap();
+        let t = PromptTokenizer::from_path(dir.path())
+            .map(|_| ())
+            .unwrap_err();
+        assert!(t.to_string().contains("tokenizer.json"), "{t}");
         let t = PromptTokenizer::from_file(&tiny_tokenizer(dir.path())).unwrap();
         let text = "a dog ran far and then stopped";
+        let req = request(
+            &format!(r#"{{"model":"m","prompt":"{text}"}}"#),
+            Endpoint::Completions,
+        );
         assert_eq!(
-            t.tokens_off_runtime(text.into()).await.unwrap(),
-            t.tokens(text).unwrap()
+            t.request_tokens_off_runtime(None, Arc::new(req.clone()))
+                .await
+                .unwrap(),
+            t.request_tokens(None, &req).unwrap()
         );
         assert_eq!(t.tokens(text).unwrap(), vec![6, 7, 8, 9, 10, 11, 12]);
+        // A model directory works as well as its tokenizer.json.
+        let from_dir = PromptTokenizer::from_path(dir.path()).unwrap();
+        assert_eq!(from_dir.tokens(text).unwrap(), t.tokens(text).unwrap());
+    }
+
+    #[tokio::test]
+    async fn chat_requests_are_rendered_with_the_template_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = PromptTokenizer::from_file(&tiny_tokenizer(dir.path())).unwrap();
+        let template = Arc::new(
+            ChatTemplate::new(
+                "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}then{% endif %}".into(),
+                String::new(),
+                String::new(),
+            )
+            .unwrap(),
+        );
+        let req = request(
+            r#"{"model":"m","messages":[{"role":"user","content":"the cat"},{"role":"assistant","content":"sat"}]}"#,
+            Endpoint::ChatCompletions,
+        );
+        let got = t
+            .request_tokens_off_runtime(Some(template.clone()), Arc::new(req.clone()))
+            .await
+            .unwrap();
+        assert_eq!(got, t.tokens("the cat sat then").unwrap());
+        // Without the template: the role lines (words the vocabulary lacks are [UNK]).
+        assert_eq!(
+            t.request_tokens(None, &req).unwrap(),
+            t.tokens(&req.prompt).unwrap()
+        );
+        // A template that refuses the conversation is an error, not a guess.
+        let refusing = ChatTemplate::new(
+            "{{ raise_exception('no') }}".into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert!(matches!(
+            t.request_tokens(Some(&refusing), &req),
+            Err(TokenizeError::Chat(_))
+        ));
+    }
+
+    #[test]
+    fn special_tokens_follow_the_request() {
+        let dir = tempfile::tempdir().unwrap();
+        // The tiny tokenizer with a post-processor that adds a BOS ("[UNK]" stands in, id 0).
+        let path = tiny_tokenizer(dir.path());
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        json["post_processor"] = serde_json::json!({
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "[UNK]", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"[UNK]": {"id": "[UNK]", "ids": [0], "tokens": ["[UNK]"]}}
+        });
+        std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+        let t = PromptTokenizer::from_file(&path).unwrap();
+        let completion = request(r#"{"model":"m","prompt":"the cat"}"#, Endpoint::Completions);
+        assert_eq!(t.request_tokens(None, &completion).unwrap(), vec![0, 1, 2]);
+        let bare = request(
+            r#"{"model":"m","prompt":"the cat","add_special_tokens":false}"#,
+            Endpoint::Completions,
+        );
+        assert_eq!(t.request_tokens(None, &bare).unwrap(), vec![1, 2]);
     }
 
     #[test]

@@ -51,13 +51,34 @@ pub enum KvRole {
 pub struct GenerateRequest {
     pub endpoint: Endpoint,
     pub model: String,
-    /// The prompt text (chat messages rendered as `role: content` lines).
+    /// The prompt text (chat messages rendered as `role: content` lines: the stand-in for
+    /// engines whose chat template is not known).
     pub prompt: String,
+    /// For chat requests: what the model's chat template renders.
+    pub chat: Option<ChatInput>,
+    /// vLLM's `add_special_tokens`: whether the tokenizer adds the model's special tokens (a
+    /// BOS) to the prompt. vLLM's default is true for completions, false for chat requests
+    /// (their template writes the special tokens itself).
+    pub add_special_tokens: bool,
     pub max_tokens: u32,
     pub stream: bool,
     pub kv_role: KvRole,
     /// SGLang's disaggregation fields, when the request carries them.
     pub bootstrap: Option<Bootstrap>,
+}
+
+/// The parts of a chat request its chat template sees (as vLLM hands them to `transformers`'
+/// `apply_chat_template`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatInput {
+    /// The `messages`, with text-part lists joined into one string per message.
+    pub messages: Value,
+    /// The request's `tools`, when it has some.
+    pub tools: Option<Value>,
+    /// `add_generation_prompt` (default true).
+    pub add_generation_prompt: bool,
+    /// `chat_template_kwargs`: extra template variables (for example `enable_thinking`).
+    pub template_kwargs: serde_json::Map<String, Value>,
 }
 
 /// The fields by which SGLang's prefill/decode router pairs the two halves of one request: the
@@ -126,11 +147,12 @@ fn invalid(field: &'static str, problem: impl Into<String>) -> ApiError {
     }
 }
 
-/// Parses and validates a request body for `endpoint`; `model` is the served model's name.
+/// Parses and validates a request body for `endpoint`; `served` tells whether a model name is
+/// served here.
 pub fn parse_request(
     endpoint: Endpoint,
     body: &[u8],
-    model: &str,
+    served: &dyn Fn(&str) -> bool,
 ) -> Result<GenerateRequest, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|e| ApiError::Json(e.to_string()))?;
     let obj = value
@@ -141,7 +163,7 @@ pub fn parse_request(
         Some(_) => return Err(invalid("model", "must be a string")),
         None => return Err(invalid("model", "is required")),
     };
-    if requested != model {
+    if !served(&requested) {
         return Err(ApiError::UnknownModel(requested));
     }
     let prompt = match endpoint {
@@ -160,28 +182,16 @@ pub fn parse_request(
             Some(_) => return Err(invalid("prompt", "must be a string")),
             None => return Err(invalid("prompt", "is required")),
         },
-        Endpoint::ChatCompletions => {
-            let messages = match obj.get("messages") {
-                Some(Value::Array(m)) if !m.is_empty() => m,
-                Some(Value::Array(_)) => return Err(invalid("messages", "must not be empty")),
-                Some(_) => return Err(invalid("messages", "must be an array")),
-                None => return Err(invalid("messages", "is required")),
-            };
-            let mut text = String::new();
-            for (i, m) in messages.iter().enumerate() {
-                let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-                    invalid("messages", format!("message {i} needs a string `role`"))
-                })?;
-                let content = m.get("content").and_then(Value::as_str).ok_or_else(|| {
-                    invalid("messages", format!("message {i} needs a string `content`"))
-                })?;
-                text.push_str(role);
-                text.push_str(": ");
-                text.push_str(content);
-                text.push('\n');
-            }
-            text
-        }
+        Endpoint::ChatCompletions => chat_prompt(obj)?,
+    };
+    let chat = match endpoint {
+        Endpoint::Completions => None,
+        Endpoint::ChatCompletions => Some(chat_input(obj)?),
+    };
+    let add_special_tokens = match obj.get("add_special_tokens") {
+        None | Some(Value::Null) => endpoint == Endpoint::Completions,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("add_special_tokens", "must be a boolean")),
     };
     let max_tokens = match obj
         .get("max_tokens")
@@ -209,10 +219,100 @@ pub fn parse_request(
         endpoint,
         model: requested,
         prompt,
+        chat,
+        add_special_tokens,
         max_tokens,
         stream,
         kv_role,
         bootstrap,
+    })
+}
+
+/// The validated `messages` of a chat request, each `content` a string (a list of text parts
+/// is joined with newlines, as vLLM does for string-content templates).
+fn chat_messages(obj: &serde_json::Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
+    let messages = match obj.get("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        Some(Value::Array(_)) => return Err(invalid("messages", "must not be empty")),
+        Some(_) => return Err(invalid("messages", "must be an array")),
+        None => return Err(invalid("messages", "is required")),
+    };
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| invalid("messages", format!("message {i} needs a string `role`")))?;
+            let content = match m.get("content") {
+                Some(Value::String(c)) => c.clone(),
+                Some(Value::Array(parts)) => text_parts(parts).ok_or_else(|| {
+                    invalid(
+                        "messages",
+                        format!("message {i}: only text content parts are supported"),
+                    )
+                })?,
+                _ => {
+                    return Err(invalid(
+                        "messages",
+                        format!("message {i} needs a string `content` or a list of text parts"),
+                    ));
+                }
+            };
+            Ok((role.to_owned(), content))
+        })
+        .collect()
+}
+
+/// `[{"type": "text", "text": ...}, ...]` joined with newlines; `None` for any other part.
+fn text_parts(parts: &[Value]) -> Option<String> {
+    let texts: Option<Vec<&str>> = parts
+        .iter()
+        .map(|p| match p.get("type").and_then(Value::as_str) {
+            Some("text") => p.get("text").and_then(Value::as_str),
+            _ => None,
+        })
+        .collect();
+    Some(texts?.join("\n"))
+}
+
+/// Chat messages as `role: content` lines.
+fn chat_prompt(obj: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
+    Ok(chat_messages(obj)?
+        .iter()
+        .map(|(role, content)| format!("{role}: {content}\n"))
+        .collect())
+}
+
+/// What the chat template of a chat request sees: its messages (contents flattened, every
+/// other field of a message kept), tools, `add_generation_prompt` and `chat_template_kwargs`.
+fn chat_input(obj: &serde_json::Map<String, Value>) -> Result<ChatInput, ApiError> {
+    let flat = chat_messages(obj)?;
+    let mut messages = obj.get("messages").cloned().unwrap_or(Value::Null);
+    if let Value::Array(items) = &mut messages {
+        for (m, (_, content)) in items.iter_mut().zip(flat) {
+            if let Some(o) = m.as_object_mut() {
+                o.insert("content".into(), Value::String(content));
+            }
+        }
+    }
+    let tools = obj.get("tools").filter(|t| !t.is_null()).cloned();
+    let add_generation_prompt = match obj.get("add_generation_prompt") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(invalid("add_generation_prompt", "must be a boolean")),
+    };
+    let template_kwargs = match obj.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Default::default(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(_) => return Err(invalid("chat_template_kwargs", "must be an object")),
+    };
+    Ok(ChatInput {
+        messages,
+        tools,
+        add_generation_prompt,
+        template_kwargs,
     })
 }
 
@@ -354,11 +454,13 @@ pub fn chunk_body(meta: &ResponseMeta, text: &str, first: bool, last: bool) -> V
     }
 }
 
-/// `/v1/models` body.
-pub fn models_body(model: &str, created: u64) -> Value {
-    json!({"object": "list", "data": [
-        {"id": model, "object": "model", "created": created, "owned_by": "kvpool"}
-    ]})
+/// `/v1/models` body listing `models`.
+pub fn models_body<S: AsRef<str>>(models: &[S], created: u64) -> Value {
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| json!({"id": m.as_ref(), "object": "model", "created": created, "owned_by": "kvpool"}))
+        .collect();
+    json!({"object": "list", "data": data})
 }
 
 /// Path of the optional prefetch endpoint: `POST {"keys": ["<16 hex digits>", ...]}` asks the
@@ -409,7 +511,7 @@ mod tests {
     use super::*;
 
     fn parse(endpoint: Endpoint, body: &str) -> Result<GenerateRequest, ApiError> {
-        parse_request(endpoint, body.as_bytes(), "m")
+        parse_request(endpoint, body.as_bytes(), &|m| m == "m")
     }
 
     #[test]
@@ -592,7 +694,8 @@ mod tests {
         assert!(c["choices"][0]["finish_reason"].is_null());
         let c = chunk_body(&meta, "b", false, true);
         assert_eq!(c["choices"][0]["finish_reason"], "length");
-        assert_eq!(models_body("m", 1)["data"][0]["id"], "m");
+        assert_eq!(models_body(&["m"], 1)["data"][0]["id"], "m");
+        assert_eq!(models_body::<&str>(&[], 1)["data"], json!([]));
     }
 
     #[test]
@@ -614,5 +717,74 @@ mod tests {
             }
         }
         assert!(matches!(parse_prefetch(b"{"), Err(ApiError::Json(_))));
+    }
+
+    #[test]
+    fn chat_requests_keep_what_the_template_needs() {
+        let r = parse(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}],"name":"x"}],"tools":[{"type":"function"}],"add_generation_prompt":false,"chat_template_kwargs":{"enable_thinking":false}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, "user: a\nb\n");
+        assert!(
+            !r.add_special_tokens,
+            "chat requests default to no special tokens"
+        );
+        let chat = r.chat.expect("chat input");
+        assert_eq!(
+            chat.messages,
+            json!([{"role": "user", "content": "a\nb", "name": "x"}])
+        );
+        assert_eq!(chat.tools, Some(json!([{"type": "function"}])));
+        assert!(!chat.add_generation_prompt);
+        assert_eq!(chat.template_kwargs["enable_thinking"], json!(false));
+        let plain = parse(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":"q"}],"add_special_tokens":true}"#,
+        )
+        .unwrap();
+        assert!(plain.add_special_tokens);
+        assert!(plain.chat.expect("chat").add_generation_prompt);
+    }
+
+    #[test]
+    fn completions_add_special_tokens_unless_told_not_to() {
+        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":"x"}"#).unwrap();
+        assert!(r.add_special_tokens);
+        assert!(r.chat.is_none());
+        let off = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"x","add_special_tokens":false}"#,
+        )
+        .unwrap();
+        assert!(!off.add_special_tokens);
+        for (endpoint, body, field) in [
+            (
+                Endpoint::Completions,
+                r#"{"model":"m","prompt":"x","add_special_tokens":1}"#,
+                "add_special_tokens",
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"u","content":[{"type":"image_url"}]}]}"#,
+                "messages",
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"u","content":"q"}],"chat_template_kwargs":[]}"#,
+                "chat_template_kwargs",
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"u","content":"q"}],"add_generation_prompt":"yes"}"#,
+                "add_generation_prompt",
+            ),
+        ] {
+            match parse(endpoint, body) {
+                Err(ApiError::Invalid { field: f, .. }) => assert_eq!(f, field, "{body}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
     }
 }

@@ -76,7 +76,11 @@ pub(super) fn tokenizer_failed(shared: &Shared, e: &TokenizeError) -> Response {
         TokenizeError::Task(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
         _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
     };
-    error_response(status, format!("{e}"), kind, "prompt")
+    let param = match e {
+        TokenizeError::Chat(_) => "messages",
+        _ => "prompt",
+    };
+    error_response(status, format!("{e}"), kind, param)
 }
 
 /// Answers 502; the caller drops its `Finish`, which releases the request's bookings.

@@ -66,6 +66,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     } else {
         None
     };
+    let config_models = config.models.clone();
     let fetch = FetchEstimate::new(config.block_bytes(), config.scheduler.pool_bandwidth_bps);
     metrics
         .fetch_bandwidth
@@ -86,6 +87,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         no_prefetch: Default::default(),
         pool_backoff_until: parking_lot::Mutex::new(None),
         feeds: Default::default(),
+        models: super::models::ServedModels::new(config_models),
     });
     let router = Router::new()
         .route(
@@ -107,7 +109,8 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         .route(
             "/v1/models",
             get(|AxumState(s): AxumState<Arc<Shared>>| async move {
-                Json(api::models_body(&s.config.model, 0))
+                super::models::refresh(&s.models, &s.upstream, s.engine_urls()).await;
+                Json(api::models_body(&s.models.names(), 0))
             }),
         )
         .with_state(shared.clone());

@@ -33,8 +33,17 @@ pub(super) async fn handle(
     if shared.members.lock().state.is_none() {
         return no_engines(&shared);
     }
-    let req = match api::parse_request(endpoint, &body, &shared.config.model) {
-        Ok(r) => r,
+    let served = |m: &str| shared.models.serves(m);
+    let req = match api::parse_request(endpoint, &body, &served) {
+        Err(api::ApiError::UnknownModel(_)) if shared.models.learns() => {
+            // Perhaps an engine serves it and was not asked yet (or changed its model).
+            super::models::refresh(&shared.models, &shared.upstream, shared.engine_urls()).await;
+            api::parse_request(endpoint, &body, &served)
+        }
+        parsed => parsed,
+    };
+    let req = match req {
+        Ok(r) => Arc::new(r),
         Err(e) => return api_error(&shared, &e),
     };
     // parse_request accepted it, so it is a JSON object.
@@ -42,7 +51,7 @@ pub(super) async fn handle(
     let tokens = match shared
         .config
         .tokenizer
-        .tokens_off_runtime(req.prompt.clone())
+        .request_tokens_off_runtime(shared.config.chat_template.clone(), req.clone())
         .await
     {
         Ok(t) => t,
@@ -53,7 +62,7 @@ pub(super) async fn handle(
         .hashing
         .keys(&tokens, shared.config.scheduler.block_size);
     let in_pool = match &shared.config.pool {
-        Some(pool) => pool_prefix(&shared, pool, &keys).await,
+        Some(pool) => pool_prefix(&shared, pool, &req.model, &keys).await,
         None => 0,
     };
     let placed = {

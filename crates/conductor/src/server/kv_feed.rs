@@ -22,13 +22,6 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Wait between connection attempts.
 const RECONNECT: Duration = Duration::from_millis(500);
 
-/// The subscriptions running, by engine URL.
-#[derive(Default)]
-pub(super) struct Feeds {
-    pub(super) stop: Option<CancellationToken>,
-    running: std::collections::HashMap<String, CancellationToken>,
-}
-
 /// Starts a subscription for every current prefill engine that has a stream and none yet, and
 /// stops those of engines that left (their holdings go with them). Before
 /// `EngineSet::follow_kv_events`, nothing runs.

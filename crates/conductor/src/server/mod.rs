@@ -17,7 +17,8 @@
 //!   index.
 //! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication.
 //! - `shared`, `members`, `engine_set`, `metrics`: what the handlers share, the engine set's
-//!   bookkeeping and its handle, and the conductor's metrics.
+//!   bookkeeping and its handle, and the conductor's metrics; `models`: the model names
+//!   served (flags, or the engines' own lists).
 
 mod engine_calls;
 mod engine_set;
@@ -27,6 +28,7 @@ mod handle;
 mod kv_feed;
 mod members;
 mod metrics;
+mod models;
 mod pool_lookup;
 mod prefetch;
 mod sglang;

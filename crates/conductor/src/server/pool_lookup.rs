@@ -17,7 +17,12 @@ pub const POOL_LOOKUP_BACKOFF: Duration = Duration::from_secs(2);
 /// master under `pool.timeout`. A failed or slow call is counted and answers 0: the request is
 /// then placed on the engines' local caches alone, and so are those of the next
 /// [`POOL_LOOKUP_BACKOFF`] (counted as `backoff`).
-pub(super) async fn pool_prefix(shared: &Shared, pool: &PoolLookup, keys: &[BlockKey]) -> usize {
+pub(super) async fn pool_prefix(
+    shared: &Shared,
+    pool: &PoolLookup,
+    model: &str,
+    keys: &[BlockKey],
+) -> usize {
     let lookups = &shared.metrics.pool_lookups;
     if keys.is_empty() {
         return 0;
@@ -30,10 +35,7 @@ pub(super) async fn pool_prefix(shared: &Shared, pool: &PoolLookup, keys: &[Bloc
         lookups.with_label_values(&["backoff"]).inc();
         return 0;
     }
-    let names: Vec<Vec<u8>> = keys
-        .iter()
-        .map(|&k| pool_key(&shared.config.model, k))
-        .collect();
+    let names: Vec<Vec<u8>> = keys.iter().map(|&k| pool_key(model, k)).collect();
     let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
     let timer = shared.metrics.pool_lookup_seconds.start_timer();
     let answer = tokio::time::timeout(pool.timeout, pool.client.longest_prefix(&refs)).await;

@@ -29,10 +29,31 @@ pub(super) struct Shared {
     pub(super) fetch: parking_lot::Mutex<FetchEstimate>,
     /// The KV event subscriptions running, by prefill engine URL, and the token they stop
     /// with (`None` until `EngineSet::follow_kv_events` started them).
-    pub(super) feeds: parking_lot::Mutex<super::kv_feed::Feeds>,
+    pub(super) feeds: parking_lot::Mutex<Feeds>,
+    /// The model names served (flags, or learnt from the engines).
+    pub(super) models: super::models::ServedModels,
+}
+
+/// The KV event subscriptions running (`kv_feed`), by prefill engine URL, and the token they
+/// all stop with.
+#[derive(Default)]
+pub(super) struct Feeds {
+    pub(super) stop: Option<tokio_util::sync::CancellationToken>,
+    pub(super) running: std::collections::HashMap<String, tokio_util::sync::CancellationToken>,
 }
 
 impl Shared {
+    /// Base URLs of every engine served now, prefill then decode.
+    pub(super) fn engine_urls(&self) -> Vec<String> {
+        let m = self.members.lock();
+        m.engines
+            .prefill
+            .iter()
+            .chain(&m.engines.decode)
+            .cloned()
+            .collect()
+    }
+
     /// Cost-model seconds since start: wall time divided by the engines' time scale.
     pub(super) fn now_s(&self) -> f64 {
         self.started.elapsed().as_secs_f64() / self.config.time_scale

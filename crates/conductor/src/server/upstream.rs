@@ -67,6 +67,15 @@ impl Upstream {
                 url: url.clone(),
                 source,
             })?;
+        self.request(url, req).await
+    }
+
+    /// Sends `req` (to `url`); the response's body is still to be read.
+    pub(super) async fn request(
+        &self,
+        url: String,
+        req: Request<Body>,
+    ) -> Result<Response<Body>, UpstreamError> {
         let resp = self
             .0
             .request(req)

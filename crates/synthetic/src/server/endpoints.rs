@@ -59,7 +59,7 @@ fn unix_now() -> u64 {
 }
 
 async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Response {
-    let req = match api::parse_request(endpoint, &body, &shared.config.model) {
+    let req = match api::parse_request(endpoint, &body, &|m| m == shared.config.model) {
         Ok(r) => r,
         Err(e) => return api_error(&shared, &e),
     };
@@ -177,7 +177,10 @@ pub(super) fn engine(
         .route(
             "/v1/models",
             get(move |State(s): State<Arc<Shared>>| async move {
-                Json(api::models_body(&s.config.model, created))
+                Json(api::models_body(
+                    std::slice::from_ref(&s.config.model),
+                    created,
+                ))
             }),
         )
         .route(
