@@ -235,7 +235,8 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     let geometry = kv_geometry(args)?;
     let events = match &args.kv_events_config {
         Some(json) => {
-            server::KvEventsConfig::parse(json).map_err(|e| flag("kv-events-config", e))?
+            server::KvEventsConfig::parse(json)
+                .map_err(|e| flag("kv-events-config", e.to_string()))?
         }
         None => None,
     };
