@@ -15,7 +15,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::events::{self, PoolEventsConfig};
 use super::ha::{self, HaConfig, HaError};
-use kvpool_runtime::kv_events::KvEventsConfig;
 use super::metrics::{MasterMetrics, MetricsError};
 use super::service::{self, Core, ServiceError};
 use kvpool_core::master::clock::SystemClock;
@@ -24,6 +23,7 @@ use kvpool_core::master::state::{MasterConfig, MasterState, POOL_EVENTS_CAP};
 use kvpool_core::master::types::Watermarks;
 use kvpool_proto::auth::{AuthError, AuthKey, Verifier};
 use kvpool_runtime::admin::{self, AdminError, Readiness};
+use kvpool_runtime::kv_events::KvEventsConfig;
 
 /// Errors of the master process.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -494,10 +494,16 @@ mod tests {
         assert_eq!(field(&["--max-replicas", "0"]), "max-replicas");
         assert!(ok.events.is_none(), "off by default");
         assert_eq!(
-            field(&["--kv-events-config", r#"{"enable_kv_cache_events": true, "publisher": "x"}"#]),
+            field(&[
+                "--kv-events-config",
+                r#"{"enable_kv_cache_events": true, "publisher": "x"}"#
+            ]),
             "kv-events-config"
         );
-        assert_eq!(field(&["--kv-events-block-size", "0"]), "kv-events-block-size");
+        assert_eq!(
+            field(&["--kv-events-block-size", "0"]),
+            "kv-events-block-size"
+        );
         let on = parse(
             &[
                 "--kv-events-config",
@@ -511,7 +517,10 @@ mod tests {
         .expect("valid")
         .events
         .expect("enabled");
-        assert_eq!((on.kv.endpoint.as_str(), on.block_size), ("tcp://*:7001", 32));
+        assert_eq!(
+            (on.kv.endpoint.as_str(), on.block_size),
+            ("tcp://*:7001", 32)
+        );
         assert_eq!(
             field(&["--etcd-endpoints", "http://e:2379"]),
             "advertise-addr"

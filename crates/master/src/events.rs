@@ -174,14 +174,22 @@ mod tests {
         let b = &out[0];
         assert_eq!(b.len(), 5);
         assert_eq!(b[0], KvEvent::AllBlocksCleared);
-        assert!(matches!(&b[1], KvEvent::BlockStored { block_hashes, medium: Some(m), block_size: 16, parent: None, .. }
-            if block_hashes == &[WireHash::Int(1)] && m == "cpu"));
-        assert!(matches!(&b[2], KvEvent::BlockStored { block_hashes, medium: Some(m), .. }
-            if block_hashes == &[WireHash::Bytes(b"k".to_vec())] && m == "disk"));
-        assert!(matches!(&b[3], KvEvent::BlockRemoved { block_hashes, medium: Some(m), .. }
-            if block_hashes == &[WireHash::Int(1), WireHash::Int(2)] && m == "cpu"));
-        assert!(matches!(&b[4], KvEvent::BlockRemoved { block_hashes, medium: Some(m), .. }
-            if block_hashes == &[WireHash::Int(3)] && m == "disk"));
+        assert!(
+            matches!(&b[1], KvEvent::BlockStored { block_hashes, medium: Some(m), block_size: 16, parent: None, .. }
+            if block_hashes == &[WireHash::Int(1)] && m == "cpu")
+        );
+        assert!(
+            matches!(&b[2], KvEvent::BlockStored { block_hashes, medium: Some(m), .. }
+            if block_hashes == &[WireHash::Bytes(b"k".to_vec())] && m == "disk")
+        );
+        assert!(
+            matches!(&b[3], KvEvent::BlockRemoved { block_hashes, medium: Some(m), .. }
+            if block_hashes == &[WireHash::Int(1), WireHash::Int(2)] && m == "cpu")
+        );
+        assert!(
+            matches!(&b[4], KvEvent::BlockRemoved { block_hashes, medium: Some(m), .. }
+            if block_hashes == &[WireHash::Int(3)] && m == "disk")
+        );
         assert_eq!(
             kinds(b),
             [

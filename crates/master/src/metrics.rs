@@ -3,7 +3,8 @@
 //! request counts and latencies are recorded per call. I/O boundary: none.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 use kvpool_core::master::state::{Counters, Stats};

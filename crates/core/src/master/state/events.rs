@@ -18,8 +18,14 @@ pub const POOL_EVENTS_CAP: usize = 1 << 16;
 /// One change of what the pool holds, per object and tier.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PoolEvent {
-    Stored { tier: Tier, name: EventName },
-    Removed { tier: Tier, name: EventName },
+    Stored {
+        tier: Tier,
+        name: EventName,
+    },
+    Removed {
+        tier: Tier,
+        name: EventName,
+    },
     /// Forget everything published before (the start of a snapshot).
     Cleared,
 }

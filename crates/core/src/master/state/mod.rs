@@ -30,8 +30,8 @@ mod tasks;
 mod tick;
 
 pub use super::types::{
-    CorruptBlock, EventName, HeartbeatReply, JournalOp, ObjectRecord, SegmentEvent, SegmentEventKind,
-    TransportState,
+    CorruptBlock, EventName, HeartbeatReply, JournalOp, ObjectRecord, SegmentEvent,
+    SegmentEventKind, TransportState,
 };
 pub use events::{POOL_EVENTS_CAP, PoolEvent, PoolEventsDrain};
 pub use feed::{FEED_BATCH, FEED_CAP};

@@ -1389,8 +1389,13 @@ fn eviction_and_demotion_publish_the_tiers_an_object_leaves_and_enters() {
     let events = m.take_pool_events().events;
     assert_eq!(events.len(), 10, "{events:?}");
     for pair in events.chunks(2) {
-        let (PoolEvent::Removed { tier: from, name: a }, PoolEvent::Stored { tier: to, name: b }) =
-            (&pair[0], &pair[1])
+        let (
+            PoolEvent::Removed {
+                tier: from,
+                name: a,
+            },
+            PoolEvent::Stored { tier: to, name: b },
+        ) = (&pair[0], &pair[1])
         else {
             panic!("not a move: {pair:?}");
         };
@@ -1489,10 +1494,7 @@ fn a_new_leader_snapshots_the_restored_objects_with_their_names() {
     let k = key(77);
     put(&mut m, k, MIB, &opts(1));
     let records = m.object_records();
-    assert_eq!(
-        records.iter().filter(|r| r.event_name.is_some()).count(),
-        2
-    );
+    assert_eq!(records.iter().filter(|r| r.event_name.is_some()).count(), 2);
     let mut n = m.fresh();
     assert!(n.pool_events_enabled());
     n.restore(m.segment_records(), records, Vec::new());
@@ -1500,8 +1502,16 @@ fn a_new_leader_snapshots_the_restored_objects_with_their_names() {
     assert!(drain.resync && !drain.overflowed);
     assert_eq!(drain.events.len(), 3, "{:?}", drain.events);
     assert_eq!(drain.events[0], PoolEvent::Cleared);
-    assert!(drain.events.contains(&stored(Tier::Dram, EventName::Int(5))));
-    assert!(drain.events.contains(&stored(Tier::Dram, EventName::Bytes(b"x".to_vec()))));
+    assert!(
+        drain
+            .events
+            .contains(&stored(Tier::Dram, EventName::Int(5)))
+    );
+    assert!(
+        drain
+            .events
+            .contains(&stored(Tier::Dram, EventName::Bytes(b"x".to_vec())))
+    );
     // A put of the unnamed key names it (the object was committed already).
     n.name_object(k, b"kvpool/synthetic/m/000000000000004d");
     assert_eq!(
