@@ -13,15 +13,17 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::events::{self, PoolEventsConfig};
 use super::ha::{self, HaConfig, HaError};
 use super::metrics::{MasterMetrics, MetricsError};
 use super::service::{self, Core, ServiceError};
 use kvpool_core::master::clock::SystemClock;
 use kvpool_core::master::policy::PolicyKind;
-use kvpool_core::master::state::{MasterConfig, MasterState};
+use kvpool_core::master::state::{MasterConfig, MasterState, POOL_EVENTS_CAP};
 use kvpool_core::master::types::Watermarks;
 use kvpool_proto::auth::{AuthError, AuthKey, Verifier};
 use kvpool_runtime::admin::{self, AdminError, Readiness};
+use kvpool_runtime::kv_events::KvEventsConfig;
 
 /// Errors of the master process.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -47,6 +49,8 @@ pub enum CmdError {
     Ha(#[source] HaError),
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
+    #[error("KV event publisher")]
+    KvEvents(#[source] kvpool_runtime::kv_events::KvEventsError),
     #[error("a master task panicked or was cancelled")]
     Join(#[source] tokio::task::JoinError),
 }
@@ -110,6 +114,16 @@ pub struct MasterArgs {
     /// Largest replica count a put may ask for.
     #[arg(long, default_value_t = 8)]
     pub max_replicas: u8,
+    /// Publish the pool's block events in vLLM's KV event format: vLLM's `--kv-events-config`
+    /// JSON (`{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    /// "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "", "buffer_steps":
+    /// 10000}`). Off by default; only the leader publishes.
+    #[arg(long, env = "KVPOOL_MASTER_KV_EVENTS_CONFIG")]
+    pub kv_events_config: Option<String>,
+    /// Tokens per block written into every published `BlockStored` (vLLM's default block
+    /// size, 16, unless the engines that fill the pool use another).
+    #[arg(long, default_value_t = 16)]
+    pub kv_events_block_size: u32,
 }
 
 /// Flags checked once at start-up.
@@ -121,6 +135,8 @@ pub struct ValidatedMasterArgs {
     pub ha: Option<HaConfig>,
     pub core: MasterConfig,
     pub tick_interval: Duration,
+    /// Where the pool's block events go, when published.
+    pub events: Option<PoolEventsConfig>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -215,6 +231,24 @@ impl MasterArgs {
                 election_ttl_secs: i64::try_from(secs).unwrap_or(2),
             })
         };
+        let events = match &self.kv_events_config {
+            Some(json) => KvEventsConfig::parse(json)
+                .map_err(|e| CmdError::Config {
+                    field: "kv-events-config",
+                    reason: e.to_string(),
+                })?
+                .map(|kv| PoolEventsConfig {
+                    kv,
+                    block_size: self.kv_events_block_size,
+                }),
+            None => None,
+        };
+        if self.kv_events_block_size == 0 {
+            return Err(CmdError::Config {
+                field: "kv-events-block-size",
+                reason: "must be >= 1".into(),
+            });
+        }
         Ok(ValidatedMasterArgs {
             listen: self.listen,
             admin_addr: self.admin_addr,
@@ -222,6 +256,7 @@ impl MasterArgs {
             ha,
             core,
             tick_interval: self.tick_interval,
+            events,
         })
     }
 }
@@ -315,6 +350,11 @@ pub async fn start(
             }
         })
     };
+    if let Some(cfg) = args.events.clone() {
+        events::start(core.clone(), cfg, POOL_EVENTS_CAP, shutdown.clone())
+            .await
+            .map_err(CmdError::KvEvents)?;
+    }
     let ha_stop = CancellationToken::new();
     let ha_task = match args.ha.clone() {
         Some(cfg) => Some(tokio::spawn(ha::run(
@@ -411,6 +451,8 @@ pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
         ssd_high_watermark: 0.95,
         ssd_low_watermark: 0.85,
         max_replicas: 4,
+        kv_events_config: None,
+        kv_events_block_size: 16,
     }
 }
 
@@ -450,6 +492,35 @@ mod tests {
         assert_eq!(field(&["--ssd-low-watermark", "0"]), "ssd-low-watermark");
         assert_eq!(field(&["--heartbeat-timeout", "0s"]), "heartbeat-timeout");
         assert_eq!(field(&["--max-replicas", "0"]), "max-replicas");
+        assert!(ok.events.is_none(), "off by default");
+        assert_eq!(
+            field(&[
+                "--kv-events-config",
+                r#"{"enable_kv_cache_events": true, "publisher": "x"}"#
+            ]),
+            "kv-events-config"
+        );
+        assert_eq!(
+            field(&["--kv-events-block-size", "0"]),
+            "kv-events-block-size"
+        );
+        let on = parse(
+            &[
+                "--kv-events-config",
+                r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:7001"}"#,
+                "--kv-events-block-size",
+                "32",
+            ],
+            &key,
+        )
+        .validate()
+        .expect("valid")
+        .events
+        .expect("enabled");
+        assert_eq!(
+            (on.kv.endpoint.as_str(), on.block_size),
+            ("tcp://*:7001", 32)
+        );
         assert_eq!(
             field(&["--etcd-endpoints", "http://e:2379"]),
             "advertise-addr"

@@ -487,6 +487,7 @@ mod tests {
             hard_pinned: true,
             spread_failure_domain: false,
             replicas: vec![(7, 4096)],
+            event_name: None,
         };
         let ops = [
             JournalOp::PutSegment(7, spec.clone()),

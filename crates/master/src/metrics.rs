@@ -3,7 +3,8 @@
 //! request counts and latencies are recorded per call. I/O boundary: none.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 use kvpool_core::master::state::{Counters, Stats};
@@ -41,6 +42,9 @@ pub struct MasterMetrics {
     persist_latency: Histogram,
     fast_connections: IntGauge,
     fast_refusals: IntCounterVec,
+    kv_event_batches: IntCounter,
+    kv_events: IntCounterVec,
+    kv_event_resyncs: IntCounter,
     policy: &'static str,
     last: std::sync::Arc<parking_lot::Mutex<Counters>>,
 }
@@ -117,6 +121,21 @@ impl MasterMetrics {
                 "Fast-lane connections closed for bad input, by reason",
                 &["reason"],
             )?,
+            kv_event_batches: IntCounter::new(
+                "kvpool_master_kv_event_batches_total",
+                "KV event batches published (pool block events, vLLM's format)",
+            )
+            .map_err(MetricsError::Register)?,
+            kv_events: counters(
+                "kvpool_master_kv_events_total",
+                "Pool block events published, by kind",
+                &["kind"],
+            )?,
+            kv_event_resyncs: IntCounter::new(
+                "kvpool_master_kv_event_resyncs_total",
+                "Snapshots published (publisher start, new leader, outbox overflow)",
+            )
+            .map_err(MetricsError::Register)?,
             policy,
             last: Default::default(),
         };
@@ -137,6 +156,9 @@ impl MasterMetrics {
             Box::new(m.persist_latency.clone()),
             Box::new(m.fast_connections.clone()),
             Box::new(m.fast_refusals.clone()),
+            Box::new(m.kv_event_batches.clone()),
+            Box::new(m.kv_events.clone()),
+            Box::new(m.kv_event_resyncs.clone()),
         ];
         for c in collectors {
             registry.register(c).map_err(MetricsError::Register)?;
@@ -162,6 +184,20 @@ impl MasterMetrics {
 
     pub fn observe_persist(&self, seconds: f64) {
         self.persist_latency.observe(seconds);
+    }
+
+    /// One published KV event batch and its events of each kind (`block_stored` and
+    /// `block_removed` counted per block, `all_blocks_cleared` per event).
+    pub fn kv_event_batch(&self, kinds: &[(&str, u64)]) {
+        self.kv_event_batches.inc();
+        for (kind, n) in kinds {
+            self.kv_events.with_label_values(&[kind]).inc_by(*n);
+        }
+    }
+
+    /// A snapshot of the pool's blocks was published.
+    pub fn kv_event_resync(&self) {
+        self.kv_event_resyncs.inc();
     }
 
     pub fn set_leader(&self, leader: bool) {

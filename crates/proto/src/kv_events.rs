@@ -77,6 +77,20 @@ pub struct EventBatch {
     pub data_parallel_rank: Option<u32>,
 }
 
+impl EventBatch {
+    /// A batch stamped with the current time, as publishers send them.
+    pub fn now(events: Vec<KvEvent>) -> Self {
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        Self {
+            ts,
+            events,
+            data_parallel_rank: None,
+        }
+    }
+}
+
 /// Which event encoding to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Encoding {

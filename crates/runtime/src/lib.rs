@@ -1,11 +1,13 @@
 //! Process plumbing shared by every long-running kvpool server: the admin HTTP server
 //! (`/livez`, `/readyz`, `/metrics`), SIGTERM/SIGINT to a cancellation token, log set-up, the
 //! serve-until-shutdown loop of an HTTP router, the listen flags of the HTTP services, and the
-//! wiring of an HTTP service with its admin server. I/O boundary: sockets and signals;
+//! wiring of an HTTP service with its admin server, and the KV event publisher (vLLM's ZMQ
+//! PUB and replay sockets). I/O boundary: sockets and signals;
 //! what is served is the caller's.
 
 pub mod admin;
 pub mod http;
+pub mod kv_events;
 pub mod listen;
 pub mod shutdown;
 pub mod telemetry;

@@ -234,9 +234,8 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     let config = engine_config(args)?;
     let geometry = kv_geometry(args)?;
     let events = match &args.kv_events_config {
-        Some(json) => {
-            server::KvEventsConfig::parse(json).map_err(|e| flag("kv-events-config", e))?
-        }
+        Some(json) => server::KvEventsConfig::parse(json)
+            .map_err(|e| flag("kv-events-config", e.to_string()))?,
         None => None,
     };
     if let Some(g) = geometry {

@@ -209,6 +209,34 @@ pub struct AdoptItem {
     pub length: u64,
 }
 
+/// How an object is named in published events: the engine's own block hash when the key is
+/// one of the pool's block keys, else the key itself.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EventName {
+    /// The last `/`-segment of the key was exactly 16 hex digits (the pool's block keys,
+    /// `kvpool/synthetic/<model>/<hash>`): that number, the integer form vLLM publishes.
+    Int(u64),
+    /// Any other key, as its bytes.
+    Bytes(Vec<u8>),
+}
+
+impl EventName {
+    /// The name of the object stored under `key`.
+    pub fn of_key(key: &[u8]) -> Self {
+        let last = key.rsplit(|b| *b == b'/').next().unwrap_or(key);
+        if last.len() == 16 && last.iter().all(u8::is_ascii_hexdigit) {
+            // Sixteen hex digits always parse into a u64.
+            if let Some(v) = std::str::from_utf8(last)
+                .ok()
+                .and_then(|s| u64::from_str_radix(s, 16).ok())
+            {
+                return Self::Int(v);
+            }
+        }
+        Self::Bytes(key.to_vec())
+    }
+}
+
 /// A committed object as persisted by the HA layer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ObjectRecord {
@@ -221,6 +249,9 @@ pub struct ObjectRecord {
     pub spread_failure_domain: bool,
     /// (segment id, byte offset)
     pub replicas: Vec<(u32, u64)>,
+    /// How the object is named in the pool's block events, when the master learnt its key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_name: Option<EventName>,
 }
 
 /// One change to persist (HA write-through). Produced only when the journal is enabled.

@@ -22,7 +22,12 @@ pub(super) async fn put_start(
         .mutate(|st| {
             keys.iter()
                 .zip(&req.items)
-                .map(|(k, item)| st.put_start(*k, item.size, &opts))
+                .map(|(k, item)| {
+                    let started = st.put_start(*k, item.size, &opts);
+                    // The pool's block events name the object by its key.
+                    st.name_object(*k, &item.key);
+                    started
+                })
                 .collect::<Vec<_>>()
         })
         .await?;

@@ -41,8 +41,8 @@ pub enum ServerError {
     Metrics(#[source] prometheus::Error),
     #[error("engine server failed")]
     Serve(#[source] std::io::Error),
-    #[error("KV event publisher: {0}")]
-    KvEvents(String),
+    #[error("KV event publisher")]
+    KvEvents(#[source] kvpool_runtime::kv_events::KvEventsError),
 }
 
 impl ServerError {

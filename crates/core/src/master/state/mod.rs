@@ -13,9 +13,10 @@
 //! statistics, the entry layout); its methods are spread over one file per concern:
 //! `segments`, `nodes` (heartbeats, agent death, transport reports), `objects` (the index),
 //! `placement`, `puts`, `leases` (reads, leases, pins, removal), `eviction`, `tasks` (repairs
-//! and demotions), `tick`, `feed` (the segment-event feed to agents) and `persistence` (the HA
-//! journal and restore).
+//! and demotions), `tick`, `feed` (the segment-event feed to agents), `events` (the pool's
+//! block events for KV-event consumers) and `persistence` (the HA journal and restore).
 
+mod events;
 mod eviction;
 mod feed;
 mod leases;
@@ -29,9 +30,10 @@ mod tasks;
 mod tick;
 
 pub use super::types::{
-    CorruptBlock, HeartbeatReply, JournalOp, ObjectRecord, SegmentEvent, SegmentEventKind,
-    TransportState,
+    CorruptBlock, EventName, HeartbeatReply, JournalOp, ObjectRecord, SegmentEvent,
+    SegmentEventKind, TransportState,
 };
+pub use events::{POOL_EVENTS_CAP, PoolEvent, PoolEventsDrain};
 pub use feed::{FEED_BATCH, FEED_CAP};
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
@@ -310,6 +312,8 @@ pub struct MasterState {
     /// Identifies this instance's segment-event feed; a new leader has another one, so agents
     /// that applied events of the old one resynchronise.
     feed_epoch: u64,
+    /// The outbox of pool block events, when they are published.
+    pool_events: Option<events::PoolEvents>,
 }
 
 impl MasterState {
@@ -345,12 +349,16 @@ impl MasterState {
             restored_slots: 0,
             transport: HashMap::new(),
             feed_epoch: rand::random::<u64>() | 1,
+            pool_events: None,
         }
     }
 
     /// An empty state with the same configuration and clock (a new leader's starting point).
+    /// Pool events stay on, and the new state's first drain is a snapshot.
     pub fn fresh(&self) -> Self {
-        Self::new(self.config.clone(), self.clock.clone())
+        let mut s = Self::new(self.config.clone(), self.clock.clone());
+        s.pool_events = self.pool_events.as_ref().map(events::PoolEvents::fresh);
+        s
     }
 
     /// The injected clock's current time.

@@ -65,6 +65,8 @@ impl MasterState {
         if !e.has(LIVE) {
             return;
         }
+        self.unpublish(slot);
+        let e = &mut self.entries[slot as usize];
         let key = e.key;
         let pages = e.pages();
         let was_pending = e.has(PENDING);
@@ -137,6 +139,7 @@ impl MasterState {
                 self.entries[slot as usize].flags &= !IN_POLICY[t.index()];
             }
         }
+        self.publish_tiers(slot);
     }
 
     pub(super) fn committed_slot(&self, key: &ObjectKey) -> Result<u32, MasterError> {

@@ -99,6 +99,7 @@ impl MasterState {
                 .iter()
                 .map(|r| (r.seg, u64::from(r.page) * PAGE_BYTES))
                 .collect(),
+            event_name: self.event_name(slot),
         })
     }
 
@@ -174,6 +175,9 @@ impl MasterState {
             }
             if rec.hard_pinned {
                 self.entries[slot as usize].flags |= HARD_PIN;
+            }
+            if let Some(name) = rec.event_name {
+                self.set_event_name(slot, name);
             }
             if short {
                 self.under.insert(slot);

@@ -1224,6 +1224,7 @@ fn adopted_objects_reach_the_journal() {
             hard_pinned: false,
             spread_failure_domain: false,
             replicas: vec![(ssd, PAGE_BYTES)],
+            event_name: None,
         })]
     );
 }
@@ -1273,3 +1274,260 @@ fn transport_state_is_kept_per_live_node() {
 
 /// The segment-event feed (agent, issue 4), with the helpers above.
 mod feed;
+
+// The pool's block events (`events`).
+
+fn block_key(i: u64) -> Vec<u8> {
+    crate::sched::pool_key("m", i)
+}
+
+/// A put of the raw key `raw` that names the object as the service does.
+fn put_named(m: &mut MasterState, raw: &[u8], size: u64, o: &PutOptions) -> ObjectKey {
+    let k = ObjectKey::from_bytes(raw);
+    let (id, _) = start(m, k, size, o);
+    m.name_object(k, raw);
+    m.put_end(k, id).expect("put_end");
+    k
+}
+
+fn stored(tier: Tier, name: EventName) -> PoolEvent {
+    PoolEvent::Stored { tier, name }
+}
+
+fn removed(tier: Tier, name: EventName) -> PoolEvent {
+    PoolEvent::Removed { tier, name }
+}
+
+/// A master publishing pool events whose start-up snapshot was drained.
+fn publishing(config: MasterConfig, cap: usize) -> (MasterState, FakeClock) {
+    let (mut m, clock) = master(config);
+    m.enable_pool_events(cap);
+    let first = m.take_pool_events();
+    assert!(first.resync && !first.overflowed);
+    assert_eq!(first.events, vec![PoolEvent::Cleared]);
+    (m, clock)
+}
+
+#[test]
+fn keys_name_events_by_their_block_hash_or_their_bytes() {
+    assert_eq!(EventName::of_key(&block_key(0xabc)), EventName::Int(0xabc));
+    assert_eq!(
+        EventName::of_key(b"kvpool/synthetic/m/FFFFFFFFFFFFFFFF"),
+        EventName::Int(u64::MAX)
+    );
+    assert_eq!(EventName::of_key(b"00000000000000ff"), EventName::Int(255));
+    for other in [
+        &b"kvpool/synthetic/m/0000000000000ff"[..],
+        b"kvpool/synthetic/m/00000000000000fg",
+        b"a/00000000000000ff/b",
+        b"",
+    ] {
+        assert_eq!(EventName::of_key(other), EventName::Bytes(other.to_vec()));
+    }
+}
+
+#[test]
+fn an_object_is_stored_once_per_tier_and_removed_with_its_last_replica() {
+    let (mut m, _clock) = publishing(MasterConfig::default(), POOL_EVENTS_CAP);
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "b", "s", Tier::Dram, 64 * MIB);
+    let two = put_named(&mut m, &block_key(7), MIB, &opts(2));
+    let plain = put_named(&mut m, b"plain key", MIB, &opts(1));
+    let drain = m.take_pool_events();
+    assert!(!drain.resync);
+    assert_eq!(
+        drain.events,
+        vec![
+            stored(Tier::Dram, EventName::Int(7)),
+            stored(Tier::Dram, EventName::Bytes(b"plain key".to_vec())),
+        ],
+        "two replicas in one tier make one event"
+    );
+    // A pending put and a revoked one publish nothing.
+    let k = ObjectKey::from_bytes(b"revoked");
+    let (id, _) = start(&mut m, k, MIB, &opts(1));
+    m.name_object(k, b"revoked");
+    m.put_revoke(k, id).expect("revoke");
+    assert!(m.take_pool_events().events.is_empty());
+    m.remove(two).expect("remove");
+    m.remove(plain).expect("remove");
+    assert_eq!(
+        m.take_pool_events().events,
+        vec![
+            removed(Tier::Dram, EventName::Int(7)),
+            removed(Tier::Dram, EventName::Bytes(b"plain key".to_vec())),
+        ]
+    );
+    assert!(m.take_pool_events().events.is_empty(), "drained");
+}
+
+#[test]
+fn eviction_and_demotion_publish_the_tiers_an_object_leaves_and_enters() {
+    let config = MasterConfig {
+        watermarks: [Watermarks {
+            high: 0.9,
+            low: 0.5,
+        }; 2],
+        ..MasterConfig::default()
+    };
+    let (mut m, _clock) = publishing(config, POOL_EVENTS_CAP);
+    mount(&mut m, "a", "dram", Tier::Dram, 10 * MIB);
+    mount(&mut m, "a", "ssd", Tier::Ssd, 100 * MIB);
+    for i in 0..10 {
+        put_named(&mut m, &block_key(i), MIB, &opts(1));
+    }
+    assert_eq!(m.take_pool_events().events.len(), 10);
+    let tasks = m.heartbeat("a").expect("hb");
+    assert_eq!(tasks.len(), 5);
+    assert!(
+        m.take_pool_events().events.is_empty(),
+        "a demotion in flight still reads from DRAM"
+    );
+    for t in &tasks {
+        m.complete_task("a", t.id, true).expect("done");
+    }
+    let events = m.take_pool_events().events;
+    assert_eq!(events.len(), 10, "{events:?}");
+    for pair in events.chunks(2) {
+        let (
+            PoolEvent::Removed {
+                tier: from,
+                name: a,
+            },
+            PoolEvent::Stored { tier: to, name: b },
+        ) = (&pair[0], &pair[1])
+        else {
+            panic!("not a move: {pair:?}");
+        };
+        assert_eq!((*from, *to), (Tier::Dram, Tier::Ssd));
+        assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn dropping_replicas_by_eviction_publishes_removals() {
+    let (mut m, _clock) = small_pool(PolicyKind::Lru);
+    m.enable_pool_events(POOL_EVENTS_CAP);
+    m.take_pool_events();
+    for i in 0..10 {
+        put_named(&mut m, &block_key(i), MIB, &opts(1));
+    }
+    let events = m.take_pool_events().events;
+    let removals: Vec<&PoolEvent> = events
+        .iter()
+        .filter(|e| matches!(e, PoolEvent::Removed { .. }))
+        .collect();
+    assert_eq!(
+        removals,
+        (0..3)
+            .map(|i| removed(Tier::Dram, EventName::Int(i)))
+            .collect::<Vec<_>>()
+            .iter()
+            .collect::<Vec<_>>(),
+        "the three oldest were evicted"
+    );
+}
+
+#[test]
+fn a_dead_agent_removes_only_the_objects_it_held_last() {
+    let (mut m, clock) = publishing(MasterConfig::default(), POOL_EVENTS_CAP);
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "b", "s", Tier::Dram, 64 * MIB);
+    let on_a = PutOptions {
+        writer_node: Some("a".into()),
+        ..opts(1)
+    };
+    put_named(&mut m, &block_key(1), MIB, &on_a);
+    put_named(&mut m, &block_key(2), MIB, &opts(2));
+    m.take_pool_events();
+    clock.advance_ms(m.config().heartbeat_timeout_ms + 1);
+    m.heartbeat("b").expect("hb");
+    assert_eq!(m.tick().dead_nodes, vec!["a".to_string()]);
+    assert_eq!(
+        m.take_pool_events().events,
+        vec![removed(Tier::Dram, EventName::Int(1))]
+    );
+}
+
+#[test]
+fn an_overflowing_outbox_is_replaced_by_a_snapshot() {
+    let (mut m, _clock) = publishing(MasterConfig::default(), 2);
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "a", "t", Tier::Ssd, 64 * MIB);
+    for i in 0..3 {
+        put_named(&mut m, &block_key(i), MIB, &opts(1));
+    }
+    let ssd = PutOptions {
+        tier: Some(Tier::Ssd),
+        ..opts(1)
+    };
+    put_named(&mut m, &block_key(9), MIB, &ssd);
+    let gone = put_named(&mut m, &block_key(10), MIB, &opts(1));
+    m.remove(gone).expect("remove");
+    let drain = m.take_pool_events();
+    assert!(drain.resync && drain.overflowed);
+    assert_eq!(
+        drain.events,
+        vec![
+            PoolEvent::Cleared,
+            stored(Tier::Dram, EventName::Int(0)),
+            stored(Tier::Dram, EventName::Int(1)),
+            stored(Tier::Dram, EventName::Int(2)),
+            stored(Tier::Ssd, EventName::Int(9)),
+        ]
+    );
+    // Back to single changes after the snapshot.
+    put_named(&mut m, &block_key(11), MIB, &opts(1));
+    let next = m.take_pool_events();
+    assert!(!next.resync);
+    assert_eq!(next.events, vec![stored(Tier::Dram, EventName::Int(11))]);
+}
+
+#[test]
+fn a_new_leader_snapshots_the_restored_objects_with_their_names() {
+    let (mut m, _clock) = publishing(MasterConfig::default(), POOL_EVENTS_CAP);
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "a", "t", Tier::Ssd, 64 * MIB);
+    put_named(&mut m, &block_key(5), MIB, &opts(1));
+    put_named(&mut m, b"x", MIB, &opts(1));
+    // Restored from records without a name (older leaders): not published until named.
+    let k = key(77);
+    put(&mut m, k, MIB, &opts(1));
+    let records = m.object_records();
+    assert_eq!(records.iter().filter(|r| r.event_name.is_some()).count(), 2);
+    let mut n = m.fresh();
+    assert!(n.pool_events_enabled());
+    n.restore(m.segment_records(), records, Vec::new());
+    let drain = n.take_pool_events();
+    assert!(drain.resync && !drain.overflowed);
+    assert_eq!(drain.events.len(), 3, "{:?}", drain.events);
+    assert_eq!(drain.events[0], PoolEvent::Cleared);
+    assert!(
+        drain
+            .events
+            .contains(&stored(Tier::Dram, EventName::Int(5)))
+    );
+    assert!(
+        drain
+            .events
+            .contains(&stored(Tier::Dram, EventName::Bytes(b"x".to_vec())))
+    );
+    // A put of the unnamed key names it (the object was committed already).
+    n.name_object(k, b"kvpool/synthetic/m/000000000000004d");
+    assert_eq!(
+        n.take_pool_events().events,
+        vec![stored(Tier::Dram, EventName::Int(0x4d))]
+    );
+    // Asking for a snapshot again lists all three.
+    n.resync_pool_events();
+    assert_eq!(n.take_pool_events().events.len(), 4);
+}
+
+#[test]
+fn pool_events_stay_off_unless_enabled() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
+    put_named(&mut m, &block_key(1), MIB, &opts(1));
+    assert_eq!(m.take_pool_events(), PoolEventsDrain::default());
+    assert!(m.object_records().iter().all(|r| r.event_name.is_none()));
+}
