@@ -234,6 +234,13 @@ fn children_go_away_when_up_itself_is_killed() {
         "{ready}"
     );
     assert_eq!(marked(&marker).len(), 6);
+    // The master publishes the pool's block events (vLLM's KV event format) where it says.
+    let events = ready["pool_events"]["endpoint"]
+        .as_str()
+        .expect("pool_events");
+    let events = events.strip_prefix("tcp://").expect("a tcp endpoint");
+    std::net::TcpStream::connect(events).expect("the master's event publisher listens");
+    assert_eq!(ready["pool_events"]["topic"], "kvpool", "{ready}");
     // No chance to clean up: the children's parent-death signal must stop them.
     child.kill().expect("SIGKILL");
     let start = Instant::now();

@@ -69,8 +69,36 @@ pub struct UpSettings {
 /// Ports handed to the children, in the order `plan` takes them.
 pub fn ports_needed(s: &UpSettings) -> usize {
     // master: grpc + admin; agents: admin; engines: api + admin (prefill engines also KV
-    // events + replay); conductor: api + admin.
-    2 + s.agents + 2 * (s.prefill + s.decode) + 2 * s.prefill + 2
+    // events + replay); conductor: api + admin; last, the master's pool events + replay.
+    2 + s.agents + 2 * (s.prefill + s.decode) + 2 * s.prefill + 2 + 2
+}
+
+/// The master's `--kv-events-config`: the pool's block events (vLLM's KV event format) on
+/// `events`, replays on `replay`, topic `kvpool`.
+fn pool_events_config(events: SocketAddr, replay: SocketAddr) -> String {
+    serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": format!("tcp://{events}"),
+        "replay_endpoint": format!("tcp://{replay}"),
+        "topic": POOL_EVENTS_TOPIC,
+    })
+    .to_string()
+}
+
+/// Topic of the pool's block events in `kvpool up`.
+pub const POOL_EVENTS_TOPIC: &str = "kvpool";
+
+/// Where the master of `specs` publishes the pool's block events: (endpoint, replay endpoint),
+/// read back from its `--kv-events-config`.
+pub fn pool_events(specs: &[ChildSpec]) -> Option<(String, Option<String>)> {
+    let master = specs.iter().find(|s| s.role == Role::Master)?;
+    let i = master.args.iter().position(|a| a == "--kv-events-config")?;
+    let config: serde_json::Value = serde_json::from_str(master.args.get(i + 1)?).ok()?;
+    Some((
+        config["endpoint"].as_str()?.to_owned(),
+        config["replay_endpoint"].as_str().map(str::to_owned),
+    ))
 }
 
 fn addr(port: u16) -> SocketAddr {
@@ -128,6 +156,11 @@ fn http_service_args(s: &UpSettings, api: SocketAddr, admin: SocketAddr) -> Vec<
 /// Every child in start order (master, agents, engines, conductor), using `ports` in order
 /// (at least `ports_needed`; missing ones are reported as `None`).
 pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
+    let needed = ports_needed(s);
+    let (events, replay) = match ports.get(needed - 2..needed)? {
+        &[e, r] => (addr(e), addr(r)),
+        _ => return None,
+    };
     let mut ports = ports.iter().copied();
     let mut next = || ports.next().map(addr);
     let mut out = Vec::new();
@@ -138,6 +171,10 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         program: s.kvpool_bin.clone(),
         args: std::iter::once("master".to_owned())
             .chain(master_args(grpc, master_admin, &key_file(&s.dir)))
+            .chain([
+                "--kv-events-config".to_owned(),
+                pool_events_config(events, replay),
+            ])
             .collect(),
         admin: master_admin,
         endpoint: Some(grpc.to_string()),
@@ -287,8 +324,9 @@ mod tests {
     fn plan_wires_engines_to_agents_and_conductor_to_engines() {
         let s = settings();
         let n = ports_needed(&s);
-        assert_eq!(n, 2 + 2 + 6 + 4 + 2);
+        assert_eq!(n, 2 + 2 + 6 + 4 + 2 + 2);
         assert!(plan(&s, &[1; 5]).is_none());
+        assert!(plan(&s, &vec![1; n - 1]).is_none());
         let ports: Vec<u16> = (1000..1000 + n as u16).collect();
         let p = plan(&s, &ports).unwrap();
         let names: Vec<&str> = p.iter().map(|c| c.name.as_str()).collect();
@@ -406,5 +444,25 @@ mod tests {
         s.time_scale = 0.0;
         let p = plan(&s, &ports).unwrap();
         assert!(!p.last().unwrap().args.iter().any(|a| a == "--time-scale"));
+    }
+
+    #[test]
+    fn the_master_publishes_the_pools_block_events_on_the_last_two_ports() {
+        let s = settings();
+        let n = ports_needed(&s);
+        let ports: Vec<u16> = (1000..1000 + n as u16).collect();
+        let p = plan(&s, &ports).unwrap();
+        let (events, replay) = pool_events(&p).expect("the master publishes");
+        assert_eq!(events, format!("tcp://127.0.0.1:{}", ports[n - 2]));
+        assert_eq!(replay, Some(format!("tcp://127.0.0.1:{}", ports[n - 1])));
+        // No other child got those ports.
+        for c in &p[1..] {
+            let args = c.args.join(" ");
+            assert!(
+                !args.contains(&format!(":{}", ports[n - 2])),
+                "{}: {args}",
+                c.name
+            );
+        }
     }
 }

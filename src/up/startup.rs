@@ -88,6 +88,7 @@ pub(super) fn endpoint(specs: &[ChildSpec], role: Role) -> String {
 /// summary is the JSON output), else the endpoints for people.
 pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &Path) {
     let conductor = endpoint(specs, Role::Conductor);
+    let events = super::plan::pool_events(specs);
     if json && !replay {
         let children: Vec<Value> = specs
             .iter()
@@ -100,6 +101,8 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
             "{}",
             json!({"ready": true, "conductor": conductor, "children": children,
                    "master": endpoint(specs, Role::Master),
+                   "pool_events": events.as_ref().map(|(e, r)| json!({
+                       "endpoint": e, "replay": r, "topic": super::plan::POOL_EVENTS_TOPIC})),
                    "auth_key_file": super::plan::key_file(dir).display().to_string(),
                    "dir": dir.display().to_string()})
         );
@@ -114,6 +117,13 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
                 s.name,
                 s.endpoint.as_deref().unwrap_or("-"),
                 s.admin
+            );
+        }
+        if let Some((e, r)) = &events {
+            println!(
+                "  pool events {e}  (vLLM KV events, topic {}; replay {})",
+                super::plan::POOL_EVENTS_TOPIC,
+                r.as_deref().unwrap_or("-")
             );
         }
         println!("  dir        {}", dir.display());

@@ -169,6 +169,10 @@ pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
         any_addr(ADMIN_PORT),
         "--auth-key-file".to_owned(),
         auth_key_path(),
+        // The pool's own block events, in vLLM's KV event format, for any consumer that
+        // indexes vLLM events (llm-d, Dynamo); replays on the next port.
+        "--kv-events-config".to_owned(),
+        pool_events_config(),
     ];
     if !etcd_endpoints.is_empty() {
         args.push("--etcd-endpoints".to_owned());
@@ -177,6 +181,21 @@ pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
         args.push(format!("$({}):{MASTER_PORT}", env::POD_IP));
     }
     args
+}
+
+/// Topic of the master's pool block events.
+pub const POOL_EVENTS_TOPIC: &str = "kvpool";
+
+/// The master's `--kv-events-config`: publish on [`KV_EVENTS_PORT`], replay on the next port.
+pub fn pool_events_config() -> String {
+    serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": format!("tcp://*:{KV_EVENTS_PORT}"),
+        "replay_endpoint": format!("tcp://*:{}", KV_EVENTS_PORT + 1),
+        "topic": POOL_EVENTS_TOPIC,
+    })
+    .to_string()
 }
 
 /// Label selector of the engine pods of `role` that belong to KVCachePool `pool` (the labels
@@ -252,6 +271,22 @@ mod tests {
             i32::from(AGENT_TRANSFER_PORT),
             kvpool_crd::defaults::TRANSPORT_PORT
         );
+    }
+
+    #[test]
+    fn the_master_publishes_pool_events_on_the_kv_events_port() {
+        let args = master_args(&[]);
+        let i = args
+            .iter()
+            .position(|a| a == "--kv-events-config")
+            .expect("flag");
+        let config: serde_json::Value = serde_json::from_str(&args[i + 1]).expect("json");
+        assert_eq!(config["endpoint"], format!("tcp://*:{KV_EVENTS_PORT}"));
+        assert_eq!(
+            config["replay_endpoint"],
+            format!("tcp://*:{}", KV_EVENTS_PORT + 1)
+        );
+        assert_eq!(config["topic"], POOL_EVENTS_TOPIC);
     }
 
     #[test]

@@ -11,10 +11,13 @@ use crate::contract;
 use crate::labels::Component;
 use crate::pod;
 
-/// Named ports of the master container and Service.
-const MASTER_PORTS: [(&str, u16); 2] = [
+/// Named ports of the master container and Service: gRPC, admin, and the pool's block events
+/// (ZMQ PUB and its replay socket).
+const MASTER_PORTS: [(&str, u16); 4] = [
     ("grpc", contract::MASTER_PORT),
     ("admin", contract::ADMIN_PORT),
+    ("kv-events", contract::KV_EVENTS_PORT),
+    ("kv-replay", contract::KV_EVENTS_PORT + 1),
 ];
 
 /// The master Deployment.

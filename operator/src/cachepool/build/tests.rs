@@ -248,6 +248,8 @@ fn master_and_conductor_follow_the_contract() {
             "0.0.0.0:9090",
             "--auth-key-file",
             "/etc/kvpool/auth/key",
+            "--kv-events-config",
+            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kvpool"}"#,
             "--etcd-endpoints",
             "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379",
             "--advertise-addr",
@@ -298,7 +300,15 @@ fn master_and_conductor_follow_the_contract() {
         .iter()
         .map(|p| (p.name.as_deref(), p.port))
         .collect();
-    assert_eq!(ports, [(Some("grpc"), 50051), (Some("admin"), 9090)]);
+    assert_eq!(
+        ports,
+        [
+            (Some("grpc"), 50051),
+            (Some("admin"), 9090),
+            (Some("kv-events"), 5557),
+            (Some("kv-replay"), 5558)
+        ]
+    );
     assert_eq!(
         svc.selector.as_ref(),
         Some(&labels::selector_labels("roce", "roce", Component::Master))
