@@ -97,6 +97,10 @@ const REPLICAS_BOUNDS: &str =
     "replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas";
 const REF_IMMUTABLE: &str = "kvCachePoolRef is immutable; create a new pool instead";
 const MODEL_REQUIRED: &str = "engine.model is required for engine.kind vllm and sglang";
+const TOKENIZER_ONE_SOURCE: &str =
+    "conductor.tokenizer needs exactly one of configMap, persistentVolumeClaim and image";
+const TOKENIZER_SUB_PATH: &str =
+    "conductor.tokenizer.subPath must be a relative path without '.' or '..' segments";
 const AUTOSCALING_BOUNDS: &str = "autoscaling.minReplicas must not exceed autoscaling.maxReplicas";
 
 impl Case {
@@ -479,6 +483,43 @@ fn cases() -> Vec<Case> {
             POOL,
             json!({"conductor": {"slo": {"ttftMillis": 0}}}),
             OpenApi("ttftMillis"),
+        ),
+        c(
+            "conductor engine block size and tokenizer",
+            POOL,
+            json!({"conductor": {"engineBlockSize": 32,
+                "tokenizer": {"persistentVolumeClaim": "models", "subPath": "Qwen/Qwen2.5-7B-Instruct"}}}),
+            Valid,
+        ),
+        c(
+            "conductor engine block size zero",
+            POOL,
+            json!({"conductor": {"engineBlockSize": 0}}),
+            OpenApi("engineBlockSize"),
+        ),
+        c(
+            "tokenizer without a source",
+            POOL,
+            json!({"conductor": {"tokenizer": {"subPath": "m"}}}),
+            Cel(TOKENIZER_ONE_SOURCE),
+        ),
+        c(
+            "tokenizer with two sources",
+            POOL,
+            json!({"conductor": {"tokenizer": {"configMap": "tok", "image": "registry.example/tok:1"}}}),
+            Cel(TOKENIZER_ONE_SOURCE),
+        ),
+        c(
+            "tokenizer sub-path climbing out",
+            POOL,
+            json!({"conductor": {"tokenizer": {"configMap": "tok", "subPath": "a/../../etc"}}}),
+            Cel(TOKENIZER_SUB_PATH),
+        ),
+        c(
+            "tokenizer absolute sub-path",
+            POOL,
+            json!({"conductor": {"tokenizer": {"image": "registry.example/tok:1", "subPath": "/etc"}}}),
+            Cel(TOKENIZER_SUB_PATH),
         ),
         c(
             "unknown field",

@@ -44,6 +44,13 @@ pub(crate) fn gpu_resource_name() -> String {
     GPU_RESOURCE_NAME.to_owned()
 }
 
+/// vLLM's default KV block size on GPUs, tokens.
+pub const ENGINE_BLOCK_SIZE: i32 = 16;
+
+pub(crate) fn engine_block_size() -> i32 {
+    ENGINE_BLOCK_SIZE
+}
+
 pub(crate) fn ttft_millis() -> i32 {
     TTFT_MILLIS
 }

@@ -10,6 +10,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub use super::conductor::{ConductorSlo, ConductorSpec, TokenizerSpec};
 use super::defaults;
 
 /// Desired state of a shared KV cache pool spread over a set of GPU nodes.
@@ -449,69 +450,6 @@ impl Default for MasterSpec {
             etcd_endpoints: Vec::new(),
             image: None,
             resources: None,
-        }
-    }
-}
-
-/// The scheduler and front door.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct ConductorSpec {
-    /// Run a conductor for this pool.
-    #[serde(default = "defaults::enabled")]
-    pub enabled: bool,
-
-    /// Conductor replicas (they share state through the master).
-    #[serde(default = "defaults::one")]
-    #[schemars(range(min = 1, max = 16))]
-    pub replicas: i32,
-
-    /// Default service-level objectives; a request is rejected early when the conductor predicts
-    /// it cannot meet them.
-    #[serde(default)]
-    pub slo: ConductorSlo,
-
-    /// Image of the `kvpool` CLI. Absent: the operator's default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
-
-    /// Compute resources of the conductor container.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resources: Option<ResourceRequirements>,
-}
-
-impl Default for ConductorSpec {
-    fn default() -> Self {
-        Self {
-            enabled: defaults::enabled(),
-            replicas: defaults::one(),
-            slo: ConductorSlo::default(),
-            image: None,
-            resources: None,
-        }
-    }
-}
-
-/// Latency objectives, in whole milliseconds.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct ConductorSlo {
-    /// Time to first token, milliseconds.
-    #[serde(default = "defaults::ttft_millis")]
-    #[schemars(range(min = 1, max = 3_600_000))]
-    pub ttft_millis: i32,
-
-    /// Time per output token, milliseconds.
-    #[serde(default = "defaults::tpot_millis")]
-    #[schemars(range(min = 1, max = 60_000))]
-    pub tpot_millis: i32,
-}
-
-impl Default for ConductorSlo {
-    fn default() -> Self {
-        Self {
-            ttft_millis: defaults::ttft_millis(),
-            tpot_millis: defaults::tpot_millis(),
         }
     }
 }

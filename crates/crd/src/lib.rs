@@ -4,6 +4,7 @@
 //! write the rendered YAML wherever they like.
 
 pub mod conditions;
+mod conductor;
 pub mod defaults;
 mod enginepool;
 mod kvcachepool;
@@ -19,7 +20,8 @@ pub use enginepool::{
 pub use kvcachepool::{
     AgentSpec, ConductorSlo, ConductorSpec, DramTierSpec, EvictionPolicy, EvictionSpec, Hugepages,
     KVCachePool, KVCachePoolSpec, KVCachePoolStatus, MasterSpec, NumaPolicy, Protocol,
-    ReplicationSpec, SriovResource, SriovSpec, SsdTierSpec, TierStatus, TransportSpec,
+    ReplicationSpec, SriovResource, SriovSpec, SsdTierSpec, TierStatus, TokenizerSpec,
+    TransportSpec,
 };
 
 pub use validated::{

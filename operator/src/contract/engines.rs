@@ -29,6 +29,9 @@ pub struct EngineLaunch<'a> {
     pub role: Role,
     pub model: &'a str,
     pub tensor_parallel_size: u32,
+    /// Tokens per KV block (the pool's `conductor.engineBlockSize`): the conductor recomputes
+    /// the engine's block hashes at this size.
+    pub block_size: u32,
     pub user_args: &'a [String],
 }
 
@@ -89,6 +92,8 @@ pub fn vllm_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>
         ENGINE_PORT.to_string(),
         "--tensor-parallel-size".to_owned(),
         launch.tensor_parallel_size.to_string(),
+        "--block-size".to_owned(),
+        launch.block_size.to_string(),
         "--kv-transfer-config".to_owned(),
         vllm_kv_transfer_config(launch.role),
     ];
@@ -123,6 +128,8 @@ pub fn sglang_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<Strin
         ENGINE_PORT.to_string(),
         "--tp-size".to_owned(),
         launch.tensor_parallel_size.to_string(),
+        "--page-size".to_owned(),
+        launch.block_size.to_string(),
         "--disaggregation-mode".to_owned(),
         launch.role.as_str().to_owned(),
         "--disaggregation-transfer-backend".to_owned(),
@@ -222,10 +229,13 @@ mod tests {
             role: Role::Decode,
             model: "Qwen/Qwen3-8B",
             tensor_parallel_size: 2,
+            block_size: 32,
             user_args: &user,
         };
         let (cmd, args) = vllm_command_args(&launch);
         assert_eq!(cmd, ["vllm"]);
+        // The block size the conductor hashes with.
+        assert_eq!(after(&args, "--block-size"), Some("32"));
         assert_eq!(&args[..2], ["serve", "Qwen/Qwen3-8B"]);
         let config: serde_json::Value =
             serde_json::from_str(after(&args, "--kv-transfer-config").expect("flag"))
@@ -256,10 +266,12 @@ mod tests {
             role: Role::Prefill,
             model: "Qwen/Qwen3-8B",
             tensor_parallel_size: 2,
+            block_size: 16,
             user_args: &user,
         };
         let (cmd, args) = sglang_command_args(&launch);
         assert_eq!(cmd, ["python3"]);
+        assert_eq!(after(&args, "--page-size"), Some("16"));
         assert_eq!(after(&args, "--disaggregation-mode"), Some("prefill"));
         assert_eq!(
             after(&args, "--disaggregation-transfer-backend"),

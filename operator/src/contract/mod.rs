@@ -218,8 +218,9 @@ pub fn conductor_args(
     master_addr: &str,
     ttft_slo_ms: u64,
     tpot_slo_ms: u64,
+    model: &ConductorModel,
 ) -> Vec<String> {
-    vec![
+    let mut args = vec![
         "conductor".to_owned(),
         "--listen".to_owned(),
         any_addr(CONDUCTOR_PORT),
@@ -248,8 +249,27 @@ pub fn conductor_args(
         master_addr.to_owned(),
         "--auth-key-file".to_owned(),
         auth_key_path(),
-    ]
+        // The engines' block size: the unit of the block hashes it recomputes.
+        "--block-size".to_owned(),
+        model.engine_block_size.to_string(),
+    ];
+    if let Some(dir) = &model.tokenizer_dir {
+        args.extend(["--tokenizer".to_owned(), dir.clone()]);
+    }
+    args
 }
+
+/// What the conductor needs of the model to recompute the engines' block hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConductorModel {
+    /// Tokens per KV block of the engines.
+    pub engine_block_size: u32,
+    /// The mounted directory of the model's tokenizer files, when the pool names them.
+    pub tokenizer_dir: Option<String>,
+}
+
+/// Where the conductor's tokenizer volume is mounted.
+pub const TOKENIZER_MOUNT: &str = "/etc/kvpool/tokenizer";
 
 /// `1500` -> `"1.5"`, exact for whole milliseconds.
 fn millis_as_secs(ms: u64) -> String {
@@ -313,8 +333,39 @@ mod tests {
 
     #[test]
     fn conductor_args_carry_slos_in_seconds() {
-        let args = conductor_args("cache", "llm", "cache-master.llm.svc:50051", 2000, 50);
+        let model = ConductorModel {
+            engine_block_size: 16,
+            tokenizer_dir: None,
+        };
+        let args = conductor_args(
+            "cache",
+            "llm",
+            "cache-master.llm.svc:50051",
+            2000,
+            50,
+            &model,
+        );
         assert_eq!(args[0], "conductor");
+        assert!(args.windows(2).any(|w| w == ["--block-size", "16"]));
+        assert!(!args.iter().any(|a| a == "--tokenizer"));
+        let with = ConductorModel {
+            engine_block_size: 32,
+            tokenizer_dir: Some("/etc/kvpool/tokenizer/m".into()),
+        };
+        let args = conductor_args("cache", "llm", "m:1", 2000, 50, &with);
+        assert!(args.windows(2).any(|w| w == ["--block-size", "32"]));
+        assert!(
+            args.windows(2)
+                .any(|w| w == ["--tokenizer", "/etc/kvpool/tokenizer/m"])
+        );
+        let args = conductor_args(
+            "cache",
+            "llm",
+            "cache-master.llm.svc:50051",
+            2000,
+            50,
+            &model,
+        );
         assert!(
             args.windows(2)
                 .any(|w| w == ["--discover-namespace", "llm"])

@@ -223,7 +223,11 @@ impl ValidatedKVCachePool {
             replicas: ranged("conductor.replicas", c.replicas, 1, 16)?,
             ttft_millis: ranged("conductor.slo.ttftMillis", c.slo.ttft_millis, 1, 3_600_000)?,
             tpot_millis: ranged("conductor.slo.tpotMillis", c.slo.tpot_millis, 1, 60_000)?,
+            engine_block_size: ranged("conductor.engineBlockSize", c.engine_block_size, 1, 1024)?,
         };
+        if let Some(t) = &c.tokenizer {
+            tokenizer_source(t)?;
+        }
         let conductor = c.enabled.then_some(conductor_config);
 
         Ok(Self {
@@ -247,6 +251,39 @@ impl ValidatedKVCachePool {
     pub fn block_bytes(&self, bytes_per_token: u64) -> Option<u64> {
         u64::from(self.block_size_tokens).checked_mul(bytes_per_token)
     }
+}
+
+/// The conductor's tokenizer volume: exactly one source, and a relative sub-path without `.`
+/// or `..` segments (the API server's CEL rules say the same).
+fn tokenizer_source(t: &crate::TokenizerSpec) -> Result<(), SpecError> {
+    let sources = [
+        t.config_map.is_some(),
+        t.persistent_volume_claim.is_some(),
+        t.image.is_some(),
+    ];
+    if sources.iter().filter(|&&s| s).count() != 1 {
+        return Err(SpecError::Conflict {
+            field: "conductor.tokenizer",
+            message: "needs exactly one of configMap, persistentVolumeClaim and image",
+        });
+    }
+    if let Some(sub) = &t.sub_path {
+        let plain = |seg: &str| {
+            !seg.is_empty()
+                && seg != "."
+                && seg != ".."
+                && seg
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        };
+        if !sub.split('/').all(plain) {
+            return Err(SpecError::Conflict {
+                field: "conductor.tokenizer.subPath",
+                message: "must be a relative path without '.' or '..' segments",
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

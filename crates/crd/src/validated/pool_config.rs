@@ -137,6 +137,8 @@ pub struct ConductorConfig {
     pub ttft_millis: u32,
     /// TPOT objective, milliseconds.
     pub tpot_millis: u32,
+    /// Tokens per KV block of the engines (the unit of their block hashes).
+    pub engine_block_size: u32,
 }
 
 impl ConductorConfig {

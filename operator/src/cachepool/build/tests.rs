@@ -346,7 +346,9 @@ fn master_and_conductor_follow_the_contract() {
             "--master",
             "roce-master.llm.svc:50051",
             "--auth-key-file",
-            "/etc/kvpool/auth/key"
+            "/etc/kvpool/auth/key",
+            "--block-size",
+            "16"
         ]
     );
     assert_eq!(
@@ -416,6 +418,79 @@ fn auth_secret_carries_the_given_key_and_build_is_deterministic() {
     let data = a.auth.data.as_ref().expect("data");
     assert_eq!(data["key"].0, b"abcd");
     assert_eq!(a.auth.metadata.name.as_deref(), Some("tcp-auth"));
+}
+
+#[test]
+fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
+    let mut pool = roce();
+    pool.spec.conductor.engine_block_size = 32;
+    pool.spec.conductor.tokenizer = Some(kvpool_crd::TokenizerSpec {
+        persistent_volume_claim: Some("models".into()),
+        sub_path: Some("Qwen/Qwen2.5-7B-Instruct".into()),
+        ..Default::default()
+    });
+    let children = build(&valid(&pool), "00ff").expect("build");
+    let (deployment, _) = children.conductor.as_ref().expect("conductor");
+    let spec = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod");
+    let c = &spec.containers[0];
+    let args = c.args.as_deref().expect("args");
+    assert!(args.windows(2).any(|w| w == ["--block-size", "32"]));
+    assert!(args.windows(2).any(|w| w
+        == [
+            "--tokenizer",
+            "/etc/kvpool/tokenizer/Qwen/Qwen2.5-7B-Instruct"
+        ]));
+    let mount = c
+        .volume_mounts
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|m| m.name == "tokenizer")
+        .expect("tokenizer mount");
+    assert_eq!(mount.mount_path, "/etc/kvpool/tokenizer");
+    assert_eq!(mount.read_only, Some(true));
+    let volume = spec
+        .volumes
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|v| v.name == "tokenizer")
+        .expect("tokenizer volume");
+    let claim = volume.persistent_volume_claim.as_ref().expect("claim");
+    assert_eq!(claim.claim_name, "models");
+    assert_eq!(claim.read_only, Some(true));
+    // An image volume instead.
+    pool.spec.conductor.tokenizer = Some(kvpool_crd::TokenizerSpec {
+        image: Some("registry.example/qwen-tokenizer:1".into()),
+        ..Default::default()
+    });
+    let children = build(&valid(&pool), "00ff").expect("build");
+    let (deployment, _) = children.conductor.as_ref().expect("conductor");
+    let spec = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod");
+    let volume = spec
+        .volumes
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|v| v.name == "tokenizer")
+        .expect("tokenizer volume");
+    assert_eq!(
+        volume.image.as_ref().and_then(|i| i.reference.as_deref()),
+        Some("registry.example/qwen-tokenizer:1")
+    );
+    let args = spec.containers[0].args.as_deref().expect("args");
+    assert!(
+        args.windows(2)
+            .any(|w| w == ["--tokenizer", "/etc/kvpool/tokenizer"])
+    );
 }
 
 #[test]

@@ -24,6 +24,13 @@ pub fn command_args(p: &ValidEnginePool) -> (Option<Vec<String>>, Option<Vec<Str
         role: engine.role,
         model: engine.model.as_deref().unwrap_or_default(),
         tensor_parallel_size: engine.tensor_parallel_size,
+        block_size: p
+            .pool
+            .spec
+            .conductor
+            .engine_block_size
+            .unsigned_abs()
+            .max(1),
         user_args: &engine.args,
     };
     let (default_command, args) = match engine.kind {
