@@ -76,6 +76,11 @@ pub struct Ticket {
     pub local_blocks: u32,
     /// And those it fetches from the pool.
     pub pool_blocks: u32,
+    /// Prompt tokens the prefill instance computes (those after the cached prefix).
+    pub uncached_tokens: u64,
+    /// Whether nothing else was booked on the prefill instance when this request was placed:
+    /// its prefill time is then the engine's own compute, without queueing behind others.
+    pub found_idle: bool,
 }
 
 impl State {
@@ -175,6 +180,7 @@ impl State {
         self.cache_blocks(p.prefill, keys);
         let request = self.next_request;
         self.next_request += 1;
+        let found_idle = self.booked.get(p.prefill).is_none_or(VecDeque::is_empty);
         if let Some(q) = self.booked.get_mut(p.prefill) {
             q.push_back((request, work));
         }
@@ -191,6 +197,10 @@ impl State {
             ttft_s: p.ttft.total_s(),
             local_blocks: p.prefix.local_blocks,
             pool_blocks: p.prefix.pool_blocks(),
+            uncached_tokens: input_tokens.saturating_sub(
+                u64::from(p.prefix.matched_blocks) * u64::from(self.block_size.get()),
+            ),
+            found_idle,
         })
     }
 
@@ -265,6 +275,17 @@ impl State {
     /// The pool -> prefill bandwidth the next placements assume (a measured figure).
     pub fn set_pool_bandwidth(&mut self, bps: f64) {
         self.scheduler.set_pool_bandwidth_bps(bps);
+    }
+
+    /// The prefill cost model the next placements assume for instance `instance` (a fitted
+    /// one); unknown instances and invalid models are ignored.
+    pub fn set_prefill_cost(&mut self, instance: usize, cost: kvpool_core::sched::PrefillCost) {
+        self.scheduler.set_prefill_cost(instance, cost);
+    }
+
+    /// The prefill cost model placements assume for instance `instance`.
+    pub fn prefill_cost(&self, instance: usize) -> Option<kvpool_core::sched::PrefillCost> {
+        self.scheduler.config().prefill_costs.get(instance).copied()
     }
 
     /// The replication planned by the last accepted `place`, if any (taken once).
@@ -460,6 +481,7 @@ mod tests {
             hashing: kvpool_core::sched::BlockHashing::Kvpool,
             kv_events: Vec::new(),
             kv_events_port: None,
+            fit_prefill_cost: false,
         }
     }
 
@@ -561,11 +583,15 @@ mod tests {
         let a = st.place(0.0, &keys, 30, 5).unwrap();
         assert_eq!(a.prefill, 0);
         assert!((a.ttft_s - 0.3).abs() < 1e-12);
+        assert!(a.found_idle);
+        assert_eq!(a.uncached_tokens, 30);
         // The same prompt again: instance 0 has it cached (0 s of prefill) but is busy 0.3 s;
         // instance 1 would take 0.3 s. Tie -> instance 0, with nothing more to do.
         let b = st.place(0.0, &keys, 30, 5).unwrap();
         assert_eq!(b.prefill, 0);
         assert!((b.ttft_s - 0.3).abs() < 1e-12);
+        assert!(!b.found_idle, "queued behind a");
+        assert_eq!(b.uncached_tokens, 0);
         // A different prompt goes to the idle instance 1.
         let c = st.place(0.0, &[7, 8], 20, 5).unwrap();
         assert_eq!(c.prefill, 1);

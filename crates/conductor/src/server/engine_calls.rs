@@ -1,8 +1,10 @@
 //! The two engine calls of every disaggregated request, whichever convention routes it: the
-//! prefill call, read to its end (the request is then prefilled, and the pool read the engine
-//! measured feeds the fetch estimate), and the decode engine's response, relayed to the client
+//! prefill call, read to its end (the request is then prefilled, the pool read the engine
+//! measured feeds the fetch estimate, and the call's time the fit of the engine's prefill cost), and the decode engine's response, relayed to the client
 //! with the placement's assumptions in `x-kvpool-*` headers. I/O boundary: the upstream HTTP
 //! calls and the client's response stream.
+
+use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
@@ -14,6 +16,7 @@ use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
 use super::upstream::{UpstreamError, engine_url, read_body};
+use kvpool_core::sched::Observed;
 use kvpool_proto::openai::{KV_LOAD_BLOCKS_HEADER, KV_LOAD_SECONDS_HEADER};
 
 /// Response header: prompt blocks the chosen prefill engine was expected to hold locally.
@@ -35,6 +38,7 @@ async fn prefill_answer(
     shared: &Shared,
     placed: &Placed,
     url: String,
+    sent: Instant,
     resp: Response<Body>,
 ) -> Result<PrefillAnswer, UpstreamError> {
     let status = resp.status();
@@ -51,11 +55,17 @@ async fn prefill_answer(
         )
     };
     let body = read_body(url, resp.into_body()).await?;
+    let took = sent.elapsed().as_secs_f64() / shared.config.time_scale;
     let now = shared.now_s();
     shared
         .members
         .lock()
         .with_ticket(placed, |s, t| s.prefilled(t, now));
+    if status.is_success() && placed.ticket.found_idle {
+        // The engine's own compute: the call's time less the pool read it reports.
+        let load = loaded.1.unwrap_or(0.0).max(0.0) / shared.config.time_scale;
+        observe_prefill(shared, placed, (took - load).max(0.0));
+    }
     if let (Some(blocks), Some(seconds)) = loaded
         && blocks >= 1.0
     {
@@ -69,6 +79,38 @@ async fn prefill_answer(
     Ok(PrefillAnswer { status, body })
 }
 
+/// Feeds one measured prefill (cost-model seconds) to the fit of its engine's cost model; the
+/// model the next placements on that engine assume follows it.
+fn observe_prefill(shared: &Shared, placed: &Placed, seconds: f64) {
+    let mut m = shared.members.lock();
+    let url = placed.prefill_url.as_str();
+    let tokens = placed.ticket.uncached_tokens;
+    let Some(outcome) = m.costs.observe(url, tokens, seconds) else {
+        return;
+    };
+    if outcome != Observed::Kept {
+        tracing::debug!(
+            engine = url,
+            tokens,
+            seconds,
+            ?outcome,
+            "prefill time not fitted"
+        );
+        return;
+    }
+    shared
+        .metrics
+        .prefill_cost_observations
+        .with_label_values(&[url])
+        .inc();
+    if m.costs.is_fitted(url) {
+        m.apply_costs();
+        shared
+            .metrics
+            .set_prefill_costs(&m.costs, &[url.to_owned()]);
+    }
+}
+
 /// Sends `body` to the placement's prefill engine and reads its answer; the client's response
 /// instead when the engine cannot be reached (502) or answers an error, which goes back as it
 /// is (e.g. 400).
@@ -79,8 +121,9 @@ pub(super) async fn call_prefill(
     body: &Value,
 ) -> Result<PrefillAnswer, Response> {
     let url = engine_url(&placed.prefill_url, path);
+    let sent = Instant::now();
     let answer = match shared.upstream.post(url.clone(), body).await {
-        Ok(r) => prefill_answer(shared, placed, url, r).await,
+        Ok(r) => prefill_answer(shared, placed, url, sent, r).await,
         Err(e) => Err(e),
     };
     match answer {
