@@ -230,8 +230,9 @@ fn solve(a: &mut [[f64; 3]; 3], b: &mut [f64; 3], k: usize) -> Option<[f64; 3]> 
         b.swap(col, pivot);
         for row in col + 1..k {
             let f = a[row][col] / a[col][col];
-            for c in col..k {
-                a[row][c] -= f * a[col][c];
+            let pivot_row = a[col];
+            for (x, p) in a[row].iter_mut().zip(pivot_row).take(k).skip(col) {
+                *x -= f * p;
             }
             b[row] -= f * b[col];
         }
@@ -289,7 +290,10 @@ mod tests {
             let (p, want) = (fit.seconds(0, n), t.seconds(0, n));
             assert!((p - want).abs() < 0.03 * want, "n {n}: {p} vs {want}");
         }
-        assert!((fit.linear_s - t.linear_s).abs() < 0.15 * t.linear_s, "{fit:?}");
+        assert!(
+            (fit.linear_s - t.linear_s).abs() < 0.15 * t.linear_s,
+            "{fit:?}"
+        );
     }
 
     #[test]
