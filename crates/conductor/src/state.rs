@@ -42,8 +42,9 @@ pub struct State {
     /// their estimated work in seconds.
     booked: Vec<VecDeque<(u64, f64)>>,
     decode: Vec<DecodeLoad>,
-    /// Per running request: when it started decoding, its prompt and its output length.
-    started: std::collections::HashMap<u64, (f64, u64, u32)>,
+    /// Per running request: when it started decoding, its prompt, its output length and the
+    /// tokens counted in its response so far (`None` before the first).
+    started: std::collections::HashMap<u64, (f64, u64, u32, Option<u32>)>,
     block_size: NonZeroU32,
     next_request: u64,
     /// The replication planned by the last `place`, until `take_replication` collects it.
@@ -315,16 +316,50 @@ impl State {
         {
             let mut m = d.pending.swap_remove(pos);
             m.joins_at_s = now_s;
-            self.started
-                .insert(m.request, (now_s, m.context_tokens, m.remaining_tokens));
+            self.started.insert(
+                m.request,
+                (now_s, m.context_tokens, m.remaining_tokens, None),
+            );
             d.running.push(m);
         }
     }
 
-    /// Estimates how far every running request has got since it started decoding, at the
-    /// instance's current step time (the engines do not report progress), so the prediction
-    /// sees shrinking remaining work and growing context. Never reaches zero: a request stays
-    /// until its response ends.
+    /// The decode engine's response has carried `generated` tokens of the request so far (counted
+    /// by the relay): its remaining work and context follow them instead of the estimate. Never
+    /// reaches zero remaining: a request stays until its response ends.
+    pub fn decode_progress(&mut self, ticket: &Ticket, generated: u32) {
+        let Some(entry) = self.started.get_mut(&ticket.request) else {
+            return;
+        };
+        entry.3 = Some(generated);
+        let (_, prompt, total, _) = *entry;
+        if let Some(d) = self.decode.get_mut(ticket.decode)
+            && let Some(m) = d.running.iter_mut().find(|m| m.request == ticket.request)
+        {
+            let done = generated.min(total.saturating_sub(1));
+            m.remaining_tokens = total - done;
+            m.context_tokens = prompt + u64::from(done);
+        }
+    }
+
+    /// Per decode instance: the requests booked and the output tokens they still expect.
+    pub fn decode_remaining(&self) -> Vec<(usize, u64)> {
+        self.decode
+            .iter()
+            .map(|d| {
+                let members = d.running.iter().chain(&d.pending);
+                (
+                    d.running.len() + d.pending.len(),
+                    members.map(|m| u64::from(m.remaining_tokens)).sum(),
+                )
+            })
+            .collect()
+    }
+
+    /// Estimates how far every running request has got since it started decoding: the tokens
+    /// counted in its response when there are any ([`State::decode_progress`]), else at the
+    /// instance's current step time, so the prediction sees shrinking remaining work and
+    /// growing context. Never reaches zero: a request stays until its response ends.
     fn advance_decode(&mut self, now_s: f64) {
         let cost = self.scheduler.config().decode_cost;
         for d in &mut self.decode {
@@ -332,8 +367,10 @@ impl State {
             let ctx: u64 = d.running.iter().map(|m| m.context_tokens).sum();
             let step = cost.step_seconds(batch, ctx);
             for m in &mut d.running {
-                if let Some(&(start, prompt, total)) = self.started.get(&m.request) {
-                    let steps = if step > 0.0 {
+                if let Some(&(start, prompt, total, seen)) = self.started.get(&m.request) {
+                    let steps = if let Some(seen) = seen {
+                        u64::from(seen)
+                    } else if step > 0.0 {
                         ((now_s - start).max(0.0) / step).floor() as u64
                     } else {
                         0
@@ -608,6 +645,12 @@ mod tests {
         // Much later it is capped at one token left.
         st.advance_decode(100.0);
         assert_eq!(st.decode[0].running[0].remaining_tokens, 1);
+        // Counted tokens replace the estimate, and stay over later estimates.
+        st.decode_progress(&a, 2);
+        st.advance_decode(200.0);
+        let m = st.decode[0].running[0];
+        assert_eq!((m.remaining_tokens, m.context_tokens), (3, 32));
+        assert_eq!(st.decode_remaining()[0].0, 3);
         st.finished(&a);
         assert!(st.started.is_empty());
         // c is abandoned before its prefill: instance 1's booking goes away.

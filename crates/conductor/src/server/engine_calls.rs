@@ -16,6 +16,7 @@ use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
 use super::upstream::{UpstreamError, engine_url, read_body};
+use crate::stream_tokens::TokenCounter;
 use kvpool_core::sched::Observed;
 use kvpool_proto::openai::{KV_LOAD_BLOCKS_HEADER, KV_LOAD_SECONDS_HEADER};
 
@@ -136,9 +137,24 @@ pub(super) async fn call_prefill(
     }
 }
 
+/// The request's decode response has carried `tokens` tokens, `new` of them since last time.
+fn decode_progress(finish: &Finish, tokens: u32, new: u32) {
+    let shared = &finish.shared;
+    shared
+        .members
+        .lock()
+        .with_ticket(&finish.placed, |s, t| s.decode_progress(t, tokens));
+    shared
+        .metrics
+        .decode_tokens_observed
+        .with_label_values(&[finish.placed.decode_url.as_str()])
+        .inc_by(u64::from(new));
+}
+
 /// The decode engine's response goes back to the client as it is (streamed or not), with the
-/// placement's assumptions in `x-kvpool-*` headers; the bookings are released when its body
-/// ends or is dropped.
+/// placement's assumptions in `x-kvpool-*` headers; the tokens it carries (SSE events with a
+/// choice, or a JSON body's `usage.completion_tokens`) update the request's decode progress,
+/// and the bookings are released when its body ends or is dropped.
 pub(super) fn relay_decode(
     shared: &Shared,
     placed: &Placed,
@@ -158,10 +174,30 @@ pub(super) fn relay_decode(
     };
     shared.metrics.request(outcome);
     let (parts, body) = resp.into_parts();
-    let stream = body.into_data_stream().map(move |chunk| {
-        let _ = &finish;
-        chunk
-    });
+    let counter = TokenCounter::new(
+        parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok()),
+    );
+    // The tokens counted as the body passes are the request's progress in the bookkeeping;
+    // `finish` leaves it when the body ends or is dropped.
+    let stream = futures::stream::unfold(
+        (body.into_data_stream(), counter, finish),
+        |(mut body, mut counter, finish)| async move {
+            let (chunk, new) = match body.next().await {
+                Some(chunk) => {
+                    let new = chunk.as_ref().map_or(0, |b| counter.feed(b));
+                    (Some(chunk), new)
+                }
+                None => (None, counter.finish()),
+            };
+            if new > 0 {
+                decode_progress(&finish, counter.tokens(), new);
+            }
+            chunk.map(|c| (c, (body, counter, finish)))
+        },
+    );
     let mut out = Response::new(Body::from_stream(stream));
     *out.status_mut() = parts.status;
     // The body passes through unchanged, so its length (when known) still holds.

@@ -53,12 +53,28 @@ pub struct Conductor {
     pub engines: EngineSet,
 }
 
-/// `GET /v1/kvpool/status`: the engines served and each prefill engine's cost model in use
-/// (docs/scheduling.md, "Fitted prefill cost").
+/// `GET /v1/kvpool/status`: the engines served, each prefill engine's cost model in use
+/// (docs/scheduling.md, "Fitted prefill cost") and each decode engine's booked requests and
+/// the output tokens they still expect.
 fn status(shared: &Shared) -> serde_json::Value {
     let m = shared.members.lock();
+    let loads = m
+        .state
+        .as_ref()
+        .map(crate::state::State::decode_remaining)
+        .unwrap_or_default();
+    let decode_load: Vec<serde_json::Value> = m
+        .engines
+        .decode
+        .iter()
+        .zip(loads)
+        .map(|(e, (requests, remaining))| {
+            serde_json::json!({"engine": e, "requests": requests, "remaining_tokens": remaining})
+        })
+        .collect();
     serde_json::json!({
         "engines": {"prefill": m.engines.prefill, "decode": m.engines.decode},
+        "decode_load": decode_load,
         "fit_prefill_cost": m.costs.fitting(),
         "prefill_costs": m.costs.status(&m.engines.prefill),
     })

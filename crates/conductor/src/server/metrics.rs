@@ -29,6 +29,7 @@ pub(super) struct Metrics {
     pub(super) engine_cached_blocks: IntGaugeVec,
     pub(super) prefill_cost: GaugeVec,
     pub(super) prefill_cost_observations: IntCounterVec,
+    pub(super) decode_tokens_observed: IntCounterVec,
 }
 
 impl Metrics {
@@ -159,8 +160,17 @@ impl Metrics {
             ),
             &["engine"],
         )?;
+        let decode_tokens_observed = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_decode_tokens_observed_total",
+                "Tokens counted in the decode engines' responses as they pass (SSE events with a \
+                 choice; usage.completion_tokens of whole responses), by decode engine URL",
+            ),
+            &["engine"],
+        )?;
         for c in [
             Box::new(kv_events.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(decode_tokens_observed.clone()),
             Box::new(prefill_cost.clone()),
             Box::new(prefill_cost_observations.clone()),
             Box::new(kv_event_batches.clone()),
@@ -214,6 +224,7 @@ impl Metrics {
             engine_cached_blocks,
             prefill_cost,
             prefill_cost_observations,
+            decode_tokens_observed,
         })
     }
 
