@@ -1102,3 +1102,106 @@ async fn prefill_cost_is_fitted_from_the_engines_measured_prefills() {
     );
     shutdown.cancel();
 }
+
+#[tokio::test]
+async fn decode_progress_is_counted_from_the_stream_before_it_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let shutdown = CancellationToken::new();
+    let (p0, _) = engine(&shutdown).await;
+    // A decode engine at real time: 15 ms per token, 1.5 s for the 100 asked.
+    let registry = Registry::new();
+    let config = EngineConfig {
+        time_scale: 1.0,
+        ..serve_support::engine_config(MODEL, BLOCK)
+    };
+    let router =
+        kvpool_synthetic::server::router_with_agent(config, None, &registry).expect("router");
+    let (l, d0) = listen().await;
+    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let decode_url = format!("http://{d0}");
+    let mut config = conductor_config(
+        vec![format!("http://{p0}")],
+        decode_url.clone(),
+        Rejection::None,
+        1e6,
+        0,
+        None,
+    );
+    config.scheduler.prefill_costs.truncate(1);
+    let (conductor, metrics) = start_conductor(config, &shutdown).await;
+    let observed = || {
+        labelled(
+            &metrics,
+            "kvpool_conductor_decode_tokens_observed_total",
+            "engine",
+            &decode_url,
+        )
+    };
+    let decode_load = || async {
+        let (code, body) = serve_support::http(conductor, "GET", "/v1/kvpool/status", "").await;
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).expect("status json");
+        v["decode_load"][0].clone()
+    };
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":100,"stream":true}}"#,
+        "q".repeat(64)
+    );
+    let mut s = tokio::net::TcpStream::connect(conductor)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("send");
+    // A slow client: read only until three tokens came.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while String::from_utf8_lossy(&got).matches("data: {").count() < 3 {
+        let n = s.read(&mut buf).await.expect("read");
+        assert!(
+            n > 0,
+            "stream ended early: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    let seen = observed();
+    assert!(
+        (3.0..100.0).contains(&seen),
+        "observed {seen} tokens mid-stream"
+    );
+    let load = decode_load().await;
+    assert_eq!(load["requests"], 1, "{load}");
+    let remaining = load["remaining_tokens"].as_u64().expect("remaining");
+    assert!(
+        (1..=97).contains(&remaining),
+        "{remaining} tokens left after {seen} seen: {load}"
+    );
+    // Read the rest: every token counted, and the request leaves decode.
+    s.read_to_end(&mut got).await.expect("read to end");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert_eq!(observed(), 100.0);
+    let mut left = decode_load().await;
+    for _ in 0..200 {
+        if left["requests"] == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        left = decode_load().await;
+    }
+    assert_eq!(left["requests"], 0, "{left}");
+    // A whole (non-streamed) response counts its usage.
+    let (code, _, text) = post(
+        conductor,
+        "/v1/completions",
+        &format!(r#"{{"model":"{MODEL}","prompt":"short","max_tokens":2}}"#),
+    )
+    .await;
+    assert_eq!(code, 200, "{text}");
+    assert_eq!(observed(), 102.0);
+    shutdown.cancel();
+}

@@ -13,7 +13,7 @@ pub struct TokenCounter {
     /// SSE: the bytes after the last full line; JSON: the body so far.
     pending: Vec<u8>,
     tokens: u32,
-    /// A JSON body longer than [`MAX_JSON_BYTES`]: not counted.
+    /// A JSON body longer than [`MAX_JSON_BYTES`] (not counted), or one already counted.
     overflow: bool,
 }
 
@@ -34,11 +34,16 @@ impl TokenCounter {
     /// The next bytes of the body; returns the tokens they completed.
     pub fn feed(&mut self, bytes: &[u8]) -> u32 {
         if !self.sse {
-            if !self.overflow && self.pending.len() + bytes.len() <= MAX_JSON_BYTES {
-                self.pending.extend_from_slice(bytes);
-            } else {
+            if self.overflow || self.pending.len() + bytes.len() > MAX_JSON_BYTES {
                 self.pending = Vec::new();
                 self.overflow = true;
+                return 0;
+            }
+            self.pending.extend_from_slice(bytes);
+            // The server may stop reading once the body's length is reached, so a body that
+            // is already a whole JSON object is counted now rather than at its end.
+            if self.pending.trim_ascii_end().ends_with(b"}") {
+                return self.finish();
             }
             return 0;
         }
@@ -113,8 +118,9 @@ mod tests {
     fn a_json_response_counts_its_usage_at_the_end() {
         let mut c = TokenCounter::new(Some("application/json"));
         assert_eq!(c.feed(br#"{"choices":[{"text":"a b"}],"usage":{"comp"#), 0);
-        assert_eq!(c.feed(br#"letion_tokens":7}}"#), 0);
-        assert_eq!(c.finish(), 7);
+        // Counted as soon as the object is whole, once.
+        assert_eq!(c.feed(br#"letion_tokens":7}}"#), 7);
+        assert_eq!(c.finish(), 0);
         assert_eq!(c.tokens(), 7);
         let mut bad = TokenCounter::new(None);
         bad.feed(b"not json");
