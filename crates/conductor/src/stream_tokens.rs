@@ -61,17 +61,19 @@ impl TokenCounter {
 
     /// The body ended: a JSON response's `usage.completion_tokens`; returns the tokens it adds.
     pub fn finish(&mut self) -> u32 {
-        if self.sse || self.overflow {
+        if self.sse || self.overflow || self.pending.is_empty() {
             return 0;
         }
-        let n = serde_json::from_slice::<serde_json::Value>(&self.pending)
-            .ok()
-            .and_then(|v| {
-                v.pointer("/usage/completion_tokens")
-                    .and_then(|t| t.as_u64())
-            })
-            .map_or(0, |t| u32::try_from(t).unwrap_or(u32::MAX - 1));
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.pending) else {
+            return 0;
+        };
+        let n = v
+            .pointer("/usage/completion_tokens")
+            .and_then(|t| t.as_u64())
+            .map_or(0, |t| u32::try_from(t).unwrap_or(u32::MAX));
+        // Counted once: later bytes (none, for a whole object) are ignored.
         self.pending = Vec::new();
+        self.overflow = true;
         self.tokens = n;
         n
     }
