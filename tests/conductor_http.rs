@@ -165,6 +165,7 @@ fn conductor_config(
         hashing: kvpool_core::sched::BlockHashing::Kvpool,
         kv_events: Vec::new(),
         kv_events_port: None,
+        fit_prefill_cost: false,
     }
 }
 
@@ -969,5 +970,238 @@ async fn engines_report_their_measured_pool_reads_in_response_headers() {
         Some("0"),
         "{head}"
     );
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn prefill_cost_is_fitted_from_the_engines_measured_prefills() {
+    // The prefill engine is about 5x slower than the conductor's prior (the 70B default): 1.18
+    // s for 2,000 tokens instead of 0.244 s. At a time scale of 0.1 that is 118 ms of wall
+    // time, far above the HTTP overhead of the call.
+    const SCALE: f64 = 0.1;
+    let truth = PrefillCost {
+        fixed_s: 0.1,
+        linear_s: 5e-4,
+        quadratic_s: 2e-8,
+    };
+    let shutdown = CancellationToken::new();
+    let registry = Registry::new();
+    let config = EngineConfig {
+        prefill_cost: truth,
+        time_scale: SCALE,
+        ..serve_support::engine_config(MODEL, BLOCK)
+    };
+    let router =
+        kvpool_synthetic::server::router_with_agent(config, None, &registry).expect("router");
+    let (l, p0) = listen().await;
+    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    // The decode engine stays fast (its own prefill of the prompt is not measured).
+    let (d0, _) = engine(&shutdown).await;
+    let prefill_url = format!("http://{p0}");
+    let mut config = conductor_config(
+        vec![prefill_url.clone()],
+        format!("http://{d0}"),
+        Rejection::None,
+        1e6,
+        0,
+        None,
+    );
+    config.scheduler.prefill_costs.truncate(1);
+    config.time_scale = SCALE;
+    config.fit_prefill_cost = true;
+    let (conductor, metrics) = start_conductor(config, &shutdown).await;
+    let status = || async {
+        let (code, body) = serve_support::http(conductor, "GET", "/v1/kvpool/status", "").await;
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).expect("status json");
+        v
+    };
+    let before = status().await;
+    assert_eq!(before["engines"]["prefill"][0], prefill_url.as_str());
+    assert_eq!(before["prefill_costs"][0]["source"], "prior");
+    assert_eq!(before["prefill_costs"][0]["observations"], 0);
+    let prior_2000 = PrefillCost::default().seconds(0, 2_000);
+    assert!(
+        (before["prefill_costs"][0]["seconds_2000_tokens"]
+            .as_f64()
+            .expect("seconds")
+            - prior_2000)
+            .abs()
+            < 1e-9
+    );
+    // Distinct prompts (their first block differs) of 8 sizes, one at a time: the engine is
+    // idle for each, nothing is cached.
+    let sizes = [200usize, 600, 1_000, 1_500, 2_000, 2_500, 3_000, 4_000];
+    let mut sent = 0;
+    for round in 0..2 {
+        for (j, &n) in sizes.iter().enumerate() {
+            let prompt = format!("{round}{j:03}{}", "x".repeat(4 * n - 4));
+            let body = format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":1}}"#);
+            let (code, _, text) = post(conductor, "/v1/completions", &body).await;
+            assert_eq!(code, 200, "{text}");
+            sent += 1;
+        }
+    }
+    let after = status().await;
+    let row = &after["prefill_costs"][0];
+    assert_eq!(row["source"], "fitted", "{after}");
+    assert_eq!(row["observations"], sent, "{after}");
+    let want = truth.seconds(0, 2_000);
+    let got = row["seconds_2000_tokens"].as_f64().expect("seconds");
+    assert!(
+        (got - want).abs() < 0.3 * want,
+        "predicted {got} s for 2,000 tokens, the engine takes {want} s: {after}"
+    );
+    for term in ["fixed_s", "linear_s", "quadratic_s"] {
+        let v = row["cost"][term].as_f64().expect("term");
+        assert!(v.is_finite() && v >= 0.0, "{term}: {after}");
+    }
+    // The same in /metrics: the prior and the fit, and the observations counted.
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&metrics.gather())
+        .expect("encode");
+    assert_eq!(
+        labelled(
+            &metrics,
+            "kvpool_conductor_prefill_cost_observations_total",
+            "engine",
+            &prefill_url
+        ),
+        sent as f64
+    );
+    let gauge = |source: &str, term: &str| {
+        text.lines()
+            .find(|l| {
+                l.starts_with("kvpool_conductor_prefill_cost_seconds{")
+                    && l.contains(&format!("source=\"{source}\""))
+                    && l.contains(&format!("term=\"{term}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {source} {term} gauge in\n{text}"))
+    };
+    assert_eq!(gauge("prior", "linear"), PrefillCost::default().linear_s);
+    let fitted = PrefillCost {
+        fixed_s: gauge("fitted", "fixed"),
+        linear_s: gauge("fitted", "linear"),
+        quadratic_s: gauge("fitted", "quadratic"),
+    };
+    assert!((fitted.seconds(0, 2_000) - got).abs() < 1e-9 * got.max(1.0));
+    // The placements use the fit: the TTFT estimate of a fresh 2,000-token prompt follows it.
+    let prompt = format!("z{}", "x".repeat(4 * 2_000 - 1));
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":1}}"#);
+    let (code, head, text) = post(conductor, "/v1/completions", &body).await;
+    assert_eq!(code, 200, "{text}");
+    let ttft_ms: f64 = header(&head, "x-kvpool-ttft-estimate-ms")
+        .expect("ttft header")
+        .parse()
+        .expect("number");
+    assert!(
+        (ttft_ms / 1e3 - want).abs() < 0.3 * want,
+        "TTFT estimate {ttft_ms} ms, the engine takes {want} s"
+    );
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn decode_progress_is_counted_from_the_stream_before_it_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let shutdown = CancellationToken::new();
+    let (p0, _) = engine(&shutdown).await;
+    // A decode engine at real time: 15 ms per token, 1.5 s for the 100 asked.
+    let registry = Registry::new();
+    let config = EngineConfig {
+        time_scale: 1.0,
+        ..serve_support::engine_config(MODEL, BLOCK)
+    };
+    let router =
+        kvpool_synthetic::server::router_with_agent(config, None, &registry).expect("router");
+    let (l, d0) = listen().await;
+    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let decode_url = format!("http://{d0}");
+    let mut config = conductor_config(
+        vec![format!("http://{p0}")],
+        decode_url.clone(),
+        Rejection::None,
+        1e6,
+        0,
+        None,
+    );
+    config.scheduler.prefill_costs.truncate(1);
+    let (conductor, metrics) = start_conductor(config, &shutdown).await;
+    let observed = || {
+        labelled(
+            &metrics,
+            "kvpool_conductor_decode_tokens_observed_total",
+            "engine",
+            &decode_url,
+        )
+    };
+    let decode_load = || async {
+        let (code, body) = serve_support::http(conductor, "GET", "/v1/kvpool/status", "").await;
+        assert_eq!(code, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).expect("status json");
+        v["decode_load"][0].clone()
+    };
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":100,"stream":true}}"#,
+        "q".repeat(64)
+    );
+    let mut s = tokio::net::TcpStream::connect(conductor)
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("send");
+    // A slow client: read only until three tokens came.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while String::from_utf8_lossy(&got).matches("data: {").count() < 3 {
+        let n = s.read(&mut buf).await.expect("read");
+        assert!(
+            n > 0,
+            "stream ended early: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    let seen = observed();
+    assert!(
+        (3.0..100.0).contains(&seen),
+        "observed {seen} tokens mid-stream"
+    );
+    let load = decode_load().await;
+    assert_eq!(load["requests"], 1, "{load}");
+    let remaining = load["remaining_tokens"].as_u64().expect("remaining");
+    assert!(
+        (1..=97).contains(&remaining),
+        "{remaining} tokens left after {seen} seen: {load}"
+    );
+    // Read the rest: every token counted, and the request leaves decode.
+    s.read_to_end(&mut got).await.expect("read to end");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert_eq!(observed(), 100.0);
+    let mut left = decode_load().await;
+    for _ in 0..200 {
+        if left["requests"] == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        left = decode_load().await;
+    }
+    assert_eq!(left["requests"], 0, "{left}");
+    // A whole (non-streamed) response counts its usage.
+    let (code, _, text) = post(
+        conductor,
+        "/v1/completions",
+        &format!(r#"{{"model":"{MODEL}","prompt":"short","max_tokens":2}}"#),
+    )
+    .await;
+    assert_eq!(code, 200, "{text}");
+    assert_eq!(observed(), 102.0);
     shutdown.cancel();
 }

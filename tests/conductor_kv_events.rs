@@ -151,6 +151,7 @@ fn config(
         hashing: BlockHashing::vllm("0"),
         kv_events: vec![source],
         kv_events_port: None,
+        fit_prefill_cost: false,
     }
 }
 

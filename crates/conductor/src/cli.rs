@@ -156,6 +156,38 @@ pub struct ConductorArgs {
     /// its KV events on this port of its host, and answers replays on the next one.
     #[arg(long, env = "KVPOOL_KV_EVENTS_PORT")]
     pub kv_events_port: Option<u16>,
+    /// The prefill engines' cost model, `FIXED_S,LINEAR_S,QUADRATIC_S`: seconds to prefill `n`
+    /// uncached prompt tokens = FIXED_S + LINEAR_S * n + QUADRATIC_S * n^2 (cost-model seconds,
+    /// see --time-scale). The prior of the fit (--fit-prefill-cost); default: the 70B-class
+    /// model of docs/scheduling.md.
+    #[arg(long, value_name = "FIXED_S,LINEAR_S,QUADRATIC_S", value_parser = parse_prefill_cost,
+        default_value = "0.02,0.00011,0.000000001")]
+    pub prefill_cost: PrefillCost,
+    /// Fit each prefill engine's cost model from its measured prefills (the wall time of the
+    /// prefill call of requests that found the engine idle, divided by --time-scale, less the
+    /// pool read the engine reports); the fit replaces --prefill-cost once 8 prefills of 3
+    /// distinct sizes were measured. Shown on GET /v1/kvpool/status and in /metrics.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub fit_prefill_cost: bool,
+}
+
+/// `FIXED_S,LINEAR_S,QUADRATIC_S` (each finite and >= 0).
+fn parse_prefill_cost(s: &str) -> Result<PrefillCost, String> {
+    let terms: Vec<f64> = s
+        .split(',')
+        .map(|t| t.trim().parse::<f64>().map_err(|e| format!("{t:?}: {e}")))
+        .collect::<Result<_, _>>()?;
+    let [fixed_s, linear_s, quadratic_s] = terms[..] else {
+        return Err(format!("{s:?}: expected FIXED_S,LINEAR_S,QUADRATIC_S"));
+    };
+    if terms.iter().any(|t| !t.is_finite() || *t < 0.0) {
+        return Err(format!("{s:?}: every term must be finite and >= 0"));
+    }
+    Ok(PrefillCost {
+        fixed_s,
+        linear_s,
+        quadratic_s,
+    })
 }
 
 /// The defaults and environment variables of `--listen` and `--admin-listen`.
@@ -281,7 +313,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             bytes_per_token: args.bytes_per_token.max(1),
             pool_bandwidth_bps: gbps("pool-bandwidth-gbps", args.pool_bandwidth_gbps)?,
             kv_bandwidth_bps: gbps("kv-bandwidth-gbps", args.kv_bandwidth_gbps)?,
-            prefill_costs: vec![PrefillCost::default(); args.prefill.len()],
+            prefill_costs: vec![args.prefill_cost; args.prefill.len()],
             decode_cost: DecodeCost::default(),
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
             hot: HotConfig {
@@ -310,6 +342,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         hashing: args.block_hash.hashing(&args.hash_seed),
         kv_events: kv_events(args)?,
         kv_events_port: args.kv_events_port,
+        fit_prefill_cost: args.fit_prefill_cost,
     })
 }
 
@@ -531,6 +564,37 @@ mod tests {
         let c = conductor_config(&ok.a).unwrap();
         assert_eq!(c.scheduler.prefill_costs.len(), 2);
         assert_eq!(c.scheduler.rejection, Rejection::Predicted);
+        // The prior's default is the model's default, and the fit is on by default.
+        assert_eq!(c.scheduler.prefill_costs[0], PrefillCost::default());
+        assert!(c.fit_prefill_cost);
+        let profiled = T::try_parse_from([
+            "t",
+            "--prefill",
+            "http://a",
+            "--decode",
+            "http://b",
+            "--prefill-cost",
+            "0.1, 5e-4,2e-8",
+            "--fit-prefill-cost",
+            "false",
+        ])
+        .unwrap();
+        let p = conductor_config(&profiled.a).unwrap();
+        assert_eq!(
+            p.scheduler.prefill_costs,
+            vec![PrefillCost {
+                fixed_s: 0.1,
+                linear_s: 5e-4,
+                quadratic_s: 2e-8
+            }]
+        );
+        assert!(!p.fit_prefill_cost);
+        for bad in ["1,2", "1,2,3,4", "1,-2,3", "1,x,3", "1,nan,3"] {
+            assert!(
+                T::try_parse_from(["t", "--prefill-cost", bad]).is_err(),
+                "{bad}"
+            );
+        }
         let bad =
             T::try_parse_from(["t", "--prefill", "127.0.0.1:1", "--decode", "http://x"]).unwrap();
         let err = conductor_config(&bad.a).unwrap_err();

@@ -45,6 +45,9 @@ pub struct ConductorConfig {
     /// with replays on the next port (the operator's engine pods: vLLM's and SGLang's
     /// `--kv-events-config`).
     pub kv_events_port: Option<u16>,
+    /// Fit each prefill engine's cost model from its measured prefills (the configured
+    /// `scheduler.prefill_costs` are the prior); `false`: the configured models stay.
+    pub fit_prefill_cost: bool,
 }
 
 /// Where one prefill engine publishes its KV events (ZMQ, vLLM's wire format).

@@ -42,8 +42,9 @@ pub struct State {
     /// their estimated work in seconds.
     booked: Vec<VecDeque<(u64, f64)>>,
     decode: Vec<DecodeLoad>,
-    /// Per running request: when it started decoding, its prompt and its output length.
-    started: std::collections::HashMap<u64, (f64, u64, u32)>,
+    /// Per running request: when it started decoding, its prompt, its output length and the
+    /// tokens counted in its response so far (`None` before the first).
+    started: std::collections::HashMap<u64, (f64, u64, u32, Option<u32>)>,
     block_size: NonZeroU32,
     next_request: u64,
     /// The replication planned by the last `place`, until `take_replication` collects it.
@@ -76,6 +77,11 @@ pub struct Ticket {
     pub local_blocks: u32,
     /// And those it fetches from the pool.
     pub pool_blocks: u32,
+    /// Prompt tokens the prefill instance computes (those after the cached prefix).
+    pub uncached_tokens: u64,
+    /// Whether nothing else was booked on the prefill instance when this request was placed:
+    /// its prefill time is then the engine's own compute, without queueing behind others.
+    pub found_idle: bool,
 }
 
 impl State {
@@ -175,6 +181,7 @@ impl State {
         self.cache_blocks(p.prefill, keys);
         let request = self.next_request;
         self.next_request += 1;
+        let found_idle = self.booked.get(p.prefill).is_none_or(VecDeque::is_empty);
         if let Some(q) = self.booked.get_mut(p.prefill) {
             q.push_back((request, work));
         }
@@ -191,6 +198,10 @@ impl State {
             ttft_s: p.ttft.total_s(),
             local_blocks: p.prefix.local_blocks,
             pool_blocks: p.prefix.pool_blocks(),
+            uncached_tokens: input_tokens.saturating_sub(
+                u64::from(p.prefix.matched_blocks) * u64::from(self.block_size.get()),
+            ),
+            found_idle,
         })
     }
 
@@ -267,6 +278,17 @@ impl State {
         self.scheduler.set_pool_bandwidth_bps(bps);
     }
 
+    /// The prefill cost model the next placements assume for instance `instance` (a fitted
+    /// one); unknown instances and invalid models are ignored.
+    pub fn set_prefill_cost(&mut self, instance: usize, cost: kvpool_core::sched::PrefillCost) {
+        self.scheduler.set_prefill_cost(instance, cost);
+    }
+
+    /// The prefill cost model placements assume for instance `instance`.
+    pub fn prefill_cost(&self, instance: usize) -> Option<kvpool_core::sched::PrefillCost> {
+        self.scheduler.config().prefill_costs.get(instance).copied()
+    }
+
     /// The replication planned by the last accepted `place`, if any (taken once).
     pub fn take_replication(&mut self) -> Option<ReplicationTask> {
         self.replication.take()
@@ -294,16 +316,50 @@ impl State {
         {
             let mut m = d.pending.swap_remove(pos);
             m.joins_at_s = now_s;
-            self.started
-                .insert(m.request, (now_s, m.context_tokens, m.remaining_tokens));
+            self.started.insert(
+                m.request,
+                (now_s, m.context_tokens, m.remaining_tokens, None),
+            );
             d.running.push(m);
         }
     }
 
-    /// Estimates how far every running request has got since it started decoding, at the
-    /// instance's current step time (the engines do not report progress), so the prediction
-    /// sees shrinking remaining work and growing context. Never reaches zero: a request stays
-    /// until its response ends.
+    /// The decode engine's response has carried `generated` tokens of the request so far (counted
+    /// by the relay): its remaining work and context follow them instead of the estimate. Never
+    /// reaches zero remaining: a request stays until its response ends.
+    pub fn decode_progress(&mut self, ticket: &Ticket, generated: u32) {
+        let Some(entry) = self.started.get_mut(&ticket.request) else {
+            return;
+        };
+        entry.3 = Some(generated);
+        let (_, prompt, total, _) = *entry;
+        if let Some(d) = self.decode.get_mut(ticket.decode)
+            && let Some(m) = d.running.iter_mut().find(|m| m.request == ticket.request)
+        {
+            let done = generated.min(total.saturating_sub(1));
+            m.remaining_tokens = total - done;
+            m.context_tokens = prompt + u64::from(done);
+        }
+    }
+
+    /// Per decode instance: the requests booked and the output tokens they still expect.
+    pub fn decode_remaining(&self) -> Vec<(usize, u64)> {
+        self.decode
+            .iter()
+            .map(|d| {
+                let members = d.running.iter().chain(&d.pending);
+                (
+                    d.running.len() + d.pending.len(),
+                    members.map(|m| u64::from(m.remaining_tokens)).sum(),
+                )
+            })
+            .collect()
+    }
+
+    /// Estimates how far every running request has got since it started decoding: the tokens
+    /// counted in its response when there are any ([`State::decode_progress`]), else at the
+    /// instance's current step time, so the prediction sees shrinking remaining work and
+    /// growing context. Never reaches zero: a request stays until its response ends.
     fn advance_decode(&mut self, now_s: f64) {
         let cost = self.scheduler.config().decode_cost;
         for d in &mut self.decode {
@@ -311,8 +367,10 @@ impl State {
             let ctx: u64 = d.running.iter().map(|m| m.context_tokens).sum();
             let step = cost.step_seconds(batch, ctx);
             for m in &mut d.running {
-                if let Some(&(start, prompt, total)) = self.started.get(&m.request) {
-                    let steps = if step > 0.0 {
+                if let Some(&(start, prompt, total, seen)) = self.started.get(&m.request) {
+                    let steps = if let Some(seen) = seen {
+                        u64::from(seen)
+                    } else if step > 0.0 {
                         ((now_s - start).max(0.0) / step).floor() as u64
                     } else {
                         0
@@ -460,6 +518,7 @@ mod tests {
             hashing: kvpool_core::sched::BlockHashing::Kvpool,
             kv_events: Vec::new(),
             kv_events_port: None,
+            fit_prefill_cost: false,
         }
     }
 
@@ -561,11 +620,15 @@ mod tests {
         let a = st.place(0.0, &keys, 30, 5).unwrap();
         assert_eq!(a.prefill, 0);
         assert!((a.ttft_s - 0.3).abs() < 1e-12);
+        assert!(a.found_idle);
+        assert_eq!(a.uncached_tokens, 30);
         // The same prompt again: instance 0 has it cached (0 s of prefill) but is busy 0.3 s;
         // instance 1 would take 0.3 s. Tie -> instance 0, with nothing more to do.
         let b = st.place(0.0, &keys, 30, 5).unwrap();
         assert_eq!(b.prefill, 0);
         assert!((b.ttft_s - 0.3).abs() < 1e-12);
+        assert!(!b.found_idle, "queued behind a");
+        assert_eq!(b.uncached_tokens, 0);
         // A different prompt goes to the idle instance 1.
         let c = st.place(0.0, &[7, 8], 20, 5).unwrap();
         assert_eq!(c.prefill, 1);
@@ -582,6 +645,12 @@ mod tests {
         // Much later it is capped at one token left.
         st.advance_decode(100.0);
         assert_eq!(st.decode[0].running[0].remaining_tokens, 1);
+        // Counted tokens replace the estimate, and stay over later estimates.
+        st.decode_progress(&a, 2);
+        st.advance_decode(200.0);
+        let m = st.decode[0].running[0];
+        assert_eq!((m.remaining_tokens, m.context_tokens), (3, 32));
+        assert_eq!(st.decode_remaining()[0].0, 3);
         st.finished(&a);
         assert!(st.started.is_empty());
         // c is abandoned before its prefill: instance 1's booking goes away.

@@ -1,8 +1,10 @@
 //! The two engine calls of every disaggregated request, whichever convention routes it: the
-//! prefill call, read to its end (the request is then prefilled, and the pool read the engine
-//! measured feeds the fetch estimate), and the decode engine's response, relayed to the client
+//! prefill call, read to its end (the request is then prefilled, the pool read the engine
+//! measured feeds the fetch estimate, and the call's time the fit of the engine's prefill cost), and the decode engine's response, relayed to the client
 //! with the placement's assumptions in `x-kvpool-*` headers. I/O boundary: the upstream HTTP
 //! calls and the client's response stream.
+
+use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
@@ -14,6 +16,8 @@ use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
 use super::upstream::{UpstreamError, engine_url, read_body};
+use crate::stream_tokens::TokenCounter;
+use kvpool_core::sched::Observed;
 use kvpool_proto::openai::{KV_LOAD_BLOCKS_HEADER, KV_LOAD_SECONDS_HEADER};
 
 /// Response header: prompt blocks the chosen prefill engine was expected to hold locally.
@@ -35,6 +39,7 @@ async fn prefill_answer(
     shared: &Shared,
     placed: &Placed,
     url: String,
+    sent: Instant,
     resp: Response<Body>,
 ) -> Result<PrefillAnswer, UpstreamError> {
     let status = resp.status();
@@ -51,11 +56,17 @@ async fn prefill_answer(
         )
     };
     let body = read_body(url, resp.into_body()).await?;
+    let took = sent.elapsed().as_secs_f64() / shared.config.time_scale;
     let now = shared.now_s();
     shared
         .members
         .lock()
         .with_ticket(placed, |s, t| s.prefilled(t, now));
+    if status.is_success() && placed.ticket.found_idle {
+        // The engine's own compute: the call's time less the pool read it reports.
+        let load = loaded.1.unwrap_or(0.0).max(0.0) / shared.config.time_scale;
+        observe_prefill(shared, placed, (took - load).max(0.0));
+    }
     if let (Some(blocks), Some(seconds)) = loaded
         && blocks >= 1.0
     {
@@ -69,6 +80,38 @@ async fn prefill_answer(
     Ok(PrefillAnswer { status, body })
 }
 
+/// Feeds one measured prefill (cost-model seconds) to the fit of its engine's cost model; the
+/// model the next placements on that engine assume follows it.
+fn observe_prefill(shared: &Shared, placed: &Placed, seconds: f64) {
+    let mut m = shared.members.lock();
+    let url = placed.prefill_url.as_str();
+    let tokens = placed.ticket.uncached_tokens;
+    let Some(outcome) = m.costs.observe(url, tokens, seconds) else {
+        return;
+    };
+    if outcome != Observed::Kept {
+        tracing::debug!(
+            engine = url,
+            tokens,
+            seconds,
+            ?outcome,
+            "prefill time not fitted"
+        );
+        return;
+    }
+    shared
+        .metrics
+        .prefill_cost_observations
+        .with_label_values(&[url])
+        .inc();
+    if m.costs.is_fitted(url) {
+        m.apply_costs();
+        shared
+            .metrics
+            .set_prefill_costs(&m.costs, &[url.to_owned()]);
+    }
+}
+
 /// Sends `body` to the placement's prefill engine and reads its answer; the client's response
 /// instead when the engine cannot be reached (502) or answers an error, which goes back as it
 /// is (e.g. 400).
@@ -79,8 +122,9 @@ pub(super) async fn call_prefill(
     body: &Value,
 ) -> Result<PrefillAnswer, Response> {
     let url = engine_url(&placed.prefill_url, path);
+    let sent = Instant::now();
     let answer = match shared.upstream.post(url.clone(), body).await {
-        Ok(r) => prefill_answer(shared, placed, url, r).await,
+        Ok(r) => prefill_answer(shared, placed, url, sent, r).await,
         Err(e) => Err(e),
     };
     match answer {
@@ -93,9 +137,24 @@ pub(super) async fn call_prefill(
     }
 }
 
+/// The request's decode response has carried `tokens` tokens, `new` of them since last time.
+fn decode_progress(finish: &Finish, tokens: u32, new: u32) {
+    let shared = &finish.shared;
+    shared
+        .members
+        .lock()
+        .with_ticket(&finish.placed, |s, t| s.decode_progress(t, tokens));
+    shared
+        .metrics
+        .decode_tokens_observed
+        .with_label_values(&[finish.placed.decode_url.as_str()])
+        .inc_by(u64::from(new));
+}
+
 /// The decode engine's response goes back to the client as it is (streamed or not), with the
-/// placement's assumptions in `x-kvpool-*` headers; the bookings are released when its body
-/// ends or is dropped.
+/// placement's assumptions in `x-kvpool-*` headers; the tokens it carries (SSE events with a
+/// choice, or a JSON body's `usage.completion_tokens`) update the request's decode progress,
+/// and the bookings are released when its body ends or is dropped.
 pub(super) fn relay_decode(
     shared: &Shared,
     placed: &Placed,
@@ -115,10 +174,30 @@ pub(super) fn relay_decode(
     };
     shared.metrics.request(outcome);
     let (parts, body) = resp.into_parts();
-    let stream = body.into_data_stream().map(move |chunk| {
-        let _ = &finish;
-        chunk
-    });
+    let counter = TokenCounter::new(
+        parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok()),
+    );
+    // The tokens counted as the body passes are the request's progress in the bookkeeping;
+    // `finish` leaves it when the body ends or is dropped.
+    let stream = futures::stream::unfold(
+        (body.into_data_stream(), counter, finish),
+        |(mut body, mut counter, finish)| async move {
+            let (chunk, new) = match body.next().await {
+                Some(chunk) => {
+                    let new = chunk.as_ref().map_or(0, |b| counter.feed(b));
+                    (Some(chunk), new)
+                }
+                None => (None, counter.finish()),
+            };
+            if new > 0 {
+                decode_progress(&finish, counter.tokens(), new);
+            }
+            chunk.map(|c| (c, (body, counter, finish)))
+        },
+    );
     let mut out = Response::new(Body::from_stream(stream));
     *out.status_mut() = parts.status;
     // The body passes through unchanged, so its length (when known) still holds.

@@ -64,6 +64,7 @@ impl EngineSet {
                     // `take` emptied it; rebuild the previous set's state from scratch.
                     m.state = State::new(&shared.config.with_engines(&m.engines)).ok();
                     m.reenter_holdings();
+                    m.apply_costs();
                     return m.state.is_some();
                 }
             }
@@ -76,6 +77,10 @@ impl EngineSet {
         m.state = state;
         m.epoch += 1;
         m.reenter_holdings();
+        m.apply_costs();
+        shared
+            .metrics
+            .set_prefill_costs(&m.costs, &m.engines.prefill);
         let ready = m.state.is_some();
         drop(m);
         super::kv_feed::sync(shared);

@@ -1,5 +1,5 @@
 //! The conductor's HTTP front, the OpenAI-facing layer: the router with `/v1/completions`,
-//! `/v1/chat/completions` and `/v1/models`, and the assembly of one conductor ([`conductor`]:
+//! `/v1/chat/completions` and `/v1/models` (and kvpool's own `/v1/kvpool/status`), and the assembly of one conductor ([`conductor`]:
 //! its metrics, engine set and shared state). I/O boundary: none until the router is served
 //! (`kvpool_runtime::http::serve`, re-exported as `server::serve`).
 
@@ -22,7 +22,9 @@ use super::shared::Shared;
 use super::upstream::Upstream;
 use crate::config::ConductorConfig;
 use crate::fetch_estimate::FetchEstimate;
+use crate::prefill_costs::PrefillCosts;
 use crate::state::{State, StateError};
+use kvpool_core::sched::FitConfig;
 use kvpool_proto::openai::{self as api, Endpoint};
 
 /// Errors of the conductor server.
@@ -51,6 +53,33 @@ pub struct Conductor {
     pub engines: EngineSet,
 }
 
+/// `GET /v1/kvpool/status`: the engines served, each prefill engine's cost model in use
+/// (docs/scheduling.md, "Fitted prefill cost") and each decode engine's booked requests and
+/// the output tokens they still expect.
+fn status(shared: &Shared) -> serde_json::Value {
+    let m = shared.members.lock();
+    let loads = m
+        .state
+        .as_ref()
+        .map(crate::state::State::decode_remaining)
+        .unwrap_or_default();
+    let decode_load: Vec<serde_json::Value> = m
+        .engines
+        .decode
+        .iter()
+        .zip(loads)
+        .map(|(e, (requests, remaining))| {
+            serde_json::json!({"engine": e, "requests": requests, "remaining_tokens": remaining})
+        })
+        .collect();
+    serde_json::json!({
+        "engines": {"prefill": m.engines.prefill, "decode": m.engines.decode},
+        "decode_load": decode_load,
+        "fit_prefill_cost": m.costs.fitting(),
+        "prefill_costs": m.costs.status(&m.engines.prefill),
+    })
+}
+
 /// Router of the conductor API, serving the engines of `config` for good.
 pub fn router(config: ConductorConfig, registry: &Registry) -> Result<Router, ServerError> {
     Ok(conductor(config, registry)?.router)
@@ -67,6 +96,16 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         None
     };
     let config_models = config.models.clone();
+    let costs = PrefillCosts::new(
+        config
+            .scheduler
+            .prefill_costs
+            .first()
+            .copied()
+            .unwrap_or_default(),
+        config.fit_prefill_cost.then(FitConfig::default),
+    );
+    metrics.set_prefill_costs(&costs, &initial.prefill);
     let fetch = FetchEstimate::new(config.block_bytes(), config.scheduler.pool_bandwidth_bps);
     metrics
         .fetch_bandwidth
@@ -79,6 +118,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             state,
             epoch: 0,
             holdings: Default::default(),
+            costs,
         }),
         upstream: Upstream::new(),
         started: Instant::now(),
@@ -112,6 +152,10 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
                 super::models::refresh(&s.models, &s.upstream, s.engine_urls()).await;
                 Json(api::models_body(&s.models.names(), 0))
             }),
+        )
+        .route(
+            "/v1/kvpool/status",
+            get(|AxumState(s): AxumState<Arc<Shared>>| async move { Json(status(&s)) }),
         )
         .with_state(shared.clone());
     Ok(Conductor {

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use crate::engines::{Engines, RoutingProtocol};
 use crate::kv_events::{Delta, Holdings};
+use crate::prefill_costs::PrefillCosts;
 use crate::state::{State, Ticket};
 
 /// The engines served now and the bookkeeping over them. `epoch` counts engine-set changes, so
@@ -18,6 +19,8 @@ pub(super) struct Members {
     /// What each prefill engine with a KV event stream holds, by base URL (kept over
     /// engine-set changes, re-entered into every new state).
     pub(super) holdings: HashMap<String, Holdings>,
+    /// Every prefill engine's cost model, by base URL (prior or fitted; kept over changes).
+    pub(super) costs: PrefillCosts,
 }
 
 /// A request placed on instances, with what is needed to find them after an engine-set change.
@@ -42,6 +45,17 @@ impl Members {
                 let deltas: Vec<Delta> = held.keys().map(Delta::Added).collect();
                 state.apply_event_deltas(i, &deltas);
             }
+        }
+    }
+
+    /// Gives the state every prefill engine's current cost model (after it was rebuilt, or
+    /// after a fit moved).
+    pub(super) fn apply_costs(&mut self) {
+        let Some(state) = self.state.as_mut() else {
+            return;
+        };
+        for (i, url) in self.engines.prefill.iter().enumerate() {
+            state.set_prefill_cost(i, self.costs.current(url));
         }
     }
 

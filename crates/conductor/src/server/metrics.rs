@@ -1,13 +1,15 @@
 //! The conductor's Prometheus metrics: request outcomes, rejections, replication, pool lookups,
-//! prefetches, the engine set's size and the learnt pool bandwidth, registered into the
+//! prefetches, the engine set's size, the learnt pool bandwidth and prefill cost models, registered into the
 //! injected registry. I/O boundary: none (the admin server exports the registry).
 
 use prometheus::{
-    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+    Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry,
 };
 
 use crate::config::ConductorConfig;
 use crate::engines::Engines;
+use crate::prefill_costs::PrefillCosts;
 
 /// Every metric of one conductor.
 pub(super) struct Metrics {
@@ -25,6 +27,9 @@ pub(super) struct Metrics {
     pub(super) kv_event_gaps: IntCounterVec,
     pub(super) kv_event_connections: IntCounterVec,
     pub(super) engine_cached_blocks: IntGaugeVec,
+    pub(super) prefill_cost: GaugeVec,
+    pub(super) prefill_cost_observations: IntCounterVec,
+    pub(super) decode_tokens_observed: IntCounterVec,
 }
 
 impl Metrics {
@@ -137,8 +142,37 @@ impl Metrics {
             ),
             &["engine", "source"],
         )?;
+        let prefill_cost = GaugeVec::new(
+            Opts::new(
+                "kvpool_conductor_prefill_cost_seconds",
+                "Prefill cost model per prefill engine URL, by term (fixed: seconds per request, \
+                 linear: per uncached token, quadratic: per squared token; cost-model seconds) \
+                 and source (prior: --prefill-cost; fitted: from the engine's measured \
+                 prefills, in use once present)",
+            ),
+            &["engine", "term", "source"],
+        )?;
+        let prefill_cost_observations = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_prefill_cost_observations_total",
+                "Measured prefills fed to the fit of a prefill engine's cost model, by engine URL \
+                 (outliers and requests that queued behind others excluded)",
+            ),
+            &["engine"],
+        )?;
+        let decode_tokens_observed = IntCounterVec::new(
+            Opts::new(
+                "kvpool_conductor_decode_tokens_observed_total",
+                "Tokens counted in the decode engines' responses as they pass (SSE events with a \
+                 choice; usage.completion_tokens of whole responses), by decode engine URL",
+            ),
+            &["engine"],
+        )?;
         for c in [
             Box::new(kv_events.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(decode_tokens_observed.clone()),
+            Box::new(prefill_cost.clone()),
+            Box::new(prefill_cost_observations.clone()),
             Box::new(kv_event_batches.clone()),
             Box::new(kv_event_gaps.clone()),
             Box::new(kv_event_connections.clone()),
@@ -188,7 +222,33 @@ impl Metrics {
             kv_event_gaps,
             kv_event_connections,
             engine_cached_blocks,
+            prefill_cost,
+            prefill_cost_observations,
+            decode_tokens_observed,
         })
+    }
+
+    /// The cost gauges of `engines` follow `costs`: the prior always, the fit once there is one.
+    pub(super) fn set_prefill_costs(&self, costs: &PrefillCosts, engines: &[String]) {
+        for e in engines {
+            let fitted = costs.is_fitted(e).then(|| costs.current(e));
+            for (source, cost) in [("prior", Some(costs.prior())), ("fitted", fitted)] {
+                let Some(c) = cost else { continue };
+                for (term, v) in [
+                    ("fixed", c.fixed_s),
+                    ("linear", c.linear_s),
+                    ("quadratic", c.quadratic_s),
+                ] {
+                    self.prefill_cost
+                        .with_label_values(&[e.as_str(), term, source])
+                        .set(v);
+                }
+            }
+            if costs.fitting() {
+                self.prefill_cost_observations
+                    .with_label_values(&[e.as_str()]);
+            }
+        }
     }
 
     /// Counts one request by its outcome (`ok`, `rejected` or an error category).

@@ -1,10 +1,11 @@
 //! KVCache-centric scheduling policy core (Mooncake's conductor): block keys, the global prefix
-//! index, cost models, prefill/decode choice, early rejection with and without prediction,
+//! index, cost models and their online fit, prefill/decode choice, early rejection with and without prediction,
 //! hot-block replication and the baseline policies. Pure code: no I/O and no clock reads; time
 //! is passed in by the caller (the trace simulator or the front door).
 
 pub mod blocks;
 pub mod cost;
+pub mod cost_fit;
 pub mod engine_hash;
 pub mod index;
 pub mod lru;
@@ -15,6 +16,7 @@ pub use blocks::{BlockKey, block_count, block_keys, pool_key, text_tokens};
 #[cfg(feature = "clap")]
 pub use cost::CostFlags;
 pub use cost::{DecodeCost, FitError, PrefillCost};
+pub use cost_fit::{CostFitter, FitConfig, Observed};
 pub use engine_hash::{
     BlockHashKind, BlockHashing, EngineHash, ExtraKeys, VllmHasher, u64_of_hash_bytes,
 };

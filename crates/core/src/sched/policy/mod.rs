@@ -74,6 +74,17 @@ impl Scheduler {
         }
     }
 
+    /// Replaces the prefill cost model of instance `instance` (a fitted one); unknown instances
+    /// and models with a term that is not finite and >= 0 are ignored.
+    pub fn set_prefill_cost(&mut self, instance: usize, cost: super::cost::PrefillCost) {
+        let ok = [cost.fixed_s, cost.linear_s, cost.quadratic_s]
+            .iter()
+            .all(|v| v.is_finite() && *v >= 0.0);
+        if let (true, Some(slot)) = (ok, self.config.prefill_costs.get_mut(instance)) {
+            *slot = cost;
+        }
+    }
+
     pub fn prefill_instances(&self) -> usize {
         self.config.prefill_costs.len()
     }
