@@ -5,13 +5,12 @@
 //! restart; the conductor's `/metrics` and its routing decisions (the `x-kvpool-local-blocks`
 //! header of its placement) follow. I/O boundary: loopback sockets, the Python child process.
 
+mod py_support;
 mod serve_support;
 
-use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvpool_conductor::{ConductorConfig, KvEventSource, RoutingProtocol};
@@ -19,6 +18,7 @@ use kvpool_core::sched::{
     BlockHashing, DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 use prometheus::Registry;
+use py_support::PyChild;
 use serde_json::{Value, json};
 use serve_support::{engine_config, exchange, labelled, listen};
 use tokio_util::sync::CancellationToken;
@@ -26,59 +26,9 @@ use tokio_util::sync::CancellationToken;
 const MODEL: &str = "events-model";
 const BLOCK: u32 = 4;
 
-/// The Python publisher, driven one JSON command per line.
-struct Publisher {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    ports: Value,
-}
-
-impl Publisher {
-    fn start() -> Self {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let python = root.join(".tools/py/bin/python");
-        assert!(
-            python.exists(),
-            "{} is missing: run scripts/python-env.sh --tools (scripts/test.sh does)",
-            python.display()
-        );
-        let mut child = Command::new(python)
-            .arg(root.join("tests/python/vllm_events.py"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start the Python publisher");
-        let stdin = child.stdin.take().expect("stdin");
-        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("ports line");
-        let ports = serde_json::from_str(&line).expect("ports json");
-        Publisher {
-            child,
-            stdin,
-            stdout,
-            ports,
-        }
-    }
-
-    fn send(&mut self, cmd: Value) -> Value {
-        writeln!(self.stdin, "{cmd}").expect("command");
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("answer");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{cmd}: {e}: {line:?}"))
-    }
-
-    fn endpoint(&self, which: &str) -> String {
-        format!("tcp://127.0.0.1:{}", self.ports[which])
-    }
-}
-
-impl Drop for Publisher {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The Python publisher (one JSON command per line); its greeting names its ports.
+fn endpoint(publisher: &PyChild, which: &str) -> String {
+    format!("tcp://127.0.0.1:{}", publisher.greeting[which])
 }
 
 /// A word-level tokenizer: `wN` is token N, so the Python side knows the token ids.
@@ -181,11 +131,11 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
         engine(&shutdown).await,
     );
     let (url_a, url_b) = (format!("http://{a}"), format!("http://{b}"));
-    let mut publisher = Publisher::start();
+    let mut publisher = PyChild::start("vllm_events.py", &[]);
     let source = KvEventSource {
         engine: url_b.clone(),
-        endpoint: publisher.endpoint("pub"),
-        replay: Some(publisher.endpoint("replay")),
+        endpoint: endpoint(&publisher, "pub"),
+        replay: Some(endpoint(&publisher, "replay")),
     };
     let registry = Registry::new();
     let conductor = kvpool_conductor::server::conductor(

@@ -6,24 +6,17 @@
 //! before hashing. I/O boundary: child processes (the kvpool binary, Python from
 //! .tools/py, which scripts/python-env.sh --tools installs).
 
+mod py_support;
+
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
+use py_support::python;
 use serde_json::{Value, json};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn python() -> PathBuf {
-    let p = root().join(".tools/py/bin/python");
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/python-env.sh --tools (scripts/test.sh does)",
-        p.display()
-    );
-    p
 }
 
 /// The Python side's answer to one `hashes` command.

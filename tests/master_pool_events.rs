@@ -10,71 +10,31 @@
 //! child processes, loopback sockets, temp dirs.
 
 mod pool_support;
+mod py_support;
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use kvpool_core::master::{PutOptions, Tier};
 use kvpool_harness::{Launcher, MasterSpec, free_port};
 use pool_support::*;
+use py_support::PyChild;
 use serde_json::{Value, json};
 
 const TOPIC: &str = "kvpool";
 
-/// The Python consumer, one JSON command per line.
-struct Consumer {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Consumer {
-    fn start(publish: u16, replay: u16) -> Self {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let python = root.join(".tools/py/bin/python");
-        assert!(
-            python.exists(),
-            "{} is missing: run scripts/python-env.sh --tools (scripts/test.sh does)",
-            python.display()
-        );
-        let mut child = Command::new(python)
-            .arg(root.join("tests/python/pool_events_consumer.py"))
-            .arg(format!("tcp://127.0.0.1:{publish}"))
-            .arg(format!("tcp://127.0.0.1:{replay}"))
-            .arg(TOPIC)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start the Python consumer");
-        let stdin = child.stdin.take().expect("stdin");
-        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("ready line");
-        let ready: Value = serde_json::from_str(&line).expect("ready json");
-        assert_eq!(ready["ready"], true, "{line}");
-        Consumer {
-            child,
-            stdin,
-            stdout,
-        }
-    }
-
-    fn send(&mut self, cmd: Value) -> Value {
-        writeln!(self.stdin, "{cmd}").expect("command");
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).expect("answer");
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{cmd}: {e}: {line:?}"))
-    }
-}
-
-impl Drop for Consumer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The Python consumer (one JSON command per line), ready once subscribed.
+fn consumer(publish: u16, replay: u16) -> PyChild {
+    let c = PyChild::start(
+        "pool_events_consumer.py",
+        &[
+            format!("tcp://127.0.0.1:{publish}"),
+            format!("tcp://127.0.0.1:{replay}"),
+            TOPIC.to_owned(),
+        ],
+    );
+    assert_eq!(c.greeting["ready"], true, "{}", c.greeting);
+    c
 }
 
 /// The hash as the consumer reports it: a number, or `{"bytes": hex}`.
@@ -148,7 +108,7 @@ async fn the_master_publishes_the_pool_s_blocks_in_vllm_s_format() {
     )
     .await;
 
-    let mut live = Consumer::start(publish, replay);
+    let mut live = consumer(publish, replay);
     // A SUB socket receives only after its subscription reached the publisher.
     tokio::time::sleep(Duration::from_millis(500)).await;
 
@@ -235,7 +195,7 @@ async fn the_master_publishes_the_pool_s_blocks_in_vllm_s_format() {
     );
 
     // A consumer that joins late asks the replay socket for everything from sequence 0.
-    let mut late = Consumer::start(publish, replay);
+    let mut late = consumer(publish, replay);
     let replayed = late.send(json!({"op": "replay", "start": 0, "timeout_ms": 30_000}));
     assert_eq!(replayed["ended"], true, "{replayed}");
     let old = replayed["batches"].as_array().expect("batches").clone();
