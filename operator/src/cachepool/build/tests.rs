@@ -420,6 +420,29 @@ fn auth_secret_carries_the_given_key_and_build_is_deterministic() {
     assert_eq!(a.auth.metadata.name.as_deref(), Some("tcp-auth"));
 }
 
+/// The conductor pod of `pool` as the operator renders it.
+fn conductor_pod(pool: &kvpool_crd::KVCachePool) -> k8s_openapi::api::core::v1::PodSpec {
+    let children = build(&valid(pool), "00ff").expect("build");
+    let (deployment, _) = children.conductor.as_ref().expect("conductor");
+    deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.clone())
+        .expect("pod")
+}
+
+/// The pod's volume named `tokenizer`.
+fn tokenizer_volume(
+    spec: &k8s_openapi::api::core::v1::PodSpec,
+) -> &k8s_openapi::api::core::v1::Volume {
+    spec.volumes
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .find(|v| v.name == "tokenizer")
+        .expect("tokenizer volume")
+}
+
 #[test]
 fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
     let mut pool = roce();
@@ -429,13 +452,7 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
         sub_path: Some("Qwen/Qwen2.5-7B-Instruct".into()),
         ..Default::default()
     });
-    let children = build(&valid(&pool), "00ff").expect("build");
-    let (deployment, _) = children.conductor.as_ref().expect("conductor");
-    let spec = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .expect("pod");
+    let spec = conductor_pod(&pool);
     let c = &spec.containers[0];
     let args = c.args.as_deref().expect("args");
     assert!(args.windows(2).any(|w| w == ["--block-size", "32"]));
@@ -453,14 +470,10 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
         .expect("tokenizer mount");
     assert_eq!(mount.mount_path, "/etc/kvpool/tokenizer");
     assert_eq!(mount.read_only, Some(true));
-    let volume = spec
-        .volumes
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .find(|v| v.name == "tokenizer")
-        .expect("tokenizer volume");
-    let claim = volume.persistent_volume_claim.as_ref().expect("claim");
+    let claim = tokenizer_volume(&spec)
+        .persistent_volume_claim
+        .as_ref()
+        .expect("claim");
     assert_eq!(claim.claim_name, "models");
     assert_eq!(claim.read_only, Some(true));
     // An image volume instead.
@@ -468,22 +481,12 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
         image: Some("registry.example/qwen-tokenizer:1".into()),
         ..Default::default()
     });
-    let children = build(&valid(&pool), "00ff").expect("build");
-    let (deployment, _) = children.conductor.as_ref().expect("conductor");
-    let spec = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .expect("pod");
-    let volume = spec
-        .volumes
-        .as_deref()
-        .unwrap_or_default()
-        .iter()
-        .find(|v| v.name == "tokenizer")
-        .expect("tokenizer volume");
+    let spec = conductor_pod(&pool);
     assert_eq!(
-        volume.image.as_ref().and_then(|i| i.reference.as_deref()),
+        tokenizer_volume(&spec)
+            .image
+            .as_ref()
+            .and_then(|i| i.reference.as_deref()),
         Some("registry.example/qwen-tokenizer:1")
     );
     let args = spec.containers[0].args.as_deref().expect("args");
