@@ -107,7 +107,11 @@ impl ChatTemplate {
             .transpose()?;
         let source = match (template, model_dir) {
             (Some(t), _) if is_json(t) => {
-                let v = read_json(t)?;
+                // Read above already when it is also the config (no model directory).
+                let v = match &config {
+                    Some((path, v)) if path == t => v.clone(),
+                    _ => read_json(t)?,
+                };
                 Some(template_of(&v).ok_or_else(|| ChatError::NoTemplate {
                     path: t.to_path_buf(),
                 })?)
