@@ -3,14 +3,15 @@
 //! master's and engines' events are applied through its methods by whoever receives them).
 //!
 //! An entry is 32 bytes (key, a 128-bit instance mask, hit count, replica count) in an open
-//! addressing table; see `memory_bytes`. Prefix matching walks the request's keys once and
-//! finds, for every prefill instance at the same time, how far the prefix reaches using its
-//! local cache plus the pool.
+//! addressing table (`key_table`); see `memory_bytes`. Prefix matching walks the request's keys
+//! once, prefetching the slots of the keys ahead, and finds, for every prefill instance at the
+//! same time, how far the prefix reaches using its local cache plus the pool.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::blocks::BlockKey;
+use super::key_table::{KeyTable, Vacancy};
 
 /// Largest number of prefill instances one index tracks (bits in `InstanceMask`).
 pub const MAX_PREFILL_INSTANCES: usize = 128;
@@ -124,6 +125,16 @@ struct Entry {
     pool_replicas: u16,
 }
 
+impl Vacancy for Entry {
+    /// The index keeps no entry that no instance and no pool replica holds.
+    fn is_vacant(&self) -> bool {
+        self.local.is_empty() && self.pool_replicas == 0
+    }
+}
+
+/// Keys ahead of the current one whose slots the prefix walk prefetches.
+const PREFETCH_AHEAD: usize = 8;
+
 /// How far one prefill instance can serve a request's prefix from cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
@@ -143,7 +154,7 @@ impl PrefixMatch {
 /// The global prefix index.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    map: KeyMap<Entry>,
+    map: KeyTable<Entry>,
     instances: usize,
 }
 
@@ -161,7 +172,7 @@ impl PrefixIndex {
             });
         }
         Ok(Self {
-            map: KeyMap::with_capacity_and_hasher(blocks, Default::default()),
+            map: KeyTable::with_capacity(blocks),
             instances,
         })
     }
@@ -176,87 +187,62 @@ impl PrefixIndex {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.map.len() == 0
     }
 
-    /// Bytes the table holds: every bucket (key and entry, 32 bytes, plus one control byte),
-    /// used or not. The table keeps between 7/16 and 7/8 of its power-of-two buckets full.
+    /// Bytes the table holds: every slot (key and entry, 32 bytes), used or not. The table
+    /// keeps between 3/8 and 3/4 of its power-of-two slots full.
     pub fn memory_bytes(&self) -> usize {
-        let cap = self.map.capacity();
-        // hashbrown reports capacity as buckets - 1 below 8 buckets, else 7/8 of the buckets.
-        let buckets = if cap == 0 {
-            0
-        } else if cap < 7 {
-            cap + 1
-        } else {
-            cap / 7 * 8
-        };
-        buckets * (std::mem::size_of::<(BlockKey, Entry)>() + 1)
+        self.map.memory_bytes()
     }
 
     /// Instance `instance` now holds `key` locally. Out-of-range instances are ignored.
     pub fn add_local(&mut self, key: BlockKey, instance: usize) {
         if instance < self.instances {
-            self.map.entry(key).or_default().local.insert(instance);
+            self.map.upsert(key, |e| e.local.insert(instance));
         }
     }
 
-    /// Instance `instance` evicted `key`.
+    /// Instance `instance` evicted `key` (the entry goes when nobody holds the block).
     pub fn remove_local(&mut self, key: BlockKey, instance: usize) {
-        if let Some(e) = self.map.get_mut(&key) {
-            e.local.remove(instance);
-            self.drop_if_unheld(key);
-        }
+        self.map.update(key, |e| e.local.remove(instance));
     }
 
     /// One more pool replica of `key`.
     pub fn add_pool_replica(&mut self, key: BlockKey) {
-        let e = self.map.entry(key).or_default();
-        e.pool_replicas = e.pool_replicas.saturating_add(1);
+        self.map
+            .upsert(key, |e| e.pool_replicas = e.pool_replicas.saturating_add(1));
     }
 
-    /// One pool replica of `key` fewer.
+    /// One pool replica of `key` fewer (the entry goes when nobody holds the block).
     pub fn remove_pool_replica(&mut self, key: BlockKey) {
-        if let Some(e) = self.map.get_mut(&key) {
-            e.pool_replicas = e.pool_replicas.saturating_sub(1);
-            self.drop_if_unheld(key);
-        }
-    }
-
-    fn drop_if_unheld(&mut self, key: BlockKey) {
-        if self
-            .map
-            .get(&key)
-            .is_some_and(|e| e.local.is_empty() && e.pool_replicas == 0)
-        {
-            self.map.remove(&key);
-        }
+        self.map
+            .update(key, |e| e.pool_replicas = e.pool_replicas.saturating_sub(1));
     }
 
     /// Instances holding `key` locally.
     pub fn holders(&self, key: BlockKey) -> InstanceMask {
-        self.map.get(&key).map(|e| e.local).unwrap_or_default()
+        self.map.get(key).map(|e| e.local).unwrap_or_default()
     }
 
     /// Pool replicas of `key`.
     pub fn pool_replicas(&self, key: BlockKey) -> u16 {
-        self.map.get(&key).map_or(0, |e| e.pool_replicas)
+        self.map.get(key).map_or(0, |e| e.pool_replicas)
     }
 
     /// Counts one hit on `key` and returns the new count (0 when the key is not indexed).
     pub fn record_hit(&mut self, key: BlockKey) -> u32 {
-        match self.map.get_mut(&key) {
-            Some(e) => {
+        self.map
+            .update(key, |e| {
                 e.hits = e.hits.saturating_add(1);
                 e.hits
-            }
-            None => 0,
-        }
+            })
+            .unwrap_or(0)
     }
 
     /// Hits recorded on `key`.
     pub fn hits(&self, key: BlockKey) -> u32 {
-        self.map.get(&key).map_or(0, |e| e.hits)
+        self.map.get(key).map_or(0, |e| e.hits)
     }
 
     /// For every instance, how many leading blocks of `keys` it can serve from its local cache
@@ -267,8 +253,16 @@ impl PrefixIndex {
         out.resize(self.instances, PrefixMatch::default());
         let mut alive = InstanceMask::first(self.instances);
         let mut walked = 0u32;
-        for key in keys {
-            let Some(e) = self.map.get(key) else { break };
+        // The walk is bound by memory latency in a large table: start the misses of the keys
+        // ahead so that they overlap with the work on this one.
+        for key in keys.iter().take(PREFETCH_AHEAD) {
+            self.map.prefetch(*key);
+        }
+        for (n, key) in keys.iter().enumerate() {
+            if let Some(ahead) = keys.get(n + PREFETCH_AHEAD) {
+                self.map.prefetch(*ahead);
+            }
+            let Some(e) = self.map.get(*key) else { break };
             if !(use_pool && e.pool_replicas > 0) {
                 for i in alive.and_not(e.local).iter() {
                     out[i].matched_blocks = walked;
@@ -416,6 +410,6 @@ mod tests {
         idx.add_local(7, 5);
         assert!(idx.holders(7).is_empty());
         assert_eq!(std::mem::size_of::<(BlockKey, Entry)>(), 32);
-        assert!(idx.memory_bytes() >= 33);
+        assert_eq!(idx.memory_bytes(), 16 * 32);
     }
 }

@@ -8,6 +8,7 @@ pub mod cost;
 pub mod cost_fit;
 pub mod engine_hash;
 pub mod index;
+mod key_table;
 pub mod lru;
 pub mod policy;
 pub(crate) mod rng;
