@@ -1,6 +1,8 @@
 //! `kvpool up` as a real process: a trace replay through master, agent, engines and conductor
-//! (summary checked, every child gone afterwards), SIGTERM without a replay, and a start-up
-//! failure halfway that must not leave the already started children running.
+//! (summary checked, every child gone afterwards), SIGTERM without a replay, a start-up
+//! failure halfway that must not leave the already started children running, a child dying or
+//! a signal during a replay (non-zero exit), and the private working directory (0700, key
+//! 0600) with stale ones of killed runs removed.
 //!
 //! Children are found by an environment variable that only this test's `kvpool up` (and so its
 //! children) carries.
@@ -38,6 +40,13 @@ fn marked(marker: &str) -> Vec<u32> {
 }
 
 fn up(dir: &Path, marker: &str, sysfs_root: &Path) -> Command {
+    let mut cmd = up_in_temp(marker, sysfs_root);
+    cmd.arg("--dir").arg(dir);
+    cmd
+}
+
+/// `kvpool up` with its working directory left to it (a temporary one).
+fn up_in_temp(marker: &str, sysfs_root: &Path) -> Command {
     let fixture = pool_support::sysfs_fixture();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpool"));
     cmd.arg("up")
@@ -46,8 +55,6 @@ fn up(dir: &Path, marker: &str, sysfs_root: &Path) -> Command {
         .arg(sysfs_root)
         .arg("--agent-procfs-root")
         .arg(fixture.join("proc"))
-        .arg("--dir")
-        .arg(dir)
         .env(MARKER, marker);
     cmd
 }
@@ -248,4 +255,140 @@ fn children_go_away_when_up_itself_is_killed() {
         assert!(start.elapsed() < DEADLINE, "orphans: {:?}", marked(&marker));
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Permission bits of `path`.
+fn mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o777
+}
+
+#[test]
+fn the_temporary_dir_is_private_and_stale_ones_of_killed_runs_are_removed() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let logs = tempfile::tempdir().expect("tempdir");
+    // The pid of a process that has exited and been reaped.
+    let mut gone = Command::new("true").spawn().expect("spawn true");
+    let dead = gone.id();
+    gone.wait().expect("wait for true");
+    let make = |name: &str, pid: Option<u32>| {
+        let d = tmp.path().join(name);
+        std::fs::create_dir(&d).expect("mkdir");
+        if let Some(p) = pid {
+            std::fs::write(d.join("up.pid"), p.to_string()).expect("pid file");
+        }
+        d
+    };
+    let stale = make("kvpool-up-stale", Some(dead));
+    let live = make("kvpool-up-live", Some(std::process::id()));
+    let no_pid = make("kvpool-up-nopid", None);
+    let other = make("other-dead", Some(dead));
+    let marker = marker("tmpdir");
+    let fixture = pool_support::sysfs_fixture().join("sys");
+    let mut cmd = up_in_temp(&marker, &fixture);
+    cmd.arg("--json").env("TMPDIR", tmp.path());
+    let mut child = spawn_up(logs.path(), &mut cmd);
+    let stdout = child.take_stdout().expect("stdout");
+    let first = BufReader::new(stdout)
+        .lines()
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("kvpool up printed nothing: {}", child.log_text()));
+    let ready: Value = serde_json::from_str(&first).expect("ready line is JSON");
+    let dir = Path::new(ready["dir"].as_str().expect("dir")).to_owned();
+    let key = Path::new(ready["auth_key_file"].as_str().expect("key")).to_owned();
+    assert!(dir.starts_with(tmp.path()), "{ready}");
+    assert_eq!(mode(&dir), 0o700, "working directory");
+    assert_eq!(mode(&key), 0o600, "key file");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("up.pid")).expect("up.pid"),
+        child.id().to_string()
+    );
+    // Only the directory of a dead `up` went; a live one's, one without a pid file and
+    // anything not named like ours stayed.
+    assert!(!stale.exists(), "stale directory kept");
+    for kept in [&live, &no_pid, &other] {
+        assert!(kept.exists(), "{} removed", kept.display());
+    }
+    child.signal(Signal::SIGTERM).expect("SIGTERM");
+    let status = wait_exit(&mut child);
+    assert!(status.success(), "{status}: {}", child.log_text());
+    assert!(!dir.exists(), "the temporary directory outlived up");
+    assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
+}
+
+/// `kvpool up` replaying the test excerpt's first 20 records at a hundredth of their speed
+/// (engines without timers): the first 10 arrive at once, the 11th only after 300 s, so the
+/// replay is certainly still running when the test acts. Returns the process once it is ready.
+fn long_replay(dir: &Path, marker: &str) -> ChildProcess {
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
+    let mut child = spawn_up(
+        dir,
+        up_on_fixture(dir, marker)
+            .arg("--replay")
+            .arg(&trace)
+            .args(["--limit", "20", "--speed", "0.01", "--time-scale", "0"]),
+    );
+    let stdout = child.take_stdout().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    // The ready block ends with the Python example's line.
+    loop {
+        match lines.next() {
+            Some(Ok(line)) if line.trim_start().starts_with("python") => break,
+            Some(Ok(_)) => {}
+            _ => panic!("kvpool up ended before it was ready: {}", child.log_text()),
+        }
+    }
+    // The rest of stdout is drained so that the summary never blocks on a full pipe.
+    std::thread::spawn(move || lines.map_while(Result::ok).count());
+    child
+}
+
+/// The marked process whose command line is `kvpool <role> ...`.
+fn child_with_role(marker: &str, role: &str) -> u32 {
+    marked(marker)
+        .into_iter()
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|&b| b == 0).nth(1) == Some(role.as_bytes()))
+        })
+        .unwrap_or_else(|| panic!("no {role} process"))
+}
+
+#[test]
+fn a_child_dying_stops_the_replay_and_up_fails_naming_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = marker("childdies");
+    let mut child = long_replay(dir.path(), &marker);
+    let master = child_with_role(&marker, "master");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(master as i32), Signal::SIGKILL)
+        .expect("kill the master");
+    let status = wait_exit(&mut child);
+    let err = child.log_text();
+    assert!(!status.success(), "{status}: {err}");
+    assert!(
+        err.contains("master exited during the replay"),
+        "the error names the child: {err}"
+    );
+    assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
+}
+
+#[test]
+fn a_signal_during_the_replay_cuts_it_short_and_up_exits_non_zero() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = marker("replaycut");
+    let mut child = long_replay(dir.path(), &marker);
+    child.signal(Signal::SIGTERM).expect("SIGTERM");
+    let status = wait_exit(&mut child);
+    let err = child.log_text();
+    assert!(!status.success(), "{status}: {err}");
+    assert!(
+        err.contains("the replay was cut short by a signal") && err.contains("of 20 requests"),
+        "{err}"
+    );
+    assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
 }

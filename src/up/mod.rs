@@ -133,6 +133,14 @@ pub enum UpError {
     Trace(#[source] kvpool_core::sim::trace::TraceError),
     #[error("children did not stop cleanly: {0}")]
     Unclean(String),
+    #[error("{name} exited during the replay ({status}); the replay was stopped; see {log}")]
+    ChildDied {
+        name: String,
+        status: String,
+        log: PathBuf,
+    },
+    #[error("the replay was cut short by a signal: {sent} of {total} requests sent")]
+    ReplayCut { sent: usize, total: usize },
 }
 
 impl UpError {
@@ -142,21 +150,103 @@ impl UpError {
     }
 }
 
-/// The working directory: `--dir`, or a temporary one removed when the guard drops.
+/// Prefix of the temporary working directories.
+const TEMP_PREFIX: &str = "kvpool-up-";
+/// File in the working directory naming the `up` process that uses it.
+const PID_FILE: &str = "up.pid";
+
+/// The working directory: `--dir`, or a temporary one removed when the guard drops. A
+/// directory `up` creates is private to the user (0700: it holds the pool key, sockets and
+/// logs), and names this process in `up.pid` so that a later `up` can remove it if this one
+/// is killed before it cleans up.
 fn work_dir(args: &UpArgs) -> Result<(PathBuf, Option<tempfile::TempDir>), UpError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
     let dir_err = |path: PathBuf| move |source| UpError::Dir { path, source };
     let (dir, temp) = match &args.dir {
         Some(d) => (d.clone(), None),
         None => {
+            remove_stale_dirs(&std::env::temp_dir());
             let t = tempfile::Builder::new()
-                .prefix("kvpool-up-")
+                .prefix(TEMP_PREFIX)
+                .permissions(std::fs::Permissions::from_mode(0o700))
                 .tempdir()
                 .map_err(dir_err(std::env::temp_dir()))?;
             (t.path().to_owned(), Some(t))
         }
     };
-    std::fs::create_dir_all(&dir).map_err(dir_err(dir.clone()))?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(dir_err(dir.clone()))?;
+    if let Ok(meta) = std::fs::metadata(&dir)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(dir = %dir.display(), mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            "the working directory is open to other users (its key file is not)");
+    }
+    let pid = dir.join(PID_FILE);
+    std::fs::write(&pid, std::process::id().to_string()).map_err(dir_err(pid))?;
     Ok((dir, temp))
+}
+
+/// Removes the temporary working directories of earlier `up` runs that died without cleaning
+/// up: `kvpool-up-*` directories in `tmp` owned by this user whose `up.pid` names a process
+/// that no longer exists. Directories without a readable pid file (another `up` may be
+/// creating one right now) and those of live processes are left alone; failures are logged.
+fn remove_stale_dirs(tmp: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    // SAFETY: geteuid has no preconditions, touches no memory of ours and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    for entry in entries.filter_map(Result::ok) {
+        let path = entry.path();
+        let stale = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(TEMP_PREFIX))
+            && std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir() && m.uid() == uid)
+            && std::fs::read_to_string(path.join(PID_FILE))
+                .ok()
+                .and_then(|p| p.trim().parse::<i32>().ok())
+                .is_some_and(|pid| pid > 0 && !process_exists(pid));
+        if stale {
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => {
+                    tracing::info!(dir = %path.display(), "removed the working directory of an earlier kvpool up that was killed")
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %path.display(), error = %e, "cannot remove a stale working directory")
+                }
+            }
+        }
+    }
+}
+
+/// Whether a process `pid` exists (a process of another user counts as existing).
+fn process_exists(pid: i32) -> bool {
+    use nix::errno::Errno;
+    !matches!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+        Err(Errno::ESRCH)
+    )
+}
+
+/// Writes the pool key readable by this user only (0600), whatever the file was before.
+fn write_key(path: &std::path::Path, key: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    // An existing file keeps its mode on open: narrow it before the key goes in.
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    f.write_all(key.as_bytes())
 }
 
 /// Entry point of `kvpool up`.
@@ -178,7 +268,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     let ports = choose_ports(plan::ports_needed(&settings), args.base_port, args.port)?;
     let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
     let key_file = plan::key_file(&dir);
-    std::fs::write(&key_file, random_key()).map_err(|source| UpError::Dir {
+    write_key(&key_file, &random_key()).map_err(|source| UpError::Dir {
         path: key_file.clone(),
         source,
     })?;
@@ -203,27 +293,44 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
             startup::serve(&mut children, &stop).await;
             return Ok(None);
         };
-        let stats = replay::replay(
-            &startup::endpoint(&specs, Role::Conductor),
+        // A child that dies stops the replay (what it measures is no longer the pool).
+        let replay_stop = stop.child_token();
+        let conductor = startup::endpoint(&specs, Role::Conductor);
+        let replay = replay::replay(
+            &conductor,
             &settings.model,
             records,
             settings.block_size,
             settings.chunk_bytes,
             args.speed,
-            &stop,
-        )
-        .await;
+            &replay_stop,
+        );
+        let (stats, died) = startup::watch(&mut children, replay, &replay_stop).await;
         let kv = summary::engine_kv(&specs).await;
         let pool = summary::pool_stats(&startup::endpoint(&specs, Role::Master), &key_file).await;
-        Ok(Some((stats, kv, pool)))
+        let ended = match died {
+            Some((name, status)) => Some(UpError::ChildDied {
+                log: children.log_path(&name),
+                name,
+                status,
+            }),
+            None if stats.requests < records.len() => Some(UpError::ReplayCut {
+                sent: stats.requests,
+                total: records.len(),
+            }),
+            None => None,
+        };
+        Ok(Some((stats, kv, pool, ended)))
     });
     let stopped = children.stop_all();
     let unclean = startup::unclean(&stopped);
     if let Some(bad) = &unclean {
         tracing::warn!(children = %bad, logs = %dir.join("logs").display(), "unclean stop");
     }
+    let mut ended = None;
     match result? {
-        Some((stats, kv, pool)) => {
+        Some((stats, kv, pool, end)) => {
+            ended = end;
             let v = summary_json(&stats, args.speed, &kv, pool, unclean.is_none());
             if args.json {
                 println!("{v}");
@@ -245,8 +352,10 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
             }
         }
     }
-    match unclean {
-        Some(bad) => Err(UpError::Unclean(bad)),
-        None => Ok(()),
+    // The replay's own failure first: it says why the children stopped as they did.
+    match (ended, unclean) {
+        (Some(e), _) => Err(e),
+        (None, Some(bad)) => Err(UpError::Unclean(bad)),
+        (None, None) => Ok(()),
     }
 }

@@ -181,8 +181,8 @@ async fn send(client: &HttpClient, url: &str, body: String) -> Outcome {
 }
 
 /// Replays `records` against the conductor at `conductor` (base URL), `speed` times faster
-/// than the trace; stops sending new requests when `stop` is cancelled (requests in flight are
-/// still awaited).
+/// than the trace; stops sending new requests when `stop` is cancelled (requests in flight get
+/// two more seconds, then count as failed).
 pub async fn replay(
     conductor: &str,
     model: &str,
@@ -213,12 +213,33 @@ pub async fn replay(
         let (client, url) = (client.clone(), url.clone());
         tasks.push(tokio::spawn(async move { send(&client, &url, body).await }));
     }
+    // Requests in flight finish; once the replay is stopped they get `DRAIN` more, then the
+    // rest is abandoned and counted as failed (a dead child may never answer them).
+    let abandon = async {
+        stop.cancelled().await;
+        tokio::time::sleep(DRAIN).await;
+    };
+    tokio::pin!(abandon);
+    let mut abandoned = false;
     let mut outcomes = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        outcomes.push(t.await.unwrap_or(Outcome::Failed));
+    for mut t in tasks {
+        if !abandoned {
+            tokio::select! {
+                r = &mut t => {
+                    outcomes.push(r.unwrap_or(Outcome::Failed));
+                    continue;
+                }
+                () = &mut abandon => abandoned = true,
+            }
+        }
+        t.abort();
+        outcomes.push(Outcome::Failed);
     }
     summarise(&outcomes, start.elapsed().as_secs_f64())
 }
+
+/// How long requests in flight may still finish once a replay is stopped.
+const DRAIN: Duration = Duration::from_secs(2);
 
 #[cfg(test)]
 mod tests {

@@ -151,6 +151,30 @@ pub(super) async fn serve(children: &mut Children, stop: &CancellationToken) {
     }
 }
 
+/// Runs `work` (the replay) while watching the children: when one exits, `cancel` is
+/// cancelled so that the work winds down, and its name and exit status are returned with the
+/// work's result.
+pub(super) async fn watch<T>(
+    children: &mut Children,
+    work: impl std::future::Future<Output = T>,
+    cancel: &CancellationToken,
+) -> (T, Option<(String, String)>) {
+    tokio::pin!(work);
+    let mut died = None;
+    loop {
+        tokio::select! {
+            out = &mut work => return (out, died),
+            () = tokio::time::sleep(Duration::from_millis(200)), if died.is_none() => {
+                if let Some((name, status)) = children.exited() {
+                    tracing::error!(child = %name, %status, "child exited; stopping the replay");
+                    died = Some((name, status.to_string()));
+                    cancel.cancel();
+                }
+            }
+        }
+    }
+}
+
 /// What went wrong in the stop, if anything: children that had exited, failed or were killed.
 pub(super) fn unclean(stopped: &[Stopped]) -> Option<String> {
     let bad: Vec<String> = stopped
