@@ -17,6 +17,10 @@ use kvpool_proto::auth::AuthKey;
 use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
 use kvpool_runtime::wiring::{self, Wired, WiringError};
 
+/// Prefix cache of a prefill engine without a KV event stream, in tokens, when
+/// `--engine-cache-blocks` is not given.
+pub const DEFAULT_ENGINE_CACHE_TOKENS: u64 = 3_000_000;
+
 /// Flags of `kvpool conductor`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ConductorArgs {
@@ -77,9 +81,12 @@ pub struct ConductorArgs {
     /// Tokens per KV block (must match the engines').
     #[arg(long, default_value_t = 256)]
     pub block_size: u32,
-    /// Prefix cache capacity of each prefill engine, blocks.
-    #[arg(long, default_value_t = 11_718)]
-    pub engine_cache_blocks: usize,
+    /// Prefix cache capacity of each prefill engine, blocks; used only for engines without a
+    /// KV event stream (the conductor then mirrors their cache by what it routed to them).
+    /// Default: 3,000,000 tokens' worth of blocks of --block-size (11,718 blocks of 256
+    /// tokens, 187,500 of 16).
+    #[arg(long)]
+    pub engine_cache_blocks: Option<usize>,
     /// Bytes of prompt text per stand-in token (must match the engines').
     #[arg(long, default_value_t = 4)]
     pub chunk_bytes: usize,
@@ -322,7 +329,10 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             },
             seed: 1,
         },
-        engine_cache_blocks: args.engine_cache_blocks,
+        engine_cache_blocks: args.engine_cache_blocks.unwrap_or_else(|| {
+            usize::try_from(DEFAULT_ENGINE_CACHE_TOKENS.div_ceil(u64::from(args.block_size.max(1))))
+                .unwrap_or(usize::MAX)
+        }),
         chat_template: chat_template(args)?,
         tokenizer: match &args.tokenizer {
             Some(path) => PromptTokenizer::from_path(path)
@@ -567,6 +577,20 @@ mod tests {
         // The prior's default is the model's default, and the fit is on by default.
         assert_eq!(c.scheduler.prefill_costs[0], PrefillCost::default());
         assert!(c.fit_prefill_cost);
+        // The mirror's capacity follows the block size unless given: 3M tokens' worth.
+        assert_eq!(c.engine_cache_blocks, 11_719);
+        let small = T::try_parse_from(["t", "--block-size", "16"]).unwrap();
+        assert_eq!(
+            conductor_config(&small.a).unwrap().engine_cache_blocks,
+            187_500
+        );
+        let given = T::try_parse_from(["t", "--block-size", "16", "--engine-cache-blocks", "7"]);
+        assert_eq!(
+            conductor_config(&given.unwrap().a)
+                .unwrap()
+                .engine_cache_blocks,
+            7
+        );
         let profiled = T::try_parse_from([
             "t",
             "--prefill",
