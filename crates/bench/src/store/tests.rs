@@ -158,6 +158,15 @@ fn aggregate_sums_workers_and_merges_latencies() {
     assert_eq!(f.first_error.as_deref(), Some("boom"));
     assert!((100..=101).contains(&f.p50_us), "p50 {}", f.p50_us);
     assert!(f.p99_us >= 999, "p99 {}", f.p99_us);
+    // Time a lone worker spent checking bytes is not phase time (the longest worker's counts).
+    let checked = |check_us| PhaseResult {
+        ops: 10,
+        check_us,
+        ..PhaseResult::default()
+    };
+    let f = aggregate(&[checked(500_000), checked(1_000_000)], 2.0);
+    assert!((f.seconds - 1.0).abs() < 1e-9, "{}", f.seconds);
+    assert!((f.ops_per_second - 20.0).abs() < 1e-9);
 }
 
 #[test]
