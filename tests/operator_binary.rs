@@ -473,3 +473,72 @@ async fn run_reconciles_listed_objects_into_children_and_status() {
         "synthetic-prefill.default.svc:8000"
     );
 }
+
+#[tokio::test]
+async fn sigterm_stops_the_operator_in_time_while_the_api_server_never_answers() {
+    // An API server that accepts connections and never answers a byte: every request of the
+    // operator (the lease, the initial lists) waits forever.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let api_addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+        }
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = kubeconfig(dir.path(), api_addr);
+    let mut child = Launcher::new(dir.path())
+        .spawn(
+            "operator",
+            operator_command()
+                .args([
+                    "run",
+                    "--admin-addr",
+                    "127.0.0.1:0",
+                    "--namespace",
+                    "default",
+                ])
+                .args(["--leader-elect", "--identity", "replica-a"])
+                .args(["--shutdown-timeout", "2s"])
+                .env("KUBECONFIG", &kubeconfig)
+                .env_remove("KUBERNETES_SERVICE_HOST")
+                .env_remove("KUBERNETES_SERVICE_PORT")
+                .env("RUST_LOG", "info")
+                .env("NO_COLOR", "1"),
+        )
+        .expect("start kvpool operator run");
+    // The signal handlers are installed before the admin server listens.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while admin_addr(&child.log_text()).is_none() {
+        assert!(Instant::now() < deadline, "{}", child.log_text());
+        if let Ok(Some(status)) = child.try_status() {
+            panic!("operator exited early with {status}: {}", child.log_text());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    child.signal(Signal::SIGTERM).expect("SIGTERM");
+    let signalled = Instant::now();
+    let (child, status) = tokio::task::spawn_blocking(move || {
+        let status = child.wait_timeout(Duration::from_secs(30));
+        (child, status)
+    })
+    .await
+    .expect("join");
+    let log = child.log_text();
+    let status = status.unwrap_or_else(|e| panic!("no exit after SIGTERM: {e}\n{log}"));
+    assert!(status.success(), "exit {status}: {log}");
+    // It was stuck on the API server, and the timeout ended it.
+    assert!(
+        log.contains("did not stop within the shutdown timeout"),
+        "{log}"
+    );
+    // 2 s of shutdown timeout; the rest is a loaded machine's scheduling.
+    assert!(
+        signalled.elapsed() < Duration::from_secs(15),
+        "took {:?}: {log}",
+        signalled.elapsed()
+    );
+}

@@ -70,6 +70,11 @@ pub struct RunArgs {
     /// Most reconciles running at once per controller (0 = unbounded is refused).
     #[arg(long, env = "KVPOOL_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
     pub concurrency: u16,
+    /// Longest time from SIGTERM/SIGINT to exit, whatever the API server does (stopping the
+    /// controllers and releasing the lease included); keep it inside the pod's termination
+    /// grace period (30 s by default).
+    #[arg(long, env = "KVPOOL_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    pub shutdown_timeout: std::time::Duration,
 }
 
 /// Flags of `kvpool operator crd`.

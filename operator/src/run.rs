@@ -107,7 +107,24 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
         agent_image = %args.agent_image, master_image = %args.master_image,
         conductor_image = %args.conductor_image, "kvpool-operator starting");
 
-    let result = run_with_admin(&args, shutdown, metrics, readiness).await;
+    // Whatever the API server does (unreachable, answering slowly, holding connections open),
+    // the operator exits within --shutdown-timeout of the signal: what is still waiting on it
+    // is dropped. Reconciles are idempotent and an unreleased lease expires by itself.
+    let work = run_with_admin(&args, shutdown.clone(), metrics, readiness);
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(args.shutdown_timeout).await;
+    };
+    let result = tokio::select! {
+        r = work => r,
+        () = deadline => {
+            warn!(
+                timeout = %humantime::format_duration(args.shutdown_timeout),
+                "the operator did not stop within the shutdown timeout (API server unreachable?); exiting anyway"
+            );
+            Ok(())
+        }
+    };
 
     admin_stop.cancel();
     match admin_task.await {
