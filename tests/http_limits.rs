@@ -107,12 +107,7 @@ async fn slow_headers_from_one_source_are_capped_and_cut_at_the_deadline() {
         c.write_all(b"GET /ok HTTP/1.1\r\nX-Slow: ").await.unwrap();
         attack.push(c);
     }
-    let refused = || {
-        s.stats
-            .refused
-            .with_label_values(&["per_source"])
-            .get()
-    };
+    let refused = || s.stats.refused.with_label_values(&["per_source"]).get();
     assert!(
         eventually(Duration::from_secs(5), || refused() == 24
             && s.stats.open.get() == 16)
@@ -143,12 +138,11 @@ async fn slow_headers_from_one_source_are_capped_and_cut_at_the_deadline() {
         s.stats.open.get()
     );
     let closed_after = start.elapsed();
-    assert!(closed_after >= Duration::from_millis(800), "{closed_after:?}");
-    let cut = s
-        .stats
-        .closed
-        .with_label_values(&["header_timeout"])
-        .get();
+    assert!(
+        closed_after >= Duration::from_millis(800),
+        "{closed_after:?}"
+    );
+    let cut = s.stats.closed.with_label_values(&["header_timeout"]).get();
     assert_eq!(cut, 16);
     let mut attack = drip.await.unwrap();
     for c in &mut attack {
@@ -191,10 +185,7 @@ async fn silent_and_idle_connections_are_closed_and_shutdown_is_not_held_up() {
         assert!(closed_within(c, Duration::from_secs(3)).await);
     }
     assert_eq!(
-        s.stats
-            .closed
-            .with_label_values(&["header_timeout"])
-            .get(),
+        s.stats.closed.with_label_values(&["header_timeout"]).get(),
         10
     );
     // The idle keep-alive connection outlives the head deadline and goes at the idle one.

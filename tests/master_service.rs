@@ -928,14 +928,16 @@ async fn slow_and_silent_connections_are_capped_and_closed_at_the_deadline() {
         }
     }
     assert!(
-        eventually(Duration::from_secs(5), || m.conn_refusals("per_source") == 8).await,
+        eventually(Duration::from_secs(5), || m.conn_refusals("per_source")
+            == 8)
+        .await,
         "refused {}",
         m.conn_refusals("per_source")
     );
     // A real client is served while they are held.
-    let served = std::time::Instant::now();
+    let served_at = tokio::time::Instant::now();
     assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
-    let served = served.elapsed();
+    let served = served_at.elapsed();
     assert!(served < Duration::from_secs(1), "{served:?}");
     // Every one of them is closed by the deadline (EOF or reset).
     for s in &mut held {
@@ -951,9 +953,17 @@ async fn slow_and_silent_connections_are_capped_and_closed_at_the_deadline() {
         assert!(ended.is_ok(), "a connection outlived the deadline");
     }
     let closed_after = start.elapsed();
-    assert!(m.conn_refusals("silent") >= 32, "{}", m.conn_refusals("silent"));
+    assert!(
+        m.conn_refusals("silent") >= 32,
+        "{}",
+        m.conn_refusals("silent")
+    );
     assert!(m.conn_refusals("handshake_timeout") >= 10);
+    // The five call-less HTTP/2 connections were cut at the deadline; the real client's
+    // connection, which authenticated a call, was not (it is past its own deadline too).
+    tokio::time::sleep_until(served_at + Duration::from_millis(1200)).await;
     assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
+    assert_eq!(m.conn_refusals("grpc_unauthenticated"), 5);
     println!(
         "figure: master held 32 of 40 silent connections from one source (cap 32) and 15 slow \
          handshakes; real call served in {served:?}; all closed {closed_after:?} after the start \

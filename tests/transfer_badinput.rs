@@ -6,9 +6,9 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
+use std::net::SocketAddr;
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvpool_transfer::frame::{ErrorCode, HEADER_LEN, Header, Opcode};
@@ -367,7 +367,10 @@ fn transfer_slow_handshakes_never_lock_out_a_real_peer() {
     for s in &mut attack {
         let _ = s.write_all(&hello[..1]);
     }
-    assert!(wait_for(Duration::from_secs(10), || t.server.handshake_count() == 16));
+    assert!(wait_for(Duration::from_secs(10), || t
+        .server
+        .handshake_count()
+        == 16));
     let mut peak = 0;
     let start = Instant::now();
     let mut served = None;

@@ -500,8 +500,8 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
             wired.http,
             wired.http_stats,
         )
-            .await
-            .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
+        .await
+        .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
     };
     wiring::run(
         args.addrs.listen,

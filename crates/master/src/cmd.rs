@@ -133,7 +133,11 @@ pub struct MasterArgs {
     #[arg(long, default_value_t = 4096, env = "KVPOOL_MASTER_MAX_CONNECTIONS")]
     pub max_connections: usize,
     /// Connections to the gRPC port served at once from one source address.
-    #[arg(long, default_value_t = 512, env = "KVPOOL_MASTER_MAX_CONNECTIONS_PER_SOURCE")]
+    #[arg(
+        long,
+        default_value_t = 512,
+        env = "KVPOOL_MASTER_MAX_CONNECTIONS_PER_SOURCE"
+    )]
     pub max_connections_per_source: usize,
 }
 
@@ -265,7 +269,10 @@ impl MasterArgs {
         nonzero(self.handshake_timeout, "handshake-timeout")?;
         for (n, field) in [
             (self.max_connections, "max-connections"),
-            (self.max_connections_per_source, "max-connections-per-source"),
+            (
+                self.max_connections_per_source,
+                "max-connections-per-source",
+            ),
         ] {
             if n == 0 {
                 return Err(CmdError::Config {

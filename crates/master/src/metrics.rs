@@ -184,9 +184,14 @@ impl MasterMetrics {
     }
 
     /// A connection closed before it authenticated (`max_connections`, `per_source`,
-    /// `silent`, `handshake_timeout`).
+    /// `silent`, `handshake_timeout`, `grpc_unauthenticated`).
     pub fn conn_refused(&self, reason: &str) {
         self.conn_refusals.with_label_values(&[reason]).inc();
+    }
+
+    /// The counter of [`Self::conn_refused`] for `reason`, to count from elsewhere.
+    pub fn conn_refused_counter(&self, reason: &str) -> prometheus::IntCounter {
+        self.conn_refusals.with_label_values(&[reason])
     }
 
     /// Connections closed before they authenticated, for `reason`.

@@ -66,7 +66,11 @@ pub struct HttpLimitArgs {
     #[arg(long, default_value_t = 4096, env = "KVPOOL_HTTP_MAX_CONNECTIONS")]
     pub http_max_connections: usize,
     /// Connections served at once from one source address.
-    #[arg(long, default_value_t = 1024, env = "KVPOOL_HTTP_MAX_CONNECTIONS_PER_SOURCE")]
+    #[arg(
+        long,
+        default_value_t = 1024,
+        env = "KVPOOL_HTTP_MAX_CONNECTIONS_PER_SOURCE"
+    )]
     pub http_max_connections_per_source: usize,
 }
 
@@ -531,7 +535,11 @@ mod tests {
             "a request in flight is never cut"
         );
         drop(req);
-        assert_eq!(a.expired(&limits, 20_000), None, "idle, under the idle timeout");
+        assert_eq!(
+            a.expired(&limits, 20_000),
+            None,
+            "idle, under the idle timeout"
+        );
         assert_eq!(a.expired(&limits, 30_000), Some("idle"));
         // Bytes of a next head started: the header deadline counts from them.
         a.bytes_read();

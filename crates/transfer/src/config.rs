@@ -102,12 +102,16 @@ impl EngineConfig {
             || self.max_connections_per_source == 0
             || self.max_handshakes == 0
         {
-            return bad("max_connections, max_connections_per_source and max_handshakes must be > 0");
+            return bad(
+                "max_connections, max_connections_per_source and max_handshakes must be > 0",
+            );
         }
         if self.max_handshakes > self.max_connections {
             return bad("max_handshakes must be <= max_connections");
         }
-        if self.timeout.is_zero() || self.connect_timeout.is_zero() || self.handshake_timeout.is_zero()
+        if self.timeout.is_zero()
+            || self.connect_timeout.is_zero()
+            || self.handshake_timeout.is_zero()
         {
             return bad("timeouts must be > 0");
         }

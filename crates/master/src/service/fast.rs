@@ -88,7 +88,11 @@ pub(super) async fn route(
                 }
                 Ok(Ok(false)) => {
                     let left = until.saturating_duration_since(Instant::now());
-                    let _ = grpc.send(Ok(GrpcConn::new(stream, slot, left))).await;
+                    let cut = svc
+                        .core
+                        .metrics
+                        .conn_refused_counter("grpc_unauthenticated");
+                    let _ = grpc.send(Ok(GrpcConn::new(stream, slot, left, cut))).await;
                 }
                 Err(_) => svc.core.metrics.conn_refused("silent"),
                 Ok(Err(_)) => {} // closed or broken before a byte: nothing to serve

@@ -60,17 +60,25 @@ pub(super) struct GrpcConn {
     stream: TcpStream,
     auth: ConnAuth,
     deadline: Option<Pin<Box<Sleep>>>,
+    /// Counts the connection if the deadline cuts it.
+    cut: prometheus::IntCounter,
     _slot: ConnectionSlot,
 }
 
 impl GrpcConn {
-    pub(super) fn new(stream: TcpStream, slot: ConnectionSlot, handshake: Duration) -> Self {
+    pub(super) fn new(
+        stream: TcpStream,
+        slot: ConnectionSlot,
+        handshake: Duration,
+        cut: prometheus::IntCounter,
+    ) -> Self {
         GrpcConn {
             stream,
             auth: ConnAuth {
                 authenticated: Arc::default(),
             },
             deadline: Some(Box::pin(tokio::time::sleep(handshake))),
+            cut,
             _slot: slot,
         }
     }
@@ -97,6 +105,8 @@ impl AsyncRead for GrpcConn {
         if let Some(deadline) = &mut this.deadline
             && deadline.as_mut().poll(cx).is_ready()
         {
+            this.deadline = None;
+            this.cut.inc();
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 "no authenticated call before the deadline",

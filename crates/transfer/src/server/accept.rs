@@ -266,10 +266,7 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared,
                 "peer_closed" | "io" => "handshake_aborted",
                 _ => "handshake_failed",
             };
-            ctx.metrics
-                .target_closed
-                .with_label_values(&[reason])
-                .inc();
+            ctx.metrics.target_closed.with_label_values(&[reason]).inc();
         }
         tracing::debug!(%peer, error = %e, "transfer handshake failed");
         let _ = stream.shutdown(Shutdown::Both);
@@ -327,7 +324,11 @@ mod tests {
         assert_eq!(a.admit(5, y), Ok(None));
         assert_eq!(a.admit(6, y), Err(Refused::MaxConnections));
         a.release(0, x);
-        assert_eq!(a.admit(7, x), Ok(Some(4)), "the oldest handshake makes room");
+        assert_eq!(
+            a.admit(7, x),
+            Ok(Some(4)),
+            "the oldest handshake makes room"
+        );
         assert!(!a.authenticated(4));
         assert!(a.authenticated(5));
         assert_eq!(a.handshaking(), 1);
