@@ -191,7 +191,8 @@ async fn silent_and_idle_connections_are_closed_and_shutdown_is_not_held_up() {
     // The idle keep-alive connection outlives the head deadline and goes at the idle one.
     assert!(closed_within(&mut idle, Duration::from_secs(5)).await);
     let idle_for = answered.elapsed();
-    assert!(idle_for >= Duration::from_millis(1400), "{idle_for:?}");
+    // Kept past the 500 ms head deadline: closed for idleness (1.5 s), not as a slow head.
+    assert!(idle_for >= Duration::from_millis(1000), "{idle_for:?}");
     assert_eq!(s.stats.closed.with_label_values(&["idle"]).get(), 1);
     // The total cap: 20 open at once, the 21st is closed at once.
     let mut many = Vec::new();
