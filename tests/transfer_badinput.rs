@@ -404,3 +404,55 @@ fn transfer_slow_handshakes_never_lock_out_a_real_peer() {
         closed(&t, "handshake_timeout")
     );
 }
+
+/// The issue's own attack at the default limits (1,030 connections from one host, each sending
+/// a byte of a HELLO every 3 s). Run by hand for docs/reliability.md (about 10 s):
+/// `cargo nextest run -p kvpool --test transfer_badinput --run-ignored only --no-capture`.
+#[test]
+#[ignore = "1,030 connections: a figure for docs/reliability.md, run by hand"]
+fn transfer_issue_15_attack_at_the_default_limits() {
+    let t = target();
+    let start = Instant::now();
+    let mut attack = connect_from("127.0.0.2", t.server.local_addr(), 1030);
+    let hello = Header::new(Opcode::Hello, 0).encode();
+    for s in &mut attack {
+        let _ = s.write_all(&hello[..1]);
+    }
+    let (mut peak_open, mut peak_handshakes) = (0, 0);
+    let (mut served, mut held) = (None, 0);
+    let mut dripped = false;
+    while start.elapsed() < Duration::from_secs(15) {
+        peak_open = peak_open.max(t.server.connection_count());
+        peak_handshakes = peak_handshakes.max(t.server.handshake_count());
+        if served.is_none() && t.server.handshake_count() >= 100 {
+            held = t.server.handshake_count();
+            let at = Instant::now();
+            honest_peer_still_works(&t);
+            served = Some(at.elapsed());
+        }
+        if !dripped && start.elapsed() >= Duration::from_secs(3) {
+            for s in &mut attack {
+                let _ = s.write_all(&hello[1..2]);
+            }
+            dripped = true;
+        }
+        if dripped && t.server.handshake_count() == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let closed_after = start.elapsed();
+    assert_eq!(t.server.handshake_count(), 0);
+    assert!(peak_open <= 256 + 8, "{peak_open}");
+    assert!(peak_handshakes <= 128);
+    let served = served.expect("the real peer was tried while the attack held connections");
+    println!(
+        "figure: 1030 connections from one host at the defaults: at most {peak_open} open and \
+         {peak_handshakes} in the handshake at once; {} refused (per source), {} evicted, {} \
+         closed at the 5 s deadline; real peer served in {served:?} (while {held} were in the \
+         handshake); none left {closed_after:?} after the start",
+        refused(&t, "per_source"),
+        closed(&t, "evicted"),
+        closed(&t, "handshake_timeout"),
+    );
+}
