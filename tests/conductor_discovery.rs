@@ -256,6 +256,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
         kv_events: Vec::new(),
         kv_events_port: None,
         fit_prefill_cost: false,
+        upstream: Default::default(),
     };
     let registry = Registry::new();
     let conductor = kvpool_conductor::server::conductor(config, &registry).expect("conductor");

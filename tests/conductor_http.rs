@@ -166,6 +166,7 @@ fn conductor_config(
         kv_events: Vec::new(),
         kv_events_port: None,
         fit_prefill_cost: false,
+        upstream: Default::default(),
     }
 }
 
@@ -1203,5 +1204,59 @@ async fn decode_progress_is_counted_from_the_stream_before_it_ends() {
     .await;
     assert_eq!(code, 200, "{text}");
     assert_eq!(observed(), 102.0);
+    shutdown.cancel();
+}
+
+/// Issue 15: the conductor's idle pooled connections to an engine expire after
+/// `upstream.idle_timeout`; the engine (idle timeout 60 s) is not the one closing them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_upstream_connections_expire() {
+    use kvpool_runtime::http::{HttpLimits, HttpStats};
+    use std::time::{Duration, Instant};
+    let shutdown = CancellationToken::new();
+    let registry = Registry::new();
+    let router = kvpool_synthetic::server::router_with_agent(
+        serve_support::engine_config(MODEL, BLOCK),
+        None,
+        &registry,
+    )
+    .expect("router");
+    let (l, engine) = listen().await;
+    let stats = HttpStats::new("api").expect("stats");
+    tokio::spawn(kvpool_synthetic::server::serve_with(
+        l,
+        router,
+        shutdown.clone(),
+        HttpLimits::default(),
+        stats.clone(),
+    ));
+    let mut config = conductor_config(
+        vec![format!("http://{engine}")],
+        format!("http://{engine}"),
+        Rejection::None,
+        30.0,
+        0,
+        None,
+    );
+    config.scheduler.prefill_costs = vec![PrefillCost::default()];
+    config.upstream = kvpool_conductor::UpstreamPool {
+        idle_timeout: Duration::from_millis(300),
+        max_idle_per_host: 8,
+    };
+    let (conductor, _) = start_conductor(config, &shutdown).await;
+    let ask = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);
+    let (status, _, body) = post(conductor, "/v1/completions", &ask).await;
+    assert_eq!(status, 200, "{body}");
+    let answered = Instant::now();
+    let mut peak = stats.open.get();
+    while stats.open.get() > 0 && answered.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        peak = peak.max(stats.open.get());
+    }
+    assert_eq!(stats.open.get(), 0, "pooled connections outlived 5 s");
+    assert!(peak >= 1, "the conductor kept no connection to the engine");
+    assert_eq!(stats.closed.with_label_values(&["idle"]).get(), 0);
+    let (status, _, body) = post(conductor, "/v1/completions", &ask).await;
+    assert_eq!(status, 200, "{body}");
     shutdown.cancel();
 }

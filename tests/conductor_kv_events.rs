@@ -102,6 +102,7 @@ fn config(
         kv_events: vec![source],
         kv_events_port: None,
         fit_prefill_cost: false,
+        upstream: Default::default(),
     }
 }
 

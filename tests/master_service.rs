@@ -876,3 +876,97 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
         assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
     }
 }
+
+/// Poll `cond` every 10 ms for at most `limit`; whether it came true.
+async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cond()
+}
+
+/// Issue 15: silent connections, fast-lane handshakes that trickle, and gRPC connections that
+/// never make a call hold a bounded number of the master's connections for a bounded time,
+/// and a real client is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_silent_connections_are_capped_and_closed_at_the_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let f = fixture(|a| {
+        a.handshake_timeout = Duration::from_secs(1);
+        a.max_connections_per_source = 32;
+    })
+    .await;
+    let addr = f.master.grpc_addr;
+    let m = &f.master.core.metrics;
+    let connect_from = |ip: &'static str| async move {
+        let s = tokio::net::TcpSocket::new_v4().expect("socket");
+        s.bind(format!("{ip}:0").parse().expect("addr"))
+            .expect("bind");
+        s.connect(addr).await.expect("connect")
+    };
+    let start = std::time::Instant::now();
+    // 40 silent connections from one address: 32 held, 8 closed at once.
+    let mut held = Vec::new();
+    for _ in 0..40 {
+        held.push(connect_from("127.0.0.2").await);
+    }
+    // From another address: fast-lane handshakes stopped half-way (in the preface, and in the
+    // first call's length), and HTTP/2 connections that never make a call.
+    let mut preface_and_half_a_length = kvpool_proto::fast::PREFACE.to_vec();
+    preface_and_half_a_length.extend_from_slice(&[1, 0]);
+    let mut h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    h2.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]); // an empty SETTINGS frame
+    for first in [b"KVMP\x01".to_vec(), preface_and_half_a_length, h2] {
+        for _ in 0..5 {
+            let mut s = connect_from("127.0.0.3").await;
+            s.write_all(&first).await.expect("write");
+            held.push(s);
+        }
+    }
+    assert!(
+        eventually(Duration::from_secs(5), || m.conn_refusals("per_source")
+            == 8)
+        .await,
+        "refused {}",
+        m.conn_refusals("per_source")
+    );
+    // A real client is served while they are held.
+    let served_at = tokio::time::Instant::now();
+    assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
+    let served = served_at.elapsed();
+    assert!(served < Duration::from_secs(1), "{served:?}");
+    // Every one of them is closed by the deadline (EOF or reset).
+    for s in &mut held {
+        let mut buf = [0u8; 256];
+        let ended = tokio::time::timeout(Duration::from_secs(5), async {
+            while let Ok(n) = s.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "a connection outlived the deadline");
+    }
+    let closed_after = start.elapsed();
+    assert!(
+        m.conn_refusals("silent") >= 32,
+        "{}",
+        m.conn_refusals("silent")
+    );
+    assert!(m.conn_refusals("handshake_timeout") >= 10);
+    // The five call-less HTTP/2 connections were cut at the deadline; the real client's
+    // connection, which authenticated a call, was not (it is past its own deadline too).
+    tokio::time::sleep_until(served_at + Duration::from_millis(1200)).await;
+    assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
+    assert_eq!(m.conn_refusals("grpc_unauthenticated"), 5);
+    println!(
+        "figure: master held 32 of 40 silent connections from one source (cap 32) and 15 slow \
+         handshakes; real call served in {served:?}; all closed {closed_after:?} after the start \
+         (deadline 1 s)"
+    );
+}

@@ -7,7 +7,7 @@ use std::num::NonZeroU32;
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{ConductorConfig, Engines, KvEventSource, PoolLookup, RoutingProtocol};
+use super::{ConductorConfig, Engines, KvEventSource, PoolLookup, RoutingProtocol, UpstreamPool};
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_core::flags::{FlagError, gbps, positive};
 use kvpool_core::sched::{
@@ -176,6 +176,13 @@ pub struct ConductorArgs {
     /// distinct sizes were measured. Shown on GET /v1/kvpool/status and in /metrics.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub fit_prefill_cost: bool,
+    /// Idle keep-alive connections to an engine are closed after this long unused.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration,
+        env = "KVPOOL_UPSTREAM_IDLE_TIMEOUT")]
+    pub upstream_idle_timeout: std::time::Duration,
+    /// Idle keep-alive connections kept open per engine at most.
+    #[arg(long, default_value_t = 64, env = "KVPOOL_UPSTREAM_MAX_IDLE_PER_HOST")]
+    pub upstream_max_idle_per_host: usize,
 }
 
 /// `FIXED_S,LINEAR_S,QUADRATIC_S` (each finite and >= 0).
@@ -232,6 +239,17 @@ impl ConductorError {
 
 fn flag(flag: &'static str, problem: impl Into<String>) -> ConductorError {
     FlagError::new(flag, problem).into()
+}
+
+/// The upstream connection pool of the flags.
+fn upstream_pool(args: &ConductorArgs) -> Result<UpstreamPool, ConductorError> {
+    if args.upstream_idle_timeout.is_zero() {
+        return Err(flag("upstream-idle-timeout", "must be > 0"));
+    }
+    Ok(UpstreamPool {
+        idle_timeout: args.upstream_idle_timeout,
+        max_idle_per_host: args.upstream_max_idle_per_host,
+    })
 }
 
 /// The discovery settings of the flags, `None` without `--discover-namespace`.
@@ -353,6 +371,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         kv_events: kv_events(args)?,
         kv_events_port: args.kv_events_port,
         fit_prefill_cost: args.fit_prefill_cost,
+        upstream: upstream_pool(args)?,
     })
 }
 
@@ -452,6 +471,7 @@ fn source_chain(err: &dyn std::error::Error) -> String {
 pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let config = conductor_config(args)?;
     let discovery = discovery_config(args)?;
+    let http = args.addrs.http.limits().map_err(|(f, p)| flag(f, p))?;
     tracing::info!(?config, ?discovery, listen = %args.addrs.listen, admin = %args.addrs.admin_listen, "starting conductor");
     let has_engines = config.has_engines();
     let setup = |wired: Wired| async move {
@@ -483,11 +503,23 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
                  staying not ready until restarted with engines"
             );
         }
-        server::serve(listener, conductor.router, wired.shutdown)
-            .await
-            .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
+        server::serve_with(
+            listener,
+            conductor.router,
+            wired.shutdown,
+            wired.http,
+            wired.http_stats,
+        )
+        .await
+        .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
     };
-    wiring::run(args.addrs.listen, args.addrs.admin_listen, setup, serve)
+    wiring::run(
+        args.addrs.listen,
+        args.addrs.admin_listen,
+        http,
+        setup,
+        serve,
+    )
 }
 
 #[cfg(test)]

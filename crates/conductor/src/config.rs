@@ -48,6 +48,25 @@ pub struct ConductorConfig {
     /// Fit each prefill engine's cost model from its measured prefills (the configured
     /// `scheduler.prefill_costs` are the prior); `false`: the configured models stay.
     pub fit_prefill_cost: bool,
+    /// The pool of keep-alive connections to the engines.
+    pub upstream: UpstreamPool,
+}
+
+/// How the conductor keeps idle connections to the engines: each expires after `idle_timeout`
+/// unused, and at most `max_idle_per_host` stay open per engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UpstreamPool {
+    pub idle_timeout: std::time::Duration,
+    pub max_idle_per_host: usize,
+}
+
+impl Default for UpstreamPool {
+    fn default() -> Self {
+        UpstreamPool {
+            idle_timeout: std::time::Duration::from_secs(30),
+            max_idle_per_host: 64,
+        }
+    }
 }
 
 /// Where one prefill engine publishes its KV events (ZMQ, vLLM's wire format).

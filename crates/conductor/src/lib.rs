@@ -24,7 +24,7 @@ mod state;
 pub mod stream_tokens;
 pub mod tokenize;
 
-pub use config::{ConductorConfig, KvEventSource, PoolLookup};
+pub use config::{ConductorConfig, KvEventSource, PoolLookup, UpstreamPool};
 pub use engines::{Engines, RoutingProtocol};
 pub use fetch_estimate::FetchEstimate;
 pub use prefill_costs::{CostStatus, PrefillCosts};

@@ -519,6 +519,7 @@ mod tests {
             kv_events: Vec::new(),
             kv_events_port: None,
             fit_prefill_cost: false,
+            upstream: Default::default(),
         }
     }
 

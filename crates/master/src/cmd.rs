@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::events::{self, PoolEventsConfig};
 use super::ha::{self, HaConfig, HaError};
 use super::metrics::{MasterMetrics, MetricsError};
-use super::service::{self, Core, ServiceError};
+use super::service::{self, ConnLimits, Core, ServiceError};
 use kvpool_core::master::clock::SystemClock;
 use kvpool_core::master::policy::PolicyKind;
 use kvpool_core::master::state::{MasterConfig, MasterState, POOL_EVENTS_CAP};
@@ -124,6 +124,21 @@ pub struct MasterArgs {
     /// size, 16, unless the engines that fill the pool use another).
     #[arg(long, default_value_t = 16)]
     pub kv_events_block_size: u32,
+    /// A new connection to the gRPC port must authenticate within this: the fast lane's
+    /// preface and first call, or a gRPC connection's first authenticated call.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration,
+        env = "KVPOOL_MASTER_HANDSHAKE_TIMEOUT")]
+    pub handshake_timeout: Duration,
+    /// Connections to the gRPC port served at once (gRPC and fast lane together).
+    #[arg(long, default_value_t = 4096, env = "KVPOOL_MASTER_MAX_CONNECTIONS")]
+    pub max_connections: usize,
+    /// Connections to the gRPC port served at once from one source address.
+    #[arg(
+        long,
+        default_value_t = 512,
+        env = "KVPOOL_MASTER_MAX_CONNECTIONS_PER_SOURCE"
+    )]
+    pub max_connections_per_source: usize,
 }
 
 /// Flags checked once at start-up.
@@ -137,6 +152,8 @@ pub struct ValidatedMasterArgs {
     pub tick_interval: Duration,
     /// Where the pool's block events go, when published.
     pub events: Option<PoolEventsConfig>,
+    /// Connection limits of the gRPC port.
+    pub conn_limits: ConnLimits,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -249,6 +266,21 @@ impl MasterArgs {
                 reason: "must be >= 1".into(),
             });
         }
+        nonzero(self.handshake_timeout, "handshake-timeout")?;
+        for (n, field) in [
+            (self.max_connections, "max-connections"),
+            (
+                self.max_connections_per_source,
+                "max-connections-per-source",
+            ),
+        ] {
+            if n == 0 {
+                return Err(CmdError::Config {
+                    field,
+                    reason: "must be >= 1".into(),
+                });
+            }
+        }
         Ok(ValidatedMasterArgs {
             listen: self.listen,
             admin_addr: self.admin_addr,
@@ -257,6 +289,11 @@ impl MasterArgs {
             core,
             tick_interval: self.tick_interval,
             events,
+            conn_limits: ConnLimits {
+                handshake_timeout: self.handshake_timeout,
+                max_connections: self.max_connections,
+                max_connections_per_source: self.max_connections_per_source,
+            },
         })
     }
 }
@@ -370,6 +407,7 @@ pub async fn start(
     };
     let grpc_stop = shutdown.clone();
     let verifier = Verifier::new(args.key.clone());
+    let conn_limits = args.conn_limits;
     let serve_core = core.clone();
     let ready = readiness.clone();
     let task = tokio::spawn(async move {
@@ -377,7 +415,7 @@ pub async fn start(
         let served = match ha_task {
             Some(mut ha_task) => {
                 tokio::select! {
-                    r = service::serve(listener, serve_core, verifier, grpc_stop.clone()) => {
+                    r = service::serve(listener, serve_core, verifier, conn_limits, grpc_stop.clone()) => {
                         ha_stop.cancel();
                         let ha_result = ha_task.await;
                         r.map_err(CmdError::Serve).and(
@@ -390,7 +428,7 @@ pub async fn start(
                     }
                 }
             }
-            None => service::serve(listener, serve_core, verifier, grpc_stop)
+            None => service::serve(listener, serve_core, verifier, conn_limits, grpc_stop)
                 .await
                 .map_err(CmdError::Serve),
         };
@@ -453,6 +491,9 @@ pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
         max_replicas: 4,
         kv_events_config: None,
         kv_events_block_size: 16,
+        handshake_timeout: ConnLimits::default().handshake_timeout,
+        max_connections: ConnLimits::default().max_connections,
+        max_connections_per_source: ConnLimits::default().max_connections_per_source,
     }
 }
 

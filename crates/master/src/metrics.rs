@@ -42,6 +42,7 @@ pub struct MasterMetrics {
     persist_latency: Histogram,
     fast_connections: IntGauge,
     fast_refusals: IntCounterVec,
+    conn_refusals: IntCounterVec,
     kv_event_batches: IntCounter,
     kv_events: IntCounterVec,
     kv_event_resyncs: IntCounter,
@@ -121,6 +122,11 @@ impl MasterMetrics {
                 "Fast-lane connections closed for bad input, by reason",
                 &["reason"],
             )?,
+            conn_refusals: counters(
+                "kvpool_master_connections_refused_total",
+                "Connections to the gRPC port closed before they authenticated, by reason",
+                &["reason"],
+            )?,
             kv_event_batches: IntCounter::new(
                 "kvpool_master_kv_event_batches_total",
                 "KV event batches published (pool block events, vLLM's format)",
@@ -156,6 +162,7 @@ impl MasterMetrics {
             Box::new(m.persist_latency.clone()),
             Box::new(m.fast_connections.clone()),
             Box::new(m.fast_refusals.clone()),
+            Box::new(m.conn_refusals.clone()),
             Box::new(m.kv_event_batches.clone()),
             Box::new(m.kv_events.clone()),
             Box::new(m.kv_event_resyncs.clone()),
@@ -174,6 +181,22 @@ impl MasterMetrics {
     /// A fast-lane connection closed for bad input (`preface`, `frame`, `unauthenticated`).
     pub fn fast_refused(&self, reason: &str) {
         self.fast_refusals.with_label_values(&[reason]).inc();
+    }
+
+    /// A connection closed before it authenticated (`max_connections`, `per_source`,
+    /// `silent`, `handshake_timeout`, `grpc_unauthenticated`).
+    pub fn conn_refused(&self, reason: &str) {
+        self.conn_refusals.with_label_values(&[reason]).inc();
+    }
+
+    /// The counter of [`Self::conn_refused`] for `reason`, to count from elsewhere.
+    pub fn conn_refused_counter(&self, reason: &str) -> prometheus::IntCounter {
+        self.conn_refusals.with_label_values(&[reason])
+    }
+
+    /// Connections closed before they authenticated, for `reason`.
+    pub fn conn_refusals(&self, reason: &str) -> u64 {
+        self.conn_refusals.with_label_values(&[reason]).get()
     }
 
     /// Record one call.

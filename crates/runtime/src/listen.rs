@@ -1,11 +1,14 @@
 //! The listen flags every HTTP service started from the CLI has, `--listen` (its API) and
-//! `--admin-listen` (`/livez`, `/readyz`, `/metrics`), as one clap `Args` struct that
-//! `kvpool engine` and `kvpool conductor` flatten into theirs; each names its own defaults and
-//! environment variables through [`ListenDefaults`]. Pure: parsing only.
+//! `--admin-listen` (`/livez`, `/readyz`, `/metrics`), with the connection limits of both
+//! servers (`--http-header-read-timeout` and the like, see [`HttpLimitArgs`]), as one clap
+//! `Args` struct that `kvpool engine` and `kvpool conductor` flatten into theirs; each names
+//! its own defaults and environment variables through [`ListenDefaults`]. Pure: parsing only.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
+
+use crate::http::HttpLimitArgs;
 
 /// The defaults and environment variables of one service's listen flags; implemented by the
 /// service's flags struct, which flattens a `ListenArgs<Self>`.
@@ -29,6 +32,9 @@ pub struct ListenArgs<D: ListenDefaults> {
     /// Address of /livez, /readyz and /metrics.
     #[arg(long, default_value = D::ADMIN_LISTEN, env = D::ADMIN_LISTEN_ENV)]
     pub admin_listen: SocketAddr,
+    /// Limits on the connections of both servers (slow and idle clients).
+    #[command(flatten)]
+    pub http: HttpLimitArgs,
     #[arg(skip)]
     defaults: PhantomData<D>,
 }

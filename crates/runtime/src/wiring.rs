@@ -11,6 +11,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminError, Readiness};
+use crate::http::{HttpLimits, HttpStats};
 
 /// A failure of the wiring itself (the service's own errors are the caller's).
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -28,6 +29,8 @@ pub enum WiringError {
     },
     #[error("admin server")]
     Admin(#[source] AdminError),
+    #[error("cannot register the HTTP connection metrics")]
+    Metrics(#[source] prometheus::Error),
 }
 
 impl WiringError {
@@ -45,6 +48,10 @@ pub struct Wired {
     pub registry: Registry,
     pub readiness: Readiness,
     pub shutdown: CancellationToken,
+    /// Connection limits of the API server (the admin server has the same).
+    pub http: HttpLimits,
+    /// Connection metrics of the API server (`server="api"`), registered in `registry`.
+    pub http_stats: HttpStats,
 }
 
 /// Runs a service on a new multi-threaded Tokio runtime until SIGTERM or SIGINT (errors of the
@@ -54,10 +61,12 @@ pub struct Wired {
 /// `admin_listen` are bound, the admin server starts, `serve` runs on the API listener until
 /// the shutdown token is cancelled, readiness drops, and the admin server stops last.
 /// `setup` runs before any listener is bound, so a bad configuration fails without opening
-/// ports; `serve` gets the listener once the admin server is up.
+/// ports; `serve` gets the listener once the admin server is up. Both servers apply `http`
+/// (the API server through [`crate::http::serve_with`] with [`Wired::http`]).
 pub fn run<S, E, Setup, SetupFut, Serve, ServeFut>(
     listen: SocketAddr,
     admin_listen: SocketAddr,
+    http: HttpLimits,
     setup: Setup,
     serve: Serve,
 ) -> Result<(), E>
@@ -73,10 +82,21 @@ where
         .build()
         .map_err(|e| E::from(WiringError::Runtime(e)))?;
     runtime.block_on(async {
+        let registry = Registry::new();
+        let stats = |server: &str| {
+            let stats = HttpStats::new(server).map_err(|e| E::from(WiringError::Metrics(e)))?;
+            stats
+                .register(&registry)
+                .map_err(|e| E::from(WiringError::Metrics(e)))?;
+            Ok::<_, E>(stats)
+        };
+        let (http_stats, admin_stats) = (stats("api")?, stats("admin")?);
         let wired = Wired {
-            registry: Registry::new(),
+            registry: registry.clone(),
             readiness: Readiness::new(),
             shutdown: CancellationToken::new(),
+            http,
+            http_stats,
         };
         crate::shutdown::cancel_on_signal(wired.shutdown.clone())
             .map_err(|e| E::from(WiringError::Signals(e)))?;
@@ -91,10 +111,12 @@ where
             .await
             .map_err(|e| E::from(WiringError::Admin(e)))?;
         let admin_shutdown = CancellationToken::new();
-        let admin_task = tokio::spawn(admin::serve(
+        let admin_task = tokio::spawn(admin::serve_with(
             admin_listener,
             admin::router(wired.registry.clone(), wired.readiness.clone()),
             admin_shutdown.clone(),
+            http,
+            admin_stats,
         ));
         let readiness = wired.readiness.clone();
         let served = serve(service, listener, wired).await;

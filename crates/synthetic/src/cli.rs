@@ -233,6 +233,7 @@ pub fn kv_geometry(args: &EngineArgs) -> Result<Option<KvGeometry>, EngineError>
 pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     let config = engine_config(args)?;
     let geometry = kv_geometry(args)?;
+    let http = args.addrs.http.limits().map_err(|(f, p)| flag(f, p))?;
     let events = match &args.kv_events_config {
         Some(json) => server::KvEventsConfig::parse(json)
             .map_err(|e| flag("kv-events-config", e.to_string()))?,
@@ -262,9 +263,21 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     };
     let serve = |router, listener, wired: Wired| async move {
         wired.readiness.set_ready(true);
-        server::serve(listener, router, wired.shutdown)
-            .await
-            .map_err(|e| EngineError::Server(ServerError::Serve(e)))
+        server::serve_with(
+            listener,
+            router,
+            wired.shutdown,
+            wired.http,
+            wired.http_stats,
+        )
+        .await
+        .map_err(|e| EngineError::Server(ServerError::Serve(e)))
     };
-    wiring::run(args.addrs.listen, args.addrs.admin_listen, setup, serve)
+    wiring::run(
+        args.addrs.listen,
+        args.addrs.admin_listen,
+        http,
+        setup,
+        serve,
+    )
 }

@@ -45,6 +45,16 @@ pub struct EngineConfig {
     pub notification_capacity: usize,
     /// Target side: connections served at once; more are accepted and closed at once.
     pub max_connections: usize,
+    /// Target side: connections served at once from one source address (more are accepted
+    /// and closed at once), so that one host cannot take every slot.
+    pub max_connections_per_source: usize,
+    /// Target side: accepted connections still in the handshake at once. At the cap the
+    /// oldest of them is closed to make room for the newcomer: unauthenticated connections
+    /// never take the room of authenticated ones, nor keep a real peer out.
+    pub max_handshakes: usize,
+    /// Target side: an accepted connection must finish the whole handshake within this, however
+    /// slowly its bytes trickle in; then it is closed.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for EngineConfig {
@@ -66,6 +76,9 @@ impl Default for EngineConfig {
             want_rdma: false,
             notification_capacity: 4096,
             max_connections: 1024,
+            max_connections_per_source: 256,
+            max_handshakes: 128,
+            handshake_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -85,10 +98,21 @@ impl EngineConfig {
         if self.window == 0 || self.window > 1024 {
             return bad("window must be between 1 and 1024");
         }
-        if self.max_connections == 0 {
-            return bad("max_connections must be > 0");
+        if self.max_connections == 0
+            || self.max_connections_per_source == 0
+            || self.max_handshakes == 0
+        {
+            return bad(
+                "max_connections, max_connections_per_source and max_handshakes must be > 0",
+            );
         }
-        if self.timeout.is_zero() || self.connect_timeout.is_zero() {
+        if self.max_handshakes > self.max_connections {
+            return bad("max_handshakes must be <= max_connections");
+        }
+        if self.timeout.is_zero()
+            || self.connect_timeout.is_zero()
+            || self.handshake_timeout.is_zero()
+        {
             return bad("timeouts must be > 0");
         }
         Ok(())

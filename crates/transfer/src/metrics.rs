@@ -26,6 +26,15 @@ pub struct TransferMetrics {
     pub served_bytes: IntCounterVec,
     /// `kvpool_transfer_target_connections`: open target-side connections.
     pub target_connections: IntGauge,
+    /// `kvpool_transfer_target_refused_total{reason}`: target-side connections closed as soon
+    /// as accepted (`max_connections`, `per_source`).
+    pub target_refused: IntCounterVec,
+    /// `kvpool_transfer_target_closed_total{reason}`: target-side connections closed before
+    /// they authenticated (`handshake_timeout`, `handshake_failed`, `handshake_aborted`,
+    /// `evicted`).
+    pub target_closed: IntCounterVec,
+    /// `kvpool_transfer_target_handshakes`: target-side connections not yet authenticated.
+    pub target_handshakes: IntGauge,
     /// `kvpool_transfer_rdma_retries_total`: RDMA slices retried on another NIC.
     pub rdma_retries: IntCounter,
     /// `kvpool_transfer_vectored_frames_total`: READV/WRITEV frames sent, and
@@ -88,6 +97,24 @@ impl TransferMetrics {
                 "kvpool_transfer_target_connections",
                 "Open target-side transfer connections.",
             )?,
+            target_refused: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_target_refused_total",
+                    "Target-side connections closed as soon as accepted, by the cap they hit.",
+                ),
+                &["reason"],
+            )?,
+            target_closed: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_target_closed_total",
+                    "Target-side connections closed before they authenticated, by reason.",
+                ),
+                &["reason"],
+            )?,
+            target_handshakes: IntGauge::new(
+                "kvpool_transfer_target_handshakes",
+                "Target-side connections accepted and not yet through the handshake.",
+            )?,
             rdma_retries: IntCounter::new(
                 "kvpool_transfer_rdma_retries_total",
                 "RDMA slices retried on another NIC after a failed post or completion.",
@@ -115,6 +142,9 @@ impl TransferMetrics {
         registry.register(Box::new(m.notifications_dropped.clone()))?;
         registry.register(Box::new(m.served_bytes.clone()))?;
         registry.register(Box::new(m.target_connections.clone()))?;
+        registry.register(Box::new(m.target_refused.clone()))?;
+        registry.register(Box::new(m.target_closed.clone()))?;
+        registry.register(Box::new(m.target_handshakes.clone()))?;
         registry.register(Box::new(m.rdma_retries.clone()))?;
         registry.register(Box::new(m.vectored_frames.clone()))?;
         registry.register(Box::new(m.vectored_requests.clone()))?;

@@ -1,7 +1,7 @@
 //! Target side: the table of registered segments, the per-connection request loop (generic
 //! over the stream so that property tests drive it from memory), the notification queue, and the
-//! TCP listener with one blocking thread per connection.
-//! I/O boundary: the TCP listener and accepted sockets.
+//! TCP listener with one blocking thread per connection (its admission caps and handshake
+//! deadline in `accept`). I/O boundary: the TCP listener and accepted sockets.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
@@ -145,7 +145,9 @@ pub(crate) struct ServerCtx {
     pub(crate) key: AuthKey,
     pub(crate) max_slice: u64,
     pub(crate) timeout: Duration,
-    pub(crate) max_connections: usize,
+    /// The whole handshake of an accepted connection must finish within this.
+    pub(crate) handshake_timeout: Duration,
+    pub(crate) limits: AdmissionLimits,
     pub(crate) notifications: Arc<NotificationQueue>,
     pub(crate) metrics: TransferMetrics,
     /// RDMA devices to accept RDMA_CONNECT with (none: answered with ERROR(unsupported)).
@@ -412,6 +414,7 @@ struct ServerShared {
     conns: Mutex<HashMap<u64, TcpStream>>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     next_conn: AtomicU64,
+    admission: accept::Admission,
 }
 
 /// A running TCP target. Dropping it closes the listener and every connection and joins all
@@ -447,11 +450,12 @@ impl TcpServer {
             conns: Mutex::new(HashMap::new()),
             workers: Mutex::new(Vec::new()),
             next_conn: AtomicU64::new(0),
+            admission: accept::Admission::new(ctx.limits),
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
             .name("kvpool-xfer-accept".into())
-            .spawn(move || accept_loop(listener, sh, ctx))
+            .spawn(move || accept::accept_loop(listener, sh, ctx))
             .map_err(|source| TransferError::Bind {
                 what: "accept thread".into(),
                 source,
@@ -471,6 +475,11 @@ impl TcpServer {
     /// Connections currently open on the target side.
     pub fn connection_count(&self) -> usize {
         self.shared.conns.lock().len()
+    }
+
+    /// Connections accepted and not yet through the handshake.
+    pub fn handshake_count(&self) -> usize {
+        self.shared.admission.handshaking()
     }
 }
 
@@ -496,101 +505,10 @@ impl Drop for TcpServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>, ctx: Arc<ServerCtx>) {
-    for conn in listener.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let stream = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "accepting a transfer connection failed");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        if shared.conns.lock().len() >= ctx.max_connections {
-            // Bounded: refuse instead of spawning without limit (unauthenticated peers could
-            // otherwise hold a thread each until their handshake times out).
-            ctx.metrics
-                .failures
-                .with_label_values(&["too_many_connections"])
-                .inc();
-            tracing::warn!(
-                limit = ctx.max_connections,
-                "refusing a transfer connection"
-            );
-            let _ = stream.shutdown(Shutdown::Both);
-            continue;
-        }
-        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        let Ok(clone) = stream.try_clone() else {
-            continue;
-        };
-        shared.conns.lock().insert(id, clone);
-        if shared.stop.load(Ordering::SeqCst) {
-            // Raced with Drop, which may already have drained `conns`.
-            let _ = stream.shutdown(Shutdown::Both);
-            break;
-        }
-        let sh = shared.clone();
-        let cx = ctx.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kvpool-xfer-conn".into())
-            .spawn(move || {
-                cx.metrics.target_connections.inc();
-                serve_tcp_conn(stream, &cx, &sh);
-                sh.conns.lock().remove(&id);
-                cx.metrics.target_connections.dec();
-            });
-        let mut workers = shared.workers.lock();
-        workers.retain(|w| !w.is_finished());
-        match spawned {
-            Ok(h) => workers.push(h),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot spawn a connection thread");
-                shared.conns.lock().remove(&id);
-            }
-        }
-    }
-}
-
-/// Connections idle (between frames) longer than this are closed by the target.
-const IDLE_LIMIT: Duration = Duration::from_secs(600);
-
-fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared) {
-    let peer = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_else(|_| "unknown".into());
-    let _ = stream.set_nodelay(true);
-    // The handshake and every payload use the full timeout; idle waits between frames are
-    // allowed up to IDLE_LIMIT (connection reuse). Shutdown closes the socket to wake us.
-    if stream.set_read_timeout(Some(ctx.timeout)).is_err()
-        || stream.set_write_timeout(Some(ctx.timeout)).is_err()
-    {
-        return;
-    }
-    let mut on_idle = |idle: Duration| {
-        if shared.stop.load(Ordering::SeqCst) {
-            return Err(io::Error::other("target shutting down"));
-        }
-        if idle > IDLE_LIMIT {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "idle connection"));
-        }
-        Ok(())
-    };
-    // The handshake, then requests.
-    let served = wire::server_handshake(&mut stream, &ctx.key)
-        .and_then(|()| serve_requests(&mut stream, ctx, &peer, &mut on_idle));
-    match served {
-        Ok(()) => tracing::debug!(%peer, "transfer connection closed by peer"),
-        Err(e) => tracing::debug!(%peer, error = %e, "transfer connection ended"),
-    }
-    let _ = stream.shutdown(Shutdown::Both);
-}
-
+mod accept;
 mod vectored;
+
+pub(crate) use accept::AdmissionLimits;
 
 #[cfg(test)]
 mod tests;

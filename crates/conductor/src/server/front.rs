@@ -110,6 +110,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     metrics
         .fetch_bandwidth
         .set(config.scheduler.pool_bandwidth_bps);
+    let upstream = Upstream::new(config.upstream);
     let shared = Arc::new(Shared {
         fetch: parking_lot::Mutex::new(fetch),
         config,
@@ -120,7 +121,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             holdings: Default::default(),
             costs,
         }),
-        upstream: Upstream::new(),
+        upstream,
         started: Instant::now(),
         metrics,
         prefetch_slots: Arc::new(tokio::sync::Semaphore::new(MAX_PREFETCHES_IN_FLIGHT)),

@@ -41,7 +41,7 @@ pub use engine_set::EngineSet;
 pub use front::{Conductor, ServerError, conductor, router};
 /// Serves a router on a listener until the token is cancelled (the runtime's serve loop; a
 /// failure there is [`ServerError::Serve`] to the CLI).
-pub use kvpool_runtime::http::serve;
+pub use kvpool_runtime::http::{serve, serve_with};
 pub use pool_lookup::POOL_LOOKUP_BACKOFF;
 pub use prefetch::MAX_PREFETCHES_IN_FLIGHT;
 pub use sglang::url_host;

@@ -1,13 +1,16 @@
 //! The conductor's HTTP client to the engines: JSON POSTs, bounded reads of their answers, and
-//! the errors of an upstream call. I/O boundary: outgoing HTTP connections.
+//! the errors of an upstream call; idle pooled connections expire. I/O boundary: outgoing HTTP
+//! connections.
 
 use axum::body::{Body, Bytes};
 use axum::http::{Request, header};
 use axum::response::Response;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde_json::Value;
+
+use crate::config::UpstreamPool;
 
 /// Largest upstream prefill response read, bytes.
 const MAX_PREFILL_RESPONSE: usize = 1 << 20;
@@ -47,11 +50,18 @@ pub(super) struct Upstream(Client<HttpConnector, Body>);
 
 impl Upstream {
     /// Keep-alive connections with Nagle's algorithm off: a request or answer written in two
-    /// pieces must not wait for the peer's acknowledgement of the first.
-    pub(super) fn new() -> Self {
+    /// pieces must not wait for the peer's acknowledgement of the first. Idle ones expire as
+    /// `pool` says (the pool's timer is what makes the idle timeout apply at all).
+    pub(super) fn new(pool: UpstreamPool) -> Self {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
-        Self(Client::builder(TokioExecutor::new()).build(http))
+        Self(
+            Client::builder(TokioExecutor::new())
+                .pool_timer(TokioTimer::new())
+                .pool_idle_timeout(pool.idle_timeout)
+                .pool_max_idle_per_host(pool.max_idle_per_host)
+                .build(http),
+        )
     }
 
     /// POSTs `body` as JSON to `url`; the response's body is still to be read.

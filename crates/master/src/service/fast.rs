@@ -2,52 +2,72 @@
 //! connection whose first bytes are the fast-lane preface is served here, every other one by
 //! the gRPC server. A fast-lane call is decoded, checked with the same [`Verifier`] and run by
 //! the same tonic handler (so metrics, the leader gate and persistence are the gRPC API's),
-//! on the connection's own task: no HTTP/2 framing, no task per call. I/O boundary: the
+//! on the connection's own task: no HTTP/2 framing, no task per call. Connections are admitted
+//! under the caps of [`ConnLimits`] and must authenticate by its deadline. I/O boundary: the
 //! accepted TCP connections.
 
 use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status};
 
 use super::MasterSvc;
+use super::limits::{ConnLimits, GrpcConn};
 use kvpool_proto::auth::Verifier;
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::{self as proto, LEADER_HEADER, master_server::Master as _};
+use kvpool_runtime::http::ConnectionCaps;
 
-/// How long a new connection may take to send its first bytes before it is handed to the
-/// gRPC server (which applies its own limits), and how long a fast-lane connection may take
-/// for its preface and first call.
+/// How long a fast-lane connection may wait before its first call's length arrives (the
+/// handshake deadline of `ConnLimits` bounds the preface and the first call as a whole).
 const FIRST_BYTES: Duration = Duration::from_secs(10);
 /// A fast-lane connection idle this long between calls is closed (clients reconnect).
 const IDLE: Duration = Duration::from_secs(300);
 /// Once a call's length arrived, the rest of it must follow within this.
 const FRAME: Duration = Duration::from_secs(30);
 
-/// Accept connections on `listener` until `shutdown`: fast-lane ones are served here, the
-/// others go to `grpc` (the gRPC server's incoming stream).
+/// Accept connections on `listener` until `shutdown`, within the caps of `limits`: fast-lane
+/// ones are served here, the others go to `grpc` (the gRPC server's incoming stream). A
+/// connection silent until the handshake deadline is closed.
 pub(super) async fn route(
     listener: TcpListener,
-    grpc: mpsc::Sender<io::Result<TcpStream>>,
+    grpc: mpsc::Sender<io::Result<GrpcConn>>,
     svc: MasterSvc,
     verifier: Verifier,
+    limits: ConnLimits,
     shutdown: CancellationToken,
 ) {
+    let caps = Arc::new(ConnectionCaps::default());
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => return,
             r = listener.accept() => r,
         };
-        let stream = match accepted {
-            Ok((s, _)) => s,
+        let (stream, source) = match accepted {
+            Ok((s, a)) => (s, a.ip()),
             Err(e) => {
                 // Out of descriptors and the like: wait a little instead of spinning.
                 tracing::warn!(error = %e, "accepting a master connection failed");
                 tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let slot = match caps.admit(
+            source,
+            limits.max_connections,
+            limits.max_connections_per_source,
+        ) {
+            Ok(slot) => slot,
+            Err(reason) => {
+                svc.core.metrics.conn_refused(reason);
+                tracing::debug!(%source, reason, "refusing a master connection");
                 continue;
             }
         };
@@ -60,11 +80,21 @@ pub(super) async fn route(
             shutdown.clone(),
         );
         tokio::spawn(async move {
-            match tokio::time::timeout(FIRST_BYTES, starts_with_magic(&stream)).await {
-                Ok(Ok(true)) => serve_conn(stream, svc, verifier, shutdown).await,
-                Ok(Ok(false)) | Err(_) => {
-                    let _ = grpc.send(Ok(stream)).await;
+            let until = Instant::now() + limits.handshake_timeout;
+            match tokio::time::timeout_at(until, starts_with_magic(&stream)).await {
+                Ok(Ok(true)) => {
+                    serve_conn(stream, svc, verifier, until, shutdown).await;
+                    drop(slot);
                 }
+                Ok(Ok(false)) => {
+                    let left = until.saturating_duration_since(Instant::now());
+                    let cut = svc
+                        .core
+                        .metrics
+                        .conn_refused_counter("grpc_unauthenticated");
+                    let _ = grpc.send(Ok(GrpcConn::new(stream, slot, left, cut))).await;
+                }
+                Err(_) => svc.core.metrics.conn_refused("silent"),
                 Ok(Err(_)) => {} // closed or broken before a byte: nothing to serve
             }
         });
@@ -96,14 +126,18 @@ async fn serve_conn(
     mut stream: TcpStream,
     svc: MasterSvc,
     verifier: Verifier,
+    until: Instant,
     shutdown: CancellationToken,
 ) {
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "?".to_owned(), |a| a.to_string());
     let mut preface = [0u8; 8];
-    let ok = tokio::time::timeout(FIRST_BYTES, stream.read_exact(&mut preface)).await;
+    let ok = tokio::time::timeout_at(until, stream.read_exact(&mut preface)).await;
     if !matches!(ok, Ok(Ok(_))) {
+        if ok.is_err() {
+            svc.core.metrics.conn_refused("handshake_timeout");
+        }
         return;
     }
     let metrics = svc.core.metrics.clone();
@@ -116,7 +150,29 @@ async fn serve_conn(
         return;
     }
     metrics.fast_connection(1);
-    serve_calls(&mut stream, &peer, &svc, &verifier, &shutdown).await;
+    // The first call's credential must check out by the handshake deadline, however slowly
+    // its bytes come; after that only the per-frame and idle limits apply.
+    let authenticated = AtomicBool::new(false);
+    let calls = serve_calls(
+        &mut stream,
+        &peer,
+        &svc,
+        &verifier,
+        &shutdown,
+        &authenticated,
+    );
+    tokio::pin!(calls);
+    let done = tokio::select! {
+        () = calls.as_mut() => true,
+        () = tokio::time::sleep_until(until) => false,
+    };
+    if !done {
+        if authenticated.load(Ordering::SeqCst) {
+            calls.await;
+        } else {
+            metrics.conn_refused("handshake_timeout");
+        }
+    }
     metrics.fast_connection(-1);
 }
 
@@ -127,6 +183,7 @@ async fn serve_calls(
     svc: &MasterSvc,
     verifier: &Verifier,
     shutdown: &CancellationToken,
+    authenticated: &AtomicBool,
 ) {
     let metrics = &svc.core.metrics;
     let mut frame = Vec::new();
@@ -176,6 +233,7 @@ async fn serve_calls(
             refuse(stream, peer, Status::unauthenticated(e)).await;
             return;
         }
+        authenticated.store(true, Ordering::SeqCst);
         frame.resize(len - fast::REQUEST_HEAD - head.credential_len, 0);
         if !read_within(stream, &mut frame).await {
             return;

@@ -8,11 +8,14 @@
 //! - `dispatch`: the tonic trait, timing and labelling every call.
 //! - `segments`, `heartbeat`, `tasks`, `objects`, `admin`: the handlers, by area.
 //! - `batch`: request limits and per-item answers the handlers share.
-//! - `fast`: the fast lane on the gRPC port (same calls, same handlers, plain framing).
+//! - `fast`: the fast lane on the gRPC port (same calls, same handlers, plain framing), and
+//!   the accept loop that routes connections between it and gRPC.
+//! - `limits`: connection caps and the deadline to authenticate (issue 15).
 //!
 //! [`MasterState`]: kvpool_core::master::state::MasterState
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -27,11 +30,13 @@ mod core;
 mod dispatch;
 mod fast;
 mod heartbeat;
+mod limits;
 mod objects;
 mod segments;
 mod tasks;
 
 pub use self::core::{Core, PersistBatch, Role};
+pub use self::limits::{ConnLimits, MarkingVerifier};
 
 /// Errors of running the service.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -63,16 +68,17 @@ impl MasterSvc {
 pub fn authenticated(
     core: Arc<Core>,
     verifier: Verifier,
-) -> InterceptedService<MasterServer<MasterSvc>, Verifier> {
-    MasterServer::with_interceptor(MasterSvc::new(core), verifier)
+) -> InterceptedService<MasterServer<MasterSvc>, MarkingVerifier> {
+    MasterServer::with_interceptor(MasterSvc::new(core), MarkingVerifier(verifier))
 }
 
 /// Serve the authenticated service on `listener` until `shutdown`: gRPC, and the fast lane
-/// (see `fast`) on the same port.
+/// (see `fast`) on the same port, both under `limits`.
 pub async fn serve(
     listener: TcpListener,
     core: Arc<Core>,
     verifier: Verifier,
+    limits: ConnLimits,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     let (grpc, incoming) = tokio::sync::mpsc::channel(64);
@@ -81,9 +87,15 @@ pub async fn serve(
         grpc,
         MasterSvc::new(core.clone()),
         verifier.clone(),
+        limits,
         shutdown.clone(),
     ));
     let served = tonic::transport::Server::builder()
+        // Dead peers are found by pings; one connection cannot open streams without bound.
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .max_concurrent_streams(Some(1024))
+        .http2_max_header_list_size(Some(64 * 1024))
         .add_service(authenticated(core, verifier))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::ReceiverStream::new(incoming),

@@ -30,5 +30,5 @@ pub use endpoints::{ServerError, router, router_with_agent};
 pub use kv_events::{KvEventsConfig, router_publishing};
 /// Serves a router on a listener until the token is cancelled (the runtime's serve loop; a
 /// failure there is [`ServerError::Serve`] to the CLI).
-pub use kvpool_runtime::http::serve;
+pub use kvpool_runtime::http::{serve, serve_with};
 pub use sglang::HandoffError;

@@ -27,7 +27,9 @@ use crate::frame;
 use crate::memory::Segment;
 use crate::metrics::TransferMetrics;
 use crate::rdma::{self, RdmaProvider};
-use crate::server::{Notification, NotificationQueue, ReadCheck, Registry, ServerCtx, TcpServer};
+use crate::server::{
+    AdmissionLimits, Notification, NotificationQueue, ReadCheck, Registry, ServerCtx, TcpServer,
+};
 use crate::shm::ShmServer;
 use crate::tcp::{Dialer, LaneConfig};
 use peers::Peers;
@@ -189,7 +191,12 @@ impl TransferEngine {
             key: self.inner.key.clone(),
             max_slice: self.inner.config.max_slice,
             timeout: self.inner.config.timeout,
-            max_connections: self.inner.config.max_connections,
+            handshake_timeout: self.inner.config.handshake_timeout,
+            limits: AdmissionLimits {
+                max_connections: self.inner.config.max_connections,
+                max_per_source: self.inner.config.max_connections_per_source,
+                max_handshakes: self.inner.config.max_handshakes,
+            },
             notifications: self.inner.notifications.clone(),
             metrics: self.inner.metrics.clone(),
             rdma: self.inner.rdma.clone(),

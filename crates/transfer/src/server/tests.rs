@@ -59,7 +59,12 @@ fn ctx() -> (ServerCtx, u32) {
         key: AuthKey::new(*b"0123456789abcdef").unwrap(),
         max_slice: MAX,
         timeout: Duration::from_secs(1),
-        max_connections: 4,
+        handshake_timeout: Duration::from_secs(1),
+        limits: AdmissionLimits {
+            max_connections: 4,
+            max_per_source: 4,
+            max_handshakes: 4,
+        },
         notifications: Arc::new(NotificationQueue::new(4)),
         metrics: TransferMetrics::unregistered().unwrap(),
         rdma: None,

@@ -1,0 +1,336 @@
+//! The TCP target's front door: which accepted connections are served (a total cap, a cap per
+//! source address, and a separate, lower cap on connections still in the handshake, where the
+//! oldest unauthenticated one makes room for a newcomer), the whole-handshake deadline, and the
+//! thread per connection. I/O boundary: the listener and the accepted sockets.
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::{ServerCtx, ServerShared, serve_requests};
+use crate::wire;
+
+/// Connections idle (between frames) longer than this are closed by the target.
+const IDLE_LIMIT: Duration = Duration::from_secs(600);
+
+/// The caps the front door applies (from [`crate::EngineConfig`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdmissionLimits {
+    /// Connections open at once, authenticated or not.
+    pub(crate) max_connections: usize,
+    /// Connections open at once from one source address.
+    pub(crate) max_per_source: usize,
+    /// Connections still in the handshake; at the cap, the oldest of them is closed to make
+    /// room, so a real peer gets in even while unauthenticated ones pile up.
+    pub(crate) max_handshakes: usize,
+}
+
+/// Why a connection was closed as soon as it was accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Refused {
+    MaxConnections,
+    PerSource,
+}
+
+impl Refused {
+    /// Label of `kvpool_transfer_target_refused_total`.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Refused::MaxConnections => "max_connections",
+            Refused::PerSource => "per_source",
+        }
+    }
+}
+
+#[derive(Default)]
+struct AdmissionState {
+    total: usize,
+    by_source: HashMap<IpAddr, usize>,
+    /// Ids of connections still in the handshake; ids grow, so the first is the oldest.
+    handshaking: BTreeSet<u64>,
+}
+
+/// Counts of open connections, kept by the accept loop and the connection threads.
+pub(crate) struct Admission {
+    limits: AdmissionLimits,
+    state: Mutex<AdmissionState>,
+}
+
+impl Admission {
+    pub(crate) fn new(limits: AdmissionLimits) -> Self {
+        Admission {
+            limits,
+            state: Mutex::default(),
+        }
+    }
+
+    /// Admit connection `id` from `source`, or say why not. `Ok(Some(old))`: admitted, and the
+    /// handshaking connection `old` must be closed to make room for it.
+    pub(crate) fn admit(&self, id: u64, source: IpAddr) -> Result<Option<u64>, Refused> {
+        let mut st = self.state.lock();
+        if st.total >= self.limits.max_connections {
+            return Err(Refused::MaxConnections);
+        }
+        let from_source = st.by_source.get(&source).copied().unwrap_or(0);
+        if from_source >= self.limits.max_per_source {
+            return Err(Refused::PerSource);
+        }
+        let evict = if st.handshaking.len() >= self.limits.max_handshakes {
+            st.handshaking.pop_first()
+        } else {
+            None
+        };
+        st.total += 1;
+        *st.by_source.entry(source).or_default() += 1;
+        st.handshaking.insert(id);
+        Ok(evict)
+    }
+
+    /// Connection `id` finished its handshake; false if it had been evicted meanwhile.
+    pub(crate) fn authenticated(&self, id: u64) -> bool {
+        self.state.lock().handshaking.remove(&id)
+    }
+
+    /// Connection `id` from `source` is gone.
+    pub(crate) fn release(&self, id: u64, source: IpAddr) {
+        let mut st = self.state.lock();
+        st.handshaking.remove(&id);
+        st.total = st.total.saturating_sub(1);
+        if let Some(n) = st.by_source.get_mut(&source) {
+            *n -= 1;
+            if *n == 0 {
+                st.by_source.remove(&source);
+            }
+        }
+    }
+
+    /// Connections still in the handshake.
+    pub(crate) fn handshaking(&self) -> usize {
+        self.state.lock().handshaking.len()
+    }
+}
+
+/// A stream whose every read and write gives up at one instant: the handshake as a whole has a
+/// deadline, so a peer trickling a byte at a time cannot hold its connection past it.
+struct Deadline<'a> {
+    stream: &'a mut TcpStream,
+    until: Instant,
+}
+
+impl Deadline<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_write_timeout(Some(left))?;
+        self.stream.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
+pub(super) fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>, ctx: Arc<ServerCtx>) {
+    for conn in listener.incoming() {
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a transfer connection failed");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let Ok(source) = stream.peer_addr().map(|a| a.ip()) else {
+            continue;
+        };
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        let evict = match shared.admission.admit(id, source) {
+            Ok(evict) => evict,
+            Err(why) => {
+                // Bounded: refuse instead of spawning without limit.
+                if why == Refused::MaxConnections {
+                    ctx.metrics
+                        .failures
+                        .with_label_values(&["too_many_connections"])
+                        .inc();
+                }
+                ctx.metrics
+                    .target_refused
+                    .with_label_values(&[why.label()])
+                    .inc();
+                tracing::debug!(%source, reason = why.label(), "refusing a transfer connection");
+                let _ = stream.shutdown(Shutdown::Both);
+                continue;
+            }
+        };
+        if let Some(old) = evict {
+            if let Some(s) = shared.conns.lock().get(&old) {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            ctx.metrics
+                .target_closed
+                .with_label_values(&["evicted"])
+                .inc();
+        }
+        ctx.metrics
+            .target_handshakes
+            .set(shared.admission.handshaking() as i64);
+        let Ok(clone) = stream.try_clone() else {
+            shared.admission.release(id, source);
+            continue;
+        };
+        shared.conns.lock().insert(id, clone);
+        if shared.stop.load(Ordering::SeqCst) {
+            // Raced with Drop, which may already have drained `conns`.
+            let _ = stream.shutdown(Shutdown::Both);
+            break;
+        }
+        let sh = shared.clone();
+        let cx = ctx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvpool-xfer-conn".into())
+            .spawn(move || {
+                cx.metrics.target_connections.inc();
+                serve_tcp_conn(stream, &cx, &sh, id);
+                sh.conns.lock().remove(&id);
+                sh.admission.release(id, source);
+                cx.metrics
+                    .target_handshakes
+                    .set(sh.admission.handshaking() as i64);
+                cx.metrics.target_connections.dec();
+            });
+        let mut workers = shared.workers.lock();
+        workers.retain(|w| !w.is_finished());
+        match spawned {
+            Ok(h) => workers.push(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot spawn a connection thread");
+                shared.conns.lock().remove(&id);
+                shared.admission.release(id, source);
+            }
+        }
+    }
+}
+
+fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared, id: u64) {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    let _ = stream.set_nodelay(true);
+    // The handshake as a whole must finish within `handshake_timeout`.
+    let until = Instant::now() + ctx.handshake_timeout;
+    let shook = wire::server_handshake(
+        &mut Deadline {
+            stream: &mut stream,
+            until,
+        },
+        &ctx.key,
+    );
+    let still_admitted = shared.admission.authenticated(id);
+    ctx.metrics
+        .target_handshakes
+        .set(shared.admission.handshaking() as i64);
+    if let Err(e) = shook {
+        // An evicted connection was already counted when it was evicted.
+        if still_admitted {
+            let reason = match e.category() {
+                "timeout" => "handshake_timeout",
+                "peer_closed" | "io" => "handshake_aborted",
+                _ => "handshake_failed",
+            };
+            ctx.metrics.target_closed.with_label_values(&[reason]).inc();
+        }
+        tracing::debug!(%peer, error = %e, "transfer handshake failed");
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    if !still_admitted {
+        let _ = stream.shutdown(Shutdown::Both);
+        return;
+    }
+    // Every payload uses the full timeout; idle waits between frames are allowed up to
+    // IDLE_LIMIT (connection reuse). Shutdown closes the socket to wake us.
+    if stream.set_read_timeout(Some(ctx.timeout)).is_err()
+        || stream.set_write_timeout(Some(ctx.timeout)).is_err()
+    {
+        return;
+    }
+    let mut on_idle = |idle: Duration| {
+        if shared.stop.load(Ordering::SeqCst) {
+            return Err(io::Error::other("target shutting down"));
+        }
+        if idle > IDLE_LIMIT {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "idle connection"));
+        }
+        Ok(())
+    };
+    match serve_requests(&mut stream, ctx, &peer, &mut on_idle) {
+        Ok(()) => tracing::debug!(%peer, "transfer connection closed by peer"),
+        Err(e) => tracing::debug!(%peer, error = %e, "transfer connection ended"),
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> AdmissionLimits {
+        AdmissionLimits {
+            max_connections: 5,
+            max_per_source: 3,
+            max_handshakes: 2,
+        }
+    }
+
+    #[test]
+    fn caps_apply_per_source_and_in_total() {
+        let a = Admission::new(limits());
+        let (x, y): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        for id in 0..3 {
+            assert!(a.admit(id, x).is_ok());
+            assert!(a.authenticated(id));
+        }
+        assert_eq!(a.admit(3, x), Err(Refused::PerSource));
+        assert_eq!(a.admit(4, y), Ok(None));
+        assert_eq!(a.admit(5, y), Ok(None));
+        assert_eq!(a.admit(6, y), Err(Refused::MaxConnections));
+        a.release(0, x);
+        assert_eq!(
+            a.admit(7, x),
+            Ok(Some(4)),
+            "the oldest handshake makes room"
+        );
+        assert!(!a.authenticated(4));
+        assert!(a.authenticated(5));
+        assert_eq!(a.handshaking(), 1);
+    }
+}
