@@ -4,7 +4,8 @@
 # `stream_options.include_usage`). Not part of CI: aiperf's venv is about 1.2 GB.
 #   scripts/aiperf.sh [REQUESTS [CONCURRENCY]]     (defaults: 200 requests, 8 at a time)
 # Environment: KVPOOL_BIN (default: target/debug/kvpool, built first), AIPERF_VENV (default:
-# .tools/aiperf, created with the pinned aiperf), ENDPOINT_TYPE (chat or completions).
+# .tools/aiperf, created with the pinned aiperf), ENDPOINT_TYPE (chat or completions),
+# AIPERF_OUT (where aiperf's artifacts are kept; default .tools/aiperf-out).
 # aiperf needs a tokenizer to build its prompts and cannot reach a model hub here, so the
 # script writes a byte-level one (every byte one token) into the run's directory. The
 # summary (aiperf's JSON export) is printed; docs/benchmarks.md records a run.
@@ -16,6 +17,7 @@ requests="${1:-200}"
 concurrency="${2:-8}"
 endpoint_type="${ENDPOINT_TYPE:-chat}"
 venv="${AIPERF_VENV:-$PWD/.tools/aiperf}"
+out="${AIPERF_OUT:-$PWD/.tools/aiperf-out}"
 mkdir -p .tools
 [ -f .tools/.gitignore ] || printf '*\n' >.tools/.gitignore
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -61,15 +63,16 @@ read -r line <"$run/ready" || { echo "kvpool up did not start:"; tail -20 "$run/
 url="$(printf '%s' "$line" | "$venv/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["conductor"])')"
 echo "aiperf.sh: kvpool up ready, conductor at $url"
 
+rm -rf "$out"
 timeout 600 "$venv/bin/aiperf" profile \
   --model kvpool-synthetic --url "$url" --endpoint-type "$endpoint_type" --streaming \
   --use-server-token-count --tokenizer "$run/tokenizer" \
   --isl 512 --isl-stddev 0 --osl 32 --osl-stddev 0 --random-seed 7 \
-  --request-count "$requests" --concurrency "$concurrency" --warmup-request-count 0 \
-  --no-server-metrics --ui none --artifact-dir "$run/artifacts" >"$run/aiperf.log" 2>&1 || {
+  --request-count "$requests" --concurrency "$concurrency" \
+  --no-server-metrics --ui none --artifact-dir "$out" >"$run/aiperf.log" 2>&1 || {
   echo "aiperf failed:"; tail -40 "$run/aiperf.log"; exit 1; }
 
-export_json="$(find "$run/artifacts" -name '*aiperf*.json' ! -name '*input*' | head -1)"
+export_json="$(find "$out" -name 'profile_export_aiperf.json' | head -1)"
 "$venv/bin/python" - "$export_json" "$requests" <<'PY'
 import json, sys
 
@@ -81,13 +84,14 @@ def stat(name):
     return {k: m.get(k) for k in ("avg", "p50", "p99", "unit") if k in m}
 
 summary = {name: stat(name) for name in (
-    "request_count", "error_request_count", "time_to_first_token", "inter_token_latency",
+    "request_count", "time_to_first_token", "inter_token_latency",
     "request_latency", "output_token_throughput", "output_sequence_length",
     "input_sequence_length", "request_throughput")}
 print(json.dumps(summary, indent=1))
 count = (data.get("request_count") or {}).get("avg")
 osl = (data.get("output_sequence_length") or {}).get("avg")
 assert count == wanted, f"{count} of {wanted} requests counted"
+assert not data.get("error_summary"), f"errors: {data.get('error_summary')}"
 # Server token counts: every response's usage said 32 completion tokens.
 assert osl == 32, f"output sequence length {osl}: server token counts missing"
 print("aiperf.sh: ok")

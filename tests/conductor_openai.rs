@@ -251,7 +251,7 @@ async fn bad_roles_and_shapes_are_refused_naming_the_field_before_any_engine() {
             "/v1/completions",
             json!({"model": MODEL, "prompt": [1, "a"]}),
             "prompt",
-            "item 1",
+            "token 1",
         ),
         (
             "/v1/completions",
