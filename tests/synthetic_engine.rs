@@ -117,6 +117,15 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(v["data"][0]["id"], "synthetic-70b");
+    // Unknown routes and methods: OpenAI-style JSON bodies, as the conductor answers them.
+    let (status, text) = http(e.addr, "GET", "/v1/nothing", "").await;
+    assert_eq!(status, 404, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["code"], "not_found");
+    let (status, text) = http(e.addr, "GET", "/v1/completions", "").await;
+    assert_eq!(status, 405, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["code"], "method_not_allowed");
     e.shutdown.cancel();
 }
 

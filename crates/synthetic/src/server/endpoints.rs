@@ -13,7 +13,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
@@ -21,7 +21,7 @@ use futures::StreamExt;
 use prometheus::Registry;
 use tokio::sync::{mpsc, oneshot};
 
-use super::error_bodies::{api_error, handoff_failed};
+use super::error_bodies::{api_error, handoff_failed, method_not_allowed, route_not_found};
 use super::generate::generate;
 use super::info;
 use super::metrics::Metrics;
@@ -205,5 +205,10 @@ pub(super) fn engine(
                 |State(s): State<Arc<Shared>>, body: Bytes| async move { prefetch(s, body).await },
             ),
         );
-    Ok((info::routes(router).with_state(shared.clone()), shared))
+    let router = info::routes(router)
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            method_not_allowed(&method, &uri)
+        })
+        .fallback(|method: Method, uri: Uri| async move { route_not_found(&method, &uri) });
+    Ok((router.with_state(shared.clone()), shared))
 }
