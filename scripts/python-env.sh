@@ -3,7 +3,8 @@
 # the kvpool package into it from crates/python (maturin builds the Rust extension):
 #   maturin, pytest, numpy, and mooncake-transfer-engine-non-cuda (real Mooncake: the oracle of
 #   the conformance suite and the peer of `kvpool bench python`); pyzmq, msgpack and cbor2
-#   (the independent KV-event publisher and block-hash vectors of the conductor's tests). Also creates .tools/router
+#   (the independent KV-event publisher and block-hash vectors of the conductor's tests); openai
+#   (the official client, against the conductor: crates/python/tests/test_openai_client.py). Also creates .tools/router
 #   with sglang-router (SGLang's Rust router, the peer of `kvpool bench conductor
 #   --vs_sglang_router`), in a venv of its own so that its dependencies stay apart.
 # Idempotent: pinned tools already installed are left alone; the package is always rebuilt.
@@ -27,6 +28,8 @@ MSGPACK_VERSION=1.2.4
 CBOR2_VERSION=5.7.1
 # Chat-template hash vectors: Jinja2 renders the template as transformers does.
 JINJA2_VERSION=3.1.6
+# The conductor's OpenAI compatibility test: the official client.
+OPENAI_VERSION=3.57.0
 ROUTER_VERSION=0.3.2
 
 profile=dev
@@ -44,13 +47,13 @@ mkdir -p "$root"
 [ -f "$root/.gitignore" ] || printf '*\n' >"$root/.gitignore"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION-$PYZMQ_VERSION-$MSGPACK_VERSION-$CBOR2_VERSION-$JINJA2_VERSION"
+stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION-$PYZMQ_VERSION-$MSGPACK_VERSION-$CBOR2_VERSION-$JINJA2_VERSION-$OPENAI_VERSION"
 if [ ! -f "$stamp" ]; then
   "$py" -m pip install --quiet --disable-pip-version-check \
     "maturin==$MATURIN_VERSION" "pytest==$PYTEST_VERSION" "numpy==$NUMPY_VERSION" \
     "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
     "pyzmq==$PYZMQ_VERSION" "msgpack==$MSGPACK_VERSION" "cbor2==$CBOR2_VERSION" \
-    "jinja2==$JINJA2_VERSION"
+    "jinja2==$JINJA2_VERSION" "openai==$OPENAI_VERSION"
   touch "$stamp"
 fi
 router="$root/router"

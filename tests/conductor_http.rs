@@ -369,47 +369,6 @@ async fn chat_requests_are_rendered_with_the_chat_template_and_its_refusals_name
 }
 
 #[tokio::test]
-async fn rejects_with_429_and_retry_after_when_the_slo_cannot_be_met() {
-    // A TTFT objective of 1 us cannot be met by any prefill.
-    let c = cluster(Rejection::Early, 1e-6).await;
-    let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2}}"#);
-    let (status, head, text) = post(c.conductor, "/v1/completions", &body).await;
-    assert_eq!(status, 429, "{text}");
-    assert!(
-        head.to_ascii_lowercase().contains("retry-after: 1"),
-        "{head}"
-    );
-    let v: Value = serde_json::from_str(&text).expect("json");
-    assert_eq!(v["error"]["code"], "ttft");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .expect("message")
-            .contains("time to first token"),
-        "{text}"
-    );
-    // Nothing reached the engines.
-    for r in c.prefill.iter().chain([&c.decode]) {
-        assert_metric(r, "kvpool_engine_requests_total", 0.0);
-    }
-    assert_metric(
-        &c.conductor_metrics,
-        "kvpool_conductor_rejections_total",
-        1.0,
-    );
-    // A malformed request is a 400 naming the field, before any scheduling.
-    let (status, _, text) = post(
-        c.conductor,
-        "/v1/completions",
-        &format!(r#"{{"model":"{MODEL}","prompt":"x","stream":1}}"#),
-    )
-    .await;
-    assert_eq!(status, 400, "{text}");
-    assert!(text.contains(r#""param":"stream""#), "{text}");
-    c.shutdown.cancel();
-}
-
-#[tokio::test]
 async fn unreachable_decode_engine_gives_502_naming_it() {
     // Port 1 on loopback: nothing listens there.
     let c = cluster_with(Rejection::None, 30.0, Some("http://127.0.0.1:1".into()), 0).await;

@@ -117,6 +117,15 @@ async fn bad_requests_get_openai_errors_naming_the_field() {
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(v["data"][0]["id"], "synthetic-70b");
+    // Unknown routes and methods: OpenAI-style JSON bodies, as the conductor answers them.
+    let (status, text) = http(e.addr, "GET", "/v1/nothing", "").await;
+    assert_eq!(status, 404, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["code"], "not_found");
+    let (status, text) = http(e.addr, "GET", "/v1/completions", "").await;
+    assert_eq!(status, 405, "{text}");
+    let v: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(v["error"]["code"], "method_not_allowed");
     e.shutdown.cancel();
 }
 
@@ -375,7 +384,7 @@ async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_ag
     let (status, text) = http(
         plain.addr,
         "POST",
-        kvpool_proto::openai::PREFETCH_PATH,
+        kvpool_proto::prefetch::PREFETCH_PATH,
         r#"{"keys":["0000000000000001"]}"#,
     )
     .await;
@@ -402,8 +411,8 @@ async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_ag
     assert_eq!(keys.len(), 4);
     // The reader prefetches all 4: the 3 stored ones load (verified), the partial one is not in
     // the pool, so reading stops there.
-    let body = kvpool_proto::openai::prefetch_body(&keys).to_string();
-    let path = kvpool_proto::openai::PREFETCH_PATH;
+    let body = kvpool_proto::prefetch::prefetch_body(&keys).to_string();
+    let path = kvpool_proto::prefetch::PREFETCH_PATH;
     let (status, text) = http(reader.addr, "POST", path, &body).await;
     assert_eq!(status, 200, "{text}");
     let v: Value = serde_json::from_str(&text).expect("json");

@@ -48,7 +48,8 @@ pub enum Outcome {
         tpot_s: Option<f64>,
         tokens: u64,
     },
-    /// 429 from the conductor (early rejection).
+    /// 429 from the conductor (early rejection under load), or 400 `slo_unattainable` (a
+    /// request that cannot meet its SLO on an idle pool either).
     Rejected,
     /// Anything else (status or transport error).
     Failed,
@@ -140,6 +141,21 @@ async fn send(client: &HttpClient, url: &str, body: String) -> Outcome {
     match resp.status().as_u16() {
         200 => {}
         429 => return Outcome::Rejected,
+        400 => {
+            // A request that no load would let through (code `slo_unattainable`) is an early
+            // rejection too; any other 400 is a failure.
+            let body = axum::body::to_bytes(Body::new(resp.into_body()), 64 << 10)
+                .await
+                .unwrap_or_default();
+            let code = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.pointer("/error/code")?.as_str().map(str::to_owned));
+            if code.as_deref() == Some("slo_unattainable") {
+                return Outcome::Rejected;
+            }
+            tracing::debug!(?code, "replay request refused");
+            return Outcome::Failed;
+        }
         other => {
             tracing::debug!(status = other, "replay request refused");
             return Outcome::Failed;

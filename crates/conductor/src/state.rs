@@ -8,7 +8,7 @@ use std::num::NonZeroU32;
 
 use kvpool_core::sched::{
     BlockKey, Decision, DecodeLoad, DecodeMember, Inserted, LruSet, PrefillLoad, PrefixIndex,
-    Request, Scheduler,
+    RejectReason, Request, Scheduler,
 };
 
 use crate::config::ConductorConfig;
@@ -84,6 +84,14 @@ pub struct Ticket {
     pub found_idle: bool,
 }
 
+/// Why a request was refused at arrival: the policy's reason, and the reason it would be
+/// refused on an idle pool too (`None` when the load is to blame, so that a retry may succeed).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Refusal {
+    pub reason: RejectReason,
+    pub when_idle: Option<RejectReason>,
+}
+
 impl State {
     pub fn new(config: &ConductorConfig) -> Result<Self, StateError> {
         let scheduler = Scheduler::new(config.scheduler.clone(), config.decode.len())
@@ -115,7 +123,7 @@ impl State {
         keys: &[BlockKey],
         input_tokens: u64,
         output_tokens: u32,
-    ) -> Result<Ticket, kvpool_core::sched::RejectReason> {
+    ) -> Result<Ticket, Refusal> {
         self.place_with_pool(now_s, keys, 0, input_tokens, output_tokens)
     }
 
@@ -131,7 +139,7 @@ impl State {
         pool_blocks: usize,
         input_tokens: u64,
         output_tokens: u32,
-    ) -> Result<Ticket, kvpool_core::sched::RejectReason> {
+    ) -> Result<Ticket, Refusal> {
         let in_pool = keys.get(..pool_blocks).unwrap_or(keys);
         for &k in in_pool {
             self.index.add_pool_replica(k);
@@ -148,11 +156,7 @@ impl State {
         placed
     }
 
-    fn place_request(
-        &mut self,
-        now_s: f64,
-        req: &Request<'_>,
-    ) -> Result<Ticket, kvpool_core::sched::RejectReason> {
+    fn place_request(&mut self, now_s: f64, req: &Request<'_>) -> Result<Ticket, Refusal> {
         let Request {
             keys,
             input_tokens,
@@ -164,7 +168,12 @@ impl State {
             .decide(now_s, req, &self.index, &self.prefill, &self.decode)
         {
             Decision::Accept(p) => p,
-            Decision::Reject(r) => return Err(r),
+            Decision::Reject(reason) => {
+                let when_idle =
+                    self.scheduler
+                        .refused_when_idle(now_s, req, &self.index, self.prefill.len());
+                return Err(Refusal { reason, when_idle });
+            }
         };
         // Hit counters of the matched blocks; a block reaching a multiple of the hot threshold
         // plans a copy of its prefix to the least loaded instances that lack it.
@@ -521,6 +530,27 @@ mod tests {
             fit_prefill_cost: false,
             upstream: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_refusal_says_whether_an_idle_pool_would_refuse_too() {
+        let mut cfg = config();
+        cfg.scheduler.rejection = Rejection::Early;
+        // 10 ms per token: 100 tokens take 1 s, within a 1.5 s objective on an idle instance.
+        cfg.scheduler.slo.ttft_s = 1.5;
+        let mut st = State::new(&cfg).unwrap();
+        st.place(0.0, &[1], 100, 5).unwrap();
+        st.place(0.0, &[2], 100, 5).unwrap();
+        // Both instances are busy for 1 s: the third waits, 2 s > 1.5 s; load is to blame.
+        let busy = st.place(0.0, &[3], 100, 5).unwrap_err();
+        assert!(matches!(busy.reason, RejectReason::Ttft { .. }));
+        assert_eq!(busy.when_idle, None);
+        // 200 tokens take 2 s on any instance, idle or not.
+        let never = st.place(0.0, &[4], 200, 5).unwrap_err();
+        assert!(matches!(
+            never.when_idle,
+            Some(RejectReason::Ttft { estimate_s }) if (estimate_s - 2.0).abs() < 1e-9
+        ));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kvpool_core::sched::text_tokens;
-use kvpool_proto::openai::GenerateRequest;
+use kvpool_proto::openai::{GenerateRequest, Prompt};
 
 use crate::chat::{ChatError, ChatTemplate};
 
@@ -19,6 +19,15 @@ pub enum PromptTokenizer {
     Chunks { bytes: usize },
     /// A Hugging Face tokenizer loaded from a `tokenizer.json`.
     HuggingFace(Arc<tokenizers::Tokenizer>),
+}
+
+/// The token ids of a request's prompts as the scheduler needs them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PromptTokens {
+    /// The first prompt's ids: its block keys route the request.
+    pub first: Vec<u32>,
+    /// Tokens of all the prompts (a batch's), which the engine prefills.
+    pub total: u64,
 }
 
 /// Errors of loading a tokenizer or tokenising a prompt.
@@ -84,35 +93,64 @@ impl PromptTokenizer {
         }
     }
 
-    /// The token ids the engine sees for `req`: a chat request rendered with `chat` (when the
-    /// model's template is known; else its `role: content` lines), then tokenised with the
-    /// request's `add_special_tokens`.
+    /// The token ids the engine sees for the first prompt of `req` (the one a batch is routed
+    /// by): a chat request rendered with `chat` (when the model's template is known; else its
+    /// `role: content` lines), a text tokenised with the request's `add_special_tokens`, token
+    /// ids as they are.
     pub fn request_tokens(
         &self,
         chat: Option<&ChatTemplate>,
         req: &GenerateRequest,
     ) -> Result<Vec<u32>, TokenizeError> {
+        Ok(self.prompt_tokens(chat, req)?.first)
+    }
+
+    /// The first prompt's token ids (see [`PromptTokenizer::request_tokens`]) and the token
+    /// count of all the request's prompts.
+    pub fn prompt_tokens(
+        &self,
+        chat: Option<&ChatTemplate>,
+        req: &GenerateRequest,
+    ) -> Result<PromptTokens, TokenizeError> {
         let rendered = match (&req.chat, chat) {
             (Some(input), Some(template)) => Some(template.render(input)?),
             _ => None,
         };
-        let text = rendered.as_deref().unwrap_or(&req.prompt);
-        self.tokens_with(text, req.add_special_tokens)
+        let mut out = PromptTokens::default();
+        for (i, prompt) in req.prompts.iter().enumerate() {
+            let ids = match (&rendered, prompt) {
+                (Some(text), _) if i == 0 => self.tokens_with(text, req.add_special_tokens)?,
+                (_, Prompt::Text(text)) => self.tokens_with(text, req.add_special_tokens)?,
+                (_, Prompt::Tokens(ids)) if i == 0 => ids.clone(),
+                (_, Prompt::Tokens(ids)) => {
+                    out.total += ids.len() as u64;
+                    continue;
+                }
+            };
+            out.total += ids.len() as u64;
+            if i == 0 {
+                out.first = ids;
+            }
+        }
+        Ok(out)
     }
 
-    /// `request_tokens` for async callers: a Hugging Face tokenizer or a chat template runs on
-    /// the blocking pool (a long prompt takes milliseconds), text chunks run inline.
-    pub async fn request_tokens_off_runtime(
+    /// `prompt_tokens` for async callers: a Hugging Face tokenizer or a chat template runs on
+    /// the blocking pool (a long prompt takes milliseconds), text chunks and token ids run
+    /// inline.
+    pub async fn prompt_tokens_off_runtime(
         &self,
         chat: Option<Arc<ChatTemplate>>,
         req: Arc<GenerateRequest>,
-    ) -> Result<Vec<u32>, TokenizeError> {
+    ) -> Result<PromptTokens, TokenizeError> {
         let needs_template = req.chat.is_some() && chat.is_some();
+        let only_ids = req.prompts.iter().all(|p| matches!(p, Prompt::Tokens(_)));
         match self {
-            PromptTokenizer::Chunks { .. } if !needs_template => self.request_tokens(None, &req),
+            _ if only_ids => self.prompt_tokens(None, &req),
+            PromptTokenizer::Chunks { .. } if !needs_template => self.prompt_tokens(None, &req),
             _ => {
                 let this = self.clone();
-                tokio::task::spawn_blocking(move || this.request_tokens(chat.as_deref(), &req))
+                tokio::task::spawn_blocking(move || this.prompt_tokens(chat.as_deref(), &req))
                     .await
                     .map_err(TokenizeError::Task)?
             }
@@ -214,9 +252,10 @@ mod tests {
             Endpoint::Completions,
         );
         assert_eq!(
-            t.request_tokens_off_runtime(None, Arc::new(req.clone()))
+            t.prompt_tokens_off_runtime(None, Arc::new(req.clone()))
                 .await
-                .unwrap(),
+                .unwrap()
+                .first,
             t.request_tokens(None, &req).unwrap()
         );
         assert_eq!(t.tokens(text).unwrap(), vec![6, 7, 8, 9, 10, 11, 12]);
@@ -242,14 +281,15 @@ mod tests {
             Endpoint::ChatCompletions,
         );
         let got = t
-            .request_tokens_off_runtime(Some(template.clone()), Arc::new(req.clone()))
+            .prompt_tokens_off_runtime(Some(template.clone()), Arc::new(req.clone()))
             .await
-            .unwrap();
+            .unwrap()
+            .first;
         assert_eq!(got, t.tokens("the cat sat then").unwrap());
         // Without the template: the role lines (words the vocabulary lacks are [UNK]).
         assert_eq!(
             t.request_tokens(None, &req).unwrap(),
-            t.tokens(&req.prompt).unwrap()
+            t.tokens("user: the cat\nassistant: sat\n").unwrap()
         );
         // A template that refuses the conversation is an error, not a guess.
         let refusing = ChatTemplate::new(
@@ -286,6 +326,35 @@ mod tests {
             Endpoint::Completions,
         );
         assert_eq!(t.request_tokens(None, &bare).unwrap(), vec![1, 2]);
+    }
+
+    #[tokio::test]
+    async fn batches_are_routed_by_their_first_prompt_and_counted_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = PromptTokenizer::from_file(&tiny_tokenizer(dir.path())).unwrap();
+        let batch = request(
+            r#"{"model":"m","prompt":["the cat sat","a dog"],"add_special_tokens":false}"#,
+            Endpoint::Completions,
+        );
+        let got = t
+            .prompt_tokens_off_runtime(None, Arc::new(batch))
+            .await
+            .unwrap();
+        assert_eq!(got.first, vec![1, 2, 3]);
+        assert_eq!(got.total, 5);
+        // Token ids go through as they are, whatever the tokenizer.
+        let ids = request(
+            r#"{"model":"m","prompt":[[7,8,9,1000000],[1]]}"#,
+            Endpoint::Completions,
+        );
+        let got = t.prompt_tokens(None, &ids).unwrap();
+        assert_eq!(
+            got,
+            PromptTokens {
+                first: vec![7, 8, 9, 1_000_000],
+                total: 5
+            }
+        );
     }
 
     #[test]

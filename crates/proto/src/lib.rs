@@ -11,7 +11,8 @@
 //! - `kv_events`: KV cache events in vLLM's wire format (msgpack batches behind a sequence
 //!   number), which engines publish and the conductor consumes.
 //! - `openai`: the OpenAI-compatible HTTP requests and responses that the conductor and the
-//!   engines exchange, with kvpool's headers.
+//!   engines exchange, with kvpool's headers; `openai_bodies` the response bodies and ids;
+//!   `prefetch` kvpool's own prefetch endpoint between them.
 //!
 //! gRPC server stubs are compiled only with the `server` feature, so clients link no server code.
 
@@ -21,3 +22,5 @@ pub mod fast;
 pub mod kv_events;
 pub mod master;
 pub mod openai;
+pub mod openai_bodies;
+pub mod prefetch;

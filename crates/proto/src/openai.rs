@@ -1,11 +1,10 @@
-//! OpenAI-compatible request parsing and response bodies (`/v1/completions`,
-//! `/v1/chat/completions`, `/v1/models`, errors): the HTTP contract the conductor and the
-//! engines both speak. Pure: JSON values in, JSON values out; the HTTP server owns the I/O.
+//! OpenAI-compatible request parsing and errors (`/v1/completions`, `/v1/chat/completions`):
+//! the HTTP contract the conductor and the engines both speak, with every request shape the
+//! OpenAI API and vLLM's server take (docs/openai.md); the response bodies are in
+//! `openai_bodies`. Pure: JSON values in, JSON values out; the HTTP server owns the I/O.
 //! Validation errors name the offending field.
 
 use serde_json::{Value, json};
-
-use kvpool_core::sched::BlockKey;
 
 /// Largest `max_tokens` accepted.
 pub const MAX_TOKENS_LIMIT: u64 = 1 << 20;
@@ -46,32 +45,75 @@ pub enum KvRole {
     Decode,
 }
 
-/// A validated generation request.
+/// A validated generation request: the typed view of the fields the conductor and the engines
+/// act on. Every other field stays in the request's JSON object (the conductor forwards that
+/// object untouched; see docs/openai.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GenerateRequest {
     pub endpoint: Endpoint,
     pub model: String,
-    /// The prompt text (chat messages rendered as `role: content` lines: the stand-in for
-    /// engines whose chat template is not known).
-    pub prompt: String,
+    /// The prompts, at least one: a completions request's (several when batched), or a chat
+    /// request's messages as `role: content` lines (the stand-in for engines whose chat template
+    /// is not known).
+    pub prompts: Vec<Prompt>,
     /// For chat requests: what the model's chat template renders.
     pub chat: Option<ChatInput>,
     /// vLLM's `add_special_tokens`: whether the tokenizer adds the model's special tokens (a
-    /// BOS) to the prompt. vLLM's default is true for completions, false for chat requests
-    /// (their template writes the special tokens itself).
+    /// BOS) to a text prompt. vLLM's default is true for completions, false for chat requests
+    /// (their template writes the special tokens itself). Token-id prompts are taken as they are.
     pub add_special_tokens: bool,
+    /// Tokens generated per choice at most.
     pub max_tokens: u32,
+    /// `n`: choices generated for each prompt.
+    pub n: u32,
     pub stream: bool,
+    /// `stream_options.include_usage`: a streamed response ends with a chunk that carries the
+    /// usage (and no choice).
+    pub include_usage: bool,
     pub kv_role: KvRole,
     /// SGLang's disaggregation fields, when the request carries them.
     pub bootstrap: Option<Bootstrap>,
 }
 
+impl GenerateRequest {
+    /// Choices the response carries: `n` for each prompt.
+    pub fn choices(&self) -> u64 {
+        self.prompts.len() as u64 * u64::from(self.n)
+    }
+
+    /// Output tokens the request generates at most, over all its choices.
+    pub fn output_tokens(&self) -> u64 {
+        self.choices() * u64::from(self.max_tokens)
+    }
+}
+
+/// One prompt: text, or token ids that the engine takes as they are (no tokenizer, no special
+/// tokens added).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The message roles a chat request may use (OpenAI's, with vLLM's `function`).
+pub const CHAT_ROLES: [&str; 6] = [
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
+/// Most choices per prompt (`n`), as OpenAI allows.
+pub const MAX_N: u64 = 128;
+
 /// The parts of a chat request its chat template sees (as vLLM hands them to `transformers`'
 /// `apply_chat_template`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChatInput {
-    /// The `messages`, with text-part lists joined into one string per message.
+    /// The `messages`, with content-part lists joined into one string of their text parts per
+    /// message (a `null` or absent `content` stays so).
     pub messages: Value,
     /// The request's `tools`, when it has some.
     pub tools: Option<Value>,
@@ -147,6 +189,14 @@ fn invalid(field: &'static str, problem: impl Into<String>) -> ApiError {
     }
 }
 
+/// A request body as its JSON object (what the conductor forwards), or why it is not one.
+pub fn parse_body(body: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    match serde_json::from_slice(body).map_err(|e| ApiError::Json(e.to_string()))? {
+        Value::Object(obj) => Ok(obj),
+        _ => Err(invalid("body", "must be a JSON object")),
+    }
+}
+
 /// Parses and validates a request body for `endpoint`; `served` tells whether a model name is
 /// served here.
 pub fn parse_request(
@@ -154,10 +204,16 @@ pub fn parse_request(
     body: &[u8],
     served: &dyn Fn(&str) -> bool,
 ) -> Result<GenerateRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| ApiError::Json(e.to_string()))?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| invalid("body", "must be a JSON object"))?;
+    parse_object(endpoint, &parse_body(body)?, served)
+}
+
+/// Validates a request's JSON object for `endpoint` into its typed view; `served` tells
+/// whether a model name is served here. Fields it does not know are left alone.
+pub fn parse_object(
+    endpoint: Endpoint,
+    obj: &serde_json::Map<String, Value>,
+    served: &dyn Fn(&str) -> bool,
+) -> Result<GenerateRequest, ApiError> {
     let requested = match obj.get("model") {
         Some(Value::String(m)) => m.clone(),
         Some(_) => return Err(invalid("model", "must be a string")),
@@ -166,27 +222,16 @@ pub fn parse_request(
     if !served(&requested) {
         return Err(ApiError::UnknownModel(requested));
     }
-    let prompt = match endpoint {
-        Endpoint::Completions => match obj.get("prompt") {
-            Some(Value::String(p)) => p.clone(),
-            Some(Value::Array(items)) => match items.as_slice() {
-                [Value::String(p)] => p.clone(),
-                [_] => return Err(invalid("prompt", "must be a string")),
-                _ => {
-                    return Err(invalid(
-                        "prompt",
-                        "must be a string or an array of exactly one string (batched prompts are not supported)",
-                    ));
-                }
-            },
-            Some(_) => return Err(invalid("prompt", "must be a string")),
-            None => return Err(invalid("prompt", "is required")),
-        },
-        Endpoint::ChatCompletions => chat_prompt(obj)?,
-    };
-    let chat = match endpoint {
-        Endpoint::Completions => None,
-        Endpoint::ChatCompletions => Some(chat_input(obj)?),
+    let (prompts, chat) = match endpoint {
+        Endpoint::Completions => (completion_prompts(obj)?, None),
+        Endpoint::ChatCompletions => {
+            let flat = chat_messages(obj)?;
+            let lines = flat
+                .iter()
+                .map(|(role, content)| format!("{role}: {}\n", content.as_deref().unwrap_or("")))
+                .collect();
+            (vec![Prompt::Text(lines)], Some(chat_input(obj, flat)?))
+        }
     };
     let add_special_tokens = match obj.get("add_special_tokens") {
         None | Some(Value::Null) => endpoint == Endpoint::Completions,
@@ -195,6 +240,7 @@ pub fn parse_request(
     };
     let max_tokens = match obj
         .get("max_tokens")
+        .filter(|v| !v.is_null())
         .or_else(|| obj.get("max_completion_tokens"))
     {
         None | Some(Value::Null) => DEFAULT_MAX_TOKENS,
@@ -208,29 +254,123 @@ pub fn parse_request(
             }
         },
     };
+    let n = match obj.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(v) => match v.as_u64() {
+            Some(n) if (1..=MAX_N).contains(&n) => n as u32,
+            _ => {
+                return Err(invalid(
+                    "n",
+                    format!("must be an integer between 1 and {MAX_N}, got {v}"),
+                ));
+            }
+        },
+    };
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(invalid("stream", "must be a boolean")),
+    };
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(_)) if !stream => {
+            return Err(invalid(
+                "stream_options",
+                "is only allowed with `stream: true`",
+            ));
+        }
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(invalid(
+                    "stream_options",
+                    "`include_usage` must be a boolean",
+                ));
+            }
+        },
+        Some(_) => return Err(invalid("stream_options", "must be an object")),
     };
     let kv_role = parse_kv_role(obj.get("kv_transfer_params"))?;
     let bootstrap = parse_bootstrap(obj)?;
     Ok(GenerateRequest {
         endpoint,
         model: requested,
-        prompt,
+        prompts,
         chat,
         add_special_tokens,
         max_tokens,
+        n,
         stream,
+        include_usage,
         kv_role,
         bootstrap,
     })
 }
 
-/// The validated `messages` of a chat request, each `content` a string (a list of text parts
-/// is joined with newlines, as vLLM does for string-content templates).
-fn chat_messages(obj: &serde_json::Map<String, Value>) -> Result<Vec<(String, String)>, ApiError> {
+/// The prompts of a completions request: a string, an array of strings (a batch), an array
+/// of token ids, or an array of token-id arrays (a batch), as OpenAI and vLLM take them.
+fn completion_prompts(obj: &serde_json::Map<String, Value>) -> Result<Vec<Prompt>, ApiError> {
+    const SHAPES: &str = "must be a string, an array of strings, an array of token ids or an \
+                          array of token-id arrays";
+    let items = match obj.get("prompt") {
+        Some(Value::String(p)) => return Ok(vec![Prompt::Text(p.clone())]),
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(invalid("prompt", SHAPES)),
+        None => return Err(invalid("prompt", "is required")),
+    };
+    let bad_item = |i: usize| invalid("prompt", format!("item {i}: {SHAPES}, of one kind"));
+    match items.first() {
+        None => Err(invalid("prompt", "must not be an empty array")),
+        Some(Value::String(_)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                Value::String(s) => Ok(Prompt::Text(s.clone())),
+                _ => Err(bad_item(i)),
+            })
+            .collect(),
+        Some(Value::Number(_)) => Ok(vec![Prompt::Tokens(token_ids(items, None)?)]),
+        Some(Value::Array(_)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                Value::Array(ids) if !ids.is_empty() => token_ids(ids, Some(i)).map(Prompt::Tokens),
+                _ => Err(bad_item(i)),
+            })
+            .collect(),
+        Some(_) => Err(bad_item(0)),
+    }
+}
+
+/// Token ids (each 0 to 2^32 - 1) of a prompt; `batch` is the prompt's place in a batch.
+fn token_ids(items: &[Value], batch: Option<usize>) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(j, t)| {
+            t.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| {
+                    let at = batch.map_or(String::new(), |i| format!("prompt {i}, "));
+                    invalid(
+                        "prompt",
+                        format!(
+                            "{at}token {j}: a token id is an integer from 0 to 2^32 - 1, got {t}"
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// The validated `messages` of a chat request: each role (one of [`CHAT_ROLES`]) and its text
+/// content: a string, the text parts of a content-part list joined with newlines (as vLLM does
+/// for string-content templates; other parts such as images are the engine's), or `None` for a
+/// `null` or absent `content` (an assistant turn that only calls tools).
+fn chat_messages(
+    obj: &serde_json::Map<String, Value>,
+) -> Result<Vec<(String, Option<String>)>, ApiError> {
     let messages = match obj.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m,
         Some(Value::Array(_)) => return Err(invalid("messages", "must not be empty")),
@@ -241,59 +381,79 @@ fn chat_messages(obj: &serde_json::Map<String, Value>) -> Result<Vec<(String, St
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or_else(|| invalid("messages", format!("message {i} needs a string `role`")))?;
-            let content = match m.get("content") {
-                Some(Value::String(c)) => c.clone(),
-                Some(Value::Array(parts)) => text_parts(parts).ok_or_else(|| {
-                    invalid(
+            let role = match m.get("role") {
+                Some(Value::String(r)) if CHAT_ROLES.contains(&r.as_str()) => r,
+                Some(Value::String(r)) => {
+                    return Err(invalid(
                         "messages",
-                        format!("message {i}: only text content parts are supported"),
-                    )
-                })?,
+                        format!(
+                            "messages[{i}].role: `{r}` is not one of {}",
+                            CHAT_ROLES.join(", ")
+                        ),
+                    ));
+                }
                 _ => {
                     return Err(invalid(
                         "messages",
-                        format!("message {i} needs a string `content` or a list of text parts"),
+                        format!("messages[{i}] needs a string `role`"),
                     ));
                 }
             };
-            Ok((role.to_owned(), content))
+            let content = match m.get("content") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(c)) => Some(c.clone()),
+                Some(Value::Array(parts)) => Some(text_parts(parts).map_err(|j| {
+                    invalid(
+                        "messages",
+                        format!(
+                            "messages[{i}].content[{j}] must be an object with a string `type` \
+                             (a `text` part with a string `text`)"
+                        ),
+                    )
+                })?),
+                Some(_) => {
+                    return Err(invalid(
+                        "messages",
+                        format!(
+                            "messages[{i}].content must be a string, a list of content parts \
+                             or null"
+                        ),
+                    ));
+                }
+            };
+            Ok((role.clone(), content))
         })
         .collect()
 }
 
-/// `[{"type": "text", "text": ...}, ...]` joined with newlines; `None` for any other part.
-fn text_parts(parts: &[Value]) -> Option<String> {
-    let texts: Option<Vec<&str>> = parts
-        .iter()
-        .map(|p| match p.get("type").and_then(Value::as_str) {
-            Some("text") => p.get("text").and_then(Value::as_str),
-            _ => None,
-        })
-        .collect();
-    Some(texts?.join("\n"))
+/// The `text` parts of a content-part list joined with newlines; other parts (images, audio,
+/// files, refusals) are skipped. `Err(j)`: part `j` is malformed.
+fn text_parts(parts: &[Value]) -> Result<String, usize> {
+    let mut texts = Vec::new();
+    for (j, p) in parts.iter().enumerate() {
+        match p.get("type").and_then(Value::as_str) {
+            Some("text") => texts.push(p.get("text").and_then(Value::as_str).ok_or(j)?),
+            Some(_) => {}
+            None => return Err(j),
+        }
+    }
+    Ok(texts.join("\n"))
 }
 
-/// Chat messages as `role: content` lines.
-fn chat_prompt(obj: &serde_json::Map<String, Value>) -> Result<String, ApiError> {
-    Ok(chat_messages(obj)?
-        .iter()
-        .map(|(role, content)| format!("{role}: {content}\n"))
-        .collect())
-}
-
-/// What the chat template of a chat request sees: its messages (contents flattened, every
-/// other field of a message kept), tools, `add_generation_prompt` and `chat_template_kwargs`.
-fn chat_input(obj: &serde_json::Map<String, Value>) -> Result<ChatInput, ApiError> {
-    let flat = chat_messages(obj)?;
+/// What the chat template of a chat request sees: its messages (content-part lists flattened
+/// to their text as `flat` says, every other field of a message kept), tools,
+/// `add_generation_prompt` and `chat_template_kwargs`.
+fn chat_input(
+    obj: &serde_json::Map<String, Value>,
+    flat: Vec<(String, Option<String>)>,
+) -> Result<ChatInput, ApiError> {
     let mut messages = obj.get("messages").cloned().unwrap_or(Value::Null);
     if let Value::Array(items) = &mut messages {
         for (m, (_, content)) in items.iter_mut().zip(flat) {
-            if let Some(o) = m.as_object_mut() {
-                o.insert("content".into(), Value::String(content));
+            if let (Some(o), Some(text)) = (m.as_object_mut(), content)
+                && !o.get("content").is_some_and(Value::is_string)
+            {
+                o.insert("content".into(), Value::String(text));
             }
         }
     }
@@ -392,126 +552,148 @@ pub fn prefill_kv_params(blocks: u64) -> Value {
     json!({"do_remote_prefill": true, "do_remote_decode": false, "kvpool_blocks": blocks})
 }
 
-/// Identity and timing fields shared by a response and its chunks.
-#[derive(Clone, Debug)]
-pub struct ResponseMeta {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-    pub endpoint: Endpoint,
-}
-
-/// Non-streaming response body.
-pub fn response_body(
-    meta: &ResponseMeta,
-    text: &str,
-    prompt_tokens: u64,
-    completion_tokens: u64,
-) -> Value {
-    let usage = json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    });
-    match meta.endpoint {
-        Endpoint::Completions => json!({
-            "id": meta.id, "object": "text_completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
-            "usage": usage,
-        }),
-        Endpoint::ChatCompletions => json!({
-            "id": meta.id, "object": "chat.completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": "length"}],
-            "usage": usage,
-        }),
-    }
-}
-
-/// One streamed chunk carrying `text`; `last` sets the finish reason.
-pub fn chunk_body(meta: &ResponseMeta, text: &str, first: bool, last: bool) -> Value {
-    let finish = if last { json!("length") } else { Value::Null };
-    match meta.endpoint {
-        Endpoint::Completions => json!({
-            "id": meta.id, "object": "text_completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-        }),
-        Endpoint::ChatCompletions => {
-            let delta = if first {
-                json!({"role": "assistant", "content": text})
-            } else {
-                json!({"content": text})
-            };
-            json!({
-                "id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
-                "model": meta.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-            })
-        }
-    }
-}
-
-/// `/v1/models` body listing `models`.
-pub fn models_body<S: AsRef<str>>(models: &[S], created: u64) -> Value {
-    let data: Vec<Value> = models
-        .iter()
-        .map(|m| json!({"id": m.as_ref(), "object": "model", "created": created, "owned_by": "kvpool"}))
-        .collect();
-    json!({"object": "list", "data": data})
-}
-
-/// Path of the optional prefetch endpoint: `POST {"keys": ["<16 hex digits>", ...]}` asks the
-/// engine to read those prompt blocks (first block first) from the pool into its local cache.
-/// Answers 200 `{"loaded": N}` (the leading blocks now held locally), 400 for a bad body, and
-/// 404 from an engine that cannot prefetch (docs/engine-contract.md).
-pub const PREFETCH_PATH: &str = "/kvpool/v1/prefetch";
-
-/// Most blocks one prefetch request may name.
-pub const MAX_PREFETCH_BLOCKS: usize = 65_536;
-
-/// The prefetch request body for `keys` (hex strings: JSON numbers lose bits past 2^53).
-pub fn prefetch_body(keys: &[BlockKey]) -> Value {
-    json!({"keys": keys.iter().map(|k| format!("{k:016x}")).collect::<Vec<_>>()})
-}
-
-/// The block keys of a prefetch request body.
-pub fn parse_prefetch(body: &[u8]) -> Result<Vec<BlockKey>, ApiError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::Json(e.to_string()))?;
-    let keys = v
-        .get("keys")
-        .and_then(Value::as_array)
-        .ok_or_else(|| invalid("keys", "must be an array of block keys (hex strings)"))?;
-    if keys.len() > MAX_PREFETCH_BLOCKS {
-        return Err(invalid(
-            "keys",
-            format!("at most {MAX_PREFETCH_BLOCKS} blocks, got {}", keys.len()),
-        ));
-    }
-    keys.iter()
-        .enumerate()
-        .map(|(i, k)| {
-            k.as_str()
-                .filter(|s| !s.is_empty() && s.len() <= 16)
-                .and_then(|s| u64::from_str_radix(s, 16).ok())
-                .ok_or_else(|| {
-                    invalid(
-                        "keys",
-                        format!("entry {i} must be a block key of 1 to 16 hex digits"),
-                    )
-                })
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn parse(endpoint: Endpoint, body: &str) -> Result<GenerateRequest, ApiError> {
         parse_request(endpoint, body.as_bytes(), &|m| m == "m")
+    }
+
+    fn text(t: &str) -> Vec<Prompt> {
+        vec![Prompt::Text(t.into())]
+    }
+
+    fn invalid_field(endpoint: Endpoint, body: &str) -> &'static str {
+        match parse(endpoint, body) {
+            Err(ApiError::Invalid { field, .. }) => field,
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn completions_take_batched_and_token_id_prompts() {
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":["a","b"],"n":3}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompts,
+            vec![Prompt::Text("a".into()), Prompt::Text("b".into())]
+        );
+        assert_eq!((r.n, r.choices(), r.output_tokens()), (3, 6, 96));
+        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(r.prompts, vec![Prompt::Tokens(vec![1, 2, 3])]);
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":[[1],[4294967295,0]]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompts,
+            vec![Prompt::Tokens(vec![1]), Prompt::Tokens(vec![u32::MAX, 0])]
+        );
+        for bad in [
+            r#"{"model":"m","prompt":[]}"#,
+            r#"{"model":"m","prompt":[1,"a"]}"#,
+            r#"{"model":"m","prompt":[-1]}"#,
+            r#"{"model":"m","prompt":[4294967296]}"#,
+            r#"{"model":"m","prompt":[[1],[]]}"#,
+            r#"{"model":"m","prompt":[[1],2]}"#,
+            r#"{"model":"m","prompt":[{"a":1}]}"#,
+            r#"{"model":"m","prompt":3}"#,
+        ] {
+            assert_eq!(invalid_field(Endpoint::Completions, bad), "prompt", "{bad}");
+        }
+        for (bad, field) in [
+            (r#"{"model":"m","prompt":"a","n":0}"#, "n"),
+            (r#"{"model":"m","prompt":"a","n":129}"#, "n"),
+            (
+                r#"{"model":"m","prompt":"a","stream_options":{"include_usage":true}}"#,
+                "stream_options",
+            ),
+            (
+                r#"{"model":"m","prompt":"a","stream":true,"stream_options":{"include_usage":1}}"#,
+                "stream_options",
+            ),
+            (
+                r#"{"model":"m","prompt":"a","stream":true,"stream_options":[]}"#,
+                "stream_options",
+            ),
+        ] {
+            assert_eq!(invalid_field(Endpoint::Completions, bad), field, "{bad}");
+        }
+    }
+
+    #[test]
+    fn stream_options_and_unknown_fields_are_read_or_left_alone() {
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"a","stream":true,"stream_options":{"include_usage":true},"stop":["x"],"echo":true,"logprobs":2,"seed":1,"something_new":{"a":1}}"#,
+        )
+        .unwrap();
+        assert!(r.stream && r.include_usage);
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"a","stream":true,"stream_options":{}}"#,
+        )
+        .unwrap();
+        assert!(!r.include_usage);
+        let r = parse(
+            Endpoint::Completions,
+            r#"{"model":"m","prompt":"a","max_tokens":null,"max_completion_tokens":5}"#,
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens, 5);
+    }
+
+    #[test]
+    fn chat_takes_every_role_content_parts_and_tool_call_turns() {
+        let r = parse(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[
+                {"role":"developer","content":"d"},
+                {"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"data:x"}},{"type":"text","text":"here"}]},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},
+                {"role":"tool","tool_call_id":"c1","content":"42"},
+                {"role":"function","name":"f","content":"1"},
+                {"role":"assistant"}],
+              "tools":[{"type":"function","function":{"name":"f","parameters":{}}}],
+              "response_format":{"type":"json_object"}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompts,
+            text(
+                "developer: d\nuser: look\nhere\nassistant: \ntool: 42\nfunction: 1\nassistant: \n"
+            )
+        );
+        let chat = r.chat.expect("chat");
+        // The template sees the text of the parts, and a tool-call turn as it came.
+        assert_eq!(chat.messages[1]["content"], "look\nhere");
+        assert!(chat.messages[2]["content"].is_null());
+        assert_eq!(chat.messages[2]["tool_calls"][0]["id"], "c1");
+        assert!(chat.messages[5].get("content").is_none());
+        for bad in [
+            r#"{"model":"m","messages":[{"role":"robot","content":"x"}]}"#,
+            r#"{"model":"m","messages":[{"content":"x"}]}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":3}]}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text"}]}]}"#,
+            r#"{"model":"m","messages":"hi"}"#,
+        ] {
+            assert_eq!(
+                invalid_field(Endpoint::ChatCompletions, bad),
+                "messages",
+                "{bad}"
+            );
+        }
+        let err = parse(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"robot","content":"x"}]}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("messages[0].role"), "{err}");
     }
 
     #[test]
@@ -581,18 +763,15 @@ mod tests {
             r#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#,
         )
         .unwrap();
-        assert_eq!((r.prompt.as_str(), r.max_tokens, r.stream), ("hi", 3, true));
+        assert_eq!((r.prompts, r.max_tokens, r.stream), (text("hi"), 3, true));
         let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":["x"]}"#).unwrap();
-        assert_eq!(
-            (r.prompt.as_str(), r.max_tokens, r.stream),
-            ("x", 16, false)
-        );
+        assert_eq!((r.prompts, r.max_tokens, r.stream), (text("x"), 16, false));
         let r = parse(
             Endpoint::ChatCompletions,
             r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"hi"}]}"#,
         )
         .unwrap();
-        assert_eq!(r.prompt, "system: be brief\nuser: hi\n");
+        assert_eq!(r.prompts, text("system: be brief\nuser: hi\n"));
         assert_eq!(r.kv_role, KvRole::Standalone);
         let r = parse(
             Endpoint::Completions,
@@ -619,7 +798,7 @@ mod tests {
             (Endpoint::Completions, r#"{"model":"m"}"#, "prompt"),
             (
                 Endpoint::Completions,
-                r#"{"model":"m","prompt":["a","b"]}"#,
+                r#"{"model":"m","prompt":["a",1]}"#,
                 "prompt",
             ),
             (
@@ -659,7 +838,7 @@ mod tests {
             ),
             (
                 Endpoint::ChatCompletions,
-                r#"{"model":"m","messages":[{"role":"user"}]}"#,
+                r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
                 "messages",
             ),
         ];
@@ -679,54 +858,13 @@ mod tests {
     }
 
     #[test]
-    fn bodies_have_openai_shape() {
-        let meta = ResponseMeta {
-            id: "cmpl-1".into(),
-            created: 5,
-            model: "m".into(),
-            endpoint: Endpoint::ChatCompletions,
-        };
-        let b = response_body(&meta, "ok", 3, 2);
-        assert_eq!(b["choices"][0]["message"]["content"], "ok");
-        assert_eq!(b["usage"]["total_tokens"], 5);
-        let c = chunk_body(&meta, "a", true, false);
-        assert_eq!(c["choices"][0]["delta"]["role"], "assistant");
-        assert!(c["choices"][0]["finish_reason"].is_null());
-        let c = chunk_body(&meta, "b", false, true);
-        assert_eq!(c["choices"][0]["finish_reason"], "length");
-        assert_eq!(models_body(&["m"], 1)["data"][0]["id"], "m");
-        assert_eq!(models_body::<&str>(&[], 1)["data"], json!([]));
-    }
-
-    #[test]
-    fn prefetch_bodies_round_trip_and_bad_ones_name_the_field() {
-        let keys = [0, 1, u64::MAX, 0x0123_4567_89ab_cdef];
-        let body = prefetch_body(&keys).to_string();
-        assert!(body.contains("\"ffffffffffffffff\""), "{body}");
-        assert_eq!(parse_prefetch(body.as_bytes()).unwrap(), keys);
-        for bad in [
-            r#"{"keys": [1]}"#,
-            r#"{"keys": ["xyz"]}"#,
-            r#"{"keys": ["00000000000000001"]}"#,
-            r#"{"keys": [""]}"#,
-            r#"{"key": []}"#,
-        ] {
-            match parse_prefetch(bad.as_bytes()) {
-                Err(ApiError::Invalid { field, .. }) => assert_eq!(field, "keys", "{bad}"),
-                other => panic!("{bad}: {other:?}"),
-            }
-        }
-        assert!(matches!(parse_prefetch(b"{"), Err(ApiError::Json(_))));
-    }
-
-    #[test]
     fn chat_requests_keep_what_the_template_needs() {
         let r = parse(
             Endpoint::ChatCompletions,
             r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}],"name":"x"}],"tools":[{"type":"function"}],"add_generation_prompt":false,"chat_template_kwargs":{"enable_thinking":false}}"#,
         )
         .unwrap();
-        assert_eq!(r.prompt, "user: a\nb\n");
+        assert_eq!(r.prompts, text("user: a\nb\n"));
         assert!(
             !r.add_special_tokens,
             "chat requests default to no special tokens"
@@ -767,17 +905,17 @@ mod tests {
             ),
             (
                 Endpoint::ChatCompletions,
-                r#"{"model":"m","messages":[{"role":"u","content":[{"type":"image_url"}]}]}"#,
+                r#"{"model":"m","messages":[{"role":"user","content":[{"text":"no type"}]}]}"#,
                 "messages",
             ),
             (
                 Endpoint::ChatCompletions,
-                r#"{"model":"m","messages":[{"role":"u","content":"q"}],"chat_template_kwargs":[]}"#,
+                r#"{"model":"m","messages":[{"role":"user","content":"q"}],"chat_template_kwargs":[]}"#,
                 "chat_template_kwargs",
             ),
             (
                 Endpoint::ChatCompletions,
-                r#"{"model":"m","messages":[{"role":"u","content":"q"}],"add_generation_prompt":"yes"}"#,
+                r#"{"model":"m","messages":[{"role":"user","content":"q"}],"add_generation_prompt":"yes"}"#,
                 "add_generation_prompt",
             ),
         ] {

@@ -1,13 +1,18 @@
 //! The answers the conductor gives itself instead of an engine's, as OpenAI-style error bodies,
 //! each counted by outcome: a refused request (400/404), an early rejection (429 with
-//! `Retry-After`), a prompt the tokenizer refuses, a failed upstream call (502) and no engines
-//! yet (503). Pure but for the metrics and the log line of a failed upstream call.
+//! `Retry-After` for overload, 400 `slo_unattainable` for a request no load would let through),
+//! a prompt the tokenizer refuses, a failed upstream call (502), no engines yet (503), an
+//! unknown route (404) or method (405), a body that cannot be read (413, ...), and our own
+//! failure (500). Pure but for the metrics and
+//! the log lines of failures.
 
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Json, Response};
 
 use super::shared::Shared;
 use super::upstream::UpstreamError;
+use crate::state::Refusal;
 use crate::tokenize::TokenizeError;
 use kvpool_core::sched::RejectReason;
 use kvpool_proto::openai::{self as api, ApiError};
@@ -28,16 +33,9 @@ pub(super) fn api_error(shared: &Shared, err: &ApiError) -> Response {
     (status, Json(err.body())).into_response()
 }
 
-/// The policy rejected the request at arrival: 429, with a `Retry-After` from the estimate.
-pub(super) fn rejected(shared: &Shared, reason: RejectReason) -> Response {
-    shared.metrics.request("rejected");
-    shared
-        .metrics
-        .rejections
-        .with_label_values(&[reason.category()])
-        .inc();
-    let slo = shared.config.scheduler.slo;
-    let (message, retry_s) = match reason {
+/// What a rejection reason says, with the seconds after which a retry may succeed.
+fn rejection_text(slo: kvpool_core::sched::Slo, reason: RejectReason) -> (String, f64) {
+    match reason {
         RejectReason::Ttft { estimate_s } => (
             format!(
                 "estimated time to first token {estimate_s:.1} s exceeds the {:.1} s objective",
@@ -54,12 +52,51 @@ pub(super) fn rejected(shared: &Shared, reason: RejectReason) -> Response {
         ),
         RejectReason::DecodeMemory => ("decode instances have no KV memory left".into(), 1.0),
         RejectReason::NoInstance => ("no serving instance available".into(), 5.0),
-    };
+    }
+}
+
+/// Code of the 400 for a request that cannot meet its SLO on an idle pool either.
+pub const SLO_UNATTAINABLE: &str = "slo_unattainable";
+
+/// The policy rejected the request at arrival. Overload (the request could succeed later):
+/// 429 with a `Retry-After` from the estimate. A request that would be refused on an idle
+/// pool too: 400 with code [`SLO_UNATTAINABLE`] and no `Retry-After`, since retrying it
+/// cannot help.
+pub(super) fn rejected(shared: &Shared, refusal: Refusal) -> Response {
+    let slo = shared.config.scheduler.slo;
+    if let Some(idle) = refusal.when_idle {
+        shared.metrics.request("unattainable");
+        shared
+            .metrics
+            .rejections
+            .with_label_values(&[idle.category()])
+            .inc();
+        let (message, _) = rejection_text(slo, idle);
+        let message = match idle {
+            RejectReason::DecodeMemory => {
+                "the prompt is larger than a decode instance's KV memory".to_owned()
+            }
+            _ => format!("{message} even on an idle pool"),
+        };
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            format!("request cannot meet its service level objective: {message}"),
+            "invalid_request_error",
+            SLO_UNATTAINABLE,
+        );
+    }
+    shared.metrics.request("rejected");
+    shared
+        .metrics
+        .rejections
+        .with_label_values(&[refusal.reason.category()])
+        .inc();
+    let (message, retry_s) = rejection_text(slo, refusal.reason);
     let mut resp = error_response(
         StatusCode::TOO_MANY_REQUESTS,
         format!("request rejected: {message}"),
         "rate_limit_exceeded",
-        reason.category(),
+        refusal.reason.category(),
     );
     if let Ok(v) = HeaderValue::from_str(&format!("{}", retry_s.min(3600.0) as u64)) {
         resp.headers_mut().insert(header::RETRY_AFTER, v);
@@ -106,5 +143,45 @@ pub(super) fn no_engines(shared: &Shared) -> Response {
             .to_owned(),
         "service_unavailable",
         "no_engines",
+    )
+}
+
+/// The request body could not be read (too large, or the connection failed): its status
+/// (413, 400, ...) with an OpenAI-style body instead of axum's plain text.
+pub(super) fn body_rejected(shared: &Shared, e: &BytesRejection) -> Response {
+    shared.metrics.request("body");
+    error_response(e.status(), e.body_text(), "invalid_request_error", "body")
+}
+
+/// A route the conductor does not serve: 404 with an OpenAI-style body.
+pub(super) fn route_not_found(method: &Method, uri: &Uri) -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        format!("no route for {method} {}", uri.path()),
+        "invalid_request_error",
+        "not_found",
+    )
+}
+
+/// A route served, but not with this method: 405 with an OpenAI-style body (axum adds the
+/// `Allow` header).
+pub(super) fn method_not_allowed(method: &Method, uri: &Uri) -> Response {
+    error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} does not take {method}", uri.path()),
+        "invalid_request_error",
+        "method_not_allowed",
+    )
+}
+
+/// The conductor itself failed on this request: 500 with an OpenAI-style body, logged.
+pub(super) fn internal_error(shared: &Shared, what: &str) -> Response {
+    shared.metrics.request("internal");
+    tracing::error!(what, "request failed inside the conductor");
+    error_response(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!("internal error: {what}"),
+        "server_error",
+        "internal",
     )
 }

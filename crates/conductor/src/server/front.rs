@@ -1,5 +1,7 @@
 //! The conductor's HTTP front, the OpenAI-facing layer: the router with `/v1/completions`,
-//! `/v1/chat/completions` and `/v1/models` (and kvpool's own `/v1/kvpool/status`), and the assembly of one conductor ([`conductor`]:
+//! `/v1/chat/completions`, `/v1/models` and `/v1/models/{id}` (and kvpool's own
+//! `/v1/kvpool/status`), OpenAI-style JSON errors for any other route (404) or method (405),
+//! and the assembly of one conductor ([`conductor`]:
 //! its metrics, engine set and shared state). I/O boundary: none until the router is served
 //! (`kvpool_runtime::http::serve`, re-exported as `server::serve`).
 
@@ -8,12 +10,15 @@ use std::time::Instant;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State as AxumState;
-use axum::response::Json;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State as AxumState};
+use axum::http::{Method, Uri};
+use axum::response::{IntoResponse, Json};
 use axum::routing::{get, post};
 use prometheus::Registry;
 
 use super::engine_set::EngineSet;
+use super::error_bodies::{api_error, body_rejected, method_not_allowed, route_not_found};
 use super::handle::handle;
 use super::members::Members;
 use super::metrics::Metrics;
@@ -25,7 +30,8 @@ use crate::fetch_estimate::FetchEstimate;
 use crate::prefill_costs::PrefillCosts;
 use crate::state::{State, StateError};
 use kvpool_core::sched::FitConfig;
-use kvpool_proto::openai::{self as api, Endpoint};
+use kvpool_proto::openai::{ApiError, Endpoint};
+use kvpool_proto::openai_bodies as bodies;
 
 /// Errors of the conductor server.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -134,16 +140,22 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         .route(
             "/v1/completions",
             post(
-                |AxumState(s): AxumState<Arc<Shared>>, body: Bytes| async move {
-                    handle(s, Endpoint::Completions, "/v1/completions", body).await
+                |AxumState(s): AxumState<Arc<Shared>>, body: Result<Bytes, BytesRejection>| async move {
+                    match body {
+                        Ok(body) => handle(s, Endpoint::Completions, "/v1/completions", body).await,
+                        Err(e) => body_rejected(&s, &e),
+                    }
                 },
             ),
         )
         .route(
             "/v1/chat/completions",
             post(
-                |AxumState(s): AxumState<Arc<Shared>>, body: Bytes| async move {
-                    handle(s, Endpoint::ChatCompletions, "/v1/chat/completions", body).await
+                |AxumState(s): AxumState<Arc<Shared>>, body: Result<Bytes, BytesRejection>| async move {
+                    match body {
+                        Ok(body) => handle(s, Endpoint::ChatCompletions, "/v1/chat/completions", body).await,
+                        Err(e) => body_rejected(&s, &e),
+                    }
                 },
             ),
         )
@@ -151,13 +163,31 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             "/v1/models",
             get(|AxumState(s): AxumState<Arc<Shared>>| async move {
                 super::models::refresh(&s.models, &s.upstream, s.engine_urls()).await;
-                Json(api::models_body(&s.models.names(), 0))
+                Json(bodies::models_body(&s.models.names(), 0))
             }),
+        )
+        // Model ids may hold slashes (`org/name`), as the OpenAI client sends them.
+        .route(
+            "/v1/models/{*id}",
+            get(
+                |AxumState(s): AxumState<Arc<Shared>>, Path(id): Path<String>| async move {
+                    super::models::refresh(&s.models, &s.upstream, s.engine_urls()).await;
+                    if s.models.serves(&id) {
+                        Json(bodies::model_body(&id, 0)).into_response()
+                    } else {
+                        api_error(&s, &ApiError::UnknownModel(id))
+                    }
+                },
+            ),
         )
         .route(
             "/v1/kvpool/status",
             get(|AxumState(s): AxumState<Arc<Shared>>| async move { Json(status(&s)) }),
         )
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            method_not_allowed(&method, &uri)
+        })
+        .fallback(|method: Method, uri: Uri| async move { route_not_found(&method, &uri) })
         .with_state(shared.clone());
     Ok(Conductor {
         router,

@@ -1,5 +1,6 @@
-//! One request from its body to its placement: parse and validate it (OpenAI contract),
-//! tokenise the prompt into block keys, ask the pool which leading blocks it holds, let the
+//! One request from its body to its placement: parse it once (the conductor's OpenAI layer,
+//! `request`: the body as it came beside its typed view), tokenise the prompt into block keys
+//! (a batch by its first prompt), ask the pool which leading blocks it holds, let the
 //! policy place it (or reject it), start any replication the placement planned, and hand it
 //! to the routing convention of the chosen pair. I/O boundary: the tokenizer task, the pool
 //! lookup and, through `vllm` and `sglang`, the engines.
@@ -7,11 +8,11 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use serde_json::Value;
+use axum::response::Response;
 
-use super::error_bodies::{api_error, no_engines, rejected, tokenizer_failed, upstream_failed};
+use super::error_bodies::{
+    api_error, internal_error, no_engines, rejected, tokenizer_failed, upstream_failed,
+};
 use super::members::{Members, Placed};
 use super::pool_lookup::pool_prefix;
 use super::prefetch::replicate;
@@ -20,7 +21,8 @@ use super::shared::{Finish, Shared};
 use super::upstream::UpstreamError;
 use super::vllm::route_vllm;
 use crate::engines::RoutingProtocol;
-use kvpool_proto::openai::{self as api, Endpoint};
+use crate::request::ClientRequest;
+use kvpool_proto::openai::Endpoint;
 
 /// Serves one completion request that came to `endpoint` (at `path`).
 pub(super) async fn handle(
@@ -34,37 +36,39 @@ pub(super) async fn handle(
         return no_engines(&shared);
     }
     let served = |m: &str| shared.models.serves(m);
-    let req = match api::parse_request(endpoint, &body, &served) {
-        Err(api::ApiError::UnknownModel(_)) if shared.models.learns() => {
+    let req = match ClientRequest::parse(endpoint, &body, &served) {
+        Ok(Err(unknown)) if shared.models.learns() => {
             // Perhaps an engine serves it and was not asked yet (or changed its model).
             super::models::refresh(&shared.models, &shared.upstream, shared.engine_urls()).await;
-            api::parse_request(endpoint, &body, &served)
+            ClientRequest::from_object(endpoint, unknown.body, &served)
         }
         parsed => parsed,
     };
     let req = match req {
-        Ok(r) => Arc::new(r),
+        Ok(Ok(r)) => r,
+        Ok(Err(unknown)) => return api_error(&shared, &unknown.error),
         Err(e) => return api_error(&shared, &e),
     };
-    // parse_request accepted it, so it is a JSON object.
-    let original: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let tokens = match shared
         .config
         .tokenizer
-        .request_tokens_off_runtime(shared.config.chat_template.clone(), req.clone())
+        .prompt_tokens_off_runtime(shared.config.chat_template.clone(), req.view.clone())
         .await
     {
         Ok(t) => t,
         Err(e) => return tokenizer_failed(&shared, &e),
     };
+    // A batch goes to one engine pair, as one request, routed by its first prompt's prefix
+    // (docs/openai.md); all its prompt tokens and choices are booked.
     let keys = shared
         .config
         .hashing
-        .keys(&tokens, shared.config.scheduler.block_size);
+        .keys(&tokens.first, shared.config.scheduler.block_size);
     let in_pool = match &shared.config.pool {
-        Some(pool) => pool_prefix(&shared, pool, &req.model, &keys).await,
+        Some(pool) => pool_prefix(&shared, pool, &req.view.model, &keys).await,
         None => 0,
     };
+    let output_tokens = req.booked_output_tokens();
     let placed = {
         let mut members = shared.members.lock();
         let epoch = members.epoch;
@@ -80,8 +84,7 @@ pub(super) async fn handle(
                 .lock()
                 .bandwidth_bps(shared.config.block_bytes()),
         );
-        let placed =
-            state.place_with_pool(now, &keys, in_pool, tokens.len() as u64, req.max_tokens);
+        let placed = state.place_with_pool(now, &keys, in_pool, tokens.total, output_tokens);
         if let Some(task) = state.take_replication() {
             replicate(&shared, &task, &engines.prefill);
         }
@@ -107,11 +110,14 @@ pub(super) async fn handle(
                         protocol: engines.pair_protocol(p, d, shared.config.protocol),
                     }
                 }
-                _ => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                _ => {
+                    drop(members);
+                    return internal_error(&shared, "the placement names an engine that left");
+                }
             },
-            Err(reason) => {
+            Err(refusal) => {
                 drop(members);
-                return rejected(&shared, reason);
+                return rejected(&shared, refusal);
             }
         }
     };
@@ -121,6 +127,7 @@ pub(super) async fn handle(
         shared: shared.clone(),
         placed: placed.clone(),
     };
+    let original = req.into_body();
     match placed.protocol.clone() {
         Ok(RoutingProtocol::Vllm) => route_vllm(shared, placed, finish, original, path).await,
         Ok(RoutingProtocol::Sglang { bootstrap_port }) => {

@@ -15,7 +15,7 @@ use super::shared::Shared;
 use super::upstream::{UpstreamError, engine_url, read_body};
 use crate::state::ReplicationTask;
 use kvpool_core::sched::BlockKey;
-use kvpool_proto::openai as api;
+use kvpool_proto::prefetch::{PREFETCH_PATH, prefetch_body};
 
 /// Prefetch requests (hot-prefix copies) in flight at most; more tasks are dropped and counted.
 pub const MAX_PREFETCHES_IN_FLIGHT: usize = 8;
@@ -74,8 +74,8 @@ fn prefetch(shared: &Arc<Shared>, url: String, keys: Vec<BlockKey>) {
     let shared = shared.clone();
     tokio::spawn(async move {
         let _permit = permit;
-        let target = engine_url(&url, api::PREFETCH_PATH);
-        let body = api::prefetch_body(&keys);
+        let target = engine_url(&url, PREFETCH_PATH);
+        let body = prefetch_body(&keys);
         let outcome = match tokio::time::timeout(PREFETCH_TIMEOUT, async {
             let resp = shared.upstream.post(target.clone(), &body).await?;
             let status = resp.status();

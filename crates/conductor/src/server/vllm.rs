@@ -27,6 +27,10 @@ pub(super) async fn route_vllm(
     if let Some(obj) = prefill_req.as_object_mut() {
         obj.insert("max_tokens".into(), json!(1));
         obj.remove("max_completion_tokens");
+        // One choice is enough to compute the prompt's KV, and a floor on the output length
+        // would contradict the one token.
+        obj.insert("n".into(), json!(1));
+        obj.remove("min_tokens");
         obj.insert("stream".into(), json!(false));
         obj.remove("stream_options");
         obj.insert(

@@ -7,13 +7,13 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
@@ -21,7 +21,7 @@ use futures::StreamExt;
 use prometheus::Registry;
 use tokio::sync::{mpsc, oneshot};
 
-use super::error_bodies::{api_error, handoff_failed};
+use super::error_bodies::{api_error, handoff_failed, method_not_allowed, route_not_found};
 use super::generate::generate;
 use super::info;
 use super::metrics::Metrics;
@@ -31,7 +31,8 @@ use super::sglang::{effective_role, missing_bootstrap, output_tokens};
 use super::shared::Shared;
 use crate::agent::AgentKv;
 use crate::{EngineConfig, EngineCore};
-use kvpool_proto::openai::{self as api, Endpoint, KvRole, ResponseMeta};
+use kvpool_proto::openai::{self as api, Endpoint, KvRole};
+use kvpool_proto::openai_bodies::{self as bodies, ResponseMeta};
 
 /// Errors of the engine server.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -66,17 +67,15 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
     if let Some(e) = missing_bootstrap(&shared.config, &req) {
         return api_error(&shared, &e);
     }
-    let prefix = match endpoint {
-        Endpoint::Completions => "cmpl",
-        Endpoint::ChatCompletions => "chatcmpl",
-    };
     let meta = ResponseMeta {
-        id: format!("{prefix}-{}", shared.next_id.fetch_add(1, Ordering::SeqCst)),
+        id: bodies::response_id(endpoint),
         created: unix_now(),
         model: req.model.clone(),
         endpoint,
     };
     let stream = req.stream;
+    let include_usage = req.include_usage;
+    let choices = req.choices();
     let role = effective_role(&shared.config, &req);
     let max_tokens = output_tokens(&shared.config, role, &req);
     let block_size = u64::from(shared.config.block_size.get());
@@ -102,7 +101,8 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
         }
         return match task.await {
             Ok(Some(())) => {
-                let mut body = api::response_body(&meta, &text, prompt, u64::from(max_tokens));
+                let completion = choices * u64::from(max_tokens);
+                let mut body = bodies::response_body(&meta, &text, choices, prompt, completion);
                 if let (KvRole::Prefill, None, Some(obj)) =
                     (role, shared.config.sglang, body.as_object_mut())
                 {
@@ -116,13 +116,30 @@ async fn handle(shared: Arc<Shared>, endpoint: Endpoint, body: Bytes) -> Respons
             _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
         };
     }
+    // Each piece goes out once per choice (index 0 to choices - 1); with `include_usage`
+    // every chunk has `"usage": null` and a last chunk without choices carries the usage.
     let pieces = futures::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let usage_meta = meta.clone();
     let events = pieces
         .enumerate()
-        .map(move |(i, piece)| {
-            let chunk = api::chunk_body(&meta, &piece, i == 0, i + 1 == max_tokens as usize);
-            Ok::<_, Infallible>(Event::default().data(chunk.to_string()))
+        .flat_map(move |(i, piece)| {
+            let (first, last) = (i == 0, i + 1 == max_tokens as usize);
+            let chunks: Vec<_> = (0..choices)
+                .map(|c| {
+                    let mut chunk = bodies::chunk_body(&meta, c, &piece, first, last);
+                    if let (true, Some(obj)) = (include_usage, chunk.as_object_mut()) {
+                        obj.insert("usage".into(), serde_json::Value::Null);
+                    }
+                    Ok::<_, Infallible>(Event::default().data(chunk.to_string()))
+                })
+                .collect();
+            futures::stream::iter(chunks)
         })
+        .chain(futures::stream::iter(include_usage.then(|| {
+            let completion = choices * u64::from(max_tokens);
+            let chunk = bodies::usage_chunk(&usage_meta, prompt, completion);
+            Ok(Event::default().data(chunk.to_string()))
+        })))
         .chain(futures::stream::once(async {
             Ok(Event::default().data("[DONE]"))
         }));
@@ -157,7 +174,6 @@ pub(super) fn engine(
         prefill_lane: tokio::sync::Mutex::new(()),
         decoding: AtomicU64::new(0),
         decode_tokens: AtomicU64::new(0),
-        next_id: AtomicU64::new(1),
         metrics,
     });
     let created = unix_now();
@@ -177,17 +193,22 @@ pub(super) fn engine(
         .route(
             "/v1/models",
             get(move |State(s): State<Arc<Shared>>| async move {
-                Json(api::models_body(
+                Json(bodies::models_body(
                     std::slice::from_ref(&s.config.model),
                     created,
                 ))
             }),
         )
         .route(
-            api::PREFETCH_PATH,
+            kvpool_proto::prefetch::PREFETCH_PATH,
             post(
                 |State(s): State<Arc<Shared>>, body: Bytes| async move { prefetch(s, body).await },
             ),
         );
-    Ok((info::routes(router).with_state(shared.clone()), shared))
+    let router = info::routes(router)
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            method_not_allowed(&method, &uri)
+        })
+        .fallback(|method: Method, uri: Uri| async move { route_not_found(&method, &uri) });
+    Ok((router.with_state(shared.clone()), shared))
 }

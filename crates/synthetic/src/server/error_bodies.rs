@@ -1,8 +1,8 @@
 //! The errors the synthetic engine answers, as OpenAI-style bodies: a refused request, a failed
-//! KV hand-off (504/502), and the prefetch endpoint's "no agent" (404) and "agent failed"
-//! (502). Pure but for the request counter.
+//! KV hand-off (504/502), the prefetch endpoint's "no agent" (404) and "agent failed"
+//! (502), and unknown routes (404) and methods (405). Pure but for the request counter.
 
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Json, Response};
 
 use super::sglang::HandoffError;
@@ -70,5 +70,28 @@ pub(super) fn agent_failed(err: &AgentKvError) -> Response {
         "upstream_error",
         None,
         "agent",
+    )
+}
+
+/// A route the engine does not serve: 404 with an OpenAI-style body.
+pub(super) fn route_not_found(method: &Method, uri: &Uri) -> Response {
+    error_response(
+        StatusCode::NOT_FOUND,
+        &format!("no route for {method} {}", uri.path()),
+        "invalid_request_error",
+        None,
+        "not_found",
+    )
+}
+
+/// A route served, but not with this method: 405 with an OpenAI-style body (axum adds the
+/// `Allow` header).
+pub(super) fn method_not_allowed(method: &Method, uri: &Uri) -> Response {
+    error_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &format!("{} does not take {method}", uri.path()),
+        "invalid_request_error",
+        None,
+        "method_not_allowed",
     )
 }

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Json, Response};
 
 use super::error_bodies::{agent_failed, api_error, prefetch_unsupported};
 use super::shared::Shared;
-use kvpool_proto::openai as api;
+use kvpool_proto::prefetch::parse_prefetch;
 
 /// `POST /kvpool/v1/prefetch`: reads the named blocks beyond the local cache from the pool,
 /// verifying every byte, and caches the leading ones that arrived whole. Without an agent there
@@ -20,7 +20,7 @@ pub(super) async fn prefetch(shared: Arc<Shared>, body: Bytes) -> Response {
         m.prefetches.with_label_values(&["unsupported"]).inc();
         return prefetch_unsupported();
     };
-    let keys = match api::parse_prefetch(&body) {
+    let keys = match parse_prefetch(&body) {
         Ok(k) => k,
         Err(e) => {
             m.prefetches.with_label_values(&["invalid"]).inc();

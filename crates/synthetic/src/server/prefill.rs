@@ -10,21 +10,37 @@ use super::sglang::{HandoffError, wait_for_room};
 use super::shared::Shared;
 use crate::kv;
 use kvpool_core::sched::text_tokens;
-use kvpool_proto::openai::{GenerateRequest, KvRole};
+use kvpool_proto::openai::{GenerateRequest, KvRole, Prompt};
 
-/// Prefills `req` in `role`: returns what the client is told once the prompt's KV is in place,
-/// or why it could not get it (an SGLang hand-off that failed; counted and logged).
+/// The token ids of one prompt as this engine sees them: stand-in chunks of a text, or the
+/// ids given.
+pub(super) fn prompt_tokens(shared: &Shared, prompt: &Prompt) -> Vec<u32> {
+    match prompt {
+        Prompt::Text(text) => text_tokens(text, shared.config.chunk_bytes),
+        Prompt::Tokens(ids) => ids.clone(),
+    }
+}
+
+/// Which SGLang room steps one prompt of a request takes: a decode engine waits for the room
+/// before the first prompt, a prefill engine marks it done after the last.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RoomSteps {
+    pub(super) wait: bool,
+    pub(super) mark: bool,
+}
+
+/// Prefills `tokens` (one prompt of `req`) in `role`: returns what the client is told once the
+/// prompt's KV is in place, or why it could not get it (an SGLang hand-off that failed;
+/// counted and logged).
 pub(super) async fn prefill(
     shared: &Shared,
     req: &GenerateRequest,
+    tokens: &[u32],
     role: KvRole,
+    steps: RoomSteps,
 ) -> Result<PrefillReport, HandoffError> {
     let m = &shared.metrics;
-    let tokens = text_tokens(&req.prompt, shared.config.chunk_bytes);
-    let mut keys = shared
-        .config
-        .hashing
-        .keys(&tokens, shared.config.block_size);
+    let mut keys = shared.config.hashing.keys(tokens, shared.config.block_size);
     // Only full blocks go to the pool, as real engines do.
     keys.truncate(tokens.len() / shared.config.block_size.get() as usize);
     let room = req.bootstrap.as_ref().map(|b| b.room);
@@ -32,7 +48,9 @@ pub(super) async fn prefill(
     let mut to_write = Vec::new();
     let mut loaded = 0;
     if let Some(kv) = &shared.kv {
-        if let (Some(mode), KvRole::Decode, Some(room)) = (shared.config.sglang, role, room) {
+        if let (Some(mode), KvRole::Decode, Some(room), true) =
+            (shared.config.sglang, role, room, steps.wait)
+        {
             let timer = m
                 .kv_seconds
                 .with_label_values(&["handoff_wait"])
@@ -56,13 +74,15 @@ pub(super) async fn prefill(
         let timer = m.lane_wait_seconds.start_timer();
         let _lane = shared.prefill_lane.lock().await;
         timer.observe_duration();
-        let plan = shared.core.lock().prefill_with(&tokens, loaded);
+        let plan = shared.core.lock().prefill_with(tokens, loaded);
         shared.work(plan.seconds).await;
         plan
     };
     if let Some(kv) = &shared.kv {
         store_in_pool(shared, kv, &to_write).await;
-        if let (Some(_), KvRole::Prefill, Some(room)) = (shared.config.sglang, role, room) {
+        if let (Some(_), KvRole::Prefill, Some(room), true) =
+            (shared.config.sglang, role, room, steps.mark)
+        {
             // The room's blocks are all in the pool: tell its decode engine.
             store_in_pool(shared, kv, &[kv::room_key(room)]).await;
         }

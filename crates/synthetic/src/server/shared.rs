@@ -1,6 +1,6 @@
 //! What every handler of one synthetic engine shares ([`Shared`]): its configuration, the node
-//! agent's session, the prefix cache, the prefill lane and the decode batch's size, the
-//! response ids and the metrics. I/O boundary: the timer of the modelled work ([`Shared::work`]).
+//! agent's session, the prefix cache, the prefill lane, the decode batch's size and the
+//! metrics. I/O boundary: the timer of the modelled work ([`Shared::work`]).
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -17,7 +17,6 @@ pub(super) struct Shared {
     pub(super) prefill_lane: tokio::sync::Mutex<()>,
     pub(super) decoding: AtomicU64,
     pub(super) decode_tokens: AtomicU64,
-    pub(super) next_id: AtomicU64,
     pub(super) metrics: Metrics,
 }
 

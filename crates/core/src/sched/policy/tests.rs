@@ -235,6 +235,40 @@ fn early_rejection_on_ttft_tpot_and_memory() {
 }
 
 #[test]
+fn refusals_that_an_idle_pool_would_repeat_are_told_apart_from_load() {
+    let idx = PrefixIndex::new(2).unwrap();
+    let s = Scheduler::new(config(Policy::Conductor, Rejection::Predicted, 2), 1).unwrap();
+    // 11_000 tokens at 1 ms each: 11 s of prefill even with no queue, over the 10 s SLO.
+    assert_eq!(
+        s.refused_when_idle(5.0, &req(&[], 11_000), &idx, 2),
+        Some(RejectReason::Ttft { estimate_s: 11.0 })
+    );
+    // 5_000 tokens: 5 s on an idle instance; a refusal of it was the queue's doing.
+    assert_eq!(s.refused_when_idle(5.0, &req(&[], 5_000), &idx, 2), None);
+    // More prompt than a decode instance's 10_000-token KV memory, with a lenient TTFT SLO.
+    let mut lenient = config(Policy::Conductor, Rejection::Early, 1);
+    lenient.slo.ttft_s = 100.0;
+    let s = Scheduler::new(lenient.clone(), 1).unwrap();
+    assert_eq!(
+        s.refused_when_idle(0.0, &req(&[], 10_001), &idx, 1),
+        Some(RejectReason::DecodeMemory)
+    );
+    assert_eq!(s.refused_when_idle(0.0, &req(&[], 10_000), &idx, 1), None);
+    // A decode step alone: 0.01 + 0.01 + 1e-6 * tokens; over 0.1 s past 80_000 tokens.
+    lenient.decode_kv_capacity_tokens = 1_000_000;
+    lenient.slo.ttft_s = 1000.0;
+    let s = Scheduler::new(lenient.clone(), 1).unwrap();
+    assert!(matches!(
+        s.refused_when_idle(0.0, &req(&[], 90_000), &idx, 1),
+        Some(RejectReason::Tpot { .. })
+    ));
+    // Without early rejection nothing is refused, idle or not.
+    lenient.rejection = Rejection::None;
+    let s = Scheduler::new(lenient, 1).unwrap();
+    assert_eq!(s.refused_when_idle(0.0, &req(&[], 90_000), &idx, 1), None);
+}
+
+#[test]
 fn prediction_sees_finishing_and_arriving_requests() {
     let cost = DecodeCost {
         fixed_s: 0.01,
