@@ -65,6 +65,7 @@ fn config(
             seed: 1,
         },
         engine_cache_blocks: 1000,
+        upstream: Default::default(),
         tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
         chat_template: None,
         pool: None,
