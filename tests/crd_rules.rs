@@ -84,6 +84,7 @@ const DRAM_WHOLE_PAGES: &str =
     "dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)";
 const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
 const SSD_POSITIVE: &str = "ssd.capacityPerNode must be a positive quantity such as 3Ti";
+const SSD_HOST_PATH: &str = kvpool_crd::SSD_HOST_PATH_MESSAGE;
 const SRIOV_TCP: &str = "transport.sriov requires transport.protocol rdma or auto";
 const SRIOV_ONE_FORM: &str = "transport.sriov: set exactly one of resourceName (one resource for all rails) and resources (one per rail)";
 const NETWORKS_TCP: &str = "transport.networks (Multus) requires transport.protocol rdma or auto";
@@ -270,6 +271,60 @@ fn cases() -> Vec<Case> {
             POOL,
             json!({"ssd": {"hostPath": "/", "capacityPerNode": "3Ti"}}),
             OpenApi("hostPath"),
+        ),
+        c(
+            "ssd below /data with a trailing slash",
+            POOL,
+            json!({"ssd": {"hostPath": "/data/kv/", "capacityPerNode": "3Ti"}}),
+            Valid,
+        ),
+        c(
+            "ssd below /var/lib/kvpool",
+            POOL,
+            json!({"ssd": {"hostPath": "/var/lib/kvpool/ssd", "capacityPerNode": "3Ti"}}),
+            Valid,
+        ),
+        c(
+            "ssd in a system directory",
+            POOL,
+            json!({"ssd": {"hostPath": "/etc", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd in the kubelet's directory",
+            POOL,
+            json!({"ssd": {"hostPath": "/var/lib/kubelet", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd with a doubled slash",
+            POOL,
+            json!({"ssd": {"hostPath": "//mnt/nvme", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd with an empty segment",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt//nvme", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd climbing out of /mnt",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/../etc", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd ending in ..",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/nvme/..", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd the prefix itself",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
         ),
         c(
             "ssd without capacity",
@@ -959,6 +1014,9 @@ mod agreement {
             json!({"hostPath": "/mnt/nvme", "capacityPerNode": "0"}),
             json!({"hostPath": "relative", "capacityPerNode": "3Ti"}),
             json!({"hostPath": "/", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/etc/kvpool", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/mnt/a/../b", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/data/kv/", "capacityPerNode": "3Ti"}),
         ]);
         let transport = (
             opt(vec!["auto", "rdma", "tcp"]),

@@ -83,10 +83,10 @@ impl ValidatedKVCachePool {
         let ssd = match &spec.ssd {
             None => None,
             Some(ssd) => {
-                if !ssd.host_path.starts_with('/') || ssd.host_path.len() < 2 {
+                if !crate::ssd_host_path_allowed(&ssd.host_path) {
                     return Err(SpecError::Conflict {
                         field: "ssd.hostPath",
-                        message: "must be an absolute directory other than /",
+                        message: "must be a directory below /mnt/, /data/ or /var/lib/kvpool/ with no '.', '..' or empty segments (the agent mounts it read-write on every node)",
                     });
                 }
                 Some(SsdConfig {
@@ -384,7 +384,17 @@ mod tests {
                 "conflicting_fields",
             ),
             (
-                "  ssd: {hostPath: /x, capacityPerNode: -1}",
+                "  ssd: {hostPath: /etc, capacityPerNode: 1Ti}",
+                "ssd.hostPath",
+                "conflicting_fields",
+            ),
+            (
+                "  ssd: {hostPath: /mnt/../etc, capacityPerNode: 1Ti}",
+                "ssd.hostPath",
+                "conflicting_fields",
+            ),
+            (
+                "  ssd: {hostPath: /mnt/x, capacityPerNode: -1}",
                 "ssd.capacityPerNode",
                 "invalid_quantity",
             ),
