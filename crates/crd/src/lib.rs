@@ -26,6 +26,7 @@ pub use kvcachepool::{
 };
 
 pub use network::{
+    CONDUCTOR_PEER_MESSAGE, ConductorPeer, METRICS_PEER_MESSAGE, MetricsPeer,
     SSD_HOST_PATH_MESSAGE, SSD_HOST_PATH_PREFIXES, SSD_HOST_PATH_RULE, ssd_host_path_allowed,
 };
 pub use validated::{

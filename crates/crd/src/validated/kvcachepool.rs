@@ -96,6 +96,21 @@ impl ValidatedKVCachePool {
             }
         };
 
+        let np = &spec.network_policy;
+        let peer_message = "each peer sets either ipBlock or podSelector and/or namespaceSelector";
+        if !np.conductor_from.iter().all(crate::ConductorPeer::is_valid) {
+            return Err(SpecError::Conflict {
+                field: "networkPolicy.conductorFrom",
+                message: peer_message,
+            });
+        }
+        if !np.metrics_from.iter().all(crate::MetricsPeer::is_valid) {
+            return Err(SpecError::Conflict {
+                field: "networkPolicy.metricsFrom",
+                message: peer_message,
+            });
+        }
+
         let t = &spec.transport;
         if t.protocol == Protocol::Tcp {
             if t.sriov.is_some() {

@@ -77,6 +77,14 @@ pub fn operator_pods() -> NetworkPolicyPeer {
     }
 }
 
+/// The spec's peers as NetworkPolicy peers.
+fn peers<'a, P: 'a>(named: &'a [P]) -> Vec<NetworkPolicyPeer>
+where
+    NetworkPolicyPeer: From<&'a P>,
+{
+    named.iter().map(NetworkPolicyPeer::from).collect()
+}
+
 /// Every pod of the pool's namespace (the conductor's callers when none are named).
 fn namespace_pods() -> NetworkPolicyPeer {
     NetworkPolicyPeer {
@@ -92,9 +100,9 @@ fn policy(
     component: Component,
     mut rules: Vec<NetworkPolicyIngressRule>,
 ) -> NetworkPolicy {
-    let scrapers = &pool.spec.network_policy.metrics_from;
+    let scrapers = peers(&pool.spec.network_policy.metrics_from);
     if !scrapers.is_empty() {
-        rules.push(rule(scrapers.clone(), &[contract::ADMIN_PORT]));
+        rules.push(rule(scrapers, &[contract::ADMIN_PORT]));
     }
     NetworkPolicy {
         metadata: meta(pool, component),
@@ -143,7 +151,7 @@ pub fn network_policies(pool: &ValidCachePool) -> Vec<NetworkPolicy> {
         let callers = if spec.conductor_from.is_empty() {
             vec![namespace_pods()]
         } else {
-            spec.conductor_from.clone()
+            peers(&spec.conductor_from)
         };
         out.push(policy(
             pool,
@@ -314,10 +322,24 @@ mod tests {
         );
         let pool = valid(&pool);
         let policies = network_policies(&pool);
-        let gateway = &pool.spec.network_policy.conductor_from;
-        let prometheus = &pool.spec.network_policy.metrics_from;
+        let gateway = &peers(&pool.spec.network_policy.conductor_from);
+        let prometheus = &peers(&pool.spec.network_policy.metrics_from);
         assert_eq!(gateway.len(), 1);
         assert_eq!(prometheus.len(), 1);
+        let ns_label = |peer: &NetworkPolicyPeer| {
+            peer.namespace_selector
+                .as_ref()
+                .and_then(|s| s.match_labels.as_ref())
+                .and_then(|l| l.get("kubernetes.io/metadata.name").cloned())
+        };
+        assert_eq!(ns_label(&gateway[0]).as_deref(), Some("gateway"));
+        assert_eq!(ns_label(&prometheus[0]).as_deref(), Some("monitoring"));
+        assert_eq!(
+            labels_of(&prometheus[0])
+                .get("app.kubernetes.io/name")
+                .map(String::as_str),
+            Some("prometheus")
+        );
         let conductor = rules(&policies, "roce-conductor");
         assert_eq!(conductor[0], (gateway.clone(), vec![8000]));
         for name in ["roce-master", "roce-agent", "roce-conductor"] {
