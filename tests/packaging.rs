@@ -1265,6 +1265,29 @@ fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
     Ok(())
 }
 
+/// Every pool's master NetworkPolicy admits the operator's usage query by pod labels; the chart's
+/// operator pods carry them under any values.
+#[test]
+fn operator_pods_carry_the_labels_pool_network_policies_admit() -> Result<()> {
+    for render in renders() {
+        let (_, objects) = render_objects(&render)?;
+        let labels = deployments(&objects)[0]
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default();
+        for (key, value) in kvpool_operator::cachepool::build::OPERATOR_POD_LABELS {
+            assert_eq!(
+                labels.get(key).map(String::as_str),
+                Some(value),
+                "{render:?}: operator pod label {key}"
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn values_schema_and_guards_reject_bad_values() -> Result<()> {
     let cases: &[(&str, &str)] = &[
