@@ -2,7 +2,7 @@
 # Regenerates the packaging files derived from other sources, so that they can be committed:
 #   charts/kvpool/files/crds/*.yaml  copies of crds/*.yaml (which `kvpool operator crd` writes)
 #   charts/kvpool/LICENSE            a copy of LICENSE, so that the packaged chart carries it
-#   deploy/kvpool.yaml               the chart rendered with its default values
+#   deploy/kvpool.yaml               the chart rendered with deploy/values.yaml
 # tests/packaging.rs fails when one is stale; with KVPOOL_BLESS=1 it rewrites them
 # itself, like the other drift tests. Needs helm (scripts/tools.sh).
 set -euo pipefail
@@ -27,9 +27,9 @@ done
 
 cp LICENSE charts/kvpool/LICENSE
 
-# Keep these arguments in step with DEPLOY_RELEASE, DEPLOY_NAMESPACE and KUBE_VERSION in
+# Keep these arguments in step with DEPLOY_RELEASE, DEPLOY_NAMESPACE, DEPLOY_VALUES and KUBE_VERSION in
 # tests/packaging.rs.
 "$helm" template kvpool charts/kvpool --namespace kvpool-system --kube-version 1.32.0 \
-  >deploy/kvpool.yaml.tmp
+  --values deploy/values.yaml >deploy/kvpool.yaml.tmp
 mv deploy/kvpool.yaml.tmp deploy/kvpool.yaml
 echo "generate.sh: wrote charts/kvpool/files/crds/, charts/kvpool/LICENSE and deploy/kvpool.yaml"

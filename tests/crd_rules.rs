@@ -84,6 +84,9 @@ const DRAM_WHOLE_PAGES: &str =
     "dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)";
 const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
 const SSD_POSITIVE: &str = "ssd.capacityPerNode must be a positive quantity such as 3Ti";
+const SSD_HOST_PATH: &str = kvpool_crd::SSD_HOST_PATH_MESSAGE;
+const CONDUCTOR_PEER: &str = kvpool_crd::CONDUCTOR_PEER_MESSAGE;
+const METRICS_PEER: &str = kvpool_crd::METRICS_PEER_MESSAGE;
 const SRIOV_TCP: &str = "transport.sriov requires transport.protocol rdma or auto";
 const SRIOV_ONE_FORM: &str = "transport.sriov: set exactly one of resourceName (one resource for all rails) and resources (one per rail)";
 const NETWORKS_TCP: &str = "transport.networks (Multus) requires transport.protocol rdma or auto";
@@ -272,10 +275,92 @@ fn cases() -> Vec<Case> {
             OpenApi("hostPath"),
         ),
         c(
+            "ssd below /data with a trailing slash",
+            POOL,
+            json!({"ssd": {"hostPath": "/data/kv/", "capacityPerNode": "3Ti"}}),
+            Valid,
+        ),
+        c(
+            "ssd below /var/lib/kvpool",
+            POOL,
+            json!({"ssd": {"hostPath": "/var/lib/kvpool/ssd", "capacityPerNode": "3Ti"}}),
+            Valid,
+        ),
+        c(
+            "ssd in a system directory",
+            POOL,
+            json!({"ssd": {"hostPath": "/etc", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd in the kubelet's directory",
+            POOL,
+            json!({"ssd": {"hostPath": "/var/lib/kubelet", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd with a doubled slash",
+            POOL,
+            json!({"ssd": {"hostPath": "//mnt/nvme", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd with an empty segment",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt//nvme", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd climbing out of /mnt",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/../etc", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd ending in ..",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/nvme/..", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
+            "ssd the prefix itself",
+            POOL,
+            json!({"ssd": {"hostPath": "/mnt/", "capacityPerNode": "3Ti"}}),
+            Cel(SSD_HOST_PATH),
+        ),
+        c(
             "ssd without capacity",
             POOL,
             json!({"ssd": {"hostPath": "/mnt/nvme"}}),
             OpenApi("capacityPerNode"),
+        ),
+        // ---- network policies
+        c(
+            "network policies with named peers",
+            POOL,
+            json!({"networkPolicy": {
+                "conductorFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}, {"ipBlock": {"cidr": "10.0.0.0/8"}}],
+                "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+            }}),
+            Valid,
+        ),
+        c(
+            "network policies off",
+            POOL,
+            json!({"networkPolicy": {"enabled": false}}),
+            Valid,
+        ),
+        c(
+            "conductor peer with ipBlock and a selector",
+            POOL,
+            json!({"networkPolicy": {"conductorFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}}),
+            Cel(CONDUCTOR_PEER),
+        ),
+        c(
+            "empty metrics peer",
+            POOL,
+            json!({"networkPolicy": {"metricsFrom": [{}]}}),
+            Cel(METRICS_PEER),
         ),
         // ---- transport
         c(
@@ -761,10 +846,12 @@ fn failures_are_reported_on_the_field_their_message_names() {
             let old = case.old_spec.as_ref().map(|s| with_spec(kind, s));
             for f in crd_support::cel_failures(kind, &obj, old.as_ref()) {
                 // root rules (on the name) report at the root and name `metadata.name`
-                let field = if f.path.is_empty() {
+                // a rule on the items of a list reports at `list[i]` and names the list
+                let path = unindexed(&f.path);
+                let field = if path.is_empty() {
                     "metadata.name"
                 } else {
-                    f.path.strip_prefix("spec.").unwrap_or(&f.path)
+                    path.strip_prefix("spec.").unwrap_or(&path)
                 };
                 let named = f
                     .message
@@ -777,6 +864,21 @@ fn failures_are_reported_on_the_field_their_message_names() {
         }
     }
     assert!(problems.is_empty(), "\n{}", problems.join("\n"));
+}
+
+/// `a.b[3].c[0]` without its list indices: `a.b.c`.
+fn unindexed(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    let mut depth = 0;
+    for ch in path.chars() {
+        match ch {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            _ if depth == 0 => out.push(ch),
+            _ => {}
+        }
+    }
+    out
 }
 
 /// The operator's Rust checks reject what the API server rejects (for specs that parse).
@@ -959,6 +1061,9 @@ mod agreement {
             json!({"hostPath": "/mnt/nvme", "capacityPerNode": "0"}),
             json!({"hostPath": "relative", "capacityPerNode": "3Ti"}),
             json!({"hostPath": "/", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/etc/kvpool", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/mnt/a/../b", "capacityPerNode": "3Ti"}),
+            json!({"hostPath": "/data/kv/", "capacityPerNode": "3Ti"}),
         ]);
         let transport = (
             opt(vec!["auto", "rdma", "tcp"]),

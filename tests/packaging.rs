@@ -36,6 +36,13 @@ mod packaging_support;
 /// Release name and namespace that deploy/kvpool.yaml is rendered with (deploy/generate.sh).
 const DEPLOY_RELEASE: &str = "kvpool";
 const DEPLOY_NAMESPACE: &str = "kvpool-system";
+/// The values deploy/kvpool.yaml is rendered with: the defaults, pools managed in `llm`.
+const DEPLOY_VALUES: Render<'static> = Render {
+    values: Some("deploy/values.yaml"),
+    sets: &[],
+};
+/// The namespace deploy/values.yaml has the operator manage.
+const DEPLOY_WATCH_NAMESPACE: &str = "llm";
 /// Oldest Kubernetes version the chart installs on (`kubeVersion` in Chart.yaml); schemas are
 /// checked there. The CRDs' `selectableFields` are GA from 1.32, and 1.32 is also what helm
 /// 3.17 (scripts/tools.sh) assumes when it renders without a cluster. docs/install.md says why
@@ -190,6 +197,12 @@ const DEFAULTS: Render<'static> = Render {
     sets: &[],
 };
 
+/// The opt-in cluster scope: a ClusterRole instead of a Role, all namespaces watched.
+const CLUSTER_SCOPE: Render<'static> = Render {
+    values: None,
+    sets: &["rbac.scope=cluster"],
+};
+
 /// Every rendering the object checks cover: defaults, each example file, and the optional
 /// templates switched on one at a time over the defaults.
 fn renders() -> Vec<Render<'static>> {
@@ -198,6 +211,8 @@ fn renders() -> Vec<Render<'static>> {
         values: Some(v),
         sets: &[],
     }));
+    all.push(CLUSTER_SCOPE);
+    all.push(DEPLOY_VALUES);
     all.push(Render {
         values: None,
         sets: &[
@@ -511,7 +526,10 @@ fn regenerate() -> Result<()> {
     for (name, text) in &generated {
         write_atomically(&chart_crds.join(name), text)?;
     }
-    write_atomically(&root.join("deploy/kvpool.yaml"), &helm_template(&DEFAULTS)?)
+    write_atomically(
+        &root.join("deploy/kvpool.yaml"),
+        &helm_template(&DEPLOY_VALUES)?,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -566,7 +584,17 @@ fn every_rendered_object_is_a_valid_kubernetes_object() -> Result<()> {
             let namespace = str_at(&doc, "/metadata/namespace");
             let expected = match kind {
                 "ClusterRole" | "ClusterRoleBinding" | "CustomResourceDefinition" => "",
-                "Role" | "RoleBinding" if name == "kvpool-operator" => "ml-serving",
+                "Role" | "RoleBinding"
+                    if name == "kvpool-operator"
+                        && render.values == Some("charts/kvpool/ci/namespaced-values.yaml") =>
+                {
+                    "ml-serving"
+                }
+                "Role" | "RoleBinding"
+                    if name == "kvpool-operator" && render.values == DEPLOY_VALUES.values =>
+                {
+                    DEPLOY_WATCH_NAMESPACE
+                }
                 "ConfigMap"
                     if name.ends_with("-dashboard")
                         && render.values == Some("charts/kvpool/ci/production-values.yaml") =>
@@ -611,8 +639,11 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
         ("ServiceAccount", 1),
         ("Service", 1),
         ("Deployment", 1),
-        ("ClusterRole", 1),
-        ("ClusterRoleBinding", 1),
+        // Namespace scope by default: the operator's Role and RoleBinding; the two ClusterRoles
+        // are the aggregated view and edit roles, bound to nobody.
+        ("Role", 1),
+        ("RoleBinding", 1),
+        ("ClusterRole", 2),
     ]);
     if crds > 0 {
         expected.insert("CustomResourceDefinition", crds);
@@ -737,7 +768,7 @@ fn deploy_manifests_equal_the_chart_rendered_with_defaults() -> Result<()> {
     if blessing() {
         regenerate()?;
     }
-    let rendered = helm_template(&DEFAULTS)?;
+    let rendered = helm_template(&DEPLOY_VALUES)?;
     let committed = read("deploy/kvpool.yaml")?;
     if rendered != committed {
         let line = rendered
@@ -745,8 +776,31 @@ fn deploy_manifests_equal_the_chart_rendered_with_defaults() -> Result<()> {
             .zip(committed.lines())
             .position(|(a, b)| a != b)
             .map_or_else(|| "length".to_owned(), |i| format!("line {}", i + 1));
-        bail!("deploy/kvpool.yaml differs from the chart's defaults ({line}): {REGENERATE}");
+        bail!(
+            "deploy/kvpool.yaml differs from the chart with deploy/values.yaml ({line}): {REGENERATE}"
+        );
     }
+    // The operator it installs manages the pools of one namespace, which deploy/ creates with a
+    // Pod Security level that admits the agent; the operator's own namespace stays restricted.
+    let (_, objects) = render_objects(&DEPLOY_VALUES)?;
+    let (run, _) = parse_operator_args(deployments(&objects)[0])?;
+    assert_eq!(run.namespace, DEPLOY_WATCH_NAMESPACE);
+    let namespaces: BTreeMap<String, String> = parse_docs(&read("deploy/namespace.yaml")?)?
+        .iter()
+        .map(|d| {
+            (
+                str_at(d, "/metadata/name").to_owned(),
+                str_at(d, "/metadata/labels/pod-security.kubernetes.io~1enforce").to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        namespaces,
+        BTreeMap::from([
+            (DEPLOY_NAMESPACE.to_owned(), "restricted".to_owned()),
+            (DEPLOY_WATCH_NAMESPACE.to_owned(), "privileged".to_owned()),
+        ])
+    );
     Ok(())
 }
 
@@ -771,7 +825,7 @@ fn kustomize_installs_namespace_crds_and_operator() -> Result<()> {
             )
         })
         .collect();
-    let mut expected: BTreeSet<(String, String)> = parse_docs(&helm_template(&DEFAULTS)?)?
+    let mut expected: BTreeSet<(String, String)> = parse_docs(&helm_template(&DEPLOY_VALUES)?)?
         .iter()
         .map(|d| {
             (
@@ -781,9 +835,11 @@ fn kustomize_installs_namespace_crds_and_operator() -> Result<()> {
         })
         .collect();
     expected.insert(("Namespace".to_owned(), DEPLOY_NAMESPACE.to_owned()));
+    expected.insert(("Namespace".to_owned(), DEPLOY_WATCH_NAMESPACE.to_owned()));
     assert_eq!(got, expected);
-    // The operator's namespace is created before anything is put into it.
+    // The namespaces are created before anything is put into them.
     assert_eq!(str_at(&docs[0], "/kind"), "Namespace");
+    assert_eq!(str_at(&docs[1], "/kind"), "Namespace");
     Ok(())
 }
 
@@ -921,52 +977,313 @@ fn operator_permissions(leases: bool) -> BTreeSet<Triple> {
         .collect()
 }
 
+/// A Role or ClusterRole: (kind, namespace, name).
+type RoleKey = (String, String, String);
+
+/// The RBAC objects of one render, split by whom they serve.
+struct RenderedRbac {
+    /// What each role bound to the operator's ServiceAccount grants.
+    operator: BTreeMap<RoleKey, BTreeSet<Triple>>,
+    /// The aggregated ClusterRoles (bound to nobody by the chart): name to their
+    /// `aggregate-to-*` targets and grants.
+    aggregated: BTreeMap<String, (BTreeSet<String>, BTreeSet<Triple>)>,
+}
+
+const AGGREGATE_PREFIX: &str = "rbac.authorization.k8s.io/aggregate-to-";
+
+/// Sorts a render's RBAC objects: every binding names the operator's ServiceAccount and an
+/// existing role; every role is either bound to it or an unbound aggregated ClusterRole.
+fn rendered_rbac(render: &Render<'_>, objects: &[Object]) -> Result<RenderedRbac> {
+    let account = deployments(objects)[0]
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.service_account_name.clone())
+        .context("no serviceAccountName")?;
+    let mut bound = BTreeSet::new();
+    for object in objects {
+        let (namespace, role_ref, subjects) = match object {
+            Object::ClusterRoleBinding(b) => (String::new(), &b.role_ref, &b.subjects),
+            Object::RoleBinding(b) => (
+                b.metadata.namespace.clone().unwrap_or_default(),
+                &b.role_ref,
+                &b.subjects,
+            ),
+            _ => continue,
+        };
+        let subjects = subjects.clone().unwrap_or_default();
+        assert_eq!(subjects.len(), 1, "{render:?}");
+        assert_eq!(subjects[0].kind, "ServiceAccount");
+        assert_eq!(subjects[0].name, account);
+        assert_eq!(subjects[0].namespace.as_deref(), Some(DEPLOY_NAMESPACE));
+        // A RoleBinding to a Role points into its own namespace.
+        let role_namespace = if role_ref.kind == "Role" {
+            namespace
+        } else {
+            String::new()
+        };
+        bound.insert((role_ref.kind.clone(), role_namespace, role_ref.name.clone()));
+    }
+    let mut operator = BTreeMap::new();
+    let mut aggregated = BTreeMap::new();
+    for object in objects {
+        let (key, meta, rules) = match object {
+            Object::ClusterRole(r) => (
+                (
+                    "ClusterRole".to_owned(),
+                    String::new(),
+                    r.metadata.name.clone().unwrap_or_default(),
+                ),
+                &r.metadata,
+                &r.rules,
+            ),
+            Object::Role(r) => (
+                (
+                    "Role".to_owned(),
+                    r.metadata.namespace.clone().unwrap_or_default(),
+                    r.metadata.name.clone().unwrap_or_default(),
+                ),
+                &r.metadata,
+                &r.rules,
+            ),
+            _ => continue,
+        };
+        let grants = triples(&rules.clone().unwrap_or_default())?;
+        let targets: BTreeSet<String> = meta
+            .labels
+            .iter()
+            .flatten()
+            .filter(|(_, v)| v.as_str() == "true")
+            .filter_map(|(k, _)| k.strip_prefix(AGGREGATE_PREFIX).map(str::to_owned))
+            .collect();
+        if targets.is_empty() {
+            ensure!(bound.remove(&key), "{render:?}: {key:?} is bound to nobody");
+            operator.insert(key, grants);
+        } else {
+            ensure!(
+                key.0 == "ClusterRole" && !bound.contains(&key),
+                "{render:?}: aggregated role {key:?} must be an unbound ClusterRole"
+            );
+            aggregated.insert(key.2, (targets, grants));
+        }
+    }
+    ensure!(
+        bound.is_empty(),
+        "{render:?}: bindings to missing roles {bound:?}"
+    );
+    Ok(RenderedRbac {
+        operator,
+        aggregated,
+    })
+}
+
 #[test]
 fn rbac_grants_exactly_what_the_operator_uses() -> Result<()> {
     for render in renders() {
         let (_, objects) = render_objects(&render)?;
-        let mut granted = BTreeSet::new();
-        let mut role_names = BTreeSet::new();
-        for object in &objects {
-            let (name, rules) = match object {
-                Object::ClusterRole(r) => (r.metadata.name.clone(), r.rules.clone()),
-                Object::Role(r) => (r.metadata.name.clone(), r.rules.clone()),
-                _ => continue,
-            };
-            role_names.insert(name.unwrap_or_default());
-            granted.extend(triples(&rules.unwrap_or_default())?);
-        }
+        let rbac = rendered_rbac(&render, &objects)?;
+        let granted: BTreeSet<Triple> = rbac.operator.values().flatten().cloned().collect();
         let (run, _) = parse_operator_args(deployments(&objects)[0])?;
         assert_eq!(
             granted,
             operator_permissions(run.leader_elect),
             "{render:?}: granted vs used (operator/src/rbac.rs)"
         );
-        // Each role is bound to the ServiceAccount the Deployment runs as.
-        let account = deployments(&objects)[0]
+        // The aggregated roles give people access to the three kinds and nothing else.
+        for (name, (_, grants)) in &rbac.aggregated {
+            ensure!(
+                grants.iter().all(|(g, _, _)| g == "kvpool.dev"),
+                "{render:?}: {name} grants outside kvpool.dev: {grants:?}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The permissions table of docs/install.md ("### Permissions"): for each row, its first cell
+/// (`operator`, `leader election`, `view`, `edit`) and the triples of its group, resources and
+/// verbs columns (backquoted words; `core` is the core group).
+fn documented_permissions() -> Result<BTreeMap<String, BTreeSet<Triple>>> {
+    let doc = read("docs/install.md")?;
+    let section = doc
+        .split("\n### Permissions\n")
+        .nth(1)
+        .context("docs/install.md has no '### Permissions' section")?;
+    let ticked = |cell: &str| -> Vec<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut table: BTreeMap<String, BTreeSet<Triple>> = BTreeMap::new();
+    for line in section
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+    {
+        let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+        let [who, group, resources, verbs, ..] = cells[..] else {
+            bail!("docs/install.md: short permissions row {line:?}");
+        };
+        let group = if group == "core" {
+            String::new()
+        } else {
+            ticked(group).concat()
+        };
+        let rows = table.entry(who.to_owned()).or_default();
+        for resource in ticked(resources) {
+            for verb in ticked(verbs) {
+                rows.insert((group.clone(), resource.clone(), verb));
+            }
+        }
+    }
+    ensure!(
+        !table.is_empty(),
+        "docs/install.md: empty permissions table"
+    );
+    Ok(table)
+}
+
+/// Resources without a namespace that the operator must never be granted.
+const CLUSTER_SCOPED: &[&str] = &[
+    "namespaces",
+    "nodes",
+    "persistentvolumes",
+    "clusterroles",
+    "clusterrolebindings",
+    "customresourcedefinitions",
+    "validatingwebhookconfigurations",
+    "mutatingwebhookconfigurations",
+];
+
+#[test]
+fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
+    let doc = documented_permissions()?;
+    let row = |who: &str| doc.get(who).cloned().unwrap_or_default();
+    ensure!(
+        doc.keys().map(String::as_str).collect::<BTreeSet<_>>()
+            == BTreeSet::from(["edit", "leader election", "operator", "view"]),
+        "docs/install.md permission rows are for {:?}",
+        doc.keys()
+    );
+    let leader = Render {
+        values: None,
+        sets: &["operator.leaderElection.enabled=true"],
+    };
+    let lease_role = (
+        "Role".to_owned(),
+        DEPLOY_NAMESPACE.to_owned(),
+        "kvpool-operator-leader-election".to_owned(),
+    );
+    for (render, operator_role) in [
+        (DEFAULTS, ("Role", DEPLOY_NAMESPACE)),
+        (leader, ("Role", DEPLOY_NAMESPACE)),
+        (CLUSTER_SCOPE, ("ClusterRole", "")),
+    ] {
+        let (_, objects) = render_objects(&render)?;
+        let rbac = rendered_rbac(&render, &objects)?;
+        // The operator's own role is where the scope says, and grants what the table says.
+        let key = (
+            operator_role.0.to_owned(),
+            operator_role.1.to_owned(),
+            "kvpool-operator".to_owned(),
+        );
+        let grants = rbac
+            .operator
+            .get(&key)
+            .with_context(|| format!("{render:?}: no {key:?}"))?;
+        assert_eq!(
+            grants,
+            &row("operator"),
+            "{render:?}: docs/install.md vs chart"
+        );
+        let leases = rbac.operator.get(&lease_role);
+        assert_eq!(
+            leases.is_some(),
+            render
+                .sets
+                .contains(&"operator.leaderElection.enabled=true"),
+            "{render:?}"
+        );
+        if let Some(leases) = leases {
+            assert_eq!(leases, &row("leader election"), "{render:?}");
+        }
+        ensure!(
+            rbac.operator.len() == 1 + usize::from(leases.is_some()),
+            "{render:?}: unexpected operator roles {:?}",
+            rbac.operator.keys()
+        );
+        // Namespace scope: nothing cluster-wide for the operator at all.
+        if operator_role.0 == "Role" {
+            ensure!(
+                rbac.operator.keys().all(|(kind, _, _)| kind == "Role"),
+                "{render:?}: a ClusterRole is bound to the operator"
+            );
+        }
+        for (role, grants) in &rbac.operator {
+            for (group, resource, verb) in grants {
+                // What the doc promises in words: no reading Secrets in bulk, no cluster-scoped
+                // resources (wildcards are refused by `triples`).
+                ensure!(
+                    resource != "secrets" || ["create", "get"].contains(&verb.as_str()),
+                    "{render:?}: {role:?} may {verb} secrets"
+                );
+                ensure!(
+                    !CLUSTER_SCOPED.contains(&resource.as_str()),
+                    "{render:?}: {role:?} grants {verb} on {group}/{resource}"
+                );
+            }
+        }
+        // The aggregated roles, as documented, joined to the built-in roles by label.
+        let view = rbac
+            .aggregated
+            .get("kvpool-view")
+            .context("no kvpool-view")?;
+        let edit = rbac
+            .aggregated
+            .get("kvpool-edit")
+            .context("no kvpool-edit")?;
+        assert_eq!(view.1, row("view"), "{render:?}");
+        assert_eq!(edit.1, row("edit"), "{render:?}");
+        assert!(view.0.contains("view") && !edit.0.contains("view"));
+        assert!(edit.0.contains("edit") && edit.0.contains("admin"));
+        ensure!(
+            edit.1
+                .iter()
+                .all(|(_, _, verb)| !["get", "list", "watch"].contains(&verb.as_str())),
+            "edit repeats what view grants"
+        );
+    }
+    // Turned off, they are gone.
+    let (_, objects) = render_objects(&Render {
+        values: None,
+        sets: &["rbac.aggregateRoles=false"],
+    })?;
+    assert!(rendered_rbac(&DEFAULTS, &objects)?.aggregated.is_empty());
+    Ok(())
+}
+
+/// Every pool's master NetworkPolicy admits the operator's usage query by pod labels; the chart's
+/// operator pods carry them under any values.
+#[test]
+fn operator_pods_carry_the_labels_pool_network_policies_admit() -> Result<()> {
+    for render in renders() {
+        let (_, objects) = render_objects(&render)?;
+        let labels = deployments(&objects)[0]
             .spec
             .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .and_then(|p| p.service_account_name.clone())
-            .context("no serviceAccountName")?;
-        let mut bound = BTreeSet::new();
-        for object in &objects {
-            let (role_ref, subjects) = match object {
-                Object::ClusterRoleBinding(b) => (&b.role_ref, &b.subjects),
-                Object::RoleBinding(b) => (&b.role_ref, &b.subjects),
-                _ => continue,
-            };
-            let subjects = subjects.clone().unwrap_or_default();
-            assert_eq!(subjects.len(), 1, "{render:?}");
-            assert_eq!(subjects[0].kind, "ServiceAccount");
-            assert_eq!(subjects[0].name, account);
-            assert_eq!(subjects[0].namespace.as_deref(), Some(DEPLOY_NAMESPACE));
-            bound.insert(role_ref.name.clone());
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default();
+        for (key, value) in kvpool_operator::cachepool::build::OPERATOR_POD_LABELS {
+            assert_eq!(
+                labels.get(key).map(String::as_str),
+                Some(value),
+                "{render:?}: operator pod label {key}"
+            );
         }
-        assert_eq!(
-            bound, role_names,
-            "{render:?}: every role bound, no dangling binding"
-        );
     }
     Ok(())
 }
@@ -981,7 +1298,10 @@ fn values_schema_and_guards_reject_bad_values() -> Result<()> {
         ("rbac.scope=global", "scope"),
         ("image.digest=latest", "digest"),
         ("operator.replicas=2", "leaderElection"),
-        ("operator.watchNamespace=team-a", "rbac.scope=namespace"),
+        (
+            "rbac.scope=cluster,operator.watchNamespace=team-a",
+            "rbac.scope=namespace",
+        ),
         (
             "metrics.service.enabled=false,metrics.serviceMonitor.enabled=true",
             "metrics.service.enabled=true",

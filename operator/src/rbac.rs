@@ -77,6 +77,12 @@ pub const PERMISSIONS: &[Permission] = &[
     p("kvpool.dev", "prefillpools", "list"),
     p("kvpool.dev", "prefillpools", "watch"),
     p("kvpool.dev", "prefillpools/status", "patch"),
+    // The pool's NetworkPolicies: server-side apply, removal by label when turned off. Not
+    // watched (drift is corrected at the next resync).
+    p("networking.k8s.io", "networkpolicies", "create"),
+    p("networking.k8s.io", "networkpolicies", "delete"),
+    p("networking.k8s.io", "networkpolicies", "list"),
+    p("networking.k8s.io", "networkpolicies", "patch"),
     p("rbac.authorization.k8s.io", "rolebindings", "create"),
     p("rbac.authorization.k8s.io", "rolebindings", "delete"),
     p("rbac.authorization.k8s.io", "rolebindings", "list"),

@@ -216,10 +216,10 @@ impl ApiServer {
 
     /// Expect a label-selected list and answer with `items`.
     async fn expect_list(&mut self, path: &str, selector: &str, kind: &str, items: Vec<Value>) {
-        let api_version = if path.starts_with("/apis/apps/") {
-            "apps/v1"
-        } else {
-            "v1"
+        // `/apis/<group>/<version>/...` or `/api/v1/...`.
+        let api_version = match path.strip_prefix("/apis/") {
+            Some(rest) => rest.splitn(3, '/').take(2).collect::<Vec<_>>().join("/"),
+            None => "v1".to_owned(),
         };
         let (seen, send) = self.expect(Method::GET, path).await;
         assert_eq!(
@@ -312,6 +312,7 @@ const NS: &str = "/api/v1/namespaces/llm";
 const APPS: &str = "/apis/apps/v1/namespaces/llm";
 const POOLS: &str = "/apis/kvpool.dev/v1alpha1/namespaces/llm";
 const RBAC: &str = "/apis/rbac.authorization.k8s.io/v1/namespaces/llm";
+const NET: &str = "/apis/networking.k8s.io/v1/namespaces/llm";
 const OWNED_BY_ROCE: &str = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=KVCachePool,kvpool.dev/owner-name=roce";
 
 fn ds_status(ready: i32, desired: i32) -> Value {
@@ -378,6 +379,14 @@ async fn pool_children(
     server
         .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
         .await;
+    // The NetworkPolicies before the pods they protect.
+    for component in ["master", "agent", "conductor"] {
+        let policy = server
+            .expect_apply(&format!("{NET}/networkpolicies/roce-{component}"), None)
+            .await;
+        assert_eq!(policy["apiVersion"], "networking.k8s.io/v1");
+        assert_eq!(policy["kind"], "NetworkPolicy");
+    }
     server
         .expect_apply(&format!("{NS}/services/roce-master"), None)
         .await;
@@ -432,6 +441,14 @@ async fn pool_children(
             &format!("{NS}/services"),
             OWNED_BY_ROCE,
             "ServiceList",
+            vec![],
+        )
+        .await;
+    server
+        .expect_list(
+            &format!("{NET}/networkpolicies"),
+            OWNED_BY_ROCE,
+            "NetworkPolicyList",
             vec![],
         )
         .await;
@@ -564,6 +581,12 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
             server
                 .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
                 .await;
+            // The master's and agents' policies only.
+            for component in ["master", "agent"] {
+                server
+                    .expect_apply(&format!("{NET}/networkpolicies/roce-{component}"), None)
+                    .await;
+            }
             server
                 .expect_apply(&format!("{NS}/services/roce-master"), None)
                 .await;
@@ -584,6 +607,7 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
                 let api_version = match kind {
                     "Deployment" => "apps/v1",
                     "Role" | "RoleBinding" => "rbac.authorization.k8s.io/v1",
+                    "NetworkPolicy" => "networking.k8s.io/v1",
                     _ => "v1",
                 };
                 json!({"apiVersion": api_version, "kind": kind,
@@ -655,6 +679,31 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
                 send,
                 StatusCode::NOT_FOUND,
                 &status_error(404, "NotFound", "gone"),
+            );
+            // The conductor's NetworkPolicy goes with it; the others stay.
+            server
+                .expect_list(
+                    &format!("{NET}/networkpolicies"),
+                    OWNED_BY_ROCE,
+                    "NetworkPolicyList",
+                    vec![
+                        item("NetworkPolicy", "roce-master"),
+                        item("NetworkPolicy", "roce-agent"),
+                        item("NetworkPolicy", "roce-conductor"),
+                    ],
+                )
+                .await;
+            let (seen, send) = server
+                .expect(
+                    Method::DELETE,
+                    &format!("{NET}/networkpolicies/roce-conductor"),
+                )
+                .await;
+            assert_eq!(seen.body["propagationPolicy"], "Background");
+            reply(
+                send,
+                StatusCode::OK,
+                &item("NetworkPolicy", "roce-conductor"),
             );
             let body = server
                 .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)

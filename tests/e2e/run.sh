@@ -90,6 +90,8 @@ cleanup() {
 }
 
 need kubectl
+HELM=${HELM:-.tools/bin/helm}
+[[ -x "$HELM" ]] || HELM=$(command -v helm) || { echo "SKIP: helm is not installed (scripts/tools.sh)"; exit 0; }
 case "$CLUSTER" in
   kind) need kind; need docker ;;
   k3d) need k3d; need docker ;;
@@ -119,8 +121,13 @@ if [[ "${KVPOOL_E2E_BUILD:-1}" == 1 && "$CLUSTER" != existing ]]; then
   done
 fi
 
-log "installing CRDs and the operator (kubectl apply -k deploy/)"
-kubectl apply --server-side -k deploy/
+# deploy/ is the chart's default, namespace scope: an operator for pools in kvpool-system only.
+# The suite creates pools in two namespaces of its own, so it renders the chart with the opt-in
+# cluster scope instead (same objects otherwise, see docs/install.md "Permissions").
+log "installing CRDs and the operator (the chart with rbac.scope=cluster)"
+kubectl apply --server-side -f deploy/namespace.yaml
+"$HELM" template kvpool charts/kvpool --namespace kvpool-system --set rbac.scope=cluster \
+  | kubectl apply --server-side -f -
 kubectl -n kvpool-system rollout status deploy/kvpool-operator --timeout="${TIMEOUT}s"
 for crd in kvcachepools prefillpools decodepools; do
   kubectl wait --for=condition=Established "crd/$crd.kvpool.dev" --timeout=60s

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 pub use super::conductor::{ConductorSlo, ConductorSpec, TokenizerSpec};
 use super::defaults;
+pub use super::network::NetworkPolicySpec;
 
 /// Desired state of a shared KV cache pool spread over a set of GPU nodes.
 ///
@@ -145,6 +146,11 @@ pub struct KVCachePoolSpec {
     /// The KVCache-centric scheduler and OpenAI-compatible front door.
     #[serde(default)]
     pub conductor: ConductorSpec,
+
+    /// The NetworkPolicies that admit only the traffic the pool needs to its master, agents and
+    /// conductor.
+    #[serde(default)]
+    pub network_policy: NetworkPolicySpec,
 }
 
 /// The node agent: one pod per selected node.
@@ -228,8 +234,11 @@ pub enum NumaPolicy {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct SsdTierSpec {
-    /// Absolute directory on the node where the agent keeps block files.
+    /// Absolute directory on the node where the agent keeps block files, mounted read-write
+    /// into the agent: below `/mnt/`, `/data/` or `/var/lib/kvpool/`, without `.`, `..` or
+    /// empty segments.
     #[schemars(length(min = 2, max = 4096), regex(pattern = r"^/"))]
+    #[x_kube(validation = Rule::new(super::network::SSD_HOST_PATH_RULE).message(super::network::SSD_HOST_PATH_MESSAGE).reason(Reason::FieldValueInvalid))]
     pub host_path: String,
 
     /// Bytes per node as a Kubernetes quantity (e.g. `3Ti`).

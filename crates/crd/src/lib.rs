@@ -9,6 +9,7 @@ pub mod defaults;
 mod enginepool;
 mod kvcachepool;
 pub mod labels;
+mod network;
 pub mod quantity;
 mod validated;
 
@@ -19,11 +20,15 @@ pub use enginepool::{
 };
 pub use kvcachepool::{
     AgentSpec, ConductorSlo, ConductorSpec, DramTierSpec, EvictionPolicy, EvictionSpec, Hugepages,
-    KVCachePool, KVCachePoolSpec, KVCachePoolStatus, MasterSpec, NumaPolicy, Protocol,
-    ReplicationSpec, SriovResource, SriovSpec, SsdTierSpec, TierStatus, TokenizerSpec,
+    KVCachePool, KVCachePoolSpec, KVCachePoolStatus, MasterSpec, NetworkPolicySpec, NumaPolicy,
+    Protocol, ReplicationSpec, SriovResource, SriovSpec, SsdTierSpec, TierStatus, TokenizerSpec,
     TransportSpec,
 };
 
+pub use network::{
+    CONDUCTOR_PEER_MESSAGE, ConductorPeer, METRICS_PEER_MESSAGE, MetricsPeer,
+    SSD_HOST_PATH_MESSAGE, SSD_HOST_PATH_PREFIXES, SSD_HOST_PATH_RULE, ssd_host_path_allowed,
+};
 pub use validated::{
     AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,
     MasterConfig, ReplicationConfig, Role, SpecError, SriovConfig, SriovRequest, SsdConfig,

@@ -3,7 +3,7 @@
 //! them when the pool is deleted and no finalizer is needed (docs/operator.md explains why).
 //! After the apply, the pool's usage is read from its master ([`usage`]); an unreachable master
 //! keeps the last known figures and sets `MasterReachable=False` instead of failing the pass.
-//! I/O boundary: the apply step and the status write, both through [`crate::apply`], the auth
+//! I/O boundary: the apply step (NetworkPolicies before the workloads they protect) and the status write, both through [`crate::apply`], the auth
 //! Secret read and the master's `Stats` call.
 
 pub mod build;
@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::Api;
 use kube::runtime::controller::Action;
@@ -229,6 +230,13 @@ async fn apply_children(
             }
         };
     apply::apply(&ctx.settings.field_manager, &config_maps, &children.config).await?;
+    // The policies exist before the pods they admit traffic to.
+    let network_policies: Api<NetworkPolicy> = Api::namespaced(ctx.client.clone(), namespace);
+    let mut keep_policies = BTreeSet::new();
+    for policy in &children.network_policies {
+        apply::apply(&ctx.settings.field_manager, &network_policies, policy).await?;
+        keep_policies.insert(policy.name_any());
+    }
     apply::apply(
         &ctx.settings.field_manager,
         &services,
@@ -281,6 +289,9 @@ async fn apply_children(
     }
     for gone in apply::delete_orphans(&services, &selector, &keep_services).await? {
         info!(service = %gone, "deleted child of a feature turned off");
+    }
+    for gone in apply::delete_orphans(&network_policies, &selector, &keep_policies).await? {
+        info!(networkpolicy = %gone, "deleted child of a feature turned off");
     }
     Ok((
         AppliedCachePool {

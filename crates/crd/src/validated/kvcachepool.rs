@@ -83,10 +83,10 @@ impl ValidatedKVCachePool {
         let ssd = match &spec.ssd {
             None => None,
             Some(ssd) => {
-                if !ssd.host_path.starts_with('/') || ssd.host_path.len() < 2 {
+                if !crate::ssd_host_path_allowed(&ssd.host_path) {
                     return Err(SpecError::Conflict {
                         field: "ssd.hostPath",
-                        message: "must be an absolute directory other than /",
+                        message: "must be a directory below /mnt/, /data/ or /var/lib/kvpool/ with no '.', '..' or empty segments (the agent mounts it read-write on every node)",
                     });
                 }
                 Some(SsdConfig {
@@ -95,6 +95,21 @@ impl ValidatedKVCachePool {
                 })
             }
         };
+
+        let np = &spec.network_policy;
+        let peer_message = "each peer sets either ipBlock or podSelector and/or namespaceSelector";
+        if !np.conductor_from.iter().all(crate::ConductorPeer::is_valid) {
+            return Err(SpecError::Conflict {
+                field: "networkPolicy.conductorFrom",
+                message: peer_message,
+            });
+        }
+        if !np.metrics_from.iter().all(crate::MetricsPeer::is_valid) {
+            return Err(SpecError::Conflict {
+                field: "networkPolicy.metricsFrom",
+                message: peer_message,
+            });
+        }
 
         let t = &spec.transport;
         if t.protocol == Protocol::Tcp {
@@ -384,7 +399,17 @@ mod tests {
                 "conflicting_fields",
             ),
             (
-                "  ssd: {hostPath: /x, capacityPerNode: -1}",
+                "  ssd: {hostPath: /etc, capacityPerNode: 1Ti}",
+                "ssd.hostPath",
+                "conflicting_fields",
+            ),
+            (
+                "  ssd: {hostPath: /mnt/../etc, capacityPerNode: 1Ti}",
+                "ssd.hostPath",
+                "conflicting_fields",
+            ),
+            (
+                "  ssd: {hostPath: /mnt/x, capacityPerNode: -1}",
                 "ssd.capacityPerNode",
                 "invalid_quantity",
             ),

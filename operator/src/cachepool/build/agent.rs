@@ -1,14 +1,16 @@
 //! The node agent DaemonSet: one `kvpool agent run` pod per selected node, with the node-level
 //! settings of the pool (node selector, tolerations, Multus networks, hugepages, SR-IOV
-//! functions, the SSD directory and the socket directory the engines share).
-//! I/O boundary: none.
+//! functions, the SSD directory and the socket directory the engines share), run with the
+//! smallest privileges the agent needs (root with every capability dropped but
+//! [`AGENT_CAPABILITIES`], RuntimeDefault seccomp, read-only root filesystem; docs/images.md
+//! says why each is needed). I/O boundary: none.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, PodSpec, PodTemplateSpec, ResourceRequirements,
-    SecurityContext, Volume,
+    Capabilities, Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SeccompProfile, SecurityContext, Volume,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -18,7 +20,43 @@ use super::{meta, pod_labels, selector};
 use crate::cachepool::validate::ValidCachePool;
 use crate::contract;
 use crate::labels::{self, Component};
-use crate::pod::{self, mount};
+use crate::pod::{self, KEY_READER_GROUP, mount};
+
+/// The capabilities the agent keeps; every other one is dropped. `IPC_LOCK`: the DRAM tier is
+/// locked in memory (`mlock`) and registered with the RDMA NIC, which pins its pages beyond
+/// `RLIMIT_MEMLOCK`. `SYS_NICE`: the container runtimes' RuntimeDefault seccomp profile allows
+/// `mbind` (the NUMA placement of every DRAM segment) only to a container holding it.
+pub const AGENT_CAPABILITIES: [&str; 2] = ["IPC_LOCK", "SYS_NICE"];
+
+/// Pod security context of the agent: the image's root user (it creates its socket and SSD
+/// files in root-owned hostPath directories, and a non-root process cannot use added
+/// capabilities), RuntimeDefault seccomp, and the engines' group as a supplementary group so
+/// that it may hand its socket and staging files to that group without `CAP_CHOWN`.
+fn agent_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        supplemental_groups: Some(vec![KEY_READER_GROUP]),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".to_owned(),
+            ..SeccompProfile::default()
+        }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// Container security context of the agent: no privilege escalation, a read-only root
+/// filesystem (it writes only to its volumes), and only [`AGENT_CAPABILITIES`].
+fn agent_container_security() -> SecurityContext {
+    SecurityContext {
+        privileged: Some(false),
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        capabilities: Some(Capabilities {
+            add: Some(AGENT_CAPABILITIES.iter().map(|c| (*c).to_owned()).collect()),
+            drop: Some(vec!["ALL".to_owned()]),
+        }),
+        ..SecurityContext::default()
+    }
+}
 
 fn hugepages_resource(h: Hugepages) -> Option<&'static str> {
     match h {
@@ -86,6 +124,13 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
     ];
     let mut mounts = pod::common_mounts();
     mounts.push(mount("socket", contract::SOCKET_DIR, false));
+    // The root filesystem is read-only; /tmp is the one writable place besides the volumes.
+    volumes.push(Volume {
+        name: "tmp".to_owned(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Volume::default()
+    });
+    mounts.push(mount("tmp", "/tmp", false));
     if let Some(ssd) = &pool.effective.ssd {
         volumes.push(pod::host_dir_volume("ssd", &ssd.host_path));
         // Same path inside the container as on the node, so the config's hostPath is valid in
@@ -118,13 +163,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
             ("transfer", pool.effective.transport.port),
         ])),
         resources: agent_resources(pool),
-        security_context: Some(SecurityContext {
-            capabilities: Some(Capabilities {
-                add: Some(vec!["IPC_LOCK".to_owned()]),
-                ..Capabilities::default()
-            }),
-            ..SecurityContext::default()
-        }),
+        security_context: Some(agent_container_security()),
         readiness_probe: Some(pod::http_probe("/readyz", 2)),
         liveness_probe: Some(pod::http_probe("/livez", 10)),
         volume_mounts: Some(mounts),
@@ -146,6 +185,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
                     tolerations: (!spec.tolerations.is_empty()).then(|| spec.tolerations.clone()),
                     priority_class_name: spec.agent.priority_class_name.clone(),
                     automount_service_account_token: Some(false),
+                    security_context: Some(agent_pod_security()),
                     containers: vec![container],
                     volumes: Some(volumes),
                     ..PodSpec::default()

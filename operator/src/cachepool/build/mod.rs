@@ -3,7 +3,8 @@
 //! the agent DaemonSet (`agent.rs`), the master Deployment and Service (`master.rs`) and, when
 //! enabled, the conductor Deployment and Service (`conductor.rs`) with the ServiceAccount, Role
 //! and RoleBinding that let it list and watch the engine pods it discovers
-//! (`conductor_rbac.rs`). The master and conductor share one Deployment shape (`workload.rs`).
+//! (`conductor_rbac.rs`), and the NetworkPolicies that admit only the traffic the pool needs
+//! (`network_policy.rs`). The master and conductor share one Deployment shape (`workload.rs`).
 //! [`build`] composes them. No client, no clock, no randomness: the auth key is passed in.
 //! I/O boundary: none.
 
@@ -13,6 +14,7 @@ mod conductor;
 mod conductor_rbac;
 mod config;
 mod master;
+mod network_policy;
 mod workload;
 
 #[cfg(test)]
@@ -22,6 +24,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 
 use super::validate::ValidCachePool;
@@ -29,12 +32,13 @@ use crate::error::Result;
 use crate::labels::{self, Component};
 use crate::pod;
 
-pub use agent::agent_daemonset;
+pub use agent::{AGENT_CAPABILITIES, agent_daemonset};
 pub use auth::auth_secret;
 pub use conductor::conductor;
 pub use conductor_rbac::{CONDUCTOR_POD_VERBS, ConductorRbac, conductor_rbac};
 pub use config::{PoolConfig, config_data, config_hash, engine_config, pool_config};
 pub use master::{master_deployment, master_service};
+pub use network_policy::{OPERATOR_POD_LABELS, network_policies, operator_pods, pool_pods};
 pub use pod::{KEY_READER_GROUP, auth_volume, common_mounts, config_volume, socket_volume};
 
 /// Kind label value of children owned by a KVCachePool.
@@ -52,6 +56,8 @@ pub struct CachePoolChildren {
     pub conductor: Option<(Deployment, Service)>,
     /// The conductor's identity and its right to discover engine pods; absent when disabled.
     pub conductor_rbac: Option<ConductorRbac>,
+    /// Ingress policies of master, agents and conductor; empty when turned off.
+    pub network_policies: Vec<NetworkPolicy>,
 }
 
 /// Every child of `pool`. `key_hex` is the auth key used only if the Secret does not exist yet.
@@ -74,6 +80,7 @@ pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> 
             .conductor
             .is_some()
             .then(|| conductor_rbac(pool)),
+        network_policies: network_policies(pool),
     })
 }
 

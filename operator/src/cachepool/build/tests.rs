@@ -104,13 +104,31 @@ fn roce_agent_daemonset_carries_every_node_level_setting() {
             "$(KVPOOL_POD_IP)"
         ]
     );
-    let caps = c
-        .security_context
-        .as_ref()
-        .and_then(|s| s.capabilities.as_ref())
-        .and_then(|c| c.add.as_ref())
-        .expect("capabilities");
-    assert_eq!(caps, &["IPC_LOCK".to_owned()]);
+    // Least privilege: every capability dropped but the two the agent uses, no escalation, a
+    // read-only root filesystem, RuntimeDefault seccomp, and the engines' group as a
+    // supplementary group (for handing them the socket without CAP_CHOWN).
+    let security = c.security_context.as_ref().expect("securityContext");
+    let caps = security.capabilities.as_ref().expect("capabilities");
+    assert_eq!(
+        caps.add.as_deref(),
+        Some(&["IPC_LOCK".to_owned(), "SYS_NICE".to_owned()][..])
+    );
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+    assert_eq!(security.allow_privilege_escalation, Some(false));
+    assert_eq!(security.read_only_root_filesystem, Some(true));
+    assert_eq!(security.privileged, Some(false));
+    let pod_security = pod.security_context.as_ref().expect("pod securityContext");
+    assert_eq!(
+        pod_security
+            .seccomp_profile
+            .as_ref()
+            .map(|p| p.type_.as_str()),
+        Some("RuntimeDefault")
+    );
+    assert_eq!(
+        pod_security.supplemental_groups.as_deref(),
+        Some(&[i64::from(kvpool_crd::POOL_CLIENT_GROUP)][..])
+    );
     let res = c.resources.as_ref().expect("resources");
     let requests = res.requests.as_ref().expect("requests");
     let limits = res.limits.as_ref().expect("limits");
@@ -165,6 +183,9 @@ fn roce_agent_daemonset_carries_every_node_level_setting() {
     assert!(mounts.contains(&("socket", "/run/kvpool")));
     assert!(mounts.contains(&("auth", "/etc/kvpool/auth")));
     assert!(mounts.contains(&("hugepages", "/dev/hugepages")));
+    // The one writable place outside the volumes, on a read-only root filesystem.
+    assert!(mounts.contains(&("tmp", "/tmp")));
+    assert!(find("tmp").empty_dir.is_some());
 }
 
 #[test]
@@ -195,7 +216,7 @@ fn tcp_pool_has_no_rdma_hugepages_ssd_or_conductor() {
         .iter()
         .map(|v| v.name.as_str())
         .collect();
-    assert_eq!(volumes, ["config", "auth", "socket"]);
+    assert_eq!(volumes, ["config", "auth", "socket", "tmp"]);
     assert!(children.conductor.is_none());
 }
 
@@ -587,4 +608,44 @@ fn agent_requests_every_sriov_rail_resource() {
         }
         assert!(!map.contains_key("nvidia.com/roce_vf"));
     }
+}
+
+/// docs/images.md justifies every capability the operator adds to a pod, and lists no other:
+/// its table has one `| pod | `CAP` | why |` row per capability of the agent and the engines.
+#[test]
+fn every_added_capability_is_justified_in_docs_images_md() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/images.md");
+    let doc = std::fs::read_to_string(&path).expect("docs/images.md");
+    let mut documented = std::collections::BTreeSet::new();
+    for line in doc.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if let [_, pod @ ("agent" | "engine"), cap, why, _] = cells[..]
+            && let Some(cap) = cap.strip_prefix('`').and_then(|c| c.strip_suffix('`'))
+            && cap.bytes().all(|b| b.is_ascii_uppercase() || b == b'_')
+        {
+            assert!(why.len() > 40, "{pod} {cap}: say why");
+            documented.insert((pod.to_owned(), cap.to_owned()));
+        }
+    }
+    let added: std::collections::BTreeSet<(String, String)> = AGENT_CAPABILITIES
+        .iter()
+        .map(|c| ("agent".to_owned(), (*c).to_owned()))
+        .chain(
+            crate::enginepool::build::ENGINE_CAPABILITIES
+                .iter()
+                .map(|c| ("engine".to_owned(), (*c).to_owned())),
+        )
+        .collect();
+    assert_eq!(
+        documented, added,
+        "docs/images.md capability table vs the builders"
+    );
+    // And the builders really add exactly those.
+    let agent = build(&valid(&roce()), "00").expect("build").agent;
+    let caps = pod(&agent).containers[0]
+        .security_context
+        .as_ref()
+        .and_then(|s| s.capabilities.clone())
+        .expect("capabilities");
+    assert_eq!(caps.add.unwrap_or_default(), AGENT_CAPABILITIES);
 }

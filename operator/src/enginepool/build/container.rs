@@ -2,11 +2,14 @@
 //! disaggregation defaults with kvpool's adapters, custom engines run what the user wrote), the
 //! contract's environment followed by the user's, GPUs and RDMA devices as extended resources,
 //! and the mounts of the pool's config, key, agent socket, shared memory and the `kvpool`
-//! Python package. I/O boundary: none.
+//! Python package, run without privilege escalation and with every capability dropped but
+//! [`ENGINE_CAPABILITIES`]. I/O boundary: none.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Container, EnvVar, HTTPGetAction, Probe, ResourceRequirements};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EnvVar, HTTPGetAction, Probe, ResourceRequirements, SecurityContext,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kvpool_crd::EngineKind;
@@ -16,6 +19,33 @@ use super::python;
 use crate::contract::{self, EngineLaunch, env};
 use crate::enginepool::validate::ValidEnginePool;
 use crate::pod::{self, field_env, mount, plain_env};
+
+/// The capabilities an engine keeps; every other one is dropped. `IPC_LOCK`: the transfer
+/// engines that engines load (kvpool's client in direct mode, Mooncake's for SGLang's
+/// prefill-to-decode hand-off, NCCL with GPUDirect RDMA) lock and register host buffers with
+/// the NIC, beyond the default `RLIMIT_MEMLOCK`.
+pub const ENGINE_CAPABILITIES: [&str; 1] = ["IPC_LOCK"];
+
+/// Security context of the engine container. The root filesystem stays writable: engine images
+/// write model and compilation caches (Hugging Face, torch, Triton) under their home and `/tmp`,
+/// and the image is the user's.
+pub fn engine_security() -> SecurityContext {
+    SecurityContext {
+        privileged: Some(false),
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(false),
+        capabilities: Some(Capabilities {
+            add: Some(
+                ENGINE_CAPABILITIES
+                    .iter()
+                    .map(|c| (*c).to_owned())
+                    .collect(),
+            ),
+            drop: Some(vec!["ALL".to_owned()]),
+        }),
+        ..SecurityContext::default()
+    }
+}
 
 /// `command` and `args` of the engine container.
 pub fn command_args(p: &ValidEnginePool) -> (Option<Vec<String>>, Option<Vec<String>>) {
@@ -124,6 +154,7 @@ pub fn engine_container(p: &ValidEnginePool) -> Container {
         ports: Some(pod::ports(&ENGINE_PORTS)),
         resources: engine_resources(p),
         readiness_probe: probe,
+        security_context: Some(engine_security()),
         volume_mounts: Some(vec![
             mount("config", contract::CONFIG_DIR, true),
             mount("auth", contract::AUTH_DIR, true),

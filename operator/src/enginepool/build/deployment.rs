@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Volume,
+    Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, SeccompProfile,
+    Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvpool_crd::EngineKind;
@@ -81,9 +82,14 @@ pub fn engine_deployment(
                         .then(|| pool_spec.tolerations.clone()),
                     automount_service_account_token: Some(false),
                     // Puts the engine's processes in the group that may read the auth key,
-                    // whatever user the engine image runs as.
+                    // whatever user the engine image runs as; the runtime's default seccomp
+                    // profile for every container of the pod.
                     security_context: Some(PodSecurityContext {
                         fs_group: Some(KEY_READER_GROUP),
+                        seccomp_profile: Some(SeccompProfile {
+                            type_: "RuntimeDefault".to_owned(),
+                            ..SeccompProfile::default()
+                        }),
                         ..PodSecurityContext::default()
                     }),
                     init_containers: Some(vec![python::python_init_container(p)]),

@@ -20,7 +20,10 @@ use crate::contract;
 use crate::labels;
 use crate::pod;
 
-pub use container::{command_args, engine_container, engine_env, engine_resources};
+pub use container::{
+    ENGINE_CAPABILITIES, command_args, engine_container, engine_env, engine_resources,
+    engine_security,
+};
 pub use deployment::{engine_deployment, pod_annotations};
 pub use python::{python_init_container, python_mount, python_path, python_volume};
 

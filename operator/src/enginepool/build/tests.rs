@@ -51,9 +51,24 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
         Some(crate::cachepool::build::KEY_READER_GROUP),
         "engines of any user can read the auth key"
     );
+    assert_eq!(
+        pod.security_context
+            .as_ref()
+            .and_then(|s| s.seccomp_profile.as_ref())
+            .map(|p| p.type_.as_str()),
+        Some("RuntimeDefault")
+    );
 
     let c = container(d);
     assert_eq!(c.image.as_deref(), Some("vllm/vllm-openai:v0.11.0"));
+    // Least privilege for the user's image: no escalation, every capability dropped but
+    // IPC_LOCK (buffer registration with the NIC).
+    let security = c.security_context.as_ref().expect("securityContext");
+    assert_eq!(security.allow_privilege_escalation, Some(false));
+    assert_eq!(security.privileged, Some(false));
+    let caps = security.capabilities.as_ref().expect("capabilities");
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]));
+    assert_eq!(caps.add.as_deref(), Some(&["IPC_LOCK".to_owned()][..]));
     assert_eq!(c.command.as_deref(), Some(&["vllm".to_owned()][..]));
     let args = c.args.as_deref().expect("args");
     assert_eq!(&args[..2], ["serve", "Qwen/Qwen3-32B"]);
