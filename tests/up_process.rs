@@ -390,5 +390,48 @@ fn a_signal_during_the_replay_cuts_it_short_and_up_exits_non_zero() {
         err.contains("the replay was cut short by a signal") && err.contains("of 20 requests"),
         "{err}"
     );
+    // Not a terminal: no progress line was drawn into the log.
+    assert!(!err.contains('\r') && !err.contains("requests ("), "{err}");
+    assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
+}
+
+#[test]
+fn a_replay_on_a_terminal_draws_its_progress_then_the_summary_table() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let marker = marker("pty");
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
+    let cmd = up_on_fixture(dir.path(), &marker);
+    let mut line: Vec<String> = vec![cmd.get_program().to_string_lossy().into_owned()];
+    line.extend(cmd.get_args().map(|a| a.to_string_lossy().into_owned()));
+    line.extend(
+        [
+            "--replay",
+            trace.to_str().expect("utf-8 path"),
+            "--limit",
+            "6",
+            "--speed",
+            "20",
+            "--time-scale",
+            "0",
+        ]
+        .map(String::from),
+    );
+    let typescript = dir.path().join("typescript");
+    // util-linux `script` runs it on a pseudo-terminal (stdout and stderr both terminals).
+    let out = Command::new("script")
+        .args(["-qec", &line.join(" ")])
+        .arg(&typescript)
+        .env(MARKER, &marker)
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("run script (util-linux)");
+    let seen = std::fs::read_to_string(&typescript).unwrap_or_default();
+    assert!(out.status.success(), "{}\n{seen}", out.status);
+    assert!(
+        seen.contains("replay 6/6 requests ("),
+        "no progress line: {seen}"
+    );
+    assert!(seen.contains("replay summary"), "{seen}");
+    assert!(seen.contains("  requests     6 in "), "{seen}");
     assert_eq!(marked(&marker), Vec::<u32>::new(), "children left running");
 }

@@ -10,6 +10,7 @@
 
 pub mod children;
 pub mod plan;
+pub mod progress;
 pub mod replay;
 mod settings;
 mod startup;
@@ -296,6 +297,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         // A child that dies stops the replay (what it measures is no longer the pool).
         let replay_stop = stop.child_token();
         let conductor = startup::endpoint(&specs, Role::Conductor);
+        let progress = std::sync::Arc::new(progress::Progress::new(records.len(), args.json));
         let replay = replay::replay(
             &conductor,
             &settings.model,
@@ -304,8 +306,10 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
             settings.chunk_bytes,
             args.speed,
             &replay_stop,
+            &progress,
         );
         let (stats, died) = startup::watch(&mut children, replay, &replay_stop).await;
+        progress.clear();
         let kv = summary::engine_kv(&specs).await;
         let pool = summary::pool_stats(&startup::endpoint(&specs, Role::Master), &key_file).await;
         let ended = match died {

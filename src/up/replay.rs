@@ -199,6 +199,7 @@ async fn send(client: &HttpClient, url: &str, body: String) -> Outcome {
 /// Replays `records` against the conductor at `conductor` (base URL), `speed` times faster
 /// than the trace; stops sending new requests when `stop` is cancelled (requests in flight get
 /// two more seconds, then count as failed).
+#[allow(clippy::too_many_arguments)]
 pub async fn replay(
     conductor: &str,
     model: &str,
@@ -207,6 +208,7 @@ pub async fn replay(
     chunk_bytes: usize,
     speed: f64,
     stop: &CancellationToken,
+    progress: &std::sync::Arc<super::progress::Progress>,
 ) -> ReplayStats {
     let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
     let url = format!("{}/v1/completions", conductor.trim_end_matches('/'));
@@ -226,8 +228,12 @@ pub async fn replay(
             "stream": true,
         })
         .to_string();
-        let (client, url) = (client.clone(), url.clone());
-        tasks.push(tokio::spawn(async move { send(&client, &url, body).await }));
+        let (client, url, progress) = (client.clone(), url.clone(), progress.clone());
+        tasks.push(tokio::spawn(async move {
+            let outcome = send(&client, &url, body).await;
+            progress.record(&outcome);
+            outcome
+        }));
     }
     // Requests in flight finish; once the replay is stopped they get `DRAIN` more, then the
     // rest is abandoned and counted as failed (a dead child may never answer them).
@@ -249,6 +255,7 @@ pub async fn replay(
             }
         }
         t.abort();
+        progress.record(&Outcome::Failed);
         outcomes.push(Outcome::Failed);
     }
     summarise(&outcomes, start.elapsed().as_secs_f64())

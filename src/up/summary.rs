@@ -173,35 +173,126 @@ fn ms(v: Option<f64>) -> String {
 }
 
 pub(super) fn print_summary(v: &Value, stats: &ReplayStats, kv: &EngineKv) {
-    println!(
-        "replayed {} requests in {:.1} s (x{} speed): served {}, rejected {}, failed {}",
-        stats.requests, stats.wall_s, v["speed"], stats.served, stats.rejected, stats.failed
-    );
-    println!(
-        "TTFT p50 {} p99 {}; TPOT p50 {} p99 {} (wall clock)",
-        ms(stats.ttft_ms_p50),
-        ms(stats.ttft_ms_p99),
-        ms(stats.tpot_ms_p50),
-        ms(stats.tpot_ms_p99)
-    );
-    println!(
-        "engines moved KV through the agents: {:.0} bytes written, {:.0} bytes read; pool block hits {:.0}, misses {:.0}, verification failures {:.0}",
-        kv.written_bytes, kv.read_bytes, kv.block_hits, kv.block_misses, kv.verify_failures
-    );
+    print!("{}", summary_table(v, stats, kv));
+}
+
+/// The replay's summary for people: one row per subject, labels aligned.
+pub fn summary_table(v: &Value, stats: &ReplayStats, kv: &EngineKv) -> String {
+    let bytes = |b: f64| {
+        bytesize::ByteSize::b(b.max(0.0) as u64)
+            .display()
+            .iec()
+            .to_string()
+    };
+    let mut rows = vec![
+        (
+            "requests",
+            format!(
+                "{} in {:.1} s at x{}: {} served, {} rejected, {} failed",
+                stats.requests,
+                stats.wall_s,
+                v["speed"],
+                stats.served,
+                stats.rejected,
+                stats.failed
+            ),
+        ),
+        (
+            "TTFT",
+            format!(
+                "p50 {}  p99 {}  (wall clock)",
+                ms(stats.ttft_ms_p50),
+                ms(stats.ttft_ms_p99)
+            ),
+        ),
+        (
+            "TPOT",
+            format!(
+                "p50 {}  p99 {}  (wall clock)",
+                ms(stats.tpot_ms_p50),
+                ms(stats.tpot_ms_p99)
+            ),
+        ),
+        (
+            "KV moved",
+            format!(
+                "{} written, {} read through the agents",
+                bytes(kv.written_bytes),
+                bytes(kv.read_bytes)
+            ),
+        ),
+        (
+            "pool blocks",
+            format!(
+                "{:.0} hits, {:.0} misses, {:.0} verification failures",
+                kv.block_hits, kv.block_misses, kv.verify_failures
+            ),
+        ),
+    ];
     if v["pool"].is_object() {
-        println!(
-            "master: {} objects, {} bytes used of {}, {} nodes alive",
-            v["pool"]["objects"],
-            v["pool"]["used_bytes"],
-            v["pool"]["capacity_bytes"],
-            v["pool"]["nodes_alive"]
-        );
+        let num = |k: &str| v["pool"][k].as_f64().unwrap_or(0.0);
+        rows.push((
+            "master",
+            format!(
+                "{} objects, {} used of {}, {} nodes alive",
+                v["pool"]["objects"],
+                bytes(num("used_bytes")),
+                bytes(num("capacity_bytes")),
+                v["pool"]["nodes_alive"]
+            ),
+        ));
     }
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut out = String::from("replay summary\n");
+    for (k, val) in rows {
+        out.push_str(&format!("  {k:<width$}  {val}\n"));
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_table_aligns_its_rows_and_names_the_units() {
+        let stats = ReplayStats {
+            requests: 3,
+            served: 2,
+            rejected: 1,
+            ttft_ms_p50: Some(12.0),
+            wall_s: 1.5,
+            ..ReplayStats::default()
+        };
+        let kv = EngineKv {
+            written_bytes: 2.0 * 1024.0 * 1024.0,
+            ..EngineKv::default()
+        };
+        let v = json!({"speed": 10.0, "pool": {"objects": 4, "used_bytes": 1024.0,
+            "capacity_bytes": 67108864.0, "nodes_alive": 2}});
+        let t = summary_table(&v, &stats, &kv);
+        let rows: Vec<&str> = t.lines().collect();
+        assert_eq!(rows[0], "replay summary", "{t}");
+        assert_eq!(rows.len(), 7, "{t}");
+        assert!(
+            rows[1]
+                .starts_with("  requests     3 in 1.5 s at x10.0: 2 served, 1 rejected, 0 failed"),
+            "{t}"
+        );
+        // Every value starts in the same column.
+        let col = rows[1].find("3 in").unwrap_or(0);
+        assert!(
+            rows[1..]
+                .iter()
+                .all(|r| r.len() > col && &r[col - 2..col] == "  "),
+            "{t}"
+        );
+        assert!(t.contains("2.0 MiB written"), "{t}");
+        assert!(
+            t.contains("4 objects, 1.0 KiB used of 64.0 MiB, 2 nodes alive"),
+            "{t}"
+        );
+    }
 
     #[test]
     fn timing_has_a_mean_per_operation_that_ran() {
