@@ -298,6 +298,8 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         let replay_stop = stop.child_token();
         let conductor = startup::endpoint(&specs, Role::Conductor);
         let progress = std::sync::Arc::new(progress::Progress::new(records.len(), args.json));
+        let shown = progress.clone();
+        let on_done: replay::OnDone = std::sync::Arc::new(move |o| shown.record(o));
         let replay = replay::replay(
             &conductor,
             &settings.model,
@@ -306,7 +308,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
             settings.chunk_bytes,
             args.speed,
             &replay_stop,
-            &progress,
+            &on_done,
         );
         let (stats, died) = startup::watch(&mut children, replay, &replay_stop).await;
         progress.clear();

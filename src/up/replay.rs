@@ -208,7 +208,7 @@ pub async fn replay(
     chunk_bytes: usize,
     speed: f64,
     stop: &CancellationToken,
-    progress: &std::sync::Arc<super::progress::Progress>,
+    on_done: &OnDone,
 ) -> ReplayStats {
     let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
     let url = format!("{}/v1/completions", conductor.trim_end_matches('/'));
@@ -228,10 +228,10 @@ pub async fn replay(
             "stream": true,
         })
         .to_string();
-        let (client, url, progress) = (client.clone(), url.clone(), progress.clone());
+        let (client, url, on_done) = (client.clone(), url.clone(), on_done.clone());
         tasks.push(tokio::spawn(async move {
             let outcome = send(&client, &url, body).await;
-            progress.record(&outcome);
+            on_done(&outcome);
             outcome
         }));
     }
@@ -255,11 +255,14 @@ pub async fn replay(
             }
         }
         t.abort();
-        progress.record(&Outcome::Failed);
+        on_done(&Outcome::Failed);
         outcomes.push(Outcome::Failed);
     }
     summarise(&outcomes, start.elapsed().as_secs_f64())
 }
+
+/// Told of every request's outcome as it finishes (the progress line).
+pub type OnDone = std::sync::Arc<dyn Fn(&Outcome) + Send + Sync>;
 
 /// How long requests in flight may still finish once a replay is stopped.
 const DRAIN: Duration = Duration::from_secs(2);
