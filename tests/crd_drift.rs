@@ -2,6 +2,8 @@
 //! the generated reference sections of `docs/crds.md`. With `KVPOOL_BLESS=1` the test rewrites
 //! them instead of failing. I/O: reads and (when blessing) writes those files in the repository.
 
+mod skip_support;
+
 mod crd_support;
 
 use std::path::{Path, PathBuf};
@@ -216,7 +218,7 @@ fn crds_pass_kubernetes_validate() {
     {
         PathBuf::from("kubernetes-validate")
     } else {
-        println!("SKIP: kubernetes-validate not installed (run scripts/tools.sh)");
+        skip_support::skip("kubernetes-validate not installed (run scripts/tools.sh)");
         return;
     };
     let files: Vec<PathBuf> = render_crds()

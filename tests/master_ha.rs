@@ -3,6 +3,8 @@
 //! committed object, the same replica locations and the same allocation state, and clients
 //! follow it.
 
+mod skip_support;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -51,7 +53,7 @@ fn seg(node: &str) -> SegmentSpec {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standby_takes_over_with_every_committed_object() {
     if !EtcdServer::available() {
-        println!("SKIP: etcd binary not installed (Debian package etcd-server)");
+        skip_support::skip("etcd binary not installed (Debian package etcd-server)");
         return;
     }
     let dir = tempfile::tempdir().expect("tmp");

@@ -1,6 +1,8 @@
 //! Simulator tests on real Mooncake trace data: committed excerpts, the full conversation trace
 //! when it sits beside the repository, and the `kvpool simulate` binary as a child process.
 
+mod skip_support;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -142,7 +144,7 @@ fn full_conversation_trace_if_present() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../shared/data/mooncake-traces/conversation_trace.jsonl");
     if !path.exists() {
-        println!("SKIP: {} not present", path.display());
+        skip_support::skip(&format!("{} not present", path.display()));
         return;
     }
     let records = trace::load(&path, 512).unwrap();

@@ -6,6 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod skip_support;
 mod transfer_util;
 
 use std::fs::File;
@@ -117,14 +118,14 @@ fn running_as_root() -> bool {
 #[test]
 fn transfer_between_namespaces_survives_a_link_cut() {
     if !running_as_root() {
-        eprintln!("SKIP: needs root to create network namespaces");
+        skip_support::skip("needs root to create network namespaces");
         return;
     }
     let n = std::process::id() % 250 + 1;
     let (ns, addr_a, _addr_b) = match Netns::create(n) {
         Ok(v) => v,
         Err(e) => {
-            eprintln!("SKIP: cannot create network namespaces: {e}");
+            skip_support::skip(&format!("cannot create network namespaces: {e}"));
             return;
         }
     };
@@ -136,7 +137,7 @@ fn transfer_between_namespaces_survives_a_link_cut() {
     ) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("SKIP: `ip netns exec` could not run the target: {e}");
+            skip_support::skip(&format!("`ip netns exec` could not run the target: {e}"));
             return;
         }
     };
