@@ -503,15 +503,10 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
                  staying not ready until restarted with engines"
             );
         }
-        server::serve_with(
-            listener,
-            conductor.router,
-            wired.shutdown,
-            wired.http,
-            wired.http_stats,
-        )
-        .await
-        .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
+        wired
+            .serve(listener, conductor.router)
+            .await
+            .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
     };
     wiring::run(
         args.addrs.listen,

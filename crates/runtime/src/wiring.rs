@@ -54,6 +54,18 @@ pub struct Wired {
     pub http_stats: HttpStats,
 }
 
+impl Wired {
+    /// Serves `router` on the API `listener` under these limits and metrics until the shutdown
+    /// token is cancelled (what a service's `serve` step usually is).
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        router: axum::Router,
+    ) -> std::io::Result<()> {
+        crate::http::serve_with(listener, router, self.shutdown, self.http, self.http_stats).await
+    }
+}
+
 /// Runs a service on a new multi-threaded Tokio runtime until SIGTERM or SIGINT (errors of the
 /// wiring become the service's error type through its `From<WiringError>`):
 /// `setup` builds it (its router, background tasks...) from the [`Wired`] handles and returns

@@ -263,15 +263,10 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     };
     let serve = |router, listener, wired: Wired| async move {
         wired.readiness.set_ready(true);
-        server::serve_with(
-            listener,
-            router,
-            wired.shutdown,
-            wired.http,
-            wired.http_stats,
-        )
-        .await
-        .map_err(|e| EngineError::Server(ServerError::Serve(e)))
+        wired
+            .serve(listener, router)
+            .await
+            .map_err(|e| EngineError::Server(ServerError::Serve(e)))
     };
     wiring::run(
         args.addrs.listen,
