@@ -8,13 +8,11 @@ use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
 use kvpool_conductor::{ConductorConfig, PoolLookup, RoutingProtocol};
-use kvpool_core::sched::{
-    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
-};
+use kvpool_core::sched::{PrefillCost, Rejection};
 use kvpool_synthetic::{EngineConfig, SglangMode, SglangRole};
 use prometheus::Registry;
 use serde_json::Value;
-use serve_support::{assert_metric, labelled, listen, metric as counter};
+use serve_support::{assert_metric, labelled, listen, metric as counter, start_conductor};
 use tokio_util::sync::CancellationToken;
 
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
@@ -132,53 +130,12 @@ fn conductor_config(
     hot_threshold: u32,
     pool: Option<PoolLookup>,
 ) -> ConductorConfig {
-    ConductorConfig {
-        models: vec![MODEL.into()],
-        prefill,
-        decode: vec![decode],
-        scheduler: SchedulerConfig {
-            policy: Policy::Conductor,
-            rejection,
-            slo: Slo {
-                ttft_s: ttft_slo_s,
-                tpot_s: 0.1,
-            },
-            block_size: NonZeroU32::new(BLOCK).expect("nonzero"),
-            bytes_per_token: 327_680,
-            pool_bandwidth_bps: 25e9,
-            kv_bandwidth_bps: 25e9,
-            prefill_costs: vec![PrefillCost::default(); 2],
-            decode_cost: DecodeCost::default(),
-            decode_kv_capacity_tokens: 1_500_000,
-            hot: HotConfig {
-                threshold: hot_threshold,
-                fanout: 1,
-            },
-            seed: 1,
-        },
-        engine_cache_blocks: 1000,
-        tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
-        chat_template: None,
-        pool,
-        protocol: RoutingProtocol::Vllm,
-        time_scale: 1.0,
-        hashing: kvpool_core::sched::BlockHashing::Kvpool,
-        kv_events: Vec::new(),
-        kv_events_port: None,
-        fit_prefill_cost: false,
-        upstream: Default::default(),
-    }
-}
-
-async fn start_conductor(
-    config: ConductorConfig,
-    shutdown: &CancellationToken,
-) -> (SocketAddr, Registry) {
-    let registry = Registry::new();
-    let router = kvpool_conductor::server::router(config, &registry).expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_conductor::server::serve(l, router, shutdown.clone()));
-    (a, registry)
+    let mut c =
+        serve_support::conductor_config(MODEL, BLOCK, prefill, decode, rejection, ttft_slo_s);
+    c.scheduler.prefill_costs = vec![PrefillCost::default(); 2];
+    c.scheduler.hot.threshold = hot_threshold;
+    c.pool = pool;
+    c
 }
 
 #[tokio::test]

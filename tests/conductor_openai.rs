@@ -8,15 +8,12 @@
 mod serve_support;
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 
-use kvpool_conductor::{ConductorConfig, RoutingProtocol};
-use kvpool_core::sched::{
-    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
-};
+use kvpool_conductor::ConductorConfig;
+use kvpool_core::sched::{PrefillCost, Rejection};
 use prometheus::Registry;
 use serde_json::{Value, json};
-use serve_support::{assert_metric, exchange, listen};
+use serve_support::{assert_metric, exchange, listen, start_conductor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -39,54 +36,7 @@ fn config(
     rejection: Rejection,
     ttft_s: f64,
 ) -> ConductorConfig {
-    let n = prefill.len();
-    ConductorConfig {
-        models: vec![MODEL.into()],
-        prefill,
-        decode: vec![decode],
-        scheduler: SchedulerConfig {
-            policy: Policy::Conductor,
-            rejection,
-            slo: Slo {
-                ttft_s,
-                tpot_s: 0.1,
-            },
-            block_size: NonZeroU32::new(BLOCK).expect("nonzero"),
-            bytes_per_token: 327_680,
-            pool_bandwidth_bps: 25e9,
-            kv_bandwidth_bps: 25e9,
-            prefill_costs: vec![PrefillCost::default(); n],
-            decode_cost: DecodeCost::default(),
-            decode_kv_capacity_tokens: 1_500_000,
-            hot: HotConfig {
-                threshold: 0,
-                fanout: 1,
-            },
-            seed: 1,
-        },
-        engine_cache_blocks: 1000,
-        upstream: Default::default(),
-        tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
-        chat_template: None,
-        pool: None,
-        protocol: RoutingProtocol::Vllm,
-        time_scale: 1.0,
-        hashing: kvpool_core::sched::BlockHashing::Kvpool,
-        kv_events: Vec::new(),
-        kv_events_port: None,
-        fit_prefill_cost: false,
-    }
-}
-
-async fn start_conductor(
-    config: ConductorConfig,
-    shutdown: &CancellationToken,
-) -> (SocketAddr, Registry) {
-    let registry = Registry::new();
-    let router = kvpool_conductor::server::router(config, &registry).expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_conductor::server::serve(l, router, shutdown.clone()));
-    (a, registry)
+    serve_support::conductor_config(MODEL, BLOCK, prefill, decode, rejection, ttft_s)
 }
 
 /// A conductor in front of one synthetic prefill and one synthetic decode engine.

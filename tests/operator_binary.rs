@@ -270,24 +270,15 @@ fn kubeconfig(dir: &std::path::Path, api_addr: SocketAddr) -> std::path::PathBuf
     path
 }
 
-/// Run the operator against the fake until `path` on the admin server answers with a body that
-/// contains `want`, then SIGTERM it; returns its log after it exited 0.
-async fn run_until(extra_args: &[&str], path: &str, want: &str) -> String {
-    let (api_addr, _) = start_fake_api(Vec::new()).await;
-    run_against(api_addr, extra_args, path, want, || true).await
-}
-
-/// Like [`run_until`] against a given fake, also waiting for `until()` to hold.
-async fn run_against(
+/// `kvpool operator run` against the API server at `api_addr` with `extra_args`, its log in
+/// `dir` (`OP_LOG` sets its log filter, info by default).
+fn spawn_operator(
+    dir: &std::path::Path,
     api_addr: SocketAddr,
     extra_args: &[&str],
-    path: &str,
-    want: &str,
-    until: impl Fn() -> bool,
-) -> String {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = kubeconfig(dir.path(), api_addr);
-    let mut child = Launcher::new(dir.path())
+) -> kvpool_harness::ChildProcess {
+    let kubeconfig = kubeconfig(dir, api_addr);
+    Launcher::new(dir)
         .spawn(
             "operator",
             operator_command()
@@ -308,7 +299,26 @@ async fn run_against(
                 )
                 .env("NO_COLOR", "1"),
         )
-        .expect("start kvpool operator run");
+        .expect("start kvpool operator run")
+}
+
+/// Run the operator against the fake until `path` on the admin server answers with a body that
+/// contains `want`, then SIGTERM it; returns its log after it exited 0.
+async fn run_until(extra_args: &[&str], path: &str, want: &str) -> String {
+    let (api_addr, _) = start_fake_api(Vec::new()).await;
+    run_against(api_addr, extra_args, path, want, || true).await
+}
+
+/// Like [`run_until`] against a given fake, also waiting for `until()` to hold.
+async fn run_against(
+    api_addr: SocketAddr,
+    extra_args: &[&str],
+    path: &str,
+    want: &str,
+    until: impl Fn() -> bool,
+) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = spawn_operator(dir.path(), api_addr, extra_args);
 
     // Wait (bounded, generously for a loaded machine) for the admin server to say `want`.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -489,27 +499,17 @@ async fn sigterm_stops_the_operator_in_time_while_the_api_server_never_answers()
         }
     });
     let dir = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = kubeconfig(dir.path(), api_addr);
-    let mut child = Launcher::new(dir.path())
-        .spawn(
-            "operator",
-            operator_command()
-                .args([
-                    "run",
-                    "--admin-addr",
-                    "127.0.0.1:0",
-                    "--namespace",
-                    "default",
-                ])
-                .args(["--leader-elect", "--identity", "replica-a"])
-                .args(["--shutdown-timeout", "2s"])
-                .env("KUBECONFIG", &kubeconfig)
-                .env_remove("KUBERNETES_SERVICE_HOST")
-                .env_remove("KUBERNETES_SERVICE_PORT")
-                .env("RUST_LOG", "info")
-                .env("NO_COLOR", "1"),
-        )
-        .expect("start kvpool operator run");
+    let mut child = spawn_operator(
+        dir.path(),
+        api_addr,
+        &[
+            "--leader-elect",
+            "--identity",
+            "replica-a",
+            "--shutdown-timeout",
+            "2s",
+        ],
+    );
     // The signal handlers are installed before the admin server listens.
     let deadline = Instant::now() + Duration::from_secs(60);
     while admin_addr(&child.log_text()).is_none() {

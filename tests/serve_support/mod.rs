@@ -1,5 +1,6 @@
-//! What the tests of in-process HTTP servers share (conductor_http, conductor_discovery,
-//! synthetic_engine): a synthetic engine's settings, a loopback listener, one HTTP exchange through the harness's client, and a
+//! What the tests of in-process HTTP servers share (conductor_http, conductor_openai,
+//! conductor_discovery, synthetic_engine): a synthetic engine's and a conductor's settings, a
+//! conductor serving on loopback, a loopback listener, one HTTP exchange through the harness's client, and a
 //! metric read from a server's registry the way Prometheus would scrape it. Failures panic
 //! naming the call. I/O boundary: loopback sockets.
 
@@ -79,4 +80,69 @@ pub fn engine_config(model: &str, block_size: u32) -> EngineConfig {
         // The conductor configs of these tests key blocks the same way.
         hashing: kvpool_core::sched::BlockHashing::Kvpool,
     }
+}
+
+/// A conductor over `prefill` and `decode` (static engines) serving `model` with `block`-token
+/// blocks: the conductor policy, `rejection`, a TTFT SLO of `ttft_slo_s` and a TPOT SLO of
+/// 0.1 s, one default prefill cost per prefill engine, no hot-block replication, no pool, vLLM
+/// routing; tests change what they need on the returned value.
+pub fn conductor_config(
+    model: &str,
+    block: u32,
+    prefill: Vec<String>,
+    decode: String,
+    rejection: kvpool_core::sched::Rejection,
+    ttft_slo_s: f64,
+) -> kvpool_conductor::ConductorConfig {
+    use kvpool_core::sched::{HotConfig, Policy, SchedulerConfig, Slo};
+    let n = prefill.len();
+    kvpool_conductor::ConductorConfig {
+        models: vec![model.into()],
+        prefill,
+        decode: vec![decode],
+        scheduler: SchedulerConfig {
+            policy: Policy::Conductor,
+            rejection,
+            slo: Slo {
+                ttft_s: ttft_slo_s,
+                tpot_s: 0.1,
+            },
+            block_size: NonZeroU32::new(block).expect("nonzero block size"),
+            bytes_per_token: 327_680,
+            pool_bandwidth_bps: 25e9,
+            kv_bandwidth_bps: 25e9,
+            prefill_costs: vec![PrefillCost::default(); n],
+            decode_cost: DecodeCost::default(),
+            decode_kv_capacity_tokens: 1_500_000,
+            hot: HotConfig {
+                threshold: 0,
+                fanout: 1,
+            },
+            seed: 1,
+        },
+        engine_cache_blocks: 1000,
+        upstream: Default::default(),
+        tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
+        chat_template: None,
+        pool: None,
+        protocol: kvpool_conductor::RoutingProtocol::Vllm,
+        time_scale: 1.0,
+        hashing: kvpool_core::sched::BlockHashing::Kvpool,
+        kv_events: Vec::new(),
+        kv_events_port: None,
+        fit_prefill_cost: false,
+    }
+}
+
+/// Serves a conductor built from `config` on a loopback port until `shutdown`; its address and
+/// metrics registry.
+pub async fn start_conductor(
+    config: kvpool_conductor::ConductorConfig,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> (SocketAddr, Registry) {
+    let registry = Registry::new();
+    let router = kvpool_conductor::server::router(config, &registry).expect("router");
+    let (l, a) = listen().await;
+    tokio::spawn(kvpool_conductor::server::serve(l, router, shutdown.clone()));
+    (a, registry)
 }

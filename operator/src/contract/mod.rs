@@ -352,19 +352,12 @@ mod tests {
             engine_block_size: 32,
             tokenizer_dir: Some("/etc/kvpool/tokenizer/m".into()),
         };
-        let args = conductor_args("cache", "llm", "m:1", 2000, 50, &with);
-        assert!(args.windows(2).any(|w| w == ["--block-size", "32"]));
+        let custom = conductor_args("cache", "llm", "m:1", 2000, 50, &with);
+        assert!(custom.windows(2).any(|w| w == ["--block-size", "32"]));
         assert!(
-            args.windows(2)
+            custom
+                .windows(2)
                 .any(|w| w == ["--tokenizer", "/etc/kvpool/tokenizer/m"])
-        );
-        let args = conductor_args(
-            "cache",
-            "llm",
-            "cache-master.llm.svc:50051",
-            2000,
-            50,
-            &model,
         );
         assert!(
             args.windows(2)
