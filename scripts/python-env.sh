@@ -6,13 +6,13 @@
 #   (the independent KV-event publisher and block-hash vectors of the conductor's tests); openai
 #   (the official client, against the conductor: crates/python/tests/test_openai_client.py). Also creates .tools/router
 #   with sglang-router (SGLang's Rust router, the peer of `kvpool bench conductor
-#   --vs_sglang_router`), in a venv of its own so that its dependencies stay apart.
+#   --vs-sglang-router`), in a venv of its own so that its dependencies stay apart.
 # Idempotent: pinned tools already installed are left alone; the package is always rebuilt.
 #   scripts/python-env.sh            debug build of the extension (fast to build; the tests)
 #   scripts/python-env.sh --release  release build (the benchmark)
 #   scripts/python-env.sh --tools    the pinned tools only, no kvpool package (Mooncake for
-#                                    `kvpool bench ... --vs_mooncake`, sglang-router for
-#                                    `kvpool bench conductor --vs_sglang_router`, and their tests)
+#                                    `kvpool bench ... --vs-mooncake`, sglang-router for
+#                                    `kvpool bench conductor --vs-sglang-router`, and their tests)
 # Needs python3 with venv and pip (scripts/deps.sh installs them), and Mooncake's wheel needs
 # libibverbs1 and librdmacm1 at run time (scripts/deps.sh installs them with the verbs headers).
 set -euo pipefail

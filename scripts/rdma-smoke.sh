@@ -67,7 +67,7 @@ fi
 start_target() {
   local listen="$1"
   "$bin" bench transfer --mode target --protocol "$protocol" --listen "$listen" \
-    --auth_key_file "$key" --buffer_size 256MiB > "$work/target.out" 2> "$work/target.log" &
+    --auth-key-file "$key" --buffer-size 256MiB > "$work/target.out" 2> "$work/target.log" &
   target_pid=$!
   for _ in $(seq 1 300); do
     if grep -q '^kvpool-bench-target ' "$work/target.out" 2>/dev/null; then
@@ -87,9 +87,9 @@ start_target() {
 # One initiator run; prints its JSON line and checks it.
 run_initiator() {
   local target="$1" op="$2" out="$work/initiator-$2.json"
-  if ! "$bin" bench transfer --mode initiator --protocol "$protocol" --target_addr "$target" \
-      --auth_key_file "$key" --operation "$op" --block_size "$block" --duration "$seconds" \
-      --buffer_size 256MiB --no_baselines --json > "$out" 2> "$work/initiator-$op.log"; then
+  if ! "$bin" bench transfer --mode initiator --protocol "$protocol" --target-addr "$target" \
+      --auth-key-file "$key" --operation "$op" --block-size "$block" --duration "$seconds" \
+      --buffer-size 256MiB --no-baselines --json > "$out" 2> "$work/initiator-$op.log"; then
     echo "FAIL: $op initiator failed (no RDMA device, or a build without feature rdma?):" >&2
     sed '/^Stack backtrace:/,$d' "$work/initiator-$op.log" >&2
     return 1

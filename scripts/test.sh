@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
-# Mooncake (from PyPI, pinned) for the benches' --vs_mooncake runs among the Rust tests.
+# Mooncake (from PyPI, pinned) for the benches' --vs-mooncake runs among the Rust tests.
 scripts/python-env.sh --tools
 status=0
 if cargo nextest --version >/dev/null 2>&1; then

@@ -5,13 +5,13 @@
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvpool_core::sched::{
     FitError, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 
-use kvpool_core::flags::{FlagError, gbps, positive};
+use kvpool_core::flags::{Bandwidth, FlagError, parse_bandwidth, parse_duration, positive};
 use kvpool_core::sched::CostFlags;
 use kvpool_core::sim::bench::{self, BenchConfig};
 use kvpool_core::sim::engine::{SimConfig, SimError, UNLIMITED, simulate};
@@ -73,21 +73,24 @@ pub struct SimulateArgs {
     /// KV tokens one decode instance holds.
     #[arg(long, default_value_t = 1_500_000)]
     pub decode_kv_capacity_tokens: u64,
-    /// KV bytes per token (320 KiB: a 70B model with GQA in BF16).
-    #[arg(long, default_value_t = 327_680)]
-    pub bytes_per_token: u64,
-    /// Pool -> prefill bandwidth, GB/s (10^9 bytes).
-    #[arg(long, default_value_t = 25.0)]
-    pub pool_bandwidth_gbps: f64,
-    /// Prefill -> decode KV transfer bandwidth, GB/s.
-    #[arg(long, default_value_t = 25.0)]
-    pub kv_bandwidth_gbps: f64,
-    /// TTFT SLO, seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub ttft_slo_s: f64,
-    /// TPOT SLO, seconds.
-    #[arg(long, default_value_t = 0.1)]
-    pub tpot_slo_s: f64,
+    /// KV bytes per token (320 KiB: a 70B model with GQA in BF16; `--bytes-per-token` is its
+    /// old spelling).
+    #[arg(long, alias = "bytes-per-token", default_value_t = 327_680)]
+    pub kv_bytes_per_token: u64,
+    /// Pool -> prefill rate (`25GB/s`, `200Gbit/s`; a bare number is GB/s, as its old spelling
+    /// `--pool-bandwidth-gbps` read it).
+    #[arg(long, alias = "pool-bandwidth-gbps", default_value = "25GB/s", value_parser = parse_bandwidth)]
+    pub pool_bandwidth: Bandwidth,
+    /// Prefill -> decode KV transfer rate (as --pool-bandwidth; old spelling
+    /// `--kv-bandwidth-gbps`).
+    #[arg(long, alias = "kv-bandwidth-gbps", default_value = "25GB/s", value_parser = parse_bandwidth)]
+    pub kv_bandwidth: Bandwidth,
+    /// TTFT SLO (a duration: `30s`; `--ttft-slo-s` is its old spelling).
+    #[arg(long, alias = "ttft-slo-s", default_value = "30s", value_parser = parse_duration)]
+    pub ttft_slo: Duration,
+    /// TPOT SLO (a duration: `100ms`; `--tpot-slo-s` is its old spelling).
+    #[arg(long, alias = "tpot-slo-s", default_value = "100ms", value_parser = parse_duration)]
+    pub tpot_slo: Duration,
     /// Replicate a hot prefix every this many hits on a block (0: off).
     #[arg(long, default_value_t = 0)]
     pub hot_threshold: u32,
@@ -227,18 +230,18 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
     if args.decode_kv_capacity_tokens == 0 {
         return Err(flag("decode-kv-capacity-tokens", "must be at least 1"));
     }
-    if args.bytes_per_token == 0 {
-        return Err(flag("bytes-per-token", "must be at least 1"));
+    if args.kv_bytes_per_token == 0 {
+        return Err(flag("kv-bytes-per-token", "must be at least 1"));
     }
     Ok(SimConfig {
         scheduler: SchedulerConfig {
             policy: args.policy,
             rejection: args.rejection,
-            slo: Slo::from_flags(args.ttft_slo_s, args.tpot_slo_s)?,
+            slo: Slo::from_flags(args.ttft_slo, args.tpot_slo)?,
             block_size,
-            bytes_per_token: args.bytes_per_token,
-            pool_bandwidth_bps: gbps("pool-bandwidth-gbps", args.pool_bandwidth_gbps)?,
-            kv_bandwidth_bps: gbps("kv-bandwidth-gbps", args.kv_bandwidth_gbps)?,
+            bytes_per_token: args.kv_bytes_per_token,
+            pool_bandwidth_bps: args.pool_bandwidth.bytes_per_s(),
+            kv_bandwidth_bps: args.kv_bandwidth.bytes_per_s(),
             prefill_costs: vec![prefill_cost; args.prefill],
             decode_cost,
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens,
@@ -353,11 +356,7 @@ mod tests {
             (vec!["--prefill", "200"], "--prefill"),
             (vec!["--decode", "0"], "--decode"),
             (vec!["--time-scale", "0"], "--time-scale"),
-            (vec!["--ttft-slo-s=-1"], "--ttft-slo-s"),
-            (
-                vec!["--pool-bandwidth-gbps", "NaN"],
-                "--pool-bandwidth-gbps",
-            ),
+            (vec!["--ttft-slo=0s"], "--ttft-slo"),
             (vec!["--block-size", "0"], "--block-size"),
             (vec!["--prefill-linear-s=-0.1"], "--prefill-linear-s"),
         ] {
@@ -368,6 +367,43 @@ mod tests {
         assert!(T::try_parse_from(["t", "--trace", "x", "--pool-blocks", "lots"]).is_err());
         assert!(T::try_parse_from(["t"]).is_err(), "--trace is required");
         assert!(T::try_parse_from(["t", "--bench-decision"]).is_ok());
+    }
+
+    #[test]
+    fn old_flag_spellings_still_parse_for_one_release() {
+        let old = sim_config(&args(&[
+            "--ttft-slo-s",
+            "2.5",
+            "--tpot-slo-s=0.05",
+            "--pool-bandwidth-gbps",
+            "12.5",
+            "--kv-bandwidth-gbps=50",
+            "--bytes-per-token",
+            "1024",
+        ]))
+        .unwrap();
+        let new = sim_config(&args(&[
+            "--ttft-slo",
+            "2500ms",
+            "--tpot-slo=50ms",
+            "--pool-bandwidth",
+            "100Gbit/s",
+            "--kv-bandwidth=50GB/s",
+            "--kv-bytes-per-token",
+            "1024",
+        ]))
+        .unwrap();
+        for c in [&old, &new] {
+            let s = &c.scheduler;
+            assert_eq!((s.slo.ttft_s, s.slo.tpot_s), (2.5, 0.05));
+            assert_eq!((s.pool_bandwidth_bps, s.kv_bandwidth_bps), (12.5e9, 50e9));
+            assert_eq!(s.bytes_per_token, 1024);
+        }
+        for bad in [["--pool-bandwidth-gbps", "NaN"], ["--ttft-slo", "soon"]] {
+            let mut argv = vec!["t", "--trace", "x"];
+            argv.extend(bad);
+            assert!(T::try_parse_from(argv).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

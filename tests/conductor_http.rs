@@ -362,10 +362,10 @@ async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
                 &api.to_string(),
                 "--admin-listen",
                 &admin.to_string(),
-                "--ttft-slo-s",
-                "2",
-                "--tpot-slo-s",
-                "0.05",
+                "--ttft-slo",
+                "2s",
+                "--tpot-slo",
+                "50ms",
             ]),
         )
         .expect("spawn kvpool conductor");

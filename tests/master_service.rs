@@ -476,7 +476,7 @@ fn binary_serves_and_stops_cleanly_on_sigterm() {
             "master",
             kvpool_command(pool_support::KVPOOL.as_ref())
                 .args(["master", "--listen", &grpc.to_string()])
-                .args(["--admin-addr", &admin.to_string()])
+                .args(["--admin-listen", &admin.to_string()])
                 .env("KVPOOL_AUTH_KEY_FILE", &key_file),
         )
         .expect("spawn");

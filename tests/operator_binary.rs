@@ -66,7 +66,7 @@ fn bad_flags_and_a_missing_cluster_exit_non_zero_with_the_reason() {
     );
 
     let out = operator_command()
-        .args(["run", "--admin-addr", "127.0.0.1:0"])
+        .args(["run", "--admin-listen", "127.0.0.1:0"])
         .env("KUBECONFIG", "/nonexistent/kubeconfig")
         .env_remove("KUBERNETES_SERVICE_HOST")
         .env_remove("KUBERNETES_SERVICE_PORT")
@@ -284,7 +284,7 @@ fn spawn_operator(
             operator_command()
                 .args([
                     "run",
-                    "--admin-addr",
+                    "--admin-listen",
                     "127.0.0.1:0",
                     "--namespace",
                     "default",

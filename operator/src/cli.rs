@@ -30,8 +30,14 @@ pub struct RunArgs {
     /// Namespace to watch; empty or absent means all namespaces.
     #[arg(long, env = "KVPOOL_WATCH_NAMESPACE", default_value = "")]
     pub namespace: String,
-    /// Address of the admin server (/livez, /readyz, /metrics).
-    #[arg(long, env = "KVPOOL_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
+    /// Address of the admin server (/livez, /readyz, /metrics); `--admin-addr` and
+    /// `KVPOOL_ADMIN_ADDR` are its old spellings.
+    #[arg(
+        long = "admin-listen",
+        alias = "admin-addr",
+        env = "KVPOOL_OPERATOR_ADMIN_LISTEN",
+        default_value = "0.0.0.0:9090"
+    )]
     pub admin_addr: SocketAddr,
     /// Take part in leader election through a coordination.k8s.io Lease; only the holder
     /// reconciles. Needed when the operator runs with more than one replica.
@@ -134,7 +140,7 @@ mod tests {
     #[test]
     fn run_rejects_zero_concurrency_and_bad_addresses() {
         assert!(Cli::try_parse_from(["operator", "run", "--concurrency", "0"]).is_err());
-        assert!(Cli::try_parse_from(["operator", "run", "--admin-addr", "nope"]).is_err());
+        assert!(Cli::try_parse_from(["operator", "run", "--admin-listen", "nope"]).is_err());
     }
 
     #[test]

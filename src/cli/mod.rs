@@ -54,7 +54,8 @@ pub enum Command {
     Up(Box<crate::up::UpArgs>),
     /// Run a benchmark (`kvpool bench transfer ...`).
     Bench(kvpool_bench::BenchArgs),
-    /// Benchmark the master's metadata path (lookups/s, puts/s, RSS per object).
+    /// The old spelling of `kvpool bench master`, kept hidden for one release.
+    #[command(hide = true)]
     MasterBench(kvpool_bench::master::MasterBenchArgs),
     /// Replay a Mooncake request trace through the scheduling policies (or, with
     /// --bench-decision, time one scheduling decision).
@@ -65,6 +66,26 @@ pub enum Command {
     /// Replay a Mooncake trace against a global block cache and report hit ratios per
     /// eviction policy and capacity.
     SimulateCache(crate::simulate_cache::SimulateCacheArgs),
+}
+
+/// Environment variables renamed with the flags they set (one naming scheme: docs/cli.md),
+/// `(old, new)`. Each old name still works for one release: the binary copies it to the new
+/// name (when that is unset) before parsing and warns.
+pub const RENAMED_ENV_VARS: &[(&str, &str)] = &[
+    ("KVPOOL_MASTER_ADMIN_ADDR", "KVPOOL_MASTER_ADMIN_LISTEN"),
+    ("KVPOOL_ADMIN_ADDR", "KVPOOL_OPERATOR_ADMIN_LISTEN"),
+];
+
+/// The renamed variables to carry over: `(old, new, value)` for each old name that is set
+/// while its new name is not. `get` reads one variable (`std::env::var_os` in the binary).
+pub fn renamed_env_vars(
+    get: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Vec<(&'static str, &'static str, std::ffi::OsString)> {
+    RENAMED_ENV_VARS
+        .iter()
+        .filter(|(_, new)| get(new).is_none())
+        .filter_map(|&(old, new)| get(old).map(|value| (old, new, value)))
+        .collect()
 }
 
 /// A multi-threaded Tokio runtime for a role's synchronous entry point.

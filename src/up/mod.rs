@@ -86,12 +86,16 @@ pub struct UpArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Seconds each child gets to exit after SIGTERM before SIGKILL.
-    #[arg(long, default_value_t = 10.0)]
-    pub grace_s: f64,
-    /// Seconds to wait for every child to report ready.
-    #[arg(long, default_value_t = 120.0)]
-    pub ready_timeout_s: f64,
+    /// How long each child gets to exit after SIGTERM before SIGKILL (`--grace-s` is its old
+    /// spelling).
+    #[arg(long, alias = "grace-s", default_value = "10s",
+        value_parser = kvpool_core::flags::parse_duration)]
+    pub grace: Duration,
+    /// How long to wait for every child to report ready (`--ready-timeout-s` is its old
+    /// spelling).
+    #[arg(long, alias = "ready-timeout-s", default_value = "2m",
+        value_parser = kvpool_core::flags::parse_duration)]
+    pub ready_timeout: Duration,
 }
 
 /// Errors of `kvpool up`.
@@ -279,12 +283,12 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         .enable_all()
         .build()
         .map_err(UpError::Runtime)?;
-    let grace = Duration::from_secs_f64(args.grace_s);
+    let grace = args.grace;
     let mut children = Children::new(dir.join("logs"), grace);
     let result = runtime.block_on(async {
         let stop = CancellationToken::new();
         kvpool_runtime::shutdown::cancel_on_signal(stop.clone()).map_err(UpError::Signals)?;
-        let timeout = Duration::from_secs_f64(args.ready_timeout_s);
+        let timeout = args.ready_timeout;
         startup::start_all(&mut children, &specs, timeout, &stop).await?;
         startup::print_ready(args.json, records.is_some(), &specs, &dir);
         let Some(records) = &records else {

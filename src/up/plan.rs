@@ -261,7 +261,7 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
     let mut args = vec!["conductor".into()];
     args.extend(http_service_args(s, api, admin));
     args.extend([
-        "--bytes-per-token".into(),
+        "--kv-bytes-per-token".into(),
         s.kv_bytes_per_token.to_string(),
         // The conductor asks the master which prompt blocks the engines left in the pool.
         "--master".into(),

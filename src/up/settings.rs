@@ -37,11 +37,8 @@ pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSetti
             format!("must be a number > 0, got {}", args.speed),
         ));
     }
-    if !(args.grace_s.is_finite() && args.grace_s >= 0.0) {
-        return Err(flag("grace-s", "must be a number >= 0"));
-    }
-    if !(args.ready_timeout_s.is_finite() && args.ready_timeout_s > 0.0) {
-        return Err(flag("ready-timeout-s", "must be a number > 0"));
+    if args.ready_timeout.is_zero() {
+        return Err(flag("ready-timeout", "must be above zero"));
     }
     let time_scale = args.time_scale.unwrap_or(1.0 / args.speed);
     if !(time_scale.is_finite() && time_scale >= 0.0) {

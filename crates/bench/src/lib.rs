@@ -34,8 +34,11 @@ pub enum BenchCommand {
     Store(Box<store::StoreBenchArgs>),
     /// The conductor's own cost in front of synthetic SGLang-convention engines: added
     /// latency at one request in flight and maximum request rate, against a direct client
-    /// and (with --vs_sglang_router) sglang-router in the same run.
+    /// and (with --vs-sglang-router) sglang-router in the same run.
     Conductor(Box<conductor::ConductorBenchArgs>),
+    /// The master's metadata path: lookups/s, puts/s and RSS per object (`kvpool master-bench`
+    /// is its old spelling).
+    Master(master::MasterBenchArgs),
 }
 
 /// Errors of the benchmark commands.
@@ -55,6 +58,8 @@ pub enum BenchError {
     Store(#[source] store::StoreBenchError),
     #[error("conductor benchmark failed")]
     Conductor(#[source] conductor::ConductorBenchError),
+    #[error("master benchmark failed")]
+    Master(#[source] master::BenchError),
 }
 
 impl BenchError {
@@ -68,6 +73,7 @@ impl BenchError {
             BenchError::Json(_) => "json",
             BenchError::Store(e) => e.category(),
             BenchError::Conductor(e) => e.category(),
+            BenchError::Master(e) => e.category(),
         }
     }
 }
@@ -80,6 +86,12 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Tier(a) => tier(&a),
         BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
         BenchCommand::Conductor(a) => conductor::run(*a).map_err(BenchError::Conductor),
+        BenchCommand::Master(a) => {
+            let runtime = tokio::runtime::Runtime::new().map_err(BenchError::Runtime)?;
+            master::run_blocking(&runtime, a)
+                .map(drop)
+                .map_err(BenchError::Master)
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-//! `kvpool master-bench`: metadata benchmark of the master. Loads N objects into an
+//! `kvpool bench master`: metadata benchmark of the master. Loads N objects into an
 //! in-process master (through the core, to measure resident memory per object), then drives
 //! batched `exists` and `longest_prefix` calls over loopback gRPC from several clients, and
 //! measures put_start+put_end throughput, optionally with etcd write-through.
@@ -37,7 +37,7 @@ impl BenchError {
     }
 }
 
-/// Flags of `kvpool master-bench`.
+/// Flags of `kvpool bench master`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct MasterBenchArgs {
     /// Objects loaded before measuring.
@@ -53,7 +53,7 @@ pub struct MasterBenchArgs {
     #[arg(long, default_value_t = 4)]
     pub depth: usize,
     /// Duration of each lookup phase.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = kvpool_core::flags::parse_duration)]
     pub duration: Duration,
     /// Puts (put_start + put_end) in the put phase.
     #[arg(long, default_value_t = 20_000)]
@@ -247,7 +247,7 @@ async fn start_master(
 }
 
 /// Run the benchmark and print its report.
-/// [`run`] on `runtime`: what `kvpool master-bench` calls.
+/// [`run`] on `runtime`: what `kvpool bench master` calls.
 pub fn run_blocking(
     runtime: &tokio::runtime::Runtime,
     args: MasterBenchArgs,

@@ -3,13 +3,14 @@
 //! I/O boundary: sockets, signals and (with discovery) the Kubernetes API.
 
 use std::num::NonZeroU32;
+use std::time::Duration;
 
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
 use super::{ConductorConfig, Engines, KvEventSource, PoolLookup, RoutingProtocol, UpstreamPool};
 use kvpool_client::master::{ClientConfig, MasterClient};
-use kvpool_core::flags::{FlagError, gbps, positive};
+use kvpool_core::flags::{Bandwidth, FlagError, parse_bandwidth, parse_duration, positive};
 use kvpool_core::sched::{
     BlockHashKind, DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
@@ -72,12 +73,12 @@ pub struct ConductorArgs {
     /// Early rejection mode.
     #[arg(long, value_enum, default_value_t = Rejection::Predicted)]
     pub rejection: Rejection,
-    /// TTFT SLO, seconds.
-    #[arg(long, default_value_t = 30.0)]
-    pub ttft_slo_s: f64,
-    /// TPOT SLO, seconds.
-    #[arg(long, default_value_t = 0.1)]
-    pub tpot_slo_s: f64,
+    /// TTFT SLO (a duration: `30s`, `800ms`; `--ttft-slo-s` is its old spelling).
+    #[arg(long, alias = "ttft-slo-s", default_value = "30s", value_parser = parse_duration)]
+    pub ttft_slo: Duration,
+    /// TPOT SLO (a duration: `100ms`; `--tpot-slo-s` is its old spelling).
+    #[arg(long, alias = "tpot-slo-s", default_value = "100ms", value_parser = parse_duration)]
+    pub tpot_slo: Duration,
     /// Tokens per KV block (must match the engines').
     #[arg(long, default_value_t = 256)]
     pub block_size: u32,
@@ -107,18 +108,19 @@ pub struct ConductorArgs {
     /// Prefill engines a hot prefix is copied to each time.
     #[arg(long, default_value_t = 2)]
     pub hot_fanout: usize,
-    /// KV bytes per token.
-    #[arg(long, default_value_t = 327_680)]
-    pub bytes_per_token: u64,
-    /// Prefill -> decode KV transfer bandwidth, GB/s.
-    #[arg(long, default_value_t = 25.0)]
-    pub kv_bandwidth_gbps: f64,
+    /// KV bytes per token (`--bytes-per-token` is its old spelling).
+    #[arg(long, alias = "bytes-per-token", default_value_t = 327_680)]
+    pub kv_bytes_per_token: u64,
+    /// Prefill -> decode KV transfer rate (`25GB/s`, `200Gbit/s`; a bare number is GB/s, as
+    /// its old spelling `--kv-bandwidth-gbps` read it).
+    #[arg(long, alias = "kv-bandwidth-gbps", default_value = "25GB/s", value_parser = parse_bandwidth)]
+    pub kv_bandwidth: Bandwidth,
     /// KV tokens one decode instance holds.
     #[arg(long, default_value_t = 1_500_000)]
     pub decode_kv_capacity_tokens: u64,
     /// The pool's master (`host:port`; comma separated or repeated for several): every request
     /// asks it which of the prompt's leading blocks the pool holds, and the policy counts those
-    /// as fetched at --pool-bandwidth-gbps instead of prefilled. Without it the policy knows
+    /// as fetched at --pool-bandwidth instead of prefilled. Without it the policy knows
     /// only the engines' local caches.
     #[arg(long, env = "KVPOOL_MASTER", value_delimiter = ',')]
     pub master: Vec<String>,
@@ -127,13 +129,14 @@ pub struct ConductorArgs {
     pub auth_key_file: Option<std::path::PathBuf>,
     /// Longest wait for the master's answer; past it the request is placed on the local
     /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
-    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "100ms", value_parser = kvpool_core::flags::parse_duration)]
     pub pool_lookup_timeout: std::time::Duration,
-    /// Pool -> prefill engine bandwidth, GB/s: the fetch term of the TTFT estimate until the
-    /// prefill engines report measured pool reads (`x-kvpool-kv-load-*` response headers),
-    /// whose moving average replaces it.
-    #[arg(long, default_value_t = 25.0)]
-    pub pool_bandwidth_gbps: f64,
+    /// Pool -> prefill engine rate (`25GB/s`; a bare number is GB/s, as its old spelling
+    /// `--pool-bandwidth-gbps` read it): the fetch term of the TTFT estimate until the prefill
+    /// engines report measured pool reads (`x-kvpool-kv-load-*` response headers), whose
+    /// moving average replaces it.
+    #[arg(long, alias = "pool-bandwidth-gbps", default_value = "25GB/s", value_parser = parse_bandwidth)]
+    pub pool_bandwidth: Bandwidth,
     /// Disaggregation convention of the engines: `vllm` (prefill, then decode with the
     /// returned `kv_transfer_params`) or `sglang` (both at once, paired by a bootstrap room).
     #[arg(long, value_enum, default_value_t = kvpool_proto::openai::EngineProtocol::Vllm,
@@ -177,7 +180,7 @@ pub struct ConductorArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub fit_prefill_cost: bool,
     /// Idle keep-alive connections to an engine are closed after this long unused.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration,
+    #[arg(long, default_value = "30s", value_parser = kvpool_core::flags::parse_duration,
         env = "KVPOOL_UPSTREAM_IDLE_TIMEOUT")]
     pub upstream_idle_timeout: std::time::Duration,
     /// Idle keep-alive connections kept open per engine at most.
@@ -332,12 +335,12 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         scheduler: SchedulerConfig {
             policy: args.policy,
             rejection: args.rejection,
-            slo: Slo::from_flags(args.ttft_slo_s, args.tpot_slo_s)?,
+            slo: Slo::from_flags(args.ttft_slo, args.tpot_slo)?,
             block_size: NonZeroU32::new(args.block_size)
                 .ok_or_else(|| flag("block-size", "must be at least 1"))?,
-            bytes_per_token: args.bytes_per_token.max(1),
-            pool_bandwidth_bps: gbps("pool-bandwidth-gbps", args.pool_bandwidth_gbps)?,
-            kv_bandwidth_bps: gbps("kv-bandwidth-gbps", args.kv_bandwidth_gbps)?,
+            bytes_per_token: args.kv_bytes_per_token.max(1),
+            pool_bandwidth_bps: args.pool_bandwidth.bytes_per_s(),
+            kv_bandwidth_bps: args.kv_bandwidth.bytes_per_s(),
             prefill_costs: vec![args.prefill_cost; args.prefill.len()],
             decode_cost: DecodeCost::default(),
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
@@ -659,15 +662,15 @@ mod tests {
             "http://a",
             "--decode",
             "http://b",
-            "--ttft-slo-s",
-            "0",
+            "--ttft-slo",
+            "0s",
         ])
         .unwrap();
         assert!(
             conductor_config(&bad.a)
                 .unwrap_err()
                 .to_string()
-                .starts_with("--ttft-slo-s")
+                .starts_with("--ttft-slo")
         );
         let none = conductor_config(&T::try_parse_from(["t"]).unwrap().a).unwrap();
         assert!(!none.has_engines());
@@ -734,7 +737,7 @@ mod tests {
             &key,
             "--pool-lookup-timeout",
             "250ms",
-            "--pool-bandwidth-gbps",
+            "--pool-bandwidth",
             "10",
         ])
         .unwrap();
@@ -768,6 +771,6 @@ mod tests {
             ]),
             "pool-lookup-timeout"
         );
-        assert_eq!(name(&["--pool-bandwidth-gbps", "0"]), "pool-bandwidth-gbps");
+        assert!(T::try_parse_from(["t", "--pool-bandwidth", "0"]).is_err());
     }
 }

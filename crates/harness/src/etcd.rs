@@ -1,5 +1,5 @@
 //! A throw-away single-member etcd (Debian's etcd-server) on free loopback ports, for the
-//! master's HA tests and `kvpool master-bench --with-etcd`. I/O boundary: the `etcd` child
+//! master's HA tests and `kvpool bench master --with-etcd`. I/O boundary: the `etcd` child
 //! process, its data directory and log file.
 
 use std::path::Path;

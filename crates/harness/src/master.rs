@@ -19,7 +19,7 @@ pub fn master_args(grpc: SocketAddr, admin: SocketAddr, key_file: &Path) -> Vec<
     vec![
         "--listen".into(),
         grpc.to_string(),
-        "--admin-addr".into(),
+        "--admin-listen".into(),
         admin.to_string(),
         "--auth-key-file".into(),
         key_file.display().to_string(),

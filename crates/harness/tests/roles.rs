@@ -68,7 +68,7 @@ fn master_flags_name_its_ports_and_key_and_the_environment_is_cleared() {
             "master".to_owned(),
             "--listen".into(),
             spec.grpc.to_string(),
-            "--admin-addr".into(),
+            "--admin-listen".into(),
             spec.admin.to_string(),
             "--auth-key-file".into(),
             "/d/key".into(),

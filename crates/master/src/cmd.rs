@@ -67,8 +67,14 @@ pub struct MasterArgs {
     /// gRPC listen address.
     #[arg(long, env = "KVPOOL_MASTER_LISTEN", default_value = "0.0.0.0:50051")]
     pub listen: SocketAddr,
-    /// Admin (/livez, /readyz, /metrics) listen address.
-    #[arg(long, env = "KVPOOL_MASTER_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
+    /// Admin (/livez, /readyz, /metrics) listen address (`--admin-addr` and
+    /// `KVPOOL_MASTER_ADMIN_ADDR` are its old spellings).
+    #[arg(
+        long = "admin-listen",
+        alias = "admin-addr",
+        env = "KVPOOL_MASTER_ADMIN_LISTEN",
+        default_value = "0.0.0.0:9090"
+    )]
     pub admin_addr: SocketAddr,
     /// File holding the pool's shared key (at least 16 bytes).
     #[arg(long, env = "KVPOOL_AUTH_KEY_FILE")]
@@ -83,22 +89,22 @@ pub struct MasterArgs {
     #[arg(long, env = "KVPOOL_MASTER_ADVERTISE_ADDR")]
     pub advertise_addr: Option<String>,
     /// TTL of the etcd election lease: a crashed leader is replaced within about this long.
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "2s", value_parser = kvpool_core::flags::parse_duration)]
     pub election_ttl: Duration,
     /// An agent silent for this long is declared dead.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = kvpool_core::flags::parse_duration)]
     pub heartbeat_timeout: Duration,
     /// Read lease lifetime.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = kvpool_core::flags::parse_duration)]
     pub lease_ttl: Duration,
     /// A put not ended within this time is revoked.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = kvpool_core::flags::parse_duration)]
     pub put_timeout: Duration,
     /// Repair/demotion tasks not completed within this time are abandoned.
-    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = kvpool_core::flags::parse_duration)]
     pub task_timeout: Duration,
     /// Period of the background loop (expiries, deaths, repairs, watermarks, metrics).
-    #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "200ms", value_parser = kvpool_core::flags::parse_duration)]
     pub tick_interval: Duration,
     /// Eviction policy.
     #[arg(long, value_enum, default_value = "lru")]
@@ -126,7 +132,7 @@ pub struct MasterArgs {
     pub kv_events_block_size: u32,
     /// A new connection to the gRPC port must authenticate within this: the fast lane's
     /// preface and first call, or a gRPC connection's first authenticated call.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration,
+    #[arg(long, default_value = "10s", value_parser = kvpool_core::flags::parse_duration,
         env = "KVPOOL_MASTER_HANDSHAKE_TIMEOUT")]
     pub handshake_timeout: Duration,
     /// Connections to the gRPC port served at once (gRPC and fast lane together).

@@ -65,7 +65,7 @@ pub struct EngineArgs {
     #[arg(long, value_enum, env = "KVPOOL_DISAGGREGATION_MODE")]
     pub disaggregation_mode: Option<SglangRole>,
     /// With --protocol sglang, on a decode engine: longest wait for a room's KV to arrive.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = kvpool_core::flags::parse_duration)]
     pub bootstrap_timeout: std::time::Duration,
     /// How prompt blocks are keyed: `vllm` (vLLM's sha256_cbor block hashes, full blocks
     /// only) or `kvpool` (kvpool's own xxh3 chain); the conductor must use the same.

@@ -165,7 +165,7 @@ pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
         "master".to_owned(),
         "--listen".to_owned(),
         any_addr(MASTER_PORT),
-        "--admin-addr".to_owned(),
+        "--admin-listen".to_owned(),
         any_addr(ADMIN_PORT),
         "--auth-key-file".to_owned(),
         auth_key_path(),
@@ -226,10 +226,10 @@ pub fn conductor_args(
         any_addr(CONDUCTOR_PORT),
         "--admin-listen".to_owned(),
         any_addr(ADMIN_PORT),
-        "--ttft-slo-s".to_owned(),
-        millis_as_secs(ttft_slo_ms),
-        "--tpot-slo-s".to_owned(),
-        millis_as_secs(tpot_slo_ms),
+        "--ttft-slo".to_owned(),
+        format!("{ttft_slo_ms}ms"),
+        "--tpot-slo".to_owned(),
+        format!("{tpot_slo_ms}ms"),
         "--discover-namespace".to_owned(),
         namespace.to_owned(),
         "--prefill-selector".to_owned(),
@@ -270,16 +270,6 @@ pub struct ConductorModel {
 
 /// Where the conductor's tokenizer volume is mounted.
 pub const TOKENIZER_MOUNT: &str = "/etc/kvpool/tokenizer";
-
-/// `1500` -> `"1.5"`, exact for whole milliseconds.
-fn millis_as_secs(ms: u64) -> String {
-    let (s, frac) = (ms / 1000, ms % 1000);
-    if frac == 0 {
-        s.to_string()
-    } else {
-        format!("{s}.{frac:03}").trim_end_matches('0').to_owned()
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -377,10 +367,7 @@ mod tests {
             args.windows(2)
                 .any(|w| w == ["--auth-key-file", "/etc/kvpool/auth/key"])
         );
-        assert!(args.windows(2).any(|w| w == ["--ttft-slo-s", "2"]));
-        assert!(args.windows(2).any(|w| w == ["--tpot-slo-s", "0.05"]));
-        assert_eq!(millis_as_secs(1500), "1.5");
-        assert_eq!(millis_as_secs(1), "0.001");
-        assert_eq!(millis_as_secs(0), "0");
+        assert!(args.windows(2).any(|w| w == ["--ttft-slo", "2000ms"]));
+        assert!(args.windows(2).any(|w| w == ["--tpot-slo", "50ms"]));
     }
 }

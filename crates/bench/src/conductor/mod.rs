@@ -1,7 +1,7 @@
 //! `kvpool bench conductor`: the front door's own cost. Starts `kvpool up --engine-protocol
 //! sglang` (master, agents, synthetic prefill and decode engines in SGLang's convention, the
 //! conductor in front of them) with a small time scale, so that the engines' modelled compute
-//! is tiny and the front door's work shows; with `--vs_sglang_router`, also sglang-router
+//! is tiny and the front door's work shows; with `--vs-sglang-router`, also sglang-router
 //! (PyPI `sglang-router`) in its prefill/decode mode in front of the same engines. Then, in
 //! each round, drives every target with the same load generator: `direct` (the generator pairs
 //! each request to a prefill and a decode engine itself, a front door of zero cost), the
@@ -50,7 +50,7 @@ pub struct ConductorBenchArgs {
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
     /// How long the closed loop runs per target and round.
-    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = kvpool_core::flags::parse_duration)]
     pub duration: Duration,
     /// Rounds; the front doors' order alternates between rounds and the report gives medians.
     #[arg(long, default_value_t = 3)]
@@ -83,11 +83,11 @@ pub struct ConductorBenchArgs {
     pub model: String,
     /// Also measure sglang-router (PyPI `sglang-router`, found or installed in a venv) in its
     /// prefill/decode mode in front of the same engines, in the same rounds.
-    #[arg(long = "vs_sglang_router", alias = "vs-sglang-router")]
+    #[arg(long = "vs-sglang-router", alias = "vs_sglang_router")]
     pub vs_sglang_router: bool,
     /// The venv holding sglang-router (default: KVPOOL_ROUTER_VENV, else .tools/router, made
     /// and filled from PyPI when it lacks the router).
-    #[arg(long = "router_venv", alias = "router-venv")]
+    #[arg(long = "router-venv", alias = "router_venv")]
     pub router_venv: Option<PathBuf>,
     /// Threads of the load generator's runtime.
     #[arg(long, default_value_t = 1)]

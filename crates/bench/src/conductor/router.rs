@@ -1,4 +1,4 @@
-//! sglang-router as the peer of `kvpool bench conductor --vs_sglang_router`: finding its PyPI
+//! sglang-router as the peer of `kvpool bench conductor --vs-sglang-router`: finding its PyPI
 //! package (`sglang-router`, the Rust router SGLang users run, as a Python extension) in a
 //! virtual environment or installing the pinned version there, and starting it in its
 //! prefill/decode mode in front of the engines `kvpool up` started. The venv helpers are
@@ -18,7 +18,7 @@ pub const PACKAGE: &str = "sglang-router";
 /// The version installed when none is found (the one docs/benchmarks.md was measured with;
 /// scripts/python-env.sh pins the same).
 pub const DEFAULT_VERSION: &str = "0.3.2";
-/// Where the venv is when neither `--router_venv` nor `KVPOOL_ROUTER_VENV` says.
+/// Where the venv is when neither `--router-venv` nor `KVPOOL_ROUTER_VENV` says.
 pub const DEFAULT_VENV: &str = ".tools/router";
 /// The bootstrap port the router is told for each prefill engine: the conductor's default
 /// (SGLang's `--disaggregation-bootstrap-port` default). The synthetic engines hand the KV

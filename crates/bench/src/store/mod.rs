@@ -81,7 +81,7 @@ pub struct StoreBenchArgs {
     #[arg(long, default_value_t = 100)]
     pub batch: usize,
     /// Duration of each metadata phase.
-    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "3s", value_parser = kvpool_core::flags::parse_duration)]
     pub lookup_duration: Duration,
     /// Let agents discover the host (/sys, /proc). By default they get a one-NUMA-node
     /// description of this host whose free memory is MemAvailable (page cache included), so
@@ -105,11 +105,11 @@ pub struct StoreBenchArgs {
     /// Also measure Mooncake Store (PyPI `mooncake-transfer-engine-non-cuda`, found or
     /// installed in a venv) with the same sizes, operations, operations in flight, holders
     /// (one per agent) and capacity, after kvpool's run, and report both and their ratios.
-    #[arg(long = "vs_mooncake", alias = "vs-mooncake")]
+    #[arg(long = "vs-mooncake", alias = "vs_mooncake")]
     pub vs_mooncake: bool,
     /// The venv holding Mooncake (default: KVPOOL_MOONCAKE_VENV, else .tools/py or
     /// .tools/mooncake, made and filled from PyPI when neither has it).
-    #[arg(long = "mooncake_venv", alias = "mooncake-venv")]
+    #[arg(long = "mooncake-venv", alias = "mooncake_venv")]
     pub mooncake_venv: Option<PathBuf>,
     /// Internal: run as client process number N of a benchmark.
     #[arg(long, hide = true)]

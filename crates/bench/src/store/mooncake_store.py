@@ -1,4 +1,4 @@
-"""The Mooncake side of `kvpool bench store --vs_mooncake`, run with the venv's Python.
+"""The Mooncake side of `kvpool bench store --vs-mooncake`, run with the venv's Python.
 
 Written for kvpool against Mooncake Store's public Python API (`mooncake.store`):
 `MooncakeDistributedStore.setup`, `register_buffer`, `put_from`, `get_into`, `close`. No numpy:

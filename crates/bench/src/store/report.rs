@@ -110,9 +110,9 @@ pub struct StoreBenchReport {
     pub redis: Option<RedisFigures>,
     /// Present when 1 MiB was measured and Redis ran.
     pub ratio_1mib: Option<Ratio>,
-    /// Mooncake Store's figures of the same cells (`--vs_mooncake`).
+    /// Mooncake Store's figures of the same cells (`--vs-mooncake`).
     pub mooncake: Option<super::MooncakeStore>,
-    /// kvpool over Mooncake per value size (`--vs_mooncake`; target: rates >= 1.5, p99 <= 1).
+    /// kvpool over Mooncake per value size (`--vs-mooncake`; target: rates >= 1.5, p99 <= 1).
     pub ratio_vs_mooncake: Vec<super::CellRatio>,
     pub load_average: Option<[f64; 3]>,
 }

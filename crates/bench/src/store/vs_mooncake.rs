@@ -1,4 +1,4 @@
-//! `kvpool bench store --vs_mooncake`: Mooncake Store measured in the same run, with the same
+//! `kvpool bench store --vs-mooncake`: Mooncake Store measured in the same run, with the same
 //! value sizes, operations, operations in flight, holders and capacity, by a Python caller of
 //! its public API (`mooncake_store.py`, built into this binary and written to the run's temp
 //! dir). Runs after kvpool's processes are gone, so the two sides never share the cores.

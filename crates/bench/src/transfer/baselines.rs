@@ -5,7 +5,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{TransferBenchArgs, TransferBenchError, secs};
+use super::{TransferBenchArgs, TransferBenchError};
 
 /// Baseline figures measured in the same run.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -37,7 +37,7 @@ impl Baselines {
 }
 
 pub(super) fn measure_baselines(args: &TransferBenchArgs) -> Result<Baselines, TransferBenchError> {
-    let d = secs(args.baseline_duration, "baseline_duration")?;
+    let d = args.baseline_duration;
     let (iperf3_gb_per_s, iperf3_error) = match iperf3_loopback(d) {
         Ok(v) => (Some(v), None),
         Err(e) => (None, Some(e)),

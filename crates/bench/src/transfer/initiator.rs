@@ -1,5 +1,5 @@
 //! The initiator side of `kvpool bench transfer`: `--threads` threads each submitting batches of
-//! `--batch_size` requests against the target's segment for `--duration`, and the throughput and
+//! `--batch-size` requests against the target's segment for `--duration`, and the throughput and
 //! batch-latency figures of the run. I/O boundary: the transfer engine.
 
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use kvpool_transfer::{
     TransferEngine, TransferOp, TransferRequest,
 };
 
-use super::{DEFAULT_DURATION_S, TransferBenchArgs, TransferBenchError, secs};
+use super::{DEFAULT_DURATION, TransferBenchArgs, TransferBenchError};
 
 /// Results of one initiator run.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -57,7 +57,7 @@ pub(super) fn run_initiator(
         .open_descriptor(desc, Some(args.protocol))
         .map_err(TransferBenchError::Engine)?;
     let size = usize::try_from(args.buffer_size)
-        .map_err(|_| TransferBenchError::Args("--buffer_size too large".into()))?;
+        .map_err(|_| TransferBenchError::Args("--buffer-size too large".into()))?;
     let local_seg =
         Segment::host(size, HostOptions::default()).map_err(TransferBenchError::Memory)?;
     local_seg
@@ -72,8 +72,8 @@ pub(super) fn run_initiator(
     let remote_size = remote.len().min(args.buffer_size);
     let slots = (remote_size / args.block_size).max(1);
     let op: TransferOp = args.operation.into();
-    let duration = secs(args.duration.unwrap_or(DEFAULT_DURATION_S), "duration")?;
-    let wait_limit = secs(args.timeout, "timeout")? * 4;
+    let duration = args.duration.unwrap_or(DEFAULT_DURATION);
+    let wait_limit = args.timeout.saturating_mul(4);
 
     let template = new_histogram()?;
     let start = Instant::now();

@@ -31,7 +31,7 @@ use self::initiator::run_initiator;
 use self::report::print_report;
 use self::target::{Target, run_target};
 /// Default initiator run time, seconds (Mooncake's default too).
-pub(super) const DEFAULT_DURATION_S: f64 = 10.0;
+pub(super) const DEFAULT_DURATION: Duration = Duration::from_secs(10);
 
 /// Which side(s) this process runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -55,76 +55,78 @@ pub struct TransferBenchArgs {
     #[arg(long, value_enum, default_value = "tcp")]
     pub protocol: Protocol,
     /// Bytes per request (suffixes K, M, G, KiB, MiB, GiB accepted).
-    #[arg(long = "block_size", alias = "block-size", default_value = "65536", value_parser = parse_size)]
+    #[arg(long = "block-size", alias = "block_size", default_value = "65536", value_parser = parse_size)]
     pub block_size: u64,
     /// Requests per submitted batch.
-    #[arg(long = "batch_size", alias = "batch-size", default_value_t = 128)]
+    #[arg(long = "batch-size", alias = "batch_size", default_value_t = 128)]
     pub batch_size: usize,
     /// Submitting threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// Seconds to run the initiator (default 10). In target mode the target serves until
-    /// SIGINT/SIGTERM, or for this many seconds when given (0 = until a signal).
-    #[arg(long)]
-    pub duration: Option<f64>,
+    /// How long the initiator runs (default 10s; a bare number is seconds). In target mode
+    /// the target serves until SIGINT/SIGTERM, or for this long when given (0 = until a
+    /// signal).
+    #[arg(long, value_parser = kvpool_core::flags::parse_duration)]
+    pub duration: Option<Duration>,
     /// Size of the registered segment on each side.
-    #[arg(long = "buffer_size", alias = "buffer-size", default_value = "256MiB", value_parser = parse_size)]
+    #[arg(long = "buffer-size", alias = "buffer_size", default_value = "256MiB", value_parser = parse_size)]
     pub buffer_size: u64,
     /// TCP connections per peer.
     #[arg(long, default_value_t = 2)]
     pub lanes: usize,
     /// Requests are cut into slices of this size, spread over the lanes.
-    #[arg(long = "slice_size", alias = "slice-size", default_value = "4MiB", value_parser = parse_size)]
+    #[arg(long = "slice-size", alias = "slice_size", default_value = "4MiB", value_parser = parse_size)]
     pub slice_size: u64,
     /// Slices in flight per lane.
     #[arg(long, default_value_t = 8)]
     pub window: usize,
     /// Name of the target's segment.
     #[arg(
-        long = "segment_id",
-        alias = "segment-id",
+        long = "segment-id",
+        alias = "segment_id",
         default_value = "bench/target"
     )]
     pub segment_id: String,
     /// Initiator mode: the target's TCP address.
-    #[arg(long = "target_addr", alias = "target-addr")]
+    #[arg(long = "target-addr", alias = "target_addr")]
     pub target_addr: Option<SocketAddr>,
     /// Target mode: TCP listen address.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
     /// Unix socket of the shared-memory transport (target: where to listen; initiator: where
     /// to connect). Default: a per-process path under the temp dir.
-    #[arg(long = "shm_path", alias = "shm-path")]
+    #[arg(long = "shm-path", alias = "shm_path")]
     pub shm_path: Option<PathBuf>,
     /// File with the pool's shared key (else KVPOOL_AUTH_KEY; `both` mode makes a random key).
-    #[arg(long = "auth_key_file", alias = "auth-key-file")]
+    #[arg(long = "auth-key-file", alias = "auth_key_file")]
     pub auth_key_file: Option<PathBuf>,
-    /// Per-wait timeout of the engine, seconds.
-    #[arg(long, default_value_t = 5.0)]
-    pub timeout: f64,
+    /// Per-wait timeout of the engine.
+    #[arg(long, default_value = "5s", value_parser = kvpool_core::flags::parse_duration)]
+    pub timeout: Duration,
     /// Skip the iperf3 and memcpy baselines.
-    #[arg(long = "no_baselines", alias = "no-baselines")]
+    #[arg(long = "no-baselines", alias = "no_baselines")]
     pub no_baselines: bool,
-    /// Seconds each baseline runs.
+    /// How long each baseline runs.
     #[arg(
-        long = "baseline_duration",
-        alias = "baseline-duration",
-        default_value_t = 3.0
+        long = "baseline-duration",
+        alias = "baseline_duration",
+        default_value = "3s",
+        value_parser = kvpool_core::flags::parse_duration
     )]
-    pub baseline_duration: f64,
+    pub baseline_duration: Duration,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
     /// Also run Mooncake's `transfer_engine_bench` (PyPI `mooncake-transfer-engine-non-cuda`,
     /// found or installed in a venv) with the same operation, sizes, threads and duration over
     /// TCP loopback, and report both and their ratio (`--mode both --protocol tcp` only).
-    #[arg(long = "vs_mooncake", alias = "vs-mooncake")]
+    #[arg(long = "vs-mooncake", alias = "vs_mooncake")]
     pub vs_mooncake: bool,
     /// The venv holding Mooncake (default: KVPOOL_MOONCAKE_VENV, else .tools/py or
     /// .tools/mooncake, made and filled from PyPI when neither has it).
-    #[arg(long = "mooncake_venv", alias = "mooncake-venv")]
+    #[arg(long = "mooncake-venv", alias = "mooncake_venv")]
     pub mooncake_venv: Option<PathBuf>,
-    /// With --vs_mooncake: rounds of both sides, alternating which goes first; medians are
+    /// With --vs-mooncake: rounds of both sides, alternating which goes first; medians are
     /// compared.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
@@ -162,7 +164,7 @@ pub enum TransferBenchError {
     Signal(#[source] std::io::Error),
     #[error("every transfer failed; last failure: {0}")]
     AllFailed(String),
-    #[error("the Mooncake side of --vs_mooncake failed")]
+    #[error("the Mooncake side of --vs-mooncake failed")]
     Mooncake(#[source] crate::mooncake::MooncakeError),
 }
 
@@ -191,32 +193,27 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {s:?} must be > 0 and fit in 64 bits"))
 }
 
-pub(super) fn secs(v: f64, what: &str) -> Result<Duration, TransferBenchError> {
-    Duration::try_from_secs_f64(v)
-        .map_err(|_| TransferBenchError::Args(format!("--{what} must be a non-negative number")))
-}
-
 impl TransferBenchArgs {
     fn validate(&self) -> Result<(), TransferBenchError> {
         let bad = |m: &str| Err(TransferBenchError::Args(m.to_owned()));
         if self.block_size > self.buffer_size {
-            return bad("--block_size must not exceed --buffer_size");
+            return bad("--block-size must not exceed --buffer-size");
         }
         if self.threads == 0 || self.batch_size == 0 {
-            return bad("--threads and --batch_size must be > 0");
+            return bad("--threads and --batch-size must be > 0");
         }
         if self.mode == Mode::Initiator
             && self.protocol != Protocol::Shm
             && self.target_addr.is_none()
         {
-            return bad("--mode initiator needs --target_addr (or --protocol shm with --shm_path)");
+            return bad("--mode initiator needs --target-addr (or --protocol shm with --shm-path)");
         }
         if self.mode == Mode::Initiator && self.protocol == Protocol::Shm && self.shm_path.is_none()
         {
-            return bad("--mode initiator --protocol shm needs --shm_path");
+            return bad("--mode initiator --protocol shm needs --shm-path");
         }
         if self.vs_mooncake && (self.mode != Mode::Both || self.protocol != Protocol::Tcp) {
-            return bad("--vs_mooncake needs --mode both --protocol tcp");
+            return bad("--vs-mooncake needs --mode both --protocol tcp");
         }
         if self.vs_mooncake && self.rounds == 0 {
             return bad("--rounds must be > 0");
@@ -233,7 +230,7 @@ impl TransferBenchArgs {
                 .slice_size
                 .max(kvpool_transfer::frame::DEFAULT_MAX_SLICE),
             window: self.window,
-            timeout: secs(self.timeout, "timeout")?,
+            timeout: self.timeout,
             want_rdma: self.protocol == Protocol::Rdma,
             ..EngineConfig::default()
         })
@@ -380,7 +377,7 @@ fn against_mooncake(
     Ok((report, versus))
 }
 
-/// Both sides of `--vs_mooncake`.
+/// Both sides of `--vs-mooncake`.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Versus {
     pub mooncake_version: String,

@@ -9,7 +9,7 @@ use kvpool_transfer::{
     AuthKey, Endpoint, HostOptions, LocalSegment, Segment, SegmentDescriptor, TransferEngine,
 };
 
-use super::{TransferBenchArgs, TransferBenchError, new_engine, secs};
+use super::{TransferBenchArgs, TransferBenchError, new_engine};
 
 pub(super) struct Target {
     _engine: TransferEngine,
@@ -26,7 +26,7 @@ impl Target {
     ) -> Result<Self, TransferBenchError> {
         let engine = new_engine(args, key)?;
         let size = usize::try_from(args.buffer_size)
-            .map_err(|_| TransferBenchError::Args("--buffer_size too large".into()))?;
+            .map_err(|_| TransferBenchError::Args("--buffer-size too large".into()))?;
         let seg = Segment::memfd(&args.segment_id, size, HostOptions::default())
             .map_err(TransferBenchError::Memory)?;
         seg.fill(0, size, 0x5a)
@@ -78,7 +78,7 @@ pub(super) fn run_target(args: &TransferBenchArgs) -> Result<(), TransferBenchEr
         .build()
         .map_err(TransferBenchError::Signal)?;
     let limit = match args.duration {
-        Some(d) if d > 0.0 => Some(secs(d, "duration")?),
+        Some(d) if !d.is_zero() => Some(d),
         _ => None,
     };
     rt.block_on(async {

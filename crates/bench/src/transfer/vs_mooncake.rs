@@ -79,7 +79,8 @@ pub(super) fn initiator_flags(args: &TransferBenchArgs, port: u16, target: &str)
         format!(
             "--duration={}",
             args.duration
-                .unwrap_or(super::DEFAULT_DURATION_S)
+                .unwrap_or(super::DEFAULT_DURATION)
+                .as_secs_f64()
                 .ceil()
                 .max(1.0)
         ),
@@ -115,8 +116,7 @@ pub(super) fn run_round(
         l.contains("numa node num").then_some(())
     })?;
     let flags = initiator_flags(args, ports[1], &format!("127.0.0.1:{port}"));
-    let timeout = Duration::from_secs_f64(args.duration.unwrap_or(super::DEFAULT_DURATION_S))
-        + Duration::from_secs(60);
+    let timeout = args.duration.unwrap_or(super::DEFAULT_DURATION) + Duration::from_secs(60);
     // The target may still be registering its buffer when the first initiator asks for it:
     // that initiator fails at once ("Unable to get target segment ID") and is run again.
     for attempt in 0..3 {

@@ -92,12 +92,15 @@ pub struct Slo {
 }
 
 impl Slo {
-    /// The SLO of the `--ttft-slo-s` and `--tpot-slo-s` flags; both must be finite and > 0.
-    pub fn from_flags(ttft_s: f64, tpot_s: f64) -> Result<Self, crate::flags::FlagError> {
+    /// The SLO of the `--ttft-slo` and `--tpot-slo` flags; both must be above zero.
+    pub fn from_flags(
+        ttft: std::time::Duration,
+        tpot: std::time::Duration,
+    ) -> Result<Self, crate::flags::FlagError> {
         use crate::flags::positive;
         Ok(Self {
-            ttft_s: positive("ttft-slo-s", ttft_s)?,
-            tpot_s: positive("tpot-slo-s", tpot_s)?,
+            ttft_s: positive("ttft-slo", ttft.as_secs_f64())?,
+            tpot_s: positive("tpot-slo", tpot.as_secs_f64())?,
         })
     }
 }

@@ -1,0 +1,274 @@
+//! The flag naming rules of docs/cli.md, held for every subcommand of the `kvpool` binary: the
+//! whole clap command tree is walked, and each renamed flag's old spelling must still parse to
+//! exactly what its new spelling parses to. In-process; no I/O.
+
+use clap::CommandFactory;
+use kvpool::cli::{Cli, Command};
+use kvpool_bench::BenchCommand;
+
+/// Every visible long flag of every (sub)command, as `("kvpool master", "admin-listen")`.
+fn visible_flags() -> Vec<(String, String)> {
+    fn walk(cmd: &clap::Command, path: &str, out: &mut Vec<(String, String)>) {
+        for arg in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+            if let Some(long) = arg.get_long() {
+                out.push((path.to_owned(), long.to_owned()));
+            }
+        }
+        for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+            walk(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&Cli::command(), "kvpool", &mut out);
+    out
+}
+
+#[test]
+fn every_visible_flag_is_kebab_case() {
+    let flags = visible_flags();
+    assert!(flags.len() > 200, "walked only {} flags", flags.len());
+    let bad: Vec<_> = flags
+        .iter()
+        .filter(|(_, f)| {
+            f.is_empty()
+                || f.starts_with('-')
+                || f.ends_with('-')
+                || f.contains("--")
+                || !f
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        })
+        .collect();
+    assert!(bad.is_empty(), "flags not in kebab-case: {bad:?}");
+}
+
+#[test]
+fn units_are_in_values_not_in_names() {
+    // A plain number of seconds is allowed only for cost-model coefficients (docs/cli.md).
+    let coefficient = |f: &str| f.starts_with("prefill-") || f.starts_with("decode-");
+    let bad: Vec<_> = visible_flags()
+        .into_iter()
+        .filter(|(_, f)| {
+            f.ends_with("-gbps")
+                || f == "admin-addr"
+                || f == "bytes-per-token"
+                || (f.ends_with("-s") && !coefficient(f))
+        })
+        .collect();
+    assert!(bad.is_empty(), "flags against the naming rules: {bad:?}");
+}
+
+fn parse(argv: &[&str]) -> Result<Cli, clap::Error> {
+    use clap::Parser;
+    Cli::try_parse_from(std::iter::once("kvpool").chain(argv.iter().copied()))
+}
+
+fn parsed(argv: &[&str]) -> String {
+    match parse(argv) {
+        Ok(cli) => format!("{:?}", cli.command),
+        Err(e) => panic!("{argv:?} does not parse: {e}"),
+    }
+}
+
+#[test]
+fn old_spellings_parse_like_the_new_ones() {
+    let pairs: &[(&[&str], &[&str])] = &[
+        (
+            &[
+                "master",
+                "--auth-key-file",
+                "k",
+                "--admin-addr",
+                "127.0.0.1:9",
+            ],
+            &[
+                "master",
+                "--auth-key-file",
+                "k",
+                "--admin-listen",
+                "127.0.0.1:9",
+            ],
+        ),
+        (
+            &["operator", "run", "--admin-addr", "127.0.0.1:9"],
+            &["operator", "run", "--admin-listen", "127.0.0.1:9"],
+        ),
+        (
+            &[
+                "conductor",
+                "--ttft-slo-s",
+                "2.5",
+                "--tpot-slo-s",
+                "0.05",
+                "--bytes-per-token",
+                "10",
+                "--kv-bandwidth-gbps",
+                "12.5",
+                "--pool-bandwidth-gbps",
+                "25",
+            ],
+            &[
+                "conductor",
+                "--ttft-slo",
+                "2500ms",
+                "--tpot-slo",
+                "50ms",
+                "--kv-bytes-per-token",
+                "10",
+                "--kv-bandwidth",
+                "100Gbit/s",
+                "--pool-bandwidth",
+                "25GB/s",
+            ],
+        ),
+        (
+            &["up", "--grace-s", "1.5", "--ready-timeout-s", "90"],
+            &["up", "--grace", "1500ms", "--ready-timeout", "1m 30s"],
+        ),
+        (
+            &[
+                "bench",
+                "transfer",
+                "--block_size",
+                "4MiB",
+                "--batch_size",
+                "4",
+                "--buffer_size",
+                "64MiB",
+                "--no_baselines",
+                "--baseline_duration",
+                "2",
+                "--vs_mooncake",
+                "--duration",
+                "3",
+                "--timeout",
+                "7",
+            ],
+            &[
+                "bench",
+                "transfer",
+                "--block-size",
+                "4MiB",
+                "--batch-size",
+                "4",
+                "--buffer-size",
+                "64MiB",
+                "--no-baselines",
+                "--baseline-duration",
+                "2s",
+                "--vs-mooncake",
+                "--duration",
+                "3s",
+                "--timeout",
+                "7s",
+            ],
+        ),
+        (
+            &["bench", "store", "--vs_mooncake", "--mooncake_venv", "/v"],
+            &["bench", "store", "--vs-mooncake", "--mooncake-venv", "/v"],
+        ),
+        (
+            &[
+                "bench",
+                "conductor",
+                "--vs_sglang_router",
+                "--router_venv",
+                "/r",
+            ],
+            &[
+                "bench",
+                "conductor",
+                "--vs-sglang-router",
+                "--router-venv",
+                "/r",
+            ],
+        ),
+    ];
+    for (old, new) in pairs {
+        assert_eq!(parsed(old), parsed(new), "{old:?} vs {new:?}");
+    }
+    // The old subcommand takes the same flags as the new one.
+    let Ok(Cli {
+        command: Command::MasterBench(old),
+        ..
+    }) = parse(&["master-bench", "--objects", "7", "--duration", "1s"])
+    else {
+        panic!("master-bench does not parse")
+    };
+    let Ok(Cli {
+        command: Command::Bench(bench),
+        ..
+    }) = parse(&["bench", "master", "--objects", "7", "--duration", "1s"])
+    else {
+        panic!("bench master does not parse")
+    };
+    let BenchCommand::Master(new) = bench.command else {
+        panic!("bench master is {:?}", bench.command)
+    };
+    assert_eq!(format!("{old:?}"), format!("{new:?}"));
+}
+
+#[test]
+fn bad_durations_and_rates_are_refused_naming_the_value() {
+    for (argv, needle) in [
+        (&["conductor", "--ttft-slo", "soon"][..], "soon"),
+        (
+            &["conductor", "--pool-bandwidth", "25 furlongs/s"][..],
+            "furlongs",
+        ),
+        (&["conductor", "--kv-bandwidth", "0"][..], "above zero"),
+        (&["up", "--grace=-1s"][..], "-1s"),
+    ] {
+        let e = parse(argv).unwrap_err().to_string();
+        assert!(e.contains(needle), "{argv:?}: {e}");
+    }
+}
+
+#[test]
+fn renamed_environment_variables_carry_over_unless_the_new_one_is_set() {
+    use std::ffi::OsString;
+    let env = |vars: &'static [(&'static str, &'static str)]| {
+        move |name: &str| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| OsString::from(v))
+        }
+    };
+    let carried = kvpool::cli::renamed_env_vars(env(&[("KVPOOL_ADMIN_ADDR", "127.0.0.1:1")]));
+    assert_eq!(
+        carried,
+        vec![(
+            "KVPOOL_ADMIN_ADDR",
+            "KVPOOL_OPERATOR_ADMIN_LISTEN",
+            OsString::from("127.0.0.1:1")
+        )]
+    );
+    let both = kvpool::cli::renamed_env_vars(env(&[
+        ("KVPOOL_MASTER_ADMIN_ADDR", "127.0.0.1:1"),
+        ("KVPOOL_MASTER_ADMIN_LISTEN", "127.0.0.1:2"),
+    ]));
+    assert!(both.is_empty(), "the new name wins: {both:?}");
+    // Each new name is the env of the renamed flag.
+    let flags_env: Vec<String> = kvpool::cli::RENAMED_ENV_VARS
+        .iter()
+        .map(|(_, new)| new.to_string())
+        .collect();
+    let mut found = Vec::new();
+    fn walk(cmd: &clap::Command, out: &mut Vec<String>) {
+        for a in cmd.get_arguments() {
+            if let Some(e) = a.get_env() {
+                out.push(e.to_string_lossy().into_owned());
+            }
+        }
+        for s in cmd.get_subcommands() {
+            walk(s, out);
+        }
+    }
+    walk(&Cli::command(), &mut found);
+    for name in flags_env {
+        assert!(
+            found.contains(&name),
+            "{name} is no flag's environment variable"
+        );
+    }
+}
