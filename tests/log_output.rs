@@ -47,7 +47,7 @@ fn operator_without_cluster(
     cmd
 }
 
-const KVPOOL_ARGS: &[&str] = &["operator", "run", "--admin-addr", "127.0.0.1:0"];
+const KVPOOL_ARGS: &[&str] = &["operator", "run", "--admin-listen", "127.0.0.1:0"];
 
 /// Runs the child with stderr (its log) in a file and returns the file's bytes.
 fn log_to_file(test: &str, log_format: &str) -> Vec<u8> {
@@ -151,4 +151,80 @@ fn a_terminal_gets_colour_unless_no_color_or_a_dumb_term() {
         !on_a_terminal("tty_dumb", "dumb", None).contains(&ESC),
         "colour with TERM=dumb"
     );
+}
+
+/// Each server states its effective configuration once at start-up as structured fields (one
+/// JSON object with `--log-format json`), not as a `Debug` dump of its config struct.
+#[test]
+fn servers_log_a_structured_configuration_summary_at_start() {
+    use std::io::{BufRead as _, BufReader};
+    let dir = scratch("summary");
+    for (args, message, fields) in [
+        (
+            &[
+                "conductor",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--ttft-slo",
+                "2s",
+            ][..],
+            "starting conductor",
+            &[
+                ("ttft_slo_s", "2.0"),
+                ("prefill", "0"),
+                ("policy", "\"conductor\""),
+                ("protocol", "\"vllm\""),
+            ][..],
+        ),
+        (
+            &[
+                "engine",
+                "--synthetic",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--model",
+                "m-1",
+            ][..],
+            "starting synthetic engine",
+            &[("model", "\"m-1\""), ("agent", "false")][..],
+        ),
+    ] {
+        let mut child = operator_without_cluster(
+            env!("CARGO_BIN_EXE_kvpool"),
+            &[&["--log-format", "json"][..], args].concat(),
+            &dir,
+            "dumb",
+            None,
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start kvpool");
+        let stderr = child.stderr.take().expect("stderr");
+        let mut seen = Vec::new();
+        let record = BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .inspect(|l| seen.push(l.clone()))
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
+            .find(|r| r["fields"]["message"] == message);
+        let _ = child.kill();
+        let _ = child.wait();
+        let record = record.unwrap_or_else(|| panic!("no {message:?} line in {seen:#?}"));
+        for (field, want) in fields {
+            assert_eq!(
+                record["fields"][field].to_string(),
+                *want,
+                "{field} of {record}"
+            );
+        }
+        assert!(
+            record["fields"].get("config").is_none(),
+            "a Debug dump instead of fields: {record}"
+        );
+    }
 }

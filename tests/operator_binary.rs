@@ -173,6 +173,22 @@ async fn fake_api(
     };
     let depth = segments.len() - ns_at;
     let mut objects = objects.lock().expect("objects");
+    // A seeded `forbid:<fragment>` entry refuses every write to a path holding the fragment
+    // the way RBAC does (403 with the API server's message).
+    if method != "GET"
+        && let Some(rule) = objects
+            .keys()
+            .find(|k| k.strip_prefix("forbid:").is_some_and(|f| path.contains(f)))
+    {
+        let message = format!(
+            "{path} is forbidden: User \"system:serviceaccount:kvpool-system:kvpool-operator\" cannot {method} it ({rule})"
+        );
+        return json_response(
+            StatusCode::FORBIDDEN,
+            &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "Forbidden", "code": 403, "message": message}),
+        );
+    }
     match (method.as_str(), depth) {
         ("GET", 3) => {
             let prefix = format!("{path}/");
@@ -541,4 +557,42 @@ async fn sigterm_stops_the_operator_in_time_while_the_api_server_never_answers()
         "took {:?}: {log}",
         signalled.elapsed()
     );
+}
+
+/// A reconcile that fails on the API server's 403 says why in the one log line that reports it:
+/// the operator's context, kube's error and the server's RBAC message together.
+#[tokio::test]
+async fn a_forbidden_write_is_logged_with_its_cause() {
+    const G: &str = "/apis/kvpool.dev/v1alpha1/namespaces/default";
+    let seed = vec![
+        (
+            format!("{G}/kvcachepools/tcp"),
+            fixture_json::<kvpool_crd::KVCachePool>("kvcachepool-tcp.yaml"),
+        ),
+        ("forbid:/configmaps/".to_owned(), Value::Null),
+    ];
+    let (api_addr, _) = start_fake_api(seed).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut child = spawn_operator(dir.path(), api_addr, &[]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let line = loop {
+        let log = child.log_text();
+        if let Some(line) = log.lines().find(|l| l.contains("reconcile failed")) {
+            break line.to_owned();
+        }
+        assert!(Instant::now() < deadline, "no failed reconcile:\n{log}");
+        if let Ok(Some(status)) = child.try_status() {
+            panic!("operator exited early with {status}: {log}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for part in ["tcp-config", "is forbidden", "cannot PATCH", "403"] {
+        assert!(line.contains(part), "{part:?} missing from: {line}");
+    }
+    child.signal(Signal::SIGTERM).expect("SIGTERM");
+    let status = tokio::task::spawn_blocking(move || child.wait_timeout(Duration::from_secs(60)))
+        .await
+        .expect("join")
+        .expect("exit after SIGTERM");
+    assert!(status.success(), "exit {status}");
 }

@@ -6,6 +6,7 @@
 //! Shutdown order on SIGTERM: stop the controllers (in-flight reconciles finish), release the
 //! Lease, then stop the admin server last so probes answer until the end.
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -129,8 +130,8 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     admin_stop.cancel();
     match admin_task.await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => warn!(error = %e, "admin server stopped with an error"),
-        Err(e) => warn!(error = %e, "admin server task failed"),
+        Ok(Err(e)) => warn!(error = %chain(&e), "admin server stopped with an error"),
+        Err(e) => warn!(error = %chain(&e), "admin server task failed"),
     }
     result
 }
@@ -238,8 +239,8 @@ async fn run_with_admin(
         // The lease manager releases the lease once its channel closes.
         match tokio::time::timeout(Duration::from_secs(5), task).await {
             Ok(Ok(Ok(_))) => info!("released the leader lease"),
-            Ok(Ok(Err(e))) => warn!(error = %e, "releasing the leader lease failed"),
-            Ok(Err(e)) => warn!(error = %e, "lease task failed"),
+            Ok(Ok(Err(e))) => warn!(error = %chain(&e), "releasing the leader lease failed"),
+            Ok(Err(e)) => warn!(error = %chain(&e), "lease task failed"),
             Err(_) => warn!("timed out releasing the leader lease"),
         }
     }
@@ -305,9 +306,9 @@ async fn log_results<K, E>(
     match result {
         Ok((obj, _)) => tracing::debug!(kind, object = %obj.name, "reconciled"),
         Err(controller::Error::ReconcilerFailed(err, obj)) => {
-            warn!(kind, object = %obj.name, error = %err, "reconcile failed")
+            warn!(kind, object = %obj.name, error = %chain(&err), "reconcile failed")
         }
-        Err(err) => warn!(kind, error = %err, "controller error"),
+        Err(err) => warn!(kind, error = %chain(&err), "controller error"),
     }
 }
 

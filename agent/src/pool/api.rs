@@ -6,6 +6,7 @@
 //! (inside [`PoolClient`]); the mapping from pool errors to per-item statuses ([`put_status`],
 //! [`get_status`]) is pure.
 
+use kvpool_runtime::telemetry::chain;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -326,7 +327,7 @@ impl PoolApi {
             }
             Err(e) => {
                 self.count_error(&e);
-                tracing::debug!(error = %e, "pool put failed");
+                tracing::debug!(error = %chain(&e), "pool put failed");
                 put_status(&e)
             }
         }
@@ -396,7 +397,7 @@ impl PoolApi {
                     self.metrics.misses.inc();
                 } else {
                     self.count_error(&e);
-                    tracing::debug!(error = %e, "pool get failed");
+                    tracing::debug!(error = %chain(&e), "pool get failed");
                 }
                 (status, 0)
             }

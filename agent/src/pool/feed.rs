@@ -7,6 +7,7 @@
 //! [`FeedState`] is what the next heartbeat acknowledges. I/O boundary: the data file (through
 //! [`BlockChecker`]) and the index files; the choice of what to check ([`plan_check`]) is pure.
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -163,7 +164,7 @@ impl SsdGuard {
             if idx.block_at(b.offset) == Some(*b)
                 && let Err(e) = idx.forget(b.key, b.offset)
             {
-                tracing::warn!(error = %e, "recording a dropped SSD block failed");
+                tracing::warn!(error = %chain(&e), "recording a dropped SSD block failed");
             }
         }
         self.metrics
@@ -297,8 +298,8 @@ pub async fn update_index(
 ) {
     match tokio::task::spawn_blocking(move || update(&mut index.lock())).await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, category = e.category(), "{failed}"),
-        Err(e) => tracing::warn!(error = %e, "{worker_failed}"),
+        Ok(Err(e)) => tracing::warn!(error = %chain(&e), category = e.category(), "{failed}"),
+        Err(e) => tracing::warn!(error = %chain(&e), "{worker_failed}"),
     }
 }
 

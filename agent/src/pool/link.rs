@@ -7,6 +7,7 @@
 //! [`rdma_readiness_blocker`] adds the transport to readiness. I/O boundary: the master's gRPC
 //! channel.
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -143,7 +144,7 @@ impl PoolLink {
                         *self.feed.lock() = FeedState::default();
                     }
                 }
-                Err(e) => tracing::warn!(segment = %spec.name, error = %e,
+                Err(e) => tracing::warn!(segment = %spec.name, error = %chain(&e),
                     category = e.category(), "mounting a segment failed; retrying"),
             }
         }
@@ -206,7 +207,7 @@ impl PoolLink {
                     if let Some(m) = &self.metrics {
                         m.heartbeat_failures.inc();
                     }
-                    tracing::warn!(error = %e, category = e.category(), "heartbeat failed");
+                    tracing::warn!(error = %chain(&e), category = e.category(), "heartbeat failed");
                 }
             }
         }
@@ -256,7 +257,7 @@ impl PoolLink {
                             Ok(()) => adopted += 1,
                             Err(e) => {
                                 tracing::warn!(key = %b.key.to_hex(), offset = b.offset,
-                                    error = %e, "the master refused a recovered SSD block");
+                                    error = %chain(&e), "the master refused a recovered SSD block");
                                 refused.push(*b);
                             }
                         }
@@ -265,7 +266,7 @@ impl PoolLink {
                 Err(e) => {
                     // The next pass resumes after the answered batches. Unknown node: the next
                     // pass remounts (a new segment id) and announces everything again.
-                    tracing::warn!(error = %e, category = e.category(),
+                    tracing::warn!(error = %chain(&e), category = e.category(),
                         "announcing recovered SSD blocks failed; retrying");
                     break;
                 }
@@ -281,7 +282,7 @@ impl PoolLink {
             let mut idx = index.lock();
             for b in &refused {
                 if let Err(e) = idx.forget(b.key, b.offset) {
-                    tracing::warn!(error = %e, "recording a refused SSD block failed");
+                    tracing::warn!(error = %chain(&e), "recording a refused SSD block failed");
                 }
             }
         }
@@ -332,12 +333,12 @@ impl PoolLink {
         let next = match applied {
             Ok(Ok(state)) => state,
             Ok(Err((state, e))) => {
-                tracing::warn!(error = %e, category = e.category(),
+                tracing::warn!(error = %chain(&e), category = e.category(),
                     "applying the master's SSD events failed; the rest are sent again");
                 state
             }
             Err(e) => {
-                tracing::warn!(error = %e, "the SSD event worker failed");
+                tracing::warn!(error = %chain(&e), "the SSD event worker failed");
                 prev
             }
         };
@@ -375,7 +376,7 @@ impl PoolLink {
         for id in self.registrar.clear_mounted() {
             match self.client.unmount_segment(self.registrar.node(), id).await {
                 Ok(()) => tracing::info!(id, "segment unmounted"),
-                Err(e) => tracing::warn!(id, error = %e, "unmounting a segment failed"),
+                Err(e) => tracing::warn!(id, error = %chain(&e), "unmounting a segment failed"),
             }
         }
     }

@@ -8,6 +8,7 @@
 //! timeout, reports each outcome to the master (`CompleteTask`) and counts it. I/O boundary:
 //! the transfer engine and the master's gRPC channel; [`check`] is pure.
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -326,8 +327,8 @@ impl TaskRunner {
             Ok(Err(e)) => e,
             Err(e) => TaskError::Join(e.to_string()),
         };
-        tracing::warn!(task = task.id, kind = task.kind.as_str(), error = %failed,
-            category = failed.category(), source = ?std::error::Error::source(&failed),
+        tracing::warn!(task = task.id, kind = task.kind.as_str(), error = %chain(&failed),
+            category = failed.category(),
             "task failed");
         (Outcome::Failed, 0)
     }
@@ -345,7 +346,7 @@ impl TaskRunner {
                 key = %task.key.to_hex(), bytes, "task reported"),
             // The master expires the task by itself; a success it never hears of becomes a
             // failure there, which is safe (it frees the target and schedules again).
-            Err(e) => tracing::warn!(task = task.id, kind, error = %e,
+            Err(e) => tracing::warn!(task = task.id, kind, error = %chain(&e),
                 "reporting a task to the master failed"),
         }
         let m = &self.inner.metrics;

@@ -5,6 +5,7 @@
 //! segments are withdrawn. I/O boundary: the DRAM mappings and the SSD tier's files (through
 //! `dram` and `ssd`).
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -109,7 +110,7 @@ fn spawn_sync(store: Arc<TieredStore>, every: Duration, stop: CancellationToken)
                 _ = tick.tick() => {
                     let store = Arc::clone(&store);
                     if let Ok(Err(e)) = tokio::task::spawn_blocking(move || store.sync()).await {
-                        tracing::warn!(error = %e, "SSD sync failed");
+                        tracing::warn!(error = %chain(&e), "SSD sync failed");
                     }
                 }
             }
@@ -148,7 +149,7 @@ impl DataPlane for LocalPlane {
             tracing::info!(demoted, "SSD index persisted");
             for seg in &self.segments {
                 if let Err(e) = self.registrar.deregister(seg.index) {
-                    tracing::warn!(error = %e, "deregistering segment failed");
+                    tracing::warn!(error = %chain(&e), "deregistering segment failed");
                 }
             }
             Ok(())

@@ -6,6 +6,7 @@
 //! follows the pool link. I/O boundary: everything below it (sysfs, memory, files, sockets);
 //! this module sequences.
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -143,7 +144,22 @@ pub async fn run(
     shutdown: CancellationToken,
     on_admin_bound: impl FnOnce(std::net::SocketAddr),
 ) -> Result<(), RunError> {
-    tracing::info!(config = ?cfg, "effective configuration");
+    let pool = cfg.pool.as_ref();
+    tracing::info!(
+        node = %cfg.node_name,
+        mode = if pool.is_some() { "pool" } else { "local" },
+        dram_bytes = cfg.dram.capacity,
+        numa_policy = ?cfg.dram.policy,
+        hugepage_bytes = cfg.dram.hugepage_size,
+        ssd_bytes = cfg.ssd.as_ref().map(|s| s.tier.capacity),
+        socket_dir = %cfg.api.socket_dir.display(),
+        admin = %cfg.admin_listen,
+        masters = ?pool.map(|p| &p.masters),
+        transport = ?pool.map(|p| p.transport_listen),
+        want_rdma = pool.is_some_and(|p| p.want_rdma),
+        "effective configuration"
+    );
+    tracing::debug!(config = ?cfg, "effective configuration, every field");
     let metrics = Arc::new(AgentMetrics::new(&registry).map_err(RunError::Metrics)?);
     let readiness = Readiness::new();
     let view = admin_view::TopologyView::default();
@@ -165,8 +181,8 @@ pub async fn run(
     admin_stop.cancel();
     match admin_task.await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "admin server failed"),
-        Err(e) => tracing::warn!(error = %e, "admin server task failed"),
+        Ok(Err(e)) => tracing::warn!(error = %chain(&e), "admin server failed"),
+        Err(e) => tracing::warn!(error = %chain(&e), "admin server task failed"),
     }
     result
 }

@@ -6,6 +6,7 @@
 //! the memory is withdrawn. I/O boundary: the DRAM mappings, the SSD segment's files and the
 //! master (through `pool`).
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -236,7 +237,7 @@ impl DataPlane for PoolPlane<'_> {
             }
             for name in registrar.registered() {
                 if let Err(e) = registrar.deregister(&name) {
-                    tracing::warn!(error = %e, "deregistering segment failed");
+                    tracing::warn!(error = %chain(&e), "deregistering segment failed");
                 }
             }
             Ok(())

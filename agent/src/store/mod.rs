@@ -4,6 +4,7 @@
 //! a get that hits SSD promotes the block back to DRAM. Corrupt SSD blocks are misses.
 //! I/O boundary: the SSD tier's files (through `ssd`); everything else is memory.
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -408,12 +409,12 @@ impl TieredStore {
             Err(e) if e.is_full() => {
                 *ssd_full = true;
                 self.metrics.ssd_full.set(1);
-                tracing::warn!(error = %e, "SSD tier full; demotion stopped");
+                tracing::warn!(error = %chain(&e), "SSD tier full; demotion stopped");
                 false
             }
             Err(e) => {
                 self.metrics.errors.with_label_values(&[e.category()]).inc();
-                tracing::warn!(error = %e, "demotion failed");
+                tracing::warn!(error = %chain(&e), "demotion failed");
                 false
             }
         }

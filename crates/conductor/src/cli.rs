@@ -475,7 +475,30 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let config = conductor_config(args)?;
     let discovery = discovery_config(args)?;
     let http = args.addrs.http.limits().map_err(|(f, p)| flag(f, p))?;
-    tracing::info!(?config, ?discovery, listen = %args.addrs.listen, admin = %args.addrs.admin_listen, "starting conductor");
+    let s = &config.scheduler;
+    tracing::info!(
+        listen = %args.addrs.listen,
+        admin = %args.addrs.admin_listen,
+        models = ?config.models,
+        prefill = config.prefill.len(),
+        decode = config.decode.len(),
+        discover_namespace = discovery.as_ref().map(|d| d.namespace.as_str()),
+        policy = s.policy.name(),
+        rejection = s.rejection.name(),
+        ttft_slo_s = s.slo.ttft_s,
+        tpot_slo_s = s.slo.tpot_s,
+        block_size = s.block_size.get(),
+        tokenizer = match &config.tokenizer {
+            PromptTokenizer::Chunks { .. } => "stand-in chunks",
+            PromptTokenizer::HuggingFace(_) => "hugging face",
+        },
+        chat_template = config.chat_template.is_some(),
+        pool_lookup = config.pool.is_some(),
+        protocol = config.protocol.name(),
+        kv_event_streams = config.kv_events.len(),
+        time_scale = config.time_scale,
+        "starting conductor"
+    );
     let has_engines = config.has_engines();
     let setup = |wired: Wired| async move {
         server::conductor(config, &wired.registry).map_err(ConductorError::Server)

@@ -6,6 +6,7 @@
 //! I/O boundary: the Kubernetes API (list and watch of Pods) in [`run`]; [`engine_url`] and
 //! [`engine_urls`] are pure.
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -168,7 +169,7 @@ pub async fn run(
         .default_backoff()
         .map(|event| {
             if let Err(e) = event {
-                tracing::warn!(error = %e, "engine pod watch failed; retrying");
+                tracing::warn!(error = %chain(&e), "engine pod watch failed; retrying");
             }
         })
         .boxed()

@@ -8,6 +8,7 @@
 //! so a deposed leader can never write. Leases and recency are not persisted: a new leader
 //! holds eviction for one lease TTL instead.
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -207,7 +208,7 @@ async fn connect(cfg: &HaConfig, stop: &CancellationToken) -> Option<Client> {
         match Client::connect(&cfg.endpoints, Some(opts.clone())).await {
             Ok(c) => return Some(c),
             Err(e) => {
-                tracing::warn!(error = %e, endpoints = ?cfg.endpoints, "etcd unreachable, retrying")
+                tracing::warn!(error = %chain(&e), endpoints = ?cfg.endpoints, "etcd unreachable, retrying")
             }
         }
         tokio::select! {

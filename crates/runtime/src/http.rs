@@ -4,6 +4,7 @@
 //! deadline for a request's head, and an idle timeout between requests. I/O boundary: the bound
 //! TCP listener and its accepted connections; what is served is the caller's router.
 
+use crate::telemetry::chain;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
@@ -194,7 +195,7 @@ pub async fn serve_with(
             Ok(a) => a,
             Err(e) => {
                 // Out of descriptors and the like: wait a little instead of spinning.
-                tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                tracing::warn!(error = %chain(&e), "accepting an HTTP connection failed");
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
@@ -491,7 +492,7 @@ async fn serve_conn(
         tokio::select! {
             served = conn.as_mut() => {
                 if let Err(e) = served {
-                    tracing::debug!(error = %e, "HTTP connection ended with an error");
+                    tracing::debug!(error = %chain(&*e), "HTTP connection ended with an error");
                 }
                 break;
             }

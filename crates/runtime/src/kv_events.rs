@@ -5,6 +5,7 @@
 //! msgpack event batch, `kvpool_proto::kv_events`) is the caller's. I/O boundary: the two ZMQ
 //! sockets.
 
+use crate::telemetry::chain;
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -146,7 +147,7 @@ impl Publisher {
         msg.push_back(Bytes::copy_from_slice(&self.seq.to_be_bytes()));
         msg.push_back(payload.clone());
         if let Err(e) = self.publisher.send(msg).await {
-            tracing::warn!(error = %e, "cannot publish KV events");
+            tracing::warn!(error = %chain(&e), "cannot publish KV events");
         }
         self.buffer.push_back((self.seq, payload));
         while self.buffer.len() > self.config.buffer_steps {

@@ -104,3 +104,62 @@ mod tests {
         assert!(!colour(json));
     }
 }
+
+/// An error and its causes on one line, joined with ": " — what every log line that reports a
+/// failure prints (`error = %chain(&e)`), so that a "cannot get KVCachePool" says why (the 403
+/// and its message) without a second line. A cause whose text the line already holds (an
+/// error that prints its source in its own message) is not repeated.
+pub fn chain<'a>(error: &'a (dyn std::error::Error + 'a)) -> ErrorChain<'a> {
+    ErrorChain(error)
+}
+
+/// See [`chain`].
+#[derive(Clone, Copy, Debug)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'a));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut line = self.0.to_string();
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            let text = c.to_string();
+            if !text.is_empty() && !line.contains(&text) {
+                line.push_str(": ");
+                line.push_str(&text);
+            }
+            cause = c.source();
+        }
+        f.write_str(&line)
+    }
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::chain;
+
+    #[derive(Debug, thiserror::Error)]
+    enum Outer {
+        #[error("cannot get KVCachePool llm/cache")]
+        Get(#[source] Middle),
+        #[error("cannot read the key: {0}")]
+        Echoing(#[source] std::io::Error),
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("ApiError: forbidden (403)")]
+    struct Middle(#[source] std::io::Error);
+
+    #[test]
+    fn causes_follow_on_one_line_without_repeats() {
+        let denied = || std::io::Error::new(std::io::ErrorKind::PermissionDenied, "RBAC: no get");
+        assert_eq!(
+            chain(&Outer::Get(Middle(denied()))).to_string(),
+            "cannot get KVCachePool llm/cache: ApiError: forbidden (403): RBAC: no get"
+        );
+        assert_eq!(
+            chain(&Outer::Echoing(denied())).to_string(),
+            "cannot read the key: RBAC: no get"
+        );
+        assert_eq!(chain(&denied()).to_string(), "RBAC: no get");
+    }
+}

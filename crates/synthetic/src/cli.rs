@@ -246,7 +246,18 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
             "KV blocks go through the node agent"
         );
     }
-    tracing::info!(?config, listen = %args.addrs.listen, admin = %args.addrs.admin_listen, "starting synthetic engine");
+    tracing::info!(
+        listen = %args.addrs.listen,
+        admin = %args.addrs.admin_listen,
+        model = %config.model,
+        block_size = config.block_size.get(),
+        cache_blocks = config.cache_blocks,
+        time_scale = config.time_scale,
+        sglang = ?config.sglang.map(|m| m.role),
+        agent = args.agent_socket.is_some(),
+        "starting synthetic engine"
+    );
+    tracing::debug!(?config, "synthetic engine configuration, every field");
     let setup = |wired: Wired| async move {
         let kv = match (&args.agent_socket, geometry) {
             (Some(path), Some(g)) => Some(AgentKv::connect(path, g, &config.model).await.map_err(

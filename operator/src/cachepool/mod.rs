@@ -14,6 +14,7 @@ pub mod validate;
 /// through the [`Context`], so it lives below it).
 pub use crate::pool_usage as usage;
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
@@ -101,7 +102,7 @@ pub fn error_policy(pool: Arc<KVCachePool>, err: &Error, ctx: Arc<Context>) -> A
     let Some(delay) = controller::retry_delay(&ctx, err, &key) else {
         return Action::await_change();
     };
-    warn!(pool = %key, error = %err, category = err.category(), retry_in = ?delay, "reconcile failed");
+    warn!(pool = %key, error = %chain(&err), category = err.category(), retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
 
@@ -179,7 +180,7 @@ async fn read_usage(
     match result {
         Ok(u) => UsageReading::Read(u),
         Err(e) => {
-            warn!(master = %addr, error = %e, source = ?std::error::Error::source(&e), "cannot read pool usage");
+            warn!(master = %addr, error = %chain(&e), "cannot read pool usage");
             UsageReading::Failed {
                 addr,
                 category: e.category(),

@@ -9,6 +9,7 @@ pub mod kind;
 pub mod status;
 pub mod validate;
 
+use kvpool_runtime::telemetry::chain;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
@@ -81,7 +82,7 @@ pub fn error_policy<K: EnginePool>(obj: Arc<K>, err: &Error, ctx: Arc<Context>) 
     let Some(delay) = controller::retry_delay(&ctx, err, &key) else {
         return Action::await_change();
     };
-    warn!(object = %key, error = %err, category = err.category(), retry_in = ?delay, "reconcile failed");
+    warn!(object = %key, error = %chain(&err), category = err.category(), retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
 

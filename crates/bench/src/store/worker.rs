@@ -404,14 +404,7 @@ async fn merge(tasks: Vec<tokio::task::JoinHandle<PhaseResult>>) -> PhaseResult 
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
+    kvpool_runtime::telemetry::chain(e).to_string()
 }
 
 fn read_key(path: &Path) -> Result<Vec<u8>, StoreBenchError> {

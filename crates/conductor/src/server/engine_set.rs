@@ -3,6 +3,7 @@
 //! readiness follows whether the conductor can serve. I/O boundary: the watch channel of engine
 //! sets and the shutdown token.
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 
 use tokio::sync::watch;
@@ -58,7 +59,7 @@ impl EngineSet {
             match built {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    tracing::error!(error = %e, source = ?std::error::Error::source(&e),
+                    tracing::error!(error = %chain(&e),
                         prefill = ordered.prefill.len(), decode = ordered.decode.len(),
                         "engine set refused; keeping the previous one");
                     // `take` emptied it; rebuild the previous set's state from scratch.

@@ -9,6 +9,7 @@
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Json, Response};
+use kvpool_runtime::telemetry::chain;
 
 use super::shared::Shared;
 use super::upstream::UpstreamError;
@@ -108,7 +109,7 @@ pub(super) fn rejected(shared: &Shared, refusal: Refusal) -> Response {
 /// failed task is ours (500).
 pub(super) fn tokenizer_failed(shared: &Shared, e: &TokenizeError) -> Response {
     shared.metrics.request("tokenizer");
-    tracing::warn!(error = %e, source = ?std::error::Error::source(e), "tokenising failed");
+    tracing::warn!(error = %chain(&e), "tokenising failed");
     let (status, kind) = match e {
         TokenizeError::Task(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
         _ => (StatusCode::BAD_REQUEST, "invalid_request_error"),
@@ -123,7 +124,7 @@ pub(super) fn tokenizer_failed(shared: &Shared, e: &TokenizeError) -> Response {
 /// Answers 502; the caller drops its `Finish`, which releases the request's bookings.
 pub(super) fn upstream_failed(shared: &Shared, err: &UpstreamError) -> Response {
     shared.metrics.request("upstream");
-    tracing::warn!(error = %err, source = ?std::error::Error::source(err), "upstream call failed");
+    tracing::warn!(error = %chain(&err), "upstream call failed");
     error_response(
         StatusCode::BAD_GATEWAY,
         err.to_string(),

@@ -5,6 +5,7 @@
 //! entries are cleared and rebuilt from the events that follow. A payload that does not
 //! decode is counted and skipped. I/O boundary: the ZMQ sockets.
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,7 +73,7 @@ async fn follow(shared: Arc<Shared>, source: KvEventSource, stop: CancellationTo
                 if let Err(e) = ended {
                     shared.metrics.kv_event_connections.with_label_values(&["error"]).inc();
                     tracing::warn!(engine = %source.engine, endpoint = %source.endpoint,
-                        error = %e, "KV event stream failed; reconnecting");
+                        error = %chain(&e), "KV event stream failed; reconnecting");
                 }
             }
         }
@@ -108,7 +109,7 @@ async fn stream(
             Ok(b) => b,
             Err(e) => {
                 count_batch(shared, "bad_payload");
-                tracing::debug!(engine = %source.engine, seq, error = %e, "KV event batch skipped");
+                tracing::debug!(engine = %source.engine, seq, error = %chain(&e), "KV event batch skipped");
                 *last = Some(seq);
                 continue;
             }

@@ -3,6 +3,7 @@
 //! costs one timeout per interval rather than one per request. I/O boundary: the master's gRPC
 //! client (`longest_prefix`) and the monotonic clock.
 
+use kvpool_runtime::telemetry::chain;
 use std::time::{Duration, Instant};
 
 use super::shared::Shared;
@@ -44,7 +45,7 @@ pub(super) async fn pool_prefix(
         Ok(Ok(0)) => ("miss", 0),
         Ok(Ok(n)) => ("hit", n.min(keys.len())),
         Ok(Err(e)) => {
-            tracing::warn!(error = %e, source = ?std::error::Error::source(&e),
+            tracing::warn!(error = %chain(&e),
                     "pool lookup failed; placing on local caches only");
             ("error", 0)
         }

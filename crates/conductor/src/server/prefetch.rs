@@ -4,6 +4,7 @@
 //! what an engine reports loaded. I/O boundary: the prefetch calls to the engines (spawned, fire
 //! and forget).
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,7 +90,7 @@ fn prefetch(shared: &Arc<Shared>, url: String, keys: Vec<BlockKey>) {
                 "timeout"
             }
             Ok(Err(e)) => {
-                tracing::warn!(%url, error = %e, source = ?std::error::Error::source(&e),
+                tracing::warn!(%url, error = %chain(&e),
                     "prefetch failed");
                 "error"
             }

@@ -6,6 +6,7 @@
 //! under the caps of [`ConnLimits`] and must authenticate by its deadline. I/O boundary: the
 //! accepted TCP connections.
 
+use kvpool_runtime::telemetry::chain;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,7 +55,7 @@ pub(super) async fn route(
             Ok((s, a)) => (s, a.ip()),
             Err(e) => {
                 // Out of descriptors and the like: wait a little instead of spinning.
-                tracing::warn!(error = %e, "accepting a master connection failed");
+                tracing::warn!(error = %chain(&e), "accepting a master connection failed");
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
@@ -142,7 +143,7 @@ async fn serve_conn(
     }
     let metrics = svc.core.metrics.clone();
     if let Err(e) = fast::check_preface(preface) {
-        tracing::debug!(%peer, error = %e, "fast-lane connection refused");
+        tracing::debug!(%peer, error = %chain(&e), "fast-lane connection refused");
         metrics.fast_refused("preface");
         return;
     }

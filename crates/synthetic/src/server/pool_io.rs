@@ -6,6 +6,7 @@ use super::shared::Shared;
 use crate::agent::AgentKv;
 use kvpool_core::sched::BlockKey;
 use kvpool_proto::openai::KvRole;
+use kvpool_runtime::telemetry::chain;
 
 /// Loads what the pool has of the prompt's full blocks beyond the local cache; returns how many
 /// leading blocks are now available (0 when the local cache covers more) and the blocks to write
@@ -38,7 +39,7 @@ pub(super) async fn load_from_pool(
             }
             Err(e) => {
                 m.kv_error(&e);
-                tracing::warn!(error = %e, "cannot ask the agent which blocks it has");
+                tracing::warn!(error = %chain(&e), "cannot ask the agent which blocks it has");
                 (0, Vec::new())
             }
         }
@@ -63,7 +64,7 @@ pub(super) async fn load_from_pool(
             }
             Err(e) => {
                 m.kv_error(&e);
-                tracing::warn!(error = %e, "cannot read KV blocks from the agent");
+                tracing::warn!(error = %chain(&e), "cannot read KV blocks from the agent");
             }
         }
     }
@@ -94,7 +95,7 @@ pub(super) async fn store_in_pool(shared: &Shared, kv: &AgentKv, keys: &[BlockKe
         }
         Err(e) => {
             m.kv_error(&e);
-            tracing::warn!(error = %e, "cannot write KV blocks to the agent");
+            tracing::warn!(error = %chain(&e), "cannot write KV blocks to the agent");
         }
     }
 }

@@ -2,6 +2,7 @@
 //! named blocks from the pool into its prefix cache ahead of the requests that will want them.
 //! I/O boundary: the node agent.
 
+use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -38,7 +39,7 @@ pub(super) async fn prefetch(shared: Arc<Shared>, body: Bytes) -> Response {
             Err(e) => {
                 m.kv_error(&e);
                 m.prefetches.with_label_values(&["error"]).inc();
-                tracing::warn!(error = %e, "prefetch: cannot read KV blocks from the agent");
+                tracing::warn!(error = %chain(&e), "prefetch: cannot read KV blocks from the agent");
                 return agent_failed(&e);
             }
         }

@@ -11,6 +11,7 @@ use super::shared::Shared;
 use crate::kv;
 use kvpool_core::sched::text_tokens;
 use kvpool_proto::openai::{GenerateRequest, KvRole, Prompt};
+use kvpool_runtime::telemetry::chain;
 
 /// The token ids of one prompt as this engine sees them: stand-in chunks of a text, or the
 /// ids given.
@@ -59,7 +60,7 @@ pub(super) async fn prefill(
             timer.observe_duration();
             if let Err(e) = waited {
                 m.handoffs.with_label_values(&[e.category()]).inc();
-                tracing::warn!(error = %e, "KV hand-off failed");
+                tracing::warn!(error = %chain(&e), "KV hand-off failed");
                 return Err(e);
             }
             m.handoffs.with_label_values(&["ok"]).inc();

@@ -4,6 +4,7 @@
 //! decode engine waits for the marker ([`HandoffError`] when it cannot). I/O boundary: the node
 //! agent (through `AgentKv`) and the timer of the wait.
 
+use kvpool_runtime::telemetry::chain;
 use std::time::Duration;
 
 use crate::agent::{AgentKv, AgentKvError};
@@ -100,7 +101,7 @@ pub(super) async fn wait_for_room(
         if present.first().copied().unwrap_or(false) {
             // Best effort: a marker left behind is evicted like any other object.
             if let Err(e) = kv.remove(&marker).await {
-                tracing::debug!(error = %e, room, "cannot remove the hand-off marker");
+                tracing::debug!(error = %chain(&e), room, "cannot remove the hand-off marker");
             }
             return Ok(());
         }
