@@ -88,8 +88,7 @@ macro_rules! engine_pool_spec {
                 name = "Status",
                 type_ = "string",
                 json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
-                description = "Reason of the Ready condition",
-                priority = 1
+                description = "Reason of the Ready condition"
             ),
             printcolumn(
                 name = "Age",
