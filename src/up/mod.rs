@@ -277,7 +277,20 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         path: key_file.clone(),
         source,
     })?;
-    tracing::info!(dir = %dir.display(), children = specs.len(), "kvpool up: starting");
+    tracing::info!(
+        dir = %dir.display(),
+        children = specs.len(),
+        agents = settings.agents,
+        prefill = settings.prefill,
+        decode = settings.decode,
+        model = %settings.model,
+        block_size = settings.block_size,
+        agent_dram = %settings.agent_dram,
+        time_scale = settings.time_scale,
+        protocol = ?settings.protocol,
+        replay = records.as_ref().map(Vec::len),
+        "kvpool up: starting"
+    );
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
