@@ -970,3 +970,26 @@ async fn slow_and_silent_connections_are_capped_and_closed_at_the_deadline() {
          (deadline 1 s)"
     );
 }
+
+/// Issue 15: an authenticated connection on which calls keep starting stays open past the idle
+/// timeout (HTTP/2 pings alone do not keep one open), an idle one is closed and counted, and
+/// the client's next call reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_authenticated_connections_are_closed_and_clients_reconnect() {
+    let f = fixture(|a| a.idle_timeout = Duration::from_secs(1)).await;
+    let m = &f.master.core.metrics;
+    // Busy: a call every 200 ms for three idle timeouts.
+    let busy_until = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < busy_until {
+        assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(m.conn_refusals("idle"), 0, "a busy connection was closed");
+    // Idle: closed once the timeout passes.
+    assert!(
+        eventually(Duration::from_secs(10), || m.conn_refusals("idle") >= 1).await,
+        "idle connection not closed"
+    );
+    // The client reconnects on its next call.
+    assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
+}

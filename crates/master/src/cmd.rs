@@ -135,6 +135,12 @@ pub struct MasterArgs {
     #[arg(long, default_value = "10s", value_parser = kvpool_core::flags::parse_duration,
         env = "KVPOOL_MASTER_HANDSHAKE_TIMEOUT")]
     pub handshake_timeout: Duration,
+    /// An authenticated connection on which no call started for this long is closed; clients
+    /// reconnect on their next call (every master call is a short metadata call; none waits
+    /// anywhere near this long).
+    #[arg(long, default_value = "5m", value_parser = kvpool_core::flags::parse_duration,
+        env = "KVPOOL_MASTER_IDLE_TIMEOUT")]
+    pub idle_timeout: Duration,
     /// Connections to the gRPC port served at once (gRPC and fast lane together).
     #[arg(long, default_value_t = 4096, env = "KVPOOL_MASTER_MAX_CONNECTIONS")]
     pub max_connections: usize,
@@ -273,6 +279,7 @@ impl MasterArgs {
             });
         }
         nonzero(self.handshake_timeout, "handshake-timeout")?;
+        nonzero(self.idle_timeout, "idle-timeout")?;
         for (n, field) in [
             (self.max_connections, "max-connections"),
             (
@@ -297,6 +304,7 @@ impl MasterArgs {
             events,
             conn_limits: ConnLimits {
                 handshake_timeout: self.handshake_timeout,
+                idle_timeout: self.idle_timeout,
                 max_connections: self.max_connections,
                 max_connections_per_source: self.max_connections_per_source,
             },
@@ -498,6 +506,7 @@ pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
         kv_events_config: None,
         kv_events_block_size: 16,
         handshake_timeout: ConnLimits::default().handshake_timeout,
+        idle_timeout: ConnLimits::default().idle_timeout,
         max_connections: ConnLimits::default().max_connections,
         max_connections_per_source: ConnLimits::default().max_connections_per_source,
     }

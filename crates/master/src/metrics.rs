@@ -124,7 +124,7 @@ impl MasterMetrics {
             )?,
             conn_refusals: counters(
                 "kvpool_master_connections_refused_total",
-                "Connections to the gRPC port closed before they authenticated, by reason",
+                "Connections to the gRPC port closed before they authenticated, or idle after, by reason",
                 &["reason"],
             )?,
             kv_event_batches: IntCounter::new(
@@ -184,7 +184,7 @@ impl MasterMetrics {
     }
 
     /// A connection closed before it authenticated (`max_connections`, `per_source`,
-    /// `silent`, `handshake_timeout`, `grpc_unauthenticated`).
+    /// `silent`, `handshake_timeout`, `grpc_unauthenticated`), or after, for `idle`ness.
     pub fn conn_refused(&self, reason: &str) {
         self.conn_refusals.with_label_values(&[reason]).inc();
     }

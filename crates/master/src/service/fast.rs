@@ -29,8 +29,6 @@ use kvpool_runtime::http::ConnectionCaps;
 /// How long a fast-lane connection may wait before its first call's length arrives (the
 /// handshake deadline of `ConnLimits` bounds the preface and the first call as a whole).
 const FIRST_BYTES: Duration = Duration::from_secs(10);
-/// A fast-lane connection idle this long between calls is closed (clients reconnect).
-const IDLE: Duration = Duration::from_secs(300);
 /// Once a call's length arrived, the rest of it must follow within this.
 const FRAME: Duration = Duration::from_secs(30);
 
@@ -84,16 +82,19 @@ pub(super) async fn route(
             let until = Instant::now() + limits.handshake_timeout;
             match tokio::time::timeout_at(until, starts_with_magic(&stream)).await {
                 Ok(Ok(true)) => {
-                    serve_conn(stream, svc, verifier, until, shutdown).await;
+                    let idle = limits.idle_timeout;
+                    serve_conn(stream, svc, verifier, (until, idle), shutdown).await;
                     drop(slot);
                 }
                 Ok(Ok(false)) => {
                     let left = until.saturating_duration_since(Instant::now());
-                    let cut = svc
-                        .core
-                        .metrics
-                        .conn_refused_counter("grpc_unauthenticated");
-                    let _ = grpc.send(Ok(GrpcConn::new(stream, slot, left, cut))).await;
+                    let metrics = &svc.core.metrics;
+                    let cuts = [
+                        metrics.conn_refused_counter("grpc_unauthenticated"),
+                        metrics.conn_refused_counter("idle"),
+                    ];
+                    let conn = GrpcConn::new(stream, slot, left, limits.idle_timeout, cuts);
+                    let _ = grpc.send(Ok(conn)).await;
                 }
                 Err(_) => svc.core.metrics.conn_refused("silent"),
                 Ok(Err(_)) => {} // closed or broken before a byte: nothing to serve
@@ -127,7 +128,7 @@ async fn serve_conn(
     mut stream: TcpStream,
     svc: MasterSvc,
     verifier: Verifier,
-    until: Instant,
+    (until, idle): (Instant, Duration),
     shutdown: CancellationToken,
 ) {
     let peer = stream
@@ -159,7 +160,7 @@ async fn serve_conn(
         &peer,
         &svc,
         &verifier,
-        &shutdown,
+        (&shutdown, idle),
         &authenticated,
     );
     tokio::pin!(calls);
@@ -183,7 +184,7 @@ async fn serve_calls(
     peer: &str,
     svc: &MasterSvc,
     verifier: &Verifier,
-    shutdown: &CancellationToken,
+    (shutdown, idle): (&CancellationToken, Duration),
     authenticated: &AtomicBool,
 ) {
     let metrics = &svc.core.metrics;
@@ -195,10 +196,16 @@ async fn serve_calls(
             () = shutdown.cancelled() => return,
             r = tokio::time::timeout(wait, stream.read_u32_le()) => match r {
                 Ok(Ok(n)) => n,
-                _ => return, // closed, broken or idle
+                Ok(Err(_)) => return, // closed or broken
+                Err(_) => {
+                    if authenticated.load(Ordering::SeqCst) {
+                        metrics.conn_refused("idle");
+                    }
+                    return;
+                }
             },
         };
-        wait = IDLE;
+        wait = idle;
         let len = match fast::check_len(len) {
             Ok(n) => n,
             Err(e) => {

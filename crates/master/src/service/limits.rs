@@ -1,12 +1,13 @@
-//! Limits on the master's connections before they authenticate (issue 15): caps on open
-//! connections in total and per source address, and a deadline by which a gRPC connection
-//! must have made one authenticated call (the fast lane's deadline is in `fast`). I/O
-//! boundary: the accepted TCP streams, wrapped for the gRPC server.
+//! Limits on the master's connections (issue 15): caps on open connections in total and per
+//! source address, a deadline by which a gRPC connection must have made one authenticated
+//! call, and an idle timeout that closes an authenticated connection on which no call started
+//! for that long (the fast lane's deadline and idle timeout are in `fast`). I/O boundary: the
+//! accepted TCP streams, wrapped for the gRPC server.
 
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -29,6 +30,9 @@ pub struct ConnLimits {
     pub max_connections: usize,
     /// Connections open at once from one source address.
     pub max_connections_per_source: usize,
+    /// An authenticated connection on which no call started for this long is closed (clients
+    /// reconnect on their next call). Longer than any one call may take.
+    pub idle_timeout: Duration,
 }
 
 impl Default for ConnLimits {
@@ -37,20 +41,45 @@ impl Default for ConnLimits {
             handshake_timeout: Duration::from_secs(10),
             max_connections: 4096,
             max_connections_per_source: 512,
+            idle_timeout: Duration::from_secs(300),
         }
     }
 }
 
-/// Set once a call on the connection passed authentication; the gRPC server hands it to every
-/// call as the connection's info.
-#[derive(Clone, Debug)]
+/// Set once a call on the connection passed authentication, and stamped with each
+/// authenticated call's start; the gRPC server hands it to every call as the connection's info.
+#[derive(Clone, Debug, Default)]
 pub(super) struct ConnAuth {
     authenticated: Arc<AtomicBool>,
+    /// Milliseconds after `epoch` at which the last authenticated call started.
+    last_call_ms: Arc<AtomicU64>,
+    epoch: Arc<OnceInstant>,
+}
+
+/// The connection's creation time, the zero of `last_call_ms`.
+#[derive(Debug)]
+struct OnceInstant(tokio::time::Instant);
+
+impl Default for OnceInstant {
+    fn default() -> Self {
+        OnceInstant(tokio::time::Instant::now())
+    }
 }
 
 impl ConnAuth {
     fn is_set(&self) -> bool {
         self.authenticated.load(Ordering::SeqCst)
+    }
+
+    fn mark_call(&self) {
+        let ms = u64::try_from(self.epoch.0.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_call_ms.store(ms, Ordering::SeqCst);
+        self.authenticated.store(true, Ordering::SeqCst);
+    }
+
+    /// When the connection counts as idle unless another call starts first.
+    fn idle_at(&self, idle: Duration) -> tokio::time::Instant {
+        self.epoch.0 + Duration::from_millis(self.last_call_ms.load(Ordering::SeqCst)) + idle
     }
 }
 
@@ -59,9 +88,12 @@ impl ConnAuth {
 pub(super) struct GrpcConn {
     stream: TcpStream,
     auth: ConnAuth,
+    /// Until the first authenticated call: the handshake deadline; after it: the idle timer.
     deadline: Option<Pin<Box<Sleep>>>,
-    /// Counts the connection if the deadline cuts it.
+    idle: Duration,
+    /// Count the connection if the handshake deadline or the idle timeout cuts it.
     cut: prometheus::IntCounter,
+    idle_cut: prometheus::IntCounter,
     _slot: ConnectionSlot,
 }
 
@@ -70,17 +102,42 @@ impl GrpcConn {
         stream: TcpStream,
         slot: ConnectionSlot,
         handshake: Duration,
-        cut: prometheus::IntCounter,
+        idle: Duration,
+        cuts: [prometheus::IntCounter; 2],
     ) -> Self {
+        let [cut, idle_cut] = cuts;
         GrpcConn {
             stream,
-            auth: ConnAuth {
-                authenticated: Arc::default(),
-            },
+            auth: ConnAuth::default(),
             deadline: Some(Box::pin(tokio::time::sleep(handshake))),
+            idle,
             cut,
+            idle_cut,
             _slot: slot,
         }
+    }
+
+    /// Whether the connection's timer ended it: before authentication, the handshake deadline;
+    /// after, no call started for `idle` (the timer is moved on while calls keep starting).
+    fn expired(&mut self, cx: &mut Context<'_>) -> Option<&'static str> {
+        let authenticated = self.auth.is_set();
+        let timer = self.deadline.as_mut()?;
+        if authenticated {
+            let idle_at = self.auth.idle_at(self.idle);
+            if timer.deadline() != idle_at {
+                timer.as_mut().reset(idle_at);
+            }
+        }
+        timer.as_mut().poll(cx).is_ready().then(|| {
+            self.deadline = None;
+            if authenticated {
+                self.idle_cut.inc();
+                "no call on the connection for the idle timeout"
+            } else {
+                self.cut.inc();
+                "no authenticated call before the deadline"
+            }
+        })
     }
 }
 
@@ -99,18 +156,8 @@ impl AsyncRead for GrpcConn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.deadline.is_some() && this.auth.is_set() {
-            this.deadline = None;
-        }
-        if let Some(deadline) = &mut this.deadline
-            && deadline.as_mut().poll(cx).is_ready()
-        {
-            this.deadline = None;
-            this.cut.inc();
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "no authenticated call before the deadline",
-            )));
+        if let Some(why) = this.expired(cx) {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, why)));
         }
         Pin::new(&mut this.stream).poll_read(cx, buf)
     }
@@ -151,7 +198,7 @@ impl Interceptor for MarkingVerifier {
     fn call(&mut self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
         let req = self.0.call(req)?;
         if let Some(auth) = req.extensions().get::<ConnAuth>() {
-            auth.authenticated.store(true, Ordering::SeqCst);
+            auth.mark_call();
         }
         Ok(req)
     }
