@@ -23,8 +23,8 @@ fn bench_conductor_measures_direct_conductor_and_sglang_router_in_the_same_round
         .args([
             "bench",
             "conductor",
-            "--vs_sglang_router",
-            "--router_venv",
+            "--vs-sglang-router",
+            "--router-venv",
             &venv(),
             "--rounds",
             "2",

@@ -25,6 +25,10 @@ pub struct MooncakePhase {
     pub p50_us: u64,
     pub p99_us: u64,
     pub first_error: Option<String>,
+    /// Gets whose bytes equalled what their thread put (every get is compared, outside its
+    /// latency and the phase time); 0 for puts.
+    #[serde(default)]
+    pub verified: u64,
 }
 
 /// One value size on Mooncake's side.
@@ -33,9 +37,6 @@ pub struct MooncakeSize {
     pub size_bytes: u64,
     pub put: MooncakePhase,
     pub get: MooncakePhase,
-    /// Threads whose last get returned the bytes they put, of `threads`.
-    pub threads_verified: u64,
-    pub threads: u64,
 }
 
 /// Mooncake's side of the run, as its driver reports it.
@@ -141,8 +142,7 @@ mod tests {
                    \"put\": {\"ops\": 10, \"failures\": 0, \"seconds\": 0.5, \"ops_per_second\": 20.0, \
                    \"p50_us\": 300, \"p99_us\": 900, \"first_error\": null}, \
                    \"get\": {\"ops\": 10, \"failures\": 0, \"seconds\": 0.25, \"ops_per_second\": 40.0, \
-                   \"p50_us\": 200, \"p99_us\": 500, \"first_error\": null}, \
-                   \"threads_verified\": 1, \"threads\": 1}]}\n";
+                   \"p50_us\": 200, \"p99_us\": 500, \"first_error\": null, \"verified\": 10}}]}\n";
         let m = parse_driver_output(out).unwrap();
         assert_eq!(m.values[0].get.ops_per_second, 40.0);
         assert_eq!(m.holders, 2);
