@@ -1136,10 +1136,11 @@ impl cachepool::usage::MasterStats for Recording {
     > {
         // The key is the Secret's, byte for byte (a signature with it verifies).
         let verifier = kvpool_proto::auth::Verifier::new(
-            kvpool_proto::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
-        );
+            &kvpool_proto::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
+        )
+        .expect("pool key");
         assert!(
-            verifier.verify(Some(&key.sign())).is_ok(),
+            verifier.verify(Some(&key.sign("Stats")), "Stats").is_ok(),
             "signed with the stored key"
         );
         self.calls.lock().expect("lock").push(addr.to_owned());

@@ -53,7 +53,9 @@ pub fn parse(header: &str) -> Result<Parsed<'_>, AuthError> {
     }
     let role = Role::from_name(role).ok_or(AuthError::Malformed("unknown role"))?;
     if ts.is_empty() || ts.len() > 20 || !ts.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(AuthError::Malformed("timestamp is not a number of milliseconds"));
+        return Err(AuthError::Malformed(
+            "timestamp is not a number of milliseconds",
+        ));
     }
     let ts_ms: u64 = ts
         .parse()

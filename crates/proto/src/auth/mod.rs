@@ -248,8 +248,7 @@ impl RoleDocument {
                 return Ok(None);
             };
             let s = v.as_str().ok_or(format!("\"{name}\" is not a string"))?;
-            let bytes =
-                credential::unhex(s).ok_or(format!("\"{name}\" is not lower-case hex"))?;
+            let bytes = credential::unhex(s).ok_or(format!("\"{name}\" is not lower-case hex"))?;
             if bytes.len() < MIN_KEY_LEN {
                 return Err(format!("\"{name}\" is shorter than {MIN_KEY_LEN} bytes"));
             }

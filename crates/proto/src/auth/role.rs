@@ -19,9 +19,7 @@ use sha2::Sha256;
 const ROLE_CONTEXT: &str = "kvpool-role-v1";
 
 /// Who a credential speaks for.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, Hash, strum::IntoStaticStr, strum::EnumString,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::IntoStaticStr, strum::EnumString)]
 #[strum(serialize_all = "snake_case")]
 pub enum Role {
     Admin,
@@ -68,7 +66,12 @@ const CLIENT_CALLS: [&str; 11] = [
 ];
 
 /// The calls of a holder of segments (the memory it lends to the pool).
-const SEGMENT_CALLS: [&str; 4] = ["MountSegment", "UnmountSegment", "Heartbeat", "CompleteTask"];
+const SEGMENT_CALLS: [&str; 4] = [
+    "MountSegment",
+    "UnmountSegment",
+    "Heartbeat",
+    "CompleteTask",
+];
 
 impl Role {
     /// Every role.

@@ -31,11 +31,17 @@ fn role_keys_are_derived_distinct_and_stable() {
         credential::hex(&role_key(POOL, Role::Engine)),
         "a5385ba1723351c7c00f7b61b68b74e66382e4ca0f779081fa9ee5f2b8c88b01"
     );
-    assert_ne!(role_key(POOL, Role::Engine), role_key(b"another pool key!!", Role::Engine));
+    assert_ne!(
+        role_key(POOL, Role::Engine),
+        role_key(b"another pool key!!", Role::Engine)
+    );
     assert!(pool().derive(Role::Engine).is_some());
     let engine = pool().derive(Role::Engine).expect("engine");
     assert_eq!(engine.role(), Role::Engine);
-    assert!(engine.derive(Role::Agent).is_none(), "a role key derives nothing");
+    assert!(
+        engine.derive(Role::Agent).is_none(),
+        "a role key derives nothing"
+    );
     assert!(matches!(
         Verifier::new(&engine),
         Err(AuthError::NotPoolKey(Role::Engine))
@@ -81,7 +87,9 @@ fn a_credential_is_bound_to_its_method_and_role_key() {
     ));
     // Claiming another role with one's own key fails the MAC.
     let conductor = admin.derive(Role::Conductor).expect("derive");
-    let forged = conductor.sign("PutStart").replacen("conductor", "engine", 1);
+    let forged = conductor
+        .sign("PutStart")
+        .replacen("conductor", "engine", 1);
     assert!(matches!(
         v.verify(Some(&forged), "PutStart"),
         Err(AuthError::BadMac)
@@ -103,10 +111,16 @@ fn fast_lane_credentials_are_bound_to_the_body() {
     let cred = k.sign_body("Get", b"body");
     let ok = v.verify(Some(&cred), "Get").expect("valid");
     ok.check_body(b"body").expect("same body");
-    assert!(matches!(ok.check_body(b"bodx"), Err(AuthError::BodyMismatch)));
+    assert!(matches!(
+        ok.check_body(b"bodx"),
+        Err(AuthError::BodyMismatch)
+    ));
     assert!(matches!(ok.check_unbound(), Err(AuthError::Binding(_))));
     let unbound = v.verify(Some(&k.sign("Get")), "Get").expect("valid");
-    assert!(matches!(unbound.check_body(b"body"), Err(AuthError::Binding(_))));
+    assert!(matches!(
+        unbound.check_body(b"body"),
+        Err(AuthError::Binding(_))
+    ));
 }
 
 #[test]
@@ -136,11 +150,15 @@ fn stale_missing_and_malformed_credentials_are_refused() {
         good.replacen("..", ".00.", 1),
     ] {
         assert!(
-            matches!(v.verify_at(Some(&bad), "Get", 5), Err(AuthError::Malformed(_))),
+            matches!(
+                v.verify_at(Some(&bad), "Get", 5),
+                Err(AuthError::Malformed(_))
+            ),
             "{bad}"
         );
     }
-    v.verify_at(Some(&good), "Get", 5).expect("the untouched one passes");
+    v.verify_at(Some(&good), "Get", 5)
+        .expect("the untouched one passes");
     assert!(AuthKey::from_bytes(b"short\n").is_none());
 }
 
@@ -151,8 +169,8 @@ fn key_files_are_raw_pool_keys_or_role_documents() {
     std::fs::write(&p, "0123456789abcdef0123\n").expect("write");
     let k = AuthKey::from_file(&p).expect("key");
     assert_eq!(k.role(), Role::Admin);
-    let v = Verifier::new(&AuthKey::from_bytes(b"0123456789abcdef0123").expect("key"))
-        .expect("pool");
+    let v =
+        Verifier::new(&AuthKey::from_bytes(b"0123456789abcdef0123").expect("key")).expect("pool");
     v.verify(Some(&k.sign("Stats")), "Stats").expect("same key");
 
     let doc = k.role_document(Role::Conductor, Some(b"transfer-key-0123456"));

@@ -78,7 +78,9 @@ impl Verifier {
     /// A verifier for the pool whose key is `pool` (the `admin` key; a role's key cannot
     /// check the other roles' credentials).
     pub fn new(pool: &AuthKey) -> Result<Self, AuthError> {
-        let bytes = pool.pool_bytes().ok_or(AuthError::NotPoolKey(pool.role()))?;
+        let bytes = pool
+            .pool_bytes()
+            .ok_or(AuthError::NotPoolKey(pool.role()))?;
         let keys = Role::ALL.map(|r| keyed(&role_key(bytes, r)));
         Ok(Self {
             keys: Arc::new(keys),
