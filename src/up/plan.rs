@@ -401,8 +401,8 @@ mod tests {
             "decode engines publish none"
         );
         assert!(
-            joined.contains("--master 127.0.0.1:1000 --auth-key-file /run/up/auth.key"),
-            "the conductor reads the pool through the master: {joined}"
+            joined.contains("--master 127.0.0.1:1000 --auth-key-file /run/up/auth-conductor.json"),
+            "the conductor reads the pool through the master, with its own credential: {joined}"
         );
         assert_eq!(conductor.endpoint.as_deref(), Some("http://127.0.0.1:1014"));
     }
