@@ -104,3 +104,69 @@ impl Interceptor for MarkingVerifier {
         Ok(req)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use kvpool_core::master::clock::SystemClock;
+    use kvpool_core::master::state::{MasterConfig, MasterState};
+    use kvpool_proto::auth::{AuthKey, Role};
+    use tonic::Code;
+
+    use super::*;
+    use crate::metrics::MasterMetrics;
+
+    fn core(standalone: bool) -> Arc<Core> {
+        let metrics = MasterMetrics::new(&prometheus::Registry::new(), "lru").expect("metrics");
+        let state = MasterState::new(MasterConfig::default(), Arc::new(SystemClock::new()));
+        if standalone {
+            Core::standalone(state, metrics)
+        } else {
+            Core::new(state, metrics)
+        }
+    }
+
+    #[test]
+    fn a_new_leader_refuses_credentials_made_before_it_took_over() {
+        let pool = AuthKey::from_bytes(b"0123456789abcdef-pool").expect("key");
+        let verifier = Verifier::new(&pool).expect("pool key");
+        let engine = pool.derive(Role::Engine).expect("engine");
+        let ha = core(false);
+        let before = engine.sign("Get");
+        // Made while another master led (this one a standby): after the takeover it is
+        // refused with UNAVAILABLE, which the client retries with a fresh credential.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        ha.role.set_leader(true);
+        let since = ha.role.leader_since_ms();
+        assert!(since > 0);
+        let early = engine.sign_at("Get", None, since - 1, 2);
+        let e = check(&verifier, &ha, Some(&early), "Get").expect_err("before leadership");
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        let e = check(&verifier, &ha, Some(&before), "Get").expect_err("before leadership");
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        let fresh = engine.sign_at("Get", None, since, 3);
+        assert_eq!(
+            check(&verifier, &ha, Some(&fresh), "Get")
+                .expect("fresh")
+                .role,
+            Role::Engine
+        );
+        // A standalone master has no predecessor: no cutoff.
+        let alone = core(true);
+        assert_eq!(alone.role.leader_since_ms(), 0);
+        let old = engine.sign("Get");
+        check(&verifier, &alone, Some(&old), "Get").expect("standalone");
+        let e = check(
+            &verifier,
+            &alone,
+            Some(&engine.sign("RemoveAll")),
+            "AdoptReplicas",
+        )
+        .expect_err("wrong method");
+        assert_eq!(e.code(), Code::Unauthenticated);
+        let c = pool.derive(Role::Conductor).expect("conductor");
+        let e = check(&verifier, &alone, Some(&c.sign("Remove")), "Remove").expect_err("role");
+        assert_eq!(e.code(), Code::PermissionDenied);
+    }
+}
