@@ -839,7 +839,7 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
         kvpool_proto::fast::Method::Exists,
         &AuthKey::from_bytes(b"another-key-0123456789abcdef")
             .expect("key")
-            .sign(),
+            .sign_body("Exists", &[]),
         &[],
         &[],
     );
@@ -849,7 +849,7 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
     // announces 50 MiB and sends only its head and credential is refused at once.
     let cred = AuthKey::from_bytes(b"another-key-0123456789abcdef")
         .expect("key")
-        .sign();
+        .sign_body("Get", &[]);
     let mut head_only = kvpool_proto::fast::PREFACE.to_vec();
     head_only.extend_from_slice(&(50u32 << 20).to_le_bytes());
     head_only.extend_from_slice(&[kvpool_proto::fast::Method::Get as u8, 0]);

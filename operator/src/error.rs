@@ -42,6 +42,17 @@ pub enum Error {
         source: kube::Error,
     },
 
+    /// The pool's auth Secret predates per-role credentials (or was edited): the workloads
+    /// cannot mount their role's item. The operator never rewrites the Secret (it may only
+    /// create and read Secrets); deleting it makes the next pass create a complete one.
+    #[error(
+        "auth Secret {name} lacks the role credential items {missing:?}; delete it (kubectl delete secret {name}) and the operator creates a new pool key with every role's item, then restart the pool's pods"
+    )]
+    AuthSecretOutdated {
+        name: String,
+        missing: Vec<&'static str>,
+    },
+
     /// Listing children by label (to find orphans) failed.
     #[error("cannot list {kind} by label {selector}")]
     List {

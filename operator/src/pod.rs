@@ -7,12 +7,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     ConfigMapVolumeSource, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
-    HostPathVolumeSource, ObjectFieldSelector, Probe, ResourceRequirements, SecretVolumeSource,
-    Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    HostPathVolumeSource, KeyToPath, ObjectFieldSelector, Probe, ResourceRequirements,
+    SecretVolumeSource, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use kvpool_proto::auth::Role;
 
 use crate::contract;
 use crate::labels::{self, Component};
@@ -97,15 +99,34 @@ pub fn config_volume(pool_name: &str) -> Volume {
 
 /// Volume with the pool's auth Secret: owner and group may read it; pods that run as non-root set
 /// `fsGroup` ([`KEY_READER_GROUP`]) so that their processes are in that group.
-pub fn auth_volume(pool_name: &str) -> Volume {
+pub fn auth_volume(pool_name: &str, component: Component) -> Volume {
     Volume {
         name: "auth".to_owned(),
         secret: Some(SecretVolumeSource {
             secret_name: Some(labels::child_name(pool_name, Component::Auth)),
             default_mode: Some(0o440),
+            // Only the workload's own credential, at the one key path every process reads.
+            items: Some(vec![KeyToPath {
+                key: auth_item(component).to_owned(),
+                path: contract::AUTH_KEY_KEY.to_owned(),
+                mode: None,
+            }]),
             ..SecretVolumeSource::default()
         }),
         ..Volume::default()
+    }
+}
+
+/// The auth Secret's item a workload of `component` mounts as its key file: the pool key for
+/// the master (it checks every role's credentials), its role's credential file for the others.
+pub fn auth_item(component: Component) -> &'static str {
+    match component {
+        Component::Master => contract::AUTH_KEY_KEY,
+        Component::Agent => Role::Agent.name(),
+        Component::Conductor => Role::Conductor.name(),
+        Component::Prefill | Component::Decode => Role::Engine.name(),
+        // Not workloads; the least powerful item.
+        Component::Config | Component::Auth => Role::Observer.name(),
     }
 }
 

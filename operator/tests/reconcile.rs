@@ -18,6 +18,7 @@ use kvpool_crd::{DecodePool, KVCachePool, KVCachePoolStatus, PrefillPool};
 use kvpool_operator::cachepool::{self, Outcome};
 use kvpool_operator::context::Context;
 use kvpool_operator::enginepool;
+use kvpool_proto::auth::Role;
 use serde_json::{Value, json};
 
 type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
@@ -327,7 +328,26 @@ fn deploy_status(ready: i32) -> Value {
 /// Pool key of the Secret the double stores (hex text, as the operator generates).
 const STORED_KEY: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
+/// The stored auth Secret: the pool key and each role's credential file.
 fn stored_secret() -> Value {
+    stored_secret_with(&cachepool::build::ROLE_ITEMS)
+}
+
+/// The stored auth Secret with the credential files of `roles` only (an operator before
+/// per-role credentials stored none).
+fn stored_secret_with(roles: &[kvpool_proto::auth::Role]) -> Value {
+    let mut data = BTreeMap::from([(
+        "key".to_owned(),
+        k8s_openapi::ByteString(STORED_KEY.as_bytes().to_vec()),
+    )]);
+    for role in roles {
+        let file =
+            kvpool_client::credentials::role_file(STORED_KEY.as_bytes(), *role).expect("role file");
+        data.insert(
+            role.name().to_owned(),
+            k8s_openapi::ByteString(file.into_bytes()),
+        );
+    }
     // k8s-openapi's ByteString serializes as base64, as the API server sends it.
     let secret = k8s_openapi::api::core::v1::Secret {
         metadata: kube::api::ObjectMeta {
@@ -337,10 +357,7 @@ fn stored_secret() -> Value {
             ..Default::default()
         },
         type_: Some("Opaque".into()),
-        data: Some(BTreeMap::from([(
-            "key".to_owned(),
-            k8s_openapi::ByteString(STORED_KEY.as_bytes().to_vec()),
-        )])),
+        data: Some(data),
         ..Default::default()
     };
     let mut v = serde_json::to_value(&secret).expect("json");
@@ -456,6 +473,41 @@ async fn pool_children(
 }
 
 #[tokio::test]
+async fn an_auth_secret_without_role_items_stops_the_pass_before_any_workload() {
+    let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    let outcome = drive(
+        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+        async move |server: &mut ApiServer| {
+            let (_, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
+            reply(
+                send,
+                StatusCode::CONFLICT,
+                &status_error(409, "AlreadyExists", "exists"),
+            );
+            let (_, send) = server
+                .expect(Method::GET, &format!("{NS}/secrets/roce-auth"))
+                .await;
+            reply(send, StatusCode::OK, &stored_secret_with(&[Role::Agent]));
+            // Nothing else: no ConfigMap, policy or workload is applied.
+        },
+    )
+    .await;
+    let e = outcome.expect_err("outdated Secret");
+    let text = e.to_string();
+    assert_eq!(e.category(), "auth_secret_outdated");
+    for needle in [
+        "roce-auth",
+        "engine",
+        "conductor",
+        "observer",
+        "kubectl delete secret",
+    ] {
+        assert!(text.contains(needle), "{needle}: {text}");
+    }
+    assert!(!text.contains("\"agent\""), "agent's item is there: {text}");
+}
+
+#[tokio::test]
 async fn create_applies_every_child_and_writes_status() {
     let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
     let status = Arc::new(std::sync::Mutex::new(Value::Null));
@@ -468,6 +520,16 @@ async fn create_applies_every_child_and_writes_status() {
             // The key: 32 bytes from the CSPRNG, hex-encoded, base64 in the Secret's data.
             let key = secret["data"]["key"].as_str().expect("key");
             assert_eq!(key.len(), 88, "base64 of 64 hex characters: {key}");
+            for role in ["agent", "engine", "conductor", "observer"] {
+                assert!(secret["data"][role].is_string(), "no {role} item: {secret}");
+            }
+            // Each workload mounts its own item only.
+            let items = &agent["spec"]["template"]["spec"]["volumes"];
+            let auth = items
+                .as_array()
+                .and_then(|v| v.iter().find(|v| v["name"] == "auth"))
+                .expect("auth volume");
+            assert_eq!(auth["secret"]["items"], json!([{"key": "agent", "path": "key"}]));
             assert_eq!(secret["metadata"]["ownerReferences"][0]["kind"], "KVCachePool");
             // The applied DaemonSet is the built one, apiVersion and kind included (SSA needs them).
             assert_eq!(agent["apiVersion"], "apps/v1");
@@ -1136,10 +1198,11 @@ impl cachepool::usage::MasterStats for Recording {
     > {
         // The key is the Secret's, byte for byte (a signature with it verifies).
         let verifier = kvpool_proto::auth::Verifier::new(
-            kvpool_proto::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
-        );
+            &kvpool_proto::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
+        )
+        .expect("pool key");
         assert!(
-            verifier.verify(Some(&key.sign())).is_ok(),
+            verifier.verify(Some(&key.sign("Stats")), "Stats").is_ok(),
             "signed with the stored key"
         );
         self.calls.lock().expect("lock").push(addr.to_owned());

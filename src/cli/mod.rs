@@ -5,6 +5,7 @@
 //! args) use the same parser as the binary. I/O boundary: none here; `run` calls the roles.
 
 mod agent;
+pub mod auth;
 mod operator;
 
 use clap::{Parser, Subcommand};
@@ -57,6 +58,10 @@ pub enum Command {
     /// The old spelling of `kvpool bench master`, kept hidden for one release.
     #[command(hide = true)]
     MasterBench(kvpool_bench::master::MasterBenchArgs),
+    /// Credential files: `kvpool auth derive --role engine --auth-key-file K` makes a role's
+    /// file from the pool key.
+    #[command(subcommand)]
+    Auth(auth::AuthCommand),
     /// Replay a Mooncake request trace through the scheduling policies (or, with
     /// --bench-decision, time one scheduling decision).
     Simulate(Box<crate::simulate::SimulateArgs>),
@@ -111,6 +116,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::MasterBench(args) => {
             kvpool_bench::master::run_blocking(&runtime()?, args)?;
         }
+        Command::Auth(cmd) => auth::run(&cmd)?,
         Command::Simulate(args) => crate::simulate::run(&args)?,
         Command::SimulateCache(args) => {
             crate::simulate_cache::run(&args)?;

@@ -254,6 +254,22 @@ fn write_key(path: &std::path::Path, key: &str) -> std::io::Result<()> {
     f.write_all(key.as_bytes())
 }
 
+/// The pool key (for the master) and each role's credential file derived from it (0600 each,
+/// in the 0700 run directory).
+fn write_keys(dir: &std::path::Path, pool_key: &str) -> Result<(), UpError> {
+    use kvpool_proto::auth::Role;
+    let mut files = vec![(plan::key_file(dir), pool_key.to_owned())];
+    for role in [Role::Agent, Role::Engine, Role::Conductor, Role::Observer] {
+        let text = kvpool_client::credentials::role_file(pool_key.as_bytes(), role)
+            .ok_or_else(|| flag("auth", "the generated pool key is too short"))?;
+        files.push((plan::role_key_file(dir, role), text));
+    }
+    for (path, text) in files {
+        write_key(&path, &text).map_err(|source| UpError::Dir { path, source })?;
+    }
+    Ok(())
+}
+
 /// Entry point of `kvpool up`.
 pub fn run(args: &UpArgs) -> Result<(), UpError> {
     // Trace first: a bad file fails before anything starts.
@@ -272,11 +288,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     let settings = validate(args, dir.clone())?;
     let ports = choose_ports(plan::ports_needed(&settings), args.base_port, args.port)?;
     let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
-    let key_file = plan::key_file(&dir);
-    write_key(&key_file, &random_key()).map_err(|source| UpError::Dir {
-        path: key_file.clone(),
-        source,
-    })?;
+    write_keys(&dir, &random_key())?;
     tracing::info!(
         dir = %dir.display(),
         children = specs.len(),
@@ -330,7 +342,8 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         let (stats, died) = startup::watch(&mut children, replay, &replay_stop).await;
         progress.clear();
         let kv = summary::engine_kv(&specs).await;
-        let pool = summary::pool_stats(&startup::endpoint(&specs, Role::Master), &key_file).await;
+        let observer = plan::role_key_file(&dir, kvpool_proto::auth::Role::Observer);
+        let pool = summary::pool_stats(&startup::endpoint(&specs, Role::Master), &observer).await;
         let ended = match died {
             Some((name, status)) => Some(UpError::ChildDied {
                 log: children.log_path(&name),

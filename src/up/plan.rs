@@ -112,9 +112,15 @@ pub fn agent_socket(dir: &Path, i: usize) -> PathBuf {
         .join(kvpool_harness::agent::SOCKET_NAME)
 }
 
-/// The key file every process of the pool shares.
+/// The pool key file (the master's, and `up`'s own for its summary).
 pub fn key_file(dir: &Path) -> PathBuf {
     dir.join("auth.key")
+}
+
+/// The credential file of `role` (derived from the pool key; see
+/// `kvpool_client::credentials`): agents get the agent's, the conductor the conductor's.
+pub fn role_key_file(dir: &Path, role: kvpool_proto::auth::Role) -> PathBuf {
+    dir.join(format!("auth-{role}.json"))
 }
 
 fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr) -> String {
@@ -127,7 +133,7 @@ fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr)
         procfs_root: s.procfs_root.clone(),
         pool: Some(PoolConfig {
             master: vec![master.to_string()],
-            auth_key_file: key_file(&s.dir),
+            auth_key_file: role_key_file(&s.dir, kvpool_proto::auth::Role::Agent),
             heartbeat_interval: "500ms".into(),
             settings: Vec::new(),
         }),
@@ -267,7 +273,9 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         "--master".into(),
         grpc.to_string(),
         "--auth-key-file".into(),
-        key_file(&s.dir).display().to_string(),
+        role_key_file(&s.dir, kvpool_proto::auth::Role::Conductor)
+            .display()
+            .to_string(),
     ]);
     // The conductor's clock and the engines' measured fetch times in cost-model seconds.
     if s.time_scale > 0.0 {
@@ -356,7 +364,10 @@ mod tests {
         let (path, cfg) = agent.config_file.as_ref().unwrap();
         assert_eq!(path, Path::new("/run/up/agent-0/agent.yaml"));
         assert!(cfg.contains("master: [\"127.0.0.1:1000\"]"), "{cfg}");
-        assert!(cfg.contains("auth_key_file: /run/up/auth.key"), "{cfg}");
+        assert!(
+            cfg.contains("auth_key_file: /run/up/auth-agent.json"),
+            "{cfg}"
+        );
         assert!(cfg.contains("listen: 127.0.0.1:1002"), "{cfg}");
         assert!(!cfg.contains("discovery"));
         // prefill-1 is the second engine: agent-1; decode-0 the third: agent-0 again.
@@ -390,8 +401,8 @@ mod tests {
             "decode engines publish none"
         );
         assert!(
-            joined.contains("--master 127.0.0.1:1000 --auth-key-file /run/up/auth.key"),
-            "the conductor reads the pool through the master: {joined}"
+            joined.contains("--master 127.0.0.1:1000 --auth-key-file /run/up/auth-conductor.json"),
+            "the conductor reads the pool through the master, with its own credential: {joined}"
         );
         assert_eq!(conductor.endpoint.as_deref(), Some("http://127.0.0.1:1014"));
     }

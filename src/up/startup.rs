@@ -104,6 +104,7 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
                    "pool_events": events.as_ref().map(|(e, r)| json!({
                        "endpoint": e, "replay": r, "topic": super::plan::POOL_EVENTS_TOPIC})),
                    "auth_key_file": super::plan::key_file(dir).display().to_string(),
+                   "role_key_files": role_files(dir),
                    "dir": dir.display().to_string()})
         );
     } else if !json {
@@ -131,9 +132,22 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
             "  python     KVPOOL_MASTER_ADDR={} KVPOOL_AUTH_KEY_FILE={} \
              .tools/py/bin/python examples/python_put_get.py",
             endpoint(specs, Role::Master),
-            super::plan::key_file(dir).display()
+            super::plan::role_key_file(dir, kvpool_proto::auth::Role::Engine).display()
         );
     }
+}
+
+/// Each role's credential file, by role name.
+fn role_files(dir: &Path) -> serde_json::Value {
+    use kvpool_proto::auth::Role;
+    [Role::Agent, Role::Engine, Role::Conductor, Role::Observer]
+        .into_iter()
+        .map(|r| {
+            let path = super::plan::role_key_file(dir, r).display().to_string();
+            (r.name().to_owned(), serde_json::Value::from(path))
+        })
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 /// Serves until a signal, or until a child dies.

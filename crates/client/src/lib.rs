@@ -3,6 +3,7 @@
 //! to the agents that hold the bytes (`pool`), and the node agent's Unix socket with its
 //! shared-memory staging files (`engine_api`). No servers, no Kubernetes.
 
+pub mod credentials;
 pub mod engine_api;
 pub mod master;
 pub mod pool;

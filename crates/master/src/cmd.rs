@@ -224,6 +224,8 @@ impl MasterArgs {
         };
         nonzero(self.tick_interval, "tick-interval")?;
         let key = AuthKey::from_file(&self.auth_key_file).map_err(CmdError::Auth)?;
+        // The master checks every role's credentials: it needs the pool key itself.
+        Verifier::new(&key).map_err(CmdError::Auth)?;
         let ha = if self.etcd_endpoints.is_empty() {
             None
         } else {
@@ -420,7 +422,7 @@ pub async fn start(
         }
     };
     let grpc_stop = shutdown.clone();
-    let verifier = Verifier::new(args.key.clone());
+    let verifier = Verifier::new(&args.key).map_err(CmdError::Auth)?;
     let conn_limits = args.conn_limits;
     let serve_core = core.clone();
     let ready = readiness.clone();

@@ -17,7 +17,9 @@
 //! answered in order, one at a time. A request may carry read leases to release before the
 //! call runs (flag 1): a client with one call in flight releases the leases of its last read
 //! with its next call instead of making a call of its own for them. The credential is the gRPC API's (see [`crate::auth`]),
-//! checked the same way, replay cache included.
+//! checked the same way, replay cache included, and in addition bound to the request's tail
+//! (lease ids and body, [`request_tail`]): the master checks the credential before it reads the
+//! tail, then the tail against the credential's digest.
 
 /// First bytes of a fast-lane connection.
 pub const MAGIC: [u8; 4] = *b"KVMP";
@@ -68,6 +70,20 @@ impl Method {
 
     pub fn name(self) -> &'static str {
         self.into()
+    }
+
+    /// The gRPC method name (`PutStart`): what its credential is made for.
+    pub fn grpc_name(self) -> &'static str {
+        match self {
+            Method::Get => "Get",
+            Method::Exists => "Exists",
+            Method::PutStart => "PutStart",
+            Method::PutEnd => "PutEnd",
+            Method::PutRevoke => "PutRevoke",
+            Method::ReleaseLeases => "ReleaseLeases",
+            Method::Remove => "Remove",
+            Method::LongestPrefix => "LongestPrefix",
+        }
     }
 }
 
@@ -150,6 +166,28 @@ fn split(frame: &[u8]) -> Result<Parts<'_>, FrameError> {
     Ok((*tag, *flags, s, body))
 }
 
+/// The bytes of a request after its credential (lease ids when there are any, then `body`):
+/// what the credential's body digest covers (see [`crate::auth::AuthKey::sign_body`]).
+pub fn request_tail(releases: &[u64], body: &[u8]) -> Vec<u8> {
+    let mut tail = releases_bytes(releases);
+    tail.extend_from_slice(body);
+    tail
+}
+
+/// The lease-id part of a request (empty without releases).
+fn releases_bytes(releases: &[u64]) -> Vec<u8> {
+    let releases = &releases[..releases.len().min(MAX_RELEASES)];
+    let mut extra = Vec::new();
+    if !releases.is_empty() {
+        extra.reserve(2 + 8 * releases.len());
+        extra.extend_from_slice(&(releases.len() as u16).to_le_bytes());
+        for id in releases {
+            extra.extend_from_slice(&id.to_le_bytes());
+        }
+    }
+    extra
+}
+
 /// Append a request frame to `out`; `releases` (at most [`MAX_RELEASES`]; more are left
 /// out) are the lease ids the master releases before it runs the call.
 pub fn encode_request(
@@ -159,17 +197,12 @@ pub fn encode_request(
     releases: &[u64],
     body: &[u8],
 ) {
-    let releases = &releases[..releases.len().min(MAX_RELEASES)];
-    let mut extra = Vec::new();
-    let mut flags = 0;
-    if !releases.is_empty() {
-        flags |= FLAG_RELEASES;
-        extra.reserve(2 + 8 * releases.len());
-        extra.extend_from_slice(&(releases.len() as u16).to_le_bytes());
-        for id in releases {
-            extra.extend_from_slice(&id.to_le_bytes());
-        }
-    }
+    let extra = releases_bytes(releases);
+    let flags = if releases.is_empty() {
+        0
+    } else {
+        FLAG_RELEASES
+    };
     frame(
         out,
         method as u8,
@@ -345,6 +378,12 @@ mod tests {
         for tag in 0..=255u8 {
             if let Some(m) = Method::from_repr(tag) {
                 assert_eq!(Method::from_name(m.name()), Some(m), "{m:?}");
+                assert!(crate::auth::METHODS.contains(&m.grpc_name()), "{m:?}");
+                assert_eq!(
+                    m.grpc_name().to_lowercase(),
+                    m.name().replace('_', ""),
+                    "{m:?}"
+                );
             }
         }
         assert_eq!(Method::from_name("mount_segment"), None);

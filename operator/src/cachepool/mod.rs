@@ -218,7 +218,18 @@ async fn apply_children(
         } else {
             let secret_name = children.auth.name_any();
             match secrets.get_opt(&secret_name).await {
-                Ok(Some(secret)) => pool_usage::read_key(&secret),
+                Ok(Some(secret)) => {
+                    let missing = build::missing_role_items(&secret);
+                    if !missing.is_empty() {
+                        // Before any workload is applied: pods that cannot mount their item
+                        // would never start.
+                        return Err(Error::AuthSecretOutdated {
+                            name: secret_name,
+                            missing,
+                        });
+                    }
+                    pool_usage::read_key(&secret)
+                }
                 // Deleted between the create and this read: the next pass creates it again.
                 Ok(None) => Err(pool_usage::UsageError::AuthKey),
                 Err(source) => {

@@ -148,7 +148,11 @@ impl MasterClient {
             }
         };
         let body = req.encode_to_vec();
-        fast::encode_request(&mut out, method, &self.signer.0.sign(), releases, &body);
+        let credential = self
+            .signer
+            .0
+            .sign_body(method.grpc_name(), &fast::request_tail(releases, &body));
+        fast::encode_request(&mut out, method, &credential, releases, &body);
         if fresh {
             let stream = self.dial_fast(endpoint)?;
             *state = State::Open {

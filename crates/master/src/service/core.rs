@@ -4,7 +4,7 @@
 //! leader gate here. I/O boundary: the bounded channel to `ha` that persists journal batches.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
@@ -26,6 +26,9 @@ pub struct PersistBatch {
 pub struct Role {
     leader: AtomicBool,
     leader_addr: Mutex<Option<String>>,
+    /// Wall-clock milliseconds at which this master last became the leader (0: leader from
+    /// the start, no other master). Credentials made before it are refused.
+    leader_since_ms: AtomicU64,
 }
 
 impl Role {
@@ -33,7 +36,17 @@ impl Role {
         self.leader.load(Ordering::SeqCst)
     }
     pub fn set_leader(&self, leader: bool) {
-        self.leader.store(leader, Ordering::SeqCst);
+        let was = self.leader.swap(leader, Ordering::SeqCst);
+        if leader && !was {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            self.leader_since_ms.store(now, Ordering::SeqCst);
+        }
+    }
+    /// When this master became the leader (see the field); 0 for a standalone master.
+    pub fn leader_since_ms(&self) -> u64 {
+        self.leader_since_ms.load(Ordering::SeqCst)
     }
     pub fn set_leader_addr(&self, addr: Option<String>) {
         *self.leader_addr.lock() = addr;
@@ -57,6 +70,8 @@ impl Core {
     pub fn standalone(state: MasterState, metrics: MasterMetrics) -> Arc<Self> {
         let core = Self::new(state, metrics);
         core.role.set_leader(true);
+        // No other master can have seen this pool's calls.
+        core.role.leader_since_ms.store(0, Ordering::SeqCst);
         core.metrics.set_leader(true);
         core
     }

@@ -1,6 +1,7 @@
 //! The master's fast lane (wire format in [`kvpool_proto::fast`]): on the gRPC port, a
 //! connection whose first bytes are the fast-lane preface is served here, every other one by
-//! the gRPC server. A fast-lane call is decoded, checked with the same [`Verifier`] and run by
+//! the gRPC server. A fast-lane call is decoded, checked with the same [`Verifier`] (and its
+//! body against the credential's digest) and run by
 //! the same tonic handler (so metrics, the leader gate and persistence are the gRPC API's),
 //! on the connection's own task: no HTTP/2 framing, no task per call. Connections are admitted
 //! under the caps of [`ConnLimits`] and must authenticate by its deadline. I/O boundary: the
@@ -20,8 +21,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status};
 
 use super::MasterSvc;
+use super::auth;
 use super::limits::{ConnLimits, GrpcConn};
-use kvpool_proto::auth::Verifier;
+use kvpool_proto::auth::{AuthError, Verifier};
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::{self as proto, LEADER_HEADER, master_server::Master as _};
 use kvpool_runtime::http::ConnectionCaps;
@@ -232,18 +234,27 @@ async fn serve_calls(
         if !read_within(stream, &mut frame).await {
             return;
         }
+        let method = head.method.grpc_name();
         let checked = fast::decode_credential(&frame)
-            .map_err(|e| e.to_string())
-            .and_then(|c| verifier.verify(Some(c)).map_err(|e| e.to_string()));
-        if let Err(e) = checked {
-            tracing::debug!(%peer, error = %e, "unauthenticated fast-lane call refused");
-            metrics.fast_refused("unauthenticated");
-            refuse(stream, peer, Status::unauthenticated(e)).await;
-            return;
-        }
+            .map_err(|e| Status::unauthenticated(e.to_string()))
+            .and_then(|c| auth::check(verifier, &svc.core, Some(c), method));
+        let verified = match checked {
+            Ok(v) => v,
+            Err(s) => {
+                tracing::debug!(%peer, error = %s.message(), "fast-lane call refused");
+                metrics.fast_refused(refusal(&s));
+                refuse(stream, peer, s).await;
+                return;
+            }
+        };
         authenticated.store(true, Ordering::SeqCst);
         frame.resize(len - fast::REQUEST_HEAD - head.credential_len, 0);
         if !read_within(stream, &mut frame).await {
+            return;
+        }
+        if let Err(e) = verified.check_body(&frame) {
+            metrics.fast_refused("unauthenticated");
+            refuse(stream, peer, e.status()).await;
             return;
         }
         let (releases, body) = match fast::decode_tail(&head, &frame) {
@@ -255,6 +266,15 @@ async fn serve_calls(
             }
         };
         out.clear();
+        if !releases.is_empty() && !verified.role.allows("ReleaseLeases") {
+            let e = AuthError::Forbidden {
+                role: verified.role,
+                method: "ReleaseLeases".into(),
+            };
+            metrics.fast_refused("forbidden");
+            refuse(stream, peer, e.status()).await;
+            return;
+        }
         if !releases.is_empty() {
             // The caller's last read is over: release its leases first (a refused one is left
             // to its TTL, as with a background release).
@@ -272,6 +292,15 @@ async fn serve_calls(
         if stream.write_all(&out).await.is_err() {
             return;
         }
+    }
+}
+
+/// The label of a refused call in `fast_refused`.
+fn refusal(s: &Status) -> &'static str {
+    match s.code() {
+        Code::PermissionDenied => "forbidden",
+        Code::Unavailable => "before_leadership",
+        _ => "unauthenticated",
     }
 }
 

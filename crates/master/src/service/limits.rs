@@ -14,10 +14,8 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
-use tonic::service::Interceptor;
 use tonic::transport::server::Connected;
 
-use kvpool_proto::auth::Verifier;
 use kvpool_runtime::http::ConnectionSlot;
 
 /// Connection limits of the master's port (gRPC and fast lane together).
@@ -71,7 +69,7 @@ impl ConnAuth {
         self.authenticated.load(Ordering::SeqCst)
     }
 
-    fn mark_call(&self) {
+    pub(super) fn mark_call(&self) {
         let ms = u64::try_from(self.epoch.0.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.last_call_ms.store(ms, Ordering::SeqCst);
         self.authenticated.store(true, Ordering::SeqCst);
@@ -186,20 +184,5 @@ impl AsyncWrite for GrpcConn {
     }
     fn is_write_vectored(&self) -> bool {
         self.stream.is_write_vectored()
-    }
-}
-
-/// The gRPC API's check of every call's credential, which also marks the call's connection
-/// as authenticated (lifting its deadline).
-#[derive(Clone, Debug)]
-pub struct MarkingVerifier(pub Verifier);
-
-impl Interceptor for MarkingVerifier {
-    fn call(&mut self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        let req = self.0.call(req)?;
-        if let Some(auth) = req.extensions().get::<ConnAuth>() {
-            auth.mark_call();
-        }
-        Ok(req)
     }
 }

@@ -1,9 +1,11 @@
-//! The master's gRPC service: authenticates every call (see [`kvpool_proto::auth`]), answers only
+//! The master's gRPC service: authenticates every call (see `auth`), answers only
 //! while this master is the leader, applies calls to the [`MasterState`] behind a mutex and,
 //! with HA on, waits until the changes a call made are persisted before answering.
 //! I/O boundary: the gRPC listener (in [`serve`], shared with the fast lane); persistence goes through a bounded channel
 //! to `ha`.
 //!
+//! - `auth`: the check of each call's credential (role, method, replay, leadership) on both
+//!   lanes.
 //! - `core`: [`Core`] (state, metrics, [`Role`], the route to persistence) and its leader gate.
 //! - `dispatch`: the tonic trait, timing and labelling every call.
 //! - `segments`, `heartbeat`, `tasks`, `objects`, `admin`: the handlers, by area.
@@ -25,6 +27,7 @@ use kvpool_proto::auth::Verifier;
 use kvpool_proto::master::master_server::MasterServer;
 
 mod admin;
+mod auth;
 mod batch;
 mod core;
 mod dispatch;
@@ -35,8 +38,9 @@ mod objects;
 mod segments;
 mod tasks;
 
+pub use self::auth::{MarkingVerifier, WithMethod};
 pub use self::core::{Core, PersistBatch, Role};
-pub use self::limits::{ConnLimits, MarkingVerifier};
+pub use self::limits::ConnLimits;
 
 /// Errors of running the service.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -68,8 +72,9 @@ impl MasterSvc {
 pub fn authenticated(
     core: Arc<Core>,
     verifier: Verifier,
-) -> InterceptedService<MasterServer<MasterSvc>, MarkingVerifier> {
-    MasterServer::with_interceptor(MasterSvc::new(core), MarkingVerifier(verifier))
+) -> WithMethod<InterceptedService<MasterServer<MasterSvc>, MarkingVerifier>> {
+    let check = MarkingVerifier::new(verifier, core.clone());
+    WithMethod(MasterServer::with_interceptor(MasterSvc::new(core), check))
 }
 
 /// Serve the authenticated service on `listener` until `shutdown`: gRPC, and the fast lane

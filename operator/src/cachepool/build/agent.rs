@@ -119,7 +119,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
     }
     let mut volumes = vec![
         pod::config_volume(&pool.name),
-        pod::auth_volume(&pool.name),
+        pod::auth_volume(&pool.name, Component::Agent),
         pod::socket_volume(),
     ];
     let mut mounts = pod::common_mounts();

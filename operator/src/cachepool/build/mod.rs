@@ -33,7 +33,7 @@ use crate::labels::{self, Component};
 use crate::pod;
 
 pub use agent::{AGENT_CAPABILITIES, agent_daemonset};
-pub use auth::auth_secret;
+pub use auth::{ROLE_ITEMS, auth_secret, missing_role_items};
 pub use conductor::conductor;
 pub use conductor_rbac::{CONDUCTOR_POD_VERBS, ConductorRbac, conductor_rbac};
 pub use config::{PoolConfig, config_data, config_hash, engine_config, pool_config};

@@ -432,13 +432,55 @@ fn config_map_holds_the_validated_pool_and_engine_config() {
 
 #[test]
 fn auth_secret_carries_the_given_key_and_build_is_deterministic() {
+    use kvpool_proto::auth::{AuthKey, Role, RoleDocument};
     let pool = valid(&tcp());
-    let a = build(&pool, "abcd").expect("build");
-    let b = build(&pool, "abcd").expect("build");
+    let key = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+    let a = build(&pool, key).expect("build");
+    let b = build(&pool, key).expect("build");
     assert_eq!(a, b);
     let data = a.auth.data.as_ref().expect("data");
-    assert_eq!(data["key"].0, b"abcd");
+    assert_eq!(data["key"].0, key.as_bytes());
     assert_eq!(a.auth.metadata.name.as_deref(), Some("tcp-auth"));
+    // One credential file per role, derived from the key, and nothing else.
+    let pool_key = AuthKey::from_bytes(key.as_bytes()).expect("pool key");
+    for role in [Role::Agent, Role::Engine, Role::Conductor, Role::Observer] {
+        let doc = RoleDocument::parse(&data[role.name()].0).expect("role document");
+        assert_eq!(doc.role, role);
+        assert_eq!(
+            doc.master,
+            kvpool_proto::auth::role_key(key.as_bytes(), role)
+        );
+        assert_eq!(doc.transfer.is_some(), role.holds_transfer_key(), "{role}");
+        assert!(pool_key.derive(role).is_some());
+    }
+    assert_eq!(data.len(), 5);
+    assert!(super::missing_role_items(&a.auth).is_empty());
+    let mut old = a.auth.clone();
+    old.data = Some([("key".to_owned(), data["key"].clone())].into());
+    assert_eq!(
+        super::missing_role_items(&old),
+        ["agent", "engine", "conductor", "observer"]
+    );
+    // The master mounts the pool key, the conductor its own file, each as the one key path.
+    let item = |d: &k8s_openapi::api::apps::v1::Deployment| {
+        let spec = d.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+        let auth = spec
+            .and_then(|p| p.volumes.as_ref())
+            .and_then(|v| v.iter().find(|v| v.name == "auth"))
+            .and_then(|v| v.secret.as_ref())
+            .and_then(|s| s.items.clone())
+            .expect("auth items");
+        auth.iter()
+            .map(|i| (i.key.clone(), i.path.clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(item(&a.master), [("key".to_owned(), "key".to_owned())]);
+    let roce = build(&valid(&roce()), key).expect("build");
+    let (conductor, _) = roce.conductor.as_ref().expect("conductor");
+    assert_eq!(
+        item(conductor),
+        [("conductor".to_owned(), "key".to_owned())]
+    );
 }
 
 /// The conductor pod of `pool` as the operator renders it.

@@ -117,7 +117,7 @@ pub(super) fn deployment(
                     // The root filesystem is read-only; /tmp is the one writable place.
                     volumes: Some(vec![
                         pod::config_volume(&pool.name),
-                        pod::auth_volume(&pool.name),
+                        pod::auth_volume(&pool.name, component),
                         Volume {
                             name: "tmp".to_owned(),
                             empty_dir: Some(EmptyDirVolumeSource::default()),

@@ -96,7 +96,7 @@ pub fn engine_deployment(
                     containers: vec![container],
                     volumes: Some(vec![
                         pod::config_volume(&p.pool.name),
-                        pod::auth_volume(&p.pool.name),
+                        pod::auth_volume(&p.pool.name, p.component),
                         pod::socket_volume(),
                         Volume {
                             name: "shm".to_owned(),

@@ -1,0 +1,132 @@
+//! Roles: who may call which method of the master, and each role's key, derived from the
+//! pool key. Pure.
+//!
+//! | role | holds | may call |
+//! | --- | --- | --- |
+//! | `admin` | the pool key itself (master, operator, `kvpool up`, tests) | every method |
+//! | `agent` | node agents | segments, heartbeats, tasks, adoption, and the client calls (it puts and gets for the engines on its node) except `RemoveAll` |
+//! | `engine` | pool clients: engines, the Python package | the client calls, `RemoveAll` (Mooncake's API), and the segment calls a client that lends its own memory makes; not `AdoptReplicas` |
+//! | `conductor` | the HTTP-facing conductor | `Exists`, `LongestPrefix` (read-only lookups) |
+//! | `observer` | status readers | `Stats` |
+//!
+//! A role's master key is HMAC-SHA256(pool key, `kvpool-role-v1\n<role>`); `admin` signs with
+//! the pool key.
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+
+/// Context of a role key's derivation.
+const ROLE_CONTEXT: &str = "kvpool-role-v1";
+
+/// Who a credential speaks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::IntoStaticStr, strum::EnumString)]
+#[strum(serialize_all = "snake_case")]
+pub enum Role {
+    Admin,
+    Agent,
+    Engine,
+    Conductor,
+    Observer,
+}
+
+/// The master's methods, by their gRPC names (`kvpool.master.v1.Master/<name>`).
+pub const METHODS: [&str; 17] = [
+    "MountSegment",
+    "UnmountSegment",
+    "Heartbeat",
+    "CompleteTask",
+    "AdoptReplicas",
+    "PutStart",
+    "PutEnd",
+    "PutRevoke",
+    "Get",
+    "ReleaseLeases",
+    "Exists",
+    "LongestPrefix",
+    "Remove",
+    "RemoveAll",
+    "Pin",
+    "Unpin",
+    "Stats",
+];
+
+/// The calls of a pool client that only touch objects.
+const CLIENT_CALLS: [&str; 11] = [
+    "PutStart",
+    "PutEnd",
+    "PutRevoke",
+    "Get",
+    "ReleaseLeases",
+    "Exists",
+    "LongestPrefix",
+    "Remove",
+    "Pin",
+    "Unpin",
+    "Stats",
+];
+
+/// The calls of a holder of segments (the memory it lends to the pool).
+const SEGMENT_CALLS: [&str; 4] = [
+    "MountSegment",
+    "UnmountSegment",
+    "Heartbeat",
+    "CompleteTask",
+];
+
+impl Role {
+    /// Every role.
+    pub const ALL: [Role; 5] = [
+        Role::Admin,
+        Role::Agent,
+        Role::Engine,
+        Role::Conductor,
+        Role::Observer,
+    ];
+
+    /// The role's name as credentials and files spell it (`engine`).
+    pub fn name(self) -> &'static str {
+        self.into()
+    }
+
+    /// The role of a name, if it is one.
+    pub fn from_name(name: &str) -> Option<Role> {
+        name.parse().ok()
+    }
+
+    /// Whether the role may call the master's `method` (its gRPC name).
+    pub fn allows(self, method: &str) -> bool {
+        let client = CLIENT_CALLS.contains(&method);
+        let segments = SEGMENT_CALLS.contains(&method);
+        match self {
+            Role::Admin => METHODS.contains(&method),
+            Role::Agent => client || segments || method == "AdoptReplicas",
+            Role::Engine => client || segments || method == "RemoveAll",
+            Role::Conductor => matches!(method, "Exists" | "LongestPrefix"),
+            Role::Observer => method == "Stats",
+        }
+    }
+
+    /// Whether the role's holders move KV bytes, so its credential file carries the transfer
+    /// plane's key (the conductor and observers do not).
+    pub fn holds_transfer_key(self) -> bool {
+        matches!(self, Role::Admin | Role::Agent | Role::Engine)
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The master key of `role` under the pool key `pool`; `admin`'s is the pool key itself.
+pub fn role_key(pool: &[u8], role: Role) -> Vec<u8> {
+    if role == Role::Admin {
+        return pool.to_vec();
+    }
+    // HMAC takes keys of any length; the error branch cannot happen.
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(pool)
+        .unwrap_or_else(|_| <Hmac<Sha256> as KeyInit>::new(&Default::default()));
+    mac.update(format!("{ROLE_CONTEXT}\n{role}").as_bytes());
+    mac.finalize().into_bytes().to_vec()
+}
