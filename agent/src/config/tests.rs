@@ -75,6 +75,13 @@ fn the_pools_rdma_allow_list_and_gid_index_reach_the_transfer_engine() {
     assert!(engine.want_rdma);
     assert_eq!(engine.rdma_nics.allow, ["mlx5_0", "mlx5_3"]);
     assert_eq!(engine.rdma_nics.gid_index, Some(5));
+    // The operator's own document for its RoCE example (golden copy of its build output).
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/operator/operator_tests_fixtures_kvcachepool-roce.yaml");
+    let text = std::fs::read_to_string(&golden).expect("golden document");
+    let doc = parse_pool_document(&text, &golden).expect("parses");
+    let file = from_pool_document(&doc, 64 << 30).expect("maps");
+    assert_eq!(file.pool.rdma_devices, ["mlx5_0", "mlx5_1"]);
     // Without them the engine may use every device, with the automatic GID.
     let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
     let file = from_pool_document(&doc, 64 << 30).expect("maps");
