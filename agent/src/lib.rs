@@ -19,6 +19,7 @@ pub mod dram;
 pub mod extent;
 #[cfg(feature = "cuda")]
 pub mod gpu_cuda;
+pub mod locality;
 pub mod memory;
 pub mod metrics;
 pub mod numa_verify;

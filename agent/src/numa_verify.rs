@@ -4,7 +4,10 @@
 //! `get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR)` where `move_pages` is refused; the segment is
 //! announced on the node only when every sampled page sits there. Otherwise it is announced
 //! unbound, with a warning (and the runtime counts `kvpool_agent_numa_binding_failures_total`).
-//! I/O boundary: the two read-only system calls in [`page_nodes`]; the judgement is pure.
+//! [`bind_and_verify`] does the same for an engine session's staging area: `mbind` it to the
+//! engine's node, populate it, read it back.
+//! I/O boundary: the read-only queries in [`page_nodes`] and the mbind/madvise of
+//! [`bind_and_verify`]; the judgement is pure.
 
 use std::collections::BTreeMap;
 
@@ -14,6 +17,10 @@ pub const SAMPLE_PAGES: usize = 64;
 const PAGE: usize = 4096;
 const MPOL_F_NODE: libc::c_ulong = 1;
 const MPOL_F_ADDR: libc::c_ulong = 2;
+const MPOL_BIND: libc::c_long = 2;
+const MPOL_MF_STRICT: libc::c_ulong = 1;
+const MPOL_MF_MOVE: libc::c_ulong = 2;
+const MADV_POPULATE_WRITE: libc::c_int = 23;
 
 /// Where one sampled page is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -187,6 +194,61 @@ pub fn announced_node(
     }
 }
 
+/// Bind the mapping at `addr..addr + len` (page-aligned `addr`, a shared file mapping such as
+/// an engine's staging area) to NUMA node `node`, fault its pages in (their contents are kept)
+/// and read back where they are: `Ok(node)` only when they are all there.
+///
+/// # Safety
+/// `addr..addr + len` must be a live, writable mapping of this process that no other thread
+/// unmaps or remaps during the call.
+pub unsafe fn bind_and_verify(addr: usize, len: usize, node: u32) -> Result<u32, VerifyError> {
+    let bits = libc::c_ulong::BITS;
+    let words = (node / bits + 1) as usize;
+    let mut mask: Vec<libc::c_ulong> = vec![0; words];
+    if let Some(w) = mask.last_mut() {
+        *w = 1 << (node % bits);
+    }
+    let maxnode = (words as libc::c_ulong) * libc::c_ulong::from(bits) + 1;
+    // SAFETY: mbind only changes the NUMA policy of the caller's live mapping (and moves its
+    // resident pages, keeping their contents); the mask holds `words` words, covering
+    // `maxnode - 1` bits.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            addr as *mut libc::c_void,
+            len as libc::c_ulong,
+            MPOL_BIND,
+            mask.as_ptr(),
+            maxnode,
+            MPOL_MF_STRICT | MPOL_MF_MOVE,
+        )
+    };
+    if rc != 0 {
+        return Err(VerifyError::BindFailed(node));
+    }
+    // SAFETY: advice on the caller's live mapping; populating faults pages in without changing
+    // their contents. Best effort: without it (kernels before 5.14) the check below finds the
+    // pages absent and says so.
+    unsafe {
+        libc::madvise(addr as *mut libc::c_void, len, MADV_POPULATE_WRITE);
+    }
+    let pages = page_nodes(&sample_addresses(addr, len, SAMPLE_PAGES))
+        .map_err(|e| VerifyError::Query(e.to_string()))?;
+    judge(node, &pages)
+}
+
+/// Bind an engine session's staging area to NUMA node `node` and verify it (see
+/// [`bind_and_verify`]).
+pub fn bind_staging(
+    staging: &kvpool_client::engine_api::shm::Staging,
+    node: u32,
+) -> Result<u32, VerifyError> {
+    let len = usize::try_from(staging.size()).map_err(|e| VerifyError::Query(e.to_string()))?;
+    // SAFETY: the staging area's mapping is live and writable for `size` bytes while it is
+    // borrowed, and only its owner unmaps it (on drop).
+    unsafe { bind_and_verify(staging.as_ptr() as usize, len, node) }
+}
+
 /// Start of the warning [`announced_node`] gives for a segment announced unbound.
 pub const UNBOUND_WARNING: &str = "NUMA binding not verified: ";
 
@@ -285,21 +347,37 @@ mod tests {
 
     #[test]
     fn a_node_this_machine_lacks_is_announced_unbound() {
-        // No machine this runs on has 1000 NUMA nodes: mbind refuses, and the DRAM tier's
-        // segment says unbound instead of claiming the node.
-        let plan = crate::placement::SegmentPlan {
-            numa_node: Some(999),
-            bytes: 1 << 20,
-            hugepage_size: None,
-        };
-        let (mapped, warnings) = crate::dram::map_segments(&[plan], false).expect("maps");
-        let (info, _) = &mapped[0];
-        assert_eq!(info.numa_node, None, "{info:?}");
+        // No machine this runs on has 1000 NUMA nodes: mbind refuses, and the segment says
+        // unbound instead of claiming the node (what `dram::map_segments` announces).
+        let (r, bound) = region(Some(999));
+        assert!(!bound);
+        let mut warnings = Vec::new();
+        assert_eq!(
+            announced_node(0, r.addr(), r.len(), Some(999), bound, &mut warnings),
+            None
+        );
         assert!(
-            warnings
-                .iter()
-                .any(|w| w.contains(UNBOUND_WARNING) && w.contains("binding to NUMA node 999")),
+            warnings[0].contains(UNBOUND_WARNING)
+                && warnings[0].contains("binding to NUMA node 999"),
             "{warnings:?}"
+        );
+    }
+
+    #[test]
+    fn a_staging_area_is_bound_to_an_existing_node_and_refused_elsewhere() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let staging = kvpool_client::engine_api::shm::Staging::create(dir.path(), "s", 1 << 20)
+            .expect("staging");
+        staging.write_from(4096, b"kept").expect("write");
+        let (r, _) = region(None);
+        let node = actual_node(&r);
+        assert_eq!(bind_staging(&staging, node), Ok(node));
+        let mut back = [0u8; 4];
+        staging.read_into(4096, &mut back).expect("read");
+        assert_eq!(&back, b"kept", "binding keeps the contents");
+        assert_eq!(
+            bind_staging(&staging, 999),
+            Err(VerifyError::BindFailed(999))
         );
     }
 }
