@@ -92,6 +92,8 @@ const SRIOV_ONE_FORM: &str = "transport.sriov: set exactly one of resourceName (
 const NETWORKS_TCP: &str = "transport.networks (Multus) requires transport.protocol rdma or auto";
 const DEVICES_TCP: &str =
     "transport.devices lists RDMA devices and requires transport.protocol rdma or auto";
+const GID_TCP: &str =
+    "transport.gidIndex selects an RDMA GID and requires transport.protocol rdma or auto";
 const WATERMARKS: &str = "eviction.lowWatermarkPercent must be below eviction.highWatermarkPercent";
 const MASTER_HA: &str =
     "master.etcdEndpoints is required when master.replicas is above 1 (HA state lives in etcd)";
@@ -392,6 +394,24 @@ fn cases() -> Vec<Case> {
             POOL,
             json!({"transport": {"protocol": "tcp", "devices": ["mlx5_0"]}}),
             Cel(DEVICES_TCP),
+        ),
+        c(
+            "rdma with a gid index",
+            POOL,
+            json!({"transport": {"protocol": "rdma", "gidIndex": 3}}),
+            Valid,
+        ),
+        c(
+            "tcp with a gid index",
+            POOL,
+            json!({"transport": {"protocol": "tcp", "gidIndex": 3}}),
+            Cel(GID_TCP),
+        ),
+        c(
+            "gid index above the table",
+            POOL,
+            json!({"transport": {"protocol": "auto", "gidIndex": 256}}),
+            OpenApi("gidIndex"),
         ),
         c(
             "duplicate networks",

@@ -497,3 +497,78 @@ fn rdma_infiniband_port_without_a_subnet_manager_is_reported() {
     let reason = s.initiator.transport_status().reason.unwrap_or_default();
     assert!(reason.contains("subnet manager"), "{reason}");
 }
+
+/// Initiator NICs on two NUMA nodes: a transfer of memory on node N goes out through the NIC
+/// on N only; memory of unknown placement stripes over both; when the local NIC fails, its
+/// slices move to the other node's NIC instead of leaving RDMA.
+#[test]
+fn rdma_transfers_leave_through_the_nic_on_their_memorys_numa_node() {
+    use kvpool_transfer::rdma::fake::FakePort;
+    let fabric = FakeFabric::new();
+    let target = fabric.provider(&["t-nic0", "t-nic1"]);
+    let initiator = fabric.provider_with_ports(&[
+        FakePort::roce("i-numa0").on_numa(0),
+        FakePort::roce("i-numa1").on_numa(1),
+    ]);
+    let s = setup_with(fabric, Some(target), initiator, Duration::from_secs(5));
+    let remote = s.open_rdma();
+    let on_node = |name: &str, node: u32| {
+        let seg = Segment::host(SEG as usize, HostOptions::default())
+            .unwrap()
+            .on_numa_node(Some(node));
+        s.initiator.register(name, Arc::new(seg)).unwrap()
+    };
+    let (node0, node1) = (on_node("i/numa0", 0), on_node("i/numa1", 1));
+    assert_eq!(
+        s.initiator.describe(&node1, Vec::new()).numa_node,
+        Some(1),
+        "the descriptor announces the segment's node"
+    );
+    let moved = |s: &Setup| {
+        (
+            s.fabric.bytes_moved("i-numa0"),
+            s.fabric.bytes_moved("i-numa1"),
+        )
+    };
+    let write = |local: &LocalSegment, len: u64| {
+        let data = pattern(len, 5);
+        local.segment().write_at(0, &data).unwrap();
+        s.initiator
+            .transfer(vec![TransferRequest {
+                op: TransferOp::Write,
+                local: local.clone(),
+                local_offset: 0,
+                remote: remote.clone(),
+                remote_offset: 0,
+                len,
+            }])
+            .unwrap();
+        let mut got = vec![0u8; len as usize];
+        s.remote_mem.segment().read_at(0, &mut got).unwrap();
+        assert!(got == data, "remote bytes differ");
+    };
+    let len = 2 * MIB + 3;
+    write(&node1, len);
+    assert_eq!(moved(&s), (0, len), "node-1 memory uses node 1's NIC only");
+    write(&node0, len);
+    assert_eq!(
+        moved(&s),
+        (len, len),
+        "node-0 memory uses node 0's NIC only"
+    );
+    // Unknown placement (the setup's own buffer): striped over both.
+    write(&s.local_mem, len);
+    let (a, b) = moved(&s);
+    assert!(a > len && b > len, "both NICs carry slices: {a} / {b}");
+    assert_eq!(a + b, 3 * len);
+    // Node 1's NIC fails: its slices go to node 0's NIC, still over RDMA.
+    s.fabric.set_faults(Faults {
+        failing_completions: set(&["i-numa1"]),
+        ..Faults::default()
+    });
+    write(&node1, len);
+    assert_eq!(moved(&s).1, b, "nothing more moved on the failed NIC");
+    assert_eq!(moved(&s).0, a + len);
+    assert!(remote.rdma_retries() >= 1);
+    assert!(!s.initiator.fallback_active());
+}

@@ -77,7 +77,8 @@ struct Segment {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SegmentInfo {
     pub index: u32,
-    /// The node the segment was asked to be bound to; `None`: unbound (policy `none`).
+    /// The node the segment's pages were verified on (`numa_verify`); `None`: unbound (policy
+    /// `none`, or a binding that failed or could not be verified).
     pub numa_node: Option<u32>,
     pub addr: usize,
     pub bytes: u64,
@@ -147,10 +148,18 @@ pub fn map_segments(
                 .iter()
                 .map(|w| format!("segment {index}: {w}")),
         );
+        let numa_node = crate::numa_verify::announced_node(
+            index,
+            region.addr(),
+            region.len(),
+            plan.numa_node,
+            outcome.numa_bound,
+            &mut warnings,
+        );
         out.push((
             SegmentInfo {
                 index: u32::try_from(index).unwrap_or(u32::MAX),
-                numa_node: plan.numa_node,
+                numa_node,
                 addr: region.addr(),
                 bytes: u64::from(units) * UNIT,
                 hugepage_size: outcome.hugepage_size,
@@ -343,12 +352,17 @@ mod tests {
 
     #[test]
     fn allocates_on_preferred_node_then_spills() {
-        // Node 1 does not exist here, so binding warns, but bookkeeping is what is tested.
-        let mut t = tier(&[(Some(0), 64 * 1024), (Some(1), 64 * 1024)]);
-        let a = t.allocate(40 * 1024, Some(1)).expect("a");
-        assert_eq!(t.numa_of(&a), Some(1));
-        let b = t.allocate(40 * 1024, Some(1)).expect("b");
-        assert_eq!(t.numa_of(&b), Some(0), "node 1 is full, spills to node 0");
+        // Segments are announced on the node their pages were verified on (`numa_verify`):
+        // node 0 exists everywhere, the unbound segment is the spill-over.
+        let mut t = tier(&[(None, 64 * 1024), (Some(0), 64 * 1024)]);
+        let a = t.allocate(40 * 1024, Some(0)).expect("a");
+        assert_eq!(t.numa_of(&a), Some(0));
+        let b = t.allocate(40 * 1024, Some(0)).expect("b");
+        assert_eq!(
+            t.numa_of(&b),
+            None,
+            "node 0 is full, spills to the unbound segment"
+        );
         assert!(t.allocate(40 * 1024, None).is_none());
         t.free(a);
         assert!(t.allocate(40 * 1024, None).is_some());

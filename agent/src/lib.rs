@@ -7,8 +7,8 @@
 //! `runtime` -> {`store`, `pool`} -> `api` (the trait) -> `metrics`.
 //! Each module names its own I/O boundary in its header; `unsafe` lives only in `memory`
 //! (mmap/mbind/mlock, hand-over to the transfer engine, the SSD segment's file mapping),
-//! `ssd::aligned` (aligned buffers) and `kvpool_client::engine_api::shm` (shared staging
-//! copies).
+//! `ssd::aligned` (aligned buffers), `numa_verify` (read-only page-placement queries) and
+//! `kvpool_client::engine_api::shm` (shared staging copies).
 
 pub mod api;
 pub mod bench;
@@ -19,8 +19,10 @@ pub mod dram;
 pub mod extent;
 #[cfg(feature = "cuda")]
 pub mod gpu_cuda;
+pub mod locality;
 pub mod memory;
 pub mod metrics;
+pub mod numa_verify;
 pub mod placement;
 pub mod pool;
 pub mod registrar;

@@ -49,6 +49,9 @@ pub struct AgentMetrics {
     /// 1 while the SSD tier is full and demotion is stopped.
     pub ssd_full: IntGauge,
     pub discovery_warnings: IntGauge,
+    /// DRAM segments announced unbound although a NUMA node was asked for them (the binding
+    /// failed or the pages were read back elsewhere; see `numa_verify`).
+    pub numa_binding_failures: IntCounter,
     pub sessions: IntGauge,
     pub staging_bytes: Gauge,
     pub errors: IntCounterVec,
@@ -201,6 +204,14 @@ impl AgentMetrics {
                 IntGauge::new(
                     "kvpool_agent_discovery_warnings",
                     "Entries topology discovery could not read or understand",
+                ),
+            )?,
+            numa_binding_failures: reg(
+                registry,
+                "numa_binding_failures",
+                IntCounter::new(
+                    "kvpool_agent_numa_binding_failures_total",
+                    "DRAM segments announced unbound because their NUMA binding failed or was not verified",
                 ),
             )?,
             sessions: reg(

@@ -17,7 +17,9 @@ use tonic::{Request, Response, Status as RpcStatus};
 
 use super::block_store::{BatchError, BlockStore};
 use super::shm::{ShmError, Staging};
+use crate::locality::SessionLocality;
 use crate::metrics::AgentMetrics;
+use crate::numa_verify;
 use crate::proto::engine_api_server::{EngineApi, EngineApiServer};
 use crate::proto::{
     CloseSessionRequest, CloseSessionResponse, ExistsRequest, ExistsResponse, GetRequest,
@@ -82,6 +84,8 @@ pub struct EngineService {
     limits: ApiLimits,
     /// Group staging files are handed to (`engine_api.client_group`).
     client_group: Option<u32>,
+    /// The node's topology as sessions need it (None: engines' locality is not used).
+    locality: Option<Arc<SessionLocality>>,
 }
 
 impl std::fmt::Debug for EngineService {
@@ -120,6 +124,46 @@ impl EngineService {
             shm_dir,
             limits,
             client_group: None,
+            locality: None,
+        }
+    }
+
+    /// Place sessions near their engines: a session that names its NUMA node or GPU gets its
+    /// staging area bound to that node and the NICs there (see [`SessionLocality`]).
+    #[must_use]
+    pub fn with_locality(mut self, locality: SessionLocality) -> Self {
+        self.locality = Some(Arc::new(locality));
+        self
+    }
+
+    /// The NUMA node for a session that asked for `numa` / `gpu`, bound and verified on its
+    /// `staging` area, and the NICs there. A node or GPU the host lacks is refused; a binding
+    /// that fails leaves the area unbound (warned, counted).
+    fn place(
+        &self,
+        numa: Option<u32>,
+        gpu: &str,
+        staging: &mut Staging,
+    ) -> Result<(Option<u32>, Vec<String>), RpcStatus> {
+        let Some(locality) = &self.locality else {
+            return Ok((None, Vec::new()));
+        };
+        let Some(node) = locality
+            .resolve(numa, gpu)
+            .map_err(|e| invalid(e.to_string()))?
+        else {
+            return Ok((None, Vec::new()));
+        };
+        match numa_verify::bind_staging(staging, node) {
+            Ok(node) => {
+                staging.set_numa_node(Some(node));
+                Ok((Some(node), locality.nics_on(node)))
+            }
+            Err(e) => {
+                tracing::warn!(numa_node = node, error = %e, "staging area left unbound");
+                self.metrics.numa_binding_failures.inc();
+                Ok((None, Vec::new()))
+            }
         }
     }
 
@@ -206,14 +250,16 @@ impl EngineApi for EngineService {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}-{id}", std::process::id());
-        let staging =
+        let mut staging =
             Staging::create_for_group(&self.shm_dir, &name, req.staging_bytes, self.client_group)
                 .map_err(|e: ShmError| {
                 self.metrics.errors.with_label_values(&[e.category()]).inc();
                 RpcStatus::resource_exhausted(format!("{e}: {}", source_text(&e)))
             })?;
+        let (numa_node, nics) = self.place(req.numa_node, &req.gpu_pci_bus_id, &mut staging)?;
         let path = staging.path().to_string_lossy().into_owned();
-        tracing::info!(session = id, client = %req.client_name, bytes = req.staging_bytes, "session opened");
+        tracing::info!(session = id, client = %req.client_name, bytes = req.staging_bytes,
+            numa_node = ?numa_node, nics = ?nics, "session opened");
         let mut sessions = self.sessions.lock();
         sessions.insert(
             id,
@@ -227,6 +273,8 @@ impl EngineApi for EngineService {
             session_id: id,
             staging_path: path,
             staging_bytes: req.staging_bytes,
+            numa_node,
+            nics,
         }))
     }
 

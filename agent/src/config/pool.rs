@@ -35,6 +35,11 @@ pub struct PoolSection {
     /// `transport.protocol`). With `rdma`/`auto` the engine opens the host's RDMA devices and
     /// falls back to TCP loudly when none works; the heartbeat reports it.
     pub transport: Option<String>,
+    /// RDMA devices the transfer engine may use (the KVCachePool's `transport.devices`);
+    /// empty: every device it finds (the pod's SR-IOV VFs when it has any).
+    pub rdma_devices: Vec<String>,
+    /// GID index every RDMA port sends from (`transport.gidIndex`); unset: automatic choice.
+    pub gid_index: Option<u32>,
 }
 
 /// Validated pool membership.
@@ -54,6 +59,10 @@ pub struct PoolConfig {
     /// RDMA only (`pool.transport: rdma`): without a usable RDMA device the agent still joins
     /// the pool over TCP, but is not ready.
     pub require_rdma: bool,
+    /// RDMA device allow-list (empty: all).
+    pub rdma_devices: Vec<String>,
+    /// GID index override.
+    pub gid_index: Option<u32>,
 }
 
 /// Validate the `pool:` section; `None` when it names no master.
@@ -112,6 +121,29 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
             ));
         }
     };
+    if let Some(d) = p.rdma_devices.iter().find(|d| {
+        d.trim().is_empty() || d.len() > 64 || d.chars().any(|c| c.is_whitespace() || c == '/')
+    }) {
+        return Err(invalid(
+            "pool.rdma_devices",
+            format!("{d:?} is not an RDMA device name"),
+        ));
+    }
+    let gid_index = match p.gid_index {
+        Some(g) if g > kvpool_transfer::MAX_GID_INDEX => {
+            return Err(invalid(
+                "pool.gid_index",
+                format!("{g} is above {}", kvpool_transfer::MAX_GID_INDEX),
+            ));
+        }
+        g => g,
+    };
+    if !want_rdma && (gid_index.is_some() || !p.rdma_devices.is_empty()) {
+        return Err(invalid(
+            "pool.transport",
+            "pool.rdma_devices and pool.gid_index require transport rdma or auto",
+        ));
+    }
     Ok(Some(PoolConfig {
         masters: p.master.clone(),
         auth_key_file,
@@ -123,5 +155,7 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
         task_timeout,
         want_rdma,
         require_rdma,
+        rdma_devices: p.rdma_devices.clone(),
+        gid_index,
     }))
 }

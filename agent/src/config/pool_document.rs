@@ -123,6 +123,8 @@ pub fn from_pool_document(
         }
         .to_owned(),
     );
+    file.pool.rdma_devices = eff.transport.devices.clone();
+    file.pool.gid_index = eff.transport.gid_index;
     Ok(file)
 }
 

@@ -58,6 +58,53 @@ fn pool_document_maps_to_the_agent_config() {
     assert_eq!(err.category(), "parse");
 }
 
+#[test]
+fn the_pools_rdma_allow_list_and_gid_index_reach_the_transfer_engine() {
+    let rdma = POOL_DOC.replace(
+        "protocol: tcp, devices: []",
+        "protocol: rdma, gidIndex: 5, devices: [mlx5_0, mlx5_3]",
+    );
+    let doc = parse_pool_document(&rdma, Path::new("c.yaml")).expect("parses");
+    let mut file = from_pool_document(&doc, 64 << 30).expect("maps");
+    assert_eq!(file.pool.rdma_devices, ["mlx5_0", "mlx5_3"]);
+    assert_eq!(file.pool.gid_index, Some(5));
+    file.pool.advertise_host = Some("10.0.0.1".into());
+    file.node_name = Some("n".into());
+    let pool = validate(&file).expect("validates").pool.expect("pool mode");
+    let engine = crate::pool::engine_config(&pool, "n");
+    assert!(engine.want_rdma);
+    assert_eq!(engine.rdma_nics.allow, ["mlx5_0", "mlx5_3"]);
+    assert_eq!(engine.rdma_nics.gid_index, Some(5));
+    // The operator's own document for its RoCE example (golden copy of its build output).
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/operator/operator_tests_fixtures_kvcachepool-roce.yaml");
+    let text = std::fs::read_to_string(&golden).expect("golden document");
+    let doc = parse_pool_document(&text, &golden).expect("parses");
+    let file = from_pool_document(&doc, 64 << 30).expect("maps");
+    assert_eq!(file.pool.rdma_devices, ["mlx5_0", "mlx5_1"]);
+    // Without them the engine may use every device, with the automatic GID.
+    let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
+    let file = from_pool_document(&doc, 64 << 30).expect("maps");
+    assert!(file.pool.rdma_devices.is_empty() && file.pool.gid_index.is_none());
+    for (yaml, field) in [
+        (
+            "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0, transport: rdma, gid_index: 300}",
+            "pool.gid_index",
+        ),
+        (
+            "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0, transport: rdma, rdma_devices: [' ']}",
+            "pool.rdma_devices",
+        ),
+        (
+            "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0, transport: tcp, rdma_devices: [mlx5_0]}",
+            "pool.transport",
+        ),
+    ] {
+        let err = validate_yaml(yaml).expect_err(yaml);
+        assert_eq!(field_of(err), field, "{yaml}");
+    }
+}
+
 fn validate_yaml(text: &str) -> Result<AgentConfig, ConfigError> {
     validate(&parse(text, Path::new("test.yaml"))?)
 }

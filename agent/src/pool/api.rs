@@ -208,7 +208,8 @@ impl PoolApi {
             .map_err(|source| DataError::Staging {
                 size: staging.size(),
                 source,
-            })?;
+            })?
+            .on_numa_node(staging.numa_node());
         let local = self.client.register_memory(Arc::new(seg))?;
         regs.push((Arc::downgrade(staging), local.clone()));
         Ok(local)

@@ -88,6 +88,23 @@ pub struct Member {
     pub metrics: PoolMetrics,
 }
 
+/// The transfer engine's settings for pool membership `cfg` on `node`: RDMA wanted or not, and
+/// which NICs (the pool's allow-list and GID index; the pod's SR-IOV VFs come from the
+/// device plugin's variables, read by `EngineConfig::default`).
+pub fn engine_config(cfg: &PoolConfig, node: &str) -> EngineConfig {
+    let defaults = EngineConfig::default();
+    EngineConfig {
+        node: node.to_owned(),
+        want_rdma: cfg.want_rdma,
+        rdma_nics: transfer::NicPolicy {
+            allow: cfg.rdma_devices.clone(),
+            gid_index: cfg.gid_index,
+            ..defaults.rdma_nics.clone()
+        },
+        ..defaults
+    }
+}
+
 impl Member {
     /// Read the pool key, start the transfer engine (its metrics and the pool metrics go to
     /// `registry`) and its TCP target, build the master client (it connects on first use).
@@ -96,11 +113,7 @@ impl Member {
             transfer::AuthKey::from_file(&cfg.auth_key_file).map_err(PoolError::TransferKey)?;
         let master_key = MasterKey::from_file(&cfg.auth_key_file).map_err(PoolError::MasterKey)?;
         let engine = TransferEngine::new(
-            EngineConfig {
-                node: node.to_owned(),
-                want_rdma: cfg.want_rdma,
-                ..EngineConfig::default()
-            },
+            engine_config(cfg, node),
             transfer_key,
             Arc::new(StaticDirectory::new()),
             TransferMetrics::new(registry).map_err(PoolError::Metrics)?,

@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use parking_lot::RwLock;
 
+use crate::locality::SessionLocality;
 use crate::topology::{NodeSummary, Topology};
 
 /// The topology once discovered, shared with the admin server's handlers.
@@ -23,6 +24,14 @@ impl TopologyView {
     /// Publish the discovered topology.
     pub(super) fn set(&self, topo: Topology, summary: NodeSummary) {
         *self.0.write() = Some((topo, summary));
+    }
+
+    /// The discovered topology as the engine API places sessions on it (`allow`: the pool's
+    /// RDMA allow-list); `None` before discovery.
+    pub(super) fn locality(&self, allow: &[String]) -> Option<SessionLocality> {
+        let topo = self.0.read();
+        topo.as_ref()
+            .map(|(t, _)| SessionLocality::from_topology(t, allow))
     }
 
     /// The routes that serve this view.

@@ -77,7 +77,12 @@ async fn open_tiers(
     segments: Vec<SegmentPlan>,
     metrics: Arc<AgentMetrics>,
 ) -> Result<Arc<TieredStore>, RunError> {
+    let requested: Vec<Option<u32>> = segments.iter().map(|p| p.numa_node).collect();
     let dram = map_dram(cfg, segments, DramTier::new).await?;
+    let announced: Vec<Option<u32>> = dram.segments().iter().map(|i| i.numa_node).collect();
+    metrics
+        .numa_binding_failures
+        .inc_by(crate::numa_verify::binding_failures(&requested, &announced));
     let ssd = match &cfg.ssd {
         Some(s) => {
             let tier_cfg = s.tier.clone();

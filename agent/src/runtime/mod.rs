@@ -215,6 +215,15 @@ async fn serve_data_plane(
         cfg.api.limits.clone(),
     )
     .with_client_group(cfg.api.client_group);
+    let allow = cfg
+        .pool
+        .as_ref()
+        .map(|p| p.rdma_devices.clone())
+        .unwrap_or_default();
+    let service = match view.locality(&allow) {
+        Some(l) => service.with_locality(l),
+        None => service,
+    };
     tracing::info!(socket = %socket_path.display(), "engine API listening");
 
     let stop = shutdown.child_token();

@@ -22,6 +22,7 @@ use crate::config::{AgentConfig, SsdSettings};
 use crate::dram;
 use crate::memory::{self, MemoryError};
 use crate::metrics::AgentMetrics;
+use crate::numa_verify;
 use crate::placement::{self, SegmentPlan};
 use crate::pool::{Member, PoolApi, SSD_SEGMENT, SsdGuard, rdma_readiness_blocker, segment_name};
 use crate::ssd::pool::PoolSsdIndex;
@@ -79,12 +80,18 @@ async fn give_dram(
     member: &Member,
     metrics: &AgentMetrics,
 ) -> Result<(), RunError> {
+    let requested: Vec<Option<u32>> = segments.iter().map(|p| p.numa_node).collect();
     let mapped = map_dram(cfg, segments, dram::map_segments).await?;
+    let announced: Vec<Option<u32>> = mapped.iter().map(|(i, _)| i.numa_node).collect();
+    metrics
+        .numa_binding_failures
+        .inc_by(numa_verify::binding_failures(&requested, &announced));
     let mut per_node: BTreeMap<Option<u32>, u64> = BTreeMap::new();
     for (info, region) in mapped {
         let memory = region
             .into_transfer_segment()
-            .map_err(RunError::PoolMemory)?;
+            .map_err(RunError::PoolMemory)?
+            .on_numa_node(info.numa_node);
         let numa = placement::numa_label(info.numa_node);
         tracing::info!(segment = info.index, numa_node = %numa, bytes = info.bytes,
             hugepage_size = ?info.hugepage_size, numa_bound = info.numa_bound,

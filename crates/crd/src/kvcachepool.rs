@@ -252,7 +252,8 @@ pub struct SsdTierSpec {
 #[x_kube(
     validation = Rule::new("self.protocol != 'tcp' || !has(self.sriov)").message("transport.sriov requires transport.protocol rdma or auto").field_path(".sriov").reason(Reason::FieldValueForbidden),
     validation = Rule::new("self.protocol != 'tcp' || size(self.networks) == 0").message("transport.networks (Multus) requires transport.protocol rdma or auto").field_path(".networks").reason(Reason::FieldValueForbidden),
-    validation = Rule::new("self.protocol != 'tcp' || size(self.devices) == 0").message("transport.devices lists RDMA devices and requires transport.protocol rdma or auto").field_path(".devices").reason(Reason::FieldValueForbidden)
+    validation = Rule::new("self.protocol != 'tcp' || size(self.devices) == 0").message("transport.devices lists RDMA devices and requires transport.protocol rdma or auto").field_path(".devices").reason(Reason::FieldValueForbidden),
+    validation = Rule::new("self.protocol != 'tcp' || !has(self.gidIndex)").message("transport.gidIndex selects an RDMA GID and requires transport.protocol rdma or auto").field_path(".gidIndex").reason(Reason::FieldValueForbidden)
 )]
 pub struct TransportSpec {
     /// `rdma` requires RDMA devices on every node, `tcp` never uses them, `auto` uses RDMA where
@@ -265,6 +266,14 @@ pub struct TransportSpec {
     #[x_kube(merge_strategy = ListMerge::Set)]
     #[schemars(length(max = 64), inner(length(min = 1, max = 64)))]
     pub devices: Vec<String>,
+
+    /// GID table index every RDMA port sends from, instead of the automatic choice (the
+    /// RoCE v2 entry with an IPv4 address, else any RoCE v2 entry that is not link-local).
+    /// For fabrics whose routable GID sits at another index. A port without a populated
+    /// entry there is not used (the agent reports why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 255))]
+    pub gid_index: Option<i32>,
 
     /// SR-IOV virtual functions requested by each agent pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -287,6 +296,7 @@ impl Default for TransportSpec {
         Self {
             protocol: Protocol::default(),
             devices: Vec::new(),
+            gid_index: None,
             sriov: None,
             networks: Vec::new(),
             port: defaults::transport_port(),

@@ -40,6 +40,10 @@ pub struct AgentSettings {
     pub socket: PathBuf,
     pub staging_bytes: u64,
     pub request_timeout: Duration,
+    /// NUMA node of the engine's memory, told to the agent (it binds the staging area there).
+    pub numa_node: Option<u32>,
+    /// PCI bus id of the engine's GPU, told to the agent (it maps it to a NUMA node).
+    pub gpu_pci_bus_id: Option<String>,
 }
 
 /// Where caller memory named by a raw address lies.
@@ -170,6 +174,8 @@ impl Agent {
         let call = rpc.open_session(OpenSessionRequest {
             staging_bytes: s.staging_bytes,
             client_name: name,
+            numa_node: s.numa_node,
+            gpu_pci_bus_id: s.gpu_pci_bus_id.clone().unwrap_or_default(),
         });
         let opened = match tokio::time::timeout(timeout, call).await {
             Ok(Ok(r)) => r.into_inner(),

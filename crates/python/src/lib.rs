@@ -165,12 +165,15 @@ impl Client {
     /// (agent mode when `agent_socket` names a socket file that exists, else direct). With
     /// `global_segment_size > 0` (direct mode only) this process contributes that much
     /// memory to the pool, served at `local_hostname` (an IP address) on a port the system
-    /// picks.
+    /// picks. In agent mode `numa_node` (of this process's memory) or `gpu` (the PCI bus id of
+    /// its GPU) tell the agent where the engine runs: it binds the staging area to that NUMA
+    /// node and sends transfers through the NICs there.
     #[new]
     #[pyo3(signature = (masters = Vec::new(), auth_key_file = PathBuf::new(),
         local_hostname = "127.0.0.1".to_owned(), global_segment_size = 0,
         protocol = "tcp".to_owned(), request_timeout_ms = 10_000, mode = "auto".to_owned(),
-        agent_socket = None, staging_bytes = DEFAULT_STAGING_BYTES))]
+        agent_socket = None, staging_bytes = DEFAULT_STAGING_BYTES, numa_node = None,
+        gpu = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -183,6 +186,8 @@ impl Client {
         mode: String,
         agent_socket: Option<PathBuf>,
         staging_bytes: u64,
+        numa_node: Option<u32>,
+        gpu: Option<String>,
     ) -> PyResult<Self> {
         let opts = Options {
             mode,
@@ -196,6 +201,8 @@ impl Client {
             },
             agent_socket,
             staging_bytes,
+            numa_node,
+            gpu_pci_bus_id: gpu,
         };
         let conn = py.detach(|| Conn::open(&opts))?;
         Ok(Self { conn })

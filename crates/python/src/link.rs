@@ -55,6 +55,9 @@ pub struct Options {
     pub direct: Settings,
     pub agent_socket: Option<PathBuf>,
     pub staging_bytes: u64,
+    /// Agent mode: where the engine runs (NUMA node, GPU PCI bus id), told to the agent.
+    pub numa_node: Option<u32>,
+    pub gpu_pci_bus_id: Option<String>,
 }
 
 /// A live connection, one way or the other.
@@ -107,6 +110,8 @@ impl Conn {
                     socket,
                     staging_bytes: opts.staging_bytes,
                     request_timeout: Duration::from_millis(opts.direct.request_timeout_ms),
+                    numa_node: opts.numa_node,
+                    gpu_pci_bus_id: opts.gpu_pci_bus_id.clone(),
                 };
                 Link::Agent(Arc::new(runtime.block_on(Agent::connect(&settings))?))
             }

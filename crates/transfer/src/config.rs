@@ -1,11 +1,14 @@
 //! Settings of the transfer engine ([`EngineConfig`]): lanes, slicing, pipelining, timeouts and
 //! transport preferences, with the documented defaults and their validation. Pure, except that
-//! the default node name is read from the environment (`KVPOOL_NODE_NAME`, then `HOSTNAME`).
+//! the default node name is read from the environment (`KVPOOL_NODE_NAME`, then `HOSTNAME`), and
+//! so are the SR-IOV VFs the device plugin gave to the pod (`PCIDEVICE_*`).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::error::TransferError;
 use super::frame;
+use super::rdma::select::{self, NicPolicy};
 
 /// Engine settings. `Default` gives the documented defaults.
 #[derive(Clone, Debug)]
@@ -41,6 +44,11 @@ pub struct EngineConfig {
     pub prefer_shm: bool,
     /// Want RDMA: when no RDMA path works the engine falls back to TCP, loudly.
     pub want_rdma: bool,
+    /// Which RDMA NICs to open (allow-list, the pod's VFs, GID index, NUMA node of the engine's
+    /// memory); see [`crate::rdma::select`].
+    pub rdma_nics: NicPolicy,
+    /// Root of the sysfs tree the RDMA devices are discovered under (`/sys`).
+    pub sysfs_root: PathBuf,
     /// Notifications kept until read.
     pub notification_capacity: usize,
     /// Target side: connections served at once; more are accepted and closed at once.
@@ -74,6 +82,11 @@ impl Default for EngineConfig {
             connect_timeout: Duration::from_secs(3),
             prefer_shm: true,
             want_rdma: false,
+            rdma_nics: NicPolicy {
+                pod_vfs: pod_vfs_from_process_env(),
+                ..NicPolicy::default()
+            },
+            sysfs_root: PathBuf::from("/sys"),
             notification_capacity: 4096,
             max_connections: 1024,
             max_connections_per_source: 256,
@@ -81,6 +94,16 @@ impl Default for EngineConfig {
             handshake_timeout: Duration::from_secs(5),
         }
     }
+}
+
+/// The VFs the SR-IOV device plugin gave to this process's pod (`PCIDEVICE_*`); entries that
+/// are not PCI addresses are logged and skipped.
+fn pod_vfs_from_process_env() -> Vec<String> {
+    let (vfs, notes) = select::pod_vfs_from_env(std::env::vars());
+    for n in notes {
+        tracing::warn!("SR-IOV device plugin variable: {n}");
+    }
+    vfs
 }
 
 impl EngineConfig {
@@ -115,6 +138,15 @@ impl EngineConfig {
         {
             return bad("timeouts must be > 0");
         }
+        if self.rdma_nics.allow.iter().any(|d| d.trim().is_empty()) {
+            return bad("rdma_nics.allow must not contain empty device names");
+        }
+        if self.rdma_nics.gid_index.is_some_and(|g| g > MAX_GID_INDEX) {
+            return bad("rdma_nics.gid_index must be <= 255");
+        }
         Ok(())
     }
 }
+
+/// Largest GID table index a port has (tables hold at most 256 entries).
+pub const MAX_GID_INDEX: u32 = 255;

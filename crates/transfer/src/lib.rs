@@ -33,7 +33,7 @@ pub mod cuda;
 
 pub use auth::{AuthError, AuthKey};
 pub use batch::{Batch, BatchFailed, RequestStatus, TransferOp};
-pub use config::EngineConfig;
+pub use config::{EngineConfig, MAX_GID_INDEX};
 pub use descriptor::{
     Directory, DirectoryError, Endpoint, MemoryKind, NicDescriptor, Protocol, SegmentDescriptor,
     StaticDirectory,
@@ -42,6 +42,7 @@ pub use engine::{LocalSegment, RemoteSegment, TransferEngine, TransferRequest};
 pub use error::{Failure, TransferError};
 pub use memory::{HostOptions, MemoryError, Segment};
 pub use metrics::TransferMetrics;
+pub use rdma::select::NicPolicy;
 pub use rdma::{RdmaError, RdmaProvider};
 pub use server::{Notification, TcpServer};
 pub use shm::ShmServer;

@@ -104,6 +104,8 @@ pub struct Segment {
     ptr: NonNull<u8>,
     len: usize,
     locked: bool,
+    /// NUMA node the pages are known to be on (set by the owner, see [`Segment::on_numa_node`]).
+    numa_node: Option<u32>,
     backing: Backing,
 }
 
@@ -127,6 +129,7 @@ impl std::fmt::Debug for Segment {
             .field("len", &self.len)
             .field("kind", &kind)
             .field("locked", &self.locked)
+            .field("numa_node", &self.numa_node)
             .finish()
     }
 }
@@ -154,6 +157,7 @@ impl Segment {
             ptr,
             len: size,
             locked: false,
+            numa_node: None,
             backing: Backing::Heap(layout),
         };
         if options.lock {
@@ -173,6 +177,7 @@ impl Segment {
             ptr,
             len,
             locked: false,
+            numa_node: None,
             backing: Backing::Mmap {
                 _map: map,
                 fd: None,
@@ -235,6 +240,7 @@ impl Segment {
             ptr,
             len: size,
             locked: false,
+            numa_node: None,
             backing: Backing::Mmap {
                 _map: map,
                 fd: Some(OwnedFd::from(file)),
@@ -258,6 +264,7 @@ impl Segment {
             ptr,
             len,
             locked: false,
+            numa_node: None,
             backing: Backing::Foreign { release },
         })
     }
@@ -288,6 +295,19 @@ impl Segment {
     /// Whether the pages are pinned with `mlock`.
     pub fn is_locked(&self) -> bool {
         self.locked
+    }
+
+    /// Say which NUMA node the pages are on, as the owner verified it (`None`: unknown or
+    /// spread). RDMA transfers of this segment go out through NICs on that node when there are
+    /// any, and its descriptor announces the node.
+    pub fn on_numa_node(mut self, node: Option<u32>) -> Self {
+        self.numa_node = node;
+        self
+    }
+
+    /// The NUMA node given by [`Self::on_numa_node`].
+    pub fn numa_node(&self) -> Option<u32> {
+        self.numa_node
     }
 
     /// Start address, for registering the region with a NIC (RDMA memory registration).

@@ -98,12 +98,32 @@ pub async fn connect_channel(socket: &Path) -> Result<Channel, ClientError> {
         })
 }
 
+/// Where an engine runs, told to the agent when its session opens so that the staging area
+/// and the NICs are chosen near it. Default: nothing said (the agent chooses).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Locality {
+    /// NUMA node of the engine's memory.
+    pub numa_node: Option<u32>,
+    /// PCI bus id of the engine's GPU (`0000:18:00.0`).
+    pub gpu_pci_bus_id: Option<String>,
+}
+
+/// What the agent chose for a session.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionPlacement {
+    /// NUMA node the staging area is bound to (verified); `None`: not bound.
+    pub numa_node: Option<u32>,
+    /// RDMA NICs on that node, best first.
+    pub nics: Vec<String>,
+}
+
 /// A connected client with an open session.
 #[derive(Debug)]
 pub struct EngineClient {
     rpc: EngineApiClient<Channel>,
     session: u64,
     staging: Staging,
+    placement: SessionPlacement,
 }
 
 impl EngineClient {
@@ -113,6 +133,17 @@ impl EngineClient {
         staging_bytes: u64,
         client_name: &str,
     ) -> Result<Self, ClientError> {
+        Self::connect_near(socket, staging_bytes, client_name, &Locality::default()).await
+    }
+
+    /// [`Self::connect`], telling the agent where the engine runs: it binds the staging area to
+    /// that NUMA node and names the NICs there ([`Self::placement`]).
+    pub async fn connect_near(
+        socket: &Path,
+        staging_bytes: u64,
+        client_name: &str,
+        locality: &Locality,
+    ) -> Result<Self, ClientError> {
         let channel = connect_channel(socket).await?;
         let mut rpc = EngineApiClient::new(channel)
             .max_decoding_message_size(64 << 20)
@@ -121,6 +152,8 @@ impl EngineClient {
             .open_session(OpenSessionRequest {
                 staging_bytes,
                 client_name: client_name.to_owned(),
+                numa_node: locality.numa_node,
+                gpu_pci_bus_id: locality.gpu_pci_bus_id.clone().unwrap_or_default(),
             })
             .await
             .map_err(call_failed("open_session"))?
@@ -131,7 +164,16 @@ impl EngineClient {
             rpc,
             session: opened.session_id,
             staging,
+            placement: SessionPlacement {
+                numa_node: opened.numa_node,
+                nics: opened.nics,
+            },
         })
+    }
+
+    /// Where the agent put this session (NUMA node of the staging area, NICs there).
+    pub fn placement(&self) -> &SessionPlacement {
+        &self.placement
     }
 
     /// The shared staging area.

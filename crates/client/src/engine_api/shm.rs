@@ -49,6 +49,8 @@ pub struct Staging {
     size: u64,
     /// Whether dropping this value removes the file (the agent's side owns it).
     owner: bool,
+    /// NUMA node the agent bound the pages to and verified (`None`: not bound).
+    numa_node: Option<u32>,
 }
 
 fn map_file(file: &File, path: &Path, size: u64) -> Result<MmapRaw, ShmError> {
@@ -118,6 +120,7 @@ impl Staging {
             map,
             size,
             owner: true,
+            numa_node: None,
         })
     }
 
@@ -137,6 +140,7 @@ impl Staging {
             map,
             size,
             owner: false,
+            numa_node: None,
         })
     }
 
@@ -146,6 +150,16 @@ impl Staging {
 
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// Record the NUMA node the pages were bound to and verified on (agent side).
+    pub fn set_numa_node(&mut self, node: Option<u32>) {
+        self.numa_node = node;
+    }
+
+    /// The NUMA node given by [`Self::set_numa_node`].
+    pub fn numa_node(&self) -> Option<u32> {
+        self.numa_node
     }
 
     /// Address of the first byte of this process's mapping. Callers that hand out ranges of

@@ -131,6 +131,12 @@ impl ValidatedKVCachePool {
                     message: "requires transport.protocol rdma or auto",
                 });
             }
+            if t.gid_index.is_some() {
+                return Err(SpecError::Conflict {
+                    field: "transport.gidIndex",
+                    message: "requires transport.protocol rdma or auto",
+                });
+            }
         }
         unique("transport.devices", &t.devices)?;
         unique("transport.networks", &t.networks)?;
@@ -174,6 +180,10 @@ impl ValidatedKVCachePool {
         let transport = TransportConfig {
             protocol: t.protocol,
             devices: t.devices.clone(),
+            gid_index: t
+                .gid_index
+                .map(|g| ranged("transport.gidIndex", g, 0, 255))
+                .transpose()?,
             sriov,
             networks: t.networks.clone(),
             port: ranged("transport.port", t.port, 1024, 65535)?,
@@ -423,6 +433,16 @@ mod tests {
                 "  transport: {devices: [mlx5_0, mlx5_0]}",
                 "transport.devices",
                 "conflicting_fields",
+            ),
+            (
+                "  transport: {protocol: tcp, gidIndex: 3}",
+                "transport.gidIndex",
+                "conflicting_fields",
+            ),
+            (
+                "  transport: {protocol: rdma, gidIndex: 256}",
+                "transport.gidIndex",
+                "out_of_range",
             ),
             ("  blockSizeTokens: 0", "blockSizeTokens", "out_of_range"),
             (

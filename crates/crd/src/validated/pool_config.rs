@@ -62,6 +62,9 @@ pub struct TransportConfig {
     pub protocol: Protocol,
     /// RDMA device allow-list; empty means all.
     pub devices: Vec<String>,
+    /// GID index override for every RDMA port; `None`: automatic choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid_index: Option<u32>,
     /// SR-IOV extended resource name and VFs per agent pod.
     pub sriov: Option<SriovConfig>,
     /// Multus networks of the agent pods.

@@ -65,7 +65,9 @@ class Store:
     staging area of ``staging_bytes``), or "auto" (the default: agent mode when the agent's
     socket is configured and exists, and ``global_segment_size`` is 0). ``global_segment_size`` > 0 (direct mode only)
     contributes that much of this process's memory to the pool for as long as the store is
-    open. Use it as a context manager, or call :meth:`close`.
+    open. In agent mode, ``numa_node`` (of this process's memory) or ``gpu`` (its GPU's PCI bus
+    id, e.g. "0000:18:00.0") tell the agent where the engine runs, so that its staging area
+    and NICs are on that NUMA node. Use it as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -81,6 +83,8 @@ class Store:
         mode: Optional[str] = None,
         agent_socket: Optional[str] = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        numa_node: Optional[int] = None,
+        gpu: Optional[str] = None,
     ) -> None:
         settings = Settings.resolve(
             masters,
@@ -92,6 +96,8 @@ class Store:
             global_segment_size=global_segment_size,
             protocol=protocol,
             request_timeout_ms=request_timeout_ms,
+            numa_node=numa_node,
+            gpu=gpu,
         )
         self._client = settings.connect()
         self.replicas = replicas

@@ -97,6 +97,10 @@ class Settings:
     global_segment_size: int = 0
     protocol: str = "tcp"
     request_timeout_ms: int = 10_000
+    # Agent mode: where this engine runs (NUMA node of its memory, PCI bus id of its GPU);
+    # the agent binds the staging area to that node and uses the NICs there.
+    numa_node: Optional[int] = None
+    gpu: Optional[str] = None
 
     @classmethod
     def resolve(
@@ -139,6 +143,8 @@ class Settings:
             mode=self.mode,
             agent_socket=self.agent_socket or None,
             staging_bytes=self.staging_bytes,
+            numa_node=self.numa_node,
+            gpu=self.gpu,
         )
 
     def check(self) -> None:

@@ -70,7 +70,8 @@ impl std::fmt::Debug for TransferEngine {
 
 impl TransferEngine {
     /// Create an engine. Metrics come from the caller's registry ([`TransferMetrics::new`]).
-    /// With `want_rdma`, the host's RDMA devices are discovered (`rdma::default_provider`);
+    /// With `want_rdma`, the host's RDMA devices are discovered and chosen by
+    /// `config.rdma_nics` (`rdma::default_provider`);
     /// when there are none the engine still starts and falls back to TCP, loudly.
     pub fn new(
         config: EngineConfig,
@@ -80,7 +81,7 @@ impl TransferEngine {
     ) -> Result<Self, TransferError> {
         let mut unavailable = None;
         let rdma = if config.want_rdma {
-            match rdma::default_provider() {
+            match rdma::default_provider(&config.sysfs_root, &config.rdma_nics) {
                 Ok(p) => Some(p),
                 Err(e) => {
                     let reason = error_chain(&e);
@@ -178,7 +179,7 @@ impl TransferEngine {
             name: seg.name().to_owned(),
             node: self.inner.config.node.clone(),
             size: seg.len(),
-            numa_node: None,
+            numa_node: seg.segment().numa_node(),
             memory: MemoryKind::Host,
             endpoints,
             nics: Vec::new(),

@@ -83,7 +83,7 @@ impl TransferEngine {
                     req.slice_done(result);
                 }
                 Route::Rdma { channel, .. } => {
-                    let plan = channel.plan(r.len);
+                    let plan = channel.plan(r.len, r.local.segment().numa_node());
                     let req = builder.request("rdma", r.op.as_str(), r.len, plan.len());
                     channel.submit(
                         &req,

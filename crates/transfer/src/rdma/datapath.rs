@@ -28,6 +28,8 @@ use crate::wire::WireError;
 pub enum RdmaError {
     #[error("no usable RDMA device on this host")]
     NoDevice,
+    #[error("the pool's transport settings leave no RDMA NIC to use")]
+    Selection(#[source] super::select::SelectError),
     #[error("{call} on RDMA device {device} failed")]
     Verbs {
         device: String,
@@ -105,7 +107,7 @@ pub struct WorkCompletion {
     pub result: Result<(), String>,
 }
 
-/// The RDMA devices this process may use, best first (see `topology::rank_nics`).
+/// The RDMA devices this process may use, best first (see `select::select`).
 pub trait RdmaProvider: Send + Sync {
     fn devices(&self) -> Vec<Arc<dyn RdmaDevice>>;
 }
@@ -113,6 +115,11 @@ pub trait RdmaProvider: Send + Sync {
 /// One opened device (context + protection domain) on one port.
 pub trait RdmaDevice: Send + Sync {
     fn name(&self) -> &str;
+    /// NUMA node of the NIC (`None`: unknown). A transfer of memory on a node goes out through
+    /// that node's NICs when the channel has any (`select::local_nics`).
+    fn numa_node(&self) -> Option<u32> {
+        None
+    }
     /// The port's link layer, LID and source GID (`ibv_query_port`, `ibv_query_gid`): queue
     /// pairs announce the LID and GID in the handshake and address the peer from them.
     fn port(&self) -> Result<PortAttr, RdmaError>;

@@ -93,6 +93,7 @@ impl FakeFabric {
                     Arc::new(FakeDevice {
                         name: p.name.clone(),
                         port: p.attr,
+                        numa_node: p.numa_node,
                         fabric: self.state.clone(),
                     }) as Arc<dyn RdmaDevice>
                 })
@@ -130,6 +131,8 @@ impl FakeFabric {
 pub struct FakePort {
     pub name: String,
     pub attr: PortAttr,
+    /// NUMA node the device reports (`None`: unknown).
+    pub numa_node: Option<u32>,
 }
 
 /// A GID whose last bytes spell `name` (the first 8 bytes are the subnet prefix).
@@ -155,6 +158,7 @@ impl FakePort {
                 gid: gid_from([0, 0, 0, 0, 0, 0, 0, 1], name),
                 gid_index: 3,
             },
+            numa_node: None,
         }
     }
 
@@ -168,7 +172,14 @@ impl FakePort {
                 gid: gid_from([0xfe, 0x80, 0, 0, 0, 0, 0, 0], name),
                 gid_index: 0,
             },
+            numa_node: None,
         }
+    }
+
+    /// The same port on a device that sits on NUMA node `node`.
+    pub fn on_numa(mut self, node: u32) -> FakePort {
+        self.numa_node = Some(node);
+        self
     }
 }
 
@@ -185,12 +196,17 @@ impl RdmaProvider for FakeProvider {
 struct FakeDevice {
     name: String,
     port: PortAttr,
+    numa_node: Option<u32>,
     fabric: Arc<FabricState>,
 }
 
 impl RdmaDevice for FakeDevice {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn numa_node(&self) -> Option<u32> {
+        self.numa_node
     }
 
     fn port(&self) -> Result<PortAttr, RdmaError> {

@@ -12,6 +12,7 @@ pub mod handshake;
 pub mod plan;
 #[cfg(feature = "rdma")]
 pub mod provider;
+pub mod select;
 pub mod topology;
 #[cfg(feature = "rdma")]
 pub mod verbs;
@@ -33,16 +34,20 @@ pub fn transport_available() -> bool {
     }
 }
 
-/// The host's RDMA devices (from `/sys` and libibverbs), or why there are none. Without the
-/// `rdma` feature this is always `NoDevice`.
-pub fn default_provider() -> Result<Arc<dyn RdmaProvider>, RdmaError> {
+/// The host's RDMA devices (from `sysfs_root` and libibverbs) chosen by `policy` (see
+/// [`select`]), or why there are none. Without the `rdma` feature this is always `NoDevice`.
+pub fn default_provider(
+    sysfs_root: &std::path::Path,
+    policy: &select::NicPolicy,
+) -> Result<Arc<dyn RdmaProvider>, RdmaError> {
     #[cfg(feature = "rdma")]
     {
-        let p = provider::VerbsProvider::discover(std::path::Path::new("/sys"), None, &[], None)?;
+        let p = provider::VerbsProvider::discover(sysfs_root, policy)?;
         Ok(Arc::new(p))
     }
     #[cfg(not(feature = "rdma"))]
     {
+        let _ = (sysfs_root, policy);
         Err(RdmaError::NoDevice)
     }
 }

@@ -1,5 +1,5 @@
 //! The production implementation of the datapath's verbs traits over `verbs` (libibverbs):
-//! NICs ranked by `topology` from sysfs, opened once; one RC queue pair per path with a random
+//! NICs chosen by `select` from the sysfs `topology`, opened once; one RC queue pair per path with a random
 //! initial PSN. No `unsafe` here: every FFI call is in `verbs`.
 //! I/O boundary: sysfs reads (topology) and libibverbs calls (through `verbs`).
 
@@ -12,6 +12,7 @@ use super::datapath::{
     WorkRequest,
 };
 use super::handshake::{MTU_1024, QpInfo};
+use super::select::{self, NicPolicy};
 use super::topology;
 use super::verbs::{self, VerbsError};
 use crate::memory::Segment;
@@ -22,15 +23,11 @@ pub struct VerbsProvider {
 }
 
 impl VerbsProvider {
-    /// Discover NICs under `sysfs_root` (normally `/sys`), rank them for memory on `numa`
-    /// (allow-list `allow` when not empty, GID index override `gid_override`) and open every
-    /// one that libibverbs also lists. Fails with `NoDevice` when none can be opened.
-    pub fn discover(
-        sysfs_root: &Path,
-        numa: Option<u32>,
-        allow: &[String],
-        gid_override: Option<u32>,
-    ) -> Result<VerbsProvider, RdmaError> {
+    /// Discover NICs under `sysfs_root` (normally `/sys`), choose them by `policy` (allow-list,
+    /// the pod's VFs, GID index override, NUMA node first; see `select`) and open every one
+    /// that libibverbs also lists. What the choice left out is logged as warnings. Fails with
+    /// `Selection` when the policy leaves no NIC, `NoDevice` when none can be opened.
+    pub fn discover(sysfs_root: &Path, policy: &NicPolicy) -> Result<VerbsProvider, RdmaError> {
         let names = verbs::device_names();
         if names.is_empty() {
             return Err(RdmaError::NoDevice);
@@ -40,15 +37,23 @@ impl VerbsProvider {
             call: "sysfs scan",
             source: std::io::Error::other(e.to_string()),
         })?;
-        let ranked = topology::rank_nics(&scanned, numa, allow, gid_override);
+        let selection = select::select(&scanned, policy).map_err(RdmaError::Selection)?;
+        for note in &selection.notes {
+            tracing::warn!("RDMA NIC selection: {note}");
+        }
         let mut devices: Vec<Arc<dyn RdmaDevice>> = Vec::new();
-        for nic in ranked.into_iter().filter(|n| names.contains(&n.device)) {
+        for nic in selection
+            .nics
+            .into_iter()
+            .filter(|n| names.contains(&n.device))
+        {
             match verbs::Device::open(&nic.device) {
                 Ok(dev) => devices.push(Arc::new(VerbsNic {
                     name: nic.device.clone(),
                     dev,
                     port: nic.port,
                     gid_index: nic.gid_index,
+                    numa_node: nic.numa_node,
                 })),
                 Err(e) => {
                     tracing::warn!(device = %nic.device, error = %e, "cannot open RDMA device")
@@ -81,11 +86,16 @@ struct VerbsNic {
     dev: Arc<verbs::Device>,
     port: u8,
     gid_index: u32,
+    numa_node: Option<u32>,
 }
 
 impl RdmaDevice for VerbsNic {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn numa_node(&self) -> Option<u32> {
+        self.numa_node
     }
 
     fn port(&self) -> Result<PortAttr, RdmaError> {

@@ -73,6 +73,11 @@ pub struct RdmaPort {
 pub struct RdmaDevice {
     pub name: String,
     pub numa_node: Option<u32>,
+    /// PCI address of the function behind the device (`0000:19:00.2`), from the `device` link;
+    /// `None` for software devices (rxe, siw) or an unresolvable link.
+    pub pci_bus_id: Option<String>,
+    /// An SR-IOV virtual function (its PCI function has a `physfn` link).
+    pub is_vf: bool,
     pub ports: Vec<RdmaPort>,
 }
 
@@ -115,6 +120,18 @@ pub fn parse_gid(s: &str) -> Option<[u8; 16]> {
     Some(out)
 }
 
+/// Whether `s` is a PCI address in sysfs form, `dddd:bb:dd.f` (hex digits).
+pub fn is_pci_bus_id(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 12
+        && b[4] == b':'
+        && b[7] == b':'
+        && b[10] == b'.'
+        && b.iter()
+            .enumerate()
+            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
+}
+
 /// Scan `<root>/class/infiniband`. A missing directory means no devices.
 pub fn scan(sysfs_root: &Path) -> Result<Vec<RdmaDevice>, TopologyError> {
     let mut devices = Vec::new();
@@ -122,6 +139,11 @@ pub fn scan(sysfs_root: &Path) -> Result<Vec<RdmaDevice>, TopologyError> {
         let numa_node = read_trim(&dev.join("device/numa_node"))
             .and_then(|s| s.parse::<i64>().ok())
             .and_then(|n| u32::try_from(n).ok());
+        let pci_bus_id = std::fs::canonicalize(dev.join("device"))
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .filter(|b| is_pci_bus_id(b));
+        let is_vf = dev.join("device/physfn").exists();
         let mut ports = Vec::new();
         for (pname, pdir) in sorted_entries(&dev.join("ports"))? {
             let Ok(port) = pname.parse::<u8>() else {
@@ -160,6 +182,8 @@ pub fn scan(sysfs_root: &Path) -> Result<Vec<RdmaDevice>, TopologyError> {
         devices.push(RdmaDevice {
             name,
             numa_node,
+            pci_bus_id,
+            is_vf,
             ports,
         });
     }

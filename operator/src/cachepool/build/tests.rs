@@ -400,6 +400,15 @@ fn config_map_holds_the_validated_pool_and_engine_config() {
         serde_saphyr::from_str(yaml).expect("config.yaml parses as ValidatedKVCachePool");
     assert_eq!(effective, pool.effective);
     assert_eq!(effective.block_size_tokens, 256);
+    // The RDMA allow-list and GID index reach the agent through this document.
+    assert_eq!(effective.transport.devices, ["mlx5_0", "mlx5_1"]);
+    let mut gid = roce();
+    gid.spec.transport.gid_index = Some(3);
+    let gid_children = build(&valid(&gid), "00ff").expect("build");
+    let gid_yaml = &gid_children.config.data.as_ref().expect("data")["config.yaml"];
+    let gid_effective: ValidatedKVCachePool = serde_saphyr::from_str(gid_yaml).expect("parses");
+    assert_eq!(gid_effective.transport.gid_index, Some(3));
+    assert!(gid_yaml.contains("gidIndex: 3"), "{gid_yaml}");
 
     let engine: serde_json::Value =
         serde_json::from_str(&data["engine.json"]).expect("engine.json parses");

@@ -23,6 +23,7 @@ use crate::error::Failure;
 use crate::memory::Segment;
 use crate::rdma::handshake::RegionInfo;
 use crate::rdma::plan::{self, Failover, PlannedSlice};
+use crate::rdma::select;
 use crate::tcp::{Dialer, Peer};
 
 /// How slices that no NIC can carry reach TCP.
@@ -101,11 +102,6 @@ impl std::fmt::Debug for RdmaChannel {
 }
 
 impl RdmaChannel {
-    /// Number of NIC paths of this channel.
-    pub(crate) fn nics(&self) -> usize {
-        self.shared.paths.len()
-    }
-
     /// Device names of the local NICs, in path order.
     pub(crate) fn devices(&self) -> Vec<String> {
         self.shared
@@ -120,11 +116,24 @@ impl RdmaChannel {
         self.shared.retries.load(Ordering::Relaxed)
     }
 
-    /// Cut a request of `len` bytes into slices striped over the NICs (consecutive requests
-    /// start on different NICs).
-    pub(crate) fn plan(&self, len: u64) -> Vec<PlannedSlice> {
+    /// Cut a request of `len` bytes of local memory on NUMA node `local_numa` into slices
+    /// striped over the NICs on that node, or over all NICs when none is there
+    /// (`select::local_nics`); consecutive requests start on different NICs. A slice whose NIC
+    /// fails moves to any healthy NIC.
+    pub(crate) fn plan(&self, len: u64, local_numa: Option<u32>) -> Vec<PlannedSlice> {
+        let numas: Vec<Option<u32>> = self
+            .shared
+            .paths
+            .iter()
+            .map(|p| p.device.numa_node())
+            .collect();
+        let nics = select::local_nics(&numas, local_numa);
         let first = self.shared.next_nic.fetch_add(1, Ordering::Relaxed);
-        plan::stripe(len, self.shared.slice_size, self.nics(), first)
+        let mut slices = plan::stripe(len, self.shared.slice_size, nics.len(), first);
+        for s in &mut slices {
+            s.nic = nics[s.nic];
+        }
+        slices
     }
 
     /// Post every slice of a request planned by [`Self::plan`]; `req` counts `plan.len()`
