@@ -85,6 +85,14 @@ pub(super) async fn handle(
                 .bandwidth_bps(shared.config.block_bytes()),
         );
         let placed = state.place_with_pool(now, &keys, in_pool, tokens.total, output_tokens);
+        {
+            let wall = super::load::wall_s(&shared);
+            let mut load = shared.load.lock();
+            match &placed {
+                Ok(t) => load.admitted(wall, t.ttft_s, t.tpot_s),
+                Err(refusal) => load.rejected(wall, refusal.reason),
+            }
+        }
         if let Some(task) = state.take_replication() {
             replicate(&shared, &task, &engines.prefill);
         }

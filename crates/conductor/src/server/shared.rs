@@ -32,6 +32,8 @@ pub(super) struct Shared {
     pub(super) feeds: parking_lot::Mutex<Feeds>,
     /// The model names served (flags, or learnt from the engines).
     pub(super) models: super::models::ServedModels,
+    /// The load signal's windows (`load`).
+    pub(super) load: parking_lot::Mutex<super::load::LoadWindows>,
 }
 
 /// The KV event subscriptions running (`kv_feed`), by prefill engine URL, and the token they

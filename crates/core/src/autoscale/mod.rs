@@ -6,10 +6,12 @@
 //! from ([`LoadWindow`], in `window`). The operator and `kvpool simulate --autoscale` run the
 //! same code. Time is passed in (seconds on any monotonic scale). I/O boundary: none.
 
+mod report;
 mod window;
 
 use std::collections::VecDeque;
 
+pub use report::{LoadReport, RoleLoad};
 pub use window::{LoadFigures, LoadWindow};
 
 /// What drives the replica count (the CRD's `spec.autoscaling.signal`).

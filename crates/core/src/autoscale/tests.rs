@@ -87,16 +87,34 @@ fn missing_signal_holds_and_bounds_win() {
     assert_eq!((d.desired, d.why), (3, Why::NoSignal));
     let d = a.decide(1.0, Signal::PredictedLatency, None, 7, Bounds::new(1, 5));
     assert_eq!((d.desired, d.why), (5, Why::Bounds));
-    let d = a.decide(1.0, Signal::PredictedLatency, Some(0.8), 0, Bounds::new(2, 5));
+    let d = a.decide(
+        1.0,
+        Signal::PredictedLatency,
+        Some(0.8),
+        0,
+        Bounds::new(2, 5),
+    );
     assert_eq!((d.desired, d.why), (2, Why::Bounds));
 }
 
 #[test]
 fn steps_are_limited() {
     let mut a = Autoscaler::new(quick());
-    let d = a.decide(0.0, Signal::PredictedLatency, Some(80.0), 2, Bounds::new(1, 100));
+    let d = a.decide(
+        0.0,
+        Signal::PredictedLatency,
+        Some(80.0),
+        2,
+        Bounds::new(1, 100),
+    );
     assert_eq!(d.desired, 2 + 4, "at most max(4, 100 %) up");
-    let d = a.decide(1.0, Signal::PredictedLatency, Some(0.01), 40, Bounds::new(1, 100));
+    let d = a.decide(
+        1.0,
+        Signal::PredictedLatency,
+        Some(0.01),
+        40,
+        Bounds::new(1, 100),
+    );
     assert_eq!(d.desired, 30, "at most 25 % down");
 }
 
@@ -104,9 +122,21 @@ fn steps_are_limited() {
 fn remember_change_seeds_the_cool_down() {
     let mut a = Autoscaler::new(Behavior::default());
     a.remember_change(100.0);
-    let d = a.decide(120.0, Signal::PredictedLatency, Some(3.0), 2, Bounds::new(1, 9));
+    let d = a.decide(
+        120.0,
+        Signal::PredictedLatency,
+        Some(3.0),
+        2,
+        Bounds::new(1, 9),
+    );
     assert_eq!(d.why, Why::CoolingDown);
-    let d = a.decide(161.0, Signal::PredictedLatency, Some(3.0), 2, Bounds::new(1, 9));
+    let d = a.decide(
+        161.0,
+        Signal::PredictedLatency,
+        Some(3.0),
+        2,
+        Bounds::new(1, 9),
+    );
     assert_eq!(d.why, Why::ScaledUp);
 }
 
