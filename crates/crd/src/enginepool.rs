@@ -322,9 +322,9 @@ pub enum AutoscalingSignal {
     /// Share of requests admitted with a predicted latency within the SLO; scale up below 99 %.
     #[default]
     SloAttainment,
-    /// Requests waiting per instance; aim for 2.
+    /// Requests waiting per instance; aim for 1.
     QueueDepth,
-    /// p90 of the predicted TTFT (prefill) or TPOT (decode) against `slo`; aim for 0.8.
+    /// p90 of the predicted TTFT (prefill) or TPOT (decode) against `slo`; aim for 0.5.
     PredictedLatency,
     /// Share of requests rejected for this phase; scale up above 1 %.
     RejectionRate,

@@ -15,6 +15,7 @@ pub use report::{LoadReport, RoleLoad};
 pub use window::{LoadFigures, LoadWindow};
 
 /// What drives the replica count (the CRD's `spec.autoscaling.signal`).
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum Signal {
@@ -74,8 +75,8 @@ pub struct Behavior {
 impl Default for Behavior {
     fn default() -> Self {
         Self {
-            latency_target_ratio: 0.8,
-            queue_target_per_instance: 2.0,
+            latency_target_ratio: 0.5,
+            queue_target_per_instance: 1.0,
             rejection_target: 0.01,
             attainment_target: 0.99,
             tolerance: 0.1,

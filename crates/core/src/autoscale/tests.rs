@@ -14,17 +14,18 @@ fn quick() -> Behavior {
 #[test]
 fn predicted_latency_is_proportional_with_a_tolerance() {
     let b = Behavior::default();
-    // p90 at 1.6 x SLO with target 0.8: twice the instances.
-    assert_eq!(recommend(Signal::PredictedLatency, 1.6, 4, &b), 8);
+    // p90 at the SLO with target 0.5: twice the instances.
+    assert_eq!(recommend(Signal::PredictedLatency, 1.0, 4, &b), 8);
     // Within 10 % of the target: unchanged.
-    assert_eq!(recommend(Signal::PredictedLatency, 0.85, 4, &b), 4);
+    assert_eq!(recommend(Signal::PredictedLatency, 0.52, 4, &b), 4);
     // Quarter of the target: a quarter of the instances.
-    assert_eq!(recommend(Signal::PredictedLatency, 0.2, 8, &b), 2);
+    assert_eq!(recommend(Signal::PredictedLatency, 0.125, 8, &b), 2);
     // From zero, any load asks for one.
     assert_eq!(recommend(Signal::PredictedLatency, 0.2, 0, &b), 1);
     assert_eq!(recommend(Signal::QueueDepth, 3.0, 0, &b), 1);
     assert_eq!(recommend(Signal::QueueDepth, 0.0, 0, &b), 0);
-    assert_eq!(recommend(Signal::QueueDepth, 6.0, 2, &b), 6);
+    // Three waiting per instance against a target of one: three times the instances.
+    assert_eq!(recommend(Signal::QueueDepth, 3.0, 2, &b), 6);
     // Garbage changes nothing.
     assert_eq!(recommend(Signal::PredictedLatency, f64::NAN, 3, &b), 3);
     assert_eq!(recommend(Signal::QueueDepth, -1.0, 3, &b), 3);
@@ -45,7 +46,7 @@ fn shares_grow_by_the_missed_share_and_shrink_by_one() {
 fn scales_up_after_the_up_window_and_down_after_the_longer_one() {
     let mut a = Autoscaler::new(Behavior::default());
     let bounds = Bounds::new(1, 10);
-    let d = a.decide(0.0, Signal::PredictedLatency, Some(1.6), 2, bounds);
+    let d = a.decide(0.0, Signal::PredictedLatency, Some(1.0), 2, bounds);
     // The first high reading is the whole window: up at once.
     assert_eq!((d.desired, d.why), (4, Why::ScaledUp));
     // Cool-down: nothing for 60 s.
@@ -73,7 +74,7 @@ fn a_short_spike_inside_the_up_window_does_not_scale() {
     let mut a = Autoscaler::new(Behavior::default());
     let bounds = Bounds::new(1, 10);
     for t in 0..10 {
-        let d = a.decide(f64::from(t), Signal::QueueDepth, Some(2.0), 3, bounds);
+        let d = a.decide(f64::from(t), Signal::QueueDepth, Some(1.0), 3, bounds);
         assert_eq!(d.desired, 3);
     }
     let d = a.decide(10.0, Signal::QueueDepth, Some(20.0), 3, bounds);
