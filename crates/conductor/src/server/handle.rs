@@ -33,6 +33,12 @@ pub(super) async fn handle(
 ) -> Response {
     // Without engines nothing can be served, whatever the request says.
     if shared.members.lock().state.is_none() {
+        // Counted as refused for want of instances: what scales a pool up from zero.
+        let wall = super::load::wall_s(&shared);
+        shared
+            .load
+            .lock()
+            .rejected(wall, kvpool_core::sched::RejectReason::NoInstance);
         return no_engines(&shared);
     }
     let served = |m: &str| shared.models.serves(m);

@@ -5,6 +5,9 @@
 use super::Signal;
 use super::window::LoadFigures;
 
+/// The predicted-latency ratio a role without instances reports while it refuses requests.
+pub const STARVED_LATENCY_RATIO: f64 = 1e3;
+
 /// The endpoint's body.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoadReport {
@@ -33,10 +36,15 @@ impl RoleLoad {
     /// The value of `signal` against the pool's objective `slo_s` (used by `PredictedLatency`;
     /// the conductor's own judged `slo_attainment`). `current` stands in for the instance count
     /// when the conductor routes to none. A window without requests is an idle pool: no
-    /// latency, no queue, nothing rejected, everything attained.
+    /// latency, no queue, nothing rejected, everything attained. Requests refused while the
+    /// role has no instance at all (a pool scaled to zero) count as a prediction far past the
+    /// SLO and as waiting, so every signal asks for instances.
     pub fn signal_value(&self, signal: Signal, slo_s: f64, current: u32) -> f64 {
         let f = &self.figures;
+        let starved = self.instances == 0 && f.rejected > 0;
         match signal {
+            Signal::PredictedLatency if starved => STARVED_LATENCY_RATIO,
+            Signal::QueueDepth if starved => (self.queue_depth + f.rejected) as f64,
             Signal::PredictedLatency => {
                 let p90 = f.predicted_p90_s.unwrap_or(0.0);
                 if slo_s > 0.0 { p90 / slo_s } else { 0.0 }
@@ -83,6 +91,27 @@ mod tests {
         assert_eq!(idle.signal_value(Signal::QueueDepth, 1.0, 3), 0.0);
         assert_eq!(idle.signal_value(Signal::RejectionRate, 1.0, 3), 0.0);
         assert_eq!(idle.signal_value(Signal::SloAttainment, 1.0, 3), 1.0);
+        // Scaled to zero and refusing: every signal asks for instances.
+        let starved = RoleLoad {
+            figures: LoadFigures {
+                arrivals: 4,
+                rejected: 4,
+                rejection_rate: Some(1.0),
+                slo_attainment: Some(0.0),
+                ..LoadFigures::default()
+            },
+            ..RoleLoad::default()
+        };
+        let b = crate::autoscale::Behavior::default();
+        for s in [
+            Signal::PredictedLatency,
+            Signal::QueueDepth,
+            Signal::RejectionRate,
+            Signal::SloAttainment,
+        ] {
+            let v = starved.signal_value(s, 1.0, 0);
+            assert!(crate::autoscale::recommend(s, v, 0, &b) >= 1, "{s:?}");
+        }
         // The body round-trips with the figures inline.
         let report = LoadReport {
             window_s: 30.0,
