@@ -188,7 +188,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         .route(
             "/v1/kvpool/load",
             get(|AxumState(s): AxumState<Arc<Shared>>| async move {
-                Json(super::load::report(&s))
+                Json(s.load_report())
             }),
         )
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {

@@ -34,7 +34,7 @@ pub(super) async fn handle(
     // Without engines nothing can be served, whatever the request says.
     if shared.members.lock().state.is_none() {
         // Counted as refused for want of instances: what scales a pool up from zero.
-        let wall = super::load::wall_s(&shared);
+        let wall = shared.wall_s();
         shared
             .load
             .lock()
@@ -92,7 +92,7 @@ pub(super) async fn handle(
         );
         let placed = state.place_with_pool(now, &keys, in_pool, tokens.total, output_tokens);
         {
-            let wall = super::load::wall_s(&shared);
+            let wall = shared.wall_s();
             let mut load = shared.load.lock();
             match &placed {
                 Ok(t) => load.admitted(wall, t.ttft_s, t.tpot_s),

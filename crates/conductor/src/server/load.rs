@@ -2,15 +2,13 @@
 //! docs/scheduling.md "Load signal"): per role, the requests of the last
 //! [`LOAD_WINDOW`] as the policy judged them at arrival (predicted TTFT of admitted requests
 //! for prefill, predicted TPOT for decode, rejections blamed on the role), the requests
-//! waiting now and the instances served. I/O boundary: the monotonic clock (wall seconds,
-//! not the engines' time scale: the window is what an operator polling it sees).
+//! waiting now and the instances served. Pure: the caller passes the time (`Shared::wall_s`,
+//! wall seconds, not the engines' time scale: the window is what an operator polling it sees).
 
 use std::time::Duration;
 
 use kvpool_core::autoscale::{LoadReport, LoadWindow, RoleLoad};
 use kvpool_core::sched::RejectReason;
-
-use super::shared::Shared;
 
 /// How far back the figures reach.
 pub const LOAD_WINDOW: Duration = Duration::from_secs(30);
@@ -55,41 +53,32 @@ impl LoadWindows {
     }
 }
 
-/// Wall seconds since the conductor started.
-pub(super) fn wall_s(shared: &Shared) -> f64 {
-    shared.started.elapsed().as_secs_f64()
-}
-
-/// The endpoint's body now.
-pub(super) fn report(shared: &Shared) -> LoadReport {
-    let now = wall_s(shared);
-    let (instances, queues) = {
-        let m = shared.members.lock();
-        (
-            (m.engines.prefill.len(), m.engines.decode.len()),
-            m.state
-                .as_ref()
-                .map(crate::state::State::queue_depths)
-                .unwrap_or_default(),
-        )
-    };
-    let slo = shared.config.scheduler.slo;
-    let mut w = shared.load.lock();
-    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-    LoadReport {
-        window_s: LOAD_WINDOW.as_secs_f64(),
-        prefill: RoleLoad {
-            instances: count(instances.0),
-            queue_depth: queues.0,
-            slo_s: slo.ttft_s,
-            figures: w.prefill.figures(now, slo.ttft_s),
-        },
-        decode: RoleLoad {
-            instances: count(instances.1),
-            queue_depth: queues.1,
-            slo_s: slo.tpot_s,
-            figures: w.decode.figures(now, slo.tpot_s),
-        },
+impl LoadWindows {
+    /// The endpoint's body at `now_s` (wall seconds since start): `instances` and `queues`
+    /// are (prefill, decode), judged against the conductor's `slo`.
+    pub(super) fn report(
+        &mut self,
+        now_s: f64,
+        instances: (usize, usize),
+        queues: (u64, u64),
+        slo: kvpool_core::sched::Slo,
+    ) -> LoadReport {
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        LoadReport {
+            window_s: LOAD_WINDOW.as_secs_f64(),
+            prefill: RoleLoad {
+                instances: count(instances.0),
+                queue_depth: queues.0,
+                slo_s: slo.ttft_s,
+                figures: self.prefill.figures(now_s, slo.ttft_s),
+            },
+            decode: RoleLoad {
+                instances: count(instances.1),
+                queue_depth: queues.1,
+                slo_s: slo.tpot_s,
+                figures: self.decode.figures(now_s, slo.tpot_s),
+            },
+        }
     }
 }
 

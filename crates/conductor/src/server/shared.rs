@@ -56,6 +56,29 @@ impl Shared {
             .collect()
     }
 
+    /// Wall seconds since start (the load signal's clock).
+    pub(super) fn wall_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// The load endpoint's body now (`load`).
+    pub(super) fn load_report(&self) -> kvpool_core::autoscale::LoadReport {
+        let (instances, queues) = {
+            let m = self.members.lock();
+            (
+                (m.engines.prefill.len(), m.engines.decode.len()),
+                m.state
+                    .as_ref()
+                    .map(crate::state::State::queue_depths)
+                    .unwrap_or_default(),
+            )
+        };
+        let now = self.wall_s();
+        self.load
+            .lock()
+            .report(now, instances, queues, self.config.scheduler.slo)
+    }
+
     /// Cost-model seconds since start: wall time divided by the engines' time scale.
     pub(super) fn now_s(&self) -> f64 {
         self.started.elapsed().as_secs_f64() / self.config.time_scale
