@@ -193,14 +193,19 @@ impl PrefillScaler {
         if desired > current {
             self.totals.scale_ups += 1;
             let mut missing = desired - current;
-            for i in 0..self.active.len() {
+            let slots = self
+                .active
+                .iter_mut()
+                .zip(self.on_since.iter_mut())
+                .zip(prefill.iter_mut());
+            for ((active, since), load) in slots {
                 if missing == 0 {
                     break;
                 }
-                if !self.active[i] {
-                    self.active[i] = true;
-                    self.on_since[i] = Some(t);
-                    prefill[i].free_at_s = t + self.config.startup_s;
+                if !*active {
+                    *active = true;
+                    *since = Some(t);
+                    load.free_at_s = t + self.config.startup_s;
                     missing -= 1;
                 }
             }
@@ -212,13 +217,15 @@ impl PrefillScaler {
                 if extra == 0 {
                     break;
                 }
-                if self.active[i] {
+                if self.active[i]
+                    && let Some(load) = prefill.get_mut(i)
+                {
                     self.active[i] = false;
-                    let until = prefill[i].free_at_s.max(t);
-                    if let Some(since) = self.on_since[i].take() {
+                    let until = load.free_at_s.max(t);
+                    if let Some(since) = self.on_since.get_mut(i).and_then(Option::take) {
                         self.totals.instance_s += until - since;
                     }
-                    prefill[i].free_at_s = f64::INFINITY;
+                    load.free_at_s = f64::INFINITY;
                     if let Some(cache) = local.get_mut(i) {
                         clear_local(cache, index, i);
                     }
