@@ -1549,6 +1549,13 @@ async fn autoscaling_follows_the_conductors_prediction_without_flapping() {
         "{:?}",
         load.asked()
     );
+    assert!(
+        ctx.autoscalers
+            .lock()
+            .expect("lock")
+            .contains_key("DecodePool/llm/qwen"),
+        "the decision state is kept between passes"
+    );
     drop(ctx);
     server.expect_done().await;
 }

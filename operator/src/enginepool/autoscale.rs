@@ -236,6 +236,19 @@ fn seconds(t: Timestamp) -> f64 {
     t.as_millisecond() as f64 / 1000.0
 }
 
+/// The key of a pool's decision state in `Context::autoscalers`.
+pub fn state_key(kind: &str, namespace: &str, name: &str) -> String {
+    format!("{kind}/{namespace}/{name}")
+}
+
+/// Forget a pool's decision state (autoscaling turned off, or the pool is going away).
+pub fn forget(ctx: &Context, key: &str) {
+    ctx.autoscalers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(key);
+}
+
 /// The whole step for one pass: read, decide, describe.
 pub async fn step<K: EnginePool>(
     ctx: &Context,
@@ -248,7 +261,7 @@ pub async fn step<K: EnginePool>(
     let s = signal(cfg.signal);
     let value = read_value(ctx, p, s, current).await;
     let now = ctx.now();
-    let key = format!("{}/{}/{}", p.kind, p.namespace, p.name);
+    let key = state_key(p.kind, &p.namespace, &p.name);
     let (decision, b) = {
         let mut all = ctx.autoscalers.lock().unwrap_or_else(|e| e.into_inner());
         let a = all

@@ -131,6 +131,14 @@ async fn write_blocked<K: EnginePool>(
 #[instrument(skip_all, fields(kind = K::KIND_NAME, name = %obj.name_any(), namespace = obj.namespace().unwrap_or_default(), pool = obj.pool_ref()))]
 pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Result<Outcome> {
     if obj.meta().deletion_timestamp.is_some() {
+        autoscale::forget(
+            ctx,
+            &autoscale::state_key(
+                K::KIND_NAME,
+                &obj.namespace().unwrap_or_default(),
+                &obj.name_any(),
+            ),
+        );
         return Ok(Outcome::Deleting);
     }
     let namespace = obj
@@ -187,7 +195,10 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     // Autoscale: the count the Deployment runs (spec.replicas is only the starting one).
     let scaling = match valid.effective.autoscaling {
         Some(cfg) => Some(autoscale::step(ctx, obj, &valid, cfg).await),
-        None => None,
+        None => {
+            autoscale::forget(ctx, &autoscale::state_key(K::KIND_NAME, &namespace, &name));
+            None
+        }
     };
     if let Some(s) = &scaling {
         valid.effective.replicas = s.desired;
