@@ -11,10 +11,12 @@ use kvpool_core::sched::{
     FitError, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 
+use kvpool_core::autoscale::Signal;
 use kvpool_core::flags::{Bandwidth, FlagError, parse_bandwidth, parse_duration, positive};
 use kvpool_core::sched::CostFlags;
 use kvpool_core::sim::bench::{self, BenchConfig};
 use kvpool_core::sim::engine::{SimConfig, SimError, UNLIMITED, simulate};
+use kvpool_core::sim::scaling::AutoscaleConfig;
 use kvpool_core::sim::trace::{self, TraceError};
 
 /// A capacity in blocks, or `unlimited`.
@@ -34,6 +36,32 @@ impl FromStr for Capacity {
     }
 }
 
+/// A replica range `MIN:MAX`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScaleRange {
+    pub min: usize,
+    pub max: usize,
+}
+
+impl FromStr for ScaleRange {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (min, max) = s
+            .split_once(':')
+            .ok_or_else(|| format!("expected MIN:MAX instances, got `{s}`"))?;
+        let n = |v: &str| {
+            v.trim()
+                .parse::<usize>()
+                .map_err(|e| format!("`{v}` in `{s}`: {e}"))
+        };
+        let (min, max) = (n(min)?, n(max)?);
+        if min == 0 || min > max {
+            return Err(format!("need 1 <= MIN <= MAX, got `{s}`"));
+        }
+        Ok(Self { min, max })
+    }
+}
+
 /// Flags of `kvpool simulate`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimulateArgs {
@@ -49,9 +77,25 @@ pub struct SimulateArgs {
     /// Early rejection mode.
     #[arg(long, value_enum, default_value_t = Rejection::None)]
     pub rejection: Rejection,
-    /// Prefill instances.
+    /// Prefill instances (with --autoscale, the count at the start).
     #[arg(long, default_value_t = 8)]
     pub prefill: usize,
+    /// Scale the prefill instances between MIN and MAX with the operator's autoscaling
+    /// decision, every 15 s of replay time on the last 30 s of requests (docs/scheduling.md,
+    /// "Autoscaling in the simulator").
+    #[arg(long, value_name = "MIN:MAX")]
+    pub autoscale: Option<ScaleRange>,
+    /// The signal --autoscale follows.
+    #[arg(long, value_enum, default_value_t = Signal::PredictedLatency, requires = "autoscale")]
+    pub autoscale_signal: Signal,
+    /// Target of the --autoscale signal instead of the operator's (predicted-latency: p90 over
+    /// the SLO, 0.5; queue-depth: waiting per instance, 1; rejection-rate: 0.01;
+    /// slo-attainment: 0.99).
+    #[arg(long, requires = "autoscale")]
+    pub autoscale_target: Option<f64>,
+    /// Start-up time of an instance --autoscale adds (a duration: `30s`).
+    #[arg(long, default_value = "30s", value_parser = parse_duration, requires = "autoscale")]
+    pub autoscale_startup: Duration,
     /// Decode instances.
     #[arg(long, default_value_t = 8)]
     pub decode: usize,
@@ -209,6 +253,53 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
     if args.decode == 0 {
         return Err(flag("decode", "must be at least 1"));
     }
+    let autoscale = match args.autoscale {
+        Some(r) => {
+            if r.max > kvpool_core::sched::index::MAX_PREFILL_INSTANCES {
+                return Err(flag(
+                    "autoscale",
+                    format!(
+                        "MAX must be at most {}, got {}",
+                        kvpool_core::sched::index::MAX_PREFILL_INSTANCES,
+                        r.max
+                    ),
+                ));
+            }
+            if !(r.min..=r.max).contains(&args.prefill) {
+                return Err(flag(
+                    "prefill",
+                    format!(
+                        "must lie within --autoscale {}:{}, got {}",
+                        r.min, r.max, args.prefill
+                    ),
+                ));
+            }
+            let mut a = AutoscaleConfig {
+                start: args.prefill,
+                startup_s: args.autoscale_startup.as_secs_f64(),
+                ..AutoscaleConfig::new(r.min, r.max, args.autoscale_signal)
+            };
+            if let Some(t) = args.autoscale_target {
+                let b = &mut a.behavior;
+                let (target, range) = match args.autoscale_signal {
+                    Signal::PredictedLatency => (&mut b.latency_target_ratio, 0.0..=100.0),
+                    Signal::QueueDepth => (&mut b.queue_target_per_instance, 0.0..=1e6),
+                    Signal::RejectionRate => (&mut b.rejection_target, 0.0..=1.0),
+                    Signal::SloAttainment => (&mut b.attainment_target, 0.0..=1.0),
+                };
+                if !(t > *range.start() && t <= *range.end()) {
+                    return Err(flag(
+                        "autoscale-target",
+                        format!("must lie in ({}, {}], got {t}", range.start(), range.end()),
+                    ));
+                }
+                *target = t;
+            }
+            Some(a)
+        }
+        None => None,
+    };
+    let instances = autoscale.map_or(args.prefill, |a| a.max);
     let block_size =
         NonZeroU32::new(args.block_size).ok_or_else(|| flag("block-size", "must be at least 1"))?;
     let prefill_cost = match &args.prefill_profile {
@@ -242,7 +333,7 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
             bytes_per_token: args.kv_bytes_per_token,
             pool_bandwidth_bps: args.pool_bandwidth.bytes_per_s(),
             kv_bandwidth_bps: args.kv_bandwidth.bytes_per_s(),
-            prefill_costs: vec![prefill_cost; args.prefill],
+            prefill_costs: vec![prefill_cost; instances],
             decode_cost,
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens,
             hot: HotConfig {
@@ -255,6 +346,7 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
         local_cache_blocks: args.local_cache_blocks.0,
         pool_blocks: args.pool_blocks.0,
         time_scale: positive("time-scale", args.time_scale)?,
+        autoscale,
     })
 }
 
@@ -347,6 +439,71 @@ mod tests {
         assert_eq!(c.scheduler.pool_bandwidth_bps, 25e9);
         let c = sim_config(&args(&["--pool-blocks", "unlimited"])).unwrap();
         assert_eq!(c.pool_blocks, UNLIMITED);
+    }
+
+    #[test]
+    fn autoscale_builds_max_instances_and_checks_its_range() {
+        let c = sim_config(&args(&["--autoscale", "2:12", "--prefill", "4"])).unwrap();
+        assert_eq!(c.scheduler.prefill_costs.len(), 12);
+        let a = c.autoscale.expect("autoscale");
+        assert_eq!((a.start, a.min, a.max), (4, 2, 12));
+        assert_eq!(a.signal, Signal::PredictedLatency);
+        assert_eq!(a.startup_s, 30.0);
+        let c = sim_config(&args(&[
+            "--autoscale",
+            "1:4",
+            "--prefill",
+            "1",
+            "--autoscale-signal",
+            "queue-depth",
+            "--autoscale-startup",
+            "2m",
+        ]))
+        .unwrap();
+        let a = c.autoscale.expect("autoscale");
+        assert_eq!((a.signal, a.startup_s), (Signal::QueueDepth, 120.0));
+        let c = sim_config(&args(&[
+            "--autoscale",
+            "1:4",
+            "--prefill",
+            "1",
+            "--autoscale-target",
+            "0.3",
+        ]))
+        .unwrap();
+        assert_eq!(
+            c.autoscale
+                .expect("autoscale")
+                .behavior
+                .latency_target_ratio,
+            0.3
+        );
+        let err = sim_config(&args(&[
+            "--autoscale",
+            "1:4",
+            "--prefill",
+            "1",
+            "--autoscale-target",
+            "0",
+        ]))
+        .unwrap_err();
+        assert!(err.to_string().starts_with("--autoscale-target"), "{err}");
+        // The start count must lie in the range; MAX is bounded like --prefill.
+        let err = sim_config(&args(&["--autoscale", "2:4"])).unwrap_err();
+        assert!(err.to_string().starts_with("--prefill"), "{err}");
+        let err = sim_config(&args(&["--autoscale", "1:500", "--prefill", "1"])).unwrap_err();
+        assert!(err.to_string().starts_with("--autoscale"), "{err}");
+        for bad in ["4", "0:3", "5:2", "a:3"] {
+            assert!(
+                T::try_parse_from(["t", "--trace", "x", "--autoscale", bad]).is_err(),
+                "{bad}"
+            );
+        }
+        assert!(
+            T::try_parse_from(["t", "--trace", "x", "--autoscale-signal", "queue-depth"]).is_err(),
+            "the signal needs --autoscale"
+        );
+        assert!(sim_config(&args(&[])).unwrap().autoscale.is_none());
     }
 
     #[test]

@@ -1176,3 +1176,65 @@ async fn idle_upstream_connections_expire() {
     assert_eq!(status, 200, "{body}");
     shutdown.cancel();
 }
+
+/// The load the operator autoscales the engine pools by (`GET /v1/kvpool/load`): every
+/// admitted request's predicted TTFT (prefill) and TPOT (decode) in the window, the engines
+/// routed to, and the rejections blamed on the role that caused them.
+#[tokio::test]
+async fn load_endpoint_reports_predictions_and_rejections_per_role() {
+    use kvpool_core::autoscale::LoadReport;
+    let load = |addr| async move {
+        let (code, body) = serve_support::http(addr, "GET", "/v1/kvpool/load", "").await;
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str::<LoadReport>(&body).expect("load report")
+    };
+    let ask = |i: usize| {
+        format!(
+            r#"{{"model":"{MODEL}","prompt":"{i:03}{}","max_tokens":2}}"#,
+            "p".repeat(200)
+        )
+    };
+
+    let c = cluster(Rejection::Predicted, 30.0).await;
+    let idle = load(c.conductor).await;
+    assert_eq!(idle.prefill.figures.arrivals, 0);
+    assert_eq!(idle.prefill.figures.predicted_p90_s, None);
+    assert_eq!((idle.prefill.instances, idle.decode.instances), (2, 1));
+    for i in 0..3 {
+        let (status, _, body) = post(c.conductor, "/v1/completions", &ask(i)).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let busy = load(c.conductor).await;
+    assert_eq!(
+        busy.window_s,
+        kvpool_conductor::server::LOAD_WINDOW.as_secs_f64()
+    );
+    for role in [&busy.prefill, &busy.decode] {
+        assert_eq!((role.figures.arrivals, role.figures.rejected), (3, 0));
+        assert_eq!(role.figures.rejection_rate, Some(0.0));
+        assert_eq!(role.figures.slo_attainment, Some(1.0));
+        let p90 = role.figures.predicted_p90_s.expect("predictions");
+        assert!(p90 > 0.0 && p90 < role.slo_s, "{p90}");
+    }
+    assert_eq!(busy.prefill.slo_s, 30.0);
+    c.shutdown.cancel();
+
+    // A TTFT objective no prefill meets: every request is refused, and prefill is to blame.
+    let c = cluster(Rejection::Predicted, 1e-6).await;
+    for i in 0..4 {
+        let (status, _, body) = post(c.conductor, "/v1/completions", &ask(i)).await;
+        assert_ne!(status, 200, "{body}");
+    }
+    let refused = load(c.conductor).await;
+    assert_eq!(
+        (
+            refused.prefill.figures.arrivals,
+            refused.prefill.figures.rejected
+        ),
+        (4, 4)
+    );
+    assert_eq!(refused.prefill.figures.rejection_rate, Some(1.0));
+    assert_eq!(refused.prefill.figures.slo_attainment, Some(0.0));
+    assert_eq!(refused.decode.figures.arrivals, 0);
+    c.shutdown.cancel();
+}

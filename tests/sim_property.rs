@@ -43,6 +43,7 @@ fn config(
         decode_instances: 3,
         local_cache_blocks: local,
         pool_blocks: pool,
+        autoscale: None,
         time_scale: 1.0,
     }
 }

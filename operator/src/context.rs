@@ -1,5 +1,6 @@
 //! The controllers' shared state, the only dependency injection: the kube client, the Event
-//! recorder, metrics, the operator settings, a clock, and per-object failure counts for
+//! recorder, metrics, the operator settings, a clock, the readers of the masters' usage and the
+//! conductors' load, each autoscaled pool's decision state, and per-object failure counts for
 //! exponential backoff. [`Context::for_tests`] is its test twin (fixed clock, fresh registry).
 //! I/O boundary: the client and recorder it carries; the type itself does no I/O.
 
@@ -11,6 +12,9 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::runtime::events::{Recorder, Reporter};
 
+use kvpool_core::autoscale::Autoscaler;
+
+use crate::conductor_load::{ConductorLoad, HttpConductorLoad, ScriptedLoad};
 use crate::labels::FIELD_MANAGER;
 use crate::metrics::Metrics;
 use crate::pool_usage::{FixedStats, GrpcMasterStats, MasterStats};
@@ -44,6 +48,8 @@ pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
 pub const RESYNC: Duration = Duration::from_secs(300);
 /// Refresh of a healthy pool's usage figures (read from its master).
 pub const USAGE_REFRESH: Duration = Duration::from_secs(60);
+/// Period of an autoscaled engine pool's pass: how often the conductor's load is read.
+pub const AUTOSCALE_PERIOD: Duration = Duration::from_secs(15);
 /// Requeue while children roll out, so status follows without a watch on every pod.
 pub const PROGRESS_REQUEUE: Duration = Duration::from_secs(30);
 
@@ -58,9 +64,18 @@ pub struct Context {
     /// Address used for every pool's master instead of its Service DNS name (tests point it at
     /// 127.0.0.1; `None` in a cluster).
     pub master_addr_override: Option<String>,
-    clock: fn() -> Timestamp,
+    /// Reads each pool's load from its conductor (a script in tests).
+    pub conductor_load: Arc<dyn ConductorLoad>,
+    /// Address used for every pool's conductor instead of its Service DNS name (tests).
+    pub conductor_addr_override: Option<String>,
+    /// The autoscaling decision state of each autoscaled engine pool, by `kind/ns/name`.
+    pub autoscalers: Mutex<HashMap<String, Autoscaler>>,
+    clock: Clock,
     failures: Mutex<HashMap<String, u32>>,
 }
+
+/// Where the context reads the time.
+pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -89,13 +104,17 @@ impl Context {
             settings,
             master_stats: Arc::new(GrpcMasterStats::default()),
             master_addr_override: None,
-            clock: Timestamp::now,
+            conductor_load: Arc::new(HttpConductorLoad::default()),
+            conductor_addr_override: None,
+            autoscalers: Mutex::new(HashMap::new()),
+            clock: Arc::new(Timestamp::now),
             failures: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Test twin: a fixed clock ([`Context::TEST_TIME`]), a fresh registry, test images, and a
-    /// master that never answers ([`FixedStats`] without figures) unless a test sets one.
+    /// Test twin: a fixed clock ([`Context::TEST_TIME`]), a fresh registry, test images, a
+    /// master that never answers ([`FixedStats`] without figures) and a conductor that never
+    /// answers (an empty [`ScriptedLoad`]) unless a test sets them.
     pub fn for_tests(client: Client) -> Self {
         let registry = prometheus::Registry::new();
         // A fresh registry cannot hold these names already.
@@ -107,8 +126,9 @@ impl Context {
             Settings::for_tests(),
             Some("kvpool-operator-test".to_owned()),
         );
-        ctx.clock = test_clock;
+        ctx.clock = Arc::new(test_clock);
         ctx.master_stats = Arc::new(FixedStats(None));
+        ctx.conductor_load = Arc::new(ScriptedLoad::default());
         ctx
     }
 
@@ -119,6 +139,23 @@ impl Context {
     pub fn with_master_stats(mut self, stats: Arc<dyn MasterStats>) -> Self {
         self.master_stats = stats;
         self
+    }
+
+    /// Replace the conductor load reader (tests).
+    pub fn with_conductor_load(mut self, load: Arc<dyn ConductorLoad>) -> Self {
+        self.conductor_load = load;
+        self
+    }
+
+    /// Replace the clock (tests that let time pass).
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Where to reach the conductor of a pool whose Service address is `service_addr`.
+    pub fn conductor_addr(&self, service_addr: String) -> String {
+        self.conductor_addr_override.clone().unwrap_or(service_addr)
     }
 
     /// Where to reach the master of a pool whose Service address is `service_addr`.

@@ -2,7 +2,8 @@
 //! owned Kubernetes objects. Each controller is a pipeline dereference -> validate -> build
 //! (pure) -> apply (server-side apply) -> status. The I/O boundary is the kube client inside
 //! [`context::Context`] (used by [`apply`] and the dereference step), the master's `Stats` call
-//! behind [`pool_usage::MasterStats`], the admin listener started by [`run`], and the file copy
+//! behind [`pool_usage::MasterStats`], the conductor's load endpoint behind
+//! [`conductor_load::ConductorLoad`], the admin listener started by [`run`], and the file copy
 //! of [`python_package`] (`kvpool operator install-python`, run by engine pods' init containers);
 //! every other module is pure.
 
@@ -10,6 +11,7 @@ pub mod apply;
 pub mod cachepool;
 pub mod cli;
 pub mod conditions;
+pub mod conductor_load;
 pub mod context;
 pub mod contract;
 pub mod controller;

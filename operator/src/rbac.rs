@@ -20,7 +20,9 @@ const fn p(group: &'static str, resource: &'static str, verb: &'static str) -> P
 
 /// The full list, grouped by what needs it.
 pub const PERMISSIONS: &[Permission] = &[
-    // The event recorder creates Events and patches them to bump a series.
+    // The event recorder creates Events (InvalidSpec warnings, the autoscaling ScaledUp and
+    // ScaledDown) and patches them to bump a series. Autoscaling writes no */scale: the count
+    // goes to the engine Deployment (docs/adr/0007-autoscaling-from-the-conductor.md).
     p("events.k8s.io", "events", "create"),
     p("events.k8s.io", "events", "patch"),
     // Children: server-side apply (patch; create when absent), owned watches (list, watch),

@@ -1413,3 +1413,212 @@ async fn status_carries_the_figures_of_a_real_master() {
         "MasterReachable"
     ));
 }
+
+/// What one autoscaled pass of the `qwen` DecodePool is expected to do.
+struct ScalePass {
+    /// Seconds after the test clock's start.
+    at_s: i64,
+    /// The conductor's answer (`None`: silent).
+    p90_tpot_s: Option<f64>,
+    /// The engine Deployment's replicas applied.
+    replicas: i64,
+    /// The Event published (`ScaledUp`/`ScaledDown`), if any; a status write goes with it.
+    event: Option<&'static str>,
+}
+
+/// Decode load whose predicted TPOT p90 is `p90_s`.
+fn decode_load(p90_s: f64) -> kvpool_core::autoscale::LoadReport {
+    use kvpool_core::autoscale::{LoadFigures, LoadReport, RoleLoad};
+    LoadReport {
+        window_s: 30.0,
+        prefill: RoleLoad::default(),
+        decode: RoleLoad {
+            instances: 3,
+            queue_depth: 0,
+            slo_s: 0.03,
+            figures: LoadFigures {
+                arrivals: 50,
+                rejected: 0,
+                predicted_p50_s: Some(p90_s / 2.0),
+                predicted_p90_s: Some(p90_s),
+                rejection_rate: Some(0.0),
+                slo_attainment: Some(1.0),
+            },
+        },
+    }
+}
+
+/// A DecodePool with `spec.autoscaling` (1..8 on the predicted TPOT against its 30 ms SLO),
+/// driven pass after pass through one context whose clock and conductor are scripted: a
+/// lasting high prediction scales up at once (with a `ScaledUp` Event and status), a signal
+/// that oscillates afterwards changes nothing (cool-down, then the windows disagree), a silent
+/// conductor holds the count, and only once the down window holds nothing but low predictions
+/// does it scale down, one step, with a `ScaledDown` Event. `spec.replicas` is never written.
+#[tokio::test]
+async fn autoscaling_follows_the_conductors_prediction_without_flapping() {
+    use kvpool_operator::conductor_load::ScriptedLoad;
+    use std::sync::atomic::{AtomicI64, Ordering};
+
+    let pool_json =
+        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
+    let mut decode: DecodePool = fixture("decodepool-sglang.yaml");
+    decode.spec.autoscaling = Some(
+        serde_json::from_value(
+            json!({"minReplicas": 1, "maxReplicas": 8, "signal": "predictedLatency"}),
+        )
+        .expect("autoscaling"),
+    );
+    let clock = Arc::new(AtomicI64::new(Context::TEST_TIME));
+    let load = Arc::new(ScriptedLoad::default());
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let now = clock.clone();
+    let ctx = Arc::new(
+        Context::for_tests(Client::new(service, "default"))
+            .with_conductor_load(load.clone())
+            .with_clock(Arc::new(move || {
+                k8s_openapi::jiff::Timestamp::from_second(now.load(Ordering::SeqCst)).expect("time")
+            })),
+    );
+    let mut server = ApiServer { handle };
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
+    let passes = [
+        // At the SLO against a 0.5 target: twice the instances, at once.
+        ScalePass {
+            at_s: 0,
+            p90_tpot_s: Some(0.03),
+            replicas: 6,
+            event: Some("ScaledUp"),
+        },
+        // Oscillating: inside the 60 s cool-down nothing moves...
+        ScalePass {
+            at_s: 15,
+            p90_tpot_s: Some(0.006),
+            replicas: 6,
+            event: None,
+        },
+        ScalePass {
+            at_s: 30,
+            p90_tpot_s: Some(0.06),
+            replicas: 6,
+            event: None,
+        },
+        // ...the conductor going silent holds the count...
+        ScalePass {
+            at_s: 45,
+            p90_tpot_s: None,
+            replicas: 6,
+            event: None,
+        },
+        // ...and after it the up window's low reading and the down window's high ones veto
+        // both directions.
+        ScalePass {
+            at_s: 75,
+            p90_tpot_s: Some(0.006),
+            replicas: 6,
+            event: None,
+        },
+        ScalePass {
+            at_s: 90,
+            p90_tpot_s: Some(0.06),
+            replicas: 6,
+            event: None,
+        },
+        // Low for longer than the 300 s down window: one step (25 %, at least one) down.
+        ScalePass {
+            at_s: 400,
+            p90_tpot_s: Some(0.006),
+            replicas: 5,
+            event: Some("ScaledDown"),
+        },
+    ];
+    for pass in passes {
+        clock.store(Context::TEST_TIME + pass.at_s, Ordering::SeqCst);
+        load.push(pass.p90_tpot_s.map(decode_load));
+        let engine_json = serde_json::to_value(&decode).expect("json");
+        let obj = decode.clone();
+        let work_ctx = ctx.clone();
+        let pool = pool_json.clone();
+        let (outcome, written) = tokio::join!(
+            async move {
+                tokio::time::timeout(
+                    std::time::Duration::from_secs(30),
+                    enginepool::reconcile_engine_pool(&obj, &work_ctx),
+                )
+                .await
+                .expect("reconcile finished")
+            },
+            async {
+                server.expect_roce_pool(&pool).await;
+                server
+                    .expect_apply(&format!("{NS}/services/qwen-decode"), None)
+                    .await;
+                let deploy = server
+                    .expect_apply(
+                        &format!("{APPS}/deployments/qwen-decode"),
+                        Some(json!({"replicas": pass.replicas, "readyReplicas": pass.replicas})),
+                    )
+                    .await;
+                assert_eq!(
+                    deploy["spec"]["replicas"], pass.replicas,
+                    "at {} s",
+                    pass.at_s
+                );
+                server
+                    .expect_list(
+                        &format!("{APPS}/deployments"),
+                        selector,
+                        "DeploymentList",
+                        vec![],
+                    )
+                    .await;
+                server
+                    .expect_list(&format!("{NS}/services"), selector, "ServiceList", vec![])
+                    .await;
+                let reason = pass.event?;
+                let (seen, send) = server
+                    .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
+                    .await;
+                assert_eq!(seen.body["type"], "Normal");
+                assert_eq!(seen.body["reason"], reason);
+                assert_eq!(seen.body["regarding"]["kind"], "DecodePool");
+                let note = seen.body["note"].as_str().expect("note").to_owned();
+                assert!(note.contains("predictedLatency"), "{note}");
+                assert!(note.contains("TPOT SLO 30ms"), "{note}");
+                reply(send, StatusCode::CREATED, &seen.body);
+                let body = server.expect_decode_status(&engine_json).await;
+                Some((note, body["status"].clone()))
+            }
+        );
+        assert_eq!(outcome.expect("reconcile"), enginepool::Outcome::Reconciled);
+        if let Some((note, status)) = written {
+            let a = &status["autoscaling"];
+            assert_eq!(a["desiredReplicas"], pass.replicas);
+            assert_eq!(a["reason"], pass.event.expect("event"));
+            assert_eq!(a["signal"], "predictedLatency");
+            assert!(a["lastScaleTime"].is_string(), "{a}");
+            assert_eq!(status["replicas"], pass.replicas);
+            if pass.at_s == 0 {
+                assert!(note.contains("from 3 to 6"), "{note}");
+                assert_eq!(a["value"], "1.000");
+            }
+            decode.status = Some(serde_json::from_value(status).expect("status"));
+        }
+        assert_eq!(decode.spec.replicas, 3, "spec.replicas is the user's");
+    }
+    assert!(
+        load.asked()
+            .iter()
+            .all(|a| a == "roce-conductor.llm.svc:8000"),
+        "{:?}",
+        load.asked()
+    );
+    assert!(
+        ctx.autoscalers
+            .lock()
+            .expect("lock")
+            .contains_key("DecodePool/llm/qwen"),
+        "the decision state is kept between passes"
+    );
+    drop(ctx);
+    server.expect_done().await;
+}

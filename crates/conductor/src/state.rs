@@ -72,6 +72,8 @@ pub struct Ticket {
     pub decode: usize,
     /// Estimated TTFT, seconds.
     pub ttft_s: f64,
+    /// Estimated TPOT on the decode instance chosen, seconds.
+    pub tpot_s: f64,
     /// Of the prompt's leading blocks the prefill instance need not compute, those it holds in
     /// its local cache.
     pub local_blocks: u32,
@@ -205,6 +207,7 @@ impl State {
             prefill: p.prefill,
             decode: p.decode,
             ttft_s: p.ttft.total_s(),
+            tpot_s: p.tpot_s,
             local_blocks: p.prefix.local_blocks,
             pool_blocks: p.prefix.pool_blocks(),
             uncached_tokens: input_tokens.saturating_sub(
@@ -349,6 +352,14 @@ impl State {
             m.remaining_tokens = total - done;
             m.context_tokens = prompt + u64::from(done);
         }
+    }
+
+    /// Requests waiting now: on prefill, booked and not yet prefilled; on decode, booked and
+    /// not yet in a running batch. The conductor's load endpoint reports them.
+    pub fn queue_depths(&self) -> (u64, u64) {
+        let prefill = self.booked.iter().map(|q| q.len() as u64).sum();
+        let decode = self.decode.iter().map(|d| d.pending.len() as u64).sum();
+        (prefill, decode)
     }
 
     /// Per decode instance: the requests booked and the output tokens they still expect.

@@ -127,8 +127,10 @@ macro_rules! engine_pool_spec {
             #[serde(default)]
             pub slo: $slo,
 
-            /// Bounds within which something else (an HPA on the scale subresource, the conductor) may
-            /// change `replicas`. Absent: `replicas` is fixed.
+            /// Let the operator run between `minReplicas` and `maxReplicas` instances, driven by the
+            /// conductor's `signal` (docs/operator.md, "Autoscaling"); `replicas` is then only the
+            /// starting count. Absent: the engine Deployment runs `replicas` instances (set it
+            /// yourself, or let an HPA or KEDA scale it through the scale subresource).
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub autoscaling: Option<AutoscalingSpec>,
         }
@@ -312,15 +314,38 @@ pub struct AutoscalingSpec {
     pub signal: AutoscalingSignal,
 }
 
-/// Load signal for autoscaling.
+/// Load signal for autoscaling, as the pool's conductor measures it for the pool's role over its
+/// last window (docs/scheduling.md, "Load signal").
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum AutoscalingSignal {
-    /// Share of requests that met the SLO.
+    /// Share of requests admitted with a predicted latency within the SLO; scale up below 99 %.
     #[default]
     SloAttainment,
-    /// Requests waiting per instance.
+    /// Requests waiting per instance; aim for 1.
     QueueDepth,
+    /// p90 of the predicted TTFT (prefill) or TPOT (decode) against `slo`; aim for 0.5.
+    PredictedLatency,
+    /// Share of requests rejected for this phase; scale up above 1 %.
+    RejectionRate,
+}
+
+/// The operator's last autoscaling decision.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineAutoscalingStatus {
+    /// Instances the operator runs (the engine Deployment's replicas).
+    pub desired_replicas: i32,
+    /// When the operator last changed the count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// The signal (`spec.autoscaling.signal`).
+    pub signal: AutoscalingSignal,
+    /// The signal's value at the last change, as the Event stated it (absent before one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    /// Why the count is what it is: `ScaledUp`, `ScaledDown`, `Bounds` or `Initial`.
+    pub reason: String,
 }
 
 /// Observed state of a prefill or decode pool, written by the operator only.
@@ -351,4 +376,8 @@ pub struct EnginePoolStatus {
     /// Addresses (`host:port`) that serve this pool: the Service first, then ready instances.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub endpoints: Vec<String>,
+
+    /// The last autoscaling decision (only with `spec.autoscaling`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<EngineAutoscalingStatus>,
 }

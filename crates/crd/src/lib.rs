@@ -14,9 +14,9 @@ pub mod quantity;
 mod validated;
 
 pub use enginepool::{
-    AutoscalingSignal, AutoscalingSpec, DecodePool, DecodePoolSpec, DecodeSlo, EngineKind,
-    EnginePoolStatus, EngineResources, EngineSpec, KVCachePoolRef, PrefillPool, PrefillPoolSpec,
-    PrefillSlo,
+    AutoscalingSignal, AutoscalingSpec, DecodePool, DecodePoolSpec, DecodeSlo,
+    EngineAutoscalingStatus, EngineKind, EnginePoolStatus, EngineResources, EngineSpec,
+    KVCachePoolRef, PrefillPool, PrefillPoolSpec, PrefillSlo,
 };
 pub use kvcachepool::{
     AgentSpec, ConductorSlo, ConductorSpec, DramTierSpec, EvictionPolicy, EvictionSpec, Hugepages,

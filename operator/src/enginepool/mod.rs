@@ -1,9 +1,13 @@
 //! The `PrefillPool` and `DecodePool` controllers (one generic implementation): dereference the
 //! KVCachePool -> validate -> build -> apply -> status. A missing KVCachePool is reported as
 //! Ready=False/KVCachePoolNotFound; the controller's watch on KVCachePools maps a pool that
-//! appears (or changes) back to the engine pools that reference it.
-//! I/O boundary: the GET of the KVCachePool, the applies and the status write.
+//! appears (or changes) back to the engine pools that reference it. A pool with
+//! `spec.autoscaling` gets its instance count from `autoscale` (the conductor's load) each
+//! [`AUTOSCALE_PERIOD`].
+//! I/O boundary: the GET of the KVCachePool, the conductor read, the applies, the Event and
+//! the status write.
 
+pub mod autoscale;
 pub mod build;
 pub mod kind;
 pub mod status;
@@ -25,7 +29,7 @@ use tracing::{info, instrument, warn};
 use crate::apply;
 use crate::cachepool;
 use crate::conditions::reason;
-use crate::context::{Context, RESYNC};
+use crate::context::{AUTOSCALE_PERIOD, Context, RESYNC};
 use crate::controller;
 use crate::error::{Error, Result};
 use crate::labels;
@@ -67,7 +71,9 @@ pub async fn reconcile<K: EnginePool>(obj: Arc<K>, ctx: Arc<Context>) -> Result<
     let pass = controller::Pass::start(&ctx, K::KIND_NAME);
     let result = reconcile_engine_pool(obj.as_ref(), &ctx).await;
     let outcome = pass.finish(&key(obj.as_ref()), result, Outcome::label)?;
+    let autoscaled = obj.validated().is_ok_and(|v| v.autoscaling.is_some());
     Ok(match outcome {
+        Outcome::Reconciled if autoscaled => Action::requeue(AUTOSCALE_PERIOD),
         Outcome::Reconciled => Action::requeue(RESYNC),
         // The KVCachePool watch brings these back when the pool appears or changes.
         Outcome::PoolNotFound | Outcome::PoolInvalid | Outcome::Invalid | Outcome::Deleting => {
@@ -125,6 +131,14 @@ async fn write_blocked<K: EnginePool>(
 #[instrument(skip_all, fields(kind = K::KIND_NAME, name = %obj.name_any(), namespace = obj.namespace().unwrap_or_default(), pool = obj.pool_ref()))]
 pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Result<Outcome> {
     if obj.meta().deletion_timestamp.is_some() {
+        autoscale::forget(
+            ctx,
+            &autoscale::state_key(
+                K::KIND_NAME,
+                &obj.namespace().unwrap_or_default(),
+                &obj.name_any(),
+            ),
+        );
         return Ok(Outcome::Deleting);
     }
     let namespace = obj
@@ -166,7 +180,7 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     };
 
     // Validate.
-    let valid = match validate::validate(obj, valid_pool) {
+    let mut valid = match validate::validate(obj, valid_pool) {
         Ok(v) => v,
         Err(Error::InvalidSpec(message)) => {
             warn!(engine_pool = %name, %message, "invalid spec");
@@ -177,6 +191,18 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
         }
         Err(other) => return Err(other),
     };
+
+    // Autoscale: the count the Deployment runs (spec.replicas is only the starting one).
+    let scaling = match valid.effective.autoscaling {
+        Some(cfg) => Some(autoscale::step(ctx, obj, &valid, cfg).await),
+        None => {
+            autoscale::forget(ctx, &autoscale::state_key(K::KIND_NAME, &namespace, &name));
+            None
+        }
+    };
+    if let Some(s) = &scaling {
+        valid.effective.replicas = s.desired;
+    }
 
     // Build.
     let config_hash = cachepool::build::config_hash(&cachepool::build::config_data(&valid.pool)?);
@@ -197,8 +223,13 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     apply::delete_orphans(&deployments, &selector, &keep).await?;
     apply::delete_orphans(&services, &selector, &keep).await?;
 
+    if let Some((reason, message)) = scaling.as_ref().and_then(|s| s.event.as_ref()) {
+        autoscale::publish(ctx, obj, reason, message).await?;
+    }
+
     // Status.
-    let new_status = status::status(&valid, &applied, obj.engine_status(), ctx.now());
+    let mut new_status = status::status(&valid, &applied, obj.engine_status(), ctx.now());
+    new_status.autoscaling = scaling.map(|s| s.status);
     if obj.engine_status() != Some(&new_status) {
         apply::patch_status(&ctx.settings.field_manager, &api, &name, &new_status).await?;
     }

@@ -59,6 +59,8 @@ pub fn status(
             p.namespace,
             contract::ENGINE_PORT
         )],
+        // Set by the reconcile from the autoscaling step (absent without spec.autoscaling).
+        autoscaling: None,
     }
 }
 

@@ -1,6 +1,6 @@
 //! The conductor's HTTP front, the OpenAI-facing layer: the router with `/v1/completions`,
 //! `/v1/chat/completions`, `/v1/models` and `/v1/models/{id}` (and kvpool's own
-//! `/v1/kvpool/status`), OpenAI-style JSON errors for any other route (404) or method (405),
+//! `/v1/kvpool/status` and `/v1/kvpool/load`), OpenAI-style JSON errors for any other route (404) or method (405),
 //! and the assembly of one conductor ([`conductor`]:
 //! its metrics, engine set and shared state). I/O boundary: none until the router is served
 //! (`kvpool_runtime::http::serve`, re-exported as `server::serve`).
@@ -135,6 +135,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         pool_backoff_until: parking_lot::Mutex::new(None),
         feeds: Default::default(),
         models: super::models::ServedModels::new(config_models),
+        load: Default::default(),
     });
     let router = Router::new()
         .route(
@@ -183,6 +184,12 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         .route(
             "/v1/kvpool/status",
             get(|AxumState(s): AxumState<Arc<Shared>>| async move { Json(status(&s)) }),
+        )
+        .route(
+            "/v1/kvpool/load",
+            get(|AxumState(s): AxumState<Arc<Shared>>| async move {
+                Json(s.load_report())
+            }),
         )
         .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
             method_not_allowed(&method, &uri)

@@ -33,6 +33,12 @@ pub(super) async fn handle(
 ) -> Response {
     // Without engines nothing can be served, whatever the request says.
     if shared.members.lock().state.is_none() {
+        // Counted as refused for want of instances: what scales a pool up from zero.
+        let wall = shared.wall_s();
+        shared
+            .load
+            .lock()
+            .rejected(wall, kvpool_core::sched::RejectReason::NoInstance);
         return no_engines(&shared);
     }
     let served = |m: &str| shared.models.serves(m);
@@ -85,6 +91,14 @@ pub(super) async fn handle(
                 .bandwidth_bps(shared.config.block_bytes()),
         );
         let placed = state.place_with_pool(now, &keys, in_pool, tokens.total, output_tokens);
+        {
+            let wall = shared.wall_s();
+            let mut load = shared.load.lock();
+            match &placed {
+                Ok(t) => load.admitted(wall, t.ttft_s, t.tpot_s),
+                Err(refusal) => load.rejected(wall, refusal.reason),
+            }
+        }
         if let Some(task) = state.take_replication() {
             replicate(&shared, &task, &engines.prefill);
         }

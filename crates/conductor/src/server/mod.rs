@@ -18,7 +18,8 @@
 //! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication.
 //! - `shared`, `members`, `engine_set`, `metrics`: what the handlers share, the engine set's
 //!   bookkeeping and its handle, and the conductor's metrics; `models`: the model names
-//!   served (flags, or the engines' own lists).
+//!   served (flags, or the engines' own lists); `load`: the per-role load signal the
+//!   operator autoscales by (`/v1/kvpool/load`).
 
 mod engine_calls;
 mod engine_set;
@@ -26,6 +27,7 @@ mod error_bodies;
 mod front;
 mod handle;
 mod kv_feed;
+mod load;
 mod members;
 mod metrics;
 mod models;
@@ -42,6 +44,7 @@ pub use front::{Conductor, ServerError, conductor, router};
 /// Serves a router on a listener until the token is cancelled (the runtime's serve loop; a
 /// failure there is [`ServerError::Serve`] to the CLI).
 pub use kvpool_runtime::http::{serve, serve_with};
+pub use load::LOAD_WINDOW;
 pub use pool_lookup::POOL_LOOKUP_BACKOFF;
 pub use prefetch::MAX_PREFETCHES_IN_FLIGHT;
 pub use sglang::url_host;

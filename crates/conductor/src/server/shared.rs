@@ -32,6 +32,8 @@ pub(super) struct Shared {
     pub(super) feeds: parking_lot::Mutex<Feeds>,
     /// The model names served (flags, or learnt from the engines).
     pub(super) models: super::models::ServedModels,
+    /// The load signal's windows (`load`).
+    pub(super) load: parking_lot::Mutex<super::load::LoadWindows>,
 }
 
 /// The KV event subscriptions running (`kv_feed`), by prefill engine URL, and the token they
@@ -52,6 +54,29 @@ impl Shared {
             .chain(&m.engines.decode)
             .cloned()
             .collect()
+    }
+
+    /// Wall seconds since start (the load signal's clock).
+    pub(super) fn wall_s(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// The load endpoint's body now (`load`).
+    pub(super) fn load_report(&self) -> kvpool_core::autoscale::LoadReport {
+        let (instances, queues) = {
+            let m = self.members.lock();
+            (
+                (m.engines.prefill.len(), m.engines.decode.len()),
+                m.state
+                    .as_ref()
+                    .map(crate::state::State::queue_depths)
+                    .unwrap_or_default(),
+            )
+        };
+        let now = self.wall_s();
+        self.load
+            .lock()
+            .report(now, instances, queues, self.config.scheduler.slo)
     }
 
     /// Cost-model seconds since start: wall time divided by the engines' time scale.

@@ -1,7 +1,8 @@
 //! What one simulation run is configured with: the scheduler's configuration, the decode
-//! instances, the cache and pool capacities and the time scale. Pure data, built by the
-//! `kvpool simulate` command line and by tests.
+//! instances, the cache and pool capacities, the time scale and the prefill autoscaling. Pure
+//! data, built by the `kvpool simulate` command line and by tests.
 
+use super::scaling::AutoscaleConfig;
 use crate::sched::SchedulerConfig;
 
 /// Capacity value meaning "no limit".
@@ -18,4 +19,7 @@ pub struct SimConfig {
     pub pool_blocks: usize,
     /// Arrival times are divided by this (2.0 replays twice as fast).
     pub time_scale: f64,
+    /// Scale the prefill instances (the scheduler's `prefill_costs` has one per instance up
+    /// to `max`); `None`: all of them serve all the time.
+    pub autoscale: Option<AutoscaleConfig>,
 }

@@ -18,6 +18,7 @@ use crate::sched::{
 pub use super::config::{SimConfig, UNLIMITED};
 pub use super::outcome::{Outcome, Totals};
 use super::report::{Report, summarize};
+use super::scaling::PrefillScaler;
 use super::trace::TraceRecord;
 
 /// Errors of a simulation run.
@@ -86,6 +87,7 @@ struct State {
     outcomes: Vec<Outcome>,
     totals: Totals,
     kv_capacity: u64,
+    scaler: Option<PrefillScaler>,
 }
 
 /// Replays `records` (sorted by timestamp) under `config`.
@@ -108,13 +110,18 @@ pub fn run(
     let index = PrefixIndex::new(n).map_err(SimError::Index)?;
     let pool = (config.scheduler.policy.uses_pool() && config.pool_blocks > 0)
         .then(|| LruSet::new(config.pool_blocks));
+    let mut prefill = vec![PrefillLoad::default(); n];
+    let slo_s = config.scheduler.slo.ttft_s;
+    let scaler = config
+        .autoscale
+        .map(|a| PrefillScaler::new(a, slo_s, &mut prefill));
     let mut st = State {
         index,
         local: (0..n)
             .map(|_| LruSet::new(config.local_cache_blocks))
             .collect(),
         pool,
-        prefill: vec![PrefillLoad::default(); n],
+        prefill,
         decode: vec![DecodeLoad::default(); config.decode_instances],
         stepping: vec![false; config.decode_instances],
         waiting: vec![VecDeque::new(); config.decode_instances],
@@ -124,16 +131,35 @@ pub fn run(
         totals: Totals::default(),
         kv_capacity: config.scheduler.decode_kv_capacity_tokens,
         sched,
+        scaler,
     };
     for (id, rec) in records.iter().enumerate() {
         let now = rec.timestamp_ms as f64 / 1000.0 / config.time_scale;
         while st.events.peek().is_some_and(|Reverse(e)| e.at_s <= now) {
             st.handle_next();
         }
+        if let Some(s) = st.scaler.as_mut() {
+            s.advance(now, &mut st.prefill, &mut st.local, &mut st.index);
+        }
         st.arrive(id, rec, now);
     }
     while !st.events.is_empty() {
         st.handle_next();
+    }
+    // Instance-seconds from the first arrival to the last completion (or arrival).
+    let first = st.outcomes.first().map_or(0.0, |o| o.arrival_s);
+    let end = st
+        .outcomes
+        .iter()
+        .map(|o| o.finish_s.max(o.arrival_s))
+        .fold(first, f64::max);
+    match st.scaler.take() {
+        Some(s) => {
+            let scaling = s.finish(end);
+            st.totals.prefill_instance_s = scaling.instance_s;
+            st.totals.scaling = Some(scaling);
+        }
+        None => st.totals.prefill_instance_s = n as f64 * (end - first),
     }
     Ok((st.outcomes, st.totals))
 }
@@ -193,6 +219,11 @@ impl State {
             .decide(now, &req, &self.index, &self.prefill, &self.decode)
         {
             Decision::Reject(reason) => {
+                if let (Some(s), RejectReason::Ttft { .. } | RejectReason::NoInstance) =
+                    (self.scaler.as_mut(), reason)
+                {
+                    s.rejected(now);
+                }
                 out.rejected = Some(reason);
                 self.outcomes.push(out);
                 return;
@@ -227,6 +258,9 @@ impl State {
         let work = placement.ttft.fetch_s + placement.ttft.prefill_s;
         p.free_at_s = start + work;
         self.totals.prefill_busy_s += work;
+        if let Some(s) = self.scaler.as_mut() {
+            s.admitted(now, placement.prefill, start, placement.ttft.total_s());
+        }
         out.ttft_s = p.free_at_s - now;
         out.decode_arrival_s = p.free_at_s + placement.kv_transfer_s;
         self.decode[placement.decode].pending.push(DecodeMember {
@@ -406,6 +440,7 @@ mod tests {
             local_cache_blocks: UNLIMITED,
             pool_blocks: UNLIMITED,
             time_scale: 1.0,
+            autoscale: None,
         }
     }
 
@@ -420,6 +455,49 @@ mod tests {
             output_length: output,
             hash_ids: ids.to_vec(),
         }
+    }
+
+    /// A load one instance cannot carry (a 2 s prefill every second) then a quiet tail:
+    /// autoscaling adds instances while it lasts and gives them back after, and meets the SLO
+    /// where the one fixed instance does not, with fewer instance-seconds than four fixed.
+    #[test]
+    fn autoscaling_follows_the_load_and_saves_instance_seconds() {
+        use crate::autoscale::Signal;
+        use crate::sim::scaling::AutoscaleConfig;
+        let mut records: Vec<TraceRecord> = (0..240u64)
+            .map(|i| rec(i * 1000, 20, 2, &[1_000 + 2 * i, 1_001 + 2 * i]))
+            .collect();
+        records.extend((0..12u64).map(|i| rec(300_000 + i * 60_000, 20, 2, &[9_000 + i])));
+        let mut fixed = config(u64::MAX);
+        fixed.scheduler.slo.ttft_s = 8.0;
+        fixed.scheduler.slo.tpot_s = 100.0;
+        let mut four = fixed.clone();
+        four.scheduler.prefill_costs = vec![fixed.scheduler.prefill_costs[0]; 4];
+        let mut scaled = four.clone();
+        scaled.autoscale = Some(AutoscaleConfig {
+            startup_s: 5.0,
+            ..AutoscaleConfig::new(1, 4, Signal::PredictedLatency)
+        });
+        let one = simulate(&records, &fixed).unwrap();
+        let four = simulate(&records, &four).unwrap();
+        let auto = simulate(&records, &scaled).unwrap();
+        let a = auto.autoscale.expect("autoscaled");
+        assert!(a.most > 1 && a.scale_ups >= 1, "{a:?}");
+        assert!(a.scale_downs >= 1 && a.fewest == 1, "{a:?}");
+        assert!(
+            auto.slo_attainment > one.slo_attainment + 0.3,
+            "{} vs {}",
+            auto.slo_attainment,
+            one.slo_attainment
+        );
+        assert!(
+            auto.prefill_instance_s < 0.7 * four.prefill_instance_s,
+            "{} vs {}",
+            auto.prefill_instance_s,
+            four.prefill_instance_s
+        );
+        assert!(four.autoscale.is_none());
+        close(one.prefill_instance_s, one.makespan_s);
     }
 
     #[test]

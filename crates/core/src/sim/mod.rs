@@ -1,6 +1,7 @@
 //! Trace simulator: replays a Mooncake-format request trace through the scheduling policy core
 //! (`crate::sched`) with simulated prefill and decode instances, and reports hit ratios, TTFT,
-//! TPOT, rejections and SLO attainment. I/O boundary: `trace::load` reads the trace file and
+//! TPOT, rejections, SLO attainment and prefill instance-seconds, with a fixed or an autoscaled
+//! prefill count (`scaling`). I/O boundary: `trace::load` reads the trace file and
 //! the `kvpool simulate` command prints; the engine and the report are pure.
 
 pub mod bench;
@@ -8,10 +9,12 @@ pub mod config;
 pub mod engine;
 pub mod outcome;
 pub mod report;
+pub mod scaling;
 pub mod trace;
 
 pub use config::{SimConfig, UNLIMITED};
 pub use engine::{SimError, run, simulate};
 pub use outcome::{Outcome, Totals};
 pub use report::{Percentiles, Report};
+pub use scaling::{AutoscaleConfig, ScalingTotals};
 pub use trace::{TraceError, TraceRecord};

@@ -2,6 +2,7 @@
 //! timeline, the scheduler's estimates) and the totals that are not per request. Pure data;
 //! the engine fills it, the report summarises it.
 
+use super::scaling::ScalingTotals;
 use crate::sched::RejectReason;
 
 /// What happened to one request.
@@ -41,4 +42,8 @@ pub struct Totals {
     pub replicated_blocks: u64,
     pub local_evictions: u64,
     pub pool_evictions: u64,
+    /// Prefill instance-seconds from the first arrival to the end of the run.
+    pub prefill_instance_s: f64,
+    /// What autoscaling did (`None` without it).
+    pub scaling: Option<ScalingTotals>,
 }

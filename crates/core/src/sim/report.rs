@@ -78,6 +78,10 @@ pub struct Report {
     pub replicated_blocks: u64,
     pub local_evictions: u64,
     pub pool_evictions: u64,
+    /// Prefill instance-seconds, first arrival to last completion.
+    pub prefill_instance_s: f64,
+    /// What autoscaling did (`None` with a fixed prefill count).
+    pub autoscale: Option<super::scaling::ScalingTotals>,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -116,6 +120,8 @@ pub fn summarize(config: &SimConfig, outcomes: &[Outcome], totals: &Totals) -> R
         replicated_blocks: totals.replicated_blocks,
         local_evictions: totals.local_evictions,
         pool_evictions: totals.pool_evictions,
+        prefill_instance_s: totals.prefill_instance_s,
+        autoscale: totals.scaling,
     };
     let (mut matched, mut local, mut tokens, mut cached) = (0u64, 0u64, 0u64, 0u64);
     let mut ttft = Vec::with_capacity(outcomes.len());
@@ -231,6 +237,18 @@ impl Report {
             self.local_evictions,
             self.pool_evictions
         );
+        let _ = match &self.autoscale {
+            Some(a) => writeln!(
+                s,
+                "prefill instance-seconds {:.0}  autoscaled {}..{} instances, {} up and {} down",
+                self.prefill_instance_s, a.fewest, a.most, a.scale_ups, a.scale_downs
+            ),
+            None => writeln!(
+                s,
+                "prefill instance-seconds {:.0}  ({} instances throughout)",
+                self.prefill_instance_s, self.prefill_instances
+            ),
+        };
         s
     }
 }

@@ -1,7 +1,8 @@
 //! The pool's NetworkPolicies, one per server it runs: the master admits gRPC and the block
 //! events from the pool's own pods (agents, conductor, engines) and gRPC from the operator's
 //! usage query; the agents admit the transfer port from the pool's own pods; the conductor admits
-//! its HTTP port from `spec.networkPolicy.conductorFrom` (default: its namespace). Admin ports
+//! its HTTP port from `spec.networkPolicy.conductorFrom` (default: its namespace) and from the
+//! operator (its autoscaling reads `/v1/kvpool/load` there). Admin ports
 //! (`/metrics`) admit `spec.networkPolicy.metricsFrom` only; the kubelet's probes come from the
 //! node, which a NetworkPolicy cannot block. Ingress only; egress stays open. Absent when
 //! `spec.networkPolicy.enabled` is false. I/O boundary: none.
@@ -156,7 +157,10 @@ pub fn network_policies(pool: &ValidCachePool) -> Vec<NetworkPolicy> {
         out.push(policy(
             pool,
             Component::Conductor,
-            vec![rule(callers, &[contract::CONDUCTOR_PORT])],
+            vec![
+                rule(callers, &[contract::CONDUCTOR_PORT]),
+                rule(vec![operator_pods()], &[contract::CONDUCTOR_PORT]),
+            ],
         ));
     }
     out
@@ -294,8 +298,10 @@ mod tests {
         );
 
         let conductor = rules(&policies, "roce-conductor");
-        assert_eq!(conductor.len(), 1);
+        assert_eq!(conductor.len(), 2);
         assert_eq!(conductor[0].1, [8000]);
+        // The operator reads the load the engine pools autoscale by.
+        assert_eq!(conductor[1], (vec![operator_pods()], vec![8000]));
         // Every pod of the namespace: an empty pod selector and no namespace selector.
         assert_eq!(
             conductor[0].0,
