@@ -21,6 +21,7 @@ pub mod extent;
 pub mod gpu_cuda;
 pub mod memory;
 pub mod metrics;
+pub mod node;
 pub mod placement;
 pub mod pool;
 pub mod registrar;
