@@ -144,7 +144,8 @@ async fn replicas_never_share_a_failure_domain() {
             let _ = client.release_lease(located.lease_id).await;
             let mut nodes: Vec<_> = located.replicas.iter().map(|r| r.node.clone()).collect();
             nodes.sort();
-            if nodes.len() < 2 {
+            // Until the master declares agent-c dead its copy is still listed.
+            if nodes.len() < 2 || nodes.iter().any(|n| n == "agent-c") {
                 continue 'repaired;
             }
             assert_eq!(
