@@ -107,6 +107,7 @@ const TOKENIZER_ONE_SOURCE: &str =
 const TOKENIZER_SUB_PATH: &str =
     "conductor.tokenizer.subPath must be a relative path without '.' or '..' segments";
 const AUTOSCALING_BOUNDS: &str = "autoscaling.minReplicas must not exceed autoscaling.maxReplicas";
+const SPREAD_NEEDS_NODE_ACCESS: &str = kvpool_crd::SPREAD_NEEDS_NODE_ACCESS;
 
 impl Case {
     fn object(&self, kind: Kind) -> Value {
@@ -527,7 +528,39 @@ fn cases() -> Vec<Case> {
             json!({"replication": {"replicas": 0}}),
             OpenApi("replicas"),
         ),
+        c(
+            "spread over zones with an agent service account",
+            POOL,
+            json!({"replication": {"replicas": 2, "spreadLabelKey": "topology.kubernetes.io/zone"},
+                   "agent": {"serviceAccountName": "kvpool-agent"}}),
+            Valid,
+        ),
+        c(
+            "spread over zones without node access",
+            POOL,
+            json!({"replication": {"spreadLabelKey": "topology.kubernetes.io/zone"}}),
+            Cel(SPREAD_NEEDS_NODE_ACCESS),
+        ),
+        c(
+            "spread label key not a label key",
+            POOL,
+            json!({"replication": {"spreadLabelKey": "Rack Label"},
+                   "agent": {"serviceAccountName": "kvpool-agent"}}),
+            OpenApi("spreadLabelKey"),
+        ),
+        c(
+            "agent service account not a name",
+            POOL,
+            json!({"agent": {"serviceAccountName": "Kvpool_Agent"}}),
+            OpenApi("serviceAccountName"),
+        ),
         // ---- eviction
+        c(
+            "every eviction policy",
+            POOL,
+            json!({"eviction": {"policy": "s3fifo"}}),
+            Valid,
+        ),
         c(
             "watermarks equal",
             POOL,

@@ -440,12 +440,7 @@ fn crates_depend_only_on_the_layers_below_them() {
         ),
         (
             "agent",
-            vec![
-                "kvpool-master",
-                "kvpool-conductor",
-                "kvpool-synthetic",
-                "kube",
-            ],
+            vec!["kvpool-master", "kvpool-conductor", "kvpool-synthetic"],
         ),
         (
             "operator",

@@ -241,6 +241,55 @@ fn master_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> {
     Ok(())
 }
 
+/// `spec.eviction` (every policy of the enum, watermarks at their extremes) and the spread reach
+/// the master: the generated args parse and validate into the master's core configuration with
+/// the same policy, the watermarks as fractions of both tiers, and replicas spread over failure
+/// domains. A value the master could not honour would fail here, not in a crash-looping pod.
+#[test]
+fn eviction_and_spread_reach_the_master() -> Result<()> {
+    use kvpool_core::master::types::Spread;
+    let base =
+        std::fs::read_to_string(repo_root().join("operator/tests/fixtures/kvcachepool-tcp.yaml"))?;
+    for policy in kvpool_crd::EvictionPolicy::ALL {
+        for (high, low) in [(100, 0), (90, 80), (1, 0), (100, 99)] {
+            let mut pool: KVCachePool = serde_saphyr::from_str(&base)?;
+            pool.metadata.namespace = Some("default".into());
+            pool.metadata.uid = Some("6f1d2c3b-0000-4000-8000-0000000000aa".into());
+            pool.spec.eviction.policy = policy;
+            pool.spec.eviction.high_watermark_percent = high;
+            pool.spec.eviction.low_watermark_percent = low;
+            let children = children(&pool)?;
+            let (_files, argv) = container_argv(&children, template(&children.master))?;
+            let cli = kvpool::cli::Cli::try_parse_from(&argv)
+                .with_context(|| format!("{policy:?} {high}/{low}: master args {argv:?}"))?;
+            let kvpool::cli::Command::Master(args) = cli.command else {
+                bail!("the master container must run `master`, got {argv:?}");
+            };
+            let core = args
+                .validate()
+                .map_err(|e| anyhow::anyhow!("{policy:?} {high}/{low}: {argv:?}: {e}"))?
+                .core;
+            ensure!(
+                core.policy.as_str() == policy.as_str(),
+                "{policy:?} became {:?}",
+                core.policy
+            );
+            for w in core.watermarks {
+                ensure!(
+                    (w.high, w.low) == (f64::from(high) / 100.0, f64::from(low) / 100.0),
+                    "{high}/{low} became {w:?}"
+                );
+            }
+            ensure!(
+                core.spread == Spread::FailureDomain,
+                "spread {:?}",
+                core.spread
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn conductor_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> {
     let mut seen = 0;

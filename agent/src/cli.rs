@@ -74,6 +74,10 @@ pub struct RunArgs {
     /// Heartbeat period (pool.heartbeat_interval), e.g. 1s.
     #[arg(long)]
     pub heartbeat_interval: Option<String>,
+    /// This node's failure domain (pool.failure_domain); wins over the node label
+    /// (kubernetes.failure_domain_label).
+    #[arg(long, env = "KVPOOL_FAILURE_DOMAIN")]
+    pub failure_domain: Option<String>,
 }
 
 impl RunArgs {
@@ -101,6 +105,7 @@ impl RunArgs {
         set(&mut file.pool.transport_listen, &self.transport_listen);
         set(&mut file.pool.advertise_host, &self.advertise_host);
         set(&mut file.pool.heartbeat_interval, &self.heartbeat_interval);
+        set(&mut file.pool.failure_domain, &self.failure_domain);
         file
     }
 }

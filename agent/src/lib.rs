@@ -23,6 +23,7 @@ pub mod locality;
 pub mod memory;
 pub mod metrics;
 pub mod numa_verify;
+pub mod node;
 pub mod placement;
 pub mod pool;
 pub mod registrar;

@@ -16,6 +16,8 @@ pub const LABEL_LINK_LAYER: &str = "kvpool.dev/rdma-link-layer";
 pub const LABEL_NUMA_NODES: &str = "kvpool.dev/numa-nodes";
 /// Number of GPUs.
 pub const LABEL_GPUS: &str = "kvpool.dev/gpus";
+/// SR-IOV virtual functions enabled on the node's physical functions (`sriov_numvfs`).
+pub const LABEL_SRIOV_VFS: &str = "kvpool.dev/sriov-vfs";
 /// Annotation carrying the compact JSON [`TopologyMatrix`].
 pub const ANNOTATION_MATRIX: &str = "kvpool.dev/topology-matrix";
 /// Annotation carrying the number of discovery warnings.
@@ -371,6 +373,8 @@ pub fn summarize(topo: &Topology) -> NodeSummary {
         topo.numa_nodes.len().to_string(),
     );
     labels.insert(LABEL_GPUS.to_owned(), topo.gpus.len().to_string());
+    let vfs: u64 = topo.sriov.iter().map(|pf| u64::from(pf.num_vfs)).sum();
+    labels.insert(LABEL_SRIOV_VFS.to_owned(), vfs.to_string());
     if !nics.is_empty() {
         let mut layers: Vec<String> = nics
             .iter()

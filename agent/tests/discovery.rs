@@ -131,6 +131,7 @@ fn dgx_roce_node() {
             ("kvpool.dev/rdma", "true"),
             ("kvpool.dev/rdma-link-layer", "ethernet"),
             ("kvpool.dev/rdma-nics", "8"),
+            ("kvpool.dev/sriov-vfs", "4"),
         ]
     );
     check_golden(&topo, "dgx-roce.json");
@@ -193,6 +194,7 @@ fn tcp_only_single_numa_node() {
     assert_eq!(summary.labels["kvpool.dev/rdma"], "false");
     assert_eq!(summary.labels["kvpool.dev/rdma-nics"], "0");
     assert!(!summary.labels.contains_key("kvpool.dev/rdma-link-layer"));
+    assert_eq!(summary.labels["kvpool.dev/sriov-vfs"], "0");
     check_golden(&topo, "tcp-single.json");
 }
 

@@ -51,6 +51,26 @@ pub struct UpArgs {
     /// DRAM tier of each agent.
     #[arg(long, default_value = "64MiB")]
     pub agent_dram: String,
+    /// Replicas of every block the engines put through the agents (the KVCachePool's
+    /// `replication.replicas`).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: u8,
+    /// Failure domain of each agent, comma separated (agent i gets entry i modulo their
+    /// number); the master then keeps the replicas of a block in distinct domains, as a
+    /// KVCachePool's `replication.spreadLabelKey` does with a node label's values.
+    #[arg(long, value_delimiter = ',')]
+    pub agent_failure_domains: Vec<String>,
+    /// Eviction policy of the pool (the KVCachePool's `eviction.policy`).
+    #[arg(long, value_enum, default_value_t = kvpool_core::master::PolicyKind::Lru)]
+    pub eviction_policy: kvpool_core::master::PolicyKind,
+    /// Tier usage, percent, at which eviction starts (`eviction.highWatermarkPercent`;
+    /// default: the master's, 95).
+    #[arg(long)]
+    pub high_watermark_percent: Option<u8>,
+    /// Tier usage, percent, at which eviction stops (`eviction.lowWatermarkPercent`; default:
+    /// the master's, 85).
+    #[arg(long)]
+    pub low_watermark_percent: Option<u8>,
     /// sysfs root the agents read their topology from (default: /sys).
     #[arg(long)]
     pub agent_sysfs_root: Option<PathBuf>,

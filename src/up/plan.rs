@@ -64,6 +64,12 @@ pub struct UpSettings {
     pub protocol: kvpool_proto::openai::EngineProtocol,
     pub sysfs_root: Option<PathBuf>,
     pub procfs_root: Option<PathBuf>,
+    /// Replicas of every block the engines put (the agents' `pool.replicas`).
+    pub replicas: u8,
+    /// Failure domains of the agents in turn; empty: none announced.
+    pub failure_domains: Vec<String>,
+    /// The master's eviction and spread flags.
+    pub master_flags: Vec<String>,
 }
 
 /// Ports handed to the children, in the order `plan` takes them.
@@ -135,7 +141,14 @@ fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr)
             master: vec![master.to_string()],
             auth_key_file: role_key_file(&s.dir, kvpool_proto::auth::Role::Agent),
             heartbeat_interval: "500ms".into(),
-            settings: Vec::new(),
+            settings: std::iter::once(format!("replicas: {}", s.replicas))
+                .chain((!s.failure_domains.is_empty()).then(|| {
+                    format!(
+                        "failure_domain: \"{}\"",
+                        s.failure_domains[i % s.failure_domains.len()]
+                    )
+                }))
+                .collect(),
         }),
         sections: String::new(),
     }
@@ -177,6 +190,7 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         program: s.kvpool_bin.clone(),
         args: std::iter::once("master".to_owned())
             .chain(master_args(grpc, master_admin, &key_file(&s.dir)))
+            .chain(s.master_flags.iter().cloned())
             .chain([
                 "--kv-events-config".to_owned(),
                 pool_events_config(events, replay),
@@ -325,6 +339,9 @@ mod tests {
             protocol: EngineProtocol::Vllm,
             sysfs_root: None,
             procfs_root: None,
+            replicas: 2,
+            failure_domains: vec!["rack-a".into()],
+            master_flags: vec!["--eviction-policy".into(), "s3fifo".into()],
         }
     }
 
@@ -370,6 +387,17 @@ mod tests {
         );
         assert!(cfg.contains("listen: 127.0.0.1:1002"), "{cfg}");
         assert!(!cfg.contains("discovery"));
+        // The pool's replication and the agent's failure domain reach its config, the
+        // eviction flags the master's command line.
+        assert!(cfg.contains("  replicas: 2\n"), "{cfg}");
+        assert!(cfg.contains("  failure_domain: \"rack-a\"\n"), "{cfg}");
+        assert!(
+            p[0].args
+                .windows(2)
+                .any(|w| w == ["--eviction-policy", "s3fifo"]),
+            "{:?}",
+            p[0].args
+        );
         // prefill-1 is the second engine: agent-1; decode-0 the third: agent-0 again.
         let socket_of = |c: &ChildSpec| {
             let i = c.args.iter().position(|a| a == "--agent-socket").unwrap();

@@ -50,6 +50,18 @@ pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSetti
             format!("`{}` is not a size like 64MiB", args.agent_dram),
         ));
     }
+    if !(1..=8).contains(&args.replicas) {
+        return Err(flag("replicas", "must be between 1 and 8"));
+    }
+    for d in &args.agent_failure_domains {
+        if let Err(problem) = label_value(d) {
+            return Err(flag(
+                "agent-failure-domains",
+                format!("{d:?} is not a failure domain: {problem}"),
+            ));
+        }
+    }
+    let master_flags = master_flags(args)?;
     // Every child is this executable with its role as the first argument.
     let self_exe = std::env::current_exe().map_err(UpError::SelfExe)?;
     Ok(UpSettings {
@@ -67,7 +79,70 @@ pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSetti
         protocol: args.engine_protocol,
         sysfs_root: args.agent_sysfs_root.clone(),
         procfs_root: args.agent_procfs_root.clone(),
+        replicas: args.replicas,
+        failure_domains: args.agent_failure_domains.clone(),
+        master_flags,
     })
+}
+
+/// A failure domain is a node label's value in a cluster: 1-63 alphanumerics, `-`, `_` and
+/// `.`, starting and ending with an alphanumeric.
+fn label_value(v: &str) -> Result<(), &'static str> {
+    let alnum = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
+    if v.is_empty() || v.len() > 63 {
+        return Err("must be 1-63 characters");
+    }
+    if !alnum(v.bytes().next())
+        || !alnum(v.bytes().last())
+        || !v
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return Err(
+            "must be alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric",
+        );
+    }
+    Ok(())
+}
+
+/// The master's eviction and spread flags: the policy, the watermarks (percent on the
+/// command line, fractions for the master, both tiers) and, with failure domains, a
+/// failure-domain spread.
+fn master_flags(args: &UpArgs) -> Result<Vec<String>, UpError> {
+    let mut out = vec![
+        "--eviction-policy".to_owned(),
+        args.eviction_policy.as_str().to_owned(),
+    ];
+    // The master's defaults, 95 / 85, when a flag is absent.
+    let high = args.high_watermark_percent.unwrap_or(95);
+    let low = args.low_watermark_percent.unwrap_or(85);
+    if !(1..=100).contains(&high) {
+        return Err(flag("high-watermark-percent", "must be between 1 and 100"));
+    }
+    if low >= high {
+        return Err(flag(
+            "low-watermark-percent",
+            format!("must be below the high watermark ({high})"),
+        ));
+    }
+    if args.high_watermark_percent.is_some() || args.low_watermark_percent.is_some() {
+        let (high, low) = (
+            (f64::from(high) / 100.0).to_string(),
+            (f64::from(low) / 100.0).to_string(),
+        );
+        for tier in ["dram", "ssd"] {
+            out.extend([
+                format!("--{tier}-high-watermark"),
+                high.clone(),
+                format!("--{tier}-low-watermark"),
+                low.clone(),
+            ]);
+        }
+    }
+    if !args.agent_failure_domains.is_empty() {
+        out.extend(["--replica-spread".to_owned(), "failure-domain".to_owned()]);
+    }
+    Ok(out)
 }
 
 /// Ports for the children: consecutive from `base`, or free ones the kernel picks (held until
@@ -104,6 +179,66 @@ pub(super) fn random_key() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn args(extra: &[&str]) -> UpArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Wrapper {
+            #[command(flatten)]
+            up: UpArgs,
+        }
+        let argv = std::iter::once("up").chain(extra.iter().copied());
+        Wrapper::try_parse_from(argv).expect("parse").up
+    }
+
+    #[test]
+    fn eviction_and_spread_flags_become_master_flags() {
+        assert_eq!(
+            master_flags(&args(&[])).expect("defaults"),
+            ["--eviction-policy", "lru"]
+        );
+        let flags = master_flags(&args(&[
+            "--eviction-policy",
+            "lfu",
+            "--high-watermark-percent",
+            "90",
+            "--low-watermark-percent",
+            "0",
+            "--agent-failure-domains",
+            "rack-a,rack-b",
+        ]))
+        .expect("valid");
+        for pair in [
+            ["--eviction-policy", "lfu"],
+            ["--dram-high-watermark", "0.9"],
+            ["--dram-low-watermark", "0"],
+            ["--ssd-high-watermark", "0.9"],
+            ["--ssd-low-watermark", "0"],
+            ["--replica-spread", "failure-domain"],
+        ] {
+            assert!(flags.windows(2).any(|w| w == pair), "{pair:?} in {flags:?}");
+        }
+        let bad = |extra: &[&str]| match master_flags(&args(extra)) {
+            Err(UpError::Flag(f)) => f.flag,
+            other => panic!("{extra:?}: {other:?}"),
+        };
+        assert_eq!(
+            bad(&["--high-watermark-percent", "0"]),
+            "high-watermark-percent"
+        );
+        assert_eq!(
+            bad(&["--high-watermark-percent", "101"]),
+            "high-watermark-percent"
+        );
+        assert_eq!(
+            bad(&["--low-watermark-percent", "95"]),
+            "low-watermark-percent"
+        );
+        assert!(label_value("rack-a").is_ok());
+        for v in ["", "-a", "a b", "x".repeat(64).as_str()] {
+            assert!(label_value(v).is_err(), "{v:?}");
+        }
+    }
 
     #[test]
     fn ports_are_distinct_and_conductor_port_is_placed() {

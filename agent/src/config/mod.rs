@@ -1,7 +1,8 @@
 //! Agent configuration: a YAML file (serde-saphyr) overlaid with command-line flags, validated
 //! once into [`AgentConfig`] with typed sizes and durations. A bad value is a [`ConfigError`]
-//! naming the field. Pool membership (the `pool:` section) is validated in [`pool`]; the
-//! operator's pool document is mapped to a file config in [`pool_document`]. I/O boundary:
+//! naming the field. Pool membership (the `pool:` section) is validated in [`pool`], the use of
+//! the node's Kubernetes object (`kubernetes:`) in [`kubernetes`]; the operator's pool document
+//! is mapped to a file config in [`pool_document`]. I/O boundary:
 //! reading the config file; validation is pure.
 
 use std::net::SocketAddr;
@@ -16,11 +17,13 @@ use crate::discovery::Roots;
 use crate::placement::NumaPolicy;
 use crate::ssd::{DirectIo, SsdConfig};
 
+pub mod kubernetes;
 pub mod pool;
 pub mod pool_document;
 #[cfg(test)]
 mod tests;
 
+pub use kubernetes::{KubernetesConfig, KubernetesSection};
 pub use pool::{PoolConfig, PoolSection};
 pub use pool_document::{
     PoolDocument, from_pool_document, load_pool_document, parse_pool_document,
@@ -123,6 +126,7 @@ pub struct FileConfig {
     pub engine_api: ApiSection,
     pub admin: AdminSection,
     pub pool: PoolSection,
+    pub kubernetes: KubernetesSection,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -218,6 +222,8 @@ pub struct AgentConfig {
     pub admin_listen: SocketAddr,
     /// Pool membership; `None` is local-only mode.
     pub pool: Option<PoolConfig>,
+    /// What the agent reads from and writes to its Node object.
+    pub kubernetes: KubernetesConfig,
 }
 
 /// Read and parse a config file.
@@ -417,6 +423,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
         file.admin.listen.as_deref().unwrap_or("0.0.0.0:9464"),
     )?;
     let pool = pool::validate(&file.pool)?;
+    let kubernetes = kubernetes::validate(&file.kubernetes)?;
 
     Ok(AgentConfig {
         node_name,
@@ -435,5 +442,6 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
         },
         admin_listen,
         pool,
+        kubernetes,
     })
 }

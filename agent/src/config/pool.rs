@@ -31,6 +31,10 @@ pub struct PoolSection {
     pub max_tasks: Option<usize>,
     /// A task not finished in this time is reported failed, e.g. `30s`.
     pub task_timeout: Option<String>,
+    /// This node's failure domain (rack, zone...), announced with its segments: the master
+    /// keeps the replicas of a block in distinct domains when it spreads by failure domain.
+    /// Wins over `kubernetes.failure_domain_label`.
+    pub failure_domain: Option<String>,
     /// Transfer engine: `tcp` (default), `rdma` or `auto` (the KVCachePool's
     /// `transport.protocol`). With `rdma`/`auto` the engine opens the host's RDMA devices and
     /// falls back to TCP loudly when none works; the heartbeat reports it.
@@ -63,6 +67,8 @@ pub struct PoolConfig {
     pub rdma_devices: Vec<String>,
     /// GID index override.
     pub gid_index: Option<u32>,
+    /// `pool.failure_domain`, when given.
+    pub failure_domain: Option<String>,
 }
 
 /// Validate the `pool:` section; `None` when it names no master.
@@ -144,6 +150,10 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
             "pool.rdma_devices and pool.gid_index require transport rdma or auto",
         ));
     }
+    let failure_domain = match p.failure_domain.as_deref().map(str::trim) {
+        None | Some("") => None,
+        Some(d) => Some(label_value("pool.failure_domain", d)?.to_owned()),
+    };
     Ok(Some(PoolConfig {
         masters: p.master.clone(),
         auth_key_file,
@@ -157,5 +167,28 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
         require_rdma,
         rdma_devices: p.rdma_devices.clone(),
         gid_index,
+        failure_domain,
     }))
+}
+
+/// `value` of `field` when it is a Kubernetes label value (a failure domain is one in a
+/// cluster): 1-63 alphanumerics, `-`, `_` and `.`, starting and ending with an alphanumeric.
+pub(super) fn label_value<'a>(field: &'static str, value: &'a str) -> Result<&'a str, ConfigError> {
+    let alnum = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
+    let ok = (1..=63).contains(&value.len())
+        && alnum(value.bytes().next())
+        && alnum(value.bytes().last())
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !ok {
+        return Err(invalid(
+            field,
+            format!(
+                "{value:?} is not a label value (1-63 alphanumerics, '-', '_', '.', \
+                 starting and ending with an alphanumeric)"
+            ),
+        ));
+    }
+    Ok(value)
 }

@@ -115,6 +115,10 @@ pub fn from_pool_document(
     file.pool.auth_key_file = Some(doc.auth_key_file.clone());
     file.pool.transport_listen = Some(format!("0.0.0.0:{}", eff.transport.port));
     file.pool.replicas = Some(eff.replication.replicas);
+    // The node's value of the spread label is its failure domain; the node also gets the
+    // topology labels.
+    file.kubernetes.failure_domain_label = Some(eff.replication.spread_label_key.clone());
+    file.kubernetes.publish_topology = Some(true);
     file.pool.transport = Some(
         match eff.transport.protocol {
             kvpool_crd::Protocol::Auto => "auto",

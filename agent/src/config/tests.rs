@@ -41,7 +41,19 @@ fn pool_document_maps_to_the_agent_config() {
         Some(kvpool_crd::POOL_CLIENT_GROUP),
         "engines in the operator's fsGroup may use the socket"
     );
+    assert_eq!(
+        cfg.kubernetes,
+        KubernetesConfig {
+            failure_domain_label: Some("kubernetes.io/hostname".into()),
+            publish_topology: true,
+        },
+        "the spread label names the failure domain; the node gets the topology labels"
+    );
     let pool = cfg.pool.expect("pool mode");
+    assert_eq!(
+        pool.failure_domain, None,
+        "read from the node, not the document"
+    );
     assert_eq!(pool.transport_listen.port(), 15600);
     assert_eq!(file.pool.transport.as_deref(), Some("tcp"));
     assert!(!pool.want_rdma, "the document's transport is tcp");
@@ -222,6 +234,14 @@ fn pool_section_is_optional_and_validated() {
             "pool.replicas",
         ),
         (
+            "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, failure_domain: 'rack 1'}",
+            "pool.failure_domain",
+        ),
+        (
+            "kubernetes: {failure_domain_label: 'Not A/Key'}",
+            "kubernetes.failure_domain_label",
+        ),
+        (
             "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, max_tasks: 0}",
             "pool.max_tasks",
         ),
@@ -346,4 +366,25 @@ fn limits_are_spelled_out_in_the_reason() {
             other => panic!("expected Invalid, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn failure_domain_and_kubernetes_settings_validate() {
+    let cfg = validate(
+        &parse(
+            "pool: {master: [m:1], auth_key_file: /k, advertise_host: 10.0.0.1, failure_domain: rack-1}\n\
+             kubernetes: {failure_domain_label: topology.kubernetes.io/zone}",
+            Path::new("c.yaml"),
+        )
+        .expect("parses"),
+    )
+    .expect("valid");
+    assert_eq!(
+        cfg.pool.expect("pool").failure_domain.as_deref(),
+        Some("rack-1")
+    );
+    assert!(cfg.kubernetes.uses_api());
+    assert!(!cfg.kubernetes.publish_topology);
+    let plain = validate(&FileConfig::default()).expect("defaults");
+    assert!(!plain.kubernetes.uses_api(), "no API server unless asked");
 }

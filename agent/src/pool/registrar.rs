@@ -1,8 +1,8 @@
 //! The segments this agent gives the pool: [`PoolRegistrar`] registers them with the transfer
 //! engine (peers read and write them), lists them for in-process copies (`LocalSegments`) and
-//! describes them for the master ([`spec_for`]), and keeps which of them the master has
-//! mounted; it also holds the SSD segment's durable index and read guard once the runtime set
-//! them. The master-side names of the segments are here too. I/O boundary: the transfer
+//! describes them for the master ([`spec_for`], with the node's failure domain), and keeps
+//! which of them the master has mounted; it also holds the SSD segment's durable index and
+//! read guard once the runtime set them. The master-side names of the segments are here too. I/O boundary: the transfer
 //! engine's registrations; the bookkeeping is pure.
 
 use std::collections::BTreeMap;
@@ -75,6 +75,8 @@ pub struct PoolRegistrar {
     ssd_index: OnceLock<SharedIndex>,
     /// Read checks of the SSD segment, when it has an index.
     ssd_guard: OnceLock<Arc<SsdGuard>>,
+    /// Failure domain announced with every segment (empty: none).
+    failure_domain: Mutex<String>,
 }
 
 impl PoolRegistrar {
@@ -88,7 +90,19 @@ impl PoolRegistrar {
             local: LocalSegments::default(),
             ssd_index: OnceLock::new(),
             ssd_guard: OnceLock::new(),
+            failure_domain: Mutex::default(),
         }
+    }
+
+    /// Announce `domain` (the node's value of the pool's spread label) with every segment
+    /// mounted from now on.
+    pub fn set_failure_domain(&self, domain: String) {
+        *self.failure_domain.lock() = domain;
+    }
+
+    /// The failure domain segments are announced with.
+    pub fn failure_domain(&self) -> String {
+        self.failure_domain.lock().clone()
     }
 
     /// Check every read of the SSD segment with `guard`: reads by peers through the transfer
@@ -197,13 +211,17 @@ impl PoolRegistrar {
         self.book.lock().segments.get(name).map(|e| e.local.clone())
     }
 
-    /// Registered segments not mounted with the master yet.
+    /// Registered segments not mounted with the master yet, with the node's failure domain.
     pub fn unmounted(&self) -> Vec<SegmentSpec> {
+        let domain = self.failure_domain();
         let book = self.book.lock();
         book.segments
             .iter()
             .filter(|(n, _)| !book.mounted.contains_key(*n))
-            .map(|(_, e)| e.spec.clone())
+            .map(|(_, e)| SegmentSpec {
+                failure_domain: domain.clone(),
+                ..e.spec.clone()
+            })
             .collect()
     }
 
@@ -271,14 +289,18 @@ mod tests {
             &seg,
             r.local("dram0").expect("registration").segment()
         ));
+        r.set_failure_domain("rack-7".into());
         let specs: Vec<_> = r
             .unmounted()
             .into_iter()
-            .map(|s| (s.name, s.tier))
+            .map(|s| (s.name, s.tier, s.failure_domain))
             .collect();
         assert_eq!(
             specs,
-            [("dram0".into(), Tier::Dram), ("ssd0".into(), Tier::Ssd)]
+            [
+                ("dram0".into(), Tier::Dram, "rack-7".into()),
+                ("ssd0".into(), Tier::Ssd, "rack-7".into())
+            ]
         );
         r.set_mounted("dram0", 17);
         assert_eq!(r.unmounted().len(), 1);

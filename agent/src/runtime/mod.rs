@@ -26,13 +26,14 @@ use crate::discovery::{self, DiscoveryError};
 use crate::dram::DramError;
 use crate::memory::MemoryError;
 use crate::metrics::{AgentMetrics, MetricsError};
+use crate::node::{self, NodeMetrics};
 use crate::placement::{self, PlacementError, PlacementRequest, SegmentPlan};
 use crate::pool::Member;
 use crate::registrar::{RegistrarError, SegmentRegistrar};
 use crate::ssd::SsdError;
 use crate::ssd::pool::PoolIndexError;
 use crate::store::StoreError;
-use crate::topology::summarize;
+use crate::topology::{NodeSummary, summarize};
 
 mod admin_view;
 mod blocking;
@@ -161,6 +162,12 @@ pub async fn run(
     );
     tracing::debug!(config = ?cfg, "effective configuration, every field");
     let metrics = Arc::new(AgentMetrics::new(&registry).map_err(RunError::Metrics)?);
+    let node_metrics = NodeMetrics::new(&registry).map_err(|source| {
+        RunError::Metrics(MetricsError::Register {
+            name: "kvpool_agent_node_*",
+            source,
+        })
+    })?;
     let readiness = Readiness::new();
     let view = admin_view::TopologyView::default();
 
@@ -176,7 +183,15 @@ pub async fn run(
     let router = admin::router(registry.clone(), readiness.clone()).merge(view.router());
     let admin_task = tokio::spawn(admin::serve(listener, router, admin_stop.clone()));
 
-    let result = serve_data_plane(&cfg, mode, shutdown, &metrics, &readiness, &view).await;
+    let result = serve_data_plane(
+        &cfg,
+        mode,
+        shutdown,
+        (&metrics, &node_metrics),
+        &readiness,
+        &view,
+    )
+    .await;
     readiness.set_ready(false);
     admin_stop.cancel();
     match admin_task.await {
@@ -187,21 +202,25 @@ pub async fn run(
     result
 }
 
-/// Discovery, the mode's data plane, the engine API until `shutdown`, then the way back out.
+/// Discovery, the node's object (topology labels, failure domain), the mode's data plane, the
+/// engine API until `shutdown`, then the way back out.
 async fn serve_data_plane(
     cfg: &AgentConfig,
     mode: Mode<'_>,
     shutdown: CancellationToken,
-    metrics: &Arc<AgentMetrics>,
+    (metrics, node_metrics): (&Arc<AgentMetrics>, &NodeMetrics),
     readiness: &Readiness,
     view: &admin_view::TopologyView,
 ) -> Result<(), RunError> {
-    let segments = discover_and_place(cfg, metrics, view).await?;
+    let (segments, summary) = discover_and_place(cfg, metrics, view).await?;
+    let client = node::client_for(cfg, node_metrics).await;
+    let failure_domain = node::prepare(cfg, &summary, client.as_ref(), node_metrics).await;
     let mut plane: Box<dyn DataPlane + '_> = match mode {
         Mode::Local(registrar) => {
             Box::new(local::LocalPlane::open(cfg, segments, Arc::clone(metrics), registrar).await?)
         }
         Mode::Pool(member) => {
+            member.registrar.set_failure_domain(failure_domain);
             Box::new(pool::PoolPlane::open(cfg, segments, member, metrics).await?)
         }
     };
@@ -244,12 +263,12 @@ async fn serve_data_plane(
 }
 
 /// Discover the node's topology (publishing it on the admin server) and plan the DRAM tier's
-/// segments on it.
+/// segments on it; also the topology's node-label summary.
 async fn discover_and_place(
     cfg: &AgentConfig,
     metrics: &AgentMetrics,
     view: &admin_view::TopologyView,
-) -> Result<Vec<SegmentPlan>, RunError> {
+) -> Result<(Vec<SegmentPlan>, NodeSummary), RunError> {
     // Discovery.
     let roots = cfg.roots.clone();
     let env: BTreeMap<String, String> = std::env::vars()
@@ -294,11 +313,11 @@ async fn discover_and_place(
         },
     )
     .map_err(RunError::Placement)?;
-    view.set(topo, summary);
+    view.set(topo, summary.clone());
     for w in &placement.warnings {
         tracing::warn!("DRAM placement: {w}");
     }
-    Ok(placement.segments)
+    Ok((placement.segments, summary))
 }
 
 /// Prepare the staging directory (removing files of a previous run) and bind the socket.

@@ -99,6 +99,7 @@ pub use super::network::NetworkPolicySpec;
     )
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.replication) || !has(self.replication.spreadLabelKey) || self.replication.spreadLabelKey == 'kubernetes.io/hostname' || (has(self.agent) && has(self.agent.serviceAccountName))").message(SPREAD_NEEDS_NODE_ACCESS).field_path(".replication.spreadLabelKey").reason(Reason::FieldValueRequired))]
 pub struct KVCachePoolSpec {
     /// Labels a node must carry to run an agent and lend memory to this pool. Empty: every node
     /// the tolerations admit.
@@ -169,7 +170,23 @@ pub struct AgentSpec {
     /// PriorityClass of the agent pods; a node-critical class keeps them from being evicted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
+
+    /// ServiceAccount (in the pool's namespace) the agent pods run as, with its token mounted.
+    /// Bound to the agent ClusterRole (`get` and `patch` on `nodes`, docs/install.md), it lets
+    /// each agent read its node's value of `replication.spreadLabelKey` and label the node
+    /// with its topology. Required when that key is not `kubernetes.io/hostname`. Absent: the
+    /// agents have no API access (no token is mounted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(
+        length(min = 1, max = 253),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+    )]
+    pub service_account_name: Option<String>,
 }
+
+/// Message of the rule that a spread label other than the hostname needs agents that can read
+/// their Node object.
+pub const SPREAD_NEEDS_NODE_ACCESS: &str = "replication.spreadLabelKey other than kubernetes.io/hostname requires agent.serviceAccountName: each agent reads its node's value of the label through the API (RBAC: get nodes, docs/install.md)";
 
 /// Host memory each node lends to the pool.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
@@ -378,9 +395,17 @@ pub struct ReplicationSpec {
     #[schemars(range(min = 1, max = 8))]
     pub replicas: i32,
 
-    /// Node label whose values copies of a block are spread over (e.g. a rack label).
+    /// Node label whose values copies of a block are spread over (e.g. a rack label): each
+    /// agent announces its node's value of it, and no two copies of a block share one (nodes
+    /// without the label count only as distinct nodes). Agents read it from their Node object
+    /// (RBAC: `get nodes`).
     #[serde(default = "defaults::spread_label_key")]
-    #[schemars(length(min = 1, max = 316))]
+    #[schemars(
+        length(min = 1, max = 316),
+        regex(
+            pattern = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+        )
+    )]
     pub spread_label_key: String,
 }
 
@@ -423,15 +448,37 @@ impl Default for EvictionSpec {
     }
 }
 
-/// Eviction order.
+/// Eviction order (of the DRAM and the SSD tier).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum EvictionPolicy {
     /// Least recently used first.
     #[default]
     Lru,
-    /// Least frequently used first.
+    /// Least frequently used first, with counters halved as they age so that blocks hot long
+    /// ago do not stay forever.
     Lfu,
+    /// S3-FIFO: blocks read once leave through a small probationary queue (scan resistant).
+    #[serde(rename = "s3fifo")]
+    S3fifo,
+}
+
+impl EvictionPolicy {
+    /// Every value, in schema order.
+    pub const ALL: [EvictionPolicy; 3] = [
+        EvictionPolicy::Lru,
+        EvictionPolicy::Lfu,
+        EvictionPolicy::S3fifo,
+    ];
+
+    /// The value as the spec and the master's `--eviction-policy` write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Lfu => "lfu",
+            EvictionPolicy::S3fifo => "s3fifo",
+        }
+    }
 }
 
 /// The pool's metadata service.

@@ -21,8 +21,8 @@ pub use enginepool::{
 pub use kvcachepool::{
     AgentSpec, ConductorSlo, ConductorSpec, DramTierSpec, EvictionPolicy, EvictionSpec, Hugepages,
     KVCachePool, KVCachePoolSpec, KVCachePoolStatus, MasterSpec, NetworkPolicySpec, NumaPolicy,
-    Protocol, ReplicationSpec, SriovResource, SriovSpec, SsdTierSpec, TierStatus, TokenizerSpec,
-    TransportSpec,
+    Protocol, ReplicationSpec, SPREAD_NEEDS_NODE_ACCESS, SriovResource, SriovSpec, SsdTierSpec,
+    TierStatus, TokenizerSpec, TransportSpec,
 };
 
 pub use network::{
@@ -32,7 +32,7 @@ pub use network::{
 pub use validated::{
     AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,
     MasterConfig, ReplicationConfig, Role, SpecError, SriovConfig, SriovRequest, SsdConfig,
-    TransportConfig, ValidatedEnginePool, ValidatedKVCachePool, validate_name,
+    TransportConfig, ValidatedEnginePool, ValidatedKVCachePool, validate_label_key, validate_name,
 };
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

@@ -20,7 +20,7 @@ use super::service::{self, ConnLimits, Core, ServiceError};
 use kvpool_core::master::clock::SystemClock;
 use kvpool_core::master::policy::PolicyKind;
 use kvpool_core::master::state::{MasterConfig, MasterState, POOL_EVENTS_CAP};
-use kvpool_core::master::types::Watermarks;
+use kvpool_core::master::types::{Spread, Watermarks};
 use kvpool_proto::auth::{AuthError, AuthKey, Verifier};
 use kvpool_runtime::admin::{self, AdminError, Readiness};
 use kvpool_runtime::kv_events::KvEventsConfig;
@@ -106,17 +106,36 @@ pub struct MasterArgs {
     /// Period of the background loop (expiries, deaths, repairs, watermarks, metrics).
     #[arg(long, default_value = "200ms", value_parser = kvpool_core::flags::parse_duration)]
     pub tick_interval: Duration,
-    /// Eviction policy.
-    #[arg(long, value_enum, default_value = "lru")]
+    /// Eviction policy (of both tiers).
+    #[arg(
+        long,
+        value_enum,
+        default_value = "lru",
+        env = "KVPOOL_MASTER_EVICTION_POLICY"
+    )]
     pub eviction_policy: PolicyKind,
+    /// Fraction of the DRAM tier in use at which eviction starts (0 < high <= 1).
     #[arg(long, default_value_t = 0.95)]
     pub dram_high_watermark: f64,
+    /// Fraction of the DRAM tier in use at which eviction stops (0 <= low < high).
     #[arg(long, default_value_t = 0.85)]
     pub dram_low_watermark: f64,
+    /// Fraction of the SSD tier in use at which eviction starts (0 < high <= 1).
     #[arg(long, default_value_t = 0.95)]
     pub ssd_high_watermark: f64,
+    /// Fraction of the SSD tier in use at which eviction stops (0 <= low < high).
     #[arg(long, default_value_t = 0.85)]
     pub ssd_low_watermark: f64,
+    /// How every object's replicas spread at least: `node` (distinct nodes) or
+    /// `failure-domain` (distinct values of the failure domain the agents announce; agents
+    /// that announce none count as distinct nodes). A put may ask for failure domains itself.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "node",
+        env = "KVPOOL_MASTER_REPLICA_SPREAD"
+    )]
+    pub replica_spread: Spread,
     /// Largest replica count a put may ask for.
     #[arg(long, default_value_t = 8)]
     pub max_replicas: u8,
@@ -173,10 +192,12 @@ fn ms(d: Duration) -> u64 {
 }
 
 fn watermarks(high: f64, low: f64, field: &'static str) -> Result<Watermarks, CmdError> {
-    if !(low > 0.0 && low < high && high <= 1.0) {
+    // Low 0 is allowed: a tier above its high watermark is then emptied of every object that
+    // may go (the KVCachePool admits lowWatermarkPercent 0).
+    if !(low >= 0.0 && low < high && high <= 1.0) {
         return Err(CmdError::Config {
             field,
-            reason: format!("need 0 < low < high <= 1, got low {low}, high {high}"),
+            reason: format!("need 0 <= low < high <= 1, got low {low}, high {high}"),
         });
     }
     Ok(Watermarks { high, low })
@@ -220,6 +241,7 @@ impl MasterArgs {
             } else {
                 self.max_replicas
             },
+            spread: self.replica_spread,
             ..MasterConfig::default()
         };
         nonzero(self.tick_interval, "tick-interval")?;
@@ -378,6 +400,7 @@ pub async fn start(
         lease_ttl_ms = args.core.lease_ttl_ms,
         put_timeout_ms = args.core.put_timeout_ms,
         watermarks = ?args.core.watermarks,
+        replica_spread = ?args.core.spread,
         ha = args.ha.is_some(),
         "master starting"
     );
@@ -504,6 +527,7 @@ pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
         dram_low_watermark: 0.85,
         ssd_high_watermark: 0.95,
         ssd_low_watermark: 0.85,
+        replica_spread: Spread::Node,
         max_replicas: 4,
         kv_events_config: None,
         kv_events_block_size: 16,
@@ -547,7 +571,37 @@ mod tests {
             field(&["--dram-high-watermark", "0.5"]),
             "dram-low-watermark"
         );
-        assert_eq!(field(&["--ssd-low-watermark", "0"]), "ssd-low-watermark");
+        assert_eq!(field(&["--ssd-low-watermark", "0.96"]), "ssd-low-watermark");
+        assert_eq!(
+            field(&["--dram-high-watermark", "1.01"]),
+            "dram-low-watermark"
+        );
+        // What a KVCachePool may say: low 0, high 100%, any policy, spread over domains.
+        let pool = parse(
+            &[
+                "--dram-low-watermark",
+                "0",
+                "--dram-high-watermark",
+                "1",
+                "--eviction-policy",
+                "lfu",
+                "--replica-spread",
+                "failure-domain",
+            ],
+            &key,
+        )
+        .validate()
+        .expect("valid");
+        assert_eq!(
+            pool.core.watermarks[0],
+            Watermarks {
+                high: 1.0,
+                low: 0.0
+            }
+        );
+        assert_eq!(pool.core.policy, PolicyKind::Lfu);
+        assert_eq!(pool.core.spread, Spread::FailureDomain);
+        assert_eq!(ok.core.spread, Spread::Node);
         assert_eq!(field(&["--heartbeat-timeout", "0s"]), "heartbeat-timeout");
         assert_eq!(field(&["--max-replicas", "0"]), "max-replicas");
         assert!(ok.events.is_none(), "off by default");

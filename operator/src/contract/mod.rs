@@ -9,7 +9,7 @@ mod engines;
 
 pub use engines::*;
 
-use kvpool_crd::Role;
+use kvpool_crd::{EvictionConfig, Role};
 
 /// Directory the pool ConfigMap is mounted at in every container.
 pub const CONFIG_DIR: &str = "/etc/kvpool";
@@ -157,10 +157,15 @@ pub fn kvpool_command() -> Vec<String> {
     vec![KVPOOL_BINARY.to_owned()]
 }
 
-/// Arguments of the master container; `--etcd-endpoints` (comma-separated) only for HA, and
-/// then `--advertise-addr $(KVPOOL_POD_IP):50051` (the kubelet substitutes the pod IP from the
-/// container's downward-API env var [`env::POD_IP`]) since standbys redirect clients to it.
-pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
+/// Arguments of the master container: the pool's eviction (`spec.eviction`: policy, and the
+/// watermarks as fractions for both tiers) and `--replica-spread failure-domain` (agents
+/// announce their node's value of `spec.replication.spreadLabelKey`); `--etcd-endpoints`
+/// (comma-separated) only for HA, and then `--advertise-addr $(KVPOOL_POD_IP):50051` (the
+/// kubelet substitutes the pod IP from the container's downward-API env var [`env::POD_IP`])
+/// since standbys redirect clients to it.
+pub fn master_args(etcd_endpoints: &[String], eviction: &EvictionConfig) -> Vec<String> {
+    let high = percent_as_fraction(eviction.high_watermark_percent);
+    let low = percent_as_fraction(eviction.low_watermark_percent);
     let mut args = vec![
         "master".to_owned(),
         "--listen".to_owned(),
@@ -173,6 +178,18 @@ pub fn master_args(etcd_endpoints: &[String]) -> Vec<String> {
         // indexes vLLM events (llm-d, Dynamo); replays on the next port.
         "--kv-events-config".to_owned(),
         pool_events_config(),
+        "--eviction-policy".to_owned(),
+        eviction.policy.as_str().to_owned(),
+        "--dram-high-watermark".to_owned(),
+        high.clone(),
+        "--dram-low-watermark".to_owned(),
+        low.clone(),
+        "--ssd-high-watermark".to_owned(),
+        high,
+        "--ssd-low-watermark".to_owned(),
+        low,
+        "--replica-spread".to_owned(),
+        "failure-domain".to_owned(),
     ];
     if !etcd_endpoints.is_empty() {
         args.push("--etcd-endpoints".to_owned());
@@ -271,6 +288,18 @@ pub struct ConductorModel {
 /// Where the conductor's tokenizer volume is mounted.
 pub const TOKENIZER_MOUNT: &str = "/etc/kvpool/tokenizer";
 
+/// `90` -> `"0.9"`, `100` -> `"1"`, `0` -> `"0"`: exact for whole percentages.
+fn percent_as_fraction(percent: u8) -> String {
+    let (whole, frac) = (percent / 100, percent % 100);
+    if frac == 0 {
+        whole.to_string()
+    } else {
+        format!("{whole}.{frac:02}")
+            .trim_end_matches('0')
+            .to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,9 +312,40 @@ mod tests {
         );
     }
 
+    fn eviction(policy: kvpool_crd::EvictionPolicy, high: u8, low: u8) -> EvictionConfig {
+        EvictionConfig {
+            high_watermark_percent: high,
+            low_watermark_percent: low,
+            policy,
+        }
+    }
+
+    fn lru() -> EvictionConfig {
+        eviction(kvpool_crd::EvictionPolicy::Lru, 90, 80)
+    }
+
+    #[test]
+    fn master_args_carry_the_pools_eviction_and_spread() {
+        let args = master_args(&[], &eviction(kvpool_crd::EvictionPolicy::S3fifo, 95, 5));
+        for pair in [
+            ["--eviction-policy", "s3fifo"],
+            ["--dram-high-watermark", "0.95"],
+            ["--dram-low-watermark", "0.05"],
+            ["--ssd-high-watermark", "0.95"],
+            ["--ssd-low-watermark", "0.05"],
+            ["--replica-spread", "failure-domain"],
+        ] {
+            assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
+        }
+        assert_eq!(percent_as_fraction(100), "1");
+        assert_eq!(percent_as_fraction(0), "0");
+        assert_eq!(percent_as_fraction(90), "0.9");
+        assert_eq!(percent_as_fraction(7), "0.07");
+    }
+
     #[test]
     fn the_master_publishes_pool_events_on_the_kv_events_port() {
-        let args = master_args(&[]);
+        let args = master_args(&[], &lru());
         let i = args
             .iter()
             .position(|a| a == "--kv-events-config")
@@ -301,7 +361,7 @@ mod tests {
 
     #[test]
     fn master_args_add_etcd_only_for_ha() {
-        let plain = master_args(&[]);
+        let plain = master_args(&[], &lru());
         assert!(!plain.iter().any(|a| a == "--etcd-endpoints"));
         assert_eq!(plain[0], "master");
         assert!(
@@ -309,7 +369,10 @@ mod tests {
                 .windows(2)
                 .any(|w| w == ["--auth-key-file", "/etc/kvpool/auth/key"])
         );
-        let ha = master_args(&["http://a:2379".to_owned(), "http://b:2379".to_owned()]);
+        let ha = master_args(
+            &["http://a:2379".to_owned(), "http://b:2379".to_owned()],
+            &lru(),
+        );
         assert!(
             ha.windows(2)
                 .any(|w| w == ["--etcd-endpoints", "http://a:2379,http://b:2379"])

@@ -1,5 +1,6 @@
-//! Eviction policies over dense object slots: LRU (default), FIFO (baseline) and S3-FIFO
-//! (scan resistant: one-hit wonders leave through a small probationary queue). Pure, no I/O.
+//! Eviction policies over dense object slots: LRU (default), FIFO (baseline), S3-FIFO
+//! (scan resistant: one-hit wonders leave through a small probationary queue) and LFU with
+//! aging ([`lfu`]: frequent objects stay, until their counters decay). Pure, no I/O.
 //!
 //! The master keeps one policy instance per tier; the trace simulator drives the same code.
 //! A policy only orders slots: the caller's `may_evict` predicate decides whether a candidate
@@ -7,23 +8,41 @@
 
 use std::collections::{HashMap, VecDeque};
 
+mod lfu;
+
+pub use lfu::Lfu;
+
 /// Which eviction policy to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum PolicyKind {
+    /// Least recently used first.
     #[default]
     Lru,
+    /// Oldest insertion first (baseline).
     Fifo,
+    /// S3-FIFO: a probationary queue filters objects seen once.
     S3fifo,
+    /// Least frequently used first; counters halve with age.
+    Lfu,
 }
 
 impl PolicyKind {
+    /// Every policy, in the order tables list them.
+    pub const ALL: [PolicyKind; 4] = [
+        PolicyKind::Lru,
+        PolicyKind::Fifo,
+        PolicyKind::S3fifo,
+        PolicyKind::Lfu,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             PolicyKind::Lru => "lru",
             PolicyKind::Fifo => "fifo",
             PolicyKind::S3fifo => "s3fifo",
+            PolicyKind::Lfu => "lfu",
         }
     }
 
@@ -32,6 +51,7 @@ impl PolicyKind {
             PolicyKind::Lru => Box::new(Lru::new(true)),
             PolicyKind::Fifo => Box::new(Lru::new(false)),
             PolicyKind::S3fifo => Box::new(S3Fifo::new()),
+            PolicyKind::Lfu => Box::new(Lfu::new()),
         }
     }
 }
@@ -476,5 +496,94 @@ mod tests {
         let rest = drain(&mut p);
         assert_eq!(rest.len(), before - 2);
         assert!(!rest.contains(&8) && !rest.contains(&7));
+    }
+
+    /// What every policy promises the master (the contract the state machine relies on): it
+    /// tracks exactly the inserted and not yet removed or evicted slots, offers `may_evict`
+    /// only tracked slots, evicts only slots it accepts, and answers `None` only when it
+    /// accepts none of them.
+    #[derive(Clone, Debug)]
+    enum ContractOp {
+        Insert(u8),
+        Touch(u8),
+        Remove(u8),
+        /// Evict with `may_evict` accepting the slots whose bit is set.
+        Evict(u32),
+    }
+
+    fn contract_op() -> impl proptest::strategy::Strategy<Value = ContractOp> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0u8..32).prop_map(ContractOp::Insert),
+            4 => (0u8..32).prop_map(ContractOp::Touch),
+            1 => (0u8..32).prop_map(ContractOp::Remove),
+            3 => any::<u32>().prop_map(ContractOp::Evict),
+            1 => Just(ContractOp::Evict(u32::MAX)),
+            1 => Just(ContractOp::Evict(0)),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+        #[test]
+        fn every_policy_keeps_the_eviction_contract(
+            kind in proptest::sample::select(PolicyKind::ALL.to_vec()),
+            ops in proptest::collection::vec(contract_op(), 1..400),
+        ) {
+            use std::collections::BTreeSet;
+            let mut p = kind.build();
+            proptest::prop_assert_eq!(p.kind(), kind);
+            let mut tracked: BTreeSet<u32> = BTreeSet::new();
+            for op in ops {
+                match op {
+                    ContractOp::Insert(s) => {
+                        p.insert(u32::from(s), u64::from(s));
+                        tracked.insert(u32::from(s));
+                    }
+                    ContractOp::Touch(s) => p.touch(u32::from(s)),
+                    ContractOp::Remove(s) => {
+                        p.remove(u32::from(s));
+                        tracked.remove(&u32::from(s));
+                    }
+                    ContractOp::Evict(mask) => {
+                        let mut offered = Vec::new();
+                        let victim = p.evict(&mut |s| {
+                            offered.push(s);
+                            mask & (1 << s) != 0
+                        });
+                        for s in &offered {
+                            proptest::prop_assert!(tracked.contains(s), "{kind:?} offered untracked slot {s}");
+                        }
+                        match victim {
+                            Some(v) => {
+                                proptest::prop_assert!(mask & (1 << v) != 0, "{kind:?} evicted blocked slot {v}");
+                                proptest::prop_assert!(tracked.remove(&v), "{kind:?} evicted untracked slot {v}");
+                            }
+                            None => proptest::prop_assert!(
+                                tracked.iter().all(|s| mask & (1 << s) == 0),
+                                "{kind:?} found no victim among {tracked:?} with mask {mask:#x}"
+                            ),
+                        }
+                    }
+                }
+                proptest::prop_assert_eq!(p.len(), tracked.len(), "{:?} size", kind);
+            }
+            // Draining gives back every tracked slot exactly once.
+            let mut rest = drain(p.as_mut());
+            rest.sort_unstable();
+            proptest::prop_assert_eq!(rest, tracked.into_iter().collect::<Vec<_>>());
+            proptest::prop_assert!(p.is_empty());
+        }
+    }
+
+    #[test]
+    fn every_policy_has_a_name_and_builds_itself() {
+        for kind in PolicyKind::ALL {
+            assert_eq!(kind.build().kind(), kind);
+            assert_eq!(
+                serde_json::to_value(kind).expect("serialize"),
+                serde_json::Value::from(kind.as_str())
+            );
+        }
     }
 }

@@ -78,6 +78,7 @@ pub struct SegmentSpec {
 
 /// How the replicas of one object are spread.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Spread {
     /// Each replica on a distinct node.
     #[default]

@@ -47,6 +47,16 @@ pub enum SpecError {
         /// What is wrong with it.
         message: &'static str,
     },
+    /// A field does not hold a Kubernetes label key.
+    #[error("spec.{field}: {value:?} is not a label key ([prefix/]name): {message}")]
+    InvalidLabelKey {
+        /// Path of the field below `spec`.
+        field: &'static str,
+        /// The value found.
+        value: String,
+        /// What is wrong with it.
+        message: &'static str,
+    },
     /// A field that the other fields make necessary is absent.
     #[error("spec.{field}: {message}")]
     #[strum(serialize = "missing_field")]
@@ -71,6 +81,7 @@ impl SpecError {
             Self::Quantity { field, .. }
             | Self::OutOfRange { field, .. }
             | Self::Conflict { field, .. }
+            | Self::InvalidLabelKey { field, .. }
             | Self::Missing { field, .. } => field,
         }
     }
@@ -92,9 +103,87 @@ pub fn validate_name(name: &str) -> Result<(), SpecError> {
     Ok(())
 }
 
+/// Checks that `value` of `field` is a Kubernetes label key: an optional DNS-subdomain prefix
+/// (at most 253 characters) and `/`, then a name of 1-63 alphanumerics, `-`, `_` and `.` that
+/// starts and ends with an alphanumeric.
+pub fn validate_label_key(field: &'static str, value: &str) -> Result<(), SpecError> {
+    let bad = |message| {
+        Err(SpecError::InvalidLabelKey {
+            field,
+            value: value.to_owned(),
+            message,
+        })
+    };
+    let (prefix, name) = match value.split_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, value),
+    };
+    if let Some(p) = prefix {
+        if p.is_empty() || p.len() > 253 {
+            return bad("the prefix must be 1-253 characters");
+        }
+        let dns_label = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        if !p.split('.').all(dns_label) {
+            return bad("the prefix must be a DNS subdomain (lowercase, digits, '-', '.')");
+        }
+    }
+    if name.is_empty() || name.len() > 63 {
+        return bad("the name must be 1-63 characters");
+    }
+    let alnum = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
+    if !alnum(name.bytes().next())
+        || !alnum(name.bytes().last())
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return bad(
+            "the name must be alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric",
+        );
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn label_keys_are_checked_like_the_api_server_does() {
+        for good in [
+            "kubernetes.io/hostname",
+            "topology.kubernetes.io/zone",
+            "rack",
+            "example.com/Rack_1.a",
+            format!("{}/{}", "a".repeat(63), "b".repeat(63)).as_str(),
+        ] {
+            assert_eq!(validate_label_key("f", good), Ok(()), "{good}");
+        }
+        for bad in [
+            "",
+            "/rack",
+            "example.com/",
+            "Example.com/rack",
+            "a..b/rack",
+            "-a/rack",
+            "rack-",
+            "ra ck",
+            "a/b/c",
+            "x".repeat(64).as_str(),
+            format!("{}/x", "a".repeat(254)).as_str(),
+        ] {
+            let e = validate_label_key("replication.spreadLabelKey", bad).expect_err(bad);
+            assert_eq!(e.field(), "replication.spreadLabelKey");
+            assert_eq!(e.category(), "invalid_label_key");
+        }
+    }
 
     #[test]
     fn names_leave_room_for_child_suffixes() {

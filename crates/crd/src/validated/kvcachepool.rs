@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::error::SpecError;
+use super::error::{SpecError, validate_label_key};
 use super::fields::{positive_bytes, ranged, unique};
 use super::pool_config::{
     ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MasterConfig, ReplicationConfig,
@@ -189,6 +189,18 @@ impl ValidatedKVCachePool {
             port: ranged("transport.port", t.port, 1024, 65535)?,
         };
 
+        validate_label_key(
+            "replication.spreadLabelKey",
+            &spec.replication.spread_label_key,
+        )?;
+        if spec.replication.spread_label_key != defaults::SPREAD_LABEL_KEY
+            && spec.agent.service_account_name.is_none()
+        {
+            return Err(SpecError::Missing {
+                field: "agent.serviceAccountName",
+                message: crate::kvcachepool::SPREAD_NEEDS_NODE_ACCESS,
+            });
+        }
         let replication = ReplicationConfig {
             replicas: ranged("replication.replicas", spec.replication.replicas, 1, 8)?,
             spread_label_key: spec.replication.spread_label_key.clone(),
@@ -327,6 +339,19 @@ mod tests {
     }
 
     #[test]
+    fn every_eviction_policy_parses_and_writes_back_as_its_name() {
+        for policy in EvictionPolicy::ALL {
+            let spec = pool(&format!("  eviction: {{policy: {}}}", policy.as_str()));
+            let v = ValidatedKVCachePool::validate(&spec).expect("valid");
+            assert_eq!(v.eviction.policy, policy);
+            assert_eq!(
+                serde_json::to_value(policy).expect("json"),
+                serde_json::Value::from(policy.as_str())
+            );
+        }
+    }
+
+    #[test]
     fn empty_spec_resolves_to_documented_defaults() {
         let v = ValidatedKVCachePool::validate(&pool("  {}")).expect("valid");
         assert_eq!(v.block_size_tokens, 512);
@@ -454,6 +479,16 @@ mod tests {
                 "  eviction: {highWatermarkPercent: 50}",
                 "eviction.lowWatermarkPercent",
                 "conflicting_fields",
+            ),
+            (
+                "  replication: {spreadLabelKey: \"Rack Label\"}",
+                "replication.spreadLabelKey",
+                "invalid_label_key",
+            ),
+            (
+                "  replication: {spreadLabelKey: topology.kubernetes.io/zone}",
+                "agent.serviceAccountName",
+                "missing_field",
             ),
             (
                 "  master: {replicas: 2}",

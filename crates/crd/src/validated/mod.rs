@@ -5,7 +5,7 @@
 //! `ValidatedKVCachePool` is also the data-plane view of a pool: it serializes (camelCase) into
 //! the pool's ConfigMap, which the agent, master and conductor read.
 //!
-//! By concern: [`error`] (why a spec is refused, and the name rule), [`fields`] (range, size and
+//! By concern: [`error`] (why a spec is refused, and the name and label-key rules), [`fields`] (range, size and
 //! set checks of single fields), [`pool_config`] (the sections of a pool's effective settings),
 //! [`kvcachepool`] (the `KVCachePool` rules), [`enginepool`] (the `PrefillPool` and `DecodePool`
 //! rules).
@@ -17,7 +17,7 @@ mod kvcachepool;
 mod pool_config;
 
 pub use enginepool::{AutoscalingConfig, Role, ValidatedEnginePool};
-pub use error::{MAX_NAME_LEN, SpecError, validate_name};
+pub use error::{MAX_NAME_LEN, SpecError, validate_label_key, validate_name};
 pub use kvcachepool::ValidatedKVCachePool;
 pub use pool_config::{
     ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MasterConfig, ReplicationConfig,

@@ -184,7 +184,12 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
                         .then(|| spec.node_selector.clone()),
                     tolerations: (!spec.tolerations.is_empty()).then(|| spec.tolerations.clone()),
                     priority_class_name: spec.agent.priority_class_name.clone(),
-                    automount_service_account_token: Some(false),
+                    // The agent reads and labels its Node object only as the ServiceAccount
+                    // the pool names (bound to the agent ClusterRole); otherwise no token.
+                    service_account_name: spec.agent.service_account_name.clone(),
+                    automount_service_account_token: Some(
+                        spec.agent.service_account_name.is_some(),
+                    ),
                     security_context: Some(agent_pod_security()),
                     containers: vec![container],
                     volumes: Some(volumes),

@@ -26,7 +26,7 @@ pub fn master_deployment(pool: &ValidCachePool, config_hash: &str) -> Deployment
     let container = workload::kvpool_container(KvpoolContainer {
         name: "master",
         image: &pool.master_image,
-        args: contract::master_args(&master.etcd_endpoints),
+        args: contract::master_args(&master.etcd_endpoints, &pool.effective.eviction),
         env: Some(vec![pod::field_env(contract::env::POD_IP, "status.podIP")]),
         ports: &MASTER_PORTS,
         resources: master.resources.clone(),

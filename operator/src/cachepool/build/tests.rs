@@ -218,6 +218,39 @@ fn tcp_pool_has_no_rdma_hugepages_ssd_or_conductor() {
         .collect();
     assert_eq!(volumes, ["config", "auth", "socket", "tmp"]);
     assert!(children.conductor.is_none());
+    // Without a ServiceAccount for the agents, no API token reaches them.
+    assert_eq!(pod.service_account_name, None);
+    assert_eq!(pod.automount_service_account_token, Some(false));
+}
+
+#[test]
+fn agents_run_as_the_named_service_account_with_its_token() {
+    let mut spec = tcp();
+    spec.spec.agent.service_account_name = Some("kvpool-agent".into());
+    spec.spec.replication.spread_label_key = "topology.kubernetes.io/zone".into();
+    let children = build(&valid(&spec), "00ff").expect("build");
+    let pod = pod(&children.agent);
+    assert_eq!(pod.service_account_name.as_deref(), Some("kvpool-agent"));
+    assert_eq!(pod.automount_service_account_token, Some(true));
+    // The agents learn the label from the pool document; the master spreads over it.
+    let config = &children.config.data.as_ref().expect("data")[crate::contract::CONFIG_FILE_KEY];
+    assert!(
+        config.contains("spreadLabelKey: topology.kubernetes.io/zone"),
+        "{config}"
+    );
+    let master = children
+        .master
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .map(|p| p.containers[0].args.clone().unwrap_or_default())
+        .expect("master args");
+    assert!(
+        master
+            .windows(2)
+            .any(|w| w == ["--replica-spread", "failure-domain"]),
+        "{master:?}"
+    );
 }
 
 #[test]
@@ -271,6 +304,19 @@ fn master_and_conductor_follow_the_contract() {
             "/etc/kvpool/auth/key",
             "--kv-events-config",
             r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kvpool"}"#,
+            // The fixture's spec.eviction: lfu at 95 / 85 percent.
+            "--eviction-policy",
+            "lfu",
+            "--dram-high-watermark",
+            "0.95",
+            "--dram-low-watermark",
+            "0.85",
+            "--ssd-high-watermark",
+            "0.95",
+            "--ssd-low-watermark",
+            "0.85",
+            "--replica-spread",
+            "failure-domain",
             "--etcd-endpoints",
             "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379",
             "--advertise-addr",

@@ -45,7 +45,7 @@ use smallvec::SmallVec;
 use super::alloc::{ExtentAllocator, PAGE_BYTES, pages_for};
 use super::clock::Clock;
 use super::policy::{Policy, PolicyKind};
-use super::types::{ObjectKey, SegmentSpec, TaskKind, Watermarks};
+use super::types::{ObjectKey, SegmentSpec, Spread, TaskKind, Watermarks};
 
 /// Tunables of the metadata core.
 #[derive(Clone, Debug)]
@@ -62,6 +62,8 @@ pub struct MasterConfig {
     /// Per tier, indexed by [`Tier::index`](super::types::Tier::index).
     pub watermarks: [Watermarks; 2],
     pub max_replicas: u8,
+    /// How every put's replicas spread at least (a put may ask for failure domains itself).
+    pub spread: Spread,
     /// Repair tasks scheduled per tick at most.
     pub repairs_per_tick: usize,
 }
@@ -76,6 +78,7 @@ impl Default for MasterConfig {
             policy: PolicyKind::Lru,
             watermarks: [Watermarks::default(); 2],
             max_replicas: 8,
+            spread: Spread::Node,
             repairs_per_tick: 256,
         }
     }

@@ -46,6 +46,20 @@ impl MasterState {
             }
             return Ok(PutStarted::AlreadyCommitted { size });
         }
+        // The pool's spread is a floor: a put may ask for failure domains on a node-spread
+        // pool, never for less on a domain-spread one.
+        let spread_opts;
+        let opts = if self.config.spread == Spread::FailureDomain
+            && opts.spread != Spread::FailureDomain
+        {
+            spread_opts = PutOptions {
+                spread: Spread::FailureDomain,
+                ..opts.clone()
+            };
+            &spread_opts
+        } else {
+            opts
+        };
         let tiers: &[Tier] = match opts.tier {
             Some(Tier::Dram) => &[Tier::Dram],
             Some(Tier::Ssd) => &[Tier::Ssd],

@@ -170,6 +170,40 @@ fn failure_domain_spread_uses_distinct_domains() {
     assert_eq!(tasks[0].target.node, "d");
 }
 
+/// A pool spread over failure domains (`MasterConfig::spread`) places every put that way,
+/// including those that ask only for distinct nodes; nodes that announce no domain only need
+/// to be distinct nodes.
+#[test]
+fn pool_wide_failure_domain_spread_applies_to_every_put() {
+    let config = MasterConfig {
+        spread: Spread::FailureDomain,
+        ..MasterConfig::default()
+    };
+    let (mut m, _clock) = master(config);
+    for (node, zone) in [("a", "z1"), ("b", "z1"), ("c", "z2"), ("d", "z2")] {
+        let mut s = spec(node, "s", Tier::Dram, 64 * MIB);
+        s.failure_domain = zone.into();
+        m.mount(s).expect("mount");
+    }
+    let zone = |n: &str| if n < "c" { "z1" } else { "z2" };
+    for i in 0..20 {
+        let o = PutOptions {
+            replicas: 2,
+            writer_node: Some(["a", "b", "c", "d"][i % 4].into()),
+            ..PutOptions::default()
+        };
+        let reps = put(&mut m, key(i as u64), MIB, &o);
+        assert_eq!(reps.len(), 2);
+        assert_ne!(zone(&reps[0].node), zone(&reps[1].node), "{reps:?}");
+    }
+    // Three replicas over two domains: only two can be placed.
+    assert_eq!(put(&mut m, key(100), MIB, &opts(3)).len(), 2);
+    // A node without a domain counts only as a distinct node.
+    m.mount(spec("e", "s", Tier::Dram, 64 * MIB))
+        .expect("mount");
+    assert_eq!(put(&mut m, key(101), MIB, &opts(3)).len(), 3);
+}
+
 #[test]
 fn bad_puts_get_clear_errors_and_change_nothing() {
     let (mut m, _clock) = master(MasterConfig::default());
@@ -363,7 +397,45 @@ fn soft_pins_go_last_and_hard_pins_never() {
 
 #[test]
 fn leased_objects_survive_space_pressure() {
-    let (mut m, clock) = small_pool(PolicyKind::S3fifo);
+    for policy in PolicyKind::ALL {
+        leased_objects_survive_space_pressure_under(policy);
+    }
+}
+
+/// Hard pins and leases hold under every policy; soft pins go only when nothing else can.
+#[test]
+fn every_policy_spares_leased_and_pinned_objects() {
+    for policy in PolicyKind::ALL {
+        let (mut m, _clock) = small_pool(policy);
+        for i in 0..9 {
+            put(&mut m, key(i), MIB, &opts(1));
+        }
+        // Make 0..3 the most frequently and recently used, then protect them.
+        for _ in 0..3 {
+            for i in 0..3 {
+                m.get(key(i)).expect("get");
+            }
+        }
+        let lease = m.get(key(3)).expect("get").lease;
+        m.pin(key(4), true, 0).expect("hard pin");
+        m.pin(key(5), false, 60_000).expect("soft pin");
+        // Each new put crosses the high watermark again; 20 of them churn the pool.
+        for i in 100..120 {
+            put(&mut m, key(i), MIB, &opts(1));
+        }
+        let alive = m.exists(&[key(3), key(4), key(5)]);
+        assert_eq!(
+            alive,
+            vec![true, true, true],
+            "{policy:?}: leased, hard-pinned and (with other victims left) soft-pinned stay"
+        );
+        assert!(m.counters().evicted_dropped[0] >= 18, "{policy:?} evicted");
+        m.release_lease(lease.id).expect("release");
+    }
+}
+
+fn leased_objects_survive_space_pressure_under(policy: PolicyKind) {
+    let (mut m, clock) = small_pool(policy);
     for i in 0..10 {
         put(&mut m, key(i), MIB, &opts(1));
     }
@@ -800,10 +872,7 @@ proptest::proptest! {
     #[test]
     fn random_operations_keep_the_core_consistent(
         ops in proptest::collection::vec(op(), 1..120),
-        policy in proptest::prop_oneof![
-            proptest::strategy::Just(PolicyKind::Lru),
-            proptest::strategy::Just(PolicyKind::S3fifo),
-        ],
+        policy in proptest::sample::select(PolicyKind::ALL.to_vec()),
     ) {
         let config = MasterConfig {
             policy,
