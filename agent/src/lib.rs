@@ -12,6 +12,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod bench_restart;
 pub mod cli;
 pub mod config;
 pub mod discovery;

@@ -181,6 +181,7 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
             numa_node: 0,
             failure_domain: String::new(),
             endpoints: vec!["tcp://127.0.0.1:9".into()],
+            persistent: false,
         })
         .await
         .expect("mount node-2");

@@ -12,7 +12,12 @@ pub(super) fn flag(flag: &'static str, problem: impl Into<String>) -> UpError {
     UpError::Flag(kvpool_core::flags::FlagError::new(flag, problem))
 }
 
-pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSettings, UpError> {
+/// `tiers`: where the agents keep their DRAM tiers (see `shm`), if they persist.
+pub(super) fn validate(
+    args: &UpArgs,
+    dir: std::path::PathBuf,
+    tiers: Option<std::path::PathBuf>,
+) -> Result<UpSettings, UpError> {
     if args.agents == 0 {
         return Err(flag("agents", "must be at least 1"));
     }
@@ -70,6 +75,7 @@ pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSetti
         protocol: args.engine_protocol,
         sysfs_root: args.agent_sysfs_root.clone(),
         procfs_root: args.agent_procfs_root.clone(),
+        dram_tiers: tiers,
     })
 }
 

@@ -3,7 +3,8 @@
 //! transfer server's read check for the segment, and the task runner calls it before copying
 //! out of `ssd0`); a block that fails is dropped from the index, counted and queued for the
 //! master in the next heartbeat ([`SsdGuard::take_reports`]), and the read is refused.
-//! [`apply_events`] applies the master's segment-event feed to the index and flushes it, and
+//! [`apply_events`] applies the master's segment-event feed to the durable indexes (`ssd0`'s and
+//! the persistent DRAM segments') and flushes them, and
 //! [`FeedState`] is what the next heartbeat acknowledges. I/O boundary: the data file (through
 //! [`BlockChecker`]) and the index files; the choice of what to check ([`plan_check`]) is pure.
 
@@ -243,13 +244,15 @@ pub struct FeedState {
     pub acked: u64,
 }
 
-/// Apply the feed's `events` (in order) for segment `ssd_id` to the index and flush it. Events
-/// of other segments (a segment id from before a remount) are skipped. Returns the state to
+/// Apply the feed's `events` (in order) to the durable indexes of `targets` (master segment id,
+/// index: `ssd0` and the persistent DRAM segments) and flush them. Events of other segments (a
+/// segment id from before a remount) are skipped. A commit whose replica the same batch frees
+/// again is not checksummed nor recorded (its range may already hold another key's bytes, and a
+/// crash between the two records must not leave the old key naming them). Returns the state to
 /// acknowledge: the answer's epoch and the last event applied (`prev` when nothing could be
 /// flushed, so everything is sent again).
 pub fn apply_events(
-    index: &SharedIndex,
-    ssd_id: Option<u32>,
+    targets: &[(u32, SharedIndex)],
     epoch: u64,
     events: &[SegmentEvent],
     prev: FeedState,
@@ -257,11 +260,16 @@ pub fn apply_events(
 ) -> Result<FeedState, (FeedState, PoolIndexError)> {
     // Acknowledging under a new epoch restarts the count: nothing of it is applied yet.
     let mut applied = if epoch == prev.epoch { prev.acked } else { 0 };
-    let mut idx = index.lock();
+    let freed_later = freed_later(events);
     let mut failed = None;
-    for e in events {
-        if Some(e.segment_id) == ssd_id {
-            if let Err(err) = idx.apply(e) {
+    for (i, e) in events.iter().enumerate() {
+        if let Some((_, index)) = targets.iter().find(|(id, _)| *id == e.segment_id) {
+            let mut event = *e;
+            if e.kind == SegmentEventKind::Commit && freed_later.contains(&i) {
+                // Only the limbo bookkeeping of a resynchronisation; nothing is indexed.
+                event.length = 0;
+            }
+            if let Err(err) = index.lock().apply(&event) {
                 failed = Some(err);
                 break;
             }
@@ -273,8 +281,10 @@ pub fn apply_events(
         }
         applied = e.seq;
     }
-    if let Err(err) = idx.sync() {
-        return Err((prev, err));
+    for (_, index) in targets {
+        if let Err(err) = index.lock().sync() {
+            return Err((prev, err));
+        }
     }
     let state = FeedState {
         epoch,
@@ -284,6 +294,28 @@ pub fn apply_events(
         Some(err) => Err((state, err)),
         None => Ok(state),
     }
+}
+
+/// Positions of the commits in `events` whose replica (segment, key, offset) a later event of
+/// the same batch frees. Pure.
+fn freed_later(events: &[SegmentEvent]) -> std::collections::BTreeSet<usize> {
+    let mut open: BTreeMap<(u32, ObjectKey, u64), usize> = BTreeMap::new();
+    let mut out = std::collections::BTreeSet::new();
+    for (i, e) in events.iter().enumerate() {
+        let at = (e.segment_id, e.key, e.offset);
+        match e.kind {
+            SegmentEventKind::Commit => {
+                open.insert(at, i);
+            }
+            SegmentEventKind::Free => {
+                if let Some(c) = open.remove(&at) {
+                    out.insert(c);
+                }
+            }
+            SegmentEventKind::Reset | SegmentEventKind::ResetDone => {}
+        }
+    }
+    out
 }
 
 /// Run `update` on the SSD index on the blocking pool. A failure only costs persistence across
@@ -378,8 +410,7 @@ mod tests {
         /// Apply the feed's `events` of `epoch` for segment 5 after `prev`, counting them.
         fn apply(&self, epoch: u64, events: &[SegmentEvent], prev: FeedState) -> FeedState {
             apply_events(
-                &self.index,
-                Some(5),
+                &[(5, Arc::clone(&self.index))],
                 epoch,
                 events,
                 prev,
@@ -537,5 +568,57 @@ mod tests {
             3,
             "every commit applied is counted"
         );
+    }
+
+    #[test]
+    fn a_commit_freed_in_the_same_batch_is_never_recorded() {
+        let f = fixture();
+        // Key 1 was committed at 0, then freed, and key 2 written over the same bytes before
+        // the agent saw any of it: the file holds key 2's bytes.
+        let b = value(5000, 7);
+        f.data.write_all_at(&b, 0).expect("b");
+        let events = [
+            ev(1, SegmentEventKind::Commit, 1, 0, 5000),
+            ev(2, SegmentEventKind::Free, 1, 0, 0),
+            ev(3, SegmentEventKind::Commit, 2, 0, 5000),
+        ];
+        assert_eq!(freed_later(&events).into_iter().collect::<Vec<_>>(), vec![0]);
+        let st = f.apply(11, &events, FeedState::default());
+        assert_eq!(st.acked, 3);
+        let blocks = f.index.lock().blocks();
+        assert_eq!(blocks.len(), 1);
+        assert_eq!((blocks[0].key, blocks[0].crc), (key(2), crc32c::crc32c(&b)));
+        // The log itself never named key 1 (a crash between the records could not bring it
+        // back with key 2's bytes): replaying it from the file finds key 2 only.
+        let dir = f._dir.path();
+        let log = std::fs::read(dir.join(crate::ssd::pool::POOL_INDEX_FILE)).expect("log");
+        let replayed = crate::ssd::pool::replay(&log[crate::ssd::log::HEADER_LEN..]);
+        assert!(replayed.damaged_at.is_none());
+        let keys: Vec<ObjectKey> = replayed.blocks.values().map(|b| b.key).collect();
+        assert_eq!(keys, vec![key(2)]);
+    }
+
+    #[test]
+    fn events_go_to_the_index_of_their_segment() {
+        let f = fixture();
+        let g = fixture();
+        let a = value(4096, 1);
+        let b = value(4096, 2);
+        f.data.write_all_at(&a, 0).expect("a");
+        g.data.write_all_at(&b, 8192).expect("b");
+        let events = [
+            ev(1, SegmentEventKind::Commit, 1, 0, 4096),
+            SegmentEvent {
+                segment_id: 6,
+                ..ev(2, SegmentEventKind::Commit, 2, 8192, 4096)
+            },
+        ];
+        let targets = [(5, Arc::clone(&f.index)), (6, Arc::clone(&g.index))];
+        let st = apply_events(&targets, 3, &events, FeedState::default(), None).expect("apply");
+        assert_eq!(st, FeedState { epoch: 3, acked: 2 });
+        assert_eq!(f.index.lock().blocks()[0].crc, crc32c::crc32c(&a));
+        assert_eq!(g.index.lock().blocks()[0].crc, crc32c::crc32c(&b));
+        assert_eq!(f.index.lock().len(), 1);
+        assert_eq!(g.index.lock().len(), 1);
     }
 }

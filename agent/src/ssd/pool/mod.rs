@@ -1,6 +1,7 @@
-//! Durable index of the pool-mode SSD segment (`pool-ssd.dat`, mounted as `ssd0`): which master
-//! object (128-bit key digest) lives at which offset, with its length and a crc32c of its
-//! bytes. Demotions and repairs into the segment append a record after the data is flushed;
+//! Durable index of a persistent pool-mode segment — the SSD segment (`pool-ssd.dat`, mounted
+//! as `ssd0`) and, with `dram.persistence`, each DRAM segment kept in a tmpfs or hugetlbfs file
+//! (`dram<i>.dat`, index `dram<i>.idx`): which master object (128-bit key digest) lives at
+//! which offset, with its length and a crc32c of its bytes. Demotions and repairs into the segment append a record after the data is flushed;
 //! the log is fsynced in batches (every heartbeat and on shutdown) and compacted into a
 //! snapshot at start-up. On restart every indexed block is checked against the data file:
 //! truncated, out-of-bounds or corrupt blocks are dropped and counted, the rest are announced to
@@ -36,7 +37,6 @@ pub use records::{Replayed, replay};
 
 /// Index file of the pool-mode SSD segment, next to its data file.
 pub const POOL_INDEX_FILE: &str = "pool-ssd.idx";
-const POOL_INDEX_TMP: &str = "pool-ssd.idx.tmp";
 /// Version of the index format this build writes; newer ones are refused.
 pub const POOL_INDEX_VERSION: u32 = 1;
 
@@ -50,7 +50,7 @@ pub enum PoolIndexError {
         #[source]
         source: std::io::Error,
     },
-    #[error("index {path} is not a kvpool pool SSD index (bad magic)")]
+    #[error("index {path} is not a kvpool segment index (bad magic)")]
     BadMagic { path: PathBuf },
     #[error("index {path} has format version {found}; this agent reads up to {POOL_INDEX_VERSION}")]
     UnsupportedVersion { path: PathBuf, found: u32 },
@@ -162,7 +162,21 @@ impl PoolSsdIndex {
         data_path: &Path,
         capacity: u64,
     ) -> Result<(Self, PoolRecovery), PoolIndexError> {
-        let index_path = dir.join(POOL_INDEX_FILE);
+        Self::open_at(&dir.join(POOL_INDEX_FILE), data_path, capacity)
+    }
+
+    /// [`Self::open`] with the index at `index_path` (a persistent DRAM segment's index is
+    /// `dram<i>.idx`; the snapshot's temporary file is `index_path` + `.tmp`).
+    pub fn open_at(
+        index_path: &Path,
+        data_path: &Path,
+        capacity: u64,
+    ) -> Result<(Self, PoolRecovery), PoolIndexError> {
+        let index_path = index_path.to_owned();
+        let dir = index_path
+            .parent()
+            .map(Path::to_owned)
+            .unwrap_or_else(|| PathBuf::from("."));
         let mut recovery = PoolRecovery::default();
         let bytes = match std::fs::read(&index_path) {
             Ok(b) => b,
@@ -222,7 +236,7 @@ impl PoolSsdIndex {
                 Some(reason) => recovery.dropped.push((b, reason)),
             }
         }
-        let index = Self::write_snapshot(dir, &index_path, &blocks)?;
+        let index = Self::write_snapshot(&dir, &index_path, &blocks)?;
         Ok((
             Self {
                 index_path,
@@ -243,7 +257,9 @@ impl PoolSsdIndex {
         index_path: &Path,
         blocks: &BTreeMap<u64, PoolBlock>,
     ) -> Result<File, PoolIndexError> {
-        let tmp = dir.join(POOL_INDEX_TMP);
+        let mut tmp = index_path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
         let mut out = log::header(MAGIC, POOL_INDEX_VERSION);
         for b in blocks.values() {
             out.extend_from_slice(&encode(REC_PUT, b));

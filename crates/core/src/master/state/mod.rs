@@ -34,7 +34,7 @@ pub use super::types::{
     SegmentEventKind, TransportState,
 };
 pub use events::{POOL_EVENTS_CAP, PoolEvent, PoolEventsDrain};
-pub use feed::{FEED_BATCH, FEED_CAP};
+pub use feed::{FEED_BATCH, FEED_CAP, fed};
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;

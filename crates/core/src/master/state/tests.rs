@@ -21,6 +21,7 @@ fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
         numa_node: 0,
         failure_domain: String::new(),
         endpoints: vec![format!("tcp://{node}:1")],
+        persistent: false,
     }
 }
 
