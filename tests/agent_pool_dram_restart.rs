@@ -46,26 +46,23 @@ fn shm_dir() -> Option<tempfile::TempDir> {
     Some(tempfile::tempdir_in("/dev/shm").expect("tempdir in /dev/shm"))
 }
 
-/// Agent `name` of the pool behind `master` with 4 MiB of DRAM kept in `tier`; `pool` adds
-/// `pool:` lines.
+/// Agent `name` of the pool behind `master` with `dram` of DRAM kept in `tier`.
 fn start_persistent(
     dir: &Path,
     name: &str,
     master: std::net::SocketAddr,
     key_file: &Path,
     tier: &Path,
-    pool: &[&str],
+    dram: &str,
 ) -> (ChildProcess, AgentAddrs) {
     let admin = free_addr().expect("port");
-    let mut spec = AgentSpec::new(KVPOOL, dir.join(name), name, "4MiB")
+    let a = AgentSpec::new(KVPOOL, dir.join(name), name, dram)
         .fixture(&sysfs_fixture())
         .admin(admin)
         .pool(master, key_file, "200ms")
-        .args(["--dram-persistence-path".to_owned(), tier.display().to_string()]);
-    for p in pool {
-        spec = spec.pool_setting(p);
-    }
-    let a = spec.spawn(&Launcher::new(dir)).expect("kvpool agent");
+        .args(["--dram-persistence-path".to_owned(), tier.display().to_string()])
+        .spawn(&Launcher::new(dir))
+        .expect("kvpool agent");
     (
         a.process,
         AgentAddrs {
@@ -118,7 +115,7 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
     let tier = shm.path().join("tier");
     let (dir, key_file, mut master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, &[]);
+    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
     wait_ready(&addr_a, &mut a);
     let client = master_client(grpc, KEY);
 
@@ -144,7 +141,7 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
     let bad = 5;
     corrupt(&tier, offsets[bad] + 1000);
 
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, &[]);
+    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
     wait_ready(&addr_a, &mut a);
     let adopted = wait_metric(
         &addr_a,
@@ -217,7 +214,7 @@ async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
     let tier = shm.path().join("tier");
     let (dir, key_file, _master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, &[]);
+    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
     wait_ready(&addr_a, &mut a);
     let remote = Arc::new(remote_client(grpc, "remote-client"));
     let opts = PutOptions {
@@ -271,7 +268,7 @@ async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
     stop.cancel();
     looper.await.expect("loop");
 
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, &[]);
+    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
     wait_ready(&addr_a, &mut a);
     wait_metric(
         &addr_a,
@@ -301,6 +298,26 @@ async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
     wait_exit(&mut a);
 }
 
+/// A value of the rolling update's loop: small (one page), so that a few thousand fit the
+/// pool without eviction.
+fn small(i: usize) -> Vec<u8> {
+    (0..3000 + i % 1000)
+        .map(|j: usize| (j.wrapping_mul(17) ^ i.wrapping_mul(131)) as u8)
+        .collect()
+}
+
+/// Waits until the loop acknowledged `n` puts, while `procs` run.
+async fn wait_acked(tally: &Mutex<LoopTally>, n: usize, procs: &mut [&mut ChildProcess]) {
+    let started = std::time::Instant::now();
+    while tally.lock().acked.len() < n {
+        for p in procs.iter_mut() {
+            p.assert_running().expect("running");
+        }
+        assert!(started.elapsed() < DEADLINE, "the put loop stalled");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// What the put/get loop of the rolling update saw.
 #[derive(Debug, Default)]
 struct LoopTally {
@@ -321,7 +338,7 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
     let names = ["agent-a", "agent-b", "agent-c"];
     let tier_of = |i: usize| -> PathBuf { tiers[i].path().join("tier") };
     let mut agents: Vec<(ChildProcess, AgentAddrs)> = (0..3)
-        .map(|i| start_persistent(logs, names[i], grpc, &key_file, &tier_of(i), &[]))
+        .map(|i| start_persistent(logs, names[i], grpc, &key_file, &tier_of(i), "16MiB"))
         .collect();
     for (p, addr) in &mut agents {
         wait_ready(addr, p);
@@ -340,7 +357,7 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         tokio::spawn(async move {
             let mut i = 0usize;
             while !stop.is_cancelled() {
-                if remote.put(&key(i), &block(i % 64), &opts).await.is_ok() {
+                if remote.put(&key(i), &small(i), &opts).await.is_ok() {
                     tally.lock().acked.push(i);
                 }
                 // Read back an earlier acknowledged block.
@@ -350,13 +367,13 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
                 };
                 if let Some(j) = probe {
                     match remote.get(&key(j)).await {
-                        Ok(v) if v == block(j % 64) => tally.lock().verified += 1,
+                        Ok(v) if v == small(j) => tally.lock().verified += 1,
                         Ok(_) => tally.lock().wrong.push(j),
                         Err(_) => tally.lock().get_failed += 1,
                     }
                 }
                 i += 1;
-                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
         })
     };
@@ -364,22 +381,24 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
     for i in 0..3 {
         // Load before each roll.
         let target = acked_now(&tally) + 10;
-        while acked_now(&tally) < target {
-            for (p, _) in &mut agents {
-                p.assert_running().expect("agent");
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        let (mut old, _) = agents.remove(i);
+        let mut procs: Vec<&mut ChildProcess> = agents.iter_mut().map(|(p, _)| p).collect();
+        wait_acked(&tally, target, &mut procs).await;
+        let (mut old, old_addr) = agents.remove(i);
+        let (_, text) = http_get(old_addr.admin, "/metrics").await.expect("metrics");
+        let indexed = metric(&text, "kvpool_agent_pool_dram_index_blocks", &[]).unwrap_or(0.0);
         old.signal(Signal::SIGTERM).expect("signal");
         wait_exit(&mut old);
         drop(old);
-        let (mut p, addr) = start_persistent(logs, names[i], grpc, &key_file, &tier_of(i), &[]);
+        let (mut p, addr) = start_persistent(logs, names[i], grpc, &key_file, &tier_of(i), "16MiB");
         wait_ready(&addr, &mut p);
-        wait_metric(&addr, &mut p, "kvpool_agent_pool_dram_blocks_adopted_total", &[], |v| {
-            v > 0.0
-        })
-        .await;
+        // What it held comes back (some may be refused: the master may have placed new
+        // replicas over them between the mount and the announcement).
+        if indexed > 0.0 {
+            wait_metric(&addr, &mut p, "kvpool_agent_pool_dram_blocks_adopted_total", &[], |v| {
+                v > 0.0
+            })
+            .await;
+        }
         agents.insert(i, (p, addr));
         // A rollout moves on once the pool is whole again.
         let mut procs: Vec<&mut ChildProcess> = agents.iter_mut().map(|(p, _)| p).collect();
@@ -390,9 +409,8 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         .await;
     }
     let target = acked_now(&tally) + 10;
-    while acked_now(&tally) < target {
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let mut procs: Vec<&mut ChildProcess> = agents.iter_mut().map(|(p, _)| p).collect();
+    wait_acked(&tally, target, &mut procs).await;
     stop.cancel();
     looper.await.expect("loop");
 
@@ -401,7 +419,7 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
     let mut lost = Vec::new();
     for &i in &t.acked {
         match remote.get(&key(i)).await {
-            Ok(v) => assert!(v == block(i % 64), "block {i} differs after the rollout"),
+            Ok(v) => assert!(v == small(i), "block {i} differs after the rollout"),
             Err(_) => lost.push(i),
         }
     }
@@ -425,7 +443,7 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
     let tier = shm.path().join("tier");
     let (dir, key_file, _master, grpc) = test_pool("5s");
     let logs = dir.path();
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, &[]);
+    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
     wait_ready(&addr_a, &mut a);
     let client = master_client(grpc, KEY);
     let keys: Vec<Vec<u8>> = (0..6).map(key).collect();
@@ -450,7 +468,7 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
         .expect("tier file")
         .set_len(offsets[last] + 100)
         .expect("truncate");
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, &[]);
+    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
     wait_ready(&addr_a, &mut a);
     wait_metric(
         &addr_a,
@@ -487,7 +505,7 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
     // Garbage in the index: the agent refuses to start and names the file.
     let index = tier.join("dram0.idx");
     std::fs::write(&index, b"this is not a kvpool index at all").expect("garbage");
-    let (mut a, _) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, &[]);
+    let (mut a, _) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
     let status = tokio::task::block_in_place(|| a.wait_timeout(DEADLINE)).expect("exits");
     assert!(!status.success(), "a garbage index stops the agent");
     let log = a.log_text();

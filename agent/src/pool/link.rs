@@ -246,7 +246,19 @@ impl PoolLink {
         let mut adopted = 0u64;
         let mut refused: Vec<PoolBlock> = Vec::new();
         let mut answered = done;
-        for chunk in blocks.get(done..).unwrap_or_default().chunks(ADOPT_BATCH) {
+        // The last call says the announcement is complete (the master keeps a persistent
+        // segment sealed until then), even when there is nothing to announce.
+        let mut chunks: Vec<&[PoolBlock]> = blocks
+            .get(done..)
+            .unwrap_or_default()
+            .chunks(ADOPT_BATCH)
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        let last = chunks.len() - 1;
+        let mut finished = false;
+        for (n, chunk) in chunks.into_iter().enumerate() {
             let items: Vec<AdoptItem> = chunk
                 .iter()
                 .map(|b| AdoptItem {
@@ -257,11 +269,12 @@ impl PoolLink {
                 .collect();
             match self
                 .client
-                .adopt_replicas(self.registrar.node(), id, &items)
+                .adopt_replicas(self.registrar.node(), id, &items, n == last)
                 .await
             {
                 Ok(results) => {
                     answered += chunk.len();
+                    finished = n == last;
                     for (b, r) in chunk.iter().zip(results) {
                         match r {
                             Ok(()) => adopted += 1,
@@ -286,10 +299,10 @@ impl PoolLink {
         {
             let mut pending = self.adopt_pending.lock();
             if pending.get(name) == Some(&(id, done)) {
-                if answered < blocks.len() {
-                    pending.insert(name.to_owned(), (id, answered));
-                } else {
+                if finished {
                     pending.remove(name);
+                } else {
+                    pending.insert(name.to_owned(), (id, answered));
                 }
             }
         }

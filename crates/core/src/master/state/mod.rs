@@ -169,6 +169,10 @@ struct Segment {
     spec: SegmentSpec,
     node: u32,
     alloc: ExtentAllocator,
+    /// A persistent segment just mounted: nothing is placed in it until its agent has
+    /// announced what it holds (`adopt` with `complete`), so that no new replica is written
+    /// over a block that is about to be adopted.
+    sealed: bool,
 }
 
 #[derive(Debug)]
