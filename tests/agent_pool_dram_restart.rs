@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::{PutOptions, Tier};
-use kvpool_harness::{AgentSpec, ChildProcess, Launcher, free_addr};
+use kvpool_harness::ChildProcess;
 use nix::sys::signal::Signal;
 use parking_lot::Mutex;
 use pool_support::*;
@@ -55,20 +55,21 @@ fn start_persistent(
     tier: &Path,
     dram: &str,
 ) -> (ChildProcess, AgentAddrs) {
-    let admin = free_addr().expect("port");
-    let a = AgentSpec::new(KVPOOL, dir.join(name), name, dram)
-        .fixture(&sysfs_fixture())
-        .admin(admin)
-        .pool(master, key_file, "200ms")
-        .args(["--dram-persistence-path".to_owned(), tier.display().to_string()])
-        .spawn(&Launcher::new(dir))
-        .expect("kvpool agent");
-    (
-        a.process,
-        AgentAddrs {
-            admin,
-            socket: a.socket,
-        },
+    let args = [
+        "--dram-persistence-path".to_owned(),
+        tier.display().to_string(),
+    ];
+    start_agent_args(dir, name, master, key_file, dram, "", &args)
+}
+
+/// `kvpool_agent_pool_dram_blocks_dropped_total{reason}` of the agent.
+async fn dropped(agent: &AgentAddrs, reason: &str) -> Option<f64> {
+    let (_, text) = http_get(agent.admin, "/metrics").await.expect("metrics");
+    let label = format!("reason=\"{reason}\"");
+    metric(
+        &text,
+        "kvpool_agent_pool_dram_blocks_dropped_total",
+        &[label.as_str()],
     )
 }
 
@@ -152,15 +153,10 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
     )
     .await;
     assert_eq!(adopted, (n - 1) as f64, "every intact block adopted");
-    let (_, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics");
     assert_eq!(
-        metric(
-            &text,
-            "kvpool_agent_pool_dram_blocks_dropped_total",
-            &["reason=\"corrupt\""]
-        ),
+        dropped(&addr_a, "corrupt").await,
         Some(1.0),
-        "the changed block is dropped at start-up:\n{text}"
+        "the changed block is dropped at start-up"
     );
     let mut engine_a = engine(&addr_a, "engine-a2").await;
     for (i, k) in keys.iter().enumerate() {
@@ -478,16 +474,7 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
         |v| v >= 5.0,
     )
     .await;
-    let (_, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics");
-    assert_eq!(
-        metric(
-            &text,
-            "kvpool_agent_pool_dram_blocks_dropped_total",
-            &["reason=\"truncated\""]
-        ),
-        Some(1.0),
-        "{text}"
-    );
+    assert_eq!(dropped(&addr_a, "truncated").await, Some(1.0));
     let mut engine_a = engine(&addr_a, "engine-a2").await;
     for (i, k) in keys.iter().enumerate() {
         let got = engine_a.get(k).await.expect("get");

@@ -155,23 +155,7 @@ impl MappedRegion {
             len: len as u64,
             source,
         };
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(file_err)?;
-        if file.metadata().map_err(file_err)?.len() != len as u64 {
-            file.set_len(len as u64).map_err(file_err)?;
-        }
-        let size = libc::off_t::try_from(len)
-            .map_err(|_| file_err(std::io::Error::other("length does not fit off_t")))?;
-        // SAFETY: fallocate on a file descriptor we own; it only changes the file's allocation.
-        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size) };
-        if rc != 0 {
-            return Err(file_err(std::io::Error::from_raw_os_error(rc)));
-        }
+        let file = reserved_file(path, len as u64)?;
         // SAFETY: a shared mapping of the whole file we just sized, at a kernel-chosen address;
         // the result is checked against MAP_FAILED before use. The mapping stays valid after
         // the descriptor is closed.
@@ -316,6 +300,28 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool_transfer::Segmen
         len,
         source,
     };
+    let file = reserved_file(path, len)?;
+    // SAFETY: the file is ours, just sized to `len` bytes with every block allocated; the
+    // mapping is only ever accessed through the transfer segment's bounds-checked raw copies.
+    let map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(file_err)?;
+    kvpool_transfer::Segment::from_mmap(map, kvpool_transfer::HostOptions::default()).map_err(
+        |source| MemoryError::Transfer {
+            len: usize::try_from(len).unwrap_or(usize::MAX),
+            source,
+        },
+    )
+}
+
+/// Create or reopen `path` keeping its contents (a persistent segment outlives the agent), cut
+/// it to `len` when longer, and reserve `len` bytes for it with `posix_fallocate` (which also
+/// extends it): a fault on a hole of a shared mapping of a full filesystem is SIGBUS, not an
+/// error.
+fn reserved_file(path: &Path, len: u64) -> Result<std::fs::File, MemoryError> {
+    let file_err = |source| MemoryError::File {
+        path: path.to_owned(),
+        len,
+        source,
+    };
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -323,8 +329,6 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool_transfer::Segmen
         .truncate(false)
         .open(path)
         .map_err(file_err)?;
-    // The contents are kept (the SSD segment persists across restarts); a file larger than
-    // the configured capacity is cut to it.
     if file.metadata().map_err(file_err)?.len() > len {
         file.set_len(len).map_err(file_err)?;
     }
@@ -335,15 +339,7 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool_transfer::Segmen
     if rc != 0 {
         return Err(file_err(std::io::Error::from_raw_os_error(rc)));
     }
-    // SAFETY: the file is ours, just sized to `len` bytes with every block allocated; the
-    // mapping is only ever accessed through the transfer segment's bounds-checked raw copies.
-    let map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(file_err)?;
-    kvpool_transfer::Segment::from_mmap(map, kvpool_transfer::HostOptions::default()).map_err(
-        |source| MemoryError::Transfer {
-            len: usize::try_from(len).unwrap_or(usize::MAX),
-            source,
-        },
-    )
+    Ok(file)
 }
 
 impl Drop for MappedRegion {

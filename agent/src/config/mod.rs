@@ -21,6 +21,8 @@ pub mod pool_document;
 #[cfg(test)]
 mod tests;
 
+/// Backing of the DRAM tier: the KVCachePool's own type (`none`, `tmpfs`, `hugetlbfs`).
+pub use kvpool_crd::PersistenceMode;
 pub use pool::{PoolConfig, PoolSection};
 pub use pool_document::{
     PoolDocument, from_pool_document, load_pool_document, parse_pool_document,
@@ -158,18 +160,6 @@ pub struct PersistenceSection {
     pub index_path: Option<PathBuf>,
 }
 
-/// Backing of the DRAM tier.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PersistenceMode {
-    /// Anonymous memory: the tier ends with the process.
-    #[default]
-    None,
-    /// Files on tmpfs.
-    Tmpfs,
-    /// Files on a hugetlbfs mount (huge pages of the mount's size).
-    Hugetlbfs,
-}
 
 /// Validated persistent DRAM tier: segment `i` is `dir/dram<i>.dat`, its index
 /// `index_dir/dram<i>.idx`.

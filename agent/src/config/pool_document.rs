@@ -84,11 +84,7 @@ pub fn from_pool_document(
     if let Some(p) = &eff.dram.persistence {
         // The operator mounts the host paths at the same paths in the agent.
         file.dram.persistence = Some(super::PersistenceSection {
-            mode: Some(match p.mode {
-                kvpool_crd::PersistenceMode::None => super::PersistenceMode::None,
-                kvpool_crd::PersistenceMode::Tmpfs => super::PersistenceMode::Tmpfs,
-                kvpool_crd::PersistenceMode::Hugetlbfs => super::PersistenceMode::Hugetlbfs,
-            }),
+            mode: Some(p.mode),
             path: Some(PathBuf::from(&p.host_path)),
             index_path: Some(PathBuf::from(&p.index_host_path)),
         });

@@ -53,9 +53,9 @@ pub struct PoolLink {
     engine: Option<TransferEngine>,
     healthy: Arc<watch::Sender<bool>>,
     /// Per persistent segment (by name) whose recovered blocks are still to be announced: its
-    /// master id and how many of them were already answered (a retry resumes there:
+    /// master id and the offset from which blocks are still unanswered (a retry resumes there:
     /// announcing an adopted block again would be refused as a duplicate).
-    adopt_pending: Arc<Mutex<BTreeMap<String, (u32, usize)>>>,
+    adopt_pending: Arc<Mutex<BTreeMap<String, (u32, u64)>>>,
     /// Position in the master's segment-event feed, acknowledged by the next heartbeat.
     feed: Arc<Mutex<FeedState>>,
 }
@@ -227,7 +227,7 @@ impl PoolLink {
     /// the blocks they hold become replicas again. Refused blocks are forgotten; a failed call
     /// is retried on the next pass.
     async fn announce(&self) {
-        let pending: Vec<(String, (u32, usize))> = self
+        let pending: Vec<(String, (u32, u64))> = self
             .adopt_pending
             .lock()
             .iter()
@@ -240,19 +240,20 @@ impl PoolLink {
         }
     }
 
-    /// Announce the blocks of segment `name` (master id `id`) after the first `done`.
-    async fn announce_one(&self, name: &str, index: &SharedIndex, id: u32, done: usize) {
-        let blocks = index.lock().blocks();
+    /// Announce the blocks of segment `name` (master id `id`) at offsets from `done` on.
+    async fn announce_one(&self, name: &str, index: &SharedIndex, id: u32, done: u64) {
+        let blocks: Vec<PoolBlock> = index
+            .lock()
+            .blocks()
+            .into_iter()
+            .filter(|b| b.offset >= done)
+            .collect();
         let mut adopted = 0u64;
         let mut refused: Vec<PoolBlock> = Vec::new();
         let mut answered = done;
         // The last call says the announcement is complete (the master keeps a persistent
         // segment sealed until then), even when there is nothing to announce.
-        let mut chunks: Vec<&[PoolBlock]> = blocks
-            .get(done..)
-            .unwrap_or_default()
-            .chunks(ADOPT_BATCH)
-            .collect();
+        let mut chunks: Vec<&[PoolBlock]> = blocks.chunks(ADOPT_BATCH).collect();
         if chunks.is_empty() {
             chunks.push(&[]);
         }
@@ -273,7 +274,9 @@ impl PoolLink {
                 .await
             {
                 Ok(results) => {
-                    answered += chunk.len();
+                    if let Some(b) = chunk.last() {
+                        answered = b.offset + 1;
+                    }
                     finished = n == last;
                     for (b, r) in chunk.iter().zip(results) {
                         match r {

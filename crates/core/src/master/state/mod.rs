@@ -175,6 +175,17 @@ struct Segment {
     sealed: bool,
 }
 
+impl Segment {
+    fn new(spec: SegmentSpec, node: u32, alloc: ExtentAllocator, sealed: bool) -> Self {
+        Self {
+            spec,
+            node,
+            alloc,
+            sealed,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct NodeState {
     name: String,

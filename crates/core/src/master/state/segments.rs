@@ -60,15 +60,8 @@ impl MasterState {
         ns.segments.push(id);
         self.log(JournalOp::PutSegment(id, spec.clone()));
         let sealed = spec.persistent;
-        self.segments.insert(
-            id,
-            Segment {
-                spec,
-                node,
-                alloc,
-                sealed,
-            },
-        );
+        self.segments
+            .insert(id, Segment::new(spec, node, alloc, sealed));
         Ok(id)
     }
 
