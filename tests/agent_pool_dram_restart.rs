@@ -37,8 +37,10 @@ use tokio_util::sync::CancellationToken;
 /// A fresh directory under /dev/shm for one agent's tier, or `None` (after a SKIP line) where
 /// /dev/shm is not tmpfs.
 fn shm_dir() -> Option<tempfile::TempDir> {
-    let ok = std::fs::read_to_string("/proc/mounts")
-        .is_ok_and(|m| m.lines().any(|l| l.split(' ').nth(1) == Some("/dev/shm") && l.contains(" tmpfs ")));
+    let ok = std::fs::read_to_string("/proc/mounts").is_ok_and(|m| {
+        m.lines()
+            .any(|l| l.split(' ').nth(1) == Some("/dev/shm") && l.contains(" tmpfs "))
+    });
     if !ok {
         skip_support::skip("/dev/shm is not a tmpfs mount");
         return None;
@@ -126,9 +128,13 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
     put_each(&mut engine_a, &keys, block).await;
     drop(engine_a);
     // Every block is durably indexed before the agent goes down.
-    wait_metric(&addr_a, &mut a, "kvpool_agent_pool_dram_index_blocks", &[], |v| {
-        v == n as f64
-    })
+    wait_metric(
+        &addr_a,
+        &mut a,
+        "kvpool_agent_pool_dram_index_blocks",
+        &[],
+        |v| v == n as f64,
+    )
     .await;
     let mut offsets = Vec::new();
     for k in &keys {
@@ -223,9 +229,13 @@ async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
     for i in 0..before {
         remote.put(&key(i), &block(i), &opts).await.expect("put");
     }
-    wait_metric(&addr_a, &mut a, "kvpool_agent_pool_dram_index_blocks", &[], |v| {
-        v == before as f64
-    })
+    wait_metric(
+        &addr_a,
+        &mut a,
+        "kvpool_agent_pool_dram_index_blocks",
+        &[],
+        |v| v == before as f64,
+    )
     .await;
 
     // The loop keeps putting; the agent is killed once eight more were acknowledged, with
@@ -390,9 +400,13 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         // What it held comes back (some may be refused: the master may have placed new
         // replicas over them between the mount and the announcement).
         if indexed > 0.0 {
-            wait_metric(&addr, &mut p, "kvpool_agent_pool_dram_blocks_adopted_total", &[], |v| {
-                v > 0.0
-            })
+            wait_metric(
+                &addr,
+                &mut p,
+                "kvpool_agent_pool_dram_blocks_adopted_total",
+                &[],
+                |v| v > 0.0,
+            )
             .await;
         }
         agents.insert(i, (p, addr));
@@ -420,7 +434,10 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         }
     }
     assert!(lost.is_empty(), "acknowledged blocks lost: {lost:?}");
-    assert!(t.acked.len() >= 40, "the loop ran through the rollout: {t:?}");
+    assert!(
+        t.acked.len() >= 40,
+        "the loop ran through the rollout: {t:?}"
+    );
     println!(
         "{} blocks acknowledged, {} reads verified, {} reads failed over, none lost or wrong",
         t.acked.len(),
@@ -446,7 +463,14 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
     let mut engine_a = engine(&addr_a, "engine-a").await;
     put_each(&mut engine_a, &keys, block).await;
     drop(engine_a);
-    wait_metric(&addr_a, &mut a, "kvpool_agent_pool_dram_index_blocks", &[], |v| v == 6.0).await;
+    wait_metric(
+        &addr_a,
+        &mut a,
+        "kvpool_agent_pool_dram_index_blocks",
+        &[],
+        |v| v == 6.0,
+    )
+    .await;
     let mut offsets = Vec::new();
     for k in &keys {
         offsets.push(dram_offset(&client, k).await.expect("located"));

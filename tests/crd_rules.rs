@@ -85,7 +85,8 @@ const DRAM_WHOLE_PAGES: &str =
 const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
 const SSD_POSITIVE: &str = "ssd.capacityPerNode must be a positive quantity such as 3Ti";
 const SSD_HOST_PATH: &str = kvpool_crd::SSD_HOST_PATH_MESSAGE;
-const DRAM_PERSIST_PATH_REQUIRED: &str = "dram.persistence.hostPath is required when dram.persistence.mode is tmpfs or hugetlbfs";
+const DRAM_PERSIST_PATH_REQUIRED: &str =
+    "dram.persistence.hostPath is required when dram.persistence.mode is tmpfs or hugetlbfs";
 const DRAM_PERSIST_INDEX_REQUIRED: &str = "dram.persistence.indexHostPath (a tmpfs directory) is required with mode hugetlbfs: files on hugetlbfs cannot hold the index";
 const DRAM_PERSIST_HUGEPAGES: &str = "dram.persistence.mode hugetlbfs requires dram.hugepages (the agent pod must request the huge pages its files hold)";
 const CONDUCTOR_PEER: &str = kvpool_crd::CONDUCTOR_PEER_MESSAGE;

@@ -77,7 +77,8 @@ pub fn run(args: &DramRestartArgs) -> Result<DramRestartReport, BenchError> {
             .open(&data_path)
             .map_err(BenchError::TempDir)?;
         data.set_len(tier).map_err(BenchError::TempDir)?;
-        let mut buf = vec![0u8; usize::try_from(block).map_err(|e| BenchError::Args(e.to_string()))?];
+        let mut buf =
+            vec![0u8; usize::try_from(block).map_err(|e| BenchError::Args(e.to_string()))?];
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
         for i in 0..blocks {
             for chunk in buf.chunks_mut(8) {
@@ -88,7 +89,8 @@ pub fn run(args: &DramRestartArgs) -> Result<DramRestartReport, BenchError> {
                 chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
             }
             let offset = i * block;
-            data.write_all_at(&buf, offset).map_err(BenchError::TempDir)?;
+            data.write_all_at(&buf, offset)
+                .map_err(BenchError::TempDir)?;
             let key = ObjectKey::from_bytes(&i.to_le_bytes());
             index
                 .record(key, offset, block, crc32c::crc32c(&buf))

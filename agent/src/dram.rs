@@ -157,11 +157,11 @@ pub fn map_segments_in(
             Some((dir, page)) => MappedRegion::map_file(&req, &segment_file(dir, index), page),
         };
         let (region, outcome) = mapped.map_err(|source| DramError::MapSegment {
-                index,
-                bytes: plan.bytes,
-                numa_node: plan.numa_node,
-                source,
-            })?;
+            index,
+            bytes: plan.bytes,
+            numa_node: plan.numa_node,
+            source,
+        })?;
         warnings.extend(
             outcome
                 .warnings

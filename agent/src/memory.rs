@@ -459,7 +459,8 @@ mod tests {
         let (region, _) = MappedRegion::map_file(&req, &path, 4096).expect("remap");
         assert_eq!(region.as_slice()[9000], 77);
         let seg = region.into_transfer_segment().expect("segment");
-        seg.write_at(100, &[5]).expect("write through the engine's view");
+        seg.write_at(100, &[5])
+            .expect("write through the engine's view");
         drop(seg);
         assert_eq!(std::fs::read(&path).expect("file")[100], 5);
         let bad = MappedRegion::map_file(&req, &dir.path().join("no/dir/f"), 4096)

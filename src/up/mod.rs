@@ -271,8 +271,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         None => None,
     };
     let (dir, temp) = work_dir(args)?;
-    let (tiers, _tiers_guard) =
-        shm::tier_dir(args.agent_dram_persistence, &dir, temp.is_some())?;
+    let (tiers, _tiers_guard) = shm::tier_dir(args.agent_dram_persistence, &dir, temp.is_some())?;
     let _temp = temp;
     let settings = validate(args, dir.clone(), tiers)?;
     let ports = choose_ports(plan::ports_needed(&settings), args.base_port, args.port)?;

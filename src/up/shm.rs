@@ -72,11 +72,7 @@ pub(super) fn tier_dir(
         return Ok((Some(t.path().to_owned()), Some(t)));
     }
     let meta = std::fs::metadata(work_dir).map_err(dir_err(work_dir.to_owned()))?;
-    let dir = Path::new(SHM).join(format!(
-        "kvpool-up-dir-{:x}-{:x}",
-        meta.dev(),
-        meta.ino()
-    ));
+    let dir = Path::new(SHM).join(format!("kvpool-up-dir-{:x}-{:x}", meta.dev(), meta.ino()));
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -96,7 +92,10 @@ mod tests {
         let work = tempfile::tempdir().expect("tempdir");
         let (d, g) = tier_dir(DramPersistence::Off, work.path(), true).expect("off");
         assert!(d.is_none() && g.is_none());
-        assert!(tier_dir(DramPersistence::Keep, work.path(), true).is_err(), "keep needs --dir");
+        assert!(
+            tier_dir(DramPersistence::Keep, work.path(), true).is_err(),
+            "keep needs --dir"
+        );
         let (d, g) = tier_dir(DramPersistence::Auto, work.path(), false).expect("auto");
         if !is_tmpfs(SHM) {
             assert!(d.is_none(), "no tmpfs, no persistence");

@@ -160,7 +160,6 @@ pub struct PersistenceSection {
     pub index_path: Option<PathBuf>,
 }
 
-
 /// Validated persistent DRAM tier: segment `i` is `dir/dram<i>.dat`, its index
 /// `index_dir/dram<i>.idx`.
 #[derive(Clone, Debug, PartialEq, Eq)]

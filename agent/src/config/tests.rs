@@ -325,8 +325,10 @@ fn dram_persistence_is_validated_naming_its_fields() {
     let p = huge.dram.persistence.expect("persistent");
     assert_eq!(p.mode, PersistenceMode::Hugetlbfs);
     assert_eq!(p.index_dir, PathBuf::from("/dev/shm/kvpool-index"));
-    let none = validate_yaml(&format!("node_name: n\ndram:\n  persistence: {{mode: none}}\n{POOL}"))
-        .expect("valid");
+    let none = validate_yaml(&format!(
+        "node_name: n\ndram:\n  persistence: {{mode: none}}\n{POOL}"
+    ))
+    .expect("valid");
     assert_eq!(none.dram.persistence, None);
     let cases = [
         (

@@ -582,7 +582,10 @@ mod tests {
             ev(2, SegmentEventKind::Free, 1, 0, 0),
             ev(3, SegmentEventKind::Commit, 2, 0, 5000),
         ];
-        assert_eq!(freed_later(&events).into_iter().collect::<Vec<_>>(), vec![0]);
+        assert_eq!(
+            freed_later(&events).into_iter().collect::<Vec<_>>(),
+            vec![0]
+        );
         let st = f.apply(11, &events, FeedState::default());
         assert_eq!(st.acked, 3);
         let blocks = f.index.lock().blocks();

@@ -231,7 +231,12 @@ mod tests {
             mode: PersistenceMode::Hugetlbfs,
             ..p
         };
-        assert!(prepare(&hugetlbfs).expect_err("not hugetlbfs").to_string().contains("not hugetlbfs"));
+        assert!(
+            prepare(&hugetlbfs)
+                .expect_err("not hugetlbfs")
+                .to_string()
+                .contains("not hugetlbfs")
+        );
     }
 
     #[test]

@@ -84,7 +84,10 @@ async fn give_dram(
     metrics: &AgentMetrics,
 ) -> Result<(), RunError> {
     let (mapped, indexes) = match cfg.dram.persistence.clone() {
-        None => (map_dram(cfg, segments, dram::map_segments).await?, Vec::new()),
+        None => (
+            map_dram(cfg, segments, dram::map_segments).await?,
+            Vec::new(),
+        ),
         Some(p) => {
             let plans = segments.clone();
             let opened = {
@@ -162,10 +165,14 @@ fn recovered_dram(opened: Vec<persist::OpenedIndex>, member: &Member) -> Vec<Poo
                 .inc();
         }
         let bytes: u64 = o.recovery.blocks.iter().map(|b| b.length).sum();
-        tracing::info!(segment = i, blocks = o.recovery.blocks.len(), bytes,
+        tracing::info!(
+            segment = i,
+            blocks = o.recovery.blocks.len(),
+            bytes,
             dropped = o.recovery.dropped.len(),
             elapsed_ms = u64::try_from(o.elapsed.as_millis()).unwrap_or(u64::MAX),
-            "persistent DRAM index recovered (every block's checksum verified)");
+            "persistent DRAM index recovered (every block's checksum verified)"
+        );
         kept += o.index.len();
         out.push(o.index);
     }

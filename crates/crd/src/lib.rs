@@ -31,8 +31,9 @@ pub use network::{
     SSD_HOST_PATH_MESSAGE, SSD_HOST_PATH_PREFIXES, SSD_HOST_PATH_RULE, ssd_host_path_allowed,
 };
 pub use persistence::{
-    DRAM_HOST_PATH_MESSAGE, DRAM_HOST_PATH_PREFIXES, DRAM_INDEX_HOST_PATH_MESSAGE, DRAM_HOST_PATH_RULE, DramPersistenceConfig,
-    DramPersistenceSpec, PersistenceMode, dram_host_path_allowed,
+    DRAM_HOST_PATH_MESSAGE, DRAM_HOST_PATH_PREFIXES, DRAM_HOST_PATH_RULE,
+    DRAM_INDEX_HOST_PATH_MESSAGE, DramPersistenceConfig, DramPersistenceSpec, PersistenceMode,
+    dram_host_path_allowed,
 };
 pub use validated::{
     AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,

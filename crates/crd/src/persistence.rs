@@ -147,9 +147,15 @@ mod tests {
 
     #[test]
     fn persistence_is_checked_naming_the_field() {
-        assert_eq!(validate_persistence(None, Hugepages::None).expect("none"), None);
+        assert_eq!(
+            validate_persistence(None, Hugepages::None).expect("none"),
+            None
+        );
         let off = spec(PersistenceMode::None, Some("/etc"), None);
-        assert_eq!(validate_persistence(Some(&off), Hugepages::None).expect("off"), None);
+        assert_eq!(
+            validate_persistence(Some(&off), Hugepages::None).expect("off"),
+            None
+        );
         let tmpfs = spec(PersistenceMode::Tmpfs, Some("/dev/shm/kvpool"), None);
         assert_eq!(
             validate_persistence(Some(&tmpfs), Hugepages::None).expect("tmpfs"),
@@ -160,18 +166,50 @@ mod tests {
             })
         );
         let cases = [
-            (spec(PersistenceMode::Tmpfs, None, None), Hugepages::None, "dram.persistence.hostPath"),
-            (spec(PersistenceMode::Tmpfs, Some("/etc/kvpool"), None), Hugepages::None, "dram.persistence.hostPath"),
-            (spec(PersistenceMode::Tmpfs, Some("/dev/shm/../etc"), None), Hugepages::None, "dram.persistence.hostPath"),
-            (spec(PersistenceMode::Tmpfs, Some("/dev/shm/a"), Some("/var/x")), Hugepages::None, "dram.persistence.indexHostPath"),
-            (spec(PersistenceMode::Hugetlbfs, Some("/dev/hugepages/kv"), None), Hugepages::Size2Mi, "dram.persistence.indexHostPath"),
-            (spec(PersistenceMode::Hugetlbfs, Some("/dev/hugepages/kv"), Some("/dev/shm/kv")), Hugepages::None, "dram.persistence.mode"),
+            (
+                spec(PersistenceMode::Tmpfs, None, None),
+                Hugepages::None,
+                "dram.persistence.hostPath",
+            ),
+            (
+                spec(PersistenceMode::Tmpfs, Some("/etc/kvpool"), None),
+                Hugepages::None,
+                "dram.persistence.hostPath",
+            ),
+            (
+                spec(PersistenceMode::Tmpfs, Some("/dev/shm/../etc"), None),
+                Hugepages::None,
+                "dram.persistence.hostPath",
+            ),
+            (
+                spec(PersistenceMode::Tmpfs, Some("/dev/shm/a"), Some("/var/x")),
+                Hugepages::None,
+                "dram.persistence.indexHostPath",
+            ),
+            (
+                spec(PersistenceMode::Hugetlbfs, Some("/dev/hugepages/kv"), None),
+                Hugepages::Size2Mi,
+                "dram.persistence.indexHostPath",
+            ),
+            (
+                spec(
+                    PersistenceMode::Hugetlbfs,
+                    Some("/dev/hugepages/kv"),
+                    Some("/dev/shm/kv"),
+                ),
+                Hugepages::None,
+                "dram.persistence.mode",
+            ),
         ];
         for (s, pages, name) in cases {
             let e = field(validate_persistence(Some(&s), pages));
             assert!(e.contains(name), "{s:?}: {e}");
         }
-        let huge = spec(PersistenceMode::Hugetlbfs, Some("/mnt/huge/kv"), Some("/dev/shm/kv-index"));
+        let huge = spec(
+            PersistenceMode::Hugetlbfs,
+            Some("/mnt/huge/kv"),
+            Some("/dev/shm/kv-index"),
+        );
         let c = validate_persistence(Some(&huge), Hugepages::Size1Gi)
             .expect("valid")
             .expect("persistent");

@@ -674,10 +674,15 @@ fn a_persistent_dram_tier_mounts_its_host_directories() {
         "the index shares the tier's directory"
     );
     let c = &pod.containers[0];
-    assert!(c.volume_mounts.as_ref().expect("mounts").iter().any(|m| m.name
-        == "dram-tier"
-        && m.mount_path == "/dev/shm/kvpool"
-        && m.read_only != Some(true)));
+    assert!(
+        c.volume_mounts
+            .as_ref()
+            .expect("mounts")
+            .iter()
+            .any(|m| m.name == "dram-tier"
+                && m.mount_path == "/dev/shm/kvpool"
+                && m.read_only != Some(true))
+    );
     // The agent's document carries it.
     assert_eq!(
         pool.effective

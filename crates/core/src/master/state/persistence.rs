@@ -143,7 +143,8 @@ impl MasterState {
             self.nodes[node as usize].segments.push(id);
             self.next_segment = self.next_segment.max(id + 1);
             // Restored after a failover: its agent adopted long ago (or will remount).
-            self.segments.insert(id, Segment::new(spec, node, alloc, false));
+            self.segments
+                .insert(id, Segment::new(spec, node, alloc, false));
         }
         for rec in objects {
             if self.find(&rec.key).is_some() {

@@ -243,10 +243,15 @@ fn a_persistent_dram_segment_gets_the_feed_and_is_sealed_until_its_adoption_comp
     // A DRAM segment mounted without persistence has neither the seal nor the feed.
     let plain = mount(&mut m, "b", "dram0", Tier::Dram, 8 * MIB);
     assert!(!m.sealed(plain));
-    put(&mut m, key(3), 5000, &PutOptions {
-        writer_node: Some("b".into()),
-        ..PutOptions::default()
-    });
+    put(
+        &mut m,
+        key(3),
+        5000,
+        &PutOptions {
+            writer_node: Some("b".into()),
+            ..PutOptions::default()
+        },
+    );
     let r = m.heartbeat_feed("b", 0, 0, &[]).expect("hb");
     assert!(r.events.is_empty());
 }
