@@ -154,7 +154,18 @@ pub fn map_segments_in(
         };
         let mapped = match files {
             None => MappedRegion::map(&req),
-            Some((dir, page)) => MappedRegion::map_file(&req, &segment_file(dir, index), page),
+            Some((dir, page)) => {
+                // The filesystem decides the page size of a file mapping.
+                if let Some(wanted) = plan.hugepage_size.filter(|w| *w != page) {
+                    warnings.push(format!(
+                        "segment {index}: huge pages of {wanted} bytes were planned, but the \
+                         persistent tier's files in {} have pages of {page} bytes (use mode \
+                         hugetlbfs on a mount of that page size)",
+                        dir.display()
+                    ));
+                }
+                MappedRegion::map_file(&req, &segment_file(dir, index), page)
+            }
         };
         let (region, outcome) = mapped.map_err(|source| DramError::MapSegment {
             index,
