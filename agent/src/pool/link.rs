@@ -137,7 +137,15 @@ impl PoolLink {
                 Ok(id) => {
                     tracing::info!(segment = %spec.name, id, "segment mounted with the master");
                     self.registrar.set_mounted(&spec.name, id);
-                    if spec.name == SSD_SEGMENT && self.registrar.ssd_index().is_some() {
+                    if spec.name == SSD_SEGMENT
+                        && let Some(index) = self.registrar.ssd_index()
+                    {
+                        // Commits not confirmed under the old id are not announced; their
+                        // bytes are free space to the master now.
+                        if let Err(e) = index.lock().discard_unconfirmed() {
+                            tracing::warn!(error = %e, category = e.category(),
+                                "dropping unconfirmed SSD blocks failed");
+                        }
                         *self.adopt_pending.lock() = Some((id, 0));
                         // A new segment id: its feed starts from the announced index.
                         *self.feed.lock() = FeedState::default();
@@ -312,7 +320,8 @@ impl PoolLink {
         let Some(index) = self.registrar.ssd_index() else {
             return;
         };
-        if events.is_empty() && prev.epoch == epoch {
+        // An empty answer still confirms the commits of earlier answers.
+        if events.is_empty() && prev.epoch == epoch && index.lock().unconfirmed() == 0 {
             return;
         }
         let metrics = self.metrics.clone();

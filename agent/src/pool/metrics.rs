@@ -40,6 +40,9 @@ pub struct PoolMetrics {
     /// `kvpool_agent_pool_ssd_reports_dropped_total`: corrupt-block reports dropped because
     /// too many were waiting for the master.
     pub ssd_reports_dropped: IntCounter,
+    /// `kvpool_agent_pool_ssd_commits_confirmed_total`: feed commits (checksummed from the
+    /// file) that a later complete feed answer confirmed, written to the durable index.
+    pub ssd_commits_confirmed: IntCounter,
 }
 
 fn register<T: Collector + Clone + 'static>(
@@ -141,6 +144,12 @@ impl PoolMetrics {
                 registry,
                 "kvpool_agent_pool_ssd_reports_dropped_total",
                 "Corrupt-block reports dropped because too many were waiting for the master.",
+            )?,
+            ssd_commits_confirmed: counter(
+                registry,
+                "kvpool_agent_pool_ssd_commits_confirmed_total",
+                "Feed commits of the SSD segment confirmed by a later feed answer and made \
+                 durable.",
             )?,
         })
     }
