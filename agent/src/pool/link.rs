@@ -139,7 +139,13 @@ impl PoolLink {
                 Ok(id) => {
                     tracing::info!(segment = %spec.name, id, "segment mounted with the master");
                     self.registrar.set_mounted(&spec.name, id);
-                    if self.registrar.index(&spec.name).is_some() {
+                    if let Some(index) = self.registrar.index(&spec.name) {
+                        // Commits not confirmed under the old id are not announced; their
+                        // bytes are free space to the master now.
+                        if let Err(e) = index.lock().discard_unconfirmed() {
+                            tracing::warn!(segment = %spec.name, error = %e,
+                                category = e.category(), "dropping unconfirmed blocks failed");
+                        }
                         self.adopt_pending.lock().insert(spec.name.clone(), (id, 0));
                         // A new segment id: its feed starts from the announced index.
                         *self.feed.lock() = FeedState::default();
@@ -348,7 +354,9 @@ impl PoolLink {
             .into_iter()
             .filter_map(|(name, index)| Some((self.registrar.mounted_id(&name)?, index)))
             .collect();
-        if targets.is_empty() || (events.is_empty() && prev.epoch == epoch) {
+        // An empty answer still confirms the commits of earlier answers.
+        let unconfirmed = targets.iter().any(|(_, i)| i.lock().unconfirmed() > 0);
+        if targets.is_empty() || (events.is_empty() && prev.epoch == epoch && !unconfirmed) {
             return;
         }
         let metrics = self.metrics.clone();

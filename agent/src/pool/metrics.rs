@@ -49,6 +49,9 @@ pub struct PoolMetrics {
     /// `kvpool_agent_pool_dram_index_blocks`: blocks in the durable indexes of the persistent
     /// DRAM tier as of their last sync.
     pub dram_index_blocks: IntGauge,
+    /// `kvpool_agent_pool_ssd_commits_confirmed_total`: feed commits (checksummed from the
+    /// file) that a later complete feed answer confirmed, written to the durable index.
+    pub ssd_commits_confirmed: IntCounter,
 }
 
 fn register<T: Collector + Clone + 'static>(
@@ -167,6 +170,12 @@ impl PoolMetrics {
                 registry,
                 "kvpool_agent_pool_dram_index_blocks",
                 "Blocks in the durable indexes of the persistent DRAM tier.",
+            )?,
+            ssd_commits_confirmed: counter(
+                registry,
+                "kvpool_agent_pool_ssd_commits_confirmed_total",
+                "Feed commits of the SSD segment confirmed by a later feed answer and made \
+                 durable.",
             )?,
         })
     }
