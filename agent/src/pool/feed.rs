@@ -311,7 +311,6 @@ pub fn apply_events(
     }
 }
 
-
 /// Run `update` on the SSD index on the blocking pool. A failure only costs persistence across
 /// a restart, so it is logged (`failed`, or `worker_failed` when the worker itself died), not
 /// returned.
@@ -746,8 +745,14 @@ mod tests {
         let targets = [(5, Arc::clone(&f.index)), (6, Arc::clone(&g.index))];
         let st = apply_events(&targets, 3, &events, FeedState::default(), None).expect("apply");
         assert_eq!(st, FeedState { epoch: 3, acked: 2 });
-        assert_eq!(f.index.lock().block_at(0).map(|b| b.crc), Some(crc32c::crc32c(&a)));
-        assert_eq!(g.index.lock().block_at(8192).map(|b| b.crc), Some(crc32c::crc32c(&b)));
+        assert_eq!(
+            f.index.lock().block_at(0).map(|b| b.crc),
+            Some(crc32c::crc32c(&a))
+        );
+        assert_eq!(
+            g.index.lock().block_at(8192).map(|b| b.crc),
+            Some(crc32c::crc32c(&b))
+        );
         // The next complete answer confirms them, each in its own index.
         apply_events(&targets, 3, &[], st, None).expect("confirm");
         assert_eq!(f.index.lock().len(), 1);
