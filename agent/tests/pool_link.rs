@@ -311,6 +311,7 @@ async fn a_range_reused_before_its_commit_is_applied_never_returns_under_the_old
             numa_node: 0,
             failure_domain: String::new(),
             endpoints: vec!["tcp://127.0.0.1:9".into()],
+            persistent: false,
         })
         .await
         .expect("mount ssd0");
