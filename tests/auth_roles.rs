@@ -57,6 +57,7 @@ fn seg(node: &str) -> SegmentSpec {
         capacity_bytes: 64 << 20,
         numa_node: 0,
         failure_domain: String::new(),
+        persistent: false,
         endpoints: vec![format!("tcp://{node}:7000")],
     }
 }
@@ -115,7 +116,7 @@ async fn each_role_makes_its_calls_and_is_refused_the_others() {
         ("observer get", observer.get(b"k/0").await.map(|_| ())),
         (
             "engine adopt",
-            engine.adopt_replicas("a", 0, &[]).await.map(|_| ()),
+            engine.adopt_replicas("a", 0, &[], false).await.map(|_| ()),
         ),
         ("agent remove_all", agent.remove_all().await.map(|_| ())),
     ] {

@@ -445,6 +445,7 @@ async fn master(
             numa_node: 0,
             failure_domain: String::new(),
             endpoints: vec!["tcp://a:7000".into()],
+            persistent: false,
         })
         .await
         .expect("mount");

@@ -85,6 +85,10 @@ const DRAM_WHOLE_PAGES: &str =
 const DRAM_POSITIVE: &str = "dram.capacityPerNode must be a positive quantity such as 512Gi";
 const SSD_POSITIVE: &str = "ssd.capacityPerNode must be a positive quantity such as 3Ti";
 const SSD_HOST_PATH: &str = kvpool_crd::SSD_HOST_PATH_MESSAGE;
+const DRAM_PERSIST_PATH_REQUIRED: &str =
+    "dram.persistence.hostPath is required when dram.persistence.mode is tmpfs or hugetlbfs";
+const DRAM_PERSIST_INDEX_REQUIRED: &str = "dram.persistence.indexHostPath (a tmpfs directory) is required with mode hugetlbfs: files on hugetlbfs cannot hold the index";
+const DRAM_PERSIST_HUGEPAGES: &str = "dram.persistence.mode hugetlbfs requires dram.hugepages (the agent pod must request the huge pages its files hold)";
 const CONDUCTOR_PEER: &str = kvpool_crd::CONDUCTOR_PEER_MESSAGE;
 const METRICS_PEER: &str = kvpool_crd::METRICS_PEER_MESSAGE;
 const SRIOV_TCP: &str = "transport.sriov requires transport.protocol rdma or auto";
@@ -251,6 +255,72 @@ fn cases() -> Vec<Case> {
             POOL,
             json!({"dram": {"numaPolicy": "spread"}}),
             OpenApi("numaPolicy"),
+        ),
+        // ---- DRAM persistence
+        c(
+            "dram persistence on tmpfs",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "tmpfs", "hostPath": "/dev/shm/kvpool"}}}),
+            Valid,
+        ),
+        c(
+            "dram persistence off ignores its paths",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "none"}}}),
+            Valid,
+        ),
+        c(
+            "dram persistence on hugetlbfs",
+            POOL,
+            json!({"dram": {"capacityPerNode": "64Gi", "hugepages": "1Gi", "persistence": {
+                "mode": "hugetlbfs", "hostPath": "/mnt/huge/kvpool",
+                "indexHostPath": "/dev/shm/kvpool-index"}}}),
+            Valid,
+        ),
+        c(
+            "dram persistence without a host path",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "tmpfs"}}}),
+            Cel(DRAM_PERSIST_PATH_REQUIRED),
+        ),
+        c(
+            "dram persistence on a system directory",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "tmpfs", "hostPath": "/etc/kvpool"}}}),
+            Cel(kvpool_crd::DRAM_HOST_PATH_MESSAGE),
+        ),
+        c(
+            "dram persistence climbing out",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "tmpfs", "hostPath": "/dev/shm/../etc"}}}),
+            Cel(kvpool_crd::DRAM_HOST_PATH_MESSAGE),
+        ),
+        c(
+            "dram persistence index in the socket directory",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "tmpfs", "hostPath": "/dev/shm/kv",
+                "indexHostPath": "/run/kvpool/index"}}}),
+            Cel(kvpool_crd::DRAM_INDEX_HOST_PATH_MESSAGE),
+        ),
+        c(
+            "dram persistence on hugetlbfs without an index directory",
+            POOL,
+            json!({"dram": {"capacityPerNode": "64Gi", "hugepages": "2Mi", "persistence": {
+                "mode": "hugetlbfs", "hostPath": "/dev/hugepages/kv"}}}),
+            Cel(DRAM_PERSIST_INDEX_REQUIRED),
+        ),
+        c(
+            "dram persistence on hugetlbfs without hugepages",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "hugetlbfs",
+                "hostPath": "/dev/hugepages/kv", "indexHostPath": "/dev/shm/kv"}}}),
+            Cel(DRAM_PERSIST_HUGEPAGES),
+        ),
+        c(
+            "dram persistence mode unknown",
+            POOL,
+            json!({"dram": {"persistence": {"mode": "disk", "hostPath": "/dev/shm/kv"}}}),
+            OpenApi("mode"),
         ),
         // ---- SSD
         c(

@@ -71,6 +71,7 @@ async fn fixture(lease_ttl: Duration) -> Fixture {
             numa_node: 0,
             failure_domain: String::new(),
             endpoints: vec![tcp_endpoint(server.local_addr())],
+            persistent: false,
         })
         .await
         .expect("mount");

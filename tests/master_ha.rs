@@ -47,6 +47,7 @@ fn seg(node: &str) -> SegmentSpec {
         numa_node: 0,
         failure_domain: String::new(),
         endpoints: vec![format!("tcp://{node}:7000")],
+        persistent: false,
     }
 }
 

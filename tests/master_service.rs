@@ -31,6 +31,7 @@ fn seg(node: &str, tier: Tier, cap: u64) -> SegmentSpec {
         numa_node: 0,
         failure_domain: String::new(),
         endpoints: vec![format!("tcp://{node}:7000")],
+        persistent: false,
     }
 }
 

@@ -70,6 +70,8 @@ pub enum BenchError {
     BadData(String),
     #[error("bad arguments: {0}")]
     Args(String),
+    #[error("segment index")]
+    Index(#[source] crate::ssd::pool::PoolIndexError),
 }
 
 impl BenchError {

@@ -44,6 +44,10 @@ pub struct RunArgs {
     /// Huge page size for the DRAM tier (dram.hugepages): none, 2MiB or 1GiB.
     #[arg(long)]
     pub hugepages: Option<String>,
+    /// Keep the DRAM tier in files in this tmpfs directory so it survives a restart
+    /// (dram.persistence.path, mode tmpfs unless the file sets another).
+    #[arg(long)]
+    pub dram_persistence_path: Option<PathBuf>,
     /// SSD tier directory (ssd.path).
     #[arg(long)]
     pub ssd_path: Option<PathBuf>,
@@ -93,6 +97,11 @@ impl RunArgs {
         set(&mut file.discovery.procfs_root, &self.procfs_root);
         set(&mut file.dram.capacity, &self.dram_capacity);
         set(&mut file.dram.hugepages, &self.hugepages);
+        if let Some(path) = &self.dram_persistence_path {
+            let p = file.dram.persistence.get_or_insert_default();
+            p.path = Some(path.clone());
+            p.mode.get_or_insert(crate::config::PersistenceMode::Tmpfs);
+        }
         set(&mut file.ssd.path, &self.ssd_path);
         set(&mut file.ssd.capacity, &self.ssd_capacity);
         set(&mut file.engine_api.socket_dir, &self.socket_dir);

@@ -3,6 +3,8 @@
 //! I/O boundary: the mappings come from `memory`; everything here is in-process bookkeeping and
 //! memcpy.
 
+use std::path::{Path, PathBuf};
+
 use offset_allocator::{Allocation, Allocator};
 use serde::Serialize;
 
@@ -122,6 +124,22 @@ pub fn map_segments(
     plans: &[SegmentPlan],
     lock: bool,
 ) -> Result<(Vec<MappedSegment>, Vec<String>), DramError> {
+    map_segments_in(plans, lock, None)
+}
+
+/// File of DRAM segment `index` in a persistent tier's directory.
+pub fn segment_file(dir: &Path, index: usize) -> PathBuf {
+    dir.join(format!("dram{index}.dat"))
+}
+
+/// [`map_segments`], each segment a shared mapping of file [`segment_file`] in `files.0` (a
+/// tmpfs or hugetlbfs directory whose page size is `files.1`) when `files` is given: the
+/// persistent DRAM tier, whose contents outlive the agent.
+pub fn map_segments_in(
+    plans: &[SegmentPlan],
+    lock: bool,
+    files: Option<(&Path, u64)>,
+) -> Result<(Vec<MappedSegment>, Vec<String>), DramError> {
     let mut out = Vec::new();
     let mut warnings = Vec::new();
     for (index, plan) in plans.iter().enumerate() {
@@ -135,13 +153,27 @@ pub fn map_segments(
             hugepage_size: plan.hugepage_size,
             lock,
         };
-        let (region, outcome) =
-            MappedRegion::map(&req).map_err(|source| DramError::MapSegment {
-                index,
-                bytes: plan.bytes,
-                numa_node: plan.numa_node,
-                source,
-            })?;
+        let mapped = match files {
+            None => MappedRegion::map(&req),
+            Some((dir, page)) => {
+                // The filesystem decides the page size of a file mapping.
+                if let Some(wanted) = plan.hugepage_size.filter(|w| *w != page) {
+                    warnings.push(format!(
+                        "segment {index}: huge pages of {wanted} bytes were planned, but the \
+                         persistent tier's files in {} have pages of {page} bytes (use mode \
+                         hugetlbfs on a mount of that page size)",
+                        dir.display()
+                    ));
+                }
+                MappedRegion::map_file(&req, &segment_file(dir, index), page)
+            }
+        };
+        let (region, outcome) = mapped.map_err(|source| DramError::MapSegment {
+            index,
+            bytes: plan.bytes,
+            numa_node: plan.numa_node,
+            source,
+        })?;
         warnings.extend(
             outcome
                 .warnings

@@ -12,6 +12,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod bench_restart;
 pub mod cli;
 pub mod config;
 pub mod discovery;
@@ -22,8 +23,8 @@ pub mod gpu_cuda;
 pub mod locality;
 pub mod memory;
 pub mod metrics;
-pub mod numa_verify;
 pub mod node;
+pub mod numa_verify;
 pub mod placement;
 pub mod pool;
 pub mod registrar;

@@ -1,5 +1,6 @@
 //! Memory regions of the agent: the DRAM tier's anonymous mappings (huge pages when asked,
-//! mbind to a NUMA node, mlock) and, in pool mode, their hand-over to the transfer engine plus
+//! mbind to a NUMA node, mlock) or shared mappings of tmpfs/hugetlbfs files when the tier
+//! persists across restarts, and, in pool mode, their hand-over to the transfer engine plus
 //! the file mapping that backs the pool-mode SSD segment. I/O boundary: the
 //! mmap/mbind/mlock/munmap/fallocate system calls. This is one of the few modules of the agent
 //! with `unsafe` (the others are `ssd::AlignedBuf` and `api::shm`); failures to get huge pages,
@@ -131,7 +132,58 @@ impl MappedRegion {
                 (ptr, len)
             }
         };
-        let region = Self { ptr, len };
+        Ok(Self { ptr, len }.settle(req, outcome))
+    }
+
+    /// Map file `path` shared: created or reopened with its contents kept (a persistent DRAM
+    /// tier on tmpfs or hugetlbfs outlives the agent), sized to the request rounded up to
+    /// `page` (the filesystem's page: 4 KiB on tmpfs, the huge page size on hugetlbfs) and
+    /// reserved with `posix_fallocate` (a fault on a full tmpfs would be SIGBUS), then bound
+    /// to the NUMA node, locked and populated as [`Self::map`] does. The file's pages keep the
+    /// NUMA placement they got when first touched; `mbind` places the ones touched from now.
+    pub fn map_file(
+        req: &RegionRequest,
+        path: &Path,
+        page: u64,
+    ) -> Result<(Self, RegionOutcome), MemoryError> {
+        if req.bytes == 0 {
+            return Err(MemoryError::Empty);
+        }
+        let len = round_up(req.bytes, page);
+        let file_err = |source| MemoryError::File {
+            path: path.to_owned(),
+            len: len as u64,
+            source,
+        };
+        let file = reserved_file(path, len as u64)?;
+        // SAFETY: a shared mapping of the whole file we just sized, at a kernel-chosen address;
+        // the result is checked against MAP_FAILED before use. The mapping stays valid after
+        // the descriptor is closed.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(file_err(std::io::Error::last_os_error()));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| file_err(std::io::Error::other("mmap returned null")))?;
+        let outcome = RegionOutcome {
+            hugepage_size: (page > 4096).then_some(page),
+            ..RegionOutcome::default()
+        };
+        Ok(Self { ptr, len }.settle(req, outcome))
+    }
+
+    /// Bind, lock and populate a fresh mapping as `req` asks, noting what the system refused.
+    fn settle(self, req: &RegionRequest, mut outcome: RegionOutcome) -> (Self, RegionOutcome) {
+        let region = self;
         if let Some(node) = req.numa_node {
             match region.bind(node) {
                 Ok(()) => outcome.numa_bound = true,
@@ -162,7 +214,7 @@ impl MappedRegion {
                 libc::madvise(region.ptr.as_ptr().cast(), region.len, MADV_POPULATE_WRITE);
             }
         }
-        Ok((region, outcome))
+        (region, outcome)
     }
 
     fn bind(&self, node: u32) -> std::io::Result<()> {
@@ -248,6 +300,28 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool_transfer::Segmen
         len,
         source,
     };
+    let file = reserved_file(path, len)?;
+    // SAFETY: the file is ours, just sized to `len` bytes with every block allocated; the
+    // mapping is only ever accessed through the transfer segment's bounds-checked raw copies.
+    let map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(file_err)?;
+    kvpool_transfer::Segment::from_mmap(map, kvpool_transfer::HostOptions::default()).map_err(
+        |source| MemoryError::Transfer {
+            len: usize::try_from(len).unwrap_or(usize::MAX),
+            source,
+        },
+    )
+}
+
+/// Create or reopen `path` keeping its contents (a persistent segment outlives the agent), cut
+/// it to `len` when longer, and reserve `len` bytes for it with `posix_fallocate` (which also
+/// extends it): a fault on a hole of a shared mapping of a full filesystem is SIGBUS, not an
+/// error.
+fn reserved_file(path: &Path, len: u64) -> Result<std::fs::File, MemoryError> {
+    let file_err = |source| MemoryError::File {
+        path: path.to_owned(),
+        len,
+        source,
+    };
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -255,8 +329,6 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool_transfer::Segmen
         .truncate(false)
         .open(path)
         .map_err(file_err)?;
-    // The contents are kept (the SSD segment persists across restarts); a file larger than
-    // the configured capacity is cut to it.
     if file.metadata().map_err(file_err)?.len() > len {
         file.set_len(len).map_err(file_err)?;
     }
@@ -267,15 +339,7 @@ pub fn map_file_segment(path: &Path, len: u64) -> Result<kvpool_transfer::Segmen
     if rc != 0 {
         return Err(file_err(std::io::Error::from_raw_os_error(rc)));
     }
-    // SAFETY: the file is ours, just sized to `len` bytes with every block allocated; the
-    // mapping is only ever accessed through the transfer segment's bounds-checked raw copies.
-    let map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.map_err(file_err)?;
-    kvpool_transfer::Segment::from_mmap(map, kvpool_transfer::HostOptions::default()).map_err(
-        |source| MemoryError::Transfer {
-            len: usize::try_from(len).unwrap_or(usize::MAX),
-            source,
-        },
-    )
+    Ok(file)
 }
 
 impl Drop for MappedRegion {
@@ -376,6 +440,31 @@ mod tests {
         drop(seg);
         assert_eq!(std::fs::metadata(&path).expect("meta").len(), 8192);
         let bad = map_file_segment(&dir.path().join("no/such/dir/f"), 4096).expect_err("bad path");
+        assert_eq!(bad.category(), "file");
+    }
+
+    #[test]
+    fn file_regions_keep_their_bytes_across_mappings() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("dram0.dat");
+        let req = request(10_000, Some(0), None);
+        let (mut region, outcome) = MappedRegion::map_file(&req, &path, 4096).expect("map");
+        assert_eq!(region.len(), 12_288);
+        assert_eq!(outcome.hugepage_size, None);
+        region.as_mut_slice()[9000] = 77;
+        drop(region);
+        // The bytes are in the file once unmapped, and a new mapping (another process after a
+        // restart) sees them.
+        assert_eq!(std::fs::read(&path).expect("file")[9000], 77);
+        let (region, _) = MappedRegion::map_file(&req, &path, 4096).expect("remap");
+        assert_eq!(region.as_slice()[9000], 77);
+        let seg = region.into_transfer_segment().expect("segment");
+        seg.write_at(100, &[5])
+            .expect("write through the engine's view");
+        drop(seg);
+        assert_eq!(std::fs::read(&path).expect("file")[100], 5);
+        let bad = MappedRegion::map_file(&req, &dir.path().join("no/dir/f"), 4096)
+            .expect_err("missing directory");
         assert_eq!(bad.category(), "file");
     }
 

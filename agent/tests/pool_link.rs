@@ -1,6 +1,8 @@
 //! `PoolLink` against an in-process master on loopback gRPC (the real service and client):
 //! mounting, the remount after the master declared the node dead, and unmount on stop; the
-//! announcement of the SSD segment's durable index after a mount, with a refused block.
+//! announcement of the SSD segment's durable index after a mount, with a refused block; the
+//! master's segment-event feed applied to the index with the COMMIT->FREE window forced (the
+//! range reused between the heartbeat answer and its application).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -181,6 +183,7 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
             numa_node: 0,
             failure_domain: String::new(),
             endpoints: vec!["tcp://127.0.0.1:9".into()],
+            persistent: false,
         })
         .await
         .expect("mount node-2");
@@ -265,6 +268,142 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
     // A second pass announces nothing again.
     link.step().await;
     assert_eq!(metrics.ssd_blocks_adopted.get(), 1);
+
+    master.stop().await;
+}
+
+/// The COMMIT->FREE window against the real master's allocator and feed: the heartbeat answer
+/// carrying the commit of `k1` is held back while `k1` is removed and its range handed to `k2`,
+/// whose writer overwrites it; only then does the agent apply the answer (checksumming `k2`'s
+/// bytes under `k1`). A SIGKILL at that point (the index reopened from its files) must not
+/// bring `k1` back; the following answers drop `k1` and make `k2` durable with its own bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_reused_before_its_commit_is_applied_never_returns_under_the_old_key() {
+    use kvpool_agent::pool::feed::{FeedState, apply_events};
+    use kvpool_core::master::state::SegmentEventKind;
+    use kvpool_core::master::{ObjectKey, PutOptions, PutStarted, SegmentSpec};
+    use std::os::unix::fs::FileExt;
+
+    let master = Master::start(Duration::from_secs(30)).await;
+    let client = master.client.clone();
+    let dir = master.dir.path();
+    let data_path = dir.join("pool-ssd.dat");
+    let (index, _) = PoolSsdIndex::open(dir, &data_path, 1 << 20).expect("index");
+    let data = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&data_path)
+        .expect("data");
+    data.set_len(1 << 20).expect("size");
+    let registrar = PoolRegistrar::new(
+        node_engine("node-1"),
+        "node-1".into(),
+        "tcp://127.0.0.1:9".into(),
+    );
+    registrar.set_ssd_index(index);
+    let index = registrar.ssd_index().expect("index");
+    let seg = client
+        .mount_segment(&SegmentSpec {
+            node: "node-1".into(),
+            name: SSD_SEGMENT.into(),
+            tier: Tier::Ssd,
+            capacity_bytes: 1 << 20,
+            numa_node: 0,
+            failure_domain: String::new(),
+            endpoints: vec!["tcp://127.0.0.1:9".into()],
+            persistent: false,
+        })
+        .await
+        .expect("mount ssd0");
+    // A remote writer: allocate, write the bytes into the segment's file, commit.
+    let put = |key: &'static [u8], value: Vec<u8>| {
+        let (client, data) = (client.clone(), &data);
+        async move {
+            let opts = PutOptions {
+                tier: Some(Tier::Ssd),
+                ..PutOptions::default()
+            };
+            let PutStarted::Allocated { put_id, replicas } = client
+                .put_start(key, value.len() as u64, &opts)
+                .await
+                .expect("put_start")
+            else {
+                panic!("a new key");
+            };
+            data.write_all_at(&value, replicas[0].offset)
+                .expect("write");
+            client.put_end(key, put_id).await.expect("put_end");
+            replicas[0].offset
+        }
+    };
+    let old: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+    let new: Vec<u8> = (0..5000u32).map(|i| (i % 241) as u8 ^ 0x5a).collect();
+    let (k1, k2) = (ObjectKey::from_bytes(b"k1"), ObjectKey::from_bytes(b"k2"));
+
+    let offset = put(b"k1", old.clone()).await;
+    let r1 = client
+        .heartbeat_feed("node-1", 0, 0, &[], None)
+        .await
+        .expect("heartbeat 1");
+    assert!(
+        r1.events
+            .iter()
+            .any(|e| e.kind == SegmentEventKind::Commit && e.key == k1),
+        "{:?}",
+        r1.events
+    );
+    // Before the agent applies that answer: k1 removed, its range reused by k2.
+    client.remove(b"k1").await.expect("remove k1");
+    assert_eq!(
+        put(b"k2", new.clone()).await,
+        offset,
+        "first fit reuses the range"
+    );
+    let targets = [(seg, index.clone())];
+    let st = apply_events(
+        &targets,
+        r1.feed_epoch,
+        &r1.events,
+        FeedState::default(),
+        None,
+    )
+    .expect("apply 1");
+    let b = index.lock().block_at(offset).expect("indexed in memory");
+    assert_eq!(
+        (b.key, b.crc),
+        (k1, crc32c::crc32c(&new)),
+        "k2's checksum under k1"
+    );
+
+    // SIGKILL now: the restart replays the files.
+    let (reopened, recovery) = PoolSsdIndex::open(dir, &data_path, 1 << 20).expect("reopen");
+    assert!(
+        recovery.blocks.iter().all(|b| b.key != k1),
+        "k1 came back with k2's bytes: {:?}",
+        recovery.blocks
+    );
+    *index.lock() = reopened;
+
+    // Without the kill the feed goes on: FREE k1 and COMMIT k2, then an answer that confirms.
+    let r2 = client
+        .heartbeat_feed("node-1", st.epoch, st.acked, &[], None)
+        .await
+        .expect("heartbeat 2");
+    let st = apply_events(&targets, r2.feed_epoch, &r2.events, st, None).expect("apply 2");
+    assert_eq!(index.lock().blocks(), Vec::new(), "k2 not confirmed yet");
+    let r3 = client
+        .heartbeat_feed("node-1", st.epoch, st.acked, &[], None)
+        .await
+        .expect("heartbeat 3");
+    apply_events(&targets, r3.feed_epoch, &r3.events, st, None).expect("apply 3");
+    let durable = index.lock().blocks();
+    assert_eq!(durable.len(), 1);
+    assert_eq!((durable[0].key, durable[0].crc), (k2, crc32c::crc32c(&new)));
+    let (_, recovery) = PoolSsdIndex::open(dir, &data_path, 1 << 20).expect("reopen");
+    assert_eq!(
+        recovery.blocks, durable,
+        "k2 survives a restart, k1 does not"
+    );
 
     master.stop().await;
 }

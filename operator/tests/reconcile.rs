@@ -1344,6 +1344,7 @@ async fn status_carries_the_figures_of_a_real_master() {
                 numa_node: 0,
                 failure_domain: String::new(),
                 endpoints: vec![format!("tcp://{node}:15500")],
+                persistent: false,
             })
             .await
             .expect("mount");

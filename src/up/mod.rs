@@ -13,6 +13,7 @@ pub mod plan;
 pub mod progress;
 pub mod replay;
 mod settings;
+pub mod shm;
 mod startup;
 pub mod summary;
 
@@ -71,6 +72,11 @@ pub struct UpArgs {
     /// the master's, 85).
     #[arg(long)]
     pub low_watermark_percent: Option<u8>,
+    /// Keep each agent's DRAM tier in a /dev/shm directory so that a restarted agent finds its
+    /// blocks: `auto` (a directory for this run, when /dev/shm is tmpfs), `keep` (with `--dir`:
+    /// kept after exit for the next run with that directory) or `off`.
+    #[arg(long, value_enum, default_value_t = shm::DramPersistence::Auto)]
+    pub agent_dram_persistence: shm::DramPersistence,
     /// sysfs root the agents read their topology from (default: /sys).
     #[arg(long)]
     pub agent_sysfs_root: Option<PathBuf>,
@@ -304,8 +310,10 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         }
         None => None,
     };
-    let (dir, _temp) = work_dir(args)?;
-    let settings = validate(args, dir.clone())?;
+    let (dir, temp) = work_dir(args)?;
+    let (tiers, _tiers_guard) = shm::tier_dir(args.agent_dram_persistence, &dir, temp.is_some())?;
+    let _temp = temp;
+    let settings = validate(args, dir.clone(), tiers)?;
     let ports = choose_ports(plan::ports_needed(&settings), args.base_port, args.port)?;
     let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
     write_keys(&dir, &random_key())?;

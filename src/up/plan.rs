@@ -70,6 +70,9 @@ pub struct UpSettings {
     pub failure_domains: Vec<String>,
     /// The master's eviction and spread flags.
     pub master_flags: Vec<String>,
+    /// Directory of the agents' persistent DRAM tiers (agent `i` in `agent-<i>`); `None`: the
+    /// tiers live in anonymous memory.
+    pub dram_tiers: Option<PathBuf>,
 }
 
 /// Ports handed to the children, in the order `plan` takes them.
@@ -207,12 +210,20 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
             name: format!("agent-{i}"),
             role: Role::Agent,
             program: s.kvpool_bin.clone(),
-            args: vec![
+            args: [
                 "agent".into(),
                 "run".into(),
                 "--config".into(),
                 path.display().to_string(),
-            ],
+            ]
+            .into_iter()
+            .chain(s.dram_tiers.iter().flat_map(|d| {
+                [
+                    "--dram-persistence-path".to_owned(),
+                    d.join(format!("agent-{i}")).display().to_string(),
+                ]
+            }))
+            .collect(),
             admin,
             endpoint: Some(agent_socket(&s.dir, i).display().to_string()),
             config_file: Some((path, agent_config(s, i, admin, grpc))),
@@ -342,6 +353,7 @@ mod tests {
             replicas: 2,
             failure_domains: vec!["rack-a".into()],
             master_flags: vec!["--eviction-policy".into(), "s3fifo".into()],
+            dram_tiers: Some("/dev/shm/up".into()),
         }
     }
 
@@ -376,7 +388,14 @@ mod tests {
         assert!(p.iter().all(|c| c.program == Path::new("/bin/kvpool")));
         assert_eq!(
             agent.args,
-            ["agent", "run", "--config", "/run/up/agent-0/agent.yaml"]
+            [
+                "agent",
+                "run",
+                "--config",
+                "/run/up/agent-0/agent.yaml",
+                "--dram-persistence-path",
+                "/dev/shm/up/agent-0"
+            ]
         );
         let (path, cfg) = agent.config_file.as_ref().unwrap();
         assert_eq!(path, Path::new("/run/up/agent-0/agent.yaml"));

@@ -12,7 +12,12 @@ pub(super) fn flag(flag: &'static str, problem: impl Into<String>) -> UpError {
     UpError::Flag(kvpool_core::flags::FlagError::new(flag, problem))
 }
 
-pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSettings, UpError> {
+/// `tiers`: where the agents keep their DRAM tiers (see `shm`), if they persist.
+pub(super) fn validate(
+    args: &UpArgs,
+    dir: std::path::PathBuf,
+    tiers: Option<std::path::PathBuf>,
+) -> Result<UpSettings, UpError> {
     if args.agents == 0 {
         return Err(flag("agents", "must be at least 1"));
     }
@@ -82,6 +87,7 @@ pub(super) fn validate(args: &UpArgs, dir: std::path::PathBuf) -> Result<UpSetti
         replicas: args.replicas,
         failure_domains: args.agent_failure_domains.clone(),
         master_flags,
+        dram_tiers: tiers,
     })
 }
 

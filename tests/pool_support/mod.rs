@@ -127,12 +127,26 @@ pub fn start_agent_with(
     dram: &str,
     extra: &str,
 ) -> (ChildProcess, AgentAddrs) {
+    start_agent_args(dir, name, master, key_file, dram, extra, &[])
+}
+
+/// Like [`start_agent_with`], with `args` after `run --config <file>`.
+pub fn start_agent_args(
+    dir: &Path,
+    name: &str,
+    master: SocketAddr,
+    key_file: &Path,
+    dram: &str,
+    extra: &str,
+    args: &[String],
+) -> (ChildProcess, AgentAddrs) {
     let admin = free_addr().expect("port");
     let a = AgentSpec::new(KVPOOL, dir.join(name), name, dram)
         .fixture(&sysfs_fixture())
         .admin(admin)
         .pool(master, key_file, "200ms")
         .section(extra)
+        .args(args.iter().cloned())
         .spawn(&Launcher::new(dir))
         .expect("kvpool agent");
     (

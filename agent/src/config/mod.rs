@@ -24,6 +24,8 @@ pub mod pool_document;
 mod tests;
 
 pub use kubernetes::{KubernetesConfig, KubernetesSection};
+/// Backing of the DRAM tier: the KVCachePool's own type (`none`, `tmpfs`, `hugetlbfs`).
+pub use kvpool_crd::PersistenceMode;
 pub use pool::{PoolConfig, PoolSection};
 pub use pool_document::{
     PoolDocument, from_pool_document, load_pool_document, parse_pool_document,
@@ -146,6 +148,29 @@ pub struct DramSection {
     pub hugepages: Option<String>,
     pub lock: Option<bool>,
     pub max_segment: Option<ByteSize>,
+    /// Keep the tier in files that outlive the agent (pool mode): see [`PersistenceSection`].
+    pub persistence: Option<PersistenceSection>,
+}
+
+/// Where a persistent DRAM tier lives: `mode: tmpfs` with `path` a directory on tmpfs (for
+/// example `/dev/shm/kvpool`), or `mode: hugetlbfs` with `path` a directory on a hugetlbfs
+/// mount and `index_path` a directory on tmpfs for the indexes (hugetlbfs files cannot be
+/// written with `write`); `mode: none` (the default) keeps the tier in anonymous memory.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PersistenceSection {
+    pub mode: Option<PersistenceMode>,
+    pub path: Option<PathBuf>,
+    pub index_path: Option<PathBuf>,
+}
+
+/// Validated persistent DRAM tier: segment `i` is `dir/dram<i>.dat`, its index
+/// `index_dir/dram<i>.idx`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DramPersistence {
+    pub mode: PersistenceMode,
+    pub dir: PathBuf,
+    pub index_dir: PathBuf,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
@@ -190,6 +215,8 @@ pub struct DramConfig {
     pub hugepage_size: Option<u64>,
     pub lock: bool,
     pub max_segment: u64,
+    /// The tier kept in files that outlive the agent; `None`: anonymous memory.
+    pub persistence: Option<DramPersistence>,
 }
 
 /// Validated SSD settings.
@@ -250,6 +277,45 @@ const MIN_DRAM: u64 = 64 * 1024;
 const MIN_SSD: u64 = 1 << 20;
 /// Largest DRAM segment one allocator can address (4 KiB units, u32 offsets), kept well below.
 const MAX_SEGMENT: u64 = 1 << 40;
+
+/// An absolute directory for `field`.
+fn absolute_dir(field: &'static str, path: Option<&PathBuf>) -> Result<PathBuf, ConfigError> {
+    let dir = path.ok_or_else(|| invalid(field, "required with a persistent DRAM tier"))?;
+    if !dir.is_absolute() {
+        return Err(invalid(field, format!("{} is not absolute", dir.display())));
+    }
+    Ok(dir.clone())
+}
+
+/// Validate `dram.persistence`. The filesystem under the paths is checked at start-up.
+fn persistence(
+    section: Option<&PersistenceSection>,
+) -> Result<Option<DramPersistence>, ConfigError> {
+    let Some(p) = section else {
+        return Ok(None);
+    };
+    let mode = p.mode.unwrap_or_default();
+    match mode {
+        PersistenceMode::None => Ok(None),
+        PersistenceMode::Tmpfs => {
+            let dir = absolute_dir("dram.persistence.path", p.path.as_ref())?;
+            let index_dir = match &p.index_path {
+                None => dir.clone(),
+                Some(_) => absolute_dir("dram.persistence.index_path", p.index_path.as_ref())?,
+            };
+            Ok(Some(DramPersistence {
+                mode,
+                dir,
+                index_dir,
+            }))
+        }
+        PersistenceMode::Hugetlbfs => Ok(Some(DramPersistence {
+            mode,
+            dir: absolute_dir("dram.persistence.path", p.path.as_ref())?,
+            index_dir: absolute_dir("dram.persistence.index_path", p.index_path.as_ref())?,
+        })),
+    }
+}
 
 /// Validate a file config (already overlaid with flags) into an [`AgentConfig`].
 pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
@@ -327,6 +393,7 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
         hugepage_size,
         lock: file.dram.lock.unwrap_or(true),
         max_segment,
+        persistence: persistence(file.dram.persistence.as_ref())?,
     };
 
     let ssd = match &file.ssd.path {
@@ -424,6 +491,13 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
     )?;
     let pool = pool::validate(&file.pool)?;
     let kubernetes = kubernetes::validate(&file.kubernetes)?;
+    if dram.persistence.is_some() && pool.is_none() {
+        return Err(invalid(
+            "dram.persistence",
+            "a persistent DRAM tier needs pool mode (pool.master): local-only mode keeps its \
+             own allocator in process memory",
+        ));
+    }
 
     Ok(AgentConfig {
         node_name,

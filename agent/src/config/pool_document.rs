@@ -81,6 +81,14 @@ pub fn from_pool_document(
         CrdNuma::Interleave => NumaPolicy::Interleave,
         CrdNuma::None => NumaPolicy::None,
     });
+    if let Some(p) = &eff.dram.persistence {
+        // The operator mounts the host paths at the same paths in the agent.
+        file.dram.persistence = Some(super::PersistenceSection {
+            mode: Some(p.mode),
+            path: Some(PathBuf::from(&p.host_path)),
+            index_path: Some(PathBuf::from(&p.index_host_path)),
+        });
+    }
     if let Some(ssd) = &eff.ssd {
         file.ssd.path = Some(PathBuf::from(&ssd.host_path));
         file.ssd.capacity = Some(ByteSize(ssd.capacity_bytes));

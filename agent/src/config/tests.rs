@@ -388,3 +388,80 @@ fn failure_domain_and_kubernetes_settings_validate() {
     let plain = validate(&FileConfig::default()).expect("defaults");
     assert!(!plain.kubernetes.uses_api(), "no API server unless asked");
 }
+
+#[test]
+fn dram_persistence_is_validated_naming_its_fields() {
+    const POOL: &str = "pool:\n  master: [\"127.0.0.1:1\"]\n  auth_key_file: /k\n  \
+                        advertise_host: 10.0.0.1\n";
+    let ok = validate_yaml(&format!(
+        "node_name: n\ndram:\n  persistence:\n    mode: tmpfs\n    path: /dev/shm/kvpool\n{POOL}"
+    ))
+    .expect("valid");
+    assert_eq!(
+        ok.dram.persistence,
+        Some(DramPersistence {
+            mode: PersistenceMode::Tmpfs,
+            dir: PathBuf::from("/dev/shm/kvpool"),
+            index_dir: PathBuf::from("/dev/shm/kvpool"),
+        })
+    );
+    let huge = validate_yaml(&format!(
+        "node_name: n\ndram:\n  persistence:\n    mode: hugetlbfs\n    path: /mnt/huge\n    \
+         index_path: /dev/shm/kvpool-index\n{POOL}"
+    ))
+    .expect("valid");
+    let p = huge.dram.persistence.expect("persistent");
+    assert_eq!(p.mode, PersistenceMode::Hugetlbfs);
+    assert_eq!(p.index_dir, PathBuf::from("/dev/shm/kvpool-index"));
+    let none = validate_yaml(&format!(
+        "node_name: n\ndram:\n  persistence: {{mode: none}}\n{POOL}"
+    ))
+    .expect("valid");
+    assert_eq!(none.dram.persistence, None);
+    let cases = [
+        (
+            format!("dram:\n  persistence: {{mode: tmpfs}}\n{POOL}"),
+            "dram.persistence.path",
+        ),
+        (
+            format!("dram:\n  persistence: {{mode: tmpfs, path: rel/dir}}\n{POOL}"),
+            "dram.persistence.path",
+        ),
+        (
+            format!("dram:\n  persistence: {{mode: hugetlbfs, path: /mnt/huge}}\n{POOL}"),
+            "dram.persistence.index_path",
+        ),
+        // Local-only mode has no use for it.
+        (
+            "dram:\n  persistence: {mode: tmpfs, path: /dev/shm/x}\n".to_owned(),
+            "dram.persistence",
+        ),
+    ];
+    for (yaml, field) in cases {
+        let err = validate_yaml(&yaml).expect_err(&yaml);
+        assert_eq!(field_of(err), field, "{yaml}");
+    }
+    assert!(validate_yaml("dram:\n  persistence: {mode: disk, path: /x}\n").is_err());
+}
+
+#[test]
+fn pool_document_persistence_maps_to_the_dram_tier() {
+    let doc = POOL_DOC.replace(
+        "numaPolicy: interleave}",
+        "numaPolicy: interleave, persistence: {mode: tmpfs, hostPath: /dev/shm/kvpool, \
+         indexHostPath: /dev/shm/kvpool}}",
+    );
+    let doc = parse_pool_document(&doc, Path::new("c.yaml")).expect("parses");
+    let mut file = from_pool_document(&doc, 64 << 30).expect("maps");
+    file.pool.advertise_host = Some("10.0.0.1".into());
+    file.node_name = Some("n".into());
+    let cfg = validate(&file).expect("validates");
+    assert_eq!(
+        cfg.dram.persistence,
+        Some(DramPersistence {
+            mode: PersistenceMode::Tmpfs,
+            dir: PathBuf::from("/dev/shm/kvpool"),
+            index_dir: PathBuf::from("/dev/shm/kvpool"),
+        })
+    );
+}

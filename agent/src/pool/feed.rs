@@ -3,7 +3,8 @@
 //! transfer server's read check for the segment, and the task runner calls it before copying
 //! out of `ssd0`); a block that fails is dropped from the index, counted and queued for the
 //! master in the next heartbeat ([`SsdGuard::take_reports`]), and the read is refused.
-//! [`apply_events`] applies the master's segment-event feed to the index and flushes it, and
+//! [`apply_events`] applies the master's segment-event feed to the durable indexes (`ssd0`'s and
+//! the persistent DRAM segments') and flushes them, and
 //! [`FeedState`] is what the next heartbeat acknowledges. I/O boundary: the data file (through
 //! [`BlockChecker`]) and the index files; the choice of what to check ([`plan_check`]) is pure.
 
@@ -12,7 +13,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvpool_core::master::ObjectKey;
-use kvpool_core::master::state::{CorruptBlock, SegmentEvent, SegmentEventKind};
+use kvpool_core::master::state::{CorruptBlock, FEED_BATCH, SegmentEvent, SegmentEventKind};
 use parking_lot::Mutex;
 
 use super::metrics::PoolMetrics;
@@ -244,13 +245,17 @@ pub struct FeedState {
     pub acked: u64,
 }
 
-/// Apply the feed's `events` (in order) for segment `ssd_id` to the index and flush it. Events
-/// of other segments (a segment id from before a remount) are skipped. Returns the state to
+/// Apply the feed's `events` (in order) to the durable indexes of `targets` (master segment id,
+/// index: `ssd0` and the persistent DRAM segments) and flush them. Events of other segments (a
+/// segment id from before a remount) are skipped. When the answer was complete (fewer than
+/// [`FEED_BATCH`] events: every event the master held) and applied in full, the commits
+/// checksummed while applying earlier answers are confirmed and become durable
+/// ([`PoolSsdIndex::confirm`], per index); call this once per heartbeat answer, in order, each
+/// heartbeat sent only after the previous answer was applied. Returns the state to
 /// acknowledge: the answer's epoch and the last event applied (`prev` when nothing could be
 /// flushed, so everything is sent again).
 pub fn apply_events(
-    index: &SharedIndex,
-    ssd_id: Option<u32>,
+    targets: &[(u32, SharedIndex)],
     epoch: u64,
     events: &[SegmentEvent],
     prev: FeedState,
@@ -258,11 +263,14 @@ pub fn apply_events(
 ) -> Result<FeedState, (FeedState, PoolIndexError)> {
     // Acknowledging under a new epoch restarts the count: nothing of it is applied yet.
     let mut applied = if epoch == prev.epoch { prev.acked } else { 0 };
-    let mut idx = index.lock();
+    let earlier: Vec<u64> = targets
+        .iter()
+        .map(|(_, index)| index.lock().begin_feed_round())
+        .collect();
     let mut failed = None;
     for e in events {
-        if Some(e.segment_id) == ssd_id {
-            if let Err(err) = idx.apply(e) {
+        if let Some((_, index)) = targets.iter().find(|(id, _)| *id == e.segment_id) {
+            if let Err(err) = index.lock().apply(e) {
                 failed = Some(err);
                 break;
             }
@@ -274,8 +282,25 @@ pub fn apply_events(
         }
         applied = e.seq;
     }
-    if let Err(err) = idx.sync() {
-        return Err((prev, err));
+    if failed.is_none() && events.len() < FEED_BATCH {
+        for ((_, index), through) in targets.iter().zip(earlier) {
+            match index.lock().confirm(through) {
+                Ok(n) => {
+                    if let Some(m) = metrics {
+                        m.ssd_commits_confirmed.inc_by(n as u64);
+                    }
+                }
+                Err(err) => {
+                    failed = Some(err);
+                    break;
+                }
+            }
+        }
+    }
+    for (_, index) in targets {
+        if let Err(err) = index.lock().sync() {
+            return Err((prev, err));
+        }
     }
     let state = FeedState {
         epoch,
@@ -369,7 +394,7 @@ mod tests {
     }
 
     struct Fixture {
-        _dir: tempfile::TempDir,
+        dir: tempfile::TempDir,
         data: std::fs::File,
         index: SharedIndex,
         metrics: PoolMetrics,
@@ -379,14 +404,43 @@ mod tests {
         /// Apply the feed's `events` of `epoch` for segment 5 after `prev`, counting them.
         fn apply(&self, epoch: u64, events: &[SegmentEvent], prev: FeedState) -> FeedState {
             apply_events(
-                &self.index,
-                Some(5),
+                &[(5, Arc::clone(&self.index))],
                 epoch,
                 events,
                 prev,
                 Some(&self.metrics),
             )
             .expect("apply")
+        }
+
+        /// The agent is SIGKILLed and starts again: the index is reopened from what was
+        /// appended to its log (no sync: a killed process loses nothing it wrote, and
+        /// unconfirmed commits were never written). Returns the blocks the restart recovered
+        /// (what the agent would announce to the master).
+        fn crash_and_restart(&self) -> Vec<PoolBlock> {
+            let dir = self.dir.path();
+            let (index, recovery) =
+                PoolSsdIndex::open(dir, &dir.join("pool-ssd.dat"), 1 << 20).expect("reopen");
+            *self.index.lock() = index;
+            recovery.blocks
+        }
+
+        /// Every block in `blocks` holds exactly the value its key was written with.
+        fn assert_right_bytes(&self, blocks: &[PoolBlock], values: &[(u64, &[u8])]) {
+            for b in blocks {
+                let (_, want) = values
+                    .iter()
+                    .find(|(k, _)| key(*k) == b.key)
+                    .expect("a key that was written");
+                let mut got = vec![0; want.len()];
+                self.data.read_exact_at(&mut got, b.offset).expect("read");
+                assert_eq!(b.length, want.len() as u64);
+                assert!(
+                    got == *want,
+                    "block {} holds another key's bytes",
+                    b.key.to_hex()
+                );
+            }
         }
     }
 
@@ -402,7 +456,7 @@ mod tests {
         data.set_len(1 << 20).expect("size");
         let metrics = PoolMetrics::new(&prometheus::Registry::new()).expect("metrics");
         Fixture {
-            _dir: dir,
+            dir,
             data,
             index: Arc::new(Mutex::new(index)),
             metrics,
@@ -500,18 +554,26 @@ mod tests {
                 acked: 3
             }
         );
-        let blocks = f.index.lock().blocks();
-        assert_eq!(blocks.len(), 2);
-        assert_eq!(blocks[0].crc, crc32c::crc32c(&a));
-        assert_eq!(blocks[1].crc, crc32c::crc32c(&b));
-        // A free of another key at that offset is ignored; of the right key it drops it.
+        // Indexed (reads are checked against them) but not durable until confirmed.
+        {
+            let idx = f.index.lock();
+            assert_eq!((idx.len(), idx.unconfirmed()), (0, 2));
+            assert_eq!(idx.block_at(0).map(|b| b.crc), Some(crc32c::crc32c(&a)));
+            assert_eq!(idx.block_at(8192).map(|b| b.crc), Some(crc32c::crc32c(&b)));
+        }
+        // A free of another key at that offset is ignored; of the right key it drops it. The
+        // answer is complete, so it confirms what survives of the earlier commits.
         let frees = [
             ev(4, SegmentEventKind::Free, 9, 0, 0),
             ev(5, SegmentEventKind::Free, 1, 0, 0),
         ];
         let st = f.apply(11, &frees, st);
         assert_eq!(st.acked, 5);
-        assert_eq!(f.index.lock().len(), 1);
+        let blocks = f.index.lock().blocks();
+        assert_eq!(blocks.len(), 1);
+        assert_eq!((blocks[0].key, blocks[0].crc), (key(2), crc32c::crc32c(&b)));
+        assert_eq!(f.index.lock().unconfirmed(), 0);
+        assert_eq!(f.metrics.ssd_commits_confirmed.get(), 1);
         // A resync (new epoch) that lists only block 3: block 2 goes at RESET_DONE.
         let c = value(3000, 4);
         f.data.write_all_at(&c, 65_536).expect("c");
@@ -528,6 +590,11 @@ mod tests {
                 acked: 3
             }
         );
+        assert!(
+            f.index.lock().blocks().is_empty(),
+            "2 dropped, 3 unconfirmed"
+        );
+        f.apply(12, &[], st);
         let keys: Vec<ObjectKey> = f.index.lock().blocks().iter().map(|b| b.key).collect();
         assert_eq!(keys, vec![key(3)]);
         assert_eq!(
@@ -538,5 +605,158 @@ mod tests {
             3,
             "every commit applied is counted"
         );
+    }
+
+    /// The COMMIT->FREE window, forced: the master commits key 1 at offset 0, and before the
+    /// agent applies that commit it frees key 1 and hands the range to key 2, whose writer
+    /// overwrites it. The agent then checksums key 2's bytes under key 1. Killed before the
+    /// FREE arrives, it must not bring key 1 back (it would validate against key 2's bytes and
+    /// be served as key 1); after the FREE and a later answer, key 2 is durable and key 1 gone.
+    #[test]
+    fn a_commit_checksummed_after_its_range_was_reused_never_survives_a_crash() {
+        let f = fixture();
+        let old = value(5000, 7);
+        let new = value(5000, 8);
+        let values: [(u64, &[u8]); 2] = [(1, old.as_slice()), (2, new.as_slice())];
+        let commit_1 = [ev(1, SegmentEventKind::Commit, 1, 0, 5000)];
+        let free_1_commit_2 = [
+            ev(2, SegmentEventKind::Free, 1, 0, 0),
+            ev(3, SegmentEventKind::Commit, 2, 0, 5000),
+        ];
+        let reuse = || {
+            f.data.write_all_at(&old, 0).expect("key 1's writer");
+            f.data.write_all_at(&new, 0).expect("key 2's writer");
+        };
+
+        // Killed right after applying (and acknowledging) the commit.
+        reuse();
+        let st = f.apply(11, &commit_1, FeedState::default());
+        assert_eq!(st.acked, 1);
+        let b = f.index.lock().block_at(0).expect("indexed in memory");
+        assert_eq!(
+            (b.key, b.crc),
+            (key(1), crc32c::crc32c(&new)),
+            "the bad checksum"
+        );
+        let recovered = f.crash_and_restart();
+        assert!(recovered.is_empty(), "key 1 came back: {recovered:?}");
+
+        // Killed after a heartbeat more, which carried the FREE and key 2's commit.
+        reuse();
+        let st = f.apply(12, &commit_1, FeedState::default());
+        let st = f.apply(12, &free_1_commit_2, st);
+        assert_eq!(st.acked, 3);
+        let recovered = f.crash_and_restart();
+        assert!(recovered.is_empty(), "nothing confirmed yet: {recovered:?}");
+
+        // Killed once the answer after that confirmed key 2.
+        reuse();
+        let st = f.apply(13, &commit_1, FeedState::default());
+        let st = f.apply(13, &free_1_commit_2, st);
+        f.apply(13, &[], st);
+        let recovered = f.crash_and_restart();
+        assert_eq!(recovered.len(), 1);
+        assert_eq!(recovered[0].key, key(2));
+        f.assert_right_bytes(&recovered, &values);
+    }
+
+    /// Commits become durable only through a complete answer (fewer than `FEED_BATCH` events)
+    /// to a later heartbeat; a snapshot that does not list an unconfirmed commit drops it, and
+    /// a remount discards what is unconfirmed.
+    #[test]
+    fn commits_are_confirmed_only_by_a_later_complete_answer() {
+        let f = fixture();
+        let a = value(5000, 2);
+        let b = value(3000, 3);
+        let c = value(4000, 4);
+        let values: [(u64, &[u8]); 3] = [(1, a.as_slice()), (2, b.as_slice()), (3, c.as_slice())];
+        f.data.write_all_at(&a, 0).expect("a");
+        f.data.write_all_at(&b, 8192).expect("b");
+        f.data.write_all_at(&c, 65_536).expect("c");
+        let st = f.apply(
+            11,
+            &[ev(1, SegmentEventKind::Commit, 1, 0, 5000)],
+            FeedState::default(),
+        );
+        // A full answer may leave events behind (a FREE of key 1 among them): no confirmation.
+        let full: Vec<SegmentEvent> = (0..FEED_BATCH as u64)
+            .map(|i| SegmentEvent {
+                segment_id: 4,
+                ..ev(2 + i, SegmentEventKind::Free, 9, 0, 0)
+            })
+            .collect();
+        let st = f.apply(11, &full, st);
+        {
+            let idx = f.index.lock();
+            assert_eq!((idx.len(), idx.unconfirmed()), (0, 1));
+        }
+        // The same answer's commits wait for the next one.
+        let st = f.apply(11, &[ev(5000, SegmentEventKind::Commit, 2, 8192, 3000)], st);
+        let keys = |f: &Fixture| -> Vec<ObjectKey> {
+            f.index.lock().blocks().iter().map(|b| b.key).collect()
+        };
+        assert_eq!(keys(&f), vec![key(1)]);
+        assert_eq!(f.index.lock().unconfirmed(), 1);
+        // A resync that lists only key 3: unconfirmed key 2 is dropped at RESET_DONE (never
+        // confirmed), key 1 too (durable: a drop record), key 3 waits for the next answer.
+        let resync = [
+            ev(1, SegmentEventKind::Reset, 0, 0, 0),
+            ev(2, SegmentEventKind::Commit, 3, 65_536, 4000),
+            ev(3, SegmentEventKind::ResetDone, 0, 0, 0),
+        ];
+        let st = f.apply(12, &resync, st);
+        assert!(keys(&f).is_empty());
+        assert_eq!(f.index.lock().block_at(8192), None);
+        f.apply(12, &[], st);
+        assert_eq!(keys(&f), vec![key(3)]);
+        let recovered = f.crash_and_restart();
+        assert_eq!(
+            recovered.iter().map(|b| b.key).collect::<Vec<_>>(),
+            vec![key(3)]
+        );
+        f.assert_right_bytes(&recovered, &values);
+        // A remount (new segment id) discards unconfirmed commits: not announced, not kept.
+        f.apply(
+            13,
+            &[ev(1, SegmentEventKind::Commit, 1, 0, 5000)],
+            FeedState::default(),
+        );
+        assert_eq!(f.index.lock().discard_unconfirmed().expect("discard"), 1);
+        assert_eq!(f.index.lock().block_at(0), None);
+        assert_eq!(keys(&f), vec![key(3)]);
+        assert_eq!(f.crash_and_restart().len(), 1);
+        assert_eq!(f.metrics.ssd_commits_confirmed.get(), 2);
+    }
+
+    #[test]
+    fn events_go_to_the_index_of_their_segment() {
+        let f = fixture();
+        let g = fixture();
+        let a = value(4096, 1);
+        let b = value(4096, 2);
+        f.data.write_all_at(&a, 0).expect("a");
+        g.data.write_all_at(&b, 8192).expect("b");
+        let events = [
+            ev(1, SegmentEventKind::Commit, 1, 0, 4096),
+            SegmentEvent {
+                segment_id: 6,
+                ..ev(2, SegmentEventKind::Commit, 2, 8192, 4096)
+            },
+        ];
+        let targets = [(5, Arc::clone(&f.index)), (6, Arc::clone(&g.index))];
+        let st = apply_events(&targets, 3, &events, FeedState::default(), None).expect("apply");
+        assert_eq!(st, FeedState { epoch: 3, acked: 2 });
+        assert_eq!(
+            f.index.lock().block_at(0).map(|b| b.crc),
+            Some(crc32c::crc32c(&a))
+        );
+        assert_eq!(
+            g.index.lock().block_at(8192).map(|b| b.crc),
+            Some(crc32c::crc32c(&b))
+        );
+        // The next complete answer confirms them, each in its own index.
+        apply_events(&targets, 3, &[], st, None).expect("confirm");
+        assert_eq!(f.index.lock().len(), 1);
+        assert_eq!(g.index.lock().len(), 1);
     }
 }

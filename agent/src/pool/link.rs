@@ -1,13 +1,15 @@
 //! The agent's link with the master in pool mode: [`PoolLink`] mounts the registered segments,
 //! heartbeats (carrying the transport state, the feed acknowledgement and the corrupt blocks
 //! found on read), hands the master's tasks to the task runner, remounts after the master
-//! declared the node dead, announces the SSD segment's durable index for adoption after each
-//! mount and fsyncs it once per pass, applies the master's segment-event feed to that index,
+//! declared the node dead, announces the durable index of each persistent segment (`ssd0`, and
+//! the DRAM segments kept in a file) for adoption after each mount and fsyncs them once per
+//! pass, applies the master's segment-event feed to those indexes,
 //! reports health (all segments mounted, heartbeat accepted) and unmounts on shutdown.
 //! [`rdma_readiness_blocker`] adds the transport to readiness. I/O boundary: the master's gRPC
 //! channel.
 
 use kvpool_runtime::telemetry::chain;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +25,7 @@ use super::metrics::PoolMetrics;
 use super::registrar::{PoolRegistrar, SSD_SEGMENT};
 use super::tasks::TaskRunner;
 use crate::config::PoolConfig;
-use crate::ssd::pool::{DropReason, PoolBlock};
+use crate::ssd::pool::{DropReason, PoolBlock, SharedIndex};
 
 /// True when the master answered that it does not know this node (never mounted, or declared
 /// dead): the agent must mount its segments again.
@@ -51,10 +53,10 @@ pub struct PoolLink {
     metrics: Option<PoolMetrics>,
     engine: Option<TransferEngine>,
     healthy: Arc<watch::Sender<bool>>,
-    /// Master id of the SSD segment while its recovered blocks are still to be announced, and
-    /// how many of them were already answered (a retry resumes there: announcing an adopted
-    /// block again would be refused as a duplicate).
-    adopt_pending: Arc<Mutex<Option<(u32, usize)>>>,
+    /// Per persistent segment (by name) whose recovered blocks are still to be announced: its
+    /// master id and the offset from which blocks are still unanswered (a retry resumes there:
+    /// announcing an adopted block again would be refused as a duplicate).
+    adopt_pending: Arc<Mutex<BTreeMap<String, (u32, u64)>>>,
     /// Position in the master's segment-event feed, acknowledged by the next heartbeat.
     feed: Arc<Mutex<FeedState>>,
 }
@@ -69,7 +71,7 @@ impl PoolLink {
             metrics: None,
             engine: None,
             healthy: Arc::new(watch::channel(false).0),
-            adopt_pending: Arc::new(Mutex::new(None)),
+            adopt_pending: Arc::new(Mutex::new(BTreeMap::new())),
             feed: Arc::new(Mutex::new(FeedState::default())),
         }
     }
@@ -112,7 +114,7 @@ impl PoolLink {
             }
         }
         self.healthy.send_replace(false);
-        self.sync_ssd_index().await;
+        self.sync_indexes().await;
         if tokio::time::timeout(UNMOUNT_BUDGET, self.unmount_all())
             .await
             .is_err()
@@ -138,8 +140,14 @@ impl PoolLink {
                 Ok(id) => {
                     tracing::info!(segment = %spec.name, id, "segment mounted with the master");
                     self.registrar.set_mounted(&spec.name, id);
-                    if spec.name == SSD_SEGMENT && self.registrar.ssd_index().is_some() {
-                        *self.adopt_pending.lock() = Some((id, 0));
+                    if let Some(index) = self.registrar.index(&spec.name) {
+                        // Commits not confirmed under the old id are not announced; their
+                        // bytes are free space to the master now.
+                        if let Err(e) = index.lock().discard_unconfirmed() {
+                            tracing::warn!(segment = %spec.name, error = %e,
+                                category = e.category(), "dropping unconfirmed blocks failed");
+                        }
+                        self.adopt_pending.lock().insert(spec.name.clone(), (id, 0));
                         // A new segment id: its feed starts from the announced index.
                         *self.feed.lock() = FeedState::default();
                     }
@@ -148,8 +156,8 @@ impl PoolLink {
                     category = e.category(), "mounting a segment failed; retrying"),
             }
         }
-        self.announce_ssd().await;
-        self.sync_ssd_index().await;
+        self.announce().await;
+        self.sync_indexes().await;
         let mut beat_ok = false;
         if !self.registrar.mounted().is_empty() {
             let ssd_id = self.registrar.mounted_id(SSD_SEGMENT);
@@ -222,21 +230,43 @@ impl PoolLink {
         }
     }
 
-    /// Announce the SSD index to the master after the SSD segment was (re)mounted, so the
-    /// blocks it holds become replicas again. Refused blocks are forgotten; a failed call is
-    /// retried on the next pass.
-    async fn announce_ssd(&self) {
-        let Some((id, done)) = *self.adopt_pending.lock() else {
-            return;
-        };
-        let Some(index) = self.registrar.ssd_index() else {
-            return;
-        };
-        let blocks = index.lock().blocks();
+    /// Announce the durable indexes to the master after their segments were (re)mounted, so
+    /// the blocks they hold become replicas again. Refused blocks are forgotten; a failed call
+    /// is retried on the next pass.
+    async fn announce(&self) {
+        let pending: Vec<(String, (u32, u64))> = self
+            .adopt_pending
+            .lock()
+            .iter()
+            .map(|(n, p)| (n.clone(), *p))
+            .collect();
+        for (name, (id, done)) in pending {
+            if let Some(index) = self.registrar.index(&name) {
+                self.announce_one(&name, &index, id, done).await;
+            }
+        }
+    }
+
+    /// Announce the blocks of segment `name` (master id `id`) at offsets from `done` on.
+    async fn announce_one(&self, name: &str, index: &SharedIndex, id: u32, done: u64) {
+        let blocks: Vec<PoolBlock> = index
+            .lock()
+            .blocks()
+            .into_iter()
+            .filter(|b| b.offset >= done)
+            .collect();
         let mut adopted = 0u64;
         let mut refused: Vec<PoolBlock> = Vec::new();
         let mut answered = done;
-        for chunk in blocks.get(done..).unwrap_or_default().chunks(ADOPT_BATCH) {
+        // The last call says the announcement is complete (the master keeps a persistent
+        // segment sealed until then), even when there is nothing to announce.
+        let mut chunks: Vec<&[PoolBlock]> = blocks.chunks(ADOPT_BATCH).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        let last = chunks.len() - 1;
+        let mut finished = false;
+        for (n, chunk) in chunks.into_iter().enumerate() {
             let items: Vec<AdoptItem> = chunk
                 .iter()
                 .map(|b| AdoptItem {
@@ -247,17 +277,21 @@ impl PoolLink {
                 .collect();
             match self
                 .client
-                .adopt_replicas(self.registrar.node(), id, &items)
+                .adopt_replicas(self.registrar.node(), id, &items, n == last)
                 .await
             {
                 Ok(results) => {
-                    answered += chunk.len();
+                    if let Some(b) = chunk.last() {
+                        answered = b.offset + 1;
+                    }
+                    finished = n == last;
                     for (b, r) in chunk.iter().zip(results) {
                         match r {
                             Ok(()) => adopted += 1,
                             Err(e) => {
-                                tracing::warn!(key = %b.key.to_hex(), offset = b.offset,
-                                    error = %chain(&e), "the master refused a recovered SSD block");
+                                tracing::warn!(segment = name, key = %b.key.to_hex(),
+                                    offset = b.offset, error = %chain(&e),
+                                    "the master refused a recovered block");
                                 refused.push(*b);
                             }
                         }
@@ -266,43 +300,48 @@ impl PoolLink {
                 Err(e) => {
                     // The next pass resumes after the answered batches. Unknown node: the next
                     // pass remounts (a new segment id) and announces everything again.
-                    tracing::warn!(error = %chain(&e), category = e.category(),
-                        "announcing recovered SSD blocks failed; retrying");
+                    tracing::warn!(segment = name, error = %chain(&e), category = e.category(),
+                        "announcing recovered blocks failed; retrying");
                     break;
                 }
             }
         }
         {
             let mut pending = self.adopt_pending.lock();
-            if *pending == Some((id, done)) {
-                *pending = (answered < blocks.len()).then_some((id, answered));
+            if pending.get(name) == Some(&(id, done)) {
+                if finished {
+                    pending.remove(name);
+                } else {
+                    pending.insert(name.to_owned(), (id, answered));
+                }
             }
         }
         {
             let mut idx = index.lock();
             for b in &refused {
                 if let Err(e) = idx.forget(b.key, b.offset) {
-                    tracing::warn!(error = %chain(&e), "recording a refused SSD block failed");
+                    tracing::warn!(error = %chain(&e), "recording a refused block failed");
                 }
             }
         }
         if let Some(m) = &self.metrics {
-            m.ssd_blocks_adopted.inc_by(adopted);
-            m.ssd_blocks_dropped
+            let (adopted_total, dropped, _) = m.persistence(name);
+            adopted_total.inc_by(adopted);
+            dropped
                 .with_label_values(&[DropReason::Refused.as_str()])
                 .inc_by(refused.len() as u64);
-            m.ssd_index_blocks
-                .set(i64::try_from(index.lock().len()).unwrap_or(i64::MAX));
         }
         tracing::info!(
-            segment = id,
+            segment = name,
+            id,
             adopted,
             refused = refused.len(),
-            "recovered SSD blocks announced to the master"
+            "recovered blocks announced to the master"
         );
     }
 
-    /// Apply the master's feed events to the SSD index (flushed before they are acknowledged).
+    /// Apply the master's feed events to the durable indexes of the mounted persistent
+    /// segments (flushed before they are acknowledged).
     async fn apply_feed(
         &self,
         ssd_id: Option<u32>,
@@ -310,10 +349,15 @@ impl PoolLink {
         events: Vec<kvpool_core::master::state::SegmentEvent>,
         prev: FeedState,
     ) {
-        let Some(index) = self.registrar.ssd_index() else {
-            return;
-        };
-        if events.is_empty() && prev.epoch == epoch {
+        let targets: Vec<(u32, SharedIndex)> = self
+            .registrar
+            .indexes()
+            .into_iter()
+            .filter_map(|(name, index)| Some((self.registrar.mounted_id(&name)?, index)))
+            .collect();
+        // An empty answer still confirms the commits of earlier answers.
+        let unconfirmed = targets.iter().any(|(_, i)| i.lock().unconfirmed() > 0);
+        if targets.is_empty() || (events.is_empty() && prev.epoch == epoch && !unconfirmed) {
             return;
         }
         let metrics = self.metrics.clone();
@@ -327,18 +371,18 @@ impl PoolLink {
                     .collect();
                 g.settle(&mine);
             }
-            feed::apply_events(&index, ssd_id, epoch, &events, prev, metrics.as_ref())
+            feed::apply_events(&targets, epoch, &events, prev, metrics.as_ref())
         })
         .await;
         let next = match applied {
             Ok(Ok(state)) => state,
             Ok(Err((state, e))) => {
                 tracing::warn!(error = %chain(&e), category = e.category(),
-                    "applying the master's SSD events failed; the rest are sent again");
+                    "applying the master's segment events failed; the rest are sent again");
                 state
             }
             Err(e) => {
-                tracing::warn!(error = %chain(&e), "the SSD event worker failed");
+                tracing::warn!(error = %chain(&e), "the segment event worker failed");
                 prev
             }
         };
@@ -349,27 +393,21 @@ impl PoolLink {
         }
     }
 
-    /// Flush the SSD index's new records (batched: once per pass).
-    async fn sync_ssd_index(&self) {
-        let Some(index) = self.registrar.ssd_index() else {
+    /// Flush the durable indexes' new records (batched: once per pass).
+    async fn sync_indexes(&self) {
+        let indexes = self.registrar.indexes();
+        if indexes.is_empty() {
             return;
-        };
+        }
         let metrics = self.metrics.clone();
-        feed::update_index(
-            index,
-            "syncing the SSD index failed",
-            "the SSD index sync worker failed",
-            move |idx| {
-                idx.sync()?;
-                // Set after the sync: the gauge counts blocks that are durably indexed.
-                if let Some(m) = &metrics {
-                    m.ssd_index_blocks
-                        .set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
-                }
-                Ok(())
-            },
-        )
-        .await;
+        let synced = tokio::task::spawn_blocking(move || sync_all(&indexes, metrics.as_ref()));
+        match synced.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, category = e.category(), "syncing an index failed");
+            }
+            Err(e) => tracing::warn!(error = %e, "the index sync worker failed"),
+        }
     }
 
     async fn unmount_all(&self) {
@@ -380,6 +418,34 @@ impl PoolLink {
             }
         }
     }
+}
+
+/// Flush every index in `indexes`, then set the index gauges (so they count blocks that are
+/// durably indexed).
+fn sync_all(
+    indexes: &[(String, SharedIndex)],
+    metrics: Option<&PoolMetrics>,
+) -> Result<(), crate::ssd::pool::PoolIndexError> {
+    let mut dram = 0usize;
+    for (name, index) in indexes {
+        let mut idx = index.lock();
+        idx.sync()?;
+        if let Some(m) = metrics {
+            if name == SSD_SEGMENT {
+                m.ssd_index_blocks
+                    .set(i64::try_from(idx.len()).unwrap_or(i64::MAX));
+            } else {
+                dram += idx.len();
+            }
+        }
+    }
+    if let Some(m) = metrics
+        && indexes.iter().any(|(n, _)| n != SSD_SEGMENT)
+    {
+        m.dram_index_blocks
+            .set(i64::try_from(dram).unwrap_or(i64::MAX));
+    }
+    Ok(())
 }
 
 /// Why an agent that must use RDMA (`pool.transport: rdma`) is not ready, or `None`: it opened

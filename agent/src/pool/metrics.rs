@@ -40,6 +40,18 @@ pub struct PoolMetrics {
     /// `kvpool_agent_pool_ssd_reports_dropped_total`: corrupt-block reports dropped because
     /// too many were waiting for the master.
     pub ssd_reports_dropped: IntCounter,
+    /// `kvpool_agent_pool_dram_blocks_dropped_total{reason}`: indexed blocks of the persistent
+    /// DRAM tier dropped (corrupt, truncated, out_of_bounds at start-up; refused at adoption).
+    pub dram_blocks_dropped: IntCounterVec,
+    /// `kvpool_agent_pool_dram_blocks_adopted_total`: blocks of the persistent DRAM tier the
+    /// master adopted after a mount.
+    pub dram_blocks_adopted: IntCounter,
+    /// `kvpool_agent_pool_dram_index_blocks`: blocks in the durable indexes of the persistent
+    /// DRAM tier as of their last sync.
+    pub dram_index_blocks: IntGauge,
+    /// `kvpool_agent_pool_ssd_commits_confirmed_total`: feed commits (checksummed from the
+    /// file) that a later complete feed answer confirmed, written to the durable index.
+    pub ssd_commits_confirmed: IntCounter,
 }
 
 fn register<T: Collector + Clone + 'static>(
@@ -142,7 +154,48 @@ impl PoolMetrics {
                 "kvpool_agent_pool_ssd_reports_dropped_total",
                 "Corrupt-block reports dropped because too many were waiting for the master.",
             )?,
+            dram_blocks_dropped: counters(
+                registry,
+                "kvpool_agent_pool_dram_blocks_dropped_total",
+                "Indexed blocks of the persistent DRAM tier dropped, by reason (corrupt, \
+                 truncated, out_of_bounds, refused).",
+                &["reason"],
+            )?,
+            dram_blocks_adopted: counter(
+                registry,
+                "kvpool_agent_pool_dram_blocks_adopted_total",
+                "Blocks of the persistent DRAM tier the master adopted after a mount.",
+            )?,
+            dram_index_blocks: gauge(
+                registry,
+                "kvpool_agent_pool_dram_index_blocks",
+                "Blocks in the durable indexes of the persistent DRAM tier.",
+            )?,
+            ssd_commits_confirmed: counter(
+                registry,
+                "kvpool_agent_pool_ssd_commits_confirmed_total",
+                "Feed commits of the SSD segment confirmed by a later feed answer and made \
+                 durable.",
+            )?,
         })
+    }
+
+    /// The adoption counter, drop counter and index gauge of segment `name`'s tier (`ssd0` or a
+    /// persistent DRAM segment).
+    pub fn persistence(&self, name: &str) -> (&IntCounter, &IntCounterVec, &IntGauge) {
+        if name == super::SSD_SEGMENT {
+            (
+                &self.ssd_blocks_adopted,
+                &self.ssd_blocks_dropped,
+                &self.ssd_index_blocks,
+            )
+        } else {
+            (
+                &self.dram_blocks_adopted,
+                &self.dram_blocks_dropped,
+                &self.dram_index_blocks,
+            )
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! The segments this agent gives the pool: [`PoolRegistrar`] registers them with the transfer
 //! engine (peers read and write them), lists them for in-process copies (`LocalSegments`) and
 //! describes them for the master ([`spec_for`], with the node's failure domain), and keeps
-//! which of them the master has mounted; it also holds the SSD segment's durable index and
-//! read guard once the runtime set them. The master-side names of the segments are here too. I/O boundary: the transfer
+//! which of them the master has mounted; it also holds the durable indexes of the persistent
+//! segments (the SSD segment, and DRAM segments kept in a tmpfs or hugetlbfs file) and the SSD
+//! segment's read guard once the runtime set them. The master-side names of the segments are here too. I/O boundary: the transfer
 //! engine's registrations; the bookkeeping is pure.
 
 use std::collections::BTreeMap;
@@ -42,6 +43,7 @@ pub fn spec_for(
         numa_node,
         failure_domain: String::new(),
         endpoints: vec![endpoint.to_owned()],
+        persistent: false,
     }
 }
 
@@ -71,8 +73,9 @@ pub struct PoolRegistrar {
     endpoint: String,
     book: Mutex<Book>,
     local: LocalSegments,
-    /// Durable index of the SSD segment, when there is one.
-    ssd_index: OnceLock<SharedIndex>,
+    /// Durable indexes of the persistent segments (`ssd0`, and DRAM segments kept in a file),
+    /// by segment name.
+    indexes: Mutex<BTreeMap<String, SharedIndex>>,
     /// Read checks of the SSD segment, when it has an index.
     ssd_guard: OnceLock<Arc<SsdGuard>>,
     /// Failure domain announced with every segment (empty: none).
@@ -88,7 +91,7 @@ impl PoolRegistrar {
             endpoint,
             book: Mutex::default(),
             local: LocalSegments::default(),
-            ssd_index: OnceLock::new(),
+            indexes: Mutex::default(),
             ssd_guard: OnceLock::new(),
             failure_domain: Mutex::default(),
         }
@@ -137,12 +140,35 @@ impl PoolRegistrar {
 
     /// Give the SSD segment its durable index (once, before the link runs).
     pub fn set_ssd_index(&self, index: PoolSsdIndex) {
-        let _ = self.ssd_index.set(Arc::new(Mutex::new(index)));
+        self.set_index(SSD_SEGMENT, index);
     }
 
     /// The SSD segment's durable index, if the agent has one.
     pub fn ssd_index(&self) -> Option<SharedIndex> {
-        self.ssd_index.get().cloned()
+        self.index(SSD_SEGMENT)
+    }
+
+    /// Give segment `name` a durable index (before it is registered, and before the link
+    /// runs): the segment is announced as persistent, gets the master's segment-event feed,
+    /// and its indexed blocks are announced for adoption after each mount.
+    pub fn set_index(&self, name: &str, index: PoolSsdIndex) {
+        self.indexes
+            .lock()
+            .insert(name.to_owned(), Arc::new(Mutex::new(index)));
+    }
+
+    /// The durable index of segment `name`, if it has one.
+    pub fn index(&self, name: &str) -> Option<SharedIndex> {
+        self.indexes.lock().get(name).cloned()
+    }
+
+    /// Every durable index, by segment name.
+    pub fn indexes(&self) -> Vec<(String, SharedIndex)> {
+        self.indexes
+            .lock()
+            .iter()
+            .map(|(n, i)| (n.clone(), Arc::clone(i)))
+            .collect()
     }
 
     /// The in-process view of the registered segments (for [`PoolClient`]).
@@ -177,14 +203,14 @@ impl PoolRegistrar {
         if tier != Tier::Ssd {
             self.local.insert(&full, Arc::clone(local.segment()));
         }
-        tracing::info!(segment = %full, bytes, tier = tier.as_str(), "pool segment registered");
-        book.segments.insert(
-            name.to_owned(),
-            Entry {
-                local,
-                spec: spec_for(&self.node, &self.endpoint, name, tier, numa_node, bytes),
-            },
-        );
+        let persistent = self.indexes.lock().contains_key(name);
+        tracing::info!(segment = %full, bytes, tier = tier.as_str(), persistent,
+            "pool segment registered");
+        let spec = SegmentSpec {
+            persistent,
+            ..spec_for(&self.node, &self.endpoint, name, tier, numa_node, bytes)
+        };
+        book.segments.insert(name.to_owned(), Entry { local, spec });
         Ok(())
     }
 

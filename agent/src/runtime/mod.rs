@@ -38,9 +38,11 @@ use crate::topology::{NodeSummary, summarize};
 mod admin_view;
 mod blocking;
 mod local;
+mod persist;
 mod pool;
 
 pub use blocking::run_blocking;
+pub use persist::PersistError;
 pub use pool::POOL_SSD_FILE;
 
 /// Errors of the agent process.
@@ -71,6 +73,8 @@ pub enum RunError {
     Join(String),
     #[error("index of the pool-mode SSD segment")]
     PoolIndex(#[source] PoolIndexError),
+    #[error("persistent DRAM tier")]
+    DramPersistence(#[source] persist::PersistError),
 }
 
 impl RunError {
@@ -88,15 +92,12 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| RunError::Join(e.to_string()))
 }
 
-/// A way to map the DRAM tier's planned segments (locked or not): what it mapped, and warnings.
-type MapDram<T> = fn(&[SegmentPlan], bool) -> Result<(T, Vec<String>), DramError>;
-
 /// Map the DRAM tier's planned `segments` with `map` on the blocking pool (as the local tier,
 /// or as bare mappings for the pool), logging what it warns about.
 async fn map_dram<T: Send + 'static>(
     cfg: &AgentConfig,
     segments: Vec<SegmentPlan>,
-    map: MapDram<T>,
+    map: impl FnOnce(&[SegmentPlan], bool) -> Result<(T, Vec<String>), DramError> + Send + 'static,
 ) -> Result<T, RunError> {
     let lock = cfg.dram.lock;
     let (mapped, warnings) = blocking(move || map(&segments, lock))
@@ -302,9 +303,9 @@ async fn discover_and_place(
         "topology discovered"
     );
 
-    // DRAM tier.
+    // DRAM tier. A persistent tier's files from the last run hold memory the tier takes again.
     let placement = placement::plan(
-        &topo,
+        &persist::credit_kept(&topo, cfg.dram.persistence.as_ref()),
         &PlacementRequest {
             capacity: cfg.dram.capacity,
             policy: cfg.dram.policy.clone(),

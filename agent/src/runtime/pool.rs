@@ -1,5 +1,7 @@
 //! Pool mode's data plane: the DRAM tier is mapped exactly as local-only mode would map it
-//! (NUMA node, huge pages, lock) and every mapping is given to the pool; with an SSD tier, a
+//! (NUMA node, huge pages, lock) — or, with `dram.persistence`, as shared mappings of tmpfs or
+//! hugetlbfs files whose durable indexes are checked first — and every mapping is given to the
+//! pool; with an SSD tier, a
 //! file of its capacity becomes the SSD segment, with its durable index and read guard. The
 //! engine API serves from the pool ([`PoolApi`]); while serving, the [`Member`]'s link mounts,
 //! heartbeats and runs tasks, and readiness follows it; on the way out the link unmounts before
@@ -16,7 +18,7 @@ use kvpool_runtime::admin::Readiness;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::{DataPlane, RunError, blocking, map_dram};
+use super::{DataPlane, RunError, blocking, map_dram, persist};
 use crate::api::BlockStore;
 use crate::config::{AgentConfig, SsdSettings};
 use crate::dram;
@@ -73,7 +75,10 @@ impl<'a> PoolPlane<'a> {
     }
 }
 
-/// Map the DRAM tier and register every mapping as a pool segment on its NUMA node.
+/// Map the DRAM tier and register every mapping as a pool segment on its NUMA node. With
+/// `dram.persistence` each segment is a shared mapping of a tmpfs or hugetlbfs file whose
+/// durable index was checked first: the segment is announced as persistent, and the blocks
+/// that passed are announced for adoption after the mount.
 async fn give_dram(
     cfg: &AgentConfig,
     segments: Vec<SegmentPlan>,
@@ -81,11 +86,37 @@ async fn give_dram(
     metrics: &AgentMetrics,
 ) -> Result<(), RunError> {
     let requested: Vec<Option<u32>> = segments.iter().map(|p| p.numa_node).collect();
-    let mapped = map_dram(cfg, segments, dram::map_segments).await?;
+    let (mapped, indexes) = match cfg.dram.persistence.clone() {
+        None => (
+            map_dram(cfg, segments, dram::map_segments).await?,
+            Vec::new(),
+        ),
+        Some(p) => {
+            let plans = segments.clone();
+            let opened = {
+                let p = p.clone();
+                blocking(move || {
+                    let page = persist::prepare(&p)?;
+                    Ok::<_, persist::PersistError>((page, persist::open_indexes(&p, &plans)?))
+                })
+                .await?
+                .map_err(RunError::DramPersistence)?
+            };
+            let (page, opened) = opened;
+            let indexes = recovered_dram(opened, member);
+            let mapped = map_dram(cfg, segments, move |plans, lock| {
+                dram::map_segments_in(plans, lock, Some((&p.dir, page)))
+            })
+            .await?;
+            (mapped, indexes)
+        }
+    };
     let announced: Vec<Option<u32>> = mapped.iter().map(|(i, _)| i.numa_node).collect();
     metrics
         .numa_binding_failures
         .inc_by(numa_verify::binding_failures(&requested, &announced));
+    // In segment order, as the mappings.
+    let mut indexes = indexes.into_iter();
     let mut per_node: BTreeMap<Option<u32>, u64> = BTreeMap::new();
     for (info, region) in mapped {
         let memory = region
@@ -95,11 +126,16 @@ async fn give_dram(
         let numa = placement::numa_label(info.numa_node);
         tracing::info!(segment = info.index, numa_node = %numa, bytes = info.bytes,
             hugepage_size = ?info.hugepage_size, numa_bound = info.numa_bound,
-            locked = info.locked, "DRAM segment given to the pool");
+            locked = info.locked, persistent = cfg.dram.persistence.is_some(),
+            "DRAM segment given to the pool");
+        let name = segment_name(info.index);
+        if let Some(index) = indexes.next() {
+            member.registrar.set_index(&name, index);
+        }
         member
             .registrar
             .register(
-                &segment_name(info.index),
+                &name,
                 Tier::Dram,
                 info.numa_node
                     .unwrap_or(placement::MASTER_UNBOUND_NUMA_NODE),
@@ -115,6 +151,44 @@ async fn give_dram(
             .set(bytes as f64);
     }
     Ok(())
+}
+
+/// Log and count what the persistent DRAM tier's indexes recovered; the indexes, in segment
+/// order.
+fn recovered_dram(opened: Vec<persist::OpenedIndex>, member: &Member) -> Vec<PoolSsdIndex> {
+    let mut kept = 0usize;
+    let mut out = Vec::with_capacity(opened.len());
+    for (i, o) in opened.into_iter().enumerate() {
+        for w in &o.recovery.warnings {
+            tracing::warn!(segment = i, "persistent DRAM index: {w}");
+        }
+        for (b, reason) in &o.recovery.dropped {
+            tracing::warn!(segment = i, key = %b.key.to_hex(), offset = b.offset,
+                length = b.length, reason = reason.as_str(),
+                "dropped a block of the persistent DRAM tier");
+            member
+                .metrics
+                .dram_blocks_dropped
+                .with_label_values(&[reason.as_str()])
+                .inc();
+        }
+        let bytes: u64 = o.recovery.blocks.iter().map(|b| b.length).sum();
+        tracing::info!(
+            segment = i,
+            blocks = o.recovery.blocks.len(),
+            bytes,
+            dropped = o.recovery.dropped.len(),
+            elapsed_ms = u64::try_from(o.elapsed.as_millis()).unwrap_or(u64::MAX),
+            "persistent DRAM index recovered (every block's checksum verified)"
+        );
+        kept += o.index.len();
+        out.push(o.index);
+    }
+    member
+        .metrics
+        .dram_index_blocks
+        .set(i64::try_from(kept).unwrap_or(i64::MAX));
+    out
 }
 
 /// Recover the SSD segment's index, map its file and register it, with reads checked by the
@@ -236,11 +310,11 @@ impl DataPlane for PoolPlane<'_> {
         Box::pin(async move {
             let registrar = &self.member.registrar;
             // Tasks that finished after the link stopped may have appended records.
-            if let Some(index) = registrar.ssd_index() {
+            for (name, index) in registrar.indexes() {
                 blocking(move || index.lock().sync())
                     .await?
                     .map_err(RunError::PoolIndex)?;
-                tracing::info!("pool SSD index synced");
+                tracing::info!(segment = %name, "durable segment index synced");
             }
             for name in registrar.registered() {
                 if let Err(e) = registrar.deregister(&name) {

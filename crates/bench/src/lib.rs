@@ -30,6 +30,9 @@ pub enum BenchCommand {
     /// The node agent's tiers: DRAM put/get through the engine API and SSD sequential I/O,
     /// against memcpy and dd.
     Tier(kvpool_agent::bench::TierArgs),
+    /// The start-up cost of an agent with a persistent DRAM tier: every block's checksum
+    /// verified when the tier's index is opened again.
+    DramRestart(kvpool_agent::bench_restart::DramRestartArgs),
     /// The pool end to end on loopback (master, agents, client processes) against Redis.
     Store(Box<store::StoreBenchArgs>),
     /// The conductor's own cost in front of synthetic SGLang-convention engines: added
@@ -84,6 +87,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Transfer(a) => transfer::run(*a).map_err(BenchError::Transfer),
         BenchCommand::Sched(a) => sched::run(&a).map_err(BenchError::Sched),
         BenchCommand::Tier(a) => tier(&a),
+        BenchCommand::DramRestart(a) => dram_restart(&a),
         BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
         BenchCommand::Conductor(a) => conductor::run(*a).map_err(BenchError::Conductor),
         BenchCommand::Master(a) => {
@@ -93,6 +97,21 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
                 .map_err(BenchError::Master)
         }
     }
+}
+
+/// `kvpool bench dram-restart`, printed as JSON or text.
+fn dram_restart(args: &kvpool_agent::bench_restart::DramRestartArgs) -> Result<(), BenchError> {
+    use kvpool_agent::bench_restart::{render_text, run};
+    let report = run(args).map_err(BenchError::Tier)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(BenchError::Json)?
+        );
+    } else {
+        print!("{}", render_text(&report));
+    }
+    Ok(())
 }
 
 /// `kvpool bench tier`: the agent's tier benchmark in this process, printed as JSON or text.

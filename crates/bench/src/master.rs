@@ -119,6 +119,7 @@ fn segment(node: usize) -> SegmentSpec {
         numa_node: 0,
         failure_domain: String::new(),
         endpoints: vec![format!("tcp://10.0.0.{node}:7000")],
+        persistent: false,
     }
 }
 

@@ -194,7 +194,8 @@ pub const SPREAD_NEEDS_NODE_ACCESS: &str = "replication.spreadLabelKey other tha
 #[x_kube(
     validation = Rule::new("!(has(self.capacityPerNode) && has(self.nodeMemoryPercent))").message("dram: set at most one of capacityPerNode and nodeMemoryPercent").reason(Reason::FieldValueInvalid),
     validation = Rule::new("self.hugepages == 'none' || has(self.capacityPerNode)").message("dram.hugepages requires dram.capacityPerNode: hugepage memory is reserved as an explicit amount").field_path(".hugepages").reason(Reason::FieldValueRequired),
-    validation = Rule::new("self.hugepages == 'none' || !has(self.capacityPerNode) || !isQuantity(string(self.capacityPerNode)) || (quantity(string(self.capacityPerNode)).isInteger() && quantity(string(self.capacityPerNode)).asInteger() % (self.hugepages == '1Gi' ? 1073741824 : 2097152) == 0)").message("dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)").field_path(".capacityPerNode").reason(Reason::FieldValueInvalid)
+    validation = Rule::new("self.hugepages == 'none' || !has(self.capacityPerNode) || !isQuantity(string(self.capacityPerNode)) || (quantity(string(self.capacityPerNode)).isInteger() && quantity(string(self.capacityPerNode)).asInteger() % (self.hugepages == '1Gi' ? 1073741824 : 2097152) == 0)").message("dram.capacityPerNode must be a whole number of hugepages (a multiple of dram.hugepages)").field_path(".capacityPerNode").reason(Reason::FieldValueInvalid),
+    validation = Rule::new("!has(self.persistence) || !has(self.persistence.mode) || self.persistence.mode != 'hugetlbfs' || self.hugepages != 'none'").message("dram.persistence.mode hugetlbfs requires dram.hugepages (the agent pod must request the huge pages its files hold)").field_path(".persistence.mode").reason(Reason::FieldValueInvalid)
 )]
 pub struct DramTierSpec {
     /// Bytes per node as a Kubernetes quantity (e.g. `512Gi`). Exclusive with
@@ -216,6 +217,11 @@ pub struct DramTierSpec {
     /// Where the tier's memory is placed relative to NUMA nodes.
     #[serde(default)]
     pub numa_policy: NumaPolicy,
+
+    /// Keep the tier in files on a tmpfs or hugetlbfs directory of the node, so that its
+    /// committed blocks survive an agent restart or rollout. Absent: anonymous memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistence: Option<super::persistence::DramPersistenceSpec>,
 }
 
 /// Page size backing the DRAM tier.

@@ -10,6 +10,7 @@ mod enginepool;
 mod kvcachepool;
 pub mod labels;
 mod network;
+mod persistence;
 pub mod quantity;
 mod validated;
 
@@ -28,6 +29,11 @@ pub use kvcachepool::{
 pub use network::{
     CONDUCTOR_PEER_MESSAGE, ConductorPeer, METRICS_PEER_MESSAGE, MetricsPeer,
     SSD_HOST_PATH_MESSAGE, SSD_HOST_PATH_PREFIXES, SSD_HOST_PATH_RULE, ssd_host_path_allowed,
+};
+pub use persistence::{
+    DRAM_HOST_PATH_MESSAGE, DRAM_HOST_PATH_PREFIXES, DRAM_HOST_PATH_RULE,
+    DRAM_INDEX_HOST_PATH_MESSAGE, DramPersistenceConfig, DramPersistenceSpec, PersistenceMode,
+    dram_host_path_allowed,
 };
 pub use validated::{
     AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,

@@ -23,10 +23,13 @@ pub const SSD_HOST_PATH_RULE: &str = "self.matches('^/(mnt|data|var/lib/kvpool)/
 /// Whether `path` is an allowed SSD directory: below one of [`SSD_HOST_PATH_PREFIXES`], at
 /// least one segment below it, no empty (`//`), `.` or `..` segment; one trailing `/` is fine.
 pub fn ssd_host_path_allowed(path: &str) -> bool {
-    let Some(rest) = SSD_HOST_PATH_PREFIXES
-        .iter()
-        .find_map(|prefix| path.strip_prefix(prefix))
-    else {
+    host_path_below(&SSD_HOST_PATH_PREFIXES, path)
+}
+
+/// Whether `path` lies below one of `prefixes` (each ending in `/`), at least one segment below
+/// it, with no empty (`//`), `.` or `..` segment; one trailing `/` is fine.
+pub(crate) fn host_path_below(prefixes: &[&str], path: &str) -> bool {
+    let Some(rest) = prefixes.iter().find_map(|prefix| path.strip_prefix(prefix)) else {
         return false;
     };
     let rest = rest.strip_suffix('/').unwrap_or(rest);

@@ -480,6 +480,7 @@ mod tests {
             numa_node: 1,
             failure_domain: "z".into(),
             endpoints: vec!["tcp://a:1".into()],
+            persistent: false,
         };
         let rec = ObjectRecord {
             key: ObjectKey::from_bytes(b"k"),

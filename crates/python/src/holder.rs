@@ -71,6 +71,7 @@ impl Holder {
             numa_node: 0,
             failure_domain: String::new(),
             endpoints: vec![endpoint.to_owned()],
+            persistent: false,
         };
         let id = master.mount_segment(&spec).await.map_err(Failure::from)?;
         let segment_id = Arc::new(Mutex::new(id));

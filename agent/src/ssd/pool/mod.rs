@@ -1,13 +1,18 @@
-//! Durable index of the pool-mode SSD segment (`pool-ssd.dat`, mounted as `ssd0`): which master
-//! object (128-bit key digest) lives at which offset, with its length and a crc32c of its
-//! bytes. Demotions and repairs into the segment append a record after the data is flushed;
+//! Durable index of a persistent pool-mode segment — the SSD segment (`pool-ssd.dat`, mounted
+//! as `ssd0`) and, with `dram.persistence`, each DRAM segment kept in a tmpfs or hugetlbfs file
+//! (`dram<i>.dat`, index `dram<i>.idx`): which master object (128-bit key digest) lives at
+//! which offset, with its length and a crc32c of its bytes. Demotions and repairs into the segment append a record after the data is flushed;
 //! the log is fsynced in batches (every heartbeat and on shutdown) and compacted into a
 //! snapshot at start-up. On restart every indexed block is checked against the data file:
 //! truncated, out-of-bounds or corrupt blocks are dropped and counted, the rest are announced to
 //! the master for adoption. While running, the master's segment-event feed keeps the index in
 //! step with the master ([`PoolSsdIndex::apply`]: commits of replicas written by others are
-//! checksummed from the file and recorded, frees become tombstones), and every read of an
-//! indexed block is verified against its checksum ([`BlockChecker`]). A record is also
+//! checksummed from the file, frees become tombstones), and every read of an indexed block is
+//! verified against its checksum ([`BlockChecker`]). A commit checksummed from the file is
+//! *unconfirmed* until a later, complete answer of the feed shows the replica was not freed
+//! meanwhile ([`PoolSsdIndex::confirm`]); only then is it written to the log, so a crash can
+//! never bring back a key with the checksum of bytes another writer put there after the key
+//! was freed (docs/agent.md, *SSD persistence*). A record is also
 //! superseded when a newer one overlaps its bytes. The record format is in [`records`], the
 //! checks of blocks against the data file in [`check`]. I/O boundary: the files
 //! `pool-ssd.idx` and `pool-ssd.dat` under the tier's directory; [`replay`] is pure.
@@ -36,7 +41,6 @@ pub use records::{Replayed, replay};
 
 /// Index file of the pool-mode SSD segment, next to its data file.
 pub const POOL_INDEX_FILE: &str = "pool-ssd.idx";
-const POOL_INDEX_TMP: &str = "pool-ssd.idx.tmp";
 /// Version of the index format this build writes; newer ones are refused.
 pub const POOL_INDEX_VERSION: u32 = 1;
 
@@ -50,7 +54,7 @@ pub enum PoolIndexError {
         #[source]
         source: std::io::Error,
     },
-    #[error("index {path} is not a kvpool pool SSD index (bad magic)")]
+    #[error("index {path} is not a kvpool segment index (bad magic)")]
     BadMagic { path: PathBuf },
     #[error("index {path} has format version {found}; this agent reads up to {POOL_INDEX_VERSION}")]
     UnsupportedVersion { path: PathBuf, found: u32 },
@@ -151,6 +155,12 @@ pub struct PoolSsdIndex {
     /// During a resynchronisation (between the feed's RESET and RESET_DONE): blocks indexed
     /// before it that the master has not confirmed yet.
     limbo: Option<BTreeMap<u64, PoolBlock>>,
+    /// Blocks of `blocks` indexed from a feed commit whose checksum is not trusted yet (the
+    /// range may have been freed and rewritten before it was taken), by offset, with the feed
+    /// round that took it. Not in the log; an entry whose block left `blocks` is stale.
+    unconfirmed: BTreeMap<u64, (PoolBlock, u64)>,
+    /// The feed round commits are applied in now ([`Self::begin_feed_round`]).
+    round: u64,
 }
 
 impl PoolSsdIndex {
@@ -162,7 +172,21 @@ impl PoolSsdIndex {
         data_path: &Path,
         capacity: u64,
     ) -> Result<(Self, PoolRecovery), PoolIndexError> {
-        let index_path = dir.join(POOL_INDEX_FILE);
+        Self::open_at(&dir.join(POOL_INDEX_FILE), data_path, capacity)
+    }
+
+    /// [`Self::open`] with the index at `index_path` (a persistent DRAM segment's index is
+    /// `dram<i>.idx`; the snapshot's temporary file is `index_path` + `.tmp`).
+    pub fn open_at(
+        index_path: &Path,
+        data_path: &Path,
+        capacity: u64,
+    ) -> Result<(Self, PoolRecovery), PoolIndexError> {
+        let index_path = index_path.to_owned();
+        let dir = index_path
+            .parent()
+            .map(Path::to_owned)
+            .unwrap_or_else(|| PathBuf::from("."));
         let mut recovery = PoolRecovery::default();
         let bytes = match std::fs::read(&index_path) {
             Ok(b) => b,
@@ -222,7 +246,7 @@ impl PoolSsdIndex {
                 Some(reason) => recovery.dropped.push((b, reason)),
             }
         }
-        let index = Self::write_snapshot(dir, &index_path, &blocks)?;
+        let index = Self::write_snapshot(&dir, &index_path, &blocks)?;
         Ok((
             Self {
                 index_path,
@@ -232,6 +256,8 @@ impl PoolSsdIndex {
                 blocks,
                 dirty: false,
                 limbo: None,
+                unconfirmed: BTreeMap::new(),
+                round: 0,
             },
             recovery,
         ))
@@ -243,7 +269,9 @@ impl PoolSsdIndex {
         index_path: &Path,
         blocks: &BTreeMap<u64, PoolBlock>,
     ) -> Result<File, PoolIndexError> {
-        let tmp = dir.join(POOL_INDEX_TMP);
+        let mut tmp = index_path.as_os_str().to_owned();
+        tmp.push(".tmp");
+        let tmp = PathBuf::from(tmp);
         let mut out = log::header(MAGIC, POOL_INDEX_VERSION);
         for b in blocks.values() {
             out.extend_from_slice(&encode(REC_PUT, b));
@@ -293,8 +321,14 @@ impl PoolSsdIndex {
             crc,
         };
         self.append(&encode(REC_PUT, &b))?;
+        self.unconfirmed.remove(&offset);
         insert(&mut self.blocks, b);
         Ok(())
+    }
+
+    /// Whether `b` is indexed only in memory, waiting for [`Self::confirm`].
+    fn is_unconfirmed(&self, b: &PoolBlock) -> bool {
+        self.unconfirmed.get(&b.offset).is_some_and(|(u, _)| u == b)
     }
 
     /// Forget the block of `key` at `offset` (the master refused it, or it was found bad).
@@ -311,6 +345,7 @@ impl PoolSsdIndex {
         };
         self.append(&encode(REC_DROP, &b))?;
         self.blocks.remove(&offset);
+        self.unconfirmed.remove(&offset);
         Ok(true)
     }
 
@@ -323,20 +358,86 @@ impl PoolSsdIndex {
         Ok(())
     }
 
-    /// The indexed blocks, by offset.
+    /// The durably indexed blocks (recorded or confirmed, not the unconfirmed feed commits),
+    /// by offset: what a restart would find and what a mount announces.
     pub fn blocks(&self) -> Vec<PoolBlock> {
-        self.blocks.values().copied().collect()
+        self.blocks
+            .values()
+            .filter(|b| !self.is_unconfirmed(b))
+            .copied()
+            .collect()
     }
 
+    /// The number of durably indexed blocks (see [`Self::blocks`]).
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.blocks.len() - self.unconfirmed()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.len() == 0
     }
 
-    /// The indexed block that holds byte `offset`, if any.
+    /// The number of feed commits indexed in memory only, waiting for [`Self::confirm`].
+    pub fn unconfirmed(&self) -> usize {
+        self.unconfirmed
+            .values()
+            .filter(|(b, _)| self.blocks.get(&b.offset) == Some(b))
+            .count()
+    }
+
+    /// Start applying one answer of the master's feed: commits applied from now on belong to a
+    /// new round. Returns the round before it, the one to pass to [`Self::confirm`] once this
+    /// answer has been applied in full.
+    pub fn begin_feed_round(&mut self) -> u64 {
+        self.round += 1;
+        self.round - 1
+    }
+
+    /// Make durable (append put records; the data file is flushed first) every unconfirmed
+    /// commit of round `through` or earlier that is still indexed. Call only after applying in
+    /// full a *complete* answer of the feed (every event the master held when it answered)
+    /// to a heartbeat sent after round `through` ended: a replica freed after its checksum
+    /// was taken has then been dropped by that answer's FREE (or by its RESET_DONE), so what
+    /// is left was still committed after the checksum, i.e. the bytes checksummed were its
+    /// own. Returns how many were confirmed.
+    pub fn confirm(&mut self, through: u64) -> Result<usize, PoolIndexError> {
+        let due: Vec<PoolBlock> = self
+            .unconfirmed
+            .values()
+            .filter(|(b, round)| *round <= through && self.blocks.get(&b.offset) == Some(b))
+            .map(|(b, _)| *b)
+            .collect();
+        if !due.is_empty() {
+            flush(&self.data, &self.data_path)?;
+        }
+        for b in &due {
+            self.append(&encode(REC_PUT, b))?;
+            self.unconfirmed.remove(&b.offset);
+        }
+        let blocks = &self.blocks;
+        self.unconfirmed
+            .retain(|off, (b, round)| *round > through && blocks.get(off) == Some(b));
+        Ok(due.len())
+    }
+
+    /// Forget every unconfirmed commit (the segment was mounted again under a new id: the
+    /// master knows only what the mount announces, [`Self::blocks`]). Returns how many.
+    pub fn discard_unconfirmed(&mut self) -> Result<usize, PoolIndexError> {
+        let stale: Vec<PoolBlock> = self
+            .unconfirmed
+            .values()
+            .filter(|(b, _)| self.blocks.get(&b.offset) == Some(b))
+            .map(|(b, _)| *b)
+            .collect();
+        self.unconfirmed.clear();
+        for b in &stale {
+            self.forget(b.key, b.offset)?;
+        }
+        Ok(stale.len())
+    }
+
+    /// The indexed block that holds byte `offset`, if any (unconfirmed ones included: reads of
+    /// them are checked too).
     pub fn block_at(&self, offset: u64) -> Option<PoolBlock> {
         self.blocks
             .range(..=offset)
@@ -346,18 +447,21 @@ impl PoolSsdIndex {
     }
 
     /// Index `length` bytes at `offset` as `key`, with the checksum of the bytes the data file
-    /// holds there now (a replica another node or client wrote). A no-op when exactly that
-    /// block is indexed already. Returns whether a record was written.
+    /// holds there now (a replica another node or client wrote), *unconfirmed*: in memory
+    /// only, in the current feed round, until [`Self::confirm`] writes it to the log. A no-op
+    /// when exactly that block is durably indexed already; an unconfirmed one is checksummed
+    /// again (the feed may have lost a free and a new commit of the key in between). Returns
+    /// whether the block was (re)indexed.
     pub fn commit_from_file(
         &mut self,
         key: ObjectKey,
         offset: u64,
         length: u64,
     ) -> Result<bool, PoolIndexError> {
-        if self
-            .blocks
-            .get(&offset)
-            .is_some_and(|b| b.key == key && b.length == length)
+        if let Some(b) = self.blocks.get(&offset)
+            && b.key == key
+            && b.length == length
+            && !self.is_unconfirmed(b)
         {
             return Ok(false);
         }
@@ -367,7 +471,14 @@ impl PoolSsdIndex {
                 source,
             }
         })?;
-        self.record(key, offset, length, crc)?;
+        let b = PoolBlock {
+            key,
+            offset,
+            length,
+            crc,
+        };
+        insert(&mut self.blocks, b);
+        self.unconfirmed.insert(offset, (b, self.round));
         Ok(true)
     }
 

@@ -104,16 +104,19 @@ impl MasterClient {
     }
 
     /// Announce replicas this node holds in its mounted segment `segment_id` (after a
-    /// restart); one result per item, in order.
+    /// restart); one result per item, in order. `complete`: this is the last batch, and a
+    /// segment mounted persistent may take new replicas from now on.
     pub async fn adopt_replicas(
         &self,
         node: &str,
         segment_id: u32,
         items: &[AdoptItem],
+        complete: bool,
     ) -> Result<Vec<Result<(), ClientError>>, ClientError> {
         let req = proto::AdoptReplicasRequest {
             node: node.to_owned(),
             segment_id,
+            complete,
             items: items
                 .iter()
                 .map(|i| proto::AdoptItem {

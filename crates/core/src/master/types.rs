@@ -74,6 +74,11 @@ pub struct SegmentSpec {
     pub failure_domain: String,
     /// Transport endpoints of the segment (`tcp://host:port`, `rdma://dev/port/gid`...).
     pub endpoints: Vec<String>,
+    /// The segment's contents outlive its agent (a DRAM tier kept in a tmpfs or hugetlbfs
+    /// file): like an SSD segment, it gets the segment-event feed so its agent keeps a durable
+    /// index, and its replicas are adopted again after a restart. SSD segments always are.
+    #[serde(default)]
+    pub persistent: bool,
 }
 
 /// How the replicas of one object are spread.

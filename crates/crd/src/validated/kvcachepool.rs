@@ -80,6 +80,8 @@ impl ValidatedKVCachePool {
             _ => {}
         }
 
+        let persistence =
+            crate::persistence::validate_persistence(dram.persistence.as_ref(), dram.hugepages)?;
         let ssd = match &spec.ssd {
             None => None,
             Some(ssd) => {
@@ -273,6 +275,7 @@ impl ValidatedKVCachePool {
                 capacity,
                 hugepages: dram.hugepages,
                 numa_policy: dram.numa_policy,
+                persistence,
             },
             ssd,
             transport,

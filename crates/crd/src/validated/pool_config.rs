@@ -42,6 +42,9 @@ pub struct DramConfig {
     pub hugepages: Hugepages,
     /// NUMA placement.
     pub numa_policy: NumaPolicy,
+    /// Files that keep the tier across agent restarts; absent: anonymous memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistence: Option<crate::DramPersistenceConfig>,
 }
 
 /// Effective SSD tier.

@@ -61,7 +61,7 @@ pub(super) async fn adopt_replicas(
         })
         .collect::<Result<Vec<_>, Status>>()?;
     let results = core
-        .mutate(|st| st.adopt(&req.node, req.segment_id, &items))
+        .mutate(|st| st.adopt(&req.node, req.segment_id, &items, req.complete))
         .await?
         .map_err(|e| proto::status_of(&e))?;
     let adopted = results.iter().filter(|r| r.is_ok()).count();

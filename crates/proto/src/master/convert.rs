@@ -69,6 +69,7 @@ impl From<&t::SegmentSpec> for Segment {
             numa_node: s.numa_node,
             failure_domain: s.failure_domain.clone(),
             endpoints: s.endpoints.clone(),
+            persistent: s.persistent,
         }
     }
 }
@@ -83,6 +84,7 @@ impl Segment {
             numa_node: self.numa_node,
             failure_domain: self.failure_domain.clone(),
             endpoints: self.endpoints.clone(),
+            persistent: self.persistent,
         })
     }
 }

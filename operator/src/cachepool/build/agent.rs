@@ -137,6 +137,16 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
         // both places.
         mounts.push(mount("ssd", &ssd.host_path, false));
     }
+    if let Some(p) = &pool.effective.dram.persistence {
+        // The DRAM tier's files (tmpfs or hugetlbfs on the node) outlive the pod: a restarted
+        // or upgraded agent finds its blocks there. Same paths inside as on the node.
+        volumes.push(pod::host_dir_volume("dram-tier", &p.host_path));
+        mounts.push(mount("dram-tier", &p.host_path, false));
+        if p.index_host_path != p.host_path {
+            volumes.push(pod::host_dir_volume("dram-index", &p.index_host_path));
+            mounts.push(mount("dram-index", &p.index_host_path, false));
+        }
+    }
     if let Some(size) = hugepages_resource(pool.effective.dram.hugepages) {
         let medium = size.trim_start_matches("hugepages-");
         volumes.push(Volume {

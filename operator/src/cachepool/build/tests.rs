@@ -746,3 +746,57 @@ fn every_added_capability_is_justified_in_docs_images_md() {
         .expect("capabilities");
     assert_eq!(caps.add.unwrap_or_default(), AGENT_CAPABILITIES);
 }
+
+#[test]
+fn a_persistent_dram_tier_mounts_its_host_directories() {
+    let mut spec = tcp();
+    spec.spec.dram.persistence = Some(kvpool_crd::DramPersistenceSpec {
+        mode: kvpool_crd::PersistenceMode::Tmpfs,
+        host_path: Some("/dev/shm/kvpool".into()),
+        index_host_path: None,
+    });
+    let pool = valid(&spec);
+    let children = build(&pool, "00ff").expect("build");
+    let pod = pod(&children.agent);
+    let volumes = pod.volumes.as_ref().expect("volumes");
+    let tier = volumes
+        .iter()
+        .find(|v| v.name == "dram-tier")
+        .and_then(|v| v.host_path.as_ref())
+        .expect("dram-tier hostPath");
+    assert_eq!(tier.path, "/dev/shm/kvpool");
+    assert_eq!(tier.type_.as_deref(), Some("DirectoryOrCreate"));
+    assert!(
+        !volumes.iter().any(|v| v.name == "dram-index"),
+        "the index shares the tier's directory"
+    );
+    let c = &pod.containers[0];
+    assert!(
+        c.volume_mounts
+            .as_ref()
+            .expect("mounts")
+            .iter()
+            .any(|m| m.name == "dram-tier"
+                && m.mount_path == "/dev/shm/kvpool"
+                && m.read_only != Some(true))
+    );
+    // The agent's document carries it.
+    assert_eq!(
+        pool.effective
+            .dram
+            .persistence
+            .as_ref()
+            .map(|p| p.host_path.as_str()),
+        Some("/dev/shm/kvpool")
+    );
+    // Without it, no such volume.
+    let plain = build(&valid(&tcp()), "00ff").expect("build");
+    assert!(
+        !self::pod(&plain.agent)
+            .volumes
+            .as_ref()
+            .expect("volumes")
+            .iter()
+            .any(|v| v.name.starts_with("dram-"))
+    );
+}

@@ -87,7 +87,7 @@ impl MasterState {
             .into_iter()
             .find_map(|sid| {
                 let seg = self.segments.get_mut(&sid)?;
-                if seg.spec.tier != Tier::Ssd {
+                if seg.spec.tier != Tier::Ssd || seg.sealed {
                     return None;
                 }
                 seg.alloc.allocate(pages).map(|page| Rep { seg: sid, page })

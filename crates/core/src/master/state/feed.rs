@@ -1,12 +1,12 @@
 //! The segment-event feed (issue 4): each node's agent learns, in order, which replicas were
-//! committed to and freed from its SSD segments, acknowledges them on its next heartbeat, and
+//! committed to and freed from its SSD segments and persistent DRAM segments ([`fed`]), acknowledges them on its next heartbeat, and
 //! gets a full snapshot after a failover or an overflow; its corrupt-block reports drop
 //! replicas. Pure; the heartbeat RPC carries the events.
 
 use super::{LIVE, MasterError, MasterState, PENDING, Rep};
 use crate::master::alloc::PAGE_BYTES;
 use crate::master::types::{
-    CorruptBlock, HeartbeatReply, ObjectKey, SegmentEvent, SegmentEventKind, Tier,
+    CorruptBlock, HeartbeatReply, ObjectKey, SegmentEvent, SegmentEventKind, SegmentSpec, Tier,
 };
 
 /// Events kept per node before the feed gives up and resynchronises with a snapshot.
@@ -14,18 +14,25 @@ pub const FEED_CAP: usize = 1 << 16;
 /// Events sent per heartbeat answer at most.
 pub const FEED_BATCH: usize = 4096;
 
+/// Whether a segment gets the feed: its agent keeps a durable index of what it holds (every SSD
+/// segment, and a DRAM segment whose memory outlives the agent). Pure.
+pub fn fed(spec: &SegmentSpec) -> bool {
+    spec.tier == Tier::Ssd || spec.persistent
+}
+
 impl MasterState {
     /// This instance's feed epoch (never 0).
     pub fn feed_epoch(&self) -> u64 {
         self.feed_epoch
     }
 
-    /// Queue `kind` for the agent of the SSD segment `r` lives in (DRAM segments have no feed).
+    /// Queue `kind` for the agent of the segment `r` lives in, when that segment has a feed
+    /// ([`fed`]: SSD and persistent DRAM segments).
     fn feed_push(&mut self, r: Rep, kind: SegmentEventKind, key: ObjectKey, length: u64) {
         let Some(seg) = self.segments.get(&r.seg) else {
             return;
         };
-        if seg.spec.tier != Tier::Ssd {
+        if !fed(&seg.spec) {
             return;
         }
         let Some(ns) = self.nodes.get_mut(seg.node as usize) else {
@@ -60,7 +67,7 @@ impl MasterState {
         self.feed_push(r, SegmentEventKind::Free, key, 0);
     }
 
-    /// Replace node `n`'s feed by a snapshot of its SSD segments: RESET, one COMMIT per
+    /// Replace node `n`'s feed by a snapshot of its fed segments: RESET, one COMMIT per
     /// committed replica, RESET_DONE, per segment.
     fn feed_snapshot(&mut self, n: u32) {
         let Some(ns) = self.nodes.get_mut(n as usize) else {
@@ -72,11 +79,7 @@ impl MasterState {
             .segments
             .iter()
             .copied()
-            .filter(|s| {
-                self.segments
-                    .get(s)
-                    .is_some_and(|g| g.spec.tier == Tier::Ssd)
-            })
+            .filter(|s| self.segments.get(s).is_some_and(|g| fed(&g.spec)))
             .collect();
         let none = ObjectKey { hi: 0, lo: 0 };
         for seg in ssd {

@@ -34,7 +34,7 @@ pub use super::types::{
     SegmentEventKind, TransportState,
 };
 pub use events::{POOL_EVENTS_CAP, PoolEvent, PoolEventsDrain};
-pub use feed::{FEED_BATCH, FEED_CAP};
+pub use feed::{FEED_BATCH, FEED_CAP, fed};
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -172,6 +172,21 @@ struct Segment {
     spec: SegmentSpec,
     node: u32,
     alloc: ExtentAllocator,
+    /// A persistent segment just mounted: nothing is placed in it until its agent has
+    /// announced what it holds (`adopt` with `complete`), so that no new replica is written
+    /// over a block that is about to be adopted.
+    sealed: bool,
+}
+
+impl Segment {
+    fn new(spec: SegmentSpec, node: u32, alloc: ExtentAllocator, sealed: bool) -> Self {
+        Self {
+            spec,
+            node,
+            alloc,
+            sealed,
+        }
+    }
 }
 
 #[derive(Debug)]

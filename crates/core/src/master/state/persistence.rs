@@ -142,7 +142,9 @@ impl MasterState {
             self.capacity_pages[spec.tier.index()] += alloc.capacity_bytes() / PAGE_BYTES;
             self.nodes[node as usize].segments.push(id);
             self.next_segment = self.next_segment.max(id + 1);
-            self.segments.insert(id, Segment { spec, node, alloc });
+            // Restored after a failover: its agent adopted long ago (or will remount).
+            self.segments
+                .insert(id, Segment::new(spec, node, alloc, false));
         }
         for rec in objects {
             if self.find(&rec.key).is_some() {

@@ -42,6 +42,7 @@ impl MasterState {
                 let ns = &self.nodes[seg.node as usize];
                 if seg.spec.tier != tier
                     || !ns.alive
+                    || seg.sealed
                     || seg.alloc.largest_free_pages() < pages
                     || used_nodes.contains(&seg.node)
                 {

@@ -59,7 +59,9 @@ impl MasterState {
         ns.failure_domain = spec.failure_domain.clone();
         ns.segments.push(id);
         self.log(JournalOp::PutSegment(id, spec.clone()));
-        self.segments.insert(id, Segment { spec, node, alloc });
+        let sealed = spec.persistent;
+        self.segments
+            .insert(id, Segment::new(spec, node, alloc, sealed));
         Ok(id)
     }
 
@@ -87,12 +89,15 @@ impl MasterState {
     /// allocated on them. One result per item, in order; a refused item (bad bounds or
     /// alignment, overlap with used space, size mismatch, a put in progress, a replica already
     /// on this segment) changes nothing. Fails as a whole only when the segment is not this
-    /// node's.
+    /// node's. A persistent segment (`SegmentSpec::persistent`) is sealed from its mount until
+    /// a call with `complete` (the agent's last batch, possibly empty): until then nothing else
+    /// is placed in it, so no new replica can overwrite a block that is still to be adopted.
     pub fn adopt(
         &mut self,
         node: &str,
         segment: u32,
         items: &[AdoptItem],
+        complete: bool,
     ) -> Result<Vec<Result<(), MasterError>>, MasterError> {
         let owned = self
             .node_ids
@@ -105,10 +110,19 @@ impl MasterState {
                 id: segment,
             });
         }
-        Ok(items
+        let results = items
             .iter()
             .map(|item| self.adopt_one(segment, item))
-            .collect())
+            .collect();
+        if complete && let Some(s) = self.segments.get_mut(&segment) {
+            s.sealed = false;
+        }
+        Ok(results)
+    }
+
+    /// Whether segment `id` is sealed (mounted persistent, its adoption not complete yet).
+    pub fn sealed(&self, id: u32) -> bool {
+        self.segments.get(&id).is_some_and(|s| s.sealed)
     }
 
     fn adopt_one(&mut self, seg_id: u32, item: &AdoptItem) -> Result<(), MasterError> {

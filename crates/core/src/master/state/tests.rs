@@ -21,6 +21,7 @@ fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
         numa_node: 0,
         failure_domain: String::new(),
         endpoints: vec![format!("tcp://{node}:1")],
+        persistent: false,
     }
 }
 
@@ -1121,6 +1122,7 @@ fn adopting_into_an_empty_master_creates_committed_ssd_objects() {
                 adopt_item(key(1), 0, 5000),
                 adopt_item(key(2), 2 * PAGE_BYTES, MIB),
             ],
+            true,
         )
         .expect("adopt");
     assert_eq!(results, vec![Ok(()), Ok(())]);
@@ -1153,7 +1155,7 @@ fn adopting_a_known_key_adds_a_replica_next_to_its_dram_copy() {
         .expect("ssd");
     put(&mut m, key(1), MIB, &opts(1));
     let r = m
-        .adopt("b", ssd, &[adopt_item(key(1), 0, MIB)])
+        .adopt("b", ssd, &[adopt_item(key(1), 0, MIB)], true)
         .expect("adopt");
     assert_eq!(r, vec![Ok(())]);
     let mut tiers = m.replica_tiers(&key(1)).expect("tiers");
@@ -1162,7 +1164,7 @@ fn adopting_a_known_key_adds_a_replica_next_to_its_dram_copy() {
     assert_eq!(m.stats().objects, 1);
     // The same replica announced twice is refused and changes nothing.
     let again = m
-        .adopt("b", ssd, &[adopt_item(key(1), 4 * MIB, MIB)])
+        .adopt("b", ssd, &[adopt_item(key(1), 4 * MIB, MIB)], true)
         .expect("adopt");
     assert!(matches!(again[0], Err(MasterError::InvalidArgument(_))));
     assert_eq!(m.stats().used_bytes[1], MIB);
@@ -1195,6 +1197,7 @@ fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
                 // Offset overflow.
                 adopt_item(key(15), u64::MAX - PAGE_BYTES + 1, PAGE_BYTES),
             ],
+            true,
         )
         .expect("adopt");
     assert_eq!(r[0], Ok(()));
@@ -1226,11 +1229,11 @@ fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
     // Another node's segment, or an unknown one, fails the whole call.
     m.mount(spec("b", "ssd0", Tier::Ssd, 4 * MIB)).expect("b");
     assert!(matches!(
-        m.adopt("b", ssd, &[adopt_item(key(20), 2 * MIB, 10)]),
+        m.adopt("b", ssd, &[adopt_item(key(20), 2 * MIB, 10)], true),
         Err(MasterError::UnknownSegment { .. })
     ));
     assert!(matches!(
-        m.adopt("a", 999, &[]),
+        m.adopt("a", 999, &[], true),
         Err(MasterError::UnknownSegment { .. })
     ));
     check_invariants(&m);
@@ -1250,14 +1253,14 @@ fn adopted_replicas_are_freed_by_remove_and_eviction() {
         .mount(spec("a", "ssd0", Tier::Ssd, 10 * MIB))
         .expect("ssd");
     let items: Vec<AdoptItem> = (0..9).map(|i| adopt_item(key(i), i * MIB, MIB)).collect();
-    let r = m.adopt("a", ssd, &items).expect("adopt");
+    let r = m.adopt("a", ssd, &items, true).expect("adopt");
     assert!(r.iter().all(Result::is_ok));
     assert_eq!(m.stats().used_bytes[1], 9 * MIB);
     m.remove(key(0)).expect("remove");
     assert_eq!(m.stats().used_bytes[1], 8 * MIB);
     // The freed bytes can be adopted (or allocated) again.
     let r = m
-        .adopt("a", ssd, &[adopt_item(key(100), 0, MIB)])
+        .adopt("a", ssd, &[adopt_item(key(100), 0, MIB)], true)
         .expect("adopt");
     assert_eq!(r, vec![Ok(())]);
     // Going over the high watermark evicts adopted objects like any other.
@@ -1281,7 +1284,7 @@ fn adopted_objects_reach_the_journal() {
     m.enable_journal();
     let ssd = m.mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB)).expect("ssd");
     m.take_journal();
-    m.adopt("a", ssd, &[adopt_item(key(1), PAGE_BYTES, 10)])
+    m.adopt("a", ssd, &[adopt_item(key(1), PAGE_BYTES, 10)], true)
         .expect("adopt");
     let ops = m.take_journal();
     assert_eq!(

@@ -205,3 +205,53 @@ fn a_corrupt_block_report_drops_that_replica_only() {
     .expect("hb");
     assert_eq!(m.exists(&[key(1)]), vec![false]);
 }
+
+#[test]
+fn a_persistent_dram_segment_gets_the_feed_and_is_sealed_until_its_adoption_completes() {
+    let (mut m, _clock) = master(MasterConfig::default());
+    let dram = m
+        .mount(SegmentSpec {
+            persistent: true,
+            ..spec("a", "dram0", Tier::Dram, 8 * MIB)
+        })
+        .expect("mount");
+    assert!(m.sealed(dram));
+    // Nothing is placed in it while its agent has not announced what it holds.
+    assert!(m.put_start(key(1), 5000, &PutOptions::default()).is_err());
+    let r = m
+        .adopt("a", dram, &[adopt_item(key(2), 0, 5000)], false)
+        .expect("adopt");
+    assert_eq!(r, vec![Ok(())]);
+    assert!(m.sealed(dram), "more batches may follow");
+    m.adopt("a", dram, &[], true).expect("last batch");
+    assert!(!m.sealed(dram));
+    // Now puts land there, next to the adopted block, and their commits and frees reach the
+    // agent's feed like an SSD segment's.
+    let reps = put(&mut m, key(1), 5000, &PutOptions::default());
+    assert_eq!(reps[0].segment, "dram0");
+    assert_ne!(reps[0].offset, 0, "not over the adopted block");
+    m.remove(key(2)).expect("remove");
+    let r = m.heartbeat_feed("a", 0, 0, &[]).expect("hb");
+    assert_eq!(
+        view(&r.events),
+        vec![
+            (SegmentEventKind::Commit, key(1), reps[0].offset, 5000),
+            (SegmentEventKind::Free, key(2), 0, 0),
+        ]
+    );
+    assert!(r.events.iter().all(|e| e.segment_id == dram));
+    // A DRAM segment mounted without persistence has neither the seal nor the feed.
+    let plain = mount(&mut m, "b", "dram0", Tier::Dram, 8 * MIB);
+    assert!(!m.sealed(plain));
+    put(
+        &mut m,
+        key(3),
+        5000,
+        &PutOptions {
+            writer_node: Some("b".into()),
+            ..PutOptions::default()
+        },
+    );
+    let r = m.heartbeat_feed("b", 0, 0, &[]).expect("hb");
+    assert!(r.events.is_empty());
+}
