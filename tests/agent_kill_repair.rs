@@ -1,0 +1,158 @@
+//! Two agent failures in a row, with real processes on 127.0.0.1: one `kvpool master` and four
+//! `kvpool agent run` processes in pool mode; this test is the client (its own transfer
+//! engine). Objects are put with two replicas. One agent is SIGKILLed: the master declares it
+//! dead after its heartbeat timeout and repairs every object that lost a replica onto another
+//! agent, back to two replicas (asserted from the master's `Stats` and from each object's
+//! replica list). Then a second agent is SIGKILLed: every object still had two replicas, so none
+//! is lost; the master repairs again onto the two agents left, and every object reads back
+//! byte-exact. The time from each kill to full replication is printed as a `figure:` line
+//! (docs/reliability.md).
+
+mod pool_support;
+
+use std::time::{Duration, Instant};
+
+use kvpool_client::master::MasterClient;
+use kvpool_client::pool::PoolClient;
+use kvpool_core::master::PutOptions;
+use kvpool_harness::ChildProcess;
+use pool_support::*;
+
+const OBJECTS: u64 = 60;
+
+fn value(id: u64) -> Vec<u8> {
+    let len = 16 * 1024 + (id * 7919 % 12) as usize * 4096 + (id % 7) as usize;
+    kvpool_harness::bytes::pseudo_random(id ^ 0x2e9a, len)
+}
+
+fn key(id: u64) -> Vec<u8> {
+    format!("agent-kill-repair/{id}").into_bytes()
+}
+
+/// The nodes holding each object's replicas, asking the master (leases released at once).
+async fn replica_nodes(client: &MasterClient) -> Vec<Vec<String>> {
+    let mut all = Vec::new();
+    for id in 0..OBJECTS {
+        let located = client
+            .get(&key(id))
+            .await
+            .unwrap_or_else(|e| panic!("object {id} lost: {e:#}"));
+        all.push(located.replicas.iter().map(|r| r.node.clone()).collect());
+        client
+            .release_lease(located.lease_id)
+            .await
+            .expect("release");
+    }
+    all
+}
+
+/// Kill `victim` (named `name`), then wait until the master has declared it dead and every
+/// object is back to two replicas on the agents left. Returns (time to the death being
+/// noticed, time to full replication), both from the kill.
+async fn kill_and_repair(
+    client: &MasterClient,
+    victim: &mut ChildProcess,
+    name: &str,
+    alive_after: u64,
+    others: &mut [&mut ChildProcess],
+) -> (Duration, Duration) {
+    let killed = Instant::now();
+    victim.kill().expect("SIGKILL");
+    wait_stats(client, "the death noticed", others, |s| {
+        s.nodes_alive == alive_after
+    })
+    .await;
+    let noticed = killed.elapsed();
+    let stats = wait_stats(client, "repaired to two replicas", others, |s| {
+        s.under_replicated == 0 && s.tasks == 0
+    })
+    .await;
+    let repaired = killed.elapsed();
+    assert_eq!(stats.objects, OBJECTS, "no object lost");
+    // The master's per-object view agrees with its counters.
+    for (id, nodes) in replica_nodes(client).await.iter().enumerate() {
+        assert_eq!(nodes.len(), 2, "object {id} has replicas on {nodes:?}");
+        assert_ne!(nodes[0], nodes[1], "object {id}: both replicas on one node");
+        assert!(
+            nodes.iter().all(|n| n != name),
+            "object {id} still on the dead {name}"
+        );
+    }
+    (noticed, repaired)
+}
+
+async fn read_all(pool: &PoolClient) {
+    for id in 0..OBJECTS {
+        let got = pool
+            .get(&key(id))
+            .await
+            .unwrap_or_else(|e| panic!("object {id} unreadable: {e:#}"));
+        assert!(got == value(id), "object {id} bytes differ");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_recovers_after_a_second_agent_failure() {
+    let (dir, key_file, mut master, grpc) = test_pool("2s");
+    let logs = dir.path();
+    let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "32MiB");
+    let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "32MiB");
+    let (mut c, _) = start_agent(logs, "agent-c", grpc, &key_file, "32MiB");
+    let (mut d, _) = start_agent(logs, "agent-d", grpc, &key_file, "32MiB");
+    let client = master_client(grpc, KEY);
+    wait_stats(
+        &client,
+        "four agents mounted",
+        &mut [&mut master, &mut a, &mut b, &mut c, &mut d],
+        |s| s.nodes_alive == 4 && s.segments >= 4,
+    )
+    .await;
+    let pool = pool_client(grpc, KEY, "test-client", |c| c.prefer_shm = false);
+    let opts = PutOptions {
+        replicas: 2,
+        ..PutOptions::default()
+    };
+    for id in 0..OBJECTS {
+        pool.put(&key(id), &value(id), &opts).await.expect("put");
+    }
+    let before = replica_nodes(&client).await;
+    assert!(before.iter().all(|n| n.len() == 2), "{before:?}");
+    let on = |nodes: &[Vec<String>], name: &str| {
+        nodes.iter().filter(|n| n.iter().any(|x| x == name)).count()
+    };
+    let hit_b = on(&before, "agent-b");
+    assert!(hit_b > 0, "agent-b holds replicas: {before:?}");
+
+    let (noticed_1, repaired_1) = kill_and_repair(
+        &client,
+        &mut b,
+        "agent-b",
+        3,
+        &mut [&mut master, &mut a, &mut c, &mut d],
+    )
+    .await;
+    read_all(&pool).await;
+    let after_1 = replica_nodes(&client).await;
+    let hit_c = on(&after_1, "agent-c");
+    assert!(
+        hit_c > 0,
+        "agent-c holds replicas after the repair: {after_1:?}"
+    );
+
+    let (noticed_2, repaired_2) = kill_and_repair(
+        &client,
+        &mut c,
+        "agent-c",
+        2,
+        &mut [&mut master, &mut a, &mut d],
+    )
+    .await;
+    read_all(&pool).await;
+    println!(
+        "figure: {OBJECTS} objects with 2 replicas on 4 agents (heartbeat timeout 2 s): agent-b \
+         killed ({hit_b} objects lost a replica), noticed after {noticed_1:?}, 2 replicas again \
+         after {repaired_1:?}; then agent-c killed ({hit_c} objects lost a replica), noticed \
+         after {noticed_2:?}, 2 replicas again after {repaired_2:?}; 0 objects lost, 0 wrong \
+         bytes"
+    );
+}
