@@ -36,6 +36,7 @@ mod segments;
 mod tasks;
 
 pub use self::core::{Core, PersistBatch, Role};
+pub use self::fast::dispatch as dispatch_fast_call;
 pub use self::limits::{ConnLimits, MarkingVerifier};
 
 /// Errors of running the service.
