@@ -10,6 +10,8 @@
 #                                         time; prints a table row per target (the long runs
 #                                         recorded in docs/reliability.md)
 #   scripts/fuzz.sh --seconds S [TARGET...]
+#   --jobs N                              run N targets at a time (--ci: 2)
+#   KVPOOL_FUZZ_MAX_SECONDS=S             with --runs: stop a target after S seconds anyway
 #
 # A crash (panic, failed assertion, timeout, out of memory) fails the script; the log names
 # the reproducer file, which `cargo fuzz run -s none TARGET FILE` replays. Needs cargo-fuzz
@@ -26,7 +28,8 @@ while (($#)); do
     --ci) mode=seconds amount="${KVPOOL_FUZZ_SECONDS:-10}" jobs=2 ;;
     --runs) mode=runs amount="${2:?--runs needs a count}"; shift ;;
     --seconds) mode=seconds amount="${2:?--seconds needs a duration}"; shift ;;
-    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
+    --jobs) jobs="${2:?--jobs needs a count}"; shift ;;
+    -h | --help) sed -n '2,19p' "$0"; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) targets+=("$1") ;;
   esac
@@ -56,11 +59,16 @@ artifacts="${KVPOOL_FUZZ_ARTIFACTS:-$target_dir/artifacts}"
 
 # Run one target; its log goes to $work/<target>.log, its crash inputs to $artifacts/<target>/.
 run_one() {
-  local t="$1" limit
+  local t="$1"
   mkdir -p "$work/corpus/$t" "$artifacts/$t"
-  if [ "$mode" = runs ]; then limit="-runs=$amount"; else limit="-max_total_time=$amount"; fi
-  "$target_dir/$triple/release/$t" "$work/corpus/$t" "fuzz/corpus/$t" \
-    "$limit" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+  local limit=(-max_total_time="$amount") seeds=()
+  if [ "$mode" = runs ]; then
+    limit=(-runs="$amount")
+    [ -z "${KVPOOL_FUZZ_MAX_SECONDS:-}" ] || limit+=(-max_total_time="$KVPOOL_FUZZ_MAX_SECONDS")
+  fi
+  [ ! -d "fuzz/corpus/$t" ] || seeds=("fuzz/corpus/$t")
+  "$target_dir/$triple/release/$t" "$work/corpus/$t" "${seeds[@]}" \
+    "${limit[@]}" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="$artifacts/$t/" >"$work/$t.log" 2>&1
 }
 

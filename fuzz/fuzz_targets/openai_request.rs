@@ -31,7 +31,11 @@ fuzz_target!(|data: &[u8]| {
                 }
                 Err(e) => assert!((400..500).contains(&e.status()), "{e:?}"),
             }
-            assert_eq!(serde_json::Value::Object(obj), original, "the body was changed");
+            assert_eq!(
+                serde_json::Value::Object(obj),
+                original,
+                "the body was changed"
+            );
         }
         Err(e) => assert_eq!(e.status(), 400, "{e:?}"),
     }

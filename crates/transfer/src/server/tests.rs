@@ -1,11 +1,11 @@
 //! Tests of the target side's session against in-memory streams: hostile request streams
 //! (property tests), bad offsets and handles, RDMA_CONNECT without RDMA, and the handshake.
 
+use super::memory_target::MemStream;
 use super::*;
 use crate::frame::{HEADER_LEN, MAX_CONTROL_PAYLOAD};
 use crate::memory::HostOptions;
 use proptest::prelude::*;
-use super::memory_target::MemStream;
 use std::io::Cursor;
 
 const SEG: u64 = 64 * 1024;
