@@ -206,7 +206,7 @@ fn master_seeds(s: &mut Seeds) {
     valid.extend_from_slice(cred.as_bytes());
     let auth = s.entry("master_auth").or_default();
     auth.insert("valid", valid);
-    let mut malformed = ts.to_le_bytes().to_vec();
+    let mut malformed = 1_700_000_000_000u64.to_le_bytes().to_vec();
     malformed.extend_from_slice(b"v1.1.0123456789abcdef0123456789abcdef.zz");
     auth.insert("malformed", malformed);
 
@@ -298,9 +298,10 @@ fn engine_seeds(s: &mut Seeds) {
 
 fn http_seeds(s: &mut Seeds) {
     let o = s.entry("openai_request").or_default();
-    let completion = br#"{"model":"m","prompt":["a b c",[1,2,3]],"max_tokens":8,"n":2,"stream":true,"kv_transfer_params":{"do_remote_decode":true}}"#;
+    let completion =
+        br#"{"model":"m","prompt":[[1,2,3],[4,5]],"max_tokens":8,"n":2,"stream":true}"#;
     o.insert("completions", [&[0u8][..], completion].concat());
-    let chat = br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_completion_tokens":4,"stream_options":{"include_usage":true}}"#;
+    let chat = br#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}],"max_tokens":4,"stream":true}"#;
     o.insert("chat", [&[1u8][..], chat].concat());
     let prefetch = kvpool_proto::prefetch::prefetch_body(&[1, 0xdead_beef]).to_string();
     o.insert("prefetch", [&[4u8][..], prefetch.as_bytes()].concat());
