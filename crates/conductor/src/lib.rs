@@ -7,7 +7,7 @@
 //! I/O boundary: `server` (listener, HTTP client to the engines, the clock), `discovery` (the
 //! Kubernetes API) and `cli`; `config` (settings), `engines` (the engine set and its routing
 //! conventions), `fetch_estimate` (the learnt pool bandwidth), `prefill_costs` (the prefill cost models, fitted
-//! from measured prefills), `request` (the OpenAI request layer: a body parsed once, forwarded as it came), `stream_tokens` (tokens counted in the decode responses) and `state` (the bookkeeping
+//! from measured prefills), `request` (the OpenAI request layer: a body parsed once, forwarded as it came), `stream_tokens` (tokens counted in the decode responses, from `kvpool_proto`) and `state` (the bookkeeping
 //! between the policy and the engines) are pure, and so are `tokenize` and `chat` once their files are read.
 
 pub mod blocks;
@@ -22,7 +22,7 @@ mod prefill_costs;
 pub mod request;
 pub mod server;
 mod state;
-pub mod stream_tokens;
+pub use kvpool_proto::stream_tokens;
 pub mod tokenize;
 
 pub use config::{ConductorConfig, KvEventSource, PoolLookup, UpstreamPool};

@@ -12,7 +12,8 @@
 //!   number), which engines publish and the conductor consumes.
 //! - `openai`: the OpenAI-compatible HTTP requests and responses that the conductor and the
 //!   engines exchange, with kvpool's headers; `openai_bodies` the response bodies and ids;
-//!   `prefetch` kvpool's own prefetch endpoint between them.
+//!   `prefetch` kvpool's own prefetch endpoint between them; `stream_tokens` the generated
+//!   tokens counted in an engine's response (SSE events or a JSON body's usage).
 //!
 //! gRPC server stubs are compiled only with the `server` feature, so clients link no server code.
 
@@ -24,3 +25,4 @@ pub mod master;
 pub mod openai;
 pub mod openai_bodies;
 pub mod prefetch;
+pub mod stream_tokens;

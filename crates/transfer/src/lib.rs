@@ -44,5 +44,6 @@ pub use memory::{HostOptions, MemoryError, Segment};
 pub use metrics::TransferMetrics;
 pub use rdma::select::NicPolicy;
 pub use rdma::{RdmaError, RdmaProvider};
-pub use server::{Notification, TcpServer};
+pub use server::{MemoryTarget, Notification, Served, TcpServer};
 pub use shm::ShmServer;
+pub use tcp::{ExpectedReply, ReplyOutcome, ReplyReader};

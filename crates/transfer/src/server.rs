@@ -506,9 +506,11 @@ impl Drop for TcpServer {
 }
 
 mod accept;
+mod memory_target;
 mod vectored;
 
 pub(crate) use accept::AdmissionLimits;
+pub use memory_target::{MemoryTarget, Served};
 
 #[cfg(test)]
 mod tests;

@@ -95,13 +95,24 @@ pub(super) fn read(dir: &Path, recovery: &mut Recovery) -> Result<Replayed, SsdE
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(source) => return Err(read_err(source)),
     };
+    parse(&path, &bytes, recovery)
+}
+
+/// Replay the bytes of the index file at `path` (named in errors and warnings), noting a
+/// damaged tail in `recovery`. Pure.
+pub(super) fn parse(
+    path: &Path,
+    bytes: &[u8],
+    recovery: &mut Recovery,
+) -> Result<Replayed, SsdError> {
+    let path = path.to_owned();
     if bytes.is_empty() {
         return Ok(Replayed {
             valid_len: Some(0),
             ..Replayed::default()
         });
     }
-    let version = match log::read_header(&bytes, MAGIC) {
+    let version = match log::read_header(bytes, MAGIC) {
         Header::Version(v) if v != 0 && v <= INDEX_VERSION => v,
         Header::Version(found) => return Err(SsdError::UnsupportedVersion { path, found }),
         Header::Foreign | Header::Short => return Err(SsdError::BadMagic { path }),

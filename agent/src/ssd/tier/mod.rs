@@ -136,6 +136,46 @@ pub struct SsdUsage {
     pub blocks: u64,
 }
 
+/// The replayed entries that a tier of `capacity` bytes with a data file of `data_len` bytes
+/// keeps (aligned, inside the capacity, not overlapping, not past the end of the data file),
+/// and the space they hold; each dropped one is a warning in `recovery`. Pure.
+fn admit(
+    replayed: &mut index::Replayed,
+    capacity: u64,
+    data_len: u64,
+    recovery: &mut Recovery,
+) -> (HashMap<Vec<u8>, Entry>, ExtentAllocator) {
+    recovery.version_found = replayed.version;
+    let mut space = ExtentAllocator::new(capacity / ALIGN * ALIGN);
+    let mut live = HashMap::new();
+    // Replay order does not matter any more: `entries` holds the last word per key.
+    let mut sorted: Vec<(Vec<u8>, Entry)> =
+        std::mem::take(&mut replayed.entries).into_iter().collect();
+    sorted.sort_by_key(|(_, e)| e.offset);
+    for (key, e) in sorted {
+        if !e.offset.is_multiple_of(ALIGN) || !space.reserve(e.offset, padded(e.len)) {
+            recovery.warnings.push(format!(
+                "index entry at offset {} ({} bytes) lies outside the capacity or overlaps \
+                 another; dropped",
+                e.offset, e.len
+            ));
+            continue;
+        }
+        if e.offset + e.len > data_len {
+            space.free(e.offset, padded(e.len));
+            recovery.warnings.push(format!(
+                "block at offset {} is past the end of {DATA_FILE} (truncated); dropped",
+                e.offset
+            ));
+            continue;
+        }
+        recovery.blocks += 1;
+        recovery.bytes += e.len;
+        live.insert(key, e);
+    }
+    (live, space)
+}
+
 /// The SSD tier.
 pub struct SsdTier {
     dir: PathBuf,
@@ -190,35 +230,9 @@ impl SsdTier {
         };
         let data_len = data.metadata().map_err(open_err)?.len();
 
-        let replayed = index::read(&cfg.dir, &mut recovery)?;
-        recovery.version_found = replayed.version;
+        let mut replayed = index::read(&cfg.dir, &mut recovery)?;
         let indexed = replayed.entries.len() as u64;
-        let mut space = ExtentAllocator::new(cfg.capacity / ALIGN * ALIGN);
-        let mut live = HashMap::new();
-        // Replay order does not matter any more: `entries` holds the last word per key.
-        let mut sorted: Vec<(Vec<u8>, Entry)> = replayed.entries.into_iter().collect();
-        sorted.sort_by_key(|(_, e)| e.offset);
-        for (key, e) in sorted {
-            if !e.offset.is_multiple_of(ALIGN) || !space.reserve(e.offset, padded(e.len)) {
-                recovery.warnings.push(format!(
-                    "index entry at offset {} ({} bytes) lies outside the capacity or overlaps \
-                     another; dropped",
-                    e.offset, e.len
-                ));
-                continue;
-            }
-            if e.offset + e.len > data_len {
-                space.free(e.offset, padded(e.len));
-                recovery.warnings.push(format!(
-                    "block at offset {} is past the end of {DATA_FILE} (truncated); dropped",
-                    e.offset
-                ));
-                continue;
-            }
-            recovery.blocks += 1;
-            recovery.bytes += e.len;
-            live.insert(key, e);
-        }
+        let (live, space) = admit(&mut replayed, cfg.capacity, data_len, &mut recovery);
 
         let mut tier = Self {
             dir: cfg.dir.clone(),
@@ -244,6 +258,30 @@ impl SsdTier {
                 .map_err(|source| tier.write_index_err(source))?;
         }
         Ok((tier, recovery))
+    }
+
+    /// What opening a tier of `capacity` bytes would recover from the index file `bytes`
+    /// with a data file of `data_len` bytes: the index replayed and its entries checked as
+    /// [`SsdTier::open`] does, without touching a file (the fuzz target `ssd_index`).
+    pub fn recover_index(
+        bytes: &[u8],
+        capacity: u64,
+        data_len: u64,
+    ) -> Result<(Recovery, SsdUsage), SsdError> {
+        let mut recovery = Recovery::default();
+        let mut replayed = index::parse(
+            std::path::Path::new(index::INDEX_FILE),
+            bytes,
+            &mut recovery,
+        )?;
+        let (live, space) = admit(&mut replayed, capacity, data_len, &mut recovery);
+        let usage = SsdUsage {
+            capacity: space.capacity(),
+            used: space.capacity() - space.free_bytes(),
+            free: space.free_bytes(),
+            blocks: live.len() as u64,
+        };
+        Ok((recovery, usage))
     }
 
     /// Whether O_DIRECT is in use.

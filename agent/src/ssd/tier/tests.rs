@@ -103,3 +103,39 @@ fn unknown_future_version_is_refused() {
     let err = open(dir.path(), 1 << 20).expect_err("refused");
     assert_eq!(err.category(), "bad_magic");
 }
+
+#[test]
+fn recover_index_finds_what_opening_the_tier_finds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut t, _) = open(dir.path(), 64 * ALIGN).expect("open");
+    for (i, len) in [100usize, 5000, 1].into_iter().enumerate() {
+        t.put(format!("k{i}").as_bytes(), &block(7, len), len as u64)
+            .expect("put");
+    }
+    t.remove(b"k1").expect("remove");
+    let bytes = std::fs::read(dir.path().join(INDEX_FILE)).expect("index");
+    let data_len = std::fs::metadata(dir.path().join(DATA_FILE))
+        .expect("data file")
+        .len();
+    let usage = t.usage();
+    drop(t);
+    let (recovered, recovered_usage) =
+        SsdTier::recover_index(&bytes, 64 * ALIGN, data_len).expect("recovers");
+    let (reopened, opened) = open(dir.path(), 64 * ALIGN).expect("reopen");
+    // (Opening may add a warning about O_DIRECT; the index's findings are the same.)
+    assert_eq!(
+        (recovered.blocks, recovered.bytes, recovered.version_found),
+        (opened.blocks, opened.bytes, opened.version_found)
+    );
+    assert_eq!((recovered.blocks, recovered.bytes), (2, 101));
+    assert!(recovered.warnings.is_empty());
+    assert_eq!(recovered_usage, usage);
+    assert_eq!(reopened.usage(), usage);
+    // A short data file drops the blocks past its end, with a warning each.
+    let (short, _) = SsdTier::recover_index(&bytes, 64 * ALIGN, 0).expect("recovers");
+    assert_eq!((short.blocks, short.warnings.len()), (0, 2));
+    assert!(matches!(
+        SsdTier::recover_index(b"not an index", 64 * ALIGN, 0),
+        Err(SsdError::BadMagic { .. })
+    ));
+}

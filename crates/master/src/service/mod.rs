@@ -40,6 +40,7 @@ mod tasks;
 
 pub use self::auth::{MarkingVerifier, WithMethod};
 pub use self::core::{Core, PersistBatch, Role};
+pub use self::fast::dispatch as dispatch_fast_call;
 pub use self::limits::ConnLimits;
 
 /// Errors of running the service.

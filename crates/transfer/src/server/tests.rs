@@ -1,51 +1,12 @@
 //! Tests of the target side's session against in-memory streams: hostile request streams
 //! (property tests), bad offsets and handles, RDMA_CONNECT without RDMA, and the handshake.
 
+use super::memory_target::MemStream;
 use super::*;
 use crate::frame::{HEADER_LEN, MAX_CONTROL_PAYLOAD};
 use crate::memory::HostOptions;
 use proptest::prelude::*;
 use std::io::Cursor;
-
-/// An in-memory connection: scripted input, captured output.
-struct MemStream {
-    input: Cursor<Vec<u8>>,
-    output: Vec<u8>,
-}
-
-impl Read for MemStream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.input.read(buf)
-    }
-}
-
-impl Write for MemStream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.output.extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl DataStream for MemStream {
-    fn recv_into(&mut self, to: Span<'_>) -> io::Result<()> {
-        let mut tmp = vec![0u8; to.len];
-        self.input.read_exact(&mut tmp)?;
-        to.seg
-            .write_at(to.offset, &tmp)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
-    }
-    fn send_from(&mut self, from: Span<'_>) -> io::Result<()> {
-        let mut tmp = vec![0u8; from.len];
-        from.seg
-            .read_at(from.offset, &mut tmp)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        self.output.extend_from_slice(&tmp);
-        Ok(())
-    }
-}
 
 const SEG: u64 = 64 * 1024;
 const MAX: u64 = 1024 * 1024;

@@ -201,7 +201,7 @@ fn run_on(
         }
         for (i, s) in chunk.iter().enumerate() {
             let id = (first + i) as u64 + 1;
-            let result = read_reply(stream, addr, cfg, s, id)?;
+            let result = read_reply(stream, addr, (cfg.max_slice, cfg.spin_wait), s, id)?;
             settle(first + i, result);
         }
     }
@@ -209,26 +209,25 @@ fn run_on(
 }
 
 /// Read the reply to slice `s` (request `id`): the slice's own result, or a connection failure.
-fn read_reply(
-    stream: &mut TcpStream,
+pub(super) fn read_reply<S: io::Read + AsFd>(
+    stream: &mut S,
     addr: std::net::SocketAddr,
-    cfg: &LaneConfig,
+    (max_slice, spin_wait): (u64, std::time::Duration),
     s: &InlineSlice<'_>,
     id: u64,
 ) -> Result<Result<(), Failure>, Failure> {
     // The outer error: the connection is unusable; the inner one: this slice failed.
     let conn = |f: Failure| f;
-    wire::spin_until_readable(stream.as_fd(), cfg.spin_wait);
-    let header =
-        wire::read_header(stream, cfg.max_slice, &mut wire::fail_on_timeout).map_err(|e| {
-            conn(match &e {
-                WireError::Closed => {
-                    Failure::new("peer_closed", format!("{addr} closed the connection"))
-                }
-                WireError::Io(io) if is_timeout(io) => Failure::new("timeout", io.to_string()),
-                other => Failure::from(other),
-            })
-        })?;
+    wire::spin_until_readable(stream.as_fd(), spin_wait);
+    let header = wire::read_header(stream, max_slice, &mut wire::fail_on_timeout).map_err(|e| {
+        conn(match &e {
+            WireError::Closed => {
+                Failure::new("peer_closed", format!("{addr} closed the connection"))
+            }
+            WireError::Io(io) if is_timeout(io) => Failure::new("timeout", io.to_string()),
+            other => Failure::from(other),
+        })
+    })?;
     if header.opcode == Opcode::Error {
         let reason =
             wire::read_control_payload(stream, &header).map_err(|e| conn(Failure::from(&e)))?;

@@ -8,12 +8,14 @@
 //!
 //! Here: the slice (the unit of work) and the lanes' settings; `peer` holds the lanes to one
 //! address, `lane` one connection, its sender and receiver threads and what they share, `dial`
-//! how a connection starts.
+//! how a connection starts, `inline` transfers on the caller's thread, `replies` the inline
+//! reply reading over any descriptor (for fuzzing).
 
 mod dial;
 mod inline;
 mod lane;
 mod peer;
+mod replies;
 
 use std::sync::Arc;
 
@@ -22,6 +24,7 @@ use parking_lot::Mutex;
 pub(crate) use dial::{DialError, Dialer};
 pub(crate) use inline::{InlinePart, InlineSlice};
 pub(crate) use peer::Peer;
+pub use replies::{ExpectedReply, ReplyOutcome, ReplyReader};
 
 use crate::batch::RequestState;
 use crate::error::Failure;

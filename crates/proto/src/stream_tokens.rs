@@ -1,5 +1,5 @@
-//! Counts the tokens a decode engine has generated from its response as it passes through
-//! ([`TokenCounter`]): in a streamed (SSE) response every `data:` event with a choice is one
+//! Counts the tokens a decode engine has generated from its response as it passes through the
+//! conductor ([`TokenCounter`]): in a streamed (SSE) response every `data:` event with a choice is one
 //! token; a whole JSON response says `usage.completion_tokens` at its end. Pure: bytes in,
 //! counts out.
 
