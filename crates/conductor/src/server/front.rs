@@ -21,6 +21,7 @@ use super::engine_set::EngineSet;
 use super::error_bodies::{api_error, body_rejected, method_not_allowed, route_not_found};
 use super::handle::handle;
 use super::members::Members;
+use super::engine_load::EngineLoad;
 use super::metrics::Metrics;
 use super::prefetch::MAX_PREFETCHES_IN_FLIGHT;
 use super::shared::Shared;
@@ -136,6 +137,10 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         feeds: Default::default(),
         models: super::models::ServedModels::new(config_models),
     });
+    let load = EngineLoad::new(Arc::downgrade(&shared)).map_err(ServerError::Metrics)?;
+    registry
+        .register(Box::new(load))
+        .map_err(ServerError::Metrics)?;
     let router = Router::new()
         .route(
             "/v1/completions",
