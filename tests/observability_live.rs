@@ -357,11 +357,15 @@ fn dashboards_rules_and_metrics_reference_hold_against_a_running_pool() {
         .pipe_stdout()
         .spawn("up", &mut up(&up_dir))
         .expect("spawn kvpool up");
-    let ready = pool
-        .take_stdout()
-        .and_then(|out| BufReader::new(out).lines().next())
-        .and_then(Result::ok)
-        .unwrap_or_else(|| panic!("kvpool up printed nothing; log:\n{}", pool.log_text()));
+    // Kept open to the end: `up` must not write into a closed pipe.
+    let mut stdout = BufReader::new(pool.take_stdout().expect("piped stdout"));
+    let mut ready = String::new();
+    stdout.read_line(&mut ready).expect("read the ready line");
+    assert!(
+        !ready.is_empty(),
+        "kvpool up printed nothing; log:\n{}",
+        pool.log_text()
+    );
     let ready: Value = serde_json::from_str(&ready).expect("the ready line is JSON");
     assert_eq!(ready["ready"], true, "{ready}");
     let conductor = socket(ready["conductor"].as_str().expect("conductor"));
@@ -374,7 +378,8 @@ fn dashboards_rules_and_metrics_reference_hold_against_a_running_pool() {
             (name, socket(c["admin"].as_str().expect("admin")))
         })
         .collect();
-    assert_eq!(children.len(), 7, "{ready}");
+    // master, 2 agents, 2 prefill and 2 decode engines, the conductor.
+    assert_eq!(children.len(), 8, "{ready}");
 
     let scrape: Vec<ScrapeTarget> = children
         .iter()
@@ -467,6 +472,7 @@ fn dashboards_rules_and_metrics_reference_hold_against_a_running_pool() {
 
     let status = pool.terminate(WAIT).expect("kvpool up exits after SIGTERM");
     assert!(status.success(), "kvpool up: {status}; log:\n{}", pool.log_text());
+    drop(stdout);
 }
 
 #[test]

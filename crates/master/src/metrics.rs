@@ -298,8 +298,10 @@ impl MasterMetrics {
             .map(|u| (u.node.clone(), u.tier.as_str()))
             .collect();
         for (node, tier) in series.difference(&now) {
-            let _ = self.node_used.remove_label_values(&[node, tier]);
-            let _ = self.node_capacity.remove_label_values(&[node, tier]);
+            let labels = [node.as_str(), *tier];
+            // Absent series are fine: the set says what was set.
+            let _ = self.node_used.remove_label_values(&labels);
+            let _ = self.node_capacity.remove_label_values(&labels);
         }
         for u in usage {
             let labels = [u.node.as_str(), u.tier.as_str()];

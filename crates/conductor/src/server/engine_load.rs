@@ -67,15 +67,15 @@ impl Collector for EngineLoad {
                     .zip(state.prefill_free_at())
                 {
                     self.requests
-                        .with_label_values(&["prefill", url])
+                        .with_label_values(&["prefill", url.as_str()])
                         .set(i64::try_from(booked).unwrap_or(i64::MAX));
                     self.queue
-                        .with_label_values(&[url])
+                        .with_label_values(&[url.as_str()])
                         .set((free_at - now).max(0.0) * scale);
                 }
                 for (url, n) in m.engines.decode.iter().zip(state.decode_counts()) {
                     self.requests
-                        .with_label_values(&["decode", url])
+                        .with_label_values(&["decode", url.as_str()])
                         .set(i64::try_from(n).unwrap_or(i64::MAX));
                 }
             }
