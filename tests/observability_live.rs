@@ -76,7 +76,10 @@ fn grafana(expr: &str) -> String {
 
 /// The selector a `label_values(selector, label)` variable query reads.
 fn label_values_selector(query: &str) -> Option<&str> {
-    let inner = query.trim().strip_prefix("label_values(")?.strip_suffix(')')?;
+    let inner = query
+        .trim()
+        .strip_prefix("label_values(")?
+        .strip_suffix(')')?;
     Some(inner.rsplit_once(',')?.0.trim())
 }
 
@@ -99,7 +102,11 @@ fn dashboard_queries() -> Vec<Query> {
         assert!(!panels.is_empty(), "{file} has no panels");
         for panel in panels {
             let targets = panel["targets"].as_array().expect("targets");
-            assert!(!targets.is_empty(), "{file}: panel {} has no query", panel["title"]);
+            assert!(
+                !targets.is_empty(),
+                "{file}: panel {} has no query",
+                panel["title"]
+            );
             for target in targets {
                 let expr = target["expr"].as_str().expect("expr");
                 out.push(Query {
@@ -183,7 +190,10 @@ fn rule_queries() -> Vec<Query> {
                     promql: stripped,
                 });
             }
-            _ => panic!("{RULES}: a rule must be either recording or alerting: {}", rule.expr),
+            _ => panic!(
+                "{RULES}: a rule must be either recording or alerting: {}",
+                rule.expr
+            ),
         }
     }
     out
@@ -226,8 +236,12 @@ fn operator_families() -> BTreeSet<String> {
     metrics.set_leader(true);
     metrics.set_transport_degraded("ns", "pool", 0);
     let mut text = Vec::new();
-    prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut text)
-        .expect("encode");
+    prometheus::Encoder::encode(
+        &prometheus::TextEncoder::new(),
+        &registry.gather(),
+        &mut text,
+    )
+    .expect("encode");
     families(&String::from_utf8(text).expect("utf-8"))
 }
 
@@ -276,8 +290,8 @@ fn socket(url: &str) -> SocketAddr {
 /// Completions through the conductor: prompts that share prefixes (pool and cache hits), some
 /// streamed with several tokens (time per output token); `round` varies a quarter of them.
 fn load(conductor: SocketAddr, round: usize) {
-    let shared = "the pool keeps every block of this shared system prompt for later requests "
-        .repeat(4);
+    let shared =
+        "the pool keeps every block of this shared system prompt for later requests ".repeat(4);
     for i in 0..16 {
         let question = if i % 4 == 3 { round * 16 + i } else { i % 4 };
         let stream = i % 2 == 0;
@@ -321,7 +335,8 @@ fn write_panels(prom: &PrometheusServer, file: &str, start: f64, out: &Path) {
             "unit": panel["fieldConfig"]["defaults"]["unit"], "targets": targets,
         }));
     }
-    let doc = serde_json::json!({"title": board["title"], "start": start, "end": end, "panels": panels});
+    let doc =
+        serde_json::json!({"title": board["title"], "start": start, "end": end, "panels": panels});
     std::fs::write(out, serde_json::to_string_pretty(&doc).expect("json"))
         .unwrap_or_else(|e| panic!("cannot write {}: {e}", out.display()));
 }
@@ -349,7 +364,10 @@ fn dashboards_rules_and_metrics_reference_hold_against_a_running_pool() {
     let mut queries = dashboard_queries();
     queries.extend(rule_queries());
     let documented = documented_metrics();
-    assert!(documented.len() > 50, "{REFERENCE} lists only {documented:?}");
+    assert!(
+        documented.len() > 50,
+        "{REFERENCE} lists only {documented:?}"
+    );
 
     let dir = tempfile::tempdir().expect("temp dir");
     let up_dir = dir.path().join("up");
@@ -471,7 +489,11 @@ fn dashboards_rules_and_metrics_reference_hold_against_a_running_pool() {
     );
 
     let status = pool.terminate(WAIT).expect("kvpool up exits after SIGTERM");
-    assert!(status.success(), "kvpool up: {status}; log:\n{}", pool.log_text());
+    assert!(
+        status.success(),
+        "kvpool up: {status}; log:\n{}",
+        pool.log_text()
+    );
     drop(stdout);
 }
 

@@ -1466,7 +1466,10 @@ fn alert_rules_pass_promtool_and_fire_as_intended_under_any_release_name() -> Re
             let used = metrics_in(&alert.expr);
             ensure!(!used.is_empty(), "{name} uses no operator metric");
             for metric in used {
-                ensure!(known.contains(&metric), "{name} uses unknown metric {metric}");
+                ensure!(
+                    known.contains(&metric),
+                    "{name} uses unknown metric {metric}"
+                );
             }
         }
         let dir = scratch_dir(&format!("data_plane_rules/{release}"))?;
@@ -2721,5 +2724,75 @@ fn sbom_script_writes_a_cyclonedx_document_per_image() -> Result<()> {
         }
     }
     ensure!(stray.is_empty(), "scripts/sbom.sh left {stray:?}");
+    Ok(())
+}
+
+/// The PodMonitors select, by the labels the operator puts on every pod it creates
+/// (kvpool_crd::labels), each of its workloads exactly once, on the port that serves /metrics.
+#[test]
+fn pod_monitors_select_every_workload_the_operator_creates() -> Result<()> {
+    use kvpool_crd::labels::{APP_MANAGED_BY, COMPONENT, Component, MANAGED_BY_VALUE};
+    let (_, objects) = render_objects(&PRODUCTION)?;
+    let monitors: Vec<&PodMonitor> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::PodMonitor(m) => Some(m),
+            _ => None,
+        })
+        .collect();
+    ensure!(
+        !monitors.is_empty(),
+        "the production example renders no PodMonitor"
+    );
+    let mut covered = BTreeMap::new();
+    for monitor in &monitors {
+        let name = monitor.metadata.name.clone().unwrap_or_default();
+        let selector = &monitor.spec.selector;
+        assert_eq!(
+            selector.match_labels.clone().unwrap_or_default(),
+            BTreeMap::from([(APP_MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned())]),
+            "{name}"
+        );
+        let expressions = selector.match_expressions.clone().unwrap_or_default();
+        let [expression] = expressions.as_slice() else {
+            bail!("{name}: one component expression expected, got {expressions:?}");
+        };
+        assert_eq!(
+            (expression.key.as_str(), expression.operator.as_str()),
+            (COMPONENT, "In")
+        );
+        let [endpoint] = monitor.spec.pod_metrics_endpoints.as_slice() else {
+            bail!("{name}: one endpoint expected");
+        };
+        assert_eq!(endpoint.path, "/metrics", "{name}");
+        for value in expression.values.clone().unwrap_or_default() {
+            let component = Component::from_label(&value)
+                .with_context(|| format!("{name} selects unknown component {value}"))?;
+            // The servers the operator builds name their admin port `admin`; engines serve
+            // /metrics on their API port, `http`.
+            let port = match component {
+                Component::Prefill | Component::Decode => "http",
+                _ => "admin",
+            };
+            assert_eq!(endpoint.port, port, "{name}: {value}");
+            ensure!(
+                covered.insert(component, name.clone()).is_none(),
+                "{value} is scraped twice"
+            );
+        }
+        let relabeled: BTreeSet<&str> = endpoint
+            .relabelings
+            .iter()
+            .map(|r| r.target_label.as_str())
+            .collect();
+        assert_eq!(relabeled, BTreeSet::from(["pool", "component"]), "{name}");
+        assert_eq!(
+            monitor.spec.namespace_selector.match_names,
+            vec!["llm".to_owned()],
+            "{name}"
+        );
+    }
+    let all: BTreeSet<Component> = Component::ALL.into_iter().collect();
+    assert_eq!(covered.keys().copied().collect::<BTreeSet<_>>(), all);
     Ok(())
 }

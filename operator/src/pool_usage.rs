@@ -249,7 +249,10 @@ mod tests {
             lookup_misses: 1,
             ..StatsResponse::default()
         };
-        assert_eq!(PoolUsage::from_stats(&s).hit_ratio().as_deref(), Some("0.667"));
+        assert_eq!(
+            PoolUsage::from_stats(&s).hit_ratio().as_deref(),
+            Some("0.667")
+        );
         assert_eq!(PoolUsage::default().hit_ratio(), None);
         let s = StatsResponse {
             transport: vec![kvpool_proto::master::NodeTransport {

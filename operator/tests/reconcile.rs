@@ -1330,7 +1330,11 @@ async fn status_carries_the_figures_of_a_real_master() {
     assert_eq!(found, vec![true, false]);
     assert!(client.get(b"block/gone").await.is_err(), "unknown key");
     let truth = client.stats().await.expect("stats");
-    assert_eq!((truth.lookup_hits, truth.lookup_misses), (1, 2), "{truth:?}");
+    assert_eq!(
+        (truth.lookup_hits, truth.lookup_misses),
+        (1, 2),
+        "{truth:?}"
+    );
 
     let (outcome, status) = usage_pass(
         move |ctx| {

@@ -284,9 +284,9 @@ impl MasterMetrics {
 
     /// Keys looked up since this master started, over every call: `(hits, misses)`.
     pub fn lookup_totals(&self) -> (u64, u64) {
-        self.lookups
-            .iter()
-            .fold((0, 0), |(h, m), [hit, miss]| (h + hit.get(), m + miss.get()))
+        self.lookups.iter().fold((0, 0), |(h, m), [hit, miss]| {
+            (h + hit.get(), m + miss.get())
+        })
     }
 
     /// Per-node gauges follow `usage`; series of nodes or tiers no longer in it are removed.
@@ -305,7 +305,9 @@ impl MasterMetrics {
         }
         for u in usage {
             let labels = [u.node.as_str(), u.tier.as_str()];
-            self.node_used.with_label_values(&labels).set(i(u.used_bytes));
+            self.node_used
+                .with_label_values(&labels)
+                .set(i(u.used_bytes));
             self.node_capacity
                 .with_label_values(&labels)
                 .set(i(u.capacity_bytes));
@@ -383,8 +385,12 @@ mod tests {
 
     fn exposition(registry: &Registry) -> String {
         let mut text = Vec::new();
-        prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut text)
-            .expect("encode");
+        prometheus::Encoder::encode(
+            &prometheus::TextEncoder::new(),
+            &registry.gather(),
+            &mut text,
+        )
+        .expect("encode");
         String::from_utf8(text).expect("utf-8")
     }
 
@@ -405,8 +411,9 @@ mod tests {
         // Every call's hit and miss series exist before the first lookup.
         for call in ["get", "exists", "longest_prefix"] {
             for result in ["hit", "miss"] {
-                let series =
-                    format!("kvpool_master_lookup_keys_total{{call=\"{call}\",result=\"{result}\"}} 0");
+                let series = format!(
+                    "kvpool_master_lookup_keys_total{{call=\"{call}\",result=\"{result}\"}} 0"
+                );
                 assert!(text.contains(&series), "{series} in\n{text}");
             }
         }
@@ -416,7 +423,9 @@ mod tests {
         assert_eq!(m.lookup_totals(), (5, 9));
         let text = exposition(&registry);
         assert!(
-            text.contains("kvpool_master_lookup_keys_total{call=\"longest_prefix\",result=\"miss\"} 6"),
+            text.contains(
+                "kvpool_master_lookup_keys_total{call=\"longest_prefix\",result=\"miss\"} 6"
+            ),
             "{text}"
         );
     }
@@ -442,7 +451,10 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("gpu-1"), "a node that left stays:\n{text}");
-        assert!(!text.contains("tier=\"ssd\""), "a tier that left stays:\n{text}");
+        assert!(
+            !text.contains("tier=\"ssd\""),
+            "a tier that left stays:\n{text}"
+        );
         assert!(
             text.contains("kvpool_master_node_capacity_bytes{node=\"gpu-0\",tier=\"dram\"} 100"),
             "{text}"

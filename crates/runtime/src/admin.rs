@@ -190,7 +190,10 @@ mod tests {
         let metrics = get_path(addr, "/metrics").await;
         assert!(metrics.contains("kvpool_test_total 3"), "{metrics}");
         assert!(metrics.contains("kvpool_build_info{"), "{metrics}");
-        assert!(metrics.contains("process_resident_memory_bytes "), "{metrics}");
+        assert!(
+            metrics.contains("process_resident_memory_bytes "),
+            "{metrics}"
+        );
 
         shutdown.cancel();
         server.await.expect("join").expect("serve");

@@ -70,7 +70,10 @@ mod tests {
             "process_open_fds",
             "process_start_time_seconds",
         ] {
-            assert!(names.iter().any(|n| n == want), "{want} missing in {names:?}");
+            assert!(
+                names.iter().any(|n| n == want),
+                "{want} missing in {names:?}"
+            );
         }
         let build = registry
             .gather()
@@ -82,7 +85,13 @@ mod tests {
             .iter()
             .map(|l| (l.get_name().to_owned(), l.get_value().to_owned()))
             .collect();
-        assert!(labels.contains(&("version".into(), VERSION.into())), "{labels:?}");
-        assert!(labels.contains(&("features".into(), features().into())), "{labels:?}");
+        assert!(
+            labels.contains(&("version".into(), VERSION.into())),
+            "{labels:?}"
+        );
+        assert!(
+            labels.contains(&("features".into(), features().into())),
+            "{labels:?}"
+        );
     }
 }

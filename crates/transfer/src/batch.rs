@@ -305,13 +305,13 @@ mod tests {
         assert_eq!(batch.wait_ok(Duration::ZERO).unwrap_err().index, Some(0));
         assert_eq!(m.bytes.with_label_values(&["tcp", "read"]).get(), 5);
         assert_eq!(m.failures.with_label_values(&["tcp", "timeout"]).get(), 1);
-        let requests = |op: &str, result: &str| {
-            m.requests
-                .with_label_values(&["tcp", op, result])
-                .get()
-        };
+        let requests =
+            |op: &str, result: &str| m.requests.with_label_values(&["tcp", op, result]).get();
         assert_eq!((requests("read", "ok"), requests("read", "failed")), (1, 0));
-        assert_eq!((requests("write", "ok"), requests("write", "failed")), (0, 1));
+        assert_eq!(
+            (requests("write", "ok"), requests("write", "failed")),
+            (0, 1)
+        );
     }
 
     #[tokio::test]

@@ -17,11 +17,11 @@ use axum::response::{IntoResponse, Json};
 use axum::routing::{get, post};
 use prometheus::Registry;
 
+use super::engine_load::EngineLoad;
 use super::engine_set::EngineSet;
 use super::error_bodies::{api_error, body_rejected, method_not_allowed, route_not_found};
 use super::handle::handle;
 use super::members::Members;
-use super::engine_load::EngineLoad;
 use super::metrics::Metrics;
 use super::prefetch::MAX_PREFETCHES_IN_FLIGHT;
 use super::shared::Shared;

@@ -10,10 +10,10 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::response::Response;
 
-use super::latency::RequestTimer;
 use super::error_bodies::{
     api_error, internal_error, no_engines, rejected, tokenizer_failed, upstream_failed,
 };
+use super::latency::RequestTimer;
 use super::members::{Members, Placed};
 use super::pool_lookup::pool_prefix;
 use super::prefetch::replicate;

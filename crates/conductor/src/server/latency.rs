@@ -29,9 +29,7 @@ pub(super) struct Latency {
 const TTFT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
 ];
-const TPOT_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-];
+const TPOT_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
 const DURATION_BUCKETS: &[f64] = &[
     0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 ];
@@ -210,8 +208,12 @@ mod tests {
     /// for a histogram, its count.
     fn value(registry: &Registry, name: &str, labels: &[(&str, &str)]) -> f64 {
         let mut text = Vec::new();
-        prometheus::Encoder::encode(&prometheus::TextEncoder::new(), &registry.gather(), &mut text)
-            .expect("encode");
+        prometheus::Encoder::encode(
+            &prometheus::TextEncoder::new(),
+            &registry.gather(),
+            &mut text,
+        )
+        .expect("encode");
         let text = String::from_utf8(text).expect("utf-8");
         let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
         let series = if labels.is_empty() {
@@ -233,14 +235,20 @@ mod tests {
         let l = latency(&registry);
         {
             let mut t = RequestTimer::start(&l);
-            assert_eq!(value(&registry, "kvpool_conductor_in_flight_requests", &[]), 1.0);
+            assert_eq!(
+                value(&registry, "kvpool_conductor_in_flight_requests", &[]),
+                1.0
+            );
             t.placed();
             t.chunk(1);
             t.chunk(2);
             t.chunk(5);
             t.ended(5);
         }
-        assert_eq!(value(&registry, "kvpool_conductor_in_flight_requests", &[]), 0.0);
+        assert_eq!(
+            value(&registry, "kvpool_conductor_in_flight_requests", &[]),
+            0.0
+        );
         for name in [
             "kvpool_conductor_ttft_seconds",
             "kvpool_conductor_tpot_seconds",
@@ -251,11 +259,27 @@ mod tests {
         }
         let slo = "kvpool_conductor_slo_requests_total";
         // A 1000 s TTFT objective is met; a 0 s TPOT objective cannot be.
-        assert_eq!(value(&registry, slo, &[("objective", "ttft"), ("result", "met")]), 1.0);
-        assert_eq!(value(&registry, slo, &[("objective", "tpot"), ("result", "missed")]), 1.0);
-        assert_eq!(value(&registry, slo, &[("objective", "tpot"), ("result", "met")]), 0.0);
+        assert_eq!(
+            value(&registry, slo, &[("objective", "ttft"), ("result", "met")]),
+            1.0
+        );
+        assert_eq!(
+            value(
+                &registry,
+                slo,
+                &[("objective", "tpot"), ("result", "missed")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            value(&registry, slo, &[("objective", "tpot"), ("result", "met")]),
+            0.0
+        );
         let objective = "kvpool_conductor_slo_objective_seconds";
-        assert_eq!(value(&registry, objective, &[("objective", "ttft")]), 1000.0);
+        assert_eq!(
+            value(&registry, objective, &[("objective", "ttft")]),
+            1000.0
+        );
     }
 
     #[test]
@@ -274,7 +298,13 @@ mod tests {
             value(&registry, "kvpool_conductor_request_duration_seconds", &[]),
             2.0
         );
-        assert_eq!(value(&registry, "kvpool_conductor_queue_wait_seconds", &[]), 0.0);
-        assert_eq!(value(&registry, "kvpool_conductor_in_flight_requests", &[]), 0.0);
+        assert_eq!(
+            value(&registry, "kvpool_conductor_queue_wait_seconds", &[]),
+            0.0
+        );
+        assert_eq!(
+            value(&registry, "kvpool_conductor_in_flight_requests", &[]),
+            0.0
+        );
     }
 }

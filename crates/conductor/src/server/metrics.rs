@@ -11,10 +11,10 @@ use prometheus::{
 use std::sync::Arc;
 
 use super::latency::Latency;
-use kvpool_core::sched::RejectReason;
 use crate::config::ConductorConfig;
 use crate::engines::Engines;
 use crate::prefill_costs::PrefillCosts;
+use kvpool_core::sched::RejectReason;
 
 /// Every metric of one conductor.
 pub(super) struct Metrics {

@@ -22,10 +22,7 @@ fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
 
 #[test]
 fn node_usage_sums_each_nodes_segments_per_tier() {
-    let mut m = MasterState::new(
-        MasterConfig::default(),
-        Arc::new(FakeClock::new(1_000)),
-    );
+    let mut m = MasterState::new(MasterConfig::default(), Arc::new(FakeClock::new(1_000)));
     for (node, name, tier, capacity) in [
         ("b", "dram0", Tier::Dram, 32 * MIB),
         ("a", "dram0", Tier::Dram, 64 * MIB),
