@@ -34,7 +34,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvpool_harness::http::request;
-use kvpool_harness::{ChildProcess, Launcher, PrometheusServer, ScrapeTarget};
+use kvpool_harness::{Launcher, PrometheusServer, ScrapeTarget};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -252,9 +252,13 @@ fn sources(dirs: &[&str]) -> String {
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
             let path = entry.path();
-            if path.is_dir() {
+            // Not through symbolic links: the agents' sysfs fixtures link in circles.
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            if kind.is_dir() {
                 stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
+            } else if kind.is_file() && path.extension().is_some_and(|e| e == "rs") {
                 text.push_str(&std::fs::read_to_string(&path).unwrap_or_default());
             }
         }

@@ -1,5 +1,5 @@
 //! The metrics every kvpool process exports whatever its role, in one place: the admin server
-//! ([`crate::admin::router`]) serves them next to the process's own registry, so no binary
+//! (`router` in admin.rs) serves them next to the process's own registry, so no binary
 //! registers them itself. `kvpool_build_info{version, git_sha, features}` (always 1) and the
 //! prometheus crate's process collector (`process_cpu_seconds_total`,
 //! `process_resident_memory_bytes`, `process_open_fds`, ...; Linux only). I/O boundary:
