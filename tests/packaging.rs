@@ -219,6 +219,7 @@ fn renders() -> Vec<Render<'static>> {
             "metrics.serviceMonitor.enabled=true",
             "metrics.prometheusRule.enabled=true",
             "metrics.dashboard.enabled=true",
+            "metrics.podMonitors.enabled=true",
             "operator.leaderElection.enabled=true",
             "crds.keep=false",
         ],
@@ -377,15 +378,65 @@ struct RuleGroup {
     rules: Vec<AlertRule>,
 }
 
+/// An alerting rule (`alert`, `for`, labels, annotations) or a recording rule (`record`).
 #[derive(Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct AlertRule {
-    alert: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    alert: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    record: Option<String>,
     expr: String,
-    #[serde(rename = "for")]
-    for_duration: String,
+    #[serde(rename = "for", default, skip_serializing_if = "Option::is_none")]
+    for_duration: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     annotations: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PodMonitor {
+    api_version: String,
+    kind: String,
+    metadata: ObjectMeta,
+    spec: PodMonitorSpec,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PodMonitorSpec {
+    selector: LabelSelector,
+    namespace_selector: PodNamespaceSelector,
+    pod_metrics_endpoints: Vec<PodMetricsEndpoint>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PodNamespaceSelector {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    any: Option<bool>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    match_names: Vec<String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PodMetricsEndpoint {
+    port: String,
+    path: String,
+    scheme: String,
+    interval: String,
+    scrape_timeout: String,
+    relabelings: Vec<Relabeling>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct Relabeling {
+    source_labels: Vec<String>,
+    target_label: String,
 }
 
 /// Every object a render may contain, typed. Short-lived test values, so variant sizes do not
@@ -405,6 +456,7 @@ enum Object {
     RoleBinding(RoleBinding),
     Crd(Box<CustomResourceDefinition>),
     ServiceMonitor(ServiceMonitor),
+    PodMonitor(PodMonitor),
     PrometheusRule(PrometheusRule),
 }
 
@@ -431,6 +483,7 @@ fn typed(doc: &Value) -> Result<Object> {
             Object::Crd(Box::new(round_trip(doc)?))
         }
         ("monitoring.coreos.com/v1", "ServiceMonitor") => Object::ServiceMonitor(round_trip(doc)?),
+        ("monitoring.coreos.com/v1", "PodMonitor") => Object::PodMonitor(round_trip(doc)?),
         ("monitoring.coreos.com/v1", "PrometheusRule") => Object::PrometheusRule(round_trip(doc)?),
         _ => bail!("unexpected object {api_version} {kind} ({})", describe(doc)),
     })
@@ -630,6 +683,7 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
             Object::RoleBinding(_) => "RoleBinding",
             Object::Crd(_) => "CustomResourceDefinition",
             Object::ServiceMonitor(_) => "ServiceMonitor",
+            Object::PodMonitor(_) => "PodMonitor",
             Object::PrometheusRule(_) => "PrometheusRule",
         };
         *kinds.entry(kind).or_default() += 1;
@@ -1388,23 +1442,44 @@ fn alert_rules_pass_promtool_and_fire_as_intended_under_any_release_name() -> Re
     let mut services = BTreeSet::new();
     for (release, namespace) in ALERT_RELEASES {
         let (_, objects) = render_objects_as(release, namespace, &PRODUCTION)?;
-        let Some(rule) = objects.iter().find_map(|o| match o {
-            Object::PrometheusRule(r) => Some(r),
-            _ => None,
-        }) else {
-            bail!("the production example renders no PrometheusRule");
+        // The operator's rules, and the data plane's (a file of their own, not tied to the
+        // release: tests/observability_live.rs checks their metrics against running processes).
+        let rules = |data_plane: bool| {
+            objects.iter().find_map(|o| match o {
+                Object::PrometheusRule(r)
+                    if r.metadata
+                        .name
+                        .as_deref()
+                        .is_some_and(|n| n.ends_with("-data-plane"))
+                        == data_plane =>
+                {
+                    Some(r)
+                }
+                _ => None,
+            })
+        };
+        let (Some(rule), Some(data_plane)) = (rules(false), rules(true)) else {
+            bail!("the production example renders no operator or no data-plane PrometheusRule");
         };
         for alert in rule.spec.groups.iter().flat_map(|g| &g.rules) {
+            let name = alert.alert.as_deref().unwrap_or_default();
             let used = metrics_in(&alert.expr);
-            ensure!(!used.is_empty(), "{} uses no operator metric", alert.alert);
-            for name in used {
+            ensure!(!used.is_empty(), "{name} uses no operator metric");
+            for metric in used {
                 ensure!(
-                    known.contains(&name),
-                    "{} uses unknown metric {name}",
-                    alert.alert
+                    known.contains(&metric),
+                    "{name} uses unknown metric {metric}"
                 );
             }
         }
+        let dir = scratch_dir(&format!("data_plane_rules/{release}"))?;
+        let rules = dir.join("rules.yaml");
+        std::fs::write(&rules, serde_json::to_string_pretty(&data_plane.spec)?)?;
+        let test = dir.join("data-plane-alerts-test.yaml");
+        std::fs::write(&test, read("charts/kvpool/ci/data-plane-alerts-test.yaml")?)?;
+        run_ok("promtool", &["check", "rules", &rules.to_string_lossy()])?;
+        run_ok("promtool", &["test", "rules", &test.to_string_lossy()])
+            .with_context(|| format!("data plane, release {release} in namespace {namespace}"))?;
         // The Service the ServiceMonitor scrapes names the targets' `service` label.
         let service = objects
             .iter()
@@ -1459,6 +1534,16 @@ fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
         .context("no kvpool-operator.json key")?;
     let dashboard: Value = serde_json::from_str(json).context("dashboard is not JSON")?;
     assert_eq!(str_at(&dashboard, "/uid"), "kvpool-operator");
+    // The data plane's dashboards ride along (their queries are evaluated against running
+    // processes by tests/observability_live.rs).
+    for name in ["kvpool-pool", "kvpool-conductor", "kvpool-nodes"] {
+        let json = data
+            .get(&format!("{name}.json"))
+            .with_context(|| format!("no {name}.json key"))?;
+        let board: Value =
+            serde_json::from_str(json).with_context(|| format!("{name}.json is not JSON"))?;
+        assert_eq!(str_at(&board, "/uid"), name);
+    }
     let known = operator_metric_names()?;
     for variable in dashboard["templating"]["list"]
         .as_array()
@@ -2639,5 +2724,75 @@ fn sbom_script_writes_a_cyclonedx_document_per_image() -> Result<()> {
         }
     }
     ensure!(stray.is_empty(), "scripts/sbom.sh left {stray:?}");
+    Ok(())
+}
+
+/// The PodMonitors select, by the labels the operator puts on every pod it creates
+/// (kvpool_crd::labels), each of its workloads exactly once, on the port that serves /metrics.
+#[test]
+fn pod_monitors_select_every_workload_the_operator_creates() -> Result<()> {
+    use kvpool_crd::labels::{APP_MANAGED_BY, COMPONENT, Component, MANAGED_BY_VALUE};
+    let (_, objects) = render_objects(&PRODUCTION)?;
+    let monitors: Vec<&PodMonitor> = objects
+        .iter()
+        .filter_map(|o| match o {
+            Object::PodMonitor(m) => Some(m),
+            _ => None,
+        })
+        .collect();
+    ensure!(
+        !monitors.is_empty(),
+        "the production example renders no PodMonitor"
+    );
+    let mut covered = BTreeMap::new();
+    for monitor in &monitors {
+        let name = monitor.metadata.name.clone().unwrap_or_default();
+        let selector = &monitor.spec.selector;
+        assert_eq!(
+            selector.match_labels.clone().unwrap_or_default(),
+            BTreeMap::from([(APP_MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned())]),
+            "{name}"
+        );
+        let expressions = selector.match_expressions.clone().unwrap_or_default();
+        let [expression] = expressions.as_slice() else {
+            bail!("{name}: one component expression expected, got {expressions:?}");
+        };
+        assert_eq!(
+            (expression.key.as_str(), expression.operator.as_str()),
+            (COMPONENT, "In")
+        );
+        let [endpoint] = monitor.spec.pod_metrics_endpoints.as_slice() else {
+            bail!("{name}: one endpoint expected");
+        };
+        assert_eq!(endpoint.path, "/metrics", "{name}");
+        for value in expression.values.clone().unwrap_or_default() {
+            let component = Component::from_label(&value)
+                .with_context(|| format!("{name} selects unknown component {value}"))?;
+            // The servers the operator builds name their admin port `admin`; engines serve
+            // /metrics on their API port, `http`.
+            let port = match component {
+                Component::Prefill | Component::Decode => "http",
+                _ => "admin",
+            };
+            assert_eq!(endpoint.port, port, "{name}: {value}");
+            ensure!(
+                covered.insert(component, name.clone()).is_none(),
+                "{value} is scraped twice"
+            );
+        }
+        let relabeled: BTreeSet<&str> = endpoint
+            .relabelings
+            .iter()
+            .map(|r| r.target_label.as_str())
+            .collect();
+        assert_eq!(relabeled, BTreeSet::from(["pool", "component"]), "{name}");
+        assert_eq!(
+            monitor.spec.namespace_selector.match_names,
+            vec!["llm".to_owned()],
+            "{name}"
+        );
+    }
+    let all: BTreeSet<Component> = Component::ALL.into_iter().collect();
+    assert_eq!(covered.keys().copied().collect::<BTreeSet<_>>(), all);
     Ok(())
 }

@@ -26,6 +26,9 @@ pub struct PoolUsage {
     pub objects: u64,
     pub nodes_alive: u64,
     pub segments: u64,
+    /// Keys clients looked up since the master started: found, and not found.
+    pub lookup_hits: u64,
+    pub lookup_misses: u64,
     /// Per live node that reported it, sorted by node name.
     pub transport: Vec<NodeTransport>,
 }
@@ -46,6 +49,13 @@ pub struct NodeTransport {
 
 impl PoolUsage {
     /// From the master's answer (tier index 0 is DRAM, 1 is SSD; a missing index counts as 0).
+    /// The share of looked-up keys the pool held, with three decimals (`None` before any
+    /// lookup).
+    pub fn hit_ratio(&self) -> Option<String> {
+        let total = self.lookup_hits.saturating_add(self.lookup_misses);
+        (total > 0).then(|| format!("{:.3}", self.lookup_hits as f64 / total as f64))
+    }
+
     pub fn from_stats(s: &StatsResponse) -> Self {
         let at = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0);
         Self {
@@ -56,6 +66,8 @@ impl PoolUsage {
             objects: s.objects,
             nodes_alive: s.nodes_alive,
             segments: s.segments,
+            lookup_hits: s.lookup_hits,
+            lookup_misses: s.lookup_misses,
             transport: s
                 .transport
                 .iter()
@@ -229,8 +241,19 @@ mod tests {
                 nodes_alive: 2,
                 segments: 3,
                 transport: Vec::new(),
+                ..PoolUsage::default()
             }
         );
+        let s = StatsResponse {
+            lookup_hits: 2,
+            lookup_misses: 1,
+            ..StatsResponse::default()
+        };
+        assert_eq!(
+            PoolUsage::from_stats(&s).hit_ratio().as_deref(),
+            Some("0.667")
+        );
+        assert_eq!(PoolUsage::default().hit_ratio(), None);
         let s = StatsResponse {
             transport: vec![kvpool_proto::master::NodeTransport {
                 node: "gpu-1".into(),

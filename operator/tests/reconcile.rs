@@ -1224,6 +1224,8 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         objects: 12,
         nodes_alive: 4,
         segments: 8,
+        lookup_hits: 9,
+        lookup_misses: 1,
         transport: vec![
             cachepool::usage::NodeTransport {
                 node: "gpu-0".into(),
@@ -1269,6 +1271,10 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
     );
     assert_eq!(first.ssd.as_ref().map(|s| s.used.0.as_str()), Some("1Gi"));
     assert_eq!((first.objects, first.nodes_registered), (Some(12), Some(4)));
+    assert_eq!(
+        (first.hit_ratio.as_deref(), first.lookups),
+        (Some("0.900"), Some(10))
+    );
     assert!(kvpool_crd::conditions::is_true(
         &first.conditions,
         "MasterReachable"
@@ -1379,7 +1385,20 @@ async fn status_carries_the_figures_of_a_real_master() {
             .await
             .expect("heartbeat");
     }
+    // Three keys looked up: block/0 is held, the other two are not (hit ratio 1/3).
+    let held: &[u8] = b"block/0";
+    let found = client
+        .exists(&[held, b"block/missing"])
+        .await
+        .expect("exists");
+    assert_eq!(found, vec![true, false]);
+    assert!(client.get(b"block/gone").await.is_err(), "unknown key");
     let truth = client.stats().await.expect("stats");
+    assert_eq!(
+        (truth.lookup_hits, truth.lookup_misses),
+        (1, 2),
+        "{truth:?}"
+    );
 
     let (outcome, status) = usage_pass(
         move |ctx| {
@@ -1409,6 +1428,10 @@ async fn status_carries_the_figures_of_a_real_master() {
     );
     assert_eq!(status.objects, Some(1));
     assert_eq!(status.nodes_registered, Some(2));
+    assert_eq!(
+        (status.hit_ratio.as_deref(), status.lookups),
+        (Some("0.333"), Some(3))
+    );
     assert!(kvpool_crd::conditions::is_true(
         &status.conditions,
         "MasterReachable"

@@ -478,6 +478,11 @@ impl State {
         self.prefill.iter().map(|l| l.free_at_s).collect()
     }
 
+    /// Requests booked on each prefill instance and not yet prefilled.
+    pub fn prefill_booked(&self) -> Vec<usize> {
+        self.booked.iter().map(|q| q.len()).collect()
+    }
+
     /// Requests booked on each decode instance (running plus expected).
     pub fn decode_counts(&self) -> Vec<usize> {
         self.decode

@@ -79,6 +79,13 @@ pub use super::network::NetworkPolicySpec;
         priority = 1
     ),
     printcolumn(
+        name = "Hit-Ratio",
+        type_ = "string",
+        json_path = ".status.hitRatio",
+        description = "Share of the keys looked up that the pool held, as the master reports",
+        priority = 1
+    ),
+    printcolumn(
         name = "Transport",
         type_ = "string",
         json_path = ".spec.transport.protocol",
@@ -562,6 +569,17 @@ pub struct KVCachePoolStatus {
     /// Agents registered with the master and alive, as of its last answer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nodes_registered: Option<i32>,
+
+    /// Share of the keys clients looked up (Get, Exists, LongestPrefix) that the pool held,
+    /// since the leading master started, as a decimal string with three places (`0.734`);
+    /// absent before the first lookup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hit_ratio: Option<String>,
+
+    /// Keys looked up since the leading master started (the hit ratio's sample), as of its
+    /// last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookups: Option<i64>,
 
     /// Address (`host:port`) of the master Service.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -33,7 +33,19 @@ pub struct PrometheusServer {
 
 /// `prometheus.yml` scraping every target each second.
 pub fn scrape_config(targets: &[ScrapeTarget]) -> String {
+    scrape_config_with_rules(targets, &[])
+}
+
+/// `prometheus.yml` scraping every target each second and evaluating the rule files `rules`
+/// (recording and alerting rules) each second.
+pub fn scrape_config_with_rules(targets: &[ScrapeTarget], rules: &[PathBuf]) -> String {
     let mut config = String::from("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n");
+    if !rules.is_empty() {
+        config.push_str("rule_files:\n");
+        for r in rules {
+            let _ = writeln!(config, "  - '{}'", r.display());
+        }
+    }
     config.push_str("scrape_configs:\n");
     for t in targets {
         let _ = write!(
@@ -77,9 +89,19 @@ impl PrometheusServer {
     /// Writes `<dir>/prometheus.yml` for `targets`, starts Prometheus (TSDB in `<dir>/tsdb`,
     /// log in `<dir>/prometheus.log`) and waits until it listens.
     pub fn start(dir: &Path, targets: &[ScrapeTarget]) -> Result<Self, HarnessError> {
+        Self::start_with_rules(dir, targets, &[])
+    }
+
+    /// [`Self::start`], also evaluating the rule files `rules` every second.
+    pub fn start_with_rules(
+        dir: &Path,
+        targets: &[ScrapeTarget],
+        rules: &[PathBuf],
+    ) -> Result<Self, HarnessError> {
         let binary = Self::binary()?;
         let config = dir.join("prometheus.yml");
-        std::fs::write(&config, scrape_config(targets)).map_err(|source| HarnessError::Write {
+        let text = scrape_config_with_rules(targets, rules);
+        std::fs::write(&config, text).map_err(|source| HarnessError::Write {
             path: config.clone(),
             source,
         })?;
@@ -96,6 +118,51 @@ impl PrometheusServer {
         )?;
         process.wait_ready(&Probe::Tcp(addr), START_TIMEOUT)?;
         Ok(Self { process, addr })
+    }
+
+    /// The series an instant PromQL query returns (`data.result` of a vector answer; a scalar
+    /// counts as one series), or Prometheus's error (a query that does not parse, or no
+    /// answer).
+    pub fn query_series(&self, promql: &str) -> Result<Vec<serde_json::Value>, String> {
+        let reply = http::get(
+            self.addr,
+            &format!("/api/v1/query?query={}", encode(promql)),
+        )
+        .ok_or_else(|| "Prometheus did not answer".to_owned())?;
+        let v: serde_json::Value = serde_json::from_str(&reply.body)
+            .map_err(|e| format!("HTTP {}: not JSON ({e}): {}", reply.status, reply.body))?;
+        if reply.status != 200 {
+            return Err(format!("HTTP {}: {}", reply.status, v["error"]));
+        }
+        match &v["data"]["result"] {
+            serde_json::Value::Array(series) if v["data"]["resultType"] != "scalar" => {
+                Ok(series.clone())
+            }
+            other => Ok(vec![other.clone()]),
+        }
+    }
+
+    /// The series of a range query from `start` to `end` (Unix seconds) every `step_s`
+    /// seconds: `data.result` of the matrix answer, or Prometheus's error.
+    pub fn query_range(
+        &self,
+        promql: &str,
+        start: f64,
+        end: f64,
+        step_s: f64,
+    ) -> Result<Vec<serde_json::Value>, String> {
+        let target = format!(
+            "/api/v1/query_range?query={}&start={start:.3}&end={end:.3}&step={step_s}",
+            encode(promql)
+        );
+        let reply =
+            http::get(self.addr, &target).ok_or_else(|| "Prometheus did not answer".to_owned())?;
+        let v: serde_json::Value = serde_json::from_str(&reply.body)
+            .map_err(|e| format!("HTTP {}: not JSON ({e}): {}", reply.status, reply.body))?;
+        if reply.status != 200 {
+            return Err(format!("HTTP {}: {}", reply.status, v["error"]));
+        }
+        Ok(v["data"]["result"].as_array().cloned().unwrap_or_default())
     }
 
     /// The value of an instant PromQL query with a single-sample answer, if any.

@@ -1,13 +1,16 @@
 //! Prometheus metrics of the master, registered into an injected registry. State figures
-//! (objects, bytes, leases...) are refreshed from [`kvpool_core::master::state::Stats`] by the tick loop;
-//! request counts and latencies are recorded per call. I/O boundary: none.
+//! (objects, bytes per tier and per node, leases...) are refreshed from
+//! [`kvpool_core::master::state::Stats`] and [`NodeUsage`] by the tick loop; request counts,
+//! latencies and lookup hits and misses are recorded per call. I/O boundary: none.
 
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
     Registry,
 };
 
-use kvpool_core::master::state::{Counters, Stats};
+use std::collections::BTreeSet;
+
+use kvpool_core::master::state::{Counters, NodeUsage, Stats};
 
 /// Errors of metric registration.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -21,6 +24,14 @@ impl MetricsError {
     pub fn category(&self) -> &'static str {
         self.into()
     }
+}
+
+/// The client calls whose keys count as lookups (hit ratio).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LookupCall {
+    Get = 0,
+    Exists = 1,
+    LongestPrefix = 2,
 }
 
 /// The master's metric handles.
@@ -46,6 +57,14 @@ pub struct MasterMetrics {
     kv_event_batches: IntCounter,
     kv_events: IntCounterVec,
     kv_event_resyncs: IntCounter,
+    soft_pins: IntGauge,
+    segments: IntGauge,
+    node_used: IntGaugeVec,
+    node_capacity: IntGaugeVec,
+    /// The `(node, tier)` series of the per-node gauges set by the last refresh.
+    node_series: std::sync::Arc<parking_lot::Mutex<BTreeSet<(String, &'static str)>>>,
+    /// Keys looked up, per call (`get`, `exists`, `longest_prefix`): `[hit, miss]`.
+    lookups: [[IntCounter; 2]; 3],
     policy: &'static str,
     last: std::sync::Arc<parking_lot::Mutex<Counters>>,
 }
@@ -59,7 +78,35 @@ impl MasterMetrics {
         let counters = |name: &str, help: &str, labels: &[&str]| {
             IntCounterVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)
         };
+        let per_node = |name: &str, help: &str| {
+            IntGaugeVec::new(Opts::new(name, help), &["node", "tier"])
+                .map_err(MetricsError::Register)
+        };
+        let lookups = counters(
+            "kvpool_master_lookup_keys_total",
+            "Keys looked up by clients, by call (get, exists, longest_prefix) and result (hit: \
+             committed and readable; miss: not, or after the first missing key of a prefix)",
+            &["call", "result"],
+        )?;
+        let lookup = |call: &str| {
+            [
+                lookups.with_label_values(&[call, "hit"]),
+                lookups.with_label_values(&[call, "miss"]),
+            ]
+        };
         let m = Self {
+            lookups: [lookup("get"), lookup("exists"), lookup("longest_prefix")],
+            soft_pins: g("kvpool_master_soft_pins", "Objects under a soft pin")?,
+            segments: g("kvpool_master_segments", "Segments mounted by agents")?,
+            node_used: per_node(
+                "kvpool_master_node_used_bytes",
+                "Allocated bytes per node and tier (over the node's segments)",
+            )?,
+            node_capacity: per_node(
+                "kvpool_master_node_capacity_bytes",
+                "Mounted bytes per node and tier (over the node's segments)",
+            )?,
+            node_series: Default::default(),
             objects: g("kvpool_master_objects", "Committed objects")?,
             pending_puts: g(
                 "kvpool_master_pending_puts",
@@ -166,6 +213,11 @@ impl MasterMetrics {
             Box::new(m.kv_event_batches.clone()),
             Box::new(m.kv_events.clone()),
             Box::new(m.kv_event_resyncs.clone()),
+            Box::new(lookups),
+            Box::new(m.soft_pins.clone()),
+            Box::new(m.segments.clone()),
+            Box::new(m.node_used.clone()),
+            Box::new(m.node_capacity.clone()),
         ];
         for c in collectors {
             registry.register(c).map_err(MetricsError::Register)?;
@@ -223,6 +275,46 @@ impl MasterMetrics {
         self.kv_event_resyncs.inc();
     }
 
+    /// Keys looked up by one call: `hits` found, `misses` not.
+    pub fn lookup(&self, call: LookupCall, hits: u64, misses: u64) {
+        let [hit, miss] = &self.lookups[call as usize];
+        hit.inc_by(hits);
+        miss.inc_by(misses);
+    }
+
+    /// Keys looked up since this master started, over every call: `(hits, misses)`.
+    pub fn lookup_totals(&self) -> (u64, u64) {
+        self.lookups.iter().fold((0, 0), |(h, m), [hit, miss]| {
+            (h + hit.get(), m + miss.get())
+        })
+    }
+
+    /// Per-node gauges follow `usage`; series of nodes or tiers no longer in it are removed.
+    pub fn refresh_nodes(&self, usage: &[NodeUsage]) {
+        let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let mut series = self.node_series.lock();
+        let now: BTreeSet<(String, &'static str)> = usage
+            .iter()
+            .map(|u| (u.node.clone(), u.tier.as_str()))
+            .collect();
+        for (node, tier) in series.difference(&now) {
+            let labels = [node.as_str(), *tier];
+            // Absent series are fine: the set says what was set.
+            let _ = self.node_used.remove_label_values(&labels);
+            let _ = self.node_capacity.remove_label_values(&labels);
+        }
+        for u in usage {
+            let labels = [u.node.as_str(), u.tier.as_str()];
+            self.node_used
+                .with_label_values(&labels)
+                .set(i(u.used_bytes));
+            self.node_capacity
+                .with_label_values(&labels)
+                .set(i(u.capacity_bytes));
+        }
+        *series = now;
+    }
+
     pub fn set_leader(&self, leader: bool) {
         self.leader.set(i64::from(leader));
     }
@@ -241,6 +333,8 @@ impl MasterMetrics {
                 .set(i(stats.capacity_bytes[t]));
         }
         self.leases.set(i(stats.leases));
+        self.soft_pins.set(i(stats.soft_pins));
+        self.segments.set(i(stats.segments));
         self.under_replicated.set(i(stats.under_replicated));
         self.tasks.set(i(stats.tasks));
         self.nodes_alive.set(i(stats.nodes_alive));
@@ -281,5 +375,89 @@ impl MasterMetrics {
                 .inc_by(d(now, before));
         }
         *last = counters.clone();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpool_core::master::types::Tier;
+
+    fn exposition(registry: &Registry) -> String {
+        let mut text = Vec::new();
+        prometheus::Encoder::encode(
+            &prometheus::TextEncoder::new(),
+            &registry.gather(),
+            &mut text,
+        )
+        .expect("encode");
+        String::from_utf8(text).expect("utf-8")
+    }
+
+    fn usage(node: &str, tier: Tier, used: u64) -> NodeUsage {
+        NodeUsage {
+            node: node.into(),
+            tier,
+            used_bytes: used,
+            capacity_bytes: 100,
+        }
+    }
+
+    #[test]
+    fn lookups_add_up_per_call_and_in_total() {
+        let registry = Registry::new();
+        let m = MasterMetrics::new(&registry, "lru").expect("metrics");
+        let text = exposition(&registry);
+        // Every call's hit and miss series exist before the first lookup.
+        for call in ["get", "exists", "longest_prefix"] {
+            for result in ["hit", "miss"] {
+                let series = format!(
+                    "kvpool_master_lookup_keys_total{{call=\"{call}\",result=\"{result}\"}} 0"
+                );
+                assert!(text.contains(&series), "{series} in\n{text}");
+            }
+        }
+        m.lookup(LookupCall::Get, 3, 1);
+        m.lookup(LookupCall::LongestPrefix, 2, 6);
+        m.lookup(LookupCall::Exists, 0, 2);
+        assert_eq!(m.lookup_totals(), (5, 9));
+        let text = exposition(&registry);
+        assert!(
+            text.contains(
+                "kvpool_master_lookup_keys_total{call=\"longest_prefix\",result=\"miss\"} 6"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn per_node_gauges_follow_the_nodes_and_drop_those_that_left() {
+        let registry = Registry::new();
+        let m = MasterMetrics::new(&registry, "lru").expect("metrics");
+        m.refresh_nodes(&[
+            usage("gpu-0", Tier::Dram, 10),
+            usage("gpu-0", Tier::Ssd, 20),
+            usage("gpu-1", Tier::Dram, 30),
+        ]);
+        let text = exposition(&registry);
+        assert!(
+            text.contains("kvpool_master_node_used_bytes{node=\"gpu-1\",tier=\"dram\"} 30"),
+            "{text}"
+        );
+        m.refresh_nodes(&[usage("gpu-0", Tier::Dram, 15)]);
+        let text = exposition(&registry);
+        assert!(
+            text.contains("kvpool_master_node_used_bytes{node=\"gpu-0\",tier=\"dram\"} 15"),
+            "{text}"
+        );
+        assert!(!text.contains("gpu-1"), "a node that left stays:\n{text}");
+        assert!(
+            !text.contains("tier=\"ssd\""),
+            "a tier that left stays:\n{text}"
+        );
+        assert!(
+            text.contains("kvpool_master_node_capacity_bytes{node=\"gpu-0\",tier=\"dram\"} 100"),
+            "{text}"
+        );
     }
 }

@@ -1,6 +1,9 @@
 //! Admin HTTP server shared by every long-running kvpool process: `/livez`, `/readyz` and
 //! `/metrics` (Prometheus text format). I/O boundary: one TCP listener.
 //!
+//! Besides the process's own registry, `/metrics` serves the metrics every process exports
+//! ([`crate::process_metrics`]: build information, process CPU, memory and file descriptors).
+//!
 //! Readiness is a shared flag that the owning process flips once it can do its job; liveness
 //! answers as long as the runtime is serving requests.
 
@@ -59,17 +62,28 @@ impl Readiness {
 #[derive(Clone)]
 struct AdminState {
     registry: Registry,
+    /// Build information and process metrics ([`crate::process_metrics`]).
+    process: Option<Registry>,
     readiness: Readiness,
 }
 
 /// Router with the three admin endpoints; callers may merge their own routes into it.
+/// `/metrics` serves `registry` and the process-wide metrics of [`crate::process_metrics`].
 pub fn router(registry: Registry, readiness: Readiness) -> Router {
+    let process = match crate::process_metrics::registry() {
+        Ok(r) => Some(r),
+        Err(err) => {
+            tracing::error!(error = %err, "cannot register the build and process metrics; /metrics serves the process's own only");
+            None
+        }
+    };
     Router::new()
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(AdminState {
             registry,
+            process,
             readiness,
         })
 }
@@ -85,7 +99,11 @@ async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
     let encoder = TextEncoder::new();
     let mut buf = Vec::new();
-    match encoder.encode(&state.registry.gather(), &mut buf) {
+    let mut families = state.registry.gather();
+    if let Some(process) = &state.process {
+        families.extend(process.gather());
+    }
+    match encoder.encode(&families, &mut buf) {
         Ok(()) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, encoder.format_type().to_owned())],
@@ -171,6 +189,11 @@ mod tests {
         assert!(get_path(addr, "/readyz").await.starts_with("HTTP/1.1 200"));
         let metrics = get_path(addr, "/metrics").await;
         assert!(metrics.contains("kvpool_test_total 3"), "{metrics}");
+        assert!(metrics.contains("kvpool_build_info{"), "{metrics}");
+        assert!(
+            metrics.contains("process_resident_memory_bytes "),
+            "{metrics}"
+        );
 
         shutdown.cancel();
         server.await.expect("join").expect("serve");

@@ -1,5 +1,5 @@
 //! Process plumbing shared by every long-running kvpool server: the admin HTTP server
-//! (`/livez`, `/readyz`, `/metrics`), SIGTERM/SIGINT to a cancellation token, log set-up, the
+//! (`/livez`, `/readyz`, `/metrics`, with the build and process metrics every process exports), SIGTERM/SIGINT to a cancellation token, log set-up, the
 //! serve-until-shutdown loop of an HTTP router, the listen flags of the HTTP services, and the
 //! wiring of an HTTP service with its admin server, and the KV event publisher (vLLM's ZMQ
 //! PUB and replay sockets). I/O boundary: sockets and signals;
@@ -9,6 +9,7 @@ pub mod admin;
 pub mod http;
 pub mod kv_events;
 pub mod listen;
+pub mod process_metrics;
 pub mod shutdown;
 pub mod telemetry;
 pub mod wiring;

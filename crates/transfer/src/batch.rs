@@ -89,6 +89,10 @@ impl RequestState {
         let status = match failure {
             None => {
                 self.metrics
+                    .requests
+                    .with_label_values(&[self.protocol, self.op, "ok"])
+                    .inc();
+                self.metrics
                     .bytes
                     .with_label_values(&[self.protocol, self.op])
                     .inc_by(self.len);
@@ -98,7 +102,14 @@ impl RequestState {
                 RequestStatus::Done
             }
             Some(f) => {
-                self.metrics.failures.with_label_values(&[f.category]).inc();
+                self.metrics
+                    .requests
+                    .with_label_values(&[self.protocol, self.op, "failed"])
+                    .inc();
+                self.metrics
+                    .failures
+                    .with_label_values(&[self.protocol, f.category])
+                    .inc();
                 RequestStatus::Failed(f)
             }
         };
@@ -293,7 +304,14 @@ mod tests {
         assert_eq!(st[1], RequestStatus::Done);
         assert_eq!(batch.wait_ok(Duration::ZERO).unwrap_err().index, Some(0));
         assert_eq!(m.bytes.with_label_values(&["tcp", "read"]).get(), 5);
-        assert_eq!(m.failures.with_label_values(&["timeout"]).get(), 1);
+        assert_eq!(m.failures.with_label_values(&["tcp", "timeout"]).get(), 1);
+        let requests =
+            |op: &str, result: &str| m.requests.with_label_values(&["tcp", op, result]).get();
+        assert_eq!((requests("read", "ok"), requests("read", "failed")), (1, 0));
+        assert_eq!(
+            (requests("write", "ok"), requests("write", "failed")),
+            (0, 1)
+        );
     }
 
     #[tokio::test]

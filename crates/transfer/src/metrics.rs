@@ -12,8 +12,11 @@ pub struct TransferMetrics {
     pub bytes: IntCounterVec,
     /// `kvpool_transfer_request_duration_seconds{protocol, op}`
     pub latency: HistogramVec,
-    /// `kvpool_transfer_failures_total{category}`
+    /// `kvpool_transfer_failures_total{protocol, category}`
     pub failures: IntCounterVec,
+    /// `kvpool_transfer_requests_total{protocol, op, result}`: finished requests, `ok` or
+    /// `failed` (the error ratio per transport; `failures` says why).
+    pub requests: IntCounterVec,
     /// `kvpool_transfer_fallback_total`: RDMA wanted, TCP used.
     pub fallback: IntCounter,
     /// `kvpool_transfer_active_connections`
@@ -63,12 +66,19 @@ impl TransferMetrics {
                 .buckets(buckets),
                 &["protocol", "op"],
             )?,
+            requests: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_requests_total",
+                    "Finished transfer requests by protocol, op and result (ok, failed).",
+                ),
+                &["protocol", "op", "result"],
+            )?,
             failures: IntCounterVec::new(
                 Opts::new(
                     "kvpool_transfer_failures_total",
-                    "Failed transfer requests by error category.",
+                    "Failed transfer requests by protocol and error category.",
                 ),
-                &["category"],
+                &["protocol", "category"],
             )?,
             fallback: IntCounter::new(
                 "kvpool_transfer_fallback_total",
@@ -136,6 +146,25 @@ impl TransferMetrics {
         registry.register(Box::new(m.bytes.clone()))?;
         registry.register(Box::new(m.latency.clone()))?;
         registry.register(Box::new(m.failures.clone()))?;
+        registry.register(Box::new(m.requests.clone()))?;
+        // The data transports this build has, exported at 0 from the start so that rates and
+        // error ratios per transport exist before the first transfer (or failure).
+        let protocols: &[&str] = if cfg!(feature = "rdma") {
+            &["tcp", "shm", "rdma"]
+        } else {
+            &["tcp", "shm"]
+        };
+        for op in ["read", "write"] {
+            m.served_bytes.with_label_values(&[op]);
+        }
+        for protocol in protocols {
+            for op in ["read", "write"] {
+                m.bytes.with_label_values(&[protocol, op]);
+                for result in ["ok", "failed"] {
+                    m.requests.with_label_values(&[protocol, op, result]);
+                }
+            }
+        }
         registry.register(Box::new(m.fallback.clone()))?;
         registry.register(Box::new(m.connections.clone()))?;
         registry.register(Box::new(m.direct_connections.clone()))?;

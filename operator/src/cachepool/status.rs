@@ -266,6 +266,16 @@ pub fn status(
             Some(u) => Some(i32::try_from(u.nodes_alive).unwrap_or(i32::MAX)),
             None => previous.and_then(|p| p.nodes_registered),
         },
+        hit_ratio: match read {
+            Some(u) => u.hit_ratio(),
+            None => previous.and_then(|p| p.hit_ratio.clone()),
+        },
+        lookups: match read {
+            Some(u) => Some(
+                i64::try_from(u.lookup_hits.saturating_add(u.lookup_misses)).unwrap_or(i64::MAX),
+            ),
+            None => previous.and_then(|p| p.lookups),
+        },
         master_endpoint: Some(pool.master_addr()),
         conductor_endpoint: applied.conductor.as_ref().map(|_| {
             format!(
@@ -414,9 +424,15 @@ mod tests {
             objects: 42,
             nodes_alive: 2,
             segments: 4,
+            lookup_hits: 3,
+            lookup_misses: 1,
             transport: Vec::new(),
         });
         let first = status(&pool, &applied(2, 2, 1, None), &read, None, t(10));
+        assert_eq!(
+            (first.hit_ratio.as_deref(), first.lookups),
+            (Some("0.750"), Some(4))
+        );
         let dram = first.dram.clone().expect("dram");
         assert_eq!(
             (dram.capacity.0.as_str(), dram.used.0.as_str()),
@@ -451,6 +467,10 @@ mod tests {
             Some(&"5Gi".to_owned())
         );
         assert_eq!(later.objects, Some(42));
+        assert_eq!(
+            (later.hit_ratio.as_deref(), later.lookups),
+            (Some("0.750"), Some(4))
+        );
         let reachable = find(&later.conditions, "MasterReachable").expect("condition");
         assert_eq!(
             (reachable.status.as_str(), reachable.reason.as_str()),

@@ -167,12 +167,10 @@ pub(super) fn relay_decode(
         .lock()
         .with_ticket(placed, |s, t| s.decoding(t, now));
     // The decode engine's own error (e.g. a failed KV hand-off) is relayed as it is.
-    let outcome = if resp.status().is_success() {
-        "ok"
-    } else {
-        "decode_error"
-    };
-    shared.metrics.request(outcome);
+    let served = resp.status().is_success();
+    shared
+        .metrics
+        .request(if served { "ok" } else { "decode_error" });
     let (parts, body) = resp.into_parts();
     let counter = TokenCounter::new(
         parts
@@ -184,7 +182,7 @@ pub(super) fn relay_decode(
     // `finish` leaves it when the body ends or is dropped.
     let stream = futures::stream::unfold(
         (body.into_data_stream(), counter, finish),
-        |(mut body, mut counter, finish)| async move {
+        move |(mut body, mut counter, mut finish)| async move {
             let (chunk, new) = match body.next().await {
                 Some(chunk) => {
                     let new = chunk.as_ref().map_or(0, |b| counter.feed(b));
@@ -194,6 +192,15 @@ pub(super) fn relay_decode(
             };
             if new > 0 {
                 decode_progress(&finish, counter.tokens(), new);
+            }
+            // A served answer's first bytes are the time to first token; its end, with the
+            // tokens counted since, the time per output token.
+            if served {
+                match &chunk {
+                    Some(Ok(b)) if !b.is_empty() => finish.timer.chunk(counter.tokens()),
+                    None => finish.timer.ended(counter.tokens()),
+                    _ => {}
+                }
             }
             chunk.map(|c| (c, (body, counter, finish)))
         },

@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Json};
 use axum::routing::{get, post};
 use prometheus::Registry;
 
+use super::engine_load::EngineLoad;
 use super::engine_set::EngineSet;
 use super::error_bodies::{api_error, body_rejected, method_not_allowed, route_not_found};
 use super::handle::handle;
@@ -137,6 +138,10 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         models: super::models::ServedModels::new(config_models),
         load: Default::default(),
     });
+    let load = EngineLoad::new(Arc::downgrade(&shared)).map_err(ServerError::Metrics)?;
+    registry
+        .register(Box::new(load))
+        .map_err(ServerError::Metrics)?;
     let router = Router::new()
         .route(
             "/v1/completions",

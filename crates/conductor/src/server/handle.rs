@@ -13,6 +13,7 @@ use axum::response::Response;
 use super::error_bodies::{
     api_error, internal_error, no_engines, rejected, tokenizer_failed, upstream_failed,
 };
+use super::latency::RequestTimer;
 use super::members::{Members, Placed};
 use super::pool_lookup::pool_prefix;
 use super::prefetch::replicate;
@@ -31,6 +32,9 @@ pub(super) async fn handle(
     path: &str,
     body: Bytes,
 ) -> Response {
+    // In flight from here; the end-to-end time is observed when `timer` drops (with the
+    // response body for a served request, on return for any other).
+    let timer = RequestTimer::start(&shared.metrics.latency);
     // Without engines nothing can be served, whatever the request says.
     if shared.members.lock().state.is_none() {
         // Counted as refused for want of instances: what scales a pool up from zero.
@@ -136,10 +140,12 @@ pub(super) async fn handle(
         }
     };
     tracing::debug!(?placed, "placed");
+    timer.placed();
     // Releases the bookings however this request ends: error, client gone, or body done.
     let finish = Finish {
         shared: shared.clone(),
         placed: placed.clone(),
+        timer,
     };
     let original = req.into_body();
     match placed.protocol.clone() {

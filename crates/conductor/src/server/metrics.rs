@@ -1,15 +1,20 @@
 //! The conductor's Prometheus metrics: request outcomes, rejections, replication, pool lookups,
-//! prefetches, the engine set's size, the learnt pool bandwidth and prefill cost models, registered into the
-//! injected registry. I/O boundary: none (the admin server exports the registry).
+//! prefetches, the engine set's size, the learnt pool bandwidth and prefill cost models, and the
+//! per-request latencies (`latency`), registered into the injected registry. I/O boundary: none
+//! (the admin server exports the registry).
 
 use prometheus::{
     Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts,
     Registry,
 };
 
+use std::sync::Arc;
+
+use super::latency::Latency;
 use crate::config::ConductorConfig;
 use crate::engines::Engines;
 use crate::prefill_costs::PrefillCosts;
+use kvpool_core::sched::RejectReason;
 
 /// Every metric of one conductor.
 pub(super) struct Metrics {
@@ -30,6 +35,8 @@ pub(super) struct Metrics {
     pub(super) prefill_cost: GaugeVec,
     pub(super) prefill_cost_observations: IntCounterVec,
     pub(super) decode_tokens_observed: IntCounterVec,
+    /// Time to first token, per output token, end to end, queue wait, in flight, SLO results.
+    pub(super) latency: Arc<Latency>,
 }
 
 impl Metrics {
@@ -168,6 +175,11 @@ impl Metrics {
             ),
             &["engine"],
         )?;
+        let latency = Arc::new(Latency::register(
+            registry,
+            config.scheduler.slo,
+            config.time_scale,
+        )?);
         for c in [
             Box::new(kv_events.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(decode_tokens_observed.clone()),
@@ -193,6 +205,14 @@ impl Metrics {
         // before the first request instead of an absent one.
         for outcome in ["ok", "rejected"] {
             requests.with_label_values(&[outcome]);
+        }
+        for reason in [
+            RejectReason::Ttft { estimate_s: 0.0 },
+            RejectReason::Tpot { estimate_s: 0.0 },
+            RejectReason::DecodeMemory,
+            RejectReason::NoInstance,
+        ] {
+            rejections.with_label_values(&[reason.category()]);
         }
         if !config.kv_events.is_empty() {
             for kind in ["stored", "removed", "cleared"] {
@@ -225,6 +245,7 @@ impl Metrics {
             prefill_cost,
             prefill_cost_observations,
             decode_tokens_observed,
+            latency,
         })
     }
 

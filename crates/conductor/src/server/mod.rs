@@ -17,16 +17,19 @@
 //!   index.
 //! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication.
 //! - `shared`, `members`, `engine_set`, `metrics`: what the handlers share, the engine set's
-//!   bookkeeping and its handle, and the conductor's metrics; `models`: the model names
-//!   served (flags, or the engines' own lists); `load`: the per-role load signal the
+//!   bookkeeping and its handle, and the conductor's metrics (`latency`: each request's
+//!   timing; `engine_load`: the engines' booked load, read at scrape time); `models`: the model
+//!   names served (flags, or the engines' own lists); `load`: the per-role load signal the
 //!   operator autoscales by (`/v1/kvpool/load`).
 
 mod engine_calls;
+mod engine_load;
 mod engine_set;
 mod error_bodies;
 mod front;
 mod handle;
 mod kv_feed;
+mod latency;
 mod load;
 mod members;
 mod metrics;

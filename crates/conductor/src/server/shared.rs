@@ -1,12 +1,13 @@
 //! What every handler of one conductor shares ([`Shared`]): its configuration, the engine set
 //! and bookkeeping behind one lock, the HTTP client, the metrics, the bounds and back-offs of
 //! the pool lookups and prefetches, and the learnt pool fetch estimate; plus [`Finish`], which
-//! releases a request's bookings however it ends. I/O boundary: the monotonic clock.
+//! releases a request's bookings and ends its timing however it ends. I/O boundary: the monotonic clock.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::latency::RequestTimer;
 use super::members::{Members, Placed};
 use super::metrics::Metrics;
 use super::upstream::Upstream;
@@ -85,10 +86,12 @@ impl Shared {
     }
 }
 
-/// Leaves the decode bookkeeping when the response body is done or dropped.
+/// Leaves the decode bookkeeping when the response body is done or dropped, and ends the
+/// request's timing (its [`RequestTimer`] drops with it).
 pub(super) struct Finish {
     pub(super) shared: Arc<Shared>,
     pub(super) placed: Placed,
+    pub(super) timer: RequestTimer,
 }
 
 impl Drop for Finish {

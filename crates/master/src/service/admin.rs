@@ -1,4 +1,5 @@
-//! Handler of the stats call: the pool's counters and every node's last transport report, as
+//! Handler of the stats call: the pool's counters, the keys looked up (hits and misses since
+//! this master started) and every node's last transport report, as
 //! `kvpool` commands and tests read them. I/O boundary: none here (the state behind
 //! [`Core`]).
 
@@ -11,7 +12,10 @@ use kvpool_proto::master as proto;
 
 pub(super) async fn stats(core: &Core) -> Result<Answer<proto::StatsResponse>, Status> {
     let (s, t) = core.read(|st| (st.stats(), st.transports()))?;
+    let (lookup_hits, lookup_misses) = core.metrics.lookup_totals();
     Ok(Answer::plain(proto::StatsResponse {
+        lookup_hits,
+        lookup_misses,
         objects: s.objects,
         pending_puts: s.pending_puts,
         used_bytes: s.used_bytes.to_vec(),

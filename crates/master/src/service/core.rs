@@ -187,5 +187,6 @@ impl Core {
             p.send(PersistBatch { ops, done: None });
         }
         self.metrics.refresh(&st.stats(), st.counters());
+        self.metrics.refresh_nodes(&st.node_usage());
     }
 }

@@ -6,6 +6,7 @@ use tonic::Status;
 
 use super::batch::{Answer, check_batch, err, invalid, item_results, keys_of};
 use super::core::Core;
+use crate::metrics::LookupCall;
 use kvpool_core::master::state::{MasterError, MasterState};
 use kvpool_core::master::types::{GetResult, ObjectKey, PutOptions, PutStarted, Spread};
 use kvpool_proto::master as proto;
@@ -130,6 +131,9 @@ pub(super) async fn get(
         let now = st.now_ms();
         (keys.iter().map(|k| st.get(*k)).collect::<Vec<_>>(), now)
     })?;
+    let hits = results.iter().filter(|r| r.is_ok()).count() as u64;
+    core.metrics
+        .lookup(LookupCall::Get, hits, results.len() as u64 - hits);
     let message = proto::GetResponse {
         results: results.iter().map(|r| get_result(r, now)).collect(),
     };
@@ -170,6 +174,9 @@ pub(super) async fn exists(
 ) -> Result<Answer<proto::ExistsResponse>, Status> {
     let keys = keys_of(&req.keys)?;
     let exists = core.read(|st| st.exists(&keys))?;
+    let hits = exists.iter().filter(|e| **e).count() as u64;
+    core.metrics
+        .lookup(LookupCall::Exists, hits, exists.len() as u64 - hits);
     Ok(Answer::plain(proto::ExistsResponse { exists }))
 }
 
@@ -179,6 +186,11 @@ pub(super) async fn longest_prefix(
 ) -> Result<Answer<proto::LongestPrefixResponse>, Status> {
     let keys = keys_of(&req.keys)?;
     let n = core.read(|st| st.longest_prefix(&keys))?;
+    // The keys after the first missing one are of no use to a prefix cache: misses too.
+    let asked = keys.len() as u64;
+    let hits = (n as u64).min(asked);
+    core.metrics
+        .lookup(LookupCall::LongestPrefix, hits, asked - hits);
     Ok(Answer::plain(proto::LongestPrefixResponse {
         length: u32::try_from(n).unwrap_or(u32::MAX),
     }))

@@ -178,7 +178,7 @@ pub(super) fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>, ctx:
                 if why == Refused::MaxConnections {
                     ctx.metrics
                         .failures
-                        .with_label_values(&["too_many_connections"])
+                        .with_label_values(&["tcp", "too_many_connections"])
                         .inc();
                 }
                 ctx.metrics

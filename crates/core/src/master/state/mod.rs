@@ -45,7 +45,7 @@ use smallvec::SmallVec;
 use super::alloc::{ExtentAllocator, PAGE_BYTES, pages_for};
 use super::clock::Clock;
 use super::policy::{Policy, PolicyKind};
-use super::types::{ObjectKey, SegmentSpec, Spread, TaskKind, Watermarks};
+use super::types::{ObjectKey, SegmentSpec, Spread, TaskKind, Tier, Watermarks};
 
 /// Tunables of the metadata core.
 #[derive(Clone, Debug)]
@@ -281,6 +281,15 @@ pub struct Stats {
     pub segments: u64,
 }
 
+/// Bytes of one tier on one node, summed over the node's segments of that tier.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct NodeUsage {
+    pub node: String,
+    pub tier: Tier,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+}
+
 /// What a [`MasterState::tick`] did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TickReport {
@@ -414,7 +423,35 @@ impl MasterState {
             segments: self.segments.len() as u64,
         }
     }
+
+    /// Per node and tier with a segment mounted: allocated and mounted bytes, sorted by node
+    /// name then tier (for metrics; a node without segments is absent).
+    pub fn node_usage(&self) -> Vec<NodeUsage> {
+        let mut by: std::collections::BTreeMap<(&str, usize), (u64, u64)> = Default::default();
+        for seg in self.segments.values() {
+            let Some(node) = self.nodes.get(seg.node as usize) else {
+                continue;
+            };
+            let e = by
+                .entry((node.name.as_str(), seg.spec.tier.index()))
+                .or_default();
+            e.0 += seg.alloc.used_bytes();
+            e.1 += seg.alloc.capacity_bytes();
+        }
+        by.into_iter()
+            .filter_map(|((node, t), (used, capacity))| {
+                Some(NodeUsage {
+                    node: node.to_owned(),
+                    tier: Tier::ALL.get(t).copied()?,
+                    used_bytes: used,
+                    capacity_bytes: capacity,
+                })
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod usage_tests;
