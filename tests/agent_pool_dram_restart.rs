@@ -384,7 +384,7 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         })
     };
     let acked_now = |t: &Mutex<LoopTally>| t.lock().acked.len();
-    for i in 0..3 {
+    for (i, name) in names.iter().enumerate() {
         // Load before each roll.
         let target = acked_now(&tally) + 10;
         let mut procs: Vec<&mut ChildProcess> = agents.iter_mut().map(|(p, _)| p).collect();
@@ -395,7 +395,7 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         old.signal(Signal::SIGTERM).expect("signal");
         wait_exit(&mut old);
         drop(old);
-        let (mut p, addr) = start_persistent(logs, names[i], grpc, &key_file, &tier_of(i), "16MiB");
+        let (mut p, addr) = start_persistent(logs, name, grpc, &key_file, &tier_of(i), "16MiB");
         wait_ready(&addr, &mut p);
         // What it held comes back (some may be refused: the master may have placed new
         // replicas over them between the mount and the announcement).

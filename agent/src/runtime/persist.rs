@@ -90,6 +90,9 @@ fn fs_name(magic: i64) -> String {
 
 /// Create the tier's directories, check that the data directory is on the filesystem the mode
 /// names, and return its page size (4 KiB on tmpfs, the mount's huge page size on hugetlbfs).
+// statfs field types differ between targets (i64 on x86_64, i32 on some others): the
+// conversions are no-ops here and needed there.
+#[allow(clippy::useless_conversion)]
 pub fn prepare(p: &DramPersistence) -> Result<u64, PersistError> {
     for dir in [&p.dir, &p.index_dir] {
         std::fs::create_dir_all(dir).map_err(|source| PersistError::Dir {
