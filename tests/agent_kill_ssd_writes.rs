@@ -158,7 +158,7 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
     tokio::task::block_in_place(|| {
         a.wait_for_log_line("the SSD announcement", DEADLINE, |l| {
-            l.contains("recovered SSD blocks announced")
+            l.contains("recovered blocks announced") && l.contains("ssd")
         })
     })
     .expect("announced");

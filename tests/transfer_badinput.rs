@@ -245,7 +245,7 @@ fn transfer_target_bounds_its_connections() {
         t.engine
             .metrics()
             .failures
-            .with_label_values(&["too_many_connections"])
+            .with_label_values(&["tcp", "too_many_connections"])
             .get(),
         1
     );

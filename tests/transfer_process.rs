@@ -182,7 +182,7 @@ fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
         engine
             .metrics()
             .failures
-            .with_label_values(&["timeout"])
+            .with_label_values(&["tcp", "timeout"])
             .get()
             > 0
     );

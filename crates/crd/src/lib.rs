@@ -11,6 +11,7 @@ mod kvcachepool;
 pub mod labels;
 mod network;
 mod persistence;
+mod pool_status;
 pub mod quantity;
 mod validated;
 
@@ -21,10 +22,11 @@ pub use enginepool::{
 };
 pub use kvcachepool::{
     AgentSpec, ConductorSlo, ConductorSpec, DramTierSpec, EvictionPolicy, EvictionSpec, Hugepages,
-    KVCachePool, KVCachePoolSpec, KVCachePoolStatus, MasterSpec, NetworkPolicySpec, NumaPolicy,
-    Protocol, ReplicationSpec, SPREAD_NEEDS_NODE_ACCESS, SriovResource, SriovSpec, SsdTierSpec,
-    TierStatus, TokenizerSpec, TransportSpec,
+    KVCachePool, KVCachePoolSpec, MasterSpec, NetworkPolicySpec, NumaPolicy, Protocol,
+    ReplicationSpec, SPREAD_NEEDS_NODE_ACCESS, SriovResource, SriovSpec, SsdTierSpec,
+    TokenizerSpec, TransportSpec,
 };
+pub use pool_status::{KVCachePoolStatus, TierStatus};
 
 pub use network::{
     CONDUCTOR_PEER_MESSAGE, ConductorPeer, METRICS_PEER_MESSAGE, MetricsPeer,

@@ -1,0 +1,78 @@
+//! The KVCachePool's observed state (`status`), written by the operator only: conditions,
+//! endpoints, per-tier capacity and use, hit ratio. Types only; the operator computes them.
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::KubeSchema;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// Observed state of a KV cache pool, written by the operator only.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct KVCachePoolStatus {
+    /// `Ready`, `Progressing` and `Degraded` (see `crate::conditions`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+    pub conditions: Vec<Condition>,
+
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// Nodes that should run an agent.
+    #[serde(default)]
+    pub nodes_desired: i32,
+
+    /// Nodes whose agent is ready.
+    #[serde(default)]
+    pub nodes_ready: i32,
+
+    /// DRAM tier over all ready nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dram: Option<TierStatus>,
+
+    /// SSD tier over all ready nodes; absent without an SSD tier.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssd: Option<TierStatus>,
+
+    /// KV cache objects (blocks) the master holds, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objects: Option<i64>,
+
+    /// Agents registered with the master and alive, as of its last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes_registered: Option<i32>,
+
+    /// Share of the keys clients looked up (Get, Exists, LongestPrefix) that the pool held,
+    /// since the leading master started, as a decimal string with three places (`0.734`);
+    /// absent before the first lookup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hit_ratio: Option<String>,
+
+    /// Keys looked up since the leading master started (the hit ratio's sample), as of its
+    /// last answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookups: Option<i64>,
+
+    /// Address (`host:port`) of the master Service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_endpoint: Option<String>,
+
+    /// Address (`host:port`) of the conductor Service; absent when disabled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conductor_endpoint: Option<String>,
+}
+
+/// Capacity and usage of one tier. Capacity is what the master counts over the segments agents
+/// registered when it answers, otherwise the spec's amount times the ready nodes; `used` is the
+/// master's figure, kept from the last answer while it does not answer.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TierStatus {
+    /// Bytes the tier holds, as a quantity (e.g. `4Ti`).
+    pub capacity: Quantity,
+
+    /// Bytes in use, as a quantity.
+    pub used: Quantity,
+}
