@@ -12,7 +12,7 @@ fn key(i: u64) -> ObjectKey {
     ObjectKey::from_bytes(&i.to_le_bytes())
 }
 
-fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
+pub(super) fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
     SegmentSpec {
         node: node.into(),
         name: name.into(),

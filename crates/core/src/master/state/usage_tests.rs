@@ -2,24 +2,12 @@
 
 use std::sync::Arc;
 
+use super::tests::spec;
 use super::*;
 use crate::master::clock::FakeClock;
 use crate::master::types::{PutOptions, PutStarted};
 
 const MIB: u64 = 1 << 20;
-
-fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: name.into(),
-        tier,
-        capacity_bytes: capacity,
-        numa_node: 0,
-        failure_domain: String::new(),
-        endpoints: vec![format!("tcp://{node}:1")],
-        persistent: false,
-    }
-}
 
 #[test]
 fn node_usage_sums_each_nodes_segments_per_tier() {
