@@ -808,6 +808,9 @@ async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
         "kvpool_master_requests_total{method=\"get\",result=\"unknown_key\"} 1",
         "kvpool_master_requests_total{method=\"release_leases\",result=\"ok\"} 1",
         "kvpool_master_leases 0",
+        // The piggybacked release ended the fork's one lease; none expired.
+        "kvpool_master_lease_hold_seconds_count{end=\"released\"} 1",
+        "kvpool_master_lease_hold_seconds_count{end=\"expired\"} 0",
     ] {
         assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
     }

@@ -51,6 +51,8 @@ pub struct MasterMetrics {
     requests: IntCounterVec,
     latency: HistogramVec,
     persist_latency: Histogram,
+    /// How long read leases held their objects, by how they ended: `[released, expired]`.
+    lease_holds: [Histogram; 2],
     fast_connections: IntGauge,
     fast_refusals: IntCounterVec,
     conn_refusals: IntCounterVec,
@@ -94,7 +96,25 @@ impl MasterMetrics {
                 lookups.with_label_values(&[call, "miss"]),
             ]
         };
+        let lease_holds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvpool_master_lease_hold_seconds",
+                "How long a read lease held its object in place (the wait a remove or an \
+                 eviction of the object faces), by how the lease ended: released by its \
+                 reader, or expired after the lease TTL",
+            )
+            .buckets(vec![
+                0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0,
+            ]),
+            &["end"],
+        )
+        .map_err(MetricsError::Register)?;
         let m = Self {
+            lease_holds: [
+                lease_holds.with_label_values(&["released"]),
+                lease_holds.with_label_values(&["expired"]),
+            ],
             lookups: [lookup("get"), lookup("exists"), lookup("longest_prefix")],
             soft_pins: g("kvpool_master_soft_pins", "Objects under a soft pin")?,
             segments: g("kvpool_master_segments", "Segments mounted by agents")?,
@@ -214,6 +234,7 @@ impl MasterMetrics {
             Box::new(m.kv_events.clone()),
             Box::new(m.kv_event_resyncs.clone()),
             Box::new(lookups),
+            Box::new(lease_holds),
             Box::new(m.soft_pins.clone()),
             Box::new(m.segments.clone()),
             Box::new(m.node_used.clone()),
@@ -223,6 +244,15 @@ impl MasterMetrics {
             registry.register(c).map_err(MetricsError::Register)?;
         }
         Ok(m)
+    }
+
+    /// Read leases ended: each one's hold time in ms, and whether it `expired` (else its
+    /// reader released it).
+    pub fn lease_holds(&self, held_ms: impl IntoIterator<Item = u64>, expired: bool) {
+        let h = &self.lease_holds[usize::from(expired)];
+        for ms in held_ms {
+            h.observe(ms as f64 / 1000.0);
+        }
     }
 
     /// A fast-lane connection opened (`+1`) or closed (`-1`).

@@ -175,6 +175,8 @@ impl Core {
         };
         let mut st = self.state.lock();
         let report = st.tick();
+        self.metrics
+            .lease_holds(report.expired_lease_holds_ms.iter().copied(), true);
         if !report.dead_nodes.is_empty() {
             tracing::warn!(
                 nodes = ?report.dead_nodes,

@@ -163,9 +163,15 @@ pub(super) async fn release_leases(
 ) -> Result<Answer<proto::ItemResults>, Status> {
     let ids = req.lease_ids;
     check_batch(ids.len())?;
-    let results =
+    let results: Vec<Result<u64, MasterError>> =
         core.mutate_unjournaled(|st| ids.iter().map(|id| st.release_lease(*id)).collect())?;
-    Ok(item_results(results))
+    core.metrics.lease_holds(
+        results.iter().filter_map(|r| r.as_ref().ok().copied()),
+        false,
+    );
+    Ok(item_results(
+        results.into_iter().map(|r| r.map(|_| ())).collect(),
+    ))
 }
 
 pub(super) async fn exists(

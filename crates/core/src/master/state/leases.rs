@@ -25,6 +25,7 @@ impl MasterState {
             LeaseRec {
                 slot,
                 generation,
+                granted_ms: now,
                 expires_ms,
             },
         );
@@ -43,9 +44,11 @@ impl MasterState {
         })
     }
 
-    /// End a read lease early (the reader finished).
-    pub fn release_lease(&mut self, id: u64) -> Result<(), MasterError> {
+    /// End a read lease early (the reader finished). Returns how long the lease held its
+    /// object in place, in ms: the wait a remove or an eviction of that object faced.
+    pub fn release_lease(&mut self, id: u64) -> Result<u64, MasterError> {
         let rec = self.leases.remove(&id).ok_or(MasterError::StaleLease(id))?;
+        let held_ms = self.clock.now_ms().saturating_sub(rec.granted_ms);
         self.lease_expiry.remove(&(rec.expires_ms, id));
         if let Some(e) = self.entries.get_mut(rec.slot as usize)
             && e.has(LIVE)
@@ -53,7 +56,7 @@ impl MasterState {
         {
             e.leases = e.leases.saturating_sub(1);
         }
-        Ok(())
+        Ok(held_ms)
     }
 
     /// Remove a committed object. Refused while readers hold leases on it.

@@ -227,6 +227,7 @@ impl NodeState {
 struct LeaseRec {
     slot: u32,
     generation: u32,
+    granted_ms: u64,
     expires_ms: u64,
 }
 
@@ -297,6 +298,8 @@ pub struct TickReport {
     pub objects_lost: u64,
     pub repairs_scheduled: u64,
     pub evicted: u64,
+    /// How long each lease that expired in this tick held its object, in ms.
+    pub expired_lease_holds_ms: Vec<u64>,
 }
 
 /// The pool's metadata. Not thread safe by itself: the service wraps it in a mutex.

@@ -311,6 +311,28 @@ fn revoke_and_put_timeout_free_space() {
     assert_eq!(m.counters().puts_expired, 1);
 }
 
+#[test]
+fn lease_hold_times_are_reported_on_release_and_on_expiry() {
+    let (mut m, clock) = master(MasterConfig::default());
+    mount(&mut m, "a", "s", Tier::Dram, 4 * MIB);
+    put(&mut m, key(1), MIB, &opts(1));
+    let first = m.get(key(1)).expect("get").lease;
+    let second = m.get(key(1)).expect("get").lease;
+    clock.advance_ms(40);
+    assert_eq!(m.release_lease(first.id).expect("release"), 40);
+    assert!(m.tick().expired_lease_holds_ms.is_empty());
+    let ttl = m.config().lease_ttl_ms;
+    clock.advance_ms(ttl);
+    let report = m.tick();
+    assert_eq!(report.expired_lease_holds_ms, vec![ttl + 40]);
+    assert_eq!(m.counters().leases_expired, 1);
+    assert!(matches!(
+        m.release_lease(second.id),
+        Err(MasterError::StaleLease(_))
+    ));
+    m.remove(key(1)).expect("no lease left");
+}
+
 fn small_pool(policy: PolicyKind) -> (MasterState, FakeClock) {
     let config = MasterConfig {
         policy,

@@ -17,8 +17,9 @@ impl MasterState {
             if exp > now {
                 break;
             }
-            if self.release_lease(id).is_ok() {
+            if let Ok(held_ms) = self.release_lease(id) {
                 self.counters.leases_expired += 1;
+                report.expired_lease_holds_ms.push(held_ms);
             }
         }
         for s in expired(&self.soft_pins, now) {
