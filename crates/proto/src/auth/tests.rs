@@ -52,15 +52,11 @@ fn role_keys_are_derived_distinct_and_stable() {
 fn methods_are_named_once_and_roles_split_them_as_documented() {
     let distinct: std::collections::HashSet<&str> = METHODS.iter().copied().collect();
     assert_eq!(distinct.len(), METHODS.len(), "{METHODS:?}");
-    let allowed = |role: Role| -> Vec<&str> {
-        METHODS
-            .iter()
-            .copied()
-            .filter(|m| role.allows(m))
-            .collect()
-    };
+    let allowed =
+        |role: Role| -> Vec<&str> { METHODS.iter().copied().filter(|m| role.allows(m)).collect() };
     assert_eq!(allowed(Role::Admin), METHODS.to_vec());
-    let all_but = |skip: &str| -> Vec<&str> { METHODS.iter().copied().filter(|m| *m != skip).collect() };
+    let all_but =
+        |skip: &str| -> Vec<&str> { METHODS.iter().copied().filter(|m| *m != skip).collect() };
     assert_eq!(allowed(Role::Agent), all_but("RemoveAll"));
     assert_eq!(allowed(Role::Engine), all_but("AdoptReplicas"));
     assert_eq!(allowed(Role::Conductor), ["Exists", "LongestPrefix"]);
