@@ -82,30 +82,28 @@ if [ ! -x "$venv/bin/kubernetes-validate" ] ||
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "kubernetes-validate==$VALIDATE_VERSION"
 fi
 
-# It prints "cargo-cyclonedx-cyclonedx <version>".
-if [ "$(cargo cyclonedx --version 2>/dev/null | awk '{print $NF}')" != "$CYCLONEDX_VERSION" ]; then
-  echo "tools.sh: building cargo-cyclonedx $CYCLONEDX_VERSION from crates.io (minutes, once per machine)"
+# cargo_tool SUBCOMMAND CRATE VERSION HOW_LONG: builds CRATE@VERSION from crates.io into cargo's
+# own bin directory unless `cargo SUBCOMMAND --version` already ends with VERSION. The dev profile
+# builds in a fraction of the release build's time; these tools are not hot.
+cargo_tool() {
+  local sub="$1" crate="$2" version="$3" how_long="$4" build
+  if [ "$(cargo "$sub" --version 2>/dev/null | awk '{print $NF}')" = "$version" ]; then
+    return 0
+  fi
+  echo "tools.sh: building $crate $version from crates.io ($how_long, once per machine)"
   build="$(mktemp -d)"
-  # The dev profile builds in a fraction of the release build's time; an SBOM run is not hot.
   if ! CARGO_TARGET_DIR="$build" cargo install --quiet --locked --force --debug \
-    "cargo-cyclonedx@$CYCLONEDX_VERSION"; then
+    "$crate@$version"; then
     rm -rf "$build"
     exit 1
   fi
   rm -rf "$build"
-fi
+}
 
-# It prints "cargo-fuzz <version>".
-if [ "$(cargo fuzz --version 2>/dev/null | awk '{print $NF}')" != "$FUZZ_VERSION" ]; then
-  echo "tools.sh: building cargo-fuzz $FUZZ_VERSION from crates.io (about a minute, once per machine)"
-  build="$(mktemp -d)"
-  if ! CARGO_TARGET_DIR="$build" cargo install --quiet --locked --force --debug \
-    "cargo-fuzz@$FUZZ_VERSION"; then
-    rm -rf "$build"
-    exit 1
-  fi
-  rm -rf "$build"
-fi
+# `cargo cyclonedx --version` prints "cargo-cyclonedx-cyclonedx <version>";
+# `cargo fuzz --version` prints "cargo-fuzz <version>".
+cargo_tool cyclonedx cargo-cyclonedx "$CYCLONEDX_VERSION" "minutes"
+cargo_tool fuzz cargo-fuzz "$FUZZ_VERSION" "about a minute"
 
 "$bin/helm" version --short >/dev/null
 "$venv/bin/kubernetes-validate" --version >/dev/null

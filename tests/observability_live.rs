@@ -235,14 +235,10 @@ fn operator_families() -> BTreeSet<String> {
     metrics.failed("KVCachePool", "apply");
     metrics.set_leader(true);
     metrics.set_transport_degraded("ns", "pool", 0);
-    let mut text = Vec::new();
-    prometheus::Encoder::encode(
-        &prometheus::TextEncoder::new(),
-        &registry.gather(),
-        &mut text,
-    )
-    .expect("encode");
-    families(&String::from_utf8(text).expect("utf-8"))
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&registry.gather())
+        .expect("encode");
+    families(&text)
 }
 
 /// Every `.rs` file's text under the given folders.

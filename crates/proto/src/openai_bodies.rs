@@ -121,14 +121,19 @@ pub fn models_body<S: AsRef<str>>(models: &[S], created: u64) -> Value {
 mod tests {
     use super::*;
 
-    #[test]
-    fn bodies_have_openai_shape() {
-        let meta = ResponseMeta {
+    /// Response `cmpl-1` of model `m`, created at 5, on `endpoint`.
+    fn meta(endpoint: Endpoint) -> ResponseMeta {
+        ResponseMeta {
             id: "cmpl-1".into(),
             created: 5,
             model: "m".into(),
-            endpoint: Endpoint::ChatCompletions,
-        };
+            endpoint,
+        }
+    }
+
+    #[test]
+    fn bodies_have_openai_shape() {
+        let meta = meta(Endpoint::ChatCompletions);
         let b = response_body(&meta, "ok", 1, 3, 2);
         assert_eq!(b["choices"][0]["message"]["content"], "ok");
         assert_eq!(b["usage"]["total_tokens"], 5);
@@ -145,12 +150,7 @@ mod tests {
 
     #[test]
     fn several_choices_are_indexed_and_the_usage_chunk_has_none() {
-        let meta = ResponseMeta {
-            id: "cmpl-1".into(),
-            created: 5,
-            model: "m".into(),
-            endpoint: Endpoint::Completions,
-        };
+        let meta = meta(Endpoint::Completions);
         let b = response_body(&meta, "t", 3, 4, 6);
         let indices: Vec<_> = b["choices"]
             .as_array()

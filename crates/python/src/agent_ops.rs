@@ -13,7 +13,7 @@ use kvpool_proto::engine_api::{GetItem, PutItem, Status};
 use crate::agent::{Agent, MAX_BATCH, Place, status_failure};
 use crate::errors::{Failure, Kind};
 use crate::ops::PutArgs;
-use crate::staging::ALIGN;
+use crate::staging::{ALIGN, Range};
 
 /// Where the bytes of one put come from.
 pub enum Src<'a> {
@@ -137,11 +137,25 @@ fn groups(a: &Agent, rooms: &[u64]) -> Vec<std::ops::Range<usize>> {
 
 /// Store each `(key, src)`: one put RPC per group; one result per item.
 pub async fn put_all(a: &Agent, items: &[(&[u8], Src<'_>)]) -> Vec<Result<(), Failure>> {
-    let mut out: Vec<Result<(), Failure>> = Vec::with_capacity(items.len());
     let rooms: Vec<u64> = items.iter().map(|(_, s)| s.room()).collect();
-    for g in groups(a, &rooms) {
+    by_group(a, items, &rooms, |part, room| put_group(a, part, room)).await
+}
+
+/// `run` on each group of `items` (cut by [`groups`] from their `rooms`), one result per item:
+/// a group whose call failed as a whole fails each of its items.
+async fn by_group<'i, I, T, Fut>(
+    a: &Agent,
+    items: &'i [I],
+    rooms: &[u64],
+    run: impl Fn(&'i [I], u64) -> Fut,
+) -> Vec<Result<T, Failure>>
+where
+    Fut: Future<Output = Result<Vec<Result<T, Failure>>, Failure>>,
+{
+    let mut out = Vec::with_capacity(items.len());
+    for g in groups(a, rooms) {
         let part = &items[g.clone()];
-        match put_group(a, part, rooms[g].iter().sum()).await {
+        match run(part, rooms[g].iter().sum()).await {
             Ok(results) => out.extend(results),
             Err(f) => out.extend(part.iter().map(|_| Err(copy_failure(&f)))),
         }
@@ -149,17 +163,23 @@ pub async fn put_all(a: &Agent, items: &[(&[u8], Src<'_>)]) -> Vec<Result<(), Fa
     out
 }
 
+/// `room` bytes of staging for one group's copies, and where they start; none when the group
+/// copies nothing (all its items already lie in staging).
+async fn take_room(a: &Agent, room: u64) -> Result<(Option<Range>, u64), Failure> {
+    if room == 0 {
+        return Ok((None, 0));
+    }
+    let lease = a.arena.take(room, a.timeout).await?;
+    let at = lease.offset;
+    Ok((Some(lease), at))
+}
+
 async fn put_group(
     a: &Agent,
     items: &[(&[u8], Src<'_>)],
     room: u64,
 ) -> Result<Vec<Result<(), Failure>>, Failure> {
-    let lease = if room > 0 {
-        Some(a.arena.take(room, a.timeout).await?)
-    } else {
-        None
-    };
-    let mut at = lease.as_ref().map_or(0, |l| l.offset);
+    let (lease, mut at) = take_room(a, room).await?;
     let mut rpc = Vec::with_capacity(items.len());
     for (key, src) in items {
         let offset = match src {
@@ -214,15 +234,8 @@ pub async fn get_all(a: &Agent, items: &[(&[u8], Dst)]) -> Vec<Result<Got, Failu
 }
 
 async fn fetch(a: &Agent, items: &[(&[u8], Dst)], retry: bool) -> Vec<Result<Got, Failure>> {
-    let mut out: Vec<Result<Got, Failure>> = Vec::with_capacity(items.len());
     let rooms: Vec<u64> = items.iter().map(|(_, d)| d.room()).collect();
-    for g in groups(a, &rooms) {
-        let part = &items[g.clone()];
-        match get_group(a, part, rooms[g].iter().sum()).await {
-            Ok(results) => out.extend(results),
-            Err(f) => out.extend(part.iter().map(|_| Err(copy_failure(&f)))),
-        }
-    }
+    let mut out = by_group(a, items, &rooms, |part, room| get_group(a, part, room)).await;
     // Values that did not fit the first guess: again, with room for their size.
     let again: Vec<(usize, u64)> = out
         .iter()
@@ -266,12 +279,7 @@ async fn get_group(
     items: &[(&[u8], Dst)],
     room: u64,
 ) -> Result<Vec<Result<Got, Failure>>, Failure> {
-    let lease = if room > 0 {
-        Some(a.arena.take(room, a.timeout).await?)
-    } else {
-        None
-    };
-    let mut at = lease.as_ref().map_or(0, |l| l.offset);
+    let (lease, mut at) = take_room(a, room).await?;
     let mut rpc = Vec::with_capacity(items.len());
     let mut offsets = Vec::with_capacity(items.len());
     for (key, dst) in items {

@@ -96,11 +96,7 @@ impl Worker {
                     },
                     Api::Copy | Api::Engine => None,
                 };
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= ops {
-                        break;
-                    }
+                while let Some(i) = claim(&next, ops) {
                     let key = object_key(id, size, i);
                     let t = Instant::now();
                     let outcome: Result<Got, DataError> = match (put, &registered) {
@@ -323,11 +319,7 @@ async fn engine_slot(
     let n = STAMP.min(tmpl.len());
     let mut r = PhaseResult::default();
     let mut h = histogram();
-    loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        if i >= ops {
-            break;
-        }
+    while let Some(i) = claim(next, ops) {
         let key = object_key(id, size, i);
         let t = Instant::now();
         let outcome: Result<bool, String> = async {
@@ -364,6 +356,13 @@ async fn engine_slot(
     let _ = client.close().await;
     r.latency_us = encode_histogram(&h);
     r
+}
+
+/// The next of a phase's `ops` operations for a slot to run; `None` once all are taken.
+/// Slots share `next`, so each operation runs once across them.
+fn claim(next: &AtomicU64, ops: u64) -> Option<u64> {
+    let i = next.fetch_add(1, Ordering::Relaxed);
+    (i < ops).then_some(i)
 }
 
 fn failed(e: &dyn std::error::Error) -> PhaseResult {

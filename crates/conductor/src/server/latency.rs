@@ -207,14 +207,9 @@ mod tests {
     /// The sample of `name` with `labels` (in registration order) in the text exposition;
     /// for a histogram, its count.
     fn value(registry: &Registry, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let mut text = Vec::new();
-        prometheus::Encoder::encode(
-            &prometheus::TextEncoder::new(),
-            &registry.gather(),
-            &mut text,
-        )
-        .expect("encode");
-        let text = String::from_utf8(text).expect("utf-8");
+        let text = prometheus::TextEncoder::new()
+            .encode_to_string(&registry.gather())
+            .expect("encode");
         let labels: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
         let series = if labels.is_empty() {
             String::new()

@@ -9,8 +9,10 @@
 use std::collections::{HashMap, VecDeque};
 
 mod lfu;
+mod lists;
 
 pub use lfu::Lfu;
+use lists::Lists;
 
 /// Which eviction policy to run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -75,74 +77,20 @@ pub trait Policy: Send + std::fmt::Debug {
     fn evict(&mut self, may_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32>;
 }
 
-const NIL: u32 = u32::MAX;
-const ABSENT: u32 = u32::MAX - 1;
-
-/// Doubly linked list threaded through two arrays; `touch` moves to the head when `recency`
-/// is set (LRU), otherwise order is insertion only (FIFO).
+/// A doubly linked list of slots; `touch` moves to the head when `recency` is set (LRU),
+/// otherwise order is insertion only (FIFO).
 #[derive(Debug)]
 pub struct Lru {
     recency: bool,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    head: u32,
-    tail: u32,
-    len: usize,
+    list: Lists<1>,
 }
 
 impl Lru {
     pub fn new(recency: bool) -> Self {
         Self {
             recency,
-            prev: Vec::new(),
-            next: Vec::new(),
-            head: NIL,
-            tail: NIL,
-            len: 0,
+            list: Lists::new(),
         }
-    }
-
-    fn ensure(&mut self, slot: u32) {
-        let need = slot as usize + 1;
-        if self.prev.len() < need {
-            self.prev.resize(need, ABSENT);
-            self.next.resize(need, ABSENT);
-        }
-    }
-
-    fn contains(&self, slot: u32) -> bool {
-        self.prev.get(slot as usize).is_some_and(|p| *p != ABSENT)
-    }
-
-    fn push_front(&mut self, slot: u32) {
-        let i = slot as usize;
-        self.prev[i] = NIL;
-        self.next[i] = self.head;
-        if self.head != NIL {
-            self.prev[self.head as usize] = slot;
-        } else {
-            self.tail = slot;
-        }
-        self.head = slot;
-        self.len += 1;
-    }
-
-    fn unlink(&mut self, slot: u32) {
-        let i = slot as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p != NIL {
-            self.next[p as usize] = n;
-        } else {
-            self.head = n;
-        }
-        if n != NIL {
-            self.prev[n as usize] = p;
-        } else {
-            self.tail = p;
-        }
-        self.prev[i] = ABSENT;
-        self.next[i] = ABSENT;
-        self.len -= 1;
     }
 }
 
@@ -156,40 +104,28 @@ impl Policy for Lru {
     }
 
     fn insert(&mut self, slot: u32, _key: u64) {
-        self.ensure(slot);
-        if self.contains(slot) {
-            self.unlink(slot);
-        }
-        self.push_front(slot);
+        self.list.ensure(slot);
+        self.list.remove(slot);
+        self.list.push_front(0, slot);
     }
 
     fn touch(&mut self, slot: u32) {
-        if self.recency && self.contains(slot) && self.head != slot {
-            self.unlink(slot);
-            self.push_front(slot);
+        if self.recency && self.list.contains(slot) && self.list.head[0] != slot {
+            self.list.unlink(slot);
+            self.list.push_front(0, slot);
         }
     }
 
     fn remove(&mut self, slot: u32) {
-        if self.contains(slot) {
-            self.unlink(slot);
-        }
+        self.list.remove(slot);
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.list.len()
     }
 
     fn evict(&mut self, may_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        let mut cur = self.tail;
-        while cur != NIL {
-            if may_evict(cur) {
-                self.unlink(cur);
-                return Some(cur);
-            }
-            cur = self.prev[cur as usize];
-        }
-        None
+        self.list.evict_from(0, may_evict)
     }
 }
 

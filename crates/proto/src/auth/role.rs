@@ -29,26 +29,14 @@ pub enum Role {
     Observer,
 }
 
-/// The master's methods, by their gRPC names (`kvpool.master.v1.Master/<name>`).
-pub const METHODS: [&str; 17] = [
-    "MountSegment",
-    "UnmountSegment",
-    "Heartbeat",
-    "CompleteTask",
-    "AdoptReplicas",
-    "PutStart",
-    "PutEnd",
-    "PutRevoke",
-    "Get",
-    "ReleaseLeases",
-    "Exists",
-    "LongestPrefix",
-    "Remove",
-    "RemoveAll",
-    "Pin",
-    "Unpin",
-    "Stats",
-];
+/// The master's methods, by their gRPC names (`kvpool.master.v1.Master/<name>`): the groups
+/// below, each method named once, so a new method must join a group to exist.
+pub const METHODS: [&str; 17] = join(&[
+    &SEGMENT_CALLS,
+    &["AdoptReplicas"],
+    &CLIENT_CALLS,
+    &["RemoveAll"],
+]);
 
 /// The calls of a pool client that only touch objects.
 const CLIENT_CALLS: [&str; 11] = [
@@ -72,6 +60,24 @@ const SEGMENT_CALLS: [&str; 4] = [
     "Heartbeat",
     "CompleteTask",
 ];
+
+/// `groups` one after another; compilation fails unless they hold exactly `N` names.
+const fn join<const N: usize>(groups: &[&[&'static str]]) -> [&'static str; N] {
+    let mut out = [""; N];
+    let mut filled = 0;
+    let mut g = 0;
+    while g < groups.len() {
+        let mut i = 0;
+        while i < groups[g].len() {
+            out[filled] = groups[g][i];
+            filled += 1;
+            i += 1;
+        }
+        g += 1;
+    }
+    assert!(filled == N, "the method groups do not fill METHODS");
+    out
+}
 
 impl Role {
     /// Every role.

@@ -49,6 +49,22 @@ fn role_keys_are_derived_distinct_and_stable() {
 }
 
 #[test]
+fn methods_are_named_once_and_roles_split_them_as_documented() {
+    let distinct: std::collections::HashSet<&str> = METHODS.iter().copied().collect();
+    assert_eq!(distinct.len(), METHODS.len(), "{METHODS:?}");
+    let allowed =
+        |role: Role| -> Vec<&str> { METHODS.iter().copied().filter(|m| role.allows(m)).collect() };
+    assert_eq!(allowed(Role::Admin), METHODS.to_vec());
+    let all_but =
+        |skip: &str| -> Vec<&str> { METHODS.iter().copied().filter(|m| *m != skip).collect() };
+    assert_eq!(allowed(Role::Agent), all_but("RemoveAll"));
+    assert_eq!(allowed(Role::Engine), all_but("AdoptReplicas"));
+    assert_eq!(allowed(Role::Conductor), ["Exists", "LongestPrefix"]);
+    assert_eq!(allowed(Role::Observer), ["Stats"]);
+    assert!(!Role::Admin.allows("Nope") && !Role::Engine.allows("Nope"));
+}
+
+#[test]
 fn every_role_signs_what_it_may_call_once() {
     let v = verifier();
     for role in Role::ALL {

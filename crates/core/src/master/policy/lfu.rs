@@ -11,7 +11,8 @@
 //! 16 heads and tails), so a stale counter can only misplace a slot's priority, never break a
 //! list.
 
-use super::{ABSENT, NIL, Policy, PolicyKind};
+use super::lists::{Lists, NIL};
+use super::{Policy, PolicyKind};
 
 /// Largest counter value (4 bits, as TinyLFU's counters).
 pub const MAX_COUNT: u8 = 15;
@@ -24,13 +25,10 @@ const MIN_WINDOW: u64 = 160;
 /// LFU with aging (see the module documentation).
 #[derive(Debug)]
 pub struct Lfu {
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    /// List `c` holds the slots whose counter is `c`.
+    lists: Lists<LISTS>,
     count: Vec<u8>,
     epoch: Vec<u8>,
-    head: [u32; LISTS],
-    tail: [u32; LISTS],
-    len: usize,
     /// Aging epoch (wraps; see [`Lfu::current_count`]).
     now: u8,
     /// References since the last halving.
@@ -46,30 +44,20 @@ impl Default for Lfu {
 impl Lfu {
     pub fn new() -> Self {
         Self {
-            prev: Vec::new(),
-            next: Vec::new(),
+            lists: Lists::new(),
             count: Vec::new(),
             epoch: Vec::new(),
-            head: [NIL; LISTS],
-            tail: [NIL; LISTS],
-            len: 0,
             now: 0,
             references: 0,
         }
     }
 
     fn ensure(&mut self, slot: u32) {
-        let need = slot as usize + 1;
-        if self.prev.len() < need {
-            self.prev.resize(need, ABSENT);
-            self.next.resize(need, ABSENT);
+        if self.lists.ensure(slot) {
+            let need = slot as usize + 1;
             self.count.resize(need, 0);
             self.epoch.resize(need, 0);
         }
-    }
-
-    fn contains(&self, slot: u32) -> bool {
-        self.prev.get(slot as usize).is_some_and(|p| *p != ABSENT)
     }
 
     /// The slot's counter after the halvings it missed (`None`: not tracked). The epoch is a
@@ -77,7 +65,7 @@ impl Lfu {
     /// modulo 256, so its counter may be overstated; that only misplaces its priority (it is
     /// in the list of counter 0 by then), never a list.
     pub fn current_count(&self, slot: u32) -> Option<u8> {
-        if !self.contains(slot) {
+        if !self.lists.contains(slot) {
             return None;
         }
         let i = slot as usize;
@@ -90,42 +78,16 @@ impl Lfu {
     }
 
     fn push_front(&mut self, slot: u32, count: u8) {
-        let (i, l) = (slot as usize, usize::from(count));
+        let i = slot as usize;
         self.count[i] = count;
         self.epoch[i] = self.now;
-        self.prev[i] = NIL;
-        self.next[i] = self.head[l];
-        if self.head[l] != NIL {
-            self.prev[self.head[l] as usize] = slot;
-        } else {
-            self.tail[l] = slot;
-        }
-        self.head[l] = slot;
-        self.len += 1;
-    }
-
-    fn unlink(&mut self, slot: u32) {
-        let i = slot as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p != NIL {
-            self.next[p as usize] = n;
-        } else if let Some(l) = self.head.iter().position(|h| *h == slot) {
-            self.head[l] = n;
-        }
-        if n != NIL {
-            self.prev[n as usize] = p;
-        } else if let Some(l) = self.tail.iter().position(|t| *t == slot) {
-            self.tail[l] = p;
-        }
-        self.prev[i] = ABSENT;
-        self.next[i] = ABSENT;
-        self.len -= 1;
+        self.lists.push_front(usize::from(count), slot);
     }
 
     /// Count one reference; halve every counter when the window is full.
     fn reference(&mut self) {
         self.references += 1;
-        let window = (self.len as u64 * AGING_WINDOW).max(MIN_WINDOW);
+        let window = (self.lists.len() as u64 * AGING_WINDOW).max(MIN_WINDOW);
         if self.references >= window {
             self.references = 0;
             self.age();
@@ -135,9 +97,10 @@ impl Lfu {
     /// Halve every counter: list `c` becomes list `2c + 1` followed by list `2c` (which is
     /// nearer the eviction end), for every `c`.
     fn age(&mut self) {
-        let (old_head, old_tail) = (self.head, self.tail);
-        self.head = [NIL; LISTS];
-        self.tail = [NIL; LISTS];
+        let lists = &mut self.lists;
+        let (old_head, old_tail) = (lists.head, lists.tail);
+        lists.head = [NIL; LISTS];
+        lists.tail = [NIL; LISTS];
         for c in 0..LISTS / 2 {
             let (hi, lo) = (2 * c + 1, 2 * c);
             let (h, t) = match (old_head[hi], old_head[lo]) {
@@ -146,13 +109,13 @@ impl Lfu {
                 (_, NIL) => (old_head[hi], old_tail[hi]),
                 (_, lo_head) => {
                     let hi_tail = old_tail[hi];
-                    self.next[hi_tail as usize] = lo_head;
-                    self.prev[lo_head as usize] = hi_tail;
+                    lists.next[hi_tail as usize] = lo_head;
+                    lists.prev[lo_head as usize] = hi_tail;
                     (old_head[hi], old_tail[lo])
                 }
             };
-            self.head[c] = h;
-            self.tail[c] = t;
+            lists.head[c] = h;
+            lists.tail[c] = t;
         }
         self.now = self.now.wrapping_add(1);
     }
@@ -165,9 +128,7 @@ impl Policy for Lfu {
 
     fn insert(&mut self, slot: u32, _key: u64) {
         self.ensure(slot);
-        if self.contains(slot) {
-            self.unlink(slot);
-        }
+        self.lists.remove(slot);
         self.push_front(slot, 0);
         self.reference();
     }
@@ -176,33 +137,21 @@ impl Policy for Lfu {
         let Some(count) = self.current_count(slot) else {
             return;
         };
-        self.unlink(slot);
+        self.lists.unlink(slot);
         self.push_front(slot, (count + 1).min(MAX_COUNT));
         self.reference();
     }
 
     fn remove(&mut self, slot: u32) {
-        if self.contains(slot) {
-            self.unlink(slot);
-        }
+        self.lists.remove(slot);
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.lists.len()
     }
 
     fn evict(&mut self, may_evict: &mut dyn FnMut(u32) -> bool) -> Option<u32> {
-        for l in 0..LISTS {
-            let mut cur = self.tail[l];
-            while cur != NIL {
-                if may_evict(cur) {
-                    self.unlink(cur);
-                    return Some(cur);
-                }
-                cur = self.prev[cur as usize];
-            }
-        }
-        None
+        (0..LISTS).find_map(|l| self.lists.evict_from(l, may_evict))
     }
 }
 
