@@ -336,7 +336,25 @@ impl Policy for S3Fifo {
             self.drop_slot(slot);
             return Some(slot);
         }
-        None
+        // The budget ran out before the queues' rotation reached an evictable slot (entries
+        // re-queued by counters and refusals): one last pass over the live entries in queue
+        // order, so that `None` always means that no tracked slot may go.
+        let live: Vec<u32> = self
+            .small
+            .iter()
+            .chain(self.main.iter())
+            .filter(|e| self.live(**e))
+            .map(|e| e.0)
+            .collect();
+        let slot = live.into_iter().find(|s| may_evict(*s))?;
+        if self.queue[slot as usize] == IN_SMALL {
+            let key = self.keys[slot as usize];
+            self.drop_slot(slot);
+            self.remember(key);
+        } else {
+            self.drop_slot(slot);
+        }
+        Some(slot)
     }
 }
 
