@@ -42,6 +42,10 @@ const TRANSFER_TIMEOUT: Duration = Duration::from_secs(2);
 /// write or read, a retry on the other replica, and the master calls around it, with room for
 /// a loaded 2-core box. Only a hang exceeds it.
 const CALL_BOUND: Duration = Duration::from_secs(30);
+/// Each agent's DRAM: the objects of a run (about 130, 0.5 MiB on average, 2 replicas) fit on
+/// the two agents left during a cut, so that nothing is evicted (an evicted object is absent,
+/// not lost, and would blur the count).
+const DRAM: &str = "256MiB";
 /// The cut agent.
 const CUT: &str = "agent-x";
 /// Puts with a replica on agent-x before each cut (so that it takes writes and serves reads).
@@ -73,8 +77,10 @@ struct Log {
     /// Acknowledged puts with a replica on agent-x.
     on_x: u64,
     failures: Vec<Failure>,
-    /// Reads that returned bytes other than those written.
-    wrong: Vec<String>,
+    /// Reads that returned bytes other than those written: (id, what happened).
+    wrong: Vec<(u64, String)>,
+    /// Where the cuts stand (for the failure messages), and since when.
+    phase: (String, Option<Instant>),
     reads: u64,
     /// The slowest read that succeeded.
     slowest_read: Duration,
@@ -91,7 +97,7 @@ fn start_agent_on(
     netns: Option<&str>,
 ) -> ChildProcess {
     let admin = SocketAddr::new(ip, free_port().expect("port"));
-    let spec = AgentSpec::new(KVPOOL, dir.join(name), name, "64MiB")
+    let spec = AgentSpec::new(KVPOOL, dir.join(name), name, DRAM)
         .fixture(&sysfs_fixture())
         .admin(admin)
         .pool(master, key_file, "200ms")
@@ -163,7 +169,7 @@ async fn write_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool
                         op: "put",
                         at,
                         took: at.elapsed(),
-                        error: format!("{e:#}"),
+                        error: chain(&e),
                     });
                     assert!(
                         first.elapsed() < DEADLINE,
@@ -186,7 +192,7 @@ async fn read_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>
             let len = l.committed.len();
             (len > 0).then(|| {
                 // Mostly the newest objects (on agent-x two times in three), some old ones.
-                let id = if n % 3 == 0 {
+                let id = if n.is_multiple_of(3) {
                     (n * 7919) % len
                 } else {
                     len - 1 - n % len.min(8)
@@ -208,10 +214,14 @@ async fn read_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>
                 l.reads += 1;
                 l.slowest_read = l.slowest_read.max(took);
                 if crc32c::crc32c(&bytes) != crc || bytes.len() != value(id).len() {
-                    l.wrong.push(format!(
-                        "object {id}: {} bytes, wrong checksum",
-                        bytes.len()
-                    ));
+                    let (phase, since) = &l.phase;
+                    let what = format!(
+                        "object {id}: {} bytes, wrong checksum, read in {took:?} starting {:?} \
+                         after the {phase}",
+                        bytes.len(),
+                        since.map(|t| at.saturating_duration_since(t))
+                    );
+                    l.wrong.push((id, what));
                 }
             }
             Err(e) => l.failures.push(Failure {
@@ -219,10 +229,22 @@ async fn read_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>
                 op: "get",
                 at,
                 took,
-                error: format!("{e:#}"),
+                error: chain(&e),
             }),
         }
     }
+}
+
+/// An error with its sources, `: `-separated.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// Polls the log until `done` holds.
@@ -251,6 +273,7 @@ async fn cut_and_restore(
     let committed_at_cut = log.lock().committed.len();
     net.cut(how).expect("cut the link");
     let cut = Instant::now();
+    log.lock().phase = (format!("{how:?} cut"), Some(cut));
     wait_stats(client, "agent-x declared dead", procs, |s| {
         s.nodes_alive == 2
     })
@@ -273,6 +296,7 @@ async fn cut_and_restore(
 
     net.restore(how).expect("restore the link");
     let restored = Instant::now();
+    log.lock().phase = (format!("{how:?} restore"), Some(restored));
     wait_stats(client, "agent-x back in the pool", procs, |s| {
         s.nodes_alive == 3
     })
@@ -302,6 +326,12 @@ async fn cut_and_restore(
             f.error
         );
     }
+    // The cut came mid-transfer: a put was writing to agent-x (the master places replicas on it
+    // until it declares it dead, and two puts in three have one there).
+    assert!(
+        during.iter().any(|f| f.op == "put"),
+        "no put to {CUT} was cut off: the cut came between transfers"
+    );
     let slowest_fail = during.iter().map(|f| f.took).max().unwrap_or_default();
     format!(
         "figure: link to 1 of 3 agents cut by {how:?} under a put/get loop ({committed_at_cut} \
@@ -378,7 +408,19 @@ async fn scenario(net: &HubAndIsland) {
 
     // Every acknowledged put reads back exactly, and the master's counters agree.
     let l = std::mem::take(&mut *log.lock());
-    assert!(l.wrong.is_empty(), "wrong bytes read: {:?}", l.wrong);
+    if !l.wrong.is_empty() {
+        // Whether the pool holds wrong bytes, or one read returned them.
+        let mut report = Vec::new();
+        for (id, what) in &l.wrong {
+            let now = match pool.get(&key(*id)).await {
+                Ok(b) if b == value(*id) => "reads right now".to_owned(),
+                Ok(b) => format!("reads wrong again ({} bytes)", b.len()),
+                Err(e) => format!("unreadable now: {}", chain(&e)),
+            };
+            report.push(format!("{what}; {now}"));
+        }
+        panic!("wrong bytes read: {report:?}");
+    }
     let stats = wait_stats(
         &client,
         "every object at two replicas",
