@@ -6,36 +6,21 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod netns_support;
 mod skip_support;
 mod transfer_util;
 
 use std::fs::File;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kvpool_transfer::*;
+use netns_support::{ip, running_as_root};
 use transfer_util::*;
 
 struct Netns {
     a: String,
     b: String,
     veth_a: String,
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
 }
 
 impl Netns {
@@ -101,18 +86,6 @@ impl Drop for Netns {
         let _ = ip(&["netns", "del", &self.a]);
         let _ = ip(&["netns", "del", &self.b]);
     }
-}
-
-fn running_as_root() -> bool {
-    // /proc/self/status: "Uid:\treal\teffective\t..."
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|v| v.split_whitespace().nth(1).map(|e| e == "0"))
-        })
-        .unwrap_or(false)
 }
 
 #[test]

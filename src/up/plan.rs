@@ -144,6 +144,7 @@ fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr)
             master: vec![master.to_string()],
             auth_key_file: role_key_file(&s.dir, kvpool_proto::auth::Role::Agent),
             heartbeat_interval: "500ms".into(),
+            transport_listen: "127.0.0.1:0".into(),
             settings: std::iter::once(format!("replicas: {}", s.replicas))
                 .chain((!s.failure_domains.is_empty()).then(|| {
                     format!(

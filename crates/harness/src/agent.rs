@@ -20,6 +20,9 @@ pub struct PoolConfig {
     pub master: Vec<String>,
     pub auth_key_file: PathBuf,
     pub heartbeat_interval: String,
+    /// `pool.transport_listen`: where the agent's transfer engine listens (and, not being a
+    /// wildcard, the address it announces), e.g. `127.0.0.1:0`.
+    pub transport_listen: String,
     /// Further `pool:` settings, one `key: value` each (e.g. `replicas: 2`).
     pub settings: Vec<String>,
 }
@@ -81,10 +84,11 @@ impl AgentConfig {
             let masters: Vec<String> = p.master.iter().map(|m| format!("\"{m}\"")).collect();
             let _ = write!(
                 y,
-                "pool:\n  master: [{}]\n  auth_key_file: {}\n  transport_listen: 127.0.0.1:0\n  \
+                "pool:\n  master: [{}]\n  auth_key_file: {}\n  transport_listen: {}\n  \
                  heartbeat_interval: {}\n",
                 masters.join(", "),
                 p.auth_key_file.display(),
+                p.transport_listen,
                 p.heartbeat_interval,
             );
             for s in &p.settings {
@@ -146,8 +150,18 @@ impl AgentSpec {
             master: vec![master.to_string()],
             auth_key_file: key_file.to_owned(),
             heartbeat_interval: heartbeat_interval.to_owned(),
+            transport_listen: "127.0.0.1:0".into(),
             settings: Vec::new(),
         });
+        self
+    }
+
+    /// The transfer engine on `addr` (an IP address, port 0 for any) instead of
+    /// `127.0.0.1:0`; nothing without [`AgentSpec::pool`].
+    pub fn transport_listen(mut self, addr: &str) -> Self {
+        if let Some(p) = &mut self.config.pool {
+            p.transport_listen = addr.to_owned();
+        }
         self
     }
 
