@@ -103,6 +103,22 @@ fn sglang_replay_hands_kv_over_through_the_pool_by_room() {
     );
 }
 
+/// `--tls`: the master serves over TLS with a throw-away certificate, and every client of it
+/// (the agent, the conductor, `up`'s own summary) verifies it with the run's CA: the replay's
+/// checks pass, and the pool's figures come from the master over TLS.
+#[test]
+fn tls_replay_reaches_the_master_over_tls_from_every_child() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let summary = replay_excerpt_in(&dir, "tls", &["--tls"]);
+    assert!(summary["pool"]["objects"].as_u64().is_some(), "{summary}");
+    // The master did serve TLS (so every child that reached it spoke TLS), and the keys are
+    // private to the user.
+    let log = std::fs::read_to_string(dir.path().join("logs/master.log")).expect("master log");
+    assert!(log.contains("tls=true"), "{log}");
+    assert_eq!(mode(&dir.path().join("tls-master-key.pem")), 0o600);
+    assert_eq!(mode(&dir.path().join("tls-client-key.pem")), 0o600);
+}
+
 /// `kvpool up` on the agents' fixture machine.
 fn up_on_fixture(dir: &Path, marker: &str) -> Command {
     up(dir, marker, &pool_support::sysfs_fixture().join("sys"))
@@ -112,6 +128,11 @@ fn up_on_fixture(dir: &Path, marker: &str) -> Command {
 /// checks what every mode must show; returns the summary.
 fn replay_excerpt(name: &str, extra: &[&str]) -> Value {
     let dir = tempfile::tempdir().expect("tempdir");
+    replay_excerpt_in(&dir, name, extra)
+}
+
+/// [`replay_excerpt`] in the working directory `dir` (kept for the caller to look into).
+fn replay_excerpt_in(dir: &tempfile::TempDir, name: &str, extra: &[&str]) -> Value {
     let marker = marker(name);
     let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/conversation_excerpt.jsonl");
     let mut child = spawn_up(

@@ -41,6 +41,8 @@ impl ChildError {
 pub struct Children {
     running: Vec<ChildProcess>,
     launcher: Launcher,
+    /// Variables set in every child's environment (the master's CA with `--tls`).
+    env: Vec<(&'static str, PathBuf)>,
     logs: PathBuf,
     grace: Duration,
 }
@@ -76,9 +78,15 @@ impl Children {
         Self {
             running: Vec::new(),
             launcher,
+            env: Vec::new(),
             logs,
             grace,
         }
+    }
+
+    /// Set `var` to `path` in the environment of every child started from now on.
+    pub fn set_env(&mut self, var: &'static str, path: PathBuf) {
+        self.env.push((var, path));
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -96,7 +104,7 @@ impl Children {
     }
 
     /// Writes the child's config file, if any, and starts it (its settings come from the
-    /// command line only). Must be called from the thread that stays alive as long as the
+    /// command line, and the variables of [`Self::set_env`]). Must be called from the thread that stays alive as long as the
     /// children (the parent-death signal follows the thread).
     pub fn start(&mut self, spec: &ChildSpec) -> Result<u32, ChildError> {
         if let Some((path, contents)) = &spec.config_file {
@@ -104,6 +112,9 @@ impl Children {
         }
         let mut cmd = kvpool_command(&spec.program);
         cmd.args(&spec.args);
+        for (var, path) in &self.env {
+            cmd.env(var, path);
+        }
         let child = self
             .launcher
             .spawn(&spec.name, &mut cmd)

@@ -122,6 +122,12 @@ pub struct UpArgs {
     #[arg(long, alias = "ready-timeout-s", default_value = "2m",
         value_parser = kvpool_core::flags::parse_duration)]
     pub ready_timeout: Duration,
+    /// TLS on the master's port: a throw-away CA and a certificate for 127.0.0.1/localhost
+    /// are made in the working directory, the master serves with them and every child (and
+    /// `up`'s own summary) verifies it with the CA. Off by default: every connection of `up`
+    /// stays on loopback, where TLS protects nothing the user's account does not already.
+    #[arg(long)]
+    pub tls: bool,
 }
 
 /// Errors of `kvpool up`.
@@ -158,6 +164,8 @@ pub enum UpError {
         seconds: f64,
         log: PathBuf,
     },
+    #[error("cannot make the throw-away TLS certificates")]
+    Tls(#[source] kvpool_harness::tls::TlsGenError),
     #[error("interrupted during start-up")]
     Interrupted,
     #[error("cannot read the trace")]
@@ -313,7 +321,24 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     let (dir, temp) = work_dir(args)?;
     let (tiers, _tiers_guard) = shm::tier_dir(args.agent_dram_persistence, &dir, temp.is_some())?;
     let _temp = temp;
-    let settings = validate(args, dir.clone(), tiers)?;
+    let mut settings = validate(args, dir.clone(), tiers)?;
+    let tls_files = if args.tls {
+        let names = ["127.0.0.1", "localhost"];
+        let made = kvpool_harness::tls::write_throwaway(&dir, "kvpool up throw-away CA", &names);
+        Some(made.map_err(UpError::Tls)?)
+    } else {
+        None
+    };
+    let mut master_tls = kvpool_client::master::MasterTls::default();
+    if let Some(files) = &tls_files {
+        settings.master_flags.extend([
+            "--tls-cert-file".to_owned(),
+            files.master_cert.display().to_string(),
+            "--tls-key-file".to_owned(),
+            files.master_key.display().to_string(),
+        ]);
+        master_tls.ca_file = Some(files.ca.clone());
+    }
     let ports = choose_ports(plan::ports_needed(&settings), args.base_port, args.port)?;
     let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
     write_keys(&dir, &random_key())?;
@@ -329,6 +354,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         time_scale = settings.time_scale,
         protocol = ?settings.protocol,
         replay = records.as_ref().map(Vec::len),
+        tls = args.tls,
         "kvpool up: starting"
     );
 
@@ -338,6 +364,9 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         .map_err(UpError::Runtime)?;
     let grace = args.grace;
     let mut children = Children::new(dir.join("logs"), grace);
+    if let Some(ca) = &master_tls.ca_file {
+        children.set_env(kvpool_client::master::CA_FILE_ENV, ca.clone());
+    }
     let result = runtime.block_on(async {
         let stop = CancellationToken::new();
         kvpool_runtime::shutdown::cancel_on_signal(stop.clone()).map_err(UpError::Signals)?;
@@ -371,7 +400,8 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         progress.clear();
         let kv = summary::engine_kv(&specs).await;
         let observer = plan::role_key_file(&dir, kvpool_proto::auth::Role::Observer);
-        let pool = summary::pool_stats(&startup::endpoint(&specs, Role::Master), &observer).await;
+        let master = startup::endpoint(&specs, Role::Master);
+        let pool = summary::pool_stats(&master, &observer, master_tls.clone()).await;
         let ended = match died {
             Some((name, status)) => Some(UpError::ChildDied {
                 log: children.log_path(&name),

@@ -94,14 +94,18 @@ pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
     kv
 }
 
-pub(super) async fn pool_stats(master: &str, key_file: &Path) -> Option<Value> {
+pub(super) async fn pool_stats(
+    master: &str,
+    key_file: &Path,
+    tls: kvpool_client::master::MasterTls,
+) -> Option<Value> {
     let key = kvpool_proto::auth::AuthKey::from_file(key_file).ok()?;
-    let client = kvpool_client::master::MasterClient::new(
-        vec![master.to_owned()],
-        key,
-        kvpool_client::master::ClientConfig::default(),
-    )
-    .ok()?;
+    let config = kvpool_client::master::ClientConfig {
+        tls,
+        ..kvpool_client::master::ClientConfig::default()
+    };
+    let client =
+        kvpool_client::master::MasterClient::new(vec![master.to_owned()], key, config).ok()?;
     let s = client.stats().await.ok()?;
     Some(json!({
         "objects": s.objects,

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient, MasterTls};
 use kvpool_core::master::types::{ObjectKey, PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_harness::tls::TlsFiles;
 use kvpool_harness::{EtcdServer, HarnessError};
 use kvpool_master::cmd::{CmdError, MasterArgs, RunningMaster, loopback_args, start};
 use kvpool_proto::auth::AuthKey;
@@ -61,6 +62,10 @@ pub struct MasterBenchArgs {
     /// Also measure puts against a master persisting to a local etcd (needs `etcd`).
     #[arg(long)]
     pub with_etcd: bool,
+    /// Run the lookup and put phases again, in this run, against a master serving TLS (a
+    /// throw-away CA and certificate for 127.0.0.1), to measure what TLS costs.
+    #[arg(long)]
+    pub tls: bool,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -81,6 +86,19 @@ pub struct MasterBenchReport {
     pub prefix_key_lookups_per_second: f64,
     pub puts_per_second: f64,
     pub puts_with_etcd_per_second: Option<f64>,
+    /// With `--tls`: the same phases against a TLS master.
+    pub tls: Option<TlsFigures>,
+}
+
+/// The phases of `--tls`, and each one's rate as a fraction of the plaintext one.
+#[derive(Debug, Clone, Serialize)]
+pub struct TlsFigures {
+    pub exists_calls_per_second: f64,
+    pub prefix_calls_per_second: f64,
+    pub puts_per_second: f64,
+    pub exists_vs_plaintext: f64,
+    pub prefix_vs_plaintext: f64,
+    pub puts_vs_plaintext: f64,
 }
 
 /// Resident set size of this process.
@@ -223,28 +241,94 @@ fn clients_for(
     addr: std::net::SocketAddr,
     key: &AuthKey,
     n: usize,
+    tls: &MasterTls,
 ) -> Result<Vec<MasterClient>, BenchError> {
+    let config = ClientConfig {
+        tls: tls.clone(),
+        ..ClientConfig::default()
+    };
     (0..n.max(1))
         .map(|_| {
-            MasterClient::new(vec![addr.to_string()], key.clone(), ClientConfig::default())
+            MasterClient::new(vec![addr.to_string()], key.clone(), config.clone())
                 .map_err(BenchError::Client)
         })
         .collect()
 }
 
-/// An in-process master on loopback (with etcd write-through when `etcd` is given).
+/// An in-process master on loopback (with etcd write-through when `etcd` is given, TLS with
+/// `tls`).
 async fn start_master(
     key_file: std::path::PathBuf,
     etcd: Option<String>,
+    tls: Option<&TlsFiles>,
 ) -> Result<(RunningMaster, CancellationToken), BenchError> {
-    let validated = master_args(key_file, etcd)
-        .validate()
-        .map_err(BenchError::Master)?;
+    let mut args = master_args(key_file, etcd);
+    if let Some(t) = tls {
+        args.tls_cert_file = Some(t.master_cert.clone());
+        args.tls_key_file = Some(t.master_key.clone());
+    }
+    let validated = args.validate().map_err(BenchError::Master)?;
     let shutdown = CancellationToken::new();
     let master = start(validated, shutdown.clone())
         .await
         .map_err(BenchError::Master)?;
     Ok((master, shutdown))
+}
+
+/// Load `objects` objects through the core: the same code path as put_start/put_end, minus
+/// gRPC.
+fn load(master: &RunningMaster, objects: u64) -> Result<(), BenchError> {
+    let mut st = master.core.state.lock();
+    for n in 0..8 {
+        st.mount(segment(n))
+            .map_err(|e| BenchError::Setup(e.to_string()))?;
+    }
+    let opts = PutOptions::default();
+    for i in 0..objects {
+        let key = ObjectKey::from_bytes(&bench_key(i));
+        match st.put_start(key, 64 * 1024, &opts) {
+            Ok(PutStarted::Allocated { put_id, .. }) => st
+                .put_end(key, put_id)
+                .map_err(|e| BenchError::Setup(e.to_string()))?,
+            Ok(PutStarted::AlreadyCommitted { .. }) => {}
+            Err(e) => return Err(BenchError::Setup(e.to_string())),
+        }
+    }
+    Ok(())
+}
+
+/// The lookup and put phases against a master serving TLS with throw-away certificates in
+/// `dir`; `plain` = (exists, prefix, puts) of the plaintext master, for the ratios.
+async fn tls_phases(
+    args: &MasterBenchArgs,
+    dir: &std::path::Path,
+    key_file: std::path::PathBuf,
+    key: &AuthKey,
+    plain: (f64, f64, f64),
+) -> Result<TlsFigures, BenchError> {
+    let files = kvpool_harness::tls::write_throwaway(dir, "kvpool bench CA", &["127.0.0.1"])
+        .map_err(|e| BenchError::Setup(format!("TLS certificates: {e}")))?;
+    let (master, shutdown) = start_master(key_file, None, Some(&files)).await?;
+    load(&master, args.objects)?;
+    let tls = MasterTls {
+        ca_file: Some(files.ca.clone()),
+        ..MasterTls::default()
+    };
+    let clients = clients_for(master.grpc_addr, key, args.clients, &tls)?;
+    let exists = lookup_phase(&clients, args, args.objects, false).await?;
+    let prefix = lookup_phase(&clients, args, args.objects, true).await?;
+    let puts = put_phase(&clients, args.puts, args.depth, "tls").await?;
+    shutdown.cancel();
+    master.join().await.map_err(BenchError::Master)?;
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    Ok(TlsFigures {
+        exists_calls_per_second: exists,
+        prefix_calls_per_second: prefix,
+        puts_per_second: puts,
+        exists_vs_plaintext: ratio(exists, plain.0),
+        prefix_vs_plaintext: ratio(prefix, plain.1),
+        puts_vs_plaintext: ratio(puts, plain.2),
+    })
 }
 
 /// Run the benchmark and print its report.
@@ -263,33 +347,15 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
     std::fs::write(&key_file, &secret).map_err(|e| BenchError::Setup(e.to_string()))?;
     let key = AuthKey::from_bytes(secret.as_bytes())
         .ok_or_else(|| BenchError::Setup("generated key too short".into()))?;
-    let (master, shutdown) = start_master(key_file.clone(), None).await?;
-
-    // Load through the core: the same code path as put_start/put_end, minus gRPC.
+    let (master, shutdown) = start_master(key_file.clone(), None, None).await?;
     let rss_before = rss_bytes();
     let started = Instant::now();
-    {
-        let mut st = master.core.state.lock();
-        for n in 0..8 {
-            st.mount(segment(n))
-                .map_err(|e| BenchError::Setup(e.to_string()))?;
-        }
-        let opts = PutOptions::default();
-        for i in 0..args.objects {
-            let key = ObjectKey::from_bytes(&bench_key(i));
-            match st.put_start(key, 64 * 1024, &opts) {
-                Ok(PutStarted::Allocated { put_id, .. }) => st
-                    .put_end(key, put_id)
-                    .map_err(|e| BenchError::Setup(e.to_string()))?,
-                Ok(PutStarted::AlreadyCommitted { .. }) => {}
-                Err(e) => return Err(BenchError::Setup(e.to_string())),
-            }
-        }
-    }
+    load(&master, args.objects)?;
     let load_seconds = started.elapsed().as_secs_f64();
     let rss_after = rss_bytes();
 
-    let clients = clients_for(master.grpc_addr, &key, args.clients)?;
+    let plaintext = MasterTls::default();
+    let clients = clients_for(master.grpc_addr, &key, args.clients, &plaintext)?;
     let exists = lookup_phase(&clients, &args, args.objects, false).await?;
     let prefix = lookup_phase(&clients, &args, args.objects, true).await?;
     let puts = put_phase(&clients, args.puts, args.depth, "plain").await?;
@@ -298,8 +364,9 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
 
     let puts_with_etcd = if args.with_etcd {
         let etcd = EtcdServer::start(dir.path()).map_err(BenchError::Etcd)?;
-        let (master, shutdown) = start_master(key_file, Some(etcd.client_url.clone())).await?;
-        let clients = clients_for(master.grpc_addr, &key, args.clients)?;
+        let etcd_url = Some(etcd.client_url.clone());
+        let (master, shutdown) = start_master(key_file.clone(), etcd_url, None).await?;
+        let clients = clients_for(master.grpc_addr, &key, args.clients, &plaintext)?;
         let admin = &clients[0];
         for n in 0..8 {
             admin
@@ -311,6 +378,13 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
         shutdown.cancel();
         master.join().await.map_err(BenchError::Master)?;
         Some(r)
+    } else {
+        None
+    };
+
+    let tls = if args.tls {
+        let plain = (exists, prefix, puts);
+        Some(tls_phases(&args, dir.path(), key_file, &key, plain).await?)
     } else {
         None
     };
@@ -329,6 +403,7 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
         prefix_key_lookups_per_second: prefix * args.batch as f64,
         puts_per_second: puts,
         puts_with_etcd_per_second: puts_with_etcd,
+        tls,
     };
     if args.json {
         println!(
@@ -352,6 +427,18 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
         println!("put_start+put_end         {puts:.0} puts/s (in memory)");
         if let Some(p) = puts_with_etcd {
             println!("put_start+put_end         {p:.0} puts/s (etcd write-through)");
+        }
+        if let Some(t) = &report.tls {
+            println!(
+                "over TLS: exists {:.0} calls/s ({:.2}x), longest_prefix {:.0} calls/s ({:.2}x), \
+                 puts {:.0}/s ({:.2}x)",
+                t.exists_calls_per_second,
+                t.exists_vs_plaintext,
+                t.prefix_calls_per_second,
+                t.prefix_vs_plaintext,
+                t.puts_per_second,
+                t.puts_vs_plaintext
+            );
         }
     }
     Ok(report)

@@ -3,7 +3,7 @@
 //! probes ([`probe`]) over a small HTTP client ([`http`]), free loopback ports ([`ports`]),
 //! throw-away etcd and Prometheus servers ([`etcd`], [`prometheus`]), the kvpool master and agent
 //! as children ([`master`], [`agent`], [`command`]) a reader of `/metrics` text ([`scrape`]) and
-//! seeded payloads ([`bytes`]).
+//! seeded payloads ([`bytes`]), throw-away TLS certificates for the master ([`tls`]).
 //! Errors are one [`HarnessError`] naming the process and its log; nothing here panics.
 //! I/O boundary: child processes, sockets, the log and config files.
 
@@ -19,6 +19,7 @@ pub mod probe;
 pub mod process;
 pub mod prometheus;
 pub mod scrape;
+pub mod tls;
 
 pub use agent::{AgentConfig, AgentProcess, AgentSpec, PoolConfig};
 pub use command::{kvpool_command, output_json, output_ok};

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::events::{self, PoolEventsConfig};
 use super::ha::{self, HaConfig, HaError};
 use super::metrics::{MasterMetrics, MetricsError};
-use super::service::{self, ConnLimits, Core, ServiceError};
+use super::service::{self, ConnLimits, Core, ServerTls, ServiceError};
 use kvpool_core::master::clock::SystemClock;
 use kvpool_core::master::policy::PolicyKind;
 use kvpool_core::master::state::{MasterConfig, MasterState, POOL_EVENTS_CAP};
@@ -39,6 +39,8 @@ pub enum CmdError {
         #[source]
         source: std::io::Error,
     },
+    #[error("invalid TLS set-up of the gRPC port")]
+    Tls(#[source] service::TlsError),
     #[error("admin server failed")]
     Admin(#[source] AdminError),
     #[error("metrics set-up failed")]
@@ -170,6 +172,20 @@ pub struct MasterArgs {
         env = "KVPOOL_MASTER_MAX_CONNECTIONS_PER_SOURCE"
     )]
     pub max_connections_per_source: usize,
+    /// TLS on the gRPC port (gRPC and the fast lane): the server's certificate chain (PEM,
+    /// leaf first). Off when unset; needs --tls-key-file.
+    #[arg(long, env = "KVPOOL_MASTER_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The private key of --tls-cert-file (PEM).
+    #[arg(long, env = "KVPOOL_MASTER_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+    /// Mutual TLS: clients must present a certificate signed by a CA in this PEM file.
+    #[arg(
+        long,
+        env = "KVPOOL_MASTER_TLS_CLIENT_CA_FILE",
+        requires = "tls_cert_file"
+    )]
+    pub tls_client_ca_file: Option<PathBuf>,
 }
 
 /// Flags checked once at start-up.
@@ -185,6 +201,8 @@ pub struct ValidatedMasterArgs {
     pub events: Option<PoolEventsConfig>,
     /// Connection limits of the gRPC port.
     pub conn_limits: ConnLimits,
+    /// TLS on the gRPC port, when on.
+    pub tls: Option<ServerTls>,
 }
 
 fn ms(d: Duration) -> u64 {
@@ -318,6 +336,7 @@ impl MasterArgs {
                 });
             }
         }
+        let tls = self.tls()?;
         Ok(ValidatedMasterArgs {
             listen: self.listen,
             admin_addr: self.admin_addr,
@@ -332,7 +351,28 @@ impl MasterArgs {
                 max_connections: self.max_connections,
                 max_connections_per_source: self.max_connections_per_source,
             },
+            tls,
         })
+    }
+
+    /// The port's TLS from the `--tls-*` files (read once, here).
+    fn tls(&self) -> Result<Option<ServerTls>, CmdError> {
+        let (cert, key) = match (&self.tls_cert_file, &self.tls_key_file) {
+            (None, None) => return Ok(None),
+            (Some(c), Some(k)) => (c, k),
+            (None, Some(_)) | (Some(_), None) => {
+                return Err(CmdError::Config {
+                    field: "tls-cert-file",
+                    reason: "--tls-cert-file and --tls-key-file go together".into(),
+                });
+            }
+        };
+        let client_ca = self.tls_client_ca_file.as_deref();
+        let acceptor = service::tls_acceptor(cert, key, client_ca).map_err(CmdError::Tls)?;
+        Ok(Some(ServerTls {
+            acceptor,
+            mutual: client_ca.is_some(),
+        }))
     }
 }
 
@@ -402,6 +442,8 @@ pub async fn start(
         watermarks = ?args.core.watermarks,
         replica_spread = ?args.core.spread,
         ha = args.ha.is_some(),
+        tls = args.tls.is_some(),
+        mutual_tls = args.tls.as_ref().is_some_and(|t| t.mutual),
         "master starting"
     );
 
@@ -447,6 +489,7 @@ pub async fn start(
     let grpc_stop = shutdown.clone();
     let verifier = Verifier::new(&args.key).map_err(CmdError::Auth)?;
     let conn_limits = args.conn_limits;
+    let tls = args.tls.clone();
     let serve_core = core.clone();
     let ready = readiness.clone();
     let task = tokio::spawn(async move {
@@ -454,7 +497,7 @@ pub async fn start(
         let served = match ha_task {
             Some(mut ha_task) => {
                 tokio::select! {
-                    r = service::serve(listener, serve_core, verifier, conn_limits, grpc_stop.clone()) => {
+                    r = service::serve(listener, serve_core, verifier, conn_limits, tls, grpc_stop.clone()) => {
                         ha_stop.cancel();
                         let ha_result = ha_task.await;
                         r.map_err(CmdError::Serve).and(
@@ -467,7 +510,7 @@ pub async fn start(
                     }
                 }
             }
-            None => service::serve(listener, serve_core, verifier, conn_limits, grpc_stop)
+            None => service::serve(listener, serve_core, verifier, conn_limits, tls, grpc_stop)
                 .await
                 .map_err(CmdError::Serve),
         };
@@ -535,6 +578,9 @@ pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
         idle_timeout: ConnLimits::default().idle_timeout,
         max_connections: ConnLimits::default().max_connections,
         max_connections_per_source: ConnLimits::default().max_connections_per_source,
+        tls_cert_file: None,
+        tls_key_file: None,
+        tls_client_ca_file: None,
     }
 }
 

@@ -1,6 +1,6 @@
 //! The master client's connection: which master it talks to, opening the channel (signed with
 //! the pool key), and one call with retries that follows the leader across master replicas.
-//! I/O boundary: the gRPC channel to the current master.
+//! I/O boundary: the gRPC channel to the current master (over TLS when the client has it).
 
 use std::time::Duration;
 
@@ -10,6 +10,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::MasterClient;
 use super::error::ClientError;
+use super::tls::{MasterTls, tls_failure};
 use kvpool_proto::auth::Signer;
 use kvpool_proto::master::LEADER_HEADER;
 use kvpool_proto::master::master_client::MasterClient as Grpc;
@@ -27,6 +28,9 @@ pub struct ClientConfig {
     /// it sleeps on the socket (see `kvpool_transfer::wire::spin_until_readable`). Zero: no
     /// polling.
     pub spin_wait: Duration,
+    /// TLS to the master (default: from the `KVPOOL_MASTER_*` environment variables of
+    /// [`super::tls`]; none set: plaintext).
+    pub tls: MasterTls,
 }
 
 impl Default for ClientConfig {
@@ -36,6 +40,7 @@ impl Default for ClientConfig {
             request_timeout: Duration::from_secs(10),
             failover_budget: Duration::from_secs(15),
             spin_wait: Duration::ZERO,
+            tls: MasterTls::from_env(),
         }
     }
 }
@@ -48,13 +53,25 @@ pub(super) struct Conn {
     next: usize,
 }
 
-/// The URI of a master given as `host:port` or as a URL.
-pub(super) fn uri(addr: &str) -> String {
-    if addr.contains("://") {
-        addr.to_owned()
-    } else {
-        format!("http://{addr}")
+/// The URI of a master given as `host:port` or as a URL; with `tls`, an `https` one (tonic
+/// speaks TLS to `https` URIs only).
+pub(super) fn uri(addr: &str, tls: bool) -> String {
+    match (addr.split_once("://"), tls) {
+        (Some(("http", rest)), true) => format!("https://{rest}"),
+        (Some(_), _) => addr.to_owned(),
+        (None, true) => format!("https://{addr}"),
+        (None, false) => format!("http://{addr}"),
     }
+}
+
+/// The host part of a master address (`host:port` or a URL), brackets of an IPv6 host kept.
+pub(super) fn host(addr: &str) -> &str {
+    let rest = addr.split_once("://").map_or(addr, |(_, r)| r);
+    let hostport = rest.split('/').next().unwrap_or(rest);
+    hostport
+        .rsplit_once(':')
+        .filter(|(h, p)| !p.contains(']') && !h.is_empty())
+        .map_or(hostport, |(h, _)| h)
 }
 
 impl MasterClient {
@@ -66,21 +83,39 @@ impl MasterClient {
         if let Some(client) = cached {
             return Ok((addr, client));
         }
-        let endpoint = Endpoint::from_shared(uri(&addr))
-            .map_err(|source| ClientError::Endpoint {
-                endpoint: addr.clone(),
-                source,
-            })?
+        let endpoint_error = |source| ClientError::Endpoint {
+            endpoint: addr.clone(),
+            source,
+        };
+        let mut endpoint = Endpoint::from_shared(uri(&addr, self.tls.is_some()))
+            .map_err(endpoint_error)?
             .connect_timeout(self.config.connect_timeout)
             .timeout(self.config.request_timeout)
             .tcp_nodelay(true);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|source| ClientError::Connect {
-                endpoint: addr.clone(),
-                source,
-            })?;
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint
+                .tls_config(tls.tonic.clone())
+                .map_err(endpoint_error)?;
+        }
+        let channel = endpoint.connect().await.map_err(|source| {
+            match self.tls.as_ref().and(tls_failure(&source)) {
+                Some(reason) => ClientError::TlsVerify {
+                    server_name: self
+                        .config
+                        .tls
+                        .server_name
+                        .clone()
+                        .unwrap_or_else(|| host(&addr).to_owned()),
+                    endpoint: addr.clone(),
+                    reason,
+                    source,
+                },
+                None => ClientError::Connect {
+                    endpoint: addr.clone(),
+                    source,
+                },
+            }
+        })?;
         let client = Grpc::with_interceptor(channel, self.signer.clone())
             .max_decoding_message_size(64 << 20);
         let mut c = self.conn.lock();

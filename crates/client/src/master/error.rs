@@ -23,6 +23,22 @@ pub enum ClientError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// The TLS handshake with the master failed: most often the master's certificate is not
+    /// signed by the CA the client trusts, or does not carry the name it was dialled by.
+    #[error(
+        "TLS verification with master {endpoint} failed: {reason} (check that \
+         KVPOOL_MASTER_CA_FILE holds the CA that signed the master's certificate, and that the \
+         certificate names {server_name:?})"
+    )]
+    TlsVerify {
+        endpoint: String,
+        server_name: String,
+        reason: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("invalid master TLS settings: {0}")]
+    TlsSetup(String),
     #[error("master call {method} failed")]
     Rpc {
         method: &'static str,
@@ -68,11 +84,14 @@ impl ClientError {
                 message: message.clone(),
             },
             ClientError::Malformed(m) => ClientError::Malformed(m.clone()),
+            ClientError::TlsSetup(m) => ClientError::TlsSetup(m.clone()),
             ClientError::Batch { method, source } => ClientError::Batch {
                 method,
                 source: source.clone(),
             },
-            ClientError::Endpoint { .. } | ClientError::Connect { .. } => return None,
+            ClientError::Endpoint { .. }
+            | ClientError::Connect { .. }
+            | ClientError::TlsVerify { .. } => return None,
         })
     }
 

@@ -1,7 +1,7 @@
 //! The client side of the master's fast lane (wire format in [`kvpool_proto::fast`]), used by
 //! [forks](super::MasterClient::fork): a blocking TCP connection of the fork's own, one call at
-//! a time, on the thread that waits for the answer anyway. Whatever the lane cannot do (a
-//! master that does not speak it, a TLS endpoint, a broken connection, a standby's
+//! a time, on the thread that waits for the answer anyway, over TLS when the client has it.
+//! Whatever the lane cannot do (a master that does not speak it, a broken connection, a standby's
 //! UNAVAILABLE) is left to the gRPC path, which owns retries and leader failover.
 //! I/O boundary: the fast-lane socket.
 
@@ -16,7 +16,9 @@ use prost::Message;
 use tonic::Code;
 
 use super::MasterClient;
+use super::connection;
 use super::error::ClientError;
+use super::tls::FastStream;
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::LEADER_HEADER;
 
@@ -75,7 +77,7 @@ enum State {
     #[default]
     Idle,
     Open {
-        stream: TcpStream,
+        stream: FastStream,
         /// The gRPC endpoint it was opened for.
         endpoint: String,
     },
@@ -163,7 +165,7 @@ impl MasterClient {
         let State::Open { stream, .. } = state else {
             return Err(Skip::Now("no connection".into()));
         };
-        let sent = stream.write_all(&out);
+        let sent = stream.write_all(&out).and_then(|()| stream.flush());
         if fresh {
             // The answer to the preface tells whether this master speaks the lane at all.
             let mut preface = [0u8; 8];
@@ -203,10 +205,10 @@ impl MasterClient {
         }))
     }
 
-    fn dial_fast(&self, endpoint: &str) -> Result<TcpStream, Skip> {
+    fn dial_fast(&self, endpoint: &str) -> Result<FastStream, Skip> {
         let hostport = match endpoint.split_once("://") {
             None => endpoint,
-            Some(("http", rest)) => rest,
+            Some(("http" | "https", rest)) => rest,
             Some((scheme, _)) => return Err(Skip::Never(format!("{scheme} endpoint"))),
         };
         let hostport = hostport.trim_end_matches('/');
@@ -223,9 +225,12 @@ impl MasterClient {
                         .set_nodelay(true)
                         .and_then(|()| s.set_read_timeout(timeout))
                         .and_then(|()| s.set_write_timeout(timeout));
-                    return match setup {
-                        Ok(()) => Ok(s),
-                        Err(e) => Err(Skip::Now(format!("socket options: {e}"))),
+                    if let Err(e) = setup {
+                        return Err(Skip::Now(format!("socket options: {e}")));
+                    }
+                    return match &self.tls {
+                        None => Ok(FastStream::Plain(s)),
+                        Some(tls) => tls.wrap(s, connection::host(hostport)).map_err(Skip::Never),
                     };
                 }
                 Err(e) => last = e,
@@ -236,9 +241,12 @@ impl MasterClient {
 }
 
 /// Read one reply frame: code, leader hint, body (after polling for it up to `spin`).
-fn read_reply(stream: &mut TcpStream, spin: Duration) -> Result<(u8, Vec<u8>, Vec<u8>), String> {
+fn read_reply(stream: &mut FastStream, spin: Duration) -> Result<(u8, Vec<u8>, Vec<u8>), String> {
     use std::os::fd::AsFd;
-    kvpool_transfer::wire::spin_until_readable(stream.as_fd(), spin);
+    if let Some(socket) = stream.plain_socket() {
+        // Over TLS a reply may sit decrypted in the buffer already: no polling there.
+        kvpool_transfer::wire::spin_until_readable(socket.as_fd(), spin);
+    }
     let mut len = [0u8; 4];
     stream
         .read_exact(&mut len)

@@ -10,6 +10,7 @@
 //! - `agents`, `puts`, `reads`, `catalog`: the calls, grouped by who makes them and what they touch.
 //! - `answers`: checks shared by the calls' answers; `error`: [`ClientError`].
 //! - `nearest`: which replica to read ([`pick_nearest`]).
+//! - `tls`: TLS to the master ([`MasterTls`], from `KVPOOL_MASTER_CA_FILE` and the like).
 
 use std::sync::Arc;
 
@@ -47,12 +48,14 @@ mod fast;
 mod nearest;
 mod puts;
 mod reads;
+mod tls;
 
 pub use answers::{LEASE_MARGIN, Located};
 pub use coalesce::BatchedCalls;
 pub use connection::ClientConfig;
 pub use error::ClientError;
 pub use nearest::pick_nearest;
+pub use tls::{CA_FILE_ENV, CLIENT_CERT_FILE_ENV, CLIENT_KEY_FILE_ENV, MasterTls, SERVER_NAME_ENV};
 
 /// Client of the master (cheap to clone; clones share the connection).
 #[derive(Clone, Debug)]
@@ -66,6 +69,8 @@ pub struct MasterClient {
     parent: Option<Arc<(MasterClient, tokio::runtime::Handle)>>,
     /// A fork's blocking connection to the master's fast lane.
     fast: Option<Arc<fast::FastLane>>,
+    /// TLS to the master, when on (loaded from `config.tls`).
+    tls: Option<Arc<tls::LoadedTls>>,
 }
 
 impl MasterClient {
@@ -78,10 +83,18 @@ impl MasterClient {
         if endpoints.is_empty() {
             return Err(ClientError::NoEndpoints);
         }
+        let tls = config.tls.load()?;
         for e in &endpoints {
-            Endpoint::from_shared(connection::uri(e)).map_err(|source| ClientError::Endpoint {
-                endpoint: e.clone(),
-                source,
+            if e.starts_with("https://") && tls.is_none() {
+                return Err(ClientError::TlsSetup(format!(
+                    "master endpoint {e} is https but {CA_FILE_ENV} is not set"
+                )));
+            }
+            Endpoint::from_shared(connection::uri(e, tls.is_some())).map_err(|source| {
+                ClientError::Endpoint {
+                    endpoint: e.clone(),
+                    source,
+                }
             })?;
         }
         Ok(Self {
@@ -92,6 +105,7 @@ impl MasterClient {
             batch: Arc::default(),
             parent: None,
             fast: None,
+            tls,
         })
     }
 
@@ -113,6 +127,7 @@ impl MasterClient {
             batch: Arc::default(),
             parent: Some(root),
             fast: Some(Arc::default()),
+            tls: self.tls.clone(),
         }
     }
 }

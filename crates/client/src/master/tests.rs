@@ -134,3 +134,60 @@ fn bad_endpoints_are_refused_up_front() {
         Err(ClientError::Endpoint { .. })
     ));
 }
+
+#[test]
+fn master_addresses_become_https_uris_with_tls_and_give_their_host_to_verify() {
+    use super::connection::{host, uri};
+    assert_eq!(uri("10.0.0.1:50051", false), "http://10.0.0.1:50051");
+    assert_eq!(uri("10.0.0.1:50051", true), "https://10.0.0.1:50051");
+    assert_eq!(uri("http://m:1", true), "https://m:1");
+    assert_eq!(uri("https://m:1", true), "https://m:1");
+    assert_eq!(host("master.pool.svc:50051"), "master.pool.svc");
+    assert_eq!(host("https://master:50051/"), "master");
+    assert_eq!(host("[::1]:50051"), "[::1]");
+    assert_eq!(host("localhost"), "localhost");
+}
+
+#[test]
+fn tls_settings_that_cannot_work_are_refused_naming_the_variable() {
+    let key = AuthKey::from_bytes(b"0123456789abcdef").expect("key");
+    let dir = tempfile::tempdir().expect("tmp");
+    let with = |tls: MasterTls, endpoint: &str| {
+        let config = ClientConfig {
+            tls,
+            ..ClientConfig::default()
+        };
+        MasterClient::new(vec![endpoint.into()], key.clone(), config)
+            .expect_err("refused")
+            .to_string()
+    };
+    let e = with(MasterTls::default(), "https://m:1");
+    assert!(e.contains(CA_FILE_ENV), "{e}");
+    let missing = dir.path().join("missing.pem");
+    let e = with(
+        MasterTls {
+            ca_file: Some(missing.clone()),
+            ..MasterTls::default()
+        },
+        "m:1",
+    );
+    assert!(e.contains(CA_FILE_ENV) && e.contains("missing.pem"), "{e}");
+    let not_pem = dir.path().join("ca.pem");
+    std::fs::write(&not_pem, "not a certificate").expect("write");
+    let e = with(
+        MasterTls {
+            ca_file: Some(not_pem),
+            ..MasterTls::default()
+        },
+        "m:1",
+    );
+    assert!(e.contains("holds no PEM certificate"), "{e}");
+    let e = with(
+        MasterTls {
+            cert_file: Some(missing),
+            ..MasterTls::default()
+        },
+        "m:1",
+    );
+    assert!(e.contains(CA_FILE_ENV), "{e}");
+}

@@ -4,8 +4,9 @@
 //! body against the credential's digest) and run by
 //! the same tonic handler (so metrics, the leader gate and persistence are the gRPC API's),
 //! on the connection's own task: no HTTP/2 framing, no task per call. Connections are admitted
-//! under the caps of [`ConnLimits`] and must authenticate by its deadline. I/O boundary: the
-//! accepted TCP connections.
+//! under the caps of [`ConnLimits`] and must authenticate by its deadline; with TLS on, the
+//! handshake comes first (see `tls`) and the lanes are told apart by the decrypted bytes.
+//! I/O boundary: the accepted connections.
 
 use kvpool_runtime::telemetry::chain;
 use std::io;
@@ -13,16 +14,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use std::net::SocketAddr;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status};
 
 use super::MasterSvc;
 use super::auth;
 use super::limits::{ConnLimits, GrpcConn};
+use super::tls::{MasterIo, OpenError, Step, open};
 use kvpool_proto::auth::{AuthError, Verifier};
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::{self as proto, LEADER_HEADER, master_server::Master as _};
@@ -43,6 +47,7 @@ pub(super) async fn route(
     svc: MasterSvc,
     verifier: Verifier,
     limits: ConnLimits,
+    tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
 ) {
     let caps = Arc::new(ConnectionCaps::default());
@@ -51,8 +56,8 @@ pub(super) async fn route(
             () = shutdown.cancelled() => return,
             r = listener.accept() => r,
         };
-        let (stream, source) = match accepted {
-            Ok((s, a)) => (s, a.ip()),
+        let (stream, peer) = match accepted {
+            Ok((s, a)) => (s, a),
             Err(e) => {
                 // Out of descriptors and the like: wait a little instead of spinning.
                 tracing::warn!(error = %chain(&e), "accepting a master connection failed");
@@ -60,6 +65,7 @@ pub(super) async fn route(
                 continue;
             }
         };
+        let source = peer.ip();
         let slot = match caps.admit(
             source,
             limits.max_connections,
@@ -80,15 +86,18 @@ pub(super) async fn route(
             verifier.clone(),
             shutdown.clone(),
         );
+        let tls = tls.clone();
         tokio::spawn(async move {
             let until = Instant::now() + limits.handshake_timeout;
-            match tokio::time::timeout_at(until, starts_with_magic(&stream)).await {
-                Ok(Ok(true)) => {
+            let mut step = Step::Tls;
+            let opened = tokio::time::timeout_at(until, open(stream, tls.as_ref(), &mut step));
+            match opened.await {
+                Ok(Ok((stream, true))) => {
                     let idle = limits.idle_timeout;
-                    serve_conn(stream, svc, verifier, (until, idle), shutdown).await;
+                    serve_conn(stream, peer, svc, verifier, (until, idle), shutdown).await;
                     drop(slot);
                 }
-                Ok(Ok(false)) => {
+                Ok(Ok((stream, false))) => {
                     let left = until.saturating_duration_since(Instant::now());
                     let metrics = &svc.core.metrics;
                     let cuts = [
@@ -98,44 +107,40 @@ pub(super) async fn route(
                     let conn = GrpcConn::new(stream, slot, left, limits.idle_timeout, cuts);
                     let _ = grpc.send(Ok(conn)).await;
                 }
+                Err(_) if step == Step::Tls => {
+                    svc.core.metrics.conn_refused("handshake_timeout");
+                }
                 Err(_) => svc.core.metrics.conn_refused("silent"),
-                Ok(Err(_)) => {} // closed or broken before a byte: nothing to serve
+                Ok(Err(OpenError::NotTls(first))) => {
+                    tracing::warn!(
+                        %peer,
+                        first_byte = first,
+                        "refusing a connection to the master's TLS port: it did not start a \
+                         TLS handshake (a plaintext client?)"
+                    );
+                    svc.core.metrics.conn_refused("tls_handshake");
+                }
+                Ok(Err(OpenError::Handshake(e))) => {
+                    tracing::warn!(%peer, error = %chain(&e), "TLS handshake with a master client failed");
+                    svc.core.metrics.conn_refused("tls_handshake");
+                }
+                Ok(Err(OpenError::Closed)) => {} // closed or broken before a byte: nothing to serve
             }
         });
-    }
-}
-
-/// Whether the connection's first bytes are the fast lane's magic (without consuming them).
-async fn starts_with_magic(stream: &TcpStream) -> io::Result<bool> {
-    let mut head = [0u8; fast::MAGIC.len()];
-    loop {
-        let n = stream.peek(&mut head).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        if head[..n] != fast::MAGIC[..n] {
-            return Ok(false);
-        }
-        if n == head.len() {
-            return Ok(true);
-        }
-        // A prefix of the magic so far: wait for the rest.
-        tokio::time::sleep(Duration::from_millis(1)).await;
     }
 }
 
 /// Serve one fast-lane connection: the preface, then calls one at a time until the client
 /// closes, a frame is malformed, a credential is refused, the connection idles, or shutdown.
 async fn serve_conn(
-    mut stream: TcpStream,
+    mut stream: MasterIo,
+    peer: SocketAddr,
     svc: MasterSvc,
     verifier: Verifier,
     (until, idle): (Instant, Duration),
     shutdown: CancellationToken,
 ) {
-    let peer = stream
-        .peer_addr()
-        .map_or_else(|_| "?".to_owned(), |a| a.to_string());
+    let peer = peer.to_string();
     let mut preface = [0u8; 8];
     let ok = tokio::time::timeout_at(until, stream.read_exact(&mut preface)).await;
     if !matches!(ok, Ok(Ok(_))) {
@@ -150,7 +155,7 @@ async fn serve_conn(
         metrics.fast_refused("preface");
         return;
     }
-    if stream.write_all(&fast::PREFACE).await.is_err() {
+    if write(&mut stream, &fast::PREFACE).await.is_err() {
         return;
     }
     metrics.fast_connection(1);
@@ -182,7 +187,7 @@ async fn serve_conn(
 
 /// The calls of an accepted fast-lane connection, until it ends.
 async fn serve_calls(
-    stream: &mut TcpStream,
+    stream: &mut MasterIo,
     peer: &str,
     svc: &MasterSvc,
     verifier: &Verifier,
@@ -289,7 +294,7 @@ async fn serve_calls(
             Ok(reply) => fast::encode_reply(&mut out, 0, "", &reply),
             Err(s) => encode_status(&mut out, &s),
         }
-        if stream.write_all(&out).await.is_err() {
+        if write(stream, &out).await.is_err() {
             return;
         }
     }
@@ -305,7 +310,7 @@ fn refusal(s: &Status) -> &'static str {
 }
 
 /// Fill `buf` from `stream` within [`FRAME`]; false when the connection broke or stalled.
-async fn read_within(stream: &mut TcpStream, buf: &mut [u8]) -> bool {
+async fn read_within(stream: &mut MasterIo, buf: &mut [u8]) -> bool {
     matches!(
         tokio::time::timeout(FRAME, stream.read_exact(buf)).await,
         Ok(Ok(_))
@@ -313,12 +318,18 @@ async fn read_within(stream: &mut TcpStream, buf: &mut [u8]) -> bool {
 }
 
 /// Answer `status` and close (the connection is not trusted any more).
-async fn refuse(stream: &mut TcpStream, peer: &str, status: Status) {
+async fn refuse(stream: &mut MasterIo, peer: &str, status: Status) {
     tracing::debug!(%peer, error = %status.message(), "fast-lane connection closed");
     let mut out = Vec::new();
     encode_status(&mut out, &status);
-    let _ = stream.write_all(&out).await;
+    let _ = write(stream, &out).await;
     let _ = stream.shutdown().await;
+}
+
+/// Write `buf` and flush it (a TLS stream holds records back until flushed).
+async fn write(stream: &mut MasterIo, buf: &[u8]) -> std::io::Result<()> {
+    stream.write_all(buf).await?;
+    stream.flush().await
 }
 
 fn encode_status(out: &mut Vec<u8>, s: &Status) {

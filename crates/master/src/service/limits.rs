@@ -2,7 +2,7 @@
 //! source address, a deadline by which a gRPC connection must have made one authenticated
 //! call, and an idle timeout that closes an authenticated connection on which no call started
 //! for that long (the fast lane's deadline and idle timeout are in `fast`). I/O boundary: the
-//! accepted TCP streams, wrapped for the gRPC server.
+//! accepted streams (plain or TLS), wrapped for the gRPC server.
 
 use std::io;
 use std::pin::Pin;
@@ -12,10 +12,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::time::Sleep;
 use tonic::transport::server::Connected;
 
+use super::tls::MasterIo;
 use kvpool_runtime::http::ConnectionSlot;
 
 /// Connection limits of the master's port (gRPC and fast lane together).
@@ -84,7 +84,7 @@ impl ConnAuth {
 /// A gRPC connection: its place under the caps, and a deadline that fails its reads unless a
 /// call authenticated before it passed.
 pub(super) struct GrpcConn {
-    stream: TcpStream,
+    stream: MasterIo,
     auth: ConnAuth,
     /// Until the first authenticated call: the handshake deadline; after it: the idle timer.
     deadline: Option<Pin<Box<Sleep>>>,
@@ -97,7 +97,7 @@ pub(super) struct GrpcConn {
 
 impl GrpcConn {
     pub(super) fn new(
-        stream: TcpStream,
+        stream: MasterIo,
         slot: ConnectionSlot,
         handshake: Duration,
         idle: Duration,

@@ -13,6 +13,7 @@
 //! - `fast`: the fast lane on the gRPC port (same calls, same handlers, plain framing), and
 //!   the accept loop that routes connections between it and gRPC.
 //! - `limits`: connection caps and the deadline to authenticate (issue 15).
+//! - `tls`: optional TLS on the port (the acceptor from PEM files, the plain-or-TLS stream).
 //!
 //! [`MasterState`]: kvpool_core::master::state::MasterState
 
@@ -37,11 +38,13 @@ mod limits;
 mod objects;
 mod segments;
 mod tasks;
+mod tls;
 
 pub use self::auth::{MarkingVerifier, WithMethod};
 pub use self::core::{Core, PersistBatch, Role};
 pub use self::fast::dispatch as dispatch_fast_call;
 pub use self::limits::ConnLimits;
+pub use self::tls::{ServerTls, TlsError, acceptor as tls_acceptor};
 
 /// Errors of running the service.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -79,12 +82,14 @@ pub fn authenticated(
 }
 
 /// Serve the authenticated service on `listener` until `shutdown`: gRPC, and the fast lane
-/// (see `fast`) on the same port, both under `limits`.
+/// (see `fast`) on the same port, both under `limits`, over TLS when `tls` is set (the
+/// handshake within the handshake deadline; a client that does not start one is refused).
 pub async fn serve(
     listener: TcpListener,
     core: Arc<Core>,
     verifier: Verifier,
     limits: ConnLimits,
+    tls: Option<ServerTls>,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     let (grpc, incoming) = tokio::sync::mpsc::channel(64);
@@ -94,6 +99,7 @@ pub async fn serve(
         MasterSvc::new(core.clone()),
         verifier.clone(),
         limits,
+        tls.map(|t| t.acceptor),
         shutdown.clone(),
     ));
     let served = tonic::transport::Server::builder()

@@ -1,0 +1,359 @@
+//! Issue 15: TLS on the master's port over loopback. A TLS master serves gRPC and fast-lane
+//! calls to clients that trust its CA; a client that does not is told TLS verification
+//! failed; plaintext clients and (with mutual TLS) clients without a certificate are refused
+//! and counted; slow TLS handshakes are closed at the handshake deadline while real clients
+//! are served. Certificates come from `kvpool up --tls`'s generator.
+
+mod pool_support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient, MasterTls};
+use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_harness::tls::{TlsFiles, write_throwaway};
+use kvpool_proto::auth::AuthKey;
+use pool_support::{InProcessMaster, http_get, in_process_master};
+
+const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
+const MIB: u64 = 1 << 20;
+
+/// A master with TLS from `files` (mutual with `mutual`), handshake deadline `handshake`.
+async fn tls_master(files: &TlsFiles, mutual: bool, handshake: Duration) -> InProcessMaster {
+    in_process_master(KEY, |a| {
+        a.tls_cert_file = Some(files.master_cert.clone());
+        a.tls_key_file = Some(files.master_key.clone());
+        a.tls_client_ca_file = mutual.then(|| files.ca.clone());
+        a.handshake_timeout = handshake;
+    })
+    .await
+}
+
+fn pki(dir: &Path) -> TlsFiles {
+    write_throwaway(dir, "kvpool test CA", &["127.0.0.1", "localhost"]).expect("certificates")
+}
+
+/// Certificates of another CA (another name too: a CA of the same name would be taken for the
+/// issuer and fail on the signature instead).
+fn stranger_pki(dir: &Path) -> TlsFiles {
+    write_throwaway(dir, "some other CA", &["127.0.0.1", "localhost"]).expect("certificates")
+}
+
+/// A client of `f`'s master with `tls`; connection failures are not retried for long.
+fn client(f: &InProcessMaster, tls: MasterTls) -> MasterClient {
+    let config = ClientConfig {
+        failover_budget: Duration::from_millis(300),
+        tls,
+        ..ClientConfig::default()
+    };
+    MasterClient::new(
+        vec![f.master.grpc_addr.to_string()],
+        AuthKey::from_bytes(KEY).expect("key"),
+        config,
+    )
+    .expect("client")
+}
+
+fn trusting(files: &TlsFiles) -> MasterTls {
+    MasterTls {
+        ca_file: Some(files.ca.clone()),
+        ..MasterTls::default()
+    }
+}
+
+fn seg(node: &str) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: "dram0".into(),
+        tier: Tier::Dram,
+        capacity_bytes: 64 * MIB,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://{node}:7000")],
+        persistent: false,
+    }
+}
+
+/// The error's text with its sources.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
+}
+
+/// Poll `cond` every 10 ms for at most `limit`; whether it came true.
+async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cond()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_master_serves_grpc_and_fast_lane_calls_to_a_client_that_trusts_its_ca() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    let f = tls_master(&files, false, Duration::from_secs(10)).await;
+    let c = client(&f, trusting(&files));
+    c.mount_segment(&seg("a")).await.expect("mount over TLS");
+    let PutStarted::Allocated { put_id, .. } = c
+        .put_start(b"tls/k", MIB, &PutOptions::default())
+        .await
+        .expect("put_start")
+    else {
+        panic!("not allocated");
+    };
+    c.put_end(b"tls/k", put_id).await.expect("put_end");
+    // A fork's calls go over the fast lane, inside TLS too.
+    let fork = c.fork(tokio::runtime::Handle::current());
+    let fork = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            assert_eq!(
+                fork.exists(&[b"tls/k", b"tls/missing"])
+                    .await
+                    .expect("exists"),
+                vec![true, false]
+            );
+            let located = fork.get(b"tls/k").await.expect("get");
+            assert_eq!(located.size, MIB);
+            assert_eq!(fork.longest_prefix(&[b"tls/k"]).await.expect("prefix"), 1);
+        });
+        fork
+    })
+    .await
+    .expect("fork thread");
+    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
+        .await
+        .expect("metrics");
+    for needle in [
+        "kvpool_master_fast_lane_connections 1",
+        "kvpool_master_requests_total{method=\"exists\",result=\"ok\"} 1",
+        "kvpool_master_requests_total{method=\"get\",result=\"ok\"} 1",
+        "kvpool_master_requests_total{method=\"put_start\",result=\"ok\"} 1",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+    assert_eq!(f.master.core.metrics.conn_refusals("tls_handshake"), 0);
+    drop(fork);
+}
+
+#[tokio::test]
+async fn a_client_that_does_not_trust_the_master_fails_naming_tls_verification() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    let f = tls_master(&files, false, Duration::from_secs(10)).await;
+    let other = tempfile::tempdir().expect("tmp");
+    let stranger = stranger_pki(other.path());
+    let e = client(&f, trusting(&stranger))
+        .exists(&[b"k"])
+        .await
+        .expect_err("an untrusted master");
+    assert!(matches!(e, ClientError::TlsVerify { .. }), "{}", chain(&e));
+    let text = chain(&e);
+    assert!(text.contains("TLS verification"), "{text}");
+    assert!(text.contains("UnknownIssuer"), "{text}");
+    // Trusted CA, but the certificate does not carry the name the client verifies.
+    let misnamed = MasterTls {
+        server_name: Some("master.elsewhere.example".into()),
+        ..trusting(&files)
+    };
+    let e = client(&f, misnamed)
+        .exists(&[b"k"])
+        .await
+        .expect_err("a certificate for another name");
+    let text = chain(&e);
+    assert!(matches!(e, ClientError::TlsVerify { .. }), "{text}");
+    assert!(text.contains("certificate not valid for name"), "{text}");
+    assert!(text.contains("master.elsewhere.example"), "{text}");
+    // The right CA and name: served.
+    let ok = client(&f, trusting(&files)).exists(&[b"k"]).await;
+    assert_eq!(ok.expect("trusted"), vec![false]);
+}
+
+#[tokio::test]
+async fn plaintext_clients_of_a_tls_port_are_refused_and_counted() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    let f = tls_master(&files, false, Duration::from_secs(10)).await;
+    let m = &f.master.core.metrics;
+    let e = client(&f, MasterTls::default())
+        .exists(&[b"k"])
+        .await
+        .expect_err("plaintext gRPC to a TLS port");
+    assert!(
+        matches!(e, ClientError::Connect { .. } | ClientError::Rpc { .. }),
+        "{}",
+        chain(&e)
+    );
+    assert!(m.conn_refusals("tls_handshake") >= 1);
+    // A plaintext fast-lane preface is closed without an answer.
+    let before = m.conn_refusals("tls_handshake");
+    let mut s = tokio::net::TcpStream::connect(f.master.grpc_addr)
+        .await
+        .expect("connect");
+    s.write_all(&kvpool_proto::fast::PREFACE)
+        .await
+        .expect("write");
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "the connection was not closed");
+    assert!(buf.is_empty(), "answered in plaintext: {buf:?}");
+    assert!(
+        eventually(Duration::from_secs(5), || m.conn_refusals("tls_handshake")
+            == before + 1)
+        .await
+    );
+    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
+        .await
+        .expect("metrics");
+    assert!(
+        metrics.contains("kvpool_master_connections_refused_total{reason=\"tls_handshake\"}"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    let f = tls_master(&files, true, Duration::from_secs(10)).await;
+    let m = &f.master.core.metrics;
+    let e = client(&f, trusting(&files))
+        .exists(&[b"k"])
+        .await
+        .expect_err("no client certificate");
+    assert!(m.conn_refusals("tls_handshake") >= 1, "{}", chain(&e));
+    // A certificate of another CA is refused too.
+    let other = tempfile::tempdir().expect("tmp");
+    let stranger = stranger_pki(other.path());
+    let before = m.conn_refusals("tls_handshake");
+    let foreign = MasterTls {
+        cert_file: Some(stranger.client_cert.clone()),
+        key_file: Some(stranger.client_key.clone()),
+        ..trusting(&files)
+    };
+    client(&f, foreign)
+        .exists(&[b"k"])
+        .await
+        .expect_err("a client certificate of another CA");
+    assert!(m.conn_refusals("tls_handshake") > before);
+    // With the pool CA's client certificate: served, on both lanes.
+    let mutual = MasterTls {
+        cert_file: Some(files.client_cert.clone()),
+        key_file: Some(files.client_key.clone()),
+        ..trusting(&files)
+    };
+    let c = client(&f, mutual);
+    assert_eq!(c.exists(&[b"k"]).await.expect("mutual TLS"), vec![false]);
+    let fork = c.fork(tokio::runtime::Handle::current());
+    let (found, fork) = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        (rt.block_on(fork.exists(&[b"k"])), fork)
+    })
+    .await
+    .expect("fork thread");
+    assert_eq!(found.expect("fast lane with mutual TLS"), vec![false]);
+    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
+        .await
+        .expect("metrics");
+    assert!(
+        metrics.contains("kvpool_master_fast_lane_connections 1"),
+        "{metrics}"
+    );
+    drop(fork);
+}
+
+/// Connections that stop half-way through the TLS handshake, and ones that never start it,
+/// hold their slots no longer than the handshake deadline, and a real client is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_tls_handshakes_are_closed_at_the_deadline_while_real_clients_are_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    let f = tls_master(&files, false, Duration::from_secs(1)).await;
+    let m = &f.master.core.metrics;
+    let mut held = Vec::new();
+    for i in 0..12 {
+        let mut s = tokio::net::TcpStream::connect(f.master.grpc_addr)
+            .await
+            .expect("connect");
+        if i % 2 == 0 {
+            // A TLS record header announcing a ClientHello whose body never comes.
+            s.write_all(&[22, 3, 1, 0, 200, 1]).await.expect("write");
+        }
+        held.push(s);
+    }
+    let c = client(&f, trusting(&files));
+    assert_eq!(c.exists(&[b"k"]).await.expect("served"), vec![false]);
+    for s in &mut held {
+        let mut buf = [0u8; 256];
+        let ended = tokio::time::timeout(Duration::from_secs(5), async {
+            while let Ok(n) = s.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "a connection outlived the deadline");
+    }
+    assert!(
+        eventually(Duration::from_secs(5), || m
+            .conn_refusals("handshake_timeout")
+            >= 12)
+        .await,
+        "cut at the deadline: {}",
+        m.conn_refusals("handshake_timeout")
+    );
+    assert_eq!(m.conn_refusals("tls_handshake"), 0);
+    // The real client's connection, past the deadline too, still serves.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(c.exists(&[b"k"]).await.expect("served"), vec![false]);
+}
+
+#[test]
+fn throwaway_keys_are_private_and_the_master_accepts_its_certificate() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    for key in [&files.master_key, &files.client_key] {
+        let mode = std::fs::metadata(key).expect("key").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", key.display());
+        let text = std::fs::read_to_string(key).expect("key");
+        assert!(text.contains("PRIVATE KEY"), "{text}");
+    }
+    for cert in [&files.ca, &files.master_cert, &files.client_cert] {
+        let text = std::fs::read_to_string(cert).expect("cert");
+        assert!(text.starts_with("-----BEGIN CERTIFICATE-----"), "{text}");
+    }
+    kvpool_master::service::tls_acceptor(&files.master_cert, &files.master_key, Some(&files.ca))
+        .expect("the master accepts its throw-away certificate");
+    // A key that is not the certificate's is refused at start-up, naming the problem.
+    let Err(e) = kvpool_master::service::tls_acceptor(&files.master_cert, &files.client_key, None)
+    else {
+        panic!("a key that is not the certificate's was accepted");
+    };
+    assert_eq!(e.category(), "config", "{e}");
+    let Err(e) = kvpool_master::service::tls_acceptor(&files.master_key, &files.master_key, None)
+    else {
+        panic!("a key file was taken for a certificate");
+    };
+    assert!(e.to_string().contains("no PEM certificate"), "{e}");
+}
