@@ -13,7 +13,6 @@
 
 mod pool_support;
 
-use kvpool_agent::proto::Status;
 use kvpool_harness::{Launcher, MasterSpec};
 use kvpool_proto::master::{NodeStats, StatsResponse};
 use pool_support::*;
