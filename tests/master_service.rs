@@ -353,6 +353,8 @@ async fn every_kind_of_bad_input_gets_its_code_and_changes_no_state() {
     let state = |s: &kvpool_proto::master::StatsResponse| kvpool_proto::master::StatsResponse {
         lookup_hits: 0,
         lookup_misses: 0,
+        get_hits: 0,
+        get_misses: 0,
         ..s.clone()
     };
     assert_eq!(state(&after), state(&before));

@@ -10,8 +10,9 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use k8s_openapi::api::core::v1::Secret;
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_core::master::types::Tier;
 use kvpool_proto::auth::AuthKey;
-use kvpool_proto::master::StatsResponse;
+use kvpool_proto::master::{NodeStats, StatsResponse, tier_from_i32};
 
 use crate::contract;
 
@@ -31,6 +32,37 @@ pub struct PoolUsage {
     pub lookup_misses: u64,
     /// Per live node that reported it, sorted by node name.
     pub transport: Vec<NodeTransport>,
+    /// Keys looked up by Get alone (part of the lookups): found, and not found.
+    pub get_hits: u64,
+    pub get_misses: u64,
+    /// Every live node, sorted by node name.
+    pub nodes: Vec<NodeUsage>,
+}
+
+/// One live node's bytes and the Get hits it served, as the master counts them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeUsage {
+    pub node: String,
+    pub dram_used: u64,
+    pub dram_capacity: u64,
+    pub ssd_used: u64,
+    pub ssd_capacity: u64,
+    /// Per NUMA node and tier with a segment mounted (the master's order: NUMA nodes
+    /// ascending, unbound last). Rows with a tier number this operator does not know are left
+    /// out.
+    pub numa: Vec<NumaUsage>,
+    /// Keys whose Get was served from this node, over its tiers.
+    pub get_hits: u64,
+}
+
+/// One tier's bytes on one NUMA node of a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NumaUsage {
+    /// `None` for segments announced unbound.
+    pub numa_node: Option<u32>,
+    pub tier: Tier,
+    pub used: u64,
+    pub capacity: u64,
 }
 
 /// How one node's agent moves bytes, as its heartbeat told the master.
@@ -68,6 +100,9 @@ impl PoolUsage {
             segments: s.segments,
             lookup_hits: s.lookup_hits,
             lookup_misses: s.lookup_misses,
+            get_hits: s.get_hits,
+            get_misses: s.get_misses,
+            nodes: s.nodes.iter().map(node_usage).collect(),
             transport: s
                 .transport
                 .iter()
@@ -83,6 +118,32 @@ impl PoolUsage {
                 })
                 .collect(),
         }
+    }
+}
+
+/// One node of the master's answer (tier index 0 is DRAM, 1 is SSD; a missing index counts as
+/// 0).
+fn node_usage(n: &NodeStats) -> NodeUsage {
+    let at = |v: &[u64], i: usize| v.get(i).copied().unwrap_or(0);
+    NodeUsage {
+        node: n.node.clone(),
+        dram_used: at(&n.used_bytes, 0),
+        dram_capacity: at(&n.capacity_bytes, 0),
+        ssd_used: at(&n.used_bytes, 1),
+        ssd_capacity: at(&n.capacity_bytes, 1),
+        numa: n
+            .numa
+            .iter()
+            .filter_map(|r| {
+                Some(NumaUsage {
+                    numa_node: (!r.unbound).then_some(r.numa_node),
+                    tier: tier_from_i32(r.tier)?,
+                    used: r.used_bytes,
+                    capacity: r.capacity_bytes,
+                })
+            })
+            .collect(),
+        get_hits: n.get_hits.iter().fold(0u64, |a, h| a.saturating_add(*h)),
     }
 }
 
@@ -274,6 +335,57 @@ mod tests {
                 fallback: true,
                 reason: "no usable RDMA device on this host".into(),
                 devices: vec![],
+            }]
+        );
+    }
+
+    #[test]
+    fn nodes_come_with_their_numa_rows_and_unknown_tiers_are_left_out() {
+        use kvpool_proto::master::NumaStats;
+        let row = |unbound, numa_node, tier| NumaStats {
+            unbound,
+            numa_node,
+            tier,
+            used_bytes: 1,
+            capacity_bytes: 8,
+        };
+        let s = StatsResponse {
+            get_hits: 5,
+            get_misses: 2,
+            nodes: vec![NodeStats {
+                node: "gpu-0".into(),
+                used_bytes: vec![1, 2],
+                capacity_bytes: vec![8],
+                numa: vec![row(false, 1, 0), row(true, 0, 1), row(false, 0, 7)],
+                get_hits: vec![3, 2],
+            }],
+            ..StatsResponse::default()
+        };
+        let u = PoolUsage::from_stats(&s);
+        assert_eq!((u.get_hits, u.get_misses), (5, 2));
+        assert_eq!(
+            u.nodes,
+            [NodeUsage {
+                node: "gpu-0".into(),
+                dram_used: 1,
+                dram_capacity: 8,
+                ssd_used: 2,
+                ssd_capacity: 0,
+                numa: vec![
+                    NumaUsage {
+                        numa_node: Some(1),
+                        tier: Tier::Dram,
+                        used: 1,
+                        capacity: 8,
+                    },
+                    NumaUsage {
+                        numa_node: None,
+                        tier: Tier::Ssd,
+                        used: 1,
+                        capacity: 8,
+                    },
+                ],
+                get_hits: 5,
             }]
         );
     }

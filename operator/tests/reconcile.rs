@@ -1241,6 +1241,7 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
                 devices: vec![],
             },
         ],
+        ..Default::default()
     };
     let reader = Arc::new(Recording {
         usage: Some(usage),
@@ -1385,7 +1386,7 @@ async fn status_carries_the_figures_of_a_real_master() {
             .await
             .expect("heartbeat");
     }
-    // Three keys looked up: block/0 is held, the other two are not (hit ratio 1/3).
+    // Keys looked up: block/0 is held, the other two are not.
     let held: &[u8] = b"block/0";
     let found = client
         .exists(&[held, b"block/missing"])
@@ -1393,12 +1394,20 @@ async fn status_carries_the_figures_of_a_real_master() {
         .expect("exists");
     assert_eq!(found, vec![true, false]);
     assert!(client.get(b"block/gone").await.is_err(), "unknown key");
+    // One Get hit: it counts on the node that holds block/0 (hit ratio 1/2 of the Gets).
+    let located = client.get(held).await.expect("get");
+    let holder = located
+        .replicas
+        .first()
+        .map(|r| r.node.clone())
+        .expect("replica");
     let truth = client.stats().await.expect("stats");
     assert_eq!(
         (truth.lookup_hits, truth.lookup_misses),
-        (1, 2),
+        (2, 2),
         "{truth:?}"
     );
+    assert_eq!((truth.get_hits, truth.get_misses), (1, 1), "{truth:?}");
 
     let (outcome, status) = usage_pass(
         move |ctx| {
@@ -1430,12 +1439,54 @@ async fn status_carries_the_figures_of_a_real_master() {
     assert_eq!(status.nodes_registered, Some(2));
     assert_eq!(
         (status.hit_ratio.as_deref(), status.lookups),
-        (Some("0.333"), Some(3))
+        (Some("0.500"), Some(4))
     );
     assert!(kvpool_crd::conditions::is_true(
         &status.conditions,
         "MasterReachable"
     ));
+    // status.nodes, as patched: both nodes by name, their tiers and NUMA split, transport, and
+    // the Get hit on the holder.
+    assert_eq!(status.nodes_omitted, None);
+    let names: Vec<&str> = status.nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["gpu-0", "gpu-1"]);
+    let gpu0 = &status.nodes[0];
+    assert_eq!(
+        gpu0.ssd
+            .as_ref()
+            .map(|t| (t.capacity.0.as_str(), t.used.0.as_str())),
+        Some(("256Mi", "0"))
+    );
+    let numa: Vec<(&str, &str, &str)> = gpu0
+        .numa
+        .iter()
+        .map(|r| (r.numa_node.as_str(), r.tier.as_str(), r.capacity.0.as_str()))
+        .collect();
+    assert_eq!(numa, [("0", "dram", "64Mi"), ("0", "ssd", "256Mi")]);
+    assert_eq!(
+        status.nodes[1].dram.as_ref().map(|t| t.capacity.0.as_str()),
+        Some("32Mi")
+    );
+    for n in &status.nodes {
+        let expected = if n.name == holder { "0.500" } else { "0.000" };
+        assert_eq!(n.hit_ratio.as_deref(), Some(expected), "{n:?}");
+        let t = n.transport.as_ref().expect("transport reported");
+        if n.name == "gpu-1" {
+            assert_eq!(t.protocol, "tcp");
+            assert_eq!(
+                t.fallback_reason.as_deref(),
+                Some("no usable RDMA device on this host")
+            );
+        } else {
+            assert_eq!(
+                (t.protocol.as_str(), t.fallback_reason.as_deref()),
+                ("rdma", None)
+            );
+        }
+    }
+    // Per-node use adds up to the pool's.
+    let used: u64 = truth.nodes.iter().map(|n| n.used_bytes[0]).sum();
+    assert_eq!(used, truth.used_bytes[0]);
 }
 
 /// What one autoscaled pass of the `qwen` DecodePool is expected to do.

@@ -26,7 +26,9 @@ pub use kvcachepool::{
     ReplicationSpec, SPREAD_NEEDS_NODE_ACCESS, SriovResource, SriovSpec, SsdTierSpec,
     TokenizerSpec, TransportSpec,
 };
-pub use pool_status::{KVCachePoolStatus, TierStatus};
+pub use pool_status::{
+    KVCachePoolStatus, MAX_STATUS_NODES, NodeStatus, NodeTransportStatus, NumaStatus, TierStatus,
+};
 
 pub use network::{
     CONDUCTOR_PEER_MESSAGE, ConductorPeer, METRICS_PEER_MESSAGE, MetricsPeer,

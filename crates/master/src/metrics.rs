@@ -1,6 +1,7 @@
 //! Prometheus metrics of the master, registered into an injected registry. State figures
 //! (objects, bytes per tier and per node, leases...) are refreshed from
-//! [`kvpool_core::master::state::Stats`] and [`NodeUsage`] by the tick loop; request counts,
+//! [`kvpool_core::master::state::Stats`], [`NodeUsage`] and [`NodeReport`] (the per-node `get`
+//! hits) by the tick loop; request counts,
 //! latencies and lookup hits and misses are recorded per call. I/O boundary: none.
 
 use prometheus::{
@@ -8,9 +9,10 @@ use prometheus::{
     Registry,
 };
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
-use kvpool_core::master::state::{Counters, NodeUsage, Stats};
+use kvpool_core::master::state::{Counters, NodeReport, NodeUsage, Stats};
+use kvpool_core::master::types::Tier;
 
 /// Errors of metric registration.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -67,6 +69,9 @@ pub struct MasterMetrics {
     node_series: std::sync::Arc<parking_lot::Mutex<BTreeSet<(String, &'static str)>>>,
     /// Keys looked up, per call (`get`, `exists`, `longest_prefix`): `[hit, miss]`.
     lookups: [[IntCounter; 2]; 3],
+    node_get_hits: IntCounterVec,
+    /// The core's `get` hit count behind each `(node, tier)` series, as of the last refresh.
+    node_hit_series: std::sync::Arc<parking_lot::Mutex<BTreeMap<(String, &'static str), u64>>>,
     policy: &'static str,
     last: std::sync::Arc<parking_lot::Mutex<Counters>>,
 }
@@ -127,6 +132,14 @@ impl MasterMetrics {
                 "Mounted bytes per node and tier (over the node's segments)",
             )?,
             node_series: Default::default(),
+            node_get_hits: counters(
+                "kvpool_master_node_get_hits_total",
+                "Keys whose Get was served from a node, per node and tier (counted on the \
+                 replica a reader on none of the replicas' nodes reads: the first DRAM one, \
+                 else the first); a Get miss belongs to no node",
+                &["node", "tier"],
+            )?,
+            node_hit_series: Default::default(),
             objects: g("kvpool_master_objects", "Committed objects")?,
             pending_puts: g(
                 "kvpool_master_pending_puts",
@@ -239,6 +252,7 @@ impl MasterMetrics {
             Box::new(m.segments.clone()),
             Box::new(m.node_used.clone()),
             Box::new(m.node_capacity.clone()),
+            Box::new(m.node_get_hits.clone()),
         ];
         for c in collectors {
             registry.register(c).map_err(MetricsError::Register)?;
@@ -317,6 +331,49 @@ impl MasterMetrics {
         self.lookups.iter().fold((0, 0), |(h, m), [hit, miss]| {
             (h + hit.get(), m + miss.get())
         })
+    }
+
+    /// Keys looked up by one kind of call since this master started: `(hits, misses)`.
+    pub fn lookup_call_totals(&self, call: LookupCall) -> (u64, u64) {
+        let [hit, miss] = &self.lookups[call as usize];
+        (hit.get(), miss.get())
+    }
+
+    /// The per-node hit counters follow the core's counts in `reports` (live nodes): series of
+    /// nodes that left are removed, and a count below the last one seen (a new leader's fresh
+    /// state) restarts its series, which Prometheus reads as a counter reset.
+    pub fn refresh_node_hits(&self, reports: &[NodeReport]) {
+        let mut series = self.node_hit_series.lock();
+        let mut now: BTreeMap<(String, &'static str), u64> = BTreeMap::new();
+        for r in reports {
+            for t in Tier::ALL {
+                let hits = r.get_hits[t.index()];
+                let key = (r.node.clone(), t.as_str());
+                let labels = [r.node.as_str(), t.as_str()];
+                match series.get(&key) {
+                    Some(before) if *before <= hits => {
+                        self.node_get_hits
+                            .with_label_values(&labels)
+                            .inc_by(hits - before);
+                    }
+                    Some(_) => {
+                        let _ = self.node_get_hits.remove_label_values(&labels);
+                        self.node_get_hits.with_label_values(&labels).inc_by(hits);
+                    }
+                    None => self.node_get_hits.with_label_values(&labels).inc_by(hits),
+                }
+                now.insert(key, hits);
+            }
+        }
+        for (node, tier) in series.keys() {
+            if !now.contains_key(&(node.clone(), *tier)) {
+                // Absent series are fine: the map says what was set.
+                let _ = self
+                    .node_get_hits
+                    .remove_label_values(&[node.as_str(), *tier]);
+            }
+        }
+        *series = now;
     }
 
     /// Per-node gauges follow `usage`; series of nodes or tiers no longer in it are removed.
@@ -489,5 +546,41 @@ mod tests {
             text.contains("kvpool_master_node_capacity_bytes{node=\"gpu-0\",tier=\"dram\"} 100"),
             "{text}"
         );
+    }
+
+    fn hits(node: &str, dram: u64, ssd: u64) -> NodeReport {
+        NodeReport {
+            node: node.into(),
+            used_bytes: [0; 2],
+            capacity_bytes: [0; 2],
+            numa: Vec::new(),
+            get_hits: [dram, ssd],
+        }
+    }
+
+    #[test]
+    fn per_node_hit_counters_follow_the_core_and_drop_nodes_that_left() {
+        let registry = Registry::new();
+        let m = MasterMetrics::new(&registry, "lru").expect("metrics");
+        let series = |node: &str, tier: &str| {
+            m.node_get_hits
+                .get_metric_with_label_values(&[node, tier])
+                .map(|c| c.get())
+                .ok()
+        };
+        m.refresh_node_hits(&[hits("gpu-0", 4, 1), hits("gpu-1", 2, 0)]);
+        m.refresh_node_hits(&[hits("gpu-0", 7, 1), hits("gpu-1", 2, 0)]);
+        assert_eq!(series("gpu-0", "dram"), Some(7));
+        assert_eq!(series("gpu-0", "ssd"), Some(1));
+        let text = exposition(&registry);
+        assert!(
+            text.contains("kvpool_master_node_get_hits_total{node=\"gpu-1\",tier=\"dram\"} 2"),
+            "{text}"
+        );
+        // gpu-1 left; a new leader's state counts gpu-0 from 0 again (a counter reset).
+        m.refresh_node_hits(&[hits("gpu-0", 3, 0)]);
+        assert_eq!(series("gpu-0", "dram"), Some(3));
+        let text = exposition(&registry);
+        assert!(!text.contains("gpu-1"), "a node that left stays:\n{text}");
     }
 }

@@ -7,6 +7,7 @@
 //! Secret read and the master's `Stats` call.
 
 pub mod build;
+pub mod node_status;
 pub mod status;
 pub mod validate;
 

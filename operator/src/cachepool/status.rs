@@ -6,6 +6,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::jiff::Timestamp;
 use kvpool_crd::{KVCachePoolStatus, TierStatus};
 
+use super::node_status;
 use super::validate::ValidCachePool;
 use crate::conditions::{self, Desired};
 use crate::contract;
@@ -245,6 +246,10 @@ pub fn status(
             previous.and_then(|p| p.ssd.as_ref()),
         )
     });
+    let (nodes, nodes_omitted) = match read {
+        Some(u) => node_status::nodes_status(u),
+        None => previous.map_or_else(Default::default, |p| (p.nodes.clone(), p.nodes_omitted)),
+    };
     let mut desired = desired_conditions(applied);
     desired.push(master_condition(usage));
     desired.push(transport_condition(
@@ -276,6 +281,8 @@ pub fn status(
             ),
             None => previous.and_then(|p| p.lookups),
         },
+        nodes,
+        nodes_omitted,
         master_endpoint: Some(pool.master_addr()),
         conductor_endpoint: applied.conductor.as_ref().map(|_| {
             format!(
@@ -426,9 +433,25 @@ mod tests {
             segments: 4,
             lookup_hits: 3,
             lookup_misses: 1,
+            get_hits: 2,
+            get_misses: 1,
+            nodes: vec![crate::pool_usage::NodeUsage {
+                node: "gpu-0".into(),
+                dram_used: 3 << 30,
+                dram_capacity: 1 << 40,
+                get_hits: 2,
+                ..Default::default()
+            }],
             transport: Vec::new(),
         });
         let first = status(&pool, &applied(2, 2, 1, None), &read, None, t(10));
+        let names: Vec<(&str, Option<&str>)> = first
+            .nodes
+            .iter()
+            .map(|n| (n.name.as_str(), n.hit_ratio.as_deref()))
+            .collect();
+        assert_eq!(names, [("gpu-0", Some("0.667"))]);
+        assert_eq!(first.nodes_omitted, None);
         assert_eq!(
             (first.hit_ratio.as_deref(), first.lookups),
             (Some("0.750"), Some(4))
@@ -467,6 +490,7 @@ mod tests {
             Some(&"5Gi".to_owned())
         );
         assert_eq!(later.objects, Some(42));
+        assert_eq!(later.nodes, first.nodes, "the per-node list is kept");
         assert_eq!(
             (later.hit_ratio.as_deref(), later.lookups),
             (Some("0.750"), Some(4))

@@ -190,5 +190,6 @@ impl Core {
         }
         self.metrics.refresh(&st.stats(), st.counters());
         self.metrics.refresh_nodes(&st.node_usage());
+        self.metrics.refresh_node_hits(&st.node_reports());
     }
 }

@@ -1,8 +1,9 @@
 //! Conversions between the generated master messages and the core's types (tiers, replicas,
 //! segments, tasks, errors), and the gRPC status of a core error. Pure.
 
-use super::{Error, ErrorCode, Replica, Segment, Task, TaskKind, Tier};
+use super::{Error, ErrorCode, NodeStats, NumaStats, Replica, Segment, Task, TaskKind, Tier};
 use kvpool_core::master::state::MasterError;
+use kvpool_core::master::state::{NodeReport, NumaUsage};
 use kvpool_core::master::types as t;
 
 impl From<t::Tier> for Tier {
@@ -39,6 +40,30 @@ impl From<&t::ReplicaInfo> for Replica {
             endpoints: r.endpoints.clone(),
             offset: r.offset,
             length: r.length,
+        }
+    }
+}
+
+impl From<&NumaUsage> for NumaStats {
+    fn from(n: &NumaUsage) -> Self {
+        NumaStats {
+            unbound: n.numa_node.is_none(),
+            numa_node: n.numa_node.unwrap_or(0),
+            tier: Tier::from(n.tier) as i32,
+            used_bytes: n.used_bytes,
+            capacity_bytes: n.capacity_bytes,
+        }
+    }
+}
+
+impl From<&NodeReport> for NodeStats {
+    fn from(r: &NodeReport) -> Self {
+        NodeStats {
+            node: r.node.clone(),
+            used_bytes: r.used_bytes.to_vec(),
+            capacity_bytes: r.capacity_bytes.to_vec(),
+            numa: r.numa.iter().map(Into::into).collect(),
+            get_hits: r.get_hits.to_vec(),
         }
     }
 }

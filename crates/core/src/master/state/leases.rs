@@ -6,7 +6,9 @@ use super::{HARD_PIN, LIVE, LeaseRec, MasterError, MasterState, PENDING, SOFT_PI
 use crate::master::types::{GetResult, Lease, ObjectKey, Tier};
 
 impl MasterState {
-    /// Replica locations of a committed object, with a read lease.
+    /// Replica locations of a committed object, with a read lease. Counts a hit on the node
+    /// and tier of the replica a reader away from every replica reads: the first DRAM one,
+    /// else the first (see [`MasterState::node_reports`]).
     pub fn get(&mut self, key: ObjectKey) -> Result<GetResult, MasterError> {
         let slot = self.committed_slot(&key)?;
         let now = self.clock.now_ms();
@@ -32,6 +34,25 @@ impl MasterState {
         self.lease_expiry.insert((expires_ms, id));
         for t in Tier::ALL {
             self.policies[t.index()].touch(slot);
+        }
+        // The hit counts on the node and tier of the replica a reader on none of the replicas'
+        // nodes reads (the client's `pick_nearest`): the first DRAM one, else the first.
+        let mut served: Option<(u32, usize)> = None;
+        for r in &reps {
+            if let Some(s) = self.segments.get(&r.seg) {
+                let t = s.spec.tier.index();
+                if served.is_none() || t == Tier::Dram.index() {
+                    served = Some((s.node, t));
+                }
+                if t == Tier::Dram.index() {
+                    break;
+                }
+            }
+        }
+        if let Some((node, t)) = served
+            && let Some(ns) = self.nodes.get_mut(node as usize)
+        {
+            ns.get_hits[t] += 1;
         }
         let replicas = reps
             .into_iter()

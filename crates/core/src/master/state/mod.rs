@@ -20,6 +20,7 @@ mod events;
 mod eviction;
 mod feed;
 mod leases;
+mod node_report;
 mod nodes;
 mod objects;
 mod persistence;
@@ -35,6 +36,7 @@ pub use super::types::{
 };
 pub use events::{POOL_EVENTS_CAP, PoolEvent, PoolEventsDrain};
 pub use feed::{FEED_BATCH, FEED_CAP, fed};
+pub use node_report::{NodeReport, NumaUsage, UNBOUND_NUMA_NODE};
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -204,6 +206,10 @@ struct NodeState {
     /// The feed overflowed or the agent's epoch is stale: the next heartbeat sends a full
     /// snapshot (RESET, COMMIT..., RESET_DONE) instead of the lost events.
     feed_reset: bool,
+    /// Per tier: keys whose `get` directed the reader to a replica on this node (the first
+    /// replica returned). Since this state was created (the master started leading); kept
+    /// across the node's deaths and returns, like any counter.
+    get_hits: [u64; 2],
 }
 
 impl NodeState {
@@ -219,6 +225,7 @@ impl NodeState {
             feed: VecDeque::new(),
             feed_next_seq: 1,
             feed_reset: false,
+            get_hits: [0; 2],
         }
     }
 }
@@ -454,6 +461,8 @@ impl MasterState {
     }
 }
 
+#[cfg(test)]
+mod node_report_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

@@ -30,7 +30,7 @@ fn mount(m: &mut MasterState, node: &str, name: &str, tier: Tier, capacity: u64)
     m.mount(spec(node, name, tier, capacity)).expect("mount")
 }
 
-fn master(config: MasterConfig) -> (MasterState, FakeClock) {
+pub(super) fn master(config: MasterConfig) -> (MasterState, FakeClock) {
     let clock = FakeClock::new(1_000);
     (MasterState::new(config, Arc::new(clock.clone())), clock)
 }
@@ -42,7 +42,12 @@ fn opts(replicas: u8) -> PutOptions {
     }
 }
 
-fn put(m: &mut MasterState, k: ObjectKey, size: u64, o: &PutOptions) -> Vec<ReplicaInfo> {
+pub(super) fn put(
+    m: &mut MasterState,
+    k: ObjectKey,
+    size: u64,
+    o: &PutOptions,
+) -> Vec<ReplicaInfo> {
     match m.put_start(k, size, o).expect("put_start") {
         PutStarted::Allocated { put_id, replicas } => {
             m.put_end(k, put_id).expect("put_end");
