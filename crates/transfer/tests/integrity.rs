@@ -147,7 +147,7 @@ fn relay(mut from: TcpStream, mut to: TcpStream, tamper: Option<Tamper>, armed: 
 }
 
 struct Pair {
-    _target: TransferEngine,
+    target: TransferEngine,
     initiator: TransferEngine,
     _server: TcpServer,
     remote_mem: LocalSegment,
@@ -189,7 +189,7 @@ fn pair(target: Integrity, initiator: Integrity, dir: Dir, tamper: Tamper) -> Pa
         )
         .unwrap();
     Pair {
-        _target: t,
+        target: t,
         initiator: i,
         _server: server,
         remote_mem,
@@ -360,10 +360,18 @@ fn with_integrity_a_flipped_write_bit_fails_and_never_lands() {
     assert_eq!(e.failure.category, "integrity", "{e}");
     assert_only_authentic(&got, &data);
     assert_ne!(got[956], data[956] ^ 0x04);
-    let tm = p._target.metrics();
+    let tm = p.target.metrics();
     assert_eq!(
         tm.integrity_failures.with_label_values(&["target"]).get(),
         1
+    );
+    // Counted where it was detected: the initiator was told, it did not detect it.
+    let im = p.initiator.metrics();
+    assert_eq!(
+        im.integrity_failures
+            .with_label_values(&["initiator"])
+            .get(),
+        0
     );
 }
 

@@ -71,13 +71,6 @@ impl LaneShared {
             tracing::debug!(peer = %self.peer, "transfer lane closed");
         }
         self.cfg.metrics.connections.dec();
-        if failure.category == "integrity" {
-            self.cfg
-                .metrics
-                .integrity_failures
-                .with_label_values(&["initiator"])
-                .inc();
-        }
         let _ = self.stream.shutdown(Shutdown::Both);
         let drained: Vec<InFlight> = self.outstanding.lock().drain(..).collect();
         self.cv.notify_all();

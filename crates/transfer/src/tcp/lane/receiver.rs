@@ -38,9 +38,11 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: LaneReader) {
                         Failure::new("peer_closed", format!("{} closed the connection", sh.peer))
                     }
                     WireError::Io(io) if is_timeout(io) => Failure::new("timeout", io.to_string()),
-                    WireError::Io(io) if is_integrity(io) => {
-                        Failure::new("integrity", format!("from {}: {io}", sh.peer))
-                    }
+                    WireError::Io(io) if is_integrity(io) => detected(
+                        &sh,
+                        io,
+                        Failure::new("integrity", format!("from {}: {io}", sh.peer)),
+                    ),
                     other => Failure::from(other),
                 };
                 sh.fail(failure);
@@ -92,9 +94,13 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: LaneReader) {
                     };
                     match stream.recv_spans(&spans, &mut payload_deadline) {
                         Ok(()) => Ok(Ok(())),
-                        Err(e) => Err(Failure::new(
-                            wire::io_category(&e),
-                            format!("receiving from {} failed: {e}", sh.peer),
+                        Err(e) => Err(detected(
+                            &sh,
+                            &e,
+                            Failure::new(
+                                wire::io_category(&e),
+                                format!("receiving from {} failed: {e}", sh.peer),
+                            ),
                         )),
                     }
                 } else {
@@ -143,4 +149,17 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: LaneReader) {
             }
         }
     }
+}
+
+/// `failure`, after counting it in `kvpool_transfer_integrity_failures_total{side="initiator"}`
+/// when `e` is a failed integrity check detected here.
+fn detected(sh: &LaneShared, e: &io::Error, failure: Failure) -> Failure {
+    if is_integrity(e) {
+        sh.cfg
+            .metrics
+            .integrity_failures
+            .with_label_values(&["initiator"])
+            .inc();
+    }
+    failure
 }
