@@ -44,6 +44,10 @@ pub struct PoolSection {
     pub rdma_devices: Vec<String>,
     /// GID index every RDMA port sends from (`transport.gidIndex`); unset: automatic choice.
     pub gid_index: Option<u32>,
+    /// Per-frame integrity of the transfer engine's TCP lanes (docs/transfer.md "Per-frame
+    /// integrity"): `off`, `allow` (default: granted to initiators that ask) or `require`
+    /// (every lane sealed both ways; initiators that do not ask are refused).
+    pub transport_integrity: Option<String>,
 }
 
 /// Validated pool membership.
@@ -69,6 +73,8 @@ pub struct PoolConfig {
     pub gid_index: Option<u32>,
     /// `pool.failure_domain`, when given.
     pub failure_domain: Option<String>,
+    /// `pool.transport_integrity`.
+    pub integrity: kvpool_transfer::Integrity,
 }
 
 /// Validate the `pool:` section; `None` when it names no master.
@@ -150,6 +156,17 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
             "pool.rdma_devices and pool.gid_index require transport rdma or auto",
         ));
     }
+    let integrity = match p.transport_integrity.as_deref().map(str::trim) {
+        None | Some("allow") => kvpool_transfer::Integrity::Allow,
+        Some("off") => kvpool_transfer::Integrity::Off,
+        Some("require") => kvpool_transfer::Integrity::Require,
+        Some(other) => {
+            return Err(invalid(
+                "pool.transport_integrity",
+                format!("{other:?} is not one of off, allow, require"),
+            ));
+        }
+    };
     let failure_domain = match p.failure_domain.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(d) => Some(label_value("pool.failure_domain", d)?.to_owned()),
@@ -168,6 +185,7 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
         rdma_devices: p.rdma_devices.clone(),
         gid_index,
         failure_domain,
+        integrity,
     }))
 }
 

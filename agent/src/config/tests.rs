@@ -117,6 +117,35 @@ fn the_pools_rdma_allow_list_and_gid_index_reach_the_transfer_engine() {
     }
 }
 
+#[test]
+fn transport_integrity_reaches_the_transfer_engine_and_bad_values_are_named() {
+    let base = "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0";
+    for (value, want) in [
+        ("", kvpool_transfer::Integrity::Allow),
+        (
+            ", transport_integrity: require",
+            kvpool_transfer::Integrity::Require,
+        ),
+        (
+            ", transport_integrity: \"off\"",
+            kvpool_transfer::Integrity::Off,
+        ),
+    ] {
+        let yaml = format!("{base}{value}}}");
+        let pool = validate_yaml(&yaml)
+            .expect("validates")
+            .pool
+            .expect("pool mode");
+        assert_eq!(
+            crate::pool::engine_config(&pool, "n").integrity,
+            want,
+            "{yaml}"
+        );
+    }
+    let err = validate_yaml(&format!("{base}, transport_integrity: always}}")).expect_err("bad");
+    assert_eq!(field_of(err), "pool.transport_integrity");
+}
+
 fn validate_yaml(text: &str) -> Result<AgentConfig, ConfigError> {
     validate(&parse(text, Path::new("test.yaml"))?)
 }

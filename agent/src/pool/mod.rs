@@ -96,6 +96,7 @@ pub fn engine_config(cfg: &PoolConfig, node: &str) -> EngineConfig {
     EngineConfig {
         node: node.to_owned(),
         want_rdma: cfg.want_rdma,
+        integrity: cfg.integrity,
         rdma_nics: transfer::NicPolicy {
             allow: cfg.rdma_devices.clone(),
             gid_index: cfg.gid_index,

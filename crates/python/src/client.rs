@@ -177,6 +177,23 @@ fn spin_wait() -> Result<std::time::Duration, Failure> {
     }
 }
 
+/// Per-frame integrity of the engine's TCP lanes (`KVPOOL_TRANSFER_INTEGRITY`: `off`, `allow`,
+/// the default, or `require`: every frame to and from the pool's agents sealed, see
+/// docs/transfer.md "Per-frame integrity").
+fn transfer_integrity() -> Result<transfer::Integrity, Failure> {
+    match std::env::var("KVPOOL_TRANSFER_INTEGRITY") {
+        Err(_) => Ok(transfer::Integrity::Allow),
+        Ok(v) => match v.trim() {
+            "" | "allow" => Ok(transfer::Integrity::Allow),
+            "off" => Ok(transfer::Integrity::Off),
+            "require" => Ok(transfer::Integrity::Require),
+            _ => Err(Failure::invalid(format!(
+                "KVPOOL_TRANSFER_INTEGRITY={v:?} must be one of off, allow, require"
+            ))),
+        },
+    }
+}
+
 /// Default of `KVPOOL_SPIN_WAIT_US`.
 pub const DEFAULT_SPIN_WAIT_US: u64 = 50;
 
@@ -211,6 +228,7 @@ pub async fn connect(s: &Settings) -> Result<Live, Failure> {
             want_rdma,
             prefer_shm: false,
             spin_wait: spin,
+            integrity: transfer_integrity()?,
             ..EngineConfig::default()
         },
         transfer_key,

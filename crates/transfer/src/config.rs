@@ -36,6 +36,11 @@ pub struct EngineConfig {
     /// (READV / WRITEV, up to `slice_size` bytes each), when the target announces them; as a
     /// target, announce and serve them. Off: one frame per request, as before they existed.
     pub vectored: bool,
+    /// Per-frame integrity of the TCP data path (see docs/transfer.md "Per-frame integrity"):
+    /// `require` seals every frame of this engine's lanes and, as a target, refuses
+    /// initiators that do not; `allow` (the default) seals only for initiators that ask; `off`
+    /// refuses them. Inline transfers are not used under `require` (they go through the lanes).
+    pub integrity: crate::Integrity,
     /// Every wait on a peer (reply, payload, handshake) gives up after this long.
     pub timeout: Duration,
     /// TCP connect timeout.
@@ -78,6 +83,7 @@ impl Default for EngineConfig {
             inline_max_bytes: 4 * 1024 * 1024,
             spin_wait: Duration::ZERO,
             vectored: true,
+            integrity: crate::Integrity::Allow,
             timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             prefer_shm: true,

@@ -178,6 +178,9 @@ pub enum ErrorCode {
     Unsupported,
     /// Anything else, including a refused read check; unknown codes read as this one.
     Internal,
+    /// A frame failed its per-frame integrity check (connection-level, request id 0; the
+    /// connection is closed after this reply).
+    Integrity,
 }
 
 impl ErrorCode {
@@ -382,6 +385,7 @@ mod tests {
             (5, ErrorCode::TooLarge, "too_large"),
             (6, ErrorCode::Unsupported, "unsupported"),
             (7, ErrorCode::Internal, "internal"),
+            (8, ErrorCode::Integrity, "integrity"),
         ];
         for (v, code, name) in codes {
             assert_eq!(

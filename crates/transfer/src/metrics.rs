@@ -44,6 +44,9 @@ pub struct TransferMetrics {
     /// `kvpool_transfer_vectored_requests_total` the requests they carried.
     pub vectored_frames: IntCounter,
     pub vectored_requests: IntCounter,
+    /// `kvpool_transfer_integrity_failures_total{side}`: connections closed because a sealed
+    /// record failed its check (per-frame integrity), as `initiator` or `target`.
+    pub integrity_failures: IntCounterVec,
 }
 
 impl TransferMetrics {
@@ -137,6 +140,13 @@ impl TransferMetrics {
                 "kvpool_transfer_vectored_requests_total",
                 "Requests carried by vectored frames (over vectored_frames_total: requests per frame).",
             )?,
+            integrity_failures: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_integrity_failures_total",
+                    "Connections closed because a frame failed its per-frame integrity check.",
+                ),
+                &["side"],
+            )?,
         })
     }
 
@@ -177,6 +187,10 @@ impl TransferMetrics {
         registry.register(Box::new(m.rdma_retries.clone()))?;
         registry.register(Box::new(m.vectored_frames.clone()))?;
         registry.register(Box::new(m.vectored_requests.clone()))?;
+        for side in ["initiator", "target"] {
+            m.integrity_failures.with_label_values(&[side]);
+        }
+        registry.register(Box::new(m.integrity_failures.clone()))?;
         Ok(m)
     }
 

@@ -152,6 +152,8 @@ pub(crate) struct ServerCtx {
     pub(crate) metrics: TransferMetrics,
     /// RDMA devices to accept RDMA_CONNECT with (none: answered with ERROR(unsupported)).
     pub(crate) rdma: Option<Arc<dyn RdmaProvider>>,
+    /// Per-frame integrity granted to (or required of) initiators.
+    pub(crate) integrity: crate::Integrity,
     /// Feature bits announced in OPEN_OK (`frame::FEATURES`, or 0 to serve as a target built
     /// before them would); READV and WRITEV are refused unless announced.
     pub(crate) features: u64,
@@ -507,6 +509,7 @@ impl Drop for TcpServer {
 
 mod accept;
 mod memory_target;
+mod sealed;
 mod vectored;
 
 pub(crate) use accept::AdmissionLimits;

@@ -6,6 +6,7 @@ use std::io::{self, Read, Write};
 
 use super::auth::{AuthKey, NONCE_LEN, PROOF_LEN};
 use super::frame::{ErrorCode, FrameError, HEADER_LEN, Header, MAX_CONTROL_PAYLOAD, Opcode};
+use super::seal::{Integrity, OPT_INTEGRITY, SessionKeys, is_integrity};
 
 /// Errors of frame I/O and the handshake.
 #[derive(Debug, thiserror::Error)]
@@ -28,14 +29,25 @@ impl WireError {
     /// Short label for metrics.
     pub fn category(&self) -> &'static str {
         match self {
-            WireError::Io(e) if is_timeout(e) => "timeout",
-            WireError::Io(_) => "io",
+            WireError::Io(e) => io_category(e),
             WireError::Closed => "peer_closed",
             WireError::Frame(_) => "malformed",
             WireError::Unexpected { .. } => "protocol",
             WireError::Auth(_) => "auth",
             WireError::Remote { .. } => "remote",
         }
+    }
+}
+
+/// Short label of an I/O error for metrics: `timeout`, `integrity` (a sealed record failed its
+/// check, see `seal`) or `io`.
+pub fn io_category(e: &io::Error) -> &'static str {
+    if is_timeout(e) {
+        "timeout"
+    } else if is_integrity(e) {
+        "integrity"
+    } else {
+        "io"
     }
 }
 
@@ -150,8 +162,30 @@ pub fn client_handshake<S: Read + Write + ?Sized>(
     s: &mut S,
     key: &AuthKey,
 ) -> Result<(), WireError> {
+    client_handshake_opts(s, key, false).map(|_| ())
+}
+
+/// The proof labels of a handshake: the options agreed are bound into both proofs, so a
+/// man in the middle that changes them fails the handshake.
+fn roles(options: u32) -> (&'static [u8], &'static [u8]) {
+    if options & OPT_INTEGRITY != 0 {
+        (b"client/integrity", b"server/integrity")
+    } else {
+        (b"client", b"server")
+    }
+}
+
+/// [`client_handshake`], asking for per-frame integrity when `integrity` is set: then the
+/// target must grant it, and the connection's session keys are returned (see `seal`).
+pub(crate) fn client_handshake_opts<S: Read + Write + ?Sized>(
+    s: &mut S,
+    key: &AuthKey,
+    integrity: bool,
+) -> Result<Option<SessionKeys>, WireError> {
     let client_nonce: [u8; NONCE_LEN] = rand::random();
-    write_frame(s, &Header::new(Opcode::Hello, 0), &client_nonce)?;
+    let mut hello = Header::new(Opcode::Hello, 0);
+    hello.status = if integrity { OPT_INTEGRITY } else { 0 };
+    write_frame(s, &hello, &client_nonce)?;
     let h = read_reply(s, Opcode::Challenge, "CHALLENGE")?;
     let payload = read_control_payload(s, &h)?;
     if payload.len() != NONCE_LEN + PROOF_LEN {
@@ -161,15 +195,30 @@ pub fn client_handshake<S: Read + Write + ?Sized>(
             NONCE_LEN + PROOF_LEN
         )));
     }
+    let granted = h.status & OPT_INTEGRITY;
+    if integrity && granted == 0 {
+        return Err(WireError::Auth(
+            "the target did not grant per-frame integrity (it predates it or its integrity \
+             setting is off)"
+                .into(),
+        ));
+    }
+    if !integrity && granted != 0 {
+        return Err(WireError::Auth(
+            "the target granted per-frame integrity that was not asked for".into(),
+        ));
+    }
+    let (client_role, server_role) = roles(granted);
     let (server_nonce, server_proof) = payload.split_at(NONCE_LEN);
-    if !key.verify(b"server", &client_nonce, server_nonce, server_proof) {
+    if !key.verify(server_role, &client_nonce, server_nonce, server_proof) {
         return Err(WireError::Auth(
             "the target does not hold the pool's key".into(),
         ));
     }
-    let proof = key.prove(b"client", &client_nonce, server_nonce);
+    let proof = key.prove(client_role, &client_nonce, server_nonce);
     write_frame(s, &Header::new(Opcode::Auth, 0), &proof)?;
-    read_reply(s, Opcode::AuthOk, "AUTH_OK").map(|_| ())
+    read_reply(s, Opcode::AuthOk, "AUTH_OK")?;
+    Ok((granted != 0).then(|| SessionKeys::derive(key, &client_nonce, server_nonce)))
 }
 
 /// Initiator side: read the target's next handshake frame, which must be `want` (`expected`
@@ -203,11 +252,30 @@ pub fn server_handshake<S: Read + Write + ?Sized>(
     s: &mut S,
     key: &AuthKey,
 ) -> Result<(), WireError> {
-    let result = server_handshake_inner(s, key);
+    server_handshake_opts(s, key, Integrity::Allow).map(|_| ())
+}
+
+/// [`server_handshake`] under an integrity policy: the session keys when the initiator asked for
+/// per-frame integrity and `integrity` grants it; an initiator asking for it from a target set
+/// to `off`, or not asking one set to `require`, is refused with ERROR(unsupported).
+pub(crate) fn server_handshake_opts<S: Read + Write + ?Sized>(
+    s: &mut S,
+    key: &AuthKey,
+    integrity: Integrity,
+) -> Result<Option<SessionKeys>, WireError> {
+    let result = server_handshake_inner(s, key, integrity);
     if let Err(e) = &result
         && !matches!(e, WireError::Io(_) | WireError::Closed)
     {
-        let _ = write_error(s, 0, ErrorCode::Unauthenticated, &e.to_string());
+        let code = match e {
+            WireError::Remote { .. } => ErrorCode::Unsupported,
+            _ => ErrorCode::Unauthenticated,
+        };
+        let reason = match e {
+            WireError::Remote { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        };
+        let _ = write_error(s, 0, code, &reason);
     }
     result
 }
@@ -215,7 +283,8 @@ pub fn server_handshake<S: Read + Write + ?Sized>(
 fn server_handshake_inner<S: Read + Write + ?Sized>(
     s: &mut S,
     key: &AuthKey,
-) -> Result<(), WireError> {
+    integrity: Integrity,
+) -> Result<Option<SessionKeys>, WireError> {
     let hello = read_header(s, 0, &mut fail_on_timeout)?;
     let client_nonce = read_control_payload(s, &expect(hello, Opcode::Hello, "HELLO")?)?;
     if client_nonce.len() != NONCE_LEN {
@@ -224,16 +293,41 @@ fn server_handshake_inner<S: Read + Write + ?Sized>(
             client_nonce.len()
         )));
     }
+    let asked = hello.status & OPT_INTEGRITY != 0;
+    // Refusals travel as ERROR(unsupported) with this reason (see `server_handshake_opts`).
+    let refuse = |reason: &str| WireError::Remote {
+        code: ErrorCode::Unsupported.as_str(),
+        reason: reason.to_owned(),
+    };
+    match (asked, integrity) {
+        (true, Integrity::Off) => {
+            return Err(refuse(
+                "this target does not allow per-frame integrity (its integrity setting is off)",
+            ));
+        }
+        (false, Integrity::Require) => {
+            return Err(refuse(
+                "this target requires per-frame integrity: set the initiator's integrity to \
+                 require",
+            ));
+        }
+        _ => {}
+    }
+    let granted = if asked { OPT_INTEGRITY } else { 0 };
+    let (client_role, server_role) = roles(granted);
     let server_nonce: [u8; NONCE_LEN] = rand::random();
     let mut challenge = server_nonce.to_vec();
-    challenge.extend_from_slice(&key.prove(b"server", &client_nonce, &server_nonce));
-    write_frame(s, &Header::new(Opcode::Challenge, 0), &challenge)?;
+    challenge.extend_from_slice(&key.prove(server_role, &client_nonce, &server_nonce));
+    let mut h = Header::new(Opcode::Challenge, 0);
+    h.status = granted;
+    write_frame(s, &h, &challenge)?;
     let auth = read_header(s, 0, &mut fail_on_timeout)?;
     let proof = read_control_payload(s, &expect(auth, Opcode::Auth, "AUTH")?)?;
-    if !key.verify(b"client", &client_nonce, &server_nonce, &proof) {
+    if !key.verify(client_role, &client_nonce, &server_nonce, &proof) {
         return Err(WireError::Auth("wrong key".into()));
     }
-    write_frame(s, &Header::new(Opcode::AuthOk, 0), &[])
+    write_frame(s, &Header::new(Opcode::AuthOk, 0), &[])?;
+    Ok(asked.then(|| SessionKeys::derive(key, &client_nonce, &server_nonce)))
 }
 
 /// Poll `fd` without sleeping until it is readable or `budget` has passed; whether it became

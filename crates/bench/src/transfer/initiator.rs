@@ -22,6 +22,8 @@ pub struct InitiatorReport {
     pub batch_size: usize,
     pub threads: usize,
     pub lanes: usize,
+    /// The initiator's per-frame integrity setting (`require`: every frame sealed).
+    pub integrity: &'static str,
     pub seconds: f64,
     pub bytes: u64,
     pub requests_done: u64,
@@ -118,6 +120,7 @@ pub(super) fn run_initiator(
         batch_size: args.batch_size,
         threads: args.threads,
         lanes: args.lanes,
+        integrity: args.integrity.as_str(),
         seconds,
         bytes,
         requests_done: done,

@@ -22,8 +22,8 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use kvpool_transfer::{
-    AuthError, AuthKey, Endpoint, EngineConfig, MemoryError, Protocol, SegmentDescriptor,
-    StaticDirectory, TransferEngine, TransferError, TransferMetrics, TransferOp,
+    AuthError, AuthKey, Endpoint, EngineConfig, Integrity, MemoryError, Protocol,
+    SegmentDescriptor, StaticDirectory, TransferEngine, TransferError, TransferMetrics, TransferOp,
 };
 
 use self::baselines::measure_baselines;
@@ -80,6 +80,10 @@ pub struct TransferBenchArgs {
     /// Slices in flight per lane.
     #[arg(long, default_value_t = 8)]
     pub window: usize,
+    /// Per-frame integrity of the TCP lanes (docs/transfer.md "Per-frame integrity"):
+    /// `require` seals every frame (both sides in `both` mode), `allow` the default.
+    #[arg(long, value_enum, default_value = "allow")]
+    pub integrity: Integrity,
     /// Name of the target's segment.
     #[arg(
         long = "segment-id",
@@ -232,6 +236,7 @@ impl TransferBenchArgs {
             window: self.window,
             timeout: self.timeout,
             want_rdma: self.protocol == Protocol::Rdma,
+            integrity: self.integrity,
             ..EngineConfig::default()
         })
     }

@@ -36,8 +36,8 @@ pub(super) fn print_report(
         return;
     }
     println!(
-        "protocol={} op={} block_size={} batch_size={} threads={} lanes={}",
-        r.protocol, r.operation, r.block_size, r.batch_size, r.threads, r.lanes
+        "protocol={} op={} block_size={} batch_size={} threads={} lanes={} integrity={}",
+        r.protocol, r.operation, r.block_size, r.batch_size, r.threads, r.lanes, r.integrity
     );
     println!(
         "throughput: {:.3} GB/s ({} requests done, {} failed, {:.1} s)",

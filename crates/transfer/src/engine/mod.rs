@@ -113,6 +113,7 @@ impl TransferEngine {
             key: key.clone(),
             timeout: config.timeout,
             connect_timeout: config.connect_timeout,
+            integrity: config.integrity,
         };
         let lane_cfg = LaneConfig {
             dialer: dialer.clone(),
@@ -201,6 +202,7 @@ impl TransferEngine {
             notifications: self.inner.notifications.clone(),
             metrics: self.inner.metrics.clone(),
             rdma: self.inner.rdma.clone(),
+            integrity: self.inner.config.integrity,
             features: if self.inner.config.vectored {
                 frame::FEATURES
             } else {

@@ -287,6 +287,11 @@ fn check_bounds(requests: &[TransferRequest]) -> Result<(), TransferError> {
 impl TransferEngine {
     /// The one TCP peer of a batch small enough to run inline, if it is one.
     fn inline_peer(&self, requests: &[TransferRequest]) -> Option<Arc<Peer>> {
+        // Inline connections carry no sealed records: with per-frame integrity every transfer
+        // goes through the lanes.
+        if self.inner.config.integrity == crate::Integrity::Require {
+            return None;
+        }
         let max = self.inner.config.inline_max_bytes;
         let mut total = 0u64;
         let mut peer: Option<&Arc<Peer>> = None;

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::sealed::SealedStream;
 use super::{ServerCtx, ServerShared, serve_requests};
-use crate::wire;
+use crate::wire::{self, WireError};
 
 /// Connections idle (between frames) longer than this are closed by the target.
 const IDLE_LIMIT: Duration = Duration::from_secs(600);
@@ -247,31 +248,35 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared,
     let _ = stream.set_nodelay(true);
     // The handshake as a whole must finish within `handshake_timeout`.
     let until = Instant::now() + ctx.handshake_timeout;
-    let shook = wire::server_handshake(
+    let shook = wire::server_handshake_opts(
         &mut Deadline {
             stream: &mut stream,
             until,
         },
         &ctx.key,
+        ctx.integrity,
     );
     let still_admitted = shared.admission.authenticated(id);
     ctx.metrics
         .target_handshakes
         .set(shared.admission.handshaking() as i64);
-    if let Err(e) = shook {
-        // An evicted connection was already counted when it was evicted.
-        if still_admitted {
-            let reason = match e.category() {
-                "timeout" => "handshake_timeout",
-                "peer_closed" | "io" => "handshake_aborted",
-                _ => "handshake_failed",
-            };
-            ctx.metrics.target_closed.with_label_values(&[reason]).inc();
+    let keys = match shook {
+        Ok(keys) => keys,
+        Err(e) => {
+            // An evicted connection was already counted when it was evicted.
+            if still_admitted {
+                let reason = match e.category() {
+                    "timeout" => "handshake_timeout",
+                    "peer_closed" | "io" => "handshake_aborted",
+                    _ => "handshake_failed",
+                };
+                ctx.metrics.target_closed.with_label_values(&[reason]).inc();
+            }
+            tracing::debug!(%peer, error = %e, "transfer handshake failed");
+            let _ = stream.shutdown(Shutdown::Both);
+            return;
         }
-        tracing::debug!(%peer, error = %e, "transfer handshake failed");
-        let _ = stream.shutdown(Shutdown::Both);
-        return;
-    }
+    };
     if !still_admitted {
         let _ = stream.shutdown(Shutdown::Both);
         return;
@@ -292,11 +297,60 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared,
         }
         Ok(())
     };
-    match serve_requests(&mut stream, ctx, &peer, &mut on_idle) {
+    let served = match keys {
+        None => serve_requests(&mut stream, ctx, &peer, &mut on_idle),
+        Some(keys) => match SealedStream::new(&stream, &keys) {
+            Ok(mut sealed) => {
+                let served = serve_requests(&mut sealed, ctx, &peer, &mut on_idle);
+                if let Err(e) = &served
+                    && e.category() == "integrity"
+                {
+                    // Tell the initiator why before closing (its own direction is intact).
+                    let _ = wire::write_error(
+                        &mut sealed,
+                        0,
+                        crate::frame::ErrorCode::Integrity,
+                        &crate::error::error_chain(e),
+                    );
+                    linger(&stream);
+                }
+                served
+            }
+            Err(e) => Err(WireError::Io(e)),
+        },
+    };
+    match served {
         Ok(()) => tracing::debug!(%peer, "transfer connection closed by peer"),
+        Err(e) if e.category() == "integrity" => {
+            ctx.metrics
+                .integrity_failures
+                .with_label_values(&["target"])
+                .inc();
+            tracing::warn!(%peer, error = %crate::error::error_chain(&e), "closing a transfer connection");
+        }
         Err(e) => tracing::debug!(%peer, error = %e, "transfer connection ended"),
     }
     let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// After a connection-level ERROR: stop sending and read what the initiator still sends for a
+/// short while, so that the ERROR reaches it before the close resets the connection (a close
+/// with unread bytes sends RST, which may discard the reply in flight).
+fn linger(stream: &TcpStream) {
+    const LINGER: Duration = Duration::from_secs(1);
+    const MAX_DRAIN: usize = 64 * 1024 * 1024;
+    let _ = stream.shutdown(Shutdown::Write);
+    let _ = stream.set_read_timeout(Some(LINGER));
+    let until = Instant::now() + LINGER;
+    let mut scratch = vec![0u8; 64 * 1024];
+    let mut drained = 0usize;
+    let mut s = stream;
+    while Instant::now() < until && drained < MAX_DRAIN {
+        match s.read(&mut scratch) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
 }
 
 #[cfg(test)]

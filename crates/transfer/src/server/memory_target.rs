@@ -120,6 +120,7 @@ impl MemoryTarget {
             notifications: Arc::new(NotificationQueue::new(4)),
             metrics,
             rdma: None,
+            integrity: crate::Integrity::Allow,
             features: FEATURES,
         };
         Ok(MemoryTarget {

@@ -29,6 +29,7 @@ fn ctx() -> (ServerCtx, u32) {
         notifications: Arc::new(NotificationQueue::new(4)),
         metrics: TransferMetrics::unregistered().unwrap(),
         rdma: None,
+        integrity: crate::Integrity::Allow,
         features: crate::frame::FEATURES,
     };
     (ctx, handle)

@@ -3,11 +3,12 @@
 //! submitters and the sender (backpressure). I/O boundary: connecting the lane's TCP socket and
 //! shutting it down.
 
+mod io;
 mod receiver;
 mod sender;
 
 use std::collections::VecDeque;
-use std::io;
+use std::io as stdio;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,6 +20,8 @@ use parking_lot::{Condvar, Mutex};
 
 use super::{DialError, LaneConfig, Slice};
 use crate::error::{Failure, TransferError};
+use crate::seal::{OpenReader, SealWriter};
+use io::{LaneReader, LaneWriter};
 use receiver::receiver_loop;
 use sender::sender_loop;
 
@@ -98,11 +101,11 @@ pub(super) struct Lane {
 impl Lane {
     pub(super) fn connect(addr: SocketAddr, cfg: &LaneConfig) -> Result<Lane, TransferError> {
         let peer = addr.to_string();
-        let connect_err = |source: io::Error| TransferError::Connect {
+        let connect_err = |source: stdio::Error| TransferError::Connect {
             peer: peer.clone(),
             source,
         };
-        let stream = cfg.dialer.dial(addr).map_err(|e| match e {
+        let (stream, keys) = cfg.dialer.dial_lane(addr).map_err(|e| match e {
             DialError::Connect(source) => connect_err(source),
             DialError::Handshake(source) => TransferError::Handshake {
                 peer: peer.clone(),
@@ -116,6 +119,16 @@ impl Lane {
             .map_err(connect_err)?;
         let reader = stream.try_clone().map_err(connect_err)?;
         let writer = stream.try_clone().map_err(connect_err)?;
+        let (reader, writer) = match keys {
+            Some(keys) => {
+                let (seal, open) = keys.initiator();
+                (
+                    LaneReader::Sealed(Box::new(OpenReader::new(reader, open))),
+                    LaneWriter::Sealed(Box::new(SealWriter::new(writer, seal))),
+                )
+            }
+            None => (LaneReader::Plain(reader), LaneWriter::Plain(writer)),
+        };
         let shared = Arc::new(LaneShared {
             stream,
             peer: addr,
@@ -130,7 +143,7 @@ impl Lane {
         let (tx, rx) = sync_channel::<Slice>(cfg.window.max(1));
         let mut threads = Vec::new();
         let sh = shared.clone();
-        let spawn_err = |source: io::Error| TransferError::Connect {
+        let spawn_err = |source: stdio::Error| TransferError::Connect {
             peer: peer.clone(),
             source,
         };

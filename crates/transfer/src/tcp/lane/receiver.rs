@@ -4,18 +4,17 @@
 //! I/O boundary: the lane's socket, reading.
 
 use std::io;
-use std::net::TcpStream;
-use std::os::fd::AsFd;
 use std::sync::Arc;
 
 use super::LaneShared;
+use super::io::LaneReader;
 use crate::error::Failure;
 use crate::frame::{ErrorCode, Opcode};
-use crate::memory;
+use crate::seal::is_integrity;
 use crate::tcp::SliceKind;
 use crate::wire::{self, WireError, is_timeout};
 
-pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
+pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: LaneReader) {
     let timeout = sh.cfg.dialer.timeout;
     let mut deadline_check = || -> io::Result<()> {
         if sh.is_dead() {
@@ -39,6 +38,11 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
                         Failure::new("peer_closed", format!("{} closed the connection", sh.peer))
                     }
                     WireError::Io(io) if is_timeout(io) => Failure::new("timeout", io.to_string()),
+                    WireError::Io(io) if is_integrity(io) => detected(
+                        &sh,
+                        io,
+                        Failure::new("integrity", format!("from {}: {io}", sh.peer)),
+                    ),
                     other => Failure::from(other),
                 };
                 sh.fail(failure);
@@ -88,11 +92,15 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
                             Ok(())
                         }
                     };
-                    match memory::recv_spans(stream.as_fd(), &spans, &mut payload_deadline) {
+                    match stream.recv_spans(&spans, &mut payload_deadline) {
                         Ok(()) => Ok(Ok(())),
-                        Err(e) => Err(Failure::new(
-                            if is_timeout(&e) { "timeout" } else { "io" },
-                            format!("receiving from {} failed: {e}", sh.peer),
+                        Err(e) => Err(detected(
+                            &sh,
+                            &e,
+                            Failure::new(
+                                wire::io_category(&e),
+                                format!("receiving from {} failed: {e}", sh.peer),
+                            ),
                         )),
                     }
                 } else {
@@ -111,8 +119,16 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
                     let code = ErrorCode::from_u32(header.status);
                     let reason = String::from_utf8_lossy(&reason).into_owned();
                     if header.request_id == 0 {
-                        // Connection-level error (malformed frame): the peer closes.
-                        Err(Failure::new("remote", reason))
+                        // Connection-level error (malformed frame, failed integrity check):
+                        // the peer closes.
+                        let category = match code {
+                            ErrorCode::Integrity => "integrity",
+                            _ => "remote",
+                        };
+                        Err(Failure::new(
+                            category,
+                            format!("{} closed the connection: {reason}", sh.peer),
+                        ))
                     } else {
                         Ok(Err(Failure::new(code.as_str(), reason)))
                     }
@@ -133,4 +149,17 @@ pub(super) fn receiver_loop(sh: Arc<LaneShared>, mut stream: TcpStream) {
             }
         }
     }
+}
+
+/// `failure`, after counting it in `kvpool_transfer_integrity_failures_total{side="initiator"}`
+/// when `e` is a failed integrity check detected here.
+fn detected(sh: &LaneShared, e: &io::Error, failure: Failure) -> Failure {
+    if is_integrity(e) {
+        sh.cfg
+            .metrics
+            .integrity_failures
+            .with_label_values(&["initiator"])
+            .inc();
+    }
+    failure
 }

@@ -3,21 +3,20 @@
 //! payload straight from segment memory). I/O boundary: the lane's socket, writing.
 
 use std::io;
-use std::net::TcpStream;
-use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::Instant;
 
+use super::io::LaneWriter;
 use super::{InFlight, LaneShared, TICK};
 use crate::error::Failure;
 use crate::frame::{self, Header};
-use crate::memory::{self, Segment, Span};
+use crate::memory::{Segment, Span};
 use crate::tcp::{self, Slice, SliceKind};
-use crate::wire::{self, is_timeout};
+use crate::wire;
 
-pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiver<Slice>) {
+pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: LaneWriter, rx: Receiver<Slice>) {
     loop {
         let slice = match rx.recv_timeout(TICK) {
             Ok(s) => s,
@@ -108,7 +107,7 @@ pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiv
         let result = send_frame(&mut stream, &head, &payload);
         if let Err(e) = result {
             sh.fail(Failure::new(
-                if is_timeout(&e) { "timeout" } else { "io" },
+                wire::io_category(&e),
                 format!("sending to {} failed: {e}", sh.peer),
             ));
         }
@@ -117,17 +116,13 @@ pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: TcpStream, rx: Receiv
 }
 
 fn send_frame(
-    stream: &mut TcpStream,
+    stream: &mut LaneWriter,
     head: &[u8],
     payload: &[(Arc<Segment>, u64, usize)],
 ) -> io::Result<()> {
-    use std::io::Write;
-    if payload.is_empty() {
-        return stream.write_all(head);
-    }
     let spans: Vec<Span<'_>> = payload
         .iter()
         .map(|(seg, off, len)| Span::new(seg, *off, *len))
         .collect();
-    memory::send_spans(stream.as_fd(), head, &spans, &mut wire::fail_on_timeout)
+    stream.send(head, &spans)
 }
