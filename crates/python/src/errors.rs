@@ -213,6 +213,10 @@ fn master_kind(e: &ClientError) -> Kind {
         ClientError::Connect { .. } => Kind::Unavailable,
         ClientError::NoEndpoints | ClientError::Endpoint { .. } => Kind::InvalidArgument,
         ClientError::Malformed(_) => Kind::Internal,
+        // The master's certificate did not verify (or it refused ours): an identity failure.
+        ClientError::TlsVerify { .. } => Kind::AuthFailed,
+        // The TLS settings themselves (CA, client certificate or key files) are unusable.
+        ClientError::TlsSetup(_) => Kind::InvalidArgument,
     }
 }
 
