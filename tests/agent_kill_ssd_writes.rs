@@ -97,7 +97,7 @@ async fn writer(
 async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
     let (dir, key_file, mut master, grpc) = test_pool("2s");
     let logs = dir.path();
-    let (_ssd_dir, extra, mut a, _) = start_ssd_agent(logs, grpc, &key_file);
+    let (_ssd_dir, extra, mut a, first_addr) = start_ssd_agent(logs, grpc, &key_file);
     let client = master_client(grpc, KEY);
     let pool = pool_client(grpc, KEY, "remote-client", |c| c.lanes = 1);
 
@@ -136,6 +136,17 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
         assert!(started.elapsed() < DEADLINE, "no progress before the kill");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    // A commit becomes durable only once a later feed answer confirmed it: on a loaded machine
+    // the confirmations lag the puts, and a kill before any would leave nothing to check. The
+    // writers keep going meanwhile.
+    wait_metric(
+        &first_addr,
+        &mut a,
+        "kvpool_agent_pool_ssd_commits_confirmed_total",
+        &[],
+        |v| v >= 10.0,
+    )
+    .await;
     // Both writers are mid-loop: the kill lands while ssd0 is being written.
     assert!(
         writers.iter().all(|w| !w.is_finished()),
