@@ -10,7 +10,7 @@ use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
 use kvpool_master::cmd::MasterArgs;
 use kvpool_proto::auth::AuthKey;
 use kvpool_proto::master::ErrorCode;
-use pool_support::{InProcessMaster, http_get, in_process_master};
+use pool_support::{InProcessMaster, eventually, http_get, in_process_master};
 use tokio_util::sync::CancellationToken;
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
@@ -888,18 +888,6 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
     ] {
         assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
     }
-}
-
-/// Poll `cond` every 10 ms for at most `limit`; whether it came true.
-async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    cond()
 }
 
 /// Issue 15: silent connections, fast-lane handshakes that trickle, and gRPC connections that

@@ -13,7 +13,7 @@ use kvpool_client::master::{ClientConfig, ClientError, MasterClient, MasterTls};
 use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
 use kvpool_harness::tls::{TlsFiles, write_throwaway};
 use kvpool_proto::auth::AuthKey;
-use pool_support::{InProcessMaster, http_get, in_process_master};
+use pool_support::{InProcessMaster, eventually, http_get, in_process_master};
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
@@ -84,18 +84,6 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
         next = s.source();
     }
     out
-}
-
-/// Poll `cond` every 10 ms for at most `limit`; whether it came true.
-async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    cond()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -342,3 +342,15 @@ pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) 
         client,
     }
 }
+
+/// Poll `cond` every 10 ms for at most `limit`; whether it came true.
+pub async fn eventually(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    cond()
+}
