@@ -185,6 +185,14 @@ fn transfer_between_namespaces_survives_a_link_cut() {
                 "dead lanes are closed"
             );
 
+            // Nothing the failed lanes had queued may still be on its way: those WRITEs would
+            // land on the target when the link comes back, over whatever was written since.
+            let unsent = netns_support::unsent_to(&ns.b, &addr_a).expect("list sockets");
+            assert!(
+                unsent.is_empty(),
+                "failed connections still hold unsent bytes for the target: {unsent:?}"
+            );
+
             let t1 = Instant::now();
             ns.link(true);
             // The engine reconnects on next use once the link is back.
@@ -202,6 +210,20 @@ fn transfer_between_namespaces_survives_a_link_cut() {
             assert!(ok, "transfers did not recover after the link came back");
             eprintln!("recovered {:?} after the link came back", t1.elapsed());
             round_trip(&engine, &local, &remote, 6);
+            // Give a late retransmission of the cut's WRITEs time to arrive (the kernel backs
+            // off to seconds); the bytes written after the cut must still be there.
+            std::thread::sleep(Duration::from_secs(3));
+            let written: Vec<u8> = (0..3 * MIB as usize + 7).map(|i| (i as u8) ^ 6).collect();
+            let mut read = requests(&local, &remote, TransferOp::Read, 1, written.len() as u64);
+            read[0].remote_offset = 1000;
+            read[0].local_offset = 40 * MIB;
+            engine.transfer(read).unwrap();
+            let mut back = vec![0u8; written.len()];
+            local.segment().read_at(40 * MIB, &mut back).unwrap();
+            assert!(
+                back == written,
+                "bytes written after the cut were overwritten later"
+            );
         })
         .join()
     });

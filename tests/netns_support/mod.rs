@@ -172,3 +172,30 @@ impl Drop for HubAndIsland {
         let _ = ip(&["netns", "del", &self.hub]);
     }
 }
+
+/// The TCP sockets in namespace `ns` to `peer` (any state, orphans included) that still hold
+/// bytes not yet acknowledged by the peer: `(state, send-queue bytes)` for each, from `ss`.
+pub fn unsent_to(ns: &str, peer: &str) -> Result<Vec<(String, u64)>, String> {
+    let out = Command::new("ip")
+        .args([
+            "netns", "exec", ns, "ss", "-tnH", "state", "all", "dst", peer,
+        ])
+        .output()
+        .map_err(|e| format!("cannot run ss in {ns}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "ss in {ns} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    // Columns: State Recv-Q Send-Q Local:Port Peer:Port
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut cols = l.split_whitespace();
+            let state = cols.next()?.to_string();
+            let send_q = cols.nth(1)?.parse::<u64>().ok()?;
+            (send_q > 0).then_some((state, send_q))
+        })
+        .collect())
+}

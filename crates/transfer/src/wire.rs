@@ -356,3 +356,40 @@ pub fn spin_until_readable(fd: std::os::fd::BorrowedFd<'_>, budget: std::time::D
         std::hint::spin_loop();
     }
 }
+
+/// Abort a TCP connection now: the peer gets a reset and whatever this side still had queued
+/// to send is thrown away, for every descriptor of the socket (the lane's threads hold
+/// clones). A connection given up on must never deliver its old frames later: a WRITE still
+/// in the send queue when a network path died would otherwise be retransmitted once the path
+/// comes back, and land on remote memory that may by then belong to another object. A plain
+/// `shutdown` or `close` keeps sending the queued bytes (the kernel retransmits them for
+/// minutes, even after the last descriptor is closed).
+pub fn abort(stream: &std::net::TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    use std::os::fd::AsRawFd;
+    // A zero linger makes the final close reset too (should the disconnect below fail).
+    let _ = setsockopt(
+        stream,
+        sockopt::Linger,
+        &libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        },
+    );
+    // connect() to an AF_UNSPEC address dissolves a TCP connection at once (Linux:
+    // tcp_disconnect): a reset is sent, both queues are purged and blocked callers wake up.
+    let unspec = libc::sockaddr {
+        sa_family: libc::AF_UNSPEC as libc::sa_family_t,
+        sa_data: [0; 14],
+    };
+    // SAFETY: a valid sockaddr of the length passed, read only during the call; the
+    // descriptor is owned by `stream`, which outlives the call.
+    let _ = unsafe {
+        libc::connect(
+            stream.as_raw_fd(),
+            &unspec,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}

@@ -113,6 +113,8 @@ impl DirectConns {
                 }
                 Err(f) => {
                     cfg.metrics.direct_connections.dec();
+                    // Reset: a frame left unsent must not reach the target later.
+                    wire::abort(&stream);
                     drop(stream);
                     // A stale pooled connection fails before its first reply: try once more
                     // on a fresh one (slices are idempotent: the same bytes at the same place).

@@ -21,6 +21,7 @@ use parking_lot::{Condvar, Mutex};
 use super::{DialError, LaneConfig, Slice};
 use crate::error::{Failure, TransferError};
 use crate::seal::{OpenReader, SealWriter};
+use crate::wire;
 use io::{LaneReader, LaneWriter};
 use receiver::receiver_loop;
 use sender::sender_loop;
@@ -36,7 +37,8 @@ struct InFlight {
 }
 
 /// What the two threads of a lane share: the socket, the slices in flight (in request order)
-/// and the lane's death: the first failure closes the socket and settles everything in flight.
+/// and the lane's death: the first failure resets the socket (dropping any unsent bytes) and
+/// settles everything in flight.
 struct LaneShared {
     stream: TcpStream,
     peer: SocketAddr,
@@ -71,8 +73,13 @@ impl LaneShared {
             tracing::debug!(peer = %self.peer, "transfer lane closed");
         }
         self.cfg.metrics.connections.dec();
-        let _ = self.stream.shutdown(Shutdown::Both);
         let drained: Vec<InFlight> = self.outstanding.lock().drain(..).collect();
+        if is_error || !drained.is_empty() {
+            // Given up with frames possibly unsent: reset, so none of them is delivered late.
+            wire::abort(&self.stream);
+        } else {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
         self.cv.notify_all();
         for f in drained {
             f.slice.settle(Err(failure.clone()));
