@@ -105,6 +105,10 @@ pub struct MasterArgs {
     /// Repair/demotion tasks not completed within this time are abandoned.
     #[arg(long, default_value = "60s", value_parser = kvpool_core::flags::parse_duration)]
     pub task_timeout: Duration,
+    /// Space of an abandoned write (revoked or expired put, failed copy) is given out again
+    /// only after this long, so that a late write lands where no one reads; 0s: at once.
+    #[arg(long, default_value = "10s", value_parser = kvpool_core::flags::parse_duration)]
+    pub reuse_delay: Duration,
     /// Period of the background loop (expiries, deaths, repairs, watermarks, metrics).
     #[arg(long, default_value = "200ms", value_parser = kvpool_core::flags::parse_duration)]
     pub tick_interval: Duration,
@@ -260,6 +264,7 @@ impl MasterArgs {
                 self.max_replicas
             },
             spread: self.replica_spread,
+            reuse_delay_ms: ms(self.reuse_delay),
             ..MasterConfig::default()
         };
         nonzero(self.tick_interval, "tick-interval")?;
@@ -564,6 +569,7 @@ pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
         lease_ttl: Duration::from_secs(60),
         put_timeout: Duration::from_secs(60),
         task_timeout: Duration::from_secs(60),
+        reuse_delay: Duration::from_secs(10),
         tick_interval: Duration::from_millis(50),
         eviction_policy: PolicyKind::Lru,
         dram_high_watermark: 0.95,

@@ -455,6 +455,11 @@ impl MasterMetrics {
                 last.leases_expired,
             ),
             ("put_expired", counters.puts_expired, last.puts_expired),
+            (
+                "reuse_deferred",
+                counters.reuse_deferred,
+                last.reuse_deferred,
+            ),
         ];
         for (name, now, before) in events {
             self.events

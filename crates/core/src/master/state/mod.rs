@@ -68,6 +68,11 @@ pub struct MasterConfig {
     pub spread: Spread,
     /// Repair tasks scheduled per tick at most.
     pub repairs_per_tick: usize,
+    /// Space of an abandoned write (a revoked or expired put, a failed or expired copy) stays
+    /// reserved this long before it is given out again, so that a write still on its way (a
+    /// writer stalled past its timeout, a late retransmission, an RDMA retry) lands where no
+    /// one reads. 0: given out again at once.
+    pub reuse_delay_ms: u64,
 }
 
 impl Default for MasterConfig {
@@ -82,6 +87,7 @@ impl Default for MasterConfig {
             max_replicas: 8,
             spread: Spread::Node,
             repairs_per_tick: 256,
+            reuse_delay_ms: 10_000,
         }
     }
 }
@@ -272,6 +278,8 @@ pub struct Counters {
     pub puts_expired: u64,
     /// Replicas dropped because their agent found them corrupt on read.
     pub corrupt_dropped: u64,
+    /// Abandoned writes whose space was held back for `reuse_delay_ms`.
+    pub reuse_deferred: u64,
 }
 
 /// Point-in-time figures for metrics and `status`.
@@ -336,7 +344,8 @@ pub struct MasterState {
     next_task: u64,
     counters: Counters,
     journal: Option<Vec<JournalOp>>,
-    /// Restored reservations: (segment, page, pages, release time).
+    /// Space held back before reuse: restored reservations and abandoned writes (segment,
+    /// page, pages, release time); still reserved in the journal until released.
     quarantine: Vec<(u32, u32, u32, u64)>,
     /// No eviction before this time (readers' leases died with the previous leader).
     evict_not_before_ms: u64,

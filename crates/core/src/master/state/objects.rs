@@ -75,11 +75,13 @@ impl MasterState {
         e.leases = 0;
         e.generation = e.generation.wrapping_add(1);
         for r in reps {
-            if was_pending {
-                self.log_unreserve(r);
-            }
             self.feed_free(r, key);
-            self.free_rep(r, pages);
+            if was_pending {
+                // The put's writes may still be on their way.
+                self.abandon(r, pages);
+            } else {
+                self.free_rep(r, pages);
+            }
         }
         if !was_pending {
             self.log(JournalOp::DelObject(key));
@@ -95,6 +97,21 @@ impl MasterState {
         self.under.remove(&slot);
         self.free_slots.push(slot);
         self.live_objects -= 1;
+    }
+
+    /// Give back the reserved space of an abandoned write: held back (and still reserved in
+    /// the journal) for `reuse_delay_ms`, then freed by the tick; a write that arrives late
+    /// lands on space no object uses. Freed at once without a delay or a segment.
+    pub(super) fn abandon(&mut self, r: Rep, pages: u32) {
+        let delay = self.config.reuse_delay_ms;
+        if delay == 0 || !self.segments.contains_key(&r.seg) {
+            self.log_unreserve(r);
+            self.free_rep(r, pages);
+            return;
+        }
+        let until = self.clock.now_ms().saturating_add(delay);
+        self.quarantine.push((r.seg, r.page, pages, until));
+        self.counters.reuse_deferred += 1;
     }
 
     pub(super) fn free_rep(&mut self, r: Rep, pages: u32) {

@@ -215,7 +215,17 @@ impl MasterState {
         self.capacity_pages[t] -= seg.alloc.capacity_bytes() / PAGE_BYTES;
         self.used_pages[t] -= seg.alloc.used_bytes() / PAGE_BYTES;
         self.log(JournalOp::DelSegment(id));
+        // Held-back space on it goes with it (and out of the journal).
+        let held: Vec<u32> = self
+            .quarantine
+            .iter()
+            .filter(|q| q.0 == id)
+            .map(|q| q.1)
+            .collect();
         self.quarantine.retain(|q| q.0 != id);
+        for page in held {
+            self.log_unreserve(Rep { seg: id, page });
+        }
         if let Some(ns) = self.nodes.get_mut(seg.node as usize) {
             ns.segments.retain(|s| *s != id);
             ns.feed.retain(|e| e.segment_id != id);

@@ -77,26 +77,33 @@ impl MasterState {
             self.releasing_pages[Tier::Dram.index()] -= u64::from(t.releasing_pages);
         }
         let target_alive = self.segments.contains_key(&t.target.seg);
-        self.log_unreserve(t.target);
         let object_ok = self
             .entries
             .get(t.slot as usize)
             .is_some_and(|e| e.has(LIVE) && e.generation == t.generation);
-        if !object_ok {
+        let success = ok && target_alive && object_ok;
+        if success {
+            // The target becomes a replica (logged with the object below).
+            self.log_unreserve(t.target);
+        } else {
             if target_alive {
                 self.feed_free(t.target, t.key);
-                self.free_rep(t.target, t.pages);
             }
+            if ok {
+                // The copy finished: nothing more can arrive.
+                self.log_unreserve(t.target);
+                self.free_rep(t.target, t.pages);
+            } else {
+                // Failed or expired: the copy may still be writing.
+                self.abandon(t.target, t.pages);
+            }
+        }
+        if !object_ok {
             return;
         }
         let slot = t.slot;
         let pages = t.pages;
         self.entries[slot as usize].flags &= !BUSY;
-        let success = ok && target_alive;
-        if !success && target_alive {
-            self.feed_free(t.target, t.key);
-            self.free_rep(t.target, pages);
-        }
         if success {
             let size = self.entries[slot as usize].size;
             self.feed_commit(t.target, t.key, size);
