@@ -168,6 +168,7 @@ fn master_seeds(s: &mut Seeds) {
         items: vec![mproto::PutEndItem {
             key: b"block-1".to_vec(),
             put_id: 1,
+            unsent: false,
         }],
     }
     .encode_to_vec();

@@ -83,11 +83,26 @@ impl MasterClient {
         self.coalesced::<PutEndOp>((key.to_vec(), put_id)).await
     }
 
+    /// Abandon a put whose bytes may have been (partly) sent: the master holds its space back
+    /// for its reuse delay, so that a write still on its way lands where no one reads.
     pub async fn put_revoke(&self, key: &[u8], put_id: u64) -> Result<(), ClientError> {
         first(
             self.end_batch(end_items([(key.to_vec(), put_id)]), false)
                 .await?,
         )
+    }
+
+    /// Abandon puts of which no byte was sent anywhere (or only copied within this process,
+    /// and finished): their space may be given out again at once.
+    pub async fn put_revoke_unsent(
+        &self,
+        items: &[(&[u8], u64)],
+    ) -> Result<Vec<Result<(), ClientError>>, ClientError> {
+        let mut items = end_items(items.iter().map(|(k, id)| (k.to_vec(), *id)));
+        for item in &mut items {
+            item.unsent = true;
+        }
+        self.end_batch(items, false).await
     }
 }
 
@@ -167,6 +182,10 @@ fn put_start_request(
 fn end_items(items: impl IntoIterator<Item = (Vec<u8>, u64)>) -> Vec<proto::PutEndItem> {
     items
         .into_iter()
-        .map(|(key, put_id)| proto::PutEndItem { key, put_id })
+        .map(|(key, put_id)| proto::PutEndItem {
+            key,
+            put_id,
+            unsent: false,
+        })
         .collect()
 }

@@ -112,7 +112,8 @@ impl PoolClient {
                 }
                 Ok(false) => {}
                 Err(e) => {
-                    self.revoke(key, put_id).await;
+                    // Only copies within this process, finished: nothing is on its way.
+                    self.revoke_unsent(&[(key, put_id)]).await;
                     return Err(e);
                 }
             }
@@ -132,6 +133,17 @@ impl PoolClient {
             .await
             .map_err(DataError::Master)?;
         Ok(replicas)
+    }
+
+    /// Revoke puts of which no byte was sent (a failed revoke is logged: the puts time out).
+    pub(super) async fn revoke_unsent(&self, items: &[(&[u8], u64)]) {
+        let failed = match self.master.put_revoke_unsent(items).await {
+            Ok(results) => results.into_iter().find_map(Result::err),
+            Err(e) => Some(e),
+        };
+        if let Some(revoke) = failed {
+            tracing::warn!(error = %revoke, "revoking an unsent put failed");
+        }
     }
 
     /// Revoke a put whose write failed (a failed revoke is logged: the put times out).

@@ -63,8 +63,16 @@ impl PoolClient {
                 }
             }
         }
+        let pending: Vec<(&[u8], u64)> = allocated
+            .iter()
+            .filter_map(|(i, id, _)| Some((part_keys.get(*i as usize)?.as_slice(), *id)))
+            .collect();
         let written = match refused {
-            Some(e) => Err(DataError::Master(e)),
+            Some(e) => {
+                // Nothing was written: the parts placed are given back at once.
+                self.revoke_unsent(&pending).await;
+                return Err(DataError::Master(e));
+            }
             None => {
                 let parts = allocated.clone();
                 self.write_staged(source, move |this, local, base| {
@@ -73,10 +81,6 @@ impl PoolClient {
                 .await
             }
         };
-        let pending: Vec<(&[u8], u64)> = allocated
-            .iter()
-            .filter_map(|(i, id, _)| Some((part_keys.get(*i as usize)?.as_slice(), *id)))
-            .collect();
         if let Err(e) = written {
             for (k, id) in &pending {
                 if let Err(revoke) = self.master.put_revoke(k, *id).await {

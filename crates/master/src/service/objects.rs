@@ -111,6 +111,8 @@ async fn end_or_revoke(
                 .map(|(k, i)| {
                     if commit {
                         st.put_end(*k, i.put_id)
+                    } else if i.unsent {
+                        st.put_revoke_unsent(*k, i.put_id)
                     } else {
                         st.put_revoke(*k, i.put_id)
                     }

@@ -57,8 +57,14 @@ impl MasterState {
         slot
     }
 
-    /// Free every replica of `slot` and forget the object.
+    /// Free every replica of `slot` and forget the object (a pending put's space is held back
+    /// for the reuse delay: its writes may still be on their way).
     pub(super) fn drop_object(&mut self, slot: u32) {
+        self.forget_object(slot, true);
+    }
+
+    /// [`Self::drop_object`]; `writes_may_follow`: whether a pending put's space is held back.
+    pub(super) fn forget_object(&mut self, slot: u32, writes_may_follow: bool) {
         let Some(e) = self.entries.get_mut(slot as usize) else {
             return;
         };
@@ -76,9 +82,12 @@ impl MasterState {
         e.generation = e.generation.wrapping_add(1);
         for r in reps {
             self.feed_free(r, key);
-            if was_pending {
+            if was_pending && writes_may_follow {
                 // The put's writes may still be on their way.
                 self.abandon(r, pages);
+            } else if was_pending {
+                self.log_unreserve(r);
+                self.free_rep(r, pages);
             } else {
                 self.free_rep(r, pages);
             }

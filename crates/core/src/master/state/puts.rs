@@ -158,8 +158,22 @@ impl MasterState {
         Ok(())
     }
 
-    /// Abandon a pending put and free its space.
+    /// Abandon a pending put whose bytes may have been sent: its space is held back for the
+    /// reuse delay (see `abandon`) before it is given out again.
     pub fn put_revoke(&mut self, key: ObjectKey, id: u64) -> Result<(), MasterError> {
+        let slot = self.revocable(key, id)?;
+        self.drop_object(slot);
+        Ok(())
+    }
+
+    /// Abandon a pending put of which no byte was sent: its space is free at once.
+    pub fn put_revoke_unsent(&mut self, key: ObjectKey, id: u64) -> Result<(), MasterError> {
+        let slot = self.revocable(key, id)?;
+        self.forget_object(slot, false);
+        Ok(())
+    }
+
+    fn revocable(&self, key: ObjectKey, id: u64) -> Result<u32, MasterError> {
         let slot = self.pending_slot(&key, id)?;
         if !self.entries[slot as usize].has(PENDING) {
             return Err(MasterError::StalePut {
@@ -167,7 +181,6 @@ impl MasterState {
                 put_id: id,
             });
         }
-        self.drop_object(slot);
-        Ok(())
+        Ok(slot)
     }
 }

@@ -364,6 +364,11 @@ fn an_abandoned_write_keeps_its_space_from_the_next_object_until_the_reuse_delay
     );
     let fourth = put(&mut m, key(4), MIB, &opts(1));
     assert_eq!(fourth[0].offset, first[0].offset);
+    // A put of which nothing was sent is given back at once.
+    let (id5, fifth) = start(&mut m, key(5), MIB, &opts(1));
+    m.put_revoke_unsent(key(5), id5).expect("revoke unsent");
+    let sixth = put(&mut m, key(6), MIB, &opts(1));
+    assert_eq!(sixth[0].offset, fifth[0].offset);
     // Without a delay the range is given out at once.
     let (mut m, _clock) = master(MasterConfig {
         reuse_delay_ms: 0,
