@@ -44,6 +44,7 @@ fn config(
         local_cache_blocks: local,
         pool_blocks: pool,
         autoscale: None,
+        autoscale_decode: None,
         time_scale: 1.0,
     }
 }

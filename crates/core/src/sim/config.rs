@@ -1,6 +1,6 @@
 //! What one simulation run is configured with: the scheduler's configuration, the decode
-//! instances, the cache and pool capacities, the time scale and the prefill autoscaling. Pure
-//! data, built by the `kvpool simulate` command line and by tests.
+//! instances, the cache and pool capacities, the time scale and the prefill and decode
+//! autoscaling. Pure data, built by the `kvpool simulate` command line and by tests.
 
 use super::scaling::AutoscaleConfig;
 use crate::sched::SchedulerConfig;
@@ -22,4 +22,7 @@ pub struct SimConfig {
     /// Scale the prefill instances (the scheduler's `prefill_costs` has one per instance up
     /// to `max`); `None`: all of them serve all the time.
     pub autoscale: Option<AutoscaleConfig>,
+    /// Scale the decode instances (`decode_instances` is `max`); `None`: all of them serve all
+    /// the time.
+    pub autoscale_decode: Option<AutoscaleConfig>,
 }

@@ -18,6 +18,7 @@ use crate::sched::{
 pub use super::config::{SimConfig, UNLIMITED};
 pub use super::outcome::{Outcome, Totals};
 use super::report::{Report, summarize};
+use super::decode_scaling::DecodeScaler;
 use super::scaling::PrefillScaler;
 use super::trace::TraceRecord;
 
@@ -88,6 +89,7 @@ struct State {
     totals: Totals,
     kv_capacity: u64,
     scaler: Option<PrefillScaler>,
+    decode_scaler: Option<DecodeScaler>,
 }
 
 /// Replays `records` (sorted by timestamp) under `config`.
@@ -115,6 +117,9 @@ pub fn run(
     let scaler = config
         .autoscale
         .map(|a| PrefillScaler::new(a, slo_s, &mut prefill));
+    let decode_scaler = config
+        .autoscale_decode
+        .map(|a| DecodeScaler::new(a, config.scheduler.slo.tpot_s, config.decode_instances));
     let mut st = State {
         index,
         local: (0..n)
@@ -132,6 +137,7 @@ pub fn run(
         kv_capacity: config.scheduler.decode_kv_capacity_tokens,
         sched,
         scaler,
+        decode_scaler,
     };
     for (id, rec) in records.iter().enumerate() {
         let now = rec.timestamp_ms as f64 / 1000.0 / config.time_scale;
@@ -141,6 +147,7 @@ pub fn run(
         if let Some(s) = st.scaler.as_mut() {
             s.advance(now, &mut st.prefill, &mut st.local, &mut st.index);
         }
+        st.advance_decode_scaler(now);
         st.arrive(id, rec, now);
     }
     while !st.events.is_empty() {
@@ -161,6 +168,14 @@ pub fn run(
         }
         None => st.totals.prefill_instance_s = n as f64 * (end - first),
     }
+    match st.decode_scaler.take() {
+        Some(s) => {
+            let scaling = s.finish(end);
+            st.totals.decode_instance_s = scaling.instance_s;
+            st.totals.decode_scaling = Some(scaling);
+        }
+        None => st.totals.decode_instance_s = config.decode_instances as f64 * (end - first),
+    }
     Ok((st.outcomes, st.totals))
 }
 
@@ -172,6 +187,20 @@ impl State {
             seq: self.seq,
             kind,
         }));
+    }
+
+    /// Runs the decode scaler's decisions due by `now` on the decode instances' queues.
+    fn advance_decode_scaler(&mut self, now: f64) {
+        let Some(s) = self.decode_scaler.as_mut() else {
+            return;
+        };
+        let queue_depth = self.waiting.iter().map(|w| w.len() as u64).sum();
+        let busy: Vec<bool> = self
+            .decode
+            .iter()
+            .map(|d| !d.running.is_empty() || !d.pending.is_empty())
+            .collect();
+        s.advance(now, queue_depth, &busy);
     }
 
     fn handle_next(&mut self) {
@@ -188,6 +217,12 @@ impl State {
                         .retain(|m| m.request != request);
                     if let Some(o) = self.outcomes.get_mut(request as usize) {
                         o.rejected = Some(reason);
+                    }
+                    if let Some(s) = self.decode_scaler.as_mut() {
+                        s.rejected(ev.at_s);
+                    }
+                    if !self.stepping[instance] {
+                        self.note_idle(instance, ev.at_s);
                     }
                     return;
                 }
@@ -214,13 +249,26 @@ impl State {
             decode_tokens: rec.output_length.saturating_sub(1).max(1),
             ..Outcome::default()
         };
-        let placement = match self
-            .sched
-            .decide(now, &req, &self.index, &self.prefill, &self.decode)
-        {
+        // With decode autoscaling, only the instances on and ready take new requests.
+        let decode_ready = self
+            .decode_scaler
+            .as_ref()
+            .map_or(self.decode.len(), |s| s.available(now));
+        let placement = match self.sched.decide(
+            now,
+            &req,
+            &self.index,
+            &self.prefill,
+            &self.decode[..decode_ready],
+        ) {
             Decision::Reject(reason) => {
                 if let (Some(s), RejectReason::Ttft { .. } | RejectReason::NoInstance) =
                     (self.scaler.as_mut(), reason)
+                {
+                    s.rejected(now);
+                }
+                if let (Some(s), RejectReason::Tpot { .. } | RejectReason::DecodeMemory) =
+                    (self.decode_scaler.as_mut(), reason)
                 {
                     s.rejected(now);
                 }
@@ -260,6 +308,9 @@ impl State {
         self.totals.prefill_busy_s += work;
         if let Some(s) = self.scaler.as_mut() {
             s.admitted(now, placement.prefill, start, placement.ttft.total_s());
+        }
+        if let Some(s) = self.decode_scaler.as_mut() {
+            s.admitted(now, placement.tpot_s);
         }
         out.ttft_s = p.free_at_s - now;
         out.decode_arrival_s = p.free_at_s + placement.kv_transfer_s;
@@ -359,6 +410,7 @@ impl State {
         let d = &self.decode[instance];
         if d.running.is_empty() {
             self.stepping[instance] = false;
+            self.note_idle(instance, now);
             return;
         }
         let ctx: u64 = d.running.iter().map(|m| m.context_tokens).sum();
@@ -370,6 +422,16 @@ impl State {
         self.stepping[instance] = true;
         self.totals.decode_steps += 1;
         self.push(now + step, Kind::StepEnd { instance });
+    }
+
+    /// Tells the decode scaler when an instance holds nothing any more (a drain ends).
+    fn note_idle(&mut self, instance: usize, now: f64) {
+        if let (Some(s), Some(d)) = (self.decode_scaler.as_mut(), self.decode.get(instance))
+            && d.running.is_empty()
+            && d.pending.is_empty()
+        {
+            s.idle(instance, now);
+        }
     }
 
     fn step_end(&mut self, instance: usize, now: f64) {
@@ -392,187 +454,4 @@ impl State {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::num::NonZeroU32;
-
-    use super::*;
-    use crate::sched::{
-        DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
-    };
-
-    fn config(decode_capacity: u64) -> SimConfig {
-        SimConfig {
-            scheduler: SchedulerConfig {
-                policy: Policy::Conductor,
-                rejection: Rejection::None,
-                slo: Slo {
-                    ttft_s: 10.0,
-                    tpot_s: 1.0,
-                },
-                block_size: NonZeroU32::new(10).unwrap(),
-                bytes_per_token: 1,
-                // Transfers take no time (1e-307 s).
-                pool_bandwidth_bps: f64::MAX,
-                kv_bandwidth_bps: f64::MAX,
-                // 0.1 s per token, nothing else
-                prefill_costs: vec![
-                    PrefillCost {
-                        fixed_s: 0.0,
-                        linear_s: 0.1,
-                        quadratic_s: 0.0,
-                    };
-                    1
-                ],
-                // 1 s per step
-                decode_cost: DecodeCost {
-                    fixed_s: 1.0,
-                    per_seq_s: 0.0,
-                    per_ctx_token_s: 0.0,
-                },
-                decode_kv_capacity_tokens: decode_capacity,
-                hot: HotConfig {
-                    threshold: 0,
-                    fanout: 0,
-                },
-                seed: 1,
-            },
-            decode_instances: 1,
-            local_cache_blocks: UNLIMITED,
-            pool_blocks: UNLIMITED,
-            time_scale: 1.0,
-            autoscale: None,
-        }
-    }
-
-    fn close(a: f64, b: f64) {
-        assert!((a - b).abs() < 1e-6, "{a} != {b}");
-    }
-
-    fn rec(ts: u64, input: u64, output: u32, ids: &[u64]) -> TraceRecord {
-        TraceRecord {
-            timestamp_ms: ts,
-            input_length: input,
-            output_length: output,
-            hash_ids: ids.to_vec(),
-        }
-    }
-
-    /// A load one instance cannot carry (a 2 s prefill every second) then a quiet tail:
-    /// autoscaling adds instances while it lasts and gives them back after, and meets the SLO
-    /// where the one fixed instance does not, with fewer instance-seconds than four fixed.
-    #[test]
-    fn autoscaling_follows_the_load_and_saves_instance_seconds() {
-        use crate::autoscale::Signal;
-        use crate::sim::scaling::AutoscaleConfig;
-        let mut records: Vec<TraceRecord> = (0..240u64)
-            .map(|i| rec(i * 1000, 20, 2, &[1_000 + 2 * i, 1_001 + 2 * i]))
-            .collect();
-        records.extend((0..12u64).map(|i| rec(300_000 + i * 60_000, 20, 2, &[9_000 + i])));
-        let mut fixed = config(u64::MAX);
-        fixed.scheduler.slo.ttft_s = 8.0;
-        fixed.scheduler.slo.tpot_s = 100.0;
-        let mut four = fixed.clone();
-        four.scheduler.prefill_costs = vec![fixed.scheduler.prefill_costs[0]; 4];
-        let mut scaled = four.clone();
-        scaled.autoscale = Some(AutoscaleConfig {
-            startup_s: 5.0,
-            ..AutoscaleConfig::new(1, 4, Signal::PredictedLatency)
-        });
-        let one = simulate(&records, &fixed).unwrap();
-        let four = simulate(&records, &four).unwrap();
-        let auto = simulate(&records, &scaled).unwrap();
-        let a = auto.autoscale.expect("autoscaled");
-        assert!(a.most > 1 && a.scale_ups >= 1, "{a:?}");
-        assert!(a.scale_downs >= 1 && a.fewest == 1, "{a:?}");
-        assert!(
-            auto.slo_attainment > one.slo_attainment + 0.3,
-            "{} vs {}",
-            auto.slo_attainment,
-            one.slo_attainment
-        );
-        assert!(
-            auto.prefill_instance_s < 0.7 * four.prefill_instance_s,
-            "{} vs {}",
-            auto.prefill_instance_s,
-            four.prefill_instance_s
-        );
-        assert!(four.autoscale.is_none());
-        close(one.prefill_instance_s, one.makespan_s);
-    }
-
-    #[test]
-    fn hand_computed_timeline() {
-        // A: 20 tokens at 0 s -> prefill 2 s (TTFT 2), decode 3 tokens at 1 s/step: 2..5 s.
-        // B: same prefix + 10 more at 1 s -> waits for A's prefill until 2 s, prefills only
-        //    its 10 new tokens (1 s): TTFT 2 s, decodes 1 token 3..4 s alongside A.
-        let records = [rec(0, 20, 4, &[1, 2]), rec(1000, 30, 2, &[1, 2, 3])];
-        let (o, totals) = run(&records, &config(1000)).unwrap();
-        assert_eq!(
-            (o[0].ttft_s, o[0].decode_arrival_s, o[0].finish_s),
-            (2.0, 2.0, 5.0)
-        );
-        assert_eq!(o[0].tpot_s(), 1.0);
-        assert_eq!((o[1].matched_blocks, o[1].cached_tokens), (2, 20));
-        // B reaches decode at 3 s, just as A's step ends, and joins the next step.
-        assert_eq!((o[1].ttft_s, o[1].finish_s), (2.0, 4.0));
-        assert_eq!(totals.prefill_busy_s, 3.0);
-    }
-
-    #[test]
-    fn decode_memory_makes_requests_wait_in_order() {
-        // Memory for 25 tokens: B (20 tokens) must wait until A (20 tokens) has finished.
-        let records = [rec(0, 20, 3, &[1, 2]), rec(0, 20, 3, &[5, 6])];
-        let (o, _) = run(&records, &config(25)).unwrap();
-        // A: prefill 0..2 s, decode 2 tokens 2..4 s. B: prefill 2..4 s, joins at 4 s, 4..6 s.
-        close(o[0].finish_s, 4.0);
-        close(o[1].decode_arrival_s, 4.0);
-        close(o[1].finish_s, 6.0);
-        // Here prefill serialises them anyway; now let B arrive while A decodes.
-        let records = [rec(0, 20, 5, &[1, 2]), rec(0, 1, 3, &[9])];
-        let (o, _) = run(&records, &config(20)).unwrap();
-        // A decodes 4 tokens 2..6 s holding all 20 tokens (+ growth); B (prefill 0.1 s) arrives
-        // at 2.1 s and waits for A to leave at 6 s, then takes 2 steps: 6..8 s.
-        close(o[0].finish_s, 6.0);
-        close(o[1].finish_s, 8.0);
-        close(o[1].tpot_s(), (8.0 - 2.1) / 2.0);
-    }
-
-    #[test]
-    fn at_decode_rejection_refuses_after_the_prefill_was_spent() {
-        // As in the second case above, B arrives at decode at 2.1 s while A holds all memory:
-        // with at-decode rejection the decode instance refuses B then, after its 0.1 s of
-        // prefill; A is served as before. Early rejection would have refused B at arrival (0 s)
-        // only if decode looked full then, which it did not (A was still in prefill).
-        let records = [rec(0, 20, 5, &[1, 2]), rec(0, 1, 3, &[9])];
-        let mut cfg = config(20);
-        cfg.scheduler.rejection = Rejection::AtDecode;
-        let (o, totals) = run(&records, &cfg).unwrap();
-        close(o[0].finish_s, 6.0);
-        assert_eq!(o[0].rejected, None);
-        assert_eq!(o[1].rejected, Some(RejectReason::DecodeMemory));
-        close(o[1].decode_arrival_s, 2.1);
-        // Both prefills were spent: 2 s + 0.1 s.
-        close(totals.prefill_busy_s, 2.1);
-        let mut early = config(20);
-        early.scheduler.rejection = Rejection::Early;
-        let (o, _) = run(&records, &early).unwrap();
-        assert_eq!(o[1].rejected, None);
-        // An idle decode instance takes anything, even at-decode.
-        let (o, _) = run(&[rec(0, 30, 3, &[1, 2, 3])], &cfg).unwrap();
-        assert_eq!(o[0].rejected, None);
-    }
-
-    #[test]
-    fn empty_prompts_and_single_token_outputs_are_served() {
-        let records = [rec(0, 0, 0, &[]), rec(0, 5, 1, &[4])];
-        let (o, _) = run(&records, &config(100)).unwrap();
-        assert!(
-            o.iter()
-                .all(|x| x.rejected.is_none() && x.finish_s > x.arrival_s)
-        );
-        assert_eq!(o[0].decode_tokens, 1);
-        let mut bad = config(100);
-        bad.time_scale = 0.0;
-        assert_eq!(run(&records, &bad).unwrap_err().category(), "time_scale");
-    }
-}
+mod tests;

@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod decode_scaling;
 pub mod engine;
 pub mod outcome;
 pub mod report;

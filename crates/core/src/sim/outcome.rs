@@ -46,4 +46,8 @@ pub struct Totals {
     pub prefill_instance_s: f64,
     /// What autoscaling did (`None` without it).
     pub scaling: Option<ScalingTotals>,
+    /// Decode instance-seconds from the first arrival to the end of the run.
+    pub decode_instance_s: f64,
+    /// What decode autoscaling did (`None` without it).
+    pub decode_scaling: Option<ScalingTotals>,
 }

@@ -82,6 +82,10 @@ pub struct Report {
     pub prefill_instance_s: f64,
     /// What autoscaling did (`None` with a fixed prefill count).
     pub autoscale: Option<super::scaling::ScalingTotals>,
+    /// Decode instance-seconds, first arrival to last completion.
+    pub decode_instance_s: f64,
+    /// What decode autoscaling did (`None` with a fixed decode count).
+    pub autoscale_decode: Option<super::scaling::ScalingTotals>,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -122,6 +126,8 @@ pub fn summarize(config: &SimConfig, outcomes: &[Outcome], totals: &Totals) -> R
         pool_evictions: totals.pool_evictions,
         prefill_instance_s: totals.prefill_instance_s,
         autoscale: totals.scaling,
+        decode_instance_s: totals.decode_instance_s,
+        autoscale_decode: totals.decode_scaling,
     };
     let (mut matched, mut local, mut tokens, mut cached) = (0u64, 0u64, 0u64, 0u64);
     let mut ttft = Vec::with_capacity(outcomes.len());
@@ -247,6 +253,18 @@ impl Report {
                 s,
                 "prefill instance-seconds {:.0}  ({} instances throughout)",
                 self.prefill_instance_s, self.prefill_instances
+            ),
+        };
+        let _ = match &self.autoscale_decode {
+            Some(a) => writeln!(
+                s,
+                "decode instance-seconds {:.0}  autoscaled {}..{} instances, {} up and {} down",
+                self.decode_instance_s, a.fewest, a.most, a.scale_ups, a.scale_downs
+            ),
+            None => writeln!(
+                s,
+                "decode instance-seconds {:.0}  ({} instances throughout)",
+                self.decode_instance_s, self.decode_instances
             ),
         };
         s
