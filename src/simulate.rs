@@ -96,9 +96,25 @@ pub struct SimulateArgs {
     /// Start-up time of an instance --autoscale adds (a duration: `30s`).
     #[arg(long, default_value = "30s", value_parser = parse_duration, requires = "autoscale")]
     pub autoscale_startup: Duration,
-    /// Decode instances.
+    /// Decode instances (with --autoscale-decode, the count at the start).
     #[arg(long, default_value_t = 8)]
     pub decode: usize,
+    /// Scale the decode instances between MIN and MAX with the operator's autoscaling
+    /// decision on the decode role's figures (predicted TPOT against --tpot-slo by default),
+    /// every 15 s of replay time on the last 30 s of requests (docs/scheduling.md,
+    /// "Autoscaling in the simulator").
+    #[arg(long, value_name = "MIN:MAX")]
+    pub autoscale_decode: Option<ScaleRange>,
+    /// The signal --autoscale-decode follows (queue-depth: requests at a decode instance
+    /// waiting for KV memory).
+    #[arg(long, value_enum, default_value_t = Signal::PredictedLatency, requires = "autoscale_decode")]
+    pub autoscale_decode_signal: Signal,
+    /// Target of the --autoscale-decode signal instead of the operator's (as --autoscale-target).
+    #[arg(long, requires = "autoscale_decode")]
+    pub autoscale_decode_target: Option<f64>,
+    /// Start-up time of a decode instance --autoscale-decode adds (a duration: `30s`).
+    #[arg(long, default_value = "30s", value_parser = parse_duration, requires = "autoscale_decode")]
+    pub autoscale_decode_startup: Duration,
     /// Local cache per prefill instance, blocks (`unlimited` allowed). Default: 3M tokens.
     #[arg(long, default_value = "5859")]
     pub local_cache_blocks: Capacity,
@@ -238,6 +254,64 @@ pub fn parse_profile(text: &str, path: &Path) -> Result<Vec<(u64, f64)>, Simulat
     Ok(samples)
 }
 
+/// The autoscaling of one role from its flags: `start` is the role's count flag (`--prefill`,
+/// `--decode`), which must lie in `range`; `flag_name` names the range flag, whose `-target`
+/// sibling overrides the operator's target of `signal`.
+fn scale_config(
+    range: ScaleRange,
+    (count_flag, start): (&'static str, usize),
+    most: usize,
+    (flag_name, signal): (&'static str, Signal),
+    target: Option<f64>,
+    startup: Duration,
+) -> Result<AutoscaleConfig, SimulateError> {
+    if range.max > most {
+        return Err(flag(
+            flag_name,
+            format!("MAX must be at most {most}, got {}", range.max),
+        ));
+    }
+    if !(range.min..=range.max).contains(&start) {
+        return Err(flag(
+            count_flag,
+            format!(
+                "must lie within --{flag_name} {}:{}, got {start}",
+                range.min, range.max
+            ),
+        ));
+    }
+    let mut a = AutoscaleConfig {
+        start,
+        startup_s: startup.as_secs_f64(),
+        ..AutoscaleConfig::new(range.min, range.max, signal)
+    };
+    if let Some(t) = target {
+        let b = &mut a.behavior;
+        let (value, allowed) = match signal {
+            Signal::PredictedLatency => (&mut b.latency_target_ratio, 0.0..=100.0),
+            Signal::QueueDepth => (&mut b.queue_target_per_instance, 0.0..=1e6),
+            Signal::RejectionRate => (&mut b.rejection_target, 0.0..=1.0),
+            Signal::SloAttainment => (&mut b.attainment_target, 0.0..=1.0),
+        };
+        if !(t > *allowed.start() && t <= *allowed.end()) {
+            let target_flag = match flag_name {
+                "autoscale" => "autoscale-target",
+                _ => "autoscale-decode-target",
+            };
+            return Err(flag(
+                target_flag,
+                format!(
+                    "must lie in ({}, {}], got {t}",
+                    allowed.start(),
+                    allowed.end()
+                ),
+            ));
+        }
+        *value = t;
+    }
+    Ok(a)
+}
+
 /// Validates the flags into a simulation configuration.
 pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
     if args.prefill == 0 || args.prefill > kvpool_core::sched::index::MAX_PREFILL_INSTANCES {
@@ -253,52 +327,32 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
     if args.decode == 0 {
         return Err(flag("decode", "must be at least 1"));
     }
-    let autoscale = match args.autoscale {
-        Some(r) => {
-            if r.max > kvpool_core::sched::index::MAX_PREFILL_INSTANCES {
-                return Err(flag(
-                    "autoscale",
-                    format!(
-                        "MAX must be at most {}, got {}",
-                        kvpool_core::sched::index::MAX_PREFILL_INSTANCES,
-                        r.max
-                    ),
-                ));
-            }
-            if !(r.min..=r.max).contains(&args.prefill) {
-                return Err(flag(
-                    "prefill",
-                    format!(
-                        "must lie within --autoscale {}:{}, got {}",
-                        r.min, r.max, args.prefill
-                    ),
-                ));
-            }
-            let mut a = AutoscaleConfig {
-                start: args.prefill,
-                startup_s: args.autoscale_startup.as_secs_f64(),
-                ..AutoscaleConfig::new(r.min, r.max, args.autoscale_signal)
-            };
-            if let Some(t) = args.autoscale_target {
-                let b = &mut a.behavior;
-                let (target, range) = match args.autoscale_signal {
-                    Signal::PredictedLatency => (&mut b.latency_target_ratio, 0.0..=100.0),
-                    Signal::QueueDepth => (&mut b.queue_target_per_instance, 0.0..=1e6),
-                    Signal::RejectionRate => (&mut b.rejection_target, 0.0..=1.0),
-                    Signal::SloAttainment => (&mut b.attainment_target, 0.0..=1.0),
-                };
-                if !(t > *range.start() && t <= *range.end()) {
-                    return Err(flag(
-                        "autoscale-target",
-                        format!("must lie in ({}, {}], got {t}", range.start(), range.end()),
-                    ));
-                }
-                *target = t;
-            }
-            Some(a)
-        }
-        None => None,
-    };
+    let autoscale = args
+        .autoscale
+        .map(|r| {
+            scale_config(
+                r,
+                ("prefill", args.prefill),
+                kvpool_core::sched::index::MAX_PREFILL_INSTANCES,
+                ("autoscale", args.autoscale_signal),
+                args.autoscale_target,
+                args.autoscale_startup,
+            )
+        })
+        .transpose()?;
+    let autoscale_decode = args
+        .autoscale_decode
+        .map(|r| {
+            scale_config(
+                r,
+                ("decode", args.decode),
+                usize::MAX,
+                ("autoscale-decode", args.autoscale_decode_signal),
+                args.autoscale_decode_target,
+                args.autoscale_decode_startup,
+            )
+        })
+        .transpose()?;
     let instances = autoscale.map_or(args.prefill, |a| a.max);
     let block_size =
         NonZeroU32::new(args.block_size).ok_or_else(|| flag("block-size", "must be at least 1"))?;
@@ -342,11 +396,12 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
             },
             seed: args.seed,
         },
-        decode_instances: args.decode,
+        decode_instances: autoscale_decode.map_or(args.decode, |a| a.max),
         local_cache_blocks: args.local_cache_blocks.0,
         pool_blocks: args.pool_blocks.0,
         time_scale: positive("time-scale", args.time_scale)?,
         autoscale,
+        autoscale_decode,
     })
 }
 
@@ -415,162 +470,4 @@ pub fn run(args: &SimulateArgs) -> Result<(), SimulateError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Debug, Parser)]
-    struct T {
-        #[command(flatten)]
-        a: SimulateArgs,
-    }
-
-    fn args(extra: &[&str]) -> SimulateArgs {
-        let mut v = vec!["t", "--trace", "x.jsonl"];
-        v.extend_from_slice(extra);
-        T::try_parse_from(v).unwrap().a
-    }
-
-    #[test]
-    fn defaults_validate() {
-        let c = sim_config(&args(&[])).unwrap();
-        assert_eq!(c.scheduler.prefill_costs.len(), 8);
-        assert_eq!(c.local_cache_blocks, 5859);
-        assert_eq!(c.scheduler.pool_bandwidth_bps, 25e9);
-        let c = sim_config(&args(&["--pool-blocks", "unlimited"])).unwrap();
-        assert_eq!(c.pool_blocks, UNLIMITED);
-    }
-
-    #[test]
-    fn autoscale_builds_max_instances_and_checks_its_range() {
-        let c = sim_config(&args(&["--autoscale", "2:12", "--prefill", "4"])).unwrap();
-        assert_eq!(c.scheduler.prefill_costs.len(), 12);
-        let a = c.autoscale.expect("autoscale");
-        assert_eq!((a.start, a.min, a.max), (4, 2, 12));
-        assert_eq!(a.signal, Signal::PredictedLatency);
-        assert_eq!(a.startup_s, 30.0);
-        let c = sim_config(&args(&[
-            "--autoscale",
-            "1:4",
-            "--prefill",
-            "1",
-            "--autoscale-signal",
-            "queue-depth",
-            "--autoscale-startup",
-            "2m",
-        ]))
-        .unwrap();
-        let a = c.autoscale.expect("autoscale");
-        assert_eq!((a.signal, a.startup_s), (Signal::QueueDepth, 120.0));
-        let c = sim_config(&args(&[
-            "--autoscale",
-            "1:4",
-            "--prefill",
-            "1",
-            "--autoscale-target",
-            "0.3",
-        ]))
-        .unwrap();
-        assert_eq!(
-            c.autoscale
-                .expect("autoscale")
-                .behavior
-                .latency_target_ratio,
-            0.3
-        );
-        let err = sim_config(&args(&[
-            "--autoscale",
-            "1:4",
-            "--prefill",
-            "1",
-            "--autoscale-target",
-            "0",
-        ]))
-        .unwrap_err();
-        assert!(err.to_string().starts_with("--autoscale-target"), "{err}");
-        // The start count must lie in the range; MAX is bounded like --prefill.
-        let err = sim_config(&args(&["--autoscale", "2:4"])).unwrap_err();
-        assert!(err.to_string().starts_with("--prefill"), "{err}");
-        let err = sim_config(&args(&["--autoscale", "1:500", "--prefill", "1"])).unwrap_err();
-        assert!(err.to_string().starts_with("--autoscale"), "{err}");
-        for bad in ["4", "0:3", "5:2", "a:3"] {
-            assert!(
-                T::try_parse_from(["t", "--trace", "x", "--autoscale", bad]).is_err(),
-                "{bad}"
-            );
-        }
-        assert!(
-            T::try_parse_from(["t", "--trace", "x", "--autoscale-signal", "queue-depth"]).is_err(),
-            "the signal needs --autoscale"
-        );
-        assert!(sim_config(&args(&[])).unwrap().autoscale.is_none());
-    }
-
-    #[test]
-    fn bad_flags_are_named() {
-        for (extra, want) in [
-            (vec!["--prefill", "0"], "--prefill"),
-            (vec!["--prefill", "200"], "--prefill"),
-            (vec!["--decode", "0"], "--decode"),
-            (vec!["--time-scale", "0"], "--time-scale"),
-            (vec!["--ttft-slo=0s"], "--ttft-slo"),
-            (vec!["--block-size", "0"], "--block-size"),
-            (vec!["--prefill-linear-s=-0.1"], "--prefill-linear-s"),
-        ] {
-            let err = sim_config(&args(&extra)).unwrap_err();
-            assert!(err.to_string().starts_with(want), "{err}");
-            assert_eq!(err.category(), "flag");
-        }
-        assert!(T::try_parse_from(["t", "--trace", "x", "--pool-blocks", "lots"]).is_err());
-        assert!(T::try_parse_from(["t"]).is_err(), "--trace is required");
-        assert!(T::try_parse_from(["t", "--bench-decision"]).is_ok());
-    }
-
-    #[test]
-    fn old_flag_spellings_still_parse_for_one_release() {
-        let old = sim_config(&args(&[
-            "--ttft-slo-s",
-            "2.5",
-            "--tpot-slo-s=0.05",
-            "--pool-bandwidth-gbps",
-            "12.5",
-            "--kv-bandwidth-gbps=50",
-            "--bytes-per-token",
-            "1024",
-        ]))
-        .unwrap();
-        let new = sim_config(&args(&[
-            "--ttft-slo",
-            "2500ms",
-            "--tpot-slo=50ms",
-            "--pool-bandwidth",
-            "100Gbit/s",
-            "--kv-bandwidth=50GB/s",
-            "--kv-bytes-per-token",
-            "1024",
-        ]))
-        .unwrap();
-        for c in [&old, &new] {
-            let s = &c.scheduler;
-            assert_eq!((s.slo.ttft_s, s.slo.tpot_s), (2.5, 0.05));
-            assert_eq!((s.pool_bandwidth_bps, s.kv_bandwidth_bps), (12.5e9, 50e9));
-            assert_eq!(s.bytes_per_token, 1024);
-        }
-        for bad in [["--pool-bandwidth-gbps", "NaN"], ["--ttft-slo", "soon"]] {
-            let mut argv = vec!["t", "--trace", "x"];
-            argv.extend(bad);
-            assert!(T::try_parse_from(argv).is_err(), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn profile_parsing() {
-        let p = Path::new("p.csv");
-        let s = parse_profile("tokens,seconds\n# c\n1000, 0.2\n\n2000,0.5\n", p).unwrap();
-        assert_eq!(s, vec![(1000, 0.2), (2000, 0.5)]);
-        let err = parse_profile("1000,0.2\n2000\n", p).unwrap_err();
-        assert!(err.to_string().contains("line 2"), "{err}");
-        let err = parse_profile("1000,0.2\nx,1\n", p).unwrap_err();
-        assert!(err.to_string().contains("line 2: tokens `x`"), "{err}");
-    }
-}
+mod tests;

@@ -246,7 +246,10 @@ mod tests {
         assert_eq!(*down.last().unwrap(), 1, "{down:?}");
         assert!(down.iter().all(|&n| n >= 1));
         let totals = s.finish(1500.0);
-        assert!(totals.scale_ups >= 1 && totals.scale_downs >= 1, "{totals:?}");
+        assert!(
+            totals.scale_ups >= 1 && totals.scale_downs >= 1,
+            "{totals:?}"
+        );
         assert_eq!((totals.fewest, totals.most), (1, 6));
     }
 
@@ -261,7 +264,14 @@ mod tests {
         // Four instances at the target for two minutes, then a load that alone would need two
         // with a 10 s spike every two minutes that alone would need eight: neither lasts
         // through its window, so the count never moves either way.
-        let mut s = DecodeScaler::new(AutoscaleConfig { start: 4, ..config(1, 8) }, 0.1, 8);
+        let mut s = DecodeScaler::new(
+            AutoscaleConfig {
+                start: 4,
+                ..config(1, 8)
+            },
+            0.1,
+            8,
+        );
         let spiky = script(&mut s, 0..1800, |t| {
             if t < 120.0 {
                 0.05
@@ -324,7 +334,11 @@ mod tests {
         assert_eq!((s.count(), s.available(1.0)), (1, 1));
         s.admitted(1.5, 0.3);
         s.advance(2.0, 0, &[true, true]);
-        assert_eq!((s.count(), s.available(2.0)), (2, 2), "no start-up after a drain");
+        assert_eq!(
+            (s.count(), s.available(2.0)),
+            (2, 2),
+            "no start-up after a drain"
+        );
         let t = s.finish(3.0);
         // 0: 0..3; 1: 0..1 on, 1..2 draining, 2..3 on again.
         close(t.instance_s, 3.0 + 1.0 + 1.0 + 1.0);

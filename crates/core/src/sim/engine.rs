@@ -16,9 +16,9 @@ use crate::sched::{
 };
 
 pub use super::config::{SimConfig, UNLIMITED};
+use super::decode_scaling::DecodeScaler;
 pub use super::outcome::{Outcome, Totals};
 use super::report::{Report, summarize};
-use super::decode_scaling::DecodeScaler;
 use super::scaling::PrefillScaler;
 use super::trace::TraceRecord;
 

@@ -2,9 +2,7 @@
 use std::num::NonZeroU32;
 
 use super::*;
-use crate::sched::{
-    DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
-};
+use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
 
 fn config(decode_capacity: u64) -> SimConfig {
     SimConfig {
