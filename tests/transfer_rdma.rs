@@ -342,6 +342,7 @@ fn rdma_engine_without_devices_refuses_a_forced_rdma_open() {
         size: 1,
         numa_node: None,
         memory: MemoryKind::Host,
+        gpu_device: None,
         endpoints: vec![Endpoint::Tcp("127.0.0.1:9".parse().unwrap())],
         nics: vec![],
     };

@@ -2,11 +2,14 @@
 //! root and a procfs root (configurable, so tests read fixture trees), plus the device plugin's
 //! `PCIDEVICE_*` variables passed in as a map. I/O boundary: read-only filesystem access under
 //! the two roots. Unreadable or malformed entries become [`Warning`]s; only a missing sysfs root
-//! is an error.
+//! is an error. A PCI device's NUMA node is read by the transfer engine's `pci_numa_node`, the
+//! reader GPU segments use too.
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
+
+use kvpool_transfer::memory::{NumaNodeError, numa_node_file, pci_numa_node};
 
 use crate::topology::{
     GidEntry, Gpu, HugePagePool, NumaNode, PodVf, RdmaDevice, RdmaPort, SriovPf, SriovVf, Topology,
@@ -115,19 +118,39 @@ impl Reader<'_> {
         }
     }
 
-    /// `numa_node` of a PCI device: -1 means unknown.
+    /// `numa_node` of a PCI device: -1 means unknown (the transfer engine's reader, so that
+    /// GPU segments and discovery agree).
     fn read_numa(&mut self, path: &Path) -> Option<u32> {
-        let text = self.read(path)?;
-        match text.parse::<i64>() {
-            Ok(-1) => None,
-            Ok(v) => match u32::try_from(v) {
-                Ok(v) => Some(v),
-                Err(_) => {
-                    self.warn(path, format!("invalid NUMA node {v}"));
-                    None
-                }
-            },
-            Err(_) => {
+        self.numa_result(path, numa_node_file(path))
+    }
+
+    /// The NUMA node of PCI device `bdf` (`bus/pci/devices/<bdf>/numa_node`), the way
+    /// `Segment::on_gpu` reads it.
+    fn pci_numa(&mut self, bdf: &str) -> Option<u32> {
+        let found = pci_numa_node(&self.roots.sysfs, bdf);
+        let path = match &found {
+            Err(e) => e.path().to_owned(),
+            Ok(_) => PathBuf::new(),
+        };
+        self.numa_result(&path, found)
+    }
+
+    fn numa_result(
+        &mut self,
+        path: &Path,
+        found: Result<Option<u32>, NumaNodeError>,
+    ) -> Option<u32> {
+        match found {
+            Ok(node) => node,
+            Err(NumaNodeError::Read { source, .. }) => {
+                self.warn(path, format!("cannot read: {source}"));
+                None
+            }
+            Err(NumaNodeError::OutOfRange { value, .. }) => {
+                self.warn(path, format!("invalid NUMA node {value}"));
+                None
+            }
+            Err(NumaNodeError::NotANumber { text, .. }) => {
                 self.warn(path, format!("not a NUMA node number: {text:?}"));
                 None
             }
@@ -236,7 +259,7 @@ pub fn discover(roots: &Roots, env: &BTreeMap<String, String>) -> Result<Topolog
         let (bus_id, pci_path) = r
             .resolve_pci(&dev)
             .unwrap_or_else(|| (name.clone(), vec![name.clone()]));
-        let numa_node = r.read_numa(&dev.join("numa_node")).or(single_node);
+        let numa_node = r.pci_numa(&name).or(single_node);
         let device = r.read(&dev.join("device")).unwrap_or_default();
         topo.gpus.push(Gpu {
             pci_bus_id: bus_id,

@@ -105,6 +105,7 @@ impl TargetProcess {
             size: self.size,
             numa_node: None,
             memory: MemoryKind::Host,
+            gpu_device: None,
             endpoints: vec![Endpoint::Tcp(self.tcp), Endpoint::Shm(self.shm.clone())],
             nics: vec![],
         }

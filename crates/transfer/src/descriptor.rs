@@ -77,9 +77,15 @@ pub struct SegmentDescriptor {
     pub numa_node: Option<u32>,
     #[serde(default)]
     pub memory: MemoryKind,
+    /// The GPU (CUDA ordinal on its node) whose memory this is, for `memory: gpu`.
+    #[serde(default)]
+    pub gpu_device: Option<u32>,
     /// Endpoints, in the owner's order of preference.
     pub endpoints: Vec<Endpoint>,
-    /// RDMA NICs through which the memory is registered.
+    /// The owner's RDMA NICs that serve this segment: those on the memory's NUMA node (all of
+    /// them when the node is unknown or has none). A peer's RDMA queue pairs to the segment
+    /// end on these NICs. Empty without RDMA, and in descriptors the master rebuilds from
+    /// replica records (see docs/transfer.md).
     #[serde(default)]
     pub nics: Vec<NicDescriptor>,
 }
@@ -175,6 +181,7 @@ mod tests {
             size: 1 << 30,
             numa_node: Some(1),
             memory: MemoryKind::Host,
+            gpu_device: None,
             endpoints: vec![
                 Endpoint::Tcp("10.0.0.1:7400".parse().unwrap()),
                 Endpoint::Shm("/run/kvpool/transfer.sock".into()),
@@ -189,5 +196,23 @@ mod tests {
         assert_eq!(dir.lookup("node-a/dram0").unwrap(), d);
         assert_eq!(d.tcp_endpoint(), Some("10.0.0.1:7400".parse().unwrap()));
         assert!(matches!(dir.lookup("x"), Err(DirectoryError::NotFound(_))));
+        // Descriptors written before `gpu_device` and `nics` existed still parse.
+        let old = r#"{"name":"n/g0","node":"n","size":4096,"memory":"gpu","endpoints":[]}"#;
+        let old: SegmentDescriptor = serde_json::from_str(old).unwrap();
+        assert_eq!((old.memory, old.gpu_device, old.nics.len()), (MemoryKind::Gpu, None, 0));
+        let gpu = SegmentDescriptor {
+            memory: MemoryKind::Gpu,
+            gpu_device: Some(3),
+            nics: vec![NicDescriptor {
+                device: "mlx5_4".into(),
+                port: 1,
+                gid_index: 3,
+                numa_node: Some(1),
+            }],
+            ..d
+        };
+        let back: SegmentDescriptor =
+            serde_json::from_str(&serde_json::to_string(&gpu).unwrap()).unwrap();
+        assert_eq!(back, gpu);
     }
 }

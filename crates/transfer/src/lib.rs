@@ -41,7 +41,7 @@ pub use descriptor::{
 };
 pub use engine::{LocalSegment, RemoteSegment, TransferEngine, TransferRequest};
 pub use error::{Failure, TransferError};
-pub use memory::{HostOptions, MemoryError, Segment};
+pub use memory::{HostOptions, MemoryError, NumaNodeError, Segment, pci_numa_node};
 pub use metrics::TransferMetrics;
 pub use rdma::select::NicPolicy;
 pub use rdma::{RdmaError, RdmaProvider};

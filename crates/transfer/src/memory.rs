@@ -23,8 +23,10 @@ use std::ptr::NonNull;
 
 use nix::libc;
 
+mod numa;
 mod socket;
 
+pub use numa::{NumaNodeError, numa_node_file, parse_numa_node, pci_numa_node};
 pub(crate) use socket::{Span, recv_spans, send_spans};
 
 /// Alignment of engine-allocated buffers: a page, which also suits O_DIRECT and RDMA.
@@ -106,6 +108,8 @@ pub struct Segment {
     locked: bool,
     /// NUMA node the pages are known to be on (set by the owner, see [`Segment::on_numa_node`]).
     numa_node: Option<u32>,
+    /// The GPU (CUDA ordinal) the memory belongs to, see [`Segment::on_gpu`].
+    gpu_device: Option<u32>,
     backing: Backing,
 }
 
@@ -130,6 +134,7 @@ impl std::fmt::Debug for Segment {
             .field("kind", &kind)
             .field("locked", &self.locked)
             .field("numa_node", &self.numa_node)
+            .field("gpu_device", &self.gpu_device)
             .finish()
     }
 }
@@ -158,6 +163,7 @@ impl Segment {
             len: size,
             locked: false,
             numa_node: None,
+            gpu_device: None,
             backing: Backing::Heap(layout),
         };
         if options.lock {
@@ -178,6 +184,7 @@ impl Segment {
             len,
             locked: false,
             numa_node: None,
+            gpu_device: None,
             backing: Backing::Mmap {
                 _map: map,
                 fd: None,
@@ -241,6 +248,7 @@ impl Segment {
             len: size,
             locked: false,
             numa_node: None,
+            gpu_device: None,
             backing: Backing::Mmap {
                 _map: map,
                 fd: Some(OwnedFd::from(file)),
@@ -265,8 +273,53 @@ impl Segment {
             len,
             locked: false,
             numa_node: None,
+            gpu_device: None,
             backing: Backing::Foreign { release },
         })
+    }
+
+    /// Wrap memory that belongs to GPU `gpu` (CUDA ordinal) at PCI address `pci_bus_id`:
+    /// memory the GPU computes on that the host can also reach (CUDA managed memory, or a
+    /// pinned host buffer mapped for the device). Its NUMA node is the GPU's, read from
+    /// `<sysfs_root>/bus/pci/devices/<pci_bus_id>/numa_node` (see [`Self::on_gpu`]).
+    ///
+    /// # Safety
+    /// As [`Self::from_raw_parts`]: `ptr..ptr+len` must be valid for host reads and writes
+    /// until `release` runs.
+    pub unsafe fn device_memory(
+        ptr: NonNull<u8>,
+        len: usize,
+        gpu: u32,
+        pci_bus_id: &str,
+        sysfs_root: &std::path::Path,
+        release: Option<Box<dyn FnOnce() + Send + Sync>>,
+    ) -> Result<Self, MemoryError> {
+        // SAFETY: the caller upholds `from_raw_parts`'s contract (same words as ours).
+        let seg = unsafe { Self::from_raw_parts(ptr, len, release) }?;
+        Ok(seg.on_gpu(gpu, pci_bus_id, sysfs_root))
+    }
+
+    /// Say that the memory belongs to GPU `gpu` (CUDA ordinal) at PCI address `pci_bus_id`, and
+    /// take the NUMA node from the GPU's sysfs entry under `sysfs_root` (normally `/sys`). When
+    /// sysfs has no answer (no such device, a malformed file, `-1`) the segment is announced as
+    /// unbound, with a warning. Its descriptor then says `memory: gpu` and `gpu_device`, and
+    /// lists the NICs on the GPU's NUMA node.
+    pub fn on_gpu(mut self, gpu: u32, pci_bus_id: &str, sysfs_root: &std::path::Path) -> Self {
+        self.gpu_device = Some(gpu);
+        self.numa_node = match pci_numa_node(sysfs_root, pci_bus_id) {
+            Ok(node) => node,
+            Err(e) => {
+                tracing::warn!(gpu, pci_bus_id, error = %e,
+                    "NUMA node of the GPU unknown; its segment is announced as unbound");
+                None
+            }
+        };
+        self
+    }
+
+    /// The GPU the memory belongs to (CUDA ordinal), if [`Self::on_gpu`] said so.
+    pub fn gpu_device(&self) -> Option<u32> {
+        self.gpu_device
     }
 
     fn lock(&mut self) -> Result<(), MemoryError> {

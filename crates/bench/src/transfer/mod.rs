@@ -270,6 +270,7 @@ pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
                 size: args.buffer_size,
                 numa_node: None,
                 memory: Default::default(),
+                gpu_device: None,
                 endpoints,
                 nics: Vec::new(),
             };

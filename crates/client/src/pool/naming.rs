@@ -66,6 +66,7 @@ pub fn descriptor(replica: &ReplicaInfo) -> Result<SegmentDescriptor, DataError>
         size: 0,
         numa_node: Some(replica.numa_node),
         memory: MemoryKind::Host,
+        gpu_device: None,
         endpoints,
         nics: Vec::new(),
     })

@@ -174,16 +174,31 @@ impl TransferEngine {
         self.inner.registry.set_read_check(seg.handle(), check);
     }
 
-    /// The descriptor of a local segment, to publish in the directory.
+    /// The descriptor of a local segment, to publish in the directory: its NUMA node, whether
+    /// it is a GPU's memory, and the RDMA NICs that serve it (those on its NUMA node, or all
+    /// of this engine's NICs when the node is unknown or has none; the same choice the target
+    /// side of the RDMA handshake makes).
     pub fn describe(&self, seg: &LocalSegment, endpoints: Vec<Endpoint>) -> SegmentDescriptor {
+        let segment = seg.segment();
+        let gpu_device = segment.gpu_device();
         SegmentDescriptor {
             name: seg.name().to_owned(),
             node: self.inner.config.node.clone(),
             size: seg.len(),
-            numa_node: seg.segment().numa_node(),
-            memory: MemoryKind::Host,
+            numa_node: segment.numa_node(),
+            memory: if gpu_device.is_some() {
+                MemoryKind::Gpu
+            } else {
+                MemoryKind::Host
+            },
+            gpu_device,
             endpoints,
-            nics: Vec::new(),
+            nics: self
+                .inner
+                .rdma
+                .as_deref()
+                .map(|p| rdma::datapath::segment_nics(p, segment.numa_node()))
+                .unwrap_or_default(),
         }
     }
 

@@ -14,7 +14,7 @@ mod channel;
 use std::io;
 use std::sync::Arc;
 
-pub(crate) use accept::{AcceptedPaths, accept};
+pub(crate) use accept::{AcceptedPaths, accept, segment_nics};
 pub(crate) use channel::{ChannelConfig, RdmaChannel, TcpFallback};
 
 use super::address::{AddressError, PortAttr};
@@ -119,6 +119,10 @@ pub trait RdmaDevice: Send + Sync {
     /// that node's NICs when the channel has any (`select::local_nics`).
     fn numa_node(&self) -> Option<u32> {
         None
+    }
+    /// The port number (1-based) this device's queue pairs use.
+    fn port_num(&self) -> u8 {
+        1
     }
     /// The port's link layer, LID and source GID (`ibv_query_port`, `ibv_query_gid`): queue
     /// pairs announce the LID and GID in the handshake and address the peer from them.

@@ -47,8 +47,10 @@ struct FabricState {
     next_key: AtomicU32,
     next_qpn: AtomicU32,
     faults: Mutex<Faults>,
-    /// Bytes moved by successful work requests, per device.
+    /// Bytes moved by successful work requests, per device that posted them.
     moved: Mutex<HashMap<String, u64>>,
+    /// The same bytes, per device at the other end (the target's NIC).
+    served: Mutex<HashMap<String, u64>>,
 }
 
 /// A fabric shared by every fake device of a test (initiator and target alike).
@@ -108,6 +110,12 @@ impl FakeFabric {
     /// Bytes moved by successful work requests posted on `device`.
     pub fn bytes_moved(&self, device: &str) -> u64 {
         self.state.moved.lock().get(device).copied().unwrap_or(0)
+    }
+
+    /// Bytes that successful work requests moved through `device` as the remote end (the NIC
+    /// on the target side of a one-sided WRITE or READ).
+    pub fn bytes_served(&self, device: &str) -> u64 {
+        self.state.served.lock().get(device).copied().unwrap_or(0)
     }
 
     /// Memory regions currently registered on the fabric.
@@ -299,20 +307,19 @@ impl FakeQp {
         RdmaError::verbs(&self.info.device, call, reason)
     }
 
-    /// Run one work request: copy between the regions named by its keys.
-    fn execute(&self, wr: &WorkRequest) -> Result<(), String> {
+    /// Run one work request: copy between the regions named by its keys. Returns the device
+    /// of the remote queue pair.
+    fn execute(&self, wr: &WorkRequest) -> Result<String, String> {
         let QpState::Rts { remote_qpn } = *self.state.lock() else {
             return Err("IBV_WC_WR_FLUSH_ERR (queue pair in error state)".into());
         };
-        let peer_alive = self
-            .fabric
-            .qps
-            .lock()
-            .get(&remote_qpn)
-            .is_some_and(|q| q.strong_count() > 0);
-        if !peer_alive {
+        // Upgrade outside the lock: dropping the last strong reference takes the lock again.
+        let peer = self.fabric.qps.lock().get(&remote_qpn).cloned();
+        let Some(peer) = peer.and_then(|w| w.upgrade()) else {
             return Err("IBV_WC_RETRY_EXC_ERR (remote queue pair is gone)".into());
-        }
+        };
+        let remote_device = peer.info.device.clone();
+        drop(peer);
         let regions = self.fabric.regions.lock();
         let (Some(local), Some(remote)) = (regions.get(&wr.lkey), regions.get(&wr.rkey)) else {
             return Err("IBV_WC_REM_ACCESS_ERR (unknown memory key)".into());
@@ -331,7 +338,9 @@ impl FakeQp {
             RdmaOp::Write => memory::copy_between(&local, lo, &remote, ro, len),
             RdmaOp::Read => memory::copy_between(&remote, ro, &local, lo, len),
         };
-        copied.map_err(|e| format!("IBV_WC_REM_ACCESS_ERR ({e})"))
+        copied
+            .map(|()| remote_device)
+            .map_err(|e| format!("IBV_WC_REM_ACCESS_ERR ({e})"))
     }
 }
 
@@ -436,7 +445,9 @@ impl QueuePairOps for FakeQp {
                     Err("IBV_WC_RETRY_EXC_ERR (transport retry counter exceeded)".into())
                 }
             } else {
-                self.execute(&wr)
+                self.execute(&wr).map(|remote| {
+                    *self.fabric.served.lock().entry(remote).or_default() += u64::from(wr.len);
+                })
             };
             if result.is_ok() {
                 *self

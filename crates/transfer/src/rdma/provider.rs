@@ -98,6 +98,10 @@ impl RdmaDevice for VerbsNic {
         self.numa_node
     }
 
+    fn port_num(&self) -> u8 {
+        self.port
+    }
+
     fn port(&self) -> Result<PortAttr, RdmaError> {
         self.dev
             .port_attr(self.port, self.gid_index)
