@@ -115,7 +115,8 @@ impl GpuBuffer {
         let bdf = self.pci_bus_id()?;
         let len = self.buf.len();
         // SAFETY: u8 is valid for any bit pattern; the memory is filled by the copy below.
-        let mut managed = unsafe { ctx.alloc_unified::<u8>(len, true) }.map_err(CudaError::Driver)?;
+        let mut managed =
+            unsafe { ctx.alloc_unified::<u8>(len, true) }.map_err(CudaError::Driver)?;
         self.stream
             .memcpy_dtod(&self.buf, &mut managed)
             .map_err(CudaError::Driver)?;
@@ -219,7 +220,9 @@ mod tests {
         // The buffer as a segment: the same bytes, readable from the host, tagged with the
         // GPU and its NUMA node as sysfs says.
         let bdf = gpu.pci_bus_id().unwrap();
-        let want_numa = crate::memory::pci_numa_node(Path::new("/sys"), &bdf).ok().flatten();
+        let want_numa = crate::memory::pci_numa_node(Path::new("/sys"), &bdf)
+            .ok()
+            .flatten();
         let managed = match gpu.into_segment(Path::new("/sys")) {
             Ok(s) => s,
             Err(CudaError::NoConcurrentAccess(_)) => {
@@ -228,7 +231,10 @@ mod tests {
             }
             Err(e) => panic!("into_segment: {e}"),
         };
-        assert_eq!((managed.gpu_device(), managed.numa_node()), (Some(0), want_numa));
+        assert_eq!(
+            (managed.gpu_device(), managed.numa_node()),
+            (Some(0), want_numa)
+        );
         managed.read_at(1000, &mut out).unwrap();
         assert_eq!(&out, b"to the gpu and back");
         eprintln!("GPU 0 at {bdf} on NUMA node {want_numa:?}");

@@ -199,7 +199,10 @@ mod tests {
         // Descriptors written before `gpu_device` and `nics` existed still parse.
         let old = r#"{"name":"n/g0","node":"n","size":4096,"memory":"gpu","endpoints":[]}"#;
         let old: SegmentDescriptor = serde_json::from_str(old).unwrap();
-        assert_eq!((old.memory, old.gpu_device, old.nics.len()), (MemoryKind::Gpu, None, 0));
+        assert_eq!(
+            (old.memory, old.gpu_device, old.nics.len()),
+            (MemoryKind::Gpu, None, 0)
+        );
         let gpu = SegmentDescriptor {
             memory: MemoryKind::Gpu,
             gpu_device: Some(3),

@@ -70,7 +70,11 @@ fn pci_numa_node_reads_the_fixture_trees_and_names_what_is_wrong() {
     let dgx = fixture("dgx-roce");
     assert_eq!(pci_numa_node(&dgx, "0000:18:00.0").unwrap(), Some(0));
     assert_eq!(pci_numa_node(&dgx, "0000:9A:00.0").unwrap(), Some(1));
-    assert_eq!(pci_numa_node(&dgx, "0000:9b:00.0").unwrap(), Some(1), "a NIC");
+    assert_eq!(
+        pci_numa_node(&dgx, "0000:9b:00.0").unwrap(),
+        Some(1),
+        "a NIC"
+    );
     let bad = fixture("malformed");
     assert_eq!(pci_numa_node(&bad, "0000:07:00.0").unwrap(), Some(1));
     // The malformed tree's GPU has no numa_node file.
@@ -81,7 +85,10 @@ fn pci_numa_node_reads_the_fixture_trees_and_names_what_is_wrong() {
             .contains("bus/pci/devices/0000:05:00.0/numa_node"),
         "{e}"
     );
-    assert!(pci_numa_node(&dgx, "0000:ff:00.0").is_err(), "no such device");
+    assert!(
+        pci_numa_node(&dgx, "0000:ff:00.0").is_err(),
+        "no such device"
+    );
 }
 
 #[test]
@@ -96,9 +103,11 @@ fn gpu_segments_take_the_numa_node_of_their_gpu_or_are_unbound() {
         .on_gpu(0, "0000:18:00.0", &dgx);
     assert_eq!((seg.gpu_device(), seg.numa_node()), (Some(0), Some(0)));
     // No numa_node file: unbound, still a GPU's memory.
-    let seg = Segment::host(4096, HostOptions::default())
-        .unwrap()
-        .on_gpu(0, "0000:05:00.0", &fixture("malformed"));
+    let seg = Segment::host(4096, HostOptions::default()).unwrap().on_gpu(
+        0,
+        "0000:05:00.0",
+        &fixture("malformed"),
+    );
     assert_eq!((seg.gpu_device(), seg.numa_node()), (Some(0), None));
     assert_eq!(
         Segment::host(4096, HostOptions::default())
@@ -165,9 +174,7 @@ fn pair() -> Pair {
 impl Pair {
     fn serve(&self, name: &str, seg: Segment) -> (LocalSegment, SegmentDescriptor) {
         let local = self.target.register(name, Arc::new(seg)).unwrap();
-        let desc = self
-            .target
-            .describe(&local, vec![Endpoint::Tcp(self.addr)]);
+        let desc = self.target.describe(&local, vec![Endpoint::Tcp(self.addr)]);
         (local, desc)
     }
 
@@ -210,9 +217,11 @@ impl Pair {
 #[test]
 fn a_gpu_segment_is_served_through_the_nics_on_its_gpus_numa_node() {
     let p = pair();
-    let gpu = Segment::host(SEG, HostOptions::default())
-        .unwrap()
-        .on_gpu(5, "0000:ba:00.0", &fixture("dgx-roce"));
+    let gpu = Segment::host(SEG, HostOptions::default()).unwrap().on_gpu(
+        5,
+        "0000:ba:00.0",
+        &fixture("dgx-roce"),
+    );
     let (mem, desc) = p.serve("t/gpu5", gpu);
     assert_eq!(desc.memory, MemoryKind::Gpu);
     assert_eq!((desc.gpu_device, desc.numa_node), (Some(5), Some(1)));
@@ -248,9 +257,11 @@ fn host_memory_on_node_zero_is_served_there_and_unbound_memory_by_every_nic() {
     // A GPU whose NUMA node sysfs does not give (the malformed tree): unbound, so every NIC
     // serves it, and the target's queue pairs land on both nodes.
     let p = pair();
-    let gpu = Segment::host(SEG, HostOptions::default())
-        .unwrap()
-        .on_gpu(0, "0000:05:00.0", &fixture("malformed"));
+    let gpu = Segment::host(SEG, HostOptions::default()).unwrap().on_gpu(
+        0,
+        "0000:05:00.0",
+        &fixture("malformed"),
+    );
     let (mem, desc) = p.serve("t/gpu0", gpu);
     assert_eq!((desc.memory, desc.numa_node), (MemoryKind::Gpu, None));
     let mut all: Vec<&str> = NODE0.iter().chain(&NODE1).copied().collect();

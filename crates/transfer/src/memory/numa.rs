@@ -92,8 +92,9 @@ mod tests {
         assert_eq!(e.path(), p);
         let e = pci_numa_node(Path::new("/nonexistent-sysfs"), "0000:00:00.0").unwrap_err();
         assert!(
-            e.to_string()
-                .starts_with("cannot read /nonexistent-sysfs/bus/pci/devices/0000:00:00.0/numa_node"),
+            e.to_string().starts_with(
+                "cannot read /nonexistent-sysfs/bus/pci/devices/0000:00:00.0/numa_node"
+            ),
             "{e}"
         );
     }
