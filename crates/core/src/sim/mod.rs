@@ -1,8 +1,9 @@
 //! Trace simulator: replays a Mooncake-format request trace through the scheduling policy core
 //! (`crate::sched`) with simulated prefill and decode instances, and reports hit ratios, TTFT,
 //! TPOT, rejections, SLO attainment and prefill and decode instance-seconds, with fixed or
-//! autoscaled prefill (`scaling`) and decode (`decode_scaling`) counts. I/O boundary: `trace::load` reads the trace file and
-//! the `kvpool simulate` command prints; the engine and the report are pure.
+//! autoscaled prefill (`scaling`) and decode (`decode_scaling`) counts. I/O boundary:
+//! `trace::load` reads the trace file and the `kvpool simulate` command prints; the engine and
+//! the report are pure.
 
 pub mod bench;
 pub mod config;
