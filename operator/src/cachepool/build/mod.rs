@@ -33,7 +33,7 @@ use crate::labels::{self, Component};
 use crate::pod;
 
 pub use agent::{AGENT_CAPABILITIES, agent_daemonset};
-pub use auth::{ROLE_ITEMS, auth_secret, missing_role_items};
+pub use auth::{ROLE_ITEMS, auth_secret};
 pub use conductor::conductor;
 pub use conductor_rbac::{CONDUCTOR_POD_VERBS, ConductorRbac, conductor_rbac};
 pub use config::{PoolConfig, config_data, config_hash, engine_config, pool_config};
@@ -60,7 +60,8 @@ pub struct CachePoolChildren {
     pub network_policies: Vec<NetworkPolicy>,
 }
 
-/// Every child of `pool`. `key_hex` is the auth key used only if the Secret does not exist yet.
+/// Every child of `pool`. `key_hex` is the pool key derived from the root key (stored only when
+/// the auth Secret does not exist yet).
 pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> {
     let data = config_data(pool)?;
     let hash = config_hash(&data);
