@@ -1487,6 +1487,52 @@ fn root_key_is_mounted_read_only_from_the_named_or_created_secret() -> Result<()
     Ok(())
 }
 
+/// `operator.masterTLS.caConfigMap`: the CA is mounted read-only from that ConfigMap at the path
+/// `--master-ca-file` names; unset, neither the flag nor the volume appears.
+#[test]
+fn master_ca_config_map_becomes_the_operators_master_ca_file() -> Result<()> {
+    let (_, objects) = render_objects(&Render {
+        values: None,
+        sets: &["operator.masterTLS.caConfigMap=kvpool-master-ca"],
+    })?;
+    let deployment = deployments(&objects)[0];
+    let (run, _) = parse_operator_args(deployment)?;
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("pod spec")?;
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "master-ca")
+        .context("no master-ca volume")?;
+    let config_map = volume.config_map.as_ref().context("not a ConfigMap")?;
+    assert_eq!(config_map.name, "kvpool-master-ca");
+    let item = config_map
+        .items
+        .iter()
+        .flatten()
+        .next()
+        .context("no item")?;
+    let mount = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "master-ca")
+        .context("no master-ca mount")?;
+    assert_eq!(mount.read_only, Some(true));
+    assert_eq!(
+        run.master_ca_file,
+        Some(Path::new(&mount.mount_path).join(&item.path))
+    );
+    let (_, objects) = render_objects(&DEFAULTS)?;
+    let (run, _) = parse_operator_args(deployments(&objects)[0])?;
+    assert_eq!(run.master_ca_file, None);
+    Ok(())
+}
+
 /// Metric names the operator registers, as they appear in the exposition (histograms with
 /// their `_bucket`, `_sum` and `_count` series), plus Prometheus' own `up`.
 fn operator_metric_names() -> Result<BTreeSet<String>> {

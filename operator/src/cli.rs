@@ -86,6 +86,10 @@ pub struct RunArgs {
     /// (docs/adr/0008-operator-root-key.md).
     #[arg(long, env = "KVPOOL_OPERATOR_ROOT_KEY_FILE", required = true)]
     pub root_key_file: PathBuf,
+    /// CA certificates (PEM) that verify the masters of pools with `spec.master.tls`, for the
+    /// operator's usage query. Without it such a pool's usage is not read (`no_master_ca`).
+    #[arg(long, env = "KVPOOL_OPERATOR_MASTER_CA_FILE")]
+    pub master_ca_file: Option<PathBuf>,
 }
 
 /// Flags of `kvpool operator crd`.

@@ -20,6 +20,7 @@ pub mod enginepool;
 pub mod error;
 pub mod identity;
 pub mod labels;
+pub mod master_tls;
 pub mod metrics;
 pub mod pod;
 pub mod pool_usage;

@@ -7,11 +7,13 @@
 //! this module sits below it (and is re-exported as `cachepool::usage`, its former place).
 //! I/O boundary: the gRPC call in [`GrpcMasterStats`].
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient, MasterTls};
 use kvpool_core::master::types::Tier;
+use kvpool_crd::MasterTlsSpec;
 use kvpool_proto::auth::{AuthKey, Role};
 use kvpool_proto::master::{NodeStats, StatsResponse, tier_from_i32};
 
@@ -166,6 +168,11 @@ pub enum UsageError {
     },
     #[error("master {addr} did not answer Stats within {timeout:?}")]
     Timeout { addr: String, timeout: Duration },
+    #[error(
+        "master {addr} serves TLS (spec.master.tls) but the operator has no CA to verify it: \
+         start it with --master-ca-file (chart: operator.masterTLS.caConfigMap)"
+    )]
+    NoCa { addr: String },
 }
 
 impl UsageError {
@@ -180,6 +187,7 @@ impl UsageError {
                 _ => "unreachable",
             },
             UsageError::Timeout { .. } => "timeout",
+            UsageError::NoCa { .. } => "no_master_ca",
         }
     }
 }
@@ -208,10 +216,12 @@ fn refused_credential(e: &ClientError) -> Option<String> {
 
 /// Reads a pool's usage from its master. Object-safe so the context can hold any implementation.
 pub trait MasterStats: Send + Sync {
-    /// Ask the master at `addr` (`host:port`) for its figures, authenticated with `key`.
+    /// Ask the master at `addr` (`host:port`) for its figures, authenticated with `key`, over
+    /// TLS when the pool's master serves it (`tls`, its `spec.master.tls`).
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        tls: Option<&'a MasterTlsSpec>,
         key: AuthKey,
     ) -> BoxFuture<'a, Result<PoolUsage, UsageError>>;
 }
@@ -220,13 +230,33 @@ pub trait MasterStats: Send + Sync {
 #[derive(Clone, Debug)]
 pub struct GrpcMasterStats {
     pub timeout: Duration,
+    /// The CA that verifies the masters that serve TLS (`--master-ca-file`).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for GrpcMasterStats {
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(5),
+            ca_file: None,
         }
+    }
+}
+
+impl GrpcMasterStats {
+    /// The client's TLS for a master with `tls` (plain text without).
+    fn master_tls(&self, addr: &str, tls: Option<&MasterTlsSpec>) -> Result<MasterTls, UsageError> {
+        let Some(tls) = tls else {
+            return Ok(MasterTls::default());
+        };
+        let ca_file = self.ca_file.clone().ok_or_else(|| UsageError::NoCa {
+            addr: addr.to_owned(),
+        })?;
+        Ok(MasterTls {
+            ca_file: Some(ca_file),
+            server_name: tls.server_name.clone(),
+            ..MasterTls::default()
+        })
     }
 }
 
@@ -234,6 +264,7 @@ impl MasterStats for GrpcMasterStats {
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        tls: Option<&'a MasterTlsSpec>,
         key: AuthKey,
     ) -> BoxFuture<'a, Result<PoolUsage, UsageError>> {
         Box::pin(async move {
@@ -242,6 +273,7 @@ impl MasterStats for GrpcMasterStats {
                 request_timeout: self.timeout,
                 // A standby answers UNAVAILABLE: retry briefly, the next pass tries again anyway.
                 failover_budget: Duration::from_secs(1).min(self.timeout),
+                tls: self.master_tls(addr, tls)?,
                 ..Default::default()
             };
             let client =
@@ -280,6 +312,7 @@ impl MasterStats for FixedStats {
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        _tls: Option<&'a MasterTlsSpec>,
         _key: AuthKey,
     ) -> BoxFuture<'a, Result<PoolUsage, UsageError>> {
         let answer = self.0.clone().ok_or_else(|| UsageError::Timeout {
@@ -431,9 +464,10 @@ mod tests {
         let key = AuthKey::from_bytes(b"0123456789abcdef0123").expect("key");
         let reader = GrpcMasterStats {
             timeout: Duration::from_secs(3),
+            ca_file: None,
         };
         let err = reader
-            .stats(&format!("127.0.0.1:{port}"), key)
+            .stats(&format!("127.0.0.1:{port}"), None, key)
             .await
             .expect_err("nothing listens");
         assert!(

@@ -32,6 +32,7 @@ use crate::context::{Context, Settings};
 use crate::enginepool::{self, EnginePool};
 use crate::labels::managed_selector;
 use crate::metrics::Metrics;
+use crate::pool_usage::GrpcMasterStats;
 use crate::root_key::RootKey;
 
 /// Lease duration and renewal grace of leader election, seconds.
@@ -208,18 +209,24 @@ async fn run_with_admin(
     }
     metrics.set_leader(true);
 
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        metrics.clone(),
-        Settings {
-            field_manager: args.field_manager.clone(),
-            agent_image: args.agent_image.clone(),
-            master_image: args.master_image.clone(),
-            conductor_image: args.conductor_image.clone(),
-        },
-        root_key,
-        Some(identity),
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            metrics.clone(),
+            Settings {
+                field_manager: args.field_manager.clone(),
+                agent_image: args.agent_image.clone(),
+                master_image: args.master_image.clone(),
+                conductor_image: args.conductor_image.clone(),
+            },
+            root_key,
+            Some(identity),
+        )
+        .with_master_stats(Arc::new(GrpcMasterStats {
+            ca_file: args.master_ca_file.clone(),
+            ..GrpcMasterStats::default()
+        })),
+    );
     let controllers = run_controllers(
         &client,
         args,

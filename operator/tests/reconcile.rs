@@ -1138,6 +1138,7 @@ impl cachepool::usage::MasterStats for Recording {
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        _tls: Option<&'a kvpool_crd::MasterTlsSpec>,
         key: kvpool_proto::auth::AuthKey,
     ) -> futures::future::BoxFuture<
         'a,

@@ -187,7 +187,11 @@ async fn read_usage(
             category: "auth_key",
         };
     };
-    match ctx.master_stats.stats(&addr, key).await {
+    match ctx
+        .master_stats
+        .stats(&addr, pool.spec.master.tls.as_ref(), key)
+        .await
+    {
         Ok(u) => UsageReading::Read(u),
         Err(pool_usage::UsageError::AuthRejected { addr, message }) => {
             warn!(master = %addr, %message, "the master refused the operator's derived key");

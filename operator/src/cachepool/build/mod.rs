@@ -30,6 +30,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use super::validate::ValidCachePool;
 use crate::error::Result;
 use crate::labels::{self, Component};
+use crate::master_tls;
 use crate::pod;
 
 pub use agent::{AGENT_CAPABILITIES, agent_daemonset};
@@ -65,17 +66,36 @@ pub struct CachePoolChildren {
 pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> {
     let data = config_data(pool)?;
     let hash = config_hash(&data);
+    let mut agent = agent_daemonset(pool, &hash);
+    let mut master = master_deployment(pool, &hash);
+    let mut conductor = pool
+        .effective
+        .conductor
+        .is_some()
+        .then(|| conductor(pool, &hash));
+    // TLS of the master: its certificate in the master, its CA (and the client certificate)
+    // in every client of it.
+    if let Some(tls) = &pool.spec.master.tls {
+        if let Some(p) = master_tls::deployment_pod(&mut master) {
+            master_tls::master_pod(p, tls);
+        }
+        if let Some(p) = master_tls::daemonset_pod(&mut agent) {
+            master_tls::client_pod(p, 0, tls);
+        }
+        if let Some(p) = conductor
+            .as_mut()
+            .and_then(|(d, _)| master_tls::deployment_pod(d))
+        {
+            master_tls::client_pod(p, 0, tls);
+        }
+    }
     Ok(CachePoolChildren {
         config: config::config_map(pool, data),
         auth: auth_secret(pool, key_hex),
-        agent: agent_daemonset(pool, &hash),
-        master: master_deployment(pool, &hash),
+        agent,
+        master,
         master_service: master_service(pool),
-        conductor: pool
-            .effective
-            .conductor
-            .is_some()
-            .then(|| conductor(pool, &hash)),
+        conductor,
         conductor_rbac: pool
             .effective
             .conductor
