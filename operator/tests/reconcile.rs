@@ -1086,6 +1086,14 @@ async fn usage_pass(
 ) -> (Outcome, KVCachePoolStatus) {
     let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
     pool.status = previous;
+    usage_pass_of(pool, setup).await
+}
+
+/// [`usage_pass`] over `pool` as given.
+async fn usage_pass_of(
+    pool: KVCachePool,
+    setup: impl FnOnce(&mut Context),
+) -> (Outcome, KVCachePoolStatus) {
     let pool_json = serde_json::to_value(&pool).expect("json");
     let (mut ctx, mut server) = double();
     setup(&mut ctx);
@@ -1547,6 +1555,61 @@ async fn a_key_the_operator_did_not_derive_is_reported_not_crash_looped() {
     assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
     assert!(again.is_none());
 
+    shutdown.cancel();
+    let _ = master.join().await;
+}
+
+/// A pool with `spec.master.tls` against a real TLS master on 127.0.0.1: with the CA
+/// (`--master-ca-file`) the operator reads its usage over TLS; without it the pass still
+/// succeeds and `MasterReachable` says `no_master_ca`.
+#[tokio::test]
+async fn usage_of_a_tls_master_is_read_with_the_operators_ca() {
+    use kvpool_master::cmd::loopback_args as loopback_master_args;
+    use kvpool_master::cmd::start;
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = kvpool_harness::tls::write_throwaway(dir.path(), "kvpool test CA", &["127.0.0.1"])
+        .expect("certificates");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, stored_key()).expect("key");
+    let mut args = loopback_master_args(key_file);
+    args.tls_cert_file = Some(files.master_cert.clone());
+    args.tls_key_file = Some(files.master_key.clone());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let master = start(args.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("master starts");
+    let addr = master.grpc_addr.to_string();
+
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.spec.master.tls = Some(kvpool_crd::MasterTlsSpec {
+        secret_name: "roce-master-tls".into(),
+        client_secret_name: None,
+        server_name: None,
+    });
+    let (a, ca) = (addr.clone(), files.ca.clone());
+    let (outcome, status) = usage_pass_of(pool.clone(), move |ctx| {
+        ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats {
+            ca_file: Some(ca),
+            ..Default::default()
+        });
+        ctx.master_addr_override = Some(a);
+    })
+    .await;
+    assert_eq!(outcome, Outcome::Reconciled);
+    assert!(kvpool_crd::conditions::is_true(
+        &status.conditions,
+        "MasterReachable"
+    ));
+
+    let (outcome, status) = usage_pass_of(pool, move |ctx| {
+        ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats::default());
+        ctx.master_addr_override = Some(addr);
+    })
+    .await;
+    assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
+    let c = kvpool_crd::conditions::find(&status.conditions, "MasterReachable").expect("c");
+    assert!(c.message.contains("no_master_ca"), "{}", c.message);
     shutdown.cancel();
     let _ = master.join().await;
 }
