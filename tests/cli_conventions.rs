@@ -90,8 +90,22 @@ fn old_spellings_parse_like_the_new_ones() {
             ],
         ),
         (
-            &["operator", "run", "--admin-addr", "127.0.0.1:9"],
-            &["operator", "run", "--admin-listen", "127.0.0.1:9"],
+            &[
+                "operator",
+                "run",
+                "--root-key-file",
+                "k",
+                "--admin-addr",
+                "127.0.0.1:9",
+            ],
+            &[
+                "operator",
+                "run",
+                "--root-key-file",
+                "k",
+                "--admin-listen",
+                "127.0.0.1:9",
+            ],
         ),
         (
             &[

@@ -110,6 +110,12 @@ const TOKENIZER_ONE_SOURCE: &str =
     "conductor.tokenizer needs exactly one of configMap, persistentVolumeClaim and image";
 const TOKENIZER_SUB_PATH: &str =
     "conductor.tokenizer.subPath must be a relative path without '.' or '..' segments";
+const TLS_SECRET: &str =
+    "master.tls.secretName must be a Secret name (lower-case letters, digits, '-' and '.')";
+const TLS_CLIENT_SECRET: &str =
+    "master.tls.clientSecretName must be a Secret name (lower-case letters, digits, '-' and '.')";
+const TLS_SERVER_NAME: &str =
+    "master.tls.serverName must be a DNS name (letters, digits, '-' and dots between labels)";
 const AUTOSCALING_BOUNDS: &str = "autoscaling.minReplicas must not exceed autoscaling.maxReplicas";
 const SPREAD_NEEDS_NODE_ACCESS: &str = kvpool_crd::SPREAD_NEEDS_NODE_ACCESS;
 
@@ -728,6 +734,38 @@ fn cases() -> Vec<Case> {
             POOL,
             json!({"conductor": {"tokenizer": {"image": "registry.example/tok:1", "subPath": "/etc"}}}),
             Cel(TOKENIZER_SUB_PATH),
+        ),
+        // ---- KVCachePool: master TLS
+        c(
+            "master tls with every field",
+            POOL,
+            json!({"master": {"tls": {"secretName": "cache-master-tls",
+                "clientSecretName": "cache-client.tls", "serverName": "master.kvpool.example"}}}),
+            Valid,
+        ),
+        c(
+            "master tls secret with upper case",
+            POOL,
+            json!({"master": {"tls": {"secretName": "Cache-TLS"}}}),
+            Cel(TLS_SECRET),
+        ),
+        c(
+            "master tls client secret with a slash",
+            POOL,
+            json!({"master": {"tls": {"secretName": "t", "clientSecretName": "a/b"}}}),
+            Cel(TLS_CLIENT_SECRET),
+        ),
+        c(
+            "master tls server name with a space",
+            POOL,
+            json!({"master": {"tls": {"secretName": "t", "serverName": "master .example"}}}),
+            Cel(TLS_SERVER_NAME),
+        ),
+        c(
+            "master tls without a secret",
+            POOL,
+            json!({"master": {"tls": {"serverName": "m.example"}}}),
+            OpenApi("secretName"),
         ),
         c(
             "unknown field",

@@ -31,10 +31,14 @@ fn operator_without_cluster(
     term: &str,
     no_color: Option<&str>,
 ) -> Command {
+    // A root key, so that the operator gets as far as looking for a cluster.
+    let root_key = dir.join("root-key");
+    std::fs::write(&root_key, "0123456789abcdef0123456789abcdef\n").expect("root key");
     let mut cmd = Command::new(program);
     cmd.args(args)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("KVPOOL_OPERATOR_ROOT_KEY_FILE", &root_key)
         .env("HOME", dir)
         .env("KUBECONFIG", dir.join("no-such-kubeconfig"))
         .env("TERM", term)

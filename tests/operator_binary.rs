@@ -21,10 +21,23 @@ use serde_json::{Value, json};
 
 const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 
-/// `kvpool operator ...`.
+/// A root key file for `kvpool operator run` (written once per test process).
+fn root_key_file() -> std::path::PathBuf {
+    static FILE: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("operator-root-key-{}", std::process::id()));
+        std::fs::write(&path, "0123456789abcdef0123456789abcdef\n").expect("root key");
+        path
+    })
+    .clone()
+}
+
+/// `kvpool operator ...`, with a root key for `run`.
 fn operator_command() -> Command {
     let mut cmd = Command::new(KVPOOL);
-    cmd.arg("operator");
+    cmd.arg("operator")
+        .env("KVPOOL_OPERATOR_ROOT_KEY_FILE", root_key_file());
     cmd
 }
 
@@ -64,6 +77,28 @@ fn bad_flags_and_a_missing_cluster_exit_non_zero_with_the_reason() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+
+    // No root key, or one too short: refused before anything listens, naming the flag.
+    let short = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("operator-short-root-key-{}", std::process::id()));
+    std::fs::write(&short, "0123456789").expect("short key");
+    for (file, needle) in [
+        (
+            std::path::PathBuf::from("/nonexistent/root-key"),
+            "/nonexistent/root-key",
+        ),
+        (short.clone(), "fewer than 32"),
+    ] {
+        let out = operator_command()
+            .args(["run", "--admin-listen", "127.0.0.1:0"])
+            .env("KVPOOL_OPERATOR_ROOT_KEY_FILE", &file)
+            .output()
+            .expect("run");
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(needle), "{stderr}");
+        assert!(stderr.contains("root key"), "{stderr}");
+    }
 
     let out = operator_command()
         .args(["run", "--admin-listen", "127.0.0.1:0"])

@@ -20,7 +20,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service, ServiceAccount};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -448,6 +448,7 @@ enum Object {
     ServiceAccount(ServiceAccount),
     Service(Service),
     ConfigMap(ConfigMap),
+    Secret(Secret),
     Deployment(Box<Deployment>),
     PodDisruptionBudget(PodDisruptionBudget),
     ClusterRole(ClusterRole),
@@ -471,6 +472,7 @@ fn typed(doc: &Value) -> Result<Object> {
         ("v1", "ServiceAccount") => Object::ServiceAccount(round_trip(doc)?),
         ("v1", "Service") => Object::Service(round_trip(doc)?),
         ("v1", "ConfigMap") => Object::ConfigMap(round_trip(doc)?),
+        ("v1", "Secret") => Object::Secret(round_trip(doc)?),
         ("apps/v1", "Deployment") => Object::Deployment(Box::new(round_trip(doc)?)),
         ("policy/v1", "PodDisruptionBudget") => Object::PodDisruptionBudget(round_trip(doc)?),
         ("rbac.authorization.k8s.io/v1", "ClusterRole") => Object::ClusterRole(round_trip(doc)?),
@@ -675,6 +677,7 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
             Object::ServiceAccount(_) => "ServiceAccount",
             Object::Service(_) => "Service",
             Object::ConfigMap(_) => "ConfigMap",
+            Object::Secret(_) => "Secret",
             Object::Deployment(_) => "Deployment",
             Object::PodDisruptionBudget(_) => "PodDisruptionBudget",
             Object::ClusterRole(_) => "ClusterRole",
@@ -986,8 +989,9 @@ fn container_args_parse_with_the_operator_cli() -> Result<()> {
     // and a bare `kvpool operator run` deploy the same thing.
     let (_, objects) = render_objects(&DEFAULTS)?;
     let (run, _) = parse_operator_args(deployments(&objects)[0])?;
-    let Ok(bare) = Cli::try_parse_from(["kvpool", "operator", "run"]) else {
-        bail!("`kvpool operator run` without flags must parse");
+    let Ok(bare) = Cli::try_parse_from(["kvpool", "operator", "run", "--root-key-file", "/k"])
+    else {
+        bail!("`kvpool operator run --root-key-file /k` without other flags must parse");
     };
     let KvpoolCommand::Operator(OperatorCommand::Run(bare)) = bare.command else {
         bail!("expected run");
@@ -1278,10 +1282,11 @@ fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
         }
         for (role, grants) in &rbac.operator {
             for (group, resource, verb) in grants {
-                // What the doc promises in words: no reading Secrets in bulk, no cluster-scoped
-                // resources (wildcards are refused by `triples`).
+                // What the doc promises in words: no reading Secrets at all (create only; pool
+                // keys are derived from the root key), no cluster-scoped resources (wildcards
+                // are refused by `triples`).
                 ensure!(
-                    resource != "secrets" || ["create", "get"].contains(&verb.as_str()),
+                    resource != "secrets" || verb == "create",
                     "{render:?}: {role:?} may {verb} secrets"
                 );
                 ensure!(
@@ -1368,6 +1373,12 @@ fn values_schema_and_guards_reject_bad_values() -> Result<()> {
             "workloadImages.agent.tag=bad tag",
             "workloadImages.agent.tag",
         ),
+        // The root key is never made up: a name, or a value of 32 characters or more.
+        (
+            "operator.rootKey.existingSecret=",
+            "operator.rootKey.existingSecret is required",
+        ),
+        ("operator.rootKey.create=true", "at least 32 characters"),
     ];
     for (set, needle) in cases {
         let sets = [*set];
@@ -1385,6 +1396,140 @@ fn values_schema_and_guards_reject_bad_values() -> Result<()> {
             out.stderr
         );
     }
+    Ok(())
+}
+
+/// The operator's root key: mounted read-only from the named Secret (mode 0440, readable through
+/// the pod's fsGroup by the non-root operator) at the path its `--root-key-file` names; with
+/// `create` the chart makes that Secret from the given value, byte for byte.
+#[test]
+fn root_key_is_mounted_read_only_from_the_named_or_created_secret() -> Result<()> {
+    const VALUE: &str = "0123456789abcdef0123456789abcdef0123";
+    let created = format!("operator.rootKey.value={VALUE}");
+    let sets = ["operator.rootKey.create=true", created.as_str()];
+    for (render, secret_name, rendered) in [
+        (DEFAULTS, "kvpool-operator-root-key", false),
+        (
+            Render {
+                values: None,
+                sets: &["operator.rootKey.existingSecret=mine"],
+            },
+            "mine",
+            false,
+        ),
+        (
+            Render {
+                values: None,
+                sets: &sets,
+            },
+            "kvpool-operator-root-key",
+            true,
+        ),
+    ] {
+        let (_, objects) = render_objects(&render)?;
+        let (run, _) = parse_operator_args(deployments(&objects)[0])?;
+        let pod = deployments(&objects)[0]
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .context("pod spec")?;
+        assert_eq!(
+            pod.security_context.as_ref().and_then(|s| s.fs_group),
+            Some(65532),
+            "{render:?}"
+        );
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "root-key")
+            .context("no root-key volume")?;
+        let secret = volume.secret.as_ref().context("not a Secret volume")?;
+        assert_eq!(
+            secret.secret_name.as_deref(),
+            Some(secret_name),
+            "{render:?}"
+        );
+        assert_eq!(secret.default_mode, Some(0o440));
+        let items = secret.items.clone().unwrap_or_default();
+        let [item] = &items[..] else {
+            bail!("one item expected: {items:?}");
+        };
+        let mount = pod.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "root-key")
+            .context("no root-key mount")?;
+        assert_eq!(mount.read_only, Some(true));
+        assert_eq!(
+            run.root_key_file,
+            Path::new(&mount.mount_path).join(&item.path),
+            "--root-key-file names the mounted file"
+        );
+        let secrets: Vec<&Secret> = objects
+            .iter()
+            .filter_map(|o| match o {
+                Object::Secret(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(secrets.len(), usize::from(rendered), "{render:?}");
+        if let Some(made) = secrets.first() {
+            assert_eq!(made.metadata.name.as_deref(), Some(secret_name));
+            let data = made.data.as_ref().context("no data")?;
+            assert_eq!(
+                data.get(&item.key).map(|b| b.0.as_slice()),
+                Some(VALUE.as_bytes())
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `operator.masterTLS.caConfigMap`: the CA is mounted read-only from that ConfigMap at the path
+/// `--master-ca-file` names; unset, neither the flag nor the volume appears.
+#[test]
+fn master_ca_config_map_becomes_the_operators_master_ca_file() -> Result<()> {
+    let (_, objects) = render_objects(&Render {
+        values: None,
+        sets: &["operator.masterTLS.caConfigMap=kvpool-master-ca"],
+    })?;
+    let deployment = deployments(&objects)[0];
+    let (run, _) = parse_operator_args(deployment)?;
+    let pod = deployment
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("pod spec")?;
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "master-ca")
+        .context("no master-ca volume")?;
+    let config_map = volume.config_map.as_ref().context("not a ConfigMap")?;
+    assert_eq!(config_map.name, "kvpool-master-ca");
+    let item = config_map
+        .items
+        .iter()
+        .flatten()
+        .next()
+        .context("no item")?;
+    let mount = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == "master-ca")
+        .context("no master-ca mount")?;
+    assert_eq!(mount.read_only, Some(true));
+    assert_eq!(
+        run.master_ca_file,
+        Some(Path::new(&mount.mount_path).join(&item.path))
+    );
+    let (_, objects) = render_objects(&DEFAULTS)?;
+    let (run, _) = parse_operator_args(deployments(&objects)[0])?;
+    assert_eq!(run.master_ca_file, None);
     Ok(())
 }
 

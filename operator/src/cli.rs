@@ -81,6 +81,15 @@ pub struct RunArgs {
     /// grace period (30 s by default).
     #[arg(long, env = "KVPOOL_SHUTDOWN_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: std::time::Duration,
+    /// File holding the operator's root key (at least 32 bytes, e.g. `openssl rand -hex 32`):
+    /// every pool's key is derived from it, so the operator never reads a Secret back
+    /// (docs/adr/0008-operator-root-key.md).
+    #[arg(long, env = "KVPOOL_OPERATOR_ROOT_KEY_FILE", required = true)]
+    pub root_key_file: PathBuf,
+    /// CA certificates (PEM) that verify the masters of pools with `spec.master.tls`, for the
+    /// operator's usage query. Without it such a pool's usage is not read (`no_master_ca`).
+    #[arg(long, env = "KVPOOL_OPERATOR_MASTER_CA_FILE")]
+    pub master_ca_file: Option<PathBuf>,
 }
 
 /// Flags of `kvpool operator crd`.
@@ -126,7 +135,7 @@ mod tests {
 
     #[test]
     fn run_defaults_watch_all_namespaces_without_leader_election() {
-        let cli = Cli::try_parse_from(["operator", "run"]).expect("parse");
+        let cli = Cli::try_parse_from(["operator", "run", "--root-key-file", "/k"]).expect("parse");
         let Command::Run(args) = cli.command else {
             panic!("expected run");
         };
@@ -135,6 +144,13 @@ mod tests {
         assert_eq!(args.admin_addr.port(), 9090);
         assert!(args.agent_image.starts_with("ghcr.io/kvpool/kvpool-agent:"));
         assert_eq!(args.field_manager, "kvpool-operator");
+        assert_eq!(args.root_key_file, PathBuf::from("/k"));
+    }
+
+    #[test]
+    fn run_requires_the_root_key_file() {
+        let e = Cli::try_parse_from(["operator", "run"]).expect_err("no root key");
+        assert!(e.to_string().contains("--root-key-file"), "{e}");
     }
 
     #[test]

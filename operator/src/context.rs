@@ -1,5 +1,5 @@
 //! The controllers' shared state, the only dependency injection: the kube client, the Event
-//! recorder, metrics, the operator settings, a clock, the readers of the masters' usage and the
+//! recorder, metrics, the operator settings, the root key pool keys are derived from, a clock, the readers of the masters' usage and the
 //! conductors' load, each autoscaled pool's decision state, and per-object failure counts for
 //! exponential backoff. [`Context::for_tests`] is its test twin (fixed clock, fresh registry).
 //! I/O boundary: the client and recorder it carries; the type itself does no I/O.
@@ -18,6 +18,7 @@ use crate::conductor_load::{ConductorLoad, HttpConductorLoad, ScriptedLoad};
 use crate::labels::FIELD_MANAGER;
 use crate::metrics::Metrics;
 use crate::pool_usage::{FixedStats, GrpcMasterStats, MasterStats};
+use crate::root_key::RootKey;
 
 /// Settings that apply to every pool: the field manager of every write, default images.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,6 +60,9 @@ pub struct Context {
     pub recorder: Recorder,
     pub metrics: Metrics,
     pub settings: Settings,
+    /// The secret every pool's key is derived from (`--root-key-file`; a fixed test key in
+    /// the test twin).
+    pub root_key: RootKey,
     /// Reads each pool's tier usage from its master (a fake in tests).
     pub master_stats: Arc<dyn MasterStats>,
     /// Address used for every pool's master instead of its Service DNS name (tests point it at
@@ -91,6 +95,7 @@ impl Context {
         client: Client,
         metrics: Metrics,
         settings: Settings,
+        root_key: RootKey,
         instance: Option<String>,
     ) -> Self {
         let reporter = Reporter {
@@ -102,6 +107,7 @@ impl Context {
             client,
             metrics,
             settings,
+            root_key,
             master_stats: Arc::new(GrpcMasterStats::default()),
             master_addr_override: None,
             conductor_load: Arc::new(HttpConductorLoad::default()),
@@ -112,7 +118,8 @@ impl Context {
         }
     }
 
-    /// Test twin: a fixed clock ([`Context::TEST_TIME`]), a fresh registry, test images, a
+    /// Test twin: a fixed clock ([`Context::TEST_TIME`]), a fresh registry, test images, the
+    /// root key [`crate::root_key::TEST_ROOT_KEY`], a
     /// master that never answers ([`FixedStats`] without figures) and a conductor that never
     /// answers (an empty [`ScriptedLoad`]) unless a test sets them.
     pub fn for_tests(client: Client) -> Self {
@@ -124,6 +131,7 @@ impl Context {
             client,
             metrics,
             Settings::for_tests(),
+            RootKey::for_tests(),
             Some("kvpool-operator-test".to_owned()),
         );
         ctx.clock = Arc::new(test_clock);

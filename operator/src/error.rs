@@ -15,7 +15,7 @@ pub enum Error {
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
 
-    /// Reading an object (a referenced pool, an existing Secret) failed.
+    /// Reading an object (a referenced pool) failed.
     #[error("cannot get {kind} {name}")]
     Get {
         kind: &'static str,
@@ -40,17 +40,6 @@ pub enum Error {
         name: String,
         #[source]
         source: kube::Error,
-    },
-
-    /// The pool's auth Secret predates per-role credentials (or was edited): the workloads
-    /// cannot mount their role's item. The operator never rewrites the Secret (it may only
-    /// create and read Secrets); deleting it makes the next pass create a complete one.
-    #[error(
-        "auth Secret {name} lacks the role credential items {missing:?}; delete it (kubectl delete secret {name}) and the operator creates a new pool key with every role's item, then restart the pool's pods"
-    )]
-    AuthSecretOutdated {
-        name: String,
-        missing: Vec<&'static str>,
     },
 
     /// Listing children by label (to find orphans) failed.

@@ -4,8 +4,8 @@
 //! [`context::Context`] (used by [`apply`] and the dereference step), the master's `Stats` call
 //! behind [`pool_usage::MasterStats`], the conductor's load endpoint behind
 //! [`conductor_load::ConductorLoad`], the admin listener started by [`run`], and the file copy
-//! of [`python_package`] (`kvpool operator install-python`, run by engine pods' init containers);
-//! every other module is pure.
+//! of [`python_package`] (`kvpool operator install-python`, run by engine pods' init containers)
+//! and the read of the root key file in [`root_key`]; every other module is pure.
 
 pub mod apply;
 pub mod cachepool;
@@ -20,11 +20,13 @@ pub mod enginepool;
 pub mod error;
 pub mod identity;
 pub mod labels;
+pub mod master_tls;
 pub mod metrics;
 pub mod pod;
 pub mod pool_usage;
 pub mod python_package;
 pub mod rbac;
+pub mod root_key;
 pub mod run;
 #[cfg(test)]
 mod test_fixtures;

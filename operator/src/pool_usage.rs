@@ -1,20 +1,21 @@
-//! Tier usage of a `KVCachePool` as its master reports it: the master's `Stats` RPC, called with
-//! the pool's shared key on the master Service's address, behind the [`MasterStats`] trait so the
-//! reconcile tests can substitute a fake. [`PoolUsage`] and [`read_key`] are pure. The reader
-//! is injected through the controllers' `Context`, so this module sits below it (and is
-//! re-exported as `cachepool::usage`, its former place).
+//! Tier usage of a `KVCachePool` as its master reports it: the master's `Stats` RPC, signed with
+//! the pool's `observer` role key (derived from the pool key, which the operator derives from
+//! its root key) on the master Service's address, behind the [`MasterStats`] trait so the
+//! reconcile tests can substitute a fake. A master that refuses the credential is told apart
+//! ([`UsageError::AuthRejected`]): the pool's auth Secret then holds a key the operator did not
+//! derive. [`PoolUsage`] is pure. The reader is injected through the controllers' `Context`, so
+//! this module sits below it (and is re-exported as `cachepool::usage`, its former place).
 //! I/O boundary: the gRPC call in [`GrpcMasterStats`].
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use k8s_openapi::api::core::v1::Secret;
-use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient, MasterTls};
 use kvpool_core::master::types::Tier;
-use kvpool_proto::auth::AuthKey;
+use kvpool_crd::MasterTlsSpec;
+use kvpool_proto::auth::{AuthKey, Role};
 use kvpool_proto::master::{NodeStats, StatsResponse, tier_from_i32};
-
-use crate::contract;
 
 /// Usage figures of one pool, in bytes per tier, as the master counts them over the segments
 /// its agents registered, and the transport state each live node reported.
@@ -150,11 +151,9 @@ fn node_usage(n: &NodeStats) -> NodeUsage {
 /// Why the usage could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum UsageError {
-    #[error(
-        "the auth Secret has no usable `{}` entry (at least 16 bytes)",
-        contract::AUTH_KEY_KEY
-    )]
-    AuthKey,
+    /// The master answered UNAUTHENTICATED or PERMISSION_DENIED: it holds another pool key.
+    #[error("master {addr} refused the operator's credential: {message}")]
+    AuthRejected { addr: String, message: String },
     #[error("cannot build a master client for {addr}")]
     Client {
         addr: String,
@@ -169,13 +168,18 @@ pub enum UsageError {
     },
     #[error("master {addr} did not answer Stats within {timeout:?}")]
     Timeout { addr: String, timeout: Duration },
+    #[error(
+        "master {addr} serves TLS (spec.master.tls) but the operator has no CA to verify it: \
+         start it with --master-ca-file (chart: operator.masterTLS.caConfigMap)"
+    )]
+    NoCa { addr: String },
 }
 
 impl UsageError {
     /// Short label for metrics and condition messages.
     pub fn category(&self) -> &'static str {
         match self {
-            UsageError::AuthKey => "auth_key",
+            UsageError::AuthRejected { .. } => "auth_rejected",
             UsageError::Client { .. } => "client",
             UsageError::Stats { source, .. } => match source.category() {
                 "refused" => "refused",
@@ -183,26 +187,41 @@ impl UsageError {
                 _ => "unreachable",
             },
             UsageError::Timeout { .. } => "timeout",
+            UsageError::NoCa { .. } => "no_master_ca",
         }
     }
 }
 
-/// The pool key from the operator-created auth Secret (`data.key`, hex text).
-pub fn read_key(secret: &Secret) -> Result<AuthKey, UsageError> {
-    secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(contract::AUTH_KEY_KEY))
-        .and_then(|b| AuthKey::from_bytes(&b.0))
-        .ok_or(UsageError::AuthKey)
+/// The credential the operator signs `Stats` with: the `observer` role key of the pool key
+/// `pool_key_hex` (the least a usage read needs). `None` for a key shorter than 16 bytes, which a
+/// derived key never is.
+pub fn observer_key(pool_key_hex: &str) -> Option<AuthKey> {
+    AuthKey::from_bytes(pool_key_hex.as_bytes())?.derive(Role::Observer)
+}
+
+/// Whether a failed call was refused for its credential rather than not answered.
+fn refused_credential(e: &ClientError) -> Option<String> {
+    match e {
+        ClientError::Rpc { source, .. }
+            if matches!(
+                source.code(),
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+            ) =>
+        {
+            Some(source.message().to_owned())
+        }
+        _ => None,
+    }
 }
 
 /// Reads a pool's usage from its master. Object-safe so the context can hold any implementation.
 pub trait MasterStats: Send + Sync {
-    /// Ask the master at `addr` (`host:port`) for its figures, authenticated with `key`.
+    /// Ask the master at `addr` (`host:port`) for its figures, authenticated with `key`, over
+    /// TLS when the pool's master serves it (`tls`, its `spec.master.tls`).
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        tls: Option<&'a MasterTlsSpec>,
         key: AuthKey,
     ) -> BoxFuture<'a, Result<PoolUsage, UsageError>>;
 }
@@ -211,13 +230,33 @@ pub trait MasterStats: Send + Sync {
 #[derive(Clone, Debug)]
 pub struct GrpcMasterStats {
     pub timeout: Duration,
+    /// The CA that verifies the masters that serve TLS (`--master-ca-file`).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for GrpcMasterStats {
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(5),
+            ca_file: None,
         }
+    }
+}
+
+impl GrpcMasterStats {
+    /// The client's TLS for a master with `tls` (plain text without).
+    fn master_tls(&self, addr: &str, tls: Option<&MasterTlsSpec>) -> Result<MasterTls, UsageError> {
+        let Some(tls) = tls else {
+            return Ok(MasterTls::default());
+        };
+        let ca_file = self.ca_file.clone().ok_or_else(|| UsageError::NoCa {
+            addr: addr.to_owned(),
+        })?;
+        Ok(MasterTls {
+            ca_file: Some(ca_file),
+            server_name: tls.server_name.clone(),
+            ..MasterTls::default()
+        })
     }
 }
 
@@ -225,6 +264,7 @@ impl MasterStats for GrpcMasterStats {
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        tls: Option<&'a MasterTlsSpec>,
         key: AuthKey,
     ) -> BoxFuture<'a, Result<PoolUsage, UsageError>> {
         Box::pin(async move {
@@ -233,6 +273,7 @@ impl MasterStats for GrpcMasterStats {
                 request_timeout: self.timeout,
                 // A standby answers UNAVAILABLE: retry briefly, the next pass tries again anyway.
                 failover_budget: Duration::from_secs(1).min(self.timeout),
+                tls: self.master_tls(addr, tls)?,
                 ..Default::default()
             };
             let client =
@@ -244,9 +285,15 @@ impl MasterStats for GrpcMasterStats {
                 })?;
             match tokio::time::timeout(self.timeout, client.stats()).await {
                 Ok(Ok(s)) => Ok(PoolUsage::from_stats(&s)),
-                Ok(Err(source)) => Err(UsageError::Stats {
-                    addr: addr.to_owned(),
-                    source,
+                Ok(Err(source)) => Err(match refused_credential(&source) {
+                    Some(message) => UsageError::AuthRejected {
+                        addr: addr.to_owned(),
+                        message,
+                    },
+                    None => UsageError::Stats {
+                        addr: addr.to_owned(),
+                        source,
+                    },
                 }),
                 Err(_) => Err(UsageError::Timeout {
                     addr: addr.to_owned(),
@@ -265,6 +312,7 @@ impl MasterStats for FixedStats {
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        _tls: Option<&'a MasterTlsSpec>,
         _key: AuthKey,
     ) -> BoxFuture<'a, Result<PoolUsage, UsageError>> {
         let answer = self.0.clone().ok_or_else(|| UsageError::Timeout {
@@ -278,8 +326,6 @@ impl MasterStats for FixedStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::ByteString;
-    use std::collections::BTreeMap;
 
     #[test]
     fn figures_come_from_the_tier_indices_and_missing_ones_are_zero() {
@@ -391,22 +437,21 @@ mod tests {
     }
 
     #[test]
-    fn the_key_must_be_present_and_long_enough() {
-        let secret = |v: &[u8]| Secret {
-            data: Some(BTreeMap::from([(
-                contract::AUTH_KEY_KEY.to_owned(),
-                ByteString(v.to_vec()),
-            )])),
-            ..Secret::default()
-        };
-        assert!(read_key(&secret(b"0123456789abcdef0123")).is_ok());
-        assert_eq!(
-            read_key(&secret(b"short"))
-                .map(|_| ())
-                .map_err(|e| e.category()),
-            Err("auth_key")
+    fn usage_is_read_as_the_observer_which_may_call_stats_only() {
+        let pool_hex = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+        let key = observer_key(pool_hex).expect("observer");
+        assert_eq!(key.role(), Role::Observer);
+        let verifier = kvpool_proto::auth::Verifier::new(
+            &AuthKey::from_bytes(pool_hex.as_bytes()).expect("pool"),
+        )
+        .expect("verifier");
+        assert!(verifier.verify(Some(&key.sign("Stats")), "Stats").is_ok());
+        assert!(
+            verifier
+                .verify(Some(&key.sign("RemoveAll")), "RemoveAll")
+                .is_err()
         );
-        assert!(read_key(&Secret::default()).is_err());
+        assert!(observer_key("short").is_none());
     }
 
     #[tokio::test]
@@ -419,9 +464,10 @@ mod tests {
         let key = AuthKey::from_bytes(b"0123456789abcdef0123").expect("key");
         let reader = GrpcMasterStats {
             timeout: Duration::from_secs(3),
+            ca_file: None,
         };
         let err = reader
-            .stats(&format!("127.0.0.1:{port}"), key)
+            .stats(&format!("127.0.0.1:{port}"), None, key)
             .await
             .expect_err("nothing listens");
         assert!(

@@ -32,10 +32,9 @@ pub const PERMISSIONS: &[Permission] = &[
     p("", "configmaps", "list"),
     p("", "configmaps", "patch"),
     p("", "configmaps", "watch"),
-    // The auth Secret is created once and never patched or watched; the operator reads it back
-    // (get) for the key its master usage query is signed with.
+    // The auth Secret is created once and never read, patched or watched: the operator derives
+    // the pool key from its root key (docs/adr/0008-operator-root-key.md).
     p("", "secrets", "create"),
-    p("", "secrets", "get"),
     // Engine discovery: the conductor's Role lets it list and watch pods, and RBAC only lets
     // the operator grant what it holds itself. The operator never reads pods.
     p("", "pods", "list"),

@@ -32,6 +32,8 @@ use crate::context::{Context, Settings};
 use crate::enginepool::{self, EnginePool};
 use crate::labels::managed_selector;
 use crate::metrics::Metrics;
+use crate::pool_usage::GrpcMasterStats;
+use crate::root_key::RootKey;
 
 /// Lease duration and renewal grace of leader election, seconds.
 const LEASE_DURATION_S: u64 = 15;
@@ -51,6 +53,8 @@ pub enum RunError {
     Metrics(#[source] prometheus::Error),
     #[error("admin server")]
     Admin(#[source] AdminError),
+    #[error("operator root key")]
+    RootKey(#[source] crate::root_key::RootKeyError),
     #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG)")]
     Client(#[source] kube::Error),
     #[error("leader election")]
@@ -86,6 +90,8 @@ pub fn run_blocking(runtime: &tokio::runtime::Runtime, args: RunArgs) -> Result<
 
 /// Run until SIGTERM/SIGINT (Ok) or a fatal error.
 pub async fn run(args: RunArgs) -> Result<(), RunError> {
+    // Before anything listens: without its root key the operator can reconcile no pool.
+    let root_key = RootKey::from_file(&args.root_key_file).map_err(RunError::RootKey)?;
     let shutdown = CancellationToken::new();
     kvpool_runtime::shutdown::cancel_on_signal(shutdown.clone()).map_err(RunError::Signals)?;
 
@@ -106,12 +112,13 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     ));
     info!(admin_addr = %args.admin_addr, namespace = %args.namespace, leader_elect = args.leader_elect,
         agent_image = %args.agent_image, master_image = %args.master_image,
-        conductor_image = %args.conductor_image, "kvpool-operator starting");
+        conductor_image = %args.conductor_image, root_key_file = %args.root_key_file.display(),
+        "kvpool-operator starting");
 
     // Whatever the API server does (unreachable, answering slowly, holding connections open),
     // the operator exits within --shutdown-timeout of the signal: what is still waiting on it
     // is dropped. Reconciles are idempotent and an unreleased lease expires by itself.
-    let work = run_with_admin(&args, shutdown.clone(), metrics, readiness);
+    let work = run_with_admin(&args, root_key, shutdown.clone(), metrics, readiness);
     let deadline = async {
         shutdown.cancelled().await;
         tokio::time::sleep(args.shutdown_timeout).await;
@@ -138,6 +145,7 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
 
 async fn run_with_admin(
     args: &RunArgs,
+    root_key: RootKey,
     shutdown: CancellationToken,
     metrics: Metrics,
     readiness: Readiness,
@@ -201,17 +209,24 @@ async fn run_with_admin(
     }
     metrics.set_leader(true);
 
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        metrics.clone(),
-        Settings {
-            field_manager: args.field_manager.clone(),
-            agent_image: args.agent_image.clone(),
-            master_image: args.master_image.clone(),
-            conductor_image: args.conductor_image.clone(),
-        },
-        Some(identity),
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            metrics.clone(),
+            Settings {
+                field_manager: args.field_manager.clone(),
+                agent_image: args.agent_image.clone(),
+                master_image: args.master_image.clone(),
+                conductor_image: args.conductor_image.clone(),
+            },
+            root_key,
+            Some(identity),
+        )
+        .with_master_stats(Arc::new(GrpcMasterStats {
+            ca_file: args.master_ca_file.clone(),
+            ..GrpcMasterStats::default()
+        })),
+    );
     let controllers = run_controllers(
         &client,
         args,

@@ -137,6 +137,14 @@ impl ApiServer {
             query,
             body,
         };
+        // The operator may create Secrets and nothing else: it derives every pool key from its
+        // root key instead of reading one back.
+        assert!(
+            !seen.path.contains("/secrets") || seen.method == Method::POST,
+            "the operator must not {} a Secret: {}",
+            seen.method,
+            seen.path
+        );
         assert_eq!(
             (&seen.method, seen.path.as_str()),
             (&method, path),
@@ -237,6 +245,12 @@ impl ApiServer {
     /// After the reconcile returned and every client was dropped: nothing else was sent.
     async fn expect_done(mut self) {
         if let Some((request, _)) = self.handle.next_request().await {
+            assert!(
+                !request.uri().path().contains("/secrets") || request.method() == Method::POST,
+                "the operator must not {} a Secret: {}",
+                request.method(),
+                request.uri()
+            );
             panic!(
                 "unexpected extra request {} {}",
                 request.method(),
@@ -325,45 +339,14 @@ fn deploy_status(ready: i32) -> Value {
     json!({"replicas": ready, "readyReplicas": ready})
 }
 
-/// Pool key of the Secret the double stores (hex text, as the operator generates).
-const STORED_KEY: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
-
-/// The stored auth Secret: the pool key and each role's credential file.
-fn stored_secret() -> Value {
-    stored_secret_with(&cachepool::build::ROLE_ITEMS)
-}
-
-/// The stored auth Secret with the credential files of `roles` only (an operator before
-/// per-role credentials stored none).
-fn stored_secret_with(roles: &[kvpool_proto::auth::Role]) -> Value {
-    let mut data = BTreeMap::from([(
-        "key".to_owned(),
-        k8s_openapi::ByteString(STORED_KEY.as_bytes().to_vec()),
-    )]);
-    for role in roles {
-        let file =
-            kvpool_client::credentials::role_file(STORED_KEY.as_bytes(), *role).expect("role file");
-        data.insert(
-            role.name().to_owned(),
-            k8s_openapi::ByteString(file.into_bytes()),
-        );
-    }
-    // k8s-openapi's ByteString serializes as base64, as the API server sends it.
-    let secret = k8s_openapi::api::core::v1::Secret {
-        metadata: kube::api::ObjectMeta {
-            name: Some("roce-auth".into()),
-            namespace: Some("llm".into()),
-            resource_version: Some("900".into()),
-            ..Default::default()
-        },
-        type_: Some("Opaque".into()),
-        data: Some(data),
-        ..Default::default()
-    };
-    let mut v = serde_json::to_value(&secret).expect("json");
-    v["apiVersion"] = json!("v1");
-    v["kind"] = json!("Secret");
-    v
+/// The pool key of the roce fixture (`llm/roce` and its uid) derived from the test root key:
+/// the key the operator puts in a new Secret and signs with.
+fn stored_key() -> String {
+    kvpool_operator::root_key::RootKey::for_tests().pool_key_hex(
+        "llm",
+        "roce",
+        "6f1d2c3b-0000-4000-8000-000000000001",
+    )
 }
 
 /// The requests of a successful KVCachePool pass up to (not including) the status write.
@@ -385,11 +368,7 @@ async fn pool_children(
             StatusCode::CONFLICT,
             &status_error(409, "AlreadyExists", "secrets \"roce-auth\" already exists"),
         );
-        // The stored key is read back for the master's usage query.
-        let (_, send) = server
-            .expect(Method::GET, &format!("{NS}/secrets/roce-auth"))
-            .await;
-        reply(send, StatusCode::OK, &stored_secret());
+        // Nothing is read back: the key is derived again.
     } else {
         reply(send, StatusCode::CREATED, &seen.body);
     }
@@ -473,41 +452,6 @@ async fn pool_children(
 }
 
 #[tokio::test]
-async fn an_auth_secret_without_role_items_stops_the_pass_before_any_workload() {
-    let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
-    let outcome = drive(
-        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
-        async move |server: &mut ApiServer| {
-            let (_, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
-            reply(
-                send,
-                StatusCode::CONFLICT,
-                &status_error(409, "AlreadyExists", "exists"),
-            );
-            let (_, send) = server
-                .expect(Method::GET, &format!("{NS}/secrets/roce-auth"))
-                .await;
-            reply(send, StatusCode::OK, &stored_secret_with(&[Role::Agent]));
-            // Nothing else: no ConfigMap, policy or workload is applied.
-        },
-    )
-    .await;
-    let e = outcome.expect_err("outdated Secret");
-    let text = e.to_string();
-    assert_eq!(e.category(), "auth_secret_outdated");
-    for needle in [
-        "roce-auth",
-        "engine",
-        "conductor",
-        "observer",
-        "kubectl delete secret",
-    ] {
-        assert!(text.contains(needle), "{needle}: {text}");
-    }
-    assert!(!text.contains("\"agent\""), "agent's item is there: {text}");
-}
-
-#[tokio::test]
 async fn create_applies_every_child_and_writes_status() {
     let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
     let status = Arc::new(std::sync::Mutex::new(Value::Null));
@@ -517,9 +461,16 @@ async fn create_applies_every_child_and_writes_status() {
         async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
         async move |server: &mut ApiServer| {
             let (agent, secret) = pool_children(server, 2, false).await;
-            // The key: 32 bytes from the CSPRNG, hex-encoded, base64 in the Secret's data.
+            // The key: derived from the root key for llm/roce/<uid>, hex, base64 in the data.
             let key = secret["data"]["key"].as_str().expect("key");
             assert_eq!(key.len(), 88, "base64 of 64 hex characters: {key}");
+            let stored: k8s_openapi::ByteString =
+                serde_json::from_value(secret["data"]["key"].clone()).expect("base64");
+            assert_eq!(stored.0, stored_key().into_bytes());
+            assert_eq!(
+                secret["metadata"]["annotations"]["kvpool.dev/auth-derivation"],
+                "v1"
+            );
             for role in ["agent", "engine", "conductor", "observer"] {
                 assert!(secret["data"][role].is_string(), "no {role} item: {secret}");
             }
@@ -636,10 +587,6 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
                 StatusCode::CONFLICT,
                 &status_error(409, "AlreadyExists", "exists"),
             );
-            let (_, send) = server
-                .expect(Method::GET, &format!("{NS}/secrets/roce-auth"))
-                .await;
-            reply(send, StatusCode::OK, &stored_secret());
             server
                 .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
                 .await;
@@ -1139,6 +1086,14 @@ async fn usage_pass(
 ) -> (Outcome, KVCachePoolStatus) {
     let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
     pool.status = previous;
+    usage_pass_of(pool, setup).await
+}
+
+/// [`usage_pass`] over `pool` as given.
+async fn usage_pass_of(
+    pool: KVCachePool,
+    setup: impl FnOnce(&mut Context),
+) -> (Outcome, KVCachePoolStatus) {
     let pool_json = serde_json::to_value(&pool).expect("json");
     let (mut ctx, mut server) = double();
     setup(&mut ctx);
@@ -1191,25 +1146,34 @@ impl cachepool::usage::MasterStats for Recording {
     fn stats<'a>(
         &'a self,
         addr: &'a str,
+        _tls: Option<&'a kvpool_crd::MasterTlsSpec>,
         key: kvpool_proto::auth::AuthKey,
     ) -> futures::future::BoxFuture<
         'a,
         Result<cachepool::usage::PoolUsage, cachepool::usage::UsageError>,
     > {
-        // The key is the Secret's, byte for byte (a signature with it verifies).
+        // The observer's key of the derived pool key (a signature with it verifies).
         let verifier = kvpool_proto::auth::Verifier::new(
-            &kvpool_proto::auth::AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
+            &kvpool_proto::auth::AuthKey::from_bytes(stored_key().as_bytes()).expect("key"),
         )
         .expect("pool key");
+        assert_eq!(
+            key.role(),
+            Role::Observer,
+            "the least power that reads Stats"
+        );
         assert!(
             verifier.verify(Some(&key.sign("Stats")), "Stats").is_ok(),
-            "signed with the stored key"
+            "signed with the derived key"
         );
         self.calls.lock().expect("lock").push(addr.to_owned());
         let answer = self
             .usage
             .clone()
-            .ok_or(cachepool::usage::UsageError::AuthKey);
+            .ok_or_else(|| cachepool::usage::UsageError::Timeout {
+                addr: addr.to_owned(),
+                timeout: std::time::Duration::ZERO,
+            });
         Box::pin(std::future::ready(answer))
     }
 }
@@ -1323,7 +1287,7 @@ async fn status_carries_the_figures_of_a_real_master() {
 
     let dir = tempfile::tempdir().expect("tmp");
     let key_file = dir.path().join("key");
-    std::fs::write(&key_file, STORED_KEY).expect("key");
+    std::fs::write(&key_file, stored_key()).expect("key");
     let args = loopback_master_args(key_file);
     let shutdown = tokio_util::sync::CancellationToken::new();
     let master = start(args.validate().expect("valid"), shutdown.clone())
@@ -1332,7 +1296,7 @@ async fn status_carries_the_figures_of_a_real_master() {
     let addr = master.grpc_addr.to_string();
     let client = MasterClient::new(
         vec![addr.clone()],
-        AuthKey::from_bytes(STORED_KEY.as_bytes()).expect("key"),
+        AuthKey::from_bytes(stored_key().as_bytes()).expect("key"),
         ClientConfig::default(),
     )
     .expect("client");
@@ -1487,6 +1451,167 @@ async fn status_carries_the_figures_of_a_real_master() {
     // Per-node use adds up to the pool's.
     let used: u64 = truth.nodes.iter().map(|n| n.used_bytes[0]).sum();
     assert_eq!(used, truth.used_bytes[0]);
+}
+
+/// A pool whose auth Secret holds a key the operator did not derive (here: a random key, as
+/// operators before the root key generated), against a real master on 127.0.0.1 holding that
+/// key: the master refuses the derived observer credential, the pass still succeeds, a Warning
+/// Event and `AuthKeyRejected=True` tell the user to delete the Secret; a second pass over that
+/// status publishes no second Event and writes nothing.
+#[tokio::test]
+async fn a_key_the_operator_did_not_derive_is_reported_not_crash_looped() {
+    use kvpool_master::cmd::loopback_args as loopback_master_args;
+    use kvpool_master::cmd::start;
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = dir.path().join("key");
+    let legacy = "9f8e7d6c5b4a39281706f5e4d3c2b1a09f8e7d6c5b4a39281706f5e4d3c2b1a0";
+    assert_ne!(legacy, stored_key());
+    std::fs::write(&key_file, legacy).expect("key");
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let master = start(
+        loopback_master_args(key_file).validate().expect("valid"),
+        shutdown.clone(),
+    )
+    .await
+    .expect("master starts");
+    let addr = master.grpc_addr.to_string();
+
+    let pass = async |previous: Option<KVCachePoolStatus>, event: bool| {
+        let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+        pool.status = previous.clone();
+        let pool_json = serde_json::to_value(&pool).expect("json");
+        let (mut ctx, mut server) = double();
+        ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats::default());
+        ctx.master_addr_override = Some(addr.clone());
+        let ctx = Arc::new(ctx);
+        let written = Arc::new(std::sync::Mutex::new(None));
+        let out = written.clone();
+        let (outcome, ()) = tokio::join!(
+            async move {
+                tokio::time::timeout(
+                    std::time::Duration::from_secs(60),
+                    cachepool::reconcile_pool(&pool, &ctx),
+                )
+                .await
+                .expect("reconcile finished")
+            },
+            async {
+                pool_children(&mut server, 4, true).await;
+                if event {
+                    let (seen, send) = server
+                        .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
+                        .await;
+                    assert_eq!(seen.body["type"], "Warning");
+                    assert_eq!(seen.body["reason"], "AuthKeyRejected");
+                    assert_eq!(seen.body["regarding"]["name"], "roce");
+                    let note = seen.body["note"].as_str().expect("note");
+                    assert!(
+                        note.contains("kubectl -n llm delete secret roce-auth"),
+                        "{note}"
+                    );
+                    reply(send, StatusCode::CREATED, &seen.body);
+                }
+                if previous.is_none() {
+                    let body = server
+                        .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
+                        .await;
+                    *out.lock().expect("lock") = Some(body["status"].clone());
+                }
+            }
+        );
+        server.expect_done().await;
+        let status = written.lock().expect("lock").take();
+        (
+            outcome.expect("an refused key does not fail the pass"),
+            status.map(|s| serde_json::from_value::<KVCachePoolStatus>(s).expect("status")),
+        )
+    };
+
+    let (outcome, status) = pass(None, true).await;
+    assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
+    let status = status.expect("status written");
+    let c = kvpool_crd::conditions::find(&status.conditions, "AuthKeyRejected").expect("c");
+    assert_eq!(
+        (c.status.as_str(), c.reason.as_str()),
+        ("True", "DerivedKeyRefused")
+    );
+    for needle in [
+        "roce-auth",
+        "kvpool.dev/auth-derivation",
+        "kubectl -n llm delete secret roce-auth",
+        "restart",
+    ] {
+        assert!(c.message.contains(needle), "{needle}: {}", c.message);
+    }
+    let m = kvpool_crd::conditions::find(&status.conditions, "MasterReachable").expect("m");
+    assert_eq!(
+        (m.status.as_str(), m.reason.as_str()),
+        ("False", "DerivedKeyRefused")
+    );
+
+    // Still refused: no second Event, and the status is unchanged (nothing written).
+    let (outcome, again) = pass(Some(status), false).await;
+    assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
+    assert!(again.is_none());
+
+    shutdown.cancel();
+    let _ = master.join().await;
+}
+
+/// A pool with `spec.master.tls` against a real TLS master on 127.0.0.1: with the CA
+/// (`--master-ca-file`) the operator reads its usage over TLS; without it the pass still
+/// succeeds and `MasterReachable` says `no_master_ca`.
+#[tokio::test]
+async fn usage_of_a_tls_master_is_read_with_the_operators_ca() {
+    use kvpool_master::cmd::loopback_args as loopback_master_args;
+    use kvpool_master::cmd::start;
+
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = kvpool_harness::tls::write_throwaway(dir.path(), "kvpool test CA", &["127.0.0.1"])
+        .expect("certificates");
+    let key_file = dir.path().join("key");
+    std::fs::write(&key_file, stored_key()).expect("key");
+    let mut args = loopback_master_args(key_file);
+    args.tls_cert_file = Some(files.master_cert.clone());
+    args.tls_key_file = Some(files.master_key.clone());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let master = start(args.validate().expect("valid"), shutdown.clone())
+        .await
+        .expect("master starts");
+    let addr = master.grpc_addr.to_string();
+
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.spec.master.tls = Some(kvpool_crd::MasterTlsSpec {
+        secret_name: "roce-master-tls".into(),
+        client_secret_name: None,
+        server_name: None,
+    });
+    let (a, ca) = (addr.clone(), files.ca.clone());
+    let (outcome, status) = usage_pass_of(pool.clone(), move |ctx| {
+        ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats {
+            ca_file: Some(ca),
+            ..Default::default()
+        });
+        ctx.master_addr_override = Some(a);
+    })
+    .await;
+    assert_eq!(outcome, Outcome::Reconciled);
+    assert!(kvpool_crd::conditions::is_true(
+        &status.conditions,
+        "MasterReachable"
+    ));
+
+    let (outcome, status) = usage_pass_of(pool, move |ctx| {
+        ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats::default());
+        ctx.master_addr_override = Some(addr);
+    })
+    .await;
+    assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
+    let c = kvpool_crd::conditions::find(&status.conditions, "MasterReachable").expect("c");
+    assert!(c.message.contains("no_master_ca"), "{}", c.message);
+    shutdown.cancel();
+    let _ = master.join().await;
 }
 
 /// What one autoscaled pass of the `qwen` DecodePool is expected to do.

@@ -81,6 +81,13 @@ app.kubernetes.io/component: operator
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.service.enabled) -}}
 {{- fail "metrics.serviceMonitor.enabled needs metrics.service.enabled=true: the ServiceMonitor scrapes that Service" -}}
 {{- end -}}
+{{- if .Values.operator.rootKey.create -}}
+{{- if lt (len .Values.operator.rootKey.value) 32 -}}
+{{- fail "operator.rootKey.create=true needs operator.rootKey.value with at least 32 characters (openssl rand -hex 32); the chart does not make one up" -}}
+{{- end -}}
+{{- else if not .Values.operator.rootKey.existingSecret -}}
+{{- fail "operator.rootKey.existingSecret is required (a Secret with the item root-key: kubectl create secret generic kvpool-operator-root-key --from-literal=root-key=\"$(openssl rand -hex 32)\"), or set operator.rootKey.create=true with operator.rootKey.value" -}}
+{{- end -}}
 {{- if and (eq .Values.rbac.scope "cluster") .Values.operator.watchNamespace -}}
 {{- fail "operator.watchNamespace is set with rbac.scope=cluster: use rbac.scope=namespace so the operator gets only a Role in that namespace" -}}
 {{- end -}}
@@ -95,4 +102,13 @@ metadata:
   annotations:
     helm.sh/resource-policy: keep
   {{- end }}
+{{- end -}}
+
+{{/* Name of the Secret holding the operator's root key (created by the chart or given). */}}
+{{- define "kvpool.rootKeySecret" -}}
+{{- if .Values.operator.rootKey.create -}}
+{{- printf "%s-root-key" (include "kvpool.operator.fullname" .) -}}
+{{- else -}}
+{{- .Values.operator.rootKey.existingSecret -}}
+{{- end -}}
 {{- end -}}

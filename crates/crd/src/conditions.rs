@@ -19,6 +19,11 @@ pub const MASTER_REACHABLE: &str = "MasterReachable";
 /// answer.
 pub const TRANSPORT_DEGRADED: &str = "TransportDegraded";
 
+/// A `KVCachePool`'s master refused the credential the operator derived for the pool (from its
+/// root key): the pool's auth Secret holds a key the operator did not derive (made by hand, or
+/// by an operator that generated random keys). Unknown while the master does not answer.
+pub const AUTH_KEY_REJECTED: &str = "AuthKeyRejected";
+
 /// Condition statuses.
 pub const TRUE: &str = "True";
 /// Condition statuses.
@@ -52,8 +57,8 @@ pub mod reasons {
     pub const AS_EXPECTED: &str = "AsExpected";
     /// `MasterReachable=True`: the usage figures were read from the master on the last pass.
     pub const STATS_READ: &str = "StatsRead";
-    /// `MasterReachable=False`: the master did not answer (not started yet, down, or the key
-    /// did not match); the message names the address and the failure category.
+    /// `MasterReachable=False`: the master did not answer (not started yet, or down); the
+    /// message names the address and the failure category.
     pub const MASTER_UNREACHABLE: &str = "MasterUnreachable";
     /// `TransportDegraded=True`: nodes fell back from RDMA to TCP; the message names them and
     /// the reason each agent reported.
@@ -61,6 +66,11 @@ pub mod reasons {
     /// `TransportDegraded=False`: every reporting node moves bytes as the pool asked (RDMA, or
     /// TCP where `tcp` was asked or `auto` found no device).
     pub const TRANSPORT_AS_REQUESTED: &str = "TransportAsRequested";
+    /// `AuthKeyRejected=True` (and `MasterReachable=False`): the master refused the key the
+    /// operator derived; the message says how to replace the pool's auth Secret.
+    pub const DERIVED_KEY_REFUSED: &str = "DerivedKeyRefused";
+    /// `AuthKeyRejected=False`: the master accepted the operator's derived key on the last pass.
+    pub const DERIVED_KEY_ACCEPTED: &str = "DerivedKeyAccepted";
 
     /// Every reason above (docs/crds.md documents each).
     pub const ALL: &[&str] = &[
@@ -79,6 +89,8 @@ pub mod reasons {
         MASTER_UNREACHABLE,
         RDMA_FALLBACK,
         TRANSPORT_AS_REQUESTED,
+        DERIVED_KEY_REFUSED,
+        DERIVED_KEY_ACCEPTED,
     ];
 }
 

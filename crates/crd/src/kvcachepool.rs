@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 pub use super::conductor::{ConductorSlo, ConductorSpec, TokenizerSpec};
 use super::defaults;
+use super::master_tls::MasterTlsSpec;
 pub use super::network::NetworkPolicySpec;
 use super::pool_status::KVCachePoolStatus;
 
@@ -520,6 +521,11 @@ pub struct MasterSpec {
     /// Compute resources of the master container.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
+
+    /// TLS on the master's gRPC port, with its certificate from a Secret (see
+    /// docs/operator.md, "Master TLS"). Absent: plain text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<MasterTlsSpec>,
 }
 
 impl Default for MasterSpec {
@@ -529,6 +535,7 @@ impl Default for MasterSpec {
             etcd_endpoints: Vec::new(),
             image: None,
             resources: None,
+            tls: None,
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod defaults;
 mod enginepool;
 mod kvcachepool;
 pub mod labels;
+mod master_tls;
 mod network;
 mod persistence;
 mod pool_status;
@@ -26,6 +27,7 @@ pub use kvcachepool::{
     ReplicationSpec, SPREAD_NEEDS_NODE_ACCESS, SriovResource, SriovSpec, SsdTierSpec,
     TokenizerSpec, TransportSpec,
 };
+pub use master_tls::MasterTlsSpec;
 pub use pool_status::{
     KVCachePoolStatus, MAX_STATUS_NODES, NodeStatus, NodeTransportStatus, NumaStatus, TierStatus,
 };

@@ -3,8 +3,12 @@
 //! them when the pool is deleted and no finalizer is needed (docs/operator.md explains why).
 //! After the apply, the pool's usage is read from its master ([`usage`]); an unreachable master
 //! keeps the last known figures and sets `MasterReachable=False` instead of failing the pass.
-//! I/O boundary: the apply step (NetworkPolicies before the workloads they protect) and the status write, both through [`crate::apply`], the auth
-//! Secret read and the master's `Stats` call.
+//! The pool key is derived from the operator's root key ([`crate::root_key`]), never read back
+//! from the auth Secret: the operator may create Secrets and nothing more. A master that refuses
+//! the derived key (a Secret the operator did not derive) gets a Warning Event and
+//! `AuthKeyRejected=True`, and the pass goes on.
+//! I/O boundary: the apply step (NetworkPolicies before the workloads they protect) and the
+//! status write, both through [`crate::apply`], the Events, and the master's `Stats` call.
 
 pub mod build;
 pub mod node_status;
@@ -27,13 +31,11 @@ use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use kvpool_crd::KVCachePool;
-use rand::RngCore;
 use tracing::{info, instrument, warn};
 
 use crate::apply;
 use crate::conditions::reason;
 use crate::context::{Context, PROGRESS_REQUEUE, USAGE_REFRESH};
-use crate::contract;
 use crate::controller;
 use crate::error::{Error, Result};
 use crate::labels;
@@ -66,14 +68,6 @@ impl Outcome {
     pub fn label(self) -> &'static str {
         self.into()
     }
-}
-
-/// Generate a fresh peer-authentication key (hex), from the thread CSPRNG (ChaCha seeded by the
-/// OS). Used only when the Secret does not exist yet.
-pub fn generate_auth_key() -> String {
-    let mut key = [0u8; contract::AUTH_KEY_BYTES];
-    rand::rng().fill_bytes(&mut key);
-    key.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn key(pool: &KVCachePool) -> String {
@@ -141,9 +135,16 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
         Err(other) => return Err(other),
     };
 
-    let children = build::build(&valid, &generate_auth_key())?;
-    let (applied, key) = apply_children(ctx, &namespace, &name, children).await?;
-    let usage = read_usage(ctx, &valid, key).await;
+    // The uid makes a pool deleted and created again under its name get a new key.
+    let uid = pool
+        .metadata
+        .uid
+        .as_deref()
+        .ok_or(Error::MissingObjectKey("uid"))?;
+    let pool_key = ctx.root_key.pool_key_hex(&namespace, &name, uid);
+    let children = build::build(&valid, &pool_key)?;
+    let applied = apply_children(ctx, &namespace, &name, children).await?;
+    let usage = read_usage(ctx, &valid, &pool_key).await;
     let outcome = match &usage {
         UsageReading::Read(u) => {
             let degraded = status::degraded_nodes(valid.effective.transport.protocol, u);
@@ -152,6 +153,10 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
             Outcome::Reconciled
         }
         UsageReading::Failed { .. } => Outcome::ReconciledWithoutUsage,
+        UsageReading::Rejected { addr, message } => {
+            report_rejected_key(pool, ctx, &valid, addr, message).await?;
+            Outcome::ReconciledWithoutUsage
+        }
     };
 
     let new_status = status::status(&valid, &applied, &usage, pool.status.as_ref(), ctx.now());
@@ -166,20 +171,32 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
     Ok(outcome)
 }
 
-/// Ask the pool's master for its usage. Never fails the pass: a missing key or a silent master
-/// becomes [`UsageReading::Failed`] (logged, and reported as a condition).
+/// Ask the pool's master for its usage, signed as the pool's `observer`. Never fails the pass:
+/// a silent master becomes [`UsageReading::Failed`], a refused credential
+/// [`UsageReading::Rejected`] (logged, and reported as conditions).
 async fn read_usage(
     ctx: &Context,
     pool: &validate::ValidCachePool,
-    key: std::result::Result<kvpool_proto::auth::AuthKey, pool_usage::UsageError>,
+    pool_key_hex: &str,
 ) -> UsageReading {
     let addr = ctx.master_addr(pool.master_addr());
-    let result = match key {
-        Ok(key) => ctx.master_stats.stats(&addr, key).await,
-        Err(e) => Err(e),
+    let Some(key) = pool_usage::observer_key(pool_key_hex) else {
+        // A derived key is 64 hex characters; this cannot happen.
+        return UsageReading::Failed {
+            addr,
+            category: "auth_key",
+        };
     };
-    match result {
+    match ctx
+        .master_stats
+        .stats(&addr, pool.spec.master.tls.as_ref(), key)
+        .await
+    {
         Ok(u) => UsageReading::Read(u),
+        Err(pool_usage::UsageError::AuthRejected { addr, message }) => {
+            warn!(master = %addr, %message, "the master refused the operator's derived key");
+            UsageReading::Rejected { addr, message }
+        }
         Err(e) => {
             warn!(master = %addr, error = %chain(&e), "cannot read pool usage");
             UsageReading::Failed {
@@ -188,6 +205,32 @@ async fn read_usage(
             }
         }
     }
+}
+
+/// A Warning Event when the master starts refusing the derived key (not again while
+/// `AuthKeyRejected` stays True, so a stuck pool does not flood its Events).
+async fn report_rejected_key(
+    pool: &KVCachePool,
+    ctx: &Context,
+    valid: &validate::ValidCachePool,
+    addr: &str,
+    answer: &str,
+) -> Result<()> {
+    let already = pool.status.as_ref().is_some_and(|s| {
+        kvpool_crd::conditions::is_true(&s.conditions, kvpool_crd::conditions::AUTH_KEY_REJECTED)
+    });
+    if already {
+        return Ok(());
+    }
+    let message = status::rejected_message(valid, addr, answer);
+    controller::publish_warning(
+        ctx,
+        pool,
+        kvpool_crd::conditions::AUTH_KEY_REJECTED,
+        "ReadUsage",
+        &message,
+    )
+    .await
 }
 
 async fn report_invalid(pool: &KVCachePool, ctx: &Context, message: &str) -> Result<()> {
@@ -200,10 +243,7 @@ async fn apply_children(
     namespace: &str,
     name: &str,
     children: build::CachePoolChildren,
-) -> Result<(
-    AppliedCachePool,
-    std::result::Result<kvpool_proto::auth::AuthKey, pool_usage::UsageError>,
-)> {
+) -> Result<AppliedCachePool> {
     let client = ctx.client.clone();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
@@ -211,37 +251,10 @@ async fn apply_children(
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), namespace);
     let daemonsets: Api<DaemonSet> = Api::namespaced(client, namespace);
 
-    // The key the master checks: the one just generated, or the one an earlier pass stored.
-    let key =
-        if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
-            info!(secret = %children.auth.name_any(), "created peer-authentication key");
-            pool_usage::read_key(&children.auth)
-        } else {
-            let secret_name = children.auth.name_any();
-            match secrets.get_opt(&secret_name).await {
-                Ok(Some(secret)) => {
-                    let missing = build::missing_role_items(&secret);
-                    if !missing.is_empty() {
-                        // Before any workload is applied: pods that cannot mount their item
-                        // would never start.
-                        return Err(Error::AuthSecretOutdated {
-                            name: secret_name,
-                            missing,
-                        });
-                    }
-                    pool_usage::read_key(&secret)
-                }
-                // Deleted between the create and this read: the next pass creates it again.
-                Ok(None) => Err(pool_usage::UsageError::AuthKey),
-                Err(source) => {
-                    return Err(Error::Get {
-                        kind: "Secret",
-                        name: secret_name,
-                        source,
-                    });
-                }
-            }
-        };
+    // Created once; an existing Secret is left as it is and never read (409 is fine).
+    if apply::create_if_absent(&ctx.settings.field_manager, &secrets, &children.auth).await? {
+        info!(secret = %children.auth.name_any(), "created the pool's auth Secret with its derived key");
+    }
     apply::apply(&ctx.settings.field_manager, &config_maps, &children.config).await?;
     // The policies exist before the pods they admit traffic to.
     let network_policies: Api<NetworkPolicy> = Api::namespaced(ctx.client.clone(), namespace);
@@ -306,14 +319,11 @@ async fn apply_children(
     for gone in apply::delete_orphans(&network_policies, &selector, &keep_policies).await? {
         info!(networkpolicy = %gone, "deleted child of a feature turned off");
     }
-    Ok((
-        AppliedCachePool {
-            agent,
-            master,
-            conductor,
-        },
-        key,
-    ))
+    Ok(AppliedCachePool {
+        agent,
+        master,
+        conductor,
+    })
 }
 
 #[cfg(test)]

@@ -73,6 +73,61 @@ pub enum UsageReading {
         addr: String,
         category: &'static str,
     },
+    /// It answered, refusing the operator's credential (`message` is its answer): the pool's
+    /// auth Secret holds a key the operator did not derive. The last known figures stay.
+    Rejected { addr: String, message: String },
+}
+
+impl UsageReading {
+    /// The figures, when the master answered with them.
+    pub fn figures(&self) -> Option<&PoolUsage> {
+        match self {
+            UsageReading::Read(u) => Some(u),
+            UsageReading::Failed { .. } | UsageReading::Rejected { .. } => None,
+        }
+    }
+}
+
+/// What a user does about a refused key (the condition's and the Event's message).
+pub fn rejected_message(pool: &ValidCachePool, addr: &str, answer: &str) -> String {
+    let answer: String = answer.chars().take(MAX_REASON_CHARS).collect();
+    let secret = labels::child_name(&pool.name, Component::Auth);
+    format!(
+        "the master at {addr} refused the key the operator derived from its root key ({answer}): \
+         Secret {secret} holds a key the operator did not derive (made by hand, or by an older \
+         operator that generated random keys; it lacks the annotation \
+         {}: {}). Delete it (kubectl -n {ns} delete secret {secret}) so that the operator \
+         creates it again with the derived key, then restart the pool's pods (master, agents, \
+         conductor and engines) so they load it",
+        crate::root_key::DERIVATION_ANNOTATION,
+        crate::root_key::DERIVATION_VERSION,
+        ns = pool.namespace,
+    )
+}
+
+/// The `AuthKeyRejected` condition: True when the master refused the operator's derived key,
+/// False when it accepted it, Unknown while it does not answer.
+pub fn auth_condition(pool: &ValidCachePool, usage: &UsageReading) -> Desired {
+    use kvpool_crd::conditions::{AUTH_KEY_REJECTED, reasons};
+    match usage {
+        UsageReading::Read(_) => Desired::new(
+            AUTH_KEY_REJECTED,
+            false,
+            reasons::DERIVED_KEY_ACCEPTED,
+            "the master accepted the operator's derived key",
+        ),
+        UsageReading::Rejected { addr, message } => Desired::new(
+            AUTH_KEY_REJECTED,
+            true,
+            reasons::DERIVED_KEY_REFUSED,
+            rejected_message(pool, addr, message),
+        ),
+        UsageReading::Failed { addr, category } => Desired::unknown(
+            AUTH_KEY_REJECTED,
+            reasons::MASTER_UNREACHABLE,
+            format!("the master at {addr} did not answer ({category})"),
+        ),
+    }
 }
 
 /// The `MasterReachable` condition for a reading.
@@ -90,6 +145,14 @@ pub fn master_condition(usage: &UsageReading) -> Desired {
             kvpool_crd::conditions::reasons::MASTER_UNREACHABLE,
             format!(
                 "the master at {addr} did not report usage ({category}); figures are the last known"
+            ),
+        ),
+        UsageReading::Rejected { addr, .. } => Desired::new(
+            kvpool_crd::conditions::MASTER_REACHABLE,
+            false,
+            kvpool_crd::conditions::reasons::DERIVED_KEY_REFUSED,
+            format!(
+                "the master at {addr} refused the operator's credential (see AuthKeyRejected); figures are the last known"
             ),
         ),
     }
@@ -133,6 +196,15 @@ pub fn transport_condition(protocol: Protocol, usage: &UsageReading) -> Desired 
                 reasons::MASTER_UNREACHABLE,
                 format!(
                     "the master at {addr} did not answer ({category}); the agents' transport state is unknown"
+                ),
+            );
+        }
+        UsageReading::Rejected { addr, .. } => {
+            return Desired::unknown(
+                TRANSPORT_DEGRADED,
+                reasons::DERIVED_KEY_REFUSED,
+                format!(
+                    "the master at {addr} refused the operator's credential; the agents' transport state is unknown"
                 ),
             );
         }
@@ -224,10 +296,7 @@ pub fn status(
     let (nodes_ready, nodes_desired) = daemonset_counts(&applied.agent);
     let previous_conditions = previous.map(|p| p.conditions.as_slice()).unwrap_or(&[]);
     let ready_nodes = u64::try_from(nodes_ready).unwrap_or(0);
-    let read = match usage {
-        UsageReading::Read(u) => Some(u),
-        UsageReading::Failed { .. } => None,
-    };
+    let read = usage.figures();
     // The spec gives the capacity when it is an explicit amount per node; a share of node
     // memory is known only to the agents, hence to the master.
     let dram_spec = match pool.effective.dram.capacity {
@@ -256,6 +325,7 @@ pub fn status(
         pool.effective.transport.protocol,
         usage,
     ));
+    desired.push(auth_condition(pool, usage));
     KVCachePoolStatus {
         conditions: conditions::merge(previous_conditions, &desired, pool.generation, now),
         observed_generation: pool.generation,
@@ -636,5 +706,54 @@ mod tests {
         assert_eq!(c.status, "Unknown");
         assert_eq!(c.last_transition_time.0, t(6), "the status flipped");
         assert!(find(&s.conditions, "MasterReachable").is_some());
+    }
+
+    #[test]
+    fn auth_key_rejected_follows_the_masters_answer_and_says_what_to_do() {
+        let pool = valid(&roce());
+        let rejected = UsageReading::Rejected {
+            addr: "roce-master.llm.svc:50051".into(),
+            message: "credential does not match its role's key for this method".into(),
+        };
+        let s = status(&pool, &applied(2, 2, 1, None), &rejected, None, t(5));
+        let c = find(&s.conditions, "AuthKeyRejected").expect("condition");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", "DerivedKeyRefused")
+        );
+        for needle in [
+            "roce-master.llm.svc:50051",
+            "does not match",
+            "kubectl -n llm delete secret roce-auth",
+            "kvpool.dev/auth-derivation: v1",
+        ] {
+            assert!(c.message.contains(needle), "{needle}: {}", c.message);
+        }
+        let m = find(&s.conditions, "MasterReachable").expect("condition");
+        assert_eq!(
+            (m.status.as_str(), m.reason.as_str()),
+            ("False", "DerivedKeyRefused")
+        );
+        let td = find(&s.conditions, "TransportDegraded").expect("condition");
+        assert_eq!(td.status, "Unknown");
+
+        let s = status(&pool, &applied(2, 2, 1, None), &silent(), Some(&s), t(6));
+        let c = find(&s.conditions, "AuthKeyRejected").expect("condition");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("Unknown", "MasterUnreachable")
+        );
+        let s = status(
+            &pool,
+            &applied(2, 2, 1, None),
+            &reading(vec![]),
+            Some(&s),
+            t(7),
+        );
+        let c = find(&s.conditions, "AuthKeyRejected").expect("condition");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "DerivedKeyAccepted")
+        );
     }
 }

@@ -245,6 +245,9 @@ impl ValidatedKVCachePool {
                 message: "every endpoint is a URL starting with http:// or https://",
             });
         }
+        if let Some(tls) = &spec.master.tls {
+            tls.validate()?;
+        }
         let master = MasterConfig {
             replicas: ranged("master.replicas", spec.master.replicas, 1, 5)?,
             etcd_endpoints: spec.master.etcd_endpoints.clone(),

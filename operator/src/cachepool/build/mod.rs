@@ -30,10 +30,11 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use super::validate::ValidCachePool;
 use crate::error::Result;
 use crate::labels::{self, Component};
+use crate::master_tls;
 use crate::pod;
 
 pub use agent::{AGENT_CAPABILITIES, agent_daemonset};
-pub use auth::{ROLE_ITEMS, auth_secret, missing_role_items};
+pub use auth::{ROLE_ITEMS, auth_secret};
 pub use conductor::conductor;
 pub use conductor_rbac::{CONDUCTOR_POD_VERBS, ConductorRbac, conductor_rbac};
 pub use config::{PoolConfig, config_data, config_hash, engine_config, pool_config};
@@ -60,21 +61,41 @@ pub struct CachePoolChildren {
     pub network_policies: Vec<NetworkPolicy>,
 }
 
-/// Every child of `pool`. `key_hex` is the auth key used only if the Secret does not exist yet.
+/// Every child of `pool`. `key_hex` is the pool key derived from the root key (stored only when
+/// the auth Secret does not exist yet).
 pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> {
     let data = config_data(pool)?;
     let hash = config_hash(&data);
+    let mut agent = agent_daemonset(pool, &hash);
+    let mut master = master_deployment(pool, &hash);
+    let mut conductor = pool
+        .effective
+        .conductor
+        .is_some()
+        .then(|| conductor(pool, &hash));
+    // TLS of the master: its certificate in the master, its CA (and the client certificate)
+    // in every client of it.
+    if let Some(tls) = &pool.spec.master.tls {
+        if let Some(p) = master_tls::deployment_pod(&mut master) {
+            master_tls::master_pod(p, tls);
+        }
+        if let Some(p) = master_tls::daemonset_pod(&mut agent) {
+            master_tls::client_pod(p, 0, tls);
+        }
+        if let Some(p) = conductor
+            .as_mut()
+            .and_then(|(d, _)| master_tls::deployment_pod(d))
+        {
+            master_tls::client_pod(p, 0, tls);
+        }
+    }
     Ok(CachePoolChildren {
         config: config::config_map(pool, data),
         auth: auth_secret(pool, key_hex),
-        agent: agent_daemonset(pool, &hash),
-        master: master_deployment(pool, &hash),
+        agent,
+        master,
         master_service: master_service(pool),
-        conductor: pool
-            .effective
-            .conductor
-            .is_some()
-            .then(|| conductor(pool, &hash)),
+        conductor,
         conductor_rbac: pool
             .effective
             .conductor

@@ -509,12 +509,13 @@ fn auth_secret_carries_the_given_key_and_build_is_deterministic() {
         assert!(pool_key.derive(role).is_some());
     }
     assert_eq!(data.len(), 5);
-    assert!(super::missing_role_items(&a.auth).is_empty());
-    let mut old = a.auth.clone();
-    old.data = Some([("key".to_owned(), data["key"].clone())].into());
+    // Marked as derived, so a person can tell it from a hand-made or legacy random key.
+    let annotations = a.auth.metadata.annotations.as_ref().expect("annotations");
     assert_eq!(
-        super::missing_role_items(&old),
-        ["agent", "engine", "conductor", "observer"]
+        annotations
+            .get("kvpool.dev/auth-derivation")
+            .map(String::as_str),
+        Some("v1")
     );
     // The master mounts the pool key, the conductor its own file, each as the one key path.
     let item = |d: &k8s_openapi::api::apps::v1::Deployment| {
@@ -798,5 +799,78 @@ fn a_persistent_dram_tier_mounts_its_host_directories() {
             .expect("volumes")
             .iter()
             .any(|v| v.name.starts_with("dram-"))
+    );
+}
+
+#[test]
+fn master_tls_reaches_the_master_and_every_client_of_it() {
+    let mut spec = roce();
+    spec.spec.master.tls = Some(kvpool_crd::MasterTlsSpec {
+        secret_name: "roce-master-tls".into(),
+        client_secret_name: Some("roce-client-tls".into()),
+        server_name: None,
+    });
+    let children = build(&valid(&spec), "00ff").expect("build");
+    let template = |d: &k8s_openapi::api::apps::v1::Deployment| {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.spec.clone())
+            .expect("pod")
+    };
+    let master = template(&children.master);
+    let args = master.containers[0].args.clone().expect("args");
+    for flag in ["--tls-cert-file", "--tls-key-file", "--tls-client-ca-file"] {
+        assert!(args.iter().any(|a| a == flag), "{flag}: {args:?}");
+    }
+    let env_of = |p: &PodSpec| -> Vec<String> {
+        p.containers[0]
+            .env
+            .iter()
+            .flatten()
+            .map(|e| e.name.clone())
+            .collect()
+    };
+    let (conductor, _) = children.conductor.as_ref().expect("conductor");
+    for (what, p) in [
+        ("agent", pod(&children.agent).clone()),
+        ("conductor", template(conductor)),
+    ] {
+        let env = env_of(&p);
+        for name in [
+            "KVPOOL_MASTER_CA_FILE",
+            "KVPOOL_MASTER_CLIENT_CERT_FILE",
+            "KVPOOL_MASTER_CLIENT_KEY_FILE",
+        ] {
+            assert!(
+                env.iter().any(|e| e == name),
+                "{what} lacks {name}: {env:?}"
+            );
+        }
+        // The clients see the master's CA, never its key.
+        let server = p
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "master-tls")
+            .and_then(|v| v.secret.as_ref())
+            .and_then(|s| s.items.clone())
+            .expect("master-tls volume");
+        assert_eq!(server.len(), 1, "{what}");
+        assert_eq!(server[0].key, "ca.crt");
+    }
+    // Without spec.master.tls nothing of it appears.
+    let plain = build(&valid(&roce()), "00ff").expect("build");
+    let master = template(&plain.master);
+    assert!(
+        master.containers[0]
+            .args
+            .iter()
+            .flatten()
+            .all(|a| !a.starts_with("--tls"))
+    );
+    assert!(
+        env_of(pod(&plain.agent))
+            .iter()
+            .all(|e| !e.starts_with("KVPOOL_MASTER_"))
     );
 }

@@ -65,8 +65,14 @@ pub fn selector_string(p: &ValidEnginePool) -> String {
 /// so engines restart when the pool's config changes.
 pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
     let selector = labels::selector_labels(&p.pool.name, &p.name, p.component);
+    let mut deployment = engine_deployment(p, engine_container(p), config_hash);
+    if let Some(tls) = &p.pool.spec.master.tls
+        && let Some(pod) = crate::master_tls::deployment_pod(&mut deployment)
+    {
+        crate::master_tls::client_pod(pod, 0, tls);
+    }
     EngineChildren {
-        deployment: engine_deployment(p, engine_container(p), config_hash),
+        deployment,
         service: pod::service(meta(p), selector, &ENGINE_PORTS),
     }
 }

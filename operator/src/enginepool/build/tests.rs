@@ -348,3 +348,33 @@ fn a_users_pythonpath_comes_after_the_package() {
         .count();
     assert_eq!(count, 1);
 }
+
+#[test]
+fn engines_of_a_pool_with_master_tls_trust_its_ca() {
+    let mut pool = roce();
+    pool.spec.master.tls = Some(kvpool_crd::MasterTlsSpec {
+        secret_name: "roce-master-tls".into(),
+        client_secret_name: None,
+        server_name: Some("master.kvpool.example".into()),
+    });
+    let p = validate(&prefill_vllm(), valid(&pool)).expect("valid");
+    let d = build(&p, "hash1").deployment;
+    let c = container(&d);
+    assert_eq!(
+        env_value(c, "KVPOOL_MASTER_CA_FILE"),
+        Some("/etc/kvpool/master-tls/ca.crt")
+    );
+    assert_eq!(
+        env_value(c, "KVPOOL_MASTER_SERVER_NAME"),
+        Some("master.kvpool.example")
+    );
+    assert_eq!(env_value(c, "KVPOOL_MASTER_CLIENT_CERT_FILE"), None);
+    let plain = validate(&prefill_vllm(), valid(&roce())).expect("valid");
+    assert_eq!(
+        env_value(
+            container(&build(&plain, "hash1").deployment),
+            "KVPOOL_MASTER_CA_FILE"
+        ),
+        None
+    );
+}

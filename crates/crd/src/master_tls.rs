@@ -1,0 +1,125 @@
+//! TLS of a `KVCachePool`'s master (`spec.master.tls`): which Secret holds the master's
+//! certificate, which one the clients' certificate for mutual TLS, and the name the clients
+//! verify. The operator turns it into the master's `--tls-*` flags and the clients'
+//! `KVPOOL_MASTER_*` variables. Pure types, no I/O.
+
+use kube::KubeSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::validated::SpecError;
+
+/// Pattern of a Secret name (a DNS subdomain).
+const SECRET_NAME_RULE: &str = "self.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$')";
+/// Pattern of a DNS name the master's certificate may carry.
+const SERVER_NAME_RULE: &str = "self.matches('^[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?([.][A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*$')";
+
+/// TLS on the master's gRPC port. Off when absent: calls are authenticated but travel in
+/// plain text.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MasterTlsSpec {
+    /// A `kubernetes.io/tls` Secret in the pool's namespace with the master's certificate
+    /// (`tls.crt`, leaf first), its key (`tls.key`) and the CA that signed it (`ca.crt`, as
+    /// cert-manager writes it). The master mounts all three; every client of the master mounts
+    /// `ca.crt` alone. The certificate must name `<pool>-master.<namespace>.svc` or
+    /// `serverName`.
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new(SECRET_NAME_RULE).message("master.tls.secretName must be a Secret name (lower-case letters, digits, '-' and '.')").reason(Reason::FieldValueInvalid))]
+    pub secret_name: String,
+
+    /// Mutual TLS: a `kubernetes.io/tls` Secret with the clients' certificate (`tls.crt`,
+    /// `tls.key`) and the CA that signed it (`ca.crt`). The agents, the conductor and the
+    /// engines present it; the master accepts only clients whose certificate that CA signed.
+    /// Absent: any client that trusts the master's CA may connect (and must still sign its
+    /// calls with its role key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new(SECRET_NAME_RULE).message("master.tls.clientSecretName must be a Secret name (lower-case letters, digits, '-' and '.')").reason(Reason::FieldValueInvalid))]
+    pub client_secret_name: Option<String>,
+
+    /// The name the clients verify in the master's certificate. Absent: the master Service's
+    /// DNS name, `<pool>-master.<namespace>.svc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new(SERVER_NAME_RULE).message("master.tls.serverName must be a DNS name (letters, digits, '-' and dots between labels)").reason(Reason::FieldValueInvalid))]
+    pub server_name: Option<String>,
+}
+
+/// Whether `s` matches the Secret-name rule (`^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$`).
+fn secret_name_ok(s: &str) -> bool {
+    let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    edge(s.chars().next())
+        && edge(s.chars().last())
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+}
+
+/// Whether `s` matches the server-name rule (dot-separated labels of letters, digits and `-`,
+/// each starting and ending with a letter or digit).
+fn server_name_ok(s: &str) -> bool {
+    s.split('.').all(|label| {
+        let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+        edge(label.chars().next())
+            && edge(label.chars().last())
+            && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    })
+}
+
+impl MasterTlsSpec {
+    /// The checks of the CEL rules above, for objects an API server stored before they existed.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let conflict = |field, message| Err(SpecError::Conflict { field, message });
+        if !secret_name_ok(&self.secret_name) {
+            return conflict(
+                "master.tls.secretName",
+                "must be a Secret name (lower-case letters, digits, '-' and '.')",
+            );
+        }
+        if self
+            .client_secret_name
+            .as_deref()
+            .is_some_and(|s| !secret_name_ok(s))
+        {
+            return conflict(
+                "master.tls.clientSecretName",
+                "must be a Secret name (lower-case letters, digits, '-' and '.')",
+            );
+        }
+        if self
+            .server_name
+            .as_deref()
+            .is_some_and(|s| !server_name_ok(s))
+        {
+            return conflict(
+                "master.tls.serverName",
+                "must be a DNS name (letters, digits, '-' and dots between labels)",
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked_like_the_cel_rules() {
+        assert!(secret_name_ok("cache-master.tls") && secret_name_ok("a"));
+        for bad in ["", "-a", "a-", "A", "a/b", "a_b"] {
+            assert!(!secret_name_ok(bad), "{bad:?}");
+        }
+        assert!(server_name_ok("master.kvpool.example") && server_name_ok("M-1"));
+        for bad in ["", "a..b", "a .b", "-a.b", "a.b-", "a_b"] {
+            assert!(!server_name_ok(bad), "{bad:?}");
+        }
+        let tls = |server: &str| MasterTlsSpec {
+            secret_name: "t".into(),
+            client_secret_name: None,
+            server_name: Some(server.into()),
+        };
+        assert!(tls("m.example").validate().is_ok());
+        let e = tls("m example").validate().expect_err("space");
+        assert!(e.to_string().contains("master.tls.serverName"), "{e}");
+    }
+}
