@@ -5,6 +5,7 @@
 
 pub mod conductor;
 pub mod master;
+mod master_gets;
 pub mod mooncake;
 pub mod sched;
 pub mod store;
