@@ -5,7 +5,6 @@
 
 pub mod conductor;
 pub mod master;
-mod master_gets;
 pub mod mooncake;
 pub mod sched;
 pub mod store;

@@ -3,7 +3,7 @@
 //! batched `exists` and `longest_prefix` calls over loopback gRPC from several clients, and
 //! measures put_start+put_end throughput, optionally with etcd write-through, over TLS
 //! (`--tls`), and Gets with the per-node hit accounting on and off (`--node-hits-ab`, in
-//! `master_gets`).
+//! `master/gets.rs`).
 //! I/O boundary: loopback sockets, `/proc/self/statm`, an etcd child process with `--with-etcd`.
 
 use std::sync::Arc;
@@ -20,7 +20,9 @@ use kvpool_harness::{EtcdServer, HarnessError};
 use kvpool_master::cmd::{CmdError, MasterArgs, RunningMaster, loopback_args, start};
 use kvpool_proto::auth::AuthKey;
 
-use super::master_gets::{NodeHitFigures, node_hits_ab};
+mod gets;
+
+use gets::{NodeHitFigures, node_hits_ab};
 
 /// Errors of the benchmark.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]

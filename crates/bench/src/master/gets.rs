@@ -17,7 +17,7 @@ use kvpool_core::master::types::ObjectKey;
 use kvpool_master::cmd::RunningMaster;
 use kvpool_master::service::Core;
 
-use super::master::{BenchError, MasterBenchArgs, bench_key};
+use super::{BenchError, MasterBenchArgs, bench_key};
 
 /// Rounds of each setting, alternated (on, off, on, off, ...) so that drift of the machine's
 /// load falls on both.
