@@ -2,7 +2,9 @@
 //! calls to clients that trust its CA; a client that does not is told TLS verification
 //! failed; plaintext clients and (with mutual TLS) clients without a certificate are refused
 //! and counted; slow TLS handshakes are closed at the handshake deadline while real clients
-//! are served. Certificates come from `kvpool up --tls`'s generator.
+//! are served. A rotated certificate (files swapped as a Kubernetes Secret volume swaps them)
+//! serves new connections after the reload while open ones go on; a broken one leaves the old
+//! certificate serving and is counted. Certificates come from `kvpool up --tls`'s generator.
 
 mod pool_support;
 
@@ -344,4 +346,193 @@ fn throwaway_keys_are_private_and_the_master_accepts_its_certificate() {
         panic!("a key file was taken for a certificate");
     };
     assert!(e.to_string().contains("no PEM certificate"), "{e}");
+}
+
+/// A Kubernetes-style volume of the master's certificate and key: `data` is a symlink to a
+/// versioned directory, and a rotation swaps it with one rename, so that a reader sees the old
+/// pair or the new one, never half of each.
+struct CertVolume {
+    dir: std::path::PathBuf,
+    version: u32,
+}
+
+impl CertVolume {
+    fn new(dir: &Path, files: &TlsFiles) -> CertVolume {
+        let mut v = CertVolume {
+            dir: dir.to_owned(),
+            version: 0,
+        };
+        v.rotate(&files.master_cert, &files.master_key);
+        v
+    }
+
+    fn cert(&self) -> std::path::PathBuf {
+        self.dir.join("data").join("tls.crt")
+    }
+
+    fn key(&self) -> std::path::PathBuf {
+        self.dir.join("data").join("tls.key")
+    }
+
+    /// Publish `cert` and `key` (copied) as the volume's pair in one rename.
+    fn rotate(&mut self, cert: &Path, key: &Path) {
+        self.version += 1;
+        let version = self.dir.join(format!("v{}", self.version));
+        std::fs::create_dir(&version).expect("version dir");
+        std::fs::copy(cert, version.join("tls.crt")).expect("cert");
+        std::fs::copy(key, version.join("tls.key")).expect("key");
+        let tmp = self.dir.join("data.tmp");
+        std::os::unix::fs::symlink(&version, &tmp).expect("symlink");
+        std::fs::rename(&tmp, self.dir.join("data")).expect("swap");
+    }
+
+    /// Replace the certificate of the current pair with `text` (one rename).
+    fn replace_cert(&self, text: &[u8]) {
+        let tmp = self.dir.join("cert.tmp");
+        std::fs::write(&tmp, text).expect("write");
+        std::fs::rename(&tmp, self.cert()).expect("rename");
+    }
+}
+
+/// A TLS master serving the certificate of `volume`, reading it again every 100 ms.
+async fn reloading_master(volume: &CertVolume) -> InProcessMaster {
+    in_process_master(KEY, |a| {
+        a.tls_cert_file = Some(volume.cert());
+        a.tls_key_file = Some(volume.key());
+        a.tls_reload_interval = Duration::from_millis(100);
+    })
+    .await
+}
+
+/// `kvpool_master_tls_reloads_total{result}` as the admin endpoint serves it.
+async fn reloads(f: &InProcessMaster, result: &str) -> u64 {
+    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
+        .await
+        .expect("metrics");
+    let series = format!("kvpool_master_tls_reloads_total{{result=\"{result}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Wait (5 s at most) until the master counted `n` reloads with `result`.
+async fn await_reloads(f: &InProcessMaster, result: &str, n: u64) {
+    for _ in 0..500 {
+        if reloads(f, result).await >= n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(reloads(f, result).await, n, "reloads with result {result}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_certificate_of_a_new_ca_serves_new_connections_after_the_reload() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (old_dir, new_dir) = (dir.path().join("old"), dir.path().join("new"));
+    let volume_dir = dir.path().join("volume");
+    for d in [&old_dir, &new_dir, &volume_dir] {
+        std::fs::create_dir(d).expect("dir");
+    }
+    let old = pki(&old_dir);
+    let new = stranger_pki(&new_dir);
+    let mut volume = CertVolume::new(&volume_dir, &old);
+    let f = reloading_master(&volume).await;
+    // A client of the old CA, connected before the rotation.
+    let before = client(&f, trusting(&old));
+    assert_eq!(before.exists(&[b"k"]).await.expect("old CA"), vec![false]);
+    let e = client(&f, trusting(&new))
+        .exists(&[b"k"])
+        .await
+        .expect_err("the new CA does not sign the served certificate yet");
+    assert!(matches!(e, ClientError::TlsVerify { .. }), "{}", chain(&e));
+
+    volume.rotate(&new.master_cert, &new.master_key);
+    await_reloads(&f, "ok", 1).await;
+    // New connections get the new certificate: a client trusting only the new CA is served,
+    // one trusting only the old CA is not.
+    let after = client(&f, trusting(&new));
+    assert_eq!(after.exists(&[b"k"]).await.expect("new CA"), vec![false]);
+    let e = client(&f, trusting(&old))
+        .exists(&[b"k"])
+        .await
+        .expect_err("the old CA's client on a new connection");
+    assert!(matches!(e, ClientError::TlsVerify { .. }), "{}", chain(&e));
+    // The connection opened before the rotation is untouched.
+    assert_eq!(
+        before.exists(&[b"k"]).await.expect("open connection"),
+        vec![false]
+    );
+    assert_eq!(reloads(&f, "error").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_certificate_file_keeps_the_old_certificate_serving_and_counts_an_error() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let (pki_dir, volume_dir) = (dir.path().join("pki"), dir.path().join("volume"));
+    for d in [&pki_dir, &volume_dir] {
+        std::fs::create_dir(d).expect("dir");
+    }
+    let files = pki(&pki_dir);
+    let volume = CertVolume::new(&volume_dir, &files);
+    let f = reloading_master(&volume).await;
+    volume.replace_cert(b"-----BEGIN CERTIFICATE-----\nnot base64 at all\n");
+    await_reloads(&f, "error", 1).await;
+    // Still served with the certificate loaded before, on a new connection.
+    let c = client(&f, trusting(&files));
+    assert_eq!(
+        c.exists(&[b"k"]).await.expect("old certificate"),
+        vec![false]
+    );
+    // The same broken content is not counted again at every pass.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(reloads(&f, "error").await, 1);
+    assert_eq!(reloads(&f, "ok").await, 0);
+    // Repaired (the same certificate as before): served and counted as a reload.
+    volume.replace_cert(&std::fs::read(&files.master_cert).expect("cert"));
+    await_reloads(&f, "ok", 1).await;
+    let c = client(&f, trusting(&files));
+    assert_eq!(c.exists(&[b"k"]).await.expect("served"), vec![false]);
+}
+
+/// `kvpool agent run --master-ca-file` reaches the agent's master client: against a TLS
+/// master, the agent started without it is refused at the handshake and never mounts; the one
+/// started with it mounts its segment (the harness clears the `KVPOOL_MASTER_*` variables, so
+/// the flag is the only way TLS can be on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_started_with_master_ca_file_joins_a_tls_master() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    let f = tls_master(&files, false, Duration::from_secs(10)).await;
+    let key_file = pool_support::write_key(dir.path(), std::str::from_utf8(KEY).expect("utf-8"));
+    let grpc = f.master.grpc_addr;
+    let (mut plain, _) = pool_support::start_agent(dir.path(), "plain", grpc, &key_file, "8MiB");
+    let m = &f.master.core.metrics;
+    assert!(
+        eventually(Duration::from_secs(30), || m.conn_refusals("tls_handshake")
+            >= 1)
+        .await,
+        "the agent without --master-ca-file was not refused at the TLS handshake"
+    );
+    let ca = vec![
+        "--master-ca-file".to_owned(),
+        files.ca.display().to_string(),
+    ];
+    let (mut agent, addrs) =
+        pool_support::start_agent_args(dir.path(), "tls", grpc, &key_file, "8MiB", "", &ca);
+    pool_support::wait_ready(&addrs, &mut agent);
+    let c = client(&f, trusting(&files));
+    let stats = pool_support::wait_stats(&c, "the TLS agent mounted", &mut [&mut agent], |s| {
+        s.segments >= 1
+    })
+    .await;
+    assert_eq!(
+        stats.nodes_alive, 1,
+        "only the agent with the flag joined: {stats:?}"
+    );
+    plain
+        .assert_running()
+        .expect("the plaintext agent keeps retrying");
 }

@@ -82,7 +82,10 @@ fn agent_config(
     let (_files, argv) = container_argv(children, pod)?;
     let cli = kvpool::cli::Cli::try_parse_from(&argv)
         .with_context(|| format!("{label}: agent args {argv:?}"))?;
-    let kvpool::cli::Command::Agent(kvpool_agent::cli::Command::Run(args)) = cli.command else {
+    let kvpool::cli::Command::Agent(agent) = cli.command else {
+        bail!("{label}: the agent container must run `agent`, got {argv:?}");
+    };
+    let kvpool_agent::cli::Command::Run(args) = *agent else {
         bail!("{label}: the agent container must run `agent run`, got {argv:?}");
     };
     let path = args

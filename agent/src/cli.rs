@@ -82,6 +82,9 @@ pub struct RunArgs {
     /// (kubernetes.failure_domain_label).
     #[arg(long, env = "KVPOOL_FAILURE_DOMAIN")]
     pub failure_domain: Option<String>,
+    /// TLS to the master (`--master-ca-file` and the like; not in the config file).
+    #[command(flatten)]
+    pub master_tls: kvpool_client::master::MasterTlsArgs,
 }
 
 impl RunArgs {

@@ -23,7 +23,11 @@ fn load(args: &RunArgs) -> anyhow::Result<AgentConfig> {
         }
         (None, None) => FileConfig::default(),
     };
-    Ok(config::validate(&args.overlay(file))?)
+    let mut cfg = config::validate(&args.overlay(file))?;
+    if let Some(pool) = &mut cfg.pool {
+        pool.master_tls = args.master_tls.tls();
+    }
+    Ok(cfg)
 }
 
 /// Run one `kvpool agent` subcommand.

@@ -55,6 +55,9 @@ pub struct PoolSection {
 pub struct PoolConfig {
     pub masters: Vec<String>,
     pub auth_key_file: PathBuf,
+    /// TLS to the master: not in the file; `kvpool agent run`'s `--master-*` flags (or their
+    /// `KVPOOL_MASTER_*` variables) set it after validation. Default: plaintext.
+    pub master_tls: kvpool_client::master::MasterTls,
     pub transport_listen: SocketAddr,
     /// Address put in the announced `tcp://ip:port` endpoints.
     pub advertise_host: std::net::IpAddr,
@@ -174,6 +177,7 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
     Ok(Some(PoolConfig {
         masters: p.master.clone(),
         auth_key_file,
+        master_tls: kvpool_client::master::MasterTls::default(),
         transport_listen,
         advertise_host,
         heartbeat_interval,

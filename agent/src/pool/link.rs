@@ -485,6 +485,7 @@ pub(super) fn link_client_config(cfg: &PoolConfig) -> ClientConfig {
     ClientConfig {
         failover_budget: budget,
         request_timeout: budget,
+        tls: cfg.master_tls.clone(),
         ..ClientConfig::default()
     }
 }

@@ -141,7 +141,10 @@ impl Member {
         let master = MasterClient::new(
             cfg.masters.clone(),
             master_key.clone(),
-            ClientConfig::default(),
+            ClientConfig {
+                tls: cfg.master_tls.clone(),
+                ..ClientConfig::default()
+            },
         )
         .map_err(PoolError::Client)?;
         // The link's own client gives up quickly, so that a lost master shows in readiness

@@ -1,7 +1,9 @@
 //! `kvpool bench master`: metadata benchmark of the master. Loads N objects into an
 //! in-process master (through the core, to measure resident memory per object), then drives
 //! batched `exists` and `longest_prefix` calls over loopback gRPC from several clients, and
-//! measures put_start+put_end throughput, optionally with etcd write-through.
+//! measures put_start+put_end throughput, optionally with etcd write-through, over TLS
+//! (`--tls`), and Gets with the per-node hit accounting on and off (`--node-hits-ab`, in
+//! `master/gets.rs`).
 //! I/O boundary: loopback sockets, `/proc/self/statm`, an etcd child process with `--with-etcd`.
 
 use std::sync::Arc;
@@ -17,6 +19,10 @@ use kvpool_harness::tls::TlsFiles;
 use kvpool_harness::{EtcdServer, HarnessError};
 use kvpool_master::cmd::{CmdError, MasterArgs, RunningMaster, loopback_args, start};
 use kvpool_proto::auth::AuthKey;
+
+mod gets;
+
+use gets::{NodeHitFigures, node_hits_ab};
 
 /// Errors of the benchmark.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -66,6 +72,10 @@ pub struct MasterBenchArgs {
     /// throw-away CA and certificate for 127.0.0.1), to measure what TLS costs.
     #[arg(long)]
     pub tls: bool,
+    /// Also measure Gets (on the core and over gRPC) with the per-node Get hit accounting on
+    /// and off, in alternating rounds of --duration each, to measure what it costs.
+    #[arg(long)]
+    pub node_hits_ab: bool,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -88,6 +98,8 @@ pub struct MasterBenchReport {
     pub puts_with_etcd_per_second: Option<f64>,
     /// With `--tls`: the same phases against a TLS master.
     pub tls: Option<TlsFigures>,
+    /// With `--node-hits-ab`: Get rates with the per-node accounting on and off.
+    pub node_hits: Option<NodeHitFigures>,
 }
 
 /// The phases of `--tls`, and each one's rate as a fraction of the plaintext one.
@@ -109,7 +121,7 @@ pub fn rss_bytes() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
-fn bench_key(i: u64) -> Vec<u8> {
+pub(crate) fn bench_key(i: u64) -> Vec<u8> {
     format!("bench/{i:012}").into_bytes()
 }
 
@@ -359,6 +371,11 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
     let exists = lookup_phase(&clients, &args, args.objects, false).await?;
     let prefix = lookup_phase(&clients, &args, args.objects, true).await?;
     let puts = put_phase(&clients, args.puts, args.depth, "plain").await?;
+    let node_hits = if args.node_hits_ab {
+        Some(node_hits_ab(&master, &clients, &args, args.objects).await?)
+    } else {
+        None
+    };
     shutdown.cancel();
     master.join().await.map_err(BenchError::Master)?;
 
@@ -404,6 +421,7 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
         puts_per_second: puts,
         puts_with_etcd_per_second: puts_with_etcd,
         tls,
+        node_hits,
     };
     if args.json {
         println!(
@@ -438,6 +456,19 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
                 t.prefix_vs_plaintext,
                 t.puts_per_second,
                 t.puts_vs_plaintext
+            );
+        }
+        if let Some(n) = &report.node_hits {
+            println!(
+                "get, per-node hits on/off: core {:.0}/{:.0} gets/s ({:.3}x), gRPC x{} \
+                 {:.0}/{:.0} calls/s ({:.3}x)",
+                n.core_gets_per_second_on,
+                n.core_gets_per_second_off,
+                n.core_off_vs_on,
+                report.batch,
+                n.grpc_get_calls_per_second_on,
+                n.grpc_get_calls_per_second_off,
+                n.grpc_off_vs_on
             );
         }
     }

@@ -131,6 +131,9 @@ pub struct ConductorArgs {
     /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
     #[arg(long, default_value = "100ms", value_parser = kvpool_core::flags::parse_duration)]
     pub pool_lookup_timeout: std::time::Duration,
+    /// TLS to the master (`--master-ca-file` and the like).
+    #[command(flatten)]
+    pub master_tls: kvpool_client::master::MasterTlsArgs,
     /// Pool -> prefill engine rate (`25GB/s`; a bare number is GB/s, as its old spelling
     /// `--pool-bandwidth-gbps` read it): the fetch term of the TTFT estimate until the prefill
     /// engines report measured pool reads (`x-kvpool-kv-load-*` response headers), whose
@@ -452,6 +455,7 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
             // A standby's leader hint is followed, but only within the lookup's own timeout:
             // past it the request goes on without the pool's answer.
             failover_budget: timeout,
+            tls: args.master_tls.tls(),
             ..Default::default()
         },
     )

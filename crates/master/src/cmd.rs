@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::events::{self, PoolEventsConfig};
 use super::ha::{self, HaConfig, HaError};
 use super::metrics::{MasterMetrics, MetricsError};
-use super::service::{self, ConnLimits, Core, ServerTls, ServiceError};
+use super::service::{self, ConnLimits, Core, ReloadCounters, ServerTls, ServiceError};
 use kvpool_core::master::clock::SystemClock;
 use kvpool_core::master::policy::PolicyKind;
 use kvpool_core::master::state::{MasterConfig, MasterState, POOL_EVENTS_CAP};
@@ -190,6 +190,11 @@ pub struct MasterArgs {
         requires = "tls_cert_file"
     )]
     pub tls_client_ca_file: Option<PathBuf>,
+    /// Read the TLS files again this often; changed, new connections use them (open ones are
+    /// untouched; unusable files keep the old ones serving). 0s: never.
+    #[arg(long, default_value = "60s", value_parser = kvpool_core::flags::parse_duration,
+        env = "KVPOOL_MASTER_TLS_RELOAD_INTERVAL")]
+    pub tls_reload_interval: Duration,
 }
 
 /// Flags checked once at start-up.
@@ -341,7 +346,9 @@ impl MasterArgs {
                 });
             }
         }
-        let tls = self.tls()?;
+        let (cert, key_pem) = (self.tls_cert_file.clone(), self.tls_key_file.clone());
+        let (ca, every) = (self.tls_client_ca_file.clone(), self.tls_reload_interval);
+        let tls = ServerTls::from_flags(cert, key_pem, ca, every).map_err(CmdError::Tls)?;
         Ok(ValidatedMasterArgs {
             listen: self.listen,
             admin_addr: self.admin_addr,
@@ -358,26 +365,6 @@ impl MasterArgs {
             },
             tls,
         })
-    }
-
-    /// The port's TLS from the `--tls-*` files (read once, here).
-    fn tls(&self) -> Result<Option<ServerTls>, CmdError> {
-        let (cert, key) = match (&self.tls_cert_file, &self.tls_key_file) {
-            (None, None) => return Ok(None),
-            (Some(c), Some(k)) => (c, k),
-            (None, Some(_)) | (Some(_), None) => {
-                return Err(CmdError::Config {
-                    field: "tls-cert-file",
-                    reason: "--tls-cert-file and --tls-key-file go together".into(),
-                });
-            }
-        };
-        let client_ca = self.tls_client_ca_file.as_deref();
-        let acceptor = service::tls_acceptor(cert, key, client_ca).map_err(CmdError::Tls)?;
-        Ok(Some(ServerTls {
-            acceptor,
-            mutual: client_ca.is_some(),
-        }))
     }
 }
 
@@ -452,6 +439,11 @@ pub async fn start(
         "master starting"
     );
 
+    if let Some(tls) = args.tls.clone() {
+        let reloads = ReloadCounters::register(&registry).map_err(MetricsError::Register);
+        let reloads = reloads.map_err(CmdError::Metrics)?;
+        tokio::spawn(service::watch_tls(tls, reloads, shutdown.clone()));
+    }
     let admin_shutdown = CancellationToken::new();
     let admin_task = tokio::spawn(admin::serve(
         admin_listener,
@@ -587,6 +579,7 @@ pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
         tls_cert_file: None,
         tls_key_file: None,
         tls_client_ca_file: None,
+        tls_reload_interval: Duration::from_secs(60),
     }
 }
 

@@ -10,7 +10,8 @@
 //! - `agents`, `puts`, `reads`, `catalog`: the calls, grouped by who makes them and what they touch.
 //! - `answers`: checks shared by the calls' answers; `error`: [`ClientError`].
 //! - `nearest`: which replica to read ([`pick_nearest`]).
-//! - `tls`: TLS to the master ([`MasterTls`], from `KVPOOL_MASTER_CA_FILE` and the like).
+//! - `tls`: TLS to the master ([`MasterTls`], from `KVPOOL_MASTER_CA_FILE` and the like);
+//!   `tls_args`: the same as process flags (`MasterTlsArgs`, with the `clap` feature).
 
 use std::sync::Arc;
 
@@ -49,6 +50,8 @@ mod nearest;
 mod puts;
 mod reads;
 mod tls;
+#[cfg(feature = "clap")]
+mod tls_args;
 
 pub use answers::{LEASE_MARGIN, Located};
 pub use coalesce::BatchedCalls;
@@ -56,6 +59,8 @@ pub use connection::ClientConfig;
 pub use error::ClientError;
 pub use nearest::pick_nearest;
 pub use tls::{CA_FILE_ENV, CLIENT_CERT_FILE_ENV, CLIENT_KEY_FILE_ENV, MasterTls, SERVER_NAME_ENV};
+#[cfg(feature = "clap")]
+pub use tls_args::MasterTlsArgs;
 
 /// Client of the master (cheap to clone; clones share the connection).
 #[derive(Clone, Debug)]

@@ -19,7 +19,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status};
 
@@ -27,6 +26,7 @@ use super::MasterSvc;
 use super::auth;
 use super::limits::{ConnLimits, GrpcConn};
 use super::tls::{MasterIo, OpenError, Step, open};
+use super::tls_config::ReloadingTls;
 use kvpool_proto::auth::{AuthError, Verifier};
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::{self as proto, LEADER_HEADER, master_server::Master as _};
@@ -47,7 +47,7 @@ pub(super) async fn route(
     svc: MasterSvc,
     verifier: Verifier,
     limits: ConnLimits,
-    tls: Option<TlsAcceptor>,
+    tls: Option<Arc<ReloadingTls>>,
     shutdown: CancellationToken,
 ) {
     let caps = Arc::new(ConnectionCaps::default());
@@ -86,7 +86,8 @@ pub(super) async fn route(
             verifier.clone(),
             shutdown.clone(),
         );
-        let tls = tls.clone();
+        // The configuration serving now (a reload swaps it for later connections only).
+        let tls = tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
             let until = Instant::now() + limits.handshake_timeout;
             let mut step = Step::Tls;

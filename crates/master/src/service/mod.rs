@@ -14,6 +14,7 @@
 //!   the accept loop that routes connections between it and gRPC.
 //! - `limits`: connection caps and the deadline to authenticate (issue 15).
 //! - `tls`: optional TLS on the port (the acceptor from PEM files, the plain-or-TLS stream).
+//! - `tls_config`: the port's TLS configuration, read again from its files while serving.
 //!
 //! [`MasterState`]: kvpool_core::master::state::MasterState
 
@@ -39,12 +40,16 @@ mod objects;
 mod segments;
 mod tasks;
 mod tls;
+mod tls_config;
 
 pub use self::auth::{MarkingVerifier, WithMethod};
 pub use self::core::{Core, PersistBatch, Role};
 pub use self::fast::dispatch as dispatch_fast_call;
 pub use self::limits::ConnLimits;
-pub use self::tls::{ServerTls, TlsError, acceptor as tls_acceptor};
+pub use self::tls::{TlsError, acceptor as tls_acceptor};
+pub use self::tls_config::{
+    Reload, ReloadCounters, ReloadingTls, ServerTls, TlsPaths, watch as watch_tls,
+};
 
 /// Errors of running the service.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -99,7 +104,7 @@ pub async fn serve(
         MasterSvc::new(core.clone()),
         verifier.clone(),
         limits,
-        tls.map(|t| t.acceptor),
+        tls.map(|t| t.config),
         shutdown.clone(),
     ));
     let served = tonic::transport::Server::builder()

@@ -25,6 +25,14 @@ use kvpool_proto::fast;
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
 #[strum(serialize_all = "snake_case")]
 pub enum TlsError {
+    #[error("--tls-cert-file and --tls-key-file go together, and --tls-client-ca-file needs both")]
+    Flags,
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("cannot read PEM certificates from {path}")]
     Certs {
         path: PathBuf,
@@ -47,8 +55,13 @@ pub enum TlsError {
     },
     #[error("cannot build the client certificate verifier")]
     Verifier(#[source] rustls::server::VerifierBuilderError),
-    #[error("the certificate and key do not make a TLS server configuration")]
-    Config(#[source] rustls::Error),
+    #[error("the certificate {cert} and key {key} do not make a TLS server configuration")]
+    Config {
+        cert: PathBuf,
+        key: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
 }
 
 impl TlsError {
@@ -57,10 +70,10 @@ impl TlsError {
     }
 }
 
-/// The certificate chain in the PEM file `path` (at least one certificate).
-fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+/// The certificate chain in `pem`, read from `path` (at least one certificate).
+fn certs(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
         .map_err(|source| TlsError::Certs {
             path: path.to_owned(),
             source,
@@ -81,22 +94,63 @@ pub fn acceptor(
     key: &Path,
     client_ca: Option<&Path>,
 ) -> Result<TlsAcceptor, TlsError> {
+    let pems = PemFiles::read(cert, key, client_ca)?;
+    Ok(TlsAcceptor::from(Arc::new(server_config(&pems)?)))
+}
+
+/// The master port's PEM files, as read at one moment, with their paths (for errors).
+#[derive(Debug)]
+pub(super) struct PemFiles<'a> {
+    pub(super) cert: (&'a Path, Vec<u8>),
+    pub(super) key: (&'a Path, Vec<u8>),
+    pub(super) client_ca: Option<(&'a Path, Vec<u8>)>,
+}
+
+impl<'a> PemFiles<'a> {
+    pub(super) fn read(
+        cert: &'a Path,
+        key: &'a Path,
+        client_ca: Option<&'a Path>,
+    ) -> Result<Self, TlsError> {
+        let read = |path: &'a Path| {
+            std::fs::read(path)
+                .map(|bytes| (path, bytes))
+                .map_err(|source| TlsError::Read {
+                    path: path.to_owned(),
+                    source,
+                })
+        };
+        Ok(PemFiles {
+            cert: read(cert)?,
+            key: read(key)?,
+            client_ca: client_ca.map(read).transpose()?,
+        })
+    }
+}
+
+/// The rustls server configuration made from `pems` (see [`acceptor`]).
+pub(super) fn server_config(pems: &PemFiles<'_>) -> Result<rustls::ServerConfig, TlsError> {
+    let config_error = |source| TlsError::Config {
+        cert: pems.cert.0.to_owned(),
+        key: pems.key.0.to_owned(),
+        source,
+    };
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let chain = certs(cert)?;
-    let key = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::Key {
-        path: key.to_owned(),
+    let chain = certs(&pems.cert.1, pems.cert.0)?;
+    let key = PrivateKeyDer::from_pem_slice(&pems.key.1).map_err(|source| TlsError::Key {
+        path: pems.key.0.to_owned(),
         source,
     })?;
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(TlsError::Config)?;
-    let builder = match client_ca {
+        .map_err(config_error)?;
+    let builder = match &pems.client_ca {
         None => builder.with_no_client_auth(),
-        Some(path) => {
+        Some((path, pem)) => {
             let mut roots = RootCertStore::empty();
-            for ca in certs(path)? {
+            for ca in certs(pem, path)? {
                 roots.add(ca).map_err(|source| TlsError::ClientCa {
-                    path: path.to_owned(),
+                    path: path.to_path_buf(),
                     source,
                 })?;
             }
@@ -106,27 +160,9 @@ pub fn acceptor(
             builder.with_client_cert_verifier(verifier)
         }
     };
-    let mut config = builder
-        .with_single_cert(chain, key)
-        .map_err(TlsError::Config)?;
+    let mut config = builder.with_single_cert(chain, key).map_err(config_error)?;
     config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(TlsAcceptor::from(Arc::new(config)))
-}
-
-/// The master port's TLS, as validated at start-up.
-#[derive(Clone)]
-pub struct ServerTls {
-    pub acceptor: TlsAcceptor,
-    /// Clients must present a certificate (`--tls-client-ca-file`).
-    pub mutual: bool,
-}
-
-impl std::fmt::Debug for ServerTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerTls")
-            .field("mutual", &self.mutual)
-            .finish_non_exhaustive()
-    }
+    Ok(config)
 }
 
 /// Why an accepted connection was not opened.

@@ -38,7 +38,7 @@ impl MasterState {
         // The hit counts on the node and tier of the replica a reader on none of the replicas'
         // nodes reads (the client's `pick_nearest`): the first DRAM one, else the first.
         let mut served: Option<(u32, usize)> = None;
-        for r in &reps {
+        for r in reps.iter().filter(|_| self.config.node_get_hits) {
             if let Some(s) = self.segments.get(&r.seg) {
                 let t = s.spec.tier.index();
                 if served.is_none() || t == Tier::Dram.index() {

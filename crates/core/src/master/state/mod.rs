@@ -73,6 +73,9 @@ pub struct MasterConfig {
     /// writer stalled past its timeout, a late retransmission, an RDMA retry) lands where no
     /// one reads. 0: given out again at once.
     pub reuse_delay_ms: u64,
+    /// Count each Get's hit on the node and tier that serves it (`Stats.nodes`). Always on
+    /// in a master; `kvpool bench master --node-hits-ab` turns it off to measure its cost.
+    pub node_get_hits: bool,
 }
 
 impl Default for MasterConfig {
@@ -88,6 +91,7 @@ impl Default for MasterConfig {
             spread: Spread::Node,
             repairs_per_tick: 256,
             reuse_delay_ms: 10_000,
+            node_get_hits: true,
         }
     }
 }
@@ -414,6 +418,11 @@ impl MasterState {
 
     pub fn config(&self) -> &MasterConfig {
         &self.config
+    }
+
+    /// Turn the per-node Get hit accounting on or off (benchmarks measuring what it costs).
+    pub fn set_node_get_hits(&mut self, on: bool) {
+        self.config.node_get_hits = on;
     }
 
     pub fn counters(&self) -> &Counters {
