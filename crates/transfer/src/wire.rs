@@ -25,6 +25,13 @@ pub enum WireError {
     Auth(String),
     #[error("peer answered with error {code}: {reason}")]
     Remote { code: &'static str, reason: String },
+    /// TLS refused or failed; `reason` is the `tls` module's failure label (`unknown_issuer`,
+    /// `wrong_name`, `timeout`, ...).
+    #[error("TLS failed ({reason}): {detail}")]
+    Tls {
+        reason: &'static str,
+        detail: String,
+    },
 }
 
 impl WireError {
@@ -37,6 +44,7 @@ impl WireError {
             WireError::Unexpected { .. } => "protocol",
             WireError::Auth(_) => "auth",
             WireError::Remote { .. } => "remote",
+            WireError::Tls { .. } => "tls",
         }
     }
 }
@@ -323,7 +331,9 @@ fn server_handshake_inner<S: Read + Write + ?Sized>(
     match (asked, integrity) {
         (true, Integrity::Off) => {
             return Err(refuse(
-                "this target does not allow per-frame integrity (its integrity setting is off)",
+                "this target does not allow per-frame integrity on this connection (its \
+                 integrity setting is off, or the connection is TLS, which protects every byte \
+                 already)",
             ));
         }
         (false, Integrity::Require) => {

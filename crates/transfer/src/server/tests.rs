@@ -30,6 +30,8 @@ fn ctx() -> (ServerCtx, u32) {
         metrics: TransferMetrics::unregistered().unwrap(),
         rdma: None,
         integrity: crate::Integrity::Allow,
+        tls: crate::TlsMode::Off,
+        tls_server: None,
         features: crate::frame::FEATURES,
     };
     (ctx, handle)
