@@ -11,12 +11,13 @@ use crate::config::FileConfig;
 /// Subcommands of `kvpool agent`.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the agent (the DaemonSet's command).
-    Run(RunArgs),
+    /// Run the agent (the DaemonSet's command). Boxed: the flags are many, and the binary's
+    /// command enum holds this one.
+    Run(Box<RunArgs>),
     /// Print the discovered topology as JSON and exit.
     Discover(DiscoverArgs),
     /// Validate a configuration and print the effective settings.
-    CheckConfig(RunArgs),
+    CheckConfig(Box<RunArgs>),
 }
 
 /// Flags of `run`; each overrides the config file's field of the same name.
