@@ -96,7 +96,11 @@ fn tls_runs_plain_and_tls_in_one_process_only() {
     let w = Wrap::try_parse_from(["x", "--tls"]).unwrap();
     assert!(w.a.tls);
     assert!(w.a.validate().is_ok());
-    assert_eq!(w.a.engine_tls.mode, TlsMode::Off, "the first run is plaintext");
+    assert_eq!(
+        w.a.engine_tls.mode,
+        TlsMode::Off,
+        "the first run is plaintext"
+    );
     let w = Wrap::try_parse_from(["x", "--tls", "--mode", "target"]).unwrap();
     assert!(matches!(w.a.validate(), Err(TransferBenchError::Args(m)) if m.contains("--tls")));
 }
@@ -123,5 +127,8 @@ fn the_tls_run_moves_bytes_over_tls() {
     let key = AuthKey::random().unwrap();
     let report = run_tls(&w.a, &key).unwrap();
     assert_eq!(report.tls, "require");
-    assert!(report.requests_done > 0 && report.requests_failed == 0, "{report:?}");
+    assert!(
+        report.requests_done > 0 && report.requests_failed == 0,
+        "{report:?}"
+    );
 }
