@@ -11,12 +11,13 @@ use crate::config::FileConfig;
 /// Subcommands of `kvpool agent`.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the agent (the DaemonSet's command).
-    Run(RunArgs),
+    /// Run the agent (the DaemonSet's command). Boxed: the flags are many, and the binary's
+    /// command enum holds this one.
+    Run(Box<RunArgs>),
     /// Print the discovered topology as JSON and exit.
     Discover(DiscoverArgs),
     /// Validate a configuration and print the effective settings.
-    CheckConfig(RunArgs),
+    CheckConfig(Box<RunArgs>),
 }
 
 /// Flags of `run`; each overrides the config file's field of the same name.
@@ -85,6 +86,22 @@ pub struct RunArgs {
     /// TLS to the master (`--master-ca-file` and the like; not in the config file).
     #[command(flatten)]
     pub master_tls: kvpool_client::master::MasterTlsArgs,
+    /// TLS on the transfer engine's TCP connections (pool.transport_tls): off, allow or
+    /// require.
+    #[arg(long, value_name = "off|allow|require")]
+    pub transfer_tls: Option<String>,
+    /// This agent's transfer certificate chain, PEM (pool.transport_tls_cert_file).
+    #[arg(long, value_name = "FILE")]
+    pub transfer_tls_cert: Option<PathBuf>,
+    /// Its private key, PEM (pool.transport_tls_key_file).
+    #[arg(long, value_name = "FILE")]
+    pub transfer_tls_key: Option<PathBuf>,
+    /// CA certificates that verify other agents, PEM (pool.transport_tls_ca_file).
+    #[arg(long, value_name = "FILE")]
+    pub transfer_tls_ca: Option<PathBuf>,
+    /// Name every target certificate must carry (pool.transport_tls_server_name).
+    #[arg(long)]
+    pub transfer_tls_server_name: Option<String>,
 }
 
 impl RunArgs {
@@ -118,6 +135,20 @@ impl RunArgs {
         set(&mut file.pool.advertise_host, &self.advertise_host);
         set(&mut file.pool.heartbeat_interval, &self.heartbeat_interval);
         set(&mut file.pool.failure_domain, &self.failure_domain);
+        set(&mut file.pool.transport_tls, &self.transfer_tls);
+        set(
+            &mut file.pool.transport_tls_cert_file,
+            &self.transfer_tls_cert,
+        );
+        set(
+            &mut file.pool.transport_tls_key_file,
+            &self.transfer_tls_key,
+        );
+        set(&mut file.pool.transport_tls_ca_file, &self.transfer_tls_ca);
+        set(
+            &mut file.pool.transport_tls_server_name,
+            &self.transfer_tls_server_name,
+        );
         file
     }
 }

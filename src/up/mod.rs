@@ -122,9 +122,10 @@ pub struct UpArgs {
     #[arg(long, alias = "ready-timeout-s", default_value = "2m",
         value_parser = kvpool_core::flags::parse_duration)]
     pub ready_timeout: Duration,
-    /// TLS on the master's port: a throw-away CA and a certificate for 127.0.0.1/localhost
-    /// are made in the working directory, the master serves with them and every child (and
-    /// `up`'s own summary) verifies it with the CA. Off by default: every connection of `up`
+    /// TLS on the master's port and on the transfer engines' TCP connections: a throw-away CA
+    /// and a certificate for 127.0.0.1/localhost are made in the working directory, the master
+    /// serves with them, the agents serve and dial transfers with them (`--transfer-tls
+    /// require`), and every child (and `up`'s own summary) verifies them with the CA. Off by default: every connection of `up`
     /// stays on loopback, where TLS protects nothing the user's account does not already.
     #[arg(long)]
     pub tls: bool,
@@ -338,6 +339,17 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
             files.master_key.display().to_string(),
         ]);
         master_tls.ca_file = Some(files.ca.clone());
+        // The same certificate names 127.0.0.1, where the agents' transfer targets listen.
+        settings.agent_flags.extend([
+            "--transfer-tls".to_owned(),
+            "require".to_owned(),
+            "--transfer-tls-cert".to_owned(),
+            files.master_cert.display().to_string(),
+            "--transfer-tls-key".to_owned(),
+            files.master_key.display().to_string(),
+            "--transfer-tls-ca".to_owned(),
+            files.ca.display().to_string(),
+        ]);
     }
     let ports = choose_ports(plan::ports_needed(&settings), args.base_port, args.port)?;
     let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
@@ -366,6 +378,9 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     let mut children = Children::new(dir.join("logs"), grace);
     if let Some(ca) = &master_tls.ca_file {
         children.set_env(kvpool_client::master::CA_FILE_ENV, ca.clone());
+        // Children with a transfer engine of their own dial the agents over TLS too.
+        children.set_env(kvpool_client::pool::TRANSFER_TLS_ENV, "require".into());
+        children.set_env(kvpool_client::pool::TRANSFER_CA_FILE_ENV, ca.clone());
     }
     let result = runtime.block_on(async {
         let stop = CancellationToken::new();

@@ -70,6 +70,8 @@ pub struct UpSettings {
     pub failure_domains: Vec<String>,
     /// The master's eviction and spread flags.
     pub master_flags: Vec<String>,
+    /// Flags every agent gets (transfer TLS with `--tls`).
+    pub agent_flags: Vec<String>,
     /// Directory of the agents' persistent DRAM tiers (agent `i` in `agent-<i>`); `None`: the
     /// tiers live in anonymous memory.
     pub dram_tiers: Option<PathBuf>,
@@ -224,6 +226,7 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
                     d.join(format!("agent-{i}")).display().to_string(),
                 ]
             }))
+            .chain(s.agent_flags.iter().cloned())
             .collect(),
             admin,
             endpoint: Some(agent_socket(&s.dir, i).display().to_string()),
@@ -354,6 +357,7 @@ mod tests {
             replicas: 2,
             failure_domains: vec!["rack-a".into()],
             master_flags: vec!["--eviction-policy".into(), "s3fifo".into()],
+            agent_flags: Vec::new(),
             dram_tiers: Some("/dev/shm/up".into()),
         }
     }

@@ -87,6 +87,7 @@ pub(super) fn validate(
         replicas: args.replicas,
         failure_domains: args.agent_failure_domains.clone(),
         master_flags,
+        agent_flags: Vec::new(),
         dram_tiers: tiers,
     })
 }

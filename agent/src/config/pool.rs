@@ -48,6 +48,19 @@ pub struct PoolSection {
     /// integrity"): `off`, `allow` (default: granted to initiators that ask) or `require`
     /// (every lane sealed both ways; initiators that do not ask are refused).
     pub transport_integrity: Option<String>,
+    /// TLS on the transfer engine's TCP connections (docs/transfer.md "TLS"): `off`
+    /// (default), `allow` (TLS and plaintext initiators served; lanes dial plaintext) or
+    /// `require` (plaintext initiators refused; lanes dial TLS and verify targets against
+    /// `transport_tls_ca_file`). `allow` and `require` need the certificate and key files.
+    pub transport_tls: Option<String>,
+    /// This agent's transfer certificate chain (PEM, leaf first).
+    pub transport_tls_cert_file: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub transport_tls_key_file: Option<PathBuf>,
+    /// CA certificates (PEM) that verify other agents (needed by `require`).
+    pub transport_tls_ca_file: Option<PathBuf>,
+    /// Name every target certificate must carry; unset: the target's IP address.
+    pub transport_tls_server_name: Option<String>,
 }
 
 /// Validated pool membership.
@@ -78,6 +91,8 @@ pub struct PoolConfig {
     pub failure_domain: Option<String>,
     /// `pool.transport_integrity`.
     pub integrity: kvpool_transfer::Integrity,
+    /// `pool.transport_tls*`.
+    pub tls: kvpool_transfer::TransferTls,
 }
 
 /// Validate the `pool:` section; `None` when it names no master.
@@ -170,6 +185,7 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
             ));
         }
     };
+    let tls = transport_tls(p)?;
     let failure_domain = match p.failure_domain.as_deref().map(str::trim) {
         None | Some("") => None,
         Some(d) => Some(label_value("pool.failure_domain", d)?.to_owned()),
@@ -190,7 +206,53 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
         gid_index,
         failure_domain,
         integrity,
+        tls,
     }))
+}
+
+/// `pool.transport_tls*`: the mode and the files it needs (their contents are checked when
+/// the transfer engine starts).
+fn transport_tls(p: &PoolSection) -> Result<kvpool_transfer::TransferTls, ConfigError> {
+    use kvpool_transfer::TlsMode;
+    let mode = match p.transport_tls.as_deref().map(str::trim) {
+        None | Some("off") => TlsMode::Off,
+        Some("allow") => TlsMode::Allow,
+        Some("require") => TlsMode::Require,
+        Some(other) => {
+            return Err(invalid(
+                "pool.transport_tls",
+                format!("{other:?} is not one of off, allow, require"),
+            ));
+        }
+    };
+    if mode != TlsMode::Off {
+        if p.transport_tls_cert_file.is_none() || p.transport_tls_key_file.is_none() {
+            return Err(invalid(
+                "pool.transport_tls_cert_file",
+                "transport_tls allow/require needs transport_tls_cert_file and \
+                 transport_tls_key_file (this agent serves over TLS)",
+            ));
+        }
+        if mode == TlsMode::Require && p.transport_tls_ca_file.is_none() {
+            return Err(invalid(
+                "pool.transport_tls_ca_file",
+                "transport_tls require needs transport_tls_ca_file (the CA that verifies \
+                 other agents)",
+            ));
+        }
+    }
+    Ok(kvpool_transfer::TransferTls {
+        mode,
+        cert_file: p.transport_tls_cert_file.clone(),
+        key_file: p.transport_tls_key_file.clone(),
+        ca_file: p.transport_tls_ca_file.clone(),
+        server_name: p
+            .transport_tls_server_name
+            .as_deref()
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_owned),
+    })
 }
 
 /// `value` of `field` when it is a Kubernetes label value (a failure domain is one in a

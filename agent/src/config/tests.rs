@@ -494,3 +494,49 @@ fn pool_document_persistence_maps_to_the_dram_tier() {
         })
     );
 }
+
+#[test]
+fn transport_tls_reaches_the_transfer_engine_and_missing_files_are_named() {
+    let base = "pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0";
+    let pool = validate_yaml(&format!("{base}}}"))
+        .expect("validates")
+        .pool
+        .expect("pool mode");
+    assert_eq!(
+        crate::pool::engine_config(&pool, "n").tls.mode,
+        kvpool_transfer::TlsMode::Off
+    );
+    let yaml = format!(
+        "{base}, transport_tls: require, transport_tls_cert_file: /c.pem, \
+         transport_tls_key_file: /k.pem, transport_tls_ca_file: /ca.pem, \
+         transport_tls_server_name: agents.kvpool}}"
+    );
+    let pool = validate_yaml(&yaml)
+        .expect("validates")
+        .pool
+        .expect("pool mode");
+    let tls = crate::pool::engine_config(&pool, "n").tls;
+    assert_eq!(tls.mode, kvpool_transfer::TlsMode::Require);
+    assert_eq!(tls.ca_file.as_deref(), Some(Path::new("/ca.pem")));
+    assert_eq!(tls.server_name.as_deref(), Some("agents.kvpool"));
+    for (yaml, field) in [
+        (
+            format!("{base}, transport_tls: always}}"),
+            "pool.transport_tls",
+        ),
+        (
+            format!("{base}, transport_tls: allow}}"),
+            "pool.transport_tls_cert_file",
+        ),
+        (
+            format!(
+                "{base}, transport_tls: require, transport_tls_cert_file: /c, \
+                 transport_tls_key_file: /k}}"
+            ),
+            "pool.transport_tls_ca_file",
+        ),
+    ] {
+        let err = validate_yaml(&yaml).expect_err("bad");
+        assert_eq!(field_of(err), field, "{yaml}");
+    }
+}

@@ -97,6 +97,7 @@ pub fn engine_config(cfg: &PoolConfig, node: &str) -> EngineConfig {
         node: node.to_owned(),
         want_rdma: cfg.want_rdma,
         integrity: cfg.integrity,
+        tls: cfg.tls.clone(),
         rdma_nics: transfer::NicPolicy {
             allow: cfg.rdma_devices.clone(),
             gid_index: cfg.gid_index,

@@ -11,7 +11,7 @@ use crate::error::HarnessError;
 
 /// Variables a kvpool role reads as defaults of its flags, which a parent's environment (an
 /// operator pod, a developer's shell) must not leak into its children.
-pub const CLEARED_ENV: [&str; 13] = [
+pub const CLEARED_ENV: [&str; 16] = [
     "KVPOOL_MASTER",
     // TLS of the master's port and of its clients (`kvpool up --tls` sets the clients' own).
     "KVPOOL_MASTER_TLS_CERT_FILE",
@@ -21,6 +21,10 @@ pub const CLEARED_ENV: [&str; 13] = [
     "KVPOOL_MASTER_CLIENT_CERT_FILE",
     "KVPOOL_MASTER_CLIENT_KEY_FILE",
     "KVPOOL_MASTER_SERVER_NAME",
+    // TLS of the clients' own transfer engines (`kvpool up --tls` sets them).
+    "KVPOOL_TRANSFER_TLS",
+    "KVPOOL_TRANSFER_CA_FILE",
+    "KVPOOL_TRANSFER_SERVER_NAME",
     "KVPOOL_AUTH_KEY_FILE",
     "KVPOOL_AGENT_SOCKET",
     "KVPOOL_MODEL_CONFIG",

@@ -229,6 +229,8 @@ pub async fn connect(s: &Settings) -> Result<Live, Failure> {
             prefer_shm: false,
             spin_wait: spin,
             integrity: transfer_integrity()?,
+            tls: kvpool_client::pool::transfer_tls_from_env()
+                .map_err(|e| Failure::invalid(e.to_string()))?,
             ..EngineConfig::default()
         },
         transfer_key,

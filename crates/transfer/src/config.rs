@@ -41,6 +41,12 @@ pub struct EngineConfig {
     /// initiators that do not; `allow` (the default) seals only for initiators that ask; `off`
     /// refuses them. Inline transfers are not used under `require` (they go through the lanes).
     pub integrity: crate::Integrity,
+    /// TLS on the TCP connections (see docs/transfer.md "TLS"): `require` dials targets over
+    /// TLS 1.3 only (verified against `tls.ca_file`) and, as a target, refuses plaintext
+    /// initiators; `allow` serves TLS and plaintext initiators alike; `off` (the default) has
+    /// no TLS. Inside TLS the per-frame integrity option is not used (TLS protects every byte)
+    /// and inline transfers go through the lanes.
+    pub tls: crate::TransferTls,
     /// Every wait on a peer (reply, payload, handshake) gives up after this long.
     pub timeout: Duration,
     /// TCP connect timeout.
@@ -84,6 +90,7 @@ impl Default for EngineConfig {
             spin_wait: Duration::ZERO,
             vectored: true,
             integrity: crate::Integrity::Allow,
+            tls: crate::TransferTls::default(),
             timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(3),
             prefer_shm: true,
@@ -143,6 +150,12 @@ impl EngineConfig {
             || self.handshake_timeout.is_zero()
         {
             return bad("timeouts must be > 0");
+        }
+        if self.tls.mode == crate::TlsMode::Require && self.want_rdma {
+            return bad(
+                "tls require covers the TCP transport only: it cannot be combined with RDMA \
+                 (want_rdma)",
+            );
         }
         if self.rdma_nics.allow.iter().any(|d| d.trim().is_empty()) {
             return bad("rdma_nics.allow must not contain empty device names");

@@ -181,6 +181,9 @@ pub enum ErrorCode {
     /// A frame failed its per-frame integrity check (connection-level, request id 0; the
     /// connection is closed after this reply).
     Integrity,
+    /// Transport security refused: a plaintext connection to a target that requires TLS
+    /// (connection-level, request id 0; the connection is closed after this reply).
+    Tls,
 }
 
 impl ErrorCode {
@@ -386,6 +389,7 @@ mod tests {
             (6, ErrorCode::Unsupported, "unsupported"),
             (7, ErrorCode::Internal, "internal"),
             (8, ErrorCode::Integrity, "integrity"),
+            (9, ErrorCode::Tls, "tls"),
         ];
         for (v, code, name) in codes {
             assert_eq!(

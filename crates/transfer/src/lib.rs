@@ -27,6 +27,7 @@ mod seal;
 mod server;
 mod shm;
 mod tcp;
+mod tls;
 pub mod wire;
 
 #[cfg(feature = "cuda")]
@@ -49,3 +50,4 @@ pub use seal::{Integrity, IntegrityError, is_integrity};
 pub use server::{MemoryTarget, Notification, Served, TcpServer};
 pub use shm::ShmServer;
 pub use tcp::{ExpectedReply, ReplyOutcome, ReplyReader};
+pub use tls::{TlsMode, TransferTls};

@@ -47,6 +47,9 @@ pub struct TransferMetrics {
     /// `kvpool_transfer_integrity_failures_total{side}`: connections closed because a sealed
     /// record failed its check (per-frame integrity), as `initiator` or `target`.
     pub integrity_failures: IntCounterVec,
+    /// `kvpool_transfer_tls_handshake_failures_total{side, reason}`: transfer connections whose
+    /// TLS was refused or failed, as `initiator` or `target` (see `tls::FailureReason`).
+    pub tls_handshake_failures: IntCounterVec,
 }
 
 impl TransferMetrics {
@@ -147,6 +150,14 @@ impl TransferMetrics {
                 ),
                 &["side"],
             )?,
+            tls_handshake_failures: IntCounterVec::new(
+                Opts::new(
+                    "kvpool_transfer_tls_handshake_failures_total",
+                    "Transfer connections whose TLS was refused or whose TLS handshake failed, \
+                     by side and reason.",
+                ),
+                &["side", "reason"],
+            )?,
         })
     }
 
@@ -191,6 +202,7 @@ impl TransferMetrics {
             m.integrity_failures.with_label_values(&[side]);
         }
         registry.register(Box::new(m.integrity_failures.clone()))?;
+        registry.register(Box::new(m.tls_handshake_failures.clone()))?;
         Ok(m)
     }
 

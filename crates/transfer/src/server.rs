@@ -154,6 +154,11 @@ pub(crate) struct ServerCtx {
     pub(crate) rdma: Option<Arc<dyn RdmaProvider>>,
     /// Per-frame integrity granted to (or required of) initiators.
     pub(crate) integrity: crate::Integrity,
+    /// TLS on accepted connections: `off` refuses it, `allow` serves TLS and plaintext alike,
+    /// `require` refuses plaintext (ERROR `tls`).
+    pub(crate) tls: crate::TlsMode,
+    /// The TLS server configuration (set unless `tls` is `off`).
+    pub(crate) tls_server: Option<Arc<rustls::ServerConfig>>,
     /// Feature bits announced in OPEN_OK (`frame::FEATURES`, or 0 to serve as a target built
     /// before them would); READV and WRITEV are refused unless announced.
     pub(crate) features: u64,
@@ -510,6 +515,7 @@ impl Drop for TcpServer {
 mod accept;
 mod memory_target;
 mod sealed;
+mod tls_target;
 mod vectored;
 
 pub(crate) use accept::AdmissionLimits;

@@ -6,7 +6,9 @@ use std::io::{self, Read, Write};
 
 use super::auth::{AuthKey, NONCE_LEN, PROOF_LEN};
 use super::frame::{ErrorCode, FrameError, HEADER_LEN, Header, MAX_CONTROL_PAYLOAD, Opcode};
-use super::seal::{Integrity, OPT_INTEGRITY, SessionKeys, is_integrity};
+use super::seal::{
+    Integrity, OPT_ENCRYPTED, OPT_INTEGRITY, RecordFormat, SessionKeys, is_integrity,
+};
 
 /// Errors of frame I/O and the handshake.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +25,13 @@ pub enum WireError {
     Auth(String),
     #[error("peer answered with error {code}: {reason}")]
     Remote { code: &'static str, reason: String },
+    /// TLS refused or failed; `reason` is the `tls` module's failure label (`unknown_issuer`,
+    /// `wrong_name`, `timeout`, ...).
+    #[error("TLS failed ({reason}): {detail}")]
+    Tls {
+        reason: &'static str,
+        detail: String,
+    },
 }
 
 impl WireError {
@@ -35,6 +44,7 @@ impl WireError {
             WireError::Unexpected { .. } => "protocol",
             WireError::Auth(_) => "auth",
             WireError::Remote { .. } => "remote",
+            WireError::Tls { .. } => "tls",
         }
     }
 }
@@ -168,15 +178,18 @@ pub fn client_handshake<S: Read + Write + ?Sized>(
 /// The proof labels of a handshake: the options agreed are bound into both proofs, so a
 /// man in the middle that changes them fails the handshake.
 fn roles(options: u32) -> (&'static [u8], &'static [u8]) {
-    if options & OPT_INTEGRITY != 0 {
+    if options & OPT_ENCRYPTED != 0 {
+        (b"client/integrity/encrypted", b"server/integrity/encrypted")
+    } else if options & OPT_INTEGRITY != 0 {
         (b"client/integrity", b"server/integrity")
     } else {
         (b"client", b"server")
     }
 }
 
-/// [`client_handshake`], asking for per-frame integrity when `integrity` is set: then the
-/// target must grant it, and the connection's session keys are returned (see `seal`).
+/// [`client_handshake`], asking for per-frame integrity when `integrity` is set (in encrypted
+/// records, or MAC-only ones from a target that predates them): then the target must grant
+/// it, and the connection's session keys are returned (see `seal`).
 pub(crate) fn client_handshake_opts<S: Read + Write + ?Sized>(
     s: &mut S,
     key: &AuthKey,
@@ -184,7 +197,11 @@ pub(crate) fn client_handshake_opts<S: Read + Write + ?Sized>(
 ) -> Result<Option<SessionKeys>, WireError> {
     let client_nonce: [u8; NONCE_LEN] = rand::random();
     let mut hello = Header::new(Opcode::Hello, 0);
-    hello.status = if integrity { OPT_INTEGRITY } else { 0 };
+    hello.status = if integrity {
+        OPT_INTEGRITY | OPT_ENCRYPTED
+    } else {
+        0
+    };
     write_frame(s, &hello, &client_nonce)?;
     let h = read_reply(s, Opcode::Challenge, "CHALLENGE")?;
     let payload = read_control_payload(s, &h)?;
@@ -195,7 +212,12 @@ pub(crate) fn client_handshake_opts<S: Read + Write + ?Sized>(
             NONCE_LEN + PROOF_LEN
         )));
     }
-    let granted = h.status & OPT_INTEGRITY;
+    let granted = h.status & (OPT_INTEGRITY | OPT_ENCRYPTED);
+    if granted == OPT_ENCRYPTED {
+        return Err(WireError::Auth(
+            "the target granted encrypted records without per-frame integrity".into(),
+        ));
+    }
     if integrity && granted == 0 {
         return Err(WireError::Auth(
             "the target did not grant per-frame integrity (it predates it or its integrity \
@@ -218,7 +240,14 @@ pub(crate) fn client_handshake_opts<S: Read + Write + ?Sized>(
     let proof = key.prove(client_role, &client_nonce, server_nonce);
     write_frame(s, &Header::new(Opcode::Auth, 0), &proof)?;
     read_reply(s, Opcode::AuthOk, "AUTH_OK")?;
-    Ok((granted != 0).then(|| SessionKeys::derive(key, &client_nonce, server_nonce)))
+    Ok((granted != 0).then(|| {
+        SessionKeys::derive(
+            key,
+            &client_nonce,
+            server_nonce,
+            RecordFormat::from_options(granted),
+        )
+    }))
 }
 
 /// Initiator side: read the target's next handshake frame, which must be `want` (`expected`
@@ -302,7 +331,9 @@ fn server_handshake_inner<S: Read + Write + ?Sized>(
     match (asked, integrity) {
         (true, Integrity::Off) => {
             return Err(refuse(
-                "this target does not allow per-frame integrity (its integrity setting is off)",
+                "this target does not allow per-frame integrity on this connection (its \
+                 integrity setting is off, or the connection is TLS, which protects every byte \
+                 already)",
             ));
         }
         (false, Integrity::Require) => {
@@ -313,7 +344,12 @@ fn server_handshake_inner<S: Read + Write + ?Sized>(
         }
         _ => {}
     }
-    let granted = if asked { OPT_INTEGRITY } else { 0 };
+    // Encrypted records when the initiator knows them, MAC-only ones for an older initiator.
+    let granted = if asked {
+        OPT_INTEGRITY | (hello.status & OPT_ENCRYPTED)
+    } else {
+        0
+    };
     let (client_role, server_role) = roles(granted);
     let server_nonce: [u8; NONCE_LEN] = rand::random();
     let mut challenge = server_nonce.to_vec();
@@ -327,7 +363,14 @@ fn server_handshake_inner<S: Read + Write + ?Sized>(
         return Err(WireError::Auth("wrong key".into()));
     }
     write_frame(s, &Header::new(Opcode::AuthOk, 0), &[])?;
-    Ok(asked.then(|| SessionKeys::derive(key, &client_nonce, &server_nonce)))
+    Ok(asked.then(|| {
+        SessionKeys::derive(
+            key,
+            &client_nonce,
+            &server_nonce,
+            RecordFormat::from_options(granted),
+        )
+    }))
 }
 
 /// Poll `fd` without sleeping until it is readable or `budget` has passed; whether it became

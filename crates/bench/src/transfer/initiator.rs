@@ -24,6 +24,8 @@ pub struct InitiatorReport {
     pub lanes: usize,
     /// The initiator's per-frame integrity setting (`require`: every frame sealed).
     pub integrity: &'static str,
+    /// The engines' transfer TLS setting (`require` in the TLS run of `--tls`).
+    pub tls: &'static str,
     pub seconds: f64,
     pub bytes: u64,
     pub requests_done: u64,
@@ -121,6 +123,7 @@ pub(super) fn run_initiator(
         threads: args.threads,
         lanes: args.lanes,
         integrity: args.integrity.as_str(),
+        tls: args.engine_tls.mode.as_str(),
         seconds,
         bytes,
         requests_done: done,

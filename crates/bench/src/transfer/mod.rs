@@ -23,7 +23,8 @@ use clap::{Args, ValueEnum};
 
 use kvpool_transfer::{
     AuthError, AuthKey, Endpoint, EngineConfig, Integrity, MemoryError, Protocol,
-    SegmentDescriptor, StaticDirectory, TransferEngine, TransferError, TransferMetrics, TransferOp,
+    SegmentDescriptor, StaticDirectory, TlsMode, TransferEngine, TransferError, TransferMetrics,
+    TransferOp, TransferTls,
 };
 
 use self::baselines::measure_baselines;
@@ -84,6 +85,14 @@ pub struct TransferBenchArgs {
     /// `require` seals every frame (both sides in `both` mode), `allow` the default.
     #[arg(long, value_enum, default_value = "allow")]
     pub integrity: Integrity,
+    /// Also run the same cell over TLS (docs/transfer.md "TLS"; a throw-away CA and a
+    /// certificate for 127.0.0.1 in a temporary directory), right after the plaintext run, and
+    /// report both and TLS / plain (`--mode both --protocol tcp` only).
+    #[arg(long)]
+    pub tls: bool,
+    /// The TLS setting both engines of a run use (set for the TLS run of `--tls`).
+    #[arg(skip)]
+    pub engine_tls: TransferTls,
     /// Name of the target's segment.
     #[arg(
         long = "segment-id",
@@ -219,6 +228,12 @@ impl TransferBenchArgs {
         if self.vs_mooncake && (self.mode != Mode::Both || self.protocol != Protocol::Tcp) {
             return bad("--vs-mooncake needs --mode both --protocol tcp");
         }
+        if self.tls && (self.mode != Mode::Both || self.protocol != Protocol::Tcp) {
+            return bad("--tls needs --mode both --protocol tcp");
+        }
+        if self.tls && self.vs_mooncake {
+            return bad("--tls and --vs-mooncake do not go together");
+        }
         if self.vs_mooncake && self.rounds == 0 {
             return bad("--rounds must be > 0");
         }
@@ -237,6 +252,7 @@ impl TransferBenchArgs {
             timeout: self.timeout,
             want_rdma: self.protocol == Protocol::Rdma,
             integrity: self.integrity,
+            tls: self.engine_tls.clone(),
             ..EngineConfig::default()
         })
     }
@@ -275,7 +291,7 @@ pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
                 nics: Vec::new(),
             };
             let report = run_initiator(&args, &engine, &desc)?;
-            print_report(&args, &report, None, None);
+            print_report(&args, &report, None, None, None);
             Ok(())
         }
         Mode::Both => {
@@ -298,11 +314,22 @@ pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
             } else {
                 (run_kvpool(&args, &key)?, None)
             };
+            let tls = if args.tls {
+                Some(run_tls(&args, &key)?)
+            } else {
+                None
+            };
             let baselines = match before {
                 Some(b) => Some(b.merge(measure_baselines(&args)?)),
                 None => None,
             };
-            print_report(&args, &report, baselines.as_ref(), versus.as_ref());
+            print_report(
+                &args,
+                &report,
+                baselines.as_ref(),
+                versus.as_ref(),
+                tls.as_ref(),
+            );
             Ok(())
         }
     }
@@ -319,6 +346,30 @@ fn run_kvpool(
     drop(engine);
     drop(target);
     Ok(report)
+}
+
+/// The `--tls` run: the same cell with both engines on TLS `require`, verified by a
+/// throw-away CA.
+fn run_tls(args: &TransferBenchArgs, key: &AuthKey) -> Result<InitiatorReport, TransferBenchError> {
+    let dir = tempfile::Builder::new()
+        .prefix("kvpool-bench-tls-")
+        .tempdir()
+        .map_err(|e| TransferBenchError::Args(format!("temp dir: {e}")))?;
+    let files = kvpool_harness::tls::write_throwaway(
+        dir.path(),
+        "kvpool bench transfer CA",
+        &["127.0.0.1"],
+    )
+    .map_err(|e| TransferBenchError::Args(format!("throw-away TLS certificates: {e}")))?;
+    let mut tls_args = args.clone();
+    tls_args.engine_tls = TransferTls {
+        mode: TlsMode::Require,
+        cert_file: Some(files.master_cert),
+        key_file: Some(files.master_key),
+        ca_file: Some(files.ca),
+        server_name: None,
+    };
+    run_kvpool(&tls_args, key)
 }
 
 /// kvpool and Mooncake over the same cell, `--rounds` times each, alternating which side goes

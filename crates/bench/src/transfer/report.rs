@@ -14,7 +14,11 @@ pub(super) fn print_report(
     r: &InitiatorReport,
     b: Option<&Baselines>,
     versus: Option<&Versus>,
+    tls: Option<&InitiatorReport>,
 ) {
+    let tls_ratio = tls
+        .filter(|_| r.gb_per_s > 0.0)
+        .map(|t| t.gb_per_s / r.gb_per_s);
     let tcp_ratio = b
         .and_then(|b| b.iperf3_gb_per_s)
         .filter(|_| r.protocol == "tcp")
@@ -30,14 +34,16 @@ pub(super) fn print_report(
             "ratio_vs_memcpy": shm_ratio,
             "vs_mooncake": versus,
             "ratio_vs_mooncake": versus.and_then(|v| v.ratio),
+            "tls": tls,
+            "ratio_tls_vs_plain": tls_ratio,
             "targets": {"tcp_vs_iperf3": 0.9, "shm_vs_memcpy": 0.5, "tcp_vs_mooncake": MOONCAKE_TARGET},
         });
         println!("{v}");
         return;
     }
     println!(
-        "protocol={} op={} block_size={} batch_size={} threads={} lanes={} integrity={}",
-        r.protocol, r.operation, r.block_size, r.batch_size, r.threads, r.lanes, r.integrity
+        "protocol={} op={} block_size={} batch_size={} threads={} lanes={} integrity={} tls={}",
+        r.protocol, r.operation, r.block_size, r.batch_size, r.threads, r.lanes, r.integrity, r.tls
     );
     println!(
         "throughput: {:.3} GB/s ({} requests done, {} failed, {:.1} s)",
@@ -90,6 +96,17 @@ pub(super) fn print_report(
                 }
             );
         }
+    }
+    if let (Some(t), Some(x)) = (tls, tls_ratio) {
+        println!(
+            "tls: {:.3} GB/s ({} requests done, {} failed), batch latency p50 {} us, p99 {} us",
+            t.gb_per_s,
+            t.requests_done,
+            t.requests_failed,
+            t.batch_latency_us_p50,
+            t.batch_latency_us_p99
+        );
+        println!("tls / plain = {:.1}%", x * 100.0);
     }
     if let Some(x) = shm_ratio {
         println!(

@@ -90,3 +90,45 @@ fn baselines_before_and_after_are_averaged() {
 fn memcpy_baseline_measures_something() {
     assert!(memcpy_bandwidth(1 << 20, Duration::from_millis(50)) > 0.0);
 }
+
+#[test]
+fn tls_runs_plain_and_tls_in_one_process_only() {
+    let w = Wrap::try_parse_from(["x", "--tls"]).unwrap();
+    assert!(w.a.tls);
+    assert!(w.a.validate().is_ok());
+    assert_eq!(
+        w.a.engine_tls.mode,
+        TlsMode::Off,
+        "the first run is plaintext"
+    );
+    let w = Wrap::try_parse_from(["x", "--tls", "--mode", "target"]).unwrap();
+    assert!(matches!(w.a.validate(), Err(TransferBenchError::Args(m)) if m.contains("--tls")));
+}
+
+/// The TLS run of `--tls` moves real bytes over TLS: a short cell against a throw-away CA.
+#[test]
+fn the_tls_run_moves_bytes_over_tls() {
+    let w = Wrap::try_parse_from([
+        "x",
+        "--tls",
+        "--no-baselines",
+        "--duration",
+        "300ms",
+        "--block-size",
+        "64KiB",
+        "--batch-size",
+        "4",
+        "--threads",
+        "1",
+        "--buffer-size",
+        "1MiB",
+    ])
+    .unwrap();
+    let key = AuthKey::random().unwrap();
+    let report = run_tls(&w.a, &key).unwrap();
+    assert_eq!(report.tls, "require");
+    assert!(
+        report.requests_done > 0 && report.requests_failed == 0,
+        "{report:?}"
+    );
+}

@@ -25,6 +25,7 @@ mod naming;
 mod put;
 mod staging;
 mod striped;
+mod transfer_tls;
 mod transport;
 
 pub use error::DataError;
@@ -32,6 +33,10 @@ pub use local::LocalSegments;
 pub use manifest::{MANIFEST_LEN, Manifest, StripeConfig, stripe_part_key};
 pub use naming::{descriptor, parse_endpoints, tcp_endpoint, transfer_name};
 pub use staging::DEFAULT_STAGING_CACHE_BYTES;
+pub use transfer_tls::{
+    TRANSFER_CA_FILE_ENV, TRANSFER_SERVER_NAME_ENV, TRANSFER_TLS_ENV, TransferTlsError,
+    transfer_tls_from, transfer_tls_from_env,
+};
 
 /// Master client plus transfer engine: whole-value puts and gets. Cheap to clone.
 #[derive(Clone, Debug)]

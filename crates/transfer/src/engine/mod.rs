@@ -51,6 +51,8 @@ struct Inner {
     fallback_reason: Arc<Mutex<Option<String>>>,
     /// Segments opened over TCP, by name and target, for [`TransferEngine::open_cached`].
     opened: Mutex<std::collections::HashMap<(String, SocketAddr), RemoteSegment>>,
+    /// The target side's TLS configuration (TLS `allow` or `require` with a certificate).
+    tls_server: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// The transfer engine. Cheap to clone (shared state); dropping the last clone closes all
@@ -109,11 +111,13 @@ impl TransferEngine {
         rdma: Option<Arc<dyn RdmaProvider>>,
     ) -> Result<Self, TransferError> {
         config.validate()?;
+        let tls = config.tls.load()?;
         let dialer = Dialer {
             key: key.clone(),
             timeout: config.timeout,
             connect_timeout: config.connect_timeout,
             integrity: config.integrity,
+            tls: tls.client,
         };
         let lane_cfg = LaneConfig {
             dialer: dialer.clone(),
@@ -136,6 +140,7 @@ impl TransferEngine {
                 rdma,
                 fallback_reason: Arc::new(Mutex::new(None)),
                 opened: Mutex::default(),
+                tls_server: tls.server,
             }),
         })
     }
@@ -218,6 +223,8 @@ impl TransferEngine {
             metrics: self.inner.metrics.clone(),
             rdma: self.inner.rdma.clone(),
             integrity: self.inner.config.integrity,
+            tls: self.inner.config.tls.mode,
+            tls_server: self.inner.tls_server.clone(),
             features: if self.inner.config.vectored {
                 frame::FEATURES
             } else {
@@ -228,6 +235,12 @@ impl TransferEngine {
 
     /// Serve registered segments over TCP on `addr` (port 0 picks one).
     pub fn listen_tcp(&self, addr: SocketAddr) -> Result<TcpServer, TransferError> {
+        if self.inner.config.tls.mode != crate::TlsMode::Off && self.inner.tls_server.is_none() {
+            return Err(TransferError::Config(format!(
+                "transfer TLS {}: serving needs a certificate and a key (cert_file, key_file)",
+                self.inner.config.tls.mode.as_str()
+            )));
+        }
         TcpServer::start(addr, self.server_ctx())
     }
 

@@ -287,9 +287,11 @@ fn check_bounds(requests: &[TransferRequest]) -> Result<(), TransferError> {
 impl TransferEngine {
     /// The one TCP peer of a batch small enough to run inline, if it is one.
     fn inline_peer(&self, requests: &[TransferRequest]) -> Option<Arc<Peer>> {
-        // Inline connections carry no sealed records: with per-frame integrity every transfer
-        // goes through the lanes.
-        if self.inner.config.integrity == crate::Integrity::Require {
+        // Inline connections carry no sealed records and no TLS: with per-frame integrity or
+        // TLS every transfer goes through the lanes.
+        if self.inner.config.integrity == crate::Integrity::Require
+            || self.inner.config.tls.mode == crate::TlsMode::Require
+        {
             return None;
         }
         let max = self.inner.config.inline_max_bytes;

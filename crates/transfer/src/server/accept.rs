@@ -1,7 +1,8 @@
 //! The TCP target's front door: which accepted connections are served (a total cap, a cap per
 //! source address, and a separate, lower cap on connections still in the handshake, where the
-//! oldest unauthenticated one makes room for a newcomer), the whole-handshake deadline, and the
-//! thread per connection. I/O boundary: the listener and the accepted sockets.
+//! oldest unauthenticated one makes room for a newcomer), the whole-handshake deadline, TLS or
+//! plaintext (told apart by a connection's first byte, see `tls`), and the thread per
+//! connection. I/O boundary: the listener and the accepted sockets.
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{self, Read, Write};
@@ -13,8 +14,13 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::sealed::SealedStream;
+use super::tls_target::TlsTarget;
 use super::{ServerCtx, ServerShared, serve_requests};
+use crate::frame::ErrorCode;
+use crate::seal::SessionKeys;
+use crate::tls::{self, TLS_HANDSHAKE_RECORD};
 use crate::wire::{self, WireError};
+use crate::{Integrity, TlsMode};
 
 /// Connections idle (between frames) longer than this are closed by the target.
 const IDLE_LIMIT: Duration = Duration::from_secs(600);
@@ -117,13 +123,15 @@ impl Admission {
 }
 
 /// A stream whose every read and write gives up at one instant: the handshake as a whole has a
-/// deadline, so a peer trickling a byte at a time cannot hold its connection past it.
-struct Deadline<'a> {
-    stream: &'a mut TcpStream,
+/// deadline, so a peer trickling a byte at a time cannot hold its connection past it. `sock`
+/// is the socket under `stream` (the same one, or the one TLS runs over).
+struct Deadline<'a, S> {
+    stream: &'a mut S,
+    sock: &'a TcpStream,
     until: Instant,
 }
 
-impl Deadline<'_> {
+impl<S> Deadline<'_, S> {
     fn left(&self) -> io::Result<Duration> {
         let left = self.until.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -136,18 +144,18 @@ impl Deadline<'_> {
     }
 }
 
-impl Read for Deadline<'_> {
+impl<S: Read> Read for Deadline<'_, S> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let left = self.left()?;
-        self.stream.set_read_timeout(Some(left))?;
+        self.sock.set_read_timeout(Some(left))?;
         self.stream.read(buf)
     }
 }
 
-impl Write for Deadline<'_> {
+impl<S: Write> Write for Deadline<'_, S> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let left = self.left()?;
-        self.stream.set_write_timeout(Some(left))?;
+        self.sock.set_write_timeout(Some(left))?;
         self.stream.write(buf)
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -240,34 +248,141 @@ pub(super) fn accept_loop(listener: TcpListener, shared: Arc<ServerShared>, ctx:
     }
 }
 
+/// The first byte of a new connection, left unread; `Ok(None)`: closed before one came.
+fn first_byte(stream: &TcpStream, until: Instant) -> io::Result<Option<u8>> {
+    let mut b = [0u8; 1];
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.peek(&mut b) {
+            Ok(0) => return Ok(None),
+            Ok(_) => return Ok(Some(b[0])),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Count a refused or failed TLS handshake on the target side and make it an error.
+fn tls_failure(ctx: &ServerCtx, reason: &'static str, detail: String) -> WireError {
+    ctx.metrics
+        .tls_handshake_failures
+        .with_label_values(&["target", reason])
+        .inc();
+    WireError::Tls { reason, detail }
+}
+
+/// The whole handshake of an accepted connection, within `until`: TLS (when its first byte
+/// starts a TLS handshake record and TLS is not `off`) and then the transfer handshake. The
+/// TLS stream when TLS is on, the session keys when per-frame integrity was agreed (never
+/// inside TLS).
+fn handshake(
+    stream: &mut TcpStream,
+    ctx: &ServerCtx,
+    until: Instant,
+) -> Result<(Option<Box<TlsTarget>>, Option<SessionKeys>), WireError> {
+    let Some(first) = first_byte(stream, until).map_err(WireError::Io)? else {
+        return Err(WireError::Closed);
+    };
+    let sock = stream.try_clone().map_err(WireError::Io)?;
+    let is_tls = first == TLS_HANDSHAKE_RECORD;
+    match (is_tls, ctx.tls, &ctx.tls_server) {
+        (true, TlsMode::Off, _) | (true, _, None) => Err(tls_failure(
+            ctx,
+            "tls_off",
+            "a TLS handshake to a target whose transfer TLS is off".into(),
+        )),
+        (false, TlsMode::Require, _) => {
+            let reason = "this target requires TLS on transfer connections: set the \
+                          initiator's transfer TLS to require";
+            let refused = tls_failure(ctx, "plaintext_refused", reason.into());
+            let _ = wire::write_error(
+                &mut Deadline {
+                    stream: &mut *stream,
+                    sock: &sock,
+                    until,
+                },
+                0,
+                ErrorCode::Tls,
+                reason,
+            );
+            linger(stream);
+            Err(refused)
+        }
+        (true, _, Some(config)) => {
+            let tls_sock = stream.try_clone().map_err(WireError::Io)?;
+            let mut tls = TlsTarget::accept(
+                config,
+                tls_sock,
+                &mut Deadline {
+                    stream: &mut *stream,
+                    sock: &sock,
+                    until,
+                },
+            )
+            .map_err(|e| {
+                tls_failure(ctx, tls::failure_reason(&e), format!("TLS handshake: {e}"))
+            })?;
+            // Inside TLS every byte is protected already: no sealed records.
+            let keys = wire::server_handshake_opts(
+                &mut Deadline {
+                    stream: &mut tls,
+                    sock: &sock,
+                    until,
+                },
+                &ctx.key,
+                Integrity::Off,
+            )?;
+            Ok((Some(Box::new(tls)), keys))
+        }
+        (false, _, _) => {
+            let keys = wire::server_handshake_opts(
+                &mut Deadline {
+                    stream: &mut *stream,
+                    sock: &sock,
+                    until,
+                },
+                &ctx.key,
+                ctx.integrity,
+            )?;
+            Ok((None, keys))
+        }
+    }
+}
+
 fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared, id: u64) {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| "unknown".into());
     let _ = stream.set_nodelay(true);
-    // The handshake as a whole must finish within `handshake_timeout`.
+    // The handshake as a whole (TLS included) must finish within `handshake_timeout`.
     let until = Instant::now() + ctx.handshake_timeout;
-    let shook = wire::server_handshake_opts(
-        &mut Deadline {
-            stream: &mut stream,
-            until,
-        },
-        &ctx.key,
-        ctx.integrity,
-    );
+    let shook = handshake(&mut stream, ctx, until);
     let still_admitted = shared.admission.authenticated(id);
     ctx.metrics
         .target_handshakes
         .set(shared.admission.handshaking() as i64);
-    let keys = match shook {
-        Ok(keys) => keys,
+    let (tls, keys) = match shook {
+        Ok(shook) => shook,
         Err(e) => {
             // An evicted connection was already counted when it was evicted.
             if still_admitted {
-                let reason = match e.category() {
-                    "timeout" => "handshake_timeout",
-                    "peer_closed" | "io" => "handshake_aborted",
+                let reason = match (&e, e.category()) {
+                    (
+                        WireError::Tls {
+                            reason: "timeout", ..
+                        },
+                        _,
+                    )
+                    | (_, "timeout") => "handshake_timeout",
+                    (_, "peer_closed" | "io") => "handshake_aborted",
                     _ => "handshake_failed",
                 };
                 ctx.metrics.target_closed.with_label_values(&[reason]).inc();
@@ -297,9 +412,14 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared,
         }
         Ok(())
     };
-    let served = match keys {
-        None => serve_requests(&mut stream, ctx, &peer, &mut on_idle),
-        Some(keys) => match SealedStream::new(&stream, &keys) {
+    let served = match (tls, keys) {
+        (Some(mut tls), _) => {
+            let served = serve_requests(&mut *tls, ctx, &peer, &mut on_idle);
+            let _ = tls.socket().shutdown(Shutdown::Both);
+            served
+        }
+        (None, None) => serve_requests(&mut stream, ctx, &peer, &mut on_idle),
+        (None, Some(keys)) => match SealedStream::new(&stream, &keys) {
             Ok(mut sealed) => {
                 let served = serve_requests(&mut sealed, ctx, &peer, &mut on_idle);
                 if let Err(e) = &served
@@ -309,7 +429,7 @@ fn serve_tcp_conn(mut stream: TcpStream, ctx: &ServerCtx, shared: &ServerShared,
                     let _ = wire::write_error(
                         &mut sealed,
                         0,
-                        crate::frame::ErrorCode::Integrity,
+                        ErrorCode::Integrity,
                         &crate::error::error_chain(e),
                     );
                     linger(&stream);

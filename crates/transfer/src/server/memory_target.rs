@@ -121,6 +121,8 @@ impl MemoryTarget {
             metrics,
             rdma: None,
             integrity: crate::Integrity::Allow,
+            tls: crate::TlsMode::Off,
+            tls_server: None,
             features: FEATURES,
         };
         Ok(MemoryTarget {

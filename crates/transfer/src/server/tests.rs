@@ -30,6 +30,8 @@ fn ctx() -> (ServerCtx, u32) {
         metrics: TransferMetrics::unregistered().unwrap(),
         rdma: None,
         integrity: crate::Integrity::Allow,
+        tls: crate::TlsMode::Off,
+        tls_server: None,
         features: crate::frame::FEATURES,
     };
     (ctx, handle)
@@ -402,4 +404,51 @@ fn wrong_key_fails_both_sides_of_the_handshake() {
     assert!(matches!(client, Err(WireError::Auth(_))), "{client:?}");
     drop(a);
     assert!(t.join().unwrap().is_err());
+}
+
+#[test]
+fn an_initiator_from_before_encrypted_records_is_granted_mac_only_ones() {
+    use crate::auth::NONCE_LEN;
+    use crate::seal::{OPT_ENCRYPTED, OPT_INTEGRITY, RecordFormat};
+    use std::os::unix::net::UnixStream;
+    let key = AuthKey::new(*b"0123456789abcdef").unwrap();
+    let (mut a, mut b) = UnixStream::pair().unwrap();
+    let k = key.clone();
+    let t = std::thread::spawn(move || {
+        wire::server_handshake_opts(&mut b, &k, crate::Integrity::Allow)
+    });
+    // What an initiator that knows only MAC-only records sends: OPT_INTEGRITY alone.
+    let nonce = [9u8; NONCE_LEN];
+    let mut hello = Header::new(Opcode::Hello, 0);
+    hello.status = OPT_INTEGRITY;
+    wire::write_frame(&mut a, &hello, &nonce).unwrap();
+    let challenge = wire::read_header(&mut a, 0, &mut wire::fail_on_timeout).unwrap();
+    assert_eq!(challenge.opcode, Opcode::Challenge);
+    assert_eq!(challenge.status & OPT_ENCRYPTED, 0, "not granted unasked");
+    assert_eq!(challenge.status & OPT_INTEGRITY, OPT_INTEGRITY);
+    let payload = wire::read_control_payload(&mut a, &challenge).unwrap();
+    let proof = key.prove(b"client/integrity", &nonce, &payload[..NONCE_LEN]);
+    wire::write_frame(&mut a, &Header::new(Opcode::Auth, 0), &proof).unwrap();
+    let ok = wire::read_header(&mut a, 0, &mut wire::fail_on_timeout).unwrap();
+    assert_eq!(ok.opcode, Opcode::AuthOk);
+    let keys = t.join().unwrap().unwrap().expect("integrity granted");
+    assert_eq!(keys.format(), RecordFormat::MacOnly);
+}
+
+#[test]
+fn a_current_initiator_and_target_agree_on_encrypted_records() {
+    use crate::seal::RecordFormat;
+    use std::os::unix::net::UnixStream;
+    let key = AuthKey::new(*b"0123456789abcdef").unwrap();
+    let (mut a, mut b) = UnixStream::pair().unwrap();
+    let k = key.clone();
+    let t = std::thread::spawn(move || {
+        wire::server_handshake_opts(&mut b, &k, crate::Integrity::Allow)
+    });
+    let client = wire::client_handshake_opts(&mut a, &key, true)
+        .unwrap()
+        .expect("granted");
+    let server = t.join().unwrap().unwrap().expect("granted");
+    assert_eq!(client.format(), RecordFormat::Encrypted);
+    assert_eq!(server.format(), RecordFormat::Encrypted);
 }

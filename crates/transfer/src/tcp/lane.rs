@@ -112,13 +112,22 @@ impl Lane {
             peer: peer.clone(),
             source,
         };
-        let (stream, keys) = cfg.dialer.dial_lane(addr).map_err(|e| match e {
+        let conn = cfg.dialer.dial_lane(addr).map_err(|e| match e {
             DialError::Connect(source) => connect_err(source),
-            DialError::Handshake(source) => TransferError::Handshake {
-                peer: peer.clone(),
-                source,
-            },
+            DialError::Handshake(source) => {
+                if let wire::WireError::Tls { reason, .. } = &source {
+                    cfg.metrics
+                        .tls_handshake_failures
+                        .with_label_values(&["initiator", reason])
+                        .inc();
+                }
+                TransferError::Handshake {
+                    peer: peer.clone(),
+                    source,
+                }
+            }
         })?;
+        let stream = conn.stream;
         // From now on reads wake up every tick so that the receiver can apply per-slice
         // deadlines while the connection is otherwise idle.
         stream
@@ -126,15 +135,19 @@ impl Lane {
             .map_err(connect_err)?;
         let reader = stream.try_clone().map_err(connect_err)?;
         let writer = stream.try_clone().map_err(connect_err)?;
-        let (reader, writer) = match keys {
-            Some(keys) => {
+        let (reader, writer) = match (conn.tls, conn.keys) {
+            (Some(tls), _) => {
+                let (r, w) = crate::tls::split(tls, &stream).map_err(connect_err)?;
+                (LaneReader::Tls(Box::new(r)), LaneWriter::Tls(Box::new(w)))
+            }
+            (None, Some(keys)) => {
                 let (seal, open) = keys.initiator();
                 (
                     LaneReader::Sealed(Box::new(OpenReader::new(reader, open))),
                     LaneWriter::Sealed(Box::new(SealWriter::new(writer, seal))),
                 )
             }
-            None => (LaneReader::Plain(reader), LaneWriter::Plain(writer)),
+            (None, None) => (LaneReader::Plain(reader), LaneWriter::Plain(writer)),
         };
         let shared = Arc::new(LaneShared {
             stream,

@@ -1,6 +1,7 @@
 //! The two halves of a lane's connection: plain (payloads moved straight between the socket
-//! and segment memory) or sealed (per-frame integrity, see `seal`: payloads copied through
-//! verified records). I/O boundary: the lane's socket.
+//! and segment memory), sealed (per-frame integrity, see `seal`: payloads copied through
+//! verified records) or TLS (see `tls`: payloads copied through rustls). I/O boundary: the
+//! lane's socket.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -8,12 +9,14 @@ use std::os::fd::AsFd;
 
 use crate::memory::{self, Span};
 use crate::seal::{OpenReader, SealWriter};
+use crate::tls::{TlsReadHalf, TlsWriteHalf};
 use crate::wire;
 
 /// The sending half of a lane.
 pub(super) enum LaneWriter {
     Plain(TcpStream),
     Sealed(Box<SealWriter<TcpStream>>),
+    Tls(Box<TlsWriteHalf>),
 }
 
 impl LaneWriter {
@@ -25,6 +28,7 @@ impl LaneWriter {
                 memory::send_spans(s.as_fd(), head, spans, &mut wire::fail_on_timeout)
             }
             LaneWriter::Sealed(w) => w.send_spans(head, spans),
+            LaneWriter::Tls(w) => w.send(head, spans),
         }
     }
 }
@@ -33,6 +37,7 @@ impl LaneWriter {
 pub(super) enum LaneReader {
     Plain(TcpStream),
     Sealed(Box<OpenReader<TcpStream>>),
+    Tls(Box<TlsReadHalf>),
 }
 
 impl LaneReader {
@@ -45,6 +50,7 @@ impl LaneReader {
         match self {
             LaneReader::Plain(s) => memory::recv_spans(s.as_fd(), spans, on_timeout),
             LaneReader::Sealed(r) => r.recv_spans(spans, on_timeout),
+            LaneReader::Tls(r) => r.recv_spans(spans, on_timeout),
         }
     }
 }
@@ -54,6 +60,7 @@ impl Read for LaneReader {
         match self {
             LaneReader::Plain(s) => s.read(buf),
             LaneReader::Sealed(r) => r.read(buf),
+            LaneReader::Tls(r) => r.read(buf),
         }
     }
 }
