@@ -24,7 +24,7 @@ use super::registrar::SSD_SEGMENT;
 use crate::api::block_store::{Batch, BatchError, BlockStore};
 use crate::api::shm::Staging;
 use crate::metrics::AgentMetrics;
-use crate::proto::{GetItem, GetResult, PutItem, Status};
+use crate::proto::{GetItem, GetResult, PutItem, PutRequest, Status};
 use crate::ssd::MAX_KEY_LEN as MAX_KEY_BYTES;
 use crate::ssd::pool::SharedIndex;
 
@@ -420,13 +420,8 @@ impl PoolApi {
 }
 
 impl BlockStore for PoolApi {
-    fn put_batch(
-        self: Arc<Self>,
-        staging: Arc<Staging>,
-        items: Vec<PutItem>,
-        numa_hint: Option<u32>,
-    ) -> Batch<i32> {
-        Box::pin(async move { Ok(self.put(&staging, items, numa_hint).await) })
+    fn put_batch(self: Arc<Self>, staging: Arc<Staging>, req: PutRequest) -> Batch<i32> {
+        Box::pin(async move { Ok(self.put(&staging, req.items, req.numa_hint).await) })
     }
 
     fn get_batch(self: Arc<Self>, staging: Arc<Staging>, items: Vec<GetItem>) -> Batch<GetResult> {

@@ -791,57 +791,42 @@ mod tests {
 
     #[test]
     fn errors_name_the_field() {
-        let cases = [
-            (Endpoint::Completions, "{", "json"),
-            (Endpoint::Completions, "[]", "body"),
-            (Endpoint::Completions, r#"{"prompt":"x"}"#, "model"),
-            (Endpoint::Completions, r#"{"model":"m"}"#, "prompt"),
+        // (body, the field the error names), per endpoint.
+        let completions = [
+            ("{", "json"),
+            ("[]", "body"),
+            (r#"{"prompt":"x"}"#, "model"),
+            (r#"{"model":"m"}"#, "prompt"),
+            (r#"{"model":"m","prompt":["a",1]}"#, "prompt"),
+            (r#"{"model":"m","prompt":"a","max_tokens":0}"#, "max_tokens"),
             (
-                Endpoint::Completions,
-                r#"{"model":"m","prompt":["a",1]}"#,
-                "prompt",
-            ),
-            (
-                Endpoint::Completions,
-                r#"{"model":"m","prompt":"a","max_tokens":0}"#,
-                "max_tokens",
-            ),
-            (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","max_tokens":-1}"#,
                 "max_tokens",
             ),
+            (r#"{"model":"m","prompt":"a","stream":"yes"}"#, "stream"),
             (
-                Endpoint::Completions,
-                r#"{"model":"m","prompt":"a","stream":"yes"}"#,
-                "stream",
-            ),
-            (
-                Endpoint::ChatCompletions,
-                r#"{"model":"m","messages":[]}"#,
-                "messages",
-            ),
-            (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","kv_transfer_params":[]}"#,
                 "kv_transfer_params",
             ),
             (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","kv_transfer_params":{"do_remote_decode":1}}"#,
                 "kv_transfer_params",
             ),
             (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":true}}"#,
                 "kv_transfer_params",
             ),
+        ];
+        let chat = [
+            (r#"{"model":"m","messages":[]}"#, "messages"),
             (
-                Endpoint::ChatCompletions,
                 r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
                 "messages",
             ),
         ];
+        let cases = (completions.map(|(body, field)| (Endpoint::Completions, body, field)))
+            .into_iter()
+            .chain(chat.map(|(body, field)| (Endpoint::ChatCompletions, body, field)));
         for (endpoint, body, field) in cases {
             let err = parse(endpoint, body).unwrap_err();
             assert_eq!(err.status(), 400, "{body}");

@@ -112,18 +112,7 @@ fn replies(mut out: &[u8]) -> Vec<Header> {
             Opcode::ReadData | Opcode::Error => h.length as usize,
             _ => 0,
         };
-        assert!(
-            matches!(
-                h.opcode,
-                Opcode::ReadData
-                    | Opcode::Error
-                    | Opcode::WriteAck
-                    | Opcode::OpenOk
-                    | Opcode::NotifyAck
-            ),
-            "server sent a {:?}",
-            h.opcode
-        );
+        assert!(h.opcode.is_plain_reply(), "server sent a {:?}", h.opcode);
         assert!(out.len() >= HEADER_LEN + payload, "reply payload cut short");
         out = &out[HEADER_LEN + payload..];
         v.push(h);
