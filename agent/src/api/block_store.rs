@@ -26,12 +26,9 @@ pub enum BatchError {
     Master(#[source] ClientError),
 }
 
-impl BatchError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
+kvpool_runtime::error_category!(BatchError);
 
+impl BatchError {
     /// The gRPC status the engine gets: `internal` for a failed worker, `unavailable` while the
     /// master is unreachable.
     pub fn to_status(&self) -> tonic::Status {

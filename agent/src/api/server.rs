@@ -52,12 +52,7 @@ pub enum ServerError {
     Serve(#[source] tonic::transport::Error),
 }
 
-impl ServerError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ServerError);
 
 /// Limits of the API.
 #[derive(Clone, Debug)]

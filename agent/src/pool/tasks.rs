@@ -75,12 +75,7 @@ pub enum TaskError {
     SourceCheck { id: u64, reason: String },
 }
 
-impl TaskError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(TaskError);
 
 /// Whether `node` can execute `task` as described. Pure.
 pub fn check(task: &Task, node: &str) -> Result<(), TaskError> {

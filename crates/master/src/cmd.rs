@@ -58,11 +58,7 @@ pub enum CmdError {
     Join(#[source] tokio::task::JoinError),
 }
 
-impl CmdError {
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(CmdError);
 
 /// Flags of `kvpool master`.
 #[derive(Debug, Clone, clap::Args)]

@@ -34,12 +34,7 @@ pub enum AdminError {
     Serve(#[source] std::io::Error),
 }
 
-impl AdminError {
-    /// Short label for metrics and events.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+crate::error_category!(AdminError);
 
 /// Readiness flag shared between a process and its admin server.
 #[derive(Clone, Debug, Default)]

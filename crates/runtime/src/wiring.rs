@@ -33,12 +33,7 @@ pub enum WiringError {
     Metrics(#[source] prometheus::Error),
 }
 
-impl WiringError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+crate::error_category!(WiringError);
 
 /// What a service gets once its process is wired: the registry its metrics go into (served on
 /// the admin port), its readiness flag (false until the service sets it) and the token that
