@@ -233,44 +233,19 @@ pub fn parse_object(
             (vec![Prompt::Text(lines)], Some(chat_input(obj, flat)?))
         }
     };
-    let add_special_tokens = match obj.get("add_special_tokens") {
-        None | Some(Value::Null) => endpoint == Endpoint::Completions,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("add_special_tokens", "must be a boolean")),
-    };
-    let max_tokens = match obj
+    let add_special_tokens = flag(obj, "add_special_tokens", endpoint == Endpoint::Completions)?;
+    let max_tokens = obj
         .get("max_tokens")
         .filter(|v| !v.is_null())
-        .or_else(|| obj.get("max_completion_tokens"))
-    {
-        None | Some(Value::Null) => DEFAULT_MAX_TOKENS,
-        Some(v) => match v.as_u64() {
-            Some(n) if (1..=MAX_TOKENS_LIMIT).contains(&n) => n as u32,
-            _ => {
-                return Err(invalid(
-                    "max_tokens",
-                    format!("must be an integer between 1 and {MAX_TOKENS_LIMIT}, got {v}"),
-                ));
-            }
-        },
-    };
-    let n = match obj.get("n") {
-        None | Some(Value::Null) => 1,
-        Some(v) => match v.as_u64() {
-            Some(n) if (1..=MAX_N).contains(&n) => n as u32,
-            _ => {
-                return Err(invalid(
-                    "n",
-                    format!("must be an integer between 1 and {MAX_N}, got {v}"),
-                ));
-            }
-        },
-    };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("stream", "must be a boolean")),
-    };
+        .or_else(|| obj.get("max_completion_tokens"));
+    let max_tokens = count(
+        max_tokens,
+        "max_tokens",
+        DEFAULT_MAX_TOKENS,
+        MAX_TOKENS_LIMIT,
+    )?;
+    let n = count(obj.get("n"), "n", 1, MAX_N)?;
+    let stream = flag(obj, "stream", false)?;
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(_)) if !stream => {
@@ -306,6 +281,33 @@ pub fn parse_object(
         kv_role,
         bootstrap,
     })
+}
+
+/// A boolean field; `default` when absent or null.
+fn flag(
+    obj: &serde_json::Map<String, Value>,
+    field: &'static str,
+    default: bool,
+) -> Result<bool, ApiError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid(field, "must be a boolean")),
+    }
+}
+
+/// An integer field between 1 and `max`; `default` when absent or null.
+fn count(v: Option<&Value>, field: &'static str, default: u32, max: u64) -> Result<u32, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => match v.as_u64() {
+            Some(n) if (1..=max).contains(&n) => Ok(n as u32),
+            _ => Err(invalid(
+                field,
+                format!("must be an integer between 1 and {max}, got {v}"),
+            )),
+        },
+    }
 }
 
 /// The prompts of a completions request: a string, an array of strings (a batch), an array
