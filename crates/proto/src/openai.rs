@@ -562,6 +562,11 @@ mod tests {
         parse_request(endpoint, body.as_bytes(), &|m| m == "m")
     }
 
+    /// A completions request that must parse.
+    fn completion(body: &str) -> GenerateRequest {
+        parse(Endpoint::Completions, body).unwrap()
+    }
+
     fn text(t: &str) -> Vec<Prompt> {
         vec![Prompt::Text(t.into())]
     }
@@ -575,23 +580,15 @@ mod tests {
 
     #[test]
     fn completions_take_batched_and_token_id_prompts() {
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":["a","b"],"n":3}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":["a","b"],"n":3}"#);
         assert_eq!(
             r.prompts,
             vec![Prompt::Text("a".into()), Prompt::Text("b".into())]
         );
         assert_eq!((r.n, r.choices(), r.output_tokens()), (3, 6, 96));
-        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        let r = completion(r#"{"model":"m","prompt":[1,2,3]}"#);
         assert_eq!(r.prompts, vec![Prompt::Tokens(vec![1, 2, 3])]);
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":[[1],[4294967295,0]]}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":[[1],[4294967295,0]]}"#);
         assert_eq!(
             r.prompts,
             vec![Prompt::Tokens(vec![1]), Prompt::Tokens(vec![u32::MAX, 0])]
@@ -630,23 +627,14 @@ mod tests {
 
     #[test]
     fn stream_options_and_unknown_fields_are_read_or_left_alone() {
-        let r = parse(
-            Endpoint::Completions,
+        let r = completion(
             r#"{"model":"m","prompt":"a","stream":true,"stream_options":{"include_usage":true},"stop":["x"],"echo":true,"logprobs":2,"seed":1,"something_new":{"a":1}}"#,
-        )
-        .unwrap();
+        );
         assert!(r.stream && r.include_usage);
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"a","stream":true,"stream_options":{}}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"a","stream":true,"stream_options":{}}"#);
         assert!(!r.include_usage);
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"a","max_tokens":null,"max_completion_tokens":5}"#,
-        )
-        .unwrap();
+        let r =
+            completion(r#"{"model":"m","prompt":"a","max_tokens":null,"max_completion_tokens":5}"#);
         assert_eq!(r.max_tokens, 5);
     }
 
@@ -700,11 +688,9 @@ mod tests {
 
     #[test]
     fn sglang_bootstrap_fields_parse_and_bad_ones_name_the_field() {
-        let r = parse(
-            Endpoint::Completions,
+        let r = completion(
             r#"{"model":"m","prompt":"hi","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775807}"#,
-        )
-        .unwrap();
+        );
         assert_eq!(
             r.bootstrap,
             Some(Bootstrap {
@@ -713,20 +699,12 @@ mod tests {
                 room: MAX_BOOTSTRAP_ROOM,
             })
         );
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"hi","bootstrap_room":7}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"hi","bootstrap_room":7}"#);
         assert_eq!(
             r.bootstrap.map(|b| (b.host, b.port, b.room)),
             Some((None, None, 7))
         );
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"hi","bootstrap_room":null}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"hi","bootstrap_room":null}"#);
         assert_eq!(r.bootstrap, None);
         let field = |body: &str| match parse(Endpoint::Completions, body) {
             Err(ApiError::Invalid { field, .. }) => field,
@@ -760,13 +738,9 @@ mod tests {
 
     #[test]
     fn parses_completions_and_chat() {
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#);
         assert_eq!((r.prompts, r.max_tokens, r.stream), (text("hi"), 3, true));
-        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":["x"]}"#).unwrap();
+        let r = completion(r#"{"model":"m","prompt":["x"]}"#);
         assert_eq!((r.prompts, r.max_tokens, r.stream), (text("x"), 16, false));
         let r = parse(
             Endpoint::ChatCompletions,
@@ -775,20 +749,15 @@ mod tests {
         .unwrap();
         assert_eq!(r.prompts, text("system: be brief\nuser: hi\n"));
         assert_eq!(r.kv_role, KvRole::Standalone);
-        let r = parse(
-            Endpoint::Completions,
+        let r = completion(
             r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false}}"#,
-        )
-        .unwrap();
+        );
         assert_eq!(r.kv_role, KvRole::Prefill);
         let body = format!(
             r#"{{"model":"m","prompt":"x","kv_transfer_params":{}}}"#,
             prefill_kv_params(3)
         );
-        assert_eq!(
-            parse(Endpoint::Completions, &body).unwrap().kv_role,
-            KvRole::Decode
-        );
+        assert_eq!(completion(&body).kv_role, KvRole::Decode);
     }
 
     #[test]
@@ -875,14 +844,10 @@ mod tests {
 
     #[test]
     fn completions_add_special_tokens_unless_told_not_to() {
-        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":"x"}"#).unwrap();
+        let r = completion(r#"{"model":"m","prompt":"x"}"#);
         assert!(r.add_special_tokens);
         assert!(r.chat.is_none());
-        let off = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"x","add_special_tokens":false}"#,
-        )
-        .unwrap();
+        let off = completion(r#"{"model":"m","prompt":"x","add_special_tokens":false}"#);
         assert!(!off.add_special_tokens);
         for (endpoint, body, field) in [
             (
