@@ -63,6 +63,25 @@ fn blocks<T>(items: &[(&[u8], u64, u64)], item: impl Fn(Vec<u8>, u64, u64) -> T)
         .collect()
 }
 
+/// The item of a put: `length` bytes of the staging area at `offset`, stored under `key`.
+fn put_item(key: Vec<u8>, offset: u64, length: u64) -> PutItem {
+    PutItem {
+        key,
+        offset,
+        length,
+    }
+}
+
+/// The item of a get: the block of `key` into the staging area at `offset`, if it fits in
+/// `capacity` bytes.
+fn get_item(key: Vec<u8>, offset: u64, capacity: u64) -> GetItem {
+    GetItem {
+        key,
+        offset,
+        capacity,
+    }
+}
+
 /// Keys as the request messages own them.
 fn owned(keys: &[&[u8]]) -> Vec<Vec<u8>> {
     keys.iter().map(|k| k.to_vec()).collect()
@@ -192,11 +211,7 @@ impl EngineClient {
     ) -> Result<Vec<Status>, ClientError> {
         let req = PutRequest {
             session_id: self.session,
-            items: blocks(items, |key, offset, length| PutItem {
-                key,
-                offset,
-                length,
-            }),
+            items: blocks(items, put_item),
             numa_hint,
         };
         let resp = answer("put", self.rpc.put(req)).await?;
@@ -211,11 +226,7 @@ impl EngineClient {
     ) -> Result<Vec<GetOutcome>, ClientError> {
         let req = GetRequest {
             session_id: self.session,
-            items: blocks(items, |key, offset, capacity| GetItem {
-                key,
-                offset,
-                capacity,
-            }),
+            items: blocks(items, get_item),
         };
         let resp = answer("get", self.rpc.get(req)).await?;
         expect_len(items.len(), resp.results.len())?;
