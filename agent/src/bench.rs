@@ -74,12 +74,7 @@ pub enum BenchError {
     Index(#[source] crate::ssd::pool::PoolIndexError),
 }
 
-impl BenchError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(BenchError);
 
 /// One block size through the engine API.
 #[derive(Debug, Serialize)]

@@ -35,12 +35,7 @@ pub enum DiscoveryError {
     },
 }
 
-impl DiscoveryError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(DiscoveryError);
 
 /// Where to read from.
 #[derive(Clone, Debug)]

@@ -35,12 +35,7 @@ pub enum DramError {
     SegmentTooLarge(u64),
 }
 
-impl DramError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(DramError);
 
 /// Where a block lives in DRAM.
 #[derive(Clone, Copy)]

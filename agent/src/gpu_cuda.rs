@@ -17,12 +17,7 @@ pub enum CudaProbeError {
     Driver { call: &'static str, message: String },
 }
 
-impl CudaProbeError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(CudaProbeError);
 
 fn driver(call: &'static str) -> impl Fn(result::DriverError) -> CudaProbeError {
     move |e| CudaProbeError::Driver {

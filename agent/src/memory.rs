@@ -38,12 +38,7 @@ pub enum MemoryError {
     },
 }
 
-impl MemoryError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(MemoryError);
 
 /// What to map.
 #[derive(Clone, Debug)]

@@ -18,12 +18,7 @@ pub enum MetricsError {
     },
 }
 
-impl MetricsError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(MetricsError);
 
 /// Every metric the agent exports.
 #[derive(Clone, Debug)]

@@ -43,12 +43,7 @@ pub enum NodeError {
     NoClient,
 }
 
-impl NodeError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(NodeError);
 
 /// Metrics of the agent's use of its Node object.
 #[derive(Clone, Debug)]

@@ -27,12 +27,7 @@ pub enum RegistrarError {
     },
 }
 
-impl RegistrarError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(RegistrarError);
 
 /// Tier a block is announced from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

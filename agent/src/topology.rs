@@ -6,6 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+/// Whether a string looks like a PCI bus id `DDDD:BB:DD.F` (hex digits): the transfer engine's
+/// check, which ranks RDMA NICs by the same ids.
+pub use kvpool_transfer::rdma::topology::is_pci_bus_id;
+
 /// Label set on a node (and in the summary) when at least one usable RDMA NIC exists.
 pub const LABEL_RDMA: &str = "kvpool.dev/rdma";
 /// Number of usable RDMA NICs.
@@ -237,18 +241,6 @@ pub fn parse_cpulist(text: &str) -> Option<Vec<u32>> {
         }
     }
     Some(cpus)
-}
-
-/// Whether `s` looks like a PCI bus id `DDDD:BB:DD.F` (hex digits).
-pub fn is_pci_bus_id(s: &str) -> bool {
-    let b = s.as_bytes();
-    b.len() == 12
-        && b[4] == b':'
-        && b[7] == b':'
-        && b[10] == b'.'
-        && b.iter()
-            .enumerate()
-            .all(|(i, c)| matches!(i, 4 | 7 | 10) || c.is_ascii_hexdigit())
 }
 
 /// PCIe distance between two devices given their resolved paths and NUMA nodes.

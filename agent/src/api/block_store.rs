@@ -12,7 +12,7 @@ use futures::future::BoxFuture;
 use kvpool_client::master::ClientError;
 
 use crate::api::shm::Staging;
-use crate::proto::{GetItem, GetResult, PutItem};
+use crate::proto::{GetItem, GetResult, PutRequest};
 
 /// Why a whole batch failed (per-item failures are statuses, not errors).
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -26,12 +26,9 @@ pub enum BatchError {
     Master(#[source] ClientError),
 }
 
-impl BatchError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
+kvpool_runtime::error_category!(BatchError);
 
+impl BatchError {
     /// The gRPC status the engine gets: `internal` for a failed worker, `unavailable` while the
     /// master is unreachable.
     pub fn to_status(&self) -> tonic::Status {
@@ -48,14 +45,10 @@ pub type Batch<T> = BoxFuture<'static, Result<Vec<T>, BatchError>>;
 /// Where the engine API puts and gets blocks. Methods take `self: Arc<Self>` so that an
 /// implementation may move itself onto another task (the blocking pool).
 pub trait BlockStore: Send + Sync + 'static {
-    /// Store each item's `length` bytes at `offset` of `staging` under its key; one
-    /// `proto::Status` per item, in order.
-    fn put_batch(
-        self: Arc<Self>,
-        staging: Arc<Staging>,
-        items: Vec<PutItem>,
-        numa_hint: Option<u32>,
-    ) -> Batch<i32>;
+    /// Store each item's `length` bytes at `offset` of `staging` (the request's session) under
+    /// its key, near the request's NUMA hint where the store can; one `proto::Status` per item,
+    /// in order.
+    fn put_batch(self: Arc<Self>, staging: Arc<Staging>, req: PutRequest) -> Batch<i32>;
 
     /// Copy the block of each item's key to `offset` of `staging` when it fits `capacity`; one
     /// result (status and the block's length) per item, in order.

@@ -52,12 +52,7 @@ pub enum ServerError {
     Serve(#[source] tonic::transport::Error),
 }
 
-impl ServerError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ServerError);
 
 /// Limits of the API.
 #[derive(Clone, Debug)]
@@ -295,7 +290,7 @@ impl EngineApi for EngineService {
         let req = request.into_inner();
         check_batch(req.items.len())?;
         let staging = self.staging(req.session_id)?;
-        let batch = Arc::clone(&self.store).put_batch(staging, req.items, req.numa_hint);
+        let batch = Arc::clone(&self.store).put_batch(staging, req);
         let statuses = self.timed("put", batch).await?;
         Ok(Response::new(PutResponse { statuses }))
     }

@@ -51,12 +51,7 @@ pub enum ConfigError {
     Invalid { field: &'static str, reason: String },
 }
 
-impl ConfigError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ConfigError);
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {

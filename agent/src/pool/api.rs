@@ -24,7 +24,7 @@ use super::registrar::SSD_SEGMENT;
 use crate::api::block_store::{Batch, BatchError, BlockStore};
 use crate::api::shm::Staging;
 use crate::metrics::AgentMetrics;
-use crate::proto::{GetItem, GetResult, PutItem, Status};
+use crate::proto::{GetItem, GetResult, PutItem, PutRequest, Status};
 use crate::ssd::MAX_KEY_LEN as MAX_KEY_BYTES;
 use crate::ssd::pool::SharedIndex;
 
@@ -176,6 +176,35 @@ impl PoolApi {
         })
     }
 
+    /// A lone call (`calls.alone`) of one item runs `run` on a fork (see [`Self::take_fork`])
+    /// on a blocking thread; `failed` when that thread or the fork's runtime fails. `None` when
+    /// the call is not alone, has more than one item, or no fork can be had: the caller then
+    /// runs the batch as any other.
+    async fn on_fork<I, T>(
+        &self,
+        calls: &Calls<'_>,
+        items: &[I],
+        failed: T,
+        run: impl AsyncFnOnce(&PoolApi, &I) -> T + Send + 'static,
+    ) -> Option<T>
+    where
+        I: Clone + Send + 'static,
+        T: Copy + Send + 'static,
+    {
+        let ([item], true) = (items, calls.alone) else {
+            return None;
+        };
+        let fork = self.take_fork()?;
+        let (item, forks) = (item.clone(), self.forks.clone());
+        let joined = tokio::task::spawn_blocking(move || {
+            let out = fork.block_on(run(&fork.api, &item)).unwrap_or(failed);
+            Self::give_back(&forks, fork);
+            out
+        })
+        .await;
+        Some(joined.unwrap_or(failed))
+    }
+
     fn give_back(forks: &Mutex<Vec<Fork>>, fork: Fork) {
         let mut kept = forks.lock();
         if kept.len() < MAX_FORKS {
@@ -283,19 +312,12 @@ impl PoolApi {
             tier: None,
         };
         let calls = self.enter();
-        if let ([item], true) = (items.as_slice(), calls.alone)
-            && let Some(fork) = self.take_fork()
-        {
-            let (staging, item, forks) = (staging.clone(), item.clone(), self.forks.clone());
-            let joined = tokio::task::spawn_blocking(move || {
-                let status = fork
-                    .block_on(fork.api.put_one(&staging, &item, &opts))
-                    .unwrap_or(Status::Internal);
-                Self::give_back(&forks, fork);
-                status
-            })
-            .await;
-            return vec![joined.unwrap_or(Status::Internal) as i32];
+        let (lone_staging, lone_opts) = (staging.clone(), opts.clone());
+        let lone = async move |api: &PoolApi, item: &PutItem| {
+            api.put_one(&lone_staging, item, &lone_opts).await
+        };
+        if let Some(status) = self.on_fork(&calls, &items, Status::Internal, lone).await {
+            return vec![status as i32];
         }
         let opts = &opts;
         stream::iter(items)
@@ -338,19 +360,13 @@ impl PoolApi {
     /// to [`PARALLEL_ITEMS`] items are in flight at once.
     pub async fn get(&self, staging: &Arc<Staging>, items: Vec<GetItem>) -> Vec<GetResult> {
         let calls = self.enter();
-        if let ([item], true) = (items.as_slice(), calls.alone)
-            && let Some(fork) = self.take_fork()
+        let lone_staging = staging.clone();
+        let lone =
+            async move |api: &PoolApi, item: &GetItem| api.get_one(&lone_staging, item).await;
+        if let Some((status, length)) = self
+            .on_fork(&calls, &items, (Status::Internal, 0), lone)
+            .await
         {
-            let (staging, item, forks) = (staging.clone(), item.clone(), self.forks.clone());
-            let joined = tokio::task::spawn_blocking(move || {
-                let got = fork
-                    .block_on(fork.api.get_one(&staging, &item))
-                    .unwrap_or((Status::Internal, 0));
-                Self::give_back(&forks, fork);
-                got
-            })
-            .await;
-            let (status, length) = joined.unwrap_or((Status::Internal, 0));
             return vec![GetResult {
                 status: status as i32,
                 length,
@@ -420,13 +436,8 @@ impl PoolApi {
 }
 
 impl BlockStore for PoolApi {
-    fn put_batch(
-        self: Arc<Self>,
-        staging: Arc<Staging>,
-        items: Vec<PutItem>,
-        numa_hint: Option<u32>,
-    ) -> Batch<i32> {
-        Box::pin(async move { Ok(self.put(&staging, items, numa_hint).await) })
+    fn put_batch(self: Arc<Self>, staging: Arc<Staging>, req: PutRequest) -> Batch<i32> {
+        Box::pin(async move { Ok(self.put(&staging, req.items, req.numa_hint).await) })
     }
 
     fn get_batch(self: Arc<Self>, staging: Arc<Staging>, items: Vec<GetItem>) -> Batch<GetResult> {

@@ -425,6 +425,14 @@ mod tests {
             recovery.blocks
         }
 
+        /// Write `value(n, seed)` at `offset` of the data file, as a replica's writer does, and
+        /// return it.
+        fn write_value(&self, n: usize, seed: u8, offset: u64) -> Vec<u8> {
+            let v = value(n, seed);
+            self.data.write_all_at(&v, offset).expect("write");
+            v
+        }
+
         /// Every block in `blocks` holds exactly the value its key was written with.
         fn assert_right_bytes(&self, blocks: &[PoolBlock], values: &[(u64, &[u8])]) {
             for b in blocks {
@@ -475,6 +483,14 @@ mod tests {
             key: key(k),
             offset,
             length,
+        }
+    }
+
+    /// `event` as the feed of segment `segment_id` reports it.
+    fn on_segment(segment_id: u32, event: SegmentEvent) -> SegmentEvent {
+        SegmentEvent {
+            segment_id,
+            ..event
         }
     }
 
@@ -532,19 +548,14 @@ mod tests {
     #[test]
     fn feed_events_commit_free_and_resync_the_index() {
         let f = fixture();
-        let a = value(5000, 2);
-        let b = value(7000, 3);
-        f.data.write_all_at(&a, 0).expect("a");
-        f.data.write_all_at(&b, 8192).expect("b");
+        let a = f.write_value(5000, 2, 0);
+        let b = f.write_value(7000, 3, 8192);
         // A commit of a replica someone else wrote: checksummed from the file.
         let events = [
             ev(1, SegmentEventKind::Commit, 1, 0, 5000),
             ev(2, SegmentEventKind::Commit, 2, 8192, 7000),
             // Another segment (before a remount): skipped but acknowledged.
-            SegmentEvent {
-                segment_id: 4,
-                ..ev(3, SegmentEventKind::Free, 1, 0, 0)
-            },
+            on_segment(4, ev(3, SegmentEventKind::Free, 1, 0, 0)),
         ];
         let st = f.apply(11, &events, FeedState::default());
         assert_eq!(
@@ -575,8 +586,7 @@ mod tests {
         assert_eq!(f.index.lock().unconfirmed(), 0);
         assert_eq!(f.metrics.ssd_commits_confirmed.get(), 1);
         // A resync (new epoch) that lists only block 3: block 2 goes at RESET_DONE.
-        let c = value(3000, 4);
-        f.data.write_all_at(&c, 65_536).expect("c");
+        f.write_value(3000, 4, 65_536);
         let resync = [
             ev(1, SegmentEventKind::Reset, 0, 0, 0),
             ev(2, SegmentEventKind::Commit, 3, 65_536, 3000),
@@ -666,13 +676,10 @@ mod tests {
     #[test]
     fn commits_are_confirmed_only_by_a_later_complete_answer() {
         let f = fixture();
-        let a = value(5000, 2);
-        let b = value(3000, 3);
-        let c = value(4000, 4);
+        let a = f.write_value(5000, 2, 0);
+        let b = f.write_value(3000, 3, 8192);
+        let c = f.write_value(4000, 4, 65_536);
         let values: [(u64, &[u8]); 3] = [(1, a.as_slice()), (2, b.as_slice()), (3, c.as_slice())];
-        f.data.write_all_at(&a, 0).expect("a");
-        f.data.write_all_at(&b, 8192).expect("b");
-        f.data.write_all_at(&c, 65_536).expect("c");
         let st = f.apply(
             11,
             &[ev(1, SegmentEventKind::Commit, 1, 0, 5000)],
@@ -680,10 +687,7 @@ mod tests {
         );
         // A full answer may leave events behind (a FREE of key 1 among them): no confirmation.
         let full: Vec<SegmentEvent> = (0..FEED_BATCH as u64)
-            .map(|i| SegmentEvent {
-                segment_id: 4,
-                ..ev(2 + i, SegmentEventKind::Free, 9, 0, 0)
-            })
+            .map(|i| on_segment(4, ev(2 + i, SegmentEventKind::Free, 9, 0, 0)))
             .collect();
         let st = f.apply(11, &full, st);
         {
@@ -732,16 +736,11 @@ mod tests {
     fn events_go_to_the_index_of_their_segment() {
         let f = fixture();
         let g = fixture();
-        let a = value(4096, 1);
-        let b = value(4096, 2);
-        f.data.write_all_at(&a, 0).expect("a");
-        g.data.write_all_at(&b, 8192).expect("b");
+        let a = f.write_value(4096, 1, 0);
+        let b = g.write_value(4096, 2, 8192);
         let events = [
             ev(1, SegmentEventKind::Commit, 1, 0, 4096),
-            SegmentEvent {
-                segment_id: 6,
-                ..ev(2, SegmentEventKind::Commit, 2, 8192, 4096)
-            },
+            on_segment(6, ev(2, SegmentEventKind::Commit, 2, 8192, 4096)),
         ];
         let targets = [(5, Arc::clone(&f.index)), (6, Arc::clone(&g.index))];
         let st = apply_events(&targets, 3, &events, FeedState::default(), None).expect("apply");

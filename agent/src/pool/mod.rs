@@ -62,12 +62,7 @@ pub enum PoolError {
     Client(#[source] ClientError),
 }
 
-impl PoolError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(PoolError);
 
 /// Everything pool mode runs: the transfer engine and its TCP target, the registrar, the link
 /// and the data client engines' requests go through.

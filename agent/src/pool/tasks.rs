@@ -75,12 +75,7 @@ pub enum TaskError {
     SourceCheck { id: u64, reason: String },
 }
 
-impl TaskError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(TaskError);
 
 /// Whether `node` can execute `task` as described. Pure.
 pub fn check(task: &Task, node: &str) -> Result<(), TaskError> {
@@ -389,6 +384,16 @@ mod tests {
         }
     }
 
+    /// A demotion on node "a" of `len` bytes at `from` of `dram0` to `to` of the SSD segment
+    /// `ssd`.
+    fn demotion(from: u64, ssd: &str, to: u64, len: u64) -> Task {
+        task(
+            TaskKind::Demote,
+            replica("a", "dram0", Tier::Dram, from, len),
+            replica("a", ssd, Tier::Ssd, to, len),
+        )
+    }
+
     fn registrar(node: &str, engine: &TransferEngine) -> PoolRegistrar {
         let r = PoolRegistrar::new(engine.clone(), node.into(), "tcp://127.0.0.1:1".into());
         r.register("dram0", Tier::Dram, 0, memory(1 << 16))
@@ -448,11 +453,7 @@ mod tests {
         );
         let demote = |id: u64| Task {
             id,
-            ..task(
-                TaskKind::Demote,
-                replica("a", "dram0", Tier::Dram, id * 4096, 4096),
-                replica("a", "ssd0", Tier::Ssd, id * 4096, 4096),
-            )
+            ..demotion(id * 4096, "ssd0", id * 4096, 4096)
         };
         let mut batch: Vec<Task> = (0..16).map(demote).collect();
         batch.push(demote(0)); // a duplicate of a task already accepted
@@ -535,29 +536,17 @@ mod tests {
         let value: Vec<u8> = (0..5000u32).map(|i| (i % 199) as u8).collect();
         let len = value.len() as u64;
         seed(&r, "dram0", 8192, &value);
-        let t = task(
-            TaskKind::Demote,
-            replica("a", "dram0", Tier::Dram, 8192, len),
-            replica("a", "ssd0", Tier::Ssd, 4096, len),
-        );
+        let t = demotion(8192, "ssd0", 4096, len);
         assert_eq!(execute(&e, &r, &t).expect("demote"), len);
         let got = read_back(&r, "ssd0", 4096, value.len());
         assert!(got == value);
         // A target range past the end of the segment fails, it does not wrap or truncate.
-        let bad = task(
-            TaskKind::Demote,
-            replica("a", "dram0", Tier::Dram, 0, len),
-            replica("a", "ssd0", Tier::Ssd, (1 << 16) - 4096, len),
-        );
+        let bad = demotion(0, "ssd0", (1 << 16) - 4096, len);
         assert_eq!(
             execute(&e, &r, &bad).expect_err("bounds").category(),
             "copy"
         );
-        let unknown = task(
-            TaskKind::Demote,
-            replica("a", "dram0", Tier::Dram, 0, len),
-            replica("a", "ssd9", Tier::Ssd, 0, len),
-        );
+        let unknown = demotion(0, "ssd9", 0, len);
         assert_eq!(
             execute(&e, &r, &unknown).expect_err("unknown").category(),
             "unknown_segment"
@@ -576,11 +565,7 @@ mod tests {
         let value: Vec<u8> = (0..3000u32).map(|i| (i % 251) as u8).collect();
         let len = value.len() as u64;
         seed(&r, "dram0", 0, &value);
-        let t = task(
-            TaskKind::Demote,
-            replica("a", "dram0", Tier::Dram, 0, len),
-            replica("a", "ssd0", Tier::Ssd, 8192, len),
-        );
+        let t = demotion(0, "ssd0", 8192, len);
         assert_eq!(execute(&e, &r, &t).expect("demote"), len);
         r.set_ssd_index(index);
         let shared = r.ssd_index().expect("index set");

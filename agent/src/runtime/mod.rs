@@ -77,12 +77,7 @@ pub enum RunError {
     DramPersistence(#[source] persist::PersistError),
 }
 
-impl RunError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(RunError);
 
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,

@@ -51,12 +51,7 @@ pub enum PersistError {
     },
 }
 
-impl PersistError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(PersistError);
 
 /// The index file of DRAM segment `index`.
 pub fn index_file(p: &DramPersistence, index: usize) -> PathBuf {

@@ -31,12 +31,7 @@ pub enum SnapshotError {
     SyncDir(#[source] std::io::Error),
 }
 
-impl SnapshotError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(SnapshotError);
 
 /// The header of a log in format `version` of the index named by `magic`.
 pub fn header(magic: &[u8; 8], version: u32) -> Vec<u8> {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use super::{StoreError, TieredStore};
 use crate::api::block_store::{Batch, BatchError, BlockStore};
 use crate::api::shm::Staging;
-use crate::proto::{GetItem, GetResult, PutItem, Status};
+use crate::proto::{GetItem, GetResult, PutItem, PutRequest, Status};
 
 /// The per-item status of a failed store operation.
 fn store_status(err: &StoreError) -> Status {
@@ -81,16 +81,11 @@ impl TieredStore {
 }
 
 impl BlockStore for TieredStore {
-    fn put_batch(
-        self: Arc<Self>,
-        staging: Arc<Staging>,
-        items: Vec<PutItem>,
-        numa_hint: Option<u32>,
-    ) -> Batch<i32> {
+    fn put_batch(self: Arc<Self>, staging: Arc<Staging>, req: PutRequest) -> Batch<i32> {
         blocking(move || {
-            items
+            req.items
                 .iter()
-                .map(|item| self.put_item(&staging, item, numa_hint) as i32)
+                .map(|item| self.put_item(&staging, item, req.numa_hint) as i32)
                 .collect()
         })
     }

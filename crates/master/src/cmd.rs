@@ -24,6 +24,7 @@ use kvpool_core::master::types::{Spread, Watermarks};
 use kvpool_proto::auth::{AuthError, AuthKey, Verifier};
 use kvpool_runtime::admin::{self, AdminError, Readiness};
 use kvpool_runtime::kv_events::KvEventsConfig;
+use kvpool_runtime::listen::{AdminListenArgs, AdminListenDefaults};
 
 /// Errors of the master process.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -57,11 +58,7 @@ pub enum CmdError {
     Join(#[source] tokio::task::JoinError),
 }
 
-impl CmdError {
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(CmdError);
 
 /// Flags of `kvpool master`.
 #[derive(Debug, Clone, clap::Args)]
@@ -69,15 +66,10 @@ pub struct MasterArgs {
     /// gRPC listen address.
     #[arg(long, env = "KVPOOL_MASTER_LISTEN", default_value = "0.0.0.0:50051")]
     pub listen: SocketAddr,
-    /// Admin (/livez, /readyz, /metrics) listen address (`--admin-addr` and
-    /// `KVPOOL_MASTER_ADMIN_ADDR` are its old spellings).
-    #[arg(
-        long = "admin-listen",
-        alias = "admin-addr",
-        env = "KVPOOL_MASTER_ADMIN_LISTEN",
-        default_value = "0.0.0.0:9090"
-    )]
-    pub admin_addr: SocketAddr,
+    /// Admin (/livez, /readyz, /metrics) listen address (`KVPOOL_MASTER_ADMIN_ADDR` is the old
+    /// spelling of its variable).
+    #[command(flatten)]
+    pub admin: AdminListenArgs<MasterArgs>,
     /// File holding the pool's shared key (at least 16 bytes).
     #[arg(long, env = "KVPOOL_AUTH_KEY_FILE")]
     pub auth_key_file: PathBuf,
@@ -195,6 +187,11 @@ pub struct MasterArgs {
     #[arg(long, default_value = "60s", value_parser = kvpool_core::flags::parse_duration,
         env = "KVPOOL_MASTER_TLS_RELOAD_INTERVAL")]
     pub tls_reload_interval: Duration,
+}
+
+impl AdminListenDefaults for MasterArgs {
+    const ADMIN_LISTEN: &'static str = "0.0.0.0:9090";
+    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_MASTER_ADMIN_LISTEN";
 }
 
 /// Flags checked once at start-up.
@@ -351,7 +348,7 @@ impl MasterArgs {
         let tls = ServerTls::from_flags(cert, key_pem, ca, every).map_err(CmdError::Tls)?;
         Ok(ValidatedMasterArgs {
             listen: self.listen,
-            admin_addr: self.admin_addr,
+            admin_addr: self.admin.admin_addr,
             key,
             ha,
             core,
@@ -551,7 +548,7 @@ pub async fn run(args: MasterArgs) -> Result<(), CmdError> {
 pub fn loopback_args(auth_key_file: std::path::PathBuf) -> MasterArgs {
     MasterArgs {
         listen: ([127, 0, 0, 1], 0).into(),
-        admin_addr: ([127, 0, 0, 1], 0).into(),
+        admin: AdminListenArgs::new(([127, 0, 0, 1], 0).into()),
         auth_key_file,
         etcd_endpoints: vec![],
         etcd_prefix: "/kvpool/test".into(),

@@ -58,11 +58,7 @@ pub enum HaError {
     LeadershipLost,
 }
 
-impl HaError {
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(HaError);
 
 fn seg_key(prefix: &str, id: u32) -> String {
     format!("{prefix}/seg/{id:010}")

@@ -22,11 +22,7 @@ pub enum MetricsError {
     Register(#[source] prometheus::Error),
 }
 
-impl MetricsError {
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(MetricsError);
 
 /// The client calls whose keys count as lookups (hit ratio).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

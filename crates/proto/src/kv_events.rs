@@ -168,6 +168,16 @@ impl<'a> Fields<'a> {
         };
         v.filter(|v| !v.is_nil())
     }
+
+    /// The field at `pos` or `name` read by `read`, or `None` when the field is absent or nil.
+    fn optional<T>(
+        &self,
+        pos: usize,
+        name: &str,
+        read: fn(&Value, &str) -> Result<T, EventError>,
+    ) -> Result<Option<T>, EventError> {
+        self.get(pos, name).map(|v| read(v, name)).transpose()
+    }
 }
 
 fn decode_event(v: &Value) -> Result<KvEvent, EventError> {
@@ -188,10 +198,7 @@ fn decode_event(v: &Value) -> Result<KvEvent, EventError> {
     match kind {
         Some("BlockStored") => {
             let block_hashes = hashes(fields.get(0, "block_hashes"), "block_hashes")?;
-            let parent = fields
-                .get(1, "parent_block_hash")
-                .map(|v| hash(v, "parent_block_hash"))
-                .transpose()?;
+            let parent = fields.optional(1, "parent_block_hash", hash)?;
             let token_ids = match fields.get(2, "token_ids") {
                 None => Vec::new(),
                 Some(Value::Array(ts)) => ts
@@ -204,40 +211,22 @@ fn decode_event(v: &Value) -> Result<KvEvent, EventError> {
                 Some(v) => small_uint(v, "block_size")?,
                 None => return Err(shape("BlockStored without block_size")),
             };
-            let lora_id = fields.get(4, "lora_id").and_then(Value::as_i64);
-            let medium = fields
-                .get(5, "medium")
-                .map(|v| text(v, "medium"))
-                .transpose()?;
-            let lora_name = fields
-                .get(6, "lora_name")
-                .map(|v| text(v, "lora_name"))
-                .transpose()?;
-            let group_idx = fields
-                .get(8, "group_idx")
-                .map(|v| small_uint(v, "group_idx"))
-                .transpose()?;
+            // Fields are read in wire order, so the first bad one is the one reported.
             Ok(KvEvent::BlockStored {
                 block_hashes,
                 parent,
                 token_ids,
                 block_size,
-                lora_id,
-                lora_name,
-                medium,
-                group_idx,
+                lora_id: fields.get(4, "lora_id").and_then(Value::as_i64),
+                medium: fields.optional(5, "medium", text)?,
+                lora_name: fields.optional(6, "lora_name", text)?,
+                group_idx: fields.optional(8, "group_idx", small_uint)?,
             })
         }
         Some("BlockRemoved") => Ok(KvEvent::BlockRemoved {
             block_hashes: hashes(fields.get(0, "block_hashes"), "block_hashes")?,
-            medium: fields
-                .get(1, "medium")
-                .map(|v| text(v, "medium"))
-                .transpose()?,
-            group_idx: fields
-                .get(2, "group_idx")
-                .map(|v| small_uint(v, "group_idx"))
-                .transpose()?,
+            medium: fields.optional(1, "medium", text)?,
+            group_idx: fields.optional(2, "group_idx", small_uint)?,
         }),
         Some("AllBlocksCleared") => Ok(KvEvent::AllBlocksCleared),
         Some(other) => Err(shape(format!("unknown event type {other:?}"))),

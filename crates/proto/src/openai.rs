@@ -233,44 +233,19 @@ pub fn parse_object(
             (vec![Prompt::Text(lines)], Some(chat_input(obj, flat)?))
         }
     };
-    let add_special_tokens = match obj.get("add_special_tokens") {
-        None | Some(Value::Null) => endpoint == Endpoint::Completions,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("add_special_tokens", "must be a boolean")),
-    };
-    let max_tokens = match obj
+    let add_special_tokens = flag(obj, "add_special_tokens", endpoint == Endpoint::Completions)?;
+    let max_tokens = obj
         .get("max_tokens")
         .filter(|v| !v.is_null())
-        .or_else(|| obj.get("max_completion_tokens"))
-    {
-        None | Some(Value::Null) => DEFAULT_MAX_TOKENS,
-        Some(v) => match v.as_u64() {
-            Some(n) if (1..=MAX_TOKENS_LIMIT).contains(&n) => n as u32,
-            _ => {
-                return Err(invalid(
-                    "max_tokens",
-                    format!("must be an integer between 1 and {MAX_TOKENS_LIMIT}, got {v}"),
-                ));
-            }
-        },
-    };
-    let n = match obj.get("n") {
-        None | Some(Value::Null) => 1,
-        Some(v) => match v.as_u64() {
-            Some(n) if (1..=MAX_N).contains(&n) => n as u32,
-            _ => {
-                return Err(invalid(
-                    "n",
-                    format!("must be an integer between 1 and {MAX_N}, got {v}"),
-                ));
-            }
-        },
-    };
-    let stream = match obj.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(invalid("stream", "must be a boolean")),
-    };
+        .or_else(|| obj.get("max_completion_tokens"));
+    let max_tokens = count(
+        max_tokens,
+        "max_tokens",
+        DEFAULT_MAX_TOKENS,
+        MAX_TOKENS_LIMIT,
+    )?;
+    let n = count(obj.get("n"), "n", 1, MAX_N)?;
+    let stream = flag(obj, "stream", false)?;
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(_)) if !stream => {
@@ -306,6 +281,33 @@ pub fn parse_object(
         kv_role,
         bootstrap,
     })
+}
+
+/// A boolean field; `default` when absent or null.
+fn flag(
+    obj: &serde_json::Map<String, Value>,
+    field: &'static str,
+    default: bool,
+) -> Result<bool, ApiError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(invalid(field, "must be a boolean")),
+    }
+}
+
+/// An integer field between 1 and `max`; `default` when absent or null.
+fn count(v: Option<&Value>, field: &'static str, default: u32, max: u64) -> Result<u32, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => match v.as_u64() {
+            Some(n) if (1..=max).contains(&n) => Ok(n as u32),
+            _ => Err(invalid(
+                field,
+                format!("must be an integer between 1 and {max}, got {v}"),
+            )),
+        },
+    }
 }
 
 /// The prompts of a completions request: a string, an array of strings (a batch), an array
@@ -560,6 +562,11 @@ mod tests {
         parse_request(endpoint, body.as_bytes(), &|m| m == "m")
     }
 
+    /// A completions request that must parse.
+    fn completion(body: &str) -> GenerateRequest {
+        parse(Endpoint::Completions, body).unwrap()
+    }
+
     fn text(t: &str) -> Vec<Prompt> {
         vec![Prompt::Text(t.into())]
     }
@@ -573,23 +580,15 @@ mod tests {
 
     #[test]
     fn completions_take_batched_and_token_id_prompts() {
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":["a","b"],"n":3}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":["a","b"],"n":3}"#);
         assert_eq!(
             r.prompts,
             vec![Prompt::Text("a".into()), Prompt::Text("b".into())]
         );
         assert_eq!((r.n, r.choices(), r.output_tokens()), (3, 6, 96));
-        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        let r = completion(r#"{"model":"m","prompt":[1,2,3]}"#);
         assert_eq!(r.prompts, vec![Prompt::Tokens(vec![1, 2, 3])]);
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":[[1],[4294967295,0]]}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":[[1],[4294967295,0]]}"#);
         assert_eq!(
             r.prompts,
             vec![Prompt::Tokens(vec![1]), Prompt::Tokens(vec![u32::MAX, 0])]
@@ -628,23 +627,14 @@ mod tests {
 
     #[test]
     fn stream_options_and_unknown_fields_are_read_or_left_alone() {
-        let r = parse(
-            Endpoint::Completions,
+        let r = completion(
             r#"{"model":"m","prompt":"a","stream":true,"stream_options":{"include_usage":true},"stop":["x"],"echo":true,"logprobs":2,"seed":1,"something_new":{"a":1}}"#,
-        )
-        .unwrap();
+        );
         assert!(r.stream && r.include_usage);
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"a","stream":true,"stream_options":{}}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"a","stream":true,"stream_options":{}}"#);
         assert!(!r.include_usage);
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"a","max_tokens":null,"max_completion_tokens":5}"#,
-        )
-        .unwrap();
+        let r =
+            completion(r#"{"model":"m","prompt":"a","max_tokens":null,"max_completion_tokens":5}"#);
         assert_eq!(r.max_tokens, 5);
     }
 
@@ -698,11 +688,9 @@ mod tests {
 
     #[test]
     fn sglang_bootstrap_fields_parse_and_bad_ones_name_the_field() {
-        let r = parse(
-            Endpoint::Completions,
+        let r = completion(
             r#"{"model":"m","prompt":"hi","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775807}"#,
-        )
-        .unwrap();
+        );
         assert_eq!(
             r.bootstrap,
             Some(Bootstrap {
@@ -711,20 +699,12 @@ mod tests {
                 room: MAX_BOOTSTRAP_ROOM,
             })
         );
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"hi","bootstrap_room":7}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"hi","bootstrap_room":7}"#);
         assert_eq!(
             r.bootstrap.map(|b| (b.host, b.port, b.room)),
             Some((None, None, 7))
         );
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"hi","bootstrap_room":null}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"hi","bootstrap_room":null}"#);
         assert_eq!(r.bootstrap, None);
         let field = |body: &str| match parse(Endpoint::Completions, body) {
             Err(ApiError::Invalid { field, .. }) => field,
@@ -758,13 +738,9 @@ mod tests {
 
     #[test]
     fn parses_completions_and_chat() {
-        let r = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#,
-        )
-        .unwrap();
+        let r = completion(r#"{"model":"m","prompt":"hi","max_tokens":3,"stream":true}"#);
         assert_eq!((r.prompts, r.max_tokens, r.stream), (text("hi"), 3, true));
-        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":["x"]}"#).unwrap();
+        let r = completion(r#"{"model":"m","prompt":["x"]}"#);
         assert_eq!((r.prompts, r.max_tokens, r.stream), (text("x"), 16, false));
         let r = parse(
             Endpoint::ChatCompletions,
@@ -773,75 +749,55 @@ mod tests {
         .unwrap();
         assert_eq!(r.prompts, text("system: be brief\nuser: hi\n"));
         assert_eq!(r.kv_role, KvRole::Standalone);
-        let r = parse(
-            Endpoint::Completions,
+        let r = completion(
             r#"{"model":"m","prompt":"x","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false}}"#,
-        )
-        .unwrap();
+        );
         assert_eq!(r.kv_role, KvRole::Prefill);
         let body = format!(
             r#"{{"model":"m","prompt":"x","kv_transfer_params":{}}}"#,
             prefill_kv_params(3)
         );
-        assert_eq!(
-            parse(Endpoint::Completions, &body).unwrap().kv_role,
-            KvRole::Decode
-        );
+        assert_eq!(completion(&body).kv_role, KvRole::Decode);
     }
 
     #[test]
     fn errors_name_the_field() {
-        let cases = [
-            (Endpoint::Completions, "{", "json"),
-            (Endpoint::Completions, "[]", "body"),
-            (Endpoint::Completions, r#"{"prompt":"x"}"#, "model"),
-            (Endpoint::Completions, r#"{"model":"m"}"#, "prompt"),
+        // (body, the field the error names), per endpoint.
+        let completions = [
+            ("{", "json"),
+            ("[]", "body"),
+            (r#"{"prompt":"x"}"#, "model"),
+            (r#"{"model":"m"}"#, "prompt"),
+            (r#"{"model":"m","prompt":["a",1]}"#, "prompt"),
+            (r#"{"model":"m","prompt":"a","max_tokens":0}"#, "max_tokens"),
             (
-                Endpoint::Completions,
-                r#"{"model":"m","prompt":["a",1]}"#,
-                "prompt",
-            ),
-            (
-                Endpoint::Completions,
-                r#"{"model":"m","prompt":"a","max_tokens":0}"#,
-                "max_tokens",
-            ),
-            (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","max_tokens":-1}"#,
                 "max_tokens",
             ),
+            (r#"{"model":"m","prompt":"a","stream":"yes"}"#, "stream"),
             (
-                Endpoint::Completions,
-                r#"{"model":"m","prompt":"a","stream":"yes"}"#,
-                "stream",
-            ),
-            (
-                Endpoint::ChatCompletions,
-                r#"{"model":"m","messages":[]}"#,
-                "messages",
-            ),
-            (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","kv_transfer_params":[]}"#,
                 "kv_transfer_params",
             ),
             (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","kv_transfer_params":{"do_remote_decode":1}}"#,
                 "kv_transfer_params",
             ),
             (
-                Endpoint::Completions,
                 r#"{"model":"m","prompt":"a","kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":true}}"#,
                 "kv_transfer_params",
             ),
+        ];
+        let chat = [
+            (r#"{"model":"m","messages":[]}"#, "messages"),
             (
-                Endpoint::ChatCompletions,
                 r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
                 "messages",
             ),
         ];
+        let cases = (completions.map(|(body, field)| (Endpoint::Completions, body, field)))
+            .into_iter()
+            .chain(chat.map(|(body, field)| (Endpoint::ChatCompletions, body, field)));
         for (endpoint, body, field) in cases {
             let err = parse(endpoint, body).unwrap_err();
             assert_eq!(err.status(), 400, "{body}");
@@ -888,14 +844,10 @@ mod tests {
 
     #[test]
     fn completions_add_special_tokens_unless_told_not_to() {
-        let r = parse(Endpoint::Completions, r#"{"model":"m","prompt":"x"}"#).unwrap();
+        let r = completion(r#"{"model":"m","prompt":"x"}"#);
         assert!(r.add_special_tokens);
         assert!(r.chat.is_none());
-        let off = parse(
-            Endpoint::Completions,
-            r#"{"model":"m","prompt":"x","add_special_tokens":false}"#,
-        )
-        .unwrap();
+        let off = completion(r#"{"model":"m","prompt":"x","add_special_tokens":false}"#);
         assert!(!off.add_special_tokens);
         for (endpoint, body, field) in [
             (

@@ -20,8 +20,6 @@ use prometheus::{Encoder, Registry, TextEncoder};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::http::{HttpLimits, HttpStats};
-
 /// Errors of the admin server.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
 #[strum(serialize_all = "snake_case")]
@@ -36,12 +34,7 @@ pub enum AdminError {
     Serve(#[source] std::io::Error),
 }
 
-impl AdminError {
-    /// Short label for metrics and events.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+crate::error_category!(AdminError);
 
 /// Readiness flag shared between a process and its admin server.
 #[derive(Clone, Debug, Default)]
@@ -131,19 +124,6 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), AdminError> {
     crate::http::serve(listener, router, shutdown)
-        .await
-        .map_err(AdminError::Serve)
-}
-
-/// [`serve`] under `limits`, counting connections into `stats`.
-pub async fn serve_with(
-    listener: TcpListener,
-    router: Router,
-    shutdown: CancellationToken,
-    limits: HttpLimits,
-    stats: HttpStats,
-) -> Result<(), AdminError> {
-    crate::http::serve_with(listener, router, shutdown, limits, stats)
         .await
         .map_err(AdminError::Serve)
 }

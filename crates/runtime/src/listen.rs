@@ -2,7 +2,9 @@
 //! `--admin-listen` (`/livez`, `/readyz`, `/metrics`), with the connection limits of both
 //! servers (`--http-header-read-timeout` and the like, see [`HttpLimitArgs`]), as one clap
 //! `Args` struct that `kvpool engine` and `kvpool conductor` flatten into theirs; each names
-//! its own defaults and environment variables through [`ListenDefaults`]. Pure: parsing only.
+//! its own defaults and environment variables through [`ListenDefaults`]. Processes with an
+//! admin server but no HTTP API (`kvpool master`) flatten [`AdminListenArgs`] alone.
+//! Pure: parsing only.
 
 use std::fmt::Debug;
 use std::marker::PhantomData;
@@ -39,10 +41,48 @@ pub struct ListenArgs<D: ListenDefaults> {
     defaults: PhantomData<D>,
 }
 
+/// The default and environment variable of `--admin-listen` for a process without an HTTP API
+/// of its own (the master, the operator); implemented by the process's flags struct, which
+/// flattens an `AdminListenArgs<Self>`.
+pub trait AdminListenDefaults: Clone + Debug + Send + Sync + 'static {
+    /// Default of `--admin-listen`.
+    const ADMIN_LISTEN: &'static str;
+    /// Environment variable of `--admin-listen`.
+    const ADMIN_LISTEN_ENV: &'static str;
+}
+
+/// `--admin-listen` alone (with `--admin-addr`, its old spelling), with the default and
+/// variable of `D`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AdminListenArgs<D: AdminListenDefaults> {
+    /// Address of the admin server (/livez, /readyz, /metrics); `--admin-addr` is its old
+    /// spelling.
+    #[arg(
+        long = "admin-listen",
+        alias = "admin-addr",
+        default_value = D::ADMIN_LISTEN,
+        env = D::ADMIN_LISTEN_ENV
+    )]
+    pub admin_addr: SocketAddr,
+    #[arg(skip)]
+    defaults: PhantomData<D>,
+}
+
+impl<D: AdminListenDefaults> AdminListenArgs<D> {
+    /// The flag set to `admin_addr` (for processes started in code rather than from a command
+    /// line).
+    pub fn new(admin_addr: SocketAddr) -> Self {
+        Self {
+            admin_addr,
+            defaults: PhantomData,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
+    use clap::{CommandFactory, Parser};
 
     #[derive(Clone, Debug)]
     struct Test;
@@ -72,9 +112,36 @@ mod tests {
         assert!(T::try_parse_from(["t", "--listen", "nowhere"]).is_err());
     }
 
+    /// A process with an admin server only, naming its own defaults as `kvpool master` does.
+    #[derive(Clone, Debug, Parser)]
+    struct AdminOnly {
+        #[command(flatten)]
+        admin: AdminListenArgs<AdminOnly>,
+    }
+
+    impl AdminListenDefaults for AdminOnly {
+        const ADMIN_LISTEN: &'static str = "127.0.0.1:3";
+        const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_RUNTIME_TEST_ADMIN_ONLY_LISTEN";
+    }
+
+    #[test]
+    fn admin_listen_alone_takes_its_default_and_its_old_spelling() {
+        let parsed = AdminOnly::try_parse_from(["a"]).unwrap();
+        assert_eq!(parsed.admin.admin_addr, "127.0.0.1:3".parse().unwrap());
+        for flag in ["--admin-listen", "--admin-addr"] {
+            let parsed = AdminOnly::try_parse_from(["a", flag, "[::1]:9"]).unwrap();
+            assert_eq!(parsed.admin.admin_addr, "[::1]:9".parse().unwrap());
+        }
+        let help = AdminOnly::command().render_help().to_string();
+        assert!(
+            help.contains("[env: KVPOOL_RUNTIME_TEST_ADMIN_ONLY_LISTEN=]"),
+            "{help}"
+        );
+        assert!(help.contains("[default: 127.0.0.1:3]"), "{help}");
+    }
+
     #[test]
     fn help_names_the_defaults_and_variables() {
-        use clap::CommandFactory;
         let help = T::command().render_help().to_string();
         for part in [
             "--listen <LISTEN>",

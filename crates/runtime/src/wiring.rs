@@ -33,12 +33,7 @@ pub enum WiringError {
     Metrics(#[source] prometheus::Error),
 }
 
-impl WiringError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+crate::error_category!(WiringError);
 
 /// What a service gets once its process is wired: the registry its metrics go into (served on
 /// the admin port), its readiness flag (false until the service sets it) and the token that
@@ -123,7 +118,7 @@ where
             .await
             .map_err(|e| E::from(WiringError::Admin(e)))?;
         let admin_shutdown = CancellationToken::new();
-        let admin_task = tokio::spawn(admin::serve_with(
+        let admin_task = tokio::spawn(crate::http::serve_with(
             admin_listener,
             admin::router(wired.registry.clone(), wired.readiness.clone()),
             admin_shutdown.clone(),
@@ -137,10 +132,7 @@ where
         admin_shutdown.cancel();
         let admin_result = admin_task.await;
         served?;
-        let admin_result = match admin_result {
-            Ok(r) => r,
-            Err(join) => Err(AdminError::Serve(std::io::Error::other(join))),
-        };
-        admin_result.map_err(|e| E::from(WiringError::Admin(e)))
+        let admin_result = admin_result.unwrap_or_else(|join| Err(std::io::Error::other(join)));
+        admin_result.map_err(|e| E::from(WiringError::Admin(AdminError::Serve(e))))
     })
 }

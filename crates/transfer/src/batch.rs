@@ -86,12 +86,13 @@ impl RequestState {
             return;
         }
         let failure = self.first_failure.lock().take();
+        let outcome = if failure.is_none() { "ok" } else { "failed" };
+        self.metrics
+            .requests
+            .with_label_values(&[self.protocol, self.op, outcome])
+            .inc();
         let status = match failure {
             None => {
-                self.metrics
-                    .requests
-                    .with_label_values(&[self.protocol, self.op, "ok"])
-                    .inc();
                 self.metrics
                     .bytes
                     .with_label_values(&[self.protocol, self.op])
@@ -102,10 +103,6 @@ impl RequestState {
                 RequestStatus::Done
             }
             Some(f) => {
-                self.metrics
-                    .requests
-                    .with_label_values(&[self.protocol, self.op, "failed"])
-                    .inc();
                 self.metrics
                     .failures
                     .with_label_values(&[self.protocol, f.category])

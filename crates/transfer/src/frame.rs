@@ -99,6 +99,19 @@ impl Opcode {
         Self::from_repr(v)
     }
 
+    /// Whether this opcode answers a request on a target without an RDMA device: READ_DATA,
+    /// WRITE_ACK, OPEN_OK, NOTIFY_ACK or ERROR (RDMA_CONNECT_OK needs a device).
+    pub fn is_plain_reply(self) -> bool {
+        matches!(
+            self,
+            Opcode::ReadData
+                | Opcode::Error
+                | Opcode::WriteAck
+                | Opcode::OpenOk
+                | Opcode::NotifyAck
+        )
+    }
+
     /// Whether the payload of this opcode is bulk data (bounded by the slice limit) rather than
     /// a control message (bounded by [`MAX_CONTROL_PAYLOAD`]).
     fn carries_data(self) -> bool {

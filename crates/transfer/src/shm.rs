@@ -23,18 +23,11 @@ use super::wire::{self, WireError};
 
 /// A running shared-memory target. Dropping it stops accepting and removes the socket file;
 /// mappings already handed out stay valid.
+#[derive(Debug)]
 pub struct ShmServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
     accept: Option<JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for ShmServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ShmServer")
-            .field("path", &self.path)
-            .finish()
-    }
 }
 
 impl ShmServer {

@@ -78,12 +78,7 @@ pub enum PoolIndexError {
     },
 }
 
-impl PoolIndexError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(PoolIndexError);
 
 /// One block of the segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

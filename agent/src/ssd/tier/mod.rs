@@ -74,12 +74,9 @@ pub enum SsdError {
     Sync(#[source] std::io::Error),
 }
 
-impl SsdError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
+kvpool_runtime::error_category!(SsdError);
 
+impl SsdError {
     /// Whether this error means "no room": demotion should stop.
     pub fn is_full(&self) -> bool {
         matches!(self, SsdError::Full { .. } | SsdError::NoSpace(_))

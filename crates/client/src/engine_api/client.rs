@@ -63,14 +63,39 @@ fn blocks<T>(items: &[(&[u8], u64, u64)], item: impl Fn(Vec<u8>, u64, u64) -> T)
         .collect()
 }
 
+/// The item of a put: `length` bytes of the staging area at `offset`, stored under `key`.
+fn put_item(key: Vec<u8>, offset: u64, length: u64) -> PutItem {
+    PutItem {
+        key,
+        offset,
+        length,
+    }
+}
+
+/// The item of a get: the block of `key` into the staging area at `offset`, if it fits in
+/// `capacity` bytes.
+fn get_item(key: Vec<u8>, offset: u64, capacity: u64) -> GetItem {
+    GetItem {
+        key,
+        offset,
+        capacity,
+    }
+}
+
 /// Keys as the request messages own them.
 fn owned(keys: &[&[u8]]) -> Vec<Vec<u8>> {
     keys.iter().map(|k| k.to_vec()).collect()
 }
 
 /// A failed engine API call `call`.
-fn call_failed(call: &'static str) -> impl FnOnce(tonic::Status) -> ClientError {
-    move |source| ClientError::Call { call, source }
+/// The answer of the RPC `call`, or its failure.
+async fn answer<T>(
+    call: &'static str,
+    rpc: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, ClientError> {
+    rpc.await
+        .map(tonic::Response::into_inner)
+        .map_err(|source| ClientError::Call { call, source })
 }
 
 /// An answer must carry one result per item sent.
@@ -148,16 +173,13 @@ impl EngineClient {
         let mut rpc = EngineApiClient::new(channel)
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
-        let opened = rpc
-            .open_session(OpenSessionRequest {
-                staging_bytes,
-                client_name: client_name.to_owned(),
-                numa_node: locality.numa_node,
-                gpu_pci_bus_id: locality.gpu_pci_bus_id.clone().unwrap_or_default(),
-            })
-            .await
-            .map_err(call_failed("open_session"))?
-            .into_inner();
+        let open = OpenSessionRequest {
+            staging_bytes,
+            client_name: client_name.to_owned(),
+            numa_node: locality.numa_node,
+            gpu_pci_bus_id: locality.gpu_pci_bus_id.clone().unwrap_or_default(),
+        };
+        let opened = answer("open_session", rpc.open_session(open)).await?;
         let staging = Staging::open(Path::new(&opened.staging_path), opened.staging_bytes)
             .map_err(ClientError::Staging)?;
         Ok(Self {
@@ -189,19 +211,10 @@ impl EngineClient {
     ) -> Result<Vec<Status>, ClientError> {
         let req = PutRequest {
             session_id: self.session,
-            items: blocks(items, |key, offset, length| PutItem {
-                key,
-                offset,
-                length,
-            }),
+            items: blocks(items, put_item),
             numa_hint,
         };
-        let resp = self
-            .rpc
-            .put(req)
-            .await
-            .map_err(call_failed("put"))?
-            .into_inner();
+        let resp = answer("put", self.rpc.put(req)).await?;
         expect_len(items.len(), resp.statuses.len())?;
         Ok(resp.statuses.into_iter().map(status_of).collect())
     }
@@ -213,18 +226,9 @@ impl EngineClient {
     ) -> Result<Vec<GetOutcome>, ClientError> {
         let req = GetRequest {
             session_id: self.session,
-            items: blocks(items, |key, offset, capacity| GetItem {
-                key,
-                offset,
-                capacity,
-            }),
+            items: blocks(items, get_item),
         };
-        let resp = self
-            .rpc
-            .get(req)
-            .await
-            .map_err(call_failed("get"))?
-            .into_inner();
+        let resp = answer("get", self.rpc.get(req)).await?;
         expect_len(items.len(), resp.results.len())?;
         Ok(resp
             .results
@@ -266,24 +270,20 @@ impl EngineClient {
 
     pub async fn exists(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>, ClientError> {
         let req = ExistsRequest { keys: owned(keys) };
-        let resp = self.rpc.exists(req).await.map_err(call_failed("exists"))?;
-        Ok(resp.into_inner().present)
+        Ok(answer("exists", self.rpc.exists(req)).await?.present)
     }
 
     pub async fn remove(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>, ClientError> {
         let req = RemoveRequest { keys: owned(keys) };
-        let resp = self.rpc.remove(req).await.map_err(call_failed("remove"))?;
-        Ok(resp.into_inner().removed)
+        Ok(answer("remove", self.rpc.remove(req)).await?.removed)
     }
 
     /// Close the session; the agent removes the staging file.
     pub async fn close(mut self) -> Result<(), ClientError> {
-        self.rpc
-            .close_session(CloseSessionRequest {
-                session_id: self.session,
-            })
-            .await
-            .map_err(call_failed("close_session"))?;
+        let close = CloseSessionRequest {
+            session_id: self.session,
+        };
+        answer("close_session", self.rpc.close_session(close)).await?;
         Ok(())
     }
 }

@@ -59,11 +59,7 @@ pub enum ServiceError {
     Serve(#[source] tonic::transport::Error),
 }
 
-impl ServiceError {
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ServiceError);
 
 /// The tonic service implementation.
 #[derive(Clone, Debug)]

@@ -64,11 +64,7 @@ pub enum TlsError {
     },
 }
 
-impl TlsError {
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(TlsError);
 
 /// The certificate chain in `pem`, read from `path` (at least one certificate).
 fn certs(pem: &[u8], path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {

@@ -112,18 +112,7 @@ fn replies(mut out: &[u8]) -> Vec<Header> {
             Opcode::ReadData | Opcode::Error => h.length as usize,
             _ => 0,
         };
-        assert!(
-            matches!(
-                h.opcode,
-                Opcode::ReadData
-                    | Opcode::Error
-                    | Opcode::WriteAck
-                    | Opcode::OpenOk
-                    | Opcode::NotifyAck
-            ),
-            "server sent a {:?}",
-            h.opcode
-        );
+        assert!(h.opcode.is_plain_reply(), "server sent a {:?}", h.opcode);
         assert!(out.len() >= HEADER_LEN + payload, "reply payload cut short");
         out = &out[HEADER_LEN + payload..];
         v.push(h);
@@ -406,17 +395,30 @@ fn wrong_key_fails_both_sides_of_the_handshake() {
     assert!(t.join().unwrap().is_err());
 }
 
-#[test]
-fn an_initiator_from_before_encrypted_records_is_granted_mac_only_ones() {
-    use crate::auth::NONCE_LEN;
-    use crate::seal::{OPT_ENCRYPTED, OPT_INTEGRITY, RecordFormat};
-    use std::os::unix::net::UnixStream;
+/// What a target's handshake ends with: the session keys when integrity was granted.
+type HandshakeOutcome = Result<Option<crate::seal::SessionKeys>, WireError>;
+
+/// A target that allows integrity running its handshake on one end of a socket pair: the
+/// pool key, the initiator's end, and the target's outcome.
+fn handshaking_target() -> (
+    AuthKey,
+    std::os::unix::net::UnixStream,
+    std::thread::JoinHandle<HandshakeOutcome>,
+) {
     let key = AuthKey::new(*b"0123456789abcdef").unwrap();
-    let (mut a, mut b) = UnixStream::pair().unwrap();
+    let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
     let k = key.clone();
     let t = std::thread::spawn(move || {
         wire::server_handshake_opts(&mut b, &k, crate::Integrity::Allow)
     });
+    (key, a, t)
+}
+
+#[test]
+fn an_initiator_from_before_encrypted_records_is_granted_mac_only_ones() {
+    use crate::auth::NONCE_LEN;
+    use crate::seal::{OPT_ENCRYPTED, OPT_INTEGRITY, RecordFormat};
+    let (key, mut a, t) = handshaking_target();
     // What an initiator that knows only MAC-only records sends: OPT_INTEGRITY alone.
     let nonce = [9u8; NONCE_LEN];
     let mut hello = Header::new(Opcode::Hello, 0);
@@ -438,13 +440,7 @@ fn an_initiator_from_before_encrypted_records_is_granted_mac_only_ones() {
 #[test]
 fn a_current_initiator_and_target_agree_on_encrypted_records() {
     use crate::seal::RecordFormat;
-    use std::os::unix::net::UnixStream;
-    let key = AuthKey::new(*b"0123456789abcdef").unwrap();
-    let (mut a, mut b) = UnixStream::pair().unwrap();
-    let k = key.clone();
-    let t = std::thread::spawn(move || {
-        wire::server_handshake_opts(&mut b, &k, crate::Integrity::Allow)
-    });
+    let (key, mut a, t) = handshaking_target();
     let client = wire::client_handshake_opts(&mut a, &key, true)
         .unwrap()
         .expect("granted");
