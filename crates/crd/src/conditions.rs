@@ -3,6 +3,43 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
+/// Declares the status struct of a kvpool resource: the `conditions` and `observedGeneration`
+/// every status starts with, then the fields given. One declaration keeps the common part of the
+/// statuses (and of their schemas) alike.
+macro_rules! status_struct {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $($fields:tt)*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(
+            ::kube::KubeSchema,
+            ::serde::Serialize,
+            ::serde::Deserialize,
+            Clone,
+            Debug,
+            Default,
+            PartialEq,
+        )]
+        #[serde(rename_all = "camelCase")]
+        pub struct $name {
+            /// `Ready`, `Progressing` and `Degraded` (see `crate::conditions`).
+            #[serde(default, skip_serializing_if = "Vec::is_empty")]
+            #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+            pub conditions: Vec<::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+
+            /// The `metadata.generation` this status describes.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub observed_generation: Option<i64>,
+
+            $($fields)*
+        }
+    };
+}
+pub(crate) use status_struct;
+
 /// The resource does its job: the pool serves blocks / the engines serve requests.
 pub const READY: &str = "Ready";
 /// The operator is moving children towards the spec (rollout, scaling, first start).
