@@ -185,12 +185,7 @@ pub fn sglang_bootstrap_port(user_args: &[String]) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn after<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
-        args.windows(2)
-            .find(|w| w[0] == flag)
-            .map(|w| w[1].as_str())
-    }
+    use crate::test_fixtures::after;
 
     #[test]
     fn sglang_bootstrap_port_follows_the_user_args() {
