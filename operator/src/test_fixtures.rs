@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{HostPathVolumeSource, PodTemplateSpec, Volume};
+use k8s_openapi::api::core::v1::{Container, HostPathVolumeSource, PodTemplateSpec, Volume};
 use kvpool_crd::{DecodePool, KVCachePool, PrefillPool};
 
 use crate::cachepool::validate::{ValidCachePool, validate};
@@ -68,4 +68,17 @@ pub fn template_labels(template: &PodTemplateSpec) -> &BTreeMap<String, String> 
 pub fn template_annotations(template: &PodTemplateSpec) -> &BTreeMap<String, String> {
     let meta = template.metadata.as_ref().expect("template metadata");
     meta.annotations.as_ref().expect("annotations")
+}
+
+/// `c` runs the `kvpool` binary with `command_line`, split at white space, as its arguments.
+pub fn assert_runs_kvpool(c: &Container, command_line: &str) {
+    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
+    let args: Vec<&str> = c
+        .args
+        .as_deref()
+        .expect("args")
+        .iter()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(args, command_line.split_whitespace().collect::<Vec<_>>());
 }

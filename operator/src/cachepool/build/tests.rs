@@ -11,7 +11,8 @@ use kvpool_crd::ValidatedKVCachePool;
 use super::*;
 use crate::labels::{self, Component};
 use crate::test_fixtures::{
-    after, has_arg, host_path, roce, tcp, template_annotations, template_labels, valid,
+    after, assert_runs_kvpool, has_arg, host_path, roce, tcp, template_annotations,
+    template_labels, valid,
 };
 
 fn pod(ds: &DaemonSet) -> &PodSpec {
@@ -78,23 +79,11 @@ fn roce_agent_daemonset_carries_every_node_level_setting() {
 
     let c = &pod.containers[0];
     assert_eq!(c.image.as_deref(), Some("ghcr.io/kvpool/kvpool-agent:test"));
-    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        c.args.as_deref().expect("args"),
-        [
-            "agent",
-            "run",
-            "--pool-config",
-            "/etc/kvpool/config.yaml",
-            "--admin-listen",
-            "0.0.0.0:9090",
-            "--socket-dir",
-            "/run/kvpool",
-            "--node-name",
-            "$(KVPOOL_NODE_NAME)",
-            "--advertise-host",
-            "$(KVPOOL_POD_IP)"
-        ]
+    assert_runs_kvpool(
+        c,
+        "agent run --pool-config /etc/kvpool/config.yaml --admin-listen 0.0.0.0:9090
+        --socket-dir /run/kvpool --node-name $(KVPOOL_NODE_NAME)
+        --advertise-host $(KVPOOL_POD_IP)",
     );
     // Least privilege: every capability dropped but the two the agent uses, no escalation, a
     // read-only root filesystem, RuntimeDefault seccomp, and the engines' group as a
@@ -281,37 +270,18 @@ fn master_and_conductor_follow_the_contract() {
     let spec = master.spec.as_ref().expect("spec");
     assert_eq!(spec.replicas, Some(3));
     let c = &spec.template.spec.as_ref().expect("pod").containers[0];
-    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        c.args.as_deref().expect("args"),
-        [
-            "master",
-            "--listen",
-            "0.0.0.0:50051",
-            "--admin-listen",
-            "0.0.0.0:9090",
-            "--auth-key-file",
-            "/etc/kvpool/auth/key",
-            "--kv-events-config",
-            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kvpool"}"#,
-            // The fixture's spec.eviction: lfu at 95 / 85 percent.
-            "--eviction-policy",
-            "lfu",
-            "--dram-high-watermark",
-            "0.95",
-            "--dram-low-watermark",
-            "0.85",
-            "--ssd-high-watermark",
-            "0.95",
-            "--ssd-low-watermark",
-            "0.85",
-            "--replica-spread",
-            "failure-domain",
-            "--etcd-endpoints",
-            "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379",
-            "--advertise-addr",
-            "$(KVPOOL_POD_IP):50051"
-        ]
+    // The eviction flags follow the fixture's spec.eviction: lfu at 95 / 85 percent.
+    assert_runs_kvpool(
+        c,
+        r#"master --listen 0.0.0.0:50051 --admin-listen 0.0.0.0:9090
+        --auth-key-file /etc/kvpool/auth/key
+        --kv-events-config {"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kvpool"}
+        --eviction-policy lfu
+        --dram-high-watermark 0.95 --dram-low-watermark 0.85
+        --ssd-high-watermark 0.95 --ssd-low-watermark 0.85
+        --replica-spread failure-domain
+        --etcd-endpoints http://etcd-0.etcd:2379,http://etcd-1.etcd:2379
+        --advertise-addr $(KVPOOL_POD_IP):50051"#,
     );
     let env = c.env.as_deref().expect("env");
     assert!(

@@ -8,8 +8,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use super::*;
 use crate::enginepool::validate::validate;
 use crate::test_fixtures::{
-    after, decode_sglang, has_arg, host_path, prefill_custom, prefill_vllm, roce, tcp,
-    template_annotations, valid,
+    after, assert_runs_kvpool, decode_sglang, has_arg, host_path, prefill_custom, prefill_vllm,
+    roce, tcp, template_annotations, valid,
 };
 
 fn container(d: &Deployment) -> &Container {
@@ -152,20 +152,9 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     // that the engine mounts read-only where PYTHONPATH points.
     let init = &pod.init_containers.as_ref().expect("init containers")[0];
     assert_eq!(init.image.as_deref(), Some(p.pool.master_image.as_str()));
-    assert_eq!(init.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        init.args.as_deref(),
-        Some(
-            &[
-                "operator",
-                "install-python",
-                "--from",
-                "/opt/kvpool/python",
-                "--to",
-                "/mnt/kvpool-python"
-            ]
-            .map(str::to_owned)[..]
-        )
+    assert_runs_kvpool(
+        init,
+        "operator install-python --from /opt/kvpool/python --to /mnt/kvpool-python",
     );
     let init_mount = &init.volume_mounts.as_ref().expect("init mounts")[0];
     assert_eq!(
@@ -250,17 +239,7 @@ fn sglang_decode_uses_decode_mode_mooncake_hand_off_and_kvpool_storage() {
 fn custom_engine_runs_exactly_what_the_user_wrote() {
     let p = validate(&prefill_custom(), valid(&tcp())).expect("valid");
     let c = container(&build(&p, "h").deployment).clone();
-    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        c.args.as_deref(),
-        Some(
-            &[
-                "engine".to_owned(),
-                "--role".to_owned(),
-                "prefill".to_owned()
-            ][..]
-        )
-    );
+    assert_runs_kvpool(&c, "engine --role prefill");
     assert!(c.resources.is_none(), "0 GPUs and no RDMA: no resources");
     assert!(c.readiness_probe.is_none());
     assert_eq!(
