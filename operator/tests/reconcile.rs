@@ -1240,19 +1240,10 @@ async fn status_carries_the_figures_of_a_real_master() {
         ("gpu-1", Tier::Dram, 32 * MIB),
         ("gpu-0", Tier::Ssd, 256 * MIB),
     ] {
-        client
-            .mount_segment(&SegmentSpec {
-                node: node.into(),
-                name: format!("{}0", tier.as_str()),
-                tier,
-                capacity_bytes: cap,
-                numa_node: 0,
-                failure_domain: String::new(),
-                endpoints: vec![format!("tcp://{node}:15500")],
-                persistent: false,
-            })
-            .await
-            .expect("mount");
+        let name = format!("{}0", tier.as_str());
+        let endpoint = format!("tcp://{node}:15500");
+        let segment = SegmentSpec::new(node, &name, tier, cap, endpoint);
+        client.mount_segment(&segment).await.expect("mount");
     }
     let started = client
         .put_start(b"block/0", MIB, &PutOptions::default())

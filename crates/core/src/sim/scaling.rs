@@ -56,7 +56,7 @@ pub struct ScalingTotals {
     pub most: usize,
 }
 
-/// The bookkeeping both scalers (prefill here, decode in `super::decode_scaling`) share: the
+/// The bookkeeping both scalers (prefill here, and the decode scaler) share: the
 /// operator's decision fed every `period_s` from a window of predicted latencies, which
 /// instances are on and since when, and the run's totals. Instances are switched on lowest
 /// first and off highest first.

@@ -15,16 +15,7 @@ fn key(i: u64) -> ObjectKey {
 }
 
 pub(super) fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: name.into(),
-        tier,
-        capacity_bytes: capacity,
-        numa_node: 0,
-        failure_domain: String::new(),
-        endpoints: vec![format!("tcp://{node}:1")],
-        persistent: false,
-    }
+    SegmentSpec::new(node, name, tier, capacity, format!("tcp://{node}:1"))
 }
 
 /// Mounts the segment `spec(node, name, tier, capacity)`; returns its id.
