@@ -534,9 +534,9 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
     let spec = conductor_pod(&pool);
     let c = &spec.containers[0];
     let args = c.args.as_deref().expect("args");
-    assert!(has_arg(&args, "--block-size", "32"));
+    assert!(has_arg(args, "--block-size", "32"));
     assert!(has_arg(
-        &args,
+        args,
         "--tokenizer",
         "/etc/kvpool/tokenizer/Qwen/Qwen2.5-7B-Instruct"
     ));
@@ -569,7 +569,7 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
         Some("registry.example/qwen-tokenizer:1")
     );
     let args = spec.containers[0].args.as_deref().expect("args");
-    assert!(has_arg(&args, "--tokenizer", "/etc/kvpool/tokenizer"));
+    assert!(has_arg(args, "--tokenizer", "/etc/kvpool/tokenizer"));
 }
 
 #[test]

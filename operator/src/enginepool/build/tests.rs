@@ -75,7 +75,7 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     assert_eq!(c.command.as_deref(), Some(&["vllm".to_owned()][..]));
     let args = c.args.as_deref().expect("args");
     assert_eq!(&args[..2], ["serve", "Qwen/Qwen3-32B"]);
-    assert!(has_arg(&args, "--tensor-parallel-size", "4"));
+    assert!(has_arg(args, "--tensor-parallel-size", "4"));
     let transfer = after(args, "--kv-transfer-config").expect("kv transfer config");
     let transfer: serde_json::Value = serde_json::from_str(transfer).expect("valid JSON");
     assert_eq!(transfer["kv_role"], "kv_producer");
@@ -202,14 +202,14 @@ fn sglang_decode_uses_decode_mode_mooncake_hand_off_and_kvpool_storage() {
     let c = container(&children.deployment);
     assert_eq!(c.command.as_deref(), Some(&["python3".to_owned()][..]));
     let args = c.args.as_deref().expect("args");
-    assert!(has_arg(&args, "--disaggregation-mode", "decode"));
+    assert!(has_arg(args, "--disaggregation-mode", "decode"));
     assert!(has_arg(
-        &args,
+        args,
         "--disaggregation-transfer-backend",
         "mooncake"
     ));
-    assert!(has_arg(&args, "--tp-size", "2"));
-    assert!(has_arg(&args, "--hicache-storage-backend", "dynamic"));
+    assert!(has_arg(args, "--tp-size", "2"));
+    assert!(has_arg(args, "--hicache-storage-backend", "dynamic"));
     assert!(
         args.iter()
             .any(|a| a == "--disaggregation-decode-enable-offload-kvcache")
