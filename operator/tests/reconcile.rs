@@ -568,10 +568,9 @@ async fn create_applies_every_child_and_writes_status() {
     let status: KVCachePoolStatus = serde_json::from_value(status).expect("status parses");
     assert_eq!((status.nodes_ready, status.nodes_desired), (2, 4));
     assert_eq!(status.observed_generation, Some(3));
-    let ready = kvpool_crd::conditions::find(&status.conditions, "Ready").expect("Ready");
     assert_eq!(
-        (ready.status.as_str(), ready.reason.as_str()),
-        ("False", "ReplicasUnavailable")
+        kvpool_crd::conditions::status_and_reason(&status.conditions, "Ready"),
+        Some(("False", "ReplicasUnavailable"))
     );
     let progressing =
         kvpool_crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
@@ -823,10 +822,9 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
         enginepool::Outcome::PoolNotFound
     );
     let status: kvpool_crd::EnginePoolStatus = serde_json::from_value(status).expect("status");
-    let ready = kvpool_crd::conditions::find(&status.conditions, "Ready").expect("Ready");
     assert_eq!(
-        (ready.status.as_str(), ready.reason.as_str()),
-        ("False", "KVCachePoolNotFound")
+        kvpool_crd::conditions::status_and_reason(&status.conditions, "Ready"),
+        Some(("False", "KVCachePoolNotFound"))
     );
 
     // 2. The watch mapping: a KVCachePool event maps to the engine pools that reference it.
@@ -1201,10 +1199,9 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         "{}",
         c.message
     );
-    let t = kvpool_crd::conditions::find(&second.conditions, "TransportDegraded").expect("t");
     assert_eq!(
-        (t.status.as_str(), t.reason.as_str()),
-        ("Unknown", "MasterUnreachable"),
+        kvpool_crd::conditions::status_and_reason(&second.conditions, "TransportDegraded"),
+        Some(("Unknown", "MasterUnreachable")),
         "nothing is known about the agents without the master"
     );
 }
@@ -1447,10 +1444,9 @@ async fn a_key_the_operator_did_not_derive_is_reported_not_crash_looped() {
     ] {
         assert!(c.message.contains(needle), "{needle}: {}", c.message);
     }
-    let m = kvpool_crd::conditions::find(&status.conditions, "MasterReachable").expect("m");
     assert_eq!(
-        (m.status.as_str(), m.reason.as_str()),
-        ("False", "DerivedKeyRefused")
+        kvpool_crd::conditions::status_and_reason(&status.conditions, "MasterReachable"),
+        Some(("False", "DerivedKeyRefused"))
     );
 
     // Still refused: no second Event, and the status is unchanged (nothing written).

@@ -198,6 +198,14 @@ pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Conditio
     conditions.iter().find(|c| c.type_ == type_)
 }
 
+/// The status and reason of the condition of the given type, if present.
+pub fn status_and_reason<'a>(
+    conditions: &'a [Condition],
+    type_: &str,
+) -> Option<(&'a str, &'a str)> {
+    find(conditions, type_).map(|c| (c.status.as_str(), c.reason.as_str()))
+}
+
 /// Whether the condition of the given type is present with status `True`.
 pub fn is_true(conditions: &[Condition], type_: &str) -> bool {
     find(conditions, type_).is_some_and(|c| c.status == TRUE)
