@@ -36,9 +36,27 @@ macro_rules! status_struct {
 
             $($fields)*
         }
+
+        impl $crate::conditions::ObservedStatus for $name {
+            fn observed_mut(
+                &mut self,
+            ) -> (
+                &mut Vec<::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+                &mut Option<i64>,
+            ) {
+                (&mut self.conditions, &mut self.observed_generation)
+            }
+        }
     };
 }
 pub(crate) use status_struct;
+
+/// The part every kvpool status starts with (declared by `status_struct!`), so that code which
+/// only sets conditions serves every kind.
+pub trait ObservedStatus: Clone + Default {
+    /// The conditions, and the `metadata.generation` they describe.
+    fn observed_mut(&mut self) -> (&mut Vec<Condition>, &mut Option<i64>);
+}
 
 /// The resource does its job: the pool serves blocks / the engines serve requests.
 pub const READY: &str = "Ready";

@@ -372,15 +372,13 @@ pub fn invalid_status(
     message: &str,
     now: Timestamp,
 ) -> KVCachePoolStatus {
-    let mut status = previous.cloned().unwrap_or_default();
-    status.conditions = conditions::merge(
-        &status.conditions,
-        &conditions::invalid(conditions::reason::INVALID_SPEC, message),
+    conditions::blocked(
+        previous,
         generation,
+        conditions::reason::INVALID_SPEC,
+        message,
         now,
-    );
-    status.observed_generation = generation;
-    status
+    )
 }
 
 #[cfg(test)]
