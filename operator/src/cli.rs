@@ -119,24 +119,31 @@ fn default_image(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::{CommandFactory, Parser};
+    use clap::FromArgMatches;
 
-    /// `kvpool operator` as the binary mounts it.
-    #[derive(Debug, Parser)]
-    struct Cli {
-        #[command(subcommand)]
-        command: Command,
+    /// `kvpool operator` as the binary mounts it: these subcommands under a parent command.
+    fn operator() -> clap::Command {
+        Command::augment_subcommands(clap::Command::new("operator")).subcommand_required(true)
+    }
+
+    /// Parses `argv` (the parent command's name first) as the binary does.
+    fn parse<I, T>(argv: I) -> Result<Command, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        Command::from_arg_matches(&operator().try_get_matches_from(argv)?)
     }
 
     #[test]
     fn cli_definition_is_consistent() {
-        Cli::command().debug_assert();
+        operator().debug_assert();
     }
 
     #[test]
     fn run_defaults_watch_all_namespaces_without_leader_election() {
-        let cli = Cli::try_parse_from(["operator", "run", "--root-key-file", "/k"]).expect("parse");
-        let Command::Run(args) = cli.command else {
+        let cli = parse(["operator", "run", "--root-key-file", "/k"]).expect("parse");
+        let Command::Run(args) = cli else {
             panic!("expected run");
         };
         assert_eq!(args.namespace, "");
@@ -149,20 +156,20 @@ mod tests {
 
     #[test]
     fn run_requires_the_root_key_file() {
-        let e = Cli::try_parse_from(["operator", "run"]).expect_err("no root key");
+        let e = parse(["operator", "run"]).expect_err("no root key");
         assert!(e.to_string().contains("--root-key-file"), "{e}");
     }
 
     #[test]
     fn run_rejects_zero_concurrency_and_bad_addresses() {
-        assert!(Cli::try_parse_from(["operator", "run", "--concurrency", "0"]).is_err());
-        assert!(Cli::try_parse_from(["operator", "run", "--admin-listen", "nope"]).is_err());
+        assert!(parse(["operator", "run", "--concurrency", "0"]).is_err());
+        assert!(parse(["operator", "run", "--admin-listen", "nope"]).is_err());
     }
 
     #[test]
     fn crd_takes_an_output_directory() {
-        let cli = Cli::try_parse_from(["operator", "crd", "--out-dir", "crds/"]).expect("parse");
-        let Command::Crd(args) = cli.command else {
+        let cli = parse(["operator", "crd", "--out-dir", "crds/"]).expect("parse");
+        let Command::Crd(args) = cli else {
             panic!("expected crd");
         };
         assert_eq!(args.out_dir, Some(PathBuf::from("crds/")));
@@ -171,8 +178,8 @@ mod tests {
     #[test]
     fn install_python_takes_the_operator_generated_args() {
         let argv = crate::contract::install_python_args();
-        let cli = Cli::try_parse_from(argv).expect("parse");
-        let Command::InstallPython(args) = cli.command else {
+        let cli = parse(argv).expect("parse");
+        let Command::InstallPython(args) = cli else {
             panic!("expected install-python");
         };
         assert_eq!(
@@ -180,11 +187,11 @@ mod tests {
             PathBuf::from(crate::contract::PYTHON_PACKAGE_DIR)
         );
         assert_eq!(args.to, PathBuf::from(crate::contract::PYTHON_STAGING_DIR));
-        let cli = Cli::try_parse_from(["operator", "install-python", "--to", "/x"]).expect("parse");
-        let Command::InstallPython(args) = cli.command else {
+        let cli = parse(["operator", "install-python", "--to", "/x"]).expect("parse");
+        let Command::InstallPython(args) = cli else {
             panic!("expected install-python");
         };
         assert_eq!(args.from, PathBuf::from("/opt/kvpool/python"));
-        assert!(Cli::try_parse_from(["operator", "install-python"]).is_err());
+        assert!(parse(["operator", "install-python"]).is_err());
     }
 }

@@ -8,7 +8,9 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 pub use kvpool_crd::conditions::{DEGRADED, PROGRESSING, READY};
-use kvpool_crd::conditions::{FALSE, TRUE, UNKNOWN, condition_with_status, set_condition};
+use kvpool_crd::conditions::{
+    FALSE, ObservedStatus, TRUE, UNKNOWN, condition_with_status, set_condition,
+};
 
 /// Reasons used in conditions and Events (shared ones come from `kvpool_crd::conditions`).
 pub mod reason {
@@ -102,6 +104,22 @@ pub fn invalid(reason: &'static str, message: &str) -> Vec<Desired> {
         Desired::new(PROGRESSING, false, reason, message),
         Desired::new(DEGRADED, true, reason, message),
     ]
+}
+
+/// `previous` (or an empty status) with all three conditions saying `reason` and `message` at
+/// `generation`; everything else is kept.
+pub fn blocked<S: ObservedStatus>(
+    previous: Option<&S>,
+    generation: Option<i64>,
+    reason: &'static str,
+    message: &str,
+    now: Timestamp,
+) -> S {
+    let mut status = previous.cloned().unwrap_or_default();
+    let (conditions, observed_generation) = status.observed_mut();
+    *conditions = merge(conditions, &invalid(reason, message), generation, now);
+    *observed_generation = generation;
+    status
 }
 
 /// The trio from ready/desired counts (`what` names the counted things).

@@ -60,7 +60,7 @@ pub fn child_name(owner: &str, component: Component) -> String {
 /// Labels that select the pods of one component of one owner (stable: used in selectors).
 /// The shape of `kvpool_crd::labels::selector_labels`: name, instance, pool, component.
 pub fn selector_labels(pool: &str, owner: &str, component: Component) -> BTreeMap<String, String> {
-    kvpool_crd::labels::selector_labels_for(pool, owner, component.as_str())
+    kvpool_crd::labels::selector_labels(pool, owner, component.as_str())
 }
 
 /// All labels of a child: the selector labels, the common `app.kubernetes.io` labels and the
@@ -71,7 +71,7 @@ pub fn child_labels(
     pool: &str,
     component: Component,
 ) -> BTreeMap<String, String> {
-    let mut labels = kvpool_crd::labels::common_labels_for(pool, owner, component.as_str());
+    let mut labels = kvpool_crd::labels::common_labels(pool, owner, component.as_str());
     labels.insert(OWNER_KIND.to_owned(), owner_kind.to_owned());
     labels.insert(OWNER_NAME.to_owned(), owner.to_owned());
     labels

@@ -153,6 +153,7 @@ pub fn client_pod(pod: &mut PodSpec, container: usize, tls: &MasterTlsSpec) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_fixtures::has_arg;
 
     fn pod_with(name: &str) -> PodSpec {
         PodSpec {
@@ -226,11 +227,11 @@ mod tests {
         );
         let args = pod.containers[0].args.clone().expect("args");
         assert!(
-            args.windows(2).any(|w| w
-                == [
-                    "--tls-client-ca-file",
-                    "/etc/kvpool/master-client-tls/ca.crt"
-                ]),
+            has_arg(
+                &args,
+                "--tls-client-ca-file",
+                "/etc/kvpool/master-client-tls/ca.crt"
+            ),
             "{args:?}"
         );
     }

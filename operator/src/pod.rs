@@ -6,9 +6,10 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    ConfigMapVolumeSource, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
+    Capabilities, ConfigMapVolumeSource, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
     HostPathVolumeSource, KeyToPath, ObjectFieldSelector, Probe, ResourceRequirements,
-    SecretVolumeSource, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
+    SeccompProfile, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -21,6 +22,34 @@ use crate::labels::{self, Component};
 
 /// Group that may read the mounted auth key (the kvpool images' non-root user and group).
 pub const KEY_READER_GROUP: i64 = kvpool_crd::POOL_CLIENT_GROUP as i64;
+
+/// The container runtime's default seccomp profile (`RuntimeDefault`).
+pub fn runtime_default_seccomp() -> Option<SeccompProfile> {
+    Some(SeccompProfile {
+        type_: "RuntimeDefault".to_owned(),
+        ..SeccompProfile::default()
+    })
+}
+
+/// Security context of a container that holds no privilege: not privileged, no escalation,
+/// every capability dropped but `add`, the root filesystem read-only when `read_only_root`.
+pub fn unprivileged(read_only_root: bool, add: &[&str]) -> SecurityContext {
+    SecurityContext {
+        privileged: Some(false),
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(read_only_root),
+        capabilities: capabilities_only(add),
+        ..SecurityContext::default()
+    }
+}
+
+/// Every capability dropped, then `add` given back (none added when it is empty).
+pub fn capabilities_only(add: &[&str]) -> Option<Capabilities> {
+    Some(Capabilities {
+        add: (!add.is_empty()).then(|| add.iter().map(|c| (*c).to_owned()).collect()),
+        drop: Some(vec!["ALL".to_owned()]),
+    })
+}
 
 /// A named TCP container port.
 pub fn port(name: &str, port: u16) -> ContainerPort {

@@ -146,62 +146,40 @@ fn check_engine(name: &str, p: &ValidEnginePool) {
     assert_eq!(back, children.service, "{name}: Service round trip");
 }
 
-#[test]
-fn vllm_prefill_pod() {
-    let p = validate(
-        &fixture::<PrefillPool>("prefillpool-vllm.yaml"),
-        pool("kvcachepool-roce.yaml"),
-    )
-    .expect("valid");
-    check_engine("vllm-prefill.yaml", &p);
-}
+/// The engine pods with a golden file, as (engine, role, KVCachePool): the pool
+/// `{role}pool-{engine}.yaml` over `kvcachepool-{pool}.yaml` renders `{engine}-{role}.yaml`.
+const ENGINE_PODS: [(&str, &str, &str); 5] = [
+    ("vllm", "prefill", "roce"),
+    ("vllm", "decode", "roce"),
+    ("sglang", "prefill", "roce"),
+    ("sglang", "decode", "roce"),
+    ("custom", "prefill", "tcp"),
+];
+
+/// The KVCachePool fixtures whose `engine.json` has a golden file, and that file.
+const ENGINE_JSONS: [(&str, &str); 2] = [
+    ("kvcachepool-roce.yaml", "engine-roce.json"),
+    ("kvcachepool-tcp.yaml", "engine-tcp.json"),
+];
 
 #[test]
-fn vllm_decode_pod() {
-    let p = validate(
-        &fixture::<DecodePool>("decodepool-vllm.yaml"),
-        pool("kvcachepool-roce.yaml"),
-    )
-    .expect("valid");
-    check_engine("vllm-decode.yaml", &p);
-}
-
-#[test]
-fn sglang_prefill_pod() {
-    let p = validate(
-        &fixture::<PrefillPool>("prefillpool-sglang.yaml"),
-        pool("kvcachepool-roce.yaml"),
-    )
-    .expect("valid");
-    check_engine("sglang-prefill.yaml", &p);
-}
-
-#[test]
-fn sglang_decode_pod() {
-    let p = validate(
-        &fixture::<DecodePool>("decodepool-sglang.yaml"),
-        pool("kvcachepool-roce.yaml"),
-    )
-    .expect("valid");
-    check_engine("sglang-decode.yaml", &p);
-}
-
-#[test]
-fn custom_prefill_pod() {
-    let p = validate(
-        &fixture::<PrefillPool>("prefillpool-custom.yaml"),
-        pool("kvcachepool-tcp.yaml"),
-    )
-    .expect("valid");
-    check_engine("custom-prefill.yaml", &p);
+fn engine_pods_match_their_golden_files() {
+    for (engine, role, pool_name) in ENGINE_PODS {
+        let fixture_name = format!("{role}pool-{engine}.yaml");
+        let pool = pool(&format!("kvcachepool-{pool_name}.yaml"));
+        let p = match role {
+            "prefill" => validate(&fixture::<PrefillPool>(&fixture_name), pool),
+            "decode" => validate(&fixture::<DecodePool>(&fixture_name), pool),
+            other => panic!("no engine pool kind for the role {other}"),
+        }
+        .expect("valid");
+        check_engine(&format!("{engine}-{role}.yaml"), &p);
+    }
 }
 
 #[test]
 fn engine_json_of_each_pool() {
-    for (fixture_name, golden) in [
-        ("kvcachepool-roce.yaml", "engine-roce.json"),
-        ("kvcachepool-tcp.yaml", "engine-tcp.json"),
-    ] {
+    for (fixture_name, golden) in ENGINE_JSONS {
         let data = config_data(&pool(fixture_name)).expect("config data");
         let json = data.get("engine.json").expect("engine.json key");
         check(golden, &format!("{json}\n"));
@@ -211,15 +189,9 @@ fn engine_json_of_each_pool() {
 /// Every golden file is one that a test above renders, so none goes stale unnoticed.
 #[test]
 fn no_golden_file_is_left_over() {
-    let rendered = [
-        "vllm-prefill.yaml",
-        "vllm-decode.yaml",
-        "sglang-prefill.yaml",
-        "sglang-decode.yaml",
-        "custom-prefill.yaml",
-        "engine-roce.json",
-        "engine-tcp.json",
-    ];
+    let pods = ENGINE_PODS.map(|(engine, role, _)| format!("{engine}-{role}.yaml"));
+    let jsons = ENGINE_JSONS.map(|(_, golden)| golden.to_owned());
+    let rendered: Vec<String> = pods.into_iter().chain(jsons).collect();
     let dir = golden_dir();
     let Ok(entries) = std::fs::read_dir(&dir) else {
         assert!(
@@ -233,7 +205,7 @@ fn no_golden_file_is_left_over() {
         let name = entry.expect("entry").file_name();
         let name = name.to_string_lossy();
         assert!(
-            rendered.contains(&name.as_ref()),
+            rendered.iter().any(|r| *r == name),
             "{} is not rendered by any test",
             Path::new(&dir).join(name.as_ref()).display()
         );

@@ -17,7 +17,8 @@ use kube::runtime::watcher;
 use kvpool_crd::{DecodePool, KVCachePool, KVCachePoolStatus, PrefillPool};
 use kvpool_operator::cachepool::{self, Outcome};
 use kvpool_operator::context::Context;
-use kvpool_operator::enginepool;
+use kvpool_operator::enginepool::{self, EnginePool};
+use kvpool_operator::error::Result as OperatorResult;
 use kvpool_proto::auth::Role;
 use serde_json::{Value, json};
 
@@ -205,11 +206,26 @@ impl ApiServer {
         seen.body
     }
 
+    /// Expect the applies of the Service and then the Deployment `name` in `namespace`, the
+    /// Deployment answered with `status`; returns the Deployment applied.
+    async fn expect_workload(&mut self, namespace: &str, name: &str, status: Value) -> Value {
+        let service = format!("/api/v1/namespaces/{namespace}/services/{name}");
+        self.expect_apply(&service, None).await;
+        let deployment = format!("/apis/apps/v1/namespaces/{namespace}/deployments/{name}");
+        self.expect_apply(&deployment, Some(status)).await
+    }
+
     /// Expect a GET of `path` and answer with `object`.
     /// GET of the `roce` KVCachePool an engine pool names, answered with `pool`.
     async fn expect_roce_pool(&mut self, pool: &Value) {
         self.expect_get(&format!("{POOLS}/kvcachepools/roce"), pool)
             .await;
+    }
+
+    /// The status write of the `roce` KVCachePool; returns the status body.
+    async fn expect_roce_status(&mut self, object: &Value) -> Value {
+        self.expect_status(&format!("{POOLS}/kvcachepools/roce/status"), object)
+            .await
     }
 
     /// The status write of the `qwen` DecodePool; returns the status body.
@@ -240,6 +256,34 @@ impl ApiServer {
             StatusCode::OK,
             &json!({"apiVersion": api_version, "kind": kind, "metadata": {"resourceVersion": "1002"}, "items": items}),
         );
+    }
+
+    /// Expect an Event created in `llm`, answer 201 with it, and return it.
+    async fn expect_event(&mut self) -> Value {
+        let (seen, send) = self
+            .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
+            .await;
+        reply(send, StatusCode::CREATED, &seen.body);
+        seen.body
+    }
+
+    /// The lists by which an engine pool in `namespace` looks for orphaned Deployments and
+    /// Services (selected by `selector`), answered empty.
+    async fn expect_no_engine_orphans(&mut self, namespace: &str, selector: &str) {
+        let deployments = format!("/apis/apps/v1/namespaces/{namespace}/deployments");
+        self.expect_list(&deployments, selector, "DeploymentList", vec![])
+            .await;
+        let services = format!("/api/v1/namespaces/{namespace}/services");
+        self.expect_list(&services, selector, "ServiceList", vec![])
+            .await;
+    }
+
+    /// Expect a DELETE of `path` in the background (dependents collected after the owner) and
+    /// answer with `object`.
+    async fn expect_delete(&mut self, path: &str, object: &Value) {
+        let (seen, send) = self.expect(Method::DELETE, path).await;
+        assert_eq!(seen.body["propagationPolicy"], "Background", "{path}");
+        reply(send, StatusCode::OK, object);
     }
 
     /// After the reconcile returned and every client was dropped: nothing else was sent.
@@ -301,26 +345,59 @@ fn double() -> (Context, ApiServer) {
     (Context::for_tests(client), ApiServer { handle })
 }
 
-/// Run `scenario` as the API server while `work` runs against the context (both polled on this
-/// task); then, with the context dropped, check that no request was left over. The timeout only
-/// turns a missing reply into a failure instead of a hang.
+/// The KVCachePool controller's pass over `pool`, as the work of [`drive`].
+fn pool_pass(pool: KVCachePool) -> impl AsyncFnOnce(Arc<Context>) -> OperatorResult<Outcome> {
+    async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await
+}
+
+/// The engine-pool controller's pass over `engine`, as the work of [`drive`].
+fn engine_pass<K: EnginePool>(
+    engine: K,
+) -> impl AsyncFnOnce(Arc<Context>) -> OperatorResult<enginepool::Outcome> {
+    async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&engine, &ctx).await
+}
+
+/// `work` (a reconcile), bounded by a timeout that only turns a missing reply into a failure
+/// instead of a hang.
+async fn finishing<T>(work: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(60), work)
+        .await
+        .expect("reconcile finished (a request left unanswered would hang it)")
+}
+
+/// Run `scenario` as the API server while `work` runs against the double's context, prepared by
+/// `setup` (both polled on this task); then, with the context dropped, check that no request was
+/// left over. Returns what each returned.
+async fn drive_with<T, R, W, S>(setup: impl FnOnce(&mut Context), work: W, scenario: S) -> (T, R)
+where
+    W: AsyncFnOnce(Arc<Context>) -> T,
+    S: AsyncFnOnce(&mut ApiServer) -> R,
+{
+    let (mut ctx, mut server) = double();
+    setup(&mut ctx);
+    let ctx = Arc::new(ctx);
+    // Boxed: a reconcile's future is large, and debug builds copy it on the stack.
+    let (out, seen) = tokio::join!(finishing(Box::pin(work(ctx))), scenario(&mut server));
+    server.expect_done().await;
+    (out, seen)
+}
+
+/// [`drive_with`] on the double's context as it is.
+async fn drive_both<T, R, W, S>(work: W, scenario: S) -> (T, R)
+where
+    W: AsyncFnOnce(Arc<Context>) -> T,
+    S: AsyncFnOnce(&mut ApiServer) -> R,
+{
+    drive_with(|_| {}, work, scenario).await
+}
+
+/// [`drive_both`] for a scenario that only answers: what `work` returned.
 async fn drive<T, W, S>(work: W, scenario: S) -> T
 where
     W: AsyncFnOnce(Arc<Context>) -> T,
     S: AsyncFnOnce(&mut ApiServer),
 {
-    let (ctx, mut server) = double();
-    let ctx = Arc::new(ctx);
-    let (out, ()) = tokio::join!(
-        async move {
-            tokio::time::timeout(std::time::Duration::from_secs(30), work(ctx))
-                .await
-                .expect("reconcile finished (a request left unanswered would hang it)")
-        },
-        scenario(&mut server)
-    );
-    server.expect_done().await;
-    out
+    drive_both(work, scenario).await.0
 }
 
 const NS: &str = "/api/v1/namespaces/llm";
@@ -347,6 +424,18 @@ fn stored_key() -> String {
         "roce",
         "6f1d2c3b-0000-4000-8000-000000000001",
     )
+}
+
+/// The applies of the roce pool's master (Service, then Deployment with 3 ready) and agents
+/// (DaemonSet with `agents_ready` of 4 ready); returns the DaemonSet applied.
+async fn master_and_agents(server: &mut ApiServer, agents_ready: i32) -> Value {
+    server
+        .expect_workload("llm", "roce-master", deploy_status(3))
+        .await;
+    let agent = format!("{APPS}/daemonsets/roce-agent");
+    server
+        .expect_apply(&agent, Some(ds_status(agents_ready, 4)))
+        .await
 }
 
 /// The requests of a successful KVCachePool pass up to (not including) the status write.
@@ -383,21 +472,7 @@ async fn pool_children(
         assert_eq!(policy["apiVersion"], "networking.k8s.io/v1");
         assert_eq!(policy["kind"], "NetworkPolicy");
     }
-    server
-        .expect_apply(&format!("{NS}/services/roce-master"), None)
-        .await;
-    server
-        .expect_apply(
-            &format!("{APPS}/deployments/roce-master"),
-            Some(deploy_status(3)),
-        )
-        .await;
-    let agent = server
-        .expect_apply(
-            &format!("{APPS}/daemonsets/roce-agent"),
-            Some(ds_status(agents_ready, 4)),
-        )
-        .await;
+    let agent = master_and_agents(server, agents_ready).await;
     // The conductor's identity first, then the conductor.
     let sa = server
         .expect_apply(&format!("{NS}/serviceaccounts/roce-conductor"), None)
@@ -411,14 +486,8 @@ async fn pool_children(
         .expect_apply(&format!("{RBAC}/rolebindings/roce-conductor"), None)
         .await;
     assert_eq!(binding["subjects"][0]["name"], "roce-conductor");
-    server
-        .expect_apply(&format!("{NS}/services/roce-conductor"), None)
-        .await;
     let conductor = server
-        .expect_apply(
-            &format!("{APPS}/deployments/roce-conductor"),
-            Some(deploy_status(2)),
-        )
+        .expect_workload("llm", "roce-conductor", deploy_status(2))
         .await;
     assert_eq!(
         conductor["spec"]["template"]["spec"]["serviceAccountName"],
@@ -454,11 +523,9 @@ async fn pool_children(
 #[tokio::test]
 async fn create_applies_every_child_and_writes_status() {
     let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
-    let status = Arc::new(std::sync::Mutex::new(Value::Null));
-    let status_out = status.clone();
     let pool_json = serde_json::to_value(&pool).expect("json");
-    let outcome = drive(
-        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
+    let (outcome, status) = drive_both(
+        pool_pass(pool),
         async move |server: &mut ApiServer| {
             let (agent, secret) = pool_children(server, 2, false).await;
             // The key: derived from the root key for llm/roce/<uid>, hex, base64 in the data.
@@ -489,24 +556,21 @@ async fn create_applies_every_child_and_writes_status() {
                 agent["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"][0],
                 "IPC_LOCK"
             );
-            let body = server.expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json).await;
+            let body = server.expect_roce_status(&pool_json).await;
             assert_eq!(body["apiVersion"], "kvpool.dev/v1alpha1");
             assert_eq!(body["kind"], "KVCachePool");
-            *status_out.lock().expect("lock") = body["status"].clone();
+            body["status"].clone()
         },
     )
-    .await
-    .expect("reconcile");
+    .await;
     // The test twin's master never answers: the pass succeeds and says so.
-    assert_eq!(outcome, Outcome::ReconciledWithoutUsage);
-    let status: KVCachePoolStatus =
-        serde_json::from_value(status.lock().expect("lock").clone()).expect("status parses");
+    assert_eq!(outcome.expect("reconcile"), Outcome::ReconciledWithoutUsage);
+    let status: KVCachePoolStatus = serde_json::from_value(status).expect("status parses");
     assert_eq!((status.nodes_ready, status.nodes_desired), (2, 4));
     assert_eq!(status.observed_generation, Some(3));
-    let ready = kvpool_crd::conditions::find(&status.conditions, "Ready").expect("Ready");
     assert_eq!(
-        (ready.status.as_str(), ready.reason.as_str()),
-        ("False", "ReplicasUnavailable")
+        kvpool_crd::conditions::status_and_reason(&status.conditions, "Ready"),
+        Some(("False", "ReplicasUnavailable"))
     );
     let progressing =
         kvpool_crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
@@ -520,22 +584,14 @@ async fn status_after_pass(
     agents_ready: i32,
     secret_exists: bool,
 ) -> KVCachePoolStatus {
-    let written = Arc::new(std::sync::Mutex::new(Value::Null));
-    let out = written.clone();
     let pool_json = serde_json::to_value(&pool).expect("json");
-    drive(
-        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
-        async move |server: &mut ApiServer| {
-            pool_children(server, agents_ready, secret_exists).await;
-            let body = server
-                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                .await;
-            *out.lock().expect("lock") = body["status"].clone();
-        },
-    )
-    .await
-    .expect("pass");
-    let status = written.lock().expect("lock").clone();
+    let (outcome, status) = drive_both(pool_pass(pool), async move |server: &mut ApiServer| {
+        pool_children(server, agents_ready, secret_exists).await;
+        let body = server.expect_roce_status(&pool_json).await;
+        body["status"].clone()
+    })
+    .await;
+    outcome.expect("pass");
     serde_json::from_value(status).expect("status")
 }
 
@@ -549,12 +605,9 @@ async fn status_is_written_only_when_it_changes() {
 
     // Same children, secret already there (409): no status write.
     let again = pool.clone();
-    drive(
-        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&again, &ctx).await,
-        async move |server: &mut ApiServer| {
-            pool_children(server, 2, true).await;
-        },
-    )
+    drive(pool_pass(again), async move |server: &mut ApiServer| {
+        pool_children(server, 2, true).await;
+    })
     .await
     .expect("second pass");
 
@@ -578,148 +631,67 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
     let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
     pool.spec.conductor.enabled = false;
     let pool_json = serde_json::to_value(&pool).expect("json");
-    drive(
-        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
-        async move |server: &mut ApiServer| {
-            let (_, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
-            reply(
-                send,
-                StatusCode::CONFLICT,
-                &status_error(409, "AlreadyExists", "exists"),
-            );
+    drive(pool_pass(pool), async move |server: &mut ApiServer| {
+        let (_, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
+        reply(
+            send,
+            StatusCode::CONFLICT,
+            &status_error(409, "AlreadyExists", "exists"),
+        );
+        server
+            .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
+            .await;
+        // The master's and agents' policies only.
+        for component in ["master", "agent"] {
             server
-                .expect_apply(&format!("{NS}/configmaps/roce-config"), None)
+                .expect_apply(&format!("{NET}/networkpolicies/roce-{component}"), None)
                 .await;
-            // The master's and agents' policies only.
-            for component in ["master", "agent"] {
-                server
-                    .expect_apply(&format!("{NET}/networkpolicies/roce-{component}"), None)
-                    .await;
-            }
-            server
-                .expect_apply(&format!("{NS}/services/roce-master"), None)
-                .await;
-            server
-                .expect_apply(
-                    &format!("{APPS}/deployments/roce-master"),
-                    Some(deploy_status(3)),
-                )
-                .await;
-            server
-                .expect_apply(
-                    &format!("{APPS}/daemonsets/roce-agent"),
-                    Some(ds_status(4, 4)),
-                )
-                .await;
-            // No conductor applies; the leftover conductor is listed and deleted.
-            let item = |kind: &str, name: &str| {
-                let api_version = match kind {
-                    "Deployment" => "apps/v1",
-                    "Role" | "RoleBinding" => "rbac.authorization.k8s.io/v1",
-                    "NetworkPolicy" => "networking.k8s.io/v1",
-                    _ => "v1",
-                };
-                json!({"apiVersion": api_version, "kind": kind,
-                    "metadata": {"name": name, "namespace": "llm"}})
+        }
+        master_and_agents(server, 4).await;
+        // No conductor applies; the leftover conductor is listed and deleted.
+        let item = |kind: &str, name: &str| {
+            let api_version = match kind {
+                "Deployment" => "apps/v1",
+                "Role" | "RoleBinding" => "rbac.authorization.k8s.io/v1",
+                "NetworkPolicy" => "networking.k8s.io/v1",
+                _ => "v1",
             };
-            // Its identity goes too: RoleBinding, Role, ServiceAccount (listed by label).
-            for (resource, kind) in [
-                ("rolebindings", "RoleBinding"),
-                ("roles", "Role"),
-                ("serviceaccounts", "ServiceAccount"),
-            ] {
-                let base = if kind == "ServiceAccount" { NS } else { RBAC };
-                let (seen, send) = server
-                    .expect(Method::GET, &format!("{base}/{resource}"))
+            json!({"apiVersion": api_version, "kind": kind,
+                    "metadata": {"name": name, "namespace": "llm"}})
+        };
+        // Listed by label, the conductor's children of each kind are deleted and the others
+        // stay: its identity first (RoleBinding, Role, ServiceAccount), then its Deployment,
+        // Service and NetworkPolicy. The Service is already gone by the time it is deleted: fine.
+        let conductor_only = &["roce-conductor"][..];
+        let with_master = &["roce-master", "roce-conductor"][..];
+        let policies = &["roce-master", "roce-agent", "roce-conductor"][..];
+        for (base, resource, kind, listed) in [
+            (RBAC, "rolebindings", "RoleBinding", conductor_only),
+            (RBAC, "roles", "Role", conductor_only),
+            (NS, "serviceaccounts", "ServiceAccount", conductor_only),
+            (APPS, "deployments", "Deployment", with_master),
+            (NS, "services", "Service", with_master),
+            (NET, "networkpolicies", "NetworkPolicy", policies),
+        ] {
+            let items = listed.iter().map(|name| item(kind, name)).collect();
+            let list = format!("{base}/{resource}");
+            server
+                .expect_list(&list, OWNED_BY_ROCE, &format!("{kind}List"), items)
+                .await;
+            let gone = format!("{list}/roce-conductor");
+            if kind == "Service" {
+                let (_, send) = server.expect(Method::DELETE, &gone).await;
+                let not_found = status_error(404, "NotFound", "gone");
+                reply(send, StatusCode::NOT_FOUND, &not_found);
+            } else {
+                server
+                    .expect_delete(&gone, &item(kind, "roce-conductor"))
                     .await;
-                assert_eq!(
-                    seen.query.get("labelSelector").map(String::as_str),
-                    Some(OWNED_BY_ROCE)
-                );
-                let api_version = item(kind, "x")["apiVersion"].clone();
-                reply(
-                    send,
-                    StatusCode::OK,
-                    &json!({"apiVersion": api_version, "kind": format!("{kind}List"),
-                            "metadata": {"resourceVersion": "1002"},
-                            "items": [item(kind, "roce-conductor")]}),
-                );
-                let (seen, send) = server
-                    .expect(Method::DELETE, &format!("{base}/{resource}/roce-conductor"))
-                    .await;
-                assert_eq!(seen.body["propagationPolicy"], "Background");
-                reply(send, StatusCode::OK, &item(kind, "roce-conductor"));
             }
-            server
-                .expect_list(
-                    &format!("{APPS}/deployments"),
-                    OWNED_BY_ROCE,
-                    "DeploymentList",
-                    vec![
-                        item("Deployment", "roce-master"),
-                        item("Deployment", "roce-conductor"),
-                    ],
-                )
-                .await;
-            let (seen, send) = server
-                .expect(
-                    Method::DELETE,
-                    &format!("{APPS}/deployments/roce-conductor"),
-                )
-                .await;
-            assert_eq!(seen.body["propagationPolicy"], "Background");
-            reply(send, StatusCode::OK, &item("Deployment", "roce-conductor"));
-            server
-                .expect_list(
-                    &format!("{NS}/services"),
-                    OWNED_BY_ROCE,
-                    "ServiceList",
-                    vec![
-                        item("Service", "roce-master"),
-                        item("Service", "roce-conductor"),
-                    ],
-                )
-                .await;
-            let (_, send) = server
-                .expect(Method::DELETE, &format!("{NS}/services/roce-conductor"))
-                .await;
-            // Already gone by the time we delete it: fine.
-            reply(
-                send,
-                StatusCode::NOT_FOUND,
-                &status_error(404, "NotFound", "gone"),
-            );
-            // The conductor's NetworkPolicy goes with it; the others stay.
-            server
-                .expect_list(
-                    &format!("{NET}/networkpolicies"),
-                    OWNED_BY_ROCE,
-                    "NetworkPolicyList",
-                    vec![
-                        item("NetworkPolicy", "roce-master"),
-                        item("NetworkPolicy", "roce-agent"),
-                        item("NetworkPolicy", "roce-conductor"),
-                    ],
-                )
-                .await;
-            let (seen, send) = server
-                .expect(
-                    Method::DELETE,
-                    &format!("{NET}/networkpolicies/roce-conductor"),
-                )
-                .await;
-            assert_eq!(seen.body["propagationPolicy"], "Background");
-            reply(
-                send,
-                StatusCode::OK,
-                &item("NetworkPolicy", "roce-conductor"),
-            );
-            let body = server
-                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                .await;
-            assert!(body["status"].get("conductorEndpoint").is_none(), "{body}");
-        },
-    )
+        }
+        let body = server.expect_roce_status(&pool_json).await;
+        assert!(body["status"].get("conductorEndpoint").is_none(), "{body}");
+    })
     .await
     .expect("reconcile");
 }
@@ -740,20 +712,15 @@ async fn invalid_spec_gets_an_event_and_a_condition_and_no_children() {
             out
         },
         async move |server: &mut ApiServer| {
-            let (seen, send) = server
-                .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
-                .await;
-            assert_eq!(seen.body["type"], "Warning");
-            assert_eq!(seen.body["reason"], "InvalidSpec");
-            assert_eq!(seen.body["regarding"]["kind"], "KVCachePool");
-            assert_eq!(seen.body["regarding"]["name"], "roce");
-            let note = seen.body["note"].as_str().expect("note");
+            let event = server.expect_event().await;
+            assert_eq!(event["type"], "Warning");
+            assert_eq!(event["reason"], "InvalidSpec");
+            assert_eq!(event["regarding"]["kind"], "KVCachePool");
+            assert_eq!(event["regarding"]["name"], "roce");
+            let note = event["note"].as_str().expect("note");
             assert!(note.contains("eviction.lowWatermarkPercent"), "{note}");
-            assert_eq!(seen.body["reportingController"], "kvpool-operator");
-            reply(send, StatusCode::CREATED, &seen.body);
-            let body = server
-                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                .await;
+            assert_eq!(event["reportingController"], "kvpool-operator");
+            let body = server.expect_roce_status(&pool_json).await;
             let ready = condition(&body, "Ready");
             assert_eq!(ready["status"], "False");
             assert_eq!(ready["reason"], "InvalidSpec");
@@ -772,12 +739,9 @@ async fn an_object_being_deleted_is_left_to_the_garbage_collector() {
     pool.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
         k8s_openapi::jiff::Timestamp::from_second(Context::TEST_TIME).expect("ts"),
     ));
-    let outcome = drive(
-        async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
-        async move |_server: &mut ApiServer| {},
-    )
-    .await
-    .expect("reconcile");
+    let outcome = drive(pool_pass(pool), async move |_server: &mut ApiServer| {})
+        .await
+        .expect("reconcile");
     assert_eq!(outcome, Outcome::Deleting);
 }
 
@@ -831,41 +795,36 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
 
     // 1. The KVCachePool does not exist: Ready=False/KVCachePoolNotFound, nothing applied.
     let first = prefill.clone();
-    let status_seen = Arc::new(std::sync::Mutex::new(Value::Null));
-    let status_out = status_seen.clone();
     let engine_json = serde_json::to_value(&first).expect("json");
-    let outcome = drive(
-        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&first, &ctx).await,
-        async move |server: &mut ApiServer| {
-            let (_, send) = server
-                .expect(
-                    Method::GET,
-                    "/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp",
-                )
-                .await;
-            reply(
-                send,
-                StatusCode::NOT_FOUND,
-                &status_error(404, "NotFound", "kvcachepools.kvpool.dev \"tcp\" not found"),
-            );
-            let body = server
-                .expect_status(
-                    "/apis/kvpool.dev/v1alpha1/namespaces/default/prefillpools/synthetic/status",
-                    &engine_json,
-                )
-                .await;
-            *status_out.lock().expect("lock") = body["status"].clone();
-        },
-    )
-    .await
-    .expect("reconcile");
-    assert_eq!(outcome, enginepool::Outcome::PoolNotFound);
-    let status: kvpool_crd::EnginePoolStatus =
-        serde_json::from_value(status_seen.lock().expect("lock").clone()).expect("status");
-    let ready = kvpool_crd::conditions::find(&status.conditions, "Ready").expect("Ready");
+    let (outcome, status) = drive_both(engine_pass(first), async move |server: &mut ApiServer| {
+        let (_, send) = server
+            .expect(
+                Method::GET,
+                "/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp",
+            )
+            .await;
+        reply(
+            send,
+            StatusCode::NOT_FOUND,
+            &status_error(404, "NotFound", "kvcachepools.kvpool.dev \"tcp\" not found"),
+        );
+        let body = server
+            .expect_status(
+                "/apis/kvpool.dev/v1alpha1/namespaces/default/prefillpools/synthetic/status",
+                &engine_json,
+            )
+            .await;
+        body["status"].clone()
+    })
+    .await;
     assert_eq!(
-        (ready.status.as_str(), ready.reason.as_str()),
-        ("False", "KVCachePoolNotFound")
+        outcome.expect("reconcile"),
+        enginepool::Outcome::PoolNotFound
+    );
+    let status: kvpool_crd::EnginePoolStatus = serde_json::from_value(status).expect("status");
+    assert_eq!(
+        kvpool_crd::conditions::status_and_reason(&status.conditions, "Ready"),
+        Some(("False", "KVCachePoolNotFound"))
     );
 
     // 2. The watch mapping: a KVCachePool event maps to the engine pools that reference it.
@@ -887,7 +846,7 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
     let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=PrefillPool,kvpool.dev/owner-name=synthetic";
     let engine_json = serde_json::to_value(&second).expect("json");
     let outcome = drive(
-        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&second, &ctx).await,
+        engine_pass(second),
         async move |server: &mut ApiServer| {
             server
                 .expect_get("/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp", &pool_json)
@@ -905,8 +864,7 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
             assert!(env.iter().any(|e| e["name"] == "KVPOOL_MASTER_ADDR"
                 && e["value"] == "tcp-master.default.svc:50051"));
             assert_eq!(deploy["metadata"]["ownerReferences"][0]["kind"], "PrefillPool");
-            server.expect_list("/apis/apps/v1/namespaces/default/deployments", selector, "DeploymentList", vec![]).await;
-            server.expect_list(&format!("{DEFAULT_NS}/services"), selector, "ServiceList", vec![]).await;
+            server.expect_no_engine_orphans("default", selector).await;
             let body = server.expect_status("/apis/kvpool.dev/v1alpha1/namespaces/default/prefillpools/synthetic/status", &engine_json).await;
             let ready = condition(&body, "Ready");
             assert_eq!(ready["status"], "True");
@@ -923,50 +881,48 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
     assert_eq!(outcome, enginepool::Outcome::Reconciled);
 }
 
+/// A pass of the engine-pool controller over `decode`, whose KVCachePool is `pool`, that runs
+/// nothing: after the pool is read, `events` answers what the controller sends before its
+/// status write. Returns the outcome and the body of that status write.
+async fn refused_decode_pass(
+    decode: DecodePool,
+    pool: &KVCachePool,
+    events: impl AsyncFnOnce(&mut ApiServer),
+) -> (enginepool::Outcome, Value) {
+    let pool_json = serde_json::to_value(pool).expect("json");
+    let engine_json = serde_json::to_value(&decode).expect("json");
+    let (outcome, body) = drive_both(engine_pass(decode), async move |server: &mut ApiServer| {
+        server.expect_roce_pool(&pool_json).await;
+        events(server).await;
+        server.expect_decode_status(&engine_json).await
+    })
+    .await;
+    (outcome.expect("reconcile"), body)
+}
+
 #[tokio::test]
 async fn engine_pool_of_an_invalid_kvcachepool_waits_without_children() {
     let decode: DecodePool = fixture("decodepool-sglang.yaml");
     let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
     pool.spec.master.etcd_endpoints.clear(); // 3 replicas without etcd
-    let pool_json = serde_json::to_value(&pool).expect("json");
-    let engine_json = serde_json::to_value(&decode).expect("json");
-    let outcome = drive(
-        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
-        async move |server: &mut ApiServer| {
-            server.expect_roce_pool(&pool_json).await;
-            let body = server.expect_decode_status(&engine_json).await;
-            assert_not_ready_because(&body, "KVCachePoolInvalid", "master.etcdEndpoints");
-        },
-    )
-    .await
-    .expect("reconcile");
+    let (outcome, body) = refused_decode_pass(decode, &pool, async |_| {}).await;
     assert_eq!(outcome, enginepool::Outcome::PoolInvalid);
+    assert_not_ready_because(&body, "KVCachePoolInvalid", "master.etcdEndpoints");
 }
 
 #[tokio::test]
 async fn invalid_engine_spec_gets_an_event_and_a_condition() {
     let mut decode: DecodePool = fixture("decodepool-sglang.yaml");
     decode.spec.resources.gpus = 3; // not a multiple of TP 2
-    let pool_json =
-        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
-    let engine_json = serde_json::to_value(&decode).expect("json");
-    let outcome = drive(
-        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&decode, &ctx).await,
-        async move |server: &mut ApiServer| {
-            server.expect_roce_pool(&pool_json).await;
-            let (seen, send) = server
-                .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
-                .await;
-            assert_eq!(seen.body["reason"], "InvalidSpec");
-            assert_eq!(seen.body["regarding"]["kind"], "DecodePool");
-            reply(send, StatusCode::CREATED, &seen.body);
-            let body = server.expect_decode_status(&engine_json).await;
-            assert_not_ready_because(&body, "InvalidSpec", "resources.gpus");
-        },
-    )
-    .await
-    .expect("reconcile");
+    let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    let (outcome, body) = refused_decode_pass(decode, &pool, async |server| {
+        let event = server.expect_event().await;
+        assert_eq!(event["reason"], "InvalidSpec");
+        assert_eq!(event["regarding"]["kind"], "DecodePool");
+    })
+    .await;
     assert_eq!(outcome, enginepool::Outcome::Invalid);
+    assert_not_ready_because(&body, "InvalidSpec", "resources.gpus");
 }
 
 /// The engine-pool controller also writes status only when it changes: a second pass over the
@@ -978,47 +934,29 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
     let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
     async fn children(server: &mut ApiServer, pool_json: &Value, selector: &str) {
         server.expect_roce_pool(pool_json).await;
-        server
-            .expect_apply(&format!("{NS}/services/qwen-decode"), None)
-            .await;
         let deploy = server
-            .expect_apply(
-                &format!("{APPS}/deployments/qwen-decode"),
-                Some(json!({"replicas": 3, "readyReplicas": 2})),
+            .expect_workload(
+                "llm",
+                "qwen-decode",
+                json!({"replicas": 3, "readyReplicas": 2}),
             )
             .await;
         let c = &deploy["spec"]["template"]["spec"]["containers"][0];
         assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2");
-        server
-            .expect_list(
-                &format!("{APPS}/deployments"),
-                selector,
-                "DeploymentList",
-                vec![],
-            )
-            .await;
-        server
-            .expect_list(&format!("{NS}/services"), selector, "ServiceList", vec![])
-            .await;
+        server.expect_no_engine_orphans("llm", selector).await;
     }
 
     let first: DecodePool = fixture("decodepool-sglang.yaml");
     let engine_json = serde_json::to_value(&first).expect("json");
-    let written = Arc::new(std::sync::Mutex::new(Value::Null));
-    let out = written.clone();
     let pool = pool_json.clone();
-    drive(
-        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&first, &ctx).await,
-        async move |server: &mut ApiServer| {
-            children(server, &pool, selector).await;
-            let body = server.expect_decode_status(&engine_json).await;
-            *out.lock().expect("lock") = body["status"].clone();
-        },
-    )
-    .await
-    .expect("first pass");
-    let status: kvpool_crd::EnginePoolStatus =
-        serde_json::from_value(written.lock().expect("lock").clone()).expect("status");
+    let (outcome, status) = drive_both(engine_pass(first), async move |server: &mut ApiServer| {
+        children(server, &pool, selector).await;
+        let body = server.expect_decode_status(&engine_json).await;
+        body["status"].clone()
+    })
+    .await;
+    outcome.expect("first pass");
+    let status: kvpool_crd::EnginePoolStatus = serde_json::from_value(status).expect("status");
     assert_eq!((status.replicas, status.ready_replicas), (3, 2));
     let progressing =
         kvpool_crd::conditions::find(&status.conditions, "Progressing").expect("Progressing");
@@ -1026,10 +964,9 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
 
     let mut second: DecodePool = fixture("decodepool-sglang.yaml");
     second.status = Some(status);
-    let outcome = drive(
-        async move |ctx: Arc<Context>| enginepool::reconcile_engine_pool(&second, &ctx).await,
-        async move |server: &mut ApiServer| children(server, &pool_json, selector).await,
-    )
+    let outcome = drive(engine_pass(second), async move |server: &mut ApiServer| {
+        children(server, &pool_json, selector).await
+    })
     .await
     .expect("second pass");
     assert_eq!(outcome, enginepool::Outcome::Reconciled);
@@ -1042,22 +979,15 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
 async fn update_reapplies_children_and_reports_the_new_generation() {
     async fn pass(pool: KVCachePool) -> (Value, Value) {
         let pool_json = serde_json::to_value(&pool).expect("json");
-        let out = Arc::new(std::sync::Mutex::new((Value::Null, Value::Null)));
-        let sink = out.clone();
-        drive(
-            async move |ctx: Arc<Context>| cachepool::reconcile_pool(&pool, &ctx).await,
-            async move |server: &mut ApiServer| {
+        let (outcome, written) =
+            drive_both(pool_pass(pool), async move |server: &mut ApiServer| {
                 let (agent, _) = pool_children(server, 4, true).await;
-                let body = server
-                    .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                    .await;
-                *sink.lock().expect("lock") = (agent, body["status"].clone());
-            },
-        )
-        .await
-        .expect("reconcile");
-        let guard = out.lock().expect("lock");
-        guard.clone()
+                let body = server.expect_roce_status(&pool_json).await;
+                (agent, body["status"].clone())
+            })
+            .await;
+        outcome.expect("reconcile");
+        written
     }
     let before: KVCachePool = fixture("kvcachepool-roce.yaml");
     let mut after = before.clone();
@@ -1095,31 +1025,41 @@ async fn usage_pass_of(
     setup: impl FnOnce(&mut Context),
 ) -> (Outcome, KVCachePoolStatus) {
     let pool_json = serde_json::to_value(&pool).expect("json");
-    let (mut ctx, mut server) = double();
-    setup(&mut ctx);
-    let ctx = Arc::new(ctx);
-    let out = Arc::new(std::sync::Mutex::new(Value::Null));
-    let out2 = out.clone();
-    let (outcome, ()) = tokio::join!(
-        async move {
-            tokio::time::timeout(
-                std::time::Duration::from_secs(60),
-                cachepool::reconcile_pool(&pool, &ctx),
-            )
-            .await
-            .expect("reconcile finished")
+    let (outcome, status) = drive_with(
+        setup,
+        pool_pass(pool),
+        async move |server: &mut ApiServer| {
+            pool_children(server, 4, true).await;
+            let body = server.expect_roce_status(&pool_json).await;
+            body["status"].clone()
         },
-        async {
-            pool_children(&mut server, 4, true).await;
-            let body = server
-                .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                .await;
-            *out2.lock().expect("lock") = body["status"].clone();
-        }
-    );
-    server.expect_done().await;
-    let status = serde_json::from_value(out.lock().expect("lock").clone()).expect("status");
+    )
+    .await;
+    let status = serde_json::from_value(status).expect("status");
     (outcome.expect("reconcile"), status)
+}
+
+/// The master's own figures in `status` (objects, registered nodes, hit ratio and lookups),
+/// with `MasterReachable=True`.
+fn assert_master_figures(
+    status: &KVCachePoolStatus,
+    objects: i64,
+    nodes: i32,
+    hit_ratio: &str,
+    lookups: i64,
+) {
+    assert_eq!(
+        (status.objects, status.nodes_registered),
+        (Some(objects), Some(nodes))
+    );
+    assert_eq!(
+        (status.hit_ratio.as_deref(), status.lookups),
+        (Some(hit_ratio), Some(lookups))
+    );
+    assert!(kvpool_crd::conditions::is_true(
+        &status.conditions,
+        "MasterReachable"
+    ));
 }
 
 /// `TransportDegraded=True` naming gpu-1 (of two reporting nodes) and its reason.
@@ -1235,15 +1175,7 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         ("3Gi", "2Ti")
     );
     assert_eq!(first.ssd.as_ref().map(|s| s.used.0.as_str()), Some("1Gi"));
-    assert_eq!((first.objects, first.nodes_registered), (Some(12), Some(4)));
-    assert_eq!(
-        (first.hit_ratio.as_deref(), first.lookups),
-        (Some("0.900"), Some(10))
-    );
-    assert!(kvpool_crd::conditions::is_true(
-        &first.conditions,
-        "MasterReachable"
-    ));
+    assert_master_figures(&first, 12, 4, "0.900", 10);
     // The pool asked for RDMA and gpu-1 reported a fallback: the condition names it and why.
     assert_gpu_1_fell_back(&first);
     assert_eq!(
@@ -1267,10 +1199,9 @@ async fn usage_is_read_from_the_master_with_the_stored_key_and_kept_when_it_goes
         "{}",
         c.message
     );
-    let t = kvpool_crd::conditions::find(&second.conditions, "TransportDegraded").expect("t");
     assert_eq!(
-        (t.status.as_str(), t.reason.as_str()),
-        ("Unknown", "MasterUnreachable"),
+        kvpool_crd::conditions::status_and_reason(&second.conditions, "TransportDegraded"),
+        Some(("Unknown", "MasterUnreachable")),
         "nothing is known about the agents without the master"
     );
 }
@@ -1306,19 +1237,10 @@ async fn status_carries_the_figures_of_a_real_master() {
         ("gpu-1", Tier::Dram, 32 * MIB),
         ("gpu-0", Tier::Ssd, 256 * MIB),
     ] {
-        client
-            .mount_segment(&SegmentSpec {
-                node: node.into(),
-                name: format!("{}0", tier.as_str()),
-                tier,
-                capacity_bytes: cap,
-                numa_node: 0,
-                failure_domain: String::new(),
-                endpoints: vec![format!("tcp://{node}:15500")],
-                persistent: false,
-            })
-            .await
-            .expect("mount");
+        let name = format!("{}0", tier.as_str());
+        let endpoint = format!("tcp://{node}:15500");
+        let segment = SegmentSpec::new(node, &name, tier, cap, endpoint);
+        client.mount_segment(&segment).await.expect("mount");
     }
     let started = client
         .put_start(b"block/0", MIB, &PutOptions::default())
@@ -1387,28 +1309,19 @@ async fn status_carries_the_figures_of_a_real_master() {
     assert_eq!(outcome, Outcome::Reconciled);
     assert_gpu_1_fell_back(&status);
     assert_eq!(truth.capacity_bytes.first(), Some(&(96 * MIB)));
-    let dram = status.dram.expect("dram");
+    let dram = status.dram.as_ref().expect("dram");
     assert_eq!(dram.capacity.0, "96Mi");
     assert_eq!(
         dram.used.0,
         kvpool_crd::quantity::format_bytes(truth.used_bytes[0]).0
     );
     assert!(truth.used_bytes[0] >= MIB, "{truth:?}");
-    let ssd = status.ssd.expect("ssd");
+    let ssd = status.ssd.as_ref().expect("ssd");
     assert_eq!(
         (ssd.capacity.0.as_str(), ssd.used.0.as_str()),
         ("256Mi", "0")
     );
-    assert_eq!(status.objects, Some(1));
-    assert_eq!(status.nodes_registered, Some(2));
-    assert_eq!(
-        (status.hit_ratio.as_deref(), status.lookups),
-        (Some("0.500"), Some(4))
-    );
-    assert!(kvpool_crd::conditions::is_true(
-        &status.conditions,
-        "MasterReachable"
-    ));
+    assert_master_figures(&status, 1, 2, "0.500", 4);
     // status.nodes, as patched: both nodes by name, their tiers and NUMA split, transport, and
     // the Get hit on the holder.
     assert_eq!(status.nodes_omitted, None);
@@ -1481,47 +1394,34 @@ async fn a_key_the_operator_did_not_derive_is_reported_not_crash_looped() {
         let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
         pool.status = previous.clone();
         let pool_json = serde_json::to_value(&pool).expect("json");
-        let (mut ctx, mut server) = double();
-        ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats::default());
-        ctx.master_addr_override = Some(addr.clone());
-        let ctx = Arc::new(ctx);
-        let written = Arc::new(std::sync::Mutex::new(None));
-        let out = written.clone();
-        let (outcome, ()) = tokio::join!(
-            async move {
-                tokio::time::timeout(
-                    std::time::Duration::from_secs(60),
-                    cachepool::reconcile_pool(&pool, &ctx),
-                )
-                .await
-                .expect("reconcile finished")
-            },
-            async {
-                pool_children(&mut server, 4, true).await;
+        let real_master = |ctx: &mut Context| {
+            ctx.master_stats = Arc::new(cachepool::usage::GrpcMasterStats::default());
+            ctx.master_addr_override = Some(addr.clone());
+        };
+        let (outcome, status) = drive_with(
+            real_master,
+            pool_pass(pool),
+            async move |server: &mut ApiServer| {
+                pool_children(server, 4, true).await;
                 if event {
-                    let (seen, send) = server
-                        .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
-                        .await;
-                    assert_eq!(seen.body["type"], "Warning");
-                    assert_eq!(seen.body["reason"], "AuthKeyRejected");
-                    assert_eq!(seen.body["regarding"]["name"], "roce");
-                    let note = seen.body["note"].as_str().expect("note");
+                    let event = server.expect_event().await;
+                    assert_eq!(event["type"], "Warning");
+                    assert_eq!(event["reason"], "AuthKeyRejected");
+                    assert_eq!(event["regarding"]["name"], "roce");
+                    let note = event["note"].as_str().expect("note");
                     assert!(
                         note.contains("kubectl -n llm delete secret roce-auth"),
                         "{note}"
                     );
-                    reply(send, StatusCode::CREATED, &seen.body);
                 }
                 if previous.is_none() {
-                    let body = server
-                        .expect_status(&format!("{POOLS}/kvcachepools/roce/status"), &pool_json)
-                        .await;
-                    *out.lock().expect("lock") = Some(body["status"].clone());
+                    let body = server.expect_roce_status(&pool_json).await;
+                    return Some(body["status"].clone());
                 }
-            }
-        );
-        server.expect_done().await;
-        let status = written.lock().expect("lock").take();
+                None
+            },
+        )
+        .await;
         (
             outcome.expect("an refused key does not fail the pass"),
             status.map(|s| serde_json::from_value::<KVCachePoolStatus>(s).expect("status")),
@@ -1544,10 +1444,9 @@ async fn a_key_the_operator_did_not_derive_is_reported_not_crash_looped() {
     ] {
         assert!(c.message.contains(needle), "{needle}: {}", c.message);
     }
-    let m = kvpool_crd::conditions::find(&status.conditions, "MasterReachable").expect("m");
     assert_eq!(
-        (m.status.as_str(), m.reason.as_str()),
-        ("False", "DerivedKeyRefused")
+        kvpool_crd::conditions::status_and_reason(&status.conditions, "MasterReachable"),
+        Some(("False", "DerivedKeyRefused"))
     );
 
     // Still refused: no second Event, and the status is unchanged (nothing written).
@@ -1739,23 +1638,14 @@ async fn autoscaling_follows_the_conductors_prediction_without_flapping() {
         let work_ctx = ctx.clone();
         let pool = pool_json.clone();
         let (outcome, written) = tokio::join!(
-            async move {
-                tokio::time::timeout(
-                    std::time::Duration::from_secs(30),
-                    enginepool::reconcile_engine_pool(&obj, &work_ctx),
-                )
-                .await
-                .expect("reconcile finished")
-            },
+            finishing(Box::pin(enginepool::reconcile_engine_pool(&obj, &work_ctx))),
             async {
                 server.expect_roce_pool(&pool).await;
-                server
-                    .expect_apply(&format!("{NS}/services/qwen-decode"), None)
-                    .await;
                 let deploy = server
-                    .expect_apply(
-                        &format!("{APPS}/deployments/qwen-decode"),
-                        Some(json!({"replicas": pass.replicas, "readyReplicas": pass.replicas})),
+                    .expect_workload(
+                        "llm",
+                        "qwen-decode",
+                        json!({"replicas": pass.replicas, "readyReplicas": pass.replicas}),
                     )
                     .await;
                 assert_eq!(
@@ -1763,28 +1653,15 @@ async fn autoscaling_follows_the_conductors_prediction_without_flapping() {
                     "at {} s",
                     pass.at_s
                 );
-                server
-                    .expect_list(
-                        &format!("{APPS}/deployments"),
-                        selector,
-                        "DeploymentList",
-                        vec![],
-                    )
-                    .await;
-                server
-                    .expect_list(&format!("{NS}/services"), selector, "ServiceList", vec![])
-                    .await;
+                server.expect_no_engine_orphans("llm", selector).await;
                 let reason = pass.event?;
-                let (seen, send) = server
-                    .expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/llm/events")
-                    .await;
-                assert_eq!(seen.body["type"], "Normal");
-                assert_eq!(seen.body["reason"], reason);
-                assert_eq!(seen.body["regarding"]["kind"], "DecodePool");
-                let note = seen.body["note"].as_str().expect("note").to_owned();
+                let event = server.expect_event().await;
+                assert_eq!(event["type"], "Normal");
+                assert_eq!(event["reason"], reason);
+                assert_eq!(event["regarding"]["kind"], "DecodePool");
+                let note = event["note"].as_str().expect("note").to_owned();
                 assert!(note.contains("predictedLatency"), "{note}");
                 assert!(note.contains("TPOT SLO 30ms"), "{note}");
-                reply(send, StatusCode::CREATED, &seen.body);
                 let body = server.expect_decode_status(&engine_json).await;
                 Some((note, body["status"].clone()))
             }

@@ -3,6 +3,61 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
+/// Declares the status struct of a kvpool resource: the `conditions` and `observedGeneration`
+/// every status starts with, then the fields given. One declaration keeps the common part of the
+/// statuses (and of their schemas) alike.
+macro_rules! status_struct {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $($fields:tt)*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(
+            ::kube::KubeSchema,
+            ::serde::Serialize,
+            ::serde::Deserialize,
+            Clone,
+            Debug,
+            Default,
+            PartialEq,
+        )]
+        #[serde(rename_all = "camelCase")]
+        pub struct $name {
+            /// `Ready`, `Progressing` and `Degraded` (see `crate::conditions`).
+            #[serde(default, skip_serializing_if = "Vec::is_empty")]
+            #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
+            pub conditions: Vec<::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+
+            /// The `metadata.generation` this status describes.
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub observed_generation: Option<i64>,
+
+            $($fields)*
+        }
+
+        impl $crate::conditions::ObservedStatus for $name {
+            fn observed_mut(
+                &mut self,
+            ) -> (
+                &mut Vec<::k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+                &mut Option<i64>,
+            ) {
+                (&mut self.conditions, &mut self.observed_generation)
+            }
+        }
+    };
+}
+pub(crate) use status_struct;
+
+/// The part every kvpool status starts with (declared by `status_struct!`), so that code which
+/// only sets conditions serves every kind.
+pub trait ObservedStatus: Clone + Default {
+    /// The conditions, and the `metadata.generation` they describe.
+    fn observed_mut(&mut self) -> (&mut Vec<Condition>, &mut Option<i64>);
+}
+
 /// The resource does its job: the pool serves blocks / the engines serve requests.
 pub const READY: &str = "Ready";
 /// The operator is moving children towards the spec (rollout, scaling, first start).
@@ -159,6 +214,14 @@ pub fn condition_with_status(
 /// The condition of the given type, if present.
 pub fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
     conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// The status and reason of the condition of the given type, if present.
+pub fn status_and_reason<'a>(
+    conditions: &'a [Condition],
+    type_: &str,
+) -> Option<(&'a str, &'a str)> {
+    find(conditions, type_).map(|c| (c.status.as_str(), c.reason.as_str()))
 }
 
 /// Whether the condition of the given type is present with status `True`.

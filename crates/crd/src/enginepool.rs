@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -348,36 +347,27 @@ pub struct EngineAutoscalingStatus {
     pub reason: String,
 }
 
-/// Observed state of a prefill or decode pool, written by the operator only.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct EnginePoolStatus {
-    /// `Ready`, `Progressing` and `Degraded` (see `crate::conditions`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
-    pub conditions: Vec<Condition>,
+crate::conditions::status_struct! {
+    /// Observed state of a prefill or decode pool, written by the operator only.
+    pub struct EnginePoolStatus {
+        /// Engine instances that exist.
+        #[serde(default)]
+        pub replicas: i32,
 
-    /// The `metadata.generation` this status describes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
+        /// Engine instances ready to serve.
+        #[serde(default)]
+        pub ready_replicas: i32,
 
-    /// Engine instances that exist.
-    #[serde(default)]
-    pub replicas: i32,
+        /// Label selector of the instances' pods in string form (for the scale subresource).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub selector: Option<String>,
 
-    /// Engine instances ready to serve.
-    #[serde(default)]
-    pub ready_replicas: i32,
+        /// Addresses (`host:port`) that serve this pool: the Service first, then ready instances.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub endpoints: Vec<String>,
 
-    /// Label selector of the instances' pods in string form (for the scale subresource).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub selector: Option<String>,
-
-    /// Addresses (`host:port`) that serve this pool: the Service first, then ready instances.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub endpoints: Vec<String>,
-
-    /// The last autoscaling decision (only with `spec.autoscaling`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub autoscaling: Option<EngineAutoscalingStatus>,
+        /// The last autoscaling decision (only with `spec.autoscaling`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub autoscaling: Option<EngineAutoscalingStatus>,
+    }
 }

@@ -85,14 +85,27 @@ impl std::fmt::Display for Component {
     }
 }
 
+impl AsRef<str> for Component {
+    fn as_ref(&self) -> &str {
+        self.as_str()
+    }
+}
+
 /// The labels that select one component of one owner: stable for the owner's lifetime, so they
-/// can be a Deployment's or DaemonSet's `spec.selector` (which is immutable).
+/// can be a Deployment's or DaemonSet's `spec.selector` (which is immutable). The component is a
+/// [`Component`] or its [`COMPONENT`] label value: the operator also labels children that run
+/// nothing (a pool's ConfigMap and Secret), which no [`Component`] names.
 pub fn selector_labels(
     kv_cache_pool: &str,
     instance: &str,
-    component: Component,
+    component: impl AsRef<str>,
 ) -> BTreeMap<String, String> {
-    selector_labels_for(kv_cache_pool, instance, component.as_str())
+    BTreeMap::from([
+        (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
+        (APP_INSTANCE.to_owned(), instance.to_owned()),
+        (POOL.to_owned(), kv_cache_pool.to_owned()),
+        (COMPONENT.to_owned(), component.as_ref().to_owned()),
+    ])
 }
 
 /// All labels the operator puts on a child: the selector labels plus `component`, `part-of` and
@@ -100,35 +113,10 @@ pub fn selector_labels(
 pub fn common_labels(
     kv_cache_pool: &str,
     instance: &str,
-    component: Component,
+    component: impl AsRef<str>,
 ) -> BTreeMap<String, String> {
-    common_labels_for(kv_cache_pool, instance, component.as_str())
-}
-
-/// [`selector_labels`] of a component given by its [`COMPONENT`] label value: the operator also
-/// labels children that run nothing (a pool's ConfigMap and Secret), which no [`Component`]
-/// names.
-pub fn selector_labels_for(
-    kv_cache_pool: &str,
-    instance: &str,
-    component: &str,
-) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
-        (APP_INSTANCE.to_owned(), instance.to_owned()),
-        (POOL.to_owned(), kv_cache_pool.to_owned()),
-        (COMPONENT.to_owned(), component.to_owned()),
-    ])
-}
-
-/// [`common_labels`] of a component given by its [`COMPONENT`] label value.
-pub fn common_labels_for(
-    kv_cache_pool: &str,
-    instance: &str,
-    component: &str,
-) -> BTreeMap<String, String> {
-    let mut labels = selector_labels_for(kv_cache_pool, instance, component);
-    labels.insert(APP_COMPONENT.to_owned(), component.to_owned());
+    let mut labels = selector_labels(kv_cache_pool, instance, component.as_ref());
+    labels.insert(APP_COMPONENT.to_owned(), component.as_ref().to_owned());
     labels.insert(APP_PART_OF.to_owned(), APP_NAME_VALUE.to_owned());
     labels.insert(APP_MANAGED_BY.to_owned(), MANAGED_BY_VALUE.to_owned());
     labels

@@ -68,34 +68,24 @@ fn server_name_ok(s: &str) -> bool {
 impl MasterTlsSpec {
     /// The checks of the CEL rules above, for objects an API server stored before they existed.
     pub fn validate(&self) -> Result<(), SpecError> {
-        let conflict = |field, message| Err(SpecError::Conflict { field, message });
-        if !secret_name_ok(&self.secret_name) {
-            return conflict(
-                "master.tls.secretName",
-                "must be a Secret name (lower-case letters, digits, '-' and '.')",
-            );
-        }
-        if self
-            .client_secret_name
-            .as_deref()
-            .is_some_and(|s| !secret_name_ok(s))
-        {
-            return conflict(
-                "master.tls.clientSecretName",
-                "must be a Secret name (lower-case letters, digits, '-' and '.')",
-            );
-        }
-        if self
-            .server_name
-            .as_deref()
-            .is_some_and(|s| !server_name_ok(s))
-        {
-            return conflict(
-                "master.tls.serverName",
-                "must be a DNS name (letters, digits, '-' and dots between labels)",
-            );
-        }
-        Ok(())
+        const SECRET_NAME: &str = "must be a Secret name (lower-case letters, digits, '-' and '.')";
+        const SERVER_NAME: &str =
+            "must be a DNS name (letters, digits, '-' and dots between labels)";
+        let check = |field, value: Option<&str>, ok: fn(&str) -> bool, message| match value {
+            Some(v) if !ok(v) => Err(SpecError::Conflict { field, message }),
+            _ => Ok(()),
+        };
+        let secret = Some(self.secret_name.as_str());
+        let client = self.client_secret_name.as_deref();
+        let server = self.server_name.as_deref();
+        check("master.tls.secretName", secret, secret_name_ok, SECRET_NAME)?;
+        check(
+            "master.tls.clientSecretName",
+            client,
+            secret_name_ok,
+            SECRET_NAME,
+        )?;
+        check("master.tls.serverName", server, server_name_ok, SERVER_NAME)
     }
 }
 

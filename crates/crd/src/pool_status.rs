@@ -3,76 +3,65 @@
 //! ([`NodeStatus`]). Types only; the operator computes them.
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kube::KubeSchema;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// Observed state of a KV cache pool, written by the operator only.
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct KVCachePoolStatus {
-    /// `Ready`, `Progressing` and `Degraded` (see `crate::conditions`).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[x_kube(merge_strategy = ListMerge::Map(vec!["type".into()]))]
-    pub conditions: Vec<Condition>,
+crate::conditions::status_struct! {
+    /// Observed state of a KV cache pool, written by the operator only.
+    pub struct KVCachePoolStatus {
+        /// Nodes that should run an agent.
+        #[serde(default)]
+        pub nodes_desired: i32,
 
-    /// The `metadata.generation` this status describes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub observed_generation: Option<i64>,
+        /// Nodes whose agent is ready.
+        #[serde(default)]
+        pub nodes_ready: i32,
 
-    /// Nodes that should run an agent.
-    #[serde(default)]
-    pub nodes_desired: i32,
+        /// DRAM tier over all ready nodes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub dram: Option<TierStatus>,
 
-    /// Nodes whose agent is ready.
-    #[serde(default)]
-    pub nodes_ready: i32,
+        /// SSD tier over all ready nodes; absent without an SSD tier.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub ssd: Option<TierStatus>,
 
-    /// DRAM tier over all ready nodes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub dram: Option<TierStatus>,
+        /// KV cache objects (blocks) the master holds, as of its last answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub objects: Option<i64>,
 
-    /// SSD tier over all ready nodes; absent without an SSD tier.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ssd: Option<TierStatus>,
+        /// Agents registered with the master and alive, as of its last answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub nodes_registered: Option<i32>,
 
-    /// KV cache objects (blocks) the master holds, as of its last answer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub objects: Option<i64>,
+        /// Share of the keys clients looked up (Get, Exists, LongestPrefix) that the pool held,
+        /// since the leading master started, as a decimal string with three places (`0.734`);
+        /// absent before the first lookup.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub hit_ratio: Option<String>,
 
-    /// Agents registered with the master and alive, as of its last answer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nodes_registered: Option<i32>,
+        /// Keys looked up since the leading master started (the hit ratio's sample), as of its
+        /// last answer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub lookups: Option<i64>,
 
-    /// Share of the keys clients looked up (Get, Exists, LongestPrefix) that the pool held,
-    /// since the leading master started, as a decimal string with three places (`0.734`);
-    /// absent before the first lookup.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hit_ratio: Option<String>,
+        /// Per node, as the leading master last reported them: tiers, NUMA split, transport and
+        /// share of the Get lookups served. The first `MAX_STATUS_NODES` (128) live nodes by name;
+        /// kept from the last answer while the master does not answer.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub nodes: Vec<NodeStatus>,
 
-    /// Keys looked up since the leading master started (the hit ratio's sample), as of its
-    /// last answer.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lookups: Option<i64>,
+        /// Live nodes left out of `nodes` by its cap; absent when none was.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub nodes_omitted: Option<i32>,
 
-    /// Per node, as the leading master last reported them: tiers, NUMA split, transport and
-    /// share of the Get lookups served. The first `MAX_STATUS_NODES` (128) live nodes by name;
-    /// kept from the last answer while the master does not answer.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub nodes: Vec<NodeStatus>,
+        /// Address (`host:port`) of the master Service.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub master_endpoint: Option<String>,
 
-    /// Live nodes left out of `nodes` by its cap; absent when none was.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nodes_omitted: Option<i32>,
-
-    /// Address (`host:port`) of the master Service.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub master_endpoint: Option<String>,
-
-    /// Address (`host:port`) of the conductor Service; absent when disabled.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub conductor_endpoint: Option<String>,
+        /// Address (`host:port`) of the conductor Service; absent when disabled.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub conductor_endpoint: Option<String>,
+    }
 }
 
 /// Capacity and usage of one tier. Capacity is what the master counts over the segments agents

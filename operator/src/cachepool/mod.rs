@@ -238,6 +238,18 @@ async fn report_invalid(pool: &KVCachePool, ctx: &Context, message: &str) -> Res
     controller::publish_warning(ctx, pool, reason::INVALID_SPEC, "Validate", message).await
 }
 
+/// Deletes the children of kind `K` that `selector` matches and `keep` does not name (left by a
+/// feature turned off), and logs each.
+async fn prune<K>(api: &Api<K>, selector: &str, keep: &BTreeSet<String>) -> Result<()>
+where
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+{
+    for gone in apply::delete_orphans(api, selector, keep).await? {
+        info!(kind = %K::kind(&()), name = %gone, "deleted child of a feature turned off");
+    }
+    Ok(())
+}
+
 async fn apply_children(
     ctx: &Context,
     namespace: &str,
@@ -289,15 +301,9 @@ async fn apply_children(
         // Conductor off: its identity goes (only looked for then, to spare three lists a pass).
         None => {
             let none = BTreeSet::new();
-            for gone in apply::delete_orphans(&role_bindings, &selector, &none).await? {
-                info!(rolebinding = %gone, "deleted child of a feature turned off");
-            }
-            for gone in apply::delete_orphans(&roles, &selector, &none).await? {
-                info!(role = %gone, "deleted child of a feature turned off");
-            }
-            for gone in apply::delete_orphans(&service_accounts, &selector, &none).await? {
-                info!(serviceaccount = %gone, "deleted child of a feature turned off");
-            }
+            prune(&role_bindings, &selector, &none).await?;
+            prune(&roles, &selector, &none).await?;
+            prune(&service_accounts, &selector, &none).await?;
         }
     }
     let conductor = match &children.conductor {
@@ -310,15 +316,9 @@ async fn apply_children(
         None => None,
     };
 
-    for gone in apply::delete_orphans(&deployments, &selector, &keep_deployments).await? {
-        info!(deployment = %gone, "deleted child of a feature turned off");
-    }
-    for gone in apply::delete_orphans(&services, &selector, &keep_services).await? {
-        info!(service = %gone, "deleted child of a feature turned off");
-    }
-    for gone in apply::delete_orphans(&network_policies, &selector, &keep_policies).await? {
-        info!(networkpolicy = %gone, "deleted child of a feature turned off");
-    }
+    prune(&deployments, &selector, &keep_deployments).await?;
+    prune(&services, &selector, &keep_services).await?;
+    prune(&network_policies, &selector, &keep_policies).await?;
     Ok(AppliedCachePool {
         agent,
         master,
@@ -332,13 +332,13 @@ mod tests {
 
     #[test]
     fn outcomes_keep_their_metric_labels() {
-        let labels = [
-            Outcome::Reconciled,
-            Outcome::ReconciledWithoutUsage,
-            Outcome::Invalid,
-            Outcome::Deleting,
-        ]
-        .map(Outcome::label);
-        assert_eq!(labels, ["ok", "no_usage", "invalid", "deleting"]);
+        for (outcome, label) in [
+            (Outcome::Reconciled, "ok"),
+            (Outcome::ReconciledWithoutUsage, "no_usage"),
+            (Outcome::Invalid, "invalid"),
+            (Outcome::Deleting, "deleting"),
+        ] {
+            assert_eq!(outcome.label(), label);
+        }
     }
 }

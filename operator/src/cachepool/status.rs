@@ -372,15 +372,13 @@ pub fn invalid_status(
     message: &str,
     now: Timestamp,
 ) -> KVCachePoolStatus {
-    let mut status = previous.cloned().unwrap_or_default();
-    status.conditions = conditions::merge(
-        &status.conditions,
-        &conditions::invalid(conditions::reason::INVALID_SPEC, message),
+    conditions::blocked(
+        previous,
         generation,
+        conditions::reason::INVALID_SPEC,
+        message,
         now,
-    );
-    status.observed_generation = generation;
-    status
+    )
 }
 
 #[cfg(test)]
@@ -389,6 +387,7 @@ mod tests {
     use crate::conditions::find;
     use crate::test_fixtures::{roce, tcp, valid};
     use k8s_openapi::api::apps::v1::{DaemonSetStatus, DeploymentSpec, DeploymentStatus};
+    use kvpool_crd::conditions::status_and_reason;
 
     fn silent() -> UsageReading {
         UsageReading::Failed {
@@ -483,10 +482,9 @@ mod tests {
     fn no_matching_nodes_is_degraded() {
         let pool = valid(&tcp());
         let s = status(&pool, &applied(0, 0, 1, None), &silent(), None, t(1));
-        let degraded = find(&s.conditions, "Degraded").expect("degraded");
         assert_eq!(
-            (degraded.status.as_str(), degraded.reason.as_str()),
-            ("True", "NoMatchingNodes")
+            status_and_reason(&s.conditions, "Degraded"),
+            Some(("True", "NoMatchingNodes"))
         );
     }
 
@@ -537,10 +535,9 @@ mod tests {
             ("2Ti", "5Gi")
         );
         assert_eq!((first.objects, first.nodes_registered), (Some(42), Some(2)));
-        let reachable = find(&first.conditions, "MasterReachable").expect("condition");
         assert_eq!(
-            (reachable.status.as_str(), reachable.reason.as_str()),
-            ("True", "StatsRead")
+            status_and_reason(&first.conditions, "MasterReachable"),
+            Some(("True", "StatsRead"))
         );
 
         // The master goes silent: figures kept, condition flips with the address and category.
@@ -696,10 +693,9 @@ mod tests {
             None,
             t(5),
         );
-        let c = find(&s.conditions, "TransportDegraded").expect("condition");
         assert_eq!(
-            (c.status.as_str(), c.reason.as_str()),
-            ("True", "RdmaFallback")
+            status_and_reason(&s.conditions, "TransportDegraded"),
+            Some(("True", "RdmaFallback"))
         );
         let s = status(&pool, &applied(2, 2, 1, None), &silent(), Some(&s), t(6));
         let c = find(&s.conditions, "TransportDegraded").expect("condition");
@@ -729,19 +725,17 @@ mod tests {
         ] {
             assert!(c.message.contains(needle), "{needle}: {}", c.message);
         }
-        let m = find(&s.conditions, "MasterReachable").expect("condition");
         assert_eq!(
-            (m.status.as_str(), m.reason.as_str()),
-            ("False", "DerivedKeyRefused")
+            status_and_reason(&s.conditions, "MasterReachable"),
+            Some(("False", "DerivedKeyRefused"))
         );
         let td = find(&s.conditions, "TransportDegraded").expect("condition");
         assert_eq!(td.status, "Unknown");
 
         let s = status(&pool, &applied(2, 2, 1, None), &silent(), Some(&s), t(6));
-        let c = find(&s.conditions, "AuthKeyRejected").expect("condition");
         assert_eq!(
-            (c.status.as_str(), c.reason.as_str()),
-            ("Unknown", "MasterUnreachable")
+            status_and_reason(&s.conditions, "AuthKeyRejected"),
+            Some(("Unknown", "MasterUnreachable"))
         );
         let s = status(
             &pool,
@@ -750,10 +744,9 @@ mod tests {
             Some(&s),
             t(7),
         );
-        let c = find(&s.conditions, "AuthKeyRejected").expect("condition");
         assert_eq!(
-            (c.status.as_str(), c.reason.as_str()),
-            ("False", "DerivedKeyAccepted")
+            status_and_reason(&s.conditions, "AuthKeyRejected"),
+            Some(("False", "DerivedKeyAccepted"))
         );
     }
 }

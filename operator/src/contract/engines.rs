@@ -185,12 +185,7 @@ pub fn sglang_bootstrap_port(user_args: &[String]) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn after<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
-        args.windows(2)
-            .find(|w| w[0] == flag)
-            .map(|w| w[1].as_str())
-    }
+    use crate::test_fixtures::after;
 
     #[test]
     fn sglang_bootstrap_port_follows_the_user_args() {
@@ -222,16 +217,21 @@ mod tests {
         );
     }
 
+    /// Qwen3-8B in `role` with tensor parallelism 2, `block_size` and the user's `user_args`.
+    fn qwen3_8b_on_two_gpus(role: Role, block_size: u32, user_args: &[String]) -> EngineLaunch<'_> {
+        EngineLaunch {
+            role,
+            model: "Qwen/Qwen3-8B",
+            tensor_parallel_size: 2,
+            block_size,
+            user_args,
+        }
+    }
+
     #[test]
     fn vllm_loads_the_kvpool_connector_in_the_role_of_the_pool() {
         let user = vec!["--max-model-len".to_owned(), "8192".to_owned()];
-        let launch = EngineLaunch {
-            role: Role::Decode,
-            model: "Qwen/Qwen3-8B",
-            tensor_parallel_size: 2,
-            block_size: 32,
-            user_args: &user,
-        };
+        let launch = qwen3_8b_on_two_gpus(Role::Decode, 32, &user);
         let (cmd, args) = vllm_command_args(&launch);
         assert_eq!(cmd, ["vllm"]);
         // The block size the conductor hashes with.
@@ -262,13 +262,7 @@ mod tests {
     #[test]
     fn sglang_keeps_mooncake_for_the_hand_off_and_stores_in_kvpool() {
         let user = vec!["--page-size".to_owned(), "64".to_owned()];
-        let launch = EngineLaunch {
-            role: Role::Prefill,
-            model: "Qwen/Qwen3-8B",
-            tensor_parallel_size: 2,
-            block_size: 16,
-            user_args: &user,
-        };
+        let launch = qwen3_8b_on_two_gpus(Role::Prefill, 16, &user);
         let (cmd, args) = sglang_command_args(&launch);
         assert_eq!(cmd, ["python3"]);
         assert_eq!(after(&args, "--page-size"), Some("16"));

@@ -303,6 +303,7 @@ fn percent_as_fraction(percent: u8) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_fixtures::has_arg;
 
     #[test]
     fn default_transfer_port_is_the_crd_default() {
@@ -335,7 +336,7 @@ mod tests {
             ["--ssd-low-watermark", "0.05"],
             ["--replica-spread", "failure-domain"],
         ] {
-            assert!(args.windows(2).any(|w| w == pair), "{pair:?} in {args:?}");
+            assert!(has_arg(&args, pair[0], pair[1]), "{pair:?} in {args:?}");
         }
         assert_eq!(percent_as_fraction(100), "1");
         assert_eq!(percent_as_fraction(0), "0");
@@ -364,23 +365,17 @@ mod tests {
         let plain = master_args(&[], &lru());
         assert!(!plain.iter().any(|a| a == "--etcd-endpoints"));
         assert_eq!(plain[0], "master");
-        assert!(
-            plain
-                .windows(2)
-                .any(|w| w == ["--auth-key-file", "/etc/kvpool/auth/key"])
-        );
+        assert!(has_arg(&plain, "--auth-key-file", "/etc/kvpool/auth/key"));
         let ha = master_args(
             &["http://a:2379".to_owned(), "http://b:2379".to_owned()],
             &lru(),
         );
-        assert!(
-            ha.windows(2)
-                .any(|w| w == ["--etcd-endpoints", "http://a:2379,http://b:2379"])
-        );
-        assert!(
-            ha.windows(2)
-                .any(|w| w == ["--advertise-addr", "$(KVPOOL_POD_IP):50051"])
-        );
+        assert!(has_arg(
+            &ha,
+            "--etcd-endpoints",
+            "http://a:2379,http://b:2379"
+        ));
+        assert!(has_arg(&ha, "--advertise-addr", "$(KVPOOL_POD_IP):50051"));
         assert!(!plain.iter().any(|a| a == "--advertise-addr"));
     }
 
@@ -399,38 +394,25 @@ mod tests {
             &model,
         );
         assert_eq!(args[0], "conductor");
-        assert!(args.windows(2).any(|w| w == ["--block-size", "16"]));
+        assert!(has_arg(&args, "--block-size", "16"));
         assert!(!args.iter().any(|a| a == "--tokenizer"));
         let with = ConductorModel {
             engine_block_size: 32,
             tokenizer_dir: Some("/etc/kvpool/tokenizer/m".into()),
         };
         let custom = conductor_args("cache", "llm", "m:1", 2000, 50, &with);
-        assert!(custom.windows(2).any(|w| w == ["--block-size", "32"]));
-        assert!(
-            custom
-                .windows(2)
-                .any(|w| w == ["--tokenizer", "/etc/kvpool/tokenizer/m"])
-        );
-        assert!(
-            args.windows(2)
-                .any(|w| w == ["--discover-namespace", "llm"])
-        );
-        assert!(args.windows(2).any(|w| w
-            == [
-                "--prefill-selector",
-                "app.kubernetes.io/name=kvpool,kvpool.dev/pool=cache,kvpool.dev/component=prefill"
-            ]));
-        assert!(args.windows(2).any(|w| w == ["--engine-port", "8000"]));
-        assert!(
-            args.windows(2)
-                .any(|w| w == ["--master", "cache-master.llm.svc:50051"])
-        );
-        assert!(
-            args.windows(2)
-                .any(|w| w == ["--auth-key-file", "/etc/kvpool/auth/key"])
-        );
-        assert!(args.windows(2).any(|w| w == ["--ttft-slo", "2000ms"]));
-        assert!(args.windows(2).any(|w| w == ["--tpot-slo", "50ms"]));
+        assert!(has_arg(&custom, "--block-size", "32"));
+        assert!(has_arg(&custom, "--tokenizer", "/etc/kvpool/tokenizer/m"));
+        assert!(has_arg(&args, "--discover-namespace", "llm"));
+        assert!(has_arg(
+            &args,
+            "--prefill-selector",
+            "app.kubernetes.io/name=kvpool,kvpool.dev/pool=cache,kvpool.dev/component=prefill"
+        ));
+        assert!(has_arg(&args, "--engine-port", "8000"));
+        assert!(has_arg(&args, "--master", "cache-master.llm.svc:50051"));
+        assert!(has_arg(&args, "--auth-key-file", "/etc/kvpool/auth/key"));
+        assert!(has_arg(&args, "--ttft-slo", "2000ms"));
+        assert!(has_arg(&args, "--tpot-slo", "50ms"));
     }
 }

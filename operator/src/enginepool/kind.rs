@@ -35,36 +35,28 @@ pub trait EnginePool:
     fn engine_status(&self) -> Option<&EnginePoolStatus>;
 }
 
-impl EnginePool for PrefillPool {
-    const KIND_NAME: &'static str = "PrefillPool";
-    const COMPONENT: Component = Component::Prefill;
+/// Implements [`EnginePool`] for one kind: its name, its component, and the constructor of
+/// [`ValidatedEnginePool`] that reads its spec.
+macro_rules! engine_pool {
+    ($kind:ident, $component:ident, $validate:ident) => {
+        impl EnginePool for $kind {
+            const KIND_NAME: &'static str = stringify!($kind);
+            const COMPONENT: Component = Component::$component;
 
-    fn pool_ref(&self) -> &str {
-        &self.spec.kv_cache_pool_ref.name
-    }
+            fn pool_ref(&self) -> &str {
+                &self.spec.kv_cache_pool_ref.name
+            }
 
-    fn validated(&self) -> Result<ValidatedEnginePool, SpecError> {
-        ValidatedEnginePool::from_prefill(&self.spec)
-    }
+            fn validated(&self) -> Result<ValidatedEnginePool, SpecError> {
+                ValidatedEnginePool::$validate(&self.spec)
+            }
 
-    fn engine_status(&self) -> Option<&EnginePoolStatus> {
-        self.status.as_ref()
-    }
+            fn engine_status(&self) -> Option<&EnginePoolStatus> {
+                self.status.as_ref()
+            }
+        }
+    };
 }
 
-impl EnginePool for DecodePool {
-    const KIND_NAME: &'static str = "DecodePool";
-    const COMPONENT: Component = Component::Decode;
-
-    fn pool_ref(&self) -> &str {
-        &self.spec.kv_cache_pool_ref.name
-    }
-
-    fn validated(&self) -> Result<ValidatedEnginePool, SpecError> {
-        ValidatedEnginePool::from_decode(&self.spec)
-    }
-
-    fn engine_status(&self) -> Option<&EnginePoolStatus> {
-        self.status.as_ref()
-    }
-}
+engine_pool!(PrefillPool, Prefill, from_prefill);
+engine_pool!(DecodePool, Decode, from_decode);

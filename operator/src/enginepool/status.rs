@@ -73,13 +73,5 @@ pub fn blocked_status(
     message: &str,
     now: Timestamp,
 ) -> EnginePoolStatus {
-    let mut status = previous.cloned().unwrap_or_default();
-    status.conditions = conditions::merge(
-        &status.conditions,
-        &conditions::invalid(why, message),
-        generation,
-        now,
-    );
-    status.observed_generation = generation;
-    status
+    conditions::blocked(previous, generation, why, message, now)
 }

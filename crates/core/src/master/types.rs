@@ -81,6 +81,23 @@ pub struct SegmentSpec {
     pub persistent: bool,
 }
 
+impl SegmentSpec {
+    /// The segment `name` of `node`, `capacity_bytes` on `tier`, reached at `endpoint`: on NUMA
+    /// node 0, without a failure domain, not persistent.
+    pub fn new(node: &str, name: &str, tier: Tier, capacity_bytes: u64, endpoint: String) -> Self {
+        Self {
+            node: node.to_owned(),
+            name: name.to_owned(),
+            tier,
+            capacity_bytes,
+            numa_node: 0,
+            failure_domain: String::new(),
+            endpoints: vec![endpoint],
+            persistent: false,
+        }
+    }
+}
+
 /// How the replicas of one object are spread.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]

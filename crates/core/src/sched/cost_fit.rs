@@ -321,20 +321,16 @@ mod tests {
             min_observations: 1,
             ..FitConfig::default()
         };
-        let mut f = CostFitter::new(PrefillCost::default(), cfg);
-        for _ in 0..20 {
-            f.observe(0, 0.05);
+        // Twenty observations of one size, each taking `seconds`: the fit predicts that time.
+        for (tokens, seconds) in [(0, 0.05), (1_000, 0.5)] {
+            let mut f = CostFitter::new(PrefillCost::default(), cfg);
+            for _ in 0..20 {
+                f.observe(tokens, seconds);
+            }
+            let fit = f.current();
+            assert!(valid(fit), "{fit:?}");
+            assert!((fit.seconds(0, tokens) - seconds).abs() < 1e-9, "{fit:?}");
         }
-        let fit = f.current();
-        assert!(valid(fit), "{fit:?}");
-        assert!((fit.seconds(0, 0) - 0.05).abs() < 1e-9, "{fit:?}");
-        let mut g = CostFitter::new(PrefillCost::default(), cfg);
-        for _ in 0..20 {
-            g.observe(1_000, 0.5);
-        }
-        let fit = g.current();
-        assert!(valid(fit), "{fit:?}");
-        assert!((fit.seconds(0, 1_000) - 0.5).abs() < 1e-9, "{fit:?}");
     }
 
     #[test]
@@ -361,23 +357,26 @@ mod tests {
         assert!(valid(g.current()));
     }
 
+    /// Feeds `count` observations to `f`, of 200 to 2000 tokens in turn, each taking
+    /// `seconds(tokens)`.
+    fn feed(f: &mut CostFitter, count: u64, seconds: impl Fn(u64) -> f64) {
+        for i in 0..count {
+            let n = 200 * (i % 10 + 1);
+            f.observe(n, seconds(n));
+        }
+    }
+
     #[test]
     fn outliers_are_dropped_until_they_persist() {
         let t = truth();
         let mut f = CostFitter::new(PrefillCost::default(), FitConfig::default());
-        for i in 0..30u64 {
-            let n = 200 * (i % 10 + 1);
-            f.observe(n, t.seconds(0, n));
-        }
+        feed(&mut f, 30, |n| t.seconds(0, n));
         let before = f.current();
         assert_eq!(f.observe(1_000, 100.0), Observed::Outlier);
         assert_eq!(f.current(), before);
         // The engine became 50x slower for good: after `drift_after` in a row the fit follows.
         let slow = |n: u64| 50.0 * t.seconds(0, n);
-        for i in 0..300u64 {
-            let n = 200 * (i % 10 + 1);
-            f.observe(n, slow(n));
-        }
+        feed(&mut f, 300, slow);
         let p = f.current().seconds(0, 1_000);
         assert!((p - slow(1_000)).abs() < 0.05 * slow(1_000), "{p}");
     }
@@ -386,15 +385,9 @@ mod tests {
     fn forgetting_follows_drift() {
         let t = truth();
         let mut f = CostFitter::new(PrefillCost::default(), FitConfig::default());
-        for i in 0..200u64 {
-            let n = 200 * (i % 10 + 1);
-            f.observe(n, t.seconds(0, n));
-        }
+        feed(&mut f, 200, |n| t.seconds(0, n));
         // Twice as slow (not an outlier): recent observations dominate.
-        for i in 0..200u64 {
-            let n = 200 * (i % 10 + 1);
-            f.observe(n, 2.0 * t.seconds(0, n));
-        }
+        feed(&mut f, 200, |n| 2.0 * t.seconds(0, n));
         let p = f.current().seconds(0, 1_000);
         let want = 2.0 * t.seconds(0, 1_000);
         assert!((p - want).abs() < 0.05 * want, "{p} vs {want}");

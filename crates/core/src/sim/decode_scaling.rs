@@ -8,68 +8,40 @@
 //! after `startup_s` (the engine loading its model). Instance-seconds count from switching on
 //! until a switched-off instance has drained. Pure.
 
-use crate::autoscale::{Autoscaler, Bounds, LoadWindow, RoleLoad};
-
-use super::scaling::{AutoscaleConfig, ScalingTotals};
+use super::scaling::{AutoscaleConfig, Change, InstanceSet, ScalingTotals};
 
 /// The decode scaler's state, one slot per decode instance the engine was built for.
 #[derive(Debug)]
 pub struct DecodeScaler {
-    config: AutoscaleConfig,
-    /// The TPOT SLO, seconds.
-    slo_s: f64,
-    autoscaler: Autoscaler,
-    window: LoadWindow,
-    active: Vec<bool>,
+    /// Which instances are on, fed from the window of predicted TPOTs against the TPOT SLO.
+    set: InstanceSet,
     /// When each instance takes requests (after its start-up); meaningful while active.
     ready_at_s: Vec<f64>,
-    /// Per instance: when it was switched on (`None` while off).
-    on_since: Vec<Option<f64>>,
     /// Per instance: switched off at this time and still holding requests.
     draining_since: Vec<Option<f64>>,
-    next_tick_s: Option<f64>,
-    totals: ScalingTotals,
-}
-
-fn as_u32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 impl DecodeScaler {
     /// `config.start` of `instances` (= `max`) decode instances on and ready (clamped into the
     /// bounds); `slo_s` is the TPOT SLO.
     pub fn new(config: AutoscaleConfig, slo_s: f64, instances: usize) -> Self {
-        let start = config
-            .start
-            .clamp(config.min.max(1), config.max.max(1))
-            .min(instances);
         Self {
-            autoscaler: Autoscaler::new(config.behavior),
-            window: LoadWindow::new(config.window_s, 1_000_000),
-            active: (0..instances).map(|i| i < start).collect(),
+            set: InstanceSet::new(config, slo_s, instances),
             ready_at_s: vec![f64::NEG_INFINITY; instances],
-            on_since: vec![None; instances],
             draining_since: vec![None; instances],
-            next_tick_s: None,
-            totals: ScalingTotals {
-                fewest: start,
-                most: start,
-                ..ScalingTotals::default()
-            },
-            config,
-            slo_s,
         }
     }
 
     /// Instances switched on now.
     pub fn count(&self) -> usize {
-        self.active.iter().filter(|&&a| a).count()
+        self.set.count()
     }
 
     /// How many leading instances take new requests at `now_s` (on, and past their start-up).
     /// Instances are switched on lowest first and off highest first, so these are a prefix.
     pub fn available(&self, now_s: f64) -> usize {
-        self.active
+        self.set
+            .active
             .iter()
             .zip(&self.ready_at_s)
             .take_while(|(a, r)| **a && **r <= now_s)
@@ -78,19 +50,19 @@ impl DecodeScaler {
 
     /// A request admitted at `now_s` with the TPOT the policy predicted for it.
     pub fn admitted(&mut self, now_s: f64, predicted_tpot_s: f64) {
-        self.window.admitted(now_s, predicted_tpot_s);
+        self.set.admitted(now_s, predicted_tpot_s);
     }
 
     /// A request rejected at `now_s` for decode (its TPOT or the decode KV memory).
     pub fn rejected(&mut self, now_s: f64) {
-        self.window.rejected(now_s);
+        self.set.rejected(now_s);
     }
 
     /// Instance `instance` holds no request any more at `now_s`: if it was switched off, its
     /// drain ends here.
     pub fn idle(&mut self, instance: usize, now_s: f64) {
         if let Some(since) = self.draining_since.get_mut(instance).and_then(Option::take) {
-            self.totals.instance_s += (now_s - since).max(0.0);
+            self.set.totals.instance_s += (now_s - since).max(0.0);
         }
     }
 
@@ -98,91 +70,42 @@ impl DecodeScaler {
     /// decode instance and wait for KV memory; `busy[i]` says instance `i` still holds
     /// requests (running, waiting, or on their way).
     pub fn advance(&mut self, now_s: f64, queue_depth: u64, busy: &[bool]) {
-        let next = *self.next_tick_s.get_or_insert_with(|| {
-            // The clock starts at the first arrival; so do the instances already on.
-            for (since, active) in self.on_since.iter_mut().zip(&self.active) {
-                if *active {
-                    *since = Some(now_s);
-                }
-            }
-            now_s + self.config.period_s
-        });
-        let mut tick = next;
-        while tick <= now_s {
+        for tick in self.set.due(now_s) {
             self.decide(tick, queue_depth, busy);
-            tick += self.config.period_s;
         }
-        self.next_tick_s = Some(tick);
     }
 
     fn decide(&mut self, t: f64, queue_depth: u64, busy: &[bool]) {
-        let current = self.count();
-        let cur = as_u32(current);
-        let load = RoleLoad {
-            instances: cur,
-            queue_depth,
-            slo_s: self.slo_s,
-            figures: self.window.figures(t, self.slo_s),
-        };
-        let value = load.signal_value(self.config.signal, self.slo_s, cur);
-        let bounds = Bounds::new(as_u32(self.config.min.max(1)), as_u32(self.config.max));
-        let d = self
-            .autoscaler
-            .decide(t, self.config.signal, Some(value), cur, bounds);
-        let desired = d.desired as usize;
-        if desired > current {
-            self.totals.scale_ups += 1;
-            let mut missing = desired - current;
-            for i in 0..self.active.len() {
-                if missing == 0 {
-                    break;
+        match self.set.decide(t, queue_depth) {
+            Change::None => {}
+            Change::On(on) => {
+                for i in on {
+                    // An instance still draining never went away: it takes requests at once.
+                    self.ready_at_s[i] = match self.draining_since[i].take() {
+                        Some(since) => {
+                            self.set.totals.instance_s += (t - since).max(0.0);
+                            t
+                        }
+                        None => t + self.set.config().startup_s,
+                    };
                 }
-                if self.active[i] {
-                    continue;
-                }
-                self.active[i] = true;
-                self.on_since[i] = Some(t);
-                // An instance still draining never went away: it takes requests at once.
-                self.ready_at_s[i] = match self.draining_since[i].take() {
-                    Some(since) => {
-                        self.totals.instance_s += (t - since).max(0.0);
-                        t
-                    }
-                    None => t + self.config.startup_s,
-                };
-                missing -= 1;
             }
-        } else if desired < current {
-            self.totals.scale_downs += 1;
-            let mut extra = current - desired;
-            for i in (0..self.active.len()).rev() {
-                if extra == 0 {
-                    break;
+            Change::Off(off) => {
+                for (i, since) in off {
+                    if let Some(since) = since {
+                        self.set.totals.instance_s += (t - since).max(0.0);
+                    }
+                    if busy.get(i).copied().unwrap_or(false) {
+                        self.draining_since[i] = Some(t);
+                    }
                 }
-                if !self.active[i] {
-                    continue;
-                }
-                self.active[i] = false;
-                if let Some(since) = self.on_since[i].take() {
-                    self.totals.instance_s += (t - since).max(0.0);
-                }
-                if busy.get(i).copied().unwrap_or(false) {
-                    self.draining_since[i] = Some(t);
-                }
-                extra -= 1;
             }
         }
-        let n = self.count();
-        self.totals.fewest = self.totals.fewest.min(n);
-        self.totals.most = self.totals.most.max(n);
     }
 
     /// The totals, with the instances still on (or still draining) counted until `end_s`.
-    pub fn finish(mut self, end_s: f64) -> ScalingTotals {
-        for since in self.on_since.iter().chain(&self.draining_since).flatten() {
-            self.totals.instance_s += (end_s - since).max(0.0);
-        }
-        self.totals
+    pub fn finish(self, end_s: f64) -> ScalingTotals {
+        self.set.finish(end_s, &self.draining_since)
     }
 }
 
@@ -199,6 +122,16 @@ mod tests {
         }
     }
 
+    /// `c` deciding every `period_s` on the latest figures alone: no stabilization windows
+    /// and no cool-down.
+    fn without_windows(mut c: AutoscaleConfig, period_s: f64) -> AutoscaleConfig {
+        c.behavior.up_window_s = 0.0;
+        c.behavior.down_window_s = 0.0;
+        c.behavior.cooldown_s = 0.0;
+        c.period_s = period_s;
+        c
+    }
+
     /// Drives the scaler second by second: each second `load(t)` requests arrive, each with
     /// the predicted TPOT `tpot(t)`; returns the count after each second.
     fn script(
@@ -206,7 +139,7 @@ mod tests {
         seconds: std::ops::Range<u32>,
         tpot: impl Fn(f64) -> f64,
     ) -> Vec<usize> {
-        let busy = vec![false; s.active.len()];
+        let busy = vec![false; s.set.active.len()];
         seconds
             .map(|sec| {
                 let t = f64::from(sec);
@@ -292,12 +225,7 @@ mod tests {
 
     #[test]
     fn new_instances_wait_for_their_start_up_and_draining_ones_are_counted_until_idle() {
-        let mut c = config(1, 3);
-        c.behavior.up_window_s = 0.0;
-        c.behavior.down_window_s = 0.0;
-        c.behavior.cooldown_s = 0.0;
-        c.period_s = 20.0;
-        let mut s = DecodeScaler::new(c, 0.1, 3);
+        let mut s = DecodeScaler::new(without_windows(config(1, 3), 20.0), 0.1, 3);
         s.advance(0.0, 0, &[false; 3]);
         // Predicted TPOT at twice the SLO: four times the target ratio, so up to 3 (max).
         s.admitted(0.5, 0.2);
@@ -321,11 +249,7 @@ mod tests {
 
     #[test]
     fn a_draining_instance_switched_on_again_takes_requests_at_once() {
-        let mut c = config(1, 2);
-        c.behavior.up_window_s = 0.0;
-        c.behavior.down_window_s = 0.0;
-        c.behavior.cooldown_s = 0.0;
-        c.period_s = 1.0;
+        let c = without_windows(config(1, 2), 1.0);
         let mut s = DecodeScaler::new(AutoscaleConfig { start: 2, ..c }, 0.1, 2);
         s.advance(0.0, 0, &[false; 2]);
         assert_eq!(s.available(0.0), 2);

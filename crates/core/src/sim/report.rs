@@ -7,6 +7,7 @@ use crate::sched::{Policy, RejectReason, Rejection};
 
 use super::config::SimConfig;
 use super::outcome::{Outcome, Totals};
+use super::scaling::ScalingTotals;
 
 /// Percentiles of a sample (nearest rank), in seconds. All zero for an empty sample.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
@@ -81,11 +82,11 @@ pub struct Report {
     /// Prefill instance-seconds, first arrival to last completion.
     pub prefill_instance_s: f64,
     /// What autoscaling did (`None` with a fixed prefill count).
-    pub autoscale: Option<super::scaling::ScalingTotals>,
+    pub autoscale: Option<ScalingTotals>,
     /// Decode instance-seconds, first arrival to last completion.
     pub decode_instance_s: f64,
     /// What decode autoscaling did (`None` with a fixed decode count).
-    pub autoscale_decode: Option<super::scaling::ScalingTotals>,
+    pub autoscale_decode: Option<ScalingTotals>,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -243,32 +244,43 @@ impl Report {
             self.local_evictions,
             self.pool_evictions
         );
-        let _ = match &self.autoscale {
-            Some(a) => writeln!(
-                s,
-                "prefill instance-seconds {:.0}  autoscaled {}..{} instances, {} up and {} down",
-                self.prefill_instance_s, a.fewest, a.most, a.scale_ups, a.scale_downs
-            ),
-            None => writeln!(
-                s,
-                "prefill instance-seconds {:.0}  ({} instances throughout)",
-                self.prefill_instance_s, self.prefill_instances
-            ),
-        };
-        let _ = match &self.autoscale_decode {
-            Some(a) => writeln!(
-                s,
-                "decode instance-seconds {:.0}  autoscaled {}..{} instances, {} up and {} down",
-                self.decode_instance_s, a.fewest, a.most, a.scale_ups, a.scale_downs
-            ),
-            None => writeln!(
-                s,
-                "decode instance-seconds {:.0}  ({} instances throughout)",
-                self.decode_instance_s, self.decode_instances
-            ),
-        };
+        instance_line(
+            &mut s,
+            "prefill",
+            self.prefill_instance_s,
+            self.autoscale.as_ref(),
+            self.prefill_instances,
+        );
+        instance_line(
+            &mut s,
+            "decode",
+            self.decode_instance_s,
+            self.autoscale_decode.as_ref(),
+            self.decode_instances,
+        );
         s
     }
+}
+
+/// The line on one role's instance-seconds: what autoscaling did, or the fixed count.
+fn instance_line(
+    s: &mut String,
+    role: &str,
+    instance_s: f64,
+    autoscale: Option<&ScalingTotals>,
+    instances: usize,
+) {
+    let _ = match autoscale {
+        Some(a) => writeln!(
+            s,
+            "{role} instance-seconds {instance_s:.0}  autoscaled {}..{} instances, {} up and {} down",
+            a.fewest, a.most, a.scale_ups, a.scale_downs
+        ),
+        None => writeln!(
+            s,
+            "{role} instance-seconds {instance_s:.0}  ({instances} instances throughout)"
+        ),
+    };
 }
 
 #[cfg(test)]

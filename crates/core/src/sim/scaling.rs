@@ -56,20 +56,170 @@ pub struct ScalingTotals {
     pub most: usize,
 }
 
-/// The scaler's state.
+/// The bookkeeping both scalers (prefill here, and the decode scaler) share: the
+/// operator's decision fed every `period_s` from a window of predicted latencies, which
+/// instances are on and since when, and the run's totals. Instances are switched on lowest
+/// first and off highest first.
 #[derive(Debug)]
-pub struct PrefillScaler {
+pub(super) struct InstanceSet {
     config: AutoscaleConfig,
+    /// The SLO the window's predictions are measured against, seconds.
     slo_s: f64,
     autoscaler: Autoscaler,
     window: LoadWindow,
-    active: Vec<bool>,
-    /// Per instance, start times of the requests booked on it (FIFO, so increasing).
-    starts: Vec<VecDeque<f64>>,
+    /// Per instance: switched on now.
+    pub(super) active: Vec<bool>,
     /// Per instance: when it was switched on (`None` while off).
     on_since: Vec<Option<f64>>,
     next_tick_s: Option<f64>,
-    totals: ScalingTotals,
+    pub(super) totals: ScalingTotals,
+}
+
+/// What one decision changed.
+pub(super) enum Change {
+    None,
+    /// These instances were switched on, lowest first.
+    On(Vec<usize>),
+    /// These instances were switched off, highest first, each with when it had been switched
+    /// on (`None` before the clock started).
+    Off(Vec<(usize, Option<f64>)>),
+}
+
+impl InstanceSet {
+    /// `config.start` of `instances` (= `max`) on, clamped into the bounds.
+    pub(super) fn new(config: AutoscaleConfig, slo_s: f64, instances: usize) -> Self {
+        let start = config
+            .start
+            .clamp(config.min.max(1), config.max.max(1))
+            .min(instances);
+        Self {
+            autoscaler: Autoscaler::new(config.behavior),
+            window: LoadWindow::new(config.window_s, 1_000_000),
+            active: (0..instances).map(|i| i < start).collect(),
+            on_since: vec![None; instances],
+            next_tick_s: None,
+            totals: ScalingTotals {
+                fewest: start,
+                most: start,
+                ..ScalingTotals::default()
+            },
+            config,
+            slo_s,
+        }
+    }
+
+    pub(super) fn config(&self) -> &AutoscaleConfig {
+        &self.config
+    }
+
+    /// Instances switched on now.
+    pub(super) fn count(&self) -> usize {
+        self.active.iter().filter(|&&a| a).count()
+    }
+
+    /// A request admitted at `now_s` with the latency the policy predicted for it.
+    pub(super) fn admitted(&mut self, now_s: f64, predicted_s: f64) {
+        self.window.admitted(now_s, predicted_s);
+    }
+
+    /// A request rejected at `now_s`.
+    pub(super) fn rejected(&mut self, now_s: f64) {
+        self.window.rejected(now_s);
+    }
+
+    /// The decision times due up to `now_s`, in order. The first call starts the clock, for
+    /// the instances already on too.
+    pub(super) fn due(&mut self, now_s: f64) -> Vec<f64> {
+        let next = *self.next_tick_s.get_or_insert_with(|| {
+            for (since, active) in self.on_since.iter_mut().zip(&self.active) {
+                if *active {
+                    *since = Some(now_s);
+                }
+            }
+            now_s + self.config.period_s
+        });
+        let mut ticks = Vec::new();
+        let mut tick = next;
+        while tick <= now_s {
+            ticks.push(tick);
+            tick += self.config.period_s;
+        }
+        self.next_tick_s = Some(tick);
+        ticks
+    }
+
+    /// Runs the decision at `t` with `queue_depth` requests waiting, and switches instances on
+    /// or off to match it.
+    pub(super) fn decide(&mut self, t: f64, queue_depth: u64) -> Change {
+        let current = self.count();
+        let cur = as_u32(current);
+        let load = RoleLoad {
+            instances: cur,
+            queue_depth,
+            slo_s: self.slo_s,
+            figures: self.window.figures(t, self.slo_s),
+        };
+        let value = load.signal_value(self.config.signal, self.slo_s, cur);
+        let bounds = Bounds::new(as_u32(self.config.min.max(1)), as_u32(self.config.max));
+        let d = self
+            .autoscaler
+            .decide(t, self.config.signal, Some(value), cur, bounds);
+        let desired = d.desired as usize;
+        let change = if desired > current {
+            self.totals.scale_ups += 1;
+            let on: Vec<usize> = (0..self.active.len())
+                .filter(|&i| !self.active[i])
+                .take(desired - current)
+                .collect();
+            for &i in &on {
+                self.active[i] = true;
+                self.on_since[i] = Some(t);
+            }
+            Change::On(on)
+        } else if desired < current {
+            self.totals.scale_downs += 1;
+            let off: Vec<usize> = (0..self.active.len())
+                .rev()
+                .filter(|&i| self.active[i])
+                .take(current - desired)
+                .collect();
+            let off = off
+                .into_iter()
+                .map(|i| {
+                    self.active[i] = false;
+                    (i, self.on_since[i].take())
+                })
+                .collect();
+            Change::Off(off)
+        } else {
+            Change::None
+        };
+        let n = self.count();
+        self.totals.fewest = self.totals.fewest.min(n);
+        self.totals.most = self.totals.most.max(n);
+        change
+    }
+
+    /// The totals, with the instances still on, and those that started at `also` (draining
+    /// ones), counted until `end_s`.
+    pub(super) fn finish(mut self, end_s: f64, also: &[Option<f64>]) -> ScalingTotals {
+        for since in self.on_since.iter().chain(also).flatten() {
+            self.totals.instance_s += (end_s - since).max(0.0);
+        }
+        self.totals
+    }
+}
+
+fn as_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// The prefill scaler's state.
+#[derive(Debug)]
+pub struct PrefillScaler {
+    set: InstanceSet,
+    /// Per instance, start times of the requests booked on it (FIFO, so increasing).
+    starts: Vec<VecDeque<f64>>,
 }
 
 fn clear_local(cache: &mut LruSet, index: &mut PrefixIndex, instance: usize) {
@@ -84,43 +234,22 @@ impl PrefillScaler {
     /// `config.start` instances on (clamped into the bounds) out of `prefill.len()` (= `max`);
     /// the rest are switched off.
     pub fn new(config: AutoscaleConfig, slo_s: f64, prefill: &mut [PrefillLoad]) -> Self {
-        let start = config
-            .start
-            .clamp(config.min.max(1), config.max.max(1))
-            .min(prefill.len());
-        let mut active = vec![false; prefill.len()];
-        for (i, p) in prefill.iter_mut().enumerate() {
-            if i < start {
-                active[i] = true;
-            } else {
+        let set = InstanceSet::new(config, slo_s, prefill.len());
+        for (p, on) in prefill.iter_mut().zip(&set.active) {
+            if !on {
                 p.free_at_s = f64::INFINITY;
             }
         }
         Self {
-            autoscaler: Autoscaler::new(config.behavior),
-            window: LoadWindow::new(config.window_s, 1_000_000),
             starts: vec![VecDeque::new(); prefill.len()],
-            on_since: active.iter().map(|_| None).collect(),
-            active,
-            next_tick_s: None,
-            totals: ScalingTotals {
-                fewest: start,
-                most: start,
-                ..ScalingTotals::default()
-            },
-            config,
-            slo_s,
+            set,
         }
-    }
-
-    fn count(&self) -> usize {
-        self.active.iter().filter(|&&a| a).count()
     }
 
     /// A request admitted at `now_s` on `instance`, its prefill starting at `start_s`, with
     /// the TTFT the policy predicted.
     pub fn admitted(&mut self, now_s: f64, instance: usize, start_s: f64, predicted_ttft_s: f64) {
-        self.window.admitted(now_s, predicted_ttft_s);
+        self.set.admitted(now_s, predicted_ttft_s);
         if let Some(q) = self.starts.get_mut(instance) {
             q.push_back(start_s);
         }
@@ -128,7 +257,7 @@ impl PrefillScaler {
 
     /// A request rejected at `now_s` for its TTFT.
     pub fn rejected(&mut self, now_s: f64) {
-        self.window.rejected(now_s);
+        self.set.rejected(now_s);
     }
 
     /// Run every decision due up to `now_s`.
@@ -139,21 +268,9 @@ impl PrefillScaler {
         local: &mut [LruSet],
         index: &mut PrefixIndex,
     ) {
-        let next = *self.next_tick_s.get_or_insert_with(|| {
-            // The clock starts at the first arrival; so do the instances already on.
-            for s in self.on_since.iter_mut().zip(&self.active) {
-                if *s.1 {
-                    *s.0 = Some(now_s);
-                }
-            }
-            now_s + self.config.period_s
-        });
-        let mut tick = next;
-        while tick <= now_s {
+        for tick in self.set.due(now_s) {
             self.decide(tick, prefill, local, index);
-            tick += self.config.period_s;
         }
-        self.next_tick_s = Some(tick);
     }
 
     fn decide(
@@ -163,7 +280,6 @@ impl PrefillScaler {
         local: &mut [LruSet],
         index: &mut PrefixIndex,
     ) {
-        let current = self.count();
         let queue_depth = self
             .starts
             .iter_mut()
@@ -174,56 +290,20 @@ impl PrefillScaler {
                 q.len() as u64
             })
             .sum();
-        let load = RoleLoad {
-            instances: u32::try_from(current).unwrap_or(u32::MAX),
-            queue_depth,
-            slo_s: self.slo_s,
-            figures: self.window.figures(t, self.slo_s),
-        };
-        let cur = u32::try_from(current).unwrap_or(u32::MAX);
-        let value = load.signal_value(self.config.signal, self.slo_s, cur);
-        let bounds = Bounds::new(
-            u32::try_from(self.config.min.max(1)).unwrap_or(u32::MAX),
-            u32::try_from(self.config.max).unwrap_or(u32::MAX),
-        );
-        let d = self
-            .autoscaler
-            .decide(t, self.config.signal, Some(value), cur, bounds);
-        let desired = d.desired as usize;
-        if desired > current {
-            self.totals.scale_ups += 1;
-            let mut missing = desired - current;
-            let slots = self
-                .active
-                .iter_mut()
-                .zip(self.on_since.iter_mut())
-                .zip(prefill.iter_mut());
-            for ((active, since), load) in slots {
-                if missing == 0 {
-                    break;
-                }
-                if !*active {
-                    *active = true;
-                    *since = Some(t);
-                    load.free_at_s = t + self.config.startup_s;
-                    missing -= 1;
+        match self.set.decide(t, queue_depth) {
+            Change::None => {}
+            Change::On(on) => {
+                for i in on {
+                    prefill[i].free_at_s = t + self.set.config().startup_s;
                 }
             }
-        } else if desired < current {
-            self.totals.scale_downs += 1;
-            let mut extra = current - desired;
-            // The highest-numbered instances go first; each drains what it has queued.
-            for i in (0..self.active.len()).rev() {
-                if extra == 0 {
-                    break;
-                }
-                if self.active[i]
-                    && let Some(load) = prefill.get_mut(i)
-                {
-                    self.active[i] = false;
+            // Each instance switched off drains what it has queued.
+            Change::Off(off) => {
+                for (i, since) in off {
+                    let load = &mut prefill[i];
                     let until = load.free_at_s.max(t);
-                    if let Some(since) = self.on_since.get_mut(i).and_then(Option::take) {
-                        self.totals.instance_s += until - since;
+                    if let Some(since) = since {
+                        self.set.totals.instance_s += until - since;
                     }
                     load.free_at_s = f64::INFINITY;
                     if let Some(cache) = local.get_mut(i) {
@@ -232,20 +312,13 @@ impl PrefillScaler {
                     if let Some(q) = self.starts.get_mut(i) {
                         q.clear();
                     }
-                    extra -= 1;
                 }
             }
         }
-        let n = self.count();
-        self.totals.fewest = self.totals.fewest.min(n);
-        self.totals.most = self.totals.most.max(n);
     }
 
     /// The totals, with the instances still on counted until `end_s`.
-    pub fn finish(mut self, end_s: f64) -> ScalingTotals {
-        for since in self.on_since.iter().flatten() {
-            self.totals.instance_s += (end_s - since).max(0.0);
-        }
-        self.totals
+    pub fn finish(self, end_s: f64) -> ScalingTotals {
+        self.set.finish(end_s, &[])
     }
 }

@@ -214,11 +214,8 @@ mod tests {
     use crate::{DecodePool, PrefillPool};
 
     fn prefill(spec_yaml: &str) -> PrefillPoolSpec {
-        let text = format!(
-            "apiVersion: kvpool.dev/v1alpha1\nkind: PrefillPool\nmetadata:\n  name: p\nspec:\n  kvCachePoolRef: {{name: cache}}\n{spec_yaml}"
-        );
-        let p: PrefillPool = serde_saphyr::from_str(&text).expect("fixture parses");
-        p.spec
+        let spec = format!("  kvCachePoolRef: {{name: cache}}\n{spec_yaml}");
+        crate::validated::fixture::<PrefillPool>(&spec).spec
     }
 
     #[test]

@@ -337,11 +337,7 @@ mod tests {
     use crate::{EvictionPolicy, KVCachePool, NumaPolicy};
 
     fn pool(spec_yaml: &str) -> KVCachePoolSpec {
-        let text = format!(
-            "apiVersion: kvpool.dev/v1alpha1\nkind: KVCachePool\nmetadata:\n  name: p\nspec:\n{spec_yaml}"
-        );
-        let pool: KVCachePool = serde_saphyr::from_str(&text).expect("fixture parses");
-        pool.spec
+        crate::validated::fixture::<KVCachePool>(spec_yaml).spec
     }
 
     #[test]

@@ -23,3 +23,17 @@ pub use pool_config::{
     ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MasterConfig, ReplicationConfig,
     SriovConfig, SriovRequest, SsdConfig, TransportConfig,
 };
+
+/// An object of kind `K` named `p` whose spec is `spec_yaml` (lines indented by two), as the
+/// unit tests write their fixtures.
+#[cfg(test)]
+fn fixture<K>(spec_yaml: &str) -> K
+where
+    K: kube::Resource<DynamicType = ()> + serde::de::DeserializeOwned,
+{
+    let text = format!(
+        "apiVersion: kvpool.dev/v1alpha1\nkind: {}\nmetadata:\n  name: p\nspec:\n{spec_yaml}",
+        K::kind(&())
+    );
+    serde_saphyr::from_str(&text).expect("fixture parses")
+}

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    ResourceRequirements, SeccompProfile, SecurityContext, Volume,
+    Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SecurityContext, Volume,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -35,10 +35,7 @@ pub const AGENT_CAPABILITIES: [&str; 2] = ["IPC_LOCK", "SYS_NICE"];
 fn agent_pod_security() -> PodSecurityContext {
     PodSecurityContext {
         supplemental_groups: Some(vec![KEY_READER_GROUP]),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".to_owned(),
-            ..SeccompProfile::default()
-        }),
+        seccomp_profile: pod::runtime_default_seccomp(),
         ..PodSecurityContext::default()
     }
 }
@@ -46,16 +43,7 @@ fn agent_pod_security() -> PodSecurityContext {
 /// Container security context of the agent: no privilege escalation, a read-only root
 /// filesystem (it writes only to its volumes), and only [`AGENT_CAPABILITIES`].
 fn agent_container_security() -> SecurityContext {
-    SecurityContext {
-        privileged: Some(false),
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(true),
-        capabilities: Some(Capabilities {
-            add: Some(AGENT_CAPABILITIES.iter().map(|c| (*c).to_owned()).collect()),
-            drop: Some(vec!["ALL".to_owned()]),
-        }),
-        ..SecurityContext::default()
-    }
+    pod::unprivileged(true, &AGENT_CAPABILITIES)
 }
 
 fn hugepages_resource(h: Hugepages) -> Option<&'static str> {

@@ -10,7 +10,10 @@ use kvpool_crd::ValidatedKVCachePool;
 
 use super::*;
 use crate::labels::{self, Component};
-use crate::test_fixtures::{roce, tcp, valid};
+use crate::test_fixtures::{
+    after, assert_runs_kvpool, has_arg, host_path, roce, tcp, template_annotations,
+    template_labels, valid,
+};
 
 fn pod(ds: &DaemonSet) -> &PodSpec {
     ds.spec
@@ -42,21 +45,11 @@ fn roce_agent_daemonset_carries_every_node_level_setting() {
 
     let spec = ds.spec.as_ref().expect("spec");
     let selector = spec.selector.match_labels.as_ref().expect("selector");
-    let template_labels = spec
-        .template
-        .metadata
-        .as_ref()
-        .and_then(|m| m.labels.as_ref())
-        .expect("template labels");
+    let template_labels = template_labels(&spec.template);
     for (k, v) in selector {
         assert_eq!(template_labels.get(k), Some(v), "selector label {k}");
     }
-    let annotations = spec
-        .template
-        .metadata
-        .as_ref()
-        .and_then(|m| m.annotations.as_ref())
-        .expect("annotations");
+    let annotations = template_annotations(&spec.template);
     assert_eq!(
         annotations[labels::MULTUS_NETWORKS],
         "llm/roce-a,llm/roce-b"
@@ -86,23 +79,11 @@ fn roce_agent_daemonset_carries_every_node_level_setting() {
 
     let c = &pod.containers[0];
     assert_eq!(c.image.as_deref(), Some("ghcr.io/kvpool/kvpool-agent:test"));
-    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        c.args.as_deref().expect("args"),
-        [
-            "agent",
-            "run",
-            "--pool-config",
-            "/etc/kvpool/config.yaml",
-            "--admin-listen",
-            "0.0.0.0:9090",
-            "--socket-dir",
-            "/run/kvpool",
-            "--node-name",
-            "$(KVPOOL_NODE_NAME)",
-            "--advertise-host",
-            "$(KVPOOL_POD_IP)"
-        ]
+    assert_runs_kvpool(
+        c,
+        "agent run --pool-config /etc/kvpool/config.yaml --admin-listen 0.0.0.0:9090
+        --socket-dir /run/kvpool --node-name $(KVPOOL_NODE_NAME)
+        --advertise-host $(KVPOOL_POD_IP)",
     );
     // Least privilege: every capability dropped but the two the agent uses, no escalation, a
     // read-only root filesystem, RuntimeDefault seccomp, and the engines' group as a
@@ -246,9 +227,7 @@ fn agents_run_as_the_named_service_account_with_its_token() {
         .map(|p| p.containers[0].args.clone().unwrap_or_default())
         .expect("master args");
     assert!(
-        master
-            .windows(2)
-            .any(|w| w == ["--replica-spread", "failure-domain"]),
+        has_arg(&master, "--replica-spread", "failure-domain"),
         "{master:?}"
     );
 }
@@ -291,37 +270,18 @@ fn master_and_conductor_follow_the_contract() {
     let spec = master.spec.as_ref().expect("spec");
     assert_eq!(spec.replicas, Some(3));
     let c = &spec.template.spec.as_ref().expect("pod").containers[0];
-    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        c.args.as_deref().expect("args"),
-        [
-            "master",
-            "--listen",
-            "0.0.0.0:50051",
-            "--admin-listen",
-            "0.0.0.0:9090",
-            "--auth-key-file",
-            "/etc/kvpool/auth/key",
-            "--kv-events-config",
-            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kvpool"}"#,
-            // The fixture's spec.eviction: lfu at 95 / 85 percent.
-            "--eviction-policy",
-            "lfu",
-            "--dram-high-watermark",
-            "0.95",
-            "--dram-low-watermark",
-            "0.85",
-            "--ssd-high-watermark",
-            "0.95",
-            "--ssd-low-watermark",
-            "0.85",
-            "--replica-spread",
-            "failure-domain",
-            "--etcd-endpoints",
-            "http://etcd-0.etcd:2379,http://etcd-1.etcd:2379",
-            "--advertise-addr",
-            "$(KVPOOL_POD_IP):50051"
-        ]
+    // The eviction flags follow the fixture's spec.eviction: lfu at 95 / 85 percent.
+    assert_runs_kvpool(
+        c,
+        r#"master --listen 0.0.0.0:50051 --admin-listen 0.0.0.0:9090
+        --auth-key-file /etc/kvpool/auth/key
+        --kv-events-config {"enable_kv_cache_events":true,"endpoint":"tcp://*:5557","publisher":"zmq","replay_endpoint":"tcp://*:5558","topic":"kvpool"}
+        --eviction-policy lfu
+        --dram-high-watermark 0.95 --dram-low-watermark 0.85
+        --ssd-high-watermark 0.95 --ssd-low-watermark 0.85
+        --replica-spread failure-domain
+        --etcd-endpoints http://etcd-0.etcd:2379,http://etcd-1.etcd:2379
+        --advertise-addr $(KVPOOL_POD_IP):50051"#,
     );
     let env = c.env.as_deref().expect("env");
     assert!(
@@ -574,12 +534,12 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
     let spec = conductor_pod(&pool);
     let c = &spec.containers[0];
     let args = c.args.as_deref().expect("args");
-    assert!(args.windows(2).any(|w| w == ["--block-size", "32"]));
-    assert!(args.windows(2).any(|w| w
-        == [
-            "--tokenizer",
-            "/etc/kvpool/tokenizer/Qwen/Qwen2.5-7B-Instruct"
-        ]));
+    assert!(has_arg(args, "--block-size", "32"));
+    assert!(has_arg(
+        args,
+        "--tokenizer",
+        "/etc/kvpool/tokenizer/Qwen/Qwen2.5-7B-Instruct"
+    ));
     let mount = c
         .volume_mounts
         .as_deref()
@@ -609,10 +569,7 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
         Some("registry.example/qwen-tokenizer:1")
     );
     let args = spec.containers[0].args.as_deref().expect("args");
-    assert!(
-        args.windows(2)
-            .any(|w| w == ["--tokenizer", "/etc/kvpool/tokenizer"])
-    );
+    assert!(has_arg(args, "--tokenizer", "/etc/kvpool/tokenizer"));
 }
 
 #[test]
@@ -628,17 +585,12 @@ fn conductor_discovers_engines_with_its_own_least_privilege_identity() {
     assert_eq!(spec.service_account_name.as_deref(), Some("roce-conductor"));
     assert_eq!(spec.automount_service_account_token, Some(true));
     let args = spec.containers[0].args.as_ref().expect("args");
-    let after = |flag: &str| {
-        args.windows(2)
-            .find(|w| w[0] == flag)
-            .map(|w| w[1].as_str())
-    };
-    assert_eq!(after("--discover-namespace"), Some("llm"));
+    assert_eq!(after(args, "--discover-namespace"), Some("llm"));
     assert_eq!(
-        after("--decode-selector"),
+        after(args, "--decode-selector"),
         Some("app.kubernetes.io/name=kvpool,kvpool.dev/pool=roce,kvpool.dev/component=decode")
     );
-    assert_eq!(after("--engine-port"), Some("8000"));
+    assert_eq!(after(args, "--engine-port"), Some("8000"));
 
     let rbac = children.conductor_rbac.as_ref().expect("rbac");
     for meta in [
@@ -760,11 +712,7 @@ fn a_persistent_dram_tier_mounts_its_host_directories() {
     let children = build(&pool, "00ff").expect("build");
     let pod = pod(&children.agent);
     let volumes = pod.volumes.as_ref().expect("volumes");
-    let tier = volumes
-        .iter()
-        .find(|v| v.name == "dram-tier")
-        .and_then(|v| v.host_path.as_ref())
-        .expect("dram-tier hostPath");
+    let tier = host_path(volumes, "dram-tier");
     assert_eq!(tier.path, "/dev/shm/kvpool");
     assert_eq!(tier.type_.as_deref(), Some("DirectoryOrCreate"));
     assert!(

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, EnvVar, PodSecurityContext, PodSpec,
-    PodTemplateSpec, ResourceRequirements, SeccompProfile, SecurityContext, Service, Volume,
+    Container, EmptyDirVolumeSource, EnvVar, PodSecurityContext, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SecurityContext, Service, Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
@@ -26,10 +26,7 @@ fn nonroot_pod_security() -> PodSecurityContext {
         run_as_user: Some(KEY_READER_GROUP),
         run_as_group: Some(KEY_READER_GROUP),
         fs_group: Some(KEY_READER_GROUP),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".to_owned(),
-            ..SeccompProfile::default()
-        }),
+        seccomp_profile: pod::runtime_default_seccomp(),
         ..PodSecurityContext::default()
     }
 }
@@ -39,10 +36,7 @@ fn restricted_container_security() -> SecurityContext {
     SecurityContext {
         allow_privilege_escalation: Some(false),
         read_only_root_filesystem: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".to_owned()]),
-            ..Capabilities::default()
-        }),
+        capabilities: pod::capabilities_only(&[]),
         ..SecurityContext::default()
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EnvVar, HTTPGetAction, Probe, ResourceRequirements, SecurityContext,
+    Container, EnvVar, HTTPGetAction, Probe, ResourceRequirements, SecurityContext,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -30,21 +30,7 @@ pub const ENGINE_CAPABILITIES: [&str; 1] = ["IPC_LOCK"];
 /// write model and compilation caches (Hugging Face, torch, Triton) under their home and `/tmp`,
 /// and the image is the user's.
 pub fn engine_security() -> SecurityContext {
-    SecurityContext {
-        privileged: Some(false),
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(false),
-        capabilities: Some(Capabilities {
-            add: Some(
-                ENGINE_CAPABILITIES
-                    .iter()
-                    .map(|c| (*c).to_owned())
-                    .collect(),
-            ),
-            drop: Some(vec!["ALL".to_owned()]),
-        }),
-        ..SecurityContext::default()
-    }
+    pod::unprivileged(false, &ENGINE_CAPABILITIES)
 }
 
 /// `command` and `args` of the engine container.

@@ -7,8 +7,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, SeccompProfile,
-    Volume,
+    Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kvpool_crd::EngineKind;
@@ -86,10 +85,7 @@ pub fn engine_deployment(
                     // profile for every container of the pod.
                     security_context: Some(PodSecurityContext {
                         fs_group: Some(KEY_READER_GROUP),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".to_owned(),
-                            ..SeccompProfile::default()
-                        }),
+                        seccomp_profile: pod::runtime_default_seccomp(),
                         ..PodSecurityContext::default()
                     }),
                     init_containers: Some(vec![python::python_init_container(p)]),

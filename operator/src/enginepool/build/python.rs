@@ -7,14 +7,14 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, EnvVar, ResourceRequirements, SeccompProfile,
-    SecurityContext, Volume, VolumeMount,
+    Container, EmptyDirVolumeSource, EnvVar, ResourceRequirements, SecurityContext, Volume,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use crate::contract;
 use crate::enginepool::validate::ValidEnginePool;
-use crate::pod::{KEY_READER_GROUP, mount};
+use crate::pod::{self, KEY_READER_GROUP, mount};
 
 /// Name of the volume holding the copy, and of the init container that fills it.
 pub const VOLUME: &str = "kvpool-python";
@@ -61,14 +61,8 @@ pub fn python_init_container(p: &ValidEnginePool) -> Container {
             run_as_group: Some(KEY_READER_GROUP),
             allow_privilege_escalation: Some(false),
             read_only_root_filesystem: Some(true),
-            capabilities: Some(Capabilities {
-                drop: Some(vec!["ALL".to_owned()]),
-                ..Capabilities::default()
-            }),
-            seccomp_profile: Some(SeccompProfile {
-                type_: "RuntimeDefault".to_owned(),
-                ..SeccompProfile::default()
-            }),
+            capabilities: pod::capabilities_only(&[]),
+            seccomp_profile: pod::runtime_default_seccomp(),
             ..SecurityContext::default()
         }),
         volume_mounts: Some(vec![mount(VOLUME, contract::PYTHON_STAGING_DIR, false)]),

@@ -7,7 +7,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
 use super::*;
 use crate::enginepool::validate::validate;
-use crate::test_fixtures::{decode_sglang, prefill_custom, prefill_vllm, roce, tcp, valid};
+use crate::test_fixtures::{
+    after, assert_runs_kvpool, decode_sglang, has_arg, host_path, prefill_custom, prefill_vllm,
+    roce, tcp, template_annotations, valid,
+};
 
 fn container(d: &Deployment) -> &Container {
     &d.spec
@@ -72,16 +75,9 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     assert_eq!(c.command.as_deref(), Some(&["vllm".to_owned()][..]));
     let args = c.args.as_deref().expect("args");
     assert_eq!(&args[..2], ["serve", "Qwen/Qwen3-32B"]);
-    assert!(
-        args.windows(2)
-            .any(|w| w == ["--tensor-parallel-size", "4"])
-    );
-    let transfer = args
-        .windows(2)
-        .find(|w| w[0] == "--kv-transfer-config")
-        .map(|w| w[1].clone())
-        .expect("kv transfer config");
-    let transfer: serde_json::Value = serde_json::from_str(&transfer).expect("valid JSON");
+    assert!(has_arg(args, "--tensor-parallel-size", "4"));
+    let transfer = after(args, "--kv-transfer-config").expect("kv transfer config");
+    let transfer: serde_json::Value = serde_json::from_str(transfer).expect("valid JSON");
     assert_eq!(transfer["kv_role"], "kv_producer");
     assert_eq!(transfer["kv_connector"], "KvpoolStoreConnector");
     assert_eq!(transfer["kv_connector_module_path"], "kvpool.adapters.vllm");
@@ -140,22 +136,13 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     assert_eq!(requests["cpu"], Quantity("16".into()));
 
     let volumes = pod.volumes.as_ref().expect("volumes");
-    let socket = volumes
-        .iter()
-        .find(|v| v.name == "socket")
-        .and_then(|v| v.host_path.as_ref())
-        .expect("socket hostPath");
+    let socket = host_path(volumes, "socket");
     assert_eq!(socket.path, "/run/kvpool");
     assert!(volumes.iter().any(|v| v.name == "auth"
         && v.secret.as_ref().and_then(|s| s.secret_name.as_deref()) == Some("roce-auth")));
     assert!(volumes.iter().any(|v| v.name == "config"
         && v.config_map.as_ref().map(|c| c.name.as_str()) == Some("roce-config")));
-    let annotations = spec
-        .template
-        .metadata
-        .as_ref()
-        .and_then(|m| m.annotations.as_ref())
-        .expect("annotations");
+    let annotations = template_annotations(&spec.template);
     assert_eq!(annotations[labels::CONFIG_HASH], "hash1");
     assert_eq!(annotations[labels::ENGINE_PROTOCOL_ANNOTATION], "vllm");
     assert!(!annotations.contains_key(labels::BOOTSTRAP_PORT_ANNOTATION));
@@ -165,20 +152,9 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     // that the engine mounts read-only where PYTHONPATH points.
     let init = &pod.init_containers.as_ref().expect("init containers")[0];
     assert_eq!(init.image.as_deref(), Some(p.pool.master_image.as_str()));
-    assert_eq!(init.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        init.args.as_deref(),
-        Some(
-            &[
-                "operator",
-                "install-python",
-                "--from",
-                "/opt/kvpool/python",
-                "--to",
-                "/mnt/kvpool-python"
-            ]
-            .map(str::to_owned)[..]
-        )
+    assert_runs_kvpool(
+        init,
+        "operator install-python --from /opt/kvpool/python --to /mnt/kvpool-python",
     );
     let init_mount = &init.volume_mounts.as_ref().expect("init mounts")[0];
     assert_eq!(
@@ -226,19 +202,14 @@ fn sglang_decode_uses_decode_mode_mooncake_hand_off_and_kvpool_storage() {
     let c = container(&children.deployment);
     assert_eq!(c.command.as_deref(), Some(&["python3".to_owned()][..]));
     let args = c.args.as_deref().expect("args");
-    assert!(
-        args.windows(2)
-            .any(|w| w == ["--disaggregation-mode", "decode"])
-    );
-    assert!(
-        args.windows(2)
-            .any(|w| w == ["--disaggregation-transfer-backend", "mooncake"])
-    );
-    assert!(args.windows(2).any(|w| w == ["--tp-size", "2"]));
-    assert!(
-        args.windows(2)
-            .any(|w| w == ["--hicache-storage-backend", "dynamic"])
-    );
+    assert!(has_arg(args, "--disaggregation-mode", "decode"));
+    assert!(has_arg(
+        args,
+        "--disaggregation-transfer-backend",
+        "mooncake"
+    ));
+    assert!(has_arg(args, "--tp-size", "2"));
+    assert!(has_arg(args, "--hicache-storage-backend", "dynamic"));
     assert!(
         args.iter()
             .any(|a| a == "--disaggregation-decode-enable-offload-kvcache")
@@ -268,17 +239,7 @@ fn sglang_decode_uses_decode_mode_mooncake_hand_off_and_kvpool_storage() {
 fn custom_engine_runs_exactly_what_the_user_wrote() {
     let p = validate(&prefill_custom(), valid(&tcp())).expect("valid");
     let c = container(&build(&p, "h").deployment).clone();
-    assert_eq!(c.command.as_deref(), Some(&["kvpool".to_owned()][..]));
-    assert_eq!(
-        c.args.as_deref(),
-        Some(
-            &[
-                "engine".to_owned(),
-                "--role".to_owned(),
-                "prefill".to_owned()
-            ][..]
-        )
-    );
+    assert_runs_kvpool(&c, "engine --role prefill");
     assert!(c.resources.is_none(), "0 GPUs and no RDMA: no resources");
     assert!(c.readiness_probe.is_none());
     assert_eq!(

@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use super::*;
 use crate::master::clock::FakeClock;
-use crate::master::types::{AdoptItem, Lease, PutOptions, PutStarted, ReplicaInfo, Spread, Tier};
+use crate::master::types::{
+    AdoptItem, Lease, PutOptions, PutStarted, ReplicaInfo, Spread, Task, Tier,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -13,16 +15,7 @@ fn key(i: u64) -> ObjectKey {
 }
 
 pub(super) fn spec(node: &str, name: &str, tier: Tier, capacity: u64) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: name.into(),
-        tier,
-        capacity_bytes: capacity,
-        numa_node: 0,
-        failure_domain: String::new(),
-        endpoints: vec![format!("tcp://{node}:1")],
-        persistent: false,
-    }
+    SegmentSpec::new(node, name, tier, capacity, format!("tcp://{node}:1"))
 }
 
 /// Mounts the segment `spec(node, name, tier, capacity)`; returns its id.
@@ -54,6 +47,14 @@ pub(super) fn put(
             replicas
         }
         PutStarted::AlreadyCommitted { .. } => panic!("unexpected duplicate"),
+    }
+}
+
+/// One replica, written from `node`.
+fn written_by(node: &str) -> PutOptions {
+    PutOptions {
+        writer_node: Some(node.into()),
+        ..opts(1)
     }
 }
 
@@ -205,8 +206,7 @@ fn pool_wide_failure_domain_spread_applies_to_every_put() {
     // Three replicas over two domains: only two can be placed.
     assert_eq!(put(&mut m, key(100), MIB, &opts(3)).len(), 2);
     // A node without a domain counts only as a distinct node.
-    m.mount(spec("e", "s", Tier::Dram, 64 * MIB))
-        .expect("mount");
+    mount(&mut m, "e", "s", Tier::Dram, 64 * MIB);
     assert_eq!(put(&mut m, key(101), MIB, &opts(3)).len(), 3);
 }
 
@@ -292,11 +292,18 @@ fn bad_puts_get_clear_errors_and_change_nothing() {
     assert_eq!(m.stats(), done);
 }
 
-#[test]
-fn revoke_and_put_timeout_free_space() {
+/// A master with the default configuration and `capacity` of DRAM on node a; returns its clock
+/// and its reuse delay too.
+fn dram_on_a(capacity: u64) -> (MasterState, FakeClock, u64) {
     let (mut m, clock) = master(MasterConfig::default());
     let delay = m.config().reuse_delay_ms;
-    mount(&mut m, "a", "s", Tier::Dram, 4 * MIB);
+    mount(&mut m, "a", "s", Tier::Dram, capacity);
+    (m, clock, delay)
+}
+
+#[test]
+fn revoke_and_put_timeout_free_space() {
+    let (mut m, clock, delay) = dram_on_a(4 * MIB);
     let (id, _) = start(&mut m, key(1), MIB, &opts(1));
     assert_eq!(m.stats().used_bytes[0], MIB);
     m.put_revoke(key(1), id).expect("revoke");
@@ -324,9 +331,7 @@ fn revoke_and_put_timeout_free_space() {
 
 #[test]
 fn an_abandoned_write_keeps_its_space_from_the_next_object_until_the_reuse_delay() {
-    let (mut m, clock) = master(MasterConfig::default());
-    let delay = m.config().reuse_delay_ms;
-    mount(&mut m, "a", "s", Tier::Dram, 2 * MIB);
+    let (mut m, clock, delay) = dram_on_a(2 * MIB);
     let (id, first) = start(&mut m, key(1), MIB, &opts(1));
     m.put_revoke(key(1), id).expect("revoke");
     clock.advance_ms(1_000);
@@ -403,14 +408,18 @@ fn lease_hold_times_are_reported_on_release_and_on_expiry() {
     m.remove(key(1)).expect("no lease left");
 }
 
+/// The default configuration with the watermarks `high` and `low` on both tiers.
+fn watermarked(high: f64, low: f64) -> MasterConfig {
+    MasterConfig {
+        watermarks: [Watermarks { high, low }; 2],
+        ..MasterConfig::default()
+    }
+}
+
 fn small_pool(policy: PolicyKind) -> (MasterState, FakeClock) {
     let config = MasterConfig {
         policy,
-        watermarks: [Watermarks {
-            high: 0.9,
-            low: 0.7,
-        }; 2],
-        ..MasterConfig::default()
+        ..watermarked(0.9, 0.7)
     };
     let (mut m, clock) = master(config);
     // 10 objects of 1 MiB fill it.
@@ -623,24 +632,32 @@ fn agent_death_drops_its_replicas_and_schedules_repair() {
     assert_eq!(m.counters().repairs_done, 20);
 }
 
-#[test]
-fn failed_or_expired_repairs_free_their_target_and_retry() {
+/// Nodes a, b and c with `capacity` of DRAM each (and `reuse_delay_ms`); key 1 (1 MiB) stored
+/// on a and b before c came, then b unmounted: after a tick, the one repair task (to c) that
+/// c's heartbeat hands out. Returns b's segment id and that task.
+fn repairing_to_c(reuse_delay_ms: u64, capacity: u64) -> (MasterState, FakeClock, u32, Vec<Task>) {
     let (mut m, clock) = master(MasterConfig {
-        reuse_delay_ms: 1_000,
+        reuse_delay_ms,
         ..MasterConfig::default()
     });
-    mount(&mut m, "a", "s", Tier::Dram, 64 * MIB);
-    let b = mount(&mut m, "b", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "a", "s", Tier::Dram, capacity);
+    let b = mount(&mut m, "b", "s", Tier::Dram, capacity);
     put(&mut m, key(1), MIB, &opts(2));
-    mount(&mut m, "c", "s", Tier::Dram, 64 * MIB);
+    mount(&mut m, "c", "s", Tier::Dram, capacity);
     m.unmount("b", b).expect("unmount");
+    m.tick();
+    let tasks = m.heartbeat("c").expect("hb");
+    assert_eq!(tasks.len(), 1);
+    (m, clock, b, tasks)
+}
+
+#[test]
+fn failed_or_expired_repairs_free_their_target_and_retry() {
+    let (mut m, clock, b, tasks) = repairing_to_c(1_000, 64 * MIB);
     assert!(matches!(
         m.unmount("b", b),
         Err(MasterError::UnknownSegment { .. })
     ));
-    m.tick();
-    let tasks = m.heartbeat("c").expect("hb");
-    assert_eq!(tasks.len(), 1);
     assert_eq!(m.stats().used_bytes[0], 2 * MIB, "source + reserved target");
     m.complete_task("c", tasks[0].id, false).expect("fail");
     // The failed copy's target is held back for the reuse delay, then freed; the repair is
@@ -700,13 +717,7 @@ fn put_racing_agent_death_never_commits_dead_memory() {
 /// Node "a" with 10 MiB of DRAM (watermarks 90% / 50%) over 100 MiB of SSD, and ten 1 MiB
 /// objects put on it, keys 0 to 9 oldest first: DRAM has just crossed its high watermark.
 fn full_dram_over_ssd() -> MasterState {
-    let config = MasterConfig {
-        watermarks: [Watermarks {
-            high: 0.9,
-            low: 0.5,
-        }; 2],
-        ..MasterConfig::default()
-    };
+    let config = watermarked(0.9, 0.5);
     let (mut m, _clock) = master(config);
     mount(&mut m, "a", "dram", Tier::Dram, 10 * MIB);
     mount(&mut m, "a", "ssd", Tier::Ssd, 100 * MIB);
@@ -1150,53 +1161,18 @@ fn a_task_outliving_its_object_frees_exactly_its_own_extent() {
     // Found by the property test: the slot of a removed object is reused by an object of
     // another size before the old object's repair task ends. (No reuse delay: the freeing
     // itself is checked here.)
-    let (mut m, _clock) = master(MasterConfig {
-        reuse_delay_ms: 0,
-        ..MasterConfig::default()
-    });
-    mount(&mut m, "a", "s", Tier::Dram, 16 * MIB);
-    let b = mount(&mut m, "b", "s", Tier::Dram, 16 * MIB);
-    put(&mut m, key(1), MIB, &opts(2));
-    mount(&mut m, "c", "s", Tier::Dram, 16 * MIB);
+    let (mut m, _clock, _, tasks) = repairing_to_c(0, 16 * MIB);
     // Something right after the repair target on c, so an over-free would hit it.
-    m.unmount("b", b).expect("unmount");
-    m.tick();
-    let tasks = m.heartbeat("c").expect("hb");
-    assert_eq!(tasks.len(), 1);
-    let neighbour = put(
-        &mut m,
-        key(2),
-        MIB,
-        &PutOptions {
-            writer_node: Some("c".into()),
-            ..opts(1)
-        },
-    );
+    let neighbour = put(&mut m, key(2), MIB, &written_by("c"));
     assert_eq!(neighbour[0].node, "c");
     m.remove(key(1)).expect("remove while repairing");
     // The freed slot now holds a bigger object.
-    put(
-        &mut m,
-        key(3),
-        2 * MIB,
-        &PutOptions {
-            writer_node: Some("a".into()),
-            ..opts(1)
-        },
-    );
+    put(&mut m, key(3), 2 * MIB, &written_by("a"));
     m.complete_task("c", tasks[0].id, false)
         .expect("fail the task");
     // c holds exactly the neighbour again, and its space is still allocated to it.
     assert_eq!(m.stats().used_bytes[0], 3 * MIB);
-    let fresh = put(
-        &mut m,
-        key(4),
-        MIB,
-        &PutOptions {
-            writer_node: Some("c".into()),
-            ..opts(1)
-        },
-    );
+    let fresh = put(&mut m, key(4), MIB, &written_by("c"));
     assert!(
         fresh[0].node != "c"
             || fresh[0].offset + MIB <= neighbour[0].offset
@@ -1248,15 +1224,19 @@ fn adopting_into_an_empty_master_creates_committed_ssd_objects() {
     check_invariants(&m);
 }
 
+/// Key 1 (1 MiB) in 16 MiB of DRAM on node a, and an empty SSD segment `ssd0` of `ssd_bytes` on
+/// `ssd_node`; returns the master and the SSD segment's id.
+fn key_1_in_dram_beside_ssd(ssd_node: &str, ssd_bytes: u64) -> (MasterState, u32) {
+    let (mut m, _clock) = master(MasterConfig::default());
+    mount(&mut m, "a", "dram0", Tier::Dram, 16 * MIB);
+    let ssd = mount(&mut m, ssd_node, "ssd0", Tier::Ssd, ssd_bytes);
+    put(&mut m, key(1), MIB, &opts(1));
+    (m, ssd)
+}
+
 #[test]
 fn adopting_a_known_key_adds_a_replica_next_to_its_dram_copy() {
-    let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "dram0", Tier::Dram, 16 * MIB))
-        .expect("dram");
-    let ssd = m
-        .mount(spec("b", "ssd0", Tier::Ssd, 16 * MIB))
-        .expect("ssd");
-    put(&mut m, key(1), MIB, &opts(1));
+    let (mut m, ssd) = key_1_in_dram_beside_ssd("b", 16 * MIB);
     let r = m
         .adopt("b", ssd, &[adopt_item(key(1), 0, MIB)], true)
         .expect("adopt");
@@ -1276,11 +1256,7 @@ fn adopting_a_known_key_adds_a_replica_next_to_its_dram_copy() {
 
 #[test]
 fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
-    let (mut m, _clock) = master(MasterConfig::default());
-    m.mount(spec("a", "dram0", Tier::Dram, 16 * MIB))
-        .expect("dram");
-    let ssd = m.mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB)).expect("ssd");
-    put(&mut m, key(1), MIB, &opts(1));
+    let (mut m, ssd) = key_1_in_dram_beside_ssd("a", 4 * MIB);
     let r = m
         .adopt(
             "a",
@@ -1330,7 +1306,7 @@ fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
     assert_eq!(m.get(key(1)).expect("get").size, MIB);
     assert_eq!(m.exists(&[key(11), key(12), key(13)]), vec![false; 3]);
     // Another node's segment, or an unknown one, fails the whole call.
-    m.mount(spec("b", "ssd0", Tier::Ssd, 4 * MIB)).expect("b");
+    mount(&mut m, "b", "ssd0", Tier::Ssd, 4 * MIB);
     assert!(matches!(
         m.adopt("b", ssd, &[adopt_item(key(20), 2 * MIB, 10)], true),
         Err(MasterError::UnknownSegment { .. })
@@ -1344,17 +1320,9 @@ fn bad_adoptions_are_refused_one_by_one_and_change_nothing() {
 
 #[test]
 fn adopted_replicas_are_freed_by_remove_and_eviction() {
-    let config = MasterConfig {
-        watermarks: [Watermarks {
-            high: 0.9,
-            low: 0.5,
-        }; 2],
-        ..MasterConfig::default()
-    };
+    let config = watermarked(0.9, 0.5);
     let (mut m, _clock) = master(config);
-    let ssd = m
-        .mount(spec("a", "ssd0", Tier::Ssd, 10 * MIB))
-        .expect("ssd");
+    let ssd = mount(&mut m, "a", "ssd0", Tier::Ssd, 10 * MIB);
     let items: Vec<AdoptItem> = (0..9).map(|i| adopt_item(key(i), i * MIB, MIB)).collect();
     let r = m.adopt("a", ssd, &items, true).expect("adopt");
     assert!(r.iter().all(Result::is_ok));
@@ -1385,7 +1353,7 @@ fn adopted_replicas_are_freed_by_remove_and_eviction() {
 fn adopted_objects_reach_the_journal() {
     let (mut m, _clock) = master(MasterConfig::default());
     m.enable_journal();
-    let ssd = m.mount(spec("a", "ssd0", Tier::Ssd, 4 * MIB)).expect("ssd");
+    let ssd = mount(&mut m, "a", "ssd0", Tier::Ssd, 4 * MIB);
     m.take_journal();
     m.adopt("a", ssd, &[adopt_item(key(1), PAGE_BYTES, 10)], true)
         .expect("adopt");
@@ -1410,8 +1378,8 @@ fn adopted_objects_reach_the_journal() {
 fn transport_state_is_kept_per_live_node() {
     use super::TransportState;
     let (mut m, clock) = master(MasterConfig::default());
-    m.mount(spec("b", "dram0", Tier::Dram, 4 * MIB)).expect("b");
-    m.mount(spec("a", "dram0", Tier::Dram, 4 * MIB)).expect("a");
+    mount(&mut m, "b", "dram0", Tier::Dram, 4 * MIB);
+    mount(&mut m, "a", "dram0", Tier::Dram, 4 * MIB);
     let fell_back = TransportState {
         rdma_requested: true,
         fallback: true,
@@ -1538,13 +1506,7 @@ fn an_object_is_stored_once_per_tier_and_removed_with_its_last_replica() {
 
 #[test]
 fn eviction_and_demotion_publish_the_tiers_an_object_leaves_and_enters() {
-    let config = MasterConfig {
-        watermarks: [Watermarks {
-            high: 0.9,
-            low: 0.5,
-        }; 2],
-        ..MasterConfig::default()
-    };
+    let config = watermarked(0.9, 0.5);
     let (mut m, _clock) = publishing(config, POOL_EVENTS_CAP);
     mount(&mut m, "a", "dram", Tier::Dram, 10 * MIB);
     mount(&mut m, "a", "ssd", Tier::Ssd, 100 * MIB);

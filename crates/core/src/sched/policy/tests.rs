@@ -83,6 +83,12 @@ fn decide_alone(s: &mut Scheduler, idx: &PrefixIndex, input: u64, decode: Decode
 }
 
 /// Prefill instances busy until the given times.
+/// Blocks 1 to 4 of [`index`], 400 tokens.
+fn four_block_request() -> Request<'static> {
+    const KEYS: [BlockKey; 4] = [1, 2, 3, 4];
+    req(&KEYS, 400)
+}
+
 fn free_at(times: &[f64]) -> Vec<PrefillLoad> {
     times
         .iter()
@@ -114,8 +120,7 @@ fn index() -> PrefixIndex {
 fn conductor_minimises_estimated_ttft() {
     let mut s = Scheduler::new(config(Policy::Conductor, Rejection::None, 3), 1).unwrap();
     let idx = index();
-    let keys = [1, 2, 3, 4];
-    let r = req(&keys, 400);
+    let r = four_block_request();
     // Every instance matches 3 blocks (300 tokens) through the pool; 100 tokens to prefill
     // = 0.1 s. Fetch: instance 0 needs block 3 (0.1 s), instance 1 blocks 2,3 (0.2 s),
     // instance 2 all three (0.3 s). Queues: 0.5 s, 0 s, 0 s.
@@ -144,8 +149,7 @@ fn conductor_minimises_estimated_ttft() {
 fn local_only_ignores_the_pool() {
     let mut s = Scheduler::new(config(Policy::LocalOnly, Rejection::None, 3), 1).unwrap();
     let idx = index();
-    let keys = [1, 2, 3, 4];
-    let r = req(&keys, 400);
+    let r = four_block_request();
     let loads = [PrefillLoad::default(); 3];
     // Local prefixes: 2, 1, 0 blocks -> prefill 0.2, 0.3, 0.4 s; no fetch.
     let p = accept(s.decide(0.0, &r, &idx, &loads, &[DecodeLoad::default()]));
@@ -157,8 +161,7 @@ fn local_only_ignores_the_pool() {
 #[test]
 fn baselines_choose_as_defined() {
     let idx = index();
-    let keys = [1, 2, 3, 4];
-    let r = req(&keys, 400);
+    let r = four_block_request();
     let loads = free_at(&[3.0, 1.0, 2.0]);
     let dl = [DecodeLoad::default(), DecodeLoad::default()];
     let mut ll = Scheduler::new(config(Policy::LeastLoad, Rejection::None, 3), 2).unwrap();

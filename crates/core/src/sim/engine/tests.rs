@@ -2,7 +2,9 @@
 use std::num::NonZeroU32;
 
 use super::*;
+use crate::autoscale::Signal;
 use crate::sched::{DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo};
+use crate::sim::scaling::AutoscaleConfig;
 
 fn config(decode_capacity: u64) -> SimConfig {
     SimConfig {
@@ -67,8 +69,6 @@ fn rec(ts: u64, input: u64, output: u32, ids: &[u64]) -> TraceRecord {
 /// where the one fixed instance does not, with fewer instance-seconds than four fixed.
 #[test]
 fn autoscaling_follows_the_load_and_saves_instance_seconds() {
-    use crate::autoscale::Signal;
-    use crate::sim::scaling::AutoscaleConfig;
     let mut records: Vec<TraceRecord> = (0..240u64)
         .map(|i| rec(i * 1000, 20, 2, &[1_000 + 2 * i, 1_001 + 2 * i]))
         .collect();
@@ -79,13 +79,8 @@ fn autoscaling_follows_the_load_and_saves_instance_seconds() {
     let mut four = fixed.clone();
     four.scheduler.prefill_costs = vec![fixed.scheduler.prefill_costs[0]; 4];
     let mut scaled = four.clone();
-    scaled.autoscale = Some(AutoscaleConfig {
-        startup_s: 5.0,
-        ..AutoscaleConfig::new(1, 4, Signal::PredictedLatency)
-    });
-    let one = simulate(&records, &fixed).unwrap();
-    let four = simulate(&records, &four).unwrap();
-    let auto = simulate(&records, &scaled).unwrap();
+    scaled.autoscale = Some(one_to_four());
+    let [one, four, auto] = simulate_each(&records, [&fixed, &four, &scaled]);
     let a = auto.autoscale.expect("autoscaled");
     assert!(a.most > 1 && a.scale_ups >= 1, "{a:?}");
     assert!(a.scale_downs >= 1 && a.fewest == 1, "{a:?}");
@@ -112,8 +107,6 @@ fn autoscaling_follows_the_load_and_saves_instance_seconds() {
 /// than four fixed ones.
 #[test]
 fn decode_autoscaling_follows_the_load_and_saves_instance_seconds() {
-    use crate::autoscale::Signal;
-    use crate::sim::scaling::AutoscaleConfig;
     let mut records: Vec<TraceRecord> = (0..1200u64)
         .map(|i| rec(i * 500, 1, 101, &[10_000 + i]))
         .collect();
@@ -132,13 +125,8 @@ fn decode_autoscaling_follows_the_load_and_saves_instance_seconds() {
     let mut four = one.clone();
     four.decode_instances = 4;
     let mut scaled = four.clone();
-    scaled.autoscale_decode = Some(AutoscaleConfig {
-        startup_s: 5.0,
-        ..AutoscaleConfig::new(1, 4, Signal::PredictedLatency)
-    });
-    let one = simulate(&records, &one).unwrap();
-    let four = simulate(&records, &four).unwrap();
-    let auto = simulate(&records, &scaled).unwrap();
+    scaled.autoscale_decode = Some(one_to_four());
+    let [one, four, auto] = simulate_each(&records, [&one, &four, &scaled]);
     let a = auto.autoscale_decode.expect("decode autoscaled");
     assert!(a.most == 4 && a.scale_ups >= 1, "{a:?}");
     assert!(a.scale_downs >= 1 && a.fewest == 1, "{a:?}");
@@ -235,4 +223,17 @@ fn empty_prompts_and_single_token_outputs_are_served() {
     let mut bad = config(100);
     bad.time_scale = 0.0;
     assert_eq!(run(&records, &bad).unwrap_err().category(), "time_scale");
+}
+
+/// Autoscaling between one and four instances on the predicted latency, with a 5 s start-up.
+fn one_to_four() -> AutoscaleConfig {
+    AutoscaleConfig {
+        startup_s: 5.0,
+        ..AutoscaleConfig::new(1, 4, Signal::PredictedLatency)
+    }
+}
+
+/// The reports of `records` under each configuration.
+fn simulate_each<const N: usize>(records: &[TraceRecord], configs: [&SimConfig; N]) -> [Report; N] {
+    configs.map(|c| simulate(records, c).expect("simulate"))
 }
