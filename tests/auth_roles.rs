@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use kvpool_client::credentials::role_file;
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
-use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_core::master::{PutOptions, PutStarted};
 use kvpool_proto::auth::{AUTH_HEADER, AuthKey, Role};
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::KeysRequest;
@@ -20,7 +20,7 @@ use kvpool_transfer::{
     Endpoint, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
     TransferOp, TransferRequest,
 };
-use pool_support::{InProcessMaster, in_process_master};
+use pool_support::{InProcessMaster, dram_segment, in_process_master};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 
@@ -49,19 +49,6 @@ fn status_code(e: &ClientError) -> Option<Code> {
     }
 }
 
-fn seg(node: &str) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: "dram0".into(),
-        tier: Tier::Dram,
-        capacity_bytes: 64 << 20,
-        numa_node: 0,
-        failure_domain: String::new(),
-        persistent: false,
-        endpoints: vec![format!("tcp://{node}:7000")],
-    }
-}
-
 #[tokio::test]
 async fn each_role_makes_its_calls_and_is_refused_the_others() {
     let f = in_process_master(KEY, |_| {}).await;
@@ -71,7 +58,10 @@ async fn each_role_makes_its_calls_and_is_refused_the_others() {
     let conductor = client_of(&f, &role_path(dir.path(), Role::Conductor));
     let observer = client_of(&f, &role_path(dir.path(), Role::Observer));
 
-    agent.mount_segment(&seg("a")).await.expect("agent mounts");
+    agent
+        .mount_segment(&dram_segment("a", 64 << 20))
+        .await
+        .expect("agent mounts");
     let started = engine
         .put_start(b"k/0", 4096, &PutOptions::default())
         .await

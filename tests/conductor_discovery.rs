@@ -6,18 +6,17 @@
 mod serve_support;
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
+use kvpool_conductor::Engines;
 use kvpool_conductor::discovery::{self, DiscoveryConfig};
-use kvpool_conductor::{ConductorConfig, Engines};
-use kvpool_core::sched::{DecodeCost, HotConfig, Policy, Rejection, SchedulerConfig, Slo};
+use kvpool_core::sched::Rejection;
 use kvpool_runtime::admin::Readiness;
 use prometheus::Registry;
 use serde_json::{Value, json};
-use serve_support::{assert_metric, http, listen};
+use serve_support::{assert_metric, conductor_config, http, listen};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -221,43 +220,11 @@ async fn until_ready(readiness: &Readiness, want: bool) {
 #[tokio::test]
 async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     let shutdown = CancellationToken::new();
-    let config = ConductorConfig {
-        // No fixed names: the conductor serves what the engines list on /v1/models.
-        models: vec![],
-        prefill: vec![],
-        decode: vec![],
-        scheduler: SchedulerConfig {
-            policy: Policy::Conductor,
-            rejection: Rejection::None,
-            slo: Slo {
-                ttft_s: 30.0,
-                tpot_s: 0.1,
-            },
-            block_size: NonZeroU32::new(BLOCK).expect("nonzero"),
-            bytes_per_token: 327_680,
-            pool_bandwidth_bps: 25e9,
-            kv_bandwidth_bps: 25e9,
-            prefill_costs: vec![],
-            decode_cost: DecodeCost::default(),
-            decode_kv_capacity_tokens: 1_500_000,
-            hot: HotConfig {
-                threshold: 0,
-                fanout: 0,
-            },
-            seed: 1,
-        },
-        engine_cache_blocks: 1000,
-        tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
-        chat_template: None,
-        pool: None,
-        protocol: kvpool_conductor::RoutingProtocol::Vllm,
-        time_scale: 1.0,
-        hashing: kvpool_core::sched::BlockHashing::Kvpool,
-        kv_events: Vec::new(),
-        kv_events_port: None,
-        fit_prefill_cost: false,
-        upstream: Default::default(),
-    };
+    let mut config = conductor_config("", BLOCK, vec![], String::new(), Rejection::None, 30.0);
+    // No fixed names: the conductor serves what the engines list on /v1/models.
+    config.models = vec![];
+    config.decode = vec![];
+    config.scheduler.hot.fanout = 0;
     let registry = Registry::new();
     let conductor = kvpool_conductor::server::conductor(config, &registry).expect("conductor");
     let (l, addr) = listen().await;

@@ -413,43 +413,14 @@ fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
 
 const POOL_KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 
-/// A master in this process, with one DRAM segment mounted; returns it, a client and a lookup.
-async fn master(
-    dir: &std::path::Path,
-) -> (
-    kvpool_master::cmd::RunningMaster,
-    kvpool_client::master::MasterClient,
-    CancellationToken,
-) {
-    use kvpool_master::cmd::loopback_args as loopback_master_args;
-    use kvpool_master::cmd::start;
-    let key_file = dir.join("key");
-    std::fs::write(&key_file, POOL_KEY).expect("key");
-    let args = loopback_master_args(key_file);
-    let shutdown = CancellationToken::new();
-    let m = start(args.validate().expect("valid"), shutdown.clone())
-        .await
-        .expect("start master");
-    let client = kvpool_client::master::MasterClient::new(
-        vec![m.grpc_addr.to_string()],
-        kvpool_proto::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
-        kvpool_client::master::ClientConfig::default(),
-    )
-    .expect("client");
-    client
-        .mount_segment(&kvpool_core::master::SegmentSpec {
-            node: "a".into(),
-            name: "dram0".into(),
-            tier: kvpool_core::master::Tier::Dram,
-            capacity_bytes: 64 << 20,
-            numa_node: 0,
-            failure_domain: String::new(),
-            endpoints: vec!["tcp://a:7000".into()],
-            persistent: false,
-        })
+/// A master in this process, with one DRAM segment mounted.
+async fn master() -> pool_support::InProcessMaster {
+    let m = pool_support::in_process_master(POOL_KEY, |_| {}).await;
+    m.client
+        .mount_segment(&pool_support::dram_segment("a", 64 << 20))
         .await
         .expect("mount");
-    (m, client, shutdown)
+    m
 }
 
 /// Commits `keys` in the pool under the engines' naming (metadata only: nobody reads them).
@@ -496,8 +467,12 @@ fn lookup(master: &kvpool_master::cmd::RunningMaster) -> PoolLookup {
 
 #[tokio::test]
 async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (master, client, master_down) = master(dir.path()).await;
+    let pool_support::InProcessMaster {
+        _dir,
+        master,
+        shutdown: master_down,
+        client,
+    } = master().await;
     // 400 bytes = 100 stand-in tokens = 6 full blocks of 16 plus a partial one. The 6 full
     // blocks are in the pool (as an engine that prefilled this prompt earlier left them); no
     // engine behind this fresh conductor holds anything.

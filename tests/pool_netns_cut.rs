@@ -32,6 +32,7 @@ use kvpool_core::master::PutOptions;
 use kvpool_harness::{AgentSpec, ChildProcess, Launcher, MasterSpec, free_port};
 use netns_support::{Cut, HubAndIsland, running_as_root};
 use parking_lot::Mutex;
+use pool_support::load::Objects;
 use pool_support::*;
 
 /// The master declares an agent dead after this long without a heartbeat.
@@ -51,15 +52,8 @@ const CUT: &str = "agent-x";
 /// Puts with a replica on agent-x before each cut (so that it takes writes and serves reads).
 const ON_X_BEFORE_CUT: u64 = 8;
 
-/// The value of object `id`: 64 KiB to ~1 MiB, content from the id.
-fn value(id: u64) -> Vec<u8> {
-    let len = 64 * 1024 + (id * 7919 % 16) as usize * 61_440 + (id % 13) as usize;
-    kvpool_harness::bytes::pseudo_random(id ^ 0x6e65_7463, len)
-}
-
-fn key(id: u64) -> Vec<u8> {
-    format!("netns-cut/{id}").into_bytes()
-}
+/// Values of 64 KiB to ~1 MiB.
+const LOAD: Objects = Objects::new("netns-cut", 0x6e65_7463).lengths(64 * 1024, 16, 61_440, 13);
 
 /// A failed put or get.
 struct Failure {
@@ -128,7 +122,7 @@ async fn holders(client: &MasterClient, ids: &[u64]) -> HashMap<u64, Vec<String>
     let mut all = HashMap::new();
     for &id in ids {
         let located = client
-            .get(&key(id))
+            .get(&LOAD.key(id))
             .await
             .unwrap_or_else(|e| panic!("acknowledged object {id} lost: {e:#}"));
         all.insert(
@@ -152,11 +146,11 @@ async fn write_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool
     };
     let mut id = 0;
     while !stop.load(Ordering::Relaxed) {
-        let v = value(id);
+        let v = LOAD.value(id);
         let first = Instant::now();
         loop {
             let at = Instant::now();
-            match pool.put(&key(id), &v, &opts).await {
+            match pool.put(&LOAD.key(id), &v, &opts).await {
                 Ok(replicas) => {
                     let mut l = log.lock();
                     l.committed.insert(id, crc32c::crc32c(&v));
@@ -169,7 +163,7 @@ async fn write_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool
                         op: "put",
                         at,
                         took: at.elapsed(),
-                        error: chain(&e),
+                        error: error_chain(&e),
                     });
                     assert!(
                         first.elapsed() < DEADLINE,
@@ -206,14 +200,14 @@ async fn read_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>
             continue;
         };
         let at = Instant::now();
-        let got = pool.get(&key(id)).await;
+        let got = pool.get(&LOAD.key(id)).await;
         let took = at.elapsed();
         let mut l = log.lock();
         match got {
             Ok(bytes) => {
                 l.reads += 1;
                 l.slowest_read = l.slowest_read.max(took);
-                if crc32c::crc32c(&bytes) != crc || bytes.len() != value(id).len() {
+                if crc32c::crc32c(&bytes) != crc || bytes.len() != LOAD.value(id).len() {
                     let (phase, since) = &l.phase;
                     let what = format!(
                         "object {id}: {} bytes, wrong checksum, read in {took:?} starting {:?} \
@@ -229,22 +223,10 @@ async fn read_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>
                 op: "get",
                 at,
                 took,
-                error: chain(&e),
+                error: error_chain(&e),
             }),
         }
     }
-}
-
-/// An error with its sources, `: `-separated.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// Polls the log until `done` holds.
@@ -412,10 +394,10 @@ async fn scenario(net: &HubAndIsland) {
         // Whether the pool holds wrong bytes, or one read returned them.
         let mut report = Vec::new();
         for (id, what) in &l.wrong {
-            let now = match pool.get(&key(*id)).await {
-                Ok(b) if b == value(*id) => "reads right now".to_owned(),
+            let now = match pool.get(&LOAD.key(*id)).await {
+                Ok(b) if b == LOAD.value(*id) => "reads right now".to_owned(),
                 Ok(b) => format!("reads wrong again ({} bytes)", b.len()),
-                Err(e) => format!("unreadable now: {}", chain(&e)),
+                Err(e) => format!("unreadable now: {}", error_chain(&e)),
             };
             report.push(format!("{what}; {now}"));
         }
@@ -435,11 +417,11 @@ async fn scenario(net: &HubAndIsland) {
     );
     for (&id, &crc) in &l.committed {
         let got = pool
-            .get(&key(id))
+            .get(&LOAD.key(id))
             .await
             .unwrap_or_else(|e| panic!("acknowledged object {id} unreadable: {e:#}"));
         assert_eq!(crc32c::crc32c(&got), crc, "object {id} checksum");
-        assert!(got == value(id), "object {id} bytes");
+        assert!(got == LOAD.value(id), "object {id} bytes");
     }
     let ids: Vec<u64> = l.committed.keys().copied().collect();
     for (id, nodes) in holders(&client, &ids).await {

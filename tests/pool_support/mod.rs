@@ -2,9 +2,10 @@
 //! agent's fixture machine, a real `kvpool master` and real `kvpool agent run` processes on
 //! 127.0.0.1 with their logs in the test's directory (master_kill_under_load, master_striping,
 //! agent_pool_*, agent_transport_report), a local-only agent for the engine tests
-//! (synthetic_engine, conductor_http), clients of them, polls of the master's stats and the
-//! agents' metrics, and an in-process master (master_service, master_coalescing). Failures panic
-//! with the process's log tail. I/O boundary: child processes, loopback sockets, temp dirs.
+//! (synthetic_engine, conductor_http), clients of them, a put-and-read load (`load`), polls of
+//! the master's stats and the agents' metrics, and an in-process master (master_service,
+//! master_coalescing). Failures panic with the process's log tail. I/O boundary: child
+//! processes, loopback sockets, temp dirs.
 
 #![allow(dead_code)]
 
@@ -16,12 +17,17 @@ use std::time::{Duration, Instant};
 use kvpool_agent::api::client::EngineClient;
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_client::pool::PoolClient;
-use kvpool_harness::{AgentSpec, ChildProcess, Launcher, MasterSpec, Probe, free_addr, http};
+use kvpool_core::master::{SegmentSpec, Tier};
+use kvpool_harness::{
+    AgentSpec, ChildProcess, Launcher, MasterProcess, MasterSpec, Probe, free_addr, http,
+};
 use kvpool_master::cmd::{MasterArgs, RunningMaster, start};
 use kvpool_proto::auth::AuthKey as MasterKey;
 use kvpool_proto::master::StatsResponse;
 use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
 use tokio_util::sync::CancellationToken;
+
+pub mod load;
 
 pub use kvpool_harness::scrape::metric_value as metric;
 
@@ -70,6 +76,46 @@ pub fn start_master(
         .start(&Launcher::new(dir), "master", DEADLINE)
         .expect("kvpool master");
     (m.process, m.grpc)
+}
+
+/// Master `name` of an HA group that campaigns in the etcd at `etcd` under `prefix` (election
+/// TTL 2 s), started with `args` added, once its admin server listens; it logs into
+/// `dir/<name>.log`.
+pub fn spawn_ha_master(
+    dir: &Path,
+    key_file: &Path,
+    etcd: &str,
+    prefix: &str,
+    name: &str,
+    args: &[&str],
+) -> MasterProcess {
+    let spec = MasterSpec::new(KVPOOL, key_file).expect("ports");
+    let grpc = spec.grpc.to_string();
+    let mut m = spec
+        .args(["--advertise-addr", &grpc])
+        .args(["--etcd-endpoints", etcd, "--etcd-prefix", prefix])
+        .args(["--election-ttl", "2s"])
+        .args(args.iter().copied())
+        .spawn(&Launcher::new(dir), name)
+        .expect("spawn master");
+    m.process
+        .wait_ready(&Probe::Tcp(m.admin), DEADLINE)
+        .expect("master up");
+    m
+}
+
+/// A master client over all of `masters`, keyed with `key`, that follows a failover for up to
+/// 30 s.
+pub fn ha_master_client(masters: &[SocketAddr], key: &[u8]) -> MasterClient {
+    MasterClient::new(
+        masters.iter().map(SocketAddr::to_string).collect(),
+        MasterKey::from_bytes(key).expect("master key"),
+        ClientConfig {
+            failover_budget: Duration::from_secs(30),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("master client")
 }
 
 /// A pool in a fresh temporary directory, which also holds the logs and the agents' folders:
@@ -300,6 +346,51 @@ pub async fn wait_metric(
     }
 }
 
+/// A DRAM segment `dram0` of `capacity` bytes on `node`, listed at `tcp://<node>:7000` (a
+/// segment the master only books: nothing listens there).
+pub fn dram_segment(node: &str, capacity: u64) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: "dram0".into(),
+        tier: Tier::Dram,
+        capacity_bytes: capacity,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://{node}:7000")],
+        persistent: false,
+    }
+}
+
+/// An error with its sources, `: `-separated.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+/// Reads each of `held` until the peer closes it (EOF or reset), asserting that every one is
+/// closed within `limit` of when its wait starts.
+pub async fn assert_closed_within(held: &mut [tokio::net::TcpStream], limit: Duration) {
+    use tokio::io::AsyncReadExt;
+    for s in held {
+        let mut buf = [0u8; 256];
+        let ended = tokio::time::timeout(limit, async {
+            while let Ok(n) = s.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "a connection outlived the deadline");
+    }
+}
+
 /// Whether a process with this id still exists (and is not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -344,13 +435,6 @@ pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) 
 }
 
 /// Poll `cond` every 10 ms for at most `limit`; whether it came true.
-pub async fn eventually(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    cond()
+pub async fn eventually(limit: Duration, cond: impl FnMut() -> bool) -> bool {
+    kvpool_harness::poll::until_async(limit, Duration::from_millis(10), cond).await
 }
