@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::{PutOptions, Tier};
 use parking_lot::Mutex;
-use pool_support::load::Objects;
+use pool_support::load::{Objects, wait_commits};
 use pool_support::*;
 
 /// Commits (both writers together) before the kill.
@@ -123,13 +123,7 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
         )),
     ];
 
-    let started = Instant::now();
-    while commits.load(Ordering::Relaxed) < KILL_AFTER {
-        master.assert_running().expect("master runs");
-        a.assert_running().expect("agent runs");
-        assert!(started.elapsed() < DEADLINE, "no progress before the kill");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_commits(&commits, KILL_AFTER, &mut [&mut master, &mut a]).await;
     // A commit becomes durable only once a later feed answer confirmed it: on a loaded machine
     // the confirmations lag the puts, and a kill before any would leave nothing to check. The
     // writers keep going meanwhile.

@@ -113,6 +113,30 @@ async fn dram_offset(client: &kvpool_client::master::MasterClient, key: &[u8]) -
     at
 }
 
+/// Where each of `keys` lies in `agent-a/dram0`.
+async fn dram_offsets(client: &kvpool_client::master::MasterClient, keys: &[Vec<u8>]) -> Vec<u64> {
+    let mut offsets = Vec::new();
+    for k in keys {
+        offsets.push(dram_offset(client, k).await.expect("in agent-a/dram0"));
+    }
+    offsets
+}
+
+/// Waits until the agent's persistent DRAM index holds `n` blocks.
+async fn wait_indexed(addr: &AgentAddrs, agent: &mut ChildProcess, n: usize) {
+    let name = "kvpool_agent_pool_dram_index_blocks";
+    wait_metric(addr, agent, name, &[], |v| v == n as f64).await;
+}
+
+/// Puts `block(i)` under the i-th of `keys` through the agent's engine API, then waits until
+/// its persistent index holds every one of them.
+async fn put_indexed(addr: &AgentAddrs, agent: &mut ChildProcess, keys: &[Vec<u8>]) {
+    let mut engine_a = engine(addr, "engine-a").await;
+    put_each(&mut engine_a, keys, block).await;
+    drop(engine_a);
+    wait_indexed(addr, agent, keys.len()).await;
+}
+
 async fn restart_keeps_dram_blocks(sig: Signal) {
     let Some(shm) = shm_dir() else { return };
     let tier = shm.path().join("tier");
@@ -124,22 +148,9 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
 
     let n = 24usize;
     let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
-    let mut engine_a = engine(&addr_a, "engine-a").await;
-    put_each(&mut engine_a, &keys, block).await;
-    drop(engine_a);
     // Every block is durably indexed before the agent goes down.
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_index_blocks",
-        &[],
-        |v| v == n as f64,
-    )
-    .await;
-    let mut offsets = Vec::new();
-    for k in &keys {
-        offsets.push(dram_offset(&client, k).await.expect("in agent-a/dram0"));
-    }
+    put_indexed(&addr_a, &mut a, &keys).await;
+    let offsets = dram_offsets(&client, &keys).await;
 
     a.signal(sig).expect("signal");
     wait_exit(&mut a);
@@ -229,14 +240,7 @@ async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
     for i in 0..before {
         remote.put(&key(i), &block(i), &opts).await.expect("put");
     }
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_index_blocks",
-        &[],
-        |v| v == before as f64,
-    )
-    .await;
+    wait_indexed(&addr_a, &mut a, before).await;
 
     // The loop keeps putting; the agent is killed once eight more were acknowledged, with
     // the loop still running.
@@ -460,21 +464,8 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
     wait_ready(&addr_a, &mut a);
     let client = master_client(grpc, KEY);
     let keys: Vec<Vec<u8>> = (0..6).map(key).collect();
-    let mut engine_a = engine(&addr_a, "engine-a").await;
-    put_each(&mut engine_a, &keys, block).await;
-    drop(engine_a);
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_index_blocks",
-        &[],
-        |v| v == 6.0,
-    )
-    .await;
-    let mut offsets = Vec::new();
-    for k in &keys {
-        offsets.push(dram_offset(&client, k).await.expect("located"));
-    }
+    put_indexed(&addr_a, &mut a, &keys).await;
+    let offsets = dram_offsets(&client, &keys).await;
     a.signal(Signal::SIGTERM).expect("signal");
     wait_exit(&mut a);
     drop(a);

@@ -5,6 +5,7 @@
 //! connection.
 
 mod pool_support;
+mod transfer_util;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +19,6 @@ use kvpool_proto::master::KeysRequest;
 use kvpool_proto::master::master_client::MasterClient as RawClient;
 use kvpool_transfer::{
     Endpoint, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
-    TransferOp, TransferRequest,
 };
 use pool_support::{InProcessMaster, dram_segment, in_process_master};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -280,29 +280,7 @@ fn read_with(key: kvpool_transfer::AuthKey, dir: Arc<StaticDirectory>) -> Result
         TransferMetrics::unregistered().map_err(|e| e.to_string())?,
     )
     .map_err(|e| e.to_string())?;
-    let local = client
-        .register(
-            "buf",
-            Arc::new(Segment::host(4096, HostOptions::default()).map_err(|e| e.to_string())?),
-        )
-        .map_err(|e| e.to_string())?;
-    let remote = client.open("seg").map_err(|e| e.to_string())?;
-    client
-        .transfer(vec![TransferRequest {
-            op: TransferOp::Read,
-            local: local.clone(),
-            local_offset: 0,
-            remote,
-            remote_offset: 0,
-            len: 14,
-        }])
-        .map_err(|e| e.to_string())?;
-    let mut got = vec![0u8; 14];
-    local
-        .segment()
-        .read_at(0, &mut got)
-        .map_err(|e| e.to_string())?;
-    Ok(got)
+    transfer_util::read_head(&client, "seg", 14)
 }
 
 #[test]

@@ -188,11 +188,8 @@ const MODEL: &str = "synthetic-70b";
 const BLOCK: u32 = 16;
 
 async fn engine(shutdown: &CancellationToken) -> (String, Registry) {
-    let config = serve_support::engine_config(MODEL, BLOCK);
-    let registry = Registry::new();
-    let router = kvpool_synthetic::server::router(config, &registry).expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let (a, registry) =
+        serve_support::start_engine(serve_support::engine_config(MODEL, BLOCK), shutdown).await;
     (format!("http://{a}"), registry)
 }
 

@@ -63,12 +63,7 @@ async fn engine_mode(
         ),
         None => None,
     };
-    let registry = Registry::new();
-    let router =
-        kvpool_synthetic::server::router_with_agent(config, kv, &registry).expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
-    (a, registry)
+    serve_support::start_engine_with_agent(config, kv, shutdown).await
 }
 
 struct Cluster {
@@ -878,16 +873,12 @@ async fn prefill_cost_is_fitted_from_the_engines_measured_prefills() {
         quadratic_s: 2e-8,
     };
     let shutdown = CancellationToken::new();
-    let registry = Registry::new();
     let config = EngineConfig {
         prefill_cost: truth,
         time_scale: SCALE,
         ..serve_support::engine_config(MODEL, BLOCK)
     };
-    let router =
-        kvpool_synthetic::server::router_with_agent(config, None, &registry).expect("router");
-    let (l, p0) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let (p0, _) = serve_support::start_engine(config, &shutdown).await;
     // The decode engine stays fast (its own prefill of the prompt is not measured).
     let (d0, _) = engine(&shutdown).await;
     let prefill_url = format!("http://{p0}");
@@ -1002,15 +993,11 @@ async fn decode_progress_is_counted_from_the_stream_before_it_ends() {
     let shutdown = CancellationToken::new();
     let (p0, _) = engine(&shutdown).await;
     // A decode engine at real time: 15 ms per token, 1.5 s for the 100 asked.
-    let registry = Registry::new();
     let config = EngineConfig {
         time_scale: 1.0,
         ..serve_support::engine_config(MODEL, BLOCK)
     };
-    let router =
-        kvpool_synthetic::server::router_with_agent(config, None, &registry).expect("router");
-    let (l, d0) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let (d0, _) = serve_support::start_engine(config, &shutdown).await;
     let decode_url = format!("http://{d0}");
     let mut config = conductor_config(
         vec![format!("http://{p0}")],

@@ -51,12 +51,9 @@ fn prompt(ids: &[u32]) -> String {
 }
 
 async fn engine(shutdown: &CancellationToken) -> SocketAddr {
-    let registry = Registry::new();
-    let router = kvpool_synthetic::server::router(engine_config(MODEL, BLOCK), &registry)
-        .expect("engine router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
-    a
+    serve_support::start_engine(engine_config(MODEL, BLOCK), shutdown)
+        .await
+        .0
 }
 
 /// The conductor over prefill engines `prefill` (the events of `source` follow one of them)

@@ -21,13 +21,7 @@ const MODEL: &str = "org/synthetic-70b";
 const BLOCK: u32 = 16;
 
 async fn engine(shutdown: &CancellationToken) -> (SocketAddr, Registry) {
-    let registry = Registry::new();
-    let router =
-        kvpool_synthetic::server::router(serve_support::engine_config(MODEL, BLOCK), &registry)
-            .expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
-    (a, registry)
+    serve_support::start_engine(serve_support::engine_config(MODEL, BLOCK), shutdown).await
 }
 
 fn config(

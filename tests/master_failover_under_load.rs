@@ -26,7 +26,7 @@ use kvpool_harness::{
     AgentSpec, ChildProcess, EtcdServer, Launcher, MasterProcess, Probe, free_addr, http,
 };
 use parking_lot::Mutex;
-use pool_support::load::{Committed, Objects};
+use pool_support::load::{Committed, Objects, join_tasks, wait_commits};
 use pool_support::*;
 
 const WRITERS: u64 = 2;
@@ -148,13 +148,7 @@ async fn the_leader_killed_under_load_loses_no_acknowledged_put() {
     // A read may fail while no master leads; it may never return other bytes.
     let readers = LOAD.spawn_readers(READERS, &pool, &acked);
 
-    let started = Instant::now();
-    while commits.load(Ordering::Relaxed) < KILL_AFTER {
-        a.assert_running().expect("agent-a runs");
-        b.assert_running().expect("agent-b runs");
-        assert!(started.elapsed() < DEADLINE, "no progress before the kill");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_commits(&commits, KILL_AFTER, &mut [&mut a, &mut b]).await;
     // The load is running: SIGKILL the leader, then time the first call a new leader answers.
     assert!(
         writers.iter().all(|w| !w.is_finished()),
@@ -176,12 +170,7 @@ async fn the_leader_killed_under_load_loses_no_acknowledged_put() {
     let new_leader = probe.current_endpoint().expect("connected");
     assert_ne!(new_leader, grpcs[leader].to_string(), "a standby leads");
 
-    for w in writers {
-        tokio::time::timeout(DEADLINE, w)
-            .await
-            .expect("writers finish")
-            .expect("writer task");
-    }
+    join_tasks(writers).await;
     let reads = readers.stop().await;
     let acked = std::mem::take(&mut *acked.lock());
     let o = std::mem::take(&mut *outcomes.lock());

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::PutOptions;
 use parking_lot::Mutex;
-use pool_support::load::{Committed, Objects};
+use pool_support::load::{Committed, Objects, join_tasks, wait_commits};
 use pool_support::*;
 
 const WRITERS: u64 = 3;
@@ -86,21 +86,11 @@ async fn an_agent_killed_under_load_loses_no_committed_object() {
     let readers = LOAD.spawn_readers(READERS, &pool, &committed);
 
     // Kill one replica holder in the middle of the run.
-    let started = Instant::now();
-    while commits.load(Ordering::Relaxed) < KILL_AFTER {
-        master.assert_running().expect("master runs");
-        assert!(started.elapsed() < DEADLINE, "no progress before the kill");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_commits(&commits, KILL_AFTER, &mut [&mut master]).await;
     b.kill().expect("SIGKILL agent-b");
     let killed_at_commits = commits.load(Ordering::Relaxed);
 
-    for w in writers {
-        tokio::time::timeout(DEADLINE, w)
-            .await
-            .expect("writers finish")
-            .expect("writer task");
-    }
+    join_tasks(writers).await;
     let reads = readers.stop().await;
     let stats = wait_stats(
         &client,

@@ -594,29 +594,16 @@ fn regenerate() -> Result<()> {
 
 #[test]
 fn helm_lint_passes_with_default_and_example_values() -> Result<()> {
-    run_ok(
-        "helm",
-        &[
-            "lint",
-            "--strict",
-            "charts/kvpool",
-            "--kube-version",
-            KUBE_VERSION,
-        ],
-    )?;
+    let lint = [
+        "lint",
+        "--strict",
+        "charts/kvpool",
+        "--kube-version",
+        KUBE_VERSION,
+    ];
+    run_ok("helm", &lint)?;
     for values in EXAMPLE_VALUES {
-        run_ok(
-            "helm",
-            &[
-                "lint",
-                "--strict",
-                "charts/kvpool",
-                "--kube-version",
-                KUBE_VERSION,
-                "--values",
-                values,
-            ],
-        )?;
+        run_ok("helm", &[&lint[..], &["--values", values]].concat())?;
     }
     Ok(())
 }

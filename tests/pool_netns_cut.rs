@@ -32,7 +32,7 @@ use kvpool_core::master::PutOptions;
 use kvpool_harness::{AgentSpec, ChildProcess, Launcher, MasterSpec, free_port};
 use netns_support::{Cut, HubAndIsland, running_as_root};
 use parking_lot::Mutex;
-use pool_support::load::Objects;
+use pool_support::load::{Objects, join_tasks};
 use pool_support::*;
 
 /// The master declares an agent dead after this long without a heartbeat.
@@ -381,12 +381,7 @@ async fn scenario(net: &HubAndIsland) {
         );
     }
     stop.store(true, Ordering::Relaxed);
-    for task in [writer, reader] {
-        tokio::time::timeout(DEADLINE, task)
-            .await
-            .expect("the loops stop")
-            .expect("loop task");
-    }
+    join_tasks([writer, reader]).await;
 
     // Every acknowledged put reads back exactly, and the master's counters agree.
     let l = std::mem::take(&mut *log.lock());
@@ -415,14 +410,8 @@ async fn scenario(net: &HubAndIsland) {
         l.committed.len() as u64,
         "objects known to the master"
     );
-    for (&id, &crc) in &l.committed {
-        let got = pool
-            .get(&LOAD.key(id))
-            .await
-            .unwrap_or_else(|e| panic!("acknowledged object {id} unreadable: {e:#}"));
-        assert_eq!(crc32c::crc32c(&got), crc, "object {id} checksum");
-        assert!(got == LOAD.value(id), "object {id} bytes");
-    }
+    LOAD.assert_read_back(&pool, &l.committed, "acknowledged object")
+        .await;
     let ids: Vec<u64> = l.committed.keys().copied().collect();
     for (id, nodes) in holders(&client, &ids).await {
         assert_eq!(nodes.len(), 2, "object {id} has replicas on {nodes:?}");

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod transfer_util;
+
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::net::TcpStream;
@@ -93,26 +95,8 @@ fn honest_peer_still_works(t: &Target) {
         TransferMetrics::unregistered().unwrap(),
     )
     .unwrap();
-    let local = client
-        .register(
-            "buf",
-            Arc::new(Segment::host(4096, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    let remote = client.open("seg").unwrap();
-    client
-        .transfer(vec![TransferRequest {
-            op: TransferOp::Read,
-            local: local.clone(),
-            local_offset: 0,
-            remote,
-            remote_offset: 0,
-            len: 13,
-        }])
-        .unwrap();
-    let mut got = [0u8; 13];
-    local.segment().read_at(0, &mut got).unwrap();
-    assert_eq!(&got, b"private bytes");
+    let got = transfer_util::read_head(&client, "seg", 13).unwrap();
+    assert_eq!(got, b"private bytes");
 }
 
 #[test]

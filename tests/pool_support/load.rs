@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::PutOptions;
+use kvpool_harness::ChildProcess;
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 
@@ -164,6 +165,30 @@ impl Objects {
             assert_eq!(crc32c::crc32c(&got), crc, "object {id} checksum");
             assert!(got == self.value(id), "object {id} bytes");
         }
+    }
+}
+
+/// Waits until `commits` reaches `n` (the load has made that much progress), while every one
+/// of `procs` runs; panics after [`DEADLINE`].
+pub async fn wait_commits(commits: &AtomicU64, n: u64, procs: &mut [&mut ChildProcess]) {
+    let started = Instant::now();
+    while commits.load(Ordering::Relaxed) < n {
+        for p in procs.iter_mut() {
+            p.assert_running().expect("running");
+        }
+        assert!(started.elapsed() < DEADLINE, "no progress before the kill");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Waits for each of `tasks` (writers, loops) to finish, panicking if one panicked or if one
+/// takes longer than [`DEADLINE`].
+pub async fn join_tasks(tasks: impl IntoIterator<Item = JoinHandle<()>>) {
+    for t in tasks {
+        tokio::time::timeout(DEADLINE, t)
+            .await
+            .expect("tasks finish")
+            .expect("task");
     }
 }
 

@@ -65,6 +65,29 @@ pub fn assert_metric(registry: &Registry, name: &str, want: f64) {
     assert_eq!(metric(registry, name), want, "{name}");
 }
 
+/// A synthetic engine with `config` serving on a loopback port until `shutdown`; with `kv` it
+/// reads and writes KV blocks through a node agent. Its address and metrics registry.
+pub async fn start_engine_with_agent(
+    config: EngineConfig,
+    kv: Option<kvpool_synthetic::agent::AgentKv>,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> (SocketAddr, Registry) {
+    let registry = Registry::new();
+    let router =
+        kvpool_synthetic::server::router_with_agent(config, kv, &registry).expect("engine router");
+    let (l, a) = listen().await;
+    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    (a, registry)
+}
+
+/// Like [`start_engine_with_agent`], without an agent.
+pub async fn start_engine(
+    config: EngineConfig,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> (SocketAddr, Registry) {
+    start_engine_with_agent(config, None, shutdown).await
+}
+
 /// A synthetic engine serving `model` in blocks of `block_size` tokens, 1000x faster than the
 /// default cost models, with 4-byte stand-in tokens and room for 1000 cached blocks.
 pub fn engine_config(model: &str, block_size: u32) -> EngineConfig {

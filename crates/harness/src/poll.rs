@@ -9,11 +9,8 @@ use std::time::{Duration, Instant};
 pub fn until(limit: Duration, every: Duration, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
     loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
+        if let Some(done) = settled(deadline, &mut check) {
+            return done;
         }
         std::thread::sleep(every);
     }
@@ -27,13 +24,22 @@ pub async fn until_async(
 ) -> bool {
     let deadline = Instant::now() + limit;
     loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
+        if let Some(done) = settled(deadline, &mut check) {
+            return done;
         }
         tokio::time::sleep(every).await;
+    }
+}
+
+/// One round of a poll: `Some(true)` once `check` holds, `Some(false)` once `deadline` has
+/// passed without it, `None` while there is time to check again.
+fn settled(deadline: Instant, check: &mut impl FnMut() -> bool) -> Option<bool> {
+    if check() {
+        Some(true)
+    } else if Instant::now() >= deadline {
+        Some(false)
+    } else {
+        None
     }
 }
 
