@@ -28,15 +28,8 @@ const LOAD: Objects = Objects::new("agent-kill-repair", 0x2e9a).lengths(16 * 102
 async fn replica_nodes(client: &MasterClient) -> Vec<Vec<String>> {
     let mut all = Vec::new();
     for id in 0..OBJECTS {
-        let located = client
-            .get(&LOAD.key(id))
-            .await
-            .unwrap_or_else(|e| panic!("object {id} lost: {e:#}"));
-        all.push(located.replicas.iter().map(|r| r.node.clone()).collect());
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
+        let nodes = pool_support::replica_nodes(client, &LOAD.key(id)).await;
+        all.push(nodes.unwrap_or_else(|e| panic!("object {id} lost: {e:#}")));
     }
     all
 }

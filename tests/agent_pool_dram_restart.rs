@@ -87,30 +87,17 @@ fn key(i: usize) -> Vec<u8> {
 
 /// Flip one byte of segment file `dram0.dat` of `tier` at `at`.
 fn corrupt(tier: &Path, at: u64) {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(tier.join("dram0.dat"))
-        .expect("tier file");
-    let mut byte = [0u8; 1];
-    f.read_exact_at(&mut byte, at).expect("read");
-    f.write_all_at(&[byte[0] ^ 0xa5], at).expect("corrupt");
+    flip_byte(&tier.join("dram0.dat"), at, 0xa5);
 }
 
 /// Offset of the replica of `key` in `agent-a/dram0`.
 async fn dram_offset(client: &kvpool_client::master::MasterClient, key: &[u8]) -> Option<u64> {
-    let located = client.get(key).await.ok()?;
-    let at = located
-        .replicas
+    replicas(client, key)
+        .await
+        .ok()?
         .iter()
         .find(|r| r.node == "agent-a" && r.segment == "dram0" && r.tier == Tier::Dram)
-        .map(|r| r.offset);
-    client
-        .release_lease(located.lease_id)
-        .await
-        .expect("release");
-    at
+        .map(|r| r.offset)
 }
 
 /// Where each of `keys` lies in `agent-a/dram0`.

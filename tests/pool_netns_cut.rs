@@ -121,18 +121,11 @@ fn start_agent_on(
 async fn holders(client: &MasterClient, ids: &[u64]) -> HashMap<u64, Vec<String>> {
     let mut all = HashMap::new();
     for &id in ids {
-        let located = client
-            .get(&LOAD.key(id))
-            .await
-            .unwrap_or_else(|e| panic!("acknowledged object {id} lost: {e:#}"));
+        let nodes = replica_nodes(client, &LOAD.key(id)).await;
         all.insert(
             id,
-            located.replicas.iter().map(|r| r.node.clone()).collect(),
+            nodes.unwrap_or_else(|e| panic!("acknowledged object {id} lost: {e:#}")),
         );
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
     }
     all
 }

@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool_agent::api::client::EngineClient;
-use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
 use kvpool_client::pool::PoolClient;
-use kvpool_core::master::{SegmentSpec, Tier};
+use kvpool_core::master::{ReplicaInfo, SegmentSpec, Tier};
 use kvpool_harness::{
     AgentSpec, ChildProcess, Launcher, MasterProcess, MasterSpec, Probe, free_addr, http,
 };
@@ -389,6 +389,41 @@ pub async fn assert_closed_within(held: &mut [tokio::net::TcpStream], limit: Dur
         .await;
         assert!(ended.is_ok(), "a connection outlived the deadline");
     }
+}
+
+/// The replicas of `key` as the master hands them out now (the read lease it takes is released
+/// at once).
+pub async fn replicas(client: &MasterClient, key: &[u8]) -> Result<Vec<ReplicaInfo>, ClientError> {
+    let located = client.get(key).await?;
+    client
+        .release_lease(located.lease_id)
+        .await
+        .expect("release");
+    Ok(located.replicas)
+}
+
+/// The nodes holding `key`'s replicas (see [`replicas`]), sorted.
+pub async fn replica_nodes(client: &MasterClient, key: &[u8]) -> Result<Vec<String>, ClientError> {
+    let mut nodes: Vec<String> = replicas(client, key)
+        .await?
+        .into_iter()
+        .map(|r| r.node)
+        .collect();
+    nodes.sort();
+    Ok(nodes)
+}
+
+/// Flips the byte at `at` of `file` (XOR with `mask`), as damage on disk would.
+pub fn flip_byte(file: &Path, at: u64, mask: u8) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap_or_else(|e| panic!("open {}: {e}", file.display()));
+    let mut byte = [0u8; 1];
+    f.read_exact_at(&mut byte, at).expect("read");
+    f.write_all_at(&[byte[0] ^ mask], at).expect("corrupt");
 }
 
 /// Whether a process with this id still exists (and is not a zombie).
