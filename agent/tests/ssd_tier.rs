@@ -55,6 +55,16 @@ fn truncate_data(dir: &Path, len: u64) {
         .expect("truncate");
 }
 
+/// Recovery left a warning that mentions `what`.
+#[track_caller]
+fn assert_warned(rec: &kvpool_agent::ssd::Recovery, what: &str) {
+    assert!(
+        rec.warnings.iter().any(|w| w.contains(what)),
+        "{:?}",
+        rec.warnings
+    );
+}
+
 fn assert_corrupt(err: &SsdError, why: &str) {
     assert!(
         matches!(err, SsdError::Corrupt { reason } if *reason == why),
@@ -146,11 +156,7 @@ fn truncated_data_file_is_detected() {
     truncate_data(dir.path(), 4096 + 100);
     let (mut t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 1);
-    assert!(
-        rec.warnings.iter().any(|w| w.contains("truncated")),
-        "{:?}",
-        rec.warnings
-    );
+    assert_warned(&rec, "truncated");
     expect_block(&mut t, b"a", 1, 4096);
     assert!(!t.contains(b"b"));
 
@@ -175,11 +181,7 @@ fn damaged_index_tail_keeps_the_valid_prefix() {
     std::fs::write(&index, &bytes).expect("write index");
     let (mut t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 2);
-    assert!(
-        rec.warnings.iter().any(|w| w.contains("damaged")),
-        "{:?}",
-        rec.warnings
-    );
+    assert_warned(&rec, "damaged");
     expect_block(&mut t, b"b", 2, 100);
     // The rewritten index is clean again.
     drop(t);

@@ -363,14 +363,10 @@ pub fn dram_segment(node: &str, capacity: u64) -> SegmentSpec {
 
 /// An error with its sources, `: `-separated.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
+    let chain: Vec<String> = std::iter::successors(Some(e), |e| e.source())
+        .map(ToString::to_string)
+        .collect();
+    chain.join(": ")
 }
 
 /// Reads each of `held` until the peer closes it (EOF or reset), asserting that every one is
