@@ -12,7 +12,7 @@ use std::time::Instant;
 use kvpool_core::master::{PutOptions, PutStarted};
 use kvpool_harness::{EtcdServer, http};
 use nix::sys::signal::Signal;
-use pool_support::{dram_segment, ha_master_client, spawn_ha_master};
+use pool_support::{ha_master_client, mount_dram, spawn_ha_master};
 
 const KEY: &[u8] = b"kvpool-ha-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
@@ -41,12 +41,7 @@ async fn standby_takes_over_with_every_committed_object() {
     let grpcs: Vec<SocketAddr> = masters.iter().map(|m| m.grpc).collect();
     let client = ha_master_client(&grpcs, KEY);
     // Whichever answered is the leader (the client followed the standby's hint).
-    for n in ["a", "b", "c"] {
-        client
-            .mount_segment(&dram_segment(n, 256 * MIB))
-            .await
-            .expect("mount");
-    }
+    mount_dram(&client, &["a", "b", "c"], 256 * MIB).await;
     let leader_addr = client.current_endpoint().expect("connected");
     let leader = masters
         .iter()

@@ -12,6 +12,7 @@ use kvpool_proto::auth::AuthKey;
 use kvpool_proto::master::ErrorCode;
 use pool_support::{
     InProcessMaster, assert_closed_within, dram_segment, eventually, http_get, in_process_master,
+    mount_dram,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -32,11 +33,7 @@ fn code(e: &ClientError) -> Option<ErrorCode> {
 async fn put_get_batch_and_error_codes_over_grpc() {
     let f = fixture(|_| {}).await;
     let c = &f.client;
-    for n in ["a", "b", "c"] {
-        c.mount_segment(&dram_segment(n, 64 * MIB))
-            .await
-            .expect("mount");
-    }
+    mount_dram(c, &["a", "b", "c"], 64 * MIB).await;
     let opts = PutOptions {
         replicas: 2,
         writer_node: Some("a".into()),
@@ -139,10 +136,7 @@ async fn put_get_batch_and_error_codes_over_grpc() {
 #[tokio::test]
 async fn unauthenticated_requests_are_refused_and_change_nothing() {
     let f = fixture(|_| {}).await;
-    f.client
-        .mount_segment(&dram_segment("a", 64 * MIB))
-        .await
-        .expect("mount");
+    mount_dram(&f.client, &["a"], 64 * MIB).await;
     let before = f.client.stats().await.expect("stats");
     let intruder = MasterClient::new(
         vec![f.master.grpc_addr.to_string()],
@@ -192,11 +186,7 @@ fn refusal(e: &ClientError) -> String {
 async fn every_kind_of_bad_input_gets_its_code_and_changes_no_state() {
     let f = fixture(|_| {}).await;
     let c = &f.client;
-    for n in ["a", "b"] {
-        c.mount_segment(&dram_segment(n, 64 * MIB))
-            .await
-            .expect("mount");
-    }
+    mount_dram(c, &["a", "b"], 64 * MIB).await;
     let opts = PutOptions::default();
     // One committed object and one pending put.
     let PutStarted::Allocated { put_id, .. } =
@@ -371,10 +361,7 @@ async fn admin_endpoints_and_metrics() {
             .await
             .is_some_and(|(status, _)| status == 200)
     );
-    f.client
-        .mount_segment(&dram_segment("a", 64 * MIB))
-        .await
-        .expect("mount");
+    mount_dram(&f.client, &["a"], 64 * MIB).await;
     match f
         .client
         .put_start(b"k", MIB, &PutOptions::default())
@@ -385,18 +372,20 @@ async fn admin_endpoints_and_metrics() {
         other => panic!("{other:?}"),
     }
     // Gauges are refreshed by the tick loop; poll until they show the object.
-    let metrics = metrics_with(&f, "kvpool_master_objects 1").await;
-    for needle in [
+    assert_metrics(
+        &f,
         "kvpool_master_objects 1",
-        "kvpool_master_used_bytes{tier=\"dram\"} 1048576",
-        "kvpool_master_capacity_bytes{tier=\"dram\"} 67108864",
-        "kvpool_master_requests_total{method=\"put_end\",result=\"ok\"} 1",
-        "kvpool_master_request_duration_seconds_bucket{method=\"put_start\"",
-        "kvpool_master_leader 1",
-        "kvpool_master_leases 0",
-    ] {
-        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
-    }
+        &[
+            "kvpool_master_objects 1",
+            "kvpool_master_used_bytes{tier=\"dram\"} 1048576",
+            "kvpool_master_capacity_bytes{tier=\"dram\"} 67108864",
+            "kvpool_master_requests_total{method=\"put_end\",result=\"ok\"} 1",
+            "kvpool_master_request_duration_seconds_bucket{method=\"put_start\"",
+            "kvpool_master_leader 1",
+            "kvpool_master_leases 0",
+        ],
+    )
+    .await;
     let ready = f.master.readiness.clone();
     f.shutdown.cancel();
     f.master.join().await.expect("clean stop");
@@ -407,11 +396,7 @@ async fn admin_endpoints_and_metrics() {
 async fn silent_agents_die_and_two_replica_objects_stay_readable() {
     let f = fixture(|a| a.heartbeat_timeout = Duration::from_secs(2)).await;
     let c = &f.client;
-    for n in ["a", "b"] {
-        c.mount_segment(&dram_segment(n, 64 * MIB))
-            .await
-            .expect("mount");
-    }
+    mount_dram(c, &["a", "b"], 64 * MIB).await;
     // b heartbeats for the whole test; a only while the objects are written.
     let a_beats = CancellationToken::new();
     let beats = CancellationToken::new();
@@ -718,6 +703,15 @@ async fn agent_killed_under_load_loses_nothing_and_reads_verify() {
 }
 
 /// Poll the master's metrics until `needle` shows (the gauges follow the tick loop).
+/// Waits (see [`metrics_with`]) for `ready` in the master's metrics, then asserts that each of
+/// `needles` is in them.
+async fn assert_metrics(f: &Fixture, ready: &str, needles: &[&str]) {
+    let metrics = metrics_with(f, ready).await;
+    for needle in needles {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+}
+
 async fn metrics_with(f: &Fixture, needle: &str) -> String {
     let mut metrics = String::new();
     for _ in 0..200 {
@@ -736,10 +730,7 @@ async fn metrics_with(f: &Fixture, needle: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
     let f = fixture(|_| {}).await;
-    f.client
-        .mount_segment(&dram_segment("a", 64 * MIB))
-        .await
-        .expect("mount");
+    mount_dram(&f.client, &["a"], 64 * MIB).await;
     let fork = f.client.fork(tokio::runtime::Handle::current());
     // The fork is driven by a thread of its own, as a Python thread drives it.
     let (lease, fork) = tokio::task::spawn_blocking(move || {
@@ -791,20 +782,22 @@ async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
         f.client.exists(&[b"fast/k"]).await.expect("grpc"),
         vec![true]
     );
-    let metrics = metrics_with(&f, "kvpool_master_leases 0").await;
-    for needle in [
-        "kvpool_master_fast_lane_connections 1",
-        "kvpool_master_requests_total{method=\"put_start\",result=\"ok\"} 1",
-        "kvpool_master_requests_total{method=\"exists\",result=\"ok\"} 2",
-        "kvpool_master_requests_total{method=\"get\",result=\"unknown_key\"} 1",
-        "kvpool_master_requests_total{method=\"release_leases\",result=\"ok\"} 1",
+    assert_metrics(
+        &f,
         "kvpool_master_leases 0",
-        // The piggybacked release ended the fork's one lease; none expired.
-        "kvpool_master_lease_hold_seconds_count{end=\"released\"} 1",
-        "kvpool_master_lease_hold_seconds_count{end=\"expired\"} 0",
-    ] {
-        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
-    }
+        &[
+            "kvpool_master_fast_lane_connections 1",
+            "kvpool_master_requests_total{method=\"put_start\",result=\"ok\"} 1",
+            "kvpool_master_requests_total{method=\"exists\",result=\"ok\"} 2",
+            "kvpool_master_requests_total{method=\"get\",result=\"unknown_key\"} 1",
+            "kvpool_master_requests_total{method=\"release_leases\",result=\"ok\"} 1",
+            "kvpool_master_leases 0",
+            // The piggybacked release ended the fork's one lease; none expired.
+            "kvpool_master_lease_hold_seconds_count{end=\"released\"} 1",
+            "kvpool_master_lease_hold_seconds_count{end=\"expired\"} 0",
+        ],
+    )
+    .await;
     drop(fork);
     let closed = "kvpool_master_fast_lane_connections 0";
     assert!(
@@ -868,15 +861,17 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
     // Garbage that is not the fast lane goes to gRPC, which drops it; gRPC clients are served.
     let _ = answer(b"GET / HTTP/1.0\r\n\r\n".to_vec()).await;
     assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
-    let metrics = metrics_with(&f, "kvpool_master_fast_lane_refusals_total").await;
-    for needle in [
-        "kvpool_master_fast_lane_refusals_total{reason=\"preface\"} 1",
-        "kvpool_master_fast_lane_refusals_total{reason=\"frame\"} 1",
-        "kvpool_master_fast_lane_refusals_total{reason=\"unauthenticated\"} 2",
-        "kvpool_master_fast_lane_connections 0",
-    ] {
-        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
-    }
+    assert_metrics(
+        &f,
+        "kvpool_master_fast_lane_refusals_total",
+        &[
+            "kvpool_master_fast_lane_refusals_total{reason=\"preface\"} 1",
+            "kvpool_master_fast_lane_refusals_total{reason=\"frame\"} 1",
+            "kvpool_master_fast_lane_refusals_total{reason=\"unauthenticated\"} 2",
+            "kvpool_master_fast_lane_connections 0",
+        ],
+    )
+    .await;
 }
 
 /// Issue 15: silent connections, fast-lane handshakes that trickle, and gRPC connections that

@@ -23,14 +23,27 @@ use pool_support::{
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
 
-/// The client refused the master's certificate.
-#[track_caller]
-fn assert_tls_verify(e: &ClientError) {
-    assert!(
-        matches!(e, ClientError::TlsVerify { .. }),
-        "{}",
-        error_chain(e)
-    );
+/// A new client trusting the CA of `trusted` is served; one trusting only the CA of `other` is
+/// refused (`why` says why it must be). The served client.
+async fn served_not_refused(
+    f: &InProcessMaster,
+    trusted: &TlsFiles,
+    other: &TlsFiles,
+    why: &str,
+) -> MasterClient {
+    let c = client(f, trusting(trusted));
+    assert_eq!(c.exists(&[b"k"]).await.expect("trusted CA"), vec![false]);
+    tls_refusal(f, trusting(other), why).await;
+    c
+}
+
+/// A new client of `f` with `tls` fails its first call because it refuses the master's
+/// certificate (`why` says why it must); the error's text with its sources.
+async fn tls_refusal(f: &InProcessMaster, tls: MasterTls, why: &str) -> String {
+    let e = client(f, tls).exists(&[b"k"]).await.expect_err(why);
+    let text = error_chain(&e);
+    assert!(matches!(e, ClientError::TlsVerify { .. }), "{text}");
+    text
 }
 
 /// A master with TLS from `files` (mutual with `mutual`), handshake deadline `handshake`.
@@ -137,12 +150,7 @@ async fn a_client_that_does_not_trust_the_master_fails_naming_tls_verification()
     let f = tls_master(&files, false, Duration::from_secs(10)).await;
     let other = tempfile::tempdir().expect("tmp");
     let stranger = stranger_pki(other.path());
-    let e = client(&f, trusting(&stranger))
-        .exists(&[b"k"])
-        .await
-        .expect_err("an untrusted master");
-    assert_tls_verify(&e);
-    let text = error_chain(&e);
+    let text = tls_refusal(&f, trusting(&stranger), "an untrusted master").await;
     assert!(text.contains("TLS verification"), "{text}");
     assert!(text.contains("UnknownIssuer"), "{text}");
     // Trusted CA, but the certificate does not carry the name the client verifies.
@@ -150,12 +158,7 @@ async fn a_client_that_does_not_trust_the_master_fails_naming_tls_verification()
         server_name: Some("master.elsewhere.example".into()),
         ..trusting(&files)
     };
-    let e = client(&f, misnamed)
-        .exists(&[b"k"])
-        .await
-        .expect_err("a certificate for another name");
-    assert_tls_verify(&e);
-    let text = error_chain(&e);
+    let text = tls_refusal(&f, misnamed, "a certificate for another name").await;
     assert!(text.contains("certificate not valid for name"), "{text}");
     assert!(text.contains("master.elsewhere.example"), "{text}");
     // The right CA and name: served.
@@ -420,25 +423,15 @@ async fn a_rotated_certificate_of_a_new_ca_serves_new_connections_after_the_relo
     let mut volume = CertVolume::new(&volume_dir, &old);
     let f = reloading_master(&volume).await;
     // A client of the old CA, connected before the rotation.
-    let before = client(&f, trusting(&old));
-    assert_eq!(before.exists(&[b"k"]).await.expect("old CA"), vec![false]);
-    let e = client(&f, trusting(&new))
-        .exists(&[b"k"])
-        .await
-        .expect_err("the new CA does not sign the served certificate yet");
-    assert_tls_verify(&e);
+    let why = "the new CA does not sign the served certificate yet";
+    let before = served_not_refused(&f, &old, &new, why).await;
 
     volume.rotate(&new.master_cert, &new.master_key);
     await_reloads(&f, "ok", 1).await;
     // New connections get the new certificate: a client trusting only the new CA is served,
     // one trusting only the old CA is not.
-    let after = client(&f, trusting(&new));
-    assert_eq!(after.exists(&[b"k"]).await.expect("new CA"), vec![false]);
-    let e = client(&f, trusting(&old))
-        .exists(&[b"k"])
-        .await
-        .expect_err("the old CA's client on a new connection");
-    assert_tls_verify(&e);
+    let why = "the old CA's client on a new connection";
+    served_not_refused(&f, &new, &old, why).await;
     // The connection opened before the rotation is untouched.
     assert_eq!(
         before.exists(&[b"k"]).await.expect("open connection"),

@@ -361,6 +361,16 @@ pub fn dram_segment(node: &str, capacity: u64) -> SegmentSpec {
     }
 }
 
+/// Mounts a [`dram_segment`] of `capacity` bytes for each of `nodes` through `client`.
+pub async fn mount_dram(client: &MasterClient, nodes: &[&str], capacity: u64) {
+    for n in nodes {
+        client
+            .mount_segment(&dram_segment(n, capacity))
+            .await
+            .unwrap_or_else(|e| panic!("mount {n}: {e}"));
+    }
+}
+
 /// An error with its sources, `: `-separated.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let chain: Vec<String> = std::iter::successors(Some(e), |e| e.source())
