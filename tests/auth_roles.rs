@@ -240,12 +240,7 @@ fn agent_target(
 ) {
     let dir = Arc::new(StaticDirectory::new());
     let engine = TransferEngine::new(
-        EngineConfig {
-            node: "agent".into(),
-            timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-            ..EngineConfig::default()
-        },
+        engine_config("agent"),
         kvpool_transfer::AuthKey::from_file(agent_file).expect("agent transfer key"),
         dir.clone(),
         TransferMetrics::unregistered().expect("metrics"),
@@ -266,15 +261,20 @@ fn agent_target(
     (engine, server, dir)
 }
 
+/// The transfer engine settings of node `node` in these tests: 5 s to connect and per transfer.
+fn engine_config(node: &str) -> EngineConfig {
+    EngineConfig {
+        node: node.into(),
+        timeout: Duration::from_secs(5),
+        connect_timeout: Duration::from_secs(5),
+        ..EngineConfig::default()
+    }
+}
+
 /// Read the target's first 14 bytes with an engine keyed by `key`.
 fn read_with(key: kvpool_transfer::AuthKey, dir: Arc<StaticDirectory>) -> Result<Vec<u8>, String> {
     let client = TransferEngine::new(
-        EngineConfig {
-            node: "client".into(),
-            timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-            ..EngineConfig::default()
-        },
+        engine_config("client"),
         key,
         dir,
         TransferMetrics::unregistered().map_err(|e| e.to_string())?,

@@ -187,6 +187,16 @@ async fn post(addr: SocketAddr, body: &str) -> (u16, String) {
 const MODEL: &str = "synthetic-70b";
 const BLOCK: u32 = 16;
 
+/// What discovery reports next: `prefill` and `decode` engines.
+fn report_engines(tx: &watch::Sender<Engines>, prefill: Vec<String>, decode: Vec<String>) {
+    tx.send(Engines {
+        prefill,
+        decode,
+        ..Engines::default()
+    })
+    .expect("send");
+}
+
 async fn engine(shutdown: &CancellationToken) -> (String, Registry) {
     let (a, registry) =
         serve_support::start_engine(serve_support::engine_config(MODEL, BLOCK), shutdown).await;
@@ -249,12 +259,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     // A prefill and a decode engine appear: ready, and they serve the request.
     let (p0, p0_metrics) = engine(&shutdown).await;
     let (d0, d0_metrics) = engine(&shutdown).await;
-    tx.send(Engines {
-        prefill: vec![p0.clone()],
-        decode: vec![d0.clone()],
-        ..Engines::default()
-    })
-    .expect("send");
+    report_engines(&tx, vec![p0.clone()], vec![d0.clone()]);
     until_ready(&readiness, true).await;
     // The model name was never configured: the first request learns it from the engines.
     let (status, body) = post(addr, &ask("first")).await;
@@ -272,26 +277,13 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     )
     .await;
     assert_eq!(status, 404, "{body}");
-    let err: serde_json::Value = serde_json::from_str(&body).expect("json");
-    assert_eq!(err["error"]["code"], "model_not_found", "{body}");
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("gpt-nothing"),
-        "{body}"
-    );
+    serve_support::assert_openai_error(&body, "model_not_found", "gpt-nothing");
     assert_metric(&d0_metrics, "kvpool_engine_generated_tokens_total", 3.0);
     assert_eq!(gauge(&registry, "kvpool_conductor_engines", "prefill"), 1.0);
 
     // A second prefill engine joins and the first leaves: traffic goes to the new one only.
     let (p1, p1_metrics) = engine(&shutdown).await;
-    tx.send(Engines {
-        prefill: vec![p1.clone()],
-        decode: vec![d0.clone()],
-        ..Engines::default()
-    })
-    .expect("send");
+    report_engines(&tx, vec![p1.clone()], vec![d0.clone()]);
     let waited = tokio::time::timeout(Duration::from_secs(30), async {
         while conductor.engines.current().prefill != vec![p1.clone()] {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -308,12 +300,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     assert_metric(&d0_metrics, "kvpool_engine_generated_tokens_total", 9.0);
 
     // The last decode engine goes: not ready, 503 again.
-    tx.send(Engines {
-        prefill: vec![p1],
-        decode: vec![],
-        ..Engines::default()
-    })
-    .expect("send");
+    report_engines(&tx, vec![p1], vec![]);
     until_ready(&readiness, false).await;
     let (status, body) = post(addr, &ask("fourth")).await;
     assert_eq!(status, 503, "{body}");

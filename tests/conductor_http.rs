@@ -305,15 +305,7 @@ async fn chat_requests_are_rendered_with_the_chat_template_and_its_refusals_name
     assert_metric(&decode, "kvpool_engine_generated_tokens_total", 2.0);
     let (status, _, text) = post(addr, "/v1/chat/completions", &chat("tool")).await;
     assert_eq!(status, 400, "{text}");
-    let v: Value = serde_json::from_str(&text).expect("json");
-    assert_eq!(v["error"]["code"], "messages", "{text}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("tool messages are not supported"),
-        "{text}"
-    );
+    serve_support::assert_openai_error(&text, "messages", "tool messages are not supported");
     // The refused request reached no engine.
     assert_metric(&decode, "kvpool_engine_generated_tokens_total", 2.0);
     assert!(counter(&metrics, "kvpool_conductor_requests_total") >= 2.0);
@@ -376,14 +368,7 @@ async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2}}"#);
     let (status, _, text) = post(api, "/v1/completions", &body).await;
     assert_eq!(status, 503, "{text}");
-    let v: Value = serde_json::from_str(&text).expect("json");
-    assert_eq!(v["error"]["code"], "no_engines", "{text}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("--prefill")),
-        "{text}"
-    );
+    serve_support::assert_openai_error(&text, "no_engines", "--prefill");
     let (status, _, _) = post(api, "/v1/chat/completions", "{}").await;
     assert_eq!(status, 503);
 }

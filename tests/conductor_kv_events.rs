@@ -74,6 +74,11 @@ fn config(
     c
 }
 
+/// KV events of `kind` the conductor applied.
+fn events(registry: &Registry, kind: &str) -> f64 {
+    labelled(registry, "kvpool_conductor_kv_events_total", "kind", kind)
+}
+
 fn header<'h>(head: &'h str, name: &str) -> Option<&'h str> {
     head.lines().find_map(|l| {
         let (k, v) = l.split_once(':')?;
@@ -157,14 +162,7 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
     let stored = publisher.send(json!({"op": "store", "tokens": p, "block_size": BLOCK}));
     assert_eq!(stored["hashes"].as_array().map(Vec::len), Some(3));
     until("engine B holds 3 blocks", || held(&registry) == 3.0).await;
-    assert!(
-        labelled(
-            &registry,
-            "kvpool_conductor_kv_events_total",
-            "kind",
-            "stored"
-        ) >= 3.0
-    );
+    assert!(events(&registry, "stored") >= 3.0);
     // The conductor sends the prompt to B, which holds its prefix.
     let body = json!({"model": MODEL, "prompt": prompt(&p), "max_tokens": 2}).to_string();
     let (status, head, text) = exchange(addr, "POST", "/v1/completions", &body).await;
@@ -228,13 +226,6 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
     // AllBlocksCleared empties it.
     publisher.send(json!({"op": "clear"}));
     until("engine B is cleared", || held(&registry) == 0.0).await;
-    assert!(
-        labelled(
-            &registry,
-            "kvpool_conductor_kv_events_total",
-            "kind",
-            "cleared"
-        ) >= 1.0
-    );
+    assert!(events(&registry, "cleared") >= 1.0);
     shutdown.cancel();
 }

@@ -42,6 +42,21 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u1
     (status, body)
 }
 
+/// The OpenAI-style error in the JSON `body`: its `error.code` is `code` and its message
+/// contains `says`. The parsed body, for further checks.
+#[track_caller]
+pub fn assert_openai_error(body: &str, code: &str, says: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_str(body).expect("json error body");
+    assert_eq!(v["error"]["code"], code, "{body}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(says)),
+        "{body}"
+    );
+    v
+}
+
 /// The registry as Prometheus scrapes it.
 fn exposition(registry: &Registry) -> String {
     TextEncoder::new()
