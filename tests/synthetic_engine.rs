@@ -306,23 +306,26 @@ async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
     shutdown.cancel();
 }
 
+/// Runs `kvpool engine --synthetic` on an agent socket that does not exist, with `tune`'s
+/// changes to the command; it must fail before serving. Its stderr.
+fn engine_on_a_missing_agent(tune: impl FnOnce(&mut Command)) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpool"));
+    cmd.args(["engine", "--synthetic"])
+        .args(["--agent-socket", "/nonexistent/agent.sock"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
+    tune(&mut cmd);
+    let out = cmd.output().expect("run kvpool");
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn engine_with_agent_socket_needs_a_kv_size() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args([
-            "engine",
-            "--synthetic",
-            "--agent-socket",
-            "/nonexistent/agent.sock",
-        ])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .env_remove("KVPOOL_AGENT_SOCKET")
-        .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
-        .env_remove("KVPOOL_MODEL_CONFIG")
-        .output()
-        .expect("run kvpool");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = engine_on_a_missing_agent(|c| {
+        c.env_remove("KVPOOL_AGENT_SOCKET")
+            .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
+            .env_remove("KVPOOL_MODEL_CONFIG");
+    });
     assert!(
         err.contains("--kv-bytes-per-token or --model-config"),
         "{err}"
@@ -330,20 +333,10 @@ fn engine_with_agent_socket_needs_a_kv_size() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = dir.path().join("config.json");
     std::fs::write(&cfg, r#"{"num_hidden_layers": 2}"#).expect("write");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args([
-            "engine",
-            "--synthetic",
-            "--agent-socket",
-            "/nonexistent/agent.sock",
-        ])
-        .arg("--model-config")
-        .arg(&cfg)
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .output()
-        .expect("run kvpool");
-    assert!(!out.status.success());
-    let err = format!("{:?}", String::from_utf8_lossy(&out.stderr));
+    let err = engine_on_a_missing_agent(|c| {
+        c.arg("--model-config").arg(&cfg);
+    });
+    let err = format!("{err:?}");
     assert!(err.contains("num_attention_heads"), "{err}");
 }
 
