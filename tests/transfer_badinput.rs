@@ -94,6 +94,13 @@ fn request(opcode: Opcode, request_id: u64, handle: u32, offset: u64, length: u6
     }
 }
 
+/// Reads `s` until the target closes it; every frame it sent is an ERROR. What it sent.
+fn errors_then_close(s: &mut TcpStream) -> Vec<u8> {
+    let reply = read_to_close(s);
+    assert_only_errors(&reply);
+    reply
+}
+
 fn honest_peer_still_works(t: &Target) {
     let client = TransferEngine::new(
         EngineConfig {
@@ -118,8 +125,7 @@ fn transfer_garbage_bytes_get_an_error_and_a_close() {
             .map(|i| (i as u8).wrapping_mul(97) ^ seed)
             .collect();
         let _ = s.write_all(&garbage);
-        let reply = read_to_close(&mut s);
-        assert_only_errors(&reply);
+        errors_then_close(&mut s);
     }
     honest_peer_still_works(&t);
 }
@@ -131,8 +137,7 @@ fn transfer_unauthenticated_reads_and_writes_are_refused() {
     let mut s = raw(&t);
     s.write_all(&request(Opcode::Read, 1, 1, 0, 13).encode())
         .unwrap();
-    let reply = read_to_close(&mut s);
-    assert_only_errors(&reply);
+    let reply = errors_then_close(&mut s);
     assert!(!reply.windows(7).any(|w| w == b"private"));
     let status = Header::decode(&reply, 0).unwrap().status;
     assert_eq!(status, ErrorCode::Unauthenticated as u32);
@@ -145,8 +150,7 @@ fn transfer_unauthenticated_reads_and_writes_are_refused() {
     wire::write_frame(&mut s, &Header::new(Opcode::Auth, 0), &[0u8; 32]).unwrap();
     let _ = s.write_all(&request(Opcode::Write, 2, 1, 0, 4).encode());
     let _ = s.write_all(b"evil");
-    let reply = read_to_close(&mut s);
-    assert_only_errors(&reply);
+    errors_then_close(&mut s);
     honest_peer_still_works(&t);
 }
 
@@ -186,8 +190,7 @@ fn transfer_authenticated_invalid_frames_are_answered_with_errors() {
     // A length over the limit: error, then the target closes.
     s.write_all(&request(Opcode::Write, 5, open.handle, 0, 1 << 40).encode())
         .unwrap();
-    let reply = read_to_close(&mut s);
-    assert_only_errors(&reply);
+    errors_then_close(&mut s);
     // An unknown opcode: error, then close.
     let mut s = raw(&t);
     wire::client_handshake(&mut s, &key()).unwrap();

@@ -112,6 +112,13 @@ fn submit_and_wait(engine: &TransferEngine, batch: Vec<TransferRequest>) {
         .unwrap();
 }
 
+/// `len` bytes of `seg` from `offset`.
+fn read_seg(seg: &LocalSegment, offset: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    seg.segment().read_at(offset, &mut out).unwrap();
+    out
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 11) as u8)
@@ -167,8 +174,7 @@ fn transfer_writes_and_reads_back_across_lanes_and_slices() {
     let st = batch.wait(Duration::from_secs(30)).unwrap();
     assert!(st.iter().all(|s| *s == RequestStatus::Done), "{st:?}");
     // The write completed, so the target's memory holds the bytes now.
-    let mut got = vec![0u8; data.len()];
-    p.remote_mem.segment().read_at(4096, &mut got).unwrap();
+    let got = read_seg(&p.remote_mem, 4096, data.len());
     assert!(got == data, "remote bytes differ after write");
     let mut small = [0u8; 10];
     p.remote_mem
@@ -188,11 +194,7 @@ fn transfer_writes_and_reads_back_across_lanes_and_slices() {
             data.len() as u64,
         )])
         .unwrap();
-    let mut back = vec![0u8; data.len()];
-    p.local_mem
-        .segment()
-        .read_at(4 * MIB as u64, &mut back)
-        .unwrap();
+    let back = read_seg(&p.local_mem, 4 * MIB as u64, data.len());
     assert!(back == data, "bytes read back differ");
     let m = p.initiator.metrics();
     assert_eq!(
@@ -369,14 +371,12 @@ fn transfer_same_node_uses_shared_memory() {
     initiator
         .transfer(vec![mk(TransferOp::Write, 0, 500, data.len() as u64)])
         .unwrap();
-    let mut got = vec![0u8; data.len()];
-    shared.segment().read_at(500, &mut got).unwrap();
+    let got = read_seg(&shared, 500, data.len());
     assert!(got == data);
     initiator
         .transfer(vec![mk(TransferOp::Read, MIB as u64 / 2, 500, 1000)])
         .unwrap();
-    let mut back = vec![0u8; 1000];
-    local.segment().read_at(MIB as u64 / 2, &mut back).unwrap();
+    let back = read_seg(&local, MIB as u64 / 2, 1000);
     assert_eq!(back, data[..1000]);
     // A heap segment cannot be shared: the engine falls back to TCP.
     let heap_remote = initiator.open("a/heap").unwrap();
@@ -478,8 +478,7 @@ fn transfer_concurrent_submitters_keep_their_bytes_apart() {
                             region,
                         )])
                         .unwrap();
-                    let mut got = vec![0u8; region as usize];
-                    p.local_mem.segment().read_at(back, &mut got).unwrap();
+                    let got = read_seg(&p.local_mem, back, region as usize);
                     assert!(got == data, "thread {t} round {round}: bytes mixed up");
                 }
             });
@@ -554,14 +553,9 @@ fn small_batches_run_inline_in_both_directions_and_report_each_failure() {
             ),
         ])
         .unwrap();
-    let mut got = vec![0u8; a.len()];
-    p.remote_mem.segment().read_at(0, &mut got).unwrap();
+    let got = read_seg(&p.remote_mem, 0, a.len());
     assert!(got == a, "written bytes differ");
-    let mut got = vec![0u8; b.len()];
-    p.local_mem
-        .segment()
-        .read_at(2 * MIB as u64, &mut got)
-        .unwrap();
+    let got = read_seg(&p.local_mem, 2 * MIB as u64, b.len());
     assert!(got == b, "read bytes differ");
     // Several slices of one request (slice size 256 KiB), pipelined on the one connection.
     let big = pattern(3 * MIB, 3);
@@ -576,8 +570,7 @@ fn small_batches_run_inline_in_both_directions_and_report_each_failure() {
             big.len() as u64,
         )])
         .unwrap();
-    let mut got = vec![0u8; big.len()];
-    p.remote_mem.segment().read_at(4096, &mut got).unwrap();
+    let got = read_seg(&p.remote_mem, 4096, big.len());
     assert!(got == big, "sliced write differs");
     // A segment the target no longer has fails its request by name, and the connection is
     // still good for the next batch.
@@ -689,16 +682,8 @@ fn reads_back(writes: &[TransferRequest]) -> Vec<TransferRequest> {
 /// Check that each of `reads` brought back the bytes its `writes` counterpart sent.
 fn check_scattered(p: &Pair, writes: &[TransferRequest], reads: &[TransferRequest]) {
     for (w, r) in writes.iter().zip(reads) {
-        let mut sent = vec![0u8; w.len as usize];
-        p.local_mem
-            .segment()
-            .read_at(w.local_offset, &mut sent)
-            .unwrap();
-        let mut back = vec![0u8; r.len as usize];
-        p.local_mem
-            .segment()
-            .read_at(r.local_offset, &mut back)
-            .unwrap();
+        let sent = read_seg(&p.local_mem, w.local_offset, w.len as usize);
+        let back = read_seg(&p.local_mem, r.local_offset, r.len as usize);
         assert!(
             sent == back,
             "request at {} came back different",
