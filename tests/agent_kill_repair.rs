@@ -16,32 +16,20 @@ use kvpool_client::master::MasterClient;
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::PutOptions;
 use kvpool_harness::ChildProcess;
+use pool_support::load::Objects;
 use pool_support::*;
 
 const OBJECTS: u64 = 60;
 
-fn value(id: u64) -> Vec<u8> {
-    let len = 16 * 1024 + (id * 7919 % 12) as usize * 4096 + (id % 7) as usize;
-    kvpool_harness::bytes::pseudo_random(id ^ 0x2e9a, len)
-}
-
-fn key(id: u64) -> Vec<u8> {
-    format!("agent-kill-repair/{id}").into_bytes()
-}
+/// Values of 16 KiB to ~60 KiB.
+const LOAD: Objects = Objects::new("agent-kill-repair", 0x2e9a).lengths(16 * 1024, 12, 4096, 7);
 
 /// The nodes holding each object's replicas, asking the master (leases released at once).
 async fn replica_nodes(client: &MasterClient) -> Vec<Vec<String>> {
     let mut all = Vec::new();
     for id in 0..OBJECTS {
-        let located = client
-            .get(&key(id))
-            .await
-            .unwrap_or_else(|e| panic!("object {id} lost: {e:#}"));
-        all.push(located.replicas.iter().map(|r| r.node.clone()).collect());
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
+        let nodes = pool_support::replica_nodes(client, &LOAD.key(id)).await;
+        all.push(nodes.unwrap_or_else(|e| panic!("object {id} lost: {e:#}")));
     }
     all
 }
@@ -84,10 +72,10 @@ async fn kill_and_repair(
 async fn read_all(pool: &PoolClient) {
     for id in 0..OBJECTS {
         let got = pool
-            .get(&key(id))
+            .get(&LOAD.key(id))
             .await
             .unwrap_or_else(|e| panic!("object {id} unreadable: {e:#}"));
-        assert!(got == value(id), "object {id} bytes differ");
+        assert!(got == LOAD.value(id), "object {id} bytes differ");
     }
 }
 
@@ -113,7 +101,9 @@ async fn replication_recovers_after_a_second_agent_failure() {
         ..PutOptions::default()
     };
     for id in 0..OBJECTS {
-        pool.put(&key(id), &value(id), &opts).await.expect("put");
+        pool.put(&LOAD.key(id), &LOAD.value(id), &opts)
+            .await
+            .expect("put");
     }
     let before = replica_nodes(&client).await;
     assert!(before.iter().all(|n| n.len() == 2), "{before:?}");

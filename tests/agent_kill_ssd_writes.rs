@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::{PutOptions, Tier};
 use parking_lot::Mutex;
+use pool_support::load::{Objects, wait_commits};
 use pool_support::*;
 
 /// Commits (both writers together) before the kill.
@@ -31,15 +32,8 @@ const REMOVE_LAG: u64 = 4;
 /// Ids of the DRAM writer start here.
 const DRAM_IDS: u64 = 1_000_000;
 
-/// The value of id `id`: 8 KiB to ~130 KiB, content from the id.
-fn value(id: u64) -> Vec<u8> {
-    let len = 8192 + (id * 7919 % 30) as usize * 4096 + (id % 17) as usize;
-    kvpool_harness::bytes::pseudo_random(id ^ 0x55aa, len)
-}
-
-fn key(id: u64) -> Vec<u8> {
-    format!("agent-kill-ssd/{id}").into_bytes()
-}
+/// Values of 8 KiB to ~130 KiB.
+const LOAD: Objects = Objects::new("agent-kill-ssd", 0x55aa).lengths(8192, 30, 4096, 17);
 
 /// What the writers did, by id.
 #[derive(Default)]
@@ -71,7 +65,7 @@ async fn writer(
         }
         assert!(started.elapsed() < DEADLINE, "the writers never stopped");
         log.lock().attempted.push(id);
-        match pool.put(&key(id), &value(id), &opts).await {
+        match pool.put(&LOAD.key(id), &LOAD.value(id), &opts).await {
             Ok(_) => {
                 log.lock().committed += 1;
                 commits.fetch_add(1, Ordering::Relaxed);
@@ -86,7 +80,7 @@ async fn writer(
         }
         if let Some(lag) = remove_lag
             && id >= first + lag
-            && pool.master().remove(&key(id - lag)).await.is_ok()
+            && pool.master().remove(&LOAD.key(id - lag)).await.is_ok()
         {
             log.lock().removed.push(id - lag);
         }
@@ -129,13 +123,7 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
         )),
     ];
 
-    let started = Instant::now();
-    while commits.load(Ordering::Relaxed) < KILL_AFTER {
-        master.assert_running().expect("master runs");
-        a.assert_running().expect("agent runs");
-        assert!(started.elapsed() < DEADLINE, "no progress before the kill");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_commits(&commits, KILL_AFTER, &mut [&mut master, &mut a]).await;
     // A commit becomes durable only once a later feed answer confirmed it: on a loaded machine
     // the confirmations lag the puts, and a kill before any would leave nothing to check. The
     // writers keep going meanwhile.
@@ -189,11 +177,15 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
     let mut wrong: BTreeMap<u64, String> = BTreeMap::new();
     let mut refused = 0u64;
     for &id in &log.attempted {
-        if !client.exists(&[key(id).as_slice()]).await.expect("exists")[0] {
+        if !client
+            .exists(&[LOAD.key(id).as_slice()])
+            .await
+            .expect("exists")[0]
+        {
             continue;
         }
-        match pool.get(&key(id)).await {
-            Ok(got) if got == value(id) => {
+        match pool.get(&LOAD.key(id)).await {
+            Ok(got) if got == LOAD.value(id) => {
                 present += 1;
                 if log.removed.contains(&id) {
                     resurrected += 1;
@@ -210,7 +202,11 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
                 // the master forgets the replica. Absent, never wrong.
                 refused += 1;
                 let gone = tokio::time::timeout(DEADLINE, async {
-                    while client.exists(&[key(id).as_slice()]).await.expect("exists")[0] {
+                    while client
+                        .exists(&[LOAD.key(id).as_slice()])
+                        .await
+                        .expect("exists")[0]
+                    {
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 })
@@ -236,8 +232,8 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
         "nothing came back from the SSD segment: the check proved nothing"
     );
     // The restarted agent still works: a new value reads back.
-    pool.put(b"after-the-restart", &value(7), &PutOptions::default())
+    pool.put(b"after-the-restart", &LOAD.value(7), &PutOptions::default())
         .await
         .expect("put after the restart");
-    assert!(pool.get(b"after-the-restart").await.expect("get") == value(7));
+    assert!(pool.get(b"after-the-restart").await.expect("get") == LOAD.value(7));
 }

@@ -64,6 +64,53 @@ fn start_persistent(
     start_agent_args(dir, name, master, key_file, dram, "", &args)
 }
 
+/// A fresh pool for one persistent agent, `agent-a`, with 4 MiB of DRAM kept in a tmpfs
+/// directory.
+struct OneAgentPool {
+    _shm: tempfile::TempDir,
+    tier: PathBuf,
+    dir: tempfile::TempDir,
+    key_file: PathBuf,
+    master: ChildProcess,
+    grpc: std::net::SocketAddr,
+}
+
+impl OneAgentPool {
+    /// `None` (after a SKIP line) where /dev/shm is missing (see [`shm_dir`]).
+    fn new() -> Option<Self> {
+        let shm = shm_dir()?;
+        let (dir, key_file, master, grpc) = test_pool("5s");
+        Some(Self {
+            tier: shm.path().join("tier"),
+            _shm: shm,
+            dir,
+            key_file,
+            master,
+            grpc,
+        })
+    }
+
+    /// Starts `agent-a` on the tier, without waiting for it.
+    fn spawn_agent(&self) -> (ChildProcess, AgentAddrs) {
+        let logs = self.dir.path();
+        start_persistent(
+            logs,
+            "agent-a",
+            self.grpc,
+            &self.key_file,
+            &self.tier,
+            "4MiB",
+        )
+    }
+
+    /// Starts `agent-a` on the tier, once it is ready.
+    fn start_agent(&self) -> (ChildProcess, AgentAddrs) {
+        let (mut a, addrs) = self.spawn_agent();
+        wait_ready(&addrs, &mut a);
+        (a, addrs)
+    }
+}
+
 /// `kvpool_agent_pool_dram_blocks_dropped_total{reason}` of the agent.
 async fn dropped(agent: &AgentAddrs, reason: &str) -> Option<f64> {
     let (_, text) = http_get(agent.admin, "/metrics").await.expect("metrics");
@@ -87,59 +134,63 @@ fn key(i: usize) -> Vec<u8> {
 
 /// Flip one byte of segment file `dram0.dat` of `tier` at `at`.
 fn corrupt(tier: &Path, at: u64) {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(tier.join("dram0.dat"))
-        .expect("tier file");
-    let mut byte = [0u8; 1];
-    f.read_exact_at(&mut byte, at).expect("read");
-    f.write_all_at(&[byte[0] ^ 0xa5], at).expect("corrupt");
+    flip_byte(&tier.join("dram0.dat"), at, 0xa5);
 }
 
 /// Offset of the replica of `key` in `agent-a/dram0`.
 async fn dram_offset(client: &kvpool_client::master::MasterClient, key: &[u8]) -> Option<u64> {
-    let located = client.get(key).await.ok()?;
-    let at = located
-        .replicas
+    replicas(client, key)
+        .await
+        .ok()?
         .iter()
         .find(|r| r.node == "agent-a" && r.segment == "dram0" && r.tier == Tier::Dram)
-        .map(|r| r.offset);
-    client
-        .release_lease(located.lease_id)
-        .await
-        .expect("release");
-    at
+        .map(|r| r.offset)
+}
+
+/// Where each of `keys` lies in `agent-a/dram0`.
+async fn dram_offsets(client: &kvpool_client::master::MasterClient, keys: &[Vec<u8>]) -> Vec<u64> {
+    let mut offsets = Vec::new();
+    for k in keys {
+        offsets.push(dram_offset(client, k).await.expect("in agent-a/dram0"));
+    }
+    offsets
+}
+
+/// Waits until the agent's persistent DRAM index holds `n` blocks.
+async fn wait_indexed(addr: &AgentAddrs, agent: &mut ChildProcess, n: usize) {
+    let name = "kvpool_agent_pool_dram_index_blocks";
+    wait_metric(addr, agent, name, &[], |v| v == n as f64).await;
+}
+
+/// Waits until the agent has adopted at least `n` blocks from its tier at start-up; how many
+/// it adopted by then.
+async fn wait_adopted(addr: &AgentAddrs, agent: &mut ChildProcess, n: f64) -> f64 {
+    let name = "kvpool_agent_pool_dram_blocks_adopted_total";
+    wait_metric(addr, agent, name, &[], |v| v >= n).await
+}
+
+/// Puts `block(i)` under the i-th of `keys` through the agent's engine API, then waits until
+/// its persistent index holds every one of them.
+async fn put_indexed(addr: &AgentAddrs, agent: &mut ChildProcess, keys: &[Vec<u8>]) {
+    let mut engine_a = engine(addr, "engine-a").await;
+    put_each(&mut engine_a, keys, block).await;
+    drop(engine_a);
+    wait_indexed(addr, agent, keys.len()).await;
 }
 
 async fn restart_keeps_dram_blocks(sig: Signal) {
-    let Some(shm) = shm_dir() else { return };
-    let tier = shm.path().join("tier");
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
-    let logs = dir.path();
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
-    wait_ready(&addr_a, &mut a);
+    let Some(mut pool) = OneAgentPool::new() else {
+        return;
+    };
+    let (tier, grpc) = (pool.tier.clone(), pool.grpc);
+    let (mut a, addr_a) = pool.start_agent();
     let client = master_client(grpc, KEY);
 
     let n = 24usize;
     let keys: Vec<Vec<u8>> = (0..n).map(key).collect();
-    let mut engine_a = engine(&addr_a, "engine-a").await;
-    put_each(&mut engine_a, &keys, block).await;
-    drop(engine_a);
     // Every block is durably indexed before the agent goes down.
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_index_blocks",
-        &[],
-        |v| v == n as f64,
-    )
-    .await;
-    let mut offsets = Vec::new();
-    for k in &keys {
-        offsets.push(dram_offset(&client, k).await.expect("in agent-a/dram0"));
-    }
+    put_indexed(&addr_a, &mut a, &keys).await;
+    let offsets = dram_offsets(&client, &keys).await;
 
     a.signal(sig).expect("signal");
     wait_exit(&mut a);
@@ -148,16 +199,8 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
     let bad = 5;
     corrupt(&tier, offsets[bad] + 1000);
 
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
-    wait_ready(&addr_a, &mut a);
-    let adopted = wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_blocks_adopted_total",
-        &[],
-        |v| v >= (n - 1) as f64,
-    )
-    .await;
+    let (mut a, addr_a) = pool.start_agent();
+    let adopted = wait_adopted(&addr_a, &mut a, (n - 1) as f64).await;
     assert_eq!(adopted, (n - 1) as f64, "every intact block adopted");
     assert_eq!(
         dropped(&addr_a, "corrupt").await,
@@ -192,7 +235,7 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
     drop(engine_a);
     a.signal(Signal::SIGTERM).expect("signal");
     wait_exit(&mut a);
-    master.assert_running().expect("master");
+    pool.master.assert_running().expect("master");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,12 +255,11 @@ fn remote_client(grpc: std::net::SocketAddr, node: &str) -> PoolClient {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
-    let Some(shm) = shm_dir() else { return };
-    let tier = shm.path().join("tier");
-    let (dir, key_file, _master, grpc) = test_pool("5s");
-    let logs = dir.path();
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
-    wait_ready(&addr_a, &mut a);
+    let Some(pool) = OneAgentPool::new() else {
+        return;
+    };
+    let grpc = pool.grpc;
+    let (mut a, addr_a) = pool.start_agent();
     let remote = Arc::new(remote_client(grpc, "remote-client"));
     let opts = PutOptions {
         replicas: 1,
@@ -229,14 +271,7 @@ async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
     for i in 0..before {
         remote.put(&key(i), &block(i), &opts).await.expect("put");
     }
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_index_blocks",
-        &[],
-        |v| v == before as f64,
-    )
-    .await;
+    wait_indexed(&addr_a, &mut a, before).await;
 
     // The loop keeps putting; the agent is killed once eight more were acknowledged, with
     // the loop still running.
@@ -274,16 +309,8 @@ async fn a_sigkill_during_puts_never_serves_wrong_bytes() {
     stop.cancel();
     looper.await.expect("loop");
 
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
-    wait_ready(&addr_a, &mut a);
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_blocks_adopted_total",
-        &[],
-        |v| v >= before as f64,
-    )
-    .await;
+    let (mut a, addr_a) = pool.start_agent();
+    wait_adopted(&addr_a, &mut a, before as f64).await;
     let total = usize::try_from(attempted.load(Ordering::SeqCst)).expect("count");
     let (mut kept, mut gone) = (0, 0);
     for i in 0..total {
@@ -400,14 +427,7 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         // What it held comes back (some may be refused: the master may have placed new
         // replicas over them between the mount and the announcement).
         if indexed > 0.0 {
-            wait_metric(
-                &addr,
-                &mut p,
-                "kvpool_agent_pool_dram_blocks_adopted_total",
-                &[],
-                |v| v > 0.0,
-            )
-            .await;
+            wait_adopted(&addr, &mut p, 1.0).await;
         }
         agents.insert(i, (p, addr));
         // A rollout moves on once the pool is whole again.
@@ -452,29 +472,15 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
-    let Some(shm) = shm_dir() else { return };
-    let tier = shm.path().join("tier");
-    let (dir, key_file, _master, grpc) = test_pool("5s");
-    let logs = dir.path();
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
-    wait_ready(&addr_a, &mut a);
+    let Some(pool) = OneAgentPool::new() else {
+        return;
+    };
+    let (tier, grpc) = (pool.tier.clone(), pool.grpc);
+    let (mut a, addr_a) = pool.start_agent();
     let client = master_client(grpc, KEY);
     let keys: Vec<Vec<u8>> = (0..6).map(key).collect();
-    let mut engine_a = engine(&addr_a, "engine-a").await;
-    put_each(&mut engine_a, &keys, block).await;
-    drop(engine_a);
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_index_blocks",
-        &[],
-        |v| v == 6.0,
-    )
-    .await;
-    let mut offsets = Vec::new();
-    for k in &keys {
-        offsets.push(dram_offset(&client, k).await.expect("located"));
-    }
+    put_indexed(&addr_a, &mut a, &keys).await;
+    let offsets = dram_offsets(&client, &keys).await;
     a.signal(Signal::SIGTERM).expect("signal");
     wait_exit(&mut a);
     drop(a);
@@ -488,16 +494,8 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
         .expect("tier file")
         .set_len(offsets[last] + 100)
         .expect("truncate");
-    let (mut a, addr_a) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
-    wait_ready(&addr_a, &mut a);
-    wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_dram_blocks_adopted_total",
-        &[],
-        |v| v >= 5.0,
-    )
-    .await;
+    let (mut a, addr_a) = pool.start_agent();
+    wait_adopted(&addr_a, &mut a, 5.0).await;
     assert_eq!(dropped(&addr_a, "truncated").await, Some(1.0));
     let mut engine_a = engine(&addr_a, "engine-a2").await;
     for (i, k) in keys.iter().enumerate() {
@@ -516,7 +514,7 @@ async fn a_damaged_tier_is_refused_or_trimmed_never_served() {
     // Garbage in the index: the agent refuses to start and names the file.
     let index = tier.join("dram0.idx");
     std::fs::write(&index, b"this is not a kvpool index at all").expect("garbage");
-    let (mut a, _) = start_persistent(logs, "agent-a", grpc, &key_file, &tier, "4MiB");
+    let (mut a, _) = pool.spawn_agent();
     let status = tokio::task::block_in_place(|| a.wait_timeout(DEADLINE)).expect("exits");
     assert!(!status.success(), "a garbage index stops the agent");
     let log = a.log_text();

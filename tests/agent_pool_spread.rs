@@ -84,12 +84,7 @@ async fn replicas_never_share_a_failure_domain() {
     drop(engine_a);
     let mut on_c = Vec::new();
     for (i, key) in keys.iter().enumerate() {
-        let located = client.get(key).await.expect("locate");
-        let nodes: Vec<String> = located.replicas.iter().map(|r| r.node.clone()).collect();
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
+        let nodes = replica_nodes(&client, key).await.expect("locate");
         assert_eq!(nodes.len(), 2, "object {i}: {nodes:?}");
         assert!(
             nodes.contains(&"agent-a".to_owned()),
@@ -138,12 +133,9 @@ async fn replicas_never_share_a_failure_domain() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
         for &i in &on_c {
-            let Ok(located) = client.get(&keys[i]).await else {
+            let Ok(nodes) = replica_nodes(&client, &keys[i]).await else {
                 continue 'repaired;
             };
-            let _ = client.release_lease(located.lease_id).await;
-            let mut nodes: Vec<_> = located.replicas.iter().map(|r| r.node.clone()).collect();
-            nodes.sort();
             // Until the master declares agent-c dead its copy is still listed.
             if nodes.len() < 2 || nodes.iter().any(|n| n == "agent-c") {
                 continue 'repaired;

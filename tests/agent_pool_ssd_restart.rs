@@ -32,15 +32,7 @@ fn remote_value() -> Vec<u8> {
 
 /// Flip one byte of the data file of `ssd_dir` at `at`.
 fn corrupt(ssd_dir: &std::path::Path, at: u64) {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(ssd_dir.join("pool-ssd.dat"))
-        .expect("data file");
-    let mut byte = [0u8; 1];
-    f.read_exact_at(&mut byte, at).expect("read");
-    f.write_all_at(&[byte[0] ^ 0x5a], at).expect("corrupt");
+    flip_byte(&ssd_dir.join("pool-ssd.dat"), at, 0x5a);
 }
 
 fn block(i: usize) -> Vec<u8> {
@@ -69,19 +61,14 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     // (index in `keys`, offset in ssd0) of every block with an SSD replica.
     let mut on_ssd: Vec<(usize, u64)> = Vec::new();
     for (i, key) in keys.iter().enumerate() {
-        let located = client.get(key).await.expect("locate");
+        let located = replicas(&client, key).await.expect("locate");
         if let Some(r) = located
-            .replicas
             .iter()
             .find(|r| r.tier == Tier::Ssd && r.segment == "ssd0")
         {
             assert_eq!(r.node, "agent-a");
             on_ssd.push((i, r.offset));
         }
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
     }
     assert!(on_ssd.len() >= 3, "blocks were demoted: {on_ssd:?}");
     let n = on_ssd.len() as f64;
@@ -185,28 +172,21 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
             );
             continue;
         }
-        let located = client.get(key).await.expect("locate after restart");
+        let located = replicas(&client, key).await.expect("locate after restart");
         let r = located
-            .replicas
             .iter()
             .find(|r| r.tier == Tier::Ssd)
             .expect("an SSD replica again");
         assert_eq!((r.node.as_str(), r.segment.as_str()), ("agent-a", "ssd0"));
         assert_eq!(r.offset, offset, "adopted where it was written");
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
         let got = engine_a.get(key).await.expect("get").expect("present");
         assert!(got == block(i), "object {i} differs after the restart");
     }
-    let located = client.get(b"remote-ssd-value").await.expect("remote value");
-    assert_eq!(located.replicas.len(), 1);
-    assert_eq!(located.replicas[0].offset, remote_offset);
-    client
-        .release_lease(located.lease_id)
+    let located = replicas(&client, b"remote-ssd-value")
         .await
-        .expect("release");
+        .expect("remote value");
+    assert_eq!(located.len(), 1);
+    assert_eq!(located[0].offset, remote_offset);
     let got = remote.get(b"remote-ssd-value").await.expect("remote get");
     assert!(
         got == remote_value(),

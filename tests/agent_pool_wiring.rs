@@ -92,16 +92,14 @@ async fn values_survive_the_death_of_one_replica_holder() {
     )
     .await;
     for (i, key) in keys.iter().enumerate() {
-        let located = client.get(key).await.expect("locate after death");
+        let nodes = replica_nodes(&client, key)
+            .await
+            .expect("locate after death");
         assert!(
-            located.replicas.iter().all(|r| r.node == "agent-b"),
+            nodes.iter().all(|n| n == "agent-b"),
             "object {i}: the dead node's replica is no longer handed out"
         );
-        assert!(!located.replicas.is_empty(), "object {i} lost");
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
+        assert!(!nodes.is_empty(), "object {i} lost");
         let got = pool.get(key).await.expect("get from the survivor");
         let want = value(i);
         assert_eq!(crc32c::crc32c(&got), crc32c::crc32c(&want), "object {i}");
@@ -169,9 +167,8 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
         "the master allocated every block in DRAM"
     );
     for key in &keys {
-        let located = client.get(key).await.expect("locate");
+        let located = replicas(&client, key).await.expect("locate");
         let nodes: Vec<_> = located
-            .replicas
             .iter()
             .map(|r| (r.node.as_str(), r.segment.as_str()))
             .collect();
@@ -180,10 +177,6 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
             [("agent-a", "dram0")],
             "one replica, in the writer's DRAM tier segment"
         );
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
     }
     // The other agent's engine reads them through its own agent (transfer from agent-a).
     for (i, key) in keys.iter().enumerate() {
@@ -336,18 +329,12 @@ async fn a_surviving_agent_repairs_lost_replicas() {
     drop(engine_a);
     let mut on_b = Vec::new();
     for (i, key) in keys.iter().enumerate() {
-        let located = client.get(key).await.expect("locate");
-        let mut nodes: Vec<_> = located.replicas.iter().map(|r| r.node.clone()).collect();
-        nodes.sort();
+        let nodes = replica_nodes(&client, key).await.expect("locate");
         assert_eq!(nodes.len(), 2, "object {i}: two replicas");
         assert_eq!(nodes[0], "agent-a", "object {i}: one on the writer");
         if nodes[1] == "agent-b" {
             on_b.push(i);
         }
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
     }
     // Kill the holder of the most second replicas, so the repair work lands on the other.
     let (victim, survivor) = if on_b.len() * 2 >= keys.len() {
@@ -375,12 +362,9 @@ async fn a_surviving_agent_repairs_lost_replicas() {
         assert!(started.elapsed() < DEADLINE, "replicas never repaired");
         tokio::time::sleep(Duration::from_millis(200)).await;
         for &i in &lost {
-            let Ok(located) = client.get(&keys[i]).await else {
+            let Ok(nodes) = replica_nodes(&client, &keys[i]).await else {
                 continue 'repaired;
             };
-            let _ = client.release_lease(located.lease_id).await;
-            let mut nodes: Vec<_> = located.replicas.iter().map(|r| r.node.clone()).collect();
-            nodes.sort();
             if nodes != ["agent-a".to_owned(), survivor_name.to_owned()] {
                 continue 'repaired;
             }
@@ -447,16 +431,12 @@ async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
     .await;
     let mut on_ssd = 0;
     for key in &keys {
-        let located = client.get(key).await.expect("locate");
-        on_ssd += located
-            .replicas
+        on_ssd += replicas(&client, key)
+            .await
+            .expect("locate")
             .iter()
             .filter(|r| r.tier == Tier::Ssd && r.segment == "ssd0")
             .count();
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
     }
     assert!(on_ssd > 0, "some blocks live on the SSD segment");
     for (i, key) in keys.iter().enumerate() {

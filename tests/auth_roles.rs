@@ -5,22 +5,22 @@
 //! connection.
 
 mod pool_support;
+mod transfer_util;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvpool_client::credentials::role_file;
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
-use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_core::master::{PutOptions, PutStarted};
 use kvpool_proto::auth::{AUTH_HEADER, AuthKey, Role};
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::KeysRequest;
 use kvpool_proto::master::master_client::MasterClient as RawClient;
 use kvpool_transfer::{
     Endpoint, EngineConfig, HostOptions, Segment, StaticDirectory, TransferEngine, TransferMetrics,
-    TransferOp, TransferRequest,
 };
-use pool_support::{InProcessMaster, in_process_master};
+use pool_support::{InProcessMaster, dram_segment, in_process_master};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 
@@ -49,19 +49,6 @@ fn status_code(e: &ClientError) -> Option<Code> {
     }
 }
 
-fn seg(node: &str) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: "dram0".into(),
-        tier: Tier::Dram,
-        capacity_bytes: 64 << 20,
-        numa_node: 0,
-        failure_domain: String::new(),
-        persistent: false,
-        endpoints: vec![format!("tcp://{node}:7000")],
-    }
-}
-
 #[tokio::test]
 async fn each_role_makes_its_calls_and_is_refused_the_others() {
     let f = in_process_master(KEY, |_| {}).await;
@@ -71,7 +58,10 @@ async fn each_role_makes_its_calls_and_is_refused_the_others() {
     let conductor = client_of(&f, &role_path(dir.path(), Role::Conductor));
     let observer = client_of(&f, &role_path(dir.path(), Role::Observer));
 
-    agent.mount_segment(&seg("a")).await.expect("agent mounts");
+    agent
+        .mount_segment(&dram_segment("a", 64 << 20))
+        .await
+        .expect("agent mounts");
     let started = engine
         .put_start(b"k/0", 4096, &PutOptions::default())
         .await
@@ -250,12 +240,7 @@ fn agent_target(
 ) {
     let dir = Arc::new(StaticDirectory::new());
     let engine = TransferEngine::new(
-        EngineConfig {
-            node: "agent".into(),
-            timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-            ..EngineConfig::default()
-        },
+        engine_config("agent"),
         kvpool_transfer::AuthKey::from_file(agent_file).expect("agent transfer key"),
         dir.clone(),
         TransferMetrics::unregistered().expect("metrics"),
@@ -276,43 +261,26 @@ fn agent_target(
     (engine, server, dir)
 }
 
+/// The transfer engine settings of node `node` in these tests: 5 s to connect and per transfer.
+fn engine_config(node: &str) -> EngineConfig {
+    EngineConfig {
+        node: node.into(),
+        timeout: Duration::from_secs(5),
+        connect_timeout: Duration::from_secs(5),
+        ..EngineConfig::default()
+    }
+}
+
 /// Read the target's first 14 bytes with an engine keyed by `key`.
 fn read_with(key: kvpool_transfer::AuthKey, dir: Arc<StaticDirectory>) -> Result<Vec<u8>, String> {
     let client = TransferEngine::new(
-        EngineConfig {
-            node: "client".into(),
-            timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-            ..EngineConfig::default()
-        },
+        engine_config("client"),
         key,
         dir,
         TransferMetrics::unregistered().map_err(|e| e.to_string())?,
     )
     .map_err(|e| e.to_string())?;
-    let local = client
-        .register(
-            "buf",
-            Arc::new(Segment::host(4096, HostOptions::default()).map_err(|e| e.to_string())?),
-        )
-        .map_err(|e| e.to_string())?;
-    let remote = client.open("seg").map_err(|e| e.to_string())?;
-    client
-        .transfer(vec![TransferRequest {
-            op: TransferOp::Read,
-            local: local.clone(),
-            local_offset: 0,
-            remote,
-            remote_offset: 0,
-            len: 14,
-        }])
-        .map_err(|e| e.to_string())?;
-    let mut got = vec![0u8; 14];
-    local
-        .segment()
-        .read_at(0, &mut got)
-        .map_err(|e| e.to_string())?;
-    Ok(got)
+    transfer_util::read_head(&client, "seg", 14)
 }
 
 #[test]

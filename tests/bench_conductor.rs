@@ -19,34 +19,12 @@ fn venv() -> String {
 
 #[test]
 fn bench_conductor_measures_direct_conductor_and_sglang_router_in_the_same_rounds() {
-    let out = Command::new(KVPOOL)
-        .args([
-            "bench",
-            "conductor",
-            "--vs-sglang-router",
-            "--router-venv",
-            &venv(),
-            "--rounds",
-            "2",
-            "--requests",
-            "20",
-            "--concurrency",
-            "4",
-            "--duration",
-            "500ms",
-            "--json",
-        ])
-        .output()
-        .expect("run kvpool bench conductor");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    let r: serde_json::Value = serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"));
+    let mut cmd = Command::new(KVPOOL);
+    cmd.args(["bench", "conductor", "--vs-sglang-router", "--json"])
+        .args(["--router-venv", &venv()])
+        .args(["--rounds", "2", "--requests", "20", "--concurrency", "4"])
+        .args(["--duration", "500ms"]);
+    let r = kvpool_harness::output_json(&mut cmd).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(r["all_succeeded"], true, "{r}");
     assert!(
         r["sglang_router_version"]

@@ -17,20 +17,9 @@ fn venv() -> String {
 }
 
 fn run_json(args: &[&str]) -> serde_json::Value {
-    let out = Command::new(KVPOOL)
-        .args(args)
-        .args(["--mooncake-venv", &venv(), "--json"])
-        .output()
-        .expect("run kvpool bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{args:?} failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    serde_json::from_str(stdout.trim())
-        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"))
+    let mut cmd = Command::new(KVPOOL);
+    cmd.args(args).args(["--mooncake-venv", &venv(), "--json"]);
+    kvpool_harness::output_json(&mut cmd).unwrap_or_else(|e| panic!("{args:?}: {e}"))
 }
 
 #[test]

@@ -6,18 +6,17 @@
 mod serve_support;
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
 use kube::client::Body;
+use kvpool_conductor::Engines;
 use kvpool_conductor::discovery::{self, DiscoveryConfig};
-use kvpool_conductor::{ConductorConfig, Engines};
-use kvpool_core::sched::{DecodeCost, HotConfig, Policy, Rejection, SchedulerConfig, Slo};
+use kvpool_core::sched::Rejection;
 use kvpool_runtime::admin::Readiness;
 use prometheus::Registry;
 use serde_json::{Value, json};
-use serve_support::{assert_metric, http, listen};
+use serve_support::{assert_metric, conductor_config, http, listen};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -188,12 +187,19 @@ async fn post(addr: SocketAddr, body: &str) -> (u16, String) {
 const MODEL: &str = "synthetic-70b";
 const BLOCK: u32 = 16;
 
+/// What discovery reports next: `prefill` and `decode` engines.
+fn report_engines(tx: &watch::Sender<Engines>, prefill: Vec<String>, decode: Vec<String>) {
+    tx.send(Engines {
+        prefill,
+        decode,
+        ..Engines::default()
+    })
+    .expect("send");
+}
+
 async fn engine(shutdown: &CancellationToken) -> (String, Registry) {
-    let config = serve_support::engine_config(MODEL, BLOCK);
-    let registry = Registry::new();
-    let router = kvpool_synthetic::server::router(config, &registry).expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let (a, registry) =
+        serve_support::start_engine(serve_support::engine_config(MODEL, BLOCK), shutdown).await;
     (format!("http://{a}"), registry)
 }
 
@@ -221,43 +227,11 @@ async fn until_ready(readiness: &Readiness, want: bool) {
 #[tokio::test]
 async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     let shutdown = CancellationToken::new();
-    let config = ConductorConfig {
-        // No fixed names: the conductor serves what the engines list on /v1/models.
-        models: vec![],
-        prefill: vec![],
-        decode: vec![],
-        scheduler: SchedulerConfig {
-            policy: Policy::Conductor,
-            rejection: Rejection::None,
-            slo: Slo {
-                ttft_s: 30.0,
-                tpot_s: 0.1,
-            },
-            block_size: NonZeroU32::new(BLOCK).expect("nonzero"),
-            bytes_per_token: 327_680,
-            pool_bandwidth_bps: 25e9,
-            kv_bandwidth_bps: 25e9,
-            prefill_costs: vec![],
-            decode_cost: DecodeCost::default(),
-            decode_kv_capacity_tokens: 1_500_000,
-            hot: HotConfig {
-                threshold: 0,
-                fanout: 0,
-            },
-            seed: 1,
-        },
-        engine_cache_blocks: 1000,
-        tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
-        chat_template: None,
-        pool: None,
-        protocol: kvpool_conductor::RoutingProtocol::Vllm,
-        time_scale: 1.0,
-        hashing: kvpool_core::sched::BlockHashing::Kvpool,
-        kv_events: Vec::new(),
-        kv_events_port: None,
-        fit_prefill_cost: false,
-        upstream: Default::default(),
-    };
+    let mut config = conductor_config("", BLOCK, vec![], String::new(), Rejection::None, 30.0);
+    // No fixed names: the conductor serves what the engines list on /v1/models.
+    config.models = vec![];
+    config.decode = vec![];
+    config.scheduler.hot.fanout = 0;
     let registry = Registry::new();
     let conductor = kvpool_conductor::server::conductor(config, &registry).expect("conductor");
     let (l, addr) = listen().await;
@@ -285,12 +259,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     // A prefill and a decode engine appear: ready, and they serve the request.
     let (p0, p0_metrics) = engine(&shutdown).await;
     let (d0, d0_metrics) = engine(&shutdown).await;
-    tx.send(Engines {
-        prefill: vec![p0.clone()],
-        decode: vec![d0.clone()],
-        ..Engines::default()
-    })
-    .expect("send");
+    report_engines(&tx, vec![p0.clone()], vec![d0.clone()]);
     until_ready(&readiness, true).await;
     // The model name was never configured: the first request learns it from the engines.
     let (status, body) = post(addr, &ask("first")).await;
@@ -308,26 +277,13 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     )
     .await;
     assert_eq!(status, 404, "{body}");
-    let err: serde_json::Value = serde_json::from_str(&body).expect("json");
-    assert_eq!(err["error"]["code"], "model_not_found", "{body}");
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("gpt-nothing"),
-        "{body}"
-    );
+    serve_support::assert_openai_error(&body, "model_not_found", "gpt-nothing");
     assert_metric(&d0_metrics, "kvpool_engine_generated_tokens_total", 3.0);
     assert_eq!(gauge(&registry, "kvpool_conductor_engines", "prefill"), 1.0);
 
     // A second prefill engine joins and the first leaves: traffic goes to the new one only.
     let (p1, p1_metrics) = engine(&shutdown).await;
-    tx.send(Engines {
-        prefill: vec![p1.clone()],
-        decode: vec![d0.clone()],
-        ..Engines::default()
-    })
-    .expect("send");
+    report_engines(&tx, vec![p1.clone()], vec![d0.clone()]);
     let waited = tokio::time::timeout(Duration::from_secs(30), async {
         while conductor.engines.current().prefill != vec![p1.clone()] {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -344,12 +300,7 @@ async fn engines_added_at_run_time_receive_traffic_and_removed_ones_none() {
     assert_metric(&d0_metrics, "kvpool_engine_generated_tokens_total", 9.0);
 
     // The last decode engine goes: not ready, 503 again.
-    tx.send(Engines {
-        prefill: vec![p1],
-        decode: vec![],
-        ..Engines::default()
-    })
-    .expect("send");
+    report_engines(&tx, vec![p1], vec![]);
     until_ready(&readiness, false).await;
     let (status, body) = post(addr, &ask("fourth")).await;
     assert_eq!(status, 503, "{body}");

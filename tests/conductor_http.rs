@@ -63,12 +63,7 @@ async fn engine_mode(
         ),
         None => None,
     };
-    let registry = Registry::new();
-    let router =
-        kvpool_synthetic::server::router_with_agent(config, kv, &registry).expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
-    (a, registry)
+    serve_support::start_engine_with_agent(config, kv, shutdown).await
 }
 
 struct Cluster {
@@ -310,15 +305,7 @@ async fn chat_requests_are_rendered_with_the_chat_template_and_its_refusals_name
     assert_metric(&decode, "kvpool_engine_generated_tokens_total", 2.0);
     let (status, _, text) = post(addr, "/v1/chat/completions", &chat("tool")).await;
     assert_eq!(status, 400, "{text}");
-    let v: Value = serde_json::from_str(&text).expect("json");
-    assert_eq!(v["error"]["code"], "messages", "{text}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("tool messages are not supported"),
-        "{text}"
-    );
+    serve_support::assert_openai_error(&text, "messages", "tool messages are not supported");
     // The refused request reached no engine.
     assert_metric(&decode, "kvpool_engine_generated_tokens_total", 2.0);
     assert!(counter(&metrics, "kvpool_conductor_requests_total") >= 2.0);
@@ -381,14 +368,7 @@ async fn without_engines_the_real_binary_is_not_ready_and_answers_503() {
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello","max_tokens":2}}"#);
     let (status, _, text) = post(api, "/v1/completions", &body).await;
     assert_eq!(status, 503, "{text}");
-    let v: Value = serde_json::from_str(&text).expect("json");
-    assert_eq!(v["error"]["code"], "no_engines", "{text}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("--prefill")),
-        "{text}"
-    );
+    serve_support::assert_openai_error(&text, "no_engines", "--prefill");
     let (status, _, _) = post(api, "/v1/chat/completions", "{}").await;
     assert_eq!(status, 503);
 }
@@ -413,43 +393,14 @@ fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
 
 const POOL_KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 
-/// A master in this process, with one DRAM segment mounted; returns it, a client and a lookup.
-async fn master(
-    dir: &std::path::Path,
-) -> (
-    kvpool_master::cmd::RunningMaster,
-    kvpool_client::master::MasterClient,
-    CancellationToken,
-) {
-    use kvpool_master::cmd::loopback_args as loopback_master_args;
-    use kvpool_master::cmd::start;
-    let key_file = dir.join("key");
-    std::fs::write(&key_file, POOL_KEY).expect("key");
-    let args = loopback_master_args(key_file);
-    let shutdown = CancellationToken::new();
-    let m = start(args.validate().expect("valid"), shutdown.clone())
-        .await
-        .expect("start master");
-    let client = kvpool_client::master::MasterClient::new(
-        vec![m.grpc_addr.to_string()],
-        kvpool_proto::auth::AuthKey::from_bytes(POOL_KEY).expect("key"),
-        kvpool_client::master::ClientConfig::default(),
-    )
-    .expect("client");
-    client
-        .mount_segment(&kvpool_core::master::SegmentSpec {
-            node: "a".into(),
-            name: "dram0".into(),
-            tier: kvpool_core::master::Tier::Dram,
-            capacity_bytes: 64 << 20,
-            numa_node: 0,
-            failure_domain: String::new(),
-            endpoints: vec!["tcp://a:7000".into()],
-            persistent: false,
-        })
+/// A master in this process, with one DRAM segment mounted.
+async fn master() -> pool_support::InProcessMaster {
+    let m = pool_support::in_process_master(POOL_KEY, |_| {}).await;
+    m.client
+        .mount_segment(&pool_support::dram_segment("a", 64 << 20))
         .await
         .expect("mount");
-    (m, client, shutdown)
+    m
 }
 
 /// Commits `keys` in the pool under the engines' naming (metadata only: nobody reads them).
@@ -496,8 +447,12 @@ fn lookup(master: &kvpool_master::cmd::RunningMaster) -> PoolLookup {
 
 #[tokio::test]
 async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (master, client, master_down) = master(dir.path()).await;
+    let pool_support::InProcessMaster {
+        _dir,
+        master,
+        shutdown: master_down,
+        client,
+    } = master().await;
     // 400 bytes = 100 stand-in tokens = 6 full blocks of 16 plus a partial one. The 6 full
     // blocks are in the pool (as an engine that prefilled this prompt earlier left them); no
     // engine behind this fresh conductor holds anything.
@@ -903,16 +858,12 @@ async fn prefill_cost_is_fitted_from_the_engines_measured_prefills() {
         quadratic_s: 2e-8,
     };
     let shutdown = CancellationToken::new();
-    let registry = Registry::new();
     let config = EngineConfig {
         prefill_cost: truth,
         time_scale: SCALE,
         ..serve_support::engine_config(MODEL, BLOCK)
     };
-    let router =
-        kvpool_synthetic::server::router_with_agent(config, None, &registry).expect("router");
-    let (l, p0) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let (p0, _) = serve_support::start_engine(config, &shutdown).await;
     // The decode engine stays fast (its own prefill of the prompt is not measured).
     let (d0, _) = engine(&shutdown).await;
     let prefill_url = format!("http://{p0}");
@@ -1027,15 +978,11 @@ async fn decode_progress_is_counted_from_the_stream_before_it_ends() {
     let shutdown = CancellationToken::new();
     let (p0, _) = engine(&shutdown).await;
     // A decode engine at real time: 15 ms per token, 1.5 s for the 100 asked.
-    let registry = Registry::new();
     let config = EngineConfig {
         time_scale: 1.0,
         ..serve_support::engine_config(MODEL, BLOCK)
     };
-    let router =
-        kvpool_synthetic::server::router_with_agent(config, None, &registry).expect("router");
-    let (l, d0) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    let (d0, _) = serve_support::start_engine(config, &shutdown).await;
     let decode_url = format!("http://{d0}");
     let mut config = conductor_config(
         vec![format!("http://{p0}")],

@@ -9,18 +9,15 @@ mod py_support;
 mod serve_support;
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use kvpool_conductor::{ConductorConfig, KvEventSource, RoutingProtocol};
-use kvpool_core::sched::{
-    BlockHashing, DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
-};
+use kvpool_conductor::{ConductorConfig, KvEventSource};
+use kvpool_core::sched::{BlockHashing, Rejection};
 use prometheus::Registry;
 use py_support::PyChild;
 use serde_json::{Value, json};
-use serve_support::{engine_config, exchange, labelled, listen};
+use serve_support::{conductor_config, engine_config, exchange, labelled, listen};
 use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "events-model";
@@ -54,56 +51,32 @@ fn prompt(ids: &[u32]) -> String {
 }
 
 async fn engine(shutdown: &CancellationToken) -> SocketAddr {
-    let registry = Registry::new();
-    let router = kvpool_synthetic::server::router(engine_config(MODEL, BLOCK), &registry)
-        .expect("engine router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
-    a
+    serve_support::start_engine(engine_config(MODEL, BLOCK), shutdown)
+        .await
+        .0
 }
 
+/// The conductor over prefill engines `prefill` (the events of `source` follow one of them)
+/// and `decode`: the shared test config with this test's tokenizer, vLLM block hashing and
+/// 1 KiB of KV per token.
 fn config(
     prefill: Vec<String>,
     decode: String,
     dir: &Path,
     source: KvEventSource,
 ) -> ConductorConfig {
-    ConductorConfig {
-        models: vec![MODEL.into()],
-        prefill,
-        decode: vec![decode],
-        scheduler: SchedulerConfig {
-            policy: Policy::Conductor,
-            rejection: Rejection::None,
-            slo: Slo {
-                ttft_s: 30.0,
-                tpot_s: 0.1,
-            },
-            block_size: NonZeroU32::new(BLOCK).expect("nonzero"),
-            bytes_per_token: 1024,
-            pool_bandwidth_bps: 25e9,
-            kv_bandwidth_bps: 25e9,
-            prefill_costs: vec![PrefillCost::default(); 2],
-            decode_cost: DecodeCost::default(),
-            decode_kv_capacity_tokens: 1_500_000,
-            hot: HotConfig {
-                threshold: 0,
-                fanout: 0,
-            },
-            seed: 1,
-        },
-        engine_cache_blocks: 1000,
-        tokenizer: tokenizer(dir),
-        chat_template: None,
-        pool: None,
-        protocol: RoutingProtocol::Vllm,
-        time_scale: 1.0,
-        hashing: BlockHashing::vllm("0"),
-        kv_events: vec![source],
-        kv_events_port: None,
-        fit_prefill_cost: false,
-        upstream: Default::default(),
-    }
+    let mut c = conductor_config(MODEL, BLOCK, prefill, decode, Rejection::None, 30.0);
+    c.scheduler.bytes_per_token = 1024;
+    c.scheduler.hot.fanout = 0;
+    c.tokenizer = tokenizer(dir);
+    c.hashing = BlockHashing::vllm("0");
+    c.kv_events = vec![source];
+    c
+}
+
+/// KV events of `kind` the conductor applied.
+fn events(registry: &Registry, kind: &str) -> f64 {
+    labelled(registry, "kvpool_conductor_kv_events_total", "kind", kind)
 }
 
 fn header<'h>(head: &'h str, name: &str) -> Option<&'h str> {
@@ -189,14 +162,7 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
     let stored = publisher.send(json!({"op": "store", "tokens": p, "block_size": BLOCK}));
     assert_eq!(stored["hashes"].as_array().map(Vec::len), Some(3));
     until("engine B holds 3 blocks", || held(&registry) == 3.0).await;
-    assert!(
-        labelled(
-            &registry,
-            "kvpool_conductor_kv_events_total",
-            "kind",
-            "stored"
-        ) >= 3.0
-    );
+    assert!(events(&registry, "stored") >= 3.0);
     // The conductor sends the prompt to B, which holds its prefix.
     let body = json!({"model": MODEL, "prompt": prompt(&p), "max_tokens": 2}).to_string();
     let (status, head, text) = exchange(addr, "POST", "/v1/completions", &body).await;
@@ -260,13 +226,6 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
     // AllBlocksCleared empties it.
     publisher.send(json!({"op": "clear"}));
     until("engine B is cleared", || held(&registry) == 0.0).await;
-    assert!(
-        labelled(
-            &registry,
-            "kvpool_conductor_kv_events_total",
-            "kind",
-            "cleared"
-        ) >= 1.0
-    );
+    assert!(events(&registry, "cleared") >= 1.0);
     shutdown.cancel();
 }

@@ -7,8 +7,7 @@ mod serve_support;
 use std::net::SocketAddr;
 
 use kvpool_core::sched::Rejection;
-use prometheus::Registry;
-use serve_support::{labelled, listen, metric, start_conductor};
+use serve_support::{labelled, metric, start_conductor};
 use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "synthetic-latency";
@@ -16,13 +15,9 @@ const BLOCK: u32 = 16;
 
 /// A synthetic engine; its address.
 async fn engine(shutdown: &CancellationToken) -> SocketAddr {
-    let registry = Registry::new();
-    let router =
-        kvpool_synthetic::server::router(serve_support::engine_config(MODEL, BLOCK), &registry)
-            .expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
-    a
+    serve_support::start_engine(serve_support::engine_config(MODEL, BLOCK), shutdown)
+        .await
+        .0
 }
 
 async fn post(addr: SocketAddr, body: &str) -> (u16, String) {

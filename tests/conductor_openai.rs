@@ -21,13 +21,7 @@ const MODEL: &str = "org/synthetic-70b";
 const BLOCK: u32 = 16;
 
 async fn engine(shutdown: &CancellationToken) -> (SocketAddr, Registry) {
-    let registry = Registry::new();
-    let router =
-        kvpool_synthetic::server::router(serve_support::engine_config(MODEL, BLOCK), &registry)
-            .expect("router");
-    let (l, a) = listen().await;
-    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
-    (a, registry)
+    serve_support::start_engine(serve_support::engine_config(MODEL, BLOCK), shutdown).await
 }
 
 fn config(
@@ -297,16 +291,8 @@ async fn a_request_no_load_could_let_through_gets_400_not_a_retryable_429() {
     .await;
     assert_eq!(status, 400, "{text}");
     assert!(!head.to_ascii_lowercase().contains("retry-after"), "{head}");
-    let v = json_of(&text);
-    assert_eq!(v["error"]["code"], "slo_unattainable", "{text}");
+    let v = serve_support::assert_openai_error(&text, "slo_unattainable", "idle pool");
     assert_eq!(v["error"]["type"], "invalid_request_error", "{text}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("idle pool"),
-        "{text}"
-    );
     assert_metric(&c.prefill, "kvpool_engine_requests_total", 0.0);
     assert_metric(&c.metrics, "kvpool_conductor_rejections_total", 1.0);
     c.shutdown.cancel();

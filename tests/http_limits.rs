@@ -50,15 +50,8 @@ async fn connect_from(ip: &str, to: SocketAddr) -> TcpStream {
 }
 
 /// Poll `cond` every 10 ms for at most `limit`; whether it came true.
-async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    cond()
+async fn eventually(limit: Duration, cond: impl FnMut() -> bool) -> bool {
+    kvpool_harness::poll::until_async(limit, Duration::from_millis(10), cond).await
 }
 
 /// One GET /ok on a fresh connection from 127.0.0.1; the status line.

@@ -351,6 +351,18 @@ fn crates_depend_only_on_the_layers_below_them() {
         "kvpool-operator",
         "kvpool-bench",
     ];
+    // The pool client, and the Python package built on it.
+    let pool_client_forbidden: Vec<&str> = [
+        "axum",
+        "kube",
+        "etcd-client",
+        "tokenizers",
+        "kvpool-runtime",
+        "kvpool-crd",
+    ]
+    .into_iter()
+    .chain(servers)
+    .collect();
     let rules: Vec<(&str, Vec<&str>)> = vec![
         (
             "crates/core",
@@ -393,34 +405,8 @@ fn crates_depend_only_on_the_layers_below_them() {
             .chain(servers)
             .collect(),
         ),
-        (
-            "crates/client",
-            [
-                "axum",
-                "kube",
-                "etcd-client",
-                "tokenizers",
-                "kvpool-runtime",
-                "kvpool-crd",
-            ]
-            .into_iter()
-            .chain(servers)
-            .collect(),
-        ),
-        (
-            "crates/python",
-            [
-                "axum",
-                "kube",
-                "etcd-client",
-                "tokenizers",
-                "kvpool-runtime",
-                "kvpool-crd",
-            ]
-            .into_iter()
-            .chain(servers)
-            .collect(),
-        ),
+        ("crates/client", pool_client_forbidden.clone()),
+        ("crates/python", pool_client_forbidden),
         (
             "crates/conductor",
             vec!["kvpool-synthetic", "kvpool-master", "kvpool-agent"],

@@ -12,13 +12,13 @@ use std::time::Duration;
 use futures::future::join_all;
 use kvpool_client::master::MasterClient;
 use kvpool_client::pool::{DataError, PoolClient, tcp_endpoint, transfer_name};
-use kvpool_core::master::{PutOptions, SegmentSpec, Tier};
+use kvpool_core::master::{PutOptions, SegmentSpec};
 use kvpool_harness::scrape::metric_sum_labelled;
 use kvpool_transfer::{
     AuthKey, EngineConfig, HostOptions, LocalSegment, Segment, StaticDirectory, TcpServer,
     TransferEngine, TransferMetrics,
 };
-use pool_support::{InProcessMaster, http_get, in_process_master};
+use pool_support::{InProcessMaster, dram_segment, http_get, in_process_master};
 
 const KEY: &[u8] = b"coalescing-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
@@ -64,14 +64,8 @@ async fn fixture(lease_ttl: Duration) -> Fixture {
         .expect("listen");
     client
         .mount_segment(&SegmentSpec {
-            node: "agent-a".into(),
-            name: "dram0".into(),
-            tier: Tier::Dram,
-            capacity_bytes: 16 * MIB,
-            numa_node: 0,
-            failure_domain: String::new(),
             endpoints: vec![tcp_endpoint(server.local_addr())],
-            persistent: false,
+            ..dram_segment("agent-a", 16 * MIB)
         })
         .await
         .expect("mount");

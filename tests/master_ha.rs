@@ -3,52 +3,24 @@
 //! committed object, the same replica locations and the same allocation state, and clients
 //! follow it.
 
+mod pool_support;
 mod skip_support;
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvpool_client::master::{ClientConfig, MasterClient};
-use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
-use kvpool_harness::{EtcdServer, Launcher, MasterProcess, MasterSpec, Probe, http};
-use kvpool_proto::auth::AuthKey;
+use kvpool_core::master::{PutOptions, PutStarted};
+use kvpool_harness::{EtcdServer, http};
 use nix::sys::signal::Signal;
+use pool_support::{ha_master_client, mount_dram, spawn_ha_master};
 
 const KEY: &[u8] = b"kvpool-ha-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
-
-/// Master `name` of the HA group in etcd, once its admin server listens.
-fn spawn_master(dir: &Path, etcd: &str, name: &str) -> MasterProcess {
-    let spec = MasterSpec::new(env!("CARGO_BIN_EXE_kvpool"), dir.join("key")).expect("ports");
-    let grpc = spec.grpc.to_string();
-    let mut m = spec
-        .args(["--advertise-addr", &grpc])
-        .args(["--etcd-endpoints", etcd, "--etcd-prefix", "/kvpool/ha-test"])
-        .args(["--election-ttl", "2s", "--heartbeat-timeout", "120s"])
-        .spawn(&Launcher::new(dir), name)
-        .expect("spawn master");
-    m.process
-        .wait_ready(&Probe::Tcp(m.admin), Duration::from_secs(30))
-        .expect("master up");
-    m
-}
+/// Where the masters campaign in etcd.
+const PREFIX: &str = "/kvpool/ha-test";
 
 fn readyz(addr: SocketAddr) -> Option<u16> {
     http::get(addr, "/readyz").map(|r| r.status)
-}
-
-fn seg(node: &str) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: "dram0".into(),
-        tier: Tier::Dram,
-        capacity_bytes: 256 * MIB,
-        numa_node: 0,
-        failure_domain: String::new(),
-        endpoints: vec![format!("tcp://{node}:7000")],
-        persistent: false,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -60,23 +32,16 @@ async fn standby_takes_over_with_every_committed_object() {
     let dir = tempfile::tempdir().expect("tmp");
     std::fs::write(dir.path().join("key"), KEY).expect("key");
     let etcd = EtcdServer::start(dir.path()).expect("etcd");
-    let mut masters = vec![
-        spawn_master(dir.path(), &etcd.client_url, "master-0"),
-        spawn_master(dir.path(), &etcd.client_url, "master-1"),
-    ];
-    let client = MasterClient::new(
-        masters.iter().map(|m| m.grpc.to_string()).collect(),
-        AuthKey::from_bytes(KEY).expect("key"),
-        ClientConfig {
-            failover_budget: Duration::from_secs(30),
-            ..ClientConfig::default()
-        },
-    )
-    .expect("client");
+    let key_file = dir.path().join("key");
+    let spawn = |name| {
+        let args = ["--heartbeat-timeout", "120s"];
+        spawn_ha_master(dir.path(), &key_file, &etcd.client_url, PREFIX, name, &args)
+    };
+    let mut masters = vec![spawn("master-0"), spawn("master-1")];
+    let grpcs: Vec<SocketAddr> = masters.iter().map(|m| m.grpc).collect();
+    let client = ha_master_client(&grpcs, KEY);
     // Whichever answered is the leader (the client followed the standby's hint).
-    for n in ["a", "b", "c"] {
-        client.mount_segment(&seg(n)).await.expect("mount");
-    }
+    mount_dram(&client, &["a", "b", "c"], 256 * MIB).await;
     let leader_addr = client.current_endpoint().expect("connected");
     let leader = masters
         .iter()
@@ -187,7 +152,7 @@ async fn standby_takes_over_with_every_committed_object() {
 
     // A third master joins as standby; the current leader is stopped cleanly (SIGTERM: it
     // resigns), and the newcomer takes over with the same state again.
-    let third = spawn_master(dir.path(), &etcd.client_url, "master-2");
+    let third = spawn("master-2");
     let stats_before = client.stats().await.expect("stats");
     masters[standby]
         .process
@@ -195,15 +160,7 @@ async fn standby_takes_over_with_every_committed_object() {
         .expect("SIGTERM");
     let exit = masters[standby].process.wait().expect("wait");
     assert!(exit.success(), "leader exits 0 after SIGTERM: {exit:?}");
-    let client3 = MasterClient::new(
-        vec![third.grpc.to_string()],
-        AuthKey::from_bytes(KEY).expect("key"),
-        ClientConfig {
-            failover_budget: Duration::from_secs(30),
-            ..ClientConfig::default()
-        },
-    )
-    .expect("client");
+    let client3 = ha_master_client(&[third.grpc], KEY);
     let stats_after = client3.stats().await.expect("third master leads");
     assert_eq!(stats_after.objects, stats_before.objects);
     assert_eq!(stats_after.used_bytes, stats_before.used_bytes);

@@ -9,14 +9,14 @@
 
 mod pool_support;
 
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::PutOptions;
 use parking_lot::Mutex;
+use pool_support::load::{Committed, Objects, join_tasks, wait_commits};
 use pool_support::*;
 
 const WRITERS: u64 = 3;
@@ -25,23 +25,8 @@ const READERS: usize = 2;
 /// Commits before the kill.
 const KILL_AFTER: u64 = 40;
 
-/// The value of a key: length 4 KiB to ~260 KiB, content from the key's id.
-fn value(id: u64) -> Vec<u8> {
-    let len = 4096 + (id * 7919 % 64) as usize * 4096 + (id % 13) as usize;
-    kvpool_harness::bytes::pseudo_random(id, len)
-}
-
-fn key(id: u64) -> Vec<u8> {
-    format!("kill-under-load/{id}").into_bytes()
-}
-
-#[derive(Default)]
-struct Outcomes {
-    /// id -> crc32c of the committed value.
-    committed: HashMap<u64, u32>,
-    /// Failed put attempts (the put was retried until it committed).
-    failed: Vec<(u64, String)>,
-}
+/// Values of 4 KiB to ~260 KiB.
+const LOAD: Objects = Objects::new("kill-under-load", 0).lengths(4096, 64, 4096, 13);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agent_killed_under_load_loses_no_committed_object() {
@@ -67,106 +52,46 @@ async fn an_agent_killed_under_load_loses_no_committed_object() {
         ..PutOptions::default()
     };
 
-    let outcomes = Arc::new(Mutex::new(Outcomes::default()));
+    let committed = Committed::default();
+    let failed = Arc::new(Mutex::new(Vec::<(u64, String)>::new()));
     let commits = Arc::new(AtomicU64::new(0));
-    let writers_done = Arc::new(AtomicBool::new(false));
     let mut writers = Vec::new();
     for w in 0..WRITERS {
-        let (pool, opts, outcomes, commits) = (
+        let (pool, opts, committed, failed, commits) = (
             pool.clone(),
             opts.clone(),
-            outcomes.clone(),
+            committed.clone(),
+            failed.clone(),
             commits.clone(),
         );
         writers.push(tokio::spawn(async move {
             for i in 0..PUTS_PER_WRITER {
                 let id = w * 1_000_000 + i;
-                let v = value(id);
                 // Like a real client, retry a failed put (the master keeps placing replicas on
                 // the dead agent until its heartbeat timeout); every failed attempt is kept.
-                let started = Instant::now();
-                loop {
-                    match pool.put(&key(id), &v, &opts).await {
-                        Ok(_) => {
-                            outcomes.lock().committed.insert(id, crc32c::crc32c(&v));
-                            commits.fetch_add(1, Ordering::Relaxed);
-                            break;
-                        }
-                        Err(e) => {
-                            outcomes.lock().failed.push((id, format!("{e:#}")));
-                            assert!(
-                                started.elapsed() < DEADLINE,
-                                "put {id} never succeeded: {e:#}"
-                            );
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                    }
-                }
+                let pause = Duration::from_millis(50);
+                let crc = LOAD
+                    .put_until_committed(&pool, &opts, id, Instant::now(), pause, |e| {
+                        failed.lock().push((id, e))
+                    })
+                    .await;
+                committed.lock().insert(id, crc);
+                commits.fetch_add(1, Ordering::Relaxed);
             }
         }));
     }
     // Readers: any committed object, checked against its checksum. A read may fail while the
     // dead agent is still listed (the client then tries the other replica); it may never return
     // other bytes.
-    let reads = Arc::new(AtomicU64::new(0));
-    let bad_reads = Arc::new(Mutex::new(Vec::<String>::new()));
-    let mut readers = Vec::new();
-    for r in 0..READERS {
-        let (pool, outcomes, done, reads, bad) = (
-            pool.clone(),
-            outcomes.clone(),
-            writers_done.clone(),
-            reads.clone(),
-            bad_reads.clone(),
-        );
-        readers.push(tokio::spawn(async move {
-            let mut n = r as u64;
-            while !done.load(Ordering::Relaxed) {
-                let pick = {
-                    let o = outcomes.lock();
-                    let ids: Vec<(u64, u32)> = o.committed.iter().map(|(k, v)| (*k, *v)).collect();
-                    if ids.is_empty() {
-                        None
-                    } else {
-                        ids.get((n as usize * 7) % ids.len()).copied()
-                    }
-                };
-                n += 1;
-                let Some((id, crc)) = pick else {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                    continue;
-                };
-                if let Ok(got) = pool.get(&key(id)).await {
-                    reads.fetch_add(1, Ordering::Relaxed);
-                    if crc32c::crc32c(&got) != crc || got.len() != value(id).len() {
-                        bad.lock()
-                            .push(format!("object {id}: {} bytes, wrong checksum", got.len()));
-                    }
-                }
-            }
-        }));
-    }
+    let readers = LOAD.spawn_readers(READERS, &pool, &committed);
 
     // Kill one replica holder in the middle of the run.
-    let started = Instant::now();
-    while commits.load(Ordering::Relaxed) < KILL_AFTER {
-        master.assert_running().expect("master runs");
-        assert!(started.elapsed() < DEADLINE, "no progress before the kill");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_commits(&commits, KILL_AFTER, &mut [&mut master]).await;
     b.kill().expect("SIGKILL agent-b");
     let killed_at_commits = commits.load(Ordering::Relaxed);
 
-    for w in writers {
-        tokio::time::timeout(DEADLINE, w)
-            .await
-            .expect("writers finish")
-            .expect("writer task");
-    }
-    writers_done.store(true, Ordering::Relaxed);
-    for r in readers {
-        r.await.expect("reader task");
-    }
+    join_tasks(writers).await;
+    let reads = readers.stop().await;
     let stats = wait_stats(
         &client,
         "agent-b declared dead",
@@ -175,17 +100,18 @@ async fn an_agent_killed_under_load_loses_no_committed_object() {
     )
     .await;
 
-    // Every task is finished: take the outcomes out of the lock before awaiting anything.
-    let o = std::mem::take(&mut *outcomes.lock());
+    // Every task is finished: take the outcomes out of the locks before awaiting anything.
+    let committed = std::mem::take(&mut *committed.lock());
+    let failed = std::mem::take(&mut *failed.lock());
     println!(
         "kill under load: {} committed ({} before the kill), {} failed put attempts, {} concurrent reads",
-        o.committed.len(),
+        committed.len(),
         killed_at_commits,
-        o.failed.len(),
-        reads.load(Ordering::Relaxed)
+        failed.len(),
+        reads
     );
     assert_eq!(
-        o.committed.len() as u64,
+        committed.len() as u64,
         WRITERS * PUTS_PER_WRITER,
         "every put committed in the end, on the surviving agents"
     );
@@ -193,42 +119,36 @@ async fn an_agent_killed_under_load_loses_no_committed_object() {
         killed_at_commits < WRITERS * PUTS_PER_WRITER,
         "the kill came mid-run"
     );
-    assert!(bad_reads.lock().is_empty(), "{:?}", bad_reads.lock());
     // Zero lost: the master still knows every committed object ...
     assert_eq!(
         stats.objects,
-        o.committed.len() as u64,
+        committed.len() as u64,
         "objects known to the master"
     );
     // ... and each reads back exactly, from the survivors.
-    for (&id, &crc) in &o.committed {
-        let got = pool
-            .get(&key(id))
-            .await
-            .unwrap_or_else(|e| panic!("committed object {id} lost: {e:#}"));
-        assert_eq!(crc32c::crc32c(&got), crc, "object {id} checksum");
-        assert!(got == value(id), "object {id} bytes");
-        let located = client.get(&key(id)).await.expect("locate");
+    LOAD.assert_read_back(&pool, &committed, "committed object")
+        .await;
+    for &id in committed.keys() {
+        let nodes = replica_nodes(&client, &LOAD.key(id)).await.expect("locate");
         assert!(
-            located.replicas.iter().all(|r| r.node != "agent-b"),
+            nodes.iter().all(|n| n != "agent-b"),
             "object {id} still points at the dead agent"
         );
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
     }
     // A failed attempt never left an object pointing at freed memory: the key is either absent
     // or (committed by a later retry) holds exactly its bytes.
-    let failed_keys: Vec<Vec<u8>> = o.failed.iter().map(|(id, _)| key(*id)).collect();
+    let failed_keys: Vec<Vec<u8>> = failed.iter().map(|(id, _)| LOAD.key(*id)).collect();
     let refs: Vec<&[u8]> = failed_keys.iter().map(Vec::as_slice).collect();
     if !refs.is_empty() {
         let present = client.exists(&refs).await.expect("exists");
-        for ((id, err), there) in o.failed.iter().zip(present) {
+        for ((id, err), there) in failed.iter().zip(present) {
             if there {
-                let got = pool.get(&key(*id)).await.expect("present failed put reads");
+                let got = pool
+                    .get(&LOAD.key(*id))
+                    .await
+                    .expect("present failed put reads");
                 assert!(
-                    got == value(*id),
+                    got == LOAD.value(*id),
                     "failed put {id} ({err}) committed other bytes"
                 );
             }

@@ -6,11 +6,14 @@ mod pool_support;
 use std::time::Duration;
 
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
-use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_core::master::{PutOptions, PutStarted};
 use kvpool_master::cmd::MasterArgs;
 use kvpool_proto::auth::AuthKey;
 use kvpool_proto::master::ErrorCode;
-use pool_support::{InProcessMaster, eventually, http_get, in_process_master};
+use pool_support::{
+    InProcessMaster, assert_closed_within, dram_segment, eventually, http_get, in_process_master,
+    mount_dram,
+};
 use tokio_util::sync::CancellationToken;
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
@@ -22,19 +25,6 @@ async fn fixture(tweak: impl FnOnce(&mut MasterArgs)) -> Fixture {
     in_process_master(KEY, tweak).await
 }
 
-fn seg(node: &str, tier: Tier, cap: u64) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: format!("{}0", tier.as_str()),
-        tier,
-        capacity_bytes: cap,
-        numa_node: 0,
-        failure_domain: String::new(),
-        endpoints: vec![format!("tcp://{node}:7000")],
-        persistent: false,
-    }
-}
-
 fn code(e: &ClientError) -> Option<ErrorCode> {
     e.code()
 }
@@ -43,11 +33,7 @@ fn code(e: &ClientError) -> Option<ErrorCode> {
 async fn put_get_batch_and_error_codes_over_grpc() {
     let f = fixture(|_| {}).await;
     let c = &f.client;
-    for n in ["a", "b", "c"] {
-        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
-            .await
-            .expect("mount");
-    }
+    mount_dram(c, &["a", "b", "c"], 64 * MIB).await;
     let opts = PutOptions {
         replicas: 2,
         writer_node: Some("a".into()),
@@ -150,10 +136,7 @@ async fn put_get_batch_and_error_codes_over_grpc() {
 #[tokio::test]
 async fn unauthenticated_requests_are_refused_and_change_nothing() {
     let f = fixture(|_| {}).await;
-    f.client
-        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
-        .await
-        .expect("mount");
+    mount_dram(&f.client, &["a"], 64 * MIB).await;
     let before = f.client.stats().await.expect("stats");
     let intruder = MasterClient::new(
         vec![f.master.grpc_addr.to_string()],
@@ -162,7 +145,7 @@ async fn unauthenticated_requests_are_refused_and_change_nothing() {
     )
     .expect("client");
     let e = intruder
-        .mount_segment(&seg("evil", Tier::Dram, 64 * MIB))
+        .mount_segment(&dram_segment("evil", 64 * MIB))
         .await
         .expect_err("refused");
     assert!(
@@ -203,11 +186,7 @@ fn refusal(e: &ClientError) -> String {
 async fn every_kind_of_bad_input_gets_its_code_and_changes_no_state() {
     let f = fixture(|_| {}).await;
     let c = &f.client;
-    for n in ["a", "b"] {
-        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
-            .await
-            .expect("mount");
-    }
+    mount_dram(c, &["a", "b"], 64 * MIB).await;
     let opts = PutOptions::default();
     // One committed object and one pending put.
     let PutStarted::Allocated { put_id, .. } =
@@ -382,10 +361,7 @@ async fn admin_endpoints_and_metrics() {
             .await
             .is_some_and(|(status, _)| status == 200)
     );
-    f.client
-        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
-        .await
-        .expect("mount");
+    mount_dram(&f.client, &["a"], 64 * MIB).await;
     match f
         .client
         .put_start(b"k", MIB, &PutOptions::default())
@@ -396,18 +372,20 @@ async fn admin_endpoints_and_metrics() {
         other => panic!("{other:?}"),
     }
     // Gauges are refreshed by the tick loop; poll until they show the object.
-    let metrics = metrics_with(&f, "kvpool_master_objects 1").await;
-    for needle in [
+    assert_metrics(
+        &f,
         "kvpool_master_objects 1",
-        "kvpool_master_used_bytes{tier=\"dram\"} 1048576",
-        "kvpool_master_capacity_bytes{tier=\"dram\"} 67108864",
-        "kvpool_master_requests_total{method=\"put_end\",result=\"ok\"} 1",
-        "kvpool_master_request_duration_seconds_bucket{method=\"put_start\"",
-        "kvpool_master_leader 1",
-        "kvpool_master_leases 0",
-    ] {
-        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
-    }
+        &[
+            "kvpool_master_objects 1",
+            "kvpool_master_used_bytes{tier=\"dram\"} 1048576",
+            "kvpool_master_capacity_bytes{tier=\"dram\"} 67108864",
+            "kvpool_master_requests_total{method=\"put_end\",result=\"ok\"} 1",
+            "kvpool_master_request_duration_seconds_bucket{method=\"put_start\"",
+            "kvpool_master_leader 1",
+            "kvpool_master_leases 0",
+        ],
+    )
+    .await;
     let ready = f.master.readiness.clone();
     f.shutdown.cancel();
     f.master.join().await.expect("clean stop");
@@ -418,11 +396,7 @@ async fn admin_endpoints_and_metrics() {
 async fn silent_agents_die_and_two_replica_objects_stay_readable() {
     let f = fixture(|a| a.heartbeat_timeout = Duration::from_secs(2)).await;
     let c = &f.client;
-    for n in ["a", "b"] {
-        c.mount_segment(&seg(n, Tier::Dram, 64 * MIB))
-            .await
-            .expect("mount");
-    }
+    mount_dram(c, &["a", "b"], 64 * MIB).await;
     // b heartbeats for the whole test; a only while the objects are written.
     let a_beats = CancellationToken::new();
     let beats = CancellationToken::new();
@@ -559,7 +533,7 @@ async fn agent_killed_under_load_loses_nothing_and_reads_verify() {
     for n in ["a", "b", "c"] {
         let id = f
             .client
-            .mount_segment(&seg(n, Tier::Dram, 32 * MIB))
+            .mount_segment(&dram_segment(n, 32 * MIB))
             .await
             .expect("mount");
         fabric.add(id, 32 * MIB);
@@ -729,6 +703,15 @@ async fn agent_killed_under_load_loses_nothing_and_reads_verify() {
 }
 
 /// Poll the master's metrics until `needle` shows (the gauges follow the tick loop).
+/// Waits (see [`metrics_with`]) for `ready` in the master's metrics, then asserts that each of
+/// `needles` is in them.
+async fn assert_metrics(f: &Fixture, ready: &str, needles: &[&str]) {
+    let metrics = metrics_with(f, ready).await;
+    for needle in needles {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+}
+
 async fn metrics_with(f: &Fixture, needle: &str) -> String {
     let mut metrics = String::new();
     for _ in 0..200 {
@@ -747,10 +730,7 @@ async fn metrics_with(f: &Fixture, needle: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
     let f = fixture(|_| {}).await;
-    f.client
-        .mount_segment(&seg("a", Tier::Dram, 64 * MIB))
-        .await
-        .expect("mount");
+    mount_dram(&f.client, &["a"], 64 * MIB).await;
     let fork = f.client.fork(tokio::runtime::Handle::current());
     // The fork is driven by a thread of its own, as a Python thread drives it.
     let (lease, fork) = tokio::task::spawn_blocking(move || {
@@ -802,20 +782,22 @@ async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
         f.client.exists(&[b"fast/k"]).await.expect("grpc"),
         vec![true]
     );
-    let metrics = metrics_with(&f, "kvpool_master_leases 0").await;
-    for needle in [
-        "kvpool_master_fast_lane_connections 1",
-        "kvpool_master_requests_total{method=\"put_start\",result=\"ok\"} 1",
-        "kvpool_master_requests_total{method=\"exists\",result=\"ok\"} 2",
-        "kvpool_master_requests_total{method=\"get\",result=\"unknown_key\"} 1",
-        "kvpool_master_requests_total{method=\"release_leases\",result=\"ok\"} 1",
+    assert_metrics(
+        &f,
         "kvpool_master_leases 0",
-        // The piggybacked release ended the fork's one lease; none expired.
-        "kvpool_master_lease_hold_seconds_count{end=\"released\"} 1",
-        "kvpool_master_lease_hold_seconds_count{end=\"expired\"} 0",
-    ] {
-        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
-    }
+        &[
+            "kvpool_master_fast_lane_connections 1",
+            "kvpool_master_requests_total{method=\"put_start\",result=\"ok\"} 1",
+            "kvpool_master_requests_total{method=\"exists\",result=\"ok\"} 2",
+            "kvpool_master_requests_total{method=\"get\",result=\"unknown_key\"} 1",
+            "kvpool_master_requests_total{method=\"release_leases\",result=\"ok\"} 1",
+            "kvpool_master_leases 0",
+            // The piggybacked release ended the fork's one lease; none expired.
+            "kvpool_master_lease_hold_seconds_count{end=\"released\"} 1",
+            "kvpool_master_lease_hold_seconds_count{end=\"expired\"} 0",
+        ],
+    )
+    .await;
     drop(fork);
     let closed = "kvpool_master_fast_lane_connections 0";
     assert!(
@@ -879,15 +861,17 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
     // Garbage that is not the fast lane goes to gRPC, which drops it; gRPC clients are served.
     let _ = answer(b"GET / HTTP/1.0\r\n\r\n".to_vec()).await;
     assert_eq!(f.client.exists(&[b"k"]).await.expect("grpc"), vec![false]);
-    let metrics = metrics_with(&f, "kvpool_master_fast_lane_refusals_total").await;
-    for needle in [
-        "kvpool_master_fast_lane_refusals_total{reason=\"preface\"} 1",
-        "kvpool_master_fast_lane_refusals_total{reason=\"frame\"} 1",
-        "kvpool_master_fast_lane_refusals_total{reason=\"unauthenticated\"} 2",
-        "kvpool_master_fast_lane_connections 0",
-    ] {
-        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
-    }
+    assert_metrics(
+        &f,
+        "kvpool_master_fast_lane_refusals_total",
+        &[
+            "kvpool_master_fast_lane_refusals_total{reason=\"preface\"} 1",
+            "kvpool_master_fast_lane_refusals_total{reason=\"frame\"} 1",
+            "kvpool_master_fast_lane_refusals_total{reason=\"unauthenticated\"} 2",
+            "kvpool_master_fast_lane_connections 0",
+        ],
+    )
+    .await;
 }
 
 /// Issue 15: silent connections, fast-lane handshakes that trickle, and gRPC connections that
@@ -895,7 +879,7 @@ async fn bad_fast_lane_input_is_refused_and_grpc_goes_on() {
 /// and a real client is served meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_and_silent_connections_are_capped_and_closed_at_the_deadline() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let f = fixture(|a| {
         a.handshake_timeout = Duration::from_secs(1);
         a.max_connections_per_source = 32;
@@ -941,18 +925,7 @@ async fn slow_and_silent_connections_are_capped_and_closed_at_the_deadline() {
     let served = served_at.elapsed();
     assert!(served < Duration::from_secs(1), "{served:?}");
     // Every one of them is closed by the deadline (EOF or reset).
-    for s in &mut held {
-        let mut buf = [0u8; 256];
-        let ended = tokio::time::timeout(Duration::from_secs(5), async {
-            while let Ok(n) = s.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-            }
-        })
-        .await;
-        assert!(ended.is_ok(), "a connection outlived the deadline");
-    }
+    assert_closed_within(&mut held, Duration::from_secs(5)).await;
     let closed_after = start.elapsed();
     assert!(
         m.conn_refusals("silent") >= 32,

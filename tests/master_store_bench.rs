@@ -5,6 +5,8 @@
 
 use std::process::Command;
 
+use kvpool_harness::output_json;
+
 const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 
 fn has(cmd: &str) -> bool {
@@ -54,16 +56,7 @@ fn bench_store_reports_every_size_and_verifies_every_get() {
     if !redis {
         cmd.arg("--no-redis");
     }
-    let out = cmd.output().expect("run kvpool bench store");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "bench failed ({}):\n{stdout}\n{stderr}",
-        out.status
-    );
-    let r: serde_json::Value = serde_json::from_str(&stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"));
+    let r = output_json(&mut cmd).unwrap_or_else(|e| panic!("{e}"));
 
     assert_eq!(r["agents"], 2);
     assert_eq!(r["clients"], 2);
@@ -114,22 +107,14 @@ fn bench_store_reports_every_size_and_verifies_every_get() {
 #[test]
 fn bench_store_through_the_engine_api_verifies_every_get() {
     for depth in ["1", "3"] {
-        let out = Command::new(KVPOOL)
-            .args(["bench", "store", "--json", "--api", "engine", "--no-redis"])
-            .args(["--agents", "2", "--clients", "2", "--depth", depth])
-            .args(["--sizes", "64KiB,1MiB", "--ops", "6", "--rounds", "1"])
-            .args(["--agent-capacity", "64MiB", "--lookup-duration", "100ms"])
-            .output()
-            .expect("run kvpool bench store");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "depth {depth}: {}\n{stdout}\n{stderr}",
-            out.status
-        );
-        let r: serde_json::Value = serde_json::from_str(&stdout)
-            .unwrap_or_else(|e| panic!("not JSON ({e}):\n{stdout}\n{stderr}"));
+        let r = output_json(
+            Command::new(KVPOOL)
+                .args(["bench", "store", "--json", "--api", "engine", "--no-redis"])
+                .args(["--agents", "2", "--clients", "2", "--depth", depth])
+                .args(["--sizes", "64KiB,1MiB", "--ops", "6", "--rounds", "1"])
+                .args(["--agent-capacity", "64MiB", "--lookup-duration", "100ms"]),
+        )
+        .unwrap_or_else(|e| panic!("depth {depth}: {e}"));
         assert_eq!(r["api"], "engine");
         assert_eq!(r["all_gets_verified"], true, "{r}");
         for v in r["values"].as_array().expect("values") {

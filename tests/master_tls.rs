@@ -12,13 +12,39 @@ use std::path::Path;
 use std::time::Duration;
 
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient, MasterTls};
-use kvpool_core::master::{PutOptions, PutStarted, SegmentSpec, Tier};
+use kvpool_core::master::{PutOptions, PutStarted};
 use kvpool_harness::tls::{TlsFiles, write_throwaway};
 use kvpool_proto::auth::AuthKey;
-use pool_support::{InProcessMaster, eventually, http_get, in_process_master};
+use pool_support::{
+    InProcessMaster, assert_closed_within, dram_segment, error_chain, eventually, http_get,
+    in_process_master,
+};
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
+
+/// A new client trusting the CA of `trusted` is served; one trusting only the CA of `other` is
+/// refused (`why` says why it must be). The served client.
+async fn served_not_refused(
+    f: &InProcessMaster,
+    trusted: &TlsFiles,
+    other: &TlsFiles,
+    why: &str,
+) -> MasterClient {
+    let c = client(f, trusting(trusted));
+    assert_eq!(c.exists(&[b"k"]).await.expect("trusted CA"), vec![false]);
+    tls_refusal(f, trusting(other), why).await;
+    c
+}
+
+/// A new client of `f` with `tls` fails its first call because it refuses the master's
+/// certificate (`why` says why it must); the error's text with its sources.
+async fn tls_refusal(f: &InProcessMaster, tls: MasterTls, why: &str) -> String {
+    let e = client(f, tls).exists(&[b"k"]).await.expect_err(why);
+    let text = error_chain(&e);
+    assert!(matches!(e, ClientError::TlsVerify { .. }), "{text}");
+    text
+}
 
 /// A master with TLS from `files` (mutual with `mutual`), handshake deadline `handshake`.
 async fn tls_master(files: &TlsFiles, mutual: bool, handshake: Duration) -> InProcessMaster {
@@ -63,38 +89,15 @@ fn trusting(files: &TlsFiles) -> MasterTls {
     }
 }
 
-fn seg(node: &str) -> SegmentSpec {
-    SegmentSpec {
-        node: node.into(),
-        name: "dram0".into(),
-        tier: Tier::Dram,
-        capacity_bytes: 64 * MIB,
-        numa_node: 0,
-        failure_domain: String::new(),
-        endpoints: vec![format!("tcp://{node}:7000")],
-        persistent: false,
-    }
-}
-
-/// The error's text with its sources.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        next = s.source();
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_master_serves_grpc_and_fast_lane_calls_to_a_client_that_trusts_its_ca() {
     let dir = tempfile::tempdir().expect("tmp");
     let files = pki(dir.path());
     let f = tls_master(&files, false, Duration::from_secs(10)).await;
     let c = client(&f, trusting(&files));
-    c.mount_segment(&seg("a")).await.expect("mount over TLS");
+    c.mount_segment(&dram_segment("a", 64 * MIB))
+        .await
+        .expect("mount over TLS");
     let PutStarted::Allocated { put_id, .. } = c
         .put_start(b"tls/k", MIB, &PutOptions::default())
         .await
@@ -147,12 +150,7 @@ async fn a_client_that_does_not_trust_the_master_fails_naming_tls_verification()
     let f = tls_master(&files, false, Duration::from_secs(10)).await;
     let other = tempfile::tempdir().expect("tmp");
     let stranger = stranger_pki(other.path());
-    let e = client(&f, trusting(&stranger))
-        .exists(&[b"k"])
-        .await
-        .expect_err("an untrusted master");
-    assert!(matches!(e, ClientError::TlsVerify { .. }), "{}", chain(&e));
-    let text = chain(&e);
+    let text = tls_refusal(&f, trusting(&stranger), "an untrusted master").await;
     assert!(text.contains("TLS verification"), "{text}");
     assert!(text.contains("UnknownIssuer"), "{text}");
     // Trusted CA, but the certificate does not carry the name the client verifies.
@@ -160,12 +158,7 @@ async fn a_client_that_does_not_trust_the_master_fails_naming_tls_verification()
         server_name: Some("master.elsewhere.example".into()),
         ..trusting(&files)
     };
-    let e = client(&f, misnamed)
-        .exists(&[b"k"])
-        .await
-        .expect_err("a certificate for another name");
-    let text = chain(&e);
-    assert!(matches!(e, ClientError::TlsVerify { .. }), "{text}");
+    let text = tls_refusal(&f, misnamed, "a certificate for another name").await;
     assert!(text.contains("certificate not valid for name"), "{text}");
     assert!(text.contains("master.elsewhere.example"), "{text}");
     // The right CA and name: served.
@@ -187,7 +180,7 @@ async fn plaintext_clients_of_a_tls_port_are_refused_and_counted() {
     assert!(
         matches!(e, ClientError::Connect { .. } | ClientError::Rpc { .. }),
         "{}",
-        chain(&e)
+        error_chain(&e)
     );
     assert!(m.conn_refusals("tls_handshake") >= 1);
     // A plaintext fast-lane preface is closed without an answer.
@@ -226,7 +219,7 @@ async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
         .exists(&[b"k"])
         .await
         .expect_err("no client certificate");
-    assert!(m.conn_refusals("tls_handshake") >= 1, "{}", chain(&e));
+    assert!(m.conn_refusals("tls_handshake") >= 1, "{}", error_chain(&e));
     // A certificate of another CA is refused too.
     let other = tempfile::tempdir().expect("tmp");
     let stranger = stranger_pki(other.path());
@@ -274,7 +267,7 @@ async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
 /// hold their slots no longer than the handshake deadline, and a real client is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_tls_handshakes_are_closed_at_the_deadline_while_real_clients_are_served() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let dir = tempfile::tempdir().expect("tmp");
     let files = pki(dir.path());
     let f = tls_master(&files, false, Duration::from_secs(1)).await;
@@ -292,18 +285,7 @@ async fn slow_tls_handshakes_are_closed_at_the_deadline_while_real_clients_are_s
     }
     let c = client(&f, trusting(&files));
     assert_eq!(c.exists(&[b"k"]).await.expect("served"), vec![false]);
-    for s in &mut held {
-        let mut buf = [0u8; 256];
-        let ended = tokio::time::timeout(Duration::from_secs(5), async {
-            while let Ok(n) = s.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-            }
-        })
-        .await;
-        assert!(ended.is_ok(), "a connection outlived the deadline");
-    }
+    assert_closed_within(&mut held, Duration::from_secs(5)).await;
     assert!(
         eventually(Duration::from_secs(5), || m
             .conn_refusals("handshake_timeout")
@@ -441,25 +423,15 @@ async fn a_rotated_certificate_of_a_new_ca_serves_new_connections_after_the_relo
     let mut volume = CertVolume::new(&volume_dir, &old);
     let f = reloading_master(&volume).await;
     // A client of the old CA, connected before the rotation.
-    let before = client(&f, trusting(&old));
-    assert_eq!(before.exists(&[b"k"]).await.expect("old CA"), vec![false]);
-    let e = client(&f, trusting(&new))
-        .exists(&[b"k"])
-        .await
-        .expect_err("the new CA does not sign the served certificate yet");
-    assert!(matches!(e, ClientError::TlsVerify { .. }), "{}", chain(&e));
+    let why = "the new CA does not sign the served certificate yet";
+    let before = served_not_refused(&f, &old, &new, why).await;
 
     volume.rotate(&new.master_cert, &new.master_key);
     await_reloads(&f, "ok", 1).await;
     // New connections get the new certificate: a client trusting only the new CA is served,
     // one trusting only the old CA is not.
-    let after = client(&f, trusting(&new));
-    assert_eq!(after.exists(&[b"k"]).await.expect("new CA"), vec![false]);
-    let e = client(&f, trusting(&old))
-        .exists(&[b"k"])
-        .await
-        .expect_err("the old CA's client on a new connection");
-    assert!(matches!(e, ClientError::TlsVerify { .. }), "{}", chain(&e));
+    let why = "the old CA's client on a new connection";
+    served_not_refused(&f, &new, &old, why).await;
     // The connection opened before the rotation is untouched.
     assert_eq!(
         before.exists(&[b"k"]).await.expect("open connection"),

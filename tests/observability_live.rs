@@ -31,7 +31,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvpool_harness::http::request;
 use kvpool_harness::{Launcher, PrometheusServer, ScrapeTarget};
@@ -342,17 +342,8 @@ fn write_panels(prom: &PrometheusServer, file: &str, start: f64, out: &Path) {
 }
 
 /// Polls `check` until it returns true or [`WAIT`] passes.
-fn wait_until(mut check: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(POLL);
-    }
+fn wait_until(check: impl FnMut() -> bool) -> bool {
+    kvpool_harness::poll::until(WAIT, POLL, check)
 }
 
 #[test]

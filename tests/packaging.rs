@@ -20,7 +20,9 @@ use std::process::Command;
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, PodSpec, Secret, Service, ServiceAccount, Volume, VolumeMount,
+};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -592,29 +594,16 @@ fn regenerate() -> Result<()> {
 
 #[test]
 fn helm_lint_passes_with_default_and_example_values() -> Result<()> {
-    run_ok(
-        "helm",
-        &[
-            "lint",
-            "--strict",
-            "charts/kvpool",
-            "--kube-version",
-            KUBE_VERSION,
-        ],
-    )?;
+    let lint = [
+        "lint",
+        "--strict",
+        "charts/kvpool",
+        "--kube-version",
+        KUBE_VERSION,
+    ];
+    run_ok("helm", &lint)?;
     for values in EXAMPLE_VALUES {
-        run_ok(
-            "helm",
-            &[
-                "lint",
-                "--strict",
-                "charts/kvpool",
-                "--kube-version",
-                KUBE_VERSION,
-                "--values",
-                values,
-            ],
-        )?;
+        run_ok("helm", &[&lint[..], &["--values", values]].concat())?;
     }
     Ok(())
 }
@@ -710,11 +699,7 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
     // The operator pod: non-root, read-only root filesystem, no capabilities, probes on the
     // admin endpoints, resources set.
     let deployment = deployments(&objects)[0];
-    let pod = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .context("deployment without a pod spec")?;
+    let pod = pod_spec(deployment)?;
     let pod_security = pod
         .security_context
         .as_ref()
@@ -900,13 +885,36 @@ fn kustomize_installs_namespace_crds_and_operator() -> Result<()> {
     Ok(())
 }
 
-/// Parses a container's command line with the operator's CLI; it must be `run`.
-fn parse_operator_args(deployment: &Deployment) -> Result<(RunArgs, u16)> {
-    let pod = deployment
+/// The pod spec of a deployment's template.
+fn pod_spec(deployment: &Deployment) -> Result<&PodSpec> {
+    deployment
         .spec
         .as_ref()
         .and_then(|s| s.template.spec.as_ref())
-        .context("deployment without a pod spec")?;
+        .context("deployment without a pod spec")
+}
+
+/// The pod's volume `name` and the first container's mount of it, which must be read-only.
+fn read_only_volume<'a>(pod: &'a PodSpec, name: &str) -> Result<(&'a Volume, &'a VolumeMount)> {
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == name)
+        .with_context(|| format!("no {name} volume"))?;
+    let mount = pod.containers[0]
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == name)
+        .with_context(|| format!("no {name} mount"))?;
+    assert_eq!(mount.read_only, Some(true), "{name} mounted read-only");
+    Ok((volume, mount))
+}
+
+/// Parses a container's command line with the operator's CLI; it must be `run`.
+fn parse_operator_args(deployment: &Deployment) -> Result<(RunArgs, u16)> {
+    let pod = pod_spec(deployment)?;
     ensure!(pod.containers.len() == 1, "one container expected");
     let container = &pod.containers[0];
     assert_eq!(
@@ -1052,11 +1060,9 @@ const AGGREGATE_PREFIX: &str = "rbac.authorization.k8s.io/aggregate-to-";
 /// Sorts a render's RBAC objects: every binding names the operator's ServiceAccount and an
 /// existing role; every role is either bound to it or an unbound aggregated ClusterRole.
 fn rendered_rbac(render: &Render<'_>, objects: &[Object]) -> Result<RenderedRbac> {
-    let account = deployments(objects)[0]
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .and_then(|p| p.service_account_name.clone())
+    let account = pod_spec(deployments(objects)[0])?
+        .service_account_name
+        .clone()
         .context("no serviceAccountName")?;
     let mut bound = BTreeSet::new();
     for object in objects {
@@ -1428,22 +1434,13 @@ fn root_key_is_mounted_read_only_from_the_named_or_created_secret() -> Result<()
     ] {
         let (_, objects) = render_objects(&render)?;
         let (run, _) = parse_operator_args(deployments(&objects)[0])?;
-        let pod = deployments(&objects)[0]
-            .spec
-            .as_ref()
-            .and_then(|s| s.template.spec.as_ref())
-            .context("pod spec")?;
+        let pod = pod_spec(deployments(&objects)[0])?;
         assert_eq!(
             pod.security_context.as_ref().and_then(|s| s.fs_group),
             Some(65532),
             "{render:?}"
         );
-        let volume = pod
-            .volumes
-            .iter()
-            .flatten()
-            .find(|v| v.name == "root-key")
-            .context("no root-key volume")?;
+        let (volume, mount) = read_only_volume(pod, "root-key")?;
         let secret = volume.secret.as_ref().context("not a Secret volume")?;
         assert_eq!(
             secret.secret_name.as_deref(),
@@ -1455,13 +1452,6 @@ fn root_key_is_mounted_read_only_from_the_named_or_created_secret() -> Result<()
         let [item] = &items[..] else {
             bail!("one item expected: {items:?}");
         };
-        let mount = pod.containers[0]
-            .volume_mounts
-            .iter()
-            .flatten()
-            .find(|m| m.name == "root-key")
-            .context("no root-key mount")?;
-        assert_eq!(mount.read_only, Some(true));
         assert_eq!(
             run.root_key_file,
             Path::new(&mount.mount_path).join(&item.path),
@@ -1497,17 +1487,7 @@ fn master_ca_config_map_becomes_the_operators_master_ca_file() -> Result<()> {
     })?;
     let deployment = deployments(&objects)[0];
     let (run, _) = parse_operator_args(deployment)?;
-    let pod = deployment
-        .spec
-        .as_ref()
-        .and_then(|s| s.template.spec.as_ref())
-        .context("pod spec")?;
-    let volume = pod
-        .volumes
-        .iter()
-        .flatten()
-        .find(|v| v.name == "master-ca")
-        .context("no master-ca volume")?;
+    let (volume, mount) = read_only_volume(pod_spec(deployment)?, "master-ca")?;
     let config_map = volume.config_map.as_ref().context("not a ConfigMap")?;
     assert_eq!(config_map.name, "kvpool-master-ca");
     let item = config_map
@@ -1516,13 +1496,6 @@ fn master_ca_config_map_becomes_the_operators_master_ca_file() -> Result<()> {
         .flatten()
         .next()
         .context("no item")?;
-    let mount = pod.containers[0]
-        .volume_mounts
-        .iter()
-        .flatten()
-        .find(|m| m.name == "master-ca")
-        .context("no master-ca mount")?;
-    assert_eq!(mount.read_only, Some(true));
     assert_eq!(
         run.master_ca_file,
         Some(Path::new(&mount.mount_path).join(&item.path))

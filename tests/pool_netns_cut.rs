@@ -32,6 +32,7 @@ use kvpool_core::master::PutOptions;
 use kvpool_harness::{AgentSpec, ChildProcess, Launcher, MasterSpec, free_port};
 use netns_support::{Cut, HubAndIsland, running_as_root};
 use parking_lot::Mutex;
+use pool_support::load::{Objects, join_tasks};
 use pool_support::*;
 
 /// The master declares an agent dead after this long without a heartbeat.
@@ -51,15 +52,8 @@ const CUT: &str = "agent-x";
 /// Puts with a replica on agent-x before each cut (so that it takes writes and serves reads).
 const ON_X_BEFORE_CUT: u64 = 8;
 
-/// The value of object `id`: 64 KiB to ~1 MiB, content from the id.
-fn value(id: u64) -> Vec<u8> {
-    let len = 64 * 1024 + (id * 7919 % 16) as usize * 61_440 + (id % 13) as usize;
-    kvpool_harness::bytes::pseudo_random(id ^ 0x6e65_7463, len)
-}
-
-fn key(id: u64) -> Vec<u8> {
-    format!("netns-cut/{id}").into_bytes()
-}
+/// Values of 64 KiB to ~1 MiB.
+const LOAD: Objects = Objects::new("netns-cut", 0x6e65_7463).lengths(64 * 1024, 16, 61_440, 13);
 
 /// A failed put or get.
 struct Failure {
@@ -127,18 +121,11 @@ fn start_agent_on(
 async fn holders(client: &MasterClient, ids: &[u64]) -> HashMap<u64, Vec<String>> {
     let mut all = HashMap::new();
     for &id in ids {
-        let located = client
-            .get(&key(id))
-            .await
-            .unwrap_or_else(|e| panic!("acknowledged object {id} lost: {e:#}"));
+        let nodes = replica_nodes(client, &LOAD.key(id)).await;
         all.insert(
             id,
-            located.replicas.iter().map(|r| r.node.clone()).collect(),
+            nodes.unwrap_or_else(|e| panic!("acknowledged object {id} lost: {e:#}")),
         );
-        client
-            .release_lease(located.lease_id)
-            .await
-            .expect("release");
     }
     all
 }
@@ -152,11 +139,11 @@ async fn write_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool
     };
     let mut id = 0;
     while !stop.load(Ordering::Relaxed) {
-        let v = value(id);
+        let v = LOAD.value(id);
         let first = Instant::now();
         loop {
             let at = Instant::now();
-            match pool.put(&key(id), &v, &opts).await {
+            match pool.put(&LOAD.key(id), &v, &opts).await {
                 Ok(replicas) => {
                     let mut l = log.lock();
                     l.committed.insert(id, crc32c::crc32c(&v));
@@ -169,7 +156,7 @@ async fn write_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool
                         op: "put",
                         at,
                         took: at.elapsed(),
-                        error: chain(&e),
+                        error: error_chain(&e),
                     });
                     assert!(
                         first.elapsed() < DEADLINE,
@@ -206,14 +193,14 @@ async fn read_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>
             continue;
         };
         let at = Instant::now();
-        let got = pool.get(&key(id)).await;
+        let got = pool.get(&LOAD.key(id)).await;
         let took = at.elapsed();
         let mut l = log.lock();
         match got {
             Ok(bytes) => {
                 l.reads += 1;
                 l.slowest_read = l.slowest_read.max(took);
-                if crc32c::crc32c(&bytes) != crc || bytes.len() != value(id).len() {
+                if crc32c::crc32c(&bytes) != crc || bytes.len() != LOAD.value(id).len() {
                     let (phase, since) = &l.phase;
                     let what = format!(
                         "object {id}: {} bytes, wrong checksum, read in {took:?} starting {:?} \
@@ -229,22 +216,10 @@ async fn read_loop(pool: PoolClient, log: Arc<Mutex<Log>>, stop: Arc<AtomicBool>
                 op: "get",
                 at,
                 took,
-                error: chain(&e),
+                error: error_chain(&e),
             }),
         }
     }
-}
-
-/// An error with its sources, `: `-separated.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// Polls the log until `done` holds.
@@ -399,12 +374,7 @@ async fn scenario(net: &HubAndIsland) {
         );
     }
     stop.store(true, Ordering::Relaxed);
-    for task in [writer, reader] {
-        tokio::time::timeout(DEADLINE, task)
-            .await
-            .expect("the loops stop")
-            .expect("loop task");
-    }
+    join_tasks([writer, reader]).await;
 
     // Every acknowledged put reads back exactly, and the master's counters agree.
     let l = std::mem::take(&mut *log.lock());
@@ -412,10 +382,10 @@ async fn scenario(net: &HubAndIsland) {
         // Whether the pool holds wrong bytes, or one read returned them.
         let mut report = Vec::new();
         for (id, what) in &l.wrong {
-            let now = match pool.get(&key(*id)).await {
-                Ok(b) if b == value(*id) => "reads right now".to_owned(),
+            let now = match pool.get(&LOAD.key(*id)).await {
+                Ok(b) if b == LOAD.value(*id) => "reads right now".to_owned(),
                 Ok(b) => format!("reads wrong again ({} bytes)", b.len()),
-                Err(e) => format!("unreadable now: {}", chain(&e)),
+                Err(e) => format!("unreadable now: {}", error_chain(&e)),
             };
             report.push(format!("{what}; {now}"));
         }
@@ -433,14 +403,8 @@ async fn scenario(net: &HubAndIsland) {
         l.committed.len() as u64,
         "objects known to the master"
     );
-    for (&id, &crc) in &l.committed {
-        let got = pool
-            .get(&key(id))
-            .await
-            .unwrap_or_else(|e| panic!("acknowledged object {id} unreadable: {e:#}"));
-        assert_eq!(crc32c::crc32c(&got), crc, "object {id} checksum");
-        assert!(got == value(id), "object {id} bytes");
-    }
+    LOAD.assert_read_back(&pool, &l.committed, "acknowledged object")
+        .await;
     let ids: Vec<u64> = l.committed.keys().copied().collect();
     for (id, nodes) in holders(&client, &ids).await {
         assert_eq!(nodes.len(), 2, "object {id} has replicas on {nodes:?}");

@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvpool_harness::http::request;
 use kvpool_harness::{
@@ -30,17 +30,8 @@ fn addr() -> SocketAddr {
 }
 
 /// Polls `check` until it returns true or [`WAIT`] passes; returns whether it succeeded.
-fn wait_until(mut check: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(POLL);
-    }
+fn wait_until(check: impl FnMut() -> bool) -> bool {
+    kvpool_harness::poll::until(WAIT, POLL, check)
 }
 
 struct Target {

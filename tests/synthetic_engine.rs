@@ -10,10 +10,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use kvpool_harness::{Launcher, Probe, free_addr, kvpool_command};
-use kvpool_synthetic::server;
 use prometheus::Registry;
 use serde_json::Value;
-use serve_support::{assert_metric, http, listen, metric};
+use serve_support::{assert_metric, http, metric};
 use tokio_util::sync::CancellationToken;
 
 struct Engine {
@@ -23,16 +22,20 @@ struct Engine {
 }
 
 async fn start() -> Engine {
-    let config = serve_support::engine_config("synthetic-70b", 16);
-    let registry = Registry::new();
-    let router = server::router(config, &registry).expect("router");
-    let (listener, addr) = listen().await;
     let shutdown = CancellationToken::new();
-    tokio::spawn(server::serve(listener, router, shutdown.clone()));
+    let config = serve_support::engine_config("synthetic-70b", 16);
+    let (addr, registry) = serve_support::start_engine(config, &shutdown).await;
     Engine {
         addr,
         registry,
         shutdown,
+    }
+}
+
+impl Engine {
+    /// `POST path` with `body`; (status, body).
+    async fn post(&self, path: &str, body: &str) -> (u16, String) {
+        http(self.addr, "POST", path, body).await
     }
 }
 
@@ -41,7 +44,7 @@ async fn completion_returns_tokens_usage_and_caches_the_prefix() {
     let e = start().await;
     let prompt = "a".repeat(200); // 50 stand-in tokens, 3 full blocks of 16
     let body = format!(r#"{{"model":"synthetic-70b","prompt":"{prompt}","max_tokens":5}}"#);
-    let (status, text) = http(e.addr, "POST", "/v1/completions", &body).await;
+    let (status, text) = e.post("/v1/completions", &body).await;
     assert_eq!(status, 200, "{text}");
     let v: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(v["object"], "text_completion");
@@ -51,7 +54,7 @@ async fn completion_returns_tokens_usage_and_caches_the_prefix() {
     assert_eq!(v["usage"]["completion_tokens"], 5);
     assert_metric(&e.registry, "kvpool_engine_cached_prompt_tokens_total", 0.0);
     // The same prompt again: all 50 tokens come from the prefix cache.
-    let (status, _) = http(e.addr, "POST", "/v1/completions", &body).await;
+    let (status, _) = e.post("/v1/completions", &body).await;
     assert_eq!(status, 200);
     assert_metric(
         &e.registry,
@@ -67,7 +70,7 @@ async fn chat_streams_server_sent_events() {
     let e = start().await;
     let body = r#"{"model":"synthetic-70b","stream":true,"max_tokens":4,
         "messages":[{"role":"user","content":"hello there"}]}"#;
-    let (status, text) = http(e.addr, "POST", "/v1/chat/completions", body).await;
+    let (status, text) = e.post("/v1/chat/completions", body).await;
     assert_eq!(status, 200, "{text}");
     let events: Vec<&str> = text
         .lines()
@@ -91,26 +94,21 @@ async fn chat_streams_server_sent_events() {
 #[tokio::test]
 async fn bad_requests_get_openai_errors_naming_the_field() {
     let e = start().await;
-    let (status, text) = http(
-        e.addr,
-        "POST",
-        "/v1/completions",
-        r#"{"model":"synthetic-70b","prompt":"x","max_tokens":0}"#,
-    )
-    .await;
+    let (status, text) = e
+        .post(
+            "/v1/completions",
+            r#"{"model":"synthetic-70b","prompt":"x","max_tokens":0}"#,
+        )
+        .await;
     assert_eq!(status, 400);
     let v: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(v["error"]["param"], "max_tokens");
     assert_eq!(v["error"]["type"], "invalid_request_error");
-    let (status, text) = http(e.addr, "POST", "/v1/chat/completions", "{not json").await;
+    let (status, text) = e.post("/v1/chat/completions", "{not json").await;
     assert_eq!(status, 400, "{text}");
-    let (status, text) = http(
-        e.addr,
-        "POST",
-        "/v1/completions",
-        r#"{"model":"gpt-4","prompt":"x"}"#,
-    )
-    .await;
+    let (status, text) = e
+        .post("/v1/completions", r#"{"model":"gpt-4","prompt":"x"}"#)
+        .await;
     assert_eq!(status, 404);
     assert!(text.contains("model_not_found"), "{text}");
     let (status, text) = http(e.addr, "GET", "/v1/models", "").await;
@@ -197,10 +195,7 @@ async fn start_with_agent(socket: &std::path::Path, shutdown: &CancellationToken
     let kv = kvpool_synthetic::agent::AgentKv::connect(socket, geometry, KV_MODEL)
         .await
         .expect("engine-API session");
-    let registry = Registry::new();
-    let router = server::router_with_agent(config, Some(kv), &registry).expect("router");
-    let (listener, addr) = listen().await;
-    tokio::spawn(server::serve(listener, router, shutdown.clone()));
+    let (addr, registry) = serve_support::start_engine_with_agent(config, Some(kv), shutdown).await;
     KvEngine { addr, registry }
 }
 
@@ -311,23 +306,26 @@ async fn kv_blocks_are_written_hit_and_handed_to_decode_through_a_real_agent() {
     shutdown.cancel();
 }
 
+/// Runs `kvpool engine --synthetic` on an agent socket that does not exist, with `tune`'s
+/// changes to the command; it must fail before serving. Its stderr.
+fn engine_on_a_missing_agent(tune: impl FnOnce(&mut Command)) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvpool"));
+    cmd.args(["engine", "--synthetic"])
+        .args(["--agent-socket", "/nonexistent/agent.sock"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
+    tune(&mut cmd);
+    let out = cmd.output().expect("run kvpool");
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn engine_with_agent_socket_needs_a_kv_size() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args([
-            "engine",
-            "--synthetic",
-            "--agent-socket",
-            "/nonexistent/agent.sock",
-        ])
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .env_remove("KVPOOL_AGENT_SOCKET")
-        .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
-        .env_remove("KVPOOL_MODEL_CONFIG")
-        .output()
-        .expect("run kvpool");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = engine_on_a_missing_agent(|c| {
+        c.env_remove("KVPOOL_AGENT_SOCKET")
+            .env_remove("KVPOOL_KV_BYTES_PER_TOKEN")
+            .env_remove("KVPOOL_MODEL_CONFIG");
+    });
     assert!(
         err.contains("--kv-bytes-per-token or --model-config"),
         "{err}"
@@ -335,20 +333,10 @@ fn engine_with_agent_socket_needs_a_kv_size() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cfg = dir.path().join("config.json");
     std::fs::write(&cfg, r#"{"num_hidden_layers": 2}"#).expect("write");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpool"))
-        .args([
-            "engine",
-            "--synthetic",
-            "--agent-socket",
-            "/nonexistent/agent.sock",
-        ])
-        .arg("--model-config")
-        .arg(&cfg)
-        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .output()
-        .expect("run kvpool");
-    assert!(!out.status.success());
-    let err = format!("{:?}", String::from_utf8_lossy(&out.stderr));
+    let err = engine_on_a_missing_agent(|c| {
+        c.arg("--model-config").arg(&cfg);
+    });
+    let err = format!("{err:?}");
     assert!(err.contains("num_attention_heads"), "{err}");
 }
 
@@ -381,13 +369,12 @@ async fn requests_are_served_when_the_agent_goes_away() {
 async fn prefetch_loads_pool_blocks_into_the_prefix_cache_and_404s_without_an_agent() {
     // Without an agent there is no pool to read: 404, the conductor's "unsupported".
     let plain = start().await;
-    let (status, text) = http(
-        plain.addr,
-        "POST",
-        kvpool_proto::prefetch::PREFETCH_PATH,
-        r#"{"keys":["0000000000000001"]}"#,
-    )
-    .await;
+    let (status, text) = plain
+        .post(
+            kvpool_proto::prefetch::PREFETCH_PATH,
+            r#"{"keys":["0000000000000001"]}"#,
+        )
+        .await;
     assert_eq!(status, 404, "{text}");
     plain.shutdown.cancel();
 

@@ -5,6 +5,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod transfer_util;
+
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::net::TcpStream;
@@ -82,6 +84,23 @@ fn assert_only_errors(bytes: &[u8]) {
     assert!(rest.is_empty());
 }
 
+/// A request header: `length` bytes at `offset` of the segment behind `handle`.
+fn request(opcode: Opcode, request_id: u64, handle: u32, offset: u64, length: u64) -> Header {
+    Header {
+        handle,
+        offset,
+        length,
+        ..Header::new(opcode, request_id)
+    }
+}
+
+/// Reads `s` until the target closes it; every frame it sent is an ERROR. What it sent.
+fn errors_then_close(s: &mut TcpStream) -> Vec<u8> {
+    let reply = read_to_close(s);
+    assert_only_errors(&reply);
+    reply
+}
+
 fn honest_peer_still_works(t: &Target) {
     let client = TransferEngine::new(
         EngineConfig {
@@ -93,26 +112,8 @@ fn honest_peer_still_works(t: &Target) {
         TransferMetrics::unregistered().unwrap(),
     )
     .unwrap();
-    let local = client
-        .register(
-            "buf",
-            Arc::new(Segment::host(4096, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    let remote = client.open("seg").unwrap();
-    client
-        .transfer(vec![TransferRequest {
-            op: TransferOp::Read,
-            local: local.clone(),
-            local_offset: 0,
-            remote,
-            remote_offset: 0,
-            len: 13,
-        }])
-        .unwrap();
-    let mut got = [0u8; 13];
-    local.segment().read_at(0, &mut got).unwrap();
-    assert_eq!(&got, b"private bytes");
+    let got = transfer_util::read_head(&client, "seg", 13).unwrap();
+    assert_eq!(got, b"private bytes");
 }
 
 #[test]
@@ -124,8 +125,7 @@ fn transfer_garbage_bytes_get_an_error_and_a_close() {
             .map(|i| (i as u8).wrapping_mul(97) ^ seed)
             .collect();
         let _ = s.write_all(&garbage);
-        let reply = read_to_close(&mut s);
-        assert_only_errors(&reply);
+        errors_then_close(&mut s);
     }
     honest_peer_still_works(&t);
 }
@@ -135,12 +135,9 @@ fn transfer_unauthenticated_reads_and_writes_are_refused() {
     let t = target();
     // READ straight away, no handshake.
     let mut s = raw(&t);
-    let mut h = Header::new(Opcode::Read, 1);
-    h.handle = 1;
-    h.length = 13;
-    s.write_all(&h.encode()).unwrap();
-    let reply = read_to_close(&mut s);
-    assert_only_errors(&reply);
+    s.write_all(&request(Opcode::Read, 1, 1, 0, 13).encode())
+        .unwrap();
+    let reply = errors_then_close(&mut s);
     assert!(!reply.windows(7).any(|w| w == b"private"));
     let status = Header::decode(&reply, 0).unwrap().status;
     assert_eq!(status, ErrorCode::Unauthenticated as u32);
@@ -151,13 +148,9 @@ fn transfer_unauthenticated_reads_and_writes_are_refused() {
     assert_eq!(ch.opcode, Opcode::Challenge);
     let _ = wire::read_control_payload(&mut s, &ch).unwrap();
     wire::write_frame(&mut s, &Header::new(Opcode::Auth, 0), &[0u8; 32]).unwrap();
-    let mut h = Header::new(Opcode::Write, 2);
-    h.handle = 1;
-    h.length = 4;
-    let _ = s.write_all(&h.encode());
+    let _ = s.write_all(&request(Opcode::Write, 2, 1, 0, 4).encode());
     let _ = s.write_all(b"evil");
-    let reply = read_to_close(&mut s);
-    assert_only_errors(&reply);
+    errors_then_close(&mut s);
     honest_peer_still_works(&t);
 }
 
@@ -172,43 +165,32 @@ fn transfer_authenticated_invalid_frames_are_answered_with_errors() {
     assert_eq!(open.opcode, Opcode::OpenOk);
     assert_eq!(open.length, 65536);
     // Out-of-bounds read and write: error replies, connection stays usable.
-    let mut h = Header::new(Opcode::Read, 2);
-    h.handle = open.handle;
-    h.offset = 65530;
-    h.length = 100;
-    s.write_all(&h.encode()).unwrap();
+    s.write_all(&request(Opcode::Read, 2, open.handle, 65530, 100).encode())
+        .unwrap();
     let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
     assert_eq!(
         (r.opcode, r.request_id, r.status),
         (Opcode::Error, 2, ErrorCode::OutOfBounds as u32)
     );
     let _ = wire::read_control_payload(&mut s, &r).unwrap();
-    let mut h = Header::new(Opcode::Write, 3);
-    h.handle = open.handle;
-    h.offset = u64::MAX - 2;
-    h.length = 8;
-    s.write_all(&h.encode()).unwrap();
+    s.write_all(&request(Opcode::Write, 3, open.handle, u64::MAX - 2, 8).encode())
+        .unwrap();
     s.write_all(b"12345678").unwrap();
     let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
     assert_eq!((r.opcode, r.request_id), (Opcode::Error, 3));
     let _ = wire::read_control_payload(&mut s, &r).unwrap();
     // A valid read still works on the same connection.
-    let mut h = Header::new(Opcode::Read, 4);
-    h.handle = open.handle;
-    h.length = 13;
-    s.write_all(&h.encode()).unwrap();
+    s.write_all(&request(Opcode::Read, 4, open.handle, 0, 13).encode())
+        .unwrap();
     let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
     assert_eq!(r.opcode, Opcode::ReadData);
     let mut data = [0u8; 13];
     s.read_exact(&mut data).unwrap();
     assert_eq!(&data, b"private bytes");
     // A length over the limit: error, then the target closes.
-    let mut h = Header::new(Opcode::Write, 5);
-    h.handle = open.handle;
-    h.length = 1 << 40;
-    s.write_all(&h.encode()).unwrap();
-    let reply = read_to_close(&mut s);
-    assert_only_errors(&reply);
+    s.write_all(&request(Opcode::Write, 5, open.handle, 0, 1 << 40).encode())
+        .unwrap();
+    errors_then_close(&mut s);
     // An unknown opcode: error, then close.
     let mut s = raw(&t);
     wire::client_handshake(&mut s, &key()).unwrap();

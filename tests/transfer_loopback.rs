@@ -34,15 +34,40 @@ struct Pair {
     local_mem: LocalSegment,
 }
 
-/// The target side's engine (node "node-t"), over `dir`.
-fn target_engine(dir: &Arc<StaticDirectory>) -> TransferEngine {
+impl Pair {
+    /// Another segment of `size` bytes on the target, registered as `name` and listed in the
+    /// directory at the target's server.
+    fn serve_segment(&self, name: &str, size: usize) -> LocalSegment {
+        let seg = host_segment(&self.target, name, size);
+        let server = self.server.as_ref().unwrap().local_addr();
+        self.dir
+            .insert(self.target.describe(&seg, vec![Endpoint::Tcp(server)]));
+        seg
+    }
+}
+
+/// An engine with `config` and `key` that finds segments in `dir`, its metrics registered
+/// nowhere.
+fn try_engine(
+    config: EngineConfig,
+    key: AuthKey,
+    dir: &Arc<StaticDirectory>,
+) -> Result<TransferEngine, TransferError> {
     TransferEngine::new(
-        config("node-t"),
-        key(),
+        config,
+        key,
         dir.clone(),
         TransferMetrics::unregistered().unwrap(),
     )
-    .unwrap()
+}
+
+fn engine(config: EngineConfig, key: AuthKey, dir: &Arc<StaticDirectory>) -> TransferEngine {
+    try_engine(config, key, dir).unwrap()
+}
+
+/// The target side's engine (node "node-t"), over `dir`.
+fn target_engine(dir: &Arc<StaticDirectory>) -> TransferEngine {
+    engine(config("node-t"), key(), dir)
 }
 
 fn pair_with(initiator_key: AuthKey) -> Pair {
@@ -52,34 +77,12 @@ fn pair_with(initiator_key: AuthKey) -> Pair {
 /// A pair whose target runs with `target_config`.
 fn pair_configured(initiator_key: AuthKey, target_config: EngineConfig) -> Pair {
     let dir = Arc::new(StaticDirectory::new());
-    let target = TransferEngine::new(
-        target_config,
-        key(),
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let initiator = TransferEngine::new(
-        config("node-i"),
-        initiator_key,
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let remote_mem = target
-        .register(
-            "t/dram0",
-            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let target = engine(target_config, key(), &dir);
+    let initiator = engine(config("node-i"), initiator_key, &dir);
+    let remote_mem = host_segment(&target, "t/dram0", 8 * MIB);
     let server = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
     dir.insert(target.describe(&remote_mem, vec![Endpoint::Tcp(server.local_addr())]));
-    let local_mem = initiator
-        .register(
-            "i/buf",
-            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let local_mem = host_segment(&initiator, "i/buf", 8 * MIB);
     Pair {
         target,
         initiator,
@@ -88,6 +91,32 @@ fn pair_configured(initiator_key: AuthKey, target_config: EngineConfig) -> Pair 
         remote_mem,
         local_mem,
     }
+}
+
+/// A host segment of `size` bytes registered with `engine` as `name`.
+fn host_segment(engine: &TransferEngine, name: &str, size: usize) -> LocalSegment {
+    engine
+        .register(
+            name,
+            Arc::new(Segment::host(size, HostOptions::default()).unwrap()),
+        )
+        .unwrap()
+}
+
+/// Submits `batch` and waits (up to 10 s) until every request of it succeeded.
+fn submit_and_wait(engine: &TransferEngine, batch: Vec<TransferRequest>) {
+    engine
+        .submit(batch)
+        .unwrap()
+        .wait_ok(Duration::from_secs(10))
+        .unwrap();
+}
+
+/// `len` bytes of `seg` from `offset`.
+fn read_seg(seg: &LocalSegment, offset: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    seg.segment().read_at(offset, &mut out).unwrap();
+    out
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -145,8 +174,7 @@ fn transfer_writes_and_reads_back_across_lanes_and_slices() {
     let st = batch.wait(Duration::from_secs(30)).unwrap();
     assert!(st.iter().all(|s| *s == RequestStatus::Done), "{st:?}");
     // The write completed, so the target's memory holds the bytes now.
-    let mut got = vec![0u8; data.len()];
-    p.remote_mem.segment().read_at(4096, &mut got).unwrap();
+    let got = read_seg(&p.remote_mem, 4096, data.len());
     assert!(got == data, "remote bytes differ after write");
     let mut small = [0u8; 10];
     p.remote_mem
@@ -166,11 +194,7 @@ fn transfer_writes_and_reads_back_across_lanes_and_slices() {
             data.len() as u64,
         )])
         .unwrap();
-    let mut back = vec![0u8; data.len()];
-    p.local_mem
-        .segment()
-        .read_at(4 * MIB as u64, &mut back)
-        .unwrap();
+    let back = read_seg(&p.local_mem, 4 * MIB as u64, data.len());
     assert!(back == data, "bytes read back differ");
     let m = p.initiator.metrics();
     assert_eq!(
@@ -245,13 +269,7 @@ fn transfer_unregistered_segment_cannot_be_opened_or_addressed() {
     let name = p.remote_mem.name().to_owned();
     let seg = p.remote_mem.segment().clone();
     // Drop the only registration handle: the name and handle disappear from the target.
-    let placeholder = p
-        .target
-        .register(
-            "t/other",
-            Arc::new(Segment::host(4096, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let placeholder = host_segment(&p.target, "t/other", 4096);
     p.remote_mem = placeholder;
     let batch = p
         .initiator
@@ -323,43 +341,21 @@ fn transfer_same_node_uses_shared_memory() {
     let dir_path = tempfile::tempdir().unwrap();
     let sock = dir_path.path().join("xfer.sock");
     let dir = Arc::new(StaticDirectory::new());
-    let target = TransferEngine::new(
-        config("node-a"),
-        key(),
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let initiator = TransferEngine::new(
-        config("node-a"),
-        key(),
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
+    let target = engine(config("node-a"), key(), &dir);
+    let initiator = engine(config("node-a"), key(), &dir);
     let shared = target
         .register(
             "a/dram0",
             Arc::new(Segment::memfd("a-dram0", 2 * MIB, HostOptions::default()).unwrap()),
         )
         .unwrap();
-    let heap_only = target
-        .register(
-            "a/heap",
-            Arc::new(Segment::host(MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let heap_only = host_segment(&target, "a/heap", MIB);
     let server = target.listen_shm(&sock).unwrap();
     let tcp = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
     let eps = vec![Endpoint::Shm(sock.clone()), Endpoint::Tcp(tcp.local_addr())];
     dir.insert(target.describe(&shared, eps.clone()));
     dir.insert(target.describe(&heap_only, eps));
-    let local = initiator
-        .register(
-            "b/buf",
-            Arc::new(Segment::host(2 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let local = host_segment(&initiator, "b/buf", 2 * MIB);
     let remote = initiator.open("a/dram0").unwrap();
     assert_eq!(remote.protocol(), Protocol::Shm);
     let data = pattern(MIB + 3, 9);
@@ -375,26 +371,22 @@ fn transfer_same_node_uses_shared_memory() {
     initiator
         .transfer(vec![mk(TransferOp::Write, 0, 500, data.len() as u64)])
         .unwrap();
-    let mut got = vec![0u8; data.len()];
-    shared.segment().read_at(500, &mut got).unwrap();
+    let got = read_seg(&shared, 500, data.len());
     assert!(got == data);
     initiator
         .transfer(vec![mk(TransferOp::Read, MIB as u64 / 2, 500, 1000)])
         .unwrap();
-    let mut back = vec![0u8; 1000];
-    local.segment().read_at(MIB as u64 / 2, &mut back).unwrap();
+    let back = read_seg(&local, MIB as u64 / 2, 1000);
     assert_eq!(back, data[..1000]);
     // A heap segment cannot be shared: the engine falls back to TCP.
     let heap_remote = initiator.open("a/heap").unwrap();
     assert_eq!(heap_remote.protocol(), Protocol::Tcp);
     // A wrong key cannot map anything.
-    let other = TransferEngine::new(
+    let other = engine(
         config("node-a"),
         AuthKey::new(*b"another-key-0123456789").unwrap(),
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
+        &dir,
+    );
     let desc = dir.lookup("a/dram0").unwrap();
     assert_eq!(
         other
@@ -486,8 +478,7 @@ fn transfer_concurrent_submitters_keep_their_bytes_apart() {
                             region,
                         )])
                         .unwrap();
-                    let mut got = vec![0u8; region as usize];
-                    p.local_mem.segment().read_at(back, &mut got).unwrap();
+                    let got = read_seg(&p.local_mem, back, region as usize);
                     assert!(got == data, "thread {t} round {round}: bytes mixed up");
                 }
             });
@@ -497,7 +488,7 @@ fn transfer_concurrent_submitters_keep_their_bytes_apart() {
 
 #[test]
 fn transfer_config_is_validated() {
-    let dir: Arc<dyn Directory> = Arc::new(StaticDirectory::new());
+    let dir = Arc::new(StaticDirectory::new());
     let bad = [
         EngineConfig {
             lanes: 0,
@@ -522,13 +513,7 @@ fn transfer_config_is_validated() {
         },
     ];
     for cfg in bad {
-        let err = TransferEngine::new(
-            cfg,
-            key(),
-            dir.clone(),
-            TransferMetrics::unregistered().unwrap(),
-        )
-        .unwrap_err();
+        let err = try_engine(cfg, key(), &dir).unwrap_err();
         assert_eq!(err.category(), "config", "{err}");
     }
     let registry = prometheus::Registry::new();
@@ -568,14 +553,9 @@ fn small_batches_run_inline_in_both_directions_and_report_each_failure() {
             ),
         ])
         .unwrap();
-    let mut got = vec![0u8; a.len()];
-    p.remote_mem.segment().read_at(0, &mut got).unwrap();
+    let got = read_seg(&p.remote_mem, 0, a.len());
     assert!(got == a, "written bytes differ");
-    let mut got = vec![0u8; b.len()];
-    p.local_mem
-        .segment()
-        .read_at(2 * MIB as u64, &mut got)
-        .unwrap();
+    let got = read_seg(&p.local_mem, 2 * MIB as u64, b.len());
     assert!(got == b, "read bytes differ");
     // Several slices of one request (slice size 256 KiB), pipelined on the one connection.
     let big = pattern(3 * MIB, 3);
@@ -590,22 +570,11 @@ fn small_batches_run_inline_in_both_directions_and_report_each_failure() {
             big.len() as u64,
         )])
         .unwrap();
-    let mut got = vec![0u8; big.len()];
-    p.remote_mem.segment().read_at(4096, &mut got).unwrap();
+    let got = read_seg(&p.remote_mem, 4096, big.len());
     assert!(got == big, "sliced write differs");
     // A segment the target no longer has fails its request by name, and the connection is
     // still good for the next batch.
-    let gone = p
-        .target
-        .register(
-            "t/gone",
-            Arc::new(Segment::host(MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    p.dir.insert(p.target.describe(
-        &gone,
-        vec![Endpoint::Tcp(p.server.as_ref().unwrap().local_addr())],
-    ));
+    let gone = p.serve_segment("t/gone", MIB);
     let gone_remote = p.initiator.open("t/gone").unwrap();
     drop(gone);
     let err = p
@@ -643,19 +612,9 @@ fn cached_opens_are_refused_by_a_restarted_target_and_opened_again() {
     p.server = None;
     let target = target_engine(&p.dir);
     // Another segment first, so that the old handle names it in the new registry.
-    let decoy = target
-        .register(
-            "t/decoy",
-            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let decoy = host_segment(&target, "t/decoy", 8 * MIB);
     decoy.segment().write_at(0, b"WRONG BYTES").unwrap();
-    let mem = target
-        .register(
-            "t/dram0",
-            Arc::new(Segment::host(8 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let mem = host_segment(&target, "t/dram0", 8 * MIB);
     mem.segment().write_at(0, b"second run").unwrap();
     let _server = target.listen_tcp(addr).unwrap();
     // The cached handle is refused (not served from the decoy); the transfer opens the
@@ -723,16 +682,8 @@ fn reads_back(writes: &[TransferRequest]) -> Vec<TransferRequest> {
 /// Check that each of `reads` brought back the bytes its `writes` counterpart sent.
 fn check_scattered(p: &Pair, writes: &[TransferRequest], reads: &[TransferRequest]) {
     for (w, r) in writes.iter().zip(reads) {
-        let mut sent = vec![0u8; w.len as usize];
-        p.local_mem
-            .segment()
-            .read_at(w.local_offset, &mut sent)
-            .unwrap();
-        let mut back = vec![0u8; r.len as usize];
-        p.local_mem
-            .segment()
-            .read_at(r.local_offset, &mut back)
-            .unwrap();
+        let sent = read_seg(&p.local_mem, w.local_offset, w.len as usize);
+        let back = read_seg(&p.local_mem, r.local_offset, r.len as usize);
         assert!(
             sent == back,
             "request at {} came back different",
@@ -753,17 +704,9 @@ fn small_requests_share_vectored_frames_through_lanes_and_inline() {
         .unwrap();
     // Through the lanes: submit and wait.
     let writes = scattered(&p, &remote, TransferOp::Write, n / 2, 0);
-    p.initiator
-        .submit(writes.clone())
-        .unwrap()
-        .wait_ok(Duration::from_secs(10))
-        .unwrap();
+    submit_and_wait(&p.initiator, writes.clone());
     let reads = reads_back(&writes);
-    p.initiator
-        .submit(reads.clone())
-        .unwrap()
-        .wait_ok(Duration::from_secs(10))
-        .unwrap();
+    submit_and_wait(&p.initiator, reads.clone());
     check_scattered(&p, &writes, &reads);
     let frames = m.vectored_frames.get();
     assert!(
@@ -790,17 +733,7 @@ fn small_requests_share_vectored_frames_through_lanes_and_inline() {
 #[test]
 fn vectored_batches_mix_with_large_requests_and_other_segments() {
     let p = pair_with(key());
-    let other = p
-        .target
-        .register(
-            "t/other",
-            Arc::new(Segment::host(MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    p.dir.insert(p.target.describe(
-        &other,
-        vec![Endpoint::Tcp(p.server.as_ref().unwrap().local_addr())],
-    ));
+    let other = p.serve_segment("t/other", MIB);
     let remote = p.initiator.open("t/dram0").unwrap();
     let remote_other = p.initiator.open("t/other").unwrap();
     let data = pattern(8 * MIB, 4);
@@ -821,11 +754,7 @@ fn vectored_batches_mix_with_large_requests_and_other_segments() {
         req(&p, &remote, TransferOp::Write, 7000, 9000, 100),
         req(&p, &remote, TransferOp::Write, 7100, 20_000, 50_000),
     ];
-    p.initiator
-        .submit(batch.clone())
-        .unwrap()
-        .wait_ok(Duration::from_secs(10))
-        .unwrap();
+    submit_and_wait(&p.initiator, batch.clone());
     for r in &batch {
         let seg = if r.remote.name() == "t/other" {
             other.segment()
@@ -855,11 +784,7 @@ fn a_target_without_vectored_frames_is_served_one_frame_per_request() {
         .write_at(0, &pattern(4 * MIB, 5))
         .unwrap();
     let writes = scattered(&p, &remote, TransferOp::Write, 40, 0);
-    p.initiator
-        .submit(writes.clone())
-        .unwrap()
-        .wait_ok(Duration::from_secs(10))
-        .unwrap();
+    submit_and_wait(&p.initiator, writes.clone());
     let reads = reads_back(&writes);
     p.initiator.transfer(reads.clone()).unwrap();
     check_scattered(&p, &writes, &reads);

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvpool_agent::pool::{PoolLink, PoolMetrics, PoolRegistrar, SSD_SEGMENT, segment_name};
 use kvpool_agent::ssd::pool::PoolSsdIndex;
 use kvpool_client::master::{ClientConfig, MasterClient};
-use kvpool_core::master::Tier;
+use kvpool_core::master::{SegmentSpec, Tier};
 use kvpool_master::cmd::loopback_args as loopback_master_args;
 use kvpool_master::cmd::{MasterArgs, RunningMaster, start};
 use kvpool_proto::auth::AuthKey as MasterKey;
@@ -98,6 +98,21 @@ fn memory(len: usize) -> Segment {
     Segment::host(len, HostOptions::default()).expect("memory")
 }
 
+/// A 1 MiB segment `name` of `tier` on `node`, listed at an address nothing serves (the master
+/// only books it).
+fn unreachable_segment(node: &str, name: &str, tier: Tier) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: name.into(),
+        tier,
+        capacity_bytes: 1 << 20,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec!["tcp://127.0.0.1:9".into()],
+        persistent: false,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
     // The test lets the node die by not heartbeating; long enough that a stalled test thread
@@ -166,7 +181,7 @@ async fn link_mounts_remounts_after_death_and_unmounts_on_stop() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
-    use kvpool_core::master::{ObjectKey, PutOptions, PutStarted, SegmentSpec};
+    use kvpool_core::master::{ObjectKey, PutOptions, PutStarted};
     use std::os::unix::fs::FileExt;
 
     let master = Master::start(Duration::from_secs(30)).await;
@@ -175,16 +190,7 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
 
     // Another node already holds key "b" with another size: adopting our "b" is refused.
     client
-        .mount_segment(&SegmentSpec {
-            node: "node-2".into(),
-            name: "dram0".into(),
-            tier: Tier::Dram,
-            capacity_bytes: 1 << 20,
-            numa_node: 0,
-            failure_domain: String::new(),
-            endpoints: vec!["tcp://127.0.0.1:9".into()],
-            persistent: false,
-        })
+        .mount_segment(&unreachable_segment("node-2", "dram0", Tier::Dram))
         .await
         .expect("mount node-2");
     let PutStarted::Allocated { put_id, .. } = client
@@ -281,7 +287,7 @@ async fn link_announces_the_ssd_index_and_forgets_refused_blocks() {
 async fn a_range_reused_before_its_commit_is_applied_never_returns_under_the_old_key() {
     use kvpool_agent::pool::feed::{FeedState, apply_events};
     use kvpool_core::master::state::SegmentEventKind;
-    use kvpool_core::master::{ObjectKey, PutOptions, PutStarted, SegmentSpec};
+    use kvpool_core::master::{ObjectKey, PutOptions, PutStarted};
     use std::os::unix::fs::FileExt;
 
     let master = Master::start(Duration::from_secs(30)).await;
@@ -303,16 +309,7 @@ async fn a_range_reused_before_its_commit_is_applied_never_returns_under_the_old
     registrar.set_ssd_index(index);
     let index = registrar.ssd_index().expect("index");
     let seg = client
-        .mount_segment(&SegmentSpec {
-            node: "node-1".into(),
-            name: SSD_SEGMENT.into(),
-            tier: Tier::Ssd,
-            capacity_bytes: 1 << 20,
-            numa_node: 0,
-            failure_domain: String::new(),
-            endpoints: vec!["tcp://127.0.0.1:9".into()],
-            persistent: false,
-        })
+        .mount_segment(&unreachable_segment("node-1", SSD_SEGMENT, Tier::Ssd))
         .await
         .expect("mount ssd0");
     // A remote writer: allocate, write the bytes into the segment's file, commit.

@@ -35,6 +35,16 @@ fn open_tier(dir: &Path) -> (SsdTier, kvpool_agent::ssd::Recovery) {
     SsdTier::open(&cfg(dir, 1 << 20)).expect("open")
 }
 
+/// The tier in `dir` (see [`open_tier`]) with `blocks` put into it in order: (key, seed of
+/// [`block`], length).
+fn tier_with(dir: &Path, blocks: &[(&[u8], u8, usize)]) -> SsdTier {
+    let (mut t, _) = open_tier(dir);
+    for &(key, seed, len) in blocks {
+        t.put(key, &block(seed, len), len as u64).expect("put");
+    }
+    t
+}
+
 /// Cut the tier's data file in `dir` to `len` bytes.
 fn truncate_data(dir: &Path, len: u64) {
     OpenOptions::new()
@@ -43,6 +53,16 @@ fn truncate_data(dir: &Path, len: u64) {
         .expect("open data")
         .set_len(len)
         .expect("truncate");
+}
+
+/// Recovery left a warning that mentions `what`.
+#[track_caller]
+fn assert_warned(rec: &kvpool_agent::ssd::Recovery, what: &str) {
+    assert!(
+        rec.warnings.iter().any(|w| w.contains(what)),
+        "{:?}",
+        rec.warnings
+    );
 }
 
 fn assert_corrupt(err: &SsdError, why: &str) {
@@ -100,9 +120,7 @@ fn restart_recovers_blocks_from_the_log_and_from_a_snapshot() {
 #[test]
 fn corrupted_block_is_dropped_reported_and_never_served() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut t, _) = open_tier(dir.path());
-    t.put(b"good", &block(1, 3000), 3000).expect("put");
-    t.put(b"bad", &block(2, 3000), 3000).expect("put");
+    let mut t = tier_with(dir.path(), &[(b"good", 1, 3000), (b"bad", 2, 3000)]);
     t.sync().expect("sync");
     // Flip one byte of the second block on disk (blocks are laid out in put order).
     let data = OpenOptions::new()
@@ -132,19 +150,13 @@ fn corrupted_block_is_dropped_reported_and_never_served() {
 fn truncated_data_file_is_detected() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
-        let (mut t, _) = open_tier(dir.path());
-        t.put(b"a", &block(1, 4096), 4096).expect("put");
-        t.put(b"b", &block(2, 8192), 8192).expect("put");
+        let mut t = tier_with(dir.path(), &[(b"a", 1, 4096), (b"b", 2, 8192)]);
         t.snapshot().expect("snapshot");
     }
     truncate_data(dir.path(), 4096 + 100);
     let (mut t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 1);
-    assert!(
-        rec.warnings.iter().any(|w| w.contains("truncated")),
-        "{:?}",
-        rec.warnings
-    );
+    assert_warned(&rec, "truncated");
     expect_block(&mut t, b"a", 1, 4096);
     assert!(!t.contains(b"b"));
 
@@ -159,9 +171,7 @@ fn truncated_data_file_is_detected() {
 fn damaged_index_tail_keeps_the_valid_prefix() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
-        let (mut t, _) = open_tier(dir.path());
-        t.put(b"a", &block(1, 100), 100).expect("put");
-        t.put(b"b", &block(2, 100), 100).expect("put");
+        let mut t = tier_with(dir.path(), &[(b"a", 1, 100), (b"b", 2, 100)]);
         t.sync().expect("sync");
     }
     // A torn append: half a record of garbage.
@@ -171,11 +181,7 @@ fn damaged_index_tail_keeps_the_valid_prefix() {
     std::fs::write(&index, &bytes).expect("write index");
     let (mut t, rec) = open_tier(dir.path());
     assert_eq!(rec.blocks, 2);
-    assert!(
-        rec.warnings.iter().any(|w| w.contains("damaged")),
-        "{:?}",
-        rec.warnings
-    );
+    assert_warned(&rec, "damaged");
     expect_block(&mut t, b"b", 2, 100);
     // The rewritten index is clean again.
     drop(t);
@@ -326,8 +332,7 @@ fn ssd_block_larger_than_dram_is_served_without_promotion() {
     let dir = tempfile::tempdir().expect("tempdir");
     {
         // Written by an agent that had more DRAM.
-        let (mut t, _) = open_tier(dir.path());
-        t.put(b"huge", &block(7, 100_000), 100_000).expect("put");
+        let mut t = tier_with(dir.path(), &[(b"huge", 7, 100_000)]);
         t.snapshot().expect("snapshot");
     }
     let store = store_with_ssd(dir.path(), 1 << 20);

@@ -2,9 +2,10 @@
 //! agent's fixture machine, a real `kvpool master` and real `kvpool agent run` processes on
 //! 127.0.0.1 with their logs in the test's directory (master_kill_under_load, master_striping,
 //! agent_pool_*, agent_transport_report), a local-only agent for the engine tests
-//! (synthetic_engine, conductor_http), clients of them, polls of the master's stats and the
-//! agents' metrics, and an in-process master (master_service, master_coalescing). Failures panic
-//! with the process's log tail. I/O boundary: child processes, loopback sockets, temp dirs.
+//! (synthetic_engine, conductor_http), clients of them, a put-and-read load (`load`), polls of
+//! the master's stats and the agents' metrics, and an in-process master (master_service,
+//! master_coalescing). Failures panic with the process's log tail. I/O boundary: child
+//! processes, loopback sockets, temp dirs.
 
 #![allow(dead_code)]
 
@@ -14,14 +15,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool_agent::api::client::EngineClient;
-use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
 use kvpool_client::pool::PoolClient;
-use kvpool_harness::{AgentSpec, ChildProcess, Launcher, MasterSpec, Probe, free_addr, http};
+use kvpool_core::master::{ReplicaInfo, SegmentSpec, Tier};
+use kvpool_harness::{
+    AgentSpec, ChildProcess, Launcher, MasterProcess, MasterSpec, Probe, free_addr, http,
+};
 use kvpool_master::cmd::{MasterArgs, RunningMaster, start};
 use kvpool_proto::auth::AuthKey as MasterKey;
 use kvpool_proto::master::StatsResponse;
 use kvpool_transfer::{AuthKey, EngineConfig, StaticDirectory, TransferEngine, TransferMetrics};
 use tokio_util::sync::CancellationToken;
+
+pub mod load;
 
 pub use kvpool_harness::scrape::metric_value as metric;
 
@@ -70,6 +76,46 @@ pub fn start_master(
         .start(&Launcher::new(dir), "master", DEADLINE)
         .expect("kvpool master");
     (m.process, m.grpc)
+}
+
+/// Master `name` of an HA group that campaigns in the etcd at `etcd` under `prefix` (election
+/// TTL 2 s), started with `args` added, once its admin server listens; it logs into
+/// `dir/<name>.log`.
+pub fn spawn_ha_master(
+    dir: &Path,
+    key_file: &Path,
+    etcd: &str,
+    prefix: &str,
+    name: &str,
+    args: &[&str],
+) -> MasterProcess {
+    let spec = MasterSpec::new(KVPOOL, key_file).expect("ports");
+    let grpc = spec.grpc.to_string();
+    let mut m = spec
+        .args(["--advertise-addr", &grpc])
+        .args(["--etcd-endpoints", etcd, "--etcd-prefix", prefix])
+        .args(["--election-ttl", "2s"])
+        .args(args.iter().copied())
+        .spawn(&Launcher::new(dir), name)
+        .expect("spawn master");
+    m.process
+        .wait_ready(&Probe::Tcp(m.admin), DEADLINE)
+        .expect("master up");
+    m
+}
+
+/// A master client over all of `masters`, keyed with `key`, that follows a failover for up to
+/// 30 s.
+pub fn ha_master_client(masters: &[SocketAddr], key: &[u8]) -> MasterClient {
+    MasterClient::new(
+        masters.iter().map(SocketAddr::to_string).collect(),
+        MasterKey::from_bytes(key).expect("master key"),
+        ClientConfig {
+            failover_budget: Duration::from_secs(30),
+            ..ClientConfig::default()
+        },
+    )
+    .expect("master client")
 }
 
 /// A pool in a fresh temporary directory, which also holds the logs and the agents' folders:
@@ -300,6 +346,92 @@ pub async fn wait_metric(
     }
 }
 
+/// A DRAM segment `dram0` of `capacity` bytes on `node`, listed at `tcp://<node>:7000` (a
+/// segment the master only books: nothing listens there).
+pub fn dram_segment(node: &str, capacity: u64) -> SegmentSpec {
+    SegmentSpec {
+        node: node.into(),
+        name: "dram0".into(),
+        tier: Tier::Dram,
+        capacity_bytes: capacity,
+        numa_node: 0,
+        failure_domain: String::new(),
+        endpoints: vec![format!("tcp://{node}:7000")],
+        persistent: false,
+    }
+}
+
+/// Mounts a [`dram_segment`] of `capacity` bytes for each of `nodes` through `client`.
+pub async fn mount_dram(client: &MasterClient, nodes: &[&str], capacity: u64) {
+    for n in nodes {
+        client
+            .mount_segment(&dram_segment(n, capacity))
+            .await
+            .unwrap_or_else(|e| panic!("mount {n}: {e}"));
+    }
+}
+
+/// An error with its sources, `: `-separated.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let chain: Vec<String> = std::iter::successors(Some(e), |e| e.source())
+        .map(ToString::to_string)
+        .collect();
+    chain.join(": ")
+}
+
+/// Reads each of `held` until the peer closes it (EOF or reset), asserting that every one is
+/// closed within `limit` of when its wait starts.
+pub async fn assert_closed_within(held: &mut [tokio::net::TcpStream], limit: Duration) {
+    use tokio::io::AsyncReadExt;
+    for s in held {
+        let mut buf = [0u8; 256];
+        let ended = tokio::time::timeout(limit, async {
+            while let Ok(n) = s.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "a connection outlived the deadline");
+    }
+}
+
+/// The replicas of `key` as the master hands them out now (the read lease it takes is released
+/// at once).
+pub async fn replicas(client: &MasterClient, key: &[u8]) -> Result<Vec<ReplicaInfo>, ClientError> {
+    let located = client.get(key).await?;
+    client
+        .release_lease(located.lease_id)
+        .await
+        .expect("release");
+    Ok(located.replicas)
+}
+
+/// The nodes holding `key`'s replicas (see [`replicas`]), sorted.
+pub async fn replica_nodes(client: &MasterClient, key: &[u8]) -> Result<Vec<String>, ClientError> {
+    let mut nodes: Vec<String> = replicas(client, key)
+        .await?
+        .into_iter()
+        .map(|r| r.node)
+        .collect();
+    nodes.sort();
+    Ok(nodes)
+}
+
+/// Flips the byte at `at` of `file` (XOR with `mask`), as damage on disk would.
+pub fn flip_byte(file: &Path, at: u64, mask: u8) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(file)
+        .unwrap_or_else(|e| panic!("open {}: {e}", file.display()));
+    let mut byte = [0u8; 1];
+    f.read_exact_at(&mut byte, at).expect("read");
+    f.write_all_at(&[byte[0] ^ mask], at).expect("corrupt");
+}
+
 /// Whether a process with this id still exists (and is not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -344,13 +476,6 @@ pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) 
 }
 
 /// Poll `cond` every 10 ms for at most `limit`; whether it came true.
-pub async fn eventually(limit: std::time::Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let start = std::time::Instant::now();
-    while start.elapsed() < limit {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    cond()
+pub async fn eventually(limit: Duration, cond: impl FnMut() -> bool) -> bool {
+    kvpool_harness::poll::until_async(limit, Duration::from_millis(10), cond).await
 }

@@ -42,6 +42,21 @@ pub async fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u1
     (status, body)
 }
 
+/// The OpenAI-style error in the JSON `body`: its `error.code` is `code` and its message
+/// contains `says`. The parsed body, for further checks.
+#[track_caller]
+pub fn assert_openai_error(body: &str, code: &str, says: &str) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_str(body).expect("json error body");
+    assert_eq!(v["error"]["code"], code, "{body}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(says)),
+        "{body}"
+    );
+    v
+}
+
 /// The registry as Prometheus scrapes it.
 fn exposition(registry: &Registry) -> String {
     TextEncoder::new()
@@ -63,6 +78,29 @@ pub fn labelled(registry: &Registry, name: &str, label: &str, value: &str) -> f6
 #[track_caller]
 pub fn assert_metric(registry: &Registry, name: &str, want: f64) {
     assert_eq!(metric(registry, name), want, "{name}");
+}
+
+/// A synthetic engine with `config` serving on a loopback port until `shutdown`; with `kv` it
+/// reads and writes KV blocks through a node agent. Its address and metrics registry.
+pub async fn start_engine_with_agent(
+    config: EngineConfig,
+    kv: Option<kvpool_synthetic::agent::AgentKv>,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> (SocketAddr, Registry) {
+    let registry = Registry::new();
+    let router =
+        kvpool_synthetic::server::router_with_agent(config, kv, &registry).expect("engine router");
+    let (l, a) = listen().await;
+    tokio::spawn(kvpool_synthetic::server::serve(l, router, shutdown.clone()));
+    (a, registry)
+}
+
+/// Like [`start_engine_with_agent`], without an agent.
+pub async fn start_engine(
+    config: EngineConfig,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> (SocketAddr, Registry) {
+    start_engine_with_agent(config, None, shutdown).await
 }
 
 /// A synthetic engine serving `model` in blocks of `block_size` tokens, 1000x faster than the

@@ -1,6 +1,6 @@
 //! Helpers shared by the transfer engine's multi-process tests: a `kvpool bench transfer
 //! --mode target` child process (through the process harness) and an initiator engine talking
-//! to it.
+//! to it; and for any test with an engine, a read of the head of a remote segment.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 use std::io::{BufRead, BufReader};
@@ -233,4 +233,28 @@ pub fn recover(engine: &TransferEngine, local: &LocalSegment, remote: &RemoteSeg
         std::thread::sleep(Duration::from_millis(200));
     }
     panic!("transfers did not recover: {last:?}");
+}
+
+/// Reads the first `len` bytes (at most 4 KiB) of segment `name` through `client`, into a
+/// fresh 4 KiB buffer `buf` registered with it; any failure as its text.
+pub fn read_head(client: &TransferEngine, name: &str, len: u64) -> Result<Vec<u8>, String> {
+    let text = |e: &dyn std::fmt::Display| e.to_string();
+    let buf = Segment::host(4096, HostOptions::default()).map_err(|e| text(&e))?;
+    let local = client
+        .register("buf", Arc::new(buf))
+        .map_err(|e| text(&e))?;
+    let remote = client.open(name).map_err(|e| text(&e))?;
+    client
+        .transfer(vec![TransferRequest {
+            op: TransferOp::Read,
+            local: local.clone(),
+            local_offset: 0,
+            remote,
+            remote_offset: 0,
+            len,
+        }])
+        .map_err(|e| text(&e))?;
+    let mut got = vec![0u8; len as usize];
+    local.segment().read_at(0, &mut got).map_err(|e| text(&e))?;
+    Ok(got)
 }

@@ -14,14 +14,12 @@ use std::time::Duration;
 
 use kvpool_transfer::*;
 
-const MIB: usize = 1024 * 1024;
+mod support;
+
+use support::MIB;
 /// Bytes of a record's length prefix and tag (see docs/transfer.md "Per-frame integrity").
 const RECORD_LEN_BYTES: usize = 4;
 const RECORD_TAG_BYTES: usize = 16;
-
-fn key() -> AuthKey {
-    AuthKey::new(*b"test-key-0123456789abcdef").unwrap()
-}
 
 fn config(node: &str, integrity: Integrity) -> EngineConfig {
     EngineConfig {
@@ -159,35 +157,10 @@ struct Pair {
 /// connection goes through a proxy tampering with `dir` as `tamper` says once armed.
 fn pair(target: Integrity, initiator: Integrity, dir: Dir, tamper: Tamper) -> Pair {
     let dir_ = Arc::new(StaticDirectory::new());
-    let t = TransferEngine::new(
-        config("node-t", target),
-        key(),
-        dir_.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let i = TransferEngine::new(
-        config("node-i", initiator),
-        key(),
-        dir_.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let remote_mem = t
-        .register(
-            "t/dram0",
-            Arc::new(Segment::host(4 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    let server = t.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+    let (t, server, remote_mem) = support::listening_target(config("node-t", target), &dir_);
     let p = proxy(server.local_addr(), dir, tamper);
     dir_.insert(t.describe(&remote_mem, vec![Endpoint::Tcp(p.addr)]));
-    let local_mem = i
-        .register(
-            "i/buf",
-            Arc::new(Segment::host(4 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let (i, local_mem) = support::initiator(config("node-i", initiator), &dir_);
     Pair {
         target: t,
         initiator: i,
@@ -229,11 +202,44 @@ fn read_seg(seg: &LocalSegment, offset: u64, len: usize) -> Vec<u8> {
     out
 }
 
+/// Integrity failures `engine` detected as `side` ("target" or "initiator").
+fn integrity_failures(engine: &TransferEngine, side: &str) -> u64 {
+    engine
+        .metrics()
+        .integrity_failures
+        .with_label_values(&[side])
+        .get()
+}
+
 /// Every byte of `got` is either what was there before (0) or what was sent: no altered byte.
 fn assert_only_authentic(got: &[u8], sent: &[u8]) {
     for (i, (g, s)) in got.iter().zip(sent).enumerate() {
         assert!(*g == 0 || g == s, "byte {i} is {g:#04x}, sent {s:#04x}");
     }
+}
+
+/// One large `op` of `len` bytes between local offset 0 and remote offset 100, then eight of
+/// 1000 bytes (local `small_local + k * 1000`, remote `3_500_000 + k * 2000`) small enough to
+/// share one vectored frame.
+fn large_and_small(
+    p: &Pair,
+    remote: &RemoteSegment,
+    op: TransferOp,
+    len: usize,
+    small_local: u64,
+) -> Vec<TransferRequest> {
+    std::iter::once(req(p, remote, op, 0, 100, len as u64))
+        .chain((0..8u64).map(|k| {
+            req(
+                p,
+                remote,
+                op,
+                small_local + k * 1000,
+                3_500_000 + k * 2000,
+                1000,
+            )
+        }))
+        .collect()
 }
 
 #[test]
@@ -248,24 +254,7 @@ fn integrity_round_trips_read_write_readv_and_writev() {
     let data = pattern(3 * MIB + 4321, 9);
     p.local_mem.segment().write_at(0, &data).unwrap();
     // One large WRITE (several records) and small ones that travel as one WRITEV.
-    let mut reqs = vec![req(
-        &p,
-        &remote,
-        TransferOp::Write,
-        0,
-        100,
-        data.len() as u64,
-    )];
-    for k in 0..8u64 {
-        reqs.push(req(
-            &p,
-            &remote,
-            TransferOp::Write,
-            k * 1000,
-            3_500_000 + k * 2000,
-            1000,
-        ));
-    }
+    let reqs = large_and_small(&p, &remote, TransferOp::Write, data.len(), 0);
     p.initiator.transfer(reqs).unwrap();
     assert_eq!(read_seg(&p.remote_mem, 100, data.len()), data);
     assert_eq!(
@@ -273,40 +262,19 @@ fn integrity_round_trips_read_write_readv_and_writev() {
         data[1000..2000]
     );
     // Read back: one large READ and small ones as one READV.
-    let mut reqs = vec![req(
-        &p,
-        &remote,
-        TransferOp::Read,
-        0,
-        100,
-        data.len() as u64,
-    )];
     p.local_mem.segment().fill(0, 4 * MIB, 0).unwrap();
-    for k in 0..8u64 {
-        reqs.push(req(
-            &p,
-            &remote,
-            TransferOp::Read,
-            3_600_000 + k * 1000,
-            3_500_000 + k * 2000,
-            1000,
-        ));
-    }
+    let reqs = large_and_small(&p, &remote, TransferOp::Read, data.len(), 3_600_000);
     p.initiator.transfer(reqs).unwrap();
     assert_eq!(read_seg(&p.local_mem, 0, data.len()), data);
     assert_eq!(
         read_seg(&p.local_mem, 3_600_000 + 7000, 1000),
         data[7000..8000]
     );
-    let m = p.initiator.metrics();
     assert!(
-        m.vectored_frames.get() >= 2,
+        p.initiator.metrics().vectored_frames.get() >= 2,
         "small requests went as READV/WRITEV"
     );
-    assert_eq!(
-        m.integrity_failures.with_label_values(&["initiator"]).get(),
-        0
-    );
+    assert_eq!(integrity_failures(&p.initiator, "initiator"), 0);
 }
 
 /// Write `len` bytes through an armed proxy; the transfer's result and what the target holds.
@@ -360,19 +328,9 @@ fn with_integrity_a_flipped_write_bit_fails_and_never_lands() {
     assert_eq!(e.failure.category, "integrity", "{e}");
     assert_only_authentic(&got, &data);
     assert_ne!(got[956], data[956] ^ 0x04);
-    let tm = p.target.metrics();
-    assert_eq!(
-        tm.integrity_failures.with_label_values(&["target"]).get(),
-        1
-    );
+    assert_eq!(integrity_failures(&p.target, "target"), 1);
     // Counted where it was detected: the initiator was told, it did not detect it.
-    let im = p.initiator.metrics();
-    assert_eq!(
-        im.integrity_failures
-            .with_label_values(&["initiator"])
-            .get(),
-        0
-    );
+    assert_eq!(integrity_failures(&p.initiator, "initiator"), 0);
 }
 
 #[test]
@@ -411,11 +369,8 @@ fn with_integrity_a_flipped_read_reply_fails_and_never_lands() {
         .expect_err("an altered reply must fail the read");
     assert_eq!(e.failure.category, "integrity", "{e}");
     assert_only_authentic(&read_seg(&p.local_mem, 0, MIB), &data);
+    assert_eq!(integrity_failures(&p.initiator, "initiator"), 1);
     let m = p.initiator.metrics();
-    assert_eq!(
-        m.integrity_failures.with_label_values(&["initiator"]).get(),
-        1
-    );
     assert_eq!(m.failures.with_label_values(&["tcp", "integrity"]).get(), 1);
 }
 

@@ -17,11 +17,9 @@ use std::time::{Duration, Instant};
 use kvpool_transfer::*;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 
-const MIB: usize = 1024 * 1024;
+mod support;
 
-fn key() -> AuthKey {
-    AuthKey::new(*b"test-key-0123456789abcdef").unwrap()
-}
+use support::MIB;
 
 /// A CA and a target certificate for `names`, written into `dir`: (ca, cert, key).
 fn certs(dir: &Path, tag: &str, names: &[&str]) -> (PathBuf, PathBuf, PathBuf) {
@@ -113,20 +111,7 @@ struct Target {
 
 fn target(tls: TransferTls) -> Target {
     let dir = Arc::new(StaticDirectory::new());
-    let engine = TransferEngine::new(
-        config("node-t", tls),
-        key(),
-        dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let mem = engine
-        .register(
-            "t/dram0",
-            Arc::new(Segment::host(4 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    let server = engine.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
+    let (engine, server, mem) = support::listening_target(config("node-t", tls), &dir);
     dir.insert(engine.describe(&mem, vec![Endpoint::Tcp(server.local_addr())]));
     Target {
         engine,
@@ -138,20 +123,7 @@ fn target(tls: TransferTls) -> Target {
 
 /// An initiator with a 4 MiB buffer that reaches segments through `t`'s directory.
 fn initiator(t: &Target, tls: TransferTls) -> (TransferEngine, LocalSegment) {
-    let engine = TransferEngine::new(
-        config("node-i", tls),
-        key(),
-        t.dir.clone(),
-        TransferMetrics::unregistered().unwrap(),
-    )
-    .unwrap();
-    let mem = engine
-        .register(
-            "i/buf",
-            Arc::new(Segment::host(4 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
-    (engine, mem)
+    support::initiator(config("node-i", tls), &t.dir)
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -327,7 +299,7 @@ fn a_target_with_tls_off_refuses_tls_and_settings_are_checked() {
     let make = |tls: TransferTls| {
         TransferEngine::new(
             config("n", tls),
-            key(),
+            support::key(),
             dir.clone(),
             TransferMetrics::unregistered().unwrap(),
         )
