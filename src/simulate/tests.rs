@@ -71,15 +71,15 @@ fn autoscale_builds_max_instances_and_checks_its_range() {
 #[test]
 fn bad_flags_are_named() {
     for (extra, want) in [
-        (vec!["--prefill", "0"], "--prefill"),
-        (vec!["--prefill", "200"], "--prefill"),
-        (vec!["--decode", "0"], "--decode"),
-        (vec!["--time-scale", "0"], "--time-scale"),
-        (vec!["--ttft-slo=0s"], "--ttft-slo"),
-        (vec!["--block-size", "0"], "--block-size"),
-        (vec!["--prefill-linear-s=-0.1"], "--prefill-linear-s"),
+        ("--prefill 0", "--prefill"),
+        ("--prefill 200", "--prefill"),
+        ("--decode 0", "--decode"),
+        ("--time-scale 0", "--time-scale"),
+        ("--ttft-slo=0s", "--ttft-slo"),
+        ("--block-size 0", "--block-size"),
+        ("--prefill-linear-s=-0.1", "--prefill-linear-s"),
     ] {
-        let err = sim_config(&args(&extra)).unwrap_err();
+        let err = sim_config(&args(extra)).unwrap_err();
         assert!(err.to_string().starts_with(want), "{err}");
         assert_eq!(err.category(), "flag");
     }
