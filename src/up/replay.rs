@@ -66,6 +66,23 @@ pub fn quantile(values: &[f64], q: f64) -> Option<f64> {
     v.get(rank - 1).copied()
 }
 
+/// The median and the 99th percentile of some latencies (`None` when there were none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Quantiles {
+    pub p50: Option<f64>,
+    pub p99: Option<f64>,
+}
+
+impl Quantiles {
+    /// Of `values`, in any order.
+    pub fn of(values: &[f64]) -> Self {
+        Quantiles {
+            p50: quantile(values, 0.5),
+            p99: quantile(values, 0.99),
+        }
+    }
+}
+
 /// Counts and latency quantiles of a replay (latencies in milliseconds of wall-clock time).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ReplayStats {
@@ -74,10 +91,8 @@ pub struct ReplayStats {
     pub rejected: usize,
     pub failed: usize,
     pub generated_tokens: u64,
-    pub ttft_ms_p50: Option<f64>,
-    pub ttft_ms_p99: Option<f64>,
-    pub tpot_ms_p50: Option<f64>,
-    pub tpot_ms_p99: Option<f64>,
+    pub ttft_ms: Quantiles,
+    pub tpot_ms: Quantiles,
     pub wall_s: f64,
 }
 
@@ -108,10 +123,8 @@ pub fn summarise(outcomes: &[Outcome], wall_s: f64) -> ReplayStats {
             Outcome::Failed => s.failed += 1,
         }
     }
-    s.ttft_ms_p50 = quantile(&ttft, 0.5);
-    s.ttft_ms_p99 = quantile(&ttft, 0.99);
-    s.tpot_ms_p50 = quantile(&tpot, 0.5);
-    s.tpot_ms_p99 = quantile(&tpot, 0.99);
+    s.ttft_ms = Quantiles::of(&ttft);
+    s.tpot_ms = Quantiles::of(&tpot);
     s
 }
 
@@ -325,9 +338,9 @@ mod tests {
         );
         assert_eq!((s.requests, s.served, s.rejected, s.failed), (4, 2, 1, 1));
         assert_eq!(s.generated_tokens, 6);
-        assert_eq!(s.ttft_ms_p50, Some(100.0));
-        assert_eq!(s.ttft_ms_p99, Some(300.0));
-        assert_eq!(s.tpot_ms_p50, Some(10.0));
+        assert_eq!(s.ttft_ms.p50, Some(100.0));
+        assert_eq!(s.ttft_ms.p99, Some(300.0));
+        assert_eq!(s.tpot_ms.p50, Some(10.0));
     }
 
     #[test]

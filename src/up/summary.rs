@@ -8,7 +8,7 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use super::plan::{ChildSpec, Role};
-use super::replay::ReplayStats;
+use super::replay::{Quantiles, ReplayStats};
 pub use kvpool_harness::scrape::{metric_sum, metric_sum_labelled};
 
 /// The timed operations of the summary's `timing` object: the engines' KV work by operation
@@ -133,8 +133,8 @@ pub fn summary_json(
         "generated_tokens": stats.generated_tokens,
         "wall_s": stats.wall_s,
         "speed": speed,
-        "ttft_ms": {"p50": stats.ttft_ms_p50, "p99": stats.ttft_ms_p99},
-        "tpot_ms": {"p50": stats.tpot_ms_p50, "p99": stats.tpot_ms_p99},
+        "ttft_ms": stats.ttft_ms,
+        "tpot_ms": stats.tpot_ms,
         "engines": {
             "kv_read_bytes": kv.read_bytes,
             "kv_written_bytes": kv.written_bytes,
@@ -176,6 +176,11 @@ fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.1} ms"))
 }
 
+/// A row of latency quantiles, `-` for a missing one.
+fn quantiles(q: Quantiles) -> String {
+    format!("p50 {}  p99 {}  (wall clock)", ms(q.p50), ms(q.p99))
+}
+
 pub(super) fn print_summary(v: &Value, stats: &ReplayStats, kv: &EngineKv) {
     print!("{}", summary_table(v, stats, kv));
 }
@@ -201,22 +206,8 @@ pub fn summary_table(v: &Value, stats: &ReplayStats, kv: &EngineKv) -> String {
                 stats.failed
             ),
         ),
-        (
-            "TTFT",
-            format!(
-                "p50 {}  p99 {}  (wall clock)",
-                ms(stats.ttft_ms_p50),
-                ms(stats.ttft_ms_p99)
-            ),
-        ),
-        (
-            "TPOT",
-            format!(
-                "p50 {}  p99 {}  (wall clock)",
-                ms(stats.tpot_ms_p50),
-                ms(stats.tpot_ms_p99)
-            ),
-        ),
+        ("TTFT", quantiles(stats.ttft_ms)),
+        ("TPOT", quantiles(stats.tpot_ms)),
         (
             "KV moved",
             format!(
@@ -264,7 +255,10 @@ mod tests {
             requests: 3,
             served: 2,
             rejected: 1,
-            ttft_ms_p50: Some(12.0),
+            ttft_ms: Quantiles {
+                p50: Some(12.0),
+                p99: None,
+            },
             wall_s: 1.5,
             ..ReplayStats::default()
         };

@@ -153,43 +153,67 @@ fn segment(node: usize) -> SegmentSpec {
     }
 }
 
-async fn lookup_phase(
+/// The batched call each worker of a lookup phase makes, over a chain of `batch` consecutive
+/// keys.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Lookup {
+    Exists,
+    LongestPrefix,
+    /// `get`, then the release of the leases it took, as a reader does.
+    GetAndRelease,
+}
+
+impl Lookup {
+    /// How many places a chain may start at. For `exists`, a fifth of the chains run past the
+    /// loaded range so that misses are exercised too; for the others every chain is fully
+    /// cached, so each call really looks up all `batch` keys.
+    fn starts(self, objects: u64, batch: u64) -> u64 {
+        match self {
+            Lookup::Exists => (objects + objects / 5).max(1),
+            Lookup::LongestPrefix | Lookup::GetAndRelease => objects.saturating_sub(batch).max(1),
+        }
+    }
+
+    async fn call(self, c: &MasterClient, keys: &[&[u8]]) -> Result<(), ClientError> {
+        match self {
+            Lookup::Exists => c.exists(keys).await.map(drop),
+            Lookup::LongestPrefix => c.longest_prefix(keys).await.map(drop),
+            Lookup::GetAndRelease => {
+                let leases: Vec<u64> = c
+                    .get_batch(keys)
+                    .await?
+                    .into_iter()
+                    .filter_map(|r| r.ok().map(|l| l.lease_id))
+                    .collect();
+                c.release_leases(&leases).await.map(drop)
+            }
+        }
+    }
+}
+
+/// Calls per second of `lookup` from `args.depth` workers per client during `args.duration`,
+/// each worker walking its own stride of chains over `objects` loaded keys.
+pub(crate) async fn lookup_phase(
     clients: &[MasterClient],
     args: &MasterBenchArgs,
     objects: u64,
-    prefix: bool,
+    lookup: Lookup,
 ) -> Result<f64, BenchError> {
     let calls = Arc::new(AtomicU64::new(0));
     let stop = CancellationToken::new();
     let mut tasks = Vec::new();
     for (ci, c) in clients.iter().enumerate() {
         for d in 0..args.depth {
-            let c = c.clone();
-            let calls = calls.clone();
-            let stop = stop.clone();
+            let (c, calls, stop) = (c.clone(), calls.clone(), stop.clone());
             let batch = args.batch as u64;
             let mut next = (ci * args.depth + d) as u64 * 7919;
             tasks.push(tokio::spawn(async move {
                 while !stop.is_cancelled() {
-                    // A chain of `batch` consecutive keys. For `exists`, a fifth of the chains
-                    // run past the loaded range so that misses are exercised too; for
-                    // `longest_prefix` every chain is fully cached, so each call really looks
-                    // up all `batch` keys.
-                    let range = if prefix {
-                        objects.saturating_sub(batch).max(1)
-                    } else {
-                        (objects + objects / 5).max(1)
-                    };
-                    let start = next % range;
+                    let start = next % lookup.starts(objects, batch);
                     next = next.wrapping_add(104_729);
                     let keys: Vec<Vec<u8>> = (start..start + batch).map(bench_key).collect();
                     let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                    let r = if prefix {
-                        c.longest_prefix(&refs).await.map(|_| ())
-                    } else {
-                        c.exists(&refs).await.map(|_| ())
-                    };
-                    r?;
+                    lookup.call(&c, &refs).await?;
                     calls.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok::<(), ClientError>(())
@@ -199,12 +223,20 @@ async fn lookup_phase(
     let started = Instant::now();
     tokio::time::sleep(args.duration).await;
     stop.cancel();
+    join_workers(tasks).await?;
+    Ok(calls.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Waits for every worker of a phase, returning the first failure.
+async fn join_workers(
+    tasks: Vec<tokio::task::JoinHandle<Result<(), ClientError>>>,
+) -> Result<(), BenchError> {
     for t in tasks {
         t.await
             .map_err(|e| BenchError::Setup(e.to_string()))?
             .map_err(BenchError::Client)?;
     }
-    Ok(calls.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+    Ok(())
 }
 
 async fn put_phase(
@@ -241,11 +273,7 @@ async fn put_phase(
             }));
         }
     }
-    for t in tasks {
-        t.await
-            .map_err(|e| BenchError::Setup(e.to_string()))?
-            .map_err(BenchError::Client)?;
-    }
+    join_workers(tasks).await?;
     Ok(puts as f64 / started.elapsed().as_secs_f64())
 }
 
@@ -327,8 +355,8 @@ async fn tls_phases(
         ..MasterTls::default()
     };
     let clients = clients_for(master.grpc_addr, key, args.clients, &tls)?;
-    let exists = lookup_phase(&clients, args, args.objects, false).await?;
-    let prefix = lookup_phase(&clients, args, args.objects, true).await?;
+    let exists = lookup_phase(&clients, args, args.objects, Lookup::Exists).await?;
+    let prefix = lookup_phase(&clients, args, args.objects, Lookup::LongestPrefix).await?;
     let puts = put_phase(&clients, args.puts, args.depth, "tls").await?;
     shutdown.cancel();
     master.join().await.map_err(BenchError::Master)?;
@@ -368,8 +396,8 @@ pub async fn run(args: MasterBenchArgs) -> Result<MasterBenchReport, BenchError>
 
     let plaintext = MasterTls::default();
     let clients = clients_for(master.grpc_addr, &key, args.clients, &plaintext)?;
-    let exists = lookup_phase(&clients, &args, args.objects, false).await?;
-    let prefix = lookup_phase(&clients, &args, args.objects, true).await?;
+    let exists = lookup_phase(&clients, &args, args.objects, Lookup::Exists).await?;
+    let prefix = lookup_phase(&clients, &args, args.objects, Lookup::LongestPrefix).await?;
     let puts = put_phase(&clients, args.puts, args.depth, "plain").await?;
     let node_hits = if args.node_hits_ab {
         Some(node_hits_ab(&master, &clients, &args, args.objects).await?)

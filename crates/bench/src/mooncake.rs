@@ -18,6 +18,24 @@ pub const DEFAULT_VERSION: &str = "0.3.13.post1";
 /// Where a venv is made when none is given or found.
 pub const DEFAULT_VENV: &str = ".tools/mooncake";
 
+/// `--vs-mooncake` and `--mooncake-venv`: the flags of a benchmark that also measures Mooncake,
+/// in the same run, on the same workload as kvpool.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct VsMooncakeArgs {
+    /// Also measure Mooncake (PyPI `mooncake-transfer-engine-non-cuda`, found or installed in a
+    /// venv) on the same workload, after kvpool's run, and report both and their ratios.
+    /// `bench transfer` runs Mooncake's `transfer_engine_bench` with the same operation, sizes,
+    /// threads and duration over TCP loopback (`--mode both --protocol tcp` only); `bench store`
+    /// runs Mooncake Store with the same sizes, operations, operations in flight, holders (one
+    /// per agent) and capacity.
+    #[arg(long = "vs-mooncake", alias = "vs_mooncake")]
+    pub vs_mooncake: bool,
+    /// The venv holding Mooncake (default: KVPOOL_MOONCAKE_VENV, else .tools/py or
+    /// .tools/mooncake, made and filled from PyPI when neither has it).
+    #[arg(long = "mooncake-venv", alias = "mooncake_venv")]
+    pub mooncake_venv: Option<PathBuf>,
+}
+
 /// A virtual environment holding Mooncake.
 #[derive(Clone, Debug)]
 pub struct Mooncake {

@@ -111,6 +111,12 @@ pub fn check_args(args: &PutArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The checks of one put of a batch, before any byte moves: [`check_args`], and a key given.
+pub fn check_put(key: &[u8], args: &PutArgs) -> Result<(), Failure> {
+    check_args(args)?;
+    check_key(key)
+}
+
 /// Staging bytes one RPC of a batch takes at most (so concurrent calls share the area).
 fn group_room(a: &Agent) -> u64 {
     (a.arena.size() / 4).max(ALIGN)

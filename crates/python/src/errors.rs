@@ -179,14 +179,8 @@ impl Failure {
 
 /// The message of `e` with its whole source chain.
 fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        next = s.source();
-    }
-    out
+    let causes = std::iter::successors(e.source(), |s| s.source());
+    causes.fold(e.to_string(), |out, s| format!("{out}: {s}"))
 }
 
 /// The kind of a master client error.

@@ -256,10 +256,7 @@ impl Link {
         let planned = items
             .iter()
             .map(|(key, ptr, len)| {
-                aops::check_args(args)?;
-                if key.is_empty() {
-                    return Err(Failure::invalid("the key is empty"));
-                }
+                aops::check_put(key, args)?;
                 if *len == 0 {
                     return Err(empty_value());
                 }
@@ -290,10 +287,7 @@ impl Link {
         let planned = items
             .iter()
             .map(|(key, parts)| {
-                aops::check_args(args)?;
-                if key.is_empty() {
-                    return Err(Failure::invalid("the key is empty"));
-                }
+                aops::check_put(key, args)?;
                 aops::parts_src(a, parts)
             })
             .collect();
@@ -325,10 +319,7 @@ impl Link {
         let planned = items
             .iter()
             .map(|(key, value)| {
-                aops::check_args(args)?;
-                if key.is_empty() {
-                    return Err(Failure::invalid("the key is empty"));
-                }
+                aops::check_put(key, args)?;
                 if value.is_empty() {
                     return Err(empty_value());
                 }

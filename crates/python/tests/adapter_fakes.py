@@ -30,6 +30,8 @@ from typing import Iterator, List
 
 import numpy as np
 
+from kvpool.adapters import restore_entries
+
 
 class FakeTensor:
     """A numpy array seen through torch's pointer API."""
@@ -193,11 +195,7 @@ def modules(tree: dict) -> Iterator[None]:
     try:
         yield
     finally:
-        for name, old in saved.items():
-            if old is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = old
+        restore_entries(sys.modules, saved)
 
 
 def _packages(dotted: str) -> dict:

@@ -7,14 +7,20 @@ holder script the Mooncake pool uses (`holder.py --module kvpool.mooncake`), whi
 `capacity_bytes` of its memory to the pool. It yields the `Pool` of `peers.py`, so a test
 cannot tell which pool it drives. The pool key is a fresh file in `tmp_path`, handed to every
 client through `KVPOOL_AUTH_KEY_FILE` (what the operator gives engine pods).
+
+Also shared by the tests: `kvpool_up` runs `kvpool up --json` for the length of a `with`, and
+`put_get_from_threads` drives one store from several threads at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
+import signal
 import subprocess
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Iterator, Optional
@@ -47,6 +53,55 @@ def kvpool_binary() -> Path:
     raise PeerStartError(
         f"no kvpool binary: build it (cargo build) or set KVPOOL_BIN; looked in {REPO / 'target'}"
     )
+
+
+@contextlib.contextmanager
+def kvpool_up(tmp: Path, *flags: str) -> Iterator[dict]:
+    """`kvpool up --json` with `flags`, its directory `tmp/up` and its log `tmp/up.log`: yields
+    the line it prints once ready (parsed). On exit it is stopped with SIGTERM and must exit 0
+    (the assertion quotes the end of its log and names its children's logs)."""
+    log_path = tmp / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen(
+            [str(kvpool_binary()), "up", "--json", "--dir", str(tmp / "up"), *flags],
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+        try:
+            line = up.stdout.readline()
+            assert line, f"kvpool up exited ({up.poll()}) before it was ready: {log_path}"
+            yield json.loads(line)
+        finally:
+            up.send_signal(signal.SIGTERM)
+            code = up.wait(timeout=60)
+    tail = log_path.read_text(errors="replace").splitlines()[-30:]
+    logs = tmp / "up" / "logs"
+    assert code == 0, f"kvpool up exited {code} after SIGTERM; its log ends:\n" + "\n".join(
+        tail) + f"\nchildren's logs: {sorted(p.name for p in logs.glob('*'))} in {logs}"
+
+
+def put_get_from_threads(store, prefix: str, rounds: int, size: int, threads: int = 8) -> list:
+    """Thread `t` of `threads`, all at once on `store`, puts `rounds` values of `size + t`
+    random bytes under fresh keys of `prefix` and gets each back, which must equal it. Returns
+    the exceptions met (each thread stops at its first): a passing run returns `[]`."""
+    errors = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(rounds):
+                k = f"{prefix}/{t}/{i}/{secrets.token_hex(2)}"
+                v = os.urandom(size + t)
+                store.put(k, v)
+                assert store.get(k) == v
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    started = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in started:
+        th.start()
+    for th in started:
+        th.join()
+    return errors
 
 
 def _ready(admin_port: int) -> bool:

@@ -12,7 +12,6 @@ import os
 import secrets
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import pytest
 import kvpool
 import kvpool.mooncake as mc
 from kvpool import _native
-from kvpool_pool import KvpoolAgent, KvpoolMaster, write_key
+from kvpool_pool import KvpoolAgent, KvpoolMaster, put_get_from_threads, write_key
 
 MODE_ENV = ("KVPOOL_AGENT_SOCKET", "KVPOOL_MASTER_ADDR", "KVPOOL_AUTH_KEY_FILE",
             "KVPOOL_CLIENT_MODE", "KVPOOL_ENGINE_CONFIG", "MOONCAKE_CONFIG_PATH")
@@ -271,24 +270,8 @@ def test_remove_and_unsupported_calls(store):
 
 
 def test_threads_share_the_staging_area(node):
-    errors = []
     with node.agent_store(staging_bytes=1 << 20) as s:
-
-        def worker(t: int) -> None:
-            try:
-                for i in range(15):
-                    k = f"agent-threads/{t}/{i}/{secrets.token_hex(2)}"
-                    v = os.urandom((200 << 10) + t)
-                    s.put(k, v)
-                    assert s.get(k) == v
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        errors = put_get_from_threads(s, "agent-threads", rounds=15, size=200 << 10)
     assert errors == []
 
 

@@ -8,14 +8,10 @@ here needs the kvpool Python package."""
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-
 import openai
 import pytest
 
-from kvpool_pool import kvpool_binary
+from kvpool_pool import kvpool_up
 
 MODEL = "org/kvpool-synthetic"
 
@@ -23,26 +19,12 @@ MODEL = "org/kvpool-synthetic"
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai-up")
-    log = open(tmp / "up.log", "wb")
-    up = subprocess.Popen(
-        [str(kvpool_binary()), "up", "--json", "--dir", str(tmp / "up"), "--agents", "1",
-         "--prefill", "1", "--decode", "1", "--model", MODEL, "--block-size", "16"],
-        stdout=subprocess.PIPE,
-        stderr=log,
-    )
-    try:
-        line = up.stdout.readline()
-        assert line, f"kvpool up exited ({up.poll()}) before it was ready: {tmp / 'up.log'}"
-        ready = json.loads(line)
+    flags = ["--agents", "1", "--prefill", "1", "--decode", "1", "--model", MODEL]
+    with kvpool_up(tmp, *flags, "--block-size", "16") as ready:
         # No retries: a 429 or 5xx must show, not be retried away.
         yield openai.OpenAI(
             base_url=f"{ready['conductor']}/v1", api_key="unused", max_retries=0, timeout=60
         )
-    finally:
-        up.send_signal(signal.SIGTERM)
-        code = up.wait(timeout=60)
-        log.close()
-    assert code == 0, f"kvpool up exited {code} after SIGTERM; see {tmp / 'up.log'}"
 
 
 def test_completions_take_strings_batches_token_ids_and_n(client):

@@ -14,7 +14,7 @@ import pytest
 
 import kvpool
 import kvpool.mooncake as mc
-from kvpool_pool import start_kvpool_pool, write_key
+from kvpool_pool import put_get_from_threads, start_kvpool_pool, write_key
 from peers import free_port
 
 
@@ -131,24 +131,7 @@ def test_wrong_types_and_sizes(store):
 
 
 def test_threads_share_one_store(store):
-    errors = []
-
-    def worker(t: int) -> None:
-        try:
-            for i in range(20):
-                k = f"threads/{t}/{i}/{secrets.token_hex(2)}"
-                v = os.urandom(1000 + t)
-                store.put(k, v)
-                assert store.get(k) == v
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert errors == []
+    assert put_get_from_threads(store, "threads", rounds=20, size=1000) == []
 
 
 def test_threads_that_come_and_go_each_call_alone(store):

@@ -6,18 +6,16 @@
 //! reader does). I/O boundary: loopback sockets of the gRPC rounds.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use tokio_util::sync::CancellationToken;
 
-use kvpool_client::master::{ClientError, MasterClient};
+use kvpool_client::master::MasterClient;
 use kvpool_core::master::types::ObjectKey;
 use kvpool_master::cmd::RunningMaster;
 use kvpool_master::service::Core;
 
-use super::{BenchError, MasterBenchArgs, bench_key};
+use super::{BenchError, Lookup, MasterBenchArgs, bench_key, lookup_phase};
 
 /// Rounds of each setting, alternated (on, off, on, off, ...) so that drift of the machine's
 /// load falls on both.
@@ -60,50 +58,6 @@ async fn core_round(core: Arc<Core>, objects: u64, duration: Duration) -> Result
     .map_err(|e| BenchError::Setup(e.to_string()))?
 }
 
-/// Batched `get` calls (and the release of their leases) from every client for `duration`.
-async fn grpc_round(
-    clients: &[MasterClient],
-    args: &MasterBenchArgs,
-    objects: u64,
-) -> Result<f64, BenchError> {
-    let calls = Arc::new(AtomicU64::new(0));
-    let stop = CancellationToken::new();
-    let mut tasks = Vec::new();
-    for (ci, c) in clients.iter().enumerate() {
-        for d in 0..args.depth {
-            let (c, calls, stop) = (c.clone(), calls.clone(), stop.clone());
-            let batch = args.batch as u64;
-            let mut next = (ci * args.depth + d) as u64 * 7919;
-            tasks.push(tokio::spawn(async move {
-                while !stop.is_cancelled() {
-                    let start = next % objects.saturating_sub(batch).max(1);
-                    next = next.wrapping_add(104_729);
-                    let keys: Vec<Vec<u8>> = (start..start + batch).map(bench_key).collect();
-                    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-                    let leases: Vec<u64> = c
-                        .get_batch(&refs)
-                        .await?
-                        .into_iter()
-                        .filter_map(|r| r.ok().map(|l| l.lease_id))
-                        .collect();
-                    c.release_leases(&leases).await?;
-                    calls.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok::<(), ClientError>(())
-            }));
-        }
-    }
-    let started = Instant::now();
-    tokio::time::sleep(args.duration).await;
-    stop.cancel();
-    for t in tasks {
-        t.await
-            .map_err(|e| BenchError::Setup(e.to_string()))?
-            .map_err(BenchError::Client)?;
-    }
-    Ok(calls.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64())
-}
-
 /// The A/B on `master`, loaded with `objects` objects, through `clients`.
 pub(crate) async fn node_hits_ab(
     master: &RunningMaster,
@@ -118,7 +72,7 @@ pub(crate) async fn node_hits_ab(
         for (i, on) in [true, false].into_iter().enumerate() {
             set(on);
             core[i] += core_round(master.core.clone(), objects, args.duration).await?;
-            grpc[i] += grpc_round(clients, args, objects).await?;
+            grpc[i] += lookup_phase(clients, args, objects, Lookup::GetAndRelease).await?;
         }
     }
     set(true);

@@ -102,15 +102,9 @@ pub struct StoreBenchArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
-    /// Also measure Mooncake Store (PyPI `mooncake-transfer-engine-non-cuda`, found or
-    /// installed in a venv) with the same sizes, operations, operations in flight, holders
-    /// (one per agent) and capacity, after kvpool's run, and report both and their ratios.
-    #[arg(long = "vs-mooncake", alias = "vs_mooncake")]
-    pub vs_mooncake: bool,
-    /// The venv holding Mooncake (default: KVPOOL_MOONCAKE_VENV, else .tools/py or
-    /// .tools/mooncake, made and filled from PyPI when neither has it).
-    #[arg(long = "mooncake-venv", alias = "mooncake_venv")]
-    pub mooncake_venv: Option<PathBuf>,
+    /// `--vs-mooncake` and `--mooncake-venv`.
+    #[command(flatten)]
+    pub mooncake: crate::mooncake::VsMooncakeArgs,
     /// Internal: run as client process number N of a benchmark.
     #[arg(long, hide = true)]
     pub worker: Option<usize>,
@@ -306,7 +300,7 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
     } else {
         Some(redis::redis_baseline(dir.path(), args.redis_requests)?)
     };
-    let mooncake = if args.vs_mooncake {
+    let mooncake = if args.mooncake.vs_mooncake {
         Some(tokio::task::block_in_place(|| {
             vs_mooncake::run(&args, dir.path())
         })?)

@@ -73,7 +73,7 @@ pub fn parse_driver_output(stdout: &str) -> Result<MooncakeStore, String> {
 /// Run Mooncake's side of every value size.
 pub(super) fn run(args: &StoreBenchArgs, dir: &Path) -> Result<MooncakeStore, StoreBenchError> {
     let peer = |e: String| StoreBenchError::Protocol(format!("Mooncake side: {e}"));
-    let mc = Mooncake::find_or_install(args.mooncake_venv.as_deref())
+    let mc = Mooncake::find_or_install(args.mooncake.mooncake_venv.as_deref())
         .map_err(|e| peer(e.to_string()))?;
     let script = dir.join("mooncake_store.py");
     std::fs::write(&script, SCRIPT).map_err(StoreBenchError::Io)?;

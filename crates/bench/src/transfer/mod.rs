@@ -130,15 +130,9 @@ pub struct TransferBenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Also run Mooncake's `transfer_engine_bench` (PyPI `mooncake-transfer-engine-non-cuda`,
-    /// found or installed in a venv) with the same operation, sizes, threads and duration over
-    /// TCP loopback, and report both and their ratio (`--mode both --protocol tcp` only).
-    #[arg(long = "vs-mooncake", alias = "vs_mooncake")]
-    pub vs_mooncake: bool,
-    /// The venv holding Mooncake (default: KVPOOL_MOONCAKE_VENV, else .tools/py or
-    /// .tools/mooncake, made and filled from PyPI when neither has it).
-    #[arg(long = "mooncake-venv", alias = "mooncake_venv")]
-    pub mooncake_venv: Option<PathBuf>,
+    /// `--vs-mooncake` and `--mooncake-venv`.
+    #[command(flatten)]
+    pub mooncake: crate::mooncake::VsMooncakeArgs,
     /// With --vs-mooncake: rounds of both sides, alternating which goes first; medians are
     /// compared.
     #[arg(long, default_value_t = 3)]
@@ -225,16 +219,17 @@ impl TransferBenchArgs {
         {
             return bad("--mode initiator --protocol shm needs --shm-path");
         }
-        if self.vs_mooncake && (self.mode != Mode::Both || self.protocol != Protocol::Tcp) {
+        if self.mooncake.vs_mooncake && (self.mode != Mode::Both || self.protocol != Protocol::Tcp)
+        {
             return bad("--vs-mooncake needs --mode both --protocol tcp");
         }
         if self.tls && (self.mode != Mode::Both || self.protocol != Protocol::Tcp) {
             return bad("--tls needs --mode both --protocol tcp");
         }
-        if self.tls && self.vs_mooncake {
+        if self.tls && self.mooncake.vs_mooncake {
             return bad("--tls and --vs-mooncake do not go together");
         }
-        if self.vs_mooncake && self.rounds == 0 {
+        if self.mooncake.vs_mooncake && self.rounds == 0 {
             return bad("--rounds must be > 0");
         }
         Ok(())
@@ -308,7 +303,7 @@ pub fn run(args: TransferBenchArgs) -> Result<(), TransferBenchError> {
             } else {
                 Some(measure_baselines(&args)?)
             };
-            let (report, versus) = if args.vs_mooncake {
+            let (report, versus) = if args.mooncake.vs_mooncake {
                 let (report, versus) = against_mooncake(&args, &key)?;
                 (report, Some(versus))
             } else {
@@ -378,7 +373,7 @@ fn against_mooncake(
     args: &TransferBenchArgs,
     key: &AuthKey,
 ) -> Result<(InitiatorReport, Versus), TransferBenchError> {
-    let mc = crate::mooncake::Mooncake::find_or_install(args.mooncake_venv.as_deref())
+    let mc = crate::mooncake::Mooncake::find_or_install(args.mooncake.mooncake_venv.as_deref())
         .map_err(TransferBenchError::Mooncake)?;
     let logs = tempfile::Builder::new()
         .prefix("kvpool-vs-mooncake-")

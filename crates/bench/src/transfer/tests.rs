@@ -64,22 +64,21 @@ fn iperf3_json_is_parsed_and_errors_are_reported() {
     assert!(parse_iperf3_json("not json").is_err());
 }
 
+/// Baselines of one measurement: one iperf3 run and one memcpy run at these rates.
+fn one_run(iperf3_gb_per_s: f64, memcpy_gb_per_s: f64) -> Baselines {
+    Baselines {
+        iperf3_gb_per_s: Some(iperf3_gb_per_s),
+        iperf3_runs: vec![iperf3_gb_per_s],
+        iperf3_error: None,
+        memcpy_gb_per_s,
+        memcpy_runs: vec![memcpy_gb_per_s],
+    }
+}
+
 #[test]
 fn baselines_before_and_after_are_averaged() {
-    let a = Baselines {
-        iperf3_gb_per_s: Some(1.0),
-        iperf3_runs: vec![1.0],
-        iperf3_error: None,
-        memcpy_gb_per_s: 4.0,
-        memcpy_runs: vec![4.0],
-    };
-    let b = Baselines {
-        iperf3_gb_per_s: Some(3.0),
-        iperf3_runs: vec![3.0],
-        iperf3_error: None,
-        memcpy_gb_per_s: 2.0,
-        memcpy_runs: vec![2.0],
-    };
+    let a = one_run(1.0, 4.0);
+    let b = one_run(3.0, 2.0);
     let m = a.merge(b);
     assert_eq!(m.iperf3_gb_per_s, Some(2.0));
     assert_eq!(m.memcpy_gb_per_s, 3.0);

@@ -79,48 +79,56 @@ impl Holdings {
         let rank = batch.data_parallel_rank;
         let mut counts = Applied::default();
         for event in &batch.events {
-            match event {
+            let (block_hashes, medium, stored) = match event {
                 KvEvent::BlockStored {
                     block_hashes,
                     medium,
                     ..
-                } => {
-                    let b = bit(rank, medium.as_deref());
-                    for h in block_hashes {
-                        let key = h.key();
-                        let mask = self.blocks.entry(key).or_insert(0);
-                        if *mask == 0 {
-                            out.push(Delta::Added(key));
-                        }
-                        *mask |= b;
-                        counts.stored += 1;
-                    }
-                }
+                } => (block_hashes, medium, true),
                 KvEvent::BlockRemoved {
                     block_hashes,
                     medium,
                     ..
-                } => {
-                    let b = bit(rank, medium.as_deref());
-                    for h in block_hashes {
-                        let key = h.key();
-                        if let Some(mask) = self.blocks.get_mut(&key) {
-                            *mask &= !b;
-                            if *mask == 0 {
-                                self.blocks.remove(&key);
-                                out.push(Delta::Removed(key));
-                            }
-                        }
-                        counts.removed += 1;
-                    }
-                }
+                } => (block_hashes, medium, false),
                 KvEvent::AllBlocksCleared => {
                     self.drop_bits(rank_mask(rank), out);
                     counts.cleared += 1;
+                    continue;
+                }
+            };
+            let b = bit(rank, medium.as_deref());
+            for h in block_hashes {
+                if stored {
+                    self.add_bit(h.key(), b, out);
+                    counts.stored += 1;
+                } else {
+                    self.remove_bit(h.key(), b, out);
+                    counts.removed += 1;
                 }
             }
         }
         counts
+    }
+
+    /// Sets `bit` of `key`, reporting the block as added when it was held nowhere before.
+    fn add_bit(&mut self, key: BlockKey, bit: u64, out: &mut Vec<Delta>) {
+        let mask = self.blocks.entry(key).or_insert(0);
+        if *mask == 0 {
+            out.push(Delta::Added(key));
+        }
+        *mask |= bit;
+    }
+
+    /// Clears `bit` of `key`, forgetting the block (and reporting it removed) when no bit is
+    /// left.
+    fn remove_bit(&mut self, key: BlockKey, bit: u64, out: &mut Vec<Delta>) {
+        if let Some(mask) = self.blocks.get_mut(&key) {
+            *mask &= !bit;
+            if *mask == 0 {
+                self.blocks.remove(&key);
+                out.push(Delta::Removed(key));
+            }
+        }
     }
 
     /// Forgets everything (the engine restarted, or events were lost beyond repair).

@@ -14,7 +14,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State as AxumState};
 use axum::http::{Method, Uri};
 use axum::response::{IntoResponse, Json};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use prometheus::Registry;
 
 use super::engine_load::EngineLoad;
@@ -145,25 +145,11 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     let router = Router::new()
         .route(
             "/v1/completions",
-            post(
-                |AxumState(s): AxumState<Arc<Shared>>, body: Result<Bytes, BytesRejection>| async move {
-                    match body {
-                        Ok(body) => handle(s, Endpoint::Completions, "/v1/completions", body).await,
-                        Err(e) => body_rejected(&s, &e),
-                    }
-                },
-            ),
+            completion_route(Endpoint::Completions, "/v1/completions"),
         )
         .route(
             "/v1/chat/completions",
-            post(
-                |AxumState(s): AxumState<Arc<Shared>>, body: Result<Bytes, BytesRejection>| async move {
-                    match body {
-                        Ok(body) => handle(s, Endpoint::ChatCompletions, "/v1/chat/completions", body).await,
-                        Err(e) => body_rejected(&s, &e),
-                    }
-                },
-            ),
+            completion_route(Endpoint::ChatCompletions, "/v1/chat/completions"),
         )
         .route(
             "/v1/models",
@@ -205,4 +191,17 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         router,
         engines: EngineSet(shared),
     })
+}
+
+/// The POST route of a completion endpoint at `path`: the body goes to [`handle`], or an
+/// unreadable one is answered with its rejection.
+fn completion_route(endpoint: Endpoint, path: &'static str) -> MethodRouter<Arc<Shared>> {
+    post(
+        move |AxumState(s): AxumState<Arc<Shared>>, body: Result<Bytes, BytesRejection>| async move {
+            match body {
+                Ok(body) => handle(s, endpoint, path, body).await,
+                Err(e) => body_rejected(&s, &e),
+            }
+        },
+    )
 }

@@ -33,7 +33,15 @@ import tempfile
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, NamedTuple, Optional
+from typing import (
+    Any,
+    Callable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    NamedTuple,
+    Optional,
+)
 
 from .._config import ConfigError, engine_config
 
@@ -274,6 +282,45 @@ _ALIAS_LOCK = threading.RLock()
 _MISSING = object()
 
 
+def restore_entries(
+    mapping: MutableMapping[str, Any], saved: Mapping[str, Any], missing: Any = None
+) -> None:
+    """Put the ``saved`` entries of ``mapping`` (``os.environ``, ``sys.modules``) back as they
+    were before a change: each to its old value, or removed where the old value is ``missing``
+    (the entry did not exist)."""
+    for name, old in saved.items():
+        if old is missing:
+            mapping.pop(name, None)
+        else:
+            mapping[name] = old
+
+
+def select_impl(
+    impl: Optional[str],
+    env_var: str,
+    default: str,
+    ours: type,
+    find_engine: Callable[[], Optional[type]],
+    engine_class: Callable[[type], type],
+    engine_missing: str,
+) -> type:
+    """The class an adapter's entry point stands for: ``impl`` (or the variable ``env_var``,
+    else ``default``) is ``kvpool`` (``ours``), ``engine`` (``engine_class`` of the engine's
+    own Mooncake class, which ``find_engine`` looks up; an ImportError naming
+    ``engine_missing`` without it) or ``auto`` (``engine`` when there is one, else ``kvpool``)."""
+    impl = (impl or os.environ.get(env_var) or default).lower()
+    if impl not in ("auto", "engine", "kvpool"):
+        raise ConfigError(f"{env_var}: {impl!r} is not auto, engine or kvpool")
+    if impl == "kvpool":
+        return ours
+    engine = find_engine()
+    if engine is None:
+        if impl == "engine":
+            raise ImportError(f"{env_var}=engine, but {engine_missing}")
+        return ours
+    return engine_class(engine)
+
+
 @contextlib.contextmanager
 def mooncake_alias(module: Any) -> Iterator[types.ModuleType]:
     """While active, ``from mooncake.store import X`` yields ``module``'s ``X``.
@@ -315,11 +362,7 @@ def mooncake_alias(module: Any) -> Iterator[types.ModuleType]:
                         delattr(parent, "store")
             else:
                 parent.store = saved_attr
-            for name, old in saved.items():
-                if old is _MISSING:
-                    sys.modules.pop(name, None)
-                else:
-                    sys.modules[name] = old
+            restore_entries(sys.modules, saved, _MISSING)
 
 
 @contextlib.contextmanager
@@ -339,11 +382,7 @@ def mooncake_config_file(
                 os.environ[var] = path
             yield path
         finally:
-            for var, old in saved.items():
-                if old is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = old
+            restore_entries(os.environ, saved)
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

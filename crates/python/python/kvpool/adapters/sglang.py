@@ -31,11 +31,10 @@ I/O boundary: the store calls; host memory is only addressed through the host po
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence as _SequenceABC
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-from . import ConfigError, mooncake_alias, open_store, setup_args, store_module
+from . import mooncake_alias, open_store, select_impl, setup_args, store_module
 
 logger = logging.getLogger(__name__)
 
@@ -398,19 +397,15 @@ def _engine_subclass(base: type) -> type:
 def select_backend(impl: Optional[str] = None) -> type:
     """The class behind ``KvpoolHiCacheStorage``: ``impl`` (or ``KVPOOL_SGLANG_BACKEND``) is
     ``auto`` (SGLang's own Mooncake backend when it imports), ``engine`` or ``kvpool``."""
-    impl = (impl or os.environ.get(ENV_IMPL) or "auto").lower()
-    if impl not in ("auto", "engine", "kvpool"):
-        raise ConfigError(f"{ENV_IMPL}: {impl!r} is not auto, engine or kvpool")
-    if impl == "kvpool":
-        return KvpoolPageStorage
-    engine = find_engine_backend()
-    if engine is None:
-        if impl == "engine":
-            raise ImportError(
-                f"{ENV_IMPL}=engine, but {ENGINE_BACKEND_MODULE}.MooncakeStore does not import"
-            )
-        return KvpoolPageStorage
-    return _engine_subclass(engine)
+    return select_impl(
+        impl,
+        ENV_IMPL,
+        "auto",
+        KvpoolPageStorage,
+        find_engine_backend,
+        _engine_subclass,
+        f"{ENGINE_BACKEND_MODULE}.MooncakeStore does not import",
+    )
 
 
 KvpoolHiCacheStorage = select_backend()

@@ -50,6 +50,7 @@ from . import (
     mooncake_config_file,
     open_store,
     read_json_file,
+    select_impl,
     setup_args,
     store_module,
 )
@@ -400,13 +401,16 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _worker_keys(self, job: BlockJob) -> List[str]:
         return [self._keys.key(h, self._tp_rank, self._pp_rank) for h in job.hashes]
 
+    def _registered(self, jobs: List[BlockJob], step: str) -> List[BlockJob]:
+        """``jobs``, which need the KV caches registered: a RuntimeError naming ``step`` when
+        there are jobs before that."""
+        if jobs and self._io is None:
+            raise RuntimeError(f"{step} before register_kv_caches")
+        return jobs
+
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not meta.loads:
-            return
-        if self._io is None:
-            raise RuntimeError("start_load_kv before register_kv_caches")
-        for job in meta.loads:
+        for job in self._registered(meta.loads, "start_load_kv"):
             try:
                 got = self._io.load(self._worker_keys(job), job.block_ids)
             except Exception as e:  # noqa: BLE001 - report the blocks, vLLM recomputes them
@@ -429,11 +433,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not meta.saves:
-            return
-        if self._io is None:
-            raise RuntimeError("wait_for_save before register_kv_caches")
-        for job in meta.saves:
+        for job in self._registered(meta.saves, "wait_for_save"):
             try:
                 codes = self._io.save(self._worker_keys(job), job.block_ids)
                 failed = sum(1 for c in codes if c != 0)
@@ -514,20 +514,16 @@ def select_connector(impl: Optional[str] = None) -> type:
     ``kvpool`` (the default: this module's connector, which stages device caches through
     pinned host memory), ``engine`` (vLLM's own Mooncake store connector over kvpool's store,
     which registers device memory) or ``auto`` (``engine`` when this vLLM has one)."""
-    impl = (impl or os.environ.get(ENV_IMPL) or "kvpool").lower()
-    if impl not in ("auto", "engine", "kvpool"):
-        raise ConfigError(f"{ENV_IMPL}: {impl!r} is not auto, engine or kvpool")
-    if impl == "kvpool":
-        return KvpoolBlockConnector
-    engine = find_engine_connector()
-    if engine is None:
-        if impl == "engine":
-            raise ImportError(
-                f"{ENV_IMPL}=engine, but this vLLM has no MooncakeStoreConnector "
-                f"(looked in {', '.join(ENGINE_CONNECTOR_MODULES)})"
-            )
-        return KvpoolBlockConnector
-    return _engine_subclass(engine)
+    return select_impl(
+        impl,
+        ENV_IMPL,
+        "kvpool",
+        KvpoolBlockConnector,
+        find_engine_connector,
+        _engine_subclass,
+        "this vLLM has no MooncakeStoreConnector "
+        f"(looked in {', '.join(ENGINE_CONNECTOR_MODULES)})",
+    )
 
 
 KvpoolStoreConnector = select_connector()
