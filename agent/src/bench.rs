@@ -5,6 +5,7 @@
 //! the same filesystem. I/O boundary: a temporary socket directory, files under `--dir`, and
 //! `dd` child processes.
 
+use futures::future::BoxFuture;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -169,168 +170,173 @@ pub fn memcpy_gib_s(src_bytes: usize, dst_bytes: usize, repeat: u32) -> f64 {
 }
 
 /// Run the benchmark.
-pub async fn run_tier(args: &TierArgs) -> Result<TierReport, BenchError> {
-    let dram_total = args.dram_total.as_u64();
-    let batch = args.batch.as_u64();
-    if dram_total < (4 << 20) || batch < (4 << 20) {
-        return Err(BenchError::Args(
-            "--dram-total and --batch must be at least 4MiB".to_owned(),
-        ));
-    }
-    let repeat = args.repeat.max(1);
-    let (src_bytes, dst_bytes) = (
-        usize::try_from(dram_total).unwrap_or(usize::MAX),
-        usize::try_from(batch).unwrap_or(usize::MAX),
-    );
-    // The memcpy baseline takes turns with the engine API (one pass before every put/get pass
-    // of every size), so both see the same background load on a shared machine.
-    let mut memcpy = Some(
-        tokio::task::spawn_blocking(move || Memcpy::new(src_bytes, dst_bytes))
+/// Boxed out of line so that the benchmark's futures (an engine-API server and its client)
+/// are compiled here only, not again in `kvpool-bench`, which runs it.
+#[inline(never)]
+pub fn run_tier<'a>(args: &'a TierArgs) -> BoxFuture<'a, Result<TierReport, BenchError>> {
+    Box::pin(async move {
+        let dram_total = args.dram_total.as_u64();
+        let batch = args.batch.as_u64();
+        if dram_total < (4 << 20) || batch < (4 << 20) {
+            return Err(BenchError::Args(
+                "--dram-total and --batch must be at least 4MiB".to_owned(),
+            ));
+        }
+        let repeat = args.repeat.max(1);
+        let (src_bytes, dst_bytes) = (
+            usize::try_from(dram_total).unwrap_or(usize::MAX),
+            usize::try_from(batch).unwrap_or(usize::MAX),
+        );
+        // The memcpy baseline takes turns with the engine API (one pass before every put/get pass
+        // of every size), so both see the same background load on a shared machine.
+        let mut memcpy = Some(
+            tokio::task::spawn_blocking(move || Memcpy::new(src_bytes, dst_bytes))
+                .await
+                .map_err(|e| BenchError::Args(e.to_string()))?,
+        );
+        let mut memcpy_pass = async || -> Result<f64, BenchError> {
+            let mut m = memcpy
+                .take()
+                .ok_or_else(|| BenchError::Args("memcpy buffers lost".to_owned()))?;
+            let (m, gib) = tokio::task::spawn_blocking(move || {
+                let gib = m.pass();
+                (m, gib)
+            })
             .await
-            .map_err(|e| BenchError::Args(e.to_string()))?,
-    );
-    let mut memcpy_pass = async || -> Result<f64, BenchError> {
-        let mut m = memcpy
-            .take()
-            .ok_or_else(|| BenchError::Args("memcpy buffers lost".to_owned()))?;
-        let (m, gib) = tokio::task::spawn_blocking(move || {
-            let gib = m.pass();
-            (m, gib)
+            .map_err(|e| BenchError::Args(e.to_string()))?;
+            memcpy = Some(m);
+            Ok(gib)
+        };
+        let mut memcpy_best: f64 = 0.0;
+
+        // An in-process agent: DRAM tier, engine API on a Unix socket.
+        // Staging files belong on tmpfs (as engine_api.shm_dir should be in production): a
+        // disk-backed shared mapping would write every get back to the disk.
+        let shm = Path::new("/dev/shm");
+        let builder = {
+            let mut b = tempfile::Builder::new();
+            b.prefix("kvpool-bench");
+            b
+        };
+        let sock_dir = if shm.is_dir() {
+            builder.tempdir_in(shm)
+        } else {
+            builder.tempdir()
+        }
+        .map_err(BenchError::TempDir)?;
+        let plans = [SegmentPlan {
+            numa_node: Some(0),
+            bytes: dram_total + (64 << 20),
+            hugepage_size: None,
+        }];
+        let (dram, _) = DramTier::new(&plans, false).map_err(BenchError::Dram)?;
+        let registry = prometheus::Registry::new();
+        let metrics = Arc::new(AgentMetrics::new(&registry).map_err(BenchError::Metrics)?);
+        let store = Arc::new(TieredStore::new(dram, None, Arc::clone(&metrics)));
+        let service = EngineService::new(
+            store,
+            metrics,
+            sock_dir.path().to_owned(),
+            ApiLimits {
+                max_sessions: 4,
+                max_staging_bytes: batch,
+            },
+        );
+        let (listener, socket) = server::bind(sock_dir.path()).map_err(BenchError::Server)?;
+        let stop = CancellationToken::new();
+        let server_task = tokio::spawn(server::serve(listener, service, stop.clone()));
+        let mut client = EngineClient::connect(&socket, batch, "bench")
+            .await
+            .map_err(BenchError::Client)?;
+
+        let mut dram_results = Vec::new();
+        for &size in &BLOCK_SIZES {
+            let blocks = dram_total / size;
+            let per_batch = (batch / size).max(1);
+            let pattern: Vec<u8> = (0..batch).map(|i| (i % 251) as u8).collect();
+            client
+                .staging()
+                .write_from(0, &pattern)
+                .map_err(|e| BenchError::Client(ClientError::Staging(e)))?;
+            let keys: Vec<Vec<u8>> = (0..blocks)
+                .map(|i| format!("bench-{size}-{i}").into_bytes())
+                .collect();
+
+            let mut put_secs = f64::MAX;
+            let mut get_secs = f64::MAX;
+            let mut size_memcpy: f64 = 0.0;
+            for _ in 0..repeat {
+                size_memcpy = size_memcpy.max(memcpy_pass().await?);
+                // A put of an existing key replaces it: every pass moves all bytes again.
+                let started = Instant::now();
+                for chunk in keys.chunks(per_batch as usize) {
+                    let items = batch_items(chunk, size);
+                    let statuses = client
+                        .put_batch(&items, None)
+                        .await
+                        .map_err(BenchError::Client)?;
+                    check_statuses(chunk, statuses.iter().copied())?;
+                }
+                put_secs = put_secs.min(started.elapsed().as_secs_f64());
+
+                let started = Instant::now();
+                for chunk in keys.chunks(per_batch as usize) {
+                    let items = batch_items(chunk, size);
+                    let out = client.get_batch(&items).await.map_err(BenchError::Client)?;
+                    check_statuses(chunk, out.iter().map(|o| o.status))?;
+                }
+                get_secs = get_secs.min(started.elapsed().as_secs_f64());
+            }
+            // Spot-check the bytes of the last batch.
+            let mut probe = vec![0u8; 4096];
+            client
+                .staging()
+                .read_into(size - 4096, &mut probe)
+                .map_err(|e| BenchError::Client(ClientError::Staging(e)))?;
+            let start = usize::try_from(size - 4096).unwrap_or(0);
+            if pattern.get(start..start + 4096) != Some(&probe[..]) {
+                return Err(BenchError::BadData(format!("bench-{size}")));
+            }
+            let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+            for chunk in key_refs.chunks(1024) {
+                client.remove(chunk).await.map_err(BenchError::Client)?;
+            }
+            let bytes = blocks * size;
+            let get = gib_s(bytes, get_secs);
+            memcpy_best = memcpy_best.max(size_memcpy);
+            dram_results.push(DramResult {
+                block_bytes: size,
+                blocks,
+                put_gib_s: gib_s(bytes, put_secs),
+                get_gib_s: get,
+                memcpy_gib_s: size_memcpy,
+                get_vs_memcpy: get / size_memcpy.max(1e-9),
+            });
+        }
+        let _ = client.close().await;
+        let staging_dir = sock_dir
+            .path()
+            .parent()
+            .unwrap_or(Path::new("/"))
+            .to_owned();
+        stop.cancel();
+        let _ = server_task.await;
+
+        let dir = args.dir.clone();
+        let total = args.ssd_total.as_u64();
+        let ssd = tokio::task::spawn_blocking(move || ssd_bench(&dir, total, repeat))
+            .await
+            .map_err(|e| BenchError::Args(e.to_string()))??;
+
+        Ok(TierReport {
+            staging_dir: staging_dir.display().to_string(),
+            memcpy_gib_s: memcpy_best,
+            get_target_met: dram_results.iter().all(|r| r.get_vs_memcpy >= 0.5),
+            ssd_write_target_met: ssd.write_vs_dd >= 0.7,
+            ssd_read_target_met: ssd.read_vs_dd >= 0.7,
+            dram: dram_results,
+            ssd,
         })
-        .await
-        .map_err(|e| BenchError::Args(e.to_string()))?;
-        memcpy = Some(m);
-        Ok(gib)
-    };
-    let mut memcpy_best: f64 = 0.0;
-
-    // An in-process agent: DRAM tier, engine API on a Unix socket.
-    // Staging files belong on tmpfs (as engine_api.shm_dir should be in production): a
-    // disk-backed shared mapping would write every get back to the disk.
-    let shm = Path::new("/dev/shm");
-    let builder = {
-        let mut b = tempfile::Builder::new();
-        b.prefix("kvpool-bench");
-        b
-    };
-    let sock_dir = if shm.is_dir() {
-        builder.tempdir_in(shm)
-    } else {
-        builder.tempdir()
-    }
-    .map_err(BenchError::TempDir)?;
-    let plans = [SegmentPlan {
-        numa_node: Some(0),
-        bytes: dram_total + (64 << 20),
-        hugepage_size: None,
-    }];
-    let (dram, _) = DramTier::new(&plans, false).map_err(BenchError::Dram)?;
-    let registry = prometheus::Registry::new();
-    let metrics = Arc::new(AgentMetrics::new(&registry).map_err(BenchError::Metrics)?);
-    let store = Arc::new(TieredStore::new(dram, None, Arc::clone(&metrics)));
-    let service = EngineService::new(
-        store,
-        metrics,
-        sock_dir.path().to_owned(),
-        ApiLimits {
-            max_sessions: 4,
-            max_staging_bytes: batch,
-        },
-    );
-    let (listener, socket) = server::bind(sock_dir.path()).map_err(BenchError::Server)?;
-    let stop = CancellationToken::new();
-    let server_task = tokio::spawn(server::serve(listener, service, stop.clone()));
-    let mut client = EngineClient::connect(&socket, batch, "bench")
-        .await
-        .map_err(BenchError::Client)?;
-
-    let mut dram_results = Vec::new();
-    for &size in &BLOCK_SIZES {
-        let blocks = dram_total / size;
-        let per_batch = (batch / size).max(1);
-        let pattern: Vec<u8> = (0..batch).map(|i| (i % 251) as u8).collect();
-        client
-            .staging()
-            .write_from(0, &pattern)
-            .map_err(|e| BenchError::Client(ClientError::Staging(e)))?;
-        let keys: Vec<Vec<u8>> = (0..blocks)
-            .map(|i| format!("bench-{size}-{i}").into_bytes())
-            .collect();
-
-        let mut put_secs = f64::MAX;
-        let mut get_secs = f64::MAX;
-        let mut size_memcpy: f64 = 0.0;
-        for _ in 0..repeat {
-            size_memcpy = size_memcpy.max(memcpy_pass().await?);
-            // A put of an existing key replaces it: every pass moves all bytes again.
-            let started = Instant::now();
-            for chunk in keys.chunks(per_batch as usize) {
-                let items = batch_items(chunk, size);
-                let statuses = client
-                    .put_batch(&items, None)
-                    .await
-                    .map_err(BenchError::Client)?;
-                check_statuses(chunk, statuses.iter().copied())?;
-            }
-            put_secs = put_secs.min(started.elapsed().as_secs_f64());
-
-            let started = Instant::now();
-            for chunk in keys.chunks(per_batch as usize) {
-                let items = batch_items(chunk, size);
-                let out = client.get_batch(&items).await.map_err(BenchError::Client)?;
-                check_statuses(chunk, out.iter().map(|o| o.status))?;
-            }
-            get_secs = get_secs.min(started.elapsed().as_secs_f64());
-        }
-        // Spot-check the bytes of the last batch.
-        let mut probe = vec![0u8; 4096];
-        client
-            .staging()
-            .read_into(size - 4096, &mut probe)
-            .map_err(|e| BenchError::Client(ClientError::Staging(e)))?;
-        let start = usize::try_from(size - 4096).unwrap_or(0);
-        if pattern.get(start..start + 4096) != Some(&probe[..]) {
-            return Err(BenchError::BadData(format!("bench-{size}")));
-        }
-        let key_refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-        for chunk in key_refs.chunks(1024) {
-            client.remove(chunk).await.map_err(BenchError::Client)?;
-        }
-        let bytes = blocks * size;
-        let get = gib_s(bytes, get_secs);
-        memcpy_best = memcpy_best.max(size_memcpy);
-        dram_results.push(DramResult {
-            block_bytes: size,
-            blocks,
-            put_gib_s: gib_s(bytes, put_secs),
-            get_gib_s: get,
-            memcpy_gib_s: size_memcpy,
-            get_vs_memcpy: get / size_memcpy.max(1e-9),
-        });
-    }
-    let _ = client.close().await;
-    let staging_dir = sock_dir
-        .path()
-        .parent()
-        .unwrap_or(Path::new("/"))
-        .to_owned();
-    stop.cancel();
-    let _ = server_task.await;
-
-    let dir = args.dir.clone();
-    let total = args.ssd_total.as_u64();
-    let ssd = tokio::task::spawn_blocking(move || ssd_bench(&dir, total, repeat))
-        .await
-        .map_err(|e| BenchError::Args(e.to_string()))??;
-
-    Ok(TierReport {
-        staging_dir: staging_dir.display().to_string(),
-        memcpy_gib_s: memcpy_best,
-        get_target_met: dram_results.iter().all(|r| r.get_vs_memcpy >= 0.5),
-        ssd_write_target_met: ssd.write_vs_dd >= 0.7,
-        ssd_read_target_met: ssd.read_vs_dd >= 0.7,
-        dram: dram_results,
-        ssd,
     })
 }
 

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use prometheus::Registry;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -387,8 +388,19 @@ impl RunningMaster {
     }
 }
 
-/// Bind the listeners and start every task of a master; returns once it is serving.
-pub async fn start(
+/// Bind the listeners and start every task of a master; returns once it is serving. Boxed
+/// and out of line so that the master's futures are compiled here only, not again in each
+/// crate that starts a master in-process (the benches, the tests): docs/adr/0003-crates-by-layer.md,
+/// "Futures across crates".
+#[inline(never)]
+pub fn start(
+    args: ValidatedMasterArgs,
+    shutdown: CancellationToken,
+) -> BoxFuture<'static, Result<RunningMaster, CmdError>> {
+    Box::pin(start_serving(args, shutdown))
+}
+
+async fn start_serving(
     args: ValidatedMasterArgs,
     shutdown: CancellationToken,
 ) -> Result<RunningMaster, CmdError> {

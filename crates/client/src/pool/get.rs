@@ -10,6 +10,7 @@ use super::local::copy_local;
 use super::manifest::{MANIFEST_LEN, Manifest};
 use super::transport::check_length;
 use crate::master::pick_nearest;
+use futures::future::BoxFuture;
 use kvpool_core::master::types::ReplicaInfo;
 use kvpool_transfer::{self as transfer, MemoryError, TransferOp};
 
@@ -156,40 +157,48 @@ impl PoolClient {
     /// A value that is the manifest of `key` comes back as [`Value::Striped`] (its bytes
     /// dropped). Fails with [`DataError::LeaseExpired`] when the read ended after the lease
     /// may have run out: by then eviction may have given the memory to another object.
-    async fn read_value(&self, key: &[u8], dest: &Dest) -> Result<Value, DataError> {
-        let located = self.master.get(key).await.map_err(DataError::Master)?;
-        let size = located.size;
-        if let Err(e) = dest.check_fits(size) {
-            self.master.release_lease_later(located.lease_id);
-            return Err(e);
-        }
-        let this = self.clone();
-        let replicas = located.replicas.clone();
-        let d = dest.clone();
-        let read = self
-            .blocking(move || this.read_any(size, &replicas, &d))
-            .await;
-        let held = located.lease_held();
-        self.master.release_lease_later(located.lease_id);
-        let (local, base) = read?;
-        if !held {
-            self.done_with(dest, local);
-            return Err(DataError::LeaseExpired {
-                ttl: located.lease_ttl,
-            });
-        }
-        if size == MANIFEST_LEN as u64 {
-            let mut head = [0u8; MANIFEST_LEN];
-            local
-                .segment()
-                .read_at(base, &mut head)
-                .map_err(|source| DataError::Staging { size, source })?;
-            if let Some(m) = Manifest::decode(key, &head) {
-                self.done_with(dest, local);
-                return Ok(Value::Striped(m));
+    /// Boxed out of line: compiled once here, not in each crate that awaits a get.
+    #[inline(never)]
+    fn read_value<'a>(
+        &'a self,
+        key: &'a [u8],
+        dest: &'a Dest,
+    ) -> BoxFuture<'a, Result<Value, DataError>> {
+        Box::pin(async move {
+            let located = self.master.get(key).await.map_err(DataError::Master)?;
+            let size = located.size;
+            if let Err(e) = dest.check_fits(size) {
+                self.master.release_lease_later(located.lease_id);
+                return Err(e);
             }
-        }
-        Ok(Value::Plain { size, local })
+            let this = self.clone();
+            let replicas = located.replicas.clone();
+            let d = dest.clone();
+            let read = self
+                .blocking(move || this.read_any(size, &replicas, &d))
+                .await;
+            let held = located.lease_held();
+            self.master.release_lease_later(located.lease_id);
+            let (local, base) = read?;
+            if !held {
+                self.done_with(dest, local);
+                return Err(DataError::LeaseExpired {
+                    ttl: located.lease_ttl,
+                });
+            }
+            if size == MANIFEST_LEN as u64 {
+                let mut head = [0u8; MANIFEST_LEN];
+                local
+                    .segment()
+                    .read_at(base, &mut head)
+                    .map_err(|source| DataError::Staging { size, source })?;
+                if let Some(m) = Manifest::decode(key, &head) {
+                    self.done_with(dest, local);
+                    return Ok(Value::Striped(m));
+                }
+            }
+            Ok(Value::Plain { size, local })
+        })
     }
 
     /// Give back a staging buffer (a caller's buffer stays with the caller).

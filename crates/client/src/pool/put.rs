@@ -9,6 +9,7 @@ use super::local::{copy_local, local_error};
 use super::manifest::Manifest;
 use super::naming::replica_names;
 use super::transport::check_length;
+use futures::future::BoxFuture;
 use kvpool_core::master::types::{PutOptions, PutStarted, ReplicaInfo};
 use kvpool_transfer::{self as transfer, TransferOp};
 
@@ -62,16 +63,22 @@ impl PoolClient {
             .await
     }
 
-    async fn put_source(
-        &self,
-        key: &[u8],
-        source: Source<'_>,
-        opts: &PutOptions,
-    ) -> Result<Vec<ReplicaInfo>, DataError> {
-        match self.striped_as(source.len()) {
-            Some(m) => self.put_striped(key, source, m, opts).await,
-            None => self.put_plain(key, source, opts).await,
-        }
+    /// Boxed, and kept out of line, so that the put path is compiled once, in this crate,
+    /// rather than in every crate that awaits a put (docs/adr/0003-crates-by-layer.md,
+    /// "Futures across crates").
+    #[inline(never)]
+    fn put_source<'a>(
+        &'a self,
+        key: &'a [u8],
+        source: Source<'a>,
+        opts: &'a PutOptions,
+    ) -> BoxFuture<'a, Result<Vec<ReplicaInfo>, DataError>> {
+        Box::pin(async move {
+            match self.striped_as(source.len()) {
+                Some(m) => self.put_striped(key, source, m, opts).await,
+                None => self.put_plain(key, source, opts).await,
+            }
+        })
     }
 
     /// The manifest of a value of `size` bytes when it is striped (see [`StripeConfig`]).

@@ -12,6 +12,7 @@ use super::naming::{replica_name, replica_names};
 use super::put::Source;
 use super::transport::check_part_length;
 use crate::master::pick_nearest;
+use futures::future::BoxFuture;
 use kvpool_core::master::types::{PutOptions, PutStarted, ReplicaInfo};
 use kvpool_transfer::{self as transfer, TransferOp, TransferRequest};
 
@@ -155,71 +156,75 @@ impl PoolClient {
     /// Locate every part (one batch, leases on all), read them into `dest`. A missing part
     /// means the object was partly evicted: what is left of it is removed so that no orphan
     /// part stays, and the read fails with `StripeIncomplete`.
-    pub(super) async fn get_striped(
-        &self,
-        key: &[u8],
+    /// Boxed out of line: compiled once here, not in each crate that awaits a get.
+    #[inline(never)]
+    pub(super) fn get_striped<'a>(
+        &'a self,
+        key: &'a [u8],
         m: Manifest,
-        dest: &Dest,
-    ) -> Result<transfer::LocalSegment, DataError> {
-        let part_keys = m.part_keys(key);
-        let refs: Vec<&[u8]> = part_keys.iter().map(Vec::as_slice).collect();
-        let located = self
-            .master
-            .get_batch(&refs)
-            .await
-            .map_err(DataError::Master)?;
-        let mut leases = Vec::with_capacity(located.len());
-        let mut parts = Vec::with_capacity(located.len());
-        let mut problem = None;
-        for (i, r) in (0..).zip(located) {
-            match r {
-                Ok(l) => {
-                    leases.push((l.lease_id, l.lease_deadline, l.lease_ttl));
-                    if l.size == m.part(i).1 {
-                        parts.push(l.replicas);
-                    } else {
-                        problem.get_or_insert(DataError::StripeMismatch {
+        dest: &'a Dest,
+    ) -> BoxFuture<'a, Result<transfer::LocalSegment, DataError>> {
+        Box::pin(async move {
+            let part_keys = m.part_keys(key);
+            let refs: Vec<&[u8]> = part_keys.iter().map(Vec::as_slice).collect();
+            let located = self
+                .master
+                .get_batch(&refs)
+                .await
+                .map_err(DataError::Master)?;
+            let mut leases = Vec::with_capacity(located.len());
+            let mut parts = Vec::with_capacity(located.len());
+            let mut problem = None;
+            for (i, r) in (0..).zip(located) {
+                match r {
+                    Ok(l) => {
+                        leases.push((l.lease_id, l.lease_deadline, l.lease_ttl));
+                        if l.size == m.part(i).1 {
+                            parts.push(l.replicas);
+                        } else {
+                            problem.get_or_insert(DataError::StripeMismatch {
+                                part: i,
+                                got: l.size,
+                                want: m.part(i).1,
+                            });
+                        }
+                    }
+                    Err(source) => {
+                        problem.get_or_insert(DataError::StripeIncomplete {
                             part: i,
-                            got: l.size,
-                            want: m.part(i).1,
+                            parts: m.parts,
+                            source,
                         });
                     }
                 }
-                Err(source) => {
-                    problem.get_or_insert(DataError::StripeIncomplete {
-                        part: i,
-                        parts: m.parts,
-                        source,
-                    });
+            }
+            let result = match problem {
+                Some(e) => Err(e),
+                None => {
+                    let this = self.clone();
+                    let d = dest.clone();
+                    self.blocking(move || this.read_parts(&m, &parts, &d)).await
                 }
+            };
+            let now = std::time::Instant::now();
+            let expired = leases.iter().find(|(_, deadline, _)| now >= *deadline);
+            let result = match (result, expired) {
+                (Ok(local), Some((_, _, ttl))) => {
+                    self.done_with(dest, local);
+                    Err(DataError::LeaseExpired { ttl: *ttl })
+                }
+                (r, _) => r,
+            };
+            for (id, _, _) in leases {
+                self.master.release_lease_later(id);
             }
-        }
-        let result = match problem {
-            Some(e) => Err(e),
-            None => {
-                let this = self.clone();
-                let d = dest.clone();
-                self.blocking(move || this.read_parts(&m, &parts, &d)).await
+            if matches!(result, Err(DataError::StripeIncomplete { .. })) {
+                let mut all = part_keys;
+                all.push(key.to_vec());
+                self.drop_parts(&all).await;
             }
-        };
-        let now = std::time::Instant::now();
-        let expired = leases.iter().find(|(_, deadline, _)| now >= *deadline);
-        let result = match (result, expired) {
-            (Ok(local), Some((_, _, ttl))) => {
-                self.done_with(dest, local);
-                Err(DataError::LeaseExpired { ttl: *ttl })
-            }
-            (r, _) => r,
-        };
-        for (id, _, _) in leases {
-            self.master.release_lease_later(id);
-        }
-        if matches!(result, Err(DataError::StripeIncomplete { .. })) {
-            let mut all = part_keys;
-            all.push(key.to_vec());
-            self.drop_parts(&all).await;
-        }
-        result
+            result
+        })
     }
 
     /// Read every part into `dest`: nearest replicas in one batch, then, if that fails, part
@@ -288,33 +293,37 @@ impl PoolClient {
     }
 
     /// Remove an object; for a striped one, its parts too.
-    pub async fn remove(&self, key: &[u8]) -> Result<(), DataError> {
-        let located = self.master.get(key).await.map_err(DataError::Master)?;
-        let manifest = if located.size == MANIFEST_LEN as u64 {
-            let this = self.clone();
-            let replicas = located.replicas.clone();
-            let read = self
-                .blocking(move || this.read_vec_any(MANIFEST_LEN as u64, &replicas))
-                .await;
-            match read {
-                Ok(v) => Manifest::decode(key, &v),
-                Err(e) => {
-                    self.master.release_lease_later(located.lease_id);
-                    return Err(e);
+    /// Boxed out of line: compiled once here, not in each crate that awaits a remove.
+    #[inline(never)]
+    pub fn remove<'a>(&'a self, key: &'a [u8]) -> BoxFuture<'a, Result<(), DataError>> {
+        Box::pin(async move {
+            let located = self.master.get(key).await.map_err(DataError::Master)?;
+            let manifest = if located.size == MANIFEST_LEN as u64 {
+                let this = self.clone();
+                let replicas = located.replicas.clone();
+                let read = self
+                    .blocking(move || this.read_vec_any(MANIFEST_LEN as u64, &replicas))
+                    .await;
+                match read {
+                    Ok(v) => Manifest::decode(key, &v),
+                    Err(e) => {
+                        self.master.release_lease_later(located.lease_id);
+                        return Err(e);
+                    }
                 }
+            } else {
+                None
+            };
+            // Our own lease would make the master refuse the remove; `remove` flushes the
+            // queued releases before it asks.
+            self.master.release_lease_later(located.lease_id);
+            if let Some(m) = manifest {
+                // The manifest first: from then on no reader finds the parts.
+                self.master.remove(key).await.map_err(DataError::Master)?;
+                self.drop_parts(&m.part_keys(key)).await;
+                return Ok(());
             }
-        } else {
-            None
-        };
-        // Our own lease would make the master refuse the remove; `remove` flushes the
-        // queued releases before it asks.
-        self.master.release_lease_later(located.lease_id);
-        if let Some(m) = manifest {
-            // The manifest first: from then on no reader finds the parts.
-            self.master.remove(key).await.map_err(DataError::Master)?;
-            self.drop_parts(&m.part_keys(key)).await;
-            return Ok(());
-        }
-        self.master.remove(key).await.map_err(DataError::Master)
+            self.master.remove(key).await.map_err(DataError::Master)
+        })
     }
 }
