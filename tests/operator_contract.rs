@@ -85,7 +85,7 @@ fn agent_config(
     let kvpool::cli::Command::Agent(agent) = cli.command else {
         bail!("{label}: the agent container must run `agent`, got {argv:?}");
     };
-    let kvpool_agent::cli::Command::Run(args) = *agent else {
+    let kvpool_agent::cli::Command::Run(args) = agent else {
         bail!("{label}: the agent container must run `agent run`, got {argv:?}");
     };
     let path = args

@@ -40,7 +40,7 @@ pub enum Command {
     /// The node agent (the KVCachePool DaemonSet): topology discovery, DRAM and SSD tiers,
     /// engine API, transfer-engine endpoint.
     #[command(subcommand)]
-    Agent(Box<kvpool_agent::cli::Command>),
+    Agent(kvpool_agent::cli::Command),
     /// The Kubernetes operator for KVCachePool, PrefillPool and DecodePool.
     #[command(subcommand)]
     Operator(kvpool_operator::cli::Command),
@@ -103,7 +103,7 @@ pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
-        Command::Agent(cmd) => agent::run(*cmd)?,
+        Command::Agent(cmd) => agent::run(cmd)?,
         Command::Operator(cmd) => operator::run(cmd)?,
         Command::Master(args) => kvpool_master::cmd::run_blocking(&runtime()?, *args)?,
         Command::Conductor(args) => kvpool_conductor::cli::run(&args)?,

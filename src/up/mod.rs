@@ -274,21 +274,6 @@ fn process_exists(pid: i32) -> bool {
     )
 }
 
-/// Writes the pool key readable by this user only (0600), whatever the file was before.
-fn write_key(path: &std::path::Path, key: &str) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    // An existing file keeps its mode on open: narrow it before the key goes in.
-    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-    f.write_all(key.as_bytes())
-}
-
 /// The pool key (for the master) and each role's credential file derived from it (0600 each,
 /// in the 0700 run directory).
 fn write_keys(dir: &std::path::Path, pool_key: &str) -> Result<(), UpError> {
@@ -300,7 +285,8 @@ fn write_keys(dir: &std::path::Path, pool_key: &str) -> Result<(), UpError> {
         files.push((plan::role_key_file(dir, role), text));
     }
     for (path, text) in files {
-        write_key(&path, &text).map_err(|source| UpError::Dir { path, source })?;
+        kvpool_harness::tls::write_private(&path, &text)
+            .map_err(|source| UpError::Dir { path, source })?;
     }
     Ok(())
 }

@@ -107,8 +107,9 @@ pub fn write_throwaway(dir: &Path, ca_name: &str, names: &[&str]) -> Result<TlsF
     Ok(files)
 }
 
-/// Write `text` readable by this user only (0600), whatever the file was before.
-fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+/// Write `text` readable by this user only (0600), whatever the file was before (keys and
+/// credentials: `kvpool up` writes its pool key files with it too).
+pub fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
     use std::io::Write as _;
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let mut f = std::fs::OpenOptions::new()
@@ -117,6 +118,7 @@ fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
         .truncate(true)
         .mode(0o600)
         .open(path)?;
+    // An existing file keeps its mode on open: narrow it before the secret goes in.
     f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
     f.write_all(text.as_bytes())
 }
