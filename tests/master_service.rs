@@ -728,6 +728,54 @@ async fn metrics_with(f: &Fixture, needle: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remove_sends_the_releases_that_forks_still_hold() {
+    let f = fixture(|_| {}).await;
+    mount_dram(&f.client, &["a"], 64 * MIB).await;
+    let PutStarted::Allocated { put_id, .. } = f
+        .client
+        .put_start(b"held/k", MIB, &PutOptions::default())
+        .await
+        .expect("put_start")
+    else {
+        panic!("not allocated");
+    };
+    f.client.put_end(b"held/k", put_id).await.expect("put_end");
+    // The fork's parent runtime is never driven, so the fork's timed release (through the
+    // parent) cannot fire: only the flush before the remove can send the read's lease.
+    let idle = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("idle runtime");
+    let fork = f.client.fork(idle.handle().clone());
+    let fork = tokio::task::spawn_blocking(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let located = fork.get(b"held/k").await.expect("get");
+            // Held by the fork's lane for its next call, which never comes.
+            fork.release_lease_later(located.lease_id);
+        });
+        fork
+    })
+    .await
+    .expect("fork thread");
+    // Another client of the same root removes the key the fork has just read.
+    f.client
+        .remove(b"held/k")
+        .await
+        .expect("the fork's finished read does not block the remove");
+    assert_eq!(
+        f.client.exists(&[b"held/k"]).await.expect("exists"),
+        vec![false]
+    );
+    tokio::task::spawn_blocking(move || drop((fork, idle)))
+        .await
+        .expect("drop the idle runtime off the async threads");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
     let f = fixture(|_| {}).await;
     mount_dram(&f.client, &["a"], 64 * MIB).await;

@@ -105,6 +105,8 @@ pub(super) struct Batchers {
     pub(super) put_start: Coalescer<(Vec<u8>, u64, PutOptions), PutStarted>,
     pub(super) put_end: Coalescer<(Vec<u8>, u64), ()>,
     pub(super) release: Coalescer<u64, ()>,
+    /// The fast lanes of the client's forks, whose deferred releases a flush sends too.
+    pub(super) lanes: parking_lot::Mutex<Vec<std::sync::Weak<super::fast::FastLane>>>,
 }
 
 /// A kind of call that concurrent single-item calls share.

@@ -7,8 +7,8 @@
 
 use std::io::{self, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -66,9 +66,22 @@ impl FastLane {
     }
 
     /// Take the leases waiting for a call.
-    pub(super) fn take_pending(&self) -> Vec<u64> {
+    fn take_pending(&self) -> Vec<u64> {
         std::mem::take(&mut *self.pending.lock())
     }
+}
+
+/// Add a new fork's lane to its root's `lanes`, dropping those of forks that are gone.
+pub(super) fn register(lanes: &Mutex<Vec<Weak<FastLane>>>, lane: &Arc<FastLane>) {
+    let mut lanes = lanes.lock();
+    lanes.retain(|l| l.strong_count() > 0);
+    lanes.push(Arc::downgrade(lane));
+}
+
+/// Take the leases that every live fork of a root still holds for its next call.
+pub(super) fn take_all_pending(lanes: &Mutex<Vec<Weak<FastLane>>>) -> Vec<u64> {
+    let lanes: Vec<_> = lanes.lock().iter().filter_map(Weak::upgrade).collect();
+    lanes.iter().flat_map(|l| l.take_pending()).collect()
 }
 
 #[derive(Debug, Default)]

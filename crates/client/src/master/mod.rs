@@ -124,6 +124,8 @@ impl MasterClient {
             Some(p) => p.clone(),
             None => Arc::new((self.clone(), runtime)),
         };
+        let lane = Arc::default();
+        fast::register(&root.0.batch.lanes, &lane);
         MasterClient {
             endpoints: self.endpoints.clone(),
             signer: self.signer.clone(),
@@ -131,7 +133,7 @@ impl MasterClient {
             conn: Arc::default(),
             batch: Arc::default(),
             parent: Some(root),
-            fast: Some(Arc::default()),
+            fast: Some(lane),
             tls: self.tls.clone(),
         }
     }

@@ -9,6 +9,7 @@ use super::MasterClient;
 use super::answers::{Located, expect_len, item_results, located};
 use super::coalesce::{BatchOp, Batchers, Coalescer};
 use super::error::ClientError;
+use super::fast;
 use kvpool_proto::master as proto;
 
 impl MasterClient {
@@ -83,15 +84,18 @@ impl MasterClient {
         }
     }
 
-    /// Wait until every lease release queued so far (by this client and its clones) was sent
-    /// and answered.
+    /// Wait until every lease release queued so far (by this client, its clones and every fork
+    /// of their root, whose lanes may still hold releases for their next call) was sent and
+    /// answered: a remove after a read on another thread must not find that read's lease.
     pub async fn flush_releases(&self) {
-        if let Some(lane) = &self.fast {
-            for id in lane.take_pending() {
+        let root = self.parent.as_ref().map_or(self, |p| &p.0);
+        for id in fast::take_all_pending(&root.batch.lanes) {
+            if self.parent.is_some() {
                 self.release_via_parent(id);
+            } else {
+                drop(self.enqueue::<ReleaseOp>(id, false));
             }
         }
-        let root = self.parent.as_ref().map_or(self, |p| &p.0);
         ReleaseOp::queue(&root.batch).idle().await;
     }
 }
