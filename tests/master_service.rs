@@ -11,8 +11,8 @@ use kvpool_master::cmd::MasterArgs;
 use kvpool_proto::auth::AuthKey;
 use kvpool_proto::master::ErrorCode;
 use pool_support::{
-    InProcessMaster, assert_closed_within, dram_segment, eventually, http_get, in_process_master,
-    mount_dram,
+    InProcessMaster, assert_closed_within, current_thread_runtime, dram_segment, eventually,
+    http_get, in_process_master, mount_dram,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -742,16 +742,10 @@ async fn a_remove_sends_the_releases_that_forks_still_hold() {
     f.client.put_end(b"held/k", put_id).await.expect("put_end");
     // The fork's parent runtime is never driven, so the fork's timed release (through the
     // parent) cannot fire: only the flush before the remove can send the read's lease.
-    let idle = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("idle runtime");
+    let idle = current_thread_runtime();
     let fork = f.client.fork(idle.handle().clone());
     let fork = tokio::task::spawn_blocking(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let rt = current_thread_runtime();
         rt.block_on(async {
             let located = fork.get(b"held/k").await.expect("get");
             // Held by the fork's lane for its next call, which never comes.
@@ -782,10 +776,7 @@ async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
     let fork = f.client.fork(tokio::runtime::Handle::current());
     // The fork is driven by a thread of its own, as a Python thread drives it.
     let (lease, fork) = tokio::task::spawn_blocking(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let rt = current_thread_runtime();
         let lease = rt.block_on(async {
             let PutStarted::Allocated { put_id, replicas } = fork
                 .put_start(b"fast/k", MIB, &PutOptions::default())

@@ -16,8 +16,8 @@ use kvpool_core::master::{PutOptions, PutStarted};
 use kvpool_harness::tls::{TlsFiles, write_throwaway};
 use kvpool_proto::auth::AuthKey;
 use pool_support::{
-    InProcessMaster, assert_closed_within, dram_segment, error_chain, eventually, http_get,
-    in_process_master,
+    InProcessMaster, assert_closed_within, current_thread_runtime, dram_segment, error_chain,
+    eventually, http_get, in_process_master,
 };
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
@@ -109,10 +109,7 @@ async fn a_tls_master_serves_grpc_and_fast_lane_calls_to_a_client_that_trusts_it
     // A fork's calls go over the fast lane, inside TLS too.
     let fork = c.fork(tokio::runtime::Handle::current());
     let fork = tokio::task::spawn_blocking(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let rt = current_thread_runtime();
         rt.block_on(async {
             assert_eq!(
                 fork.exists(&[b"tls/k", b"tls/missing"])
@@ -244,10 +241,7 @@ async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
     assert_eq!(c.exists(&[b"k"]).await.expect("mutual TLS"), vec![false]);
     let fork = c.fork(tokio::runtime::Handle::current());
     let (found, fork) = tokio::task::spawn_blocking(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let rt = current_thread_runtime();
         (rt.block_on(fork.exists(&[b"k"])), fork)
     })
     .await

@@ -475,6 +475,15 @@ pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) 
     }
 }
 
+/// A current-thread runtime with I/O and timers: what a Python thread drives a client fork on
+/// (or, never driven, a parent runtime whose tasks do not run).
+pub fn current_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("current-thread runtime")
+}
+
 /// Poll `cond` every 10 ms for at most `limit`; whether it came true.
 pub async fn eventually(limit: Duration, cond: impl FnMut() -> bool) -> bool {
     kvpool_harness::poll::until_async(limit, Duration::from_millis(10), cond).await
