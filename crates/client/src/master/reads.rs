@@ -65,14 +65,11 @@ impl MasterClient {
         {
             return;
         }
-        if self.parent.is_some() {
-            self.release_via_parent(id);
-            return;
-        }
-        drop(self.enqueue::<ReleaseOp>(id, false));
+        self.release_via_parent(id);
     }
 
-    /// A fork's release through its parent, on the parent's runtime.
+    /// A fork's release through its parent, on the parent's runtime; a root's into its own
+    /// queue.
     pub(super) fn release_via_parent(&self, id: u64) {
         match &self.parent {
             Some(p) => {
@@ -90,11 +87,7 @@ impl MasterClient {
     pub async fn flush_releases(&self) {
         let root = self.parent.as_ref().map_or(self, |p| &p.0);
         for id in fast::take_all_pending(&root.batch.lanes) {
-            if self.parent.is_some() {
-                self.release_via_parent(id);
-            } else {
-                drop(self.enqueue::<ReleaseOp>(id, false));
-            }
+            self.release_via_parent(id);
         }
         ReleaseOp::queue(&root.batch).idle().await;
     }
