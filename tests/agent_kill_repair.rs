@@ -81,18 +81,12 @@ async fn read_all(pool: &PoolClient) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replication_recovers_after_a_second_agent_failure() {
-    let (dir, key_file, mut master, grpc) = test_pool("2s");
-    let logs = dir.path();
-    let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "32MiB");
-    let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "32MiB");
-    let (mut c, _) = start_agent(logs, "agent-c", grpc, &key_file, "32MiB");
-    let (mut d, _) = start_agent(logs, "agent-d", grpc, &key_file, "32MiB");
-    let client = master_client(grpc, KEY);
-    wait_stats(
+    let (dir, key_file, mut master, grpc, client) = test_pool("2s");
+    let [mut a, mut b, mut c, mut d] = start_agents(dir.path(), grpc, &key_file, "32MiB");
+    wait_mounted(
         &client,
-        "four agents mounted",
+        4,
         &mut [&mut master, &mut a, &mut b, &mut c, &mut d],
-        |s| s.nodes_alive == 4 && s.segments >= 4,
     )
     .await;
     let pool = pool_client(grpc, KEY, "test-client", |c| c.prefer_shm = false);

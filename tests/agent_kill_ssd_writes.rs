@@ -89,10 +89,9 @@ async fn writer(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
-    let (dir, key_file, mut master, grpc) = test_pool("2s");
+    let (dir, key_file, mut master, grpc, client) = test_pool("2s");
     let logs = dir.path();
     let (_ssd_dir, extra, mut a, first_addr) = start_ssd_agent(logs, grpc, &key_file);
-    let client = master_client(grpc, KEY);
     let pool = pool_client(grpc, KEY, "remote-client", |c| c.lanes = 1);
 
     let log = Arc::new(Mutex::new(Log::default()));
@@ -154,7 +153,7 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
     .await;
 
     // The same node on the same SSD directory: it replays its index and announces it.
-    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
+    let (mut a, addr_a) = spawn_ssd_agent(logs, grpc, &key_file, &extra);
     tokio::task::block_in_place(|| {
         a.wait_for_log_line("the SSD announcement", DEADLINE, |l| {
             l.contains("recovered blocks announced") && l.contains("ssd")
@@ -162,14 +161,7 @@ async fn an_agent_killed_during_ssd_writes_never_serves_wrong_bytes() {
     })
     .expect("announced");
     wait_ready(&addr_a, &mut a);
-    let adopted = wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_ssd_blocks_adopted_total",
-        &[],
-        |_| true,
-    )
-    .await;
+    let adopted = ssd_blocks_adopted(&addr_a, &mut a, |_| true).await;
 
     let log = std::mem::take(&mut *log.lock());
     let mut present = 0u64;

@@ -79,7 +79,7 @@ impl OneAgentPool {
     /// `None` (after a SKIP line) where /dev/shm is missing (see [`shm_dir`]).
     fn new() -> Option<Self> {
         let shm = shm_dir()?;
-        let (dir, key_file, master, grpc) = test_pool("5s");
+        let (dir, key_file, master, grpc, _) = test_pool("5s");
         Some(Self {
             tier: shm.path().join("tier"),
             _shm: shm,
@@ -172,9 +172,7 @@ async fn wait_adopted(addr: &AgentAddrs, agent: &mut ChildProcess, n: f64) -> f6
 /// Puts `block(i)` under the i-th of `keys` through the agent's engine API, then waits until
 /// its persistent index holds every one of them.
 async fn put_indexed(addr: &AgentAddrs, agent: &mut ChildProcess, keys: &[Vec<u8>]) {
-    let mut engine_a = engine(addr, "engine-a").await;
-    put_each(&mut engine_a, keys, block).await;
-    drop(engine_a);
+    put_through(addr, "engine-a", keys, block).await;
     wait_indexed(addr, agent, keys.len()).await;
 }
 
@@ -210,11 +208,7 @@ async fn restart_keeps_dram_blocks(sig: Signal) {
     let mut engine_a = engine(&addr_a, "engine-a2").await;
     for (i, k) in keys.iter().enumerate() {
         if i == bad {
-            assert!(
-                !client.exists(&[k.as_slice()]).await.expect("exists")[0],
-                "the changed block is not announced"
-            );
-            assert!(engine_a.get(k).await.expect("get").is_none());
+            assert_gone(&client, &mut engine_a, k, "the changed block").await;
             continue;
         }
         assert_eq!(
@@ -366,7 +360,7 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
         Some(t) => t,
         None => return,
     };
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
     let logs = dir.path();
     let names = ["agent-a", "agent-b", "agent-c"];
     let tier_of = |i: usize| -> PathBuf { tiers[i].path().join("tier") };
@@ -376,7 +370,6 @@ async fn a_rolling_update_under_load_loses_no_committed_block() {
     for (p, addr) in &mut agents {
         wait_ready(addr, p);
     }
-    let client = master_client(grpc, KEY);
     let remote = Arc::new(remote_client(grpc, "load-client"));
     let opts = PutOptions {
         replicas: 2,

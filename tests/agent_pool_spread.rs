@@ -15,10 +15,8 @@ mod pool_support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvpool_agent::proto::Status;
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::PutOptions;
-use kvpool_harness::{Launcher, MasterSpec};
 use pool_support::*;
 
 const RACKS: [(&str, &str); 4] = [
@@ -43,22 +41,10 @@ fn value(i: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_never_share_a_failure_domain() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let logs = dir.path();
-    let key_file = write_key(logs, KEY);
-    let m = MasterSpec::new(KVPOOL, &key_file)
-        .expect("ports")
-        .args([
-            "--heartbeat-timeout",
-            "5s",
-            "--tick-interval",
-            "100ms",
-            "--replica-spread",
-            "failure-domain",
-        ])
-        .start(&Launcher::new(logs), "master", DEADLINE)
-        .expect("kvpool master");
+    let spread = ["--replica-spread", "failure-domain"];
+    let (dir, key_file, m, client) = test_pool_with("5s", &spread);
     let (mut master, grpc) = (m.process, m.grpc);
+    let logs = dir.path();
     let mut agents = BTreeMap::new();
     // One at a time, so the master mounts (and numbers) their segments in this order.
     for (name, rack) in RACKS {
@@ -67,21 +53,14 @@ async fn replicas_never_share_a_failure_domain() {
         wait_ready(&addrs, &mut p);
         agents.insert(name, (p, addrs));
     }
-    let client = master_client(grpc, KEY);
     wait_stats(&client, "four agents mounted", &mut [&mut master], |s| {
         s.nodes_alive == 4 && s.segments == 4
     })
     .await;
 
     // Engine puts through agent-a: the writer keeps one copy, the other goes to another rack.
-    let keys: Vec<Vec<u8>> = (0..12)
-        .map(|i| format!("spread-block-{i}").into_bytes())
-        .collect();
-    let mut engine_a = engine(&agents["agent-a"].1, "engine-a").await;
-    for (i, key) in keys.iter().enumerate() {
-        assert_eq!(engine_a.put(key, &value(i)).await.expect("put"), Status::Ok);
-    }
-    drop(engine_a);
+    let keys = numbered_keys("spread-block", 12);
+    put_through(&agents["agent-a"].1, "engine-a", &keys, value).await;
     let mut on_c = Vec::new();
     for (i, key) in keys.iter().enumerate() {
         let nodes = replica_nodes(&client, key).await.expect("locate");

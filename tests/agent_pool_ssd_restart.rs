@@ -42,18 +42,13 @@ fn block(i: usize) -> Vec<u8> {
 }
 
 async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
     let logs = dir.path();
     let (ssd_dir, extra, mut a, addr_a) = start_ssd_agent(logs, grpc, &key_file);
-    let client = master_client(grpc, KEY);
 
     // 16 blocks of ~100 KiB into 1 MiB of DRAM: most are demoted to the SSD segment.
-    let mut engine_a = engine(&addr_a, "engine-a").await;
-    let keys: Vec<Vec<u8>> = (0..16)
-        .map(|i| format!("persist-block-{i}").into_bytes())
-        .collect();
-    put_each(&mut engine_a, &keys, block).await;
-    drop(engine_a);
+    let keys = numbered_keys("persist-block", 16);
+    put_through(&addr_a, "engine-a", &keys, block).await;
     wait_stats(&client, "demotions done", &mut [&mut master, &mut a], |s| {
         s.tasks == 0 && s.used_bytes.get(1).copied().unwrap_or(0) > 0
     })
@@ -127,16 +122,9 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     let (bad, bad_offset) = on_ssd[0];
     corrupt(&ssd_dir, bad_offset + 100);
 
-    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "1MiB", &extra);
+    let (mut a, addr_a) = spawn_ssd_agent(logs, grpc, &key_file, &extra);
     wait_ready(&addr_a, &mut a);
-    let adopted = wait_metric(
-        &addr_a,
-        &mut a,
-        "kvpool_agent_pool_ssd_blocks_adopted_total",
-        &[],
-        |v| v >= n - 1.0,
-    )
-    .await;
+    let adopted = ssd_blocks_adopted(&addr_a, &mut a, |v| v >= n - 1.0).await;
     // Demoted blocks less the corrupted and the removed one, plus the remote value.
     assert_eq!(adopted, n - 1.0, "every intact block adopted");
     let (_, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics");
@@ -154,22 +142,12 @@ async fn restart_keeps_demoted_blocks(sig: nix::sys::signal::Signal) {
     for &(i, offset) in &on_ssd {
         let key = &keys[i];
         if i == removed {
-            assert!(
-                !client.exists(&[key.as_slice()]).await.expect("exists")[0],
-                "a removed key does not come back after a restart"
-            );
-            assert!(engine_a.get(key).await.expect("get").is_none());
+            // A removed key does not come back after a restart.
+            assert_gone(&client, &mut engine_a, key, "the removed key").await;
             continue;
         }
         if i == bad {
-            assert!(
-                !client.exists(&[key.as_slice()]).await.expect("exists")[0],
-                "the corrupted block is not announced"
-            );
-            assert!(
-                engine_a.get(key).await.expect("get").is_none(),
-                "the corrupted block is never served"
-            );
+            assert_gone(&client, &mut engine_a, key, "the corrupted block").await;
             continue;
         }
         let located = replicas(&client, key).await.expect("locate after restart");
@@ -211,10 +189,8 @@ async fn demoted_blocks_survive_a_sigkill_after_the_index_sync() {
 /// the block leaves the index, the agent reports it and the master forgets the replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_corrupted_while_running_is_refused_dropped_and_reported() {
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
-    let logs = dir.path();
-    let (ssd_dir, _, mut a, addr_a) = start_ssd_agent(logs, grpc, &key_file);
-    let client = master_client(grpc, KEY);
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
+    let (ssd_dir, _, mut a, addr_a) = start_ssd_agent(dir.path(), grpc, &key_file);
 
     // Two values written straight into ssd0 by a remote client.
     let remote = remote_client(grpc);

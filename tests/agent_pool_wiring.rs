@@ -42,19 +42,9 @@ fn value(i: usize) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn values_survive_the_death_of_one_replica_holder() {
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
-    let logs = dir.path();
-    let mut a = start_agent(logs, "agent-a", grpc, &key_file, "8MiB").0;
-    let mut b = start_agent(logs, "agent-b", grpc, &key_file, "8MiB").0;
-
-    let client = master_client(grpc, KEY);
-    wait_stats(
-        &client,
-        "both agents mounted",
-        &mut [&mut master, &mut a, &mut b],
-        |s| s.nodes_alive == 2 && s.segments >= 2,
-    )
-    .await;
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
+    let [mut a, mut b] = start_agents(dir.path(), grpc, &key_file, "8MiB");
+    wait_mounted(&client, 2, &mut [&mut master, &mut a, &mut b]).await;
 
     let engine = client_engine("test-client", KEY, |_| {});
     let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None);
@@ -63,9 +53,7 @@ async fn values_survive_the_death_of_one_replica_holder() {
         ..PutOptions::default()
     };
 
-    let keys: Vec<Vec<u8>> = (0..OBJECTS)
-        .map(|i| format!("block-{i}").into_bytes())
-        .collect();
+    let keys = numbered_keys("block", OBJECTS);
     for (i, key) in keys.iter().enumerate() {
         let replicas = pool.put(key, &value(i), &opts).await.expect("put");
         let mut nodes: Vec<_> = replicas.iter().map(|r| r.node.clone()).collect();
@@ -128,11 +116,10 @@ async fn values_survive_the_death_of_one_replica_holder() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_puts_land_in_the_agents_dram_tier() {
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
     let logs = dir.path();
-    let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", "");
-    let (mut b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", "");
-    let client = master_client(grpc, KEY);
+    let (mut a, addr_a) = start_agent(logs, "agent-a", grpc, &key_file, "8MiB");
+    let (mut b, addr_b) = start_agent(logs, "agent-b", grpc, &key_file, "8MiB");
     wait_ready(&addr_a, &mut a);
     wait_ready(&addr_b, &mut b);
     wait_stats(
@@ -152,9 +139,7 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
 
     let mut engine_a = engine(&addr_a, "engine-a").await;
     let mut engine_b = engine(&addr_b, "engine-b").await;
-    let keys: Vec<Vec<u8>> = (0..6)
-        .map(|i| format!("engine-block-{i}").into_bytes())
-        .collect();
+    let keys = numbered_keys("engine-block", 6);
     put_each(&mut engine_a, &keys, value).await;
     let after = client.stats().await.expect("stats");
     assert_eq!(after.objects, keys.len() as u64);
@@ -194,9 +179,7 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
     assert_eq!(engine_b.get(b"never-put").await.expect("get missing"), None);
     // One batch of 12 blocks each way: statuses come back in item order, each block at its
     // own staging offset, with a missing key and a too-small range among them.
-    let batch_keys: Vec<Vec<u8>> = (0..12)
-        .map(|i| format!("batch-block-{i}").into_bytes())
-        .collect();
+    let batch_keys = numbered_keys("batch-block", 12);
     let slot = 320 * 1024u64;
     for (i, _) in batch_keys.iter().enumerate() {
         engine_a
@@ -301,14 +284,13 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_surviving_agent_repairs_lost_replicas() {
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
     let logs = dir.path();
     let extra = "  replicas: 2\n";
     let (mut a, addr_a) = start_agent_with(logs, "agent-a", grpc, &key_file, "8MiB", extra);
     let (b, addr_b) = start_agent_with(logs, "agent-b", grpc, &key_file, "8MiB", extra);
     let (c, addr_c) = start_agent_with(logs, "agent-c", grpc, &key_file, "8MiB", extra);
     let mut others = [(b, addr_b), (c, addr_c)];
-    let client = master_client(grpc, KEY);
     wait_ready(&addr_a, &mut a);
     for (p, addr) in &mut others {
         wait_ready(addr, p);
@@ -319,14 +301,8 @@ async fn a_surviving_agent_repairs_lost_replicas() {
     .await;
 
     // Two replicas each, the first on the writer (agent-a), the second on b or c.
-    let mut engine_a = engine(&addr_a, "engine-a").await;
-    let keys: Vec<Vec<u8>> = (0..8)
-        .map(|i| format!("repair-block-{i}").into_bytes())
-        .collect();
-    for (i, key) in keys.iter().enumerate() {
-        assert_eq!(engine_a.put(key, &value(i)).await.expect("put"), Status::Ok);
-    }
-    drop(engine_a);
+    let keys = numbered_keys("repair-block", 8);
+    put_through(&addr_a, "engine-a", &keys, value).await;
     let mut on_b = Vec::new();
     for (i, key) in keys.iter().enumerate() {
         let nodes = replica_nodes(&client, key).await.expect("locate");
@@ -405,10 +381,8 @@ async fn a_surviving_agent_repairs_lost_replicas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
-    let logs = dir.path();
-    let (ssd_dir, _, mut a, addr_a) = start_ssd_agent(logs, grpc, &key_file);
-    let client = master_client(grpc, KEY);
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
+    let (ssd_dir, _, mut a, addr_a) = start_ssd_agent(dir.path(), grpc, &key_file);
     let s = client.stats().await.expect("stats");
     assert_eq!(s.segments, 2, "DRAM and SSD segments mounted");
     assert_eq!(s.capacity_bytes, vec![1 << 20, 8 << 20]);
@@ -420,9 +394,7 @@ async fn dram_eviction_demotes_to_the_agents_ssd_segment() {
             .map(|j: usize| (j.wrapping_mul(13) ^ i.wrapping_mul(101)) as u8)
             .collect()
     };
-    let keys: Vec<Vec<u8>> = (0..16)
-        .map(|i| format!("demote-block-{i}").into_bytes())
-        .collect();
+    let keys = numbered_keys("demote-block", 16);
     put_each(&mut engine_a, &keys, block).await;
     // Demotions finish (no task left) with blocks on the SSD segment.
     wait_stats(&client, "demotions done", &mut [&mut master, &mut a], |s| {

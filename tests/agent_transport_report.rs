@@ -21,7 +21,7 @@ fn find<'a>(t: &'a [NodeTransport], node: &str) -> Option<&'a NodeTransport> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
-    let (dir, key_file, mut master, grpc) = test_pool("5s");
+    let (dir, key_file, mut master, grpc, client) = test_pool("5s");
     let logs = dir.path();
     let (mut rdma, rdma_addrs) = start_agent_with(
         logs,
@@ -47,7 +47,6 @@ async fn agents_report_their_transport_and_the_master_returns_it_in_stats() {
     }
     wait_ready(&tcp_addrs, &mut tcp);
 
-    let client = master_client(grpc, KEY);
     wait_stats(
         &client,
         "both agents' transport reports",

@@ -89,16 +89,3 @@ fn bench_conductor_measures_direct_conductor_and_sglang_router_in_the_same_round
         .unwrap();
     assert!((q["max_requests_per_second"].as_f64().unwrap() - c / s).abs() < 1e-9);
 }
-
-#[test]
-fn the_router_version_the_bench_installs_is_the_one_the_python_env_pins() {
-    let script = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/python-env.sh"),
-    )
-    .unwrap();
-    let pinned = script
-        .lines()
-        .find_map(|l| l.strip_prefix("ROUTER_VERSION="))
-        .expect("ROUTER_VERSION in scripts/python-env.sh");
-    assert_eq!(pinned, kvpool_bench::conductor::router::DEFAULT_VERSION);
-}

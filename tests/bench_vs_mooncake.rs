@@ -2,7 +2,9 @@
 //! tiny size against real Mooncake (its PyPI wheel in .tools/py, which scripts/test.sh installs
 //! with `scripts/python-env.sh --tools`; the bench installs it there itself when it is missing).
 //! Checks that both sides ran the same cell and that the JSON carries both figures and their
-//! ratio. No ratio is asserted: figures are for docs/benchmarks.md.
+//! ratio. No ratio is asserted: figures are for docs/benchmarks.md. Also checks that the
+//! versions of Mooncake and of sglang-router (tests/bench_conductor.rs) that the benches install
+//! are the ones scripts/python-env.sh pins.
 
 use std::path::Path;
 use std::process::Command;
@@ -141,14 +143,22 @@ fn bench_store_measures_mooncake_store_with_the_same_cells() {
 }
 
 #[test]
-fn the_mooncake_version_the_bench_installs_is_the_one_the_python_env_pins() {
+fn the_versions_the_benches_install_are_the_ones_the_python_env_pins() {
     let script = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/python-env.sh"),
     )
     .unwrap();
-    let pinned = script
-        .lines()
-        .find_map(|l| l.strip_prefix("MOONCAKE_VERSION="))
-        .expect("MOONCAKE_VERSION in scripts/python-env.sh");
-    assert_eq!(pinned, kvpool_bench::mooncake::DEFAULT_VERSION);
+    for (variable, installed) in [
+        ("MOONCAKE_VERSION", kvpool_bench::mooncake::DEFAULT_VERSION),
+        (
+            "ROUTER_VERSION",
+            kvpool_bench::conductor::router::DEFAULT_VERSION,
+        ),
+    ] {
+        let pinned = script
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{variable}=")))
+            .unwrap_or_else(|| panic!("{variable} in scripts/python-env.sh"));
+        assert_eq!(pinned, installed, "{variable}");
+    }
 }

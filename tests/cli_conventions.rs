@@ -72,135 +72,46 @@ fn parsed(argv: &[&str]) -> String {
 
 #[test]
 fn old_spellings_parse_like_the_new_ones() {
-    let pairs: &[(&[&str], &[&str])] = &[
+    // Command lines, split at spaces: the old spellings, and the same with the new ones.
+    let pairs = [
         (
-            &[
-                "master",
-                "--auth-key-file",
-                "k",
-                "--admin-addr",
-                "127.0.0.1:9",
-            ],
-            &[
-                "master",
-                "--auth-key-file",
-                "k",
-                "--admin-listen",
-                "127.0.0.1:9",
-            ],
+            "master --auth-key-file k --admin-addr 127.0.0.1:9",
+            "master --auth-key-file k --admin-listen 127.0.0.1:9",
         ),
         (
-            &[
-                "operator",
-                "run",
-                "--root-key-file",
-                "k",
-                "--admin-addr",
-                "127.0.0.1:9",
-            ],
-            &[
-                "operator",
-                "run",
-                "--root-key-file",
-                "k",
-                "--admin-listen",
-                "127.0.0.1:9",
-            ],
+            "operator run --root-key-file k --admin-addr 127.0.0.1:9",
+            "operator run --root-key-file k --admin-listen 127.0.0.1:9",
         ),
         (
-            &[
-                "conductor",
-                "--ttft-slo-s",
-                "2.5",
-                "--tpot-slo-s",
-                "0.05",
-                "--bytes-per-token",
-                "10",
-                "--kv-bandwidth-gbps",
-                "12.5",
-                "--pool-bandwidth-gbps",
-                "25",
-            ],
-            &[
-                "conductor",
-                "--ttft-slo",
-                "2500ms",
-                "--tpot-slo",
-                "50ms",
-                "--kv-bytes-per-token",
-                "10",
-                "--kv-bandwidth",
-                "100Gbit/s",
-                "--pool-bandwidth",
-                "25GB/s",
-            ],
+            "conductor --ttft-slo-s 2.5 --tpot-slo-s 0.05 --bytes-per-token 10 \
+             --kv-bandwidth-gbps 12.5 --pool-bandwidth-gbps 25",
+            "conductor --ttft-slo 2500ms --tpot-slo 50ms --kv-bytes-per-token 10 \
+             --kv-bandwidth 100Gbit/s --pool-bandwidth 25GB/s",
         ),
         (
-            &["up", "--grace-s", "1.5", "--ready-timeout-s", "90"],
-            &["up", "--grace", "1500ms", "--ready-timeout", "1m 30s"],
+            "bench transfer --block_size 4MiB --batch_size 4 --buffer_size 64MiB --no_baselines \
+             --baseline_duration 2 --vs_mooncake --duration 3 --timeout 7",
+            "bench transfer --block-size 4MiB --batch-size 4 --buffer-size 64MiB --no-baselines \
+             --baseline-duration 2s --vs-mooncake --duration 3s --timeout 7s",
         ),
         (
-            &[
-                "bench",
-                "transfer",
-                "--block_size",
-                "4MiB",
-                "--batch_size",
-                "4",
-                "--buffer_size",
-                "64MiB",
-                "--no_baselines",
-                "--baseline_duration",
-                "2",
-                "--vs_mooncake",
-                "--duration",
-                "3",
-                "--timeout",
-                "7",
-            ],
-            &[
-                "bench",
-                "transfer",
-                "--block-size",
-                "4MiB",
-                "--batch-size",
-                "4",
-                "--buffer-size",
-                "64MiB",
-                "--no-baselines",
-                "--baseline-duration",
-                "2s",
-                "--vs-mooncake",
-                "--duration",
-                "3s",
-                "--timeout",
-                "7s",
-            ],
+            "bench store --vs_mooncake --mooncake_venv /v",
+            "bench store --vs-mooncake --mooncake-venv /v",
         ),
         (
-            &["bench", "store", "--vs_mooncake", "--mooncake_venv", "/v"],
-            &["bench", "store", "--vs-mooncake", "--mooncake-venv", "/v"],
-        ),
-        (
-            &[
-                "bench",
-                "conductor",
-                "--vs_sglang_router",
-                "--router_venv",
-                "/r",
-            ],
-            &[
-                "bench",
-                "conductor",
-                "--vs-sglang-router",
-                "--router-venv",
-                "/r",
-            ],
+            "bench conductor --vs_sglang_router --router_venv /r",
+            "bench conductor --vs-sglang-router --router-venv /r",
         ),
     ];
     for (old, new) in pairs {
-        assert_eq!(parsed(old), parsed(new), "{old:?} vs {new:?}");
+        let old: Vec<&str> = old.split(' ').collect();
+        let new: Vec<&str> = new.split(' ').collect();
+        assert_eq!(parsed(&old), parsed(&new), "{old:?} vs {new:?}");
     }
+    // A new value with a space in it, so not in the table above.
+    let old = ["up", "--grace-s", "1.5", "--ready-timeout-s", "90"];
+    let new = ["up", "--grace", "1500ms", "--ready-timeout", "1m 30s"];
+    assert_eq!(parsed(&old), parsed(&new), "{old:?} vs {new:?}");
     // The old subcommand takes the same flags as the new one.
     let Ok(Cli {
         command: Command::MasterBench(old),

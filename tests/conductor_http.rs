@@ -12,7 +12,9 @@ use kvpool_core::sched::{PrefillCost, Rejection};
 use kvpool_synthetic::{EngineConfig, SglangMode, SglangRole};
 use prometheus::Registry;
 use serde_json::Value;
-use serve_support::{assert_metric, labelled, listen, metric as counter, start_conductor};
+use serve_support::{
+    assert_metric, labelled, listen, metric as counter, sse_data, start_conductor,
+};
 use tokio_util::sync::CancellationToken;
 
 async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
@@ -99,14 +101,16 @@ async fn cluster_full(
     let (p0, r0) = engine_with(&shutdown, agent).await;
     let (p1, r1) = engine_with(&shutdown, agent).await;
     let (d0, rd) = engine(&shutdown).await;
-    let config = conductor_config(
+    let mut config = serve_support::conductor_config(
+        MODEL,
+        BLOCK,
         vec![format!("http://{p0}"), format!("http://{p1}")],
         decode.unwrap_or_else(|| format!("http://{d0}/")),
         rejection,
         ttft_slo_s,
-        hot_threshold,
-        pool,
     );
+    config.scheduler.hot.threshold = hot_threshold;
+    config.pool = pool;
     let (a, registry) = start_conductor(config, &shutdown).await;
     Cluster {
         conductor: a,
@@ -117,20 +121,9 @@ async fn cluster_full(
     }
 }
 
-fn conductor_config(
-    prefill: Vec<String>,
-    decode: String,
-    rejection: Rejection,
-    ttft_slo_s: f64,
-    hot_threshold: u32,
-    pool: Option<PoolLookup>,
-) -> ConductorConfig {
-    let mut c =
-        serve_support::conductor_config(MODEL, BLOCK, prefill, decode, rejection, ttft_slo_s);
-    c.scheduler.prefill_costs = vec![PrefillCost::default(); 2];
-    c.scheduler.hot.threshold = hot_threshold;
-    c.pool = pool;
-    c
+/// The conductor over `prefill` and `decode` with no admission control and a 30 s TTFT target.
+fn conductor_config(prefill: Vec<String>, decode: String) -> ConductorConfig {
+    serve_support::conductor_config(MODEL, BLOCK, prefill, decode, Rejection::None, 30.0)
 }
 
 #[tokio::test]
@@ -265,10 +258,7 @@ async fn streams_chat_through_the_decode_engine() {
         head.to_ascii_lowercase().contains("text/event-stream"),
         "{head}"
     );
-    let events: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
+    let events = sse_data(&text);
     assert_eq!(events.len(), 4, "{text}");
     assert_eq!(events[3], "[DONE]");
     assert_metric(&c.conductor_metrics, "kvpool_conductor_requests_total", 1.0);
@@ -284,10 +274,6 @@ async fn chat_requests_are_rendered_with_the_chat_template_and_its_refusals_name
     let mut config = conductor_config(
         vec![format!("http://{p0}"), format!("http://{p1}")],
         format!("http://{d0}"),
-        Rejection::None,
-        30.0,
-        0,
-        None,
     );
     let template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('tool messages are not supported') }}{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}";
     config.chat_template = Some(std::sync::Arc::new(
@@ -606,14 +592,11 @@ async fn prefetches_in_flight_are_bounded() {
     // holds the prefix and is idle), so only prefetches are at stake.
     let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let hung_url = format!("http://{}", hung.local_addr().expect("addr"));
-    let config = conductor_config(
+    let mut config = conductor_config(
         vec![format!("http://{p0}"), hung_url],
         format!("http://{d0}"),
-        Rejection::None,
-        30.0,
-        1,
-        None,
     );
+    config.scheduler.hot.threshold = 1;
     let (conductor, m) = start_conductor(config, &shutdown).await;
     let ask = format!(
         r#"{{"model":"{MODEL}","prompt":"{}","max_tokens":1}}"#,
@@ -666,15 +649,7 @@ async fn sglang_cluster(
         sglang(SglangRole::Decode, decode_timeout_ms),
     )
     .await;
-    let mut config = conductor_config(
-        vec![format!("http://{p}")],
-        format!("http://{d}"),
-        Rejection::None,
-        30.0,
-        0,
-        None,
-    );
-    config.scheduler.prefill_costs.truncate(1);
+    let mut config = conductor_config(vec![format!("http://{p}")], format!("http://{d}"));
     config.protocol = RoutingProtocol::Sglang {
         bootstrap_port: 8998,
     };
@@ -723,19 +698,15 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
         head.to_ascii_lowercase().contains("text/event-stream"),
         "{head}"
     );
-    let events: Vec<Value> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
+    let events: Vec<Value> = sse_data(&text)
+        .into_iter()
         .filter(|e| *e != "[DONE]")
         .map(|e| serde_json::from_str(e).expect("event json"))
         .collect();
     assert_eq!(events.len(), 3, "{text}");
     assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
     assert_eq!(events[2]["choices"][0]["finish_reason"], "length");
-    let last = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .next_back();
+    let last = sse_data(&text).last().copied();
     assert_eq!(last, Some("[DONE]"), "{text}");
     assert_eq!(handoffs(&c.decode, "ok"), 2.0);
     assert_metric(prefill, "kvpool_engine_generated_tokens_total", 2.0);
@@ -867,15 +838,8 @@ async fn prefill_cost_is_fitted_from_the_engines_measured_prefills() {
     // The decode engine stays fast (its own prefill of the prompt is not measured).
     let (d0, _) = engine(&shutdown).await;
     let prefill_url = format!("http://{p0}");
-    let mut config = conductor_config(
-        vec![prefill_url.clone()],
-        format!("http://{d0}"),
-        Rejection::None,
-        1e6,
-        0,
-        None,
-    );
-    config.scheduler.prefill_costs.truncate(1);
+    let mut config = conductor_config(vec![prefill_url.clone()], format!("http://{d0}"));
+    config.scheduler.slo.ttft_s = 1e6;
     config.time_scale = SCALE;
     config.fit_prefill_cost = true;
     let (conductor, metrics) = start_conductor(config, &shutdown).await;
@@ -984,15 +948,8 @@ async fn decode_progress_is_counted_from_the_stream_before_it_ends() {
     };
     let (d0, _) = serve_support::start_engine(config, &shutdown).await;
     let decode_url = format!("http://{d0}");
-    let mut config = conductor_config(
-        vec![format!("http://{p0}")],
-        decode_url.clone(),
-        Rejection::None,
-        1e6,
-        0,
-        None,
-    );
-    config.scheduler.prefill_costs.truncate(1);
+    let mut config = conductor_config(vec![format!("http://{p0}")], decode_url.clone());
+    config.scheduler.slo.ttft_s = 1e6;
     let (conductor, metrics) = start_conductor(config, &shutdown).await;
     let observed = || {
         labelled(
@@ -1094,15 +1051,7 @@ async fn idle_upstream_connections_expire() {
         HttpLimits::default(),
         stats.clone(),
     ));
-    let mut config = conductor_config(
-        vec![format!("http://{engine}")],
-        format!("http://{engine}"),
-        Rejection::None,
-        30.0,
-        0,
-        None,
-    );
-    config.scheduler.prefill_costs = vec![PrefillCost::default()];
+    let mut config = conductor_config(vec![format!("http://{engine}")], format!("http://{engine}"));
     config.upstream = kvpool_conductor::UpstreamPool {
         idle_timeout: Duration::from_millis(300),
         max_idle_per_host: 8,

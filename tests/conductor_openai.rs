@@ -13,7 +13,7 @@ use kvpool_conductor::ConductorConfig;
 use kvpool_core::sched::{PrefillCost, Rejection};
 use prometheus::Registry;
 use serde_json::{Value, json};
-use serve_support::{assert_metric, exchange, listen, start_conductor};
+use serve_support::{assert_metric, exchange, listen, sse_data, start_conductor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -69,13 +69,6 @@ async fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, String, Strin
 
 fn json_of(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
-}
-
-/// The `data:` payloads of a server-sent event stream.
-fn events(text: &str) -> Vec<&str> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect()
 }
 
 #[tokio::test]
@@ -159,7 +152,7 @@ async fn a_stream_with_include_usage_ends_with_the_usage_chunk() {
     ] {
         let (status, _, text) = post(c.conductor, path, &body).await;
         assert_eq!(status, 200, "{text}");
-        let ev = events(&text);
+        let ev = sse_data(&text);
         assert_eq!(ev.last(), Some(&"[DONE]"), "{text}");
         let choices = body["n"].as_u64().unwrap_or(1);
         // One chunk per token and choice, then the usage chunk, then [DONE].
@@ -178,7 +171,7 @@ async fn a_stream_with_include_usage_ends_with_the_usage_chunk() {
         &json!({"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": true}),
     )
     .await;
-    assert_eq!(events(&text).len(), 3, "{text}");
+    assert_eq!(sse_data(&text).len(), 3, "{text}");
     c.shutdown.cancel();
 }
 

@@ -19,22 +19,27 @@ fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// The Python side's answer to one `hashes` command.
-fn python_hashes(tokens: &[u32], block_size: u32, seed: &str, lora: Option<&str>) -> Value {
+/// What the Python script `script` of tests/python prints, given `input` on its standard input.
+fn run_python(script: &str, input: &str) -> String {
     let mut child = Command::new(python())
-        .arg(root().join("tests/python/vllm_events.py"))
+        .arg(root().join("tests/python").join(script))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
         .expect("start python");
-    let cmd = json!({"op": "hashes", "tokens": tokens, "block_size": block_size,
-                     "seed": seed, "lora_name": lora});
     let mut stdin = child.stdin.take().expect("stdin");
-    writeln!(stdin, "{cmd}").expect("write command");
+    stdin.write_all(input.as_bytes()).expect("write input");
     drop(stdin);
     let out = child.wait_with_output().expect("python output");
-    assert!(out.status.success(), "python failed: {out:?}");
-    let text = String::from_utf8(out.stdout).expect("utf-8");
+    assert!(out.status.success(), "{script} failed: {out:?}");
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// The Python side's answer to one `hashes` command.
+fn python_hashes(tokens: &[u32], block_size: u32, seed: &str, lora: Option<&str>) -> Value {
+    let cmd = json!({"op": "hashes", "tokens": tokens, "block_size": block_size,
+                     "seed": seed, "lora_name": lora});
+    let text = run_python("vllm_events.py", &format!("{cmd}\n"));
     // First line: the publisher's ports; second: the answer.
     let answer = text.lines().nth(1).expect("an answer line");
     serde_json::from_str(answer).expect("json answer")
@@ -153,22 +158,12 @@ fn chat_vocab(words: &[&str]) -> serde_json::Map<String, Value> {
 /// The Python side: tests/python/chat_render.py renders and tokenises, then
 /// tests/python/vllm_events.py hashes.
 fn python_chat(messages: &Value, words: &[&str]) -> (Vec<u32>, Value) {
-    let mut child = Command::new(python())
-        .arg(root().join("tests/python/chat_render.py"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start python");
     let req = json!({"template": CHAT_TEMPLATE, "messages": messages,
                      "add_generation_prompt": true, "bos_token": "<|bos|>",
                      "eos_token": "<|end|>", "vocab": chat_vocab(words), "unk": "[UNK]",
                      "special": SPECIAL});
-    let mut stdin = child.stdin.take().expect("stdin");
-    write!(stdin, "{req}").expect("write request");
-    drop(stdin);
-    let out = child.wait_with_output().expect("python output");
-    assert!(out.status.success(), "chat_render.py failed: {out:?}");
-    let answer: Value = serde_json::from_slice(&out.stdout).expect("json answer");
+    let text = run_python("chat_render.py", &req.to_string());
+    let answer: Value = serde_json::from_str(&text).expect("json answer");
     let tokens: Vec<u32> = answer["tokens"]
         .as_array()
         .expect("tokens")

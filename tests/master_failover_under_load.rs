@@ -22,9 +22,7 @@ use std::time::{Duration, Instant};
 
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::PutOptions;
-use kvpool_harness::{
-    AgentSpec, ChildProcess, EtcdServer, Launcher, MasterProcess, Probe, free_addr, http,
-};
+use kvpool_harness::{AgentSpec, ChildProcess, Launcher, MasterProcess, Probe, free_addr, http};
 use parking_lot::Mutex;
 use pool_support::load::{Committed, Objects, join_tasks, wait_commits};
 use pool_support::*;
@@ -70,14 +68,10 @@ struct Outcomes {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_leader_killed_under_load_loses_no_acknowledged_put() {
-    if !EtcdServer::available() {
-        skip_support::skip("etcd binary not installed (Debian package etcd-server)");
-        return;
-    }
-    let dir = tempfile::tempdir().expect("tmp");
+    let Some((dir, key_file, etcd)) = etcd_dir(KEY) else {
+        return skip_support::skip(ETCD_MISSING);
+    };
     let logs = dir.path();
-    let key_file = write_key(logs, KEY);
-    let etcd = EtcdServer::start(logs).expect("etcd");
     let mut masters: Vec<MasterProcess> = ["master-0", "master-1", "master-2"]
         .iter()
         .map(|n| {
@@ -89,10 +83,7 @@ async fn the_leader_killed_under_load_loses_no_acknowledged_put() {
     let mut a = spawn_agent(logs, &key_file, &grpcs, "agent-a");
     let mut b = spawn_agent(logs, &key_file, &grpcs, "agent-b");
     let client = ha_master_client(&grpcs, KEY.as_bytes());
-    wait_stats(&client, "two agents mounted", &mut [&mut a, &mut b], |s| {
-        s.nodes_alive == 2 && s.segments >= 2
-    })
-    .await;
+    wait_mounted(&client, 2, &mut [&mut a, &mut b]).await;
     let leader = masters
         .iter()
         .position(|m| http::get(m.admin, "/readyz").is_some_and(|r| r.status == 200))

@@ -10,9 +10,9 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use kvpool_core::master::{PutOptions, PutStarted};
-use kvpool_harness::{EtcdServer, http};
+use kvpool_harness::http;
 use nix::sys::signal::Signal;
-use pool_support::{ha_master_client, mount_dram, spawn_ha_master};
+use pool_support::{etcd_dir, ha_master_client, mount_dram, spawn_ha_master};
 
 const KEY: &[u8] = b"kvpool-ha-test-pool-key-0123456789";
 const MIB: u64 = 1 << 20;
@@ -25,14 +25,9 @@ fn readyz(addr: SocketAddr) -> Option<u16> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standby_takes_over_with_every_committed_object() {
-    if !EtcdServer::available() {
-        skip_support::skip("etcd binary not installed (Debian package etcd-server)");
-        return;
-    }
-    let dir = tempfile::tempdir().expect("tmp");
-    std::fs::write(dir.path().join("key"), KEY).expect("key");
-    let etcd = EtcdServer::start(dir.path()).expect("etcd");
-    let key_file = dir.path().join("key");
+    let Some((dir, key_file, etcd)) = etcd_dir(KEY) else {
+        return skip_support::skip(pool_support::ETCD_MISSING);
+    };
     let spawn = |name| {
         let args = ["--heartbeat-timeout", "120s"];
         spawn_ha_master(dir.path(), &key_file, &etcd.client_url, PREFIX, name, &args)

@@ -30,20 +30,9 @@ const LOAD: Objects = Objects::new("kill-under-load", 0).lengths(4096, 64, 4096,
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agent_killed_under_load_loses_no_committed_object() {
-    let (dir, key_file, mut master, grpc) = test_pool("3s");
-    let logs = dir.path();
-    let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "64MiB");
-    let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "64MiB");
-    let (mut c, _) = start_agent(logs, "agent-c", grpc, &key_file, "64MiB");
-
-    let client = master_client(grpc, KEY);
-    wait_stats(
-        &client,
-        "three agents mounted",
-        &mut [&mut master, &mut a, &mut b, &mut c],
-        |s| s.nodes_alive == 3 && s.segments >= 3,
-    )
-    .await;
+    let (dir, key_file, mut master, grpc, client) = test_pool("3s");
+    let [mut a, mut b, mut c] = start_agents(dir.path(), grpc, &key_file, "64MiB");
+    wait_mounted(&client, 3, &mut [&mut master, &mut a, &mut b, &mut c]).await;
 
     let engine = client_engine("test-client", KEY, |c| c.prefer_shm = false);
     let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None);

@@ -13,7 +13,6 @@
 
 mod pool_support;
 
-use kvpool_harness::{Launcher, MasterSpec};
 use kvpool_proto::master::{NodeStats, StatsResponse};
 use pool_support::*;
 
@@ -35,35 +34,21 @@ fn at(v: &[u64], i: usize) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stats_split_use_and_get_hits_by_the_node_that_serves_them() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let logs = dir.path();
-    let key_file = write_key(logs, KEY);
-    let m = MasterSpec::new(KVPOOL, &key_file)
-        .expect("ports")
-        .args(["--heartbeat-timeout", "5s", "--tick-interval", "100ms"])
-        .start(&Launcher::new(logs), "master", DEADLINE)
-        .expect("kvpool master");
+    let (dir, key_file, m, client) = test_pool_with("5s", &[]);
     let (mut master, grpc, admin) = (m.process, m.grpc, m.admin);
+    let logs = dir.path();
     let (mut a, a_addrs) = start_agent(logs, "agent-a", grpc, &key_file, "8MiB");
     let (mut b, b_addrs) = start_agent(logs, "agent-b", grpc, &key_file, "8MiB");
     wait_ready(&a_addrs, &mut a);
     wait_ready(&b_addrs, &mut b);
-    let client = master_client(grpc, KEY);
     wait_stats(&client, "two agents mounted", &mut [&mut master], |s| {
         s.nodes_alive == 2 && s.nodes.len() == 2
     })
     .await;
 
     // Four blocks written through agent-a, two through agent-b: each writer keeps its own.
-    let keys = |p: &str, n: usize| -> Vec<Vec<u8>> {
-        (0..n)
-            .map(|i| format!("{p}-block-{i}").into_bytes())
-            .collect()
-    };
-    let (on_a, on_b) = (keys("a", 4), keys("b", 2));
-    let mut engine_a = engine(&a_addrs, "engine-a").await;
-    put_each(&mut engine_a, &on_a, value).await;
-    drop(engine_a);
+    let (on_a, on_b) = (numbered_keys("a-block", 4), numbered_keys("b-block", 2));
+    put_through(&a_addrs, "engine-a", &on_a, value).await;
     let mut engine_b = engine(&b_addrs, "engine-b").await;
     put_each(&mut engine_b, &on_b, |i| value(100 + i)).await;
 

@@ -11,8 +11,8 @@ use kvpool_master::cmd::MasterArgs;
 use kvpool_proto::auth::AuthKey;
 use kvpool_proto::master::ErrorCode;
 use pool_support::{
-    InProcessMaster, assert_closed_within, current_thread_runtime, dram_segment, eventually,
-    http_get, in_process_master, mount_dram,
+    InProcessMaster, assert_closed_within, assert_committed, current_thread_runtime, dram_segment,
+    eventually, http_get, in_process_master, mount_dram, put_allocated,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -189,21 +189,9 @@ async fn every_kind_of_bad_input_gets_its_code_and_changes_no_state() {
     mount_dram(c, &["a", "b"], 64 * MIB).await;
     let opts = PutOptions::default();
     // One committed object and one pending put.
-    let PutStarted::Allocated { put_id, .. } =
-        c.put_start(b"kept", 4096, &opts).await.expect("put")
-    else {
-        panic!("not allocated")
-    };
+    let (put_id, _) = put_allocated(c, b"kept", 4096, &opts).await;
     c.put_end(b"kept", put_id).await.expect("commit");
-    let PutStarted::Allocated {
-        put_id: pending_id, ..
-    } = c
-        .put_start(b"pending", 4096, &opts)
-        .await
-        .expect("pending put")
-    else {
-        panic!("not allocated")
-    };
+    let (pending_id, _) = put_allocated(c, b"pending", 4096, &opts).await;
     let before = c.stats().await.expect("stats");
     assert_eq!((before.objects, before.pending_puts), (1, 1));
 
@@ -590,13 +578,7 @@ async fn agent_killed_under_load_loses_nothing_and_reads_verify() {
                 }
                 let key = format!("obj/{i}").into_bytes();
                 let value = value_for(i);
-                let PutStarted::Allocated { put_id, replicas } = c
-                    .put_start(&key, value.len() as u64, &opts)
-                    .await
-                    .expect("put_start")
-                else {
-                    panic!("fresh key")
-                };
+                let (put_id, replicas) = put_allocated(&c, &key, value.len() as u64, &opts).await;
                 for r in &replicas {
                     fab.write(r, &value); // a dead target just fails, like a transfer would
                 }
@@ -731,14 +713,7 @@ async fn metrics_with(f: &Fixture, needle: &str) -> String {
 async fn a_remove_sends_the_releases_that_forks_still_hold() {
     let f = fixture(|_| {}).await;
     mount_dram(&f.client, &["a"], 64 * MIB).await;
-    let PutStarted::Allocated { put_id, .. } = f
-        .client
-        .put_start(b"held/k", MIB, &PutOptions::default())
-        .await
-        .expect("put_start")
-    else {
-        panic!("not allocated");
-    };
+    let (put_id, _) = put_allocated(&f.client, b"held/k", MIB, &PutOptions::default()).await;
     f.client.put_end(b"held/k", put_id).await.expect("put_end");
     // The fork's parent runtime is never driven, so the fork's timed release (through the
     // parent) cannot fire: only the flush before the remove can send the read's lease.
@@ -778,23 +753,11 @@ async fn a_fork_calls_over_the_fast_lane_next_to_grpc_on_the_same_port() {
     let (lease, fork) = tokio::task::spawn_blocking(move || {
         let rt = current_thread_runtime();
         let lease = rt.block_on(async {
-            let PutStarted::Allocated { put_id, replicas } = fork
-                .put_start(b"fast/k", MIB, &PutOptions::default())
-                .await
-                .expect("put_start")
-            else {
-                panic!("not allocated");
-            };
+            let (put_id, replicas) =
+                put_allocated(&fork, b"fast/k", MIB, &PutOptions::default()).await;
             assert_eq!(replicas[0].node, "a");
             fork.put_end(b"fast/k", put_id).await.expect("put_end");
-            assert_eq!(
-                fork.exists(&[b"fast/k", b"fast/missing"])
-                    .await
-                    .expect("exists"),
-                vec![true, false]
-            );
-            let located = fork.get(b"fast/k").await.expect("get");
-            assert_eq!(located.size, MIB);
+            let located = assert_committed(&fork, b"fast/k", b"fast/missing", MIB).await;
             // A refusal keeps its code over the fast lane too.
             let missing = fork.get(b"fast/missing").await.expect_err("missing");
             assert_eq!(code(&missing), Some(ErrorCode::UnknownKey), "{missing}");

@@ -34,18 +34,9 @@ async fn parts_present(client: &MasterClient, key: &[u8], parts: u32) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn striped_objects_spread_over_nodes_and_free_every_part() {
-    let (dir, key_file, mut master, grpc) = test_pool("3s");
-    let logs = dir.path();
-    let (mut a, _) = start_agent(logs, "agent-a", grpc, &key_file, "64MiB");
-    let (mut b, _) = start_agent(logs, "agent-b", grpc, &key_file, "64MiB");
-    let client = master_client(grpc, KEY);
-    let empty = wait_stats(
-        &client,
-        "two agents mounted",
-        &mut [&mut master, &mut a, &mut b],
-        |s| s.nodes_alive == 2 && s.segments >= 2,
-    )
-    .await;
+    let (dir, key_file, mut master, grpc, client) = test_pool("3s");
+    let [mut a, mut b] = start_agents(dir.path(), grpc, &key_file, "64MiB");
+    let empty = wait_mounted(&client, 2, &mut [&mut master, &mut a, &mut b]).await;
     let engine = client_engine("test-client", KEY, |c| c.prefer_shm = false);
     let pool = PoolClient::new(client.clone(), engine, "test-client".into(), None).with_striping(
         StripeConfig {

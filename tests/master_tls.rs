@@ -12,12 +12,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient, MasterTls};
-use kvpool_core::master::{PutOptions, PutStarted};
+use kvpool_core::master::PutOptions;
 use kvpool_harness::tls::{TlsFiles, write_throwaway};
 use kvpool_proto::auth::AuthKey;
 use pool_support::{
-    InProcessMaster, assert_closed_within, current_thread_runtime, dram_segment, error_chain,
-    eventually, http_get, in_process_master,
+    InProcessMaster, assert_closed_within, assert_committed, current_thread_runtime, dram_segment,
+    error_chain, eventually, http_get, in_process_master, put_allocated,
 };
 
 const KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
@@ -40,9 +40,17 @@ async fn served_not_refused(
 /// A new client of `f` with `tls` fails its first call because it refuses the master's
 /// certificate (`why` says why it must); the error's text with its sources.
 async fn tls_refusal(f: &InProcessMaster, tls: MasterTls, why: &str) -> String {
-    let e = client(f, tls).exists(&[b"k"]).await.expect_err(why);
+    let e = first_call_error(f, tls, why).await;
     let text = error_chain(&e);
     assert!(matches!(e, ClientError::TlsVerify { .. }), "{text}");
+    text
+}
+
+/// The text of `f`'s `/metrics` page.
+async fn master_metrics(f: &InProcessMaster) -> String {
+    let (_, text) = http_get(f.master.admin_addr, "/metrics")
+        .await
+        .expect("metrics");
     text
 }
 
@@ -55,6 +63,22 @@ async fn tls_master(files: &TlsFiles, mutual: bool, handshake: Duration) -> InPr
         a.handshake_timeout = handshake;
     })
     .await
+}
+
+/// A temporary directory holding the certificates of [`pki`], and a [`tls_master`] of them.
+async fn pki_and_master(
+    mutual: bool,
+    handshake: Duration,
+) -> (tempfile::TempDir, TlsFiles, InProcessMaster) {
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = pki(dir.path());
+    let f = tls_master(&files, mutual, handshake).await;
+    (dir, files, f)
+}
+
+/// The error of a new client of `f` with `tls` on its first call, which must fail (`why`).
+async fn first_call_error(f: &InProcessMaster, tls: MasterTls, why: &str) -> ClientError {
+    client(f, tls).exists(&[b"k"]).await.expect_err(why)
 }
 
 fn pki(dir: &Path) -> TlsFiles {
@@ -91,43 +115,26 @@ fn trusting(files: &TlsFiles) -> MasterTls {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_master_serves_grpc_and_fast_lane_calls_to_a_client_that_trusts_its_ca() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let files = pki(dir.path());
-    let f = tls_master(&files, false, Duration::from_secs(10)).await;
+    let (_dir, files, f) = pki_and_master(false, Duration::from_secs(10)).await;
     let c = client(&f, trusting(&files));
     c.mount_segment(&dram_segment("a", 64 * MIB))
         .await
         .expect("mount over TLS");
-    let PutStarted::Allocated { put_id, .. } = c
-        .put_start(b"tls/k", MIB, &PutOptions::default())
-        .await
-        .expect("put_start")
-    else {
-        panic!("not allocated");
-    };
+    let (put_id, _) = put_allocated(&c, b"tls/k", MIB, &PutOptions::default()).await;
     c.put_end(b"tls/k", put_id).await.expect("put_end");
     // A fork's calls go over the fast lane, inside TLS too.
     let fork = c.fork(tokio::runtime::Handle::current());
     let fork = tokio::task::spawn_blocking(move || {
         let rt = current_thread_runtime();
         rt.block_on(async {
-            assert_eq!(
-                fork.exists(&[b"tls/k", b"tls/missing"])
-                    .await
-                    .expect("exists"),
-                vec![true, false]
-            );
-            let located = fork.get(b"tls/k").await.expect("get");
-            assert_eq!(located.size, MIB);
+            assert_committed(&fork, b"tls/k", b"tls/missing", MIB).await;
             assert_eq!(fork.longest_prefix(&[b"tls/k"]).await.expect("prefix"), 1);
         });
         fork
     })
     .await
     .expect("fork thread");
-    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
-        .await
-        .expect("metrics");
+    let metrics = master_metrics(&f).await;
     for needle in [
         "kvpool_master_fast_lane_connections 1",
         "kvpool_master_requests_total{method=\"exists\",result=\"ok\"} 1",
@@ -142,9 +149,7 @@ async fn a_tls_master_serves_grpc_and_fast_lane_calls_to_a_client_that_trusts_it
 
 #[tokio::test]
 async fn a_client_that_does_not_trust_the_master_fails_naming_tls_verification() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let files = pki(dir.path());
-    let f = tls_master(&files, false, Duration::from_secs(10)).await;
+    let (_dir, files, f) = pki_and_master(false, Duration::from_secs(10)).await;
     let other = tempfile::tempdir().expect("tmp");
     let stranger = stranger_pki(other.path());
     let text = tls_refusal(&f, trusting(&stranger), "an untrusted master").await;
@@ -166,14 +171,9 @@ async fn a_client_that_does_not_trust_the_master_fails_naming_tls_verification()
 #[tokio::test]
 async fn plaintext_clients_of_a_tls_port_are_refused_and_counted() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let dir = tempfile::tempdir().expect("tmp");
-    let files = pki(dir.path());
-    let f = tls_master(&files, false, Duration::from_secs(10)).await;
+    let (_dir, _, f) = pki_and_master(false, Duration::from_secs(10)).await;
     let m = &f.master.core.metrics;
-    let e = client(&f, MasterTls::default())
-        .exists(&[b"k"])
-        .await
-        .expect_err("plaintext gRPC to a TLS port");
+    let e = first_call_error(&f, MasterTls::default(), "plaintext gRPC to a TLS port").await;
     assert!(
         matches!(e, ClientError::Connect { .. } | ClientError::Rpc { .. }),
         "{}",
@@ -197,9 +197,7 @@ async fn plaintext_clients_of_a_tls_port_are_refused_and_counted() {
             == before + 1)
         .await
     );
-    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
-        .await
-        .expect("metrics");
+    let metrics = master_metrics(&f).await;
     assert!(
         metrics.contains("kvpool_master_connections_refused_total{reason=\"tls_handshake\"}"),
         "{metrics}"
@@ -208,14 +206,9 @@ async fn plaintext_clients_of_a_tls_port_are_refused_and_counted() {
 
 #[tokio::test]
 async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let files = pki(dir.path());
-    let f = tls_master(&files, true, Duration::from_secs(10)).await;
+    let (_dir, files, f) = pki_and_master(true, Duration::from_secs(10)).await;
     let m = &f.master.core.metrics;
-    let e = client(&f, trusting(&files))
-        .exists(&[b"k"])
-        .await
-        .expect_err("no client certificate");
+    let e = first_call_error(&f, trusting(&files), "no client certificate").await;
     assert!(m.conn_refusals("tls_handshake") >= 1, "{}", error_chain(&e));
     // A certificate of another CA is refused too.
     let other = tempfile::tempdir().expect("tmp");
@@ -226,10 +219,7 @@ async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
         key_file: Some(stranger.client_key.clone()),
         ..trusting(&files)
     };
-    client(&f, foreign)
-        .exists(&[b"k"])
-        .await
-        .expect_err("a client certificate of another CA");
+    first_call_error(&f, foreign, "a client certificate of another CA").await;
     assert!(m.conn_refusals("tls_handshake") > before);
     // With the pool CA's client certificate: served, on both lanes.
     let mutual = MasterTls {
@@ -247,9 +237,7 @@ async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
     .await
     .expect("fork thread");
     assert_eq!(found.expect("fast lane with mutual TLS"), vec![false]);
-    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
-        .await
-        .expect("metrics");
+    let metrics = master_metrics(&f).await;
     assert!(
         metrics.contains("kvpool_master_fast_lane_connections 1"),
         "{metrics}"
@@ -262,9 +250,7 @@ async fn with_mutual_tls_a_client_without_a_certificate_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_tls_handshakes_are_closed_at_the_deadline_while_real_clients_are_served() {
     use tokio::io::AsyncWriteExt;
-    let dir = tempfile::tempdir().expect("tmp");
-    let files = pki(dir.path());
-    let f = tls_master(&files, false, Duration::from_secs(1)).await;
+    let (_dir, files, f) = pki_and_master(false, Duration::from_secs(1)).await;
     let m = &f.master.core.metrics;
     let mut held = Vec::new();
     for i in 0..12 {
@@ -382,9 +368,7 @@ async fn reloading_master(volume: &CertVolume) -> InProcessMaster {
 
 /// `kvpool_master_tls_reloads_total{result}` as the admin endpoint serves it.
 async fn reloads(f: &InProcessMaster, result: &str) -> u64 {
-    let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
-        .await
-        .expect("metrics");
+    let metrics = master_metrics(f).await;
     let series = format!("kvpool_master_tls_reloads_total{{result=\"{result}\"}} ");
     metrics
         .lines()
@@ -469,10 +453,8 @@ async fn a_broken_certificate_file_keeps_the_old_certificate_serving_and_counts_
 /// the flag is the only way TLS can be on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_started_with_master_ca_file_joins_a_tls_master() {
-    let dir = tempfile::tempdir().expect("tmp");
-    let files = pki(dir.path());
-    let f = tls_master(&files, false, Duration::from_secs(10)).await;
-    let key_file = pool_support::write_key(dir.path(), std::str::from_utf8(KEY).expect("utf-8"));
+    let (dir, files, f) = pki_and_master(false, Duration::from_secs(10)).await;
+    let key_file = pool_support::write_key(dir.path(), KEY);
     let grpc = f.master.grpc_addr;
     let (mut plain, _) = pool_support::start_agent(dir.path(), "plain", grpc, &key_file, "8MiB");
     let m = &f.master.core.metrics;

@@ -15,7 +15,7 @@ use axum::body::Body;
 use axum::extract::{RawQuery, Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use kvpool_harness::{Launcher, http};
+use kvpool_harness::{ChildProcess, Launcher, http};
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
 
@@ -353,6 +353,22 @@ fn spawn_operator(
         .expect("start kvpool operator run")
 }
 
+/// SIGTERMs the operator and waits up to `limit` for it to exit 0; returns its log. It may still
+/// call the fake API (on this runtime) while it stops, so the wait runs off the runtime's thread.
+async fn sigterm_and_wait(mut child: ChildProcess, limit: Duration) -> String {
+    child.signal(Signal::SIGTERM).expect("SIGTERM");
+    let (child, status) = tokio::task::spawn_blocking(move || {
+        let status = child.wait_timeout(limit);
+        (child, status)
+    })
+    .await
+    .expect("join");
+    let log = child.log_text();
+    let status = status.unwrap_or_else(|e| panic!("no exit after SIGTERM: {e}\n{log}"));
+    assert!(status.success(), "exit {status}: {log}");
+    log
+}
+
 /// Run the operator against the fake until `path` on the admin server answers with a body that
 /// contains `want`, then SIGTERM it; returns its log after it exited 0.
 async fn run_until(extra_args: &[&str], path: &str, want: &str) -> String {
@@ -401,18 +417,7 @@ async fn run_against(
     let livez = http::get_async(admin, "/livez").await.expect("livez");
     assert_eq!(livez.status, 200, "{}", livez.body);
 
-    // The operator may still call the fake API (on this runtime) while it stops: wait for it
-    // off the runtime's thread.
-    child.signal(Signal::SIGTERM).expect("SIGTERM");
-    let (child, status) = tokio::task::spawn_blocking(move || {
-        let status = child.wait_timeout(Duration::from_secs(60));
-        (child, status)
-    })
-    .await
-    .expect("join");
-    let log = child.log_text();
-    let status = status.expect("exit after SIGTERM");
-    assert!(status.success(), "exit {status}: {log}");
+    let log = sigterm_and_wait(child, Duration::from_secs(60)).await;
     assert!(log.contains("SIGTERM received"), "{log}");
     assert!(log.contains("kvpool-operator stopped"), "{log}");
     log
@@ -470,16 +475,23 @@ fn fixture_json<T: serde::de::DeserializeOwned + serde::Serialize>(name: &str) -
     serde_json::to_value(typed).expect("json")
 }
 
+/// Where the fake API server keeps the objects of namespace `default` of the kvpool API group.
+const G: &str = "/apis/kvpool.dev/v1alpha1/namespaces/default";
+
+/// The seed entry of the KVCachePool `tcp` of operator/tests/fixtures/kvcachepool-tcp.yaml.
+fn tcp_pool() -> (String, Value) {
+    (
+        format!("{G}/kvcachepools/tcp"),
+        fixture_json::<kvpool_crd::KVCachePool>("kvcachepool-tcp.yaml"),
+    )
+}
+
 /// The whole binary over HTTP: the initial lists hand a KVCachePool and a PrefillPool to the
 /// controllers, which create every child with server-side apply and write both statuses.
 #[tokio::test]
 async fn run_reconciles_listed_objects_into_children_and_status() {
-    const G: &str = "/apis/kvpool.dev/v1alpha1/namespaces/default";
     let seed = vec![
-        (
-            format!("{G}/kvcachepools/tcp"),
-            fixture_json::<kvpool_crd::KVCachePool>("kvcachepool-tcp.yaml"),
-        ),
+        tcp_pool(),
         (
             format!("{G}/prefillpools/synthetic"),
             fixture_json::<kvpool_crd::PrefillPool>("prefillpool-custom.yaml"),
@@ -570,17 +582,8 @@ async fn sigterm_stops_the_operator_in_time_while_the_api_server_never_answers()
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    child.signal(Signal::SIGTERM).expect("SIGTERM");
     let signalled = Instant::now();
-    let (child, status) = tokio::task::spawn_blocking(move || {
-        let status = child.wait_timeout(Duration::from_secs(30));
-        (child, status)
-    })
-    .await
-    .expect("join");
-    let log = child.log_text();
-    let status = status.unwrap_or_else(|e| panic!("no exit after SIGTERM: {e}\n{log}"));
-    assert!(status.success(), "exit {status}: {log}");
+    let log = sigterm_and_wait(child, Duration::from_secs(30)).await;
     // It was stuck on the API server, and the timeout ended it.
     assert!(
         log.contains("did not stop within the shutdown timeout"),
@@ -598,14 +601,7 @@ async fn sigterm_stops_the_operator_in_time_while_the_api_server_never_answers()
 /// the operator's context, kube's error and the server's RBAC message together.
 #[tokio::test]
 async fn a_forbidden_write_is_logged_with_its_cause() {
-    const G: &str = "/apis/kvpool.dev/v1alpha1/namespaces/default";
-    let seed = vec![
-        (
-            format!("{G}/kvcachepools/tcp"),
-            fixture_json::<kvpool_crd::KVCachePool>("kvcachepool-tcp.yaml"),
-        ),
-        ("forbid:/configmaps/".to_owned(), Value::Null),
-    ];
+    let seed = vec![tcp_pool(), ("forbid:/configmaps/".to_owned(), Value::Null)];
     let (api_addr, _) = start_fake_api(seed).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let mut child = spawn_operator(dir.path(), api_addr, &[]);
@@ -624,10 +620,5 @@ async fn a_forbidden_write_is_logged_with_its_cause() {
     for part in ["tcp-config", "is forbidden", "cannot PATCH", "403"] {
         assert!(line.contains(part), "{part:?} missing from: {line}");
     }
-    child.signal(Signal::SIGTERM).expect("SIGTERM");
-    let status = tokio::task::spawn_blocking(move || child.wait_timeout(Duration::from_secs(60)))
-        .await
-        .expect("join")
-        .expect("exit after SIGTERM");
-    assert!(status.success(), "exit {status}");
+    sigterm_and_wait(child, Duration::from_secs(60)).await;
 }

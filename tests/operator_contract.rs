@@ -67,6 +67,26 @@ fn container_argv(
     Ok((dir, argv))
 }
 
+/// The master container of `pool`'s children as the kvpool CLI parses it (`what` names the
+/// case in errors): the guard of its files (see [`container_argv`]), its argv and its flags.
+fn master_cli(
+    pool: &KVCachePool,
+    what: &str,
+) -> Result<(
+    tempfile::TempDir,
+    Vec<String>,
+    Box<kvpool_master::cmd::MasterArgs>,
+)> {
+    let children = children(pool)?;
+    let (files, argv) = container_argv(&children, template(&children.master))?;
+    let cli = kvpool::cli::Cli::try_parse_from(&argv)
+        .with_context(|| format!("{what}: master args {argv:?}"))?;
+    let kvpool::cli::Command::Master(args) = cli.command else {
+        bail!("{what}: the master container must run `master`, got {argv:?}");
+    };
+    Ok((files, argv, args))
+}
+
 /// The agent's configuration as it starts from the pool's DaemonSet: its container's args
 /// parsed by the agent's CLI, the mounted ConfigMap loaded by the agent's own loader, the
 /// flags overlaid and the whole validated. `label` names the example in errors.
@@ -225,13 +245,7 @@ fn master_container_parses_and_validates_with_the_kvpool_cli() -> Result<()> {
     let mut saw_ha = false;
     let mut saw_plain = false;
     for (rel, pool) in example_pools()? {
-        let children = children(&pool)?;
-        let (_files, argv) = container_argv(&children, template(&children.master))?;
-        let cli = kvpool::cli::Cli::try_parse_from(&argv)
-            .with_context(|| format!("{rel}: master args {argv:?}"))?;
-        let kvpool::cli::Command::Master(args) = cli.command else {
-            bail!("{rel}: the master container must run `master`, got {argv:?}");
-        };
+        let (_files, argv, args) = master_cli(&pool, &rel)?;
         if args.etcd_endpoints.is_empty() {
             saw_plain = true;
         } else {
@@ -261,13 +275,7 @@ fn eviction_and_spread_reach_the_master() -> Result<()> {
             pool.spec.eviction.policy = policy;
             pool.spec.eviction.high_watermark_percent = high;
             pool.spec.eviction.low_watermark_percent = low;
-            let children = children(&pool)?;
-            let (_files, argv) = container_argv(&children, template(&children.master))?;
-            let cli = kvpool::cli::Cli::try_parse_from(&argv)
-                .with_context(|| format!("{policy:?} {high}/{low}: master args {argv:?}"))?;
-            let kvpool::cli::Command::Master(args) = cli.command else {
-                bail!("the master container must run `master`, got {argv:?}");
-            };
+            let (_files, argv, args) = master_cli(&pool, &format!("{policy:?} {high}/{low}"))?;
             let core = args
                 .validate()
                 .map_err(|e| anyhow::anyhow!("{policy:?} {high}/{low}: {argv:?}: {e}"))?

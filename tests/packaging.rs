@@ -538,13 +538,20 @@ fn kubernetes_validate(test: &str, label: &str, yaml: &str) -> Result<()> {
     Ok(())
 }
 
-fn deployments(objects: &[Object]) -> Vec<&Deployment> {
-    objects
-        .iter()
-        .filter_map(|o| match o {
-            Object::Deployment(d) => Some(d.as_ref()),
+/// The rendered objects of one variant of [`Object`] (a variant holding the typed object), in
+/// render order.
+macro_rules! objects_of {
+    ($objects:expr, $variant:path) => {
+        $objects.iter().filter_map(|o| match o {
+            $variant(x) => Some(x),
             _ => None,
         })
+    };
+}
+
+fn deployments(objects: &[Object]) -> Vec<&Deployment> {
+    objects_of!(objects, Object::Deployment)
+        .map(Box::as_ref)
         .collect()
 }
 
@@ -772,13 +779,8 @@ fn chart_crds_are_copies_of_the_generated_crds() -> Result<()> {
     // Rendered with crds.install (the default) they appear with the keep policy; without it,
     // not at all.
     let (_, objects) = render_objects(&DEFAULTS)?;
-    let crds: Vec<&CustomResourceDefinition> = objects
-        .iter()
-        .filter_map(|o| match o {
-            Object::Crd(c) => Some(c.as_ref()),
-            _ => None,
-        })
-        .collect();
+    let crds: Vec<&CustomResourceDefinition> =
+        objects_of!(objects, Object::Crd).map(Box::as_ref).collect();
     let names: BTreeSet<&str> = crds
         .iter()
         .filter_map(|c| c.metadata.name.as_deref())
@@ -953,16 +955,11 @@ fn container_args_parse_with_the_operator_cli() -> Result<()> {
             "the Lease lives in the release namespace"
         );
         // Leader election is on exactly when the Lease Role is rendered, for the same Lease.
-        let lease_role = objects.iter().find_map(|o| match o {
-            Object::Role(r)
-                if r.metadata
-                    .name
-                    .as_deref()
-                    .is_some_and(|n| n.ends_with("-leader-election")) =>
-            {
-                Some(r)
-            }
-            _ => None,
+        let lease_role = objects_of!(objects, Object::Role).find(|r| {
+            r.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.ends_with("-leader-election"))
         });
         assert_eq!(run.leader_elect, lease_role.is_some(), "{render:?}");
         if let Some(role) = lease_role {
@@ -975,10 +972,8 @@ fn container_args_parse_with_the_operator_cli() -> Result<()> {
             assert_eq!(named, vec![run.leader_election_lease.clone()], "{render:?}");
         }
         // A namespaced install watches exactly the namespace its Role is in.
-        let operator_role = objects.iter().find_map(|o| match o {
-            Object::Role(r) if r.metadata.name.as_deref() == Some("kvpool-operator") => Some(r),
-            _ => None,
-        });
+        let operator_role = objects_of!(objects, Object::Role)
+            .find(|r| r.metadata.name.as_deref() == Some("kvpool-operator"));
         match operator_role {
             Some(role) => assert_eq!(
                 Some(run.namespace.as_str()),
@@ -1457,13 +1452,7 @@ fn root_key_is_mounted_read_only_from_the_named_or_created_secret() -> Result<()
             Path::new(&mount.mount_path).join(&item.path),
             "--root-key-file names the mounted file"
         );
-        let secrets: Vec<&Secret> = objects
-            .iter()
-            .filter_map(|o| match o {
-                Object::Secret(s) => Some(s),
-                _ => None,
-            })
-            .collect();
+        let secrets: Vec<&Secret> = objects_of!(objects, Object::Secret).collect();
         assert_eq!(secrets.len(), usize::from(rendered), "{render:?}");
         if let Some(made) = secrets.first() {
             assert_eq!(made.metadata.name.as_deref(), Some(secret_name));
@@ -1563,17 +1552,12 @@ fn alert_rules_pass_promtool_and_fire_as_intended_under_any_release_name() -> Re
         // The operator's rules, and the data plane's (a file of their own, not tied to the
         // release: tests/observability_live.rs checks their metrics against running processes).
         let rules = |data_plane: bool| {
-            objects.iter().find_map(|o| match o {
-                Object::PrometheusRule(r)
-                    if r.metadata
-                        .name
-                        .as_deref()
-                        .is_some_and(|n| n.ends_with("-data-plane"))
-                        == data_plane =>
-                {
-                    Some(r)
-                }
-                _ => None,
+            objects_of!(objects, Object::PrometheusRule).find(|r| {
+                r.metadata
+                    .name
+                    .as_deref()
+                    .is_some_and(|n| n.ends_with("-data-plane"))
+                    == data_plane
             })
         };
         let (Some(rule), Some(data_plane)) = (rules(false), rules(true)) else {
@@ -1599,12 +1583,8 @@ fn alert_rules_pass_promtool_and_fire_as_intended_under_any_release_name() -> Re
         run_ok("promtool", &["test", "rules", &test.to_string_lossy()])
             .with_context(|| format!("data plane, release {release} in namespace {namespace}"))?;
         // The Service the ServiceMonitor scrapes names the targets' `service` label.
-        let service = objects
-            .iter()
-            .find_map(|o| match o {
-                Object::Service(s) => s.metadata.name.clone(),
-                _ => None,
-            })
+        let service = objects_of!(objects, Object::Service)
+            .find_map(|s| s.metadata.name.clone())
             .context("no metrics Service rendered")?;
         services.insert(service.clone());
         let dir = scratch_dir(&format!("alert_rules/{release}"))?;
@@ -1634,10 +1614,7 @@ fn alert_rules_pass_promtool_and_fire_as_intended_under_any_release_name() -> Re
 #[test]
 fn dashboard_is_valid_and_queries_real_metrics() -> Result<()> {
     let (_, objects) = render_objects(&PRODUCTION)?;
-    let Some(config_map) = objects.iter().find_map(|o| match o {
-        Object::ConfigMap(c) => Some(c),
-        _ => None,
-    }) else {
+    let Some(config_map) = objects_of!(objects, Object::ConfigMap).next() else {
         bail!("the production example renders no dashboard ConfigMap");
     };
     assert_eq!(config_map.metadata.namespace.as_deref(), Some("monitoring"));
@@ -1892,10 +1869,7 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
         .unwrap_or_default();
     let pod = template.spec.as_ref().context("no pod spec")?;
 
-    let Some(account) = objects.iter().find_map(|o| match o {
-        Object::ServiceAccount(a) => Some(a),
-        _ => None,
-    }) else {
+    let Some(account) = objects_of!(objects, Object::ServiceAccount).next() else {
         bail!("no ServiceAccount rendered");
     };
     assert_eq!(account.metadata.name, pod.service_account_name);
@@ -1903,10 +1877,7 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
     assert_eq!(account.automount_service_account_token, Some(false));
     assert_eq!(pod.automount_service_account_token, Some(true));
 
-    let Some(service) = objects.iter().find_map(|o| match o {
-        Object::Service(s) => Some(s),
-        _ => None,
-    }) else {
+    let Some(service) = objects_of!(objects, Object::Service).next() else {
         bail!("no metrics Service rendered");
     };
     let spec = service.spec.as_ref().context("Service without spec")?;
@@ -1926,10 +1897,7 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
         Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String("admin".into()))
     );
 
-    let Some(monitor) = objects.iter().find_map(|o| match o {
-        Object::ServiceMonitor(m) => Some(m),
-        _ => None,
-    }) else {
+    let Some(monitor) = objects_of!(objects, Object::ServiceMonitor).next() else {
         bail!("no ServiceMonitor rendered");
     };
     let service_labels = service.metadata.labels.clone().unwrap_or_default();
@@ -1988,10 +1956,7 @@ fn a_missing_tool_fails_with_the_install_command() {
 #[test]
 fn several_replicas_get_a_disruption_budget_and_rolling_updates() -> Result<()> {
     let (_, objects) = render_objects(&PRODUCTION)?;
-    let Some(pdb) = objects.iter().find_map(|o| match o {
-        Object::PodDisruptionBudget(p) => Some(p),
-        _ => None,
-    }) else {
+    let Some(pdb) = objects_of!(objects, Object::PodDisruptionBudget).next() else {
         bail!("two replicas rendered no PodDisruptionBudget");
     };
     let spec = pdb
@@ -2851,13 +2816,7 @@ fn sbom_script_writes_a_cyclonedx_document_per_image() -> Result<()> {
 fn pod_monitors_select_every_workload_the_operator_creates() -> Result<()> {
     use kvpool_crd::labels::{APP_MANAGED_BY, COMPONENT, Component, MANAGED_BY_VALUE};
     let (_, objects) = render_objects(&PRODUCTION)?;
-    let monitors: Vec<&PodMonitor> = objects
-        .iter()
-        .filter_map(|o| match o {
-            Object::PodMonitor(m) => Some(m),
-            _ => None,
-        })
-        .collect();
+    let monitors: Vec<&PodMonitor> = objects_of!(objects, Object::PodMonitor).collect();
     ensure!(
         !monitors.is_empty(),
         "the production example renders no PodMonitor"

@@ -231,6 +231,22 @@ async fn wait_log(log: &Mutex<Log>, what: &str, done: impl Fn(&Log) -> bool) {
     }
 }
 
+/// Starts the log's phase `phase` now and waits (for `what`) until the master counts `alive` live
+/// nodes: when the phase started, and how long the wait took.
+async fn phase_until_alive(
+    client: &MasterClient,
+    procs: &mut [&mut ChildProcess],
+    log: &Mutex<Log>,
+    phase: String,
+    what: &str,
+    alive: u64,
+) -> (Instant, Duration) {
+    let started = Instant::now();
+    log.lock().phase = (phase, Some(started));
+    wait_stats(client, what, procs, |s| s.nodes_alive == alive).await;
+    (started, started.elapsed())
+}
+
 /// One cut of the link to agent-x under load, then its restoration; returns the figure line.
 async fn cut_and_restore(
     net: &HubAndIsland,
@@ -247,13 +263,9 @@ async fn cut_and_restore(
     .await;
     let committed_at_cut = log.lock().committed.len();
     net.cut(how).expect("cut the link");
-    let cut = Instant::now();
-    log.lock().phase = (format!("{how:?} cut"), Some(cut));
-    wait_stats(client, "agent-x declared dead", procs, |s| {
-        s.nodes_alive == 2
-    })
-    .await;
-    let noticed = cut.elapsed();
+    let phase = format!("{how:?} cut");
+    let (cut, noticed) =
+        phase_until_alive(client, procs, log, phase, "agent-x declared dead", 2).await;
     wait_stats(client, "two replicas on the hub's agents", procs, |s| {
         s.under_replicated == 0 && s.tasks == 0
     })
@@ -270,13 +282,9 @@ async fn cut_and_restore(
     }
 
     net.restore(how).expect("restore the link");
-    let restored = Instant::now();
-    log.lock().phase = (format!("{how:?} restore"), Some(restored));
-    wait_stats(client, "agent-x back in the pool", procs, |s| {
-        s.nodes_alive == 3
-    })
-    .await;
-    let rejoined = restored.elapsed();
+    let phase = format!("{how:?} restore");
+    let (restored, rejoined) =
+        phase_until_alive(client, procs, log, phase, "agent-x back in the pool", 3).await;
     // It takes new replicas again.
     let on_x = log.lock().on_x;
     wait_log(log, "puts landing on agent-x again", |l| l.on_x > on_x).await;
@@ -342,13 +350,7 @@ async fn scenario(net: &HubAndIsland) {
     let mut b = start_agent_on(logs, "agent-b", grpc, &key_file, net.hub_ip, None);
     let mut x = start_agent_on(logs, CUT, grpc, &key_file, net.island_ip, Some(&net.island));
     let client = master_client(grpc, KEY);
-    wait_stats(
-        &client,
-        "three agents mounted",
-        &mut [&mut master, &mut a, &mut b, &mut x],
-        |s| s.nodes_alive == 3 && s.segments >= 3,
-    )
-    .await;
+    wait_mounted(&client, 3, &mut [&mut master, &mut a, &mut b, &mut x]).await;
 
     let pool = pool_client(grpc, KEY, "test-client", |c| {
         c.prefer_shm = false;

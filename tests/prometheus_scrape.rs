@@ -17,10 +17,13 @@ const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
 const WAIT: Duration = Duration::from_secs(45);
 const POLL: Duration = Duration::from_millis(100);
 
-/// `kvpool <args>` as child `name`, logging into `dir/<name>.log`.
-fn spawn(name: &str, args: &[String], dir: &Path) -> ChildProcess {
+/// `kvpool <args>` as child `name`, logging into `dir/<name>.log`; `args` are split at spaces.
+fn spawn(name: &str, args: &str, dir: &Path) -> ChildProcess {
     Launcher::new(dir)
-        .spawn(name, kvpool_command(Path::new(KVPOOL)).args(args))
+        .spawn(
+            name,
+            kvpool_command(Path::new(KVPOOL)).args(args.split(' ')),
+        )
         .expect("spawn")
 }
 
@@ -61,16 +64,10 @@ fn prometheus_scrapes_master_engine_and_conductor() {
     let engine_admin = addr();
     let engine = spawn(
         "engine",
-        &[
-            "engine".into(),
-            "--synthetic".into(),
-            "--listen".into(),
-            engine_api.to_string(),
-            "--admin-listen".into(),
-            engine_admin.to_string(),
-            "--time-scale".into(),
-            "0.001".into(),
-        ],
+        &format!(
+            "engine --synthetic --listen {engine_api} --admin-listen {engine_admin} \
+             --time-scale 0.001"
+        ),
         dir.path(),
     );
 
@@ -78,17 +75,10 @@ fn prometheus_scrapes_master_engine_and_conductor() {
     let conductor_admin = addr();
     let conductor = spawn(
         "conductor",
-        &[
-            "conductor".into(),
-            "--listen".into(),
-            conductor_api.to_string(),
-            "--admin-listen".into(),
-            conductor_admin.to_string(),
-            "--prefill".into(),
-            format!("http://{engine_api}"),
-            "--decode".into(),
-            format!("http://{engine_api}"),
-        ],
+        &format!(
+            "conductor --listen {conductor_api} --admin-listen {conductor_admin} \
+             --prefill http://{engine_api} --decode http://{engine_api}"
+        ),
         dir.path(),
     );
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use kvpool_harness::{Launcher, Probe, free_addr, kvpool_command};
 use prometheus::Registry;
 use serde_json::Value;
-use serve_support::{assert_metric, http, metric};
+use serve_support::{assert_metric, http, metric, sse_data};
 use tokio_util::sync::CancellationToken;
 
 struct Engine {
@@ -72,10 +72,7 @@ async fn chat_streams_server_sent_events() {
         "messages":[{"role":"user","content":"hello there"}]}"#;
     let (status, text) = e.post("/v1/chat/completions", body).await;
     assert_eq!(status, 200, "{text}");
-    let events: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
+    let events = sse_data(&text);
     assert_eq!(events.len(), 5, "{text}");
     assert_eq!(events[4], "[DONE]");
     let chunks: Vec<Value> = events[..4]

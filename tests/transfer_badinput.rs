@@ -94,6 +94,11 @@ fn request(opcode: Opcode, request_id: u64, handle: u32, offset: u64, length: u6
     }
 }
 
+/// The next frame header the target sends on `s`, with at most `max_data` bytes of data after it.
+fn next_header(s: &mut TcpStream, max_data: u64) -> Header {
+    wire::read_header(s, max_data, &mut wire::fail_on_timeout).unwrap()
+}
+
 /// Reads `s` until the target closes it; every frame it sent is an ERROR. What it sent.
 fn errors_then_close(s: &mut TcpStream) -> Vec<u8> {
     let reply = read_to_close(s);
@@ -144,7 +149,7 @@ fn transfer_unauthenticated_reads_and_writes_are_refused() {
     // A forged AUTH after a HELLO with a made-up proof.
     let mut s = raw(&t);
     wire::write_frame(&mut s, &Header::new(Opcode::Hello, 0), &[7u8; 32]).unwrap();
-    let ch = wire::read_header(&mut s, 0, &mut wire::fail_on_timeout).unwrap();
+    let ch = next_header(&mut s, 0);
     assert_eq!(ch.opcode, Opcode::Challenge);
     let _ = wire::read_control_payload(&mut s, &ch).unwrap();
     wire::write_frame(&mut s, &Header::new(Opcode::Auth, 0), &[0u8; 32]).unwrap();
@@ -161,13 +166,13 @@ fn transfer_authenticated_invalid_frames_are_answered_with_errors() {
     wire::client_handshake(&mut s, &key()).unwrap();
     // Open to learn the handle.
     wire::write_frame(&mut s, &Header::new(Opcode::Open, 1), b"seg").unwrap();
-    let open = wire::read_header(&mut s, 0, &mut wire::fail_on_timeout).unwrap();
+    let open = next_header(&mut s, 0);
     assert_eq!(open.opcode, Opcode::OpenOk);
     assert_eq!(open.length, 65536);
     // Out-of-bounds read and write: error replies, connection stays usable.
     s.write_all(&request(Opcode::Read, 2, open.handle, 65530, 100).encode())
         .unwrap();
-    let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
+    let r = next_header(&mut s, 1 << 24);
     assert_eq!(
         (r.opcode, r.request_id, r.status),
         (Opcode::Error, 2, ErrorCode::OutOfBounds as u32)
@@ -176,13 +181,13 @@ fn transfer_authenticated_invalid_frames_are_answered_with_errors() {
     s.write_all(&request(Opcode::Write, 3, open.handle, u64::MAX - 2, 8).encode())
         .unwrap();
     s.write_all(b"12345678").unwrap();
-    let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
+    let r = next_header(&mut s, 1 << 24);
     assert_eq!((r.opcode, r.request_id), (Opcode::Error, 3));
     let _ = wire::read_control_payload(&mut s, &r).unwrap();
     // A valid read still works on the same connection.
     s.write_all(&request(Opcode::Read, 4, open.handle, 0, 13).encode())
         .unwrap();
-    let r = wire::read_header(&mut s, 1 << 24, &mut wire::fail_on_timeout).unwrap();
+    let r = next_header(&mut s, 1 << 24);
     assert_eq!(r.opcode, Opcode::ReadData);
     let mut data = [0u8; 13];
     s.read_exact(&mut data).unwrap();
@@ -212,12 +217,7 @@ fn transfer_target_bounds_its_connections() {
     // Two idle, unauthenticated connections take the two slots...
     let a = raw(&t);
     let b = raw(&t);
-    for _ in 0..600 {
-        if t.server.connection_count() == 2 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for(Duration::from_secs(12), || t.server.connection_count() == 2);
     assert_eq!(t.server.connection_count(), 2);
     // ...so a third is closed without a byte.
     let mut c = raw(&t);
@@ -233,12 +233,7 @@ fn transfer_target_bounds_its_connections() {
     );
     // Once they go away, honest peers get in again.
     drop((a, b));
-    for _ in 0..600 {
-        if t.server.connection_count() == 0 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for(Duration::from_secs(12), || t.server.connection_count() == 0);
     honest_peer_still_works(&t);
 }
 

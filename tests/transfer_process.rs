@@ -33,6 +33,14 @@ fn assert_settled_with_failures(batch: &Batch, allowed: &[&str]) -> usize {
     failed
 }
 
+/// A target process on 127.0.0.1 with its shared-memory socket in a fresh temporary directory
+/// (returned with it, to keep).
+fn loopback_target() -> (tempfile::TempDir, TargetProcess) {
+    let dir = tempfile::tempdir().unwrap();
+    let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
+    (dir, target)
+}
+
 /// The target's segment `x`, opened over TCP.
 fn open_tcp(engine: &TransferEngine, target: &TargetProcess) -> RemoteSegment {
     engine
@@ -70,8 +78,7 @@ fn submit_in_background(
 
 #[test]
 fn transfer_two_processes_over_tcp_and_shared_memory() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
+    let (_dir, target) = loopback_target();
     let (engine, local) = initiator(Duration::from_secs(5));
     let tcp = engine
         .open_descriptor(&target.descriptor("bench"), Some(Protocol::Tcp))
@@ -120,8 +127,7 @@ fn transfer_two_processes_over_tcp_and_shared_memory() {
 
 #[test]
 fn transfer_peer_killed_mid_transfer_fails_pending_requests() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
+    let (_dir, target) = loopback_target();
     let (engine, local) = initiator(Duration::from_secs(2));
     let remote = open_tcp(&engine, &target);
     let baseline = Arc::strong_count(local.segment());
@@ -162,8 +168,7 @@ fn transfer_peer_killed_mid_transfer_fails_pending_requests() {
 
 #[test]
 fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
+    let (_dir, target) = loopback_target();
     let (engine, local) = initiator(Duration::from_secs(2));
     let remote = open_tcp(&engine, &target);
     let submitter = reads_under_way(&engine, &local, &remote);
@@ -193,8 +198,7 @@ fn transfer_frozen_peer_times_out_within_the_configured_timeout() {
 
 #[test]
 fn transfer_bench_initiator_cli_drives_a_target_process() {
-    let dir = tempfile::tempdir().unwrap();
-    let target = TargetProcess::spawn(&[], "127.0.0.1:0", &dir.path().join("t.sock"));
+    let (_dir, target) = loopback_target();
     for (protocol, extra) in [("tcp", "--target_addr"), ("shm", "--shm_path")] {
         let endpoint = if protocol == "tcp" {
             target.tcp.to_string()

@@ -157,6 +157,14 @@ fn fields(s: &Value, path: &str, out: &mut String) {
     }
 }
 
+/// `one`, or `many` for more than one name, then the names in backticks: "short names `a`, `b`".
+fn named_list(one: &str, many: &str, names: Option<&[String]>) -> String {
+    let names = names.unwrap_or_default();
+    let listed: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    let noun = if names.len() > 1 { many } else { one };
+    format!("{noun} {}", listed.join(", "))
+}
+
 fn kind_section(kind: Kind, out: &mut String) {
     let crd = kind.crd();
     let names = &crd.spec.names;
@@ -165,33 +173,11 @@ fn kind_section(kind: Kind, out: &mut String) {
     let _ = writeln!(out, "### {} reference\n", kind.name());
     let _ = writeln!(
         out,
-        "`{}`, plural `{}`, short name{} {}, categor{} {}; scope {}; subresources: {}.\n",
+        "`{}`, plural `{}`, {}, {}; scope {}; subresources: {}.\n",
         crd.metadata.name.as_deref().unwrap_or_default(),
         names.plural,
-        if names.short_names.as_ref().is_some_and(|s| s.len() > 1) {
-            "s"
-        } else {
-            ""
-        },
-        names
-            .short_names
-            .iter()
-            .flatten()
-            .map(|n| format!("`{n}`"))
-            .collect::<Vec<_>>()
-            .join(", "),
-        if names.categories.as_ref().is_some_and(|s| s.len() > 1) {
-            "ies"
-        } else {
-            "y"
-        },
-        names
-            .categories
-            .iter()
-            .flatten()
-            .map(|n| format!("`{n}`"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        named_list("short name", "short names", names.short_names.as_deref()),
+        named_list("category", "categories", names.categories.as_deref()),
         crd.spec.scope,
         {
             let sub = version.subresources.as_ref();

@@ -2,10 +2,11 @@
 //! agent's fixture machine, a real `kvpool master` and real `kvpool agent run` processes on
 //! 127.0.0.1 with their logs in the test's directory (master_kill_under_load, master_striping,
 //! agent_pool_*, agent_transport_report), a local-only agent for the engine tests
-//! (synthetic_engine, conductor_http), clients of them, a put-and-read load (`load`), polls of
-//! the master's stats and the agents' metrics, and an in-process master (master_service,
-//! master_coalescing). Failures panic with the process's log tail. I/O boundary: child
-//! processes, loopback sockets, temp dirs.
+//! (synthetic_engine, conductor_http), clients of them, a put-and-read load (`load`), puts and
+//! checks of single objects, polls of the master's stats and the agents' metrics, a directory
+//! with an etcd for the HA tests (master_ha, master_failover_under_load), and an in-process
+//! master (master_service, master_coalescing). Failures panic with the process's log tail.
+//! I/O boundary: child processes, loopback sockets, temp dirs.
 
 #![allow(dead_code)]
 
@@ -15,11 +16,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvpool_agent::api::client::EngineClient;
-use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
+use kvpool_client::master::{ClientConfig, ClientError, Located, MasterClient};
 use kvpool_client::pool::PoolClient;
-use kvpool_core::master::{ReplicaInfo, SegmentSpec, Tier};
+use kvpool_core::master::{PutOptions, PutStarted, ReplicaInfo, SegmentSpec, Tier};
 use kvpool_harness::{
-    AgentSpec, ChildProcess, Launcher, MasterProcess, MasterSpec, Probe, free_addr, http,
+    AgentSpec, ChildProcess, EtcdServer, Launcher, MasterProcess, MasterSpec, Probe, free_addr,
+    http,
 };
 use kvpool_master::cmd::{MasterArgs, RunningMaster, start};
 use kvpool_proto::auth::AuthKey as MasterKey;
@@ -43,7 +45,7 @@ pub fn sysfs_fixture() -> PathBuf {
 }
 
 /// Writes `key` to `dir/pool.key` and returns its path.
-pub fn write_key(dir: &Path, key: &str) -> PathBuf {
+pub fn write_key(dir: &Path, key: impl AsRef<[u8]>) -> PathBuf {
     let key_file = dir.join("pool.key");
     std::fs::write(&key_file, key).expect("key file");
     key_file
@@ -57,15 +59,16 @@ pub fn ssd_tier(dir: &Path) -> (PathBuf, String) {
     (ssd_dir, extra)
 }
 
-/// A `kvpool master` logging into `dir/master.log`, once its gRPC port listens. Agents beat
-/// every 200 ms: `heartbeat_timeout` is short enough to keep a test quick and long enough for
-/// a loaded box.
+/// A `kvpool master` started with `args` added, logging into `dir/master.log`, once its gRPC
+/// port listens. Agents beat every 200 ms: `heartbeat_timeout` is short enough to keep a test
+/// quick and long enough for a loaded box.
 pub fn start_master(
     dir: &Path,
     key_file: &Path,
     heartbeat_timeout: &str,
-) -> (ChildProcess, SocketAddr) {
-    let m = MasterSpec::new(KVPOOL, key_file)
+    args: &[&str],
+) -> MasterProcess {
+    MasterSpec::new(KVPOOL, key_file)
         .expect("ports")
         .args([
             "--heartbeat-timeout",
@@ -73,9 +76,9 @@ pub fn start_master(
             "--tick-interval",
             "100ms",
         ])
+        .args(args.iter().copied())
         .start(&Launcher::new(dir), "master", DEADLINE)
-        .expect("kvpool master");
-    (m.process, m.grpc)
+        .expect("kvpool master")
 }
 
 /// Master `name` of an HA group that campaigns in the etcd at `etcd` under `prefix` (election
@@ -104,6 +107,21 @@ pub fn spawn_ha_master(
     m
 }
 
+/// What an HA test reports when it skips for want of etcd.
+pub const ETCD_MISSING: &str = "etcd binary not installed (Debian package etcd-server)";
+
+/// For the HA tests: a fresh temporary directory, the key file ([`write_key`]) with `key` in it
+/// and an etcd serving from that directory; None where etcd is not installed.
+pub fn etcd_dir(key: impl AsRef<[u8]>) -> Option<(tempfile::TempDir, PathBuf, EtcdServer)> {
+    if !EtcdServer::available() {
+        return None;
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    let key_file = write_key(dir.path(), key);
+    let etcd = EtcdServer::start(dir.path()).expect("etcd");
+    Some((dir, key_file, etcd))
+}
+
 /// A master client over all of `masters`, keyed with `key`, that follows a failover for up to
 /// 30 s.
 pub fn ha_master_client(masters: &[SocketAddr], key: &[u8]) -> MasterClient {
@@ -120,14 +138,57 @@ pub fn ha_master_client(masters: &[SocketAddr], key: &[u8]) -> MasterClient {
 
 /// A pool in a fresh temporary directory, which also holds the logs and the agents' folders:
 /// the directory, the key file ([`KEY`]), a `kvpool master` (see [`start_master`] for
-/// `heartbeat_timeout`) and its gRPC address.
+/// `heartbeat_timeout`), its gRPC address and a client of it.
 pub fn test_pool(
     heartbeat_timeout: &str,
-) -> (tempfile::TempDir, PathBuf, ChildProcess, SocketAddr) {
+) -> (
+    tempfile::TempDir,
+    PathBuf,
+    ChildProcess,
+    SocketAddr,
+    MasterClient,
+) {
+    let (dir, key_file, m, client) = test_pool_with(heartbeat_timeout, &[]);
+    (dir, key_file, m.process, m.grpc, client)
+}
+
+/// Like [`test_pool`], the master started with `args` added and returned whole.
+pub fn test_pool_with(
+    heartbeat_timeout: &str,
+    args: &[&str],
+) -> (tempfile::TempDir, PathBuf, MasterProcess, MasterClient) {
     let dir = tempfile::tempdir().expect("tempdir");
     let key_file = write_key(dir.path(), KEY);
-    let (master, grpc) = start_master(dir.path(), &key_file, heartbeat_timeout);
-    (dir, key_file, master, grpc)
+    let m = start_master(dir.path(), &key_file, heartbeat_timeout, args);
+    let client = master_client(m.grpc, KEY);
+    (dir, key_file, m, client)
+}
+
+/// `N` agents `agent-a`, `agent-b`, ... of the pool in `dir` (see [`start_agent`]), each with
+/// `dram` of DRAM, without waiting for them.
+pub fn start_agents<const N: usize>(
+    dir: &Path,
+    master: SocketAddr,
+    key_file: &Path,
+    dram: &str,
+) -> [ChildProcess; N] {
+    std::array::from_fn(|i| {
+        let name = format!("agent-{}", char::from(b'a' + i as u8));
+        start_agent(dir, &name, master, key_file, dram).0
+    })
+}
+
+/// Polls the master's stats until `n` agents are alive with at least a segment each, while
+/// every one of `procs` runs.
+pub async fn wait_mounted(
+    client: &MasterClient,
+    n: u64,
+    procs: &mut [&mut ChildProcess],
+) -> StatsResponse {
+    wait_stats(client, &format!("{n} agents mounted"), procs, |s| {
+        s.nodes_alive == n && s.segments >= n
+    })
+    .await
 }
 
 /// `agent-a` of the pool in `dir` with 1 MiB of DRAM over an 8 MiB SSD tier (so most blocks
@@ -139,9 +200,36 @@ pub fn start_ssd_agent(
     key_file: &Path,
 ) -> (PathBuf, String, ChildProcess, AgentAddrs) {
     let (ssd_dir, extra) = ssd_tier(dir);
-    let (mut agent, addrs) = start_agent_with(dir, "agent-a", master, key_file, "1MiB", &extra);
+    let (mut agent, addrs) = spawn_ssd_agent(dir, master, key_file, &extra);
     wait_ready(&addrs, &mut agent);
     (ssd_dir, extra, agent, addrs)
+}
+
+/// The agent of [`start_ssd_agent`] with the SSD tier config lines `extra` (to start it again on
+/// the same directory), without waiting for it.
+pub fn spawn_ssd_agent(
+    dir: &Path,
+    master: SocketAddr,
+    key_file: &Path,
+    extra: &str,
+) -> (ChildProcess, AgentAddrs) {
+    start_agent_with(dir, "agent-a", master, key_file, "1MiB", extra)
+}
+
+/// Polls the agent's count of SSD blocks adopted at start-up until `done` holds for it.
+pub async fn ssd_blocks_adopted(
+    agent: &AgentAddrs,
+    proc: &mut ChildProcess,
+    done: impl Fn(f64) -> bool,
+) -> f64 {
+    wait_metric(
+        agent,
+        proc,
+        "kvpool_agent_pool_ssd_blocks_adopted_total",
+        &[],
+        done,
+    )
+    .await
 }
 
 /// Where a started agent can be reached.
@@ -204,6 +292,23 @@ pub fn start_agent_args(
     )
 }
 
+/// Puts `value(i)` under the i-th key through a session `name` of the agent's engine API,
+/// closed after (see [`put_each`]).
+pub async fn put_through(
+    agent: &AgentAddrs,
+    name: &str,
+    keys: &[Vec<u8>],
+    value: impl Fn(usize) -> Vec<u8>,
+) {
+    let mut session = engine(agent, name).await;
+    put_each(&mut session, keys, value).await;
+}
+
+/// `n` keys `<stem>-0`, `<stem>-1`, ...
+pub fn numbered_keys(stem: &str, n: usize) -> Vec<Vec<u8>> {
+    (0..n).map(|i| format!("{stem}-{i}").into_bytes()).collect()
+}
+
 /// Puts `value(i)` under the i-th key through the engine API, asserting each put succeeds.
 pub async fn put_each(
     engine: &mut EngineClient,
@@ -214,6 +319,19 @@ pub async fn put_each(
         let status = engine.put(key, &value(i)).await.expect("put");
         assert_eq!(status, kvpool_agent::proto::Status::Ok, "put {i}");
     }
+}
+
+/// Asserts that `key` is neither announced by the master nor served by the agent behind
+/// `engine`; `what` names the key in the failure.
+pub async fn assert_gone(client: &MasterClient, engine: &mut EngineClient, key: &[u8], what: &str) {
+    assert!(
+        !client.exists(&[key]).await.expect("exists")[0],
+        "{what} is announced"
+    );
+    assert!(
+        engine.get(key).await.expect("get").is_none(),
+        "{what} is served"
+    );
 }
 
 /// A local-only agent (no pool) with 16 MiB of DRAM in `dir`, once its engine-API socket
@@ -248,10 +366,11 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
         .map(|r| (r.status, r.body))
 }
 
-pub fn master_client(grpc: SocketAddr, key: &str) -> MasterClient {
+/// A client of the master at `grpc`, keyed with `key`.
+pub fn master_client(grpc: SocketAddr, key: impl AsRef<[u8]>) -> MasterClient {
     MasterClient::new(
         vec![grpc.to_string()],
-        MasterKey::from_bytes(key.as_bytes()).expect("master key"),
+        MasterKey::from_bytes(key.as_ref()).expect("master key"),
         ClientConfig::default(),
     )
     .expect("master client")
@@ -397,6 +516,37 @@ pub async fn assert_closed_within(held: &mut [tokio::net::TcpStream], limit: Dur
     }
 }
 
+/// Starts a put of `size` bytes under `key` with `opts`, which the master must allocate: the
+/// put's id and the replicas to write.
+pub async fn put_allocated(
+    client: &MasterClient,
+    key: &[u8],
+    size: u64,
+    opts: &PutOptions,
+) -> (u64, Vec<ReplicaInfo>) {
+    match client.put_start(key, size, opts).await.expect("put_start") {
+        PutStarted::Allocated { put_id, replicas } => (put_id, replicas),
+        other => panic!("{} not allocated: {other:?}", String::from_utf8_lossy(key)),
+    }
+}
+
+/// Asserts that `client` finds the committed `key` of `size` bytes, and not `missing`: what
+/// the get located (its read lease is still held).
+pub async fn assert_committed(
+    client: &MasterClient,
+    key: &[u8],
+    missing: &[u8],
+    size: u64,
+) -> Located {
+    assert_eq!(
+        client.exists(&[key, missing]).await.expect("exists"),
+        vec![true, false]
+    );
+    let located = client.get(key).await.expect("get");
+    assert_eq!(located.size, size);
+    located
+}
+
 /// The replicas of `key` as the master hands them out now (the read lease it takes is released
 /// at once).
 pub async fn replicas(client: &MasterClient, key: &[u8]) -> Result<Vec<ReplicaInfo>, ClientError> {
@@ -461,12 +611,7 @@ pub async fn in_process_master(key: &[u8], tweak: impl FnOnce(&mut MasterArgs)) 
     let master = start(a.validate().expect("valid"), shutdown.clone())
         .await
         .expect("start master");
-    let client = MasterClient::new(
-        vec![master.grpc_addr.to_string()],
-        MasterKey::from_bytes(key).expect("master key"),
-        ClientConfig::default(),
-    )
-    .expect("client");
+    let client = master_client(master.grpc_addr, key);
     InProcessMaster {
         _dir: dir,
         master,

@@ -1,8 +1,9 @@
 //! What the tests of in-process HTTP servers share (conductor_http, conductor_openai,
 //! conductor_discovery, synthetic_engine): a synthetic engine's and a conductor's settings, a
-//! conductor serving on loopback, a loopback listener, one HTTP exchange through the harness's client, and a
-//! metric read from a server's registry the way Prometheus would scrape it. Failures panic
-//! naming the call. I/O boundary: loopback sockets.
+//! conductor serving on loopback, a loopback listener, one HTTP exchange through the harness's
+//! client, the payloads of a server-sent event stream, and a metric read from a server's
+//! registry the way Prometheus would scrape it. Failures panic naming the call. I/O boundary:
+//! loopback sockets.
 
 #![allow(dead_code)]
 
@@ -55,6 +56,13 @@ pub fn assert_openai_error(body: &str, code: &str, says: &str) -> serde_json::Va
         "{body}"
     );
     v
+}
+
+/// The `data:` payloads of a server-sent event stream, in order.
+pub fn sse_data(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect()
 }
 
 /// The registry as Prometheus scrapes it.
