@@ -426,18 +426,13 @@ struct ServerShared {
 
 /// A running TCP target. Dropping it closes the listener and every connection and joins all
 /// threads: peers see their connections reset.
+#[derive(derive_more::Debug)]
 pub struct TcpServer {
     addr: SocketAddr,
+    #[debug(skip)]
     shared: Arc<ServerShared>,
+    #[debug(skip)]
     accept: Option<JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for TcpServer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpServer")
-            .field("addr", &self.addr)
-            .finish()
-    }
 }
 
 impl TcpServer {

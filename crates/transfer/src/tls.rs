@@ -70,17 +70,11 @@ pub struct TransferTls {
 }
 
 /// The initiator's side of TLS, loaded: how to verify targets.
+#[derive(derive_more::Debug)]
 pub(crate) struct ClientTls {
+    #[debug(skip)]
     config: Arc<ClientConfig>,
     server_name: Option<ServerName<'static>>,
-}
-
-impl std::fmt::Debug for ClientTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientTls")
-            .field("server_name", &self.server_name)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ClientTls {

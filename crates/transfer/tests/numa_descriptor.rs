@@ -15,6 +15,10 @@ use kvpool_transfer::rdma::fake::{FakeFabric, FakePort};
 use kvpool_transfer::rdma::{select, topology};
 use kvpool_transfer::*;
 
+mod support;
+
+use support::key;
+
 const SEG: usize = 4 << 20;
 
 fn fixture(name: &str) -> PathBuf {
@@ -22,10 +26,6 @@ fn fixture(name: &str) -> PathBuf {
         .join("../../agent/tests/fixtures")
         .join(name)
         .join("sys")
-}
-
-fn key() -> AuthKey {
-    AuthKey::new(*b"numa-test-key-0123456789").unwrap()
 }
 
 fn config(node: &str) -> EngineConfig {

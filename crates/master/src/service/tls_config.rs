@@ -41,20 +41,15 @@ pub enum Reload {
 }
 
 /// The port's current TLS configuration and the files it comes from.
+#[derive(derive_more::Debug)]
 pub struct ReloadingTls {
     paths: TlsPaths,
+    #[debug(skip)]
     current: RwLock<Arc<rustls::ServerConfig>>,
     /// Digest of the files at the last pass (served or refused), so that refused content is
     /// logged and counted once, not at every pass.
+    #[debug(skip)]
     seen: Mutex<Vec<u8>>,
-}
-
-impl std::fmt::Debug for ReloadingTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReloadingTls")
-            .field("paths", &self.paths)
-            .finish_non_exhaustive()
-    }
 }
 
 fn digest(pems: &PemFiles<'_>) -> Vec<u8> {
@@ -287,5 +282,10 @@ mod tests {
         assert!(matches!(tls.reload(), Reload::Swapped));
         assert!(!Arc::ptr_eq(&first, &tls.current.read()));
         assert!(matches!(tls.reload(), Reload::Unchanged));
+        // Debug names the files only, never the configuration that holds the private key.
+        let shown = format!("{tls:?}");
+        assert!(shown.contains("key.pem"), "{shown}");
+        assert!(!shown.contains("ServerConfig"), "{shown}");
+        assert!(shown.ends_with(", .. }"), "{shown}");
     }
 }

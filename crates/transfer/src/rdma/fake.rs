@@ -54,15 +54,10 @@ struct FabricState {
 }
 
 /// A fabric shared by every fake device of a test (initiator and target alike).
-#[derive(Clone, Default)]
+#[derive(Clone, Default, derive_more::Debug)]
 pub struct FakeFabric {
+    #[debug(skip)]
     state: Arc<FabricState>,
-}
-
-impl std::fmt::Debug for FakeFabric {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FakeFabric").finish_non_exhaustive()
-    }
 }
 
 impl FakeFabric {

@@ -75,19 +75,12 @@ pub struct Served {
 
 /// A transfer target serving one host segment named [`MemoryTarget::SEGMENT`] from memory:
 /// each call plays one connection's bytes through the production handshake or request loop.
+#[derive(derive_more::Debug)]
 pub struct MemoryTarget {
+    #[debug(skip)]
     ctx: ServerCtx,
     handle: u32,
     segment_len: u64,
-}
-
-impl std::fmt::Debug for MemoryTarget {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryTarget")
-            .field("handle", &self.handle)
-            .field("segment_len", &self.segment_len)
-            .finish_non_exhaustive()
-    }
 }
 
 impl MemoryTarget {
