@@ -200,17 +200,13 @@ pub fn map_segments_in(
 }
 
 /// The DRAM tier.
+#[derive(derive_more::Debug)]
 pub struct DramTier {
+    /// Shown as their descriptions: the mappings and allocators have no useful text.
+    #[debug("{infos:?}")]
     segments: Vec<Segment>,
+    #[debug(skip)]
     infos: Vec<SegmentInfo>,
-}
-
-impl std::fmt::Debug for DramTier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DramTier")
-            .field("segments", &self.infos)
-            .finish()
-    }
 }
 
 impl DramTier {

@@ -57,18 +57,21 @@ impl ExtentAllocator {
 
     /// Mark `[start, start+len)` as used; false when any part of it is not free.
     pub fn reserve(&mut self, start: u64, len: u64) -> bool {
-        let Some(end) = start.checked_add(len) else {
+        let Some(end) = start
+            .checked_add(len)
+            .filter(|&end| len > 0 && end <= self.capacity)
+        else {
             return false;
         };
-        if len == 0 || end > self.capacity {
-            return false;
-        }
-        let Some((&fs, &fl)) = self.free.range(..=start).next_back() else {
+        // The free extent at or before `start` must reach `end`.
+        let Some((&fs, &fl)) = self
+            .free
+            .range(..=start)
+            .next_back()
+            .filter(|&(&fs, &fl)| fs + fl >= end)
+        else {
             return false;
         };
-        if fs + fl < end {
-            return false;
-        }
         self.free.remove(&fs);
         if start > fs {
             self.free.insert(fs, start - fs);

@@ -10,9 +10,10 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounterVec, IntGauge, Registry};
 
 use crate::config::AgentConfig;
+use crate::metrics::{counters, gauge};
 use crate::topology::NodeSummary;
 
 /// Field manager of the agent's writes to its Node object.
@@ -58,23 +59,19 @@ pub struct NodeMetrics {
 impl NodeMetrics {
     /// Create the metrics and register them into `registry`.
     pub fn new(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let failure_domain_missing = IntGauge::new(
-            "kvpool_agent_failure_domain_missing",
-            "1 when the node lacks the pool's spread label (or it could not be read): the \
-             agent announces no failure domain",
-        )?;
-        let api_errors = IntCounterVec::new(
-            Opts::new(
+        Ok(Self {
+            failure_domain_missing: gauge(
+                registry,
+                "kvpool_agent_failure_domain_missing",
+                "1 when the node lacks the pool's spread label (or it could not be read): the \
+                 agent announces no failure domain",
+            )?,
+            api_errors: counters(
+                registry,
                 "kvpool_agent_node_api_errors_total",
                 "Failed Kubernetes API calls about the agent's own Node object",
-            ),
-            &["operation"],
-        )?;
-        registry.register(Box::new(failure_domain_missing.clone()))?;
-        registry.register(Box::new(api_errors.clone()))?;
-        Ok(Self {
-            failure_domain_missing,
-            api_errors,
+                &["operation"],
+            )?,
         })
     }
 

@@ -1,7 +1,8 @@
 //! Discovery against the committed sysfs/procfs fixture trees (agent/tests/fixtures, made by
-//! generate.py there). Each test asserts the exact topology: the key facts by hand, and the
-//! whole document against a golden JSON file next to the tree. Set KVPOOL_UPDATE_GOLDEN=1 to
-//! rewrite the golden files after an intended change, then review the diff.
+//! generate.py there). Each fixture's test asserts the key facts by hand, and one test compares
+//! the whole document of every fixture against its golden JSON file next to the tree. Set
+//! KVPOOL_UPDATE_GOLDEN=1 to rewrite the golden files after an intended change, then review the
+//! diff.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -29,15 +30,27 @@ fn discover_fixture(name: &str, env: &[(&str, &str)]) -> Topology {
     discover(&roots, &env).expect("discover")
 }
 
-fn check_golden(topo: &Topology, file: &str) {
-    let path = fixture(file);
-    let actual = serde_json::to_string_pretty(topo).expect("json") + "\n";
-    if std::env::var_os("KVPOOL_UPDATE_GOLDEN").is_some() {
-        std::fs::write(&path, &actual).expect("write golden");
+/// The environment of the malformed tree: one variable naming a bad bus id and a missing one.
+const MALFORMED_ENV: &[(&str, &str)] = &[("PCIDEVICE_BROKEN", "0000:zz:00.0, 0000:99:00.1")];
+
+#[test]
+fn topologies_match_the_golden_files() {
+    for (name, env) in [
+        ("dgx-roce", &[][..]),
+        ("tcp-single", &[][..]),
+        ("malformed", MALFORMED_ENV),
+    ] {
+        let topo = discover_fixture(name, env);
+        let file = format!("{name}.json");
+        let path = fixture(&file);
+        let actual = serde_json::to_string_pretty(&topo).expect("json") + "\n";
+        if std::env::var_os("KVPOOL_UPDATE_GOLDEN").is_some() {
+            std::fs::write(&path, &actual).expect("write golden");
+        }
+        let expected = std::fs::read_to_string(&path).expect("golden file exists");
+        let expected: Topology = serde_json::from_str(&expected).expect("golden parses");
+        assert_eq!(topo, expected, "topology differs from {file}");
     }
-    let expected = std::fs::read_to_string(&path).expect("golden file exists");
-    let expected: Topology = serde_json::from_str(&expected).expect("golden parses");
-    assert_eq!(topo, &expected, "topology differs from {file}");
 }
 
 #[test]
@@ -134,7 +147,6 @@ fn dgx_roce_node() {
             ("kvpool.dev/sriov-vfs", "4"),
         ]
     );
-    check_golden(&topo, "dgx-roce.json");
 }
 
 #[test]
@@ -195,46 +207,33 @@ fn tcp_only_single_numa_node() {
     assert_eq!(summary.labels["kvpool.dev/rdma-nics"], "0");
     assert!(!summary.labels.contains_key("kvpool.dev/rdma-link-layer"));
     assert_eq!(summary.labels["kvpool.dev/sriov-vfs"], "0");
-    check_golden(&topo, "tcp-single.json");
 }
 
 #[test]
 fn malformed_tree_warns_instead_of_failing() {
-    let topo = discover_fixture(
-        "malformed",
-        &[("PCIDEVICE_BROKEN", "0000:zz:00.0, 0000:99:00.1")],
-    );
+    let topo = discover_fixture("malformed", MALFORMED_ENV);
     let warnings: Vec<String> = topo
         .warnings
         .iter()
         .map(|w| format!("{}: {}", w.path, w.message))
         .collect();
-    let has = |needle: &str| warnings.iter().any(|w| w.contains(needle));
-    assert!(has("node0/cpulist: malformed cpulist"), "{warnings:#?}");
-    assert!(has("node0/meminfo: cannot read"), "{warnings:#?}");
-    assert!(
-        has("free_hugepages: not an unsigned integer"),
-        "{warnings:#?}"
-    );
-    assert!(has("0000:05:00.0/numa_node: cannot read"), "{warnings:#?}");
-    assert!(has("0000:06:00.0/class: missing"), "{warnings:#?}");
-    assert!(
-        has("sriov_numvfs is 4 but 1 virtfn links exist"),
-        "{warnings:#?}"
-    );
-    assert!(
-        has("rxe0/device: cannot resolve device link"),
-        "{warnings:#?}"
-    );
-    assert!(has("rxe0/ports: cannot list"), "{warnings:#?}");
-    assert!(
-        has("env/PCIDEVICE_BROKEN: not a PCI bus id"),
-        "{warnings:#?}"
-    );
-    assert!(
-        has("PCI device 0000:99:00.1 does not exist"),
-        "{warnings:#?}"
-    );
+    for needle in [
+        "node0/cpulist: malformed cpulist",
+        "node0/meminfo: cannot read",
+        "free_hugepages: not an unsigned integer",
+        "0000:05:00.0/numa_node: cannot read",
+        "0000:06:00.0/class: missing",
+        "sriov_numvfs is 4 but 1 virtfn links exist",
+        "rxe0/device: cannot resolve device link",
+        "rxe0/ports: cannot list",
+        "env/PCIDEVICE_BROKEN: not a PCI bus id",
+        "PCI device 0000:99:00.1 does not exist",
+    ] {
+        assert!(
+            warnings.iter().any(|w| w.contains(needle)),
+            "no warning with {needle:?}: {warnings:#?}"
+        );
+    }
 
     // What could be read is still there.
     assert_eq!(topo.numa_nodes.len(), 2);
@@ -245,7 +244,17 @@ fn malformed_tree_warns_instead_of_failing() {
     assert_eq!(topo.rdma_devices.len(), 2);
     assert!(topo.matrix.gpus.is_empty());
     assert_eq!(summarize(&topo).labels["kvpool.dev/rdma"], "false");
-    check_golden(&topo, "malformed.json");
+}
+
+/// A request for `capacity` bytes placed by `policy` on normal pages, in segments of at most
+/// 16 GiB.
+fn request(capacity: u64, policy: NumaPolicy) -> PlacementRequest {
+    PlacementRequest {
+        capacity,
+        policy,
+        hugepage_size: None,
+        max_segment: 16 << 30,
+    }
 }
 
 /// Each planned segment as (NUMA node, bytes, huge page size).
@@ -260,10 +269,8 @@ fn layout(p: &Placement) -> Vec<(Option<u32>, u64, Option<u64>)> {
 fn dram_placement_on_the_dgx_follows_the_nics() {
     let topo = discover_fixture("dgx-roce", &[]);
     let req = PlacementRequest {
-        capacity: 64 << 30,
-        policy: NumaPolicy::NicLocal,
         hugepage_size: Some(2 << 20),
-        max_segment: 16 << 30,
+        ..request(64 << 30, NumaPolicy::NicLocal)
     };
     let p = plan(&topo, &req).expect("plan");
     let nodes = layout(&p);
@@ -302,10 +309,8 @@ fn dram_placement_on_the_dgx_follows_the_nics() {
     let p = plan(
         &topo,
         &PlacementRequest {
-            capacity: 1 << 30,
-            policy: NumaPolicy::Interleave,
-            hugepage_size: None,
             max_segment: 1 << 30,
+            ..request(1 << 30, NumaPolicy::Interleave)
         },
     )
     .expect("plan");
@@ -321,12 +326,7 @@ fn dram_placement_none_on_the_dgx_binds_nothing() {
         2,
         "the fixture is a 2-socket machine"
     );
-    let req = PlacementRequest {
-        capacity: 40 << 30,
-        policy: NumaPolicy::None,
-        hugepage_size: None,
-        max_segment: 16 << 30,
-    };
+    let req = request(40 << 30, NumaPolicy::None);
     let p = plan(&topo, &req).expect("plan");
     // No per-node split (NIC-local would put 20 GiB on each node): one run of unbound
     // segments, cut only by the segment size limit.

@@ -2,7 +2,7 @@
 //! injected corruption and truncation, a damaged index tail, and a full disk (a small tmpfs
 //! when running as root, a capacity limit always).
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;
@@ -45,14 +45,18 @@ fn tier_with(dir: &Path, blocks: &[(&[u8], u8, usize)]) -> SsdTier {
     t
 }
 
-/// Cut the tier's data file in `dir` to `len` bytes.
-fn truncate_data(dir: &Path, len: u64) {
+/// The tier's data file in `dir`, open for reading and writing (to damage it).
+fn data_file(dir: &Path) -> File {
     OpenOptions::new()
+        .read(true)
         .write(true)
         .open(dir.join("blocks.dat"))
         .expect("open data")
-        .set_len(len)
-        .expect("truncate");
+}
+
+/// Cut the tier's data file in `dir` to `len` bytes.
+fn truncate_data(dir: &Path, len: u64) {
+    data_file(dir).set_len(len).expect("truncate");
 }
 
 /// Recovery left a warning that mentions `what`.
@@ -123,11 +127,7 @@ fn corrupted_block_is_dropped_reported_and_never_served() {
     let mut t = tier_with(dir.path(), &[(b"good", 1, 3000), (b"bad", 2, 3000)]);
     t.sync().expect("sync");
     // Flip one byte of the second block on disk (blocks are laid out in put order).
-    let data = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.path().join("blocks.dat"))
-        .expect("open data");
+    let data = data_file(dir.path());
     let mut byte = [0u8; 1];
     data.read_exact_at(&mut byte, ALIGN + 1234).expect("read");
     byte[0] ^= 0xff;
@@ -201,6 +201,17 @@ fn store_with_ssd(ssd_dir: &Path, ssd_capacity: u64) -> TieredStore {
     TieredStore::new(dram, Some(ssd), metrics)
 }
 
+/// The bytes of `key`, which `store` must hold and serve from `tier`.
+#[track_caller]
+fn served_from(store: &TieredStore, key: &[u8], tier: Served) -> Vec<u8> {
+    let (bytes, served) = store
+        .get_with(key, <[u8]>::to_vec)
+        .expect("get")
+        .unwrap_or_else(|| panic!("{} missing", String::from_utf8_lossy(key)));
+    assert_eq!(served, tier, "{}", String::from_utf8_lossy(key));
+    bytes
+}
+
 /// Puts 32 KiB blocks into a 64 KiB DRAM tier until `n` blocks went through.
 fn fill(store: &TieredStore, n: u8) {
     for i in 0..n {
@@ -241,11 +252,7 @@ fn corrupt_ssd_block_is_a_miss_in_the_store() {
     let store = store_with_ssd(dir.path(), 1 << 20);
     fill(&store, 3); // k0 demoted to SSD at offset 0
     store.sync().expect("sync");
-    let data = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.path().join("blocks.dat"))
-        .expect("open data");
+    let data = data_file(dir.path());
     data.write_all_at(&[0xee; 16], 100).expect("corrupt");
     drop(data);
     let dram_before = store.stats().dram_used;
@@ -260,12 +267,7 @@ fn corrupt_ssd_block_is_a_miss_in_the_store() {
     // (demoted) to make room for it.
     assert_eq!(store.stats().dram_used, dram_before - (32 << 10));
     assert!(!store.exists(b"k0"));
-    let (bytes, served) = store
-        .get_with(b"k2", <[u8]>::to_vec)
-        .expect("get")
-        .expect("present");
-    assert_eq!(served, Served::Dram);
-    assert_eq!(bytes, vec![2; 32 << 10]);
+    assert_eq!(served_from(&store, b"k2", Served::Dram), vec![2; 32 << 10]);
 }
 
 fn mount_tmpfs(dir: &Path, size: &str) -> bool {
@@ -316,12 +318,7 @@ fn full_filesystem_stops_demotion_with_a_condition() {
     assert!((1..14).contains(&demoted), "demoted {demoted}");
     assert!(m.dropped.with_label_values(&["ssd_full"]).get() >= 1);
     // Everything demoted before the disk filled is still readable and intact.
-    let (bytes, served) = store
-        .get_with(b"k0", <[u8]>::to_vec)
-        .expect("get")
-        .expect("k0 on SSD");
-    assert_eq!(served, Served::Ssd);
-    assert_eq!(bytes, vec![0; 32 << 10]);
+    assert_eq!(served_from(&store, b"k0", Served::Ssd), vec![0; 32 << 10]);
     // The index still persists (it has room: records are small, or it reports an error
     // without crashing).
     let _ = store.persist(false);
@@ -336,12 +333,10 @@ fn ssd_block_larger_than_dram_is_served_without_promotion() {
         t.snapshot().expect("snapshot");
     }
     let store = store_with_ssd(dir.path(), 1 << 20);
-    let (bytes, served) = store
-        .get_with(b"huge", <[u8]>::to_vec)
-        .expect("get")
-        .expect("present");
-    assert_eq!(served, Served::Ssd);
-    assert_eq!(bytes, block(7, 100_000)[..100_000].to_vec());
+    assert_eq!(
+        served_from(&store, b"huge", Served::Ssd),
+        block(7, 100_000)[..100_000].to_vec()
+    );
     assert_eq!(store.metrics().promotions.get(), 0);
     assert_eq!(store.stats().dram_used, 0);
 }

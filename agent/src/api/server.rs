@@ -67,12 +67,15 @@ struct Session {
 }
 
 /// The gRPC service.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct EngineService {
     /// Where the blocks of every batch go and come from.
+    #[debug(skip)]
     store: Arc<dyn BlockStore>,
     /// Sessions, staging bytes, batch latencies and staging errors are counted here.
+    #[debug(skip)]
     metrics: Arc<AgentMetrics>,
+    #[debug(skip)]
     sessions: Arc<Mutex<HashMap<u64, Session>>>,
     next_id: Arc<AtomicU64>,
     shm_dir: PathBuf,
@@ -81,14 +84,6 @@ pub struct EngineService {
     client_group: Option<u32>,
     /// The node's topology as sessions need it (None: engines' locality is not used).
     locality: Option<Arc<SessionLocality>>,
-}
-
-impl std::fmt::Debug for EngineService {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineService")
-            .field("shm_dir", &self.shm_dir)
-            .finish_non_exhaustive()
-    }
 }
 
 fn invalid(msg: impl Into<String>) -> RpcStatus {

@@ -2,8 +2,9 @@
 //! server's registry and shared by the link, the task runner and the SSD guard. I/O boundary:
 //! none.
 
-use prometheus::core::Collector;
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
+
+use crate::metrics::{counter, counters, gauge};
 
 /// Metrics of pool membership (`kvpool_agent_pool_` prefix).
 #[derive(Clone, Debug)]
@@ -52,31 +53,6 @@ pub struct PoolMetrics {
     /// `kvpool_agent_pool_ssd_commits_confirmed_total`: feed commits (checksummed from the
     /// file) that a later complete feed answer confirmed, written to the durable index.
     pub ssd_commits_confirmed: IntCounter,
-}
-
-fn register<T: Collector + Clone + 'static>(
-    registry: &Registry,
-    metric: T,
-) -> Result<T, prometheus::Error> {
-    registry.register(Box::new(metric.clone()))?;
-    Ok(metric)
-}
-
-fn gauge(registry: &Registry, name: &str, help: &str) -> Result<IntGauge, prometheus::Error> {
-    register(registry, IntGauge::new(name, help)?)
-}
-
-fn counter(registry: &Registry, name: &str, help: &str) -> Result<IntCounter, prometheus::Error> {
-    register(registry, IntCounter::new(name, help)?)
-}
-
-fn counters(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> Result<IntCounterVec, prometheus::Error> {
-    register(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
 }
 
 impl PoolMetrics {

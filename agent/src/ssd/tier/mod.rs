@@ -174,28 +174,22 @@ fn admit(
 }
 
 /// The SSD tier.
+#[derive(derive_more::Debug)]
 pub struct SsdTier {
     dir: PathBuf,
     data: File,
     direct: bool,
     index: File,
     index_records: u64,
+    /// Shown as the number of blocks.
+    #[debug("{}", entries.len())]
     entries: HashMap<Vec<u8>, Entry>,
+    #[debug(skip)]
     space: ExtentAllocator,
     /// Set after ENOSPC: allocations must stay inside the file as it is.
     fs_full: bool,
     data_len: u64,
     dirty: bool,
-}
-
-impl std::fmt::Debug for SsdTier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SsdTier")
-            .field("dir", &self.dir)
-            .field("direct", &self.direct)
-            .field("blocks", &self.entries.len())
-            .finish()
-    }
 }
 
 impl SsdTier {
