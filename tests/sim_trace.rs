@@ -100,7 +100,7 @@ fn global_pool_beats_local_caches_on_the_conversation_excerpt() {
         global.block_hit_ratio,
         local.block_hit_ratio
     );
-    assert!(global.prefill_busy_s < local.prefill_busy_s);
+    assert!(global.totals.prefill_busy_s < local.totals.prefill_busy_s);
 }
 
 #[test]

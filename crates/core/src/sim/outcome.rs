@@ -34,9 +34,10 @@ impl Outcome {
     }
 }
 
-/// Totals that are not per request.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// Totals that are not per request (part of the report's JSON under the names below).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Totals {
+    /// Prefill GPU time spent (fetch plus compute), seconds.
     pub prefill_busy_s: f64,
     pub decode_steps: u64,
     pub replicated_blocks: u64,
@@ -44,10 +45,12 @@ pub struct Totals {
     pub pool_evictions: u64,
     /// Prefill instance-seconds from the first arrival to the end of the run.
     pub prefill_instance_s: f64,
-    /// What autoscaling did (`None` without it).
+    /// What autoscaling did (`None` with a fixed prefill count).
+    #[serde(rename = "autoscale")]
     pub scaling: Option<ScalingTotals>,
     /// Decode instance-seconds from the first arrival to the end of the run.
     pub decode_instance_s: f64,
-    /// What decode autoscaling did (`None` without it).
+    /// What decode autoscaling did (`None` with a fixed decode count).
+    #[serde(rename = "autoscale_decode")]
     pub decode_scaling: Option<ScalingTotals>,
 }

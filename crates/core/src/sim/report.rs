@@ -73,20 +73,10 @@ pub struct Report {
     pub makespan_s: f64,
     /// `met_both / makespan_s`.
     pub effective_throughput_rps: f64,
-    /// Prefill GPU time spent (fetch plus compute), seconds.
-    pub prefill_busy_s: f64,
-    pub decode_steps: u64,
-    pub replicated_blocks: u64,
-    pub local_evictions: u64,
-    pub pool_evictions: u64,
-    /// Prefill instance-seconds, first arrival to last completion.
-    pub prefill_instance_s: f64,
-    /// What autoscaling did (`None` with a fixed prefill count).
-    pub autoscale: Option<ScalingTotals>,
-    /// Decode instance-seconds, first arrival to last completion.
-    pub decode_instance_s: f64,
-    /// What decode autoscaling did (`None` with a fixed decode count).
-    pub autoscale_decode: Option<ScalingTotals>,
+    /// What the run spent beyond the requests: prefill busy time, decode steps, replication,
+    /// evictions, instance-seconds and what autoscaling did (flattened into the JSON).
+    #[serde(flatten)]
+    pub totals: Totals,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -120,15 +110,7 @@ pub fn summarize(config: &SimConfig, outcomes: &[Outcome], totals: &Totals) -> R
         slo_attainment: 0.0,
         makespan_s: 0.0,
         effective_throughput_rps: 0.0,
-        prefill_busy_s: totals.prefill_busy_s,
-        decode_steps: totals.decode_steps,
-        replicated_blocks: totals.replicated_blocks,
-        local_evictions: totals.local_evictions,
-        pool_evictions: totals.pool_evictions,
-        prefill_instance_s: totals.prefill_instance_s,
-        autoscale: totals.scaling,
-        decode_instance_s: totals.decode_instance_s,
-        autoscale_decode: totals.decode_scaling,
+        totals: *totals,
     };
     let (mut matched, mut local, mut tokens, mut cached) = (0u64, 0u64, 0u64, 0u64);
     let mut ttft = Vec::with_capacity(outcomes.len());
@@ -238,24 +220,24 @@ impl Report {
             s,
             "makespan {:.1} s  prefill busy {:.1} s  decode steps {}  replicated blocks {}  evictions local {} pool {}",
             self.makespan_s,
-            self.prefill_busy_s,
-            self.decode_steps,
-            self.replicated_blocks,
-            self.local_evictions,
-            self.pool_evictions
+            self.totals.prefill_busy_s,
+            self.totals.decode_steps,
+            self.totals.replicated_blocks,
+            self.totals.local_evictions,
+            self.totals.pool_evictions
         );
         instance_line(
             &mut s,
             "prefill",
-            self.prefill_instance_s,
-            self.autoscale.as_ref(),
+            self.totals.prefill_instance_s,
+            self.totals.scaling.as_ref(),
             self.prefill_instances,
         );
         instance_line(
             &mut s,
             "decode",
-            self.decode_instance_s,
-            self.autoscale_decode.as_ref(),
+            self.totals.decode_instance_s,
+            self.totals.decode_scaling.as_ref(),
             self.decode_instances,
         );
         s

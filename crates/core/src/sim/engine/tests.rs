@@ -81,7 +81,7 @@ fn autoscaling_follows_the_load_and_saves_instance_seconds() {
     let mut scaled = four.clone();
     scaled.autoscale = Some(one_to_four());
     let [one, four, auto] = simulate_each(&records, [&fixed, &four, &scaled]);
-    let a = auto.autoscale.expect("autoscaled");
+    let a = auto.totals.scaling.expect("autoscaled");
     assert!(a.most > 1 && a.scale_ups >= 1, "{a:?}");
     assert!(a.scale_downs >= 1 && a.fewest == 1, "{a:?}");
     assert!(
@@ -91,13 +91,13 @@ fn autoscaling_follows_the_load_and_saves_instance_seconds() {
         one.slo_attainment
     );
     assert!(
-        auto.prefill_instance_s < 0.7 * four.prefill_instance_s,
+        auto.totals.prefill_instance_s < 0.7 * four.totals.prefill_instance_s,
         "{} vs {}",
-        auto.prefill_instance_s,
-        four.prefill_instance_s
+        auto.totals.prefill_instance_s,
+        four.totals.prefill_instance_s
     );
-    assert!(four.autoscale.is_none());
-    close(one.prefill_instance_s, one.makespan_s);
+    assert!(four.totals.scaling.is_none());
+    close(one.totals.prefill_instance_s, one.makespan_s);
 }
 
 /// A decode load one instance cannot carry (two 100-token requests a second, each step
@@ -127,10 +127,10 @@ fn decode_autoscaling_follows_the_load_and_saves_instance_seconds() {
     let mut scaled = four.clone();
     scaled.autoscale_decode = Some(one_to_four());
     let [one, four, auto] = simulate_each(&records, [&one, &four, &scaled]);
-    let a = auto.autoscale_decode.expect("decode autoscaled");
+    let a = auto.totals.decode_scaling.expect("decode autoscaled");
     assert!(a.most == 4 && a.scale_ups >= 1, "{a:?}");
     assert!(a.scale_downs >= 1 && a.fewest == 1, "{a:?}");
-    assert!(auto.autoscale.is_none() && four.autoscale_decode.is_none());
+    assert!(auto.totals.scaling.is_none() && four.totals.decode_scaling.is_none());
     let tpot_share = |r: &Report| r.met_tpot as f64 / r.requests as f64;
     assert!(
         tpot_share(&auto) > tpot_share(&one) + 0.3,
@@ -139,14 +139,14 @@ fn decode_autoscaling_follows_the_load_and_saves_instance_seconds() {
         tpot_share(&one)
     );
     assert!(
-        auto.decode_instance_s < 0.8 * four.decode_instance_s,
+        auto.totals.decode_instance_s < 0.8 * four.totals.decode_instance_s,
         "{} vs {}",
-        auto.decode_instance_s,
-        four.decode_instance_s
+        auto.totals.decode_instance_s,
+        four.totals.decode_instance_s
     );
-    close(four.decode_instance_s, 4.0 * four.makespan_s);
+    close(four.totals.decode_instance_s, 4.0 * four.makespan_s);
     // Prefill is untouched by decode scaling.
-    close(auto.prefill_instance_s, auto.makespan_s);
+    close(auto.totals.prefill_instance_s, auto.makespan_s);
 }
 
 #[test]
