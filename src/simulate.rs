@@ -211,12 +211,7 @@ pub enum SimulateError {
     Json(#[source] serde_json::Error),
 }
 
-impl SimulateError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(SimulateError);
 
 fn flag(flag: &'static str, problem: impl Into<String>) -> SimulateError {
     FlagError::new(flag, problem).into()

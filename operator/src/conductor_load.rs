@@ -59,12 +59,7 @@ pub enum LoadError {
     Silent { addr: String },
 }
 
-impl LoadError {
-    /// Short label for metrics and messages.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(LoadError);
 
 /// Reads a conductor's load. Object-safe so the context can hold any implementation.
 pub trait ConductorLoad: Send + Sync {

@@ -54,40 +54,44 @@ pub const AUTOSCALE_PERIOD: Duration = Duration::from_secs(15);
 /// Requeue while children roll out, so status follows without a watch on every pod.
 pub const PROGRESS_REQUEUE: Duration = Duration::from_secs(30);
 
-/// State shared by the reconcilers of all three kinds.
+/// State shared by the reconcilers of all three kinds (its `Debug` shows the settings only).
+#[derive(derive_more::Debug)]
 pub struct Context {
+    #[debug(skip)]
     pub client: Client,
+    #[debug(skip)]
     pub recorder: Recorder,
+    #[debug(skip)]
     pub metrics: Metrics,
     pub settings: Settings,
     /// The secret every pool's key is derived from (`--root-key-file`; a fixed test key in
     /// the test twin).
+    #[debug(skip)]
     pub root_key: RootKey,
     /// Reads each pool's tier usage from its master (a fake in tests).
+    #[debug(skip)]
     pub master_stats: Arc<dyn MasterStats>,
     /// Address used for every pool's master instead of its Service DNS name (tests point it at
     /// 127.0.0.1; `None` in a cluster).
+    #[debug(skip)]
     pub master_addr_override: Option<String>,
     /// Reads each pool's load from its conductor (a script in tests).
+    #[debug(skip)]
     pub conductor_load: Arc<dyn ConductorLoad>,
     /// Address used for every pool's conductor instead of its Service DNS name (tests).
+    #[debug(skip)]
     pub conductor_addr_override: Option<String>,
     /// The autoscaling decision state of each autoscaled engine pool, by `kind/ns/name`.
+    #[debug(skip)]
     pub autoscalers: Mutex<HashMap<String, Autoscaler>>,
+    #[debug(skip)]
     clock: Clock,
+    #[debug(skip)]
     failures: Mutex<HashMap<String, u32>>,
 }
 
 /// Where the context reads the time.
 pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;
-
-impl std::fmt::Debug for Context {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Context")
-            .field("settings", &self.settings)
-            .finish_non_exhaustive()
-    }
-}
 
 impl Context {
     /// Context of the running operator. `instance` names this replica in Events.

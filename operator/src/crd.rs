@@ -28,12 +28,7 @@ pub enum CrdCommandError {
     Stdout(#[source] std::io::Error),
 }
 
-impl CrdCommandError {
-    /// Short label for metrics and logs.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(CrdCommandError);
 
 /// Write one `<plural>.kvpool.dev.yaml` per kind into `dir` (created if missing). Returns the
 /// paths written, in the order of `kvpool_crd::crds`.

@@ -90,12 +90,9 @@ pub enum Error {
     RenderConfig(#[source] serde_saphyr::ser::Error),
 }
 
-impl Error {
-    /// Short label for metrics and Events.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
+kvpool_runtime::error_category!(Error);
 
+impl Error {
     /// True when retrying cannot help until the object changes.
     pub fn is_invalid_spec(&self) -> bool {
         matches!(self, Error::InvalidSpec(_) | Error::MissingObjectKey(_))

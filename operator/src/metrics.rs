@@ -9,19 +9,14 @@ use prometheus::{
 };
 
 /// Metric handles shared by every controller.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
+#[debug("Metrics {{ .. }}")]
 pub struct Metrics {
     reconciles: IntCounterVec,
     failures: IntCounterVec,
     duration: HistogramVec,
     leader: IntGauge,
     transport_degraded: IntGaugeVec,
-}
-
-impl std::fmt::Debug for Metrics {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Metrics").finish_non_exhaustive()
-    }
 }
 
 impl Metrics {

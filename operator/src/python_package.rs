@@ -13,7 +13,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// What went wrong, naming the path.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum InstallError {
     /// The image carries no package where it should.
     #[error(
@@ -43,22 +44,11 @@ pub enum InstallError {
     },
     /// A device, socket or pipe in the source: not part of a Python package.
     #[error("{0} is neither a file, a directory nor a symbolic link")]
+    #[strum(serialize = "unsupported_file_type")]
     Unsupported(PathBuf),
 }
 
-impl InstallError {
-    /// Short label for logs and metrics.
-    pub fn category(&self) -> &'static str {
-        match self {
-            Self::MissingSource(_) => "missing_source",
-            Self::SourceNotADirectory(_) => "source_not_a_directory",
-            Self::DestinationInsideSource { .. } => "destination_inside_source",
-            Self::Read { .. } => "read",
-            Self::Write { .. } => "write",
-            Self::Unsupported(_) => "unsupported_file_type",
-        }
-    }
-}
+kvpool_runtime::error_category!(InstallError);
 
 /// What one install copied.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

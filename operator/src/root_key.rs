@@ -44,14 +44,8 @@ pub enum RootKeyError {
 }
 
 /// The root secret every pool key is derived from. Its `Debug` shows no byte of it.
-#[derive(Clone)]
-pub struct RootKey(Arc<[u8]>);
-
-impl std::fmt::Debug for RootKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RootKey(..)")
-    }
-}
+#[derive(Clone, derive_more::Debug)]
+pub struct RootKey(#[debug(skip)] Arc<[u8]>);
 
 impl RootKey {
     /// The key from bytes, surrounding whitespace trimmed; `None` when fewer than

@@ -63,12 +63,7 @@ pub enum RunError {
     LeadershipLost,
 }
 
-impl RunError {
-    /// Short label for metrics and logs.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(RunError);
 
 fn api<K>(client: &Client, namespace: &str) -> Api<K>
 where

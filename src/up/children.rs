@@ -30,12 +30,7 @@ pub enum ChildError {
     Spawn(HarnessError),
 }
 
-impl ChildError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ChildError);
 
 /// The running children, in start order.
 pub struct Children {

@@ -183,12 +183,7 @@ pub enum UpError {
     ReplayCut { sent: usize, total: usize },
 }
 
-impl UpError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(UpError);
 
 /// Prefix of the temporary working directories.
 const TEMP_PREFIX: &str = "kvpool-up-";

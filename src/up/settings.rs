@@ -4,6 +4,7 @@
 
 use super::plan::UpSettings;
 use super::{UpArgs, UpError};
+use kvpool_crd::check_label_value;
 
 /// Stand-in token width: fixed, so the conductor and the engines agree.
 const CHUNK_BYTES: usize = 4;
@@ -59,7 +60,8 @@ pub(super) fn validate(
         return Err(flag("replicas", "must be between 1 and 8"));
     }
     for d in &args.agent_failure_domains {
-        if let Err(problem) = label_value(d) {
+        // A failure domain is a node label's value in a cluster.
+        if let Err(problem) = check_label_value(d) {
             return Err(flag(
                 "agent-failure-domains",
                 format!("{d:?} is not a failure domain: {problem}"),
@@ -90,26 +92,6 @@ pub(super) fn validate(
         agent_flags: Vec::new(),
         dram_tiers: tiers,
     })
-}
-
-/// A failure domain is a node label's value in a cluster: 1-63 alphanumerics, `-`, `_` and
-/// `.`, starting and ending with an alphanumeric.
-fn label_value(v: &str) -> Result<(), &'static str> {
-    let alnum = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
-    if v.is_empty() || v.len() > 63 {
-        return Err("must be 1-63 characters");
-    }
-    if !alnum(v.bytes().next())
-        || !alnum(v.bytes().last())
-        || !v
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-    {
-        return Err(
-            "must be alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric",
-        );
-    }
-    Ok(())
 }
 
 /// The master's eviction and spread flags: the policy, the watermarks (percent on the
@@ -241,9 +223,9 @@ mod tests {
             bad(&["--low-watermark-percent", "95"]),
             "low-watermark-percent"
         );
-        assert!(label_value("rack-a").is_ok());
+        assert!(check_label_value("rack-a").is_ok());
         for v in ["", "-a", "a b", "x".repeat(64).as_str()] {
-            assert!(label_value(v).is_err(), "{v:?}");
+            assert!(check_label_value(v).is_err(), "{v:?}");
         }
     }
 

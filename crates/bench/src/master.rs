@@ -38,11 +38,7 @@ pub enum BenchError {
     Setup(String),
 }
 
-impl BenchError {
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(BenchError);
 
 /// Flags of `kvpool bench master`.
 #[derive(Debug, Clone, clap::Args)]

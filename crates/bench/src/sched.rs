@@ -44,12 +44,7 @@ pub enum SchedBenchError {
     Json(#[source] serde_json::Error),
 }
 
-impl SchedBenchError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(SchedBenchError);
 
 /// Runs the benchmark and returns what to print.
 pub fn execute(args: &SchedBenchArgs) -> Result<String, SchedBenchError> {

@@ -43,27 +43,15 @@ pub enum ChatError {
     Render(#[source] JinjaError),
 }
 
-impl ChatError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ChatError);
 
 /// A compiled chat template with the special tokens it may refer to.
+#[derive(derive_more::Debug)]
 pub struct ChatTemplate {
+    #[debug(skip)]
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
-}
-
-impl std::fmt::Debug for ChatTemplate {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate")
-            .field("bos_token", &self.bos_token)
-            .field("eos_token", &self.eos_token)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ChatTemplate {

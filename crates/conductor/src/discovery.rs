@@ -43,12 +43,7 @@ pub enum DiscoveryError {
     Client(#[source] kube::Error),
 }
 
-impl DiscoveryError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(DiscoveryError);
 
 /// The base URL of `pod` as an engine, or `None` while it does not count: not Ready, no pod IP
 /// yet, or being deleted.

@@ -23,12 +23,7 @@ pub enum StateError {
     Index(#[source] kvpool_core::sched::IndexError),
 }
 
-impl StateError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(StateError);
 
 /// The conductor's view of the cluster: the policy, the prefix index, a mirror of every prefill
 /// engine's LRU cache, and the loads the policy reads. Time is passed in (seconds since start).

@@ -48,12 +48,7 @@ pub enum TokenizeError {
     Chat(#[from] ChatError),
 }
 
-impl TokenizeError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(TokenizeError);
 
 impl PromptTokenizer {
     /// Loads a `tokenizer.json` (no download: the file must be local).

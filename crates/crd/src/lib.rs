@@ -44,7 +44,8 @@ pub use persistence::{
 pub use validated::{
     AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,
     MasterConfig, ReplicationConfig, Role, SpecError, SriovConfig, SriovRequest, SsdConfig,
-    TransportConfig, ValidatedEnginePool, ValidatedKVCachePool, validate_label_key, validate_name,
+    TransportConfig, ValidatedEnginePool, ValidatedKVCachePool, check_label_value,
+    validate_label_key, validate_name,
 };
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

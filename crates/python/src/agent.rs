@@ -144,6 +144,12 @@ fn status_of(code: i32) -> Status {
     Status::try_from(code).unwrap_or(Status::Unspecified)
 }
 
+/// `len` bytes of a raw copy as a slice length; `None` when there is nothing to copy.
+fn copy_len(len: u64) -> Result<Option<usize>, Failure> {
+    let len = usize::try_from(len).map_err(|_| Failure::invalid("size too large"))?;
+    Ok((len > 0).then_some(len))
+}
+
 impl Agent {
     /// Connect to the agent's socket and open a session of `staging_bytes`.
     pub async fn connect(s: &AgentSettings) -> Result<Self, Failure> {
@@ -319,10 +325,9 @@ impl Agent {
     /// Copy `len` bytes of caller memory at `ptr` (checked by [`Agent::place`]) into the
     /// staging area at `offset`.
     pub fn write_raw(&self, offset: u64, ptr: usize, len: u64) -> Result<(), Failure> {
-        let len = usize::try_from(len).map_err(|_| Failure::invalid("size too large"))?;
-        if len == 0 {
+        let Some(len) = copy_len(len)? else {
             return Ok(());
-        }
+        };
         // SAFETY: `place` found `ptr..ptr+len` inside a registered buffer (valid until
         // unregistered, Mooncake's contract) or inside this session's mapping, which lives as
         // long as `self`; the copy reads it raw, so concurrent writers cause no UB here.
@@ -333,10 +338,9 @@ impl Agent {
     /// Copy `len` bytes of the staging area at `offset` to caller memory at `ptr` (checked by
     /// [`Agent::place`]).
     pub fn read_raw(&self, offset: u64, ptr: usize, len: u64) -> Result<(), Failure> {
-        let len = usize::try_from(len).map_err(|_| Failure::invalid("size too large"))?;
-        if len == 0 {
+        let Some(len) = copy_len(len)? else {
             return Ok(());
-        }
+        };
         // SAFETY: as in `write_raw`, for memory the caller registered as writable, an
         // `alloc_buffer` range of the mapping (distinct from the staging range read here), or
         // a Python buffer the calling op holds writable for the whole call (`get_into_slice`).

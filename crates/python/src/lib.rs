@@ -313,9 +313,8 @@ impl Client {
         sizes: Vec<u64>,
         placement: Option<Bound<'_, Placement>>,
     ) -> PyResult<Vec<i64>> {
-        same_length(keys.len(), ptrs.len(), sizes.len())?;
         let args = placed(placement);
-        let items = items(keys, ptrs, sizes);
+        let items = items(keys, ptrs, sizes)?;
         self.block(py, Call::Batch, move |link| async move {
             Ok(link.batch_put_from(&items, &args).await)
         })
@@ -329,8 +328,7 @@ impl Client {
         ptrs: Vec<usize>,
         sizes: Vec<u64>,
     ) -> PyResult<Vec<i64>> {
-        same_length(keys.len(), ptrs.len(), sizes.len())?;
-        let items = items(keys, ptrs, sizes);
+        let items = items(keys, ptrs, sizes)?;
         self.block(py, Call::Batch, move |link| async move {
             Ok(link.batch_get_into(&items).await)
         })
@@ -541,13 +539,20 @@ fn placed(placement: Option<Bound<'_, Placement>>) -> PutArgs {
     )
 }
 
-fn items(keys: Vec<Key>, ptrs: Vec<usize>, sizes: Vec<u64>) -> Vec<(Vec<u8>, usize, u64)> {
-    keys.into_iter()
+/// Keys with their ranges, checked: one address and one size per key.
+fn items(
+    keys: Vec<Key>,
+    ptrs: Vec<usize>,
+    sizes: Vec<u64>,
+) -> Result<Vec<(Vec<u8>, usize, u64)>, Failure> {
+    same_length(keys.len(), ptrs.len(), sizes.len())?;
+    Ok(keys
+        .into_iter()
         .map(Key::into_bytes)
         .zip(ptrs)
         .zip(sizes)
         .map(|((k, p), s)| (k, p, s))
-        .collect()
+        .collect())
 }
 
 /// Keys with their ranges, checked: one list of addresses and one of sizes per key, of one

@@ -275,8 +275,7 @@ impl Link {
             .iter()
             .map(|(_, ptr, len)| aops::dst_of(a, *ptr, *len))
             .collect();
-        let got = get_planned(a, items.iter().map(|i| i.0.as_slice()), planned).await;
-        got.into_iter().map(|r| code_of(r.map(|g| g.0))).collect()
+        lengths(get_planned(a, items.iter().map(|i| i.0.as_slice()), planned).await)
     }
 
     pub async fn batch_put_parts(&self, items: &PartsItems, args: &PutArgs) -> Vec<i64> {
@@ -303,8 +302,7 @@ impl Link {
             .iter()
             .map(|(_, parts)| aops::parts_dst(a, parts))
             .collect();
-        let got = get_planned(a, items.iter().map(|i| i.0.as_slice()), planned).await;
-        got.into_iter().map(|r| code_of(r.map(|g| g.0))).collect()
+        lengths(get_planned(a, items.iter().map(|i| i.0.as_slice()), planned).await)
     }
 
     pub async fn batch_put(
@@ -438,29 +436,20 @@ fn codes(results: Vec<Result<(), Failure>>) -> Vec<i64> {
         .collect()
 }
 
+/// The lengths read (or Mooncake's negative codes) of gets.
+fn lengths(got: Vec<Result<aops::Got, Failure>>) -> Vec<i64> {
+    got.into_iter().map(|r| code_of(r.map(|g| g.0))).collect()
+}
+
 /// Puts of the items whose sources could be planned; the others keep their failure.
 async fn put_planned<'k>(
     a: &Agent,
     keys: impl Iterator<Item = &'k [u8]>,
     planned: Vec<Result<Src<'_>, Failure>>,
 ) -> Vec<Result<(), Failure>> {
-    let mut out: Vec<Result<(), Failure>> = Vec::with_capacity(planned.len());
-    let mut items = Vec::new();
-    let mut at = Vec::new();
-    for (i, (key, p)) in keys.zip(planned).enumerate() {
-        match p {
-            Ok(src) => {
-                items.push((key, src));
-                at.push(i);
-                out.push(Ok(()));
-            }
-            Err(f) => out.push(Err(f)),
-        }
-    }
-    for (i, r) in at.into_iter().zip(aops::put_all(a, &items).await) {
-        out[i] = r;
-    }
-    out
+    let planned = Planned::new(keys, planned);
+    let answers = aops::put_all(a, &planned.items).await;
+    planned.answered(answers)
 }
 
 /// Gets of the items whose destinations could be planned; the others keep their failure.
@@ -469,21 +458,44 @@ async fn get_planned<'k>(
     keys: impl Iterator<Item = &'k [u8]>,
     planned: Vec<Result<Dst, Failure>>,
 ) -> Vec<Result<aops::Got, Failure>> {
-    let mut out: Vec<Result<aops::Got, Failure>> = Vec::with_capacity(planned.len());
-    let mut items = Vec::new();
-    let mut at = Vec::new();
-    for (i, (key, p)) in keys.zip(planned).enumerate() {
-        match p {
-            Ok(dst) => {
-                items.push((key, dst));
-                at.push(i);
-                out.push(Ok((0, None)));
+    let planned = Planned::new(keys, planned);
+    let answers = aops::get_all(a, &planned.items).await;
+    planned.answered(answers)
+}
+
+/// The items of a batch whose plan succeeded, with their places among all items, and every
+/// item's answer so far (its planning failure, or a stand-in until the batch answers).
+struct Planned<'k, P, R> {
+    items: Vec<(&'k [u8], P)>,
+    at: Vec<usize>,
+    out: Vec<Result<R, Failure>>,
+}
+
+impl<'k, P, R: Default> Planned<'k, P, R> {
+    fn new(keys: impl Iterator<Item = &'k [u8]>, planned: Vec<Result<P, Failure>>) -> Self {
+        let mut split = Self {
+            items: Vec::new(),
+            at: Vec::new(),
+            out: Vec::with_capacity(planned.len()),
+        };
+        for (i, (key, p)) in keys.zip(planned).enumerate() {
+            match p {
+                Ok(plan) => {
+                    split.items.push((key, plan));
+                    split.at.push(i);
+                    split.out.push(Ok(R::default()));
+                }
+                Err(f) => split.out.push(Err(f)),
             }
-            Err(f) => out.push(Err(f)),
         }
+        split
     }
-    for (i, r) in at.into_iter().zip(aops::get_all(a, &items).await) {
-        out[i] = r;
+
+    /// Every item's answer: `answers` (one per planned item, in order) in their places.
+    fn answered(mut self, answers: Vec<Result<R, Failure>>) -> Vec<Result<R, Failure>> {
+        for (i, r) in self.at.into_iter().zip(answers) {
+            self.out[i] = r;
+        }
+        self.out
     }
-    out
 }

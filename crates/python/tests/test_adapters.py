@@ -70,28 +70,35 @@ def uid() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def config_file(tmp_path, env, variable, fields, name="engine.json"):
+    """Writes `fields` as JSON to `tmp_path/name` and names that file in `variable`."""
+    path = tmp_path / name
+    path.write_text(json.dumps(fields))
+    env.setenv(variable, str(path))
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared configuration
 # ---------------------------------------------------------------------------------------------
 
 
 def test_setup_args_sources_and_precedence(tmp_path, clean_env):
-    cfg = tmp_path / "engine.json"
-    cfg.write_text(
-        json.dumps(
-            {
-                "pool": "roce",
-                "master_server_address": "file-master:50051",
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "rdma",
-                "device_name": "mlx5_0,mlx5_1",
-                "agent_socket": "/run/kvpool/agent.sock",
-                "block_size_tokens": 256,
-                "auth_key_file": "/etc/kvpool/auth/key",
-            }
-        )
+    config_file(
+        tmp_path,
+        clean_env,
+        "KVPOOL_ENGINE_CONFIG",
+        {
+            "pool": "roce",
+            "master_server_address": "file-master:50051",
+            "metadata_server": "P2PHANDSHAKE",
+            "protocol": "rdma",
+            "device_name": "mlx5_0,mlx5_1",
+            "agent_socket": "/run/kvpool/agent.sock",
+            "block_size_tokens": 256,
+            "auth_key_file": "/etc/kvpool/auth/key",
+        },
     )
-    clean_env.setenv("KVPOOL_ENGINE_CONFIG", str(cfg))
     args = adapters.setup_args()
     assert args == (
         "127.0.0.1",
@@ -129,9 +136,13 @@ def test_setup_args_sources_and_precedence(tmp_path, clean_env):
 
 
 def test_setup_args_reads_mooncake_and_operator_names(tmp_path, clean_env):
-    cfg = tmp_path / "mooncake.json"
-    cfg.write_text(json.dumps({"master_server_address": "mc:50051", "local_hostname": "10.0.0.7"}))
-    clean_env.setenv("MOONCAKE_CONFIG_PATH", str(cfg))
+    cfg = config_file(
+        tmp_path,
+        clean_env,
+        "MOONCAKE_CONFIG_PATH",
+        {"master_server_address": "mc:50051", "local_hostname": "10.0.0.7"},
+        name="mooncake.json",
+    )
     assert adapters.setup_args()[::6] == ("10.0.0.7", "mc:50051")
     clean_env.delenv("MOONCAKE_CONFIG_PATH")
     clean_env.setenv("KVPOOL_CONFIG", str(cfg))  # the operator's name for engine.json
@@ -436,20 +447,19 @@ def test_vllm_requests_without_block_hashes_key_by_tokens(pool_env, closer):
 
 
 def test_vllm_engine_config_completes_the_operators_file(tmp_path, clean_env):
-    engine_json = tmp_path / "engine.json"
-    engine_json.write_text(
-        json.dumps(
-            {
-                "pool": "tcp",
-                "master_server_address": "m:50051",
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "tcp",
-                "device_name": "",
-                "agent_socket": "/run/kvpool/agent.sock",
-            }
-        )
+    config_file(
+        tmp_path,
+        clean_env,
+        "MOONCAKE_CONFIG_PATH",
+        {
+            "pool": "tcp",
+            "master_server_address": "m:50051",
+            "metadata_server": "P2PHANDSHAKE",
+            "protocol": "tcp",
+            "device_name": "",
+            "agent_socket": "/run/kvpool/agent.sock",
+        },
     )
-    clean_env.setenv("MOONCAKE_CONFIG_PATH", str(engine_json))
     cfg = vl.engine_mooncake_config({})
     assert cfg["mode"] == "standalone-store" and cfg["global_segment_size"] == 0
     assert cfg["master_server_address"] == "m:50051" and cfg["pool"] == "tcp"

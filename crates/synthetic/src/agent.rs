@@ -32,12 +32,7 @@ pub enum AgentKvError {
     },
 }
 
-impl AgentKvError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(AgentKvError);
 
 /// What a read of a run of blocks found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

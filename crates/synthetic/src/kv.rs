@@ -22,12 +22,7 @@ pub enum KvError {
     Size(String),
 }
 
-impl KvError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(KvError);
 
 /// Shape of one KV block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

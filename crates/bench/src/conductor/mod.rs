@@ -122,12 +122,7 @@ pub enum ConductorBenchError {
     Json(#[source] serde_json::Error),
 }
 
-impl ConductorBenchError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ConductorBenchError);
 
 impl ConductorBenchArgs {
     fn validate(&self) -> Result<(), ConductorBenchError> {

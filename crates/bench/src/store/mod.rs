@@ -164,12 +164,7 @@ pub enum StoreBenchError {
     Join(String),
 }
 
-impl StoreBenchError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(StoreBenchError);
 
 impl StoreBenchArgs {
     /// Operations per client for values of `size` bytes.

@@ -175,12 +175,7 @@ pub enum TransferBenchError {
     Mooncake(#[source] crate::mooncake::MooncakeError),
 }
 
-impl TransferBenchError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(TransferBenchError);
 
 /// Parse `65536`, `64K`, `4MiB`, `1G`, ... (K/M/G are powers of 1024, as in Mooncake's flags).
 pub fn parse_size(s: &str) -> Result<u64, String> {

@@ -15,14 +15,8 @@ use crate::state::State;
 use kvpool_runtime::admin::Readiness;
 
 /// The engine set of a running conductor: replace it at any time (engine discovery does).
-#[derive(Clone)]
-pub struct EngineSet(pub(super) Arc<Shared>);
-
-impl std::fmt::Debug for EngineSet {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("EngineSet").field(&self.current()).finish()
-    }
-}
+#[derive(Clone, derive_more::Debug)]
+pub struct EngineSet(#[debug("{:?}", _0.members.lock().engines)] pub(super) Arc<Shared>);
 
 impl EngineSet {
     /// The engines served now.

@@ -46,12 +46,7 @@ pub enum ServerError {
     Serve(#[source] std::io::Error),
 }
 
-impl ServerError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ServerError);
 
 /// A conductor ready to serve: its API router and the handle that changes its engines.
 #[derive(Debug)]

@@ -46,46 +46,39 @@ impl Metrics {
         config: &ConductorConfig,
         registry: &Registry,
     ) -> Result<Self, prometheus::Error> {
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_requests_total",
-                "Requests by outcome (ok, rejected, or the error category)",
-            ),
+        let counters = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels)
+        };
+        let requests = counters(
+            "kvpool_conductor_requests_total",
+            "Requests by outcome (ok, rejected, or the error category)",
             &["outcome"],
         )?;
-        let rejections = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_rejections_total",
-                "Requests rejected at arrival, by reason",
-            ),
+        let rejections = counters(
+            "kvpool_conductor_rejections_total",
+            "Requests rejected at arrival, by reason",
             &["reason"],
         )?;
         let replication_tasks = IntCounter::new(
             "kvpool_conductor_replication_tasks_total",
             "Hot-prefix replication tasks planned (each sends prefetch requests to its targets)",
         )?;
-        let replication_blocks = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_replication_blocks_total",
-                "Blocks that hot-prefix replication tasks ask to copy, by target prefill engine URL",
-            ),
+        let replication_blocks = counters(
+            "kvpool_conductor_replication_blocks_total",
+            "Blocks that hot-prefix replication tasks ask to copy, by target prefill engine URL",
             &["target"],
         )?;
-        let pool_lookups = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_pool_lookups_total",
-                "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
-                 timeout, and backoff: skipped after a failure; all but hit and miss place the \
-                 request on local caches only)",
-            ),
+        let pool_lookups = counters(
+            "kvpool_conductor_pool_lookups_total",
+            "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
+             timeout, and backoff: skipped after a failure; all but hit and miss place the \
+             request on local caches only)",
             &["outcome"],
         )?;
-        let prefetches = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_prefetches_total",
-                "Prefetch requests of hot-prefix replication by outcome (ok, unsupported, error, \
-                 timeout; busy and skipped_unsupported were not sent)",
-            ),
+        let prefetches = counters(
+            "kvpool_conductor_prefetches_total",
+            "Prefetch requests of hot-prefix replication by outcome (ok, unsupported, error, \
+             timeout; busy and skipped_unsupported were not sent)",
             &["outcome"],
         )?;
         let engines = IntGaugeVec::new(
@@ -109,35 +102,27 @@ impl Metrics {
                 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
             ]),
         )?;
-        let kv_events = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_kv_events_total",
-                "Block events applied from the prefill engines' KV event streams, by kind \
-                 (stored and removed count blocks, cleared counts AllBlocksCleared events)",
-            ),
+        let kv_events = counters(
+            "kvpool_conductor_kv_events_total",
+            "Block events applied from the prefill engines' KV event streams, by kind \
+             (stored and removed count blocks, cleared counts AllBlocksCleared events)",
             &["kind"],
         )?;
-        let kv_event_batches = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_kv_event_batches_total",
-                "KV event batches received, by result (applied, bad_frames, bad_payload)",
-            ),
+        let kv_event_batches = counters(
+            "kvpool_conductor_kv_event_batches_total",
+            "KV event batches received, by result (applied, bad_frames, bad_payload)",
             &["result"],
         )?;
-        let kv_event_gaps = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_kv_event_gaps_total",
-                "Breaks in an engine's KV event sequence, by recovery (replayed: the missed \
-                 batches came back from the replay socket; cleared: the engine's entries were \
-                 dropped; restart: the sequence started again)",
-            ),
+        let kv_event_gaps = counters(
+            "kvpool_conductor_kv_event_gaps_total",
+            "Breaks in an engine's KV event sequence, by recovery (replayed: the missed \
+             batches came back from the replay socket; cleared: the engine's entries were \
+             dropped; restart: the sequence started again)",
             &["recovery"],
         )?;
-        let kv_event_connections = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_kv_event_connections_total",
-                "KV event subscriptions, by outcome (connected, error)",
-            ),
+        let kv_event_connections = counters(
+            "kvpool_conductor_kv_event_connections_total",
+            "KV event subscriptions, by outcome (connected, error)",
             &["outcome"],
         )?;
         let engine_cached_blocks = IntGaugeVec::new(
@@ -159,20 +144,16 @@ impl Metrics {
             ),
             &["engine", "term", "source"],
         )?;
-        let prefill_cost_observations = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_prefill_cost_observations_total",
-                "Measured prefills fed to the fit of a prefill engine's cost model, by engine URL \
-                 (outliers and requests that queued behind others excluded)",
-            ),
+        let prefill_cost_observations = counters(
+            "kvpool_conductor_prefill_cost_observations_total",
+            "Measured prefills fed to the fit of a prefill engine's cost model, by engine URL \
+             (outliers and requests that queued behind others excluded)",
             &["engine"],
         )?;
-        let decode_tokens_observed = IntCounterVec::new(
-            Opts::new(
-                "kvpool_conductor_decode_tokens_observed_total",
-                "Tokens counted in the decode engines' responses as they pass (SSE events with a \
-                 choice; usage.completion_tokens of whole responses), by decode engine URL",
-            ),
+        let decode_tokens_observed = counters(
+            "kvpool_conductor_decode_tokens_observed_total",
+            "Tokens counted in the decode engines' responses as they pass (SSE events with a \
+             choice; usage.completion_tokens of whole responses), by decode engine URL",
             &["engine"],
         )?;
         let latency = Arc::new(Latency::register(

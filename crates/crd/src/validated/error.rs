@@ -48,12 +48,14 @@ pub enum SpecError {
         message: &'static str,
     },
     /// A field does not hold a Kubernetes label key.
-    #[error("spec.{field}: {value:?} is not a label key ([prefix/]name): {message}")]
+    #[error("spec.{field}: {value:?} is not a label key ([prefix/]name): the {part} {message}")]
     InvalidLabelKey {
         /// Path of the field below `spec`.
         field: &'static str,
         /// The value found.
         value: String,
+        /// The part that is wrong: `prefix` or `name`.
+        part: &'static str,
         /// What is wrong with it.
         message: &'static str,
     },
@@ -107,10 +109,11 @@ pub fn validate_name(name: &str) -> Result<(), SpecError> {
 /// (at most 253 characters) and `/`, then a name of 1-63 alphanumerics, `-`, `_` and `.` that
 /// starts and ends with an alphanumeric.
 pub fn validate_label_key(field: &'static str, value: &str) -> Result<(), SpecError> {
-    let bad = |message| {
+    let bad = |part, message| {
         Err(SpecError::InvalidLabelKey {
             field,
             value: value.to_owned(),
+            part,
             message,
         })
     };
@@ -120,7 +123,7 @@ pub fn validate_label_key(field: &'static str, value: &str) -> Result<(), SpecEr
     };
     if let Some(p) = prefix {
         if p.is_empty() || p.len() > 253 {
-            return bad("the prefix must be 1-253 characters");
+            return bad("prefix", "must be 1-253 characters");
         }
         let dns_label = |l: &str| {
             !l.is_empty()
@@ -131,21 +134,31 @@ pub fn validate_label_key(field: &'static str, value: &str) -> Result<(), SpecEr
                 && !l.ends_with('-')
         };
         if !p.split('.').all(dns_label) {
-            return bad("the prefix must be a DNS subdomain (lowercase, digits, '-', '.')");
+            return bad(
+                "prefix",
+                "must be a DNS subdomain (lowercase, digits, '-', '.')",
+            );
         }
     }
-    if name.is_empty() || name.len() > 63 {
-        return bad("the name must be 1-63 characters");
+    check_label_value(name).or_else(|message| bad("name", message))
+}
+
+/// Checks that `value` is a Kubernetes label value (the rule of a label key's name part too):
+/// 1-63 alphanumerics, `-`, `_` and `.`, starting and ending with an alphanumeric. The problem
+/// otherwise, worded to follow its subject ("must be ...").
+pub fn check_label_value(value: &str) -> Result<(), &'static str> {
+    if value.is_empty() || value.len() > 63 {
+        return Err("must be 1-63 characters");
     }
     let alnum = |b: Option<u8>| b.is_some_and(|b| b.is_ascii_alphanumeric());
-    if !alnum(name.bytes().next())
-        || !alnum(name.bytes().last())
-        || !name
+    if !alnum(value.bytes().next())
+        || !alnum(value.bytes().last())
+        || !value
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
     {
-        return bad(
-            "the name must be alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric",
+        return Err(
+            "must be alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric",
         );
     }
     Ok(())
@@ -182,6 +195,24 @@ mod tests {
             let e = validate_label_key("replication.spreadLabelKey", bad).expect_err(bad);
             assert_eq!(e.field(), "replication.spreadLabelKey");
             assert_eq!(e.category(), "invalid_label_key");
+        }
+        // The message names the part that is wrong.
+        for (bad, says) in [
+            (
+                "rack-",
+                "the name must be alphanumerics, '-', '_' and '.', starting and ending",
+            ),
+            ("a/", "the name must be 1-63 characters"),
+            ("/rack", "the prefix must be 1-253 characters"),
+            ("A/rack", "the prefix must be a DNS subdomain"),
+        ] {
+            let e = validate_label_key("f", bad).expect_err(bad).to_string();
+            assert!(
+                e.starts_with(&format!(
+                    "spec.f: {bad:?} is not a label key ([prefix/]name): {says}"
+                )),
+                "{bad}: {e}"
+            );
         }
     }
 

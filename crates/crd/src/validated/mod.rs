@@ -17,7 +17,7 @@ mod kvcachepool;
 mod pool_config;
 
 pub use enginepool::{AutoscalingConfig, Role, ValidatedEnginePool};
-pub use error::{MAX_NAME_LEN, SpecError, validate_label_key, validate_name};
+pub use error::{MAX_NAME_LEN, SpecError, check_label_value, validate_label_key, validate_name};
 pub use kvcachepool::ValidatedKVCachePool;
 pub use pool_config::{
     ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MasterConfig, ReplicationConfig,

@@ -46,12 +46,7 @@ pub enum ServerError {
     KvEvents(#[source] kvpool_runtime::kv_events::KvEventsError),
 }
 
-impl ServerError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(ServerError);
 
 fn unix_now() -> u64 {
     SystemTime::now()

@@ -35,12 +35,13 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 impl Metrics {
     pub(super) fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let counters = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels)
+        };
         let m = Self {
-            requests: IntCounterVec::new(
-                Opts::new(
-                    "kvpool_engine_requests_total",
-                    "Requests by outcome (ok or the error category)",
-                ),
+            requests: counters(
+                "kvpool_engine_requests_total",
+                "Requests by outcome (ok or the error category)",
                 &["outcome"],
             )?,
             prompt_tokens: IntCounter::new(
@@ -79,18 +80,14 @@ impl Metrics {
                 "kvpool_engine_kv_verify_failures_total",
                 "KV blocks read back with wrong length or bytes",
             )?,
-            kv_errors: IntCounterVec::new(
-                Opts::new(
-                    "kvpool_engine_kv_errors_total",
-                    "Failed calls to the node agent by operation (the request goes on without the pool)",
-                ),
+            kv_errors: counters(
+                "kvpool_engine_kv_errors_total",
+                "Failed calls to the node agent by operation (the request goes on without the pool)",
                 &["op"],
             )?,
-            prefetches: IntCounterVec::new(
-                Opts::new(
-                    "kvpool_engine_prefetch_requests_total",
-                    "Prefetch requests by outcome (ok, unsupported without an agent, invalid, error)",
-                ),
+            prefetches: counters(
+                "kvpool_engine_prefetch_requests_total",
+                "Prefetch requests by outcome (ok, unsupported without an agent, invalid, error)",
                 &["outcome"],
             )?,
             kv_seconds: HistogramVec::new(
@@ -109,11 +106,9 @@ impl Metrics {
                 )
                 .buckets(LATENCY_BUCKETS.to_vec()),
             )?,
-            handoffs: IntCounterVec::new(
-                Opts::new(
-                    "kvpool_engine_kv_handoffs_total",
-                    "SGLang-mode decode requests by hand-off outcome (ok, timeout, agent)",
-                ),
+            handoffs: counters(
+                "kvpool_engine_kv_handoffs_total",
+                "SGLang-mode decode requests by hand-off outcome (ok, timeout, agent)",
                 &["outcome"],
             )?,
             kv_event_batches: IntCounter::new(

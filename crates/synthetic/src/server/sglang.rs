@@ -28,12 +28,7 @@ pub enum HandoffError {
     },
 }
 
-impl HandoffError {
-    /// Short label for metrics.
-    pub fn category(&self) -> &'static str {
-        self.into()
-    }
-}
+kvpool_runtime::error_category!(HandoffError);
 
 /// The request's role in disaggregated serving: the engine's own in SGLang mode, the one its
 /// `kv_transfer_params` name in vLLM mode.

@@ -26,10 +26,14 @@ fn q(s: &str) -> Quantity {
     Quantity(s.to_owned())
 }
 
+/// The children of the `roce` fixture.
+fn roce_children() -> CachePoolChildren {
+    build(&valid(&roce()), "00ff").expect("build")
+}
+
 #[test]
 fn roce_agent_daemonset_carries_every_node_level_setting() {
-    let pool = valid(&roce());
-    let children = build(&pool, "00ff").expect("build");
+    let children = roce_children();
     let ds = &children.agent;
     assert_eq!(ds.metadata.name.as_deref(), Some("roce-agent"));
     assert_eq!(ds.metadata.namespace.as_deref(), Some("llm"));
@@ -263,8 +267,7 @@ fn explicit_dram_in_ordinary_pages_is_requested_as_memory() {
 
 #[test]
 fn master_and_conductor_follow_the_contract() {
-    let pool = valid(&roce());
-    let children = build(&pool, "00ff").expect("build");
+    let children = roce_children();
     let master = &children.master;
     assert_eq!(master.metadata.name.as_deref(), Some("roce-master"));
     let spec = master.spec.as_ref().expect("spec");
@@ -574,8 +577,7 @@ fn the_conductor_reads_the_model_tokenizer_from_the_volume_the_pool_names() {
 
 #[test]
 fn conductor_discovers_engines_with_its_own_least_privilege_identity() {
-    let pool = valid(&roce());
-    let children = build(&pool, "00ff").expect("build");
+    let children = roce_children();
     let (deployment, _) = children.conductor.as_ref().expect("conductor");
     let spec = deployment
         .spec
@@ -807,7 +809,7 @@ fn master_tls_reaches_the_master_and_every_client_of_it() {
         assert_eq!(server[0].key, "ca.crt");
     }
     // Without spec.master.tls nothing of it appears.
-    let plain = build(&valid(&roce()), "00ff").expect("build");
+    let plain = roce_children();
     let master = template(&plain.master);
     assert!(
         master.containers[0]
