@@ -15,7 +15,7 @@ use kvpool_core::sched::{
     BlockHashKind, DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 use kvpool_proto::auth::AuthKey;
-use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
+use kvpool_runtime::listen::ListenArgs;
 use kvpool_runtime::wiring::{self, Wired, WiringError};
 
 /// Prefix cache of a prefill engine without a KV event stream, in tokens, when
@@ -210,13 +210,13 @@ fn parse_prefill_cost(s: &str) -> Result<PrefillCost, String> {
     })
 }
 
-/// The defaults and environment variables of `--listen` and `--admin-listen`.
-impl ListenDefaults for ConductorArgs {
-    const LISTEN: &'static str = "127.0.0.1:8080";
-    const LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_LISTEN";
-    const ADMIN_LISTEN: &'static str = "127.0.0.1:9101";
-    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_CONDUCTOR_ADMIN_LISTEN";
-}
+// The defaults of `--listen` and `--admin-listen`; the variables follow from the role name.
+kvpool_runtime::listen_defaults!(
+    ConductorArgs,
+    "CONDUCTOR",
+    "127.0.0.1:8080",
+    "127.0.0.1:9101"
+);
 
 /// Errors of `kvpool conductor`.
 #[derive(Debug, thiserror::Error)]
@@ -478,7 +478,7 @@ fn source_chain(err: &dyn std::error::Error) -> String {
 pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let config = conductor_config(args)?;
     let discovery = discovery_config(args)?;
-    let http = args.addrs.http.limits().map_err(|(f, p)| flag(f, p))?;
+    let listening = args.addrs.listening().map_err(|(f, p)| flag(f, p))?;
     let s = &config.scheduler;
     tracing::info!(
         listen = %args.addrs.listen,
@@ -538,13 +538,7 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
             .await
             .map_err(|e| ConductorError::Server(ServerError::Serve(e)))
     };
-    wiring::run(
-        args.addrs.listen,
-        args.addrs.admin_listen,
-        http,
-        setup,
-        serve,
-    )
+    wiring::run(listening, setup, serve)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::fmt::Debug;
 use std::marker::PhantomData;
 use std::net::SocketAddr;
 
-use crate::http::HttpLimitArgs;
+use crate::http::{HttpLimitArgs, HttpLimits};
 
 /// The defaults and environment variables of one service's listen flags; implemented by the
 /// service's flags struct, which flattens a `ListenArgs<Self>`.
@@ -23,6 +23,22 @@ pub trait ListenDefaults: Clone + Debug + Send + Sync + 'static {
     const ADMIN_LISTEN: &'static str;
     /// Environment variable of `--admin-listen`.
     const ADMIN_LISTEN_ENV: &'static str;
+}
+
+/// Implements [`ListenDefaults`] for a service's flags struct from its role name and default
+/// addresses; the variables follow the house convention, `KVPOOL_<ROLE>_LISTEN` and
+/// `KVPOOL_<ROLE>_ADMIN_LISTEN`, so no service can name them differently:
+/// `listen_defaults!(EngineArgs, "ENGINE", "127.0.0.1:8000", "127.0.0.1:9100");`
+#[macro_export]
+macro_rules! listen_defaults {
+    ($args:ty, $role:literal, $listen:literal, $admin_listen:literal) => {
+        impl $crate::listen::ListenDefaults for $args {
+            const LISTEN: &'static str = $listen;
+            const LISTEN_ENV: &'static str = concat!("KVPOOL_", $role, "_LISTEN");
+            const ADMIN_LISTEN: &'static str = $admin_listen;
+            const ADMIN_LISTEN_ENV: &'static str = concat!("KVPOOL_", $role, "_ADMIN_LISTEN");
+        }
+    };
 }
 
 /// `--listen` and `--admin-listen`, with the defaults and variables of `D`.
@@ -39,6 +55,30 @@ pub struct ListenArgs<D: ListenDefaults> {
     pub http: HttpLimitArgs,
     #[arg(skip)]
     defaults: PhantomData<D>,
+}
+
+/// Where a service listens and the limits of both its servers: [`ListenArgs`] once checked,
+/// what `wiring::run` starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Listening {
+    /// The API listener's address (`--listen`).
+    pub api: SocketAddr,
+    /// The admin server's address (`--admin-listen`).
+    pub admin: SocketAddr,
+    /// Connection limits of both servers.
+    pub http: HttpLimits,
+}
+
+impl<D: ListenDefaults> ListenArgs<D> {
+    /// The checked addresses and limits, or the limit flag that is out of range (its long
+    /// name) and what is wrong with it.
+    pub fn listening(&self) -> Result<Listening, (&'static str, &'static str)> {
+        Ok(Listening {
+            api: self.listen,
+            admin: self.admin_listen,
+            http: self.http.limits()?,
+        })
+    }
 }
 
 /// The default and environment variable of `--admin-listen` for a process without an HTTP API
@@ -87,11 +127,16 @@ mod tests {
     #[derive(Clone, Debug)]
     struct Test;
 
-    impl ListenDefaults for Test {
-        const LISTEN: &'static str = "127.0.0.1:1";
-        const LISTEN_ENV: &'static str = "KVPOOL_RUNTIME_TEST_LISTEN";
-        const ADMIN_LISTEN: &'static str = "127.0.0.1:2";
-        const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_RUNTIME_TEST_ADMIN_LISTEN";
+    crate::listen_defaults!(Test, "RUNTIME_TEST", "127.0.0.1:1", "127.0.0.1:2");
+
+    #[test]
+    fn the_variables_follow_the_role_name() {
+        assert_eq!(Test::LISTEN_ENV, "KVPOOL_RUNTIME_TEST_LISTEN");
+        assert_eq!(Test::ADMIN_LISTEN_ENV, "KVPOOL_RUNTIME_TEST_ADMIN_LISTEN");
+        assert_eq!(
+            (Test::LISTEN, Test::ADMIN_LISTEN),
+            ("127.0.0.1:1", "127.0.0.1:2")
+        );
     }
 
     #[derive(Debug, Parser)]

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminError, Readiness};
 use crate::http::{HttpLimits, HttpStats};
+use crate::listen::Listening;
 
 /// A failure of the wiring itself (the service's own errors are the caller's).
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -64,16 +65,14 @@ impl Wired {
 /// Runs a service on a new multi-threaded Tokio runtime until SIGTERM or SIGINT (errors of the
 /// wiring become the service's error type through its `From<WiringError>`):
 /// `setup` builds it (its router, background tasks...) from the [`Wired`] handles and returns
-/// what `serve` needs; then the API listener on `listen` and the admin server on
-/// `admin_listen` are bound, the admin server starts, `serve` runs on the API listener until
+/// what `serve` needs; then the API listener on `listening.api` and the admin server on
+/// `listening.admin` are bound, the admin server starts, `serve` runs on the API listener until
 /// the shutdown token is cancelled, readiness drops, and the admin server stops last.
 /// `setup` runs before any listener is bound, so a bad configuration fails without opening
-/// ports; `serve` gets the listener once the admin server is up. Both servers apply `http`
-/// (the API server through [`crate::http::serve_with`] with [`Wired::http`]).
+/// ports; `serve` gets the listener once the admin server is up. Both servers apply
+/// `listening.http` (the API server through [`crate::http::serve_with`] with [`Wired::http`]).
 pub fn run<S, E, Setup, SetupFut, Serve, ServeFut>(
-    listen: SocketAddr,
-    admin_listen: SocketAddr,
-    http: HttpLimits,
+    listening: Listening,
     setup: Setup,
     serve: Serve,
 ) -> Result<(), E>
@@ -102,19 +101,19 @@ where
             registry: registry.clone(),
             readiness: Readiness::new(),
             shutdown: CancellationToken::new(),
-            http,
+            http: listening.http,
             http_stats,
         };
         crate::shutdown::cancel_on_signal(wired.shutdown.clone())
             .map_err(|e| E::from(WiringError::Signals(e)))?;
         let service = setup(wired.clone()).await?;
-        let listener = TcpListener::bind(listen).await.map_err(|source| {
+        let listener = TcpListener::bind(listening.api).await.map_err(|source| {
             E::from(WiringError::Bind {
-                addr: listen,
+                addr: listening.api,
                 source,
             })
         })?;
-        let admin_listener = admin::bind(admin_listen)
+        let admin_listener = admin::bind(listening.admin)
             .await
             .map_err(|e| E::from(WiringError::Admin(e)))?;
         let admin_shutdown = CancellationToken::new();
@@ -122,7 +121,7 @@ where
             admin_listener,
             admin::router(wired.registry.clone(), wired.readiness.clone()),
             admin_shutdown.clone(),
-            http,
+            listening.http,
             admin_stats,
         ));
         let readiness = wired.readiness.clone();

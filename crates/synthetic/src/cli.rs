@@ -12,7 +12,7 @@ use super::server::{self, ServerError};
 use super::{EngineConfig, SglangMode, SglangRole};
 use kvpool_core::flags::{FlagError, non_negative};
 use kvpool_core::sched::{BlockHashKind, CostFlags};
-use kvpool_runtime::listen::{ListenArgs, ListenDefaults};
+use kvpool_runtime::listen::ListenArgs;
 use kvpool_runtime::wiring::{self, Wired, WiringError};
 
 /// Flags of `kvpool engine`.
@@ -81,13 +81,8 @@ pub struct EngineArgs {
     pub kv_events_config: Option<String>,
 }
 
-/// The defaults and environment variables of `--listen` and `--admin-listen`.
-impl ListenDefaults for EngineArgs {
-    const LISTEN: &'static str = "127.0.0.1:8000";
-    const LISTEN_ENV: &'static str = "KVPOOL_ENGINE_LISTEN";
-    const ADMIN_LISTEN: &'static str = "127.0.0.1:9100";
-    const ADMIN_LISTEN_ENV: &'static str = "KVPOOL_ENGINE_ADMIN_LISTEN";
-}
+// The defaults of `--listen` and `--admin-listen`; the variables follow from the role name.
+kvpool_runtime::listen_defaults!(EngineArgs, "ENGINE", "127.0.0.1:8000", "127.0.0.1:9100");
 
 /// Errors of `kvpool engine`.
 #[derive(Debug, thiserror::Error)]
@@ -233,7 +228,7 @@ pub fn kv_geometry(args: &EngineArgs) -> Result<Option<KvGeometry>, EngineError>
 pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
     let config = engine_config(args)?;
     let geometry = kv_geometry(args)?;
-    let http = args.addrs.http.limits().map_err(|(f, p)| flag(f, p))?;
+    let listening = args.addrs.listening().map_err(|(f, p)| flag(f, p))?;
     let events = match &args.kv_events_config {
         Some(json) => server::KvEventsConfig::parse(json)
             .map_err(|e| flag("kv-events-config", e.to_string()))?,
@@ -279,11 +274,5 @@ pub fn run(args: &EngineArgs) -> Result<(), EngineError> {
             .await
             .map_err(|e| EngineError::Server(ServerError::Serve(e)))
     };
-    wiring::run(
-        args.addrs.listen,
-        args.addrs.admin_listen,
-        http,
-        setup,
-        serve,
-    )
+    wiring::run(listening, setup, serve)
 }
