@@ -10,7 +10,8 @@ use kvpool_runtime::telemetry::chain;
 use std::sync::Arc;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Api;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -21,6 +22,27 @@ use super::{Engines, RoutingProtocol};
 use kvpool_crd::labels::{
     BOOTSTRAP_PORT_ANNOTATION, ENGINE_PROTOCOL_ANNOTATION, SGLANG_DEFAULT_BOOTSTRAP_PORT,
 };
+
+/// An engine pod as discovery reads it: the Pod's metadata and the two status fields that
+/// decide whether it serves (its conditions and its IP). The rest of a Pod (its spec, the
+/// container statuses...) is skipped while decoding, so the watch caches only this much per
+/// pod and the conductor carries no decoder for the whole PodSpec.
+#[derive(kube::Resource, Clone, Debug, Default, PartialEq, serde::Deserialize)]
+#[resource(inherit = "Pod")]
+pub struct EnginePod {
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub status: Option<EnginePodStatus>,
+}
+
+/// The part of a Pod's status discovery reads.
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
+pub struct EnginePodStatus {
+    #[serde(default)]
+    pub conditions: Option<Vec<PodCondition>>,
+    #[serde(default, rename = "podIP")]
+    pub pod_ip: Option<String>,
+}
 
 /// What to watch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,7 +69,7 @@ kvpool_runtime::error_category!(DiscoveryError);
 
 /// The base URL of `pod` as an engine, or `None` while it does not count: not Ready, no pod IP
 /// yet, or being deleted.
-pub fn engine_url(pod: &Pod, port: u16) -> Option<String> {
+pub fn engine_url(pod: &EnginePod, port: u16) -> Option<String> {
     if pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
@@ -69,7 +91,7 @@ pub fn engine_url(pod: &Pod, port: u16) -> Option<String> {
 }
 
 /// The engine URLs of `pods`, sorted and without duplicates.
-pub fn engine_urls<'a>(pods: impl IntoIterator<Item = &'a Pod>, port: u16) -> Vec<String> {
+pub fn engine_urls<'a>(pods: impl IntoIterator<Item = &'a EnginePod>, port: u16) -> Vec<String> {
     let mut urls: Vec<String> = pods
         .into_iter()
         .filter_map(|p| engine_url(p, port))
@@ -83,7 +105,7 @@ pub fn engine_urls<'a>(pods: impl IntoIterator<Item = &'a Pod>, port: u16) -> Ve
 /// `kvpool.dev/bootstrap-port` for SGLang, SGLang's default port when absent); `Ok(None)` when
 /// it declares none. An unknown protocol or a port that is not a number from 1 to 65535 is an
 /// error naming the annotation.
-pub fn engine_protocol(pod: &Pod) -> Result<Option<RoutingProtocol>, String> {
+pub fn engine_protocol(pod: &EnginePod) -> Result<Option<RoutingProtocol>, String> {
     let Some(notes) = pod.metadata.annotations.as_ref() else {
         return Ok(None);
     };
@@ -110,8 +132,8 @@ pub fn engine_protocol(pod: &Pod) -> Result<Option<RoutingProtocol>, String> {
 /// The engines among `prefill` and `decode` pods that count, with the protocols they declare.
 /// A pod whose annotations are invalid is logged and routed by the conductor's default.
 pub fn engines_of<'a>(
-    prefill: impl IntoIterator<Item = &'a Pod> + Clone,
-    decode: impl IntoIterator<Item = &'a Pod> + Clone,
+    prefill: impl IntoIterator<Item = &'a EnginePod> + Clone,
+    decode: impl IntoIterator<Item = &'a EnginePod> + Clone,
     port: u16,
 ) -> Engines {
     let mut protocols = std::collections::BTreeMap::new();
@@ -135,9 +157,9 @@ pub fn engines_of<'a>(
     }
 }
 
-fn current(prefill: &Store<Pod>, decode: &Store<Pod>, port: u16) -> Engines {
-    let prefill: Vec<Arc<Pod>> = prefill.state();
-    let decode: Vec<Arc<Pod>> = decode.state();
+fn current(prefill: &Store<EnginePod>, decode: &Store<EnginePod>, port: u16) -> Engines {
+    let prefill: Vec<Arc<EnginePod>> = prefill.state();
+    let decode: Vec<Arc<EnginePod>> = decode.state();
     engines_of(
         prefill.iter().map(Arc::as_ref),
         decode.iter().map(Arc::as_ref),
@@ -153,9 +175,9 @@ pub async fn run(
     tx: watch::Sender<Engines>,
     shutdown: CancellationToken,
 ) {
-    let api: Api<Pod> = Api::namespaced(client, &config.namespace);
-    let (prefill_store, prefill_writer) = reflector::store::<Pod>();
-    let (decode_store, decode_writer) = reflector::store::<Pod>();
+    let api: Api<EnginePod> = Api::namespaced(client, &config.namespace);
+    let (prefill_store, prefill_writer) = reflector::store::<EnginePod>();
+    let (decode_store, decode_writer) = reflector::store::<EnginePod>();
     let follow = |writer, selector: &str| {
         reflector::reflector(
             writer,
@@ -213,7 +235,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    pub(super) fn pod(name: &str, ip: Option<&str>, ready: bool) -> Pod {
+    pub(super) fn pod(name: &str, ip: Option<&str>, ready: bool) -> EnginePod {
         let mut status = json!({
             "phase": "Running",
             "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}],
@@ -229,7 +251,7 @@ mod tests {
         .expect("pod")
     }
 
-    fn annotated(name: &str, ip: &str, notes: &[(&str, &str)]) -> Pod {
+    fn annotated(name: &str, ip: &str, notes: &[(&str, &str)]) -> EnginePod {
         let mut p = pod(name, Some(ip), true);
         p.metadata.annotations = Some(
             notes
@@ -336,7 +358,7 @@ mod tests {
                 k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
             ));
         assert_eq!(engine_url(&deleting, 8000), None);
-        let no_status = Pod::default();
+        let no_status = EnginePod::default();
         assert_eq!(engine_url(&no_status, 8000), None);
     }
 
