@@ -52,48 +52,15 @@ pub struct AgentMetrics {
     pub errors: IntCounterVec,
 }
 
-/// Register `metric` into `registry` and hand it back.
-fn register<T: prometheus::core::Collector + Clone + 'static>(
-    registry: &Registry,
-    metric: T,
-) -> prometheus::Result<T> {
-    registry.register(Box::new(metric.clone()))?;
-    Ok(metric)
-}
-
-/// [`register`] for [`AgentMetrics`]: a failure to make or to register `metric` names it.
+/// `kvpool_runtime::metrics::register` for [`AgentMetrics`]: a failure to make or to register `metric` names it.
 fn reg<T: prometheus::core::Collector + Clone + 'static>(
     registry: &Registry,
     name: &'static str,
     metric: prometheus::Result<T>,
 ) -> Result<T, MetricsError> {
     metric
-        .and_then(|metric| register(registry, metric))
+        .and_then(|metric| kvpool_runtime::metrics::register(registry, metric))
         .map_err(|source| MetricsError::Register { name, source })
-}
-
-/// A new gauge `name`, registered into `registry`.
-pub(crate) fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
-    register(registry, IntGauge::new(name, help)?)
-}
-
-/// A new counter `name`, registered into `registry`.
-pub(crate) fn counter(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-) -> prometheus::Result<IntCounter> {
-    register(registry, IntCounter::new(name, help)?)
-}
-
-/// A new counter `name` with `labels`, registered into `registry`.
-pub(crate) fn counters(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> prometheus::Result<IntCounterVec> {
-    register(registry, IntCounterVec::new(Opts::new(name, help), labels)?)
 }
 
 impl AgentMetrics {

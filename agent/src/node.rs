@@ -13,8 +13,8 @@ use kube::api::{Api, Patch, PatchParams};
 use prometheus::{IntCounterVec, IntGauge, Registry};
 
 use crate::config::AgentConfig;
-use crate::metrics::{counters, gauge};
 use crate::topology::NodeSummary;
+use kvpool_runtime::metrics::{counters, gauge};
 
 /// Field manager of the agent's writes to its Node object.
 pub const FIELD_MANAGER: &str = "kvpool-agent";

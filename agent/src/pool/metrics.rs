@@ -4,7 +4,7 @@
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
 
-use crate::metrics::{counter, counters, gauge};
+use kvpool_runtime::metrics::{counter, counters, gauge};
 
 /// Metrics of pool membership (`kvpool_agent_pool_` prefix).
 #[derive(Clone, Debug)]

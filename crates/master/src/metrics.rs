@@ -79,7 +79,7 @@ impl MasterMetrics {
             IntGaugeVec::new(Opts::new(name, help), &["tier"]).map_err(MetricsError::Register)
         };
         let counters = |name: &str, help: &str, labels: &[&str]| {
-            IntCounterVec::new(Opts::new(name, help), labels).map_err(MetricsError::Register)
+            kvpool_runtime::metrics::counter_vec(name, help, labels).map_err(MetricsError::Register)
         };
         let per_node = |name: &str, help: &str| {
             IntGaugeVec::new(Opts::new(name, help), &["node", "tier"])

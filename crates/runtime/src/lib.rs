@@ -11,6 +11,7 @@ mod category;
 pub mod http;
 pub mod kv_events;
 pub mod listen;
+pub mod metrics;
 pub mod process_metrics;
 pub mod shutdown;
 pub mod telemetry;

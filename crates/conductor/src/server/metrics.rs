@@ -46,9 +46,7 @@ impl Metrics {
         config: &ConductorConfig,
         registry: &Registry,
     ) -> Result<Self, prometheus::Error> {
-        let counters = |name: &str, help: &str, labels: &[&str]| {
-            IntCounterVec::new(Opts::new(name, help), labels)
-        };
+        let counters = kvpool_runtime::metrics::counter_vec;
         let requests = counters(
             "kvpool_conductor_requests_total",
             "Requests by outcome (ok, rejected, or the error category)",

@@ -2,9 +2,7 @@
 //! agent and its failures, prefetches, hand-offs and the wait for the prefill lane, registered
 //! into the injected registry. I/O boundary: none (the admin server exports the registry).
 
-use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
-};
+use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Registry};
 
 use crate::agent::{AgentKvError, ReadOutcome};
 
@@ -35,9 +33,7 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 impl Metrics {
     pub(super) fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let counters = |name: &str, help: &str, labels: &[&str]| {
-            IntCounterVec::new(Opts::new(name, help), labels)
-        };
+        let counters = kvpool_runtime::metrics::counter_vec;
         let m = Self {
             requests: counters(
                 "kvpool_engine_requests_total",
