@@ -437,7 +437,7 @@ pub struct TcpServer {
 
 impl TcpServer {
     pub(crate) fn start(addr: SocketAddr, ctx: Arc<ServerCtx>) -> Result<Self, TransferError> {
-        let listener = TcpListener::bind(addr).map_err(|source| TransferError::Bind {
+        let listener = accept::listen(addr).map_err(|source| TransferError::Bind {
             what: format!("TCP listener on {addr}"),
             source,
         })?;

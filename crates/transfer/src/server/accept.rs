@@ -6,12 +6,13 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use socket2::{Domain, Protocol, Socket, Type};
 
 use super::sealed::SealedStream;
 use super::tls_target::TlsTarget;
@@ -24,6 +25,22 @@ use crate::{Integrity, TlsMode};
 
 /// Connections idle (between frames) longer than this are closed by the target.
 const IDLE_LIMIT: Duration = Duration::from_secs(600);
+
+/// Connections the kernel queues for the accept thread (capped by `net.core.somaxconn`). std's
+/// `TcpListener::bind` asks for 128: when a burst of peers (every node's lanes after a restart)
+/// outran the accept thread, the kernel dropped the extra SYNs and those peers waited a whole
+/// SYN retransmission (1 s, then 3 s) before they were even queued.
+pub(crate) const LISTEN_BACKLOG: i32 = 1024;
+
+/// A listener on `addr` with [`LISTEN_BACKLOG`]; otherwise what `TcpListener::bind` makes
+/// (`SO_REUSEADDR`, close-on-exec).
+pub(crate) fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    Ok(socket.into())
+}
 
 /// The caps the front door applies (from [`crate::EngineConfig`]).
 #[derive(Clone, Copy, Debug)]
@@ -506,5 +523,31 @@ mod tests {
         assert!(!a.authenticated(4));
         assert!(a.authenticated(5));
         assert_eq!(a.handshaking(), 1);
+    }
+
+    /// The kernel queues at least 300 connects the accept thread has not taken yet. With
+    /// std's backlog of 128 the 130th connect would wait for a SYN retransmission (1 s, then
+    /// 3 s: nothing accepts here), past the 2 s timeout.
+    #[test]
+    fn listener_queues_a_burst_of_connects() {
+        let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .expect("read net.core.somaxconn")
+            .trim()
+            .parse()
+            .expect("net.core.somaxconn is a number");
+        let burst = somaxconn.min(300);
+        assert!(
+            burst > 200,
+            "net.core.somaxconn is {somaxconn}: the kernel caps every backlog below what this test needs"
+        );
+        let listener = listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held: Vec<TcpStream> = (0..burst)
+            .map(|i| {
+                TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+                    .unwrap_or_else(|e| panic!("connect {i} of {burst} was not queued: {e}"))
+            })
+            .collect();
+        assert_eq!(held.len(), burst);
     }
 }
