@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams};
 use prometheus::{IntCounterVec, IntGauge, Registry};
 
@@ -85,10 +86,19 @@ impl NodeMetrics {
     }
 }
 
+/// The part of a Node object the agent reads: its metadata (labels). The rest (spec, status
+/// with its images, conditions and addresses) is skipped while decoding the replies to the get
+/// and the patch, so the agent carries no decoder for the whole Node.
+#[derive(kube::Resource, Clone, Debug, Default, PartialEq, serde::Deserialize)]
+#[resource(inherit = "Node")]
+pub struct NodeMeta {
+    pub metadata: ObjectMeta,
+}
+
 /// This node's object through the API server.
 #[derive(Clone)]
 pub struct NodeClient {
-    api: Api<Node>,
+    api: Api<NodeMeta>,
     node: String,
 }
 

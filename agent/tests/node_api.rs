@@ -85,9 +85,21 @@ fn reply(send: SendResponse<Response<Body>>, code: StatusCode, body: &Value) {
     );
 }
 
+/// A Node as the API server returns it: the agent decodes only the metadata and must skip the
+/// rest.
 fn node(labels: &Value) -> Value {
     json!({"apiVersion": "v1", "kind": "Node",
-           "metadata": {"name": NODE, "labels": labels, "resourceVersion": "7"}})
+           "metadata": {"name": NODE, "labels": labels, "resourceVersion": "7"},
+           "spec": {"podCIDR": "10.244.3.0/24", "providerID": "kind://docker/kind/gpu-0",
+                    "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]},
+           "status": {
+               "addresses": [{"type": "InternalIP", "address": "172.18.0.3"}],
+               "allocatable": {"cpu": "96", "memory": "1056Gi", "nvidia.com/gpu": "8"},
+               "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                               "lastHeartbeatTime": "2026-12-05T03:00:00Z"}],
+               "images": [{"names": ["vllm/vllm-openai:v0.11.0"], "sizeBytes": 9_000_000_000u64}],
+               "nodeInfo": {"architecture": "amd64", "kubeletVersion": "v1.33.1",
+                            "containerRuntimeVersion": "containerd://2.1.1"}}})
 }
 
 fn forbidden(verb: &str) -> Value {
