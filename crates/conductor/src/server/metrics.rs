@@ -8,6 +8,8 @@ use prometheus::{
     Registry,
 };
 
+use kvpool_runtime::metrics::{counter, counters, register};
+
 use std::sync::Arc;
 
 use super::latency::Latency;
@@ -46,27 +48,31 @@ impl Metrics {
         config: &ConductorConfig,
         registry: &Registry,
     ) -> Result<Self, prometheus::Error> {
-        let counters = kvpool_runtime::metrics::counter_vec;
         let requests = counters(
+            registry,
             "kvpool_conductor_requests_total",
             "Requests by outcome (ok, rejected, or the error category)",
             &["outcome"],
         )?;
         let rejections = counters(
+            registry,
             "kvpool_conductor_rejections_total",
             "Requests rejected at arrival, by reason",
             &["reason"],
         )?;
-        let replication_tasks = IntCounter::new(
+        let replication_tasks = counter(
+            registry,
             "kvpool_conductor_replication_tasks_total",
             "Hot-prefix replication tasks planned (each sends prefetch requests to its targets)",
         )?;
         let replication_blocks = counters(
+            registry,
             "kvpool_conductor_replication_blocks_total",
             "Blocks that hot-prefix replication tasks ask to copy, by target prefill engine URL",
             &["target"],
         )?;
         let pool_lookups = counters(
+            registry,
             "kvpool_conductor_pool_lookups_total",
             "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
              timeout, and backoff: skipped after a failure; all but hit and miss place the \
@@ -74,44 +80,58 @@ impl Metrics {
             &["outcome"],
         )?;
         let prefetches = counters(
+            registry,
             "kvpool_conductor_prefetches_total",
             "Prefetch requests of hot-prefix replication by outcome (ok, unsupported, error, \
              timeout; busy and skipped_unsupported were not sent)",
             &["outcome"],
         )?;
-        let engines = IntGaugeVec::new(
-            Opts::new(
-                "kvpool_conductor_engines",
-                "Engine instances the conductor routes to, by role",
-            ),
-            &["role"],
+        let engines = register(
+            registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpool_conductor_engines",
+                    "Engine instances the conductor routes to, by role",
+                ),
+                &["role"],
+            )?,
         )?;
-        let fetch_bandwidth = Gauge::new(
-            "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second",
-            "Pool -> prefill bandwidth the TTFT estimate assumes (cost-model seconds): the \
-             configured figure until the engines report measured reads, then their moving average",
+        let fetch_bandwidth = register(
+            registry,
+            Gauge::new(
+                "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second",
+                "Pool -> prefill bandwidth the TTFT estimate assumes (cost-model seconds): the \
+                 configured figure until the engines report measured reads, then their moving \
+                 average",
+            )?,
         )?;
-        let pool_lookup_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "kvpool_conductor_pool_lookup_seconds",
-                "Wall time of the per-request pool prefix lookups at the master",
-            )
-            .buckets(vec![
-                1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-            ]),
+        let pool_lookup_seconds = register(
+            registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpool_conductor_pool_lookup_seconds",
+                    "Wall time of the per-request pool prefix lookups at the master",
+                )
+                .buckets(vec![
+                    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                ]),
+            )?,
         )?;
         let kv_events = counters(
+            registry,
             "kvpool_conductor_kv_events_total",
             "Block events applied from the prefill engines' KV event streams, by kind \
              (stored and removed count blocks, cleared counts AllBlocksCleared events)",
             &["kind"],
         )?;
         let kv_event_batches = counters(
+            registry,
             "kvpool_conductor_kv_event_batches_total",
             "KV event batches received, by result (applied, bad_frames, bad_payload)",
             &["result"],
         )?;
         let kv_event_gaps = counters(
+            registry,
             "kvpool_conductor_kv_event_gaps_total",
             "Breaks in an engine's KV event sequence, by recovery (replayed: the missed \
              batches came back from the replay socket; cleared: the engine's entries were \
@@ -119,36 +139,45 @@ impl Metrics {
             &["recovery"],
         )?;
         let kv_event_connections = counters(
+            registry,
             "kvpool_conductor_kv_event_connections_total",
             "KV event subscriptions, by outcome (connected, error)",
             &["outcome"],
         )?;
-        let engine_cached_blocks = IntGaugeVec::new(
-            Opts::new(
-                "kvpool_conductor_engine_cached_blocks",
-                "Blocks the conductor believes a prefill engine holds, by engine URL and source \
-                 (events: the engine's own KV events; mirror: guessed from routing decisions, \
-                 the fallback for engines without an event stream)",
-            ),
-            &["engine", "source"],
+        let engine_cached_blocks = register(
+            registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpool_conductor_engine_cached_blocks",
+                    "Blocks the conductor believes a prefill engine holds, by engine URL and \
+                     source (events: the engine's own KV events; mirror: guessed from routing \
+                     decisions, the fallback for engines without an event stream)",
+                ),
+                &["engine", "source"],
+            )?,
         )?;
-        let prefill_cost = GaugeVec::new(
-            Opts::new(
-                "kvpool_conductor_prefill_cost_seconds",
-                "Prefill cost model per prefill engine URL, by term (fixed: seconds per request, \
-                 linear: per uncached token, quadratic: per squared token; cost-model seconds) \
-                 and source (prior: --prefill-cost; fitted: from the engine's measured \
-                 prefills, in use once present)",
-            ),
-            &["engine", "term", "source"],
+        let prefill_cost = register(
+            registry,
+            GaugeVec::new(
+                Opts::new(
+                    "kvpool_conductor_prefill_cost_seconds",
+                    "Prefill cost model per prefill engine URL, by term (fixed: seconds per \
+                     request, linear: per uncached token, quadratic: per squared token; \
+                     cost-model seconds) and source (prior: --prefill-cost; fitted: from the \
+                     engine's measured prefills, in use once present)",
+                ),
+                &["engine", "term", "source"],
+            )?,
         )?;
         let prefill_cost_observations = counters(
+            registry,
             "kvpool_conductor_prefill_cost_observations_total",
             "Measured prefills fed to the fit of a prefill engine's cost model, by engine URL \
              (outliers and requests that queued behind others excluded)",
             &["engine"],
         )?;
         let decode_tokens_observed = counters(
+            registry,
             "kvpool_conductor_decode_tokens_observed_total",
             "Tokens counted in the decode engines' responses as they pass (SSE events with a \
              choice; usage.completion_tokens of whole responses), by decode engine URL",
@@ -159,27 +188,6 @@ impl Metrics {
             config.scheduler.slo,
             config.time_scale,
         )?);
-        for c in [
-            Box::new(kv_events.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(decode_tokens_observed.clone()),
-            Box::new(prefill_cost.clone()),
-            Box::new(prefill_cost_observations.clone()),
-            Box::new(kv_event_batches.clone()),
-            Box::new(kv_event_gaps.clone()),
-            Box::new(kv_event_connections.clone()),
-            Box::new(engine_cached_blocks.clone()),
-            Box::new(fetch_bandwidth.clone()),
-            Box::new(pool_lookup_seconds.clone()),
-            Box::new(requests.clone()),
-            Box::new(rejections.clone()),
-            Box::new(replication_tasks.clone()),
-            Box::new(replication_blocks.clone()),
-            Box::new(engines.clone()),
-            Box::new(pool_lookups.clone()),
-            Box::new(prefetches.clone()),
-        ] {
-            registry.register(c)?;
-        }
         // Export the main outcomes at 0 from the start, so rate() and alert rules see the series
         // before the first request instead of an absent one.
         for outcome in ["ok", "rejected"] {

@@ -5,6 +5,7 @@
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Registry};
 
 use crate::agent::{AgentKvError, ReadOutcome};
+use kvpool_runtime::metrics::{counter, counters, register};
 
 #[derive(Clone)]
 pub(super) struct Metrics {
@@ -33,106 +34,105 @@ const LATENCY_BUCKETS: &[f64] = &[
 
 impl Metrics {
     pub(super) fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let counters = kvpool_runtime::metrics::counter_vec;
-        let m = Self {
+        Ok(Self {
             requests: counters(
+                registry,
                 "kvpool_engine_requests_total",
                 "Requests by outcome (ok or the error category)",
                 &["outcome"],
             )?,
-            prompt_tokens: IntCounter::new(
+            prompt_tokens: counter(
+                registry,
                 "kvpool_engine_prompt_tokens_total",
                 "Prompt tokens received",
             )?,
-            cached_tokens: IntCounter::new(
+            cached_tokens: counter(
+                registry,
                 "kvpool_engine_cached_prompt_tokens_total",
                 "Prompt tokens found in the prefix cache",
             )?,
-            generated_tokens: IntCounter::new(
+            generated_tokens: counter(
+                registry,
                 "kvpool_engine_generated_tokens_total",
                 "Tokens generated",
             )?,
-            kv_read_bytes: IntCounter::new(
+            kv_read_bytes: counter(
+                registry,
                 "kvpool_engine_kv_read_bytes_total",
                 "KV bytes read from the node agent",
             )?,
-            kv_written_bytes: IntCounter::new(
+            kv_written_bytes: counter(
+                registry,
                 "kvpool_engine_kv_written_bytes_total",
                 "KV bytes written to the node agent",
             )?,
-            kv_block_hits: IntCounter::new(
+            kv_block_hits: counter(
+                registry,
                 "kvpool_engine_kv_block_hits_total",
                 "KV blocks read from the pool and verified",
             )?,
-            kv_block_misses: IntCounter::new(
+            kv_block_misses: counter(
+                registry,
                 "kvpool_engine_kv_block_misses_total",
                 "Full prompt blocks in neither the local cache nor the pool (computed here)",
             )?,
-            kv_blocks_written: IntCounter::new(
+            kv_blocks_written: counter(
+                registry,
                 "kvpool_engine_kv_blocks_written_total",
                 "KV blocks written to the pool",
             )?,
-            kv_verify_failures: IntCounter::new(
+            kv_verify_failures: counter(
+                registry,
                 "kvpool_engine_kv_verify_failures_total",
                 "KV blocks read back with wrong length or bytes",
             )?,
             kv_errors: counters(
+                registry,
                 "kvpool_engine_kv_errors_total",
                 "Failed calls to the node agent by operation (the request goes on without the pool)",
                 &["op"],
             )?,
             prefetches: counters(
+                registry,
                 "kvpool_engine_prefetch_requests_total",
                 "Prefetch requests by outcome (ok, unsupported without an agent, invalid, error)",
                 &["outcome"],
             )?,
-            kv_seconds: HistogramVec::new(
-                HistogramOpts::new(
-                    "kvpool_engine_kv_seconds",
-                    "Wall time of the engine's KV work with the node agent, by operation (exists, \
-                     read, write, and handoff_wait: an SGLang decode waiting for its room)",
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
-                &["op"],
+            kv_seconds: register(
+                registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvpool_engine_kv_seconds",
+                        "Wall time of the engine's KV work with the node agent, by operation \
+                         (exists, read, write, and handoff_wait: an SGLang decode waiting for its \
+                         room)",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                    &["op"],
+                )?,
             )?,
-            lane_wait_seconds: Histogram::with_opts(
-                HistogramOpts::new(
-                    "kvpool_engine_prefill_queue_seconds",
-                    "Wall time requests wait for the engine's (serialised) prefill compute",
-                )
-                .buckets(LATENCY_BUCKETS.to_vec()),
+            lane_wait_seconds: register(
+                registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvpool_engine_prefill_queue_seconds",
+                        "Wall time requests wait for the engine's (serialised) prefill compute",
+                    )
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                )?,
             )?,
             handoffs: counters(
+                registry,
                 "kvpool_engine_kv_handoffs_total",
                 "SGLang-mode decode requests by hand-off outcome (ok, timeout, agent)",
                 &["outcome"],
             )?,
-            kv_event_batches: IntCounter::new(
+            kv_event_batches: counter(
+                registry,
                 "kvpool_engine_kv_event_batches_total",
                 "KV event batches published (with --kv-events-config)",
             )?,
-        };
-        registry.register(Box::new(m.kv_seconds.clone()))?;
-        registry.register(Box::new(m.lane_wait_seconds.clone()))?;
-        registry.register(Box::new(m.handoffs.clone()))?;
-        registry.register(Box::new(m.kv_event_batches.clone()))?;
-        registry.register(Box::new(m.prefetches.clone()))?;
-        registry.register(Box::new(m.requests.clone()))?;
-        registry.register(Box::new(m.prompt_tokens.clone()))?;
-        registry.register(Box::new(m.cached_tokens.clone()))?;
-        registry.register(Box::new(m.generated_tokens.clone()))?;
-        for c in [
-            &m.kv_read_bytes,
-            &m.kv_written_bytes,
-            &m.kv_block_hits,
-            &m.kv_block_misses,
-            &m.kv_blocks_written,
-            &m.kv_verify_failures,
-        ] {
-            registry.register(Box::new(c.clone()))?;
-        }
-        registry.register(Box::new(m.kv_errors.clone()))?;
-        Ok(m)
+        })
     }
 
     /// Counts one request by its outcome (`ok` or an error category).
