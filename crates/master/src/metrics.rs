@@ -24,6 +24,16 @@ pub enum MetricsError {
 
 kvpool_runtime::error_category!(MetricsError);
 
+/// `metric`, made, registered into `registry` (a failure of either is [`MetricsError`]).
+fn reg<T: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: prometheus::Result<T>,
+) -> Result<T, MetricsError> {
+    metric
+        .and_then(|metric| kvpool_runtime::metrics::register(registry, metric))
+        .map_err(MetricsError::Register)
+}
+
 /// The client calls whose keys count as lookups (hit ratio).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LookupCall {
@@ -74,16 +84,22 @@ pub struct MasterMetrics {
 
 impl MasterMetrics {
     pub fn new(registry: &Registry, policy: &'static str) -> Result<Self, MetricsError> {
-        let g = |name: &str, help: &str| IntGauge::new(name, help).map_err(MetricsError::Register);
+        // Each metric is registered as it is made.
+        let g = |name: &str, help: &str| reg(registry, IntGauge::new(name, help));
         let per_tier = |name: &str, help: &str| {
-            IntGaugeVec::new(Opts::new(name, help), &["tier"]).map_err(MetricsError::Register)
+            reg(registry, IntGaugeVec::new(Opts::new(name, help), &["tier"]))
         };
         let counters = |name: &str, help: &str, labels: &[&str]| {
-            kvpool_runtime::metrics::counter_vec(name, help, labels).map_err(MetricsError::Register)
+            reg(
+                registry,
+                kvpool_runtime::metrics::counter_vec(name, help, labels),
+            )
         };
         let per_node = |name: &str, help: &str| {
-            IntGaugeVec::new(Opts::new(name, help), &["node", "tier"])
-                .map_err(MetricsError::Register)
+            reg(
+                registry,
+                IntGaugeVec::new(Opts::new(name, help), &["node", "tier"]),
+            )
         };
         let lookups = counters(
             "kvpool_master_lookup_keys_total",
@@ -97,20 +113,22 @@ impl MasterMetrics {
                 lookups.with_label_values(&[call, "miss"]),
             ]
         };
-        let lease_holds = HistogramVec::new(
-            HistogramOpts::new(
-                "kvpool_master_lease_hold_seconds",
-                "How long a read lease held its object in place (the wait a remove or an \
+        let lease_holds = reg(
+            registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "kvpool_master_lease_hold_seconds",
+                    "How long a read lease held its object in place (the wait a remove or an \
                  eviction of the object faces), by how the lease ended: released by its \
                  reader, or expired after the lease TTL",
-            )
-            .buckets(vec![
-                0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0, 30.0, 60.0,
-            ]),
-            &["end"],
-        )
-        .map_err(MetricsError::Register)?;
+                )
+                .buckets(vec![
+                    0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0,
+                ]),
+                &["end"],
+            ),
+        )?;
         let m = Self {
             lease_holds: [
                 lease_holds.with_label_values(&["released"]),
@@ -166,29 +184,33 @@ impl MasterMetrics {
                 "gRPC calls by method and result",
                 &["method", "result"],
             )?,
-            latency: HistogramVec::new(
-                HistogramOpts::new(
-                    "kvpool_master_request_duration_seconds",
-                    "gRPC call latency inside the master",
-                )
-                .buckets(
-                    prometheus::exponential_buckets(0.000_01, 4.0, 10)
-                        .map_err(MetricsError::Register)?,
+            latency: reg(
+                registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvpool_master_request_duration_seconds",
+                        "gRPC call latency inside the master",
+                    )
+                    .buckets(
+                        prometheus::exponential_buckets(0.000_01, 4.0, 10)
+                            .map_err(MetricsError::Register)?,
+                    ),
+                    &["method"],
                 ),
-                &["method"],
-            )
-            .map_err(MetricsError::Register)?,
-            persist_latency: Histogram::with_opts(
-                HistogramOpts::new(
-                    "kvpool_master_persist_duration_seconds",
-                    "Latency of one etcd write batch",
-                )
-                .buckets(
-                    prometheus::exponential_buckets(0.000_1, 4.0, 9)
-                        .map_err(MetricsError::Register)?,
+            )?,
+            persist_latency: reg(
+                registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvpool_master_persist_duration_seconds",
+                        "Latency of one etcd write batch",
+                    )
+                    .buckets(
+                        prometheus::exponential_buckets(0.000_1, 4.0, 9)
+                            .map_err(MetricsError::Register)?,
+                    ),
                 ),
-            )
-            .map_err(MetricsError::Register)?,
+            )?,
             fast_connections: g(
                 "kvpool_master_fast_lane_connections",
                 "Open fast-lane connections (plain-framed calls on the gRPC port)",
@@ -203,56 +225,28 @@ impl MasterMetrics {
                 "Connections to the gRPC port closed before they authenticated, or idle after, by reason",
                 &["reason"],
             )?,
-            kv_event_batches: IntCounter::new(
-                "kvpool_master_kv_event_batches_total",
-                "KV event batches published (pool block events, vLLM's format)",
-            )
-            .map_err(MetricsError::Register)?,
+            kv_event_batches: reg(
+                registry,
+                IntCounter::new(
+                    "kvpool_master_kv_event_batches_total",
+                    "KV event batches published (pool block events, vLLM's format)",
+                ),
+            )?,
             kv_events: counters(
                 "kvpool_master_kv_events_total",
                 "Pool block events published, by kind",
                 &["kind"],
             )?,
-            kv_event_resyncs: IntCounter::new(
-                "kvpool_master_kv_event_resyncs_total",
-                "Snapshots published (publisher start, new leader, outbox overflow)",
-            )
-            .map_err(MetricsError::Register)?,
+            kv_event_resyncs: reg(
+                registry,
+                IntCounter::new(
+                    "kvpool_master_kv_event_resyncs_total",
+                    "Snapshots published (publisher start, new leader, outbox overflow)",
+                ),
+            )?,
             policy,
             last: Default::default(),
         };
-        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
-            Box::new(m.objects.clone()),
-            Box::new(m.pending_puts.clone()),
-            Box::new(m.used_bytes.clone()),
-            Box::new(m.capacity_bytes.clone()),
-            Box::new(m.leases.clone()),
-            Box::new(m.under_replicated.clone()),
-            Box::new(m.tasks.clone()),
-            Box::new(m.nodes_alive.clone()),
-            Box::new(m.leader.clone()),
-            Box::new(m.evictions.clone()),
-            Box::new(m.events.clone()),
-            Box::new(m.requests.clone()),
-            Box::new(m.latency.clone()),
-            Box::new(m.persist_latency.clone()),
-            Box::new(m.fast_connections.clone()),
-            Box::new(m.fast_refusals.clone()),
-            Box::new(m.conn_refusals.clone()),
-            Box::new(m.kv_event_batches.clone()),
-            Box::new(m.kv_events.clone()),
-            Box::new(m.kv_event_resyncs.clone()),
-            Box::new(lookups),
-            Box::new(lease_holds),
-            Box::new(m.soft_pins.clone()),
-            Box::new(m.segments.clone()),
-            Box::new(m.node_used.clone()),
-            Box::new(m.node_capacity.clone()),
-            Box::new(m.node_get_hits.clone()),
-        ];
-        for c in collectors {
-            registry.register(c).map_err(MetricsError::Register)?;
-        }
         Ok(m)
     }
 
