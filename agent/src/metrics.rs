@@ -52,14 +52,14 @@ pub struct AgentMetrics {
     pub errors: IntCounterVec,
 }
 
-/// `kvpool_runtime::metrics::register` for [`AgentMetrics`]: a failure to make or to register `metric` names it.
+/// `kvpool_runtime::metrics::made` for [`AgentMetrics`]: a failure to make or to register
+/// `metric` names it.
 fn reg<T: prometheus::core::Collector + Clone + 'static>(
     registry: &Registry,
     name: &'static str,
     metric: prometheus::Result<T>,
 ) -> Result<T, MetricsError> {
-    metric
-        .and_then(|metric| kvpool_runtime::metrics::register(registry, metric))
+    kvpool_runtime::metrics::made(registry, metric)
         .map_err(|source| MetricsError::Register { name, source })
 }
 

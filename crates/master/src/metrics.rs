@@ -29,9 +29,7 @@ fn reg<T: prometheus::core::Collector + Clone + 'static>(
     registry: &Registry,
     metric: prometheus::Result<T>,
 ) -> Result<T, MetricsError> {
-    metric
-        .and_then(|metric| kvpool_runtime::metrics::register(registry, metric))
-        .map_err(MetricsError::Register)
+    kvpool_runtime::metrics::made(registry, metric).map_err(MetricsError::Register)
 }
 
 /// The client calls whose keys count as lookups (hit ratio).

@@ -14,6 +14,14 @@ pub fn register<T: Collector + Clone + 'static>(
     Ok(metric)
 }
 
+/// `metric` as just made (its constructor's result), registered into `registry`.
+pub fn made<T: Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: prometheus::Result<T>,
+) -> prometheus::Result<T> {
+    register(registry, metric?)
+}
+
 /// A new counter `name` with `labels`, not registered yet.
 pub fn counter_vec(name: &str, help: &str, labels: &[&str]) -> prometheus::Result<IntCounterVec> {
     IntCounterVec::new(Opts::new(name, help), labels)
@@ -58,5 +66,10 @@ mod tests {
             .collect();
         assert_eq!(names, ["kvpool_test_gauge", "kvpool_test_total"]);
         assert!(counter(&registry, "kvpool_test_gauge", "again").is_err());
+        // `made` registers what its constructor made, and passes a constructor's error on
+        // without registering anything.
+        made(&registry, IntGauge::new("kvpool_test_made", "help")).unwrap();
+        assert!(made(&registry, IntGauge::new("bad name", "help")).is_err());
+        assert_eq!(registry.gather().len(), 3);
     }
 }
