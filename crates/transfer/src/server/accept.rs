@@ -30,7 +30,7 @@ const IDLE_LIMIT: Duration = Duration::from_secs(600);
 /// `TcpListener::bind` asks for 128: when a burst of peers (every node's lanes after a restart)
 /// outran the accept thread, the kernel dropped the extra SYNs and those peers waited a whole
 /// SYN retransmission (1 s, then 3 s) before they were even queued.
-pub(crate) const LISTEN_BACKLOG: i32 = 1024;
+const LISTEN_BACKLOG: i32 = 1024;
 
 /// A listener on `addr` with [`LISTEN_BACKLOG`]; otherwise what `TcpListener::bind` makes
 /// (`SO_REUSEADDR`, close-on-exec).
