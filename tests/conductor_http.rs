@@ -428,7 +428,11 @@ fn lookup(master: &kvpool_master::cmd::RunningMaster) -> PoolLookup {
         },
     )
     .expect("client");
-    PoolLookup { client, timeout }
+    PoolLookup {
+        client,
+        timeout,
+        keys: kvpool_core::sched::PoolKeys::Synthetic,
+    }
 }
 
 #[tokio::test]
@@ -507,6 +511,7 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
     let pool = PoolLookup {
         client,
         timeout: std::time::Duration::from_millis(200),
+        keys: kvpool_core::sched::PoolKeys::Synthetic,
     };
     let c = cluster_full(Rejection::None, 30.0, None, 0, Some(pool), None).await;
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);

@@ -110,6 +110,9 @@ impl Children {
         for (var, path) in &self.env {
             cmd.env(var, path);
         }
+        for (var, value) in &spec.env {
+            cmd.env(var, value);
+        }
         let child = self
             .launcher
             .spawn(&spec.name, &mut cmd)
@@ -163,6 +166,8 @@ mod tests {
             admin: "127.0.0.1:1".parse().unwrap(),
             endpoint: None,
             config_file: None,
+            env: Vec::new(),
+            ready_path: "/readyz",
         }
     }
 

@@ -16,6 +16,7 @@ mod settings;
 pub mod shm;
 mod startup;
 pub mod summary;
+pub mod vllm;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -83,12 +84,26 @@ pub struct UpArgs {
     /// procfs root the agents read memory sizes from (default: /proc).
     #[arg(long)]
     pub agent_procfs_root: Option<PathBuf>,
-    /// Model name served.
+    /// Model served: a name for the synthetic engines; with `--engine vllm`, the model's
+    /// directory (served under its last path component).
     #[arg(long, default_value = "kvpool-synthetic")]
     pub model: String,
-    /// Tokens per KV block (the Mooncake traces use 512).
-    #[arg(long, default_value_t = 512)]
-    pub block_size: u32,
+    /// The engines behind the conductor: `synthetic` (kvpool's own: no model, no GPU) or
+    /// `vllm` (real `vllm serve` processes of the --model directory, with kvpool's KV
+    /// connector on this pool; docs/up.md, "Real engines").
+    #[arg(long, value_enum, default_value_t = UpEngine::Synthetic, env = "KVPOOL_UP_ENGINE")]
+    pub engine: UpEngine,
+    /// With `--engine vllm`: the Python that has vLLM and the kvpool package. Default:
+    /// `.tools/vllm/bin/python` when it exists (scripts/engines.sh vllm), else `python3`.
+    #[arg(long, env = "KVPOOL_ENGINE_PYTHON")]
+    pub engine_python: Option<PathBuf>,
+    /// With `--engine vllm`: more `vllm serve` arguments for every engine, space-separated.
+    #[arg(long, allow_hyphen_values = true, env = "KVPOOL_ENGINE_ARGS")]
+    pub engine_args: Option<String>,
+    /// Tokens per KV block. Default: 512 with the synthetic engines (the Mooncake traces'
+    /// block), 32 with `--engine vllm`.
+    #[arg(long)]
+    pub block_size: Option<u32>,
     /// KV bytes per token written by the engines (64: 32 KiB blocks of 512 tokens).
     #[arg(long, default_value_t = 64)]
     pub kv_bytes_per_token: u64,
@@ -129,6 +144,25 @@ pub struct UpArgs {
     /// stays on loopback, where TLS protects nothing the user's account does not already.
     #[arg(long)]
     pub tls: bool,
+}
+
+impl UpArgs {
+    /// `--block-size`, or the engines' default.
+    pub fn block_size(&self) -> u32 {
+        self.block_size.unwrap_or(match self.engine {
+            UpEngine::Synthetic => 512,
+            UpEngine::Vllm => 32,
+        })
+    }
+}
+
+/// The engines `kvpool up` starts (`--engine`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum UpEngine {
+    /// kvpool's synthetic engines.
+    Synthetic,
+    /// Real vLLM.
+    Vllm,
 }
 
 /// Errors of `kvpool up`.
@@ -291,10 +325,21 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     // Trace first: a bad file fails before anything starts.
     let records = match &args.replay {
         Some(path) => {
-            let mut r =
-                kvpool_core::sim::trace::load(path, args.block_size).map_err(UpError::Trace)?;
+            // Real engines replay the trace scaled block for block (each 512-token trace block
+            // becomes one engine block); the synthetic ones replay it as it is.
+            let trace_block = match args.engine {
+                UpEngine::Synthetic => args.block_size(),
+                UpEngine::Vllm => vllm::TRACE_BLOCK_TOKENS as u32,
+            };
+            let mut r = kvpool_core::sim::trace::load(path, trace_block).map_err(UpError::Trace)?;
             if let Some(n) = args.limit {
                 r.truncate(n);
+            }
+            if args.engine == UpEngine::Vllm {
+                r = r
+                    .into_iter()
+                    .map(|rec| vllm::scale_record(rec, args.block_size()))
+                    .collect();
             }
             Some(r)
         }
@@ -346,6 +391,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         agent_dram = %settings.agent_dram,
         time_scale = settings.time_scale,
         protocol = ?settings.protocol,
+        engine = if settings.vllm.is_some() { "vllm" } else { "synthetic" },
         replay = records.as_ref().map(Vec::len),
         tls = args.tls,
         "kvpool up: starting"

@@ -45,6 +45,11 @@ pub struct ChildSpec {
     pub endpoint: Option<String>,
     /// A file to write before starting (path, contents): the agent's config.
     pub config_file: Option<(PathBuf, String)>,
+    /// Variables set in the child's environment (a real engine's pool address and key).
+    pub env: Vec<(String, String)>,
+    /// The path of `admin` that answers 200 once the child is ready (`/readyz`; vLLM's
+    /// `/health`).
+    pub ready_path: &'static str,
 }
 
 /// Settings of one `kvpool up` run, validated.
@@ -75,6 +80,8 @@ pub struct UpSettings {
     /// Directory of the agents' persistent DRAM tiers (agent `i` in `agent-<i>`); `None`: the
     /// tiers live in anonymous memory.
     pub dram_tiers: Option<PathBuf>,
+    /// Real vLLM engines instead of the synthetic ones (`--engine vllm`).
+    pub vllm: Option<super::vllm::VllmEngine>,
 }
 
 /// Ports handed to the children, in the order `plan` takes them.
@@ -205,6 +212,8 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         admin: master_admin,
         endpoint: Some(grpc.to_string()),
         config_file: None,
+        env: Vec::new(),
+        ready_path: "/readyz",
     });
     for i in 0..s.agents {
         let admin = next()?;
@@ -231,6 +240,8 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
             admin,
             endpoint: Some(agent_socket(&s.dir, i).display().to_string()),
             config_file: Some((path, agent_config(s, i, admin, grpc))),
+            env: Vec::new(),
+            ready_path: "/readyz",
         });
     }
     let mut prefill_urls = Vec::new();
@@ -248,6 +259,19 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         }
         // Engines are spread over the agents in turn.
         let socket = agent_socket(&s.dir, n % s.agents.max(1));
+        if let Some(v) = &s.vllm {
+            let events = if role == Role::Prefill {
+                let (events, replay) = (next()?, next()?);
+                kv_events.push(format!("{url}=tcp://{events},tcp://{replay}"));
+                Some((events, replay))
+            } else {
+                None
+            };
+            // vLLM serves its metrics and health on its API port.
+            let _unused_admin = admin;
+            out.push(super::vllm::engine_child(s, v, role, i, api, events, grpc, &socket));
+            continue;
+        }
         let mut args = vec!["engine".into(), "--synthetic".into()];
         args.extend(http_service_args(s, api, admin));
         args.extend([
@@ -290,6 +314,8 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
             admin,
             endpoint: Some(url),
             config_file: None,
+            env: Vec::new(),
+            ready_path: "/readyz",
         });
     }
     let (api, admin) = (next()?, next()?);
@@ -306,8 +332,13 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
             .display()
             .to_string(),
     ]);
+    match &s.vllm {
+        Some(v) => args.extend(super::vllm::conductor_args(v)),
+        // The synthetic engines name their blocks kvpool/synthetic/<model>/<key>.
+        None => args.extend(["--pool-keys".into(), "synthetic".into()]),
+    }
     // The conductor's clock and the engines' measured fetch times in cost-model seconds.
-    if s.time_scale > 0.0 {
+    if s.time_scale > 0.0 && s.vllm.is_none() {
         args.extend(["--time-scale".into(), s.time_scale.to_string()]);
     }
     if s.protocol == EngineProtocol::Sglang {
@@ -330,6 +361,8 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
         admin,
         endpoint: Some(format!("http://{api}")),
         config_file: None,
+        env: Vec::new(),
+        ready_path: "/readyz",
     });
     Some(out)
 }
@@ -359,6 +392,7 @@ mod tests {
             master_flags: vec!["--eviction-policy".into(), "s3fifo".into()],
             agent_flags: Vec::new(),
             dram_tiers: Some("/dev/shm/up".into()),
+            vllm: None,
         }
     }
 

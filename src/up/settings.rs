@@ -28,9 +28,18 @@ pub(super) fn validate(
     if args.decode == 0 {
         return Err(flag("decode", "must be at least 1"));
     }
-    if args.block_size == 0 {
+    if args.block_size() == 0 {
         return Err(flag("block-size", "must be at least 1"));
     }
+    let (vllm, served, kv_bytes_per_token) = match args.engine {
+        super::UpEngine::Synthetic => (None, args.model.clone(), args.kv_bytes_per_token),
+        super::UpEngine::Vllm => {
+            let v = vllm_engine(args)?;
+            let shape = super::vllm::kv_shape(&v.model_dir).map_err(|e| flag("model", e))?;
+            let served = super::vllm::served_name(&v.model_dir);
+            (Some(v), served, shape.bytes_per_token)
+        }
+    };
     if args.kv_bytes_per_token == 0 {
         return Err(flag("kv-bytes-per-token", "must be at least 1"));
     }
@@ -77,10 +86,10 @@ pub(super) fn validate(
         decode: args.decode,
         kvpool_bin: self_exe,
         dir,
-        model: args.model.clone(),
-        block_size: args.block_size,
+        model: served,
+        block_size: args.block_size(),
         chunk_bytes: CHUNK_BYTES,
-        kv_bytes_per_token: args.kv_bytes_per_token,
+        kv_bytes_per_token,
         agent_dram: args.agent_dram.clone(),
         time_scale,
         protocol: args.engine_protocol,
@@ -91,6 +100,49 @@ pub(super) fn validate(
         master_flags,
         agent_flags: Vec::new(),
         dram_tiers: tiers,
+        vllm,
+    })
+}
+
+/// The vLLM engines of `--engine vllm`: the model directory (it must hold a config.json),
+/// the Python to run them with, and the extra arguments.
+fn vllm_engine(args: &UpArgs) -> Result<super::vllm::VllmEngine, UpError> {
+    let model_dir = std::path::PathBuf::from(&args.model);
+    if !model_dir.join("config.json").is_file() {
+        return Err(flag(
+            "model",
+            format!(
+                "{:?} is not a model directory (no config.json); --engine vllm serves a local \
+                 model directory (scripts/make-models.py makes small ones)",
+                args.model
+            ),
+        ));
+    }
+    let model_dir = model_dir
+        .canonicalize()
+        .map_err(|e| flag("model", format!("{}: {e}", model_dir.display())))?;
+    let python = match &args.engine_python {
+        Some(p) => p.clone(),
+        None => {
+            let tools = std::path::PathBuf::from(".tools/vllm/bin/python");
+            if tools.exists() {
+                // Absolute, but not resolved: a virtual environment's python is a symbolic
+                // link, and resolving it would leave the environment.
+                std::path::absolute(&tools).unwrap_or(tools)
+            } else {
+                "python3".into()
+            }
+        }
+    };
+    let extra_args = args
+        .engine_args
+        .as_deref()
+        .map(|a| a.split_whitespace().map(str::to_owned).collect())
+        .unwrap_or_default();
+    Ok(super::vllm::VllmEngine {
+        python,
+        model_dir,
+        extra_args,
     })
 }
 

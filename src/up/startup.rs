@@ -58,7 +58,7 @@ async fn wait_ready(
                     status: status.to_string(),
                 });
             }
-            let ready = kvpool_harness::http::get_async(spec.admin, "/readyz").await;
+            let ready = kvpool_harness::http::get_async(spec.admin, spec.ready_path).await;
             if ready.is_some_and(|r| r.status == 200) {
                 break;
             }

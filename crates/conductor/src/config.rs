@@ -130,6 +130,8 @@ pub struct PoolLookup {
     pub client: kvpool_client::master::MasterClient,
     /// Longest wait for one lookup; past it the request is placed on local knowledge only.
     pub timeout: std::time::Duration,
+    /// The names the engines store blocks under (docs/engine-contract.md, "Pool keys").
+    pub keys: kvpool_core::sched::PoolKeys,
 }
 
 impl ConductorConfig {

@@ -17,6 +17,7 @@ mod config;
 pub mod discovery;
 mod engines;
 mod fetch_estimate;
+pub mod model_config;
 pub mod kv_events;
 mod prefill_costs;
 pub mod request;

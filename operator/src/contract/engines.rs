@@ -35,11 +35,13 @@ pub struct EngineLaunch<'a> {
     pub user_args: &'a [String],
 }
 
-/// vLLM's `--kv-transfer-config`: kvpool's connector, loaded from its module, as KV producer
-/// (prefill) or consumer (decode).
+/// vLLM's `--kv-transfer-config`: kvpool's connector, loaded from its module. A prefill
+/// engine both loads and saves (`kv_both`): it starts from the prefixes any engine left in the
+/// pool, the reuse the pool exists for, and saves what it computes for decode and for the next
+/// request. A decode engine only loads (`kv_consumer`): what it generates is not shared.
 pub fn vllm_kv_transfer_config(role: Role) -> String {
     let kv_role = match role {
-        Role::Prefill => "kv_producer",
+        Role::Prefill => "kv_both",
         Role::Decode => "kv_consumer",
     };
     serde_json::json!({
@@ -97,15 +99,14 @@ pub fn vllm_command_args(launch: &EngineLaunch<'_>) -> (Vec<String>, Vec<String>
         "--kv-transfer-config".to_owned(),
         vllm_kv_transfer_config(launch.role),
     ];
+    // Block hashes the conductor can recompute (with the pod's PYTHONHASHSEED): the pool keys
+    // of every engine (docs/engine-contract.md, "Pool keys"), and a prefill engine's KV events.
+    args.extend([
+        "--prefix-caching-hash-algo".to_owned(),
+        "sha256_cbor".to_owned(),
+    ]);
     if launch.role == Role::Prefill {
-        // Block hashes the conductor can recompute (with the pod's PYTHONHASHSEED), published
-        // as KV events.
-        args.extend([
-            "--prefix-caching-hash-algo".to_owned(),
-            "sha256_cbor".to_owned(),
-            "--kv-events-config".to_owned(),
-            kv_events_config(),
-        ]);
+        args.extend(["--kv-events-config".to_owned(), kv_events_config()]);
     }
     args.extend(launch.user_args.iter().cloned());
     (vec!["vllm".to_owned()], args)
@@ -255,7 +256,7 @@ mod tests {
         });
         assert!(
             after(&args, "--kv-transfer-config")
-                .is_some_and(|c| c.contains(r#""kv_role":"kv_producer""#))
+                .is_some_and(|c| c.contains(r#""kv_role":"kv_both""#))
         );
     }
 

@@ -23,6 +23,7 @@ use super::upstream::UpstreamError;
 use super::vllm::route_vllm;
 use crate::engines::RoutingProtocol;
 use crate::request::ClientRequest;
+use kvpool_core::sched::EngineHash;
 use kvpool_proto::openai::Endpoint;
 
 /// Serves one completion request that came to `endpoint` (at `path`).
@@ -70,12 +71,14 @@ pub(super) async fn handle(
     };
     // A batch goes to one engine pair, as one request, routed by its first prompt's prefix
     // (docs/openai.md); all its prompt tokens and choices are booked.
-    let keys = shared
-        .config
-        .hashing
-        .keys(&tokens.first, shared.config.scheduler.block_size);
+    let block_size = shared.config.scheduler.block_size;
+    let hashes = shared.config.hashing.engine_hashes(&tokens.first, block_size);
+    let keys = match &hashes {
+        Some(h) => h.iter().map(EngineHash::as_u64).collect(),
+        None => shared.config.hashing.keys(&tokens.first, block_size),
+    };
     let in_pool = match &shared.config.pool {
-        Some(pool) => pool_prefix(&shared, pool, &req.view.model, &keys).await,
+        Some(pool) => pool_prefix(&shared, pool, &req.view.model, &keys, hashes.as_deref()).await,
         None => 0,
     };
     let output_tokens = req.booked_output_tokens();

@@ -74,7 +74,7 @@ impl Metrics {
         let pool_lookups = counters(
             registry,
             "kvpool_conductor_pool_lookups_total",
-            "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, \
+            "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, unnamed, \
              timeout, and backoff: skipped after a failure; all but hit and miss place the \
              request on local caches only)",
             &["outcome"],

@@ -8,14 +8,15 @@ use std::time::{Duration, Instant};
 
 use super::shared::Shared;
 use crate::config::PoolLookup;
-use kvpool_core::sched::{BlockKey, pool_key};
+use kvpool_core::sched::{BlockKey, EngineHash};
 
 /// After a pool lookup fails or times out, requests skip the lookup this long, so a master that
 /// is down or hanging costs at most one timeout per interval rather than one per request.
 pub const POOL_LOOKUP_BACKOFF: Duration = Duration::from_secs(2);
 
-/// How many leading blocks of `keys` the pool holds, by one `longest_prefix` call to the
-/// master under `pool.timeout`. A failed or slow call is counted and answers 0: the request is
+/// How many leading blocks of `keys` (with their engine hashes `hashes`, where the hashing
+/// computes them) the pool holds, asked under the names of `pool.keys`, by one
+/// `longest_prefix` call to the master under `pool.timeout`. A failed or slow call is counted and answers 0: the request is
 /// then placed on the engines' local caches alone, and so are those of the next
 /// [`POOL_LOOKUP_BACKOFF`] (counted as `backoff`).
 pub(super) async fn pool_prefix(
@@ -23,6 +24,7 @@ pub(super) async fn pool_prefix(
     pool: &PoolLookup,
     model: &str,
     keys: &[BlockKey],
+    hashes: Option<&[EngineHash]>,
 ) -> usize {
     let lookups = &shared.metrics.pool_lookups;
     if keys.is_empty() {
@@ -36,7 +38,11 @@ pub(super) async fn pool_prefix(
         lookups.with_label_values(&["backoff"]).inc();
         return 0;
     }
-    let names: Vec<Vec<u8>> = keys.iter().map(|&k| pool_key(model, k)).collect();
+    let Some(names) = pool.keys.names(model, keys, hashes) else {
+        // The contract names blocks by engine hashes this conductor does not compute.
+        lookups.with_label_values(&["unnamed"]).inc();
+        return 0;
+    };
     let refs: Vec<&[u8]> = names.iter().map(Vec::as_slice).collect();
     let timer = shared.metrics.pool_lookup_seconds.start_timer();
     let answer = tokio::time::timeout(pool.timeout, pool.client.longest_prefix(&refs)).await;

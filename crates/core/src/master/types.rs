@@ -233,11 +233,12 @@ pub struct AdoptItem {
 }
 
 /// How an object is named in published events: the engine's own block hash when the key is
-/// one of the pool's block keys, else the key itself.
+/// one of the pool's block keys (docs/engine-contract.md, "Pool keys"), else the key itself.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum EventName {
-    /// The last `/`-segment of the key was exactly 16 hex digits (the pool's block keys,
-    /// `kvpool/synthetic/<model>/<hash>`): that number, the integer form vLLM publishes.
+    /// The key is a vLLM connector's block of rank 0 (its 32-byte block hash: the integer
+    /// vLLM itself publishes, the hash's last 8 bytes big-endian), or its last `/`-segment was
+    /// exactly 16 hex digits (the synthetic engines' keys, `kvpool/synthetic/<model>/<hash>`).
     Int(u64),
     /// Any other key, as its bytes.
     Bytes(Vec<u8>),
@@ -246,6 +247,13 @@ pub enum EventName {
 impl EventName {
     /// The name of the object stored under `key`.
     pub fn of_key(key: &[u8]) -> Self {
+        if let Some(v) = crate::sched::parse_vllm_name(key) {
+            // Other ranks' shards of the same block keep their own names: one event per block.
+            if v.tp_rank == 0 && v.pp_rank == 0 {
+                return Self::Int(v.hash.as_u64());
+            }
+            return Self::Bytes(key.to_vec());
+        }
         let last = key.rsplit(|b| *b == b'/').next().unwrap_or(key);
         if last.len() == 16 && last.iter().all(u8::is_ascii_hexdigit) {
             // Sixteen hex digits always parse into a u64.

@@ -152,6 +152,15 @@ impl BlockHashing {
         }
     }
 
+    /// The engine's own block hashes of `tokens` (full blocks only), where this hashing
+    /// computes them (vLLM's); `None` for kvpool's chain, which has no engine hash.
+    pub fn engine_hashes(&self, tokens: &[u32], block_size: NonZeroU32) -> Option<Vec<EngineHash>> {
+        match self {
+            BlockHashing::Vllm(h) => Some(h.block_hashes(tokens, block_size, ExtraKeys::default())),
+            BlockHashing::Kvpool => None,
+        }
+    }
+
     /// Short name (the value of the `--block-hash` flags).
     pub fn name(&self) -> &'static str {
         match self {

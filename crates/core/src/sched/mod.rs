@@ -11,6 +11,7 @@ pub mod index;
 mod key_table;
 pub mod lru;
 pub mod policy;
+pub mod pool_keys;
 pub(crate) mod rng;
 
 pub use blocks::{BlockKey, block_count, block_keys, pool_key, text_tokens};
@@ -23,6 +24,7 @@ pub use engine_hash::{
 };
 pub use index::{IndexError, InstanceMask, PrefixIndex, PrefixMatch};
 pub use lru::{Inserted, LruSet};
+pub use pool_keys::{KeyContractError, PoolKeys, VllmKeys, VllmName, parse_vllm_name};
 pub use policy::{
     ConfigError, Decision, DecodeLoad, DecodeMember, DecodeView, HotConfig, Placement, Policy,
     PrefillLoad, RejectReason, Rejection, Replication, Request, Scheduler, SchedulerConfig, Slo,

