@@ -55,7 +55,11 @@ pub(super) fn validate(
     if args.ready_timeout.is_zero() {
         return Err(flag("ready-timeout", "must be above zero"));
     }
-    let time_scale = args.time_scale.unwrap_or(1.0 / args.speed);
+    // Real engines run on the wall clock: no cost-model time to scale.
+    let time_scale = match args.engine {
+        super::UpEngine::Vllm => 1.0,
+        super::UpEngine::Synthetic => args.time_scale.unwrap_or(1.0 / args.speed),
+    };
     if !(time_scale.is_finite() && time_scale >= 0.0) {
         return Err(flag("time-scale", "must be a number >= 0"));
     }

@@ -26,6 +26,10 @@ pub const LOCAL_BLOCKS_HEADER: &str = "x-kvpool-local-blocks";
 pub const POOL_BLOCKS_HEADER: &str = "x-kvpool-pool-blocks";
 /// Response header: the estimated time to first token of the placement, milliseconds.
 pub const TTFT_HEADER: &str = "x-kvpool-ttft-estimate-ms";
+/// Response header: the base URL of the prefill engine the request was placed on.
+pub const PREFILL_HEADER: &str = "x-kvpool-prefill-engine";
+/// Response header: the base URL of the decode engine.
+pub const DECODE_HEADER: &str = "x-kvpool-decode-engine";
 
 /// A prefill engine's answer, read in full: its status and body.
 pub(super) struct PrefillAnswer {
@@ -223,6 +227,8 @@ pub(super) fn relay_decode(
         (LOCAL_BLOCKS_HEADER, t.local_blocks.to_string()),
         (POOL_BLOCKS_HEADER, t.pool_blocks.to_string()),
         (TTFT_HEADER, format!("{:.3}", t.ttft_s * 1e3)),
+        (PREFILL_HEADER, placed.prefill_url.clone()),
+        (DECODE_HEADER, placed.decode_url.clone()),
     ] {
         if let Ok(v) = HeaderValue::from_str(&value) {
             out.headers_mut().insert(name, v);

@@ -41,7 +41,9 @@ mod shared;
 mod upstream;
 mod vllm;
 
-pub use engine_calls::{LOCAL_BLOCKS_HEADER, POOL_BLOCKS_HEADER, TTFT_HEADER};
+pub use engine_calls::{
+    DECODE_HEADER, LOCAL_BLOCKS_HEADER, POOL_BLOCKS_HEADER, PREFILL_HEADER, TTFT_HEADER,
+};
 pub use engine_set::EngineSet;
 pub use front::{Conductor, ServerError, conductor, router};
 /// Serves a router on a listener until the token is cancelled (the runtime's serve loop; a
