@@ -267,9 +267,29 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
             } else {
                 None
             };
-            // vLLM serves its metrics and health on its API port.
-            let _unused_admin = admin;
-            out.push(super::vllm::engine_child(s, v, role, i, api, events, grpc, &socket));
+            let engine_key = role_key_file(&s.dir, kvpool_proto::auth::Role::Engine);
+            let site = super::vllm::EngineSite {
+                prefill: role == Role::Prefill,
+                block_size: s.block_size,
+                api,
+                kv_events: events,
+                master: grpc,
+                agent_socket: &socket,
+                engine_key: &engine_key,
+            };
+            let cmd = super::vllm::engine_command(v, &site);
+            // vLLM serves its metrics and its health on its API port; `admin` stays unused.
+            out.push(ChildSpec {
+                name: format!("{}-{i}", role.as_str()),
+                role,
+                program: cmd.program,
+                args: cmd.args,
+                admin: api,
+                endpoint: Some(url),
+                config_file: None,
+                env: cmd.env,
+                ready_path: "/health",
+            });
             continue;
         }
         let mut args = vec!["engine".into(), "--synthetic".into()];
@@ -560,6 +580,85 @@ mod tests {
                 "{}: {args}",
                 c.name
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod vllm_tests {
+    use super::*;
+
+    #[test]
+    fn vllm_engines_get_the_connector_the_pool_and_a_health_check() {
+        let mut s = tests_settings();
+        s.vllm = Some(super::super::vllm::VllmEngine {
+            python: "/venv/bin/python".into(),
+            model_dir: "/models/tiny".into(),
+            extra_args: vec!["--enforce-eager".into()],
+        });
+        s.block_size = 32;
+        let ports: Vec<u16> = (1000..1000 + ports_needed(&s) as u16).collect();
+        let p = plan(&s, &ports).expect("enough ports");
+        let get = |name: &str| p.iter().find(|c| c.name == name).expect(name);
+        let prefill = get("prefill-0");
+        assert_eq!(prefill.program, PathBuf::from("/venv/bin/python"));
+        assert_eq!(prefill.ready_path, "/health");
+        assert_eq!(
+            prefill.admin.to_string(),
+            prefill.endpoint.as_ref().unwrap()[7..]
+        );
+        let args = prefill.args.join(" ");
+        assert!(args.starts_with("-m kvpool.vllm_serve /models/tiny --served-model-name tiny"));
+        assert!(args.contains(r#""kv_role":"kv_both""#), "{args}");
+        assert!(
+            args.contains("--prefix-caching-hash-algo sha256_cbor"),
+            "{args}"
+        );
+        assert!(args.contains("--kv-events-config"), "{args}");
+        assert!(args.ends_with("--enforce-eager"), "{args}");
+        let env: std::collections::HashMap<_, _> = prefill.env.iter().cloned().collect();
+        assert_eq!(env["KVPOOL_MASTER_ADDR"], "127.0.0.1:1000");
+        assert_eq!(env["KVPOOL_AUTH_KEY_FILE"], "/run/up/auth-engine.json");
+        assert_eq!(env["PYTHONHASHSEED"], "0");
+        assert!(env["KVPOOL_AGENT_SOCKET"].ends_with("agent-0/run/agent.sock"));
+        let decode = get("decode-0").args.join(" ");
+        assert!(decode.contains(r#""kv_role":"kv_consumer""#), "{decode}");
+        assert!(!decode.contains("--kv-events-config"), "{decode}");
+        let conductor = get("conductor").args.join(" ");
+        for want in [
+            "--tokenizer /models/tiny",
+            "--pool-keys vllm",
+            "--hash-seed 0",
+            "--block-size 32",
+            "--model tiny",
+        ] {
+            assert!(conductor.contains(want), "{want}: {conductor}");
+        }
+        assert!(!conductor.contains("--time-scale 0.1"), "{conductor}");
+    }
+
+    fn tests_settings() -> UpSettings {
+        UpSettings {
+            agents: 2,
+            prefill: 2,
+            decode: 1,
+            kvpool_bin: "/bin/kvpool".into(),
+            dir: "/run/up".into(),
+            model: "tiny".into(),
+            block_size: 512,
+            chunk_bytes: 4,
+            kv_bytes_per_token: 2048,
+            agent_dram: "64MiB".into(),
+            time_scale: 1.0,
+            protocol: EngineProtocol::Vllm,
+            sysfs_root: None,
+            procfs_root: None,
+            replicas: 1,
+            failure_domains: Vec::new(),
+            master_flags: Vec::new(),
+            agent_flags: Vec::new(),
+            dram_tiers: None,
+            vllm: None,
         }
     }
 }

@@ -89,7 +89,11 @@ pub(super) fn endpoint(specs: &[ChildSpec], role: Role) -> String {
 fn kv_events_endpoint(s: &ChildSpec) -> Option<String> {
     let i = s.args.iter().position(|a| a == "--kv-events-config")?;
     let config: Value = serde_json::from_str(s.args.get(i + 1)?).ok()?;
-    Some(config["endpoint"].as_str()?.replace("tcp://*:", "tcp://127.0.0.1:"))
+    Some(
+        config["endpoint"]
+            .as_str()?
+            .replace("tcp://*:", "tcp://127.0.0.1:"),
+    )
 }
 
 /// Announces the running pool: one JSON line with `--json` (only without a replay, whose

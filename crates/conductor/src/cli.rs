@@ -5,15 +5,15 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
+use super::PoolLookup;
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{ConductorConfig, Engines, KvEventSource, PoolLookup, RoutingProtocol, UpstreamPool};
+use super::{ConductorConfig, Engines, KvEventSource, RoutingProtocol, UpstreamPool};
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_core::flags::{Bandwidth, FlagError, parse_bandwidth, parse_duration, positive};
 use kvpool_core::sched::{
-    BlockHashKind, DecodeCost, HotConfig, Policy, PoolKeys, PrefillCost, Rejection,
-    SchedulerConfig, Slo, VllmKeys,
+    BlockHashKind, DecodeCost, HotConfig, Policy, PrefillCost, Rejection, SchedulerConfig, Slo,
 };
 use kvpool_proto::auth::AuthKey;
 use kvpool_runtime::listen::ListenArgs;
@@ -183,33 +183,9 @@ pub struct ConductorArgs {
     /// distinct sizes were measured. Shown on GET /v1/kvpool/status and in /metrics.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub fit_prefill_cost: bool,
-    /// The names under which the engines store blocks in the pool, which the conductor asks
-    /// the master for (docs/engine-contract.md, "Pool keys"): `vllm` (kvpool's vLLM
-    /// connector: the engines' block hashes under their model, KV dtype, block size and
-    /// parallel layout; needs --block-hash vllm) or `synthetic` (kvpool's synthetic engines).
-    #[arg(long, value_enum, default_value_t = PoolKeyKind::Vllm, env = "KVPOOL_POOL_KEYS")]
-    pub pool_keys: PoolKeyKind,
-    /// With --pool-keys vllm: the model's name in the engines' keys (a served model name,
-    /// directory or hub name: its last path component is used). Default: each request's
-    /// `model`, which is what the engines' connectors use (vLLM's served model name). A
-    /// directory here is also where the KV dtype is read from.
-    #[arg(long, env = "KVPOOL_ENGINE_MODEL")]
-    pub engine_model: Option<String>,
-    /// With --pool-keys vllm: the element type of the engines' KV cache (`bfloat16`,
-    /// `float16`, or vLLM's --kv-cache-dtype such as `fp8_e4m3`). Default: the dtype in the
-    /// model directory's config.json (--engine-model or --tokenizer), resolved as vLLM
-    /// resolves `--dtype auto`; without one, bfloat16 (with a warning).
-    #[arg(long, env = "KVPOOL_ENGINE_KV_DTYPE")]
-    pub engine_kv_dtype: Option<String>,
-    /// With --pool-keys vllm: the engines' tensor-parallel size.
-    #[arg(long, default_value_t = 1, env = "KVPOOL_ENGINE_TENSOR_PARALLEL_SIZE")]
-    pub engine_tensor_parallel_size: u32,
-    /// With --pool-keys vllm: the engines' pipeline-parallel size.
-    #[arg(long, default_value_t = 1, env = "KVPOOL_ENGINE_PIPELINE_PARALLEL_SIZE")]
-    pub engine_pipeline_parallel_size: u32,
-    /// With --pool-keys vllm: the connector's `cache_prefix` (its key namespace), if set.
-    #[arg(long, env = "KVPOOL_ENGINE_CACHE_PREFIX")]
-    pub engine_cache_prefix: Option<String>,
+    /// The pool key contract (`--pool-keys` and the engines' settings it needs).
+    #[command(flatten)]
+    pub keys: crate::pool_flags::PoolKeyArgs,
     /// Idle keep-alive connections to an engine are closed after this long unused.
     #[arg(long, default_value = "30s", value_parser = kvpool_core::flags::parse_duration,
         env = "KVPOOL_UPSTREAM_IDLE_TIMEOUT")]
@@ -217,15 +193,6 @@ pub struct ConductorArgs {
     /// Idle keep-alive connections kept open per engine at most.
     #[arg(long, default_value_t = 64, env = "KVPOOL_UPSTREAM_MAX_IDLE_PER_HOST")]
     pub upstream_max_idle_per_host: usize,
-}
-
-/// Which pool key contract the conductor asks the master under (`--pool-keys`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum PoolKeyKind {
-    /// kvpool's vLLM connector.
-    Vllm,
-    /// kvpool's synthetic engines.
-    Synthetic,
 }
 
 /// `FIXED_S,LINEAR_S,QUADRATIC_S` (each finite and >= 0).
@@ -280,7 +247,7 @@ impl ConductorError {
     }
 }
 
-fn flag(flag: &'static str, problem: impl Into<String>) -> ConductorError {
+pub(crate) fn flag(flag: &'static str, problem: impl Into<String>) -> ConductorError {
     FlagError::new(flag, problem).into()
 }
 
@@ -500,60 +467,17 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
     Ok(Some(PoolLookup {
         client,
         timeout,
-        keys: pool_keys(args)?,
+        keys: crate::pool_flags::pool_keys(
+            &args.keys,
+            args.block_size,
+            args.block_hash,
+            args.tokenizer.as_deref(),
+        )?,
     }))
 }
 
-/// The pool key contract of the flags (`--pool-keys` and the `--engine-*` settings).
-fn pool_keys(args: &ConductorArgs) -> Result<PoolKeys, ConductorError> {
-    if args.pool_keys == PoolKeyKind::Synthetic {
-        return Ok(PoolKeys::Synthetic);
-    }
-    if args.block_hash != BlockHashKind::Vllm {
-        return Err(flag(
-            "pool-keys",
-            "vllm needs --block-hash vllm (the connector names blocks by vLLM's block hashes)",
-        ));
-    }
-    let kv_dtype = match &args.engine_kv_dtype {
-        Some(d) => d.clone(),
-        None => {
-            // The model directory: --engine-model when it is one, else --tokenizer's.
-            let dir = args
-                .engine_model
-                .as_deref()
-                .map(std::path::Path::new)
-                .filter(|p| p.is_dir())
-                .or(args.tokenizer.as_deref().filter(|p| p.is_dir()));
-            match dir {
-                Some(d) if d.join("config.json").is_file() => {
-                    crate::model_config::kv_dtype(d).map_err(|e| flag("engine-kv-dtype", e))?
-                }
-                _ => {
-                    tracing::warn!(
-                        "no model directory with a config.json to read the engines' KV dtype \
-                         from (--engine-model, --tokenizer); assuming bfloat16 for pool keys \
-                         (set --engine-kv-dtype)"
-                    );
-                    "bfloat16".to_owned()
-                }
-            }
-        }
-    };
-    VllmKeys::new(
-        args.engine_model.as_deref(),
-        &kv_dtype,
-        args.block_size,
-        args.engine_tensor_parallel_size,
-        args.engine_pipeline_parallel_size,
-        args.engine_cache_prefix.as_deref(),
-    )
-    .map(PoolKeys::Vllm)
-    .map_err(|e| flag("pool-keys", e.to_string()))
-}
-
 /// The messages of `err`'s sources, outermost first.
-fn source_chain(err: &dyn std::error::Error) -> String {
+pub(crate) fn source_chain(err: &dyn std::error::Error) -> String {
     let mut parts = Vec::new();
     let mut cur = err.source();
     while let Some(e) = cur {

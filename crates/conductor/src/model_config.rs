@@ -26,8 +26,8 @@ pub fn kv_dtype(dir: &Path) -> Result<String, String> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
     let field = |k: &str| v.get(k).and_then(serde_json::Value::as_str);
     // Multimodal configs keep the language model's dtype in text_config.
     let dtype = field("torch_dtype").or_else(|| field("dtype")).or_else(|| {
@@ -54,7 +54,11 @@ mod tests {
     #[test]
     fn reads_the_model_directory() {
         let dir = tempfile::tempdir().expect("tempdir");
-        std::fs::write(dir.path().join("config.json"), r#"{"torch_dtype":"float16"}"#).unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"torch_dtype":"float16"}"#,
+        )
+        .unwrap();
         assert_eq!(kv_dtype(dir.path()).unwrap(), "float16");
         std::fs::write(dir.path().join("config.json"), r#"{"dtype":"bfloat16"}"#).unwrap();
         assert_eq!(kv_dtype(dir.path()).unwrap(), "bfloat16");

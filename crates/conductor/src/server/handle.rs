@@ -72,7 +72,10 @@ pub(super) async fn handle(
     // A batch goes to one engine pair, as one request, routed by its first prompt's prefix
     // (docs/openai.md); all its prompt tokens and choices are booked.
     let block_size = shared.config.scheduler.block_size;
-    let hashes = shared.config.hashing.engine_hashes(&tokens.first, block_size);
+    let hashes = shared
+        .config
+        .hashing
+        .engine_hashes(&tokens.first, block_size);
     let keys = match &hashes {
         Some(h) => h.iter().map(EngineHash::as_u64).collect(),
         None => shared.config.hashing.keys(&tokens.first, block_size),

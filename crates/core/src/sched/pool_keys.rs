@@ -136,7 +136,11 @@ impl VllmKeys {
     pub fn namespace(&self, model: &str) -> Result<String, KeyContractError> {
         let model = self.model.as_deref().unwrap_or_else(|| model_id(model));
         component("model", model)?;
-        let prefix = self.prefix.as_deref().map(|p| format!("{p}@")).unwrap_or_default();
+        let prefix = self
+            .prefix
+            .as_deref()
+            .map(|p| format!("{p}@"))
+            .unwrap_or_default();
         Ok(format!(
             "{prefix}{model}@{VLLM_MARKER}@{}@bs{}",
             self.kv_dtype, self.block_size
@@ -220,10 +224,16 @@ mod tests {
         let name = String::from_utf8(k.name_in(&ns, &hash(0))).expect("utf8");
         assert_eq!(
             name,
-            format!("tiny@kvpool-vllm@bfloat16@bs16@tp0of2@pp0of1@{}", hash(0).to_hex())
+            format!(
+                "tiny@kvpool-vllm@bfloat16@bs16@tp0of2@pp0of1@{}",
+                hash(0).to_hex()
+            )
         );
         let p = VllmKeys::new(Some("org/m"), "fp8_e4m3", 128, 1, 1, Some("team")).expect("valid");
-        assert_eq!(p.namespace("other").expect("fixed model"), "team@m@kvpool-vllm@fp8_e4m3@bs128");
+        assert_eq!(
+            p.namespace("other").expect("fixed model"),
+            "team@m@kvpool-vllm@fp8_e4m3@bs128"
+        );
         assert!(k.namespace("a@b").is_err());
     }
 
@@ -243,7 +253,15 @@ mod tests {
         let name = k.name_in(&k.namespace("tiny").expect("valid"), &hash(7));
         let parsed = parse_vllm_name(&name).expect("parses");
         assert_eq!(parsed.namespace, "x@tiny@kvpool-vllm@bfloat16@bs16");
-        assert_eq!((parsed.tp_rank, parsed.tp_size, parsed.pp_rank, parsed.pp_size), (0, 1, 0, 1));
+        assert_eq!(
+            (
+                parsed.tp_rank,
+                parsed.tp_size,
+                parsed.pp_rank,
+                parsed.pp_size
+            ),
+            (0, 1, 0, 1)
+        );
         assert_eq!(parsed.hash, hash(7));
         let rank3 = format!("m@kvpool-vllm@bf16@bs16@tp3of4@pp1of2@{}", hash(1).to_hex());
         let p = parse_vllm_name(rank3.as_bytes()).expect("parses");
@@ -256,7 +274,12 @@ mod tests {
             vec![0xff, b'@', b'@'],
             b"".to_vec(),
         ] {
-            assert_eq!(parse_vllm_name(&other), None, "{}", String::from_utf8_lossy(&other));
+            assert_eq!(
+                parse_vllm_name(&other),
+                None,
+                "{}",
+                String::from_utf8_lossy(&other)
+            );
         }
     }
 
@@ -266,7 +289,9 @@ mod tests {
         assert_eq!(v.names("m", &[1], None), None);
         let hs = [hash(1), hash(2)];
         assert_eq!(v.names("bad@name", &[1, 2], Some(&hs)), None);
-        let names = v.names("/models/m", &[1, 2], Some(&hs)).expect("hashes given");
+        let names = v
+            .names("/models/m", &[1, 2], Some(&hs))
+            .expect("hashes given");
         assert!(names[0].starts_with(b"m@kvpool-vllm@bf16@bs16@tp0of1@pp0of1@"));
         assert_eq!(names.len(), 2);
         assert_eq!(parse_vllm_name(&names[1]).expect("parses").hash, hash(2));
