@@ -6,13 +6,17 @@
 #   lmcache  LMCache 0.5.6 (its CPU storage path)                 scripts/engines/lmcache.sh
 # then the kvpool package (one wheel, built once) into each, and the test models
 # (scripts/make-models.py) into $KVPOOL_ENGINE_HOME/models.
-#   scripts/engines.sh [vllm|sglang|lmcache ...]   (default: all three)
+#   scripts/engines.sh [--envs-only] [vllm|sglang|lmcache ...]   (default: all three)
+# --envs-only installs the engines' environments alone (no kvpool package, no models): what
+# scripts/test.sh starts in the background while the workspace builds.
 # Idempotent: an environment that was installed completely is left alone; the kvpool package
 # in it is replaced by the current build. About 20 GB of disk for all three; the first run
-# downloads about 10 GB.
+# downloads about 10 GB, the three environments in parallel (logs in $KVPOOL_ENGINE_HOME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/engines/common.sh
+envs_only=0
+if [ "${1:-}" = "--envs-only" ]; then envs_only=1; shift; fi
 [ $# -gt 0 ] || set -- vllm sglang lmcache
 for e in "$@"; do
   case "$e" in
@@ -20,6 +24,26 @@ for e in "$@"; do
     *) echo "usage: $0 [vllm|sglang|lmcache ...]" >&2; exit 2 ;;
   esac
 done
+
+# The environments, in parallel (downloads and unpacking, mostly), each into its own log. A
+# second run of this script while one installs waits for it (one lock per environment).
+pids=()
+for e in "$@"; do
+  log="$KVPOOL_ENGINE_HOME/install-$e.log"
+  flock "$KVPOOL_ENGINE_HOME/.lock-$e" "scripts/engines/$e.sh" >"$log" 2>&1 &
+  pids+=("$!")
+done
+failed=0
+for i in "${!pids[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    e=$(echo "$@" | cut -d' ' -f$((i + 1)))
+    echo "engines.sh: installing $e failed; the end of $KVPOOL_ENGINE_HOME/install-$e.log:" >&2
+    tail -n 30 "$KVPOOL_ENGINE_HOME/install-$e.log" >&2
+    failed=1
+  fi
+done
+[ "$failed" = 0 ] || exit 1
+[ "$envs_only" = 0 ] || exit 0
 
 # The kvpool package: one abi3 wheel (debug build of the extension), installed into every
 # engine environment without its dependencies (numpy is the only one, and each engine has it).
@@ -32,7 +56,7 @@ wheel=$(ls "$wheels"/kvpool-*.whl)
 
 models="$KVPOOL_ENGINE_HOME/models"
 for e in "$@"; do
-  dir=$("scripts/engines/$e.sh" | tail -n 1)
+  dir=$(tail -n 1 "$KVPOOL_ENGINE_HOME/install-$e.log")
   "$dir/bin/python" "${pipq[@]}" --no-deps --force-reinstall "$wheel"
   echo "engines.sh: $e in $dir"
 done

@@ -39,7 +39,14 @@ pub struct EngineKv {
     /// The prefill engines' KV events the conductor applied: blocks stored, blocks removed,
     /// and breaks in the sequence (all recoveries).
     pub kv_events: [f64; 3],
+    /// Real engines' prompt tokens by where they came from, as vLLM counts them
+    /// (`vllm:prompt_tokens_by_source_total`): [`PROMPT_SOURCES`] in order.
+    pub prompt_tokens: [f64; 3],
 }
+
+/// vLLM's sources of prompt tokens: computed, its own prefix cache, loaded through the KV
+/// connector (from the pool).
+pub const PROMPT_SOURCES: [&str; 3] = ["local_compute", "local_cache_hit", "external_kv_transfer"];
 
 /// The `/metrics` text of a child's admin server, when it answers 200.
 async fn metrics_text(spec: &ChildSpec) -> Option<String> {
@@ -67,6 +74,14 @@ pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
         for (i, op) in TIMED.iter().enumerate().take(4) {
             kv.timed_s[i] += metric_sum_labelled(&text, "kvpool_engine_kv_seconds_sum", "op", op);
             kv.timed_n[i] += metric_sum_labelled(&text, "kvpool_engine_kv_seconds_count", "op", op);
+        }
+        for (i, source) in PROMPT_SOURCES.iter().enumerate() {
+            kv.prompt_tokens[i] += metric_sum_labelled(
+                &text,
+                "vllm:prompt_tokens_by_source_total",
+                "source",
+                source,
+            );
         }
         kv.timed_s[4] += metric_sum(&text, "kvpool_engine_prefill_queue_seconds_sum");
         kv.timed_n[4] += metric_sum(&text, "kvpool_engine_prefill_queue_seconds_count");
@@ -143,6 +158,11 @@ pub fn summary_json(
             "kv_verify_failures": kv.verify_failures,
             "kv_errors": kv.errors,
             "pool_hit_ratio": (lookups > 0.0).then(|| kv.block_hits / lookups),
+            "prompt_tokens": {
+                "computed": kv.prompt_tokens[0],
+                "engine_cache": kv.prompt_tokens[1],
+                "pool": kv.prompt_tokens[2],
+            },
         },
         "timing": timing_json(kv),
         "conductor_kv_events": {
@@ -208,22 +228,36 @@ pub fn summary_table(v: &Value, stats: &ReplayStats, kv: &EngineKv) -> String {
         ),
         ("TTFT", quantiles(stats.ttft_ms)),
         ("TPOT", quantiles(stats.tpot_ms)),
-        (
-            "KV moved",
-            format!(
-                "{} written, {} read through the agents",
-                bytes(kv.written_bytes),
-                bytes(kv.read_bytes)
-            ),
-        ),
-        (
-            "pool blocks",
-            format!(
-                "{:.0} hits, {:.0} misses, {:.0} verification failures",
-                kv.block_hits, kv.block_misses, kv.verify_failures
-            ),
-        ),
     ];
+    // Synthetic engines count their own KV traffic; real engines count prompt tokens by source.
+    if kv.prompt_tokens.iter().all(|t| *t == 0.0) {
+        rows.extend([
+            (
+                "KV moved",
+                format!(
+                    "{} written, {} read through the agents",
+                    bytes(kv.written_bytes),
+                    bytes(kv.read_bytes)
+                ),
+            ),
+            (
+                "pool blocks",
+                format!(
+                    "{:.0} hits, {:.0} misses, {:.0} verification failures",
+                    kv.block_hits, kv.block_misses, kv.verify_failures
+                ),
+            ),
+        ]);
+    }
+    if kv.prompt_tokens.iter().any(|t| *t > 0.0) {
+        rows.push((
+            "prompt tokens",
+            format!(
+                "{:.0} computed, {:.0} from engines' caches, {:.0} loaded from the pool",
+                kv.prompt_tokens[0], kv.prompt_tokens[1], kv.prompt_tokens[2]
+            ),
+        ));
+    }
     if v["pool"].is_object() {
         let num = |k: &str| v["pool"][k].as_f64().unwrap_or(0.0);
         rows.push((

@@ -134,7 +134,7 @@ class Stack:
         return (self.dir / "logs" / f"{name}.log").read_text(errors="replace")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     """`kvpool up --engine vllm` with 2 prefill engines and 1 decode engine."""
     tmp = tmp_path_factory.mktemp("up")
