@@ -23,6 +23,8 @@ if ! $build_only; then
     # tests and benchmarks: real services started by the tests on 127.0.0.1
     etcd-server etcd-client prometheus iperf3 redis-server iproute2
     python3-pip python3-venv unzip
+    # the real-engine tests: SGLang compiles its page-hash extension at run time (C++, libcrypto)
+    g++ libssl-dev
   )
 fi
 

@@ -8,8 +8,9 @@ numpy host memory:
   `element_size`) over a numpy array;
 - `HostPool`: SGLang's host KV pool (`kv_buffer`, `page_size`, `get_page_buffer_meta`) in the
   `page_first` layout, MHA (a K and a V object per page) or MLA (one);
-- `CpuBackend` / `MemoryObj`: LMCache's local CPU backend and the memory objects it allocates
-  from one registered buffer;
+- `CpuBackend` / `MemoryObj` / `Metadata`: LMCache's local CPU backend, the memory objects it
+  allocates from one registered buffer, and the engine metadata a connector takes its chunk
+  layout from;
 - `fake_vllm` / `fake_sglang`: module trees that stand where vLLM's and SGLang's Mooncake
   connectors live, each importing `mooncake.store` the way the real one does, so the tests see
   which store module the adapters make them build;
@@ -110,28 +111,42 @@ class HostPool:
 
 
 class MemoryObj:
-    """An LMCache memory object: a tensor view into the backend's buffer plus its metadata."""
+    """An LMCache (0.5) memory object: a flat byte view `raw_data` of the backend's buffer, its
+    metadata `meta` (`shape`, `dtype`, `fmt`) and the accessors a connector uses."""
 
-    def __init__(self, backend: "CpuBackend", array: np.ndarray, shape, dtype, fmt):
+    def __init__(self, backend: "CpuBackend", raw: np.ndarray, shape, dtype, fmt):
         self.backend = backend
-        self.tensor = FakeTensor(array)
-        self.shape, self.dtype, self.fmt = list(shape), dtype, fmt
+        self.raw_data = raw
+        self.meta = types.SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype), fmt=fmt)
         self.refs = 1
 
+    @property
+    def tensor(self) -> FakeTensor:
+        return FakeTensor(self.raw_data.view(self.meta.dtype).reshape(self.meta.shape))
+
+    def get_size(self) -> int:
+        return int(self.raw_data.size)
+
     def get_shape(self):
-        return self.shape
+        return self.meta.shape
 
     def get_dtype(self):
-        return self.dtype
+        return self.meta.dtype
+
+    def get_shapes(self):
+        return [self.meta.shape]
+
+    def get_dtypes(self):
+        return [self.meta.dtype]
 
     def get_memory_format(self):
-        return self.fmt
+        return self.meta.fmt
 
     def ref_count_down(self):
         self.refs -= 1
 
     def bytes(self) -> bytes:
-        return self.tensor.array.tobytes()
+        return self.raw_data.tobytes()
 
 
 class _Allocator:
@@ -141,31 +156,55 @@ class _Allocator:
         self.next = 0
 
 
+class Metadata:
+    """LMCacheMetadata as a remote connector reads it: one group of KV_2LTD chunks of
+    `chunk_shape` (kv, layers, tokens, hidden) and `dtype`."""
+
+    def __init__(self, chunk_shape, dtype):
+        self.chunk_shape = tuple(chunk_shape)
+        self.chunk_size = self.chunk_shape[2]
+        self.dtype = np.dtype(dtype)
+        self.use_mla = False
+
+    def get_shapes(self, num_tokens=None):
+        kv, layers, tokens, hidden = self.chunk_shape
+        return [(kv, layers, tokens if num_tokens is None else num_tokens, hidden)]
+
+    def get_dtypes(self):
+        return [self.dtype]
+
+    def get_num_groups(self):
+        return 1
+
+
 class CpuBackend:
     """LMCache's LocalCPUBackend as a connector sees it: `memory_allocator.buffer` (the memory
-    to register) and `allocate(shape, dtype, fmt)`."""
+    to register), `allocate(shape, dtype, fmt)` and, where given, the engine `metadata`."""
 
-    def __init__(self, size: int = 4 << 20):
+    def __init__(self, size: int = 4 << 20, metadata: "Metadata" = None):
         self.memory_allocator = _Allocator(size)
         self.allocated: List[MemoryObj] = []
+        self.metadata = metadata
 
     def allocate(self, shape, dtype, fmt):
+        if isinstance(shape, list):  # LMCache's list of groups
+            assert len(shape) == 1 and isinstance(shape[0], tuple), shape
+            shape, dtype = shape[0], dtype[0]
+        assert isinstance(shape, tuple) and all(isinstance(d, int) for d in shape), shape
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         a = self.memory_allocator
         if a.next + n > a.array.size:
             return None
-        view = a.array[a.next : a.next + n].view(dtype).reshape(shape)
+        raw = a.array[a.next : a.next + n]
         a.next += n
-        obj = MemoryObj(self, view, shape, dtype, fmt)
+        obj = MemoryObj(self, raw, shape, dtype, fmt)
         self.allocated.append(obj)
         return obj
 
     def filled(self, shape, dtype, seed: int) -> MemoryObj:
-        obj = self.allocate(shape, dtype, 1)
+        obj = self.allocate(tuple(shape), dtype, 1)
         rng = np.random.default_rng(seed)
-        obj.tensor.array.view(np.uint8)[...] = rng.integers(
-            0, 256, size=obj.tensor.array.view(np.uint8).shape, dtype=np.uint8
-        )
+        obj.raw_data[...] = rng.integers(0, 256, size=obj.raw_data.shape, dtype=np.uint8)
         return obj
 
 

@@ -594,6 +594,42 @@ def test_sglang_object_api_with_pointers(pool_env, closer):
         closer(backend.close)
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_sglang_page_tensors_use_the_zero_copy_keys(pool_env, closer, mla):
+    """Without interface_v1 SGLang hands batch_set flat copies of host pages (K then V) and
+    batch_get flat page buffers to fill: those pages land under the same keys the zero-copy
+    path uses, so batch_exists finds them and either path reads the other's pages."""
+    backend, host = hicache(mla, extra_backend_tag=f"t{uid()}")
+    try:
+        keys = [uid() for _ in range(5)]
+        originals = [host.page(p) for p in range(8)]
+
+        def flat(p):  # what get_data_page(flat=True) gives: a contiguous copy of page p
+            return np.frombuffer(originals[p], dtype=np.uint8).copy()
+
+        assert backend.batch_set_v1(keys[:2], host.indices([0, 1])) == [True, True]
+        assert backend.batch_set(keys[2:4], [flat(2), flat(3)]) is True
+        assert backend.batch_set(keys[2:4], [flat(2), flat(3)]) is True  # present: no-op
+        assert backend.batch_exists(keys) == 4
+        # Tensor reads of both paths' pages; a missing page reads as None.
+        targets = [np.zeros(len(originals[0]), dtype=np.uint8) for _ in range(5)]
+        got = backend.batch_get(keys, targets)
+        assert [g is not None for g in got] == [True] * 4 + [False]
+        assert [t.tobytes() for t in targets[:4]] == originals[:4]
+        # Zero-copy reads of the pages written as tensors.
+        host.array[...] = 0
+        assert backend.batch_get_v1(keys[2:4], host.indices([6, 7])) == [True, True]
+        assert [host.page(6), host.page(7)] == originals[2:4]
+        one = uid()
+        assert backend.set(one, flat(5)) is True
+        assert backend.get(one, targets[4]) is targets[4]
+        assert targets[4].tobytes() == originals[5]
+        with pytest.raises(ValueError, match="contiguous"):
+            backend.batch_set([uid()], [np.zeros((4, 64), dtype=np.uint8)[:, ::2]])
+    finally:
+        closer(backend.close)
+
+
 def test_sglang_uses_its_own_mooncake_backend_when_present(pool_env, closer, monkeypatch):
     shim = fakes.recording_store_module(pool_env.module, f"kvpool_test_sglang_shim_{uid()}")
     monkeypatch.setitem(sys.modules, shim.__name__, shim)
@@ -618,17 +654,18 @@ def test_sglang_uses_its_own_mooncake_backend_when_present(pool_env, closer, mon
 CHUNK = (2, 2, 16, 8)  # LMCache's KV_2LTD chunk: (kv, layers, tokens, hidden)
 
 
-def lmcache_config(save_chunk_meta: bool = True, **plugin):
+def lmcache_config(save_chunk_meta=None, **plugin):
     extra = {
         "remote_storage_plugin.kvpool.module_path": "kvpool.adapters.lmcache",
         "remote_storage_plugin.kvpool.class_name": "KvpoolConnectorAdapter",
-        "save_chunk_meta": save_chunk_meta,
     }
+    if save_chunk_meta is not None:  # absent: LMCache's default, true
+        extra["save_chunk_meta"] = save_chunk_meta
     extra.update({f"remote_storage_plugin.kvpool.{k}": v for k, v in plugin.items()})
     return SimpleNamespace(remote_storage_plugins=["kvpool"], extra_config=extra)
 
 
-def connector(cpu, save_chunk_meta: bool = True, url: str = "plugin://kvpool", **plugin):
+def connector(cpu, save_chunk_meta=None, url: str = "plugin://kvpool", **plugin):
     """The connector as LMCache's ConnectorManager creates it from the plugin config."""
     adapter = lmc.KvpoolConnectorAdapter()
     assert adapter.can_parse(url)
@@ -636,15 +673,11 @@ def connector(cpu, save_chunk_meta: bool = True, url: str = "plugin://kvpool", *
         url=url,
         loop=None,
         local_cpu_backend=cpu,
-        metadata=None,
+        metadata=fakes.Metadata(CHUNK, np.float16),
         config=lmcache_config(save_chunk_meta, **plugin),
         plugin_name=url[len("plugin://") :] if url.startswith("plugin://") else None,
     )
-    conn = adapter.create_connector(context)
-    if not save_chunk_meta:  # what init_chunk_meta derives from LMCache's metadata
-        conn.save_chunk_meta = False
-        conn.meta_shape, conn.meta_dtype, conn.meta_fmt = list(CHUNK), np.float16, 1
-    return conn
+    return adapter.create_connector(context)
 
 
 def test_lmcache_adapter_urls():
@@ -652,21 +685,35 @@ def test_lmcache_adapter_urls():
     assert adapter.can_parse("plugin://kvpool") and adapter.can_parse("plugin://kvpool.primary")
     assert adapter.can_parse("kvpool://m-0:50051,m-1:50051")
     assert not adapter.can_parse("plugin://fs") and not adapter.can_parse("mooncakestore://h:1")
-    header = lmc.encode_header([2, 3], np.float16, 1, 12)
-    fields, start = lmc.decode_header(header + bytes(12))
-    assert fields == {"shape": [2, 3], "dtype": "float16", "fmt": 1, "len": 12} and start == len(
-        header
-    )
+
+
+def test_lmcache_chunk_header():
+    header = lmc.encode_header([[2, 3], [1, 3]], [np.float16, np.float32], 1, 24)
+    fields, start = lmc.decode_header(header + bytes(24))
+    assert fields == {
+        "shapes": [[2, 3], [1, 3]], "dtypes": ["float16", "float32"], "fmt": 1, "len": 24,
+    } and start == len(header)
     with pytest.raises(ValueError):
-        lmc.decode_header(header + bytes(11))
+        lmc.decode_header(header + bytes(23))
     with pytest.raises(ValueError):
         lmc.decode_header(b"nope" + bytes(20))
+    with pytest.raises(ValueError):
+        lmc.decode_header(header[:10])
+    # A header of one shape and dtype (earlier kvpool releases) reads as one group.
+    body = json.dumps({"shape": [2, 3], "dtype": "float16", "fmt": 1, "len": 12}).encode()
+    old = b"KVP1" + len(body).to_bytes(4, "little") + body
+    fields, _ = lmc.decode_header(old + bytes(12))
+    assert fields["shapes"] == [[2, 3]] and fields["dtypes"] == ["float16"]
 
 
-@pytest.mark.parametrize("meta", [True, False], ids=["chunk-meta", "zero-copy"])
+@pytest.mark.parametrize("meta", [None, True, False], ids=["default", "chunk-meta", "zero-copy"])
 def test_lmcache_put_get_exists(pool_env, closer, meta):
     cpu = fakes.CpuBackend()
     conn = connector(cpu, save_chunk_meta=meta, key_prefix=f"lmc-{uid()}/")
+    closer(lambda: asyncio.run(conn.close()))
+    # LMCache's default (no save_chunk_meta) stores chunk metadata.
+    assert conn.save_chunk_meta is (meta is not False)
+    assert conn.chunk_shapes == [CHUNK] and conn.chunk_dtypes == [np.dtype(np.float16)]
 
     async def scenario():
         keys = [f"model@1@0@{uid()}" for _ in range(3)]
@@ -676,12 +723,16 @@ def test_lmcache_put_get_exists(pool_env, closer, meta):
         assert await conn.exists(keys[0]) and conn.exists_sync(keys[0])
         got = await conn.get(keys[0])
         assert got is not objs[0] and got.bytes() == objs[0].bytes()
-        assert got.get_shape() == list(CHUNK)
+        assert got.get_shape() == CHUNK and got.get_dtype() == np.float16
         await conn.batched_put(keys[1:], objs[1:])
         many = await conn.batched_get(keys + [f"missing-{uid()}"])
         assert [m.bytes() for m in many[:3]] == [o.bytes() for o in objs]
         assert many[3] is None
         assert await conn.get(f"missing-{uid()}") is None
+        # Prefix counts, in one call and through LMCache's async lookup.
+        gap = [keys[0], keys[1], f"missing-{uid()}", keys[2]]
+        assert conn.batched_contains(keys) == 3 and conn.batched_contains(gap) == 2
+        assert await conn.batched_async_contains("lookup", gap) == 2
         # A chunk nobody read lately can be removed (a get leases it for a while).
         spare = f"model@1@0@{uid()}"
         await conn.put(spare, objs[0])
@@ -690,7 +741,20 @@ def test_lmcache_put_get_exists(pool_env, closer, meta):
         assert await conn.ping() == 0 and await conn.list() == []
 
     asyncio.run(scenario())
-    closer(lambda: asyncio.run(conn.close()))
+
+
+def test_lmcache_partial_chunk(pool_env, closer):
+    """A chunk of fewer tokens (LMCache's save_unfull_chunk) comes back with its own shape."""
+    cpu = fakes.CpuBackend()
+    for meta in (True, False):
+        conn = connector(cpu, save_chunk_meta=meta, key_prefix=f"lmc-{uid()}/")
+        closer(lambda c=conn: asyncio.run(c.close()))
+        part = (2, 2, 5, 8)
+        obj = cpu.filled(part, np.float16, seed=9)
+        key = f"model@1@0@{uid()}"
+        asyncio.run(conn.put(key, obj))
+        got = asyncio.run(conn.get(key))
+        assert got.get_shape() == part and got.bytes() == obj.bytes()
 
 
 def test_lmcache_rejects_foreign_bytes(pool_env, closer):
@@ -700,6 +764,9 @@ def test_lmcache_rejects_foreign_bytes(pool_env, closer):
     key = f"foreign-{uid()}"
     assert conn.store.put(key, b"not a chunk at all") == 0
     assert asyncio.run(conn.get(key)) is None
+    raw = connector(cpu, save_chunk_meta=False)
+    closer(lambda: asyncio.run(raw.close()))
+    assert asyncio.run(raw.get(key)) is None  # 18 bytes: no whole number of tokens
 
 
 def test_lmcache_url_names_the_master(pool_env, clean_env, closer):
@@ -708,5 +775,32 @@ def test_lmcache_url_names_the_master(pool_env, clean_env, closer):
     conn = connector(cpu, url=f"kvpool://{pool_env.master_addr}")
     closer(lambda: asyncio.run(conn.close()))
     assert conn.store.health_check() == 0
-    with pytest.raises(adapters.ConfigError, match="master_server_address"):
+
+
+def test_lmcache_start_failures_are_loud(pool_env, clean_env):
+    """LMCache catches every Exception around a remote backend's creation: the plugin's start
+    error is a BaseException naming the cause, unless fail_on_init_error is false."""
+    clean_env.delenv("KVPOOL_MASTER_ADDR")
+    cpu = fakes.CpuBackend()
+    with pytest.raises(lmc.PluginInitError, match="master_server_address") as err:
         connector(cpu, url="plugin://kvpool")
+    assert not isinstance(err.value, Exception)
+    assert isinstance(err.value.__cause__, adapters.ConfigError)
+    with pytest.raises(adapters.ConfigError, match="master_server_address"):
+        connector(cpu, url="plugin://kvpool", fail_on_init_error=False)
+    with pytest.raises(lmc.PluginInitError, match="no engine metadata"):
+        lmc.KvpoolConnector(config=lmcache_config(), local_cpu_backend=cpu)
+
+
+def test_lmcache_connector_class_without_metadata(pool_env, closer):
+    """`class_name: KvpoolConnector` and `external://`: LMCache passes loop, local_cpu_backend
+    and config only; the chunk layout comes from the backend's metadata."""
+    cpu = fakes.CpuBackend(metadata=fakes.Metadata(CHUNK, np.float16))
+    conn = lmc.KvpoolConnector(
+        loop=None, local_cpu_backend=cpu, config=lmcache_config(False, key_prefix=f"lmc-{uid()}/")
+    )
+    closer(lambda: asyncio.run(conn.close()))
+    assert conn.save_chunk_meta is False and conn.chunk_shapes == [CHUNK]
+    obj = cpu.filled(CHUNK, np.float16, seed=3)
+    asyncio.run(conn.put("k", obj))
+    assert asyncio.run(conn.get("k")).bytes() == obj.bytes()

@@ -21,7 +21,9 @@ Two implementations behind the one name:
   of ``HiCacheStorage``'s page API: ``batch_exists`` (longest prefix of pages present),
   ``batch_get_v1``/``batch_set_v1`` (host pages named by ``host_indices``, moved in place from
   the pointers the host pool gives), and the older ``get``/``set``/``batch_get``/``batch_set``
-  with pointers and sizes. Its keys are the ones SGLang's Mooncake backend writes
+  with pointers and sizes, or with host page tensors (SGLang's copying path when
+  ``interface_v1`` is off: whole pages, copied, under the same page keys as the zero-copy
+  path). Its keys are the ones SGLang's Mooncake backend writes
   (``<page hash>_<tp rank>_k``/``_v`` for MHA, ``<page hash>__k`` for MLA, prefixed by
   ``extra_backend_tag`` and the model name), so the two read each other's pages.
 
@@ -30,6 +32,7 @@ I/O boundary: the store calls; host memory is only addressed through the host po
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence as _SequenceABC
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
@@ -105,6 +108,24 @@ def _ptr_and_size(buf: Any) -> Tuple[int, int]:
     if hasattr(buf, "ctypes"):
         return int(buf.ctypes.data), int(buf.nbytes)
     raise TypeError(f"cannot address a buffer of type {type(buf).__name__}")
+
+
+def _host_bytes(buf: Any, writable: bool) -> memoryview:
+    """The bytes of a contiguous host tensor (or numpy array), in place."""
+    contiguous = getattr(buf, "is_contiguous", None)
+    if callable(contiguous) and not contiguous():
+        raise ValueError("a page tensor must be contiguous")
+    flags = getattr(buf, "flags", None)
+    if flags is not None and not getattr(flags, "c_contiguous", True):
+        raise ValueError("a page array must be C-contiguous")
+    device = getattr(buf, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise ValueError(f"a page tensor must be in host memory, not on {device}")
+    ptr, size = _ptr_and_size(buf)
+    if size == 0:
+        return memoryview(bytearray(0) if writable else b"")
+    view = memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
+    return view if writable else view.toreadonly()
 
 
 class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
@@ -274,7 +295,65 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
         comp, ptrs, sizes, mult = self._page_meta(keys, host_indices)
         return self._per_page(self._get(comp, ptrs, sizes), mult, lambda r: r > 0)
 
-    # -- object API (pointers and sizes; the original HiCacheStorage methods) ----------------
+    # -- page tensors (SGLang's copying path, without interface_v1) -------------------------
+
+    def _page_parts(self, page: Any, writable: bool) -> List[memoryview]:
+        """The objects of one flat host page tensor: MHA pages hold K then V (SGLang's
+        ``get_data_page(flat=True)`` and ``get_dummy_flat_data_page``), stored as the same
+        ``_k`` and ``_v`` objects the zero-copy path writes; an MLA page is one ``_k``."""
+        view = _host_bytes(page, writable)
+        if self.is_mla:
+            return [view]
+        if len(view) % 2:
+            raise ValueError(f"an MHA page of {len(view)} bytes does not split into K and V")
+        half = len(view) // 2
+        return [view[:half], view[half:]]
+
+    def _set_pages(self, keys: Sequence[str], pages: Sequence[Any]) -> List[bool]:
+        """Copy whole pages into the pool under their page keys; per page: True when the pool
+        has it afterwards. The pages are copies SGLang makes (not the registered host pool),
+        so they go through the copying ``put_batch``, not the zero-copy calls."""
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} page keys for {len(pages)} pages")
+        if not keys:
+            return []
+        comp, mult = self._component_keys(self._tag(keys))
+        parts = [part for page in pages for part in self._page_parts(page, False)]
+        present = self.store.batch_is_exist(comp)
+        results = [0 if e == 1 else -1 for e in present]
+        todo = [i for i, e in enumerate(present) if e != 1]
+        if todo:
+            rc = self.store.put_batch(
+                [comp[i] for i in todo], [parts[i] for i in todo], self.module.ReplicateConfig()
+            )
+            for i in todo:
+                results[i] = int(rc)
+        return self._per_page(results, mult, lambda r: r == 0)
+
+    def _get_pages(self, keys: Sequence[str], targets: Sequence[Any]) -> List[bool]:
+        """Copy the pool's pages into the flat page tensors ``targets``; per page: True when
+        every object of it was there with the page's size."""
+        if len(keys) != len(targets):
+            raise ValueError(f"{len(keys)} page keys for {len(targets)} page buffers")
+        if not keys:
+            return []
+        comp, mult = self._component_keys(self._tag(keys))
+        parts = [part for page in targets for part in self._page_parts(page, True)]
+        values = self.store.get_batch(comp)
+        ok = []
+        for dst, value in zip(parts, values):
+            good = isinstance(value, (bytes, bytearray, memoryview)) and 0 < len(value) == len(dst)
+            if good:
+                dst[:] = value
+            ok.append(1 if good else 0)
+        return self._per_page(ok, mult, lambda r: r == 1)
+
+    # -- object API (the original HiCacheStorage methods) -----------------------------------
+    #
+    # Pointer form (target_location(s) and target_sizes): objects under the caller's keys, as
+    # SGLang's Mooncake backend treats them. Tensor form (value(s), or target(s) without
+    # sizes): whole host pages under SGLang's page keys (see _set_pages), which is how
+    # SGLang's cache controller uses batch_get/batch_set when interface_v1 is off.
 
     def exists(self, key: str) -> bool:
         return self.store.batch_is_exist([key])[0] == 1
@@ -283,11 +362,11 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
     ) -> bool:
         """Store the bytes at ``target_location`` (a pointer, or a list of pointers) of
-        ``target_sizes``, or those of the host tensor/array ``value``."""
+        ``target_sizes`` under ``key``, or the host page tensor ``value`` as page ``key``."""
         if target_location is None:
             if value is None:
                 raise ValueError("set needs a value or a target_location")
-            target_location, target_sizes = _ptr_and_size(value)
+            return self._set_pages([key], [value])[0]
         if self.exists(key):
             return True
         return self._put([key], [target_location], [target_sizes])[0] == 0
@@ -299,12 +378,12 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        """Store several objects; True when every key is in the pool afterwards."""
+        """Store several objects (pointer form) or host pages (tensor form); True when every
+        one is in the pool afterwards."""
         if target_locations is None:
             if values is None:
                 raise ValueError("batch_set needs values or target_locations")
-            pairs = [_ptr_and_size(v) for v in values]
-            target_locations, target_sizes = [p for p, _ in pairs], [s for _, s in pairs]
+            return bool(keys) and all(self._set_pages(keys, values))
         if not (len(keys) == len(target_locations) == len(target_sizes)):
             raise ValueError("keys, target_locations and target_sizes differ in length")
         if not keys:
@@ -319,26 +398,25 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
         return all(c == 0 for c in codes)
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
-        """Read ``key`` into ``target_location``/``target_sizes`` (True/False), or into the host
-        tensor/array ``target_location`` (it, or None when missing)."""
+        """Read ``key`` into ``target_location``/``target_sizes`` (True/False), or page ``key``
+        into the host page tensor ``target_location`` (it, or None when missing)."""
         if target_location is None:
             raise ValueError("get needs a target_location")
         if target_sizes is None:
-            ptr, size = _ptr_and_size(target_location)
-            return target_location if self._get([key], [ptr], [size])[0] > 0 else None
+            return target_location if self._get_pages([key], [target_location])[0] else None
         return self._get([key], [target_location], [target_sizes])[0] >= 0
 
     def batch_get(
         self, keys: Sequence[str], target_locations: Any = None, target_sizes: Any = None
     ) -> Any:
         """Pointer form: the number of leading pages read (objects per page: 2 for MHA, 1 for
-        MLA). Tensor form (no sizes): the targets, None where a key is missing."""
+        MLA). Tensor form (page tensors, no sizes): the targets, None where a page is
+        missing."""
         if target_locations is None:
             raise ValueError("batch_get needs target_locations")
         if target_sizes is None:
-            pairs = [_ptr_and_size(t) for t in target_locations]
-            got = self._get(list(keys), [p for p, _ in pairs], [s for _, s in pairs])
-            return [t if r > 0 else None for t, r in zip(target_locations, got)]
+            got = self._get_pages(list(keys), list(target_locations))
+            return [t if ok else None for t, ok in zip(target_locations, got)]
         if not (len(keys) == len(target_locations) == len(target_sizes)):
             raise ValueError("keys, target_locations and target_sizes differ in length")
         if not keys:
