@@ -94,8 +94,9 @@ pub struct ConductorArgs {
     pub chunk_bytes: usize,
     /// The model's Hugging Face `tokenizer.json`, or the model's directory holding it (and its
     /// `tokenizer_config.json` or `chat_template.jinja`, whose chat template then renders chat
-    /// requests): block keys then follow the engine's tokens. Without it, prompts are cut into
-    /// --chunk-bytes stand-in tokens.
+    /// requests): block keys then follow the engine's tokens. `engine`: ask a prefill engine's
+    /// `/tokenize` (vLLM's) for each request's tokens instead, with no file here. Without it,
+    /// prompts are cut into --chunk-bytes stand-in tokens.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<std::path::PathBuf>,
     /// The chat template to render chat requests with (a Jinja file, or a
@@ -213,6 +214,9 @@ fn parse_prefill_cost(s: &str) -> Result<PrefillCost, String> {
         quadratic_s,
     })
 }
+
+/// `--tokenizer engine`: tokens from the engines' own `/tokenize`.
+pub const ENGINE_TOKENIZER: &str = "engine";
 
 // The defaults of `--listen` and `--admin-listen`; the variables follow from the role name.
 kvpool_runtime::listen_defaults!(
@@ -363,6 +367,9 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         }),
         chat_template: chat_template(args)?,
         tokenizer: match &args.tokenizer {
+            Some(path) if path.as_os_str() == ENGINE_TOKENIZER => PromptTokenizer::Engine {
+                bytes: args.chunk_bytes,
+            },
             Some(path) => PromptTokenizer::from_path(path)
                 .map_err(|e| flag("tokenizer", format!("{e}: {}", source_chain(&e))))?,
             None => PromptTokenizer::Chunks {
@@ -508,6 +515,7 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         tokenizer = match &config.tokenizer {
             PromptTokenizer::Chunks { .. } => "stand-in chunks",
             PromptTokenizer::HuggingFace(_) => "hugging face",
+            PromptTokenizer::Engine { .. } => "the engines' /tokenize",
         },
         chat_template = config.chat_template.is_some(),
         pool_lookup = config.pool.is_some(),

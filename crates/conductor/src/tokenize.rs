@@ -19,6 +19,10 @@ pub enum PromptTokenizer {
     Chunks { bytes: usize },
     /// A Hugging Face tokenizer loaded from a `tokenizer.json`.
     HuggingFace(Arc<tokenizers::Tokenizer>),
+    /// The engines' own tokenizer, asked per request through a prefill engine's `/tokenize`
+    /// (`--tokenizer engine`; `server::engine_tokenize`); where that fails, stand-in chunks of
+    /// this many bytes, as [`PromptTokenizer::Chunks`].
+    Engine { bytes: usize },
 }
 
 /// The token ids of a request's prompts as the scheduler needs them.
@@ -80,7 +84,9 @@ impl PromptTokenizer {
     /// Stand-in chunks have no special tokens.
     pub fn tokens_with(&self, text: &str, special: bool) -> Result<Vec<u32>, TokenizeError> {
         match self {
-            PromptTokenizer::Chunks { bytes } => Ok(text_tokens(text, *bytes)),
+            PromptTokenizer::Chunks { bytes } | PromptTokenizer::Engine { bytes } => {
+                Ok(text_tokens(text, *bytes))
+            }
             PromptTokenizer::HuggingFace(t) => t
                 .encode(text, special)
                 .map(|e| e.get_ids().to_vec())
@@ -142,7 +148,9 @@ impl PromptTokenizer {
         let only_ids = req.prompts.iter().all(|p| matches!(p, Prompt::Tokens(_)));
         match self {
             _ if only_ids => self.prompt_tokens(None, &req),
-            PromptTokenizer::Chunks { .. } if !needs_template => self.prompt_tokens(None, &req),
+            PromptTokenizer::Chunks { .. } | PromptTokenizer::Engine { .. } if !needs_template => {
+                self.prompt_tokens(None, &req)
+            }
             _ => {
                 let this = self.clone();
                 tokio::task::spawn_blocking(move || this.prompt_tokens(chat.as_deref(), &req))
@@ -157,6 +165,7 @@ impl PromptTokenizer {
         match self {
             PromptTokenizer::Chunks { .. } => "chunks",
             PromptTokenizer::HuggingFace(_) => "huggingface",
+            PromptTokenizer::Engine { .. } => "engine",
         }
     }
 }

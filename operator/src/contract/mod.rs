@@ -270,9 +270,13 @@ pub fn conductor_args(
         "--block-size".to_owned(),
         model.engine_block_size.to_string(),
     ];
-    if let Some(dir) = &model.tokenizer_dir {
-        args.extend(["--tokenizer".to_owned(), dir.clone()]);
-    }
+    // The model's tokenizer: the files the pool names, else the engines' own, asked through
+    // their /tokenize (the engine pools name the model; its files need not reach the conductor).
+    let tokenizer = model
+        .tokenizer_dir
+        .clone()
+        .unwrap_or_else(|| "engine".to_owned());
+    args.extend(["--tokenizer".to_owned(), tokenizer]);
     args
 }
 
@@ -395,7 +399,8 @@ mod tests {
         );
         assert_eq!(args[0], "conductor");
         assert!(has_arg(&args, "--block-size", "16"));
-        assert!(!args.iter().any(|a| a == "--tokenizer"));
+        // Without tokenizer files the conductor asks the engines' /tokenize.
+        assert!(has_arg(&args, "--tokenizer", "engine"));
         let with = ConductorModel {
             engine_block_size: 32,
             tokenizer_dir: Some("/etc/kvpool/tokenizer/m".into()),

@@ -249,3 +249,40 @@ def test_master_pool_events_carry_the_engines_own_block_hashes(stack: Stack):
     # Every full block the engine computed and published is in the pool under its hash.
     missing = engine_hashes - pool_hashes
     assert not missing, f"{len(missing)} of {len(engine_hashes)} engine hashes not in pool events"
+
+
+def test_a_conductor_without_tokenizer_files_keys_blocks_by_the_engines_tokens(stack: Stack):
+    """`--tokenizer engine` (what the operator gives a conductor whose pool names no tokenizer
+    files): a second conductor, in front of the same engines and pool, asks a prefill engine's
+    /tokenize for each prompt and finds the blocks the engines stored under vLLM's keys."""
+    import subprocess
+
+    from conftest import free_port, kvpool_bin, metrics, stop, wait_http
+
+    prefix = prefix_of_tokens(8080, 512 + BLOCK)
+    complete(stack.conductor, prefix + " stored by the first conductor")
+    api, admin = free_port(), free_port()
+    cmd = [str(kvpool_bin()), "conductor", "--listen", f"127.0.0.1:{api}",
+           "--admin-listen", f"127.0.0.1:{admin}", "--model", MODEL,
+           "--master", stack.ready["master"],
+           "--auth-key-file", stack.ready["role_key_files"]["conductor"],
+           "--tokenizer", "engine", "--block-size", str(BLOCK), "--hash-seed", "0",
+           "--pool-lookup-timeout", "2s"]
+    for url in stack.prefill:
+        cmd += ["--prefill", url]
+    for url in stack.decode:
+        cmd += ["--decode", url]
+    log = stack.dir / "conductor-engine-tokenizer.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{admin}/readyz", proc, log, timeout=60)
+        r = complete(f"http://127.0.0.1:{api}", prefix + " asked through the second", max_tokens=4)
+        found = int(r["headers"]["x-kvpool-pool-blocks"]) + int(
+            r["headers"]["x-kvpool-local-blocks"])
+        assert found >= 512 // BLOCK, r["headers"]
+        m = metrics(f"http://127.0.0.1:{admin}")
+        assert m.get('kvpool_conductor_engine_tokenize_total{outcome="ok"}', 0) >= 1, m
+        assert m.get('kvpool_conductor_pool_lookups_total{outcome="hit"}', 0) >= 1, m
+    finally:
+        stop(proc)

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::response::Response;
 
+use super::engine_tokenize::engine_tokens;
 use super::error_bodies::{
     api_error, internal_error, no_engines, rejected, tokenizer_failed, upstream_failed,
 };
@@ -23,6 +24,7 @@ use super::upstream::UpstreamError;
 use super::vllm::route_vllm;
 use crate::engines::RoutingProtocol;
 use crate::request::ClientRequest;
+use crate::tokenize::PromptTokenizer;
 use kvpool_core::sched::EngineHash;
 use kvpool_proto::openai::Endpoint;
 
@@ -60,7 +62,7 @@ pub(super) async fn handle(
         Ok(Err(unknown)) => return api_error(&shared, &unknown.error),
         Err(e) => return api_error(&shared, &e),
     };
-    let tokens = match shared
+    let mut tokens = match shared
         .config
         .tokenizer
         .prompt_tokens_off_runtime(shared.config.chat_template.clone(), req.view.clone())
@@ -69,6 +71,16 @@ pub(super) async fn handle(
         Ok(t) => t,
         Err(e) => return tokenizer_failed(&shared, &e),
     };
+    if matches!(shared.config.tokenizer, PromptTokenizer::Engine { .. }) {
+        // The engines' own tokens for the first prompt; stand-in chunks if none can say.
+        let engine = shared.members.lock().engines.prefill.first().cloned();
+        if let Some(engine) = engine
+            && let Some(ids) = engine_tokens(&shared, &engine, &req.body).await
+        {
+            tokens.total = tokens.total - tokens.first.len() as u64 + ids.len() as u64;
+            tokens.first = ids;
+        }
+    }
     // A batch goes to one engine pair, as one request, routed by its first prompt's prefix
     // (docs/openai.md); all its prompt tokens and choices are booked.
     let block_size = shared.config.scheduler.block_size;

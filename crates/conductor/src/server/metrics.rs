@@ -26,6 +26,7 @@ pub(super) struct Metrics {
     pub(super) replication_blocks: IntCounterVec,
     pub(super) engines: IntGaugeVec,
     pub(super) pool_lookups: IntCounterVec,
+    pub(super) engine_tokenize: IntCounterVec,
     pub(super) prefetches: IntCounterVec,
     pub(super) fetch_bandwidth: Gauge,
     pub(super) pool_lookup_seconds: Histogram,
@@ -77,6 +78,13 @@ impl Metrics {
             "Per-request pool prefix lookups at the master, by outcome (hit, miss, error, unnamed, \
              timeout, and backoff: skipped after a failure; all but hit and miss place the \
              request on local caches only)",
+            &["outcome"],
+        )?;
+        let engine_tokenize = counters(
+            registry,
+            "kvpool_conductor_engine_tokenize_total",
+            "Prompts tokenised by a prefill engine's /tokenize (--tokenizer engine), by outcome \
+             (ok; refused, error and timeout fall back to stand-in chunks)",
             &["outcome"],
         )?;
         let prefetches = counters(
@@ -221,6 +229,7 @@ impl Metrics {
             replication_blocks,
             engines,
             pool_lookups,
+            engine_tokenize,
             prefetches,
             fetch_bandwidth,
             pool_lookup_seconds,

@@ -25,6 +25,7 @@
 mod engine_calls;
 mod engine_load;
 mod engine_set;
+pub mod engine_tokenize;
 mod error_bodies;
 mod front;
 mod handle;

@@ -378,7 +378,10 @@ fn master_and_conductor_follow_the_contract() {
             "--auth-key-file",
             "/etc/kvpool/auth/key",
             "--block-size",
-            "16"
+            "16",
+            // No tokenizer files named: the engines' own /tokenize.
+            "--tokenizer",
+            "engine"
         ]
     );
     assert_eq!(
