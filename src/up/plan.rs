@@ -391,7 +391,7 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
 mod tests {
     use super::*;
 
-    fn settings() -> UpSettings {
+    pub(super) fn settings() -> UpSettings {
         UpSettings {
             agents: 2,
             prefill: 2,
@@ -590,7 +590,8 @@ mod vllm_tests {
 
     #[test]
     fn vllm_engines_get_the_connector_the_pool_and_a_health_check() {
-        let mut s = tests_settings();
+        let mut s = super::tests::settings();
+        (s.model, s.replicas, s.failure_domains, s.dram_tiers) = ("tiny".into(), 1, vec![], None);
         s.vllm = Some(super::super::vllm::VllmEngine {
             python: "/venv/bin/python".into(),
             model_dir: "/models/tiny".into(),
@@ -635,30 +636,5 @@ mod vllm_tests {
             assert!(conductor.contains(want), "{want}: {conductor}");
         }
         assert!(!conductor.contains("--time-scale 0.1"), "{conductor}");
-    }
-
-    fn tests_settings() -> UpSettings {
-        UpSettings {
-            agents: 2,
-            prefill: 2,
-            decode: 1,
-            kvpool_bin: "/bin/kvpool".into(),
-            dir: "/run/up".into(),
-            model: "tiny".into(),
-            block_size: 512,
-            chunk_bytes: 4,
-            kv_bytes_per_token: 2048,
-            agent_dram: "64MiB".into(),
-            time_scale: 1.0,
-            protocol: EngineProtocol::Vllm,
-            sysfs_root: None,
-            procfs_root: None,
-            replicas: 1,
-            failure_domains: Vec::new(),
-            master_flags: Vec::new(),
-            agent_flags: Vec::new(),
-            dram_tiers: None,
-            vllm: None,
-        }
     }
 }

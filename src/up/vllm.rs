@@ -45,10 +45,7 @@ pub struct KvShape {
 /// Reads the model's KV shape; an error names the file and what is missing.
 pub fn kv_shape(model_dir: &Path) -> Result<KvShape, String> {
     let path = model_dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let v = kvpool_conductor::model_config::read_config(model_dir)?;
     let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
     let need = |k: &str| num(k).ok_or_else(|| format!("{} has no {k}", path.display()));
     let layers = need("num_hidden_layers")?;
@@ -58,7 +55,8 @@ pub fn kv_shape(model_dir: &Path) -> Result<KvShape, String> {
         Some(d) => d,
         None => need("hidden_size")? / heads.max(1),
     };
-    let dtype = kvpool_conductor::model_config::kv_dtype(model_dir)?;
+    let dtype = kvpool_conductor::model_config::config_kv_dtype(&v)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     let element = if dtype == "float32" { 4 } else { 2 };
     Ok(KvShape {
         bytes_per_token: 2 * layers * kv_heads * head_dim * element,

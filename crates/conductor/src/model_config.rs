@@ -20,14 +20,23 @@ pub fn resolve_dtype(config_dtype: Option<&str>) -> Result<String, String> {
     }
 }
 
-/// The KV dtype of the model in `dir` (its `config.json`'s `torch_dtype`, or `dtype` in
-/// newer Transformers), resolved by [`resolve_dtype`]; an error names the file and the problem.
-pub fn kv_dtype(dir: &Path) -> Result<String, String> {
+/// The model directory's `config.json`, parsed; an error names the file and the problem.
+pub fn read_config(dir: &Path) -> Result<serde_json::Value, String> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))
+}
+
+/// The KV dtype of the model in `dir` (its `config.json`'s `torch_dtype`, or `dtype` in
+/// newer Transformers), resolved by [`resolve_dtype`]; an error names the file and the problem.
+pub fn kv_dtype(dir: &Path) -> Result<String, String> {
+    config_kv_dtype(&read_config(dir)?)
+        .map_err(|e| format!("{}: {e}", dir.join("config.json").display()))
+}
+
+/// The KV dtype a parsed `config.json` implies (see [`kv_dtype`]).
+pub fn config_kv_dtype(v: &serde_json::Value) -> Result<String, String> {
     let field = |k: &str| v.get(k).and_then(serde_json::Value::as_str);
     // Multimodal configs keep the language model's dtype in text_config.
     let dtype = field("torch_dtype").or_else(|| field("dtype")).or_else(|| {
@@ -35,7 +44,7 @@ pub fn kv_dtype(dir: &Path) -> Result<String, String> {
             .and_then(|t| t.get("torch_dtype").or_else(|| t.get("dtype")))
             .and_then(serde_json::Value::as_str)
     });
-    resolve_dtype(dtype).map_err(|e| format!("{}: {e}", path.display()))
+    resolve_dtype(dtype)
 }
 
 #[cfg(test)]
