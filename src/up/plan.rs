@@ -110,12 +110,21 @@ pub const POOL_EVENTS_TOPIC: &str = "kvpool";
 /// Where the master of `specs` publishes the pool's block events: (endpoint, replay endpoint),
 /// read back from its `--kv-events-config`.
 pub fn pool_events(specs: &[ChildSpec]) -> Option<(String, Option<String>)> {
-    let master = specs.iter().find(|s| s.role == Role::Master)?;
-    let i = master.args.iter().position(|a| a == "--kv-events-config")?;
-    let config: serde_json::Value = serde_json::from_str(master.args.get(i + 1)?).ok()?;
+    kv_events(specs.iter().find(|s| s.role == Role::Master)?)
+}
+
+/// Where `child` publishes KV events: (endpoint, replay endpoint) of its `--kv-events-config`,
+/// a wildcard host (what vLLM binds) read as 127.0.0.1.
+pub fn kv_events(child: &ChildSpec) -> Option<(String, Option<String>)> {
+    let i = child.args.iter().position(|a| a == "--kv-events-config")?;
+    let config: serde_json::Value = serde_json::from_str(child.args.get(i + 1)?).ok()?;
+    let local = |v: &serde_json::Value| {
+        v.as_str()
+            .map(|e| e.replace("tcp://*:", "tcp://127.0.0.1:"))
+    };
     Some((
-        config["endpoint"].as_str()?.to_owned(),
-        config["replay_endpoint"].as_str().map(str::to_owned),
+        local(&config["endpoint"])?,
+        local(&config["replay_endpoint"]),
     ))
 }
 

@@ -84,18 +84,6 @@ pub(super) fn endpoint(specs: &[ChildSpec], role: Role) -> String {
         .unwrap_or_default()
 }
 
-/// Where an engine publishes its KV events (its `--kv-events-config` endpoint, with a wildcard
-/// host read as 127.0.0.1), if it does.
-fn kv_events_endpoint(s: &ChildSpec) -> Option<String> {
-    let i = s.args.iter().position(|a| a == "--kv-events-config")?;
-    let config: Value = serde_json::from_str(s.args.get(i + 1)?).ok()?;
-    Some(
-        config["endpoint"]
-            .as_str()?
-            .replace("tcp://*:", "tcp://127.0.0.1:"),
-    )
-}
-
 /// Announces the running pool: one JSON line with `--json` (only without a replay, whose
 /// summary is the JSON output), else the endpoints for people.
 pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &Path) {
@@ -107,7 +95,7 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
             .map(|s| {
                 json!({"name": s.name, "role": s.role.as_str(), "endpoint": s.endpoint,
                        "admin": format!("http://{}", s.admin),
-                       "kv_events": kv_events_endpoint(s)})
+                       "kv_events": super::plan::kv_events(s).map(|(e, _)| e)})
             })
             .collect();
         println!(

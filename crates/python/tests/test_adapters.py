@@ -254,8 +254,11 @@ class Engine:
         self.worker.register_kv_caches(caches)
         self.caches = caches
 
-    def step(self, finished=()):
-        meta = self.scheduler.build_connector_meta(SimpleNamespace())
+    def step(self, finished=(), scheduled=None):
+        """One engine step; `scheduled` is vLLM's `num_scheduled_tokens` (request -> tokens
+        computed this step), which the connector saves completed blocks by."""
+        out = SimpleNamespace(num_scheduled_tokens=dict(scheduled or {}))
+        meta = self.scheduler.build_connector_meta(out)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()

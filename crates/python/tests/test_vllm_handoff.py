@@ -35,17 +35,6 @@ def req(rid, hashes, tokens, computed=0, params=None):
                            kv_transfer_params=params)
 
 
-def step(engine, scheduled=None, finished=()):
-    out = SimpleNamespace(num_scheduled_tokens=dict(scheduled or {}))
-    meta = engine.scheduler.build_connector_meta(out)
-    engine.worker.bind_connector_metadata(meta)
-    engine.worker.start_load_kv(None)
-    engine.worker.wait_for_save()
-    done = engine.worker.get_finished(set(finished))
-    engine.worker.clear_connector_metadata()
-    return meta, done
-
-
 def test_blocks_are_saved_in_the_step_that_completes_them(pool_env, closer, client):
     prefill = Engine("kv_both", kv_caches(11), kvpool_handoff_wait_s=5)
     manager = Manager()
@@ -58,12 +47,12 @@ def test_blocks_are_saved_in_the_step_that_completes_them(pool_env, closer, clie
         assert prefill.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
         prefill.scheduler.update_state_after_alloc(r, blocks([5, 2, 7, 1]), 0)
         # A chunked prefill: 2 blocks and a bit this step, the rest the next.
-        meta, _ = step(prefill, {r.request_id: 2 * BLOCK + 2})
+        meta, _ = prefill.step(scheduled={r.request_id: 2 * BLOCK + 2})
         assert [j.block_ids for j in meta.saves] == [[5, 2]]
         keys = [prefill.worker._keys.key(h) for h in hashes]
         assert client.store.batch_is_exist(keys) == [1, 1, 0]
         r.num_computed_tokens = 2 * BLOCK + 2
-        meta, _ = step(prefill, {r.request_id: BLOCK - 1})
+        meta, _ = prefill.step(scheduled={r.request_id: BLOCK - 1})
         assert [j.block_ids for j in meta.saves] == [[7]]
         assert client.store.batch_is_exist(keys) == [1, 1, 1]
         # Everything was saved while it ran: vLLM may free the blocks at once, and the params
@@ -75,7 +64,7 @@ def test_blocks_are_saved_in_the_step_that_completes_them(pool_env, closer, clie
         assert params["kvpool"]["hashes"] == [h.hex() for h in hashes]
         assert params["kvpool"]["namespace"] == prefill.worker._keys.namespace
         # Nothing is reported as a finished save for a request vLLM did not keep.
-        _meta, done = step(prefill, finished={r.request_id})
+        _meta, done = prefill.step(finished={r.request_id})
         assert done == (None, None)
         # A plain request (no hand-off) returns no params.
         other = req(f"o-{uid()}", hashes[:1], tokens=BLOCK, computed=BLOCK)
@@ -104,7 +93,7 @@ def test_decode_asks_again_until_the_handed_blocks_land(pool_env, closer):
         prefill.finish(whole, [0, 1, 2])
         assert decode.scheduler.get_num_new_matched_tokens(d, 0) == (3 * BLOCK, False)
         decode.scheduler.update_state_after_alloc(d, blocks([4, 6, 7, 3]), 3 * BLOCK)
-        step(decode)
+        decode.step()
         assert decode.worker.get_block_ids_with_load_errors() == set()
         assert [block_bytes(decode.caches, i) for i in (4, 6, 7)] == [
             block_bytes(caches, i) for i in (0, 1, 2)]

@@ -43,7 +43,7 @@ def kvpool_bin() -> Path:
 
 def model_dir(name: str = "tiny") -> Path:
     root = Path(os.environ.get("KVPOOL_TEST_MODELS", REPO / ".tools/models"))
-    return _need(root / name, f"test model {name!r}") .resolve()
+    return _need(root / name, f"test model {name!r}").resolve()
 
 
 def free_port() -> int:

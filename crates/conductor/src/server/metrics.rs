@@ -218,7 +218,7 @@ impl Metrics {
             }
         }
         if config.pool.is_some() {
-            for outcome in ["hit", "miss", "error", "timeout", "backoff"] {
+            for outcome in ["hit", "miss", "error", "unnamed", "timeout", "backoff"] {
                 pool_lookups.with_label_values(&[outcome]);
             }
         }

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import importlib
 import itertools
 import logging
