@@ -377,7 +377,12 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
             files.ca.display().to_string(),
         ]);
     }
-    let ports = choose_ports(plan::ports_needed(&settings), args.base_port, args.port)?;
+    let ports = choose_ports(
+        plan::ports_needed(&settings),
+        args.base_port,
+        args.port,
+        settings.vllm.is_some(),
+    )?;
     let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
     write_keys(&dir, &random_key())?;
     tracing::info!(

@@ -192,12 +192,22 @@ fn master_flags(args: &UpArgs) -> Result<Vec<String>, UpError> {
 
 /// Ports for the children: consecutive from `base`, or free ones the kernel picks (held until
 /// all are chosen so that none repeats).
-pub(super) fn choose_ports(n: usize, base: u16, conductor: u16) -> Result<Vec<u16>, UpError> {
+/// `real_engines`: the children include real inference engines, which bind many port-0
+/// sockets while they start; free ports are then taken below the kernel's ephemeral range,
+/// where none of those binds can land on a port chosen for another child.
+pub(super) fn choose_ports(
+    n: usize,
+    base: u16,
+    conductor: u16,
+    real_engines: bool,
+) -> Result<Vec<u16>, UpError> {
     let mut ports: Vec<u16> = if base != 0 {
         (0..n)
             .map(|i| u16::try_from(usize::from(base) + i).ok())
             .collect::<Option<_>>()
             .ok_or_else(|| flag("base-port", "leaves too few ports below 65536"))?
+    } else if real_engines {
+        kvpool_harness::free_ports_below_ephemeral(n).map_err(UpError::Ports)?
     } else {
         kvpool_harness::free_ports(n).map_err(UpError::Ports)?
     };
@@ -287,14 +297,20 @@ mod tests {
 
     #[test]
     fn ports_are_distinct_and_conductor_port_is_placed() {
-        let p = choose_ports(6, 0, 0).unwrap();
+        let p = choose_ports(6, 0, 0, false).unwrap();
         let mut q = p.clone();
         q.sort_unstable();
         q.dedup();
         assert_eq!(q.len(), 6);
-        assert_eq!(choose_ports(3, 40000, 0).unwrap(), [40000, 40001, 40002]);
-        assert_eq!(choose_ports(3, 40000, 9000).unwrap(), [40000, 9000, 40002]);
-        assert!(choose_ports(3, 40000, 40001).is_err());
-        assert!(choose_ports(3, 65534, 0).is_err());
+        assert_eq!(
+            choose_ports(3, 40000, 0, false).unwrap(),
+            [40000, 40001, 40002]
+        );
+        assert_eq!(
+            choose_ports(3, 40000, 9000, false).unwrap(),
+            [40000, 9000, 40002]
+        );
+        assert!(choose_ports(3, 40000, 40001, false).is_err());
+        assert!(choose_ports(3, 65534, 0, false).is_err());
     }
 }

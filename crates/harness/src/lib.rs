@@ -27,7 +27,9 @@ pub use command::{kvpool_command, output_json, output_ok};
 pub use error::{HarnessError, TestingError};
 pub use etcd::EtcdServer;
 pub use master::{MasterProcess, MasterSpec, master_args};
-pub use ports::{free_addr, free_port, free_ports, wait_for_port};
+pub use ports::{
+    ephemeral_range, free_addr, free_port, free_ports, free_ports_below_ephemeral, wait_for_port,
+};
 pub use probe::Probe;
 pub use process::{ChildProcess, Launcher, Stopped};
 pub use prometheus::{PrometheusServer, ScrapeTarget};

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -47,6 +48,24 @@ def model_dir(name: str = "tiny") -> Path:
 
 
 def free_port() -> int:
+    """A free port below the kernel's ephemeral range: the vLLM processes these tests start
+    bind many port-0 sockets while they start, and one of those could take a port from that
+    range between its choice here and the bind of the process it was chosen for (the same
+    rule as `kvpool up --engine vllm`, kvpool_harness::free_ports_below_ephemeral)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(256):
+        port = rng.randrange(10_000, max(10_001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
