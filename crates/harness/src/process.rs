@@ -178,12 +178,10 @@ impl ChildProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// The last `lines` lines of the log.
+    /// The last `lines` lines of the log, stack backtraces left out (with `RUST_BACKTRACE` set,
+    /// a child's frames would otherwise push its error message out of the tail).
     pub fn log_tail(&self, lines: usize) -> String {
-        let text = self.log_text();
-        let mut tail: Vec<&str> = text.lines().rev().take(lines).collect();
-        tail.reverse();
-        tail.join("\n")
+        tail_without_backtraces(&self.log_text(), lines)
     }
 
     /// The write end of a piped stdin ([`Launcher::pipe_stdin`]); dropping it closes the pipe.
@@ -379,5 +377,52 @@ impl Drop for ChildProcess {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+    }
+}
+
+/// The last `lines` lines of `text` that are not part of a Rust stack backtrace (the
+/// `stack backtrace:`/`Stack backtrace:` header, numbered frames, their `at` lines and the
+/// closing note).
+fn tail_without_backtraces(text: &str, lines: usize) -> String {
+    let mut kept: Vec<&str> = Vec::new();
+    let mut in_trace = false;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.eq_ignore_ascii_case("stack backtrace:") {
+            in_trace = true;
+            continue;
+        }
+        if in_trace {
+            let frame = t.split_once(':').is_some_and(|(n, _)| {
+                !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
+            });
+            if frame || t.starts_with("at ") || t.starts_with("note: Some details are omitted") {
+                continue;
+            }
+            in_trace = false;
+        }
+        kept.push(line);
+    }
+    let start = kept.len().saturating_sub(lines);
+    kept[start..].join("\n")
+}
+
+#[cfg(test)]
+mod tail_tests {
+    use super::tail_without_backtraces;
+
+    #[test]
+    fn the_error_survives_a_long_backtrace() {
+        let mut log = String::from("starting\nError: admin server: bind 127.0.0.1:1: Address in use\n\nStack backtrace:\n");
+        for i in 0..40 {
+            log.push_str(&format!("  {i}: frame::{i}\n             at ./src/x.rs:{i}:1\n"));
+        }
+        log.push_str("note: Some details are omitted, run with `RUST_BACKTRACE=full`\nlast line\n");
+        let tail = tail_without_backtraces(&log, 3);
+        assert_eq!(
+            tail,
+            "Error: admin server: bind 127.0.0.1:1: Address in use\n\nlast line"
+        );
+        assert_eq!(tail_without_backtraces("a\nb\nc", 2), "b\nc");
     }
 }
