@@ -199,12 +199,19 @@ mod tests {
         let (low, _) = ephemeral_range();
         let base = free_ports(1).expect("port")[0];
         // Hold the next port the cursor would give; the one after is handed out instead.
-        let next = if u32::from(base) + 2 < u32::from(low) { base + 1 } else { return };
+        let next = if u32::from(base) + 2 < u32::from(low) {
+            base + 1
+        } else {
+            return;
+        };
         let held = TcpListener::bind(("127.0.0.1", next));
         let got = free_port().expect("port");
         if held.is_ok() {
             assert_ne!(got, next);
         }
-        assert!(TcpListener::bind(("127.0.0.1", got)).is_ok(), "{got} was busy");
+        assert!(
+            TcpListener::bind(("127.0.0.1", got)).is_ok(),
+            "{got} was busy"
+        );
     }
 }

@@ -393,9 +393,9 @@ fn tail_without_backtraces(text: &str, lines: usize) -> String {
             continue;
         }
         if in_trace {
-            let frame = t.split_once(':').is_some_and(|(n, _)| {
-                !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())
-            });
+            let frame = t
+                .split_once(':')
+                .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
             if frame || t.starts_with("at ") || t.starts_with("note: Some details are omitted") {
                 continue;
             }
@@ -413,9 +413,13 @@ mod tail_tests {
 
     #[test]
     fn the_error_survives_a_long_backtrace() {
-        let mut log = String::from("starting\nError: admin server: bind 127.0.0.1:1: Address in use\n\nStack backtrace:\n");
+        let mut log = String::from(
+            "starting\nError: admin server: bind 127.0.0.1:1: Address in use\n\nStack backtrace:\n",
+        );
         for i in 0..40 {
-            log.push_str(&format!("  {i}: frame::{i}\n             at ./src/x.rs:{i}:1\n"));
+            log.push_str(&format!(
+                "  {i}: frame::{i}\n             at ./src/x.rs:{i}:1\n"
+            ));
         }
         log.push_str("note: Some details are omitted, run with `RUST_BACKTRACE=full`\nlast line\n");
         let tail = tail_without_backtraces(&log, 3);

@@ -59,6 +59,8 @@ pub enum Place {
 /// registration only vouches that the memory is valid).
 struct Registered {
     len: u64,
+    /// The buffer's device segment when it is a GPU's own memory: copies stage through it.
+    device: Option<Arc<kvpool_transfer::Segment>>,
     _view: Option<Held>,
 }
 
@@ -328,6 +330,23 @@ impl Agent {
         let Some(len) = copy_len(len)? else {
             return Ok(());
         };
+        if let Some((dev, at)) = self.on_device(ptr) {
+            // Device -> pinned staging -> the staging area: no host view of the GPU memory.
+            let mut done = 0u64;
+            return dev
+                .device_memory_backing()
+                .map(|mem| {
+                    kvpool_transfer::memory::device::stream_out(mem, at, len, |chunk| {
+                        self.staging
+                            .write_from(offset + done, chunk)
+                            .map_err(std::io::Error::other)?;
+                        done += chunk.len() as u64;
+                        Ok(())
+                    })
+                })
+                .unwrap_or(Ok(()))
+                .map_err(|e| Failure::new(Kind::Internal, format!("GPU buffer: {e}")));
+        }
         // SAFETY: `place` found `ptr..ptr+len` inside a registered buffer (valid until
         // unregistered, Mooncake's contract) or inside this session's mapping, which lives as
         // long as `self`; the copy reads it raw, so concurrent writers cause no UB here.
@@ -341,11 +360,36 @@ impl Agent {
         let Some(len) = copy_len(len)? else {
             return Ok(());
         };
+        if let Some((dev, at)) = self.on_device(ptr) {
+            let mut done = 0u64;
+            return dev
+                .device_memory_backing()
+                .map(|mem| {
+                    kvpool_transfer::memory::device::stream_in(mem, at, len, |chunk| {
+                        self.staging
+                            .read_into(offset + done, chunk)
+                            .map_err(std::io::Error::other)?;
+                        done += chunk.len() as u64;
+                        Ok(())
+                    })
+                })
+                .unwrap_or(Ok(()))
+                .map_err(|e| Failure::new(Kind::Internal, format!("GPU buffer: {e}")));
+        }
         // SAFETY: as in `write_raw`, for memory the caller registered as writable, an
         // `alloc_buffer` range of the mapping (distinct from the staging range read here), or
         // a Python buffer the calling op holds writable for the whole call (`get_into_slice`).
         let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
         self.read(offset, dst)
+    }
+
+    /// The device segment of the registered GPU buffer holding `ptr`, and `ptr`'s offset in
+    /// it (`place` already checked the range).
+    fn on_device(&self, ptr: usize) -> Option<(Arc<kvpool_transfer::Segment>, u64)> {
+        let reg = self.registered.lock();
+        let (&start, r) = reg.range(..=ptr).next_back()?;
+        let dev = r.device.clone()?;
+        Some((dev, (ptr - start) as u64))
     }
 
     /// Where `ptr..ptr+len` lies: inside one `alloc_buffer` range, or inside one registered
@@ -425,7 +469,15 @@ impl Agent {
                 "buffer {ptr:#x}+{len} overlaps a registered buffer"
             )));
         }
-        reg.insert(ptr, Registered { len, _view: view });
+        let device = crate::device::segment(ptr, len as usize)?;
+        reg.insert(
+            ptr,
+            Registered {
+                len,
+                device,
+                _view: view,
+            },
+        );
         Ok(())
     }
 

@@ -177,14 +177,20 @@ impl Buffers {
                 "buffer {ptr:#x}+{len} overlaps a registered buffer"
             )));
         }
-        // SAFETY: Mooncake's contract: the caller keeps `ptr..ptr+len` valid until it calls
-        // unregister_buffer (or closes the store); all accesses are raw copies.
-        let segment = unsafe { Segment::from_raw_parts(start, n, None) }
-            .map_err(|e| Failure::invalid(format!("buffer {ptr:#x}+{len}: {e}")))?;
+        let segment = match crate::device::segment(ptr, n)? {
+            // A GPU's own memory: staged through the device's copies, never dereferenced.
+            Some(on_gpu) => on_gpu,
+            // SAFETY: Mooncake's contract: the caller keeps `ptr..ptr+len` valid until it
+            // calls unregister_buffer (or closes the store); all accesses are raw copies.
+            None => Arc::new(
+                unsafe { Segment::from_raw_parts(start, n, None) }
+                    .map_err(|e| Failure::invalid(format!("buffer {ptr:#x}+{len}: {e}")))?,
+            ),
+        };
         self.next += 1;
         let name = format!("{tag}/buffer-{}-{ptr:x}", self.next);
         let local = engine
-            .register(&name, Arc::new(segment))
+            .register(&name, segment)
             .map_err(|e| Failure::new(Kind::Internal, format!("registering {name}: {e}")))?;
         self.by_start.insert(
             ptr,

@@ -23,6 +23,7 @@ mod agent;
 mod agent_ops;
 mod buffers;
 mod client;
+mod device;
 mod errors;
 mod holder;
 mod link;
@@ -578,9 +579,18 @@ fn parts(
         .collect()
 }
 
+/// Whether `register_buffer` accepts a GPU's own memory (a CUDA tensor's `data_ptr()`) and
+/// moves it through pinned staging with no host copy of the caller's: true in a build with
+/// feature `cuda` on a host whose CUDA driver reports a GPU.
+#[pyfunction]
+fn device_memory_supported() -> bool {
+    device::supported()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    m.add_function(wrap_pyfunction!(device_memory_supported, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<Placement>()?;
     m.add("Error", py.get_type::<errors::Error>())?;

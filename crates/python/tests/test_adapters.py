@@ -312,6 +312,57 @@ def test_vllm_layout_finds_blocks_in_each_backend_layout():
         layout.parts(NUM_BLOCKS)
 
 
+class _DeviceStore:
+    """A store that says it takes device memory, around a real one (the caches here are host
+    memory standing in for GPU memory, which the kvpool build without feature cuda moves as
+    host memory: what is checked is which path BlockIO takes and that bytes round-trip)."""
+
+    def __init__(self, store, takes: bool):
+        self._store, self._takes = store, takes
+
+    def device_memory_supported(self):
+        return self._takes
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_vllm_device_caches_go_in_place_when_the_store_takes_device_memory(pool_env, closer):
+    store = adapters.open_store({}, module=pool_env.module)
+    closer(store.close)
+    if pool_env.module.__name__ == "kvpool.mooncake":
+        import kvpool
+
+        # This build (no feature cuda, or no GPU here) says so, and the adapter believes it.
+        assert store.device_memory_supported() is kvpool.device_memory_supported()
+    else:
+        assert not vl.store_takes_device_memory(store), "real Mooncake is given host memory"
+    src, dst = kv_caches(7), kv_caches(8)
+
+    def device_layout(caches):
+        layout = vl.BlockLayout(caches, NUM_BLOCKS)
+        layout.on_host = False  # as a torch CUDA tensor's layout says
+        return layout
+
+    io = vl.BlockIO(_DeviceStore(store, True), device_layout(src))
+    assert io.in_place and io._staging is None
+    keys = [f"dev-{uid()}-{b}" for b in (1, 5)]
+    assert io.save(keys, [1, 5]) == [0, 0]
+    into = vl.BlockIO(_DeviceStore(store, True), device_layout(dst), device_memory="direct")
+    want = len(block_bytes(src, 1))
+    assert into.load(keys, [2, 3]) == [want, want]
+    assert block_bytes(dst, 2) == block_bytes(src, 1)
+    assert block_bytes(dst, 3) == block_bytes(src, 5)
+    io.close()
+    into.close()
+    # A store that takes host memory only: "direct" is refused by name; "staging" and "auto"
+    # would stage through torch, which needs a device.
+    with pytest.raises(ValueError, match="does not take GPU memory"):
+        vl.BlockIO(_DeviceStore(store, False), device_layout(src), device_memory="direct")
+    with pytest.raises(ValueError, match="expected one of"):
+        vl.BlockIO(store, device_layout(src), device_memory="gpu")
+
+
 def test_vllm_keys_hash_forms():
     keys = vl.BlockKeys("ns", tp_size=2)
     assert keys.key(b"\x01\xff", 1) == "ns@tp1of2@pp0of1@01ff"

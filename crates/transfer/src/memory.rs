@@ -23,6 +23,7 @@ use std::ptr::NonNull;
 
 use nix::libc;
 
+pub mod device;
 mod numa;
 mod socket;
 
@@ -65,6 +66,12 @@ pub enum MemoryError {
     ShortFd { expected: usize, actual: u64 },
     #[error("range offset {offset} + length {len} is outside the segment of {size} bytes")]
     OutOfBounds { offset: u64, len: u64, size: usize },
+    #[error("segment memory is on device {ordinal}: the host reaches it only through staging")]
+    OnDevice { ordinal: u32 },
+    #[error("device memory: {0}")]
+    Device(#[from] device::DeviceError),
+    #[error("staged copy of device memory failed: {0}")]
+    Staged(#[source] io::Error),
 }
 
 impl MemoryError {
@@ -99,6 +106,9 @@ enum Backing {
     Foreign {
         release: Option<Box<dyn FnOnce() + Send + Sync>>,
     },
+    /// Memory on a device, reached only through its staging copies (`ptr` is the device
+    /// address, never dereferenced).
+    Device(std::sync::Arc<dyn device::DeviceMemory>),
 }
 
 /// A contiguous byte region that can be registered with the transfer engine.
@@ -128,6 +138,7 @@ impl std::fmt::Debug for Segment {
             Backing::Mmap { fd: Some(_), .. } => "memfd",
             Backing::Mmap { fd: None, .. } => "mmap",
             Backing::Foreign { .. } => "foreign",
+            Backing::Device(_) => "device",
         };
         f.debug_struct("Segment")
             .field("len", &self.len)
@@ -278,6 +289,45 @@ impl Segment {
         })
     }
 
+    /// A segment over device memory (a GPU's own memory): every access stages through the
+    /// device's copies ([`device::stream_out`], [`device::stream_in`]), none dereferences its
+    /// address on the host. Tagged with the device's ordinal, and with the NUMA node of its PCI
+    /// address under `sysfs_root` when the device knows its address.
+    pub fn device(
+        mem: std::sync::Arc<dyn device::DeviceMemory>,
+        sysfs_root: &std::path::Path,
+    ) -> Result<Self, MemoryError> {
+        let len = mem.len();
+        check_size(len)?;
+        // The address is only announced (descriptors, RDMA registration), never dereferenced:
+        // `ptr_at` refuses device segments.
+        let ptr = NonNull::new(mem.device_addr() as *mut u8).ok_or(MemoryError::OnDevice {
+            ordinal: mem.ordinal(),
+        })?;
+        let gpu = mem.ordinal();
+        let bus = mem.pci_bus_id();
+        let seg = Segment {
+            ptr,
+            len,
+            locked: false,
+            numa_node: None,
+            gpu_device: Some(gpu),
+            backing: Backing::Device(mem),
+        };
+        Ok(match bus {
+            Some(bdf) => seg.on_gpu(gpu, &bdf, sysfs_root),
+            None => seg,
+        })
+    }
+
+    /// The device memory behind the segment, for a device segment ([`Self::device`]).
+    pub fn device_memory_backing(&self) -> Option<&dyn device::DeviceMemory> {
+        match &self.backing {
+            Backing::Device(mem) => Some(mem.as_ref()),
+            _ => None,
+        }
+    }
+
     /// Wrap memory that belongs to GPU `gpu` (CUDA ordinal) at PCI address `pci_bus_id`:
     /// memory the GPU computes on that the host can also reach (CUDA managed memory, or a
     /// pinned host buffer mapped for the device). Its NUMA node is the GPU's, read from
@@ -389,9 +439,15 @@ impl Segment {
         }
     }
 
-    /// Raw pointer to `offset` after checking `offset..offset+len`.
+    /// Raw pointer to `offset` after checking `offset..offset+len`; refused for device
+    /// memory, which the host must not dereference.
     fn ptr_at(&self, offset: u64, len: usize) -> Result<*mut u8, MemoryError> {
         self.check_range(offset, len as u64)?;
+        if let Backing::Device(mem) = &self.backing {
+            return Err(MemoryError::OnDevice {
+                ordinal: mem.ordinal(),
+            });
+        }
         // SAFETY: offset + len <= self.len was checked, so the result stays inside (or one past
         // the end of) the allocation; offset fits in usize because it is <= self.len.
         Ok(unsafe { self.ptr.as_ptr().add(offset as usize) })
@@ -399,6 +455,16 @@ impl Segment {
 
     /// Copy `data` into the segment at `offset` (owner-side access).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), MemoryError> {
+        if let Some(dev) = self.device_memory_backing() {
+            self.check_range(offset, data.len() as u64)?;
+            let mut at = 0;
+            return device::stream_in(dev, offset, data.len(), |buf| {
+                buf.copy_from_slice(&data[at..at + buf.len()]);
+                at += buf.len();
+                Ok(())
+            })
+            .map_err(MemoryError::Staged);
+        }
         let dst = self.ptr_at(offset, data.len())?;
         // SAFETY: dst..dst+len is inside the segment (checked); `data` is a separate Rust
         // slice, so the ranges cannot overlap unless the caller built `data` from segment bytes
@@ -409,6 +475,16 @@ impl Segment {
 
     /// Copy bytes at `offset` out of the segment into `out` (owner-side access).
     pub fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), MemoryError> {
+        if let Some(dev) = self.device_memory_backing() {
+            self.check_range(offset, out.len() as u64)?;
+            let mut at = 0;
+            return device::stream_out(dev, offset, out.len(), |buf| {
+                out[at..at + buf.len()].copy_from_slice(buf);
+                at += buf.len();
+                Ok(())
+            })
+            .map_err(MemoryError::Staged);
+        }
         let src = self.ptr_at(offset, out.len())?;
         // SAFETY: src..src+len is inside the segment (checked); `out` is a distinct Rust slice.
         unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
@@ -417,6 +493,14 @@ impl Segment {
 
     /// Fill `offset..offset+len` with `byte`.
     pub fn fill(&self, offset: u64, len: usize, byte: u8) -> Result<(), MemoryError> {
+        if let Some(dev) = self.device_memory_backing() {
+            self.check_range(offset, len as u64)?;
+            return device::stream_in(dev, offset, len, |buf| {
+                buf.fill(byte);
+                Ok(())
+            })
+            .map_err(MemoryError::Staged);
+        }
         let dst = self.ptr_at(offset, len)?;
         // SAFETY: dst..dst+len is inside the segment (checked).
         unsafe { std::ptr::write_bytes(dst, byte, len) };
@@ -438,6 +522,7 @@ impl Drop for Segment {
                 unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) }
             }
             Backing::Mmap { .. } => {} // MmapMut unmaps itself.
+            Backing::Device(_) => {}   // The device memory frees itself with its last handle.
             Backing::Foreign { release } => {
                 if let Some(release) = release.take() {
                     release();
@@ -455,6 +540,29 @@ pub fn copy_between(
     dst_offset: u64,
     len: usize,
 ) -> Result<(), MemoryError> {
+    if let Some(dev) = src.device_memory_backing() {
+        // Device to anywhere: stream the source's chunks into the destination.
+        src.check_range(src_offset, len as u64)?;
+        dst.check_range(dst_offset, len as u64)?;
+        let mut at = dst_offset;
+        return device::stream_out(dev, src_offset, len, |buf| {
+            dst.write_at(at, buf).map_err(io::Error::other)?;
+            at += buf.len() as u64;
+            Ok(())
+        })
+        .map_err(MemoryError::Staged);
+    }
+    if let Some(dev) = dst.device_memory_backing() {
+        src.check_range(src_offset, len as u64)?;
+        dst.check_range(dst_offset, len as u64)?;
+        let mut at = src_offset;
+        return device::stream_in(dev, dst_offset, len, |buf| {
+            src.read_at(at, buf).map_err(io::Error::other)?;
+            at += buf.len() as u64;
+            Ok(())
+        })
+        .map_err(MemoryError::Staged);
+    }
     let s = src.ptr_at(src_offset, len)?;
     let d = dst.ptr_at(dst_offset, len)?;
     // SAFETY: both ranges are inside their segments (checked). They may overlap when both name

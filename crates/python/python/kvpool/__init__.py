@@ -31,6 +31,7 @@ from ._native import (
 
 __all__ = [
     "Store",
+    "device_memory_supported",
     "ConfigError",
     "Error",
     "NotFound",
@@ -48,6 +49,13 @@ __all__ = [
 ]
 
 Key = Union[str, bytes]
+
+
+def device_memory_supported() -> bool:
+    """Whether ``register_buffer`` takes a GPU's own memory (a CUDA tensor's ``data_ptr()``)
+    and moves it through pinned staging itself: a build with feature ``cuda`` on a host whose
+    CUDA driver reports a GPU. False otherwise; host memory works either way."""
+    return bool(_native.device_memory_supported())
 
 
 def _check_key(key: Any) -> Key:

@@ -216,6 +216,12 @@ class MooncakeDistributedStore:
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         return self._call(lambda c: c.register_buffer(buffer_ptr, size), OK)
 
+    def device_memory_supported(self) -> bool:
+        """kvpool's own: whether ``register_buffer`` takes a GPU's own memory (a CUDA tensor's
+        ``data_ptr()``) and moves it through pinned staging itself (a build with feature
+        ``cuda`` on a host with a CUDA driver and a GPU)."""
+        return bool(_native.device_memory_supported())
+
     def unregister_buffer(self, buffer_ptr: int) -> int:
         return self._call(lambda c: OK if c.unregister_buffer(buffer_ptr) else INVALID_PARAMS, None)
 

@@ -9,6 +9,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use nix::libc;
 
 use super::Segment;
+use super::device::{self, DeviceMemory};
 
 /// What a blocking socket call that hit its `SO_RCVTIMEO`/`SO_SNDTIMEO` should do next.
 pub(crate) type OnTimeout<'a> = &'a mut dyn FnMut() -> io::Result<()>;
@@ -54,6 +55,39 @@ unsafe fn send_raw(
     syscall_len(unsafe { libc::send(fd.as_raw_fd(), ptr.cast(), len, flags) })
 }
 
+/// Send all of `bytes` (a live host slice) to `fd`.
+fn send_slice(fd: BorrowedFd<'_>, bytes: &[u8], on_timeout: OnTimeout<'_>) -> io::Result<()> {
+    move_all(bytes.len(), on_timeout, |done| {
+        let rest = &bytes[done..];
+        // SAFETY: `rest` is a live Rust slice.
+        unsafe { send_raw(fd, rest.as_ptr(), rest.len(), libc::MSG_NOSIGNAL) }
+    })
+}
+
+/// Receive exactly `bytes.len()` bytes from `fd` into `bytes` (a live host slice).
+fn recv_slice(fd: BorrowedFd<'_>, bytes: &mut [u8], on_timeout: OnTimeout<'_>) -> io::Result<()> {
+    let len = bytes.len();
+    let base = bytes.as_mut_ptr();
+    move_all(len, on_timeout, |done| {
+        // SAFETY: base+done..base+len is inside `bytes`, which this call borrows mutably.
+        let n = unsafe {
+            libc::recv(
+                fd.as_raw_fd(),
+                base.add(done).cast(),
+                len - done,
+                libc::MSG_WAITALL,
+            )
+        };
+        match syscall_len(n)? {
+            0 => Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed the connection mid-payload",
+            )),
+            n => Ok(n),
+        }
+    })
+}
+
 /// A byte range of a segment, `seg[offset..offset + len]`: where a payload moving between a
 /// socket and segment memory is received into or sent from.
 #[derive(Clone, Copy, Debug)]
@@ -68,6 +102,19 @@ impl<'a> Span<'a> {
         Span { seg, offset, len }
     }
 
+    /// The device memory of a span of a device segment, after checking the range.
+    fn device(self) -> io::Result<Option<&'a dyn DeviceMemory>> {
+        match self.seg.device_memory_backing() {
+            Some(dev) => {
+                self.seg
+                    .check_range(self.offset, self.len as u64)
+                    .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+                Ok(Some(dev))
+            }
+            None => Ok(None),
+        }
+    }
+
     /// Raw pointer to the start of the range, after checking that it lies inside the segment.
     fn start(self) -> io::Result<*mut u8> {
         self.seg
@@ -78,6 +125,12 @@ impl<'a> Span<'a> {
     /// Receive exactly the range's bytes from `fd` straight into it. On a socket timeout
     /// `on_timeout` decides whether to keep waiting (Ok) or give up (Err).
     pub(crate) fn recv(self, fd: BorrowedFd<'_>, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+        if let Some(dev) = self.device()? {
+            // Into staging, then up to the device while the next chunk arrives.
+            return device::stream_in(dev, self.offset, self.len, |buf| {
+                recv_slice(fd, buf, &mut *on_timeout)
+            });
+        }
         let (base, len) = (self.start()?, self.len);
         move_all(len, on_timeout, |done| {
             // SAFETY: base+done..base+len is inside the segment (checked above); the kernel
@@ -102,6 +155,12 @@ impl<'a> Span<'a> {
 
     /// Send exactly the range's bytes to `fd`.
     pub(crate) fn send(self, fd: BorrowedFd<'_>, on_timeout: OnTimeout<'_>) -> io::Result<()> {
+        if let Some(dev) = self.device()? {
+            // Down to staging, sent while the next chunk comes down.
+            return device::stream_out(dev, self.offset, self.len, |buf| {
+                send_slice(fd, buf, &mut *on_timeout)
+            });
+        }
         let (base, len) = (self.start()?, self.len);
         move_all(len, on_timeout, |done| {
             // SAFETY: base+done..base+len is inside the segment (checked above).
@@ -118,7 +177,9 @@ impl<'a> Span<'a> {
         prefix: &[u8],
         on_timeout: OnTimeout<'_>,
     ) -> io::Result<()> {
-        self.start()?;
+        if self.device()?.is_none() {
+            self.start()?;
+        }
         let more = if self.len > 0 { libc::MSG_MORE } else { 0 };
         move_all(prefix.len(), on_timeout, |done| {
             let rest = &prefix[done..];
@@ -223,6 +284,14 @@ pub(crate) fn send_spans(
     spans: &[Span<'_>],
     on_timeout: OnTimeout<'_>,
 ) -> io::Result<()> {
+    if spans
+        .iter()
+        .any(|s| s.seg.device_memory_backing().is_some())
+    {
+        // Device ranges stage chunk by chunk; the frame goes out piece by piece.
+        send_slice(fd, prefix, &mut *on_timeout)?;
+        return spans.iter().try_for_each(|s| s.send(fd, &mut *on_timeout));
+    }
     let mut pieces = Vec::with_capacity(spans.len() + 1);
     pieces.push((prefix.as_ptr().cast_mut(), prefix.len()));
     for s in spans {
@@ -240,6 +309,12 @@ pub(crate) fn recv_spans(
     spans: &[Span<'_>],
     on_timeout: OnTimeout<'_>,
 ) -> io::Result<()> {
+    if spans
+        .iter()
+        .any(|s| s.seg.device_memory_backing().is_some())
+    {
+        return spans.iter().try_for_each(|s| s.recv(fd, &mut *on_timeout));
+    }
     let mut pieces = Vec::with_capacity(spans.len());
     for s in spans {
         pieces.push((s.start()?, s.len));

@@ -69,6 +69,7 @@ from .vllm_blocks import (  # noqa: F401 - re-exported: the adapter's pure parts
     hash_hex,
     prefix_hits,
     segments_of,
+    store_takes_device_memory,
     token_block_hashes,
 )
 
@@ -81,6 +82,7 @@ EXTRA_STORE_MODULE = "kvpool_store_module"
 EXTRA_TP_RANK = "kvpool_tp_rank"
 EXTRA_PP_RANK = "kvpool_pp_rank"
 EXTRA_STAGING_BYTES = "kvpool_staging_bytes"
+EXTRA_DEVICE_MEMORY = "kvpool_device_memory"
 EXTRA_CACHE_PREFIX = "cache_prefix"
 EXTRA_HANDOFF_WAIT_S = "kvpool_handoff_wait_s"
 # How long a decode engine waits for the blocks a prefill engine handed over.
@@ -530,12 +532,19 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             layout,
             replicate_config=replicate,
             staging_bytes=int(self._extra.get(EXTRA_STAGING_BYTES) or DEFAULT_STAGING_BYTES),
+            device_memory=str(self._extra.get(EXTRA_DEVICE_MEMORY) or "auto"),
         )
+        if layout.on_host:
+            how = "in place"
+        elif self._io.in_place:
+            how = "GPU memory registered with the pool (no torch staging)"
+        else:
+            how = "through host staging"
         logger.info(
             "kvpool: %d KV segment(s), %d bytes per block, %s",
             len(layout.segments),
             layout.bytes_per_block,
-            "in place" if layout.on_host else "through host staging",
+            how,
         )
 
     def _worker_keys(self, job: BlockJob) -> List[str]:

@@ -222,11 +222,32 @@ def prefix_hits(store: Any, key_groups: Sequence[Sequence[str]]) -> int:
     return len(key_groups)
 
 
+DEVICE_MEMORY_MODES = ("auto", "direct", "staging")
+
+
+def store_takes_device_memory(store: Any) -> bool:
+    """Whether ``store`` registers a GPU's own memory and moves it itself (kvpool built with
+    feature ``cuda`` on a host with a GPU driver: ``device_memory_supported()``). A store
+    without that method (real Mooncake, or any other) is given host memory only."""
+    probe = getattr(store, "device_memory_supported", None)
+    if not callable(probe):
+        return False
+    try:
+        return bool(probe())
+    except Exception:  # noqa: BLE001 - a store that cannot answer gets host memory
+        return False
+
+
 class BlockIO:
     """Saves and loads whole blocks of a :class:`BlockLayout` under given keys.
 
-    Host caches are registered with the store and moved with the multi-buffer calls, in place;
-    device caches go through a registered pinned host buffer of ``staging_bytes`` (torch).
+    Host caches are registered with the store and moved with the multi-buffer calls, in place.
+    Device caches are too when the store takes device memory (``device_memory`` "auto" or
+    "direct"; see :func:`store_takes_device_memory`): the store copies between the GPU and its
+    own pinned staging, with no torch copy here. Otherwise ("staging", or a store that takes
+    host memory only) they go through a registered pinned host buffer of ``staging_bytes``,
+    filled and drained with torch copies. "direct" with a store that cannot take device
+    memory is a ValueError.
     """
 
     def __init__(
@@ -236,14 +257,29 @@ class BlockIO:
         *,
         replicate_config: Any = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        device_memory: str = "auto",
     ):
+        if device_memory not in DEVICE_MEMORY_MODES:
+            raise ValueError(
+                f"device_memory {device_memory!r}: expected one of {', '.join(DEVICE_MEMORY_MODES)}"
+            )
         self.store = store
         self.layout = layout
         self.replicate_config = replicate_config
         self._registered: List[int] = []
         self._lock = threading.Lock()
         self._staging: Optional[_Staging] = None
-        if layout.on_host:
+        in_place = layout.on_host
+        if not in_place and device_memory != "staging":
+            takes = store_takes_device_memory(store)
+            if device_memory == "direct" and not takes:
+                raise ValueError(
+                    "device_memory 'direct': this store does not take GPU memory (kvpool "
+                    "needs a build with feature cuda and a CUDA driver)"
+                )
+            in_place = takes
+        self.in_place = in_place
+        if in_place:
             for ptr, size in layout.regions():
                 rc = store.register_buffer(ptr, size)
                 if rc != 0:
