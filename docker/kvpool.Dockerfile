@@ -3,7 +3,8 @@
 # (`kvpool operator run`), the master, the conductor and the synthetic engines, and the `kvpool`
 # Python package (the PyO3 extension, kvpool.mooncake and the vLLM/SGLang adapters) installed at
 # /opt/kvpool/python, which the init container of every engine pod copies into the engine
-# (`kvpool operator install-python`).
+# (`kvpool operator install-python`); the wheel is built with feature `cuda` (GPU KV caches
+# registered in place; the CUDA driver is loaded at run time, none is needed here).
 # Build from the repository root:
 #   docker build -f docker/kvpool.Dockerfile -t ghcr.io/kvpool/kvpool:0.1.0 .
 # Runs as UID 65532. See docs/images.md and docs/adr/0004-python-package-in-engine-pods.md.
@@ -45,7 +46,8 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/usr/local/cargo/git,sharing=locked \
     --mount=type=cache,id=kvpool-python-target,target=/src/target,sharing=locked \
-    maturin build --release --locked --zig --compatibility manylinux_2_28 -m crates/python/Cargo.toml \
+    maturin build --release --locked --strip --zig --compatibility manylinux_2_28 -m crates/python/Cargo.toml \
+      --features cuda \
       --interpreter /opt/maturin/bin/python3 --out /wheels \
  && pip install --no-cache-dir --no-deps --no-compile --target /opt/kvpool/python /wheels/*.whl \
  && test -f /opt/kvpool/python/kvpool/__init__.py \

@@ -2032,7 +2032,10 @@ fn kvpool_image_carries_the_python_package_engine_pods_copy() -> Result<()> {
         .with_context(|| format!("{rel}: no `AS python` build stage"))?
         .join("\n");
     for wanted in [
-        "maturin build --release --locked --zig --compatibility manylinux_2_28 -m crates/python/Cargo.toml",
+        "maturin build --release --locked --strip --zig --compatibility manylinux_2_28 -m crates/python/Cargo.toml",
+        // GPU engines register their KV caches in place (docs/transfer.md, "GPU memory"); the
+        // driver is loaded at run time, so the same wheel imports on hosts without one.
+        "--features cuda",
         "pip install --no-cache-dir --no-deps --no-compile --target",
     ] {
         ensure!(
