@@ -10,6 +10,14 @@ use kvpool_transfer::Segment;
 
 use crate::errors::Failure;
 
+/// Whether `register_buffer` accepts a GPU's own memory (a CUDA tensor's `data_ptr()`) and
+/// moves it through pinned staging with no host copy of the caller's: true in a build with
+/// feature `cuda` on a host whose CUDA driver reports a GPU.
+#[pyo3::pyfunction]
+pub fn device_memory_supported() -> bool {
+    supported()
+}
+
 /// Whether this build can register GPU memory and a driver with a GPU is present.
 pub fn supported() -> bool {
     #[cfg(feature = "cuda")]

@@ -271,3 +271,23 @@ impl From<Failure> for PyErr {
         to_py(f)
     }
 }
+
+/// Adds the exception classes to the module `m`.
+pub fn add_to(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
+    use pyo3::types::PyModuleMethods;
+    let py = m.py();
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("NotFound", py.get_type::<NotFound>())?;
+    m.add("Exists", py.get_type::<Exists>())?;
+    m.add("NoSpace", py.get_type::<NoSpace>())?;
+    m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
+    m.add("BufferTooSmall", py.get_type::<BufferTooSmall>())?;
+    m.add("NotRegistered", py.get_type::<NotRegistered>())?;
+    m.add("Leased", py.get_type::<Leased>())?;
+    m.add("Unavailable", py.get_type::<Unavailable>())?;
+    m.add("AuthFailed", py.get_type::<AuthFailed>())?;
+    m.add("TransferFailed", py.get_type::<TransferFailed>())?;
+    m.add("Closed", py.get_type::<Closed>())?;
+    m.add("NotSupported", py.get_type::<NotSupported>())?;
+    Ok(())
+}

@@ -579,32 +579,10 @@ fn parts(
         .collect()
 }
 
-/// Whether `register_buffer` accepts a GPU's own memory (a CUDA tensor's `data_ptr()`) and
-/// moves it through pinned staging with no host copy of the caller's: true in a build with
-/// feature `cuda` on a host whose CUDA driver reports a GPU.
-#[pyfunction]
-fn device_memory_supported() -> bool {
-    device::supported()
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    m.add_function(wrap_pyfunction!(device_memory_supported, m)?)?;
+    m.add_function(wrap_pyfunction!(device::device_memory_supported, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<Placement>()?;
-    m.add("Error", py.get_type::<errors::Error>())?;
-    m.add("NotFound", py.get_type::<errors::NotFound>())?;
-    m.add("Exists", py.get_type::<errors::Exists>())?;
-    m.add("NoSpace", py.get_type::<errors::NoSpace>())?;
-    m.add("InvalidArgument", py.get_type::<errors::InvalidArgument>())?;
-    m.add("BufferTooSmall", py.get_type::<errors::BufferTooSmall>())?;
-    m.add("NotRegistered", py.get_type::<errors::NotRegistered>())?;
-    m.add("Leased", py.get_type::<errors::Leased>())?;
-    m.add("Unavailable", py.get_type::<errors::Unavailable>())?;
-    m.add("AuthFailed", py.get_type::<errors::AuthFailed>())?;
-    m.add("TransferFailed", py.get_type::<errors::TransferFailed>())?;
-    m.add("Closed", py.get_type::<errors::Closed>())?;
-    m.add("NotSupported", py.get_type::<errors::NotSupported>())?;
-    Ok(())
+    errors::add_to(m)
 }
