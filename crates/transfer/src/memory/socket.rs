@@ -64,12 +64,20 @@ fn send_slice(fd: BorrowedFd<'_>, bytes: &[u8], on_timeout: OnTimeout<'_>) -> io
     })
 }
 
-/// Receive exactly `bytes.len()` bytes from `fd` into `bytes` (a live host slice).
-fn recv_slice(fd: BorrowedFd<'_>, bytes: &mut [u8], on_timeout: OnTimeout<'_>) -> io::Result<()> {
-    let len = bytes.len();
-    let base = bytes.as_mut_ptr();
+/// Receive exactly `len` bytes from `fd` into `base..base+len`.
+///
+/// # Safety
+/// `base..base+len` must be writable for the whole call and not referenced by any Rust
+/// reference but the caller's exclusive one (if any).
+unsafe fn recv_raw_all(
+    fd: BorrowedFd<'_>,
+    base: *mut u8,
+    len: usize,
+    on_timeout: OnTimeout<'_>,
+) -> io::Result<()> {
     move_all(len, on_timeout, |done| {
-        // SAFETY: base+done..base+len is inside `bytes`, which this call borrows mutably.
+        // SAFETY: base+done..base+len is writable (the caller's contract); the kernel writes
+        // at most `len - done` bytes there.
         let n = unsafe {
             libc::recv(
                 fd.as_raw_fd(),
@@ -86,6 +94,12 @@ fn recv_slice(fd: BorrowedFd<'_>, bytes: &mut [u8], on_timeout: OnTimeout<'_>) -
             n => Ok(n),
         }
     })
+}
+
+/// Receive exactly `bytes.len()` bytes from `fd` into `bytes` (a live host slice).
+fn recv_slice(fd: BorrowedFd<'_>, bytes: &mut [u8], on_timeout: OnTimeout<'_>) -> io::Result<()> {
+    // SAFETY: `bytes` is borrowed mutably for the whole call.
+    unsafe { recv_raw_all(fd, bytes.as_mut_ptr(), bytes.len(), on_timeout) }
 }
 
 /// A byte range of a segment, `seg[offset..offset + len]`: where a payload moving between a
@@ -132,25 +146,9 @@ impl<'a> Span<'a> {
             });
         }
         let (base, len) = (self.start()?, self.len);
-        move_all(len, on_timeout, |done| {
-            // SAFETY: base+done..base+len is inside the segment (checked above); the kernel
-            // writes at most `len - done` bytes there; no Rust reference to these bytes exists.
-            let n = unsafe {
-                libc::recv(
-                    fd.as_raw_fd(),
-                    base.add(done).cast(),
-                    len - done,
-                    libc::MSG_WAITALL,
-                )
-            };
-            match syscall_len(n)? {
-                0 => Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "peer closed the connection mid-payload",
-                )),
-                n => Ok(n),
-            }
-        })
+        // SAFETY: base..base+len is inside the segment (checked by `start`); no Rust reference
+        // to segment bytes exists (the module's memory model).
+        unsafe { recv_raw_all(fd, base, len, on_timeout) }
     }
 
     /// Send exactly the range's bytes to `fd`.
