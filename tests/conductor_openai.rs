@@ -203,6 +203,18 @@ async fn bad_roles_and_shapes_are_refused_naming_the_field_before_any_engine() {
             "stream_options",
             "stream: true",
         ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "a", "temperature": -0.5}),
+            "temperature",
+            "from 0 to 2",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": vec![[7]; 257]}),
+            "prompt",
+            "limit of 256 per request (--max-prompts-per-request)",
+        ),
     ] {
         let (status, _, text) = post(c.conductor, path, &body).await;
         assert_eq!(status, 400, "{body}: {text}");
@@ -214,6 +226,20 @@ async fn bad_roles_and_shapes_are_refused_naming_the_field_before_any_engine() {
             "{text}"
         );
     }
+    // A body declared as plain text is refused as the engines refuse it: 415.
+    let body = json!({"model": MODEL, "prompt": "a"}).to_string();
+    let mut conn = tokio::net::TcpStream::connect(c.conductor)
+        .await
+        .expect("connect");
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(req.as_bytes()).await.expect("send");
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply).await.expect("reply");
+    assert!(reply.starts_with("HTTP/1.1 415"), "{reply}");
+    assert!(reply.contains("\"content_type\""), "{reply}");
     assert_metric(&c.prefill, "kvpool_engine_requests_total", 0.0);
     c.shutdown.cancel();
 }

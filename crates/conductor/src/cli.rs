@@ -194,6 +194,11 @@ pub struct ConductorArgs {
     /// Idle keep-alive connections kept open per engine at most.
     #[arg(long, default_value_t = 64, env = "KVPOOL_UPSTREAM_MAX_IDLE_PER_HOST")]
     pub upstream_max_idle_per_host: usize,
+    /// Most prompts one completions request may batch; more is refused with 400 naming the
+    /// limit, before any tokenising.
+    #[arg(long, default_value_t = crate::config::DEFAULT_MAX_PROMPTS,
+        env = "KVPOOL_MAX_PROMPTS_PER_REQUEST")]
+    pub max_prompts_per_request: usize,
 }
 
 /// `FIXED_S,LINEAR_S,QUADRATIC_S` (each finite and >= 0).
@@ -389,6 +394,10 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         kv_events_port: args.kv_events_port,
         fit_prefill_cost: args.fit_prefill_cost,
         upstream: upstream_pool(args)?,
+        max_prompts: match args.max_prompts_per_request {
+            0 => return Err(flag("max-prompts-per-request", "must be at least 1")),
+            n => n,
+        },
     })
 }
 

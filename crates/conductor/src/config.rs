@@ -50,7 +50,13 @@ pub struct ConductorConfig {
     pub fit_prefill_cost: bool,
     /// The pool of keep-alive connections to the engines.
     pub upstream: UpstreamPool,
+    /// Most prompts one completions request may batch (`--max-prompts-per-request`).
+    pub max_prompts: usize,
 }
+
+/// Default of `--max-prompts-per-request`: a batch larger than this is refused with 400
+/// before any tokenising (a 500 KB body can hold 100,000 one-token prompts).
+pub const DEFAULT_MAX_PROMPTS: usize = 256;
 
 /// How the conductor keeps idle connections to the engines: each expires after `idle_timeout`
 /// unused, and at most `max_idle_per_host` stay open per engine.

@@ -27,7 +27,7 @@ mod state;
 pub use kvpool_proto::stream_tokens;
 pub mod tokenize;
 
-pub use config::{ConductorConfig, KvEventSource, PoolLookup, UpstreamPool};
+pub use config::{ConductorConfig, DEFAULT_MAX_PROMPTS, KvEventSource, PoolLookup, UpstreamPool};
 pub use engines::{Engines, RoutingProtocol};
 pub use fetch_estimate::FetchEstimate;
 pub use prefill_costs::{CostStatus, PrefillCosts};

@@ -540,6 +540,7 @@ mod tests {
             kv_events_port: None,
             fit_prefill_cost: false,
             upstream: Default::default(),
+            max_prompts: crate::config::DEFAULT_MAX_PROMPTS,
         }
     }
 

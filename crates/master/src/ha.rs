@@ -46,8 +46,6 @@ pub struct HaConfig {
 pub enum HaError {
     #[error("cannot grant an etcd lease")]
     Lease(#[source] etcd_client::Error),
-    #[error("campaign for leadership failed")]
-    Campaign(#[source] etcd_client::Error),
     #[error("etcd answered the campaign without a leader key")]
     NoLeaderKey,
     #[error("loading state from etcd failed")]
@@ -196,10 +194,24 @@ async fn load(client: &mut Client, prefix: &str) -> Result<Persisted, HaError> {
     parse_records(prefix, kvs)
 }
 
-async fn connect(cfg: &HaConfig, stop: &CancellationToken) -> Option<Client> {
-    let opts = ConnectOptions::new()
+/// Deadline of every etcd request but the campaign.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A client of `cfg`'s etcd, retried every second until `stop`. `request_timeout` bounds each
+/// request; None leaves requests unbounded (the campaign, which blocks for as long as another
+/// master leads), with HTTP/2 keep-alive pings so that a dead connection still ends them.
+async fn connect(
+    cfg: &HaConfig,
+    stop: &CancellationToken,
+    request_timeout: Option<Duration>,
+) -> Option<Client> {
+    let mut opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(2))
-        .with_timeout(Duration::from_secs(5));
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(4))
+        .with_keep_alive_while_idle(true);
+    if let Some(t) = request_timeout {
+        opts = opts.with_timeout(t);
+    }
     loop {
         match Client::connect(&cfg.endpoints, Some(opts.clone())).await {
             Ok(c) => return Some(c),
@@ -222,7 +234,11 @@ pub async fn run(
     readiness: Readiness,
     stop: CancellationToken,
 ) -> Result<(), HaError> {
-    let Some(mut client) = connect(&cfg, &stop).await else {
+    let Some(mut client) = connect(&cfg, &stop, Some(REQUEST_TIMEOUT)).await else {
+        return Ok(());
+    };
+    // Campaigning waits for as long as another master leads: its own client, no deadline.
+    let Some(campaigner) = connect(&cfg, &stop, None).await else {
         return Ok(());
     };
     let lease = client
@@ -285,7 +301,7 @@ pub async fn run(
         &readiness,
         &stop,
         &lost,
-        &mut client,
+        (&mut client, campaigner),
         lease,
         &election,
     )
@@ -308,15 +324,29 @@ async fn lead(
     readiness: &Readiness,
     stop: &CancellationToken,
     lost: &CancellationToken,
-    client: &mut Client,
+    (client, mut campaigner): (&mut Client, Client),
     lease: i64,
     election: &str,
 ) -> Result<(), HaError> {
     tracing::info!(advertise = %cfg.advertise, "campaigning for master leadership");
-    let won = tokio::select! {
-        r = client.campaign(election, cfg.advertise.clone(), lease) => r.map_err(HaError::Campaign)?,
-        _ = stop.cancelled() => return Ok(()),
-        _ = lost.cancelled() => return Err(HaError::LeadershipLost),
+    // A standby waits here while another master leads. A failed campaign (the connection to
+    // etcd lost or reset) is tried again on the same lease: only losing the lease itself, or
+    // being stopped, ends the wait.
+    let won = loop {
+        let failed = tokio::select! {
+            r = campaigner.campaign(election, cfg.advertise.clone(), lease) => match r {
+                Ok(won) => break won,
+                Err(e) => e,
+            },
+            _ = stop.cancelled() => return Ok(()),
+            _ = lost.cancelled() => return Err(HaError::LeadershipLost),
+        };
+        tracing::warn!(error = %chain(&failed), "campaign interrupted, campaigning again");
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            _ = lost.cancelled() => return Err(HaError::LeadershipLost),
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
     };
     let leader_key = won.leader().cloned().ok_or(HaError::NoLeaderKey)?;
     let started = Instant::now();

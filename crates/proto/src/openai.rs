@@ -266,6 +266,7 @@ pub fn parse_object(
         },
         Some(_) => return Err(invalid("stream_options", "must be an object")),
     };
+    sampling(obj)?;
     let kv_role = parse_kv_role(obj.get("kv_transfer_params"))?;
     let bootstrap = parse_bootstrap(obj)?;
     Ok(GenerateRequest {
@@ -281,6 +282,47 @@ pub fn parse_object(
         kv_role,
         bootstrap,
     })
+}
+
+/// The sampling fields the engines would refuse, refused here first with the same bounds as
+/// OpenAI and vLLM: `temperature` 0 to 2, `top_p` above 0 up to 1, `top_k` -1 (off) or a
+/// positive integer, `presence_penalty` and `frequency_penalty` -2 to 2,
+/// `repetition_penalty` above 0, `min_p` 0 to 1. Absent or null fields are left alone.
+fn sampling(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    let number =
+        |field: &'static str, ok: &dyn Fn(f64) -> bool, range: &str| -> Result<(), ApiError> {
+            match obj.get(field) {
+                None | Some(Value::Null) => Ok(()),
+                Some(v) => match v.as_f64() {
+                    Some(x) if x.is_finite() && ok(x) => Ok(()),
+                    _ => Err(invalid(field, format!("must be a number {range}, got {v}"))),
+                },
+            }
+        };
+    number("temperature", &|x| (0.0..=2.0).contains(&x), "from 0 to 2")?;
+    number("top_p", &|x| x > 0.0 && x <= 1.0, "above 0 and at most 1")?;
+    number(
+        "presence_penalty",
+        &|x| (-2.0..=2.0).contains(&x),
+        "from -2 to 2",
+    )?;
+    number(
+        "frequency_penalty",
+        &|x| (-2.0..=2.0).contains(&x),
+        "from -2 to 2",
+    )?;
+    number("repetition_penalty", &|x| x > 0.0, "above 0")?;
+    number("min_p", &|x| (0.0..=1.0).contains(&x), "from 0 to 1")?;
+    match obj.get("top_k") {
+        None | Some(Value::Null) => Ok(()),
+        Some(v) => match v.as_i64() {
+            Some(k) if k == -1 || k > 0 => Ok(()),
+            _ => Err(invalid(
+                "top_k",
+                format!("must be -1 or a positive integer, got {v}"),
+            )),
+        },
+    }
 }
 
 /// A boolean field; `default` when absent or null.
@@ -775,6 +817,29 @@ mod tests {
                 "max_tokens",
             ),
             (r#"{"model":"m","prompt":"a","stream":"yes"}"#, "stream"),
+            (
+                r#"{"model":"m","prompt":"a","temperature":-0.5}"#,
+                "temperature",
+            ),
+            (
+                r#"{"model":"m","prompt":"a","temperature":"hot"}"#,
+                "temperature",
+            ),
+            (r#"{"model":"m","prompt":"a","top_p":0}"#, "top_p"),
+            (r#"{"model":"m","prompt":"a","top_k":0}"#, "top_k"),
+            (
+                r#"{"model":"m","prompt":"a","presence_penalty":3}"#,
+                "presence_penalty",
+            ),
+            (
+                r#"{"model":"m","prompt":"a","frequency_penalty":-2.5}"#,
+                "frequency_penalty",
+            ),
+            (
+                r#"{"model":"m","prompt":"a","repetition_penalty":0}"#,
+                "repetition_penalty",
+            ),
+            (r#"{"model":"m","prompt":"a","min_p":1.5}"#, "min_p"),
             (
                 r#"{"model":"m","prompt":"a","kv_transfer_params":[]}"#,
                 "kv_transfer_params",

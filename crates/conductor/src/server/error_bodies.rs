@@ -154,6 +154,31 @@ pub(super) fn body_rejected(shared: &Shared, e: &BytesRejection) -> Response {
     error_response(e.status(), e.body_text(), "invalid_request_error", "body")
 }
 
+/// A body declared as something other than JSON (`Content-Type`): 415, as the engines answer
+/// it. A body with no `Content-Type` is read as JSON.
+pub(super) fn not_json(shared: &Shared, content_type: &str) -> Response {
+    shared.metrics.request("body");
+    error_response(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        format!("the body must be JSON (Content-Type: application/json), got {content_type:?}"),
+        "invalid_request_error",
+        "content_type",
+    )
+}
+
+/// Whether a `Content-Type` value names JSON (`application/json`, with parameters, or a
+/// `+json` type).
+pub(super) fn is_json(content_type: &str) -> bool {
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
 /// A route the conductor does not serve: 404 with an OpenAI-style body.
 pub(super) fn route_not_found(method: &Method, uri: &Uri) -> Response {
     error_response(

@@ -19,7 +19,9 @@ use prometheus::Registry;
 
 use super::engine_load::EngineLoad;
 use super::engine_set::EngineSet;
-use super::error_bodies::{api_error, body_rejected, method_not_allowed, route_not_found};
+use super::error_bodies::{
+    api_error, body_rejected, is_json, method_not_allowed, not_json, route_not_found,
+};
 use super::handle::handle;
 use super::members::Members;
 use super::metrics::Metrics;
@@ -192,7 +194,15 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
 /// unreadable one is answered with its rejection.
 fn completion_route(endpoint: Endpoint, path: &'static str) -> MethodRouter<Arc<Shared>> {
     post(
-        move |AxumState(s): AxumState<Arc<Shared>>, body: Result<Bytes, BytesRejection>| async move {
+        move |AxumState(s): AxumState<Arc<Shared>>,
+              headers: axum::http::HeaderMap,
+              body: Result<Bytes, BytesRejection>| async move {
+            if let Some(ct) = headers.get(axum::http::header::CONTENT_TYPE) {
+                let ct = String::from_utf8_lossy(ct.as_bytes());
+                if !is_json(&ct) {
+                    return not_json(&s, &ct);
+                }
+            }
             match body {
                 Ok(body) => handle(s, endpoint, path, body).await,
                 Err(e) => body_rejected(&s, &e),

@@ -26,7 +26,7 @@ use crate::engines::RoutingProtocol;
 use crate::request::ClientRequest;
 use crate::tokenize::PromptTokenizer;
 use kvpool_core::sched::EngineHash;
-use kvpool_proto::openai::Endpoint;
+use kvpool_proto::openai::{ApiError, Endpoint};
 
 /// Serves one completion request that came to `endpoint` (at `path`).
 pub(super) async fn handle(
@@ -62,6 +62,18 @@ pub(super) async fn handle(
         Ok(Err(unknown)) => return api_error(&shared, &unknown.error),
         Err(e) => return api_error(&shared, &e),
     };
+    let limit = shared.config.max_prompts;
+    if req.view.prompts.len() > limit {
+        let e = ApiError::Invalid {
+            field: "prompt",
+            problem: format!(
+                "batches {} prompts, more than this conductor's limit of {limit} per request \
+                 (--max-prompts-per-request)",
+                req.view.prompts.len()
+            ),
+        };
+        return api_error(&shared, &e);
+    }
     let mut tokens = match shared
         .config
         .tokenizer
