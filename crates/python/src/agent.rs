@@ -64,6 +64,16 @@ struct Registered {
     _view: Option<Held>,
 }
 
+/// A failed copy between caller memory and the staging area: a buffer no longer mapped is
+/// the transfer failing (Mooncake's -800, as in direct mode), anything else internal.
+fn fault(e: kvpool_client::engine_api::shm::ShmError) -> Failure {
+    let kind = match e {
+        kvpool_client::engine_api::shm::ShmError::Fault { .. } => Kind::TransferFailed,
+        _ => Kind::Internal,
+    };
+    Failure::new(kind, format!("staging: {e}"))
+}
+
 /// A live session with the agent.
 pub struct Agent {
     rpc: EngineApiClient<Channel>,
@@ -347,11 +357,14 @@ impl Agent {
                 .unwrap_or(Ok(()))
                 .map_err(|e| Failure::new(Kind::Internal, format!("GPU buffer: {e}")));
         }
-        // SAFETY: `place` found `ptr..ptr+len` inside a registered buffer (valid until
-        // unregistered, Mooncake's contract) or inside this session's mapping, which lives as
-        // long as `self`; the copy reads it raw, so concurrent writers cause no UB here.
-        let src = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
-        self.write(offset, src)
+        // SAFETY: `place` found `ptr..ptr+len` inside a registered buffer or inside this
+        // session's mapping; the kernel checks that it is still mapped (a buffer unmapped since
+        // it was registered is an error, not a signal).
+        unsafe {
+            self.staging
+                .write_from_caller(offset, ptr as *const u8, len)
+        }
+        .map_err(fault)
     }
 
     /// Copy `len` bytes of the staging area at `offset` to caller memory at `ptr` (checked by
@@ -378,9 +391,9 @@ impl Agent {
         }
         // SAFETY: as in `write_raw`, for memory the caller registered as writable, an
         // `alloc_buffer` range of the mapping (distinct from the staging range read here), or
-        // a Python buffer the calling op holds writable for the whole call (`get_into_slice`).
-        let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-        self.read(offset, dst)
+        // a Python buffer the calling op holds writable for the whole call (`get_into_slice`);
+        // no reference to it exists here, and the kernel checks it is mapped and writable.
+        unsafe { self.staging.read_into_caller(offset, ptr as *mut u8, len) }.map_err(fault)
     }
 
     /// The device segment of the registered GPU buffer holding `ptr`, and `ptr`'s offset in

@@ -8,9 +8,12 @@ area, and bad input: an agent killed mid-session, a socket that does not exist."
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -364,3 +367,64 @@ def test_socket_that_does_not_exist(tmp_path):
     not_a_socket.write_text("x")
     with pytest.raises(kvpool.Unavailable):
         kvpool.Store(mode="agent", agent_socket=str(not_a_socket), request_timeout_ms=2000)
+
+
+# A child process that registers 1 MiB of anonymous memory, stores from it once, unmaps it,
+# and then asks the store to read from and write into it: every call must answer an error
+# code (Mooncake's -800, as real Mooncake answers over TCP), none may end the process.
+UNMAPPED_CHILD = r"""
+import ctypes, json, sys
+from kvpool import mooncake
+
+cfg, tag = json.loads(sys.argv[1]), sys.argv[2]
+store = mooncake.MooncakeDistributedStore()
+assert store.setup(cfg) == 0, "setup"
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+size = 1 << 20
+addr = libc.mmap(None, size, 3, 0x22, -1, 0)  # read+write, private anonymous
+ctypes.memset(addr, 7, size)
+out = {"register": store.register_buffer(addr, size)}
+out["put_mapped"] = store.put_from(f"ok-{tag}", addr, 4096)
+assert libc.munmap(addr, size) == 0
+out["put_from"] = store.put_from(f"gone-{tag}", addr, size)
+out["get_into"] = store.get_into(f"ok-{tag}", addr, 4096)
+out["batch_put_from"] = store.batch_put_from([f"gone-b-{tag}"], [addr], [4096])[0]
+out["batch_get_into"] = store.batch_get_into([f"ok-{tag}"], [addr], [4096])[0]
+out["stored_anyway"] = store.is_exist(f"gone-{tag}") + store.is_exist(f"gone-b-{tag}")
+out["still_works"] = store.put(f"after-{tag}", b"fine")
+print(json.dumps(out))
+store.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["direct", "integrity", "agent"])
+def test_registered_memory_unmapped_later_is_an_error_not_a_signal(node, mode):
+    cfg = {
+        "local_hostname": "127.0.0.1",
+        "mode": "agent" if mode == "agent" else "direct",
+        "global_segment_size": 0,
+    }
+    env = {k: v for k, v in os.environ.items() if k not in MODE_ENV}
+    if mode == "agent":
+        cfg["agent_socket"] = node.socket
+    else:
+        cfg["master_server_addr"] = node.master.addr
+        cfg["auth_key_file"] = str(node.key)
+    if mode == "integrity":
+        env["KVPOOL_TRANSFER_INTEGRITY"] = "require"
+    run = subprocess.run(
+        [sys.executable, "-c", UNMAPPED_CHILD, json.dumps(cfg), secrets.token_hex(4)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    # A negative return code is the signal that ended the child.
+    assert run.returncode == 0, f"exit {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr}"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["register"] == 0 and out["put_mapped"] == 0, out
+    for call in ("put_from", "get_into", "batch_put_from", "batch_get_into"):
+        assert out[call] < 0, (call, out)
+    assert out["stored_anyway"] == 0, out
+    assert out["still_works"] == 0, out

@@ -23,10 +23,15 @@ use std::ptr::NonNull;
 
 use nix::libc;
 
+mod between;
+mod checked;
 pub mod device;
 mod numa;
 mod socket;
 
+pub(crate) use between::adopt_received_fds;
+pub use between::copy_between;
+pub use checked::copy as checked_copy;
 pub use numa::{NumaNodeError, numa_node_file, parse_numa_node, pci_numa_node};
 pub(crate) use socket::{Span, recv_spans, send_spans};
 
@@ -72,6 +77,8 @@ pub enum MemoryError {
     Device(#[from] device::DeviceError),
     #[error("staged copy of device memory failed: {0}")]
     Staged(#[source] io::Error),
+    #[error("caller memory is not mapped for this copy (unmapped since it was registered?): {0}")]
+    Fault(#[source] io::Error),
 }
 
 impl MemoryError {
@@ -469,8 +476,7 @@ impl Segment {
         // SAFETY: dst..dst+len is inside the segment (checked); `data` is a separate Rust
         // slice, so the ranges cannot overlap unless the caller built `data` from segment bytes
         // through unsafe code, which the memory model forbids.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-        Ok(())
+        unsafe { self.copy_raw(dst, data.as_ptr(), data.len()) }
     }
 
     /// Copy bytes at `offset` out of the segment into `out` (owner-side access).
@@ -486,8 +492,30 @@ impl Segment {
             .map_err(MemoryError::Staged);
         }
         let src = self.ptr_at(offset, out.len())?;
-        // SAFETY: src..src+len is inside the segment (checked); `out` is a distinct Rust slice.
-        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), out.len()) };
+        // SAFETY: src..src+len is inside the segment (checked); `out` is a distinct Rust slice;
+        // caller memory is copied by the kernel, which checks that it is still mapped.
+        unsafe { self.copy_raw(out.as_mut_ptr(), src, out.len()) }
+    }
+
+    /// Whether the memory belongs to someone else (a caller's registered buffer), which may
+    /// have been unmapped behind the segment's back.
+    fn is_foreign(&self) -> bool {
+        matches!(self.backing, Backing::Foreign { .. })
+    }
+
+    /// Copy `len` bytes from `src` to `dst`, one of which lies in this segment: through the
+    /// kernel's checked copy for caller memory (`memory::checked`), a plain copy otherwise.
+    ///
+    /// # Safety
+    /// Both ranges are valid for the copy, apart from caller memory that may have been
+    /// unmapped (which the kernel checks); they overlap only if equal.
+    unsafe fn copy_raw(&self, dst: *mut u8, src: *const u8, len: usize) -> Result<(), MemoryError> {
+        if self.is_foreign() {
+            // SAFETY: the caller's contract; the kernel checks the mappings.
+            return unsafe { checked::copy(dst, src, len) }.map_err(MemoryError::Fault);
+        }
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::copy(src, dst, len) };
         Ok(())
     }
 
@@ -530,62 +558,6 @@ impl Drop for Segment {
             }
         }
     }
-}
-
-/// Copy `len` bytes between two segments (the same-node shared-memory data path).
-pub fn copy_between(
-    src: &Segment,
-    src_offset: u64,
-    dst: &Segment,
-    dst_offset: u64,
-    len: usize,
-) -> Result<(), MemoryError> {
-    if let Some(dev) = src.device_memory_backing() {
-        // Device to anywhere: stream the source's chunks into the destination.
-        src.check_range(src_offset, len as u64)?;
-        dst.check_range(dst_offset, len as u64)?;
-        let mut at = dst_offset;
-        return device::stream_out(dev, src_offset, len, |buf| {
-            dst.write_at(at, buf).map_err(io::Error::other)?;
-            at += buf.len() as u64;
-            Ok(())
-        })
-        .map_err(MemoryError::Staged);
-    }
-    if let Some(dev) = dst.device_memory_backing() {
-        src.check_range(src_offset, len as u64)?;
-        dst.check_range(dst_offset, len as u64)?;
-        let mut at = src_offset;
-        return device::stream_in(dev, dst_offset, len, |buf| {
-            src.read_at(at, buf).map_err(io::Error::other)?;
-            at += buf.len() as u64;
-            Ok(())
-        })
-        .map_err(MemoryError::Staged);
-    }
-    let s = src.ptr_at(src_offset, len)?;
-    let d = dst.ptr_at(dst_offset, len)?;
-    // SAFETY: both ranges are inside their segments (checked). They may overlap when both name
-    // the same memory (a process reading from its own segment through the shm path), so use
-    // `copy` (memmove) rather than `copy_nonoverlapping`.
-    unsafe { std::ptr::copy(s, d, len) };
-    Ok(())
-}
-
-/// Take ownership of descriptors that `recvmsg` installed from an SCM_RIGHTS message.
-///
-/// Only pass descriptors straight out of a `ControlMessageOwned::ScmRights` of a message this
-/// process just received: the kernel created them for us and nothing else owns them.
-pub(crate) fn adopt_received_fds(raw: Vec<std::os::fd::RawFd>) -> Vec<OwnedFd> {
-    raw.into_iter()
-        .filter(|fd| *fd >= 0)
-        .map(|fd| {
-            use std::os::fd::FromRawFd;
-            // SAFETY: per the contract above, `fd` is a fresh descriptor installed by the kernel
-            // for this process and owned by nobody else; it is wrapped exactly once.
-            unsafe { OwnedFd::from_raw_fd(fd) }
-        })
-        .collect()
 }
 
 #[cfg(test)]

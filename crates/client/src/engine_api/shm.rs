@@ -32,6 +32,13 @@ pub enum ShmError {
     },
     #[error("range {offset}+{len} is outside the {size}-byte staging area")]
     OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("caller memory {addr:#x}+{len} is not mapped for this copy: {source}")]
+    Fault {
+        addr: usize,
+        len: usize,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl ShmError {
@@ -222,6 +229,54 @@ impl Staging {
             );
         }
         Ok(())
+    }
+}
+
+impl Staging {
+    /// Copy `len` bytes of caller memory at `src` into the area at `offset`. The kernel checks
+    /// that `src` is mapped and readable: a buffer unmapped since it was registered is a
+    /// [`ShmError::Fault`], never a signal.
+    ///
+    /// # Safety
+    /// None beyond the arguments' meaning: `src` need not be valid (that is what is checked).
+    pub unsafe fn write_from_caller(
+        &self,
+        offset: u64,
+        src: *const u8,
+        len: usize,
+    ) -> Result<(), ShmError> {
+        let start = self.check(offset, len)?;
+        // SAFETY: start..start+len lies inside the live mapping (checked); no reference to the
+        // shared bytes exists; the kernel checks `src`.
+        unsafe {
+            kvpool_transfer::memory::checked_copy(self.map.as_ptr().add(start).cast_mut(), src, len)
+        }
+        .map_err(|source| ShmError::Fault {
+            addr: src as usize,
+            len,
+            source,
+        })
+    }
+
+    /// Copy `len` bytes of the area at `offset` to caller memory at `dst`, the kernel checking
+    /// that `dst` is mapped and writable (see [`Self::write_from_caller`]).
+    ///
+    /// # Safety
+    /// No Rust reference may point into `dst..dst+len`; `dst` need not be valid.
+    pub unsafe fn read_into_caller(
+        &self,
+        offset: u64,
+        dst: *mut u8,
+        len: usize,
+    ) -> Result<(), ShmError> {
+        let start = self.check(offset, len)?;
+        // SAFETY: as above, the other way round.
+        unsafe { kvpool_transfer::memory::checked_copy(dst, self.map.as_ptr().add(start), len) }
+            .map_err(|source| ShmError::Fault {
+                addr: dst as usize,
+                len,
+                source,
+            })
     }
 }
 
