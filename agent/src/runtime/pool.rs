@@ -209,9 +209,11 @@ async fn give_ssd(
     })?;
     // The index is checked against the file before the file is mapped (and resized).
     let (dir, data) = (s.tier.dir.clone(), path.clone());
-    let (index, recovery) = blocking(move || PoolSsdIndex::open(&dir, &data, capacity))
+    let (mut index, recovery) = blocking(move || PoolSsdIndex::open(&dir, &data, capacity))
         .await?
         .map_err(RunError::PoolIndex)?;
+    // Records that find the filesystem full wait for room; the gauge says so meanwhile.
+    index.set_full_gauge(metrics.ssd_full.clone());
     for w in &recovery.warnings {
         tracing::warn!("pool SSD index: {w}");
     }

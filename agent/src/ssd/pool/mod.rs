@@ -19,7 +19,6 @@
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -29,6 +28,7 @@ use parking_lot::Mutex;
 
 use crate::ssd::log::{self, Header, SnapshotError};
 
+mod append;
 mod check;
 mod records;
 #[cfg(test)]
@@ -156,6 +156,14 @@ pub struct PoolSsdIndex {
     unconfirmed: BTreeMap<u64, (PoolBlock, u64)>,
     /// The feed round commits are applied in now ([`Self::begin_feed_round`]).
     round: u64,
+    /// Length of the log file up to its last whole record: a failed append is cut back to it.
+    whole_len: u64,
+    /// Records that could not be appended (a full filesystem), in order: appended before any
+    /// newer record, at the next append or sync that finds room. A record is whole in the log
+    /// or absent from it, never torn.
+    backlog: Vec<u8>,
+    /// `kvpool_agent_ssd_full`: 1 while records wait in the backlog.
+    full_gauge: Option<prometheus::IntGauge>,
 }
 
 impl PoolSsdIndex {
@@ -232,6 +240,7 @@ impl PoolSsdIndex {
         };
         let data_len = data.metadata().map_err(read_err)?.len();
         let mut blocks = BTreeMap::new();
+        let replayed_damage = replayed.damaged_at;
         for b in replayed.blocks.into_values() {
             match check_block(&data, data_len, capacity, &b).map_err(read_err)? {
                 None => {
@@ -241,7 +250,26 @@ impl PoolSsdIndex {
                 Some(reason) => recovery.dropped.push((b, reason)),
             }
         }
-        let index = Self::write_snapshot(&dir, &index_path, &blocks)?;
+        let damaged_at = replayed_damage;
+        let index = match Self::write_snapshot(&dir, &index_path, &blocks) {
+            Ok(f) => f,
+            // No room for a fresh snapshot (a full filesystem): keep the log, cut at its last
+            // whole record, rather than not starting.
+            Err(e) if !bytes.is_empty() => {
+                recovery
+                    .warnings
+                    .push(format!("{e}; the log is kept as it was"));
+                Self::keep_log(&index_path, damaged_at.map(|at| at + log::HEADER_LEN))?
+            }
+            Err(e) => return Err(e),
+        };
+        let whole_len = index
+            .metadata()
+            .map_err(|source| PoolIndexError::Read {
+                path: index_path.clone(),
+                source,
+            })?
+            .len();
         Ok((
             Self {
                 index_path,
@@ -253,6 +281,9 @@ impl PoolSsdIndex {
                 limbo: None,
                 unconfirmed: BTreeMap::new(),
                 round: 0,
+                whole_len,
+                backlog: Vec::new(),
+                full_gauge: None,
             },
             recovery,
         ))
@@ -285,17 +316,6 @@ impl PoolSsdIndex {
                 path: index_path.to_owned(),
                 source,
             })
-    }
-
-    fn append(&mut self, rec: &[u8]) -> Result<(), PoolIndexError> {
-        self.index
-            .write_all(rec)
-            .map_err(|source| PoolIndexError::Write {
-                path: self.index_path.clone(),
-                source,
-            })?;
-        self.dirty = true;
-        Ok(())
     }
 
     /// Record that `key` was written at `offset` (`length` bytes whose checksum is `crc`). The
@@ -344,8 +364,10 @@ impl PoolSsdIndex {
         Ok(true)
     }
 
-    /// Flush appended records to stable storage (a no-op when nothing changed).
+    /// Append the records waiting for room, if there is room now, and flush appended records
+    /// to stable storage (a no-op when nothing changed).
     pub fn sync(&mut self) -> Result<(), PoolIndexError> {
+        self.drain();
         if self.dirty {
             flush(&self.index, &self.index_path)?;
             self.dirty = false;

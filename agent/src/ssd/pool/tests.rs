@@ -131,3 +131,119 @@ fn foreign_or_future_index_files_are_refused() {
     let e = PoolSsdIndex::open(dir.path(), &data_path, 4096).expect_err("version");
     assert_eq!(e.category(), "unsupported_version");
 }
+
+/// A tmpfs of `size` mounted on a fresh directory for the life of the value (root only).
+struct SmallFs(tempfile::TempDir);
+
+impl SmallFs {
+    /// None where mounting is not possible (not root, or no CAP_SYS_ADMIN); CI runs as root
+    /// and must mount (`CI` set: a failure to mount fails the test).
+    fn mount(size: &str) -> Option<SmallFs> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI must be able to mount a tmpfs (root)"
+            );
+            eprintln!("SKIP: cannot mount a tmpfs here (needs root)");
+            return None;
+        }
+        Some(SmallFs(dir))
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.0.path()
+    }
+
+    /// Fill what is left with a file; returns its path.
+    fn fill(&self) -> std::path::PathBuf {
+        let filler = self.path().join("filler");
+        let mut f = std::fs::File::create(&filler).expect("filler");
+        let chunk = vec![0xeeu8; 4096];
+        while std::io::Write::write_all(&mut f, &chunk).is_ok() {}
+        filler
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.0.path())
+            .status();
+    }
+}
+
+#[test]
+fn a_full_filesystem_tears_no_record_and_loses_no_block() {
+    let Some(fs) = SmallFs::mount("2m") else {
+        return;
+    };
+    let dir = fs.path();
+    let data_path = dir.join("pool-ssd.dat");
+    let values: Vec<Vec<u8>> = (0..300u64).map(|i| vec![(i % 251) as u8; 1000]).collect();
+    {
+        // The data file holds every block (as a fallocated, mapped segment would).
+        let data = std::fs::File::create(&data_path).expect("data");
+        for (i, v) in values.iter().enumerate() {
+            data.write_all_at(v, i as u64 * 1024).expect("data bytes");
+        }
+    }
+    let gauge = prometheus::IntGauge::new("kvpool_agent_ssd_full", "test").expect("gauge");
+    let (mut idx, _) = PoolSsdIndex::open(dir, &data_path, 1 << 20).expect("open");
+    idx.set_full_gauge(gauge.clone());
+    for (i, v) in values.iter().enumerate().take(100) {
+        idx.record(key(i as u64), i as u64 * 1024, 1000, crc32c::crc32c(v))
+            .expect("record");
+    }
+    idx.sync().expect("sync");
+    let filler = fs.fill();
+    // No room: 200 more blocks are recorded anyway (waiting), and the log stays whole.
+    for (i, v) in values.iter().enumerate().skip(100) {
+        idx.record(key(i as u64), i as u64 * 1024, 1000, crc32c::crc32c(v))
+            .expect("a full filesystem does not fail a record");
+    }
+    let _ = idx.sync();
+    assert!(idx.is_full());
+    assert_eq!(gauge.get(), 1, "kvpool_agent_ssd_full while records wait");
+    let log = std::fs::read(dir.join(POOL_INDEX_FILE)).expect("index");
+    let replayed = replay(&log[crate::ssd::log::HEADER_LEN..]);
+    assert_eq!(replayed.damaged_at, None, "no torn record in the log");
+    // The log's last page had room for some; the rest wait.
+    let durable = replayed.blocks.len();
+    assert!((100..300).contains(&durable), "{durable}");
+    // A restart while the filesystem is still full keeps the durable blocks.
+    drop(idx);
+    let (idx, rec) = PoolSsdIndex::open(dir, &data_path, 1 << 20).expect("reopen while full");
+    assert_eq!(
+        (rec.blocks.len(), rec.dropped.len()),
+        (durable, 0),
+        "{:?}",
+        rec.warnings
+    );
+    drop(idx);
+    // Again with the 200 waiting records: room returns, the next sync writes them.
+    let (mut idx, _) = PoolSsdIndex::open(dir, &data_path, 1 << 20).expect("reopen");
+    idx.set_full_gauge(gauge.clone());
+    for (i, v) in values.iter().enumerate().skip(100) {
+        idx.record(key(i as u64), i as u64 * 1024, 1000, crc32c::crc32c(v))
+            .expect("record");
+    }
+    assert!(idx.is_full());
+    std::fs::remove_file(&filler).expect("free room");
+    idx.sync().expect("sync once there is room");
+    assert!(!idx.is_full());
+    assert_eq!(gauge.get(), 0, "kvpool_agent_ssd_full clears");
+    drop(idx);
+    let (_idx, rec) = PoolSsdIndex::open(dir, &data_path, 1 << 20).expect("restart");
+    assert_eq!(
+        rec.blocks.len(),
+        300,
+        "every block recorded survives the restart"
+    );
+    assert!(rec.dropped.is_empty() && rec.warnings.is_empty(), "{rec:?}");
+}
