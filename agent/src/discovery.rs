@@ -398,7 +398,10 @@ fn numa_nodes(r: &mut Reader<'_>) -> Vec<NumaNode> {
                 if total.is_none() || free.is_none() {
                     r.warn(&dir.join("meminfo"), "MemTotal or MemFree missing");
                 }
-                (total.unwrap_or(0), free.unwrap_or(0))
+                (
+                    total.unwrap_or(0),
+                    free.map_or(0, |f| f + reclaimable(&fields)),
+                )
             }
             None => (0, 0),
         };
@@ -437,6 +440,22 @@ fn single_node_from_proc(r: &mut Reader<'_>) -> NumaNode {
     }
     node.hugepages = hugepage_pools(r, &r.roots.sysfs.join("kernel/mm/hugepages"));
     node
+}
+
+/// Bytes a node's `meminfo` says the kernel reclaims on demand: the page cache's file pages
+/// (`Active(file)`, `Inactive(file)`; not `Shmem`, which tmpfs pins) and reclaimable slab.
+/// A node whose memory is mostly page cache (a build machine, a node that just read model
+/// weights) can still give it to a DRAM tier.
+fn reclaimable(fields: &BTreeMap<String, u64>) -> u64 {
+    let get = |k: &str| fields.get(k).copied().unwrap_or(0);
+    let slab = fields
+        .get("KReclaimable")
+        .or_else(|| fields.get("SReclaimable"))
+        .copied()
+        .unwrap_or(0);
+    get("Active(file)")
+        .saturating_add(get("Inactive(file)"))
+        .saturating_add(slab)
 }
 
 /// Parse `meminfo` lines (`Node 0 MemTotal:  123 kB` or `MemTotal:  123 kB`) into bytes.
@@ -558,6 +577,17 @@ fn rdma_devices(r: &mut Reader<'_>, single_node: Option<u32>) -> Vec<RdmaDevice>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn page_cache_and_reclaimable_slab_count_as_available_shmem_does_not() {
+        let node = "Node 0 MemTotal: 1000 kB\nNode 0 MemFree: 100 kB\nNode 0 Active(file): 300 kB\n\
+                    Node 0 Inactive(file): 200 kB\nNode 0 Shmem: 50 kB\nNode 0 SReclaimable: 40 kB\n";
+        assert_eq!(reclaimable(&parse_meminfo(node)), (300 + 200 + 40) * 1024);
+        // KReclaimable (kernels from 4.20) already includes SReclaimable.
+        let k = format!("{node}Node 0 KReclaimable: 60 kB\n");
+        assert_eq!(reclaimable(&parse_meminfo(&k)), (300 + 200 + 60) * 1024);
+        assert_eq!(reclaimable(&parse_meminfo("Node 0 MemFree: 1 kB")), 0);
+    }
 
     #[test]
     fn meminfo_parses_node_and_proc_forms() {

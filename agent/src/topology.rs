@@ -49,6 +49,9 @@ pub struct NumaNode {
     pub id: u32,
     pub cpus: Vec<u32>,
     pub mem_total_bytes: u64,
+    /// Memory the node can give: free pages plus what the kernel reclaims on demand (file
+    /// pages of the page cache, reclaimable slab), as the kernel's `MemAvailable` counts it;
+    /// shared memory (tmpfs) is not reclaimable and not counted.
     pub mem_free_bytes: u64,
     /// Huge page pools, smallest page size first.
     pub hugepages: Vec<HugePagePool>,

@@ -109,6 +109,8 @@ pub fn put_status(e: &DataError) -> Status {
         Some(ErrorCode::TooLarge | ErrorCode::InvalidArgument | ErrorCode::SizeConflict) => {
             Status::Invalid
         }
+        Some(ErrorCode::NoSegments) => Status::Unavailable,
+        None if matches!(e, DataError::Master(c) if c.is_unavailable()) => Status::Unavailable,
         _ => Status::Internal,
     }
 }
@@ -468,6 +470,7 @@ mod tests {
     fn pool_errors_map_to_engine_statuses() {
         let puts = [
             (refused(ErrorCode::NoSpace), Status::NoSpace),
+            (refused(ErrorCode::NoSegments), Status::Unavailable),
             (refused(ErrorCode::TooLarge), Status::Invalid),
             (refused(ErrorCode::SizeConflict), Status::Invalid),
             (refused(ErrorCode::PutInProgress), Status::Internal),

@@ -144,6 +144,10 @@ pub fn status_failure(status: Status, key: &[u8], length: u64) -> Option<Failure
             Kind::NoSpace,
             format!("the pool has no room for key {key:?}"),
         ),
+        Status::Unavailable => (
+            Kind::Unavailable,
+            format!("the pool's master cannot take key {key:?} now (unreachable or starting)"),
+        ),
         Status::Internal | Status::Unspecified => (
             Kind::Internal,
             format!("the agent failed on key {key:?} (see the agent's log)"),

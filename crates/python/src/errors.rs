@@ -194,6 +194,7 @@ fn master_kind(e: &ClientError) -> Kind {
             ErrorCode::Leased => Kind::Leased,
             ErrorCode::PutInProgress => Kind::InvalidArgument,
             ErrorCode::ReplicasLost => Kind::NotFound,
+            ErrorCode::NoSegments => Kind::Unavailable,
             _ => Kind::Internal,
         },
         ClientError::Rpc { source, .. } => match source.code() {

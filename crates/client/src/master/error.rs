@@ -95,6 +95,18 @@ impl ClientError {
         })
     }
 
+    /// Whether the master could not be reached, answered `UNAVAILABLE`, or has no segment
+    /// mounted yet: a retry later may succeed.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            ClientError::NoEndpoints | ClientError::Connect { .. } => true,
+            ClientError::Rpc { source, .. } => source.code() == tonic::Code::Unavailable,
+            ClientError::Refused { code, .. } => *code == proto::ErrorCode::NoSegments,
+            ClientError::Batch { source, .. } => source.is_unavailable(),
+            _ => false,
+        }
+    }
+
     /// The master's error code when the master refused the item.
     pub fn code(&self) -> Option<proto::ErrorCode> {
         match self {

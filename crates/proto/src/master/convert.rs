@@ -152,6 +152,7 @@ impl From<&MasterError> for ErrorCode {
             MasterError::SizeConflict { .. } => ErrorCode::SizeConflict,
             MasterError::TooLarge { .. } => ErrorCode::TooLarge,
             MasterError::NoSpace { .. } => ErrorCode::NoSpace,
+            MasterError::NoSegments => ErrorCode::NoSegments,
             MasterError::InvalidArgument(_) => ErrorCode::InvalidArgument,
             MasterError::StalePut { .. } => ErrorCode::StalePut,
             MasterError::StaleLease(_) => ErrorCode::StaleLease,
@@ -189,6 +190,7 @@ pub fn status_of(e: &MasterError) -> tonic::Status {
             tonic::Status::failed_precondition(msg)
         }
         ErrorCode::ReplicasLost => tonic::Status::aborted(msg),
+        ErrorCode::NoSegments => tonic::Status::unavailable(msg),
         ErrorCode::Persist | ErrorCode::Unspecified => tonic::Status::internal(msg),
     }
 }

@@ -114,6 +114,8 @@ pub enum MasterError {
     TooLarge { size: u64, largest: u64 },
     #[error("no space for {size} bytes in any allowed tier, even after eviction")]
     NoSpace { size: u64 },
+    #[error("no segment is mounted yet (the agents have not joined this master): retry")]
+    NoSegments,
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("put {put_id:#x} of key {key} is not pending (revoked, expired or never started)")]

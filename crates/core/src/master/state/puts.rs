@@ -69,7 +69,7 @@ impl MasterState {
         let pages = pages_for(size).filter(|p| u64::from(*p) * PAGE_BYTES <= largest);
         let Some(pages) = pages else {
             return Err(if largest == 0 {
-                MasterError::NoSpace { size }
+                MasterError::NoSegments
             } else {
                 MasterError::TooLarge { size, largest }
             });

@@ -215,7 +215,7 @@ fn bad_puts_get_clear_errors_and_change_nothing() {
     let (mut m, _clock) = master(MasterConfig::default());
     assert_eq!(
         m.put_start(key(1), 10, &opts(1)),
-        Err(MasterError::NoSpace { size: 10 })
+        Err(MasterError::NoSegments)
     );
     mount(&mut m, "a", "s", Tier::Dram, 4 * MIB);
     let before = m.stats();
