@@ -1,29 +1,34 @@
 //! Serving an HTTP router until shutdown: the one serve loop of the API servers (conductor,
 //! synthetic engine) and of the admin servers, with the limits that keep slow or silent clients
-//! from holding it (issue 15): a cap on open connections in total and per source address, a
-//! deadline for a request's head, and an idle timeout between requests. I/O boundary: the bound
-//! TCP listener and its accepted connections; what is served is the caller's router.
+//! from holding it (issues 15 and 38): a cap on open connections in total and per source
+//! address, where a new connection at a cap evicts the oldest connection that has not shown it
+//! is a real client (`evict`); a deadline for a request's head; a deadline for a request's
+//! body, which must also never stall for longer than a head may take; and an idle timeout
+//! between requests. I/O boundary: the bound TCP listener and its accepted connections; what is
+//! served is the caller's router.
 
 use crate::telemetry::chain;
+
+mod activity;
+mod evict;
+
+use activity::{Activity, Tracked, Watched, WatchedBody};
+use evict::Evictable;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
 use std::net::IpAddr;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::Body;
 use axum::http::{Request, Response};
-use hyper::body::{Frame, Incoming, SizeHint};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -34,6 +39,9 @@ pub struct HttpLimits {
     /// A request's head must arrive within this once its first byte did; a new connection must
     /// deliver its first request's head within this of being accepted.
     pub header_read_timeout: Duration,
+    /// A request's body must arrive whole within this of its head, and no gap between its
+    /// bytes may last `header_read_timeout`.
+    pub body_read_timeout: Duration,
     /// A connection with no request in flight and no bytes coming is closed after this.
     pub idle_timeout: Duration,
     /// Connections open at once; more are accepted and closed at once.
@@ -46,6 +54,7 @@ impl Default for HttpLimits {
     fn default() -> Self {
         HttpLimits {
             header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(15),
             idle_timeout: Duration::from_secs(60),
             max_connections: 4096,
             max_connections_per_source: 1024,
@@ -60,6 +69,10 @@ pub struct HttpLimitArgs {
     /// head within this of connecting).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration, env = "KVPOOL_HTTP_HEADER_READ_TIMEOUT")]
     pub http_header_read_timeout: Duration,
+    /// A request's body must arrive whole within this of its head (and no gap between its
+    /// bytes may last --http-header-read-timeout).
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration, env = "KVPOOL_HTTP_BODY_READ_TIMEOUT")]
+    pub http_body_read_timeout: Duration,
     /// A connection with no request in flight is closed after this long idle.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration, env = "KVPOOL_HTTP_IDLE_TIMEOUT")]
     pub http_idle_timeout: Duration,
@@ -86,6 +99,9 @@ impl HttpLimitArgs {
         if self.http_idle_timeout.is_zero() {
             return Err(("http-idle-timeout", ZERO));
         }
+        if self.http_body_read_timeout.is_zero() {
+            return Err(("http-body-read-timeout", ZERO));
+        }
         if self.http_max_connections == 0 {
             return Err(("http-max-connections", ZERO));
         }
@@ -94,6 +110,7 @@ impl HttpLimitArgs {
         }
         Ok(HttpLimits {
             header_read_timeout: self.http_header_read_timeout,
+            body_read_timeout: self.http_body_read_timeout,
             idle_timeout: self.http_idle_timeout,
             max_connections: self.http_max_connections,
             max_connections_per_source: self.http_max_connections_per_source,
@@ -110,7 +127,8 @@ pub struct HttpStats {
     /// `kvpool_http_connections_refused_total{server, reason}`: `max_connections`, `per_source`.
     pub refused: IntCounterVec,
     /// `kvpool_http_connections_closed_total{server, reason}`: closed by the server for
-    /// `header_timeout` or `idle`.
+    /// `header_timeout`, `body_timeout`, `idle`, or `evicted` (an unproven connection closed
+    /// to make room for a new one at a cap).
     pub closed: IntCounterVec,
 }
 
@@ -136,7 +154,7 @@ impl HttpStats {
             closed: IntCounterVec::new(
                 Opts::new(
                     "kvpool_http_connections_closed_total",
-                    "HTTP connections the server closed for a slow request head or idleness.",
+                    "HTTP connections the server closed: a slow request head or body, idleness, or evicted to make room at a cap.",
                 )
                 .const_label("server", server),
                 &["reason"],
@@ -185,6 +203,7 @@ pub async fn serve_with(
     stats: HttpStats,
 ) -> io::Result<()> {
     let admission = Arc::new(ConnectionCaps::default());
+    let evictable = Arc::new(Evictable::default());
     let tasks = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
@@ -206,22 +225,37 @@ pub async fn serve_with(
             limits.max_connections_per_source,
         ) {
             Ok(slot) => slot,
+            // At a cap: make room by closing the oldest unproven connection (of this source
+            // when it is the source's cap), or refuse when every one has proven itself.
             Err(reason) => {
-                stats.refused.with_label_values(&[reason]).inc();
-                tracing::debug!(%peer, reason, "refusing an HTTP connection");
-                drop(stream);
-                continue;
+                let from = (reason == "per_source").then_some(peer.ip());
+                if evictable.evict_oldest(from) {
+                    stats.closed.with_label_values(&["evicted"]).inc();
+                    // The evicted one frees its place as it ends, a moment later.
+                    admission.admit_over(peer.ip())
+                } else {
+                    stats.refused.with_label_values(&[reason]).inc();
+                    tracing::debug!(%peer, reason, "refusing an HTTP connection");
+                    drop(stream);
+                    continue;
+                }
             }
         };
         let _ = stream.set_nodelay(true);
-        tasks.spawn(serve_conn(
+        let activity = Arc::new(Activity::new());
+        let evict = CancellationToken::new();
+        let id = evictable.add(peer.ip(), activity.clone(), evict.clone());
+        let conn = Conn {
             stream,
-            router.clone(),
-            shutdown.clone(),
-            limits,
-            stats.clone(),
-            slot,
-        ));
+            activity,
+            evict,
+        };
+        let evictable = evictable.clone();
+        let (router, shutdown, stats) = (router.clone(), shutdown.clone(), stats.clone());
+        tasks.spawn(async move {
+            serve_conn(conn, router, shutdown, limits, stats, slot).await;
+            evictable.remove(id);
+        });
     }
     tasks.close();
     tasks.wait().await;
@@ -261,6 +295,19 @@ impl ConnectionCaps {
         })
     }
 
+    /// A place for a connection from `source` past the caps (one that evicted another, which
+    /// gives its place back as it ends).
+    pub fn admit_over(self: &Arc<Self>, source: IpAddr) -> ConnectionSlot {
+        let mut guard = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let (total, by_source) = &mut *guard;
+        *by_source.entry(source).or_default() += 1;
+        *total += 1;
+        ConnectionSlot {
+            admission: self.clone(),
+            source,
+        }
+    }
+
     /// Connections open now.
     pub fn open(&self) -> usize {
         self.counts.lock().unwrap_or_else(|p| p.into_inner()).0
@@ -292,158 +339,6 @@ impl Drop for ConnectionSlot {
     }
 }
 
-/// Milliseconds since the connection was accepted, or `NEVER`.
-const NEVER: u64 = u64::MAX;
-
-/// What one connection is doing, for its watchdog: requests in flight, when the last one
-/// ended, and when bytes of a request head started to arrive (while none was in flight).
-struct Activity {
-    born: Instant,
-    in_flight: AtomicUsize,
-    requests: AtomicU64,
-    last_done_ms: AtomicU64,
-    head_started_ms: AtomicU64,
-}
-
-impl Activity {
-    fn new() -> Self {
-        Activity {
-            born: Instant::now(),
-            in_flight: AtomicUsize::new(0),
-            requests: AtomicU64::new(0),
-            last_done_ms: AtomicU64::new(0),
-            head_started_ms: AtomicU64::new(NEVER),
-        }
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.born.elapsed().as_millis() as u64
-    }
-
-    fn bytes_read(&self) {
-        if self.in_flight.load(Ordering::SeqCst) == 0 {
-            let now = self.now_ms();
-            let _ = self.head_started_ms.compare_exchange(
-                NEVER,
-                now,
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-            );
-        }
-    }
-
-    fn begin(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        self.requests.fetch_add(1, Ordering::SeqCst);
-        self.head_started_ms.store(NEVER, Ordering::SeqCst);
-        InFlight(self.clone())
-    }
-
-    /// Why the connection should be closed at `now` (milliseconds since it was accepted), if
-    /// it should.
-    fn expired(&self, limits: &HttpLimits, now: u64) -> Option<&'static str> {
-        if self.in_flight.load(Ordering::SeqCst) > 0 {
-            return None;
-        }
-        let header_ms = limits.header_read_timeout.as_millis() as u64;
-        if self.requests.load(Ordering::SeqCst) == 0 {
-            // Not one request head yet, however the bytes trickle (or not) in.
-            return (now >= header_ms).then_some("header_timeout");
-        }
-        let started = self.head_started_ms.load(Ordering::SeqCst);
-        if started != NEVER {
-            return (now.saturating_sub(started) >= header_ms).then_some("header_timeout");
-        }
-        let idle = now.saturating_sub(self.last_done_ms.load(Ordering::SeqCst));
-        (idle >= limits.idle_timeout.as_millis() as u64).then_some("idle")
-    }
-}
-
-/// A request in flight; dropped when its response body is done (or dropped).
-struct InFlight(Arc<Activity>);
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let a = &self.0;
-        a.last_done_ms.store(a.now_ms(), Ordering::SeqCst);
-        a.head_started_ms.store(NEVER, Ordering::SeqCst);
-        a.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// A response body that keeps its request counted as in flight until it is sent.
-struct Tracked {
-    inner: Body,
-    _in_flight: InFlight,
-}
-
-impl HttpBody for Tracked {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// A TCP stream that tells its connection's [`Activity`] when bytes arrive.
-struct Watched {
-    stream: TcpStream,
-    activity: Arc<Activity>,
-}
-
-impl AsyncRead for Watched {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.stream).poll_read(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.activity.bytes_read();
-        }
-        polled
-    }
-}
-
-impl AsyncWrite for Watched {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-}
-
 /// How often a connection's watchdog looks at it: a fraction of the shorter timeout, within
 /// [10 ms, 1 s].
 fn check_every(limits: &HttpLimits) -> Duration {
@@ -451,8 +346,15 @@ fn check_every(limits: &HttpLimits) -> Duration {
         .clamp(Duration::from_millis(10), Duration::from_secs(1))
 }
 
-async fn serve_conn(
+/// An accepted connection: its stream, what it is doing, and the token that evicts it.
+struct Conn {
     stream: TcpStream,
+    activity: Arc<Activity>,
+    evict: CancellationToken,
+}
+
+async fn serve_conn(
+    conn: Conn,
     router: Router,
     shutdown: CancellationToken,
     limits: HttpLimits,
@@ -460,7 +362,11 @@ async fn serve_conn(
     slot: ConnectionSlot,
 ) {
     stats.open.inc();
-    let activity = Arc::new(Activity::new());
+    let Conn {
+        stream,
+        activity,
+        evict,
+    } = conn;
     let io = TokioIo::new(Watched {
         stream,
         activity: activity.clone(),
@@ -469,7 +375,8 @@ async fn serve_conn(
     let tracker = activity.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let in_flight = tracker.begin();
-        let call = hyper::service::Service::call(&inner, req.map(Body::new));
+        let watched = req.map(|b| Body::new(WatchedBody::new(b, &tracker)));
+        let call = hyper::service::Service::call(&inner, watched);
         async move {
             let resp: Response<Body> = call.await?;
             Ok::<_, Infallible>(resp.map(|inner| {
@@ -500,6 +407,8 @@ async fn serve_conn(
                 closing = true;
                 conn.as_mut().graceful_shutdown();
             }
+            // Counted as `evicted` by the accept loop.
+            () = evict.cancelled() => break,
             // Also while closing: a slow client must not hold up shutdown.
             _ = tick.tick() => {
                 if let Some(reason) = activity.expired(&limits, activity.now_ms()) {
@@ -523,6 +432,7 @@ mod tests {
         // Times in ms since the connection was accepted; the real clock stays near 0 here.
         let limits = HttpLimits {
             header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(15),
             idle_timeout: Duration::from_secs(30),
             ..HttpLimits::default()
         };
@@ -554,6 +464,7 @@ mod tests {
     fn limit_flags_are_checked() {
         let mut args = HttpLimitArgs {
             http_header_read_timeout: Duration::from_secs(1),
+            http_body_read_timeout: Duration::from_secs(3),
             http_idle_timeout: Duration::from_secs(2),
             http_max_connections: 3,
             http_max_connections_per_source: 2,
@@ -562,6 +473,7 @@ mod tests {
             args.limits(),
             Ok(HttpLimits {
                 header_read_timeout: Duration::from_secs(1),
+                body_read_timeout: Duration::from_secs(3),
                 idle_timeout: Duration::from_secs(2),
                 max_connections: 3,
                 max_connections_per_source: 2,
