@@ -312,6 +312,7 @@ impl PoolApi {
             numa_hint,
             spread: Spread::Node,
             tier: None,
+            avoid_nodes: Vec::new(),
         };
         let calls = self.enter();
         let (lone_staging, lone_opts) = (staging.clone(), opts.clone());

@@ -438,6 +438,11 @@ impl MasterMetrics {
             ("object_lost", counters.objects_lost, last.objects_lost),
             ("node_died", counters.nodes_died, last.nodes_died),
             (
+                "node_suspected",
+                counters.nodes_suspected,
+                last.nodes_suspected,
+            ),
+            (
                 "lease_expired",
                 counters.leases_expired,
                 last.leases_expired,

@@ -176,6 +176,7 @@ fn put_start_request(
             Spread::FailureDomain => proto::Spread::FailureDomain,
         } as i32,
         tier: opts.tier.map(|t| proto::Tier::from(t) as i32),
+        avoid_nodes: opts.avoid_nodes.clone(),
     }
 }
 

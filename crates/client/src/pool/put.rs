@@ -14,6 +14,7 @@ use kvpool_core::master::types::{PutOptions, PutStarted, ReplicaInfo};
 use kvpool_transfer::{self as transfer, TransferOp};
 
 /// Where a put's bytes come from.
+#[derive(Clone)]
 pub(super) enum Source<'a> {
     /// Caller memory, copied into a staging buffer.
     Bytes(&'a [u8]),
@@ -26,6 +27,24 @@ impl Source<'_> {
         match self {
             Source::Bytes(v) => v.len() as u64,
             Source::Registered(_, _, len) => *len,
+        }
+    }
+}
+
+/// Attempts of one put, the first included, when replica holders are unreachable.
+const PUT_ATTEMPTS: usize = 3;
+
+/// A failed attempt of a put, and the node that could not be reached, when one could not.
+struct PutFailed {
+    error: DataError,
+    unreachable: Option<String>,
+}
+
+impl From<DataError> for PutFailed {
+    fn from(error: DataError) -> Self {
+        PutFailed {
+            error,
+            unreachable: None,
         }
     }
 }
@@ -92,18 +111,47 @@ impl PoolClient {
         }
     }
 
+    /// A put that rides out an unreachable replica holder: when a replica's write fails
+    /// and the failing node is known, the put is revoked and placed again without that node
+    /// (which the master then avoids for every writer until it is heard from again), at most
+    /// [`PUT_ATTEMPTS`] times in all.
     pub(super) async fn put_plain(
         &self,
         key: &[u8],
         source: Source<'_>,
         opts: &PutOptions,
     ) -> Result<Vec<ReplicaInfo>, DataError> {
+        let mut opts = std::borrow::Cow::Borrowed(opts);
+        let mut attempt = 1;
+        loop {
+            match self.put_plain_once(key, source.clone(), &opts).await {
+                Err(PutFailed {
+                    error,
+                    unreachable: Some(node),
+                }) if attempt < PUT_ATTEMPTS => {
+                    tracing::debug!(%node, error = %error, attempt,
+                        "a replica holder was unreachable; placing the put again without it");
+                    opts.to_mut().avoid_nodes.push(node);
+                    attempt += 1;
+                }
+                Err(failed) => return Err(failed.error),
+                Ok(replicas) => return Ok(replicas),
+            }
+        }
+    }
+
+    async fn put_plain_once(
+        &self,
+        key: &[u8],
+        source: Source<'_>,
+        opts: &PutOptions,
+    ) -> Result<Vec<ReplicaInfo>, PutFailed> {
         let size = source.len();
         let started = self
             .master
             .put_start(key, size, opts)
             .await
-            .map_err(DataError::Master)?;
+            .map_err(|e| PutFailed::from(DataError::Master(e)))?;
         let (put_id, replicas) = match started {
             PutStarted::AlreadyCommitted { .. } => return Ok(Vec::new()),
             PutStarted::Allocated { put_id, replicas } => (put_id, replicas),
@@ -114,14 +162,14 @@ impl PoolClient {
                     self.master
                         .put_end(key, put_id)
                         .await
-                        .map_err(DataError::Master)?;
+                        .map_err(|e| PutFailed::from(DataError::Master(e)))?;
                     return Ok(replicas);
                 }
                 Ok(false) => {}
                 Err(e) => {
                     // Only copies within this process, finished: nothing is on its way.
                     self.revoke_unsent(&[(key, put_id)]).await;
-                    return Err(e);
+                    return Err(e.into());
                 }
             }
         }
@@ -131,15 +179,32 @@ impl PoolClient {
                 this.write_from(local, offset, size, &targets)
             })
             .await;
-        if let Err(e) = written {
+        if let Err(error) = written {
             self.revoke(key, put_id).await;
-            return Err(e);
+            let unreachable = self.failed_node(&error, &replicas);
+            return Err(PutFailed { error, unreachable });
         }
         self.master
             .put_end(key, put_id)
             .await
-            .map_err(DataError::Master)?;
+            .map_err(|e| PutFailed::from(DataError::Master(e)))?;
         Ok(replicas)
+    }
+
+    /// The node whose replica's write failed with `error`, when the transfer says which (the
+    /// remote replicas are written in `replicas`' order, local ones copied in place).
+    fn failed_node(&self, error: &DataError, replicas: &[ReplicaInfo]) -> Option<String> {
+        let DataError::Transfer { source, .. } = error else {
+            return None;
+        };
+        let mut remote = replicas.iter().filter(|r| self.local_segment(r).is_none());
+        match source.index {
+            Some(i) => remote.nth(i).map(|r| r.node.clone()),
+            None => {
+                let only = remote.next()?;
+                remote.next().is_none().then(|| only.node.clone())
+            }
+        }
     }
 
     /// Revoke puts of which no byte was sent (a failed revoke is logged: the puts time out).

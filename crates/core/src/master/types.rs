@@ -120,6 +120,10 @@ pub struct PutOptions {
     pub spread: Spread,
     /// Tier to place the object in; `None` means DRAM, falling back to SSD when DRAM is full.
     pub tier: Option<Tier>,
+    /// Nodes the writer could not reach with an earlier attempt of this put: no replica goes
+    /// there, and the master stops placing anyone's replicas there until the node's next
+    /// heartbeat (a dead agent is avoided before its heartbeat timeout).
+    pub avoid_nodes: Vec<String>,
 }
 
 impl Default for PutOptions {
@@ -130,6 +134,7 @@ impl Default for PutOptions {
             numa_hint: None,
             spread: Spread::Node,
             tier: None,
+            avoid_nodes: Vec::new(),
         }
     }
 }

@@ -59,6 +59,7 @@ fn put_options(req: &proto::PutStartRequest) -> Result<PutOptions, Status> {
         numa_hint: req.numa_hint,
         spread,
         tier,
+        avoid_nodes: req.avoid_nodes.clone(),
     })
 }
 

@@ -209,6 +209,9 @@ struct NodeState {
     failure_domain: String,
     last_heartbeat_ms: u64,
     alive: bool,
+    /// A writer reported it unreachable at this time: no new replicas go there until a
+    /// heartbeat arrives after it.
+    suspect_since_ms: Option<u64>,
     segments: Vec<u32>,
     outbox: VecDeque<u64>,
     /// Events of this node's SSD segments not yet acknowledged by its agent (issue 4).
@@ -232,6 +235,7 @@ impl NodeState {
             failure_domain,
             last_heartbeat_ms: now_ms,
             alive: true,
+            suspect_since_ms: None,
             segments: Vec::new(),
             outbox: VecDeque::new(),
             feed: VecDeque::new(),
@@ -280,6 +284,8 @@ pub struct Counters {
     /// Committed objects that lost their last replica when agents died.
     pub objects_lost: u64,
     pub nodes_died: u64,
+    /// Nodes a writer reported unreachable (placements paused there until a heartbeat).
+    pub nodes_suspected: u64,
     pub leases_expired: u64,
     pub puts_expired: u64,
     /// Replicas dropped because their agent found them corrupt on read.

@@ -16,11 +16,32 @@ impl MasterState {
             .ok_or_else(|| MasterError::UnknownNode(node.to_owned()))?;
         let ns = &mut self.nodes[n as usize];
         ns.last_heartbeat_ms = now;
+        // Heard from after a writer found it unreachable: placements resume.
+        if ns.suspect_since_ms.is_some_and(|t| now > t) {
+            ns.suspect_since_ms = None;
+        }
         let ids: Vec<u64> = ns.outbox.drain(..).collect();
         Ok(ids
             .into_iter()
             .filter_map(|id| self.task_view(id))
             .collect())
+    }
+
+    /// A writer could not reach the nodes named in `names`: place nothing there until each
+    /// is heard from again (see [`PutOptions::avoid_nodes`]).
+    ///
+    /// [`PutOptions::avoid_nodes`]: crate::master::types::PutOptions::avoid_nodes
+    pub(super) fn suspect_nodes(&mut self, names: &[String]) {
+        let now = self.clock.now_ms();
+        for name in names {
+            if let Some(&n) = self.node_ids.get(name) {
+                let ns = &mut self.nodes[n as usize];
+                if ns.alive && ns.suspect_since_ms.is_none() {
+                    ns.suspect_since_ms = Some(now);
+                    self.counters.nodes_suspected += 1;
+                }
+            }
+        }
     }
 
     pub(super) fn kill_node(&mut self, n: u32) {

@@ -27,7 +27,11 @@ impl MasterState {
             .as_ref()
             .and_then(|n| self.node_ids.get(n))
             .copied();
-        let mut used_nodes: Vec<u32> = Vec::new();
+        let mut used_nodes: Vec<u32> = opts
+            .avoid_nodes
+            .iter()
+            .filter_map(|n| self.node_ids.get(n).copied())
+            .collect();
         let mut used_domains: Vec<String> = Vec::new();
         for r in existing {
             if let Some(s) = self.segments.get(&r.seg) {
@@ -42,6 +46,7 @@ impl MasterState {
                 let ns = &self.nodes[seg.node as usize];
                 if seg.spec.tier != tier
                     || !ns.alive
+                    || ns.suspect_since_ms.is_some()
                     || seg.sealed
                     || seg.alloc.largest_free_pages() < pages
                     || used_nodes.contains(&seg.node)

@@ -60,6 +60,9 @@ impl MasterState {
         } else {
             opts
         };
+        if !opts.avoid_nodes.is_empty() {
+            self.suspect_nodes(&opts.avoid_nodes);
+        }
         let tiers: &[Tier] = match opts.tier {
             Some(Tier::Dram) => &[Tier::Dram],
             Some(Tier::Ssd) => &[Tier::Ssd],

@@ -56,6 +56,7 @@ impl MasterState {
         let ns = &mut self.nodes[node as usize];
         ns.alive = true;
         ns.last_heartbeat_ms = now;
+        ns.suspect_since_ms = None;
         ns.failure_domain = spec.failure_domain.clone();
         ns.segments.push(id);
         self.log(JournalOp::PutSegment(id, spec.clone()));
