@@ -137,6 +137,7 @@ pub fn from_pool_document(
     );
     file.pool.rdma_devices = eff.transport.devices.clone();
     file.pool.gid_index = eff.transport.gid_index;
+    file.pool.transport_integrity = Some(eff.transport.integrity.as_str().to_owned());
     Ok(file)
 }
 

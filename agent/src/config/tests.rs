@@ -71,6 +71,23 @@ fn pool_document_maps_to_the_agent_config() {
 }
 
 #[test]
+fn the_pools_transfer_integrity_reaches_the_agents_lanes() {
+    let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
+    let file = from_pool_document(&doc, 64 << 30).expect("maps");
+    assert_eq!(file.pool.transport_integrity.as_deref(), Some("allow"), "the default");
+    let required = POOL_DOC.replace(
+        "protocol: tcp, devices: []",
+        "protocol: tcp, devices: [], integrity: require",
+    );
+    let doc = parse_pool_document(&required, Path::new("c.yaml")).expect("parses");
+    let mut file = from_pool_document(&doc, 64 << 30).expect("maps");
+    file.pool.advertise_host = Some("10.0.0.1".into());
+    file.node_name = Some("n".into());
+    let pool = validate(&file).expect("validates").pool.expect("pool mode");
+    assert_eq!(pool.integrity, kvpool_transfer::Integrity::Require);
+}
+
+#[test]
 fn the_pools_rdma_allow_list_and_gid_index_reach_the_transfer_engine() {
     let rdma = POOL_DOC.replace(
         "protocol: tcp, devices: []",

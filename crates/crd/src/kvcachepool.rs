@@ -320,6 +320,13 @@ pub struct TransportSpec {
     #[serde(default = "defaults::transport_port")]
     #[schemars(range(min = 1024, max = 65535))]
     pub port: i32,
+
+    /// Per-frame integrity of the TCP transfer lanes (docs/transfer.md, "Per-frame
+    /// integrity"): `require` seals every frame between engines and agents and between
+    /// agents (a frame altered, dropped or replayed on the wire fails its transfer); `allow`
+    /// grants it to a peer that asks and asks for nothing; `off` never seals.
+    #[serde(default)]
+    pub integrity: TransferIntegrity,
 }
 
 impl Default for TransportSpec {
@@ -331,6 +338,32 @@ impl Default for TransportSpec {
             sriov: None,
             networks: Vec::new(),
             port: defaults::transport_port(),
+            integrity: TransferIntegrity::default(),
+        }
+    }
+}
+
+/// Per-frame integrity of the TCP transfer lanes.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum TransferIntegrity {
+    /// Never seal frames; a peer that requires it is refused.
+    Off,
+    /// Seal for a peer that asks; ask for nothing.
+    #[default]
+    Allow,
+    /// Seal every frame to and from every peer; a peer that cannot is refused.
+    Require,
+}
+
+impl TransferIntegrity {
+    /// The setting as the agent's `pool.transport_integrity` and `KVPOOL_TRANSFER_INTEGRITY`
+    /// spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransferIntegrity::Off => "off",
+            TransferIntegrity::Allow => "allow",
+            TransferIntegrity::Require => "require",
         }
     }
 }

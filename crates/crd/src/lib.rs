@@ -25,7 +25,7 @@ pub use kvcachepool::{
     AgentSpec, ConductorSlo, ConductorSpec, DramTierSpec, EvictionPolicy, EvictionSpec, Hugepages,
     KVCachePool, KVCachePoolSpec, MasterSpec, NetworkPolicySpec, NumaPolicy, Protocol,
     ReplicationSpec, SPREAD_NEEDS_NODE_ACCESS, SriovResource, SriovSpec, SsdTierSpec,
-    TokenizerSpec, TransportSpec,
+    TokenizerSpec, TransferIntegrity, TransportSpec,
 };
 pub use master_tls::MasterTlsSpec;
 pub use pool_status::{

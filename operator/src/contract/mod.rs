@@ -61,6 +61,8 @@ pub mod env {
     pub const MASTER_ADDR: &str = "KVPOOL_MASTER_ADDR";
     /// Path of the node agent's Unix socket.
     pub const AGENT_SOCKET: &str = "KVPOOL_AGENT_SOCKET";
+    /// Per-frame integrity of the engine's transfer lanes (`transport.integrity`).
+    pub const TRANSFER_INTEGRITY: &str = "KVPOOL_TRANSFER_INTEGRITY";
     /// `prefill` or `decode`.
     pub const ROLE: &str = "KVPOOL_ROLE";
     /// Tokens per KV cache block.

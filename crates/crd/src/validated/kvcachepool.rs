@@ -189,6 +189,7 @@ impl ValidatedKVCachePool {
             sriov,
             networks: t.networks.clone(),
             port: ranged("transport.port", t.port, 1024, 65535)?,
+            integrity: t.integrity,
         };
 
         validate_label_key(

@@ -74,6 +74,9 @@ pub struct TransportConfig {
     pub networks: Vec<String>,
     /// Transfer endpoint port.
     pub port: u16,
+    /// Per-frame integrity of the TCP lanes (agents and engines).
+    #[serde(default)]
+    pub integrity: crate::TransferIntegrity,
 }
 
 /// Effective SR-IOV request: every extended resource an agent pod requests (the single-name

@@ -89,6 +89,10 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
             p.effective.tensor_parallel_size.to_string(),
         ),
         plain_env(env::POOL, p.pool.name.clone()),
+        plain_env(
+            env::TRANSFER_INTEGRITY,
+            p.pool.effective.transport.integrity.as_str(),
+        ),
         plain_env(env::ENGINE_POOL, p.name.clone()),
         field_env(env::NODE_NAME, "spec.nodeName"),
         field_env(env::POD_IP, "status.podIP"),

@@ -93,6 +93,8 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
         Some("/run/kvpool/agent.sock")
     );
     assert_eq!(env_value(c, "KVPOOL_ROLE"), Some("prefill"));
+    // The pool's transport.integrity reaches the engine's lanes (the default here).
+    assert_eq!(env_value(c, "KVPOOL_TRANSFER_INTEGRITY"), Some("allow"));
     assert_eq!(
         env_value(c, "KVPOOL_SLO_MILLIS"),
         Some("1000"),
