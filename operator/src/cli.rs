@@ -64,6 +64,11 @@ pub struct RunArgs {
     /// of fields is clear in `managedFields`).
     #[arg(long, env = "KVPOOL_FIELD_MANAGER", default_value = crate::labels::FIELD_MANAGER)]
     pub field_manager: String,
+    /// The namespace this operator runs in (the chart passes the pod's own, from the downward
+    /// API): pool NetworkPolicies admit the operator's pods from there only. Empty: from any
+    /// namespace.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "")]
+    pub operator_namespace: String,
     /// Default image of the node agent DaemonSet (a KVCachePool may override it).
     #[arg(long, env = "KVPOOL_AGENT_IMAGE", default_value_t = default_image("kvpool-agent"))]
     pub agent_image: String,

@@ -27,6 +27,9 @@ pub struct Settings {
     pub agent_image: String,
     pub master_image: String,
     pub conductor_image: String,
+    /// The namespace the operator runs in (`POD_NAMESPACE`): the pools' NetworkPolicies admit
+    /// the operator's pods from there only. None: from any namespace.
+    pub operator_namespace: Option<String>,
 }
 
 impl Settings {
@@ -37,6 +40,7 @@ impl Settings {
             agent_image: "ghcr.io/kvpool/kvpool-agent:test".to_owned(),
             master_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
             conductor_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
+            operator_namespace: None,
         }
     }
 }

@@ -213,6 +213,8 @@ async fn run_with_admin(
                 agent_image: args.agent_image.clone(),
                 master_image: args.master_image.clone(),
                 conductor_image: args.conductor_image.clone(),
+                operator_namespace: (!args.operator_namespace.is_empty())
+                    .then(|| args.operator_namespace.clone()),
             },
             root_key,
             Some(identity),

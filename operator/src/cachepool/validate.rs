@@ -27,6 +27,8 @@ pub struct ValidCachePool {
     pub agent_image: String,
     pub master_image: String,
     pub conductor_image: String,
+    /// The operator's own namespace, when known (see `Settings::operator_namespace`).
+    pub operator_namespace: Option<String>,
 }
 
 impl ValidCachePool {
@@ -77,6 +79,7 @@ pub fn validate(pool: &KVCachePool, settings: &Settings) -> Result<ValidCachePoo
             .image
             .clone()
             .unwrap_or_else(|| settings.conductor_image.clone()),
+        operator_namespace: settings.operator_namespace.clone(),
     })
 }
 

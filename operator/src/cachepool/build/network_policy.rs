@@ -65,10 +65,21 @@ pub fn pool_pods(pool: &ValidCachePool) -> NetworkPolicyPeer {
     ]))
 }
 
-/// The operator's pods, in whatever namespace it runs.
-pub fn operator_pods() -> NetworkPolicyPeer {
+/// The operator's pods: in its own namespace when the operator knows it (the chart tells it),
+/// else in any namespace.
+pub fn operator_pods(namespace: Option<&str>) -> NetworkPolicyPeer {
+    let namespace_selector = match namespace {
+        Some(ns) => LabelSelector {
+            match_labels: Some(BTreeMap::from([(
+                "kubernetes.io/metadata.name".to_owned(),
+                ns.to_owned(),
+            )])),
+            ..LabelSelector::default()
+        },
+        None => LabelSelector::default(),
+    };
     NetworkPolicyPeer {
-        namespace_selector: Some(LabelSelector::default()),
+        namespace_selector: Some(namespace_selector),
         ..pod_peer(
             OPERATOR_POD_LABELS
                 .iter()
@@ -136,7 +147,10 @@ pub fn network_policies(pool: &ValidCachePool) -> Vec<NetworkPolicy> {
                         contract::KV_EVENTS_PORT + 1,
                     ],
                 ),
-                rule(vec![operator_pods()], &[contract::MASTER_PORT]),
+                rule(
+                    vec![operator_pods(pool.operator_namespace.as_deref())],
+                    &[contract::MASTER_PORT],
+                ),
             ],
         ),
         policy(
@@ -159,7 +173,10 @@ pub fn network_policies(pool: &ValidCachePool) -> Vec<NetworkPolicy> {
             Component::Conductor,
             vec![
                 rule(callers, &[contract::CONDUCTOR_PORT]),
-                rule(vec![operator_pods()], &[contract::CONDUCTOR_PORT]),
+                rule(
+                    vec![operator_pods(pool.operator_namespace.as_deref())],
+                    &[contract::CONDUCTOR_PORT],
+                ),
             ],
         ));
     }
@@ -172,6 +189,21 @@ mod tests {
     use kvpool_crd::KVCachePool;
 
     use super::*;
+
+    #[test]
+    fn the_operator_is_admitted_from_its_own_namespace_when_it_knows_it() {
+        let mine = operator_pods(Some("kvpool-system"));
+        let ns = mine.namespace_selector.expect("namespace selector");
+        assert_eq!(
+            ns.match_labels.expect("labels")["kubernetes.io/metadata.name"],
+            "kvpool-system"
+        );
+        // Unknown: any namespace (an empty selector), as before the chart passed it.
+        assert_eq!(
+            operator_pods(None).namespace_selector,
+            Some(LabelSelector::default())
+        );
+    }
     use crate::test_fixtures::{roce, tcp, valid};
 
     /// `(peers, ports)` of each ingress rule of the policy named `name`.
@@ -301,7 +333,7 @@ mod tests {
         assert_eq!(conductor.len(), 2);
         assert_eq!(conductor[0].1, [8000]);
         // The operator reads the load the engine pools autoscale by.
-        assert_eq!(conductor[1], (vec![operator_pods()], vec![8000]));
+        assert_eq!(conductor[1], (vec![operator_pods(None)], vec![8000]));
         // Every pod of the namespace: an empty pod selector and no namespace selector.
         assert_eq!(
             conductor[0].0,
