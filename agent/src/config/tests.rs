@@ -74,7 +74,11 @@ fn pool_document_maps_to_the_agent_config() {
 fn the_pools_transfer_integrity_reaches_the_agents_lanes() {
     let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
     let file = from_pool_document(&doc, 64 << 30).expect("maps");
-    assert_eq!(file.pool.transport_integrity.as_deref(), Some("allow"), "the default");
+    assert_eq!(
+        file.pool.transport_integrity.as_deref(),
+        Some("allow"),
+        "the default"
+    );
     let required = POOL_DOC.replace(
         "protocol: tcp, devices: []",
         "protocol: tcp, devices: [], integrity: require",

@@ -401,8 +401,27 @@ store.close()
 """
 
 
+@pytest.fixture(scope="module")
+def fresh_node():
+    """A pool of its own (the module's `node` has a killed agent and full tiers by now)."""
+    dir = Path(tempfile.mkdtemp(prefix="kvpu-"))
+    key = write_key(dir / "pool.key")
+    master = KvpoolMaster(dir, key)
+    agent = None
+    try:
+        master.start()
+        agent = KvpoolAgent(dir / "a0", master.addr, key, name="py-agent-u").start()
+        yield Node(master, agent, key, dir)
+    finally:
+        if agent is not None:
+            agent.stop()
+        master.stop()
+        shutil.rmtree(dir, ignore_errors=True)
+
+
 @pytest.mark.parametrize("mode", ["direct", "integrity", "agent"])
-def test_registered_memory_unmapped_later_is_an_error_not_a_signal(node, mode):
+def test_registered_memory_unmapped_later_is_an_error_not_a_signal(fresh_node, mode):
+    node = fresh_node
     cfg = {
         "local_hostname": "127.0.0.1",
         "mode": "agent" if mode == "agent" else "direct",

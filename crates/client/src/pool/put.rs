@@ -40,6 +40,17 @@ struct PutFailed {
     unreachable: Option<String>,
 }
 
+/// Whether a transfer failure says the peer could not be reached or went away (connection
+/// refused, reset or closed, a handshake or the batch timing out), as opposed to a fault on this
+/// side (a caller's buffer no longer mapped: EFAULT) or an answer of the peer.
+pub(super) fn peer_unreachable(f: &kvpool_transfer::Failure) -> bool {
+    match f.category {
+        "connect" | "handshake" | "closed" | "timeout" | "open" => true,
+        "io" => !f.reason.contains("os error 14"),
+        _ => false,
+    }
+}
+
 impl From<DataError> for PutFailed {
     fn from(error: DataError) -> Self {
         PutFailed {
@@ -194,9 +205,23 @@ impl PoolClient {
     /// The node whose replica's write failed with `error`, when the transfer says which (the
     /// remote replicas are written in `replicas`' order, local ones copied in place).
     fn failed_node(&self, error: &DataError, replicas: &[ReplicaInfo]) -> Option<String> {
-        let DataError::Transfer { source, .. } = error else {
-            return None;
+        let source = match error {
+            DataError::Transfer { source, .. } => source,
+            // The replica's segment could not be opened (its agent does not answer).
+            DataError::Open { name, .. } => {
+                return replicas
+                    .iter()
+                    .find(|r| super::naming::replica_name(r) == *name)
+                    .map(|r| r.node.clone());
+            }
+            DataError::NoEndpoint { node, .. } => return Some(node.clone()),
+            _ => return None,
         };
+        if !peer_unreachable(&source.failure) {
+            // Our own side failed (a caller buffer gone, EFAULT): placing elsewhere won't help,
+            // and the node did nothing wrong.
+            return None;
+        }
         let mut remote = replicas.iter().filter(|r| self.local_segment(r).is_none());
         match source.index {
             Some(i) => remote.nth(i).map(|r| r.node.clone()),

@@ -310,3 +310,29 @@ fn descriptor_names_the_agent_registration() {
     let e = descriptor(&replica(&["rdma://x"])).expect_err("no usable endpoint");
     assert_eq!(e.category(), "no_endpoint");
 }
+
+#[test]
+fn only_failures_of_the_peer_move_a_put_elsewhere() {
+    use kvpool_transfer::Failure;
+    let peer = |c, r: &str| super::put::peer_unreachable(&Failure::new(c, r));
+    assert!(peer(
+        "connect",
+        "connecting to 127.0.0.1:9 failed: Connection refused"
+    ));
+    assert!(peer("closed", "peer closed the connection"));
+    assert!(peer(
+        "io",
+        "connection I/O failed: Connection reset by peer (os error 104)"
+    ));
+    assert!(peer("timeout", "batch did not complete within 5s"));
+    // A caller buffer unmapped since it was registered: this side's fault.
+    assert!(!peer(
+        "io",
+        "connection I/O failed: Bad address (os error 14)"
+    ));
+    // The peer answered: it is there.
+    assert!(!peer(
+        "remote",
+        "peer answered with error out_of_bounds: ..."
+    ));
+}
