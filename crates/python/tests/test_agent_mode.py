@@ -50,22 +50,27 @@ def clean_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture(scope="module")
-def node():
+def one_agent_pool(prefix: str, agent_name: str):
+    """A master and one agent in a fresh directory, for the life of the generator."""
     # Short, so the socket path fits a Unix socket's 107 bytes.
-    dir = Path(tempfile.mkdtemp(prefix="kvpa-"))
+    dir = Path(tempfile.mkdtemp(prefix=prefix))
     key = write_key(dir / "pool.key")
     master = KvpoolMaster(dir, key)
     agent = None
     try:
         master.start()
-        agent = KvpoolAgent(dir / "a0", master.addr, key, name="py-agent-0").start()
+        agent = KvpoolAgent(dir / "a0", master.addr, key, name=agent_name).start()
         yield Node(master, agent, key, dir)
     finally:
         if agent is not None:
             agent.stop()
         master.stop()
         shutil.rmtree(dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def node():
+    yield from one_agent_pool("kvpa-", "py-agent-0")
 
 
 @pytest.fixture
@@ -404,19 +409,7 @@ store.close()
 @pytest.fixture(scope="module")
 def fresh_node():
     """A pool of its own (the module's `node` has a killed agent and full tiers by now)."""
-    dir = Path(tempfile.mkdtemp(prefix="kvpu-"))
-    key = write_key(dir / "pool.key")
-    master = KvpoolMaster(dir, key)
-    agent = None
-    try:
-        master.start()
-        agent = KvpoolAgent(dir / "a0", master.addr, key, name="py-agent-u").start()
-        yield Node(master, agent, key, dir)
-    finally:
-        if agent is not None:
-            agent.stop()
-        master.stop()
-        shutil.rmtree(dir, ignore_errors=True)
+    yield from one_agent_pool("kvpu-", "py-agent-u")
 
 
 @pytest.mark.parametrize("mode", ["direct", "integrity", "agent"])
