@@ -14,7 +14,9 @@ pub const ALIGN: u64 = 4096;
 
 /// Bytes a block of `len` bytes takes on disk: rounded up to [`ALIGN`], at least one unit.
 pub fn padded(len: u64) -> u64 {
-    len.max(1).div_ceil(ALIGN) * ALIGN
+    // Saturating: a length from a damaged index near u64::MAX must not overflow (the caller's
+    // bounds check then refuses it).
+    len.max(1).div_ceil(ALIGN).saturating_mul(ALIGN)
 }
 
 /// A heap buffer aligned for direct I/O, length a multiple of [`ALIGN`], zero-filled.

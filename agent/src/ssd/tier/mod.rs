@@ -150,7 +150,10 @@ fn admit(
         std::mem::take(&mut replayed.entries).into_iter().collect();
     sorted.sort_by_key(|(_, e)| e.offset);
     for (key, e) in sorted {
-        if !e.offset.is_multiple_of(ALIGN) || !space.reserve(e.offset, padded(e.len)) {
+        if !e.offset.is_multiple_of(ALIGN)
+            || e.len > capacity
+            || !space.reserve(e.offset, padded(e.len))
+        {
             recovery.warnings.push(format!(
                 "index entry at offset {} ({} bytes) lies outside the capacity or overlaps \
                  another; dropped",
@@ -158,7 +161,7 @@ fn admit(
             ));
             continue;
         }
-        if e.offset + e.len > data_len {
+        if e.offset.checked_add(e.len).is_none_or(|end| end > data_len) {
             space.free(e.offset, padded(e.len));
             recovery.warnings.push(format!(
                 "block at offset {} is past the end of {DATA_FILE} (truncated); dropped",

@@ -139,3 +139,16 @@ fn recover_index_finds_what_opening_the_tier_finds() {
         Err(SsdError::BadMagic { .. })
     ));
 }
+
+#[test]
+fn an_index_entry_of_absurd_length_is_dropped_not_a_panic() {
+    // Found by the ssd_index fuzz target (fuzz/corpus/ssd_index/regression-len-overflow): an
+    // entry whose length rounds up past u64::MAX overflowed the padding arithmetic.
+    let input = include_bytes!("../../../../fuzz/corpus/ssd_index/regression-len-overflow");
+    let (&which, bytes) = input.split_first().expect("input");
+    let data_len = [0, 4096, 1 << 20, 16 << 20, u64::MAX][usize::from(which / 2 % 5)];
+    let (recovery, usage) =
+        SsdTier::recover_index(bytes, 16 << 20, data_len).expect("the index replays");
+    assert!(usage.used <= usage.capacity);
+    assert_eq!(recovery.blocks, usage.blocks);
+}
