@@ -96,6 +96,16 @@ impl LaneShared {
     fn is_dead(&self) -> bool {
         self.dead.load(Ordering::SeqCst)
     }
+
+    /// Wait up to `limit` for the lane to die of another cause (the receiver reading the
+    /// peer's ERROR reply or its close).
+    fn wait_dead(&self, limit: Duration) {
+        let until = Instant::now() + limit;
+        let mut q = self.outstanding.lock();
+        while !self.is_dead() && Instant::now() < until {
+            self.cv.wait_for(&mut q, TICK.min(limit));
+        }
+    }
 }
 
 /// One connection to a peer with its two threads.

@@ -6,7 +6,7 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::io::LaneWriter;
 use super::{InFlight, LaneShared, TICK};
@@ -15,6 +15,9 @@ use crate::frame::{self, Header};
 use crate::memory::{Segment, Span};
 use crate::tcp::{self, Slice, SliceKind};
 use crate::wire;
+
+/// How long a failed send waits for the receiver to learn the peer's reason.
+const REASON_GRACE: Duration = Duration::from_secs(1);
 
 pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: LaneWriter, rx: Receiver<Slice>) {
     loop {
@@ -106,6 +109,13 @@ pub(super) fn sender_loop(sh: Arc<LaneShared>, mut stream: LaneWriter, rx: Recei
         }
         let result = send_frame(&mut stream, &head, &payload);
         if let Err(e) = result {
+            // A target that refuses a frame (an integrity failure, say) sends an ERROR naming
+            // why and closes; a middlebox may turn that close into a reset that breaks this
+            // send first. The ERROR is still in the receive queue: let the receiver read it,
+            // so the transfer fails with the target's reason rather than the broken pipe.
+            if !wire::is_timeout(&e) {
+                sh.wait_dead(REASON_GRACE);
+            }
             sh.fail(Failure::new(
                 wire::io_category(&e),
                 format!("sending to {} failed: {e}", sh.peer),
