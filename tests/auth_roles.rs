@@ -10,7 +10,7 @@ mod transfer_util;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpool_client::credentials::role_file;
+use kvpool_client::credentials::{node_file, role_file};
 use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
 use kvpool_core::master::{PutOptions, PutStarted};
 use kvpool_proto::auth::{AUTH_HEADER, AuthKey, Role};
@@ -30,6 +30,13 @@ const KEY: &[u8] = b"kvpool-roles-test-pool-key-0123456789";
 fn role_path(dir: &std::path::Path, role: Role) -> std::path::PathBuf {
     let path = dir.join(format!("{role}.json"));
     std::fs::write(&path, role_file(KEY, role).expect("role file")).expect("write");
+    path
+}
+
+/// The credential file of the agent on `node`, written to `dir`.
+fn node_path(dir: &std::path::Path, node: &str) -> std::path::PathBuf {
+    let path = dir.join(format!("agent-{node}.json"));
+    std::fs::write(&path, node_file(KEY, node).expect("node file")).expect("write");
     path
 }
 
@@ -53,7 +60,7 @@ fn status_code(e: &ClientError) -> Option<Code> {
 async fn each_role_makes_its_calls_and_is_refused_the_others() {
     let f = in_process_master(KEY, |_| {}).await;
     let dir = tempfile::tempdir().expect("tmp");
-    let agent = client_of(&f, &role_path(dir.path(), Role::Agent));
+    let agent = client_of(&f, &node_path(dir.path(), "a"));
     let engine = client_of(&f, &role_path(dir.path(), Role::Engine));
     let conductor = client_of(&f, &role_path(dir.path(), Role::Conductor));
     let observer = client_of(&f, &role_path(dir.path(), Role::Observer));
@@ -119,6 +126,174 @@ async fn each_role_makes_its_calls_and_is_refused_the_others() {
         f.client.exists(&[b"k/0", b"k/2"]).await.expect("exists"),
         vec![true, false]
     );
+}
+
+/// Issue 38: an engine's credential makes no membership call (mount, unmount, heartbeat, task
+/// report, adoption) and cannot empty the pool; an agent's credential acts for its own node
+/// only; the agent role's node-less credential makes node calls only where the master allows
+/// shared agent credentials, and even then a node-bound one stays bound.
+#[tokio::test]
+async fn membership_calls_are_refused_to_engines_and_bound_to_the_agents_node() {
+    let f = in_process_master(KEY, |_| {}).await;
+    let dir = tempfile::tempdir().expect("tmp");
+    let engine = client_of(&f, &role_path(dir.path(), Role::Engine));
+    let shared = client_of(&f, &role_path(dir.path(), Role::Agent));
+    let agent_a = client_of(&f, &node_path(dir.path(), "node-a"));
+    let agent_b = client_of(&f, &node_path(dir.path(), "node-b.example.com"));
+
+    let id_a = agent_a
+        .mount_segment(&dram_segment("node-a", 64 << 20))
+        .await
+        .expect("an agent mounts for its own node");
+    agent_a.heartbeat("node-a").await.expect("own heartbeat");
+    let id_b = agent_b
+        .mount_segment(&dram_segment("node-b.example.com", 64 << 20))
+        .await
+        .expect("a node name with dots");
+    let started = engine
+        .put_start(b"k/0", 4096, &PutOptions::default())
+        .await
+        .expect("engine puts");
+    let PutStarted::Allocated { put_id, .. } = started else {
+        panic!("unexpected {started:?}");
+    };
+    engine.put_end(b"k/0", put_id).await.expect("commit");
+    let before = f.client.stats().await.expect("stats");
+
+    let huge = dram_segment("node-a", 1 << 40);
+    for (who, r, reason) in [
+        (
+            "engine mounts under an agent's node",
+            engine.mount_segment(&huge).await.map(|_| ()),
+            "engine may not call MountSegment",
+        ),
+        (
+            "engine mounts a node of its own",
+            engine
+                .mount_segment(&dram_segment("engine-x", 1 << 20))
+                .await
+                .map(|_| ()),
+            "engine may not call MountSegment",
+        ),
+        (
+            "engine unmounts",
+            engine.unmount_segment("node-a", id_a).await,
+            "engine may not call UnmountSegment",
+        ),
+        (
+            "engine heartbeats",
+            engine.heartbeat("node-a").await.map(|_| ()),
+            "engine may not call Heartbeat",
+        ),
+        (
+            "engine reports a task",
+            engine.complete_task("node-a", 1, true).await,
+            "engine may not call CompleteTask",
+        ),
+        (
+            "engine adopts",
+            engine
+                .adopt_replicas("node-a", id_a, &[], false)
+                .await
+                .map(|_| ()),
+            "engine may not call AdoptReplicas",
+        ),
+        (
+            "engine empties the pool",
+            engine.remove_all().await.map(|_| ()),
+            "engine may not call RemoveAll",
+        ),
+        (
+            "agent b mounts as node a",
+            agent_b.mount_segment(&huge).await.map(|_| ()),
+            "may not act for node",
+        ),
+        (
+            "agent b unmounts node a's segment",
+            agent_b.unmount_segment("node-a", id_a).await,
+            "may not act for node",
+        ),
+        (
+            "agent b heartbeats for node a",
+            agent_b.heartbeat("node-a").await.map(|_| ()),
+            "may not act for node",
+        ),
+        (
+            "agent b reports node a's task",
+            agent_b.complete_task("node-a", 1, true).await,
+            "may not act for node",
+        ),
+        (
+            "agent b adopts on node a",
+            agent_b
+                .adopt_replicas("node-a", id_a, &[], false)
+                .await
+                .map(|_| ()),
+            "may not act for node",
+        ),
+        (
+            "the shared agent credential mounts",
+            shared
+                .mount_segment(&dram_segment("node-c", 1 << 20))
+                .await
+                .map(|_| ()),
+            "not bound to a node",
+        ),
+        (
+            "the shared agent credential unmounts",
+            shared.unmount_segment("node-b.example.com", id_b).await,
+            "not bound to a node",
+        ),
+        (
+            "an agent empties the pool",
+            agent_a.remove_all().await.map(|_| ()),
+            "agent may not call RemoveAll",
+        ),
+    ] {
+        let e = r.expect_err(who);
+        assert_eq!(status_code(&e), Some(Code::PermissionDenied), "{who}: {e}");
+        let message = format!("{e} {e:?}");
+        assert!(message.contains(reason), "{who}: {message}");
+    }
+    // Nothing changed: the same segments, capacity and object.
+    let after = f.client.stats().await.expect("stats");
+    assert_eq!(after.segments, 2);
+    assert_eq!(after.capacity_bytes, before.capacity_bytes);
+    assert_eq!(after.objects, 1);
+    assert_eq!(
+        f.client.exists(&[b"k/0"]).await.expect("exists"),
+        vec![true]
+    );
+    // Its own node's segment, the agent may unmount.
+    agent_b
+        .unmount_segment("node-b.example.com", id_b)
+        .await
+        .expect("own unmount");
+    assert_eq!(f.client.stats().await.expect("stats").segments, 1);
+
+    // Where the master allows shared agent credentials, the node-less one acts for any node;
+    // a node-bound one stays bound.
+    let g = in_process_master(KEY, |a| a.shared_agent_credentials = true).await;
+    let shared = client_of(&g, &role_path(dir.path(), Role::Agent));
+    let agent_b = client_of(&g, &node_path(dir.path(), "node-b.example.com"));
+    shared
+        .mount_segment(&dram_segment("node-c", 1 << 20))
+        .await
+        .expect("shared credentials allowed");
+    let e = agent_b
+        .mount_segment(&dram_segment("node-c", 1 << 20))
+        .await
+        .expect_err("still bound");
+    assert_eq!(status_code(&e), Some(Code::PermissionDenied), "{e}");
+    let e = engine_of(&g, dir.path())
+        .mount_segment(&dram_segment("node-c", 1 << 20))
+        .await
+        .expect_err("engines never");
+    assert_eq!(status_code(&e), Some(Code::PermissionDenied), "{e}");
+}
+
+fn engine_of(f: &InProcessMaster, dir: &std::path::Path) -> MasterClient {
+    client_of(f, &role_path(dir, Role::Engine))
 }
 
 /// A raw gRPC call of `Exists` or `Stats` with `credential` as its header.
@@ -317,4 +492,46 @@ fn the_conductors_file_opens_no_transfer_connection() {
     let forged = kvpool_transfer::AuthKey::from_transfer_key(&bytes).expect("key");
     let e = read_with(forged, directory).expect_err("handshake refused");
     assert!(!e.is_empty());
+}
+
+/// Issue 38: docs/reliability.md's role table ("Credentials") lists, for each role, exactly the
+/// master calls the code lets it make.
+#[test]
+fn the_role_table_here_is_the_codes() {
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/reliability.md"),
+    )
+    .expect("docs/reliability.md");
+    let section = doc
+        .split("\n## Credentials\n")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("a Credentials section");
+    let mut seen = Vec::new();
+    for line in section.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        // | `role` | who | master calls | transfer key |
+        let Some(role) = cells
+            .get(1)
+            .and_then(|c| c.strip_prefix('`'))
+            .and_then(|c| c.strip_suffix('`'))
+            .and_then(Role::from_name)
+        else {
+            continue;
+        };
+        let listed: std::collections::BTreeSet<&str> = cells[3]
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|w| w.starts_with(|c: char| c.is_ascii_uppercase()))
+            .collect();
+        let allowed: std::collections::BTreeSet<&str> = kvpool_proto::auth::METHODS
+            .iter()
+            .copied()
+            .filter(|m| role.allows(m))
+            .collect();
+        assert_eq!(listed, allowed, "the row of role {role}");
+        seen.push(role);
+    }
+    assert_eq!(seen, Role::ALL, "one row per role, in order");
 }

@@ -3,8 +3,11 @@
 //! - tag 0: a fast-lane request frame (after its length; `kvpool_proto::fast`), decoded,
 //!   checked to round-trip, its piggybacked lease releases applied, then run by the fast
 //!   lane's own dispatch to the tonic handlers (the credential is `master_auth`'s target);
-//! - tag 1..=9: the protobuf body of a gRPC-only call (mount, unmount, heartbeat, complete
-//!   task, adopt replicas, pin, unpin, remove all, stats), run by its tonic handler.
+//! - tag 1..=9 (mod 10): the protobuf body of a gRPC-only call (mount, unmount, heartbeat,
+//!   complete task, adopt replicas, pin, unpin, remove all, stats), run by its tonic handler
+//!   as the caller `tag / 10` picks (the pool key, the agent of node `a` or `b`, the shared
+//!   agent credential, on a master that does or does not allow shared ones), whose checked
+//!   credential the node calls' authorization reads.
 //!
 //! Every call answers a reply or a gRPC status; a fast-lane reply decodes as its method's
 //! response message; and the core's space accounting stays within its capacity.
@@ -16,6 +19,7 @@ use kvpool_core::master::{FakeClock, MasterConfig, MasterState, SegmentSpec, Tie
 use kvpool_fuzz::Records;
 use kvpool_master::metrics::MasterMetrics;
 use kvpool_master::service::{Core, MasterSvc, dispatch_fast_call};
+use kvpool_proto::auth::{AuthKey, Role, Verified, Verifier};
 use kvpool_proto::fast::{self, Method};
 use kvpool_proto::master::{self as proto, master_server::Master};
 use libfuzzer_sys::fuzz_target;
@@ -64,24 +68,49 @@ fn decodes(method: Method, reply: &[u8]) -> bool {
     }
 }
 
+/// The checked credential of the caller `who` picks for a call of `method`, as the master's
+/// interceptor leaves it in the request.
+fn caller(who: u8, method: &str) -> Verified {
+    static POOL: OnceLock<AuthKey> = OnceLock::new();
+    let pool = POOL.get_or_init(|| AuthKey::from_bytes(b"fuzz-pool-key-0123456789").expect("key"));
+    let key = match who % 4 {
+        0 => Some(pool.clone()),
+        1 => pool.derive_node("a"),
+        2 => pool.derive_node("b"),
+        _ => pool.derive(Role::Agent),
+    }
+    .expect("derived key");
+    let verifier = Verifier::new(pool)
+        .expect("pool key")
+        .allow_shared_agents(who & 4 != 0);
+    verifier
+        .verify(Some(&key.sign(method)), method)
+        .expect("a fresh credential of a role that may call it")
+}
+
 async fn grpc_only(svc: &MasterSvc, tag: u8, body: &[u8]) {
+    let who = tag / 10;
     macro_rules! call {
-        ($method:ident, $msg:ty) => {
+        ($method:ident, $name:literal, $msg:ty) => {
             if let Ok(m) = <$msg>::decode(body) {
-                let _ = svc.$method(Request::new(m)).await;
+                let mut req = Request::new(m);
+                // The agent role may not call RemoveAll: that one is always the pool key's.
+                let who = if $name == "RemoveAll" { 0 } else { who };
+                req.extensions_mut().insert(caller(who, $name));
+                let _ = svc.$method(req).await;
             }
         };
     }
-    match tag {
-        1 => call!(mount_segment, proto::MountSegmentRequest),
-        2 => call!(unmount_segment, proto::UnmountSegmentRequest),
-        3 => call!(heartbeat, proto::HeartbeatRequest),
-        4 => call!(complete_task, proto::CompleteTaskRequest),
-        5 => call!(adopt_replicas, proto::AdoptReplicasRequest),
-        6 => call!(pin, proto::PinRequest),
-        7 => call!(unpin, proto::KeysRequest),
-        8 => call!(remove_all, proto::Empty),
-        _ => call!(stats, proto::Empty),
+    match tag % 10 {
+        1 => call!(mount_segment, "MountSegment", proto::MountSegmentRequest),
+        2 => call!(unmount_segment, "UnmountSegment", proto::UnmountSegmentRequest),
+        3 => call!(heartbeat, "Heartbeat", proto::HeartbeatRequest),
+        4 => call!(complete_task, "CompleteTask", proto::CompleteTaskRequest),
+        5 => call!(adopt_replicas, "AdoptReplicas", proto::AdoptReplicasRequest),
+        6 => call!(pin, "Pin", proto::PinRequest),
+        7 => call!(unpin, "Unpin", proto::KeysRequest),
+        8 => call!(remove_all, "RemoveAll", proto::Empty),
+        _ => call!(stats, "Stats", proto::Empty),
     }
 }
 
@@ -99,7 +128,7 @@ fuzz_target!(|data: &[u8]| {
     f.rt.block_on(async {
         for (tag, body) in Records(data) {
             if tag % 10 != 0 {
-                grpc_only(&svc, tag % 10, body).await;
+                grpc_only(&svc, tag, body).await;
                 continue;
             }
             let Ok(req) = fast::decode_request(body) else {

@@ -24,6 +24,11 @@ pub struct DeriveArgs {
     /// The pool key file (the master's `--auth-key-file`).
     #[arg(long)]
     pub auth_key_file: PathBuf,
+    /// Bind an agent's credential to this node (its `node_name`): it can mount, unmount,
+    /// heartbeat and adopt for that node only. Masters refuse node-less agent credentials for
+    /// those calls unless run with --shared-agent-credentials.
+    #[arg(long)]
+    pub node: Option<String>,
     /// Write the credential file here (created with mode 0600) instead of standard output.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -49,8 +54,18 @@ pub fn derive(args: &DeriveArgs) -> anyhow::Result<String> {
             args.auth_key_file.display()
         );
     }
-    kvpool_client::credentials::role_file(&pool, args.role)
-        .with_context(|| format!("{} holds fewer than 16 bytes", args.auth_key_file.display()))
+    let short = || format!("{} holds fewer than 16 bytes", args.auth_key_file.display());
+    match &args.node {
+        None => kvpool_client::credentials::role_file(&pool, args.role).with_context(short),
+        Some(_) if args.role != Role::Agent => {
+            anyhow::bail!("--node binds agent credentials only, not {}", args.role)
+        }
+        Some(node) if !kvpool_proto::auth::valid_node(node) => anyhow::bail!(
+            "--node {node:?} is not a node name (1 to {} bytes, no control characters)",
+            kvpool_proto::auth::MAX_NODE_LEN
+        ),
+        Some(node) => kvpool_client::credentials::node_file(&pool, node).with_context(short),
+    }
 }
 
 /// Run one `kvpool auth` subcommand.
@@ -91,6 +106,7 @@ mod tests {
         let args = DeriveArgs {
             role: Role::Engine,
             auth_key_file: pool.clone(),
+            node: None,
             out: Some(out.clone()),
         };
         run(&AuthCommand::Derive(args)).expect("derive");
@@ -107,12 +123,31 @@ mod tests {
             let args = DeriveArgs {
                 role: Role::Agent,
                 auth_key_file: file.clone(),
+                node: None,
                 out: None,
             };
             let e = derive(&args).expect_err("refused");
             assert!(format!("{e:#}").contains(needle), "{e:#}");
         }
         assert!(parse_role("admin").is_err() && parse_role("root").is_err());
+        // --node binds an agent's file to its node, and only an agent's.
+        std::fs::write(&pool, "0123456789abcdef0123456789abcdef\n").expect("write");
+        let node_args = |role, node: &str| DeriveArgs {
+            role,
+            auth_key_file: pool.clone(),
+            node: Some(node.to_owned()),
+            out: None,
+        };
+        let text = derive(&node_args(Role::Agent, "gpu-7.example")).expect("agent of a node");
+        let doc = kvpool_proto::auth::RoleDocument::parse(text.as_bytes()).expect("document");
+        assert_eq!(doc.node.as_deref(), Some("gpu-7.example"));
+        for (role, node, needle) in [
+            (Role::Engine, "gpu-7", "agent credentials only"),
+            (Role::Agent, "", "not a node name"),
+        ] {
+            let e = derive(&node_args(role, node)).expect_err("refused");
+            assert!(format!("{e:#}").contains(needle), "{e:#}");
+        }
         assert_eq!(parse_role("conductor"), Ok(Role::Conductor));
     }
 }

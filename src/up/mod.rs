@@ -303,15 +303,20 @@ fn process_exists(pid: i32) -> bool {
     )
 }
 
-/// The pool key (for the master) and each role's credential file derived from it (0600 each,
-/// in the 0700 run directory).
-fn write_keys(dir: &std::path::Path, pool_key: &str) -> Result<(), UpError> {
+/// The pool key (for the master), each role's credential file derived from it, and each
+/// agent's own node-bound one (0600 each, in the 0700 run directory).
+fn write_keys(dir: &std::path::Path, pool_key: &str, agents: usize) -> Result<(), UpError> {
+    use kvpool_client::credentials::{node_file, role_file};
     use kvpool_proto::auth::Role;
+    let short = || flag("auth", "the generated pool key is too short");
     let mut files = vec![(plan::key_file(dir), pool_key.to_owned())];
     for role in [Role::Agent, Role::Engine, Role::Conductor, Role::Observer] {
-        let text = kvpool_client::credentials::role_file(pool_key.as_bytes(), role)
-            .ok_or_else(|| flag("auth", "the generated pool key is too short"))?;
+        let text = role_file(pool_key.as_bytes(), role).ok_or_else(short)?;
         files.push((plan::role_key_file(dir, role), text));
+    }
+    for i in 0..agents {
+        let text = node_file(pool_key.as_bytes(), &plan::agent_node(i)).ok_or_else(short)?;
+        files.push((plan::agent_key_file(dir, i), text));
     }
     for (path, text) in files {
         kvpool_harness::tls::write_private(&path, &text)
@@ -384,7 +389,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         settings.vllm.is_some(),
     )?;
     let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
-    write_keys(&dir, &random_key())?;
+    write_keys(&dir, &random_key(), settings.agents)?;
     tracing::info!(
         dir = %dir.display(),
         children = specs.len(),

@@ -150,9 +150,20 @@ pub fn role_key_file(dir: &Path, role: kvpool_proto::auth::Role) -> PathBuf {
     dir.join(format!("auth-{role}.json"))
 }
 
+/// The node name of agent `i`.
+pub fn agent_node(i: usize) -> String {
+    format!("up-agent-{i}")
+}
+
+/// The credential file of agent `i`: the agent role bound to its node ([`agent_node`]), so it
+/// can mount and heartbeat for its own node only.
+pub fn agent_key_file(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("auth-agent-{i}.json"))
+}
+
 fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr) -> String {
     AgentConfig {
-        node_name: format!("up-agent-{i}"),
+        node_name: agent_node(i),
         dram: s.agent_dram.clone(),
         socket_dir: s.dir.join(format!("agent-{i}")).join("run"),
         admin_listen: admin.to_string(),
@@ -160,7 +171,7 @@ fn agent_config(s: &UpSettings, i: usize, admin: SocketAddr, master: SocketAddr)
         procfs_root: s.procfs_root.clone(),
         pool: Some(PoolConfig {
             master: vec![master.to_string()],
-            auth_key_file: role_key_file(&s.dir, kvpool_proto::auth::Role::Agent),
+            auth_key_file: agent_key_file(&s.dir, i),
             heartbeat_interval: "500ms".into(),
             transport_listen: "127.0.0.1:0".into(),
             settings: std::iter::once(format!("replicas: {}", s.replicas))
@@ -469,7 +480,7 @@ mod tests {
         assert_eq!(path, Path::new("/run/up/agent-0/agent.yaml"));
         assert!(cfg.contains("master: [\"127.0.0.1:1000\"]"), "{cfg}");
         assert!(
-            cfg.contains("auth_key_file: /run/up/auth-agent.json"),
+            cfg.contains("auth_key_file: /run/up/auth-agent-0.json"),
             "{cfg}"
         );
         assert!(cfg.contains("listen: 127.0.0.1:1002"), "{cfg}");

@@ -48,6 +48,15 @@ pub enum PoolError {
     TransferKey(#[source] transfer::AuthError),
     #[error("reading the pool key for the master")]
     MasterKey(#[source] kvpool_proto::auth::AuthError),
+    #[error(
+        "credential file {path} is the agent credential of node {bound:?}, but this agent is \
+         node {node:?}"
+    )]
+    WrongNode {
+        path: std::path::PathBuf,
+        bound: String,
+        node: String,
+    },
     #[error("pool metrics")]
     Metrics(#[source] prometheus::Error),
     #[error("starting the transfer engine")]
@@ -109,6 +118,15 @@ impl Member {
         let transfer_key =
             transfer::AuthKey::from_file(&cfg.auth_key_file).map_err(PoolError::TransferKey)?;
         let master_key = MasterKey::from_file(&cfg.auth_key_file).map_err(PoolError::MasterKey)?;
+        if let Some(bound) = master_key.node()
+            && bound != node
+        {
+            return Err(PoolError::WrongNode {
+                path: cfg.auth_key_file.clone(),
+                bound: bound.to_owned(),
+                node: node.to_owned(),
+            });
+        }
         let engine = TransferEngine::new(
             engine_config(cfg, node),
             transfer_key,

@@ -18,6 +18,20 @@ pub fn role_document(pool_key: &[u8], role: Role) -> Option<RoleDocument> {
     pool.role_document(role, Some(&transfer))
 }
 
+/// The credential document of the agent on `node` under the pool key `pool_key`: the agent
+/// role bound to that node (see [`kvpool_proto::auth::node_key`]); `None` for a key shorter
+/// than 16 bytes or a node name that cannot be bound.
+pub fn node_document(pool_key: &[u8], node: &str) -> Option<RoleDocument> {
+    let pool = AuthKey::from_bytes(pool_key)?;
+    let transfer = kvpool_transfer::auth::derive_transfer_key(pool_key.trim_ascii());
+    pool.node_document(node, Some(&transfer))
+}
+
+/// [`node_document`] as the text of its file.
+pub fn node_file(pool_key: &[u8], node: &str) -> Option<String> {
+    node_document(pool_key, node).map(|d| d.to_json())
+}
+
 /// [`role_document`] as the text of its file.
 pub fn role_file(pool_key: &[u8], role: Role) -> Option<String> {
     role_document(pool_key, role).map(|d| d.to_json())

@@ -49,6 +49,13 @@ pub fn choose_mode(
     }
 }
 
+/// Whether the credential `s` names may mount segments (lend memory): the pool key or an agent
+/// credential. An unreadable file counts as allowed here; connecting reports it.
+fn may_lend(s: &Settings) -> bool {
+    use kvpool_proto::auth::{AuthKey, Role};
+    AuthKey::from_file(&s.auth_key_file).map_or(true, |k| matches!(k.role(), Role::Admin | Role::Agent))
+}
+
 /// Everything a store may be opened with.
 pub struct Options {
     pub mode: String,
@@ -79,10 +86,26 @@ pub struct Conn {
 impl Conn {
     /// Start the runtime and connect as `opts` say.
     pub fn open(opts: &Options) -> Result<Self, Failure> {
+        let mut direct = opts.direct.clone();
+        let socket_there = opts
+            .agent_socket
+            .as_deref()
+            .is_some_and(|p| !p.as_os_str().is_empty() && p.exists());
+        let auto = matches!(opts.mode.trim().to_ascii_lowercase().as_str(), "auto" | "");
+        if direct.global_segment_size > 0 && auto && socket_there && !may_lend(&direct) {
+            // Engines configured the Mooncake way ask to lend memory; on a kvpool node the
+            // agent lends the node's memory, and an engine credential may not mount.
+            tracing::warn!(
+                global_segment_size = direct.global_segment_size,
+                "global_segment_size ignored: this credential may not lend memory to the \
+                 pool; the node agent lends this node's memory (agent mode)"
+            );
+            direct.global_segment_size = 0;
+        }
         let mode = choose_mode(
             &opts.mode,
             opts.agent_socket.as_deref(),
-            opts.direct.global_segment_size,
+            direct.global_segment_size,
         )?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -91,9 +114,24 @@ impl Conn {
             .build()
             .map_err(|e| Failure::new(Kind::Internal, format!("starting the runtime: {e}")))?;
         let link = match mode {
-            Mode::Direct => Link::Direct(Arc::new(runtime.block_on(connect(&opts.direct))?)),
+            Mode::Direct => {
+                if direct.global_segment_size > 0 && !may_lend(&direct) {
+                    return Err(Failure::new(
+                        Kind::AuthFailed,
+                        format!(
+                            "global_segment_size {}: the credential in {} may not lend memory \
+                             to the pool (only agent and admin credentials mount segments); \
+                             set global_segment_size to 0, or run beside a kvpool node agent \
+                             (agent mode)",
+                            direct.global_segment_size,
+                            direct.auth_key_file.display()
+                        ),
+                    ));
+                }
+                Link::Direct(Arc::new(runtime.block_on(connect(&direct))?))
+            }
             Mode::Agent => {
-                if opts.direct.global_segment_size > 0 {
+                if direct.global_segment_size > 0 {
                     return Err(Failure::invalid(
                         "global_segment_size must be 0 in agent mode: the node agent owns the \
                          node's memory (use mode=\"direct\" to contribute memory)",

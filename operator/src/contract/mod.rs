@@ -164,7 +164,8 @@ pub fn kvpool_command() -> Vec<String> {
 /// announce their node's value of `spec.replication.spreadLabelKey`); `--etcd-endpoints`
 /// (comma-separated) only for HA, and then `--advertise-addr $(KVPOOL_POD_IP):50051` (the
 /// kubelet substitutes the pod IP from the container's downward-API env var [`env::POD_IP`])
-/// since standbys redirect clients to it.
+/// since standbys redirect clients to it. `--shared-agent-credentials`: the agents share one
+/// credential.
 pub fn master_args(etcd_endpoints: &[String], eviction: &EvictionConfig) -> Vec<String> {
     let high = percent_as_fraction(eviction.high_watermark_percent);
     let low = percent_as_fraction(eviction.low_watermark_percent);
@@ -192,6 +193,10 @@ pub fn master_args(etcd_endpoints: &[String], eviction: &EvictionConfig) -> Vec<
         low,
         "--replica-spread".to_owned(),
         "failure-domain".to_owned(),
+        // The DaemonSet's agents share one agent credential (a pod template cannot carry a
+        // per-node Secret), so the master lets node-less agent credentials act for any node.
+        // Per-node credentials issued on proof of the node are docs/reliability.md's open item.
+        "--shared-agent-credentials".to_owned(),
     ];
     if !etcd_endpoints.is_empty() {
         args.push("--etcd-endpoints".to_owned());

@@ -101,6 +101,9 @@ impl Interceptor for MarkingVerifier {
         if let Some(auth) = req.extensions().get::<ConnAuth>() {
             auth.mark_call();
         }
+        // The node calls' handlers check the node the credential speaks for.
+        let mut req = req;
+        req.extensions_mut().insert(verified);
         Ok(req)
     }
 }

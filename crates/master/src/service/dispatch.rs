@@ -9,7 +9,21 @@ use tonic::{Request, Response, Status};
 use super::MasterSvc;
 use super::batch::Answer;
 use super::{admin, heartbeat, objects, segments, tasks};
+use kvpool_proto::auth::Verified;
 use kvpool_proto::master as proto;
+
+/// A node call's check (see [`Verified::may_act_for`]): the caller's credential, which the
+/// interceptor checked and left in the request's extensions, may act for `node`.
+fn acting_for<T>(req: &Request<T>, node: &str) -> Result<(), Status> {
+    let verified = req
+        .extensions()
+        .get::<Verified>()
+        .ok_or_else(|| Status::internal("the call's credential was not checked"))?;
+    verified.may_act_for(node).map_err(|e| {
+        tracing::debug!(node, error = %e, "node call refused");
+        Status::permission_denied(e)
+    })
+}
 
 /// Metric label for a call's outcome.
 fn outcome<T>(r: &Result<Response<T>, Status>, first_item_error: Option<&'static str>) -> String {
@@ -45,7 +59,11 @@ impl proto::master_server::Master for MasterSvc {
         &self,
         req: Request<proto::MountSegmentRequest>,
     ) -> Result<Response<proto::MountSegmentResponse>, Status> {
-        let handler = segments::mount_segment(&self.core, req.into_inner());
+        let allowed = acting_for(&req, req.get_ref().segment.as_ref().map_or("", |s| s.node.as_str()));
+        let handler = async {
+            allowed?;
+            segments::mount_segment(&self.core, req.into_inner()).await
+        };
         self.observed("mount_segment", handler).await
     }
 
@@ -53,7 +71,11 @@ impl proto::master_server::Master for MasterSvc {
         &self,
         req: Request<proto::UnmountSegmentRequest>,
     ) -> Result<Response<proto::Empty>, Status> {
-        let handler = segments::unmount_segment(&self.core, req.into_inner());
+        let allowed = acting_for(&req, &req.get_ref().node);
+        let handler = async {
+            allowed?;
+            segments::unmount_segment(&self.core, req.into_inner()).await
+        };
         self.observed("unmount_segment", handler).await
     }
 
@@ -61,7 +83,11 @@ impl proto::master_server::Master for MasterSvc {
         &self,
         req: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
-        let handler = heartbeat::heartbeat(&self.core, req.into_inner());
+        let allowed = acting_for(&req, &req.get_ref().node);
+        let handler = async {
+            allowed?;
+            heartbeat::heartbeat(&self.core, req.into_inner()).await
+        };
         self.observed("heartbeat", handler).await
     }
 
@@ -69,7 +95,11 @@ impl proto::master_server::Master for MasterSvc {
         &self,
         req: Request<proto::CompleteTaskRequest>,
     ) -> Result<Response<proto::Empty>, Status> {
-        let handler = tasks::complete_task(&self.core, req.into_inner());
+        let allowed = acting_for(&req, &req.get_ref().node);
+        let handler = async {
+            allowed?;
+            tasks::complete_task(&self.core, req.into_inner()).await
+        };
         self.observed("complete_task", handler).await
     }
 
@@ -77,7 +107,11 @@ impl proto::master_server::Master for MasterSvc {
         &self,
         req: Request<proto::AdoptReplicasRequest>,
     ) -> Result<Response<proto::ItemResults>, Status> {
-        let handler = segments::adopt_replicas(&self.core, req.into_inner());
+        let allowed = acting_for(&req, &req.get_ref().node);
+        let handler = async {
+            allowed?;
+            segments::adopt_replicas(&self.core, req.into_inner()).await
+        };
         self.observed("adopt_replicas", handler).await
     }
 

@@ -2,16 +2,18 @@
 //! to its body):
 //!
 //! ```text
-//! v2.<role>.<unix ms>.<nonce: 32 hex>.<body SHA-256: 64 hex, or empty>.<mac: 64 hex>
-//! mac = HMAC-SHA256(role key, "kvpool-master-v2\n<role>\n<method>\n<ms>\n<nonce>\n<body hex>")
+//! v2.<principal>.<unix ms>.<nonce: 32 hex>.<body SHA-256: 64 hex, or empty>.<mac: 64 hex>
+//! principal = <role> | agent@<node name in hex>
+//! mac = HMAC-SHA256(key, "kvpool-master-v2\n<principal>\n<method>\n<ms>\n<nonce>\n<body hex>")
 //! ```
-//! `method` is the gRPC method name (`PutStart`); it is not sent, both ends know it. Pure.
+//! `key` is the role's key, or for a node-bound agent its node's key (see `role`). `method` is
+//! the gRPC method name (`PutStart`); it is not sent, both ends know it. Pure.
 
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
 use super::AuthError;
-use super::role::Role;
+use super::role::{Role, valid_node};
 
 /// Version tag of the credentials this build speaks (and the only one it accepts).
 pub const VERSION: &str = "v2";
@@ -25,6 +27,9 @@ const SHA_HEX: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Parsed<'a> {
     pub role: Role,
+    /// The node a node-bound agent credential speaks for.
+    pub node: Option<String>,
+    principal_text: &'a str,
     pub ts_ms: u64,
     pub nonce: u128,
     nonce_text: &'a str,
@@ -51,7 +56,21 @@ pub fn parse(header: &str) -> Result<Parsed<'_>, AuthError> {
     if version != VERSION {
         return Err(AuthError::Malformed("version is not v2"));
     }
+    let principal_text = role;
+    let (role, node) = match role.split_once('@') {
+        None => (role, None),
+        Some((role, node_hex)) => {
+            let node = unhex(node_hex)
+                .and_then(|b| String::from_utf8(b).ok())
+                .filter(|n| valid_node(n))
+                .ok_or(AuthError::Malformed("node is not a hex-encoded node name"))?;
+            (role, Some(node))
+        }
+    };
     let role = Role::from_name(role).ok_or(AuthError::Malformed("unknown role"))?;
+    if node.is_some() && role != Role::Agent {
+        return Err(AuthError::Malformed("only an agent credential names a node"));
+    }
     if ts.is_empty() || ts.len() > 20 || !ts.bytes().all(|b| b.is_ascii_digit()) {
         return Err(AuthError::Malformed(
             "timestamp is not a number of milliseconds",
@@ -72,6 +91,8 @@ pub fn parse(header: &str) -> Result<Parsed<'_>, AuthError> {
     let tag = unhex32(tag).ok_or(AuthError::Malformed("mac is not 64 hex digits"))?;
     Ok(Parsed {
         role,
+        node,
+        principal_text,
         ts_ms,
         nonce: nonce_value,
         nonce_text: nonce,
@@ -86,7 +107,7 @@ impl Parsed<'_> {
     pub fn mac_matches(&self, keyed: &Hmac<Sha256>, method: &str) -> bool {
         mac(
             keyed,
-            self.role,
+            self.principal_text,
             method,
             self.ts_ms,
             self.nonce_text,
@@ -99,22 +120,32 @@ impl Parsed<'_> {
 
 fn mac(
     keyed: &Hmac<Sha256>,
-    role: Role,
+    principal: &str,
     method: &str,
     ts_ms: u64,
     nonce: &str,
     body: &str,
 ) -> Hmac<Sha256> {
     let mut mac = keyed.clone();
-    mac.update(format!("{CONTEXT}\n{role}\n{method}\n{ts_ms}\n{nonce}\n{body}").as_bytes());
+    mac.update(
+        format!("{CONTEXT}\n{principal}\n{method}\n{ts_ms}\n{nonce}\n{body}").as_bytes(),
+    );
     mac
 }
 
-/// The credential of `role` (key state `keyed`) for one call of `method` at `ts_ms` with
-/// `nonce`, bound to `body` when given.
+/// The principal field of a credential of `role`, bound to `node` when given.
+pub fn principal(role: Role, node: Option<&str>) -> String {
+    match node {
+        None => role.name().to_owned(),
+        Some(n) => format!("{role}@{}", hex(n.as_bytes())),
+    }
+}
+
+/// The credential of `principal` (see [`principal`]; key state `keyed`) for one call of
+/// `method` at `ts_ms` with `nonce`, bound to `body` when given.
 pub fn sign(
     keyed: &Hmac<Sha256>,
-    role: Role,
+    principal: &str,
     method: &str,
     body: Option<&[u8]>,
     ts_ms: u64,
@@ -122,10 +153,10 @@ pub fn sign(
 ) -> String {
     let nonce = format!("{nonce:032x}");
     let body = body.map(|b| hex(&body_digest(b))).unwrap_or_default();
-    let tag = mac(keyed, role, method, ts_ms, &nonce, &body)
+    let tag = mac(keyed, principal, method, ts_ms, &nonce, &body)
         .finalize()
         .into_bytes();
-    format!("{VERSION}.{role}.{ts_ms}.{nonce}.{body}.{}", hex(&tag))
+    format!("{VERSION}.{principal}.{ts_ms}.{nonce}.{body}.{}", hex(&tag))
 }
 
 /// SHA-256 of a request body, as the credential carries it.

@@ -27,7 +27,7 @@ mod role;
 mod verifier;
 
 pub use credential::{Parsed, VERSION, body_digest, parse};
-pub use role::{METHODS, Role, role_key};
+pub use role::{MAX_NODE_LEN, METHODS, Role, node_key, role_key, valid_node};
 pub use verifier::{Verified, Verifier};
 
 /// Metadata header that carries the credential.
@@ -86,10 +86,15 @@ impl AuthError {
     }
 }
 
-/// A caller's key for the master: its role and that role's key (the pool key for `admin`).
+/// A caller's key for the master: its role and that role's key (the pool key for `admin`), or
+/// a node-bound agent's node and that node's key.
 #[derive(Clone)]
 pub struct AuthKey {
     role: Role,
+    /// The node of a node-bound agent key.
+    node: Option<Arc<str>>,
+    /// The principal field of this key's credentials (`engine`, `agent@<hex node>`).
+    principal: Arc<str>,
     keyed: Hmac<Sha256>,
     /// The pool key, held by `admin` only (to derive the other roles' keys).
     pool: Option<Arc<[u8]>>,
@@ -97,7 +102,7 @@ pub struct AuthKey {
 
 impl std::fmt::Debug for AuthKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "AuthKey({}, ..)", self.role)
+        write!(f, "AuthKey({}, ..)", self.principal)
     }
 }
 
@@ -113,6 +118,8 @@ impl AuthKey {
         let trimmed = bytes.trim_ascii();
         (trimmed.len() >= MIN_KEY_LEN).then(|| Self {
             role: Role::Admin,
+            node: None,
+            principal: Arc::from(Role::Admin.name()),
             keyed: keyed(trimmed),
             pool: Some(Arc::from(trimmed)),
         })
@@ -125,6 +132,20 @@ impl AuthKey {
         }
         (key.len() >= MIN_KEY_LEN).then(|| Self {
             role,
+            node: None,
+            principal: Arc::from(role.name()),
+            keyed: keyed(key),
+            pool: None,
+        })
+    }
+
+    /// The key of the agent on `node`, as derived by [`node_key`]; `None` for a short key or a
+    /// node name that cannot be bound (see [`valid_node`]).
+    pub fn from_node_key(node: &str, key: &[u8]) -> Option<Self> {
+        (key.len() >= MIN_KEY_LEN && valid_node(node)).then(|| Self {
+            role: Role::Agent,
+            node: Some(Arc::from(node)),
+            principal: Arc::from(credential::principal(Role::Agent, Some(node))),
             keyed: keyed(key),
             pool: None,
         })
@@ -143,7 +164,11 @@ impl AuthKey {
             path: path.to_owned(),
             reason,
         })?;
-        Self::from_role_key(doc.role, &doc.master).ok_or_else(|| AuthError::Document {
+        let key = match &doc.node {
+            Some(node) => Self::from_node_key(node, &doc.master),
+            None => Self::from_role_key(doc.role, &doc.master),
+        };
+        key.ok_or_else(|| AuthError::Document {
             path: path.to_owned(),
             reason: format!("master key is shorter than {MIN_KEY_LEN} bytes"),
         })
@@ -152,6 +177,11 @@ impl AuthKey {
     /// The role this key signs as.
     pub fn role(&self) -> Role {
         self.role
+    }
+
+    /// The node this key is bound to (a node-bound agent key), if any.
+    pub fn node(&self) -> Option<&str> {
+        self.node.as_deref()
     }
 
     fn pool_bytes(&self) -> Option<&[u8]> {
@@ -164,12 +194,32 @@ impl AuthKey {
         Self::from_role_key(role, &role_key(pool, role))
     }
 
+    /// The key of the agent on `node`, derived from this pool key; `None` unless this is the
+    /// pool key and `node` can be bound.
+    pub fn derive_node(&self, node: &str) -> Option<AuthKey> {
+        let pool = self.pool_bytes()?;
+        Self::from_node_key(node, &node_key(pool, node))
+    }
+
+    /// The credential file of the agent on `node` (its node's master key and the transfer
+    /// plane's key); `None` unless this is the pool key and `node` can be bound.
+    pub fn node_document(&self, node: &str, transfer: Option<&[u8]>) -> Option<RoleDocument> {
+        let pool = self.pool_bytes()?;
+        valid_node(node).then(|| RoleDocument {
+            role: Role::Agent,
+            node: Some(node.to_owned()),
+            master: node_key(pool, node),
+            transfer: transfer.map(<[u8]>::to_vec),
+        })
+    }
+
     /// The credential file of `role` (its master key and, for roles that move KV bytes,
     /// `transfer`, the transfer plane's key); `None` unless this is the pool key.
     pub fn role_document(&self, role: Role, transfer: Option<&[u8]>) -> Option<RoleDocument> {
         let pool = self.pool_bytes()?;
         Some(RoleDocument {
             role,
+            node: None,
             master: role_key(pool, role),
             transfer: transfer
                 .filter(|_| role.holds_transfer_key())
@@ -190,23 +240,29 @@ impl AuthKey {
 
     /// The credential for `method` (bound to `body` if given) at `ts_ms` with `nonce`.
     pub fn sign_at(&self, method: &str, body: Option<&[u8]>, ts_ms: u64, nonce: u128) -> String {
-        credential::sign(&self.keyed, self.role, method, body, ts_ms, nonce)
+        credential::sign(&self.keyed, &self.principal, method, body, ts_ms, nonce)
     }
 }
 
 /// A role's credential file: `{"role":"engine","master":"<hex>","transfer":"<hex>"}`, hex in
-/// lower case; `transfer` only for roles that move KV bytes. The `admin` role has no such
-/// file: its key file is the raw pool key.
+/// lower case; `transfer` only for roles that move KV bytes; a node-bound agent's file also
+/// names its node (`"node":"gpu-node-7"`) and holds that node's key as `master`. The `admin`
+/// role has no such file: its key file is the raw pool key.
 #[derive(Clone, PartialEq, Eq)]
 pub struct RoleDocument {
     pub role: Role,
+    /// The node a node-bound agent's file is for.
+    pub node: Option<String>,
     pub master: Vec<u8>,
     pub transfer: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for RoleDocument {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RoleDocument({}, ..)", self.role)
+        match &self.node {
+            Some(n) => write!(f, "RoleDocument({}@{n}, ..)", self.role),
+            None => write!(f, "RoleDocument({}, ..)", self.role),
+        }
     }
 }
 
@@ -222,6 +278,9 @@ impl RoleDocument {
             "role": self.role.name(),
             "master": credential::hex(&self.master),
         });
+        if let Some(n) = &self.node {
+            doc["node"] = n.clone().into();
+        }
         if let Some(t) = &self.transfer {
             doc["transfer"] = credential::hex(t).into();
         }
@@ -256,8 +315,24 @@ impl RoleDocument {
         };
         let master = hex_field("master")?.ok_or("no \"master\" key")?;
         let transfer = hex_field("transfer")?;
+        let node = match doc.get("node") {
+            None => None,
+            Some(v) => {
+                let n = v.as_str().ok_or("\"node\" is not a string")?;
+                if role != Role::Agent {
+                    return Err(format!("a {role} credential names no node (only agents' do)"));
+                }
+                if !valid_node(n) {
+                    return Err(format!(
+                        "\"node\" is not a node name (1 to {MAX_NODE_LEN} bytes, no control characters)"
+                    ));
+                }
+                Some(n.to_owned())
+            }
+        };
         Ok(RoleDocument {
             role,
+            node,
             master,
             transfer,
         })

@@ -4,19 +4,26 @@
 //! | role | holds | may call |
 //! | --- | --- | --- |
 //! | `admin` | the pool key itself (master, operator, `kvpool up`, tests) | every method |
-//! | `agent` | node agents | segments, heartbeats, tasks, adoption, and the client calls (it puts and gets for the engines on its node) except `RemoveAll` |
-//! | `engine` | pool clients: engines, the Python package | the client calls, `RemoveAll` (Mooncake's API), and the segment calls a client that lends its own memory makes; not `AdoptReplicas` |
+//! | `agent` | node agents | the node calls (segments, heartbeats, tasks, adoption) for its own node, and the object calls (it puts and gets for the engines on its node) |
+//! | `engine` | pool clients: engines, the Python package | the object calls only: no membership call, no `RemoveAll` |
 //! | `conductor` | the HTTP-facing conductor | `Exists`, `LongestPrefix` (read-only lookups) |
 //! | `observer` | status readers | `Stats` |
 //!
 //! A role's master key is HMAC-SHA256(pool key, `kvpool-role-v1\n<role>`); `admin` signs with
-//! the pool key.
+//! the pool key. An agent's credential is bound to its node: its key is HMAC-SHA256(pool key,
+//! `kvpool-node-v1\nagent\n<node>`), which only a holder of the pool key can make, and the
+//! master lets it make node calls for that node only. A node-less agent credential (the role
+//! key) makes node calls only where the master allows shared agent credentials.
 
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
 /// Context of a role key's derivation.
 const ROLE_CONTEXT: &str = "kvpool-role-v1";
+/// Context of a node-bound agent key's derivation.
+const NODE_CONTEXT: &str = "kvpool-node-v1";
+/// Longest node name a credential may be bound to (a Kubernetes node name is at most 253).
+pub const MAX_NODE_LEN: usize = 253;
 
 /// Who a credential speaks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::IntoStaticStr, strum::EnumString)]
@@ -53,7 +60,8 @@ const CLIENT_CALLS: [&str; 11] = [
     "Stats",
 ];
 
-/// The calls of a holder of segments (the memory it lends to the pool).
+/// The calls of a holder of segments (the memory it lends to the pool); with `AdoptReplicas`,
+/// the node calls: each names the node it acts for.
 const SEGMENT_CALLS: [&str; 4] = [
     "MountSegment",
     "UnmountSegment",
@@ -106,10 +114,16 @@ impl Role {
         match self {
             Role::Admin => METHODS.contains(&method),
             Role::Agent => client || segments || method == "AdoptReplicas",
-            Role::Engine => client || segments || method == "RemoveAll",
+            Role::Engine => client,
             Role::Conductor => matches!(method, "Exists" | "LongestPrefix"),
             Role::Observer => method == "Stats",
         }
+    }
+
+    /// Whether `method` acts for a node (names the node in its request): the segment calls and
+    /// `AdoptReplicas`. The master lets a node-bound credential make them for its node only.
+    pub fn is_node_call(method: &str) -> bool {
+        SEGMENT_CALLS.contains(&method) || method == "AdoptReplicas"
     }
 
     /// Whether the role's holders move KV bytes, so its credential file carries the transfer
@@ -123,6 +137,20 @@ impl std::fmt::Display for Role {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// Whether `node` can be bound into a credential: 1 to [`MAX_NODE_LEN`] bytes, no control
+/// characters.
+pub fn valid_node(node: &str) -> bool {
+    !node.is_empty() && node.len() <= MAX_NODE_LEN && !node.chars().any(char::is_control)
+}
+
+/// The master key of the agent on `node` under the pool key `pool`.
+pub fn node_key(pool: &[u8], node: &str) -> Vec<u8> {
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(pool)
+        .unwrap_or_else(|_| <Hmac<Sha256> as KeyInit>::new(&Default::default()));
+    mac.update(format!("{NODE_CONTEXT}\n{}\n{node}", Role::Agent).as_bytes());
+    mac.finalize().into_bytes().to_vec()
 }
 
 /// The master key of `role` under the pool key `pool`; `admin`'s is the pool key itself.

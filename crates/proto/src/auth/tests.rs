@@ -58,7 +58,28 @@ fn methods_are_named_once_and_roles_split_them_as_documented() {
     let all_but =
         |skip: &str| -> Vec<&str> { METHODS.iter().copied().filter(|m| *m != skip).collect() };
     assert_eq!(allowed(Role::Agent), all_but("RemoveAll"));
-    assert_eq!(allowed(Role::Engine), all_but("AdoptReplicas"));
+    // Engines: the object calls only; no membership call, no RemoveAll (issue 38).
+    let node_calls: Vec<&str> = METHODS
+        .iter()
+        .copied()
+        .filter(|m| Role::is_node_call(m))
+        .collect();
+    assert_eq!(
+        node_calls,
+        [
+            "MountSegment",
+            "UnmountSegment",
+            "Heartbeat",
+            "CompleteTask",
+            "AdoptReplicas"
+        ]
+    );
+    let object_calls: Vec<&str> = METHODS
+        .iter()
+        .copied()
+        .filter(|m| !Role::is_node_call(m) && *m != "RemoveAll")
+        .collect();
+    assert_eq!(allowed(Role::Engine), object_calls);
     assert_eq!(allowed(Role::Conductor), ["Exists", "LongestPrefix"]);
     assert_eq!(allowed(Role::Observer), ["Stats"]);
     assert!(!Role::Admin.allows("Nope") && !Role::Engine.allows("Nope"));
@@ -90,6 +111,86 @@ fn every_role_signs_what_it_may_call_once() {
     }
     assert!(Role::Conductor.allows("LongestPrefix") && !Role::Conductor.allows("PutStart"));
     assert!(Role::Admin.allows("RemoveAll") && !Role::Admin.allows("NoSuchMethod"));
+}
+
+#[test]
+fn an_agent_credential_is_bound_to_its_node() {
+    let v = verifier();
+    let a = pool().derive_node("gpu-7.rack-2").expect("node key");
+    assert_eq!((a.role(), a.node()), (Role::Agent, Some("gpu-7.rack-2")));
+    // Fixed vector: HMAC-SHA256(POOL, "kvpool-node-v1\nagent\ngpu-7.rack-2"); a change breaks
+    // every deployed node credential.
+    assert_eq!(
+        credential::hex(&node_key(POOL, "gpu-7.rack-2")),
+        credential::hex(&{
+            use hmac::Mac;
+            let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(POOL).expect("key");
+            m.update(b"kvpool-node-v1\nagent\ngpu-7.rack-2");
+            m.finalize().into_bytes().to_vec()
+        })
+    );
+    assert_ne!(node_key(POOL, "a"), node_key(POOL, "b"));
+    assert_ne!(node_key(POOL, "a"), role_key(POOL, Role::Agent));
+    let cred = a.sign("MountSegment");
+    let ok = v.verify(Some(&cred), "MountSegment").expect("valid");
+    assert_eq!(ok.node.as_deref(), Some("gpu-7.rack-2"));
+    ok.may_act_for("gpu-7.rack-2").expect("own node");
+    let e = ok.may_act_for("gpu-8").expect_err("another node");
+    assert!(e.contains("gpu-7.rack-2") && e.contains("gpu-8"), "{e}");
+    // The node named in the credential cannot be changed: the MAC covers it, and the key is
+    // the node's.
+    let other = credential::hex(b"gpu-8");
+    let own = credential::hex(b"gpu-7.rack-2");
+    let moved = a.sign("Heartbeat").replace(&own, &other);
+    assert!(matches!(
+        v.verify(Some(&moved), "Heartbeat"),
+        Err(AuthError::BadMac)
+    ));
+    // Signing another node's principal with the shared agent key fails too.
+    let shared = pool().derive(Role::Agent).expect("agent");
+    let forged = credential::sign(
+        &keyed(&role_key(POOL, Role::Agent)),
+        &credential::principal(Role::Agent, Some("gpu-8")),
+        "Heartbeat",
+        None,
+        now(),
+        9,
+    );
+    assert!(matches!(
+        v.verify(Some(&forged), "Heartbeat"),
+        Err(AuthError::BadMac)
+    ));
+    // Node-less agent credentials act for a node only where the verifier allows shared ones.
+    let plain = v
+        .verify(Some(&shared.sign("Heartbeat")), "Heartbeat")
+        .expect("valid");
+    assert!(plain.may_act_for("gpu-8").is_err());
+    let lenient = verifier().allow_shared_agents(true);
+    let plain = lenient
+        .verify(Some(&shared.sign("Heartbeat")), "Heartbeat")
+        .expect("valid");
+    plain.may_act_for("gpu-8").expect("shared allowed");
+    let bound = lenient
+        .verify(Some(&a.sign("Heartbeat")), "Heartbeat")
+        .expect("valid");
+    assert!(bound.may_act_for("gpu-8").is_err(), "a bound one stays bound");
+    let admin = v.verify(Some(&pool().sign("Heartbeat")), "Heartbeat").expect("admin");
+    admin.may_act_for("anything").expect("admin acts for any node");
+    let engine = pool().derive(Role::Engine).expect("engine");
+    let e = v
+        .verify(Some(&engine.sign("Heartbeat")), "Heartbeat")
+        .expect_err("engines make no node calls");
+    assert!(matches!(e, AuthError::Forbidden { .. }));
+    // Only agents name a node; node names are bounded.
+    let bad = format!("v2.engine@{own}.{}.{:032x}..{}", now(), 1, "0".repeat(64));
+    assert!(matches!(parse(&bad), Err(AuthError::Malformed(_))));
+    for node in ["", "zz", &credential::hex(&[b'a'; MAX_NODE_LEN + 1])] {
+        let bad = format!("v2.agent@{node}.{}.{:032x}..{}", now(), 1, "0".repeat(64));
+        assert!(matches!(parse(&bad), Err(AuthError::Malformed(_))), "{node}");
+    }
+    assert!(pool().derive_node("").is_none());
+    assert!(pool().derive_node("a\nb").is_none());
+    assert!(shared.derive_node("gpu-7").is_none(), "only the pool key issues node keys");
 }
 
 #[test]
@@ -208,6 +309,33 @@ fn key_files_are_raw_pool_keys_or_role_documents() {
         RoleDocument::parse(engine.to_json().as_bytes()).expect("parse"),
         engine
     );
+    // A node-bound agent's file: its node and that node's key.
+    let node = k
+        .node_document("gpu-3", Some(b"transfer-key-0123456"))
+        .expect("node doc");
+    assert_eq!(
+        RoleDocument::parse(node.to_json().as_bytes()).expect("parse"),
+        node
+    );
+    std::fs::write(&p, node.to_json()).expect("write");
+    let a = AuthKey::from_file(&p).expect("agent file");
+    assert_eq!((a.role(), a.node()), (Role::Agent, Some("gpu-3")));
+    let ok = v.verify(Some(&a.sign("Heartbeat")), "Heartbeat").expect("node credential");
+    assert_eq!(ok.node.as_deref(), Some("gpu-3"));
+
+    let key_hex = "00".repeat(16);
+    let with_node = |role: &str, node: &str| {
+        format!(r#"{{"role":"{role}","master":"{key_hex}","node":{node}}}"#)
+    };
+    for (text, needle) in [
+        (with_node("engine", "\"gpu-3\""), "names no node"),
+        (with_node("agent", "\"\""), "not a node name"),
+        (with_node("agent", "7"), "not a string"),
+    ] {
+        std::fs::write(&p, &text).expect("write");
+        let e = AuthKey::from_file(&p).expect_err(&text);
+        assert!(e.to_string().contains(needle), "{text}: {e}");
+    }
 
     for (text, needle) in [
         ("{", "not a JSON document"),

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use sha2::Sha256;
 
 use super::credential::{self, body_digest};
-use super::role::{Role, role_key};
+use super::role::{Role, node_key, role_key};
 use super::{AuthError, AuthKey, MAX_SKEW, keyed, unix_ms};
 
 /// Bound on remembered nonces (about 50 MB; memory stays fixed under any request rate). Above
@@ -20,12 +20,16 @@ use super::{AuthError, AuthKey, MAX_SKEW, keyed, unix_ms};
 const MAX_NONCES: usize = 1 << 20;
 
 /// What a credential that checked out says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Verified {
     pub role: Role,
+    /// The node a node-bound agent credential speaks for.
+    pub node: Option<String>,
     /// When the caller made it (its clock, milliseconds since the epoch).
     pub ts_ms: u64,
     body: Option<[u8; 32]>,
+    /// Whether the verifier let node-less agent credentials make node calls.
+    shared_agents: bool,
 }
 
 impl Verified {
@@ -53,11 +57,40 @@ impl Verified {
     }
 }
 
+impl Verified {
+    /// Whether this caller may make a node call (see [`Role::is_node_call`]) for `node`:
+    /// `admin` for any node; an agent bound to `node`; a node-less agent credential only where
+    /// the verifier allows shared agent credentials. The error names why.
+    pub fn may_act_for(&self, node: &str) -> Result<(), String> {
+        let shared_agents = self.shared_agents;
+        match (self.role, &self.node) {
+            (Role::Admin, _) => Ok(()),
+            (Role::Agent, Some(own)) if own == node => Ok(()),
+            (Role::Agent, Some(own)) => Err(format!(
+                "the agent credential of node {own:?} may not act for node {:?}",
+                node.chars().take(64).collect::<String>()
+            )),
+            (Role::Agent, None) if shared_agents => Ok(()),
+            (Role::Agent, None) => Err(
+                "an agent credential not bound to a node may not make node calls here (this \
+                 master requires node-bound agent credentials: kvpool auth derive --role agent \
+                 --node NODE)"
+                    .to_owned(),
+            ),
+            (role, _) => Err(format!("role {role} may not make node calls")),
+        }
+    }
+}
+
 /// Server-side checker with a replay cache (cheap to clone; clones share the cache).
 #[derive(Clone)]
 pub struct Verifier {
     /// Each role's key state, in [`Role::ALL`] order.
     keys: Arc<[Hmac<Sha256>; 5]>,
+    /// The pool key, to derive a node-bound agent's key.
+    pool: Arc<[u8]>,
+    /// Whether node-less agent credentials may make node calls (for any node).
+    shared_agents: bool,
     seen: Arc<Mutex<Seen>>,
 }
 
@@ -84,8 +117,18 @@ impl Verifier {
         let keys = Role::ALL.map(|r| keyed(&role_key(bytes, r)));
         Ok(Self {
             keys: Arc::new(keys),
+            pool: Arc::from(bytes),
+            shared_agents: false,
             seen: Arc::new(Mutex::new(Seen::default())),
         })
+    }
+
+    /// Let node-less agent credentials (the agent role's key, shared by every agent) make node
+    /// calls for any node: for deployments that cannot give each agent its own node's
+    /// credential yet. Off by default.
+    pub fn allow_shared_agents(mut self, allow: bool) -> Self {
+        self.shared_agents = allow;
+        self
     }
 
     /// Check the credential `header` of a call of `method` (its gRPC name) at wall time
@@ -103,8 +146,18 @@ impl Verifier {
         if skew > MAX_SKEW {
             return Err(AuthError::Skew(skew));
         }
-        let index = Role::ALL.iter().position(|r| *r == cred.role).unwrap_or(0);
-        let keyed = self.keys.get(index).ok_or(AuthError::BadMac)?;
+        let node_keyed;
+        let keyed = match &cred.node {
+            // Only agent credentials name a node (`parse` refuses the rest).
+            Some(node) => {
+                node_keyed = keyed(&node_key(&self.pool, node));
+                &node_keyed
+            }
+            None => {
+                let index = Role::ALL.iter().position(|r| *r == cred.role).unwrap_or(0);
+                self.keys.get(index).ok_or(AuthError::BadMac)?
+            }
+        };
         if !cred.mac_matches(keyed, method) {
             return Err(AuthError::BadMac);
         }
@@ -117,8 +170,10 @@ impl Verifier {
         self.remember(cred.nonce, now_ms)?;
         Ok(Verified {
             role: cred.role,
+            node: cred.node,
             ts_ms: cred.ts_ms,
             body: cred.body,
+            shared_agents: self.shared_agents,
         })
     }
 

@@ -282,7 +282,7 @@ fn master_and_conductor_follow_the_contract() {
         --eviction-policy lfu
         --dram-high-watermark 0.95 --dram-low-watermark 0.85
         --ssd-high-watermark 0.95 --ssd-low-watermark 0.85
-        --replica-spread failure-domain
+        --replica-spread failure-domain --shared-agent-credentials
         --etcd-endpoints http://etcd-0.etcd:2379,http://etcd-1.etcd:2379
         --advertise-addr $(KVPOOL_POD_IP):50051"#,
     );
