@@ -115,8 +115,19 @@ fn tls_replay_reaches_the_master_over_tls_from_every_child() {
     // private to the user.
     let log = std::fs::read_to_string(dir.path().join("logs/master.log")).expect("master log");
     assert!(log.contains("tls=true"), "{log}");
+    // Mutual TLS with a certificate per process: the master requires client certificates,
+    // and every child (and `up` itself) has its own key, private to the user.
+    assert!(log.contains("mutual_tls=true"), "{log}");
     assert_eq!(mode(&dir.path().join("tls-master-key.pem")), 0o600);
-    assert_eq!(mode(&dir.path().join("tls-client-key.pem")), 0o600);
+    let mut keys = Vec::new();
+    for child in ["up", "agent-0", "conductor", "prefill-0", "decode-0"] {
+        let key = dir.path().join(format!("tls-{child}-key.pem"));
+        assert_eq!(mode(&key), 0o600, "{child}");
+        keys.push(std::fs::read(&key).expect("key"));
+    }
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 5, "every process has a key of its own");
 }
 
 /// `kvpool up` on the agents' fixture machine.

@@ -18,7 +18,7 @@ mod startup;
 pub mod summary;
 pub mod vllm;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -137,11 +137,15 @@ pub struct UpArgs {
     #[arg(long, alias = "ready-timeout-s", default_value = "2m",
         value_parser = kvpool_core::flags::parse_duration)]
     pub ready_timeout: Duration,
-    /// TLS on the master's port and on the transfer engines' TCP connections: a throw-away CA
-    /// and a certificate for 127.0.0.1/localhost are made in the working directory, the master
-    /// serves with them, the agents serve and dial transfers with them (`--transfer-tls
-    /// require`), and every child (and `up`'s own summary) verifies them with the CA. Off by default: every connection of `up`
-    /// stays on loopback, where TLS protects nothing the user's account does not already.
+    /// Mutual TLS on the master's port and TLS on the transfer engines' TCP connections: a
+    /// throw-away CA in the working directory issues the master a server certificate for
+    /// 127.0.0.1/localhost and every other process a certificate of its own (agents one that
+    /// serves their transfer target and identifies them to the master, the others a client
+    /// certificate); the master requires client certificates of that CA, the agents serve and
+    /// dial transfers with TLS (`--transfer-tls require`), and the ready line names the
+    /// environment a user's client needs (`client_env`, a client certificate of its own). Off
+    /// by default: every connection of `up` stays on loopback, where TLS protects nothing the
+    /// user's account does not already.
     #[arg(long)]
     pub tls: bool,
 }
@@ -325,6 +329,61 @@ fn write_keys(dir: &std::path::Path, pool_key: &str, agents: usize) -> Result<()
     Ok(())
 }
 
+/// The environment of a client outside `up` (a user's Python process) under `--tls`: the CA,
+/// its own client certificate `cert` and `key`, transfer TLS to the agents.
+fn client_tls_env(ca: &Path, cert: &Path, key: &Path) -> Vec<(String, String)> {
+    use kvpool_client::master::{CA_FILE_ENV, CLIENT_CERT_FILE_ENV, CLIENT_KEY_FILE_ENV};
+    use kvpool_client::pool::{TRANSFER_CA_FILE_ENV, TRANSFER_TLS_ENV};
+    [
+        (CA_FILE_ENV, ca),
+        (CLIENT_CERT_FILE_ENV, cert),
+        (CLIENT_KEY_FILE_ENV, key),
+        (TRANSFER_CA_FILE_ENV, ca),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.display().to_string()))
+    .chain(std::iter::once((
+        TRANSFER_TLS_ENV.to_owned(),
+        "require".to_owned(),
+    )))
+    .collect()
+}
+
+/// The names `up`'s certificates carry: every process listens on loopback.
+const TLS_NAMES: &[&str] = &["127.0.0.1", "localhost"];
+
+/// `--tls`: a certificate of the run's CA for every child but the master, its own: agents a
+/// server-and-client one (their transfer target serves it, their master calls show it), the
+/// others a client one for their master calls (`KVPOOL_MASTER_CLIENT_CERT_FILE` and
+/// `KVPOOL_MASTER_CLIENT_KEY_FILE` in their environment).
+fn tls_per_child(
+    ca: &kvpool_harness::tls::ThrowawayCa,
+    specs: &mut [plan::ChildSpec],
+) -> Result<(), kvpool_harness::tls::TlsGenError> {
+    use kvpool_client::master::{CLIENT_CERT_FILE_ENV, CLIENT_KEY_FILE_ENV};
+    use kvpool_harness::tls::Usage;
+    for spec in specs.iter_mut().filter(|s| s.role != plan::Role::Master) {
+        let name = format!("kvpool {}", spec.name);
+        let (cert, key) = if spec.role == plan::Role::Agent {
+            let (cert, key) = ca.issue(&spec.name, &name, TLS_NAMES, Usage::Both)?;
+            spec.args.extend([
+                "--transfer-tls-cert".to_owned(),
+                cert.display().to_string(),
+                "--transfer-tls-key".to_owned(),
+                key.display().to_string(),
+            ]);
+            (cert, key)
+        } else {
+            ca.issue(&spec.name, &name, &[], Usage::Client)?
+        };
+        spec.env.extend([
+            (CLIENT_CERT_FILE_ENV.to_owned(), cert.display().to_string()),
+            (CLIENT_KEY_FILE_ENV.to_owned(), key.display().to_string()),
+        ]);
+    }
+    Ok(())
+}
+
 /// Entry point of `kvpool up`.
 pub fn run(args: &UpArgs) -> Result<(), UpError> {
     // Trace first: a bad file fails before anything starts.
@@ -354,32 +413,44 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     let (tiers, _tiers_guard) = shm::tier_dir(args.agent_dram_persistence, &dir, temp.is_some())?;
     let _temp = temp;
     let mut settings = validate(args, dir.clone(), tiers)?;
-    let tls_files = if args.tls {
-        let names = ["127.0.0.1", "localhost"];
-        let made = kvpool_harness::tls::write_throwaway(&dir, "kvpool up throw-away CA", &names);
-        Some(made.map_err(UpError::Tls)?)
+    let tls_ca = if args.tls {
+        let ca = kvpool_harness::tls::ThrowawayCa::create(&dir, "kvpool up throw-away CA");
+        Some(ca.map_err(UpError::Tls)?)
     } else {
         None
     };
     let mut master_tls = kvpool_client::master::MasterTls::default();
-    if let Some(files) = &tls_files {
+    let mut client_env = Vec::new();
+    if let Some(ca) = &tls_ca {
+        use kvpool_harness::tls::Usage;
+        let (cert, key) = ca
+            .issue("master", "kvpool master", TLS_NAMES, Usage::Server)
+            .map_err(UpError::Tls)?;
+        // Mutual TLS: every client of the master shows a certificate of the run's CA, each
+        // process its own (`tls_per_child`).
         settings.master_flags.extend([
             "--tls-cert-file".to_owned(),
-            files.master_cert.display().to_string(),
+            cert.display().to_string(),
             "--tls-key-file".to_owned(),
-            files.master_key.display().to_string(),
+            key.display().to_string(),
+            "--tls-client-ca-file".to_owned(),
+            ca.ca.display().to_string(),
         ]);
-        master_tls.ca_file = Some(files.ca.clone());
-        // The same certificate names 127.0.0.1, where the agents' transfer targets listen.
+        let (cert, key) = ca
+            .issue("user", "kvpool up user", &[], Usage::Client)
+            .map_err(UpError::Tls)?;
+        client_env = client_tls_env(&ca.ca, &cert, &key);
+        let (cert, key) = ca
+            .issue("up", "kvpool up", &[], Usage::Client)
+            .map_err(UpError::Tls)?;
+        master_tls.ca_file = Some(ca.ca.clone());
+        master_tls.cert_file = Some(cert);
+        master_tls.key_file = Some(key);
         settings.agent_flags.extend([
             "--transfer-tls".to_owned(),
             "require".to_owned(),
-            "--transfer-tls-cert".to_owned(),
-            files.master_cert.display().to_string(),
-            "--transfer-tls-key".to_owned(),
-            files.master_key.display().to_string(),
             "--transfer-tls-ca".to_owned(),
-            files.ca.display().to_string(),
+            ca.ca.display().to_string(),
         ]);
     }
     let ports = choose_ports(
@@ -388,7 +459,11 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         args.port,
         settings.vllm.is_some(),
     )?;
-    let specs = plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
+    let mut specs =
+        plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
+    if let Some(ca) = &tls_ca {
+        tls_per_child(ca, &mut specs).map_err(UpError::Tls)?;
+    }
     write_keys(&dir, &random_key(), settings.agents)?;
     tracing::info!(
         dir = %dir.display(),
@@ -424,7 +499,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         kvpool_runtime::shutdown::cancel_on_signal(stop.clone()).map_err(UpError::Signals)?;
         let timeout = args.ready_timeout;
         startup::start_all(&mut children, &specs, timeout, &stop).await?;
-        startup::print_ready(args.json, records.is_some(), &specs, &dir);
+        startup::print_ready(args.json, records.is_some(), &specs, &dir, &client_env);
         let Some(records) = &records else {
             if !args.json {
                 println!("press Ctrl-C (or send SIGTERM) to stop");

@@ -86,7 +86,15 @@ pub(super) fn endpoint(specs: &[ChildSpec], role: Role) -> String {
 
 /// Announces the running pool: one JSON line with `--json` (only without a replay, whose
 /// summary is the JSON output), else the endpoints for people.
-pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &Path) {
+/// `client_env`: what a client outside `up` needs in its environment (with `--tls`: the CA, a
+/// client certificate of its own, transfer TLS).
+pub(super) fn print_ready(
+    json: bool,
+    replay: bool,
+    specs: &[ChildSpec],
+    dir: &Path,
+    client_env: &[(String, String)],
+) {
     let conductor = endpoint(specs, Role::Conductor);
     let events = super::plan::pool_events(specs);
     if json && !replay {
@@ -106,6 +114,7 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
                        "endpoint": e, "replay": r, "topic": super::plan::POOL_EVENTS_TOPIC})),
                    "auth_key_file": super::plan::key_file(dir).display().to_string(),
                    "role_key_files": role_files(dir),
+                   "client_env": client_env.iter().map(|(k, v)| (k.clone(), Value::from(v.clone()))).collect::<serde_json::Map<_, _>>(),
                    "dir": dir.display().to_string()})
         );
     } else if !json {
@@ -129,8 +138,12 @@ pub(super) fn print_ready(json: bool, replay: bool, specs: &[ChildSpec], dir: &P
             );
         }
         println!("  dir        {}", dir.display());
+        let env: String = client_env
+            .iter()
+            .map(|(k, v)| format!("{k}={v} "))
+            .collect();
         println!(
-            "  python     KVPOOL_MASTER_ADDR={} KVPOOL_AUTH_KEY_FILE={} \
+            "  python     {env}KVPOOL_MASTER_ADDR={} KVPOOL_AUTH_KEY_FILE={} \
              .tools/py/bin/python examples/python_put_get.py",
             endpoint(specs, Role::Master),
             super::plan::role_key_file(dir, kvpool_proto::auth::Role::Engine).display()

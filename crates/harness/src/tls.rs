@@ -1,5 +1,6 @@
-//! Throw-away TLS certificates for the master's port (`kvpool up --tls`, `kvpool bench master
-//! --tls`, the TLS tests): a CA, a master certificate for the names given and a client
+//! Throw-away TLS certificates for the master's port and the transfer lanes (`kvpool up --tls`,
+//! `kvpool bench master --tls`, the TLS tests): a CA that issues a certificate per process
+//! (server, client or both), or at once a master certificate for the names given and a client
 //! certificate, made with rcgen into a directory (certificates 0644, keys 0600; the caller's
 //! directory should be 0700). Nothing outside that directory trusts the CA. I/O boundary: the
 //! files written.
@@ -48,63 +49,117 @@ pub struct TlsFiles {
     pub client_key: PathBuf,
 }
 
+/// A throw-away CA kept in memory, whose certificate is written to `<dir>/tls-ca.pem`: it
+/// issues a certificate per process (`kvpool up --tls` gives every child its own).
+pub struct ThrowawayCa {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+    dir: PathBuf,
+    /// The CA certificate's file.
+    pub ca: PathBuf,
+}
+
+/// What a certificate may be used for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Usage {
+    /// A TLS server (the master, an agent's transfer target).
+    Server,
+    /// A TLS client (mutual TLS to the master).
+    Client,
+    /// Both: a process that serves and dials (an agent: its transfer target and its calls to
+    /// the master).
+    Both,
+}
+
+fn generate(what: &'static str) -> impl Fn(rcgen::Error) -> TlsGenError {
+    move |source| TlsGenError::Generate { what, source }
+}
+
+fn write(path: &Path, text: &str, private: bool) -> Result<(), TlsGenError> {
+    let written = if private {
+        write_private(path, text)
+    } else {
+        std::fs::write(path, text)
+    };
+    written.map_err(|source| TlsGenError::Write {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+impl ThrowawayCa {
+    /// Make a CA named `ca_name` and write its certificate into `dir`.
+    pub fn create(dir: &Path, ca_name: &str) -> Result<Self, TlsGenError> {
+        let ca_key = KeyPair::generate().map_err(generate("CA key"))?;
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(generate("CA"))?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, ca_name);
+        ca_params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let issuer = CertifiedIssuer::self_signed(ca_params, ca_key).map_err(generate("CA"))?;
+        let ca = dir.join("tls-ca.pem");
+        write(&ca, &issuer.pem(), false)?;
+        Ok(Self {
+            issuer,
+            dir: dir.to_owned(),
+            ca,
+        })
+    }
+
+    /// A certificate named `common_name` for `names` (DNS names or IP addresses; none for a
+    /// client), written with its key to `<dir>/tls-<stem>.pem` and `tls-<stem>-key.pem`;
+    /// returns (certificate, key).
+    pub fn issue(
+        &self,
+        stem: &str,
+        common_name: &str,
+        names: &[&str],
+        usage: Usage,
+    ) -> Result<(PathBuf, PathBuf), TlsGenError> {
+        let key = KeyPair::generate().map_err(generate("certificate key"))?;
+        let sans: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let mut params = CertificateParams::new(sans).map_err(generate("certificate"))?;
+        params
+            .distinguished_name
+            .push(DnType::CommonName, common_name);
+        params.extended_key_usages = match usage {
+            Usage::Server => vec![ExtendedKeyUsagePurpose::ServerAuth],
+            Usage::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
+            Usage::Both => vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
+        };
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .map_err(generate("certificate"))?;
+        let paths = (
+            self.dir.join(format!("tls-{stem}.pem")),
+            self.dir.join(format!("tls-{stem}-key.pem")),
+        );
+        write(&paths.0, &cert.pem(), false)?;
+        write(&paths.1, &key.serialize_pem(), true)?;
+        Ok(paths)
+    }
+}
+
 /// Make a CA named `ca_name`, a master certificate for `names` (DNS names or IP addresses)
 /// and a client certificate, all in `dir` (file names `tls-*.pem`).
 pub fn write_throwaway(dir: &Path, ca_name: &str, names: &[&str]) -> Result<TlsFiles, TlsGenError> {
-    let generate = |what| move |source| TlsGenError::Generate { what, source };
-    let ca_key = KeyPair::generate().map_err(generate("CA key"))?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(generate("CA"))?;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, ca_name);
-    ca_params.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca = CertifiedIssuer::self_signed(ca_params, ca_key).map_err(generate("CA"))?;
-
-    let leaf = |cn: &str, sans: Vec<String>, usage: ExtendedKeyUsagePurpose| {
-        let key = KeyPair::generate().map_err(generate("certificate key"))?;
-        let mut params = CertificateParams::new(sans).map_err(generate("certificate"))?;
-        params.distinguished_name.push(DnType::CommonName, cn);
-        params.extended_key_usages = vec![usage];
-        let cert = params
-            .signed_by(&key, &ca)
-            .map_err(generate("certificate"))?;
-        Ok::<_, TlsGenError>((cert.pem(), key.serialize_pem()))
-    };
-    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-    let (master_cert, master_key) =
-        leaf("kvpool master", names, ExtendedKeyUsagePurpose::ServerAuth)?;
-    let (client_cert, client_key) =
-        leaf("kvpool client", vec![], ExtendedKeyUsagePurpose::ClientAuth)?;
-
-    let files = TlsFiles {
-        ca: dir.join("tls-ca.pem"),
-        master_cert: dir.join("tls-master.pem"),
-        master_key: dir.join("tls-master-key.pem"),
-        client_cert: dir.join("tls-client.pem"),
-        client_key: dir.join("tls-client-key.pem"),
-    };
-    let write = |path: &Path, text: &str, private: bool| {
-        let written = if private {
-            write_private(path, text)
-        } else {
-            std::fs::write(path, text)
-        };
-        written.map_err(|source| TlsGenError::Write {
-            path: path.to_owned(),
-            source,
-        })
-    };
-    write(&files.ca, &ca.pem(), false)?;
-    write(&files.master_cert, &master_cert, false)?;
-    write(&files.master_key, &master_key, true)?;
-    write(&files.client_cert, &client_cert, false)?;
-    write(&files.client_key, &client_key, true)?;
-    Ok(files)
+    let ca = ThrowawayCa::create(dir, ca_name)?;
+    let (master_cert, master_key) = ca.issue("master", "kvpool master", names, Usage::Server)?;
+    let (client_cert, client_key) = ca.issue("client", "kvpool client", &[], Usage::Client)?;
+    Ok(TlsFiles {
+        ca: ca.ca,
+        master_cert,
+        master_key,
+        client_cert,
+        client_key,
+    })
 }
 
 /// Write `text` readable by this user only (0600), whatever the file was before (keys and

@@ -53,7 +53,8 @@ pub fn choose_mode(
 /// credential. An unreadable file counts as allowed here; connecting reports it.
 fn may_lend(s: &Settings) -> bool {
     use kvpool_proto::auth::{AuthKey, Role};
-    AuthKey::from_file(&s.auth_key_file).map_or(true, |k| matches!(k.role(), Role::Admin | Role::Agent))
+    AuthKey::from_file(&s.auth_key_file)
+        .map_or(true, |k| matches!(k.role(), Role::Admin | Role::Agent))
 }
 
 /// Everything a store may be opened with.
@@ -86,22 +87,10 @@ pub struct Conn {
 impl Conn {
     /// Start the runtime and connect as `opts` say.
     pub fn open(opts: &Options) -> Result<Self, Failure> {
-        let mut direct = opts.direct.clone();
-        let socket_there = opts
-            .agent_socket
-            .as_deref()
-            .is_some_and(|p| !p.as_os_str().is_empty() && p.exists());
-        let auto = matches!(opts.mode.trim().to_ascii_lowercase().as_str(), "auto" | "");
-        if direct.global_segment_size > 0 && auto && socket_there && !may_lend(&direct) {
-            // Engines configured the Mooncake way ask to lend memory; on a kvpool node the
-            // agent lends the node's memory, and an engine credential may not mount.
-            tracing::warn!(
-                global_segment_size = direct.global_segment_size,
-                "global_segment_size ignored: this credential may not lend memory to the \
-                 pool; the node agent lends this node's memory (agent mode)"
-            );
-            direct.global_segment_size = 0;
-        }
+        // (Python's `Settings.resolve` already gave an engine credential beside an agent
+        // agent mode; here a direct store that may not lend memory is refused before it
+        // mounts anything.)
+        let direct = &opts.direct;
         let mode = choose_mode(
             &opts.mode,
             opts.agent_socket.as_deref(),
@@ -115,7 +104,7 @@ impl Conn {
             .map_err(|e| Failure::new(Kind::Internal, format!("starting the runtime: {e}")))?;
         let link = match mode {
             Mode::Direct => {
-                if direct.global_segment_size > 0 && !may_lend(&direct) {
+                if direct.global_segment_size > 0 && !may_lend(direct) {
                     return Err(Failure::new(
                         Kind::AuthFailed,
                         format!(
@@ -128,7 +117,7 @@ impl Conn {
                         ),
                     ));
                 }
-                Link::Direct(Arc::new(runtime.block_on(connect(&direct))?))
+                Link::Direct(Arc::new(runtime.block_on(connect(direct))?))
             }
             Mode::Agent => {
                 if direct.global_segment_size > 0 {

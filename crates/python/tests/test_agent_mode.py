@@ -23,7 +23,8 @@ import pytest
 import kvpool
 import kvpool.mooncake as mc
 from kvpool import _native
-from kvpool_pool import KvpoolAgent, KvpoolMaster, put_get_from_threads, write_key
+from kvpool_pool import (KvpoolAgent, KvpoolMaster, kvpool_binary, put_get_from_threads,
+                         write_key)
 
 MODE_ENV = ("KVPOOL_AGENT_SOCKET", "KVPOOL_MASTER_ADDR", "KVPOOL_AUTH_KEY_FILE",
             "KVPOOL_CLIENT_MODE", "KVPOOL_ENGINE_CONFIG", "MOONCAKE_CONFIG_PATH")
@@ -281,6 +282,36 @@ def test_threads_share_the_staging_area(node):
     with node.agent_store(staging_bytes=1 << 20) as s:
         errors = put_get_from_threads(s, "agent-threads", rounds=15, size=200 << 10)
     assert errors == []
+
+
+def test_an_engine_credential_lends_no_memory(node, monkeypatch, tmp_path):
+    """Issue 38: only agent credentials and the pool key mount segments. An engine that asks
+    to lend memory the Mooncake way gets agent mode beside an agent, and a clear refusal at
+    setup without one."""
+    engine_key = tmp_path / "engine.json"
+    subprocess.run([str(kvpool_binary()), "auth", "derive", "--role", "engine",
+                    "--auth-key-file", str(node.key), "--out", str(engine_key)], check=True)
+    monkeypatch.setenv("KVPOOL_AUTH_KEY_FILE", str(engine_key))
+    monkeypatch.setenv("KVPOOL_MASTER_ADDR", node.master.addr)
+
+    lone = mc.MooncakeDistributedStore()
+    rc = lone.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 8 << 20, "tcp", "",
+                    node.master.addr)
+    assert rc == -1, rc  # Mooncake's setup answers -1 whatever failed
+    with pytest.raises(kvpool.AuthFailed, match="may not lend memory") as e:
+        kvpool.Store(node.master.addr, str(engine_key), mode="direct",
+                     global_segment_size=16 << 20)
+    assert str(engine_key) in str(e.value)
+
+    monkeypatch.setenv("KVPOOL_AGENT_SOCKET", node.socket)
+    s = mc.MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 8 << 20, "tcp", "",
+                   node.master.addr) == 0
+    assert s.get_hostname().startswith("agent:"), s.get_hostname()
+    k = key("engine-lends")
+    assert s.put(k, b"held by the agent") == 0
+    assert s.get(k) == b"held by the agent"
+    s.close()
 
 
 def test_mooncake_api_with_only_the_agent_socket(node, monkeypatch):

@@ -59,7 +59,13 @@ impl proto::master_server::Master for MasterSvc {
         &self,
         req: Request<proto::MountSegmentRequest>,
     ) -> Result<Response<proto::MountSegmentResponse>, Status> {
-        let allowed = acting_for(&req, req.get_ref().segment.as_ref().map_or("", |s| s.node.as_str()));
+        let allowed = acting_for(
+            &req,
+            req.get_ref()
+                .segment
+                .as_ref()
+                .map_or("", |s| s.node.as_str()),
+        );
         let handler = async {
             allowed?;
             segments::mount_segment(&self.core, req.into_inner()).await

@@ -69,7 +69,9 @@ pub fn parse(header: &str) -> Result<Parsed<'_>, AuthError> {
     };
     let role = Role::from_name(role).ok_or(AuthError::Malformed("unknown role"))?;
     if node.is_some() && role != Role::Agent {
-        return Err(AuthError::Malformed("only an agent credential names a node"));
+        return Err(AuthError::Malformed(
+            "only an agent credential names a node",
+        ));
     }
     if ts.is_empty() || ts.len() > 20 || !ts.bytes().all(|b| b.is_ascii_digit()) {
         return Err(AuthError::Malformed(
@@ -127,9 +129,7 @@ fn mac(
     body: &str,
 ) -> Hmac<Sha256> {
     let mut mac = keyed.clone();
-    mac.update(
-        format!("{CONTEXT}\n{principal}\n{method}\n{ts_ms}\n{nonce}\n{body}").as_bytes(),
-    );
+    mac.update(format!("{CONTEXT}\n{principal}\n{method}\n{ts_ms}\n{nonce}\n{body}").as_bytes());
     mac
 }
 

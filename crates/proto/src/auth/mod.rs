@@ -320,7 +320,9 @@ impl RoleDocument {
             Some(v) => {
                 let n = v.as_str().ok_or("\"node\" is not a string")?;
                 if role != Role::Agent {
-                    return Err(format!("a {role} credential names no node (only agents' do)"));
+                    return Err(format!(
+                        "a {role} credential names no node (only agents' do)"
+                    ));
                 }
                 if !valid_node(n) {
                     return Err(format!(

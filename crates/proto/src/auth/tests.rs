@@ -173,9 +173,16 @@ fn an_agent_credential_is_bound_to_its_node() {
     let bound = lenient
         .verify(Some(&a.sign("Heartbeat")), "Heartbeat")
         .expect("valid");
-    assert!(bound.may_act_for("gpu-8").is_err(), "a bound one stays bound");
-    let admin = v.verify(Some(&pool().sign("Heartbeat")), "Heartbeat").expect("admin");
-    admin.may_act_for("anything").expect("admin acts for any node");
+    assert!(
+        bound.may_act_for("gpu-8").is_err(),
+        "a bound one stays bound"
+    );
+    let admin = v
+        .verify(Some(&pool().sign("Heartbeat")), "Heartbeat")
+        .expect("admin");
+    admin
+        .may_act_for("anything")
+        .expect("admin acts for any node");
     let engine = pool().derive(Role::Engine).expect("engine");
     let e = v
         .verify(Some(&engine.sign("Heartbeat")), "Heartbeat")
@@ -186,11 +193,17 @@ fn an_agent_credential_is_bound_to_its_node() {
     assert!(matches!(parse(&bad), Err(AuthError::Malformed(_))));
     for node in ["", "zz", &credential::hex(&[b'a'; MAX_NODE_LEN + 1])] {
         let bad = format!("v2.agent@{node}.{}.{:032x}..{}", now(), 1, "0".repeat(64));
-        assert!(matches!(parse(&bad), Err(AuthError::Malformed(_))), "{node}");
+        assert!(
+            matches!(parse(&bad), Err(AuthError::Malformed(_))),
+            "{node}"
+        );
     }
     assert!(pool().derive_node("").is_none());
     assert!(pool().derive_node("a\nb").is_none());
-    assert!(shared.derive_node("gpu-7").is_none(), "only the pool key issues node keys");
+    assert!(
+        shared.derive_node("gpu-7").is_none(),
+        "only the pool key issues node keys"
+    );
 }
 
 #[test]
@@ -320,7 +333,9 @@ fn key_files_are_raw_pool_keys_or_role_documents() {
     std::fs::write(&p, node.to_json()).expect("write");
     let a = AuthKey::from_file(&p).expect("agent file");
     assert_eq!((a.role(), a.node()), (Role::Agent, Some("gpu-3")));
-    let ok = v.verify(Some(&a.sign("Heartbeat")), "Heartbeat").expect("node credential");
+    let ok = v
+        .verify(Some(&a.sign("Heartbeat")), "Heartbeat")
+        .expect("node credential");
     assert_eq!(ok.node.as_deref(), Some("gpu-3"));
 
     let key_hex = "00".repeat(16);

@@ -14,6 +14,7 @@ exists and the store contributes no memory (``global_segment_size`` 0), else dir
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
@@ -43,6 +44,24 @@ def choose_mode(mode: Any, agent_socket: str, global_segment_size: int = 0) -> s
     if agent_socket and os.path.exists(agent_socket) and not global_segment_size:
         return "agent"
     return "direct"
+
+
+def may_lend(auth_key_file: Any) -> bool:
+    """Whether the credential file may mount segments (lend the pool memory): the pool key or
+    an agent's credential file; an engine's may not (docs/reliability.md, "Credentials"). A
+    file that cannot be read counts as allowed here: connecting reports it."""
+    try:
+        with open(str(auth_key_file), "rb") as f:
+            text = f.read()
+    except OSError:
+        return True
+    if not text.lstrip().startswith(b"{"):
+        return True  # a raw pool key
+    try:
+        role = json.loads(text).get("role")
+    except (ValueError, AttributeError):
+        return True
+    return role == "agent"
 
 
 def engine_config(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -122,6 +141,16 @@ class Settings:
         key = auth_key_file or env.get(ENV_AUTH_KEY_FILE) or file_cfg.get("auth_key_file") or ""
         socket = agent_socket or env.get(ENV_AGENT_SOCKET) or file_cfg.get("agent_socket") or ""
         asked = mode or env.get(ENV_CLIENT_MODE) or "auto"
+        lend = rest.get("global_segment_size", 0)
+        if (lend and str(asked).strip().lower() == "auto"
+                and choose_mode(asked, str(socket), 0) == "agent" and not may_lend(key)):
+            # Engines configured the Mooncake way ask to lend memory; beside a node agent the
+            # agent lends the node's memory, and an engine credential may not mount.
+            logging.getLogger("kvpool").warning(
+                "global_segment_size %d ignored: the credential in %s may not lend memory to "
+                "the pool; the node agent at %s lends this node's memory (agent mode)",
+                lend, key, socket)
+            rest["global_segment_size"] = 0
         chosen = choose_mode(asked, str(socket), rest.get("global_segment_size", 0))
         settings = cls(
             masters=resolved, auth_key_file=str(key), agent_socket=str(socket), mode=chosen, **rest
