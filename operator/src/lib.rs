@@ -30,3 +30,4 @@ pub mod root_key;
 pub mod run;
 #[cfg(test)]
 mod test_fixtures;
+pub mod transfer_tls;

@@ -40,7 +40,7 @@ const CA: &str = "ca.crt";
 const MODE: i32 = 0o440;
 
 /// A read-only Secret volume with `items` (each under its own name).
-fn secret_volume(name: &str, secret: &str, items: &[&str]) -> Volume {
+pub(crate) fn secret_volume(name: &str, secret: &str, items: &[&str]) -> Volume {
     Volume {
         name: name.to_owned(),
         secret: Some(SecretVolumeSource {
@@ -66,7 +66,7 @@ fn file(dir: &str, item: &str) -> String {
     format!("{dir}/{item}")
 }
 
-fn add_volume_and_mount(pod: &mut PodSpec, container: usize, volume: Volume, dir: &str) {
+pub(crate) fn add_volume_and_mount(pod: &mut PodSpec, container: usize, volume: Volume, dir: &str) {
     let name = volume.name.clone();
     pod.volumes.get_or_insert_default().push(volume);
     if let Some(c) = pod.containers.get_mut(container) {
@@ -119,7 +119,7 @@ pub fn client_env(tls: &MasterTlsSpec) -> Vec<(&'static str, String)> {
     env
 }
 
-fn set_env(c: &mut Container, name: &str, value: String) {
+pub(crate) fn set_env(c: &mut Container, name: &str, value: String) {
     let env = c.env.get_or_insert_default();
     env.retain(|e| e.name != name);
     env.push(pod::plain_env(name, value));

@@ -138,6 +138,15 @@ pub fn from_pool_document(
     file.pool.rdma_devices = eff.transport.devices.clone();
     file.pool.gid_index = eff.transport.gid_index;
     file.pool.transport_integrity = Some(eff.transport.integrity.as_str().to_owned());
+    if let Some(tls) = &eff.transport.tls {
+        // The operator mounts the Secret's items at TRANSFER_TLS_DIR in agent pods.
+        let item = |name: &str| Some(Path::new(kvpool_crd::TRANSFER_TLS_DIR).join(name));
+        file.pool.transport_tls = Some(tls.mode.as_str().to_owned());
+        file.pool.transport_tls_cert_file = item("tls.crt");
+        file.pool.transport_tls_key_file = item("tls.key");
+        file.pool.transport_tls_ca_file = item("ca.crt");
+        file.pool.transport_tls_server_name = Some(tls.server_name_for(&doc.pool, &doc.namespace));
+    }
     Ok(file)
 }
 

@@ -92,6 +92,49 @@ fn the_pools_transfer_integrity_reaches_the_agents_lanes() {
 }
 
 #[test]
+fn the_pools_transfer_tls_reaches_the_agents_lanes_with_the_mounted_files() {
+    let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
+    let file = from_pool_document(&doc, 64 << 30).expect("maps");
+    assert_eq!(file.pool.transport_tls, None, "off unless the pool asks");
+    let with_tls = POOL_DOC.replace(
+        "protocol: tcp, devices: []",
+        "protocol: tcp, devices: [], tls: {secretName: agents-tls}",
+    );
+    let doc = parse_pool_document(&with_tls, Path::new("c.yaml")).expect("parses");
+    let mut file = from_pool_document(&doc, 64 << 30).expect("maps");
+    file.pool.advertise_host = Some("10.0.0.1".into());
+    file.node_name = Some("n".into());
+    let pool = validate(&file).expect("validates").pool.expect("pool mode");
+    let dir = Path::new(kvpool_crd::TRANSFER_TLS_DIR);
+    assert_eq!(pool.tls.mode, kvpool_transfer::TlsMode::Require);
+    assert_eq!(
+        pool.tls.cert_file.as_deref(),
+        Some(dir.join("tls.crt").as_path())
+    );
+    assert_eq!(
+        pool.tls.key_file.as_deref(),
+        Some(dir.join("tls.key").as_path())
+    );
+    assert_eq!(
+        pool.tls.ca_file.as_deref(),
+        Some(dir.join("ca.crt").as_path())
+    );
+    let name = format!("{}-transfer.{}.svc", doc.pool, doc.namespace);
+    assert_eq!(pool.tls.server_name.as_deref(), Some(name.as_str()));
+    let allow = with_tls.replace(
+        "{secretName: agents-tls}",
+        "{secretName: a, mode: allow, serverName: x.example}",
+    );
+    let doc = parse_pool_document(&allow, Path::new("c.yaml")).expect("parses");
+    let file = from_pool_document(&doc, 64 << 30).expect("maps");
+    assert_eq!(file.pool.transport_tls.as_deref(), Some("allow"));
+    assert_eq!(
+        file.pool.transport_tls_server_name.as_deref(),
+        Some("x.example")
+    );
+}
+
+#[test]
 fn the_pools_rdma_allow_list_and_gid_index_reach_the_transfer_engine() {
     let rdma = POOL_DOC.replace(
         "protocol: tcp, devices: []",

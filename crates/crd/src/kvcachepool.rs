@@ -327,6 +327,11 @@ pub struct TransportSpec {
     /// grants it to a peer that asks and asks for nothing; `off` never seals.
     #[serde(default)]
     pub integrity: TransferIntegrity,
+
+    /// TLS on the TCP transfer lanes (docs/transfer.md, "TLS"): the agents serve the
+    /// certificate of `secretName`, engines and agents verify it. Off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<crate::TransferTlsSpec>,
 }
 
 impl Default for TransportSpec {
@@ -339,6 +344,7 @@ impl Default for TransportSpec {
             networks: Vec::new(),
             port: defaults::transport_port(),
             integrity: TransferIntegrity::default(),
+            tls: None,
         }
     }
 }

@@ -27,7 +27,7 @@ pub use kvcachepool::{
     ReplicationSpec, SPREAD_NEEDS_NODE_ACCESS, SriovResource, SriovSpec, SsdTierSpec,
     TokenizerSpec, TransferIntegrity, TransportSpec,
 };
-pub use master_tls::MasterTlsSpec;
+pub use master_tls::{MasterTlsSpec, TRANSFER_TLS_DIR, TransferTlsMode, TransferTlsSpec};
 pub use pool_status::{
     KVCachePoolStatus, MAX_STATUS_NODES, NodeStatus, NodeTransportStatus, NumaStatus, TierStatus,
 };

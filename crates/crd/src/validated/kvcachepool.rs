@@ -190,7 +190,11 @@ impl ValidatedKVCachePool {
             networks: t.networks.clone(),
             port: ranged("transport.port", t.port, 1024, 65535)?,
             integrity: t.integrity,
+            tls: t.tls.clone(),
         };
+        if let Some(tls) = &t.tls {
+            tls.validate()?;
+        }
 
         validate_label_key(
             "replication.spreadLabelKey",

@@ -77,6 +77,9 @@ pub struct TransportConfig {
     /// Per-frame integrity of the TCP lanes (agents and engines).
     #[serde(default)]
     pub integrity: crate::TransferIntegrity,
+    /// TLS of the TCP lanes; absent: off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<crate::TransferTlsSpec>,
 }
 
 /// Effective SR-IOV request: every extended resource an agent pod requests (the single-name

@@ -89,6 +89,12 @@ pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> 
             master_tls::client_pod(p, 0, tls);
         }
     }
+    // TLS of the transfer lanes: every agent serves the pool's transfer certificate.
+    if let Some(tls) = &pool.effective.transport.tls
+        && let Some(p) = master_tls::daemonset_pod(&mut agent)
+    {
+        crate::transfer_tls::agent_pod(p, 0, tls);
+    }
     Ok(CachePoolChildren {
         config: config::config_map(pool, data),
         auth: auth_secret(pool, key_hex),

@@ -827,3 +827,57 @@ fn master_tls_reaches_the_master_and_every_client_of_it() {
             .all(|e| !e.starts_with("KVPOOL_MASTER_"))
     );
 }
+
+#[test]
+fn transfer_tls_reaches_the_agents_and_their_pool_document() {
+    let mut spec = roce();
+    spec.spec.transport.tls = Some(kvpool_crd::TransferTlsSpec {
+        mode: kvpool_crd::TransferTlsMode::Require,
+        secret_name: "roce-transfer-tls".into(),
+        server_name: Some("agents.kvpool.example".into()),
+    });
+    let children = build(&valid(&spec), "00ff").expect("build");
+    let agent = pod(&children.agent);
+    let volume = agent
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "transfer-tls")
+        .and_then(|v| v.secret.as_ref())
+        .expect("transfer-tls volume");
+    assert_eq!(volume.secret_name.as_deref(), Some("roce-transfer-tls"));
+    let items: Vec<&str> = volume
+        .items
+        .iter()
+        .flatten()
+        .map(|i| i.key.as_str())
+        .collect();
+    assert_eq!(items, ["tls.crt", "tls.key", "ca.crt"]);
+    assert!(
+        agent.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "transfer-tls" && m.mount_path == kvpool_crd::TRANSFER_TLS_DIR)
+    );
+    // The setting reaches the agents through the pool document.
+    let doc = children
+        .config
+        .data
+        .as_ref()
+        .and_then(|d| d.values().find(|v| v.contains("secretName")))
+        .expect("pool document with the TLS setting");
+    assert!(
+        doc.contains("roce-transfer-tls") && doc.contains("agents.kvpool.example"),
+        "{doc}"
+    );
+    // Without it nothing appears.
+    let plain = roce_children();
+    assert!(
+        pod(&plain.agent)
+            .volumes
+            .iter()
+            .flatten()
+            .all(|v| v.name != "transfer-tls")
+    );
+}

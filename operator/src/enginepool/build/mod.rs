@@ -71,6 +71,11 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
     {
         crate::master_tls::client_pod(pod, 0, tls);
     }
+    if let Some(tls) = &p.pool.effective.transport.tls
+        && let Some(pod) = crate::master_tls::deployment_pod(&mut deployment)
+    {
+        crate::transfer_tls::engine_pod(pod, 0, tls, &p.pool.name, &p.pool.namespace);
+    }
     EngineChildren {
         deployment,
         service: pod::service(meta(p), selector, &ENGINE_PORTS),

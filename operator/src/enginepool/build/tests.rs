@@ -342,3 +342,63 @@ fn engines_of_a_pool_with_master_tls_trust_its_ca() {
         None
     );
 }
+
+#[test]
+fn engines_of_a_pool_with_transfer_tls_verify_the_agents_with_its_ca_only() {
+    let mut pool = roce();
+    pool.spec.transport.tls = Some(kvpool_crd::TransferTlsSpec {
+        mode: kvpool_crd::TransferTlsMode::Require,
+        secret_name: "roce-transfer-tls".into(),
+        server_name: None,
+    });
+    let p = validate(&prefill_vllm(), valid(&pool)).expect("valid");
+    let d = build(&p, "hash1").deployment;
+    let c = container(&d);
+    assert_eq!(env_value(c, "KVPOOL_TRANSFER_TLS"), Some("require"));
+    assert_eq!(
+        env_value(c, "KVPOOL_TRANSFER_CA_FILE"),
+        Some("/etc/kvpool/transfer-tls/ca.crt")
+    );
+    let name = format!("{}-transfer.{}.svc", p.pool.name, p.pool.namespace);
+    assert_eq!(
+        env_value(c, "KVPOOL_TRANSFER_SERVER_NAME"),
+        Some(name.as_str())
+    );
+    // The engine pod mounts the CA alone: never the agents' key.
+    let pod = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod");
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "transfer-tls")
+        .expect("transfer-tls volume");
+    let secret = volume.secret.as_ref().expect("secret volume");
+    assert_eq!(secret.secret_name.as_deref(), Some("roce-transfer-tls"));
+    let items: Vec<&str> = secret
+        .items
+        .iter()
+        .flatten()
+        .map(|i| i.key.as_str())
+        .collect();
+    assert_eq!(items, ["ca.crt"]);
+    assert!(
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "transfer-tls" && m.mount_path == "/etc/kvpool/transfer-tls"),
+        "{:?}",
+        c.volume_mounts
+    );
+    let plain = validate(&prefill_vllm(), valid(&roce())).expect("valid");
+    assert_eq!(
+        env_value(
+            container(&build(&plain, "hash1").deployment),
+            "KVPOOL_TRANSFER_TLS"
+        ),
+        None
+    );
+}
