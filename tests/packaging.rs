@@ -19,6 +19,9 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Namespace, PodSpec, Secret, Service, ServiceAccount, Volume, VolumeMount,
@@ -203,6 +206,17 @@ const DEFAULTS: Render<'static> = Render {
 const CLUSTER_SCOPE: Render<'static> = Render {
     values: None,
     sets: &["rbac.scope=cluster"],
+};
+
+/// Two agent ServiceAccounts with Node access, and so the admission policy that narrows it.
+const AGENT_NODE_ACCESS: Render<'static> = Render {
+    values: None,
+    sets: &[
+        "agentNodeAccess.serviceAccounts[0].namespace=llm",
+        "agentNodeAccess.serviceAccounts[0].name=kvpool-agent",
+        "agentNodeAccess.serviceAccounts[1].namespace=ml",
+        "agentNodeAccess.serviceAccounts[1].name=agents",
+    ],
 };
 
 /// Every rendering the object checks cover: defaults, each example file, and the optional
@@ -461,6 +475,8 @@ enum Object {
     ServiceMonitor(ServiceMonitor),
     PodMonitor(PodMonitor),
     PrometheusRule(PrometheusRule),
+    AdmissionPolicy(Box<ValidatingAdmissionPolicy>),
+    AdmissionPolicyBinding(ValidatingAdmissionPolicyBinding),
 }
 
 fn typed(doc: &Value) -> Result<Object> {
@@ -489,6 +505,12 @@ fn typed(doc: &Value) -> Result<Object> {
         ("monitoring.coreos.com/v1", "ServiceMonitor") => Object::ServiceMonitor(round_trip(doc)?),
         ("monitoring.coreos.com/v1", "PodMonitor") => Object::PodMonitor(round_trip(doc)?),
         ("monitoring.coreos.com/v1", "PrometheusRule") => Object::PrometheusRule(round_trip(doc)?),
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+            Object::AdmissionPolicy(Box::new(round_trip(doc)?))
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+            Object::AdmissionPolicyBinding(round_trip(doc)?)
+        }
         _ => bail!("unexpected object {api_version} {kind} ({})", describe(doc)),
     })
 }
@@ -684,6 +706,8 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
             Object::ServiceMonitor(_) => "ServiceMonitor",
             Object::PodMonitor(_) => "PodMonitor",
             Object::PrometheusRule(_) => "PrometheusRule",
+            Object::AdmissionPolicy(_) => "ValidatingAdmissionPolicy",
+            Object::AdmissionPolicyBinding(_) => "ValidatingAdmissionPolicyBinding",
         };
         *kinds.entry(kind).or_default() += 1;
     }
@@ -2874,5 +2898,233 @@ fn pod_monitors_select_every_workload_the_operator_creates() -> Result<()> {
     }
     let all: BTreeSet<Component> = Component::ALL.into_iter().collect();
     assert_eq!(covered.keys().copied().collect::<BTreeSet<_>>(), all);
+    Ok(())
+}
+
+/// One Node update as the API server admits it, through the chart's agent admission policy
+/// (`templates/agent-rbac.yaml`), evaluated with the Kubernetes CEL library: `None` when it is
+/// admitted (or the policy does not apply to the user), else the message of the first failing
+/// validation. Variables are bound in order as `variables.<name>`, as the API server does.
+fn admit(
+    policy: &ValidatingAdmissionPolicy,
+    user: &str,
+    token_node: Option<&str>,
+    sub_resource: &str,
+    old: &Value,
+    new: &Value,
+) -> Result<Option<String>> {
+    use kube_cel::KubeCelExt;
+    use kube_cel::cel::{Context as CelContext, Program, Value as CelValue};
+    let extra: BTreeMap<&str, Vec<&str>> = token_node
+        .map(|n| ("authentication.kubernetes.io/node-name", vec![n]))
+        .into_iter()
+        .collect();
+    let request = serde_json::json!({
+        "operation": "UPDATE",
+        "subResource": sub_resource,
+        "userInfo": {"username": user, "groups": ["system:serviceaccounts"], "extra": extra},
+    });
+    let mut ctx = CelContext::default();
+    ctx.register_all();
+    ctx.add_variable("object", new.clone())?;
+    ctx.add_variable("oldObject", old.clone())?;
+    ctx.add_variable("request", request)?;
+    let eval = |ctx: &CelContext, expr: &str| -> Result<CelValue> {
+        let program = Program::compile(expr).map_err(|e| anyhow::anyhow!("{expr}: {e}"))?;
+        program
+            .execute(ctx)
+            .map_err(|e| anyhow::anyhow!("{expr}: {e}"))
+    };
+    let spec = policy.spec.as_ref().context("policy spec")?;
+    for m in spec.match_conditions.iter().flatten() {
+        if eval(&ctx, &m.expression)? != CelValue::Bool(true) {
+            return Ok(None);
+        }
+    }
+    let mut variables: std::collections::HashMap<String, CelValue> = Default::default();
+    for v in spec.variables.iter().flatten() {
+        let value = eval(&ctx, &v.expression)?;
+        variables.insert(v.name.clone(), value);
+        ctx.add_variable_from_value("variables", variables.clone());
+    }
+    for v in spec.validations.iter().flatten() {
+        if eval(&ctx, &v.expression)? != CelValue::Bool(true) {
+            return Ok(Some(v.message.clone().unwrap_or_default()));
+        }
+    }
+    Ok(None)
+}
+
+/// A Node named `name` with `labels`, `annotations` and `spec`.
+fn node(name: &str, labels: Value, annotations: Value, spec: Value) -> Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": spec,
+    })
+}
+
+/// Issue 38: RBAC gives agents `patch` on every Node; the chart's ValidatingAdmissionPolicy
+/// narrows it to the Node the agent's pod runs on and to `kvpool.dev/` labels and annotations.
+#[test]
+fn the_agent_node_policy_admits_only_the_agents_own_node_and_kvpool_keys() -> Result<()> {
+    let (yaml, objects) = render_objects(&AGENT_NODE_ACCESS)?;
+    // Agent ServiceAccounts live in the pools' namespaces, so this render stays out of
+    // `renders()` (whose checks expect the release namespace); its schemas are checked here.
+    kubernetes_validate("agent_node_policy", "agent-node-access", &yaml)?;
+    let policy = objects_of!(objects, Object::AdmissionPolicy)
+        .next()
+        .context("the policy renders with agent ServiceAccounts")?;
+    let binding = objects_of!(objects, Object::AdmissionPolicyBinding)
+        .next()
+        .context("and its binding")?;
+    let binding_spec = binding.spec.as_ref().context("binding spec")?;
+    assert_eq!(
+        binding_spec.policy_name.as_deref(),
+        policy.metadata.name.as_deref()
+    );
+    assert_eq!(
+        binding_spec.validation_actions.as_deref(),
+        Some(&["Deny".to_owned()][..])
+    );
+
+    let agent = "system:serviceaccount:llm:kvpool-agent";
+    let other_agent = "system:serviceaccount:ml:agents";
+    let spec = serde_json::json!({"podCIDR": "10.0.0.0/24"});
+    let labels =
+        serde_json::json!({"kubernetes.io/hostname": "gpu-1", "topology.kubernetes.io/zone": "a"});
+    let old = node("gpu-1", labels.clone(), serde_json::json!({}), spec.clone());
+    let with =
+        |labels: Value, annotations: Value, spec: Value| node("gpu-1", labels, annotations, spec);
+    let mut kv_labels = labels.clone();
+    kv_labels["kvpool.dev/numa-nodes"] = "2".into();
+    let labelled = with(
+        kv_labels.clone(),
+        serde_json::json!({"kvpool.dev/topology": "{}"}),
+        spec.clone(),
+    );
+
+    // Its own node, kvpool.dev/ keys only: admitted, for either agent ServiceAccount.
+    for user in [agent, other_agent] {
+        assert_eq!(
+            admit(policy, user, Some("gpu-1"), "", &old, &labelled)?,
+            None,
+            "{user}"
+        );
+    }
+    // Removing its own kvpool.dev/ label again: admitted.
+    assert_eq!(
+        admit(policy, agent, Some("gpu-1"), "", &labelled, &old)?,
+        None
+    );
+    let denied = |msg: Option<String>, needle: &str| {
+        let m = msg.unwrap_or_default();
+        assert!(
+            m.contains(needle),
+            "expected a denial naming {needle:?}, got {m:?}"
+        );
+    };
+    // Another node, or a token bound to no node: denied.
+    denied(
+        admit(policy, agent, Some("gpu-2"), "", &old, &labelled)?,
+        "only the Node its pod runs on",
+    );
+    denied(
+        admit(policy, agent, None, "", &old, &labelled)?,
+        "only the Node its pod runs on",
+    );
+    // Its own node, other keys: denied.
+    let mut zone = labels.clone();
+    zone["topology.kubernetes.io/zone"] = "b".into();
+    denied(
+        admit(
+            policy,
+            agent,
+            Some("gpu-1"),
+            "",
+            &old,
+            &with(zone, serde_json::json!({}), spec.clone()),
+        )?,
+        "kvpool.dev/ labels",
+    );
+    let mut dropped = labels.clone();
+    dropped
+        .as_object_mut()
+        .context("labels")?
+        .remove("topology.kubernetes.io/zone");
+    denied(
+        admit(
+            policy,
+            agent,
+            Some("gpu-1"),
+            "",
+            &old,
+            &with(dropped, serde_json::json!({}), spec.clone()),
+        )?,
+        "kvpool.dev/ labels",
+    );
+    let mut role = labels.clone();
+    role["node-role.kubernetes.io/control-plane"] = "".into();
+    denied(
+        admit(
+            policy,
+            agent,
+            Some("gpu-1"),
+            "",
+            &old,
+            &with(role, serde_json::json!({}), spec.clone()),
+        )?,
+        "kvpool.dev/ labels",
+    );
+    denied(
+        admit(
+            policy,
+            agent,
+            Some("gpu-1"),
+            "",
+            &old,
+            &with(
+                labels.clone(),
+                serde_json::json!({"other/x": "1"}),
+                spec.clone(),
+            ),
+        )?,
+        "kvpool.dev/ annotations",
+    );
+    let tainted = serde_json::json!({"podCIDR": "10.0.0.0/24", "taints": [{"key": "k", "effect": "NoSchedule"}]});
+    denied(
+        admit(
+            policy,
+            agent,
+            Some("gpu-1"),
+            "",
+            &old,
+            &with(labels.clone(), serde_json::json!({}), tainted),
+        )?,
+        "spec",
+    );
+    denied(
+        admit(policy, agent, Some("gpu-1"), "status", &old, &labelled)?,
+        "status",
+    );
+    // Anyone else is left to RBAC: the policy does not apply.
+    let mut zone = labels.clone();
+    zone["topology.kubernetes.io/zone"] = "b".into();
+    let admin_change = node("gpu-2", zone, serde_json::json!({}), spec.clone());
+    assert_eq!(
+        admit(policy, "kubernetes-admin", None, "", &old, &admin_change)?,
+        None
+    );
+    assert_eq!(
+        admit(
+            policy,
+            "system:serviceaccount:llm:other",
+            Some("gpu-1"),
+            "",
+            &old,
+            &admin_change
+        )?,
+        None
+    );
     Ok(())
 }
