@@ -91,6 +91,7 @@ const DRAM_PERSIST_INDEX_REQUIRED: &str = "dram.persistence.indexHostPath (a tmp
 const DRAM_PERSIST_HUGEPAGES: &str = "dram.persistence.mode hugetlbfs requires dram.hugepages (the agent pod must request the huge pages its files hold)";
 const CONDUCTOR_PEER: &str = kvpool_crd::CONDUCTOR_PEER_MESSAGE;
 const METRICS_PEER: &str = kvpool_crd::METRICS_PEER_MESSAGE;
+const ENGINE_PEER: &str = kvpool_crd::ENGINE_PEER_MESSAGE;
 const SRIOV_TCP: &str = "transport.sriov requires transport.protocol rdma or auto";
 const SRIOV_ONE_FORM: &str = "transport.sriov: set exactly one of resourceName (one resource for all rails) and resources (one per rail)";
 const NETWORKS_TCP: &str = "transport.networks (Multus) requires transport.protocol rdma or auto";
@@ -116,6 +117,10 @@ const TLS_CLIENT_SECRET: &str =
     "master.tls.clientSecretName must be a Secret name (lower-case letters, digits, '-' and '.')";
 const TLS_SERVER_NAME: &str =
     "master.tls.serverName must be a DNS name (letters, digits, '-' and dots between labels)";
+const TRANSFER_TLS_SECRET: &str =
+    "transport.tls.secretName must be a Secret name (lower-case letters, digits, '-' and '.')";
+const TRANSFER_TLS_SERVER_NAME: &str =
+    "transport.tls.serverName must be a DNS name (letters, digits, '-' and dots between labels)";
 const AUTOSCALING_BOUNDS: &str = "autoscaling.minReplicas must not exceed autoscaling.maxReplicas";
 const SPREAD_NEEDS_NODE_ACCESS: &str = kvpool_crd::SPREAD_NEEDS_NODE_ACCESS;
 
@@ -441,6 +446,18 @@ fn cases() -> Vec<Case> {
             json!({"networkPolicy": {"metricsFrom": [{}]}}),
             Cel(METRICS_PEER),
         ),
+        c(
+            "engine callers by namespace",
+            POOL,
+            json!({"networkPolicy": {"engineFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "router"}}}]}}),
+            Valid,
+        ),
+        c(
+            "engine peer with ipBlock and a selector",
+            POOL,
+            json!({"networkPolicy": {"engineFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "namespaceSelector": {}}]}}),
+            Cel(ENGINE_PEER),
+        ),
         // ---- transport
         c(
             "rdma with sriov and networks",
@@ -760,6 +777,32 @@ fn cases() -> Vec<Case> {
             POOL,
             json!({"master": {"tls": {"secretName": "t", "serverName": "master .example"}}}),
             Cel(TLS_SERVER_NAME),
+        ),
+        // ---- KVCachePool: transfer TLS
+        c(
+            "transfer tls with every field",
+            POOL,
+            json!({"transport": {"tls": {"secretName": "cache-transfer-tls", "mode": "allow",
+                "serverName": "agents.kvpool.example"}}}),
+            Valid,
+        ),
+        c(
+            "transfer tls secret with upper case",
+            POOL,
+            json!({"transport": {"tls": {"secretName": "Agents"}}}),
+            Cel(TRANSFER_TLS_SECRET),
+        ),
+        c(
+            "transfer tls server name with a space",
+            POOL,
+            json!({"transport": {"tls": {"secretName": "t", "serverName": "agents .example"}}}),
+            Cel(TRANSFER_TLS_SERVER_NAME),
+        ),
+        c(
+            "transfer tls with an unknown mode",
+            POOL,
+            json!({"transport": {"tls": {"secretName": "t", "mode": "always"}}}),
+            OpenApi("mode"),
         ),
         c(
             "master tls without a secret",

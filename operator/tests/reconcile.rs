@@ -215,6 +215,30 @@ impl ApiServer {
         self.expect_apply(&deployment, Some(status)).await
     }
 
+    /// An engine pool's children: its NetworkPolicy (the engine pods' ingress: everything from
+    /// the pool's own pods), then [`Self::expect_workload`].
+    async fn expect_engine_workload(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        status: Value,
+    ) -> Value {
+        let policy =
+            format!("/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies/{name}");
+        let applied = self.expect_apply(&policy, None).await;
+        assert_eq!(applied["spec"]["policyTypes"], json!(["Ingress"]));
+        let from_pool = &applied["spec"]["ingress"][0];
+        assert!(
+            from_pool["ports"].is_null(),
+            "every port from the pool's pods: {applied}"
+        );
+        assert!(
+            from_pool["from"][0]["podSelector"]["matchLabels"]["kvpool.dev/pool"].is_string(),
+            "{applied}"
+        );
+        self.expect_workload(namespace, name, status).await
+    }
+
     /// Expect a GET of `path` and answer with `object`.
     /// GET of the `roce` KVCachePool an engine pool names, answered with `pool`.
     async fn expect_roce_pool(&mut self, pool: &Value) {
@@ -267,14 +291,17 @@ impl ApiServer {
         seen.body
     }
 
-    /// The lists by which an engine pool in `namespace` looks for orphaned Deployments and
-    /// Services (selected by `selector`), answered empty.
+    /// The lists by which an engine pool in `namespace` looks for orphaned Deployments,
+    /// Services and NetworkPolicies (selected by `selector`), answered empty.
     async fn expect_no_engine_orphans(&mut self, namespace: &str, selector: &str) {
         let deployments = format!("/apis/apps/v1/namespaces/{namespace}/deployments");
         self.expect_list(&deployments, selector, "DeploymentList", vec![])
             .await;
         let services = format!("/api/v1/namespaces/{namespace}/services");
         self.expect_list(&services, selector, "ServiceList", vec![])
+            .await;
+        let policies = format!("/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies");
+        self.expect_list(&policies, selector, "NetworkPolicyList", vec![])
             .await;
     }
 
@@ -851,6 +878,11 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
             server
                 .expect_get("/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp", &pool_json)
                 .await;
+            let policy = server
+                .expect_apply("/apis/networking.k8s.io/v1/namespaces/default/networkpolicies/synthetic-prefill", None)
+                .await;
+            // No conductor on the `tcp` pool: the namespace's pods may call the engines.
+            assert_eq!(policy["spec"]["ingress"][1]["ports"][0]["port"], 8000, "{policy}");
             let svc = server.expect_apply(&format!("{DEFAULT_NS}/services/synthetic-prefill"), None).await;
             assert_eq!(svc["spec"]["ports"][0]["port"], 8000);
             let deploy = server
@@ -935,7 +967,7 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
     async fn children(server: &mut ApiServer, pool_json: &Value, selector: &str) {
         server.expect_roce_pool(pool_json).await;
         let deploy = server
-            .expect_workload(
+            .expect_engine_workload(
                 "llm",
                 "qwen-decode",
                 json!({"replicas": 3, "readyReplicas": 2}),
@@ -1642,7 +1674,7 @@ async fn autoscaling_follows_the_conductors_prediction_without_flapping() {
             async {
                 server.expect_roce_pool(&pool).await;
                 let deploy = server
-                    .expect_workload(
+                    .expect_engine_workload(
                         "llm",
                         "qwen-decode",
                         json!({"replicas": pass.replicas, "readyReplicas": pass.replicas}),

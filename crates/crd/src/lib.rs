@@ -33,8 +33,9 @@ pub use pool_status::{
 };
 
 pub use network::{
-    CONDUCTOR_PEER_MESSAGE, ConductorPeer, METRICS_PEER_MESSAGE, MetricsPeer,
-    SSD_HOST_PATH_MESSAGE, SSD_HOST_PATH_PREFIXES, SSD_HOST_PATH_RULE, ssd_host_path_allowed,
+    CONDUCTOR_PEER_MESSAGE, ConductorPeer, ENGINE_PEER_MESSAGE, EnginePeer, METRICS_PEER_MESSAGE,
+    MetricsPeer, SSD_HOST_PATH_MESSAGE, SSD_HOST_PATH_PREFIXES, SSD_HOST_PATH_RULE,
+    ssd_host_path_allowed,
 };
 pub use persistence::{
     DRAM_HOST_PATH_MESSAGE, DRAM_HOST_PATH_PREFIXES, DRAM_HOST_PATH_RULE,

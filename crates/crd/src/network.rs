@@ -41,6 +41,8 @@ pub(crate) fn host_path_below(prefixes: &[&str], path: &str) -> bool {
 
 /// Message of the rule on each `networkPolicy.conductorFrom` peer.
 pub const CONDUCTOR_PEER_MESSAGE: &str = "networkPolicy.conductorFrom: each peer sets either ipBlock or podSelector and/or namespaceSelector";
+/// Message of the rule on each `networkPolicy.engineFrom` peer.
+pub const ENGINE_PEER_MESSAGE: &str = "networkPolicy.engineFrom: each peer sets either ipBlock or podSelector and/or namespaceSelector";
 /// Message of the rule on each `networkPolicy.metricsFrom` peer.
 pub const METRICS_PEER_MESSAGE: &str = "networkPolicy.metricsFrom: each peer sets either ipBlock or podSelector and/or namespaceSelector";
 
@@ -93,14 +95,22 @@ peer_type!(
     "networkPolicy.conductorFrom: each peer sets either ipBlock or podSelector and/or namespaceSelector"
 );
 peer_type!(
+    /// A caller the engine pods' policy admits to their API port directly: pods chosen by
+    /// `podSelector` (in the pool's namespace, or in the namespaces `namespaceSelector`
+    /// chooses), or `ipBlock`.
+    EnginePeer,
+    "networkPolicy.engineFrom: each peer sets either ipBlock or podSelector and/or namespaceSelector"
+);
+peer_type!(
     /// A scraper the pool's policies admit to the admin ports: pods chosen by `podSelector` (in
     /// the pool's namespace, or in the namespaces `namespaceSelector` chooses), or `ipBlock`.
     MetricsPeer,
     "networkPolicy.metricsFrom: each peer sets either ipBlock or podSelector and/or namespaceSelector"
 );
 
-/// The pool's NetworkPolicies (one each for the master, the agents and the conductor). They
-/// admit ingress only; egress is left open.
+/// The pool's NetworkPolicies (one each for the master, the agents and the conductor, and one
+/// for the pods of each Prefill- or DecodePool on the pool). They admit ingress only; egress is
+/// left open.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct NetworkPolicySpec {
@@ -115,7 +125,16 @@ pub struct NetworkPolicySpec {
     #[schemars(length(max = 16))]
     pub conductor_from: Vec<ConductorPeer>,
 
-    /// Who may scrape the admin port (`/metrics`) of the master, agents and conductor, e.g. a
+    /// Who may call the engines' API port directly, besides the pool's own pods (its agents,
+    /// master, conductor and engines). Empty: nobody else when the pool runs a conductor
+    /// (clients go through it, and its admission control), every pod in the pool's namespace
+    /// when it runs none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub engine_from: Vec<EnginePeer>,
+
+    /// Who may scrape the admin port (`/metrics`) of the master, agents and conductor (and the
+    /// engines' API port, where they serve theirs), e.g. a
     /// namespaceSelector of the monitoring namespace with a podSelector of Prometheus. Empty:
     /// only the pool's own pods (the kubelet's probes come from the node and are not affected by
     /// most network plugins).
@@ -129,6 +148,7 @@ impl Default for NetworkPolicySpec {
         Self {
             enabled: defaults::enabled(),
             conductor_from: Vec::new(),
+            engine_from: Vec::new(),
             metrics_from: Vec::new(),
         }
     }

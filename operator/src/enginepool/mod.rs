@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::Action;
@@ -211,6 +212,11 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     // Apply.
     let services: Api<Service> = Api::namespaced(ctx.client.clone(), &namespace);
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
+    let policies: Api<NetworkPolicy> = Api::namespaced(ctx.client.clone(), &namespace);
+    // The policy exists before the pods it admits traffic to.
+    if let Some(policy) = &children.network_policy {
+        apply::apply(&ctx.settings.field_manager, &policies, policy).await?;
+    }
     apply::apply(&ctx.settings.field_manager, &services, &children.service).await?;
     let applied = apply::apply(
         &ctx.settings.field_manager,
@@ -222,6 +228,11 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     let keep = BTreeSet::from([build::child_name(&valid)]);
     apply::delete_orphans(&deployments, &selector, &keep).await?;
     apply::delete_orphans(&services, &selector, &keep).await?;
+    let keep_policy = match &children.network_policy {
+        Some(_) => keep.clone(),
+        None => BTreeSet::new(),
+    };
+    apply::delete_orphans(&policies, &selector, &keep_policy).await?;
 
     if let Some((reason, message)) = scaling.as_ref().and_then(|s| s.event.as_ref()) {
         autoscale::publish(ctx, obj, reason, message).await?;

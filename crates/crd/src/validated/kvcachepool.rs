@@ -106,6 +106,12 @@ impl ValidatedKVCachePool {
                 message: peer_message,
             });
         }
+        if !np.engine_from.iter().all(crate::EnginePeer::is_valid) {
+            return Err(SpecError::Conflict {
+                field: "networkPolicy.engineFrom",
+                message: peer_message,
+            });
+        }
         if !np.metrics_from.iter().all(crate::MetricsPeer::is_valid) {
             return Err(SpecError::Conflict {
                 field: "networkPolicy.metricsFrom",

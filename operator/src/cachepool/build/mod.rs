@@ -40,6 +40,7 @@ pub use conductor_rbac::{CONDUCTOR_POD_VERBS, ConductorRbac, conductor_rbac};
 pub use config::{PoolConfig, config_data, config_hash, engine_config, pool_config};
 pub use master::{master_deployment, master_service};
 pub use network_policy::{OPERATOR_POD_LABELS, network_policies, operator_pods, pool_pods};
+pub(crate) use network_policy::{namespace_pods, peers, rule};
 pub use pod::{KEY_READER_GROUP, auth_volume, common_mounts, config_volume, socket_volume};
 
 /// Kind label value of children owned by a KVCachePool.

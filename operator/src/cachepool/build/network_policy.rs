@@ -28,7 +28,7 @@ pub const OPERATOR_POD_LABELS: [(&str, &str); 2] = [
     (labels::APP_PART_OF, labels::APP_NAME_VALUE),
 ];
 
-fn tcp(port: u16) -> NetworkPolicyPort {
+pub(crate) fn tcp(port: u16) -> NetworkPolicyPort {
     NetworkPolicyPort {
         port: Some(IntOrString::Int(i32::from(port))),
         protocol: Some("TCP".to_owned()),
@@ -36,7 +36,7 @@ fn tcp(port: u16) -> NetworkPolicyPort {
     }
 }
 
-fn rule(from: Vec<NetworkPolicyPeer>, ports: &[u16]) -> NetworkPolicyIngressRule {
+pub(crate) fn rule(from: Vec<NetworkPolicyPeer>, ports: &[u16]) -> NetworkPolicyIngressRule {
     NetworkPolicyIngressRule {
         from: Some(from),
         ports: Some(ports.iter().copied().map(tcp).collect()),
@@ -90,7 +90,7 @@ pub fn operator_pods(namespace: Option<&str>) -> NetworkPolicyPeer {
 }
 
 /// The spec's peers as NetworkPolicy peers.
-fn peers<'a, P: 'a>(named: &'a [P]) -> Vec<NetworkPolicyPeer>
+pub(crate) fn peers<'a, P: 'a>(named: &'a [P]) -> Vec<NetworkPolicyPeer>
 where
     NetworkPolicyPeer: From<&'a P>,
 {
@@ -98,7 +98,7 @@ where
 }
 
 /// Every pod of the pool's namespace (the conductor's callers when none are named).
-fn namespace_pods() -> NetworkPolicyPeer {
+pub(crate) fn namespace_pods() -> NetworkPolicyPeer {
     NetworkPolicyPeer {
         pod_selector: Some(LabelSelector::default()),
         ..NetworkPolicyPeer::default()

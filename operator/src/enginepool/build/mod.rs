@@ -1,11 +1,12 @@
 //! Pure construction of an engine pool's children: one Deployment of engine instances
 //! (`deployment.rs`, running the container of `container.rs` after the init container of
 //! `python.rs` that copies in the `kvpool` Python package) and one Service in front of them,
-//! composed by [`build`]. The engine learns how to reach the pool from environment variables
+//! and its NetworkPolicy (`network_policy.rs`), composed by [`build`]. The engine learns how to reach the pool from environment variables
 //! and the mounted pool config (docs/engine-contract.md). I/O boundary: none.
 
 mod container;
 mod deployment;
+mod network_policy;
 mod python;
 
 #[cfg(test)]
@@ -13,6 +14,7 @@ mod tests;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::validate::ValidEnginePool;
@@ -25,6 +27,7 @@ pub use container::{
     engine_security,
 };
 pub use deployment::{engine_deployment, pod_annotations};
+pub use network_policy::network_policy;
 pub use python::{python_init_container, python_mount, python_path, python_volume};
 
 /// Children of an engine pool.
@@ -32,6 +35,8 @@ pub use python::{python_init_container, python_mount, python_path, python_volume
 pub struct EngineChildren {
     pub deployment: Deployment,
     pub service: Service,
+    /// Ingress of the engine pods; `None` when the pool's policies are turned off.
+    pub network_policy: Option<NetworkPolicy>,
 }
 
 /// The named port of the engine container and Service.
@@ -79,5 +84,6 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
     EngineChildren {
         deployment,
         service: pod::service(meta(p), selector, &ENGINE_PORTS),
+        network_policy: network_policy(p),
     }
 }

@@ -402,3 +402,75 @@ fn engines_of_a_pool_with_transfer_tls_verify_the_agents_with_its_ca_only() {
         None
     );
 }
+
+#[test]
+fn engine_pods_admit_the_pools_pods_and_outside_callers_only_as_the_spec_says() {
+    let ports = |r: &k8s_openapi::api::networking::v1::NetworkPolicyIngressRule| -> Vec<String> {
+        r.ports
+            .iter()
+            .flatten()
+            .map(|p| format!("{:?}", p.port))
+            .collect()
+    };
+    // A pool with a conductor: every port from the pool's own pods, nothing else.
+    let p = validate(&prefill_vllm(), valid(&roce())).expect("valid");
+    let policy = build(&p, "h").network_policy.expect("policy");
+    let spec = policy.spec.as_ref().expect("spec");
+    let selector = spec
+        .pod_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.clone())
+        .expect("selector");
+    assert_eq!(
+        selector,
+        crate::labels::selector_labels(&p.pool.name, &p.name, p.component)
+    );
+    let rules = spec.ingress.as_deref().expect("rules");
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    assert!(rules[0].ports.is_none(), "every port from the pool's pods");
+    let from = rules[0].from.as_deref().expect("from");
+    let labels = from[0]
+        .pod_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.clone())
+        .expect("pool pods");
+    assert_eq!(labels["kvpool.dev/pool"], p.pool.name);
+    assert!(
+        from[0].namespace_selector.is_none(),
+        "the pool's namespace only"
+    );
+
+    // Named callers and scrapers: the API port from each.
+    let mut named = roce();
+    named.spec.network_policy.engine_from = vec![kvpool_crd::EnginePeer {
+        namespace_selector: Some(Default::default()),
+        ..Default::default()
+    }];
+    named.spec.network_policy.metrics_from = vec![kvpool_crd::MetricsPeer {
+        pod_selector: Some(Default::default()),
+        ..Default::default()
+    }];
+    let p = validate(&prefill_vllm(), valid(&named)).expect("valid");
+    let policy = build(&p, "h").network_policy.expect("policy");
+    let rules = policy.spec.and_then(|s| s.ingress).expect("rules");
+    assert_eq!(rules.len(), 3, "{rules:?}");
+    assert_eq!(ports(&rules[1]), ["Some(Int(8000))"]);
+    assert_eq!(ports(&rules[2]), ["Some(Int(8000))"]);
+
+    // No conductor and nobody named: the namespace's pods may call the engines.
+    let p = validate(&prefill_vllm(), valid(&tcp())).expect("valid");
+    let rules = build(&p, "h")
+        .network_policy
+        .and_then(|n| n.spec)
+        .and_then(|s| s.ingress)
+        .expect("rules");
+    assert_eq!(rules.len(), 2, "{rules:?}");
+    let from = rules[1].from.as_deref().expect("from");
+    assert_eq!(from[0].pod_selector, Some(Default::default()));
+
+    // Policies off: none.
+    let mut off = roce();
+    off.spec.network_policy.enabled = false;
+    let p = validate(&prefill_vllm(), valid(&off)).expect("valid");
+    assert!(build(&p, "h").network_policy.is_none());
+}
