@@ -4,7 +4,8 @@
 #   maturin, pytest, numpy, and mooncake-transfer-engine-non-cuda (real Mooncake: the oracle of
 #   the conformance suite and the peer of `kvpool bench python`); pyzmq, msgpack and cbor2
 #   (the independent KV-event publisher and block-hash vectors of the conductor's tests); openai
-#   (the official client, against the conductor: crates/python/tests/test_openai_client.py). Also creates .tools/router
+#   (the official client, against the conductor: crates/python/tests/test_openai_client.py); mypy
+#   (the package's types: crates/python/tests/test_typing_and_pickle.py). Also creates .tools/router
 #   with sglang-router (SGLang's Rust router, the peer of `kvpool bench conductor
 #   --vs-sglang-router`), in a venv of its own so that its dependencies stay apart.
 # Idempotent: pinned tools already installed are left alone; the package is always rebuilt.
@@ -30,6 +31,8 @@ CBOR2_VERSION=5.7.1
 JINJA2_VERSION=3.1.6
 # The conductor's OpenAI compatibility test: the official client.
 OPENAI_VERSION=3.57.0
+# The package's types (py.typed, _native.pyi): mypy --strict and stubtest.
+MYPY_VERSION=2.4.1
 ROUTER_VERSION=0.3.2
 
 profile=dev
@@ -47,13 +50,13 @@ mkdir -p "$root"
 [ -f "$root/.gitignore" ] || printf '*\n' >"$root/.gitignore"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION-$PYZMQ_VERSION-$MSGPACK_VERSION-$CBOR2_VERSION-$JINJA2_VERSION-$OPENAI_VERSION"
+stamp="$venv/.kvpool-tools-$MATURIN_VERSION-$PYTEST_VERSION-$NUMPY_VERSION-$MOONCAKE_VERSION-$PYZMQ_VERSION-$MSGPACK_VERSION-$CBOR2_VERSION-$JINJA2_VERSION-$OPENAI_VERSION-$MYPY_VERSION"
 if [ ! -f "$stamp" ]; then
   "$py" -m pip install --quiet --disable-pip-version-check \
     "maturin==$MATURIN_VERSION" "pytest==$PYTEST_VERSION" "numpy==$NUMPY_VERSION" \
     "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" \
     "pyzmq==$PYZMQ_VERSION" "msgpack==$MSGPACK_VERSION" "cbor2==$CBOR2_VERSION" \
-    "jinja2==$JINJA2_VERSION" "openai==$OPENAI_VERSION"
+    "jinja2==$JINJA2_VERSION" "openai==$OPENAI_VERSION" "mypy==$MYPY_VERSION"
   touch "$stamp"
 fi
 router="$root/router"

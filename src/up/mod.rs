@@ -148,6 +148,10 @@ pub struct UpArgs {
     /// user's account does not already.
     #[arg(long)]
     pub tls: bool,
+    /// Client API keys for the conductor (one per line): it answers requests without one of
+    /// them with 401 (the conductor's `--api-key-file`; docs/openai.md, "API keys").
+    #[arg(long, value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
 }
 
 impl UpArgs {
@@ -463,6 +467,16 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         plan::plan(&settings, &ports).ok_or_else(|| flag("base-port", "too few ports"))?;
     if let Some(ca) = &tls_ca {
         tls_per_child(ca, &mut specs).map_err(UpError::Tls)?;
+    }
+    if let Some(keys) = &args.api_key_file {
+        // Checked here, so that a bad file fails before anything starts.
+        kvpool_conductor::server::read_keys(keys)
+            .map_err(|e| flag("api-key-file", e.to_string()))?;
+        let path = std::path::absolute(keys).unwrap_or_else(|_| keys.clone());
+        for spec in specs.iter_mut().filter(|s| s.role == plan::Role::Conductor) {
+            spec.args
+                .extend(["--api-key-file".to_owned(), path.display().to_string()]);
+        }
     }
     write_keys(&dir, &random_key(), settings.agents)?;
     tracing::info!(

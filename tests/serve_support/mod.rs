@@ -169,6 +169,7 @@ pub fn conductor_config(
         engine_cache_blocks: 1000,
         upstream: Default::default(),
         max_prompts: kvpool_conductor::DEFAULT_MAX_PROMPTS,
+        access: Default::default(),
         tokenizer: kvpool_conductor::tokenize::PromptTokenizer::Chunks { bytes: 4 },
         chat_template: None,
         pool: None,

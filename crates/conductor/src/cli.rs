@@ -3,6 +3,7 @@
 //! I/O boundary: sockets, signals and (with discovery) the Kubernetes API.
 
 use std::num::NonZeroU32;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::PoolLookup;
@@ -199,6 +200,15 @@ pub struct ConductorArgs {
     #[arg(long, default_value_t = crate::config::DEFAULT_MAX_PROMPTS,
         env = "KVPOOL_MAX_PROMPTS_PER_REQUEST")]
     pub max_prompts_per_request: usize,
+    /// Client API keys, one per line (blank lines and `#` comments skipped): every request
+    /// but `/health` and `/v1/kvpool/load` must carry one as `Authorization: Bearer <key>`,
+    /// else 401. Unset: no key is asked for.
+    #[arg(long, value_name = "FILE", env = "KVPOOL_CONDUCTOR_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// The key the engines expect (their `--api-key`), sent as `Authorization: Bearer` on every
+    /// call to them. Unset: a client's own `Authorization` goes to the engines with its request.
+    #[arg(long, value_name = "FILE", env = "KVPOOL_ENGINE_API_KEY_FILE")]
+    pub engine_api_key_file: Option<PathBuf>,
 }
 
 /// `FIXED_S,LINEAR_S,QUADRATIC_S` (each finite and >= 0).
@@ -398,7 +408,17 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             0 => return Err(flag("max-prompts-per-request", "must be at least 1")),
             n => n,
         },
+        access: access(args)?,
     })
+}
+
+/// `--api-key-file` and `--engine-api-key-file`, read now (see `server::Access::read`).
+fn access(args: &ConductorArgs) -> Result<crate::server::Access, ConductorError> {
+    crate::server::Access::read(
+        args.api_key_file.as_deref(),
+        args.engine_api_key_file.as_deref(),
+    )
+    .map_err(|(name, why)| flag(name, why))
 }
 
 /// `--kv-events`, each naming one of the prefill engines.

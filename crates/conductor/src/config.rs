@@ -52,6 +52,8 @@ pub struct ConductorConfig {
     pub upstream: UpstreamPool,
     /// Most prompts one completions request may batch (`--max-prompts-per-request`).
     pub max_prompts: usize,
+    /// Client API keys and the engines' key (`--api-key-file`, `--engine-api-key-file`).
+    pub access: crate::server::Access,
 }
 
 /// Default of `--max-prompts-per-request`: a batch larger than this is refused with 400

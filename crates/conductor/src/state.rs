@@ -541,6 +541,7 @@ mod tests {
             fit_prefill_cost: false,
             upstream: Default::default(),
             max_prompts: crate::config::DEFAULT_MAX_PROMPTS,
+            access: Default::default(),
         }
     }
 

@@ -2,80 +2,85 @@
 //! answers to in `kvpool.mooncake`, and the exception class the native API raises. Every
 //! failure of the pool client is sorted here, so the two APIs cannot disagree. Pure, except
 //! for building the Python exception.
+//!
+//! The classes are created here but named `kvpool.X`, the public name the package exports them
+//! under, so that pickle (which imports a class by its `__module__` and `__qualname__`) and
+//! tracebacks find them; an instance pickles as its class, its message and its `kind` and
+//! `code`, which every class also carries as class attributes.
 
-use pyo3::PyErr;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
-use pyo3::types::PyAnyMethods;
+use pyo3::types::{PyAnyMethods, PyModule, PyModuleMethods, PyType, PyTypeMethods};
+use pyo3::{Bound, PyErr, PyResult, Python};
 
 use kvpool_client::master::ClientError;
 use kvpool_client::pool::DataError;
 use kvpool_proto::master::ErrorCode;
 
 create_exception!(
-    _native,
+    kvpool,
     Error,
     PyException,
     "A kvpool call failed; see .kind and .code."
 );
-create_exception!(_native, NotFound, Error, "No object under that key.");
+create_exception!(kvpool, NotFound, Error, "No object under that key.");
 create_exception!(
-    _native,
+    kvpool,
     Exists,
     Error,
     "The key holds another value; the first stays."
 );
 create_exception!(
-    _native,
+    kvpool,
     NoSpace,
     Error,
     "The pool has no room for the object."
 );
 create_exception!(
-    _native,
+    kvpool,
     InvalidArgument,
     Error,
     "An argument is out of range or malformed."
 );
 create_exception!(
-    _native,
+    kvpool,
     BufferTooSmall,
     InvalidArgument,
     "The buffer is smaller than the object."
 );
 create_exception!(
-    _native,
+    kvpool,
     NotRegistered,
     InvalidArgument,
     "The memory is not inside a registered buffer."
 );
 create_exception!(
-    _native,
+    kvpool,
     Leased,
     Error,
     "A reader holds a lease on the object."
 );
 create_exception!(
-    _native,
+    kvpool,
     Unavailable,
     Error,
     "The master or a holder of the object cannot be reached."
 );
 create_exception!(
-    _native,
+    kvpool,
     AuthFailed,
     Error,
     "The pool's auth key was refused."
 );
 create_exception!(
-    _native,
+    kvpool,
     TransferFailed,
     Error,
     "Moving the bytes to or from a replica failed."
 );
-create_exception!(_native, Closed, Error, "The store was closed.");
+create_exception!(kvpool, Closed, Error, "The store was closed.");
 create_exception!(
-    _native,
+    kvpool,
     NotSupported,
     Error,
     "kvpool does not offer this call."
@@ -114,6 +119,42 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Every kind, one per exception class.
+    pub const ALL: [Kind; 13] = [
+        Kind::NotFound,
+        Kind::Exists,
+        Kind::NoSpace,
+        Kind::InvalidArgument,
+        Kind::BufferTooSmall,
+        Kind::NotRegistered,
+        Kind::Leased,
+        Kind::Unavailable,
+        Kind::AuthFailed,
+        Kind::TransferFailed,
+        Kind::Closed,
+        Kind::NotSupported,
+        Kind::Internal,
+    ];
+
+    /// The exception class a failure of this kind raises (`Error` itself for `Internal`).
+    pub fn exception_type(self, py: Python<'_>) -> Bound<'_, PyType> {
+        match self {
+            Kind::NotFound => py.get_type::<NotFound>(),
+            Kind::Exists => py.get_type::<Exists>(),
+            Kind::NoSpace => py.get_type::<NoSpace>(),
+            Kind::InvalidArgument => py.get_type::<InvalidArgument>(),
+            Kind::BufferTooSmall => py.get_type::<BufferTooSmall>(),
+            Kind::NotRegistered => py.get_type::<NotRegistered>(),
+            Kind::Leased => py.get_type::<Leased>(),
+            Kind::Unavailable => py.get_type::<Unavailable>(),
+            Kind::AuthFailed => py.get_type::<AuthFailed>(),
+            Kind::TransferFailed => py.get_type::<TransferFailed>(),
+            Kind::Closed => py.get_type::<Closed>(),
+            Kind::NotSupported => py.get_type::<NotSupported>(),
+            Kind::Internal => py.get_type::<Error>(),
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::NotFound => "not_found",
@@ -239,32 +280,17 @@ impl From<DataError> for Failure {
 }
 
 /// The Python exception of a failure: its class follows the kind, and it carries `kind`,
-/// `code` (Mooncake's) and the message.
+/// `code` (Mooncake's) and the message (its only argument, so that it pickles).
 pub fn to_py(f: Failure) -> PyErr {
-    let message = f.message.clone();
-    let err = match f.kind {
-        Kind::NotFound => NotFound::new_err(message),
-        Kind::Exists => Exists::new_err(message),
-        Kind::NoSpace => NoSpace::new_err(message),
-        Kind::InvalidArgument => InvalidArgument::new_err(message),
-        Kind::BufferTooSmall => BufferTooSmall::new_err(message),
-        Kind::NotRegistered => NotRegistered::new_err(message),
-        Kind::Leased => Leased::new_err(message),
-        Kind::Unavailable => Unavailable::new_err(message),
-        Kind::AuthFailed => AuthFailed::new_err(message),
-        Kind::TransferFailed => TransferFailed::new_err(message),
-        Kind::Closed => Closed::new_err(message),
-        Kind::NotSupported => NotSupported::new_err(message),
-        Kind::Internal => Error::new_err(message),
-    };
-    pyo3::Python::attach(|py| {
+    Python::attach(|py| {
+        let err = PyErr::from_type(f.kind.exception_type(py), f.message);
         let value = err.value(py);
         // Attributes on a fresh exception object cannot fail in practice; if they did, the
-        // exception still carries its class and message.
+        // exception still carries its class, its message and the class's kind and code.
         let _ = value.setattr("kind", f.kind.as_str());
-        let _ = value.setattr("code", f.code());
-    });
-    err
+        let _ = value.setattr("code", f.kind.code());
+        err
+    })
 }
 
 impl From<Failure> for PyErr {
@@ -273,22 +299,15 @@ impl From<Failure> for PyErr {
     }
 }
 
-/// Adds the exception classes to the module `m`.
-pub fn add_to(m: &pyo3::Bound<'_, pyo3::types::PyModule>) -> pyo3::PyResult<()> {
-    use pyo3::types::PyModuleMethods;
+/// Adds the exception classes to the module `m`, each with its kind's `kind` and `code` as
+/// class attributes (what an instance made in Python, not raised by kvpool, answers).
+pub fn add_to(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    m.add("Error", py.get_type::<Error>())?;
-    m.add("NotFound", py.get_type::<NotFound>())?;
-    m.add("Exists", py.get_type::<Exists>())?;
-    m.add("NoSpace", py.get_type::<NoSpace>())?;
-    m.add("InvalidArgument", py.get_type::<InvalidArgument>())?;
-    m.add("BufferTooSmall", py.get_type::<BufferTooSmall>())?;
-    m.add("NotRegistered", py.get_type::<NotRegistered>())?;
-    m.add("Leased", py.get_type::<Leased>())?;
-    m.add("Unavailable", py.get_type::<Unavailable>())?;
-    m.add("AuthFailed", py.get_type::<AuthFailed>())?;
-    m.add("TransferFailed", py.get_type::<TransferFailed>())?;
-    m.add("Closed", py.get_type::<Closed>())?;
-    m.add("NotSupported", py.get_type::<NotSupported>())?;
+    for kind in Kind::ALL {
+        let class = kind.exception_type(py);
+        class.setattr("kind", kind.as_str())?;
+        class.setattr("code", kind.code())?;
+        m.add(class.name()?, class)?;
+    }
     Ok(())
 }

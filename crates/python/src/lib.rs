@@ -490,6 +490,7 @@ impl Client {
             .map_err(|e| Failure::new(Kind::Internal, format!("encoding metrics: {e}")).into())
     }
 
+    /// Whether `close()` was called (every other call then raises `Closed`).
     fn is_closed(&self) -> bool {
         self.conn.link().is_err()
     }
@@ -581,6 +582,8 @@ fn parts(
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The crate's version is the package's (maturin takes the wheel's from Cargo.toml too).
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(device::device_memory_supported, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<Placement>()?;

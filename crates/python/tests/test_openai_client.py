@@ -101,3 +101,32 @@ def test_errors_are_the_clients_exceptions_with_codes(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="abcd" * 200_000, max_tokens=1)
     assert e.value.code == "slo_unattainable"
+
+
+def test_api_keys_wrong_key_is_401_right_key_is_served_and_usage_has_cached_tokens(tmp_path):
+    """Issue 34: `kvpool up --api-key-file` (the conductor's `--api-key-file`): the official
+    client with a wrong key gets `AuthenticationError` (401, OpenAI's `invalid_api_key`), with
+    the right key it is served, its request id comes back, and `usage.prompt_tokens_details
+    .cached_tokens` is reported (the repeated prompt's prefix is cached)."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("# clients\nsk-kvpool-right\n")
+    flags = ["--agents", "1", "--prefill", "1", "--decode", "1", "--model", MODEL,
+             "--block-size", "16", "--api-key-file", str(keys)]
+    with kvpool_up(tmp_path, *flags) as ready:
+        base = f"{ready['conductor']}/v1"
+        wrong = openai.OpenAI(base_url=base, api_key="sk-wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        right = openai.OpenAI(base_url=base, api_key="sk-kvpool-right", max_retries=0, timeout=60)
+        prompt = "a prompt long enough to fill a few sixteen-token blocks of stand-in text " * 3
+        right.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        raw = right.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=2,
+            extra_headers={"X-Request-Id": "openai-client-1"})
+        assert raw.headers.get("x-request-id") == "openai-client-1"
+        r = raw.parse()
+        details = r.usage.prompt_tokens_details
+        assert details is not None and details.cached_tokens > 0, r.usage
+        assert details.cached_tokens <= r.usage.prompt_tokens
+        assert [m.created > 0 for m in right.models.list()] == [True]

@@ -12,10 +12,12 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde_json::Value;
 
+use super::access::Forward;
 use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
 use super::upstream::{UpstreamError, engine_url, read_body};
+use super::usage_fill::{UsageFill, reported_cached_tokens};
 use crate::stream_tokens::TokenCounter;
 use kvpool_core::sched::Observed;
 use kvpool_proto::openai::{KV_LOAD_BLOCKS_HEADER, KV_LOAD_SECONDS_HEADER};
@@ -124,10 +126,15 @@ pub(super) async fn call_prefill(
     placed: &Placed,
     path: &str,
     body: &Value,
+    forward: &Forward,
 ) -> Result<PrefillAnswer, Response> {
     let url = engine_url(&placed.prefill_url, path);
     let sent = Instant::now();
-    let answer = match shared.upstream.post(url.clone(), body).await {
+    let answer = match shared
+        .upstream
+        .post_with(url.clone(), body, forward.headers())
+        .await
+    {
         Ok(r) => prefill_answer(shared, placed, url, sent, r).await,
         Err(e) => Err(e),
     };
@@ -139,6 +146,16 @@ pub(super) async fn call_prefill(
         }
         Err(e) => Err(upstream_failed(shared, &e)),
     }
+}
+
+/// The prompt tokens the prefill engine did not compute: what its `answer` reports, else the
+/// placement's cached blocks (local and pool) in tokens.
+pub(super) fn cached_tokens(shared: &Shared, placed: &Placed, answer: &PrefillAnswer) -> u64 {
+    reported_cached_tokens(&answer.body).unwrap_or_else(|| {
+        let t = &placed.ticket;
+        u64::from(t.local_blocks + t.pool_blocks)
+            * u64::from(shared.config.scheduler.block_size.get())
+    })
 }
 
 /// The request's decode response has carried `tokens` tokens, `new` of them since last time.
@@ -158,12 +175,14 @@ fn decode_progress(finish: &Finish, tokens: u32, new: u32) {
 /// The decode engine's response goes back to the client as it is (streamed or not), with the
 /// placement's assumptions in `x-kvpool-*` headers; the tokens it carries (SSE events with a
 /// choice, or a JSON body's `usage.completion_tokens`) update the request's decode progress,
-/// and the bookings are released when its body ends or is dropped.
+/// and the bookings are released when its body ends or is dropped. A served answer's `usage`
+/// gains `prompt_tokens_details.cached_tokens` (`cached`) where the engine left it out.
 pub(super) fn relay_decode(
     shared: &Shared,
     placed: &Placed,
     finish: Finish,
     resp: Response<Body>,
+    cached: u64,
 ) -> Response {
     let now = shared.now_s();
     shared
@@ -176,23 +195,38 @@ pub(super) fn relay_decode(
         .metrics
         .request(if served { "ok" } else { "decode_error" });
     let (parts, body) = resp.into_parts();
-    let counter = TokenCounter::new(
-        parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok()),
-    );
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let counter = TokenCounter::new(content_type);
+    let usage = served.then(|| UsageFill::new(content_type, cached));
+    let whole_body_rewritten = usage.as_ref().is_some_and(UsageFill::rewrites_whole_body);
     // The tokens counted as the body passes are the request's progress in the bookkeeping;
-    // `finish` leaves it when the body ends or is dropped.
+    // `finish` leaves it when the body ends or is dropped. The bytes pass through the usage
+    // fill (which holds back an incomplete SSE event, or a JSON body until its end).
     let stream = futures::stream::unfold(
-        (body.into_data_stream(), counter, finish),
-        move |(mut body, mut counter, mut finish)| async move {
-            let (chunk, new) = match body.next().await {
+        (Some(body.into_data_stream()), counter, finish, usage),
+        move |(mut body, mut counter, mut finish, mut usage)| async move {
+            let next = match body.as_mut() {
+                Some(b) => b.next().await,
+                // The body ended on the last turn, after its tail was sent.
+                None => return None,
+            };
+            let (chunk, new) = match next {
                 Some(chunk) => {
                     let new = chunk.as_ref().map_or(0, |b| counter.feed(b));
+                    let chunk = match (chunk, usage.as_mut()) {
+                        (Ok(b), Some(u)) => Ok(u.feed(&b)),
+                        (other, _) => other,
+                    };
                     (Some(chunk), new)
                 }
-                None => (None, counter.finish()),
+                None => {
+                    body = None;
+                    let tail = usage.as_mut().map(UsageFill::finish).unwrap_or_default();
+                    ((!tail.is_empty()).then_some(Ok(tail)), counter.finish())
+                }
             };
             if new > 0 {
                 decode_progress(&finish, counter.tokens(), new);
@@ -200,23 +234,30 @@ pub(super) fn relay_decode(
             // A served answer's first bytes are the time to first token; its end, with the
             // tokens counted since, the time per output token.
             if served {
-                match &chunk {
-                    Some(Ok(b)) if !b.is_empty() => finish.timer.chunk(counter.tokens()),
-                    None => finish.timer.ended(counter.tokens()),
-                    _ => {}
+                if let Some(Ok(b)) = &chunk
+                    && !b.is_empty()
+                {
+                    finish.timer.chunk(counter.tokens());
+                }
+                if body.is_none() {
+                    finish.timer.ended(counter.tokens());
                 }
             }
-            chunk.map(|c| (c, (body, counter, finish)))
+            // At the end (`None`) `finish` drops here, releasing the bookings.
+            chunk.map(|c| (c, (body, counter, finish, usage)))
         },
     );
     let mut out = Response::new(Body::from_stream(stream));
     *out.status_mut() = parts.status;
-    // The body passes through unchanged, so its length (when known) still holds.
+    // An SSE stream's length is not known anyway; a rewritten JSON body's changes.
     for name in [
         header::CONTENT_TYPE,
         header::CONTENT_LENGTH,
         header::CACHE_CONTROL,
     ] {
+        if name == header::CONTENT_LENGTH && whole_body_rewritten {
+            continue;
+        }
         if let Some(v) = parts.headers.get(&name) {
             out.headers_mut().insert(name, v.clone());
         }

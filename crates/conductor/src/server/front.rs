@@ -1,6 +1,7 @@
 //! The conductor's HTTP front, the OpenAI-facing layer: the router with `/v1/completions`,
 //! `/v1/chat/completions`, `/v1/models` and `/v1/models/{id}` (and kvpool's own
-//! `/v1/kvpool/status` and `/v1/kvpool/load`), OpenAI-style JSON errors for any other route (404) or method (405),
+//! `/v1/kvpool/status` and `/v1/kvpool/load`, and `/health`), the API-key check in front of them
+//! (`access`), OpenAI-style JSON errors for any other route (404) or method (405),
 //! and the assembly of one conductor ([`conductor`]:
 //! its metrics, engine set and shared state). I/O boundary: none until the router is served
 //! (`kvpool_runtime::http::serve`, re-exported as `server::serve`).
@@ -11,12 +12,14 @@ use std::time::Instant;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State as AxumState};
-use axum::http::{Method, Uri};
+use axum::extract::{Path, Request, State as AxumState};
+use axum::http::{Method, StatusCode, Uri};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Json};
 use axum::routing::{MethodRouter, get, post};
 use prometheus::Registry;
 
+use super::access::{self, Forward};
 use super::engine_load::EngineLoad;
 use super::engine_set::EngineSet;
 use super::error_bodies::{
@@ -114,7 +117,11 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     metrics
         .fetch_bandwidth
         .set(config.scheduler.pool_bandwidth_bps);
-    let upstream = Upstream::new(config.upstream);
+    let upstream = Upstream::new(config.upstream, config.access.engine_api_key.as_deref());
+    // `created` of the models listed: when this conductor started serving them.
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let shared = Arc::new(Shared {
         fetch: parking_lot::Mutex::new(fetch),
         config,
@@ -150,24 +157,36 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         )
         .route(
             "/v1/models",
-            get(|AxumState(s): AxumState<Arc<Shared>>| async move {
+            get(move |AxumState(s): AxumState<Arc<Shared>>| async move {
                 super::models::refresh(&s.models, &s.upstream, s.engine_urls()).await;
-                Json(bodies::models_body(&s.models.names(), 0))
+                Json(bodies::models_body(&s.models.names(), created))
             }),
         )
         // Model ids may hold slashes (`org/name`), as the OpenAI client sends them.
         .route(
             "/v1/models/{*id}",
             get(
-                |AxumState(s): AxumState<Arc<Shared>>, Path(id): Path<String>| async move {
+                move |AxumState(s): AxumState<Arc<Shared>>, Path(id): Path<String>| async move {
                     super::models::refresh(&s.models, &s.upstream, s.engine_urls()).await;
                     if s.models.serves(&id) {
-                        Json(bodies::model_body(&id, 0)).into_response()
+                        Json(bodies::model_body(&id, created)).into_response()
                     } else {
                         api_error(&s, &ApiError::UnknownModel(id))
                     }
                 },
             ),
+        )
+        // Load balancers' check: 200 while the conductor can serve (it has a prefill and a
+        // decode engine), 503 otherwise.
+        .route(
+            "/health",
+            get(|AxumState(s): AxumState<Arc<Shared>>| async move {
+                if s.members.lock().state.is_some() {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            }),
         )
         .route(
             "/v1/kvpool/status",
@@ -183,6 +202,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             method_not_allowed(&method, &uri)
         })
         .fallback(|method: Method, uri: Uri| async move { route_not_found(&method, &uri) })
+        .layer(axum::middleware::from_fn_with_state(shared.clone(), require_key))
         .with_state(shared.clone());
     Ok(Conductor {
         router,
@@ -190,23 +210,44 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     })
 }
 
+/// Paths served without an API key: the health check, and the load the operator autoscales by.
+const OPEN_PATHS: [&str; 2] = ["/health", "/v1/kvpool/load"];
+
+/// With `--api-key-file`, every other path needs one of its keys (401 in OpenAI's shape).
+async fn require_key(
+    AxumState(s): AxumState<Arc<Shared>>,
+    req: Request,
+    next: Next,
+) -> axum::response::Response {
+    if let Some(keys) = &s.config.access.api_keys
+        && !OPEN_PATHS.contains(&req.uri().path())
+        && !keys.admits(req.headers())
+    {
+        s.metrics.request("unauthorized");
+        return access::unauthorized(req.headers());
+    }
+    next.run(req).await
+}
+
 /// The POST route of a completion endpoint at `path`: the body goes to [`handle`], or an
-/// unreadable one is answered with its rejection.
+/// unreadable one is answered with its rejection; the response carries the request id.
 fn completion_route(endpoint: Endpoint, path: &'static str) -> MethodRouter<Arc<Shared>> {
     post(
         move |AxumState(s): AxumState<Arc<Shared>>,
               headers: axum::http::HeaderMap,
               body: Result<Bytes, BytesRejection>| async move {
+            let forward = Forward::from_client(&headers, &s.config.access);
             if let Some(ct) = headers.get(axum::http::header::CONTENT_TYPE) {
                 let ct = String::from_utf8_lossy(ct.as_bytes());
                 if !is_json(&ct) {
-                    return not_json(&s, &ct);
+                    return forward.tag(not_json(&s, &ct));
                 }
             }
-            match body {
-                Ok(body) => handle(s, endpoint, path, body).await,
+            let resp = match body {
+                Ok(body) => handle(s, endpoint, path, body, &forward).await,
                 Err(e) => body_rejected(&s, &e),
-            }
+            };
+            forward.tag(resp)
         },
     )
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::response::Response;
 
+use super::access::Forward;
 use super::engine_tokenize::engine_tokens;
 use super::error_bodies::{
     api_error, internal_error, no_engines, rejected, tokenizer_failed, upstream_failed,
@@ -34,6 +35,7 @@ pub(super) async fn handle(
     endpoint: Endpoint,
     path: &str,
     body: Bytes,
+    forward: &Forward,
 ) -> Response {
     // In flight from here; the end-to-end time is observed when `timer` drops (with the
     // response body for a served request, on return for any other).
@@ -179,9 +181,20 @@ pub(super) async fn handle(
     };
     let original = req.into_body();
     match placed.protocol.clone() {
-        Ok(RoutingProtocol::Vllm) => route_vllm(shared, placed, finish, original, path).await,
+        Ok(RoutingProtocol::Vllm) => {
+            route_vllm(shared, placed, finish, original, path, forward).await
+        }
         Ok(RoutingProtocol::Sglang { bootstrap_port }) => {
-            route_sglang(shared, placed, finish, original, path, bootstrap_port).await
+            route_sglang(
+                shared,
+                placed,
+                finish,
+                original,
+                path,
+                bootstrap_port,
+                forward,
+            )
+            .await
         }
         Err(mismatch) => upstream_failed(&shared, &UpstreamError::Mismatch(mismatch)),
     }

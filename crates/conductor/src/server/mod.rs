@@ -9,7 +9,8 @@
 //!
 //! The map, from the client inwards:
 //! - `front`: the router and its endpoints (the OpenAI-facing layer) and [`conductor`];
-//!   `error_bodies`: the OpenAI-style errors the conductor answers itself.
+//!   `error_bodies`: the OpenAI-style errors the conductor answers itself; `access`: API keys,
+//!   and the request id, trace context and key each engine call carries.
 //! - `handle`: one request, from its body to its placement and the routing convention.
 //! - `vllm` and `sglang`: the two conventions; `engine_calls`: the prefill call and the decode
 //!   relay both use; `upstream`: the HTTP client to the engines and its errors.
@@ -22,6 +23,7 @@
 //!   names served (flags, or the engines' own lists); `load`: the per-role load signal the
 //!   operator autoscales by (`/v1/kvpool/load`).
 
+mod access;
 mod engine_calls;
 mod engine_load;
 mod engine_set;
@@ -40,8 +42,10 @@ mod prefetch;
 mod sglang;
 mod shared;
 mod upstream;
+mod usage_fill;
 mod vllm;
 
+pub use access::{Access, ApiKeys, KeyFileError, REQUEST_ID_HEADER, read_keys};
 pub use engine_calls::{
     DECODE_HEADER, LOCAL_BLOCKS_HEADER, POOL_BLOCKS_HEADER, PREFILL_HEADER, TTFT_HEADER,
 };

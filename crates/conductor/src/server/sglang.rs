@@ -9,7 +9,8 @@ use std::task::Poll;
 use axum::response::Response;
 use serde_json::{Value, json};
 
-use super::engine_calls::{call_prefill, relay_decode};
+use super::access::Forward;
+use super::engine_calls::{cached_tokens, call_prefill, relay_decode};
 use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
@@ -45,6 +46,7 @@ pub(super) async fn route_sglang(
     original: Value,
     path: &str,
     bootstrap_port: u16,
+    forward: &Forward,
 ) -> Response {
     let room = rand::random::<u64>() & api::MAX_BOOTSTRAP_ROOM;
     let mut req = original;
@@ -58,10 +60,12 @@ pub(super) async fn route_sglang(
     }
     tracing::debug!(room, prefill = %placed.prefill_url, decode = %placed.decode_url,
         "sglang: sending to prefill and decode");
-    let prefill_call = call_prefill(&shared, &placed, path, &req);
-    let decode_call = shared
-        .upstream
-        .post(engine_url(&placed.decode_url, path), &req);
+    let prefill_call = call_prefill(&shared, &placed, path, &req, forward);
+    let decode_call = shared.upstream.post_with(
+        engine_url(&placed.decode_url, path),
+        &req,
+        forward.headers(),
+    );
     tokio::pin!(prefill_call, decode_call);
     // The first poll hands the prefill request to its connection's task; yielding once lets
     // that task write it before the decode call is even started.
@@ -80,16 +84,19 @@ pub(super) async fn route_sglang(
             d = &mut decode_call, if decoded.is_none() => decoded = Some(d),
         }
     }
-    // The prefill answer itself is not the client's: only its success matters here.
-    if let Some(Err(resp)) = prefilled {
-        return resp;
-    }
+    // The prefill answer itself is not the client's: its success matters here, and what it
+    // says of the prompt tokens it found cached.
+    let cached = match prefilled {
+        Some(Err(resp)) => return resp,
+        Some(Ok(answer)) => cached_tokens(&shared, &placed, &answer),
+        None => 0,
+    };
     let decoded = match decoded {
         Some(d) => d,
         None => decode_call.await,
     };
     match decoded {
-        Ok(resp) => relay_decode(&shared, &placed, finish, resp),
+        Ok(resp) => relay_decode(&shared, &placed, finish, resp, cached),
         Err(e) => upstream_failed(&shared, &e),
     }
 }

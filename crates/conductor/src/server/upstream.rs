@@ -3,7 +3,7 @@
 //! connections.
 
 use axum::body::{Body, Bytes};
-use axum::http::{Request, header};
+use axum::http::{HeaderName, HeaderValue, Request, header};
 use axum::response::Response;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -45,23 +45,28 @@ pub(super) fn engine_url(base: &str, path: &str) -> String {
     format!("{}{path}", base.trim_end_matches('/'))
 }
 
-/// The HTTP client the conductor calls the engines with.
-pub(super) struct Upstream(Client<HttpConnector, Body>);
+/// The HTTP client the conductor calls the engines with, and the engines' key (sent on every
+/// call that carries no `Authorization` of its own).
+pub(super) struct Upstream {
+    client: Client<HttpConnector, Body>,
+    engine_key: Option<HeaderValue>,
+}
 
 impl Upstream {
     /// Keep-alive connections with Nagle's algorithm off: a request or answer written in two
     /// pieces must not wait for the peer's acknowledgement of the first. Idle ones expire as
     /// `pool` says (the pool's timer is what makes the idle timeout apply at all).
-    pub(super) fn new(pool: UpstreamPool) -> Self {
+    pub(super) fn new(pool: UpstreamPool, engine_key: Option<&str>) -> Self {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
-        Self(
-            Client::builder(TokioExecutor::new())
+        Self {
+            client: Client::builder(TokioExecutor::new())
                 .pool_timer(TokioTimer::new())
                 .pool_idle_timeout(pool.idle_timeout)
                 .pool_max_idle_per_host(pool.max_idle_per_host)
                 .build(http),
-        )
+            engine_key: engine_key.and_then(|k| HeaderValue::from_str(&format!("Bearer {k}")).ok()),
+        }
     }
 
     /// POSTs `body` as JSON to `url`; the response's body is still to be read.
@@ -70,13 +75,26 @@ impl Upstream {
         url: String,
         body: &Value,
     ) -> Result<Response<Body>, UpstreamError> {
-        let req = Request::post(&url)
+        self.post_with(url, body, &[]).await
+    }
+
+    /// [`Self::post`] with `headers` added (a client request's forwarded ones).
+    pub(super) async fn post_with(
+        &self,
+        url: String,
+        body: &Value,
+        headers: &[(HeaderName, HeaderValue)],
+    ) -> Result<Response<Body>, UpstreamError> {
+        let mut req = Request::post(&url)
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(body.to_string()))
             .map_err(|source| UpstreamError::Build {
                 url: url.clone(),
                 source,
             })?;
+        for (name, value) in headers {
+            req.headers_mut().insert(name.clone(), value.clone());
+        }
         self.request(url, req).await
     }
 
@@ -84,10 +102,15 @@ impl Upstream {
     pub(super) async fn request(
         &self,
         url: String,
-        req: Request<Body>,
+        mut req: Request<Body>,
     ) -> Result<Response<Body>, UpstreamError> {
+        if let Some(key) = &self.engine_key
+            && !req.headers().contains_key(header::AUTHORIZATION)
+        {
+            req.headers_mut().insert(header::AUTHORIZATION, key.clone());
+        }
         let resp = self
-            .0
+            .client
             .request(req)
             .await
             .map_err(|source| UpstreamError::Connect { url, source })?;

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use axum::response::Response;
 use serde_json::{Value, json};
 
-use super::engine_calls::{call_prefill, relay_decode};
+use super::access::Forward;
+use super::engine_calls::{cached_tokens, call_prefill, relay_decode};
 use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
@@ -21,6 +22,7 @@ pub(super) async fn route_vllm(
     finish: Finish,
     original: Value,
     path: &str,
+    forward: &Forward,
 ) -> Response {
     // Prefill: one token, no streaming, and ask for the KV cache to be kept for decode.
     let mut prefill_req = original.clone();
@@ -38,11 +40,12 @@ pub(super) async fn route_vllm(
             json!({"do_remote_decode": true, "do_remote_prefill": false}),
         );
     }
-    let answer = match call_prefill(&shared, &placed, path, &prefill_req).await {
+    let answer = match call_prefill(&shared, &placed, path, &prefill_req, forward).await {
         Ok(a) => a,
         // Dropping `finish` with the early return releases the bookings.
         Err(resp) => return resp,
     };
+    let cached = cached_tokens(&shared, &placed, &answer);
     let kv_params = serde_json::from_slice::<Value>(&answer.body)
         .ok()
         .and_then(|v| v.get("kv_transfer_params").cloned())
@@ -54,8 +57,12 @@ pub(super) async fn route_vllm(
         obj.insert("kv_transfer_params".into(), kv);
     }
     let url = engine_url(&placed.decode_url, path);
-    match shared.upstream.post(url, &decode_req).await {
-        Ok(resp) => relay_decode(&shared, &placed, finish, resp),
+    match shared
+        .upstream
+        .post_with(url, &decode_req, forward.headers())
+        .await
+    {
+        Ok(resp) => relay_decode(&shared, &placed, finish, resp, cached),
         Err(e) => upstream_failed(&shared, &e),
     }
 }

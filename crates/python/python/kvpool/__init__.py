@@ -5,6 +5,9 @@ buffer protocol, failures raise :class:`kvpool.Error` subclasses that carry kvpo
 ``kind`` and Mooncake's error ``code``. ``kvpool.mooncake`` offers Mooncake's
 ``MooncakeDistributedStore`` API over the same client, so engines written for Mooncake use
 kvpool unchanged.
+
+The package is typed (PEP 561: ``py.typed``, and ``_native.pyi`` for the extension module);
+its exceptions pickle (their module is ``kvpool``); ``__version__`` is the Rust crate's.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ __all__ = [
 ]
 
 Key = Union[str, bytes]
+
+# The version of the Rust crate the extension was built from (the wheel's version too).
+__version__: str = _native.__version__
 
 
 def device_memory_supported() -> bool:
@@ -165,9 +171,11 @@ class Store:
         return out
 
     def exists(self, key: Key) -> bool:
+        """Whether an object is stored under ``key``."""
         return self._client.exists([_check_key(key)])[0]
 
     def exists_many(self, keys: Iterable[Key]) -> List[bool]:
+        """Per key, in order, whether an object is stored under it: one round trip."""
         return self._client.exists([_check_key(k) for k in keys])
 
     def size(self, key: Key) -> int:
@@ -175,6 +183,9 @@ class Store:
         return self._client.size(_check_key(key))
 
     def remove(self, key: Key) -> None:
+        """Remove the object under ``key`` and free its memory in the pool. Raises
+        :class:`NotFound` when there is none and :class:`Leased` while a reader holds a lease
+        on it (a get in flight): kvpool never frees memory under a reader."""
         self._client.remove(_check_key(key))
 
     def register(self, buffer: Any) -> Tuple[int, int]:
@@ -187,6 +198,8 @@ class Store:
         self._client.register_buffer(ptr, size)
 
     def unregister(self, ptr: int) -> bool:
+        """Unregister the buffer that starts at ``ptr`` (from :meth:`register` or
+        :meth:`register_memory`); False when none does."""
         return self._client.unregister_buffer(ptr)
 
     def alloc_buffer(self, size: int) -> Tuple[int, int]:
@@ -211,6 +224,8 @@ class Store:
         return self._client.get_into(_check_key(key), ptr, size)
 
     def healthy(self) -> bool:
+        """Whether the pool's master answers (through the node agent in agent mode); False
+        instead of raising."""
         try:
             self._client.health()
             return True
@@ -223,6 +238,7 @@ class Store:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` was called; every other call then raises :class:`Closed`."""
         return self._client.is_closed()
 
     def close(self) -> None:

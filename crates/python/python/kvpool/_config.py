@@ -17,7 +17,10 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+
+if TYPE_CHECKING:
+    from . import _native
 
 ENV_MASTER = "KVPOOL_MASTER_ADDR"
 ENV_AUTH_KEY_FILE = "KVPOOL_AUTH_KEY_FILE"
@@ -61,7 +64,7 @@ def may_lend(auth_key_file: Any) -> bool:
         role = json.loads(text).get("role")
     except (ValueError, AttributeError):
         return True
-    return role == "agent"
+    return isinstance(role, str) and role == "agent"
 
 
 def engine_config(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -158,7 +161,7 @@ class Settings:
         settings.check()
         return settings
 
-    def connect(self):
+    def connect(self) -> "_native.Client":
         """A native client set up as these settings say."""
         from . import _native
 

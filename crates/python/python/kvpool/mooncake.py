@@ -12,7 +12,7 @@ values for gets) and the same way for the calls that crash Mooncake's process.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import _native
 from ._config import (
@@ -187,6 +187,7 @@ class MooncakeDistributedStore:
         )
 
     def close(self) -> int:
+        """Unmount any contributed memory and disconnect: 0, or a negative code."""
         if self._client is None:
             return OK
         try:
@@ -196,6 +197,8 @@ class MooncakeDistributedStore:
         return OK
 
     def health_check(self) -> int:
+        """0 when the master answers, 1 when the store is not set up or closed, 2 when
+        the master cannot be reached."""
         c = self._client
         if c is None or c.is_closed():
             return NOT_SET_UP
@@ -206,6 +209,7 @@ class MooncakeDistributedStore:
         return HEALTHY
 
     def get_hostname(self) -> str:
+        """This process's node name in the pool; "" when the store is not set up."""
         c = self._client
         if c is None or c.is_closed():
             return ""
@@ -214,6 +218,8 @@ class MooncakeDistributedStore:
     # --- registered memory -----------------------------------------------------------------
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Register ``size`` bytes at ``buffer_ptr`` for zero-copy ``put_from`` /
+        ``get_into``: 0, or a negative code. The memory must stay valid until unregistered."""
         return self._call(lambda c: c.register_buffer(buffer_ptr, size), OK)
 
     def device_memory_supported(self) -> bool:
@@ -223,6 +229,8 @@ class MooncakeDistributedStore:
         return bool(_native.device_memory_supported())
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
+        """Unregister the buffer that starts at ``buffer_ptr``: 0, or -600 when none
+        does."""
         return self._call(lambda c: OK if c.unregister_buffer(buffer_ptr) else INVALID_PARAMS, None)
 
     def alloc_from_mem_pool(self, size: int) -> int:
@@ -241,14 +249,19 @@ class MooncakeDistributedStore:
     # --- single objects --------------------------------------------------------------------
 
     def put(self, key: str, value: Any, config: Optional[ReplicateConfig] = None) -> int:
+        """Store ``value`` (any object with the buffer protocol) under ``key``: 0, or a negative
+        code (-705 when the key holds a value of another size)."""
         return self._call(lambda c: c.put(key, value, _placement(config)), OK)
 
     def put_from(
         self, key: str, buffer_ptr: int, size: int, config: Optional[ReplicateConfig] = None
     ) -> int:
+        """Store ``size`` bytes at ``buffer_ptr`` (inside a registered buffer) under
+        ``key`` with no copy: 0, or a negative code."""
         return self._call(lambda c: c.put_from(key, buffer_ptr, size, _placement(config)), OK)
 
     def get(self, key: str) -> bytes:
+        """The value of ``key``; ``b""`` when there is none or the get failed (as Mooncake)."""
         c = self._client
         if c is None or c.is_closed():
             return b""
@@ -258,20 +271,28 @@ class MooncakeDistributedStore:
             return b""
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Read the value of ``key`` into ``size`` bytes at ``buffer_ptr`` (inside a
+        registered buffer): its length, or a negative code (-704 when there is none)."""
         return self._call(lambda c: c.get_into(key, buffer_ptr, size), None)
 
     def get_size(self, key: str) -> int:
+        """The size in bytes of the value of ``key``, or a negative code (-704 when there
+        is none)."""
         return self._call(lambda c: c.size(key), None)
 
     def is_exist(self, key: str) -> int:
+        """1 when an object is stored under ``key``, 0 when none is, or a negative code."""
         return self._call(lambda c: 1 if c.exists([key])[0] else 0, None)
 
     def remove(self, key: str, force: bool = False) -> int:
-        """``force`` waits out the reads in flight (their leases) instead of failing with
-        -706; kvpool never frees memory under a reader."""
+        """Remove ``key``: 0, or a negative code (-704 when there is none). ``force`` waits
+        out the reads in flight (their leases) instead of failing with -706; kvpool never frees
+        memory under a reader."""
         return self._call(lambda c: c.remove(key, bool(force)), OK)
 
     def remove_all(self, force: bool = False) -> int:
+        """Remove every object no reader holds a lease on (with ``force``, also those
+        whose reads were in flight): how many were removed, or a negative code."""
         return self._call(lambda c: c.remove_all(bool(force)), None)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
@@ -284,6 +305,7 @@ class MooncakeDistributedStore:
     # --- batches ---------------------------------------------------------------------------
 
     def batch_is_exist(self, keys: List[str]) -> List[int]:
+        """Per key, 1 (stored) or 0 (not); -1 for every key when the call failed."""
         c = self._client
         if not keys:
             return []
@@ -301,11 +323,15 @@ class MooncakeDistributedStore:
         sizes: List[int],
         config: Optional[ReplicateConfig] = None,
     ) -> List[int]:
+        """Puts from registered memory, one address and size per key: per key 0 or a
+        negative code; [] when the store is not set up."""
         return self._batch(
             keys, lambda c: c.batch_put_from(list(keys), list(buffer_ptrs), list(sizes), _placement(config))
         )
 
     def batch_get_into(self, keys: List[str], buffer_ptrs: List[int], sizes: List[int]) -> List[int]:
+        """Gets into registered memory, one address and size per key: per key the
+        length read or a negative code; [] when the store is not set up."""
         return self._batch(keys, lambda c: c.batch_get_into(list(keys), list(buffer_ptrs), list(sizes)))
 
     def batch_put_from_multi_buffers(
@@ -315,6 +341,8 @@ class MooncakeDistributedStore:
         all_sizes: List[List[int]],
         config: Optional[ReplicateConfig] = None,
     ) -> List[int]:
+        """Puts of values spread over several registered ranges each
+        (a list of addresses and one of sizes per key): per key 0 or a negative code."""
         return self._batch(
             keys,
             lambda c: c.batch_put_parts(
@@ -330,6 +358,8 @@ class MooncakeDistributedStore:
         all_sizes: List[List[int]],
         prefer_same_node: bool = True,
     ) -> List[int]:
+        """Gets of values into several registered ranges each: per
+        key the length read or a negative code. ``prefer_same_node`` is accepted and unused."""
         return self._batch(
             keys,
             lambda c: c.batch_get_parts(
@@ -338,6 +368,8 @@ class MooncakeDistributedStore:
         )
 
     def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
+        """Store ``values[i]`` under ``keys[i]``: 0, or the code of the first failure;
+        -600 when the lists differ in length or a value is empty (as Mooncake)."""
         if len(keys) != len(values):
             return INVALID_PARAMS
         if any(len(memoryview(v)) == 0 for v in values):
@@ -352,6 +384,8 @@ class MooncakeDistributedStore:
         return self._call(run, None)
 
     def get_batch(self, keys: List[str]) -> List[bytes]:
+        """Per key its value, ``b""`` where a key is missing or its get failed; for no keys
+        one ``b""`` (as Mooncake)."""
         c = self._client
         if not keys or c is None or c.is_closed():
             # Mooncake answers one empty value for no keys.
@@ -363,7 +397,7 @@ class MooncakeDistributedStore:
 
     # --- plumbing --------------------------------------------------------------------------
 
-    def _call(self, f, ok: Optional[int]) -> int:
+    def _call(self, f: Callable[[_native.Client], Any], ok: Optional[int]) -> int:
         c = self._client
         if c is None or c.is_closed():
             return INVALID_PARAMS
@@ -373,7 +407,7 @@ class MooncakeDistributedStore:
             return _code(e)
         return ok if ok is not None else int(r)
 
-    def _batch(self, keys: Sequence[str], f) -> List[int]:
+    def _batch(self, keys: Sequence[str], f: Callable[[_native.Client], List[int]]) -> List[int]:
         c = self._client
         if c is None or c.is_closed():
             return []
