@@ -2310,6 +2310,11 @@ fn chart_renders_and_lints_with_the_pinned_helms_default_kubernetes_version() ->
 /// a platform team would, with `values` as its values.yaml; `helm dependency build` packs the
 /// dependency into its charts/ folder.
 fn umbrella_chart(test: &str, values: &str) -> Result<PathBuf> {
+    umbrella_chart_with(test, values, "")
+}
+
+/// [`umbrella_chart`] whose dependency entry also has `extra` (indented YAML lines).
+fn umbrella_chart_with(test: &str, values: &str, extra: &str) -> Result<PathBuf> {
     let chart = scratch_dir(test)?.join("platform");
     std::fs::create_dir_all(chart.join("templates"))?;
     let dependency = repo_root().join("charts/kvpool");
@@ -2317,7 +2322,7 @@ fn umbrella_chart(test: &str, values: &str) -> Result<PathBuf> {
         chart.join("Chart.yaml"),
         format!(
             "apiVersion: v2\nname: platform\nversion: 1.0.0\ndependencies:\n  - name: kvpool\n    \
-             version: {}\n    repository: file://{}\n",
+             version: {}\n    repository: file://{}\n{extra}",
             env!("CARGO_PKG_VERSION"),
             dependency.display()
         ),
@@ -2362,6 +2367,26 @@ fn chart_installs_as_a_dependency_of_an_umbrella_chart() -> Result<()> {
                 .count()
                 == crd_files("crds")?.len(),
             "{case}: the CRDs are not rendered"
+        );
+    }
+    // The usual switch of a dependency, `condition: kvpool.enabled`: on by default, off renders
+    // nothing of kvpool (issue 34).
+    for (case, values, deployments_expected) in [
+        ("condition_default", "", 1),
+        ("condition_off", "kvpool:\n  enabled: false\n", 0),
+    ] {
+        let chart = umbrella_chart_with(case, values, "    condition: kvpool.enabled\n")?;
+        let chart = chart.to_string_lossy().into_owned();
+        run_ok("helm", &["lint", "--strict", &chart]).with_context(|| case.to_owned())?;
+        let yaml = run_ok("helm", &["template", "platform", &chart])?;
+        let objects = parse_docs(&yaml)?
+            .iter()
+            .map(typed)
+            .collect::<Result<Vec<_>>>()?;
+        ensure!(
+            deployments(&objects).len() == deployments_expected,
+            "{case}: {} deployments",
+            deployments(&objects).len()
         );
     }
     // The subchart's schema still guards its own keys.
@@ -3126,5 +3151,56 @@ fn the_agent_node_policy_admits_only_the_agents_own_node_and_kvpool_keys() -> Re
         )?,
         None
     );
+    Ok(())
+}
+
+/// Issue 34: every alert the chart renders carries a `runbook_url` into a section of
+/// docs/observability.md ("Runbooks"), made from `metrics.prometheusRule.runbookBaseURL`.
+#[test]
+fn every_alert_links_its_runbook_section() -> Result<()> {
+    let render = Render {
+        values: None,
+        sets: &[
+            "metrics.prometheusRule.enabled=true",
+            "operator.leaderElection.enabled=true",
+        ],
+    };
+    let (_, objects) = render_objects(&render)?;
+    let docs = read("docs/observability.md")?;
+    let anchors: BTreeSet<String> = docs
+        .lines()
+        .filter_map(|l| l.strip_prefix("### "))
+        .map(|h| {
+            h.trim()
+                .to_lowercase()
+                .chars()
+                .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-')
+                .map(|c| if c == ' ' { '-' } else { c })
+                .collect()
+        })
+        .collect();
+    let base = "https://github.com/kvpool/kvpool/blob/main/docs/observability.md#";
+    let mut alerts = 0;
+    for rule in objects_of!(objects, Object::PrometheusRule) {
+        for group in &rule.spec.groups {
+            for r in group.rules.iter().filter(|r| r.alert.is_some()) {
+                let alert = r.alert.as_deref().unwrap_or_default();
+                let url = r
+                    .annotations
+                    .get("runbook_url")
+                    .with_context(|| format!("{alert} has no runbook_url"))?;
+                let anchor = url
+                    .strip_prefix(base)
+                    .with_context(|| format!("{alert}: {url} is not under {base}"))?;
+                ensure!(anchor == alert.to_lowercase(), "{alert}: {url}");
+                ensure!(
+                    anchors.contains(anchor),
+                    "{alert}: docs/observability.md has no section #{anchor}"
+                );
+                alerts += 1;
+            }
+        }
+    }
+    ensure!(alerts >= 16, "only {alerts} alerts rendered");
     Ok(())
 }
