@@ -716,10 +716,11 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
         ("ServiceAccount", 1),
         ("Service", 1),
         ("Deployment", 1),
-        // Namespace scope by default: the operator's Role and RoleBinding; the two ClusterRoles
-        // are the aggregated view and edit roles, bound to nobody.
-        ("Role", 1),
-        ("RoleBinding", 1),
+        // Namespace scope by default: the operator's Role and RoleBinding, and those of its root
+        // key Secret; the two ClusterRoles are the aggregated view and edit roles, bound to
+        // nobody.
+        ("Role", 2),
+        ("RoleBinding", 2),
         ("ClusterRole", 2),
     ]);
     if crds > 0 {
@@ -1054,10 +1055,16 @@ fn triples(rules: &[PolicyRule]) -> Result<BTreeSet<Triple>> {
     Ok(out)
 }
 
-fn operator_permissions(leases: bool) -> BTreeSet<Triple> {
+fn operator_permissions(leases: bool, root_key_secret: bool) -> BTreeSet<Triple> {
+    let root_key = if root_key_secret {
+        kvpool_operator::rbac::root_key_permissions()
+    } else {
+        Vec::new()
+    };
     kvpool_operator::rbac::permissions()
         .into_iter()
         .filter(|(group, _, _)| leases || *group != "coordination.k8s.io")
+        .chain(root_key)
         .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
         .collect()
 }
@@ -1169,7 +1176,7 @@ fn rbac_grants_exactly_what_the_operator_uses() -> Result<()> {
         let (run, _) = parse_operator_args(deployments(&objects)[0])?;
         assert_eq!(
             granted,
-            operator_permissions(run.leader_elect),
+            operator_permissions(run.leader_elect, run.root_key_secret.is_some()),
             "{render:?}: granted vs used (operator/src/rbac.rs)"
         );
         // The aggregated roles give people access to the three kinds and nothing else.
@@ -1247,7 +1254,7 @@ fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
     let row = |who: &str| doc.get(who).cloned().unwrap_or_default();
     ensure!(
         doc.keys().map(String::as_str).collect::<BTreeSet<_>>()
-            == BTreeSet::from(["edit", "leader election", "operator", "view"]),
+            == BTreeSet::from(["edit", "leader election", "operator", "root key", "view"]),
         "docs/install.md permission rows are for {:?}",
         doc.keys()
     );
@@ -1293,8 +1300,28 @@ fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
         if let Some(leases) = leases {
             assert_eq!(leases, &row("leader election"), "{render:?}");
         }
+        // The default keeps the root key in a Secret the operator reads by name.
+        let root_key_role = (
+            "Role".to_owned(),
+            DEPLOY_NAMESPACE.to_owned(),
+            "kvpool-operator-root-key".to_owned(),
+        );
+        let root_key = rbac.operator.get(&root_key_role);
+        assert_eq!(root_key, Some(&row("root key")), "{render:?}");
+        let role = objects_of!(objects, Object::Role)
+            .find(|r| r.metadata.name.as_deref() == Some("kvpool-operator-root-key"))
+            .context("the root key Role")?;
+        for rule in role.rules.iter().flatten() {
+            if rule.verbs.iter().any(|v| v == "get") {
+                assert_eq!(
+                    rule.resource_names.as_deref(),
+                    Some(&["kvpool-operator-root-key".to_owned()][..]),
+                    "get on Secrets only for the root key's own name"
+                );
+            }
+        }
         ensure!(
-            rbac.operator.len() == 1 + usize::from(leases.is_some()),
+            rbac.operator.len() == 2 + usize::from(leases.is_some()),
             "{render:?}: unexpected operator roles {:?}",
             rbac.operator.keys()
         );
@@ -1311,7 +1338,7 @@ fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
                 // keys are derived from the root key), no cluster-scoped resources (wildcards
                 // are refused by `triples`).
                 ensure!(
-                    resource != "secrets" || verb == "create",
+                    resource != "secrets" || verb == "create" || *role == root_key_role,
                     "{render:?}: {role:?} may {verb} secrets"
                 );
                 ensure!(
@@ -1398,11 +1425,7 @@ fn values_schema_and_guards_reject_bad_values() -> Result<()> {
             "workloadImages.agent.tag=bad tag",
             "workloadImages.agent.tag",
         ),
-        // The root key is never made up: a name, or a value of 32 characters or more.
-        (
-            "operator.rootKey.existingSecret=",
-            "operator.rootKey.existingSecret is required",
-        ),
+        // The chart never makes the root key up: created from values, it needs 32 characters.
         ("operator.rootKey.create=true", "at least 32 characters"),
     ];
     for (set, needle) in cases {
@@ -1424,16 +1447,46 @@ fn values_schema_and_guards_reject_bad_values() -> Result<()> {
     Ok(())
 }
 
-/// The operator's root key: mounted read-only from the named Secret (mode 0440, readable through
-/// the pod's fsGroup by the non-root operator) at the path its `--root-key-file` names; with
-/// `create` the chart makes that Secret from the given value, byte for byte.
+/// The operator's root key by default (issue 34: `helm install` with no other step): no volume
+/// and no Secret in the chart, the operator keeps `<fullname>-root-key` itself
+/// (`--root-key-secret`, in its own namespace from `POD_NAMESPACE`).
+#[test]
+fn by_default_the_operator_keeps_its_root_key_secret_itself() -> Result<()> {
+    let (_, objects) = render_objects(&DEFAULTS)?;
+    let (run, _) = parse_operator_args(deployments(&objects)[0])?;
+    assert_eq!(
+        run.root_key_secret.as_deref(),
+        Some("kvpool-operator-root-key")
+    );
+    assert_eq!(run.root_key_file, None);
+    let pod = pod_spec(deployments(&objects)[0])?;
+    ensure!(
+        pod.volumes.iter().flatten().all(|v| v.name != "root-key"),
+        "no root key volume"
+    );
+    let env = pod.containers[0].env.clone().unwrap_or_default();
+    ensure!(
+        env.iter().any(|e| e.name == "POD_NAMESPACE"
+            && e.value_from
+                .as_ref()
+                .and_then(|v| v.field_ref.as_ref())
+                .is_some_and(|f| f.field_path == "metadata.namespace")),
+        "the operator learns its namespace: {env:?}"
+    );
+    ensure!(objects_of!(objects, Object::Secret).next().is_none());
+    Ok(())
+}
+
+/// The operator's root key, when given: mounted read-only from the named Secret (mode 0440,
+/// readable through the pod's fsGroup by the non-root operator) at the path its
+/// `--root-key-file` names; with `create` the chart makes that Secret from the given value,
+/// byte for byte.
 #[test]
 fn root_key_is_mounted_read_only_from_the_named_or_created_secret() -> Result<()> {
     const VALUE: &str = "0123456789abcdef0123456789abcdef0123";
     let created = format!("operator.rootKey.value={VALUE}");
     let sets = ["operator.rootKey.create=true", created.as_str()];
     for (render, secret_name, rendered) in [
-        (DEFAULTS, "kvpool-operator-root-key", false),
         (
             Render {
                 values: None,
@@ -1473,7 +1526,7 @@ fn root_key_is_mounted_read_only_from_the_named_or_created_secret() -> Result<()
         };
         assert_eq!(
             run.root_key_file,
-            Path::new(&mount.mount_path).join(&item.path),
+            Some(Path::new(&mount.mount_path).join(&item.path)),
             "--root-key-file names the mounted file"
         );
         let secrets: Vec<&Secret> = objects_of!(objects, Object::Secret).collect();

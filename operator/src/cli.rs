@@ -89,8 +89,18 @@ pub struct RunArgs {
     /// File holding the operator's root key (at least 32 bytes, e.g. `openssl rand -hex 32`):
     /// every pool's key is derived from it, so the operator never reads a Secret back
     /// (docs/adr/0008-operator-root-key.md).
-    #[arg(long, env = "KVPOOL_OPERATOR_ROOT_KEY_FILE", required = true)]
-    pub root_key_file: PathBuf,
+    #[arg(
+        long,
+        env = "KVPOOL_OPERATOR_ROOT_KEY_FILE",
+        required_unless_present = "root_key_secret",
+        conflicts_with = "root_key_secret"
+    )]
+    pub root_key_file: Option<PathBuf>,
+    /// Keep the root key in this Secret of the operator's own namespace (`POD_NAMESPACE`)
+    /// instead of a file: read at start, and created with a random key when absent, so that
+    /// installing needs no step before it (the chart's default).
+    #[arg(long, env = "KVPOOL_OPERATOR_ROOT_KEY_SECRET")]
+    pub root_key_secret: Option<String>,
     /// CA certificates (PEM) that verify the masters of pools with `spec.master.tls`, for the
     /// operator's usage query. Without it such a pool's usage is not read (`no_master_ca`).
     #[arg(long, env = "KVPOOL_OPERATOR_MASTER_CA_FILE")]
@@ -156,13 +166,27 @@ mod tests {
         assert_eq!(args.admin_addr.port(), 9090);
         assert!(args.agent_image.starts_with("ghcr.io/kvpool/kvpool-agent:"));
         assert_eq!(args.field_manager, "kvpool-operator");
-        assert_eq!(args.root_key_file, PathBuf::from("/k"));
+        assert_eq!(args.root_key_file, Some(PathBuf::from("/k")));
     }
 
     #[test]
-    fn run_requires_the_root_key_file() {
+    fn run_requires_the_root_key_file_or_secret_but_not_both() {
         let e = parse(["operator", "run"]).expect_err("no root key");
         assert!(e.to_string().contains("--root-key-file"), "{e}");
+        let cli = parse(["operator", "run", "--root-key-secret", "k"]).expect("secret");
+        let Command::Run(args) = cli else {
+            panic!("expected run");
+        };
+        assert_eq!(args.root_key_secret.as_deref(), Some("k"));
+        let both = [
+            "operator",
+            "run",
+            "--root-key-file",
+            "/k",
+            "--root-key-secret",
+            "k",
+        ];
+        assert!(parse(both).is_err());
     }
 
     #[test]

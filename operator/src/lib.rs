@@ -27,6 +27,7 @@ pub mod pool_usage;
 pub mod python_package;
 pub mod rbac;
 pub mod root_key;
+pub mod root_key_secret;
 pub mod run;
 #[cfg(test)]
 mod test_fixtures;

@@ -94,9 +94,23 @@ pub const PERMISSIONS: &[Permission] = &[
     p("rbac.authorization.k8s.io", "roles", "patch"),
 ];
 
+/// With `--root-key-secret`, in the operator's own namespace only: reading its root key
+/// Secret (the chart limits `get` to that one name with `resourceNames`) and creating it when
+/// absent (`operator/src/root_key_secret.rs`).
+pub const ROOT_KEY_PERMISSIONS: &[Permission] =
+    &[p("", "secrets", "create"), p("", "secrets", "get")];
+
 /// The permissions as `(group, resource, verb)` tuples, for tests outside this crate.
 pub fn permissions() -> Vec<(&'static str, &'static str, &'static str)> {
     PERMISSIONS
+        .iter()
+        .map(|p| (p.group, p.resource, p.verb))
+        .collect()
+}
+
+/// [`ROOT_KEY_PERMISSIONS`] as tuples.
+pub fn root_key_permissions() -> Vec<(&'static str, &'static str, &'static str)> {
+    ROOT_KEY_PERMISSIONS
         .iter()
         .map(|p| (p.group, p.resource, p.verb))
         .collect()

@@ -55,6 +55,12 @@ pub enum RunError {
     Admin(#[source] AdminError),
     #[error("operator root key")]
     RootKey(#[source] crate::root_key::RootKeyError),
+    #[error("the operator's root key Secret")]
+    RootKeySecret(#[source] crate::root_key_secret::RootKeySecretError),
+    #[error("--root-key-secret needs the operator's namespace (POD_NAMESPACE)")]
+    RootKeyNamespace,
+    #[error("no root key: pass --root-key-file or --root-key-secret")]
+    NoRootKey,
     #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG)")]
     Client(#[source] kube::Error),
     #[error("leader election")]
@@ -86,7 +92,7 @@ pub fn run_blocking(runtime: &tokio::runtime::Runtime, args: RunArgs) -> Result<
 /// Run until SIGTERM/SIGINT (Ok) or a fatal error.
 pub async fn run(args: RunArgs) -> Result<(), RunError> {
     // Before anything listens: without its root key the operator can reconcile no pool.
-    let root_key = RootKey::from_file(&args.root_key_file).map_err(RunError::RootKey)?;
+    let root_key = load_root_key(&args).await?;
     let shutdown = CancellationToken::new();
     kvpool_runtime::shutdown::cancel_on_signal(shutdown.clone()).map_err(RunError::Signals)?;
 
@@ -107,7 +113,10 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     ));
     info!(admin_addr = %args.admin_addr, namespace = %args.namespace, leader_elect = args.leader_elect,
         agent_image = %args.agent_image, master_image = %args.master_image,
-        conductor_image = %args.conductor_image, root_key_file = %args.root_key_file.display(),
+        conductor_image = %args.conductor_image,
+        root_key = %args.root_key_file.as_ref().map_or_else(
+            || format!("secret {}", args.root_key_secret.as_deref().unwrap_or_default()),
+            |f| f.display().to_string()),
         "kvpool-operator starting");
 
     // Whatever the API server does (unreachable, answering slowly, holding connections open),
@@ -136,6 +145,24 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
         Err(e) => warn!(error = %chain(&e), "admin server task failed"),
     }
     result
+}
+
+/// The root key: from `--root-key-file`, or from (or into) the Secret `--root-key-secret` of
+/// the operator's namespace.
+async fn load_root_key(args: &RunArgs) -> Result<RootKey, RunError> {
+    match (&args.root_key_file, &args.root_key_secret) {
+        (Some(file), _) => RootKey::from_file(file).map_err(RunError::RootKey),
+        (None, Some(secret)) => {
+            if args.operator_namespace.is_empty() {
+                return Err(RunError::RootKeyNamespace);
+            }
+            let client = Client::try_default().await.map_err(RunError::Client)?;
+            crate::root_key_secret::load_or_create(client, &args.operator_namespace, secret)
+                .await
+                .map_err(RunError::RootKeySecret)
+        }
+        (None, None) => Err(RunError::NoRootKey),
+    }
 }
 
 async fn run_with_admin(

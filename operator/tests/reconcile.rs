@@ -139,9 +139,11 @@ impl ApiServer {
             body,
         };
         // The operator may create Secrets and nothing else: it derives every pool key from its
-        // root key instead of reading one back.
+        // root key instead of reading one back. The one exception is its own root key Secret
+        // (`--root-key-secret`), read at start.
+        let own_root_key = seen.path.ends_with("/secrets/kvpool-operator-root-key");
         assert!(
-            !seen.path.contains("/secrets") || seen.method == Method::POST,
+            !seen.path.contains("/secrets") || seen.method == Method::POST || own_root_key,
             "the operator must not {} a Secret: {}",
             seen.method,
             seen.path
@@ -152,8 +154,13 @@ impl ApiServer {
             "unexpected request {seen:?}"
         );
         let needed = permission(&seen.method, &seen.path);
+        let granted = if own_root_key {
+            kvpool_operator::rbac::root_key_permissions()
+        } else {
+            kvpool_operator::rbac::permissions()
+        };
         assert!(
-            kvpool_operator::rbac::permissions().contains(&needed),
+            granted.contains(&needed),
             "{} {} needs {needed:?}, which kvpool_operator::rbac::PERMISSIONS lacks",
             seen.method,
             seen.path
@@ -1730,4 +1737,126 @@ async fn autoscaling_follows_the_conductors_prediction_without_flapping() {
     );
     drop(ctx);
     server.expect_done().await;
+}
+
+/// Issue 34: `--root-key-secret`: the operator makes its root key Secret when there is none
+/// (a 404, then a create with 64 hex digits in `root-key`), reads the one that exists, takes the
+/// winner's when another replica created it first (409), and refuses one without a usable key.
+#[tokio::test]
+async fn the_root_key_secret_is_made_when_absent_and_read_when_present() {
+    use kvpool_operator::root_key_secret::{RootKeySecretError, load_or_create};
+    const SECRET: &str = "/api/v1/namespaces/kvpool-system/secrets/kvpool-operator-root-key";
+    let secret = |value: &str| {
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": "kvpool-operator-root-key", "namespace": "kvpool-system"},
+               "data": {"root-key": base64_encode(value.as_bytes())}})
+    };
+    let not_found = status_error(
+        404,
+        "NotFound",
+        "secrets \"kvpool-operator-root-key\" not found",
+    );
+    let load = async |_: ApiServer| {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        (Client::new(service, "default"), ApiServer { handle })
+    };
+    // Absent: created, and the key used is the one created.
+    let (client, mut server) = load(double().1).await;
+    let (key, created) = tokio::join!(
+        load_or_create(client, "kvpool-system", "kvpool-operator-root-key"),
+        async {
+            let (_, send) = server.expect(Method::GET, SECRET).await;
+            reply(send, StatusCode::NOT_FOUND, &not_found);
+            let (seen, send) = server
+                .expect(Method::POST, "/api/v1/namespaces/kvpool-system/secrets")
+                .await;
+            reply(send, StatusCode::CREATED, &seen.body);
+            seen.body
+        }
+    );
+    let key = key.expect("created");
+    let written = base64_decode(created["data"]["root-key"].as_str().expect("item"));
+    assert_eq!(written.len(), 64, "32 random bytes in hex");
+    assert!(written.iter().all(u8::is_ascii_hexdigit));
+    let from_written = kvpool_operator::root_key::RootKey::from_bytes(&written).expect("key");
+    assert_eq!(
+        key.pool_key_hex("llm", "p", "u"),
+        from_written.pool_key_hex("llm", "p", "u"),
+        "the key in use is the one stored"
+    );
+    assert_eq!(
+        created["metadata"]["labels"]["app.kubernetes.io/component"],
+        "operator"
+    );
+
+    // Present: read, nothing created.
+    let stored = "0123456789abcdef0123456789abcdef0123456789abcdef";
+    let (client, mut server) = load(double().1).await;
+    let (key, ()) = tokio::join!(
+        load_or_create(client, "kvpool-system", "kvpool-operator-root-key"),
+        async {
+            let (_, send) = server.expect(Method::GET, SECRET).await;
+            reply(send, StatusCode::OK, &secret(stored));
+        }
+    );
+    let expected = kvpool_operator::root_key::RootKey::from_bytes(stored.as_bytes()).expect("key");
+    assert_eq!(
+        key.expect("read").pool_key_hex("llm", "p", "u"),
+        expected.pool_key_hex("llm", "p", "u")
+    );
+
+    // Another replica won the race: 409, then its Secret is read.
+    let (client, mut server) = load(double().1).await;
+    let (key, ()) = tokio::join!(
+        load_or_create(client, "kvpool-system", "kvpool-operator-root-key"),
+        async {
+            let (_, send) = server.expect(Method::GET, SECRET).await;
+            reply(send, StatusCode::NOT_FOUND, &not_found);
+            let (_, send) = server
+                .expect(Method::POST, "/api/v1/namespaces/kvpool-system/secrets")
+                .await;
+            reply(
+                send,
+                StatusCode::CONFLICT,
+                &status_error(409, "AlreadyExists", "exists"),
+            );
+            let (_, send) = server.expect(Method::GET, SECRET).await;
+            reply(send, StatusCode::OK, &secret(stored));
+        }
+    );
+    assert_eq!(
+        key.expect("the winner's").pool_key_hex("llm", "p", "u"),
+        expected.pool_key_hex("llm", "p", "u")
+    );
+
+    // A Secret whose key is too short: refused, naming the Secret and the item.
+    let (client, mut server) = load(double().1).await;
+    let (key, ()) = tokio::join!(
+        load_or_create(client, "kvpool-system", "kvpool-operator-root-key"),
+        async {
+            let (_, send) = server.expect(Method::GET, SECRET).await;
+            reply(send, StatusCode::OK, &secret("short"));
+        }
+    );
+    let e = key.expect_err("unusable");
+    assert!(matches!(e, RootKeySecretError::Unusable { .. }));
+    assert!(
+        e.to_string()
+            .contains("kvpool-system/kvpool-operator-root-key")
+            && e.to_string().contains("root-key")
+    );
+}
+
+fn base64_encode(bytes: &[u8]) -> String {
+    serde_json::to_value(k8s_openapi::ByteString(bytes.to_vec()))
+        .expect("bytes")
+        .as_str()
+        .expect("base64 text")
+        .to_owned()
+}
+
+fn base64_decode(text: &str) -> Vec<u8> {
+    serde_json::from_value::<k8s_openapi::ByteString>(json!(text))
+        .expect("base64")
+        .0
 }

@@ -126,14 +126,13 @@ fi
 # cluster scope instead (same objects otherwise, see docs/install.md "Permissions").
 log "installing CRDs and the operator (the chart with rbac.scope=cluster)"
 kubectl apply --server-side -f deploy/namespace.yaml
-# The operator's root key (operator.rootKey.existingSecret), as docs/install.md makes it; kept
-# when it exists (a new one would change every pool's key).
-kubectl -n kvpool-system get secret kvpool-operator-root-key >/dev/null 2>&1 \
-  || kubectl -n kvpool-system create secret generic kvpool-operator-root-key \
-    --from-literal=root-key="$(openssl rand -hex 32)"
+# No other step (issue 34): the operator creates its root key Secret, kvpool-operator-root-key,
+# at its first start, and reads it at every start after.
 "$HELM" template kvpool charts/kvpool --namespace kvpool-system --set rbac.scope=cluster \
   | kubectl apply --server-side -f -
 kubectl -n kvpool-system rollout status deploy/kvpool-operator --timeout="${TIMEOUT}s"
+kubectl -n kvpool-system get secret kvpool-operator-root-key >/dev/null \
+  || fail "the operator did not create its root key Secret"
 for crd in kvcachepools prefillpools decodepools; do
   kubectl wait --for=condition=Established "crd/$crd.kvpool.dev" --timeout=60s
 done

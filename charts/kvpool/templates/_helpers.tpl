@@ -85,8 +85,6 @@ app.kubernetes.io/component: operator
 {{- if lt (len .Values.operator.rootKey.value) 32 -}}
 {{- fail "operator.rootKey.create=true needs operator.rootKey.value with at least 32 characters (openssl rand -hex 32); the chart does not make one up" -}}
 {{- end -}}
-{{- else if not .Values.operator.rootKey.existingSecret -}}
-{{- fail "operator.rootKey.existingSecret is required (a Secret with the item root-key: kubectl create secret generic kvpool-operator-root-key --from-literal=root-key=\"$(openssl rand -hex 32)\"), or set operator.rootKey.create=true with operator.rootKey.value" -}}
 {{- end -}}
 {{- if and (eq .Values.rbac.scope "cluster") .Values.operator.watchNamespace -}}
 {{- fail "operator.watchNamespace is set with rbac.scope=cluster: use rbac.scope=namespace so the operator gets only a Role in that namespace" -}}
@@ -104,11 +102,17 @@ metadata:
   {{- end }}
 {{- end -}}
 
-{{/* Name of the Secret holding the operator's root key (created by the chart or given). */}}
+{{/* Name of the Secret holding the operator's root key: given, created by the chart, or (the
+default) kept by the operator itself. */}}
 {{- define "kvpool.rootKeySecret" -}}
-{{- if .Values.operator.rootKey.create -}}
-{{- printf "%s-root-key" (include "kvpool.operator.fullname" .) -}}
-{{- else -}}
+{{- if and (not .Values.operator.rootKey.create) .Values.operator.rootKey.existingSecret -}}
 {{- .Values.operator.rootKey.existingSecret -}}
+{{- else -}}
+{{- printf "%s-root-key" (include "kvpool.operator.fullname" .) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Whether the operator keeps its root key Secret itself (neither given nor created here). */}}
+{{- define "kvpool.rootKeyManaged" -}}
+{{- if not (or .Values.operator.rootKey.create .Values.operator.rootKey.existingSecret) -}}true{{- end -}}
 {{- end -}}
