@@ -197,3 +197,48 @@ fn renamed_environment_variables_carry_over_unless_the_new_one_is_set() {
         );
     }
 }
+
+/// Issue 34: `kvpool completions <shell>` prints a completion script that the shell accepts
+/// (bash parses it with `-n`) and that knows the subcommands and their flags.
+#[test]
+fn completions_are_a_valid_bash_script_naming_subcommands_and_flags() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+        .args(["completions", "bash"])
+        .output()
+        .expect("run kvpool completions");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let script = String::from_utf8(out.stdout).expect("utf8");
+    for word in [
+        "conductor",
+        "agent",
+        "operator",
+        "--api-key-file",
+        "--root-key-secret",
+    ] {
+        assert!(script.contains(word), "the script lacks {word}");
+    }
+    let dir = tempfile::tempdir().expect("tmp");
+    let file = dir.path().join("kvpool.bash");
+    std::fs::write(&file, &script).expect("write");
+    let check = std::process::Command::new("bash")
+        .arg("-n")
+        .arg(&file)
+        .output()
+        .expect("bash");
+    assert!(
+        check.status.success(),
+        "bash refuses the script: {}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    for shell in ["zsh", "fish"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"))
+            .args(["completions", shell])
+            .output()
+            .expect("run");
+        assert!(out.status.success() && out.stdout.len() > 1000, "{shell}");
+    }
+}

@@ -11,8 +11,9 @@ use crate::config::FileConfig;
 /// Subcommands of `kvpool agent`.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the agent (the DaemonSet's command). Boxed: the flags are many, and the binary's
-    /// command enum holds this one.
+    /// Run the agent (the DaemonSet's command). Every flag overrides the field of the
+    /// configuration file named in its help; unset, the file's value (or its default) holds.
+    // Boxed: the flags are many, and the binary's command enum holds this one.
     Run(Box<RunArgs>),
     /// Print the discovered topology as JSON and exit.
     Discover(DiscoverArgs),

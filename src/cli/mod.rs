@@ -71,6 +71,12 @@ pub enum Command {
     /// Replay a Mooncake trace against a global block cache and report hit ratios per
     /// eviction policy and capacity.
     SimulateCache(crate::simulate_cache::SimulateCacheArgs),
+    /// Print the completion script of a shell (`kvpool completions bash >
+    /// /etc/bash_completion.d/kvpool`; zsh, fish, elvish and powershell too).
+    Completions {
+        /// The shell to complete in.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// Environment variables renamed with the flags they set (one naming scheme: docs/cli.md),
@@ -120,6 +126,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Simulate(args) => crate::simulate::run(&args)?,
         Command::SimulateCache(args) => {
             crate::simulate_cache::run(&args)?;
+        }
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "kvpool", &mut std::io::stdout());
         }
     }
     Ok(())

@@ -489,7 +489,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         block_size = settings.block_size,
         agent_dram = %settings.agent_dram,
         time_scale = settings.time_scale,
-        protocol = ?settings.protocol,
+        protocol = <&str>::from(settings.protocol),
         engine = if settings.vllm.is_some() { "vllm" } else { "synthetic" },
         replay = records.as_ref().map(Vec::len),
         tls = args.tls,

@@ -18,7 +18,9 @@ pub const KV_LOAD_SECONDS_HEADER: &str = "x-kvpool-kv-load-seconds";
 
 /// How an engine learns its part in disaggregated serving: vLLM's `kv_transfer_params` per
 /// request, or SGLang's bootstrap fields with a role fixed per instance (docs/engine-contract.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Its name as the command line and logs spell it: `<&str>::from(p)` (`vllm`, `sglang`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum EngineProtocol {
     Vllm,

@@ -56,6 +56,9 @@ pub fn io_category(e: &io::Error) -> &'static str {
         "timeout"
     } else if is_integrity(e) {
         "integrity"
+    } else if e.raw_os_error() == Some(libc::EFAULT) {
+        // This side's memory (a caller's buffer no longer mapped), never the peer's doing.
+        "local_memory"
     } else {
         "io"
     }

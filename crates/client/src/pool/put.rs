@@ -42,13 +42,12 @@ struct PutFailed {
 
 /// Whether a transfer failure says the peer could not be reached or went away (connection
 /// refused, reset or closed, a handshake or the batch timing out), as opposed to a fault on this
-/// side (a caller's buffer no longer mapped: EFAULT) or an answer of the peer.
+/// side (`local_memory`: a caller's buffer no longer mapped) or an answer of the peer.
 pub(super) fn peer_unreachable(f: &kvpool_transfer::Failure) -> bool {
-    match f.category {
-        "connect" | "handshake" | "closed" | "timeout" | "open" => true,
-        "io" => !f.reason.contains("os error 14"),
-        _ => false,
-    }
+    matches!(
+        f.category,
+        "connect" | "handshake" | "closed" | "timeout" | "open" | "io"
+    )
 }
 
 impl From<DataError> for PutFailed {

@@ -325,11 +325,16 @@ fn only_failures_of_the_peer_move_a_put_elsewhere() {
         "connection I/O failed: Connection reset by peer (os error 104)"
     ));
     assert!(peer("timeout", "batch did not complete within 5s"));
-    // A caller buffer unmapped since it was registered: this side's fault.
+    // A caller buffer unmapped since it was registered: this side's fault (the transfer
+    // engine's `local_memory`, from EFAULT, whatever the text says).
     assert!(!peer(
-        "io",
+        "local_memory",
         "connection I/O failed: Bad address (os error 14)"
     ));
+    let efault = std::io::Error::from_raw_os_error(libc::EFAULT);
+    assert_eq!(kvpool_transfer::wire::io_category(&efault), "local_memory");
+    let reset = std::io::Error::from_raw_os_error(libc::ECONNRESET);
+    assert_eq!(kvpool_transfer::wire::io_category(&reset), "io");
     // The peer answered: it is there.
     assert!(!peer(
         "remote",

@@ -172,10 +172,7 @@ fn run_on(
     let mixed = slices.iter().any(|s| s.write) && slices.iter().any(|s| !s.write);
     let window = if mixed { 1 } else { cfg.window.max(1) };
     let io_failure = |e: io::Error, what: &str| {
-        Failure::new(
-            if is_timeout(&e) { "timeout" } else { "io" },
-            format!("{what} {addr} failed: {e}"),
-        )
+        Failure::new(wire::io_category(&e), format!("{what} {addr} failed: {e}"))
     };
     for (chunk_no, chunk) in slices.chunks(window).enumerate() {
         let first = chunk_no * window;
@@ -254,7 +251,7 @@ pub(super) fn read_reply<S: io::Read + AsFd>(
             memory::recv_spans(stream.as_fd(), &s.local_spans(), &mut wire::fail_on_timeout)
                 .map_err(|e| {
                     conn(Failure::new(
-                        if is_timeout(&e) { "timeout" } else { "io" },
+                        wire::io_category(&e),
                         format!("receiving from {addr} failed: {e}"),
                     ))
                 })?;
