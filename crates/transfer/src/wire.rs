@@ -56,12 +56,36 @@ pub fn io_category(e: &io::Error) -> &'static str {
         "timeout"
     } else if is_integrity(e) {
         "integrity"
-    } else if e.raw_os_error() == Some(libc::EFAULT) {
+    } else if is_local_fault(e) {
         // This side's memory (a caller's buffer no longer mapped), never the peer's doing.
         "local_memory"
     } else {
         "io"
     }
+}
+
+/// Whether `e`, or an error it wraps (a segment's `MemoryError::Fault` inside a sealed or TLS
+/// send, say), is EFAULT: a fault of this side's memory.
+fn is_local_fault(e: &io::Error) -> bool {
+    if e.raw_os_error() == Some(libc::EFAULT) {
+        return true;
+    }
+    let mut next: Option<&(dyn std::error::Error + 'static)> = e
+        .get_ref()
+        .map(|inner| inner as &(dyn std::error::Error + 'static));
+    while let Some(err) = next {
+        if matches!(
+            err.downcast_ref::<crate::memory::MemoryError>(),
+            Some(crate::memory::MemoryError::Fault(_))
+        ) || err
+            .downcast_ref::<io::Error>()
+            .is_some_and(|io| io.raw_os_error() == Some(libc::EFAULT))
+        {
+            return true;
+        }
+        next = err.source();
+    }
+    false
 }
 
 /// Whether a socket error is a `SO_RCVTIMEO`/`SO_SNDTIMEO` timeout.

@@ -335,6 +335,17 @@ fn only_failures_of_the_peer_move_a_put_elsewhere() {
     assert_eq!(kvpool_transfer::wire::io_category(&efault), "local_memory");
     let reset = std::io::Error::from_raw_os_error(libc::ECONNRESET);
     assert_eq!(kvpool_transfer::wire::io_category(&reset), "io");
+    // Wrapped, as a sealed or TLS send wraps a segment's read error: still this side's.
+    let wrapped = std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        kvpool_transfer::MemoryError::Fault(std::io::Error::from_raw_os_error(libc::EFAULT)),
+    );
+    assert_eq!(kvpool_transfer::wire::io_category(&wrapped), "local_memory");
+    let wrapped_reset = std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        std::io::Error::from_raw_os_error(libc::ECONNRESET),
+    );
+    assert_eq!(kvpool_transfer::wire::io_category(&wrapped_reset), "io");
     // The peer answered: it is there.
     assert!(!peer(
         "remote",
