@@ -318,7 +318,14 @@ fn transfer_silent_clients_from_one_source_are_capped_and_closed_at_the_deadline
         .handshake_count()
         == 0));
     let closed_after = start.elapsed();
-    assert!(closed(&t, "handshake_timeout") >= 8);
+    // The target frees a connection's handshake slot before it counts why it closed it: the
+    // count follows within moments.
+    assert!(
+        wait_for(Duration::from_secs(5), || closed(&t, "handshake_timeout")
+            >= 8),
+        "closed at the deadline: {}",
+        closed(&t, "handshake_timeout")
+    );
     assert!(closed_after >= Duration::from_secs(2), "{closed_after:?}");
     println!(
         "figure: 40 silent connections from one source held {held} (cap 8), \
@@ -375,8 +382,10 @@ fn transfer_slow_handshakes_never_lock_out_a_real_peer() {
         .server
         .handshake_count()
         == 0));
-    assert!(closed(&t, "evicted") >= 150 - 16);
-    assert!(closed(&t, "handshake_timeout") >= 1);
+    // Counted just after each slot is freed (see above): wait for the counts to land.
+    assert!(wait_for(Duration::from_secs(5), || closed(&t, "evicted")
+        >= 150 - 16
+        && closed(&t, "handshake_timeout") >= 1));
     println!(
         "figure: 150 slow handshakes held at most {peak} connections (cap 16); real peer served in \
          {served:?}; {} evicted, {} closed at the 3 s deadline",
