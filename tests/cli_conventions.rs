@@ -242,3 +242,106 @@ fn completions_are_a_valid_bash_script_naming_subcommands_and_flags() {
         assert!(out.status.success() && out.stdout.len() > 1000, "{shell}");
     }
 }
+
+/// The `kvpool up` subcommand's clap definition.
+fn up_command() -> clap::Command {
+    Cli::command()
+        .find_subcommand("up")
+        .expect("kvpool up")
+        .clone()
+}
+
+/// Issue 34: every flag of `kvpool up` can be set in the environment, under one scheme
+/// (`KVPOOL_UP_` and the flag in upper snake case), and `--help` shows the variable.
+#[test]
+fn every_up_flag_has_an_environment_variable_of_the_scheme() {
+    let up = up_command();
+    let mut seen = 0;
+    for arg in up.get_arguments() {
+        let Some(long) = arg.get_long() else { continue };
+        if ["help", "version"].contains(&long) {
+            continue;
+        }
+        seen += 1;
+        let expected = format!("KVPOOL_UP_{}", long.to_uppercase().replace('-', "_"));
+        let env = arg.get_env().map(|e| e.to_string_lossy().into_owned());
+        assert_eq!(
+            env.as_deref(),
+            Some(expected.as_str()),
+            "kvpool up --{long}"
+        );
+        assert!(
+            !arg.is_hide_env_set(),
+            "--help hides the variable of --{long}"
+        );
+    }
+    assert!(seen >= 30, "only {seen} flags of kvpool up");
+    let help = up_command().render_long_help().to_string();
+    for var in [
+        "KVPOOL_UP_AGENT_DRAM",
+        "KVPOOL_UP_ENGINE_PYTHON",
+        "KVPOOL_UP_READY_TIMEOUT",
+    ] {
+        assert!(
+            help.contains(&format!("[env: {var}=")),
+            "--help lacks {var}"
+        );
+    }
+}
+
+/// `kvpool up` run with these variables and flags, up to its first error (each case below
+/// fails before any child starts); its stderr.
+fn up_fails_with(env: &[(&str, &str)], args: &[&str]) -> String {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvpool"));
+    cmd.arg("up").args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run kvpool up");
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "kvpool up {args:?} with {env:?} succeeded: {err}"
+    );
+    err
+}
+
+/// An `up` variable takes effect, and a flag given on the command line wins over it.
+#[test]
+fn up_environment_variables_take_effect_and_flags_win() {
+    // Parsed by its flag's parser: a bad value is refused naming the variable's value.
+    let err = up_fails_with(&[("KVPOOL_UP_AGENTS", "many")], &[]);
+    assert!(err.contains("many") && err.contains("--agents"), "{err}");
+    // The flag wins: the variable's bad value is never parsed, the flag's is checked.
+    let err = up_fails_with(&[("KVPOOL_UP_AGENTS", "many")], &["--agents", "0"]);
+    assert!(!err.contains("many") && err.contains("agents"), "{err}");
+    // A value from the environment is used: the trace it names is read (and is missing),
+    // and it satisfies `--limit`'s need of `--replay`.
+    let trace = "/nonexistent/kvpool-up-env-trace.jsonl";
+    let err = up_fails_with(
+        &[("KVPOOL_UP_REPLAY", trace), ("KVPOOL_UP_LIMIT", "3")],
+        &[],
+    );
+    assert!(err.contains(trace), "{err}");
+    let err = up_fails_with(&[("KVPOOL_UP_PREFILL", "0")], &[]);
+    assert!(
+        err.contains("prefill") && err.contains("at least 1"),
+        "{err}"
+    );
+    // Switches take the usual words for yes and no.
+    for yes in ["1", "yes", "true", "on"] {
+        let err = up_fails_with(&[("KVPOOL_UP_JSON", yes), ("KVPOOL_UP_PREFILL", "0")], &[]);
+        assert!(err.contains("prefill"), "KVPOOL_UP_JSON={yes}: {err}");
+    }
+    let err = up_fails_with(&[("KVPOOL_UP_TLS", "maybe")], &[]);
+    assert!(err.contains("maybe") && err.contains("--tls"), "{err}");
+    // The old name of a renamed variable still reaches its flag.
+    let err = up_fails_with(
+        &[("KVPOOL_ENGINE_ARGS", "--x"), ("KVPOOL_UP_PREFILL", "0")],
+        &[],
+    );
+    assert!(
+        err.contains("KVPOOL_ENGINE_ARGS") && err.contains("KVPOOL_UP_ENGINE_ARGS"),
+        "{err}"
+    );
+}

@@ -85,6 +85,8 @@ pub enum Command {
 pub const RENAMED_ENV_VARS: &[(&str, &str)] = &[
     ("KVPOOL_MASTER_ADMIN_ADDR", "KVPOOL_MASTER_ADMIN_LISTEN"),
     ("KVPOOL_ADMIN_ADDR", "KVPOOL_OPERATOR_ADMIN_LISTEN"),
+    ("KVPOOL_ENGINE_PYTHON", "KVPOOL_UP_ENGINE_PYTHON"),
+    ("KVPOOL_ENGINE_ARGS", "KVPOOL_UP_ENGINE_ARGS"),
 ];
 
 /// The renamed variables to carry over: `(old, new, value)` for each old name that is set

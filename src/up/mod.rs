@@ -28,65 +28,67 @@ use self::plan::Role;
 use self::settings::{choose_ports, flag, random_key, validate};
 pub use self::summary::{EngineKv, TIMED, metric_sum, metric_sum_labelled, summary_json};
 
-/// Flags of `kvpool up`.
+/// Flags of `kvpool up`, each also read from `KVPOOL_UP_<FLAG>` (`KVPOOL_UP_AGENT_DRAM`, ...).
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
     /// Node agents (each a `kvpool agent run` process with its own DRAM tier).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "KVPOOL_UP_AGENTS", default_value_t = 2)]
     pub agents: usize,
     /// Prefill engines (synthetic).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "KVPOOL_UP_PREFILL", default_value_t = 2)]
     pub prefill: usize,
     /// Decode engines (synthetic).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, env = "KVPOOL_UP_DECODE", default_value_t = 2)]
     pub decode: usize,
     /// Port of the conductor's OpenAI-compatible API (0: any free port).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "KVPOOL_UP_PORT", default_value_t = 0)]
     pub port: u16,
     /// First of the consecutive ports for every other listener (0: free ports).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "KVPOOL_UP_BASE_PORT", default_value_t = 0)]
     pub base_port: u16,
     /// Working directory (configs, sockets, logs, key); default: a temporary directory that is
     /// removed at exit.
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_DIR")]
     pub dir: Option<PathBuf>,
     /// DRAM tier of each agent.
-    #[arg(long, default_value = "64MiB")]
+    #[arg(long, env = "KVPOOL_UP_AGENT_DRAM", default_value = "64MiB")]
     pub agent_dram: String,
     /// Replicas of every block the engines put through the agents (the KVCachePool's
     /// `replication.replicas`).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "KVPOOL_UP_REPLICAS", default_value_t = 1)]
     pub replicas: u8,
     /// Failure domain of each agent, comma separated (agent i gets entry i modulo their
     /// number); the master then keeps the replicas of a block in distinct domains, as a
     /// KVCachePool's `replication.spreadLabelKey` does with a node label's values.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "KVPOOL_UP_AGENT_FAILURE_DOMAINS", value_delimiter = ',')]
     pub agent_failure_domains: Vec<String>,
     /// Eviction policy of the pool (the KVCachePool's `eviction.policy`).
-    #[arg(long, value_enum, default_value_t = kvpool_core::master::PolicyKind::Lru)]
+    #[arg(long, env = "KVPOOL_UP_EVICTION_POLICY", value_enum,
+        default_value_t = kvpool_core::master::PolicyKind::Lru)]
     pub eviction_policy: kvpool_core::master::PolicyKind,
     /// Tier usage, percent, at which eviction starts (`eviction.highWatermarkPercent`;
     /// default: the master's, 95).
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_HIGH_WATERMARK_PERCENT")]
     pub high_watermark_percent: Option<u8>,
     /// Tier usage, percent, at which eviction stops (`eviction.lowWatermarkPercent`; default:
     /// the master's, 85).
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_LOW_WATERMARK_PERCENT")]
     pub low_watermark_percent: Option<u8>,
     /// Keep each agent's DRAM tier in a /dev/shm directory so that a restarted agent finds its
     /// blocks: `auto` (a directory for this run, when /dev/shm is tmpfs), `keep` (with `--dir`:
     /// kept after exit for the next run with that directory) or `off`.
-    #[arg(long, value_enum, default_value_t = shm::DramPersistence::Auto)]
+    #[arg(long, env = "KVPOOL_UP_AGENT_DRAM_PERSISTENCE", value_enum,
+        default_value_t = shm::DramPersistence::Auto)]
     pub agent_dram_persistence: shm::DramPersistence,
     /// sysfs root the agents read their topology from (default: /sys).
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_AGENT_SYSFS_ROOT")]
     pub agent_sysfs_root: Option<PathBuf>,
     /// procfs root the agents read memory sizes from (default: /proc).
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_AGENT_PROCFS_ROOT")]
     pub agent_procfs_root: Option<PathBuf>,
     /// Model served: a name for the synthetic engines; with `--engine vllm`, the model's
     /// directory (served under its last path component).
-    #[arg(long, default_value = "kvpool-synthetic")]
+    #[arg(long, env = "KVPOOL_UP_MODEL", default_value = "kvpool-synthetic")]
     pub model: String,
     /// The engines behind the conductor: `synthetic` (kvpool's own: no model, no GPU) or
     /// `vllm` (real `vllm serve` processes of the --model directory, with kvpool's KV
@@ -95,46 +97,47 @@ pub struct UpArgs {
     pub engine: UpEngine,
     /// With `--engine vllm`: the Python that has vLLM and the kvpool package. Default:
     /// `.tools/vllm/bin/python` when it exists (scripts/engines.sh vllm), else `python3`.
-    #[arg(long, env = "KVPOOL_ENGINE_PYTHON")]
+    #[arg(long, env = "KVPOOL_UP_ENGINE_PYTHON")]
     pub engine_python: Option<PathBuf>,
     /// With `--engine vllm`: more `vllm serve` arguments for every engine, space-separated.
-    #[arg(long, allow_hyphen_values = true, env = "KVPOOL_ENGINE_ARGS")]
+    #[arg(long, allow_hyphen_values = true, env = "KVPOOL_UP_ENGINE_ARGS")]
     pub engine_args: Option<String>,
     /// Tokens per KV block. Default: 512 with the synthetic engines (the Mooncake traces'
     /// block), 32 with `--engine vllm`.
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_BLOCK_SIZE")]
     pub block_size: Option<u32>,
     /// KV bytes per token written by the engines (64: 32 KiB blocks of 512 tokens).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "KVPOOL_UP_KV_BYTES_PER_TOKEN", default_value_t = 64)]
     pub kv_bytes_per_token: u64,
     /// Engines' time scale (default: 1 / --speed, so the replay keeps the trace's load); the
     /// conductor gets it too, so that its clock runs in the engines' cost-model time.
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_TIME_SCALE")]
     pub time_scale: Option<f64>,
     /// Disaggregation convention between the conductor and the engines: `vllm` (prefill, then
     /// decode) or `sglang` (both at once, the KV hand-off paired by a bootstrap room).
-    #[arg(long, value_enum, default_value_t = kvpool_proto::openai::EngineProtocol::Vllm)]
+    #[arg(long, env = "KVPOOL_UP_ENGINE_PROTOCOL", value_enum,
+        default_value_t = kvpool_proto::openai::EngineProtocol::Vllm)]
     pub engine_protocol: kvpool_proto::openai::EngineProtocol,
     /// Replay this Mooncake trace through the conductor, print a summary and exit.
-    #[arg(long, value_name = "TRACE")]
+    #[arg(long, env = "KVPOOL_UP_REPLAY", value_name = "TRACE")]
     pub replay: Option<PathBuf>,
     /// Replay only the first N requests.
-    #[arg(long, requires = "replay")]
+    #[arg(long, env = "KVPOOL_UP_LIMIT", requires = "replay")]
     pub limit: Option<usize>,
     /// Replay this many times faster than the trace's timestamps.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, env = "KVPOOL_UP_SPEED", default_value_t = 10.0)]
     pub speed: f64,
     /// Print the summary as JSON.
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_JSON", value_parser = clap::builder::BoolishValueParser::new())]
     pub json: bool,
     /// How long each child gets to exit after SIGTERM before SIGKILL (`--grace-s` is its old
     /// spelling).
-    #[arg(long, alias = "grace-s", default_value = "10s",
+    #[arg(long, env = "KVPOOL_UP_GRACE", alias = "grace-s", default_value = "10s",
         value_parser = kvpool_core::flags::parse_duration)]
     pub grace: Duration,
     /// How long to wait for every child to report ready (`--ready-timeout-s` is its old
     /// spelling).
-    #[arg(long, alias = "ready-timeout-s", default_value = "2m",
+    #[arg(long, env = "KVPOOL_UP_READY_TIMEOUT", alias = "ready-timeout-s", default_value = "2m",
         value_parser = kvpool_core::flags::parse_duration)]
     pub ready_timeout: Duration,
     /// Mutual TLS on the master's port and TLS on the transfer engines' TCP connections: a
@@ -146,11 +149,11 @@ pub struct UpArgs {
     /// environment a user's client needs (`client_env`, a client certificate of its own). Off
     /// by default: every connection of `up` stays on loopback, where TLS protects nothing the
     /// user's account does not already.
-    #[arg(long)]
+    #[arg(long, env = "KVPOOL_UP_TLS", value_parser = clap::builder::BoolishValueParser::new())]
     pub tls: bool,
     /// Client API keys for the conductor (one per line): it answers requests without one of
     /// them with 401 (the conductor's `--api-key-file`; docs/openai.md, "API keys").
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, env = "KVPOOL_UP_API_KEY_FILE", value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
 }
 
