@@ -235,7 +235,7 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
     let (code, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics a");
     assert_eq!(code, 200);
     assert!(
-        metric(&text, "kvpool_transfer_served_bytes_total", &["read"]).unwrap_or(0.0) > 0.0,
+        metric(&text, "kvpool_transfer_served_bytes_total", &["op=\"read\""]).unwrap_or(0.0) > 0.0,
         "transfer-engine metrics are exported:\n{text}"
     );
     assert_eq!(

@@ -908,15 +908,12 @@ async fn prefill_cost_is_fitted_from_the_engines_measured_prefills() {
         sent as f64
     );
     let gauge = |source: &str, term: &str| {
-        text.lines()
-            .find(|l| {
-                l.starts_with("kvpool_conductor_prefill_cost_seconds{")
-                    && l.contains(&format!("source=\"{source}\""))
-                    && l.contains(&format!("term=\"{term}\""))
-            })
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or_else(|| panic!("no {source} {term} gauge in\n{text}"))
+        kvpool_harness::scrape::metric_value(
+            &text,
+            "kvpool_conductor_prefill_cost_seconds",
+            &[&format!("source=\"{source}\""), &format!("term=\"{term}\"")],
+        )
+        .unwrap_or_else(|| panic!("no {source} {term} gauge in\n{text}"))
     };
     assert_eq!(gauge("prior", "linear"), PrefillCost::default().linear_s);
     let fitted = PrefillCost {

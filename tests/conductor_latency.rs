@@ -107,10 +107,10 @@ async fn each_request_is_timed_once_and_judged_against_the_objectives() {
         String::from_utf8(out).expect("utf-8")
     };
     for role in ["prefill", "decode"] {
-        let series = text
-            .lines()
-            .filter(|l| l.starts_with("kvpool_conductor_engine_requests{engine=\"http://"))
-            .filter(|l| l.contains(&format!("role=\"{role}\"")))
+        let series = kvpool_harness::scrape::samples(&text)
+            .filter(|s| s.name == "kvpool_conductor_engine_requests")
+            .filter(|s| s.label("engine").is_some_and(|e| e.starts_with("http://")))
+            .filter(|s| s.label("role") == Some(role))
             .count();
         assert_eq!(series, 1, "{role}: {text}");
     }
