@@ -19,6 +19,7 @@ pub mod crd;
 pub mod enginepool;
 pub mod error;
 pub mod identity;
+pub mod issuer;
 pub mod labels;
 pub mod master_tls;
 pub mod metrics;

@@ -72,6 +72,16 @@ impl RootKey {
         Self(Arc::from(TEST_ROOT_KEY))
     }
 
+    /// A 32-byte secret for one purpose of the operator's own (`label`, e.g. the agent
+    /// credential issuer's CA key): `HMAC-SHA256(root key, label)`, the same on every replica
+    /// and every start, so what is made from it needs no Secret of its own.
+    pub fn derive_secret(&self, label: &str) -> [u8; 32] {
+        let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(&self.0)
+            .unwrap_or_else(|_| <Hmac<Sha256> as KeyInit>::new(&Default::default()));
+        mac.update(label.as_bytes());
+        mac.finalize().into_bytes().into()
+    }
+
     /// The pool key of the `KVCachePool` `namespace/name` with `uid`, as the hex text the
     /// auth Secret's `key` item holds (64 characters).
     pub fn pool_key_hex(&self, namespace: &str, name: &str, uid: &str) -> String {

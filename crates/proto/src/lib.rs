@@ -20,6 +20,7 @@
 pub mod auth;
 pub mod engine_api;
 pub mod fast;
+pub mod issuer;
 pub mod kv_events;
 pub mod master;
 pub mod openai;

@@ -126,8 +126,9 @@ impl AuthKey {
         Self::new(bytes)
     }
 
-    /// The `transfer` key of a role's credential document.
-    fn from_document(bytes: &[u8]) -> Result<Self, String> {
+    /// The `transfer` key of a role's credential document (in memory: an agent's credential
+    /// issued over the network); the error says which field is wrong.
+    pub fn from_document(bytes: &[u8]) -> Result<Self, String> {
         let doc: serde_json::Value =
             serde_json::from_slice(bytes).map_err(|e| format!("not a JSON document: {e}"))?;
         let role = doc

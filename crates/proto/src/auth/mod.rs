@@ -160,18 +160,21 @@ impl AuthKey {
         if !RoleDocument::looks_like(&bytes) {
             return Self::from_bytes(&bytes).ok_or_else(|| AuthError::ShortKey(path.to_owned()));
         }
-        let doc = RoleDocument::parse(&bytes).map_err(|reason| AuthError::Document {
+        Self::from_document(&bytes).map_err(|reason| AuthError::Document {
             path: path.to_owned(),
             reason,
-        })?;
+        })
+    }
+
+    /// The master key of a role's credential document held in memory (an agent's credential
+    /// issued over the network); the error says which field is wrong.
+    pub fn from_document(bytes: &[u8]) -> Result<Self, String> {
+        let doc = RoleDocument::parse(bytes)?;
         let key = match &doc.node {
             Some(node) => Self::from_node_key(node, &doc.master),
             None => Self::from_role_key(doc.role, &doc.master),
         };
-        key.ok_or_else(|| AuthError::Document {
-            path: path.to_owned(),
-            reason: format!("master key is shorter than {MIN_KEY_LEN} bytes"),
-        })
+        key.ok_or_else(|| format!("master key is shorter than {MIN_KEY_LEN} bytes"))
     }
 
     /// The role this key signs as.
