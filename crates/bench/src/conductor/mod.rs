@@ -26,7 +26,7 @@ use std::time::Duration;
 use clap::Args;
 
 use self::load::Load;
-pub use self::load::{Phase, Target, Workload, prompt, quantile};
+pub use self::load::{Phase, Target, Workload, prompt};
 pub use self::report::{
     CONDUCTOR, DIRECT, ROUTER, Ratios, Report, Round, TargetRound, TargetSummary, TargetsMet,
 };

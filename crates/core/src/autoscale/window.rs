@@ -6,6 +6,8 @@
 
 use std::collections::VecDeque;
 
+use crate::quantile::nearest_rank;
+
 /// Figures of one role over the window, what the load endpoint serves.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoadFigures {
@@ -105,21 +107,12 @@ impl LoadWindow {
         LoadFigures {
             arrivals,
             rejected,
-            predicted_p50_s: quantile(&predicted, 0.5),
-            predicted_p90_s: quantile(&predicted, 0.9),
+            predicted_p50_s: nearest_rank(&predicted, 0.5),
+            predicted_p90_s: nearest_rank(&predicted, 0.9),
             rejection_rate: share(rejected as f64),
             slo_attainment: share(within),
         }
     }
-}
-
-/// Nearest-rank quantile of sorted values.
-fn quantile(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted.get(rank.clamp(1, sorted.len()) - 1).copied()
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use crate::quantile::nearest_rank;
 use crate::sched::{Policy, RejectReason, Rejection};
 
 use super::config::SimConfig;
@@ -25,14 +26,11 @@ impl Percentiles {
             return Self::default();
         }
         values.sort_by(f64::total_cmp);
-        let rank = |p: f64| {
-            let k = ((p / 100.0) * values.len() as f64).ceil() as usize;
-            values[k.clamp(1, values.len()) - 1]
-        };
+        let rank = |q: f64| nearest_rank(values, q).unwrap_or_default();
         Self {
-            p50: rank(50.0),
-            p90: rank(90.0),
-            p99: rank(99.0),
+            p50: rank(0.5),
+            p90: rank(0.9),
+            p99: rank(0.99),
             mean: values.iter().sum::<f64>() / values.len() as f64,
         }
     }
