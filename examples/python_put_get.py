@@ -1,9 +1,9 @@
 """Put and get through a running kvpool pool from Python, with both of the package's APIs.
 
 Start a pool with `target/release/kvpool up`; it prints the line to run this with, which sets
-KVPOOL_MASTER_ADDR and KVPOOL_AUTH_KEY_FILE:
+KVPOOL_MASTER and KVPOOL_AUTH_KEY_FILE:
 
-    KVPOOL_MASTER_ADDR=127.0.0.1:PORT KVPOOL_AUTH_KEY_FILE=DIR/auth.key \
+    KVPOOL_MASTER=127.0.0.1:PORT KVPOOL_AUTH_KEY_FILE=DIR/auth.key \
         .tools/py/bin/python examples/python_put_get.py
 
 The bytes land in the node agents' DRAM tiers (`kvpool up` runs two, in pool mode) and come

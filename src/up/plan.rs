@@ -638,7 +638,7 @@ mod vllm_tests {
         assert!(args.contains("--kv-events-config"), "{args}");
         assert!(args.ends_with("--enforce-eager"), "{args}");
         let env: std::collections::HashMap<_, _> = prefill.env.iter().cloned().collect();
-        assert_eq!(env["KVPOOL_MASTER_ADDR"], "127.0.0.1:1000");
+        assert_eq!(env["KVPOOL_MASTER"], "127.0.0.1:1000");
         assert_eq!(env["KVPOOL_AUTH_KEY_FILE"], "/run/up/auth-engine.json");
         assert_eq!(env["PYTHONHASHSEED"], "0");
         assert!(env["KVPOOL_AGENT_SOCKET"].ends_with("agent-0/run/agent.sock"));

@@ -143,7 +143,7 @@ pub(super) fn print_ready(
             .map(|(k, v)| format!("{k}={v} "))
             .collect();
         println!(
-            "  python     {env}KVPOOL_MASTER_ADDR={} KVPOOL_AUTH_KEY_FILE={} \
+            "  python     {env}KVPOOL_MASTER={} KVPOOL_AUTH_KEY_FILE={} \
              .tools/py/bin/python examples/python_put_get.py",
             endpoint(specs, Role::Master),
             super::plan::role_key_file(dir, kvpool_proto::auth::Role::Engine).display()

@@ -142,7 +142,7 @@ pub fn engine_command(v: &VllmEngine, site: &EngineSite<'_>) -> EngineCommand {
     }
     args.extend(v.extra_args.iter().cloned());
     let env = [
-        ("KVPOOL_MASTER_ADDR", site.master.to_string()),
+        ("KVPOOL_MASTER", site.master.to_string()),
         (
             "KVPOOL_AUTH_KEY_FILE",
             site.engine_key.display().to_string(),

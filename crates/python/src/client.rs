@@ -200,7 +200,7 @@ pub const DEFAULT_SPIN_WAIT_US: u64 = 50;
 pub async fn connect(s: &Settings) -> Result<Live, Failure> {
     if s.masters.is_empty() {
         return Err(Failure::invalid(
-            "no master address: pass master_server_addr, or set KVPOOL_MASTER_ADDR",
+            "no master address: pass master_server_addr, or set KVPOOL_MASTER",
         ));
     }
     let want_rdma = protocol_wants_rdma(&s.protocol)?;

@@ -31,6 +31,7 @@ CONFIG_VARS = (
     "KVPOOL_ENGINE_CONFIG",
     "KVPOOL_CONFIG",
     "MOONCAKE_CONFIG_PATH",
+    "KVPOOL_MASTER",
     "KVPOOL_MASTER_ADDR",
     "KVPOOL_STORE_MODULE",
     "KVPOOL_BLOCK_SIZE_TOKENS",
@@ -61,7 +62,7 @@ def closer(pool):
 @pytest.fixture
 def pool_env(pool, clean_env):
     """The environment the operator gives an engine pod, pointing at `pool`."""
-    clean_env.setenv("KVPOOL_MASTER_ADDR", pool.master_addr)
+    clean_env.setenv("KVPOOL_MASTER", pool.master_addr)
     clean_env.setenv("KVPOOL_STORE_MODULE", pool.module.__name__)
     return pool
 
@@ -114,7 +115,7 @@ def test_setup_args_sources_and_precedence(tmp_path, clean_env):
         "roce", "/run/kvpool/agent.sock", "/etc/kvpool/auth/key", 256
     )
     # The environment beats the file, the engine's own config beats both.
-    clean_env.setenv("KVPOOL_MASTER_ADDR", "m-0:50051, m-1:50051")
+    clean_env.setenv("KVPOOL_MASTER", "m-0:50051, m-1:50051")
     clean_env.setenv("KVPOOL_AGENT_SOCKET", "/other.sock")
     assert adapters.setup_args().master_server_addr == "m-0:50051,m-1:50051"
     assert adapters.engine_settings().agent_socket == "/other.sock"
@@ -824,7 +825,7 @@ def test_lmcache_rejects_foreign_bytes(pool_env, closer):
 
 
 def test_lmcache_url_names_the_master(pool_env, clean_env, closer):
-    clean_env.delenv("KVPOOL_MASTER_ADDR")
+    clean_env.delenv("KVPOOL_MASTER")
     cpu = fakes.CpuBackend()
     conn = connector(cpu, url=f"kvpool://{pool_env.master_addr}")
     closer(lambda: asyncio.run(conn.close()))
@@ -834,7 +835,7 @@ def test_lmcache_url_names_the_master(pool_env, clean_env, closer):
 def test_lmcache_start_failures_are_loud(pool_env, clean_env):
     """LMCache catches every Exception around a remote backend's creation: the plugin's start
     error is a BaseException naming the cause, unless fail_on_init_error is false."""
-    clean_env.delenv("KVPOOL_MASTER_ADDR")
+    clean_env.delenv("KVPOOL_MASTER")
     cpu = fakes.CpuBackend()
     with pytest.raises(lmc.PluginInitError, match="master_server_address") as err:
         connector(cpu, url="plugin://kvpool")

@@ -26,8 +26,8 @@ from kvpool import _native
 from kvpool_pool import (KvpoolAgent, KvpoolMaster, kvpool_binary, put_get_from_threads,
                          write_key)
 
-MODE_ENV = ("KVPOOL_AGENT_SOCKET", "KVPOOL_MASTER_ADDR", "KVPOOL_AUTH_KEY_FILE",
-            "KVPOOL_CLIENT_MODE", "KVPOOL_ENGINE_CONFIG", "MOONCAKE_CONFIG_PATH")
+MODE_ENV = ("KVPOOL_AGENT_SOCKET", "KVPOOL_MASTER", "KVPOOL_MASTER_ADDR",
+            "KVPOOL_AUTH_KEY_FILE", "KVPOOL_CLIENT_MODE", "KVPOOL_ENGINE_CONFIG", "MOONCAKE_CONFIG_PATH")
 
 
 class Node:
@@ -292,7 +292,7 @@ def test_an_engine_credential_lends_no_memory(node, monkeypatch, tmp_path):
     subprocess.run([str(kvpool_binary()), "auth", "derive", "--role", "engine",
                     "--auth-key-file", str(node.key), "--out", str(engine_key)], check=True)
     monkeypatch.setenv("KVPOOL_AUTH_KEY_FILE", str(engine_key))
-    monkeypatch.setenv("KVPOOL_MASTER_ADDR", node.master.addr)
+    monkeypatch.setenv("KVPOOL_MASTER", node.master.addr)
 
     lone = mc.MooncakeDistributedStore()
     rc = lone.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 8 << 20, "tcp", "",

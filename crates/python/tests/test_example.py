@@ -29,7 +29,7 @@ def wait_for_two_agents(ready: dict) -> None:
 def run_example(ready: dict, key_file: str, extra_env: dict) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     env.update(extra_env)
-    env["KVPOOL_MASTER_ADDR"] = ready["master"]
+    env["KVPOOL_MASTER"] = ready["master"]
     env["KVPOOL_AUTH_KEY_FILE"] = key_file
     return subprocess.run(
         [sys.executable, str(REPO / "examples" / "python_put_get.py")],
@@ -72,7 +72,7 @@ def test_example_runs_against_kvpool_up(tmp_path):
             assert time.monotonic() < deadline, "the two agents did not join the pool in 30 s"
             time.sleep(0.1)
         env = dict(os.environ)
-        env["KVPOOL_MASTER_ADDR"] = ready["master"]
+        env["KVPOOL_MASTER"] = ready["master"]
         env["KVPOOL_AUTH_KEY_FILE"] = ready["auth_key_file"]
         run = subprocess.run(
             [sys.executable, str(REPO / "examples" / "python_put_get.py")],

@@ -23,6 +23,7 @@ LMCACHE_VERSION = "0.5.6"
 POOL_CAPACITY = 128 << 20
 # Variables through which kvpool could find a pool other than the one the test configures.
 POOL_ENV = (
+    "KVPOOL_MASTER",
     "KVPOOL_MASTER_ADDR",
     "KVPOOL_ENGINE_CONFIG",
     "KVPOOL_CONFIG",

@@ -68,7 +68,7 @@ def model() -> Path:
 def pool(tmp_path_factory):
     """A real kvpool pool on 127.0.0.1 (``kvpool master`` and one holder process contributing
     ``POOL_BYTES``), shared by every server of a module; its address and key reach the servers
-    through ``KVPOOL_MASTER_ADDR`` and ``KVPOOL_AUTH_KEY_FILE``."""
+    through ``KVPOOL_MASTER`` and ``KVPOOL_AUTH_KEY_FILE``."""
     from kvpool_pool import start_kvpool_pool
 
     with start_kvpool_pool(POOL_BYTES, tmp_path_factory.mktemp("pool")) as p:

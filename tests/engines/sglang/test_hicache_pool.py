@@ -135,7 +135,7 @@ def baseline(model, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fresh_server_loads_what_another_stored(case, pool, model, baseline, tmp_path):
-    env = {"KVPOOL_MASTER_ADDR": pool.master_addr, "KVPOOL_SGLANG_BACKEND": case.impl}
+    env = {"KVPOOL_MASTER": pool.master_addr, "KVPOOL_SGLANG_BACKEND": case.impl}
     flags = hicache_flags(case.interface_v1)
     ids = prompt(case.seed)
     earlier = dict(STORED)

@@ -57,7 +57,7 @@ def engine(pool: Dict, tmp: Path, name: str) -> tuple:
     env = dict(os.environ, PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
-               KVPOOL_VLLM_CONNECTOR="engine", KVPOOL_MASTER_ADDR=pool["master"],
+               KVPOOL_VLLM_CONNECTOR="engine", KVPOOL_MASTER=pool["master"],
                KVPOOL_AUTH_KEY_FILE=pool["role_key_files"]["engine"],
                KVPOOL_AGENT_SOCKET=agent["endpoint"], VLLM_HOST_IP="127.0.0.1")
     config = {"kv_connector": "KvpoolStoreConnector",

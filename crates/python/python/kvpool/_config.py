@@ -1,9 +1,11 @@
 """Where a store connects: masters, pool key, agent socket, and which of them it uses.
 
 Explicit arguments win, then the environment the kvpool operator gives engine pods
-(``KVPOOL_MASTER_ADDR``, ``KVPOOL_AUTH_KEY_FILE``, ``KVPOOL_AGENT_SOCKET``,
+(``KVPOOL_MASTER``, ``KVPOOL_AUTH_KEY_FILE``, ``KVPOOL_AGENT_SOCKET``,
 ``KVPOOL_CLIENT_MODE``), then the pool's ``engine.json`` (``KVPOOL_ENGINE_CONFIG``, or
-Mooncake's ``MOONCAKE_CONFIG_PATH``).
+Mooncake's ``MOONCAKE_CONFIG_PATH``). ``KVPOOL_MASTER`` is the master address's one name, as
+in the agent and the conductor; ``KVPOOL_MASTER_ADDR``, its old name, is still read when it is
+unset, with a ``DeprecationWarning`` (and one logged warning per process).
 
 The mode: "direct" talks to the masters itself (needs their address and the pool key);
 "agent" goes through the node agent's engine socket with shared-memory staging (needs only
@@ -16,13 +18,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
 if TYPE_CHECKING:
     from . import _native
 
-ENV_MASTER = "KVPOOL_MASTER_ADDR"
+ENV_MASTER = "KVPOOL_MASTER"
+# The master address's old name: read when ENV_MASTER is unset, with a deprecation warning.
+ENV_MASTER_DEPRECATED = "KVPOOL_MASTER_ADDR"
 ENV_AUTH_KEY_FILE = "KVPOOL_AUTH_KEY_FILE"
 ENV_AGENT_SOCKET = "KVPOOL_AGENT_SOCKET"
 ENV_CLIENT_MODE = "KVPOOL_CLIENT_MODE"
@@ -65,6 +70,31 @@ def may_lend(auth_key_file: Any) -> bool:
     except (ValueError, AttributeError):
         return True
     return isinstance(role, str) and role == "agent"
+
+
+_master_alias_logged = False
+
+
+def master_from_env(env: Mapping[str, str]) -> str:
+    """The master addresses the environment names: ``KVPOOL_MASTER``, else the deprecated
+    ``KVPOOL_MASTER_ADDR`` (warning that it is deprecated), else ""."""
+    value = env.get(ENV_MASTER, "")
+    if value.strip():
+        return value
+    old = env.get(ENV_MASTER_DEPRECATED, "")
+    if not old.strip():
+        return ""
+    message = (
+        f"{ENV_MASTER_DEPRECATED} is deprecated and will be removed in a later release; "
+        f"set {ENV_MASTER} instead (the name the agent and the conductor read)"
+    )
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    global _master_alias_logged
+    if not _master_alias_logged:
+        # DeprecationWarning is hidden by default outside __main__: say it once in the log.
+        _master_alias_logged = True
+        logging.getLogger("kvpool").warning("%s", message)
+    return old
 
 
 def engine_config(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
@@ -138,7 +168,7 @@ class Settings:
         file_cfg = engine_config(env)
         resolved = split_addrs(masters)
         if not resolved:
-            resolved = split_addrs(env.get(ENV_MASTER))
+            resolved = split_addrs(master_from_env(env))
         if not resolved:
             resolved = split_addrs(file_cfg.get("master_server_address"))
         key = auth_key_file or env.get(ENV_AUTH_KEY_FILE) or file_cfg.get("auth_key_file") or ""

@@ -106,7 +106,7 @@ class MooncakeDistributedStore:
         in: direct to the masters, or through the node agent's socket (config key
         ``agent_socket``, ``KVPOOL_AGENT_SOCKET`` or the engine config), which "auto" takes
         when the socket exists and ``global_segment_size`` is 0. Direct mode: an empty
-        ``master_server_addr`` falls back to ``KVPOOL_MASTER_ADDR`` / the engine config; the
+        ``master_server_addr`` falls back to ``KVPOOL_MASTER`` / the engine config; the
         pool key comes from ``auth_key_file`` in the config dict, ``KVPOOL_AUTH_KEY_FILE`` or
         the engine config; ``local_buffer_size`` is unused (staging memory is sized per
         call). Agent mode needs no master or key; ``local_buffer_size`` sizes the session's

@@ -37,14 +37,16 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
+    Dict,
     Iterator,
     Mapping,
     MutableMapping,
     NamedTuple,
     Optional,
+    Tuple,
 )
 
-from .._config import ConfigError, engine_config
+from .._config import ENV_MASTER, ConfigError, engine_config, master_from_env
 
 __all__ = [
     "attach_engine_logging",
@@ -62,7 +64,6 @@ __all__ = [
 ]
 
 ENV_STORE_MODULE = "KVPOOL_STORE_MODULE"
-ENV_MASTER = "KVPOOL_MASTER_ADDR"
 ENV_AGENT_SOCKET = "KVPOOL_AGENT_SOCKET"
 ENV_AUTH_KEY_FILE = "KVPOOL_AUTH_KEY_FILE"
 ENV_ENGINE_CONFIG = "KVPOOL_ENGINE_CONFIG"
@@ -104,7 +105,7 @@ class SetupArgs(NamedTuple):
     rdma_devices: str
     master_server_addr: str
 
-    def mooncake_json(self) -> dict:
+    def mooncake_json(self) -> Dict[str, Any]:
         """The same settings as Mooncake's JSON config file spells them (the file vLLM's,
         SGLang's and LMCache's Mooncake connectors read)."""
         return {
@@ -155,10 +156,13 @@ def _environ(environ: Optional[Mapping[str, str]]) -> Mapping[str, str]:
     env = dict(os.environ if environ is None else environ)
     if not env.get(ENV_ENGINE_CONFIG) and env.get(ENV_OPERATOR_CONFIG):
         env[ENV_ENGINE_CONFIG] = env[ENV_OPERATOR_CONFIG]
+    master = master_from_env(env)  # KVPOOL_MASTER, or its deprecated old name
+    if master:
+        env[ENV_MASTER] = master
     return env
 
 
-def _merged(overrides: Optional[Mapping[str, Any]], env: Mapping[str, str]) -> dict:
+def _merged(overrides: Optional[Mapping[str, Any]], env: Mapping[str, str]) -> Dict[str, Any]:
     """engine.json, then the environment, then ``overrides``: later wins."""
     cfg = dict(engine_config(env))
     for key, var in (
@@ -195,7 +199,8 @@ def setup_args(
     ``KVPOOL_CONFIG``, or Mooncake's ``MOONCAKE_CONFIG_PATH``; its keys are Mooncake's:
     ``master_server_address``, ``metadata_server``, ``protocol``, ``device_name``,
     ``local_hostname``, ``global_segment_size``, ``local_buffer_size``), then
-    ``KVPOOL_MASTER_ADDR`` (``host:port``, comma-separated for several masters), then
+    ``KVPOOL_MASTER`` (``host:port``, comma-separated for several masters; the deprecated
+    ``KVPOOL_MASTER_ADDR`` when it is unset), then
     ``overrides`` (an engine's own extra config, same keys). Raises :class:`ConfigError`
     naming the missing or bad field.
     """
@@ -338,7 +343,7 @@ def mooncake_alias(module: Any) -> Iterator[types.ModuleType]:
         return
     with _ALIAS_LOCK:
         saved = {name: sys.modules.get(name, _MISSING) for name in ("mooncake", "mooncake.store")}
-        parent = saved["mooncake"]
+        parent: Any = saved["mooncake"]
         if parent is _MISSING:
             try:  # the real package, when installed, so its other modules stay importable
                 parent = importlib.import_module("mooncake")
@@ -369,7 +374,7 @@ def mooncake_alias(module: Any) -> Iterator[types.ModuleType]:
 
 @contextlib.contextmanager
 def mooncake_config_file(
-    settings: Mapping[str, Any], env_vars: tuple = (ENV_MOONCAKE_CONFIG,)
+    settings: Mapping[str, Any], env_vars: Tuple[str, ...] = (ENV_MOONCAKE_CONFIG,)
 ) -> Iterator[str]:
     """Write ``settings`` as a Mooncake JSON config file and point ``env_vars`` at it while
     active (an engine's Mooncake connector reads the file in its constructor). The variables
@@ -389,7 +394,7 @@ def mooncake_config_file(
                 os.unlink(path)
 
 
-def read_json_file(path: Optional[str]) -> dict:
+def read_json_file(path: Optional[str]) -> Dict[str, Any]:
     """A JSON object file, or {} for no path; :class:`ConfigError` when unreadable."""
     if not path:
         return {}

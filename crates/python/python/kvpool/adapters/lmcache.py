@@ -13,7 +13,7 @@ whether it can parse the remote URL):
 :class:`KvpoolConnectorAdapter` takes ``plugin://kvpool`` (the URL LMCache gives a plugin) and
 ``kvpool://[host:port[,host:port...]]`` (older LMCache, through ``remote_url``); the pool's
 address comes from the URL, else from ``remote_storage_plugin.kvpool.master_server_address``,
-else from the kvpool environment (``KVPOOL_MASTER_ADDR``, ``KVPOOL_ENGINE_CONFIG``).
+else from the kvpool environment (``KVPOOL_MASTER``, ``KVPOOL_ENGINE_CONFIG``).
 ``class_name: KvpoolConnector`` (LMCache wraps a bare ``RemoteConnector`` class itself) and the
 ``external://`` URL form work too; both hand the connector no engine metadata, which it then
 takes from LMCache's local CPU backend.
@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import importlib
 import inspect
 import json
 import logging
 import struct
 import threading
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import ConfigError, open_store, store_module
 
@@ -76,8 +77,12 @@ _HEADER_LEN = struct.Struct("<4sI")
 _KV_2LTD = 1
 
 try:
-    from lmcache.v1.storage_backend.connector import ConnectorAdapter  # type: ignore
-    from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector  # type: ignore
+    from lmcache.v1.storage_backend.connector import (  # type: ignore[import-not-found]
+        ConnectorAdapter,
+    )
+    from lmcache.v1.storage_backend.connector.base_connector import (  # type: ignore[import-not-found]
+        RemoteConnector,
+    )
 
     HAVE_LMCACHE = True
 except Exception:  # noqa: BLE001 - no usable LMCache here
@@ -151,7 +156,7 @@ def _itemsize(dtype: Any) -> int:
         return size
     import numpy
 
-    return numpy.dtype(dtype).itemsize
+    return int(numpy.dtype(dtype).itemsize)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -160,13 +165,12 @@ def _dtype_name(dtype: Any) -> str:
         return text[len("torch.") :]
     import numpy
 
-    return numpy.dtype(dtype).name
+    return str(numpy.dtype(dtype).name)
 
 
 def _dtype_from_name(name: str) -> Any:
     try:
-        import torch
-
+        torch: Any = importlib.import_module("torch")  # Any: absent where the types are checked
         value = getattr(torch, name, None)
         if isinstance(value, torch.dtype):
             return value
@@ -181,8 +185,7 @@ def _shape(dims: Sequence[int]) -> Any:
     """A shape as LMCache's allocator wants it: ``torch.Size`` (a plain list of ints would be
     read as a list of several shapes), a tuple where torch is absent."""
     try:
-        import torch
-
+        torch: Any = importlib.import_module("torch")
         return torch.Size([int(d) for d in dims])
     except ImportError:
         return tuple(int(d) for d in dims)
@@ -197,7 +200,7 @@ def _fmt_value(fmt: Any) -> Optional[int]:
 def _fmt_from_value(value: Optional[int]) -> Any:
     if value is None or not HAVE_LMCACHE:
         return value
-    from lmcache.v1.memory_management import MemoryFormat  # type: ignore
+    from lmcache.v1.memory_management import MemoryFormat  # type: ignore[import-not-found]
 
     return MemoryFormat(value)
 
@@ -239,7 +242,7 @@ def encode_header(
     return _HEADER_LEN.pack(HEADER_MAGIC, len(body)) + body
 
 
-def decode_header(data: bytes) -> Tuple[dict, int]:
+def decode_header(data: bytes) -> Tuple[Dict[str, Any], int]:
     """The header fields (``shapes``, ``dtypes``, ``fmt``, ``len``) and the offset of the
     chunk's bytes; ValueError when malformed. Headers of one ``shape``/``dtype`` (earlier
     kvpool releases) read as one group."""
@@ -368,7 +371,7 @@ class KvpoolConnector(RemoteConnector):  # type: ignore[misc]
         module: Any = None,
     ):
         self.plugin_name = plugin_name or PLUGIN_TYPE
-        self.store = None
+        self.store: Any = None
         self._registered: List[int] = []
         try:
             self._start(config, metadata, loop, local_cpu_backend, url, store, module)
@@ -383,7 +386,16 @@ class KvpoolConnector(RemoteConnector):  # type: ignore[misc]
                 f"{type(e).__name__}: {e}"
             ) from e
 
-    def _start(self, config, metadata, loop, local_cpu_backend, url, store, module) -> None:
+    def _start(
+        self,
+        config: Any,
+        metadata: Any,
+        loop: Any,
+        local_cpu_backend: Any,
+        url: Optional[str],
+        store: Any,
+        module: Any,
+    ) -> None:
         if metadata is None:
             metadata = getattr(local_cpu_backend, "metadata", None)
         if metadata is None:
@@ -434,7 +446,7 @@ class KvpoolConnector(RemoteConnector):  # type: ignore[misc]
             logger.debug("kvpool: closing a store that failed to start", exc_info=True)
         self._registered.clear()
 
-    def _settings(self, config: Any, url: Optional[str]) -> dict:
+    def _settings(self, config: Any, url: Optional[str]) -> Dict[str, Any]:
         extra: Mapping[str, Any] = getattr(config, "extra_config", None) or {}
         out = {}
         prefix = f"remote_storage_plugin.{self.plugin_name}."
@@ -546,7 +558,7 @@ class KvpoolConnector(RemoteConnector):  # type: ignore[misc]
     # -- RemoteConnector -------------------------------------------------------------------
 
     def exists_sync(self, key: Any) -> bool:
-        return self.store.is_exist(self._key(key)) == 1
+        return bool(self.store.is_exist(self._key(key)) == 1)
 
     async def exists(self, key: Any) -> bool:
         return await asyncio.to_thread(self.exists_sync, key)
@@ -594,7 +606,7 @@ class KvpoolConnector(RemoteConnector):  # type: ignore[misc]
             )
 
     def remove_sync(self, key: Any) -> bool:
-        return self.store.remove(self._key(key)) == 0
+        return bool(self.store.remove(self._key(key)) == 0)
 
     async def list(self) -> List[str]:
         # Mooncake's API has no key listing; LMCache only uses it for diagnostics.

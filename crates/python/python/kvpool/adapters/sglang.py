@@ -35,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence as _SequenceABC
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import mooncake_alias, open_store, select_impl, setup_args, store_module
 
@@ -45,7 +45,9 @@ ENV_IMPL = "KVPOOL_SGLANG_BACKEND"
 EXTRA_STORE_MODULE = "kvpool_store_module"
 
 try:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage  # type: ignore
+    from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
+        HiCacheStorage,
+    )
 
     HAVE_SGLANG = True
 except Exception:  # noqa: BLE001 - no usable SGLang here
@@ -79,16 +81,17 @@ def find_engine_backend() -> Optional[type]:
     try:
         import importlib
 
-        return importlib.import_module(ENGINE_BACKEND_MODULE).MooncakeStore
+        found: type = importlib.import_module(ENGINE_BACKEND_MODULE).MooncakeStore
+        return found
     except Exception:  # noqa: BLE001
         return None
 
 
-def _extra_of(storage_config: Any) -> dict:
+def _extra_of(storage_config: Any) -> Dict[str, Any]:
     return dict(getattr(storage_config, "extra_config", None) or {})
 
 
-def pool_extra_config(extra: Mapping[str, Any]) -> dict:
+def pool_extra_config(extra: Mapping[str, Any]) -> Dict[str, Any]:
     """``extra_config`` with the pool's address (and the rest of :func:`setup_args`) filled in
     where SGLang's Mooncake backend looks for them, unless the flags already name a master."""
     if extra.get("master_server_address") or extra.get("client_server_address"):
@@ -213,7 +216,7 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _page_meta(
         self, keys: Sequence[str], host_indices: Any
-    ) -> Tuple[List[str], list, list, int]:
+    ) -> Tuple[List[str], List[Any], List[Any], int]:
         if self.mem_pool_host is None:
             raise RuntimeError("register_mem_pool_host was not called")
         page_size = int(getattr(self.mem_pool_host, "page_size", 1) or 1)
@@ -237,7 +240,7 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
     def _multi(ptrs: Sequence[Any]) -> bool:
         return bool(ptrs) and isinstance(ptrs[0], _SequenceABC)
 
-    def _put(self, keys: List[str], ptrs: list, sizes: list) -> List[int]:
+    def _put(self, keys: List[str], ptrs: List[Any], sizes: List[Any]) -> List[int]:
         if not keys:
             return []
         if self._multi(ptrs):
@@ -248,7 +251,7 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
             )
         return list(self.store.batch_put_from(keys, ptrs, sizes))
 
-    def _get(self, keys: List[str], ptrs: list, sizes: list) -> List[int]:
+    def _get(self, keys: List[str], ptrs: List[Any], sizes: List[Any]) -> List[int]:
         if not keys:
             return []
         if self._multi(ptrs):
@@ -256,7 +259,9 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
         return list(self.store.batch_get_into(keys, ptrs, sizes))
 
     @staticmethod
-    def _per_page(results: Sequence[int], mult: int, ok) -> List[bool]:
+    def _per_page(
+        results: Sequence[int], mult: int, ok: Callable[[int], bool]
+    ) -> List[bool]:
         return [all(ok(r) for r in results[i : i + mult]) for i in range(0, len(results), mult)]
 
     # -- page API (interface_v1) -----------------------------------------------------------
@@ -356,7 +361,7 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
     # SGLang's cache controller uses batch_get/batch_set when interface_v1 is off.
 
     def exists(self, key: str) -> bool:
-        return self.store.batch_is_exist([key])[0] == 1
+        return bool(self.store.batch_is_exist([key])[0] == 1)
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
@@ -422,8 +427,8 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return 0
         mult = 1 if self.is_mla else 2
-        got = self._get(list(keys), list(target_locations), list(target_sizes))
-        for i, r in enumerate(got):
+        codes = self._get(list(keys), list(target_locations), list(target_sizes))
+        for i, r in enumerate(codes):
             if r < 0:
                 return i // mult
         return len(keys) // mult
@@ -442,7 +447,7 @@ class KvpoolPageStorage(HiCacheStorage):  # type: ignore[misc]
 
 
 def _engine_subclass(base: type) -> type:
-    class KvpoolHiCacheStorage(base):  # type: ignore[misc, valid-type]
+    class KvpoolHiCacheStorage(base):  # type: ignore[misc]
         """SGLang's ``MooncakeStore`` on the pool's store module."""
 
         kvpool_impl = "engine"
@@ -457,10 +462,10 @@ def _engine_subclass(base: type) -> type:
             with mooncake_alias(self._kvpool_module):
                 super().__init__(storage_config, mem_pool, *args, **kwargs)
 
-        def _import_mooncake_store(self):  # SGLang's hook (newer releases)
+        def _import_mooncake_store(self) -> Any:  # SGLang's hook (newer releases)
             return self._kvpool_module.MooncakeDistributedStore
 
-        def _import_mooncake_group_semantics(self):  # SGLang's hook (newer releases)
+        def _import_mooncake_group_semantics(self) -> Tuple[Any, bool]:  # SGLang's hook
             cls = self._kvpool_module.ReplicateConfig
             try:
                 return cls, hasattr(cls(), "group_ids")

@@ -94,7 +94,7 @@ HANDOFF_KEY = "kvpool"
 
 
 try:  # vLLM's own types, when vLLM imports (it does not on a machine without its CUDA stack)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
@@ -155,7 +155,8 @@ def find_engine_connector() -> Optional[type]:
         return None
     for name in ENGINE_CONNECTOR_MODULES:
         try:
-            return importlib.import_module(name).MooncakeStoreConnector
+            found: type = importlib.import_module(name).MooncakeStoreConnector
+            return found
         except Exception:  # noqa: BLE001 - try the next location
             continue
     return None
@@ -244,7 +245,7 @@ def _parallel_ranks(vllm_config: Any, extra: Mapping[str, Any]) -> Tuple[int, in
     pp_rank = extra.get(EXTRA_PP_RANK)
     if tp_rank is None or pp_rank is None:
         try:
-            from vllm.distributed.parallel_state import (  # type: ignore
+            from vllm.distributed.parallel_state import (  # type: ignore[import-not-found]
                 get_pp_group,
                 get_tensor_model_parallel_rank,
             )
@@ -486,7 +487,9 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending_loads, self._pending_saves = [], []
         return meta
 
-    def request_finished(self, request: Any, block_ids: Any) -> Tuple[bool, Optional[dict]]:
+    def request_finished(
+        self, request: Any, block_ids: Any
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
         """Queue the request's full blocks that no step saved yet (True keeps them until they
         are saved); for a prefill of a disaggregated request, the ``kv_transfer_params`` that
         tell the decode engine which blocks to wait for."""
@@ -550,22 +553,26 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _worker_keys(self, job: BlockJob) -> List[str]:
         return [self._keys.key(h, self._tp_rank, self._pp_rank) for h in job.hashes]
 
-    def _registered(self, jobs: List[BlockJob], step: str) -> List[BlockJob]:
-        """``jobs``, which need the KV caches registered: a RuntimeError naming ``step`` when
-        there are jobs before that."""
-        if jobs and self._io is None:
+    def _registered(
+        self, jobs: List[BlockJob], step: str
+    ) -> Iterable[Tuple[BlockJob, BlockIO]]:
+        """``jobs``, each with the block I/O of the registered KV caches: a RuntimeError naming
+        ``step`` when there are jobs before those are registered."""
+        if not jobs:
+            return []
+        if self._io is None:
             raise RuntimeError(f"{step} before register_kv_caches")
-        return jobs
+        return [(job, self._io) for job in jobs]
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        for job in self._registered(meta.loads, "start_load_kv"):
+        for job, io in self._registered(meta.loads, "start_load_kv"):
             try:
-                got = self._io.load(self._worker_keys(job), job.block_ids)
+                got = io.load(self._worker_keys(job), job.block_ids)
             except Exception as e:  # noqa: BLE001 - report the blocks, vLLM recomputes them
                 logger.warning("kvpool load of %s failed: %s", job.req_id, e)
                 got = [-1] * len(job.block_ids)
-            bad = [b for b, r in zip(job.block_ids, got) if r != self._io.layout.bytes_per_block]
+            bad = [b for b, r in zip(job.block_ids, got) if r != io.layout.bytes_per_block]
             if bad:
                 logger.warning(
                     "kvpool: %d of %d blocks of %s not loaded", len(bad), len(got), job.req_id
@@ -582,9 +589,9 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        for job in self._registered(meta.saves, "wait_for_save"):
+        for job, io in self._registered(meta.saves, "wait_for_save"):
             try:
-                codes = self._io.save(self._worker_keys(job), job.block_ids)
+                codes = io.save(self._worker_keys(job), job.block_ids)
                 failed = sum(1 for c in codes if c != 0)
                 if failed:
                     logger.warning(
@@ -634,7 +641,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
 # ---------------------------------------------------------------------------------------------
 
 
-def engine_mooncake_config(extra: Mapping[str, Any]) -> dict:
+def engine_mooncake_config(extra: Mapping[str, Any]) -> Dict[str, Any]:
     """What vLLM's in-tree connector reads from ``MOONCAKE_CONFIG_PATH``: the file already
     named there (the operator's engine.json), completed with the pool's setup arguments and a
     ``mode`` that agrees with the segment size (``standalone-store`` for 0: the node agents, not
@@ -650,7 +657,7 @@ def engine_mooncake_config(extra: Mapping[str, Any]) -> dict:
 
 
 def _engine_subclass(base: type) -> type:
-    class KvpoolStoreConnector(base):  # type: ignore[misc, valid-type]
+    class KvpoolStoreConnector(base):  # type: ignore[misc]
         """vLLM's ``MooncakeStoreConnector``, built on the pool's store module."""
 
         kvpool_impl = "engine"

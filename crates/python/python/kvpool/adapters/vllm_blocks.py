@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import itertools
 import logging
 import threading
@@ -351,7 +352,8 @@ class _Staging:
     filled and drained with torch copies (``index_select`` to host, ``index_copy_`` back)."""
 
     def __init__(self, store: Any, layout: BlockLayout, staging_bytes: int):
-        import torch  # device caches only exist where torch does
+        # Device caches only exist where torch does (Any: absent where the types are checked).
+        torch: Any = importlib.import_module("torch")
 
         self.torch = torch
         self.store = store
@@ -392,7 +394,8 @@ class _Staging:
         return [base + i * bpb for i in range(n)], [bpb] * n
 
     def save(self, keys: List[str], block_ids: List[int], replicate_config: Any) -> List[int]:
-        torch, out = self.torch, []
+        torch: Any = self.torch
+        out: List[int] = []
         for start, end in self._chunks(len(keys)):
             n = end - start
             for view, off in zip(self.views, self.offsets):
@@ -404,7 +407,8 @@ class _Staging:
         return out
 
     def load(self, keys: List[str], block_ids: List[int]) -> List[int]:
-        torch, out = self.torch, []
+        torch: Any = self.torch
+        out: List[int] = []
         for start, end in self._chunks(len(keys)):
             n = end - start
             ptrs, sizes = self._row_ptrs(n)
