@@ -18,7 +18,6 @@ use kvpool_core::sched::Rejection;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use serve_support::{listen, sse_data, start_conductor};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "synthetic-70b";
@@ -50,39 +49,22 @@ async fn tapped_engine(shutdown: &CancellationToken) -> (SocketAddr, Seen) {
     (a, seen)
 }
 
-/// One HTTP/1.1 exchange with `headers`; (status, head, de-chunked body).
+/// One HTTP/1.1 exchange with `headers`; (status, reply headers, de-chunked body).
 async fn call(
     addr: SocketAddr,
     method: &str,
     path: &str,
     headers: &[(&str, &str)],
     body: &str,
-) -> (u16, String, String) {
-    let mut text = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        text.push_str(&format!("{k}: {v}\r\n"));
-    }
-    text.push_str("\r\n");
-    text.push_str(body);
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    s.write_all(text.as_bytes()).await.expect("write");
-    let mut raw = Vec::new();
-    tokio::time::timeout(std::time::Duration::from_secs(30), s.read_to_end(&mut raw))
+) -> (u16, HeaderMap, String) {
+    let call = kvpool_harness::http::Call {
+        headers,
+        ..kvpool_harness::http::Call::new(method, path, body)
+    };
+    let r = kvpool_harness::http::call(addr, call)
         .await
-        .expect("an answer within 30 s")
-        .expect("read");
-    let r = kvpool_harness::http::parse_reply(&raw).expect("an HTTP reply");
-    (r.status, r.head, r.body)
-}
-
-fn head_value<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-    })
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    (r.status, r.headers, r.body)
 }
 
 struct Pool {
@@ -156,7 +138,7 @@ async fn api_keys_guard_the_api_and_the_trace_and_request_id_reach_both_engines(
         )
         .await;
         assert_eq!(status, 401, "{body}");
-        assert_eq!(head_value(&head, "www-authenticate"), Some("Bearer"));
+        assert_eq!(header_of(&head, "www-authenticate"), Some("Bearer"));
         let v: Value = serde_json::from_str(&body).expect("json");
         assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
         assert_eq!(v["error"]["type"], "invalid_request_error");
@@ -196,7 +178,7 @@ async fn api_keys_guard_the_api_and_the_trace_and_request_id_reach_both_engines(
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(head_value(&head, "x-request-id"), Some("client-req-7"));
+    assert_eq!(header_of(&head, "x-request-id"), Some("client-req-7"));
     for (engine, seen) in [("prefill", &p.prefill), ("decode", &p.decode)] {
         let seen = seen.lock();
         let h = seen
@@ -228,7 +210,7 @@ async fn api_keys_guard_the_api_and_the_trace_and_request_id_reach_both_engines(
         &completion("other", false),
     )
     .await;
-    let id = head_value(&head, "x-request-id")
+    let id = header_of(&head, "x-request-id")
         .expect("a new id")
         .to_owned();
     assert_eq!(id.len(), 32);

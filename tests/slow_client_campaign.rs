@@ -269,23 +269,13 @@ async fn http_from(
     path: &str,
     body: &str,
 ) -> Result<kvpool_harness::http::Reply, String> {
-    let mut s = connect_from(from, to)
+    let call = kvpool_harness::http::Call {
+        from: Some(IpAddr::V4(from)),
+        ..kvpool_harness::http::Call::new(method, path, body)
+    };
+    kvpool_harness::http::call(to, call)
         .await
-        .map_err(|e| format!("connect: {e}"))?;
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {to}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(request.as_bytes())
-        .await
-        .map_err(|e| format!("send: {e}"))?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)
-        .await
-        .map_err(|e| format!("read: {e}"))?;
-    kvpool_harness::http::parse_reply(&raw)
-        .ok_or_else(|| format!("no HTTP reply: {:?}", String::from_utf8_lossy(&raw)))
+        .map_err(|e| e.to_string())
 }
 
 /// A completion of a short prompt at `to` from `from`; Ok when answered 200 with a choice.

@@ -1,6 +1,6 @@
 //! kvpool's process harness, shared by the root tests, the benchmarks and `kvpool up`: child
 //! processes with their output in log files that die with their owner ([`process`]), readiness
-//! probes ([`probe`]) over a small HTTP client ([`http`]), polling a condition ([`poll`]), free loopback ports ([`ports`]),
+//! probes ([`probe`]) over HTTP requests made with hyper-util ([`http`]), polling a condition ([`poll`]), free loopback ports ([`ports`]),
 //! throw-away etcd and Prometheus servers ([`etcd`], [`prometheus`]), the kvpool master and agent
 //! as children ([`master`], [`agent`], [`command`]) a reader of `/metrics` text ([`scrape`]) and
 //! seeded payloads ([`bytes`]), throw-away TLS certificates for the master ([`tls`]).

@@ -1,10 +1,10 @@
 //! The configuration and command lines the harness gives kvpool children, without starting
 //! any: the agent's YAML (what `kvpool agent run` parses), the master's flags, the cleared
-//! environment, and the helpers for `/metrics` and HTTP replies.
+//! environment.
 
 use std::path::Path;
 
-use kvpool_harness::{AgentSpec, MasterSpec, http, kvpool_command};
+use kvpool_harness::{AgentSpec, MasterSpec, kvpool_command};
 
 /// The arguments of a command, as strings.
 fn args_of(cmd: &std::process::Command) -> Vec<String> {
@@ -87,17 +87,4 @@ fn master_flags_name_its_ports_and_key_and_the_environment_is_cleared() {
         "{removed:?}"
     );
     assert!(removed.iter().any(|k| k == "POD_IP"), "{removed:?}");
-}
-
-#[test]
-fn replies_are_parsed_and_chunked_bodies_decoded() {
-    let r = http::parse_reply(
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
-    )
-    .expect("reply");
-    assert_eq!((r.status, r.body.as_str()), (200, "hello world"));
-    assert_eq!(r.header("x-a"), Some("1"));
-    let r = http::parse_reply(b"HTTP/1.0 503 Service Unavailable\r\n\r\nnot ready").expect("reply");
-    assert_eq!((r.status, r.body.as_str()), (503, "not ready"));
-    assert!(http::parse_reply(b"garbage").is_none());
 }
