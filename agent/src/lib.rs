@@ -18,6 +18,7 @@ pub mod config;
 pub mod discovery;
 pub mod dram;
 pub mod extent;
+pub mod issuer;
 #[cfg(feature = "cuda")]
 pub mod gpu_cuda;
 pub mod locality;

@@ -105,6 +105,16 @@ pub struct RunArgs {
     /// operator's usage query. Without it such a pool's usage is not read (`no_master_ca`).
     #[arg(long, env = "KVPOOL_OPERATOR_MASTER_CA_FILE")]
     pub master_ca_file: Option<PathBuf>,
+    /// URL the node agents reach this operator's agent credential issuer at
+    /// (`https://<service>.<namespace>.svc:8443`; the chart sets it). With it each agent gets
+    /// its own node's credential on proof of its pod, and masters refuse an agent's calls for
+    /// other nodes; without it the agents share one credential file and masters run with
+    /// `--shared-agent-credentials` (docs/adr/0009-node-bound-agent-credentials.md).
+    #[arg(long, env = "KVPOOL_OPERATOR_AGENT_ISSUER_URL")]
+    pub agent_issuer_url: Option<String>,
+    /// Listen address of the agent credential issuer (HTTPS), with `--agent-issuer-url`.
+    #[arg(long, env = "KVPOOL_OPERATOR_AGENT_ISSUER_LISTEN", default_value = "0.0.0.0:8443")]
+    pub agent_issuer_listen: SocketAddr,
 }
 
 /// Flags of `kvpool operator crd`.

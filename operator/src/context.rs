@@ -30,6 +30,9 @@ pub struct Settings {
     /// The namespace the operator runs in (`POD_NAMESPACE`): the pools' NetworkPolicies admit
     /// the operator's pods from there only. None: from any namespace.
     pub operator_namespace: Option<String>,
+    /// Where the agents get their node's credential (`--agent-issuer-url`). None: the agents
+    /// share one credential file and the masters run with `--shared-agent-credentials`.
+    pub agent_issuer: Option<crate::issuer::AgentIssuer>,
 }
 
 impl Settings {
@@ -41,6 +44,7 @@ impl Settings {
             master_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
             conductor_image: "ghcr.io/kvpool/kvpool:test".to_owned(),
             operator_namespace: None,
+            agent_issuer: None,
         }
     }
 }

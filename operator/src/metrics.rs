@@ -17,6 +17,8 @@ pub struct Metrics {
     duration: HistogramVec,
     leader: IntGauge,
     transport_degraded: IntGaugeVec,
+    /// Agent credential requests by outcome (`issued` or the refusal's reason).
+    pub agent_credentials: IntCounterVec,
 }
 
 impl Metrics {
@@ -60,6 +62,14 @@ impl Metrics {
             ),
             &["pool_namespace", "pool"],
         )?;
+        let agent_credentials = IntCounterVec::new(
+            Opts::new(
+                "kvpool_operator_agent_credentials_total",
+                "Agent credential requests to the issuer, by outcome: issued, or the refusal's reason (token_rejected, not_an_agent, api_unavailable, ...)",
+            ),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(agent_credentials.clone()))?;
         registry.register(Box::new(leader.clone()))?;
         registry.register(Box::new(transport_degraded.clone()))?;
         Ok(Self {
@@ -68,6 +78,7 @@ impl Metrics {
             duration,
             leader,
             transport_degraded,
+            agent_credentials,
         })
     }
 

@@ -33,6 +33,7 @@ use crate::enginepool::{self, EnginePool};
 use crate::labels::managed_selector;
 use crate::metrics::Metrics;
 use crate::pool_usage::GrpcMasterStats;
+use crate::issuer::{self, AgentIssuer, IssuerCa, IssuerState};
 use crate::root_key::RootKey;
 
 /// Lease duration and renewal grace of leader election, seconds.
@@ -63,6 +64,10 @@ pub enum RunError {
     NoRootKey,
     #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG)")]
     Client(#[source] kube::Error),
+    #[error("the agent credential issuer")]
+    Issuer(#[source] issuer::IssuerError),
+    #[error("--agent-issuer-url: {0}")]
+    IssuerUrl(String),
     #[error("leader election")]
     Leader(#[source] LeaseManagerError),
     #[error("lost the leader lease; exiting so that another replica takes over")]
@@ -147,6 +152,39 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     result
 }
 
+/// Start the agent credential issuer when `--agent-issuer-url` is set; what the pools' agents
+/// need to reach it.
+async fn start_issuer(
+    args: &RunArgs,
+    client: &Client,
+    root_key: &RootKey,
+    metrics: &Metrics,
+    stop: CancellationToken,
+) -> Result<Option<AgentIssuer>, RunError> {
+    let Some(url) = args.agent_issuer_url.clone() else {
+        return Ok(None);
+    };
+    let host = issuer::host_of(&url).map_err(RunError::IssuerUrl)?;
+    let ca = IssuerCa::derive(root_key).map_err(|e| RunError::Issuer(e.into()))?;
+    let tls = ca
+        .server_config(&issuer::server_names(&host))
+        .map_err(|e| RunError::Issuer(e.into()))?;
+    let listener = issuer::serve::bind(args.agent_issuer_listen)
+        .await
+        .map_err(RunError::Issuer)?;
+    let state = Arc::new(IssuerState {
+        client: client.clone(),
+        root: root_key.clone(),
+        outcomes: metrics.agent_credentials.clone(),
+    });
+    info!(%url, listen = %args.agent_issuer_listen, "agent credential issuer listening");
+    tokio::spawn(issuer::serve(listener, tls, issuer::serve::router(state), stop));
+    Ok(Some(AgentIssuer {
+        url,
+        ca_pem: ca.ca_pem(),
+    }))
+}
+
 /// The root key: from `--root-key-file`, or from (or into) the Secret `--root-key-secret` of
 /// the operator's namespace.
 async fn load_root_key(args: &RunArgs) -> Result<RootKey, RunError> {
@@ -173,6 +211,9 @@ async fn run_with_admin(
     readiness: Readiness,
 ) -> Result<(), RunError> {
     let client = Client::try_default().await.map_err(RunError::Client)?;
+    // Every replica serves the issuer (leader or not): agents start at any time.
+    let agent_issuer = start_issuer(args, &client, &root_key, &metrics, shutdown.child_token())
+        .await?;
     let identity = args
         .identity
         .clone()
@@ -242,6 +283,7 @@ async fn run_with_admin(
                 conductor_image: args.conductor_image.clone(),
                 operator_namespace: (!args.operator_namespace.is_empty())
                     .then(|| args.operator_namespace.clone()),
+                agent_issuer,
             },
             root_key,
             Some(identity),

@@ -48,8 +48,16 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                     runtime::run_blocking(&rt, cfg, mode, registry, shutdown)?;
                 }
                 Some(pool) => {
-                    let member = Member::start(&pool, &cfg.node_name, &registry)
-                        .context("joining the pool")?;
+                    let issued = match &pool.credential_issuer {
+                        Some(issuer) => Some(
+                            rt.block_on(kvpool_agent::issuer::fetch(issuer, &shutdown))
+                                .context("getting this node's credential from the operator")?,
+                        ),
+                        None => None,
+                    };
+                    let member =
+                        Member::start(&pool, &cfg.node_name, &registry, issued.as_deref())
+                            .context("joining the pool")?;
                     // The runtime runs the link (mounts, heartbeats, tasks) and unmounts before
                     // withdrawing the memory; the transfer target closes last.
                     let ran =

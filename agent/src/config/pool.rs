@@ -61,13 +61,34 @@ pub struct PoolSection {
     pub transport_tls_ca_file: Option<PathBuf>,
     /// Name every target certificate must carry; unset: the target's IP address.
     pub transport_tls_server_name: Option<String>,
+    /// Get this node's credential from the operator's agent credential issuer instead of
+    /// `auth_key_file` (the operator's pool document sets it).
+    pub credential_issuer: Option<IssuerSection>,
+}
+
+/// `pool.credential_issuer`: the operator's agent credential issuer.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct IssuerSection {
+    /// `https://host:port` of the issuer.
+    pub url: String,
+    /// CA certificate(s), PEM, that sign the issuer's certificate.
+    pub ca_pem: String,
+    /// The pod's projected ServiceAccount token.
+    pub token_file: PathBuf,
+    /// The pool's namespace and name.
+    pub namespace: String,
+    pub pool: String,
 }
 
 /// Validated pool membership.
 #[derive(Clone, Debug)]
 pub struct PoolConfig {
     pub masters: Vec<String>,
+    /// The credential file; unused (empty) when `credential_issuer` is set.
     pub auth_key_file: PathBuf,
+    /// Where this node's credential comes from instead of `auth_key_file`.
+    pub credential_issuer: Option<crate::issuer::IssuerConfig>,
     /// TLS to the master: not in the file; `kvpool agent run`'s `--master-*` flags (or their
     /// `KVPOOL_MASTER_*` variables) set it after validation. Default: plaintext.
     pub master_tls: kvpool_client::master::MasterTls,
@@ -103,10 +124,17 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
     if p.master.iter().any(|m| m.trim().is_empty()) {
         return Err(invalid("pool.master", "empty address"));
     }
-    let auth_key_file = p
-        .auth_key_file
-        .clone()
-        .ok_or_else(|| invalid("pool.auth_key_file", "required when pool.master is set"))?;
+    let credential_issuer = p.credential_issuer.as_ref().map(issuer).transpose()?;
+    let auth_key_file = match (&p.auth_key_file, &credential_issuer) {
+        (Some(f), _) => f.clone(),
+        (None, Some(_)) => PathBuf::new(),
+        (None, None) => {
+            return Err(invalid(
+                "pool.auth_key_file",
+                "required when pool.master is set (or pool.credential_issuer)",
+            ));
+        }
+    };
     let transport_listen = socket_addr(
         "pool.transport_listen",
         p.transport_listen.as_deref().unwrap_or("0.0.0.0:12345"),
@@ -193,6 +221,7 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
     Ok(Some(PoolConfig {
         masters: p.master.clone(),
         auth_key_file,
+        credential_issuer,
         master_tls: kvpool_client::master::MasterTls::default(),
         transport_listen,
         advertise_host,
@@ -208,6 +237,35 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
         integrity,
         tls,
     }))
+}
+
+/// `pool.credential_issuer`, checked: an https URL, a CA, a token file, the pool's identity.
+fn issuer(s: &IssuerSection) -> Result<crate::issuer::IssuerConfig, ConfigError> {
+    if !s.url.starts_with("https://") {
+        return Err(invalid("pool.credential_issuer.url", "must be an https:// URL"));
+    }
+    if !s.ca_pem.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(invalid(
+            "pool.credential_issuer.ca_pem",
+            "holds no PEM certificate",
+        ));
+    }
+    if s.token_file.as_os_str().is_empty() {
+        return Err(invalid("pool.credential_issuer.token_file", "must not be empty"));
+    }
+    if s.namespace.is_empty() || s.pool.is_empty() {
+        return Err(invalid(
+            "pool.credential_issuer",
+            "namespace and pool must name the KVCachePool",
+        ));
+    }
+    Ok(crate::issuer::IssuerConfig {
+        url: s.url.clone(),
+        ca_pem: s.ca_pem.clone(),
+        token_file: s.token_file.clone(),
+        namespace: s.namespace.clone(),
+        pool: s.pool.clone(),
+    })
 }
 
 /// `pool.transport_tls*`: the mode and the files it needs (their contents are checked when

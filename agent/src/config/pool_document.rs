@@ -23,7 +23,18 @@ pub struct PoolDocument {
     pub auth_key_file: PathBuf,
     /// Path of the agent's Unix socket (the engines connect there).
     pub agent_socket: PathBuf,
+    /// The operator's agent credential issuer, when it runs one.
+    pub credential_issuer: Option<IssuerHead>,
     pub effective: kvpool_crd::ValidatedKVCachePool,
+}
+
+/// The pool document's `credentialIssuer`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct IssuerHead {
+    pub url: String,
+    pub ca_pem: String,
+    pub token_file: PathBuf,
 }
 
 /// The identity fields of the pool document; the rest is read as the CRD type.
@@ -35,6 +46,8 @@ struct PoolHead {
     master_addr: String,
     auth_key_file: PathBuf,
     agent_socket: PathBuf,
+    #[serde(default)]
+    credential_issuer: Option<IssuerHead>,
 }
 
 /// Parse the operator's pool document (`path` only names it in errors).
@@ -51,6 +64,7 @@ pub fn parse_pool_document(text: &str, path: &Path) -> Result<PoolDocument, Conf
         master_addr: head.master_addr,
         auth_key_file: head.auth_key_file,
         agent_socket: head.agent_socket,
+        credential_issuer: head.credential_issuer,
         effective,
     })
 }
@@ -120,7 +134,19 @@ pub fn from_pool_document(
         return Err(invalid("masterAddr", "must not be empty"));
     }
     file.pool.master = vec![doc.master_addr.clone()];
-    file.pool.auth_key_file = Some(doc.auth_key_file.clone());
+    match &doc.credential_issuer {
+        // The operator issues each agent its node's credential; no key file is mounted.
+        Some(i) => {
+            file.pool.credential_issuer = Some(super::pool::IssuerSection {
+                url: i.url.clone(),
+                ca_pem: i.ca_pem.clone(),
+                token_file: i.token_file.clone(),
+                namespace: doc.namespace.clone(),
+                pool: doc.pool.clone(),
+            });
+        }
+        None => file.pool.auth_key_file = Some(doc.auth_key_file.clone()),
+    }
     file.pool.transport_listen = Some(format!("0.0.0.0:{}", eff.transport.port));
     file.pool.replicas = Some(eff.replication.replicas);
     // The node's value of the spread label is its failure domain; the node also gets the

@@ -48,6 +48,8 @@ pub enum PoolError {
     TransferKey(#[source] transfer::AuthError),
     #[error("reading the pool key for the master")]
     MasterKey(#[source] kvpool_proto::auth::AuthError),
+    #[error("the credential the operator issued is not usable: {0}")]
+    IssuedKey(String),
     #[error(
         "credential file {path} is the agent credential of node {bound:?}, but this agent is \
          node {node:?}"
@@ -112,17 +114,34 @@ pub fn engine_config(cfg: &PoolConfig, node: &str) -> EngineConfig {
 }
 
 impl Member {
-    /// Read the pool key, start the transfer engine (its metrics and the pool metrics go to
-    /// `registry`) and its TCP target, build the master client (it connects on first use).
-    pub fn start(cfg: &PoolConfig, node: &str, registry: &Registry) -> Result<Self, PoolError> {
-        let transfer_key =
-            transfer::AuthKey::from_file(&cfg.auth_key_file).map_err(PoolError::TransferKey)?;
-        let master_key = MasterKey::from_file(&cfg.auth_key_file).map_err(PoolError::MasterKey)?;
+    /// Read the pool key (from `issued`, the credential file the operator's issuer gave this
+    /// node, else from `cfg.auth_key_file`), start the transfer engine (its metrics and the
+    /// pool metrics go to `registry`) and its TCP target, build the master client (it
+    /// connects on first use).
+    pub fn start(
+        cfg: &PoolConfig,
+        node: &str,
+        registry: &Registry,
+        issued: Option<&[u8]>,
+    ) -> Result<Self, PoolError> {
+        let (transfer_key, master_key, origin) = match issued {
+            Some(doc) => (
+                transfer::AuthKey::from_document(doc).map_err(PoolError::IssuedKey)?,
+                MasterKey::from_document(doc).map_err(PoolError::IssuedKey)?,
+                std::path::PathBuf::from("(issued by the operator)"),
+            ),
+            None => (
+                transfer::AuthKey::from_file(&cfg.auth_key_file)
+                    .map_err(PoolError::TransferKey)?,
+                MasterKey::from_file(&cfg.auth_key_file).map_err(PoolError::MasterKey)?,
+                cfg.auth_key_file.clone(),
+            ),
+        };
         if let Some(bound) = master_key.node()
             && bound != node
         {
             return Err(PoolError::WrongNode {
-                path: cfg.auth_key_file.clone(),
+                path: origin,
                 bound: bound.to_owned(),
                 node: node.to_owned(),
             });

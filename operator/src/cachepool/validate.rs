@@ -29,6 +29,8 @@ pub struct ValidCachePool {
     pub conductor_image: String,
     /// The operator's own namespace, when known (see `Settings::operator_namespace`).
     pub operator_namespace: Option<String>,
+    /// The agent credential issuer (see `Settings::agent_issuer`).
+    pub agent_issuer: Option<crate::issuer::AgentIssuer>,
 }
 
 impl ValidCachePool {
@@ -80,6 +82,7 @@ pub fn validate(pool: &KVCachePool, settings: &Settings) -> Result<ValidCachePoo
             .clone()
             .unwrap_or_else(|| settings.conductor_image.clone()),
         operator_namespace: settings.operator_namespace.clone(),
+        agent_issuer: settings.agent_issuer.clone(),
     })
 }
 

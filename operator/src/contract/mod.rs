@@ -29,6 +29,14 @@ pub const HOST_SOCKET_DIR: &str = "/run/kvpool";
 pub const SOCKET_DIR: &str = "/run/kvpool";
 /// File name of the agent's Unix socket inside [`SOCKET_DIR`].
 pub const AGENT_SOCKET_FILE: &str = "agent.sock";
+/// Directory of the agent's projected ServiceAccount token (audience
+/// `kvpool_proto::issuer::AUDIENCE`), presented to the agent credential issuer.
+pub const AGENT_TOKEN_DIR: &str = "/var/run/secrets/kvpool.dev/agent-token";
+/// File name of that token.
+pub const AGENT_TOKEN_FILE: &str = "token";
+/// Lifetime the agent's projected token is asked for (the kubelet renews it at 80%); the
+/// agent presents it once, at start.
+pub const AGENT_TOKEN_SECONDS: i64 = 600;
 /// Where the `kvpool` image carries the installed `kvpool` Python package (docker/kvpool.Dockerfile,
 /// `pip install --target`), and where engine containers mount their copy of it (read-only).
 pub const PYTHON_PACKAGE_DIR: &str = "/opt/kvpool/python";
@@ -164,9 +172,13 @@ pub fn kvpool_command() -> Vec<String> {
 /// announce their node's value of `spec.replication.spreadLabelKey`); `--etcd-endpoints`
 /// (comma-separated) only for HA, and then `--advertise-addr $(KVPOOL_POD_IP):50051` (the
 /// kubelet substitutes the pod IP from the container's downward-API env var [`env::POD_IP`])
-/// since standbys redirect clients to it. `--shared-agent-credentials`: the agents share one
-/// credential.
-pub fn master_args(etcd_endpoints: &[String], eviction: &EvictionConfig) -> Vec<String> {
+/// since standbys redirect clients to it. `--shared-agent-credentials` (`shared_agents`): the
+/// agents share one credential, when the operator runs no agent credential issuer.
+pub fn master_args(
+    etcd_endpoints: &[String],
+    eviction: &EvictionConfig,
+    shared_agents: bool,
+) -> Vec<String> {
     let high = percent_as_fraction(eviction.high_watermark_percent);
     let low = percent_as_fraction(eviction.low_watermark_percent);
     let mut args = vec![
@@ -193,11 +205,13 @@ pub fn master_args(etcd_endpoints: &[String], eviction: &EvictionConfig) -> Vec<
         low,
         "--replica-spread".to_owned(),
         "failure-domain".to_owned(),
-        // The DaemonSet's agents share one agent credential (a pod template cannot carry a
-        // per-node Secret), so the master lets node-less agent credentials act for any node.
-        // Per-node credentials issued on proof of the node are docs/reliability.md's open item.
-        "--shared-agent-credentials".to_owned(),
     ];
+    if shared_agents {
+        // Without the issuer the DaemonSet's agents share one agent credential (a pod
+        // template cannot carry a per-node Secret), so the master lets node-less agent
+        // credentials act for any node.
+        args.push("--shared-agent-credentials".to_owned());
+    }
     if !etcd_endpoints.is_empty() {
         args.push("--etcd-endpoints".to_owned());
         args.push(etcd_endpoints.join(","));
@@ -338,7 +352,7 @@ mod tests {
 
     #[test]
     fn master_args_carry_the_pools_eviction_and_spread() {
-        let args = master_args(&[], &eviction(kvpool_crd::EvictionPolicy::S3fifo, 95, 5));
+        let args = master_args(&[], &eviction(kvpool_crd::EvictionPolicy::S3fifo, 95, 5), true);
         for pair in [
             ["--eviction-policy", "s3fifo"],
             ["--dram-high-watermark", "0.95"],
@@ -357,7 +371,7 @@ mod tests {
 
     #[test]
     fn the_master_publishes_pool_events_on_the_kv_events_port() {
-        let args = master_args(&[], &lru());
+        let args = master_args(&[], &lru(), true);
         let i = args
             .iter()
             .position(|a| a == "--kv-events-config")
@@ -373,14 +387,17 @@ mod tests {
 
     #[test]
     fn master_args_add_etcd_only_for_ha() {
-        let plain = master_args(&[], &lru());
+        let plain = master_args(&[], &lru(), true);
         assert!(!plain.iter().any(|a| a == "--etcd-endpoints"));
         assert_eq!(plain[0], "master");
         assert!(has_arg(&plain, "--auth-key-file", "/etc/kvpool/auth/key"));
         let ha = master_args(
             &["http://a:2379".to_owned(), "http://b:2379".to_owned()],
             &lru(),
+            false,
         );
+        assert!(plain.iter().any(|a| a == "--shared-agent-credentials"));
+        assert!(!ha.iter().any(|a| a == "--shared-agent-credentials"));
         assert!(has_arg(
             &ha,
             "--etcd-endpoints",

@@ -114,14 +114,8 @@ fn controller(refs: Option<&Vec<OwnerReference>>) -> Option<&OwnerReference> {
     refs.into_iter().flatten().find(|r| r.controller == Some(true))
 }
 
-/// Whether `caller`, whose pod and its controlling DaemonSet the API server returned (`None`:
-/// not found), may have the credential of its node in the pool `req` names.
-pub fn grant(
-    req: &IssueRequest,
-    caller: &Caller,
-    pod: Option<&Pod>,
-    daemonset: Option<&DaemonSet>,
-) -> Result<Grant, Refusal> {
+/// The caller must run in the pool's namespace (checked before anything is read for it).
+pub fn same_namespace(req: &IssueRequest, caller: &Caller) -> Result<(), Refusal> {
     if caller.namespace != req.namespace {
         return Err(refuse(
             403,
@@ -132,6 +126,18 @@ pub fn grant(
             ),
         ));
     }
+    Ok(())
+}
+
+/// Whether `caller`, whose pod and its controlling DaemonSet the API server returned (`None`:
+/// not found), may have the credential of its node in the pool `req` names.
+pub fn grant(
+    req: &IssueRequest,
+    caller: &Caller,
+    pod: Option<&Pod>,
+    daemonset: Option<&DaemonSet>,
+) -> Result<Grant, Refusal> {
+    same_namespace(req, caller)?;
     let pod = pod.ok_or_else(|| {
         refuse(
             403,

@@ -110,6 +110,7 @@ async fn decide(state: &IssuerState, token: &str, req: &IssueRequest) -> Result<
         .await
         .map_err(|e| unavailable("TokenReview", e))?;
     let caller = review::caller(&reviewed.status.unwrap_or_default())?;
+    review::same_namespace(req, &caller)?;
     let pods = Api::<Pod>::namespaced(state.client.clone(), &req.namespace);
     let pod = pods
         .get_opt(&caller.pod_name)

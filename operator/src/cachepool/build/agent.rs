@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{DaemonSet, DaemonSetSpec};
 use k8s_openapi::api::core::v1::{
     Container, EmptyDirVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    ResourceRequirements, SecurityContext, Volume,
+    ProjectedVolumeSource, ResourceRequirements, SecurityContext, ServiceAccountTokenProjection,
+    Volume, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -94,6 +95,26 @@ fn agent_resources(pool: &ValidCachePool) -> Option<ResourceRequirements> {
     (res != ResourceRequirements::default()).then_some(res)
 }
 
+/// The agent's projected ServiceAccount token for the credential issuer: its own audience
+/// (useless against the API server), bound to the pod, short-lived.
+fn agent_token_volume() -> Volume {
+    Volume {
+        name: "agent-token".to_owned(),
+        projected: Some(ProjectedVolumeSource {
+            sources: Some(vec![VolumeProjection {
+                service_account_token: Some(ServiceAccountTokenProjection {
+                    audience: Some(kvpool_proto::issuer::AUDIENCE.to_owned()),
+                    expiration_seconds: Some(contract::AGENT_TOKEN_SECONDS),
+                    path: contract::AGENT_TOKEN_FILE.to_owned(),
+                }),
+                ..VolumeProjection::default()
+            }]),
+            ..ProjectedVolumeSource::default()
+        }),
+        ..Volume::default()
+    }
+}
+
 /// The node agent DaemonSet.
 pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
     let spec = &pool.spec;
@@ -105,13 +126,29 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
             pool.effective.transport.networks.join(","),
         );
     }
+    // With the issuer, each agent gets its own node's credential from the operator on proof
+    // of its pod: no shared agent file in the pod at all.
+    let (credential, credential_mount) = if pool.agent_issuer.is_some() {
+        (
+            agent_token_volume(),
+            mount("agent-token", contract::AGENT_TOKEN_DIR, true),
+        )
+    } else {
+        (
+            pod::auth_volume(&pool.name, Component::Agent),
+            mount("auth", contract::AUTH_DIR, true),
+        )
+    };
     let mut volumes = vec![
         pod::config_volume(&pool.name),
-        pod::auth_volume(&pool.name, Component::Agent),
+        credential,
         pod::socket_volume(),
     ];
-    let mut mounts = pod::common_mounts();
-    mounts.push(mount("socket", contract::SOCKET_DIR, false));
+    let mut mounts = vec![
+        mount("config", contract::CONFIG_DIR, true),
+        credential_mount,
+        mount("socket", contract::SOCKET_DIR, false),
+    ];
     // The root filesystem is read-only; /tmp is the one writable place besides the volumes.
     volumes.push(Volume {
         name: "tmp".to_owned(),

@@ -26,11 +26,24 @@ pub struct PoolConfig<'a> {
     pub master_addr: String,
     pub auth_key_file: String,
     pub agent_socket: String,
+    /// Where the agents get their node's credential, when the operator issues them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credential_issuer: Option<CredentialIssuer<'a>>,
     #[serde(flatten)]
     pub effective: &'a ValidatedKVCachePool,
 }
 
 /// The pool's config document.
+/// The pool document's `credentialIssuer`: the issuer's URL, the CA that signs its
+/// certificate, and the agent's projected token file.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CredentialIssuer<'a> {
+    pub url: &'a str,
+    pub ca_pem: &'a str,
+    pub token_file: String,
+}
+
 pub fn pool_config(pool: &ValidCachePool) -> PoolConfig<'_> {
     PoolConfig {
         pool: &pool.name,
@@ -38,6 +51,11 @@ pub fn pool_config(pool: &ValidCachePool) -> PoolConfig<'_> {
         master_addr: pool.master_addr(),
         auth_key_file: contract::auth_key_path(),
         agent_socket: contract::agent_socket_path(),
+        credential_issuer: pool.agent_issuer.as_ref().map(|i| CredentialIssuer {
+            url: &i.url,
+            ca_pem: &i.ca_pem,
+            token_file: format!("{}/{}", contract::AGENT_TOKEN_DIR, contract::AGENT_TOKEN_FILE),
+        }),
         effective: &pool.effective,
     }
 }

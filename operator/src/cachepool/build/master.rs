@@ -26,7 +26,11 @@ pub fn master_deployment(pool: &ValidCachePool, config_hash: &str) -> Deployment
     let container = workload::kvpool_container(KvpoolContainer {
         name: "master",
         image: &pool.master_image,
-        args: contract::master_args(&master.etcd_endpoints, &pool.effective.eviction),
+        args: contract::master_args(
+            &master.etcd_endpoints,
+            &pool.effective.eviction,
+            pool.agent_issuer.is_none(),
+        ),
         env: Some(vec![pod::field_env(contract::env::POD_IP, "status.podIP")]),
         ports: &MASTER_PORTS,
         resources: master.resources.clone(),
