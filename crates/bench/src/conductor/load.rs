@@ -16,7 +16,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 use serde_json::json;
 
-use super::http::Client;
+use super::http::{Client, sse_data};
 use super::router::BOOTSTRAP_PORT;
 
 /// Largest bootstrap room (SGLang draws them from 0 to 2^63 - 1).
@@ -186,9 +186,10 @@ impl Load {
             .map_err(|e| format!("{url}: {e}"))?;
         let bytes = &resp.body;
         let complete = if self.work.stream {
-            bytes.windows(6).any(|w| w == b"[DONE]")
+            complete_stream(bytes.clone()).await
         } else {
-            bytes.windows(9).any(|w| w == b"\"choices\"")
+            serde_json::from_slice::<serde_json::Value>(bytes)
+                .is_ok_and(|v| v.get("choices").is_some())
         };
         match (resp.status, complete) {
             (200, true) => Ok(()),
@@ -281,6 +282,23 @@ impl Load {
     }
 }
 
+/// Whether a streamed completion is whole: server-sent events of JSON chunks, the last one
+/// `[DONE]`.
+async fn complete_stream(body: bytes::Bytes) -> bool {
+    let Ok(data) = sse_data(body).await else {
+        return false;
+    };
+    match data.split_last() {
+        Some((last, chunks)) => {
+            last == "[DONE]"
+                && chunks
+                    .iter()
+                    .all(|c| serde_json::from_str::<serde_json::Value>(c).is_ok())
+        }
+        None => false,
+    }
+}
+
 /// The host of an `http://host:port` base URL (what `bootstrap_host` carries).
 fn url_host(url: &str) -> &str {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
@@ -318,6 +336,16 @@ mod tests {
         // Three significant digits: within 0.1% of the nearest-rank values 50 and 99 ms.
         assert!((p.p50_ms - 50.0).abs() <= 0.05, "{}", p.p50_ms);
         assert!((p.p99_ms - 99.0).abs() <= 0.1, "{}", p.p99_ms);
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_complete_with_json_chunks_then_done() {
+        let whole = "data: {\"choices\":[]}\n\ndata: {\"choices\":[]}\n\ndata: [DONE]\n\n";
+        assert!(complete_stream(whole.into()).await);
+        assert!(complete_stream("data: [DONE]\n\n".into()).await);
+        for cut in ["", "data: {\"choices\":[]}\n\n", "data: {\"cho\n\ndata: [DONE]\n\n"] {
+            assert!(!complete_stream(cut.into()).await, "{cut:?}");
+        }
     }
 
     #[test]
