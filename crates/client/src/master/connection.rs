@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use backon::{ExponentialBuilder, Retryable};
 use tonic::Code;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
@@ -157,48 +158,75 @@ impl MasterClient {
     }
 
     /// One unary call (see the `rpc!` macro): retried on another connection while the master
-    /// is unavailable, for at most the failover budget.
+    /// is unavailable, with delays from [`RETRY_FIRST`] doubling up to [`RETRY_MAX`], as long
+    /// as the next try starts within the failover budget.
     pub(super) async fn call<T, F, Fut>(&self, method: &'static str, f: F) -> Result<T, ClientError>
     where
         F: Fn(GrpcClient) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
         let deadline = tokio::time::Instant::now() + self.config.failover_budget;
-        let mut backoff = Duration::from_millis(50);
-        loop {
-            let attempt: Result<(), ClientError> = match self.connection().await {
-                Ok((addr, client)) => match f(client).await {
-                    Ok(r) => return Ok(r.into_inner()),
-                    Err(s) if retryable(&s) => {
-                        let hint = s
-                            .metadata()
-                            .get(LEADER_HEADER)
-                            .and_then(|v| v.to_str().ok())
-                            .map(str::to_owned)
-                            .filter(|h| *h != addr);
-                        self.fail_over(&addr, hint);
-                        Err(ClientError::Rpc { method, source: s })
-                    }
-                    Err(s) => return Err(ClientError::Rpc { method, source: s }),
-                },
-                Err(e) => {
-                    let mut c = self.conn.lock();
-                    c.addr = None;
-                    c.client = None;
-                    c.next = c.next.wrapping_add(1);
-                    Err(e)
+        let delays = ExponentialBuilder::default()
+            .with_min_delay(RETRY_FIRST)
+            .with_max_delay(RETRY_MAX)
+            .without_max_times();
+        (|| self.attempt(method, &f))
+            .retry(delays)
+            .sleep(tokio::time::sleep)
+            .when(|failed| failed.retry)
+            .adjust(|_, delay| delay.filter(|d| tokio::time::Instant::now() + *d <= deadline))
+            .notify(|failed, _| {
+                tracing::debug!(error = %failed.error, "master unavailable, retrying");
+            })
+            .await
+            .map_err(|failed| failed.error)
+    }
+
+    /// One try of [`Self::call`]; a failure says whether another connection may succeed.
+    async fn attempt<T, F, Fut>(&self, method: &'static str, f: &F) -> Result<T, Failed>
+    where
+        F: Fn(GrpcClient) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let retry = |error| Failed { error, retry: true };
+        match self.connection().await {
+            Ok((addr, client)) => match f(client).await {
+                Ok(r) => Ok(r.into_inner()),
+                Err(s) if retryable(&s) => {
+                    let hint = s
+                        .metadata()
+                        .get(LEADER_HEADER)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned)
+                        .filter(|h| *h != addr);
+                    self.fail_over(&addr, hint);
+                    Err(retry(ClientError::Rpc { method, source: s }))
                 }
-            };
-            if let Err(e) = attempt {
-                if tokio::time::Instant::now() + backoff > deadline {
-                    return Err(e);
-                }
-                tracing::debug!(error = %e, "master unavailable, retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                Err(s) => Err(Failed {
+                    error: ClientError::Rpc { method, source: s },
+                    retry: false,
+                }),
+            },
+            Err(e) => {
+                let mut c = self.conn.lock();
+                c.addr = None;
+                c.client = None;
+                c.next = c.next.wrapping_add(1);
+                Err(retry(e))
             }
         }
     }
+}
+
+/// The first delay before a call is retried; each next one doubles, up to [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+/// The longest delay between two tries of a call.
+const RETRY_MAX: Duration = Duration::from_millis(500);
+
+/// A failed try of a call, and whether to try again.
+struct Failed {
+    error: ClientError,
+    retry: bool,
 }
 
 /// Calls worth retrying on another connection: the master is a standby or going away, or the
