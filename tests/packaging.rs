@@ -714,14 +714,16 @@ fn default_render_holds_exactly_the_expected_objects() -> Result<()> {
     let crds = crd_files("crds")?.len();
     let mut expected = BTreeMap::from([
         ("ServiceAccount", 1),
-        ("Service", 1),
+        // The metrics Service and the agent credential issuer's.
+        ("Service", 2),
         ("Deployment", 1),
         // Namespace scope by default: the operator's Role and RoleBinding, and those of its root
-        // key Secret; the two ClusterRoles are the aggregated view and edit roles, bound to
-        // nobody.
+        // key Secret; two ClusterRoles are the aggregated view and edit roles, bound to
+        // nobody; the third, bound, lets the agent credential issuer create TokenReviews.
         ("Role", 2),
         ("RoleBinding", 2),
-        ("ClusterRole", 2),
+        ("ClusterRole", 3),
+        ("ClusterRoleBinding", 1),
     ]);
     if crds > 0 {
         expected.insert("CustomResourceDefinition", crds);
@@ -1055,9 +1057,14 @@ fn triples(rules: &[PolicyRule]) -> Result<BTreeSet<Triple>> {
     Ok(out)
 }
 
-fn operator_permissions(leases: bool, root_key_secret: bool) -> BTreeSet<Triple> {
+fn operator_permissions(leases: bool, root_key_secret: bool, issuer: bool) -> BTreeSet<Triple> {
     let root_key = if root_key_secret {
         kvpool_operator::rbac::root_key_permissions()
+    } else {
+        Vec::new()
+    };
+    let issuer = if issuer {
+        kvpool_operator::rbac::agent_issuer_permissions()
     } else {
         Vec::new()
     };
@@ -1065,6 +1072,7 @@ fn operator_permissions(leases: bool, root_key_secret: bool) -> BTreeSet<Triple>
         .into_iter()
         .filter(|(group, _, _)| leases || *group != "coordination.k8s.io")
         .chain(root_key)
+        .chain(issuer)
         .map(|(g, r, v)| (g.to_owned(), r.to_owned(), v.to_owned()))
         .collect()
 }
@@ -1176,7 +1184,11 @@ fn rbac_grants_exactly_what_the_operator_uses() -> Result<()> {
         let (run, _) = parse_operator_args(deployments(&objects)[0])?;
         assert_eq!(
             granted,
-            operator_permissions(run.leader_elect, run.root_key_secret.is_some()),
+            operator_permissions(
+                run.leader_elect,
+                run.root_key_secret.is_some(),
+                run.agent_issuer_url.is_some()
+            ),
             "{render:?}: granted vs used (operator/src/rbac.rs)"
         );
         // The aggregated roles give people access to the three kinds and nothing else.
@@ -1236,6 +1248,14 @@ fn documented_permissions() -> Result<BTreeMap<String, BTreeSet<Triple>>> {
     Ok(table)
 }
 
+/// The operator's metrics Service (the chart also renders the agent issuer's).
+fn is_metrics_service(s: &k8s_openapi::api::core::v1::Service) -> bool {
+    s.metadata
+        .name
+        .as_deref()
+        .is_some_and(|n| n.ends_with("-metrics"))
+}
+
 /// Resources without a namespace that the operator must never be granted.
 const CLUSTER_SCOPED: &[&str] = &[
     "namespaces",
@@ -1254,7 +1274,14 @@ fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
     let row = |who: &str| doc.get(who).cloned().unwrap_or_default();
     ensure!(
         doc.keys().map(String::as_str).collect::<BTreeSet<_>>()
-            == BTreeSet::from(["edit", "leader election", "operator", "root key", "view"]),
+            == BTreeSet::from([
+                "agent issuer",
+                "edit",
+                "leader election",
+                "operator",
+                "root key",
+                "view"
+            ]),
         "docs/install.md permission rows are for {:?}",
         doc.keys()
     );
@@ -1320,15 +1347,29 @@ fn install_doc_states_exactly_the_rbac_the_chart_renders() -> Result<()> {
                 );
             }
         }
+        // The agent credential issuer (on by default): TokenReviews alone, cluster-wide since
+        // a TokenReview has no namespace.
+        let issuer_role = (
+            "ClusterRole".to_owned(),
+            String::new(),
+            "kvpool-operator-agent-issuer".to_owned(),
+        );
+        assert_eq!(
+            rbac.operator.get(&issuer_role),
+            Some(&row("agent issuer")),
+            "{render:?}"
+        );
         ensure!(
-            rbac.operator.len() == 2 + usize::from(leases.is_some()),
+            rbac.operator.len() == 3 + usize::from(leases.is_some()),
             "{render:?}: unexpected operator roles {:?}",
             rbac.operator.keys()
         );
-        // Namespace scope: nothing cluster-wide for the operator at all.
+        // Namespace scope: nothing else cluster-wide for the operator.
         if operator_role.0 == "Role" {
             ensure!(
-                rbac.operator.keys().all(|(kind, _, _)| kind == "Role"),
+                rbac.operator
+                    .keys()
+                    .all(|key| key.0 == "Role" || *key == issuer_role),
                 "{render:?}: a ClusterRole is bound to the operator"
             );
         }
@@ -1661,6 +1702,7 @@ fn alert_rules_pass_promtool_and_fire_as_intended_under_any_release_name() -> Re
             .with_context(|| format!("data plane, release {release} in namespace {namespace}"))?;
         // The Service the ServiceMonitor scrapes names the targets' `service` label.
         let service = objects_of!(objects, Object::Service)
+            .filter(|s| is_metrics_service(s))
             .find_map(|s| s.metadata.name.clone())
             .context("no metrics Service rendered")?;
         services.insert(service.clone());
@@ -1954,7 +1996,7 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
     assert_eq!(account.automount_service_account_token, Some(false));
     assert_eq!(pod.automount_service_account_token, Some(true));
 
-    let Some(service) = objects_of!(objects, Object::Service).next() else {
+    let Some(service) = objects_of!(objects, Object::Service).find(|s| is_metrics_service(s)) else {
         bail!("no metrics Service rendered");
     };
     let spec = service.spec.as_ref().context("Service without spec")?;

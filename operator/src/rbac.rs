@@ -100,6 +100,26 @@ pub const PERMISSIONS: &[Permission] = &[
 pub const ROOT_KEY_PERMISSIONS: &[Permission] =
     &[p("", "secrets", "create"), p("", "secrets", "get")];
 
+/// With `--agent-issuer-url`: the agent credential issuer reads the calling agent's pod and
+/// the pool's agent DaemonSet by name (`operator/src/issuer/serve.rs`), in the watched
+/// namespaces like the rest.
+pub const AGENT_ISSUER_PERMISSIONS: &[Permission] =
+    &[p("", "pods", "get"), p("apps", "daemonsets", "get")];
+
+/// With `--agent-issuer-url`, cluster-wide (a TokenReview has no namespace): asking the API
+/// server whether an agent's token is valid. The chart grants it in a ClusterRole of its own.
+pub const AGENT_ISSUER_CLUSTER_PERMISSIONS: &[Permission] =
+    &[p("authentication.k8s.io", "tokenreviews", "create")];
+
+/// [`AGENT_ISSUER_PERMISSIONS`] and [`AGENT_ISSUER_CLUSTER_PERMISSIONS`] as tuples.
+pub fn agent_issuer_permissions() -> Vec<(&'static str, &'static str, &'static str)> {
+    AGENT_ISSUER_PERMISSIONS
+        .iter()
+        .chain(AGENT_ISSUER_CLUSTER_PERMISSIONS)
+        .map(|p| (p.group, p.resource, p.verb))
+        .collect()
+}
+
 /// The permissions as `(group, resource, verb)` tuples, for tests outside this crate.
 pub fn permissions() -> Vec<(&'static str, &'static str, &'static str)> {
     PERMISSIONS
