@@ -561,3 +561,61 @@ fn e2e_engine_pools_run_the_synthetic_engine_without_a_gpu() -> Result<()> {
 fn argv_of(c: &Container) -> Result<Vec<String>> {
     argv(c, &BTreeMap::new())
 }
+
+/// With the agent credential issuer (the chart's default), the agent's pool document sends it
+/// to the issuer instead of a key file, and the master binds agents to their nodes.
+#[test]
+fn with_the_issuer_the_agent_asks_for_its_credential_and_the_master_binds_nodes() -> Result<()> {
+    let (rel, pool) = example_pools()?
+        .into_iter()
+        .next()
+        .context("the tcp example")?;
+    let root = kvpool_operator::root_key::RootKey::for_tests();
+    let ca = kvpool_operator::issuer::IssuerCa::derive(&root)?;
+    let settings = Settings {
+        agent_issuer: Some(kvpool_operator::issuer::AgentIssuer {
+            url: "https://kvpool-operator-agent-issuer.kvpool-system.svc:8443".to_owned(),
+            ca_pem: ca.ca_pem(),
+        }),
+        ..Settings::for_tests()
+    };
+    let valid = validate(&pool, &settings).context("example is valid")?;
+    let children = build(&valid, KEY_HEX).context("build")?;
+    let cfg = agent_config(&rel, &children)?;
+    let pool_cfg = cfg.pool.as_ref().context("pool mode")?;
+    let issuer = pool_cfg
+        .credential_issuer
+        .as_ref()
+        .context("the agent asks the issuer")?;
+    ensure!(issuer.url == "https://kvpool-operator-agent-issuer.kvpool-system.svc:8443");
+    ensure!(issuer.ca_pem == ca.ca_pem());
+    ensure!(
+        issuer.namespace == pool.metadata.namespace.clone().unwrap_or_default()
+            && issuer.pool == pool.metadata.name.clone().unwrap_or_default()
+    );
+    ensure!(
+        issuer.token_file == Path::new("/var/run/secrets/kvpool.dev/agent-token/token"),
+        "the token file is where the DaemonSet mounts it: {:?}",
+        issuer.token_file
+    );
+    // Golden copy for the check-config child-process test.
+    let golden = repo_root().join("agent/tests/fixtures/operator/issuer_tcp_kvcachepool.yaml");
+    let text = config_yaml(&children)?;
+    if std::env::var_os("KVPOOL_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&golden, text)?;
+    }
+    ensure!(
+        std::fs::read_to_string(&golden)? == *text,
+        "{} is stale; regenerate with KVPOOL_UPDATE_GOLDEN=1 cargo nextest run -p kvpool --test operator_contract",
+        golden.display()
+    );
+    let master = children
+        .master
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .context("master pod")?;
+    let args = master.containers[0].args.clone().unwrap_or_default();
+    ensure!(!args.iter().any(|a| a == "--shared-agent-credentials"));
+    Ok(())
+}

@@ -881,3 +881,59 @@ fn transfer_tls_reaches_the_agents_and_their_pool_document() {
             .all(|v| v.name != "transfer-tls")
     );
 }
+
+#[test]
+fn with_the_agent_issuer_agents_carry_a_projected_token_and_no_shared_credential() {
+    let ca = crate::issuer::IssuerCa::derive(&crate::root_key::RootKey::for_tests()).expect("CA");
+    let mut pool = valid(&tcp());
+    pool.agent_issuer = Some(crate::issuer::AgentIssuer {
+        url: "https://kvpool-operator-agent-issuer.kvpool-system.svc:8443".to_owned(),
+        ca_pem: ca.ca_pem(),
+    });
+    let children = build(&pool, "00ff").expect("build");
+    let spec = pod(&children.agent);
+    let volumes = spec.volumes.as_ref().expect("volumes");
+    assert!(
+        volumes.iter().all(|v| v.secret.is_none()),
+        "no Secret in an agent pod: {volumes:?}"
+    );
+    let token = volumes
+        .iter()
+        .find(|v| v.name == "agent-token")
+        .and_then(|v| v.projected.as_ref())
+        .and_then(|p| p.sources.as_ref())
+        .and_then(|s| s[0].service_account_token.as_ref())
+        .expect("projected token");
+    assert_eq!(token.audience.as_deref(), Some(kvpool_proto::issuer::AUDIENCE));
+    assert_eq!(token.expiration_seconds, Some(crate::contract::AGENT_TOKEN_SECONDS));
+    let mounts = spec.containers[0].volume_mounts.as_ref().expect("mounts");
+    assert!(mounts.iter().any(|m| m.name == "agent-token"
+        && m.mount_path == crate::contract::AGENT_TOKEN_DIR
+        && m.read_only == Some(true)));
+    assert!(!mounts.iter().any(|m| m.name == "auth"));
+    // The pool document tells the agent where to ask and whom to trust.
+    let doc: serde_json::Value =
+        serde_saphyr::from_str(&children.config.data.as_ref().expect("data")[crate::contract::CONFIG_FILE_KEY])
+            .expect("yaml");
+    assert_eq!(
+        doc["credentialIssuer"]["url"],
+        "https://kvpool-operator-agent-issuer.kvpool-system.svc:8443"
+    );
+    assert_eq!(doc["credentialIssuer"]["caPem"], ca.ca_pem());
+    assert_eq!(
+        doc["credentialIssuer"]["tokenFile"],
+        format!("{}/{}", crate::contract::AGENT_TOKEN_DIR, crate::contract::AGENT_TOKEN_FILE)
+    );
+    // The master binds agents to their nodes; without the issuer it lets them share.
+    let master_args = |c: &CachePoolChildren| {
+        c.master.spec.as_ref().and_then(|s| s.template.spec.as_ref()).expect("pod").containers[0]
+            .args
+            .clone()
+            .expect("args")
+    };
+    assert!(!master_args(&children).iter().any(|a| a == "--shared-agent-credentials"));
+    let shared = build(&valid(&tcp()), "00ff").expect("build");
+    assert!(master_args(&shared).iter().any(|a| a == "--shared-agent-credentials"));
+    let shared_doc = &shared.config.data.as_ref().expect("data")[crate::contract::CONFIG_FILE_KEY];
+    assert!(!shared_doc.contains("credentialIssuer"));
+}
