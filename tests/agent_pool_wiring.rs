@@ -234,8 +234,13 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
     // agent-a served the bytes as a transfer target; both show the pool in /metrics.
     let (code, text) = http_get(addr_a.admin, "/metrics").await.expect("metrics a");
     assert_eq!(code, 200);
+    let served = metric(
+        &text,
+        "kvpool_transfer_served_bytes_total",
+        &["op=\"read\""],
+    );
     assert!(
-        metric(&text, "kvpool_transfer_served_bytes_total", &["op=\"read\""]).unwrap_or(0.0) > 0.0,
+        served.unwrap_or(0.0) > 0.0,
         "transfer-engine metrics are exported:\n{text}"
     );
     assert_eq!(

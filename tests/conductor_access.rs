@@ -252,7 +252,7 @@ async fn api_keys_guard_the_api_and_the_trace_and_request_id_reach_both_engines(
     let usage = sse_data(&text)
         .into_iter()
         .filter(|d| *d != "[DONE]")
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|d| serde_json::from_str::<Value>(&d).ok())
         .find(|v| v["usage"].is_object())
         .expect("a usage chunk");
     assert!(

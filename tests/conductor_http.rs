@@ -7,17 +7,18 @@ mod serve_support;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 
+use http::HeaderMap;
 use kvpool_conductor::{ConductorConfig, PoolLookup, RoutingProtocol};
 use kvpool_core::sched::{PrefillCost, Rejection};
 use kvpool_synthetic::{EngineConfig, SglangMode, SglangRole};
 use prometheus::Registry;
 use serde_json::Value;
 use serve_support::{
-    assert_metric, labelled, listen, metric as counter, sse_data, start_conductor,
+    assert_metric, header, labelled, listen, metric as counter, sse_data, start_conductor,
 };
 use tokio_util::sync::CancellationToken;
 
-async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String, String) {
+async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, HeaderMap, String) {
     serve_support::exchange(addr, "POST", path, body).await
 }
 
@@ -255,8 +256,8 @@ async fn streams_chat_through_the_decode_engine() {
     let (status, head, text) = post(c.conductor, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{text}");
     assert!(
-        head.to_ascii_lowercase().contains("text/event-stream"),
-        "{head}"
+        header(&head, "content-type").is_some_and(|c| c.starts_with("text/event-stream")),
+        "{head:?}"
     );
     let events = sse_data(&text);
     assert_eq!(events.len(), 4, "{text}");
@@ -369,14 +370,6 @@ fn handoffs(registry: &Registry, outcome: &str) -> f64 {
     )
 }
 
-/// The value of response header `name` (lower case) in `head`.
-fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines().find_map(|l| {
-        let (n, v) = l.split_once(':')?;
-        n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-    })
-}
-
 const POOL_KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 
 /// A master in this process, with one DRAM segment mounted.
@@ -456,9 +449,13 @@ async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
     let ask = |prompt: &str| format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":2}}"#);
     let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&pooled)).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("6"), "{head}");
-    assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("0"), "{head}");
-    let ttft = |head: &str| -> f64 {
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("6"), "{head:?}");
+    assert_eq!(
+        header(&head, "x-kvpool-local-blocks"),
+        Some("0"),
+        "{head:?}"
+    );
+    let ttft = |head: &HeaderMap| -> f64 {
         header(head, "x-kvpool-ttft-estimate-ms")
             .expect("ttft header")
             .parse()
@@ -474,7 +471,7 @@ async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
     let fresh = "f".repeat(400);
     let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&fresh)).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head:?}");
     assert_eq!(labelled(m, lookups, "outcome", "miss"), 1.0);
     let fresh_ttft = ttft(&head);
     assert!(
@@ -488,8 +485,12 @@ async fn blocks_in_the_pool_but_in_no_engine_are_fetched_not_prefilled() {
     master.join().await.expect("master stopped");
     let (status, head, body) = post(c.conductor, "/v1/completions", &ask(&pooled)).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
-    assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("7"), "{head}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head:?}");
+    assert_eq!(
+        header(&head, "x-kvpool-local-blocks"),
+        Some("7"),
+        "{head:?}"
+    );
     assert_eq!(
         labelled(m, lookups, "outcome", "error") + labelled(m, lookups, "outcome", "timeout"),
         1.0
@@ -517,7 +518,7 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);
     let (status, head, text) = post(c.conductor, "/v1/completions", &body).await;
     assert_eq!(status, 200, "{text}");
-    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head}");
+    assert_eq!(header(&head, "x-kvpool-pool-blocks"), Some("0"), "{head:?}");
     let m = &c.conductor_metrics;
     let lookups = "kvpool_conductor_pool_lookups_total";
     assert_eq!(labelled(m, lookups, "outcome", "timeout"), 1.0);
@@ -700,19 +701,19 @@ async fn sglang_mode_pairs_prefill_and_decode_by_room_through_the_pool() {
     let (status, head, text) = post(c.conductor, "/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{text}");
     assert!(
-        head.to_ascii_lowercase().contains("text/event-stream"),
-        "{head}"
+        header(&head, "content-type").is_some_and(|c| c.starts_with("text/event-stream")),
+        "{head:?}"
     );
     let events: Vec<Value> = sse_data(&text)
         .into_iter()
         .filter(|e| *e != "[DONE]")
-        .map(|e| serde_json::from_str(e).expect("event json"))
+        .map(|e| serde_json::from_str(&e).expect("event json"))
         .collect();
     assert_eq!(events.len(), 3, "{text}");
     assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
     assert_eq!(events[2]["choices"][0]["finish_reason"], "length");
-    let last = sse_data(&text).last().copied();
-    assert_eq!(last, Some("[DONE]"), "{text}");
+    let last = sse_data(&text).pop();
+    assert_eq!(last.as_deref(), Some("[DONE]"), "{text}");
     assert_eq!(handoffs(&c.decode, "ok"), 2.0);
     assert_metric(prefill, "kvpool_engine_generated_tokens_total", 2.0);
     assert_eq!(
@@ -796,16 +797,16 @@ async fn engines_report_their_measured_pool_reads_in_response_headers() {
     assert_eq!(
         header(&head, "x-kvpool-kv-load-blocks"),
         Some("0"),
-        "{head}"
+        "{head:?}"
     );
-    assert_eq!(header(&head, "x-kvpool-kv-load-seconds"), None, "{head}");
+    assert_eq!(header(&head, "x-kvpool-kv-load-seconds"), None, "{head:?}");
     // The second finds them in the pool: 6 blocks read, and how long that took.
     let (status, head, text) = post(reader, "/v1/completions", &body).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(
         header(&head, "x-kvpool-kv-load-blocks"),
         Some("6"),
-        "{head}"
+        "{head:?}"
     );
     let seconds: f64 = header(&head, "x-kvpool-kv-load-seconds")
         .expect("load seconds")
@@ -817,7 +818,7 @@ async fn engines_report_their_measured_pool_reads_in_response_headers() {
     assert_eq!(
         header(&head, "x-kvpool-kv-load-blocks"),
         Some("0"),
-        "{head}"
+        "{head:?}"
     );
     shutdown.cancel();
 }

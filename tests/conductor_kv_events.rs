@@ -17,7 +17,7 @@ use kvpool_core::sched::{BlockHashing, Rejection};
 use prometheus::Registry;
 use py_support::PyChild;
 use serde_json::{Value, json};
-use serve_support::{conductor_config, engine_config, exchange, labelled, listen};
+use serve_support::{conductor_config, engine_config, exchange, header, labelled, listen};
 use tokio_util::sync::CancellationToken;
 
 const MODEL: &str = "events-model";
@@ -77,13 +77,6 @@ fn config(
 /// KV events of `kind` the conductor applied.
 fn events(registry: &Registry, kind: &str) -> f64 {
     labelled(registry, "kvpool_conductor_kv_events_total", "kind", kind)
-}
-
-fn header<'h>(head: &'h str, name: &str) -> Option<&'h str> {
-    head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-    })
 }
 
 /// Waits until `f` holds (the events travel asynchronously), failing with `what`.
@@ -167,7 +160,11 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
     let body = json!({"model": MODEL, "prompt": prompt(&p), "max_tokens": 2}).to_string();
     let (status, head, text) = exchange(addr, "POST", "/v1/completions", &body).await;
     assert_eq!(status, 200, "{text}");
-    assert_eq!(header(&head, "x-kvpool-local-blocks"), Some("3"), "{head}");
+    assert_eq!(
+        header(&head, "x-kvpool-local-blocks"),
+        Some("3"),
+        "{head:?}"
+    );
     // B is indexed from its events, so no routing guess is kept (or exported) for it.
     assert_eq!(
         labelled(
@@ -187,7 +184,11 @@ async fn the_index_and_routing_follow_an_engines_kv_events() {
     let q: Vec<u32> = (1..=12).chain([150, 151, 152, 153]).collect();
     let body = json!({"model": MODEL, "prompt": prompt(&q), "max_tokens": 2}).to_string();
     let (_, head, _) = exchange(addr, "POST", "/v1/completions", &body).await;
-    assert_ne!(header(&head, "x-kvpool-local-blocks"), Some("3"), "{head}");
+    assert_ne!(
+        header(&head, "x-kvpool-local-blocks"),
+        Some("3"),
+        "{head:?}"
+    );
 
     // A batch missed on the live stream comes back through the replay socket.
     let other: Vec<u32> = (100..108).collect();

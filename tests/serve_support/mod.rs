@@ -9,6 +9,8 @@
 
 use std::net::SocketAddr;
 
+use http::HeaderMap;
+
 use std::num::NonZeroU32;
 
 use kvpool_core::sched::{DecodeCost, PrefillCost};
@@ -24,17 +26,23 @@ pub async fn listen() -> (tokio::net::TcpListener, SocketAddr) {
     (l, a)
 }
 
-/// One HTTP/1.1 exchange with a JSON body; returns (status, head, de-chunked body).
+/// One HTTP/1.1 exchange with a JSON body; returns (status, headers, de-chunked body).
 pub async fn exchange(
     addr: SocketAddr,
     method: &str,
     path: &str,
     body: &str,
-) -> (u16, String, String) {
-    let r = kvpool_harness::http::request_async(addr, method, path, body)
+) -> (u16, HeaderMap, String) {
+    let call = kvpool_harness::http::Call::new(method, path, body);
+    let r = kvpool_harness::http::call(addr, call)
         .await
-        .unwrap_or_else(|| panic!("no HTTP reply from {addr} to {method} {path}"));
-    (r.status, r.head, r.body)
+        .unwrap_or_else(|e| panic!("{method} {path} to {addr}: {e}"));
+    (r.status, r.headers, r.body)
+}
+
+/// The value of header `name` (any case), if present and text.
+pub fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name)?.to_str().ok()
 }
 
 /// One HTTP/1.1 exchange; returns (status, body).
@@ -58,10 +66,18 @@ pub fn assert_openai_error(body: &str, code: &str, says: &str) -> serde_json::Va
     v
 }
 
-/// The `data:` payloads of a server-sent event stream, in order.
-pub fn sse_data(text: &str) -> Vec<&str> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
+/// The `data` of each event of a whole server-sent event stream, in order, as
+/// `eventsource-stream` reads it (a body that is no event stream fails the test).
+pub fn sse_data(text: &str) -> Vec<String> {
+    use eventsource_stream::Eventsource;
+    use futures::StreamExt;
+    let body = futures::stream::iter([Ok::<_, std::convert::Infallible>(text.to_owned())]);
+    futures::executor::block_on(body.eventsource().collect::<Vec<_>>())
+        .into_iter()
+        .map(|e| {
+            e.unwrap_or_else(|e| panic!("not an event stream ({e}): {text}"))
+                .data
+        })
         .collect()
 }
 

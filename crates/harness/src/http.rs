@@ -22,9 +22,6 @@ pub const TIMEOUT: Duration = Duration::from_secs(10);
 pub struct Reply {
     pub status: u16,
     pub headers: HeaderMap,
-    /// Status line and headers as text (header names in lower case), for assertions and
-    /// messages.
-    pub head: String,
     /// The body (de-chunked), lossily UTF-8.
     pub body: String,
 }
@@ -36,17 +33,9 @@ impl Reply {
     }
 
     fn new(parts: http::response::Parts, body: &[u8]) -> Self {
-        let mut head = format!("{:?} {}", parts.version, parts.status);
-        for (name, value) in &parts.headers {
-            head.push_str(&format!(
-                "\r\n{name}: {}",
-                String::from_utf8_lossy(value.as_bytes())
-            ));
-        }
         Reply {
             status: parts.status.as_u16(),
             headers: parts.headers,
-            head,
             body: String::from_utf8_lossy(body).into_owned(),
         }
     }
@@ -124,10 +113,7 @@ pub async fn call(addr: SocketAddr, c: Call<'_>) -> Result<Reply, HttpError> {
         .pool_max_idle_per_host(0)
         .build::<_, Full<Bytes>>(connector);
     let exchange = async {
-        let reply = client
-            .request(request)
-            .await
-            .map_err(HttpError::Exchange)?;
+        let reply = client.request(request).await.map_err(HttpError::Exchange)?;
         let (parts, body) = reply.into_parts();
         let body = body.collect().await.map_err(HttpError::Body)?.to_bytes();
         Ok(Reply::new(parts, &body))
@@ -215,20 +201,23 @@ mod tests {
         let r = call(addr, c).await.expect("a reply");
         assert_eq!((r.status, r.body.as_str()), (200, "hello world"));
         assert_eq!((r.header("x-a"), r.header("X-A")), (Some("1"), Some("1")));
-        assert!(r.head.starts_with("HTTP/1.1 200 OK\r\n"), "{}", r.head);
-        assert!(r.head.contains("\r\nx-a: 1"), "{}", r.head);
         let sent = server.await.expect("server").to_ascii_lowercase();
         assert!(sent.starts_with("post /p?q=1 http/1.1\r\n"), "{sent}");
-        for h in ["content-type: application/json", "connection: close", "x-request-id: r-1"] {
+        for h in [
+            "content-type: application/json",
+            "connection: close",
+            "x-request-id: r-1",
+        ] {
             assert!(sent.contains(h), "{h}: {sent}");
         }
     }
 
     #[tokio::test]
     async fn a_body_to_the_end_of_the_connection_and_no_server_at_all() {
-        let (addr, _server) =
-            answering("HTTP/1.0 503 Service Unavailable\r\n\r\nnot ready").await;
-        let r = request_async(addr, "POST", "/", "{}").await.expect("a reply");
+        let (addr, _server) = answering("HTTP/1.0 503 Service Unavailable\r\n\r\nnot ready").await;
+        let r = request_async(addr, "POST", "/", "{}")
+            .await
+            .expect("a reply");
         assert_eq!((r.status, r.body.as_str()), (503, "not ready"));
         // The listener is gone: refused, so no reply.
         assert_eq!(get_async(addr, "/readyz").await, None);

@@ -343,7 +343,11 @@ mod tests {
         let whole = "data: {\"choices\":[]}\n\ndata: {\"choices\":[]}\n\ndata: [DONE]\n\n";
         assert!(complete_stream(whole.into()).await);
         assert!(complete_stream("data: [DONE]\n\n".into()).await);
-        for cut in ["", "data: {\"choices\":[]}\n\n", "data: {\"cho\n\ndata: [DONE]\n\n"] {
+        for cut in [
+            "",
+            "data: {\"choices\":[]}\n\n",
+            "data: {\"cho\n\ndata: [DONE]\n\n",
+        ] {
             assert!(!complete_stream(cut.into()).await, "{cut:?}");
         }
     }
