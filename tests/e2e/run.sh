@@ -195,6 +195,16 @@ log "4. the master's figures reach the status: MasterReachable, nodesRegistered,
 wait_for kvcachepool cache '{.status.conditions[?(@.type=="MasterReachable")].status}' True
 wait_for kvcachepool cache '{.status.nodesRegistered}' "$nodes"
 wait_ge kvcachepool cache '{.status.objects}' 0
+# The chart's default: every agent joined with its own node's credential from the operator's
+# issuer (no Secret in the agent pods, masters bind agents to their nodes).
+args=$(kubectl -n "$NS" get deploy cache-master -o 'jsonpath={.spec.template.spec.containers[0].args}')
+[[ "$args" != *--shared-agent-credentials* ]] || fail "the master lets agents share credentials"
+vols=$(kubectl -n "$NS" get ds cache-agent -o 'jsonpath={.spec.template.spec.volumes[*].secret.secretName}')
+[[ -z "$vols" ]] || fail "agent pods mount Secrets: $vols"
+issued=$(kubectl get --raw "/api/v1/namespaces/kvpool-system/services/kvpool-operator-metrics:admin/proxy/metrics" \
+  | awk '/^kvpool_operator_agent_credentials_total\{outcome="issued"\}/ {print $2}')
+[[ "${issued%.*}" -ge "$nodes" ]] 2>/dev/null || fail "the issuer issued '${issued}' credentials for $nodes nodes"
+echo "ok: $issued agent credentials issued for $nodes nodes"
 [[ -n "$(kubectl -n "$NS" get kvcachepool cache -o 'jsonpath={.status.dram.capacity}')" ]] \
   || fail "no DRAM capacity in the status"
 [[ -n "$(kubectl -n "$NS" get kvcachepool cache -o 'jsonpath={.status.dram.used}')" ]] \
