@@ -9,13 +9,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{CONNECTION, CONTENT_TYPE, HeaderMap};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 /// Connecting, and then the whole exchange, each get at most this long.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest reply body read, bytes.
+pub const MAX_BODY: usize = 64 << 20;
 
 /// A reply, its body read to the end.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -73,9 +75,9 @@ pub enum HttpError {
     /// Connecting, sending or reading the reply's head failed.
     #[error("exchange failed: {}", chain(.0))]
     Exchange(#[source] hyper_util::client::legacy::Error),
-    /// Reading the reply's body failed.
+    /// Reading the reply's body failed, or it was longer than [`MAX_BODY`].
     #[error("reading the body failed: {0}")]
-    Body(#[source] hyper::Error),
+    Body(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// No whole reply within [`TIMEOUT`].
     #[error("no reply within {TIMEOUT:?}")]
     Timeout,
@@ -115,7 +117,11 @@ pub async fn call(addr: SocketAddr, c: Call<'_>) -> Result<Reply, HttpError> {
     let exchange = async {
         let reply = client.request(request).await.map_err(HttpError::Exchange)?;
         let (parts, body) = reply.into_parts();
-        let body = body.collect().await.map_err(HttpError::Body)?.to_bytes();
+        let body = Limited::new(body, MAX_BODY)
+            .collect()
+            .await
+            .map_err(HttpError::Body)?
+            .to_bytes();
         Ok(Reply::new(parts, &body))
     };
     tokio::time::timeout(TIMEOUT, exchange)

@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client as Pool;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kvpool_runtime::telemetry::chain;
+pub use kvpool_harness::http::HttpError;
 
 /// Largest response body read, bytes.
 pub const MAX_BODY: usize = 1 << 20;
@@ -24,20 +24,6 @@ pub const MAX_BODY: usize = 1 << 20;
 pub struct Response {
     pub status: u16,
     pub body: Bytes,
-}
-
-/// Why a POST got no whole response.
-#[derive(Debug, thiserror::Error)]
-pub enum HttpError {
-    /// The URL or body does not make a request.
-    #[error("not a valid request: {0}")]
-    Request(#[source] http::Error),
-    /// Connecting, sending or reading the response head failed.
-    #[error("{}", chain(.0))]
-    Exchange(#[source] hyper_util::client::legacy::Error),
-    /// The body broke off or was longer than [`MAX_BODY`].
-    #[error("reading the body: {0}")]
-    Body(String),
 }
 
 /// JSON POSTs to `http://host:port/path` URLs over pooled keep-alive connections. A pooled
@@ -73,7 +59,7 @@ impl Client {
         let body = Limited::new(body, MAX_BODY)
             .collect()
             .await
-            .map_err(|e| HttpError::Body(chain(&*e).to_string()))?
+            .map_err(HttpError::Body)?
             .to_bytes();
         Ok(Response {
             status: parts.status.as_u16(),
