@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use kvpool_agent::api::client::EngineClient;
 use kvpool_agent::proto::Status;
+use kvpool_harness::scrape::metric_value;
 use kvpool_harness::{AgentSpec, ChildProcess, Launcher, Probe, http};
 
 const KVPOOL: &str = env!("CARGO_BIN_EXE_kvpool");
@@ -175,8 +176,9 @@ fn serves_persists_on_sigterm_and_recovers_after_restart() {
     // Restart: the blocks were demoted on shutdown and come back from SSD.
     let agent = start(&spec, dir.path());
     let (_, metrics) = http_get(agent.admin, "/metrics");
-    assert!(
-        metrics.contains("kvpool_agent_blocks{tier=\"ssd\"} 3"),
+    assert_eq!(
+        metric_value(&metrics, "kvpool_agent_blocks", &["tier=\"ssd\""]),
+        Some(3.0),
         "{metrics}"
     );
     rt.block_on(async {
@@ -193,8 +195,9 @@ fn serves_persists_on_sigterm_and_recovers_after_restart() {
         c.close().await.expect("close");
     });
     let (_, metrics) = http_get(agent.admin, "/metrics");
-    assert!(
-        metrics.contains("kvpool_agent_hits_total{tier=\"ssd\"} 3"),
+    assert_eq!(
+        metric_value(&metrics, "kvpool_agent_hits_total", &["tier=\"ssd\""]),
+        Some(3.0),
         "{metrics}"
     );
     terminate(agent);

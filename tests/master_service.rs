@@ -164,8 +164,10 @@ async fn unauthenticated_requests_are_refused_and_change_nothing() {
     let (_, metrics) = http_get(f.master.admin_addr, "/metrics")
         .await
         .expect("metrics");
-    assert!(
-        metrics.contains("kvpool_master_requests_total{method=\"mount_segment\",result=\"ok\"} 1"),
+    let labels = ["method=\"mount_segment\"", "result=\"ok\""];
+    assert_eq!(
+        kvpool_harness::scrape::metric_value(&metrics, "kvpool_master_requests_total", &labels),
+        Some(1.0),
         "{metrics}"
     );
     f.shutdown.cancel();

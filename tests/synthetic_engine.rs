@@ -161,10 +161,9 @@ fn engine_process_serves_and_stops_on_sigterm() {
     assert_eq!(r.status, 200, "{}", r.body);
     let metrics = kvpool_harness::http::get(admin, "/metrics").expect("metrics");
     assert_eq!(metrics.status, 200);
-    assert!(
-        metrics
-            .body
-            .contains("kvpool_engine_generated_tokens_total 2"),
+    assert_eq!(
+        kvpool_harness::scrape::metric_sum(&metrics.body, "kvpool_engine_generated_tokens_total"),
+        2.0,
         "{}",
         metrics.body
     );

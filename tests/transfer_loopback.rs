@@ -437,7 +437,11 @@ fn transfer_rdma_request_falls_back_loudly_or_is_refused() {
             .unwrap();
         String::from_utf8(buf).unwrap()
     };
-    assert!(text.contains("kvpool_transfer_fallback_total 1"), "{text}");
+    assert_eq!(
+        kvpool_harness::scrape::metric_sum(&text, "kvpool_transfer_fallback_total"),
+        1.0,
+        "{text}"
+    );
     let _ = &p.target;
 }
 
