@@ -5,7 +5,7 @@
 //! through the conductor. Then:
 //!
 //! 1. every query of every data-plane dashboard (panel targets and template variables, with
-//!    Grafana's `$__rate_interval`, `$__interval`, `$namespace` and `$pool` substituted) must
+//!    Grafana's `$__rate_interval`, `$__interval`, `$cluster`, `$namespace` and `$pool` substituted) must
 //!    return at least one series;
 //! 2. every recording rule's expression, and the series it records, must return one;
 //! 3. every alert's expression without its threshold comparisons (`> 0.144`, `< 1`...) must
@@ -65,11 +65,13 @@ struct Query {
     promql: String,
 }
 
-/// Grafana's variables as a whole-cluster view of this one pool has them: every namespace and
-/// pool (a series without those labels matches `.*`), a rate window of several scrapes.
+/// Grafana's variables as a whole-cluster view of this one pool has them: every cluster,
+/// namespace and pool (a series without those labels, as here where no `cluster` label is
+/// added, matches `.*`), a rate window of several scrapes.
 fn grafana(expr: &str) -> String {
     expr.replace("$__rate_interval", "20s")
         .replace("$__interval", "5s")
+        .replace("$cluster", ".*")
         .replace("$namespace", ".*")
         .replace("$pool", ".*")
 }
