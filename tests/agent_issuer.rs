@@ -70,7 +70,11 @@ impl Api {
                 *self.reviews.lock() += 1;
                 let review: Value = serde_json::from_slice(body).expect("TokenReview JSON");
                 assert_eq!(review["kind"], "TokenReview");
-                assert_eq!(review["spec"]["audiences"], json!([AUDIENCE]), "audience asked");
+                assert_eq!(
+                    review["spec"]["audiences"],
+                    json!([AUDIENCE]),
+                    "audience asked"
+                );
                 let token = review["spec"]["token"].as_str().expect("token");
                 let status = match known_tokens().get(token) {
                     Some((pod, uid)) => json!({
@@ -146,11 +150,9 @@ async fn start_issuer() -> Issuer {
         .await
         .expect("bind");
     let port = listener.local_addr().expect("addr").port();
-    let outcomes = prometheus::IntCounterVec::new(
-        prometheus::Opts::new("outcomes", "test"),
-        &["outcome"],
-    )
-    .expect("counter");
+    let outcomes =
+        prometheus::IntCounterVec::new(prometheus::Opts::new("outcomes", "test"), &["outcome"])
+            .expect("counter");
     let state = Arc::new(IssuerState {
         client: kube_client(api.clone()),
         root: root.clone(),
@@ -189,15 +191,21 @@ async fn each_agent_gets_its_own_nodes_credential_and_the_master_binds_it_to_tha
     let issuer = start_issuer().await;
     let dir = tempfile::tempdir().expect("tmp");
     let stop = CancellationToken::new();
-    let doc_a = fetch(&agent_config(&issuer, dir.path(), "token-of-agent-a"), &stop)
-        .await
-        .expect("agent a gets a credential");
+    let doc_a = fetch(
+        &agent_config(&issuer, dir.path(), "token-of-agent-a"),
+        &stop,
+    )
+    .await
+    .expect("agent a gets a credential");
     let doc_b = fetch_once(&agent_config(&issuer, dir.path(), "token-of-agent-b"))
         .await
         .expect("agent b gets a credential");
     let parsed = RoleDocument::parse(&doc_a).expect("a credential file");
     assert_eq!(parsed.node.as_deref(), Some("node-a"));
-    assert_eq!(RoleDocument::parse(&doc_b).expect("file").node.as_deref(), Some("node-b"));
+    assert_eq!(
+        RoleDocument::parse(&doc_b).expect("file").node.as_deref(),
+        Some("node-b")
+    );
     // Exactly the file `kvpool auth derive --role agent --node node-a` makes from the pool key
     // the operator derives for this pool.
     let pool_key = issuer.root.pool_key_hex(NS, POOL, POOL_UID);
@@ -205,7 +213,11 @@ async fn each_agent_gets_its_own_nodes_credential_and_the_master_binds_it_to_tha
         String::from_utf8(doc_a.clone()).expect("utf-8"),
         kvpool_client::credentials::node_file(pool_key.as_bytes(), "node-a").expect("file")
     );
-    assert!(issuer.api.unexpected.lock().is_empty(), "{:?}", issuer.api.unexpected.lock());
+    assert!(
+        issuer.api.unexpected.lock().is_empty(),
+        "{:?}",
+        issuer.api.unexpected.lock()
+    );
 
     // The master (no --shared-agent-credentials) takes a's node calls for node-a only.
     let master = in_process_master(pool_key.as_bytes(), |_| {}).await;
@@ -215,8 +227,7 @@ async fn each_agent_gets_its_own_nodes_credential_and_the_master_binds_it_to_tha
             ..ClientConfig::default()
         };
         let key = AuthKey::from_document(doc).expect("master key");
-        MasterClient::new(vec![master.master.grpc_addr.to_string()], key, config)
-            .expect("client")
+        MasterClient::new(vec![master.master.grpc_addr.to_string()], key, config).expect("client")
     };
     let agent_a = client(&doc_a);
     agent_a
@@ -277,7 +288,11 @@ async fn callers_that_are_not_the_pools_agents_get_nothing_and_are_not_retried()
         "{err}"
     );
     assert_eq!(*issuer.api.reviews.lock(), before);
-    assert!(issuer.api.unexpected.lock().is_empty(), "{:?}", issuer.api.unexpected.lock());
+    assert!(
+        issuer.api.unexpected.lock().is_empty(),
+        "{:?}",
+        issuer.api.unexpected.lock()
+    );
     issuer.stop.cancel();
 }
 
@@ -296,7 +311,9 @@ async fn an_agent_trusts_only_the_ca_of_its_pool_document() {
     // The same root key gives the same CA certificate, byte for byte (pool documents stay
     // the same across operator restarts and replicas).
     assert_eq!(
-        IssuerCa::derive(&RootKey::for_tests()).expect("CA").ca_pem(),
+        IssuerCa::derive(&RootKey::for_tests())
+            .expect("CA")
+            .ca_pem(),
         issuer.ca_pem
     );
     issuer.stop.cancel();

@@ -1996,7 +1996,8 @@ fn service_account_service_and_service_monitor_reach_the_operator_pod() -> Resul
     assert_eq!(account.automount_service_account_token, Some(false));
     assert_eq!(pod.automount_service_account_token, Some(true));
 
-    let Some(service) = objects_of!(objects, Object::Service).find(|s| is_metrics_service(s)) else {
+    let Some(service) = objects_of!(objects, Object::Service).find(|s| is_metrics_service(s))
+    else {
         bail!("no metrics Service rendered");
     };
     let spec = service.spec.as_ref().context("Service without spec")?;

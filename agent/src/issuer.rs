@@ -230,7 +230,10 @@ mod tests {
             host_port("https://op.ns.svc:8443").expect("url"),
             ("op.ns.svc".to_owned(), 8443)
         );
-        assert_eq!(host_port("https://[::1]").expect("url"), ("::1".to_owned(), 443));
+        assert_eq!(
+            host_port("https://[::1]").expect("url"),
+            ("::1".to_owned(), 443)
+        );
         for bad in ["http://op:8443", "op:8443", ""] {
             let e = host_port(bad).expect_err(bad);
             assert!(!e.is_transient());

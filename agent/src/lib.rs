@@ -18,9 +18,9 @@ pub mod config;
 pub mod discovery;
 pub mod dram;
 pub mod extent;
-pub mod issuer;
 #[cfg(feature = "cuda")]
 pub mod gpu_cuda;
+pub mod issuer;
 pub mod locality;
 pub mod memory;
 pub mod metrics;

@@ -113,7 +113,11 @@ pub struct RunArgs {
     #[arg(long, env = "KVPOOL_OPERATOR_AGENT_ISSUER_URL")]
     pub agent_issuer_url: Option<String>,
     /// Listen address of the agent credential issuer (HTTPS), with `--agent-issuer-url`.
-    #[arg(long, env = "KVPOOL_OPERATOR_AGENT_ISSUER_LISTEN", default_value = "0.0.0.0:8443")]
+    #[arg(
+        long,
+        env = "KVPOOL_OPERATOR_AGENT_ISSUER_LISTEN",
+        default_value = "0.0.0.0:8443"
+    )]
     pub agent_issuer_listen: SocketAddr,
 }
 

@@ -30,10 +30,10 @@ use crate::cachepool;
 use crate::cli::RunArgs;
 use crate::context::{Context, Settings};
 use crate::enginepool::{self, EnginePool};
+use crate::issuer::{self, AgentIssuer, IssuerCa, IssuerState};
 use crate::labels::managed_selector;
 use crate::metrics::Metrics;
 use crate::pool_usage::GrpcMasterStats;
-use crate::issuer::{self, AgentIssuer, IssuerCa, IssuerState};
 use crate::root_key::RootKey;
 
 /// Lease duration and renewal grace of leader election, seconds.
@@ -178,7 +178,12 @@ async fn start_issuer(
         outcomes: metrics.agent_credentials.clone(),
     });
     info!(%url, listen = %args.agent_issuer_listen, "agent credential issuer listening");
-    tokio::spawn(issuer::serve(listener, tls, issuer::serve::router(state), stop));
+    tokio::spawn(issuer::serve(
+        listener,
+        tls,
+        issuer::serve::router(state),
+        stop,
+    ));
     Ok(Some(AgentIssuer {
         url,
         ca_pem: ca.ca_pem(),
@@ -212,8 +217,8 @@ async fn run_with_admin(
 ) -> Result<(), RunError> {
     let client = Client::try_default().await.map_err(RunError::Client)?;
     // Every replica serves the issuer (leader or not): agents start at any time.
-    let agent_issuer = start_issuer(args, &client, &root_key, &metrics, shutdown.child_token())
-        .await?;
+    let agent_issuer =
+        start_issuer(args, &client, &root_key, &metrics, shutdown.child_token()).await?;
     let identity = args
         .identity
         .clone()

@@ -55,9 +55,8 @@ pub fn run(cmd: Command) -> anyhow::Result<()> {
                         ),
                         None => None,
                     };
-                    let member =
-                        Member::start(&pool, &cfg.node_name, &registry, issued.as_deref())
-                            .context("joining the pool")?;
+                    let member = Member::start(&pool, &cfg.node_name, &registry, issued.as_deref())
+                        .context("joining the pool")?;
                     // The runtime runs the link (mounts, heartbeats, tasks) and unmounts before
                     // withdrawing the memory; the transfer target closes last.
                     let ran =

@@ -242,7 +242,10 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
 /// `pool.credential_issuer`, checked: an https URL, a CA, a token file, the pool's identity.
 fn issuer(s: &IssuerSection) -> Result<crate::issuer::IssuerConfig, ConfigError> {
     if !s.url.starts_with("https://") {
-        return Err(invalid("pool.credential_issuer.url", "must be an https:// URL"));
+        return Err(invalid(
+            "pool.credential_issuer.url",
+            "must be an https:// URL",
+        ));
     }
     if !s.ca_pem.contains("-----BEGIN CERTIFICATE-----") {
         return Err(invalid(
@@ -251,7 +254,10 @@ fn issuer(s: &IssuerSection) -> Result<crate::issuer::IssuerConfig, ConfigError>
         ));
     }
     if s.token_file.as_os_str().is_empty() {
-        return Err(invalid("pool.credential_issuer.token_file", "must not be empty"));
+        return Err(invalid(
+            "pool.credential_issuer.token_file",
+            "must not be empty",
+        ));
     }
     if s.namespace.is_empty() || s.pool.is_empty() {
         return Err(invalid(

@@ -131,8 +131,7 @@ impl Member {
                 std::path::PathBuf::from("(issued by the operator)"),
             ),
             None => (
-                transfer::AuthKey::from_file(&cfg.auth_key_file)
-                    .map_err(PoolError::TransferKey)?,
+                transfer::AuthKey::from_file(&cfg.auth_key_file).map_err(PoolError::TransferKey)?,
                 MasterKey::from_file(&cfg.auth_key_file).map_err(PoolError::MasterKey)?,
                 cfg.auth_key_file.clone(),
             ),

@@ -104,7 +104,10 @@ mod tests {
             (b"[]", "not a JSON object"),
             (b"{\"pool\":\"kv\"}", "\"namespace\""),
             (b"{\"namespace\":\"ml\",\"pool\":\"\"}", "\"pool\" is not"),
-            (b"{\"namespace\":\"ml\",\"pool\":\"kv\",\"node\":\"x\"}", "unknown field \"node\""),
+            (
+                b"{\"namespace\":\"ml\",\"pool\":\"kv\",\"node\":\"x\"}",
+                "unknown field \"node\"",
+            ),
         ] {
             let err = IssueRequest::parse(body).expect_err("refused");
             assert!(err.contains(needle), "{err}");

@@ -352,7 +352,11 @@ mod tests {
 
     #[test]
     fn master_args_carry_the_pools_eviction_and_spread() {
-        let args = master_args(&[], &eviction(kvpool_crd::EvictionPolicy::S3fifo, 95, 5), true);
+        let args = master_args(
+            &[],
+            &eviction(kvpool_crd::EvictionPolicy::S3fifo, 95, 5),
+            true,
+        );
         for pair in [
             ["--eviction-policy", "s3fifo"],
             ["--dram-high-watermark", "0.95"],

@@ -59,8 +59,8 @@ impl IssuerCa {
         let mut pkcs8 = ED25519_PKCS8_PREFIX.to_vec();
         pkcs8.extend_from_slice(&seed);
         let der = PrivatePkcs8KeyDer::from(pkcs8);
-        let key = KeyPair::from_pkcs8_der_and_sign_algo(&der, &PKCS_ED25519)
-            .map_err(err("CA key"))?;
+        let key =
+            KeyPair::from_pkcs8_der_and_sign_algo(&der, &PKCS_ED25519).map_err(err("CA key"))?;
         let mut params = CertificateParams::new(Vec::<String>::new()).map_err(err("CA"))?;
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
         params.distinguished_name.push(DnType::CommonName, CA_NAME);

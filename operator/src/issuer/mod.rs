@@ -29,7 +29,9 @@ pub fn host_of(url: &str) -> Result<String, String> {
         return Err(format!("{url:?} is not an https:// URL"));
     }
     if uri.path() != "/" && !uri.path().is_empty() {
-        return Err(format!("{url:?} has a path; give scheme, host and port only"));
+        return Err(format!(
+            "{url:?} has a path; give scheme, host and port only"
+        ));
     }
     uri.host()
         .map(str::to_owned)

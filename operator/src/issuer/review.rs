@@ -111,7 +111,9 @@ pub fn caller(status: &TokenReviewStatus) -> Result<Caller, Refusal> {
 }
 
 fn controller(refs: Option<&Vec<OwnerReference>>) -> Option<&OwnerReference> {
-    refs.into_iter().flatten().find(|r| r.controller == Some(true))
+    refs.into_iter()
+        .flatten()
+        .find(|r| r.controller == Some(true))
 }
 
 /// The caller must run in the pool's namespace (checked before anything is read for it).
@@ -142,7 +144,10 @@ pub fn grant(
         refuse(
             403,
             "pod_gone",
-            format!("pod {}/{} does not exist", caller.namespace, caller.pod_name),
+            format!(
+                "pod {}/{} does not exist",
+                caller.namespace, caller.pod_name
+            ),
         )
     })?;
     if pod.metadata.uid.as_deref() != Some(caller.pod_uid.as_str()) {
@@ -178,7 +183,10 @@ pub fn grant(
             refuse(
                 403,
                 "not_an_agent",
-                format!("DaemonSet {agent_ds} is not controlled by KVCachePool {}", req.pool),
+                format!(
+                    "DaemonSet {agent_ds} is not controlled by KVCachePool {}",
+                    req.pool
+                ),
             )
         })?;
     let pod_spec = pod.spec.as_ref();
@@ -213,7 +221,6 @@ pub fn grant(
         pool_uid: pool_owner.uid.clone(),
     })
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -296,7 +303,12 @@ mod tests {
     }
 
     fn agent_caller() -> Caller {
-        caller(&status("system:serviceaccount:ml:kv-agent", "kv-agent-x1", "pod-uid")).expect("caller")
+        caller(&status(
+            "system:serviceaccount:ml:kv-agent",
+            "kv-agent-x1",
+            "pod-uid",
+        ))
+        .expect("caller")
     }
 
     #[test]
@@ -352,28 +364,61 @@ mod tests {
         let mut foreign_pool = daemonset("ds-uid", Some("kv-agent"));
         foreign_pool.metadata.owner_references = Some(owner("KVCachePool", "other", "u2"));
         let cases: Vec<(Caller, Option<Pod>, Option<DaemonSet>, &str)> = vec![
-            (other_ns, Some(good.clone()), Some(ds.clone()), "wrong_namespace"),
+            (
+                other_ns,
+                Some(good.clone()),
+                Some(ds.clone()),
+                "wrong_namespace",
+            ),
             (c.clone(), None, Some(ds.clone()), "pod_gone"),
             // A pod of the same name made again (the token was bound to the old one).
-            (c.clone(), Some(pod("new-uid", "ds-uid", Some("gpu-7"))), Some(ds.clone()), "pod_gone"),
+            (
+                c.clone(),
+                Some(pod("new-uid", "ds-uid", Some("gpu-7"))),
+                Some(ds.clone()),
+                "pod_gone",
+            ),
             // An owner reference copied by hand names the DaemonSet but not its uid.
-            (c.clone(), Some(pod("pod-uid", "forged", Some("gpu-7"))), Some(ds.clone()), "not_an_agent"),
+            (
+                c.clone(),
+                Some(pod("pod-uid", "forged", Some("gpu-7"))),
+                Some(ds.clone()),
+                "not_an_agent",
+            ),
             (c.clone(), Some(good.clone()), None, "not_an_agent"),
-            (c.clone(), Some(good.clone()), Some(foreign_pool), "not_an_agent"),
-            (other_sa, Some(good.clone()), Some(ds.clone()), "not_an_agent"),
-            (c.clone(), Some(pod("pod-uid", "ds-uid", None)), Some(ds.clone()), "not_scheduled"),
+            (
+                c.clone(),
+                Some(good.clone()),
+                Some(foreign_pool),
+                "not_an_agent",
+            ),
+            (
+                other_sa,
+                Some(good.clone()),
+                Some(ds.clone()),
+                "not_an_agent",
+            ),
+            (
+                c.clone(),
+                Some(pod("pod-uid", "ds-uid", None)),
+                Some(ds.clone()),
+                "not_scheduled",
+            ),
         ];
         for (caller, pod, ds, reason) in cases {
-            let refused = grant(&request(), &caller, pod.as_ref(), ds.as_ref())
-                .expect_err(reason);
+            let refused = grant(&request(), &caller, pod.as_ref(), ds.as_ref()).expect_err(reason);
             assert_eq!(refused.reason, reason, "{}", refused.message);
         }
     }
 
     #[test]
     fn the_default_service_account_counts_when_the_pool_names_none() {
-        let c = caller(&status("system:serviceaccount:ml:default", "kv-agent-x1", "pod-uid"))
-            .expect("caller");
+        let c = caller(&status(
+            "system:serviceaccount:ml:default",
+            "kv-agent-x1",
+            "pod-uid",
+        ))
+        .expect("caller");
         let granted = grant(
             &request(),
             &c,

@@ -18,8 +18,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
 use kube::Client;
+use kube::api::{Api, PostParams};
 use kvpool_proto::issuer::{AUDIENCE, IssueRequest, MAX_BODY, PATH, refusal_json};
 use prometheus::IntCounterVec;
 use tokio::net::TcpListener;
@@ -142,13 +142,12 @@ async fn issue(State(state): State<Arc<IssuerState>>, headers: HeaderMap, body: 
         let key = state
             .root
             .pool_key_hex(&req.namespace, &req.pool, &grant.pool_uid);
-        let file = kvpool_client::credentials::node_file(key.as_bytes(), &grant.node).ok_or(
-            Refusal {
+        let file =
+            kvpool_client::credentials::node_file(key.as_bytes(), &grant.node).ok_or(Refusal {
                 status: 403,
                 reason: "node_unbindable",
                 message: format!("node name {:?} cannot be bound to a credential", grant.node),
-            },
-        )?;
+            })?;
         info!(namespace = %req.namespace, pool = %req.pool, node = %grant.node,
             "issued an agent credential");
         Ok::<String, Refusal>(file)
@@ -221,7 +220,8 @@ pub async fn serve(
         tokio::spawn(async move {
             let _permit = permit;
             let conn = async {
-                let Ok(Ok(tls)) = tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
+                let Ok(Ok(tls)) =
+                    tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
                 else {
                     return;
                 };

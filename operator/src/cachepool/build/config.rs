@@ -54,7 +54,11 @@ pub fn pool_config(pool: &ValidCachePool) -> PoolConfig<'_> {
         credential_issuer: pool.agent_issuer.as_ref().map(|i| CredentialIssuer {
             url: &i.url,
             ca_pem: &i.ca_pem,
-            token_file: format!("{}/{}", contract::AGENT_TOKEN_DIR, contract::AGENT_TOKEN_FILE),
+            token_file: format!(
+                "{}/{}",
+                contract::AGENT_TOKEN_DIR,
+                contract::AGENT_TOKEN_FILE
+            ),
         }),
         effective: &pool.effective,
     }

@@ -904,17 +904,24 @@ fn with_the_agent_issuer_agents_carry_a_projected_token_and_no_shared_credential
         .and_then(|p| p.sources.as_ref())
         .and_then(|s| s[0].service_account_token.as_ref())
         .expect("projected token");
-    assert_eq!(token.audience.as_deref(), Some(kvpool_proto::issuer::AUDIENCE));
-    assert_eq!(token.expiration_seconds, Some(crate::contract::AGENT_TOKEN_SECONDS));
+    assert_eq!(
+        token.audience.as_deref(),
+        Some(kvpool_proto::issuer::AUDIENCE)
+    );
+    assert_eq!(
+        token.expiration_seconds,
+        Some(crate::contract::AGENT_TOKEN_SECONDS)
+    );
     let mounts = spec.containers[0].volume_mounts.as_ref().expect("mounts");
     assert!(mounts.iter().any(|m| m.name == "agent-token"
         && m.mount_path == crate::contract::AGENT_TOKEN_DIR
         && m.read_only == Some(true)));
     assert!(!mounts.iter().any(|m| m.name == "auth"));
     // The pool document tells the agent where to ask and whom to trust.
-    let doc: serde_json::Value =
-        serde_saphyr::from_str(&children.config.data.as_ref().expect("data")[crate::contract::CONFIG_FILE_KEY])
-            .expect("yaml");
+    let doc: serde_json::Value = serde_saphyr::from_str(
+        &children.config.data.as_ref().expect("data")[crate::contract::CONFIG_FILE_KEY],
+    )
+    .expect("yaml");
     assert_eq!(
         doc["credentialIssuer"]["url"],
         "https://kvpool-operator-agent-issuer.kvpool-system.svc:8443"
@@ -922,18 +929,35 @@ fn with_the_agent_issuer_agents_carry_a_projected_token_and_no_shared_credential
     assert_eq!(doc["credentialIssuer"]["caPem"], ca.ca_pem());
     assert_eq!(
         doc["credentialIssuer"]["tokenFile"],
-        format!("{}/{}", crate::contract::AGENT_TOKEN_DIR, crate::contract::AGENT_TOKEN_FILE)
+        format!(
+            "{}/{}",
+            crate::contract::AGENT_TOKEN_DIR,
+            crate::contract::AGENT_TOKEN_FILE
+        )
     );
     // The master binds agents to their nodes; without the issuer it lets them share.
     let master_args = |c: &CachePoolChildren| {
-        c.master.spec.as_ref().and_then(|s| s.template.spec.as_ref()).expect("pod").containers[0]
+        c.master
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.spec.as_ref())
+            .expect("pod")
+            .containers[0]
             .args
             .clone()
             .expect("args")
     };
-    assert!(!master_args(&children).iter().any(|a| a == "--shared-agent-credentials"));
+    assert!(
+        !master_args(&children)
+            .iter()
+            .any(|a| a == "--shared-agent-credentials")
+    );
     let shared = build(&valid(&tcp()), "00ff").expect("build");
-    assert!(master_args(&shared).iter().any(|a| a == "--shared-agent-credentials"));
+    assert!(
+        master_args(&shared)
+            .iter()
+            .any(|a| a == "--shared-agent-credentials")
+    );
     let shared_doc = &shared.config.data.as_ref().expect("data")[crate::contract::CONFIG_FILE_KEY];
     assert!(!shared_doc.contains("credentialIssuer"));
 }
