@@ -1,5 +1,6 @@
 use proptest::prelude::*;
 
+use super::verifier::MAX_CACHED_NODES;
 use super::*;
 
 const POOL: &[u8] = b"0123456789abcdef-pool-secret";
@@ -418,4 +419,36 @@ proptest! {
         let r = v.verify_at(Some(&cred), method, ts);
         prop_assert_eq!(r.is_ok(), role.allows(method));
     }
+}
+
+#[test]
+fn node_keys_are_derived_once_and_only_for_credentials_that_verified() {
+    let v = verifier();
+    // A forged credential for a node (a wrong key): refused, and its node is not kept.
+    let forged = AuthKey::from_node_key("ghost", &[7u8; 32]).expect("key");
+    assert!(matches!(
+        v.verify(Some(&forged.sign("Heartbeat")), "Heartbeat"),
+        Err(AuthError::BadMac)
+    ));
+    assert!(!v.nodes.lock().contains_key("ghost"));
+    // A real node's credential verifies the first time (derived) and again (cached), and a
+    // forged one for that same node still fails against the cached key.
+    let a = pool().derive_node("gpu-1").expect("node key");
+    for _ in 0..2 {
+        v.verify(Some(&a.sign("Heartbeat")), "Heartbeat")
+            .expect("valid");
+    }
+    assert!(v.nodes.lock().contains_key("gpu-1"));
+    let forged_a = AuthKey::from_node_key("gpu-1", &[9u8; 32]).expect("key");
+    assert!(matches!(
+        v.verify(Some(&forged_a.sign("Heartbeat")), "Heartbeat"),
+        Err(AuthError::BadMac)
+    ));
+    // Past the bound the cache starts over; every node still verifies.
+    for i in 0..MAX_CACHED_NODES + 10 {
+        let k = pool().derive_node(&format!("n{i}")).expect("node key");
+        v.verify(Some(&k.sign("Heartbeat")), "Heartbeat")
+            .expect("valid");
+    }
+    assert!(v.nodes.lock().len() <= MAX_CACHED_NODES);
 }

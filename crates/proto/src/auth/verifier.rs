@@ -2,7 +2,7 @@
 //! role key is derived from the pool key at start), the clock window, the role's permission
 //! for the method, and the replay cache. Pure apart from the wall clock in [`Verifier::verify`].
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,7 +92,15 @@ pub struct Verifier {
     /// Whether node-less agent credentials may make node calls (for any node).
     shared_agents: bool,
     seen: Arc<Mutex<Seen>>,
+    /// Node-bound agents' keyed states, derived once per node (each call would otherwise
+    /// derive the node key and key an HMAC again). Filled only after a MAC matched, so names
+    /// sent by callers without the key never enter; emptied when it reaches
+    /// [`MAX_CACHED_NODES`].
+    pub(super) nodes: Arc<Mutex<HashMap<String, Hmac<Sha256>>>>,
 }
+
+/// Most node keys [`Verifier`] keeps derived.
+pub(super) const MAX_CACHED_NODES: usize = 4096;
 
 impl std::fmt::Debug for Verifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -120,6 +128,7 @@ impl Verifier {
             pool: Arc::from(bytes),
             shared_agents: false,
             seen: Arc::new(Mutex::new(Seen::default())),
+            nodes: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -146,20 +155,30 @@ impl Verifier {
         if skew > MAX_SKEW {
             return Err(AuthError::Skew(skew));
         }
-        let node_keyed;
-        let keyed = match &cred.node {
+        match &cred.node {
             // Only agent credentials name a node (`parse` refuses the rest).
             Some(node) => {
-                node_keyed = keyed(&node_key(&self.pool, node));
-                &node_keyed
+                let cached = self.nodes.lock().get(node.as_str()).cloned();
+                let fresh = cached.is_none();
+                let node_keyed = cached.unwrap_or_else(|| keyed(&node_key(&self.pool, node)));
+                if !cred.mac_matches(&node_keyed, method) {
+                    return Err(AuthError::BadMac);
+                }
+                if fresh {
+                    let mut nodes = self.nodes.lock();
+                    if nodes.len() >= MAX_CACHED_NODES {
+                        nodes.clear();
+                    }
+                    nodes.insert(node.clone(), node_keyed);
+                }
             }
             None => {
                 let index = Role::ALL.iter().position(|r| *r == cred.role).unwrap_or(0);
-                self.keys.get(index).ok_or(AuthError::BadMac)?
+                let keyed = self.keys.get(index).ok_or(AuthError::BadMac)?;
+                if !cred.mac_matches(keyed, method) {
+                    return Err(AuthError::BadMac);
+                }
             }
-        };
-        if !cred.mac_matches(keyed, method) {
-            return Err(AuthError::BadMac);
         }
         if !cred.role.allows(method) {
             return Err(AuthError::Forbidden {
