@@ -7,6 +7,7 @@
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use http::{Request, header};
 use hyper_util::client::legacy::Client;
@@ -55,15 +56,12 @@ pub enum Outcome {
     Failed,
 }
 
-/// `q`-quantile (0..=1) of `values` by nearest rank; `None` when empty.
+/// `q`-quantile (0..=1) of `values` by nearest rank ([`kvpool_core::quantile`]); `None` when
+/// empty.
 pub fn quantile(values: &[f64], q: f64) -> Option<f64> {
-    if values.is_empty() {
-        return None;
-    }
     let mut v = values.to_vec();
     v.sort_by(f64::total_cmp);
-    let rank = ((q.clamp(0.0, 1.0) * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v.get(rank - 1).copied()
+    kvpool_core::quantile::nearest_rank(&v, q)
 }
 
 /// The median and the 99th percentile of some latencies (`None` when there were none).
@@ -128,9 +126,9 @@ pub fn summarise(outcomes: &[Outcome], wall_s: f64) -> ReplayStats {
     s
 }
 
-/// Counts server-sent `data:` events carrying a chunk (not `[DONE]`) in `bytes`.
-fn count_chunks(bytes: &[u8]) -> u64 {
-    bytes.windows(7).filter(|w| w == b"data: {").count() as u64
+/// Whether a server-sent event carries a completion chunk (JSON), not the `[DONE]` marker.
+fn is_chunk(event: &eventsource_stream::Event) -> bool {
+    event.data.trim_start().starts_with('{')
 }
 
 type HttpClient = Client<HttpConnector, Body>;
@@ -174,27 +172,22 @@ async fn send(client: &HttpClient, url: &str, body: String) -> Outcome {
             return Outcome::Failed;
         }
     }
-    let mut stream = Body::new(resp.into_body()).into_data_stream();
+    // Server-sent events as the spec frames them (an event split across frames, CRLF line
+    // ends, comments); each chunk event is one step of the stream.
+    let mut events = Body::new(resp.into_body()).into_data_stream().eventsource();
     let mut first: Option<Instant> = None;
     let mut last = start;
     let mut tokens = 0;
-    // The last few bytes of the previous frame, so an event split across frames still counts.
-    let mut carry: Vec<u8> = Vec::new();
-    while let Some(frame) = stream.next().await {
-        let Ok(frame) = frame else {
+    while let Some(event) = events.next().await {
+        let Ok(event) = event else {
             return Outcome::Failed;
         };
-        let mut buf = std::mem::take(&mut carry);
-        buf.extend_from_slice(&frame);
-        let n = count_chunks(&buf);
-        if n > 0 {
+        if is_chunk(&event) {
             let now = Instant::now();
             first.get_or_insert(now);
             last = now;
-            tokens += n;
+            tokens += 1;
         }
-        let keep = buf.len().min(6);
-        carry = buf.split_off(buf.len() - keep);
     }
     let Some(first) = first else {
         return Outcome::Failed;
@@ -343,9 +336,23 @@ mod tests {
         assert_eq!(s.tpot_ms.p50, Some(10.0));
     }
 
-    #[test]
-    fn chunk_events_are_counted_not_done() {
-        let sse = b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n";
-        assert_eq!(count_chunks(sse), 2);
+    #[tokio::test]
+    async fn chunk_events_are_counted_not_done_even_split_across_frames() {
+        let frames = [
+            "data: {\"a\"",
+            ":1}\r\n\r",
+            "\n: keep-alive\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n",
+        ];
+        let events: Vec<_> = futures::stream::iter(
+            frames.map(|f| Ok::<_, std::convert::Infallible>(bytes::Bytes::from(f))),
+        )
+        .eventsource()
+        .collect()
+        .await;
+        let chunks = events
+            .iter()
+            .filter(|e| e.as_ref().is_ok_and(is_chunk))
+            .count();
+        assert_eq!(chunks, 2);
     }
 }

@@ -96,9 +96,8 @@ pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
                 metric_sum_labelled(&text, "kvpool_conductor_kv_events_total", "kind", kind);
         }
         kv.kv_events[2] = metric_sum(&text, "kvpool_conductor_kv_event_gaps_total");
-        kv.fetch_bandwidth_bps = text
-            .lines()
-            .any(|l| l.starts_with("kvpool_conductor_pool_fetch_bandwidth_bytes_per_second "))
+        kv.fetch_bandwidth_bps = kvpool_harness::scrape::samples(&text)
+            .any(|s| s.name == "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second")
             .then(|| {
                 metric_sum(
                     &text,
