@@ -97,7 +97,7 @@ pub fn run_blocking(runtime: &tokio::runtime::Runtime, args: RunArgs) -> Result<
 /// Run until SIGTERM/SIGINT (Ok) or a fatal error.
 pub async fn run(args: RunArgs) -> Result<(), RunError> {
     // Before anything listens: without its root key the operator can reconcile no pool.
-    let root_key = load_root_key(&args).await?;
+    let (root_key, client) = load_root_key(&args).await?;
     let shutdown = CancellationToken::new();
     kvpool_runtime::shutdown::cancel_on_signal(shutdown.clone()).map_err(RunError::Signals)?;
 
@@ -127,7 +127,14 @@ pub async fn run(args: RunArgs) -> Result<(), RunError> {
     // Whatever the API server does (unreachable, answering slowly, holding connections open),
     // the operator exits within --shutdown-timeout of the signal: what is still waiting on it
     // is dropped. Reconciles are idempotent and an unreleased lease expires by itself.
-    let work = run_with_admin(&args, root_key, shutdown.clone(), metrics, readiness);
+    let work = run_with_admin(
+        &args,
+        root_key,
+        client,
+        shutdown.clone(),
+        metrics,
+        readiness,
+    );
     let deadline = async {
         shutdown.cancelled().await;
         tokio::time::sleep(args.shutdown_timeout).await;
@@ -191,18 +198,24 @@ async fn start_issuer(
 }
 
 /// The root key: from `--root-key-file`, or from (or into) the Secret `--root-key-secret` of
-/// the operator's namespace.
-async fn load_root_key(args: &RunArgs) -> Result<RootKey, RunError> {
+/// the operator's namespace; with the latter, the kube client made to read it, for the
+/// controllers to use too.
+async fn load_root_key(args: &RunArgs) -> Result<(RootKey, Option<Client>), RunError> {
     match (&args.root_key_file, &args.root_key_secret) {
-        (Some(file), _) => RootKey::from_file(file).map_err(RunError::RootKey),
+        (Some(file), _) => Ok((RootKey::from_file(file).map_err(RunError::RootKey)?, None)),
         (None, Some(secret)) => {
             if args.operator_namespace.is_empty() {
                 return Err(RunError::RootKeyNamespace);
             }
             let client = Client::try_default().await.map_err(RunError::Client)?;
-            crate::root_key_secret::load_or_create(client, &args.operator_namespace, secret)
-                .await
-                .map_err(RunError::RootKeySecret)
+            let key = crate::root_key_secret::load_or_create(
+                client.clone(),
+                &args.operator_namespace,
+                secret,
+            )
+            .await
+            .map_err(RunError::RootKeySecret)?;
+            Ok((key, Some(client)))
         }
         (None, None) => Err(RunError::NoRootKey),
     }
@@ -211,11 +224,15 @@ async fn load_root_key(args: &RunArgs) -> Result<RootKey, RunError> {
 async fn run_with_admin(
     args: &RunArgs,
     root_key: RootKey,
+    client: Option<Client>,
     shutdown: CancellationToken,
     metrics: Metrics,
     readiness: Readiness,
 ) -> Result<(), RunError> {
-    let client = Client::try_default().await.map_err(RunError::Client)?;
+    let client = match client {
+        Some(c) => c,
+        None => Client::try_default().await.map_err(RunError::Client)?,
+    };
     // Every replica serves the issuer (leader or not): agents start at any time.
     let agent_issuer =
         start_issuer(args, &client, &root_key, &metrics, shutdown.child_token()).await?;
