@@ -922,6 +922,94 @@ fn cases() -> Vec<Case> {
             metadata: Some(json!({"name": "a".repeat(53), "namespace": "llm"})),
             expect: Valid,
         },
+        // ---- Pull secrets, the conductor's API keys, the engine pod template (issue 34)
+        c(
+            "pull secrets and API key Secrets",
+            POOL,
+            json!({
+                "imagePullSecrets": [{"name": "registry-credentials"}],
+                "conductor": {
+                    "apiKeySecret": {"name": "conductor-api-keys", "key": "keys"},
+                    "engineApiKeySecret": {"name": "vllm-api-key", "key": "token"}
+                }
+            }),
+            Valid,
+        ),
+        c(
+            "API key Secret without a key",
+            POOL,
+            json!({"conductor": {"apiKeySecret": {"name": "conductor-api-keys"}}}),
+            OpenApi("\"key\" is a required property"),
+        ),
+        c(
+            "API key Secret with an upper-case name",
+            POOL,
+            json!({"conductor": {"engineApiKeySecret": {"name": "Keys", "key": "token"}}}),
+            OpenApi("does not match"),
+        ),
+        c(
+            "API key Secret key with a slash",
+            POOL,
+            json!({"conductor": {"apiKeySecret": {"name": "keys", "key": "a/b"}}}),
+            OpenApi("does not match"),
+        ),
+        c(
+            "a real engine's pod template",
+            ENGINES,
+            json!({"template": {
+                "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/owner": "ml"}},
+                "spec": {
+                    "imagePullSecrets": [{"name": "registry-credentials"}],
+                    "volumes": [
+                        {"name": "model-cache", "persistentVolumeClaim": {"claimName": "weights", "readOnly": true}},
+                        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}}
+                    ],
+                    "containers": [
+                        {"name": "engine", "volumeMounts": [{"name": "model-cache", "mountPath": "/models"}],
+                         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "failureThreshold": 90}},
+                        {"name": "shipper", "image": "fluent/fluent-bit:3.1"}
+                    ],
+                    "initContainers": [{"name": "fetch", "image": "busybox", "restartPolicy": "Always"}],
+                    "nodeSelector": {"zone": "a"},
+                    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}],
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}},
+                    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}],
+                    "serviceAccountName": "engines",
+                    "automountServiceAccountToken": true,
+                    "priorityClassName": "inference-high",
+                    "runtimeClassName": "nvidia",
+                    "schedulerName": "volcano",
+                    "terminationGracePeriodSeconds": 120,
+                    "securityContext": {"runAsUser": 1000}
+                }
+            }}),
+            Valid,
+        ),
+        c(
+            "a pod field the template does not offer",
+            ENGINES,
+            json!({"template": {"spec": {"hostNetwork": true}}}),
+            OpenApi("hostNetwork"),
+        ),
+        c(
+            "a template container without a name",
+            ENGINES,
+            json!({"template": {"spec": {"containers": [{"image": "busybox"}]}}}),
+            OpenApi("\"name\" is a required property"),
+        ),
+        c(
+            "a template volume without a name",
+            ENGINES,
+            json!({"template": {"spec": {"volumes": [{"emptyDir": {}}]}}}),
+            OpenApi("\"name\" is a required property"),
+        ),
+        c(
+            "a negative grace period",
+            ENGINES,
+            json!({"template": {"spec": {"terminationGracePeriodSeconds": -1}}}),
+            OpenApi("terminationGracePeriodSeconds"),
+        ),
         Case {
             name: "54-character name",
             kinds: ALL,

@@ -619,3 +619,70 @@ fn with_the_issuer_the_agent_asks_for_its_credential_and_the_master_binds_nodes(
     ensure!(!args.iter().any(|a| a == "--shared-agent-credentials"));
     Ok(())
 }
+
+/// The conductor of a pool that names its API key Secrets (deploy/examples/vllm-pvc) starts with
+/// the key files where the operator mounts them: the flags parse with the kvpool CLI and the
+/// conductor reads the client keys and the engines' one key from those paths.
+#[test]
+fn conductor_api_key_secrets_become_the_key_files_it_reads() -> Result<()> {
+    let rel = "deploy/examples/vllm-pvc/kvcachepool.yaml";
+    let text = std::fs::read_to_string(repo_root().join(rel)).context(rel)?;
+    let mut pool: KVCachePool = serde_saphyr::from_str(&text).context(rel)?;
+    pool.metadata
+        .uid
+        .get_or_insert_with(|| "6f1d2c3b-0000-4000-8000-0000000000ab".into());
+    ensure!(
+        pool.spec.conductor.api_key_secret.is_some()
+            && pool.spec.conductor.engine_api_key_secret.is_some()
+    );
+    let children = children(&pool)?;
+    let (deployment, _) = children.conductor.as_ref().context("a conductor")?;
+    let pod = template(deployment).context("pod spec")?;
+    let c = pod_of(Some(pod))?;
+    // Each flag's file lies in a Secret volume the container mounts.
+    let dir = tempfile::tempdir()?;
+    let mut files = write_files(dir.path(), &children)?;
+    for (flag, content) in [
+        ("--api-key-file", "# clients\nsk-client-1\nsk-client-2\n"),
+        ("--engine-api-key-file", "sk-engine\n"),
+    ] {
+        let args = c.args.as_deref().unwrap_or_default();
+        let path = args
+            .windows(2)
+            .find(|w| w[0] == flag)
+            .map(|w| w[1].clone())
+            .with_context(|| format!("{flag} in {args:?}"))?;
+        // The deepest mount above the file is the one that holds it.
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .filter(|m| path.starts_with(&format!("{}/", m.mount_path)))
+            .max_by_key(|m| m.mount_path.len())
+            .with_context(|| format!("{path} is not below a mount"))?;
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .context("the mounted volume")?;
+        ensure!(volume.secret.is_some(), "{flag}: a Secret volume");
+        let local = dir.path().join(flag.trim_start_matches('-'));
+        std::fs::write(&local, content)?;
+        files.insert(path, local);
+    }
+    let argv = argv(c, &files)?;
+    let cli = kvpool::cli::Cli::try_parse_from(&argv)
+        .with_context(|| format!("{rel}: conductor args {argv:?}"))?;
+    let kvpool::cli::Command::Conductor(args) = cli.command else {
+        bail!("{rel}: the conductor container must run `conductor`, got {argv:?}");
+    };
+    let config = kvpool_conductor::cli::conductor_config(&args)
+        .map_err(|e| anyhow::anyhow!("{rel}: conductor flags {argv:?}: {e}"))?;
+    ensure!(config.access.api_keys.is_some(), "client keys read");
+    ensure!(
+        config.access.engine_api_key.as_deref() == Some("sk-engine"),
+        "the engines' key read"
+    );
+    Ok(())
+}

@@ -7,9 +7,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction,
-    HostPathVolumeSource, KeyToPath, ObjectFieldSelector, Probe, ResourceRequirements,
-    SeccompProfile, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume,
-    VolumeMount,
+    HostPathVolumeSource, KeyToPath, LocalObjectReference, ObjectFieldSelector, Probe,
+    ResourceRequirements, SeccompProfile, SecretVolumeSource, SecurityContext, Service,
+    ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
@@ -182,6 +182,20 @@ pub fn common_mounts() -> Vec<VolumeMount> {
         mount("config", contract::CONFIG_DIR, true),
         mount("auth", contract::AUTH_DIR, true),
     ]
+}
+
+/// The image pull secrets of a pod: those of each list in order, each name once; `None` when
+/// there are none (the field stays unset).
+pub fn pull_secrets<'a>(
+    lists: impl IntoIterator<Item = &'a [LocalObjectReference]>,
+) -> Option<Vec<LocalObjectReference>> {
+    let mut out: Vec<LocalObjectReference> = Vec::new();
+    for secret in lists.into_iter().flatten() {
+        if !out.iter().any(|s| s.name == secret.name) {
+            out.push(secret.clone());
+        }
+    }
+    (!out.is_empty()).then_some(out)
 }
 
 /// A label selector matching exactly `labels`.

@@ -1,6 +1,7 @@
 //! Golden files of what the operator renders for engine pods: the full Deployment (pod template,
 //! init container, env, flags, volumes) and Service of a vLLM and an SGLang PrefillPool and
-//! DecodePool and of a custom engine, and the pool's `engine.json`, each compared byte for byte
+//! DecodePool, of a vLLM PrefillPool with a pod template (`spec.template`) and of a custom
+//! engine, and the pool's `engine.json`, each compared byte for byte
 //! with the checked-in copy under operator/tests/golden/. A mismatch prints a line diff; after
 //! an intended change, regenerate with
 //! `KVPOOL_UPDATE_GOLDEN=1 cargo test -p kvpool-operator --test golden` and review the diff in
@@ -148,8 +149,10 @@ fn check_engine(name: &str, p: &ValidEnginePool) {
 
 /// The engine pods with a golden file, as (engine, role, KVCachePool): the pool
 /// `{role}pool-{engine}.yaml` over `kvcachepool-{pool}.yaml` renders `{engine}-{role}.yaml`.
-const ENGINE_PODS: [(&str, &str, &str); 5] = [
+const ENGINE_PODS: [(&str, &str, &str); 6] = [
     ("vllm", "prefill", "roce"),
+    // A pod template: a model-cache claim, a pull secret, a toleration, a node affinity.
+    ("vllm-pvc", "prefill", "roce"),
     ("vllm", "decode", "roce"),
     ("sglang", "prefill", "roce"),
     ("sglang", "decode", "roce"),

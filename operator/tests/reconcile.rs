@@ -1860,3 +1860,204 @@ fn base64_decode(text: &str) -> Vec<u8> {
         .expect("base64")
         .0
 }
+
+/// Issue 34's real engine pool: a PrefillPool whose template brings a model-cache claim, a pull
+/// secret, a toleration and a node affinity. The Deployment the operator applies carries
+/// exactly those next to the operator's own (the pool's pull secret and toleration, the kvpool
+/// volumes and mounts), and the status says the template merged cleanly. A second pass with a
+/// template that sets operator-owned fields gets the operator's values applied, a Warning
+/// Event and `TemplateConflict=True` naming the fields.
+#[tokio::test]
+async fn a_prefill_pool_template_renders_into_the_deployment_exactly() {
+    let mut pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    pool.spec.image_pull_secrets = vec![k8s_openapi::api::core::v1::LocalObjectReference {
+        name: "kvpool-mirror".into(),
+    }];
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    let prefill: PrefillPool = fixture("prefillpool-vllm-pvc.yaml");
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=PrefillPool,kvpool.dev/owner-name=llama";
+    let engine_json = serde_json::to_value(&prefill).expect("json");
+    let status_path = format!("{POOLS}/prefillpools/llama/status");
+
+    let pool_for_server = pool_json.clone();
+    let (outcome, (deploy, status)) = drive_both(
+        engine_pass(prefill.clone()),
+        async move |server: &mut ApiServer| {
+            server.expect_roce_pool(&pool_for_server).await;
+            let deploy = server
+                .expect_engine_workload("llm", "llama-prefill", deploy_status(2))
+                .await;
+            server.expect_no_engine_orphans("llm", selector).await;
+            let body = server.expect_status(&status_path, &engine_json).await;
+            (deploy, body)
+        },
+    )
+    .await;
+    assert_eq!(outcome.expect("reconcile"), enginepool::Outcome::Reconciled);
+
+    let pod = &deploy["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["imagePullSecrets"],
+        json!([{"name": "kvpool-mirror"}, {"name": "regcred"}]),
+        "the pool's secret (the kvpool init container), then the template's"
+    );
+    assert_eq!(
+        pod["tolerations"],
+        json!([
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
+        ])
+    );
+    assert_eq!(
+        pod["affinity"],
+        json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "nvidia.com/gpu.memory", "operator": "Gt", "values": ["80000"]}
+            ]}]
+        }}})
+    );
+    assert_eq!(
+        pod["nodeSelector"],
+        json!({"nvidia.com/gpu.product": "H100-SXM"})
+    );
+    let volume_names: Vec<&str> = pod["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert_eq!(
+        volume_names,
+        [
+            "config",
+            "auth",
+            "socket",
+            "shm",
+            "kvpool-python",
+            "model-cache"
+        ]
+    );
+    assert_eq!(
+        pod["volumes"][5],
+        json!({"name": "model-cache", "persistentVolumeClaim": {"claimName": "llama-70b-weights", "readOnly": true}})
+    );
+    let containers = pod["containers"].as_array().expect("containers");
+    assert_eq!(
+        containers.len(),
+        1,
+        "the template's engine entry is merged, not added"
+    );
+    let engine = &containers[0];
+    assert_eq!(engine["name"], "engine");
+    assert_eq!(
+        engine["image"],
+        "registry.example.com/vllm/vllm-openai:v0.11.0"
+    );
+    let mounts: Vec<(&str, &str)> = engine["volumeMounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap_or_default(),
+                m["mountPath"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            ("config", "/etc/kvpool"),
+            ("auth", "/etc/kvpool/auth"),
+            ("socket", "/run/kvpool"),
+            ("shm", "/dev/shm"),
+            ("kvpool-python", "/opt/kvpool/python"),
+            ("model-cache", "/root/.cache/huggingface"),
+        ]
+    );
+    assert_eq!(
+        engine["volumeMounts"][5],
+        json!({"name": "model-cache", "mountPath": "/root/.cache/huggingface", "readOnly": true})
+    );
+    assert_eq!(pod["initContainers"][0]["name"], "kvpool-python");
+    assert_eq!(pod["initContainers"].as_array().map(Vec::len), Some(1));
+    let labels = &deploy["spec"]["template"]["metadata"]["labels"];
+    assert_eq!(labels["team"], "ml-platform");
+    assert_eq!(labels["kvpool.dev/pool"], "roce");
+    assert!(deploy["metadata"]["labels"]["team"].is_null(), "pods only");
+    let clean = condition(&status, "TemplateConflict");
+    assert_eq!(
+        (&clean["status"], &clean["reason"]),
+        (&json!("False"), &json!("TemplateApplied"))
+    );
+    assert_eq!(condition(&status, "Ready")["status"], "True");
+
+    // A template that takes operator-owned fields: the operator's values, a Warning Event and
+    // the condition naming each field.
+    let mut owned = prefill;
+    let status_value = status["status"].clone();
+    owned.status = Some(serde_json::from_value(status_value).expect("status"));
+    let t = owned.spec.template.as_mut().expect("template");
+    t.metadata
+        .get_or_insert_with(Default::default)
+        .labels
+        .insert("kvpool.dev/component".into(), "decode".into());
+    let spec = t.spec.as_mut().expect("spec");
+    spec.containers[0].image = Some("attacker/engine:latest".into());
+    spec.volumes.push(k8s_openapi::api::core::v1::Volume {
+        name: "auth".into(),
+        empty_dir: Some(Default::default()),
+        ..Default::default()
+    });
+    let engine_json = serde_json::to_value(&owned).expect("json");
+    let status_path = format!("{POOLS}/prefillpools/llama/status");
+    let (outcome, (deploy, event, status)) =
+        drive_both(engine_pass(owned), async move |server: &mut ApiServer| {
+            server.expect_roce_pool(&pool_json).await;
+            let deploy = server
+                .expect_engine_workload("llm", "llama-prefill", deploy_status(2))
+                .await;
+            server.expect_no_engine_orphans("llm", selector).await;
+            let event = server.expect_event().await;
+            let body = server.expect_status(&status_path, &engine_json).await;
+            (deploy, event, body)
+        })
+        .await;
+    assert_eq!(outcome.expect("reconcile"), enginepool::Outcome::Reconciled);
+    let template = &deploy["spec"]["template"];
+    assert_eq!(
+        template["metadata"]["labels"]["kvpool.dev/component"],
+        "prefill"
+    );
+    assert_eq!(
+        template["spec"]["containers"][0]["image"],
+        "registry.example.com/vllm/vllm-openai:v0.11.0"
+    );
+    let auth = template["spec"]["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == "auth")
+        .expect("auth");
+    assert_eq!(auth["secret"]["secretName"], "roce-auth");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["reason"], "OperatorOwnedFields");
+    assert_eq!(event["regarding"]["kind"], "PrefillPool");
+    let conflict = condition(&status, "TemplateConflict");
+    assert_eq!(conflict["status"], "True");
+    assert_eq!(conflict["reason"], "OperatorOwnedFields");
+    let message = conflict["message"].as_str().expect("message");
+    for field in [
+        "spec.template.metadata.labels[\"kvpool.dev/component\"]",
+        "spec.template.spec.containers[engine].image",
+        "spec.template.spec.volumes[auth]",
+    ] {
+        assert!(message.contains(field), "{field} in {message}");
+    }
+    assert!(
+        event["note"].as_str().is_some_and(|n| n == message),
+        "{event}"
+    );
+    // The pool still runs: Ready follows the Deployment.
+    assert_eq!(condition(&status, "Ready")["status"], "True");
+}

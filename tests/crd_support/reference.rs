@@ -19,6 +19,24 @@ const EXTERNAL: &[(&str, &str)] = &[
     ("spec.conductor.resources", "ResourceRequirements (core/v1)"),
     ("spec.engine.env", "[]EnvVar (core/v1)"),
     ("spec.resources.container", "ResourceRequirements (core/v1)"),
+    ("spec.imagePullSecrets", "[]LocalObjectReference (core/v1)"),
+    ("spec.template.spec.containers", "[]Container (core/v1)"),
+    ("spec.template.spec.initContainers", "[]Container (core/v1)"),
+    ("spec.template.spec.volumes", "[]Volume (core/v1)"),
+    (
+        "spec.template.spec.imagePullSecrets",
+        "[]LocalObjectReference (core/v1)",
+    ),
+    ("spec.template.spec.affinity", "Affinity (core/v1)"),
+    ("spec.template.spec.tolerations", "[]Toleration (core/v1)"),
+    (
+        "spec.template.spec.topologySpreadConstraints",
+        "[]TopologySpreadConstraint (core/v1)",
+    ),
+    (
+        "spec.template.spec.securityContext",
+        "PodSecurityContext (core/v1)",
+    ),
     ("status.conditions", "[]Condition (meta/v1)"),
 ];
 

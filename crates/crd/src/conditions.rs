@@ -79,6 +79,11 @@ pub const TRANSPORT_DEGRADED: &str = "TransportDegraded";
 /// by an operator that generated random keys). Unknown while the master does not answer.
 pub const AUTH_KEY_REJECTED: &str = "AuthKeyRejected";
 
+/// A `PrefillPool`'s or `DecodePool`'s `spec.template` sets fields the operator owns (a
+/// selector label, a volume or mount path it injects, the engine container's image, ...): the
+/// engines run with the operator's values and the message names the template's fields.
+pub const TEMPLATE_CONFLICT: &str = "TemplateConflict";
+
 /// Condition statuses.
 pub const TRUE: &str = "True";
 /// Condition statuses.
@@ -126,6 +131,11 @@ pub mod reasons {
     pub const DERIVED_KEY_REFUSED: &str = "DerivedKeyRefused";
     /// `AuthKeyRejected=False`: the master accepted the operator's derived key on the last pass.
     pub const DERIVED_KEY_ACCEPTED: &str = "DerivedKeyAccepted";
+    /// `TemplateConflict=True`: fields of `spec.template` were overridden by the operator's own;
+    /// the message names them.
+    pub const OPERATOR_OWNED_FIELDS: &str = "OperatorOwnedFields";
+    /// `TemplateConflict=False`: every field of `spec.template` (if any) reached the engine pods.
+    pub const TEMPLATE_APPLIED: &str = "TemplateApplied";
 
     /// Every reason above (docs/crds.md documents each).
     pub const ALL: &[&str] = &[
@@ -146,6 +156,8 @@ pub mod reasons {
         TRANSPORT_AS_REQUESTED,
         DERIVED_KEY_REFUSED,
         DERIVED_KEY_ACCEPTED,
+        OPERATOR_OWNED_FIELDS,
+        TEMPLATE_APPLIED,
     ];
 }
 

@@ -1,6 +1,6 @@
 //! The conductor's part of a `KVCachePool`: replicas, SLOs, the engines' block size and the
-//! model's tokenizer files, which make the conductor's block hashes the engines'. Pure types,
-//! no I/O.
+//! model's tokenizer files, which make the conductor's block hashes the engines', and the
+//! Secrets of its API keys. Pure types, no I/O.
 
 use k8s_openapi::api::core::v1::ResourceRequirements;
 use kube::KubeSchema;
@@ -8,6 +8,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::defaults;
+use super::pod_template::SecretKeyRef;
 
 /// The scheduler and front door.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -50,6 +51,19 @@ pub struct ConductorSpec {
     /// leave prompts keyed by stand-in text chunks, which match no real engine's blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSpec>,
+
+    /// The client API keys: a Secret key holding one key per line (blank lines and `#`
+    /// comments skipped). Every request but `/health` and `/v1/kvpool/load` must then carry
+    /// one as `Authorization: Bearer <key>`, else 401. The conductor reads the keys at start:
+    /// restart it after changing them. Absent: no key is asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_secret: Option<SecretKeyRef>,
+
+    /// The engines' API key (their `--api-key`): a Secret key holding exactly one key, sent as
+    /// `Authorization: Bearer` on every call to the engines. Absent: a client's own
+    /// `Authorization` goes to the engines with its request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_api_key_secret: Option<SecretKeyRef>,
 }
 
 /// Where the conductor finds the model's tokenizer files (exactly one source).
@@ -91,6 +105,8 @@ impl Default for ConductorSpec {
             resources: None,
             engine_block_size: defaults::engine_block_size(),
             tokenizer: None,
+            api_key_secret: None,
+            engine_api_key_secret: None,
         }
     }
 }

@@ -10,6 +10,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::defaults;
+use super::pod_template::EnginePodTemplate;
 
 /// Declares the spec (and, through `CustomResource`, the resource) of one engine-pool kind.
 /// `PrefillPool` and `DecodePool` have the same fields, schema rules and printer columns; they
@@ -132,6 +133,14 @@ macro_rules! engine_pool_spec {
             /// yourself, or let an HPA or KEDA scale it through the scale subresource).
             #[serde(default, skip_serializing_if = "Option::is_none")]
             pub autoscaling: Option<AutoscalingSpec>,
+
+            /// Labels, annotations and pod-spec fields of the engine pods (volumes and the engine
+            /// container's mounts, sidecars, init containers, pull secrets, affinity,
+            /// tolerations, ...), merged under the fields the operator owns; a field it had to
+            /// override is named by the `TemplateConflict` condition (docs/crds.md, "Engine pod
+            /// template").
+            #[serde(default, skip_serializing_if = "Option::is_none")]
+            pub template: Option<EnginePodTemplate>,
         }
     };
 }

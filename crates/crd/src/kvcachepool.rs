@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{LocalObjectReference, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -117,6 +117,15 @@ pub struct KVCachePoolSpec {
     /// Tolerations of the agent pods (GPU nodes are often tainted).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
+
+    /// Secrets (in the pool's namespace) for pulling the images of every pod the operator runs
+    /// for the pool: the agents, the master, the conductor, and the engine pods of its
+    /// PrefillPools and DecodePools (whose init container runs the `kvpool` image), before an
+    /// engine pool's own `template.spec.imagePullSecrets`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(merge_strategy = ListMerge::Map(vec!["name".into()]))]
+    #[schemars(length(max = 16))]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
 
     /// How the node agent DaemonSet runs.
     #[serde(default)]

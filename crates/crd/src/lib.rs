@@ -12,6 +12,7 @@ pub mod labels;
 mod master_tls;
 mod network;
 mod persistence;
+mod pod_template;
 mod pool_status;
 pub mod quantity;
 mod validated;
@@ -41,6 +42,9 @@ pub use persistence::{
     DRAM_HOST_PATH_MESSAGE, DRAM_HOST_PATH_PREFIXES, DRAM_HOST_PATH_RULE,
     DRAM_INDEX_HOST_PATH_MESSAGE, DramPersistenceConfig, DramPersistenceSpec, PersistenceMode,
     dram_host_path_allowed,
+};
+pub use pod_template::{
+    ENGINE_CONTAINER, EnginePodMetadata, EnginePodSpec, EnginePodTemplate, SecretKeyRef,
 };
 pub use validated::{
     AutoscalingConfig, ConductorConfig, DramCapacity, DramConfig, EvictionConfig, MAX_NAME_LEN,

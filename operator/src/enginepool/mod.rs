@@ -3,7 +3,8 @@
 //! Ready=False/KVCachePoolNotFound; the controller's watch on KVCachePools maps a pool that
 //! appears (or changes) back to the engine pools that reference it. A pool with
 //! `spec.autoscaling` gets its instance count from `autoscale` (the conductor's load) each
-//! [`AUTOSCALE_PERIOD`].
+//! [`AUTOSCALE_PERIOD`]. Fields of `spec.template` that the operator's own values overrode are
+//! named by the `TemplateConflict` condition and, when they change, a Warning Event.
 //! I/O boundary: the GET of the KVCachePool, the conductor read, the applies, the Event and
 //! the status write.
 
@@ -239,8 +240,26 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     }
 
     // Status.
-    let mut new_status = status::status(&valid, &applied, obj.engine_status(), ctx.now());
+    let mut new_status = status::status(
+        &valid,
+        &applied,
+        &children.template_conflicts,
+        obj.engine_status(),
+        ctx.now(),
+    );
     new_status.autoscaling = scaling.map(|s| s.status);
+    // A template that sets operator-owned fields is reported once per change, not every pass.
+    if let Some(message) = status::new_template_conflict(obj.engine_status(), &new_status) {
+        warn!(engine_pool = %name, %message, "spec.template sets fields the operator owns");
+        controller::publish_warning(
+            ctx,
+            obj,
+            kvpool_crd::conditions::reasons::OPERATOR_OWNED_FIELDS,
+            "Reconcile",
+            &message,
+        )
+        .await?;
+    }
     if obj.engine_status() != Some(&new_status) {
         apply::patch_status(&ctx.settings.field_manager, &api, &name, &new_status).await?;
     }

@@ -1,10 +1,12 @@
-//! Status of an engine pool from its Deployment as the API server returned it, or the reason it
-//! could not be reconciled (missing or invalid KVCachePool, invalid spec). Deterministic.
+//! Status of an engine pool from its Deployment as the API server returned it and the fields of
+//! its `spec.template` the operator overrode (`TemplateConflict`), or the reason it could not be
+//! reconciled (missing or invalid KVCachePool, invalid spec). Deterministic.
 //! I/O boundary: none.
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
 use kvpool_crd::EnginePoolStatus;
+use kvpool_crd::conditions::{TEMPLATE_CONFLICT, reasons};
 
 use super::build;
 use super::validate::ValidEnginePool;
@@ -31,10 +33,56 @@ pub fn desired_conditions(ready: i32, desired: i32) -> Vec<Desired> {
     }
 }
 
-/// Status after a successful apply.
+/// Conflicts named in the `TemplateConflict` message at most; the rest are counted.
+const MAX_NAMED_CONFLICTS: usize = 8;
+
+/// The `TemplateConflict` condition: True naming the template's fields that the operator's
+/// values overrode (`conflicts`, from the build), False when there are none.
+pub fn template_condition(conflicts: &[String]) -> Desired {
+    if conflicts.is_empty() {
+        return Desired::new(
+            TEMPLATE_CONFLICT,
+            false,
+            reasons::TEMPLATE_APPLIED,
+            "spec.template (if any) merged without touching a field the operator owns",
+        );
+    }
+    let mut named = conflicts[..conflicts.len().min(MAX_NAMED_CONFLICTS)].join(", ");
+    if conflicts.len() > MAX_NAMED_CONFLICTS {
+        named.push_str(&format!(
+            " and {} more",
+            conflicts.len() - MAX_NAMED_CONFLICTS
+        ));
+    }
+    Desired::new(
+        TEMPLATE_CONFLICT,
+        true,
+        reasons::OPERATOR_OWNED_FIELDS,
+        format!(
+            "the operator's own values were kept instead of {named} (docs/crds.md, \"Engine pod template\")"
+        ),
+    )
+}
+
+/// The message of `new`'s `TemplateConflict` condition when it is True and says something
+/// else than `previous`'s did (the conflicts are new or changed); `None` otherwise.
+pub fn new_template_conflict(
+    previous: Option<&EnginePoolStatus>,
+    new: &EnginePoolStatus,
+) -> Option<String> {
+    let now = conditions::find(&new.conditions, TEMPLATE_CONFLICT)?;
+    let before = previous.and_then(|p| conditions::find(&p.conditions, TEMPLATE_CONFLICT));
+    (now.status == "True"
+        && before.map(|b| (&b.status, &b.message)) != Some((&now.status, &now.message)))
+    .then(|| now.message.clone())
+}
+
+/// Status after a successful apply; `template_conflicts` are the fields of `spec.template` the
+/// operator overrode.
 pub fn status(
     p: &ValidEnginePool,
     applied: &Deployment,
+    template_conflicts: &[String],
     previous: Option<&EnginePoolStatus>,
     now: Timestamp,
 ) -> EnginePoolStatus {
@@ -45,7 +93,11 @@ pub fn status(
     EnginePoolStatus {
         conditions: conditions::merge(
             previous.map(|s| s.conditions.as_slice()).unwrap_or(&[]),
-            &desired_conditions(ready, desired),
+            &[
+                desired_conditions(ready, desired),
+                vec![template_condition(template_conflicts)],
+            ]
+            .concat(),
             p.generation,
             now,
         ),

@@ -1,7 +1,8 @@
 //! Validation of a Prefill/DecodePool together with the KVCachePool it references (already
 //! fetched and validated by the dereference step). Spec rules live in
 //! `kvpool_crd::ValidatedEnginePool`; this step adds object identity, child-name length and
-//! what server-side apply would reject (duplicate env names). I/O boundary: none.
+//! what server-side apply would reject (duplicate env names, a container or volume name of
+//! `spec.template` used twice). I/O boundary: none.
 
 use std::collections::BTreeSet;
 
@@ -44,6 +45,35 @@ pub fn validate<K: EnginePool>(obj: &K, pool: ValidCachePool) -> Result<ValidEng
                 "spec.engine.env: {:?} is listed twice",
                 env.name
             )));
+        }
+    }
+    if let Some(spec) = effective.template.as_ref().and_then(|t| t.spec.as_ref()) {
+        // A pod's containers and init containers share one namespace of names.
+        let mut names = BTreeSet::new();
+        let containers = spec
+            .containers
+            .iter()
+            .map(|c| ("containers", &c.name))
+            .chain(
+                spec.init_containers
+                    .iter()
+                    .map(|c| ("initContainers", &c.name)),
+            );
+        for (field, name) in containers {
+            if !names.insert(name.as_str()) {
+                return Err(Error::InvalidSpec(format!(
+                    "spec.template.spec.{field}: the container name {name:?} is used twice in the pod"
+                )));
+            }
+        }
+        let mut volumes = BTreeSet::new();
+        for v in &spec.volumes {
+            if !volumes.insert(v.name.as_str()) {
+                return Err(Error::InvalidSpec(format!(
+                    "spec.template.spec.volumes: {:?} is listed twice",
+                    v.name
+                )));
+            }
         }
     }
     if effective.rdma.contains_key(&effective.gpu_resource_name) {

@@ -9,12 +9,12 @@ use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde::{Deserialize, Serialize};
 
-use super::error::SpecError;
+use super::error::{SpecError, check_label_value, validate_label_key};
 use super::fields::ranged;
 use crate::labels::Component;
 use crate::{
-    AutoscalingSignal, AutoscalingSpec, DecodePoolSpec, EngineKind, EngineResources, EngineSpec,
-    PrefillPoolSpec,
+    AutoscalingSignal, AutoscalingSpec, DecodePoolSpec, EngineKind, EnginePodTemplate,
+    EngineResources, EngineSpec, PrefillPoolSpec,
 };
 
 /// Serving phase of an engine pool.
@@ -90,6 +90,9 @@ pub struct ValidatedEnginePool {
     pub slo_millis: u32,
     /// Autoscaling bounds, if any.
     pub autoscaling: Option<AutoscalingConfig>,
+    /// The user's part of the engine pods (`spec.template`), its label and annotation keys and
+    /// label values checked.
+    pub template: Option<EnginePodTemplate>,
 }
 
 /// The fields PrefillPoolSpec and DecodePoolSpec share, borrowed.
@@ -100,6 +103,7 @@ struct EngineFields<'a> {
     resources: &'a EngineResources,
     tensor_parallel_size: i32,
     autoscaling: Option<&'a AutoscalingSpec>,
+    template: Option<&'a EnginePodTemplate>,
 }
 
 /// [`EngineFields`] of a PrefillPoolSpec or DecodePoolSpec: the same field names on two types.
@@ -112,6 +116,7 @@ macro_rules! engine_fields {
             resources: &$spec.resources,
             tensor_parallel_size: $spec.tensor_parallel_size,
             autoscaling: $spec.autoscaling.as_ref(),
+            template: $spec.template.as_ref(),
         }
     };
 }
@@ -187,6 +192,9 @@ impl ValidatedEnginePool {
                 })
             }
         };
+        if let Some(t) = f.template {
+            check_template(t)?;
+        }
         Ok(Self {
             role,
             kv_cache_pool: f.pool.to_owned(),
@@ -204,8 +212,38 @@ impl ValidatedEnginePool {
             tensor_parallel_size,
             slo_millis,
             autoscaling,
+            template: f.template.cloned(),
         })
     }
+}
+
+/// The checks of `spec.template` the API server makes only on the Deployment (too late to name
+/// the engine pool's field): label and annotation keys, label values, node selector entries.
+fn check_template(t: &EnginePodTemplate) -> Result<(), SpecError> {
+    let labels = |field: &'static str, map: &BTreeMap<String, String>| {
+        for (key, value) in map {
+            validate_label_key(field, key)?;
+            if !value.is_empty() {
+                check_label_value(value).map_err(|message| SpecError::InvalidLabelValue {
+                    field,
+                    key: key.clone(),
+                    value: value.clone(),
+                    message,
+                })?;
+            }
+        }
+        Ok(())
+    };
+    if let Some(m) = &t.metadata {
+        labels("template.metadata.labels", &m.labels)?;
+        for key in m.annotations.keys() {
+            validate_label_key("template.metadata.annotations", key)?;
+        }
+    }
+    if let Some(s) = &t.spec {
+        labels("template.spec.nodeSelector", &s.node_selector)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -251,6 +289,28 @@ mod tests {
     }
 
     #[test]
+    fn the_pod_template_is_kept_as_written() {
+        let p = ValidatedEnginePool::from_prefill(&prefill(
+            "  engine: {kind: custom, image: i}\n  template:\n    metadata: {labels: {team: ml, empty: ''}, annotations: {'example.com/note': 'any text'}}\n    spec:\n      imagePullSecrets: [{name: regcred}]\n      volumes: [{name: models, persistentVolumeClaim: {claimName: models}}]\n      containers: [{name: engine, volumeMounts: [{name: models, mountPath: /models}]}]",
+        ))
+        .expect("valid");
+        let t = p.template.expect("template");
+        let spec = t.spec.expect("spec");
+        assert_eq!(spec.image_pull_secrets[0].name, "regcred");
+        assert_eq!(spec.volumes[0].name, "models");
+        assert_eq!(spec.containers[0].name, crate::ENGINE_CONTAINER);
+        let err = ValidatedEnginePool::from_prefill(&prefill(
+            "  engine: {kind: custom, image: i}\n  template: {metadata: {labels: {team: 'ml platform'}}}",
+        ))
+        .expect_err("a space in a label value");
+        assert_eq!(err.category(), "invalid_label_value");
+        assert_eq!(
+            err.to_string(),
+            "spec.template.metadata.labels[\"team\"]: the value \"ml platform\" is not a label value: it must be alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric"
+        );
+    }
+
+    #[test]
     fn engine_pool_errors_name_the_field() {
         let cases: &[(&str, &str)] = &[
             ("  engine: {kind: vllm, image: i}", "engine.model"),
@@ -274,6 +334,22 @@ mod tests {
             (
                 "  engine: {kind: custom, image: i}\n  replicas: -1",
                 "replicas",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  template: {metadata: {labels: {'team name': ml}}}",
+                "template.metadata.labels",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  template: {metadata: {labels: {team: 'ml platform'}}}",
+                "template.metadata.labels",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  template: {metadata: {annotations: {'-x/y': ok}}}",
+                "template.metadata.annotations",
+            ),
+            (
+                "  engine: {kind: custom, image: i}\n  template: {spec: {nodeSelector: {pool: 'gpu/a'}}}",
+                "template.spec.nodeSelector",
             ),
         ];
         for (yaml, field) in cases {

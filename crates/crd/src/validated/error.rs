@@ -59,6 +59,18 @@ pub enum SpecError {
         /// What is wrong with it.
         message: &'static str,
     },
+    /// An entry of a map of labels holds a value that is not a label value.
+    #[error("spec.{field}[{key:?}]: the value {value:?} is not a label value: it {message}")]
+    InvalidLabelValue {
+        /// Path of the map below `spec`.
+        field: &'static str,
+        /// The entry's key.
+        key: String,
+        /// The value found.
+        value: String,
+        /// What is wrong with it.
+        message: &'static str,
+    },
     /// A field that the other fields make necessary is absent.
     #[error("spec.{field}: {message}")]
     #[strum(serialize = "missing_field")]
@@ -84,6 +96,7 @@ impl SpecError {
             | Self::OutOfRange { field, .. }
             | Self::Conflict { field, .. }
             | Self::InvalidLabelKey { field, .. }
+            | Self::InvalidLabelValue { field, .. }
             | Self::Missing { field, .. } => field,
         }
     }

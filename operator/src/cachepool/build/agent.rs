@@ -219,6 +219,7 @@ pub fn agent_daemonset(pool: &ValidCachePool, config_hash: &str) -> DaemonSet {
                         .then(|| spec.node_selector.clone()),
                     tolerations: (!spec.tolerations.is_empty()).then(|| spec.tolerations.clone()),
                     priority_class_name: spec.agent.priority_class_name.clone(),
+                    image_pull_secrets: pod::pull_secrets([spec.image_pull_secrets.as_slice()]),
                     // The agent reads and labels its Node object only as the ServiceAccount
                     // the pool names (bound to the agent ClusterRole); otherwise no token.
                     service_account_name: spec.agent.service_account_name.clone(),

@@ -1,18 +1,21 @@
 //! The conductor Deployment (`kvpool conductor`: the OpenAI-compatible front door and
 //! KVCache-centric scheduler, which discovers the pool's engine pods through the API server as
-//! its own ServiceAccount) and its Service. I/O boundary: none.
+//! its own ServiceAccount) and its Service. The Secrets of its client and engine API keys, when
+//! the pool names them, are mounted and passed as `--api-key-file` and `--engine-api-key-file`.
+//! I/O boundary: none.
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{
-    ConfigMapVolumeSource, ImageVolumeSource, PersistentVolumeClaimVolumeSource, Service, Volume,
-    VolumeMount,
+    ConfigMapVolumeSource, ImageVolumeSource, KeyToPath, PersistentVolumeClaimVolumeSource,
+    SecretVolumeSource, Service, Volume, VolumeMount,
 };
-use kvpool_crd::TokenizerSpec;
+use kvpool_crd::{ConductorSpec, SecretKeyRef, TokenizerSpec};
 
 use super::workload::{self, KvpoolContainer};
 use crate::cachepool::validate::ValidCachePool;
 use crate::contract;
 use crate::labels::{self, Component};
+use crate::pod::mount;
 
 /// Named ports of the conductor container and Service.
 const CONDUCTOR_PORTS: [(&str, u16); 2] = [
@@ -24,26 +27,31 @@ const CONDUCTOR_PORTS: [(&str, u16); 2] = [
 pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Service) {
     let c = &pool.spec.conductor;
     let slo = pool.effective.conductor.as_ref();
+    let mut args = contract::conductor_args(
+        &pool.name,
+        &pool.namespace,
+        &pool.master_addr(),
+        slo.map_or(
+            u64::from(kvpool_crd::defaults::TTFT_MILLIS.unsigned_abs()),
+            |s| u64::from(s.ttft_millis),
+        ),
+        slo.map_or(
+            u64::from(kvpool_crd::defaults::TPOT_MILLIS.unsigned_abs()),
+            |s| u64::from(s.tpot_millis),
+        ),
+        &contract::ConductorModel {
+            engine_block_size: c.engine_block_size.unsigned_abs().max(1),
+            tokenizer_dir: c.tokenizer.as_ref().map(tokenizer_dir),
+        },
+    );
+    let key_files = key_files(c);
+    for k in &key_files {
+        args.extend([format!("--{}", k.flag), k.file_path()]);
+    }
     let container = workload::kvpool_container(KvpoolContainer {
         name: "conductor",
         image: &pool.conductor_image,
-        args: contract::conductor_args(
-            &pool.name,
-            &pool.namespace,
-            &pool.master_addr(),
-            slo.map_or(
-                u64::from(kvpool_crd::defaults::TTFT_MILLIS.unsigned_abs()),
-                |s| u64::from(s.ttft_millis),
-            ),
-            slo.map_or(
-                u64::from(kvpool_crd::defaults::TPOT_MILLIS.unsigned_abs()),
-                |s| u64::from(s.tpot_millis),
-            ),
-            &contract::ConductorModel {
-                engine_block_size: c.engine_block_size.unsigned_abs().max(1),
-                tokenizer_dir: c.tokenizer.as_ref().map(tokenizer_dir),
-            },
-        ),
+        args,
         env: None,
         ports: &CONDUCTOR_PORTS,
         resources: c.resources.clone(),
@@ -64,6 +72,15 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
     {
         spec.service_account_name = Some(labels::child_name(&pool.name, Component::Conductor));
         spec.automount_service_account_token = Some(true);
+        for k in &key_files {
+            spec.volumes.get_or_insert_with(Vec::new).push(k.volume());
+            if let Some(container) = spec.containers.first_mut() {
+                container
+                    .volume_mounts
+                    .get_or_insert_with(Vec::new)
+                    .push(mount(k.volume, k.dir, true));
+            }
+        }
         if let Some(t) = &c.tokenizer {
             spec.volumes
                 .get_or_insert_with(Vec::new)
@@ -85,6 +102,68 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
         deployment,
         workload::service(pool, Component::Conductor, &CONDUCTOR_PORTS),
     )
+}
+
+/// A key file the conductor reads at start, from a key of a Secret the pool names.
+struct KeyFile<'a> {
+    /// The conductor's flag naming the file (without `--`).
+    flag: &'static str,
+    /// Name of the volume.
+    volume: &'static str,
+    /// Directory the volume is mounted at.
+    dir: &'static str,
+    /// The file's name in that directory.
+    file: &'static str,
+    secret: &'a SecretKeyRef,
+}
+
+impl KeyFile<'_> {
+    fn file_path(&self) -> String {
+        format!("{}/{}", self.dir, self.file)
+    }
+
+    /// The Secret volume holding only the named key, as [`Self::file`], readable by the owner
+    /// and the pod's group (the conductor runs as the `fsGroup` user, never as root).
+    fn volume(&self) -> Volume {
+        Volume {
+            name: self.volume.to_owned(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(self.secret.name.clone()),
+                default_mode: Some(0o440),
+                items: Some(vec![KeyToPath {
+                    key: self.secret.key.clone(),
+                    path: self.file.to_owned(),
+                    mode: None,
+                }]),
+                ..SecretVolumeSource::default()
+            }),
+            ..Volume::default()
+        }
+    }
+}
+
+/// Where the conductor's client API keys are mounted.
+pub const API_KEYS_DIR: &str = "/etc/kvpool/conductor-api-keys";
+/// Where the engines' API key is mounted.
+pub const ENGINE_API_KEY_DIR: &str = "/etc/kvpool/engine-api-key";
+
+/// The key files of `spec.conductor.apiKeySecret` and `engineApiKeySecret`, in that order.
+fn key_files(c: &ConductorSpec) -> Vec<KeyFile<'_>> {
+    let clients = c.api_key_secret.as_ref().map(|secret| KeyFile {
+        flag: "api-key-file",
+        volume: "api-keys",
+        dir: API_KEYS_DIR,
+        file: "keys",
+        secret,
+    });
+    let engines = c.engine_api_key_secret.as_ref().map(|secret| KeyFile {
+        flag: "engine-api-key-file",
+        volume: "engine-api-key",
+        dir: ENGINE_API_KEY_DIR,
+        file: "key",
+        secret,
+    });
+    clients.into_iter().chain(engines).collect()
 }
 
 /// Name of the conductor's tokenizer volume.
@@ -121,4 +200,96 @@ fn tokenizer_volume(t: &TokenizerSpec) -> Volume {
         });
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::{Container, PodSpec};
+    use kvpool_crd::SecretKeyRef;
+
+    use crate::test_fixtures::{after, roce, valid};
+
+    fn conductor_pod(pool: &kvpool_crd::KVCachePool) -> PodSpec {
+        let (d, _) = super::conductor(&valid(pool), "h");
+        d.spec.and_then(|s| s.template.spec).expect("conductor pod")
+    }
+
+    fn args(c: &Container) -> &[String] {
+        c.args.as_deref().expect("args")
+    }
+
+    #[test]
+    fn api_key_secrets_are_mounted_alone_and_passed_as_key_files() {
+        let plain = conductor_pod(&roce());
+        let c = &plain.containers[0];
+        assert!(!args(c).iter().any(|a| a.contains("api-key-file")));
+        assert!(
+            !plain
+                .volumes
+                .iter()
+                .flatten()
+                .any(|v| v.name.contains("api-key"))
+        );
+
+        let mut pool = roce();
+        pool.spec.conductor.api_key_secret = Some(SecretKeyRef {
+            name: "conductor-keys".into(),
+            key: "keys.txt".into(),
+        });
+        pool.spec.conductor.engine_api_key_secret = Some(SecretKeyRef {
+            name: "vllm-api-key".into(),
+            key: "token".into(),
+        });
+        let pod = conductor_pod(&pool);
+        let c = &pod.containers[0];
+        assert_eq!(
+            after(args(c), "--api-key-file"),
+            Some("/etc/kvpool/conductor-api-keys/keys")
+        );
+        assert_eq!(
+            after(args(c), "--engine-api-key-file"),
+            Some("/etc/kvpool/engine-api-key/key")
+        );
+        for (volume, secret, key, file, dir) in [
+            (
+                "api-keys",
+                "conductor-keys",
+                "keys.txt",
+                "keys",
+                super::API_KEYS_DIR,
+            ),
+            (
+                "engine-api-key",
+                "vllm-api-key",
+                "token",
+                "key",
+                super::ENGINE_API_KEY_DIR,
+            ),
+        ] {
+            let v = pod
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == volume)
+                .unwrap_or_else(|| panic!("{volume} volume"));
+            let s = v.secret.as_ref().expect("a Secret volume");
+            assert_eq!(s.secret_name.as_deref(), Some(secret));
+            // The named key only, group-readable for the non-root conductor (fsGroup).
+            assert_eq!(s.default_mode, Some(0o440));
+            let items: Vec<(&str, &str)> = s
+                .items
+                .iter()
+                .flatten()
+                .map(|i| (i.key.as_str(), i.path.as_str()))
+                .collect();
+            assert_eq!(items, [(key, file)]);
+            let m = c
+                .volume_mounts
+                .iter()
+                .flatten()
+                .find(|m| m.name == volume)
+                .unwrap_or_else(|| panic!("{volume} mount"));
+            assert_eq!((m.mount_path.as_str(), m.read_only), (dir, Some(true)));
+        }
+    }
 }

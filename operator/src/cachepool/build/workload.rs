@@ -1,7 +1,7 @@
 //! The shape the master and conductor share: a `kvpool <role>` container with named ports,
 //! admin probes and the config and auth mounts, run by a Deployment as the image's non-root
-//! user on a read-only root filesystem (with a writable `/tmp`), behind a Service that forwards
-//! the same named ports. I/O boundary: none.
+//! user on a read-only root filesystem (with a writable `/tmp`) and with the pool's image pull
+//! secrets, behind a Service that forwards the same named ports. I/O boundary: none.
 
 use std::collections::BTreeMap;
 
@@ -94,6 +94,10 @@ pub(super) fn deployment(
                 }),
                 spec: Some(PodSpec {
                     automount_service_account_token: Some(false),
+                    image_pull_secrets: pod::pull_secrets([pool
+                        .spec
+                        .image_pull_secrets
+                        .as_slice()]),
                     security_context: Some(nonroot_pod_security()),
                     containers: vec![Container {
                         security_context: Some(restricted_container_security()),
@@ -138,4 +142,68 @@ pub(super) fn service(
         labels::selector_labels(&pool.name, &pool.name, component),
         ports,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::{LocalObjectReference, PodSpec};
+
+    use crate::test_fixtures::{roce, valid};
+
+    fn names(pod: Option<&PodSpec>) -> Vec<String> {
+        pod.and_then(|p| p.image_pull_secrets.clone())
+            .into_iter()
+            .flatten()
+            .map(|s| s.name)
+            .collect()
+    }
+
+    /// The agents, the master and the conductor all pull with the pool's secrets.
+    #[test]
+    fn every_workload_of_the_pool_pulls_with_its_secrets() {
+        let mut pool = roce();
+        let plain = super::super::build(&valid(&pool), "00").expect("build");
+        assert!(
+            names(
+                plain
+                    .master
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref())
+            )
+            .is_empty()
+        );
+        pool.spec.image_pull_secrets = ["mirror", "ghcr"]
+            .map(|name| LocalObjectReference { name: name.into() })
+            .to_vec();
+        let children = super::super::build(&valid(&pool), "00").expect("build");
+        let (conductor, _) = children.conductor.as_ref().expect("conductor");
+        for (what, pod) in [
+            (
+                "agent",
+                children
+                    .agent
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref()),
+            ),
+            (
+                "master",
+                children
+                    .master
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref()),
+            ),
+            (
+                "conductor",
+                conductor
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.template.spec.as_ref()),
+            ),
+        ] {
+            assert_eq!(names(pod), ["mirror", "ghcr"], "{what}");
+        }
+    }
 }

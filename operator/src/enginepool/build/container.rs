@@ -136,7 +136,7 @@ pub fn engine_container(p: &ValidEnginePool) -> Container {
         ..Probe::default()
     });
     Container {
-        name: "engine".to_owned(),
+        name: kvpool_crd::ENGINE_CONTAINER.to_owned(),
         image: Some(p.effective.image.clone()),
         command,
         args,

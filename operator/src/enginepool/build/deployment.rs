@@ -1,7 +1,7 @@
 //! The engine Deployment: `replicas` instances on the pool's nodes (the agent DaemonSet's node
 //! selector and tolerations), in the group that may read the pool's key, with the pod
-//! annotations the conductor routes by and the init container that puts the `kvpool` Python
-//! package into the pod. I/O boundary: none.
+//! annotations the conductor routes by, the pool's image pull secrets and the init container
+//! that puts the `kvpool` Python package into the pod. I/O boundary: none.
 
 use std::collections::BTreeMap;
 
@@ -80,6 +80,12 @@ pub fn engine_deployment(
                     tolerations: (!pool_spec.tolerations.is_empty())
                         .then(|| pool_spec.tolerations.clone()),
                     automount_service_account_token: Some(false),
+                    // The pool's pull secrets: the init container runs the `kvpool` image.
+                    image_pull_secrets: pod::pull_secrets([p
+                        .pool
+                        .spec
+                        .image_pull_secrets
+                        .as_slice()]),
                     // Puts the engine's processes in the group that may read the auth key,
                     // whatever user the engine image runs as; the runtime's default seccomp
                     // profile for every container of the pod.
@@ -95,7 +101,7 @@ pub fn engine_deployment(
                         pod::auth_volume(&p.pool.name, p.component),
                         pod::socket_volume(),
                         Volume {
-                            name: "shm".to_owned(),
+                            name: super::SHM_VOLUME.to_owned(),
                             empty_dir: Some(EmptyDirVolumeSource {
                                 medium: Some("Memory".to_owned()),
                                 ..EmptyDirVolumeSource::default()

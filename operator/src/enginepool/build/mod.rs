@@ -1,13 +1,16 @@
 //! Pure construction of an engine pool's children: one Deployment of engine instances
 //! (`deployment.rs`, running the container of `container.rs` after the init container of
-//! `python.rs` that copies in the `kvpool` Python package) and one Service in front of them,
-//! and its NetworkPolicy (`network_policy.rs`), composed by [`build`]. The engine learns how to reach the pool from environment variables
-//! and the mounted pool config (docs/engine-contract.md). I/O boundary: none.
+//! `python.rs` that copies in the `kvpool` Python package, with the user's `spec.template`
+//! merged under it by `template.rs`) and one Service in front of them, and its NetworkPolicy
+//! (`network_policy.rs`), composed by [`build`]. The engine learns how to reach the pool from
+//! environment variables and the mounted pool config (docs/engine-contract.md).
+//! I/O boundary: none.
 
 mod container;
 mod deployment;
 mod network_policy;
 mod python;
+mod template;
 
 #[cfg(test)]
 mod tests;
@@ -29,6 +32,7 @@ pub use container::{
 pub use deployment::{engine_deployment, pod_annotations};
 pub use network_policy::network_policy;
 pub use python::{python_init_container, python_mount, python_path, python_volume};
+pub use template::{SHM_VOLUME, merge as merge_template};
 
 /// Children of an engine pool.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +41,9 @@ pub struct EngineChildren {
     pub service: Service,
     /// Ingress of the engine pods; `None` when the pool's policies are turned off.
     pub network_policy: Option<NetworkPolicy>,
+    /// The fields of `spec.template` that the operator's own values overrode (paths below the
+    /// engine pool); empty when it merged cleanly or there is none.
+    pub template_conflicts: Vec<String>,
 }
 
 /// The named port of the engine container and Service.
@@ -81,9 +88,15 @@ pub fn build(p: &ValidEnginePool, config_hash: &str) -> EngineChildren {
     {
         crate::transfer_tls::engine_pod(pod, 0, tls, &p.pool.name, &p.pool.namespace);
     }
+    // The user's template last, under everything the operator put into the pod.
+    let template_conflicts = match (&p.effective.template, deployment.spec.as_mut()) {
+        (Some(t), Some(spec)) => merge_template(t, &mut spec.template),
+        _ => Vec::new(),
+    };
     EngineChildren {
         deployment,
         service: pod::service(meta(p), selector, &ENGINE_PORTS),
         network_policy: network_policy(p),
+        template_conflicts,
     }
 }

@@ -1,5 +1,6 @@
 //! Unit tests of [`super::build`] from the YAML fixtures: the engine Deployment and Service for
-//! vLLM, SGLang and custom engines, and the validation errors that name the field.
+//! vLLM, SGLang and custom engines, the merge of `spec.template` under the operator's pod and
+//! the `TemplateConflict` condition, and the validation errors that name the field.
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Container;
@@ -9,7 +10,7 @@ use super::*;
 use crate::enginepool::validate::validate;
 use crate::test_fixtures::{
     after, assert_runs_kvpool, decode_sglang, has_arg, host_path, prefill_custom, prefill_vllm,
-    roce, tcp, template_annotations, valid,
+    roce, tcp, template_annotations, template_labels, valid,
 };
 
 fn container(d: &Deployment) -> &Container {
@@ -473,4 +474,512 @@ fn engine_pods_admit_the_pools_pods_and_outside_callers_only_as_the_spec_says() 
     off.spec.network_policy.enabled = false;
     let p = validate(&prefill_vllm(), valid(&off)).expect("valid");
     assert!(build(&p, "h").network_policy.is_none());
+}
+
+/// `spec.template` of the fixture PrefillPool, from YAML (indented as below `template:`).
+fn with_template(yaml: &str) -> kvpool_crd::PrefillPool {
+    let mut pool = prefill_vllm();
+    pool.spec.template = Some(serde_saphyr::from_str(yaml).expect("template parses"));
+    pool
+}
+
+fn pod_spec(d: &Deployment) -> &k8s_openapi::api::core::v1::PodSpec {
+    d.spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .expect("pod")
+}
+
+const REAL_VLLM_TEMPLATE: &str = "
+metadata:
+  labels: {team: ml}
+  annotations: {example.com/owner: ml-platform}
+spec:
+  imagePullSecrets: [{name: engine-registry}]
+  volumes:
+    - name: model-cache
+      persistentVolumeClaim: {claimName: hf-cache}
+  containers:
+    - name: engine
+      volumeMounts: [{name: model-cache, mountPath: /root/.cache/huggingface}]
+      env: [{name: HF_HUB_OFFLINE, value: '1'}]
+      startupProbe: {httpGet: {path: /health, port: http}, failureThreshold: 120, periodSeconds: 10}
+    - name: log-shipper
+      image: fluent/fluent-bit:3.1
+  initContainers:
+    - name: fetch-model
+      image: registry.example.com/fetch:1
+  tolerations:
+    - {key: dedicated, operator: Equal, value: inference, effect: NoSchedule}
+  affinity:
+    nodeAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        nodeSelectorTerms:
+          - matchExpressions:
+              - {key: nvidia.com/gpu.memory, operator: Gt, values: ['80000']}
+  serviceAccountName: engines
+  priorityClassName: inference-high
+  runtimeClassName: nvidia
+  terminationGracePeriodSeconds: 120
+  securityContext: {runAsUser: 1000, supplementalGroups: [44]}
+";
+
+/// The merge adds what the template adds and keeps everything the operator put there: the
+/// real-engine case of issue 34 (a model-cache claim, a pull secret, a toleration, an affinity).
+#[test]
+fn a_template_adds_volumes_mounts_sidecars_and_scheduling_under_the_operators_pod() {
+    let mut pool = roce();
+    pool.spec.image_pull_secrets = vec![k8s_openapi::api::core::v1::LocalObjectReference {
+        name: "kvpool-registry".into(),
+    }];
+    let plain = build(
+        &validate(&prefill_vllm(), valid(&pool)).expect("valid"),
+        "h",
+    );
+    let p = validate(&with_template(REAL_VLLM_TEMPLATE), valid(&pool)).expect("valid");
+    let children = build(&p, "h");
+    assert_eq!(children.template_conflicts, Vec::<String>::new());
+    let d = &children.deployment;
+    let pod = pod_spec(d);
+
+    // Containers: the engine first, merged; then the sidecar.
+    let names: Vec<&str> = pod.containers.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["engine", "log-shipper"]);
+    let engine = container(d);
+    let before = container(&plain.deployment);
+    assert_eq!(engine.image, before.image);
+    assert_eq!(engine.command, before.command);
+    assert_eq!(engine.args, before.args);
+    assert_eq!(engine.readiness_probe, before.readiness_probe);
+    assert_eq!(engine.security_context, before.security_context);
+    assert_eq!(engine.resources, before.resources);
+    assert!(
+        engine.startup_probe.is_some(),
+        "the template's startup probe"
+    );
+    let mounts: Vec<(&str, &str)> = engine
+        .volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| (m.name.as_str(), m.mount_path.as_str()))
+        .collect();
+    let operator_mounts = before.volume_mounts.as_ref().expect("mounts").len();
+    assert_eq!(mounts.len(), operator_mounts + 1, "{mounts:?}");
+    assert_eq!(
+        mounts.last(),
+        Some(&("model-cache", "/root/.cache/huggingface"))
+    );
+    assert_eq!(env_value(engine, "HF_HUB_OFFLINE"), Some("1"));
+    assert_eq!(env_value(engine, "KVPOOL_ROLE"), Some("prefill"));
+    assert_eq!(
+        engine.env.as_ref().map(Vec::len),
+        before.env.as_ref().map(|e| e.len() + 1)
+    );
+
+    // Init containers: the operator's first.
+    let init: Vec<&str> = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .map(|c| c.name.as_str())
+        .collect();
+    assert_eq!(init, ["kvpool-python", "fetch-model"]);
+
+    // Volumes: the operator's, then the claim.
+    let volumes = pod.volumes.as_ref().expect("volumes");
+    let last = volumes.last().expect("a volume");
+    assert_eq!(
+        last.persistent_volume_claim
+            .as_ref()
+            .map(|c| c.claim_name.as_str()),
+        Some("hf-cache")
+    );
+    assert_eq!(
+        volumes.len(),
+        pod_spec(&plain.deployment)
+            .volumes
+            .as_ref()
+            .map_or(0, Vec::len)
+            + 1
+    );
+
+    // Pull secrets: the pool's (for the kvpool init container) and the template's.
+    let secrets: Vec<&str> = pod
+        .image_pull_secrets
+        .iter()
+        .flatten()
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(secrets, ["kvpool-registry", "engine-registry"]);
+
+    // Scheduling: the pool's node selector and toleration stay, the template's are added.
+    assert_eq!(
+        pod.node_selector.as_ref().expect("selector")["nvidia.com/gpu.product"],
+        "H100-SXM"
+    );
+    let tolerations: Vec<Option<&str>> = pod
+        .tolerations
+        .iter()
+        .flatten()
+        .map(|t| t.key.as_deref())
+        .collect();
+    assert_eq!(tolerations, [Some("nvidia.com/gpu"), Some("dedicated")]);
+    let term = &pod
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        })
+        .expect("required node affinity")
+        .node_selector_terms[0];
+    assert_eq!(
+        term.match_expressions.as_ref().expect("expressions")[0].key,
+        "nvidia.com/gpu.memory"
+    );
+    assert_eq!(pod.service_account_name.as_deref(), Some("engines"));
+    assert_eq!(
+        pod.automount_service_account_token,
+        Some(false),
+        "no token unless asked"
+    );
+    assert_eq!(pod.priority_class_name.as_deref(), Some("inference-high"));
+    assert_eq!(pod.runtime_class_name.as_deref(), Some("nvidia"));
+    assert_eq!(pod.termination_grace_period_seconds, Some(120));
+    let security = pod.security_context.as_ref().expect("security context");
+    assert_eq!(security.run_as_user, Some(1000));
+    assert_eq!(security.supplemental_groups.as_deref(), Some(&[44][..]));
+    assert_eq!(
+        security.fs_group,
+        Some(crate::cachepool::build::KEY_READER_GROUP)
+    );
+    assert!(security.seccomp_profile.is_some());
+
+    // Pod metadata: the template's label and annotation next to the operator's; the
+    // Deployment's own labels and selector are the operator's alone.
+    let template = &d.spec.as_ref().expect("spec").template;
+    assert_eq!(template_labels(template)["team"], "ml");
+    assert_eq!(template_labels(template)["kvpool.dev/pool"], "roce");
+    assert_eq!(
+        template_annotations(template)["example.com/owner"],
+        "ml-platform"
+    );
+    assert_eq!(template_annotations(template)[labels::CONFIG_HASH], "h");
+    assert!(
+        !d.metadata
+            .labels
+            .as_ref()
+            .expect("labels")
+            .contains_key("team")
+    );
+    assert_eq!(
+        d.spec.as_ref().map(|s| &s.selector),
+        plain.deployment.spec.as_ref().map(|s| &s.selector)
+    );
+    // Without a template the pool's pods are what they were.
+    assert!(plain.template_conflicts.is_empty());
+}
+
+/// Every field the operator owns keeps the operator's value, and the conflict names the
+/// template's field.
+#[test]
+fn operator_owned_fields_win_and_each_conflict_names_the_templates_field() {
+    let p = validate(
+        &with_template(
+            "
+metadata:
+  labels: {kvpool.dev/pool: other, team: ml}
+  annotations: {kvpool.dev/engine-protocol: sglang}
+spec:
+  volumes:
+    - {name: auth, emptyDir: {}}
+    - {name: models, emptyDir: {}}
+  containers:
+    - name: engine
+      image: evil/engine:latest
+      command: [sh]
+      securityContext: {privileged: true}
+      env: [{name: KVPOOL_ROLE, value: decode}, {name: VLLM_LOGGING_LEVEL, value: DEBUG}]
+      ports: [{name: http, containerPort: 9000}, {name: metrics, containerPort: 8001}]
+      volumeMounts:
+        - {name: models, mountPath: /etc/kvpool/auth}
+        - {name: models, mountPath: /models}
+      resources: {limits: {nvidia.com/gpu: '8', memory: 300Gi}}
+  initContainers:
+    - {name: kvpool-python, image: busybox}
+  nodeSelector: {nvidia.com/gpu.product: A100, zone: a}
+  automountServiceAccountToken: true
+  securityContext: {fsGroup: 0}
+",
+        ),
+        valid(&roce()),
+    )
+    .expect("valid");
+    let children = build(&p, "h");
+    let conflicts = &children.template_conflicts;
+    let expected = [
+        "spec.template.metadata.annotations[\"kvpool.dev/engine-protocol\"]",
+        "spec.template.metadata.labels[\"kvpool.dev/pool\"]",
+        "spec.template.spec.containers[engine].command",
+        "spec.template.spec.containers[engine].env[KVPOOL_ROLE]",
+        "spec.template.spec.containers[engine].image",
+        "spec.template.spec.containers[engine].ports[http]",
+        "spec.template.spec.containers[engine].resources.limits[\"nvidia.com/gpu\"]",
+        "spec.template.spec.containers[engine].securityContext.privileged",
+        "spec.template.spec.containers[engine].volumeMounts[/etc/kvpool/auth]",
+        "spec.template.spec.initContainers[kvpool-python]",
+        "spec.template.spec.nodeSelector[\"nvidia.com/gpu.product\"]",
+        "spec.template.spec.securityContext.fsGroup",
+        "spec.template.spec.volumes[auth]",
+    ];
+    let mut found: Vec<&str> = conflicts.iter().map(String::as_str).collect();
+    found.sort_unstable();
+    let mut wanted = expected.to_vec();
+    wanted.sort_unstable();
+    assert_eq!(found, wanted);
+    // A value the user repeats exactly is no conflict (the env of spec.engine.env).
+    assert!(
+        !conflicts.iter().any(|c| c.contains("VLLM_LOGGING_LEVEL")),
+        "{conflicts:?}"
+    );
+
+    let d = &children.deployment;
+    let pod = pod_spec(d);
+    let c = container(d);
+    assert_eq!(c.image.as_deref(), Some("vllm/vllm-openai:v0.11.0"));
+    assert_eq!(c.command.as_deref(), Some(&["vllm".to_owned()][..]));
+    assert_eq!(
+        c.security_context.as_ref().and_then(|s| s.privileged),
+        Some(false)
+    );
+    assert_eq!(env_value(c, "KVPOOL_ROLE"), Some("prefill"));
+    let res = c.resources.as_ref().expect("resources");
+    let limits = res.limits.as_ref().expect("limits");
+    assert_eq!(limits["nvidia.com/gpu"], Quantity("4".into()));
+    assert_eq!(
+        limits["memory"],
+        Quantity("300Gi".into()),
+        "a resource the operator does not set is the template's"
+    );
+    let ports: Vec<(Option<&str>, i32)> = c
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| (p.name.as_deref(), p.container_port))
+        .collect();
+    assert_eq!(ports, [(Some("http"), 8000), (Some("metrics"), 8001)]);
+    let auth_mounts: Vec<&str> = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter(|m| m.mount_path == "/etc/kvpool/auth")
+        .map(|m| m.name.as_str())
+        .collect();
+    assert_eq!(auth_mounts, ["auth"]);
+    assert!(
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.mount_path == "/models")
+    );
+    let auth = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == "auth")
+        .expect("auth");
+    assert!(auth.secret.is_some(), "the pool's key, not the template's");
+    let init: Vec<(&str, Option<&str>)> = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .map(|c| (c.name.as_str(), c.image.as_deref()))
+        .collect();
+    assert_eq!(
+        init,
+        [("kvpool-python", Some(p.pool.master_image.as_str()))]
+    );
+    let selector = pod.node_selector.as_ref().expect("selector");
+    assert_eq!(selector["nvidia.com/gpu.product"], "H100-SXM");
+    assert_eq!(selector["zone"], "a");
+    assert_eq!(
+        pod.security_context.as_ref().and_then(|s| s.fs_group),
+        Some(crate::cachepool::build::KEY_READER_GROUP)
+    );
+    let template = &d.spec.as_ref().expect("spec").template;
+    assert_eq!(template_labels(template)["kvpool.dev/pool"], "roce");
+    assert_eq!(template_labels(template)["team"], "ml");
+    assert_eq!(
+        template_annotations(template)[labels::ENGINE_PROTOCOL_ANNOTATION],
+        "vllm"
+    );
+    // Defaults the template may replace: the API token.
+    assert_eq!(pod.automount_service_account_token, Some(true));
+
+    // The containers and init containers of a pod share their names.
+    let p = validate(
+        &with_template("spec:\n  initContainers: [{name: engine, image: busybox}]\n"),
+        valid(&roce()),
+    )
+    .expect("valid");
+    let children = build(&p, "h");
+    assert_eq!(
+        children.template_conflicts,
+        ["spec.template.spec.initContainers[engine]"]
+    );
+    assert_eq!(
+        pod_spec(&children.deployment)
+            .init_containers
+            .as_ref()
+            .map(Vec::len),
+        Some(1)
+    );
+}
+
+/// `shm` is the operator's default for `/dev/shm`: a template's volume of that name replaces
+/// it (to bound it), and the engine's mount of it stays. A custom engine has no readiness
+/// probe of the operator's, so the template's is kept; values equal to the operator's are no
+/// conflict.
+#[test]
+fn shm_and_the_probes_the_operator_leaves_unset_are_the_templates() {
+    let mut custom = prefill_custom();
+    custom.spec.template = Some(
+        serde_saphyr::from_str(
+            "
+metadata: {labels: {kvpool.dev/pool: tcp}}
+spec:
+  volumes: [{name: shm, emptyDir: {medium: Memory, sizeLimit: 16Gi}}]
+  containers:
+    - name: engine
+      readinessProbe: {httpGet: {path: /ready, port: 8000}}
+      volumeMounts: [{name: shm, mountPath: /dev/shm}]
+",
+        )
+        .expect("parses"),
+    );
+    let p = validate(&custom, valid(&tcp())).expect("valid");
+    let children = build(&p, "h");
+    assert_eq!(children.template_conflicts, Vec::<String>::new());
+    let pod = pod_spec(&children.deployment);
+    let shm = pod
+        .volumes
+        .iter()
+        .flatten()
+        .filter(|v| v.name == SHM_VOLUME)
+        .collect::<Vec<_>>();
+    assert_eq!(shm.len(), 1);
+    assert_eq!(
+        shm[0].empty_dir.as_ref().and_then(|e| e.size_limit.clone()),
+        Some(Quantity("16Gi".into()))
+    );
+    let c = container(&children.deployment);
+    let probe = c.readiness_probe.as_ref().expect("the template's probe");
+    assert_eq!(
+        probe.http_get.as_ref().and_then(|h| h.path.as_deref()),
+        Some("/ready")
+    );
+    let shm_mounts = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter(|m| m.mount_path == "/dev/shm")
+        .count();
+    assert_eq!(shm_mounts, 1);
+}
+
+#[test]
+fn template_names_used_twice_are_invalid_and_name_the_field() {
+    let twice = with_template(
+        "spec:\n  containers: [{name: sidecar, image: a}]\n  initContainers: [{name: sidecar, image: b}]\n",
+    );
+    let err = validate(&twice, valid(&roce())).expect_err("one name twice in a pod");
+    assert!(
+        err.to_string()
+            .contains("spec.template.spec.initContainers"),
+        "{err}"
+    );
+    assert!(err.is_invalid_spec());
+    let volumes =
+        with_template("spec:\n  volumes: [{name: a, emptyDir: {}}, {name: a, emptyDir: {}}]\n");
+    let err = validate(&volumes, valid(&roce())).expect_err("a volume twice");
+    assert!(
+        err.to_string().contains("spec.template.spec.volumes"),
+        "{err}"
+    );
+    let label = with_template("metadata: {labels: {team: 'a b'}}\n");
+    let err = validate(&label, valid(&roce())).expect_err("a bad label value");
+    assert!(
+        err.to_string().contains("spec.template.metadata.labels"),
+        "{err}"
+    );
+}
+
+/// The pool's pull secrets reach the engine pods (their init container runs the kvpool image)
+/// even without a template.
+#[test]
+fn the_pools_pull_secrets_reach_the_engine_pods() {
+    let mut pool = tcp();
+    pool.spec.image_pull_secrets = vec![k8s_openapi::api::core::v1::LocalObjectReference {
+        name: "kvpool-registry".into(),
+    }];
+    let p = validate(&prefill_custom(), valid(&pool)).expect("valid");
+    let pod = pod_spec(&build(&p, "h").deployment).clone();
+    let secrets: Vec<String> = pod
+        .image_pull_secrets
+        .into_iter()
+        .flatten()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(secrets, ["kvpool-registry"]);
+    let p = validate(&prefill_custom(), valid(&tcp())).expect("valid");
+    assert!(
+        pod_spec(&build(&p, "h").deployment)
+            .image_pull_secrets
+            .is_none()
+    );
+}
+
+#[test]
+fn the_template_conflict_condition_names_the_fields_and_reports_each_change_once() {
+    use crate::enginepool::status::{new_template_conflict, template_condition};
+    let clean = template_condition(&[]);
+    assert_eq!(
+        (clean.type_, clean.status, clean.reason),
+        ("TemplateConflict", false, "TemplateApplied")
+    );
+    let fields: Vec<String> = (0..10).map(|i| format!("spec.template.f{i}")).collect();
+    let c = template_condition(&fields[..2]);
+    assert_eq!((c.status, c.reason), (true, "OperatorOwnedFields"));
+    assert!(
+        c.message.contains("spec.template.f0, spec.template.f1"),
+        "{}",
+        c.message
+    );
+    let many = template_condition(&fields);
+    assert!(many.message.contains("f7 and 2 more"), "{}", many.message);
+    assert!(!many.message.contains("f8"), "{}", many.message);
+
+    let status = |conflicts: &[String]| kvpool_crd::EnginePoolStatus {
+        conditions: crate::conditions::merge(
+            &[],
+            &[template_condition(conflicts)],
+            Some(1),
+            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        ),
+        ..Default::default()
+    };
+    let none = status(&[]);
+    let two = status(&fields[..2]);
+    let three = status(&fields[..3]);
+    assert_eq!(new_template_conflict(None, &none), None);
+    assert_eq!(new_template_conflict(Some(&none), &none), None);
+    assert!(new_template_conflict(None, &two).is_some());
+    assert!(new_template_conflict(Some(&none), &two).is_some());
+    assert_eq!(new_template_conflict(Some(&two), &two), None, "once");
+    assert!(
+        new_template_conflict(Some(&two), &three).is_some(),
+        "changed"
+    );
+    assert_eq!(new_template_conflict(Some(&two), &none), None);
 }
