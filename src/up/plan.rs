@@ -362,8 +362,6 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
     let mut args = vec!["conductor".into()];
     args.extend(http_service_args(s, api, admin));
     args.extend([
-        "--kv-bytes-per-token".into(),
-        s.kv_bytes_per_token.to_string(),
         // The conductor asks the master which prompt blocks the engines left in the pool.
         "--master".into(),
         grpc.to_string(),
@@ -375,7 +373,12 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
     match &s.vllm {
         Some(v) => args.extend(super::vllm::conductor_args(v)),
         // The synthetic engines name their blocks kvpool/synthetic/<model>/<key>.
-        None => args.extend(["--pool-keys".into(), "synthetic".into()]),
+        None => args.extend([
+            "--pool-keys".into(),
+            "synthetic".into(),
+            "--kv-bytes-per-token".into(),
+            s.kv_bytes_per_token.to_string(),
+        ]),
     }
     // The conductor's clock and the engines' measured fetch times in cost-model seconds.
     if s.time_scale > 0.0 && s.vllm.is_none() {
@@ -647,7 +650,8 @@ mod vllm_tests {
         assert!(!decode.contains("--kv-events-config"), "{decode}");
         let conductor = get("conductor").args.join(" ");
         for want in [
-            "--tokenizer /models/tiny",
+            // The model directory: tokenizer, chat template and KV bytes per token.
+            "--model-dir /models/tiny --engine-tensor-parallel-size 1",
             "--pool-keys vllm",
             "--hash-seed 0",
             "--block-size 32",
@@ -656,5 +660,6 @@ mod vllm_tests {
             assert!(conductor.contains(want), "{want}: {conductor}");
         }
         assert!(!conductor.contains("--time-scale 0.1"), "{conductor}");
+        assert!(!conductor.contains("--kv-bytes-per-token"), "{conductor}");
     }
 }

@@ -35,7 +35,9 @@ pub(super) fn validate(
         super::UpEngine::Synthetic => (None, args.model.clone(), args.kv_bytes_per_token),
         super::UpEngine::Vllm => {
             let v = vllm_engine(args)?;
-            let shape = super::vllm::kv_shape(&v.model_dir).map_err(|e| flag("model", e))?;
+            let tp =
+                super::vllm::tensor_parallel(&v.extra_args).map_err(|e| flag("engine-args", e))?;
+            let shape = super::vllm::kv_shape(&v.model_dir, tp).map_err(|e| flag("model", e))?;
             let served = super::vllm::served_name(&v.model_dir);
             (Some(v), served, shape.bytes_per_token)
         }

@@ -42,26 +42,36 @@ pub struct KvShape {
     pub dtype: String,
 }
 
-/// Reads the model's KV shape; an error names the file and what is missing.
-pub fn kv_shape(model_dir: &Path) -> Result<KvShape, String> {
-    let path = model_dir.join("config.json");
-    let v = kvpool_conductor::model_config::read_config(model_dir)?;
-    let num = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
-    let need = |k: &str| num(k).ok_or_else(|| format!("{} has no {k}", path.display()));
-    let layers = need("num_hidden_layers")?;
-    let heads = need("num_attention_heads")?;
-    let kv_heads = num("num_key_value_heads").unwrap_or(heads);
-    let head_dim = match num("head_dim") {
-        Some(d) => d,
-        None => need("hidden_size")? / heads.max(1),
-    };
-    let dtype = kvpool_conductor::model_config::config_kv_dtype(&v)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    let element = if dtype == "float32" { 4 } else { 2 };
+/// Reads the model's KV shape (one rank's, with the engines' tensor-parallel size); an error
+/// names the file and what is missing. The formula is the conductor's
+/// (`kvpool_conductor::model_config::kv_layout`), so both count the same bytes.
+pub fn kv_shape(model_dir: &Path, tensor_parallel: u32) -> Result<KvShape, String> {
+    let l = kvpool_conductor::model_config::dir_kv_layout(model_dir, tensor_parallel, None)?;
     Ok(KvShape {
-        bytes_per_token: 2 * layers * kv_heads * head_dim * element,
-        dtype,
+        bytes_per_token: l.bytes_per_token,
+        dtype: l.dtype,
     })
+}
+
+/// The tensor-parallel size in the engines' extra arguments (`--tensor-parallel-size N`,
+/// `-tp N` or `--tensor-parallel-size=N`); 1 without one.
+pub fn tensor_parallel(extra_args: &[String]) -> Result<u32, String> {
+    let mut it = extra_args.iter();
+    while let Some(a) = it.next() {
+        let value = match a.split_once('=') {
+            Some(("--tensor-parallel-size" | "-tp", v)) => v.to_owned(),
+            None if a == "--tensor-parallel-size" || a == "-tp" => {
+                it.next().cloned().unwrap_or_default()
+            }
+            _ => continue,
+        };
+        return value
+            .parse::<u32>()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("--tensor-parallel-size {value:?} is not a positive integer"));
+    }
+    Ok(1)
 }
 
 /// The `--kv-transfer-config` of an engine of `role`: kvpool's connector, loading and saving on
@@ -173,12 +183,16 @@ pub fn engine_command(v: &VllmEngine, site: &EngineSite<'_>) -> EngineCommand {
     }
 }
 
-/// The conductor's flags for vLLM engines: the served model's tokenizer (block hashes from the
-/// engines' tokens), the connector's pool keys, and the engines' hash seed.
+/// The conductor's flags for vLLM engines: the served model's directory (its tokenizer for
+/// block hashes from the engines' tokens, its config for the KV bytes per token of one rank of
+/// the engines' tensor-parallel size), the connector's pool keys, and the engines' hash seed.
 pub fn conductor_args(v: &VllmEngine) -> Vec<String> {
+    let tp = tensor_parallel(&v.extra_args).unwrap_or(1);
     vec![
-        "--tokenizer".to_owned(),
+        "--model-dir".to_owned(),
         v.model_dir.display().to_string(),
+        "--engine-tensor-parallel-size".to_owned(),
+        tp.to_string(),
         "--pool-keys".to_owned(),
         "vllm".to_owned(),
         "--block-hash".to_owned(),
@@ -225,16 +239,33 @@ mod tests {
                 "hidden_size":256,"torch_dtype":"bfloat16"}"#,
         )
         .unwrap();
-        let shape = kv_shape(dir.path()).expect("valid");
+        let shape = kv_shape(dir.path(), 1).expect("valid");
         // 2 (K and V) x 4 layers x 2 KV heads x 64 head size x 2 bytes.
         assert_eq!(shape.bytes_per_token, 2048);
         assert_eq!(shape.dtype, "bfloat16");
         std::fs::write(dir.path().join("config.json"), r#"{"num_hidden_layers":4}"#).unwrap();
         assert!(
-            kv_shape(dir.path())
+            kv_shape(dir.path(), 1)
                 .unwrap_err()
                 .contains("num_attention_heads")
         );
+    }
+
+    #[test]
+    fn tensor_parallel_is_read_from_the_engine_args() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(tensor_parallel(&args(&["--enforce-eager"])), Ok(1));
+        assert_eq!(
+            tensor_parallel(&args(&["--tensor-parallel-size", "2"])),
+            Ok(2)
+        );
+        assert_eq!(tensor_parallel(&args(&["-tp=4"])), Ok(4));
+        assert!(
+            tensor_parallel(&args(&["-tp", "x"]))
+                .unwrap_err()
+                .contains("\"x\"")
+        );
+        assert!(tensor_parallel(&args(&["--tensor-parallel-size"])).is_err());
     }
 
     #[test]

@@ -96,8 +96,9 @@ pub struct ConductorArgs {
     /// The model's Hugging Face `tokenizer.json`, or the model's directory holding it (and its
     /// `tokenizer_config.json` or `chat_template.jinja`, whose chat template then renders chat
     /// requests): block keys then follow the engine's tokens. `engine`: ask a prefill engine's
-    /// `/tokenize` (vLLM's) for each request's tokens instead, with no file here. Without it,
-    /// prompts are cut into --chunk-bytes stand-in tokens.
+    /// `/tokenize` (vLLM's) for each request's tokens instead, with no file here. Default: the
+    /// --model-dir when it holds a `tokenizer.json`; else prompts are cut into --chunk-bytes
+    /// stand-in tokens.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<std::path::PathBuf>,
     /// The chat template to render chat requests with (a Jinja file, or a
@@ -111,9 +112,10 @@ pub struct ConductorArgs {
     /// Prefill engines a hot prefix is copied to each time.
     #[arg(long, default_value_t = 2)]
     pub hot_fanout: usize,
-    /// KV bytes per token (`--bytes-per-token` is its old spelling).
-    #[arg(long, alias = "bytes-per-token", default_value_t = 327_680)]
-    pub kv_bytes_per_token: u64,
+    /// The served model's directory and the KV bytes per token (`--model-dir`,
+    /// `--kv-bytes-per-token`).
+    #[command(flatten)]
+    pub model_files: crate::model_flags::ModelArgs,
     /// Prefill -> decode KV transfer rate (`25GB/s`, `200Gbit/s`; a bare number is GB/s, as
     /// its old spelling `--kv-bandwidth-gbps` read it).
     #[arg(long, alias = "kv-bandwidth-gbps", default_value = "25GB/s", value_parser = parse_bandwidth)]
@@ -364,7 +366,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             slo: Slo::from_flags(args.ttft_slo, args.tpot_slo)?,
             block_size: NonZeroU32::new(args.block_size)
                 .ok_or_else(|| flag("block-size", "must be at least 1"))?,
-            bytes_per_token: args.kv_bytes_per_token.max(1),
+            bytes_per_token: crate::model_flags::kv_bytes_per_token(args)?.0,
             pool_bandwidth_bps: args.pool_bandwidth.bytes_per_s(),
             kv_bandwidth_bps: args.kv_bandwidth.bytes_per_s(),
             prefill_costs: vec![args.prefill_cost; args.prefill.len()],
@@ -381,7 +383,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
                 .unwrap_or(usize::MAX)
         }),
         chat_template: chat_template(args)?,
-        tokenizer: match &args.tokenizer {
+        tokenizer: match crate::model_flags::tokenizer_path(args) {
             Some(path) if path.as_os_str() == ENGINE_TOKENIZER => PromptTokenizer::Engine {
                 bytes: args.chunk_bytes,
             },
@@ -442,7 +444,7 @@ fn kv_events(args: &ConductorArgs) -> Result<Vec<KvEventSource>, ConductorError>
 fn chat_template(
     args: &ConductorArgs,
 ) -> Result<Option<std::sync::Arc<crate::chat::ChatTemplate>>, ConductorError> {
-    let dir = args.tokenizer.as_deref().filter(|p| p.is_dir());
+    let dir = crate::model_flags::tokenizer_path(args).filter(|p| p.is_dir());
     crate::chat::ChatTemplate::load(args.chat_template.as_deref(), dir)
         .map(|t| t.map(std::sync::Arc::new))
         .map_err(|e| {
@@ -507,7 +509,7 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
             &args.keys,
             args.block_size,
             args.block_hash,
-            args.tokenizer.as_deref(),
+            crate::model_flags::model_dir(args),
         )?,
     }))
 }
@@ -529,6 +531,7 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let discovery = discovery_config(args)?;
     let listening = args.addrs.listening().map_err(|(f, p)| flag(f, p))?;
     let s = &config.scheduler;
+    let (_, kv_source) = crate::model_flags::kv_bytes_per_token(args)?;
     tracing::info!(
         listen = %args.addrs.listen,
         admin = %args.addrs.admin_listen,
@@ -541,6 +544,11 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
         ttft_slo_s = s.slo.ttft_s,
         tpot_slo_s = s.slo.tpot_s,
         block_size = s.block_size.get(),
+        kv_bytes_per_token = s.bytes_per_token,
+        kv_bytes_from = match &kv_source {
+            crate::model_flags::KvBytesSource::ModelConfig(d) => d.display().to_string(),
+            other => other.name().to_owned(),
+        },
         tokenizer = match &config.tokenizer {
             PromptTokenizer::Chunks { .. } => "stand-in chunks",
             PromptTokenizer::HuggingFace(_) => "hugging face",

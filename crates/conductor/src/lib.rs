@@ -19,6 +19,7 @@ mod engines;
 mod fetch_estimate;
 pub mod kv_events;
 pub mod model_config;
+pub mod model_flags;
 pub mod pool_flags;
 mod prefill_costs;
 pub mod request;

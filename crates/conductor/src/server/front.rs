@@ -82,6 +82,7 @@ fn status(shared: &Shared) -> serde_json::Value {
     serde_json::json!({
         "engines": {"prefill": m.engines.prefill, "decode": m.engines.decode},
         "decode_load": decode_load,
+        "kv_bytes_per_token": shared.config.scheduler.bytes_per_token,
         "fit_prefill_cost": m.costs.fitting(),
         "prefill_costs": m.costs.status(&m.engines.prefill),
     })

@@ -191,6 +191,17 @@ impl Metrics {
              choice; usage.completion_tokens of whole responses), by decode engine URL",
             &["engine"],
         )?;
+        // Fixed for the process: set once, not kept.
+        let kv_bytes_per_token = register(
+            registry,
+            prometheus::IntGauge::new(
+                "kvpool_conductor_kv_bytes_per_token",
+                "KV bytes one token takes in one engine rank's cache, as the TTFT estimate's \
+                 transfer terms count them (--kv-bytes-per-token, else the model directory's \
+                 config.json, else the 70B-class default)",
+            )?,
+        )?;
+        kv_bytes_per_token.set(i64::try_from(config.scheduler.bytes_per_token).unwrap_or(i64::MAX));
         let latency = Arc::new(Latency::register(
             registry,
             config.scheduler.slo,

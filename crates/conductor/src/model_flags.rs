@@ -1,0 +1,182 @@
+//! The served model's flags of `kvpool conductor` ([`ModelArgs`]): its directory, and the KV
+//! bytes per token the transfer terms of the TTFT estimate count, computed from the directory's
+//! `config.json` unless given ([`kv_bytes_per_token`]); and which directory the tokenizer and
+//! chat template come from. I/O boundary: looking at and reading the model directory.
+
+use std::path::{Path, PathBuf};
+
+use kvpool_core::flags::FlagError;
+
+use crate::cli::ConductorArgs;
+
+/// KV bytes per token without a model directory or `--kv-bytes-per-token`: a 70B-class model
+/// (2 x 80 layers x 8 KV heads x 128 x 2 bytes; docs/scheduling.md).
+pub const DEFAULT_KV_BYTES_PER_TOKEN: u64 = 327_680;
+
+/// The flags of the served model.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// The served model's directory (what the engines serve: vLLM's model path): its
+    /// `config.json` gives the KV bytes per token (with --engine-tensor-parallel-size and
+    /// --engine-kv-dtype), its `tokenizer.json` the prompts' tokens and its chat template the
+    /// rendering of chat requests, unless --kv-bytes-per-token or --tokenizer say otherwise.
+    #[arg(long, value_name = "DIR", env = "KVPOOL_CONDUCTOR_MODEL_DIR")]
+    pub model_dir: Option<PathBuf>,
+    /// KV bytes one token takes in one engine rank's cache (`--bytes-per-token` is its old
+    /// spelling). Default: computed from the model directory's `config.json` (--model-dir,
+    /// else a --tokenizer or --engine-model directory holding one); without one, 327,680 (a
+    /// 70B-class model).
+    #[arg(long, alias = "bytes-per-token")]
+    pub kv_bytes_per_token: Option<u64>,
+}
+
+/// Where the KV bytes per token came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KvBytesSource {
+    /// `--kv-bytes-per-token`.
+    Flag,
+    /// Computed from this directory's `config.json`.
+    ModelConfig(PathBuf),
+    /// [`DEFAULT_KV_BYTES_PER_TOKEN`].
+    Default,
+}
+
+impl KvBytesSource {
+    pub fn name(&self) -> &'static str {
+        match self {
+            KvBytesSource::Flag => "flag",
+            KvBytesSource::ModelConfig(_) => "model_config",
+            KvBytesSource::Default => "default",
+        }
+    }
+}
+
+fn flag(name: &'static str, problem: impl Into<String>) -> FlagError {
+    FlagError::new(name, problem)
+}
+
+/// The model directory of the flags: `--model-dir`, else `--tokenizer` when it is a directory,
+/// else `--engine-model` when it is one.
+pub fn model_dir(args: &ConductorArgs) -> Option<&Path> {
+    args.model_files
+        .model_dir
+        .as_deref()
+        .or(args.tokenizer.as_deref().filter(|p| p.is_dir()))
+        .or(args
+            .keys
+            .engine_model
+            .as_deref()
+            .map(Path::new)
+            .filter(|p| p.is_dir()))
+}
+
+/// The tokenizer to load: `--tokenizer`, else `--model-dir` when it holds a `tokenizer.json`
+/// (then its chat template too); `None`: stand-in chunks.
+pub fn tokenizer_path(args: &ConductorArgs) -> Option<&Path> {
+    args.tokenizer.as_deref().or(args
+        .model_files
+        .model_dir
+        .as_deref()
+        .filter(|d| d.join("tokenizer.json").is_file()))
+}
+
+/// The KV bytes per token of the flags and where they came from. A `--model-dir` whose
+/// `config.json` cannot be read or sized is an error; a directory only named by --tokenizer or
+/// --engine-model without a usable `config.json` leaves the default, with a warning.
+pub fn kv_bytes_per_token(args: &ConductorArgs) -> Result<(u64, KvBytesSource), FlagError> {
+    if let Some(n) = args.model_files.kv_bytes_per_token {
+        if n == 0 {
+            return Err(flag("kv-bytes-per-token", "must be at least 1"));
+        }
+        return Ok((n, KvBytesSource::Flag));
+    }
+    let keys = &args.keys;
+    let layout = |dir: &Path| {
+        crate::model_config::dir_kv_layout(
+            dir,
+            keys.engine_tensor_parallel_size,
+            keys.engine_kv_dtype.as_deref(),
+        )
+    };
+    if let Some(dir) = &args.model_files.model_dir {
+        let l = layout(dir).map_err(|e| flag("model-dir", e))?;
+        return Ok((l.bytes_per_token, KvBytesSource::ModelConfig(dir.clone())));
+    }
+    match model_dir(args).filter(|d| d.join("config.json").is_file()) {
+        Some(dir) => match layout(dir) {
+            Ok(l) => Ok((
+                l.bytes_per_token,
+                KvBytesSource::ModelConfig(dir.to_path_buf()),
+            )),
+            Err(problem) => {
+                tracing::warn!(
+                    %problem,
+                    default = DEFAULT_KV_BYTES_PER_TOKEN,
+                    "cannot size the model's KV cache; assuming the default KV bytes per token \
+                     (set --kv-bytes-per-token)"
+                );
+                Ok((DEFAULT_KV_BYTES_PER_TOKEN, KvBytesSource::Default))
+            }
+        },
+        None => Ok((DEFAULT_KV_BYTES_PER_TOKEN, KvBytesSource::Default)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ConductorArgs,
+    }
+
+    fn kv(extra: &[&str]) -> Result<(u64, KvBytesSource), FlagError> {
+        let mut argv = vec!["t"];
+        argv.extend_from_slice(extra);
+        kv_bytes_per_token(&T::try_parse_from(argv).unwrap().a)
+    }
+
+    #[test]
+    fn the_model_directory_sizes_the_kv_unless_the_flag_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap().to_owned();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"num_hidden_layers":4,"num_attention_heads":8,"num_key_value_heads":4,
+                "hidden_size":256,"torch_dtype":"float32"}"#,
+        )
+        .unwrap();
+        // 2 x 4 layers x 4 KV heads x 32 x 2 (bfloat16).
+        let from_dir = KvBytesSource::ModelConfig(dir.path().to_path_buf());
+        assert_eq!(kv(&["--model-dir", &d]).unwrap(), (2048, from_dir.clone()));
+        // Two ranks hold two heads each; an fp8 cache halves the element.
+        let split = ["--model-dir", &d, "--engine-tensor-parallel-size", "2"];
+        assert_eq!(kv(&split).unwrap().0, 1024);
+        let fp8 = ["--model-dir", &d, "--engine-kv-dtype", "fp8"];
+        assert_eq!(kv(&fp8).unwrap().0, 1024);
+        // A --tokenizer directory counts as the model's.
+        assert_eq!(kv(&["--tokenizer", &d]).unwrap(), (2048, from_dir));
+        let given = kv(&["--model-dir", &d, "--kv-bytes-per-token", "7"]).unwrap();
+        assert_eq!(given, (7, KvBytesSource::Flag));
+        assert_eq!(
+            kv(&[]).unwrap(),
+            (DEFAULT_KV_BYTES_PER_TOKEN, KvBytesSource::Default)
+        );
+        assert_eq!(
+            kv(&["--kv-bytes-per-token", "0"]).unwrap_err().flag,
+            "kv-bytes-per-token"
+        );
+        // A named model directory that cannot be sized is refused, naming the file.
+        std::fs::write(dir.path().join("config.json"), "{}").unwrap();
+        let err = kv(&["--model-dir", &d]).unwrap_err();
+        assert_eq!(err.flag, "model-dir");
+        assert!(err.to_string().contains("config.json"), "{err}");
+        // Only implied by --tokenizer: the default, with a warning.
+        assert_eq!(kv(&["--tokenizer", &d]).unwrap().1, KvBytesSource::Default);
+        let missing = kv(&["--model-dir", "/nonexistent/model"]).unwrap_err();
+        assert!(missing.to_string().contains("cannot read"), "{missing}");
+    }
+}
