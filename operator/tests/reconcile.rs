@@ -900,7 +900,7 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
             assert_eq!(container["command"], json!(["kvpool"]));
             assert_eq!(container["args"], json!(["engine", "--role", "prefill"]));
             let env = container["env"].as_array().expect("env");
-            assert!(env.iter().any(|e| e["name"] == "KVPOOL_MASTER_ADDR"
+            assert!(env.iter().any(|e| e["name"] == "KVPOOL_MASTER"
                 && e["value"] == "tcp-master.default.svc:50051"));
             assert_eq!(deploy["metadata"]["ownerReferences"][0]["kind"], "PrefillPool");
             server.expect_no_engine_orphans("default", selector).await;

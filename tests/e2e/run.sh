@@ -178,8 +178,8 @@ wait_for kvcachepool cache '{.status.observedGeneration}' \
 log "3. engine pools reconcile as soon as the pool exists (watch mapping); everything gets Ready"
 wait_for deployment synth-prefill '{.metadata.ownerReferences[0].kind}' PrefillPool
 wait_for deployment synth-decode '{.metadata.ownerReferences[0].kind}' DecodePool
-env=$(kubectl -n "$NS" get deploy synth-prefill -o 'jsonpath={.spec.template.spec.containers[0].env[?(@.name=="KVPOOL_MASTER_ADDR")].value}')
-[[ "$env" == "cache-master.$NS.svc:50051" ]] || fail "KVPOOL_MASTER_ADDR is '$env'"
+env=$(kubectl -n "$NS" get deploy synth-prefill -o 'jsonpath={.spec.template.spec.containers[0].env[?(@.name=="KVPOOL_MASTER")].value}')
+[[ "$env" == "cache-master.$NS.svc:50051" ]] || fail "KVPOOL_MASTER is '$env'"
 limits=$(kubectl -n "$NS" get deploy synth-prefill -o 'jsonpath={.spec.template.spec.containers[0].resources.limits}')
 [[ "$limits" != *nvidia.com/gpu* ]] || fail "a gpus: 0 engine requests a GPU: $limits"
 wait_for prefillpool synth-prefill '{.status.readyReplicas}' 1

@@ -66,7 +66,7 @@ pub const KVPOOL_BINARY: &str = "kvpool";
 /// Environment variables set on every engine container.
 pub mod env {
     /// `host:port` of the pool's master Service.
-    pub const MASTER_ADDR: &str = "KVPOOL_MASTER_ADDR";
+    pub const MASTER: &str = "KVPOOL_MASTER";
     /// Path of the node agent's Unix socket.
     pub const AGENT_SOCKET: &str = "KVPOOL_AGENT_SOCKET";
     /// Per-frame integrity of the engine's transfer lanes (`transport.integrity`).
@@ -77,8 +77,6 @@ pub mod env {
     pub const BLOCK_SIZE_TOKENS: &str = "KVPOOL_BLOCK_SIZE_TOKENS";
     /// Path of the peer-authentication key file.
     pub const AUTH_KEY_FILE: &str = "KVPOOL_AUTH_KEY_FILE";
-    /// Path of the engine-facing JSON config (the older name, kept for existing readers).
-    pub const CONFIG_FILE: &str = "KVPOOL_CONFIG";
     /// Path of the engine-facing JSON config, as the Python package's adapters read it.
     pub const ENGINE_CONFIG: &str = "KVPOOL_ENGINE_CONFIG";
     /// Name of the KVCachePool.

@@ -70,7 +70,7 @@ pub fn command_args(p: &ValidEnginePool) -> (Option<Vec<String>>, Option<Vec<Str
 /// except a plain `PYTHONPATH`, which goes after the package's directory.
 pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
     let mut vars = vec![
-        plain_env(env::MASTER_ADDR, p.pool.master_addr()),
+        plain_env(env::MASTER, p.pool.master_addr()),
         plain_env(env::AGENT_SOCKET, contract::agent_socket_path()),
         plain_env(env::ROLE, p.effective.role.as_str()),
         plain_env(
@@ -79,7 +79,6 @@ pub fn engine_env(p: &ValidEnginePool) -> Vec<EnvVar> {
         ),
         plain_env(env::AUTH_KEY_FILE, contract::auth_key_path()),
         plain_env(env::ENGINE_CONFIG, contract::engine_config_path()),
-        plain_env(env::CONFIG_FILE, contract::engine_config_path()),
         plain_env(env::MOONCAKE_CONFIG_PATH, contract::engine_config_path()),
         plain_env(env::PYTHONPATH, python::python_path(None)),
         plain_env(env::PYTHONHASHSEED, contract::HASH_SEED),

@@ -86,7 +86,7 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     assert_eq!(&args[args.len() - 2..], ["--max-model-len", "32768"]);
 
     assert_eq!(
-        env_value(c, "KVPOOL_MASTER_ADDR"),
+        env_value(c, "KVPOOL_MASTER"),
         Some("roce-master.llm.svc:50051")
     );
     assert_eq!(
@@ -106,11 +106,7 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
         env_value(c, "KVPOOL_AUTH_KEY_FILE"),
         Some("/etc/kvpool/auth/key")
     );
-    for name in [
-        "KVPOOL_ENGINE_CONFIG",
-        "KVPOOL_CONFIG",
-        "MOONCAKE_CONFIG_PATH",
-    ] {
+    for name in ["KVPOOL_ENGINE_CONFIG", "MOONCAKE_CONFIG_PATH"] {
         assert_eq!(
             env_value(c, name),
             Some("/etc/kvpool/engine.json"),
@@ -118,6 +114,10 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
         );
     }
     assert_eq!(env_value(c, "PYTHONPATH"), Some("/opt/kvpool/python"));
+    // One name per setting: the old names of the master address and the engine config are
+    // gone from engine pods (the Python package still reads them, with a warning).
+    assert_eq!(env_value(c, "KVPOOL_MASTER_ADDR"), None);
+    assert_eq!(env_value(c, "KVPOOL_CONFIG"), None);
     assert_eq!(env_value(c, "VLLM_LOGGING_LEVEL"), Some("DEBUG"));
     // The user's value replaces the operator's, without a duplicate entry.
     assert_eq!(env_value(c, "KVPOOL_BLOCK_SIZE_TOKENS"), Some("128"));
@@ -252,7 +252,7 @@ fn custom_engine_runs_exactly_what_the_user_wrote() {
         "a custom engine declares no protocol"
     );
     assert_eq!(
-        env_value(&c, "KVPOOL_MASTER_ADDR"),
+        env_value(&c, "KVPOOL_MASTER"),
         Some("tcp-master.default.svc:50051")
     );
     assert_eq!(env_value(&c, "PYTHONPATH"), Some("/opt/kvpool/python"));
