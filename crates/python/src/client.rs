@@ -180,7 +180,7 @@ fn spin_wait() -> Result<std::time::Duration, Failure> {
 /// Per-frame integrity of the engine's TCP lanes (`KVPOOL_TRANSFER_INTEGRITY`: `off`, `allow`,
 /// the default, or `require`: every frame to and from the pool's agents sealed, see
 /// docs/transfer.md "Per-frame integrity").
-fn transfer_integrity() -> Result<transfer::Integrity, Failure> {
+pub fn transfer_integrity() -> Result<transfer::Integrity, Failure> {
     match std::env::var("KVPOOL_TRANSFER_INTEGRITY") {
         Err(_) => Ok(transfer::Integrity::Allow),
         Ok(v) => match v.trim() {

@@ -28,6 +28,9 @@ mod errors;
 mod holder;
 mod link;
 mod ops;
+mod p2p;
+mod p2p_api;
+mod p2p_table;
 mod staging;
 mod threads;
 
@@ -587,5 +590,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device::device_memory_supported, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<Placement>()?;
+    m.add_class::<p2p::P2pEngine>()?;
     errors::add_to(m)
 }

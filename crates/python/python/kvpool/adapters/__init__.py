@@ -14,7 +14,8 @@ This module holds what the three share, and nothing engine-specific:
 - :func:`mooncake_alias`, :func:`mooncake_config_file`: make an engine's own Mooncake code path
   build kvpool's store (``from mooncake.store import ...`` resolves to the chosen module, and
   ``MOONCAKE_CONFIG_PATH`` names a file with the pool's settings) while the engine constructs
-  its connector.
+  its connector; :func:`mooncake_engine_alias` does the same for ``mooncake.engine``
+  (kvpool's transfer engine under Mooncake's ``TransferEngine`` API).
 
 I/O boundary: environment and config-file reads, ``sys.modules`` and ``os.environ`` while an
 alias is active, the temporary config file, and ``setup()`` of the store.
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
+    ContextManager,
     Dict,
     Iterator,
     Mapping,
@@ -56,6 +58,7 @@ __all__ = [
     "StoreSetupError",
     "engine_settings",
     "mooncake_alias",
+    "mooncake_engine_alias",
     "mooncake_config_file",
     "open_store",
     "parse_size",
@@ -370,6 +373,15 @@ def mooncake_alias(module: Any) -> Iterator[types.ModuleType]:
             else:
                 parent.store = saved_attr
             restore_entries(sys.modules, saved, _MISSING)
+
+
+def mooncake_engine_alias() -> ContextManager[types.ModuleType]:
+    """While active, ``from mooncake.engine import TransferEngine`` yields kvpool's transfer
+    engine (:mod:`kvpool.mooncake_engine`): the transfer-engine counterpart of
+    :func:`mooncake_alias`, for SGLang's PD and vLLM's ``MooncakeConnector``."""
+    from .. import mooncake_engine
+
+    return mooncake_engine.alias()
 
 
 @contextlib.contextmanager
