@@ -111,6 +111,7 @@ fn observe_prefill(shared: &Shared, placed: &Placed, seconds: f64) {
         .with_label_values(&[url])
         .inc();
     if m.costs.is_fitted(url) {
+        // The gauges follow the fit and its error on the last prediction.
         m.apply_costs();
         shared
             .metrics

@@ -37,6 +37,7 @@ pub(super) struct Metrics {
     pub(super) engine_cached_blocks: IntGaugeVec,
     pub(super) prefill_cost: GaugeVec,
     pub(super) prefill_cost_observations: IntCounterVec,
+    pub(super) prefill_cost_error: GaugeVec,
     pub(super) decode_tokens_observed: IntCounterVec,
     /// Time to first token, per output token, end to end, queue wait, in flight, SLO results.
     pub(super) latency: Arc<Latency>,
@@ -184,6 +185,18 @@ impl Metrics {
              (outliers and requests that queued behind others excluded)",
             &["engine"],
         )?;
+        let prefill_cost_error = register(
+            registry,
+            GaugeVec::new(
+                Opts::new(
+                    "kvpool_conductor_prefill_cost_error_ratio",
+                    "Relative error of a prefill engine's fitted cost model, by engine URL: the \
+                     moving mean (about the last 20) of abs(predicted - measured) / measured over \
+                     the measured prefills, each predicted by the fit in use before it came",
+                ),
+                &["engine"],
+            )?,
+        )?;
         let decode_tokens_observed = counters(
             registry,
             "kvpool_conductor_decode_tokens_observed_total",
@@ -251,6 +264,7 @@ impl Metrics {
             engine_cached_blocks,
             prefill_cost,
             prefill_cost_observations,
+            prefill_cost_error,
             decode_tokens_observed,
             latency,
         })
@@ -271,6 +285,11 @@ impl Metrics {
                         .with_label_values(&[e.as_str(), term, source])
                         .set(v);
                 }
+            }
+            if let Some(err) = costs.error(e) {
+                self.prefill_cost_error
+                    .with_label_values(&[e.as_str()])
+                    .set(err.mean_ratio);
             }
             if costs.fitting() {
                 self.prefill_cost_observations
