@@ -2,7 +2,9 @@
 # Creates .tools/py, the Python venv the Python package's tests and benchmark use, and installs
 # the kvpool package into it from crates/python (maturin builds the Rust extension):
 #   maturin, pytest, numpy, and mooncake-transfer-engine-non-cuda (real Mooncake: the oracle of
-#   the conformance suite and the peer of `kvpool bench python`); pyzmq, msgpack and cbor2
+#   the conformance suite and of the transfer engine API's differential suite, its
+#   `mooncake.engine`, and the peer of `kvpool bench python` and of
+#   crates/python/benches/engine_api.py); pyzmq, msgpack and cbor2
 #   (the independent KV-event publisher and block-hash vectors of the conductor's tests); openai
 #   (the official client, against the conductor: crates/python/tests/test_openai_client.py); mypy
 #   (the package's types: crates/python/tests/test_typing_and_pickle.py). Also creates .tools/router

@@ -14,7 +14,6 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::Duration;
 
 use kvpool_transfer::{
     Batch, BatchFailed, Endpoint, LocalSegment, MemoryKind, Protocol, RemoteSegment, Segment,
@@ -29,9 +28,6 @@ use crate::p2p_table::{self as table, Entry};
 /// The key of an engine started without a pool key: every such engine knows it, so it
 /// authenticates nothing (Mooncake's engine has no authentication either).
 pub(crate) const OPEN_KEY: &[u8] = b"kvpool mooncake_engine: no pool key configured";
-
-/// Longest a probe or a table read waits on a peer.
-pub(crate) const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A region of this process registered with the engine.
 pub(crate) struct Region {

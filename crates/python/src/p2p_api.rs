@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::{Failure, Kind};
-use crate::p2p::{CONTROL_TIMEOUT, Local, OPEN_KEY, P2pEngine, listen_addr, random_u64};
+use crate::p2p::{Local, OPEN_KEY, P2pEngine, listen_addr, random_u64};
 use crate::p2p_table as table;
 
 /// Longest `status(wait=True)` waits for a batch (its requests' own timeouts settle it first).
@@ -276,16 +276,14 @@ impl P2pEngine {
         })?)
     }
 
-    /// Check that `session` is a reachable engine that knows this pool's key.
+    /// Check that `session` is a reachable engine that knows this pool's key (its region
+    /// table is read again).
     fn probe(&self, py: Python<'_>, session: &str) -> PyResult<()> {
         Ok(py.detach(|| -> Result<(), Failure> {
             self.forget(session);
             let peer = self.peer(session)?;
-            let mut peer = peer.lock();
-            let started = std::time::Instant::now();
-            let r = self.refresh(&mut peer);
-            if r.is_err() || started.elapsed() > CONTROL_TIMEOUT {
-                drop(peer);
+            let r = self.refresh(&mut peer.lock());
+            if r.is_err() {
                 self.forget(session);
             }
             r

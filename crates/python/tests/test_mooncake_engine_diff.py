@@ -309,6 +309,10 @@ def test_kvpool_answers_where_mooncake_crashes():
     assert e.initialize(HOST, "etcd://127.0.0.1:1", "tcp", "") == -1
     assert kv.TransferEngine().initialize(HOST, "etcd://127.0.0.1:1", "tcp", "") == -1
     assert kv.TransferEngine().initialize(HOST, "P2PHANDSHAKE", "nvlink", "") == -1
+    stray = ctypes.create_string_buffer(16)
+    assert e.write_bytes_to_buffer(ctypes.addressof(stray), b"x", 1) == -1
+    assert e.read_bytes_from_buffer(ctypes.addressof(stray), 1) == b""
+    assert e.free_managed_buffer(ctypes.addressof(stray), 16) == 0
 
 
 def _keyed_pair(monkeypatch, tmp_path, key_a: bytes, key_b: bytes):
