@@ -34,6 +34,45 @@ where
         })
 }
 
+/// Whether the API server refused a change of `spec.selector`, which it keeps immutable on
+/// Deployments and DaemonSets ("spec.selector: Invalid value: ...: field is immutable").
+fn is_immutable_selector(error: &Error) -> bool {
+    matches!(error, Error::Apply { source: kube::Error::Api(status), .. }
+        if status.code == 422
+            && status.message.contains("spec.selector")
+            && status.message.contains("field is immutable"))
+}
+
+/// [`apply`] for a workload (Deployment, DaemonSet) whose selector may have changed since it
+/// was created (an older operator selected its pods by other labels): the API server refuses
+/// to change a selector, so such an object is deleted, its pods going with it in the
+/// background, and created again with the new one. Any other failure is returned as it is.
+pub async fn apply_workload<K>(field_manager: &str, api: &Api<K>, obj: &K) -> Result<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + Serialize + DeserializeOwned,
+{
+    match apply(field_manager, api, obj).await {
+        Err(e) if is_immutable_selector(&e) => {
+            let name = obj.name_any();
+            tracing::warn!(kind = %K::kind(&()), %name,
+                "its selector changed (labels of an older operator): deleting and recreating it");
+            match api.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(source) => {
+                    return Err(Error::Delete {
+                        kind: K::kind(&()).into_owned(),
+                        name,
+                        source,
+                    });
+                }
+            }
+            apply(field_manager, api, obj).await
+        }
+        other => other,
+    }
+}
+
 /// Create `obj` unless an object of that name exists; an existing one is left untouched.
 /// Returns true when this call created it.
 pub async fn create_if_absent<K>(field_manager: &str, api: &Api<K>, obj: &K) -> Result<bool>

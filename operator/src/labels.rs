@@ -10,7 +10,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 pub const FIELD_MANAGER: &str = "kvpool-operator";
 
 pub use kvpool_crd::labels::{
-    APP_COMPONENT, APP_INSTANCE, APP_MANAGED_BY, APP_NAME, APP_NAME_VALUE, APP_PART_OF,
+    APP_COMPONENT, APP_MANAGED_BY, APP_NAME, APP_NAME_VALUE, APP_PART_OF,
     BOOTSTRAP_PORT_ANNOTATION, COMPONENT, ENGINE_PROTOCOL_ANNOTATION, MANAGED_BY_VALUE, POOL,
 };
 /// Kind of the kvpool resource that owns a child.

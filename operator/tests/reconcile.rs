@@ -911,7 +911,7 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
             assert_eq!(body["status"]["endpoints"][0], "synthetic-prefill.default.svc:8000");
             assert_eq!(
                 body["status"]["selector"],
-                "app.kubernetes.io/instance=synthetic,app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill,kvpool.dev/pool=tcp"
+                "app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill,kvpool.dev/instance=synthetic,kvpool.dev/pool=tcp"
             );
         },
     )
@@ -2060,4 +2060,61 @@ async fn a_prefill_pool_template_renders_into_the_deployment_exactly() {
     );
     // The pool still runs: Ready follows the Deployment.
     assert_eq!(condition(&status, "Ready")["status"], "True");
+}
+
+/// A Deployment made by an older operator selects its pods by `app.kubernetes.io/instance`
+/// (Argo CD's tracking label); the API server refuses the new selector as immutable, so the
+/// operator deletes the Deployment (pods in the background) and applies it again.
+#[tokio::test]
+async fn a_workload_with_an_old_selector_is_recreated_with_the_new_one() {
+    let pool_json =
+        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
+    let decode: DecodePool = fixture("decodepool-sglang.yaml");
+    let engine_json = serde_json::to_value(&decode).expect("json");
+    let deployment = "/apis/apps/v1/namespaces/llm/deployments/qwen-decode";
+    let (outcome, recreated) =
+        drive_both(engine_pass(decode), async move |server: &mut ApiServer| {
+            server.expect_roce_pool(&pool_json).await;
+            server
+                .expect_apply(
+                    "/apis/networking.k8s.io/v1/namespaces/llm/networkpolicies/qwen-decode",
+                    None,
+                )
+                .await;
+            server
+                .expect_apply("/api/v1/namespaces/llm/services/qwen-decode", None)
+                .await;
+            // The API server's answer to a changed selector.
+            let (seen, send) = server.expect(Method::PATCH, deployment).await;
+            let labels = &seen.body["spec"]["selector"]["matchLabels"];
+            assert_eq!(labels["kvpool.dev/instance"], "qwen", "{labels}");
+            assert!(labels.get("app.kubernetes.io/instance").is_none(), "{labels}");
+            reply(
+                send,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &status_error(
+                    422,
+                    "Invalid",
+                    "Deployment.apps \"qwen-decode\" is invalid: spec.selector: Invalid value: \
+                     v1.LabelSelector{MatchLabels:map[string]string{\"app.kubernetes.io/instance\":\"qwen\"}}: \
+                     field is immutable",
+                ),
+            );
+            let (seen, send) = server.expect(Method::DELETE, deployment).await;
+            assert_eq!(seen.body["propagationPolicy"], "Background", "{}", seen.body);
+            reply(send, StatusCode::OK, &json!({"kind": "Status", "status": "Success"}));
+            let applied = server
+                .expect_apply(deployment, Some(json!({"replicas": 3, "readyReplicas": 0})))
+                .await;
+            server.expect_no_engine_orphans("llm", selector).await;
+            server.expect_decode_status(&engine_json).await;
+            applied
+        })
+        .await;
+    outcome.expect("reconciled after recreating");
+    assert_eq!(
+        recreated["spec"]["template"]["metadata"]["labels"]["kvpool.dev/instance"],
+        "qwen"
+    );
 }

@@ -5,8 +5,11 @@ use std::collections::BTreeMap;
 
 /// `app.kubernetes.io/name`: always [`APP_NAME_VALUE`].
 pub const APP_NAME: &str = "app.kubernetes.io/name";
-/// `app.kubernetes.io/instance`: name of the custom resource that owns the object.
-pub const APP_INSTANCE: &str = "app.kubernetes.io/instance";
+/// `kvpool.dev/instance`: name of the custom resource that owns the object. Not
+/// `app.kubernetes.io/instance`: Argo CD's label tracking reads that label as the name of the
+/// Argo CD Application an object belongs to, so children carrying their pool's name there
+/// would be taken for (and pruned from) an Application of that name.
+pub const INSTANCE: &str = "kvpool.dev/instance";
 /// `app.kubernetes.io/component`: same value as [`COMPONENT`].
 pub const APP_COMPONENT: &str = "app.kubernetes.io/component";
 /// `app.kubernetes.io/part-of`: always [`APP_NAME_VALUE`].
@@ -102,7 +105,7 @@ pub fn selector_labels(
 ) -> BTreeMap<String, String> {
     BTreeMap::from([
         (APP_NAME.to_owned(), APP_NAME_VALUE.to_owned()),
-        (APP_INSTANCE.to_owned(), instance.to_owned()),
+        (INSTANCE.to_owned(), instance.to_owned()),
         (POOL.to_owned(), kv_cache_pool.to_owned()),
         (COMPONENT.to_owned(), component.as_ref().to_owned()),
     ])
@@ -163,8 +166,8 @@ mod tests {
         let sel = selector_labels("cache", "prefill-a", Component::Prefill);
         assert_eq!(
             selector_string(&sel),
-            "app.kubernetes.io/instance=prefill-a,app.kubernetes.io/name=kvpool,\
-             kvpool.dev/component=prefill,kvpool.dev/pool=cache"
+            "app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill,\
+             kvpool.dev/instance=prefill-a,kvpool.dev/pool=cache"
         );
     }
 }

@@ -281,8 +281,10 @@ async fn apply_children(
         &children.master_service,
     )
     .await?;
-    let master = apply::apply(&ctx.settings.field_manager, &deployments, &children.master).await?;
-    let agent = apply::apply(&ctx.settings.field_manager, &daemonsets, &children.agent).await?;
+    let master =
+        apply::apply_workload(&ctx.settings.field_manager, &deployments, &children.master).await?;
+    let agent =
+        apply::apply_workload(&ctx.settings.field_manager, &daemonsets, &children.agent).await?;
 
     let mut keep_deployments = BTreeSet::from([children.master.name_any()]);
     let mut keep_services = BTreeSet::from([children.master_service.name_any()]);
@@ -311,7 +313,10 @@ async fn apply_children(
             apply::apply(&ctx.settings.field_manager, &services, service).await?;
             keep_services.insert(service.name_any());
             keep_deployments.insert(deployment.name_any());
-            Some(apply::apply(&ctx.settings.field_manager, &deployments, deployment).await?)
+            Some(
+                apply::apply_workload(&ctx.settings.field_manager, &deployments, deployment)
+                    .await?,
+            )
         }
         None => None,
     };

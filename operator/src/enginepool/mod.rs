@@ -219,7 +219,7 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
         apply::apply(&ctx.settings.field_manager, &policies, policy).await?;
     }
     apply::apply(&ctx.settings.field_manager, &services, &children.service).await?;
-    let applied = apply::apply(
+    let applied = apply::apply_workload(
         &ctx.settings.field_manager,
         &deployments,
         &children.deployment,

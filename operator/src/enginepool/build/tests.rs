@@ -191,7 +191,23 @@ fn vllm_prefill_gets_disaggregation_defaults_gpus_and_the_pool_contract() {
     assert_eq!(svc_spec.ports.as_ref().expect("ports")[0].port, 8000);
     assert_eq!(
         selector_string(&p),
-        "app.kubernetes.io/instance=qwen,app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill,kvpool.dev/pool=roce"
+        "app.kubernetes.io/name=kvpool,kvpool.dev/component=prefill,kvpool.dev/instance=qwen,kvpool.dev/pool=roce"
+    );
+    // No child carries Argo CD's tracking label (it would be taken for an Application's).
+    let labels = d.metadata.labels.as_ref().expect("labels");
+    assert!(
+        !labels.contains_key("app.kubernetes.io/instance"),
+        "{labels:?}"
+    );
+    let pod_labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.as_ref())
+        .expect("pod labels");
+    assert!(
+        !pod_labels.contains_key("app.kubernetes.io/instance"),
+        "{pod_labels:?}"
     );
 }
 
