@@ -31,38 +31,38 @@ pub struct RunArgs {
     /// --config; flags still override what it sets.
     #[arg(long, value_name = "FILE")]
     pub pool_config: Option<PathBuf>,
-    /// Kubernetes node name (node_name).
+    /// Kubernetes node name (node_name). Default: $NODE_NAME, else /etc/hostname.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// sysfs root (discovery.sysfs_root).
+    /// sysfs root (discovery.sysfs_root). Default: /sys.
     #[arg(long)]
     pub sysfs_root: Option<PathBuf>,
-    /// procfs root (discovery.procfs_root).
+    /// procfs root (discovery.procfs_root). Default: /proc.
     #[arg(long)]
     pub procfs_root: Option<PathBuf>,
-    /// DRAM tier size (dram.capacity), e.g. 64GiB.
+    /// DRAM tier size (dram.capacity), e.g. 64GiB. Default: 1GiB.
     #[arg(long)]
     pub dram_capacity: Option<ByteSize>,
-    /// Huge page size for the DRAM tier (dram.hugepages): none, 2MiB or 1GiB.
+    /// Huge page size for the DRAM tier (dram.hugepages): none, 2MiB or 1GiB. Default: none.
     #[arg(long)]
     pub hugepages: Option<String>,
     /// Keep the DRAM tier in files in this tmpfs directory so it survives a restart
     /// (dram.persistence.path, mode tmpfs unless the file sets another).
     #[arg(long)]
     pub dram_persistence_path: Option<PathBuf>,
-    /// SSD tier directory (ssd.path).
+    /// SSD tier directory (ssd.path). Default: no SSD tier.
     #[arg(long)]
     pub ssd_path: Option<PathBuf>,
     /// SSD tier size (ssd.capacity).
     #[arg(long)]
     pub ssd_capacity: Option<ByteSize>,
-    /// Engine API socket directory (engine_api.socket_dir).
+    /// Engine API socket directory (engine_api.socket_dir). Default: /run/kvpool.
     #[arg(long)]
     pub socket_dir: Option<PathBuf>,
-    /// Staging file directory (engine_api.shm_dir).
+    /// Staging file directory (engine_api.shm_dir). Default: the socket directory.
     #[arg(long)]
     pub shm_dir: Option<PathBuf>,
-    /// Admin listen address (admin.listen).
+    /// Admin listen address (admin.listen). Default: 0.0.0.0:9464.
     #[arg(long)]
     pub admin_listen: Option<String>,
     /// Master address, repeatable (pool.master); without it the agent runs local-only.
@@ -71,13 +71,14 @@ pub struct RunArgs {
     /// Pool key file (pool.auth_key_file).
     #[arg(long, env = "KVPOOL_AUTH_KEY_FILE")]
     pub auth_key_file: Option<PathBuf>,
-    /// Transfer-engine TCP listen address (pool.transport_listen).
+    /// Transfer-engine TCP listen address (pool.transport_listen). Default: 0.0.0.0:12345.
     #[arg(long)]
     pub transport_listen: Option<String>,
-    /// Host announced in transfer endpoints (pool.advertise_host).
+    /// Host announced in transfer endpoints (pool.advertise_host). Default: the listen address's
+    /// IP (required when that is a wildcard).
     #[arg(long, env = "POD_IP")]
     pub advertise_host: Option<String>,
-    /// Heartbeat period (pool.heartbeat_interval), e.g. 1s.
+    /// Heartbeat period (pool.heartbeat_interval), e.g. 1s. Default: 1s.
     #[arg(long)]
     pub heartbeat_interval: Option<String>,
     /// This node's failure domain (pool.failure_domain); wins over the node label
@@ -88,7 +89,7 @@ pub struct RunArgs {
     #[command(flatten)]
     pub master_tls: kvpool_client::master::MasterTlsArgs,
     /// TLS on the transfer engine's TCP connections (pool.transport_tls): off, allow or
-    /// require.
+    /// require. Default: off.
     #[arg(long, value_name = "off|allow|require")]
     pub transfer_tls: Option<String>,
     /// This agent's transfer certificate chain, PEM (pool.transport_tls_cert_file).
@@ -183,6 +184,44 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         agent().debug_assert();
+    }
+
+    /// `run --help` states the defaults a flag leaves in place, and they are the ones the
+    /// configuration really takes when neither the file nor the flag sets a field.
+    #[test]
+    fn run_help_states_the_defaults_the_config_takes() {
+        let mut cmd = agent();
+        let help = cmd
+            .find_subcommand_mut("run")
+            .expect("run")
+            .render_long_help()
+            .to_string();
+        let defaults = crate::config::validate(&FileConfig::default()).expect("defaults");
+        for (flag, stated, actual) in [
+            (
+                "--dram-capacity",
+                "1GiB",
+                (defaults.dram.capacity == 1 << 30),
+            ),
+            (
+                "--socket-dir",
+                "/run/kvpool",
+                (defaults.api.socket_dir == std::path::Path::new("/run/kvpool")),
+            ),
+            (
+                "--admin-listen",
+                "0.0.0.0:9464",
+                (defaults.admin_listen.to_string() == "0.0.0.0:9464"),
+            ),
+        ] {
+            let section = help.split(flag).nth(1).expect(flag);
+            let first = section.split("\n      --").next().unwrap_or_default();
+            assert!(
+                first.contains(&format!("Default: {stated}")),
+                "{flag}: {first}"
+            );
+            assert!(actual, "{flag}: the config's default is not {stated}");
+        }
     }
 
     #[test]
