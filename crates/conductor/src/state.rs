@@ -291,6 +291,12 @@ impl State {
         self.scheduler.set_prefill_cost(instance, cost);
     }
 
+    /// Restricts the next placements to the `eligible` instances (the engines that serve a
+    /// request's model); `Eligible::default()` lifts it.
+    pub fn set_eligible(&mut self, eligible: kvpool_core::sched::Eligible) {
+        self.scheduler.set_eligible(eligible);
+    }
+
     /// The prefill cost model placements assume for instance `instance`.
     pub fn prefill_cost(&self, instance: usize) -> Option<kvpool_core::sched::PrefillCost> {
         self.scheduler.config().prefill_costs.get(instance).copied()

@@ -77,6 +77,18 @@ class Side:
         self.local = ctypes.addressof(self.buf)
         if self.engine.register_memory(self.local, region) != 0:
             raise RuntimeError(f"{side}: register_memory failed")
+        self.check()
+
+    def check(self) -> None:
+        """Write a pattern to the target and read it back elsewhere: the bytes really move."""
+        n = 1 << 20
+        pattern = bytes((i * 7 + 3) & 0xFF for i in range(n))
+        ctypes.memmove(self.local, pattern, n)
+        e, s = self.engine, self.session
+        ok = e.batch_transfer_sync_write(s, [self.local], [self.remote + 12345], [n]) == 0
+        ok = ok and e.batch_transfer_sync_read(s, [self.local + n], [self.remote + 12345], [n]) == 0
+        if not ok or ctypes.string_at(self.local + n, n) != pattern:
+            raise RuntimeError(f"{self.name}: the bytes read back differ from those written")
 
     def run(self, op: str, size: int, batch: int, seconds: float) -> float:
         """GB/s of `op` with `batch` requests of `size` bytes per call, for `seconds`."""
@@ -108,7 +120,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="requests per call")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args()
-    region = max(SIZES) * args.batch
+    region = max(max(SIZES) * args.batch, 4 << 20)
     sides = {s: Side(s, region) for s in ("mooncake", "kvpool")}
     best: Dict[Tuple[str, int, str], float] = {}
     try:

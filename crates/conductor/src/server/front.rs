@@ -83,6 +83,7 @@ fn status(shared: &Shared) -> serde_json::Value {
         "engines": {"prefill": m.engines.prefill, "decode": m.engines.decode},
         "decode_load": decode_load,
         "kv_bytes_per_token": shared.config.scheduler.bytes_per_token,
+        "engine_models": shared.models.by_engine(),
         "fit_prefill_cost": m.costs.fitting(),
         "prefill_costs": m.costs.status(&m.engines.prefill),
     })

@@ -64,6 +64,13 @@ pub(super) async fn handle(
         Ok(Err(unknown)) => return api_error(&shared, &unknown.error),
         Err(e) => return api_error(&shared, &e),
     };
+    let urls = shared.engine_urls();
+    if shared.models.missing(&urls) {
+        // Which models a new engine serves, for the next requests' routing; this one goes on
+        // (an engine not heard from may take any model).
+        let s = shared.clone();
+        tokio::spawn(async move { super::models::refresh(&s.models, &s.upstream, urls).await });
+    }
     let limit = shared.config.max_prompts;
     if req.view.prompts.len() > limit {
         let e = ApiError::Invalid {
@@ -126,7 +133,10 @@ pub(super) async fn handle(
                 .lock()
                 .bandwidth_bps(shared.config.block_bytes()),
         );
+        // Only engines that serve the request's model (docs/scheduling.md, "Several models").
+        state.set_eligible(shared.models.eligible(&req.view.model, engines));
         let placed = state.place_with_pool(now, &keys, in_pool, tokens.total, output_tokens);
+        state.set_eligible(kvpool_core::sched::Eligible::default());
         {
             let wall = shared.wall_s();
             let mut load = shared.load.lock();

@@ -1,7 +1,9 @@
 //! The model names the conductor serves ([`ServedModels`]): those given with `--model`, or,
 //! without any, those the engines list on their own `/v1/models` (vLLM's and SGLang's served
-//! model names), asked when a request names a model not known yet and when `/v1/models` is
-//! read, at most once a second. I/O boundary: the GETs to the engines.
+//! model names), asked when a request names a model not known yet, when `/v1/models` is read
+//! and when an engine has not answered yet, at most once a second. Each engine's answer also
+//! says which engines a request may go to ([`ServedModels::eligible`]: those serving its
+//! model). I/O boundary: the GETs to the engines.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -11,6 +13,7 @@ use axum::http::Request;
 use serde_json::Value;
 
 use super::upstream::{Upstream, engine_url, read_body};
+use kvpool_core::sched::Eligible;
 
 /// Longest wait for one engine's model list.
 const LIST_TIMEOUT: Duration = Duration::from_secs(2);
@@ -57,19 +60,49 @@ impl ServedModels {
         self.fixed.is_empty()
     }
 
+    /// Whether one of `engines` has not listed its models yet.
+    pub(super) fn missing(&self, engines: &[String]) -> bool {
+        let learnt = self.learnt.lock();
+        engines.iter().any(|e| !learnt.contains_key(e))
+    }
+
+    /// The engines a request for `model` may go to: those that list it, and those that have
+    /// not listed their models (yet, or cannot: they are taken to serve every name). `None` for
+    /// a role whose engines may all take it.
+    pub(super) fn eligible(&self, model: &str, engines: &crate::engines::Engines) -> Eligible {
+        let learnt = self.learnt.lock();
+        let mask = |urls: &[String]| {
+            let m: Vec<bool> = urls
+                .iter()
+                .map(|u| {
+                    learnt
+                        .get(u)
+                        .is_none_or(|names| names.iter().any(|n| n == model))
+                })
+                .collect();
+            (!m.iter().all(|ok| *ok)).then_some(m)
+        };
+        Eligible {
+            prefill: mask(&engines.prefill),
+            decode: mask(&engines.decode),
+        }
+    }
+
+    /// Each engine's answer, by base URL (for the status page).
+    pub(super) fn by_engine(&self) -> BTreeMap<String, Vec<String>> {
+        self.learnt.lock().clone()
+    }
+
     /// Keeps only the answers of `engines` (the engines served now).
     fn retain(&self, engines: &[String]) {
         self.learnt.lock().retain(|url, _| engines.contains(url));
     }
 }
 
-/// Asks every engine of `engines` for its model list (when the names are learnt and the last
-/// round is over a second old); answers replace the previous ones, engines that left are
-/// forgotten.
+/// Asks every engine of `engines` for its model list (when the last round is over a second
+/// old); answers replace the previous ones, engines that left are forgotten. With `--model`
+/// the names served stay the flags', and the answers only say where each name is served.
 pub(super) async fn refresh(models: &ServedModels, upstream: &Upstream, engines: Vec<String>) {
-    if !models.learns() {
-        return;
-    }
     {
         let mut asked = models.asked.lock();
         if asked.is_some_and(|t| t.elapsed() < REFRESH_EVERY) {
@@ -157,6 +190,19 @@ mod tests {
             .insert("http://d".into(), vec!["m1".into()]);
         assert_eq!(learnt.names(), vec!["m1".to_owned(), "m2".to_owned()]);
         assert!(learnt.serves("m2"));
+        // A request for m2 may go to the engines that list it and to those that did not
+        // answer (http://q); every decode engine lists m1, so no decode mask for m1.
+        let engines = crate::engines::Engines {
+            prefill: vec!["http://p".into(), "http://q".into(), "http://d".into()],
+            decode: vec!["http://d".into()],
+            ..Default::default()
+        };
+        let m2 = learnt.eligible("m2", &engines);
+        assert_eq!(m2.prefill, Some(vec![true, true, false]));
+        assert_eq!(m2.decode, Some(vec![false]));
+        assert_eq!(learnt.eligible("m1", &engines).decode, None);
+        assert!(learnt.missing(&engines.prefill));
+        assert!(!learnt.missing(&engines.decode));
         learnt.retain(&["http://d".to_owned()]);
         assert_eq!(learnt.names(), vec!["m1".to_owned()]);
     }

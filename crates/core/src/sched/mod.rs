@@ -25,8 +25,8 @@ pub use engine_hash::{
 pub use index::{IndexError, InstanceMask, PrefixIndex, PrefixMatch};
 pub use lru::{Inserted, LruSet};
 pub use policy::{
-    ConfigError, Decision, DecodeLoad, DecodeMember, DecodeView, HotConfig, Placement, Policy,
-    PrefillLoad, RejectReason, Rejection, Replication, Request, Scheduler, SchedulerConfig, Slo,
-    TtftEstimate,
+    ConfigError, Decision, DecodeLoad, DecodeMember, DecodeView, Eligible, HotConfig, Placement,
+    Policy, PrefillLoad, RejectReason, Rejection, Replication, Request, Scheduler, SchedulerConfig,
+    Slo, TtftEstimate,
 };
 pub use pool_keys::{KeyContractError, PoolKeys, VllmKeys, VllmName, parse_vllm_name};

@@ -49,17 +49,25 @@ impl Scheduler {
                 (cost.step_seconds(v.batch + 1, ctx), ctx <= cap)
             }
         };
+        let eligible = std::mem::take(&mut self.eligible);
+        let ok = |j: &usize| eligible.decode(*j);
         let choice = match self.config.policy {
             Policy::Random => {
-                let j = self.next_random(d);
+                let k = self.next_random((0..d).filter(ok).count());
+                let j = (0..d).filter(ok).nth(k).unwrap_or(0);
                 (j, option(j))
             }
             Policy::RoundRobin => {
-                let j = self.next_decode % d;
+                let start = self.next_decode % d;
+                let j = (0..d)
+                    .map(|o| (start + o) % d)
+                    .find(|j| eligible.decode(*j))
+                    .unwrap_or(start);
                 self.next_decode = (j + 1) % d;
                 (j, option(j))
             }
             _ => (0..d)
+                .filter(ok)
                 .map(|j| (j, option(j)))
                 .min_by(|a, b| {
                     // Instances with room first, then the lowest step time.
@@ -68,6 +76,7 @@ impl Scheduler {
                 .unwrap_or((0, (f64::INFINITY, false))),
         };
         self.finish_scratch = scratch;
+        self.eligible = eligible;
         choice
     }
 }

@@ -32,6 +32,26 @@ pub use replication::Replication;
 use super::index::{PrefixIndex, PrefixMatch};
 use super::rng::SplitMix64;
 
+/// The instances the next decisions may use, when a request can go only to some (the
+/// conductor's engines serve different models): `None` for a role means all of its instances.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Eligible {
+    pub prefill: Option<Vec<bool>>,
+    pub decode: Option<Vec<bool>>,
+}
+
+impl Eligible {
+    pub fn prefill(&self, i: usize) -> bool {
+        self.prefill
+            .as_ref()
+            .is_none_or(|m| m.get(i) == Some(&true))
+    }
+
+    pub fn decode(&self, j: usize) -> bool {
+        self.decode.as_ref().is_none_or(|m| m.get(j) == Some(&true))
+    }
+}
+
 /// The scheduler: configuration plus the little state the baselines need.
 #[derive(Debug)]
 pub struct Scheduler {
@@ -42,6 +62,7 @@ pub struct Scheduler {
     next_decode: usize,
     matches: Vec<PrefixMatch>,
     finish_scratch: Vec<(f64, u64)>,
+    eligible: Eligible,
 }
 
 impl Scheduler {
@@ -59,6 +80,7 @@ impl Scheduler {
             next_decode: 0,
             matches: Vec::with_capacity(n),
             finish_scratch: Vec::new(),
+            eligible: Eligible::default(),
         })
     }
 
@@ -93,6 +115,12 @@ impl Scheduler {
         self.decode_instances
     }
 
+    /// Restricts the next decisions (placement, hot-block targets, the idle check) to
+    /// `eligible` instances; `Eligible::default()` lifts the restriction.
+    pub fn set_eligible(&mut self, eligible: Eligible) {
+        self.eligible = eligible;
+    }
+
     /// An instance in `0..bound` for the `random` policy.
     fn next_random(&mut self, bound: usize) -> usize {
         self.rng.below(bound)
@@ -119,7 +147,7 @@ impl Scheduler {
             .min(self.config.prefill_costs.len())
             .min(index.instances());
         let d = decode.len().min(self.decode_instances);
-        if n == 0 || d == 0 {
+        if !(0..n).any(|i| self.eligible.prefill(i)) || !(0..d).any(|j| self.eligible.decode(j)) {
             return Decision::Reject(RejectReason::NoInstance);
         }
         let mut matches = std::mem::take(&mut self.matches);

@@ -35,8 +35,8 @@ impl Scheduler {
         }
     }
 
-    /// The prefill instance among the first `n` for `req` under the configured policy; the
-    /// request's cached prefix on instance `i` is `matches[i]`.
+    /// The prefill instance among the first `n` (the eligible ones) for `req` under the
+    /// configured policy; the request's cached prefix on instance `i` is `matches[i]`.
     pub(super) fn choose_prefill(
         &mut self,
         n: usize,
@@ -46,17 +46,28 @@ impl Scheduler {
         now_s: f64,
     ) -> usize {
         let queue = |i: usize| (prefill[i].free_at_s - now_s).max(0.0);
-        match self.config.policy {
-            Policy::Random => self.next_random(n),
+        let eligible = std::mem::take(&mut self.eligible);
+        let ok = |i: &usize| eligible.prefill(*i);
+        let choice = match self.config.policy {
+            Policy::Random => {
+                let k = self.next_random((0..n).filter(ok).count());
+                (0..n).filter(ok).nth(k).unwrap_or(0)
+            }
             Policy::RoundRobin => {
-                let p = self.next_prefill % n;
+                let start = self.next_prefill % n;
+                let p = (0..n)
+                    .map(|o| (start + o) % n)
+                    .find(|i| eligible.prefill(*i))
+                    .unwrap_or(start);
                 self.next_prefill = (p + 1) % n;
                 p
             }
             Policy::LeastLoad => (0..n)
+                .filter(ok)
                 .min_by(|&a, &b| queue(a).total_cmp(&queue(b)))
                 .unwrap_or(0),
             Policy::CacheAware => (0..n)
+                .filter(ok)
                 .min_by(|&a, &b| {
                     matches[b]
                         .local_blocks
@@ -65,9 +76,12 @@ impl Scheduler {
                 })
                 .unwrap_or(0),
             Policy::Conductor | Policy::LocalOnly => (0..n)
+                .filter(ok)
                 .map(|i| (i, self.estimate_ttft(i, matches[i], req, prefill[i], now_s)))
                 .min_by(|a, b| a.1.total_s().total_cmp(&b.1.total_s()))
                 .map_or(0, |(i, _)| i),
-        }
+        };
+        self.eligible = eligible;
+        choice
     }
 }

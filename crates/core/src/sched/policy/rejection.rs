@@ -67,6 +67,7 @@ impl Scheduler {
             .iter()
             .take(n)
             .enumerate()
+            .filter(|(i, _)| self.eligible.prefill(*i))
             .map(|(i, &m)| self.estimate_ttft(i, m, req, idle, now_s).total_s())
             .min_by(f64::total_cmp);
         if let Some(estimate_s) = best_ttft_s

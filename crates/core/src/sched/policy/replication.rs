@@ -45,6 +45,7 @@ impl Scheduler {
         let n = prefill.len().min(index.instances());
         let mut candidates: Vec<usize> = (0..n)
             .filter(|&i| i != placement.prefill && !holders.contains(i))
+            .filter(|&i| self.eligible.prefill(i))
             .collect();
         candidates.sort_by(|&a, &b| {
             let qa = (prefill[a].free_at_s - now_s).max(0.0);

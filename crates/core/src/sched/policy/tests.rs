@@ -481,3 +481,47 @@ fn bad_config_is_named() {
         ConfigError::NoDecodeInstances
     );
 }
+
+#[test]
+fn every_policy_keeps_to_the_eligible_instances() {
+    // Instance 0 holds the prefix and is idle, so unrestricted choices would take it; only
+    // prefill 2 and decode 1 are eligible (they serve the request's model).
+    let idx = index();
+    let r = four_block_request();
+    let eligible = Eligible {
+        prefill: Some(vec![false, false, true]),
+        decode: Some(vec![false, true]),
+    };
+    let decode = [DecodeLoad::default(), DecodeLoad::default()];
+    for policy in [
+        Policy::Conductor,
+        Policy::LocalOnly,
+        Policy::CacheAware,
+        Policy::LeastLoad,
+        Policy::RoundRobin,
+        Policy::Random,
+    ] {
+        let mut s = Scheduler::new(config(policy, Rejection::None, 3), 2).unwrap();
+        s.set_eligible(eligible.clone());
+        for _ in 0..4 {
+            let p = accept(s.decide(0.0, &r, &idx, &free_at(&[0.0, 0.0, 0.0]), &decode));
+            assert_eq!((p.prefill, p.decode), (2, 1), "{policy:?}");
+        }
+        // No eligible instance of a role: nothing can serve the request.
+        s.set_eligible(Eligible {
+            prefill: Some(vec![false; 3]),
+            ..eligible.clone()
+        });
+        let d = s.decide(0.0, &r, &idx, &free_at(&[0.0, 0.0, 0.0]), &decode);
+        assert!(
+            matches!(d, Decision::Reject(RejectReason::NoInstance)),
+            "{policy:?}: {d:?}"
+        );
+        // Lifted: instance 0 (the prefix holder) again for the conductor policy.
+        s.set_eligible(Eligible::default());
+        let p = accept(s.decide(0.0, &r, &idx, &free_at(&[0.0, 0.0, 0.0]), &decode));
+        if policy == Policy::Conductor {
+            assert_eq!(p.prefill, 0);
+        }
+    }
+}
