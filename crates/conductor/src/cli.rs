@@ -93,18 +93,6 @@ pub struct ConductorArgs {
     /// Bytes of prompt text per stand-in token (must match the engines').
     #[arg(long, default_value_t = 4)]
     pub chunk_bytes: usize,
-    /// The model's Hugging Face `tokenizer.json`, or the model's directory holding it (and its
-    /// `tokenizer_config.json` or `chat_template.jinja`, whose chat template then renders chat
-    /// requests): block keys then follow the engine's tokens. `engine`: ask a prefill engine's
-    /// `/tokenize` (vLLM's) for each request's tokens instead, with no file here. Default: the
-    /// --model-dir when it holds a `tokenizer.json`; else prompts are cut into --chunk-bytes
-    /// stand-in tokens.
-    #[arg(long, value_name = "PATH")]
-    pub tokenizer: Option<std::path::PathBuf>,
-    /// The chat template to render chat requests with (a Jinja file, or a
-    /// `tokenizer_config.json`), as vLLM's `--chat-template`; overrides the model directory's.
-    #[arg(long, value_name = "FILE")]
-    pub chat_template: Option<std::path::PathBuf>,
     /// Copy a hot prefix to more prefill engines every this many hits on one of its blocks
     /// (0: off): the target engines are asked to prefetch it from the pool.
     #[arg(long, default_value_t = 32)]
@@ -112,8 +100,8 @@ pub struct ConductorArgs {
     /// Prefill engines a hot prefix is copied to each time.
     #[arg(long, default_value_t = 2)]
     pub hot_fanout: usize,
-    /// The served model's directory and the KV bytes per token (`--model-dir`,
-    /// `--kv-bytes-per-token`).
+    /// The served model's files and the KV bytes per token (`--model-dir`, `--tokenizer`,
+    /// `--chat-template`, `--kv-bytes-per-token`).
     #[command(flatten)]
     pub model_files: crate::model_flags::ModelArgs,
     /// Prefill -> decode KV transfer rate (`25GB/s`, `200Gbit/s`; a bare number is GB/s, as
@@ -366,7 +354,8 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             slo: Slo::from_flags(args.ttft_slo, args.tpot_slo)?,
             block_size: NonZeroU32::new(args.block_size)
                 .ok_or_else(|| flag("block-size", "must be at least 1"))?,
-            bytes_per_token: crate::model_flags::kv_bytes_per_token(args)?.0,
+            bytes_per_token: crate::model_flags::kv_bytes_per_token(&args.model_files, &args.keys)?
+                .0,
             pool_bandwidth_bps: args.pool_bandwidth.bytes_per_s(),
             kv_bandwidth_bps: args.kv_bandwidth.bytes_per_s(),
             prefill_costs: vec![args.prefill_cost; args.prefill.len()],
@@ -383,7 +372,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
                 .unwrap_or(usize::MAX)
         }),
         chat_template: chat_template(args)?,
-        tokenizer: match crate::model_flags::tokenizer_path(args) {
+        tokenizer: match crate::model_flags::tokenizer_path(&args.model_files) {
             Some(path) if path.as_os_str() == ENGINE_TOKENIZER => PromptTokenizer::Engine {
                 bytes: args.chunk_bytes,
             },
@@ -444,11 +433,11 @@ fn kv_events(args: &ConductorArgs) -> Result<Vec<KvEventSource>, ConductorError>
 fn chat_template(
     args: &ConductorArgs,
 ) -> Result<Option<std::sync::Arc<crate::chat::ChatTemplate>>, ConductorError> {
-    let dir = crate::model_flags::tokenizer_path(args).filter(|p| p.is_dir());
-    crate::chat::ChatTemplate::load(args.chat_template.as_deref(), dir)
+    let dir = crate::model_flags::tokenizer_path(&args.model_files).filter(|p| p.is_dir());
+    crate::chat::ChatTemplate::load(args.model_files.chat_template.as_deref(), dir)
         .map(|t| t.map(std::sync::Arc::new))
         .map_err(|e| {
-            let name = if args.chat_template.is_some() {
+            let name = if args.model_files.chat_template.is_some() {
                 "chat-template"
             } else {
                 "tokenizer"
@@ -509,7 +498,7 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
             &args.keys,
             args.block_size,
             args.block_hash,
-            crate::model_flags::model_dir(args),
+            crate::model_flags::model_dir(&args.model_files, &args.keys),
         )?,
     }))
 }
@@ -531,7 +520,7 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     let discovery = discovery_config(args)?;
     let listening = args.addrs.listening().map_err(|(f, p)| flag(f, p))?;
     let s = &config.scheduler;
-    let (_, kv_source) = crate::model_flags::kv_bytes_per_token(args)?;
+    let (_, kv_source) = crate::model_flags::kv_bytes_per_token(&args.model_files, &args.keys)?;
     tracing::info!(
         listen = %args.addrs.listen,
         admin = %args.addrs.admin_listen,

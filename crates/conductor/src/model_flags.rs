@@ -1,13 +1,12 @@
-//! The served model's flags of `kvpool conductor` ([`ModelArgs`]): its directory, and the KV
-//! bytes per token the transfer terms of the TTFT estimate count, computed from the directory's
-//! `config.json` unless given ([`kv_bytes_per_token`]); and which directory the tokenizer and
-//! chat template come from. I/O boundary: looking at and reading the model directory.
+//! The served model's flags of `kvpool conductor` ([`ModelArgs`]): its directory, tokenizer and
+//! chat template, and the KV bytes per token the transfer terms of the TTFT estimate count,
+//! computed from the directory's `config.json` unless given ([`kv_bytes_per_token`]). I/O boundary: looking at and reading the model directory.
 
 use std::path::{Path, PathBuf};
 
 use kvpool_core::flags::FlagError;
 
-use crate::cli::ConductorArgs;
+use crate::pool_flags::PoolKeyArgs;
 
 /// KV bytes per token without a model directory or `--kv-bytes-per-token`: a 70B-class model
 /// (2 x 80 layers x 8 KV heads x 128 x 2 bytes; docs/scheduling.md).
@@ -22,6 +21,18 @@ pub struct ModelArgs {
     /// rendering of chat requests, unless --kv-bytes-per-token or --tokenizer say otherwise.
     #[arg(long, value_name = "DIR", env = "KVPOOL_CONDUCTOR_MODEL_DIR")]
     pub model_dir: Option<PathBuf>,
+    /// The model's Hugging Face `tokenizer.json`, or the model's directory holding it (and its
+    /// `tokenizer_config.json` or `chat_template.jinja`, whose chat template then renders chat
+    /// requests): block keys then follow the engine's tokens. `engine`: ask a prefill engine's
+    /// `/tokenize` (vLLM's) for each request's tokens instead, with no file here. Default: the
+    /// --model-dir when it holds a `tokenizer.json`; else prompts are cut into --chunk-bytes
+    /// stand-in tokens.
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// The chat template to render chat requests with (a Jinja file, or a
+    /// `tokenizer_config.json`), as vLLM's `--chat-template`; overrides the model directory's.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// KV bytes one token takes in one engine rank's cache (`--bytes-per-token` is its old
     /// spelling). Default: computed from the model directory's `config.json` (--model-dir,
     /// else a --tokenizer or --engine-model directory holding one); without one, 327,680 (a
@@ -57,13 +68,12 @@ fn flag(name: &'static str, problem: impl Into<String>) -> FlagError {
 
 /// The model directory of the flags: `--model-dir`, else `--tokenizer` when it is a directory,
 /// else `--engine-model` when it is one.
-pub fn model_dir(args: &ConductorArgs) -> Option<&Path> {
-    args.model_files
+pub fn model_dir<'a>(model: &'a ModelArgs, keys: &'a PoolKeyArgs) -> Option<&'a Path> {
+    model
         .model_dir
         .as_deref()
-        .or(args.tokenizer.as_deref().filter(|p| p.is_dir()))
-        .or(args
-            .keys
+        .or(model.tokenizer.as_deref().filter(|p| p.is_dir()))
+        .or(keys
             .engine_model
             .as_deref()
             .map(Path::new)
@@ -72,9 +82,8 @@ pub fn model_dir(args: &ConductorArgs) -> Option<&Path> {
 
 /// The tokenizer to load: `--tokenizer`, else `--model-dir` when it holds a `tokenizer.json`
 /// (then its chat template too); `None`: stand-in chunks.
-pub fn tokenizer_path(args: &ConductorArgs) -> Option<&Path> {
-    args.tokenizer.as_deref().or(args
-        .model_files
+pub fn tokenizer_path(model: &ModelArgs) -> Option<&Path> {
+    model.tokenizer.as_deref().or(model
         .model_dir
         .as_deref()
         .filter(|d| d.join("tokenizer.json").is_file()))
@@ -83,14 +92,16 @@ pub fn tokenizer_path(args: &ConductorArgs) -> Option<&Path> {
 /// The KV bytes per token of the flags and where they came from. A `--model-dir` whose
 /// `config.json` cannot be read or sized is an error; a directory only named by --tokenizer or
 /// --engine-model without a usable `config.json` leaves the default, with a warning.
-pub fn kv_bytes_per_token(args: &ConductorArgs) -> Result<(u64, KvBytesSource), FlagError> {
-    if let Some(n) = args.model_files.kv_bytes_per_token {
+pub fn kv_bytes_per_token(
+    model: &ModelArgs,
+    keys: &PoolKeyArgs,
+) -> Result<(u64, KvBytesSource), FlagError> {
+    if let Some(n) = model.kv_bytes_per_token {
         if n == 0 {
             return Err(flag("kv-bytes-per-token", "must be at least 1"));
         }
         return Ok((n, KvBytesSource::Flag));
     }
-    let keys = &args.keys;
     let layout = |dir: &Path| {
         crate::model_config::dir_kv_layout(
             dir,
@@ -98,11 +109,11 @@ pub fn kv_bytes_per_token(args: &ConductorArgs) -> Result<(u64, KvBytesSource), 
             keys.engine_kv_dtype.as_deref(),
         )
     };
-    if let Some(dir) = &args.model_files.model_dir {
+    if let Some(dir) = &model.model_dir {
         let l = layout(dir).map_err(|e| flag("model-dir", e))?;
         return Ok((l.bytes_per_token, KvBytesSource::ModelConfig(dir.clone())));
     }
-    match model_dir(args).filter(|d| d.join("config.json").is_file()) {
+    match model_dir(model, keys).filter(|d| d.join("config.json").is_file()) {
         Some(dir) => match layout(dir) {
             Ok(l) => Ok((
                 l.bytes_per_token,
@@ -130,13 +141,14 @@ mod tests {
     #[derive(Debug, Parser)]
     struct T {
         #[command(flatten)]
-        a: ConductorArgs,
+        a: crate::cli::ConductorArgs,
     }
 
     fn kv(extra: &[&str]) -> Result<(u64, KvBytesSource), FlagError> {
         let mut argv = vec!["t"];
         argv.extend_from_slice(extra);
-        kv_bytes_per_token(&T::try_parse_from(argv).unwrap().a)
+        let a = T::try_parse_from(argv).unwrap().a;
+        kv_bytes_per_token(&a.model_files, &a.keys)
     }
 
     #[test]

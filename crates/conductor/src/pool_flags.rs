@@ -125,7 +125,12 @@ mod tests {
     fn keys(extra: &[&str]) -> Result<PoolKeys, FlagError> {
         let argv = std::iter::once("t").chain(extra.iter().copied());
         let a = T::try_parse_from(argv).expect("parses").a;
-        pool_keys(&a.keys, a.block_size, a.block_hash, a.tokenizer.as_deref())
+        pool_keys(
+            &a.keys,
+            a.block_size,
+            a.block_hash,
+            a.model_files.tokenizer.as_deref(),
+        )
     }
 
     fn name(k: &PoolKeys, model: &str) -> String {
