@@ -379,3 +379,42 @@ def test_every_offered_method_is_mooncakes():
     theirs = {n for n in dir(mc.TransferEngine) if not n.startswith("_")}
     not_offered = {"get_engine", "get_engine_ptr", "warmup_efa_segment", "TransferOpcode"}
     assert ours == theirs - not_offered
+
+
+def test_concurrent_threads_and_late_registrations():
+    """Engines call from thread pools: many threads to one peer, while the peer registers
+    more memory (the initiator reads its region table again on the first miss)."""
+    import threading
+
+    a, b = kv.TransferEngine(), kv.TransferEngine()
+    assert a.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    threads_n, rounds, size = 8, 40, 4 * KiB
+    src = ctypes.create_string_buffer(threads_n * size)
+    assert a.register_memory(ctypes.addressof(src), threads_n * size) == 0
+    for t in range(threads_n):
+        ctypes.memmove(ctypes.addressof(src) + t * size, pattern(size, t), size)
+    regions = [ctypes.create_string_buffer(size) for _ in range(threads_n)]
+    assert b.register_memory(ctypes.addressof(regions[0]), size) == 0
+    peer = f"{HOST}:{b.get_rpc_port()}"
+    assert a.transfer_sync_write(peer, ctypes.addressof(src), ctypes.addressof(regions[0]),
+                                 size) == 0  # the initiator now holds a table of one region
+    for r in regions[1:]:
+        assert b.register_memory(ctypes.addressof(r), size) == 0
+    failures: list = []
+
+    def worker(t: int) -> None:
+        for _ in range(rounds):
+            rc = a.batch_transfer_sync_write(
+                peer, [ctypes.addressof(src) + t * size], [ctypes.addressof(regions[t])],
+                [size])
+            if rc != 0:
+                failures.append((t, rc))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(threads_n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not failures
+    assert all(regions[t].raw == pattern(size, t) for t in range(threads_n))
