@@ -14,6 +14,7 @@ pub mod blocks;
 pub mod chat;
 pub mod cli;
 mod config;
+mod decode_cost;
 pub mod discovery;
 mod engines;
 mod fetch_estimate;

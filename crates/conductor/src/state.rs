@@ -297,6 +297,11 @@ impl State {
         self.scheduler.set_eligible(eligible);
     }
 
+    /// The decode cost model the next placements assume (a fitted one).
+    pub fn set_decode_cost(&mut self, cost: kvpool_core::sched::DecodeCost) {
+        self.scheduler.set_decode_cost(cost);
+    }
+
     /// The prefill cost model placements assume for instance `instance`.
     pub fn prefill_cost(&self, instance: usize) -> Option<kvpool_core::sched::PrefillCost> {
         self.scheduler.config().prefill_costs.get(instance).copied()

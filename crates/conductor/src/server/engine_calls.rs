@@ -159,6 +159,21 @@ pub(super) fn cached_tokens(shared: &Shared, placed: &Placed, answer: &PrefillAn
     })
 }
 
+/// Feeds one served request's time per output token (cost-model seconds) to the decode cost
+/// fit, against what its placement predicted; the next placements assume the model that
+/// follows.
+fn observe_decode(finish: &Finish, tpot_s: f64) {
+    let shared = &finish.shared;
+    let mut m = shared.members.lock();
+    if m.decode_fit.observe(finish.placed.ticket.tpot_s, tpot_s) {
+        let cost = m.decode_fit.current();
+        if let Some(state) = m.state.as_mut() {
+            state.set_decode_cost(cost);
+        }
+        shared.metrics.set_decode_cost(&m.decode_fit);
+    }
+}
+
 /// The request's decode response has carried `tokens` tokens, `new` of them since last time.
 fn decode_progress(finish: &Finish, tokens: u32, new: u32) {
     let shared = &finish.shared;
@@ -240,8 +255,10 @@ pub(super) fn relay_decode(
                 {
                     finish.timer.chunk(counter.tokens());
                 }
-                if body.is_none() {
-                    finish.timer.ended(counter.tokens());
+                if body.is_none()
+                    && let Some(tpot) = finish.timer.ended(counter.tokens())
+                {
+                    observe_decode(&finish, tpot / finish.shared.config.time_scale);
                 }
             }
             // At the end (`None`) `finish` drops here, releasing the bookings.

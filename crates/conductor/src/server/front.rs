@@ -86,6 +86,7 @@ fn status(shared: &Shared) -> serde_json::Value {
         "engine_models": shared.models.by_engine(),
         "fit_prefill_cost": m.costs.fitting(),
         "prefill_costs": m.costs.status(&m.engines.prefill),
+        "decode_cost": m.decode_fit.status(),
     })
 }
 
@@ -115,6 +116,8 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         config.fit_prefill_cost.then(FitConfig::default),
     );
     metrics.set_prefill_costs(&costs, &initial.prefill);
+    let decode_fit = crate::decode_cost::DecodeFit::new(config.scheduler.decode_cost);
+    metrics.set_decode_cost(&decode_fit);
     let fetch = FetchEstimate::new(config.block_bytes(), config.scheduler.pool_bandwidth_bps);
     metrics
         .fetch_bandwidth
@@ -133,6 +136,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             epoch: 0,
             holdings: Default::default(),
             costs,
+            decode_fit,
         }),
         upstream,
         started: Instant::now(),

@@ -167,19 +167,18 @@ impl RequestTimer {
 
     /// The served answer ended with `tokens` counted in all: the tokens after the first chunk
     /// over the time they took is the time per output token (none when the first chunk
-    /// carried them all, as a whole JSON answer does).
-    pub(super) fn ended(&mut self, tokens: u32) {
-        let Some((first_at, first_tokens)) = self.first.take() else {
-            return;
-        };
+    /// carried them all, as a whole JSON answer does), returned in wall seconds.
+    pub(super) fn ended(&mut self, tokens: u32) -> Option<f64> {
+        let (first_at, first_tokens) = self.first.take()?;
         let later = tokens.saturating_sub(first_tokens.max(1));
         if later == 0 {
-            return;
+            return None;
         }
         let tpot = first_at.elapsed().as_secs_f64() / f64::from(later);
         self.latency.tpot.observe(tpot);
         let l = &self.latency;
         l.slo[if tpot <= l.objective_s.1 { 2 } else { 3 }].inc();
+        Some(tpot)
     }
 }
 

@@ -21,6 +21,8 @@ pub(super) struct Members {
     pub(super) holdings: HashMap<String, Holdings>,
     /// Every prefill engine's cost model, by base URL (prior or fitted; kept over changes).
     pub(super) costs: PrefillCosts,
+    /// The decode engines' cost model (prior, or scaled to the observed TPOTs).
+    pub(super) decode_fit: crate::decode_cost::DecodeFit,
 }
 
 /// A request placed on instances, with what is needed to find them after an engine-set change.
@@ -57,6 +59,7 @@ impl Members {
         for (i, url) in self.engines.prefill.iter().enumerate() {
             state.set_prefill_cost(i, self.costs.current(url));
         }
+        state.set_decode_cost(self.decode_fit.current());
     }
 
     /// Run `f` on the state with `placed`'s ticket as the current engine set numbers it; an

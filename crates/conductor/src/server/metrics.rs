@@ -38,6 +38,8 @@ pub(super) struct Metrics {
     pub(super) prefill_cost: GaugeVec,
     pub(super) prefill_cost_observations: IntCounterVec,
     pub(super) prefill_cost_error: GaugeVec,
+    pub(super) decode_cost: GaugeVec,
+    pub(super) decode_cost_error: Gauge,
     pub(super) decode_tokens_observed: IntCounterVec,
     /// Time to first token, per output token, end to end, queue wait, in flight, SLO results.
     pub(super) latency: Arc<Latency>,
@@ -197,6 +199,28 @@ impl Metrics {
                 &["engine"],
             )?,
         )?;
+        let decode_cost = register(
+            registry,
+            GaugeVec::new(
+                Opts::new(
+                    "kvpool_conductor_decode_cost_seconds",
+                    "Decode step cost model, by term (fixed: seconds per step, per_seq: per \
+                     running sequence, per_ctx_token: per context token in the batch; \
+                     cost-model seconds) and source (prior: the configured model; fitted: the \
+                     prior scaled to the observed times per output token, in use once present)",
+                ),
+                &["term", "source"],
+            )?,
+        )?;
+        let decode_cost_error = register(
+            registry,
+            Gauge::new(
+                "kvpool_conductor_decode_cost_error_ratio",
+                "Relative error of the predicted time per output token: the moving mean (about \
+                 the last 20) of abs(predicted - observed) / observed over served requests, \
+                 each predicted at its placement",
+            )?,
+        )?;
         let decode_tokens_observed = counters(
             registry,
             "kvpool_conductor_decode_tokens_observed_total",
@@ -265,6 +289,8 @@ impl Metrics {
             prefill_cost,
             prefill_cost_observations,
             prefill_cost_error,
+            decode_cost,
+            decode_cost_error,
             decode_tokens_observed,
             latency,
         })
@@ -295,6 +321,24 @@ impl Metrics {
                 self.prefill_cost_observations
                     .with_label_values(&[e.as_str()]);
             }
+        }
+    }
+
+    /// The decode cost gauges follow `fit`: the prior always, the fit and its error once there.
+    pub(super) fn set_decode_cost(&self, fit: &crate::decode_cost::DecodeFit) {
+        let fitted = fit.is_fitted().then(|| fit.current());
+        for (source, cost) in [("prior", Some(fit.prior())), ("fitted", fitted)] {
+            let Some(c) = cost else { continue };
+            for (term, v) in [
+                ("fixed", c.fixed_s),
+                ("per_seq", c.per_seq_s),
+                ("per_ctx_token", c.per_ctx_token_s),
+            ] {
+                self.decode_cost.with_label_values(&[term, source]).set(v);
+            }
+        }
+        if let Some(e) = fit.error_ratio() {
+            self.decode_cost_error.set(e);
         }
     }
 

@@ -60,25 +60,35 @@ impl ServedModels {
         self.fixed.is_empty()
     }
 
-    /// Whether one of `engines` has not listed its models yet.
-    pub(super) fn missing(&self, engines: &[String]) -> bool {
-        let learnt = self.learnt.lock();
-        engines.iter().any(|e| !learnt.contains_key(e))
+    /// Whether requests are routed by each engine's model list: unless `--model` names exactly
+    /// one model (then every engine serves it, whatever it lists).
+    fn routes_by_engine(&self) -> bool {
+        self.fixed.len() != 1
     }
 
-    /// The engines a request for `model` may go to: those that list it, and those that have
-    /// not listed their models (yet, or cannot: they are taken to serve every name). `None` for
-    /// a role whose engines may all take it.
-    pub(super) fn eligible(&self, model: &str, engines: &crate::engines::Engines) -> Eligible {
+    /// Whether routing needs a list one of `engines` has not given yet.
+    pub(super) fn missing(&self, engines: &[String]) -> bool {
         let learnt = self.learnt.lock();
+        self.routes_by_engine() && engines.iter().any(|e| !learnt.contains_key(e))
+    }
+
+    /// The engines a request for `model` may go to: those that list it, those that have not
+    /// listed their models (yet, or cannot), and, with `--model` names, those whose list names
+    /// none of them (they serve the flags' names under other names: no telling). `None` for a
+    /// role whose engines may all take it.
+    pub(super) fn eligible(&self, model: &str, engines: &crate::engines::Engines) -> Eligible {
+        if !self.routes_by_engine() {
+            return Eligible::default();
+        }
+        let learnt = self.learnt.lock();
+        let takes = |names: &Vec<String>| {
+            names.iter().any(|n| n == model)
+                || (!self.fixed.is_empty() && !names.iter().any(|n| self.fixed.contains(n)))
+        };
         let mask = |urls: &[String]| {
             let m: Vec<bool> = urls
                 .iter()
-                .map(|u| {
-                    learnt
-                        .get(u)
-                        .is_none_or(|names| names.iter().any(|n| n == model))
-                })
+                .map(|u| learnt.get(u).is_none_or(takes))
                 .collect();
             (!m.iter().all(|ok| *ok)).then_some(m)
         };
@@ -203,6 +213,24 @@ mod tests {
         assert_eq!(learnt.eligible("m1", &engines).decode, None);
         assert!(learnt.missing(&engines.prefill));
         assert!(!learnt.missing(&engines.decode));
+        // One --model name: every engine serves it, nothing to ask or restrict.
+        let one = ServedModels::new(vec!["m2".into()]);
+        one.learnt
+            .lock()
+            .insert("http://d".into(), vec!["m1".into()]);
+        assert_eq!(one.eligible("m2", &engines), Eligible::default());
+        assert!(!one.missing(&engines.prefill));
+        // Several: an engine listing none of them (an alias) may take any.
+        let two = ServedModels::new(vec!["m1".into(), "m2".into()]);
+        two.learnt
+            .lock()
+            .insert("http://p".into(), vec!["m1".into()]);
+        two.learnt
+            .lock()
+            .insert("http://d".into(), vec!["other".into()]);
+        let m2 = two.eligible("m2", &engines);
+        assert_eq!(m2.prefill, Some(vec![false, true, true]));
+        assert_eq!(m2.decode, None);
         learnt.retain(&["http://d".to_owned()]);
         assert_eq!(learnt.names(), vec!["m1".to_owned()]);
     }

@@ -107,6 +107,17 @@ impl Scheduler {
         }
     }
 
+    /// Replaces the decode cost model (a fitted one); models with a term that is not finite
+    /// and >= 0 are ignored.
+    pub fn set_decode_cost(&mut self, cost: super::cost::DecodeCost) {
+        let ok = [cost.fixed_s, cost.per_seq_s, cost.per_ctx_token_s]
+            .iter()
+            .all(|v| v.is_finite() && *v >= 0.0);
+        if ok {
+            self.config.decode_cost = cost;
+        }
+    }
+
     pub fn prefill_instances(&self) -> usize {
         self.config.prefill_costs.len()
     }
