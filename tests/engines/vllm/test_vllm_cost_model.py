@@ -1,15 +1,21 @@
-"""The conductor's cost model taken from the served model, on real vLLM (issue 35): `kvpool up
---engine vllm` starts the conductor with the model directory, and the KV bytes per token it
-counts in its TTFT estimate equal what the model's config.json implies, computed here on its
-own from the file."""
+"""The conductor on real vLLM's terms (issue 35): `kvpool up --engine vllm` starts the conductor
+with the model directory, and the KV bytes per token it counts in its TTFT estimate equal what
+the model's config.json implies, computed here on its own from the file; and a conductor in
+front of the real engines of one model and kvpool's synthetic engines of another routes each
+request only to engines of its model, as each engine's own /v1/models says."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
-from conftest import Stack, http_json, metrics, model_dir
+from conftest import Stack, free_port, http_json, kvpool_bin, metrics, model_dir, stop, wait_http
+
+BLOCK = 32
+MODEL = "tiny"
+OTHER = "org/other-model"
 
 
 def kv_bytes_per_token(model: Path, tensor_parallel: int = 1) -> int:
@@ -46,3 +52,57 @@ def test_the_conductors_kv_bytes_per_token_follow_the_served_models_config(stack
              re.findall(r"KV cache size: ([\d,]+) tokens", stack.log("prefill-0"))]
     assert sizes, "the prefill engine's log has no 'KV cache size: N tokens' line"
     assert abs(sizes[-1] * expected - 2**30) <= expected * 64, (sizes, expected)
+
+
+def test_two_models_behind_one_conductor_reach_only_their_own_engines(stack: Stack):
+    procs = []
+    try:
+        def start(name, args, ready):
+            log = stack.dir / f"{name}.log"
+            with open(log, "wb") as out:
+                p = subprocess.Popen([str(kvpool_bin())] + args, stdout=out,
+                                     stderr=subprocess.STDOUT)
+            procs.append(p)
+            wait_http(ready, p, log, timeout=60)
+
+        synthetic = []
+        for role in ("prefill", "decode"):
+            api, admin = free_port(), free_port()
+            start(f"synthetic-{role}", ["engine", "--synthetic", "--listen", f"127.0.0.1:{api}",
+                                        "--admin-listen", f"127.0.0.1:{admin}", "--model", OTHER,
+                                        "--block-size", str(BLOCK), "--time-scale", "0.001"],
+                  f"http://127.0.0.1:{admin}/readyz")
+            synthetic.append(f"http://127.0.0.1:{api}")
+        api, admin = free_port(), free_port()
+        # No --model: the names served are the engines' own.
+        cmd = ["conductor", "--listen", f"127.0.0.1:{api}", "--admin-listen",
+               f"127.0.0.1:{admin}", "--model-dir", str(model_dir()), "--block-size", str(BLOCK),
+               "--hash-seed", "0"]
+        for url in stack.prefill + synthetic[:1]:
+            cmd += ["--prefill", url]
+        for url in stack.decode + synthetic[1:]:
+            cmd += ["--decode", url]
+        start("conductor-two-models", cmd, f"http://127.0.0.1:{admin}/readyz")
+        base = f"http://127.0.0.1:{api}"
+        listed = http_json(f"{base}/v1/models")
+        assert {m["id"] for m in listed["json"]["data"]} == {MODEL, OTHER}, listed
+        prompt = "the same prompt for both models, long enough for a block or two " * 4
+        for i in range(4):
+            for model, prefill, decode in ((MODEL, stack.prefill, stack.decode),
+                                           (OTHER, synthetic[:1], synthetic[1:])):
+                r = http_json(f"{base}/v1/completions", {
+                    "model": model, "prompt": f"{prompt}{i}", "max_tokens": 3,
+                    "temperature": 0})
+                assert r["status"] == 200, (model, r)
+                assert r["headers"]["x-kvpool-prefill-engine"] in prefill, (model, r["headers"])
+                assert r["headers"]["x-kvpool-decode-engine"] in decode, (model, r["headers"])
+        missing = http_json(f"{base}/v1/completions",
+                            {"model": "org/nobody-serves-this", "prompt": "hi", "max_tokens": 1})
+        assert missing["status"] == 404, missing
+        assert missing["json"]["error"]["code"] == "model_not_found", missing
+        assert "org/nobody-serves-this" in missing["json"]["error"]["message"], missing
+        status = http_json(f"{base}/v1/kvpool/status")["json"]
+        assert status["engine_models"][stack.prefill[0]] == [MODEL], status
+    finally:
+        for p in reversed(procs):
+            stop(p)
