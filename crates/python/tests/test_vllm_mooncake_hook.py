@@ -1,5 +1,7 @@
-"""The mechanics of `kvpool.adapters.vllm_mooncake`, vLLM's `kv_connector_module_path` hook
-for its own `MooncakeConnector`: the connector module it imports binds kvpool's
+"""The mechanics of the engine hooks over kvpool's transfer engine: `kvpool.adapters.sglang_pd`
+(SGLang's launcher with the alias in every process; last test) and
+`kvpool.adapters.vllm_mooncake`, vLLM's `kv_connector_module_path` hook for its own
+`MooncakeConnector`: the connector module it imports binds kvpool's
 `TransferEngine`, whether or not that module was imported before, and `mooncake.engine` is
 what it was once the import is done. vLLM is not installed in this environment, so vLLM's
 module is stood in for by one with the same import (`from mooncake.engine import
@@ -73,3 +75,28 @@ def test_a_connector_module_imported_before_is_imported_again_under_the_alias(st
     hook = importlib.import_module(HOOK)
     assert sys.modules[stand_in].TransferEngine is kv_engine.TransferEngine
     assert hook.MooncakeConnector is sys.modules[stand_in].MooncakeConnector
+
+
+def test_the_sglang_launcher_installs_the_alias_for_the_whole_process(tmp_path):
+    """`kvpool.adapters.sglang_pd`: as the main module, or as the copy a spawned SGLang
+    process imports (`__mp_main__`), it makes `mooncake.engine` kvpool's module for good; a
+    plain import does nothing; `plugin()` (SGLang's general-plugin entry point) installs it."""
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import runpy, sys, importlib\n"
+        "import kvpool.adapters.sglang_pd as pd\n"
+        "import kvpool.mooncake_engine as kv\n"
+        "assert sys.modules.get('mooncake.engine') is not kv\n"
+        "runpy.run_module('kvpool.adapters.sglang_pd', run_name='__mp_main__')\n"
+        "from mooncake.engine import TransferEngine\n"
+        "assert TransferEngine is kv.TransferEngine, TransferEngine\n"
+        "assert pd.install() in (True, False)\n"
+        "pd.plugin()\n"
+        "from mooncake.engine import TransferEngine as again\n"
+        "assert again is kv.TransferEngine\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
