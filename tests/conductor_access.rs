@@ -24,10 +24,13 @@ const MODEL: &str = "synthetic-70b";
 const BLOCK: u32 = 16;
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-/// The headers of every request an engine received.
+/// The headers of every request an engine received on a client's behalf.
 type Seen = Arc<Mutex<Vec<HeaderMap>>>;
 
-/// A synthetic engine whose real router sits behind a tap that keeps each request's headers.
+/// A synthetic engine whose real router sits behind a tap that keeps the headers of each
+/// request made on a client's behalf: the conductor's own `GET /v1/models` (which models each
+/// engine serves, asked in the background once requests arrive) are left out, so that they
+/// cannot come between a client's request and the checks on what reached the engines.
 async fn tapped_engine(shutdown: &CancellationToken) -> (SocketAddr, Seen) {
     let seen: Seen = Arc::default();
     let tap = seen.clone();
@@ -39,7 +42,9 @@ async fn tapped_engine(shutdown: &CancellationToken) -> (SocketAddr, Seen) {
                 move |req: Request, next: Next| {
                     let tap = tap.clone();
                     async move {
-                        tap.lock().push(req.headers().clone());
+                        if req.uri().path() != "/v1/models" {
+                            tap.lock().push(req.headers().clone());
+                        }
                         next.run(req).await
                     }
                 },
