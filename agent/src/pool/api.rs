@@ -312,7 +312,7 @@ impl PoolApi {
             numa_hint,
             spread: Spread::Node,
             tier: None,
-            avoid_nodes: Vec::new(),
+            ..PutOptions::default()
         };
         let calls = self.enter();
         let (lone_staging, lone_opts) = (staging.clone(), opts.clone());

@@ -27,30 +27,22 @@ pub struct PutArgs {
 }
 
 impl PutArgs {
+    /// The put's options, its pin included: the master pins the object from its commit on,
+    /// so no eviction can come between the commit and the pin (a pin sent after the put could
+    /// find the object already evicted on a full pool).
     fn options(&self) -> PutOptions {
         PutOptions {
             replicas: self.replicas.max(1),
             writer_node: self.preferred.clone(),
+            hard_pin: self.hard_pin,
+            soft_pin_ttl_ms: if self.hard_pin {
+                0
+            } else {
+                self.soft_pin_ttl_ms
+            },
             ..PutOptions::default()
         }
     }
-}
-
-/// Pin `key` as `args` asks, after its put committed.
-async fn pin(live: &Live, key: &[u8], args: &PutArgs) -> Result<(), Failure> {
-    let (hard, ttl) = if args.hard_pin {
-        (true, Duration::ZERO)
-    } else if args.soft_pin_ttl_ms > 0 {
-        (false, Duration::from_millis(args.soft_pin_ttl_ms))
-    } else {
-        return Ok(());
-    };
-    let results = live.pool.master().pin(&[key], hard, ttl).await?;
-    results
-        .into_iter()
-        .next()
-        .unwrap_or(Ok(()))
-        .map_err(Failure::from)
 }
 
 /// A put of a key already committed succeeds and keeps the first value, whatever its size
@@ -77,8 +69,7 @@ pub async fn put(live: &Live, key: &[u8], value: &[u8], args: &PutArgs) -> Resul
     if value.is_empty() {
         return Err(Failure::invalid("the value is empty"));
     }
-    committed(live.pool.put(key, value, &args.options()).await.map(|_| ()))?;
-    pin(live, key, args).await
+    committed(live.pool.put(key, value, &args.options()).await.map(|_| ()))
 }
 
 /// Store `len` bytes at `ptr`, inside a registered buffer, with no copy. A put of 0 bytes
@@ -100,8 +91,7 @@ pub async fn put_from(
             .put_from(key, &span.local, span.offset, span.len, &args.options())
             .await
             .map(|_| ()),
-    )?;
-    pin(live, key, args).await
+    )
 }
 
 /// The value of `key`.

@@ -177,6 +177,8 @@ fn put_start_request(
         } as i32,
         tier: opts.tier.map(|t| proto::Tier::from(t) as i32),
         avoid_nodes: opts.avoid_nodes.clone(),
+        hard_pin: opts.hard_pin,
+        soft_pin_ttl_ms: opts.soft_pin_ttl_ms,
     }
 }
 

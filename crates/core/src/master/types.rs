@@ -124,6 +124,12 @@ pub struct PutOptions {
     /// there, and the master stops placing anyone's replicas there until the node's next
     /// heartbeat (a dead agent is avoided before its heartbeat timeout).
     pub avoid_nodes: Vec<String>,
+    /// Pin the object from its commit on: never evicted (hard) or evicted last for
+    /// `soft_pin_ttl_ms` (soft). Given with the put so that no eviction can come between the
+    /// commit and a separate pin call.
+    pub hard_pin: bool,
+    /// Soft pin TTL in milliseconds; 0: no soft pin.
+    pub soft_pin_ttl_ms: u64,
 }
 
 impl Default for PutOptions {
@@ -135,6 +141,8 @@ impl Default for PutOptions {
             spread: Spread::Node,
             tier: None,
             avoid_nodes: Vec::new(),
+            hard_pin: false,
+            soft_pin_ttl_ms: 0,
         }
     }
 }

@@ -60,6 +60,8 @@ fn put_options(req: &proto::PutStartRequest) -> Result<PutOptions, Status> {
         spread,
         tier,
         avoid_nodes: req.avoid_nodes.clone(),
+        hard_pin: req.hard_pin,
+        soft_pin_ttl_ms: req.soft_pin_ttl_ms,
     })
 }
 

@@ -2,7 +2,7 @@
 //! `put_end` commits what survived, `put_revoke` abandons. Pure; the client writes the bytes
 //! between start and end.
 
-use super::{LIVE, MasterError, MasterState, PENDING, SPREAD_DOMAINS};
+use super::{HARD_PIN, LIVE, MasterError, MasterState, PENDING, SOFT_PIN, SPREAD_DOMAINS};
 use crate::master::alloc::{PAGE_BYTES, pages_for};
 use crate::master::types::{ObjectKey, PutOptions, PutStarted, Spread, Tier};
 
@@ -43,6 +43,10 @@ impl MasterState {
                     existing: e.size,
                     requested: size,
                 });
+            }
+            // A put of a committed key (same size) still pins it as asked.
+            if opts.hard_pin || opts.soft_pin_ttl_ms > 0 {
+                self.pin(key, opts.hard_pin, opts.soft_pin_ttl_ms)?;
             }
             return Ok(PutStarted::AlreadyCommitted { size });
         }
@@ -99,6 +103,15 @@ impl MasterState {
                 self.entries[slot as usize].flags |= SPREAD_DOMAINS;
             }
             self.entries[slot as usize].flags |= PENDING;
+            // Pinned from the start: a pending object is never evicted, and at its commit it
+            // is pinned already, so no eviction can come between the two.
+            if opts.hard_pin {
+                self.entries[slot as usize].flags |= HARD_PIN;
+            } else if opts.soft_pin_ttl_ms > 0 {
+                self.entries[slot as usize].flags |= SOFT_PIN;
+                let until = self.clock.now_ms() + opts.soft_pin_ttl_ms;
+                self.soft_pins.insert(slot, until);
+            }
             let deadline = self.clock.now_ms() + self.config.put_timeout_ms;
             self.pending.insert(slot, deadline);
             let e = &self.entries[slot as usize];

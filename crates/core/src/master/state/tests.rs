@@ -497,6 +497,46 @@ fn soft_pins_go_last_and_hard_pins_never() {
     );
 }
 
+/// A pin given with the put holds from the commit on: filling the pool with such objects
+/// evicts none of them (a pin sent after the put could find its object evicted already), a
+/// soft pin is counted, and a put of a committed key pins it.
+#[test]
+fn pins_given_with_the_put_hold_from_the_commit() {
+    let (mut m, _clock) = small_pool(PolicyKind::Lru);
+    let hard = PutOptions {
+        hard_pin: true,
+        ..opts(1)
+    };
+    for i in 0..10 {
+        put(&mut m, key(i), MIB, &hard);
+    }
+    let all: Vec<ObjectKey> = (0..10).map(key).collect();
+    assert_eq!(m.exists(&all), vec![true; 10], "none evicted at 100%");
+    assert!(matches!(
+        m.put_start(key(10), MIB, &opts(1)),
+        Err(MasterError::NoSpace { .. })
+    ));
+    m.remove(key(9)).expect("remove");
+    let soft = PutOptions {
+        soft_pin_ttl_ms: 60_000,
+        ..opts(1)
+    };
+    put(&mut m, key(9), MIB, &soft);
+    assert_eq!(m.stats().soft_pins, 1);
+    // A put of the committed key with a hard pin pins it (and moves no byte).
+    assert!(matches!(
+        m.put_start(key(9), MIB, &hard),
+        Ok(PutStarted::AlreadyCommitted { .. })
+    ));
+    m.unpin(key(0)).expect("unpin");
+    // Only object 0 is unpinned now: the next put evicts it and nothing else.
+    m.remove(key(1)).expect("remove");
+    put(&mut m, key(1), MIB, &opts(1));
+    put(&mut m, key(11), MIB, &opts(1));
+    let alive = m.exists(&[key(0), key(9), key(11)]);
+    assert_eq!(alive, vec![false, true, true], "{alive:?}");
+}
+
 #[test]
 fn leased_objects_survive_space_pressure() {
     for policy in PolicyKind::ALL {
