@@ -56,20 +56,27 @@ where
             let name = obj.name_any();
             tracing::warn!(kind = %K::kind(&()), %name,
                 "its selector changed (labels of an older operator): deleting and recreating it");
-            match api.delete(&name, &DeleteParams::background()).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(status)) if status.code == 404 => {}
-                Err(source) => {
-                    return Err(Error::Delete {
-                        kind: K::kind(&()).into_owned(),
-                        name,
-                        source,
-                    });
-                }
-            }
+            delete_background(api, &name).await?;
             apply(field_manager, api, obj).await
         }
         other => other,
+    }
+}
+
+/// Delete `name`, its dependents in the background; one already gone is no error (someone
+/// else finished the job).
+async fn delete_background<K>(api: &Api<K>, name: &str) -> Result<()>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned,
+{
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(source) => Err(Error::Delete {
+            kind: K::kind(&()).into_owned(),
+            name: name.to_owned(),
+            source,
+        }),
     }
 }
 
@@ -118,18 +125,7 @@ where
         if keep.contains(&name) || obj.meta().deletion_timestamp.is_some() {
             continue;
         }
-        match api.delete(&name, &DeleteParams::background()).await {
-            Ok(_) => {}
-            // Already gone: someone else finished the job.
-            Err(kube::Error::Api(status)) if status.code == 404 => {}
-            Err(source) => {
-                return Err(Error::Delete {
-                    kind: K::kind(&()).into_owned(),
-                    name,
-                    source,
-                });
-            }
-        }
+        delete_background(api, &name).await?;
         deleted.push(name);
     }
     deleted.sort();
