@@ -231,25 +231,32 @@ impl Buffers {
 
     /// The registered buffer holding all of `ptr..ptr+len`.
     pub fn span(&self, ptr: usize, len: u64) -> Result<Span, Failure> {
-        let outside = || {
+        let (r, offset) = containing(&self.by_start, |r| r.len, ptr, len).ok_or_else(|| {
             Failure::new(
                 Kind::NotRegistered,
                 format!("memory {ptr:#x}+{len} is not inside a registered buffer"),
             )
-        };
-        let (start, r) = self
-            .by_start
-            .range(..=ptr)
-            .next_back()
-            .ok_or_else(outside)?;
-        let offset = (ptr - start) as u64;
-        if offset.checked_add(len).is_none_or(|end| end > r.len) {
-            return Err(outside());
-        }
+        })?;
         Ok(Span {
             local: r.local.clone(),
             offset,
             len,
         })
     }
+}
+
+/// The region of `by_start` (regions by start address, each `len_of` bytes long) holding all
+/// of `ptr..ptr+len`, and the offset of `ptr` in it; `None` when no one region does.
+pub(crate) fn containing<V>(
+    by_start: &BTreeMap<usize, V>,
+    len_of: impl Fn(&V) -> u64,
+    ptr: usize,
+    len: u64,
+) -> Option<(&V, u64)> {
+    let (start, r) = by_start.range(..=ptr).next_back()?;
+    let offset = (ptr - start) as u64;
+    offset
+        .checked_add(len)
+        .is_some_and(|end| end <= len_of(r))
+        .then_some((r, offset))
 }

@@ -237,21 +237,13 @@ impl P2pEngine {
         ptr: usize,
         len: u64,
     ) -> Result<(LocalSegment, u64), Failure> {
-        let outside = || {
-            Failure::new(
-                Kind::NotRegistered,
-                format!("local memory {ptr:#x}+{len} is not inside a registered region"),
-            )
-        };
-        let (start, r) = local
-            .by_start
-            .range(..=ptr)
-            .next_back()
-            .ok_or_else(outside)?;
-        let offset = (ptr - start) as u64;
-        if offset.checked_add(len).is_none_or(|end| end > r.len) {
-            return Err(outside());
-        }
+        let (r, offset) = crate::buffers::containing(&local.by_start, |r| r.len, ptr, len)
+            .ok_or_else(|| {
+                Failure::new(
+                    Kind::NotRegistered,
+                    format!("local memory {ptr:#x}+{len} is not inside a registered region"),
+                )
+            })?;
         Ok((r.local.clone(), offset))
     }
 
