@@ -10,7 +10,9 @@ use super::PoolLookup;
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{ConductorConfig, Engines, KvEventSource, RoutingProtocol, UpstreamPool};
+use super::{
+    ConductorConfig, ConductorProtocol, Engines, KvEventSource, RoutingProtocol, UpstreamPool,
+};
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_core::flags::{Bandwidth, FlagError, parse_bandwidth, parse_duration, positive};
 use kvpool_core::sched::{
@@ -134,12 +136,16 @@ pub struct ConductorArgs {
     #[arg(long, alias = "pool-bandwidth-gbps", default_value = "25GB/s", value_parser = parse_bandwidth)]
     pub pool_bandwidth: Bandwidth,
     /// Disaggregation convention of the engines: `vllm` (prefill, then decode with the
-    /// returned `kv_transfer_params`) or `sglang` (both at once, paired by a bootstrap room).
-    #[arg(long, value_enum, default_value_t = kvpool_proto::openai::EngineProtocol::Vllm,
+    /// returned `kv_transfer_params`: kvpool's and vLLM's NIXL-style connectors),
+    /// `vllm-mooncake` (vLLM's MooncakeConnector: prefill, then decode told the prefill
+    /// instance's engine id and bootstrap server, paired by a transfer id) or `sglang` (both at
+    /// once, paired by a bootstrap room).
+    #[arg(long, value_enum, default_value_t = ConductorProtocol::Vllm,
         env = "KVPOOL_ENGINE_PROTOCOL")]
-    pub engine_protocol: kvpool_proto::openai::EngineProtocol,
-    /// With --engine-protocol sglang: the prefill engines' bootstrap port (SGLang's
-    /// --disaggregation-bootstrap-port; its default is 8998).
+    pub engine_protocol: ConductorProtocol,
+    /// With --engine-protocol sglang or vllm-mooncake: the prefill engines' bootstrap port
+    /// (SGLang's --disaggregation-bootstrap-port, vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT; both
+    /// default to 8998).
     #[arg(long, default_value_t = 8998, env = "KVPOOL_BOOTSTRAP_PORT")]
     pub bootstrap_port: u16,
     /// Wall seconds per cost-model second of the engines (their --time-scale; 1 for real
@@ -384,8 +390,11 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
         },
         pool: pool_lookup(args)?,
         protocol: match args.engine_protocol {
-            kvpool_proto::openai::EngineProtocol::Vllm => RoutingProtocol::Vllm,
-            kvpool_proto::openai::EngineProtocol::Sglang => RoutingProtocol::Sglang {
+            ConductorProtocol::Vllm => RoutingProtocol::Vllm,
+            ConductorProtocol::VllmMooncake => RoutingProtocol::VllmMooncake {
+                bootstrap_port: args.bootstrap_port,
+            },
+            ConductorProtocol::Sglang => RoutingProtocol::Sglang {
                 bootstrap_port: args.bootstrap_port,
             },
         },

@@ -114,18 +114,27 @@ pub fn engine_protocol(pod: &EnginePod) -> Result<Option<RoutingProtocol>, Strin
     };
     match protocol.as_str() {
         "vllm" => Ok(Some(RoutingProtocol::Vllm)),
-        "sglang" => {
-            let bootstrap_port = match notes.get(BOOTSTRAP_PORT_ANNOTATION) {
-                None => SGLANG_DEFAULT_BOOTSTRAP_PORT,
-                Some(v) => v.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
-                    format!("{BOOTSTRAP_PORT_ANNOTATION} {v:?} is not a port from 1 to 65535")
-                })?,
-            };
-            Ok(Some(RoutingProtocol::Sglang { bootstrap_port }))
-        }
+        "vllm-mooncake" => Ok(Some(RoutingProtocol::VllmMooncake {
+            bootstrap_port: bootstrap_port(notes)?,
+        })),
+        "sglang" => Ok(Some(RoutingProtocol::Sglang {
+            bootstrap_port: bootstrap_port(notes)?,
+        })),
         other => Err(format!(
-            "{ENGINE_PROTOCOL_ANNOTATION} {other:?} is not one of \"vllm\", \"sglang\""
+            "{ENGINE_PROTOCOL_ANNOTATION} {other:?} is not one of \"vllm\", \"vllm-mooncake\", \
+             \"sglang\""
         )),
+    }
+}
+
+/// The `kvpool.dev/bootstrap-port` of a pod's annotations (SGLang's and vLLM's default, 8998,
+/// when absent); a value that is not a port from 1 to 65535 is an error naming the annotation.
+fn bootstrap_port(notes: &std::collections::BTreeMap<String, String>) -> Result<u16, String> {
+    match notes.get(BOOTSTRAP_PORT_ANNOTATION) {
+        None => Ok(SGLANG_DEFAULT_BOOTSTRAP_PORT),
+        Some(v) => v.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+            format!("{BOOTSTRAP_PORT_ANNOTATION} {v:?} is not a port from 1 to 65535")
+        }),
     }
 }
 
@@ -273,6 +282,20 @@ mod tests {
             engine_protocol(&sg),
             Ok(Some(RoutingProtocol::Sglang {
                 bootstrap_port: 8998
+            }))
+        );
+        let vm = annotated(
+            "vm",
+            "10.0.0.5",
+            &[
+                (ENGINE_PROTOCOL_ANNOTATION, "vllm-mooncake"),
+                (BOOTSTRAP_PORT_ANNOTATION, "8100"),
+            ],
+        );
+        assert_eq!(
+            engine_protocol(&vm),
+            Ok(Some(RoutingProtocol::VllmMooncake {
+                bootstrap_port: 8100
             }))
         );
         let sg_port = annotated(

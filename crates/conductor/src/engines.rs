@@ -8,6 +8,10 @@ pub enum RoutingProtocol {
     /// vLLM's proxy: prefill first (`max_tokens: 1`, `kv_transfer_params`), then decode with
     /// the `kv_transfer_params` prefill returned.
     Vllm,
+    /// vLLM's `MooncakeConnector` (P2P): prefill then decode, paired by a `transfer_id` the
+    /// conductor makes, decode told the prefill instance's engine id (from its bootstrap server
+    /// on `bootstrap_port`, vLLM's `VLLM_MOONCAKE_BOOTSTRAP_PORT`) and bootstrap address.
+    VllmMooncake { bootstrap_port: u16 },
     /// SGLang's router: the same request to prefill and decode at once, paired by
     /// `bootstrap_host`, `bootstrap_port` (this one, the prefill engines' bootstrap server) and
     /// a random `bootstrap_room`.
@@ -19,9 +23,22 @@ impl RoutingProtocol {
     pub fn name(self) -> &'static str {
         match self {
             RoutingProtocol::Vllm => "vllm",
+            RoutingProtocol::VllmMooncake { .. } => "vllm-mooncake",
             RoutingProtocol::Sglang { .. } => "sglang",
         }
     }
+}
+
+/// `--engine-protocol`: the convention of engines that declare none (their bootstrap port, where
+/// one is needed, is `--bootstrap-port`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ConductorProtocol {
+    /// [`RoutingProtocol::Vllm`].
+    Vllm,
+    /// [`RoutingProtocol::VllmMooncake`].
+    VllmMooncake,
+    /// [`RoutingProtocol::Sglang`].
+    Sglang,
 }
 
 /// The engine instances the conductor routes to, by base URL.
@@ -74,6 +91,8 @@ impl Engines {
         match (p, d) {
             (RoutingProtocol::Vllm, RoutingProtocol::Vllm) => Ok(p),
             // The bootstrap server is the prefill engine's.
+            (RoutingProtocol::VllmMooncake { .. }, RoutingProtocol::VllmMooncake { .. }) => Ok(p),
+            // The bootstrap server is the prefill engine's.
             (RoutingProtocol::Sglang { .. }, RoutingProtocol::Sglang { .. }) => Ok(p),
             _ => Err(format!(
                 "prefill engine {prefill} speaks {} but decode engine {decode} speaks {}: the \
@@ -123,6 +142,27 @@ mod tests {
         assert_eq!(
             engines.pair_protocol("http://p-v", "http://d-v", sg(1)),
             Ok(v)
+        );
+        // vLLM's MooncakeConnector pairs take the prefill engine's bootstrap port too.
+        let vm = |port| RoutingProtocol::VllmMooncake {
+            bootstrap_port: port,
+        };
+        let mut mooncake = engines.clone();
+        mooncake
+            .protocols
+            .insert("http://p-none".to_owned(), vm(8100));
+        mooncake
+            .protocols
+            .insert("http://d-none".to_owned(), vm(8998));
+        assert_eq!(
+            mooncake.pair_protocol("http://p-none", "http://d-none", v),
+            Ok(vm(8100))
+        );
+        assert!(
+            mooncake
+                .pair_protocol("http://p-none", "http://d-v", v)
+                .unwrap_err()
+                .contains("speaks vllm-mooncake but decode engine http://d-v speaks vllm")
         );
         // Undeclared engines take the conductor's default.
         assert_eq!(

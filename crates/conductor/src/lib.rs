@@ -30,7 +30,7 @@ pub use kvpool_proto::stream_tokens;
 pub mod tokenize;
 
 pub use config::{ConductorConfig, DEFAULT_MAX_PROMPTS, KvEventSource, PoolLookup, UpstreamPool};
-pub use engines::{Engines, RoutingProtocol};
+pub use engines::{ConductorProtocol, Engines, RoutingProtocol};
 pub use fetch_estimate::FetchEstimate;
 pub use prefill_costs::{CostStatus, PrefillCosts};
 pub use state::{Refusal, ReplicationTask, State, StateError, Ticket};

@@ -28,13 +28,16 @@ pub const APP_NAME_VALUE: &str = "kvpool";
 pub const MANAGED_BY_VALUE: &str = "kvpool-operator";
 
 /// `kvpool.dev/engine-protocol` on engine pods: the disaggregated-serving convention the
-/// engine speaks (`vllm` or `sglang`); the conductor routes each pair by it. Engine pools of
-/// `kind: custom` carry none and get the conductor's `--engine-protocol`.
+/// engine speaks (`vllm`, `vllm-mooncake` or `sglang`); the conductor routes each pair by it.
+/// Engine pools of `kind: custom` carry none unless their `spec.template` sets it, and get the
+/// conductor's `--engine-protocol`.
 pub const ENGINE_PROTOCOL_ANNOTATION: &str = "kvpool.dev/engine-protocol";
-/// `kvpool.dev/bootstrap-port` on SGLang engine pods: the prefill engine's bootstrap server
-/// port (`--disaggregation-bootstrap-port`), sent to both engines of a pair.
+/// `kvpool.dev/bootstrap-port` on SGLang and vLLM `MooncakeConnector` engine pods: the prefill
+/// engine's bootstrap server port (SGLang's `--disaggregation-bootstrap-port`, vLLM's
+/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`).
 pub const BOOTSTRAP_PORT_ANNOTATION: &str = "kvpool.dev/bootstrap-port";
-/// SGLang's default `--disaggregation-bootstrap-port`.
+/// SGLang's default `--disaggregation-bootstrap-port` (and vLLM's default
+/// `VLLM_MOONCAKE_BOOTSTRAP_PORT`).
 pub const SGLANG_DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
 /// Multus annotation listing the extra networks of a pod.

@@ -162,3 +162,55 @@ def test_vllms_mooncake_connector_moves_kv_over_kvpools_engine(pd: Pd, baseline)
         assert "Mooncake Transfer Engine is using tcp" in log
         assert "peers of this transfer engine are not authenticated" not in log
         assert "Traceback" not in log
+
+
+def test_the_conductor_fronts_vllms_mooncake_connector(pd: Pd, baseline):
+    """`kvpool conductor --engine-protocol vllm-mooncake` in front of the same two engines:
+    OpenAI requests to the conductor only. The conductor asks the prefill instance's bootstrap
+    server for its engine id, pairs the two calls by a transfer id of its own and gives decode
+    the prefill's engine id and bootstrap address; the decode engine pulls the prompt's KV
+    (vLLM's own counters) and the greedy output equals a plain vLLM's."""
+    from conftest import kvpool_bin, metrics, wait_http
+
+    api, admin = free_port(), free_port()
+    bootstrap_port = pd.bootstrap.rpartition(":")[2]
+    cmd = [str(kvpool_bin()), "conductor", "--listen", f"127.0.0.1:{api}",
+           "--admin-listen", f"127.0.0.1:{admin}", "--prefill", pd.prefill,
+           "--decode", pd.decode, "--engine-protocol", "vllm-mooncake",
+           "--bootstrap-port", bootstrap_port, "--block-size", "32"]
+    log = Path(pd.logs["prefill"]).parent / "conductor.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{admin}/readyz", proc, log, timeout=60)
+        before = by_source(pd.decode)
+        n_before = transfer_stats(pd.log("prefill"))[0]
+        prompts = [prefix_of_tokens(711, 420) + " via the conductor",
+                   prefix_of_tokens(712, 260) + " and again"]
+        total = 0
+        for prompt in prompts:
+            out = complete(f"http://127.0.0.1:{api}", prompt, max_tokens=8)
+            plain = complete(baseline, prompt, max_tokens=8)
+            assert token_ids(out) == token_ids(plain), (prompt[:40], log.read_text()[-2000:])
+            assert out["headers"]["x-kvpool-prefill-engine"] == pd.prefill, out["headers"]
+            assert out["headers"]["x-kvpool-decode-engine"] == pd.decode, out["headers"]
+            total += prompt_len(out)
+        after = by_source(pd.decode)
+        loaded = after["external_kv_transfer"] - before["external_kv_transfer"]
+        computed = after["local_compute"] - before["local_compute"]
+        assert loaded >= total - len(prompts), (before, after, total)
+        assert computed <= len(prompts), (before, after, total)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            n, _, failed, failed_recv = transfer_stats(pd.log("prefill"))
+            if n - n_before >= len(prompts):
+                break
+            time.sleep(2)
+        assert n - n_before >= len(prompts), pd.log("prefill")[-3000:]
+        assert failed == 0 and failed_recv == 0
+        m = metrics(f"http://127.0.0.1:{admin}")
+        ok = sum(v for k, v in m.items()
+                 if k.startswith("kvpool_conductor_requests_total") and 'outcome="ok"' in k)
+        assert ok >= len(prompts), m
+    finally:
+        stop(proc)

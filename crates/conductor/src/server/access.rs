@@ -199,6 +199,14 @@ impl Forward {
         &self.headers
     }
 
+    /// These headers with `name` set to `value` (for one engine call of the request).
+    pub fn with_header(&self, name: HeaderName, value: HeaderValue) -> Self {
+        let mut out = self.clone();
+        out.headers.retain(|(n, _)| *n != name);
+        out.headers.push((name, value));
+        out
+    }
+
     /// Echo the request id on the client's `response`.
     pub fn tag(&self, mut response: Response) -> Response {
         if let Ok(v) = HeaderValue::from_str(&self.request_id) {

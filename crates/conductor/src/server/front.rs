@@ -147,6 +147,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
         feeds: Default::default(),
         models: super::models::ServedModels::new(config_models),
         load: Default::default(),
+        bootstraps: Default::default(),
     });
     let load = EngineLoad::new(Arc::downgrade(&shared)).map_err(ServerError::Metrics)?;
     registry

@@ -23,6 +23,7 @@ use super::sglang::route_sglang;
 use super::shared::{Finish, Shared};
 use super::upstream::UpstreamError;
 use super::vllm::route_vllm;
+use super::vllm_mooncake::route_vllm_mooncake;
 use crate::engines::RoutingProtocol;
 use crate::request::ClientRequest;
 use crate::tokenize::PromptTokenizer;
@@ -193,6 +194,18 @@ pub(super) async fn handle(
     match placed.protocol.clone() {
         Ok(RoutingProtocol::Vllm) => {
             route_vllm(shared, placed, finish, original, path, forward).await
+        }
+        Ok(RoutingProtocol::VllmMooncake { bootstrap_port }) => {
+            route_vllm_mooncake(
+                shared,
+                placed,
+                finish,
+                original,
+                path,
+                bootstrap_port,
+                forward,
+            )
+            .await
         }
         Ok(RoutingProtocol::Sglang { bootstrap_port }) => {
             route_sglang(

@@ -2,8 +2,9 @@
 //! two upstream calls. Prefill gets the request with `max_tokens: 1`, `stream: false` and
 //! `kv_transfer_params: {"do_remote_decode": true}`; decode gets the original request plus the
 //! `kv_transfer_params` that prefill returned (vLLM's disaggregated proxy convention), and its
-//! response, streamed or not, goes back to the client unchanged. SGLang's convention sends the
-//! request to both at once, paired by a bootstrap room. The engine set can change while serving
+//! response, streamed or not, goes back to the client unchanged. vLLM's `MooncakeConnector`
+//! pairs the two calls by a `transfer_id` and the prefill instance's bootstrap server instead;
+//! SGLang's convention sends the request to both at once, paired by a bootstrap room. The engine set can change while serving
 //! ([`EngineSet`]); without a prefill and a decode engine, completions answer 503.
 //! I/O boundary: the listener, the HTTP client, the monotonic clock.
 //!
@@ -12,7 +13,7 @@
 //!   `error_bodies`: the OpenAI-style errors the conductor answers itself; `access`: API keys,
 //!   and the request id, trace context and key each engine call carries.
 //! - `handle`: one request, from its body to its placement and the routing convention.
-//! - `vllm` and `sglang`: the two conventions; `engine_calls`: the prefill call and the decode
+//! - `vllm`, `vllm_mooncake` and `sglang`: the three conventions; `engine_calls`: the prefill call and the decode
 //!   relay both use; `upstream`: the HTTP client to the engines and its errors.
 //! - `kv_feed`: the prefill engines' KV event streams (ZMQ SUB, replay on gaps) into the
 //!   index.
@@ -24,6 +25,7 @@
 //!   operator autoscales by (`/v1/kvpool/load`).
 
 mod access;
+mod bootstrap;
 mod engine_calls;
 mod engine_load;
 mod engine_set;
@@ -44,6 +46,7 @@ mod shared;
 mod upstream;
 mod usage_fill;
 mod vllm;
+mod vllm_mooncake;
 
 pub use access::{Access, ApiKeys, KeyFileError, REQUEST_ID_HEADER, read_keys};
 pub use engine_calls::{
@@ -57,4 +60,4 @@ pub use kvpool_runtime::http::{serve, serve_with};
 pub use load::LOAD_WINDOW;
 pub use pool_lookup::POOL_LOOKUP_BACKOFF;
 pub use prefetch::MAX_PREFETCHES_IN_FLIGHT;
-pub use sglang::url_host;
+pub use upstream::url_host;

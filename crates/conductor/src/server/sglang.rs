@@ -14,22 +14,8 @@ use super::engine_calls::{cached_tokens, call_prefill, relay_decode};
 use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
-use super::upstream::engine_url;
+use super::upstream::{engine_url, url_host};
 use kvpool_proto::openai as api;
-
-/// The host part of an `http://host:port` base URL, as SGLang's router puts it in
-/// `bootstrap_host` (IPv6 literals keep their brackets).
-pub fn url_host(url: &str) -> Option<&str> {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let authority = rest.split(['/', '?', '#']).next()?;
-    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
-    let host = if authority.starts_with('[') {
-        authority.split_inclusive(']').next()?
-    } else {
-        authority.split(':').next()?
-    };
-    (!host.is_empty()).then_some(host)
-}
 
 /// SGLang's convention (its router's mini load balancer): the same request, plus
 /// `bootstrap_host`/`bootstrap_port` of the prefill engine and a random 63-bit

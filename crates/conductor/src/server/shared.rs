@@ -35,6 +35,8 @@ pub(super) struct Shared {
     pub(super) models: super::models::ServedModels,
     /// The load signal's windows (`load`).
     pub(super) load: parking_lot::Mutex<super::load::LoadWindows>,
+    /// The prefill engines' bootstrap servers' answers (vLLM's `MooncakeConnector`).
+    pub(super) bootstraps: super::bootstrap::BootstrapCache,
 }
 
 /// The KV event subscriptions running (`kv_feed`), by prefill engine URL, and the token they

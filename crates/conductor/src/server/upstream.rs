@@ -38,11 +38,28 @@ pub(super) enum UpstreamError {
     },
     #[error("{0}")]
     Mismatch(String),
+    /// A prefill engine's bootstrap server (vLLM's `MooncakeConnector`) gave no usable answer.
+    #[error("{0}")]
+    Bootstrap(String),
 }
 
 /// `path` on the engine at base URL `base`.
 pub(super) fn engine_url(base: &str, path: &str) -> String {
     format!("{}{path}", base.trim_end_matches('/'))
+}
+
+/// The host part of an `http://host:port` base URL, as SGLang's router puts it in
+/// `bootstrap_host` (IPv6 literals keep their brackets).
+pub fn url_host(url: &str) -> Option<&str> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    let host = if authority.starts_with('[') {
+        authority.split_inclusive(']').next()?
+    } else {
+        authority.split(':').next()?
+    };
+    (!host.is_empty()).then_some(host)
 }
 
 /// The HTTP client the conductor calls the engines with, and the engines' key (sent on every

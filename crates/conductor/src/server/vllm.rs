@@ -14,6 +14,24 @@ use super::members::Placed;
 use super::shared::{Finish, Shared};
 use super::upstream::engine_url;
 
+/// The prefill form of `original` under vLLM's conventions: one token, one choice, no
+/// streaming, and `kv_params` as its `kv_transfer_params`.
+pub(super) fn one_token_prefill(original: &Value, kv_params: Value) -> Value {
+    let mut req = original.clone();
+    if let Some(obj) = req.as_object_mut() {
+        obj.insert("max_tokens".into(), json!(1));
+        obj.remove("max_completion_tokens");
+        // One choice is enough to compute the prompt's KV, and a floor on the output length
+        // would contradict the one token.
+        obj.insert("n".into(), json!(1));
+        obj.remove("min_tokens");
+        obj.insert("stream".into(), json!(false));
+        obj.remove("stream_options");
+        obj.insert("kv_transfer_params".into(), kv_params);
+    }
+    req
+}
+
 /// vLLM's convention: prefill with one token and `kv_transfer_params: {do_remote_decode}`,
 /// then decode with the original request plus the `kv_transfer_params` prefill returned.
 pub(super) async fn route_vllm(
@@ -25,21 +43,10 @@ pub(super) async fn route_vllm(
     forward: &Forward,
 ) -> Response {
     // Prefill: one token, no streaming, and ask for the KV cache to be kept for decode.
-    let mut prefill_req = original.clone();
-    if let Some(obj) = prefill_req.as_object_mut() {
-        obj.insert("max_tokens".into(), json!(1));
-        obj.remove("max_completion_tokens");
-        // One choice is enough to compute the prompt's KV, and a floor on the output length
-        // would contradict the one token.
-        obj.insert("n".into(), json!(1));
-        obj.remove("min_tokens");
-        obj.insert("stream".into(), json!(false));
-        obj.remove("stream_options");
-        obj.insert(
-            "kv_transfer_params".into(),
-            json!({"do_remote_decode": true, "do_remote_prefill": false}),
-        );
-    }
+    let prefill_req = one_token_prefill(
+        &original,
+        json!({"do_remote_decode": true, "do_remote_prefill": false}),
+    );
     let answer = match call_prefill(&shared, &placed, path, &prefill_req, forward).await {
         Ok(a) => a,
         // Dropping `finish` with the early return releases the bookings.
