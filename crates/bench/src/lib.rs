@@ -1,5 +1,5 @@
 //! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
-//! module here (`transfer`, `sched`, `store`, `master`, `conductor`); the tier benchmark is the
+//! module here (`transfer`, `sched`, `store`, `stress`, `master`, `conductor`); the tier benchmark is the
 //! node agent's own (`kvpool_agent::bench`).
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
@@ -8,6 +8,7 @@ pub mod master;
 pub mod mooncake;
 pub mod sched;
 pub mod store;
+pub mod stress;
 pub mod transfer;
 
 use clap::{Args, Subcommand};
@@ -35,6 +36,10 @@ pub enum BenchCommand {
     DramRestart(kvpool_agent::bench_restart::DramRestartArgs),
     /// The pool end to end on loopback (master, agents, client processes) against Redis.
     Store(Box<store::StoreBenchArgs>),
+    /// The shape of Mooncake's stress benchmark (a writer process's `batch_put_from`, then a
+    /// reader process's `batch_get_into`, and the `_multi_buffers` forms) through kvpool's
+    /// Mooncake API, and (with --vs-mooncake) against Mooncake Store in the same run.
+    Stress(Box<stress::StressBenchArgs>),
     /// The conductor's own cost in front of synthetic SGLang-convention engines: added
     /// latency at one request in flight and maximum request rate, against a direct client
     /// and (with --vs-sglang-router) sglang-router in the same run.
@@ -89,6 +94,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Tier(a) => tier(&a),
         BenchCommand::DramRestart(a) => dram_restart(&a),
         BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
+        BenchCommand::Stress(a) => stress::run(*a).map_err(BenchError::Store),
         BenchCommand::Conductor(a) => conductor::run(*a).map_err(BenchError::Conductor),
         BenchCommand::Master(a) => {
             let runtime = tokio::runtime::Runtime::new().map_err(BenchError::Runtime)?;

@@ -112,9 +112,12 @@ struct Client {
 /// What a call is, for where it runs (see [`Client::block`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Call {
-    /// One operation: on the calling thread when it is the store's only call in flight.
+    /// One operation, or a batch that makes one master call and one transfer batch for all
+    /// of its items (the registered-memory batches): on the calling thread when it is the
+    /// store's only call in flight.
     One,
-    /// A batch: always on the shared runtime, where its items share master calls and lanes.
+    /// A batch of calls made item by item: always on the shared runtime, where its items
+    /// share master calls and lanes.
     Batch,
 }
 
@@ -319,7 +322,7 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         let args = placed(placement);
         let items = items(keys, ptrs, sizes)?;
-        self.block(py, Call::Batch, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             Ok(link.batch_put_from(&items, &args).await)
         })
     }
@@ -333,7 +336,7 @@ impl Client {
         sizes: Vec<u64>,
     ) -> PyResult<Vec<i64>> {
         let items = items(keys, ptrs, sizes)?;
-        self.block(py, Call::Batch, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             Ok(link.batch_get_into(&items).await)
         })
     }
@@ -351,7 +354,7 @@ impl Client {
     ) -> PyResult<Vec<i64>> {
         let args = placed(placement);
         let items = parts(keys, all_ptrs, all_sizes)?;
-        self.block(py, Call::Batch, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             Ok(link.batch_put_parts(&items, &args).await)
         })
     }
@@ -366,7 +369,7 @@ impl Client {
         all_sizes: Vec<Vec<u64>>,
     ) -> PyResult<Vec<i64>> {
         let items = parts(keys, all_ptrs, all_sizes)?;
-        self.block(py, Call::Batch, move |link| async move {
+        self.block(py, Call::One, move |link| async move {
             Ok(link.batch_get_parts(&items).await)
         })
     }

@@ -1,7 +1,9 @@
 //! The store's calls, as async functions over a live connection: puts and gets of caller
-//! bytes and of registered memory, batches of them (run concurrently; the master client
-//! coalesces their master calls), existence, sizes and removal. I/O boundary: the pool
-//! client's master and transfer calls.
+//! bytes and of registered memory, batches of them (registered memory, one or several ranges
+//! per value: one master call and one transfer batch per batch, see `PoolClient::
+//! put_many_from`; caller bytes: run concurrently, the master client coalescing their master
+//! calls), existence, sizes and removal. I/O boundary: the pool client's master and transfer
+//! calls.
 
 use std::time::Duration;
 
@@ -9,6 +11,9 @@ use futures::future::join_all;
 
 use kvpool_core::master::types::PutOptions;
 
+use kvpool_client::pool::BatchItem;
+
+use crate::buffers::Span;
 use crate::client::Live;
 use crate::errors::{Failure, Kind};
 
@@ -122,112 +127,150 @@ pub fn code_of(r: Result<u64, Failure>) -> i64 {
     }
 }
 
-/// Puts of registered memory, concurrently: one code per item (0 or negative).
+/// Puts of registered memory in one batch (one master call allocates them, one transfer
+/// batch writes them, one master call commits them; see `PoolClient::put_many_from`): one
+/// code per item (0 or negative).
 pub async fn batch_put_from(
     live: &Live,
     items: &[(Vec<u8>, usize, u64)],
     args: &PutArgs,
 ) -> Vec<i64> {
-    let calls = items.iter().map(|(key, ptr, len)| async move {
-        if *len == 0 {
-            return code_of(Err(Failure::invalid("the value is empty")));
+    let mut codes: Vec<Option<i64>> = vec![None; items.len()];
+    let mut spans = Vec::with_capacity(items.len());
+    {
+        let buffers = live.buffers.lock();
+        for (i, (key, ptr, len)) in items.iter().enumerate() {
+            let span = if *len == 0 {
+                Err(Failure::invalid("the value is empty"))
+            } else {
+                check_key(key).and_then(|()| buffers.span(*ptr, *len))
+            };
+            match span {
+                Ok(s) => spans.push((i, s)),
+                Err(f) => codes[i] = Some(code_of(Err(f))),
+            }
         }
-        code_of(put_from(live, key, *ptr, *len, args).await.map(|()| 0))
-    });
-    join_all(calls).await
+    }
+    let batch: Vec<_> = spans
+        .iter()
+        .map(|(i, s)| BatchItem::one(&items[*i].0, &s.local, s.offset, s.len))
+        .collect();
+    let done = live.pool.put_many_from(&batch, &args.options()).await;
+    for ((i, _), r) in spans.iter().zip(done) {
+        codes[*i] = Some(code_of(committed(r).map(|()| 0)));
+    }
+    codes.into_iter().map(|c| c.unwrap_or(-1)).collect()
 }
 
-/// Gets into registered memory, concurrently: per item the length read or a negative code.
+/// Gets into registered memory in one batch (one master call locates them, one transfer
+/// batch reads them; see `PoolClient::get_many_to`): per item the length read or a negative
+/// code.
 pub async fn batch_get_into(live: &Live, items: &[(Vec<u8>, usize, u64)]) -> Vec<i64> {
-    let calls = items
+    let mut codes: Vec<Option<i64>> = vec![None; items.len()];
+    let mut spans = Vec::with_capacity(items.len());
+    {
+        let buffers = live.buffers.lock();
+        for (i, (_, ptr, len)) in items.iter().enumerate() {
+            match buffers.span(*ptr, *len) {
+                Ok(s) => spans.push((i, s)),
+                Err(f) => codes[i] = Some(code_of(Err(f))),
+            }
+        }
+    }
+    let batch: Vec<_> = spans
         .iter()
-        .map(|(key, ptr, len)| async move { code_of(get_into(live, key, *ptr, *len).await) });
-    join_all(calls).await
+        .map(|(i, s)| BatchItem::one(&items[*i].0, &s.local, s.offset, s.len))
+        .collect();
+    let done = live.pool.get_many_to(&batch).await;
+    for ((i, _), r) in spans.iter().zip(done) {
+        codes[*i] = Some(code_of(r.map_err(Failure::from)));
+    }
+    codes.into_iter().map(|c| c.unwrap_or(-1)).collect()
 }
 
-/// Store the concatenation of several registered ranges under `key`. One range goes
-/// straight from the caller's memory; several are gathered into one staging copy first.
-pub async fn put_parts(
-    live: &Live,
-    key: &[u8],
-    parts: &[(usize, u64)],
-    args: &PutArgs,
-) -> Result<(), Failure> {
-    if parts.is_empty() || parts.iter().any(|(_, len)| *len == 0) {
-        return Err(Failure::invalid(
-            "a value in registered ranges needs ranges of 1 byte or more",
-        ));
-    }
-    if let [(ptr, len)] = parts {
-        return put_from(live, key, *ptr, *len, args).await;
-    }
-    let spans = live.buffers.lock().spans(parts)?;
-    let total: u64 = spans.iter().map(|s| s.len).sum();
-    let mut value = vec![0u8; usize::try_from(total).map_err(|_| too_large(total))?];
-    let mut at = 0usize;
-    for s in &spans {
-        let n = s.len as usize;
-        s.local
-            .segment()
-            .read_at(s.offset, &mut value[at..at + n])
-            .map_err(|e| Failure::invalid(format!("reading a registered range: {e}")))?;
-        at += n;
-    }
-    put(live, key, &value, args).await
+/// The registered ranges of each key's value, checked (a put's key and ranges must not be
+/// empty): per key its spans, or the code it fails with.
+fn parts_spans(live: &Live, items: &PartsItems, put: bool) -> Vec<Result<Vec<Span>, i64>> {
+    let buffers = live.buffers.lock();
+    items
+        .iter()
+        .map(|(key, parts)| {
+            if put {
+                check_key(key).map_err(|f| f.code())?;
+            }
+            if put && (parts.is_empty() || parts.iter().any(|(_, len)| *len == 0)) {
+                return Err(Failure::invalid(
+                    "a value in registered ranges needs ranges of 1 byte or more",
+                )
+                .code());
+            }
+            buffers.spans(parts).map_err(|f| f.code())
+        })
+        .collect()
 }
 
-/// Read the value of `key` across several registered ranges, in order; its length. One range
-/// is read into directly; several through one staging copy.
-pub async fn get_parts(live: &Live, key: &[u8], parts: &[(usize, u64)]) -> Result<u64, Failure> {
-    let spans = live.buffers.lock().spans(parts)?;
-    let room: u64 = spans.iter().map(|s| s.len).sum();
-    // One lookup and one read; the ranges are written only once the size is known to match.
-    let value = get(live, key).await?;
-    let size = value.len() as u64;
-    // As Mooncake's: the ranges must add up to the value exactly; the memory is untouched
-    // otherwise.
-    if size > room {
-        return Err(Failure::new(
-            Kind::BufferTooSmall,
-            format!("a value of {size} bytes does not fit the {room} bytes of the ranges"),
-        ));
-    }
-    if size < room {
-        return Err(Failure::new(
-            Kind::TransferFailed,
-            format!("the ranges hold {room} bytes, the value {size}: they must match"),
-        ));
-    }
-    let mut rest = value.as_slice();
-    for s in &spans {
-        let n = s.len as usize;
-        s.local
-            .segment()
-            .write_at(s.offset, &rest[..n])
-            .map_err(|e| Failure::invalid(format!("writing a registered range: {e}")))?;
-        rest = &rest[n..];
-    }
-    Ok(value.len() as u64)
+fn parts_batch<'a>(
+    items: &'a PartsItems,
+    spans: &'a [Result<Vec<Span>, i64>],
+) -> Vec<BatchItem<'a>> {
+    items
+        .iter()
+        .zip(spans)
+        .filter_map(|((key, _), s)| {
+            let s = s.as_ref().ok()?;
+            Some(BatchItem {
+                key,
+                ranges: s.iter().map(|s| (&s.local, s.offset, s.len)).collect(),
+            })
+        })
+        .collect()
 }
 
-fn too_large(total: u64) -> Failure {
-    Failure::invalid(format!("{total} bytes do not fit in memory"))
-}
-
-/// [`put_parts`] of several keys, concurrently: one code per key.
+/// Puts of values spread over registered ranges, in one batch (see [`batch_put_from`]); the
+/// ranges go straight from the caller's memory, no copy: one code per key.
 pub async fn batch_put_parts(live: &Live, items: &PartsItems, args: &PutArgs) -> Vec<i64> {
-    let calls = items.iter().map(|(key, parts)| async move {
-        code_of(put_parts(live, key, parts, args).await.map(|()| 0))
-    });
-    join_all(calls).await
+    let spans = parts_spans(live, items, true);
+    let batch = parts_batch(items, &spans);
+    let mut done = live
+        .pool
+        .put_many_from(&batch, &args.options())
+        .await
+        .into_iter();
+    spans
+        .iter()
+        .map(|s| match s {
+            Err(code) => *code,
+            Ok(_) => code_of(committed(done.next().unwrap_or(Ok(()))).map(|()| 0)),
+        })
+        .collect()
 }
 
-/// [`get_parts`] of several keys, concurrently: per key the length read or a negative code.
+/// Gets of values into registered ranges, in one batch (see [`batch_get_into`]); straight
+/// into the caller's memory: per key the length read or a negative code. As Mooncake's, the
+/// ranges must add up to the value exactly (the memory is untouched otherwise).
 pub async fn batch_get_parts(live: &Live, items: &PartsItems) -> Vec<i64> {
-    let calls = items
+    let spans = parts_spans(live, items, false);
+    let batch = parts_batch(items, &spans);
+    let mut done = live.pool.get_many_to(&batch).await.into_iter();
+    spans
         .iter()
-        .map(|(key, parts)| async move { code_of(get_parts(live, key, parts).await) });
-    join_all(calls).await
+        .map(|s| match s {
+            Err(code) => *code,
+            Ok(_) => code_of(done.next().unwrap_or(Ok(0)).map_err(parts_failure)),
+        })
+        .collect()
+}
+
+/// A failed get into several ranges: a value smaller than the ranges is Mooncake's transfer
+/// failure.
+fn parts_failure(e: kvpool_client::pool::DataError) -> Failure {
+    match e {
+        kvpool_client::pool::DataError::SizeMismatch { got, want } => Failure::new(
+            Kind::TransferFailed,
+            format!("the ranges hold {want} bytes, the value {got}: they must match"),
+        ),
+        other => Failure::from(other),
+    }
 }
 
 /// Puts of several values, concurrently.

@@ -8,11 +8,11 @@
 //! I/O boundary: child processes, their pipes and log files, loopback sockets, stdout.
 
 mod plan;
-mod procs;
+pub(crate) mod procs;
 mod redis;
 mod report;
 mod values;
-mod vs_mooncake;
+pub(crate) mod vs_mooncake;
 mod worker;
 
 use std::net::SocketAddr;

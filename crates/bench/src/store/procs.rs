@@ -51,7 +51,7 @@ impl WorkerProc {
     }
 }
 
-pub(super) fn start_master(
+pub(crate) fn start_master(
     exe: &Path,
     dir: &Path,
     key_file: &Path,
@@ -83,7 +83,7 @@ fn host_memory_kb() -> Result<(u64, u64), StoreBenchError> {
 
 /// A machine description for the agents: one NUMA node with every online CPU and this host's
 /// memory, free = MemAvailable. Returns the (sysfs, procfs) roots.
-pub(super) fn write_topology(dir: &Path) -> Result<(PathBuf, PathBuf), StoreBenchError> {
+pub(crate) fn write_topology(dir: &Path) -> Result<(PathBuf, PathBuf), StoreBenchError> {
     let (total, available) = host_memory_kb()?;
     let cpus =
         std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_else(|_| "0\n".into());
@@ -122,7 +122,7 @@ pub(super) fn write_topology(dir: &Path) -> Result<(PathBuf, PathBuf), StoreBenc
 }
 
 /// Agent `i` (`bench-agent-<i>`) with `capacity` bytes of DRAM in the pool behind `master`.
-pub(super) fn start_agent(
+pub(crate) fn start_agent(
     exe: &Path,
     dir: &Path,
     i: usize,
@@ -194,7 +194,7 @@ pub(super) fn start_worker(
 }
 
 /// Waits until `want` agents are alive and mounted at the master, while every process runs.
-pub(super) async fn wait_for_agents(
+pub(crate) async fn wait_for_agents(
     client: &MasterClient,
     agents: &mut [AgentProcess],
     master: &mut MasterProcess,

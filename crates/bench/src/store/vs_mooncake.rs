@@ -13,7 +13,7 @@ use super::{StoreBenchArgs, StoreBenchError};
 use crate::mooncake::{self, Mooncake};
 
 /// The driver, run with the venv's Python.
-const SCRIPT: &str = include_str!("mooncake_store.py");
+pub(crate) const SCRIPT: &str = include_str!("mooncake_store.py");
 
 /// One phase of one value size on Mooncake's side.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

@@ -5,7 +5,7 @@
 //! pure.
 //!
 //! - `put`, `get`: the two paths for plain values; `striped`: values cut into parts, and
-//!   removal.
+//!   removal; `batch`: many zero-copy puts or gets in one master call and one transfer batch.
 //! - `transport`: opening a replica's segment and one transfer to or from it; `local`:
 //!   replicas in this process, reached by memory copy; `staging`: registered buffers.
 //! - `manifest`: the on-pool format of striped objects; `naming`: transfer names and
@@ -17,6 +17,7 @@ use std::sync::atomic::AtomicU64;
 use crate::master::MasterClient;
 use kvpool_transfer::TransferEngine;
 
+mod batch;
 mod error;
 mod get;
 mod local;
@@ -28,6 +29,7 @@ mod striped;
 mod transfer_tls;
 mod transport;
 
+pub use batch::BatchItem;
 pub use error::DataError;
 pub use local::LocalSegments;
 pub use manifest::{MANIFEST_LEN, Manifest, StripeConfig, stripe_part_key};

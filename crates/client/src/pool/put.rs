@@ -113,7 +113,7 @@ impl PoolClient {
     /// The manifest of a value of `size` bytes when it is striped (see [`StripeConfig`]).
     ///
     /// [`StripeConfig`]: super::StripeConfig
-    fn striped_as(&self, size: u64) -> Option<Manifest> {
+    pub(super) fn striped_as(&self, size: u64) -> Option<Manifest> {
         if size > self.stripe.threshold && self.stripe.part_size < size {
             Manifest::new(size, self.stripe.part_size)
         } else {

@@ -1,0 +1,415 @@
+//! Batches of zero-copy puts and gets (Mooncake's `batch_put_from` / `batch_get_into`): one
+//! master call locates (or allocates) every key, one transfer batch moves every value (the
+//! engine spreads it over the peers' lanes), and one master call commits the puts. Whatever
+//! the one-batch path cannot take (a value that is or may be a striped object, a replica in
+//! this process, a transfer that failed) goes through the single-item path, which keeps its
+//! own fallbacks (other replicas, placing a put again without an unreachable node). Same
+//! semantics as that path item by item: read leases checked after the read and released in
+//! the background, a failed write revoked. I/O boundary: the master's gRPC channel (or a
+//! fork's fast lane) and the transfer engine's connections.
+
+use futures::future::join_all;
+use kvpool_core::master::types::{PutOptions, PutStarted, ReplicaInfo};
+use kvpool_proto::master::MAX_BATCH;
+use kvpool_transfer::{self as transfer, BatchFailed, TransferOp, TransferRequest};
+
+use super::PoolClient;
+use super::error::DataError;
+use super::manifest::MANIFEST_LEN;
+use super::naming::replica_names;
+use super::transport::check_length;
+use crate::master::{Located, pick_nearest};
+
+/// One item of a batch: a key and the registered ranges its value spans, in order (buffer,
+/// offset in it, bytes). A put stores the ranges' concatenation. A get of one range reads a
+/// value of at most that many bytes into it; of several, the value must fill them exactly
+/// (a larger value fails with [`DataError::BufferTooSmall`], a smaller one with
+/// [`DataError::SizeMismatch`], before any byte moves).
+#[derive(Clone, Debug)]
+pub struct BatchItem<'a> {
+    pub key: &'a [u8],
+    pub ranges: Vec<(&'a transfer::LocalSegment, u64, u64)>,
+}
+
+impl<'a> BatchItem<'a> {
+    /// An item of one range.
+    pub fn one(key: &'a [u8], buffer: &'a transfer::LocalSegment, offset: u64, len: u64) -> Self {
+        BatchItem {
+            key,
+            ranges: vec![(buffer, offset, len)],
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.ranges.iter().map(|r| r.2).sum()
+    }
+
+    /// Room for a value read into the ranges (one range: its bytes inside the buffer).
+    fn room(&self) -> u64 {
+        match self.ranges.as_slice() {
+            [(buf, offset, len)] => (*len).min(buf.len().saturating_sub(*offset)),
+            _ => self.total(),
+        }
+    }
+
+    /// Whether a value of `size` bytes may be read into the ranges.
+    fn fits(&self, size: u64) -> Result<(), DataError> {
+        let room = self.room();
+        if size > room {
+            return Err(DataError::BufferTooSmall { size, have: room });
+        }
+        if self.ranges.len() > 1 && size < room {
+            return Err(DataError::SizeMismatch {
+                got: size,
+                want: room,
+            });
+        }
+        Ok(())
+    }
+
+    /// One request per range, between the ranges and replica `r` (which holds the value of
+    /// `size` bytes from its offset on).
+    fn requests(
+        &self,
+        client: &PoolClient,
+        op: TransferOp,
+        r: &ReplicaInfo,
+        size: u64,
+    ) -> Result<Vec<TransferRequest>, DataError> {
+        check_length(r, size)?;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(self.ranges.len());
+        for &(buf, offset, len) in self.ranges.iter().filter(|r| r.2 > 0) {
+            let len = if self.ranges.len() == 1 { size } else { len };
+            let mut q = client.request(op, buf, offset, r, len)?;
+            q.remote_offset += at;
+            at += len;
+            out.push(q);
+        }
+        Ok(out)
+    }
+}
+
+/// What became of an item after the one-batch step.
+enum Step<T> {
+    Done(Result<T, DataError>),
+    /// Through the single-item path.
+    Alone,
+}
+
+fn transfer_error(name: &str, failed: &BatchFailed) -> DataError {
+    DataError::Transfer {
+        name: name.to_owned(),
+        source: failed.clone(),
+    }
+}
+
+impl PoolClient {
+    /// Read the value of each key into its ranges (one range: see [`Self::get_to_within`]):
+    /// per item the value's length or why it failed.
+    pub async fn get_many_to(&self, items: &[BatchItem<'_>]) -> Vec<Result<u64, DataError>> {
+        let mut out = Vec::with_capacity(items.len());
+        for chunk in items.chunks(MAX_BATCH) {
+            out.extend(self.get_chunk(chunk).await);
+        }
+        out
+    }
+
+    async fn get_chunk(&self, items: &[BatchItem<'_>]) -> Vec<Result<u64, DataError>> {
+        let keys: Vec<&[u8]> = items.iter().map(|i| i.key).collect();
+        let located = match self.master.get_batch(&keys).await {
+            Ok(l) => l,
+            // The master call itself failed: each item on its own (with its own retries).
+            Err(_) => {
+                let steps = items.iter().map(|_| Step::Alone).collect();
+                return self.get_alone(items, steps).await;
+            }
+        };
+        let mut steps = Vec::with_capacity(items.len());
+        let mut leases: Vec<Option<Located>> = Vec::with_capacity(items.len());
+        let mut requests = Vec::new();
+        // Per item read in the batch: its index and the replica's name.
+        let mut moved: Vec<(usize, String)> = Vec::new();
+        for (item, l) in items.iter().zip(located) {
+            let l = match l {
+                Ok(l) => l,
+                Err(e) => {
+                    steps.push(Step::Done(Err(DataError::Master(e))));
+                    leases.push(None);
+                    continue;
+                }
+            };
+            let step = match self.read_requests(item, &l) {
+                Ok(Some((reqs, name))) => {
+                    moved.push((steps.len(), name));
+                    requests.extend(reqs);
+                    Step::Done(Ok(l.size))
+                }
+                Ok(None) => Step::Alone,
+                Err(e) => Step::Done(Err(e)),
+            };
+            steps.push(step);
+            leases.push(Some(l));
+        }
+        if !requests.is_empty() {
+            let this = self.clone();
+            let read = self
+                .blocking(move || Ok(this.engine.transfer(requests)))
+                .await;
+            match read {
+                Ok(Ok(())) => {}
+                // Every request settled: the single-item path reads them again (and tries
+                // the other replicas).
+                Ok(Err(failed)) if failed.index.is_some() => {
+                    for (i, _) in &moved {
+                        steps[*i] = Step::Alone;
+                    }
+                }
+                // Abandoned unsettled: bytes may still land in the callers' buffers, which
+                // must not be reused for another read.
+                Ok(Err(failed)) => {
+                    for (i, name) in &moved {
+                        steps[*i] = Step::Done(Err(transfer_error(name, &failed)));
+                    }
+                }
+                Err(e) => {
+                    let text = e.to_string();
+                    for (i, _) in &moved {
+                        steps[*i] = Step::Done(Err(DataError::Join(text.clone())));
+                    }
+                }
+            }
+        }
+        for (step, lease) in steps.iter_mut().zip(&leases) {
+            let Some(l) = lease else { continue };
+            self.master.release_lease_later(l.lease_id);
+            if matches!(step, Step::Done(Ok(_))) && !l.lease_held() {
+                *step = Step::Done(Err(DataError::LeaseExpired { ttl: l.lease_ttl }));
+            }
+        }
+        self.get_alone(items, steps).await
+    }
+
+    /// The READs of a located value into the item's ranges, and the replica's name; `None`
+    /// when the value goes through the single-item path (it may be a striped object's
+    /// manifest, or its nearest replica lives in this process).
+    fn read_requests(
+        &self,
+        item: &BatchItem<'_>,
+        l: &Located,
+    ) -> Result<Option<(Vec<TransferRequest>, String)>, DataError> {
+        item.fits(l.size)?;
+        let Some(r) = pick_nearest(&l.replicas, &self.node, self.numa_node) else {
+            return Err(DataError::NoReplica);
+        };
+        if l.size == MANIFEST_LEN as u64 || self.local_segment(r).is_some() {
+            return Ok(None);
+        }
+        let reqs = item.requests(self, TransferOp::Read, r, l.size)?;
+        let name = reqs
+            .first()
+            .map(|q| q.remote.name().to_owned())
+            .unwrap_or_default();
+        Ok(Some((reqs, name)))
+    }
+
+    /// Finish the items left [`Step::Alone`] one by one, concurrently.
+    async fn get_alone(
+        &self,
+        items: &[BatchItem<'_>],
+        steps: Vec<Step<u64>>,
+    ) -> Vec<Result<u64, DataError>> {
+        join_all(items.iter().zip(steps).map(|(item, s)| async move {
+            match s {
+                Step::Done(r) => r,
+                Step::Alone => self.get_one(item).await,
+            }
+        }))
+        .await
+    }
+
+    /// One item through the single-item path: one range straight into it, several through
+    /// one copy of the value.
+    async fn get_one(&self, item: &BatchItem<'_>) -> Result<u64, DataError> {
+        if let [(buf, offset, len)] = item.ranges.as_slice() {
+            return self.get_to_within(item.key, buf, *offset, *len).await;
+        }
+        let value = self.get(item.key).await?;
+        let size = value.len() as u64;
+        item.fits(size)?;
+        let mut rest = value.as_slice();
+        for &(buf, offset, len) in &item.ranges {
+            let (head, tail) = rest.split_at(len as usize);
+            buf.segment()
+                .write_at(offset, head)
+                .map_err(|source| DataError::Staging { size, source })?;
+            rest = tail;
+        }
+        Ok(size)
+    }
+
+    /// Store each item's bytes (one range: see [`Self::put_from`]); per item `Ok` or why it
+    /// failed.
+    pub async fn put_many_from(
+        &self,
+        items: &[BatchItem<'_>],
+        opts: &PutOptions,
+    ) -> Vec<Result<(), DataError>> {
+        let mut out = Vec::with_capacity(items.len());
+        for chunk in items.chunks(MAX_BATCH) {
+            out.extend(self.put_chunk(chunk, opts).await);
+        }
+        out
+    }
+
+    async fn put_chunk(
+        &self,
+        items: &[BatchItem<'_>],
+        opts: &PutOptions,
+    ) -> Vec<Result<(), DataError>> {
+        let mut steps: Vec<Step<()>> = Vec::with_capacity(items.len());
+        let mut batched = Vec::new();
+        for item in items {
+            let checked = item.ranges.iter().try_for_each(|&(buf, offset, len)| {
+                buf.segment()
+                    .check_range(offset, len)
+                    .map_err(|source| DataError::Staging { size: len, source })
+            });
+            let step = match checked {
+                Err(e) => Step::Done(Err(e)),
+                Ok(()) if self.striped_as(item.total()).is_some() => Step::Alone,
+                Ok(()) => {
+                    batched.push(steps.len());
+                    Step::Alone
+                }
+            };
+            steps.push(step);
+        }
+        if !batched.is_empty() {
+            self.put_batched(items, &batched, &mut steps, opts).await;
+        }
+        join_all(items.iter().zip(steps).map(|(item, s)| async move {
+            match s {
+                Step::Done(r) => r,
+                Step::Alone => self.put_one(item, opts).await,
+            }
+        }))
+        .await
+    }
+
+    /// One item through the single-item path: one range straight from it, several through
+    /// one copy of the value.
+    async fn put_one(&self, item: &BatchItem<'_>, opts: &PutOptions) -> Result<(), DataError> {
+        if let [(buf, offset, len)] = item.ranges.as_slice() {
+            return self
+                .put_from(item.key, buf, *offset, *len, opts)
+                .await
+                .map(drop);
+        }
+        let total = item.total();
+        let mut value = vec![0u8; usize::try_from(total).unwrap_or(usize::MAX)];
+        let mut at = 0usize;
+        for &(buf, offset, len) in &item.ranges {
+            let n = len as usize;
+            buf.segment()
+                .read_at(offset, &mut value[at..at + n])
+                .map_err(|source| DataError::Staging {
+                    size: total,
+                    source,
+                })?;
+            at += n;
+        }
+        self.put(item.key, &value, opts).await.map(drop)
+    }
+
+    /// The one-batch step of a put: allocate every item of `which` in one master call, write
+    /// them in one transfer batch, commit them in one master call. Items it cannot finish are
+    /// left [`Step::Alone`] (revoked first when allocated).
+    async fn put_batched(
+        &self,
+        items: &[BatchItem<'_>],
+        which: &[usize],
+        steps: &mut [Step<()>],
+        opts: &PutOptions,
+    ) {
+        let starts: Vec<(&[u8], u64)> = which
+            .iter()
+            .map(|&i| (items[i].key, items[i].total()))
+            .collect();
+        let Ok(started) = self.master.put_start_batch(&starts, opts).await else {
+            return; // each item on its own, with its own retries
+        };
+        let mut requests = Vec::new();
+        let mut targets: Vec<ReplicaInfo> = Vec::new();
+        // Puts whose bytes go in the batch: item index and put id.
+        let mut sent: Vec<(usize, u64)> = Vec::new();
+        for (&i, s) in which.iter().zip(started) {
+            let (put_id, replicas) = match s {
+                Ok(PutStarted::AlreadyCommitted { .. }) => {
+                    steps[i] = Step::Done(Ok(()));
+                    continue;
+                }
+                Ok(PutStarted::Allocated { put_id, replicas }) => (put_id, replicas),
+                Err(e) => {
+                    steps[i] = Step::Done(Err(DataError::Master(e)));
+                    continue;
+                }
+            };
+            let item = &items[i];
+            let reqs: Result<Vec<_>, _> = replicas
+                .iter()
+                .map(|r| match self.local_segment(r) {
+                    // A replica in this process: the single-item path copies it in place.
+                    Some(_) => Err(DataError::NoReplica),
+                    None => item.requests(self, TransferOp::Write, r, item.total()),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(|v| v.into_iter().flatten().collect());
+            match reqs {
+                Ok(reqs) => {
+                    requests.extend(reqs);
+                    targets.extend(replicas);
+                    sent.push((i, put_id));
+                }
+                // Nothing sent: revoked at once, and left to the single-item path.
+                Err(_) => self.revoke_unsent(&[(item.key, put_id)]).await,
+            }
+        }
+        if requests.is_empty() {
+            return;
+        }
+        let this = self.clone();
+        let written = self
+            .blocking(move || Ok(this.engine.transfer(requests)))
+            .await;
+        if !matches!(written, Ok(Ok(()))) {
+            if let Ok(Err(failed)) = &written {
+                tracing::debug!(name = %replica_names(targets.iter()), error = %failed,
+                    "a batch of puts failed; each goes alone");
+            }
+            // Bytes may have been (partly) sent: revoke, and put each on its own (which
+            // places it again without a node that could not be reached).
+            for &(i, put_id) in &sent {
+                if let Err(e) = self.master.put_revoke(items[i].key, put_id).await {
+                    tracing::warn!(error = %e, "revoking a failed batched put failed");
+                }
+            }
+            return;
+        }
+        let ends: Vec<(&[u8], u64)> = sent.iter().map(|&(i, id)| (items[i].key, id)).collect();
+        match self.master.put_end_batch(&ends).await {
+            Ok(results) => {
+                for (&(i, _), r) in sent.iter().zip(results) {
+                    steps[i] = Step::Done(r.map_err(DataError::Master));
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "committing a batch of puts failed; one by one");
+                for &(i, put_id) in &sent {
+                    let r = self.master.put_end(items[i].key, put_id).await;
+                    steps[i] = Step::Done(r.map_err(DataError::Master));
+                }
+            }
+        }
+    }
+}
