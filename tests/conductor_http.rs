@@ -425,6 +425,7 @@ fn lookup(master: &kvpool_master::cmd::RunningMaster) -> PoolLookup {
         client,
         timeout,
         keys: kvpool_core::sched::PoolKeys::Synthetic,
+        share: None,
     }
 }
 
@@ -513,6 +514,7 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
         client,
         timeout: std::time::Duration::from_millis(200),
         keys: kvpool_core::sched::PoolKeys::Synthetic,
+        share: None,
     };
     let c = cluster_full(Rejection::None, 30.0, None, 0, Some(pool), None).await;
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);

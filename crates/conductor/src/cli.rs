@@ -10,9 +10,7 @@ use super::PoolLookup;
 use super::discovery::{self, DiscoveryConfig, DiscoveryError};
 use super::server::{self, ServerError};
 use super::tokenize::PromptTokenizer;
-use super::{
-    ConductorConfig, ConductorProtocol, Engines, KvEventSource, RoutingProtocol, UpstreamPool,
-};
+use super::{ConductorConfig, ConductorProtocol, Engines, KvEventSource, UpstreamPool};
 use kvpool_client::master::{ClientConfig, MasterClient};
 use kvpool_core::flags::{Bandwidth, FlagError, parse_bandwidth, parse_duration, positive};
 use kvpool_core::sched::{
@@ -126,6 +124,12 @@ pub struct ConductorArgs {
     /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
     #[arg(long, default_value = "100ms", value_parser = kvpool_core::flags::parse_duration)]
     pub pool_lookup_timeout: std::time::Duration,
+    /// With --master: how often this replica shares its bookings with the other conductor
+    /// replicas through the master (docs/adr/0010-conductor-replicas-share-bookings.md); `0s`:
+    /// book alone.
+    #[arg(long, default_value = "25ms", value_parser = kvpool_core::flags::parse_duration,
+        env = "KVPOOL_SHARE_LOAD_PERIOD")]
+    pub share_load_period: std::time::Duration,
     /// TLS to the master (`--master-ca-file` and the like).
     #[command(flatten)]
     pub master_tls: kvpool_client::master::MasterTlsArgs,
@@ -389,15 +393,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             },
         },
         pool: pool_lookup(args)?,
-        protocol: match args.engine_protocol {
-            ConductorProtocol::Vllm => RoutingProtocol::Vllm,
-            ConductorProtocol::VllmMooncake => RoutingProtocol::VllmMooncake {
-                bootstrap_port: args.bootstrap_port,
-            },
-            ConductorProtocol::Sglang => RoutingProtocol::Sglang {
-                bootstrap_port: args.bootstrap_port,
-            },
-        },
+        protocol: args.engine_protocol.routing(args.bootstrap_port),
         time_scale: positive("time-scale", args.time_scale)?,
         hashing: args.block_hash.hashing(&args.hash_seed),
         kv_events: kv_events(args)?,
@@ -509,6 +505,8 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
             args.block_hash,
             crate::model_flags::model_dir(&args.model_files, &args.keys),
         )?,
+        share: (!args.share_load_period.is_zero())
+            .then(|| crate::config::ShareLoad::every(args.share_load_period)),
     }))
 }
 
@@ -565,6 +563,7 @@ pub fn run(args: &ConductorArgs) -> Result<(), ConductorError> {
     };
     let serve = |conductor: server::Conductor, listener, wired: Wired| async move {
         conductor.engines.follow_kv_events(&wired.shutdown);
+        conductor.engines.share_load(&wired.shutdown);
         if let Some(discovery) = discovery {
             let client = discovery::client()
                 .await

@@ -140,6 +140,29 @@ pub struct PoolLookup {
     pub timeout: std::time::Duration,
     /// The names the engines store blocks under (docs/engine-contract.md, "Pool keys").
     pub keys: kvpool_core::sched::PoolKeys,
+    /// How this replica shares its bookings with the other conductor replicas through the
+    /// master (`ShareLoad`); `None`: it books alone.
+    pub share: Option<ShareLoad>,
+}
+
+/// How often a conductor replica reports its bookings to the master (and learns the other
+/// replicas'), and how long a report counts (docs/adr/0010-conductor-replicas-share-bookings.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShareLoad {
+    pub period: std::time::Duration,
+    pub ttl: std::time::Duration,
+}
+
+impl ShareLoad {
+    /// Reports every `period`; each counts for 20 periods but at least a second, so that a
+    /// late report or two never makes a live replica's bookings vanish, and a replica that
+    /// died stops counting soon.
+    pub fn every(period: std::time::Duration) -> Self {
+        ShareLoad {
+            period,
+            ttl: (period * 20).max(std::time::Duration::from_secs(1)),
+        }
+    }
 }
 
 impl ConductorConfig {

@@ -41,6 +41,17 @@ pub enum ConductorProtocol {
     Sglang,
 }
 
+impl ConductorProtocol {
+    /// The convention, with `bootstrap_port` where it needs one.
+    pub fn routing(self, bootstrap_port: u16) -> RoutingProtocol {
+        match self {
+            ConductorProtocol::Vllm => RoutingProtocol::Vllm,
+            ConductorProtocol::VllmMooncake => RoutingProtocol::VllmMooncake { bootstrap_port },
+            ConductorProtocol::Sglang => RoutingProtocol::Sglang { bootstrap_port },
+        }
+    }
+}
+
 /// The engine instances the conductor routes to, by base URL.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Engines {

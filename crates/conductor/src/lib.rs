@@ -21,6 +21,7 @@ mod fetch_estimate;
 pub mod kv_events;
 pub mod model_config;
 pub mod model_flags;
+mod peer_load;
 pub mod pool_flags;
 mod prefill_costs;
 pub mod request;
@@ -29,7 +30,9 @@ mod state;
 pub use kvpool_proto::stream_tokens;
 pub mod tokenize;
 
-pub use config::{ConductorConfig, DEFAULT_MAX_PROMPTS, KvEventSource, PoolLookup, UpstreamPool};
+pub use config::{
+    ConductorConfig, DEFAULT_MAX_PROMPTS, KvEventSource, PoolLookup, ShareLoad, UpstreamPool,
+};
 pub use engines::{ConductorProtocol, Engines, RoutingProtocol};
 pub use fetch_estimate::FetchEstimate;
 pub use prefill_costs::{CostStatus, PrefillCosts};

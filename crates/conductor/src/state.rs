@@ -12,6 +12,7 @@ use kvpool_core::sched::{
 };
 
 use crate::config::ConductorConfig;
+use crate::peer_load::{DecodeBooking, PeerLoad};
 
 /// Errors of building the conductor's state.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
@@ -46,6 +47,8 @@ pub struct State {
     replication: Option<ReplicationTask>,
     /// Per prefill instance: indexed from its own KV events (the routing mirror is skipped).
     fed: Vec<bool>,
+    /// The other conductor replicas' bookings on these engines (empty when booking alone).
+    peers: PeerLoad,
 }
 
 /// A hot prefix to copy into more prefill engines' caches. The server executes it by asking each
@@ -107,6 +110,7 @@ impl State {
             next_request: 1,
             replication: None,
             fed: vec![false; n],
+            peers: PeerLoad::default(),
             scheduler,
         })
     }
@@ -160,9 +164,21 @@ impl State {
             output_tokens,
         } = *req;
         self.advance_decode(now_s);
+        // With other replicas' bookings, the policy sees the engines as loaded by both.
+        let shared_views = (!self.peers.is_empty()).then(|| {
+            let own_busy = self.prefill_busy(now_s);
+            (
+                self.peers.prefill_view(&self.prefill, &own_busy, now_s),
+                self.peers.decode_view(&self.decode, now_s),
+            )
+        });
+        let (prefill_view, decode_view) = match &shared_views {
+            Some((p, d)) => (p.as_slice(), d.as_slice()),
+            None => (self.prefill.as_slice(), self.decode.as_slice()),
+        };
         let p = match self
             .scheduler
-            .decide(now_s, req, &self.index, &self.prefill, &self.decode)
+            .decide(now_s, req, &self.index, prefill_view, decode_view)
         {
             Decision::Accept(p) => p,
             Decision::Reject(reason) => {
@@ -176,7 +192,7 @@ impl State {
         // plans a copy of its prefix to the least loaded instances that lack it.
         self.replication = self
             .scheduler
-            .record_hits(&mut self.index, keys, &p, &self.prefill, now_s)
+            .record_hits(&mut self.index, keys, &p, prefill_view, now_s)
             .map(|r| ReplicationTask {
                 keys: keys.get(..r.blocks).unwrap_or(keys).to_vec(),
                 targets: r.targets,
@@ -305,6 +321,35 @@ impl State {
     /// The prefill cost model placements assume for instance `instance`.
     pub fn prefill_cost(&self, instance: usize) -> Option<kvpool_core::sched::PrefillCost> {
         self.scheduler.config().prefill_costs.get(instance).copied()
+    }
+
+    /// What this replica has booked, for the others (`ShareLoad`): per prefill instance the
+    /// seconds of work booked and not yet done at `now_s` ([`State::prefill_busy`]), per
+    /// decode instance its booking.
+    pub fn own_load(&self, now_s: f64) -> (Vec<f64>, Vec<DecodeBooking>) {
+        let decode = self.decode.iter().map(DecodeBooking::of).collect();
+        (self.prefill_busy(now_s), decode)
+    }
+
+    /// Per prefill instance, seconds of this replica's work still to do there: what its own
+    /// queue model says, but never less than the work of the requests booked behind the first
+    /// one. Those have not started as far as anyone knows: with other replicas' requests in
+    /// the engine's queue, they start later than this replica's model assumes, and counting
+    /// them done at their predicted time would let every replica book the engine again.
+    fn prefill_busy(&self, now_s: f64) -> Vec<f64> {
+        self.prefill
+            .iter()
+            .zip(&self.booked)
+            .map(|(l, q)| {
+                let waiting: f64 = q.iter().skip(1).map(|&(_, w)| w).sum();
+                (l.free_at_s - now_s).max(waiting).max(0.0)
+            })
+            .collect()
+    }
+
+    /// The other replicas' bookings on these engines, by instance index, from now on.
+    pub fn set_peer_load(&mut self, peers: PeerLoad) {
+        self.peers = peers;
     }
 
     /// The replication planned by the last accepted `place`, if any (taken once).

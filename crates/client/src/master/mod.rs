@@ -43,6 +43,7 @@ mod agents;
 mod answers;
 mod catalog;
 mod coalesce;
+mod conductors;
 mod connection;
 mod error;
 mod fast;

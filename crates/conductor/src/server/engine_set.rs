@@ -90,6 +90,12 @@ impl EngineSet {
         super::kv_feed::sync(&self.0);
     }
 
+    /// Share this replica's bookings with the other conductor replicas through the master
+    /// (with `--master` and a non-zero `--share-load-period`) until `shutdown` fires.
+    pub fn share_load(&self, shutdown: &CancellationToken) {
+        super::share_load::start(&self.0, shutdown);
+    }
+
     /// Apply every engine set `updates` carries (the latest one wins) until its sender is
     /// dropped or `shutdown` fires; `readiness` follows whether the conductor can serve.
     pub async fn follow(

@@ -26,6 +26,8 @@ pub(super) struct Metrics {
     pub(super) replication_blocks: IntCounterVec,
     pub(super) engines: IntGaugeVec,
     pub(super) pool_lookups: IntCounterVec,
+    pub(super) share_load: IntCounterVec,
+    pub(super) peer_conductors: prometheus::IntGauge,
     pub(super) engine_tokenize: IntCounterVec,
     pub(super) prefetches: IntCounterVec,
     pub(super) fetch_bandwidth: Gauge,
@@ -82,6 +84,21 @@ impl Metrics {
              timeout, and backoff: skipped after a failure; all but hit and miss place the \
              request on local caches only)",
             &["outcome"],
+        )?;
+        let share_load = counters(
+            registry,
+            "kvpool_conductor_share_load_total",
+            "Reports of this replica's bookings to the master, answered with the other \
+             replicas' (ShareLoad), by outcome (ok, error, timeout)",
+            &["outcome"],
+        )?;
+        let peer_conductors = kvpool_runtime::metrics::made(
+            registry,
+            prometheus::IntGauge::new(
+                "kvpool_conductor_peer_conductors",
+                "Other conductor replicas whose bookings this one counts, as of the master's \
+                 last answer",
+            ),
         )?;
         let engine_tokenize = counters(
             registry,
@@ -270,6 +287,11 @@ impl Metrics {
                 pool_lookups.with_label_values(&[outcome]);
             }
         }
+        if config.pool.as_ref().is_some_and(|p| p.share.is_some()) {
+            for outcome in ["ok", "error", "timeout"] {
+                share_load.with_label_values(&[outcome]);
+            }
+        }
         Ok(Self {
             requests,
             rejections,
@@ -277,6 +299,8 @@ impl Metrics {
             replication_blocks,
             engines,
             pool_lookups,
+            share_load,
+            peer_conductors,
             engine_tokenize,
             prefetches,
             fetch_bandwidth,

@@ -17,7 +17,9 @@
 //!   relay both use; `upstream`: the HTTP client to the engines and its errors.
 //! - `kv_feed`: the prefill engines' KV event streams (ZMQ SUB, replay on gaps) into the
 //!   index.
-//! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication.
+//! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication;
+//!   `share_load`: the bookings this replica and the other conductor replicas share through the
+//!   master.
 //! - `shared`, `members`, `engine_set`, `metrics`: what the handlers share, the engine set's
 //!   bookkeeping and its handle, and the conductor's metrics (`latency`: each request's
 //!   timing; `engine_load`: the engines' booked load, read at scrape time); `models`: the model
@@ -42,6 +44,7 @@ mod models;
 mod pool_lookup;
 mod prefetch;
 mod sglang;
+mod share_load;
 mod shared;
 mod upstream;
 mod usage_fill;

@@ -62,6 +62,8 @@ pub struct Core {
     pub state: Mutex<MasterState>,
     pub metrics: MasterMetrics,
     pub role: Role,
+    /// The conductor replicas' last load reports (`ShareLoad`): the leader's memory only.
+    pub conductors: Mutex<crate::conductor_loads::ConductorLoads>,
     persist: Mutex<Option<mpsc::Sender<PersistBatch>>>,
 }
 
@@ -81,6 +83,7 @@ impl Core {
             state: Mutex::new(state),
             metrics,
             role: Role::default(),
+            conductors: Mutex::default(),
             persist: Mutex::new(None),
         })
     }

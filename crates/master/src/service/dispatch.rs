@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 
 use super::MasterSvc;
 use super::batch::Answer;
-use super::{admin, heartbeat, objects, segments, tasks};
+use super::{admin, conductors, heartbeat, objects, segments, tasks};
 use kvpool_proto::auth::Verified;
 use kvpool_proto::master as proto;
 
@@ -215,5 +215,13 @@ impl proto::master_server::Master for MasterSvc {
     ) -> Result<Response<proto::StatsResponse>, Status> {
         let handler = admin::stats(&self.core);
         self.observed("stats", handler).await
+    }
+
+    async fn share_load(
+        &self,
+        req: Request<proto::ShareLoadRequest>,
+    ) -> Result<Response<proto::ShareLoadResponse>, Status> {
+        let handler = conductors::share_load(&self.core, req.into_inner());
+        self.observed("share_load", handler).await
     }
 }

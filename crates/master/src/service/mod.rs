@@ -8,7 +8,9 @@
 //!   lanes.
 //! - `core`: [`Core`] (state, metrics, [`Role`], the route to persistence) and its leader gate.
 //! - `dispatch`: the tonic trait, timing and labelling every call.
-//! - `segments`, `heartbeat`, `tasks`, `objects`, `admin`: the handlers, by area.
+//! - `segments`, `heartbeat`, `tasks`, `objects`, `admin`: the handlers, by area;
+//!   `conductors`: the conductor replicas' shared bookings (`ShareLoad`; the soft state is
+//!   `crate::conductor_loads`).
 //! - `batch`: request limits and per-item answers the handlers share.
 //! - `fast`: the fast lane on the gRPC port (same calls, same handlers, plain framing), and
 //!   the accept loop that routes connections between it and gRPC.
@@ -31,6 +33,7 @@ use kvpool_proto::master::master_server::MasterServer;
 mod admin;
 mod auth;
 mod batch;
+mod conductors;
 mod core;
 mod dispatch;
 mod fast;

@@ -56,9 +56,15 @@ fn methods_are_named_once_and_roles_split_them_as_documented() {
     let allowed =
         |role: Role| -> Vec<&str> { METHODS.iter().copied().filter(|m| role.allows(m)).collect() };
     assert_eq!(allowed(Role::Admin), METHODS.to_vec());
-    let all_but =
-        |skip: &str| -> Vec<&str> { METHODS.iter().copied().filter(|m| *m != skip).collect() };
-    assert_eq!(allowed(Role::Agent), all_but("RemoveAll"));
+    let all_but = |skip: &[&str]| -> Vec<&str> {
+        METHODS
+            .iter()
+            .copied()
+            .filter(|m| !skip.contains(m))
+            .collect()
+    };
+    // The conductors' own call is theirs (and the admin's).
+    assert_eq!(allowed(Role::Agent), all_but(&["RemoveAll", "ShareLoad"]));
     // Engines: the object calls only; no membership call, no RemoveAll (issue 38).
     let node_calls: Vec<&str> = METHODS
         .iter()
@@ -78,10 +84,13 @@ fn methods_are_named_once_and_roles_split_them_as_documented() {
     let object_calls: Vec<&str> = METHODS
         .iter()
         .copied()
-        .filter(|m| !Role::is_node_call(m) && *m != "RemoveAll")
+        .filter(|m| !Role::is_node_call(m) && !["RemoveAll", "ShareLoad"].contains(m))
         .collect();
     assert_eq!(allowed(Role::Engine), object_calls);
-    assert_eq!(allowed(Role::Conductor), ["Exists", "LongestPrefix"]);
+    assert_eq!(
+        allowed(Role::Conductor),
+        ["Exists", "LongestPrefix", "ShareLoad"]
+    );
     assert_eq!(allowed(Role::Observer), ["Stats"]);
     assert!(!Role::Admin.allows("Nope") && !Role::Engine.allows("Nope"));
 }
