@@ -153,7 +153,13 @@ fn drive(
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().map_err(StoreBenchError::Io)?;
+    let out = cmd.output().map_err(|e| {
+        StoreBenchError::Protocol(format!(
+            "cannot run {} (--python, KVPOOL_PYTHON; the default is relative to the \
+             repository root): {e}",
+            python.display()
+        ))
+    })?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         return Err(StoreBenchError::Protocol(format!(
