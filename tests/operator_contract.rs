@@ -686,3 +686,52 @@ fn conductor_api_key_secrets_become_the_key_files_it_reads() -> Result<()> {
     );
     Ok(())
 }
+
+/// Issue 35: what the engine pools tell the conductor (their tensor parallel size, and the
+/// directory of the one model they load from a claim) parses with the conductor's own flags,
+/// and the conductor sizes the KV of one rank from that directory's `config.json` as the
+/// engines split it.
+#[test]
+fn the_engine_pools_model_facts_reach_the_conductor() -> Result<()> {
+    let pool: KVCachePool = serde_saphyr::from_str(&std::fs::read_to_string(
+        repo_root().join("operator/tests/fixtures/kvcachepool-roce.yaml"),
+    )?)?;
+    let valid = validate(&pool, &Settings::for_tests()).context("fixture is valid")?;
+    let facts = kvpool_operator::serving::ConductorFacts {
+        tensor_parallel_size: Some(2),
+        model_files: Some(kvpool_operator::serving::ModelFiles {
+            claim: "weights".into(),
+            path: "qwen".into(),
+        }),
+    };
+    let children =
+        kvpool_operator::cachepool::build::build_for(&valid, KEY_HEX, &facts).context("build")?;
+    let (deployment, _) = children.conductor.as_ref().context("conductor")?;
+    let dir = tempfile::tempdir()?;
+    let mut files = write_files(dir.path(), &children)?;
+    // The claim's model directory: 4 layers x 4 KV heads x 32 (256 / 8 heads) x 2 (K and V)
+    // x 2 bytes (bfloat16) = 2048 bytes a token, 1024 on each of 2 ranks.
+    let model = dir.path().join("qwen");
+    std::fs::create_dir(&model)?;
+    std::fs::write(
+        model.join("config.json"),
+        r#"{"num_hidden_layers":4,"num_attention_heads":8,"num_key_value_heads":4,
+            "hidden_size":256,"torch_dtype":"bfloat16"}"#,
+    )?;
+    files.insert("/etc/kvpool/model/qwen".into(), model.clone());
+    let argv = argv(pod_of(template(deployment))?, &files)?;
+    let cli = kvpool::cli::Cli::try_parse_from(&argv).with_context(|| format!("{argv:?}"))?;
+    let kvpool::cli::Command::Conductor(args) = cli.command else {
+        bail!("not the conductor: {argv:?}");
+    };
+    ensure!(args.keys.engine_tensor_parallel_size == 2, "{argv:?}");
+    ensure!(
+        args.model_files.model_dir.as_deref() == Some(model.as_path()),
+        "{argv:?}"
+    );
+    let (bytes, source) =
+        kvpool_conductor::model_flags::kv_bytes_per_token(&args.model_files, &args.keys)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    ensure!(bytes == 1024, "KV bytes per token {bytes} from {source:?}");
+    Ok(())
+}

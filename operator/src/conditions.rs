@@ -97,6 +97,49 @@ pub fn merge(
     out
 }
 
+/// Add `extra` to `current` (conditions [`merge`] made without it), keeping the
+/// `lastTransitionTime` it had in `previous` while its status holds.
+pub fn add(
+    current: &mut Vec<Condition>,
+    previous: &[Condition],
+    extra: &Desired,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    if !current.iter().any(|c| c.type_ == extra.type_)
+        && let Some(before) = previous.iter().find(|c| c.type_ == extra.type_)
+    {
+        current.push(before.clone());
+        current.sort_by(|a, b| a.type_.cmp(&b.type_));
+    }
+    set_condition(
+        current,
+        condition_with_status(
+            extra.type_,
+            extra.status_str(),
+            extra.reason,
+            extra.message.clone(),
+            generation,
+            Time(now),
+        ),
+    );
+}
+
+/// The condition of `type_` in `new` when it is True and says something else than in
+/// `previous` (it became True, or its reason or message changed): what deserves a Warning
+/// Event once, not on every pass.
+pub fn newly_true<'a>(
+    previous: &[Condition],
+    new: &'a [Condition],
+    type_: &str,
+) -> Option<&'a Condition> {
+    let now = find(new, type_).filter(|c| c.status == TRUE)?;
+    let before = find(previous, type_);
+    (before.map(|b| (&b.status, &b.reason, &b.message))
+        != Some((&now.status, &now.reason, &now.message)))
+    .then_some(now)
+}
+
 /// The trio for a resource that cannot be reconciled: not ready, not progressing, degraded.
 pub fn invalid(reason: &'static str, message: &str) -> Vec<Desired> {
     vec![
@@ -228,5 +271,36 @@ mod tests {
         let out = merge(&foreign, &from_counts("agents", 1, 1), None, t(2));
         assert!(find(&out, "Foreign").is_none());
         assert_eq!(out.len(), 3);
+    }
+
+    /// A condition added after `merge` keeps its place in the sorted list and its transition
+    /// time while its status holds; `newly_true` fires once per new True message.
+    #[test]
+    fn an_added_condition_is_sorted_and_keeps_its_time() {
+        let extra =
+            |status: bool, message: &str| Desired::new("ModelMismatch", status, "R", message);
+        let mut first = merge(&[], &from_counts("agents", 1, 1), Some(1), t(1));
+        add(&mut first, &[], &extra(true, "a"), Some(1), t(1));
+        let types: Vec<&str> = first.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, [DEGRADED, "ModelMismatch", PROGRESSING, READY]);
+        assert!(newly_true(&[], &first, "ModelMismatch").is_some());
+
+        let mut again = merge(&first, &from_counts("agents", 1, 1), Some(1), t(5));
+        add(&mut again, &first, &extra(true, "a"), Some(1), t(5));
+        assert_eq!(again, first, "same inputs, same list");
+        assert!(newly_true(&first, &again, "ModelMismatch").is_none());
+
+        let mut changed = merge(&first, &from_counts("agents", 1, 1), Some(1), t(9));
+        add(&mut changed, &first, &extra(true, "b"), Some(1), t(9));
+        assert_eq!(get(&changed, "ModelMismatch").last_transition_time.0, t(1));
+        assert!(
+            newly_true(&first, &changed, "ModelMismatch").is_some(),
+            "a new message"
+        );
+
+        let mut cleared = merge(&first, &from_counts("agents", 1, 1), Some(1), t(9));
+        add(&mut cleared, &first, &extra(false, "ok"), Some(1), t(9));
+        assert_eq!(get(&cleared, "ModelMismatch").last_transition_time.0, t(9));
+        assert!(newly_true(&first, &cleared, "ModelMismatch").is_none());
     }
 }

@@ -16,6 +16,7 @@ pub mod context;
 pub mod contract;
 pub mod controller;
 pub mod crd;
+pub mod engine_kind;
 pub mod enginepool;
 pub mod error;
 pub mod identity;
@@ -30,6 +31,7 @@ pub mod rbac;
 pub mod root_key;
 pub mod root_key_secret;
 pub mod run;
+pub mod serving;
 #[cfg(test)]
 mod test_fixtures;
 pub mod transfer_tls;

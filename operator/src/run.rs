@@ -390,6 +390,39 @@ where
     (reader, stream)
 }
 
+/// The engine pools of `api` whose spec changed (a new generation) or that were deleted: what
+/// changes the `ModelMismatch` check of their KVCachePool and of their sibling engine pools,
+/// and the conductor's model facts. Status writes do not trigger it.
+fn engine_pool_changes<K: EnginePool>(
+    api: Api<K>,
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
+    let mut seen: std::collections::HashMap<reflector::ObjectRef<K>, Option<i64>> =
+        std::collections::HashMap::new();
+    watcher(api, watcher::Config::default().any_semantic())
+        .default_backoff()
+        .try_filter_map(move |event| {
+            let changed = match event {
+                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
+                    let generation = o.meta().generation;
+                    (seen.insert(reflector::ObjectRef::from_obj(&o), generation)
+                        != Some(generation))
+                    .then_some(o)
+                }
+                watcher::Event::Delete(o) => {
+                    seen.remove(&reflector::ObjectRef::from_obj(&o));
+                    Some(o)
+                }
+                watcher::Event::Init | watcher::Event::InitDone => None,
+            };
+            futures::future::ready(Ok(changed))
+        })
+}
+
+/// The KVCachePool an engine pool references.
+fn referenced_pool<K: EnginePool>(engine: &K) -> Option<reflector::ObjectRef<KVCachePool>> {
+    Some(reflector::ObjectRef::new(engine.pool_ref()).within(&engine.meta().namespace.clone()?))
+}
+
 fn controller_config(args: &RunArgs) -> controller::Config {
     controller::Config::default()
         .concurrency(args.concurrency)
@@ -433,12 +466,22 @@ where
         api::<KVCachePool>(client, &args.namespace),
         CancellationToken::new(),
     );
+    let (prefill_store, decode_store) = (reader.clone(), reader.clone());
     Controller::for_stream(stream, reader)
         .owns(api::<Deployment>(client, &args.namespace), owned.clone())
         .owns(api::<Service>(client, &args.namespace), owned)
         .watches_stream(pools, move |pool: KVCachePool| {
             enginepool::referencing(&store, &pool)
         })
+        // A sibling engine pool that changes or goes may change this one's ModelMismatch.
+        .watches_stream(
+            engine_pool_changes(api::<PrefillPool>(client, &args.namespace)),
+            move |p: PrefillPool| enginepool::siblings(&prefill_store, &p),
+        )
+        .watches_stream(
+            engine_pool_changes(api::<DecodePool>(client, &args.namespace)),
+            move |p: DecodePool| enginepool::siblings(&decode_store, &p),
+        )
         .with_config(controller_config(args))
         .graceful_shutdown_on(stop.cancelled_owned())
 }
@@ -465,6 +508,15 @@ async fn run_controllers(
         .owns(api::<Deployment>(client, &args.namespace), owned.clone())
         .owns(api::<Service>(client, &args.namespace), owned.clone())
         .owns(api::<ConfigMap>(client, &args.namespace), owned)
+        // The engine pools give the conductor its model facts and decide ModelMismatch.
+        .watches_stream(
+            engine_pool_changes(api::<PrefillPool>(client, &args.namespace)),
+            |p: PrefillPool| referenced_pool(&p),
+        )
+        .watches_stream(
+            engine_pool_changes(api::<DecodePool>(client, &args.namespace)),
+            |p: DecodePool| referenced_pool(&p),
+        )
         .with_config(controller_config(args))
         .graceful_shutdown_on(stop.clone().cancelled_owned());
     let prefill =

@@ -289,6 +289,39 @@ impl ApiServer {
         );
     }
 
+    /// The lists of every PrefillPool and then every DecodePool in `namespace` (whole: the
+    /// operator filters by `kvCachePoolRef` itself), answered with `prefill` and `decode`.
+    async fn expect_engine_pools_in(
+        &mut self,
+        namespace: &str,
+        prefill: Vec<Value>,
+        decode: Vec<Value>,
+    ) {
+        for (resource, kind, items) in [
+            ("prefillpools", "PrefillPoolList", prefill),
+            ("decodepools", "DecodePoolList", decode),
+        ] {
+            let path = format!("/apis/kvpool.dev/v1alpha1/namespaces/{namespace}/{resource}");
+            let (seen, send) = self.expect(Method::GET, &path).await;
+            assert!(
+                !seen.query.contains_key("labelSelector")
+                    && !seen.query.contains_key("fieldSelector"),
+                "{seen:?}"
+            );
+            reply(
+                send,
+                StatusCode::OK,
+                &json!({"apiVersion": "kvpool.dev/v1alpha1", "kind": kind,
+                        "metadata": {"resourceVersion": "1002"}, "items": items}),
+            );
+        }
+    }
+
+    /// [`Self::expect_engine_pools_in`] `llm`.
+    async fn expect_engine_pools(&mut self, prefill: Vec<Value>, decode: Vec<Value>) {
+        self.expect_engine_pools_in("llm", prefill, decode).await;
+    }
+
     /// Expect an Event created in `llm`, answer 201 with it, and return it.
     async fn expect_event(&mut self) -> Value {
         let (seen, send) = self
@@ -479,6 +512,22 @@ async fn pool_children(
     agents_ready: i32,
     secret_exists: bool,
 ) -> (Value, Value) {
+    let (agent, secret, _) =
+        pool_children_using(server, agents_ready, secret_exists, vec![], vec![]).await;
+    (agent, secret)
+}
+
+/// [`pool_children`] of a pool used by the engine pools `prefill` and `decode` (what the lists
+/// of PrefillPools and DecodePools answer); returns the bodies of the applied DaemonSet, the
+/// secret create and the conductor Deployment.
+async fn pool_children_using(
+    server: &mut ApiServer,
+    agents_ready: i32,
+    secret_exists: bool,
+    prefill: Vec<Value>,
+    decode: Vec<Value>,
+) -> (Value, Value, Value) {
+    server.expect_engine_pools(prefill, decode).await;
     let (seen, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
     assert_eq!(
         seen.query.get("fieldManager").map(String::as_str),
@@ -551,7 +600,7 @@ async fn pool_children(
             vec![],
         )
         .await;
-    (agent, secret)
+    (agent, secret, conductor)
 }
 
 #[tokio::test]
@@ -666,6 +715,7 @@ async fn children_of_a_feature_turned_off_are_deleted_by_label() {
     pool.spec.conductor.enabled = false;
     let pool_json = serde_json::to_value(&pool).expect("json");
     drive(pool_pass(pool), async move |server: &mut ApiServer| {
+        server.expect_engine_pools(vec![], vec![]).await;
         let (_, send) = server.expect(Method::POST, &format!("{NS}/secrets")).await;
         reply(
             send,
@@ -807,6 +857,9 @@ async fn transient_failures_back_off_per_object_and_are_counted() {
             );
         },
         async move |server: &mut ApiServer| {
+            server
+                .expect_engine_pools_in("default", vec![], vec![])
+                .await;
             let (_, send) = server
                 .expect(Method::POST, "/api/v1/namespaces/default/secrets")
                 .await;
@@ -885,6 +938,7 @@ async fn missing_pool_reference_is_reported_then_reconciled_when_the_pool_appear
             server
                 .expect_get("/apis/kvpool.dev/v1alpha1/namespaces/default/kvcachepools/tcp", &pool_json)
                 .await;
+            server.expect_engine_pools_in("default", vec![engine_json.clone()], vec![]).await;
             let policy = server
                 .expect_apply("/apis/networking.k8s.io/v1/namespaces/default/networkpolicies/synthetic-prefill", None)
                 .await;
@@ -973,6 +1027,7 @@ async fn engine_pool_status_is_not_rewritten_when_unchanged() {
     let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
     async fn children(server: &mut ApiServer, pool_json: &Value, selector: &str) {
         server.expect_roce_pool(pool_json).await;
+        server.expect_engine_pools(vec![], vec![]).await;
         let deploy = server
             .expect_engine_workload(
                 "llm",
@@ -1680,6 +1735,7 @@ async fn autoscaling_follows_the_conductors_prediction_without_flapping() {
             finishing(Box::pin(enginepool::reconcile_engine_pool(&obj, &work_ctx))),
             async {
                 server.expect_roce_pool(&pool).await;
+                server.expect_engine_pools(vec![], vec![]).await;
                 let deploy = server
                     .expect_engine_workload(
                         "llm",
@@ -1884,6 +1940,7 @@ async fn a_prefill_pool_template_renders_into_the_deployment_exactly() {
         engine_pass(prefill.clone()),
         async move |server: &mut ApiServer| {
             server.expect_roce_pool(&pool_for_server).await;
+            server.expect_engine_pools(vec![], vec![]).await;
             let deploy = server
                 .expect_engine_workload("llm", "llama-prefill", deploy_status(2))
                 .await;
@@ -2014,6 +2071,7 @@ async fn a_prefill_pool_template_renders_into_the_deployment_exactly() {
     let (outcome, (deploy, event, status)) =
         drive_both(engine_pass(owned), async move |server: &mut ApiServer| {
             server.expect_roce_pool(&pool_json).await;
+            server.expect_engine_pools(vec![], vec![]).await;
             let deploy = server
                 .expect_engine_workload("llm", "llama-prefill", deploy_status(2))
                 .await;
@@ -2076,6 +2134,7 @@ async fn a_workload_with_an_old_selector_is_recreated_with_the_new_one() {
     let (outcome, recreated) =
         drive_both(engine_pass(decode), async move |server: &mut ApiServer| {
             server.expect_roce_pool(&pool_json).await;
+            server.expect_engine_pools(vec![], vec![]).await;
             server
                 .expect_apply(
                     "/apis/networking.k8s.io/v1/namespaces/llm/networkpolicies/qwen-decode",
@@ -2117,4 +2176,219 @@ async fn a_workload_with_an_old_selector_is_recreated_with_the_new_one() {
         recreated["spec"]["template"]["metadata"]["labels"]["kvpool.dev/instance"],
         "qwen"
     );
+}
+
+/// The engine pools `prefill` and `decode` of the roce pool load `/models/Qwen3-32B` from the
+/// claim `weights`, mounted at `/models` in the engine container.
+fn from_claim(
+    spec_model: &mut Option<String>,
+    template: &mut Option<kvpool_crd::EnginePodTemplate>,
+) {
+    *spec_model = Some("/models/Qwen3-32B".into());
+    *template = Some(
+        serde_saphyr::from_str(
+            "spec:
+  volumes: [{name: models, persistentVolumeClaim: {claimName: weights, readOnly: true}}]
+  containers: [{name: engine, volumeMounts: [{name: models, mountPath: /models, readOnly: true}]}]
+",
+        )
+        .expect("template"),
+    );
+}
+
+/// A KVCachePool pass over `pool` whose engine pools are `prefill` and `decode`: the conductor
+/// Deployment applied, the Warning Event if `event` (its body), and the status written.
+async fn pool_pass_with_engines(
+    pool: KVCachePool,
+    prefill: &PrefillPool,
+    decode: &DecodePool,
+    event: bool,
+) -> (Value, Option<Value>, KVCachePoolStatus) {
+    let pool_json = serde_json::to_value(&pool).expect("json");
+    let engines = (
+        vec![serde_json::to_value(prefill).expect("json")],
+        vec![serde_json::to_value(decode).expect("json")],
+    );
+    let (outcome, out) = drive_both(pool_pass(pool), async move |server: &mut ApiServer| {
+        let (_, _, conductor) = pool_children_using(server, 4, true, engines.0, engines.1).await;
+        let event = match event {
+            true => Some(server.expect_event().await),
+            false => None,
+        };
+        let body = server.expect_roce_status(&pool_json).await;
+        (conductor, event, body["status"].clone())
+    })
+    .await;
+    outcome.expect("pool pass");
+    let (conductor, event, status) = out;
+    (
+        conductor,
+        event,
+        serde_json::from_value(status).expect("status"),
+    )
+}
+
+/// A DecodePool pass over `decode` (the roce pool's `qwen`) beside `prefill`: the Warning
+/// Event if `event`, and the status written.
+async fn decode_pass_with_engines(
+    decode: DecodePool,
+    prefill: &PrefillPool,
+    event: bool,
+) -> (Option<Value>, kvpool_crd::EnginePoolStatus) {
+    let pool_json =
+        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
+    let engine_json = serde_json::to_value(&decode).expect("json");
+    let prefill_json = serde_json::to_value(prefill).expect("json");
+    let (outcome, out) = drive_both(engine_pass(decode), async move |server: &mut ApiServer| {
+        server.expect_roce_pool(&pool_json).await;
+        server
+            .expect_engine_pools(vec![prefill_json], vec![engine_json.clone()])
+            .await;
+        server
+            .expect_engine_workload("llm", "qwen-decode", deploy_status(4))
+            .await;
+        server.expect_no_engine_orphans("llm", selector).await;
+        let event = match event {
+            true => Some(server.expect_event().await),
+            false => None,
+        };
+        let body = server.expect_decode_status(&engine_json).await;
+        (event, body["status"].clone())
+    })
+    .await;
+    assert_eq!(
+        outcome.expect("decode pass"),
+        enginepool::Outcome::Reconciled
+    );
+    (out.0, serde_json::from_value(out.1).expect("status"))
+}
+
+/// Issue 35: a prefill and a decode pool of one model that split it over different tensor
+/// parallel sizes get `ModelMismatch=True/TensorParallelMismatch` on the KVCachePool and on the
+/// engine pool, each with one Warning Event naming the pools and the model; nothing is held
+/// back (the children are applied as usual). Fixed, the condition clears without an Event, and
+/// the conductor is told the size they now agree on and reads the model's claim.
+#[tokio::test]
+async fn a_mismatched_pool_set_gets_a_condition_that_clears_when_fixed() {
+    let mut prefill: PrefillPool = fixture("prefillpool-vllm.yaml"); // qwen, TP 4
+    let mut decode: DecodePool = fixture("decodepool-vllm.yaml"); // qwen, TP 2
+    from_claim(&mut prefill.spec.engine.model, &mut prefill.spec.template);
+    from_claim(&mut decode.spec.engine.model, &mut decode.spec.template);
+    let pool: KVCachePool = fixture("kvcachepool-roce.yaml");
+    let mismatch = |conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition]| {
+        kvpool_crd::conditions::find(conditions, "ModelMismatch")
+            .expect("ModelMismatch")
+            .clone()
+    };
+
+    // 1. Mismatched: the KVCachePool reports it, with an Event.
+    let (conductor, event, status) =
+        pool_pass_with_engines(pool.clone(), &prefill, &decode, true).await;
+    let event = event.expect("event");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["reason"], "TensorParallelMismatch");
+    assert_eq!(event["regarding"]["kind"], "KVCachePool");
+    let on_pool = mismatch(&status.conditions);
+    assert_eq!(
+        (on_pool.status.as_str(), on_pool.reason.as_str()),
+        ("True", "TensorParallelMismatch")
+    );
+    assert_eq!(
+        on_pool.message,
+        "the pools of KVCachePool roce serving model \"/models/Qwen3-32B\" split it over \
+         different tensor parallel sizes, so their KV layout per rank differs: DecodePool qwen \
+         (tensorParallelSize 2), PrefillPool qwen (tensorParallelSize 4)"
+    );
+    assert_eq!(event["note"], on_pool.message.as_str());
+    let args = &conductor["spec"]["template"]["spec"]["containers"][0]["args"];
+    let has = |flag: &str| args.as_array().expect("args").iter().any(|a| a == flag);
+    assert!(
+        !has("--engine-tensor-parallel-size"),
+        "no size they agree on: {args}"
+    );
+    assert!(has("--model-dir"), "one model from one claim: {args}");
+
+    // 2. The decode pool reports it too; its children are applied as usual.
+    let (event, engine_status) = decode_pass_with_engines(decode.clone(), &prefill, true).await;
+    let event = event.expect("event");
+    assert_eq!(event["reason"], "TensorParallelMismatch");
+    assert_eq!(event["regarding"]["kind"], "DecodePool");
+    let on_decode = mismatch(&engine_status.conditions);
+    assert_eq!(on_decode.status, "True");
+    assert_eq!(on_decode.message, on_pool.message);
+    assert!(kvpool_crd::conditions::is_true(
+        &engine_status.conditions,
+        "Ready"
+    ));
+
+    // 3. Fixed (decode over 4 GPUs too): cleared on the pool, no Event; the conductor gets the
+    //    size and the model directory in the claim the engines mount.
+    decode.spec.tensor_parallel_size = 4;
+    decode.spec.resources.gpus = 4;
+    decode.metadata.generation = Some(2);
+    let mut seen_pool = pool.clone();
+    seen_pool.status = Some(status);
+    let (conductor, event, status) =
+        pool_pass_with_engines(seen_pool, &prefill, &decode, false).await;
+    assert!(event.is_none());
+    let cleared = mismatch(&status.conditions);
+    assert_eq!(
+        (cleared.status.as_str(), cleared.reason.as_str()),
+        ("False", "EnginePoolsMatch")
+    );
+    assert!(
+        cleared
+            .message
+            .contains("\"/models/Qwen3-32B\" by DecodePool qwen, PrefillPool qwen"),
+        "{}",
+        cleared.message
+    );
+    let pod = &conductor["spec"]["template"]["spec"];
+    let args: Vec<&str> = pod["containers"][0]["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let after = |flag: &str| args.iter().position(|a| *a == flag).map(|i| args[i + 1]);
+    assert_eq!(after("--engine-tensor-parallel-size"), Some("4"));
+    assert_eq!(after("--model-dir"), Some("/etc/kvpool/model/Qwen3-32B"));
+    assert_eq!(
+        after("--tokenizer"),
+        None,
+        "the model directory's tokenizer"
+    );
+    let volume = pod["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["name"] == "model")
+        .expect("model volume");
+    assert_eq!(
+        volume["persistentVolumeClaim"],
+        json!({"claimName": "weights", "readOnly": true})
+    );
+
+    // 4. And on the decode pool, without an Event.
+    let mut seen_decode = decode.clone();
+    seen_decode.status = Some(engine_status);
+    let (event, engine_status) = decode_pass_with_engines(seen_decode, &prefill, false).await;
+    assert!(event.is_none());
+    let cleared = mismatch(&engine_status.conditions);
+    assert_eq!(
+        (cleared.status.as_str(), cleared.reason.as_str()),
+        ("False", "EnginePoolsMatch")
+    );
+
+    // The watch mapping: a changed prefill pool maps to the decode pools beside it.
+    let (reader, mut writer) = reflector::store::<DecodePool>();
+    let mut elsewhere = decode.clone();
+    elsewhere.metadata.name = Some("elsewhere".into());
+    elsewhere.spec.kv_cache_pool_ref.name = "another-pool".into();
+    writer.apply_watcher_event(&watcher::Event::Apply(decode));
+    writer.apply_watcher_event(&watcher::Event::Apply(elsewhere));
+    let mapped = enginepool::siblings(&reader, &prefill);
+    let names: Vec<&str> = mapped.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["qwen"]);
 }

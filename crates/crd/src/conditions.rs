@@ -84,6 +84,13 @@ pub const AUTH_KEY_REJECTED: &str = "AuthKeyRejected";
 /// engines run with the operator's values and the message names the template's fields.
 pub const TEMPLATE_CONFLICT: &str = "TemplateConflict";
 
+/// The engine pools sharing a `KVCachePool` cannot serve some model together: a model served
+/// by prefill pools but by no decode pool (or the reverse), or pools of one model that disagree
+/// on what the KV hand-off needs (the engines' disaggregation convention, the tensor parallel
+/// size). Set on the KVCachePool and on each engine pool concerned; the message names the pools
+/// and the model. Reported only: nothing is held back or deleted.
+pub const MODEL_MISMATCH: &str = "ModelMismatch";
+
 /// Condition statuses.
 pub const TRUE: &str = "True";
 /// Condition statuses.
@@ -136,6 +143,18 @@ pub mod reasons {
     pub const OPERATOR_OWNED_FIELDS: &str = "OperatorOwnedFields";
     /// `TemplateConflict=False`: every field of `spec.template` (if any) reached the engine pods.
     pub const TEMPLATE_APPLIED: &str = "TemplateApplied";
+    /// `ModelMismatch=True`: a model is served by prefill pools but by no decode pool.
+    pub const NO_DECODE_POOL: &str = "NoDecodePool";
+    /// `ModelMismatch=True`: a model is served by decode pools but by no prefill pool.
+    pub const NO_PREFILL_POOL: &str = "NoPrefillPool";
+    /// `ModelMismatch=True`: the pools serving one model speak different disaggregation
+    /// conventions (`kvpool.dev/engine-protocol`: vllm, vllm-mooncake, sglang).
+    pub const ENGINE_PROTOCOL_MISMATCH: &str = "EngineProtocolMismatch";
+    /// `ModelMismatch=True`: the pools serving one model split it over different tensor
+    /// parallel sizes, so their KV layout per rank differs.
+    pub const TENSOR_PARALLEL_MISMATCH: &str = "TensorParallelMismatch";
+    /// `ModelMismatch=False`: every model is served by prefill and decode pools that agree.
+    pub const ENGINE_POOLS_MATCH: &str = "EnginePoolsMatch";
 
     /// Every reason above (docs/crds.md documents each).
     pub const ALL: &[&str] = &[
@@ -158,6 +177,11 @@ pub mod reasons {
         DERIVED_KEY_ACCEPTED,
         OPERATOR_OWNED_FIELDS,
         TEMPLATE_APPLIED,
+        NO_DECODE_POOL,
+        NO_PREFILL_POOL,
+        ENGINE_PROTOCOL_MISMATCH,
+        TENSOR_PARALLEL_MISMATCH,
+        ENGINE_POOLS_MATCH,
     ];
 }
 

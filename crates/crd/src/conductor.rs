@@ -46,9 +46,12 @@ pub struct ConductorSpec {
 
     /// The model's tokenizer files, so that the conductor's block hashes follow the engines'
     /// tokens: a volume holding `tokenizer.json` and, for chat requests, `tokenizer_config.json`
-    /// (its `chat_template`) or `chat_template.jinja`. Absent: the conductor asks a prefill
-    /// engine's `/tokenize` (vLLM's) for each prompt's tokens; engines without it (SGLang)
-    /// leave prompts keyed by stand-in text chunks, which match no real engine's blocks.
+    /// (its `chat_template`) or `chat_template.jinja`. Absent: the files of the model the
+    /// engine pools load, when they all serve one model from a path in one
+    /// PersistentVolumeClaim (docs/crds.md, "Several engine pools on one KVCachePool"); else
+    /// the conductor asks a prefill engine's `/tokenize` (vLLM's) for each prompt's tokens, and
+    /// engines without it (SGLang) leave prompts keyed by stand-in text chunks, which match no
+    /// real engine's blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerSpec>,
 

@@ -7,7 +7,10 @@
 //! from the auth Secret: the operator may create Secrets and nothing more. A master that refuses
 //! the derived key (a Secret the operator did not derive) gets a Warning Event and
 //! `AuthKeyRejected=True`, and the pass goes on.
-//! I/O boundary: the apply step (NetworkPolicies before the workloads they protect) and the
+//! The engine pools that reference the pool are listed on each pass: they give the conductor the
+//! served model's tensor parallel size and files ([`crate::serving::conductor`]) and decide the
+//! `ModelMismatch` condition (with a Warning Event when it turns True or changes).
+//! I/O boundary: the lists of the engine pools, the apply step (NetworkPolicies before the workloads they protect) and the
 //! status write, both through [`crate::apply`], the Events, and the master's `Stats` call.
 
 pub mod build;
@@ -40,6 +43,7 @@ use crate::controller;
 use crate::error::{Error, Result};
 use crate::labels;
 use crate::pool_usage;
+use crate::serving;
 use build::OWNER_KIND;
 use status::{AppliedCachePool, UsageReading};
 
@@ -142,7 +146,10 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
         .as_deref()
         .ok_or(Error::MissingObjectKey("uid"))?;
     let pool_key = ctx.root_key.pool_key_hex(&namespace, &name, uid);
-    let children = build::build(&valid, &pool_key)?;
+    // The engine pools that use the pool: what the conductor is told of the served model, and
+    // whether they can serve their models together (`ModelMismatch`).
+    let engines = serving::api::engine_pools(ctx, &namespace, &name).await?;
+    let children = build::build_for(&valid, &pool_key, &serving::conductor_facts(&engines))?;
     let applied = apply_children(ctx, &namespace, &name, children).await?;
     let usage = read_usage(ctx, &valid, &pool_key).await;
     let outcome = match &usage {
@@ -159,7 +166,18 @@ pub async fn reconcile_pool(pool: &KVCachePool, ctx: &Context) -> Result<Outcome
         }
     };
 
-    let new_status = status::status(&valid, &applied, &usage, pool.status.as_ref(), ctx.now());
+    let mut new_status = status::status(&valid, &applied, &usage, pool.status.as_ref(), ctx.now());
+    let previous_conditions = pool.status.as_ref().map_or(&[][..], |s| &s.conditions[..]);
+    serving::api::set_and_report(
+        ctx,
+        pool,
+        &mut new_status.conditions,
+        previous_conditions,
+        &serving::pool_condition(&name, &engines),
+        valid.generation,
+        ctx.now(),
+    )
+    .await?;
     if pool.status.as_ref() != Some(&new_status) {
         apply::patch_status(&ctx.settings.field_manager, &pools, &name, &new_status).await?;
         info!(

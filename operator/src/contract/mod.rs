@@ -289,13 +289,22 @@ pub fn conductor_args(
         "--block-size".to_owned(),
         model.engine_block_size.to_string(),
     ];
-    // The model's tokenizer: the files the pool names, else the engines' own, asked through
-    // their /tokenize (the engine pools name the model; its files need not reach the conductor).
-    let tokenizer = model
-        .tokenizer_dir
-        .clone()
-        .unwrap_or_else(|| "engine".to_owned());
-    args.extend(["--tokenizer".to_owned(), tokenizer]);
+    // The model's directory, when the engine pools load it from a claim the conductor mounts:
+    // its config.json sizes the KV per token, its tokenizer.json cuts the prompts.
+    if let Some(dir) = &model.model_dir {
+        args.extend(["--model-dir".to_owned(), dir.clone()]);
+    }
+    // The model's tokenizer: the files the pool names, else the model directory's, else the
+    // engines' own, asked through their /tokenize.
+    match (&model.tokenizer_dir, &model.model_dir) {
+        (Some(dir), _) => args.extend(["--tokenizer".to_owned(), dir.clone()]),
+        (None, Some(_)) => {}
+        (None, None) => args.extend(["--tokenizer".to_owned(), "engine".to_owned()]),
+    }
+    // The engines' parallel layout: the KV of one rank, and the pool keys' layout part.
+    if let Some(tp) = model.tensor_parallel_size {
+        args.extend(["--engine-tensor-parallel-size".to_owned(), tp.to_string()]);
+    }
     args
 }
 
@@ -306,10 +315,17 @@ pub struct ConductorModel {
     pub engine_block_size: u32,
     /// The mounted directory of the model's tokenizer files, when the pool names them.
     pub tokenizer_dir: Option<String>,
+    /// The mounted directory of the served model (config.json, tokenizer.json), when the
+    /// engine pools load one model from a PersistentVolumeClaim.
+    pub model_dir: Option<String>,
+    /// The tensor parallel size all the engine pools agree on.
+    pub tensor_parallel_size: Option<u32>,
 }
 
 /// Where the conductor's tokenizer volume is mounted.
 pub const TOKENIZER_MOUNT: &str = "/etc/kvpool/tokenizer";
+/// Where the conductor mounts the engine pools' model claim (read-only).
+pub const MODEL_MOUNT: &str = "/etc/kvpool/model";
 
 /// `90` -> `"0.9"`, `100` -> `"1"`, `0` -> `"0"`: exact for whole percentages.
 fn percent_as_fraction(percent: u8) -> String {
@@ -414,6 +430,8 @@ mod tests {
         let model = ConductorModel {
             engine_block_size: 16,
             tokenizer_dir: None,
+            model_dir: None,
+            tensor_parallel_size: None,
         };
         let args = conductor_args(
             "cache",
@@ -427,13 +445,34 @@ mod tests {
         assert!(has_arg(&args, "--block-size", "16"));
         // Without tokenizer files the conductor asks the engines' /tokenize.
         assert!(has_arg(&args, "--tokenizer", "engine"));
+        assert!(!args.iter().any(|a| a == "--model-dir"));
+        assert!(!args.iter().any(|a| a == "--engine-tensor-parallel-size"));
         let with = ConductorModel {
             engine_block_size: 32,
             tokenizer_dir: Some("/etc/kvpool/tokenizer/m".into()),
+            model_dir: None,
+            tensor_parallel_size: Some(4),
         };
         let custom = conductor_args("cache", "llm", "m:1", 2000, 50, &with);
         assert!(has_arg(&custom, "--block-size", "32"));
         assert!(has_arg(&custom, "--tokenizer", "/etc/kvpool/tokenizer/m"));
+        assert!(has_arg(&custom, "--engine-tensor-parallel-size", "4"));
+        // The engine pools' model directory: its tokenizer, unless the pool names one.
+        let from_claim = ConductorModel {
+            model_dir: Some("/etc/kvpool/model/qwen".into()),
+            tokenizer_dir: None,
+            ..with.clone()
+        };
+        let claimed = conductor_args("cache", "llm", "m:1", 2000, 50, &from_claim);
+        assert!(has_arg(&claimed, "--model-dir", "/etc/kvpool/model/qwen"));
+        assert!(!claimed.iter().any(|a| a == "--tokenizer"));
+        let both = ConductorModel {
+            model_dir: Some("/etc/kvpool/model/qwen".into()),
+            ..with
+        };
+        let both = conductor_args("cache", "llm", "m:1", 2000, 50, &both);
+        assert!(has_arg(&both, "--tokenizer", "/etc/kvpool/tokenizer/m"));
+        assert!(has_arg(&both, "--model-dir", "/etc/kvpool/model/qwen"));
         assert!(has_arg(&args, "--discover-namespace", "llm"));
         assert!(has_arg(
             &args,

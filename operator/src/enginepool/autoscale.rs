@@ -16,10 +16,10 @@ use kvpool_crd::{AutoscalingConfig, AutoscalingSignal, EngineAutoscalingStatus, 
 use kvpool_runtime::telemetry::chain;
 use tracing::warn;
 
-use super::kind::EnginePool;
 use super::validate::ValidEnginePool;
 use crate::context::Context;
 use crate::contract;
+use crate::engine_kind::EnginePool;
 use crate::error::{Error, Result};
 use crate::labels::{self, Component};
 

@@ -4,13 +4,15 @@
 //! appears (or changes) back to the engine pools that reference it. A pool with
 //! `spec.autoscaling` gets its instance count from `autoscale` (the conductor's load) each
 //! [`AUTOSCALE_PERIOD`]. Fields of `spec.template` that the operator's own values overrode are
-//! named by the `TemplateConflict` condition and, when they change, a Warning Event.
-//! I/O boundary: the GET of the KVCachePool, the conductor read, the applies, the Event and
-//! the status write.
+//! named by the `TemplateConflict` condition and, when they change, a Warning Event. Whether
+//! the engine pools sharing the KVCachePool serve this pool's model together is the
+//! `ModelMismatch` condition (and a Warning Event when it turns True or changes;
+//! [`crate::serving`]); a mismatch blocks nothing.
+//! I/O boundary: the GET of the KVCachePool, the lists of the engine pools, the conductor read,
+//! the applies, the Events and the status write.
 
 pub mod autoscale;
 pub mod build;
-pub mod kind;
 pub mod status;
 pub mod validate;
 
@@ -33,9 +35,10 @@ use crate::cachepool;
 use crate::conditions::reason;
 use crate::context::{AUTOSCALE_PERIOD, Context, RESYNC};
 use crate::controller;
+pub use crate::engine_kind::EnginePool;
 use crate::error::{Error, Result};
 use crate::labels;
-pub use kind::EnginePool;
+use crate::serving;
 
 /// What a reconcile did, for metrics (labelled by [`Outcome::label`]) and tests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, strum::IntoStaticStr)]
@@ -103,6 +106,20 @@ pub fn referencing<K: EnginePool>(store: &Store<K>, pool: &KVCachePool) -> Vec<O
         .state()
         .iter()
         .filter(|o| o.namespace().as_deref() == Some(ns.as_str()) && o.pool_ref() == name)
+        .map(|o| ObjectRef::from_obj(o.as_ref()))
+        .collect();
+    refs.sort_by_key(|r| r.name.clone());
+    refs
+}
+
+/// The engine pools in `store` that share `other`'s KVCachePool (`other` itself included when
+/// it is of the same kind): their `ModelMismatch` may change with `other`.
+pub fn siblings<K: EnginePool, O: EnginePool>(store: &Store<K>, other: &O) -> Vec<ObjectRef<K>> {
+    let ns = other.namespace();
+    let mut refs: Vec<ObjectRef<K>> = store
+        .state()
+        .iter()
+        .filter(|o| o.namespace() == ns && o.pool_ref() == other.pool_ref())
         .map(|o| ObjectRef::from_obj(o.as_ref()))
         .collect();
     refs.sort_by_key(|r| r.name.clone());
@@ -194,6 +211,11 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
         Err(other) => return Err(other),
     };
 
+    // The engine pools beside this one: whether they serve this pool's model together.
+    let engines = serving::api::engine_pools(ctx, &namespace, &pool_name).await?;
+    let mismatch =
+        serving::serving(obj).map(|this| serving::engine_condition(&pool_name, &this, &engines));
+
     // Autoscale: the count the Deployment runs (spec.replicas is only the starting one).
     let scaling = match valid.effective.autoscaling {
         Some(cfg) => Some(autoscale::step(ctx, obj, &valid, cfg).await),
@@ -257,6 +279,19 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
             kvpool_crd::conditions::reasons::OPERATOR_OWNED_FIELDS,
             "Reconcile",
             &message,
+        )
+        .await?;
+    }
+    if let Some(mismatch) = &mismatch {
+        let previous = obj.engine_status().map_or(&[][..], |s| &s.conditions[..]);
+        serving::api::set_and_report(
+            ctx,
+            obj,
+            &mut new_status.conditions,
+            previous,
+            mismatch,
+            valid.generation,
+            ctx.now(),
         )
         .await?;
     }

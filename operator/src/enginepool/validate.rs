@@ -9,8 +9,8 @@ use std::collections::BTreeSet;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kvpool_crd::ValidatedEnginePool;
 
-use super::kind::EnginePool;
 use crate::cachepool::validate::ValidCachePool;
+use crate::engine_kind::EnginePool;
 use crate::error::{Error, Result};
 use crate::identity::{Identity, identity};
 use crate::labels::Component;

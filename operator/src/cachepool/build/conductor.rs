@@ -16,6 +16,7 @@ use crate::cachepool::validate::ValidCachePool;
 use crate::contract;
 use crate::labels::{self, Component};
 use crate::pod::mount;
+use crate::serving::{ConductorFacts, ModelFiles};
 
 /// Named ports of the conductor container and Service.
 const CONDUCTOR_PORTS: [(&str, u16); 2] = [
@@ -24,7 +25,13 @@ const CONDUCTOR_PORTS: [(&str, u16); 2] = [
 ];
 
 /// The conductor Deployment and Service.
-pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Service) {
+/// `facts` are what the engine pools say about the served model: their tensor parallel size,
+/// and the claim holding the model, mounted read-only and passed as `--model-dir`.
+pub fn conductor(
+    pool: &ValidCachePool,
+    config_hash: &str,
+    facts: &ConductorFacts,
+) -> (Deployment, Service) {
     let c = &pool.spec.conductor;
     let slo = pool.effective.conductor.as_ref();
     let mut args = contract::conductor_args(
@@ -42,6 +49,8 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
         &contract::ConductorModel {
             engine_block_size: c.engine_block_size.unsigned_abs().max(1),
             tokenizer_dir: c.tokenizer.as_ref().map(tokenizer_dir),
+            model_dir: facts.model_files.as_ref().map(model_dir),
+            tensor_parallel_size: facts.tensor_parallel_size,
         },
     );
     let key_files = key_files(c);
@@ -79,6 +88,22 @@ pub fn conductor(pool: &ValidCachePool, config_hash: &str) -> (Deployment, Servi
                     .volume_mounts
                     .get_or_insert_with(Vec::new)
                     .push(mount(k.volume, k.dir, true));
+            }
+        }
+        if let Some(files) = &facts.model_files {
+            spec.volumes.get_or_insert_with(Vec::new).push(Volume {
+                name: MODEL_VOLUME.to_owned(),
+                persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                    claim_name: files.claim.clone(),
+                    read_only: Some(true),
+                }),
+                ..Volume::default()
+            });
+            if let Some(container) = spec.containers.first_mut() {
+                container
+                    .volume_mounts
+                    .get_or_insert_with(Vec::new)
+                    .push(mount(MODEL_VOLUME, contract::MODEL_MOUNT, true));
             }
         }
         if let Some(t) = &c.tokenizer {
@@ -166,6 +191,17 @@ fn key_files(c: &ConductorSpec) -> Vec<KeyFile<'_>> {
     clients.into_iter().chain(engines).collect()
 }
 
+/// Name of the conductor's volume of the engine pools' model claim.
+const MODEL_VOLUME: &str = "model";
+
+/// The directory of the model inside the conductor's mount of its claim.
+fn model_dir(files: &ModelFiles) -> String {
+    match files.path.as_str() {
+        "" => contract::MODEL_MOUNT.to_owned(),
+        path => format!("{}/{path}", contract::MODEL_MOUNT),
+    }
+}
+
 /// Name of the conductor's tokenizer volume.
 const TOKENIZER_VOLUME: &str = "tokenizer";
 
@@ -210,7 +246,7 @@ mod tests {
     use crate::test_fixtures::{after, roce, valid};
 
     fn conductor_pod(pool: &kvpool_crd::KVCachePool) -> PodSpec {
-        let (d, _) = super::conductor(&valid(pool), "h");
+        let (d, _) = super::conductor(&valid(pool), "h", &Default::default());
         d.spec.and_then(|s| s.template.spec).expect("conductor pod")
     }
 
@@ -291,5 +327,60 @@ mod tests {
                 .unwrap_or_else(|| panic!("{volume} mount"));
             assert_eq!((m.mount_path.as_str(), m.read_only), (dir, Some(true)));
         }
+    }
+
+    /// The engine pools' facts: their tensor parallel size, and the claim holding their one
+    /// model, mounted read-only where `--model-dir` points (the model directory's tokenizer
+    /// then replaces the engines' /tokenize).
+    #[test]
+    fn the_engine_pools_model_claim_is_mounted_and_named_by_model_dir() {
+        let facts = crate::serving::ConductorFacts {
+            tensor_parallel_size: Some(2),
+            model_files: Some(crate::serving::ModelFiles {
+                claim: "weights".into(),
+                path: "hub/qwen".into(),
+            }),
+        };
+        let (d, _) = super::conductor(&valid(&roce()), "h", &facts);
+        let pod = d.spec.and_then(|s| s.template.spec).expect("conductor pod");
+        let c = &pod.containers[0];
+        assert_eq!(
+            after(args(c), "--model-dir"),
+            Some("/etc/kvpool/model/hub/qwen")
+        );
+        assert_eq!(after(args(c), "--engine-tensor-parallel-size"), Some("2"));
+        assert!(!args(c).iter().any(|a| a == "--tokenizer"), "{:?}", args(c));
+        let v = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "model")
+            .expect("model volume");
+        let claim = v.persistent_volume_claim.as_ref().expect("a claim");
+        assert_eq!(
+            (claim.claim_name.as_str(), claim.read_only),
+            ("weights", Some(true))
+        );
+        let m = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "model")
+            .expect("model mount");
+        assert_eq!(
+            (m.mount_path.as_str(), m.read_only),
+            ("/etc/kvpool/model", Some(true))
+        );
+
+        // Without facts: the engines' tokenizer, no size, no claim.
+        let plain = conductor_pod(&roce());
+        let c = &plain.containers[0];
+        assert_eq!(after(args(c), "--tokenizer"), Some("engine"));
+        assert!(
+            !args(c)
+                .iter()
+                .any(|a| a == "--model-dir" || a == "--engine-tensor-parallel-size")
+        );
+        assert!(!plain.volumes.iter().flatten().any(|v| v.name == "model"));
     }
 }

@@ -32,6 +32,7 @@ use crate::error::Result;
 use crate::labels::{self, Component};
 use crate::master_tls;
 use crate::pod;
+use crate::serving::ConductorFacts;
 
 pub use agent::{AGENT_CAPABILITIES, agent_daemonset};
 pub use auth::{ROLE_ITEMS, auth_secret};
@@ -65,6 +66,16 @@ pub struct CachePoolChildren {
 /// Every child of `pool`. `key_hex` is the pool key derived from the root key (stored only when
 /// the auth Secret does not exist yet).
 pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> {
+    build_for(pool, key_hex, &ConductorFacts::default())
+}
+
+/// [`build`] with what the pool's engine pools tell the conductor about the served model
+/// (`facts`, from [`crate::serving::conductor_facts`]).
+pub fn build_for(
+    pool: &ValidCachePool,
+    key_hex: &str,
+    facts: &ConductorFacts,
+) -> Result<CachePoolChildren> {
     let data = config_data(pool)?;
     let hash = config_hash(&data);
     let mut agent = agent_daemonset(pool, &hash);
@@ -73,7 +84,7 @@ pub fn build(pool: &ValidCachePool, key_hex: &str) -> Result<CachePoolChildren> 
         .effective
         .conductor
         .is_some()
-        .then(|| conductor(pool, &hash));
+        .then(|| conductor(pool, &hash, facts));
     // TLS of the master: its certificate in the master, its CA (and the client certificate)
     // in every client of it.
     if let Some(tls) = &pool.spec.master.tls {
