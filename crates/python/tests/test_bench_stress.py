@@ -1,0 +1,35 @@
+"""`kvpool bench stress --vs-mooncake` once at a tiny size: its driver (written into the binary)
+runs the batch calls through this venv's `kvpool.mooncake` and against real Mooncake, every
+value read back is verified on both sides, and the report pairs the same cells. No ratio is
+asserted: figures are for docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvpool_pool import REPO, kvpool_binary
+
+
+def test_bench_stress_runs_both_stores_on_the_same_cells():
+    out = subprocess.run(
+        [str(kvpool_binary()), "bench", "stress", "--vs-mooncake", "--json",
+         "--sizes", "64KiB", "--batches", "1,4", "--parts", "1,2",
+         "--bytes-per-cell", "512KiB", "--agent-capacity", "64MiB",
+         "--python", sys.executable, "--mooncake-venv", str(REPO / ".tools" / "py")],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    cells = [(c["size"], c["batch"], c["parts"]) for c in r["kvpool"]["cells"]]
+    assert cells == [(65536, 1, 1), (65536, 4, 1), (65536, 1, 2), (65536, 4, 2)]
+    assert [(c["size"], c["batch"], c["parts"]) for c in r["mooncake"]["cells"]] == cells
+    for side in ("kvpool", "mooncake"):
+        for c in r[side]["cells"]:
+            assert c["values"] == 8, c
+            assert c["put"]["failures"] == 0 and c["get"]["failures"] == 0, (side, c)
+            assert c["get"]["verified"] == 8, (side, c)
+            assert c["put"]["calls"] == 8 // c["batch"], (side, c)
+    assert r["all_values_verified"] is True
+    assert len(r["ratios"]) == 4 and all(x["put"] > 0 and x["get"] > 0 for x in r["ratios"])
