@@ -15,8 +15,10 @@ pub mod replay;
 mod settings;
 pub mod shm;
 mod startup;
+pub mod stats;
 pub mod summary;
 pub mod vllm;
+mod workdir;
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -118,6 +120,13 @@ pub struct UpArgs {
     #[arg(long, env = "KVPOOL_UP_ENGINE_PROTOCOL", value_enum,
         default_value_t = kvpool_proto::openai::EngineProtocol::Vllm)]
     pub engine_protocol: kvpool_proto::openai::EngineProtocol,
+    /// The conductor's prefill placement policy (its `--policy`): `conductor` (the
+    /// KVCache-centric one: lowest estimated TTFT counting engines' caches and the pool),
+    /// `local-only`, `cache-aware`, `least-load`, `round-robin` or `random`; to compare them
+    /// on one replay (docs/scheduling.md, "TTFT per policy on live vLLM engines").
+    #[arg(long, env = "KVPOOL_UP_POLICY", value_enum,
+        default_value_t = kvpool_core::sched::Policy::Conductor)]
+    pub policy: kvpool_core::sched::Policy,
     /// Replay this Mooncake trace through the conductor, print a summary and exit.
     #[arg(long, env = "KVPOOL_UP_REPLAY", value_name = "TRACE")]
     pub replay: Option<PathBuf>,
@@ -230,90 +239,6 @@ pub enum UpError {
 
 kvpool_runtime::error_category!(UpError);
 
-/// Prefix of the temporary working directories.
-const TEMP_PREFIX: &str = "kvpool-up-";
-/// File in the working directory naming the `up` process that uses it.
-const PID_FILE: &str = "up.pid";
-
-/// The working directory: `--dir`, or a temporary one removed when the guard drops. A
-/// directory `up` creates is private to the user (0700: it holds the pool key, sockets and
-/// logs), and names this process in `up.pid` so that a later `up` can remove it if this one
-/// is killed before it cleans up.
-fn work_dir(args: &UpArgs) -> Result<(PathBuf, Option<tempfile::TempDir>), UpError> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-    let dir_err = |path: PathBuf| move |source| UpError::Dir { path, source };
-    let (dir, temp) = match &args.dir {
-        Some(d) => (d.clone(), None),
-        None => {
-            remove_stale_dirs(&std::env::temp_dir());
-            let t = tempfile::Builder::new()
-                .prefix(TEMP_PREFIX)
-                .permissions(std::fs::Permissions::from_mode(0o700))
-                .tempdir()
-                .map_err(dir_err(std::env::temp_dir()))?;
-            (t.path().to_owned(), Some(t))
-        }
-    };
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .map_err(dir_err(dir.clone()))?;
-    if let Ok(meta) = std::fs::metadata(&dir)
-        && meta.permissions().mode() & 0o077 != 0
-    {
-        tracing::warn!(dir = %dir.display(), mode = format!("{:o}", meta.permissions().mode() & 0o777),
-            "the working directory is open to other users (its key file is not)");
-    }
-    let pid = dir.join(PID_FILE);
-    std::fs::write(&pid, std::process::id().to_string()).map_err(dir_err(pid))?;
-    Ok((dir, temp))
-}
-
-/// Removes the temporary working directories of earlier `up` runs that died without cleaning
-/// up: `kvpool-up-*` directories in `tmp` owned by this user whose `up.pid` names a process
-/// that no longer exists. Directories without a readable pid file (another `up` may be
-/// creating one right now) and those of live processes are left alone; failures are logged.
-fn remove_stale_dirs(tmp: &std::path::Path) {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(entries) = std::fs::read_dir(tmp) else {
-        return;
-    };
-    // SAFETY: geteuid has no preconditions, touches no memory of ours and cannot fail.
-    let uid = unsafe { libc::geteuid() };
-    for entry in entries.filter_map(Result::ok) {
-        let path = entry.path();
-        let stale = entry
-            .file_name()
-            .to_str()
-            .is_some_and(|n| n.starts_with(TEMP_PREFIX))
-            && std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir() && m.uid() == uid)
-            && std::fs::read_to_string(path.join(PID_FILE))
-                .ok()
-                .and_then(|p| p.trim().parse::<i32>().ok())
-                .is_some_and(|pid| pid > 0 && !process_exists(pid));
-        if stale {
-            match std::fs::remove_dir_all(&path) {
-                Ok(()) => {
-                    tracing::info!(dir = %path.display(), "removed the working directory of an earlier kvpool up that was killed")
-                }
-                Err(e) => {
-                    tracing::warn!(dir = %path.display(), error = %e, "cannot remove a stale working directory")
-                }
-            }
-        }
-    }
-}
-
-/// Whether a process `pid` exists (a process of another user counts as existing).
-fn process_exists(pid: i32) -> bool {
-    use nix::errno::Errno;
-    !matches!(
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
-        Err(Errno::ESRCH)
-    )
-}
-
 /// The pool key (for the master), each role's credential file derived from it, and each
 /// agent's own node-bound one (0600 each, in the 0700 run directory).
 fn write_keys(dir: &std::path::Path, pool_key: &str, agents: usize) -> Result<(), UpError> {
@@ -416,7 +341,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         }
         None => None,
     };
-    let (dir, temp) = work_dir(args)?;
+    let (dir, temp) = workdir::work_dir(args)?;
     let (tiers, _tiers_guard) = shm::tier_dir(args.agent_dram_persistence, &dir, temp.is_some())?;
     let _temp = temp;
     let mut settings = validate(args, dir.clone(), tiers)?;
@@ -492,6 +417,7 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
         block_size = settings.block_size,
         agent_dram = %settings.agent_dram,
         time_scale = settings.time_scale,
+        policy = settings.policy.name(),
         protocol = <&str>::from(settings.protocol),
         engine = if settings.vllm.is_some() { "vllm" } else { "synthetic" },
         replay = records.as_ref().map(Vec::len),
@@ -569,7 +495,8 @@ pub fn run(args: &UpArgs) -> Result<(), UpError> {
     match result? {
         Some((stats, kv, pool, end)) => {
             ended = end;
-            let v = summary_json(&stats, args.speed, &kv, pool, unclean.is_none());
+            let policy = args.policy.name();
+            let v = summary_json(&stats, args.speed, policy, &kv, pool, unclean.is_none());
             if args.json {
                 println!("{v}");
             } else {

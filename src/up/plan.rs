@@ -82,6 +82,8 @@ pub struct UpSettings {
     pub dram_tiers: Option<PathBuf>,
     /// Real vLLM engines instead of the synthetic ones (`--engine vllm`).
     pub vllm: Option<super::vllm::VllmEngine>,
+    /// The conductor's prefill placement policy.
+    pub policy: kvpool_core::sched::Policy,
 }
 
 /// Ports handed to the children, in the order `plan` takes them.
@@ -387,6 +389,7 @@ pub fn plan(s: &UpSettings, ports: &[u16]) -> Option<Vec<ChildSpec>> {
     if s.protocol == EngineProtocol::Sglang {
         args.extend(["--engine-protocol".into(), "sglang".into()]);
     }
+    args.extend(["--policy".into(), s.policy.name().into()]);
     for url in &prefill_urls {
         args.extend(["--prefill".into(), url.clone()]);
     }
@@ -436,6 +439,31 @@ mod tests {
             agent_flags: Vec::new(),
             dram_tiers: Some("/dev/shm/up".into()),
             vllm: None,
+            policy: kvpool_core::sched::Policy::Conductor,
+        }
+    }
+
+    #[test]
+    fn the_policy_reaches_the_conductor_only() {
+        let mut s = settings();
+        let ports: Vec<u16> = (1..=ports_needed(&s) as u16).collect();
+        for policy in kvpool_core::sched::Policy::ALL {
+            s.policy = policy;
+            let p = plan(&s, &ports).unwrap();
+            let conductor = p.last().unwrap();
+            let at = conductor.args.iter().position(|a| a == "--policy");
+            assert_eq!(
+                at.and_then(|i| conductor.args.get(i + 1))
+                    .map(String::as_str),
+                Some(policy.name()),
+                "{:?}",
+                conductor.args
+            );
+            assert!(
+                p[..p.len() - 1]
+                    .iter()
+                    .all(|c| !c.args.iter().any(|a| a == "--policy"))
+            );
         }
     }
 

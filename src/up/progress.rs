@@ -101,6 +101,7 @@ mod tests {
             ttft_s: 0.1,
             tpot_s: None,
             tokens: 3,
+            predicted_ttft_s: None,
         });
         p.record(&Outcome::Rejected);
         p.record(&Outcome::Failed);

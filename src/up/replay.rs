@@ -17,6 +17,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use kvpool_conductor::server::TTFT_HEADER;
 use kvpool_core::sim::trace::TraceRecord;
 
 /// Prompt text for a trace record: `input_length` stand-in tokens of `chunk_bytes` ASCII bytes
@@ -40,91 +41,7 @@ pub fn prompt_text(rec: &TraceRecord, block_size: u32, chunk_bytes: usize) -> St
     out
 }
 
-/// What happened to one request.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Outcome {
-    /// Streamed to the end: seconds to the first token, and between tokens after it.
-    Served {
-        ttft_s: f64,
-        tpot_s: Option<f64>,
-        tokens: u64,
-    },
-    /// 429 from the conductor (early rejection under load), or 400 `slo_unattainable` (a
-    /// request that cannot meet its SLO on an idle pool either).
-    Rejected,
-    /// Anything else (status or transport error).
-    Failed,
-}
-
-/// `q`-quantile (0..=1) of `values` by nearest rank ([`kvpool_core::quantile`]); `None` when
-/// empty.
-pub fn quantile(values: &[f64], q: f64) -> Option<f64> {
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    kvpool_core::quantile::nearest_rank(&v, q)
-}
-
-/// The median and the 99th percentile of some latencies (`None` when there were none).
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
-pub struct Quantiles {
-    pub p50: Option<f64>,
-    pub p99: Option<f64>,
-}
-
-impl Quantiles {
-    /// Of `values`, in any order.
-    pub fn of(values: &[f64]) -> Self {
-        Quantiles {
-            p50: quantile(values, 0.5),
-            p99: quantile(values, 0.99),
-        }
-    }
-}
-
-/// Counts and latency quantiles of a replay (latencies in milliseconds of wall-clock time).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ReplayStats {
-    pub requests: usize,
-    pub served: usize,
-    pub rejected: usize,
-    pub failed: usize,
-    pub generated_tokens: u64,
-    pub ttft_ms: Quantiles,
-    pub tpot_ms: Quantiles,
-    pub wall_s: f64,
-}
-
-/// Summarises the outcomes.
-pub fn summarise(outcomes: &[Outcome], wall_s: f64) -> ReplayStats {
-    let mut s = ReplayStats {
-        requests: outcomes.len(),
-        wall_s,
-        ..ReplayStats::default()
-    };
-    let mut ttft = Vec::new();
-    let mut tpot = Vec::new();
-    for o in outcomes {
-        match o {
-            Outcome::Served {
-                ttft_s,
-                tpot_s,
-                tokens,
-            } => {
-                s.served += 1;
-                s.generated_tokens += tokens;
-                ttft.push(ttft_s * 1e3);
-                if let Some(t) = tpot_s {
-                    tpot.push(t * 1e3);
-                }
-            }
-            Outcome::Rejected => s.rejected += 1,
-            Outcome::Failed => s.failed += 1,
-        }
-    }
-    s.ttft_ms = Quantiles::of(&ttft);
-    s.tpot_ms = Quantiles::of(&tpot);
-    s
-}
+pub use super::stats::{Outcome, Quantiles, ReplayStats, quantile, summarise};
 
 /// Whether a server-sent event carries a completion chunk (JSON), not the `[DONE]` marker.
 fn is_chunk(event: &eventsource_stream::Event) -> bool {
@@ -149,6 +66,8 @@ async fn send(client: &HttpClient, url: &str, body: String) -> Outcome {
             return Outcome::Failed;
         }
     };
+    // The conductor's TTFT estimate comes with the response head, before the first token.
+    let predicted_ttft_s = predicted_ttft_s(resp.headers());
     match resp.status().as_u16() {
         200 => {}
         429 => return Outcome::Rejected,
@@ -199,7 +118,21 @@ async fn send(client: &HttpClient, url: &str, body: String) -> Outcome {
         ttft_s,
         tpot_s,
         tokens,
+        predicted_ttft_s,
     }
+}
+
+/// The conductor's TTFT estimate in a response's headers ([`TTFT_HEADER`], milliseconds), in
+/// seconds; `None` when absent or not a finite number >= 0.
+fn predicted_ttft_s(headers: &http::HeaderMap) -> Option<f64> {
+    let ms: f64 = headers
+        .get(TTFT_HEADER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    (ms.is_finite() && ms >= 0.0).then_some(ms / 1e3)
 }
 
 /// Replays `records` against the conductor at `conductor` (base URL), `speed` times faster
@@ -306,34 +239,15 @@ mod tests {
     }
 
     #[test]
-    fn quantiles_and_summary() {
-        assert_eq!(quantile(&[], 0.5), None);
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(quantile(&v, 0.5), Some(50.0));
-        assert_eq!(quantile(&v, 0.99), Some(99.0));
-        assert_eq!(quantile(&[3.0], 0.99), Some(3.0));
-        let s = summarise(
-            &[
-                Outcome::Served {
-                    ttft_s: 0.1,
-                    tpot_s: Some(0.01),
-                    tokens: 5,
-                },
-                Outcome::Served {
-                    ttft_s: 0.3,
-                    tpot_s: None,
-                    tokens: 1,
-                },
-                Outcome::Rejected,
-                Outcome::Failed,
-            ],
-            2.0,
-        );
-        assert_eq!((s.requests, s.served, s.rejected, s.failed), (4, 2, 1, 1));
-        assert_eq!(s.generated_tokens, 6);
-        assert_eq!(s.ttft_ms.p50, Some(100.0));
-        assert_eq!(s.ttft_ms.p99, Some(300.0));
-        assert_eq!(s.tpot_ms.p50, Some(10.0));
+    fn the_ttft_estimate_is_read_from_the_response_head() {
+        let mut h = http::HeaderMap::new();
+        assert_eq!(predicted_ttft_s(&h), None);
+        h.insert(TTFT_HEADER, http::HeaderValue::from_static("250.000"));
+        assert_eq!(predicted_ttft_s(&h), Some(0.25));
+        for bad in ["-1", "NaN", "soon"] {
+            h.insert(TTFT_HEADER, http::HeaderValue::from_static(bad));
+            assert_eq!(predicted_ttft_s(&h), None, "{bad}");
+        }
     }
 
     #[tokio::test]

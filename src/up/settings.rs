@@ -107,6 +107,7 @@ pub(super) fn validate(
         agent_flags: Vec::new(),
         dram_tiers: tiers,
         vllm,
+        policy: args.policy,
     })
 }
 

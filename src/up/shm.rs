@@ -9,7 +9,8 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{PID_FILE, TEMP_PREFIX, UpError};
+use super::UpError;
+use super::workdir::{PID_FILE, TEMP_PREFIX};
 
 /// The memory filesystem `up` puts the tiers on.
 const SHM: &str = "/dev/shm";
@@ -61,7 +62,7 @@ pub(super) fn tier_dir(
     }
     let dir_err = |path: PathBuf| move |source| UpError::Dir { path, source };
     if mode == DramPersistence::Auto {
-        super::remove_stale_dirs(Path::new(SHM));
+        super::workdir::remove_stale_dirs(Path::new(SHM));
         let t = tempfile::Builder::new()
             .prefix(TEMP_PREFIX)
             .permissions(std::fs::Permissions::from_mode(0o700))

@@ -8,7 +8,7 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 use super::plan::{ChildSpec, Role};
-use super::replay::{Quantiles, ReplayStats};
+use super::stats::{Prediction, Quantiles, ReplayStats};
 pub use kvpool_harness::scrape::{metric_sum, metric_sum_labelled};
 
 /// The timed operations of the summary's `timing` object: the engines' KV work by operation
@@ -42,6 +42,10 @@ pub struct EngineKv {
     /// Real engines' prompt tokens by where they came from, as vLLM counts them
     /// (`vllm:prompt_tokens_by_source_total`): [`PROMPT_SOURCES`] in order.
     pub prompt_tokens: [f64; 3],
+    /// The conductor's own error of its cost models (`kvpool_conductor_prefill_cost_error_ratio`
+    /// averaged over the prefill engines that have one, `..._decode_cost_error_ratio`).
+    pub prefill_cost_error: Option<f64>,
+    pub decode_cost_error: Option<f64>,
 }
 
 /// vLLM's sources of prompt tokens: computed, its own prefix cache, loaded through the KV
@@ -96,6 +100,8 @@ pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
                 metric_sum_labelled(&text, "kvpool_conductor_kv_events_total", "kind", kind);
         }
         kv.kv_events[2] = metric_sum(&text, "kvpool_conductor_kv_event_gaps_total");
+        kv.prefill_cost_error = metric_mean(&text, "kvpool_conductor_prefill_cost_error_ratio");
+        kv.decode_cost_error = metric_mean(&text, "kvpool_conductor_decode_cost_error_ratio");
         kv.fetch_bandwidth_bps = kvpool_harness::scrape::samples(&text)
             .any(|s| s.name == "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second")
             .then(|| {
@@ -106,6 +112,15 @@ pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
             });
     }
     kv
+}
+
+/// The mean of a metric's samples (over its label sets); `None` when it has none.
+fn metric_mean(text: &str, name: &str) -> Option<f64> {
+    let v: Vec<f64> = kvpool_harness::scrape::samples(text)
+        .filter(|s| s.name == name)
+        .map(|s| s.value)
+        .collect();
+    super::stats::mean(&v)
 }
 
 pub(super) async fn pool_stats(
@@ -130,16 +145,18 @@ pub(super) async fn pool_stats(
     }))
 }
 
-/// The summary printed after a replay.
+/// The summary printed after a replay; `policy`: the conductor's placement policy.
 pub fn summary_json(
     stats: &ReplayStats,
     speed: f64,
+    policy: &str,
     kv: &EngineKv,
     pool: Option<Value>,
     clean: bool,
 ) -> Value {
     let lookups = kv.block_hits + kv.block_misses;
     json!({
+        "policy": policy,
         "requests": stats.requests,
         "served": stats.served,
         "rejected": stats.rejected,
@@ -149,6 +166,11 @@ pub fn summary_json(
         "speed": speed,
         "ttft_ms": stats.ttft_ms,
         "tpot_ms": stats.tpot_ms,
+        "ttft_prediction": stats.ttft_prediction,
+        "conductor_cost_error_ratio": {
+            "prefill": kv.prefill_cost_error,
+            "decode": kv.decode_cost_error,
+        },
         "engines": {
             "kv_read_bytes": kv.read_bytes,
             "kv_written_bytes": kv.written_bytes,
@@ -195,9 +217,28 @@ fn ms(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.1} ms"))
 }
 
-/// A row of latency quantiles, `-` for a missing one.
+/// A row of latency statistics, `-` for a missing one.
 fn quantiles(q: Quantiles) -> String {
-    format!("p50 {}  p99 {}  (wall clock)", ms(q.p50), ms(q.p99))
+    format!(
+        "mean {}  p50 {}  p90 {}  p99 {}  (wall clock)",
+        ms(q.mean),
+        ms(q.p50),
+        ms(q.p90),
+        ms(q.p99)
+    )
+}
+
+/// The conductor's TTFT prediction against what was observed, `-` for a missing figure.
+fn prediction(p: &Prediction) -> String {
+    let ratio = |r: Option<f64>, f: &dyn Fn(f64) -> String| r.map_or_else(|| "-".into(), f);
+    format!(
+        "median {} predicted, {} observed (x{}), median error {} over {} requests",
+        ms(p.median_predicted_ms),
+        ms(p.median_observed_ms),
+        ratio(p.median_ratio, &|r| format!("{r:.2}")),
+        ratio(p.median_abs_error_ratio, &|r| format!("{:.0}%", r * 100.0)),
+        p.requests
+    )
 }
 
 pub(super) fn print_summary(v: &Value, stats: &ReplayStats, kv: &EngineKv) {
@@ -216,10 +257,11 @@ pub fn summary_table(v: &Value, stats: &ReplayStats, kv: &EngineKv) -> String {
         (
             "requests",
             format!(
-                "{} in {:.1} s at x{}: {} served, {} rejected, {} failed",
+                "{} in {:.1} s at x{}, policy {}: {} served, {} rejected, {} failed",
                 stats.requests,
                 stats.wall_s,
                 v["speed"],
+                v["policy"].as_str().unwrap_or("-"),
                 stats.served,
                 stats.rejected,
                 stats.failed
@@ -228,6 +270,9 @@ pub fn summary_table(v: &Value, stats: &ReplayStats, kv: &EngineKv) -> String {
         ("TTFT", quantiles(stats.ttft_ms)),
         ("TPOT", quantiles(stats.tpot_ms)),
     ];
+    if stats.ttft_prediction.requests > 0 {
+        rows.push(("TTFT estimate", prediction(&stats.ttft_prediction)));
+    }
     // Synthetic engines count their own KV traffic; real engines count prompt tokens by source.
     if kv.prompt_tokens.iter().all(|t| *t == 0.0) {
         rows.extend([
@@ -290,8 +335,9 @@ mod tests {
             rejected: 1,
             ttft_ms: Quantiles {
                 p50: Some(12.0),
-                p99: None,
+                ..Quantiles::default()
             },
+            ttft_prediction: Prediction::of(&[(10.0, 12.0), (20.0, 16.0)]),
             wall_s: 1.5,
             ..ReplayStats::default()
         };
@@ -299,15 +345,28 @@ mod tests {
             written_bytes: 2.0 * 1024.0 * 1024.0,
             ..EngineKv::default()
         };
-        let v = json!({"speed": 10.0, "pool": {"objects": 4, "used_bytes": 1024.0,
+        let v = json!({"speed": 10.0, "policy": "random", "pool": {"objects": 4, "used_bytes": 1024.0,
             "capacity_bytes": 67108864.0, "nodes_alive": 2}});
         let t = summary_table(&v, &stats, &kv);
         let rows: Vec<&str> = t.lines().collect();
         assert_eq!(rows[0], "replay summary", "{t}");
-        assert_eq!(rows.len(), 7, "{t}");
+        assert_eq!(rows.len(), 8, "{t}");
         assert!(
-            rows[1]
-                .starts_with("  requests     3 in 1.5 s at x10.0: 2 served, 1 rejected, 0 failed"),
+            rows[1].starts_with(
+                "  requests       3 in 1.5 s at x10.0, policy random: 2 served, 1 rejected, 0 failed"
+            ),
+            "{t}"
+        );
+        assert!(
+            t.contains("  TTFT           mean -  p50 12.0 ms  p90 -  p99 -  (wall clock)"),
+            "{t}"
+        );
+        // Medians 10 and 20 -> 10 (nearest rank) predicted, 12 observed; errors 17% and 25%.
+        assert!(
+            t.contains(
+                "  TTFT estimate  median 10.0 ms predicted, 12.0 ms observed (x0.83), median \
+                 error 17% over 2 requests"
+            ),
             "{t}"
         );
         // Every value starts in the same column.
@@ -349,10 +408,10 @@ mod tests {
             block_misses: 1.0,
             ..EngineKv::default()
         };
-        let v = summary_json(&stats, 10.0, &kv, None, true);
+        let v = summary_json(&stats, 10.0, "conductor", &kv, None, true);
         assert_eq!(v["engines"]["pool_hit_ratio"], 0.75);
         assert!(v["pool"].is_null());
-        let v = summary_json(&stats, 10.0, &EngineKv::default(), None, false);
+        let v = summary_json(&stats, 10.0, "conductor", &EngineKv::default(), None, false);
         assert!(v["engines"]["pool_hit_ratio"].is_null());
         assert_eq!(v["clean_shutdown"], false);
     }
