@@ -53,7 +53,7 @@ impl<'a> BatchItem<'a> {
     }
 
     /// Whether a value of `size` bytes may be read into the ranges.
-    fn fits(&self, size: u64) -> Result<(), DataError> {
+    pub(super) fn fits(&self, size: u64) -> Result<(), DataError> {
         let room = self.room();
         if size > room {
             return Err(DataError::BufferTooSmall { size, have: room });
@@ -69,7 +69,7 @@ impl<'a> BatchItem<'a> {
 
     /// One request per range, between the ranges and replica `r` (which holds the value of
     /// `size` bytes from its offset on).
-    fn requests(
+    pub(super) fn requests(
         &self,
         client: &PoolClient,
         op: TransferOp,
@@ -192,7 +192,8 @@ impl PoolClient {
 
     /// The READs of a located value into the item's ranges, and the replica's name; `None`
     /// when the value goes through the single-item path (it may be a striped object's
-    /// manifest, or its nearest replica lives in this process).
+    /// manifest, its nearest replica lives in this process, or that replica cannot be read
+    /// as it is: the single-item path then tries the others).
     fn read_requests(
         &self,
         item: &BatchItem<'_>,
@@ -200,12 +201,14 @@ impl PoolClient {
     ) -> Result<Option<(Vec<TransferRequest>, String)>, DataError> {
         item.fits(l.size)?;
         let Some(r) = pick_nearest(&l.replicas, &self.node, self.numa_node) else {
-            return Err(DataError::NoReplica);
+            return Ok(None);
         };
         if l.size == MANIFEST_LEN as u64 || self.local_segment(r).is_some() {
             return Ok(None);
         }
-        let reqs = item.requests(self, TransferOp::Read, r, l.size)?;
+        let Ok(reqs) = item.requests(self, TransferOp::Read, r, l.size) else {
+            return Ok(None);
+        };
         let name = reqs
             .first()
             .map(|q| q.remote.name().to_owned())

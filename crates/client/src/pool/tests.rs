@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::staging::{MIN_STAGING, StagingCache};
 use super::*;
 use kvpool_core::master::types::{ReplicaInfo, Tier};
-use kvpool_transfer::{self as transfer, Endpoint, HostOptions, Segment};
+use kvpool_transfer::{self as transfer, Endpoint, HostOptions, Segment, TransferOp};
 
 fn replica(endpoints: &[&str]) -> ReplicaInfo {
     ReplicaInfo {
@@ -350,5 +350,88 @@ fn only_failures_of_the_peer_move_a_put_elsewhere() {
     assert!(!peer(
         "remote",
         "peer answered with error out_of_bounds: ..."
+    ));
+}
+
+#[test]
+fn a_batch_item_takes_a_value_that_fits_its_ranges() {
+    let pool = pool_client();
+    let buf = pool.register_buffer(4096).expect("buffer");
+    let one = BatchItem::one(b"k", &buf, 100, 50);
+    assert!(one.fits(50).is_ok() && one.fits(10).is_ok());
+    assert!(matches!(
+        one.fits(51),
+        Err(DataError::BufferTooSmall { size: 51, have: 50 })
+    ));
+    // Near the end of the buffer, the room is what is left of it.
+    let tail = BatchItem::one(b"k", &buf, 4096 - 8, 50);
+    assert!(matches!(
+        tail.fits(9),
+        Err(DataError::BufferTooSmall { have: 8, .. })
+    ));
+    // Several ranges: the value must fill them exactly.
+    let two = BatchItem {
+        key: b"k",
+        ranges: vec![(&buf, 0, 10), (&buf, 64, 20)],
+    };
+    assert!(two.fits(30).is_ok());
+    assert!(matches!(
+        two.fits(31),
+        Err(DataError::BufferTooSmall { .. })
+    ));
+    assert!(matches!(
+        two.fits(29),
+        Err(DataError::SizeMismatch { got: 29, want: 30 })
+    ));
+}
+
+#[test]
+fn a_batch_item_of_several_ranges_moves_them_in_order_with_no_copy() {
+    let (_e, seg, server) = target("a");
+    let pool = pool_client();
+    let src = pool.register_buffer(4096).expect("source");
+    let dst = pool.register_buffer(4096).expect("destination");
+    let value: Vec<u8> = (0..3000u32).map(|i| (i % 241) as u8).collect();
+    // The value's two parts live apart in the source (1000 bytes at 0, 2000 at 1500).
+    src.segment().write_at(0, &value[..1000]).expect("part 1");
+    src.segment()
+        .write_at(1500, &value[1000..])
+        .expect("part 2");
+    let r = located("a", &server, 8192, 3000);
+    let put = BatchItem {
+        key: b"k",
+        ranges: vec![(&src, 0, 1000), (&src, 1500, 2000)],
+    };
+    let reqs = put
+        .requests(&pool, TransferOp::Write, &r, 3000)
+        .expect("write requests");
+    assert_eq!(
+        reqs.iter()
+            .map(|q| (q.local_offset, q.remote_offset, q.len))
+            .collect::<Vec<_>>(),
+        [(0, 8192, 1000), (1500, 9192, 2000)]
+    );
+    pool.engine.transfer(reqs).expect("write");
+    let mut held = vec![0u8; 3000];
+    seg.segment().read_at(8192, &mut held).expect("replica");
+    assert!(held == value, "the replica holds the parts in order");
+    // Read back split differently: 2500 bytes at 100, 500 at 3000.
+    let get = BatchItem {
+        key: b"k",
+        ranges: vec![(&dst, 100, 2500), (&dst, 3000, 500)],
+    };
+    let reqs = get
+        .requests(&pool, TransferOp::Read, &r, 3000)
+        .expect("read requests");
+    pool.engine.transfer(reqs).expect("read");
+    let (mut a, mut b) = (vec![0u8; 2500], vec![0u8; 500]);
+    dst.segment().read_at(100, &mut a).expect("range 1");
+    dst.segment().read_at(3000, &mut b).expect("range 2");
+    assert!(a == value[..2500] && b == value[2500..]);
+    // A replica of another length is refused before any transfer.
+    let short = located("a", &server, 8192, 2999);
+    assert!(matches!(
+        get.requests(&pool, TransferOp::Read, &short, 3000),
+        Err(DataError::SizeMismatch { .. })
     ));
 }
