@@ -396,26 +396,30 @@ where
 fn engine_pool_changes<K: EnginePool>(
     api: Api<K>,
 ) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static {
-    let mut seen: std::collections::HashMap<reflector::ObjectRef<K>, Option<i64>> =
-        std::collections::HashMap::new();
+    let mut seen = Generations::default();
     watcher(api, watcher::Config::default().any_semantic())
         .default_backoff()
-        .try_filter_map(move |event| {
-            let changed = match event {
-                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
-                    let generation = o.meta().generation;
-                    (seen.insert(reflector::ObjectRef::from_obj(&o), generation)
-                        != Some(generation))
-                    .then_some(o)
-                }
-                watcher::Event::Delete(o) => {
-                    seen.remove(&reflector::ObjectRef::from_obj(&o));
-                    Some(o)
-                }
-                watcher::Event::Init | watcher::Event::InitDone => None,
-            };
-            futures::future::ready(Ok(changed))
-        })
+        .try_filter_map(move |event| futures::future::ready(Ok(spec_change(&mut seen, event))))
+}
+
+/// The last generation seen of each object.
+type Generations<K> = std::collections::HashMap<reflector::ObjectRef<K>, Option<i64>>;
+
+/// The object of `event` when it is new, has a new generation, or was deleted (kube's
+/// `predicates::generation` drops deletions, which change what the engine pools serve).
+fn spec_change<K: EnginePool>(seen: &mut Generations<K>, event: watcher::Event<K>) -> Option<K> {
+    match event {
+        watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
+            let generation = o.meta().generation;
+            (seen.insert(reflector::ObjectRef::from_obj(&o), generation) != Some(generation))
+                .then_some(o)
+        }
+        watcher::Event::Delete(o) => {
+            seen.remove(&reflector::ObjectRef::from_obj(&o));
+            Some(o)
+        }
+        watcher::Event::Init | watcher::Event::InitDone => None,
+    }
 }
 
 /// The KVCachePool an engine pool references.
@@ -554,4 +558,44 @@ async fn run_controllers(
         .for_each(|r| log_results("DecodePool", r));
     tokio::join!(pools, prefill, decode);
     sync.abort();
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::runtime::watcher::Event;
+    use kvpool_crd::DecodePool;
+
+    use super::*;
+
+    /// A new pool and a new generation pass, a status-only change does not, a deletion does.
+    #[test]
+    fn engine_pool_spec_changes_and_deletions_pass_status_writes_do_not() {
+        let mut seen = Generations::default();
+        let mut pool: DecodePool = crate::test_fixtures::decode_sglang();
+        let generation = |o: Option<DecodePool>| o.map(|o| o.metadata.generation);
+        assert_eq!(
+            generation(spec_change(&mut seen, Event::InitApply(pool.clone()))),
+            Some(Some(1))
+        );
+        assert_eq!(generation(spec_change(&mut seen, Event::InitDone)), None);
+        pool.status = Some(Default::default());
+        assert_eq!(
+            generation(spec_change(&mut seen, Event::Apply(pool.clone()))),
+            None
+        );
+        pool.metadata.generation = Some(2);
+        assert_eq!(
+            generation(spec_change(&mut seen, Event::Apply(pool.clone()))),
+            Some(Some(2))
+        );
+        assert_eq!(
+            generation(spec_change(&mut seen, Event::Delete(pool.clone()))),
+            Some(Some(2))
+        );
+        // Created again under the same name: a change.
+        assert_eq!(
+            generation(spec_change(&mut seen, Event::Apply(pool))),
+            Some(Some(2))
+        );
+    }
 }
