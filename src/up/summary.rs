@@ -46,7 +46,14 @@ pub struct EngineKv {
     /// averaged over the prefill engines that have one, `..._decode_cost_error_ratio`).
     pub prefill_cost_error: Option<f64>,
     pub decode_cost_error: Option<f64>,
+    /// The prefill cost the conductor fitted (`kvpool_conductor_prefill_cost_seconds{source=
+    /// "fitted"}`), per [`PREFILL_TERMS`] entry averaged over the engines with a fit: what a
+    /// simulation of the same engines takes as its prefill cost.
+    pub prefill_cost_fitted: [Option<f64>; 3],
 }
+
+/// The terms of the conductor's prefill cost model, as its metrics label them.
+pub const PREFILL_TERMS: [&str; 3] = ["fixed", "linear", "quadratic"];
 
 /// vLLM's sources of prompt tokens: computed, its own prefix cache, loaded through the KV
 /// connector (from the pool).
@@ -102,6 +109,17 @@ pub(super) async fn engine_kv(specs: &[ChildSpec]) -> EngineKv {
         kv.kv_events[2] = metric_sum(&text, "kvpool_conductor_kv_event_gaps_total");
         kv.prefill_cost_error = metric_mean(&text, "kvpool_conductor_prefill_cost_error_ratio");
         kv.decode_cost_error = metric_mean(&text, "kvpool_conductor_decode_cost_error_ratio");
+        for (i, term) in PREFILL_TERMS.iter().enumerate() {
+            let fitted: Vec<f64> = kvpool_harness::scrape::samples(&text)
+                .filter(|s| {
+                    s.name == "kvpool_conductor_prefill_cost_seconds"
+                        && s.label("term") == Some(term)
+                        && s.label("source") == Some("fitted")
+                })
+                .map(|s| s.value)
+                .collect();
+            kv.prefill_cost_fitted[i] = super::stats::mean(&fitted);
+        }
         kv.fetch_bandwidth_bps = kvpool_harness::scrape::samples(&text)
             .any(|s| s.name == "kvpool_conductor_pool_fetch_bandwidth_bytes_per_second")
             .then(|| {
@@ -170,6 +188,11 @@ pub fn summary_json(
         "conductor_cost_error_ratio": {
             "prefill": kv.prefill_cost_error,
             "decode": kv.decode_cost_error,
+        },
+        "conductor_prefill_cost_fitted_s": {
+            "fixed": kv.prefill_cost_fitted[0],
+            "linear": kv.prefill_cost_fitted[1],
+            "quadratic": kv.prefill_cost_fitted[2],
         },
         "engines": {
             "kv_read_bytes": kv.read_bytes,
