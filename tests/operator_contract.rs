@@ -735,3 +735,31 @@ fn the_engine_pools_model_facts_reach_the_conductor() -> Result<()> {
     ensure!(bytes == 1024, "KV bytes per token {bytes} from {source:?}");
     Ok(())
 }
+
+/// Every example set of engine pools (deploy/examples/*, and the e2e suite's pool) serves its
+/// model with prefill and decode pools that agree: none would be reported `ModelMismatch`.
+#[test]
+fn the_example_engine_pools_serve_their_models_together() -> Result<()> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(repo_root().join("deploy/examples"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
+    dirs.push(repo_root().join("tests/e2e/pool"));
+    let mut seen = 0;
+    for dir in dirs.iter().filter(|d| d.join("prefillpool.yaml").is_file()) {
+        let read = |file: &str| std::fs::read_to_string(dir.join(file));
+        let prefill: kvpool_crd::PrefillPool = serde_saphyr::from_str(&read("prefillpool.yaml")?)?;
+        let decode: kvpool_crd::DecodePool = serde_saphyr::from_str(&read("decodepool.yaml")?)?;
+        let pools: Vec<_> = [
+            kvpool_operator::serving::serving(&prefill),
+            kvpool_operator::serving::serving(&decode),
+        ]
+        .into_iter()
+        .collect::<Option<_>>()
+        .with_context(|| format!("{}: the engine pools are valid", dir.display()))?;
+        let mismatches = kvpool_operator::serving::check(&pools);
+        ensure!(mismatches.is_empty(), "{}: {mismatches:?}", dir.display());
+        seen += 1;
+    }
+    ensure!(seen >= 4, "the examples were found ({seen})");
+    Ok(())
+}
