@@ -34,7 +34,6 @@ pub struct EngineServing {
     pub kind: &'static str,
     pub name: String,
     pub role: Role,
-    pub engine: EngineKind,
     /// The model the engines serve under (what their `/v1/models` lists, which the conductor
     /// routes by): the first `--served-model-name` of `engine.args`, else `engine.model`.
     /// `None`: a custom engine without `engine.model`, whose model the operator cannot know.
@@ -89,7 +88,6 @@ pub fn serving<K: EnginePool>(obj: &K) -> Option<EngineServing> {
         kind: K::KIND_NAME,
         name: obj.name_any(),
         role: v.role,
-        engine: v.kind,
         model,
         protocol,
         protocol_source,

@@ -1,5 +1,5 @@
 use kvpool_crd::conditions::reasons;
-use kvpool_crd::{DecodePool, EngineKind, PrefillPool, Role};
+use kvpool_crd::{DecodePool, PrefillPool, Role};
 
 use super::*;
 use crate::test_fixtures::{decode_sglang, prefill_custom, prefill_vllm};
@@ -13,7 +13,6 @@ fn vllm(role: Role, name: &str, model: &str, tp: u32) -> EngineServing {
         },
         name: name.to_owned(),
         role,
-        engine: EngineKind::Vllm,
         model: Some(model.to_owned()),
         protocol: "vllm".to_owned(),
         protocol_source: "engine.kind vllm",
@@ -24,7 +23,6 @@ fn vllm(role: Role, name: &str, model: &str, tp: u32) -> EngineServing {
 
 fn sglang(role: Role, name: &str, model: &str, tp: u32) -> EngineServing {
     EngineServing {
-        engine: EngineKind::Sglang,
         protocol: "sglang".to_owned(),
         protocol_source: "engine.kind sglang",
         ..vllm(role, name, model, tp)
@@ -34,7 +32,6 @@ fn sglang(role: Role, name: &str, model: &str, tp: u32) -> EngineServing {
 /// A custom engine without `engine.model`.
 fn unknown(role: Role, name: &str) -> EngineServing {
     EngineServing {
-        engine: EngineKind::Custom,
         model: None,
         protocol_source: "engine.kind custom, the conductor's default",
         ..vllm(role, name, "-", 1)
@@ -160,7 +157,6 @@ fn pools_of_one_model_with_different_conventions_are_reported() {
     }
     // A custom engine that declares vLLM's convention pairs with vLLM engines.
     let custom = EngineServing {
-        engine: EngineKind::Custom,
         protocol_source: "engine.kind custom, the conductor's default",
         ..vllm(Role::Decode, "qwen", "Qwen/Qwen3-8B", 1)
     };
