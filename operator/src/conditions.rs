@@ -125,6 +125,17 @@ pub fn add(
     );
 }
 
+/// Put `previous`'s condition of `type_` (if any) into `current` as it was: this pass could
+/// not decide it.
+pub fn keep(current: &mut Vec<Condition>, previous: &[Condition], type_: &str) {
+    if let Some(before) = previous.iter().find(|c| c.type_ == type_)
+        && !current.iter().any(|c| c.type_ == type_)
+    {
+        current.push(before.clone());
+        current.sort_by(|a, b| a.type_.cmp(&b.type_));
+    }
+}
+
 /// The condition of `type_` in `new` when it is True and says something else than in
 /// `previous` (it became True, or its reason or message changed): what deserves a Warning
 /// Event once, not on every pass.

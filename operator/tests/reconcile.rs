@@ -2392,3 +2392,40 @@ async fn a_mismatched_pool_set_gets_a_condition_that_clears_when_fixed() {
     let names: Vec<&str> = mapped.iter().map(|r| r.name.as_str()).collect();
     assert_eq!(names, ["qwen"]);
 }
+
+/// The check is advice: when the engine pools cannot be listed, an engine pool's pass still
+/// applies its children and keeps its last `ModelMismatch` (no Event, and here no status
+/// write, since nothing else changed).
+#[tokio::test]
+async fn a_failed_list_of_the_engine_pools_keeps_the_condition_and_blocks_nothing() {
+    let prefill: PrefillPool = fixture("prefillpool-vllm.yaml"); // TP 4
+    let decode: DecodePool = fixture("decodepool-vllm.yaml"); // TP 2
+    let (_, status) = decode_pass_with_engines(decode.clone(), &prefill, true).await;
+    assert!(kvpool_crd::conditions::is_true(
+        &status.conditions,
+        "ModelMismatch"
+    ));
+
+    let mut seen = decode;
+    seen.status = Some(status);
+    let pool_json =
+        serde_json::to_value(fixture::<KVCachePool>("kvcachepool-roce.yaml")).expect("json");
+    let selector = "app.kubernetes.io/managed-by=kvpool-operator,kvpool.dev/owner-kind=DecodePool,kvpool.dev/owner-name=qwen";
+    let outcome = drive(engine_pass(seen), async move |server: &mut ApiServer| {
+        server.expect_roce_pool(&pool_json).await;
+        let (_, send) = server
+            .expect(Method::GET, &format!("{POOLS}/prefillpools"))
+            .await;
+        reply(
+            send,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &status_error(500, "InternalError", "etcd timeout"),
+        );
+        server
+            .expect_engine_workload("llm", "qwen-decode", deploy_status(4))
+            .await;
+        server.expect_no_engine_orphans("llm", selector).await;
+    })
+    .await;
+    assert_eq!(outcome.expect("pass"), enginepool::Outcome::Reconciled);
+}

@@ -32,7 +32,7 @@ use tracing::{info, instrument, warn};
 
 use crate::apply;
 use crate::cachepool;
-use crate::conditions::reason;
+use crate::conditions::{self, reason};
 use crate::context::{AUTOSCALE_PERIOD, Context, RESYNC};
 use crate::controller;
 pub use crate::engine_kind::EnginePool;
@@ -212,9 +212,16 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
     };
 
     // The engine pools beside this one: whether they serve this pool's model together.
-    let engines = serving::api::engine_pools(ctx, &namespace, &pool_name).await?;
-    let mismatch =
-        serving::serving(obj).map(|this| serving::engine_condition(&pool_name, &this, &engines));
+    // The check is advice: a failed list keeps the last condition instead of failing the pass.
+    let mismatch = match serving::api::engine_pools(ctx, &namespace, &pool_name).await {
+        Ok(engines) => {
+            serving::serving(obj).map(|this| serving::engine_condition(&pool_name, &this, &engines))
+        }
+        Err(e) => {
+            warn!(engine_pool = %name, error = %chain(&e), "cannot list the engine pools beside this one; ModelMismatch kept");
+            None
+        }
+    };
 
     // Autoscale: the count the Deployment runs (spec.replicas is only the starting one).
     let scaling = match valid.effective.autoscaling {
@@ -282,18 +289,25 @@ pub async fn reconcile_engine_pool<K: EnginePool>(obj: &K, ctx: &Context) -> Res
         )
         .await?;
     }
-    if let Some(mismatch) = &mismatch {
-        let previous = obj.engine_status().map_or(&[][..], |s| &s.conditions[..]);
-        serving::api::set_and_report(
-            ctx,
-            obj,
+    let previous = obj.engine_status().map_or(&[][..], |s| &s.conditions[..]);
+    match &mismatch {
+        Some(mismatch) => {
+            serving::api::set_and_report(
+                ctx,
+                obj,
+                &mut new_status.conditions,
+                previous,
+                mismatch,
+                valid.generation,
+                ctx.now(),
+            )
+            .await?
+        }
+        None => conditions::keep(
             &mut new_status.conditions,
             previous,
-            mismatch,
-            valid.generation,
-            ctx.now(),
-        )
-        .await?;
+            kvpool_crd::conditions::MODEL_MISMATCH,
+        ),
     }
     if obj.engine_status() != Some(&new_status) {
         apply::patch_status(&ctx.settings.field_manager, &api, &name, &new_status).await?;
