@@ -3,8 +3,8 @@
 //! calling `batch_get_into`, and the `_multi_buffers` forms), run through kvpool's Mooncake
 //! API (`kvpool.mooncake`) against a pool on 127.0.0.1 (a `kvpool master` and agents in pool
 //! mode, as `kvpool bench store` starts them) and, with `--vs-mooncake`, the same driver
-//! against Mooncake Store in the same run (a fresh `mooncake_master` and holders per cell,
-//! `store::vs_mooncake`'s `mooncake_store.py`). The driver (`stress.py`) is built into this
+//! against Mooncake Store in the same run, cell by cell after kvpool's (a fresh
+//! `mooncake_master` and holders per cell, `store::vs_mooncake`'s `mooncake_store.py`). The driver (`stress.py`) is built into this
 //! binary and written to the run's temp dir; `report` is pure.
 //! I/O boundary: child processes (master, agents, the Python drivers and theirs), stdout.
 
@@ -172,13 +172,15 @@ fn drive(
     parse_run(&stdout).map_err(StoreBenchError::Protocol)
 }
 
-/// kvpool's side: a master and agents, the driver against them.
-async fn kvpool_side(
+/// Both sides, cell by cell: a kvpool master and agents for the whole run, and per cell the
+/// driver against kvpool, then (with Mooncake) the driver against a fresh Mooncake pool, so
+/// that both stores measure each cell under the same load of the machine.
+async fn run_cells(
     args: &StressBenchArgs,
     dir: &Path,
     script: &Path,
-    cells: &str,
-) -> Result<StoreRun, StoreBenchError> {
+    mooncake: Option<&Mooncake>,
+) -> Result<(StoreRun, Option<StoreRun>), StoreBenchError> {
     let exe = std::env::current_exe().map_err(StoreBenchError::Io)?;
     let key_file = dir.join("pool.key");
     let secret = format!(
@@ -209,44 +211,18 @@ async fn kvpool_side(
         .map_err(StoreBenchError::Master)?;
     wait_for_agents(&client, &mut agents, &mut master, args.agents).await?;
     let logs = dir.join("logs");
-    let run = tokio::task::block_in_place(|| {
-        drive(
-            &args.python(),
-            script,
-            cells,
-            &logs,
-            &[
-                "--store".into(),
-                "kvpool".into(),
-                "--master".into(),
-                grpc.to_string(),
-            ],
-            &[
-                ("KVPOOL_AUTH_KEY_FILE", key_file.as_path()),
-                ("KVPOOL_CLIENT_MODE", Path::new("direct")),
-            ],
-        )
-    });
-    drop(agents);
-    drop(master);
-    run
-}
-
-/// Mooncake's side: the same driver and cells, a fresh Mooncake pool per cell.
-fn mooncake_side(
-    args: &StressBenchArgs,
-    dir: &Path,
-    script: &Path,
-    cells: &str,
-) -> Result<StoreRun, StoreBenchError> {
-    let mc = Mooncake::find_or_install(args.mooncake.mooncake_venv.as_deref())
-        .map_err(|e| StoreBenchError::Protocol(format!("Mooncake side: {e}")))?;
-    drive(
-        &mc.bin("python"),
-        script,
-        cells,
-        &dir.join("logs"),
-        &[
+    let ours_args = [
+        "--store".into(),
+        "kvpool".into(),
+        "--master".into(),
+        grpc.to_string(),
+    ];
+    let ours_env = [
+        ("KVPOOL_AUTH_KEY_FILE", key_file.as_path()),
+        ("KVPOOL_CLIENT_MODE", Path::new("direct")),
+    ];
+    let theirs_args = mooncake.map(|mc| {
+        [
             "--store".into(),
             "mooncake".into(),
             "--master-bin".into(),
@@ -255,9 +231,36 @@ fn mooncake_side(
             args.agents.to_string(),
             "--capacity".into(),
             args.agent_capacity.to_string(),
-        ],
-        &[],
-    )
+        ]
+    });
+    let mut ours: Option<StoreRun> = None;
+    let mut theirs: Option<StoreRun> = None;
+    for cell in args.cells() {
+        let one =
+            serde_json::to_string(&[cell]).map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
+        let run = tokio::task::block_in_place(|| {
+            drive(&args.python(), script, &one, &logs, &ours_args, &ours_env)
+        })?;
+        merge(&mut ours, run);
+        if let (Some(mc), Some(a)) = (mooncake, &theirs_args) {
+            let run = tokio::task::block_in_place(|| {
+                drive(&mc.bin("python"), script, &one, &logs, a, &[])
+            })?;
+            merge(&mut theirs, run);
+        }
+    }
+    drop(agents);
+    drop(master);
+    let ours = ours.ok_or_else(|| StoreBenchError::Args("no cell to measure".into()))?;
+    Ok((ours, theirs))
+}
+
+/// Add one driver run's cells to a store's run.
+fn merge(into: &mut Option<StoreRun>, run: StoreRun) {
+    match into {
+        Some(all) => all.cells.extend(run.cells),
+        None => *into = Some(run),
+    }
 }
 
 async fn coordinate(args: StressBenchArgs) -> Result<StressReport, StoreBenchError> {
@@ -272,16 +275,16 @@ async fn coordinate(args: StressBenchArgs) -> Result<StressReport, StoreBenchErr
     )
     .map_err(StoreBenchError::Io)?;
     std::fs::create_dir_all(dir.path().join("logs")).map_err(StoreBenchError::Io)?;
-    let cells = serde_json::to_string(&args.cells())
-        .map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
-    let ours = kvpool_side(&args, dir.path(), &script, &cells).await?;
-    let theirs = if args.mooncake.vs_mooncake {
-        Some(tokio::task::block_in_place(|| {
-            mooncake_side(&args, dir.path(), &script, &cells)
-        })?)
+    let mooncake = if args.mooncake.vs_mooncake {
+        let mc = tokio::task::block_in_place(|| {
+            Mooncake::find_or_install(args.mooncake.mooncake_venv.as_deref())
+        })
+        .map_err(|e| StoreBenchError::Protocol(format!("Mooncake side: {e}")))?;
+        Some(mc)
     } else {
         None
     };
+    let (ours, theirs) = run_cells(&args, dir.path(), &script, mooncake.as_ref()).await?;
     Ok(report(ours, theirs))
 }
 
