@@ -426,6 +426,7 @@ fn lookup(master: &kvpool_master::cmd::RunningMaster) -> PoolLookup {
         timeout,
         keys: kvpool_core::sched::PoolKeys::Synthetic,
         share: None,
+        hot: None,
     }
 }
 
@@ -515,6 +516,7 @@ async fn a_master_that_never_answers_does_not_fail_requests() {
         timeout: std::time::Duration::from_millis(200),
         keys: kvpool_core::sched::PoolKeys::Synthetic,
         share: None,
+        hot: None,
     };
     let c = cluster_full(Rejection::None, 30.0, None, 0, Some(pool), None).await;
     let body = format!(r#"{{"model":"{MODEL}","prompt":"hello there","max_tokens":2}}"#);

@@ -80,6 +80,7 @@ fn config(
         timeout,
         keys: kvpool_core::sched::PoolKeys::Synthetic,
         share: share.then(|| ShareLoad::every(Duration::from_millis(10))),
+        hot: None,
     });
     c
 }

@@ -94,7 +94,8 @@ pub struct ConductorArgs {
     #[arg(long, default_value_t = 4)]
     pub chunk_bytes: usize,
     /// Copy a hot prefix to more prefill engines every this many hits on one of its blocks
-    /// (0: off): the target engines are asked to prefetch it from the pool.
+    /// (0: off): with --master the pool keeps more copies of its blocks (--hot-pool-replicas),
+    /// and engines that can prefetch are asked to load it.
     #[arg(long, default_value_t = 32)]
     pub hot_threshold: u32,
     /// Prefill engines a hot prefix is copied to each time.
@@ -124,12 +125,9 @@ pub struct ConductorArgs {
     /// caches alone (counted in kvpool_conductor_pool_lookups_total{outcome="timeout"}).
     #[arg(long, default_value = "100ms", value_parser = kvpool_core::flags::parse_duration)]
     pub pool_lookup_timeout: std::time::Duration,
-    /// With --master: how often this replica shares its bookings with the other conductor
-    /// replicas through the master (docs/adr/0010-conductor-replicas-share-bookings.md); `0s`:
-    /// book alone.
-    #[arg(long, default_value = "25ms", value_parser = kvpool_core::flags::parse_duration,
-        env = "KVPOOL_SHARE_LOAD_PERIOD")]
-    pub share_load_period: std::time::Duration,
+    /// Bookings shared with the other replicas, hot prefixes copied in the pool.
+    #[command(flatten)]
+    pub master_share: crate::master_flags::MasterShareArgs,
     /// TLS to the master (`--master-ca-file` and the like).
     #[command(flatten)]
     pub master_tls: kvpool_client::master::MasterTlsArgs,
@@ -230,8 +228,7 @@ fn parse_prefill_cost(s: &str) -> Result<PrefillCost, String> {
     })
 }
 
-/// `--tokenizer engine`: tokens from the engines' own `/tokenize`.
-pub const ENGINE_TOKENIZER: &str = "engine";
+pub use crate::model_flags::ENGINE_TOKENIZER;
 
 // The defaults of `--listen` and `--admin-listen`; the variables follow from the role name.
 kvpool_runtime::listen_defaults!(
@@ -482,6 +479,7 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
     if timeout.is_zero() {
         return Err(flag("pool-lookup-timeout", "must be more than 0"));
     }
+    let (share, hot) = crate::master_flags::settings(&args.master_share, args.hot_fanout)?;
     let client = MasterClient::new(
         endpoints,
         key,
@@ -505,8 +503,8 @@ fn pool_lookup(args: &ConductorArgs) -> Result<Option<PoolLookup>, ConductorErro
             args.block_hash,
             crate::model_flags::model_dir(&args.model_files, &args.keys),
         )?,
-        share: (!args.share_load_period.is_zero())
-            .then(|| crate::config::ShareLoad::every(args.share_load_period)),
+        share,
+        hot,
     }))
 }
 

@@ -143,6 +143,16 @@ pub struct PoolLookup {
     /// How this replica shares its bookings with the other conductor replicas through the
     /// master (`ShareLoad`); `None`: it books alone.
     pub share: Option<ShareLoad>,
+    /// More copies of a hot prefix's blocks in the pool (`ReplicateHot`); `None`: none.
+    pub hot: Option<HotPool>,
+}
+
+/// How many copies of a hot prefix's blocks the pool keeps, and for how long after its last
+/// hot hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HotPool {
+    pub replicas: u8,
+    pub ttl: std::time::Duration,
 }
 
 /// How often a conductor replica reports its bookings to the master (and learns the other

@@ -19,6 +19,7 @@ pub mod discovery;
 mod engines;
 mod fetch_estimate;
 pub mod kv_events;
+pub mod master_flags;
 pub mod model_config;
 pub mod model_flags;
 mod peer_load;
@@ -31,7 +32,8 @@ pub use kvpool_proto::stream_tokens;
 pub mod tokenize;
 
 pub use config::{
-    ConductorConfig, DEFAULT_MAX_PROMPTS, KvEventSource, PoolLookup, ShareLoad, UpstreamPool,
+    ConductorConfig, DEFAULT_MAX_PROMPTS, HotPool, KvEventSource, PoolLookup, ShareLoad,
+    UpstreamPool,
 };
 pub use engines::{ConductorProtocol, Engines, RoutingProtocol};
 pub use fetch_estimate::FetchEstimate;

@@ -25,8 +25,8 @@ pub struct ModelArgs {
     /// `tokenizer_config.json` or `chat_template.jinja`, whose chat template then renders chat
     /// requests): block keys then follow the engine's tokens. `engine`: ask a prefill engine's
     /// `/tokenize` (vLLM's) for each request's tokens instead, with no file here. Default: the
-    /// --model-dir when it holds a `tokenizer.json`; else prompts are cut into --chunk-bytes
-    /// stand-in tokens.
+    /// --model-dir when it holds a `tokenizer.json`, `engine` for a --model-dir without one;
+    /// without --model-dir, prompts are cut into --chunk-bytes stand-in tokens.
     #[arg(long, value_name = "PATH")]
     pub tokenizer: Option<PathBuf>,
     /// The chat template to render chat requests with (a Jinja file, or a
@@ -62,6 +62,9 @@ impl KvBytesSource {
     }
 }
 
+/// `--tokenizer engine`: tokens from the engines' own `/tokenize`.
+pub const ENGINE_TOKENIZER: &str = "engine";
+
 fn flag(name: &'static str, problem: impl Into<String>) -> FlagError {
     FlagError::new(name, problem)
 }
@@ -81,12 +84,20 @@ pub fn model_dir<'a>(model: &'a ModelArgs, keys: &'a PoolKeyArgs) -> Option<&'a 
 }
 
 /// The tokenizer to load: `--tokenizer`, else `--model-dir` when it holds a `tokenizer.json`
-/// (then its chat template too); `None`: stand-in chunks.
+/// (then its chat template too), else the engines' own (`engine`) for a `--model-dir` without
+/// one (the served model has a tokenizer the conductor cannot read: stand-in chunks would
+/// match no engine's blocks); `None`: stand-in chunks.
 pub fn tokenizer_path(model: &ModelArgs) -> Option<&Path> {
-    model.tokenizer.as_deref().or(model
-        .model_dir
+    model
+        .tokenizer
         .as_deref()
-        .filter(|d| d.join("tokenizer.json").is_file()))
+        .or(model.model_dir.as_deref().map(|d| {
+            if d.join("tokenizer.json").is_file() {
+                d
+            } else {
+                Path::new(ENGINE_TOKENIZER)
+            }
+        }))
 }
 
 /// The KV bytes per token of the flags and where they came from. A `--model-dir` whose
@@ -109,9 +120,16 @@ pub fn kv_bytes_per_token(
             keys.engine_kv_dtype.as_deref(),
         )
     };
-    if let Some(dir) = &model.model_dir {
+    if let Some(dir) = model.model_dir.as_ref().filter(|d| !d.is_file()) {
         let l = layout(dir).map_err(|e| flag("model-dir", e))?;
         return Ok((l.bytes_per_token, KvBytesSource::ModelConfig(dir.clone())));
+    }
+    if let Some(file) = &model.model_dir {
+        // A single-file model (GGUF): no config.json to size it by.
+        tracing::warn!(path = %file.display(), default = DEFAULT_KV_BYTES_PER_TOKEN,
+            "--model-dir names a file, not a model directory; assuming the default KV bytes \
+             per token (set --kv-bytes-per-token)");
+        return Ok((DEFAULT_KV_BYTES_PER_TOKEN, KvBytesSource::Default));
     }
     match model_dir(model, keys).filter(|d| d.join("config.json").is_file()) {
         Some(dir) => match layout(dir) {
@@ -190,5 +208,33 @@ mod tests {
         assert_eq!(kv(&["--tokenizer", &d]).unwrap().1, KvBytesSource::Default);
         let missing = kv(&["--model-dir", "/nonexistent/model"]).unwrap_err();
         assert!(missing.to_string().contains("cannot read"), "{missing}");
+        // A single-file model (GGUF) has no config.json: the default, with a warning.
+        let gguf = dir.path().join("model.gguf");
+        std::fs::write(&gguf, b"GGUF").unwrap();
+        let file = kv(&["--model-dir", gguf.to_str().unwrap()]).unwrap();
+        assert_eq!(file, (DEFAULT_KV_BYTES_PER_TOKEN, KvBytesSource::Default));
+    }
+
+    #[test]
+    fn a_model_directory_without_a_tokenizer_leaves_tokenising_to_the_engines() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["t"];
+            argv.extend_from_slice(extra);
+            T::try_parse_from(argv).unwrap().a.model_files
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap().to_owned();
+        let bare = parse(&["--model-dir", &d]);
+        assert_eq!(
+            tokenizer_path(&bare),
+            Some(Path::new(ENGINE_TOKENIZER))
+        );
+        std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+        assert_eq!(
+            tokenizer_path(&parse(&["--model-dir", &d])),
+            Some(dir.path())
+        );
+        let chunks = parse(&[]);
+        assert_eq!(tokenizer_path(&chunks), None);
     }
 }

@@ -453,6 +453,12 @@ impl MasterMetrics {
                 counters.reuse_deferred,
                 last.reuse_deferred,
             ),
+            ("hot_request", counters.hot_requests, last.hot_requests),
+            (
+                "hot_replica_trimmed",
+                counters.hot_replicas_trimmed,
+                last.hot_replicas_trimmed,
+            ),
         ];
         for (name, now, before) in events {
             self.events

@@ -11,6 +11,7 @@ engine (kv_consumer), block size 32, the tiny random-weight model of scripts/mak
 from __future__ import annotations
 
 import random
+import subprocess
 import threading
 import time
 from typing import Dict, List, Tuple
@@ -290,5 +291,100 @@ def test_a_conductor_without_tokenizer_files_keys_blocks_by_the_engines_tokens(s
         m = metrics(f"http://127.0.0.1:{admin}")
         assert m.get('kvpool_conductor_engine_tokenize_total{outcome="ok"}', 0) >= 1, m
         assert m.get('kvpool_conductor_pool_lookups_total{outcome="hit"}', 0) >= 1, m
+    finally:
+        stop(proc)
+
+
+def _labelled(m: Dict[str, float], name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include every one of `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in m.items()
+               if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
+
+
+def test_a_hot_prefix_gains_copies_in_the_pool_that_another_engine_reads(stack: Stack):
+    """Hot-prefix replication in the pool (issue 35): a conductor with `--hot-threshold 2`
+    (beside `up`'s own, in front of the same engines and master) sees a prefix the pool holds
+    requested twice and asks the master for two copies of its blocks (`ReplicateHot`); the
+    master copies every block to the other agent's node (its repair loop, counted by its
+    `repair_done` events, and its per-node bytes). Then the prefill engine that did not compute
+    the prefix is asked for it directly: vLLM loads it from the pool (its own
+    `external_kv_transfer` count) from the copies on its own node: the writer's agent serves
+    no bytes to it (its transfer engine's `served_bytes` count), where before the copies every
+    byte of the prefix would have come from there."""
+    from conftest import free_port, kvpool_bin, metrics, stop, wait_http
+
+    master = next(c for c in stack.ready["children"] if c["role"] == "master")["admin"]
+    prefix = prefix_of_tokens(6060, 512 + BLOCK)
+    api, admin = free_port(), free_port()
+    cmd = [str(kvpool_bin()), "conductor", "--listen", f"127.0.0.1:{api}",
+           "--admin-listen", f"127.0.0.1:{admin}", "--model", MODEL,
+           "--master", stack.ready["master"],
+           "--auth-key-file", stack.ready["role_key_files"]["conductor"],
+           "--tokenizer", "engine", "--block-size", str(BLOCK), "--hash-seed", "0",
+           "--pool-lookup-timeout", "2s", "--hot-threshold", "2", "--hot-fanout", "1",
+           "--hot-pool-replicas", "2", "--hot-pool-ttl", "10m"]
+    for url in stack.prefill:
+        # Its index follows the engines' own KV events, so it sends the prefix to the engine
+        # that holds it and names the other as the one to copy it to.
+        events = next(c["kv_events"] for c in stack.ready["children"] if c["endpoint"] == url)
+        cmd += ["--prefill", url, "--kv-events", f"{url}={events}"]
+    for url in stack.decode:
+        cmd += ["--decode", url]
+    log = stack.dir / "conductor-hot.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http(f"http://127.0.0.1:{admin}/readyz", proc, log, timeout=60)
+        first = complete(stack.conductor, prefix + " stored through up's conductor")
+        writer = stack.prefill.index(first["headers"]["x-kvpool-prefill-engine"])
+        reader = 1 - writer
+        reader_node = f"up-agent-{reader}"
+        time.sleep(2)  # the writer's KV events reach the second conductor
+        before = metrics(master)
+        for i in range(3):
+            complete(f"http://127.0.0.1:{api}", prefix + f" hot question {i}", max_tokens=2)
+        m = metrics(f"http://127.0.0.1:{admin}")
+        assert m.get('kvpool_conductor_pool_lookups_total{outcome="hit"}', 0) >= 1, m
+        # Copies are asked for the blocks the pool holds (the prefix's full blocks).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            m = metrics(f"http://127.0.0.1:{admin}")
+            asked = _labelled(m, "kvpool_conductor_hot_pool_replications_total", outcome="ok")
+            asked += _labelled(m, "kvpool_conductor_hot_pool_replications_total",
+                               outcome="partial")
+            if asked >= 1:
+                break
+            time.sleep(1)
+        assert asked >= 1, (m, log.read_text(errors="replace")[-3000:])
+
+        # The master copies each block to the other node (one repair per block).
+        blocks = 512 // BLOCK
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            after = metrics(master)
+            done = (_labelled(after, "kvpool_master_events_total", event="repair_done")
+                    - _labelled(before, "kvpool_master_events_total", event="repair_done"))
+            if done >= blocks:
+                break
+            time.sleep(1)
+        assert done >= blocks, (done, blocks)
+        assert _labelled(after, "kvpool_master_events_total", event="hot_request") >= blocks
+        grew = (_labelled(after, "kvpool_master_node_used_bytes", node=reader_node)
+                - _labelled(before, "kvpool_master_node_used_bytes", node=reader_node))
+        assert grew > 0, (before, after)
+
+        # The other prefill engine, asked directly, loads the prefix from the pool, reading the
+        # copies on its own node: the writer's agent serves none of those bytes to a peer.
+        writer_agent = next(c for c in stack.ready["children"]
+                            if c["name"] == f"agent-{writer}")["admin"]
+        served = 'kvpool_transfer_served_bytes_total{op="read"}'
+        served_before = metrics(writer_agent).get(served, 0)
+        loaded_before = by_source(stack.prefill[reader]).get("external_kv_transfer", 0)
+        r = complete(stack.prefill[reader], prefix + " read where it is", max_tokens=2)
+        loaded = by_source(stack.prefill[reader]).get("external_kv_transfer", 0) - loaded_before
+        assert loaded >= 512, (loaded, r["json"].get("usage"))
+        served_by_writer = metrics(writer_agent).get(served, 0) - served_before
+        assert served_by_writer == 0, served_by_writer
     finally:
         stop(proc)

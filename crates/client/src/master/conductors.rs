@@ -24,4 +24,20 @@ impl MasterClient {
         };
         rpc!(self, share_load, req)
     }
+
+    /// Asks for at least `replicas` copies of each of `keys` for `ttl` (hot blocks); one
+    /// result per key (an unknown key is an error of its own).
+    pub async fn replicate_hot(
+        &self,
+        keys: &[&[u8]],
+        replicas: u8,
+        ttl: Duration,
+    ) -> Result<Vec<Result<(), ClientError>>, ClientError> {
+        let req = proto::ReplicateHotRequest {
+            keys: keys.iter().map(|k| k.to_vec()).collect(),
+            replicas: u32::from(replicas),
+            ttl_ms: u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+        };
+        super::answers::item_results(rpc!(self, replicate_hot, req)?, keys.len())
+    }
 }

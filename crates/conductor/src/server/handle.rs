@@ -148,6 +148,13 @@ pub(super) async fn handle(
         }
         if let Some(task) = state.take_replication() {
             replicate(&shared, &task, &engines.prefill);
+            // The pool's own copies, named as the engines name the blocks.
+            let names = shared.config.pool.as_ref().and_then(|p| {
+                let n = task.keys.len();
+                let hashes = hashes.as_deref().and_then(|h| h.get(..n));
+                p.keys.names(&req.view.model, &task.keys, hashes)
+            });
+            super::hot_pool::replicate_in_pool(&shared, names);
         }
         match placed {
             Ok(ticket) => match (

@@ -27,6 +27,7 @@ pub(super) struct Metrics {
     pub(super) engines: IntGaugeVec,
     pub(super) pool_lookups: IntCounterVec,
     pub(super) share_load: IntCounterVec,
+    pub(super) hot_pool: IntCounterVec,
     pub(super) peer_conductors: prometheus::IntGauge,
     pub(super) engine_tokenize: IntCounterVec,
     pub(super) prefetches: IntCounterVec,
@@ -90,6 +91,14 @@ impl Metrics {
             "kvpool_conductor_share_load_total",
             "Reports of this replica's bookings to the master, answered with the other \
              replicas' (ShareLoad), by outcome (ok, error, timeout)",
+            &["outcome"],
+        )?;
+        let hot_pool = counters(
+            registry,
+            "kvpool_conductor_hot_pool_replications_total",
+            "Hot prefixes whose blocks the master was asked to keep more copies of \
+             (ReplicateHot), by outcome (ok, partial: some blocks were not in the pool, error, \
+             timeout; busy and unnamed were not sent)",
             &["outcome"],
         )?;
         let peer_conductors = kvpool_runtime::metrics::made(
@@ -287,6 +296,11 @@ impl Metrics {
                 pool_lookups.with_label_values(&[outcome]);
             }
         }
+        if config.pool.as_ref().is_some_and(|p| p.hot.is_some()) {
+            for outcome in ["ok", "partial", "error", "timeout"] {
+                hot_pool.with_label_values(&[outcome]);
+            }
+        }
         if config.pool.as_ref().is_some_and(|p| p.share.is_some()) {
             for outcome in ["ok", "error", "timeout"] {
                 share_load.with_label_values(&[outcome]);
@@ -300,6 +314,7 @@ impl Metrics {
             engines,
             pool_lookups,
             share_load,
+            hot_pool,
             peer_conductors,
             engine_tokenize,
             prefetches,

@@ -17,7 +17,8 @@
 //!   relay both use; `upstream`: the HTTP client to the engines and its errors.
 //! - `kv_feed`: the prefill engines' KV event streams (ZMQ SUB, replay on gaps) into the
 //!   index.
-//! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch`: hot-prefix replication;
+//! - `pool_lookup`: the master's answer on pooled prefixes; `prefetch` and `hot_pool`: hot-prefix
+//!   replication into engines that can prefetch and in the pool itself;
 //!   `share_load`: the bookings this replica and the other conductor replicas share through the
 //!   master.
 //! - `shared`, `members`, `engine_set`, `metrics`: what the handlers share, the engine set's
@@ -35,6 +36,7 @@ pub mod engine_tokenize;
 mod error_bodies;
 mod front;
 mod handle;
+mod hot_pool;
 mod kv_feed;
 mod latency;
 mod load;

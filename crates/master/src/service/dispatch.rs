@@ -224,4 +224,12 @@ impl proto::master_server::Master for MasterSvc {
         let handler = conductors::share_load(&self.core, req.into_inner());
         self.observed("share_load", handler).await
     }
+
+    async fn replicate_hot(
+        &self,
+        req: Request<proto::ReplicateHotRequest>,
+    ) -> Result<Response<proto::ItemResults>, Status> {
+        let handler = objects::replicate_hot(&self.core, req.into_inner());
+        self.observed("replicate_hot", handler).await
+    }
 }

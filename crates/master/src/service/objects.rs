@@ -227,6 +227,28 @@ pub(super) async fn pin(
     per_key(core, &req.keys, move |st, k| st.pin(k, hard, ttl_ms)).await
 }
 
+/// Longest time one `ReplicateHot` may ask for.
+const MAX_HOT_TTL_MS: u64 = 3_600_000;
+
+pub(super) async fn replicate_hot(
+    core: &Core,
+    req: proto::ReplicateHotRequest,
+) -> Result<Answer<proto::ItemResults>, Status> {
+    let replicas = u8::try_from(req.replicas)
+        .map_err(|_| invalid(format!("replicas {} out of range", req.replicas)))?;
+    if req.ttl_ms > MAX_HOT_TTL_MS {
+        return Err(invalid(format!(
+            "ttl_ms {} is over an hour ({MAX_HOT_TTL_MS})",
+            req.ttl_ms
+        )));
+    }
+    let ttl_ms = req.ttl_ms;
+    per_key(core, &req.keys, move |st, k| {
+        st.replicate_hot(k, replicas, ttl_ms).map(|_| ())
+    })
+    .await
+}
+
 pub(super) async fn unpin(
     core: &Core,
     req: proto::KeysRequest,

@@ -6,7 +6,7 @@
 //! | `admin` | the pool key itself (master, operator, `kvpool up`, tests) | every method |
 //! | `agent` | node agents | the node calls (segments, heartbeats, tasks, adoption) for its own node, and the object calls (it puts and gets for the engines on its node) |
 //! | `engine` | pool clients: engines, the Python package | the object calls only: no membership call, no `RemoveAll` |
-//! | `conductor` | the HTTP-facing conductor | `Exists`, `LongestPrefix` (read-only lookups), `ShareLoad` (its replicas' bookings) |
+//! | `conductor` | the HTTP-facing conductor | `Exists`, `LongestPrefix` (read-only lookups), `ShareLoad` (its replicas' bookings), `ReplicateHot` (more copies of hot blocks) |
 //! | `observer` | status readers | `Stats` |
 //!
 //! A role's master key is HMAC-SHA256(pool key, `kvpool-role-v1\n<role>`); `admin` signs with
@@ -38,13 +38,16 @@ pub enum Role {
 
 /// The master's methods, by their gRPC names (`kvpool.master.v1.Master/<name>`): the groups
 /// below, each method named once, so a new method must join a group to exist.
-pub const METHODS: [&str; 18] = join(&[
+pub const METHODS: [&str; 19] = join(&[
     &SEGMENT_CALLS,
     &["AdoptReplicas"],
     &CLIENT_CALLS,
     &["RemoveAll"],
-    &["ShareLoad"],
+    &CONDUCTOR_CALLS,
 ]);
+
+/// The conductors' own calls: their replicas' shared bookings and hot-block replication.
+const CONDUCTOR_CALLS: [&str; 2] = ["ShareLoad", "ReplicateHot"];
 
 /// The calls of a pool client that only touch objects.
 const CLIENT_CALLS: [&str; 11] = [
@@ -116,7 +119,9 @@ impl Role {
             Role::Admin => METHODS.contains(&method),
             Role::Agent => client || segments || method == "AdoptReplicas",
             Role::Engine => client,
-            Role::Conductor => matches!(method, "Exists" | "LongestPrefix" | "ShareLoad"),
+            Role::Conductor => {
+                matches!(method, "Exists" | "LongestPrefix") || CONDUCTOR_CALLS.contains(&method)
+            }
             Role::Observer => method == "Stats",
         }
     }

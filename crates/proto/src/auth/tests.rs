@@ -64,7 +64,10 @@ fn methods_are_named_once_and_roles_split_them_as_documented() {
             .collect()
     };
     // The conductors' own call is theirs (and the admin's).
-    assert_eq!(allowed(Role::Agent), all_but(&["RemoveAll", "ShareLoad"]));
+    assert_eq!(
+        allowed(Role::Agent),
+        all_but(&["RemoveAll", "ShareLoad", "ReplicateHot"])
+    );
     // Engines: the object calls only; no membership call, no RemoveAll (issue 38).
     let node_calls: Vec<&str> = METHODS
         .iter()
@@ -84,12 +87,14 @@ fn methods_are_named_once_and_roles_split_them_as_documented() {
     let object_calls: Vec<&str> = METHODS
         .iter()
         .copied()
-        .filter(|m| !Role::is_node_call(m) && !["RemoveAll", "ShareLoad"].contains(m))
+        .filter(|m| {
+            !Role::is_node_call(m) && !["RemoveAll", "ShareLoad", "ReplicateHot"].contains(m)
+        })
         .collect();
     assert_eq!(allowed(Role::Engine), object_calls);
     assert_eq!(
         allowed(Role::Conductor),
-        ["Exists", "LongestPrefix", "ShareLoad"]
+        ["Exists", "LongestPrefix", "ShareLoad", "ReplicateHot"]
     );
     assert_eq!(allowed(Role::Observer), ["Stats"]);
     assert!(!Role::Admin.allows("Nope") && !Role::Engine.allows("Nope"));

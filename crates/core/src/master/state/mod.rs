@@ -19,6 +19,7 @@
 mod events;
 mod eviction;
 mod feed;
+mod hot;
 mod leases;
 mod node_report;
 mod nodes;
@@ -292,6 +293,10 @@ pub struct Counters {
     pub corrupt_dropped: u64,
     /// Abandoned writes whose space was held back for `reuse_delay_ms`.
     pub reuse_deferred: u64,
+    /// `replicate_hot` calls that raised an object's replica count (or extended the time).
+    pub hot_requests: u64,
+    /// Copies freed when a hot object's time ran out.
+    pub hot_replicas_trimmed: u64,
 }
 
 /// Point-in-time figures for metrics and `status`.
@@ -351,6 +356,9 @@ pub struct MasterState {
     lease_expiry: BTreeSet<(u64, u64)>,
     next_lease: u64,
     soft_pins: HashMap<u32, u64>,
+    /// Hot objects (`replicate_hot`): their own desired replica count and when the raised
+    /// count ends. Not journaled: after a failover the raised count stays with the object.
+    hot: HashMap<u32, (u8, u64)>,
     under: HashSet<u32>,
     tasks: HashMap<u64, TaskRec>,
     next_task: u64,
@@ -397,6 +405,7 @@ impl MasterState {
             lease_expiry: BTreeSet::new(),
             next_lease: 1,
             soft_pins: HashMap::new(),
+            hot: HashMap::new(),
             under: HashSet::new(),
             tasks: HashMap::new(),
             next_task: 1,

@@ -103,6 +103,7 @@ impl MasterState {
         }
         self.pending.remove(&slot);
         self.soft_pins.remove(&slot);
+        self.hot.remove(&slot);
         self.under.remove(&slot);
         self.free_slots.push(slot);
         self.live_objects -= 1;

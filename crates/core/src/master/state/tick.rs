@@ -59,6 +59,7 @@ impl MasterState {
             }
         }
         report.objects_lost = self.counters.objects_lost - lost_before;
+        self.expire_hot(now);
         report.repairs_scheduled = self.schedule_repairs();
         for t in Tier::ALL {
             report.evicted += self.evict_to_watermark(t);
