@@ -20,7 +20,8 @@ and one call in flight, as Mooncake's stress benchmark runs its prefill (writer)
 (`batch_put_from_multi_buffers`, one range per part, as an engine's K and V caches); the
 reader gets them back with the matching call into regions of its own and compares every
 value's bytes with what was put (outside the timing). Each side first puts and gets one
-warm-up key outside the timing (connections are made on first use by both stores). Against
+warm-up key outside the timing (connections are made on first use by both stores; the warm-up
+put is retried for up to 15 s while a fresh pool has no room yet). Against
 Mooncake every cell gets a fresh `mooncake_master` and holders (`mooncake_store.Pool`);
 against kvpool the pool is the caller's, emptied with `remove_all(force)` after each cell.
 One JSON object on stdout: per cell and role the values moved, the time inside the calls,
@@ -126,12 +127,16 @@ def role(args) -> int:
 
     want = 0 if put else args.size
     # Warm-up: one value of its own, outside the timing.
+    # Retried for a while: a pool just started may not have mounted its holders' memory yet
+    # (Mooncake answers -200, no space, until it has).
     warm = [f"{args.prefix}/warm"]
     if put:
         fill(0, 0)
-    rc = call(warm)
-    if list(rc) != [want]:
-        raise RuntimeError(f"warm-up {'put' if put else 'get'} returned {list(rc)}")
+    deadline = time.monotonic() + 15
+    while list(rc := call(warm)) != [want]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"warm-up {'put' if put else 'get'} returned {list(rc)}")
+        time.sleep(0.1)
 
     lat, failures, verified, error = [], 0, 0, None
     inside = 0.0
