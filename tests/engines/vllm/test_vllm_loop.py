@@ -258,37 +258,55 @@ def test_master_pool_events_carry_the_engines_own_block_hashes(stack: Stack):
     assert not missing, f"{len(missing)} of {len(engine_hashes)} engine hashes not in pool events"
 
 
-def test_a_conductor_without_tokenizer_files_keys_blocks_by_the_engines_tokens(stack: Stack):
-    """`--tokenizer engine` (what the operator gives a conductor whose pool names no tokenizer
-    files): a second conductor, in front of the same engines and pool, asks a prefill engine's
-    /tokenize for each prompt and finds the blocks the engines stored under vLLM's keys."""
-    import subprocess
+def second_conductor(stack: Stack, name: str, extra: List[str],
+                     kv_events: bool = False) -> Tuple[subprocess.Popen, str, str]:
+    """A second `kvpool conductor` in front of the stack's engines and master, with its own
+    conductor credential, asking the engines' /tokenize and the master for pooled prefixes
+    (plus `extra` flags; with `kv_events`, following the prefill engines' KV events). Returns
+    it with its API and admin base URLs once it is ready."""
+    from conftest import free_port, kvpool_bin, stop, wait_http
 
-    from conftest import free_port, kvpool_bin, metrics, stop, wait_http
-
-    prefix = prefix_of_tokens(8080, 512 + BLOCK)
-    complete(stack.conductor, prefix + " stored by the first conductor")
     api, admin = free_port(), free_port()
     cmd = [str(kvpool_bin()), "conductor", "--listen", f"127.0.0.1:{api}",
            "--admin-listen", f"127.0.0.1:{admin}", "--model", MODEL,
            "--master", stack.ready["master"],
            "--auth-key-file", stack.ready["role_key_files"]["conductor"],
            "--tokenizer", "engine", "--block-size", str(BLOCK), "--hash-seed", "0",
-           "--pool-lookup-timeout", "2s"]
+           "--pool-lookup-timeout", "2s", *extra]
     for url in stack.prefill:
         cmd += ["--prefill", url]
+        if kv_events:
+            events = next(c["kv_events"] for c in stack.ready["children"]
+                          if c["endpoint"] == url)
+            cmd += ["--kv-events", f"{url}={events}"]
     for url in stack.decode:
         cmd += ["--decode", url]
-    log = stack.dir / "conductor-engine-tokenizer.log"
+    log = stack.dir / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_http(f"http://127.0.0.1:{admin}/readyz", proc, log, timeout=60)
-        r = complete(f"http://127.0.0.1:{api}", prefix + " asked through the second", max_tokens=4)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, f"http://127.0.0.1:{api}", f"http://127.0.0.1:{admin}"
+
+
+def test_a_conductor_without_tokenizer_files_keys_blocks_by_the_engines_tokens(stack: Stack):
+    """`--tokenizer engine` (what the operator gives a conductor whose pool names no tokenizer
+    files): a second conductor, in front of the same engines and pool, asks a prefill engine's
+    /tokenize for each prompt and finds the blocks the engines stored under vLLM's keys."""
+    from conftest import metrics, stop
+
+    prefix = prefix_of_tokens(8080, 512 + BLOCK)
+    complete(stack.conductor, prefix + " stored by the first conductor")
+    proc, api, admin = second_conductor(stack, "conductor-engine-tokenizer", [])
+    try:
+        r = complete(api, prefix + " asked through the second", max_tokens=4)
         found = int(r["headers"]["x-kvpool-pool-blocks"]) + int(
             r["headers"]["x-kvpool-local-blocks"])
         assert found >= 512 // BLOCK, r["headers"]
-        m = metrics(f"http://127.0.0.1:{admin}")
+        m = metrics(admin)
         assert m.get('kvpool_conductor_engine_tokenize_total{outcome="ok"}', 0) >= 1, m
         assert m.get('kvpool_conductor_pool_lookups_total{outcome="hit"}', 0) >= 1, m
     finally:
@@ -312,30 +330,17 @@ def test_a_hot_prefix_gains_copies_in_the_pool_that_another_engine_reads(stack: 
     `external_kv_transfer` count) from the copies on its own node: the writer's agent serves
     no bytes to it (its transfer engine's `served_bytes` count), where before the copies every
     byte of the prefix would have come from there."""
-    from conftest import free_port, kvpool_bin, metrics, stop, wait_http
+    from conftest import metrics, stop
 
     master = next(c for c in stack.ready["children"] if c["role"] == "master")["admin"]
     prefix = prefix_of_tokens(6060, 512 + BLOCK)
-    api, admin = free_port(), free_port()
-    cmd = [str(kvpool_bin()), "conductor", "--listen", f"127.0.0.1:{api}",
-           "--admin-listen", f"127.0.0.1:{admin}", "--model", MODEL,
-           "--master", stack.ready["master"],
-           "--auth-key-file", stack.ready["role_key_files"]["conductor"],
-           "--tokenizer", "engine", "--block-size", str(BLOCK), "--hash-seed", "0",
-           "--pool-lookup-timeout", "2s", "--hot-threshold", "2", "--hot-fanout", "1",
-           "--hot-pool-replicas", "2", "--hot-pool-ttl", "10m"]
-    for url in stack.prefill:
-        # Its index follows the engines' own KV events, so it sends the prefix to the engine
-        # that holds it and names the other as the one to copy it to.
-        events = next(c["kv_events"] for c in stack.ready["children"] if c["endpoint"] == url)
-        cmd += ["--prefill", url, "--kv-events", f"{url}={events}"]
-    for url in stack.decode:
-        cmd += ["--decode", url]
-    log = stack.dir / "conductor-hot.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    # Its index follows the engines' own KV events, so it sends the prefix to the engine that
+    # holds it and names the other as the one to copy it to.
+    proc, api, admin = second_conductor(
+        stack, "conductor-hot", ["--hot-threshold", "2", "--hot-fanout", "1",
+                                 "--hot-pool-replicas", "2", "--hot-pool-ttl", "10m"],
+        kv_events=True)
     try:
-        wait_http(f"http://127.0.0.1:{admin}/readyz", proc, log, timeout=60)
         first = complete(stack.conductor, prefix + " stored through up's conductor")
         writer = stack.prefill.index(first["headers"]["x-kvpool-prefill-engine"])
         reader = 1 - writer
@@ -343,13 +348,13 @@ def test_a_hot_prefix_gains_copies_in_the_pool_that_another_engine_reads(stack: 
         time.sleep(2)  # the writer's KV events reach the second conductor
         before = metrics(master)
         for i in range(3):
-            complete(f"http://127.0.0.1:{api}", prefix + f" hot question {i}", max_tokens=2)
-        m = metrics(f"http://127.0.0.1:{admin}")
+            complete(api, prefix + f" hot question {i}", max_tokens=2)
+        m = metrics(admin)
         assert m.get('kvpool_conductor_pool_lookups_total{outcome="hit"}', 0) >= 1, m
         # Copies are asked for the blocks the pool holds (the prefix's full blocks).
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            m = metrics(f"http://127.0.0.1:{admin}")
+            m = metrics(admin)
             asked = _labelled(m, "kvpool_conductor_hot_pool_replications_total", outcome="ok")
             asked += _labelled(m, "kvpool_conductor_hot_pool_replications_total",
                                outcome="partial")

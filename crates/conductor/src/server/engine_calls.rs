@@ -193,6 +193,28 @@ fn decode_progress(finish: &Finish, tokens: u32, new: u32) {
 /// choice, or a JSON body's `usage.completion_tokens`) update the request's decode progress,
 /// and the bookings are released when its body ends or is dropped. A served answer's `usage`
 /// gains `prompt_tokens_details.cached_tokens` (`cached`) where the engine left it out.
+/// Sends `body` to the decode engine of `placed` at `path` and relays its answer to the client
+/// ([`relay_decode`]); a decode engine that cannot be reached gets the client a 502.
+pub(super) async fn call_decode(
+    shared: &Shared,
+    placed: &Placed,
+    finish: Finish,
+    path: &str,
+    body: &Value,
+    forward: &Forward,
+    cached: u64,
+) -> Response {
+    let url = engine_url(&placed.decode_url, path);
+    match shared
+        .upstream
+        .post_with(url, body, forward.headers())
+        .await
+    {
+        Ok(resp) => relay_decode(shared, placed, finish, resp, cached),
+        Err(e) => upstream_failed(shared, &e),
+    }
+}
+
 pub(super) fn relay_decode(
     shared: &Shared,
     placed: &Placed,

@@ -24,13 +24,15 @@ pub(super) fn replicate_in_pool(shared: &Arc<Shared>, names: Option<Vec<Vec<u8>>
     let Some(hot) = pool.hot else {
         return;
     };
-    let count = |outcome: &str| shared.metrics.hot_pool.with_label_values(&[outcome]).inc();
     let Some(names) = names.filter(|n| !n.is_empty()) else {
-        count("unnamed");
+        shared
+            .metrics
+            .hot_pool
+            .with_label_values(&["unnamed"])
+            .inc();
         return;
     };
-    let Ok(permit) = shared.prefetch_slots.clone().try_acquire_owned() else {
-        count("busy");
+    let Some(permit) = shared.background_slot(&shared.metrics.hot_pool) else {
         return;
     };
     let shared = shared.clone();

@@ -68,8 +68,7 @@ fn prefetch(shared: &Arc<Shared>, url: String, keys: Vec<BlockKey>) {
         count("skipped_unsupported");
         return;
     }
-    let Ok(permit) = shared.prefetch_slots.clone().try_acquire_owned() else {
-        count("busy");
+    let Some(permit) = shared.background_slot(&shared.metrics.prefetches) else {
         return;
     };
     let shared = shared.clone();

@@ -48,6 +48,20 @@ pub(super) struct Feeds {
 }
 
 impl Shared {
+    /// A slot for one background call to an engine or the master (a prefetch, hot copies),
+    /// within the bound on those in flight; `None`, counted as `busy` in `counter`, when every
+    /// slot is taken.
+    pub(super) fn background_slot(
+        &self,
+        counter: &prometheus::IntCounterVec,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let slot = self.prefetch_slots.clone().try_acquire_owned().ok();
+        if slot.is_none() {
+            counter.with_label_values(&["busy"]).inc();
+        }
+        slot
+    }
+
     /// Base URLs of every engine served now, prefill then decode.
     pub(super) fn engine_urls(&self) -> Vec<String> {
         let m = self.members.lock();

@@ -8,11 +8,9 @@ use axum::response::Response;
 use serde_json::{Value, json};
 
 use super::access::Forward;
-use super::engine_calls::{cached_tokens, call_prefill, relay_decode};
-use super::error_bodies::upstream_failed;
+use super::engine_calls::{cached_tokens, call_decode, call_prefill};
 use super::members::Placed;
 use super::shared::{Finish, Shared};
-use super::upstream::engine_url;
 
 /// The prefill form of `original` under vLLM's conventions: one token, one choice, no
 /// streaming, and `kv_params` as its `kv_transfer_params`.
@@ -63,13 +61,5 @@ pub(super) async fn route_vllm(
     if let (Some(obj), Some(kv)) = (decode_req.as_object_mut(), kv_params) {
         obj.insert("kv_transfer_params".into(), kv);
     }
-    let url = engine_url(&placed.decode_url, path);
-    match shared
-        .upstream
-        .post_with(url, &decode_req, forward.headers())
-        .await
-    {
-        Ok(resp) => relay_decode(&shared, &placed, finish, resp, cached),
-        Err(e) => upstream_failed(&shared, &e),
-    }
+    call_decode(&shared, &placed, finish, path, &decode_req, forward, cached).await
 }

@@ -19,11 +19,11 @@ use serde_json::{Value, json};
 
 use super::access::Forward;
 use super::bootstrap::{PrefillRank, bootstrap_url, parse_query};
-use super::engine_calls::{cached_tokens, call_prefill, relay_decode};
+use super::engine_calls::{cached_tokens, call_decode, call_prefill};
 use super::error_bodies::upstream_failed;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
-use super::upstream::{UpstreamError, engine_url, read_body};
+use super::upstream::{UpstreamError, read_body};
 use super::vllm::one_token_prefill;
 
 /// Longest wait for a bootstrap server's answer.
@@ -130,13 +130,5 @@ pub(super) async fn route_vllm_mooncake(
                    "transfer_id": transfer_id}),
         );
     }
-    let url = engine_url(&placed.decode_url, path);
-    match shared
-        .upstream
-        .post_with(url, &decode_req, forward.headers())
-        .await
-    {
-        Ok(resp) => relay_decode(&shared, &placed, finish, resp, cached),
-        Err(e) => upstream_failed(&shared, &e),
-    }
+    call_decode(&shared, &placed, finish, path, &decode_req, forward, cached).await
 }
