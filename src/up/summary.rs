@@ -255,7 +255,7 @@ fn quantiles(q: Quantiles) -> String {
 fn prediction(p: &Prediction) -> String {
     let ratio = |r: Option<f64>, f: &dyn Fn(f64) -> String| r.map_or_else(|| "-".into(), f);
     format!(
-        "median {} predicted, {} observed (x{}), median error {} over {} requests",
+        "TTFT median {} vs {} observed (x{}), median error {} over {} requests",
         ms(p.median_predicted_ms),
         ms(p.median_observed_ms),
         ratio(p.median_ratio, &|r| format!("{r:.2}")),
@@ -294,7 +294,7 @@ pub fn summary_table(v: &Value, stats: &ReplayStats, kv: &EngineKv) -> String {
         ("TPOT", quantiles(stats.tpot_ms)),
     ];
     if stats.ttft_prediction.requests > 0 {
-        rows.push(("TTFT estimate", prediction(&stats.ttft_prediction)));
+        rows.push(("predicted", prediction(&stats.ttft_prediction)));
     }
     // Synthetic engines count their own KV traffic; real engines count prompt tokens by source.
     if kv.prompt_tokens.iter().all(|t| *t == 0.0) {
@@ -376,19 +376,19 @@ mod tests {
         assert_eq!(rows.len(), 8, "{t}");
         assert!(
             rows[1].starts_with(
-                "  requests       3 in 1.5 s at x10.0, policy random: 2 served, 1 rejected, 0 failed"
+                "  requests     3 in 1.5 s at x10.0, policy random: 2 served, 1 rejected, 0 failed"
             ),
             "{t}"
         );
         assert!(
-            t.contains("  TTFT           mean -  p50 12.0 ms  p90 -  p99 -  (wall clock)"),
+            t.contains("  TTFT         mean -  p50 12.0 ms  p90 -  p99 -  (wall clock)"),
             "{t}"
         );
         // Medians 10 and 20 -> 10 (nearest rank) predicted, 12 observed; errors 17% and 25%.
         assert!(
             t.contains(
-                "  TTFT estimate  median 10.0 ms predicted, 12.0 ms observed (x0.83), median \
-                 error 17% over 2 requests"
+                "  predicted    TTFT median 10.0 ms vs 12.0 ms observed (x0.83), median error \
+                 17% over 2 requests"
             ),
             "{t}"
         );
