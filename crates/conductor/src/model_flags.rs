@@ -225,10 +225,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().to_str().unwrap().to_owned();
         let bare = parse(&["--model-dir", &d]);
-        assert_eq!(
-            tokenizer_path(&bare),
-            Some(Path::new(ENGINE_TOKENIZER))
-        );
+        assert_eq!(tokenizer_path(&bare), Some(Path::new(ENGINE_TOKENIZER)));
         std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
         assert_eq!(
             tokenizer_path(&parse(&["--model-dir", &d])),
