@@ -1,9 +1,14 @@
 //! Two conductor replicas in front of the same engines (issue 35;
 //! docs/adr/0010-conductor-replicas-share-bookings.md): with their bookings shared through a
-//! real in-process master (`ShareLoad`), they admit no more than one conductor would; booking
-//! alone, the same arrivals split between two replicas are admitted well past what the engine
-//! can serve within the SLO. Real synthetic engines (prefills one at a time, each a fixed cost)
-//! on loopback, predicted-TTFT admission.
+//! real in-process master (`ShareLoad`), they admit exactly what one conductor admits; booking
+//! alone, the same arrivals split between two replicas are admitted twice over. Real synthetic
+//! engines (prefills one at a time, each a fixed cost) on loopback, predicted-TTFT admission.
+//!
+//! The decisions do not race the clock: a prefill takes one cost-model second, five wall
+//! seconds, and the SLO lets two be queued, so whatever arrives in the burst's two seconds
+//! (0.4 cost-model seconds) after two admissions is refused, and nothing finishes meanwhile
+//! that could make room. Arrivals are 250 ms apart, 25 sharing periods, for each booking to
+//! reach the other replica.
 
 mod pool_support;
 mod serve_support;
@@ -20,16 +25,19 @@ const MODEL: &str = "synthetic-70b";
 const BLOCK: u32 = 16;
 const POOL_KEY: &[u8] = b"kvpool-test-pool-key-0123456789";
 /// Wall seconds per cost-model second, engines and conductors alike.
-const TIME_SCALE: f64 = 0.2;
+const TIME_SCALE: f64 = 5.0;
 /// Every prefill costs one cost-model second, whatever the prompt.
 const PREFILL: PrefillCost = PrefillCost {
     fixed_s: 1.0,
     linear_s: 0.0,
     quadratic_s: 0.0,
 };
-/// Requests arrive this far apart (0.3 cost-model seconds), alternating between replicas.
-const GAP: Duration = Duration::from_millis(60);
-const ARRIVALS: usize = 32;
+/// Requests arrive this far apart (0.05 cost-model seconds), alternating between replicas.
+const GAP: Duration = Duration::from_millis(250);
+const ARRIVALS: usize = 8;
+/// How long after the burst an answer counts as a refusal; an admitted request is still
+/// prefilling then (its prefill takes five seconds).
+const REFUSAL_WAIT: Duration = Duration::from_millis(1500);
 
 async fn engine(shutdown: &CancellationToken) -> SocketAddr {
     let config = kvpool_synthetic::EngineConfig {
@@ -44,9 +52,8 @@ async fn engine(shutdown: &CancellationToken) -> SocketAddr {
     a
 }
 
-/// A conductor over `prefill` and `decode` admitting on predicted TTFT against a 2.6 s SLO
-/// (two prefills queued ahead is too many), sharing its bookings through `master` when
-/// `share`.
+/// A conductor over `prefill` and `decode` admitting on predicted TTFT against a 2.5 s SLO
+/// (a third prefill queued is too many), sharing its bookings through `master` when `share`.
 fn config(
     prefill: SocketAddr,
     decode: SocketAddr,
@@ -59,7 +66,7 @@ fn config(
         vec![format!("http://{prefill}")],
         format!("http://{decode}"),
         Rejection::Predicted,
-        2.6,
+        2.5,
     );
     c.scheduler.prefill_costs = vec![PREFILL];
     c.time_scale = TIME_SCALE;
@@ -86,9 +93,10 @@ fn config(
 }
 
 /// Starts `replicas` conductors over one prefill and one decode engine, sends [`ARRIVALS`]
-/// distinct requests [`GAP`] apart to the replicas in turn, and counts those admitted (200)
-/// and refused (429); any other answer fails the test.
-async fn admitted(replicas: usize, share: bool) -> (usize, usize) {
+/// distinct requests [`GAP`] apart to the replicas in turn, and counts those admitted: every
+/// request not refused (429) within [`REFUSAL_WAIT`] of the burst's end (an admitted one is
+/// still prefilling then); any other answer fails the test.
+async fn admitted(replicas: usize, share: bool) -> usize {
     let shutdown = CancellationToken::new();
     let master = pool_support::in_process_master(POOL_KEY, |_| {}).await;
     let (p, d) = (engine(&shutdown).await, engine(&shutdown).await);
@@ -109,7 +117,7 @@ async fn admitted(replicas: usize, share: bool) -> (usize, usize) {
         fronts.push(a);
     }
     // Let every replica report once before the first arrival.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let mut calls = Vec::new();
     for i in 0..ARRIVALS {
         let front = fronts[i % replicas];
@@ -121,45 +129,38 @@ async fn admitted(replicas: usize, share: bool) -> (usize, usize) {
         }));
         tokio::time::sleep(GAP).await;
     }
-    let (mut ok, mut refused) = (0, 0);
+    tokio::time::sleep(REFUSAL_WAIT).await;
+    let mut admitted = 0;
     for c in calls {
+        if !c.is_finished() {
+            admitted += 1;
+            c.abort();
+            continue;
+        }
         let (status, _, text) = c.await.expect("call");
         match status {
-            200 => ok += 1,
-            429 => refused += 1,
-            other => panic!("unexpected {other}: {text}"),
+            429 => {}
+            other => panic!("answered {other} before its prefill could have run: {text}"),
         }
     }
     shutdown.cancel();
-    (ok, refused)
+    admitted
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_sharing_bookings_admit_no_more_than_one_conductor() {
-    let (one, one_refused) = admitted(1, true).await;
-    // The engine serves a prefill per 0.2 s (wall) and requests come every 0.06 s: one
-    // conductor must refuse many of them to keep the predicted TTFT within the SLO.
-    assert!(
-        one_refused >= ARRIVALS / 3,
-        "one conductor: {one} admitted, {one_refused} refused"
-    );
-
-    let (shared, _) = admitted(2, true).await;
-    let (alone, _) = admitted(2, false).await;
+    let one = admitted(1, true).await;
+    let shared = admitted(2, true).await;
+    let alone = admitted(2, false).await;
     eprintln!(
         "admitted of {ARRIVALS}: one conductor {one}, two sharing {shared}, two alone {alone}"
     );
-    // Booking alone, each replica sees half the arrivals and takes the engine for freer than
-    // it is: the same arrivals are admitted well past one conductor's count. This is what
-    // the test would see if sharing did nothing.
-    assert!(
-        alone >= one + 3,
-        "two replicas booking alone admitted {alone}, one conductor {one}"
-    );
-    // Sharing: within one request of a single conductor (an arrival may come before the
-    // other replica's last booking reached the master).
-    assert!(
-        shared <= one + 1,
-        "two replicas sharing admitted {shared}, one conductor {one} (alone: {alone})"
-    );
+    // One prefill running and one queued meet the SLO; a third would not.
+    assert_eq!(one, 2, "one conductor");
+    // Booking alone, each replica sees half the arrivals and takes the engine for free of the
+    // other's requests: twice as many are admitted. This is what the test would see if
+    // sharing did nothing.
+    assert_eq!(alone, 2 * one, "two replicas booking alone");
+    // Sharing: what one conductor admits.
+    assert_eq!(shared, one, "two replicas sharing (alone: {alone})");
 }

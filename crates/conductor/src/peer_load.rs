@@ -35,7 +35,8 @@ impl DecodeBooking {
 /// answer, and again when the engine set changes.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PeerLoad {
-    /// Per prefill instance: seconds of prefill work the peers booked and have not seen done.
+    /// Per prefill instance: seconds of prefill work the peers booked and have not seen done,
+    /// in full.
     pub prefill_busy_s: Vec<f64>,
     /// Per decode instance.
     pub decode: Vec<DecodeBooking>,

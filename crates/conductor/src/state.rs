@@ -324,11 +324,16 @@ impl State {
     }
 
     /// What this replica has booked, for the others (`ShareLoad`): per prefill instance the
-    /// seconds of work booked and not yet done at `now_s` ([`State::prefill_busy`]), per
-    /// decode instance its booking.
-    pub fn own_load(&self, now_s: f64) -> (Vec<f64>, Vec<DecodeBooking>) {
-        let decode = self.decode.iter().map(DecodeBooking::of).collect();
-        (self.prefill_busy(now_s), decode)
+    /// seconds of work of the requests booked and not yet prefilled, in full (this replica
+    /// cannot tell whether the engine has started any of them: the other replicas' requests
+    /// may be ahead), per decode instance its booking.
+    pub fn own_load(&self) -> (Vec<f64>, Vec<DecodeBooking>) {
+        let prefill = self
+            .booked
+            .iter()
+            .map(|q| q.iter().map(|&(_, w)| w).sum())
+            .collect();
+        (prefill, self.decode.iter().map(DecodeBooking::of).collect())
     }
 
     /// Per prefill instance, seconds of this replica's work still to do there: what its own

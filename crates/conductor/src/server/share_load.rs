@@ -92,12 +92,11 @@ async fn run(
 /// This replica's bookings by engine URL (an engine in both roles in one entry), with the
 /// engine-set epoch they are numbered in.
 fn own_report(shared: &Shared) -> (u64, Vec<EngineLoad>) {
-    let now_s = shared.now_s();
     let m = shared.members.lock();
     let Some(state) = m.state.as_ref() else {
         return (m.epoch, Vec::new());
     };
-    let (prefill, decode) = state.own_load(now_s);
+    let (prefill, decode) = state.own_load();
     let mut by_url: BTreeMap<&str, EngineLoad> = BTreeMap::new();
     let entry = |map: &mut BTreeMap<&str, EngineLoad>, url: &str| -> EngineLoad {
         map.remove(url).unwrap_or_else(|| EngineLoad {
