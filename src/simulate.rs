@@ -384,6 +384,7 @@ pub fn sim_config(args: &SimulateArgs) -> Result<SimConfig, SimulateError> {
             kv_bandwidth_bps: args.kv_bandwidth.bytes_per_s(),
             prefill_costs: vec![prefill_cost; instances],
             decode_cost,
+            handoff: Default::default(),
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens,
             hot: HotConfig {
                 threshold: args.hot_threshold,

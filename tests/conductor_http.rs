@@ -936,10 +936,92 @@ async fn prefill_cost_is_fitted_from_the_engines_measured_prefills() {
         .expect("ttft header")
         .parse()
         .expect("number");
+    // Less the hand-off to the (fast) decode engine, fitted from the same requests.
+    let handoff = &status().await["handoff_cost"]["cost"];
+    let handoff_s = handoff["fixed_s"].as_f64().expect("fixed")
+        + 2_000.0 * handoff["per_token_s"].as_f64().expect("per token");
     assert!(
-        (ttft_ms / 1e3 - want).abs() < 0.3 * want,
-        "TTFT estimate {ttft_ms} ms, the engine takes {want} s"
+        (ttft_ms / 1e3 - handoff_s - want).abs() < 0.3 * want,
+        "TTFT estimate {ttft_ms} ms with a {handoff_s} s hand-off, the engine takes {want} s"
     );
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn the_hand_off_to_decode_is_fitted_and_counted_in_the_ttft_estimate() {
+    // The decode engine's first step takes 0.5 s of model time (50 ms of wall time at 0.1):
+    // every request's first token comes at least that long after its prefill answered.
+    const SCALE: f64 = 0.1;
+    let shutdown = CancellationToken::new();
+    let (p0, _) = engine(&shutdown).await;
+    let config = EngineConfig {
+        decode_cost: kvpool_core::sched::DecodeCost {
+            fixed_s: 0.5,
+            per_seq_s: 0.0,
+            per_ctx_token_s: 0.0,
+        },
+        time_scale: SCALE,
+        ..serve_support::engine_config(MODEL, BLOCK)
+    };
+    let (d0, _) = serve_support::start_engine(config, &shutdown).await;
+    let mut config = conductor_config(vec![format!("http://{p0}")], format!("http://{d0}"));
+    config.scheduler.slo.ttft_s = 1e6;
+    config.time_scale = SCALE;
+    let (conductor, metrics) = start_conductor(config, &shutdown).await;
+    let status = || async {
+        let (code, body) = serve_support::http(conductor, "GET", "/v1/kvpool/status", "").await;
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str::<Value>(&body).expect("status json")
+    };
+    assert_eq!(status().await["handoff_cost"]["source"], "prior");
+    let estimate = |head: &HeaderMap| -> f64 {
+        header(head, "x-kvpool-ttft-estimate-ms")
+            .expect("ttft header")
+            .parse()
+            .expect("number")
+    };
+    // Before the fit the estimate is the prefill side alone (well under the 0.5 s hand-off).
+    let mut first_estimate = None;
+    for i in 0..10 {
+        // 100 to 190 tokens of 4 bytes.
+        let prompt = format!("{i:03}{}", "x".repeat(4 * (100 + 10 * i) - 3));
+        let body = format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":1}}"#);
+        let (code, head, text) = post(conductor, "/v1/completions", &body).await;
+        assert_eq!(code, 200, "{text}");
+        first_estimate.get_or_insert(estimate(&head));
+    }
+    let first_estimate = first_estimate.expect("an estimate");
+    assert!(first_estimate < 400.0, "{first_estimate} ms before the fit");
+    let after = status().await;
+    let h = &after["handoff_cost"];
+    assert_eq!(h["source"], "fitted", "{after}");
+    assert_eq!(h["observations"], 10, "{after}");
+    let at_150 = h["cost"]["fixed_s"].as_f64().expect("fixed")
+        + 150.0 * h["cost"]["per_token_s"].as_f64().expect("per token");
+    assert!(
+        (0.5..1.5).contains(&at_150),
+        "a 150-token hand-off predicted at {at_150} s, the engine takes 0.5 s and more: {after}"
+    );
+    // The next placement counts it.
+    let prompt = format!("zz{}", "x".repeat(4 * 150 - 2));
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":1}}"#);
+    let (code, head, text) = post(conductor, "/v1/completions", &body).await;
+    assert_eq!(code, 200, "{text}");
+    assert!(
+        estimate(&head) >= first_estimate + 450.0,
+        "estimate {} ms after the fit, {first_estimate} ms before",
+        estimate(&head)
+    );
+    let text = prometheus::TextEncoder::new()
+        .encode_to_string(&metrics.gather())
+        .expect("encode");
+    let fixed = kvpool_harness::scrape::metric_value(
+        &text,
+        "kvpool_conductor_handoff_cost_seconds",
+        &["source=\"fitted\"", "term=\"fixed\""],
+    )
+    .unwrap_or_else(|| panic!("no fitted hand-off gauge in\n{text}"));
+    assert!(fixed >= 0.0 && fixed.is_finite());
     shutdown.cancel();
 }
 

@@ -22,6 +22,7 @@ fn config(policy: Policy, costs: Vec<PrefillCost>) -> SchedulerConfig {
         kv_bandwidth_bps: 1e9,
         prefill_costs: costs,
         decode_cost: DecodeCost::default(),
+        handoff: Default::default(),
         decode_kv_capacity_tokens: 1_000_000,
         hot: HotConfig {
             threshold: 0,

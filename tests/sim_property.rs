@@ -33,6 +33,7 @@ fn config(
             kv_bandwidth_bps: 25e9,
             prefill_costs: vec![PrefillCost::default(); prefill],
             decode_cost: DecodeCost::default(),
+            handoff: Default::default(),
             decode_kv_capacity_tokens: 1_500_000,
             hot: HotConfig {
                 threshold: 3,

@@ -175,6 +175,7 @@ pub fn conductor_config(
             kv_bandwidth_bps: 25e9,
             prefill_costs: vec![PrefillCost::default(); n],
             decode_cost: DecodeCost::default(),
+            handoff: Default::default(),
             decode_kv_capacity_tokens: 1_500_000,
             hot: HotConfig {
                 threshold: 0,

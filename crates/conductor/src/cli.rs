@@ -367,6 +367,7 @@ pub fn conductor_config(args: &ConductorArgs) -> Result<ConductorConfig, Conduct
             kv_bandwidth_bps: args.kv_bandwidth.bytes_per_s(),
             prefill_costs: vec![args.prefill_cost; args.prefill.len()],
             decode_cost: DecodeCost::default(),
+            handoff: Default::default(),
             decode_kv_capacity_tokens: args.decode_kv_capacity_tokens.max(1),
             hot: HotConfig {
                 threshold: args.hot_threshold,

@@ -18,6 +18,7 @@ mod decode_cost;
 pub mod discovery;
 mod engines;
 mod fetch_estimate;
+mod handoff_fit;
 pub mod kv_events;
 pub mod master_flags;
 pub mod model_config;

@@ -8,7 +8,7 @@ use std::num::NonZeroU32;
 
 use kvpool_core::sched::{
     BlockKey, Decision, DecodeLoad, DecodeMember, Inserted, LruSet, PrefillLoad, PrefixIndex,
-    RejectReason, Request, Scheduler,
+    RejectReason, Request, Scheduler, TtftEstimate,
 };
 
 use crate::config::ConductorConfig;
@@ -68,8 +68,12 @@ pub struct Ticket {
     pub request: u64,
     pub prefill: usize,
     pub decode: usize,
-    /// Estimated TTFT, seconds.
+    /// Estimated TTFT, seconds (`estimate.total_s()`).
     pub ttft_s: f64,
+    /// Its parts: the queue, pool fetch and prefill on the prefill engine, then the hand-off.
+    pub estimate: TtftEstimate,
+    /// The prompt's tokens.
+    pub prompt_tokens: u64,
     /// Estimated TPOT on the decode instance chosen, seconds.
     pub tpot_s: f64,
     /// Of the prompt's leading blocks the prefill instance need not compute, those it holds in
@@ -211,13 +215,17 @@ impl State {
             request,
             context_tokens: input_tokens,
             remaining_tokens: output_tokens,
-            joins_at_s: now_s + p.ttft.total_s() + p.kv_transfer_s,
+            // The measured hand-off covers the KV transfer where it is fitted.
+            joins_at_s: now_s + p.ttft.total_s() - p.ttft.handoff_s
+                + p.ttft.handoff_s.max(p.kv_transfer_s),
         });
         Ok(Ticket {
             request,
             prefill: p.prefill,
             decode: p.decode,
             ttft_s: p.ttft.total_s(),
+            estimate: p.ttft,
+            prompt_tokens: input_tokens,
             tpot_s: p.tpot_s,
             local_blocks: p.prefix.local_blocks,
             pool_blocks: p.prefix.pool_blocks(),
@@ -316,6 +324,11 @@ impl State {
     /// The decode cost model the next placements assume (a fitted one).
     pub fn set_decode_cost(&mut self, cost: kvpool_core::sched::DecodeCost) {
         self.scheduler.set_decode_cost(cost);
+    }
+
+    /// The hand-off model the next placements assume (a fitted one).
+    pub fn set_handoff_cost(&mut self, cost: kvpool_core::sched::HandoffCost) {
+        self.scheduler.set_handoff_cost(cost);
     }
 
     /// The prefill cost model placements assume for instance `instance`.
@@ -583,6 +596,7 @@ mod tests {
                     2
                 ],
                 decode_cost: kvpool_core::sched::DecodeCost::default(),
+                handoff: Default::default(),
                 decode_kv_capacity_tokens: 1_000_000,
                 hot: HotConfig {
                     threshold: 0,

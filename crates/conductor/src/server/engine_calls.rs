@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use super::access::Forward;
 use super::error_bodies::upstream_failed;
+use super::latency::FirstToken;
 use super::members::Placed;
 use super::shared::{Finish, Shared};
 use super::upstream::{UpstreamError, engine_url, read_body};
@@ -37,6 +38,18 @@ pub const DECODE_HEADER: &str = "x-kvpool-decode-engine";
 pub(super) struct PrefillAnswer {
     pub(super) status: StatusCode,
     pub(super) body: Bytes,
+    /// When its body was read to the end: the hand-off to the decode engine starts.
+    pub(super) answered: Instant,
+    /// The call's wall seconds, from sending the request to the end of the answer.
+    pub(super) took_s: f64,
+}
+
+impl Finish {
+    /// The request's prefill `answer` came: the hand-off to decode starts.
+    pub(super) fn prefilled(&mut self, answer: &PrefillAnswer) {
+        self.timer.prefilled(answer.answered);
+        self.prefill_call_s = Some(answer.took_s);
+    }
 }
 
 /// Reads a prefill engine's response to the end, marks the request prefilled and feeds the
@@ -62,7 +75,9 @@ async fn prefill_answer(
         )
     };
     let body = read_body(url, resp.into_body()).await?;
-    let took = sent.elapsed().as_secs_f64() / shared.config.time_scale;
+    let answered = Instant::now();
+    let took_s = answered.duration_since(sent).as_secs_f64();
+    let took = took_s / shared.config.time_scale;
     let now = shared.now_s();
     shared
         .members
@@ -83,7 +98,12 @@ async fn prefill_answer(
             .fetch_bandwidth
             .set(fetch.bandwidth_bps(shared.config.block_bytes()));
     }
-    Ok(PrefillAnswer { status, body })
+    Ok(PrefillAnswer {
+        status,
+        body,
+        answered,
+        took_s,
+    })
 }
 
 /// Feeds one measured prefill (cost-model seconds) to the fit of its engine's cost model; the
@@ -172,6 +192,37 @@ fn observe_decode(finish: &Finish, tpot_s: f64) {
         }
         shared.metrics.set_decode_cost(&m.decode_fit);
     }
+}
+
+/// The first token of a served answer came: the measured hand-off feeds its fit (the next
+/// placements assume the model that follows), and the request's estimate against what
+/// happened goes to the debug log (target `kvpool_conductor::timing`).
+fn observe_first_token(finish: &Finish, first: FirstToken) {
+    let shared = &finish.shared;
+    let t = &finish.placed.ticket;
+    if let Some(handoff) = first.handoff_s {
+        let mut m = shared.members.lock();
+        if m.handoff_fit
+            .observe(t.prompt_tokens, handoff / shared.config.time_scale)
+        {
+            let cost = m.handoff_fit.current();
+            if let Some(state) = m.state.as_mut() {
+                state.set_handoff_cost(cost);
+            }
+            shared.metrics.set_handoff_cost(&m.handoff_fit);
+        }
+    }
+    let e = &t.estimate;
+    let ms = |s: f64| (s * 1e3 * shared.config.time_scale * 10.0).round() / 10.0;
+    tracing::debug!(target: "kvpool_conductor::timing",
+        request = t.request, prefill = %finish.placed.prefill_url,
+        decode = %finish.placed.decode_url, prompt_tokens = t.prompt_tokens,
+        uncached_tokens = t.uncached_tokens, found_idle = t.found_idle,
+        est_queue_ms = ms(e.queue_s), est_fetch_ms = ms(e.fetch_s),
+        est_prefill_ms = ms(e.prefill_s), est_handoff_ms = ms(e.handoff_s),
+        est_ttft_ms = ms(e.total_s()), prefill_call_ms = finish.prefill_call_s.map(|s| ms(s / shared.config.time_scale)),
+        handoff_ms = first.handoff_s.map(|s| ms(s / shared.config.time_scale)),
+        ttft_ms = ms(first.ttft_s / shared.config.time_scale), "first token");
 }
 
 /// The request's decode response has carried `tokens` tokens, `new` of them since last time.
@@ -274,8 +325,9 @@ pub(super) fn relay_decode(
             if served {
                 if let Some(Ok(b)) = &chunk
                     && !b.is_empty()
+                    && let Some(first) = finish.timer.chunk(counter.tokens())
                 {
-                    finish.timer.chunk(counter.tokens());
+                    observe_first_token(&finish, first);
                 }
                 if body.is_none()
                     && let Some(tpot) = finish.timer.ended(counter.tokens())

@@ -87,6 +87,7 @@ fn status(shared: &Shared) -> serde_json::Value {
         "fit_prefill_cost": m.costs.fitting(),
         "prefill_costs": m.costs.status(&m.engines.prefill),
         "decode_cost": m.decode_fit.status(),
+        "handoff_cost": m.handoff_fit.status(),
     })
 }
 
@@ -118,6 +119,8 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
     metrics.set_prefill_costs(&costs, &initial.prefill);
     let decode_fit = crate::decode_cost::DecodeFit::new(config.scheduler.decode_cost);
     metrics.set_decode_cost(&decode_fit);
+    let handoff_fit = crate::handoff_fit::HandoffFit::new(config.scheduler.handoff);
+    metrics.set_handoff_cost(&handoff_fit);
     let fetch = FetchEstimate::new(config.block_bytes(), config.scheduler.pool_bandwidth_bps);
     metrics
         .fetch_bandwidth
@@ -137,6 +140,7 @@ pub fn conductor(config: ConductorConfig, registry: &Registry) -> Result<Conduct
             holdings: Default::default(),
             costs,
             decode_fit,
+            handoff_fit,
         }),
         upstream,
         started: Instant::now(),

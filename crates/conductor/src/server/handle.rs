@@ -196,6 +196,7 @@ pub(super) async fn handle(
         shared: shared.clone(),
         placed: placed.clone(),
         timer,
+        prefill_call_s: None,
     };
     let original = req.into_body();
     match placed.protocol.clone() {

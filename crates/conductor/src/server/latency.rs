@@ -129,8 +129,18 @@ impl Latency {
 pub(super) struct RequestTimer {
     latency: Arc<Latency>,
     arrived: Instant,
+    /// When the prefill engine's answer was read (the hand-off starts).
+    prefilled: Option<Instant>,
     /// When the first bytes of a served answer came and the tokens they carried.
     first: Option<(Instant, u32)>,
+}
+
+/// The first bytes of a served answer: the request's TTFT and, when its prefill answer came
+/// before, the hand-off (prefill answer to first token), both wall seconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct FirstToken {
+    pub(super) ttft_s: f64,
+    pub(super) handoff_s: Option<f64>,
 }
 
 impl RequestTimer {
@@ -140,6 +150,7 @@ impl RequestTimer {
         Self {
             latency: latency.clone(),
             arrived: Instant::now(),
+            prefilled: None,
             first: None,
         }
     }
@@ -151,11 +162,16 @@ impl RequestTimer {
             .observe(self.arrived.elapsed().as_secs_f64());
     }
 
+    /// The prefill engine's answer was read at `at`.
+    pub(super) fn prefilled(&mut self, at: Instant) {
+        self.prefilled = Some(at);
+    }
+
     /// A chunk of the served (2xx) decode answer passed, with `tokens` counted in the answer
-    /// so far: the first one is the time to first token.
-    pub(super) fn chunk(&mut self, tokens: u32) {
+    /// so far: the first one is the time to first token, returned with the hand-off.
+    pub(super) fn chunk(&mut self, tokens: u32) -> Option<FirstToken> {
         if self.first.is_some() {
-            return;
+            return None;
         }
         let now = Instant::now();
         let ttft = now.duration_since(self.arrived).as_secs_f64();
@@ -163,6 +179,12 @@ impl RequestTimer {
         let l = &self.latency;
         l.slo[if ttft <= l.objective_s.0 { 0 } else { 1 }].inc();
         self.first = Some((now, tokens));
+        Some(FirstToken {
+            ttft_s: ttft,
+            handoff_s: self
+                .prefilled
+                .map(|at| now.saturating_duration_since(at).as_secs_f64()),
+        })
     }
 
     /// The served answer ended with `tokens` counted in all: the tokens after the first chunk

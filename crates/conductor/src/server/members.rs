@@ -23,6 +23,8 @@ pub(super) struct Members {
     pub(super) costs: PrefillCosts,
     /// The decode engines' cost model (prior, or scaled to the observed TPOTs).
     pub(super) decode_fit: crate::decode_cost::DecodeFit,
+    /// From prefill answers to decode engines' first tokens (prior, or fitted).
+    pub(super) handoff_fit: crate::handoff_fit::HandoffFit,
 }
 
 /// A request placed on instances, with what is needed to find them after an engine-set change.
@@ -60,6 +62,7 @@ impl Members {
             state.set_prefill_cost(i, self.costs.current(url));
         }
         state.set_decode_cost(self.decode_fit.current());
+        state.set_handoff_cost(self.handoff_fit.current());
     }
 
     /// Run `f` on the state with `placed`'s ticket as the current engine set numbers it; an

@@ -43,6 +43,8 @@ pub(super) struct Metrics {
     pub(super) prefill_cost_error: GaugeVec,
     pub(super) decode_cost: GaugeVec,
     pub(super) decode_cost_error: Gauge,
+    pub(super) handoff_cost: GaugeVec,
+    pub(super) handoff_cost_error: Gauge,
     pub(super) decode_tokens_observed: IntCounterVec,
     /// Time to first token, per output token, end to end, queue wait, in flight, SLO results.
     pub(super) latency: Arc<Latency>,
@@ -247,6 +249,29 @@ impl Metrics {
                  each predicted at its placement",
             )?,
         )?;
+        let handoff_cost = register(
+            registry,
+            GaugeVec::new(
+                Opts::new(
+                    "kvpool_conductor_handoff_cost_seconds",
+                    "Hand-off model: the time from a prefill engine's answer to the decode \
+                     engine's first token, by term (fixed: seconds per request, per_token: per \
+                     prompt token; cost-model seconds) and source (prior: the configured model; \
+                     fitted: the least-squares line of the measured hand-offs, in use once \
+                     present); part of every TTFT estimate",
+                ),
+                &["term", "source"],
+            )?,
+        )?;
+        let handoff_cost_error = register(
+            registry,
+            Gauge::new(
+                "kvpool_conductor_handoff_cost_error_ratio",
+                "Relative error of the predicted hand-off: the moving mean (about the last 20) \
+                 of abs(predicted - measured) / measured, each predicted by the fit in use \
+                 before the measurement",
+            )?,
+        )?;
         let decode_tokens_observed = counters(
             registry,
             "kvpool_conductor_decode_tokens_observed_total",
@@ -330,6 +355,8 @@ impl Metrics {
             prefill_cost_error,
             decode_cost,
             decode_cost_error,
+            handoff_cost,
+            handoff_cost_error,
             decode_tokens_observed,
             latency,
         })
@@ -378,6 +405,20 @@ impl Metrics {
         }
         if let Some(e) = fit.error_ratio() {
             self.decode_cost_error.set(e);
+        }
+    }
+
+    /// The hand-off gauges follow `fit`: the prior always, the fit and its error once there.
+    pub(super) fn set_handoff_cost(&self, fit: &crate::handoff_fit::HandoffFit) {
+        let fitted = fit.is_fitted().then(|| fit.current());
+        for (source, cost) in [("prior", Some(fit.status().prior)), ("fitted", fitted)] {
+            let Some(c) = cost else { continue };
+            for (term, v) in [("fixed", c.fixed_s), ("per_token", c.per_token_s)] {
+                self.handoff_cost.with_label_values(&[term, source]).set(v);
+            }
+        }
+        if let Some(e) = fit.error_ratio() {
+            self.handoff_cost_error.set(e);
         }
     }
 

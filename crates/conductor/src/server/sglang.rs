@@ -28,7 +28,7 @@ use kvpool_proto::openai as api;
 pub(super) async fn route_sglang(
     shared: Arc<Shared>,
     placed: Placed,
-    finish: Finish,
+    mut finish: Finish,
     original: Value,
     path: &str,
     bootstrap_port: u16,
@@ -74,7 +74,10 @@ pub(super) async fn route_sglang(
     // says of the prompt tokens it found cached.
     let cached = match prefilled {
         Some(Err(resp)) => return resp,
-        Some(Ok(answer)) => cached_tokens(&shared, &placed, &answer),
+        Some(Ok(answer)) => {
+            finish.prefilled(&answer);
+            cached_tokens(&shared, &placed, &answer)
+        }
         None => 0,
     };
     let decoded = match decoded {

@@ -108,6 +108,8 @@ pub(super) struct Finish {
     pub(super) shared: Arc<Shared>,
     pub(super) placed: Placed,
     pub(super) timer: RequestTimer,
+    /// The prefill call's wall seconds, once it answered.
+    pub(super) prefill_call_s: Option<f64>,
 }
 
 impl Drop for Finish {

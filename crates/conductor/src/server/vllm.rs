@@ -35,7 +35,7 @@ pub(super) fn one_token_prefill(original: &Value, kv_params: Value) -> Value {
 pub(super) async fn route_vllm(
     shared: Arc<Shared>,
     placed: Placed,
-    finish: Finish,
+    mut finish: Finish,
     original: Value,
     path: &str,
     forward: &Forward,
@@ -50,6 +50,7 @@ pub(super) async fn route_vllm(
         // Dropping `finish` with the early return releases the bookings.
         Err(resp) => return resp,
     };
+    finish.prefilled(&answer);
     let cached = cached_tokens(&shared, &placed, &answer);
     let kv_params = serde_json::from_slice::<Value>(&answer.body)
         .ok()

@@ -77,7 +77,7 @@ async fn prefill_ranks(shared: &Shared, bootstrap: &str) -> Result<Vec<PrefillRa
 pub(super) async fn route_vllm_mooncake(
     shared: Arc<Shared>,
     placed: Placed,
-    finish: Finish,
+    mut finish: Finish,
     original: Value,
     path: &str,
     bootstrap_port: u16,
@@ -119,6 +119,7 @@ pub(super) async fn route_vllm_mooncake(
             return resp;
         }
     };
+    finish.prefilled(&answer);
     let cached = cached_tokens(&shared, &placed, &answer);
 
     let mut decode_req = original;

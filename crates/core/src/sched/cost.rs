@@ -145,6 +145,33 @@ fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
     Some(x)
 }
 
+/// Time from the end of a prefill to the first token the decode instance sends: the hand-off of
+/// the prompt's KV cache to the decode engine (on the pool path: the decode engine reading it
+/// back) and the decode engine's first step, linear in the prompt's length. It is part of the
+/// TTFT a client sees and of no prefill engine's time. The default is zero: a model that has not
+/// measured it adds nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct HandoffCost {
+    /// Seconds per request (the HTTP hop and the first decode step).
+    pub fixed_s: f64,
+    /// Seconds per prompt token (its KV read on the decode side).
+    pub per_token_s: f64,
+}
+
+impl HandoffCost {
+    /// Seconds for a prompt of `prompt_tokens`.
+    pub fn seconds(&self, prompt_tokens: u64) -> f64 {
+        self.fixed_s + self.per_token_s * prompt_tokens as f64
+    }
+
+    /// Whether both terms are finite and >= 0.
+    pub fn is_valid(&self) -> bool {
+        [self.fixed_s, self.per_token_s]
+            .iter()
+            .all(|v| v.is_finite() && *v >= 0.0)
+    }
+}
+
 /// Decode step time model of one instance, in seconds per step (one token per running sequence).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct DecodeCost {

@@ -17,7 +17,7 @@ pub(crate) mod rng;
 pub use blocks::{BlockKey, block_count, block_keys, pool_key, text_tokens};
 #[cfg(feature = "clap")]
 pub use cost::CostFlags;
-pub use cost::{DecodeCost, FitError, PrefillCost};
+pub use cost::{DecodeCost, FitError, HandoffCost, PrefillCost};
 pub use cost_fit::{CostFitter, FitConfig, Observed};
 pub use engine_hash::{
     BlockHashKind, BlockHashing, EngineHash, ExtraKeys, VllmHasher, u64_of_hash_bytes,

@@ -140,6 +140,7 @@ pub fn run_with(
         kv_bandwidth_bps: 25e9,
         prefill_costs: vec![PrefillCost::default(); cfg.prefill_instances],
         decode_cost: DecodeCost::default(),
+        handoff: Default::default(),
         decode_kv_capacity_tokens: 1_500_000,
         hot: HotConfig {
             threshold: 0,

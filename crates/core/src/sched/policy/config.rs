@@ -5,7 +5,7 @@
 
 use std::num::NonZeroU32;
 
-use crate::sched::cost::{DecodeCost, PrefillCost};
+use crate::sched::cost::{DecodeCost, HandoffCost, PrefillCost};
 use crate::sched::index::MAX_PREFILL_INSTANCES;
 
 /// How the prefill instance is chosen.
@@ -131,6 +131,8 @@ pub struct SchedulerConfig {
     pub prefill_costs: Vec<PrefillCost>,
     /// Decode step cost (every decode instance alike).
     pub decode_cost: DecodeCost,
+    /// From the end of a prefill to the decode instance's first token (every pair alike).
+    pub handoff: HandoffCost,
     /// KV tokens one decode instance can hold.
     pub decode_kv_capacity_tokens: u64,
     pub hot: HotConfig,
@@ -144,6 +146,8 @@ pub struct SchedulerConfig {
 pub enum ConfigError {
     #[error("{field} must be a finite number > 0, got {value}")]
     NotPositive { field: &'static str, value: f64 },
+    #[error("{field} must be a finite number >= 0, got {value}")]
+    Negative { field: &'static str, value: f64 },
     #[error("prefill instances must be between 1 and {MAX_PREFILL_INSTANCES}, got {got}")]
     PrefillInstances { got: usize },
     #[error("decode instances must be at least 1")]
@@ -175,6 +179,14 @@ pub(super) fn validate(
     positive("pool bandwidth", config.pool_bandwidth_bps)?;
     positive("kv bandwidth", config.kv_bandwidth_bps)?;
     positive("bytes per token", config.bytes_per_token as f64)?;
+    for (field, value) in [
+        ("handoff fixed seconds", config.handoff.fixed_s),
+        ("handoff seconds per token", config.handoff.per_token_s),
+    ] {
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(ConfigError::Negative { field, value });
+        }
+    }
     positive(
         "decode kv capacity",
         config.decode_kv_capacity_tokens as f64,

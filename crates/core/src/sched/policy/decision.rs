@@ -11,11 +11,14 @@ pub struct TtftEstimate {
     pub queue_s: f64,
     pub fetch_s: f64,
     pub prefill_s: f64,
+    /// After the prefill: the KV hand-off to the decode instance and its first token
+    /// ([`crate::sched::HandoffCost`]).
+    pub handoff_s: f64,
 }
 
 impl TtftEstimate {
     pub fn total_s(&self) -> f64 {
-        self.queue_s + self.fetch_s + self.prefill_s
+        self.queue_s + self.fetch_s + self.prefill_s + self.handoff_s
     }
 }
 

@@ -118,6 +118,14 @@ impl Scheduler {
         }
     }
 
+    /// Replaces the hand-off model (a fitted one); one with a term that is not finite and >= 0
+    /// is ignored.
+    pub fn set_handoff_cost(&mut self, cost: super::cost::HandoffCost) {
+        if cost.is_valid() {
+            self.config.handoff = cost;
+        }
+    }
+
     pub fn prefill_instances(&self) -> usize {
         self.config.prefill_costs.len()
     }

@@ -32,6 +32,7 @@ impl Scheduler {
             queue_s: (load.free_at_s - now_s).max(0.0),
             fetch_s: fetch_bytes as f64 / self.config.pool_bandwidth_bps,
             prefill_s: cost.seconds(cached, req.input_tokens),
+            handoff_s: self.config.handoff.seconds(req.input_tokens),
         }
     }
 

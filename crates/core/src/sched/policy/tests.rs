@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 
 use super::*;
 use crate::sched::blocks::BlockKey;
-use crate::sched::cost::{DecodeCost, PrefillCost};
+use crate::sched::cost::{DecodeCost, HandoffCost, PrefillCost};
 
 fn config(policy: Policy, rejection: Rejection, prefill: usize) -> SchedulerConfig {
     SchedulerConfig {
@@ -35,6 +35,7 @@ fn config(policy: Policy, rejection: Rejection, prefill: usize) -> SchedulerConf
             per_seq_s: 0.01,
             per_ctx_token_s: 1e-6,
         },
+        handoff: Default::default(),
         decode_kv_capacity_tokens: 10_000,
         hot: HotConfig {
             threshold: 0,
@@ -234,6 +235,43 @@ fn early_rejection_on_ttft_tpot_and_memory() {
     assert_eq!(
         decide_alone(&mut s, &idx, 100, full),
         Decision::Reject(RejectReason::DecodeMemory)
+    );
+}
+
+#[test]
+fn the_hand_off_is_part_of_the_estimate_and_of_early_rejection() {
+    let idx = PrefixIndex::new(1).unwrap();
+    let mut s = Scheduler::new(config(Policy::Conductor, Rejection::Early, 1), 1).unwrap();
+    // 9,000 tokens at 1 ms: 9 s of prefill, within the 10 s SLO.
+    let p = accept(decide_alone(&mut s, &idx, 9_000, DecodeLoad::default()));
+    assert_eq!(p.ttft.handoff_s, 0.0);
+    // A hand-off of 0.5 s + 0.1 ms per prompt token adds 1.4 s: 10.4 s misses it.
+    s.set_handoff_cost(HandoffCost {
+        fixed_s: 0.5,
+        per_token_s: 1e-4,
+    });
+    match decide_alone(&mut s, &idx, 9_000, DecodeLoad::default()) {
+        Decision::Reject(RejectReason::Ttft { estimate_s }) => {
+            assert!((estimate_s - 10.4).abs() < 1e-9, "{estimate_s}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let p = accept(decide_alone(&mut s, &idx, 1_000, DecodeLoad::default()));
+    assert!((p.ttft.handoff_s - 0.6).abs() < 1e-12, "{:?}", p.ttft);
+    assert!((p.ttft.total_s() - 1.6).abs() < 1e-12, "{:?}", p.ttft);
+    // A model with a negative or non-finite term is ignored; a configured one is refused.
+    s.set_handoff_cost(HandoffCost {
+        fixed_s: -1.0,
+        per_token_s: 0.0,
+    });
+    let p = accept(decide_alone(&mut s, &idx, 1_000, DecodeLoad::default()));
+    assert!((p.ttft.handoff_s - 0.6).abs() < 1e-12);
+    let mut c = config(Policy::Conductor, Rejection::None, 1);
+    c.handoff.per_token_s = f64::NAN;
+    let err = Scheduler::new(c, 1).unwrap_err();
+    assert!(
+        err.to_string().contains("handoff seconds per token"),
+        "{err}"
     );
 }
 

@@ -35,6 +35,7 @@ fn config(decode_capacity: u64) -> SimConfig {
                 per_seq_s: 0.0,
                 per_ctx_token_s: 0.0,
             },
+            handoff: Default::default(),
             decode_kv_capacity_tokens: decode_capacity,
             hot: HotConfig {
                 threshold: 0,
