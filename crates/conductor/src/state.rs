@@ -168,17 +168,25 @@ impl State {
             output_tokens,
         } = *req;
         self.advance_decode(now_s);
+        // An engine is busy for at least the work booked behind its first unanswered request,
+        // even when the queue model says it should be done (an engine slower than its fit).
+        let own_busy = self.prefill_busy(now_s);
+        let own_view: Vec<PrefillLoad> = own_busy
+            .iter()
+            .map(|b| PrefillLoad {
+                free_at_s: now_s + b,
+            })
+            .collect();
         // With other replicas' bookings, the policy sees the engines as loaded by both.
         let shared_views = (!self.peers.is_empty()).then(|| {
-            let own_busy = self.prefill_busy(now_s);
             (
-                self.peers.prefill_view(&self.prefill, &own_busy, now_s),
+                self.peers.prefill_view(&own_view, &own_busy, now_s),
                 self.peers.decode_view(&self.decode, now_s),
             )
         });
         let (prefill_view, decode_view) = match &shared_views {
             Some((p, d)) => (p.as_slice(), d.as_slice()),
-            None => (self.prefill.as_slice(), self.decode.as_slice()),
+            None => (own_view.as_slice(), self.decode.as_slice()),
         };
         let p = match self
             .scheduler
@@ -202,8 +210,9 @@ impl State {
                 targets: r.targets,
             });
         let work = p.ttft.fetch_s + p.ttft.prefill_s;
+        let busy = own_busy.get(p.prefill).copied().unwrap_or(0.0);
         let load = &mut self.prefill[p.prefill];
-        load.free_at_s = load.free_at_s.max(now_s) + work;
+        load.free_at_s = now_s + busy + work;
         self.cache_blocks(p.prefill, keys);
         let request = self.next_request;
         self.next_request += 1;
@@ -639,6 +648,27 @@ mod tests {
             never.when_idle,
             Some(RejectReason::Ttft { estimate_s }) if (estimate_s - 2.0).abs() < 1e-9
         ));
+    }
+
+    #[test]
+    fn an_engine_slower_than_its_model_stays_busy_for_the_work_booked_behind() {
+        let mut cfg = config();
+        cfg.prefill.truncate(1);
+        cfg.scheduler.prefill_costs.truncate(1);
+        let mut st = State::new(&cfg).unwrap();
+        // Three prompts of 100 tokens (1 s each) booked at 0 s on the one engine.
+        let a = st.place(0.0, &[1], 100, 5).unwrap();
+        st.place(0.0, &[2], 100, 5).unwrap();
+        st.place(0.0, &[3], 100, 5).unwrap();
+        // At 10 s the model has them all done, but none has answered: the two behind the first
+        // have not started as far as anyone knows, so a fourth still queues 2 s.
+        let d = st.place(10.0, &[4], 100, 5).unwrap();
+        assert!((d.estimate.queue_s - 2.0).abs() < 1e-9, "{:?}", d.estimate);
+        assert!((d.ttft_s - 3.0).abs() < 1e-9, "{}", d.ttft_s);
+        // Once the first answers, the others are still owed; the fourth's booking is kept.
+        st.prefilled(&a, 10.5);
+        let e = st.place(10.5, &[5], 100, 5).unwrap();
+        assert!((e.estimate.queue_s - 3.0).abs() < 1e-9, "{:?}", e.estimate);
     }
 
     #[test]
