@@ -499,3 +499,45 @@ fn the_pool_client_links_no_server_or_kubernetes_code() {
             .any(|l| l.starts_with("tonic feature \"channel\""))
     );
 }
+
+#[test]
+fn the_lean_build_links_no_operator_benchmark_or_kubernetes_client() {
+    // README.md's first command: `cargo build --release -p kvpool --no-default-features`
+    // (docs/adr/0011-lean-embedded-build.md). What it links, offline from Cargo.lock.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = kvpool_harness::output_ok(
+        std::process::Command::new(cargo)
+            .args(["tree", "-p", "kvpool", "--no-default-features"])
+            .args(["-e", "normal", "--prefix", "none", "--offline"])
+            .current_dir(repo()),
+    )
+    .expect("cargo tree");
+    let tree = String::from_utf8_lossy(&out.stdout);
+    let mut found: Vec<&str> = tree
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            [
+                "kvpool-operator ",
+                "kvpool-bench ",
+                "kube-client ",
+                "kube-runtime ",
+                "kube-lease-manager ",
+            ]
+            .iter()
+            .any(|p| l.starts_with(p))
+        })
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    assert!(found.is_empty(), "the lean kvpool links: {found:#?}");
+    // The roles `kvpool up` starts are all there.
+    for role in [
+        "kvpool-agent ",
+        "kvpool-conductor ",
+        "kvpool-master ",
+        "kvpool-synthetic ",
+    ] {
+        assert!(tree.lines().any(|l| l.starts_with(role)), "no {role}");
+    }
+}

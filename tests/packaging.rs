@@ -1890,6 +1890,14 @@ fn dockerfiles_build_and_ship_the_binaries_the_chart_runs() -> Result<()> {
                 image.dockerfile
             );
         }
+        // The images run in a cluster: the full binary (default features: the operator, the
+        // agent's Node object, the conductor's discovery), never the lean build of
+        // docs/adr/0011-lean-embedded-build.md.
+        ensure!(
+            !build.contains("--no-default-features"),
+            "{}: images need the default features (k8s)",
+            image.dockerfile
+        );
         let last = &stages[stages.len() - 1];
         let binary_path = format!("/usr/local/bin/{}", image.binary);
         ensure!(

@@ -4,12 +4,15 @@
 //! `kvpool.dev/...` labels and annotations with one JSON merge patch. Nothing here stops the
 //! agent: a missing label or an API error leaves the failure domain empty, with a warning and
 //! a metric. I/O boundary: the API server ([`NodeClient`]); [`topology_patch`] and
-//! [`choose_failure_domain`] are pure.
+//! [`choose_failure_domain`] are pure. The client is the crate's `kube` feature; built without
+//! it, [`NodeClient`] has no values and the configuration refuses what would need one
+//! (`crate::config::kubernetes`).
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+#[cfg(feature = "kube")]
 use kube::api::{Api, Patch, PatchParams};
 use prometheus::{IntCounterVec, IntGauge, Registry};
 
@@ -20,21 +23,23 @@ use kvpool_runtime::metrics::{counters, gauge};
 /// Field manager of the agent's writes to its Node object.
 pub const FIELD_MANAGER: &str = "kvpool-agent";
 
-/// The label the kubelet sets to the node's name: as the spread label it needs no API call.
-pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+pub use crate::config::kubernetes::HOSTNAME_LABEL;
 
 /// Errors of talking to the API server about this node.
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
 #[strum(serialize_all = "snake_case")]
 pub enum NodeError {
+    #[cfg(feature = "kube")]
     #[error("no Kubernetes client configuration (in-cluster service account or kubeconfig)")]
     Config(#[source] kube::Error),
+    #[cfg(feature = "kube")]
     #[error("reading Node {node}")]
     Get {
         node: String,
         #[source]
         source: kube::Error,
     },
+    #[cfg(feature = "kube")]
     #[error("labelling Node {node}")]
     Patch {
         node: String,
@@ -78,8 +83,12 @@ impl NodeMetrics {
 
     fn count(&self, e: &NodeError) {
         let op = match e {
-            NodeError::Config(_) | NodeError::NoClient => "config",
+            #[cfg(feature = "kube")]
+            NodeError::Config(_) => "config",
+            NodeError::NoClient => "config",
+            #[cfg(feature = "kube")]
             NodeError::Get { .. } => "get",
+            #[cfg(feature = "kube")]
             NodeError::Patch { .. } => "patch",
         };
         self.api_errors.with_label_values(&[op]).inc();
@@ -96,12 +105,30 @@ pub struct NodeMeta {
 }
 
 /// This node's object through the API server.
+#[cfg(feature = "kube")]
 #[derive(Clone)]
 pub struct NodeClient {
     api: Api<NodeMeta>,
     node: String,
 }
 
+/// Built without the `kube` feature there is no client: [`client_for`] never makes one.
+#[cfg(not(feature = "kube"))]
+#[derive(Clone)]
+pub enum NodeClient {}
+
+#[cfg(not(feature = "kube"))]
+impl NodeClient {
+    async fn labels(&self) -> Result<BTreeMap<String, String>, NodeError> {
+        match *self {}
+    }
+
+    async fn publish_topology(&self, _: &NodeSummary) -> Result<(), NodeError> {
+        match *self {}
+    }
+}
+
+#[cfg(feature = "kube")]
 impl NodeClient {
     /// A client for node `node` over `client`.
     pub fn new(client: kube::Client, node: &str) -> Self {
@@ -243,15 +270,31 @@ pub async fn client_for(cfg: &AgentConfig, metrics: &NodeMetrics) -> Option<Node
         .pool
         .as_ref()
         .is_some_and(|p| p.failure_domain.is_some());
-    let needs_labels = !configured
-        && cfg
-            .kubernetes
-            .failure_domain_label
-            .as_deref()
-            .is_some_and(|l| l != HOSTNAME_LABEL);
-    if !(needs_labels || cfg.kubernetes.publish_topology) {
+    let needs_labels = cfg.kubernetes.needs_node_labels(configured);
+    if !cfg.kubernetes.needs_api(configured) {
         return None;
     }
+    connect(cfg, needs_labels, metrics).await
+}
+
+/// Built without the `kube` feature: no client (`config::validate` refused a configuration
+/// that needs one, so this is not reached from the agent's own start-up).
+#[cfg(not(feature = "kube"))]
+async fn connect(_: &AgentConfig, _: bool, _: &NodeMetrics) -> Option<NodeClient> {
+    tracing::warn!(
+        "the agent's Node object {}",
+        crate::config::kubernetes::NO_KUBE
+    );
+    None
+}
+
+/// A client for the node of `cfg`; its absence is a warning when `needs_labels`.
+#[cfg(feature = "kube")]
+async fn connect(
+    cfg: &AgentConfig,
+    needs_labels: bool,
+    metrics: &NodeMetrics,
+) -> Option<NodeClient> {
     match NodeClient::connect(&cfg.node_name).await {
         Ok(c) => Some(c),
         Err(e) if needs_labels => {

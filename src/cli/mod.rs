@@ -6,6 +6,7 @@
 
 mod agent;
 pub mod auth;
+#[cfg(feature = "k8s")]
 mod operator;
 
 use clap::{Parser, Subcommand};
@@ -42,8 +43,13 @@ pub enum Command {
     #[command(subcommand)]
     Agent(kvpool_agent::cli::Command),
     /// The Kubernetes operator for KVCachePool, PrefillPool and DecodePool.
+    #[cfg(feature = "k8s")]
     #[command(subcommand)]
     Operator(kvpool_operator::cli::Command),
+    /// Built without the `k8s` feature: says how to get `kvpool operator`.
+    #[cfg(not(feature = "k8s"))]
+    #[command(hide = true, disable_help_flag = true)]
+    Operator(Absent),
     /// Run the pool's metadata master (gRPC API, eviction, repair, optional etcd HA).
     Master(Box<kvpool_master::cmd::MasterArgs>),
     /// Serve the OpenAI-compatible API and route each request to a prefill and a decode engine.
@@ -54,10 +60,20 @@ pub enum Command {
     /// optionally replay a trace through it.
     Up(Box<crate::up::UpArgs>),
     /// Run a benchmark (`kvpool bench transfer ...`).
+    #[cfg(feature = "bench")]
     Bench(kvpool_bench::BenchArgs),
     /// The old spelling of `kvpool bench master`, kept hidden for one release.
+    #[cfg(feature = "bench")]
     #[command(hide = true)]
     MasterBench(kvpool_bench::master::MasterBenchArgs),
+    /// Built without the `bench` feature: says how to get `kvpool bench`.
+    #[cfg(not(feature = "bench"))]
+    #[command(hide = true, disable_help_flag = true)]
+    Bench(Absent),
+    /// Built without the `bench` feature: says how to get `kvpool master-bench`.
+    #[cfg(not(feature = "bench"))]
+    #[command(hide = true, disable_help_flag = true)]
+    MasterBench(Absent),
     /// Credential files: `kvpool auth derive --role engine --auth-key-file K` makes a role's
     /// file from the pool key.
     #[command(subcommand)]
@@ -77,6 +93,25 @@ pub enum Command {
         /// The shell to complete in.
         shell: clap_complete::Shell,
     },
+}
+
+/// The arguments of a subcommand this binary was built without (a cargo feature left out, as
+/// in the lean build of docs/adr/0011-lean-embedded-build.md): taken as they come, then refused
+/// with the feature that brings the subcommand back.
+#[derive(Debug, clap::Args)]
+pub struct Absent {
+    /// Whatever follows the subcommand; not read.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+    _args: Vec<std::ffi::OsString>,
+}
+
+/// The error of running `kvpool <command>` built without `feature`.
+#[cfg(any(not(feature = "k8s"), not(feature = "bench")))]
+fn absent(command: &str, what: &str, feature: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "`kvpool {command}` is not in this binary: it was built without {what}; rebuild with \
+         --features {feature}"
+    )
 }
 
 /// Environment variables renamed with the flags they set (one naming scheme: docs/cli.md),
@@ -112,7 +147,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Version => println!("kvpool {}", env!("CARGO_PKG_VERSION")),
         Command::Agent(cmd) => agent::run(cmd)?,
+        #[cfg(feature = "k8s")]
         Command::Operator(cmd) => operator::run(cmd)?,
+        #[cfg(not(feature = "k8s"))]
+        Command::Operator(_) => return Err(absent("operator", "Kubernetes support", "k8s")),
         Command::Master(args) => kvpool_master::cmd::run_blocking(&runtime()?, *args)?,
         Command::Conductor(args) => kvpool_conductor::cli::run(&args)?,
         Command::Blocks(args) => {
@@ -120,9 +158,17 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Engine(args) => kvpool_synthetic::cli::run(&args)?,
         Command::Up(args) => crate::up::run(&args)?,
+        #[cfg(feature = "bench")]
         Command::Bench(args) => kvpool_bench::run(args)?,
+        #[cfg(feature = "bench")]
         Command::MasterBench(args) => {
             kvpool_bench::master::run_blocking(&runtime()?, args)?;
+        }
+        #[cfg(not(feature = "bench"))]
+        Command::Bench(_) => return Err(absent("bench", "the benchmarks", "bench")),
+        #[cfg(not(feature = "bench"))]
+        Command::MasterBench(_) => {
+            return Err(absent("master-bench", "the benchmarks", "bench"));
         }
         Command::Auth(cmd) => auth::run(&cmd)?,
         Command::Simulate(args) => crate::simulate::run(&args)?,
@@ -168,12 +214,41 @@ mod tests {
         for sub in ["run", "discover", "check-config"] {
             assert!(agent.find_subcommand(sub).is_some(), "`kvpool agent {sub}`");
         }
-        let operator = cmd.find_subcommand("operator").expect("operator");
-        for sub in ["run", "crd"] {
-            assert!(
-                operator.find_subcommand(sub).is_some(),
-                "`kvpool operator {sub}`"
-            );
+        #[cfg(feature = "k8s")]
+        {
+            let operator = cmd.find_subcommand("operator").expect("operator");
+            for sub in ["run", "crd"] {
+                assert!(
+                    operator.find_subcommand(sub).is_some(),
+                    "`kvpool operator {sub}`"
+                );
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(not(all(feature = "k8s", feature = "bench")))]
+    fn a_left_out_subcommand_says_which_feature_brings_it_back() {
+        let help = Cli::command().render_long_help().to_string();
+        for (argv, feature, shown) in [
+            (
+                ["kvpool", "operator", "run", "--help"],
+                "k8s",
+                cfg!(feature = "k8s"),
+            ),
+            (
+                ["kvpool", "bench", "transfer", "--json"],
+                "bench",
+                cfg!(feature = "bench"),
+            ),
+        ] {
+            assert_eq!(help.contains(&format!("\n  {} ", argv[1])), shown, "{help}");
+            if shown {
+                continue;
+            }
+            let cli = Cli::try_parse_from(argv).expect("taken as it comes");
+            let err = run(cli).expect_err("left out").to_string();
+            assert!(err.contains(&format!("--features {feature}")), "{err}");
         }
     }
 }

@@ -486,6 +486,8 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
     )?;
     let pool = pool::validate(&file.pool)?;
     let kubernetes = kubernetes::validate(&file.kubernetes)?;
+    let domain_configured = pool.as_ref().is_some_and(|p| p.failure_domain.is_some());
+    kubernetes::check_support(&kubernetes, domain_configured)?;
     if dram.persistence.is_some() && pool.is_none() {
         return Err(invalid(
             "dram.persistence",

@@ -283,6 +283,7 @@ pub fn discovery_config(args: &ConductorArgs) -> Result<Option<DiscoveryConfig>,
     let Some(namespace) = &args.discover_namespace else {
         return Ok(None);
     };
+    discovery::supported().map_err(|why| flag("discover-namespace", why))?;
     if namespace.is_empty() {
         return Err(flag("discover-namespace", "must not be empty"));
     }
@@ -607,6 +608,16 @@ mod tests {
     }
 
     #[test]
+    #[cfg(not(feature = "kube"))]
+    fn discovery_is_refused_without_the_kube_feature() {
+        let a = T::try_parse_from(["t", "--discover-namespace", "llm"]).unwrap();
+        let err = discovery_config(&a.a).unwrap_err().to_string();
+        assert!(err.starts_with("--discover-namespace: "), "{err}");
+        assert!(err.contains("rebuild with --features k8s"), "{err}");
+    }
+
+    #[test]
+    #[cfg(feature = "kube")]
     fn discovery_flags_parse_validate_and_exclude_static_engines() {
         let parse = |extra: &[&str]| {
             let mut argv = vec!["t"];

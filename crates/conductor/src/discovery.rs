@@ -4,18 +4,26 @@
 //! [`super::server::EngineSet::follow`] applies. A pod counts once it is Ready, has a pod IP and
 //! is not being deleted; its base URL is `http://<podIP>:<engine port>`.
 //! I/O boundary: the Kubernetes API (list and watch of Pods) in [`run`]; [`engine_url`] and
-//! [`engine_urls`] are pure.
+//! [`engine_urls`] are pure. The watch is the crate's `kube` feature: built without it,
+//! [`supported`] refuses `--discover-namespace` and [`Client`] has no values.
 
+#[cfg(feature = "kube")]
 use kvpool_runtime::telemetry::chain;
+#[cfg(feature = "kube")]
 use std::sync::Arc;
 
+#[cfg(feature = "kube")]
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+#[cfg(feature = "kube")]
 use kube::Api;
+#[cfg(feature = "kube")]
 use kube::runtime::reflector::{self, Store};
+#[cfg(feature = "kube")]
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
+#[cfg(feature = "kube")]
 use tokio_util::sync::CancellationToken;
 
 use super::{Engines, RoutingProtocol};
@@ -61,11 +69,38 @@ pub struct DiscoveryConfig {
 #[derive(Debug, thiserror::Error, strum::IntoStaticStr)]
 #[strum(serialize_all = "snake_case")]
 pub enum DiscoveryError {
+    #[cfg(feature = "kube")]
     #[error("cannot build a Kubernetes client (in-cluster or kubeconfig)")]
     Client(#[source] kube::Error),
+    #[cfg(not(feature = "kube"))]
+    #[error("engine discovery {NO_KUBE}")]
+    Unsupported,
 }
 
 kvpool_runtime::error_category!(DiscoveryError);
+
+/// Why `--discover-namespace` is refused by a conductor built without the `kube` feature (the
+/// lean `kvpool` binary, docs/adr/0011-lean-embedded-build.md).
+pub const NO_KUBE: &str = "needs the Kubernetes API, but this kvpool was built without Kubernetes support; rebuild \
+     with --features k8s";
+
+/// `Ok` when this build can discover engines; else why not ([`NO_KUBE`]).
+pub fn supported() -> Result<(), &'static str> {
+    if cfg!(feature = "kube") {
+        Ok(())
+    } else {
+        Err(NO_KUBE)
+    }
+}
+
+/// The Kubernetes client [`run`] watches with.
+#[cfg(feature = "kube")]
+pub use kube::Client;
+
+/// Built without the `kube` feature there is no client: [`client`] never returns one.
+#[cfg(not(feature = "kube"))]
+#[derive(Debug)]
+pub enum Client {}
 
 /// The base URL of `pod` as an engine, or `None` while it does not count: not Ready, no pod IP
 /// yet, or being deleted.
@@ -166,6 +201,7 @@ pub fn engines_of<'a>(
     }
 }
 
+#[cfg(feature = "kube")]
 fn current(prefill: &Store<EnginePod>, decode: &Store<EnginePod>, port: u16) -> Engines {
     let prefill: Vec<Arc<EnginePod>> = prefill.state();
     let decode: Vec<Arc<EnginePod>> = decode.state();
@@ -178,8 +214,9 @@ fn current(prefill: &Store<EnginePod>, decode: &Store<EnginePod>, port: u16) -> 
 
 /// Watch the engine pods with `client` and publish every change of the engine set on `tx`
 /// until `shutdown` fires. Watch errors are logged and retried with kube's default backoff.
+#[cfg(feature = "kube")]
 pub async fn run(
-    client: kube::Client,
+    client: Client,
     config: DiscoveryConfig,
     tx: watch::Sender<Engines>,
     shutdown: CancellationToken,
@@ -232,11 +269,29 @@ pub async fn run(
     }
 }
 
+/// Built without the `kube` feature: there is no client to watch with.
+#[cfg(not(feature = "kube"))]
+pub async fn run(
+    client: Client,
+    _: DiscoveryConfig,
+    _: watch::Sender<Engines>,
+    _: tokio_util::sync::CancellationToken,
+) {
+    match client {}
+}
+
 /// A Kubernetes client from the pod's service account (or a kubeconfig outside a cluster).
-pub async fn client() -> Result<kube::Client, DiscoveryError> {
+#[cfg(feature = "kube")]
+pub async fn client() -> Result<Client, DiscoveryError> {
     kube::Client::try_default()
         .await
         .map_err(DiscoveryError::Client)
+}
+
+/// Built without the `kube` feature: always [`DiscoveryError::Unsupported`].
+#[cfg(not(feature = "kube"))]
+pub async fn client() -> Result<Client, DiscoveryError> {
+    Err(DiscoveryError::Unsupported)
 }
 
 #[cfg(test)]
