@@ -3,6 +3,7 @@
 
 use super::*;
 
+#[cfg(feature = "kube")]
 const POOL_DOC: &str = "pool: p\nnamespace: ns\nmasterAddr: p-master.ns.svc:50051\n\
 authKeyFile: /etc/kvpool/auth/key\nagentSocket: /run/kvpool/agent.sock\nblockSizeTokens: 256\n\
 dram: {capacity: {nodeMemoryPercent: 50}, hugepages: 2Mi, numaPolicy: interleave}\n\
@@ -13,6 +14,8 @@ eviction: {highWatermarkPercent: 90, lowWatermarkPercent: 80, policy: lru}\n\
 master: {replicas: 1, etcdEndpoints: []}\nconductor: null\n";
 
 #[test]
+// A pool document publishes the topology: the Kubernetes API (`kube`).
+#[cfg(feature = "kube")]
 fn pool_document_maps_to_the_agent_config() {
     let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
     let mut file = from_pool_document(&doc, 64 << 30).expect("maps");
@@ -71,6 +74,8 @@ fn pool_document_maps_to_the_agent_config() {
 }
 
 #[test]
+// A pool document publishes the topology: the Kubernetes API (`kube`).
+#[cfg(feature = "kube")]
 fn the_pools_transfer_integrity_reaches_the_agents_lanes() {
     let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
     let file = from_pool_document(&doc, 64 << 30).expect("maps");
@@ -92,6 +97,8 @@ fn the_pools_transfer_integrity_reaches_the_agents_lanes() {
 }
 
 #[test]
+// A pool document publishes the topology: the Kubernetes API (`kube`).
+#[cfg(feature = "kube")]
 fn the_pools_transfer_tls_reaches_the_agents_lanes_with_the_mounted_files() {
     let doc = parse_pool_document(POOL_DOC, Path::new("c.yaml")).expect("parses");
     let file = from_pool_document(&doc, 64 << 30).expect("maps");
@@ -135,6 +142,8 @@ fn the_pools_transfer_tls_reaches_the_agents_lanes_with_the_mounted_files() {
 }
 
 #[test]
+// A pool document publishes the topology: the Kubernetes API (`kube`).
+#[cfg(feature = "kube")]
 fn the_pools_rdma_allow_list_and_gid_index_reach_the_transfer_engine() {
     let rdma = POOL_DOC.replace(
         "protocol: tcp, devices: []",
@@ -538,6 +547,8 @@ fn dram_persistence_is_validated_naming_its_fields() {
 }
 
 #[test]
+// A pool document publishes the topology: the Kubernetes API (`kube`).
+#[cfg(feature = "kube")]
 fn pool_document_persistence_maps_to_the_dram_tier() {
     let doc = POOL_DOC.replace(
         "numaPolicy: interleave}",
@@ -603,4 +614,20 @@ fn transport_tls_reaches_the_transfer_engine_and_missing_files_are_named() {
         let err = validate_yaml(&yaml).expect_err("bad");
         assert_eq!(field_of(err), field, "{yaml}");
     }
+}
+
+#[test]
+#[cfg(not(feature = "kube"))]
+fn without_kube_a_pool_document_is_refused_naming_the_feature() {
+    let mut file = FileConfig::default();
+    file.kubernetes.publish_topology = Some(true);
+    let err = validate(&file)
+        .expect_err("needs the API server")
+        .to_string();
+    assert!(err.contains("kubernetes.publish_topology"), "{err}");
+    assert!(err.contains("rebuild with --features k8s"), "{err}");
+    // The hostname label needs no API call.
+    let mut file = FileConfig::default();
+    file.kubernetes.failure_domain_label = Some(crate::node::HOSTNAME_LABEL.into());
+    validate(&file).expect("no API server needed");
 }
