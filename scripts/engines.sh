@@ -54,6 +54,17 @@ PATH="$PWD/.tools/py/bin:$PATH" .tools/py/bin/maturin build --quiet --profile de
   --manifest-path crates/python/Cargo.toml --out "$wheels" >&2
 wheel=$(ls "$wheels"/kvpool-*.whl)
 
+# Mooncake Store for the Mooncake arm of `kvpool bench engine` (vLLM's own MooncakeStoreConnector
+# on real Mooncake): its wheel and msgpack, the one package it needs that vLLM's venv lacks,
+# installed with --target beside the vLLM venv and imported through PYTHONPATH, so that none of
+# vLLM's packages change (the bench installs it the same way when it is missing).
+for e in "$@"; do
+  if [ "$e" = vllm ] && [ ! -x .tools/mooncake-vllm/mooncake/mooncake_master ]; then
+    .tools/vllm/bin/python "${pipq[@]}" --no-deps --target .tools/mooncake-vllm \
+      mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4
+  fi
+done
+
 models="$KVPOOL_ENGINE_HOME/models"
 for e in "$@"; do
   dir=$(tail -n 1 "$KVPOOL_ENGINE_HOME/install-$e.log")

@@ -1,9 +1,10 @@
 //! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
-//! module here (`transfer`, `sched`, `store`, `stress`, `master`, `conductor`); the tier benchmark is the
-//! node agent's own (`kvpool_agent::bench`).
+//! module here (`transfer`, `sched`, `store`, `stress`, `master`, `conductor`, `engine`); the
+//! tier benchmark is the node agent's own (`kvpool_agent::bench`).
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
 pub mod conductor;
+pub mod engine;
 pub mod master;
 pub mod mooncake;
 pub mod sched;
@@ -47,6 +48,10 @@ pub enum BenchCommand {
     /// The master's metadata path: lookups/s, puts/s and RSS per object (`kvpool master-bench`
     /// is its old spelling).
     Master(master::MasterBenchArgs),
+    /// Time to first token on real vLLM (CPU build) of a prefix loaded from kvpool (kvpool's
+    /// connector and vLLM's MooncakeStoreConnector) and from real Mooncake Store, against
+    /// vLLM's own prefix-cache hit and recompute, in one run; plus shared-prefix throughput.
+    Engine(Box<engine::EngineBenchArgs>),
 }
 
 /// Errors of the benchmark commands.
@@ -68,6 +73,8 @@ pub enum BenchError {
     Conductor(#[source] conductor::ConductorBenchError),
     #[error("master benchmark failed")]
     Master(#[source] master::BenchError),
+    #[error("engine benchmark failed")]
+    Engine(#[source] store::StoreBenchError),
 }
 
 impl BenchError {
@@ -82,6 +89,7 @@ impl BenchError {
             BenchError::Store(e) => e.category(),
             BenchError::Conductor(e) => e.category(),
             BenchError::Master(e) => e.category(),
+            BenchError::Engine(e) => e.category(),
         }
     }
 }
@@ -96,6 +104,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Store(a) => store::run(*a).map_err(BenchError::Store),
         BenchCommand::Stress(a) => stress::run(*a).map_err(BenchError::Store),
         BenchCommand::Conductor(a) => conductor::run(*a).map_err(BenchError::Conductor),
+        BenchCommand::Engine(a) => engine::run(*a).map_err(BenchError::Engine),
         BenchCommand::Master(a) => {
             let runtime = tokio::runtime::Runtime::new().map_err(BenchError::Runtime)?;
             master::run_blocking(&runtime, a)

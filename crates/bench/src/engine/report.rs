@@ -1,0 +1,482 @@
+//! What `kvpool bench engine` reports: the driver's JSON (parsed), each arm's verification
+//! (what vLLM's own metrics say about where the prompt tokens came from, and greedy token ids
+//! equal across arms), the TTFT ratios and the acceptance targets, and the text table. Pure: no
+//! I/O but stdout in [`print_text`].
+
+use serde::{Deserialize, Serialize};
+
+/// The arm with kvpool's own connector.
+pub const KVPOOL: &str = "kvpool";
+/// The arms of kvpool's own connector whose targets are reported (direct, agent mode).
+pub const KVPOOL_ARMS: [&str; 2] = [KVPOOL, "kvpool-agent"];
+/// The arm with vLLM's `MooncakeStoreConnector` on real Mooncake Store.
+pub const MOONCAKE: &str = "mooncake";
+/// The arm without a KV connector.
+pub const NONE: &str = "none";
+
+/// A TTFT sample set, in milliseconds.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Summary {
+    pub n: usize,
+    pub median_ms: f64,
+    pub p90_ms: f64,
+    pub min_ms: f64,
+    pub mean_ms: f64,
+    #[serde(default)]
+    pub samples_ms: Vec<f64>,
+}
+
+/// Prompt tokens of one request by where vLLM says they came from
+/// (`vllm:prompt_tokens_by_source_total`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Sources {
+    #[serde(default)]
+    pub local_compute: i64,
+    #[serde(default)]
+    pub local_cache_hit: i64,
+    #[serde(default)]
+    pub external_kv_transfer: i64,
+}
+
+/// The shared-prefix throughput workload on one arm's reader engine.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Throughput {
+    pub requests: usize,
+    pub completed: usize,
+    #[serde(default)]
+    pub errors: Vec<String>,
+    pub wall_s: f64,
+    pub output_tokens: u64,
+    pub output_tok_per_s: f64,
+    pub mean_ttft_ms: f64,
+    pub sources: Sources,
+}
+
+/// How long the driver waited for an arm's store to settle after the writer's request.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Settle {
+    pub keys: i64,
+    pub waited_s: f64,
+}
+
+/// One arm, as the driver reports it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ArmRun {
+    pub arm: String,
+    /// TTFT of the first request of a new prefix on the reader engine: loaded from the store
+    /// (recomputed on `none`).
+    pub loaded: Summary,
+    /// TTFT of the next request with the same prefix: vLLM's own prefix-cache hit.
+    pub hit: Summary,
+    pub sources_loaded: Vec<Sources>,
+    pub sources_hit: Vec<Sources>,
+    #[serde(default)]
+    pub settle: Vec<Settle>,
+    pub ids_loaded: Vec<Vec<u32>>,
+    pub ids_hit: Vec<Vec<u32>>,
+    pub throughput: Option<Throughput>,
+    /// The arms whose engines ran at the same time as this one's.
+    #[serde(default)]
+    pub group: Vec<String>,
+    /// Seconds until the group's engines all answered /health.
+    #[serde(default)]
+    pub startup_s: f64,
+    /// The load average when the group started and ended.
+    #[serde(default)]
+    pub load_average: String,
+    /// What engine B logged about its connector.
+    #[serde(default)]
+    pub connector_line: String,
+}
+
+/// The driver's output.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct DriverRun {
+    pub vllm: String,
+    #[serde(default)]
+    pub mooncake: Option<String>,
+    pub arms: Vec<ArmRun>,
+}
+
+/// What the run was asked to do (for the checks and the report).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Workload {
+    pub model: String,
+    pub prefix_tokens: u64,
+    pub suffix_tokens: u64,
+    pub block_size: u64,
+    pub repeats: usize,
+    pub max_tokens: u64,
+    pub omp_threads: u64,
+    /// Where kvpool's Python package came from (a release build of the extension, or the
+    /// venv's installed one).
+    pub kvpool_package: String,
+    pub load_average: String,
+}
+
+/// One arm's checks.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ArmCheck {
+    pub arm: String,
+    /// Every store-loaded request had at least the prefix's tokens from the connector
+    /// (`external_kv_transfer`) and none from vLLM's own cache; on `none`, none from either.
+    pub loaded_from_store: bool,
+    /// Every second request had the prefix from vLLM's own prefix cache.
+    pub hit_from_cache: bool,
+    /// Greedy token ids of every request equal the first arm's (the same prompts).
+    pub ids_equal: bool,
+    /// Prompt tokens the store supplied per loaded request (minimum over the rounds).
+    pub min_external_tokens: i64,
+    pub notes: Vec<String>,
+}
+
+/// The acceptance targets of one of kvpool's connector arms.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Target {
+    pub arm: String,
+    /// Which prefix-cache hit is the reference: `none`'s (vLLM without a connector) when it
+    /// ran in the same group, else this arm's own engine's.
+    pub reference: String,
+    /// Loaded TTFT over the reference hit (median over median).
+    pub over_prefix_hit: f64,
+    /// Loaded TTFT over real Mooncake's loaded TTFT, when Mooncake ran.
+    pub over_mooncake: Option<f64>,
+    /// Target 1: loaded TTFT <= 1.2 x vLLM's own prefix-cache hit.
+    pub vs_prefix_hit: bool,
+    /// Target 2: loaded TTFT <= real Mooncake's, in the same run.
+    pub vs_mooncake: Option<bool>,
+}
+
+/// Ratios of medians and the acceptance targets.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Ratios {
+    /// Per store arm: its loaded TTFT over vLLM's own prefix-cache hit without a connector
+    /// (`none`'s hit), and over the same engine's own hit.
+    pub loaded_over_none_hit: Vec<(String, f64)>,
+    pub loaded_over_own_hit: Vec<(String, f64)>,
+    /// Per arm: loaded TTFT over recomputing (`none`'s loaded).
+    pub loaded_over_recompute: Vec<(String, f64)>,
+    /// For `kvpool` and `kvpool-agent`, when they ran.
+    pub targets: Vec<Target>,
+}
+
+/// The report of `kvpool bench engine`.
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineReport {
+    pub workload: Workload,
+    pub run: DriverRun,
+    pub checks: Vec<ArmCheck>,
+    pub ratios: Ratios,
+    /// Every arm passed every check.
+    pub all_verified: bool,
+}
+
+/// Parse the driver's output: its last line that starts a JSON object.
+pub fn parse_run(stdout: &str) -> Result<DriverRun, String> {
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .ok_or("the engine driver printed no JSON")?;
+    serde_json::from_str(line).map_err(|e| format!("the engine driver's JSON: {e}"))
+}
+
+/// Tokens a connector can supply for a prompt of `prefix + suffix` tokens whose first
+/// `prefix` are stored: the stored full blocks, leaving at least the last token to compute.
+pub fn expected_external(prefix: u64, suffix: u64, block: u64) -> i64 {
+    let block = block.max(1);
+    let usable = (prefix + suffix).saturating_sub(1) / block;
+    (usable.min(prefix / block) * block) as i64
+}
+
+fn check_arm(arm: &ArmRun, reference: Option<&ArmRun>, w: &Workload) -> ArmCheck {
+    let want = expected_external(w.prefix_tokens, w.suffix_tokens, w.block_size);
+    let mut notes = Vec::new();
+    let store = arm.arm != NONE;
+    let loaded_ok = |s: &Sources| {
+        if store {
+            s.external_kv_transfer >= want && s.local_cache_hit == 0
+        } else {
+            s.external_kv_transfer == 0 && s.local_cache_hit == 0
+        }
+    };
+    let loaded_from_store = !arm.sources_loaded.is_empty()
+        && arm.sources_loaded.len() == arm.loaded.n
+        && arm.sources_loaded.iter().all(loaded_ok);
+    if !loaded_from_store {
+        notes.push(format!(
+            "first requests' token sources {:?} (want {} from the {})",
+            arm.sources_loaded,
+            if store { want } else { 0 },
+            if store {
+                "connector, 0 from vLLM's cache"
+            } else {
+                "connector and 0 from vLLM's cache"
+            }
+        ));
+    }
+    let hit_from_cache = !arm.sources_hit.is_empty()
+        && arm
+            .sources_hit
+            .iter()
+            .all(|s| s.local_cache_hit >= want && s.external_kv_transfer == 0);
+    if !hit_from_cache {
+        notes.push(format!(
+            "second requests' token sources {:?} (want {want} from vLLM's cache)",
+            arm.sources_hit
+        ));
+    }
+    let ids_equal = match reference {
+        None => true,
+        Some(r) => {
+            let same = r.ids_loaded == arm.ids_loaded && r.ids_hit == arm.ids_hit;
+            if !same {
+                notes.push(format!("greedy token ids differ from arm {}", r.arm));
+            }
+            same
+        }
+    } && arm
+        .ids_loaded
+        .iter()
+        .chain(&arm.ids_hit)
+        .all(|v| !v.is_empty());
+    let min_external_tokens = arm
+        .sources_loaded
+        .iter()
+        .map(|s| s.external_kv_transfer)
+        .min()
+        .unwrap_or(0);
+    ArmCheck {
+        arm: arm.arm.clone(),
+        loaded_from_store,
+        hit_from_cache,
+        ids_equal,
+        min_external_tokens,
+        notes,
+    }
+}
+
+fn over(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { f64::NAN }
+}
+
+/// The ratios of medians and the targets.
+pub fn ratios(run: &DriverRun) -> Ratios {
+    let find = |name: &str| run.arms.iter().find(|a| a.arm == name);
+    let none = find(NONE);
+    let stores = run.arms.iter().filter(|a| a.arm != NONE);
+    let loaded_over_none_hit = none
+        .map(|n| {
+            stores
+                .clone()
+                .map(|a| (a.arm.clone(), over(a.loaded.median_ms, n.hit.median_ms)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let loaded_over_own_hit = stores
+        .clone()
+        .map(|a| (a.arm.clone(), over(a.loaded.median_ms, a.hit.median_ms)))
+        .collect();
+    let loaded_over_recompute = none
+        .map(|n| {
+            stores
+                .clone()
+                .map(|a| (a.arm.clone(), over(a.loaded.median_ms, n.loaded.median_ms)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mooncake = find(MOONCAKE);
+    let targets = KVPOOL_ARMS
+        .iter()
+        .filter_map(|name| find(name))
+        .map(|k| {
+            let (reference, hit) = match none {
+                Some(n) if n.group == k.group => (NONE, n.hit.median_ms),
+                _ => (k.arm.as_str(), k.hit.median_ms),
+            };
+            let over_prefix_hit = over(k.loaded.median_ms, hit);
+            let over_mooncake = mooncake.map(|m| over(k.loaded.median_ms, m.loaded.median_ms));
+            Target {
+                arm: k.arm.clone(),
+                reference: reference.to_owned(),
+                over_prefix_hit,
+                over_mooncake,
+                vs_prefix_hit: over_prefix_hit <= 1.2,
+                vs_mooncake: over_mooncake.map(|r| r <= 1.0),
+            }
+        })
+        .collect();
+    Ratios {
+        loaded_over_none_hit,
+        loaded_over_own_hit,
+        loaded_over_recompute,
+        targets,
+    }
+}
+
+/// The report of one run.
+pub fn report(workload: Workload, run: DriverRun) -> EngineReport {
+    let reference = run.arms.first();
+    let checks: Vec<ArmCheck> = run
+        .arms
+        .iter()
+        .enumerate()
+        .map(|(i, a)| check_arm(a, if i == 0 { None } else { reference }, &workload))
+        .collect();
+    let all_verified = !checks.is_empty()
+        && checks
+            .iter()
+            .all(|c| c.loaded_from_store && c.hit_from_cache && c.ids_equal);
+    let ratios = ratios(&run);
+    EngineReport {
+        workload,
+        run,
+        checks,
+        ratios,
+        all_verified,
+    }
+}
+
+fn first_label(arm: &str) -> &'static str {
+    if arm == NONE { "recompute" } else { "loaded" }
+}
+
+fn yes(b: bool) -> &'static str {
+    if b { "yes" } else { "NO" }
+}
+
+/// The text table.
+pub fn render_text(r: &EngineReport) -> String {
+    use std::fmt::Write as _;
+    let w = &r.workload;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "vLLM {} ({}), prefix {} + suffix {} tokens, block {}, {} rounds, {} OpenMP thread(s); \
+         Mooncake {}; kvpool package: {}; load average {}",
+        r.run.vllm,
+        w.model,
+        w.prefix_tokens,
+        w.suffix_tokens,
+        w.block_size,
+        w.repeats,
+        w.omp_threads,
+        r.run.mooncake.as_deref().unwrap_or("-"),
+        w.kvpool_package,
+        w.load_average
+    );
+    let _ = writeln!(
+        s,
+        "{:<14} {:>10} {:>16} {:>8} {:>15} {:>8} {:>9} {:>6} {:>10} {:>10}",
+        "arm",
+        "1st req",
+        "TTFT p50 ms",
+        "p90",
+        "hit p50 ms",
+        "p90",
+        "from store",
+        "ids",
+        "out tok/s",
+        "mean TTFT"
+    );
+    for (a, c) in r.run.arms.iter().zip(&r.checks) {
+        let (tps, mttft) = a
+            .throughput
+            .as_ref()
+            .map(|t| {
+                (
+                    format!("{:.1}", t.output_tok_per_s),
+                    format!("{:.0}", t.mean_ttft_ms),
+                )
+            })
+            .unwrap_or(("-".into(), "-".into()));
+        let _ = writeln!(
+            s,
+            "{:<14} {:>10} {:>16.1} {:>8.1} {:>15.1} {:>8.1} {:>9} {:>6} {:>10} {:>10}",
+            a.arm,
+            first_label(&a.arm),
+            a.loaded.median_ms,
+            a.loaded.p90_ms,
+            a.hit.median_ms,
+            a.hit.p90_ms,
+            c.min_external_tokens,
+            yes(c.ids_equal),
+            tps,
+            mttft
+        );
+    }
+    let mut groups: Vec<&ArmRun> = Vec::new();
+    for a in &r.run.arms {
+        if !groups.iter().any(|g| g.group == a.group) {
+            groups.push(a);
+        }
+    }
+    for g in groups {
+        let _ = writeln!(
+            s,
+            "engines of {} at once: started in {:.0} s, load average {}",
+            g.group.join(", "),
+            g.startup_s,
+            g.load_average
+        );
+    }
+    let fmt = |v: &[(String, f64)]| {
+        v.iter()
+            .map(|(a, x)| format!("{a} {x:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let q = &r.ratios;
+    let _ = writeln!(
+        s,
+        "loaded TTFT / vLLM prefix-cache hit (no connector): {}",
+        fmt(&q.loaded_over_none_hit)
+    );
+    let _ = writeln!(
+        s,
+        "loaded TTFT / the same engine's prefix-cache hit:   {}",
+        fmt(&q.loaded_over_own_hit)
+    );
+    let _ = writeln!(
+        s,
+        "loaded TTFT / recompute TTFT:                       {}",
+        fmt(&q.loaded_over_recompute)
+    );
+    for t in &q.targets {
+        let _ = writeln!(
+            s,
+            "{}: loaded TTFT / {}'s prefix-cache hit {:.2} (target <= 1.2: {}); / Mooncake's \
+             loaded TTFT {} (target <= 1: {})",
+            t.arm,
+            t.reference,
+            t.over_prefix_hit,
+            yes(t.vs_prefix_hit),
+            t.over_mooncake
+                .map(|x| format!("{x:.2}"))
+                .unwrap_or_else(|| "-".into()),
+            t.vs_mooncake.map(yes).unwrap_or("not measured")
+        );
+    }
+    for c in &r.checks {
+        let _ = writeln!(
+            s,
+            "{}: prompt tokens from the store {}, prefix-cache hits {}, greedy ids equal {}{}",
+            c.arm,
+            yes(c.loaded_from_store),
+            yes(c.hit_from_cache),
+            yes(c.ids_equal),
+            if c.notes.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", c.notes.join("; "))
+            }
+        );
+    }
+    let _ = writeln!(s, "all verified: {}", yes(r.all_verified));
+    s
+}
+
+/// Prints [`render_text`].
+pub fn print_text(r: &EngineReport) {
+    print!("{}", render_text(r));
+}

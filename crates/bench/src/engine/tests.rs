@@ -1,0 +1,187 @@
+use super::*;
+use clap::Parser;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: EngineBenchArgs,
+}
+
+fn summary(median_ms: f64) -> Summary {
+    Summary {
+        n: 2,
+        median_ms,
+        p90_ms: median_ms * 1.1,
+        min_ms: median_ms * 0.9,
+        mean_ms: median_ms,
+        samples_ms: vec![median_ms, median_ms],
+    }
+}
+
+fn sources(compute: i64, hit: i64, external: i64) -> Sources {
+    Sources {
+        local_compute: compute,
+        local_cache_hit: hit,
+        external_kv_transfer: external,
+    }
+}
+
+/// An arm of two rounds: the first requests got `external` tokens from the store (and the
+/// rest computed), the second requests hit vLLM's cache for the prefix.
+fn arm(name: &str, loaded_ms: f64, hit_ms: f64, external: i64) -> ArmRun {
+    let group = ["kvpool", "mooncake", "none"];
+    let first = sources(1040 - external, 0, external);
+    ArmRun {
+        arm: name.into(),
+        loaded: summary(loaded_ms),
+        hit: summary(hit_ms),
+        sources_loaded: vec![first.clone(), first],
+        sources_hit: vec![sources(16, 1024, 0), sources(16, 1024, 0)],
+        settle: vec![],
+        ids_loaded: vec![vec![5, 6, 7], vec![8, 9, 10]],
+        ids_hit: vec![vec![11, 12], vec![13, 14]],
+        throughput: None,
+        group: if group.contains(&name) {
+            group.iter().map(|g| (*g).to_owned()).collect()
+        } else {
+            vec![name.into()]
+        },
+        startup_s: 1.0,
+        load_average: "1 1 1".into(),
+        connector_line: String::new(),
+    }
+}
+
+fn workload() -> Workload {
+    Workload {
+        model: "small".into(),
+        prefix_tokens: 1024,
+        suffix_tokens: 16,
+        block_size: 32,
+        repeats: 2,
+        max_tokens: 3,
+        omp_threads: 1,
+        kvpool_package: "test".into(),
+        load_average: "0 0 0".into(),
+    }
+}
+
+fn run_of(arms: Vec<ArmRun>) -> DriverRun {
+    DriverRun {
+        vllm: "0.32.0".into(),
+        mooncake: Some("0.3.13.post1".into()),
+        arms,
+    }
+}
+
+#[test]
+fn the_connector_supplies_the_prefixs_full_blocks_and_never_the_last_token() {
+    assert_eq!(expected_external(1024, 16, 32), 1024);
+    // A prompt that ends on a block boundary: its last block holds the last token.
+    assert_eq!(expected_external(1024, 0, 32), 992);
+    assert_eq!(expected_external(1000, 16, 32), 992);
+}
+
+#[test]
+fn ratios_and_targets_come_from_the_medians_of_one_run() {
+    let run = run_of(vec![
+        arm("kvpool", 110.0, 100.0, 1024),
+        arm("mooncake", 150.0, 100.0, 1024),
+        arm("none", 900.0, 100.0, 0),
+    ]);
+    let r = report(workload(), run);
+    assert!(r.all_verified, "{:?}", r.checks);
+    let q = &r.ratios;
+    let t = &q.targets[0];
+    assert_eq!((t.arm.as_str(), t.reference.as_str()), ("kvpool", "none"));
+    assert_eq!(t.over_mooncake, Some(110.0 / 150.0));
+    assert!(t.vs_prefix_hit);
+    assert_eq!(t.vs_mooncake, Some(true));
+    assert_eq!(q.loaded_over_none_hit[0].0, "kvpool");
+    assert!((q.loaded_over_none_hit[0].1 - 1.1).abs() < 1e-9);
+    assert_eq!(q.loaded_over_recompute[1].0, "mooncake");
+    let text = render_text(&r);
+    assert!(
+        text.contains("kvpool: loaded TTFT / none's prefix-cache hit 1.10 (target <= 1.2: yes)"),
+        "{text}"
+    );
+    assert!(text.contains("recompute"), "{text}");
+    assert!(text.contains("all verified: yes"), "{text}");
+
+    let slow = report(
+        workload(),
+        run_of(vec![
+            arm("kvpool", 130.0, 100.0, 1024),
+            arm("mooncake", 120.0, 100.0, 1024),
+            arm("none", 900.0, 100.0, 0),
+            // Another group: its own engine's hit is its reference.
+            arm("kvpool-agent", 125.0, 100.0, 1024),
+        ]),
+    );
+    let t = &slow.ratios.targets;
+    assert_eq!((t[0].vs_prefix_hit, t[0].vs_mooncake), (false, Some(false)));
+    assert_eq!(t[1].reference, "kvpool-agent");
+    assert!((t[1].over_prefix_hit - 1.25).abs() < 1e-9);
+}
+
+#[test]
+fn a_recomputed_prefix_or_different_tokens_fail_the_checks() {
+    // kvpool's engine recomputed half the prefix; the none arm loaded something.
+    let mut odd = arm("mooncake", 1.0, 1.0, 1024);
+    odd.ids_loaded[1] = vec![8, 9, 99];
+    let r = report(
+        workload(),
+        run_of(vec![
+            arm("kvpool", 1.0, 1.0, 512),
+            odd,
+            arm("none", 1.0, 1.0, 32),
+        ]),
+    );
+    assert!(!r.all_verified);
+    assert!(!r.checks[0].loaded_from_store);
+    assert_eq!(r.checks[0].min_external_tokens, 512);
+    assert!(r.checks[1].loaded_from_store);
+    assert!(!r.checks[1].ids_equal);
+    assert!(!r.checks[2].loaded_from_store);
+    // Without Mooncake the second target is not measured; without none, the own hit counts.
+    let alone = report(workload(), run_of(vec![arm("kvpool", 1.0, 1.0, 1024)]));
+    assert_eq!(alone.ratios.targets[0].vs_mooncake, None);
+    assert_eq!(alone.ratios.targets[0].reference, "kvpool");
+    assert!(alone.all_verified);
+}
+
+#[test]
+fn the_drivers_last_json_line_is_parsed() {
+    let run = run_of(vec![arm("kvpool", 1.0, 1.0, 1024)]);
+    let text = format!(
+        "noise\n{{\"not\": \"this\"\n{}\n",
+        serde_json::to_string(&run).unwrap()
+    );
+    assert_eq!(parse_run(&text).unwrap(), run);
+    assert!(parse_run("no json").is_err());
+}
+
+#[test]
+fn flags_are_checked() {
+    let ok = Cli::parse_from(["x", "--prefix-tokens", "1000"]);
+    ok.args.validate().unwrap();
+    assert_eq!(ok.args.prefix(), 992);
+    assert_eq!(
+        ok.args.groups(),
+        vec![
+            vec!["kvpool", "mooncake", "none"],
+            vec!["kvpool-agent", "kvpool-engine"]
+        ]
+    );
+    for bad in [
+        vec!["x", "--arms", "kvpool,redis"],
+        vec!["x", "--suffix-tokens", "32"],
+        vec!["x", "--prefix-tokens", "16"],
+        vec!["x", "--client-mode", "rdma"],
+    ] {
+        assert!(
+            Cli::parse_from(bad.clone()).args.validate().is_err(),
+            "{bad:?}"
+        );
+    }
+}

@@ -1,0 +1,51 @@
+"""`kvpool bench engine` on real vLLM 0.32.0 (CPU build), at its smallest size: the tiny model,
+a 256-token prefix, two TTFT rounds and a small throughput workload, with all five arms
+(kvpool's connector in direct mode and through the node agent's socket, vLLM's
+MooncakeStoreConnector on kvpool, the same connector on real Mooncake Store, no connector) in
+one run. The bench must complete and every arm must pass the
+bench's own checks: vLLM's `prompt_tokens_by_source` says the first request of each prefix on a
+fresh engine took the prefix from the store (none of it from vLLM's cache; on the arm without a
+connector, all of it computed), the second took it from vLLM's prefix cache, and greedy token
+ids are equal across the arms. The timings are not asserted here (docs/benchmarks.md has a
+measured run).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, kvpool_bin, model_dir
+
+
+def test_bench_engine_completes_with_every_arm_verified(tmp_path):
+    venv = Path(sys.executable).parent.parent
+    cmd = [str(kvpool_bin()), "bench", "engine", "--json", "--model", str(model_dir("tiny")),
+           "--vllm-venv", str(venv), "--prefix-tokens", "256", "--suffix-tokens", "8",
+           "--repeats", "2", "--max-tokens", "4", "--throughput-prefixes", "1",
+           "--throughput-per-prefix", "2", "--throughput-max-tokens", "4",
+           "--store-capacity", "256MiB", "--dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          timeout=1800)
+    err = proc.stderr.decode(errors="replace")[-6000:]
+    assert proc.returncode == 0, f"kvpool bench engine failed ({proc.returncode}):\n{err}"
+    report = json.loads(proc.stdout)
+    arms = [a["arm"] for a in report["run"]["arms"]]
+    assert arms == ["kvpool", "mooncake", "none", "kvpool-agent", "kvpool-engine"], arms
+    for check in report["checks"]:
+        assert check["loaded_from_store"], check
+        assert check["hit_from_cache"], check
+        assert check["ids_equal"], check
+    for check in report["checks"]:
+        if check["arm"] != "none":
+            assert check["min_external_tokens"] >= 256, check
+    assert report["all_verified"], report["checks"]
+    targets = {t["arm"]: t for t in report["ratios"]["targets"]}
+    assert set(targets) == {"kvpool", "kvpool-agent"}, targets
+    assert targets["kvpool"]["reference"] == "none"
+    assert all(t["over_mooncake"] > 0 for t in targets.values()), targets
+    for arm in report["run"]["arms"]:
+        assert arm["throughput"]["completed"] == 2, arm["throughput"]
+        assert arm["loaded"]["n"] == 2 and arm["hit"]["n"] == 2
