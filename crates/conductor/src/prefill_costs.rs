@@ -1,8 +1,10 @@
 //! The prefill cost model of every prefill engine ([`PrefillCosts`]): the configured prior
 //! (`--prefill-cost`) and, with `--fit-prefill-cost`, one online fit per engine URL
 //! ([`kvpool_core::sched::CostFitter`]) fed with the engine's measured prefills, and how far
-//! the fit's predictions were from the measurements that followed ([`FitError`]); engines keep
-//! their fit over engine-set changes. Pure: the server measures and applies.
+//! the model in use predicted the measurements that followed ([`FitError`]); engines keep
+//! their fit over engine-set changes. Until an engine has enough measurements of its own it
+//! uses the pooled fit of every engine of its group (the engines serving the same model), so a
+//! pool of N engines leaves the prior N times sooner. Pure: the server measures and applies.
 
 use std::collections::HashMap;
 
@@ -14,6 +16,9 @@ pub struct PrefillCosts {
     prior: PrefillCost,
     fit: Option<FitConfig>,
     fitters: HashMap<String, CostFitter>,
+    /// Each engine's group (the model it was measured serving), and each group's pooled fit.
+    groups: HashMap<String, String>,
+    pooled: HashMap<String, CostFitter>,
     errors: HashMap<String, FitError>,
 }
 
@@ -44,7 +49,7 @@ pub struct CostStatus {
     pub engine: String,
     /// The model placements assume now.
     pub cost: PrefillCost,
-    /// `fitted` or `prior`.
+    /// `fitted` (the engine's own), `pooled` (its group's, until its own is ready) or `prior`.
     pub source: &'static str,
     pub prior: PrefillCost,
     /// Measured prefills the fit kept.
@@ -63,6 +68,8 @@ impl PrefillCosts {
             prior,
             fit,
             fitters: HashMap::new(),
+            groups: HashMap::new(),
+            pooled: HashMap::new(),
             errors: HashMap::new(),
         }
     }
@@ -75,32 +82,60 @@ impl PrefillCosts {
         self.prior
     }
 
-    /// The model in use for `engine`: its fit, else the prior.
+    /// The model in use for `engine`: its fit, else its group's pooled fit, else the prior.
     pub fn current(&self, engine: &str) -> PrefillCost {
-        self.fitters
-            .get(engine)
-            .map_or(self.prior, CostFitter::current)
+        self.fitted_model(engine).map_or(self.prior, |(c, _)| c)
     }
 
-    /// Whether `engine`'s model is fitted.
+    /// The fitted model `engine` uses and where it comes from (`fitted`: its own, `pooled`: its
+    /// group's); `None` while it is on the prior.
+    fn fitted_model(&self, engine: &str) -> Option<(PrefillCost, &'static str)> {
+        if let Some(own) = self.fitters.get(engine).and_then(CostFitter::fitted) {
+            return Some((own, "fitted"));
+        }
+        self.groups
+            .get(engine)
+            .and_then(|g| self.pooled.get(g))
+            .and_then(CostFitter::fitted)
+            .map(|c| (c, "pooled"))
+    }
+
+    /// Whether `engine` uses a fitted model (its own or its group's).
     pub fn is_fitted(&self, engine: &str) -> bool {
-        self.fitters
-            .get(engine)
-            .is_some_and(|f| f.fitted().is_some())
+        self.fitted_model(engine).is_some()
     }
 
-    /// Prefilling `tokens` uncached tokens on `engine` took `seconds` (cost-model seconds, the
-    /// engine's own compute). `None` when fitting is off.
-    pub fn observe(&mut self, engine: &str, tokens: u64, seconds: f64) -> Option<Observed> {
+    /// `fitted`, `pooled` or `prior`: where `engine`'s model in use comes from.
+    pub fn source(&self, engine: &str) -> &'static str {
+        self.fitted_model(engine).map_or("prior", |(_, s)| s)
+    }
+
+    /// Prefilling `tokens` uncached tokens on `engine`, serving `group` (its model), took
+    /// `seconds` (cost-model seconds, the engine's own compute): the engine's fit and its
+    /// group's pooled fit learn it. `None` when fitting is off.
+    pub fn observe(
+        &mut self,
+        engine: &str,
+        group: &str,
+        tokens: u64,
+        seconds: f64,
+    ) -> Option<Observed> {
         let config = self.fit?;
         let prior = self.prior;
-        if let Some(fit) = self.fitters.get(engine).and_then(CostFitter::fitted)
+        if self.groups.get(engine).is_none_or(|g| g != group) {
+            self.groups.insert(engine.to_owned(), group.to_owned());
+        }
+        if let Some((fit, _)) = self.fitted_model(engine)
             && seconds.is_finite()
             && seconds > 0.0
         {
             let ratio = (fit.seconds(0, tokens) - seconds).abs() / seconds;
             self.errors.entry(engine.to_owned()).or_default().add(ratio);
         }
+        self.pooled
+            .entry(group.to_owned())
+            .or_insert_with(|| CostFitter::new(prior, config))
+            .observe(tokens, seconds);
         Some(
             self.fitters
                 .entry(engine.to_owned())
@@ -123,7 +158,7 @@ impl PrefillCosts {
                 CostStatus {
                     engine: e.clone(),
                     cost,
-                    source: if self.is_fitted(e) { "fitted" } else { "prior" },
+                    source: self.source(e),
                     prior: self.prior,
                     observations: self.fitters.get(e).map_or(0, CostFitter::observations),
                     relative_error: self.error(e).map(|f| f.mean_ratio),
@@ -149,7 +184,7 @@ mod tests {
         for i in 0..20u64 {
             let n = 100 * (i % 5 + 1);
             assert_eq!(
-                c.observe("http://a", n, truth.seconds(0, n)),
+                c.observe("http://a", "m", n, truth.seconds(0, n)),
                 Some(Observed::Kept)
             );
         }
@@ -166,14 +201,49 @@ mod tests {
         );
         assert_eq!(s[0].relative_error, Some(exact.mean_ratio));
         assert_eq!((c.error("http://b"), s[1].relative_error), (None, None));
-        c.observe("http://a", 300, 2.0 * truth.seconds(0, 300));
+        c.observe("http://a", "m", 300, 2.0 * truth.seconds(0, 300));
         let slow = c.error("http://a").unwrap();
         let w = ERROR_WEIGHT.max(1.0 / slow.predictions as f64);
         let moved = exact.mean_ratio + w * (0.5 - exact.mean_ratio);
         assert!((slow.mean_ratio - moved).abs() < 1e-3, "{slow:?}");
         // Fitting off: observations are ignored.
         let mut off = PrefillCosts::new(PrefillCost::default(), None);
-        assert_eq!(off.observe("http://a", 100, 1.0), None);
+        assert_eq!(off.observe("http://a", "m", 100, 1.0), None);
         assert_eq!(off.current("http://a"), PrefillCost::default());
+    }
+
+    #[test]
+    fn engines_of_a_group_share_a_pooled_fit_until_their_own_is_ready() {
+        let truth = PrefillCost {
+            fixed_s: 0.1,
+            linear_s: 5e-4,
+            quadratic_s: 0.0,
+        };
+        let mut c = PrefillCosts::new(PrefillCost::default(), Some(FitConfig::default()));
+        // Four prefills each on two engines of model m: neither has the 8 a fit needs, their
+        // group has.
+        for i in 0..4u64 {
+            for e in ["http://a", "http://b"] {
+                let n = 100 * (i + 1) + if e == "http://a" { 50 } else { 0 };
+                c.observe(e, "m", n, truth.seconds(0, n));
+            }
+        }
+        // A third engine measured serving another model stays on the prior.
+        c.observe("http://c", "other", 500, 9.0);
+        let s = c.status(&["http://a".into(), "http://b".into(), "http://c".into()]);
+        let sources: Vec<_> = s.iter().map(|r| (r.source, r.observations)).collect();
+        assert_eq!(sources, [("pooled", 4), ("pooled", 4), ("prior", 1)]);
+        assert!((s[1].seconds_2000_tokens - truth.seconds(0, 2_000)).abs() < 1e-6);
+        assert_eq!(c.current("http://c"), PrefillCost::default());
+        assert!(c.is_fitted("http://a") && !c.is_fitted("http://c"));
+        // The pooled model predicts, so the error is counted from then on.
+        c.observe("http://a", "m", 700, truth.seconds(0, 700));
+        assert!(c.error("http://a").is_some_and(|e| e.mean_ratio < 1e-6));
+        // Once a has its own 8, it uses them.
+        for n in [800, 900, 1_000] {
+            c.observe("http://a", "m", n, 2.0 * truth.seconds(0, n));
+        }
+        assert_eq!(c.source("http://a"), "fitted");
+        assert_eq!(c.source("http://b"), "pooled");
     }
 }

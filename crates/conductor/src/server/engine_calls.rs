@@ -112,7 +112,7 @@ fn observe_prefill(shared: &Shared, placed: &Placed, seconds: f64) {
     let mut m = shared.members.lock();
     let url = placed.prefill_url.as_str();
     let tokens = placed.ticket.uncached_tokens;
-    let Some(outcome) = m.costs.observe(url, tokens, seconds) else {
+    let Some(outcome) = m.costs.observe(url, &placed.model, tokens, seconds) else {
         return;
     };
     if outcome != Observed::Kept {
@@ -131,11 +131,11 @@ fn observe_prefill(shared: &Shared, placed: &Placed, seconds: f64) {
         .with_label_values(&[url])
         .inc();
     if m.costs.is_fitted(url) {
-        // The gauges follow the fit and its error on the last prediction.
+        // The gauges follow the fit and its error on the last prediction; a pooled fit moves
+        // every engine of the group still on it.
         m.apply_costs();
-        shared
-            .metrics
-            .set_prefill_costs(&m.costs, &[url.to_owned()]);
+        let engines = m.engines.prefill.clone();
+        shared.metrics.set_prefill_costs(&m.costs, &engines);
     }
 }
 

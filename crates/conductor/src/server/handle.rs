@@ -175,6 +175,7 @@ pub(super) async fn handle(
                         epoch,
                         prefill_url: p.clone(),
                         decode_url: d.clone(),
+                        model: req.view.model.clone(),
                         protocol: engines.pair_protocol(p, d, shared.config.protocol),
                     }
                 }

@@ -34,6 +34,8 @@ pub(super) struct Placed {
     pub(super) epoch: u64,
     pub(super) prefill_url: String,
     pub(super) decode_url: String,
+    /// The model the request names (the prefill engine's cost group).
+    pub(super) model: String,
     /// How the pair is routed, or why it cannot be (engines of different conventions).
     pub(super) protocol: Result<RoutingProtocol, String>,
 }

@@ -203,7 +203,8 @@ impl Metrics {
                     "Prefill cost model per prefill engine URL, by term (fixed: seconds per \
                      request, linear: per uncached token, quadratic: per squared token; \
                      cost-model seconds) and source (prior: --prefill-cost; fitted: from the \
-                     engine's measured prefills, in use once present)",
+                     engine's measured prefills; pooled: from those of every engine serving its \
+                     model, until its own fit is ready; in use once present)",
                 ),
                 &["engine", "term", "source"],
             )?,
@@ -366,7 +367,15 @@ impl Metrics {
     pub(super) fn set_prefill_costs(&self, costs: &PrefillCosts, engines: &[String]) {
         for e in engines {
             let fitted = costs.is_fitted(e).then(|| costs.current(e));
-            for (source, cost) in [("prior", Some(costs.prior())), ("fitted", fitted)] {
+            if costs.source(e) == "fitted" {
+                // The group's model is no longer this engine's.
+                for term in ["fixed", "linear", "quadratic"] {
+                    let _ = self
+                        .prefill_cost
+                        .remove_label_values(&[e.as_str(), term, "pooled"]);
+                }
+            }
+            for (source, cost) in [("prior", Some(costs.prior())), (costs.source(e), fitted)] {
                 let Some(c) = cost else { continue };
                 for (term, v) in [
                     ("fixed", c.fixed_s),
