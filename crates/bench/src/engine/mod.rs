@@ -125,9 +125,9 @@ pub struct EngineBenchArgs {
     /// Mooncake's client does with its holders) or `agent` (the node agent's socket).
     #[arg(long, default_value = "direct")]
     pub client_mode: String,
-    /// Seconds the engines may take to start (all start at once).
-    #[arg(long, default_value_t = 900)]
-    pub start_timeout_s: u64,
+    /// How long the engines may take to start (all start at once), e.g. `15m`.
+    #[arg(long, default_value = "15m", value_parser = kvpool_core::flags::parse_duration)]
+    pub start_timeout: std::time::Duration,
     /// Keep the run's files (logs, configs) in this directory instead of a temporary one.
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -412,7 +412,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         tp_max_tokens: args.throughput_max_tokens,
         settle_s: 1.0,
         settle_timeout_s: 60.0,
-        start_timeout_s: args.start_timeout_s,
+        start_timeout_s: args.start_timeout.as_secs().max(1),
         seed: 20261206,
     };
     let config_path = dir.join("engine.json");
