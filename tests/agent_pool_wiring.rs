@@ -225,6 +225,34 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
             }
         }
     }
+    // The writer's own agent holds every replica: it serves the same batch with memory copies
+    // from its DRAM tier in one step (staging cleared first, so stale bytes cannot pass).
+    for (i, _) in batch_keys.iter().enumerate() {
+        engine_a
+            .staging()
+            .write_from(i as u64 * slot, &vec![0u8; value(i).len()])
+            .expect("clear staging");
+    }
+    let out = engine_a.get_batch(&gets).await.expect("local get batch");
+    for (j, o) in out.iter().enumerate() {
+        match j {
+            3 => assert_eq!((o.status, o.length), (Status::NotFound, 0)),
+            13 => assert_eq!(
+                (o.status, o.length),
+                (Status::BufferTooSmall, value(4).len() as u64)
+            ),
+            _ => {
+                let i = if j < 3 { j } else { j - 1 };
+                assert_eq!((o.status, o.length), (Status::Ok, value(i).len() as u64));
+                let mut got = vec![0u8; value(i).len()];
+                engine_a
+                    .staging()
+                    .read_into(i as u64 * slot, &mut got)
+                    .expect("read staging");
+                assert!(got == value(i), "local batch item {i} differs");
+            }
+        }
+    }
     let batch_refs: Vec<&[u8]> = batch_keys.iter().map(Vec::as_slice).collect();
     assert_eq!(
         engine_a.remove(&batch_refs).await.expect("remove batch"),

@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 
 use futures::stream::{self, StreamExt};
 use kvpool_client::master::ClientError;
-use kvpool_client::pool::{DataError, PoolClient};
+use kvpool_client::pool::{BatchItem, DataError, PoolClient};
 use kvpool_core::master::{ObjectKey, PutOptions, ReplicaInfo, Spread};
 use kvpool_proto::master::ErrorCode;
 use kvpool_transfer::{LocalSegment, Segment};
@@ -28,7 +28,7 @@ use crate::proto::{GetItem, GetResult, PutItem, PutRequest, Status};
 use crate::ssd::MAX_KEY_LEN as MAX_KEY_BYTES;
 use crate::ssd::pool::SharedIndex;
 
-/// Items of one batch moved at once (each is a master round trip plus a transfer).
+/// Put items of one batch moved at once (each is a master round trip plus a transfer).
 pub const PARALLEL_ITEMS: usize = 8;
 
 /// Staging areas registered with the transfer engine, each with its area.
@@ -359,8 +359,10 @@ impl PoolApi {
         }
     }
 
-    /// Get every `(key, offset, capacity)` into `staging`; one result per item, in order. Up
-    /// to [`PARALLEL_ITEMS`] items are in flight at once.
+    /// Get every `(key, offset, capacity)` into `staging`; one result per item, in order. A
+    /// batch of several is one batch of the pool client (one master call locates every key,
+    /// one blocking step moves every value: copies from this agent's own tiers, transfers from
+    /// the other agents).
     pub async fn get(&self, staging: &Arc<Staging>, items: Vec<GetItem>) -> Vec<GetResult> {
         let calls = self.enter();
         let lone_staging = staging.clone();
@@ -375,15 +377,39 @@ impl PoolApi {
                 length,
             }];
         }
-        stream::iter(items)
-            .map(|item| async move { self.get_one(staging, &item).await })
-            .buffered(PARALLEL_ITEMS)
-            .map(|(status, length)| GetResult {
-                status: status as i32,
-                length,
+        let area = match self.registered(staging) {
+            Ok(area) => area,
+            Err(e) => {
+                let status = self.got(Err(e));
+                return items.iter().map(|_| result(status)).collect();
+            }
+        };
+        // Items that name a key and a range of the staging area go in the batch; the others
+        // are refused.
+        let valid: Vec<bool> = items
+            .iter()
+            .map(|i| !bad_key(&i.key) && staging.contains(i.offset, i.capacity))
+            .collect();
+        // Received straight into the engine's staging area (a value that does not fit is
+        // refused before any byte moves).
+        let batch: Vec<BatchItem<'_>> = items
+            .iter()
+            .zip(&valid)
+            .filter(|(_, ok)| **ok)
+            .map(|(i, _)| BatchItem::one(&i.key, &area, i.offset, i.capacity))
+            .collect();
+        let mut got = self.client.get_many_to(&batch).await.into_iter();
+        valid
+            .iter()
+            .map(|ok| match ok {
+                true => result(
+                    got.next()
+                        .map(|r| self.got(r))
+                        .unwrap_or((Status::Internal, 0)),
+                ),
+                false => result((Status::Invalid, 0)),
             })
             .collect()
-            .await
     }
 
     async fn get_one(&self, staging: &Arc<Staging>, item: &GetItem) -> (Status, u64) {
@@ -401,6 +427,11 @@ impl PoolApi {
             }
             Err(e) => Err(e),
         };
+        self.got(got)
+    }
+
+    /// The status and length of one get, counted in the metrics.
+    fn got(&self, got: Result<u64, DataError>) -> (Status, u64) {
         match got {
             Ok(len) => {
                 self.metrics.hits.with_label_values(&["pool"]).inc();
@@ -435,6 +466,14 @@ impl PoolApi {
         let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
         let results = self.client.master().remove_batch(&refs).await?;
         Ok(results.iter().map(Result::is_ok).collect())
+    }
+}
+
+/// The engine API's result of one get.
+fn result((status, length): (Status, u64)) -> GetResult {
+    GetResult {
+        status: status as i32,
+        length,
     }
 }
 

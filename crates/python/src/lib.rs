@@ -353,24 +353,33 @@ impl Client {
         placement: Option<Bound<'_, Placement>>,
     ) -> PyResult<Vec<i64>> {
         let args = placed(placement);
-        let items = parts(keys, all_ptrs, all_sizes)?;
+        let items = ops::parts(keys, all_ptrs, all_sizes)?;
         self.block(py, Call::One, move |link| async move {
             Ok(link.batch_put_parts(&items, &args).await)
         })
     }
 
     /// Gets of values into several registered ranges each: per key the length read or
-    /// Mooncake's negative code.
+    /// Mooncake's negative code. With `value_offsets` (one per key) each reads only its
+    /// ranges' bytes, from that offset of the value on (direct mode).
+    #[pyo3(signature = (keys, all_ptrs, all_sizes, value_offsets = None))]
     fn batch_get_parts(
         &self,
         py: Python<'_>,
         keys: Vec<Key>,
         all_ptrs: Vec<Vec<usize>>,
         all_sizes: Vec<Vec<u64>>,
+        value_offsets: Option<Vec<u64>>,
     ) -> PyResult<Vec<i64>> {
-        let items = parts(keys, all_ptrs, all_sizes)?;
+        if value_offsets
+            .as_ref()
+            .is_some_and(|o| o.len() != keys.len())
+        {
+            return Err(Failure::invalid("value_offsets must hold one offset per key").into());
+        }
+        let items = ops::parts(keys, all_ptrs, all_sizes)?;
         self.block(py, Call::One, move |link| async move {
-            Ok(link.batch_get_parts(&items).await)
+            Ok(link.batch_get_parts(&items, value_offsets.as_deref()).await)
         })
     }
 
@@ -561,29 +570,6 @@ fn items(
         .zip(sizes)
         .map(|((k, p), s)| (k, p, s))
         .collect())
-}
-
-/// Keys with their ranges, checked: one list of addresses and one of sizes per key, of one
-/// length each.
-fn parts(
-    keys: Vec<Key>,
-    all_ptrs: Vec<Vec<usize>>,
-    all_sizes: Vec<Vec<u64>>,
-) -> Result<Vec<PartsItem>, Failure> {
-    same_length(keys.len(), all_ptrs.len(), all_sizes.len())?;
-    keys.into_iter()
-        .zip(all_ptrs.into_iter().zip(all_sizes))
-        .map(|(k, (ptrs, sizes))| {
-            if ptrs.len() != sizes.len() {
-                return Err(Failure::invalid(format!(
-                    "{} addresses and {} sizes for one key: they must pair up",
-                    ptrs.len(),
-                    sizes.len()
-                )));
-            }
-            Ok((k.into_bytes(), ptrs.into_iter().zip(sizes).collect()))
-        })
-        .collect()
 }
 
 #[pymodule]

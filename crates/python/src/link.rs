@@ -320,11 +320,20 @@ impl Link {
         codes(put_planned(a, items.iter().map(|i| i.0.as_slice()), planned).await)
     }
 
-    pub async fn batch_get_parts(&self, items: &PartsItems) -> Vec<i64> {
+    pub async fn batch_get_parts(&self, items: &PartsItems, parts: Option<&[u64]>) -> Vec<i64> {
         let a = match self {
-            Link::Direct(l) => return ops::batch_get_parts(l, items).await,
+            Link::Direct(l) => return ops::batch_get_parts(l, items, parts).await,
             Link::Agent(a) => a,
         };
+        if parts.is_some() {
+            // The engine API moves whole values only.
+            let code = Failure::new(
+                Kind::NotSupported,
+                "reading part of a value is not offered in agent mode",
+            )
+            .code();
+            return vec![code; items.len()];
+        }
         let planned = items
             .iter()
             .map(|(_, parts)| aops::parts_dst(a, parts))

@@ -209,18 +209,23 @@ fn parts_spans(live: &Live, items: &PartsItems, put: bool) -> Vec<Result<Vec<Spa
         .collect()
 }
 
+/// The batch items of `items` whose ranges checked out; `parts`: per item, the offset of the
+/// value its ranges start at (a get of part of each value).
 fn parts_batch<'a>(
     items: &'a PartsItems,
     spans: &'a [Result<Vec<Span>, i64>],
+    parts: Option<&[u64]>,
 ) -> Vec<BatchItem<'a>> {
     items
         .iter()
         .zip(spans)
-        .filter_map(|((key, _), s)| {
+        .enumerate()
+        .filter_map(|(i, ((key, _), s))| {
             let s = s.as_ref().ok()?;
             Some(BatchItem {
                 key,
                 ranges: s.iter().map(|s| (&s.local, s.offset, s.len)).collect(),
+                part: parts.and_then(|p| p.get(i).copied()),
             })
         })
         .collect()
@@ -230,7 +235,7 @@ fn parts_batch<'a>(
 /// ranges go straight from the caller's memory, no copy: one code per key.
 pub async fn batch_put_parts(live: &Live, items: &PartsItems, args: &PutArgs) -> Vec<i64> {
     let spans = parts_spans(live, items, true);
-    let batch = parts_batch(items, &spans);
+    let batch = parts_batch(items, &spans, None);
     let mut done = live
         .pool
         .put_many_from(&batch, &args.options())
@@ -247,10 +252,12 @@ pub async fn batch_put_parts(live: &Live, items: &PartsItems, args: &PutArgs) ->
 
 /// Gets of values into registered ranges, in one batch (see [`batch_get_into`]); straight
 /// into the caller's memory: per key the length read or a negative code. As Mooncake's, the
-/// ranges must add up to the value exactly (the memory is untouched otherwise).
-pub async fn batch_get_parts(live: &Live, items: &PartsItems) -> Vec<i64> {
+/// ranges must add up to the value exactly (the memory is untouched otherwise); with `parts`
+/// (one value offset per key) each reads only its ranges' bytes from that offset of the value
+/// on, which the value must hold.
+pub async fn batch_get_parts(live: &Live, items: &PartsItems, parts: Option<&[u64]>) -> Vec<i64> {
     let spans = parts_spans(live, items, false);
-    let batch = parts_batch(items, &spans);
+    let batch = parts_batch(items, &spans, parts);
     let mut done = live.pool.get_many_to(&batch).await.into_iter();
     spans
         .iter()
@@ -269,6 +276,9 @@ fn parts_failure(e: kvpool_client::pool::DataError) -> Failure {
             Kind::TransferFailed,
             format!("the ranges hold {want} bytes, the value {got}: they must match"),
         ),
+        e @ kvpool_client::pool::DataError::OutsideValue { .. } => {
+            Failure::new(Kind::InvalidArgument, e.to_string())
+        }
         other => Failure::from(other),
     }
 }
@@ -368,4 +378,27 @@ pub async fn remove_all(live: &Live, force: bool) -> Result<u64, Failure> {
 pub async fn health(live: &Live) -> Result<(), Failure> {
     live.pool.master().stats().await?;
     Ok(())
+}
+
+/// Keys with their ranges, checked: one list of addresses and one of sizes per key, of one
+/// length each.
+pub fn parts(
+    keys: Vec<crate::Key>,
+    all_ptrs: Vec<Vec<usize>>,
+    all_sizes: Vec<Vec<u64>>,
+) -> Result<Vec<crate::PartsItem>, Failure> {
+    crate::same_length(keys.len(), all_ptrs.len(), all_sizes.len())?;
+    keys.into_iter()
+        .zip(all_ptrs.into_iter().zip(all_sizes))
+        .map(|(k, (ptrs, sizes))| {
+            if ptrs.len() != sizes.len() {
+                return Err(Failure::invalid(format!(
+                    "{} addresses and {} sizes for one key: they must pair up",
+                    ptrs.len(),
+                    sizes.len()
+                )));
+            }
+            Ok((k.into_bytes(), ptrs.into_iter().zip(sizes).collect()))
+        })
+        .collect()
 }

@@ -430,11 +430,95 @@ def test_vllm_lookup_counts_the_leading_blocks_only(pool_env, closer):
         # A fully cached prompt still leaves its last token to compute.
         whole = request(f"w-{uid()}", hashes[:2], tokens=2 * BLOCK)
         assert engine.scheduler.get_num_new_matched_tokens(whole, 0) == (BLOCK, False)
-        # A save of blocks the pool has writes nothing new and still completes.
-        again = request(f"r-{uid()}", hashes[:2], tokens=2 * BLOCK)
-        assert engine.finish(again, [6, 7])[1] == ({again.request_id}, None)
+        # A save of blocks the pool has writes nothing new and still completes (an engine
+        # that has not seen them: its worker finds every key present).
+        other_engine = Engine("kv_both", kv_caches(13))
+        try:
+            again = request(f"r-{uid()}", hashes[:2], tokens=2 * BLOCK)
+            assert other_engine.finish(again, [6, 7]) == (True, ({again.request_id}, None))
+        finally:
+            other_engine.close(closer)
     finally:
         engine.close(closer)
+
+
+class CountingStore:
+    """A store wrapper counting the calls a worker makes."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: dict = {}
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_vllm_blocks_known_in_the_pool_are_not_saved_again(pool_env, closer):
+    """A prompt whose prefix the engine found in the pool (or saved itself) and then serves
+    from its own cache makes no pool call in its steps; a hand-off still saves every block."""
+    producer, engine = Engine("kv_both", kv_caches(14)), Engine("kv_both", kv_caches(15))
+    try:
+        hashes = [uuid.uuid4().bytes for _ in range(3)]
+        saved = request(f"s-{uid()}", hashes, tokens=3 * BLOCK)
+        assert producer.finish(saved, [0, 1, 2]) == (True, ({saved.request_id}, None))
+        # The engine loads the prefix from the pool...
+        first = request(f"f-{uid()}", hashes, tokens=3 * BLOCK + 1)
+        assert engine.admit(first, [4, 5, 6, 7]) == 3 * BLOCK
+        assert engine.finish(first, [4, 5, 6, 7]) == (False, (None, None))
+        # ... then serves it from its own cache: the step that completes the blocks and the
+        # finish queue nothing, so the worker makes no pool call.
+        engine.worker._io.store = counting = CountingStore(engine.worker._io.store)
+        hit = request(f"h-{uid()}", hashes, tokens=3 * BLOCK + 1)
+        assert engine.scheduler.get_num_new_matched_tokens(hit, 3 * BLOCK) == (0, False)
+        engine.scheduler.bind_kv_cache_manager(
+            SimpleNamespace(get_block_ids=lambda rid: ([4, 5, 6, 7],))
+        )
+        engine.scheduler.update_state_after_alloc(hit, blocks([4, 5, 6, 7]), 0)
+        hit.num_computed_tokens = 3 * BLOCK
+        meta, _ = engine.step(scheduled={hit.request_id: 1})
+        assert meta.saves == [] and counting.calls == {}
+        hit.num_computed_tokens = 3 * BLOCK + 1
+        assert engine.finish(hit, [4, 5, 6, 7]) == (False, (None, None))
+        # A request that finishes before any step queued its blocks: nothing to save either.
+        short = request(f"q-{uid()}", hashes, tokens=3 * BLOCK)
+        assert engine.finish(short, [4, 5, 6]) == (False, (None, None))
+        assert counting.calls == {}
+        # A prefill handing off to a decode engine saves (checks) every block all the same.
+        handoff = request(f"p-{uid()}", hashes, tokens=3 * BLOCK + 1)
+        handoff.kv_transfer_params = {"do_remote_decode": True}
+        keep, params = engine.scheduler.request_finished(handoff, [4, 5, 6, 7])
+        assert keep is True and params is not None
+        _meta, done = engine.step(finished={handoff.request_id})
+        assert done == ({handoff.request_id}, None)
+        assert counting.calls.get("batch_is_exist") == 1
+        assert counting.calls.get("batch_put_from_multi_buffers") is None  # all present
+    finally:
+        producer.close(closer)
+        engine.close(closer)
+
+
+def test_vllm_known_blocks_expire_and_stay_bounded():
+    now = [0.0]
+    known = vl.KnownBlocks(capacity=3, ttl_s=10.0, clock=lambda: now[0])
+    known.add(["a", "b"])
+    now[0] = 5.0
+    known.add(["c", "d"])  # "a" is the oldest: forgotten at capacity 3
+    assert "a" not in known and all(h in known for h in "bcd")
+    now[0] = 12.0  # "b" was seen 12 s ago, "c" and "d" 7 s ago
+    assert "b" not in known and "c" in known and len(known) == 2
+    known.add(["c"])
+    now[0] = 20.0
+    assert "c" in known and "d" not in known
+    with pytest.raises(ValueError):
+        vl.KnownBlocks(capacity=0)
 
 
 def test_vllm_load_failure_reports_the_blocks(pool_env, client, closer):
@@ -457,6 +541,69 @@ def test_vllm_load_failure_reports_the_blocks(pool_env, client, closer):
         assert engine.worker.get_block_ids_with_load_errors() == set()
     finally:
         engine.close(closer)
+
+
+def test_vllm_loads_layer_by_layer_behind_the_forward_pass(pool_env, closer):
+    """Asked to (host caches load whole blocks by default), kvpool in direct mode reads one
+    layer's part of each block at a time in a thread: each attention layer waits only for its
+    own cache; Mooncake's store reads whole values, before the forward pass. The bytes end up
+    the same either way."""
+    src, dst = kv_caches(16, layers=3), kv_caches(17, layers=3)
+    for t in dst.values():
+        t[...] = 0
+    producer = Engine("kv_both", src)
+    consumer = Engine("kv_both", dst, kvpool_layerwise_load="true")
+    layered = pool_env.name == "kvpool"
+    try:
+        assert producer.worker._layerwise is False  # "auto": host caches load whole blocks
+        assert consumer.worker._layerwise is layered
+        hashes = [uuid.uuid4().bytes for _ in range(3)]
+        saved = request(f"s-{uid()}", hashes, tokens=3 * BLOCK)
+        producer.finish(saved, [0, 1, 2])
+        probe = request(f"l-{uid()}", hashes, tokens=3 * BLOCK + 1)
+        n, _ = consumer.scheduler.get_num_new_matched_tokens(probe, 0)
+        assert n == 3 * BLOCK
+        consumer.scheduler.update_state_after_alloc(probe, blocks([5, 6, 7, 4]), n)
+        meta = consumer.scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+        consumer.worker.bind_connector_metadata(meta)
+        consumer.worker.start_load_kv(None)
+        assert (consumer.worker._inflight is not None) is layered
+        names = list(dst)
+        for layer, name in enumerate(names):
+            consumer.worker.wait_for_layer_load(name)
+            # This layer's blocks are in (K and V), whatever the later layers are doing.
+            for s_id, d_id in zip([0, 1, 2], [5, 6, 7]):
+                assert dst[name][:, d_id].tobytes() == src[name][:, s_id].tobytes(), (layer, d_id)
+        consumer.worker.wait_for_save()
+        assert consumer.worker._inflight is None
+        assert consumer.worker.get_block_ids_with_load_errors() == set()
+        consumer.worker.clear_connector_metadata()
+        for s_id, d_id in zip([0, 1, 2], [5, 6, 7]):
+            assert block_bytes(dst, d_id) == block_bytes(src, s_id)
+        # A block gone before its load: each of its layers fails, it is reported once.
+        gone_hashes = [uuid.uuid4().bytes for _ in range(2)]
+        producer.finish(request(f"g-{uid()}", gone_hashes, tokens=2 * BLOCK), [0, 1])
+        probe = request(f"m-{uid()}", gone_hashes, tokens=2 * BLOCK + 1)
+        n, _ = consumer.scheduler.get_num_new_matched_tokens(probe, 0)
+        store = producer.worker._io.store
+        assert store.remove(producer.worker._keys.key(gone_hashes[0]), force=True) == 0
+        consumer.scheduler.update_state_after_alloc(probe, blocks([2, 3, 0]), n)
+        consumer.step()
+        assert consumer.worker.get_block_ids_with_load_errors() == {2}
+        if layered:
+            # A part beyond the value's end reads nothing: InvalidArgument (-600).
+            io = consumer.worker._io
+            key0 = consumer.worker._keys.key(hashes[0])
+            ptrs, sizes = io.layout.parts(5, 2)
+            assert io.store.batch_get_parts_into_multi_buffers(
+                [key0], [io.layout.bytes_per_block - 1], [ptrs], [sizes]
+            ) == [-600]
+            assert block_bytes(dst, 5) == block_bytes(src, 0)  # untouched
+        with pytest.raises(adapters.ConfigError, match="kvpool_layerwise_load"):
+            Engine("kv_both", kv_caches(18), kvpool_layerwise_load="sometimes")
+    finally:
+        producer.close(closer)
+        consumer.close(closer)
 
 
 def test_vllm_tensor_parallel_ranks_all_needed(pool_env, closer):

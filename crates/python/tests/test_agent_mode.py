@@ -336,6 +336,11 @@ def test_mooncake_api_with_only_the_agent_socket(node, monkeypatch):
     assert s.batch_is_exist([k, key("no")]) == [1, 0]
     assert s.get_batch([k, k + "/zc"]) == [b"hello", b"abcd"]
     assert s.put_batch([key("pb1"), key("pb2")], [b"x", b"y"]) == 0
+    # Parts of values are read in direct mode only: each key answers NotSupported here.
+    assert s.reads_value_parts() is False
+    assert s.batch_get_parts_into_multi_buffers(
+        [k, key("no")], [1, 0], [[ptr + 8192], [ptr + 16384]], [[2], [2]]
+    ) == [-1011, -1011]
     assert s.remove(k) == 0 and s.remove(k) == -704
     assert s.remove_all() == -1011
     assert s.alloc_from_mem_pool(1 << 40) == 0

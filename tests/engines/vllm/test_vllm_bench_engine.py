@@ -1,6 +1,7 @@
 """`kvpool bench engine` on real vLLM 0.32.0 (CPU build), at its smallest size: the tiny model,
 a 256-token prefix, two TTFT rounds and a small throughput workload, with all five arms
-(kvpool's connector in direct mode and through the node agent's socket, vLLM's
+(kvpool's connector in direct mode, loading layer by layer behind the forward pass
+(`--layerwise-load true`), and through the node agent's socket (whole blocks), vLLM's
 MooncakeStoreConnector on kvpool, the same connector on real Mooncake Store, no connector) in
 one run. The bench must complete and every arm must pass the
 bench's own checks: vLLM's `prompt_tokens_by_source` says the first request of each prefix on a
@@ -26,7 +27,8 @@ def test_bench_engine_completes_with_every_arm_verified(tmp_path):
            "--vllm-venv", str(venv), "--prefix-tokens", "256", "--suffix-tokens", "8",
            "--repeats", "2", "--max-tokens", "4", "--throughput-prefixes", "1",
            "--throughput-per-prefix", "2", "--throughput-max-tokens", "4",
-           "--store-capacity", "256MiB", "--dir", str(tmp_path / "run")]
+           "--store-capacity", "256MiB", "--layerwise-load", "true",
+           "--dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           timeout=1800)
     err = proc.stderr.decode(errors="replace")[-6000:]
@@ -49,3 +51,8 @@ def test_bench_engine_completes_with_every_arm_verified(tmp_path):
     for arm in report["run"]["arms"]:
         assert arm["throughput"]["completed"] == 2, arm["throughput"]
         assert arm["loaded"]["n"] == 2 and arm["hit"]["n"] == 2
+    # The engines say how their connector loads: direct mode layer by layer, the agent's
+    # socket (whole values only) whole blocks.
+    logs = tmp_path / "run" / "logs"
+    assert "loads layer by layer behind the forward pass" in (logs / "vllm-kvpool-b.log").read_text()
+    assert "loads whole blocks" in (logs / "vllm-kvpool-agent-b.log").read_text()

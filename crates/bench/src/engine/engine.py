@@ -351,6 +351,7 @@ class Engine:
                 # Its own key namespace: both arms of kvpool's connector get the same prompts
                 # in the same pool.
                 extra["cache_prefix"] = arm
+                extra["kvpool_layerwise_load"] = pool.get("layerwise_load", "auto")
             if arm == "kvpool-engine":
                 # vLLM's connector asks for 4 GiB of local buffer by default.
                 extra["local_buffer_size"] = cfg["local_buffer"]

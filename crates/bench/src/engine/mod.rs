@@ -125,6 +125,11 @@ pub struct EngineBenchArgs {
     /// Mooncake's client does with its holders) or `agent` (the node agent's socket).
     #[arg(long, default_value = "direct")]
     pub client_mode: String,
+    /// How kvpool's connector loads a prefix (its `kvpool_layerwise_load`): `auto` (whole
+    /// blocks before the forward pass for these CPU engines), `true` (layer by layer behind
+    /// the forward pass, where the store reads parts of values: direct mode) or `false`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "true", "false"])]
+    pub layerwise_load: String,
     /// How long the engines may take to start (all start at once), e.g. `15m`.
     #[arg(long, default_value = "15m", value_parser = kvpool_core::flags::parse_duration)]
     pub start_timeout: std::time::Duration,
@@ -399,6 +404,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
             "agent_socket": agents[0].socket,
             "master_metrics": format!("http://{}/metrics", master.admin),
             "client_mode": args.client_mode,
+            "layerwise_load": args.layerwise_load,
         }),
         kvpool_package: package,
         mooncake_path,

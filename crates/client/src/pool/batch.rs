@@ -1,20 +1,25 @@
 //! Batches of zero-copy puts and gets (Mooncake's `batch_put_from` / `batch_get_into`): one
 //! master call locates (or allocates) every key, one transfer batch moves every value (the
-//! engine spreads it over the peers' lanes), and one master call commits the puts. Whatever
-//! the one-batch path cannot take (a value that is or may be a striped object, a replica in
-//! this process, a transfer that failed) goes through the single-item path, which keeps its
-//! own fallbacks (other replicas, placing a put again without an unreachable node). Same
-//! semantics as that path item by item: read leases checked after the read and released in
-//! the background, a failed write revoked. I/O boundary: the master's gRPC channel (or a
-//! fork's fast lane) and the transfer engine's connections.
+//! engine spreads it over the peers' lanes; a get whose nearest replica lives in this process,
+//! an agent's own tier, is a memory copy in the same blocking step), and one master call
+//! commits the puts. Whatever the one-batch path cannot take (a value that is or may be a
+//! striped object, a put with a replica in this process, a transfer or copy that failed) goes
+//! through the single-item path, which keeps its own fallbacks (other replicas, placing a put
+//! again without an unreachable node). Same semantics as that path item by item: read leases
+//! checked after the read and released in the background, a failed write revoked. I/O
+//! boundary: the master's gRPC channel (or a fork's fast lane), the transfer engine's
+//! connections and copies within this process's memory.
+
+use std::sync::Arc;
 
 use futures::future::join_all;
 use kvpool_core::master::types::{PutOptions, PutStarted, ReplicaInfo};
 use kvpool_proto::master::MAX_BATCH;
-use kvpool_transfer::{self as transfer, BatchFailed, TransferOp, TransferRequest};
+use kvpool_transfer::{self as transfer, BatchFailed, Segment, TransferOp, TransferRequest};
 
 use super::PoolClient;
 use super::error::DataError;
+use super::local::copy_local;
 use super::manifest::MANIFEST_LEN;
 use super::naming::replica_names;
 use super::transport::check_length;
@@ -24,11 +29,15 @@ use crate::master::{Located, pick_nearest};
 /// offset in it, bytes). A put stores the ranges' concatenation. A get of one range reads a
 /// value of at most that many bytes into it; of several, the value must fill them exactly
 /// (a larger value fails with [`DataError::BufferTooSmall`], a smaller one with
-/// [`DataError::SizeMismatch`], before any byte moves).
+/// [`DataError::SizeMismatch`], before any byte moves). A get with `part` set reads only the
+/// ranges' bytes from that offset of the value on (the value must hold them: else
+/// [`DataError::OutsideValue`]); puts store whole values and refuse it.
 #[derive(Clone, Debug)]
 pub struct BatchItem<'a> {
     pub key: &'a [u8],
     pub ranges: Vec<(&'a transfer::LocalSegment, u64, u64)>,
+    /// Read part of the value, from this offset of it (gets only).
+    pub part: Option<u64>,
 }
 
 impl<'a> BatchItem<'a> {
@@ -37,6 +46,7 @@ impl<'a> BatchItem<'a> {
         BatchItem {
             key,
             ranges: vec![(buffer, offset, len)],
+            part: None,
         }
     }
 
@@ -47,13 +57,35 @@ impl<'a> BatchItem<'a> {
     /// Room for a value read into the ranges (one range: its bytes inside the buffer).
     fn room(&self) -> u64 {
         match self.ranges.as_slice() {
-            [(buf, offset, len)] => (*len).min(buf.len().saturating_sub(*offset)),
+            [(buf, offset, len)] if self.part.is_none() => {
+                (*len).min(buf.len().saturating_sub(*offset))
+            }
             _ => self.total(),
         }
     }
 
+    /// The bytes a get of a value of `size` bytes reads (the whole value, or the part).
+    pub(super) fn read_len(&self, size: u64) -> u64 {
+        match self.part {
+            Some(_) => self.total(),
+            None => size,
+        }
+    }
+
+    /// Where the bytes read start in the value.
+    fn value_offset(&self) -> u64 {
+        self.part.unwrap_or(0)
+    }
+
     /// Whether a value of `size` bytes may be read into the ranges.
     pub(super) fn fits(&self, size: u64) -> Result<(), DataError> {
+        if let Some(offset) = self.part {
+            let len = self.total();
+            return match offset.checked_add(len) {
+                Some(end) if end <= size => Ok(()),
+                _ => Err(DataError::OutsideValue { offset, len, size }),
+            };
+        }
         let room = self.room();
         if size > room {
             return Err(DataError::BufferTooSmall { size, have: room });
@@ -67,6 +99,16 @@ impl<'a> BatchItem<'a> {
         Ok(())
     }
 
+    /// The ranges a value of `size` bytes fills, in order: (buffer, offset, bytes); one range
+    /// takes the whole value (unless only a part is read).
+    fn filled(&self, size: u64) -> impl Iterator<Item = (&'a transfer::LocalSegment, u64, u64)> {
+        let one = self.ranges.len() == 1 && self.part.is_none();
+        self.ranges
+            .iter()
+            .filter(|r| r.2 > 0)
+            .map(move |&(buf, offset, len)| (buf, offset, if one { size } else { len }))
+    }
+
     /// One request per range, between the ranges and replica `r` (which holds the value of
     /// `size` bytes from its offset on).
     pub(super) fn requests(
@@ -77,10 +119,9 @@ impl<'a> BatchItem<'a> {
         size: u64,
     ) -> Result<Vec<TransferRequest>, DataError> {
         check_length(r, size)?;
-        let mut at = 0;
+        let mut at = self.value_offset();
         let mut out = Vec::with_capacity(self.ranges.len());
-        for &(buf, offset, len) in self.ranges.iter().filter(|r| r.2 > 0) {
-            let len = if self.ranges.len() == 1 { size } else { len };
+        for (buf, offset, len) in self.filled(size) {
             let mut q = client.request(op, buf, offset, r, len)?;
             q.remote_offset += at;
             at += len;
@@ -88,6 +129,36 @@ impl<'a> BatchItem<'a> {
         }
         Ok(out)
     }
+}
+
+/// The read of a value whose nearest replica lives in this process (an agent's own tier):
+/// plain memory copies, run with the batch's transfers.
+struct LocalRead {
+    src: Arc<Segment>,
+    /// Where the bytes to read start in `src`.
+    start: u64,
+    replica: ReplicaInfo,
+    /// (buffer, offset, bytes) per range, in the value's order.
+    ranges: Vec<(transfer::LocalSegment, u64, u64)>,
+}
+
+impl LocalRead {
+    fn copy(&self) -> Result<(), DataError> {
+        let mut at = self.start;
+        for (buf, offset, len) in &self.ranges {
+            copy_local(&self.src, at, buf.segment(), *offset, *len, &self.replica)?;
+            at += len;
+        }
+        Ok(())
+    }
+}
+
+/// How an item of a get batch is read.
+enum Planned {
+    /// Transfers from a peer (the requests and the replica's name).
+    Remote(Vec<TransferRequest>, String),
+    /// Copies from a replica in this process.
+    Local(LocalRead),
 }
 
 /// What became of an item after the one-batch step.
@@ -130,6 +201,8 @@ impl PoolClient {
         let mut requests = Vec::new();
         // Per item read in the batch: its index and the replica's name.
         let mut moved: Vec<(usize, String)> = Vec::new();
+        // Items read from this process's own segments: their index and copies.
+        let mut locals: Vec<(usize, LocalRead)> = Vec::new();
         for (item, l) in items.iter().zip(located) {
             let l = match l {
                 Ok(l) => l,
@@ -140,10 +213,14 @@ impl PoolClient {
                 }
             };
             let step = match self.read_requests(item, &l) {
-                Ok(Some((reqs, name))) => {
+                Ok(Some(Planned::Remote(reqs, name))) => {
                     moved.push((steps.len(), name));
                     requests.extend(reqs);
-                    Step::Done(Ok(l.size))
+                    Step::Done(Ok(item.read_len(l.size)))
+                }
+                Ok(Some(Planned::Local(read))) => {
+                    locals.push((steps.len(), read));
+                    Step::Done(Ok(item.read_len(l.size)))
                 }
                 Ok(None) => Step::Alone,
                 Err(e) => Step::Done(Err(e)),
@@ -151,11 +228,33 @@ impl PoolClient {
             steps.push(step);
             leases.push(Some(l));
         }
-        if !requests.is_empty() {
+        if !requests.is_empty() || !locals.is_empty() {
+            let copies: Vec<usize> = locals.iter().map(|(i, _)| *i).collect();
             let this = self.clone();
             let read = self
-                .blocking(move || Ok(this.engine.transfer(requests)))
-                .await;
+                .blocking(move || {
+                    // Copies first (the memory of this process), then the peers' transfers.
+                    let copied: Vec<(usize, Result<(), DataError>)> =
+                        locals.into_iter().map(|(i, l)| (i, l.copy())).collect();
+                    let sent = if requests.is_empty() {
+                        Ok(())
+                    } else {
+                        this.engine.transfer(requests)
+                    };
+                    Ok((copied, sent))
+                })
+                .await
+                .map(|(copied, sent)| {
+                    for (i, r) in copied {
+                        // A failed copy goes alone: the single-item path tries the other
+                        // replicas.
+                        if let Err(e) = r {
+                            tracing::debug!(error = %e, "a local copy of a batch failed");
+                            steps[i] = Step::Alone;
+                        }
+                    }
+                    sent
+                });
             match read {
                 Ok(Ok(())) => {}
                 // Every request settled: the single-item path reads them again (and tries
@@ -174,7 +273,7 @@ impl PoolClient {
                 }
                 Err(e) => {
                     let text = e.to_string();
-                    for (i, _) in &moved {
+                    for i in moved.iter().map(|(i, _)| i).chain(&copies) {
                         steps[*i] = Step::Done(Err(DataError::Join(text.clone())));
                     }
                 }
@@ -190,21 +289,37 @@ impl PoolClient {
         self.get_alone(items, steps).await
     }
 
-    /// The READs of a located value into the item's ranges, and the replica's name; `None`
+    /// How a located value is read into the item's ranges: the READs from its nearest
+    /// replica and that replica's name, or the copies from a replica in this process; `None`
     /// when the value goes through the single-item path (it may be a striped object's
-    /// manifest, its nearest replica lives in this process, or that replica cannot be read
-    /// as it is: the single-item path then tries the others).
+    /// manifest, or its nearest replica cannot be read as it is: the single-item path then
+    /// tries the others).
     fn read_requests(
         &self,
         item: &BatchItem<'_>,
         l: &Located,
-    ) -> Result<Option<(Vec<TransferRequest>, String)>, DataError> {
+    ) -> Result<Option<Planned>, DataError> {
         item.fits(l.size)?;
         let Some(r) = pick_nearest(&l.replicas, &self.node, self.numa_node) else {
             return Ok(None);
         };
-        if l.size == MANIFEST_LEN as u64 || self.local_segment(r).is_some() {
+        if l.size == MANIFEST_LEN as u64 {
             return Ok(None);
+        }
+        if let Some(src) = self.local_segment(r) {
+            if check_length(r, l.size).is_err() {
+                return Ok(None);
+            }
+            let ranges = item
+                .filled(l.size)
+                .map(|(buf, offset, len)| (buf.clone(), offset, len))
+                .collect();
+            return Ok(Some(Planned::Local(LocalRead {
+                src,
+                start: r.offset + item.value_offset(),
+                replica: r.clone(),
+                ranges,
+            })));
         }
         let Ok(reqs) = item.requests(self, TransferOp::Read, r, l.size) else {
             return Ok(None);
@@ -213,7 +328,7 @@ impl PoolClient {
             .first()
             .map(|q| q.remote.name().to_owned())
             .unwrap_or_default();
-        Ok(Some((reqs, name)))
+        Ok(Some(Planned::Remote(reqs, name)))
     }
 
     /// Finish the items left [`Step::Alone`] one by one, concurrently.
@@ -231,16 +346,17 @@ impl PoolClient {
         .await
     }
 
-    /// One item through the single-item path: one range straight into it, several through
-    /// one copy of the value.
+    /// One item through the single-item path: one range straight into it, several (or a
+    /// part of the value) through one copy of the value.
     async fn get_one(&self, item: &BatchItem<'_>) -> Result<u64, DataError> {
-        if let [(buf, offset, len)] = item.ranges.as_slice() {
+        if let ([(buf, offset, len)], None) = (item.ranges.as_slice(), item.part) {
             return self.get_to_within(item.key, buf, *offset, *len).await;
         }
         let value = self.get(item.key).await?;
         let size = value.len() as u64;
         item.fits(size)?;
-        let mut rest = value.as_slice();
+        let start = usize::try_from(item.value_offset()).unwrap_or(usize::MAX);
+        let mut rest = value.get(start..).unwrap_or_default();
         for &(buf, offset, len) in &item.ranges {
             let (head, tail) = rest.split_at(len as usize);
             buf.segment()
@@ -248,7 +364,7 @@ impl PoolClient {
                 .map_err(|source| DataError::Staging { size, source })?;
             rest = tail;
         }
-        Ok(size)
+        Ok(item.read_len(size))
     }
 
     /// Store each item's bytes (one range: see [`Self::put_from`]); per item `Ok` or why it
@@ -280,6 +396,7 @@ impl PoolClient {
             });
             let step = match checked {
                 Err(e) => Step::Done(Err(e)),
+                Ok(()) if item.part.is_some() => Step::Done(Err(DataError::PartialPut)),
                 Ok(()) if self.striped_as(item.total()).is_some() => Step::Alone,
                 Ok(()) => {
                     batched.push(steps.len());

@@ -65,6 +65,10 @@ pub enum DataError {
          overwritten and were discarded"
     )]
     LeaseExpired { ttl: std::time::Duration },
+    #[error("bytes {offset}..{offset}+{len} of a value lie outside its {size} bytes")]
+    OutsideValue { offset: u64, len: u64, size: u64 },
+    #[error("a put stores a whole value: a part of one is for gets only")]
+    PartialPut,
 }
 
 impl DataError {

@@ -373,6 +373,7 @@ fn a_batch_item_takes_a_value_that_fits_its_ranges() {
     let two = BatchItem {
         key: b"k",
         ranges: vec![(&buf, 0, 10), (&buf, 64, 20)],
+        part: None,
     };
     assert!(two.fits(30).is_ok());
     assert!(matches!(
@@ -383,6 +384,29 @@ fn a_batch_item_takes_a_value_that_fits_its_ranges() {
         two.fits(29),
         Err(DataError::SizeMismatch { got: 29, want: 30 })
     ));
+    // A part of a value: the value must hold the ranges' bytes from the offset on.
+    let part = BatchItem {
+        key: b"k",
+        ranges: vec![(&buf, 0, 10), (&buf, 64, 20)],
+        part: Some(100),
+    };
+    assert!(part.fits(130).is_ok() && part.fits(4000).is_ok());
+    assert_eq!(part.read_len(4000), 30);
+    assert!(matches!(
+        part.fits(129),
+        Err(DataError::OutsideValue {
+            offset: 100,
+            len: 30,
+            size: 129
+        })
+    ));
+    // One range with a part: exactly its bytes, not the rest of the value.
+    let one_part = BatchItem {
+        part: Some(0),
+        ..BatchItem::one(b"k", &buf, 0, 50)
+    };
+    assert!(one_part.fits(5000).is_ok() && one_part.fits(49).is_err());
+    assert_eq!(one_part.read_len(5000), 50);
 }
 
 #[test]
@@ -401,6 +425,7 @@ fn a_batch_item_of_several_ranges_moves_them_in_order_with_no_copy() {
     let put = BatchItem {
         key: b"k",
         ranges: vec![(&src, 0, 1000), (&src, 1500, 2000)],
+        part: None,
     };
     let reqs = put
         .requests(&pool, TransferOp::Write, &r, 3000)
@@ -419,6 +444,7 @@ fn a_batch_item_of_several_ranges_moves_them_in_order_with_no_copy() {
     let get = BatchItem {
         key: b"k",
         ranges: vec![(&dst, 100, 2500), (&dst, 3000, 500)],
+        part: None,
     };
     let reqs = get
         .requests(&pool, TransferOp::Read, &r, 3000)
@@ -428,6 +454,26 @@ fn a_batch_item_of_several_ranges_moves_them_in_order_with_no_copy() {
     dst.segment().read_at(100, &mut a).expect("range 1");
     dst.segment().read_at(3000, &mut b).expect("range 2");
     assert!(a == value[..2500] && b == value[2500..]);
+    // A part: 1200 bytes from offset 1000 of the value, into two ranges.
+    let part = BatchItem {
+        key: b"k",
+        ranges: vec![(&dst, 0, 700), (&dst, 2000, 500)],
+        part: Some(1000),
+    };
+    let reqs = part
+        .requests(&pool, TransferOp::Read, &r, 3000)
+        .expect("part requests");
+    assert_eq!(
+        reqs.iter()
+            .map(|q| (q.local_offset, q.remote_offset, q.len))
+            .collect::<Vec<_>>(),
+        [(0, 9192, 700), (2000, 9892, 500)]
+    );
+    pool.engine.transfer(reqs).expect("read part");
+    let (mut a, mut b) = (vec![0u8; 700], vec![0u8; 500]);
+    dst.segment().read_at(0, &mut a).expect("part 1");
+    dst.segment().read_at(2000, &mut b).expect("part 2");
+    assert!(a == value[1000..1700] && b == value[1700..2200]);
     // A replica of another length is refused before any transfer.
     let short = located("a", &server, 8192, 2999);
     assert!(matches!(

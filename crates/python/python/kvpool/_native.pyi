@@ -104,6 +104,7 @@ class Client:
         keys: Sequence[_Key],
         all_ptrs: Sequence[Sequence[int]],
         all_sizes: Sequence[Sequence[int]],
+        value_offsets: Optional[Sequence[int]] = None,
     ) -> List[int]: ...
     def batch_put(
         self,

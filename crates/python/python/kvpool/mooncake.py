@@ -367,6 +367,34 @@ class MooncakeDistributedStore:
             ),
         )
 
+    def batch_get_parts_into_multi_buffers(
+        self,
+        keys: List[str],
+        value_offsets: List[int],
+        all_buffer_ptrs: List[List[int]],
+        all_sizes: List[List[int]],
+    ) -> List[int]:
+        """kvpool's extension (Mooncake has no such call): like
+        :meth:`batch_get_into_multi_buffers`, but each key's ranges take only their bytes from
+        ``value_offsets[i]`` of its value on (a layer of a KV block whose value holds every
+        layer). Per key the bytes read or a negative code; direct mode only (see
+        :meth:`reads_value_parts`)."""
+        return self._batch(
+            keys,
+            lambda c: c.batch_get_parts(
+                list(keys),
+                [list(p) for p in all_buffer_ptrs],
+                [list(z) for z in all_sizes],
+                [int(o) for o in value_offsets],
+            ),
+        )
+
+    def reads_value_parts(self) -> bool:
+        """Whether :meth:`batch_get_parts_into_multi_buffers` is served: a set-up store in
+        direct mode (the node agent's engine API moves whole values only)."""
+        c = self._client
+        return c is not None and not c.is_closed() and c.mode() == "direct"
+
     def put_batch(self, keys: List[str], values: List[Any], config: Optional[ReplicateConfig] = None) -> int:
         """Store ``values[i]`` under ``keys[i]``: 0, or the code of the first failure;
         -600 when the lists differ in length or a value is empty (as Mooncake)."""

@@ -61,6 +61,8 @@ from .vllm_blocks import (  # noqa: F401 - re-exported: the adapter's pure parts
     BlockIO,
     BlockKeys,
     BlockLayout,
+    KnownBlocks,
+    LayeredLoad,
     Segment,
     _Cache,
     _describe,
@@ -85,6 +87,7 @@ EXTRA_STAGING_BYTES = "kvpool_staging_bytes"
 EXTRA_DEVICE_MEMORY = "kvpool_device_memory"
 EXTRA_CACHE_PREFIX = "cache_prefix"
 EXTRA_HANDOFF_WAIT_S = "kvpool_handoff_wait_s"
+EXTRA_LAYERWISE = "kvpool_layerwise_load"
 # How long a decode engine waits for the blocks a prefill engine handed over.
 DEFAULT_HANDOFF_WAIT_S = 10.0
 # get_finished calls a finished request is remembered for, waiting for its finish-time save.
@@ -236,6 +239,29 @@ def _namespace(vllm_config: Any, extra: Mapping[str, Any], block_size: int) -> s
     )
 
 
+def layerwise_loads(mode: str, layout: BlockLayout, io: BlockIO) -> bool:
+    """Whether loads go layer by layer behind the forward pass. ``mode`` ``"true"``: whenever
+    the store reads parts of values (kvpool in direct mode, caches read in place);
+    ``"false"``: never; ``"auto"`` (the default): for caches in GPU memory only, whose forward
+    pass leaves the host's cores to the load. An engine computing on the CPU shares its cores
+    with the load and the node agent's sends: on a 2-core host its forward pass slowed by
+    more than the load it hid (docs/benchmarks.md, "Engine-level")."""
+    mode = mode.strip().lower()
+    if mode in ("false", "0", "off", "no"):
+        return False
+    if mode not in ("true", "1", "on", "yes", "auto"):
+        raise ConfigError(f"{EXTRA_LAYERWISE} {mode!r}: expected auto, true or false")
+    if len(layout.caches) < 2 or not io.reads_parts():
+        if mode != "auto":
+            logger.warning(
+                "kvpool: %s is set but this store reads whole values only (agent mode, "
+                "staged device caches, or another store): whole blocks are loaded",
+                EXTRA_LAYERWISE,
+            )
+        return False
+    return mode != "auto" or not layout.on_host
+
+
 def _parallel_ranks(vllm_config: Any, extra: Mapping[str, Any]) -> Tuple[int, int, int, int]:
     """(tp_rank, tp_size, pp_rank, pp_size) of this process."""
     par = getattr(vllm_config, "parallel_config", None)
@@ -277,7 +303,10 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
     :meth:`build_connector_meta` has the workers save the full blocks that step completes, so a
     block is in the pool before the step's output (and so the engine's response) is sent; what a
     step could not cover is saved when the request finishes (:meth:`request_finished` keeps the
-    blocks until then).
+    blocks until then). Blocks the engine found in the pool or saved in the last 30 seconds
+    (:class:`KnownBlocks`) are not queued again: a prompt served from vLLM's own prefix cache
+    costs no pool call before its first token (a prefill handing off to a decode engine still
+    saves, and so checks, every block).
 
     Prefill -> decode hand-off (docs/engines.md, "The hand-off"): a request that came with
     ``kv_transfer_params: {"do_remote_decode": true}`` (what the conductor sends a prefill
@@ -289,6 +318,11 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     Worker side: :meth:`start_load_kv` loads, :meth:`wait_for_save` saves (skipping keys the
     pool has), :meth:`get_finished` reports the requests whose finish-time saves are done.
+    Layer by layer (``kvpool_layerwise_load`` in ``kv_connector_extra_config``; see
+    :func:`layerwise_loads`), a step's loads run one KV cache (layer) at a time in a thread
+    (:class:`LayeredLoad`): the forward pass starts at once and :meth:`wait_for_layer_load`
+    holds each attention layer only until its own cache is in, so the load of a long prefix
+    overlaps the compute. Otherwise the whole blocks are loaded before the forward pass.
     ``kv_role``: ``kv_consumer`` only loads, ``kv_producer`` only saves, ``kv_both`` does both.
     """
 
@@ -324,6 +358,8 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._live: Dict[str, Any] = {}  # scheduled requests, for saves as blocks complete
         self._saved_upto: Dict[str, int] = {}  # req -> full blocks already queued for saving
         self._handoff_since: Dict[str, float] = {}  # req -> when its hand-off wait began
+        # Blocks found in the pool or saved lately: their saves are not queued again.
+        self._known = KnownBlocks()
         self._kv_cache_manager: Any = None
         self.handoff_stats = {"kvpool_handoffs": 0, "kvpool_handoff_timeouts": 0,
                               "kvpool_handoff_wait_s": 0.0}
@@ -334,6 +370,10 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # finish-time save to wait for).
         self._seen_finished: Dict[str, int] = {}
         self._load_errors: Set[int] = set()
+        # Loads cache by cache behind the forward pass: "auto", "true" or "false".
+        self._layerwise_mode = str(extra.get(EXTRA_LAYERWISE, "auto")).lower()
+        self._layerwise = False
+        self._inflight: Optional[LayeredLoad] = None
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -382,6 +422,24 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         return hashes
 
+    @staticmethod
+    def _hands_off(request: Any) -> bool:
+        """Whether ``request`` is a prefill whose blocks a decode engine will wait for: its
+        saves are never skipped on what this engine saw in the pool before."""
+        params = getattr(request, "kv_transfer_params", None)
+        return isinstance(params, dict) and bool(params.get("do_remote_decode"))
+
+    def _unknown(self, request: Any, ids: List[int], hashes: List[str]) -> BlockJob:
+        """A save of ``ids``/``hashes`` less the blocks known to be in the pool (all of them
+        for a hand-off); the blocks it queues count as known from now on."""
+        if not self._hands_off(request):
+            keep = [i for i, h in enumerate(hashes) if h not in self._known]
+            if len(keep) < len(hashes):
+                ids = [ids[i] for i in keep]
+                hashes = [hashes[i] for i in keep]
+        self._known.add(hashes)
+        return BlockJob(request.request_id, ids, hashes)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
@@ -404,6 +462,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             store = self._open(contribute=False)
             hits = prefix_hits(store, [self._keys.all_ranks(h) for h in hashes[first:usable]])
+            self._known.add(hashes[first : first + hits])
         except Exception as e:  # noqa: BLE001 - a pool outage is a cache miss, not a failure
             logger.warning("kvpool lookup failed for %s: %s", rid, e)
             hits = 0
@@ -478,7 +537,9 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             full = min(full, len(ids))
             if full <= done:
                 continue
-            self._pending_saves.append(BlockJob(rid, ids[done:full], hashes[done:full]))
+            job = self._unknown(request, ids[done:full], hashes[done:full])
+            if job.block_ids:
+                self._pending_saves.append(job)
             self._saved_upto[rid] = full
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpoolConnectorMetadata:
@@ -517,7 +578,11 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             }
         if n <= done:
             return False, params
-        self._pending_saves.append(BlockJob(rid, ids[done:n], hashes[done:n], final=True))
+        job = self._unknown(request, ids[done:n], hashes[done:n])
+        if not job.block_ids:
+            return False, params
+        job.final = True
+        self._pending_saves.append(job)
         return True, params
 
     # -- worker side -----------------------------------------------------------------------
@@ -543,11 +608,13 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             how = "GPU memory registered with the pool (no torch staging)"
         else:
             how = "through host staging"
+        self._layerwise = layerwise_loads(self._layerwise_mode, layout, self._io)
         logger.info(
-            "kvpool: %d KV segment(s), %d bytes per block, %s",
+            "kvpool: %d KV segment(s), %d bytes per block, %s; loads %s",
             len(layout.segments),
             layout.bytes_per_block,
             how,
+            "layer by layer behind the forward pass" if self._layerwise else "whole blocks",
         )
 
     def _worker_keys(self, job: BlockJob) -> List[str]:
@@ -564,9 +631,26 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise RuntimeError(f"{step} before register_kv_caches")
         return [(job, self._io) for job in jobs]
 
+    def _settle_loads(self) -> None:
+        """Wait for a layer-by-layer load still running; its failed blocks become load
+        errors."""
+        if self._inflight is not None:
+            load, self._inflight = self._inflight, None
+            bad = load.join()
+            if bad:
+                logger.warning("kvpool: %d blocks not loaded", len(bad))
+                self._load_errors.update(bad)
+
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        for job, io in self._registered(meta.loads, "start_load_kv"):
+        self._settle_loads()
+        jobs = list(self._registered(meta.loads, "start_load_kv"))
+        if jobs and self._layerwise and self._io is not None:
+            self._inflight = LayeredLoad(
+                self._io, [(self._worker_keys(job), job.block_ids) for job, _io in jobs]
+            )
+            return
+        for job, io in jobs:
             try:
                 got = io.load(self._worker_keys(job), job.block_ids)
             except Exception as e:  # noqa: BLE001 - report the blocks, vLLM recomputes them
@@ -580,7 +664,9 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._load_errors.update(bad)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        load = self._inflight
+        if load is not None and self._io is not None:
+            load.wait(self._io.layout.layer_cache.get(layer_name))
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -588,6 +674,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None
 
     def wait_for_save(self) -> None:
+        self._settle_loads()
         meta = self._get_connector_metadata()
         for job, io in self._registered(meta.saves, "wait_for_save"):
             try:
@@ -624,10 +711,12 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
+        self._settle_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        self._settle_loads()
         if self._io is not None:
             self._io.close()
             self._io = None
@@ -700,6 +789,8 @@ __all__ = [
     "KvpoolBlockConnector",
     "KvpoolConnectorMetadata",
     "KvpoolStoreConnector",
+    "KnownBlocks",
+    "LayeredLoad",
     "Segment",
     "engine_mooncake_config",
     "find_engine_connector",

@@ -15,8 +15,10 @@ import importlib
 import itertools
 import logging
 import threading
+import time
 from array import array
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 logger = logging.getLogger("kvpool.adapters.vllm")
 
@@ -127,14 +129,20 @@ class BlockLayout:
         self.caches: List[_Cache] = []
         self.segments: List[Segment] = []
         self._cache_of_segment: List[int] = []
-        seen: Set[Tuple[int, Tuple[Segment, ...]]] = set()
+        # Each layer's cache (index into ``caches``): its segments are one run of every
+        # block's value (:meth:`cache_part`).
+        self.layer_cache: Dict[str, int] = {}
+        seen: Dict[Tuple[int, Tuple[Segment, ...]], int] = {}
         for name, value in kv_caches.items():
             tensor = value[0] if isinstance(value, (list, tuple)) else value
             cache = _describe(tensor)
             segs = tuple(segments_of(cache, num_blocks))
-            if (cache.region[0], segs) in seen:  # a layer sharing another layer's cache
+            shared = seen.get((cache.region[0], segs))
+            if shared is not None:  # a layer sharing another layer's cache
+                self.layer_cache[name] = shared
                 continue
-            seen.add((cache.region[0], segs))
+            seen[(cache.region[0], segs)] = len(self.caches)
+            self.layer_cache[name] = len(self.caches)
             self.caches.append(cache)
             for s in segs:
                 self.segments.append(s)
@@ -149,14 +157,30 @@ class BlockLayout:
         """The memory to register with the store, each region once."""
         return sorted({c.region for c in self.caches})
 
-    def parts(self, block_id: int) -> Tuple[List[int], List[int]]:
-        """Addresses and lengths of one block's bytes."""
+    def parts(self, block_id: int, cache: Optional[int] = None) -> Tuple[List[int], List[int]]:
+        """Addresses and lengths of one block's bytes (of one cache's segments only, when
+        ``cache`` is given)."""
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block {block_id} out of range 0..{self.num_blocks}")
+        segs = [
+            s
+            for s, c in zip(self.segments, self._cache_of_segment)
+            if cache is None or c == cache
+        ]
         return (
-            [s.base + block_id * s.block_stride for s in self.segments],
-            [s.block_bytes for s in self.segments],
+            [s.base + block_id * s.block_stride for s in segs],
+            [s.block_bytes for s in segs],
         )
+
+    def cache_part(self, cache: int) -> Tuple[int, int]:
+        """Where one cache's bytes lie in every block's value: (offset, length)."""
+        offset = length = 0
+        for s, c in zip(self.segments, self._cache_of_segment):
+            if c < cache:
+                offset += s.block_bytes
+            elif c == cache:
+                length += s.block_bytes
+        return offset, length
 
 
 def hash_hex(block_hash: Any) -> str:
@@ -221,6 +245,48 @@ def prefix_hits(store: Any, key_groups: Sequence[Sequence[str]]) -> int:
             return n
         pos += len(group)
     return len(key_groups)
+
+
+class KnownBlocks:
+    """Block hashes an engine knows to be in the pool: found there by one of its lookups, or
+    saved by one of its steps, within the last ``ttl_s`` seconds (at most ``capacity`` of them,
+    the oldest forgotten first). The scheduler does not queue saves of these blocks: the worker
+    would only find every key present, at the cost of a pool call before the step's output. The
+    pool may evict a block after it was seen; until the entry expires the engine then does not
+    put it back, which costs a later cache miss, never a wrong answer."""
+
+    def __init__(
+        self,
+        capacity: int = 1 << 16,
+        ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if capacity < 1 or ttl_s <= 0:
+            raise ValueError("capacity must be at least 1 and ttl_s positive")
+        self._capacity = capacity
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._seen: "OrderedDict[str, float]" = OrderedDict()
+
+    def add(self, hashes: Iterable[str]) -> None:
+        now = self._clock()
+        for h in hashes:
+            self._seen[h] = now
+            self._seen.move_to_end(h)
+        while len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+
+    def __contains__(self, block_hash: object) -> bool:
+        seen = self._seen.get(block_hash)  # type: ignore[call-overload]
+        if seen is None:
+            return False
+        if self._clock() - seen > self._ttl_s:
+            del self._seen[block_hash]  # type: ignore[arg-type]
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 DEVICE_MEMORY_MODES = ("auto", "direct", "staging")
@@ -324,6 +390,36 @@ class BlockIO:
             results[i] = int(code)
         return results
 
+    def reads_parts(self) -> bool:
+        """Whether :meth:`load_cache` can read one cache's part of each block: caches read in
+        place, through a store that reads parts of values (kvpool in direct mode)."""
+        probe = getattr(self.store, "reads_value_parts", None)
+        if self._staging is not None or not callable(probe):
+            return False
+        try:
+            return bool(probe())
+        except Exception:  # noqa: BLE001 - a store that cannot answer reads whole values
+            return False
+
+    def load_cache(self, keys: Sequence[str], block_ids: Sequence[int], cache: int) -> List[int]:
+        """Read one cache's part of each key's value into its block (see :meth:`reads_parts`);
+        per key the bytes read (``cache_part(cache)[1]``) or a negative error code."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
+        if not keys:
+            return []
+        offset, _length = self.layout.cache_part(cache)
+        ptrs, sizes = [], []
+        for b in block_ids:
+            p, z = self.layout.parts(b, cache)
+            ptrs.append(p)
+            sizes.append(z)
+        with self._lock:
+            got = self.store.batch_get_parts_into_multi_buffers(
+                list(keys), [offset] * len(keys), ptrs, sizes
+            )
+        return [int(r) for r in got]
+
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> List[int]:
         """Read each key into its block; per key the bytes read or a negative error code."""
         if len(keys) != len(block_ids):
@@ -426,3 +522,52 @@ class _Staging:
 
     def close(self) -> None:
         self.store.unregister_buffer(self.host.data_ptr())
+
+
+class LayeredLoad:
+    """The pool loads of one engine step, one KV cache (layer) at a time in a thread of its
+    own, so that the forward pass starts at once and each attention layer waits only for its
+    own cache (:meth:`wait`): the load of a long prefix overlaps the compute of the layers
+    before. ``jobs`` are (keys, block ids) pairs; a block whose load of any cache failed is in
+    :meth:`join`'s answer."""
+
+    def __init__(self, io: BlockIO, jobs: Sequence[Tuple[Sequence[str], Sequence[int]]]):
+        self._io = io
+        self._keys = [k for keys, _ in jobs for k in keys]
+        self._ids = [b for _, ids in jobs for b in ids]
+        self._ready = [threading.Event() for _ in io.layout.caches]
+        self._failed: Set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="kvpool-layer-load", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        done = 0
+        try:
+            for cache, ready in enumerate(self._ready):
+                want = self._io.layout.cache_part(cache)[1]
+                try:
+                    got = self._io.load_cache(self._keys, self._ids, cache)
+                except Exception as e:  # noqa: BLE001 - reported as failed blocks
+                    logger.warning("kvpool: loading KV cache %d failed: %s", cache, e)
+                    got = [-1] * len(self._ids)
+                self._failed.update(b for b, r in zip(self._ids, got) if r != want)
+                ready.set()
+                done += 1
+        finally:
+            if done < len(self._ready):  # never leave a layer waiting, nor a block unreported
+                self._failed.update(self._ids)
+                for ready in self._ready:
+                    ready.set()
+
+    def wait(self, cache: Optional[int]) -> None:
+        """Until ``cache`` is loaded (every cache when None)."""
+        if cache is None or not 0 <= cache < len(self._ready):
+            self._thread.join()
+        else:
+            self._ready[cache].wait()
+
+    def join(self) -> Set[int]:
+        """Until every cache is loaded: the blocks that failed."""
+        self._thread.join()
+        return set(self._failed)
+
