@@ -25,6 +25,7 @@ mod pool_support;
 
 use std::time::{Duration, Instant};
 
+use kvpool_agent::api::client::{EngineClient, GetOutcome};
 use kvpool_agent::proto::Status;
 use kvpool_client::pool::PoolClient;
 use kvpool_core::master::{PutOptions, Tier};
@@ -204,27 +205,7 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
     gets.insert(3, (b"never-put".as_slice(), 0, 4096));
     gets.push((batch_keys[4].as_slice(), 0, 100));
     let out = engine_b.get_batch(&gets).await.expect("get batch");
-    assert_eq!(out.len(), gets.len());
-    for (j, o) in out.iter().enumerate() {
-        match j {
-            3 => assert_eq!((o.status, o.length), (Status::NotFound, 0)),
-            13 => assert_eq!(
-                (o.status, o.length),
-                (Status::BufferTooSmall, value(4).len() as u64),
-                "the block's size is reported"
-            ),
-            _ => {
-                let i = if j < 3 { j } else { j - 1 };
-                assert_eq!((o.status, o.length), (Status::Ok, value(i).len() as u64));
-                let mut got = vec![0u8; value(i).len()];
-                engine_b
-                    .staging()
-                    .read_into(i as u64 * slot, &mut got)
-                    .expect("read staging");
-                assert!(got == value(i), "batch item {i} differs");
-            }
-        }
-    }
+    check_batch(&out, &engine_b, slot, "through agent-b");
     // The writer's own agent holds every replica: it serves the same batch with memory copies
     // from its DRAM tier in one step (staging cleared first, so stale bytes cannot pass).
     for (i, _) in batch_keys.iter().enumerate() {
@@ -234,25 +215,7 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
             .expect("clear staging");
     }
     let out = engine_a.get_batch(&gets).await.expect("local get batch");
-    for (j, o) in out.iter().enumerate() {
-        match j {
-            3 => assert_eq!((o.status, o.length), (Status::NotFound, 0)),
-            13 => assert_eq!(
-                (o.status, o.length),
-                (Status::BufferTooSmall, value(4).len() as u64)
-            ),
-            _ => {
-                let i = if j < 3 { j } else { j - 1 };
-                assert_eq!((o.status, o.length), (Status::Ok, value(i).len() as u64));
-                let mut got = vec![0u8; value(i).len()];
-                engine_a
-                    .staging()
-                    .read_into(i as u64 * slot, &mut got)
-                    .expect("read staging");
-                assert!(got == value(i), "local batch item {i} differs");
-            }
-        }
-    }
+    check_batch(&out, &engine_a, slot, "from agent-a's own tier");
     let batch_refs: Vec<&[u8]> = batch_keys.iter().map(Vec::as_slice).collect();
     assert_eq!(
         engine_a.remove(&batch_refs).await.expect("remove batch"),
@@ -312,6 +275,37 @@ async fn engine_puts_land_in_the_agents_dram_tier() {
             "agent-a stayed ready without a master"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The outcomes of the get batch of `engine_puts_land_in_the_agents_dram_tier`'s 12 blocks (each at its own staging
+/// slot) with a missing key at index 3 and a too-small range of block 4 at the end: statuses in
+/// item order, and every block's bytes in `engine`'s staging area.
+fn check_batch(out: &[GetOutcome], engine: &EngineClient, slot: u64, how: &str) {
+    assert_eq!(out.len(), 14, "{how}");
+    for (j, o) in out.iter().enumerate() {
+        match j {
+            3 => assert_eq!((o.status, o.length), (Status::NotFound, 0), "{how}"),
+            13 => assert_eq!(
+                (o.status, o.length),
+                (Status::BufferTooSmall, value(4).len() as u64),
+                "the block's size is reported ({how})"
+            ),
+            _ => {
+                let i = if j < 3 { j } else { j - 1 };
+                assert_eq!(
+                    (o.status, o.length),
+                    (Status::Ok, value(i).len() as u64),
+                    "{how}"
+                );
+                let mut got = vec![0u8; value(i).len()];
+                engine
+                    .staging()
+                    .read_into(i as u64 * slot, &mut got)
+                    .expect("read staging");
+                assert!(got == value(i), "batch item {i} differs ({how})");
+            }
+        }
     }
 }
 
