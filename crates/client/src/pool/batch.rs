@@ -119,13 +119,20 @@ impl<'a> BatchItem<'a> {
         size: u64,
     ) -> Result<Vec<TransferRequest>, DataError> {
         check_length(r, size)?;
-        let mut at = self.value_offset();
+        // One open for every range: they all read or write the same replica.
+        let remote = client.open(r)?;
+        let mut at = r.offset + self.value_offset();
         let mut out = Vec::with_capacity(self.ranges.len());
         for (buf, offset, len) in self.filled(size) {
-            let mut q = client.request(op, buf, offset, r, len)?;
-            q.remote_offset += at;
+            out.push(TransferRequest {
+                op,
+                local: buf.clone(),
+                local_offset: offset,
+                remote: remote.clone(),
+                remote_offset: at,
+                len,
+            });
             at += len;
-            out.push(q);
         }
         Ok(out)
     }
