@@ -401,13 +401,12 @@ impl PoolApi {
         let mut got = self.client.get_many_to(&batch).await.into_iter();
         valid
             .iter()
-            .map(|ok| match ok {
-                true => result(
-                    got.next()
-                        .map(|r| self.got(r))
-                        .unwrap_or((Status::Internal, 0)),
-                ),
-                false => result((Status::Invalid, 0)),
+            .map(|&ok| {
+                result(if ok {
+                    got.next().map_or((Status::Internal, 0), |r| self.got(r))
+                } else {
+                    (Status::Invalid, 0)
+                })
             })
             .collect()
     }

@@ -544,10 +544,11 @@ def test_vllm_load_failure_reports_the_blocks(pool_env, client, closer):
 
 
 def test_vllm_loads_layer_by_layer_behind_the_forward_pass(pool_env, closer):
-    """Asked to (host caches load whole blocks by default), kvpool in direct mode reads one
-    layer's part of each block at a time in a thread: each attention layer waits only for its
-    own cache; Mooncake's store reads whole values, before the forward pass. The bytes end up
-    the same either way."""
+    """Asked to (host caches load whole blocks by default), kvpool in direct mode loads in a
+    thread, one layer's part of each block at a time: start_load_kv returns with the load in
+    flight, and once wait_for_layer_load(layer) returns that layer's blocks are in. Mooncake's
+    store reads whole values before the forward pass. The bytes end up the same either way, and
+    a block that failed is reported once."""
     src, dst = kv_caches(16, layers=3), kv_caches(17, layers=3)
     for t in dst.values():
         t[...] = 0

@@ -22,7 +22,7 @@ use super::error::DataError;
 use super::local::copy_local;
 use super::manifest::MANIFEST_LEN;
 use super::naming::replica_names;
-use super::transport::check_length;
+use super::transport::{check_length, request_on};
 use crate::master::{Located, pick_nearest};
 
 /// One item of a batch: a key and the registered ranges its value spans, in order (buffer,
@@ -124,14 +124,7 @@ impl<'a> BatchItem<'a> {
         let mut at = r.offset + self.value_offset();
         let mut out = Vec::with_capacity(self.ranges.len());
         for (buf, offset, len) in self.filled(size) {
-            out.push(TransferRequest {
-                op,
-                local: buf.clone(),
-                local_offset: offset,
-                remote: remote.clone(),
-                remote_offset: at,
-                len,
-            });
+            out.push(request_on(op, buf, offset, remote.clone(), at, len));
             at += len;
         }
         Ok(out)

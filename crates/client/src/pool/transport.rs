@@ -31,14 +31,34 @@ impl PoolClient {
         r: &ReplicaInfo,
         len: u64,
     ) -> Result<TransferRequest, DataError> {
-        Ok(TransferRequest {
+        Ok(request_on(
             op,
-            local: local.clone(),
+            local,
             local_offset,
-            remote: self.open(r)?,
-            remote_offset: r.offset,
+            self.open(r)?,
+            r.offset,
             len,
-        })
+        ))
+    }
+}
+
+/// A transfer (`op`) of `len` bytes between `local` at `local_offset` and the opened segment
+/// `remote` at `remote_offset`.
+pub(super) fn request_on(
+    op: TransferOp,
+    local: &transfer::LocalSegment,
+    local_offset: u64,
+    remote: transfer::RemoteSegment,
+    remote_offset: u64,
+    len: u64,
+) -> TransferRequest {
+    TransferRequest {
+        op,
+        local: local.clone(),
+        local_offset,
+        remote,
+        remote_offset,
+        len,
     }
 }
 

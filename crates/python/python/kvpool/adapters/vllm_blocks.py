@@ -355,10 +355,13 @@ class BlockIO:
         else:
             self._staging = _Staging(store, layout, staging_bytes)
 
-    def _put_args(self, block_ids: Sequence[int]) -> Tuple[List[List[int]], List[List[int]]]:
+    def _put_args(
+        self, block_ids: Sequence[int], cache: Optional[int] = None
+    ) -> Tuple[List[List[int]], List[List[int]]]:
+        """Addresses and lengths of each block's bytes (of one cache's only, when given)."""
         ptrs, sizes = [], []
         for b in block_ids:
-            p, s = self.layout.parts(b)
+            p, s = self.layout.parts(b, cache)
             ptrs.append(p)
             sizes.append(s)
         return ptrs, sizes
@@ -409,11 +412,7 @@ class BlockIO:
         if not keys:
             return []
         offset, _length = self.layout.cache_part(cache)
-        ptrs, sizes = [], []
-        for b in block_ids:
-            p, z = self.layout.parts(b, cache)
-            ptrs.append(p)
-            sizes.append(z)
+        ptrs, sizes = self._put_args(block_ids, cache)
         with self._lock:
             got = self.store.batch_get_parts_into_multi_buffers(
                 list(keys), [offset] * len(keys), ptrs, sizes
