@@ -424,13 +424,18 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                       ctypes.c_int, ctypes.c_long]
-libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 size = 1 << 20
 addr = libc.mmap(None, size, 3, 0x22, -1, 0)  # read+write, private anonymous
 ctypes.memset(addr, 7, size)
 out = {"register": store.register_buffer(addr, size)}
 out["put_mapped"] = store.put_from(f"ok-{tag}", addr, 4096)
-assert libc.munmap(addr, size) == 0
+# Take the pages away. Not with munmap: the hole it leaves is free address space, and the
+# process's own next allocation of that size (a buffer, a thread's stack) can land in it, making
+# the address readable again (a CI run saw put_from succeed that way). A fixed mapping with no
+# access replaces the pages in one step and keeps the range; the kernel's check of the caller's
+# memory fails on it exactly as on an unmapped page, and a direct read would be the same SIGSEGV.
+gone = libc.mmap(addr, size, 0, 0x22 | 0x10, -1, 0)  # PROT_NONE, private anonymous, MAP_FIXED
+assert gone == addr, "remap"
 out["put_from"] = store.put_from(f"gone-{tag}", addr, size)
 out["get_into"] = store.get_into(f"ok-{tag}", addr, 4096)
 out["batch_put_from"] = store.batch_put_from([f"gone-b-{tag}"], [addr], [4096])[0]
