@@ -119,7 +119,16 @@ pub fn map_segments(
     plans: &[SegmentPlan],
     lock: bool,
 ) -> Result<(Vec<MappedSegment>, Vec<String>), DramError> {
-    map_segments_in(plans, lock, None)
+    map_segments_in(plans, lock, None, false)
+}
+
+/// [`map_segments`], each segment a memfd that engines on this node can map (pool mode with
+/// same-node shared memory).
+pub fn map_shared_segments(
+    plans: &[SegmentPlan],
+    lock: bool,
+) -> Result<(Vec<MappedSegment>, Vec<String>), DramError> {
+    map_segments_in(plans, lock, None, true)
 }
 
 /// File of DRAM segment `index` in a persistent tier's directory.
@@ -129,11 +138,13 @@ pub fn segment_file(dir: &Path, index: usize) -> PathBuf {
 
 /// [`map_segments`], each segment a shared mapping of file [`segment_file`] in `files.0` (a
 /// tmpfs or hugetlbfs directory whose page size is `files.1`) when `files` is given: the
-/// persistent DRAM tier, whose contents outlive the agent.
+/// persistent DRAM tier, whose contents outlive the agent. Without files, `shareable` backs
+/// each segment with a memfd instead of private anonymous memory (files are always shareable).
 pub fn map_segments_in(
     plans: &[SegmentPlan],
     lock: bool,
     files: Option<(&Path, u64)>,
+    shareable: bool,
 ) -> Result<(Vec<MappedSegment>, Vec<String>), DramError> {
     let mut out = Vec::new();
     let mut warnings = Vec::new();
@@ -147,6 +158,7 @@ pub fn map_segments_in(
             numa_node: plan.numa_node,
             hugepage_size: plan.hugepage_size,
             lock,
+            shareable,
         };
         let mapped = match files {
             None => MappedRegion::map(&req),

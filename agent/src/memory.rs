@@ -47,6 +47,9 @@ pub struct RegionRequest {
     pub numa_node: Option<u32>,
     pub hugepage_size: Option<u64>,
     pub lock: bool,
+    /// Back the region with a memfd instead of private anonymous memory, so that engines on
+    /// this node can map the same pages (pool mode's same-node shared memory).
+    pub shareable: bool,
 }
 
 /// How the mapping actually came out.
@@ -58,11 +61,13 @@ pub struct RegionOutcome {
     pub warnings: Vec<String>,
 }
 
-/// An owned anonymous mapping, unmapped on drop.
+/// An owned mapping, unmapped on drop: private anonymous memory, a memfd, or a file.
 #[derive(Debug)]
 pub struct MappedRegion {
     ptr: NonNull<u8>,
     len: usize,
+    /// The memfd or file behind a shared mapping (a same-node process can map it too).
+    fd: Option<std::os::fd::OwnedFd>,
 }
 
 // SAFETY: the region is plain memory owned by this value; access to its bytes is synchronised
@@ -96,6 +101,48 @@ fn mmap_anon(len: usize, extra_flags: libc::c_int) -> std::io::Result<NonNull<u8
     NonNull::new(ptr.cast::<u8>()).ok_or_else(|| std::io::Error::other("mmap returned null"))
 }
 
+/// A memfd of `len` bytes (of huge pages of `huge` bytes when given) mapped shared.
+fn mmap_memfd(
+    len: usize,
+    huge: Option<u64>,
+) -> std::io::Result<(NonNull<u8>, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut flags = libc::MFD_CLOEXEC;
+    if let Some(page) = huge {
+        flags |= libc::MFD_HUGETLB | (page.trailing_zeros() << MAP_HUGE_SHIFT);
+    }
+    // SAFETY: the name is a NUL-terminated literal; the result is checked before use.
+    let raw = unsafe { libc::memfd_create(c"kvpool-dram".as_ptr(), flags) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: memfd_create just returned this descriptor; nothing else owns it.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    let size = libc::off_t::try_from(len).map_err(std::io::Error::other)?;
+    // SAFETY: ftruncate on the descriptor we own.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a shared mapping of the whole file just sized to `len`, at a kernel-chosen
+    // address; the result is checked against MAP_FAILED before use.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let ptr = NonNull::new(ptr.cast::<u8>())
+        .ok_or_else(|| std::io::Error::other("mmap returned null"))?;
+    Ok((ptr, fd))
+}
+
 impl MappedRegion {
     /// Map a region as requested, degrading (with warnings) where the system refuses.
     pub fn map(req: &RegionRequest) -> Result<(Self, RegionOutcome), MemoryError> {
@@ -103,31 +150,39 @@ impl MappedRegion {
             return Err(MemoryError::Empty);
         }
         let mut outcome = RegionOutcome::default();
+        let anon_or_memfd = |len: usize, page: Option<u64>| {
+            if req.shareable {
+                mmap_memfd(len, page).map(|(ptr, fd)| (ptr, Some(fd)))
+            } else {
+                let flags = page.map_or(0, |p| {
+                    libc::MAP_HUGETLB | ((p.trailing_zeros() as libc::c_int) << MAP_HUGE_SHIFT)
+                });
+                mmap_anon(len, flags).map(|ptr| (ptr, None))
+            }
+        };
         let mut mapped = None;
         if let Some(page) = req.hugepage_size {
-            let shift = page.trailing_zeros();
             let len = round_up(req.bytes, page);
-            let flags = libc::MAP_HUGETLB | ((shift as libc::c_int) << MAP_HUGE_SHIFT);
-            match mmap_anon(len, flags) {
-                Ok(ptr) => {
+            match anon_or_memfd(len, Some(page)) {
+                Ok((ptr, fd)) => {
                     outcome.hugepage_size = Some(page);
-                    mapped = Some((ptr, len));
+                    mapped = Some((ptr, len, fd));
                 }
                 Err(e) => outcome.warnings.push(format!(
                     "huge pages of {page} bytes unavailable ({e}); using normal pages"
                 )),
             }
         }
-        let (ptr, len) = match mapped {
+        let (ptr, len, fd) = match mapped {
             Some(m) => m,
             None => {
                 let len = round_up(req.bytes, 4096);
-                let ptr =
-                    mmap_anon(len, 0).map_err(|source| MemoryError::Map { bytes: len, source })?;
-                (ptr, len)
+                let (ptr, fd) = anon_or_memfd(len, None)
+                    .map_err(|source| MemoryError::Map { bytes: len, source })?;
+                (ptr, len, fd)
             }
         };
-        Ok(Self { ptr, len }.settle(req, outcome))
+        Ok(Self { ptr, len, fd }.settle(req, outcome))
     }
 
     /// Map file `path` shared: created or reopened with its contents kept (a persistent DRAM
@@ -173,7 +228,12 @@ impl MappedRegion {
             hugepage_size: (page > 4096).then_some(page),
             ..RegionOutcome::default()
         };
-        Ok(Self { ptr, len }.settle(req, outcome))
+        let region = Self {
+            ptr,
+            len,
+            fd: Some(file.into()),
+        };
+        Ok(region.settle(req, outcome))
     }
 
     /// Bind, lock and populate a fresh mapping as `req` asks, noting what the system refused.
@@ -273,14 +333,27 @@ impl MappedRegion {
     /// Give the mapping to the transfer engine (pool mode): the returned segment owns it, so
     /// it stays mapped, NUMA-bound and locked until the last user (the registration, or a
     /// transfer still in flight) drops the segment; then it is unmapped.
-    pub fn into_transfer_segment(self) -> Result<kvpool_transfer::Segment, MemoryError> {
-        let (ptr, len) = (self.ptr, self.len);
+    /// A shared mapping (memfd or file) gives the segment its file too, for same-node peers.
+    pub fn into_transfer_segment(mut self) -> Result<kvpool_transfer::Segment, MemoryError> {
+        let (ptr, len, fd) = (self.ptr, self.len, self.fd.take());
         let release: Box<dyn FnOnce() + Send + Sync> = Box::new(move || drop(self));
         // SAFETY: `ptr..ptr+len` is this live read-write mapping; the region moves into
         // `release`, so nothing else can reach it through a Rust reference, and it is unmapped
         // only when `release` runs (or is dropped on error), after the segment's last use.
-        unsafe { kvpool_transfer::Segment::from_raw_parts(ptr, len, Some(release)) }
-            .map_err(|source| MemoryError::Transfer { len, source })
+        let seg = unsafe { kvpool_transfer::Segment::from_raw_parts(ptr, len, Some(release)) }
+            .map_err(|source| MemoryError::Transfer { len, source })?;
+        match fd {
+            // The fd is the file mapped from offset 0 over `len` bytes (both made here).
+            Some(fd) => seg
+                .with_shared_fd(fd)
+                .map_err(|source| MemoryError::Transfer { len, source }),
+            None => Ok(seg),
+        }
+    }
+
+    /// Whether the region is a shared mapping of a file same-node processes can map.
+    pub fn is_shareable(&self) -> bool {
+        self.fd.is_some()
     }
 }
 
@@ -361,6 +434,7 @@ mod tests {
             numa_node,
             hugepage_size,
             lock: false,
+            shareable: false,
         }
     }
 
@@ -406,6 +480,43 @@ mod tests {
         assert_eq!(b, [42]);
         seg.write_at(8191, &[9]).expect("write");
         assert!(seg.write_at(8192, &[9]).is_err(), "bounds are checked");
+    }
+
+    #[test]
+    fn a_shareable_region_hands_its_memfd_to_the_segment() {
+        // 16 GiB huge pages exist nowhere: the memfd falls back to normal pages, still shared.
+        let req = RegionRequest {
+            shareable: true,
+            ..request(10_000, None, Some(16 << 30))
+        };
+        let (mut region, outcome) = MappedRegion::map(&req).expect("map");
+        assert!(region.is_shareable());
+        assert_eq!((region.len(), outcome.hugepage_size), (12_288, None));
+        assert_eq!(outcome.warnings.len(), 1, "{:?}", outcome.warnings);
+        region.as_mut_slice()[12_000] = 5;
+        let seg = region.into_transfer_segment().expect("segment");
+        let fd = seg
+            .shared_fd()
+            .expect("shared")
+            .try_clone_to_owned()
+            .expect("dup");
+        let peer = kvpool_transfer::Segment::map_fd(fd, 12_288).expect("a peer maps it");
+        let mut b = [0u8; 1];
+        peer.read_at(12_000, &mut b).expect("read");
+        assert_eq!(b, [5], "the peer sees the region's pages");
+        seg.write_at(7, &[3]).expect("write");
+        peer.read_at(7, &mut b).expect("read");
+        assert_eq!(b, [3]);
+        // Private anonymous memory has nothing to share.
+        let (plain, _) = MappedRegion::map(&request(4096, None, None)).expect("map");
+        assert!(!plain.is_shareable());
+        assert!(
+            plain
+                .into_transfer_segment()
+                .expect("segment")
+                .shared_fd()
+                .is_none()
+        );
     }
 
     #[test]

@@ -273,6 +273,7 @@ mod tests {
             numa_node,
             hugepage_size: None,
             lock: false,
+            shareable: false,
         })
         .expect("map");
         (r, outcome.numa_bound)

@@ -72,6 +72,8 @@ def open_store(ready: Dict[str, Any], mode: str) -> Any:
         os.environ["KVPOOL_TRANSFER_INTEGRITY"] = "require"
     else:
         os.environ.pop("KVPOOL_TRANSFER_INTEGRITY", None)
+    # "shm": through the agents' shared memory (same node); the other direct modes over TCP.
+    os.environ["KVPOOL_SAME_NODE_SHM"] = "on" if mode == "shm" else "off"
     store = mooncake.MooncakeDistributedStore()
     rc = store.setup(cfg)
     if rc != 0:
@@ -202,7 +204,7 @@ def main() -> int:
     }
     if a.device == "cuda" and not report["kvpool_device_memory_supported"]:
         raise SystemExit("device-check: the kvpool wheel does not take GPU memory (built without feature cuda?)")
-    for mode in ("direct", "integrity", "agent"):
+    for mode in ("direct", "shm", "integrity", "agent"):
         store = open_store(ready, mode)
         try:
             report["modes"][mode] = {

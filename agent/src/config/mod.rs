@@ -448,7 +448,11 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
         ));
     }
     // sun_path holds 108 bytes including the terminator.
-    let socket_len = socket_dir.join(crate::api::SOCKET_NAME).as_os_str().len();
+    let socket_len = [crate::api::SOCKET_NAME, crate::pool::SHM_SOCKET_NAME]
+        .iter()
+        .map(|name| socket_dir.join(name).as_os_str().len())
+        .max()
+        .unwrap_or(0);
     if socket_len > 107 {
         return Err(invalid(
             "engine_api.socket_dir",
@@ -484,7 +488,20 @@ pub fn validate(file: &FileConfig) -> Result<AgentConfig, ConfigError> {
         "admin.listen",
         file.admin.listen.as_deref().unwrap_or("0.0.0.0:9464"),
     )?;
-    let pool = pool::validate(&file.pool)?;
+    let mut pool = pool::validate(&file.pool)?;
+    // Shared by default, except where every transfer must be TLS (`transport_tls: require`):
+    // there only an explicit `same_node_shm: true` shares, since the socket's bytes bypass TLS.
+    if let Some(p) = pool.as_mut()
+        && file
+            .pool
+            .same_node_shm
+            .unwrap_or(p.tls.mode != kvpool_transfer::TlsMode::Require)
+    {
+        p.shm = Some(pool::ShmShare {
+            socket: socket_dir.join(crate::pool::SHM_SOCKET_NAME),
+            group: file.engine_api.client_group,
+        });
+    }
     let kubernetes = kubernetes::validate(&file.kubernetes)?;
     let domain_configured = pool.as_ref().is_some_and(|p| p.failure_domain.is_some());
     kubernetes::check_support(&kubernetes, domain_configured)?;

@@ -61,6 +61,12 @@ pub struct PoolSection {
     pub transport_tls_ca_file: Option<PathBuf>,
     /// Name every target certificate must carry; unset: the target's IP address.
     pub transport_tls_server_name: Option<String>,
+    /// Hand the DRAM segments to engines on this node as shared memory (default true): the
+    /// segments are memfds, served on `pool-shm.sock` in `engine_api.socket_dir`, and
+    /// announced with a `shm://` endpoint beside the TCP one; an engine's pool client that can
+    /// reach the socket copies to and from the segment's pages instead of going through TCP
+    /// (docs/transfer.md "Same-node shared memory in pool mode").
+    pub same_node_shm: Option<bool>,
     /// Get this node's credential from the operator's agent credential issuer instead of
     /// `auth_key_file` (the operator's pool document sets it).
     pub credential_issuer: Option<IssuerSection>,
@@ -114,6 +120,18 @@ pub struct PoolConfig {
     pub integrity: kvpool_transfer::Integrity,
     /// `pool.transport_tls*`.
     pub tls: kvpool_transfer::TransferTls,
+    /// Where the DRAM segments are shared with same-node engines (`pool.same_node_shm`);
+    /// `None`: not shared.
+    pub shm: Option<ShmShare>,
+}
+
+/// The Unix socket pool mode shares its DRAM segments on with engines of the same node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShmShare {
+    /// `pool-shm.sock` in `engine_api.socket_dir`.
+    pub socket: PathBuf,
+    /// The group it is handed to with mode 0660 (`engine_api.client_group`).
+    pub group: Option<u32>,
 }
 
 /// Validate the `pool:` section; `None` when it names no master.
@@ -236,6 +254,8 @@ pub(super) fn validate(p: &PoolSection) -> Result<Option<PoolConfig>, ConfigErro
         failure_domain,
         integrity,
         tls,
+        // Set by the caller, who knows the socket directory.
+        shm: None,
     }))
 }
 

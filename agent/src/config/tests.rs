@@ -631,3 +631,41 @@ fn without_kube_a_pool_document_is_refused_naming_the_feature() {
     file.kubernetes.failure_domain_label = Some(crate::node::HOSTNAME_LABEL.into());
     validate(&file).expect("no API server needed");
 }
+
+#[test]
+fn same_node_shm_shares_on_the_socket_dir_unless_off_or_tls_is_required() {
+    let base = "engine_api: {socket_dir: /run/kv}\n\
+                pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0";
+    let shm = |extra: &str| {
+        validate_yaml(&format!("{base}{extra}}}"))
+            .expect("validates")
+            .pool
+            .expect("pool mode")
+            .shm
+    };
+    let on = shm("").expect("shared by default");
+    assert_eq!(on.socket, Path::new("/run/kv/pool-shm.sock"));
+    assert_eq!(on.group, None);
+    assert_eq!(shm(", same_node_shm: false"), None);
+    let tls = ", transport_tls: require, transport_tls_cert_file: /c.pem, \
+               transport_tls_key_file: /k.pem, transport_tls_ca_file: /ca.pem";
+    assert_eq!(shm(tls), None, "TLS required: not shared unless asked");
+    assert!(shm(&format!("{tls}, same_node_shm: true")).is_some());
+    let grouped = validate_yaml(
+        "engine_api: {socket_dir: /run/kv, client_group: 1234}\n\
+         pool: {master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0}",
+    )
+    .expect("validates");
+    assert_eq!(
+        grouped.pool.expect("pool").shm.expect("shared").group,
+        Some(1234)
+    );
+    // The longer of the two socket names must fit a Unix socket path.
+    let long = format!("/{}", "d".repeat(94));
+    let err = validate_yaml(&format!(
+        "engine_api: {{socket_dir: {long}}}\n\
+         pool: {{master: [m:1], auth_key_file: /k, transport_listen: 127.0.0.1:0}}"
+    ))
+    .expect_err("too long");
+    assert_eq!(field_of(err), "engine_api.socket_dir");
+}

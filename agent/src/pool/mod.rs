@@ -16,11 +16,17 @@ use kvpool_client::master::{ClientConfig, ClientError, MasterClient};
 use kvpool_client::pool::{PoolClient, tcp_endpoint};
 use kvpool_proto::auth::AuthKey as MasterKey;
 use kvpool_transfer::{
-    self as transfer, EngineConfig, StaticDirectory, TcpServer, TransferEngine, TransferMetrics,
+    self as transfer, EngineConfig, ShmServer, StaticDirectory, TcpServer, TransferEngine,
+    TransferMetrics,
 };
 use prometheus::Registry;
 
 use crate::config::PoolConfig;
+use crate::config::pool::ShmShare;
+
+/// The Unix socket, in `engine_api.socket_dir`, on which pool mode shares its DRAM segments
+/// with same-node engines (`pool.same_node_shm`).
+pub const SHM_SOCKET_NAME: &str = "pool-shm.sock";
 
 pub mod api;
 pub mod feed;
@@ -71,6 +77,12 @@ pub enum PoolError {
     },
     #[error("master client")]
     Client(#[source] ClientError),
+    #[error("sharing the DRAM segments on {path} (pool.same_node_shm)")]
+    Shm {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 kvpool_runtime::error_category!(PoolError);
@@ -86,6 +98,9 @@ pub struct Member {
     pub client: PoolClient,
     /// Serves the registered segments until dropped.
     pub server: TcpServer,
+    /// Shares the memfd-backed segments with same-node engines until dropped
+    /// (`pool.same_node_shm`).
+    pub shm: Option<ShmServer>,
     /// The announced endpoint (`tcp://ip:port`).
     pub endpoint: String,
     /// Replicas of each block engines put through this agent.
@@ -165,11 +180,11 @@ impl Member {
             server.local_addr().port(),
         ));
         tracing::info!(%endpoint, listen = %server.local_addr(), "transfer target listening");
-        let registrar = Arc::new(PoolRegistrar::new(
-            engine.clone(),
-            node.to_owned(),
-            endpoint.clone(),
-        ));
+        let shm = cfg.shm.as_ref().map(|s| share(&engine, s)).transpose()?;
+        let registrar = Arc::new(
+            PoolRegistrar::new(engine.clone(), node.to_owned(), endpoint.clone())
+                .with_shm_endpoint(shm.as_ref().map(|s| shm_endpoint(s.path()))),
+        );
         let master = MasterClient::new(
             cfg.masters.clone(),
             master_key.clone(),
@@ -206,9 +221,40 @@ impl Member {
             link,
             client,
             server,
+            shm,
             endpoint,
             replicas: cfg.replicas,
             metrics,
         })
     }
+}
+
+/// The `shm://` endpoint of the socket at `path`.
+fn shm_endpoint(path: &std::path::Path) -> String {
+    format!("shm://{}", path.display())
+}
+
+/// Serve the memfd-backed segments on `share.socket`, handed to `share.group` with mode 0660
+/// when a group is set (engines need not run as the agent's user).
+fn share(engine: &TransferEngine, share: &ShmShare) -> Result<ShmServer, PoolError> {
+    let err = |source| PoolError::Shm {
+        path: share.socket.clone(),
+        source,
+    };
+    if let Some(dir) = share.socket.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let server = engine
+        .listen_shm(&share.socket)
+        .map_err(|e| err(std::io::Error::other(e)))?;
+    if let Some(gid) = share.group {
+        use std::os::unix::fs::PermissionsExt;
+        std::os::unix::fs::chown(&share.socket, None, Some(gid))
+            .and_then(|()| {
+                std::fs::set_permissions(&share.socket, std::fs::Permissions::from_mode(0o660))
+            })
+            .map_err(err)?;
+    }
+    tracing::info!(socket = %share.socket.display(), "DRAM segments shared with same-node engines");
+    Ok(server)
 }

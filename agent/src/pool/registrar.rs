@@ -71,6 +71,8 @@ pub struct PoolRegistrar {
     engine: TransferEngine,
     node: String,
     endpoint: String,
+    /// `shm://socket`: announced beside `endpoint` for DRAM segments with a shareable file.
+    shm_endpoint: Option<String>,
     book: Mutex<Book>,
     local: LocalSegments,
     /// Durable indexes of the persistent segments (`ssd0`, and DRAM segments kept in a file),
@@ -89,12 +91,20 @@ impl PoolRegistrar {
             engine,
             node,
             endpoint,
+            shm_endpoint: None,
             book: Mutex::default(),
             local: LocalSegments::default(),
             indexes: Mutex::default(),
             ssd_guard: OnceLock::new(),
             failure_domain: Mutex::default(),
         }
+    }
+
+    /// Announce `endpoint` (`shm://socket`, the agent's shared-memory target) with every DRAM
+    /// segment whose memory has a shareable file, so that engines on this node map it.
+    pub fn with_shm_endpoint(mut self, endpoint: Option<String>) -> Self {
+        self.shm_endpoint = endpoint;
+        self
     }
 
     /// Announce `domain` (the node's value of the pool's spread label) with every segment
@@ -191,6 +201,11 @@ impl PoolRegistrar {
         }
         let bytes = memory.len() as u64;
         let full = transfer_name(&self.node, name);
+        // Same-node engines may map DRAM segments; the SSD segment is read only through the
+        // transfer engine, whose read check verifies each block.
+        let shared = tier == Tier::Dram && memory.shared_fd().is_some();
+        let mut endpoints = vec![self.endpoint.clone()];
+        endpoints.extend(self.shm_endpoint.clone().filter(|_| shared));
         let local = self
             .engine
             .register(&full, Arc::new(memory))
@@ -205,9 +220,10 @@ impl PoolRegistrar {
         }
         let persistent = self.indexes.lock().contains_key(name);
         tracing::info!(segment = %full, bytes, tier = tier.as_str(), persistent,
-            "pool segment registered");
+            same_node_shm = endpoints.len() > 1, "pool segment registered");
         let spec = SegmentSpec {
             persistent,
+            endpoints,
             ..spec_for(&self.node, &self.endpoint, name, tier, numa_node, bytes)
         };
         book.segments.insert(name.to_owned(), Entry { local, spec });
@@ -290,6 +306,42 @@ mod tests {
         assert_eq!(spec.numa_node, 1);
         assert_eq!(spec.endpoints, vec!["tcp://10.0.0.1:7000".to_owned()]);
         assert_eq!(segment_name(3), "dram3");
+    }
+
+    #[test]
+    fn only_dram_segments_with_a_shareable_file_announce_the_shm_endpoint() {
+        let e = engine("n1");
+        let r = PoolRegistrar::new(e, "n1".into(), "tcp://127.0.0.1:1".into())
+            .with_shm_endpoint(Some("shm:///run/kvpool/pool-shm.sock".into()));
+        let shared = || {
+            kvpool_transfer::Segment::memfd("t", 1 << 16, kvpool_transfer::HostOptions::default())
+                .expect("memfd")
+        };
+        r.register("dram0", Tier::Dram, 0, shared()).expect("dram0");
+        r.register("dram1", Tier::Dram, 0, memory(1 << 16))
+            .expect("dram1");
+        r.register(SSD_SEGMENT, Tier::Ssd, 0, shared())
+            .expect("ssd");
+        let endpoints: BTreeMap<String, Vec<String>> = r
+            .unmounted()
+            .into_iter()
+            .map(|s| (s.name, s.endpoints))
+            .collect();
+        let tcp = "tcp://127.0.0.1:1".to_owned();
+        assert_eq!(
+            endpoints["dram0"],
+            [tcp.clone(), "shm:///run/kvpool/pool-shm.sock".to_owned()]
+        );
+        assert_eq!(
+            endpoints["dram1"],
+            std::slice::from_ref(&tcp),
+            "heap memory has no file to share"
+        );
+        assert_eq!(
+            endpoints[SSD_SEGMENT],
+            [tcp],
+            "SSD reads go through the read check"
+        );
     }
 
     #[test]

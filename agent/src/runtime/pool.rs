@@ -88,7 +88,11 @@ async fn give_dram(
     let requested: Vec<Option<u32>> = segments.iter().map(|p| p.numa_node).collect();
     let (mapped, indexes) = match cfg.dram.persistence.clone() {
         None => (
-            map_dram(cfg, segments, dram::map_segments).await?,
+            if cfg.pool.as_ref().is_some_and(|p| p.shm.is_some()) {
+                map_dram(cfg, segments, dram::map_shared_segments).await?
+            } else {
+                map_dram(cfg, segments, dram::map_segments).await?
+            },
             Vec::new(),
         ),
         Some(p) => {
@@ -105,7 +109,7 @@ async fn give_dram(
             let (page, opened) = opened;
             let indexes = recovered_dram(opened, member);
             let mapped = map_dram(cfg, segments, move |plans, lock| {
-                dram::map_segments_in(plans, lock, Some((&p.dir, page)))
+                dram::map_segments_in(plans, lock, Some((&p.dir, page)), true)
             })
             .await?;
             (mapped, indexes)

@@ -194,6 +194,22 @@ pub fn transfer_integrity() -> Result<transfer::Integrity, Failure> {
     }
 }
 
+/// Whether replicas on this node's agent are mapped through its shared memory
+/// (`KVPOOL_SAME_NODE_SHM`: `on`, the default, or `off`: every replica over TCP; see
+/// docs/transfer.md "Same-node shared memory in pool mode").
+pub fn same_node_shm() -> Result<bool, Failure> {
+    match std::env::var("KVPOOL_SAME_NODE_SHM") {
+        Err(_) => Ok(true),
+        Ok(v) => match v.trim() {
+            "" | "on" | "1" | "true" => Ok(true),
+            "off" | "0" | "false" => Ok(false),
+            _ => Err(Failure::invalid(format!(
+                "KVPOOL_SAME_NODE_SHM={v:?} must be on or off"
+            ))),
+        },
+    }
+}
+
 /// Default of `KVPOOL_SPIN_WAIT_US`.
 pub const DEFAULT_SPIN_WAIT_US: u64 = 50;
 
@@ -279,8 +295,9 @@ pub async fn connect(s: &Settings) -> Result<Live, Failure> {
         name_port = Some(held);
         (format!("{host}:{port}"), None, None)
     };
-    let pool =
-        PoolClient::new(master, engine.clone(), node.clone(), None).with_local_segments(local);
+    let pool = PoolClient::new(master, engine.clone(), node.clone(), None)
+        .with_local_segments(local)
+        .with_same_node_shm(same_node_shm()?);
     Ok(Live {
         pool,
         shared: Arc::new(Shared {

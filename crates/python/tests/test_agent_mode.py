@@ -210,6 +210,45 @@ def test_alloc_buffer_is_staging_memory_with_no_copy(store):
         store.alloc_buffer(1 << 40)
 
 
+def shm_and_tcp_bytes(metrics: str) -> tuple:
+    """Bytes a client's transfer engine moved through shared memory and over TCP."""
+    out = {"shm": 0.0, "tcp": 0.0}
+    for line in metrics.splitlines():
+        if line.startswith("kvpool_transfer_bytes_total{"):
+            for proto in out:
+                if f'protocol="{proto}"' in line:
+                    out[proto] += float(line.rsplit(" ", 1)[1])
+    return out["shm"], out["tcp"]
+
+
+@pytest.mark.parametrize("setting", ["default", "off"])
+def test_direct_mode_copies_through_the_agents_shared_memory(node, monkeypatch, setting):
+    """The agent shares its DRAM segment (pool.same_node_shm, on by default): a direct-mode
+    client on its node moves every byte of puts and gets (single, batched, into registered
+    memory) through the mapping, none over TCP, as its own transfer metrics count;
+    KVPOOL_SAME_NODE_SHM=off sends them over TCP."""
+    if setting == "off":
+        monkeypatch.setenv("KVPOOL_SAME_NODE_SHM", "off")
+    values = {key(f"shm-{i}"): os.urandom(n) for i, n in enumerate([1, 4096, 70_000, 1 << 20])}
+    with node.direct_store() as direct:
+        for k, v in values.items():
+            direct.put(k, v)
+        for k, v in values.items():
+            assert direct.get(k) == v
+        assert direct.get_many(list(values)) == list(values.values())
+        buf = np.zeros(1 << 21, dtype=np.uint8)
+        direct.register_memory(buf.ctypes.data, buf.nbytes)
+        for k, v in values.items():
+            assert direct.get_to(k, buf.ctypes.data, buf.nbytes) == len(v)
+            assert buf[:len(v)].tobytes() == v
+        shm, tcp = shm_and_tcp_bytes(direct.metrics())
+    total = 4 * sum(len(v) for v in values.values())
+    if setting == "off":
+        assert (shm, tcp) == (0, total)
+    else:
+        assert (shm, tcp) == (total, 0)
+
+
 def test_values_cross_between_agent_and_direct_clients(node, store):
     with node.direct_store() as direct:
         assert direct.mode == "direct"

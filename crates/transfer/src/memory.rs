@@ -112,6 +112,9 @@ enum Backing {
     /// Memory owned elsewhere; `release` runs on drop.
     Foreign {
         release: Option<Box<dyn FnOnce() + Send + Sync>>,
+        /// The shareable file behind the memory (a memfd, a tmpfs or hugetlbfs file mapped
+        /// from offset 0), when its owner gave one ([`Segment::with_shared_fd`]).
+        fd: Option<OwnedFd>,
     },
     /// Memory on a device, reached only through its staging copies (`ptr` is the device
     /// address, never dereferenced).
@@ -144,7 +147,8 @@ impl std::fmt::Debug for Segment {
             Backing::Heap(_) => "heap",
             Backing::Mmap { fd: Some(_), .. } => "memfd",
             Backing::Mmap { fd: None, .. } => "mmap",
-            Backing::Foreign { .. } => "foreign",
+            Backing::Foreign { fd: Some(_), .. } => "foreign-shared",
+            Backing::Foreign { fd: None, .. } => "foreign",
             Backing::Device(_) => "device",
         };
         f.debug_struct("Segment")
@@ -292,7 +296,7 @@ impl Segment {
             locked: false,
             numa_node: None,
             gpu_device: None,
-            backing: Backing::Foreign { release },
+            backing: Backing::Foreign { release, fd: None },
         })
     }
 
@@ -425,12 +429,40 @@ impl Segment {
         self.ptr.as_ptr() as usize
     }
 
-    /// The memfd behind this segment, if it has one (shareable with a same-node process).
+    /// The file behind this segment, if it has one (a memfd, or the file given to
+    /// [`Self::with_shared_fd`]): shareable with a same-node process.
     pub fn shared_fd(&self) -> Option<BorrowedFd<'_>> {
         match &self.backing {
-            Backing::Mmap { fd: Some(fd), .. } => Some(fd.as_fd()),
+            Backing::Mmap { fd: Some(fd), .. } | Backing::Foreign { fd: Some(fd), .. } => {
+                Some(fd.as_fd())
+            }
             _ => None,
         }
+    }
+
+    /// Let same-node peers map this memory through `fd` (the shared-memory transport passes
+    /// it): the file whose mapping from offset 0 this segment is, at least as long. Only for
+    /// memory owned elsewhere ([`Self::from_raw_parts`]); other segments keep what they have.
+    /// A shorter file is refused, since a peer's accesses past its end would fault.
+    pub fn with_shared_fd(mut self, fd: OwnedFd) -> Result<Self, MemoryError> {
+        let file = File::from(fd);
+        let actual = file
+            .metadata()
+            .map_err(|source| MemoryError::Map {
+                size: self.len,
+                source,
+            })?
+            .len();
+        if actual < self.len as u64 {
+            return Err(MemoryError::ShortFd {
+                expected: self.len,
+                actual,
+            });
+        }
+        if let Backing::Foreign { fd: slot, .. } = &mut self.backing {
+            *slot = Some(OwnedFd::from(file));
+        }
+        Ok(self)
     }
 
     /// Check that `offset..offset+len` lies inside the segment.
@@ -551,7 +583,7 @@ impl Drop for Segment {
             }
             Backing::Mmap { .. } => {} // MmapMut unmaps itself.
             Backing::Device(_) => {}   // The device memory frees itself with its last handle.
-            Backing::Foreign { release } => {
+            Backing::Foreign { release, .. } => {
                 if let Some(release) = release.take() {
                     release();
                 }
@@ -601,6 +633,45 @@ mod tests {
             Segment::map_fd(fd, 16384),
             Err(MemoryError::ShortFd { .. })
         ));
+    }
+
+    #[test]
+    fn foreign_memory_shares_the_file_it_was_given() {
+        let owner = Segment::memfd("f", 8192, HostOptions::default()).unwrap();
+        let fd = || owner.shared_fd().unwrap().try_clone_to_owned().unwrap();
+        let ptr = NonNull::new(owner.addr() as *mut u8).unwrap();
+        // SAFETY: `owner` maps these 8192 bytes and outlives every segment made here.
+        let plain = unsafe { Segment::from_raw_parts(ptr, 8192, None) }.unwrap();
+        assert!(plain.shared_fd().is_none());
+        let shared = plain.with_shared_fd(fd()).unwrap();
+        let peer = Segment::map_fd(
+            shared.shared_fd().unwrap().try_clone_to_owned().unwrap(),
+            8192,
+        )
+        .unwrap();
+        shared.write_at(100, b"same pages").unwrap();
+        let mut got = [0u8; 10];
+        peer.read_at(100, &mut got).unwrap();
+        assert_eq!(&got, b"same pages");
+        // A file shorter than the memory would let a peer fault past its end.
+        // SAFETY: as above.
+        let longer = unsafe { Segment::from_raw_parts(ptr, 8192, None) }.unwrap();
+        let short = Segment::memfd("s", 4096, HostOptions::default()).unwrap();
+        let e = longer
+            .with_shared_fd(short.shared_fd().unwrap().try_clone_to_owned().unwrap())
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                MemoryError::ShortFd {
+                    expected: 8192,
+                    actual: 4096
+                }
+            ),
+            "{e}"
+        );
+        drop(shared);
+        drop(owner);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! - `put`, `get`: the two paths for plain values; `striped`: values cut into parts, and
 //!   removal; `batch`: many zero-copy puts or gets in one master call and one transfer batch.
 //! - `transport`: opening a replica's segment and one transfer to or from it; `local`:
-//!   replicas in this process, reached by memory copy; `staging`: registered buffers.
+//!   replicas in this process, reached by memory copy; `same_node`: replicas on this node's
+//!   agent, reached through its shared memory; `staging`: registered buffers.
 //! - `manifest`: the on-pool format of striped objects; `naming`: transfer names and
 //!   endpoints; `error`: [`DataError`].
 
@@ -24,6 +25,7 @@ mod local;
 mod manifest;
 mod naming;
 mod put;
+mod same_node;
 mod staging;
 mod striped;
 mod transfer_tls;
@@ -54,6 +56,8 @@ pub struct PoolClient {
     local: LocalSegments,
     /// Transfers run on the calling task's thread instead of the blocking pool (forks).
     inline: bool,
+    /// Same-node segments mapped through their agent's shared memory.
+    same_node: Arc<same_node::SameNode>,
 }
 
 impl PoolClient {
@@ -73,6 +77,7 @@ impl PoolClient {
             stripe: StripeConfig::default(),
             local: LocalSegments::default(),
             inline: false,
+            same_node: Arc::default(),
         }
     }
 

@@ -10,10 +10,15 @@ use kvpool_core::master::types::ReplicaInfo;
 use kvpool_transfer::{self as transfer, TransferOp, TransferRequest};
 
 impl PoolClient {
-    /// The replica's segment, opened through the transfer engine (once per segment: the
-    /// engine keeps TCP handles, and runs a transfer refused for a stale one again).
+    /// The replica's segment: mapped through its agent's shared memory when it is on this
+    /// node and shared ([`PoolClient::with_same_node_shm`]), else opened through the transfer
+    /// engine (once per segment: the engine keeps TCP handles, and runs a transfer refused for
+    /// a stale one again).
     pub(super) fn open(&self, r: &ReplicaInfo) -> Result<transfer::RemoteSegment, DataError> {
         let desc = descriptor(r)?;
+        if let Some(seg) = self.same_node_segment(r, &desc) {
+            return Ok(seg);
+        }
         self.engine
             .open_cached(&desc)
             .map_err(|source| DataError::Open {
