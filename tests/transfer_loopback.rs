@@ -400,6 +400,85 @@ fn transfer_same_node_uses_shared_memory() {
 }
 
 #[test]
+fn a_large_shared_memory_batch_is_copied_by_two_threads_and_counted_once_per_request() {
+    let dir_path = tempfile::tempdir().unwrap();
+    let sock = dir_path.path().join("xfer.sock");
+    let dir = Arc::new(StaticDirectory::new());
+    let target = engine(config("node-a"), key(), &dir);
+    let initiator = engine(config("node-a"), key(), &dir);
+    let shared = target
+        .register(
+            "a/dram0",
+            Arc::new(Segment::memfd("a-dram0", 16 * MIB, HostOptions::default()).unwrap()),
+        )
+        .unwrap();
+    let _server = target.listen_shm(&sock).unwrap();
+    dir.insert(target.describe(&shared, vec![Endpoint::Shm(sock.clone())]));
+    let local = host_segment(&initiator, "b/buf", 16 * MIB);
+    let remote = initiator.open("a/dram0").unwrap();
+    assert_eq!(remote.protocol(), Protocol::Shm);
+    // Above the two-thread line (4 MiB): two requests large enough to be cut in halves, one
+    // small one, at odd lengths and offsets.
+    let lens = [3 * MIB + 5, 4097, 2 * MIB + 1];
+    let mut at = 0u64;
+    let mut reqs = Vec::new();
+    let mut writes = Vec::new();
+    for (i, len) in lens.into_iter().enumerate() {
+        let data = pattern(len, i as u8 + 1);
+        local.segment().write_at(at, &data).unwrap();
+        reqs.push((at, at + 7, len as u64));
+        writes.push(data);
+        at += len as u64 + 4096;
+    }
+    let mk = |op, lo, ro, len| TransferRequest {
+        op,
+        local: local.clone(),
+        local_offset: lo,
+        remote: remote.clone(),
+        remote_offset: ro,
+        len,
+    };
+    initiator
+        .transfer(
+            reqs.iter()
+                .map(|&(lo, ro, len)| mk(TransferOp::Write, lo, ro, len))
+                .collect(),
+        )
+        .unwrap();
+    for ((_, ro, _), data) in reqs.iter().zip(&writes) {
+        assert!(
+            read_seg(&shared, *ro, data.len()) == *data,
+            "written at {ro}"
+        );
+    }
+    // And back, into the upper half of the local buffer.
+    let back = 8 * MIB as u64;
+    initiator
+        .transfer(
+            reqs.iter()
+                .map(|&(lo, ro, len)| mk(TransferOp::Read, back + lo, ro, len))
+                .collect(),
+        )
+        .unwrap();
+    for ((lo, _, _), data) in reqs.iter().zip(&writes) {
+        assert!(
+            read_seg(&local, back + lo, data.len()) == *data,
+            "read to {lo}"
+        );
+    }
+    let m = initiator.metrics();
+    for op in ["write", "read"] {
+        assert_eq!(
+            m.requests.with_label_values(&["shm", op, "ok"]).get(),
+            3,
+            "{op}"
+        );
+        let bytes: u64 = lens.iter().map(|l| *l as u64).sum();
+        assert_eq!(m.bytes.with_label_values(&["shm", op]).get(), bytes, "{op}");
+    }
+}
+
+#[test]
 fn transfer_rdma_request_falls_back_loudly_or_is_refused() {
     let p = pair_with(key());
     let desc = p.dir.lookup("t/dram0").unwrap();

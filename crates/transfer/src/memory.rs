@@ -27,6 +27,7 @@ mod between;
 mod checked;
 pub mod device;
 mod numa;
+mod prefault;
 mod socket;
 
 pub(crate) use between::adopt_received_fds;
@@ -131,6 +132,9 @@ pub struct Segment {
     /// The GPU (CUDA ordinal) the memory belongs to, see [`Segment::on_gpu`].
     gpu_device: Option<u32>,
     backing: Backing,
+    /// A peer's memfd mapped here ([`Segment::map_fd`]): page-table entries filled a chunk at a
+    /// time ahead of the copies.
+    prefault: Option<prefault::Prefault>,
 }
 
 // SAFETY: a Segment is a pointer to memory it owns (or that its creator promised stays valid
@@ -187,6 +191,7 @@ impl Segment {
             numa_node: None,
             gpu_device: None,
             backing: Backing::Heap(layout),
+            prefault: None,
         };
         if options.lock {
             seg.lock()?;
@@ -211,6 +216,7 @@ impl Segment {
                 _map: map,
                 fd: None,
             },
+            prefault: None,
         };
         if options.lock {
             seg.lock()?;
@@ -275,6 +281,7 @@ impl Segment {
                 _map: map,
                 fd: Some(OwnedFd::from(file)),
             },
+            prefault: Some(prefault::Prefault::new(size)),
         })
     }
 
@@ -297,6 +304,7 @@ impl Segment {
             numa_node: None,
             gpu_device: None,
             backing: Backing::Foreign { release, fd: None },
+            prefault: None,
         })
     }
 
@@ -324,6 +332,7 @@ impl Segment {
             numa_node: None,
             gpu_device: Some(gpu),
             backing: Backing::Device(mem),
+            prefault: None,
         };
         Ok(match bus {
             Some(bdf) => seg.on_gpu(gpu, &bdf, sysfs_root),
@@ -463,6 +472,25 @@ impl Segment {
             *slot = Some(OwnedFd::from(file));
         }
         Ok(self)
+    }
+
+    /// Fill the page tables of this peer mapping from a background thread ahead of use (see
+    /// `prefault::warm_in_background`); a no-op for other segments.
+    pub fn warm_in_background(self: &std::sync::Arc<Self>) {
+        prefault::warm_in_background(self);
+    }
+
+    /// Fill the page-table entries of `offset..offset+len` ahead of a copy, where this is a
+    /// memfd mapped from a peer (see `prefault`); a range outside the segment is left alone
+    /// (the copy's own bounds check refuses it).
+    pub(crate) fn prefault(&self, offset: u64, len: usize) {
+        if let Some(p) = &self.prefault
+            && self.check_range(offset, len as u64).is_ok()
+        {
+            // SAFETY: a live shared mapping of a file at least `self.len` long (map_fd checked
+            // the file's size), and the range lies inside it (checked above).
+            unsafe { p.fill(self.ptr.as_ptr(), self.len, offset as usize, len) }
+        }
     }
 
     /// Check that `offset..offset+len` lies inside the segment.
@@ -633,6 +661,35 @@ mod tests {
             Segment::map_fd(fd, 16384),
             Err(MemoryError::ShortFd { .. })
         ));
+    }
+
+    #[test]
+    fn a_peer_mapping_fills_each_chunk_once_before_its_first_copy() {
+        let len = 2 * prefault::CHUNK + 8192;
+        let owner = Segment::memfd("p", len, HostOptions::default()).unwrap();
+        let fd = owner.shared_fd().unwrap().try_clone_to_owned().unwrap();
+        let peer = Segment::map_fd(fd, len).unwrap();
+        let local = Segment::host(8192, HostOptions::default()).unwrap();
+        local.write_at(0, b"through the mapping").unwrap();
+        let filled = |at: usize| peer.prefault.as_ref().unwrap().is_filled(at);
+        assert!(!filled(0) && !filled(prefault::CHUNK));
+        // A copy across the boundary of chunks 0 and 1 fills both, and only those.
+        let at = prefault::CHUNK as u64 - 5;
+        copy_between(&local, 0, &peer, at, 19).unwrap();
+        assert!(filled(0) && filled(prefault::CHUNK) && !filled(2 * prefault::CHUNK));
+        let mut got = [0u8; 19];
+        owner.read_at(at, &mut got).unwrap();
+        assert_eq!(&got, b"through the mapping");
+        // The last, short chunk too; a range outside the segment is refused, not filled.
+        copy_between(&peer, len as u64 - 10, &local, 0, 10).unwrap();
+        assert!(filled(len - 1));
+        assert!(copy_between(&local, 0, &peer, len as u64, 1).is_err());
+        assert!(
+            Segment::host(4096, HostOptions::default())
+                .unwrap()
+                .prefault
+                .is_none()
+        );
     }
 
     #[test]

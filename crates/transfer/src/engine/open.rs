@@ -179,14 +179,20 @@ impl TransferEngine {
         let path = desc
             .shm_endpoint()
             .ok_or_else(|| no_endpoint(desc, Protocol::Shm))?;
-        let seg = shm::open_shared(path, &desc.name, &self.inner.key, self.inner.config.timeout)?;
+        let seg = Arc::new(shm::open_shared(
+            path,
+            &desc.name,
+            &self.inner.key,
+            self.inner.config.timeout,
+        )?);
+        seg.warm_in_background();
         Ok(RemoteSegment {
             name: desc.name.as_str().into(),
             size: seg.len() as u64,
             handle: 0,
             instance: 0,
             vectored: false,
-            route: Route::Shm(Arc::new(seg)),
+            route: Route::Shm(seg),
         })
     }
 

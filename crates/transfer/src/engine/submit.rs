@@ -9,11 +9,82 @@ use parking_lot::Mutex;
 
 use super::TransferEngine;
 use super::handles::{RemoteSegment, Route, TransferRequest};
-use crate::batch::{Batch, BatchBuilder, BatchFailed, TransferOp};
+use crate::batch::{Batch, BatchBuilder, BatchFailed, RequestState, TransferOp};
 use crate::error::{Failure, TransferError, error_chain};
 use crate::frame::{self, ErrorCode, Opcode};
 use crate::memory::{self, MemoryError};
 use crate::tcp::{self, InlinePart, InlineSlice, Part, Peer, Slice, SliceKind};
+
+/// The shared-memory copies of one submission at least this large are shared between the
+/// submitting thread and one more: one thread's copy runs well below what the memory moves
+/// (measured here: 16 MiB into a peer's mapping in 3.7 ms on one thread, 2.1 ms on two; with
+/// TCP the peer's CPU does half the work, with shared memory nobody else does).
+const SHM_PARALLEL_MIN: u64 = 4 << 20;
+
+/// A shared-memory request this large is copied as two halves.
+const SHM_SPLIT_MIN: u64 = 2 << 20;
+
+/// One memory copy of a shared-memory request (the whole of it, or a half).
+struct ShmCopy {
+    req: Arc<RequestState>,
+    src: Arc<memory::Segment>,
+    src_offset: u64,
+    dst: Arc<memory::Segment>,
+    dst_offset: u64,
+    len: u64,
+}
+
+impl ShmCopy {
+    fn run(self) {
+        let result = memory::copy_between(
+            &self.src,
+            self.src_offset,
+            &self.dst,
+            self.dst_offset,
+            self.len as usize,
+        )
+        .map_err(|e| Failure::new(e.category(), e.to_string()));
+        self.req.slice_done(result);
+    }
+}
+
+/// Run `copies` on this thread, or, from [`SHM_PARALLEL_MIN`] bytes on, about half of their
+/// bytes on a second thread (in order: each thread copies a run of consecutive pieces).
+fn run_shm(mut copies: Vec<ShmCopy>) {
+    let total: u64 = copies.iter().map(|c| c.len).sum();
+    if total < SHM_PARALLEL_MIN || copies.len() < 2 {
+        copies.into_iter().for_each(ShmCopy::run);
+        return;
+    }
+    let mut acc = 0;
+    let split = copies
+        .iter()
+        .position(|c| {
+            acc += c.len;
+            acc >= total / 2
+        })
+        .map_or(copies.len() - 1, |i| i + 1)
+        .clamp(1, copies.len() - 1);
+    // Taken by the helper thread, or by this one when no thread can be had.
+    let second = Mutex::new(Some(copies.split_off(split)));
+    let run_second = || {
+        if let Some(rest) = second.lock().take() {
+            rest.into_iter().for_each(ShmCopy::run);
+        }
+    };
+    std::thread::scope(|scope| {
+        let helper = std::thread::Builder::new()
+            .name("kvpool-xfer-copy".into())
+            .spawn_scoped(scope, run_second);
+        copies.into_iter().for_each(ShmCopy::run);
+        match helper {
+            Ok(h) => {
+                let _ = h.join();
+            }
+            Err(_) => run_second(),
+        }
+    });
+}
 
 impl TransferEngine {
     /// Send a control request on lane 0 and wait for its reply header.
@@ -60,27 +131,45 @@ impl TransferEngine {
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
         // The vectored slice being filled with small TCP requests, and its peer.
         let mut open: Option<(Arc<Peer>, Slice)> = None;
+        // Shared-memory copies, run once the network requests are on their way.
+        let mut shm: Vec<ShmCopy> = Vec::new();
         for r in requests {
             match &r.remote.route {
                 Route::Shm(remote) => {
-                    let req = builder.request("shm", r.op.as_str(), r.len, 1);
                     let (src, so, dst, dof) = match r.op {
                         TransferOp::Read => (
-                            &**remote,
+                            remote.clone(),
                             r.remote_offset,
-                            &**r.local.segment(),
+                            r.local.segment().clone(),
                             r.local_offset,
                         ),
                         TransferOp::Write => (
-                            &**r.local.segment(),
+                            r.local.segment().clone(),
                             r.local_offset,
-                            &**remote,
+                            remote.clone(),
                             r.remote_offset,
                         ),
                     };
-                    let result = memory::copy_between(src, so, dst, dof, r.len as usize)
-                        .map_err(|e| Failure::new(e.category(), e.to_string()));
-                    req.slice_done(result);
+                    // A large request is copied as two halves, which may go to two threads.
+                    let halves = if r.len >= SHM_SPLIT_MIN { 2 } else { 1 };
+                    let req = builder.request("shm", r.op.as_str(), r.len, halves as usize);
+                    let mut at = 0;
+                    for i in 0..halves {
+                        let len = if i + 1 == halves {
+                            r.len - at
+                        } else {
+                            r.len / 2
+                        };
+                        shm.push(ShmCopy {
+                            req: req.clone(),
+                            src: src.clone(),
+                            src_offset: so + at,
+                            dst: dst.clone(),
+                            dst_offset: dof + at,
+                            len,
+                        });
+                        at += len;
+                    }
                 }
                 Route::Rdma { channel, .. } => {
                     let plan = channel.plan(r.len, r.local.segment().numa_node());
@@ -164,6 +253,7 @@ impl TransferEngine {
         if let Some((p, s)) = open.take() {
             p.dispatch(s);
         }
+        run_shm(shm);
         Ok(builder.finish())
     }
 

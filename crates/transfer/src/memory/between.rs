@@ -40,6 +40,8 @@ pub fn copy_between(
     }
     let s = src.ptr_at(src_offset, len)?;
     let d = dst.ptr_at(dst_offset, len)?;
+    src.prefault(src_offset, len);
+    dst.prefault(dst_offset, len);
     if src.is_foreign() || dst.is_foreign() {
         // SAFETY: both ranges are inside their segments (checked); the kernel checks that the
         // caller memory among them is still mapped.
