@@ -644,6 +644,14 @@ fn same_node_shm_shares_on_the_socket_dir_unless_off_or_tls_is_required() {
             .shm
     };
     let on = shm("").expect("shared by default");
+    let pool = validate_yaml(&format!("{base}}}"))
+        .expect("validates")
+        .pool
+        .expect("pool mode");
+    assert!(
+        !crate::pool::engine_config(&pool, "n").prefer_shm,
+        "the agent itself never maps a segment: its own are copied in process"
+    );
     assert_eq!(on.socket, Path::new("/run/kv/pool-shm.sock"));
     assert_eq!(on.group, None);
     assert_eq!(shm(", same_node_shm: false"), None);

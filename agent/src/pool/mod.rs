@@ -116,6 +116,9 @@ pub fn engine_config(cfg: &PoolConfig, node: &str) -> EngineConfig {
     let defaults = EngineConfig::default();
     EngineConfig {
         node: node.to_owned(),
+        // The agent reaches its own segments by in-process copies, and never maps another
+        // agent's: its segments' `shm://` endpoints are for the node's engines.
+        prefer_shm: false,
         want_rdma: cfg.want_rdma,
         integrity: cfg.integrity,
         tls: cfg.tls.clone(),
