@@ -474,12 +474,6 @@ impl Segment {
         Ok(self)
     }
 
-    /// Fill the page tables of this peer mapping from a background thread ahead of use (see
-    /// `prefault::warm_in_background`); a no-op for other segments.
-    pub fn warm_in_background(self: &std::sync::Arc<Self>) {
-        prefault::warm_in_background(self);
-    }
-
     /// Fill the page-table entries of `offset..offset+len` ahead of a copy, where this is a
     /// memfd mapped from a peer (see `prefault`); a range outside the segment is left alone
     /// (the copy's own bounds check refuses it).

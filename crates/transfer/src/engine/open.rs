@@ -185,7 +185,6 @@ impl TransferEngine {
             &self.inner.key,
             self.inner.config.timeout,
         )?);
-        seg.warm_in_background();
         Ok(RemoteSegment {
             name: desc.name.as_str().into(),
             size: seg.len() as u64,

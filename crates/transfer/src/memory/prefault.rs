@@ -73,39 +73,3 @@ impl Prefault {
             .is_some_and(|w| w.load(Ordering::Relaxed) & (1u64 << (chunk % 64)) != 0)
     }
 }
-
-/// Segments above this size are only filled where copies touch them: filling all of one costs
-/// page-table memory in this process (8 bytes per 4 KiB page: 32 MiB for 16 GiB).
-pub(super) const WARM_MAX: usize = 16 << 30;
-
-/// Fill every chunk of a peer's mapping `seg` ahead of use, on a thread of its own at the
-/// lowest CPU priority: with shared memory the owner's CPU does nothing for a transfer, and
-/// this uses the time it leaves. Stops when the last handle of the mapping drops. Only for
-/// mappings that fill chunks (see [`super::Segment::map_fd`]) of at most [`WARM_MAX`] bytes.
-pub(super) fn warm_in_background(seg: &std::sync::Arc<super::Segment>) {
-    if seg.prefault.is_none() || seg.len > WARM_MAX {
-        return;
-    }
-    let weak = std::sync::Arc::downgrade(seg);
-    let spawned = std::thread::Builder::new()
-        .name("kvpool-shm-warm".into())
-        .spawn(move || {
-            // SAFETY: plain system calls on this thread's own priority (Linux keeps a nice
-            // value per thread); failure leaves the default priority.
-            unsafe {
-                libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19);
-            }
-            let mut at = 0usize;
-            while let Some(seg) = weak.upgrade() {
-                if at >= seg.len {
-                    return;
-                }
-                let n = CHUNK.min(seg.len - at);
-                seg.prefault(at as u64, n);
-                at += n;
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::debug!(error = %e, "no thread to fill a shared mapping ahead; chunks fill on use");
-    }
-}
