@@ -123,24 +123,28 @@ fn mmap_memfd(
     if unsafe { libc::ftruncate(fd.as_raw_fd(), size) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    // SAFETY: a shared mapping of the whole file just sized to `len`, at a kernel-chosen
-    // address; the result is checked against MAP_FAILED before use.
+    Ok((mmap_shared(&fd, len)?, fd))
+}
+
+/// A read-write shared mapping of the first `len` bytes of `file` (sized to at least that by
+/// the caller), at a kernel-chosen address. It stays valid after the descriptor is closed.
+fn mmap_shared(file: &impl AsRawFd, len: usize) -> std::io::Result<NonNull<u8>> {
+    // SAFETY: a shared mapping at a kernel-chosen address touches no existing memory; the
+    // result is checked against MAP_FAILED before use.
     let ptr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
-            fd.as_raw_fd(),
+            file.as_raw_fd(),
             0,
         )
     };
     if ptr == libc::MAP_FAILED {
         return Err(std::io::Error::last_os_error());
     }
-    let ptr = NonNull::new(ptr.cast::<u8>())
-        .ok_or_else(|| std::io::Error::other("mmap returned null"))?;
-    Ok((ptr, fd))
+    NonNull::new(ptr.cast::<u8>()).ok_or_else(|| std::io::Error::other("mmap returned null"))
 }
 
 impl MappedRegion {
@@ -206,24 +210,7 @@ impl MappedRegion {
             source,
         };
         let file = reserved_file(path, len as u64)?;
-        // SAFETY: a shared mapping of the whole file we just sized, at a kernel-chosen address;
-        // the result is checked against MAP_FAILED before use. The mapping stays valid after
-        // the descriptor is closed.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(file_err(std::io::Error::last_os_error()));
-        }
-        let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| file_err(std::io::Error::other("mmap returned null")))?;
+        let ptr = mmap_shared(&file, len).map_err(file_err)?;
         let outcome = RegionOutcome {
             hugepage_size: (page > 4096).then_some(page),
             ..RegionOutcome::default()
