@@ -336,19 +336,49 @@ fn transfer_fails_pending_requests_when_the_target_goes_away() {
     );
 }
 
-#[test]
-fn transfer_same_node_uses_shared_memory() {
-    let dir_path = tempfile::tempdir().unwrap();
-    let sock = dir_path.path().join("xfer.sock");
+/// Two engines of node `node-a` sharing a directory, the target's memfd segment `a/dram0` of
+/// `size` bytes (registered, not yet described or served) and the socket path to serve it on.
+struct ShmPair {
+    _dir: tempfile::TempDir,
+    sock: std::path::PathBuf,
+    dir: Arc<StaticDirectory>,
+    target: TransferEngine,
+    initiator: TransferEngine,
+    shared: LocalSegment,
+}
+
+fn shm_pair(size: usize) -> ShmPair {
+    let tmp = tempfile::tempdir().unwrap();
+    let sock = tmp.path().join("xfer.sock");
     let dir = Arc::new(StaticDirectory::new());
     let target = engine(config("node-a"), key(), &dir);
     let initiator = engine(config("node-a"), key(), &dir);
     let shared = target
         .register(
             "a/dram0",
-            Arc::new(Segment::memfd("a-dram0", 2 * MIB, HostOptions::default()).unwrap()),
+            Arc::new(Segment::memfd("a-dram0", size, HostOptions::default()).unwrap()),
         )
         .unwrap();
+    ShmPair {
+        _dir: tmp,
+        sock,
+        dir,
+        target,
+        initiator,
+        shared,
+    }
+}
+
+#[test]
+fn transfer_same_node_uses_shared_memory() {
+    let ShmPair {
+        _dir: _dir_path,
+        sock,
+        dir,
+        target,
+        initiator,
+        shared,
+    } = shm_pair(2 * MIB);
     let heap_only = host_segment(&target, "a/heap", MIB);
     let server = target.listen_shm(&sock).unwrap();
     let tcp = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
@@ -401,17 +431,14 @@ fn transfer_same_node_uses_shared_memory() {
 
 #[test]
 fn a_large_shared_memory_batch_is_copied_by_two_threads_and_counted_once_per_request() {
-    let dir_path = tempfile::tempdir().unwrap();
-    let sock = dir_path.path().join("xfer.sock");
-    let dir = Arc::new(StaticDirectory::new());
-    let target = engine(config("node-a"), key(), &dir);
-    let initiator = engine(config("node-a"), key(), &dir);
-    let shared = target
-        .register(
-            "a/dram0",
-            Arc::new(Segment::memfd("a-dram0", 16 * MIB, HostOptions::default()).unwrap()),
-        )
-        .unwrap();
+    let ShmPair {
+        _dir,
+        sock,
+        dir,
+        target,
+        initiator,
+        shared,
+    } = shm_pair(16 * MIB);
     let _server = target.listen_shm(&sock).unwrap();
     dir.insert(target.describe(&shared, vec![Endpoint::Shm(sock.clone())]));
     let local = host_segment(&initiator, "b/buf", 16 * MIB);
