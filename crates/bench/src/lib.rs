@@ -1,10 +1,12 @@
 //! `kvpool bench ...`: benchmark subcommands. Each area adds a variant to [`BenchCommand`] and a
-//! module here (`transfer`, `sched`, `store`, `stress`, `master`, `conductor`, `engine`); the
+//! module here (`transfer`, `sched`, `store`, `stress`, `master`, `conductor`, `engine`,
+//! `idle_memory`); the
 //! tier benchmark is the node agent's own (`kvpool_agent::bench`).
 //! I/O boundary: whatever each benchmark drives (sockets, child processes, stdout).
 
 pub mod conductor;
 pub mod engine;
+pub mod idle_memory;
 pub mod master;
 pub mod mooncake;
 pub mod sched;
@@ -52,6 +54,10 @@ pub enum BenchCommand {
     /// connector and vLLM's MooncakeStoreConnector) and from real Mooncake Store, against
     /// vLLM's own prefix-cache hit and recompute, in one run; plus shared-prefix throughput.
     Engine(Box<engine::EngineBenchArgs>),
+    /// This machine's cost of touching memory again after it sat idle (on virtual machines
+    /// whose host reclaims idle guest memory, a read after seconds idle is many times a hot
+    /// read): how to read the store and engine numbers of such a machine.
+    IdleMemory(idle_memory::IdleMemoryArgs),
 }
 
 /// Errors of the benchmark commands.
@@ -75,6 +81,8 @@ pub enum BenchError {
     Master(#[source] master::BenchError),
     #[error("engine benchmark failed")]
     Engine(#[source] store::StoreBenchError),
+    #[error("idle-memory benchmark failed")]
+    IdleMemory(#[source] idle_memory::IdleMemoryError),
 }
 
 impl BenchError {
@@ -90,6 +98,7 @@ impl BenchError {
             BenchError::Conductor(e) => e.category(),
             BenchError::Master(e) => e.category(),
             BenchError::Engine(e) => e.category(),
+            BenchError::IdleMemory(e) => e.category(),
         }
     }
 }
@@ -105,6 +114,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Stress(a) => stress::run(*a).map_err(BenchError::Store),
         BenchCommand::Conductor(a) => conductor::run(*a).map_err(BenchError::Conductor),
         BenchCommand::Engine(a) => engine::run(*a).map_err(BenchError::Engine),
+        BenchCommand::IdleMemory(a) => idle_memory::run(&a).map_err(BenchError::IdleMemory),
         BenchCommand::Master(a) => {
             let runtime = tokio::runtime::Runtime::new().map_err(BenchError::Runtime)?;
             master::run_blocking(&runtime, a)

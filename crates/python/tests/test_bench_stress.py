@@ -33,3 +33,8 @@ def test_bench_stress_runs_both_stores_on_the_same_cells():
             assert c["put"]["calls"] == 8 // c["batch"], (side, c)
     assert r["all_values_verified"] is True
     assert len(r["ratios"]) == 4 and all(x["put"] > 0 and x["get"] > 0 for x in r["ratios"])
+    # The machine's idle-memory probe, measured before the cells (how to read the figures).
+    idle = r["idle_memory"]
+    assert idle["idle_s"] == 1.0 and idle["hot_read_us_per_mib"] > 0, idle
+    slowdown = idle["idle_read_us_per_mib"] / idle["hot_read_us_per_mib"]
+    assert abs(idle["read_slowdown"] - slowdown) < 1e-6, idle

@@ -30,7 +30,10 @@ Every prompt is drawn once from the seed, so every arm gets the same ones. Per r
 random-token prefix (a whole number of blocks): A computes prefix + a suffix (its connector
 saves the prefix), the driver waits until the store's key count has settled, then B gets
 prefix + a fresh suffix (streamed: TTFT of the store-loaded prefix, or of recomputing it for
-`none`) and then prefix + another fresh suffix (vLLM's own prefix-cache hit). vLLM's
+`none`) and then prefix + another fresh suffix (vLLM's own prefix-cache hit); with
+`idle_hit_s` > 0, after that much idle time, prefix + a third suffix (the same hit on KV cache
+memory that sat idle: on a virtual machine whose host reclaims idle guest memory, what a
+first request's load also pays, `kvpool bench idle-memory`). vLLM's
 `vllm:prompt_tokens_by_source_total` on B, read before and after each request, says where the
 prompt tokens came from; greedy token ids go into the report. The throughput phase then sends,
 per arm in turn, N concurrent requests over a few new shared prefixes (stored beforehand by A)
@@ -448,6 +451,10 @@ class Prompts:
         for _ in range(cfg["repeats"]):
             p = tokens(rng, plen, vocab)
             self.rounds.append(tuple(p + tokens(rng, slen, vocab) for _ in range(3)))
+        # The idle hits' suffixes from a generator of their own: every other prompt stays
+        # what it was before they existed.
+        irng = random.Random(cfg["seed"] + 1)
+        self.idle_hits = [r[0][:plen] + tokens(irng, slen, vocab) for r in self.rounds]
         self.tp_prefixes = [tokens(rng, plen, vocab) for _ in range(cfg["tp_prefixes"])]
         self.tp_writes = [p + tokens(rng, slen, vocab) for p in self.tp_prefixes]
         self.tp_prompts = [p + tokens(rng, slen, vocab) for p in self.tp_prefixes
@@ -543,7 +550,9 @@ class Run:
         cfg = self.cfg
         per_arm: Dict[str, Dict[str, Any]] = {
             a: {"loaded_s": [], "hit_s": [], "sources_loaded": [], "sources_hit": [],
-                "settle": [], "ids_loaded": [], "ids_hit": []} for a in self.arms}
+                "settle": [], "ids_loaded": [], "ids_hit": [], "idle_hit_s": [],
+                "sources_idle_hit": []} for a in self.arms}
+        idle = float(cfg.get("idle_hit_s", 0.0))
         for r, (w, x, y) in enumerate(self.prompts.rounds):
             k = r % len(self.arms)
             for arm in self.arms[k:] + self.arms[:k]:
@@ -564,6 +573,11 @@ class Run:
                 rec["sources_hit"].append(diff(s2, s1))
                 rec["ids_loaded"].append(got["ids"])
                 rec["ids_hit"].append(hit["ids"])
+                if idle > 0:
+                    time.sleep(idle)
+                    late = stream(b, self.prompts.idle_hits[r], cfg["max_tokens"])
+                    rec["idle_hit_s"].append(late["ttft_s"])
+                    rec["sources_idle_hit"].append(diff(by_source(b), s2))
             log(f"round {r + 1}/{len(self.prompts.rounds)} (first/hit TTFT): " + ", ".join(
                 f"{a} {per_arm[a]['loaded_s'][-1] * 1000:.0f}/"
                 f"{per_arm[a]['hit_s'][-1] * 1000:.0f} ms" for a in self.arms))
@@ -630,6 +644,9 @@ class Run:
                 "load_average": f"{load} before, {load_after} after",
                 "connector_line": lines[arm],
                 "loaded": summary(r["loaded_s"]), "hit": summary(r["hit_s"]),
+                "idle_hit": summary(r["idle_hit_s"]) if r["idle_hit_s"] else None,
+                "idle_hit_after_s": float(self.cfg.get("idle_hit_s", 0.0)),
+                "sources_idle_hit": r["sources_idle_hit"],
                 "sources_loaded": r["sources_loaded"], "sources_hit": r["sources_hit"],
                 "settle": r["settle"], "ids_loaded": r["ids_loaded"], "ids_hit": r["ids_hit"],
                 "throughput": tp.get(arm)})

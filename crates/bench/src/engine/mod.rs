@@ -99,6 +99,13 @@ pub struct EngineBenchArgs {
     /// Tokens generated per TTFT request.
     #[arg(long, default_value_t = 8)]
     pub max_tokens: u64,
+    /// After each round's hit, let the engine sit idle this long and measure the hit once
+    /// more (`0s`, the default: not measured). A diagnostic for virtual machines that reclaim
+    /// idle guest memory (`kvpool bench idle-memory`): the hit on memory as cold as a first
+    /// request's. The idle time also lengthens every engine's wait between rounds, so the
+    /// other figures of such a run are not comparable with a run without it.
+    #[arg(long, default_value = "0s", value_parser = kvpool_core::flags::parse_duration)]
+    pub idle_hit_after: std::time::Duration,
     /// Shared prefixes of the throughput workload (0: no throughput phase).
     #[arg(long, default_value_t = 3)]
     pub throughput_prefixes: usize,
@@ -164,6 +171,7 @@ struct DriverConfig {
     tp_per_prefix: usize,
     tp_max_tokens: u64,
     settle_s: f64,
+    idle_hit_s: f64,
     settle_timeout_s: f64,
     start_timeout_s: u64,
     seed: u64,
@@ -417,6 +425,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         tp_per_prefix: args.throughput_per_prefix,
         tp_max_tokens: args.throughput_max_tokens,
         settle_s: 1.0,
+        idle_hit_s: args.idle_hit_after.as_secs_f64(),
         settle_timeout_s: 60.0,
         start_timeout_s: args.start_timeout.as_secs().max(1),
         seed: 20261206,
@@ -425,6 +434,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
     let text = serde_json::to_string_pretty(&config)
         .map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
     std::fs::write(&config_path, text).map_err(StoreBenchError::Io)?;
+    let idle = tokio::task::block_in_place(crate::idle_memory::probe);
     let load_before = load_average();
     let run = tokio::task::block_in_place(|| drive(&python, &script, &config_path))?;
     let load_after = load_average();
@@ -444,7 +454,9 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         kvpool_package: package_text,
         load_average: format!("{load_before} before, {load_after} after"),
     };
-    Ok(report(workload, run))
+    let mut r = report(workload, run);
+    r.idle_memory = Some(idle);
+    Ok(r)
 }
 
 /// Entry point of `kvpool bench engine`.

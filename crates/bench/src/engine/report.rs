@@ -70,6 +70,15 @@ pub struct ArmRun {
     pub hit: Summary,
     pub sources_loaded: Vec<Sources>,
     pub sources_hit: Vec<Sources>,
+    /// TTFT of a third request with the same prefix after the engine sat idle
+    /// `idle_hit_after_s`: vLLM's prefix-cache hit on KV cache memory that was left alone,
+    /// as a first request's load touches memory that was (absent when not measured).
+    #[serde(default)]
+    pub idle_hit: Option<Summary>,
+    #[serde(default)]
+    pub idle_hit_after_s: f64,
+    #[serde(default)]
+    pub sources_idle_hit: Vec<Sources>,
     #[serde(default)]
     pub settle: Vec<Settle>,
     pub ids_loaded: Vec<Vec<u32>>,
@@ -156,6 +165,11 @@ pub struct Ratios {
     pub loaded_over_own_hit: Vec<(String, f64)>,
     /// Per arm: loaded TTFT over recomputing (`none`'s loaded).
     pub loaded_over_recompute: Vec<(String, f64)>,
+    /// Per store arm, when idle hits were measured: its loaded TTFT over `none`'s prefix-cache
+    /// hit after idling (its own engine's without `none`). Informative: the targets stay
+    /// against the hot hit.
+    #[serde(default)]
+    pub loaded_over_idle_hit: Vec<(String, f64)>,
     /// For `kvpool` and `kvpool-agent`, when they ran.
     pub targets: Vec<Target>,
 }
@@ -169,6 +183,10 @@ pub struct EngineReport {
     pub ratios: Ratios,
     /// Every arm passed every check.
     pub all_verified: bool,
+    /// This machine's cost of reading memory that sat idle (`crate::idle_memory::probe`),
+    /// measured before the engines start: a first request touches memory idle for seconds
+    /// (the saved blocks, the engine's free KV cache blocks), a hit does not.
+    pub idle_memory: Option<crate::idle_memory::IdleRow>,
 }
 
 /// Parse the driver's output: its last line that starts a JSON object.
@@ -215,17 +233,24 @@ fn check_arm(arm: &ArmRun, reference: Option<&ArmRun>, w: &Workload) -> ArmCheck
             }
         ));
     }
-    let hit_from_cache = !arm.sources_hit.is_empty()
-        && arm
-            .sources_hit
-            .iter()
-            .all(|s| s.local_cache_hit >= want && s.external_kv_transfer == 0);
+    let from_cache = |s: &Sources| s.local_cache_hit >= want && s.external_kv_transfer == 0;
+    let hit_from_cache = !arm.sources_hit.is_empty() && arm.sources_hit.iter().all(from_cache);
     if !hit_from_cache {
         notes.push(format!(
             "second requests' token sources {:?} (want {want} from vLLM's cache)",
             arm.sources_hit
         ));
     }
+    let idle_hits = arm.idle_hit.as_ref().map_or(0, |h| h.n);
+    let idle_from_cache =
+        arm.sources_idle_hit.len() == idle_hits && arm.sources_idle_hit.iter().all(from_cache);
+    if !idle_from_cache {
+        notes.push(format!(
+            "idle hits' token sources {:?} (want {want} from vLLM's cache in each of {idle_hits})",
+            arm.sources_idle_hit
+        ));
+    }
+    let hit_from_cache = hit_from_cache && idle_from_cache;
     let ids_equal = match reference {
         None => true,
         Some(r) => {
@@ -285,6 +310,16 @@ pub fn ratios(run: &DriverRun) -> Ratios {
                 .collect()
         })
         .unwrap_or_default();
+    let loaded_over_idle_hit = stores
+        .clone()
+        .filter_map(|a| {
+            let reference = none
+                .filter(|n| n.group == a.group)
+                .and_then(|n| n.idle_hit.as_ref())
+                .or(a.idle_hit.as_ref())?;
+            Some((a.arm.clone(), over(a.loaded.median_ms, reference.median_ms)))
+        })
+        .collect();
     let mooncake = find(MOONCAKE);
     let targets = KVPOOL_ARMS
         .iter()
@@ -310,6 +345,7 @@ pub fn ratios(run: &DriverRun) -> Ratios {
         loaded_over_none_hit,
         loaded_over_own_hit,
         loaded_over_recompute,
+        loaded_over_idle_hit,
         targets,
     }
 }
@@ -334,6 +370,7 @@ pub fn report(workload: Workload, run: DriverRun) -> EngineReport {
         checks,
         ratios,
         all_verified,
+        idle_memory: None,
     }
 }
 
@@ -442,6 +479,14 @@ pub fn render_text(r: &EngineReport) -> String {
         "loaded TTFT / recompute TTFT:                       {}",
         fmt(&q.loaded_over_recompute)
     );
+    if let Some(after) = r.run.arms.iter().find(|a| a.idle_hit.is_some()) {
+        let _ = writeln!(
+            s,
+            "loaded TTFT / prefix-cache hit after {:.1} s idle:  {}",
+            after.idle_hit_after_s,
+            fmt(&q.loaded_over_idle_hit)
+        );
+    }
     for t in &q.targets {
         let _ = writeln!(
             s,
@@ -473,6 +518,9 @@ pub fn render_text(r: &EngineReport) -> String {
         );
     }
     let _ = writeln!(s, "all verified: {}", yes(r.all_verified));
+    if let Some(row) = &r.idle_memory {
+        let _ = writeln!(s, "{}", crate::idle_memory::note(row));
+    }
     s
 }
 

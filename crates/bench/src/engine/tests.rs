@@ -37,6 +37,9 @@ fn arm(name: &str, loaded_ms: f64, hit_ms: f64, external: i64) -> ArmRun {
         hit: summary(hit_ms),
         sources_loaded: vec![first.clone(), first],
         sources_hit: vec![sources(16, 1024, 0), sources(16, 1024, 0)],
+        idle_hit: None,
+        idle_hit_after_s: 0.0,
+        sources_idle_hit: vec![],
         settle: vec![],
         ids_loaded: vec![vec![5, 6, 7], vec![8, 9, 10]],
         ids_hit: vec![vec![11, 12], vec![13, 14]],
@@ -184,4 +187,51 @@ fn flags_are_checked() {
             "{bad:?}"
         );
     }
+}
+
+#[test]
+fn idle_hits_give_an_informative_ratio_and_must_come_from_vllms_cache() {
+    let with_idle = |name: &str, loaded: f64, hit: f64, idle: f64, from_cache: bool| {
+        let mut a = arm(name, loaded, hit, if name == "none" { 0 } else { 1024 });
+        a.idle_hit = Some(summary(idle));
+        a.idle_hit_after_s = 2.0;
+        let s = if from_cache {
+            sources(16, 1024, 0)
+        } else {
+            sources(1040, 0, 0)
+        };
+        a.sources_idle_hit = vec![s.clone(), s];
+        a
+    };
+    let run = DriverRun {
+        vllm: "0.32.0".into(),
+        mooncake: None,
+        arms: vec![
+            with_idle("kvpool", 90.0, 40.0, 60.0, true),
+            with_idle("none", 1200.0, 40.0, 75.0, true),
+        ],
+    };
+    let r = report(workload(), run.clone());
+    assert_eq!(
+        r.ratios.loaded_over_idle_hit,
+        vec![("kvpool".to_owned(), 1.2)]
+    );
+    // The targets stay against the hot hit.
+    assert!((r.ratios.targets[0].over_prefix_hit - 2.25).abs() < 1e-9);
+    assert!(r.all_verified, "{:?}", r.checks);
+    let text = render_text(&r);
+    assert!(
+        text.contains("prefix-cache hit after 2.0 s idle:  kvpool 1.20"),
+        "{text}"
+    );
+    // An idle request that recomputed its prefix is not a hit: the arm fails its check.
+    let mut bad = run;
+    bad.arms[0] = with_idle("kvpool", 90.0, 40.0, 60.0, false);
+    let r = report(workload(), bad);
+    assert!(!r.checks[0].hit_from_cache && !r.all_verified);
+    assert!(
+        r.checks[0].notes.iter().any(|n| n.contains("idle hits")),
+        "{:?}",
+        r.checks[0].notes
+    );
 }

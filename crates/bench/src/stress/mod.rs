@@ -20,6 +20,7 @@ use crate::store::StoreBenchError;
 use crate::store::procs::{start_agent, start_master, wait_for_agents, write_topology};
 use crate::transfer::parse_size;
 use kvpool_client::master::{ClientConfig, MasterClient};
+use kvpool_harness::{AgentProcess, MasterProcess};
 use kvpool_proto::auth::AuthKey;
 
 pub use self::report::{
@@ -28,6 +29,8 @@ pub use self::report::{
 
 /// The driver, run with a Python that has `kvpool` (and, for Mooncake's side, `mooncake`).
 const SCRIPT: &str = include_str!("stress.py");
+/// Bytes of the discarded warm-up round (the first cell's shape, fewer values).
+const WARM_UP_BYTES: u64 = 16 << 20;
 /// Where the project's Python venv (scripts/python-env.sh) keeps its interpreter.
 const DEFAULT_PYTHON: &str = ".tools/py/bin/python";
 
@@ -172,16 +175,63 @@ fn drive(
     parse_run(&stdout).map_err(StoreBenchError::Protocol)
 }
 
-/// Both sides, cell by cell: a kvpool master and agents for the whole run, and per cell the
-/// driver against kvpool, then (with Mooncake) the driver against a fresh Mooncake pool, so
-/// that both stores measure each cell under the same load of the machine.
+/// A kvpool pool on 127.0.0.1 for one cell: a master and its agents, every agent mounted.
+struct Pool {
+    // Field order is drop order: the agents leave before their master stops.
+    _agents: Vec<AgentProcess>,
+    _master: MasterProcess,
+    grpc: std::net::SocketAddr,
+}
+
+impl Pool {
+    async fn start(
+        args: &StressBenchArgs,
+        dir: &Path,
+        key_file: &Path,
+        key: &AuthKey,
+    ) -> Result<Self, StoreBenchError> {
+        let exe = std::env::current_exe().map_err(StoreBenchError::Io)?;
+        std::fs::create_dir_all(dir).map_err(StoreBenchError::Io)?;
+        let mut master = start_master(&exe, dir, key_file)?;
+        let grpc = master.grpc;
+        let topology = write_topology(dir)?;
+        let mut agents = (0..args.agents)
+            .map(|i| {
+                start_agent(
+                    &exe,
+                    dir,
+                    i,
+                    grpc,
+                    key_file,
+                    args.agent_capacity,
+                    Some(&topology),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let client =
+            MasterClient::new(vec![grpc.to_string()], key.clone(), ClientConfig::default())
+                .map_err(StoreBenchError::Master)?;
+        wait_for_agents(&client, &mut agents, &mut master, args.agents).await?;
+        Ok(Self {
+            _agents: agents,
+            _master: master,
+            grpc,
+        })
+    }
+}
+
+/// Both sides, cell by cell: per cell a fresh kvpool pool (master and agents) and the driver
+/// against it, then (with Mooncake) the driver against a fresh Mooncake pool, so that both
+/// stores measure each cell under the same load of the machine and with pools of the same age.
+/// The age matters on virtual machines whose host reclaims guest memory that sits idle: a pool
+/// populated minutes before its first put writes into pages the host must fault back in,
+/// where one started for the cell does not (docs/benchmarks.md, "Pool age").
 async fn run_cells(
     args: &StressBenchArgs,
     dir: &Path,
     script: &Path,
     mooncake: Option<&Mooncake>,
 ) -> Result<(StoreRun, Option<StoreRun>), StoreBenchError> {
-    let exe = std::env::current_exe().map_err(StoreBenchError::Io)?;
     let key_file = dir.join("pool.key");
     let secret = format!(
         "{:032x}{:032x}",
@@ -191,32 +241,7 @@ async fn run_cells(
     std::fs::write(&key_file, &secret).map_err(StoreBenchError::Io)?;
     let key = AuthKey::from_bytes(secret.as_bytes())
         .ok_or_else(|| StoreBenchError::Args("generated key too short".into()))?;
-    let mut master = start_master(&exe, dir, &key_file)?;
-    let grpc = master.grpc;
-    let topology = write_topology(dir)?;
-    let mut agents = (0..args.agents)
-        .map(|i| {
-            start_agent(
-                &exe,
-                dir,
-                i,
-                grpc,
-                &key_file,
-                args.agent_capacity,
-                Some(&topology),
-            )
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let client = MasterClient::new(vec![grpc.to_string()], key, ClientConfig::default())
-        .map_err(StoreBenchError::Master)?;
-    wait_for_agents(&client, &mut agents, &mut master, args.agents).await?;
     let logs = dir.join("logs");
-    let ours_args = [
-        "--store".into(),
-        "kvpool".into(),
-        "--master".into(),
-        grpc.to_string(),
-    ];
     let ours_env = [
         ("KVPOOL_AUTH_KEY_FILE", key_file.as_path()),
         ("KVPOOL_CLIENT_MODE", Path::new("direct")),
@@ -235,22 +260,47 @@ async fn run_cells(
     });
     let mut ours: Option<StoreRun> = None;
     let mut theirs: Option<StoreRun> = None;
-    for cell in args.cells() {
+    // A warm-up round first, both stores, discarded: the first processes to run after the
+    // machine sat quiet (page cache, freed guest memory) pay more than the ones after them,
+    // and without it that was kvpool's first cell alone.
+    let cells = args.cells();
+    let warm = cells.first().map(|c| Cell {
+        values: (WARM_UP_BYTES / c.size.max(1))
+            .clamp(1, c.values)
+            .div_ceil(c.batch.max(1))
+            * c.batch.max(1),
+        ..c.clone()
+    });
+    let rounds = warm
+        .iter()
+        .map(|c| (true, c))
+        .chain(cells.iter().map(|c| (false, c)));
+    for (n, (discard, cell)) in rounds.enumerate() {
         let one =
             serde_json::to_string(&[cell]).map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
+        let pool = Pool::start(args, &dir.join(format!("pool-{n}")), &key_file, &key).await?;
+        let ours_args = [
+            "--store".into(),
+            "kvpool".into(),
+            "--master".into(),
+            pool.grpc.to_string(),
+        ];
         let run = tokio::task::block_in_place(|| {
             drive(&args.python(), script, &one, &logs, &ours_args, &ours_env)
         })?;
-        merge(&mut ours, run);
+        drop(pool);
+        if !discard {
+            merge(&mut ours, run);
+        }
         if let (Some(mc), Some(a)) = (mooncake, &theirs_args) {
             let run = tokio::task::block_in_place(|| {
                 drive(&mc.bin("python"), script, &one, &logs, a, &[])
             })?;
-            merge(&mut theirs, run);
+            if !discard {
+                merge(&mut theirs, run);
+            }
         }
     }
-    drop(agents);
-    drop(master);
     let ours = ours.ok_or_else(|| StoreBenchError::Args("no cell to measure".into()))?;
     Ok((ours, theirs))
 }
@@ -284,8 +334,11 @@ async fn coordinate(args: StressBenchArgs) -> Result<StressReport, StoreBenchErr
     } else {
         None
     };
+    let idle = tokio::task::block_in_place(crate::idle_memory::probe);
     let (ours, theirs) = run_cells(&args, dir.path(), &script, mooncake.as_ref()).await?;
-    Ok(report(ours, theirs))
+    let mut r = report(ours, theirs);
+    r.idle_memory = Some(idle);
+    Ok(r)
 }
 
 /// Entry point of `kvpool bench stress`.

@@ -67,6 +67,9 @@ pub struct StressReport {
     pub all_values_verified: bool,
     /// The smallest ratio of all cells (put and get), when Mooncake was measured.
     pub min_ratio: Option<f64>,
+    /// This machine's cost of reading memory that sat idle (`crate::idle_memory::probe`),
+    /// measured before the cells.
+    pub idle_memory: Option<crate::idle_memory::IdleRow>,
 }
 
 /// Parse a driver's output: its last line that starts a JSON object.
@@ -124,6 +127,7 @@ pub fn report(kvpool: StoreRun, mooncake: Option<StoreRun>) -> StressReport {
         mooncake,
         ratios,
         min_ratio,
+        idle_memory: None,
     }
 }
 
@@ -179,6 +183,9 @@ pub fn print_text(r: &StressReport) {
     println!("all values verified: {}", r.all_values_verified);
     if let Some(m) = r.min_ratio {
         println!("smallest ratio: {m:.2}x");
+    }
+    if let Some(row) = &r.idle_memory {
+        println!("{}", crate::idle_memory::note(row));
     }
 }
 

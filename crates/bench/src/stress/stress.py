@@ -23,7 +23,8 @@ value's bytes with what was put (outside the timing). Each side first puts and g
 warm-up key outside the timing (connections are made on first use by both stores; the warm-up
 put is retried for up to 15 s while a fresh pool has no room yet). Against
 Mooncake every cell gets a fresh `mooncake_master` and holders (`mooncake_store.Pool`);
-against kvpool the pool is the caller's, emptied with `remove_all(force)` after each cell.
+against kvpool the caller starts a fresh pool per cell too (and the reader still empties it with
+`remove_all(force)`).
 One JSON object on stdout: per cell and role the values moved, the time inside the calls,
 values per second, bytes per second, p50/p99 latency of one call, failures and gets verified.
 """

@@ -1,0 +1,257 @@
+//! `kvpool bench idle-memory`: what it costs this machine to touch memory again after it sat
+//! idle. On bare metal a page written a second ago and one written a minute ago cost the same
+//! to read; on a virtual machine whose host reclaims guest memory that has not been touched
+//! for a while (memory overcommit: host-side swap or compression of idle guest pages), the
+//! second costs a host fault per page. A pool's DRAM tier and an engine's KV cache are such
+//! memory: blocks saved by one engine and loaded by another seconds later, KV cache blocks
+//! free since start-up. This benchmark measures the effect, so that numbers from such a
+//! machine (the store and engine benchmarks) can be read for what they are.
+//!
+//! For each idle time: a fresh region is written, read once hot, left alone for the idle
+//! time, then its first half is read and its second half written, each in 1 MiB copies. The
+//! report gives microseconds per MiB for each, and the ratio to the hot read.
+//! I/O boundary: memory, the clock, stdout.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde::Serialize;
+
+use crate::transfer::parse_size;
+
+const MIB: usize = 1 << 20;
+
+/// Flags of `kvpool bench idle-memory`.
+#[derive(Clone, Debug, Args)]
+pub struct IdleMemoryArgs {
+    /// Size of each region (a whole number of MiB, at least 2 MiB).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    pub size: u64,
+    /// Idle times to measure (comma separated), e.g. `0s,1s,5s,20s`.
+    #[arg(long, value_delimiter = ',', default_value = "0s,1s,5s,20s",
+          value_parser = kvpool_core::flags::parse_duration)]
+    pub idle: Vec<Duration>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One idle time's figures, in microseconds per MiB.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct IdleRow {
+    pub idle_s: f64,
+    /// The first write of the fresh region (page faults included).
+    pub first_write_us_per_mib: f64,
+    /// A read of the whole region right after it was written.
+    pub hot_read_us_per_mib: f64,
+    /// A read of the first half after the idle time.
+    pub idle_read_us_per_mib: f64,
+    /// A write of the second half after the idle time.
+    pub idle_write_us_per_mib: f64,
+    /// `idle_read / hot_read`: 1 on a machine that leaves idle memory alone.
+    pub read_slowdown: f64,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct IdleReport {
+    pub size_bytes: u64,
+    pub rows: Vec<IdleRow>,
+}
+
+/// Errors of the arguments.
+#[derive(Debug, thiserror::Error)]
+pub enum IdleMemoryError {
+    #[error("invalid arguments: {0}")]
+    Args(String),
+    #[error("cannot encode the report")]
+    Json(#[source] serde_json::Error),
+}
+
+impl IdleMemoryError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            IdleMemoryError::Args(_) => "args",
+            IdleMemoryError::Json(_) => "json",
+        }
+    }
+}
+
+/// Microseconds per MiB of `f` run over `mibs` MiB.
+fn per_mib(mibs: usize, f: impl FnOnce()) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64() * 1e6 / mibs.max(1) as f64
+}
+
+/// Copy every MiB of `from` into `scratch` (a read of `from`).
+fn read_all(from: &[u8], scratch: &mut [u8]) {
+    for chunk in from.chunks(MIB) {
+        scratch[..chunk.len()].copy_from_slice(chunk);
+        black_box(&mut *scratch);
+    }
+}
+
+/// Copy `scratch` over every MiB of `to` (a write of `to`).
+fn write_all(to: &mut [u8], scratch: &[u8]) {
+    for chunk in to.chunks_mut(MIB) {
+        let n = chunk.len();
+        chunk.copy_from_slice(&scratch[..n]);
+        black_box(&mut *chunk);
+    }
+}
+
+/// One idle time: a fresh region, written, read hot, left alone, then read and written.
+fn measure(size: usize, idle: Duration) -> IdleRow {
+    let mibs = size / MIB;
+    let half = size / 2;
+    let mut scratch: Vec<u8> = (0..MIB).map(|i| (i * 31 + 7) as u8).collect();
+    // A fresh allocation: calloc'd pages that the first write faults in.
+    let mut region = vec![0u8; size];
+    let first_write = per_mib(mibs, || write_all(&mut region, &scratch));
+    let hot_read = per_mib(mibs, || read_all(&region, &mut scratch));
+    std::thread::sleep(idle);
+    let idle_read = per_mib(mibs / 2, || read_all(&region[..half], &mut scratch));
+    let idle_write = per_mib(mibs / 2, || write_all(&mut region[half..], &scratch));
+    black_box(&region);
+    IdleRow {
+        idle_s: idle.as_secs_f64(),
+        first_write_us_per_mib: first_write,
+        hot_read_us_per_mib: hot_read,
+        idle_read_us_per_mib: idle_read,
+        idle_write_us_per_mib: idle_write,
+        read_slowdown: idle_read / hot_read.max(1e-9),
+    }
+}
+
+/// The probe the store and engine benchmarks put in their reports: one 64 MiB region left
+/// idle for one second (about 1.5 s in all).
+pub fn probe() -> IdleRow {
+    measure(64 * MIB, Duration::from_secs(1))
+}
+
+/// One line for a report's text about the probe, with a warning where idle memory is slow.
+pub fn note(row: &IdleRow) -> String {
+    let mut line = format!(
+        "memory idle for {:.0} s: read {:.1}x a hot read ({:.0} against {:.0} us/MiB; kvpool \
+         bench idle-memory)",
+        row.idle_s, row.read_slowdown, row.idle_read_us_per_mib, row.hot_read_us_per_mib
+    );
+    if row.read_slowdown >= 2.0 {
+        line.push_str(
+            "\nwarning: this machine slows memory that sat idle (a virtual machine whose host \
+             reclaims idle guest memory?): blocks saved a second before they are loaded, and \
+             engine memory free since start-up, cost several times their hot cost here",
+        );
+    }
+    line
+}
+
+/// Run every idle time of `args`.
+pub fn run_report(args: &IdleMemoryArgs) -> Result<IdleReport, IdleMemoryError> {
+    let size = usize::try_from(args.size)
+        .map_err(|_| IdleMemoryError::Args(format!("--size {} is too large", args.size)))?;
+    if size < 2 * MIB || size % MIB != 0 {
+        return Err(IdleMemoryError::Args(format!(
+            "--size {} must be a whole number of MiB, at least 2 MiB",
+            args.size
+        )));
+    }
+    if args.idle.is_empty() {
+        return Err(IdleMemoryError::Args(
+            "--idle must name at least one time".into(),
+        ));
+    }
+    let rows = args.idle.iter().map(|&d| measure(size, d)).collect();
+    Ok(IdleReport {
+        size_bytes: args.size,
+        rows,
+    })
+}
+
+/// The report as text.
+pub fn render_text(r: &IdleReport) -> String {
+    let mut out = format!(
+        "memory touched again after sitting idle ({} MiB regions, µs per MiB)\n\
+         idle    first write   hot read   read after idle   write after idle   read slowdown\n",
+        r.size_bytes >> 20
+    );
+    for row in &r.rows {
+        out.push_str(&format!(
+            "{:>5.1}s {:>12.0} {:>10.0} {:>17.0} {:>18.0} {:>14.1}x\n",
+            row.idle_s,
+            row.first_write_us_per_mib,
+            row.hot_read_us_per_mib,
+            row.idle_read_us_per_mib,
+            row.idle_write_us_per_mib,
+            row.read_slowdown
+        ));
+    }
+    out
+}
+
+/// Entry point of `kvpool bench idle-memory`.
+pub fn run(args: &IdleMemoryArgs) -> Result<(), IdleMemoryError> {
+    let r = run_report(args)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&r).map_err(IdleMemoryError::Json)?
+        );
+    } else {
+        print!("{}", render_text(&r));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_that_are_not_whole_mebibytes_are_refused_by_name() {
+        for size in [MIB as u64, 3 * MIB as u64 + 1] {
+            let args = IdleMemoryArgs {
+                size,
+                idle: vec![Duration::ZERO],
+                json: true,
+            };
+            let e = run_report(&args).unwrap_err();
+            assert!(e.to_string().contains("--size"), "{e}");
+        }
+        let none = IdleMemoryArgs {
+            size: 4 * MIB as u64,
+            idle: vec![],
+            json: true,
+        };
+        assert!(
+            run_report(&none)
+                .unwrap_err()
+                .to_string()
+                .contains("--idle")
+        );
+    }
+
+    #[test]
+    fn a_run_reports_one_row_per_idle_time_with_positive_figures() {
+        let args = IdleMemoryArgs {
+            size: 4 * MIB as u64,
+            idle: vec![Duration::ZERO, Duration::from_millis(20)],
+            json: false,
+        };
+        let r = run_report(&args).unwrap();
+        assert_eq!(r.rows.len(), 2);
+        assert_eq!(r.rows[1].idle_s, 0.02);
+        for row in &r.rows {
+            assert!(row.hot_read_us_per_mib > 0.0 && row.idle_write_us_per_mib > 0.0);
+            assert!(
+                (row.read_slowdown - row.idle_read_us_per_mib / row.hot_read_us_per_mib).abs()
+                    < 1e-9
+            );
+        }
+        let text = render_text(&r);
+        assert_eq!(text.lines().count(), 4, "{text}");
+        assert!(text.contains("read slowdown"), "{text}");
+    }
+}
