@@ -5,6 +5,8 @@
 
 use kvpool_core::sched::DecodeCost;
 
+use crate::moving_error::MovingError;
+
 /// Weight of the newest observation in the moving means (about the last 20).
 const WEIGHT: f64 = 0.05;
 /// Observations before the fitted scale replaces the prior.
@@ -19,9 +21,8 @@ pub struct DecodeFit {
     prior: DecodeCost,
     scale: f64,
     observations: u64,
-    /// Moving mean of abs(predicted - observed) / observed, the prediction made before the
-    /// observation came.
-    error_ratio: Option<f64>,
+    /// How far the predictions were from the TPOTs observed after them.
+    error: MovingError,
 }
 
 /// What `GET /v1/kvpool/status` shows of the decode model.
@@ -42,7 +43,7 @@ impl DecodeFit {
             prior,
             scale: 1.0,
             observations: 0,
-            error_ratio: None,
+            error: MovingError::default(),
         }
     }
 
@@ -77,11 +78,7 @@ impl DecodeFit {
         }
         self.observations += 1;
         let w = WEIGHT.max(1.0 / self.observations as f64);
-        let error = (predicted_s - observed_s).abs() / observed_s;
-        self.error_ratio = Some(match self.error_ratio {
-            Some(e) => e + w * (error - e),
-            None => error,
-        });
+        self.error.observe(predicted_s, observed_s);
         // The scale that would have predicted it, from the one the prediction was made under;
         // averaged in log space, so being 2x off either way weighs the same.
         let used = if self.observations > MIN_OBSERVATIONS {
@@ -102,12 +99,12 @@ impl DecodeFit {
             source: if self.is_fitted() { "fitted" } else { "prior" },
             scale: self.scale,
             observations: self.observations,
-            relative_error: self.error_ratio,
+            relative_error: self.error.mean(),
         }
     }
 
     pub fn error_ratio(&self) -> Option<f64> {
-        self.error_ratio
+        self.error.mean()
     }
 }
 

@@ -7,12 +7,12 @@
 
 use kvpool_core::sched::HandoffCost;
 
+use crate::moving_error::MovingError;
+
 /// Weight of the newest observation in the moving moments (about the last 40).
 const WEIGHT: f64 = 0.025;
 /// Observations before the fit replaces the prior.
 pub const MIN_OBSERVATIONS: u64 = 8;
-/// Weight of the newest prediction in the error's moving mean (about the last 20).
-const ERROR_WEIGHT: f64 = 0.05;
 /// Below this spread of prompt lengths (tokens squared) the slope is not identifiable: the fit
 /// is then the mean alone.
 const MIN_VARIANCE: f64 = 1.0;
@@ -27,9 +27,8 @@ pub struct HandoffFit {
     my: f64,
     mxx: f64,
     mxy: f64,
-    /// Moving mean of |predicted - observed| / observed, each prediction made before its
-    /// observation came.
-    error_ratio: Option<f64>,
+    /// How far the fit's predictions were from the hand-offs measured after them.
+    error: MovingError,
 }
 
 /// What `GET /v1/kvpool/status` shows of the hand-off model.
@@ -52,7 +51,7 @@ impl HandoffFit {
             my: 0.0,
             mxx: 0.0,
             mxy: 0.0,
-            error_ratio: None,
+            error: MovingError::default(),
         }
     }
 
@@ -104,13 +103,9 @@ impl HandoffFit {
         if !seconds.is_finite() || seconds < 0.0 {
             return false;
         }
-        if self.is_fitted() && seconds > 0.0 {
-            let predicted = self.current().seconds(prompt_tokens);
-            let error = (predicted - seconds).abs() / seconds;
-            self.error_ratio = Some(match self.error_ratio {
-                Some(e) => e + ERROR_WEIGHT * (error - e),
-                None => error,
-            });
+        if self.is_fitted() {
+            self.error
+                .observe(self.current().seconds(prompt_tokens), seconds);
         }
         self.observations += 1;
         // The first ones weigh more, so the moments start at the first observations.
@@ -129,12 +124,12 @@ impl HandoffFit {
             prior: self.prior,
             source: if self.is_fitted() { "fitted" } else { "prior" },
             observations: self.observations,
-            relative_error: self.error_ratio,
+            relative_error: self.error.mean(),
         }
     }
 
     pub fn error_ratio(&self) -> Option<f64> {
-        self.error_ratio
+        self.error.mean()
     }
 }
 

@@ -23,6 +23,7 @@ pub mod kv_events;
 pub mod master_flags;
 pub mod model_config;
 pub mod model_flags;
+mod moving_error;
 mod peer_load;
 pub mod pool_flags;
 mod prefill_costs;

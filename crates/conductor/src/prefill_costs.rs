@@ -1,7 +1,7 @@
 //! The prefill cost model of every prefill engine ([`PrefillCosts`]): the configured prior
 //! (`--prefill-cost`) and, with `--fit-prefill-cost`, one online fit per engine URL
 //! ([`kvpool_core::sched::CostFitter`]) fed with the engine's measured prefills, and how far
-//! the model in use predicted the measurements that followed ([`FitError`]); engines keep
+//! the model in use predicted the measurements that followed ([`MovingError`]); engines keep
 //! their fit over engine-set changes. Until an engine has enough measurements of its own it
 //! uses the pooled fit of every engine of its group (the engines serving the same model), so a
 //! pool of N engines leaves the prior N times sooner. Pure: the server measures and applies.
@@ -9,6 +9,8 @@
 use std::collections::HashMap;
 
 use kvpool_core::sched::{CostFitter, FitConfig, Observed, PrefillCost};
+
+use crate::moving_error::MovingError;
 
 /// Every prefill engine's cost model, by base URL.
 #[derive(Debug)]
@@ -19,28 +21,7 @@ pub struct PrefillCosts {
     /// Each engine's group (the model it was measured serving), and each group's pooled fit.
     groups: HashMap<String, String>,
     pooled: HashMap<String, CostFitter>,
-    errors: HashMap<String, FitError>,
-}
-
-/// Weight of the newest prediction in [`FitError`]'s moving mean (about the last 20).
-const ERROR_WEIGHT: f64 = 0.05;
-
-/// How far a fitted model's predictions were from the measured prefills that followed: the
-/// exponentially weighted mean of `|predicted - measured| / measured`, each prediction made by
-/// the fit in use before the measurement came (out of sample).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct FitError {
-    pub mean_ratio: f64,
-    pub predictions: u64,
-}
-
-impl FitError {
-    fn add(&mut self, ratio: f64) {
-        self.predictions += 1;
-        // The first ones weigh more, so the mean starts at the first errors, not at 0.
-        let w = ERROR_WEIGHT.max(1.0 / self.predictions as f64);
-        self.mean_ratio += w * (ratio - self.mean_ratio);
-    }
+    errors: HashMap<String, MovingError>,
 }
 
 /// One engine's model as `GET /v1/kvpool/status` shows it.
@@ -129,8 +110,10 @@ impl PrefillCosts {
             && seconds.is_finite()
             && seconds > 0.0
         {
-            let ratio = (fit.seconds(0, tokens) - seconds).abs() / seconds;
-            self.errors.entry(engine.to_owned()).or_default().add(ratio);
+            self.errors
+                .entry(engine.to_owned())
+                .or_default()
+                .observe(fit.seconds(0, tokens), seconds);
         }
         self.pooled
             .entry(group.to_owned())
@@ -145,7 +128,7 @@ impl PrefillCosts {
     }
 
     /// The fit's prediction error on `engine`, once a fitted model predicted a prefill.
-    pub fn error(&self, engine: &str) -> Option<FitError> {
+    pub fn error(&self, engine: &str) -> Option<MovingError> {
         self.errors.get(engine).copied()
     }
 
@@ -161,7 +144,7 @@ impl PrefillCosts {
                     source: self.source(e),
                     prior: self.prior,
                     observations: self.fitters.get(e).map_or(0, CostFitter::observations),
-                    relative_error: self.error(e).map(|f| f.mean_ratio),
+                    relative_error: self.error(e).and_then(|f| f.mean()),
                     seconds_2000_tokens: cost.seconds(0, 2_000),
                 }
             })
@@ -172,6 +155,7 @@ impl PrefillCosts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::moving_error::ERROR_WEIGHT;
 
     #[test]
     fn engines_start_on_the_prior_and_fit_apart() {
@@ -196,16 +180,16 @@ mod tests {
         // predicted counts 100% and moves the mean.
         let exact = c.error("http://a").expect("predicted once fitted");
         assert!(
-            exact.predictions >= 12 && exact.mean_ratio < 1e-6,
+            exact.count() >= 12 && exact.mean().unwrap() < 1e-6,
             "{exact:?}"
         );
-        assert_eq!(s[0].relative_error, Some(exact.mean_ratio));
+        assert_eq!(s[0].relative_error, exact.mean());
         assert_eq!((c.error("http://b"), s[1].relative_error), (None, None));
         c.observe("http://a", "m", 300, 2.0 * truth.seconds(0, 300));
         let slow = c.error("http://a").unwrap();
-        let w = ERROR_WEIGHT.max(1.0 / slow.predictions as f64);
-        let moved = exact.mean_ratio + w * (0.5 - exact.mean_ratio);
-        assert!((slow.mean_ratio - moved).abs() < 1e-3, "{slow:?}");
+        let w = ERROR_WEIGHT.max(1.0 / slow.count() as f64);
+        let moved = exact.mean().unwrap() + w * (0.5 - exact.mean().unwrap());
+        assert!((slow.mean().unwrap() - moved).abs() < 1e-3, "{slow:?}");
         // Fitting off: observations are ignored.
         let mut off = PrefillCosts::new(PrefillCost::default(), None);
         assert_eq!(off.observe("http://a", "m", 100, 1.0), None);
@@ -238,7 +222,11 @@ mod tests {
         assert!(c.is_fitted("http://a") && !c.is_fitted("http://c"));
         // The pooled model predicts, so the error is counted from then on.
         c.observe("http://a", "m", 700, truth.seconds(0, 700));
-        assert!(c.error("http://a").is_some_and(|e| e.mean_ratio < 1e-6));
+        assert!(
+            c.error("http://a")
+                .and_then(|e| e.mean())
+                .is_some_and(|m| m < 1e-6)
+        );
         // Once a has its own 8, it uses them.
         for n in [800, 900, 1_000] {
             c.observe("http://a", "m", n, 2.0 * truth.seconds(0, n));

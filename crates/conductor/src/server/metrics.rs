@@ -387,10 +387,10 @@ impl Metrics {
                         .set(v);
                 }
             }
-            if let Some(err) = costs.error(e) {
+            if let Some(err) = costs.error(e).and_then(|f| f.mean()) {
                 self.prefill_cost_error
                     .with_label_values(&[e.as_str()])
-                    .set(err.mean_ratio);
+                    .set(err);
             }
             if costs.fitting() {
                 self.prefill_cost_observations
