@@ -10,7 +10,7 @@
 //! For each idle time: a fresh region is written, read once hot, left alone for the idle
 //! time, then its first half is read and its second half written, each in 1 MiB copies. The
 //! report gives microseconds per MiB for each, and the ratio to the hot read.
-//! I/O boundary: memory, the clock, stdout.
+//! I/O boundary: memory and the clock (the caller prints the report).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -60,29 +60,26 @@ pub struct IdleReport {
     pub rows: Vec<IdleRow>,
 }
 
-/// Errors of the arguments.
+/// What is wrong with the arguments.
 #[derive(Debug, thiserror::Error)]
 pub enum IdleMemoryError {
     #[error("invalid arguments: {0}")]
     Args(String),
-    #[error("cannot encode the report")]
-    Json(#[source] serde_json::Error),
 }
 
 impl IdleMemoryError {
     pub fn category(&self) -> &'static str {
         match self {
             IdleMemoryError::Args(_) => "args",
-            IdleMemoryError::Json(_) => "json",
         }
     }
 }
 
-/// Microseconds per MiB of `f` run over `mibs` MiB.
-fn per_mib(mibs: usize, f: impl FnOnce()) -> f64 {
+/// Microseconds per MiB of `f` run over `bytes` bytes.
+fn per_mib(bytes: usize, f: impl FnOnce()) -> f64 {
     let t = Instant::now();
     f();
-    t.elapsed().as_secs_f64() * 1e6 / mibs.max(1) as f64
+    t.elapsed().as_secs_f64() * 1e6 / (bytes.max(1) as f64 / MIB as f64)
 }
 
 /// Copy every MiB of `from` into `scratch` (a read of `from`).
@@ -104,16 +101,15 @@ fn write_all(to: &mut [u8], scratch: &[u8]) {
 
 /// One idle time: a fresh region, written, read hot, left alone, then read and written.
 fn measure(size: usize, idle: Duration) -> IdleRow {
-    let mibs = size / MIB;
     let half = size / 2;
     let mut scratch: Vec<u8> = (0..MIB).map(|i| (i * 31 + 7) as u8).collect();
     // A fresh allocation: calloc'd pages that the first write faults in.
     let mut region = vec![0u8; size];
-    let first_write = per_mib(mibs, || write_all(&mut region, &scratch));
-    let hot_read = per_mib(mibs, || read_all(&region, &mut scratch));
+    let first_write = per_mib(size, || write_all(&mut region, &scratch));
+    let hot_read = per_mib(size, || read_all(&region, &mut scratch));
     std::thread::sleep(idle);
-    let idle_read = per_mib(mibs / 2, || read_all(&region[..half], &mut scratch));
-    let idle_write = per_mib(mibs / 2, || write_all(&mut region[half..], &scratch));
+    let idle_read = per_mib(half, || read_all(&region[..half], &mut scratch));
+    let idle_write = per_mib(size - half, || write_all(&mut region[half..], &scratch));
     black_box(&region);
     IdleRow {
         idle_s: idle.as_secs_f64(),
@@ -189,20 +185,6 @@ pub fn render_text(r: &IdleReport) -> String {
         ));
     }
     out
-}
-
-/// Entry point of `kvpool bench idle-memory`.
-pub fn run(args: &IdleMemoryArgs) -> Result<(), IdleMemoryError> {
-    let r = run_report(args)?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&r).map_err(IdleMemoryError::Json)?
-        );
-    } else {
-        print!("{}", render_text(&r));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -114,7 +114,10 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
         BenchCommand::Stress(a) => stress::run(*a).map_err(BenchError::Store),
         BenchCommand::Conductor(a) => conductor::run(*a).map_err(BenchError::Conductor),
         BenchCommand::Engine(a) => engine::run(*a).map_err(BenchError::Engine),
-        BenchCommand::IdleMemory(a) => idle_memory::run(&a).map_err(BenchError::IdleMemory),
+        BenchCommand::IdleMemory(a) => {
+            let report = idle_memory::run_report(&a).map_err(BenchError::IdleMemory)?;
+            print_report(a.json, &report, idle_memory::render_text)
+        }
         BenchCommand::Master(a) => {
             let runtime = tokio::runtime::Runtime::new().map_err(BenchError::Runtime)?;
             master::run_blocking(&runtime, a)
@@ -128,15 +131,7 @@ pub fn run(args: BenchArgs) -> Result<(), BenchError> {
 fn dram_restart(args: &kvpool_agent::bench_restart::DramRestartArgs) -> Result<(), BenchError> {
     use kvpool_agent::bench_restart::{render_text, run};
     let report = run(args).map_err(BenchError::Tier)?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).map_err(BenchError::Json)?
-        );
-    } else {
-        print!("{}", render_text(&report));
-    }
-    Ok(())
+    print_report(args.json, &report, render_text)
 }
 
 /// `kvpool bench tier`: the agent's tier benchmark in this process, printed as JSON or text.
@@ -145,13 +140,20 @@ fn tier(args: &kvpool_agent::bench::TierArgs) -> Result<(), BenchError> {
         .map_err(BenchError::Runtime)?
         .block_on(kvpool_agent::bench::run_tier(args))
         .map_err(BenchError::Tier)?;
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).map_err(BenchError::Json)?
-        );
+    print_report(args.json, &report, kvpool_agent::bench::render_text)
+}
+
+/// Print `report` as pretty JSON (`json`) or as `text` renders it.
+fn print_report<T: serde::Serialize>(
+    json: bool,
+    report: &T,
+    text: impl FnOnce(&T) -> String,
+) -> Result<(), BenchError> {
+    if json {
+        let out = serde_json::to_string_pretty(report).map_err(BenchError::Json)?;
+        println!("{out}");
     } else {
-        print!("{}", kvpool_agent::bench::render_text(&report));
+        print!("{}", text(report));
     }
     Ok(())
 }
