@@ -131,14 +131,28 @@ pub(crate) fn start_agent(
     capacity: u64,
     topology: Option<&(PathBuf, PathBuf)>,
 ) -> Result<AgentProcess, StoreBenchError> {
+    agent_spec(exe, dir, i, master, key_file, capacity, topology)
+        .spawn(&Launcher::new(dir))
+        .map_err(StoreBenchError::Process)
+}
+
+/// What [`start_agent`] starts, for callers that add flags of their own.
+pub(crate) fn agent_spec(
+    exe: &Path,
+    dir: &Path,
+    i: usize,
+    master: SocketAddr,
+    key_file: &Path,
+    capacity: u64,
+    topology: Option<&(PathBuf, PathBuf)>,
+) -> AgentSpec {
     let name = format!("bench-agent-{i}");
     let mut spec = AgentSpec::new(exe, dir.join(&name), &name, &capacity.to_string())
         .pool(master, key_file, "1s");
     if let Some((sys, proc)) = topology {
         spec = spec.discovery(sys.clone(), proc.clone());
     }
-    spec.spawn(&Launcher::new(dir))
-        .map_err(StoreBenchError::Process)
+    spec
 }
 
 /// Worker `id` (`client-<id>`): this executable as `bench store --worker <id>` with the
