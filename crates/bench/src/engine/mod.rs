@@ -391,6 +391,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         &key_file,
         args.store_capacity,
         Some(&topology),
+        &[],
     )?;
     let mut agents = vec![agent];
     let client = MasterClient::new(vec![master.grpc.to_string()], key, ClientConfig::default())

@@ -257,6 +257,7 @@ async fn coordinate(args: StoreBenchArgs) -> Result<StoreBenchReport, StoreBench
                 &key_file,
                 args.agent_capacity,
                 topology.as_ref(),
+                &[],
             )
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -121,7 +121,9 @@ pub(crate) fn write_topology(dir: &Path) -> Result<(PathBuf, PathBuf), StoreBenc
     Ok((sys, proc))
 }
 
-/// Agent `i` (`bench-agent-<i>`) with `capacity` bytes of DRAM in the pool behind `master`.
+/// Agent `i` (`bench-agent-<i>`) with `capacity` bytes of DRAM in the pool behind `master`,
+/// `flags` added to its command line.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn start_agent(
     exe: &Path,
     dir: &Path,
@@ -130,29 +132,17 @@ pub(crate) fn start_agent(
     key_file: &Path,
     capacity: u64,
     topology: Option<&(PathBuf, PathBuf)>,
+    flags: &[&str],
 ) -> Result<AgentProcess, StoreBenchError> {
-    agent_spec(exe, dir, i, master, key_file, capacity, topology)
-        .spawn(&Launcher::new(dir))
-        .map_err(StoreBenchError::Process)
-}
-
-/// What [`start_agent`] starts, for callers that add flags of their own.
-pub(crate) fn agent_spec(
-    exe: &Path,
-    dir: &Path,
-    i: usize,
-    master: SocketAddr,
-    key_file: &Path,
-    capacity: u64,
-    topology: Option<&(PathBuf, PathBuf)>,
-) -> AgentSpec {
     let name = format!("bench-agent-{i}");
     let mut spec = AgentSpec::new(exe, dir.join(&name), &name, &capacity.to_string())
-        .pool(master, key_file, "1s");
+        .pool(master, key_file, "1s")
+        .args(flags.iter().copied());
     if let Some((sys, proc)) = topology {
         spec = spec.discovery(sys.clone(), proc.clone());
     }
-    spec
+    spec.spawn(&Launcher::new(dir))
+        .map_err(StoreBenchError::Process)
 }
 
 /// Worker `id` (`client-<id>`): this executable as `bench store --worker <id>` with the

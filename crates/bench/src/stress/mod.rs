@@ -17,10 +17,10 @@ use clap::Args;
 
 use crate::mooncake::{self, Mooncake};
 use crate::store::StoreBenchError;
-use crate::store::procs::{agent_spec, start_master, wait_for_agents, write_topology};
+use crate::store::procs::{start_agent, start_master, wait_for_agents, write_topology};
 use crate::transfer::parse_size;
 use kvpool_client::master::{ClientConfig, MasterClient};
-use kvpool_harness::{AgentProcess, Launcher, MasterProcess};
+use kvpool_harness::{AgentProcess, MasterProcess};
 use kvpool_proto::auth::AuthKey;
 
 pub use self::report::{
@@ -203,7 +203,7 @@ impl Pool {
         let topology = write_topology(dir)?;
         let mut agents = (0..args.agents)
             .map(|i| {
-                agent_spec(
+                start_agent(
                     &exe,
                     dir,
                     i,
@@ -211,10 +211,8 @@ impl Pool {
                     key_file,
                     args.agent_capacity,
                     Some(&topology),
+                    &["--hugepages", args.agent_hugepages.as_str()],
                 )
-                .args(["--hugepages", args.agent_hugepages.as_str()])
-                .spawn(&Launcher::new(dir))
-                .map_err(StoreBenchError::Process)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let client =
