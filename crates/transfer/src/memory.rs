@@ -32,7 +32,7 @@ mod socket;
 
 pub(crate) use between::adopt_received_fds;
 pub use between::copy_between;
-pub use checked::copy as checked_copy;
+pub use checked::{Check as CallerMemory, copy as checked_copy};
 pub use numa::{NumaNodeError, numa_node_file, parse_numa_node, pci_numa_node};
 pub(crate) use socket::{Span, recv_spans, send_spans};
 
@@ -420,7 +420,7 @@ impl Segment {
         // SAFETY: dst..dst+len is inside the segment (checked); `data` is a separate Rust
         // slice, so the ranges cannot overlap unless the caller built `data` from segment bytes
         // through unsafe code, which the memory model forbids.
-        unsafe { self.copy_raw(dst, data.as_ptr(), data.len()) }
+        unsafe { self.copy_raw(dst, data.as_ptr(), data.len(), checked::Check::DST) }
     }
 
     /// Copy bytes at `offset` out of the segment into `out` (owner-side access).
@@ -438,7 +438,7 @@ impl Segment {
         let src = self.ptr_at(offset, out.len())?;
         // SAFETY: src..src+len is inside the segment (checked); `out` is a distinct Rust slice;
         // caller memory is copied by the kernel, which checks that it is still mapped.
-        unsafe { self.copy_raw(out.as_mut_ptr(), src, out.len()) }
+        unsafe { self.copy_raw(out.as_mut_ptr(), src, out.len(), checked::Check::SRC) }
     }
 
     /// Whether the memory belongs to someone else (a caller's registered buffer), which may
@@ -447,16 +447,23 @@ impl Segment {
         matches!(self.backing, Backing::Foreign { .. })
     }
 
-    /// Copy `len` bytes from `src` to `dst`, one of which lies in this segment: through the
-    /// kernel's checked copy for caller memory (`memory::checked`), a plain copy otherwise.
+    /// Copy `len` bytes from `src` to `dst`, one of which lies in this segment (`side` says
+    /// which): through the kernel's checked copy for caller memory (`memory::checked`), a
+    /// plain copy otherwise.
     ///
     /// # Safety
     /// Both ranges are valid for the copy, apart from caller memory that may have been
     /// unmapped (which the kernel checks); they overlap only if equal.
-    unsafe fn copy_raw(&self, dst: *mut u8, src: *const u8, len: usize) -> Result<(), MemoryError> {
+    unsafe fn copy_raw(
+        &self,
+        dst: *mut u8,
+        src: *const u8,
+        len: usize,
+        side: checked::Check,
+    ) -> Result<(), MemoryError> {
         if self.is_foreign() {
-            // SAFETY: the caller's contract; the kernel checks the mappings.
-            return unsafe { checked::copy(dst, src, len) }.map_err(MemoryError::Fault);
+            // SAFETY: the caller's contract; the kernel checks this segment's side.
+            return unsafe { checked::copy(dst, src, len, side) }.map_err(MemoryError::Fault);
         }
         // SAFETY: the caller's contract.
         unsafe { std::ptr::copy(src, dst, len) };

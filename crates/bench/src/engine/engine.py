@@ -30,7 +30,10 @@ Every prompt is drawn once from the seed, so every arm gets the same ones. Per r
 random-token prefix (a whole number of blocks): A computes prefix + a suffix (its connector
 saves the prefix), the driver waits until the store's key count has settled, then B gets
 prefix + a fresh suffix (streamed: TTFT of the store-loaded prefix, or of recomputing it for
-`none`) and then prefix + another fresh suffix (vLLM's own prefix-cache hit); with
+`none`) and then prefix + another fresh suffix (vLLM's own prefix-cache hit). With
+`warm_first` (the default), B first serves a short prompt of its own (under one block: nothing
+to load, save or hit), so that the first request finds the engine as steady traffic keeps it,
+not after the settle wait's idle second, as the hit right after it does; with
 `idle_hit_s` > 0, after that much idle time, prefix + a third suffix (the same hit on KV cache
 memory that sat idle: on a virtual machine whose host reclaims idle guest memory, what a
 first request's load also pays, `kvpool bench idle-memory`). vLLM's
@@ -455,6 +458,9 @@ class Prompts:
         # what it was before they existed.
         irng = random.Random(cfg["seed"] + 1)
         self.idle_hits = [r[0][:plen] + tokens(irng, slen, vocab) for r in self.rounds]
+        # The warm requests' prompts too (shorter than a block: no block to load or save).
+        wrng = random.Random(cfg["seed"] + 2)
+        self.warm_first = [tokens(wrng, max(1, bs // 2), vocab) for _ in self.rounds]
         self.tp_prefixes = [tokens(rng, plen, vocab) for _ in range(cfg["tp_prefixes"])]
         self.tp_writes = [p + tokens(rng, slen, vocab) for p in self.tp_prefixes]
         self.tp_prompts = [p + tokens(rng, slen, vocab) for p in self.tp_prefixes
@@ -474,6 +480,7 @@ class Run:
         self.engines: Dict[Tuple[str, str], Engine] = {}
         self.master_metrics = cfg.get("kvpool", {}).get("master_metrics")
         self.startup_s = 0.0
+        self.idle_s = float(cfg.get("idle_hit_s", 0.0))
 
     def store_count(self, arm: str) -> float:
         if arm in KVPOOL_ARMS:
@@ -551,8 +558,10 @@ class Run:
         per_arm: Dict[str, Dict[str, Any]] = {
             a: {"loaded_s": [], "hit_s": [], "sources_loaded": [], "sources_hit": [],
                 "settle": [], "ids_loaded": [], "ids_hit": [], "idle_hit_s": [],
-                "sources_idle_hit": []} for a in self.arms}
-        idle = float(cfg.get("idle_hit_s", 0.0))
+                "sources_idle_hit": [], "ids_idle_hit": [], "warm_s": [],
+                "sources_warm": []} for a in self.arms}
+        idle = self.idle_s
+        warm_first = bool(cfg.get("warm_first", False))
         for r, (w, x, y) in enumerate(self.prompts.rounds):
             k = r % len(self.arms)
             for arm in self.arms[k:] + self.arms[:k]:
@@ -562,6 +571,11 @@ class Run:
                     complete(self.engines[(arm, "a")].base, w, 1)
                     rec["settle"].append(self.settle(arm, before))
                 b = self.engines[(arm, "b")].base
+                if warm_first:
+                    w0 = by_source(b)
+                    warm = stream(b, self.prompts.warm_first[r], 1)
+                    rec["warm_s"].append(warm["ttft_s"])
+                    rec["sources_warm"].append(diff(by_source(b), w0))
                 s0 = by_source(b)
                 got = stream(b, x, cfg["max_tokens"])
                 s1 = by_source(b)
@@ -578,6 +592,7 @@ class Run:
                     late = stream(b, self.prompts.idle_hits[r], cfg["max_tokens"])
                     rec["idle_hit_s"].append(late["ttft_s"])
                     rec["sources_idle_hit"].append(diff(by_source(b), s2))
+                    rec["ids_idle_hit"].append(late["ids"])
             log(f"round {r + 1}/{len(self.prompts.rounds)} (first/hit TTFT): " + ", ".join(
                 f"{a} {per_arm[a]['loaded_s'][-1] * 1000:.0f}/"
                 f"{per_arm[a]['hit_s'][-1] * 1000:.0f} ms" for a in self.arms))
@@ -645,8 +660,10 @@ class Run:
                 "connector_line": lines[arm],
                 "loaded": summary(r["loaded_s"]), "hit": summary(r["hit_s"]),
                 "idle_hit": summary(r["idle_hit_s"]) if r["idle_hit_s"] else None,
-                "idle_hit_after_s": float(self.cfg.get("idle_hit_s", 0.0)),
-                "sources_idle_hit": r["sources_idle_hit"],
+                "idle_hit_after_s": self.idle_s,
+                "sources_idle_hit": r["sources_idle_hit"], "ids_idle_hit": r["ids_idle_hit"],
+                "warm": summary(r["warm_s"]) if r["warm_s"] else None,
+                "sources_warm": r["sources_warm"],
                 "sources_loaded": r["sources_loaded"], "sources_hit": r["sources_hit"],
                 "settle": r["settle"], "ids_loaded": r["ids_loaded"], "ids_hit": r["ids_hit"],
                 "throughput": tp.get(arm)})

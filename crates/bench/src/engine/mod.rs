@@ -106,6 +106,15 @@ pub struct EngineBenchArgs {
     /// other figures of such a run are not comparable with a run without it.
     #[arg(long, default_value = "0s", value_parser = kvpool_core::flags::parse_duration)]
     pub idle_hit_after: std::time::Duration,
+    /// Before each round's first request, the reader engine serves a short prompt of its own
+    /// (half a block: nothing to load, save or hit) and its TTFT is reported as `warm`. The
+    /// first request then finds the engine as steady traffic keeps it, as the hit right after
+    /// it does, instead of after the second or so that the driver waits for the store to
+    /// settle (on a virtual machine whose host reclaims idle guest memory that idle second
+    /// alone costs a hit 10-200%, `kvpool bench idle-memory`). `false`: the first request
+    /// comes straight after the wait.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub warm_first: bool,
     /// Shared prefixes of the throughput workload (0: no throughput phase).
     #[arg(long, default_value_t = 3)]
     pub throughput_prefixes: usize,
@@ -172,6 +181,7 @@ struct DriverConfig {
     tp_max_tokens: u64,
     settle_s: f64,
     idle_hit_s: f64,
+    warm_first: bool,
     settle_timeout_s: f64,
     start_timeout_s: u64,
     seed: u64,
@@ -427,6 +437,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         tp_max_tokens: args.throughput_max_tokens,
         settle_s: 1.0,
         idle_hit_s: args.idle_hit_after.as_secs_f64(),
+        warm_first: args.warm_first,
         settle_timeout_s: 60.0,
         start_timeout_s: args.start_timeout.as_secs().max(1),
         seed: 20261206,
@@ -452,6 +463,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         repeats: args.repeats,
         max_tokens: args.max_tokens,
         omp_threads: args.omp_threads,
+        warm_first: args.warm_first,
         kvpool_package: package_text,
         load_average: format!("{load_before} before, {load_after} after"),
     };

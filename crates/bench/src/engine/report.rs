@@ -80,6 +80,16 @@ pub struct ArmRun {
     #[serde(default)]
     pub sources_idle_hit: Vec<Sources>,
     #[serde(default)]
+    pub ids_idle_hit: Vec<Vec<u32>>,
+    /// TTFT of the short request the reader engine served just before each first request
+    /// (`--warm-first`; absent without it): after the settle wait's idle, what an engine's
+    /// first request would otherwise pay.
+    #[serde(default)]
+    pub warm: Option<Summary>,
+    /// Its prompt tokens' sources: all computed (under one block, nothing to load or hit).
+    #[serde(default)]
+    pub sources_warm: Vec<Sources>,
+    #[serde(default)]
     pub settle: Vec<Settle>,
     pub ids_loaded: Vec<Vec<u32>>,
     pub ids_hit: Vec<Vec<u32>>,
@@ -117,6 +127,9 @@ pub struct Workload {
     pub repeats: usize,
     pub max_tokens: u64,
     pub omp_threads: u64,
+    /// Whether the reader engine served a short request of its own just before each first
+    /// request (`--warm-first`).
+    pub warm_first: bool,
     /// Where kvpool's Python package came from (a release build of the extension, or the
     /// venv's installed one).
     pub kvpool_package: String,
@@ -251,10 +264,24 @@ fn check_arm(arm: &ArmRun, reference: Option<&ArmRun>, w: &Workload) -> ArmCheck
         ));
     }
     let hit_from_cache = hit_from_cache && idle_from_cache;
+    let warm_requests = arm.warm.as_ref().map_or(0, |h| h.n);
+    let computed = |s: &Sources| s.external_kv_transfer == 0 && s.local_cache_hit == 0;
+    // A warm request that found blocks would have taken the first request's place.
+    let warm_computed =
+        arm.sources_warm.len() == warm_requests && arm.sources_warm.iter().all(computed);
+    if !warm_computed {
+        notes.push(format!(
+            "warm requests' token sources {:?} (want all computed in each of {warm_requests})",
+            arm.sources_warm
+        ));
+    }
+    let loaded_from_store = loaded_from_store && warm_computed;
     let ids_equal = match reference {
         None => true,
         Some(r) => {
-            let same = r.ids_loaded == arm.ids_loaded && r.ids_hit == arm.ids_hit;
+            let same = r.ids_loaded == arm.ids_loaded
+                && r.ids_hit == arm.ids_hit
+                && r.ids_idle_hit == arm.ids_idle_hit;
             if !same {
                 notes.push(format!("greedy token ids differ from arm {}", r.arm));
             }
@@ -455,6 +482,19 @@ pub fn render_text(r: &EngineReport) -> String {
             g.group.join(", "),
             g.startup_s,
             g.load_average
+        );
+    }
+    let warm: Vec<String> = r
+        .run
+        .arms
+        .iter()
+        .filter_map(|a| Some(format!("{} {:.1}", a.arm, a.warm.as_ref()?.median_ms)))
+        .collect();
+    if !warm.is_empty() {
+        let _ = writeln!(
+            s,
+            "warm request before each first request (TTFT p50 ms): {}",
+            warm.join(", ")
         );
     }
     let fmt = |v: &[(String, f64)]| {

@@ -40,6 +40,9 @@ fn arm(name: &str, loaded_ms: f64, hit_ms: f64, external: i64) -> ArmRun {
         idle_hit: None,
         idle_hit_after_s: 0.0,
         sources_idle_hit: vec![],
+        ids_idle_hit: vec![],
+        warm: None,
+        sources_warm: vec![],
         settle: vec![],
         ids_loaded: vec![vec![5, 6, 7], vec![8, 9, 10]],
         ids_hit: vec![vec![11, 12], vec![13, 14]],
@@ -64,6 +67,7 @@ fn workload() -> Workload {
         repeats: 2,
         max_tokens: 3,
         omp_threads: 1,
+        warm_first: false,
         kvpool_package: "test".into(),
         load_average: "0 0 0".into(),
     }
@@ -234,4 +238,61 @@ fn idle_hits_give_an_informative_ratio_and_must_come_from_vllms_cache() {
         "{:?}",
         r.checks[0].notes
     );
+}
+
+#[test]
+fn warm_requests_are_reported_and_must_compute_every_token() {
+    let with_warm = |name: &str, warm_sources: Sources| {
+        let mut a = arm(name, 45.0, 40.0, if name == "none" { 0 } else { 1024 });
+        a.warm = Some(summary(55.0));
+        a.sources_warm = vec![warm_sources.clone(), warm_sources];
+        a
+    };
+    let run = run_of(vec![
+        with_warm("kvpool", sources(16, 0, 0)),
+        with_warm("none", sources(16, 0, 0)),
+    ]);
+    let r = report(workload(), run.clone());
+    assert!(r.all_verified, "{:?}", r.checks);
+    let text = render_text(&r);
+    assert!(
+        text.contains(
+            "warm request before each first request (TTFT p50 ms): kvpool 55.0, none 55.0"
+        ),
+        "{text}"
+    );
+    // A warm request that took blocks from the store would have been the first request.
+    let mut bad = run.clone();
+    bad.arms[0] = with_warm("kvpool", sources(0, 0, 16));
+    let r = report(workload(), bad);
+    assert!(!r.checks[0].loaded_from_store && !r.all_verified);
+    assert!(
+        r.checks[0]
+            .notes
+            .iter()
+            .any(|n| n.contains("warm requests")),
+        "{:?}",
+        r.checks[0].notes
+    );
+    // One warm request's sources missing: not verified either.
+    let mut short = run;
+    short.arms[1].sources_warm.pop();
+    assert!(!report(workload(), short).all_verified);
+}
+
+#[test]
+fn idle_hits_greedy_ids_must_match_across_arms() {
+    let mut run = run_of(vec![
+        arm("kvpool", 45.0, 40.0, 1024),
+        arm("none", 1200.0, 40.0, 0),
+    ]);
+    for a in &mut run.arms {
+        a.idle_hit = Some(summary(50.0));
+        a.sources_idle_hit = vec![sources(16, 1024, 0), sources(16, 1024, 0)];
+        a.ids_idle_hit = vec![vec![1, 2], vec![3, 4]];
+    }
+    assert!(report(workload(), run.clone()).all_verified);
+    run.arms[1].ids_idle_hit[1] = vec![3, 5];
+    let r = report(workload(), run);
+    assert!(!r.checks[1].ids_equal && !r.all_verified, "{:?}", r.checks);
 }

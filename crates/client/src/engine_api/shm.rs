@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 use memmap2::{MmapOptions, MmapRaw};
 
+use kvpool_transfer::memory::CallerMemory;
+
 /// File name prefix of staging files (stale ones are removed at start-up).
 pub const STAGING_PREFIX: &str = "kvpool-staging-";
 
@@ -249,7 +251,12 @@ impl Staging {
         // SAFETY: start..start+len lies inside the live mapping (checked); no reference to the
         // shared bytes exists; the kernel checks `src`.
         unsafe {
-            kvpool_transfer::memory::checked_copy(self.map.as_ptr().add(start).cast_mut(), src, len)
+            kvpool_transfer::memory::checked_copy(
+                self.map.as_ptr().add(start).cast_mut(),
+                src,
+                len,
+                CallerMemory::SRC,
+            )
         }
         .map_err(|source| ShmError::Fault {
             addr: src as usize,
@@ -271,12 +278,19 @@ impl Staging {
     ) -> Result<(), ShmError> {
         let start = self.check(offset, len)?;
         // SAFETY: as above, the other way round.
-        unsafe { kvpool_transfer::memory::checked_copy(dst, self.map.as_ptr().add(start), len) }
-            .map_err(|source| ShmError::Fault {
-                addr: dst as usize,
+        unsafe {
+            kvpool_transfer::memory::checked_copy(
+                dst,
+                self.map.as_ptr().add(start),
                 len,
-                source,
-            })
+                CallerMemory::DST,
+            )
+        }
+        .map_err(|source| ShmError::Fault {
+            addr: dst as usize,
+            len,
+            source,
+        })
     }
 }
 

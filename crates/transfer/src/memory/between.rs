@@ -43,9 +43,13 @@ pub fn copy_between(
     src.prefault(src_offset, len);
     dst.prefault(dst_offset, len);
     if src.is_foreign() || dst.is_foreign() {
+        let check = checked::Check {
+            dst: dst.is_foreign(),
+            src: src.is_foreign(),
+        };
         // SAFETY: both ranges are inside their segments (checked); the kernel checks that the
-        // caller memory among them is still mapped.
-        return unsafe { checked::copy(d, s, len) }.map_err(MemoryError::Fault);
+        // caller memory among them is still mapped, the others are segments' own mappings.
+        return unsafe { checked::copy(d, s, len, check) }.map_err(MemoryError::Fault);
     }
     // SAFETY: both ranges are inside their segments (checked). They may overlap when both name
     // the same memory (a process reading from its own segment through the shm path), so use
