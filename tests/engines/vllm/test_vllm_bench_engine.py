@@ -8,7 +8,7 @@ bench's own checks: vLLM's `prompt_tokens_by_source` says the first request of e
 fresh engine took the prefix from the store (none of it from vLLM's cache; on the arm without a
 connector, all of it computed), the second took it from vLLM's prefix cache, and greedy token
 ids are equal across the arms; the hit measured again after a second idle comes from vLLM's
-cache too. The timings are not asserted here (docs/benchmarks.md has a
+cache too, and the short warm request before each first request computed every token. The timings are not asserted here (docs/benchmarks.md has a
 measured run).
 """
 
@@ -55,6 +55,13 @@ def test_bench_engine_completes_with_every_arm_verified(tmp_path):
         # The hit once more after a second idle: from vLLM's cache too (the checks above
         # include it), measured once per round.
         assert arm["idle_hit"]["n"] == 2 and arm["idle_hit_after_s"] == 1.0, arm["idle_hit"]
+        assert len(arm["ids_idle_hit"]) == 2 and all(arm["ids_idle_hit"]), arm["ids_idle_hit"]
+        # The warm request before each first request (the default `--warm-first`): one per
+        # round, every prompt token computed (the checks above fail the arm otherwise).
+        assert arm["warm"]["n"] == 2, arm["warm"]
+        assert [s["external_kv_transfer"] + s["local_cache_hit"] for s in arm["sources_warm"]] \
+            == [0, 0], arm["sources_warm"]
+    assert report["workload"]["warm_first"] is True
     # The engines say how their connector loads: direct mode layer by layer, the agent's
     # socket (whole values only) whole blocks.
     logs = tmp_path / "run" / "logs"
