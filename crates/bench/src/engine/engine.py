@@ -571,12 +571,13 @@ class Run:
                     complete(self.engines[(arm, "a")].base, w, 1)
                     rec["settle"].append(self.settle(arm, before))
                 b = self.engines[(arm, "b")].base
-                if warm_first:
-                    w0 = by_source(b)
-                    warm = stream(b, self.prompts.warm_first[r], 1)
-                    rec["warm_s"].append(warm["ttft_s"])
-                    rec["sources_warm"].append(diff(by_source(b), w0))
                 s0 = by_source(b)
+                if warm_first:
+                    warm = stream(b, self.prompts.warm_first[r], 1)
+                    w1 = by_source(b)
+                    rec["warm_s"].append(warm["ttft_s"])
+                    rec["sources_warm"].append(diff(w1, s0))
+                    s0 = w1
                 got = stream(b, x, cfg["max_tokens"])
                 s1 = by_source(b)
                 hit = stream(b, y, cfg["max_tokens"])

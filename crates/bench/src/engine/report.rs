@@ -255,8 +255,7 @@ fn check_arm(arm: &ArmRun, reference: Option<&ArmRun>, w: &Workload) -> ArmCheck
         ));
     }
     let idle_hits = arm.idle_hit.as_ref().map_or(0, |h| h.n);
-    let idle_from_cache =
-        arm.sources_idle_hit.len() == idle_hits && arm.sources_idle_hit.iter().all(from_cache);
+    let idle_from_cache = each_of(&arm.sources_idle_hit, idle_hits, from_cache);
     if !idle_from_cache {
         notes.push(format!(
             "idle hits' token sources {:?} (want {want} from vLLM's cache in each of {idle_hits})",
@@ -267,8 +266,7 @@ fn check_arm(arm: &ArmRun, reference: Option<&ArmRun>, w: &Workload) -> ArmCheck
     let warm_requests = arm.warm.as_ref().map_or(0, |h| h.n);
     let computed = |s: &Sources| s.external_kv_transfer == 0 && s.local_cache_hit == 0;
     // A warm request that found blocks would have taken the first request's place.
-    let warm_computed =
-        arm.sources_warm.len() == warm_requests && arm.sources_warm.iter().all(computed);
+    let warm_computed = each_of(&arm.sources_warm, warm_requests, computed);
     if !warm_computed {
         notes.push(format!(
             "warm requests' token sources {:?} (want all computed in each of {warm_requests})",
@@ -306,6 +304,11 @@ fn check_arm(arm: &ArmRun, reference: Option<&ArmRun>, w: &Workload) -> ArmCheck
         min_external_tokens,
         notes,
     }
+}
+
+/// Whether there are `n` requests' sources and every one passes `ok`.
+fn each_of(sources: &[Sources], n: usize, ok: impl Fn(&Sources) -> bool) -> bool {
+    sources.len() == n && sources.iter().all(ok)
 }
 
 fn over(a: f64, b: f64) -> f64 {

@@ -23,7 +23,8 @@
 //! I/O boundary: the `madvise` and `process_vm_readv` system calls.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::libc;
 
@@ -34,11 +35,8 @@ static UNAVAILABLE: AtomicBool = AtomicBool::new(false);
 const MADV_POPULATE_READ: libc::c_int = 22;
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 
-/// Whether this kernel populates ranges on request: unknown yet, yes, no.
-static POPULATE: AtomicU8 = AtomicU8::new(UNKNOWN);
-const UNKNOWN: u8 = 0;
-const YES: u8 = 1;
-const NO: u8 = 2;
+/// Whether this kernel populates ranges on request (asked once, [`populate_works`]).
+static POPULATE: OnceLock<bool> = OnceLock::new();
 
 /// Which ranges of a copy are caller memory, for the kernel to vouch for (the others are
 /// memory this process mapped itself and keeps mapped: a segment, a staging area).
@@ -60,6 +58,7 @@ impl Check {
         src: true,
     };
     /// Both are.
+    #[cfg(test)]
     pub const BOTH: Check = Check {
         dst: true,
         src: true,
@@ -85,11 +84,10 @@ fn page_size() -> usize {
 
 /// Whether `madvise(MADV_POPULATE_READ)` works here: tried once on a page of our own.
 fn populate_works() -> bool {
-    match POPULATE.load(Ordering::Relaxed) {
-        YES => return true,
-        NO => return false,
-        _ => {}
-    }
+    *POPULATE.get_or_init(probe_populate)
+}
+
+fn probe_populate() -> bool {
     let page = page_size();
     // SAFETY: an anonymous private mapping of one page, owned here and unmapped below.
     let p = unsafe {
@@ -102,15 +100,13 @@ fn populate_works() -> bool {
             0,
         )
     };
-    let works = p != libc::MAP_FAILED && {
+    p != libc::MAP_FAILED && {
         // SAFETY: `p` is the live page mapped above; the advice changes no contents.
         let rc = unsafe { libc::madvise(p, page, MADV_POPULATE_READ) };
         // SAFETY: unmapping the page mapped above, which nothing else refers to.
         unsafe { libc::munmap(p, page) };
         rc == 0
-    };
-    POPULATE.store(if works { YES } else { NO }, Ordering::Relaxed);
-    works
+    }
 }
 
 /// Ask the kernel whether `addr..addr+len` is mapped for reading (or writing): the pages
