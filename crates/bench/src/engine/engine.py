@@ -17,13 +17,13 @@ B alone, without a KV connector):
 - `kvpool-engine`: vLLM's own `MooncakeStoreConnector` on the kvpool pool (the same class
   name with `KVPOOL_VLLM_CONNECTOR=engine`);
 - `mooncake`: vLLM's own `MooncakeStoreConnector` on real Mooncake Store (a `mooncake_master`
-  and one holder process contributing memory, started here; `mooncake` importable from the
-  `--mooncake-path` directory);
+  and one holder process contributing memory, started here with the config's `mooncake_env`,
+  e.g. its huge-page settings; `mooncake` importable from the `--mooncake-path` directory);
 - `none`: no KV connector.
 
 Every engine gets the same thread settings (`VLLM_CPU_OMP_THREADS_BIND=nobind`,
-`OMP_NUM_THREADS`, `VLLM_CPU_NUM_OF_RESERVED_CPU`) and KV cache size, so greedy outputs and
-speed compare. The arms run in groups (`groups` in the config), one group after the other: a
+`OMP_NUM_THREADS`, `VLLM_CPU_NUM_OF_RESERVED_CPU`), KV cache size and allocator setting
+(`engine_thp`: PyTorch's `THP_MEM_ALLOC_ENABLE`), so greedy outputs and speed compare. The arms run in groups (`groups` in the config), one group after the other: a
 group's engines start at once and stay up while its TTFT rounds interleave its arms (the arm
 order rotates each round), so the arms of a group see the machine's load of the same minutes.
 Every prompt is drawn once from the seed, so every arm gets the same ones. Per round, one
@@ -226,7 +226,8 @@ class MooncakePool:
     contributing `capacity` bytes, as Mooncake Store is deployed beside engines that
     contribute none (`standalone-store`)."""
 
-    def __init__(self, path: str, capacity: int, logs: str):
+    def __init__(self, path: str, capacity: int, logs: str,
+                 holder_env: Optional[Dict[str, str]] = None):
         self.procs: List[subprocess.Popen] = []
         self.path = path
         self.port = free_port()
@@ -245,6 +246,7 @@ class MooncakePool:
         self.addr = f"{HOST}:{self.port}"
         hlog = os.path.join(logs, "mooncake-holder.log")
         env = dict(os.environ, PYTHONPATH=path, MC_TCP_BIND_ADDRESS=HOST)
+        env.update(holder_env or {})
         with open(hlog, "ab") as out:
             holder = subprocess.Popen(
                 [sys.executable, "-u", os.path.abspath(__file__), "holder", "--master",
@@ -339,6 +341,10 @@ class Engine:
                    VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=threads,
                    VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_HOST_IP=HOST,
                    VLLM_RPC_BASE_PATH=rpc_dir, PYTHONUNBUFFERED="1")
+        if cfg.get("engine_thp"):
+            env["THP_MEM_ALLOC_ENABLE"] = "1"
+        else:
+            env.pop("THP_MEM_ALLOC_ENABLE", None)
         path = [p for p in (cfg.get("kvpool_package"),) if p]
         extra: Dict[str, Any] = {}
         ktc: Optional[Dict[str, Any]] = None
@@ -698,7 +704,7 @@ def run(args) -> int:
     try:
         if any("mooncake" in g for g in groups):
             mooncake = MooncakePool(cfg["mooncake_path"], cfg["mooncake_capacity"],
-                                    cfg["logs"])
+                                    cfg["logs"], cfg.get("mooncake_env"))
             result["mooncake"] = mooncake.version()
             log(f"Mooncake master at {mooncake.addr}")
         for group in groups:

@@ -115,6 +115,13 @@ pub struct EngineBenchArgs {
     /// comes straight after the wait.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub warm_first: bool,
+    /// Every engine (all arms alike) allocates its CPU memory (weights, KV cache) with
+    /// transparent huge pages: PyTorch's `THP_MEM_ALLOC_ENABLE=1`, which asks `madvise`
+    /// (MADV_HUGEPAGE) for allocations of 2 MiB and more, where the host's THP setting is
+    /// `madvise` or `always`. A KV cache block that sat idle since start-up then costs no more
+    /// to fill than a hot one on hosts that slow idle 4 KiB pages.
+    #[arg(long)]
+    pub engine_thp: bool,
     /// Shared prefixes of the throughput workload (0: no throughput phase).
     #[arg(long, default_value_t = 3)]
     pub throughput_prefixes: usize,
@@ -136,6 +143,8 @@ pub struct EngineBenchArgs {
     /// Memory of kvpool's node agent and of Mooncake's holder.
     #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     pub store_capacity: u64,
+    #[command(flatten)]
+    pub pages: crate::store::procs::StorePagesArgs,
     /// How the `kvpool` and `kvpool-engine` arms reach the pool: `direct` (the engine's client
     /// asks the master and reads the agent's memory over kvpool's transfer engine, as
     /// Mooncake's client does with its holders) or `agent` (the node agent's socket).
@@ -182,6 +191,9 @@ struct DriverConfig {
     settle_s: f64,
     idle_hit_s: f64,
     warm_first: bool,
+    /// Environment of Mooncake's holder (huge pages, `--store-hugepages`).
+    mooncake_env: std::collections::BTreeMap<&'static str, &'static str>,
+    engine_thp: bool,
     settle_timeout_s: f64,
     start_timeout_s: u64,
     seed: u64,
@@ -401,7 +413,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         &key_file,
         args.store_capacity,
         Some(&topology),
-        &[],
+        &args.pages.agent_flags(),
     )?;
     let mut agents = vec![agent];
     let client = MasterClient::new(vec![master.grpc.to_string()], key, ClientConfig::default())
@@ -438,6 +450,8 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         settle_s: 1.0,
         idle_hit_s: args.idle_hit_after.as_secs_f64(),
         warm_first: args.warm_first,
+        mooncake_env: args.pages.mooncake_env().into_iter().collect(),
+        engine_thp: args.engine_thp,
         settle_timeout_s: 60.0,
         start_timeout_s: args.start_timeout.as_secs().max(1),
         seed: 20261206,
@@ -464,6 +478,8 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         max_tokens: args.max_tokens,
         omp_threads: args.omp_threads,
         warm_first: args.warm_first,
+        store_hugepages: args.pages.store_hugepages.clone(),
+        engine_thp: args.engine_thp,
         kvpool_package: package_text,
         load_average: format!("{load_before} before, {load_after} after"),
     };

@@ -130,6 +130,10 @@ pub struct Workload {
     /// Whether the reader engine served a short request of its own just before each first
     /// request (`--warm-first`).
     pub warm_first: bool,
+    /// The page size of both stores' DRAM (`--store-hugepages`).
+    pub store_hugepages: String,
+    /// Whether every engine's CPU allocations used transparent huge pages (`--engine-thp`).
+    pub engine_thp: bool,
     /// Where kvpool's Python package came from (a release build of the extension, or the
     /// venv's installed one).
     pub kvpool_package: String,
@@ -420,7 +424,7 @@ pub fn render_text(r: &EngineReport) -> String {
     let _ = writeln!(
         s,
         "vLLM {} ({}), prefix {} + suffix {} tokens, block {}, {} rounds, {} OpenMP thread(s); \
-         Mooncake {}; kvpool package: {}; load average {}",
+         Mooncake {}; kvpool package: {}; stores' huge pages: {}; engines' THP: {}; load average {}",
         r.run.vllm,
         w.model,
         w.prefix_tokens,
@@ -430,6 +434,8 @@ pub fn render_text(r: &EngineReport) -> String {
         w.omp_threads,
         r.run.mooncake.as_deref().unwrap_or("-"),
         w.kvpool_package,
+        w.store_hugepages,
+        w.engine_thp,
         w.load_average
     );
     let _ = writeln!(

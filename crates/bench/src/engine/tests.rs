@@ -68,6 +68,8 @@ fn workload() -> Workload {
         max_tokens: 3,
         omp_threads: 1,
         warm_first: false,
+        store_hugepages: "none".into(),
+        engine_thp: false,
         kvpool_package: "test".into(),
         load_average: "0 0 0".into(),
     }
@@ -191,6 +193,26 @@ fn flags_are_checked() {
             "{bad:?}"
         );
     }
+}
+
+#[test]
+fn huge_pages_reach_the_stores_the_engines_and_the_report() {
+    let plain = Cli::parse_from(["x"]).args;
+    assert_eq!(plain.pages.agent_flags(), ["--hugepages", "none"]);
+    assert!(!plain.engine_thp);
+    let huge = Cli::parse_from(["x", "--store-hugepages", "2MiB", "--engine-thp"]).args;
+    assert_eq!(huge.pages.agent_flags(), ["--hugepages", "2MiB"]);
+    assert_eq!(huge.pages.mooncake_env()[0], ("MC_STORE_USE_HUGEPAGE", "1"));
+    assert!(huge.engine_thp);
+    assert!(Cli::try_parse_from(["x", "--store-hugepages", "3MiB"]).is_err());
+    let mut w = workload();
+    w.store_hugepages = "2MiB".into();
+    w.engine_thp = true;
+    let text = render_text(&report(w, run_of(vec![])));
+    assert!(
+        text.contains("stores' huge pages: 2MiB; engines' THP: true"),
+        "{text}"
+    );
 }
 
 #[test]

@@ -121,6 +121,46 @@ pub(crate) fn write_topology(dir: &Path) -> Result<(PathBuf, PathBuf), StoreBenc
     Ok((sys, proc))
 }
 
+/// `--store-hugepages`: the page size of the stores' DRAM in a benchmark that starts its own
+/// pools, the same for both stores.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StorePagesArgs {
+    /// Huge pages for the stores' DRAM: kvpool's agents (`dram.hugepages`) and Mooncake's
+    /// holders (`MC_STORE_USE_HUGEPAGE`, `MC_STORE_HUGEPAGE_SIZE`). `none`, `2MiB` or `1GiB`;
+    /// the machine must have that many reserved (/proc/sys/vm/nr_hugepages). With them a fresh
+    /// client maps the agents' memory with one page-table entry per huge page instead of one
+    /// per 4 KiB, and memory that sat idle costs no more than hot memory on hosts that slow
+    /// idle 4 KiB pages (`kvpool bench idle-memory`).
+    #[arg(
+        long = "store-hugepages",
+        alias = "agent-hugepages",
+        default_value = "none",
+        value_parser = ["none", "2MiB", "1GiB"]
+    )]
+    pub store_hugepages: String,
+}
+
+impl StorePagesArgs {
+    /// The agent's command-line flags for this setting.
+    pub fn agent_flags(&self) -> [&str; 2] {
+        ["--hugepages", self.store_hugepages.as_str()]
+    }
+
+    /// The environment of a Mooncake holder for this setting (Mooncake's spelling of the
+    /// sizes).
+    pub fn mooncake_env(&self) -> Vec<(&'static str, &'static str)> {
+        let size = match self.store_hugepages.as_str() {
+            "2MiB" => "2MB",
+            "1GiB" => "1GB",
+            _ => return Vec::new(),
+        };
+        vec![
+            ("MC_STORE_USE_HUGEPAGE", "1"),
+            ("MC_STORE_HUGEPAGE_SIZE", size),
+        ]
+    }
+}
+
 /// Agent `i` (`bench-agent-<i>`) with `capacity` bytes of DRAM in the pool behind `master`,
 /// `flags` added to its command line.
 #[allow(clippy::too_many_arguments)]

@@ -58,12 +58,8 @@ pub struct StressBenchArgs {
     /// Memory of each agent and each Mooncake holder: together they must hold a whole cell.
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub agent_capacity: u64,
-    /// Huge pages for the agents' DRAM (`dram.hugepages`: `none`, `2MiB` or `1GiB`; the
-    /// machine must have that many reserved, /proc/sys/vm/nr_hugepages). With them a fresh
-    /// client maps the agents' memory with one page-table entry per huge page instead of one
-    /// per 4 KiB. Mooncake's holders are started as always.
-    #[arg(long, default_value = "none", value_parser = ["none", "2MiB", "1GiB"])]
-    pub agent_hugepages: String,
+    #[command(flatten)]
+    pub pages: crate::store::procs::StorePagesArgs,
     /// The Python with the `kvpool` package (default: KVPOOL_PYTHON, else .tools/py/bin/python,
     /// made by scripts/python-env.sh).
     #[arg(long, env = "KVPOOL_PYTHON")]
@@ -148,7 +144,7 @@ fn drive(
     cells: &str,
     logs: &Path,
     store_args: &[String],
-    env: &[(&str, &Path)],
+    env: &[(&str, &std::ffi::OsStr)],
 ) -> Result<StoreRun, StoreBenchError> {
     let mut cmd = Command::new(python);
     cmd.arg(script)
@@ -211,7 +207,7 @@ impl Pool {
                     key_file,
                     args.agent_capacity,
                     Some(&topology),
-                    &["--hugepages", args.agent_hugepages.as_str()],
+                    &args.pages.agent_flags(),
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -250,9 +246,15 @@ async fn run_cells(
         .ok_or_else(|| StoreBenchError::Args("generated key too short".into()))?;
     let logs = dir.join("logs");
     let ours_env = [
-        ("KVPOOL_AUTH_KEY_FILE", key_file.as_path()),
-        ("KVPOOL_CLIENT_MODE", Path::new("direct")),
+        ("KVPOOL_AUTH_KEY_FILE", key_file.as_os_str()),
+        ("KVPOOL_CLIENT_MODE", "direct".as_ref()),
     ];
+    let theirs_env: Vec<(&str, &std::ffi::OsStr)> = args
+        .pages
+        .mooncake_env()
+        .into_iter()
+        .map(|(k, v)| (k, v.as_ref()))
+        .collect();
     let theirs_args = mooncake.map(|mc| {
         [
             "--store".into(),
@@ -301,7 +303,7 @@ async fn run_cells(
         }
         if let (Some(mc), Some(a)) = (mooncake, &theirs_args) {
             let run = tokio::task::block_in_place(|| {
-                drive(&mc.bin("python"), script, &one, &logs, a, &[])
+                drive(&mc.bin("python"), script, &one, &logs, a, &theirs_env)
             })?;
             if !discard {
                 merge(&mut theirs, run);
@@ -399,16 +401,32 @@ mod tests {
     }
 
     #[test]
-    fn agent_huge_pages_default_to_none_and_take_only_the_agents_sizes() {
+    fn huge_pages_default_to_none_and_reach_both_stores_in_their_own_spelling() {
         let plain = Cli::try_parse_from(["stress"]).unwrap().args;
-        assert_eq!(plain.agent_hugepages, "none");
-        let huge = Cli::try_parse_from(["stress", "--agent-hugepages", "2MiB"])
+        assert_eq!(plain.pages.agent_flags(), ["--hugepages", "none"]);
+        assert!(plain.pages.mooncake_env().is_empty());
+        let huge = Cli::try_parse_from(["stress", "--store-hugepages", "2MiB"])
             .unwrap()
             .args;
-        assert_eq!(huge.agent_hugepages, "2MiB");
-        let bad = Cli::try_parse_from(["stress", "--agent-hugepages", "4MiB"])
+        assert_eq!(huge.pages.agent_flags(), ["--hugepages", "2MiB"]);
+        assert_eq!(
+            huge.pages.mooncake_env(),
+            [
+                ("MC_STORE_USE_HUGEPAGE", "1"),
+                ("MC_STORE_HUGEPAGE_SIZE", "2MB")
+            ]
+        );
+        // The name of the earlier runs' commands still works.
+        let old = Cli::try_parse_from(["stress", "--agent-hugepages", "1GiB"])
+            .unwrap()
+            .args;
+        assert_eq!(
+            old.pages.mooncake_env()[1],
+            ("MC_STORE_HUGEPAGE_SIZE", "1GB")
+        );
+        let bad = Cli::try_parse_from(["stress", "--store-hugepages", "4MiB"])
             .err()
             .expect("4MiB is not a huge page size");
-        assert!(bad.to_string().contains("--agent-hugepages"), "{bad}");
+        assert!(bad.to_string().contains("--store-hugepages"), "{bad}");
     }
 }
