@@ -187,40 +187,69 @@ async fn put_group(
 ) -> Result<Vec<Result<(), Failure>>, Failure> {
     let (lease, mut at) = take_room(a, room).await?;
     let mut rpc = Vec::with_capacity(items.len());
+    // Per item: the failure of its copy into staging (its caller memory gone, say), which
+    // keeps it out of the call and fails it alone.
+    let mut staged: Vec<Option<Failure>> = Vec::with_capacity(items.len());
     for (key, src) in items {
         let offset = match src {
             Src::Staged(offset, _) => *offset,
             Src::Copy(pieces) => {
                 let start = at;
-                for p in pieces {
-                    match p {
-                        Piece::Bytes(b) => a.write(at, b)?,
-                        Piece::Raw(Place::Caller(ptr), n) => a.write_raw(at, *ptr, *n)?,
-                        Piece::Raw(Place::Staged(off), n) => {
-                            let mut tmp = vec![0u8; *n as usize];
-                            a.read(*off, &mut tmp)?;
-                            a.write(at, &tmp)?;
-                        }
-                    }
-                    at += p.len();
-                }
                 at = start + src.room();
+                if let Err(f) = stage(a, start, pieces) {
+                    staged.push(Some(f));
+                    continue;
+                }
                 start
             }
         };
+        staged.push(None);
         rpc.push(PutItem {
             key: key.to_vec(),
             offset,
             length: src.len(),
         });
     }
-    let statuses = a.put_rpc(rpc).await?;
+    let mut statuses = if rpc.is_empty() {
+        Vec::new()
+    } else {
+        a.put_rpc(rpc).await?
+    }
+    .into_iter();
     drop(lease);
     let mut out = Vec::with_capacity(items.len());
-    for ((key, _), status) in items.iter().zip(statuses) {
-        out.push(put_outcome(a, key, status).await);
+    for ((key, _), failed) in items.iter().zip(staged) {
+        // A failed item was not sent: it takes no status.
+        if let Some(f) = failed {
+            out.push(Err(f));
+            continue;
+        }
+        out.push(match statuses.next() {
+            Some(status) => put_outcome(a, key, status).await,
+            None => Err(Failure::new(
+                Kind::Internal,
+                "the agent answered fewer items than were sent",
+            )),
+        });
     }
     Ok(out)
+}
+
+/// Copy a value's pieces into the staging area from `at` on.
+fn stage(a: &Agent, mut at: u64, pieces: &[Piece<'_>]) -> Result<(), Failure> {
+    for p in pieces {
+        match p {
+            Piece::Bytes(b) => a.write(at, b)?,
+            Piece::Raw(Place::Caller(ptr), n) => a.write_raw(at, *ptr, *n)?,
+            Piece::Raw(Place::Staged(off), n) => {
+                let mut tmp = vec![0u8; *n as usize];
+                a.read(*off, &mut tmp)?;
+                a.write(at, &tmp)?;
+            }
+        }
+        at += p.len();
+    }
+    Ok(())
 }
 
 /// A put the agent refused as invalid although its range and key were sound is a re-put of a

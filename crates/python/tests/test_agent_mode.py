@@ -479,7 +479,19 @@ out["put_from"] = store.put_from(f"gone-{tag}", addr, size)
 out["get_into"] = store.get_into(f"ok-{tag}", addr, 4096)
 out["batch_put_from"] = store.batch_put_from([f"gone-b-{tag}"], [addr], [4096])[0]
 out["batch_get_into"] = store.batch_get_into([f"ok-{tag}"], [addr], [4096])[0]
-out["stored_anyway"] = store.is_exist(f"gone-{tag}") + store.is_exist(f"gone-b-{tag}")
+# A batch mixing a mapped buffer with the gone one (the shared-memory path asks the kernel
+# once for a whole batch, then each copy on its own when that answer is no): the mapped item
+# moves, the other fails.
+good = libc.mmap(None, 8192, 3, 0x22, -1, 0)
+ctypes.memset(good, 9, 8192)
+out["register_good"] = store.register_buffer(good, 8192)
+out["mixed_put"] = store.batch_put_from([f"good-{tag}", f"gone-m-{tag}"], [good, addr],
+                                        [4096, 4096])
+out["mixed_get"] = store.batch_get_into([f"good-{tag}", f"ok-{tag}"], [good + 4096, addr],
+                                        [4096, 4096])
+out["good_bytes"] = ctypes.string_at(good + 4096, 4096) == b"\x09" * 4096
+out["stored_anyway"] = (store.is_exist(f"gone-{tag}") + store.is_exist(f"gone-b-{tag}")
+                        + store.is_exist(f"gone-m-{tag}"))
 out["still_works"] = store.put(f"after-{tag}", b"fine")
 print(json.dumps(out))
 store.close()
@@ -518,5 +530,9 @@ def test_registered_memory_unmapped_later_is_an_error_not_a_signal(fresh_node, m
     assert out["register"] == 0 and out["put_mapped"] == 0, out
     for call in ("put_from", "get_into", "batch_put_from", "batch_get_into"):
         assert out[call] < 0, (call, out)
+    assert out["register_good"] == 0, out
+    assert out["mixed_put"][0] == 0 and out["mixed_put"][1] < 0, out
+    assert out["mixed_get"][0] == 4096 and out["mixed_get"][1] < 0, out
+    assert out["good_bytes"] is True, out
     assert out["stored_anyway"] == 0, out
     assert out["still_works"] == 0, out

@@ -6,10 +6,21 @@ asserted: figures are for docs/benchmarks.md."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from kvpool_pool import REPO, kvpool_binary
+
+
+def _zombie_or_other(pid: int) -> bool:
+    """A pid still in /proc that is not a kvpool master any more (reused, or not reaped)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+    except OSError:
+        return True
+    return b"master" not in cmd
 
 
 def test_bench_stress_runs_both_stores_on_the_same_cells():
@@ -32,6 +43,15 @@ def test_bench_stress_runs_both_stores_on_the_same_cells():
             assert c["get"]["verified"] == 8, (side, c)
             assert c["put"]["calls"] == 8 // c["batch"], (side, c)
     assert r["all_values_verified"] is True
+    # Every cell ran on a pool started for it (its own master process, on both sides), and
+    # none of kvpool's is left running.
+    for side in ("kvpool", "mooncake"):
+        pids = [c["master_pid"] for c in r[side]["cells"]]
+        assert all(isinstance(p, int) and p > 0 for p in pids), (side, pids)
+        assert len(set(pids)) == len(pids), (side, pids)
+    for pid in (c["master_pid"] for c in r["kvpool"]["cells"]):
+        assert not os.path.exists(f"/proc/{pid}") or _zombie_or_other(pid), pid
+
     assert len(r["ratios"]) == 4 and all(x["put"] > 0 and x["get"] > 0 for x in r["ratios"])
     # The machine's idle-memory probe, measured before the cells (how to read the figures).
     idle = r["idle_memory"]

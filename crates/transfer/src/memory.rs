@@ -31,7 +31,7 @@ mod shared;
 mod socket;
 
 pub(crate) use between::adopt_received_fds;
-pub use between::copy_between;
+pub use between::{BatchCopy, copy_between, copy_between_in, vouch_copies};
 pub use checked::{Check as CallerMemory, copy as checked_copy};
 pub use numa::{NumaNodeError, numa_node_file, parse_numa_node, pci_numa_node};
 pub(crate) use socket::{Span, recv_spans, send_spans};

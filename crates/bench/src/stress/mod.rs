@@ -183,6 +183,7 @@ struct Pool {
     _agents: Vec<AgentProcess>,
     _master: MasterProcess,
     grpc: std::net::SocketAddr,
+    master_pid: u32,
 }
 
 impl Pool {
@@ -217,6 +218,7 @@ impl Pool {
         wait_for_agents(&client, &mut agents, &mut master, args.agents).await?;
         Ok(Self {
             _agents: agents,
+            master_pid: master.process.id(),
             _master: master,
             grpc,
         })
@@ -294,9 +296,12 @@ async fn run_cells(
             "--master".into(),
             pool.grpc.to_string(),
         ];
-        let run = tokio::task::block_in_place(|| {
+        let mut run = tokio::task::block_in_place(|| {
             drive(&args.python(), script, &one, &logs, &ours_args, &ours_env)
         })?;
+        for c in &mut run.cells {
+            c.master_pid = Some(pool.master_pid);
+        }
         drop(pool);
         if !discard {
             merge(&mut ours, run);

@@ -37,6 +37,10 @@ pub struct CellFigures {
     pub values: u64,
     pub put: RoleFigures,
     pub get: RoleFigures,
+    /// Process id of the master of the pool the cell ran on: every cell gets a pool started
+    /// for it alone (set by the coordinator for kvpool, by the driver for Mooncake).
+    #[serde(default)]
+    pub master_pid: Option<u32>,
 }
 
 /// One store's run, as the driver prints it.
@@ -207,6 +211,7 @@ mod tests {
             values: 4,
             put: role(put, 0),
             get: role(get, 4),
+            master_pid: None,
         }
     }
 

@@ -223,8 +223,10 @@ def cells(args) -> int:
         finally:
             if pool is not None:
                 pool.close()
-        results.append({k: cell[k] for k in ("size", "batch", "parts", "values")}
-                       | {"put": put, "get": get})
+        row = {k: cell[k] for k in ("size", "batch", "parts", "values")} | {"put": put, "get": get}
+        if pool is not None:
+            row["master_pid"] = pool.procs[0].pid
+        results.append(row)
     version = ""
     try:
         from importlib.metadata import version as v

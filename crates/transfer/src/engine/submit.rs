@@ -35,13 +35,15 @@ struct ShmCopy {
 }
 
 impl ShmCopy {
-    fn run(self) {
-        let result = memory::copy_between(
+    /// `vouched`: the kernel vouched for the caller memory of the whole batch.
+    fn run(self, vouched: bool) {
+        let result = memory::copy_between_in(
             &self.src,
             self.src_offset,
             &self.dst,
             self.dst_offset,
             self.len as usize,
+            vouched,
         )
         .map_err(|e| Failure::new(e.category(), e.to_string()));
         self.req.slice_done(result);
@@ -51,9 +53,17 @@ impl ShmCopy {
 /// Run `copies` on this thread, or, from [`SHM_PARALLEL_MIN`] bytes on, about half of their
 /// bytes on a second thread (in order: each thread copies a run of consecutive pieces).
 fn run_shm(mut copies: Vec<ShmCopy>) {
+    // One question to the kernel for the batch's caller memory instead of one per copy.
+    let vouched = copies.len() > 1
+        && memory::vouch_copies(
+            copies
+                .iter()
+                .map(|c| (&*c.src, c.src_offset, &*c.dst, c.dst_offset, c.len as usize)),
+        );
+    let run = |c: ShmCopy| c.run(vouched);
     let total: u64 = copies.iter().map(|c| c.len).sum();
     if total < SHM_PARALLEL_MIN || copies.len() < 2 {
-        copies.into_iter().for_each(ShmCopy::run);
+        copies.into_iter().for_each(run);
         return;
     }
     let mut acc = 0;
@@ -69,14 +79,14 @@ fn run_shm(mut copies: Vec<ShmCopy>) {
     let second = Mutex::new(Some(copies.split_off(split)));
     let run_second = || {
         if let Some(rest) = second.lock().take() {
-            rest.into_iter().for_each(ShmCopy::run);
+            rest.into_iter().for_each(run);
         }
     };
     std::thread::scope(|scope| {
         let helper = std::thread::Builder::new()
             .name("kvpool-xfer-copy".into())
             .spawn_scoped(scope, run_second);
-        copies.into_iter().for_each(ShmCopy::run);
+        copies.into_iter().for_each(run);
         match helper {
             Ok(h) => {
                 let _ = h.join();

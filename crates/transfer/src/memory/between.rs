@@ -15,6 +15,46 @@ pub fn copy_between(
     dst_offset: u64,
     len: usize,
 ) -> Result<(), MemoryError> {
+    copy_between_in(src, src_offset, dst, dst_offset, len, false)
+}
+
+/// One copy of a batch for [`vouch_copies`]: source, its offset, destination, its offset,
+/// length.
+pub type BatchCopy<'a> = (&'a Segment, u64, &'a Segment, u64, usize);
+
+/// Ask the kernel once for the caller memory (registered, not mapped here) of a batch of
+/// copies (`checked::vouch_all`). True: every copy of the batch may then go through
+/// [`copy_between_in`] with `vouched`, without a check of its own; false: each checks itself.
+pub fn vouch_copies<'a>(copies: impl Iterator<Item = BatchCopy<'a>>) -> bool {
+    let mut ranges = Vec::new();
+    for (src, so, dst, dof, len) in copies {
+        for (seg, off, write) in [(src, so, false), (dst, dof, true)] {
+            if !seg.is_foreign() {
+                continue;
+            }
+            let Ok(p) = seg.ptr_at(off, len) else {
+                return false;
+            };
+            ranges.push(checked::CallerRange {
+                addr: p as usize,
+                len,
+                write,
+            });
+        }
+    }
+    checked::vouch_all(&mut ranges)
+}
+
+/// [`copy_between`]; with `vouched`, the caller memory among the two sides was vouched for by
+/// [`vouch_copies`] for a batch holding this copy, and is not checked again.
+pub fn copy_between_in(
+    src: &Segment,
+    src_offset: u64,
+    dst: &Segment,
+    dst_offset: u64,
+    len: usize,
+    vouched: bool,
+) -> Result<(), MemoryError> {
     if let Some(dev) = src.device_memory_backing() {
         // Device to anywhere: stream the source's chunks into the destination.
         src.check_range(src_offset, len as u64)?;
@@ -43,12 +83,17 @@ pub fn copy_between(
     src.prefault(src_offset, len);
     dst.prefault(dst_offset, len);
     if src.is_foreign() || dst.is_foreign() {
-        let check = checked::Check {
-            dst: dst.is_foreign(),
-            src: src.is_foreign(),
+        let check = if vouched {
+            checked::Check::NONE
+        } else {
+            checked::Check {
+                dst: dst.is_foreign(),
+                src: src.is_foreign(),
+            }
         };
         // SAFETY: both ranges are inside their segments (checked); the kernel checks that the
-        // caller memory among them is still mapped, the others are segments' own mappings.
+        // caller memory among them is still mapped (here, or for the whole batch just before:
+        // `vouched`), the others are segments' own mappings.
         return unsafe { checked::copy(d, s, len, check) }.map_err(MemoryError::Fault);
     }
     // SAFETY: both ranges are inside their segments (checked). They may overlap when both name
