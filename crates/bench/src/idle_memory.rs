@@ -32,6 +32,13 @@ pub struct IdleMemoryArgs {
     #[arg(long, value_delimiter = ',', default_value = "0s,1s,5s,20s",
           value_parser = kvpool_core::flags::parse_duration)]
     pub idle: Vec<Duration>,
+    /// Pages of the regions: `4KiB` (plain anonymous memory, as a process's heap), `thp`
+    /// (anonymous memory with `MADV_HUGEPAGE`: transparent huge pages where the host's THP
+    /// setting is `madvise` or `always`, as PyTorch's `THP_MEM_ALLOC_ENABLE` asks for) or
+    /// `2MiB` (hugetlb pages, as an agent's `dram.hugepages`: that many must be reserved,
+    /// /proc/sys/vm/nr_hugepages).
+    #[arg(long, default_value = "4KiB", value_parser = ["4KiB", "thp", "2MiB"])]
+    pub pages: String,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -57,6 +64,8 @@ pub struct IdleRow {
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct IdleReport {
     pub size_bytes: u64,
+    /// `--pages`.
+    pub pages: String,
     pub rows: Vec<IdleRow>,
 }
 
@@ -65,14 +74,47 @@ pub struct IdleReport {
 pub enum IdleMemoryError {
     #[error("invalid arguments: {0}")]
     Args(String),
+    #[error(
+        "cannot map {size} bytes of {pages} pages: {source} (2MiB pages must be reserved: \
+         /proc/sys/vm/nr_hugepages)"
+    )]
+    Map {
+        size: usize,
+        pages: String,
+        source: std::io::Error,
+    },
 }
 
 impl IdleMemoryError {
     pub fn category(&self) -> &'static str {
         match self {
             IdleMemoryError::Args(_) => "args",
+            IdleMemoryError::Map { .. } => "map",
         }
     }
+}
+
+/// A fresh region of `size` bytes with the pages `pages` names (see [`IdleMemoryArgs`]).
+fn region(size: usize, pages: &str) -> Result<memmap2::MmapMut, IdleMemoryError> {
+    let mut opts = memmap2::MmapOptions::new();
+    opts.len(size);
+    if pages == "2MiB" {
+        opts.huge(Some(21));
+    }
+    let map = opts
+        .map_anon()
+        .and_then(|m| {
+            if pages == "thp" {
+                m.advise(memmap2::Advice::HugePage)?;
+            }
+            Ok(m)
+        })
+        .map_err(|source| IdleMemoryError::Map {
+            size,
+            pages: pages.to_owned(),
+            source,
+        })?;
+    Ok(map)
 }
 
 /// Microseconds per MiB of `f` run over `bytes` bytes.
@@ -100,31 +142,32 @@ fn write_all(to: &mut [u8], scratch: &[u8]) {
 }
 
 /// One idle time: a fresh region, written, read hot, left alone, then read and written.
-fn measure(size: usize, idle: Duration) -> IdleRow {
+fn measure(size: usize, idle: Duration, pages: &str) -> Result<IdleRow, IdleMemoryError> {
     let half = size / 2;
     let mut scratch: Vec<u8> = (0..MIB).map(|i| (i * 31 + 7) as u8).collect();
-    // A fresh allocation: calloc'd pages that the first write faults in.
-    let mut region = vec![0u8; size];
+    // A fresh mapping: pages that the first write faults in.
+    let mut region = region(size, pages)?;
     let first_write = per_mib(size, || write_all(&mut region, &scratch));
     let hot_read = per_mib(size, || read_all(&region, &mut scratch));
     std::thread::sleep(idle);
     let idle_read = per_mib(half, || read_all(&region[..half], &mut scratch));
     let idle_write = per_mib(size - half, || write_all(&mut region[half..], &scratch));
     black_box(&region);
-    IdleRow {
+    Ok(IdleRow {
         idle_s: idle.as_secs_f64(),
         first_write_us_per_mib: first_write,
         hot_read_us_per_mib: hot_read,
         idle_read_us_per_mib: idle_read,
         idle_write_us_per_mib: idle_write,
         read_slowdown: idle_read / hot_read.max(1e-9),
-    }
+    })
 }
 
-/// The probe the store and engine benchmarks put in their reports: one 64 MiB region left
-/// idle for one second (about 1.5 s in all).
-pub fn probe() -> IdleRow {
-    measure(64 * MIB, Duration::from_secs(1))
+/// The probe the store and engine benchmarks put in their reports: one 64 MiB region of
+/// plain 4 KiB pages left idle for one second (about 1.5 s in all); none where the region
+/// cannot be mapped.
+pub fn probe() -> Option<IdleRow> {
+    measure(64 * MIB, Duration::from_secs(1), "4KiB").ok()
 }
 
 /// One line for a report's text about the probe, with a warning where idle memory is slow.
@@ -159,9 +202,14 @@ pub fn run_report(args: &IdleMemoryArgs) -> Result<IdleReport, IdleMemoryError> 
             "--idle must name at least one time".into(),
         ));
     }
-    let rows = args.idle.iter().map(|&d| measure(size, d)).collect();
+    let rows = args
+        .idle
+        .iter()
+        .map(|&d| measure(size, d, &args.pages))
+        .collect::<Result<_, _>>()?;
     Ok(IdleReport {
         size_bytes: args.size,
+        pages: args.pages.clone(),
         rows,
     })
 }
@@ -169,9 +217,10 @@ pub fn run_report(args: &IdleMemoryArgs) -> Result<IdleReport, IdleMemoryError> 
 /// The report as text.
 pub fn render_text(r: &IdleReport) -> String {
     let mut out = format!(
-        "memory touched again after sitting idle ({} MiB regions, µs per MiB)\n\
+        "memory touched again after sitting idle ({} MiB regions of {} pages, µs per MiB)\n\
          idle    first write   hot read   read after idle   write after idle   read slowdown\n",
-        r.size_bytes >> 20
+        r.size_bytes >> 20,
+        r.pages
     );
     for row in &r.rows {
         out.push_str(&format!(
@@ -197,6 +246,7 @@ mod tests {
             let args = IdleMemoryArgs {
                 size,
                 idle: vec![Duration::ZERO],
+                pages: "4KiB".into(),
                 json: true,
             };
             let e = run_report(&args).unwrap_err();
@@ -205,6 +255,7 @@ mod tests {
         let none = IdleMemoryArgs {
             size: 4 * MIB as u64,
             idle: vec![],
+            pages: "4KiB".into(),
             json: true,
         };
         assert!(
@@ -220,9 +271,11 @@ mod tests {
         let args = IdleMemoryArgs {
             size: 4 * MIB as u64,
             idle: vec![Duration::ZERO, Duration::from_millis(20)],
+            pages: "thp".into(),
             json: false,
         };
         let r = run_report(&args).unwrap();
+        assert_eq!(r.pages, "thp");
         assert_eq!(r.rows.len(), 2);
         assert_eq!(r.rows[1].idle_s, 0.02);
         for row in &r.rows {

@@ -484,7 +484,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         load_average: format!("{load_before} before, {load_after} after"),
     };
     let mut r = report(workload, run);
-    r.idle_memory = Some(idle);
+    r.idle_memory = idle;
     Ok(r)
 }
 

@@ -351,7 +351,7 @@ async fn coordinate(args: StressBenchArgs) -> Result<StressReport, StoreBenchErr
     let idle = tokio::task::block_in_place(crate::idle_memory::probe);
     let (ours, theirs) = run_cells(&args, dir.path(), &script, mooncake.as_ref()).await?;
     let mut r = report(ours, theirs);
-    r.idle_memory = Some(idle);
+    r.idle_memory = idle;
     Ok(r)
 }
 
