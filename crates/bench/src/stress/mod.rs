@@ -181,9 +181,8 @@ fn drive(
 struct Pool {
     // Field order is drop order: the agents leave before their master stops.
     _agents: Vec<AgentProcess>,
-    _master: MasterProcess,
+    master: MasterProcess,
     grpc: std::net::SocketAddr,
-    master_pid: u32,
 }
 
 impl Pool {
@@ -218,8 +217,7 @@ impl Pool {
         wait_for_agents(&client, &mut agents, &mut master, args.agents).await?;
         Ok(Self {
             _agents: agents,
-            master_pid: master.process.id(),
-            _master: master,
+            master,
             grpc,
         })
     }
@@ -300,7 +298,7 @@ async fn run_cells(
             drive(&args.python(), script, &one, &logs, &ours_args, &ours_env)
         })?;
         for c in &mut run.cells {
-            c.master_pid = Some(pool.master_pid);
+            c.master_pid = Some(pool.master.process.id());
         }
         drop(pool);
         if !discard {
