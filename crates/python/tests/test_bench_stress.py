@@ -43,6 +43,7 @@ def test_bench_stress_runs_both_stores_on_the_same_cells():
             assert c["get"]["verified"] == 8, (side, c)
             assert c["put"]["calls"] == 8 // c["batch"], (side, c)
     assert r["all_values_verified"] is True
+    assert r["store_hugepages"] == "none", r["store_hugepages"]
     # Every cell ran on a pool started for it (its own master process, on both sides), and
     # none of kvpool's is left running.
     for side in ("kvpool", "mooncake"):

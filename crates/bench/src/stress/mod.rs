@@ -350,6 +350,7 @@ async fn coordinate(args: StressBenchArgs) -> Result<StressReport, StoreBenchErr
     let (ours, theirs) = run_cells(&args, dir.path(), &script, mooncake.as_ref()).await?;
     let mut r = report(ours, theirs);
     r.idle_memory = idle;
+    r.store_hugepages = args.pages.store_hugepages.clone();
     Ok(r)
 }
 

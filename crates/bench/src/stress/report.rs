@@ -74,6 +74,8 @@ pub struct StressReport {
     /// This machine's cost of reading memory that sat idle (`crate::idle_memory::probe`),
     /// measured before the cells.
     pub idle_memory: Option<crate::idle_memory::IdleRow>,
+    /// The page size of both stores' DRAM (`--store-hugepages`).
+    pub store_hugepages: String,
 }
 
 /// Parse a driver's output: its last line that starts a JSON object.
@@ -132,6 +134,7 @@ pub fn report(kvpool: StoreRun, mooncake: Option<StoreRun>) -> StressReport {
         ratios,
         min_ratio,
         idle_memory: None,
+        store_hugepages: "none".into(),
     }
 }
 
@@ -188,6 +191,7 @@ pub fn print_text(r: &StressReport) {
     if let Some(m) = r.min_ratio {
         println!("smallest ratio: {m:.2}x");
     }
+    println!("stores' huge pages: {}", r.store_hugepages);
     if let Some(row) = &r.idle_memory {
         println!("{}", crate::idle_memory::note(row));
     }
