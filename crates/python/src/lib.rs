@@ -31,6 +31,8 @@ mod ops;
 mod p2p;
 mod p2p_api;
 mod p2p_table;
+mod pending;
+mod placement;
 mod staging;
 mod threads;
 
@@ -38,7 +40,8 @@ use buffers::Held;
 use client::Settings;
 use errors::{Failure, Kind};
 use link::{Conn, Mode, Options};
-use ops::PutArgs;
+use pending::PendingGet;
+use placement::{Placement, placed};
 
 /// A key with the registered ranges its value spans.
 type PartsItem = (Vec<u8>, Vec<(usize, u64)>);
@@ -77,13 +80,6 @@ impl Key {
 
 fn keys(keys: Vec<Key>) -> Vec<Vec<u8>> {
     keys.into_iter().map(Key::into_bytes).collect()
-}
-
-fn replicas(n: u32) -> Result<u8, Failure> {
-    u8::try_from(n)
-        .ok()
-        .filter(|n| *n >= 1)
-        .ok_or_else(|| Failure::invalid(format!("replica count {n} must be 1 to 255")))
 }
 
 /// Three lists of one length.
@@ -383,6 +379,33 @@ impl Client {
         })
     }
 
+    /// `batch_get_parts`, started on the store's runtime and collected with the answer's
+    /// `wait()`: the caller goes on (the GIL held or not) while the bytes move. The memory
+    /// must stay registered and unused by anything else until `wait()` returns.
+    #[pyo3(signature = (keys, all_ptrs, all_sizes, value_offsets = None))]
+    fn start_batch_get_parts(
+        &self,
+        keys: Vec<Key>,
+        all_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<u64>>,
+        value_offsets: Option<Vec<u64>>,
+    ) -> PyResult<PendingGet> {
+        if value_offsets
+            .as_ref()
+            .is_some_and(|o| o.len() != keys.len())
+        {
+            return Err(Failure::invalid("value_offsets must hold one offset per key").into());
+        }
+        let items = ops::parts(keys, all_ptrs, all_sizes)?;
+        let link = self.conn.link()?;
+        let n = items.len();
+        Ok(PendingGet::start(
+            self.conn.runtime.handle().clone(),
+            n,
+            async move { link.batch_get_parts(&items, value_offsets.as_deref()).await },
+        ))
+    }
+
     /// Puts of several values: per item None or the exception it failed with.
     #[pyo3(signature = (keys, values, placement = None))]
     fn batch_put(
@@ -516,46 +539,6 @@ impl Client {
     }
 }
 
-/// Where a put's replicas go and how the object is pinned once committed (Mooncake's
-/// `ReplicateConfig`): `replicas` copies, the first on node `preferred` when given, a hard pin
-/// or a soft pin for `soft_pin_ttl_ms`. Checked when made.
-#[pyclass(module = "kvpool._native", frozen)]
-struct Placement {
-    args: PutArgs,
-}
-
-#[pymethods]
-impl Placement {
-    #[new]
-    #[pyo3(signature = (replicas = 1, preferred = None, hard_pin = false, soft_pin_ttl_ms = 0))]
-    fn new(
-        replicas: u32,
-        preferred: Option<String>,
-        hard_pin: bool,
-        soft_pin_ttl_ms: u64,
-    ) -> PyResult<Self> {
-        Ok(Self {
-            args: PutArgs {
-                replicas: self::replicas(replicas)?,
-                preferred: preferred.filter(|p| !p.is_empty()),
-                hard_pin,
-                soft_pin_ttl_ms,
-            },
-        })
-    }
-}
-
-/// The put arguments of `placement` (one replica, no preference, no pin when none is given).
-fn placed(placement: Option<Bound<'_, Placement>>) -> PutArgs {
-    placement.map_or_else(
-        || PutArgs {
-            replicas: 1,
-            ..PutArgs::default()
-        },
-        |p| p.get().args.clone(),
-    )
-}
-
 /// Keys with their ranges, checked: one address and one size per key.
 fn items(
     keys: Vec<Key>,
@@ -579,6 +562,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device::device_memory_supported, m)?)?;
     m.add_class::<Client>()?;
     m.add_class::<Placement>()?;
+    m.add_class::<PendingGet>()?;
     m.add_class::<p2p::P2pEngine>()?;
     errors::add_to(m)
 }

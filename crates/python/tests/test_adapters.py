@@ -248,10 +248,13 @@ class Engine:
     """One vLLM instance: its scheduler-side and worker-side connectors, stepped as vLLM steps
     them (build metadata, bind it, load, forward, save, report finished)."""
 
-    def __init__(self, role: str, caches, tp: int = 1, tp_rank: int = 0, **extra):
+    def __init__(self, role: str, caches, tp: int = 1, tp_rank: int = 0, zeroes: bool = False,
+                 **extra):
         cfg = vllm_config(role, tp, kvpool_tp_rank=tp_rank, **extra)
-        self.scheduler = vl.KvpoolBlockConnector(cfg, vl.KVConnectorRole.SCHEDULER)
-        self.worker = vl.KvpoolBlockConnector(cfg, vl.KVConnectorRole.WORKER)
+        # vLLM's KVCacheConfig, as far as the connector reads it.
+        kv_cfg = SimpleNamespace(num_blocks=NUM_BLOCKS, needs_kv_cache_zeroing=zeroes)
+        self.scheduler = vl.KvpoolBlockConnector(cfg, vl.KVConnectorRole.SCHEDULER, kv_cfg)
+        self.worker = vl.KvpoolBlockConnector(cfg, vl.KVConnectorRole.WORKER, kv_cfg)
         self.worker.register_kv_caches(caches)
         self.caches = caches
 
@@ -260,6 +263,9 @@ class Engine:
         computed this step), which the connector saves completed blocks by."""
         out = SimpleNamespace(num_scheduled_tokens=dict(scheduled or {}))
         meta = self.scheduler.build_connector_meta(out)
+        # vLLM's worker step: handle_preemptions first, then the step's inputs are prepared,
+        # then the connector's forward context (bind, start_load_kv, forward, wait_for_save).
+        self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
@@ -605,6 +611,65 @@ def test_vllm_loads_layer_by_layer_behind_the_forward_pass(pool_env, closer):
     finally:
         producer.close(closer)
         consumer.close(closer)
+
+
+def test_vllm_loads_start_before_the_step_prepares_its_inputs(pool_env, closer):
+    """With kvpool, a step's loads start in handle_preemptions (vLLM's first connector call of
+    a worker step, before it prepares the step's inputs) and run on the store's threads;
+    start_load_kv waits for them. The bytes and the load errors are what a load in
+    start_load_kv gives. Not where vLLM zeroes new blocks in that preparation, nor when told
+    not to; Mooncake's store has no such call and loads in start_load_kv."""
+    src, dst = kv_caches(21), kv_caches(22)
+    for t in dst.values():
+        t[...] = 0
+    producer = Engine("kv_both", src, kvpool_early_load="false")
+    consumer = Engine("kv_both", dst)
+    early = pool_env.name == "kvpool"
+    try:
+        assert producer.worker._early_loads is False
+        assert consumer.worker._early_loads is early
+        hashes = [uuid.uuid4().bytes for _ in range(4)]
+        producer.finish(request(f"s-{uid()}", hashes, tokens=4 * BLOCK), [0, 1, 2, 3])
+        # The third block disappears between the lookup and the load.
+        probe = request(f"e-{uid()}", hashes, tokens=4 * BLOCK + 1)
+        n, _ = consumer.scheduler.get_num_new_matched_tokens(probe, 0)
+        assert n == 4 * BLOCK
+        store = producer.worker._io.store
+        assert store.remove(producer.worker._keys.key(hashes[2]), force=True) == 0
+        consumer.scheduler.update_state_after_alloc(probe, blocks([4, 5, 6, 7, 0]), n)
+        meta = consumer.scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+        consumer.worker.handle_preemptions(meta)
+        assert len(consumer.worker._early) == (1 if early else 0)
+        consumer.worker.bind_connector_metadata(meta)
+        consumer.worker.start_load_kv(None)
+        assert consumer.worker._early == {}  # claimed and waited for
+        consumer.worker.wait_for_save()
+        assert consumer.worker.get_block_ids_with_load_errors() == {6}
+        consumer.worker.clear_connector_metadata()
+        for s_id, d_id in zip([0, 1, 3], [4, 5, 7]):
+            assert block_bytes(dst, d_id) == block_bytes(src, s_id)
+        assert block_bytes(dst, 6) == bytes(len(block_bytes(dst, 6)))
+        # A started load no step claims is waited for before the next step's loads start.
+        if early:
+            job = vl.BlockJob("stray", [1], [vl.hash_hex(hashes[0])])
+            consumer.worker.handle_preemptions(vl.KvpoolConnectorMetadata(loads=[job]))
+            assert len(consumer.worker._early) == 1
+            consumer.worker.bind_connector_metadata(vl.KvpoolConnectorMetadata())
+            consumer.worker.start_load_kv(None)
+            assert consumer.worker._early == {}
+            consumer.worker.clear_connector_metadata()
+            assert block_bytes(dst, 1) == block_bytes(src, 0)
+    finally:
+        producer.close(closer)
+        consumer.close(closer)
+    # Where vLLM zeroes new blocks while it prepares the step, loads start in start_load_kv.
+    zeroed = Engine("kv_both", kv_caches(23), zeroes=True)
+    try:
+        assert zeroed.worker._early_loads is False
+    finally:
+        zeroed.close(closer)
+    with pytest.raises(adapters.ConfigError, match="kvpool_early_load"):
+        Engine("kv_both", kv_caches(24), kvpool_early_load="soon")
 
 
 def test_vllm_tensor_parallel_ranks_all_needed(pool_env, closer):

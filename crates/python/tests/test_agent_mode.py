@@ -301,6 +301,39 @@ def test_batches_with_missing_keys(node, store):
             small.put(key("huge"), os.urandom(2 << 20))  # larger than its staging area
 
 
+@pytest.mark.parametrize("mode", ["agent", "direct"])
+def test_started_gets_answer_what_batch_gets_answer(node, mode):
+    """A get started on the store's threads (start_batch_get_parts, what the vLLM connector's
+    early loads use) lets the caller go on and answers, when waited for, what
+    batch_get_parts would have: per key the length or the code, the bytes in place."""
+    with (node.agent_store() if mode == "agent" else node.direct_store()) as store:
+        c = store._client
+        k, missing = key("started"), key("missing")
+        value = os.urandom(500)
+        store.put(k, value)
+        buf = np.zeros(64 << 10, dtype=np.uint8)
+        ptr, _ = store.register(buf)
+        pending = c.start_batch_get_parts([k, missing], [[ptr, ptr + 5000], [ptr + 9000]],
+                                          [[250, 250], [100]])
+        assert len(pending) == 2
+        # The caller goes on with the store while the get runs.
+        other = key("meanwhile")
+        store.put(other, b"x" * 10)
+        assert store.get(other) == b"x" * 10
+        assert pending.wait() == [500, -704]
+        assert pending.done() and pending.wait() == [500, -704]  # the same answer again
+        assert buf[:250].tobytes() + buf[5000:5250].tobytes() == value
+        # Room that does not match the value: refused per key, as batch_get_parts refuses.
+        assert c.start_batch_get_parts([k], [[ptr + 20000]], [[400]]).wait() == [-600]
+        with pytest.raises(kvpool.InvalidArgument, match="value_offsets"):
+            c.start_batch_get_parts([k], [[ptr]], [[500]], [0, 1])
+        with pytest.raises(kvpool.InvalidArgument):
+            c.start_batch_get_parts([k, missing], [[ptr]], [[500]])  # lists of two lengths
+        store.close()
+        with pytest.raises(kvpool.Closed):
+            c.start_batch_get_parts([k], [[ptr]], [[500]])
+
+
 def test_remove_and_unsupported_calls(store):
     k = key("rm")
     store.put(k, b"v")
@@ -380,6 +413,11 @@ def test_mooncake_api_with_only_the_agent_socket(node, monkeypatch):
     assert s.batch_get_parts_into_multi_buffers(
         [k, key("no")], [1, 0], [[ptr + 8192], [ptr + 16384]], [[2], [2]]
     ) == [-1011, -1011]
+    started = s.start_batch_get_into_multi_buffers(
+        [k, key("no")], [[ptr + 8192], [ptr + 16384]], [[5], [5]])
+    assert started.wait() == [5, -704] and started.done()
+    assert view(ptr + 8192, 5).tobytes() == b"hello"
+    assert s.start_batch_get_into_multi_buffers([], [], []).wait() == []
     assert s.remove(k) == 0 and s.remove(k) == -704
     assert s.remove_all() == -1011
     assert s.alloc_from_mem_pool(1 << 40) == 0

@@ -364,6 +364,7 @@ class Engine:
                 # in the same pool.
                 extra["cache_prefix"] = arm
                 extra["kvpool_layerwise_load"] = pool.get("layerwise_load", "auto")
+                extra["kvpool_early_load"] = pool.get("early_load", "auto")
             if arm == "kvpool-engine":
                 # vLLM's connector asks for 4 GiB of local buffer by default.
                 extra["local_buffer_size"] = cfg["local_buffer"]

@@ -155,6 +155,11 @@ pub struct EngineBenchArgs {
     /// the forward pass, where the store reads parts of values: direct mode) or `false`.
     #[arg(long, default_value = "auto", value_parser = ["auto", "true", "false"])]
     pub layerwise_load: String,
+    /// Whether kvpool's connector starts a step's loads before vLLM prepares the step's
+    /// inputs (its `kvpool_early_load`): `auto` (yes, where it can) or `false` (in
+    /// `start_load_kv`, as before).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "true", "false"])]
+    pub early_load: String,
     /// How long the engines may take to start (all start at once), e.g. `15m`.
     #[arg(long, default_value = "15m", value_parser = kvpool_core::flags::parse_duration)]
     pub start_timeout: std::time::Duration,
@@ -436,6 +441,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
             "master_metrics": format!("http://{}/metrics", master.admin),
             "client_mode": args.client_mode,
             "layerwise_load": args.layerwise_load,
+            "early_load": args.early_load,
         }),
         kvpool_package: package,
         mooncake_path,
@@ -480,6 +486,10 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         warm_first: args.warm_first,
         store_hugepages: args.pages.store_hugepages.clone(),
         engine_thp: args.engine_thp,
+        kvpool_loads: format!(
+            "layerwise {}, early {}",
+            args.layerwise_load, args.early_load
+        ),
         kvpool_package: package_text,
         load_average: format!("{load_before} before, {load_after} after"),
     };

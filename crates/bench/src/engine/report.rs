@@ -134,6 +134,9 @@ pub struct Workload {
     pub store_hugepages: String,
     /// Whether every engine's CPU allocations used transparent huge pages (`--engine-thp`).
     pub engine_thp: bool,
+    /// How kvpool's connector loads: `--layerwise-load` and `--early-load`, e.g.
+    /// "layerwise auto, early auto".
+    pub kvpool_loads: String,
     /// Where kvpool's Python package came from (a release build of the extension, or the
     /// venv's installed one).
     pub kvpool_package: String,
@@ -424,7 +427,7 @@ pub fn render_text(r: &EngineReport) -> String {
     let _ = writeln!(
         s,
         "vLLM {} ({}), prefix {} + suffix {} tokens, block {}, {} rounds, {} OpenMP thread(s); \
-         Mooncake {}; kvpool package: {}; stores' huge pages: {}; engines' THP: {}; load average {}",
+         Mooncake {}; kvpool package: {}; stores' huge pages: {}; engines' THP: {}; kvpool loads: {}; load average {}",
         r.run.vllm,
         w.model,
         w.prefix_tokens,
@@ -436,6 +439,7 @@ pub fn render_text(r: &EngineReport) -> String {
         w.kvpool_package,
         w.store_hugepages,
         w.engine_thp,
+        w.kvpool_loads,
         w.load_average
     );
     let _ = writeln!(

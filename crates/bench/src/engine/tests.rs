@@ -70,6 +70,7 @@ fn workload() -> Workload {
         warm_first: false,
         store_hugepages: "none".into(),
         engine_thp: false,
+        kvpool_loads: "layerwise auto, early auto".into(),
         kvpool_package: "test".into(),
         load_average: "0 0 0".into(),
     }
@@ -210,9 +211,14 @@ fn huge_pages_reach_the_stores_the_engines_and_the_report() {
     w.engine_thp = true;
     let text = render_text(&report(w, run_of(vec![])));
     assert!(
-        text.contains("stores' huge pages: 2MiB; engines' THP: true"),
+        text.contains(
+            "stores' huge pages: 2MiB; engines' THP: true; kvpool loads: layerwise auto, early auto"
+        ),
         "{text}"
     );
+    let late = Cli::parse_from(["x", "--early-load", "false"]).args;
+    assert_eq!(late.early_load, "false");
+    assert!(Cli::try_parse_from(["x", "--early-load", "soon"]).is_err());
 }
 
 #[test]

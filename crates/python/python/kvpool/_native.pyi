@@ -10,6 +10,7 @@ __all__ = [
     "device_memory_supported",
     "Client",
     "Placement",
+    "PendingGet",
     "P2pEngine",
     "Error",
     "NotFound",
@@ -50,6 +51,14 @@ class Placement:
         hard_pin: bool = False,
         soft_pin_ttl_ms: int = 0,
     ) -> "Placement": ...
+
+@final
+class PendingGet:
+    """A batch get running on the store's threads (``Client.start_batch_get_parts``)."""
+
+    def done(self) -> bool: ...
+    def wait(self) -> List[int]: ...
+    def __len__(self) -> int: ...
 
 @final
 class Client:
@@ -106,6 +115,13 @@ class Client:
         all_sizes: Sequence[Sequence[int]],
         value_offsets: Optional[Sequence[int]] = None,
     ) -> List[int]: ...
+    def start_batch_get_parts(
+        self,
+        keys: Sequence[_Key],
+        all_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        value_offsets: Optional[Sequence[int]] = None,
+    ) -> PendingGet: ...
     def batch_put(
         self,
         keys: Sequence[_Key],

@@ -389,6 +389,31 @@ class MooncakeDistributedStore:
             ),
         )
 
+    def start_batch_get_into_multi_buffers(
+        self,
+        keys: List[str],
+        all_buffer_ptrs: List[List[int]],
+        all_sizes: List[List[int]],
+    ) -> "PendingCodes":
+        """kvpool's extension: :meth:`batch_get_into_multi_buffers` started on the store's own
+        threads, answered by the returned object's ``wait()`` (per key the length read or a
+        negative code). The caller goes on meanwhile, the GIL held or not; the ranges must
+        stay registered and untouched until ``wait()`` returns."""
+        c = self._client
+        if not keys:
+            return PendingCodes([])
+        if c is None or c.is_closed():
+            return PendingCodes([])
+        try:
+            return PendingCodes(
+                None,
+                c.start_batch_get_parts(
+                    list(keys), [list(p) for p in all_buffer_ptrs], [list(z) for z in all_sizes]
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - the codes batch_get_into_multi_buffers answers
+            return PendingCodes([_code(e)] * len(keys))
+
     def reads_value_parts(self) -> bool:
         """Whether :meth:`batch_get_parts_into_multi_buffers` is served: a set-up store in
         direct mode (the node agent's engine API moves whole values only)."""
@@ -443,6 +468,24 @@ class MooncakeDistributedStore:
             return list(f(c))
         except Exception as e:  # noqa: BLE001
             return [_code(e)] * len(keys)
+
+
+class PendingCodes:
+    """A started batch get (:meth:`MooncakeDistributedStore.start_batch_get_into_multi_buffers`):
+    ``wait()`` blocks until it ends and answers its per-key codes, the same on every call."""
+
+    def __init__(self, codes: Optional[List[int]], pending: Any = None):
+        self._codes = codes
+        self._pending = pending
+
+    def done(self) -> bool:
+        return self._pending is None or bool(self._pending.done())
+
+    def wait(self) -> List[int]:
+        if self._codes is None:
+            self._codes = [int(r) for r in self._pending.wait()]
+            self._pending = None
+        return list(self._codes)
 
 
 def _kvpool_mode(cfg: Dict[str, Any]) -> Optional[str]:

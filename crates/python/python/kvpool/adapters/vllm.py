@@ -88,6 +88,7 @@ EXTRA_DEVICE_MEMORY = "kvpool_device_memory"
 EXTRA_CACHE_PREFIX = "cache_prefix"
 EXTRA_HANDOFF_WAIT_S = "kvpool_handoff_wait_s"
 EXTRA_LAYERWISE = "kvpool_layerwise_load"
+EXTRA_EARLY_LOAD = "kvpool_early_load"
 # How long a decode engine waits for the blocks a prefill engine handed over.
 DEFAULT_HANDOFF_WAIT_S = 10.0
 # get_finished calls a finished request is remembered for, waiting for its finish-time save.
@@ -262,6 +263,40 @@ def layerwise_loads(mode: str, layout: BlockLayout, io: BlockIO) -> bool:
     return mode != "auto" or not layout.on_host
 
 
+# What the connector's on/off settings take ("auto" decides by what the engine has).
+_SWITCH_MODES = ("auto", "true", "1", "on", "yes", "false", "0", "off", "no")
+
+
+def early_loads(mode: str, kv_cache_config: Any, layerwise: bool, io: BlockIO) -> bool:
+    """Whether a step's whole-block loads start in ``handle_preemptions``, the first connector
+    call of the worker's step, and run on the store's threads while vLLM prepares the step's
+    inputs (``start_load_kv`` then waits for them). ``mode`` ``"auto"`` (the default) or
+    ``"true"``: when the store can start a get that way (kvpool, caches read in place), loads
+    are not layer by layer, and vLLM does not zero new blocks in that preparation
+    (``needs_kv_cache_zeroing``: Mamba or mixed-precision caches; unknown counts as yes);
+    ``"false"``: never."""
+    mode = mode.strip().lower()
+    if mode in ("false", "0", "off", "no"):
+        return False
+    if mode not in ("true", "1", "on", "yes", "auto"):
+        raise ConfigError(f"{EXTRA_EARLY_LOAD} {mode!r}: expected auto, true or false")
+    zeroes = kv_cache_config is None or bool(
+        getattr(kv_cache_config, "needs_kv_cache_zeroing", False)
+    )
+    starts = callable(getattr(io.store, "start_batch_get_into_multi_buffers", None)) and io.in_place
+    if layerwise or zeroes or not starts:
+        if mode != "auto":
+            logger.warning(
+                "kvpool: %s is set but %s: loads start in start_load_kv",
+                EXTRA_EARLY_LOAD,
+                "loads go layer by layer" if layerwise
+                else "vLLM zeroes new KV blocks before it (or its KV cache config is unknown)"
+                if zeroes else "this store cannot start a get in the background",
+            )
+        return False
+    return True
+
+
 def _parallel_ranks(vllm_config: Any, extra: Mapping[str, Any]) -> Tuple[int, int, int, int]:
     """(tp_rank, tp_size, pp_rank, pp_size) of this process."""
     par = getattr(vllm_config, "parallel_config", None)
@@ -374,6 +409,14 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layerwise_mode = str(extra.get(EXTRA_LAYERWISE, "auto")).lower()
         self._layerwise = False
         self._inflight: Optional[LayeredLoad] = None
+        # Loads started early (handle_preemptions), by request and block ids.
+        self._early_mode = str(extra.get(EXTRA_EARLY_LOAD, "auto")).strip().lower()
+        if self._early_mode not in _SWITCH_MODES:
+            raise ConfigError(
+                f"{EXTRA_EARLY_LOAD} {self._early_mode!r}: expected auto, true or false"
+            )
+        self._early_loads = False
+        self._early: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -609,12 +652,17 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             how = "through host staging"
         self._layerwise = layerwise_loads(self._layerwise_mode, layout, self._io)
+        self._early_loads = early_loads(
+            self._early_mode, self._kv_cache_config, self._layerwise, self._io
+        )
         logger.info(
             "kvpool: %d KV segment(s), %d bytes per block, %s; loads %s",
             len(layout.segments),
             layout.bytes_per_block,
             how,
-            "layer by layer behind the forward pass" if self._layerwise else "whole blocks",
+            "layer by layer behind the forward pass" if self._layerwise
+            else "whole blocks, started before vLLM prepares the step" if self._early_loads
+            else "whole blocks",
         )
 
     def _worker_keys(self, job: BlockJob) -> List[str]:
@@ -641,6 +689,34 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 logger.warning("kvpool: %d blocks not loaded", len(bad))
                 self._load_errors.update(bad)
 
+    @staticmethod
+    def _early_key(job: BlockJob) -> Tuple[str, Tuple[int, ...]]:
+        return job.req_id, tuple(job.block_ids)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """vLLM's first connector call of a worker step, before it prepares the step's inputs:
+        with early loads (:func:`early_loads`) the step's loads start here, on the store's
+        threads, and :meth:`start_load_kv` waits for them."""
+        loads = getattr(kv_connector_metadata, "loads", None)
+        if not self._early_loads or not loads or self._io is None:
+            return
+        self._settle_early()  # none should be left; never two loads into one block
+        for job in loads:
+            try:
+                pending = self._io.start_load(self._worker_keys(job), job.block_ids)
+            except Exception as e:  # noqa: BLE001 - start_load_kv loads it the usual way
+                logger.debug("kvpool: early load of %s not started: %s", job.req_id, e)
+                pending = None
+            if pending is not None:
+                self._early[self._early_key(job)] = pending
+
+    def _settle_early(self) -> None:
+        """Wait for early loads no step claimed (none, unless a step ended before its
+        ``start_load_kv``), so that nothing writes into blocks vLLM may hand out again."""
+        while self._early:
+            _key, pending = self._early.popitem()
+            pending.wait()
+
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         self._settle_loads()
@@ -651,8 +727,12 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
             return
         for job, io in jobs:
+            pending = self._early.pop(self._early_key(job), None)
             try:
-                got = io.load(self._worker_keys(job), job.block_ids)
+                if pending is not None:
+                    got = pending.wait()
+                else:
+                    got = io.load(self._worker_keys(job), job.block_ids)
             except Exception as e:  # noqa: BLE001 - report the blocks, vLLM recomputes them
                 logger.warning("kvpool load of %s failed: %s", job.req_id, e)
                 got = [-1] * len(job.block_ids)
@@ -662,6 +742,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     "kvpool: %d of %d blocks of %s not loaded", len(bad), len(got), job.req_id
                 )
                 self._load_errors.update(bad)
+        self._settle_early()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         load = self._inflight
@@ -717,6 +798,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._settle_loads()
+        self._settle_early()
         if self._io is not None:
             self._io.close()
             self._io = None

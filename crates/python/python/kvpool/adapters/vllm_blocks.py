@@ -433,6 +433,20 @@ class BlockIO:
                 int(r) for r in self.store.batch_get_into_multi_buffers(list(keys), ptrs, sizes)
             ]
 
+    def start_load(self, keys: Sequence[str], block_ids: Sequence[int]) -> Optional[Any]:
+        """:meth:`load` started on the store's own threads: an object whose ``wait()``
+        answers what :meth:`load` would have; None where the store cannot start a get that
+        way (another store, or device caches through staging), and the caller loads with
+        :meth:`load` instead. The blocks must not be touched until ``wait()`` returns."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
+        start = getattr(self.store, "start_batch_get_into_multi_buffers", None)
+        if self._staging is not None or not callable(start) or not keys:
+            return None
+        with self._lock:
+            ptrs, sizes = self._put_args(block_ids)
+            return start(list(keys), ptrs, sizes)
+
     def close(self) -> None:
         for ptr in self._registered:
             self.store.unregister_buffer(ptr)
