@@ -101,10 +101,13 @@ class Busy:
 
 
 def test_adapter_logs_reach_the_engine_log(stack: Stack):
-    """kvpool's connector writes its lines into vLLM's own log, from every engine."""
+    """kvpool's connector writes its lines into vLLM's own log, from every engine; each says
+    its loads start before vLLM prepares a step (kvpool_early_load "auto": these engines'
+    vLLM zeroes no new blocks, and the greedy outputs below come through those loads)."""
     for name in ("prefill-0", "prefill-1", "decode-0"):
         log = stack.log(name)
         assert "kvpool: 4 KV segment(s)" in log, f"{name}: no kvpool line in its log"
+        assert "loads whole blocks, started before vLLM prepares the step" in log, name
 
 
 def test_greedy_outputs_through_the_pool_match_vllm_without_a_connector(stack: Stack, baseline):
