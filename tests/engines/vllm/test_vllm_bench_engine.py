@@ -61,9 +61,13 @@ def test_bench_engine_completes_with_every_arm_verified(tmp_path):
         assert arm["warm"]["n"] == 2, arm["warm"]
         assert [s["external_kv_transfer"] + s["local_cache_hit"] for s in arm["sources_warm"]] \
             == [0, 0], arm["sources_warm"]
+        # The reader engine's transparent huge pages, read from /proc (a number, 0 without
+        # --engine-thp where nothing else asks for them).
+        assert isinstance(arm["reader_thp_mib"], (int, float)) and arm["reader_thp_mib"] >= 0
     assert report["workload"]["warm_first"] is True
     # The engines say how their connector loads: direct mode layer by layer, the agent's
     # socket (whole values only) whole blocks.
     logs = tmp_path / "run" / "logs"
     assert "loads layer by layer behind the forward pass" in (logs / "vllm-kvpool-b.log").read_text()
-    assert "loads whole blocks" in (logs / "vllm-kvpool-agent-b.log").read_text()
+    assert "loads whole blocks, started before vLLM prepares the step" in (
+        logs / "vllm-kvpool-agent-b.log").read_text()

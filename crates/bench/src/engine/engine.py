@@ -656,6 +656,7 @@ class Run:
             rounds = self.ttft_rounds()
             tp = {a: self.throughput(a) for a in self.arms} if self.prompts.tp_prompts else {}
             lines = {a: self.connector_line(a) for a in self.arms}
+            thp = {a: anon_huge_mib(self.engines[(a, "b")].proc.pid) for a in self.arms}
         finally:
             self.close()
         load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -674,8 +675,39 @@ class Run:
                 "sources_warm": r["sources_warm"],
                 "sources_loaded": r["sources_loaded"], "sources_hit": r["sources_hit"],
                 "settle": r["settle"], "ids_loaded": r["ids_loaded"], "ids_hit": r["ids_hit"],
-                "throughput": tp.get(arm)})
+                "throughput": tp.get(arm), "reader_thp_mib": thp[arm]})
         return out
+
+
+def anon_huge_mib(pid: int) -> Optional[float]:
+    """MiB of transparent huge pages (AnonHugePages) that process `pid` and its descendants
+    have mapped, from /proc; None where /proc says nothing of it."""
+    total, seen, todo = 0, set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("AnonHugePages:"):
+                        total += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return None
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            tasks = []
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except (OSError, ValueError):
+                pass
+    return total / 1024
 
 
 def vllm_version() -> str:

@@ -11,6 +11,7 @@
 //! I/O boundary: child processes (master, agent, pip, the driver and its engines), the file
 //! system (the run directory, the Mooncake directory), stdout.
 
+mod pages;
 mod report;
 
 use std::path::{Path, PathBuf};

@@ -106,6 +106,9 @@ pub struct ArmRun {
     /// What engine B logged about its connector.
     #[serde(default)]
     pub connector_line: String,
+    /// MiB of transparent huge pages engine B's processes had mapped after the rounds.
+    #[serde(default)]
+    pub reader_thp_mib: Option<f64>,
 }
 
 /// The driver's output.
@@ -509,6 +512,9 @@ pub fn render_text(r: &EngineReport) -> String {
             "warm request before each first request (TTFT p50 ms): {}",
             warm.join(", ")
         );
+    }
+    if let Some(line) = super::pages::thp_line(&r.run.arms, r.workload.engine_thp) {
+        let _ = writeln!(s, "{line}");
     }
     let fmt = |v: &[(String, f64)]| {
         v.iter()

@@ -55,6 +55,7 @@ fn arm(name: &str, loaded_ms: f64, hit_ms: f64, external: i64) -> ArmRun {
         startup_s: 1.0,
         load_average: "1 1 1".into(),
         connector_line: String::new(),
+        reader_thp_mib: None,
     }
 }
 
@@ -323,4 +324,32 @@ fn idle_hits_greedy_ids_must_match_across_arms() {
     run.arms[1].ids_idle_hit[1] = vec![3, 5];
     let r = report(workload(), run);
     assert!(!r.checks[1].ids_equal && !r.all_verified, "{:?}", r.checks);
+}
+
+#[test]
+fn the_reader_engines_huge_pages_are_reported_and_a_missing_one_warned_of() {
+    let mut w = workload();
+    w.engine_thp = true;
+    // A driver that read nothing (older runs): no line.
+    let text = render_text(&report(
+        w.clone(),
+        run_of(vec![arm("kvpool", 40.0, 35.0, 1024)]),
+    ));
+    assert!(!text.contains("transparent huge pages"), "{text}");
+    let mut with = arm("kvpool", 40.0, 35.0, 1024);
+    with.reader_thp_mib = Some(258.0);
+    let mut without = arm("none", 300.0, 35.0, 0);
+    without.reader_thp_mib = Some(0.0);
+    let text = render_text(&report(
+        w.clone(),
+        run_of(vec![with.clone(), without.clone()]),
+    ));
+    assert!(
+        text.contains("transparent huge pages (AnonHugePages): kvpool 258 MiB, none 0 MiB (warning: --engine-thp asked for them; none in none)"),
+        "{text}"
+    );
+    // Not asked for: the figures, no warning.
+    w.engine_thp = false;
+    let text = render_text(&report(w, run_of(vec![with, without])));
+    assert!(text.contains("kvpool 258 MiB, none 0 MiB\n"), "{text}");
 }
