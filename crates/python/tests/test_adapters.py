@@ -670,6 +670,26 @@ def test_vllm_loads_start_before_the_step_prepares_its_inputs(pool_env, closer):
         zeroed.close(closer)
     with pytest.raises(adapters.ConfigError, match="kvpool_early_load"):
         Engine("kv_both", kv_caches(24), kvpool_early_load="soon")
+    # The decision on its own: GPU caches read in place start early only when told to (the
+    # GPU's last step may still be running); never layer by layer, where vLLM zeroes new
+    # blocks, where its KV cache config is unknown, or with a store that cannot start a get.
+    starts = SimpleNamespace(start_batch_get_into_multi_buffers=lambda *a: None)
+
+    def io(on_host, store=starts, in_place=True):
+        return SimpleNamespace(store=store, in_place=in_place,
+                               layout=SimpleNamespace(on_host=on_host))
+
+    plain = SimpleNamespace(needs_kv_cache_zeroing=False)
+    zeroing = SimpleNamespace(needs_kv_cache_zeroing=True)
+    assert vl.early_loads("auto", plain, False, io(True)) is True
+    assert vl.early_loads("auto", plain, False, io(False)) is False
+    assert vl.early_loads("true", plain, False, io(False)) is True
+    assert vl.early_loads("true", plain, True, io(True)) is False
+    assert vl.early_loads("true", zeroing, False, io(True)) is False
+    assert vl.early_loads("true", None, False, io(True)) is False
+    assert vl.early_loads("true", plain, False, io(True, store=object())) is False
+    assert vl.early_loads("true", plain, False, io(False, in_place=False)) is False
+    assert vl.early_loads("false", plain, False, io(True)) is False
 
 
 def test_vllm_tensor_parallel_ranks_all_needed(pool_env, closer):

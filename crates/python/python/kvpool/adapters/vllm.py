@@ -270,11 +270,13 @@ _SWITCH_MODES = ("auto", "true", "1", "on", "yes", "false", "0", "off", "no")
 def early_loads(mode: str, kv_cache_config: Any, layerwise: bool, io: BlockIO) -> bool:
     """Whether a step's whole-block loads start in ``handle_preemptions``, the first connector
     call of the worker's step, and run on the store's threads while vLLM prepares the step's
-    inputs (``start_load_kv`` then waits for them). ``mode`` ``"auto"`` (the default) or
-    ``"true"``: when the store can start a get that way (kvpool, caches read in place), loads
-    are not layer by layer, and vLLM does not zero new blocks in that preparation
-    (``needs_kv_cache_zeroing``: Mamba or mixed-precision caches; unknown counts as yes);
-    ``"false"``: never."""
+    inputs (``start_load_kv`` then waits for them). ``mode`` ``"true"``: when the store can
+    start a get that way (kvpool, caches read in place), loads are not layer by layer, and vLLM
+    does not zero new blocks in that preparation (``needs_kv_cache_zeroing``: Mamba or
+    mixed-precision caches; unknown counts as yes); ``"auto"`` (the default): the same, for
+    KV caches in host memory only (an engine computing on the CPU has nothing of the last step
+    still running then; a GPU's last step may still be writing blocks that the scheduler has
+    handed out again, which only loads ordered on its stream may touch); ``"false"``: never."""
     mode = mode.strip().lower()
     if mode in ("false", "0", "off", "no"):
         return False
@@ -284,6 +286,8 @@ def early_loads(mode: str, kv_cache_config: Any, layerwise: bool, io: BlockIO) -
         getattr(kv_cache_config, "needs_kv_cache_zeroing", False)
     )
     starts = callable(getattr(io.store, "start_batch_get_into_multi_buffers", None)) and io.in_place
+    if mode == "auto" and not io.layout.on_host:
+        return False
     if layerwise or zeroes or not starts:
         if mode != "auto":
             logger.warning(
