@@ -3,14 +3,16 @@
 //! `/proc/PID/smaps_rollup` after the TTFT rounds, so a report that says `--engine-thp`
 //! also says whether the engines' KV caches got transparent huge pages.
 
-use super::report::ArmRun;
-
-/// The report's line on the reader engines' transparent huge pages (none when the driver read
-/// none), with a warning when `--engine-thp` asked for them and an engine shows none.
-pub fn thp_line(arms: &[ArmRun], asked: bool) -> Option<String> {
+/// The report's line on the reader engines' transparent huge pages, from each arm's name and
+/// the MiB the driver read (none when it read none), with a warning when `--engine-thp` asked
+/// for them and an engine shows none.
+pub fn thp_line<'a>(
+    arms: impl IntoIterator<Item = (&'a str, Option<f64>)>,
+    asked: bool,
+) -> Option<String> {
     let read: Vec<(&str, f64)> = arms
-        .iter()
-        .filter_map(|a| Some((a.arm.as_str(), a.reader_thp_mib?)))
+        .into_iter()
+        .filter_map(|(arm, mib)| Some((arm, mib?)))
         .collect();
     if read.is_empty() {
         return None;

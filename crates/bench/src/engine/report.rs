@@ -513,7 +513,12 @@ pub fn render_text(r: &EngineReport) -> String {
             warm.join(", ")
         );
     }
-    if let Some(line) = super::pages::thp_line(&r.run.arms, r.workload.engine_thp) {
+    let thp = r
+        .run
+        .arms
+        .iter()
+        .map(|a| (a.arm.as_str(), a.reader_thp_mib));
+    if let Some(line) = super::pages::thp_line(thp, r.workload.engine_thp) {
         let _ = writeln!(s, "{line}");
     }
     let fmt = |v: &[(String, f64)]| {
