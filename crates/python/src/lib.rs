@@ -367,13 +367,7 @@ impl Client {
         all_sizes: Vec<Vec<u64>>,
         value_offsets: Option<Vec<u64>>,
     ) -> PyResult<Vec<i64>> {
-        if value_offsets
-            .as_ref()
-            .is_some_and(|o| o.len() != keys.len())
-        {
-            return Err(Failure::invalid("value_offsets must hold one offset per key").into());
-        }
-        let items = ops::parts(keys, all_ptrs, all_sizes)?;
+        let items = parts_with_offsets(keys, all_ptrs, all_sizes, value_offsets.as_deref())?;
         self.block(py, Call::One, move |link| async move {
             Ok(link.batch_get_parts(&items, value_offsets.as_deref()).await)
         })
@@ -390,13 +384,7 @@ impl Client {
         all_sizes: Vec<Vec<u64>>,
         value_offsets: Option<Vec<u64>>,
     ) -> PyResult<PendingGet> {
-        if value_offsets
-            .as_ref()
-            .is_some_and(|o| o.len() != keys.len())
-        {
-            return Err(Failure::invalid("value_offsets must hold one offset per key").into());
-        }
-        let items = ops::parts(keys, all_ptrs, all_sizes)?;
+        let items = parts_with_offsets(keys, all_ptrs, all_sizes, value_offsets.as_deref())?;
         let link = self.conn.link()?;
         let n = items.len();
         Ok(PendingGet::start(
@@ -537,6 +525,22 @@ impl Client {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         Ok(py.detach(|| self.conn.close())?)
     }
+}
+
+/// Keys with their ranges (see `ops::parts`), and the value offsets, when given, checked to be
+/// one per key.
+fn parts_with_offsets(
+    keys: Vec<Key>,
+    all_ptrs: Vec<Vec<usize>>,
+    all_sizes: Vec<Vec<u64>>,
+    value_offsets: Option<&[u64]>,
+) -> Result<Vec<PartsItem>, Failure> {
+    if value_offsets.is_some_and(|o| o.len() != keys.len()) {
+        return Err(Failure::invalid(
+            "value_offsets must hold one offset per key",
+        ));
+    }
+    ops::parts(keys, all_ptrs, all_sizes)
 }
 
 /// Keys with their ranges, checked: one address and one size per key.

@@ -400,10 +400,8 @@ class MooncakeDistributedStore:
         negative code). The caller goes on meanwhile, the GIL held or not; the ranges must
         stay registered and untouched until ``wait()`` returns."""
         c = self._client
-        if not keys:
-            return PendingCodes([])
-        if c is None or c.is_closed():
-            return PendingCodes([])
+        if not keys or c is None or c.is_closed():
+            return PendingCodes([])  # as batch_get_into_multi_buffers answers then
         try:
             return PendingCodes(
                 None,

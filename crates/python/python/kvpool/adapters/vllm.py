@@ -240,6 +240,19 @@ def _namespace(vllm_config: Any, extra: Mapping[str, Any], block_size: int) -> s
     )
 
 
+def switch(name: str, value: Any) -> str:
+    """An on/off/auto setting of ``kv_connector_extra_config`` as "auto", "true" or "false"
+    (true/1/on/yes, false/0/off/no); anything else is a ConfigError naming ``name``."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    if text in ("true", "1", "on", "yes"):
+        return "true"
+    if text in ("false", "0", "off", "no"):
+        return "false"
+    raise ConfigError(f"{name} {text!r}: expected auto, true or false")
+
+
 def layerwise_loads(mode: str, layout: BlockLayout, io: BlockIO) -> bool:
     """Whether loads go layer by layer behind the forward pass. ``mode`` ``"true"``: whenever
     the store reads parts of values (kvpool in direct mode, caches read in place);
@@ -247,11 +260,9 @@ def layerwise_loads(mode: str, layout: BlockLayout, io: BlockIO) -> bool:
     pass leaves the host's cores to the load. An engine computing on the CPU shares its cores
     with the load and the node agent's sends: on a 2-core host its forward pass slowed by
     more than the load it hid (docs/benchmarks.md, "Engine-level")."""
-    mode = mode.strip().lower()
-    if mode in ("false", "0", "off", "no"):
+    mode = switch(EXTRA_LAYERWISE, mode)
+    if mode == "false":
         return False
-    if mode not in ("true", "1", "on", "yes", "auto"):
-        raise ConfigError(f"{EXTRA_LAYERWISE} {mode!r}: expected auto, true or false")
     if len(layout.caches) < 2 or not io.reads_parts():
         if mode != "auto":
             logger.warning(
@@ -261,10 +272,6 @@ def layerwise_loads(mode: str, layout: BlockLayout, io: BlockIO) -> bool:
             )
         return False
     return mode != "auto" or not layout.on_host
-
-
-# What the connector's on/off settings take ("auto" decides by what the engine has).
-_SWITCH_MODES = ("auto", "true", "1", "on", "yes", "false", "0", "off", "no")
 
 
 def early_loads(mode: str, kv_cache_config: Any, layerwise: bool, io: BlockIO) -> bool:
@@ -277,11 +284,9 @@ def early_loads(mode: str, kv_cache_config: Any, layerwise: bool, io: BlockIO) -
     KV caches in host memory only (an engine computing on the CPU has nothing of the last step
     still running then; a GPU's last step may still be writing blocks that the scheduler has
     handed out again, which only loads ordered on its stream may touch); ``"false"``: never."""
-    mode = mode.strip().lower()
-    if mode in ("false", "0", "off", "no"):
+    mode = switch(EXTRA_EARLY_LOAD, mode)
+    if mode == "false":
         return False
-    if mode not in ("true", "1", "on", "yes", "auto"):
-        raise ConfigError(f"{EXTRA_EARLY_LOAD} {mode!r}: expected auto, true or false")
     zeroes = kv_cache_config is None or bool(
         getattr(kv_cache_config, "needs_kv_cache_zeroing", False)
     )
@@ -414,11 +419,7 @@ class KvpoolBlockConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layerwise = False
         self._inflight: Optional[LayeredLoad] = None
         # Loads started early (handle_preemptions), by request and block ids.
-        self._early_mode = str(extra.get(EXTRA_EARLY_LOAD, "auto")).strip().lower()
-        if self._early_mode not in _SWITCH_MODES:
-            raise ConfigError(
-                f"{EXTRA_EARLY_LOAD} {self._early_mode!r}: expected auto, true or false"
-            )
+        self._early_mode = switch(EXTRA_EARLY_LOAD, extra.get(EXTRA_EARLY_LOAD, "auto"))
         self._early_loads = False
         self._early: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
 
