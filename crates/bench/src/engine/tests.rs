@@ -79,7 +79,8 @@ fn workload() -> Workload {
 
 fn run_of(arms: Vec<ArmRun>) -> DriverRun {
     DriverRun {
-        vllm: "0.32.0".into(),
+        engine: "vllm".into(),
+        version: "0.32.0".into(),
         mooncake: Some("0.3.13.post1".into()),
         arms,
     }
@@ -173,6 +174,25 @@ fn the_drivers_last_json_line_is_parsed() {
 }
 
 #[test]
+fn the_engine_and_its_version_are_read_and_named() {
+    // Drivers before `--engine` existed wrote the vLLM version under `vllm`.
+    let old = parse_run(r#"{"vllm": "0.32.0", "arms": []}"#).unwrap();
+    assert_eq!(
+        (old.engine.as_str(), old.version.as_str()),
+        ("vllm", "0.32.0")
+    );
+    let mut run = run_of(vec![arm("kvpool", 1.0, 1.0, 1024)]);
+    run.engine = "sglang".into();
+    run.version = "0.5.23".into();
+    let text = serde_json::to_string(&run).unwrap();
+    let back = parse_run(&text).unwrap();
+    assert_eq!(back, run);
+    let w = workload();
+    let shown = render_text(&report(w, back));
+    assert!(shown.starts_with("SGLang 0.5.23 "), "{shown}");
+}
+
+#[test]
 fn flags_are_checked() {
     let ok = Cli::parse_from(["x", "--prefix-tokens", "1000"]);
     ok.args.validate().unwrap();
@@ -195,6 +215,18 @@ fn flags_are_checked() {
             "{bad:?}"
         );
     }
+}
+
+#[test]
+fn the_engine_picks_its_venv() {
+    let vllm = Cli::parse_from(["x"]).args;
+    assert_eq!(
+        vllm.python(),
+        std::path::PathBuf::from(".tools/vllm/bin/python")
+    );
+    let sglang = Cli::parse_from(["x", "--engine", "sglang", "--sglang-venv", "/v"]).args;
+    assert_eq!(sglang.python(), std::path::PathBuf::from("/v/bin/python"));
+    assert!(Cli::try_parse_from(["x", "--engine", "trtllm"]).is_err());
 }
 
 #[test]
@@ -237,7 +269,8 @@ fn idle_hits_give_an_informative_ratio_and_must_come_from_vllms_cache() {
         a
     };
     let run = DriverRun {
-        vllm: "0.32.0".into(),
+        engine: "vllm".into(),
+        version: "0.32.0".into(),
         mooncake: None,
         arms: vec![
             with_idle("kvpool", 90.0, 40.0, 60.0, true),
