@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HOST = "127.0.0.1"
 ARMS = ("kvpool", "kvpool-agent", "kvpool-engine", "mooncake", "none")
@@ -175,33 +175,42 @@ def diff(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 
 
+def sse_chunks(base: str, path: str, body: Dict[str, Any],
+               timeout: float = 600) -> Iterator[Dict[str, Any]]:
+    """POST `body` as JSON to `base` + `path` and yield each server-sent event's JSON object
+    until `[DONE]` or the end of the response. The request is sent when iteration starts."""
+    host, port = base.rsplit("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body).encode(),
+                     {"content-type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            text = resp.read().decode(errors="replace")
+            raise RuntimeError(f"{base}: HTTP {resp.status}: {text[:500]}")
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            yield json.loads(data)
+    finally:
+        conn.close()
+
+
 def stream(base: str, prompt: List[int], max_tokens: int, timeout: float = 600) -> Dict[str, Any]:
     """One streamed greedy completion of a token-id prompt: client-side TTFT (send to the
     first chunk carrying a token), end-to-end time, the token ids and the usage."""
-    host, port = base.rsplit("//", 1)[1].split(":")
-    body = json.dumps({
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "return_token_ids": True,
-        "stream_options": {"include_usage": True}}).encode()
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        text = resp.read().decode(errors="replace")
-        conn.close()
-        raise RuntimeError(f"{base}: HTTP {resp.status}: {text[:500]}")
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
     ttft: Optional[float] = None
     ids: List[int] = []
     usage: Dict[str, Any] = {}
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
+    t0 = time.perf_counter()
+    for chunk in sse_chunks(base, "/v1/completions", body, timeout):
         if chunk.get("usage"):
             usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
@@ -210,7 +219,6 @@ def stream(base: str, prompt: List[int], max_tokens: int, timeout: float = 600) 
                 ttft = time.perf_counter() - t0
             ids.extend(int(t) for t in got)
     total = time.perf_counter() - t0
-    conn.close()
     return {"ttft_s": ttft if ttft is not None else total, "total_s": total, "ids": ids,
             "usage": usage}
 
@@ -355,6 +363,26 @@ def holder(args) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def engine_thp(env: Dict[str, str], cfg: Dict[str, Any]) -> None:
+    """PyTorch's huge-page allocations (`engine_thp`) on or off, for every engine alike."""
+    if cfg.get("engine_thp"):
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    else:
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
+
+
+def kvpool_env(env: Dict[str, str], pool: Dict[str, Any], arm: str) -> None:
+    """How a kvpool arm's engine reaches the pool. `kvpool-agent` goes through the node
+    agent's socket (the operator's setting on a kvpool node); the others use `client_mode`
+    (direct: the engine's client reads the agent's memory over kvpool's transfer engine, as
+    Mooncake's reads its holder's)."""
+    mode = "agent" if arm == "kvpool-agent" else pool["client_mode"]
+    env.update(KVPOOL_MASTER=pool["master"], KVPOOL_AUTH_KEY_FILE=pool["key_file"],
+               KVPOOL_CLIENT_MODE=mode)
+    if mode == "agent":
+        env["KVPOOL_AGENT_SOCKET"] = pool["agent_socket"]
+
+
 class Engine:
     """One `vllm serve` (through `kvpool.vllm_serve`) of an arm, role `a` (writer) or `b`."""
 
@@ -379,24 +407,14 @@ class Engine:
                    VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=threads,
                    VLLM_CPU_NUM_OF_RESERVED_CPU="1", VLLM_HOST_IP=HOST,
                    VLLM_RPC_BASE_PATH=rpc_dir, PYTHONUNBUFFERED="1")
-        if cfg.get("engine_thp"):
-            env["THP_MEM_ALLOC_ENABLE"] = "1"
-        else:
-            env.pop("THP_MEM_ALLOC_ENABLE", None)
+        engine_thp(env, cfg)
         path = [p for p in (cfg.get("kvpool_package"),) if p]
         extra: Dict[str, Any] = {}
         ktc: Optional[Dict[str, Any]] = None
         if arm in KVPOOL_ARMS:
             pool = cfg["kvpool"]
-            # `kvpool-agent` goes through the node agent's socket (the operator's setting on a
-            # kvpool node); the others use `client_mode` (direct: the engine's client reads the
-            # agent's memory over kvpool's transfer engine, as Mooncake's reads its holder's).
-            mode = "agent" if arm == "kvpool-agent" else pool["client_mode"]
-            env.update(KVPOOL_MASTER=pool["master"], KVPOOL_AUTH_KEY_FILE=pool["key_file"],
-                       KVPOOL_CLIENT_MODE=mode,
-                       KVPOOL_VLLM_CONNECTOR="engine" if arm == "kvpool-engine" else "kvpool")
-            if mode == "agent":
-                env["KVPOOL_AGENT_SOCKET"] = pool["agent_socket"]
+            kvpool_env(env, pool, arm)
+            env["KVPOOL_VLLM_CONNECTOR"] = "engine" if arm == "kvpool-engine" else "kvpool"
             if arm != "kvpool-engine":
                 # Its own key namespace: both arms of kvpool's connector get the same prompts
                 # in the same pool.

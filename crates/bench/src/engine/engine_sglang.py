@@ -32,14 +32,15 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-import shutil
+import time
 from typing import Any, Dict, List, Optional
 
-import engine as base_driver
-from engine import HOST, KVPOOL_ARMS, die_with_parent, free_port, stop, tail
+from engine import (HOST, KVPOOL_ARMS, die_with_parent, engine_thp, free_port, kvpool_env,
+                    sse_chunks, stop, tail)
 
 BACKEND_CONFIG = {
     "backend_name": "kvpool",
@@ -91,22 +92,14 @@ class SglangEngine:
                    TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONHASHSEED="0",
                    OMP_NUM_THREADS=threads,
                    TMPDIR=self.tmp)
-        if cfg.get("engine_thp"):
-            env["THP_MEM_ALLOC_ENABLE"] = "1"
-        else:
-            env.pop("THP_MEM_ALLOC_ENABLE", None)
+        engine_thp(env, cfg)
         # SGLang compiles its page hasher with ninja from the venv at run time.
         env["PATH"] = os.pathsep.join((os.path.dirname(sys.executable), env.get("PATH", "")))
         path = [p for p in (cfg.get("kvpool_package"), cfg["sglang_cpu_shim"]) if p]
         flags: List[str] = []
         if arm in KVPOOL_ARMS:
-            pool = cfg["kvpool"]
-            mode = "agent" if arm == "kvpool-agent" else pool["client_mode"]
-            env.update(KVPOOL_MASTER=pool["master"], KVPOOL_AUTH_KEY_FILE=pool["key_file"],
-                       KVPOOL_CLIENT_MODE=mode,
-                       KVPOOL_SGLANG_BACKEND="engine" if arm == "kvpool-engine" else "kvpool")
-            if mode == "agent":
-                env["KVPOOL_AGENT_SOCKET"] = pool["agent_socket"]
+            kvpool_env(env, cfg["kvpool"], arm)
+            env["KVPOOL_SGLANG_BACKEND"] = "engine" if arm == "kvpool-engine" else "kvpool"
             extra = dict(BACKEND_CONFIG)
             if arm != "kvpool":
                 # Its own key namespace (a prefix of every key): the kvpool arms get the same
@@ -176,39 +169,23 @@ def stream(base: str, prompt: List[int], max_tokens: int, timeout: float = 600) 
     """One streamed greedy generation through SGLang's native `/generate` (token ids in):
     client-side TTFT (send to the first chunk carrying a token), the output ids and the
     request's sources."""
-    host, port = base.rsplit("//", 1)[1].split(":")
-    body = json.dumps({"input_ids": prompt, "stream": True,
-                       "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens,
-                                           "ignore_eos": True}}).encode()
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    t0 = base_driver.time.perf_counter()
-    conn.request("POST", "/generate", body, {"content-type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        text = resp.read().decode(errors="replace")
-        conn.close()
-        raise RuntimeError(f"{base}: HTTP {resp.status}: {text[:500]}")
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens,
+                                "ignore_eos": True}}
     ttft: Optional[float] = None
     ids: List[int] = []
     meta: Dict[str, Any] = {}
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
+    t0 = time.perf_counter()
+    for chunk in sse_chunks(base, "/generate", body, timeout):
         got = chunk.get("output_ids") or []
         if got and ttft is None:
-            ttft = base_driver.time.perf_counter() - t0
+            ttft = time.perf_counter() - t0
         # Each chunk carries every id generated so far (the servers run without
         # `--incremental-streaming-output`).
         if got:
             ids = [int(t) for t in got]
         meta = chunk.get("meta_info") or meta
-    total = base_driver.time.perf_counter() - t0
-    conn.close()
+    total = time.perf_counter() - t0
     details = meta.get("cached_tokens_details")
     if isinstance(details, dict) and details.get("storage_backend"):
         BACKENDS[base] = str(details["storage_backend"])
