@@ -53,6 +53,8 @@ pub enum BenchCommand {
     /// Time to first token on real vLLM (CPU build) of a prefix loaded from kvpool (kvpool's
     /// connector and vLLM's MooncakeStoreConnector) and from real Mooncake Store, against
     /// vLLM's own prefix-cache hit and recompute, in one run; plus shared-prefix throughput.
+    /// `--engine sglang`: the same on real SGLang with HiCache (kvpool's storage backend and
+    /// SGLang's own `mooncake` backend on real Mooncake Store).
     Engine(Box<engine::EngineBenchArgs>),
     /// This machine's cost of touching memory again after it sat idle (on virtual machines
     /// whose host reclaims idle guest memory, a read after seconds idle is many times a hot

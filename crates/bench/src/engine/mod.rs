@@ -7,7 +7,10 @@
 //! `--target` directory beside the vLLM venv, assembles kvpool's Python package from a release
 //! build of its extension when one is beside this executable, and runs the driver
 //! (`engine.py`, built into this binary) with the venv's Python; the driver starts Mooncake's
-//! master and holder and every vLLM engine. `report` is pure.
+//! master and holder and every vLLM engine. With `--engine sglang` the same on real SGLang
+//! with HiCache: kvpool's HiCache storage backend, SGLang's own `mooncake` backend on real
+//! Mooncake Store, and no HiCache (`engine_sglang.py`, written beside the driver). `report` and
+//! `text` are pure.
 //! I/O boundary: child processes (master, agent, pip, the driver and its engines), the file
 //! system (the run directory, the Mooncake directory), stdout.
 
