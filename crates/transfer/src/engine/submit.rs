@@ -138,6 +138,7 @@ impl TransferEngine {
     pub fn submit(&self, requests: Vec<TransferRequest>) -> Result<Batch, TransferError> {
         check_bounds(&requests)?;
         let slice_size = self.inner.config.slice_size;
+        let vector_limit = self.inner.config.vector_limit();
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
         // The vectored slice being filled with small TCP requests, and its peer.
         let mut open: Option<(Arc<Peer>, Slice)> = None;
@@ -205,7 +206,7 @@ impl TransferEngine {
                                     | (SliceKind::Write, TransferOp::Write)
                             )
                             && s.more.len() + 1 < frame::MAX_RANGES
-                            && s.total_len() + r.len <= slice_size
+                            && s.total_len() + r.len <= vector_limit
                     });
                     if let (true, Some((_, s))) = (joins, open.as_mut()) {
                         s.more.push(Part {
@@ -271,7 +272,7 @@ impl TransferEngine {
     fn packs(&self, r: &TransferRequest) -> bool {
         self.inner.config.vectored
             && r.remote.vectored
-            && tcp::packable(r.len, self.inner.config.slice_size)
+            && tcp::packable(r.len, self.inner.config.vector_limit())
     }
 
     /// Submit and wait for a batch, failing on the first failed request. A small batch over
@@ -421,6 +422,7 @@ impl TransferEngine {
         requests: &[TransferRequest],
     ) -> Result<(), BatchFailed> {
         let slice_size = self.inner.config.slice_size;
+        let vector_limit = self.inner.config.vector_limit();
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
         let mut slices: Vec<InlineSlice<'_>> = Vec::new();
         // The requests each slice settles.
@@ -437,7 +439,7 @@ impl TransferEngine {
                     && last.handle == r.remote.handle
                     && last.instance == r.remote.instance
                     && last.more.len() + 1 < frame::MAX_RANGES
-                    && last.total_len() + r.len <= slice_size
+                    && last.total_len() + r.len <= vector_limit
                     && let Some(o) = owner.last_mut()
                 {
                     last.more.push(InlinePart {
