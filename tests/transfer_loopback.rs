@@ -76,18 +76,9 @@ fn pair_with(initiator_key: AuthKey) -> Pair {
 
 /// A pair whose target runs with `target_config`.
 fn pair_configured(initiator_key: AuthKey, target_config: EngineConfig) -> Pair {
-    pair_of(initiator_key, target_config, config("node-i"))
-}
-
-/// A pair of engines with these settings.
-fn pair_of(
-    initiator_key: AuthKey,
-    target_config: EngineConfig,
-    initiator_config: EngineConfig,
-) -> Pair {
     let dir = Arc::new(StaticDirectory::new());
     let target = engine(target_config, key(), &dir);
-    let initiator = engine(initiator_config, initiator_key, &dir);
+    let initiator = engine(config("node-i"), initiator_key, &dir);
     let remote_mem = host_segment(&target, "t/dram0", 8 * MIB);
     let server = target.listen_tcp("127.0.0.1:0".parse().unwrap()).unwrap();
     dir.insert(target.describe(&remote_mem, vec![Endpoint::Tcp(server.local_addr())]));
@@ -627,10 +618,6 @@ fn transfer_config_is_validated() {
             ..EngineConfig::default()
         },
         EngineConfig {
-            vector_size: 0,
-            ..EngineConfig::default()
-        },
-        EngineConfig {
             timeout: Duration::ZERO,
             ..EngineConfig::default()
         },
@@ -851,55 +838,6 @@ fn small_requests_share_vectored_frames_through_lanes_and_inline() {
     assert_eq!(m.vectored_requests.get(), 2 * n as u64);
     // Slices of 256 KiB, requests up to 40 KiB: far fewer frames than requests.
     assert!(m.vectored_frames.get() * 4 <= m.vectored_requests.get());
-}
-
-#[test]
-fn a_batch_of_small_requests_travels_in_frames_of_the_vector_size() {
-    // 128 x 64 KiB (8 MiB) with 4 MiB slices: frames of 512 KiB (the default vector size)
-    // are 16, spread over the lanes; frames as large as a slice would be 2.
-    for (vector_size, frames) in [
-        (EngineConfig::default().vector_size, 16),
-        (4 * MIB as u64, 2),
-    ] {
-        let initiator = EngineConfig {
-            slice_size: 4 * MIB as u64,
-            vector_size,
-            ..config("node-i")
-        };
-        let p = pair_of(key(), config("node-t"), initiator);
-        let remote = p.initiator.open("t/dram0").unwrap();
-        let data = pattern(8 * MIB, 21);
-        p.local_mem.segment().write_at(0, &data).unwrap();
-        let block = 64 * 1024u64;
-        let writes: Vec<_> = (0..128u64)
-            .map(|i| {
-                req(
-                    &p,
-                    &remote,
-                    TransferOp::Write,
-                    i * block,
-                    (127 - i) * block,
-                    block,
-                )
-            })
-            .collect();
-        submit_and_wait(&p.initiator, writes);
-        let m = p.initiator.metrics();
-        assert_eq!(
-            (m.vectored_frames.get(), m.vectored_requests.get()),
-            (frames, 128),
-            "vector size {vector_size}"
-        );
-        for i in 0..128usize {
-            let mut got = vec![0u8; block as usize];
-            p.remote_mem
-                .segment()
-                .read_at((127 - i as u64) * block, &mut got)
-                .unwrap();
-            let lo = i * block as usize;
-            assert!(got == data[lo..lo + block as usize], "request {i}");
-        }
-    }
 }
 
 #[test]

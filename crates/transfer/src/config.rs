@@ -33,16 +33,9 @@ pub struct EngineConfig {
     /// anyway, at the price of that much CPU per call. Zero: no polling.
     pub spin_wait: Duration,
     /// Small requests of a batch to the same TCP segment travel together in vectored frames
-    /// (READV / WRITEV, up to [`Self::vector_size`] bytes each), when the target announces
-    /// them; as a target, announce and serve them. Off: one frame per request, as before they
-    /// existed.
+    /// (READV / WRITEV, up to `slice_size` bytes each), when the target announces them; as a
+    /// target, announce and serve them. Off: one frame per request, as before they existed.
     pub vectored: bool,
-    /// Most bytes one vectored frame carries (never more than `slice_size`); requests of up to
-    /// half of it share frames. Frames well below a slice spread a batch of small requests over
-    /// every lane and keep several in flight on each (`window`), where frames of a whole slice
-    /// would carry a batch of 128 x 64 KiB in two frames, unpipelined (docs/benchmarks.md,
-    /// "The 64 KiB cells").
-    pub vector_size: u64,
     /// Per-frame integrity of the TCP data path (see docs/transfer.md "Per-frame integrity"):
     /// `require` seals every frame of this engine's lanes and, as a target, refuses
     /// initiators that do not; `allow` (the default) seals only for initiators that ask; `off`
@@ -96,7 +89,6 @@ impl Default for EngineConfig {
             inline_max_bytes: 4 * 1024 * 1024,
             spin_wait: Duration::ZERO,
             vectored: true,
-            vector_size: 512 * 1024,
             integrity: crate::Integrity::Allow,
             tls: crate::TransferTls::default(),
             timeout: Duration::from_secs(5),
@@ -128,11 +120,6 @@ fn pod_vfs_from_process_env() -> Vec<String> {
 }
 
 impl EngineConfig {
-    /// Most bytes of one vectored frame: `vector_size`, capped at a slice.
-    pub(crate) fn vector_limit(&self) -> u64 {
-        self.vector_size.min(self.slice_size)
-    }
-
     pub(crate) fn validate(&self) -> Result<(), TransferError> {
         let bad = |m: &str| Err(TransferError::Config(m.to_owned()));
         if self.lanes == 0 || self.lanes > 64 {
@@ -143,9 +130,6 @@ impl EngineConfig {
         }
         if self.max_slice > (1 << 30) {
             return bad("max_slice must be <= 1 GiB");
-        }
-        if self.vector_size == 0 {
-            return bad("vector_size must be > 0");
         }
         if self.window == 0 || self.window > 1024 {
             return bad("window must be between 1 and 1024");

@@ -78,10 +78,6 @@ pub struct TransferBenchArgs {
     /// Requests are cut into slices of this size, spread over the lanes.
     #[arg(long = "slice-size", alias = "slice_size", default_value = "4MiB", value_parser = parse_size)]
     pub slice_size: u64,
-    /// Most bytes of one vectored frame (small requests of a batch travel together in frames
-    /// up to this size, never more than a slice; the engine's `vector_size`).
-    #[arg(long = "vector-size", alias = "vector_size", default_value = "512KiB", value_parser = parse_size)]
-    pub vector_size: u64,
     /// Slices in flight per lane.
     #[arg(long, default_value_t = 8)]
     pub window: usize,
@@ -243,7 +239,6 @@ impl TransferBenchArgs {
                 .slice_size
                 .max(kvpool_transfer::frame::DEFAULT_MAX_SLICE),
             window: self.window,
-            vector_size: self.vector_size,
             timeout: self.timeout,
             want_rdma: self.protocol == Protocol::Rdma,
             integrity: self.integrity,

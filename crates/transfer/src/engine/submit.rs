@@ -138,7 +138,6 @@ impl TransferEngine {
     pub fn submit(&self, requests: Vec<TransferRequest>) -> Result<Batch, TransferError> {
         check_bounds(&requests)?;
         let slice_size = self.inner.config.slice_size;
-        let vector_limit = self.inner.config.vector_limit();
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
         // The vectored slice being filled with small TCP requests, and its peer.
         let mut open: Option<(Arc<Peer>, Slice)> = None;
@@ -206,7 +205,7 @@ impl TransferEngine {
                                     | (SliceKind::Write, TransferOp::Write)
                             )
                             && s.more.len() + 1 < frame::MAX_RANGES
-                            && s.total_len() + r.len <= vector_limit
+                            && s.total_len() + r.len <= slice_size
                     });
                     if let (true, Some((_, s))) = (joins, open.as_mut()) {
                         s.more.push(Part {
@@ -272,7 +271,7 @@ impl TransferEngine {
     fn packs(&self, r: &TransferRequest) -> bool {
         self.inner.config.vectored
             && r.remote.vectored
-            && tcp::packable(r.len, self.inner.config.vector_limit())
+            && tcp::packable(r.len, self.inner.config.slice_size)
     }
 
     /// Submit and wait for a batch, failing on the first failed request. A small batch over
@@ -422,7 +421,6 @@ impl TransferEngine {
         requests: &[TransferRequest],
     ) -> Result<(), BatchFailed> {
         let slice_size = self.inner.config.slice_size;
-        let vector_limit = self.inner.config.vector_limit();
         let mut builder = BatchBuilder::new(requests.len(), self.inner.metrics.clone());
         let mut slices: Vec<InlineSlice<'_>> = Vec::new();
         // The requests each slice settles.
@@ -439,7 +437,7 @@ impl TransferEngine {
                     && last.handle == r.remote.handle
                     && last.instance == r.remote.instance
                     && last.more.len() + 1 < frame::MAX_RANGES
-                    && last.total_len() + r.len <= vector_limit
+                    && last.total_len() + r.len <= slice_size
                     && let Some(o) = owner.last_mut()
                 {
                     last.more.push(InlinePart {

@@ -169,9 +169,8 @@ pub(crate) struct LaneConfig {
     pub(crate) metrics: TransferMetrics,
 }
 
-/// Whether a request of `len` bytes may share a vectored frame of at most `vector_limit`
-/// bytes with others: only requests of half of it or less (larger ones travel in frames, or
-/// slices, of their own).
-pub(crate) fn packable(len: u64, vector_limit: u64) -> bool {
-    len > 0 && len <= vector_limit / 2
+/// Whether a request of `len` bytes may share a vectored frame with others: only requests
+/// well below a slice (larger ones are cut into slices of their own).
+pub(crate) fn packable(len: u64, slice_size: u64) -> bool {
+    len > 0 && len <= slice_size / 2
 }
