@@ -383,7 +383,27 @@ def kvpool_env(env: Dict[str, str], pool: Dict[str, Any], arm: str) -> None:
         env["KVPOOL_AGENT_SOCKET"] = pool["agent_socket"]
 
 
-class Engine:
+class Served:
+    """An engine server process (`proc`, `name`, `log`, `base` set by the subclass)."""
+
+    proc: subprocess.Popen
+    name: str
+    log: str
+    base: str
+
+    def ready(self) -> bool:
+        """Whether it answers /health; raises when the process has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"engine {self.name} exited ({self.proc.returncode}); "
+                               f"log {self.log}:\n{tail(self.log)}")
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+
+class Engine(Served):
     """One `vllm serve` (through `kvpool.vllm_serve`) of an arm, role `a` (writer) or `b`."""
 
     def __init__(self, cfg: Dict[str, Any], arm: str, role: str, mooncake: Optional[MooncakePool]):
@@ -461,16 +481,6 @@ class Engine:
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                      cwd=logs, preexec_fn=die_with_parent())
         out.close()
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"engine {self.name} exited ({self.proc.returncode}); "
-                               f"log {self.log}:\n{tail(self.log)}")
-        try:
-            with urllib.request.urlopen(f"{self.base}/health", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
 
     def close(self) -> None:
         stop(self.proc)

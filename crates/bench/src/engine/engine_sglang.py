@@ -29,7 +29,6 @@ caches held (`local_cache_hit`; without HiCache, `cached_tokens`), the rest was 
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
@@ -39,8 +38,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from engine import (HOST, KVPOOL_ARMS, die_with_parent, engine_thp, free_port, kvpool_env,
-                    sse_chunks, stop, tail)
+from engine import (HOST, KVPOOL_ARMS, Served, die_with_parent, engine_thp, free_port,
+                    kvpool_env, sse_chunks, stop)
 
 BACKEND_CONFIG = {
     "backend_name": "kvpool",
@@ -71,7 +70,7 @@ def kv_tokens(cfg: Dict[str, Any]) -> int:
     return max(int(cfg["block_size"]) * 8, int(cfg["kv_cache_bytes"]) // per_token)
 
 
-class SglangEngine:
+class SglangEngine(Served):
     """One SGLang server of an arm, role `a` (writer) or `b` (reader)."""
 
     def __init__(self, cfg: Dict[str, Any], arm: str, role: str, mooncake: Any):
@@ -129,19 +128,6 @@ class SglangEngine:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
                                          stderr=subprocess.STDOUT, env=env, cwd=logs,
                                          preexec_fn=die_with_parent())
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"engine {self.name} exited ({self.proc.returncode}); "
-                               f"log {self.log}:\n{tail(self.log)}")
-        try:
-            conn = http.client.HTTPConnection(HOST, self.port, timeout=5)
-            conn.request("GET", "/health")
-            ok = conn.getresponse().status == 200
-            conn.close()
-            return ok
-        except OSError:
-            return False
 
     def close(self) -> None:
         stop(self.proc)
